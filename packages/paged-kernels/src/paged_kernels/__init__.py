@@ -1,0 +1,19 @@
+"""paged-kernels: JIT Triton kernels for paged attention, with plain-torch references."""
+
+from paged_kernels.reference import (
+    alibi_slopes,
+    ref_copy_blocks,
+    ref_paged_attention,
+    ref_swap_blocks,
+    ref_write_kv_cache,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "alibi_slopes",
+    "ref_copy_blocks",
+    "ref_paged_attention",
+    "ref_swap_blocks",
+    "ref_write_kv_cache",
+]

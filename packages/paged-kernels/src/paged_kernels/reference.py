@@ -1,0 +1,131 @@
+"""Plain-torch references for every kernel in paged_kernels.
+
+They define the semantics the Triton kernels are tested against, and they are the engine's
+attention path on machines without a CUDA device. Cache layout everywhere:
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset_in_block; slot -1 marks a padding token (skipped).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = padding
+) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    num_blocks, block_size = key_cache.shape[:2]
+    key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slots] = key[valid].to(
+        key_cache.dtype
+    )
+    value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slots] = value[valid].to(
+        value_cache.dtype
+    )
+
+
+def ref_copy_blocks(
+    key_caches: list[torch.Tensor],  # each [num_blocks, block_size, num_kv_heads, head_dim]
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,  # [num_pairs, 2] int, (src, dst) rows
+) -> None:
+    if block_mapping.numel() == 0:
+        return
+    src = block_mapping[:, 0].long()
+    dst = block_mapping[:, 1].long()
+    for cache in (*key_caches, *value_caches):
+        cache[dst.to(cache.device)] = cache[src.to(cache.device)]
+
+
+def ref_swap_blocks(
+    src_cache: torch.Tensor,  # [num_src_blocks, ...] on one device
+    dst_cache: torch.Tensor,  # [num_dst_blocks, ...] on another (or the same) device
+    block_mapping: torch.Tensor,  # [num_pairs, 2] int, (src, dst) rows
+) -> None:
+    for src, dst in block_mapping.tolist():
+        dst_cache[dst].copy_(src_cache[src])
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """Standard ALiBi slopes (Press et al.), fp32 [num_heads]."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = [base ** (i + 1) for i in range(closest)]
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** (2 * i + 1) for i in range(num_heads - closest)]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def ref_paged_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32, query rows of seq i: [cu[i], cu[i+1])
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length incl. this step's query tokens
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
+    out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new query tokens over its paged K/V.
+
+    Invariant: the K/V of every position < seq_lens[i] (this step's tokens included) is already
+    in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
+    key positions k with k <= pos and, with a sliding window W, pos - k < W.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = cu[i], cu[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = gather_kv(key_cache, block_tables[i], seq_len).float()
+        v = gather_kv(value_cache, block_tables[i], seq_len).float()
+        # [num_heads, seq_len, head_dim]: kv head h serves query heads h*group .. h*group+group-1
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        qi = q[q_start:q_end].float().transpose(0, 1)  # [num_heads, q_len, head_dim]
+        scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [num_heads, q_len, seq_len]
+        if soft_cap is not None and soft_cap > 0:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        if alibi_slopes is not None:
+            dist = (k_pos - q_pos).float()  # <= 0 for visible keys
+            scores = scores + alibi_slopes.to(q.device).float()[:, None, None] * dist
+        mask = k_pos <= q_pos
+        if sliding_window is not None and sliding_window > 0:
+            mask = mask & (q_pos - k_pos < sliding_window)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,108 @@
+"""What `LLM.generate` and `LLMEngine.step` return (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Per position: token id -> Logprob. Holds the top-k tokens plus the sampled (or actual) one.
+SampleLogprobs = list[dict[int, "Logprob"]]
+# The first prompt token has no logprob: its entry is None.
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+@dataclass(slots=True)
+class Logprob:
+    """Raw model logprob of one token; `rank` is 1 for the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One output sequence of a request.
+
+    finish_reason: None while running, then "stop" (eos, stop token or stop string), "length"
+    (max_tokens or max_model_len) or "abort". stop_reason: the stop token id or stop string that
+    ended it, None for eos or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={self.token_ids}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={self.logprobs}, finish_reason={self.finish_reason}, "
+            f"stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Wall-clock timestamps (time.time()) of one request's life; None until reached."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after an engine step (or at the end of `generate`).
+
+    prompt_logprobs: one entry per prompt token, None for the first; None if not requested.
+    num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    # vLLM fields kept for ported code; always None here.
+    lora_request: None = field(default=None, repr=False)
+    encoder_prompt: None = field(default=None, repr=False)
+    encoder_prompt_token_ids: None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, "
+            f"prompt_logprobs={self.prompt_logprobs}, outputs={self.outputs}, "
+            f"finished={self.finished}, metrics={self.metrics}, "
+            f"num_cached_tokens={self.num_cached_tokens})"
+        )

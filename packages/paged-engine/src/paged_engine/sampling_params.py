@@ -1,0 +1,226 @@
+"""Sampling parameters with vLLM's names, defaults and meanings.
+
+`SamplingParams` validates itself on construction: every bad value raises a `ValueError` whose
+message names the parameter and the value, so the server can return it as a 400 as is.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import operator
+from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (argmax); the same threshold the sampler uses.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    BEAM = 3
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    return float(value)
+
+
+def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # JSON clients send 16.0; accept integral floats
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)  # int, numpy ints
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})."
+        ) from None
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request (vLLM semantics).
+
+    `temperature` < 1e-5 is greedy: top_p, top_k and min_p are then normalized to "off".
+    `top_k` 0 or -1 means off (stored as 0). `max_tokens=None` means up to max_model_len.
+    `logprobs=k` returns the top-k raw logprobs per output token plus the sampled one (0: only
+    the sampled token). `use_beam_search=True` makes the engine run beam search with
+    `beam_width = max(n, best_of)` (see `to_beam_search_params`).
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
+    # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
+    all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.n = _as_int("n", self.n)
+        self.best_of = _as_int("best_of", self.best_of, optional=True)
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p", "length_penalty"):
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        self.top_k = _as_int("top_k", self.top_k)
+        self.seed = _as_int("seed", self.seed, optional=True)
+        self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
+        self.min_tokens = _as_int("min_tokens", self.min_tokens)
+        self.logprobs = _as_int("logprobs", self.logprobs, optional=True)
+        self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [_as_int("stop_token_ids", t) for t in (self.stop_token_ids or ())]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._verify()
+        if self.temperature < SAMPLING_EPS:
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        beam_conflict = self.top_p < 1.0 or self.top_k != 0 or self.min_p > 0.0
+        if self.use_beam_search and beam_conflict:
+            raise ValueError(
+                "top_p, top_k and min_p must be off with use_beam_search, got "
+                f"top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}."
+            )
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+
+        if self.n < 1:
+            raise bad("n", "at least 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be >= n (n={self.n}), got {self.best_of}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "in [-2, 2]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "greater than 0")
+        if not self.temperature >= 0.0:
+            raise bad("temperature", "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if self.top_k < 0:
+            raise bad("top_k", "0 or -1 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", "at least 1")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", "non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}."
+            )
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", "non-negative")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise bad("prompt_logprobs", "non-negative")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True, got detokenize=False.")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", "True, False or 'never'")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.use_beam_search
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine runs for this request: max(n, best_of)."""
+        return max(self.n, self.best_of or self.n)
+
+    def to_beam_search_params(self) -> BeamSearchParams:
+        return BeamSearchParams(
+            beam_width=self.num_sequences,
+            max_tokens=self.max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            early_stopping=self.early_stopping,
+        )
+
+    def clone(self) -> SamplingParams:
+        """A copy that shares nothing mutable with self (stop lists, all_stop_token_ids)."""
+        return copy.deepcopy(self)
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """Beam search (vLLM's `LLM.beam_search` parameters). Scores are cumulative raw logprobs
+    divided by `len ** length_penalty`; `early_stopping` is True, False or "never" (HF meaning).
+    The engine returns the best `beam_width` finished hypotheses."""
+
+    beam_width: int
+    max_tokens: int | None
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        self.beam_width = _as_int("beam_width", self.beam_width)
+        self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
+        self.temperature = _as_float("temperature", self.temperature)
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(
+                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
+            )

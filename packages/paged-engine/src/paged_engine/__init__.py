@@ -1,1 +1,48 @@
+"""paged-engine: LLM inference on a paged KV cache, with vLLM's API names.
+
+    from paged_engine import LLM, SamplingParams
+
+Names resolve lazily (PEP 562), so importing one submodule does not load the whole engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "paged_engine.llm",
+    "LLMEngine": "paged_engine.engine",
+    "EngineStats": "paged_engine.engine",
+    "EngineConfig": "paged_engine.config",
+    "SamplingParams": "paged_engine.sampling_params",
+    "BeamSearchParams": "paged_engine.sampling_params",
+    "RequestOutput": "paged_engine.outputs",
+    "CompletionOutput": "paged_engine.outputs",
+    "RequestMetrics": "paged_engine.outputs",
+    "Logprob": "paged_engine.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from paged_engine.config import EngineConfig
+    from paged_engine.engine import EngineStats, LLMEngine
+    from paged_engine.llm import LLM
+    from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paged_engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

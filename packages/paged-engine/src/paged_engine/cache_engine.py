@@ -1,0 +1,54 @@
+"""The KV cache tensors of every layer and the batched block copies that copy-on-write needs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_shape(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a HF config, for any supported architecture."""
+    num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
+    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+    return num_layers, num_kv_heads, head_dim
+
+
+class CacheEngine:
+    """Per layer: key and value caches of shape [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Block 0 is the null block: block tables are padded with it and nothing real lives there.
+    """
+
+    def __init__(self, hf_config, num_blocks: int, block_size: int, *, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.device = device
+
+    @staticmethod
+    def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+        num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """All (src, dst) copies of one step, over every layer's K and V, in one launch."""
+        mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
+        keys = [k for k, _ in self.kv_caches]
+        values = [v for _, v in self.kv_caches]
+        if self.device.type == "cuda":
+            from paged_kernels import copy_blocks
+
+            copy_blocks(keys, values, mapping)
+        else:
+            from paged_kernels import ref_copy_blocks
+
+            ref_copy_blocks(keys, values, mapping)

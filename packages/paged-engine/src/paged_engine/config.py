@@ -1,0 +1,98 @@
+"""Engine options, with vLLM's names, validated up front with errors that name the option."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+_DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+_BACKENDS = ("auto", "triton", "torch")
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)`, `LLMEngine(...)` and `paged-server` accept.
+
+    `max_model_len=None` takes the model's own limit. `max_num_batched_tokens` is the per-step
+    token budget shared by prefill chunks and decodes. On CUDA the KV pool is sized from
+    `gpu_memory_utilization` after profiling a forward pass; on CPU from `cpu_kv_cache_gib`.
+    `num_gpu_blocks_override` fixes the pool size (tests use tiny pools to force preemption).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 1.0
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    load_format: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    chat_template: str | None = None
+    num_gpu_blocks_override: int | None = None
+    device: str = "auto"
+    attention_backend: str = "auto"
+    trust_remote_code: bool = False
+    max_logprobs: int = 20
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
+        _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, str(_LOAD_FORMATS))
+        _check(self.attention_backend in _BACKENDS, "attention_backend", self.attention_backend,
+               str(_BACKENDS))
+        _check(self.device in _DEVICES, "device", self.device, str(_DEVICES))
+        _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
+        _check(_is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0,
+               "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "a positive number")
+        bs = self.block_size
+        _check(_is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0, "block_size", bs,
+               "a power of two in [1, 256]")
+        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs",
+               self.max_num_seqs, "an int >= 1")
+        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1")
+        _check(_is_int(self.seed), "seed", self.seed, "an int")
+        _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
+               self.max_logprobs, "an int >= 0")
+        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", self.tensor_parallel_size, "an int >= 1")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this "
+                "version runs on one device (the layers are written shard-ready for a later one)"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: expected {expected}")

@@ -1,0 +1,327 @@
+"""`LLMEngine`: the step loop the offline `LLM` and the HTTP server both drive.
+
+    add_request -> scheduler queue
+    step():  schedule (CPU) -> model runner (device) -> scheduler bookkeeping -> sample + outputs
+    abort_request -> every block the request held is free again
+
+Not thread-safe: one thread owns the engine (the server funnels everything through its engine
+thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from paged_engine.beam_search import BeamSearchState
+from paged_engine.block_manager import BlockManager
+from paged_engine.config import EngineConfig
+from paged_engine.default_model import default_model_path
+from paged_engine.detokenizer import IncrementalDetokenizer
+from paged_engine.loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model
+from paged_engine.model_runner import ModelRunner
+from paged_engine.output_processor import OutputProcessor, RequestState
+from paged_engine.outputs import RequestOutput
+from paged_engine.request import Request
+from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine; `kv_*` figures are over the running sequences right now."""
+
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_used_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    kv_cache_usage: float  # used / total blocks, 0..1
+    kv_slots_allocated: int  # block slots held by running sequences (shared blocks once)
+    kv_tokens_stored: int  # distinct tokens those slots hold
+    kv_waste_perc: float  # 100 * (allocated - stored) / allocated
+    blocks_saved_by_sharing: int  # table entries minus distinct blocks (fork and prefix sharing)
+    prefix_cache_queries: int  # tokens looked up at admission
+    prefix_cache_hits: int  # tokens found cached
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    peak_used_blocks: int
+    block_size: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        config = config if config is not None else EngineConfig.from_kwargs(**kwargs)
+        if config.model is None:
+            config.model = str(default_model_path())
+        self.config = config
+        t0 = time.perf_counter()
+        self.resolved = resolve_model(config.model)
+        self.hf_config = load_hf_config(self.resolved)
+        self.tokenizer = load_tokenizer(self.resolved if config.tokenizer is None
+                                        else resolve_model(config.tokenizer),
+                                        trust_remote_code=config.trust_remote_code)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = _read_template(config.chat_template)
+        self.device = _pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self._resolve_lengths()
+        torch.manual_seed(config.seed)
+        self.model = load_model(self.resolved, self.hf_config, dtype=self.dtype, device=self.device,
+                                load_format=config.load_format, seed=config.seed)
+        self.model.eval()
+        self.model_runner = ModelRunner(config, self.model, self.hf_config, self.device)
+        num_blocks = self.model_runner.profile_num_blocks()
+        usable = num_blocks - 1  # block 0 is the null block
+        if usable * config.block_size < config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
+                f"({num_blocks} blocks of {config.block_size}), fewer than max_model_len="
+                f"{config.max_model_len}: raise gpu_memory_utilization (or cpu_kv_cache_gib / "
+                "num_gpu_blocks_override) or lower max_model_len"
+            )
+        self.model_runner.init_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, self.scheduler, max_model_len=config.max_model_len,
+            eos_token_ids=self.eos_token_ids, device=self.device)
+        self.vocab_size = _vocab_size(self.hf_config)
+        self._requests: dict[str, Request] = {}
+        self.prompt_tokens_total = 0
+        self.peak_used_blocks = 0
+        self.num_blocks = num_blocks
+        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens",
+                    time.perf_counter() - t0, config.model, self.device, self.dtype, num_blocks,
+                    config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int] | dict,
+                    params: SamplingParams | BeamSearchParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; raises ValueError (naming the parameter) on bad input."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = SamplingParams() if params is None else params
+        num_returned = None
+        if isinstance(params, SamplingParams) and params.use_beam_search:
+            num_returned = params.n  # the n best of beam_width = max(n, best_of) beams
+            params = params.to_beam_search_params()
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        text, token_ids = self._tokenize_prompt(prompt)
+        max_len = self.config.max_model_len
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is too long: {len(token_ids)} tokens, but max_model_len is {max_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        self._check_params(params)
+        state = self._make_state(params, num_returned)
+        req = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
+                      params=params, arrival_time=arrival_time or time.monotonic())
+        req.state = state
+        seq = req.seqs[0]
+        if isinstance(params, SamplingParams) and params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self._requests[request_id] = req
+        self.scheduler.add_request(req)
+        self.prompt_tokens_total += len(token_ids)
+
+    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt must not be empty (got no token ids)")
+            ids = list(prompt)
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                   or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); "
+                                 f"got {bad[:5]}")
+            return None, ids
+        raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+
+    def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        if isinstance(params, SamplingParams):
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(params, name)
+                if k is not None and k > self.config.max_logprobs:
+                    raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
+            width = max(params.n, params.best_of or params.n)
+        else:
+            width = params.beam_width
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"n/best_of/beam_width={width} exceeds max_num_seqs="
+                             f"{self.config.max_num_seqs}")
+
+    def _make_state(self, params: SamplingParams | BeamSearchParams,
+                    num_returned: int | None = None) -> RequestState:
+        if isinstance(params, BeamSearchParams):
+            eos = set() if params.ignore_eos else set(self.eos_token_ids)
+            beam = BeamSearchState(
+                beam_width=params.beam_width, length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                max_tokens=params.max_tokens if params.max_tokens is not None
+                else self.config.max_model_len, eos_token_ids=eos)
+            n = num_returned or params.beam_width
+            return RequestState(generator=None, beam=beam, prompt_logprobs=None,
+                                num_samples=params.beam_width, num_returned=min(n, params.beam_width))
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        samples = max(params.n, params.best_of or params.n)
+        return RequestState(generator=gen, beam=None, prompt_logprobs=None, num_samples=samples,
+                            num_returned=params.n)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self._requests.pop(rid, None) is not None:
+                self.scheduler.abort_request(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled:
+            return []
+        model_out = self.model_runner.execute(sched_out)
+        self.scheduler.update_after_step(sched_out)
+        outputs = self.output_processor.process(sched_out, model_out)
+        self.peak_used_blocks = max(self.peak_used_blocks,
+                                    self.block_manager.stats().num_used_blocks)
+        for out in outputs:
+            if out.finished:
+                self._requests.pop(out.request_id, None)
+        return outputs
+
+    # ---- chat and stats -------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], *, chat_template: str | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        template = chat_template or self.tokenizer.chat_template
+        if template is None:
+            raise ValueError("the model has no chat template; pass chat_template")
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def get_stats(self) -> EngineStats:
+        bm = self.block_manager.stats()
+        sharing = self.block_manager.sharing_stats(self.scheduler.running_seqs())
+        allocated = sharing.slots_allocated
+        waste = 100.0 * (allocated - sharing.tokens_stored) / allocated if allocated else 0.0
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=bm.num_total_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks if bm.num_total_blocks else 0,
+            kv_slots_allocated=allocated,
+            kv_tokens_stored=sharing.tokens_stored,
+            kv_waste_perc=waste,
+            blocks_saved_by_sharing=sharing.blocks_saved,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
+            peak_used_blocks=self.peak_used_blocks,
+            block_size=self.config.block_size,
+        )
+
+    def _resolve_lengths(self) -> None:
+        cfg = self.config
+        limit = _max_positions(self.hf_config)
+        if cfg.max_model_len is None:
+            cfg.max_model_len = limit
+        elif limit is not None and cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
+                             f"context length {limit}")
+        if cfg.max_num_batched_tokens is None:
+            cfg.max_num_batched_tokens = max(8192, cfg.max_num_seqs)
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens} is smaller than "
+                f"max_model_len={cfg.max_model_len} and chunked prefill is off: a long prompt "
+                "could never be scheduled"
+            )
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def _max_positions(hf_config) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _vocab_size(hf_config) -> int:
+    return int(hf_config.vocab_size)
+
+
+def _eos_ids(hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids
+
+
+def _read_template(value: str) -> str:
+    """--chat-template takes the template itself or a path to a file holding it."""
+    from pathlib import Path
+
+    path = Path(value)
+    if len(value) < 4096 and "{" not in value and path.is_file():
+        return path.read_text()
+    return value

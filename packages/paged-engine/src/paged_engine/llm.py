@@ -1,0 +1,119 @@
+"""`LLM`: the offline API, named and shaped like vLLM's so code ports by changing the import.
+
+    llm = LLM(model="path/or/hub-id-or.gguf")
+    for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8)):
+        print(out.prompt, out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from paged_engine.config import EngineConfig
+from paged_engine.engine import EngineStats, LLMEngine
+from paged_engine.outputs import RequestOutput
+from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | BeamSearchParams
+        | Sequence[SamplingParams | BeamSearchParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
+                                 "sampling_params: pass one, or one per prompt")
+        return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.llm_engine.apply_chat_template(conv, chat_template=chat_template,
+                                                add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        # The template already holds any BOS token: encode without adding another.
+        tok = self.llm_engine.tokenizer
+        token_prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)}
+                         for p in prompts]
+        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, prompts):
+            out.prompt = text
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        return self.llm_engine.get_stats()
+
+    def _run(self, items: list[tuple[PromptType, SamplingParams | BeamSearchParams]],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in items:
+                rid = str(next(self._counter))
+                engine.add_request(rid, prompt, params)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request([rid for rid in ids if rid not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

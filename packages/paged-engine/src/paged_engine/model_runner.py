@@ -1,0 +1,225 @@
+"""Runs the model for one scheduled step: inputs from the scheduler's plan, logits out.
+
+The runner reads `Sequence` state and never changes it. Per step it builds one flat varlen batch:
+
+    input_ids / positions / slot_mapping : [T]   every scheduled token of every sequence
+    cu_seqlens_q                         : [S+1] sequence i owns rows [cu[i], cu[i+1])
+    seq_lens                             : [S]   context length after this step
+    block_tables                         : [S, max_blocks]  padded with the null block 0
+
+and returns the logits of the last row of every sequence that reaches the end of its known tokens
+(those are sampled). Decode-only batches replay a CUDA graph of the nearest bucket size on GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged_engine.cache_engine import CacheEngine
+from paged_engine.config import EngineConfig
+from paged_engine.cuda_graphs import CudaGraphRunner
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.request import Sequence
+from paged_engine.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ModelOutput:
+    logits: torch.Tensor | None  # [len(sample_seqs), vocab] float32
+    sample_seqs: list[Sequence]  # sequences whose last token's logits are in `logits`
+    # seq_id -> (logits [q_len, vocab] of every row run this step, first position of those rows)
+    prompt_logits: dict[int, tuple[torch.Tensor, int]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device):
+        self.config = config
+        self.model = model
+        self.hf_config = hf_config
+        self.device = device
+        self.block_size = config.block_size
+        assert config.max_model_len is not None
+        self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if config.attention_backend == "auto":
+            self.backend = "triton" if device.type == "cuda" else "torch"
+        else:
+            self.backend = config.attention_backend
+        self.cache: CacheEngine | None = None
+        self.graphs: CudaGraphRunner | None = None
+        self._pin = device.type == "cuda"
+
+    # ---- KV cache -------------------------------------------------------------------------------
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.cache = CacheEngine(self.hf_config, num_blocks, self.block_size,
+                                 dtype=_model_dtype(self.model), device=self.device)
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
+            self.graphs.capture()
+
+    # ---- one step -------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                     list[int], list[Sequence], list[Sequence]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        prompt_seqs: list[Sequence] = []
+        for item in out.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            if n == 0:
+                continue
+            start = seq.num_computed_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            if n == 1:
+                pos_chunks.append(np.array([start], dtype=np.int64))
+                slot_chunks.append(np.array([seq.block_ids[start // bs] * bs + start % bs],
+                                            dtype=np.int64))
+            else:
+                p = np.arange(start, end, dtype=np.int64)
+                table = np.asarray(seq.block_ids, dtype=np.int64)
+                pos_chunks.append(p)
+                slot_chunks.append(table[p // bs] * bs + p % bs)
+            cu.append(cu[-1] + n)
+            seq_lens.append(end)
+            tables.append(seq.block_ids)
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                sample_seqs.append(seq)
+            if _wants_prompt_logprobs(seq, start):
+                prompt_seqs.append(seq)
+        positions = np.concatenate(pos_chunks)
+        slot_mapping = np.concatenate(slot_chunks)
+        width = max(len(t) for t in tables)
+        block_tables = np.zeros((len(tables), width), dtype=np.int32)  # 0 = null block
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t)] = t
+        max_q = max(b - a for a, b in zip(cu, cu[1:]))
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=self._to_dev(torch.from_numpy(slot_mapping)),
+            block_tables=self._to_dev(torch.from_numpy(block_tables)),
+            cu_seqlens_q=self._to_dev(torch.tensor(cu, dtype=torch.int32)),
+            seq_lens=self._to_dev(torch.tensor(seq_lens, dtype=torch.int32)),
+            max_seqlen_q=max_q,
+            max_seqlen_k=max(seq_lens),
+            backend=self.backend,
+        )
+        input_ids = self._to_dev(torch.tensor(ids, dtype=torch.int64))
+        pos = self._to_dev(torch.from_numpy(positions))
+        del dev
+        return input_ids, pos, meta, sample_rows, sample_seqs, prompt_seqs
+
+    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True) if self._pin else t.to(self.device)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        assert self.cache is not None, "init_kv_cache() first"
+        if out.blocks_to_copy:
+            self.cache.copy_blocks(out.blocks_to_copy)
+        if not any(item.num_new_tokens for item in out.scheduled):
+            return ModelOutput(logits=None, sample_seqs=[], prompt_logits={})
+        input_ids, positions, meta, sample_rows, sample_seqs, prompt_seqs = self.prepare(out)
+        if self.graphs is not None and self.graphs.can_run(meta, len(input_ids)):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.cache.kv_caches, meta)
+        logits = None
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        prompt_logits: dict[int, tuple[torch.Tensor, int]] = {}
+        if prompt_seqs:
+            cu = meta.cu_seqlens_q.tolist()
+            row_of = {item.seq.seq_id: i for i, item in enumerate(
+                [it for it in out.scheduled if it.num_new_tokens])}
+            for seq in prompt_seqs:
+                i = row_of[seq.seq_id]
+                prompt_logits[seq.seq_id] = (
+                    self.model.compute_logits(hidden[cu[i] : cu[i + 1]]).float(),
+                    seq.num_computed_tokens,
+                )
+        return ModelOutput(logits=logits, sample_seqs=sample_seqs, prompt_logits=prompt_logits)
+
+    # ---- memory profiling -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_num_blocks(self) -> int:
+        """KV blocks that fit once weights and the activations of the largest step are resident."""
+        cfg = self.config
+        bytes_per_block = CacheEngine.bytes_per_block(self.hf_config, self.block_size,
+                                                       _model_dtype(self.model))
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            return max(int(cfg.cpu_kv_cache_gib * (1 << 30)) // bytes_per_block, 2)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        free_before, total = torch.cuda.mem_get_info()
+        used_before = total - free_before  # weights and anything else already on the device
+        allocated_before = torch.cuda.memory_allocated()
+        self._profile_forward()
+        torch.cuda.synchronize()
+        activation_peak = torch.cuda.max_memory_allocated() - allocated_before
+        budget = total * cfg.gpu_memory_utilization - used_before - activation_peak
+        torch.cuda.empty_cache()
+        num_blocks = int(budget // bytes_per_block)
+        logger.info("profiling: %.2f GiB used before, %.2f GiB activation peak -> %d KV blocks",
+                    used_before / 2**30, activation_peak / 2**30, num_blocks)
+        return num_blocks
+
+    def _profile_forward(self) -> None:
+        """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits."""
+        cfg = self.config
+        assert cfg.max_num_batched_tokens is not None
+        num_tokens = cfg.max_num_batched_tokens
+        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
+        lens = [num_tokens // num_seqs] * num_seqs
+        lens[-1] += num_tokens - sum(lens)
+        blocks_needed = sum(-(-n // self.block_size) for n in lens) + 1
+        scratch = CacheEngine(self.hf_config, blocks_needed, self.block_size,
+                              dtype=_model_dtype(self.model), device=self.device)
+        tables, slots, next_block = [], [], 1
+        for n in lens:
+            nb = -(-n // self.block_size)
+            table = list(range(next_block, next_block + nb))
+            next_block += nb
+            tables.append(table + [0] * (max(1, blocks_needed) - nb))
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(n))
+        cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            max_seqlen_q=max(lens), max_seqlen_k=max(lens), backend=self.backend,
+        )
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(ids, positions, scratch.kv_caches, meta)
+        self.model.compute_logits(hidden[:num_seqs])
+        del scratch, hidden
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def _wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
+    params = seq.request.params
+    return (getattr(params, "prompt_logprobs", None) is not None
+            and start < seq.num_prompt_tokens and seq.index == 0)

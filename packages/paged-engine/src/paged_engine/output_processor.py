@@ -1,0 +1,280 @@
+"""Turns one step's logits into tokens, updates sequences and builds `RequestOutput`s.
+
+Per sampled request (all its live sequences reached the end of their tokens this step):
+- sampling: one sampler row per live sequence; on the first token of an n > 1 request the single
+  prompt sequence gets `best_of` rows from the same logits and is forked (blocks shared, CoW
+  later) into one sequence per sample;
+- beam search: `BeamSearchState.step` picks the surviving (parent, token) pairs; parents with
+  several children are forked, parents with none are freed;
+then every new token goes through logprobs, detokenization and the stop checks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from paged_engine.beam_search import BeamSearchState
+from paged_engine.detokenizer import IncrementalDetokenizer, find_stop
+from paged_engine.model_runner import ModelOutput
+from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_engine.request import Request, Sequence, SequenceStatus
+from paged_engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass(slots=True)
+class RequestState:
+    """Output-side state the engine keeps per request (Request.state)."""
+
+    generator: torch.Generator | None
+    beam: BeamSearchState | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    num_samples: int  # sequences to generate (best_of for sampling, beam_width for beams)
+    num_returned: int  # outputs returned (n)
+    last_token_time: float | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, scheduler: Scheduler, *, max_model_len: int,
+                 eos_token_ids: set[int], device: torch.device) -> None:
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.sampler = Sampler()
+        self.generation_tokens_total = 0
+
+    # ---- per step -------------------------------------------------------------------------------
+    def process(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for seq_id, (logits, start) in model_out.prompt_logits.items():
+            self._add_prompt_logprobs(seq_id, logits, start, out)
+        by_request: dict[str, list[int]] = {}
+        for row, seq in enumerate(model_out.sample_seqs):
+            by_request.setdefault(seq.request.request_id, []).append(row)
+        rows: list[SamplingRow] = []
+        row_index: list[int] = []  # logits row of each sampler row
+        sampling_targets: list[tuple[Request, list[Sequence]]] = []
+        for rows_of_req in by_request.values():
+            req = model_out.sample_seqs[rows_of_req[0]].request
+            touched[req.request_id] = req
+            state: RequestState = req.state
+            if state.beam is not None:
+                assert model_out.logits is not None
+                self._beam_step(req, [model_out.sample_seqs[r] for r in rows_of_req],
+                                model_out.logits[rows_of_req])
+                continue
+            seqs = [model_out.sample_seqs[r] for r in rows_of_req]
+            if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1:
+                fan = state.num_samples  # first token of n > 1: all samples from one row
+                rows.extend(self._row(req, seqs[0]) for _ in range(fan))
+                row_index.extend([rows_of_req[0]] * fan)
+            else:
+                rows.extend(self._row(req, s) for s in seqs)
+                row_index.extend(rows_of_req)
+            sampling_targets.append((req, seqs))
+        if rows:
+            assert model_out.logits is not None
+            idx = torch.tensor(row_index, dtype=torch.long, device=model_out.logits.device)
+            result = self.sampler(model_out.logits.index_select(0, idx), rows)
+            k = 0
+            for req, seqs in sampling_targets:
+                if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and req.state.num_samples > 1:
+                    parent = seqs[0]
+                    seqs = [parent] + [self.scheduler.fork_seq(parent, index=i)
+                                       for i in range(1, req.state.num_samples)]
+                for seq in seqs:
+                    top = result.top_logprobs[k] if result.top_logprobs is not None else None
+                    self._append(seq, result.sampled_token_ids[k], result.sampled_logprobs[k],
+                                 result.sampled_ranks[k], top)
+                    k += 1
+        outputs = []
+        for req in touched.values():
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.state.last_token_time = now
+            self._maybe_finish_request(req, now)
+            outputs.append(self.make_output(req))
+        return outputs
+
+    def _row(self, req: Request, seq: Sequence) -> SamplingRow:
+        return SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
+                           output_token_ids=seq.output_token_ids, generator=req.state.generator,
+                           eos_token_id=None)
+
+    # ---- tokens ---------------------------------------------------------------------------------
+    def _append(self, seq: Sequence, token_id: int, logprob: float, rank: int | None,
+                top: list[tuple[int, float]] | None) -> None:
+        params: SamplingParams = seq.request.params
+        seq.token_ids.append(token_id)
+        seq.cumulative_logprob += logprob
+        self.generation_tokens_total += 1
+        if params.logprobs is not None:
+            entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
+            for tid, lp in (top or [])[: params.logprobs]:
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, None, self._decode_one(tid))
+            for r, (tid, _) in enumerate((top or [])[: params.logprobs], start=1):
+                entry[tid].rank = r
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.append(entry)
+        num_out = seq.num_output_tokens
+        reached_min = num_out >= params.min_tokens
+        stop_token = reached_min and (
+            token_id in params.stop_token_ids
+            or (not params.ignore_eos and token_id in self.eos_token_ids)
+        )
+        detok: IncrementalDetokenizer | None = seq.detokenizer
+        if detok is not None and (not stop_token or params.include_stop_str_in_output):
+            delta = detok.add_tokens([token_id])
+            seq.output_text = detok.output_text
+            if reached_min and params.stop and delta:
+                hit = find_stop(seq.output_text, len(delta), params.stop,
+                                params.include_stop_str_in_output)
+                if hit is not None:
+                    cut, stop_str = hit
+                    seq.output_text = seq.output_text[:cut]
+                    return self._finish_seq(seq, "stop", stop_str)
+        if stop_token:
+            reason = token_id if token_id in params.stop_token_ids else None
+            return self._finish_seq(seq, "stop", reason)
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return self._finish_seq(seq, "length", None)
+        if seq.num_tokens >= self.max_model_len:
+            return self._finish_seq(seq, "length", None)
+        return None
+
+    def _decode_one(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        self.scheduler.free_seq(seq, status)
+
+    def _maybe_finish_request(self, req: Request, now: float) -> None:
+        if req.live_seqs():
+            return
+        req.finished_time = now
+        self.scheduler.finish_request(req)
+
+    # ---- beams ----------------------------------------------------------------------------------
+    def _beam_step(self, req: Request, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        state: BeamSearchState = req.state.beam
+        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        room = self.max_model_len - seqs[0].num_tokens
+        result = state.step(logprobs, [s.cumulative_logprob for s in seqs],
+                            [s.output_token_ids for s in seqs], room)
+        if result.done:
+            for seq in seqs:
+                self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)
+            return
+        children: list[tuple[Sequence, int, float]] = []
+        used: set[int] = set()
+        for cand in result.running:
+            parent = seqs[cand.parent]
+            if cand.parent in used:
+                child = self.scheduler.fork_seq(parent, index=len(req.seqs))
+            else:
+                used.add(cand.parent)
+                child = parent
+            children.append((child, cand.token_id, cand.cumulative_logprob))
+        for row, seq in enumerate(seqs):
+            if row not in used:
+                self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)
+        for seq, token_id, score in children:
+            seq.token_ids.append(token_id)
+            seq.cumulative_logprob = score
+            self.generation_tokens_total += 1
+
+    # ---- prompt logprobs ------------------------------------------------------------------------
+    def _add_prompt_logprobs(self, seq_id: int, logits: torch.Tensor, start: int,
+                             out: SchedulerOutput) -> None:
+        seq = next(it.seq for it in out.scheduled if it.seq.seq_id == seq_id)
+        req = seq.request
+        state: RequestState = req.state
+        k = req.params.prompt_logprobs
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # position 0 has no predecessor
+        # logits row j (position start + j) predicts prompt token start + j + 1
+        last = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
+        if last <= start:
+            return
+        targets = torch.tensor(seq.token_ids[start + 1 : last + 1], dtype=torch.long)
+        entries = compute_prompt_logprobs(logits[: last - start], targets, k)
+        for entry in entries:
+            for tid, lp in entry.items():
+                lp.decoded_token = self._decode_one(tid)
+        state.prompt_logprobs.extend(entries)
+
+    # ---- outputs --------------------------------------------------------------------------------
+    def make_output(self, req: Request) -> RequestOutput:
+        state: RequestState = req.state
+        finished = req.is_finished
+        if state.beam is not None:
+            completions = self._beam_outputs(req, finished)
+        else:
+            seqs = sorted(req.seqs, key=lambda s: s.index)
+            if finished and state.num_samples > state.num_returned:
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
+                seqs = seqs[: state.num_returned]
+            completions = [
+                CompletionOutput(
+                    index=i if finished and state.num_samples > state.num_returned else s.index,
+                    text=s.output_text,
+                    token_ids=list(s.output_token_ids),
+                    cumulative_logprob=s.cumulative_logprob
+                    if req.params.logprobs is not None else None,
+                    logprobs=s.logprobs,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+                for i, s in enumerate(seqs)
+            ]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            last_token_time=state.last_token_time,
+            finished_time=req.finished_time,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+        )
+
+    def _beam_outputs(self, req: Request, finished: bool) -> list[CompletionOutput]:
+        state: RequestState = req.state
+        params: BeamSearchParams = req.params
+        if finished:
+            hyps = state.beam.best(state.num_returned)
+            items = [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in hyps]
+        else:
+            items = [(s.output_token_ids, s.cumulative_logprob, None) for s in req.live_seqs()]
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                token_ids=list(tokens),
+                cumulative_logprob=cum,
+                logprobs=None,
+                finish_reason=reason,
+                stop_reason=None,
+            )
+            for i, (tokens, cum, reason) in enumerate(items)
+            if params is not None
+        ]

@@ -96,7 +96,7 @@ def ref_paged_attention(
     in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
     key positions k with k <= pos and, with a sliding window W, pos - k < W.
     """
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:

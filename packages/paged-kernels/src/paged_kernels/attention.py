@@ -1,0 +1,344 @@
+"""Paged attention for a varlen batch mixing decode, prefill and chunked-prefill rows.
+
+One kernel serves every row kind. A program owns one tile of BLOCK_Q consecutive query tokens
+of one sequence and one KV head; the GROUP query heads sharing that KV head are packed into the
+M dimension (row m = query token m // GROUP_P2, head m % GROUP_P2), so each K/V tile is read
+once per GROUP heads. K/V are gathered through the block table a BLOCK_N-key tile at a time,
+with an fp32 online softmax (base 2) and tl.dot for QK^T and PV. Key tiles outside the causal /
+sliding-window range of the query tile are never visited.
+
+Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
+each sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes a normalised
+partial output and its log-sum-exp, and a torch reduce combines them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_kernels._utils import (
+    FLOAT_DTYPES,
+    check,
+    check_last_dim_contiguous,
+    device_sms,
+    is_interpreter,
+    next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+MIN_KEYS_PER_SPLIT = 512
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp2: saturates cleanly to +-1 in fp32 (exp2 overflow -> inf -> 1 - 0).
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    # Sequence i owns the tiles starting at cu_q[i] // BLOCK_Q + i: a monotone bound on the tiles
+    # of all earlier sequences, so no host-side tile map is needed. Largest i with start <= tile.
+    left = tile * 0
+    right = left + num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if start <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [num_q_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32, context incl. this step's query tokens
+    alibi_ptr,  # [num_heads] fp32, read only if USE_ALIBI
+    out_ptr,  # [num_q_tokens, num_heads, head_dim], written unless SPLIT
+    part_out_ptr,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32, written if SPLIT
+    part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32 (log2 domain), written if SPLIT
+    num_seqs,
+    num_q_tokens,
+    scale,
+    soft_cap,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P2
+    BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr,
+    USE_ALIBI: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    local = tile - (q_start // BLOCK_Q + seq)  # tile index within the sequence
+    if local * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len  # position of the sequence's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    q_row = local * BLOCK_Q + offs_m // GROUP_P2
+    head = kv_head * GROUP + offs_m % GROUP_P2
+    row_ok = (q_row < q_len) & (offs_m % GROUP_P2 < GROUP)
+    q_pos = ctx + q_row
+    tok = (q_start + q_row).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_P2)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+
+    # Keys any row of this tile can see: [lo, hi).
+    hi = ctx + tl.minimum(q_len, (local + 1) * BLOCK_Q)
+    lo = hi * 0
+    if USE_WINDOW:
+        lo = tl.maximum(lo, ctx + local * BLOCK_Q - window + 1)
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.minimum(hi, (split + 1) * split_len)
+    if USE_ALIBI:
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give p = 0
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        # int64 before scaling by the block stride: pools may exceed 2^31 elements.
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh
+        v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
+        k_mask = d_ok[:, None] & n_ok[None, :]
+        k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if USE_SOFT_CAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        if USE_ALIBI:
+            s += slope[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if USE_WINDOW:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_mask = n_ok[:, None] & d_ok[None, :]
+        v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # false only for padded rows, or for an empty split
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    mask = row_ok[:, None] & d_ok[None, :]
+    if SPLIT:
+        idx = (split * num_q_tokens + tok) * NUM_HEADS + head  # int64 via tok
+        tl.store(part_out_ptr + idx[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + idx, lse, mask=row_ok)
+    else:
+        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_seqlen_q: int, max_seqlen_k: int, num_sms: int
+) -> int:
+    """Split-KV heuristic: only for pure decode when (seq, kv head) pairs leave SMs idle.
+
+    Aims at about two programs per SM while giving every split at least MIN_KEYS_PER_SPLIT keys.
+    """
+    pairs = num_seqs * num_kv_heads
+    if max_seqlen_q != 1 or pairs >= num_sms:
+        return 1
+    splits = min(triton.cdiv(2 * num_sms, pairs), max_seqlen_k // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
+    return max(splits, 1)
+
+
+def _tile_config(group_p2: int, head_dim_p2: int, max_seqlen_q: int) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps). M >= 16 rows keeps tl.dot legal on tensor cores."""
+    block_m = 16 if max_seqlen_q == 1 else 64
+    block_q = max(1, block_m // group_p2)
+    block_n = 32 if head_dim_p2 > 128 else 64
+    num_warps = 8 if block_q * group_p2 * head_dim_p2 >= 64 * 256 else 4
+    return block_q, block_n, num_warps
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context incl. this step's query tokens
+    scale: float,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
+    out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
+    num_splits: int | None = None,  # None: heuristic; 1: never split; >1: force split-KV
+) -> torch.Tensor:
+    """Causal attention of each sequence's new query rows over its paged K/V.
+
+    Same semantics as `ref_paged_attention`. Pass max_seqlen_q / max_seqlen_k to avoid a host
+    sync (they only steer tile sizes and the split heuristic). Output rows past
+    cu_seqlens_q[-1] are not written.
+    """
+    check(q.dim() == 3, f"q must be [num_q_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
+    check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    check(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q's {head_dim}")
+    check(head_dim <= 256, f"head_dim {head_dim} > 256 is not supported")
+    check(num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads}")
+    check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
+    check(key_cache.dtype == q.dtype == value_cache.dtype, "q and the caches must share a dtype")
+    num_seqs = seq_lens.shape[0]
+    check(seq_lens.dim() == 1, "seq_lens must be [num_seqs]")
+    check(cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, "block_tables: [S, B]")
+    for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q)):
+        check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64")
+    check(seq_lens.dtype in (torch.int32, torch.int64), "seq_lens must be int32/int64")
+    check(cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous(), "metadata must be contiguous")
+    check(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
+    for name, t in (("q", q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        check_last_dim_contiguous(name, t)
+    if out is None:
+        out = torch.empty_like(q)
+    check(out.shape == q.shape and out.dtype == q.dtype, "out must match q's shape and dtype")
+    check_last_dim_contiguous("out", out)
+    if alibi_slopes is not None:
+        check(alibi_slopes.shape == (num_heads,), "alibi_slopes must be [num_heads]")
+        alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    tensors = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    devices = {t.device for t in tensors}
+    check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    group = num_heads // num_kv_heads
+    group_p2, head_dim_p2 = next_pow2(group), max(16, next_pow2(head_dim))
+    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, max_seqlen_q)
+    if num_splits is None:
+        if max_seqlen_q == 1 and max_seqlen_k is None:
+            max_seqlen_k = int(seq_lens.max())
+        num_splits = choose_num_splits(
+            num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0, device_sms(q.device)
+        )
+    check(num_splits >= 1, "num_splits must be >= 1")
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(
+            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
+        )
+    else:
+        part_out = part_lse = out  # unused placeholders
+
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        alibi_slopes if alibi_slopes is not None else q,
+        out,
+        part_out,
+        part_lse,
+        num_seqs,
+        num_tokens,
+        float(scale),
+        float(soft_cap or 0.0),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_P2=group_p2,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=head_dim_p2,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_q * group_p2,
+        BLOCK_N=block_n,
+        USE_WINDOW=bool(sliding_window and sliding_window > 0),
+        USE_SOFT_CAP=bool(soft_cap and soft_cap > 0),
+        USE_ALIBI=alibi_slopes is not None,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=1 if is_interpreter() else num_warps,
+        num_stages=2,
+    )
+    if split:
+        _merge_splits(part_out, part_lse, out)
+    return out
+
+
+def _merge_splits(
+    part_out: torch.Tensor,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32
+    part_lse: torch.Tensor,  # [num_splits, num_q_tokens, num_heads] fp32, log2 domain
+    out: torch.Tensor,  # [num_q_tokens, num_heads, head_dim]
+) -> None:
+    # Every row has its diagonal key in some split, so the max lse is finite.
+    weights = torch.exp2(part_lse - part_lse.amax(dim=0, keepdim=True))
+    merged = (weights.unsqueeze(-1) * part_out).sum(dim=0) / weights.sum(dim=0).unsqueeze(-1)
+    out.copy_(merged)

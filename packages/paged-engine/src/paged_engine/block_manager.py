@@ -1,0 +1,302 @@
+"""Per-sequence block tables over the `BlockPool`: on-demand allocation, fork (sharing),
+copy-on-write, prefix-cache admission and registration, free, stats.
+
+One sequence's table, `block_size = 4`:
+
+    positions:  | 0 1 2 3 | 4 5 6 7 | 8 9 . . |
+    block_ids:  [   b3    ,   b7    ,   b2    ]
+                | full, registered  | partial: the only block a write can land in that was
+                                      ever shared (after a fork), hence copy-on-write
+
+Invariants:
+- `block_ids` covers positions [0, num_computed_tokens) (and the slots of a step once
+  `allocate_slots` returned True); every listed block holds one reference per table.
+- A block registered in the prefix cache is full of computed tokens and is never written:
+  writes start at `num_computed_tokens`, past every registered block.
+- A write never lands in a block another table (or a pending copy) still reads: such a block
+  is first copied (`take_blocks_to_copy` hands the (src, dst) pairs to the runner). Until the
+  copies are taken, each source keeps a hold (one reference) so it cannot be reallocated and
+  overwritten before the copy runs; a sequence freed before that drops its pending copies.
+- Prefix-cache stats count tokens (like vLLM): queries = tokens of admitted sequences,
+  hits = tokens found in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from paged_engine.block_pool import BlockPool
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from paged_engine.request import Sequence
+
+# Parent hash of a sequence's first block (a fixed int keeps hashes identical across runs).
+ROOT_HASH = 0x5EED_CAFE_F00D
+
+
+@dataclass(slots=True)
+class BlockManagerStats:
+    block_size: int
+    num_total_blocks: int  # allocatable blocks (the null block excluded)
+    num_free_blocks: int  # includes free blocks that still hold a cached hash
+    num_used_blocks: int
+    num_cached_blocks: int  # blocks with a registered hash, used or free
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens
+    num_table_blocks: int  # sum of len(block_ids) over every sequence holding blocks
+    num_slots_allocated: int = 0  # over the seqs passed to stats(): table slots
+    num_tokens_stored: int = 0  # over the seqs passed to stats(): computed tokens
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+        )
+
+    @property
+    def blocks_saved_by_sharing(self) -> int:
+        """Logical blocks minus physical blocks: what fork / prefix sharing saved."""
+        return self.num_table_blocks - self.num_used_blocks
+
+    @property
+    def kv_waste(self) -> float:
+        """Fraction of allocated KV slots (of the given seqs) holding no token."""
+        if not self.num_slots_allocated:
+            return 0.0
+        return 1.0 - self.num_tokens_stored / self.num_slots_allocated
+
+
+@dataclass(slots=True)
+class SharingStats:
+    """Slot use over a set of sequences (the running ones) and what sharing saved overall."""
+
+    slots_allocated: int  # sum of len(block_ids) * block_size over the given seqs
+    tokens_stored: int  # sum of num_computed_tokens over the given seqs
+    blocks_saved: int  # table entries of every sequence minus distinct blocks in use
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        assert block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self._blocks = self.pool.blocks
+        self._pending_copies: dict[int, int] = {}  # dst block id -> src block id
+        self._copy_holds: dict[int, int] = {}  # src block id -> references held for copies
+        self._num_table_blocks = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks - 1
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def _block_key(self, seq: Sequence, i: int) -> tuple[int, int, tuple[int, ...]]:
+        """(hash, parent_hash, tokens) of full block i; extends seq.block_hashes by one at most."""
+        bs = self.block_size
+        tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        hashes = seq.block_hashes
+        parent = hashes[i - 1] if i else ROOT_HASH
+        if i < len(hashes):
+            return hashes[i], parent, tokens
+        assert i == len(hashes)
+        h = hash((parent, tokens))
+        hashes.append(h)
+        return h, parent, tokens
+
+    def get_computed_blocks(self, seq: Sequence) -> int:
+        """At admission (no blocks yet): take the longest cached prefix of full blocks.
+
+            | cached full blocks (taken) | rest: computed by the scheduler |
+            0                  num_cached_tokens <= num_tokens - 1
+
+        At least the last token is left to compute so that its logits exist.
+        Returns num_cached_tokens (also set as seq.num_computed_tokens).
+        """
+        assert not seq.block_ids and seq.num_computed_tokens == 0, "admission needs no blocks"
+        seq.num_cached_tokens = 0
+        if not self.enable_prefix_caching:
+            return 0
+        pool = self.pool
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = pool.lookup(*self._block_key(seq, i))
+            if block is None:
+                break
+            hits.append(block)
+        for block in hits:
+            pool.touch(block)
+        seq.block_ids = [b.block_id for b in hits]
+        seq.num_registered_blocks = len(hits)
+        self._num_table_blocks += len(hits)
+        num_cached = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = num_cached
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_cached
+        return num_cached
+
+    def undo_computed_blocks(self, seq: Sequence) -> None:
+        """Roll back an admission that failed after `get_computed_blocks` (and maybe
+        `allocate_slots`): frees the blocks and un-counts the prefix-cache query."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries -= seq.num_tokens
+            self.prefix_cache_hits -= seq.num_cached_tokens
+        self.free(seq)
+        seq.num_cached_tokens = 0
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens. O(new full blocks)."""
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
+            return
+        table, blocks, pool = seq.block_ids, self._blocks, self.pool
+        for i in range(seq.num_registered_blocks, num_full):
+            pool.cache_block(blocks[table[i]], *self._block_key(seq, i))
+        seq.num_registered_blocks = num_full
+
+    # ---- allocation --------------------------------------------------------------------------
+    def _shared(self, block_id: int) -> bool:
+        """Does anyone but the writer still read this block (another table or a pending copy)?"""
+        ref = self._blocks[block_id].ref_cnt
+        return ref > 1 and ref - self._copy_holds.get(block_id, 0) > 1
+
+    def _plan(self, seq: Sequence, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(new blocks to append, table indices to copy-on-write) for writing
+        | computed | new (num_new_tokens) | at positions [num_computed, num_computed + new)."""
+        bs = self.block_size
+        table = seq.block_ids
+        start = seq.num_computed_tokens
+        num_blocks = (start + num_new_tokens + bs - 1) // bs
+        cow = [i for i in range(start // bs, min(num_blocks, len(table))) if self._shared(table[i])]
+        return max(num_blocks - len(table), 0), cow
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        num_new_blocks, cow = self._plan(seq, num_new_tokens)
+        return num_new_blocks + len(cow) <= self.pool.num_free_blocks
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make blocks exist (and be private) for positions [0, num_computed + num_new).
+        Returns False, changing nothing, when the pool lacks free blocks."""
+        if num_new_tokens <= 0:
+            return True
+        table = seq.block_ids
+        start = seq.num_computed_tokens
+        bs, last = self.block_size, len(table) - 1
+        # Fast path (a decode): the writes land in the existing last block, which is private.
+        if (
+            start // bs == last
+            and start + num_new_tokens <= (last + 1) * bs
+            and self._blocks[table[last]].ref_cnt == 1
+        ):
+            return True
+        num_new_blocks, cow = self._plan(seq, num_new_tokens)
+        pool = self.pool
+        if num_new_blocks + len(cow) > pool.num_free_blocks:
+            return False
+        for i in cow:
+            src = table[i]
+            dst = pool.get_new_blocks(1)[0].block_id
+            # The table's reference to src moves to a hold released by take_blocks_to_copy.
+            self._copy_holds[src] = self._copy_holds.get(src, 0) + 1
+            self._pending_copies[dst] = src
+            table[i] = dst
+        if num_new_blocks:
+            table.extend([b.block_id for b in pool.get_new_blocks(num_new_blocks)])
+            self._num_table_blocks += num_new_blocks
+        return True
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """Pending (src, dst) copies, cleared; the runner runs them all before the forward."""
+        if not self._pending_copies:
+            return []
+        pairs = [(src, dst) for dst, src in self._pending_copies.items()]
+        self._pending_copies.clear()
+        for src, n in self._copy_holds.items():
+            for _ in range(n):
+                self.pool.free_block(self._blocks[src])
+        self._copy_holds.clear()
+        return pairs
+
+    def _drop_pending_copy(self, dst: int) -> None:
+        src = self._pending_copies.pop(dst)
+        self._copy_holds[src] -= 1
+        if not self._copy_holds[src]:
+            del self._copy_holds[src]
+        self.pool.free_block(self._blocks[src])
+
+    # ---- sharing and freeing -----------------------------------------------------------------
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent (ref +1 each) and its hash chain."""
+        assert not child.block_ids
+        assert not self._pending_copies, "fork between schedule() and take_blocks_to_copy()"
+        blocks, pool = self._blocks, self.pool
+        for block_id in parent.block_ids:
+            pool.touch(blocks[block_id])
+        child.block_ids = parent.block_ids.copy()
+        child.block_hashes = parent.block_hashes.copy()
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._num_table_blocks += len(child.block_ids)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the table's references, tail first (so tail blocks are evicted first), and
+        reset num_computed_tokens (no blocks -> nothing computed)."""
+        table = seq.block_ids
+        if self._pending_copies:
+            for block_id in table:
+                if block_id in self._pending_copies:
+                    self._drop_pending_copy(block_id)
+        blocks, pool = self._blocks, self.pool
+        for block_id in reversed(table):
+            pool.free_block(blocks[block_id])
+        self._num_table_blocks -= len(table)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+        seq.num_computed_tokens = 0
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # ---- stats -------------------------------------------------------------------------------
+    def sharing_stats(self, seqs: Iterable[Sequence]) -> SharingStats:
+        """O(len(seqs)): KV slots vs tokens (waste) over seqs, blocks saved by sharing."""
+        slots = tokens = 0
+        for seq in seqs:
+            slots += len(seq.block_ids)
+            tokens += seq.num_computed_tokens
+        used = self.num_total_blocks - self.pool.num_free_blocks
+        return SharingStats(slots * self.block_size, tokens, self._num_table_blocks - used)
+
+    def stats(self, seqs: Iterable[Sequence] = ()) -> BlockManagerStats:
+        """O(1) plus O(len(seqs)) for the slot-waste figures (pass the running sequences)."""
+        total = self.num_total_blocks
+        free = self.pool.num_free_blocks
+        st = BlockManagerStats(
+            block_size=self.block_size,
+            num_total_blocks=total,
+            num_free_blocks=free,
+            num_used_blocks=total - free,
+            num_cached_blocks=self.pool.num_cached_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_table_blocks=self._num_table_blocks,
+        )
+        for seq in seqs:
+            st.num_slots_allocated += len(seq.block_ids) * self.block_size
+            st.num_tokens_stored += seq.num_computed_tokens
+        return st

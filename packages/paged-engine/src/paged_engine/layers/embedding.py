@@ -1,0 +1,82 @@
+"""Token embedding and LM head, split over the vocabulary for tensor parallelism."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank*V/tp, (rank+1)*V/tp) of the embedding; tokens outside the shard embed to 0
+    (an all-reduce over ranks, done outside, completes the lookup)."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+    ) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.shard_size = -(-num_embeddings // tp_size)  # ceil; the last shard may be padded
+        self.vocab_start = tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, embedding_dim))
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        if loaded_weight.shape[1:] != param.shape[1:]:
+            raise ValueError(
+                f"embedding dim mismatch: expected {tuple(param.shape)}, "
+                f"got {tuple(loaded_weight.shape)}"
+            )
+        shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
+        if shard.shape[0] > self.shard_size or (
+            self.tp_size == 1 and shard.shape[0] != self.shard_size
+        ):
+            raise ValueError(
+                f"vocab size mismatch: expected {self.num_embeddings}, got {loaded_weight.shape[0]}"
+            )
+        param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        valid = (local >= 0) & (local < self.shard_size)
+        out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
+        return out * valid.unsqueeze(-1).to(out.dtype)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden @ W^T (+ b). `tie_to(embedding)` shares the embedding's weight."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.shard_size))
+            self.bias.weight_loader = self._bias_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param, loaded_weight, shard_id=None) -> None:
+        shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
+        logits = F.linear(hidden, self.weight, self.bias)
+        # Drop the padded rows of the last shard (only when the vocab does not split evenly).
+        if self.tp_size == 1 and logits.shape[-1] != self.num_embeddings:
+            logits = logits[..., : self.num_embeddings]
+        return logits.float()

@@ -1,0 +1,164 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes the
+full HF tensor and copies this rank's slice into it, so weights load the same way at any
+`tp_size`. The collectives themselves (all-gather / all-reduce) live outside these layers;
+with `tp_size == 1` (today) each layer is a plain `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d != 0:
+        raise ValueError(f"{what}={n} is not divisible by tp_size={d}")
+    return n // d
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(
+            f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}"
+        )
+    dst.copy_(src)
+
+
+class LinearBase(nn.Module):
+    """y = x @ W^T (+ b) with W: [out_local, in_local]."""
+
+    def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_local))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: W rows [rank*out/tp, (rank+1)*out/tp)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(
+            input_size, _divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size
+        )
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        n = param.shape[0]
+        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), "column shard")
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; the bias is added by rank 0 only (before all-reduce)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        super().__init__(
+            _divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size
+        )
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: replicated
+            _copy_checked(param.data, loaded_weight, "row bias")
+            return
+        n = param.shape[1]
+        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs stacked in one matmul (e.g. gate | up); shard_id = index."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if shard_id is None:  # an already merged tensor
+            super().weight_loader(param, loaded_weight)
+            return
+        idx = int(shard_id)
+        size = self.output_sizes[idx] // self.tp_size
+        offset = sum(self.output_sizes[:idx]) // self.tp_size
+        src = loaded_weight.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {idx}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q | k | v projection; shard_id in {"q", "k", "v"}.
+
+    Output layout per rank: [q (H/tp*D) | k (Hkv/tp*D) | v (Hkv/tp*D)]. KV heads are replicated
+    when tp_size > num_kv_heads.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ) -> None:
+        num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp_size, "num_heads")
+        if tp_size >= num_kv_heads:
+            self.num_kv_heads, self.kv_replicas = 1, _divide(tp_size, num_kv_heads, "kv replicas")
+        else:
+            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp_size, "kv heads"), 1
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_rank, tp_size)
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if shard_id is None:
+            raise ValueError("QKVParallelLinear needs shard_id 'q', 'k' or 'v'")
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q_size + (kv_size if shard_id == "v" else 0)
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"bad QKV shard_id {shard_id!r}")
+        src = loaded_weight.narrow(0, rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")

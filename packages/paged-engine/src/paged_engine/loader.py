@@ -1,0 +1,229 @@
+"""Find a model (local dir, .gguf file, offline HF cache), build it, and load its weights.
+
+    resolved = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    config = load_hf_config(resolved)
+    model = load_model(resolved, config, dtype=resolve_dtype("auto", config), device=device)
+
+Nothing here downloads: hub ids resolve through the local Hugging Face cache only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from paged_engine.models import get_model_class
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+_HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
+
+
+@dataclass(slots=True)
+class ResolvedModel:
+    name: str  # what the user asked for
+    path: Path  # directory holding config / tokenizer / weights (the .gguf's folder for GGUF)
+    gguf_file: Path | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def resolve_model(model: str | Path) -> ResolvedModel:
+    """A local HF-format dir, a .gguf file (or a dir holding exactly one), or a cached hub id."""
+    name = str(model)
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file; pass a model directory")
+        return ResolvedModel(name, path.parent.resolve(), path.resolve())
+    if path.is_dir():
+        return _resolve_dir(name, path.resolve())
+    from paged_engine.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+    if name in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}-GGUF"):
+        gguf_file = default_model_path()
+        return ResolvedModel(name, gguf_file.parent, gguf_file)
+    if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    return _resolve_dir(name, _hub_snapshot(name))
+
+
+def _resolve_dir(name: str, path: Path) -> ResolvedModel:
+    if (path / "config.json").is_file():
+        return ResolvedModel(name, path)
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ResolvedModel(name, path, ggufs[0])
+    if len(ggufs) > 1:
+        listed = ", ".join(g.name for g in ggufs)
+        raise ValueError(f"{path} holds several .gguf files ({listed}); pass one file path")
+    raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
+    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, ...
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local path and is not in the Hugging Face hub cache "
+            f"({constants.HF_HUB_CACHE}). paged never downloads models: fetch it first "
+            f"(e.g. `huggingface-cli download {repo_id}`) or pass a local directory."
+        ) from e
+
+
+def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
+    """The transformers PretrainedConfig (built from GGUF metadata for .gguf models)."""
+    if resolved.is_gguf:
+        from paged_engine.gguf import GGUFFile, gguf_to_hf_config
+
+        return gguf_to_hf_config(GGUFFile(resolved.gguf_file))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+
+
+def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
+    """A transformers tokenizer (built from GGUF metadata for .gguf models)."""
+    if resolved.is_gguf:
+        from paged_engine.gguf import GGUFFile, gguf_tokenizer
+
+        return gguf_tokenizer(GGUFFile(resolved.gguf_file))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
+    """ "auto" = the checkpoint's dtype (config `dtype` / `torch_dtype`), float32 if absent."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if cfg is None:
+            return torch.float32
+        if isinstance(cfg, torch.dtype):
+            return cfg if cfg in _DTYPES.values() else torch.float32
+        return _DTYPES.get(str(cfg).removeprefix("torch."), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    resolved: ResolvedModel,
+    hf_config,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """Build the model directly on `device` in `dtype` and fill its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
+    cls = get_model_class(hf_config)
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        model.load_weights(iter_weights(resolved, load_format))
+    return model.eval()
+
+
+def iter_weights(
+    resolved: ResolvedModel, load_format: str = "auto"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) pairs, streamed file by file."""
+    if load_format == "auto":
+        load_format = _detect_format(resolved)
+    if load_format == "gguf":
+        if not resolved.is_gguf:
+            raise ValueError(f"load_format='gguf' but {resolved.name!r} is not a .gguf model")
+        from paged_engine.gguf import GGUFFile, gguf_weights
+
+        return gguf_weights(GGUFFile(resolved.gguf_file))
+    files = _weight_files(resolved.path, load_format)
+    return _iter_safetensors(files) if load_format == "safetensors" else _iter_pt(files)
+
+
+def _detect_format(resolved: ResolvedModel) -> str:
+    if resolved.is_gguf:
+        return "gguf"
+    if any(resolved.path.glob("*.safetensors")):
+        return "safetensors"
+    if any(resolved.path.glob("*.bin")):
+        return "pt"
+    raise FileNotFoundError(f"no *.safetensors or *.bin weights in {resolved.path}")
+
+
+def _weight_files(path: Path, load_format: str) -> list[Path]:
+    index_name, pattern = {
+        "safetensors": ("model.safetensors.index.json", "*.safetensors"),
+        "pt": ("pytorch_model.bin.index.json", "*.bin"),
+    }[load_format]
+    index = path / index_name
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / s for s in shards]
+    else:
+        files = sorted(f for f in path.glob(pattern) if not f.name.startswith("training_args"))
+    if not files:
+        raise FileNotFoundError(f"no {pattern} weight files in {path}")
+    return files
+
+
+def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def _iter_pt(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for file in files:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        yield from state.items()
+        del state
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights of the right shapes, identical on every device for a given seed:
+    matrices ~ N(0, std), norm weights = 1, biases = 0."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() >= 2:
+            param.copy_(torch.randn(param.shape, generator=gen).mul_(std))
+        elif name.endswith("bias"):
+            param.zero_()
+        else:  # 1-D weights are norm scales
+            param.fill_(1.0)

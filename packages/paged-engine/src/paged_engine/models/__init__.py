@@ -1,0 +1,37 @@
+"""Model registry: HF `architectures[0]` -> our implementation."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paged_engine.models.gpt2 import GPT2LMHeadModel
+from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
+from paged_engine.models.llama import LlamaForCausalLM
+from paged_engine.models.mistral import MistralForCausalLM
+from paged_engine.models.opt import OPTForCausalLM
+from paged_engine.models.qwen2 import Qwen2ForCausalLM
+from paged_engine.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+}
+
+
+def get_model_class(hf_config) -> type[nn.Module]:
+    """The class for `hf_config.architectures[0]`; ValueError listing the supported ones."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    supported = ", ".join(sorted(MODEL_REGISTRY))
+    got = ", ".join(archs) if archs else "none (config.architectures is empty)"
+    raise ValueError(f"unsupported model architecture: {got}. Supported: {supported}")
+
+
+__all__ = ["MODEL_REGISTRY", "get_model_class"]

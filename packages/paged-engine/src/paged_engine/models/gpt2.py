@@ -1,0 +1,136 @@
+"""GPT-2: learned absolute positions, pre-LayerNorm, GELU (tanh) MLP, tied LM head.
+
+HF stores GPT-2's projections as Conv1D with weight [in, out], the transpose of nn.Linear;
+`c_attn` holds q | k | v stacked along its output dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.activation import get_act_fn
+from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from paged_engine.layers.norm import LayerNorm
+from paged_engine.models.utils import cfg_get, load_named_weights
+
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        d, heads = config.hidden_size, config.num_attention_heads
+        head_dim = d // heads
+        scale = head_dim**-0.5 if cfg_get(config, "scale_attn_weights", True) else 1.0
+        if cfg_get(config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.c_attn = QKVParallelLinear(d, head_dim, heads, heads, bias=True)
+        self.c_proj = RowParallelLinear(d, d, bias=True)
+        self.attn = Attention(heads, head_dim, heads, scale)
+
+    def forward(self, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        q, k, v = self.c_attn(x).chunk(3, dim=-1)
+        return self.c_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        inner = cfg_get(config, "n_inner", 4 * d)
+        self.c_fc = ColumnParallelLinear(d, inner, bias=True)
+        self.c_proj = RowParallelLinear(inner, d, bias=True)
+        self.act = get_act_fn(cfg_get(config, "activation_function", "gelu_new"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        eps = cfg_get(config, "layer_norm_epsilon", 1e-5)
+        self.ln_1 = LayerNorm(config.hidden_size, eps=eps)
+        self.attn = GPT2Attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.hidden_size, eps=eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, x, kv_cache, md) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, md)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d = config.hidden_size
+        self.wte = VocabParallelEmbedding(config.vocab_size, d)
+        self.wpe = nn.Embedding(config.max_position_embeddings, d)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.ln_f = LayerNorm(d, eps=cfg_get(config, "layer_norm_epsilon", 1e-5))
+
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)  # [T, D]
+        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+            x = block(x, kv_cache, md)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.transformer.wte)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden [T, D]
+        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = self.tie_word_embeddings
+
+        def rename(name: str) -> str:  # the original checkpoints lack the "transformer." prefix
+            if name.startswith(("transformer.", "lm_head.")):
+                return name
+            return "transformer." + name
+
+        def convert(name: str, w: torch.Tensor):
+            if name.endswith(_CONV1D):
+                w = w.t()
+            if ".attn.c_attn." in name:  # q | k | v along the output dim
+                for shard, part in zip("qkv", w.chunk(3, dim=0)):
+                    yield name.replace(".c_attn.", f".c_attn_{shard}."), part
+            else:
+                yield name, w
+
+        load_named_weights(
+            self,
+            weights,
+            rename=rename,
+            convert=convert,
+            stacked=(
+                (".c_attn.", ".c_attn_q.", "q"),
+                (".c_attn.", ".c_attn_k.", "k"),
+                (".c_attn.", ".c_attn_v.", "v"),
+            ),
+            skip=lambda n: (
+                n.endswith((".attn.bias", ".attn.masked_bias")) or (tied and n == "lm_head.weight")
+            ),
+        )

@@ -1,0 +1,135 @@
+"""GPT-NeoX / Pythia: partial rotary (NeoX style), optional parallel residual, untied head.
+
+HF's fused `query_key_value` interleaves per head: its output rows are [H, 3 (q|k|v), D].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.activation import get_act_fn
+from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from paged_engine.layers.norm import LayerNorm
+from paged_engine.layers.rotary import get_rope
+from paged_engine.models.utils import cfg_get, load_named_weights
+
+
+class GPTNeoXAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        d, heads = config.hidden_size, config.num_attention_heads
+        bias = cfg_get(config, "attention_bias", True)
+        self.head_dim = d // heads
+        self.query_key_value = QKVParallelLinear(d, self.head_dim, heads, heads, bias=bias)
+        self.dense = RowParallelLinear(d, d, bias=bias)
+        self.rotary_emb = get_rope(config, self.head_dim, is_neox_style=True)
+        self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        q, k, v = self.query_key_value(x).chunk(3, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.dense(self.attn(q, k, v, kv_cache, md))
+
+
+class GPTNeoXMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.dense_h_to_4h = ColumnParallelLinear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act = get_act_fn(cfg_get(config, "hidden_act", "gelu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x)))
+
+
+class GPTNeoXLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        eps = cfg_get(config, "layer_norm_eps", 1e-5)
+        self.use_parallel_residual = bool(cfg_get(config, "use_parallel_residual", True))
+        self.input_layernorm = LayerNorm(config.hidden_size, eps=eps)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, eps=eps)
+        self.attention = GPTNeoXAttention(config)
+        self.mlp = GPTNeoXMLP(config)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:
+        attn = self.attention(positions, self.input_layernorm(x), kv_cache, md)
+        if self.use_parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x))
+            return x + attn + self.mlp(self.post_attention_layernorm(x))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class GPTNeoXModel(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(GPTNeoXLayer(config) for _ in range(config.num_hidden_layers))
+        self.final_layer_norm = LayerNorm(
+            config.hidden_size, eps=cfg_get(config, "layer_norm_eps", 1e-5)
+        )
+
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        x = self.embed_in(input_ids)  # [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, md)
+        return self.final_layer_norm(x)
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.gpt_neox = GPTNeoXModel(config)
+        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.embed_out.tie_to(self.gpt_neox.embed_in)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden [T, D]
+        return self.gpt_neox(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        return self.embed_out(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied, h, d = self.tie_word_embeddings, self.num_heads, self.head_dim
+
+        def convert(name: str, w: torch.Tensor):
+            if ".query_key_value." not in name:
+                yield name, w
+                return
+            parts = w.reshape(h, 3, d, *w.shape[1:])  # rows [H, q|k|v, D]
+            for i, shard in enumerate("qkv"):
+                yield (
+                    name.replace(".query_key_value.", f".qkv_{shard}."),
+                    parts[:, i].reshape(h * d, *w.shape[1:]),
+                )
+
+        load_named_weights(
+            self,
+            weights,
+            convert=convert,
+            stacked=(
+                (".query_key_value.", ".qkv_q.", "q"),
+                (".query_key_value.", ".qkv_k.", "k"),
+                (".query_key_value.", ".qkv_v.", "v"),
+            ),
+            skip=lambda n: (
+                n.endswith((".attention.bias", ".attention.masked_bias", ".inv_freq"))
+                or (tied and n == "embed_out.weight")
+            ),
+        )

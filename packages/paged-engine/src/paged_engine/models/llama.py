@@ -1,0 +1,167 @@
+"""Llama family: Llama 2/3 (incl. Llama 3 rope scaling), SmolLM2; base of Mistral, Qwen2, Qwen3.
+
+Pre-norm decoder: x += attn(rmsnorm(x)); x += mlp(rmsnorm(x)); gated SiLU MLP; RoPE (NeoX
+style); grouped-query attention. Subclasses switch on qkv bias, per-head q/k norm and sliding
+windows through the class attributes below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.rotary import get_rope
+from paged_engine.models.utils import cfg_get, layer_sliding_window, load_named_weights
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
+        head_dim = cfg_get(config, "head_dim", hidden // num_heads)
+        self.q_size, self.kv_size, self.head_dim = (
+            num_heads * head_dim,
+            num_kv_heads * head_dim,
+            head_dim,
+        )
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
+        self.rotary_emb = get_rope(config, head_dim, is_neox_style=True)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            eps = cfg_get(config, "rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(head_dim, eps)
+            self.k_norm = RMSNorm(head_dim, eps)
+        self.attn = Attention(
+            num_heads,
+            head_dim,
+            num_kv_heads,
+            head_dim**-0.5,
+            sliding_window=layer_sliding_window(config, layer_idx),
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, bias: bool):
+        super().__init__()
+        act = cfg_get(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{type(self).__name__} supports hidden_act='silu' only, got {act!r}")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, flags: dict[str, bool]):
+        super().__init__()
+        eps = cfg_get(config, "rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(
+            config, layer_idx, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"]
+        )
+        self.mlp = LlamaMLP(config, flags["mlp_bias"])
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, flags: dict[str, bool]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, md)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # (our fused param fragment, HF fragment, shard id)
+    stacked_params = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.layer_flags(config))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        bias = bool(getattr(config, "attention_bias", False))
+        return {
+            "qkv_bias": bias,
+            "o_bias": bias,
+            "qk_norm": False,
+            "mlp_bias": bool(getattr(config, "mlp_bias", False)),
+        }
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden [T, D]
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        tied = self.tie_word_embeddings
+        load_named_weights(
+            self,
+            weights,
+            stacked=self.stacked_params,
+            skip=lambda n: "rotary_emb.inv_freq" in n or (tied and n == "lm_head.weight"),
+        )

@@ -1,0 +1,204 @@
+"""Tiny HF-format models for tests and benchmarks.
+
+`write_tiny_model(path, arch)` writes config.json, model.safetensors (weights of the HF
+transformers class itself, so names and layouts are exactly HF's), a byte-level BPE tokenizer
+trained in code (tokenizer.json + tokenizer_config.json with a chat template) and
+generation_config.json. Everything is deterministic given `seed`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_TINY_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "opt", "gpt2", "gpt_neox"]
+
+TINY_VOCAB_SIZE = 512
+BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
+SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_COMMON = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+_LLAMA_LIKE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+}
+_ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {**_LLAMA_LIKE, "tie_word_embeddings": False}),
+    "mistral": (
+        "MistralConfig",
+        {**_LLAMA_LIKE, "sliding_window": 32, "tie_word_embeddings": False},
+    ),
+    "qwen2": ("Qwen2Config", {**_LLAMA_LIKE, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {**_LLAMA_LIKE, "head_dim": 32, "tie_word_embeddings": True}),
+    "opt": (
+        "OPTConfig",
+        {
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 1024,
+            "word_embed_proj_dim": 64,
+            "do_layer_norm_before": True,
+        },
+    ),
+    "gpt2": (
+        "GPT2Config",
+        {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 1024,
+            "activation_function": "gelu_new",
+        },
+    ),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 1024,
+            "rotary_pct": 0.5,
+            "use_parallel_residual": True,
+            "hidden_act": "gelu",
+            "tie_word_embeddings": False,
+        },
+    ),
+}
+
+_CORPUS_TEXT = (
+    "the a an of to in and is was for on with as by at from that this it be are or not "
+    "paged attention block cache key value token sequence model layer head batch prefill "
+    "decode sample greedy beam memory table slot copy write read hello world my name is "
+    "capital city France Paris Berlin Rome river mountain ocean number one two three four "
+    "five six seven eight nine ten quick brown fox jumps over lazy dog once upon time there "
+    "lived king queen castle story end begin user assistant system question answer yes no"
+)
+_CORPUS_WORDS = _CORPUS_TEXT.split()
+
+
+def _corpus(seed: int, lines: int = 400) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        words = [rng.choice(_CORPUS_WORDS) for _ in range(rng.randint(4, 14))]
+        if rng.random() < 0.3:
+            words.append(str(rng.randint(0, 999)))
+        out.append(" ".join(words) + rng.choice([".", "!", "?", ",", "\n"]))
+    return out
+
+
+def build_tiny_tokenizer(vocab_size: int = TINY_VOCAB_SIZE, seed: int = 0):
+    """A byte-level BPE `PreTrainedTokenizerFast` with exactly `vocab_size` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing < 0:
+        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer")
+    if missing:  # a small corpus ran out of merges: fill up with inert tokens
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(missing)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS[BOS_ID],
+        eos_token=SPECIAL_TOKENS[EOS_ID],
+        pad_token=SPECIAL_TOKENS[PAD_ID],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=1024,
+    )
+
+
+def tiny_config(arch: str, **config_overrides: Any):
+    """The HF config of a tiny `arch` model (see SUPPORTED_TINY_ARCHS)."""
+    import transformers
+
+    if arch not in _ARCH_DEFAULTS:
+        raise ValueError(f"unknown tiny arch {arch!r}; supported: {SUPPORTED_TINY_ARCHS}")
+    cls_name, defaults = _ARCH_DEFAULTS[arch]
+    kwargs = {"vocab_size": TINY_VOCAB_SIZE, **_COMMON, **defaults, **config_overrides}
+    return getattr(transformers, cls_name)(**kwargs)
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights large enough that logits differ clearly between tokens (HF init is tiny)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if p.dim() >= 2:
+            std = p.shape[-1] ** -0.5 if "emb" not in name and "wte" not in name else 0.5
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+        elif name.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        else:  # norm weights
+            p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+
+
+class _quiet_progress:
+    """Silence transformers' "Writing model shards" progress bar for one save."""
+
+    def __enter__(self) -> None:
+        from transformers.utils import logging
+
+        self.was_enabled = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from transformers.utils import logging
+
+        if self.was_enabled:
+            logging.enable_progress_bar()
+
+
+def write_tiny_model(
+    path: str | Path, arch: str, *, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write a complete tiny HF-format model directory for `arch` and return its path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    tokenizer = build_tiny_tokenizer(config.vocab_size, seed)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(**_COMMON).save_pretrained(path)
+    if not (path / "model.safetensors").exists():  # pragma: no cover - sharded by accident
+        raise RuntimeError(f"expected {path / 'model.safetensors'} to be written")
+    return path
+
+
+def tiny_model_info(path: str | Path) -> dict[str, Any]:
+    """config.json of a tiny model dir (handy in benchmarks)."""
+    return json.loads((Path(path) / "config.json").read_text())

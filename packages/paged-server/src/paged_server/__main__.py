@@ -1,0 +1,3 @@
+from paged_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,397 @@
+"""The OpenAI-compatible routes: validation -> engine requests -> JSON or SSE responses.
+
+Every route runs on its connection's HTTP thread. A route that started engine requests aborts
+them on any way out other than their completion (error, disconnect, failed write), so KV blocks
+are never held for a client that is gone.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from paged_server import __version__
+from paged_server.engine_client import EngineClient, RequestGroup
+from paged_server.errors import APIError, bad_request
+from paged_server.http import Handler
+from paged_server.metrics import CONTENT_TYPE
+from paged_server.openai_protocol import (
+    GenerationRequest,
+    check_context,
+    model_not_found,
+    parse_chat,
+    parse_completion,
+)
+from paged_server.openai_responses import (
+    DeltaState,
+    chat_logprobs,
+    completion_logprobs,
+    envelope,
+    usage,
+)
+
+
+class OpenAIApp:
+    def __init__(
+        self,
+        client: EngineClient,
+        tokenizer: Any,
+        *,
+        served_model_names: list[str],
+        model_path: str,
+        max_model_len: int,
+        api_key: str | None = None,
+        apply_chat_template: Callable[..., str] | None = None,
+        chat_template: str | None = None,
+        engine_version: str | None = None,
+        poll_interval: float = 0.25,
+    ):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.names = served_model_names
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+        self.api_key = api_key
+        self.apply_chat_template = apply_chat_template
+        self.chat_template = chat_template
+        self.engine_version = engine_version
+        self.poll_interval = poll_interval
+        self.vocab_size = len(tokenizer)
+        self.created = int(time.time())
+        self.tok_lock = threading.Lock()  # HF tokenizers are not guaranteed thread-safe
+        self.routes: dict[str, dict[str, Callable[[Handler], None]]] = {
+            "/health": {"GET": self.health},
+            "/version": {"GET": self.version},
+            "/metrics": {"GET": self.metrics},
+            "/v1/models": {"GET": self.models},
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat},
+            "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+        }
+
+    # ---- routing ---------------------------------------------------------------------------
+    def dispatch(self, h: Handler, method: str, path: str) -> None:
+        route = path.rstrip("/") or "/"
+        try:
+            if self.api_key is not None and route.startswith("/v1"):
+                self._check_key(h)
+            methods = self.routes.get(route)
+            if methods is None:
+                raise APIError(404, f"route {path} not found", code="not_found")
+            fn = methods.get("GET" if method == "HEAD" else method)
+            if fn is None:
+                allow = ", ".join(methods)
+                raise APIError(
+                    405,
+                    f"method {method} not allowed on {route}; use {allow}",
+                    code="method_not_allowed",
+                    headers={"Allow": allow},
+                )
+            fn(h)
+        finally:
+            self.client.metrics.count_http(route if route in self.routes else "other", h.status)
+
+    def _check_key(self, h: Handler) -> None:
+        auth = h.headers.get("Authorization", "")
+        scheme, _, given = auth.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self.api_key.encode()
+        )
+        if not ok:
+            raise APIError(
+                401,
+                "invalid or missing API key",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    def _model(self, requested: str | None) -> str:
+        if requested is not None and requested not in self.names:
+            raise model_not_found(requested)
+        return requested or self.names[0]
+
+    # ---- simple routes ---------------------------------------------------------------------
+    def health(self, h: Handler) -> None:
+        if not self.client.alive:
+            raise APIError(503, "the engine loop is not running")
+        h.send_json(200, {"status": "ok"})
+
+    def version(self, h: Handler) -> None:
+        h.send_json(200, {"version": __version__, "engine_version": self.engine_version})
+
+    def metrics(self, h: Handler) -> None:
+        body = self.client.metrics.render(self.client.stats).encode()
+        h.send_bytes(200, body, CONTENT_TYPE)
+
+    def models(self, h: Handler) -> None:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "paged",
+                "root": self.model_path,
+                "parent": None,
+                "max_model_len": self.max_model_len,
+            }
+            for name in self.names
+        ]
+        h.send_json(200, {"object": "list", "data": data})
+
+    def tokenize(self, h: Handler) -> None:
+        body = h.read_json()
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        self._model(body.get("model"))
+        special = body.get("add_special_tokens")
+        if special is not None and not isinstance(special, bool):
+            raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+        if "messages" in body:
+            req = parse_chat({k: v for k, v in body.items() if k != "add_special_tokens"})
+            ids = self._encode(self._render_chat(req), bool(special))
+        elif isinstance(body.get("prompt"), str):
+            ids = self._encode(body["prompt"], True if special is None else special)
+        else:
+            raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
+        h.send_json(200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+
+    def detokenize(self, h: Handler) -> None:
+        body = h.read_json()
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        self._model(body.get("model"))
+        ids = body.get("tokens")
+        if not isinstance(ids, list):
+            raise bad_request("'tokens' must be a list of token ids", "tokens")
+        self._check_ids(ids, "tokens")
+        with self.tok_lock:
+            text = self.tokenizer.decode(ids)
+        h.send_json(200, {"prompt": text})
+
+    # ---- tokenizer helpers -----------------------------------------------------------------
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self.tok_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _decode_one(self, tid: int) -> str:
+        with self.tok_lock:
+            return self.tokenizer.decode([tid])
+
+    def _check_ids(self, ids: list, param: str) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise bad_request(f"token id {t!r} is not in [0, {self.vocab_size})", param)
+
+    def _render_chat(self, req: GenerationRequest) -> str:
+        if self.apply_chat_template is None:
+            raise bad_request("this model has no chat template", "messages")
+        try:
+            with self.tok_lock:
+                return self.apply_chat_template(
+                    req.messages,
+                    chat_template=req.chat_template or self.chat_template,
+                    add_generation_prompt=req.add_generation_prompt,
+                )
+        except Exception as e:  # template errors are the request's (or the template's) fault
+            raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+
+    # ---- generation ------------------------------------------------------------------------
+    def completions(self, h: Handler) -> None:
+        req = parse_completion(h.read_json())
+        model = self._model(req.model)
+        ids = []
+        for p in req.prompts:
+            if isinstance(p, str):
+                ids.append(self._encode(p, True))
+            else:
+                self._check_ids(p, "prompt")
+                ids.append(p)
+        self._generate(h, req, model, req.prompts, ids, chat=False)
+
+    def chat(self, h: Handler) -> None:
+        req = parse_chat(h.read_json())
+        model = self._model(req.model)
+        ids = self._encode(self._render_chat(req), False)  # the template carries BOS itself
+        self._generate(h, req, model, [ids], [ids], chat=True)
+
+    def _generate(
+        self,
+        h: Handler,
+        req: GenerationRequest,
+        model: str,
+        prompts: list[str | list[int]],
+        ids: list[list[int]],
+        chat: bool,
+    ) -> None:
+        max_tokens = min(check_context(len(i), req.max_tokens, self.max_model_len) for i in ids)
+        self.client.check_queue()
+        kwargs = {**req.sampling, "max_tokens": max_tokens}
+        if req.logprobs is not None:
+            kwargs["logprobs"] = req.logprobs
+            if req.echo:
+                kwargs["prompt_logprobs"] = req.logprobs
+        params = self.client.make_params(kwargs, req.use_beam_search)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rids = [f"{rid}-{i}" for i in range(len(prompts))]
+        group = self.client.add(rids, prompts, params)
+        try:
+            if req.stream:
+                self._stream(h, req, model, rid, group, ids, chat)
+            else:
+                self._wait(h, group)
+                self._respond(h, req, model, rid, group, ids, chat)
+        finally:
+            if not group.done:
+                self.client.abort(rids)
+                h.log_extra += " aborted"
+
+    def _wait(self, h: Handler, group: RequestGroup) -> None:
+        next_check = time.monotonic() + self.poll_interval
+        while not group.done:
+            group.next(self.poll_interval)
+            if time.monotonic() >= next_check:
+                if h.client_gone():
+                    raise ConnectionResetError("client disconnected")
+                next_check = time.monotonic() + self.poll_interval
+
+    def _prompt_text(self, prompt_ids: list[int], original: Any) -> str:
+        if isinstance(original, str):
+            return original
+        with self.tok_lock:
+            return self.tokenizer.decode(prompt_ids)
+
+    def _respond(
+        self,
+        h: Handler,
+        req: GenerationRequest,
+        model: str,
+        rid: str,
+        group: RequestGroup,
+        ids: list[list[int]],
+        chat: bool,
+    ) -> None:
+        choices, n_prompt, n_gen = [], 0, 0
+        for pi, snap in enumerate(group.latest):
+            n_prompt += len(snap.prompt_token_ids)
+            n_gen += sum(len(s.token_ids) for s in snap.outputs)
+            for seq in snap.outputs[: req.n]:
+                choice: dict[str, Any] = {"index": len(choices)}
+                lp = None
+                if chat:
+                    if req.logprobs is not None:
+                        lp = chat_logprobs(
+                            seq.token_ids, seq.logprobs or [], req.logprobs, self._decode_one
+                        )
+                    choice["message"] = {"role": "assistant", "content": seq.text}
+                else:
+                    prefix = self._prompt_text(ids[pi], req.prompts[pi]) if req.echo else ""
+                    if req.logprobs is not None:
+                        tids, lps = seq.token_ids, list(seq.logprobs or [])
+                        if req.echo:
+                            p_lps = snap.prompt_logprobs or [None] * len(snap.prompt_token_ids)
+                            tids, lps = snap.prompt_token_ids + tids, list(p_lps) + lps
+                        lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
+                    choice["text"] = prefix + seq.text
+                choice.update(
+                    logprobs=lp, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
+                )
+                choices.append(choice)
+        body = envelope(rid, "chat.completion" if chat else "text_completion", model)
+        body.update(choices=choices, usage=usage(n_prompt, n_gen))
+        h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen}"
+        h.send_json(200, body)
+
+    def _stream(
+        self,
+        h: Handler,
+        req: GenerationRequest,
+        model: str,
+        rid: str,
+        group: RequestGroup,
+        ids: list[list[int]],
+        chat: bool,
+    ) -> None:
+        n = req.n
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        holdback = max((len(s) for s in req.stop_strings), default=1) - 1
+        states = [[DeltaState() for _ in range(n)] for _ in ids]
+        h.start_stream()
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            body = envelope(rid, obj, model, created)
+            body["choices"] = choices
+            if req.include_usage:
+                body["usage"] = None
+            return body
+
+        if chat:  # the role comes first, once per choice
+            h.send_event(
+                chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(n * len(ids))
+                    ]
+                )
+            )
+        while not group.done:
+            updated = group.next(self.poll_interval)
+            if not updated:
+                if h.client_gone():
+                    raise ConnectionResetError("client disconnected")
+                continue
+            out = []
+            for pi in sorted(updated):
+                snap = group.latest[pi]
+                for si, seq in enumerate(snap.outputs[:n]):
+                    st = states[pi][si]
+                    if st.finished:
+                        continue
+                    fin = seq.finish_reason or ("stop" if snap.finished else None)
+                    offset = st.sent_chars
+                    delta, t0, t1 = st.take(seq, holdback)
+                    if req.echo and not st.started:
+                        delta = self._prompt_text(ids[pi], req.prompts[pi]) + delta
+                    st.started = True
+                    if not delta and t0 == t1 and fin is None:
+                        continue
+                    lp = None
+                    if req.logprobs is not None and seq.logprobs is not None:
+                        tids, lps = seq.token_ids[t0:t1], seq.logprobs[t0:t1]
+                        lp = (
+                            chat_logprobs(tids, lps, req.logprobs, self._decode_one)
+                            if chat
+                            else completion_logprobs(
+                                tids, lps, req.logprobs, self._decode_one, offset
+                            )
+                        )
+                    c: dict[str, Any] = {"index": pi * n + si}
+                    if chat:
+                        c["delta"] = {"content": delta} if delta or fin is None else {}
+                    else:
+                        c["text"] = delta
+                    c.update(
+                        logprobs=lp, finish_reason=fin, stop_reason=seq.stop_reason if fin else None
+                    )
+                    st.finished = fin is not None
+                    out.append(c)
+            if out:
+                h.send_event(chunk(out))
+        n_prompt = sum(len(s.prompt_token_ids) for s in group.latest)
+        n_gen = sum(len(o.token_ids) for s in group.latest for o in s.outputs)
+        h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
+        if req.include_usage:
+            body = envelope(rid, obj, model, created)
+            body.update(choices=[], usage=usage(n_prompt, n_gen))
+            h.send_event(body)
+        h.end_stream()

@@ -1,0 +1,194 @@
+"""`paged-server` / `python -m paged_server`: flags named as in vLLM, startup, graceful shutdown."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from paged_server.app import OpenAIApp
+from paged_server.engine_client import EngineClient
+from paged_server.http import Server
+from paged_server.metrics import Metrics
+
+log = logging.getLogger("paged_server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paged-server", description="OpenAI-compatible HTTP server for paged-engine."
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir, .gguf file or cached hub id; default: SmolLM2-135M-Instruct",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use; the first is reported in responses",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 while this many requests wait; default: unbounded",
+    )
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection is kept open",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a body read or a response write may stall before we give up",
+    )
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, seconds to let requests finish before aborting them",
+    )
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, type]:
+    """The engine and its SamplingParams class (the engine imports torch; we never do)."""
+    from paged_engine import EngineConfig, LLMEngine, SamplingParams
+
+    model = args.model
+    if model is None:
+        from paged_engine.default_model import default_model_path
+
+        model = str(default_model_path())
+    config = EngineConfig(
+        model=model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        chat_template=args.chat_template,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+    )
+    return LLMEngine(config), SamplingParams
+
+
+def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
+    """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
+    model_path = str(getattr(engine.config, "model", args.model))
+    names = args.served_model_name or [args.model or model_path]
+    metrics = Metrics(names[0])
+    client = EngineClient(
+        engine,
+        sampling_cls,
+        metrics=metrics,
+        max_queued_requests=args.max_queued_requests,
+    )
+    apply_template = getattr(engine, "apply_chat_template", None)
+    app = OpenAIApp(
+        client,
+        engine.tokenizer,
+        served_model_names=names,
+        model_path=model_path,
+        max_model_len=engine.config.max_model_len,
+        api_key=args.api_key,
+        apply_chat_template=apply_template,
+        engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
+    )
+    server = Server(
+        (args.host, args.port),
+        app,
+        max_body_bytes=args.max_request_body_bytes,
+        keep_alive_timeout=args.timeout_keep_alive,
+        io_timeout=args.client_timeout,
+    )
+    client.start()
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        if stop.is_set():  # a second signal: stop waiting for requests
+            client.abort_all()
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    serving = threading.Thread(target=server.serve_forever, name="http-accept", daemon=True)
+    serving.start()
+    stats = client.stats
+    block_size = getattr(engine.config, "block_size", args.block_size)
+    host, port = server.server_address[:2]
+    print(
+        f"paged-server: model {names[0]} ({model_path}), max_model_len "
+        f"{engine.config.max_model_len}, KV pool {stats.num_total_blocks} blocks x {block_size} "
+        f"= {stats.num_total_blocks * block_size} tokens\n"
+        f"paged-server: serving on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1)",
+        flush=True,
+    )
+    while not stop.wait(0.5):
+        pass
+    log.info("shutting down: no new requests; %d in flight", client.num_in_flight())
+    server.accepting = False
+    server.shutdown()
+    server.server_close()
+    deadline = time.monotonic() + args.shutdown_timeout
+    while client.num_in_flight() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if client.num_in_flight():
+        log.info("aborting %d requests still in flight", client.num_in_flight())
+        client.abort_all()
+    deadline = time.monotonic() + 2.0
+    while server.active_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    client.stop()
+    log.info("bye")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        engine, sampling_cls = build_engine(args)
+    except (ValueError, NotImplementedError, FileNotFoundError, OSError) as e:
+        print(f"paged-server: cannot start the engine: {e}", file=sys.stderr)
+        return 2
+    return serve(args, engine, sampling_cls)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,272 @@
+"""The standard-library HTTP/1.1 server: one thread per connection, keep-alive, JSON and SSE.
+
+Invariants:
+- Every response is JSON (errors included) or an SSE stream in chunked transfer encoding, so a
+  connection stays reusable after any response whose request body was fully read.
+- A request body is read only after its Content-Length passed the size limit; a rejected body
+  closes the connection instead of being drained.
+- Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
+  reading a body and for every write (a stuck streaming client fails its write and is aborted).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import select
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from paged_server import __version__
+from paged_server.errors import APIError, bad_request
+
+log = logging.getLogger("paged_server")
+
+
+class App(Protocol):
+    def dispatch(self, handler: Handler, method: str, path: str) -> None: ...
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 1024  # listen backlog: hundreds of clients may connect at once
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        app: App,
+        *,
+        max_body_bytes: int = 16 << 20,
+        keep_alive_timeout: float = 5.0,
+        io_timeout: float = 30.0,
+    ):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.keep_alive_timeout = keep_alive_timeout
+        self.io_timeout = io_timeout
+        self.accepting = True
+        self._active = 0
+        self._active_lock = threading.Lock()
+        super().__init__(address, Handler)
+
+    def active_requests(self) -> int:
+        return self._active
+
+    def track(self, delta: int) -> None:
+        with self._active_lock:
+            self._active += delta
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = f"paged-server/{__version__}"
+    sys_version = ""
+    server: Server
+
+    # ---- request loop ----------------------------------------------------------------------
+    def handle_one_request(self) -> None:
+        try:
+            self.connection.settimeout(self.server.keep_alive_timeout)
+            super().handle_one_request()
+        except (TimeoutError, ConnectionError, OSError):
+            self.close_connection = True
+
+    def do_GET(self) -> None:
+        self._handle("GET")
+
+    def do_POST(self) -> None:
+        self._handle("POST")
+
+    def do_PUT(self) -> None:
+        self._handle("PUT")
+
+    def do_DELETE(self) -> None:
+        self._handle("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._handle("PATCH")
+
+    def do_HEAD(self) -> None:
+        self._handle("HEAD")
+
+    def do_OPTIONS(self) -> None:
+        self._handle("OPTIONS")
+
+    def _handle(self, method: str) -> None:
+        self.connection.settimeout(self.server.io_timeout)
+        self.t_start = time.monotonic()
+        self.status = 0
+        self.headers_sent = False
+        self.chunked = False
+        self.log_extra = ""
+        self.body_read = False
+        path = urlsplit(self.path).path
+        self.server.track(1)
+        try:
+            if not self.server.accepting:
+                raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
+            self.server.app.dispatch(self, method, path)
+        except APIError as e:
+            self._send_error(e)
+        except (TimeoutError, ConnectionError, BrokenPipeError):
+            self.close_connection = True
+        except Exception:
+            log.exception("unhandled error in %s %s", method, path)
+            self._send_error(APIError(500, "internal server error"))
+        finally:
+            self.server.track(-1)
+            dt = time.monotonic() - self.t_start
+            log.info(
+                "%s %s %s %d %.3fs%s",
+                self.client_address[0],
+                method,
+                path,
+                self.status,
+                dt,
+                self.log_extra,
+            )
+
+    # ---- request bodies --------------------------------------------------------------------
+    def read_json(self) -> Any:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            self.close_connection = True
+            raise APIError(411, "chunked request bodies are not supported; send Content-Length")
+        raw_len = self.headers.get("Content-Length")
+        if raw_len is None:
+            raise APIError(411, "a JSON body with Content-Length is required")
+        try:
+            length = int(raw_len)
+            if length < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise bad_request(f"invalid Content-Length: {raw_len!r}") from None
+        if length > self.server.max_body_bytes:
+            self.close_connection = True
+            raise APIError(
+                413,
+                f"request body of {length} bytes exceeds the limit of "
+                f"{self.server.max_body_bytes} bytes",
+                code="request_too_large",
+            )
+        data = self._read_exact(length)
+        self.body_read = True
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise bad_request(f"Invalid JSON body: {e}") from None
+
+    def _read_exact(self, n: int) -> bytes:
+        """Read n bytes within one io_timeout in total (a trickling client cannot hold us)."""
+        deadline = time.monotonic() + self.server.io_timeout
+        parts, got = [], 0
+        while got < n:
+            if time.monotonic() > deadline:
+                self.close_connection = True
+                raise APIError(408, "timed out reading the request body")
+            chunk = self.rfile.read1(min(n - got, 1 << 16))
+            if not chunk:
+                self.close_connection = True
+                raise ConnectionResetError("client closed the connection mid-body")
+            parts.append(chunk)
+            got += len(chunk)
+        return b"".join(parts)
+
+    # ---- responses -------------------------------------------------------------------------
+    def send_json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
+        self.send_bytes(status, json.dumps(obj).encode(), "application/json", headers)
+
+    def send_bytes(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None
+    ) -> None:
+        self.status = status
+        if not self.body_read and self.headers.get("Content-Length", "0").strip() != "0":
+            self.close_connection = True  # the unread body would be parsed as the next request
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.headers_sent = True
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _send_error(self, e: APIError) -> None:
+        if self.headers_sent:  # mid-stream: report in-band, then end the stream
+            if self.chunked:
+                try:
+                    self.send_event(json.loads(e.body()))
+                    self.end_stream()
+                except OSError:
+                    self.close_connection = True
+            return
+        try:
+            self.send_bytes(e.status, e.body(), "application/json", e.headers)
+        except OSError:
+            self.close_connection = True
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """Protocol-level errors raised by BaseHTTPRequestHandler itself, as JSON."""
+        self.close_connection = True
+        self.status = code
+        body = APIError(code, message or self.responses.get(code, ("error",))[0]).body()
+        try:
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD" and code >= 200 and code not in (204, 304):
+                self.wfile.write(body)
+        except OSError:
+            pass
+
+    def start_stream(self) -> None:
+        self.status = 200
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.headers_sent = True
+        self.chunked = True
+        self.wfile.flush()
+
+    def send_event(self, obj: Any) -> None:
+        """One SSE event in one HTTP chunk; raises OSError if the client went away."""
+        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def end_stream(self) -> None:
+        self.send_event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+
+    # ---- connection state ------------------------------------------------------------------
+    def client_gone(self) -> bool:
+        """True if the peer closed its side (EOF) or the socket errored; never blocks."""
+        try:
+            p = select.poll()
+            p.register(self.connection, select.POLLIN | select.POLLERR | select.POLLHUP)
+            events = p.poll(0)
+            if not events:
+                return False
+            if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                return True
+            return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s " + format, self.client_address[0], *args)

@@ -1,0 +1,216 @@
+"""Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix.
+
+Histograms are observed on the engine thread and rendered on HTTP threads; a lock per histogram
+keeps each rendering consistent (bucket counts never exceed `_count`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from typing import Any
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help_text, buckets
+        self._counts = [0] * (len(buckets) + 1)  # last slot: +Inf
+        self._sum = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._sum += value
+            self._count += 1
+
+    def render(self, labels: str) -> list[str]:
+        with self._lock:
+            counts, total, count = list(self._counts), self._sum, self._count
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        cum = 0
+        for bound, c in zip(self.buckets, counts):
+            cum += c
+            lines.append(f'{self.name}_bucket{{{labels},le="{bound}"}} {cum}')
+        lines.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {count}')
+        lines.append(f"{self.name}_sum{{{labels}}} {total}")
+        lines.append(f"{self.name}_count{{{labels}}} {count}")
+        return lines
+
+
+# (metric name, EngineStats field, type, help); `kv_cache_usage` is 0..1 like vLLM's `_perc`.
+_ENGINE_METRICS = (
+    ("paged:num_requests_running", "num_running", "gauge", "Requests in the running batch."),
+    ("paged:num_requests_waiting", "num_waiting", "gauge", "Requests waiting to be scheduled."),
+    ("paged:kv_cache_usage_perc", "kv_cache_usage", "gauge", "KV-cache usage; 1 means 100%."),
+    ("paged:kv_cache_total_blocks", "num_total_blocks", "gauge", "Blocks in the KV pool."),
+    ("paged:kv_cache_used_blocks", "num_used_blocks", "gauge", "KV blocks in use."),
+    ("paged:kv_cache_free_blocks", "num_free_blocks", "gauge", "KV blocks free."),
+    ("paged:kv_cache_cached_blocks", "num_cached_blocks", "gauge", "Free blocks kept for reuse."),
+    ("paged:kv_slots_allocated", "kv_slots_allocated", "gauge", "Token slots in used blocks."),
+    ("paged:kv_tokens_stored", "kv_tokens_stored", "gauge", "Tokens whose KV is stored."),
+    ("paged:kv_cache_waste_perc", "kv_waste_perc", "gauge", "Allocated slots holding no token."),
+    (
+        "paged:kv_blocks_saved_by_sharing",
+        "blocks_saved_by_sharing",
+        "gauge",
+        "Blocks saved by sharing (n > 1, beams, prefix cache).",
+    ),
+    (
+        "paged:prefix_cache_queries_total",
+        "prefix_cache_queries",
+        "counter",
+        "Prefix-cache queries, in tokens.",
+    ),
+    (
+        "paged:prefix_cache_hits_total",
+        "prefix_cache_hits",
+        "counter",
+        "Prefix-cache hits, in tokens.",
+    ),
+    ("paged:num_preemptions_total", "num_preemptions", "counter", "Preemptions (recompute)."),
+    ("paged:prompt_tokens_total", "prompt_tokens_total", "counter", "Prefill tokens processed."),
+    (
+        "paged:generation_tokens_total",
+        "generation_tokens_total",
+        "counter",
+        "Generation tokens processed.",
+    ),
+)
+
+
+def _esc(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(v: Any) -> str:
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{_esc(model_name)}"'
+        self.ttft = Histogram(
+            "paged:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
+        )
+        self.itl = Histogram(
+            "paged:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
+        )
+        self.e2e = Histogram(
+            "paged:e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS
+        )
+        self.queue_time = Histogram(
+            "paged:request_queue_time_seconds", "Arrival to first scheduling.", _E2E_BUCKETS
+        )
+        self.finished: Counter[str] = Counter()  # engine thread
+        self.requests_aborted = 0  # engine thread
+        self.http: Counter[tuple[str, int]] = Counter()  # (route, status)
+        self._http_lock = threading.Lock()
+
+    def count_http(self, route: str, status: int) -> None:
+        with self._http_lock:
+            self.http[(route, status)] += 1
+
+    def render(self, stats: Any) -> str:
+        lab = self.labels
+        lines: list[str] = []
+        for name, field, kind, help_text in _ENGINE_METRICS:
+            value = getattr(stats, field, None)
+            if value is None:
+                continue
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{{{lab}}} {_num(value)}")
+        for h in (self.ttft, self.itl, self.e2e, self.queue_time):
+            lines += h.render(lab)
+        lines += [
+            "# HELP paged:request_success_total Finished requests by finish reason.",
+            "# TYPE paged:request_success_total counter",
+        ]
+        for reason, n in sorted(dict(self.finished).items()):
+            lines.append(f'paged:request_success_total{{{lab},finished_reason="{reason}"}} {n}')
+        lines += [
+            "# HELP paged:request_aborted_total Requests aborted by client disconnects.",
+            "# TYPE paged:request_aborted_total counter",
+            f"paged:request_aborted_total{{{lab}}} {self.requests_aborted}",
+        ]
+        lines += [
+            "# HELP paged:http_requests_total HTTP requests by route and status.",
+            "# TYPE paged:http_requests_total counter",
+        ]
+        with self._http_lock:
+            http = sorted(self.http.items())
+        for (route, status), n in http:
+            lines.append(
+                f'paged:http_requests_total{{route="{_esc(route)}",status="{status}"}} {n}'
+            )
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,372 @@
+"""Validation of OpenAI request bodies into plain records the server can act on.
+
+Every check raises `APIError(400)` naming the offending parameter. The result carries sampling
+keyword arguments for the engine's `SamplingParams` (only what the client set, plus our defaults),
+so this module never imports the engine (nor torch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_server.errors import APIError, bad_request
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+# Accepted and ignored: they change nothing about generation.
+_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "priority"}
+# Known OpenAI / vLLM parameters we do not implement; allowed only at their "off" values.
+_UNSUPPORTED_UNLESS = {
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+    "web_search_options": (None,),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "lora_request": (None,),
+}
+
+_SAMPLING = (
+    "n",
+    "best_of",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "length_penalty",
+)
+_COMMON = {"model", "stream", "stream_options", "use_beam_search", "max_tokens", *_SAMPLING}
+_COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo"}
+_CHAT_KEYS = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "chat_template",
+    "add_generation_prompt",
+}
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """What both endpoints reduce to; `prompts` are strings or token-id lists."""
+
+    model: str | None
+    prompts: list[str | list[int]]
+    sampling: dict[str, Any]
+    max_tokens: int | None  # None: fill the context (chat without a limit)
+    stream: bool
+    include_usage: bool
+    use_beam_search: bool
+    logprobs: int | None  # top-k per token; 0 = the sampled token only; None = no logprobs
+    echo: bool = False
+    messages: list[dict[str, str]] = field(default_factory=list)
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stop = self.sampling.get("stop")
+        return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+class _Body:
+    """Typed access to a JSON object; every getter treats `null` as absent."""
+
+    def __init__(self, body: Any, allowed: set[str]):
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        for key, value in body.items():
+            if key in allowed or key in _IGNORED:
+                continue
+            if key in _UNSUPPORTED_UNLESS:
+                if value not in _UNSUPPORTED_UNLESS[key]:
+                    raise bad_request(f"parameter '{key}' is not supported by this server", key)
+                continue
+            raise bad_request(f"Unrecognized request argument supplied: {key}", key)
+        self.d = body
+
+    def has(self, name: str) -> bool:
+        return self.d.get(name) is not None
+
+    def int(
+        self, name: str, default: int | None = None, lo: int | None = None, hi: int | None = None
+    ) -> int | None:
+        v = self.d.get(name)
+        if v is None:
+            return default
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        if not _is_int(v):
+            raise bad_request(f"'{name}' must be an integer, got {type(v).__name__}", name)
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            raise bad_request(f"'{name}' must be in [{lo}, {hi}], got {v}", name)
+        return v
+
+    def float(
+        self, name: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+    ) -> float | None:
+        v = self.d.get(name)
+        if v is None:
+            return None
+        if not _is_num(v):
+            raise bad_request(f"'{name}' must be a finite number, got {v!r}", name)
+        if (lo is not None and (v < lo or (lo_open and v == lo))) or (hi is not None and v > hi):
+            lo_s = f"({lo}" if lo_open else f"[{lo}"
+            raise bad_request(f"'{name}' must be in {lo_s}, {hi}], got {v}", name)
+        return float(v)
+
+    def bool(self, name: str, default: bool = False) -> bool:
+        v = self.d.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise bad_request(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+        return v
+
+    def str(self, name: str) -> str | None:
+        v = self.d.get(name)
+        if v is not None and not isinstance(v, str):
+            raise bad_request(f"'{name}' must be a string, got {type(v).__name__}", name)
+        return v
+
+    def int_list(self, name: str) -> list[int] | None:
+        v = self.d.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(_is_int(x) and x >= 0 for x in v):
+            raise bad_request(f"'{name}' must be a list of non-negative integers", name)
+        return v
+
+
+def _sampling(b: _Body) -> dict[str, Any]:
+    s: dict[str, Any] = {}
+    checks = {
+        "temperature": lambda: b.float("temperature", 0.0, 100.0),
+        "top_p": lambda: b.float("top_p", 0.0, 1.0, lo_open=True),
+        "top_k": lambda: b.int("top_k", None, -1, 1 << 20),
+        "min_p": lambda: b.float("min_p", 0.0, 1.0),
+        "presence_penalty": lambda: b.float("presence_penalty", -2.0, 2.0),
+        "frequency_penalty": lambda: b.float("frequency_penalty", -2.0, 2.0),
+        "repetition_penalty": lambda: b.float("repetition_penalty", 0.0, 100.0, lo_open=True),
+        "length_penalty": lambda: b.float("length_penalty", -100.0, 100.0),
+        "seed": lambda: b.int("seed", None, -(1 << 63), (1 << 64) - 1),
+        "min_tokens": lambda: b.int("min_tokens", None, 0, 1 << 31),
+        "stop_token_ids": lambda: b.int_list("stop_token_ids"),
+        "ignore_eos": lambda: b.bool("ignore_eos") if b.has("ignore_eos") else None,
+        "skip_special_tokens": lambda: (
+            b.bool("skip_special_tokens") if b.has("skip_special_tokens") else None
+        ),
+        "include_stop_str_in_output": lambda: (
+            b.bool("include_stop_str_in_output") if b.has("include_stop_str_in_output") else None
+        ),
+    }
+    for name, check in checks.items():
+        value = check()
+        if value is not None:
+            s[name] = value
+    n = b.int("n", 1, 1, MAX_N)
+    s["n"] = n
+    if b.has("best_of"):
+        best_of = b.int("best_of", None, 1, MAX_N)
+        if best_of < n:
+            raise bad_request(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+        s["best_of"] = best_of
+    stop = b.d.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(x, str) and x for x in stop):
+            raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
+        if stop:
+            s["stop"] = stop
+    return s
+
+
+def _stream_flags(b: _Body) -> tuple[bool, bool]:
+    stream = b.bool("stream")
+    opts = b.d.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_request("'stream_options' must be {\"include_usage\": bool}", "stream_options")
+    if not stream:
+        raise bad_request(
+            "'stream_options' is only allowed when 'stream' is true", "stream_options"
+        )
+    usage = opts.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
+    return stream, usage
+
+
+def _common(b: _Body, req: GenerationRequest) -> None:
+    model = b.str("model")
+    req.model = model
+    if req.use_beam_search and req.stream:
+        raise bad_request("streaming is not supported with beam search", "use_beam_search")
+    best_of = req.sampling.get("best_of")
+    if req.stream and best_of is not None and best_of != req.n:
+        raise bad_request("'best_of' != 'n' is not supported with streaming", "best_of")
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """prompt: str | list[str] | list[int] | list[list[int]], each non-empty."""
+    if isinstance(value, str):
+        prompts: list = [value]
+    elif isinstance(value, list) and value and all(_is_int(x) for x in value):
+        prompts = [value]
+    elif isinstance(value, list) and value:
+        prompts = value
+    else:
+        raise bad_request("'prompt' must be a string, a list of strings or of token ids", "prompt")
+    for p in prompts:
+        ok = isinstance(p, str) or (
+            isinstance(p, list) and p and all(_is_int(x) and x >= 0 for x in p)
+        )
+        if not ok:
+            raise bad_request(
+                "'prompt' items must be strings or non-empty token-id lists", "prompt"
+            )
+        if isinstance(p, str) and not p:
+            raise bad_request("'prompt' must not be empty", "prompt")
+    return prompts
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    b = _Body(body, _COMPLETION_KEYS)
+    if "prompt" not in b.d:
+        raise bad_request("'prompt' is required", "prompt")
+    stream, usage = _stream_flags(b)
+    req = GenerationRequest(
+        model=None,
+        prompts=_prompts(b.d["prompt"]),
+        sampling=_sampling(b),
+        max_tokens=b.int("max_tokens", 16, 1, 1 << 31),
+        stream=stream,
+        include_usage=usage,
+        use_beam_search=b.bool("use_beam_search"),
+        logprobs=b.int("logprobs", None, 0, MAX_LOGPROBS),
+        echo=b.bool("echo"),
+    )
+    _common(b, req)
+    return req
+
+
+def _message(i: int, m: Any) -> dict[str, str]:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"{param} must be an object with a string 'role'", param)
+    if m["role"] not in _ROLES:
+        raise bad_request(f"{param}.role '{m['role']}' is not one of {sorted(_ROLES)}", param)
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(f"{param}: only text content parts are supported", param)
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{param}: a text part needs a string 'text'", param)
+            parts.append(part["text"])
+        content = "\n".join(parts)
+    elif not isinstance(content, str):
+        raise bad_request(f"{param}.content must be a string or a list of parts", param)
+    if m.get("tool_calls") or m.get("function_call"):
+        raise bad_request(f"{param}: tool calls are not supported", param)
+    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+    if isinstance(m.get("name"), str):
+        out["name"] = m["name"]
+    return out
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    b = _Body(body, _CHAT_KEYS)
+    messages = b.d.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    stream, usage = _stream_flags(b)
+    max_tokens = b.int("max_completion_tokens", None, 1, 1 << 31)
+    if max_tokens is None:
+        max_tokens = b.int("max_tokens", None, 1, 1 << 31)
+    logprobs = b.bool("logprobs")
+    top = b.int("top_logprobs", None, 0, MAX_LOGPROBS)
+    if top is not None and not logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+    req = GenerationRequest(
+        model=None,
+        prompts=[],
+        sampling=_sampling(b),
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=usage,
+        use_beam_search=b.bool("use_beam_search"),
+        logprobs=(top or 0) if logprobs else None,
+        messages=[_message(i, m) for i, m in enumerate(messages)],
+        chat_template=b.str("chat_template"),
+        add_generation_prompt=b.bool("add_generation_prompt", True),
+    )
+    _common(b, req)
+    return req
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Resolve max_tokens against the context window; the message gives both lengths."""
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt has {prompt_len} tokens; it must be shorter than the context.",
+            "prompt",
+        )
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if prompt_len + max_tokens > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )
+    return max_tokens
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")

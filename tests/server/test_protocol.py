@@ -1,0 +1,173 @@
+"""In-process unit tests: request validation, stream deltas, metrics text, the engine loop."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from paged_server.engine_client import EngineClient, SeqSnapshot
+from paged_server.errors import APIError
+from paged_server.metrics import Metrics
+from paged_server.openai_protocol import check_context, parse_chat, parse_completion
+from paged_server.openai_responses import DeltaState
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_engine import FakeEngine, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "stop": [1]}, "stop"),
+        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "suffix": "y"}, "suffix"),
+        ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stream": True, "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+        ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ],
+)
+def test_completion_validation_names_the_parameter(body: dict, param: str) -> None:
+    with pytest.raises(APIError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+def test_completion_parse() -> None:
+    req = parse_completion(
+        {
+            "prompt": [[1, 2], [3]],
+            "n": 2,
+            "stop": "x",
+            "user": "me",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    assert req.prompts == [[1, 2], [3]] and req.max_tokens == 16 and req.n == 2
+    assert req.include_usage and req.stop_strings == ["x"]
+    assert parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
+
+
+def test_chat_validation() -> None:
+    req = parse_chat(
+        {
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}],
+            "max_completion_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "tools": [],
+        }
+    )
+    assert req.messages == [{"role": "system", "content": "a"}]
+    assert req.max_tokens == 3 and req.logprobs == 2
+    for body, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0]"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}},
+            "response_format",
+        ),
+    ]:
+        with pytest.raises(APIError) as e:
+            parse_chat(body)
+        assert e.value.param == param
+
+
+def test_context_check_message_gives_both_lengths() -> None:
+    assert check_context(10, None, 128) == 118
+    with pytest.raises(APIError) as e:
+        check_context(200, 16, 128)
+    assert "128" in e.value.message and "200" in e.value.message
+    with pytest.raises(APIError) as e:
+        check_context(100, 50, 128)
+    assert e.value.param == "max_tokens" and "150" in e.value.message
+
+
+def _seq(text: str, n_tokens: int, finish: str | None = None) -> SeqSnapshot:
+    return SeqSnapshot(0, text, list(range(n_tokens)), None, None, finish, None)
+
+
+def test_delta_holds_back_possible_stop_prefix_and_partial_utf8() -> None:
+    st = DeltaState()
+    assert st.take(_seq("Hello wo", 2), holdback=3)[0] == "Hello"
+    assert st.take(_seq("Hello world\ufffd", 3), holdback=0)[0] == " world"
+    # the engine truncated a stop string: nothing that was streamed is ever retracted
+    assert st.take(_seq("Hello world", 4, "stop"), holdback=3)[0] == ""
+    assert st.sent_chars == len("Hello world")
+
+
+def test_metrics_render_prometheus_text() -> None:
+    m = Metrics("tiny")
+    m.ttft.observe(0.03)
+    m.ttft.observe(50.0)
+    stats = FakeEngine().get_stats()
+    text = m.render(stats)
+    assert 'paged:num_requests_running{model_name="tiny"} 0' in text
+    assert 'paged:time_to_first_token_seconds_bucket{model_name="tiny",le="0.04"} 1' in text
+    assert 'paged:time_to_first_token_seconds_bucket{model_name="tiny",le="+Inf"} 2' in text
+    assert "# TYPE paged:prompt_tokens_total counter" in text
+
+
+def _run(client: EngineClient, prompts: list, params) -> list:
+    group = client.add([f"r{i}" for i in range(len(prompts))], prompts, params)
+    deadline = time.monotonic() + 10
+    while not group.done and time.monotonic() < deadline:
+        group.next(0.1)
+    return group.latest
+
+
+def test_engine_client_generates_aborts_and_reports_errors() -> None:
+    engine = FakeEngine(step_time=0.01)
+    client = EngineClient(engine, SamplingParams, metrics=Metrics("fake"))
+    client.start()
+    try:
+        out = _run(client, ["ab", [5, 6]], SamplingParams(max_tokens=3))
+        assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
+        assert all(o.finished for o in out)
+        group = client.add(["long"], ["x"], SamplingParams(max_tokens=200))
+        group.next(5)
+        client.abort(["long"])
+        deadline = time.monotonic() + 5
+        while engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not engine.has_unfinished_requests() and client.num_in_flight() == 0
+        with pytest.raises(APIError) as e:  # the engine's ValueError arrives as a 400
+            bad = client.add(["bad"], ["y" * 300], SamplingParams())
+            bad.next(5)
+        assert e.value.status == 400
+        with pytest.raises(APIError) as e:
+            client.make_params({"temperature": -1.0}, beam=False)
+        assert e.value.param == "temperature"
+    finally:
+        client.stop()
+    assert not client.alive
+
+
+def test_queue_limit_counts_requests_not_yet_seen_by_the_engine() -> None:
+    client = EngineClient(FakeEngine(), SamplingParams, max_queued_requests=2)
+    client.stats = SimpleNamespace(num_waiting=1)
+    client.check_queue()
+    client._pending_adds = 1  # added but not drained yet: still counts as waiting
+    with pytest.raises(APIError) as e:
+        client.check_queue()
+    assert e.value.status == 429 and e.value.headers["Retry-After"]

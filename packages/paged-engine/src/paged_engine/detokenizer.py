@@ -1,0 +1,216 @@
+"""Incremental, streaming-safe detokenization and stop strings.
+
+Token ids are decoded a small window at a time (offsets into `ids`):
+
+    | prompt ... | emitted ...          | held back | new |
+                 ^ prefix_offset        ^ read_offset
+    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+
+Decoding the window with one token of context before the first new one keeps leading spaces
+right (SentencePiece drops the space of the first token it decodes; byte-level BPE splits a
+character over several tokens), and the window stays a few tokens long, so each step costs O(1)
+amortized, never a decode of the whole output. While the window's text ends in U+FFFD (an
+incomplete UTF-8 sequence) nothing is emitted: the next token may complete the character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+# Tokens of prompt context decoded with the first output tokens (vLLM and TGI use 5 too).
+_PROMPT_CONTEXT = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+def make_decode_fn(
+    tokenizer: Any, *, skip_special_tokens: bool, spaces_between_special_tokens: bool
+) -> Callable[[list[int]], str]:
+    """ids -> text for an HF tokenizer or a raw `tokenizers.Tokenizer`, with no clean-up of
+    tokenization spaces (clean-up depends on context, so it would break incremental deltas)."""
+    if not hasattr(tokenizer, "convert_ids_to_tokens"):  # tokenizers.Tokenizer
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    kwargs: dict[str, Any] = {
+        "skip_special_tokens": skip_special_tokens,
+        "clean_up_tokenization_spaces": False,
+    }
+    if not getattr(tokenizer, "is_fast", True):  # only slow tokenizers honour this flag
+        kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
+    return lambda ids: tokenizer.decode(ids, **kwargs)
+
+
+def make_id_to_token_fn(tokenizer: Any) -> Callable[[int], str | None]:
+    """id -> the token's vocabulary string (e.g. "▁the", "Ġthe", "<0xE4>")."""
+    if hasattr(tokenizer, "convert_ids_to_tokens"):
+        return tokenizer.convert_ids_to_tokens
+    return tokenizer.id_to_token
+
+
+def has_byte_fallback(tokenizer: Any) -> bool:
+    """Whether the vocabulary has SentencePiece byte-fallback tokens (<0x00> ... <0xFF>)."""
+    if hasattr(tokenizer, "convert_tokens_to_ids"):
+        token_id = tokenizer.convert_tokens_to_ids("<0x0A>")
+        return token_id is not None and token_id != tokenizer.unk_token_id
+    return tokenizer.token_to_id("<0x0A>") is not None
+
+
+def _is_byte_piece(piece: str | None) -> bool:
+    return piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece[5] == ">"
+
+
+class IncrementalDetokenizer:
+    """Turns the output token ids of one sequence into text, one delta at a time.
+
+    Invariant: `output_text` is the concatenation of every delta returned; once `finalize()` has
+    run it equals decode(prompt + output) minus decode(prompt) (when the prompt ends on a
+    character boundary). No delta ends inside a UTF-8 sequence.
+    """
+
+    __slots__ = (
+        "_byte_fallback",
+        "_decode",
+        "_id_to_token",
+        "_ids",
+        "_skip_special_tokens",
+        "num_prompt_tokens",
+        "output_text",
+        "prefix_offset",
+        "read_offset",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
+        self._decode = make_decode_fn(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            spaces_between_special_tokens=spaces_between_special_tokens,
+        )
+        self._id_to_token = make_id_to_token_fn(tokenizer)
+        self._byte_fallback = has_byte_fallback(tokenizer)
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT:])  # context, then output
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.prefix_offset = 0
+        self.read_offset = len(self._ids)
+        self.output_text = ""
+
+    @property
+    def num_held_tokens(self) -> int:
+        """Output tokens whose text has not been emitted yet (an unfinished character)."""
+        return len(self._ids) - self.read_offset
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly stable text (possibly "") and extend output_text."""
+        self._ids.extend(new_token_ids)
+        return self._advance(final=False)
+
+    def finalize(self) -> str:
+        """Emit whatever is held back (an unfinished character decodes to U+FFFD, as a full
+        decode would). Call once the sequence is finished."""
+        return self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        if self.read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self._ids[self.prefix_offset :])
+        # A run of byte-fallback tokens (<0xE4>) decodes as one group, and a later byte token
+        # can turn the whole run into U+FFFDs: text is stable only once the run has ended.
+        partial = new_text.endswith(_REPLACEMENT_CHAR) or self._ends_in_byte_run()
+        if not final and (partial or len(new_text) <= len(prefix_text)):
+            # Nothing stable yet: hold the tokens. Tokens that decode to nothing at all (skipped
+            # special tokens) are consumed, so they are never held back.
+            if new_text == prefix_text and not partial:
+                self.read_offset = len(self._ids)
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        self._trim()
+        self.output_text += delta
+        return delta
+
+    def _trim(self) -> None:
+        # Drop ids before the window so `ids` stays short (O(1) memory and slicing).
+        if self.prefix_offset > 64:
+            del self._ids[: self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
+
+    def _ends_in_byte_run(self) -> bool:
+        """Whether the last visible token of the window is a byte-fallback token."""
+        if not self._byte_fallback:
+            return False
+        for token_id in reversed(self._ids[self.prefix_offset :]):
+            if _is_byte_piece(self._id_to_token(token_id)):
+                return True
+            # Skipped special tokens are invisible to the decoder: the run continues past them.
+            if not self._skip_special_tokens or self._decode([token_id]):
+                return False
+        return False
+
+    def truncate(self, length: int) -> None:
+        """Cut output_text to `length` characters (after a stop string matched)."""
+        self.output_text = self.output_text[:length]
+
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token on its own (for Logprob.decoded_token)."""
+        return self._decode([token_id])
+
+
+def find_stop(
+    output_text: str, num_new_chars: int, stops: Sequence[str], include_stop_str_in_output: bool
+) -> tuple[int, str] | None:
+    """Look for a stop string that ends in the last `num_new_chars` characters.
+
+    Only the tail that can hold a new match is searched (the text before it was checked on
+    earlier steps). Returns (length to truncate output_text to, the stop string) for the
+    earliest match, or None. The stop string is kept only with include_stop_str_in_output.
+    """
+    if not stops or num_new_chars <= 0:
+        return None
+    max_len = max(len(s) for s in stops)
+    start = max(0, len(output_text) - num_new_chars - max_len + 1)
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        pos = output_text.find(stop, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    if best is None:
+        return None
+    pos, stop = best
+    return (pos + len(stop) if include_stop_str_in_output else pos), stop
+
+
+def stop_holdback(output_text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters a stream must hold back: the longest suffix of output_text
+    that is a proper prefix of some stop string (it may become a stop the server must not
+    have sent)."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(output_text)), best, -1):
+            if output_text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
+class StopChecker:
+    """find_stop / stop_holdback bound to one request's stop strings."""
+
+    __slots__ = ("include_stop_str_in_output", "stops")
+
+    def __init__(self, stops: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        self.stops = list(stops)
+        self.include_stop_str_in_output = include_stop_str_in_output
+
+    def check(self, output_text: str, num_new_chars: int) -> tuple[int, str] | None:
+        return find_stop(output_text, num_new_chars, self.stops, self.include_stop_str_in_output)
+
+    def holdback(self, output_text: str) -> int:
+        return stop_holdback(output_text, self.stops)

@@ -1,0 +1,221 @@
+"""Run the benchmarks and write JSON, PNG plots and the report under docs/benchmarks/<device>/.
+
+    python -m benchmarks.run_all --smoke                 # quick (CPU: under 5 minutes)
+    python -m benchmarks.run_all                         # full size for this device
+    python -m benchmarks.run_all --only throughput --model-config qwen3-0.6b llama-3.1-8b
+    nox -s bench -- --smoke                              # the same through nox
+
+Sections: throughput (paged vs HF static / continuous batching), memory (KV waste, sharing for
+parallel sampling and beam search), serving (paged-server under Poisson load), overhead (engine
+step without the forward), kernels (benchmarks.kernel_bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+SECTIONS = ("throughput", "memory", "serving", "overhead", "kernels")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from benchmarks.models import CONFIGS
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__)
+    p.add_argument("--smoke", action="store_true", help="small, quick runs (CI-sized on a CPU)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    p.add_argument(
+        "--model-config",
+        nargs="+",
+        default=None,
+        help=f"models for throughput: {', '.join(CONFIGS)}, 'default' (SmolLM2-135M GGUF) or an "
+        "HF dir; memory and serving use the first. Default: qwen3-0.6b on GPU, default on CPU",
+    )
+    p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="serving request rates")
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each system in its own process (default: on for GPUs)",
+    )
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "paged-bench",
+        help="materialised model dirs and server logs",
+    )
+    p.add_argument("--no-report", action="store_true", help="do not rewrite the README table")
+    return p.parse_args(argv)
+
+
+def device_slug(device: str) -> str:
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    return "gpu-" + re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+
+
+def resolve_model(name: str, device: str, work_dir: Path):
+    from benchmarks import models
+
+    if name == "default":
+        return models.default_model(device)
+    if name in models.CONFIGS:
+        dtype = models.default_dtype(device)
+        return models.materialize(name, work_dir / f"{name}-{dtype}", dtype, device)
+    return models.from_dir(Path(name), device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from benchmarks import memory, overhead, plots, report, serving, throughput, workloads
+    from benchmarks.common import environment
+
+    device = (
+        args.device if args.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    gpu = device == "cuda"
+    isolate = gpu if args.isolate is None else args.isolate
+    slug = device_slug(device)
+    out = args.out / slug
+    out.mkdir(parents=True, exist_ok=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    model_names = args.model_config or (["qwen3-0.6b"] if gpu else ["default"])
+    t_start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f}s] {msg}", flush=True)
+
+    results: dict = {
+        "device": slug,
+        "smoke": args.smoke,
+        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python -m benchmarks.run_all "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "env": environment(device),
+        "prefill_included": True,
+        "cuda_graphs": gpu,  # paged captures decode graphs on CUDA unless enforce_eager
+        "sections": {},
+    }
+    log(f"device {slug}; sections {args.only}; models {model_names}")
+    specs = [resolve_model(m, device, args.work_dir) for m in model_names]
+    results["models"] = {
+        s.name: {"path": str(s.path), "dtype": s.dtype_name, "origin": s.origin} for s in specs
+    }
+    spec = specs[0]
+    max_id = min(10000, spec.vocab_size - 1)
+
+    def section(name: str, fn) -> None:
+        if name not in args.only:
+            return
+        log(f"== {name}")
+        t0 = time.perf_counter()
+        try:
+            results["sections"][name] = fn()
+        except Exception as exc:
+            traceback.print_exc()
+            results["sections"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        results["sections"][name]["wall_s"] = round(time.perf_counter() - t0, 1)
+        _write(out / "results.json", results)
+
+    def run_throughput() -> dict:
+        per_model = {}
+        for s in specs:
+            wls = workloads.standard(args.smoke, device, min(10000, s.vocab_size - 1))
+            per_model[s.name] = throughput.run(
+                s, wls, device, out, isolate=isolate, opts=hf_options(args, device, wls), log=log
+            )
+            plots.throughput(
+                per_model[s.name]["records"],
+                out / f"throughput-{s.name}.png",
+                f"{s.name} ({s.dtype_name}) on {slug}, prefill included",
+            )
+        return per_model
+
+    def run_memory() -> dict:
+        if gpu and not args.smoke:
+            share_wl = workloads.nano_vllm(64, (100, 1024), (128, 128), max_token_id=max_id)
+        else:
+            share_wl = workloads.nano_vllm(4, (16, 64), (16, 16), max_token_id=max_id)
+        waste_wl = workloads.standard(args.smoke, device, max_id)[0]
+        res = memory.run(spec, share_wl, waste_wl, device, isolate=isolate, log=log)
+        plots.sharing(res["sharing"], out / "sharing.png", f"{spec.name}, KV blocks, {slug}")
+        return res
+
+    def run_serving() -> dict:
+        if gpu:
+            n, rates = (32, [2.0, 8.0]) if args.smoke else (300, [1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+            wl = workloads.nano_vllm(n, (100, 1024), (100, 512), max_token_id=max_id)
+        else:
+            n, rates = (6, [0.5, 1.0, 2.0]) if args.smoke else (16, [0.25, 0.5, 1.0, 2.0])
+            wl = workloads.nano_vllm(n, (16, 64), (8, 24), max_token_id=max_id)
+        rates = args.rates or rates
+        mml = 4096 if gpu else 128
+        server_args = ["--max-model-len", str(mml), "--dtype", spec.dtype_name]
+        res = serving.run(str(spec.path), wl.requests, rates, args.work_dir, server_args, log=log)
+        res["workload"] = wl.describe()
+        plots.serving(res["rates"], out / "serving.png", f"paged-server, {spec.name}, {slug}")
+        return res
+
+    def run_overhead() -> dict:
+        from benchmarks.models import config_dir
+
+        layers = {} if gpu else {"num_hidden_layers": 2}  # the forward is stubbed anyway
+        ospec = config_dir("qwen3-0.6b", args.work_dir / "qwen3-0.6b-config", device, **layers)
+        res = overhead.run(ospec, device, steps=10 if args.smoke else 50, log=log)
+        plots.overhead(res, out / "overhead.png", f"engine step, 256 sequences, {slug}")
+        return res
+
+    def run_kernels() -> dict:
+        from benchmarks import kernel_bench
+
+        return kernel_bench.run(smoke=args.smoke, out_dir=out)
+
+    section("throughput", run_throughput)
+    section("memory", run_memory)
+    section("serving", run_serving)
+    section("overhead", run_overhead)
+    section("kernels", run_kernels)
+    results["wall_s"] = round(time.perf_counter() - t_start, 1)
+    _write(out / "results.json", results)
+    if not args.no_report:
+        report.write(args.out)
+    log(f"done: {out / 'results.json'}")
+    return 0
+
+
+def hf_options(args: argparse.Namespace, device: str, wls) -> dict:
+    """HF settings: static batch size; on CPU a KV pool sized to the workload (fast start)."""
+    gpu = device == "cuda"
+    opts: dict = {"hf-static": {"batch_size": args.hf_batch_size or (64 if gpu else 8)}}
+    if not gpu:
+        need = max(
+            sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // 256) for r in wl.requests)
+            for wl in wls
+        )
+        opts["hf-continuous"] = {"num_blocks": need + 4, "max_batch_tokens": 2048}
+    return opts
+
+
+def _write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

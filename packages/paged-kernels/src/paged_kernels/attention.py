@@ -96,6 +96,7 @@ def _paged_attention_kernel(
     USE_ALIBI: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,6 +123,8 @@ def _paged_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if DOT_UPCAST:
+        q = q.to(tl.float32)
 
     # Keys any row of this tile can see: [lo, hi).
     hi = ctx + tl.minimum(q_len, (local + 1) * BLOCK_Q)
@@ -149,6 +152,8 @@ def _paged_attention_kernel(
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
         k_mask = d_ok[:, None] & n_ok[None, :]
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+        if DOT_UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -164,7 +169,10 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_mask = n_ok[:, None] & d_ok[None, :]
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p = p.to(v_cache_ptr.dtype.element_ty)  # PV runs in the cache dtype, like the GPU
+        if DOT_UPCAST:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0  # false only for padded rows, or for an empty split
@@ -284,6 +292,7 @@ def paged_attention(
         part_out = part_lse = out  # unused placeholders
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    upcast = is_interpreter() and q.dtype == torch.bfloat16
     _paged_attention_kernel[grid](
         q,
         key_cache,
@@ -324,7 +333,8 @@ def paged_attention(
         USE_SOFT_CAP=bool(soft_cap and soft_cap > 0),
         USE_ALIBI=alibi_slopes is not None,
         SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
+        DOT_UPCAST=upcast,
         num_warps=1 if is_interpreter() else num_warps,
         num_stages=2,
     )

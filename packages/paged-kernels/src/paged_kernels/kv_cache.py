@@ -45,7 +45,8 @@ def _write_kv_cache_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     heads = tl.arange(0, HEADS_P2)[:, None]
     dims = tl.arange(0, HEAD_DIM_P2)[None, :]
-    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (slot >= 0)
+    # slot broadcast to a tensor first: the interpreter rejects masks built from a scalar bool.
+    mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM) & (heads * 0 + slot >= 0)
     block = slot // BLOCK_SIZE
     cache_off = block * stride_cb + (slot % BLOCK_SIZE) * stride_cs + heads * stride_ch + dims
     k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)

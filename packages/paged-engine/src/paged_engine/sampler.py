@@ -55,19 +55,27 @@ class SamplerOutput:
         return out
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A host list as a tensor on `device`. For CUDA it goes through pinned memory with a
+    non-blocking copy: a plain copy from pageable memory would wait for the model's forward."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> Tensor:
     """[len(seqs), max_len] int64, right-padded with `pad`."""
     width = max((len(s) for s in seqs), default=0)
     rows = [s + [pad] * (width - len(s)) for s in seqs]
-    return torch.tensor(rows, dtype=torch.long, device=device).view(len(seqs), width)
+    return _to_device(rows, torch.long, device).view(len(seqs), width)
 
 
 def _col(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
-    return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+    return _to_device(values, dtype, device).unsqueeze(1)
 
 
 def _rows(idx: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(idx, dtype=torch.long, device=device)
+    return _to_device(idx, torch.long, device)
 
 
 def apply_min_tokens(x: Tensor, rows: list[SamplingRow]) -> None:
@@ -121,7 +129,7 @@ def apply_top_k_top_p(x: Tensor, idx: Tensor, top_k: list[int], top_p: list[floa
     vocab = x.shape[1]
     sorted_x, order = x[idx].sort(dim=-1)
     if any(0 < k < vocab for k in top_k):
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=x.device)
+        k = _rows([k if 0 < k < vocab else vocab for k in top_k], x.device)
         kth = sorted_x.gather(1, (vocab - k).unsqueeze(1))  # k-th largest value per row
         sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
@@ -205,7 +213,7 @@ class Sampler:
         probs = x.softmax(dim=-1)
         sampled = probs.div_(_exponential_noise(x.shape, rows, x.device)).argmax(dim=-1)
         if any(greedy):
-            is_greedy = torch.tensor(greedy, device=x.device)
+            is_greedy = _to_device(greedy, torch.bool, x.device)
             sampled = torch.where(is_greedy, x.argmax(dim=-1), sampled)
         return sampled
 

@@ -1,0 +1,159 @@
+"""Dequantizers for ggml tensor types, vectorized over blocks with numpy.
+
+Block layouts (bytes, little-endian; d/m/dmin are float16):
+  Q4_0 [d, qs:16]             32 values: (nibble - 8) * d; low nibbles are values 0..15
+  Q4_1 [d, m, qs:16]          nibble * d + m
+  Q5_0 [d, qh:u32, qs:16]     ((nibble | bit << 4) - 16) * d; bit j of qh belongs to value j
+  Q5_1 [d, m, qh:u32, qs:16]  (nibble | bit << 4) * d + m
+  Q8_0 [d, qs:i8 x 32]        q * d
+  Q4_K [d, dmin, scales:12, qs:128]           256 values, 8 sub-blocks with 6-bit scale/min
+  Q5_K [d, dmin, scales:12, qh:32, qs:128]    as Q4_K plus a fifth bit from qh
+  Q6_K [ql:128, qh:64, scales:i8 x 16, d]     (6-bit q - 32) * d * scale, 16 sub-blocks of 16
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+import numpy as np
+import torch
+
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+
+# ggml type -> (name, values per block, bytes per block); the dequantizable ones and a few more
+# that only need sizes so a file using them still parses.
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
+    28: ("F64", 1, 8), 30: ("BF16", 1, 2),
+}  # fmt: skip
+
+
+def type_name(ggml_type: int) -> str:
+    return GGML_TYPES.get(ggml_type, (f"type#{ggml_type}",))[0]
+
+
+def tensor_nbytes(ggml_type: int, shape: tuple[int, ...]) -> int:
+    if ggml_type not in GGML_TYPES:
+        raise ValueError(f"unknown ggml tensor type {ggml_type}")
+    _, block, nbytes = GGML_TYPES[ggml_type]
+    n = prod(shape)
+    if n % block:
+        raise ValueError(f"{type_name(ggml_type)} tensor of shape {shape} is not whole blocks")
+    return n // block * nbytes
+
+
+def _f16(cols: np.ndarray) -> np.ndarray:  # [nb, 2] uint8 -> [nb, 1] float32
+    return np.ascontiguousarray(cols).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:  # [nb, 16] -> [nb, 32]: low nibbles, then high
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _bits32(qh: np.ndarray) -> np.ndarray:  # [nb, 4] uint8 -> [nb, 32] bit j of the u32
+    word = np.ascontiguousarray(qh).view("<u4")  # [nb, 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q4_0(b):
+    return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:18]).astype(np.float32) - 8)
+
+
+def _q4_1(b):
+    return _f16(b[:, 0:2]) * _nibbles(b[:, 4:20]).astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _q5_0(b):
+    q = _nibbles(b[:, 6:22]) | (_bits32(b[:, 2:6]) << 4)
+    return _f16(b[:, 0:2]) * (q.astype(np.float32) - 16)
+
+
+def _q5_1(b):
+    q = _nibbles(b[:, 8:24]) | (_bits32(b[:, 4:8]) << 4)
+    return _f16(b[:, 0:2]) * q.astype(np.float32) + _f16(b[:, 2:4])
+
+
+def _q8_0(b):
+    return _f16(b[:, 0:2]) * np.ascontiguousarray(b[:, 2:34]).view(np.int8).astype(np.float32)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 packed bytes -> 8 six-bit scales and 8 six-bit mins: [nb, 8] each."""
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """[nb, 128] -> [nb, 8, 32]: 32-byte chunk c gives sub-block 2c (low) and 2c+1 (high)."""
+    ql = qs.reshape(-1, 4, 1, 32)
+    return np.concatenate([ql & 0x0F, ql >> 4], axis=2).reshape(-1, 8, 32)
+
+
+def _q4_k(b):
+    sc, mn = _k_scales(b[:, 4:16])
+    q = _k_nibbles(b[:, 16:144]).astype(np.float32)
+    d, dmin = _f16(b[:, 0:2])[:, :, None], _f16(b[:, 2:4])[:, :, None]
+    return (d * sc[:, :, None] * q - dmin * mn[:, :, None]).reshape(-1, 256)
+
+
+def _q5_k(b):
+    sc, mn = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48][:, None, :]  # bit k of qh[l] is the fifth bit of sub-block k, value l
+    high = (qh >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    q = (_k_nibbles(b[:, 48:176]) | (high << 4)).astype(np.float32)
+    d, dmin = _f16(b[:, 0:2])[:, :, None], _f16(b[:, 2:4])[:, :, None]
+    return (d * sc[:, :, None] * q - dmin * mn[:, :, None]).reshape(-1, 256)
+
+
+def _q6_k(b):
+    ql = b[:, 0:128].reshape(-1, 2, 64)  # per half of 128 values
+    qh = b[:, 128:192].reshape(-1, 2, 32)
+    lo, hi = ql[..., :32], ql[..., 32:]
+    q = (
+        np.stack(
+            [
+                (lo & 0x0F) | ((qh & 3) << 4),
+                (hi & 0x0F) | (((qh >> 2) & 3) << 4),
+                (lo >> 4) | (((qh >> 4) & 3) << 4),
+                (hi >> 4) | (((qh >> 6) & 3) << 4),
+            ],
+            axis=2,
+        ).astype(np.float32)
+        - 32
+    )  # [nb, 2 halves, 4 quarters, 32]
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32).reshape(-1, 2, 4, 2)
+    d = _f16(b[:, 208:210]).reshape(-1, 1, 1, 1, 1)
+    return (d * sc[..., None] * q.reshape(-1, 2, 4, 2, 16)).reshape(-1, 256)
+
+
+_BLOCK_DEQUANT = {
+    Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
+    Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+}  # fmt: skip
+
+
+def dequantize(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """raw bytes (uint8) of one tensor -> a CPU tensor of `shape`.
+
+    F32/F16/BF16 keep their dtype (copied out of the memory map); quantized types -> float32.
+    """
+    if ggml_type == F32:
+        return torch.from_numpy(np.array(raw).view(np.float32).reshape(shape))
+    if ggml_type == F16:
+        return torch.from_numpy(np.array(raw).view(np.float16).reshape(shape))
+    if ggml_type == BF16:
+        return torch.from_numpy(np.array(raw).view(np.int16).reshape(shape)).view(torch.bfloat16)
+    fn = _BLOCK_DEQUANT.get(ggml_type)
+    if fn is None:
+        supported = ", ".join(type_name(t) for t in (F32, F16, BF16, *_BLOCK_DEQUANT))
+        raise ValueError(
+            f"cannot dequantize ggml type {type_name(ggml_type)}; supported: {supported}"
+        )
+    _, _, block_bytes = GGML_TYPES[ggml_type]
+    blocks = np.asarray(raw).reshape(-1, block_bytes)
+    return torch.from_numpy(fn(blocks).reshape(shape))

@@ -64,10 +64,11 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor
 
 
 def _padded(seqs: list[list[int]], pad: int, device: torch.device) -> Tensor:
-    """[len(seqs), max_len] int64, right-padded with `pad`."""
+    """[len(seqs), max_len] int64, right-padded with `pad`; ids above `pad` are clamped to it
+    (the callers use column `pad` = vocab size as a discarded slot)."""
     width = max((len(s) for s in seqs), default=0)
     rows = [s + [pad] * (width - len(s)) for s in seqs]
-    return _to_device(rows, torch.long, device).view(len(seqs), width)
+    return _to_device(rows, torch.long, device).view(len(seqs), width).clamp_(max=pad)
 
 
 def _col(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -81,12 +82,14 @@ def _rows(idx: list[int], device: torch.device) -> Tensor:
 def apply_min_tokens(x: Tensor, rows: list[SamplingRow]) -> None:
     """Ban eos and stop token ids while a row has fewer than min_tokens outputs (in place)."""
     r_idx, t_idx = [], []
+    vocab = x.shape[1]
     for i, row in enumerate(rows):
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
             banned = set(p.all_stop_token_ids).union(p.stop_token_ids)
             if row.eos_token_id is not None:
                 banned.add(row.eos_token_id)
+            banned = [t for t in banned if 0 <= t < vocab]
             r_idx += [i] * len(banned)
             t_idx += banned
     if r_idx:
@@ -125,18 +128,25 @@ def apply_penalties(x: Tensor, rows: list[SamplingRow]) -> None:
 
 def apply_top_k_top_p(x: Tensor, idx: Tensor, top_k: list[int], top_p: list[float]) -> None:
     """Mask (to -inf) the rows `idx` of x outside their top-k, then outside their top-p nucleus.
-    One ascending sort serves both; top_k 0 means off. Ties at the k-th value are all kept."""
+    top_k 0 means off; ties at the k-th value are all kept. Top-k alone needs only a topk of the
+    largest k; with top-p one ascending sort serves both."""
     vocab = x.shape[1]
-    sorted_x, order = x[idx].sort(dim=-1)
-    if any(0 < k < vocab for k in top_k):
-        k = _rows([k if 0 < k < vocab else vocab for k in top_k], x.device)
-        kth = sorted_x.gather(1, (vocab - k).unsqueeze(1))  # k-th largest value per row
-        sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
-    if any(p < 1.0 for p in top_p):
-        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1.0 - _col(top_p, x.device)
-        drop[:, -1] = False  # always keep the most likely token
-        sorted_x.masked_fill_(drop, float("-inf"))
+    k_list = [k if 0 < k < vocab else vocab for k in top_k]
+    has_k = any(k < vocab for k in k_list)
+    sub = x[idx]
+    if all(p >= 1.0 for p in top_p):
+        k = _rows(k_list, x.device).unsqueeze(1)
+        kth = sub.topk(max(k_list), dim=-1).values.gather(1, k - 1)  # k-th largest per row
+        x[idx] = sub.masked_fill(sub < kth, float("-inf"))
+        return
+    sorted_x, order = sub.sort(dim=-1)
+    if has_k:
+        k = _rows(k_list, x.device).unsqueeze(1)
+        sorted_x.masked_fill_(sorted_x < sorted_x.gather(1, vocab - k), float("-inf"))
+    cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= 1.0 - _col(top_p, x.device)
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_x.masked_fill_(drop, float("-inf"))
     x[idx] = torch.empty_like(sorted_x).scatter_(1, order, sorted_x)
 
 
@@ -149,18 +159,19 @@ def apply_min_p(x: Tensor, idx: Tensor, min_p: list[float]) -> None:
 
 
 def _exponential_noise(shape: torch.Size, rows: list[SamplingRow], device: torch.device) -> Tensor:
-    """Exp(1) noise [N, V]: the global RNG for unseeded rows (one op), each seeded row's own
-    generator for its row (so its draws don't depend on the batch)."""
+    """Exp(1) noise [N, V] as -log(U): the global RNG for unseeded rows (one op), each seeded
+    row's own generator for its row (so its draws don't depend on the batch). U = 0 gives +inf
+    noise (that token loses), never 0 noise, so probs / noise is never NaN."""
     q = torch.empty(shape, device=device)
     seeded = [(i, r.generator) for i, r in enumerate(rows) if r.generator is not None]
     if len(seeded) < len(rows):
-        q.exponential_()
+        q.uniform_()
     for i, gen in seeded:
         if gen.device == q.device:
-            q[i].exponential_(generator=gen)
+            q[i].uniform_(generator=gen)
         else:
-            q[i].copy_(torch.empty(shape[1], device=gen.device).exponential_(generator=gen))
-    return q
+            q[i].copy_(torch.rand(shape[1], device=gen.device, generator=gen))
+    return q.log_().neg_()
 
 
 class Sampler:

@@ -1,16 +1,24 @@
 """Incremental, streaming-safe detokenization and stop strings.
 
-Token ids are decoded a small window at a time (offsets into `ids`):
+Token ids are decoded a small window at a time (offsets into the detokenizer's `_ids`, which
+start with up to 5 prompt tokens of context):
 
-    | prompt ... | emitted ...          | held back | new |
-                 ^ prefix_offset        ^ read_offset
-    delta = decode(ids[prefix_offset:]) minus decode(ids[prefix_offset:read_offset])
+    | older (dropped) | last emitted chunk | held back + new tokens |
+                      ^ prefix_offset      ^ read_offset
+    delta = decode(_ids[prefix_offset:]) minus decode(_ids[prefix_offset:read_offset])
 
-Decoding the window with one token of context before the first new one keeps leading spaces
-right (SentencePiece drops the space of the first token it decodes; byte-level BPE splits a
-character over several tokens), and the window stays a few tokens long, so each step costs O(1)
-amortized, never a decode of the whole output. While the window's text ends in U+FFFD (an
-incomplete UTF-8 sequence) nothing is emitted: the next token may complete the character.
+Decoding with context before the first new token keeps leading spaces right (SentencePiece drops
+the space of the first token it decodes; byte-level BPE splits a character over several tokens),
+and the window stays a few tokens long, so each step costs O(1) amortized, never a decode of the
+whole output. Nothing is emitted while the window's text ends in U+FFFD (an incomplete UTF-8
+sequence) or, for byte-fallback vocabularies, in a run of <0xXX> tokens (the decoder turns a
+whole invalid run into U+FFFDs, so a later byte token could change text already emitted).
+
+Per step, the output processor does:
+    delta = detok.add_tokens(new_ids)            # or detok.finalize() once finished
+    if hit := stop_checker.check(detok.output_text, len(delta)):
+        detok.truncate(hit[0])                   # finish_reason "stop", stop_reason hit[1]
+    streamable = len(detok.output_text) - stop_checker.holdback(detok.output_text)  # unless done
 """
 
 from __future__ import annotations

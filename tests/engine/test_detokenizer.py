@@ -163,6 +163,19 @@ def test_special_tokens_skipped_or_kept():
         assert det.output_text == expect
 
 
+def test_fork_is_independent():
+    tok = byte_level_bpe()
+    ids = tok.encode("Hello world and the fox").ids
+    parent = IncrementalDetokenizer(tok, ids[:2])
+    parent.add_tokens(ids[2:3])
+    child = parent.fork()
+    a = parent.add_tokens(ids[3:]) + parent.finalize()
+    b = child.add_tokens(ids[3:4]) + child.finalize()
+    assert parent.output_text.endswith(a) and child.output_text.endswith(b)
+    assert parent.output_text == tok.decode(ids)[len(tok.decode(ids[:2])) :]
+    assert child.output_text == tok.decode(ids[:4])[len(tok.decode(ids[:2])) :]
+
+
 def test_window_stays_short():
     tok = byte_level_bpe()
     rng = random.Random(2)

@@ -23,6 +23,7 @@ Per step, the output processor does:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -161,6 +162,12 @@ class IncrementalDetokenizer:
             if not self._skip_special_tokens or self._decode([token_id]):
                 return False
         return False
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (same tokenizer, copied state) for a forked sequence."""
+        child = copy.copy(self)
+        child._ids = self._ids.copy()
+        return child
 
     def truncate(self, length: int) -> None:
         """Cut output_text to `length` characters (after a stop string matched)."""

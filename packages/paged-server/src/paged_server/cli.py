@@ -145,7 +145,9 @@ def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    serving = threading.Thread(target=server.serve_forever, name="http-accept", daemon=True)
+    serving = threading.Thread(
+        target=server.serve_forever, args=(0.1,), name="http-accept", daemon=True
+    )
     serving.start()
     stats = client.stats
     block_size = getattr(engine.config, "block_size", args.block_size)

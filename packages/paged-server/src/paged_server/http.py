@@ -64,6 +64,7 @@ class Server(ThreadingHTTPServer):
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # answer garbage with a status line, not HTTP/0.9
     server_version = f"paged-server/{__version__}"
     sys_version = ""
     server: Server

@@ -127,19 +127,24 @@ def test_seeded_row_independent_of_batch(device):
 
 
 def test_min_tokens_masks_eos_and_stop_ids(device):
-    x = torch.zeros(3, V, device=device)
+    x = torch.zeros(5, V, device=device)
     x[:, 5] = 50.0  # eos, overwhelmingly likely
     x[:, 6] = 40.0  # a stop token id
+    x[:, 7] = 30.0  # a second eos id
     rows = [
         row(output=[1, 2], eos=5, temperature=0.0, min_tokens=4, stop_token_ids=[6]),
         row(output=[1, 2, 3, 4], eos=5, temperature=0.0, min_tokens=4, stop_token_ids=[6]),
         row(output=[], eos=5, min_tokens=2, ignore_eos=True, stop_token_ids=[6]),
+        row(output=[], eos={5, 7}, min_tokens=1, stop_token_ids=[6]),
+        row(output=[], temperature=0.0, min_tokens=1),  # eos known only via all_stop_token_ids
     ]
-    rows[0].params.all_stop_token_ids.add(5)
+    rows[4].params.all_stop_token_ids.add(5)
     out = Sampler()(x, rows)
     assert out.sampled_token_ids[0] not in (5, 6)
     assert out.sampled_token_ids[1] == 5  # min_tokens reached: eos allowed again
     assert out.sampled_token_ids[2] not in (5, 6)
+    assert out.sampled_token_ids[3] not in (5, 6, 7)
+    assert out.sampled_token_ids[4] == 7
 
 
 def test_logprobs_ranks_and_topk(device):

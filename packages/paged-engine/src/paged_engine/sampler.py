@@ -12,6 +12,7 @@ Logprobs are always those of the RAW model distribution (log_softmax of the unpr
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ class SamplingRow:
     # Owned by the engine, one per seeded sequence, seeded with params.seed, on the logits'
     # device; None for unseeded rows (which draw from the global RNG).
     generator: torch.Generator | None = None
-    eos_token_id: int | None = None
+    # The model's eos id, or all of them (Llama 3 has several); masked while below min_tokens.
+    eos_token_id: int | Collection[int] | None = None
 
 
 @dataclass(slots=True)
@@ -87,8 +89,11 @@ def apply_min_tokens(x: Tensor, rows: list[SamplingRow]) -> None:
         p = row.params
         if len(row.output_token_ids) < p.min_tokens:
             banned = set(p.all_stop_token_ids).union(p.stop_token_ids)
-            if row.eos_token_id is not None:
-                banned.add(row.eos_token_id)
+            eos = row.eos_token_id
+            if isinstance(eos, int):
+                banned.add(eos)
+            elif eos is not None:
+                banned.update(eos)
             banned = [t for t in banned if 0 <= t < vocab]
             r_idx += [i] * len(banned)
             t_idx += banned

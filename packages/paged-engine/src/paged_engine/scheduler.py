@@ -164,20 +164,26 @@ class Scheduler:
         return child
 
     # ---- one step ----------------------------------------------------------------------------
+    def _may_split(self, num_tokens: int) -> bool:
+        """Without chunked prefill, work that fits one empty step waits for one; work that could
+        never fit (a multi-sequence request recomputed after preemption) is still split."""
+        return self.enable_chunked_prefill or num_tokens > self.max_num_batched_tokens
+
     def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
         """Tokens per sequence of one request under `budget`; [] when nothing can run."""
         if len(seqs) == 1:
             seq = seqs[0]
             n = seq.num_tokens - seq.num_computed_tokens
             if n > budget:
-                if not self.enable_chunked_prefill:
+                if not self._may_split(n):
                     return []
                 n = budget
             return [(seq, n)] if n > 0 else []
         remaining = [s.num_tokens - s.num_computed_tokens for s in seqs]
-        if sum(remaining) <= budget:
+        total = sum(remaining)
+        if total <= budget:
             return [(s, r) for s, r in zip(seqs, remaining) if r > 0]
-        if not self.enable_chunked_prefill:
+        if not self._may_split(total):
             return []
         # Lockstep: nobody may reach the end this step; each gets at most remaining - 1.
         plan = []
@@ -219,7 +225,7 @@ class Scheduler:
                 seq = seqs[0]
                 n = len(seq.token_ids) - seq.num_computed_tokens
                 if n > budget:
-                    n = budget if self.enable_chunked_prefill else 0
+                    n = budget if self._may_split(n) else 0
                 plan = ((seq, n),) if n > 0 else ()
             else:
                 seqs = req.live_seqs()

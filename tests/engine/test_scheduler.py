@@ -1,0 +1,302 @@
+"""Scheduler: token budget, chunked prefill, FCFS, max_num_seqs, recompute preemption, abort,
+lockstep for multi-sequence requests, prefix-cache admission; plus a hypothesis test driving a
+simulated engine (runner + output processor) to completion under a tiny KV pool."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_engine.block_manager import BlockManager
+from paged_engine.request import Request, RequestStatus, SequenceStatus
+from paged_engine.scheduler import Scheduler, SchedulerOutput
+
+
+def token_for(index: int, pos: int) -> int:
+    """The 'sampled' token of output `index` at position `pos`: independent of scheduling."""
+    return (index * 7 + pos * 13) % 50
+
+
+class Driver:
+    """A fake engine: checks each SchedulerOutput, simulates KV writes (content = hash of the
+    token prefix), then samples like the output processor (fork for n > 1, finish on length)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.bm = sched.block_manager
+        self.content: dict[int, list[int | None]] = {}
+        self.spec: dict[str, tuple[int, int]] = {}  # request id -> (n, max_tokens)
+        self.reqs: dict[str, Request] = {}
+        self.steps: list[SchedulerOutput] = []
+
+    def add(self, rid: str, prompt: list[int], n: int = 1, max_tokens: int = 4) -> Request:
+        req = Request(rid, None, prompt, None)
+        self.spec[rid] = (n, max_tokens)
+        self.reqs[rid] = req
+        self.sched.add_request(req)
+        return req
+
+    def slot(self, block_id: int) -> list[int | None]:
+        return self.content.setdefault(block_id, [None] * self.bm.block_size)
+
+    def step(self) -> SchedulerOutput:
+        sched, bs = self.sched, self.bm.block_size
+        out = sched.schedule()
+        self.steps.append(out)
+        assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
+        assert out.num_batched_tokens <= sched.max_num_batched_tokens
+        assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
+        for src, dst in out.blocks_to_copy:  # the runner: copies first, then the forward
+            self.content[dst] = list(self.slot(src))
+        for seq, n in out.scheduled:
+            assert 0 < n <= seq.num_tokens - seq.num_computed_tokens
+            assert seq.status == SequenceStatus.RUNNING
+            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block = self.bm.pool.blocks[seq.block_ids[pos // bs]]
+                assert block.ref_cnt == 1 and block.block_hash is None
+                self.slot(block.block_id)[pos % bs] = hash(tuple(seq.token_ids[: pos + 1]))
+        sched.update_after_step(out)
+        for req in out.scheduled_requests:
+            live = req.live_seqs()
+            done = [s for s in live if s.num_computed_tokens == s.num_tokens]
+            assert not done or len(done) == len(live), "lockstep broken"
+            if done:
+                self.sample(req, live)
+        self.check_content()
+        return out
+
+    def sample(self, req: Request, live: list) -> None:
+        n, max_tokens = self.spec[req.request_id]
+        if len(req.seqs) == 1 and live[0].num_output_tokens == 0 and n > 1:
+            live = live + [self.sched.fork_seq(live[0], index=i) for i in range(1, n)]
+        for seq in live:
+            seq.append_token(token_for(seq.index, seq.num_tokens))
+            if seq.num_output_tokens >= max_tokens:
+                self.sched.free_seq(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def check_content(self) -> None:
+        bs = self.bm.block_size
+        for req in self.sched.running:
+            for seq in req.live_seqs():
+                for pos in range(seq.num_computed_tokens):
+                    got = self.slot(seq.block_ids[pos // bs])[pos % bs]
+                    assert got == hash(tuple(seq.token_ids[: pos + 1]))
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("did not finish")
+
+    def check_done(self) -> None:
+        for rid, req in self.reqs.items():
+            assert req.is_finished
+            if req.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            n, max_tokens = self.spec[rid]
+            assert sorted(s.index for s in req.seqs) == list(range(n))
+            for seq in req.seqs:
+                p = len(req.prompt_token_ids)
+                want = [token_for(seq.index, pos) for pos in range(p, p + max_tokens)]
+                assert seq.token_ids == req.prompt_token_ids + want
+                assert seq.finish_reason == "length"
+        assert self.bm.num_free_blocks == self.bm.num_total_blocks
+        assert self.bm.stats().num_table_blocks == 0
+
+
+def make(num_blocks: int = 200, block_size: int = 4, caching: bool = True, **kw) -> Driver:
+    kw.setdefault("max_num_seqs", 64)
+    kw.setdefault("max_num_batched_tokens", 64)
+    kw.setdefault("max_model_len", 256)
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Driver(Scheduler(bm, **kw))
+
+
+def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
+    return [(seq.request.request_id, n) for seq, n in out.scheduled]
+
+
+def test_chunked_prefill_splits_long_prompts_while_decodes_run() -> None:
+    d = make(max_num_batched_tokens=16, caching=False)
+    d.add("a", list(range(40)), max_tokens=10)
+    d.add("b", list(range(5)), max_tokens=10)
+    assert plan(d.step()) == [("a", 16)]  # FCFS: a takes the whole budget
+    assert plan(d.step()) == [("a", 16)]
+    assert plan(d.step()) == [("a", 8), ("b", 5)]
+    d.add("c", list(range(100)), max_tokens=2)
+    assert plan(d.step()) == [("a", 1), ("b", 1), ("c", 14)]  # decodes keep running
+    assert plan(d.step()) == [("a", 1), ("b", 1), ("c", 14)]
+    d.run()
+    d.check_done()
+    assert d.reqs["a"].first_scheduled_time is not None
+
+
+def test_without_chunking_a_prompt_runs_whole() -> None:
+    d = make(max_num_batched_tokens=16, enable_chunked_prefill=False, caching=False)
+    d.add("a", list(range(10)))
+    d.add("b", list(range(10)))
+    assert plan(d.step()) == [("a", 10)]
+    assert plan(d.step()) == [("a", 1), ("b", 10)]
+    d.run()
+    d.check_done()
+
+
+def test_fcfs_and_max_num_seqs() -> None:
+    d = make(max_num_seqs=2)
+    for rid, max_tokens in (("a", 2), ("b", 6), ("c", 2)):
+        d.add(rid, [1, 2, 3], max_tokens=max_tokens)
+    assert plan(d.step()) == [("a", 3), ("b", 3)]
+    assert d.sched.num_running == 2 and d.sched.num_waiting == 1
+    assert plan(d.step()) == [("a", 1), ("b", 1)]  # a finishes here
+    assert plan(d.step()) == [("b", 1), ("c", 3)]
+    d.run()
+    d.check_done()
+
+
+def test_preemption_recomputes_and_loses_nothing() -> None:
+    # 6 usable blocks of 2 tokens; two requests of 4 prompt tokens growing to 10 tokens.
+    d = make(num_blocks=7, block_size=2, caching=False)
+    a = d.add("a", [1, 2, 3, 4], max_tokens=6)
+    b = d.add("b", [5, 6, 7, 8], max_tokens=6)
+    d.step()
+    d.step()
+    d.step()  # 6 tokens each in 3 blocks: the pool is full
+    out = d.step()  # a needs a 4th block: b (admitted last) is preempted
+    assert out.preempted == [b] and plan(out) == [("a", 1)]
+    assert b.status == RequestStatus.WAITING and b.num_preemptions == 1
+    assert list(d.sched.waiting) == [b] and d.sched.num_preemptions == 1
+    seq_b = b.seqs[0]
+    assert seq_b.block_ids == [] and seq_b.num_computed_tokens == 0 and seq_b.num_tokens == 7
+    d.run()
+    d.check_done()
+    assert a.num_preemptions == 0
+
+
+def test_the_request_needing_blocks_preempts_itself_when_last() -> None:
+    d = make(num_blocks=6, block_size=2, caching=False)  # 5 usable blocks
+    a = d.add("a", [1, 2, 3, 4], max_tokens=4)
+    b = d.add("b", [5, 6, 7, 8], max_tokens=4)
+    d.step()  # 4 blocks used
+    out = d.step()  # a needs a 5th block: fine; b needs a 6th: b is last, preempts itself
+    assert plan(out) == [("a", 1)] and out.preempted == [b]
+    d.run()
+    d.check_done()
+    assert a.num_preemptions == 0 and b.num_preemptions >= 1
+
+
+def test_abort_in_every_state_frees_everything() -> None:
+    d = make(num_blocks=7, block_size=2, caching=False)
+    d.add("a", [1, 2, 3, 4], max_tokens=6)
+    d.add("b", [5, 6, 7, 8], max_tokens=6)
+    d.add("w", [9, 9], max_tokens=6)  # never admitted: pool full
+    for _ in range(3):
+        d.step()
+    out = d.step()
+    assert [r.request_id for r in out.preempted] == ["b"]
+    for rid in ("w", "b", "a"):  # waiting, preempted, running
+        assert d.sched.abort_request(rid)
+        req = d.reqs[rid]
+        assert req.status == RequestStatus.FINISHED_ABORTED and req.finished_time is not None
+        assert all(s.status == SequenceStatus.FINISHED_ABORTED for s in req.seqs)
+        assert all(s.finish_reason == "abort" and not s.block_ids for s in req.seqs)
+    assert not d.sched.abort_request("a") and not d.sched.abort_request("nope")
+    assert not d.sched.has_unfinished_requests()
+    assert not d.sched.running and not d.sched.waiting
+    d.check_done()
+
+
+def test_lockstep_for_multi_sequence_requests() -> None:
+    d = make(max_num_batched_tokens=16, block_size=4, caching=False)
+    req = d.add("a", list(range(10)), n=3, max_tokens=5)
+    d.step()  # the prompt, then 3 samples forked from it
+    assert len(req.live_seqs()) == 3
+    assert plan(d.step()) == [("a", 1)] * 3
+    d.sched._preempt(req, [])  # recompute: each live seq now has 12 tokens to compute
+    out = d.step()  # 36 > 16: nobody may finish, each gets at most remaining - 1
+    assert [n for _, n in out.scheduled] == [11, 5]
+    out = d.step()
+    assert [n for _, n in out.scheduled] == [6, 10]  # seq 2 stops one short of the end
+    assert [n for _, n in d.step().scheduled] == [1, 1, 2]  # all three end in the same step
+    d.run()
+    d.check_done()
+
+
+def test_multi_sequence_request_readmitted_whole_or_not_at_all() -> None:
+    d = make(num_blocks=12, block_size=2, caching=False, max_num_seqs=3)
+    req = d.add("a", [1, 2, 3], n=3, max_tokens=3)
+    d.step()
+    d.sched._preempt(req, [])
+    d.add("b", [4], max_tokens=2)
+    out = d.step()  # a needs 3 seq slots: readmitted whole; b waits (max_num_seqs)
+    assert {r.request_id for r in out.scheduled_requests} == {"a"}
+    assert all(s.status == SequenceStatus.RUNNING for s in req.live_seqs())
+    d.run()
+    d.check_done()
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    d = make(block_size=4)
+    d.add("a", list(range(20)), max_tokens=2)
+    d.step()
+    b = d.add("b", list(range(20)), max_tokens=2)
+    out = d.step()
+    assert plan(out) == [("a", 1), ("b", 4)]  # 16 tokens (4 full blocks) cached
+    assert b.seqs[0].num_cached_tokens == 16
+    st_ = d.bm.stats()
+    assert st_.prefix_cache_queries == 40 and st_.prefix_cache_hits == 16
+    d.run()
+    d.check_done()
+
+
+def test_a_request_larger_than_the_pool_raises_instead_of_looping() -> None:
+    d = make(num_blocks=4, block_size=2, caching=False)  # 6 tokens of KV in all
+    d.add("a", [1, 2, 3, 4, 5], max_tokens=8)
+    with pytest.raises(RuntimeError, match="cannot make progress"):
+        d.run()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    num_blocks=st.integers(38, 44),  # one request alone needs <= 36 blocks
+    budget=st.integers(4, 40),
+    chunked=st.booleans(),
+    caching=st.booleans(),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 16), st.integers(1, 3), st.integers(1, 8), st.integers(0, 3)),
+        min_size=4,
+        max_size=10,
+    ),
+    abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+)
+def test_random_workloads_finish_correctly(
+    num_blocks: int,
+    budget: int,
+    chunked: bool,
+    caching: bool,
+    reqs: list[tuple[int, int, int, int]],
+    abort_at: list[tuple[int, int]],
+) -> None:
+    if not chunked:
+        budget = max(budget, 16)
+    d = make(
+        num_blocks,
+        block_size=2,
+        caching=caching,
+        max_num_seqs=8,
+        max_num_batched_tokens=budget,
+        max_model_len=48,
+        enable_chunked_prefill=chunked,
+    )
+    for i, (plen, n, max_tokens, family) in enumerate(reqs):
+        d.add(str(i), [(family * 5 + j) % 9 for j in range(plen)], n=n, max_tokens=max_tokens)
+    aborts = dict(abort_at)
+    for step in range(10_000):
+        if not d.sched.has_unfinished_requests():
+            break
+        if step in aborts:
+            d.sched.abort_request(str(aborts[step]))
+        if d.sched.has_unfinished_requests():
+            d.step()
+    d.check_done()

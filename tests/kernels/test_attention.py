@@ -101,7 +101,7 @@ MIXED = ([1, 37, 1, 130, 3, 1], [90, 0, 700, 40, 1, 2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (4, 1), (8, 1)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (8, 2), (16, 2)])
 def test_mixed_batch_dtypes_and_gqa(seed, device, dtype, num_heads, num_kv_heads):
     b = make_batch(
         *MIXED,

@@ -4,6 +4,8 @@ simulated engine (runner + output processor) to completion under a tiny KV pool.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,8 +32,10 @@ class Driver:
         self.reqs: dict[str, Request] = {}
         self.steps: list[SchedulerOutput] = []
 
-    def add(self, rid: str, prompt: list[int], n: int = 1, max_tokens: int = 4) -> Request:
-        req = Request(rid, None, prompt, None)
+    def add(
+        self, rid: str, prompt: list[int], n: int = 1, max_tokens: int = 4, params: object = None
+    ) -> Request:
+        req = Request(rid, None, prompt, params)
         self.spec[rid] = (n, max_tokens)
         self.reqs[rid] = req
         self.sched.add_request(req)
@@ -246,6 +250,11 @@ def test_prefix_cache_hit_skips_computed_tokens() -> None:
     assert b.seqs[0].num_cached_tokens == 16
     st_ = d.bm.stats()
     assert st_.prefix_cache_queries == 40 and st_.prefix_cache_hits == 16
+    # prompt logprobs need logits at every prompt position: no lookup for such a request
+    c = d.add("c", list(range(20)), max_tokens=2, params=SimpleNamespace(prompt_logprobs=1))
+    assert not c.use_prefix_cache
+    assert plan(d.step())[-1] == ("c", 20) and c.seqs[0].num_cached_tokens == 0
+    assert d.bm.stats().prefix_cache_queries == 40
     d.run()
     d.check_done()
 

@@ -144,8 +144,13 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     state: object | None = field(default=None, repr=False)  # output processor's slot
+    # Look up the prefix cache at admission. Off when prompt logprobs are wanted: cached
+    # prompt positions are never run through the model, so they would have no logits.
+    use_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.use_prefix_cache = False
         if not self.seqs:
             self.seqs.append(
                 Sequence(

@@ -256,12 +256,16 @@ class Scheduler:
             seqs = req.live_seqs()
             if num_seqs + len(seqs) > self.max_num_seqs:
                 break
-            for seq in seqs:
-                bm.get_computed_blocks(seq)
+            if req.use_prefix_cache:
+                for seq in seqs:
+                    bm.get_computed_blocks(seq)
             plan = self._plan(seqs, budget)
             if not plan or not all(allocate(seq, n) for seq, n in plan):
-                for seq in seqs:
-                    bm.undo_computed_blocks(seq)
+                for seq in seqs:  # roll back: blocks taken and prefix-cache stats counted
+                    if req.use_prefix_cache:
+                        bm.undo_computed_blocks(seq)
+                    else:
+                        bm.free(seq)
                 break
             self.waiting.popleft()
             self.running[req] = None

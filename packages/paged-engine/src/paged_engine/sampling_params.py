@@ -100,9 +100,13 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
-        self.stop_token_ids = [_as_int("stop_token_ids", t) for t in (self.stop_token_ids or ())]
+        else:
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
+        self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
@@ -120,6 +124,8 @@ class SamplingParams:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
 
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "a 64-bit integer")
         if self.n < 1:
             raise bad("n", "at least 1")
         if self.best_of is not None and self.best_of < self.n:

@@ -1,0 +1,224 @@
+"""Decode paged-attention benchmark: time, bandwidth vs a device copy, ratio vs torch SDPA.
+
+    python -m benchmarks.kernel_bench --smoke --out DIR
+
+Realistic shapes (CUDA): 32 query heads, 8 KV heads, head size 128, bf16, block size 16,
+batch 1..256, context 512..32k, K/V blocks scattered over a random permutation of the pool.
+Bandwidth = K/V bytes the kernel must read / time, reported as a fraction of the bandwidth of a
+device-to-device copy measured in the same run ((read + written bytes) / time). SDPA runs on the
+same K/V stored contiguously ([batch, kv_heads, context, head_dim], GQA via enable_gqa).
+Without CUDA the smoke mode runs tiny shapes in the Triton interpreter: it only proves the code
+path works, and the JSON says its numbers are not meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:  # must precede the first @triton.jit definition (import of paged_kernels)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+MAX_TOKENS_IN_POOL = 1 << 21  # batch * context cap: 8.6 GB of bf16 K/V at these head sizes
+
+
+def _shapes(smoke: bool) -> dict:
+    if not HAS_CUDA:
+        tiny = dict(heads=4, kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32)
+        return {**tiny, "batches": [1, 2], "contexts": [64, 192]}
+    batches = [1, 64] if smoke else [1, 4, 16, 64, 256]
+    contexts = [512, 4096] if smoke else [512, 2048, 8192, 32768]
+    real = dict(heads=32, kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    return {**real, "batches": batches, "contexts": contexts}
+
+
+def _time_ms(fn) -> float:
+    if HAS_CUDA:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+    fn()  # compile / warm the interpreter
+    samples = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _copy_bandwidth_gbps(device: torch.device) -> float:
+    """(bytes read + bytes written) / time of one large device-to-device copy."""
+    numel = (1 << 28) if HAS_CUDA else (1 << 22)  # 1 GiB / 16 MiB of fp32
+    src = torch.empty(numel, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+
+
+def _sdpa(q, k, v, scale):
+    # q: [B, H, 1, D]; k, v: [B, H_kv, S, D]
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    try:
+        return sdpa(q, k, v, scale=scale, enable_gqa=True)
+    except TypeError:  # torch without enable_gqa
+        group = q.shape[1] // k.shape[1]
+        return sdpa(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), scale=scale)
+
+
+def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps: float) -> dict:
+    from paged_kernels import choose_num_splits, paged_attention
+    from paged_kernels._utils import device_sms
+
+    h, hk, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    bs, dtype = cfg["block_size"], cfg["dtype"]
+    blocks_per_seq = -(-ctx // bs)
+    num_blocks = batch * blocks_per_seq
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    block_tables = perm.view(batch, blocks_per_seq)
+    k_cache = torch.randn(num_blocks, bs, hk, d, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, h, d, device=device, dtype=dtype)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    scale = d**-0.5
+    out = torch.empty_like(q)
+    kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=out)
+    args = (q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
+    splits = choose_num_splits(batch, hk, 1, ctx, device_sms(device))
+    paged_ms = _time_ms(lambda: paged_attention(*args, **kw))
+    nosplit_ms = paged_ms
+    if splits > 1:
+        nosplit_ms = _time_ms(lambda: paged_attention(*args, num_splits=1, **kw))
+
+    # The same K/V, contiguous per sequence: [B, H_kv, S, D].
+    def contiguous(cache):
+        flat = cache[block_tables.long()].reshape(batch, blocks_per_seq * bs, hk, d)
+        return flat[:, :ctx].transpose(1, 2).contiguous()
+
+    k, v = contiguous(k_cache), contiguous(v_cache)
+    del k_cache, v_cache
+    q4 = q.unsqueeze(2)  # [B, H, 1, D]
+    sdpa_ms = _time_ms(lambda: _sdpa(q4, k, v, scale))
+    diff = (_sdpa(q4, k, v, scale).squeeze(2).float() - out.float()).abs().max().item()
+    kv_bytes = 2 * batch * ctx * hk * d * torch.finfo(dtype).bits // 8
+    gbps = kv_bytes / (paged_ms * 1e-3) / 1e9
+    return {
+        "batch": batch,
+        "context": ctx,
+        "num_splits": splits,
+        "paged_ms": round(paged_ms, 5),
+        "paged_nosplit_ms": round(nosplit_ms, 5),
+        "sdpa_ms": round(sdpa_ms, 5),
+        "speedup_vs_sdpa": round(sdpa_ms / paged_ms, 3),
+        "kv_bytes": kv_bytes,
+        "achieved_gbps": round(gbps, 2),
+        "fraction_of_copy_bw": round(gbps / copy_gbps, 3),
+        "max_abs_diff_vs_sdpa": diff,
+    }
+
+
+def _plot(results: list[dict], out_dir: Path, title: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for batch in sorted({r["batch"] for r in results}):
+        rows = [r for r in results if r["batch"] == batch]
+        ctx = [r["context"] for r in rows]
+        ax1.plot(ctx, [r["fraction_of_copy_bw"] for r in rows], marker="o", label=f"batch {batch}")
+        ax2.plot(ctx, [r["speedup_vs_sdpa"] for r in rows], marker="o", label=f"batch {batch}")
+    for ax, label in ((ax1, "K/V read bandwidth / copy bandwidth"), (ax2, "SDPA time / paged")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out_dir / "kernel_bench.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _run_in_interpreter(smoke: bool, out_dir: Path) -> dict:
+    """paged_kernels was imported before TRITON_INTERPRET was set: rerun in a fresh process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "benchmarks.kernel_bench", "--out", str(out_dir)]
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(cmd + (["--smoke"] if smoke else []), env=env, cwd=root, check=True)
+    return json.loads((out_dir / "kernel_bench.json").read_text())
+
+
+def run(smoke: bool, out_dir: Path) -> dict:
+    """Benchmark decode paged attention; write kernel_bench.json (+ .png) into out_dir."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        return _run_in_interpreter(smoke, out_dir)
+    attention = sys.modules.get("paged_kernels.attention")
+    kernel_kind = type(getattr(attention, "_paged_attention_kernel", None)).__name__
+    if not HAS_CUDA and attention is not None and kernel_kind != "InterpretedFunction":
+        return _run_in_interpreter(smoke, out_dir)
+    device = torch.device("cuda" if HAS_CUDA else "cpu")
+    cfg = _shapes(smoke)
+    copy_gbps = _copy_bandwidth_gbps(device)
+    results = []
+    for batch in cfg["batches"]:
+        for ctx in cfg["contexts"]:
+            if batch * ctx > MAX_TOKENS_IN_POOL:
+                continue
+            results.append(_bench_one(batch, ctx, cfg, device, copy_gbps))
+            if HAS_CUDA:
+                torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name() if HAS_CUDA else "cpu (Triton interpreter)"
+    report = {
+        "benchmark": "decode paged_attention",
+        "device": name,
+        "meaningful": HAS_CUDA,
+        "note": "CUDA timings via triton.testing.do_bench"
+        if HAS_CUDA
+        else "CPU / Triton interpreter: numbers only prove the code runs; not meaningful",
+        "smoke": smoke,
+        "config": {**{k: v for k, v in cfg.items() if k != "dtype"}, "dtype": str(cfg["dtype"])},
+        "torch": torch.__version__,
+        "copy_bandwidth_gbps": round(copy_gbps, 2),
+        "bandwidth_definition": "K+V bytes read / paged time; copy = (read + written) / time",
+        "results": results,
+    }
+    report["plot"] = _plot(results, out_dir, f"paged decode attention, {name}")
+    (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_bench", description=__doc__)
+    p.add_argument("--smoke", action="store_true", help="few, small shapes")
+    p.add_argument("--out", type=Path, default=Path("kernel-bench-out"))
+    args = p.parse_args(argv)
+    report = run(args.smoke, args.out)
+    for r in report["results"]:
+        print(
+            f"batch {r['batch']:>4} ctx {r['context']:>6} splits {r['num_splits']:>2}: "
+            f"{r['paged_ms']:.4f} ms, {r['fraction_of_copy_bw']:.2f} of copy bw, "
+            f"{r['speedup_vs_sdpa']:.2f}x vs SDPA"
+        )
+    print(f"wrote {args.out / 'kernel_bench.json'}")
+
+
+if __name__ == "__main__":
+    main()

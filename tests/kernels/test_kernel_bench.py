@@ -1,0 +1,20 @@
+"""benchmarks.kernel_bench smoke mode writes its JSON (on CPU: tiny interpreter shapes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # repo root: `benchmarks` package
+from benchmarks import kernel_bench
+
+
+def test_kernel_bench_smoke(tmp_path):
+    report = kernel_bench.run(smoke=True, out_dir=tmp_path)
+    saved = json.loads((tmp_path / "kernel_bench.json").read_text())
+    assert saved["results"] and len(saved["results"]) == len(report["results"])
+    for row in saved["results"]:
+        assert row["paged_ms"] > 0 and row["sdpa_ms"] > 0
+        assert row["max_abs_diff_vs_sdpa"] < 5e-2
+    assert saved["meaningful"] == kernel_bench.HAS_CUDA

@@ -77,24 +77,25 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
-        try:
-            if self.api_key is not None and route.startswith("/v1"):
-                self._check_key(h)
-            methods = self.routes.get(route)
-            if methods is None:
-                raise APIError(404, f"route {path} not found", code="not_found")
-            fn = methods.get("GET" if method == "HEAD" else method)
-            if fn is None:
-                allow = ", ".join(methods)
-                raise APIError(
-                    405,
-                    f"method {method} not allowed on {route}; use {allow}",
-                    code="method_not_allowed",
-                    headers={"Allow": allow},
-                )
-            fn(h)
-        finally:
-            self.client.metrics.count_http(route if route in self.routes else "other", h.status)
+        if self.api_key is not None and route.startswith("/v1"):
+            self._check_key(h)
+        methods = self.routes.get(route)
+        if methods is None:
+            raise APIError(404, f"route {path} not found", code="not_found")
+        fn = methods.get("GET" if method == "HEAD" else method)
+        if fn is None:
+            allow = ", ".join(methods)
+            raise APIError(
+                405,
+                f"method {method} not allowed on {route}; use {allow}",
+                code="method_not_allowed",
+                headers={"Allow": allow},
+            )
+        fn(h)
+
+    def record(self, path: str, status: int) -> None:
+        route = path.rstrip("/") or "/"
+        self.client.metrics.count_http(route if route in self.routes else "other", status)
 
     def _check_key(self, h: Handler) -> None:
         auth = h.headers.get("Authorization", "")

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from paged_server.app import OpenAIApp
@@ -109,7 +110,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, type]:
 def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
     """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
     model_path = str(getattr(engine.config, "model", args.model))
-    names = args.served_model_name or [args.model or model_path]
+    names = args.served_model_name or [args.model or Path(model_path).stem]
     metrics = Metrics(names[0])
     client = EngineClient(
         engine,

@@ -30,6 +30,8 @@ log = logging.getLogger("paged_server")
 class App(Protocol):
     def dispatch(self, handler: Handler, method: str, path: str) -> None: ...
 
+    def record(self, path: str, status: int) -> None: ...
+
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -121,6 +123,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(APIError(500, "internal server error"))
         finally:
             self.server.track(-1)
+            self.server.app.record(path, self.status)
             dt = time.monotonic() - self.t_start
             log.info(
                 "%s %s %s %d %.3fs%s",
@@ -159,7 +162,7 @@ class Handler(BaseHTTPRequestHandler):
         self.body_read = True
         try:
             return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise bad_request(f"Invalid JSON body: {e}") from None
 
     def _read_exact(self, n: int) -> bytes:

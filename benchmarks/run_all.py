@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         layers = {} if gpu else {"num_hidden_layers": 2}  # the forward is stubbed anyway
         ospec = config_dir("qwen3-0.6b", args.work_dir / "qwen3-0.6b-config", device, **layers)
-        res = overhead.run(ospec, device, steps=10 if args.smoke else 50, log=log)
+        res = overhead.run(ospec, device, steps=5 if args.smoke else 50, log=log)
         plots.overhead(res, out / "overhead.png", f"engine step, 256 sequences, {slug}")
         return res
 

@@ -1,0 +1,77 @@
+"""Each benchmark function end to end on the tiny model (a handful of requests)."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import memory, overhead, plots, report, serving, throughput
+
+
+def test_throughput_all_systems(tiny_spec, tiny_workload, tmp_path):
+    opts = {
+        "hf-static": {"batch_size": 2},
+        "hf-continuous": {"num_blocks": 8, "max_batch_tokens": 256},
+    }
+    res = throughput.run(tiny_spec, [tiny_workload], "cpu", tmp_path, opts=opts, log=lambda _: None)
+    errors = [r for r in res["records"] if "error" in r]
+    assert not errors, errors
+    assert {r["system"] for r in res["records"]} == set(throughput.SYSTEMS)
+    for r in res["records"]:
+        assert r["output_tokens"] == tiny_workload.output_tokens and r["output_tokens_per_s"] > 0
+    assert {r["peer"] for r in res["ratios"]} == {"hf-static", "hf-continuous"}
+    assert plots.throughput(res["records"], tmp_path / "t.png", "t").exists()
+
+
+def test_memory_waste_and_sharing(tiny_spec, tiny_workload):
+    res = memory.run(
+        tiny_spec, tiny_workload, tiny_workload, "cpu", widths=(2,), log=lambda _: None
+    )
+    assert 0 <= res["waste"]["waste_perc"] < 100
+    kinds = {(r["kind"], r["width"]): r for r in res["sharing"]}
+    assert set(kinds) == {("parallel", 2), ("beam", 2)}
+    for r in kinds.values():
+        assert "error" not in r, r
+        assert r["memory_saved_perc"] > 0  # the prompt's blocks are shared
+    assert kinds["parallel", 2]["unshared_output_tokens_per_s"] > 0
+
+
+def test_overhead_stubbed_step(tiny_spec):
+    res = overhead.run(tiny_spec, "cpu", num_seqs=8, prompt_len=8, steps=2, log=lambda _: None)
+    assert res["num_running_seqs"] == 8
+    assert res["phases"]["schedule"]["mean_ms"] > 0
+    assert res["step_ms_without_forward_and_sampling"] > 0
+
+
+def test_serving_poisson(tiny_spec, tiny_workload, tmp_path):
+    res = serving.run(
+        str(tiny_spec.path),
+        tiny_workload.requests,
+        [4.0],
+        tmp_path,
+        ["--max-model-len", "64"],
+        timeout_s=120,
+        log=lambda _: None,
+    )
+    (rate,) = res["rates"]
+    assert rate["num_ok"] == tiny_workload.num_requests, rate
+    assert rate["output_tokens"] == tiny_workload.output_tokens
+    assert rate["ttft_p50_ms"] > 0 and rate["normalized_latency_s_per_token"] > 0
+    assert plots.serving(res["rates"], tmp_path / "s.png", "s").exists()
+
+
+def test_report_only_shows_measured_devices(tmp_path):
+    run = {
+        "device": "cpu",
+        "smoke": True,
+        "date_utc": "now",
+        "command": "python -m benchmarks.run_all --smoke",
+        "env": {"python": "3", "torch": "t", "transformers": "x", "cpu_count": 2, "cpu": "x86"},
+        "prefill_included": True,
+        "cuda_graphs": False,
+        "models": {"m": {"dtype": "float32"}},
+        "sections": {"kernels": {"error": "ModuleNotFoundError: x"}},
+    }
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "results.json").write_text(json.dumps(run))
+    text = report.write(tmp_path).read_text()
+    assert "## cpu" in text and "Not yet measured" in text and "ModuleNotFoundError" in text

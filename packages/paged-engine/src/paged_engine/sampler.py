@@ -269,7 +269,9 @@ def log_softmax_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values - raw.logsumexp(dim=-1, keepdim=True), ids
 
 
-def compute_prompt_logprobs(logits: Tensor, target_token_ids: Tensor, k: int) -> list[dict]:
+def compute_prompt_logprobs(
+    logits: Tensor, target_token_ids: Tensor, k: int
+) -> list[dict[int, Logprob]]:
     """Raw logprobs of each actual next prompt token plus the top-k at each position.
 
     logits: [P, V], the logits at prompt positions 0..P-1; target_token_ids: [P], the token

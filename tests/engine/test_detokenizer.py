@@ -250,6 +250,30 @@ def test_find_stop_incremental_matches_naive():
             assert hit[0] == naive[0] and text[hit[0] :].startswith(hit[1])
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_streaming_with_stop_strings_never_takes_back_text(tok, include):
+    """The per-step protocol of the output processor: what a server streams (output_text minus
+    the holdback) is always a prefix of the final, stop-truncated text."""
+    text = "The quick fox said: 世界 🚀 done.\n\nUser: more text after the stop"
+    stop = "\n\nUser:"
+    final = text[: text.index(stop) + (len(stop) if include else 0)]
+    ids = tok.encode(text).ids
+    checker = StopChecker([stop, "never-seen"], include_stop_str_in_output=include)
+    det = IncrementalDetokenizer(tok, [])
+    streamed, hit = "", None
+    for t in ids:
+        delta = det.add_tokens([t])
+        if hit := checker.check(det.output_text, len(delta)):
+            det.truncate(hit[0])
+            break
+        visible = det.output_text[: len(det.output_text) - checker.holdback(det.output_text)]
+        assert visible.startswith(streamed)
+        streamed = visible
+        assert final.startswith(streamed)
+    assert hit is not None and hit[1] == stop
+    assert det.output_text == final and final.startswith(streamed)
+
+
 def test_stop_holdback():
     assert stop_holdback("Hello wo", ["world"]) == 2
     assert stop_holdback("Hello", ["world"]) == 0

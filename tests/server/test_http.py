@@ -195,3 +195,13 @@ def test_api_key(guarded_server: ServerProc) -> None:
     assert s.request("POST", "/v1/completions", OK_BODY, headers=ok)[0] == 200
     assert s.request("GET", "/health")[0] == 200  # outside /v1: no key needed
     assert s.request("GET", "/metrics")[0] == 200
+
+
+def test_http10_client_gets_a_stream_ended_by_close(server: ServerProc) -> None:
+    data = json.dumps({"prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    reply = _raw(
+        server, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+    )
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"chunked" not in head
+    assert body.startswith(b"data: {") and body.endswith(b"data: [DONE]\n\n")

@@ -38,6 +38,7 @@ def test_completions_n_and_logprobs(client) -> None:
         model="tiny", prompt=PROMPTS[:2], max_tokens=4, n=2, logprobs=3, seed=1
     )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text for c in r.choices)  # forked sequences carry their own text
     for c in r.choices:
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) <= 4
@@ -132,3 +133,17 @@ def test_greedy_http_equals_llm_generate(client, tiny_model: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=8)
     assert [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)] == http_texts
     assert llm.chat(msgs, params, use_tqdm=False)[0].outputs[0].text == http_chat
+
+
+def test_streaming_never_emits_text_a_stop_string_removes(client) -> None:
+    kw = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 30, "temperature": 0}
+    text = client.completions.create(**kw).choices[0].text
+    # a stop string from the middle of the greedy output, free of replacement characters
+    start = next(i for i in range(5, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    stop = text[start : start + 3]
+    want = text[: text.index(stop)]
+    r = client.completions.create(**kw, stop=[stop, "zzzzzzzz"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stop=[stop, "zzzzzzzz"], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"

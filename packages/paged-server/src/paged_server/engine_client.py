@@ -221,23 +221,24 @@ class EngineClient:
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
-            handled = self._drain()
-            if self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception:
-                    log.exception("engine step failed; failing the requests in flight")
-                    self.step_errors += 1
-                    self._fail_all(APIError(500, "internal engine error"))
-                else:
-                    self._dispatch(outputs)
-                self._refresh_stats()
-            else:
-                if handled:
-                    self._refresh_stats()
-                self._wake.wait(1.0)
-                self._wake.clear()
+            try:
+                self._iterate()
+            except Exception:  # the engine's state is unknown: fail what is in flight, go on
+                log.exception("engine loop error; failing the requests in flight")
+                self.step_errors += 1
+                self._fail_all(APIError(500, "internal engine error"))
         self._fail_all(APIError(503, "the server is shutting down"))
+
+    def _iterate(self) -> None:
+        handled = self._drain()
+        if self.engine.has_unfinished_requests():
+            self._dispatch(self.engine.step())
+            self._refresh_stats()
+        else:
+            if handled:
+                self._refresh_stats()
+            self._wake.wait(1.0)
+            self._wake.clear()
 
     def _drain(self) -> int:
         handled = adds = 0

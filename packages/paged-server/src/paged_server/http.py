@@ -105,7 +105,7 @@ class Handler(BaseHTTPRequestHandler):
         self.t_start = time.monotonic()
         self.status = 0
         self.headers_sent = False
-        self.chunked = False
+        self.streaming = False
         self.log_extra = ""
         self.body_read = False
         path = urlsplit(self.path).path
@@ -205,7 +205,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send_error(self, e: APIError) -> None:
         if self.headers_sent:  # mid-stream: report in-band, then end the stream
-            if self.chunked:
+            if self.streaming:
                 try:
                     self.send_event(json.loads(e.body()))
                     self.end_stream()
@@ -234,26 +234,35 @@ class Handler(BaseHTTPRequestHandler):
             pass
 
     def start_stream(self) -> None:
+        """SSE in chunked encoding; HTTP/1.0 clients get a raw stream ended by closing."""
         self.status = 200
+        self.streaming = True
+        self.chunked = self.request_version != "HTTP/1.0"
+        self.close_connection = self.close_connection or not self.chunked
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
+        if self.chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.headers_sent = True
-        self.chunked = True
         self.wfile.flush()
 
     def send_event(self, obj: Any) -> None:
-        """One SSE event in one HTTP chunk; raises OSError if the client went away."""
+        """One SSE event (one HTTP chunk); raises OSError if the client went away."""
         data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        if self.chunked:
+            data = b"%x\r\n%s\r\n" % (len(data), data)
+        self.wfile.write(data)
         self.wfile.flush()
 
     def end_stream(self) -> None:
         self.send_event(b"[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+        if self.chunked:
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
 
     # ---- connection state ------------------------------------------------------------------
     def client_gone(self) -> bool:

@@ -35,7 +35,7 @@ class Driver:
     def add(
         self, rid: str, prompt: list[int], n: int = 1, max_tokens: int = 4, params: object = None
     ) -> Request:
-        req = Request(rid, None, prompt, params)
+        req = Request(rid, None, prompt, SimpleNamespace(n=n) if params is None else params)
         self.spec[rid] = (n, max_tokens)
         self.reqs[rid] = req
         self.sched.add_request(req)
@@ -68,6 +68,7 @@ class Driver:
             if done:
                 self.sample(req, live)
         self.check_content()
+        assert sched.num_running_seqs <= sched.max_num_seqs
         return out
 
     def sample(self, req: Request, live: list) -> None:
@@ -236,6 +237,20 @@ def test_multi_sequence_request_readmitted_whole_or_not_at_all() -> None:
     out = d.step()  # a needs 3 seq slots: readmitted whole; b waits (max_num_seqs)
     assert {r.request_id for r in out.scheduled_requests} == {"a"}
     assert all(s.status == SequenceStatus.RUNNING for s in req.live_seqs())
+    d.run()
+    d.check_done()
+
+
+def test_max_num_seqs_reserves_seats_for_forks() -> None:
+    d = make(max_num_seqs=4)
+    d.add("a", [1, 2, 3], n=3, max_tokens=3)
+    d.add("b", [4, 5], n=2, max_tokens=3)
+    d.add("c", [6], n=1, max_tokens=3)
+    # a reserves 3 seats before it forks; b (2 more) must wait, and FCFS keeps c behind b
+    assert [r.request_id for r in d.step().scheduled_requests] == ["a"]
+    assert d.sched.num_running_seqs == 3 and d.sched.num_waiting == 2
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        d.sched.add_request(Request("big", None, [1], SimpleNamespace(n=5)))
     d.run()
     d.check_done()
 

@@ -147,10 +147,19 @@ class Request:
     # Look up the prefix cache at admission. Off when prompt logprobs are wanted: cached
     # prompt positions are never run through the model, so they would have no logits.
     use_prefix_cache: bool = True
+    # Sequences this request will fork into (n / best_of, or the beam width): the scheduler
+    # reserves that many of max_num_seqs at admission. 0 = derive from params.
+    max_live_seqs: int = 0
 
     def __post_init__(self) -> None:
-        if getattr(self.params, "prompt_logprobs", None) is not None:
+        params = self.params
+        if getattr(params, "prompt_logprobs", None) is not None:
             self.use_prefix_cache = False
+        if self.max_live_seqs <= 0:
+            width = getattr(params, "beam_width", None) or max(
+                getattr(params, "n", None) or 1, getattr(params, "best_of", None) or 1
+            )
+            self.max_live_seqs = int(width)
         if not self.seqs:
             self.seqs.append(
                 Sequence(

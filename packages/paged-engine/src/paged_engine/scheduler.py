@@ -80,6 +80,11 @@ class Scheduler:
         assert req.status == RequestStatus.WAITING and req.live_seqs()
         for seq in req.live_seqs():
             assert seq.num_tokens <= self.max_model_len, "prompt longer than max_model_len"
+        if req.max_live_seqs > self.max_num_seqs:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.max_live_seqs} sequences at once, "
+                f"more than max_num_seqs={self.max_num_seqs}"
+            )
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -99,6 +104,7 @@ class Scheduler:
 
     @property
     def num_running_seqs(self) -> int:
+        """Live sequences of running requests (not counting seats reserved for forks)."""
         return sum(len(req.live_seqs()) for req in self.running)
 
     def running_seqs(self) -> list[Sequence]:
@@ -164,6 +170,12 @@ class Scheduler:
         return child
 
     # ---- one step ----------------------------------------------------------------------------
+    @staticmethod
+    def _seq_slots(req: Request, live: list[Sequence]) -> int:
+        """Seats of max_num_seqs a request takes: its live seqs, or before its first fork the
+        number it will fork into (so n > 1 / beams never overshoot max_num_seqs)."""
+        return max(req.max_live_seqs, 1) if len(req.seqs) == 1 else len(live)
+
     def _may_split(self, num_tokens: int) -> bool:
         """Without chunked prefill, work that fits one empty step waits for one; work that could
         never fit (a multi-sequence request recomputed after preemption) is still split."""
@@ -206,6 +218,17 @@ class Scheduler:
         self.waiting.appendleft(req)
         preempted.append(req)
 
+    def _make_room(self, req: Request, seq: Sequence, n: int, preempted: list[Request]) -> bool:
+        """Preempt from the tail of `running` until `seq` gets its blocks. False when `req`
+        itself was the last one left to preempt (then it is preempted)."""
+        while True:
+            victim = next(reversed(self.running))
+            self._preempt(victim, preempted)
+            if victim is req:
+                return False
+            if self.block_manager.allocate_slots(seq, n):
+                return True
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         max_len = self.max_model_len
@@ -226,23 +249,21 @@ class Scheduler:
                 n = len(seq.token_ids) - seq.num_computed_tokens
                 if n > budget:
                     n = budget if self._may_split(n) else 0
-                plan = ((seq, n),) if n > 0 else ()
-            else:
-                seqs = req.live_seqs()
-                plan = self._plan(seqs, budget) if budget else []
-            ok = True
-            for seq, n in plan:
-                assert len(seq.token_ids) <= max_len, "the engine finishes seqs at max_model_len"
-                while not allocate(seq, n):
-                    victim = next(reversed(self.running))
-                    self._preempt(victim, preempted)
-                    if victim is req:
-                        ok = False
-                        break
-                if not ok:
-                    break
-            if not ok:
+                if n > 0:
+                    assert len(seq.token_ids) <= max_len, "the engine finishes at max_model_len"
+                    if not allocate(seq, n) and not self._make_room(req, seq, n, preempted):
+                        continue  # req preempted itself
+                    scheduled.append(ScheduledSeq(seq, n))
+                    budget -= n
+                    scheduled_reqs.append(req)
+                num_seqs += req.max_live_seqs  # seats reserved for its forks (_seq_slots)
                 continue
+            seqs = req.live_seqs()
+            plan = self._plan(seqs, budget) if budget else []
+            if not all(
+                allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
+            ):
+                continue  # req preempted itself
             num_seqs += len(seqs)
             if plan:
                 for seq, n in plan:
@@ -254,7 +275,8 @@ class Scheduler:
         while self.waiting and budget and not preempted:
             req = self.waiting[0]
             seqs = req.live_seqs()
-            if num_seqs + len(seqs) > self.max_num_seqs:
+            slots = self._seq_slots(req, seqs)
+            if num_seqs + slots > self.max_num_seqs:
                 break
             if req.use_prefix_cache:
                 for seq in seqs:
@@ -272,7 +294,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             for seq in seqs:
                 seq.status = _RUNNING
-            num_seqs += len(seqs)
+            num_seqs += slots
             for seq, n in plan:
                 scheduled.append(ScheduledSeq(seq, n))
                 budget -= n

@@ -9,9 +9,12 @@ sequence runs
 so a long prompt spreads over several steps (chunked prefill) while decodes keep running.
 
 Order: running requests first (admission order), then waiting requests FCFS while the token
-budget, `max_num_seqs` (live sequences) and free blocks allow. When blocks run out, the most
-recently admitted running request is preempted by recompute: its blocks are freed, its tokens
-(outputs included) kept, and it goes back to the head of the waiting queue.
+budget, `max_num_seqs` (live sequences; a request not yet forked reserves `max_live_seqs`) and
+free blocks allow. When blocks run out, the most recently admitted running request is
+preempted by recompute: its blocks are freed, its tokens (outputs included) kept, and it goes
+back to the head of the waiting queue. Without chunked prefill a request's work runs whole,
+unless it could never fit one step (a multi-sequence recompute). A step that can schedule
+nothing while requests remain raises RuntimeError instead of looping forever.
 
 Lockstep: the live sequences of one request reach the end of their tokens in the same step
 (they are sampled together). If the budget cannot finish all of them, each gets at most

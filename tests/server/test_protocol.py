@@ -171,3 +171,20 @@ def test_queue_limit_counts_requests_not_yet_seen_by_the_engine() -> None:
     with pytest.raises(APIError) as e:
         client.check_queue()
     assert e.value.status == 429 and e.value.headers["Retry-After"]
+
+
+def test_cli_takes_vllm_flag_names() -> None:
+    from paged_server.cli import build_parser
+
+    argv = (
+        "--model m --served-model-name a b --port 0 --api-key k --tensor-parallel-size 2 "
+        "--dtype float16 --max-model-len 64 --gpu-memory-utilization 0.5 --block-size 32 "
+        "--max-num-seqs 8 --max-num-batched-tokens 512 --no-enable-prefix-caching --seed 3 "
+        "--chat-template t.jinja --max-queued-requests 4 --load-format dummy --enforce-eager"
+    )
+    args = build_parser().parse_args(argv.split(" "))
+    assert args.served_model_name == ["a", "b"] and args.tensor_parallel_size == 2
+    assert args.enable_prefix_caching is False and args.enforce_eager
+    defaults = build_parser().parse_args([])
+    assert (defaults.host, defaults.port, defaults.model) == ("127.0.0.1", 8000, None)
+    assert defaults.enable_prefix_caching and defaults.max_queued_requests is None

@@ -129,13 +129,17 @@ def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
         apply_chat_template=apply_template,
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
     )
-    server = Server(
-        (args.host, args.port),
-        app,
-        max_body_bytes=args.max_request_body_bytes,
-        keep_alive_timeout=args.timeout_keep_alive,
-        io_timeout=args.client_timeout,
-    )
+    try:
+        server = Server(
+            (args.host, args.port),
+            app,
+            max_body_bytes=args.max_request_body_bytes,
+            keep_alive_timeout=args.timeout_keep_alive,
+            io_timeout=args.client_timeout,
+        )
+    except OSError as e:
+        print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     client.start()
     stop = threading.Event()
 

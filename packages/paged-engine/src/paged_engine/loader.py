@@ -9,6 +9,7 @@ Nothing here downloads: hub ids resolve through the local Hugging Face cache onl
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -83,9 +84,9 @@ def _hub_snapshot(repo_id: str) -> Path:
 def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     """The transformers PretrainedConfig (built from GGUF metadata for .gguf models)."""
     if resolved.is_gguf:
-        from paged_engine.gguf import GGUFFile, gguf_to_hf_config
+        from paged_engine.gguf import gguf_to_hf_config
 
-        return gguf_to_hf_config(GGUFFile(resolved.gguf_file))
+        return gguf_to_hf_config(_open_gguf(resolved.gguf_file))
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
@@ -94,12 +95,20 @@ def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     """A transformers tokenizer (built from GGUF metadata for .gguf models)."""
     if resolved.is_gguf:
-        from paged_engine.gguf import GGUFFile, gguf_tokenizer
+        from paged_engine.gguf import gguf_tokenizer
 
-        return gguf_tokenizer(GGUFFile(resolved.gguf_file))
+        return gguf_tokenizer(_open_gguf(resolved.gguf_file))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path):
+    """One parse per file for config, tokenizer and weights (the data stays memory-mapped)."""
+    from paged_engine.gguf import GGUFFile
+
+    return GGUFFile(path)
 
 
 _DTYPES = {
@@ -166,9 +175,9 @@ def iter_weights(
     if load_format == "gguf":
         if not resolved.is_gguf:
             raise ValueError(f"load_format='gguf' but {resolved.name!r} is not a .gguf model")
-        from paged_engine.gguf import GGUFFile, gguf_weights
+        from paged_engine.gguf import gguf_weights
 
-        return gguf_weights(GGUFFile(resolved.gguf_file))
+        return gguf_weights(_open_gguf(resolved.gguf_file))
     files = _weight_files(resolved.path, load_format)
     return _iter_safetensors(files) if load_format == "safetensors" else _iter_pt(files)
 

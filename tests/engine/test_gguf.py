@@ -1,0 +1,278 @@
+"""Our GGUF reader / dequantizers / converters against the `gguf` package and transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from paged_engine.default_model import default_model_path
+from paged_engine.gguf import GGML_TYPES, GGUFFile, dequantize, gguf_tokenizer, gguf_weights
+from paged_engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model
+
+gguf = pytest.importorskip("gguf")
+
+TEXTS = [
+    "Hello world!",
+    "The capital of France is Paris. The year 2024 had 366 days; 3.14159 is pi.",
+    "  leading spaces\n\nnew lines\ttabs   trailing   ",
+    "unicode: héllo wörld 世界 🚀 Ω≈ç√ — “quotes”",
+    "<|im_start|>user\nWhat's up?<|im_end|>\n<|im_start|>assistant\n",
+    "don't you'll I'M we've they'd",
+    "def f(x):\n    return x ** 2  # comment\n",
+    "a\r\nb\r\n\r\nc",
+    "",
+    " ",
+]
+
+
+# -- dequantizers --------------------------------------------------------------------------------
+@pytest.mark.parametrize("ggml_type", [2, 3, 6, 7, 8, 12, 13, 14], ids=lambda t: GGML_TYPES[t][0])
+def test_dequantize_matches_gguf_package(ggml_type):
+    _, block, nbytes = GGML_TYPES[ggml_type]
+    rng = np.random.default_rng(ggml_type)
+    nb = 48
+    raw = rng.integers(0, 256, size=(nb, nbytes), dtype=np.uint8)
+    scale_offsets = {
+        2: [0],
+        6: [0],
+        8: [0],
+        3: [0, 2],
+        7: [0, 2],
+        12: [0, 2],
+        13: [0, 2],
+        14: [208],
+    }[ggml_type]
+    for off in scale_offsets:  # finite float16 scales (random bytes may be inf / nan)
+        scales = rng.uniform(-2, 2, size=(nb, 1)).astype(np.float16)
+        raw[:, off : off + 2] = scales.view(np.uint8).reshape(nb, 2)
+    shape = (3, nb * block // 3) if (nb * block) % 3 == 0 else (nb * block,)
+    ours = dequantize(raw.reshape(-1), ggml_type, shape)
+    ref = gguf.quants.dequantize(raw.reshape(-1), gguf.GGMLQuantizationType(ggml_type))
+    assert ours.dtype == torch.float32
+    np.testing.assert_array_equal(ours.numpy().reshape(-1), ref.reshape(-1))
+
+
+def test_dequantize_float_types_keep_dtype():
+    x = torch.randn(4, 8)
+    for t, dt in ((0, torch.float32), (1, torch.float16), (30, torch.bfloat16)):
+        raw = x.to(dt).view(torch.uint8 if dt == torch.float32 else torch.int16).numpy()
+        got = dequantize(raw.view(np.uint8).reshape(-1), t, (4, 8))
+        assert got.dtype == dt and torch.equal(got, x.to(dt))
+    with pytest.raises(ValueError, match="cannot dequantize ggml type Q2_K"):
+        dequantize(np.zeros(84, np.uint8), 10, (256,))
+
+
+# -- a synthetic GGUF written from a tiny HF llama -------------------------------------------
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def gguf_name(hf: str) -> str:
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
+            "output_norm.weight", "lm_head.weight": "output.weight"}  # fmt: skip
+    if hf in glob:
+        return glob[hf]
+    _, _, layer, *rest = hf.split(".")
+    return f"blk.{layer}.{_LAYER['.'.join(rest[:-1])]}.{rest[-1]}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama q/k rows (from its documented layout)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+@pytest.fixture(scope="module")
+def synthetic_gguf(tiny_llama_dir, tmp_path_factory):
+    """(gguf path, expected HF-named float32 weights after our dequantization)."""
+    from safetensors.torch import load_file
+
+    Q = gguf.GGMLQuantizationType
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    tok = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    tokens = [t for t, _ in vocab] + [added[i]["content"] for i in sorted(added) if i >= len(vocab)]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_token_types([3 if i in added and added[i]["special"] else 1 for i in range(len(tokens))])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_pad_token_id(2)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    expected = {}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    for name, t in sorted(load_file(tiny_llama_dir / "model.safetensors").items()):
+        arr = t.numpy()
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, heads)
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, kv_heads)
+        if name == "model.embed_tokens.weight" or name.endswith("gate_proj.weight"):
+            q = gguf.quants.quantize(arr, Q.Q8_0)
+            w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
+            deq = torch.from_numpy(gguf.quants.dequantize(q, Q.Q8_0))
+        elif name.endswith("down_proj.weight"):
+            w.add_tensor(gguf_name(name), arr.astype(np.float16))
+            deq = torch.from_numpy(arr.astype(np.float16).astype(np.float32))
+        else:
+            w.add_tensor(gguf_name(name), arr)
+            deq = torch.from_numpy(arr.copy())
+        if name.endswith("q_proj.weight") or name.endswith("k_proj.weight"):
+            deq = (
+                t.clone()
+                if deq.dtype == torch.float32 and torch.equal(deq, torch.from_numpy(arr))
+                else deq
+            )  # F32 q/k must come back as HF's own (unpermuted) rows
+        expected[name] = deq.float()
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, expected
+
+
+def test_reader_matches_gguf_package(synthetic_gguf):
+    path, _ = synthetic_gguf
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert set(ours.tensors) == {t.name for t in ref.tensors}
+    for t in ref.tensors:
+        info = ours.tensors[t.name]
+        assert info.ggml_type == int(t.tensor_type)
+        assert info.shape == tuple(int(d) for d in reversed(t.shape))
+        assert bytes(ours.raw(t.name)) == t.data.tobytes()
+    assert ours.get("llama.attention.head_count") == 4
+    assert ours.get("tokenizer.ggml.tokens")[:3] == ["<|bos|>", "<|eos|>", "<|pad|>"]
+
+
+def test_synthetic_gguf_weights_config_and_logits(synthetic_gguf, tiny_llama_dir):
+    from test_models import PagedRunner, hf_logits, load_hf
+
+    path, expected = synthetic_gguf
+    got = dict(gguf_weights(GGUFFile(path)))
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name].float(), want, atol=0, rtol=0, msg=name)
+    resolved = resolve_model(str(path))
+    config = load_hf_config(resolved)
+    assert config.architectures == ["LlamaForCausalLM"] and not config.tie_word_embeddings
+    assert (config.num_key_value_heads, config.num_hidden_layers) == (2, 2)
+    model = load_model(resolved, config, dtype=torch.float32, device="cpu")
+    hf = load_hf(tiny_llama_dir)
+    hf.load_state_dict(expected)
+    tokens = list(range(5, 40))
+    torch.testing.assert_close(
+        PagedRunner(model).step([(0, tokens, 0)]), hf_logits(hf, tokens), atol=1e-4, rtol=0
+    )
+
+
+def test_synthetic_gguf_tokenizer_matches_original(synthetic_gguf, tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    path, _ = synthetic_gguf
+    ours = gguf_tokenizer(GGUFFile(path))
+    ref = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for text in TEXTS:
+        ids = ref(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == ref.decode(ids)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (0, 1, 2)
+
+
+# -- the default model (SmolLM2-135M-Instruct, Q4_1 / Q8_0) against transformers --------------
+@pytest.fixture(scope="module")
+def default_gguf() -> Path:
+    try:
+        return default_model_path()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def test_default_model_tokenizer_matches_transformers(default_gguf):
+    from transformers import AutoTokenizer
+
+    ours = load_tokenizer(resolve_model(str(default_gguf)))
+    ref = AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    assert len(ours) == len(ref) == 49152
+    for text in TEXTS:
+        ids = ref(text)["input_ids"]
+        assert ours(text)["input_ids"] == ids, text
+        assert ours.decode(ids) == ref.decode(ids)
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True
+        )
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(ours, attr) == getattr(ref, attr), attr
+    msgs = [{"role": "user", "content": "Hi there"}]
+    assert ours.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    ) == ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_default_model_splits_every_numeric_char_like_llama_cpp(default_gguf):
+    """SmolLM's pre-tokenizer isolates each \\p{N} char (llama.cpp `smollm`, HF's Digits).
+    transformers' GGUF path skips that step, so it differs on non-ASCII numerics such as "½"."""
+    tok = load_tokenizer(resolve_model(str(default_gguf)))
+    ids = tok(" 12 ½")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["Ġ", "1", "2", "Ġ", "Â½"]
+
+
+@pytest.mark.slow
+def test_default_model_weights_and_logits_match_transformers(default_gguf):
+    from test_models import PagedRunner
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    hf_config = AutoConfig.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+    ref = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    ref_weights = load_gguf_checkpoint(str(default_gguf), return_tensors=True, model_to_load=ref)[
+        "tensors"
+    ]
+    ours = dict(gguf_weights(GGUFFile(default_gguf)))
+    assert ours.keys() == ref_weights.keys()
+    for name, want in ref_weights.items():
+        assert torch.equal(ours[name].float(), torch.as_tensor(want).float()), name
+    ref.load_state_dict({k: torch.as_tensor(v) for k, v in ref_weights.items()}, strict=False)
+    ref.tie_weights()
+
+    resolved = resolve_model(str(default_gguf))
+    config = load_hf_config(resolved)
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+    ):
+        assert getattr(config, key) == getattr(hf_config, key), key
+    model = load_model(resolved, config, dtype=torch.float32, device="cpu")
+    tok = load_tokenizer(resolved)
+    ids = tok("The capital of France is Paris. The capital of Germany is")["input_ids"]
+    got = PagedRunner(model).step([(0, ids, 0)])
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    assert tok.decode(got[-1].argmax()) == " Berlin"

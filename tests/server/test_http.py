@@ -205,3 +205,12 @@ def test_http10_client_gets_a_stream_ended_by_close(server: ServerProc) -> None:
     head, _, body = reply.partition(b"\r\n\r\n")
     assert b" 200 " in head.split(b"\r\n")[0] and b"chunked" not in head
     assert body.startswith(b"data: {") and body.endswith(b"data: [DONE]\n\n")
+
+
+def test_engine_refusal_is_an_http_error_even_when_streaming(guarded_server: ServerProc) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for stream in (False, True):  # n=2 > --max-num-seqs 1: only the engine knows
+        resp = guarded_server.request(
+            "POST", "/v1/completions", {"prompt": "x", "n": 2, "stream": stream}, auth
+        )
+        assert resp[0] == 400 and _error(resp)["param"] == "n", resp

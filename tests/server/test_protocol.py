@@ -151,10 +151,11 @@ def test_engine_client_generates_aborts_and_reports_errors() -> None:
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not engine.has_unfinished_requests() and client.num_in_flight() == 0
+        bad = client.add(["ok", "bad"], ["y", "y" * 300], SamplingParams())
         with pytest.raises(APIError) as e:  # the engine's ValueError arrives as a 400
-            bad = client.add(["bad"], ["y" * 300], SamplingParams())
-            bad.next(5)
+            bad.wait_added(5)
         assert e.value.status == 400
+        client.abort(bad.request_ids)
         with pytest.raises(APIError) as e:
             client.make_params({"temperature": -1.0}, beam=False)
         assert e.value.param == "temperature"
@@ -188,3 +189,13 @@ def test_cli_takes_vllm_flag_names() -> None:
     defaults = build_parser().parse_args([])
     assert (defaults.host, defaults.port, defaults.model) == ("127.0.0.1", 8000, None)
     assert defaults.enable_prefix_caching and defaults.max_queued_requests is None
+
+
+def test_engine_errors_name_the_first_parameter_they_mention() -> None:
+    from paged_server.engine_client import _guess_param
+
+    fields = {"n", "best_of", "max_tokens", "min_tokens", "temperature", "stop"}
+    assert _guess_param("n/best_of/beam_width=2 exceeds max_num_seqs=1", fields) == "n"
+    assert _guess_param("min_tokens must be <= max_tokens=5, got 9.", fields) == "min_tokens"
+    assert _guess_param("temperature must be non-negative, got -1.", fields) == "temperature"
+    assert _guess_param("prompt is too long: 300 tokens", fields) == "prompt"

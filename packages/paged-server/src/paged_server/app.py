@@ -241,6 +241,10 @@ class OpenAIApp:
         rids = [f"{rid}-{i}" for i in range(len(prompts))]
         group = self.client.add(rids, prompts, params)
         try:
+            # Engine-side refusals must become HTTP errors before a stream's headers go out.
+            while not group.wait_added(self.poll_interval):
+                if h.client_gone():
+                    raise ConnectionResetError("client disconnected")
             if req.stream:
                 self._stream(h, req, model, rid, group, ids, chat)
             else:
@@ -354,7 +358,8 @@ class OpenAIApp:
             out = []
             for pi in sorted(updated):
                 snap = group.latest[pi]
-                for si, seq in enumerate(snap.outputs[:n]):
+                for pos, seq in enumerate(snap.outputs[:n]):
+                    si = seq.index if 0 <= seq.index < n else pos
                     st = states[pi][si]
                     if st.finished:
                         continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import logging
 import queue
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -92,6 +93,17 @@ class RequestGroup:
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.latest: list[OutputSnapshot | None] = [None] * len(request_ids)
         self.num_finished = 0
+        self.add_error: APIError | None = None  # set by the engine thread before `_added`
+        self._num_added = 0  # engine thread only
+        self._added = threading.Event()
+
+    def wait_added(self, timeout: float) -> bool:
+        """True once the engine took (or refused) every member; then raises a refusal."""
+        if not self._added.wait(timeout):
+            return False
+        if self.add_error is not None:
+            raise self.add_error
+        return True
 
     @property
     def done(self) -> bool:
@@ -264,18 +276,23 @@ class EngineClient:
         return handled
 
     def _do_add(self, cmd: _Add) -> None:
-        rid = cmd.group.request_ids[cmd.index]
+        group = cmd.group
+        rid = group.request_ids[cmd.index]
         try:
             self.engine.add_request(rid, cmd.prompt, cmd.params)
         except ValueError as e:
-            err = bad_request(str(e), _guess_param(str(e), self._sp_fields))
-            cmd.group.queue.put((cmd.index, err))
+            group.add_error = group.add_error or bad_request(
+                str(e), _guess_param(str(e), self._sp_fields)
+            )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)
-            cmd.group.queue.put((cmd.index, APIError(500, f"internal error adding request: {e}")))
+            group.add_error = group.add_error or APIError(500, f"internal error adding {rid}: {e}")
         else:
-            self._streams[rid] = (cmd.group, cmd.index)
+            self._streams[rid] = (group, cmd.index)
             self._tracking[rid] = _Tracking(arrival=cmd.arrival)
+        group._num_added += 1
+        if group._num_added == len(group.request_ids):
+            group._added.set()
 
     def _do_abort(self, request_ids: list[str]) -> None:
         live = [r for r in request_ids if r in self._streams]
@@ -348,8 +365,8 @@ class EngineClient:
 
 
 def _guess_param(message: str, fields: set[str]) -> str | None:
-    """The engine's ValueErrors name the parameter; find the longest field name mentioned."""
-    hits = [f for f in fields if f in message]
-    if "prompt" in message and not hits:
-        return "prompt"
-    return max(hits, key=len) if hits else None
+    """The engine's ValueErrors name the parameter: the first field named as a whole word."""
+    hits = [(m.start(), f) for f in fields if (m := re.search(rf"\b{re.escape(f)}\b", message))]
+    if hits:
+        return min(hits)[1]
+    return "prompt" if "prompt" in message else None

@@ -219,3 +219,27 @@ def test_resolve_dtype(tiny_llama_dir):
         pass
 
     assert resolve_dtype("auto", NoDtype()) == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("arch", "strip", "buffers"),
+    [
+        ("gpt2", "transformer.", ["h.0.attn.bias", "h.1.attn.masked_bias"]),
+        ("opt", "model.", []),
+        (
+            "gpt_neox",
+            None,
+            ["gpt_neox.layers.0.attention.bias", "gpt_neox.layers.0.attention.rotary_emb.inv_freq"],
+        ),
+    ],
+)
+def test_legacy_checkpoint_names(tmp_path, tiny_model_factory, arch, strip, buffers):
+    """Original hub checkpoints: no "transformer."/"model." prefix, stale attention buffers."""
+    src = tiny_model_factory(arch)
+    want = logits_of(src)
+    weights = load_file(src / "model.safetensors")
+    legacy = copy_model(src, tmp_path / arch)
+    renamed = {(k.removeprefix(strip) if strip else k): v for k, v in weights.items()}
+    renamed.update({b: torch.zeros(1) for b in buffers})
+    save_file(renamed, legacy / "model.safetensors")
+    torch.testing.assert_close(logits_of(legacy), want, atol=0, rtol=0)

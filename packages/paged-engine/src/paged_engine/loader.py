@@ -226,12 +226,18 @@ def _iter_pt(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights of the right shapes, identical on every device for a given seed:
-    matrices ~ N(0, std), norm weights = 1, biases = 0."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights of the right shapes: matrices ~ N(0, std), norm weights = 1, biases = 0.
+
+    Drawn on the parameters' device (fast for large models), so a given seed gives the same
+    weights on every run on the same kind of device.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.dim() >= 2:
-            param.copy_(torch.randn(param.shape, generator=gen).mul_(std))
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            param.normal_(0.0, std, generator=gen)
         elif name.endswith("bias"):
             param.zero_()
         else:  # 1-D weights are norm scales

@@ -91,8 +91,8 @@ def _check_swap(src, dst):
     for s, d in mapping.tolist():
         want[d] = src[s].to(want.device)
     swap_blocks(src, dst, mapping)
-    if dst.is_cuda:
-        torch.cuda.synchronize()
+    if dst.is_cuda or src.is_cuda:
+        torch.cuda.synchronize()  # non-blocking DMA into pinned memory
     assert torch.equal(dst.cpu(), want.cpu())
 
 

@@ -27,7 +27,6 @@ from paged_kernels._utils import (
     next_pow2,
 )
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 512
 
@@ -162,7 +161,7 @@ def _paged_attention_kernel(
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
-        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))
+        s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # log2(e): base-2 softmax
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])

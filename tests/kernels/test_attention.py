@@ -190,6 +190,26 @@ def test_split_kv_decode(seed, device, num_splits):
     run_and_compare(b, num_splits=num_splits)
 
 
+def test_int64_metadata_empty_seq_strided_q(seed, device):
+    """int64 tables/offsets, a sequence with no query rows, q a view into a fused QKV tensor."""
+    b = make_batch(
+        [3, 0, 1],
+        [20, 9, 60],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+        device=device,
+    )
+    qkv = torch.randn(b.q.shape[0], 4 + 2 * 2, 64, device=device).to(torch.float16)
+    b.q = qkv[:, :4]
+    b.block_tables = b.block_tables.long()
+    b.cu_seqlens_q = b.cu_seqlens_q.long()
+    b.seq_lens = b.seq_lens.long()
+    run_and_compare(b)
+
+
 def test_split_kv_heuristic():
     assert choose_num_splits(2, 8, 1, 32768, 132) == 17  # decode, 16 pairs: ~2 programs per SM
     assert choose_num_splits(2, 8, 1, 1024, 132) == 2  # capped by >= 512 keys per split

@@ -4,6 +4,7 @@ error, and the server keeps serving. Runs against both the fake and the real eng
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 
@@ -214,3 +215,21 @@ def test_engine_refusal_is_an_http_error_even_when_streaming(guarded_server: Ser
             "POST", "/v1/completions", {"prompt": "x", "n": 2, "stream": stream}, auth
         )
         assert resp[0] == 400 and _error(resp)["param"] == "n", resp
+
+
+def test_trickling_headers_are_cut_off(fake_server: ServerProc) -> None:
+    """One header byte a second never trips the per-recv timeout; the header deadline does."""
+    with socket.create_connection((fake_server.host, fake_server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\n")
+        t0 = time.monotonic()
+        closed = False
+        while not closed and time.monotonic() - t0 < 15:
+            try:
+                s.sendall(b"X")
+                time.sleep(1.0)
+                if select.select([s], [], [], 0)[0]:
+                    closed = s.recv(1) == b""
+            except OSError:  # reset
+                closed = True
+        # deadline: keep-alive 2 s + client timeout 3 s (+ the reaper's period)
+        assert closed and 4.0 < time.monotonic() - t0 < 10

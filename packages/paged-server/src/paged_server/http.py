@@ -7,10 +7,12 @@ Invariants:
   closes the connection instead of being drained.
 - Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
   reading a body and for every write (a stuck streaming client fails its write and is aborted).
+  The request line and headers must be complete within `keep_alive_timeout + io_timeout`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import select
@@ -54,7 +56,12 @@ class Server(ThreadingHTTPServer):
         self.accepting = True
         self._active = 0
         self._active_lock = threading.Lock()
+        # Connections between "waiting for a request line" and "headers parsed", with the time
+        # by which they must be done: a client trickling header bytes cannot hold a thread.
+        self._reading: dict[Handler, float] = {}
+        self._reading_lock = threading.Lock()
         super().__init__(address, Handler)
+        threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
 
     def active_requests(self) -> int:
         return self._active
@@ -62,6 +69,28 @@ class Server(ThreadingHTTPServer):
     def track(self, delta: int) -> None:
         with self._active_lock:
             self._active += delta
+
+    def reading(self, handler: Handler, started: bool) -> None:
+        with self._reading_lock:
+            if started:
+                self._reading[handler] = (
+                    time.monotonic() + self.keep_alive_timeout + self.io_timeout
+                )
+            else:
+                self._reading.pop(handler, None)
+
+    def _reap_slow_headers(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self._reading_lock:
+                late = [h for h, deadline in self._reading.items() if deadline < now]
+                for h in late:
+                    del self._reading[h]
+            for h in late:
+                log.info("%s: request headers too slow; closing", h.client_address[0])
+                with contextlib.suppress(OSError):
+                    h.connection.shutdown(socket.SHUT_RDWR)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -73,11 +102,14 @@ class Handler(BaseHTTPRequestHandler):
 
     # ---- request loop ----------------------------------------------------------------------
     def handle_one_request(self) -> None:
+        self.server.reading(self, True)
         try:
             self.connection.settimeout(self.server.keep_alive_timeout)
             super().handle_one_request()
         except (TimeoutError, ConnectionError, OSError):
             self.close_connection = True
+        finally:
+            self.server.reading(self, False)
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -101,6 +133,7 @@ class Handler(BaseHTTPRequestHandler):
         self._handle("OPTIONS")
 
     def _handle(self, method: str) -> None:
+        self.server.reading(self, False)  # headers are in
         self.connection.settimeout(self.server.io_timeout)
         self.t_start = time.monotonic()
         self.status = 0
@@ -112,6 +145,7 @@ class Handler(BaseHTTPRequestHandler):
         self.server.track(1)
         try:
             if not self.server.accepting:
+                self.close_connection = True
                 raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
             self.server.app.dispatch(self, method, path)
         except APIError as e:

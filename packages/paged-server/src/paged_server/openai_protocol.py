@@ -225,7 +225,7 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
     opts = b.d.get("stream_options")
     if opts is None:
         return stream, False
-    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
         raise bad_request("'stream_options' must be {\"include_usage\": bool}", "stream_options")
     if not stream:
         raise bad_request(

@@ -15,19 +15,19 @@ from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.layers.rotary import get_rope
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.utils import cfg_get, load_named_weights
 
 
 class GPTNeoXAttention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rope: RotaryEmbedding):
         super().__init__()
         d, heads = config.hidden_size, config.num_attention_heads
         bias = cfg_get(config, "attention_bias", True)
         self.head_dim = d // heads
         self.query_key_value = QKVParallelLinear(d, self.head_dim, heads, heads, bias=bias)
         self.dense = RowParallelLinear(d, d, bias=bias)
-        self.rotary_emb = get_rope(config, self.head_dim, is_neox_style=True)
+        self.rotary_emb = rope  # shared by all layers
         self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
@@ -48,13 +48,13 @@ class GPTNeoXMLP(nn.Module):
 
 
 class GPTNeoXLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rope: RotaryEmbedding):
         super().__init__()
         eps = cfg_get(config, "layer_norm_eps", 1e-5)
         self.use_parallel_residual = bool(cfg_get(config, "use_parallel_residual", True))
         self.input_layernorm = LayerNorm(config.hidden_size, eps=eps)
         self.post_attention_layernorm = LayerNorm(config.hidden_size, eps=eps)
-        self.attention = GPTNeoXAttention(config)
+        self.attention = GPTNeoXAttention(config, rope)
         self.mlp = GPTNeoXMLP(config)
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:
@@ -69,7 +69,11 @@ class GPTNeoXModel(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(GPTNeoXLayer(config) for _ in range(config.num_hidden_layers))
+        head_dim = config.hidden_size // config.num_attention_heads
+        rope = get_rope(config, head_dim, is_neox_style=True)
+        self.layers = nn.ModuleList(
+            GPTNeoXLayer(config, rope) for _ in range(config.num_hidden_layers)
+        )
         self.final_layer_norm = LayerNorm(
             config.hidden_size, eps=cfg_get(config, "layer_norm_eps", 1e-5)
         )

@@ -21,27 +21,30 @@ from paged_engine.layers.linear import (
     RowParallelLinear,
 )
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.layers.rotary import get_rope
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.utils import cfg_get, layer_sliding_window, load_named_weights
 
 
+def llama_head_dim(config) -> int:
+    return cfg_get(config, "head_dim", config.hidden_size // config.num_attention_heads)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool):
+    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
-        head_dim = cfg_get(config, "head_dim", hidden // num_heads)
-        self.q_size, self.kv_size, self.head_dim = (
-            num_heads * head_dim,
-            num_kv_heads * head_dim,
-            head_dim,
+        head_dim = llama_head_dim(config)
+        self.head_dim = head_dim
+        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, num_heads, num_kv_heads, bias=flags["qkv_bias"]
         )
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=o_bias)
-        self.rotary_emb = get_rope(config, head_dim, is_neox_style=True)
-        self.qk_norm = qk_norm
-        if qk_norm:
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags["o_bias"])
+        self.rotary_emb = rope  # one instance shared by all layers (its cos/sin tables are big)
+        self.qk_norm = flags["qk_norm"]
+        if self.qk_norm:
             eps = cfg_get(config, "rms_norm_eps", 1e-6)
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
@@ -85,12 +88,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: dict[str, bool]):
+    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(
-            config, layer_idx, flags["qkv_bias"], flags["o_bias"], flags["qk_norm"]
-        )
+        self.self_attn = LlamaAttention(config, layer_idx, flags, rope)
         self.mlp = LlamaMLP(config, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -104,8 +105,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config, flags: dict[str, bool]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, flags, rope) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
 

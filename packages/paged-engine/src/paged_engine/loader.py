@@ -163,7 +163,7 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         model.load_weights(iter_weights(resolved, load_format))
-    return model.eval()
+    return model.eval().requires_grad_(False)
 
 
 def iter_weights(

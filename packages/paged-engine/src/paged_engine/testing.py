@@ -187,7 +187,10 @@ def write_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except TypeError:  # transformers < 4.56 only knows torch_dtype
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     _randomize(model, seed)
     with _quiet_progress():
         model.save_pretrained(path)

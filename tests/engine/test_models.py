@@ -196,3 +196,65 @@ def test_triton_backend_matches_torch_backend(tiny_model_factory, arch, override
         second = runner.step([(0, tokens[12:], 12), (1, [tokens[5]], 5)])
         runs[backend] = torch.cat([first, second])
     torch.testing.assert_close(runs["triton"], runs["torch"], atol=2e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_linear_weight_loaders_shard_for_tensor_parallelism():
+    """Per-rank shards reassemble the full layer: column outputs concatenate, row outputs sum."""
+    from paged_engine.layers.embedding import ParallelLMHead
+    from paged_engine.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, generator=gen)
+    w, b = torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    cols = [ColumnParallelLinear(16, 8, tp_rank=r, tp_size=2) for r in range(2)]
+    for layer in cols:
+        layer.weight.weight_loader(layer.weight, w)
+        layer.bias.weight_loader(layer.bias, b)
+    torch.testing.assert_close(torch.cat([m(x) for m in cols], -1), x @ w.T + b)
+
+    wr = torch.randn(4, 16, generator=gen)
+    rows = [RowParallelLinear(16, 4, tp_rank=r, tp_size=2) for r in range(2)]
+    for layer in rows:
+        layer.weight.weight_loader(layer.weight, wr)
+        layer.bias.weight_loader(layer.bias, b[:4])
+    parts = [m(x[:, 8 * r : 8 * r + 8]) for r, m in enumerate(rows)]
+    torch.testing.assert_close(sum(parts), x @ wr.T + b[:4])
+
+    gate, up = torch.randn(6, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    merged = [
+        MergedColumnParallelLinear(16, [6, 6], bias=False, tp_rank=r, tp_size=2) for r in range(2)
+    ]
+    for layer in merged:
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+    out = [m(x) for m in merged]  # rank r: [gate_r | up_r]
+    torch.testing.assert_close(torch.cat([o[:, :3] for o in out], -1), x @ gate.T)
+    torch.testing.assert_close(torch.cat([o[:, 3:] for o in out], -1), x @ up.T)
+
+    # 4 query heads, 2 kv heads, head_dim 2; tp 4 replicates each kv head on two ranks
+    wq, wk, wv = (torch.randn(n, 16, generator=gen) for n in (8, 4, 4))
+    for tp in (2, 4):
+        qkv = [QKVParallelLinear(16, 2, 4, 2, bias=False, tp_rank=r, tp_size=tp) for r in range(tp)]
+        for layer in qkv:
+            for shard, t in zip("qkv", (wq, wk, wv)):
+                layer.weight.weight_loader(layer.weight, t, shard)
+        q_local = 8 // tp  # rows; every rank holds one kv head (2 rows each of k and v)
+        for r, layer in enumerate(qkv):
+            q, k, v = layer.weight.split([q_local, 2, 2])
+            kv_rank = r // (tp // 2)
+            torch.testing.assert_close(q, wq[r * q_local : (r + 1) * q_local])
+            torch.testing.assert_close(k, wk[kv_rank * 2 : kv_rank * 2 + 2])
+            torch.testing.assert_close(v, wv[kv_rank * 2 : kv_rank * 2 + 2])
+
+    emb = torch.randn(10, 4, generator=gen)  # vocab 10 over 4 ranks: shards of 3, last padded
+    heads = [ParallelLMHead(10, 4, tp_rank=r, tp_size=4) for r in range(4)]
+    for head in heads:
+        head.weight.weight_loader(head.weight, emb)
+    h = torch.randn(2, 4, generator=gen)
+    torch.testing.assert_close(torch.cat([m(h) for m in heads], -1)[:, :10], h @ emb.T)

@@ -199,3 +199,35 @@ def test_engine_errors_name_the_first_parameter_they_mention() -> None:
     assert _guess_param("min_tokens must be <= max_tokens=5, got 9.", fields) == "min_tokens"
     assert _guess_param("temperature must be non-negative, got -1.", fields) == "temperature"
     assert _guess_param("prompt is too long: 300 tokens", fields) == "prompt"
+
+
+def test_engine_failure_fails_only_the_requests_in_flight() -> None:
+    class Flaky(FakeEngine):
+        fail = True
+
+        def step(self):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("boom")
+            return super().step()
+
+    client = EngineClient(Flaky(step_time=0.0), SamplingParams)
+    client.start()
+    try:
+        group = client.add(["a"], ["x"], SamplingParams(max_tokens=2))
+        with pytest.raises(APIError) as e:
+            while not group.done:
+                group.next(5)
+        assert e.value.status == 500
+        out = _run(client, ["y"], SamplingParams(max_tokens=2))  # the loop lives on
+        assert out[0].finished and client.alive
+    finally:
+        client.stop()
+
+
+def test_server_modules_never_import_torch() -> None:
+    import subprocess
+
+    code = "import sys, paged_server.cli, paged_server.app; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -91,16 +91,16 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-@pytest.fixture(scope="module")
-def synthetic_gguf(tiny_llama_dir, tmp_path_factory):
-    """(gguf path, expected HF-named float32 weights after our dequantization)."""
+def write_synthetic_gguf(src: Path, arch: str, path: Path) -> dict[str, torch.Tensor]:
+    """Convert a tiny HF model dir to GGUF the way llama.cpp lays it out; the embedding and
+    gate projections as Q8_0, down projections as F16, the rest F32. Returns the HF-named
+    float32 weights our reader must produce."""
     from safetensors.torch import load_file
 
     Q = gguf.GGMLQuantizationType
-    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
-    tok = json.loads((tiny_llama_dir / "tokenizer.json").read_text())
-    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
+    cfg = json.loads((src / "config.json").read_text())
+    tok = json.loads((src / "tokenizer.json").read_text())
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -122,34 +122,34 @@ def synthetic_gguf(tiny_llama_dir, tmp_path_factory):
     w.add_chat_template("{{ messages[0]['content'] }}")
     expected = {}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    for name, t in sorted(load_file(tiny_llama_dir / "model.safetensors").items()):
+    for name, t in sorted(load_file(src / "model.safetensors").items()):
         arr = t.numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, kv_heads)
         if name == "model.embed_tokens.weight" or name.endswith("gate_proj.weight"):
             q = gguf.quants.quantize(arr, Q.Q8_0)
             w.add_tensor(gguf_name(name), q, raw_shape=q.shape, raw_dtype=Q.Q8_0)
-            deq = torch.from_numpy(gguf.quants.dequantize(q, Q.Q8_0))
+            expected[name] = torch.from_numpy(gguf.quants.dequantize(q, Q.Q8_0))
         elif name.endswith("down_proj.weight"):
             w.add_tensor(gguf_name(name), arr.astype(np.float16))
-            deq = torch.from_numpy(arr.astype(np.float16).astype(np.float32))
-        else:
+            expected[name] = t.half().float()
+        else:  # F32; q/k must come back as HF's own (unpermuted) rows
             w.add_tensor(gguf_name(name), arr)
-            deq = torch.from_numpy(arr.copy())
-        if name.endswith("q_proj.weight") or name.endswith("k_proj.weight"):
-            deq = (
-                t.clone()
-                if deq.dtype == torch.float32 and torch.equal(deq, torch.from_numpy(arr))
-                else deq
-            )  # F32 q/k must come back as HF's own (unpermuted) rows
-        expected[name] = deq.float()
+            expected[name] = t.clone()
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path, expected
+    return expected
+
+
+@pytest.fixture(scope="module")
+def synthetic_gguf(tiny_llama_dir, tmp_path_factory):
+    """(gguf path, expected HF-named float32 weights after our dequantization)."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+    return path, write_synthetic_gguf(tiny_llama_dir, "llama", path)
 
 
 def test_reader_matches_gguf_package(synthetic_gguf):
@@ -181,6 +181,26 @@ def test_synthetic_gguf_weights_config_and_logits(synthetic_gguf, tiny_llama_dir
     hf = load_hf(tiny_llama_dir)
     hf.load_state_dict(expected)
     tokens = list(range(5, 40))
+    torch.testing.assert_close(
+        PagedRunner(model).step([(0, tokens, 0)]), hf_logits(hf, tokens), atol=1e-4, rtol=0
+    )
+
+
+def test_synthetic_qwen2_gguf(tiny_model_factory, tmp_path):
+    """qwen2 arch: q/k/v biases, tied head, no q/k permutation."""
+    from test_models import PagedRunner, hf_logits, load_hf
+
+    src = tiny_model_factory("qwen2")
+    path = tmp_path / "qwen2.gguf"
+    expected = write_synthetic_gguf(src, "qwen2", path)
+    resolved = resolve_model(str(path))
+    config = load_hf_config(resolved)
+    assert config.architectures == ["Qwen2ForCausalLM"] and config.tie_word_embeddings
+    model = load_model(resolved, config, dtype=torch.float32, device="cpu")
+    hf = load_hf(src)
+    hf.load_state_dict(expected, strict=False)
+    hf.tie_weights()
+    tokens = list(range(5, 30))
     torch.testing.assert_close(
         PagedRunner(model).step([(0, tokens, 0)]), hf_logits(hf, tokens), atol=1e-4, rtol=0
     )

@@ -147,3 +147,18 @@ def test_streaming_never_emits_text_a_stop_string_removes(client) -> None:
     chunks = list(client.completions.create(**kw, stop=[stop, "zzzzzzzz"], stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_latency_histograms_fill_in(client, real_server: ServerProc) -> None:
+    client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4)
+    m = real_server.metrics()
+    for name in (
+        "time_to_first_token",
+        "inter_token_latency",
+        "e2e_request_latency",
+        "request_queue_time",
+    ):
+        count = m[f"paged:{name}_seconds_count"]
+        assert count > 0, name
+        assert 0 <= m[f"paged:{name}_seconds_sum"] / count < 10, name
+    assert m["paged:generation_tokens_total"] >= 4 and m["paged:prompt_tokens_total"] > 0

@@ -164,7 +164,6 @@ class EngineClient:
         self._pending_adds = 0
         self._stopping = False
         self.stats = engine.get_stats()
-        self.step_errors = 0
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
 
     # ---- HTTP-thread API -------------------------------------------------------------------
@@ -237,7 +236,6 @@ class EngineClient:
                 self._iterate()
             except Exception:  # the engine's state is unknown: fail what is in flight, go on
                 log.exception("engine loop error; failing the requests in flight")
-                self.step_errors += 1
                 self._fail_all(APIError(500, "internal engine error"))
         self._fail_all(APIError(503, "the server is shutting down"))
 
@@ -279,7 +277,8 @@ class EngineClient:
         group = cmd.group
         rid = group.request_ids[cmd.index]
         try:
-            self.engine.add_request(rid, cmd.prompt, cmd.params)
+            # arrival: when the HTTP thread handed it over (monotonic, the engine's clock too)
+            self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival)
         except ValueError as e:
             group.add_error = group.add_error or bad_request(
                 str(e), _guess_param(str(e), self._sp_fields)

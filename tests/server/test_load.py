@@ -10,6 +10,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from conftest import API_KEY, COMMON_ARGS, ServerProc, launch
 
 HEADERS = {"Content-Type": "application/json"}
@@ -153,7 +154,8 @@ def test_full_queue_answers_429_then_recovers(guarded_server: ServerProc) -> Non
     assert s.request("POST", "/v1/completions", body, auth)[0] == 200
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_in_flight_requests_and_exits_0(sig: int) -> None:
     server = launch(COMMON_ARGS, fake=True)
     result = {}
 
@@ -165,7 +167,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
     t = threading.Thread(target=slow_request)
     t.start()
     time.sleep(0.4)
-    server.proc.send_signal(signal.SIGTERM)
+    server.proc.send_signal(sig)
     t.join(20)
     assert result["resp"][0] == 200
     assert result["resp"][2]["usage"]["completion_tokens"] == 60

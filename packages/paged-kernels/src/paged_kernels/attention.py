@@ -9,7 +9,7 @@ sliding-window range of the query tile are never visited.
 
 Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
 each sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes a normalised
-partial output and its log-sum-exp, and a torch reduce combines them.
+partial output and its log-sum-exp, and a small second kernel merges them.
 """
 
 from __future__ import annotations
@@ -342,12 +342,54 @@ def paged_attention(
     return out
 
 
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32
+    part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32, log2 domain
+    out_ptr,  # [num_q_tokens, num_heads, head_dim]
+    num_splits,
+    num_q_tokens,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P2: tl.constexpr,
+    SPLITS_P2: tl.constexpr,
+):
+    # One program per (query token, head): out = sum_s w_s o_s / sum_s w_s, w_s = 2^(lse_s - max).
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P2)
+    offs_d = tl.arange(0, HEAD_DIM_P2)
+    row = (offs_s * num_q_tokens + tok) * NUM_HEADS + head  # [SPLITS_P2] int64
+    s_ok = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
+    # Every real row has its diagonal key in some split, so the max is finite.
+    w = tl.exp2(lse - tl.max(lse, 0))
+    mask = s_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+    merged = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    dst = out_ptr + tok * stride_ot + head * stride_oh + offs_d
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
 def _merge_splits(
     part_out: torch.Tensor,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32
     part_lse: torch.Tensor,  # [num_splits, num_q_tokens, num_heads] fp32, log2 domain
     out: torch.Tensor,  # [num_q_tokens, num_heads, head_dim]
 ) -> None:
-    # Every row has its diagonal key in some split, so the max lse is finite.
-    weights = torch.exp2(part_lse - part_lse.amax(dim=0, keepdim=True))
-    merged = (weights.unsqueeze(-1) * part_out).sum(dim=0) / weights.sum(dim=0).unsqueeze(-1)
-    out.copy_(merged)
+    num_splits, num_tokens, num_heads, head_dim = part_out.shape
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        num_splits,
+        num_tokens,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P2=next_pow2(head_dim),
+        SPLITS_P2=max(2, next_pow2(num_splits)),
+        num_warps=1 if is_interpreter() else 4,
+    )

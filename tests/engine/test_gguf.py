@@ -91,7 +91,9 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_synthetic_gguf(src: Path, arch: str, path: Path) -> dict[str, torch.Tensor]:
+def write_synthetic_gguf(
+    src: Path, arch: str, path: Path, rope_freqs: np.ndarray | None = None
+) -> dict[str, torch.Tensor]:
     """Convert a tiny HF model dir to GGUF the way llama.cpp lays it out; the embedding and
     gate projections as Q8_0, down projections as F16, the rest F32. Returns the HF-named
     float32 weights our reader must produce."""
@@ -138,6 +140,8 @@ def write_synthetic_gguf(src: Path, arch: str, path: Path) -> dict[str, torch.Te
         else:  # F32; q/k must come back as HF's own (unpermuted) rows
             w.add_tensor(gguf_name(name), arr)
             expected[name] = t.clone()
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -201,6 +205,42 @@ def test_synthetic_qwen2_gguf(tiny_model_factory, tmp_path):
     hf.load_state_dict(expected, strict=False)
     hf.tie_weights()
     tokens = list(range(5, 30))
+    torch.testing.assert_close(
+        PagedRunner(model).step([(0, tokens, 0)]), hf_logits(hf, tokens), atol=1e-4, rtol=0
+    )
+
+
+def llama_cpp_rope_factors(head_dim: int, base: float, scaling: dict) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for Llama 3.1 rope scaling."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / base ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out)
+
+
+def test_synthetic_llama3_gguf_rope_freqs(tiny_model_factory, tmp_path):
+    from test_models import PagedRunner, hf_logits, load_hf
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    src = tiny_model_factory("llama", rope_scaling=scaling, tie_word_embeddings=True)
+    path = tmp_path / "llama3.gguf"
+    expected = write_synthetic_gguf(src, "llama", path, llama_cpp_rope_factors(16, 1e4, scaling))
+    resolved = resolve_model(str(path))
+    model = load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+    hf = load_hf(src)
+    hf.load_state_dict(expected, strict=False)
+    hf.tie_weights()
+    tokens = list(range(5, 45))
     torch.testing.assert_close(
         PagedRunner(model).step([(0, tokens, 0)]), hf_logits(hf, tokens), atol=1e-4, rtol=0
     )

@@ -33,7 +33,7 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
-_SKIP = ("rope_freqs.weight",)  # Llama 3.1 rope factors: we derive them from the config
+_SKIP = ("rope_freqs.weight",)  # Llama 3.1 rope factors: read into config.rope_freq_factors
 
 
 def _arch(f: GGUFFile) -> tuple[str, tuple[str, str, bool]]:
@@ -79,6 +79,8 @@ def gguf_to_hf_config(f: GGUFFile):
     head_dim = meta("attention.key_length")
     if head_dim is not None and int(head_dim) != hidden // heads:
         kwargs["head_dim"] = int(head_dim)
+    if "rope_freqs.weight" in f.tensors:  # Llama 3.1 scaling, baked into per-freq divisors
+        kwargs["rope_freq_factors"] = f.tensor("rope_freqs.weight").float().tolist()
     config = getattr(transformers, config_cls)(**kwargs)
     # transformers >= 5 reads rope settings from rope_parameters, older versions from these.
     if hasattr(config, "rope_parameters"):

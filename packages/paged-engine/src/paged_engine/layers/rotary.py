@@ -36,6 +36,7 @@ class RotaryEmbedding(nn.Module):
         base: float,
         is_neox_style: bool = True,
         rope_scaling: dict[str, Any] | None = None,
+        freq_factors: list[float] | None = None,
     ) -> None:
         super().__init__()
         if rotary_dim % 2 or rotary_dim > head_dim:
@@ -55,6 +56,10 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         else:
             raise ValueError(f"unsupported rope_scaling type {rope_type!r}")
+        if freq_factors is not None:  # GGUF `rope_freqs`: per-frequency divisors (Llama 3.1)
+            if len(freq_factors) != len(inv_freq):
+                raise ValueError(f"{len(freq_factors)} rope freq factors for {len(inv_freq)} freqs")
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
@@ -119,4 +124,5 @@ def get_rope(config: Any, head_dim: int, is_neox_style: bool = True) -> RotaryEm
         base=theta,
         is_neox_style=is_neox_style,
         rope_scaling=scaling,
+        freq_factors=getattr(config, "rope_freq_factors", None),
     )

@@ -205,6 +205,8 @@ def run(smoke: bool, out_dir: Path) -> dict:
         if HAS_CUDA
         else "CPU / Triton interpreter: numbers only prove the code runs; not meaningful",
         "smoke": smoke,
+        "prefill_included": False,
+        "cuda_graphs": False,
         "config": {**{k: v for k, v in cfg.items() if k != "dtype"}, "dtype": str(cfg["dtype"])},
         "torch": torch.__version__,
         "copy_bandwidth_gbps": round(copy_gbps, 2),

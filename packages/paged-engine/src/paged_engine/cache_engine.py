@@ -21,14 +21,23 @@ class CacheEngine:
     Block 0 is the null block: block tables are padded with it and nothing real lives there.
     """
 
-    def __init__(self, hf_config, num_blocks: int, block_size: int, *, dtype: torch.dtype,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        hf_config,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
             for _ in range(num_layers)
         ]
         self.device = device

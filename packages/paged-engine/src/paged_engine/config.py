@@ -48,27 +48,59 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
-        _check(self.load_format in _LOAD_FORMATS, "load_format", self.load_format, str(_LOAD_FORMATS))
-        _check(self.attention_backend in _BACKENDS, "attention_backend", self.attention_backend,
-               str(_BACKENDS))
+        _check(
+            self.load_format in _LOAD_FORMATS, "load_format", self.load_format, str(_LOAD_FORMATS)
+        )
+        _check(
+            self.attention_backend in _BACKENDS,
+            "attention_backend",
+            self.attention_backend,
+            str(_BACKENDS),
+        )
         _check(self.device in _DEVICES, "device", self.device, str(_DEVICES))
-        _check(_is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
-               "gpu_memory_utilization", self.gpu_memory_utilization, "a float in (0, 1]")
-        _check(_is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0,
-               "cpu_kv_cache_gib", self.cpu_kv_cache_gib, "a positive number")
+        _check(
+            _is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "a float in (0, 1]",
+        )
+        _check(
+            _is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0,
+            "cpu_kv_cache_gib",
+            self.cpu_kv_cache_gib,
+            "a positive number",
+        )
         bs = self.block_size
-        _check(_is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0, "block_size", bs,
-               "a power of two in [1, 256]")
-        _check(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs",
-               self.max_num_seqs, "an int >= 1")
+        _check(
+            _is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0,
+            "block_size",
+            bs,
+            "a power of two in [1, 256]",
+        )
+        _check(
+            _is_int(self.max_num_seqs) and self.max_num_seqs >= 1,
+            "max_num_seqs",
+            self.max_num_seqs,
+            "an int >= 1",
+        )
         for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1")
+            _check(
+                value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1"
+            )
         _check(_is_int(self.seed), "seed", self.seed, "an int")
-        _check(_is_int(self.max_logprobs) and self.max_logprobs >= 0, "max_logprobs",
-               self.max_logprobs, "an int >= 0")
-        _check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
-               "tensor_parallel_size", self.tensor_parallel_size, "an int >= 1")
+        _check(
+            _is_int(self.max_logprobs) and self.max_logprobs >= 0,
+            "max_logprobs",
+            self.max_logprobs,
+            "an int >= 0",
+        )
+        _check(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+            "tensor_parallel_size",
+            self.tensor_parallel_size,
+            "an int >= 1",
+        )
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this "

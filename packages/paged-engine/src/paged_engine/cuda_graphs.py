@@ -35,8 +35,9 @@ class CudaGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.zeros((n, runner.max_blocks_per_seq), dtype=torch.int32,
-                                        device=dev)
+        self.block_tables = torch.zeros(
+            (n, runner.max_blocks_per_seq), dtype=torch.int32, device=dev
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -74,8 +75,9 @@ class CudaGraphRunner:
         num_seqs = meta.seq_lens.shape[0]
         return meta.max_seqlen_q == 1 and num_tokens == num_seqs and num_seqs <= self.max_bs
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)

@@ -23,7 +23,13 @@ from paged_engine.block_manager import BlockManager
 from paged_engine.config import EngineConfig
 from paged_engine.default_model import default_model_path
 from paged_engine.detokenizer import IncrementalDetokenizer
-from paged_engine.loader import load_hf_config, load_model, load_tokenizer, resolve_dtype, resolve_model
+from paged_engine.loader import (
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 from paged_engine.model_runner import ModelRunner
 from paged_engine.output_processor import OutputProcessor, RequestState
 from paged_engine.outputs import RequestOutput
@@ -67,17 +73,24 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.resolved = resolve_model(config.model)
         self.hf_config = load_hf_config(self.resolved)
-        self.tokenizer = load_tokenizer(self.resolved if config.tokenizer is None
-                                        else resolve_model(config.tokenizer),
-                                        trust_remote_code=config.trust_remote_code)
+        self.tokenizer = load_tokenizer(
+            self.resolved if config.tokenizer is None else resolve_model(config.tokenizer),
+            trust_remote_code=config.trust_remote_code,
+        )
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config)
         self._resolve_lengths()
         torch.manual_seed(config.seed)
-        self.model = load_model(self.resolved, self.hf_config, dtype=self.dtype, device=self.device,
-                                load_format=config.load_format, seed=config.seed)
+        self.model = load_model(
+            self.resolved,
+            self.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
         self.model.eval()
         self.model_runner = ModelRunner(config, self.model, self.hf_config, self.device)
         num_blocks = self.model_runner.profile_num_blocks()
@@ -90,8 +103,9 @@ class LLMEngine:
                 "num_gpu_blocks_override) or lower max_model_len"
             )
         self.model_runner.init_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
@@ -101,21 +115,35 @@ class LLMEngine:
         )
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(
-            self.tokenizer, self.scheduler, max_model_len=config.max_model_len,
-            eos_token_ids=self.eos_token_ids, device=self.device)
+            self.tokenizer,
+            self.scheduler,
+            max_model_len=config.max_model_len,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
+        )
         self.vocab_size = _vocab_size(self.hf_config)
         self._requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.peak_used_blocks = 0
         self.num_blocks = num_blocks
-        logger.info("engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens",
-                    time.perf_counter() - t0, config.model, self.device, self.dtype, num_blocks,
-                    config.block_size)
+        logger.info(
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens",
+            time.perf_counter() - t0,
+            config.model,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+        )
 
     # ---- requests -------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    params: SamplingParams | BeamSearchParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | BeamSearchParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request; raises ValueError (naming the parameter) on bad input."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -137,14 +165,22 @@ class LLMEngine:
             )
         self._check_params(params)
         state = self._make_state(params, num_returned)
-        req = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids,
-                      params=params, arrival_time=arrival_time or time.monotonic())
+        req = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival_time or time.monotonic(),
+        )
         req.state = state
         seq = req.seqs[0]
         if isinstance(params, SamplingParams) and params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens)
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
         self._requests[request_id] = req
         self.scheduler.add_request(req)
         self.prompt_tokens_total += len(token_ids)
@@ -165,13 +201,19 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("prompt must not be empty (got no token ids)")
             ids = list(prompt)
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
-                   or not 0 <= t < self.vocab_size]
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
             if bad:
-                raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size}); "
-                                 f"got {bad[:5]}")
+                raise ValueError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
+                )
             return None, ids
-        raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError(
+            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
         if isinstance(params, SamplingParams):
@@ -182,29 +224,48 @@ class LLMEngine:
             width = max(params.n, params.best_of or params.n)
         else:
             width = params.beam_width
-        if width > self.config.max_num_seqs:
-            raise ValueError(f"n/best_of/beam_width={width} exceeds max_num_seqs="
-                             f"{self.config.max_num_seqs}")
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens or width)
+        if width > limit:
+            raise ValueError(
+                f"n/best_of/beam_width={width} exceeds what one step can run "
+                f"(max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens})"
+            )
 
-    def _make_state(self, params: SamplingParams | BeamSearchParams,
-                    num_returned: int | None = None) -> RequestState:
+    def _make_state(
+        self, params: SamplingParams | BeamSearchParams, num_returned: int | None = None
+    ) -> RequestState:
         if isinstance(params, BeamSearchParams):
             eos = set() if params.ignore_eos else set(self.eos_token_ids)
             beam = BeamSearchState(
-                beam_width=params.beam_width, length_penalty=params.length_penalty,
+                beam_width=params.beam_width,
+                length_penalty=params.length_penalty,
                 early_stopping=params.early_stopping,
-                max_tokens=params.max_tokens if params.max_tokens is not None
-                else self.config.max_model_len, eos_token_ids=eos)
+                max_tokens=params.max_tokens
+                if params.max_tokens is not None
+                else self.config.max_model_len,
+                eos_token_ids=eos,
+            )
             n = num_returned or params.beam_width
-            return RequestState(generator=None, beam=beam, prompt_logprobs=None,
-                                num_samples=params.beam_width, num_returned=min(n, params.beam_width))
+            return RequestState(
+                generator=None,
+                beam=beam,
+                prompt_logprobs=None,
+                num_samples=params.beam_width,
+                num_returned=min(n, params.beam_width),
+            )
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         samples = max(params.n, params.best_of or params.n)
-        return RequestState(generator=gen, beam=None, prompt_logprobs=None, num_samples=samples,
-                            num_returned=params.n)
+        return RequestState(
+            generator=gen,
+            beam=None,
+            prompt_logprobs=None,
+            num_samples=samples,
+            num_returned=params.n,
+        )
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -226,22 +287,33 @@ class LLMEngine:
         model_out = self.model_runner.execute(sched_out)
         self.scheduler.update_after_step(sched_out)
         outputs = self.output_processor.process(sched_out, model_out)
-        self.peak_used_blocks = max(self.peak_used_blocks,
-                                    self.block_manager.stats().num_used_blocks)
+        self.peak_used_blocks = max(
+            self.peak_used_blocks, self.block_manager.stats().num_used_blocks
+        )
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)
         return outputs
 
     # ---- chat and stats -------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict], *, chat_template: str | None = None,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template")
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, **kwargs)
+            messages,
+            chat_template=template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
 
     def get_stats(self) -> EngineStats:
         bm = self.block_manager.stats()
@@ -275,8 +347,10 @@ class LLMEngine:
         if cfg.max_model_len is None:
             cfg.max_model_len = limit
         elif limit is not None and cfg.max_model_len > limit:
-            raise ValueError(f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
-                             f"context length {limit}")
+            raise ValueError(
+                f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
+                f"context length {limit}"
+            )
         if cfg.max_num_batched_tokens is None:
             cfg.max_num_batched_tokens = max(8192, cfg.max_num_seqs)
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < cfg.max_model_len:

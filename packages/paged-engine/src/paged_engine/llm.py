@@ -1,8 +1,8 @@
 """`LLM`: the offline API, named and shaped like vLLM's so code ports by changing the import.
 
-    llm = LLM(model="path/or/hub-id-or.gguf")
-    for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8)):
-        print(out.prompt, out.outputs[0].text)
+llm = LLM(model="path/or/hub-id-or.gguf")
+for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8)):
+    print(out.prompt, out.outputs[0].text)
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ class LLM:
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
-        sampling_params: SamplingParams | BeamSearchParams
-        | Sequence[SamplingParams | BeamSearchParams] | None = None,
+        sampling_params: SamplingParams
+        | BeamSearchParams
+        | Sequence[SamplingParams | BeamSearchParams]
+        | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
@@ -43,8 +45,10 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} "
-                                 "sampling_params: pass one, or one per prompt")
+                raise ValueError(
+                    f"got {len(prompt_list)} prompts but {len(params_list)} "
+                    "sampling_params: pass one, or one per prompt"
+                )
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
 
     def chat(
@@ -58,14 +62,16 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
-            self.llm_engine.apply_chat_template(conv, chat_template=chat_template,
-                                                add_generation_prompt=add_generation_prompt)
+            self.llm_engine.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
             for conv in conversations
         ]
         # The template already holds any BOS token: encode without adding another.
         tok = self.llm_engine.tokenizer
-        token_prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)}
-                         for p in prompts]
+        token_prompts = [
+            {"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts
+        ]
         outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
         for out, text in zip(outputs, prompts):
             out.prompt = text
@@ -74,8 +80,9 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
-    def _run(self, items: list[tuple[PromptType, SamplingParams | BeamSearchParams]],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[PromptType, SamplingParams | BeamSearchParams]], use_tqdm: bool
+    ) -> list[RequestOutput]:
         engine = self.llm_engine
         ids: list[str] = []
         try:

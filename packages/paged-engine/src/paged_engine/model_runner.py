@@ -13,6 +13,7 @@ and returns the logits of the last row of every sequence that reaches the end of
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -38,7 +39,9 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device):
+    def __init__(
+        self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device
+    ):
         self.config = config
         self.model = model
         self.hf_config = hf_config
@@ -56,15 +59,23 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.cache = CacheEngine(self.hf_config, num_blocks, self.block_size,
-                                 dtype=_model_dtype(self.model), device=self.device)
+        self.cache = CacheEngine(
+            self.hf_config,
+            num_blocks,
+            self.block_size,
+            dtype=_model_dtype(self.model),
+            device=self.device,
+        )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                     list[int], list[Sequence], list[Sequence]]:
+    def prepare(
+        self, out: SchedulerOutput
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence], list[Sequence]
+    ]:
         bs = self.block_size
         ids: list[int] = []
         pos_chunks: list[np.ndarray] = []
@@ -84,8 +95,9 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:end])
             if n == 1:
                 pos_chunks.append(np.array([start], dtype=np.int64))
-                slot_chunks.append(np.array([seq.block_ids[start // bs] * bs + start % bs],
-                                            dtype=np.int64))
+                slot_chunks.append(
+                    np.array([seq.block_ids[start // bs] * bs + start % bs], dtype=np.int64)
+                )
             else:
                 p = np.arange(start, end, dtype=np.int64)
                 table = np.asarray(seq.block_ids, dtype=np.int64)
@@ -105,7 +117,7 @@ class ModelRunner:
         block_tables = np.zeros((len(tables), width), dtype=np.int32)  # 0 = null block
         for i, t in enumerate(tables):
             block_tables[i, : len(t)] = t
-        max_q = max(b - a for a, b in zip(cu, cu[1:]))
+        max_q = max(b - a for a, b in itertools.pairwise(cu))
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=self._to_dev(torch.from_numpy(slot_mapping)),
@@ -145,8 +157,10 @@ class ModelRunner:
         prompt_logits: dict[int, tuple[torch.Tensor, int]] = {}
         if prompt_seqs:
             cu = meta.cu_seqlens_q.tolist()
-            row_of = {item.seq.seq_id: i for i, item in enumerate(
-                [it for it in out.scheduled if it.num_new_tokens])}
+            row_of = {
+                item.seq.seq_id: i
+                for i, item in enumerate([it for it in out.scheduled if it.num_new_tokens])
+            }
             for seq in prompt_seqs:
                 i = row_of[seq.seq_id]
                 prompt_logits[seq.seq_id] = (
@@ -160,8 +174,9 @@ class ModelRunner:
     def profile_num_blocks(self) -> int:
         """KV blocks that fit once weights and the activations of the largest step are resident."""
         cfg = self.config
-        bytes_per_block = CacheEngine.bytes_per_block(self.hf_config, self.block_size,
-                                                       _model_dtype(self.model))
+        bytes_per_block = CacheEngine.bytes_per_block(
+            self.hf_config, self.block_size, _model_dtype(self.model)
+        )
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         if self.device.type != "cuda":
@@ -177,8 +192,12 @@ class ModelRunner:
         budget = total * cfg.gpu_memory_utilization - used_before - activation_peak
         torch.cuda.empty_cache()
         num_blocks = int(budget // bytes_per_block)
-        logger.info("profiling: %.2f GiB used before, %.2f GiB activation peak -> %d KV blocks",
-                    used_before / 2**30, activation_peak / 2**30, num_blocks)
+        logger.info(
+            "profiling: %.2f GiB used before, %.2f GiB activation peak -> %d KV blocks",
+            used_before / 2**30,
+            activation_peak / 2**30,
+            num_blocks,
+        )
         return num_blocks
 
     def _profile_forward(self) -> None:
@@ -190,23 +209,32 @@ class ModelRunner:
         lens = [num_tokens // num_seqs] * num_seqs
         lens[-1] += num_tokens - sum(lens)
         blocks_needed = sum(-(-n // self.block_size) for n in lens) + 1
-        scratch = CacheEngine(self.hf_config, blocks_needed, self.block_size,
-                              dtype=_model_dtype(self.model), device=self.device)
+        scratch = CacheEngine(
+            self.hf_config,
+            blocks_needed,
+            self.block_size,
+            dtype=_model_dtype(self.model),
+            device=self.device,
+        )
         tables, slots, next_block = [], [], 1
         for n in lens:
             nb = -(-n // self.block_size)
             table = list(range(next_block, next_block + nb))
             next_block += nb
             tables.append(table + [0] * (max(1, blocks_needed) - nb))
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(n))
+            slots.extend(
+                table[p // self.block_size] * self.block_size + p % self.block_size
+                for p in range(n)
+            )
         cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            max_seqlen_q=max(lens), max_seqlen_k=max(lens), backend=self.backend,
+            max_seqlen_q=max(lens),
+            max_seqlen_k=max(lens),
+            backend=self.backend,
         )
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
@@ -221,5 +249,8 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
 
 def _wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
     params = seq.request.params
-    return (getattr(params, "prompt_logprobs", None) is not None
-            and start < seq.num_prompt_tokens and seq.index == 0)
+    return (
+        getattr(params, "prompt_logprobs", None) is not None
+        and start < seq.num_prompt_tokens
+        and seq.index == 0
+    )

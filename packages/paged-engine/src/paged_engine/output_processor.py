@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_engine.beam_search import BeamSearchState
-from paged_engine.detokenizer import IncrementalDetokenizer, find_stop
+from paged_engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from paged_engine.model_runner import ModelOutput
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_engine.request import Request, Sequence, SequenceStatus
@@ -39,8 +39,15 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler, *, max_model_len: int,
-                 eos_token_ids: set[int], device: torch.device) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        scheduler: Scheduler,
+        *,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        device: torch.device,
+    ) -> None:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
@@ -67,8 +74,11 @@ class OutputProcessor:
             state: RequestState = req.state
             if state.beam is not None:
                 assert model_out.logits is not None
-                self._beam_step(req, [model_out.sample_seqs[r] for r in rows_of_req],
-                                model_out.logits[rows_of_req])
+                self._beam_step(
+                    req,
+                    [model_out.sample_seqs[r] for r in rows_of_req],
+                    model_out.logits[rows_of_req],
+                )
                 continue
             seqs = [model_out.sample_seqs[r] for r in rows_of_req]
             if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1:
@@ -87,12 +97,19 @@ class OutputProcessor:
             for req, seqs in sampling_targets:
                 if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and req.state.num_samples > 1:
                     parent = seqs[0]
-                    seqs = [parent] + [self.scheduler.fork_seq(parent, index=i)
-                                       for i in range(1, req.state.num_samples)]
+                    seqs = [parent] + [
+                        self.scheduler.fork_seq(parent, index=i)
+                        for i in range(1, req.state.num_samples)
+                    ]
                 for seq in seqs:
                     top = result.top_logprobs[k] if result.top_logprobs is not None else None
-                    self._append(seq, result.sampled_token_ids[k], result.sampled_logprobs[k],
-                                 result.sampled_ranks[k], top)
+                    self._append(
+                        seq,
+                        result.sampled_token_ids[k],
+                        result.sampled_logprobs[k],
+                        result.sampled_ranks[k],
+                        top,
+                    )
                     k += 1
         outputs = []
         for req in touched.values():
@@ -104,13 +121,23 @@ class OutputProcessor:
         return outputs
 
     def _row(self, req: Request, seq: Sequence) -> SamplingRow:
-        return SamplingRow(params=req.params, prompt_token_ids=req.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=req.state.generator,
-                           eos_token_id=None)
+        return SamplingRow(
+            params=req.params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            generator=req.state.generator,
+            eos_token_id=self.eos_token_ids,
+        )  # masked while below min_tokens
 
     # ---- tokens ---------------------------------------------------------------------------------
-    def _append(self, seq: Sequence, token_id: int, logprob: float, rank: int | None,
-                top: list[tuple[int, float]] | None) -> None:
+    def _append(
+        self,
+        seq: Sequence,
+        token_id: int,
+        logprob: float,
+        rank: int | None,
+        top: list[tuple[int, float]] | None,
+    ) -> None:
         params: SamplingParams = seq.request.params
         seq.token_ids.append(token_id)
         seq.cumulative_logprob += logprob
@@ -136,8 +163,9 @@ class OutputProcessor:
             delta = detok.add_tokens([token_id])
             seq.output_text = detok.output_text
             if reached_min and params.stop and delta:
-                hit = find_stop(seq.output_text, len(delta), params.stop,
-                                params.include_stop_str_in_output)
+                hit = find_stop(
+                    seq.output_text, len(delta), params.stop, params.include_stop_str_in_output
+                )
                 if hit is not None:
                     cut, stop_str = hit
                     seq.output_text = seq.output_text[:cut]
@@ -155,9 +183,15 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id])
 
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        detok: IncrementalDetokenizer | None = seq.detokenizer
+        if detok is not None and not isinstance(stop_reason, str):
+            detok.finalize()  # flush an unfinished character held back for streaming
+            seq.output_text = detok.output_text
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
-        status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        status = (
+            SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        )
         self.scheduler.free_seq(seq, status)
 
     def _maybe_finish_request(self, req: Request, now: float) -> None:
@@ -171,8 +205,9 @@ class OutputProcessor:
         state: BeamSearchState = req.state.beam
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
         room = self.max_model_len - seqs[0].num_tokens
-        result = state.step(logprobs, [s.cumulative_logprob for s in seqs],
-                            [s.output_token_ids for s in seqs], room)
+        result = state.step(
+            logprobs, [s.cumulative_logprob for s in seqs], [s.output_token_ids for s in seqs], room
+        )
         if result.done:
             for seq in seqs:
                 self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)
@@ -196,18 +231,23 @@ class OutputProcessor:
             self.generation_tokens_total += 1
 
     # ---- prompt logprobs ------------------------------------------------------------------------
-    def _add_prompt_logprobs(self, seq_id: int, logits: torch.Tensor, start: int,
-                             out: SchedulerOutput) -> None:
+    def _add_prompt_logprobs(
+        self, seq_id: int, logits: torch.Tensor, start: int, out: SchedulerOutput
+    ) -> None:
         seq = next(it.seq for it in out.scheduled if it.seq.seq_id == seq_id)
         req = seq.request
         state: RequestState = req.state
         k = req.params.prompt_logprobs
         if state.prompt_logprobs is None:
             state.prompt_logprobs = [None]  # position 0 has no predecessor
-        # logits row j (position start + j) predicts prompt token start + j + 1
+        # logits row j (position start + j) predicts prompt token start + j + 1. After a
+        # preemption the prompt is recomputed: positions already covered are not added twice.
+        start_row = max(start, len(state.prompt_logprobs) - 1)
         last = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
-        if last <= start:
+        if last <= start_row:
             return
+        logits = logits[start_row - start :]
+        start = start_row
         targets = torch.tensor(seq.token_ids[start + 1 : last + 1], dtype=torch.long)
         entries = compute_prompt_logprobs(logits[: last - start], targets, k)
         for entry in entries:
@@ -226,13 +266,15 @@ class OutputProcessor:
             if finished and state.num_samples > state.num_returned:
                 seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
                 seqs = seqs[: state.num_returned]
+            stops = req.params.stop
             completions = [
                 CompletionOutput(
                     index=i if finished and state.num_samples > state.num_returned else s.index,
-                    text=s.output_text,
+                    text=_visible_text(s, stops),
                     token_ids=list(s.output_token_ids),
                     cumulative_logprob=s.cumulative_logprob
-                    if req.params.logprobs is not None else None,
+                    if req.params.logprobs is not None
+                    else None,
                     logprobs=s.logprobs,
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
@@ -278,3 +320,12 @@ class OutputProcessor:
             for i, (tokens, cum, reason) in enumerate(items)
             if params is not None
         ]
+
+
+def _visible_text(seq: Sequence, stops: list[str] | None) -> str:
+    """Text safe to show now: while running, a tail that may still grow into a stop string is
+    held back, so a streaming client never receives text that is later cut."""
+    if not stops or seq.is_finished:
+        return seq.output_text
+    hold = stop_holdback(seq.output_text, stops)
+    return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text

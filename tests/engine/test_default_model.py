@@ -1,0 +1,86 @@
+"""The real default model (SmolLM2-135M-Instruct, GGUF Q4_1) against HF transformers' own GGUF
+loading of the same file: identical greedy tokens and close logprobs, plain prompts and chat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.default_model import default_model_path
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("gguf")  # transformers needs it to read GGUF; paged does not
+
+try:
+    GGUF = default_model_path()
+except (FileNotFoundError, RuntimeError) as exc:  # not installed: say how to get it
+    pytest.skip(f"default model missing: {exc}", allow_module_level=True)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=512)  # no model: the built-in default
+
+
+@pytest.fixture(scope="module")
+def hf():
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tok.eos_token_id
+    return model.eval(), tok
+
+
+def _hf_greedy(model, ids: list[int]) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(ids) :].tolist()
+    lps = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.logits, tokens)]
+    return tokens, lps
+
+
+def _check(out, model, ids):
+    ref_tokens, ref_lps = _hf_greedy(model, ids)
+    ours = out.outputs[0]
+    assert ours.token_ids == ref_tokens
+    lps = [entry[t].logprob for entry, t in zip(ours.logprobs, ours.token_ids)]
+    assert lps == pytest.approx(ref_lps, abs=1e-3)
+
+
+def test_prompts_match_hf(llm, hf):
+    model, tok = hf
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.prompt_token_ids == tok.encode(prompt)
+        _check(out, model, out.prompt_token_ids)
+        assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_chat_matches_hf(llm, hf):
+    model, tok = hf
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    ref_ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ref_ids, dict) or hasattr(ref_ids, "input_ids"):
+        ref_ids = ref_ids["input_ids"]
+    assert out.prompt_token_ids == list(ref_ids)
+    _check(out, model, out.prompt_token_ids)

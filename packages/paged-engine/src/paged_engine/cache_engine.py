@@ -29,6 +29,7 @@ class CacheEngine:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        backend: str = "torch",
     ) -> None:
         num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -41,6 +42,7 @@ class CacheEngine:
             for _ in range(num_layers)
         ]
         self.device = device
+        self.backend = backend  # "triton": the batched copy kernel; "torch": the reference
 
     @staticmethod
     def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -53,7 +55,7 @@ class CacheEngine:
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
         keys = [k for k, _ in self.kv_caches]
         values = [v for _, v in self.kv_caches]
-        if self.device.type == "cuda":
+        if self.backend == "triton":
             from paged_kernels import copy_blocks
 
             copy_blocks(keys, values, mapping)

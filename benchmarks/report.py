@@ -43,7 +43,10 @@ def write(root: Path) -> Path:
 
 def device_section(name: str, res: dict) -> str:
     env = res["env"]
-    hw = env.get("gpu") or f"{env.get('cpu_count')}-core CPU ({env.get('cpu')})"
+    hw = env.get("gpu") or (
+        f"{env.get('cpu_count')}-core CPU ({env.get('cpu')}), {env.get('torch_threads')} torch "
+        "thread(s)"
+    )
     dtypes = ", ".join(f"{m} {v['dtype']}" for m, v in res.get("models", {}).items())
     lines = [
         f"## {name}: {hw}",
@@ -122,7 +125,12 @@ def _memory(sec: dict, dev: str) -> list[str]:
         f"Sharing on {sec.get('sharing_workload', '?')}; memory saved = blocks saved by sharing / "
         "blocks the same sequences would hold unshared, averaged over steps. Parallel-sampling "
         "throughput is compared with the same samples sent as independent requests (nothing "
-        "shared) on the same, memory-bound KV pool.",
+        "shared) on the same KV pool"
+        + (
+            ", sized to a quarter of what the unshared sequences need (memory-bound)."
+            if sec.get("bounded_pool")
+            else " (the default pool: not memory-bound, so the gain is prefill only)."
+        ),
         "",
         "| kind | width | memory saved | paper | out tok/s shared | out tok/s unshared | gain |",
         "|---|---:|---:|---|---:|---:|---:|",

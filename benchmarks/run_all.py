@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(tempfile.gettempdir()) / "paged-bench",
         help="materialised model dirs and server logs",
     )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=1,
+        help="torch threads on CPU (0: torch's default). 1 by default: on a shared 2-core machine "
+        "two spinning OpenMP threads made a paged generate 25x slower (36 s vs 1.4 s)",
+    )
     p.add_argument("--no-report", action="store_true", help="do not rewrite the README table")
     return p.parse_args(argv)
 
@@ -72,7 +79,7 @@ def resolve_model(name: str, device: str, work_dir: Path):
     from benchmarks import models
 
     if name == "default":
-        return models.default_model(device)
+        return models.default_model(device, work_dir)
     if name in models.CONFIGS:
         dtype = models.default_dtype(device)
         return models.materialize(name, work_dir / f"{name}-{dtype}", dtype, device)
@@ -91,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     gpu = device == "cuda"
     isolate = gpu if args.isolate is None else args.isolate
+    if not gpu and args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.cpu_threads)  # for the server subprocess
     slug = device_slug(device)
     out = args.out / slug
     out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m benchmarks.run_all "
         + " ".join(sys.argv[1:] if argv is None else argv),
-        "env": environment(device),
+        "env": {**environment(device), "torch_threads": torch.get_num_threads()},
         "prefill_included": True,
         "cuda_graphs": gpu,  # paged captures decode graphs on CUDA unless enforce_eager
         "sections": {},
@@ -151,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if gpu and not args.smoke:
             share_wl = workloads.nano_vllm(64, (100, 1024), (128, 128), max_token_id=max_id)
         else:
-            share_wl = workloads.nano_vllm(4, (16, 64), (16, 16), max_token_id=max_id)
+            n = 2 if args.smoke else 8
+            share_wl = workloads.nano_vllm(n, (16, 64), (16, 16), max_token_id=max_id)
         waste_wl = workloads.standard(args.smoke, device, max_id)[0]
-        res = memory.run(spec, share_wl, waste_wl, device, isolate=isolate, log=log)
+        res = memory.run(
+            spec, share_wl, waste_wl, device, isolate=isolate, bounded_pool=not args.smoke, log=log
+        )
         plots.sharing(res["sharing"], out / "sharing.png", f"{spec.name}, KV blocks, {slug}")
         return res
 

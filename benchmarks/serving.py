@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import random
 import socket
 import statistics
@@ -20,6 +21,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from benchmarks.workloads import Request
 
@@ -67,7 +70,9 @@ class Server:
 
     def __enter__(self) -> Server:
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        # the server uses as many torch threads as this process
+        env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -125,7 +125,7 @@ def standard(smoke: bool, device: str, max_token_id: int = 10000) -> list[Worklo
         ]
     if smoke:  # 2-core CPU: minutes, not hours
         return [
-            nano_vllm(8, (16, 64), (8, 32), max_token_id=max_token_id),
+            nano_vllm(8, (16, 64), (8, 24), max_token_id=max_token_id),
             fixed_length(8, 64, 16, max_token_id=max_token_id),
         ]
     return [

@@ -26,3 +26,14 @@ def tiny_workload(tiny_spec):
     from benchmarks.workloads import nano_vllm
 
     return nano_vllm(3, (8, 24), (3, 6), max_token_id=tiny_spec.vocab_size - 1)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """As the CPU benchmarks run (see run_all --cpu-threads); restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

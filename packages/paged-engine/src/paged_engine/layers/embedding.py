@@ -25,18 +25,10 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        if loaded_weight.shape[1:] != param.shape[1:]:
-            raise ValueError(
-                f"embedding dim mismatch: expected {tuple(param.shape)}, "
-                f"got {tuple(loaded_weight.shape)}"
-            )
+        full = (self.num_embeddings, *param.shape[1:])
+        if tuple(loaded_weight.shape) != full:
+            raise ValueError(f"expected {full}, got {tuple(loaded_weight.shape)}")
         shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
-        if shard.shape[0] > self.shard_size or (
-            self.tp_size == 1 and shard.shape[0] != self.shard_size
-        ):
-            raise ValueError(
-                f"vocab size mismatch: expected {self.num_embeddings}, got {loaded_weight.shape[0]}"
-            )
         param.data[: shard.shape[0]].copy_(shard)
         param.data[shard.shape[0] :].zero_()
 

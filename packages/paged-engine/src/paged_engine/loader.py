@@ -128,7 +128,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # vars(): transformers 5 warns on reading the deprecated `torch_dtype` attribute.
+        attrs = vars(hf_config)
+        cfg = attrs.get("dtype") or attrs.get("torch_dtype")
         if cfg is None:
             return torch.float32
         if isinstance(cfg, torch.dtype):

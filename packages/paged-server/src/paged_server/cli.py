@@ -8,7 +8,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from paged_server.app import OpenAIApp
@@ -110,7 +109,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, type]:
 def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
     """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
     model_path = str(getattr(engine.config, "model", args.model))
-    names = args.served_model_name or [args.model or Path(model_path).stem]
+    from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
+
+    # Like vLLM: the --model string itself; the built-in default is served by its plain name.
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     metrics = Metrics(names[0])
     client = EngineClient(
         engine,

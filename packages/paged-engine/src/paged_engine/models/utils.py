@@ -29,7 +29,6 @@ def load_named_weights(
     skip: Callable[[str], bool] = lambda name: False,
     rename: Callable[[str], str] = lambda name: name,
     convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
-    allow_missing: Callable[[str], bool] = lambda name: False,
 ) -> None:
     """Copy HF-named tensors into `model`'s parameters.
 
@@ -66,7 +65,7 @@ def load_named_weights(
                 except ValueError as e:
                     raise ValueError(f"cannot load weight {hf_name!r} into {pname!r}: {e}") from e
             loaded.add(pname)
-    missing = sorted(n for n in params if n not in loaded and not allow_missing(n))
+    missing = sorted(n for n in params if n not in loaded)
     if unexpected or missing:
         parts = []
         if unexpected:

@@ -52,24 +52,32 @@ class BeamSearchState:
     finished: list[Hypothesis] = field(default_factory=list)  # best first, at most beam_width
     improvement_possible: bool = True
 
+    @property
+    def num_candidates(self) -> int:
+        """Candidates kept per step (and per beam): enough to refill every beam past EOS hits."""
+        return max(2, 1 + len(self.eos_token_ids)) * self.beam_width
+
     def step(
         self,
-        logprobs: torch.Tensor,  # [num_live, vocab] raw log-softmax of each live beam's next token
+        top_logprobs: torch.Tensor,  # [num_live, k] each live beam's best next-token logprobs
+        top_ids: torch.Tensor,  # [num_live, k] their token ids (k >= num_candidates or vocab)
         beam_scores: list[float],  # [num_live] cumulative logprob of each live beam
         generated: list[list[int]],  # [num_live] tokens each live beam generated so far
         max_new_by_context: int,  # tokens still allowed by max_model_len (same for all beams)
     ) -> BeamStepResult:
-        num_live, vocab = logprobs.shape
+        """The global top candidates over all beams equal the top of each beam's own top-k, so
+        only [num_live, k] values ever leave the device."""
+        num_live, k = top_logprobs.shape
         cur_gen_len = len(generated[0])  # invariant: all live beams have the same length
-        num_keep = max(2, 1 + len(self.eos_token_ids)) * self.beam_width
-        acc = logprobs.float() + torch.tensor(beam_scores, dtype=torch.float32)[:, None]
-        top_vals, top_idx = torch.topk(acc.flatten(), k=min(num_keep, num_live * vocab))
+        acc = top_logprobs.float().cpu() + torch.tensor(beam_scores, dtype=torch.float32)[:, None]
+        top_vals, top_idx = torch.topk(acc.flatten(), k=min(self.num_candidates, num_live * k))
+        ids = top_ids.cpu().flatten()
         at_length = cur_gen_len + 1 >= min(self.max_tokens, max_new_by_context + cur_gen_len)
 
         candidates: list[Candidate] = []
         hits: list[bool] = []
         for val, idx in zip(top_vals.tolist(), top_idx.tolist()):
-            cand = Candidate(parent=idx // vocab, token_id=idx % vocab, cumulative_logprob=val)
+            cand = Candidate(parent=idx // k, token_id=int(ids[idx]), cumulative_logprob=val)
             candidates.append(cand)
             hits.append(at_length or cand.token_id in self.eos_token_ids)
 

@@ -21,7 +21,7 @@ from paged_engine.detokenizer import IncrementalDetokenizer, find_stop, stop_hol
 from paged_engine.model_runner import ModelOutput
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_engine.request import Request, Sequence, SequenceStatus
-from paged_engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from paged_engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs, log_softmax_topk
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 from paged_engine.scheduler import Scheduler, SchedulerOutput
 
@@ -203,11 +203,10 @@ class OutputProcessor:
     # ---- beams ----------------------------------------------------------------------------------
     def _beam_step(self, req: Request, seqs: list[Sequence], logits: torch.Tensor) -> None:
         state: BeamSearchState = req.state.beam
-        logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        top_lp, top_ids = log_softmax_topk(logits, min(state.num_candidates, logits.shape[-1]))
         room = self.max_model_len - seqs[0].num_tokens
-        result = state.step(
-            logprobs, [s.cumulative_logprob for s in seqs], [s.output_token_ids for s in seqs], room
-        )
+        scores = [s.cumulative_logprob for s in seqs]
+        result = state.step(top_lp, top_ids, scores, [s.output_token_ids for s in seqs], room)
         if result.done:
             for seq in seqs:
                 self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)

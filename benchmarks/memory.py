@@ -31,22 +31,26 @@ PAPER = {"parallel": "6-30%", "beam": "37-66%", "waste": "under 4%"}
 def drive(llm, items: list[tuple[dict, object]]) -> tuple[list[dict], list]:
     """Add all requests, step to completion; per-step stats and the finished outputs."""
     engine = llm.llm_engine
-    counter = itertools.count()
-    for prompt, params in items:
-        engine.add_request(f"bench-{next(counter)}", prompt, params)
+    ids = [f"bench-{next(_IDS)}" for _ in items]
     steps, finished = [], []
-    while engine.has_unfinished_requests():
-        finished += [o for o in engine.step() if o.finished]
-        st = engine.get_stats()
-        steps.append(
-            {
-                "used": st.num_used_blocks,
-                "saved": st.blocks_saved_by_sharing,
-                "allocated": st.kv_slots_allocated,
-                "stored": st.kv_tokens_stored,
-                "running": st.num_running,
-            }
-        )
+    try:
+        for rid, (prompt, params) in zip(ids, items):
+            engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+            st = engine.get_stats()
+            steps.append(
+                {
+                    "used": st.num_used_blocks,
+                    "saved": st.blocks_saved_by_sharing,
+                    "allocated": st.kv_slots_allocated,
+                    "stored": st.kv_tokens_stored,
+                    "running": st.num_running,
+                }
+            )
+    except BaseException:
+        engine.abort_request(ids)  # leave a reused engine clean for the next case
+        raise
     return steps, finished
 
 
@@ -75,6 +79,7 @@ def summarize(steps: list[dict]) -> dict:
     }
 
 
+_IDS = itertools.count()  # request ids stay unique across runs on a reused engine
 _ENGINES: dict = {}  # one engine per pool size within a process (building one takes seconds)
 
 

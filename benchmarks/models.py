@@ -71,6 +71,8 @@ def materialize(
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # leave the device to the systems under test
     write_tokenizer(out_dir, vocab, cfg_dict.get("bos_token_id"), cfg_dict.get("eos_token_id"))
     stamp_file.write_text(json.dumps(stamp))
     return spec

@@ -189,11 +189,27 @@ def _overhead(sec: dict, dev: str) -> list[str]:
 
 
 def _kernels(sec: dict, dev: str) -> list[str]:
-    body = {k: v for k, v in sec.items() if k != "wall_s"}
-    md = body.get("markdown") if isinstance(body.get("markdown"), str) else None
-    if md:
-        return [md, ""]
-    return ["```json", json.dumps(body, indent=1, default=str)[:6000], "```", ""]
+    """`benchmarks.kernel_bench.run` output: its note, then its result rows as a table."""
+    rows = sec.get("results")
+    out = [
+        f"{sec.get('benchmark', 'kernel benchmark')} on {sec.get('device', dev)}: "
+        f"{sec.get('note', '')}",
+        "",
+    ]
+    if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
+        keys = list(rows[0])
+        out += ["| " + " | ".join(keys) + " |", "|" + "---:|" * len(keys)]
+        out += ["| " + " | ".join(_num(r.get(k)) for k in keys) + " |" for r in rows]
+    else:
+        body = {k: v for k, v in sec.items() if k != "wall_s"}
+        out += ["```json", json.dumps(body, indent=1, default=str)[:4000], "```"]
+    if sec.get("plot"):
+        out += ["", f"![kernels](./{dev}/{Path(str(sec['plot'])).name})"]
+    return [*out, ""]
+
+
+def _num(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_memory() -> dict:
         if gpu and not args.smoke:
-            share_wl = workloads.nano_vllm(64, (100, 1024), (128, 128), max_token_id=max_id)
+            share_wl = workloads.nano_vllm(64, max_token_id=max_id)
         else:
             n = 2 if args.smoke else 8
             share_wl = workloads.nano_vllm(n, (16, 64), (16, 16), max_token_id=max_id)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_serving() -> dict:
         if gpu:
-            n, rates = (32, [2.0, 8.0]) if args.smoke else (300, [1.0, 2.0, 4.0, 8.0, 16.0, 32.0])
+            n, rates = (32, [2.0, 8.0]) if args.smoke else (200, [2.0, 4.0, 8.0, 16.0, 32.0])
             wl = workloads.nano_vllm(n, (100, 1024), (100, 512), max_token_id=max_id)
         else:
             n, rates = (6, [0.5, 1.0, 2.0]) if args.smoke else (16, [0.25, 0.5, 1.0, 2.0])

@@ -104,7 +104,9 @@ def fixed_length(
 
 
 def _span(v: int | tuple[int, int]) -> str:
-    return f"{v[0]}-{v[1]}" if isinstance(v, tuple) else str(v)
+    if isinstance(v, (tuple, list)) and v[0] != v[1]:
+        return f"{v[0]}-{v[1]}"
+    return str(v[0] if isinstance(v, (tuple, list)) else v)
 
 
 def _scaled_note(params: dict) -> str:

@@ -75,3 +75,18 @@ def test_report_only_shows_measured_devices(tmp_path):
     (tmp_path / "cpu" / "results.json").write_text(json.dumps(run))
     text = report.write(tmp_path).read_text()
     assert "## cpu" in text and "Not yet measured" in text and "ModuleNotFoundError" in text
+
+
+def test_run_all_writes_results_and_report(tiny_spec, tmp_path, monkeypatch):
+    from benchmarks import run_all
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # main() sets it; restored after the test
+
+    argv = ["--smoke", "--device", "cpu", "--only", "memory", "--model-config", str(tiny_spec.path)]
+    argv += ["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work")]
+    assert run_all.main(argv) == 0
+    res = json.loads((tmp_path / "out" / "cpu" / "results.json").read_text())
+    assert res["prefill_included"] and not res["cuda_graphs"]
+    assert "error" not in res["sections"]["memory"], res["sections"]["memory"]
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "### memory" in text and "GPU" in text

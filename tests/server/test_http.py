@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from conftest import API_KEY, MAX_MODEL_LEN, ServerProc
+from server_proc import API_KEY, MAX_MODEL_LEN, ServerProc
 
 OK_BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0}
 

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import API_KEY, COMMON_ARGS, ServerProc, launch
+from server_proc import API_KEY, COMMON_ARGS, ServerProc, launch
 
 HEADERS = {"Content-Type": "application/json"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import MAX_MODEL_LEN, ServerProc
+from server_proc import MAX_MODEL_LEN, ServerProc
 
 openai = pytest.importorskip("openai")
 

@@ -1,0 +1,137 @@
+"""Start real `paged-server` processes on free loopback ports and talk to them over HTTP.
+
+`real` servers run `python -m paged_server` over a tiny random llama (CPU); `fake` servers run the
+same server code over tests/server/fake_engine.py, for HTTP behaviour that does not depend on the
+model and must stay fast.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+HERE = Path(__file__).parent
+MAX_MODEL_LEN = 128
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen
+    url: str
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname
+
+    @property
+    def port(self) -> int:
+        return urlsplit(self.url).port
+
+    def conn(self, timeout: float = 30.0) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        headers: dict[str, str] | None = None,
+        timeout: float = 60.0,
+    ):
+        """(status, headers, parsed JSON or text) on a fresh connection."""
+        c = self.conn(timeout)
+        try:
+            data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
+            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            c.request(method, path, body=data, headers=hdrs)
+            r = c.getresponse()
+            raw = r.read().decode()
+            ctype = r.getheader("Content-Type", "")
+            return r.status, dict(r.getheaders()), json.loads(raw) if "json" in ctype else raw
+        finally:
+            c.close()
+
+    def metrics(self) -> dict[str, float]:
+        _, _, text = self.request("GET", "/metrics")
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name.split("{")[0]] = float(value)
+        return out
+
+    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and no KV block is used; returns the last metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (
+                m["paged:num_requests_running"] == 0
+                and m["paged:num_requests_waiting"] == 0
+                and m["paged:kv_cache_usage_perc"] == 0
+            )
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.1)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+def launch(args: list[str], *, fake: bool, timeout: float = 180.0) -> ServerProc:
+    if fake:
+        cmd = [sys.executable, str(HERE / "fake_server.py")]
+    else:
+        cmd = [sys.executable, "-m", "paged_server"]
+    cmd += ["--host", "127.0.0.1", "--port", "0", *args]
+    # The fake engine takes 20 ms a step, so 100 tokens outlast a client's disconnect.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAKE_STEP_TIME": "0.02"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    server = ServerProc(proc, "")
+    ready = threading.Event()
+
+    def pump() -> None:  # keep reading so the pipe never blocks the server
+        for line in proc.stdout:
+            server.lines.append(line)
+            if "serving on http://" in line and not ready.is_set():
+                server.url = line.split("serving on ")[1].split()[0]
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout) or not server.url:
+        proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(server.lines[-50:]))
+    return server
+
+
+COMMON_ARGS = [
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--served-model-name",
+    "tiny",
+    "--client-timeout",
+    "3",
+    "--timeout-keep-alive",
+    "2",
+]
+REAL_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "512", *COMMON_ARGS]
+API_KEY = "sk-test-key"

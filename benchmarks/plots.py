@@ -81,16 +81,23 @@ def serving(rates: list[dict], path: Path, title: str) -> Path | None:
     return _save(fig, path)
 
 
-def overhead(rec: dict, path: Path, title: str) -> Path | None:
-    if "phases" not in rec:
+def overhead(runs: list[dict], path: Path, title: str) -> Path | None:
+    runs = [r for r in runs if "phases" in r]
+    if not runs:
         return None
     plt = _plt()
-    names = [n for n in rec["phases"] if n not in ("total", "forward_stub")]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.barh(names, [rec["phases"][n]["mean_ms"] for n in names])
-    ax.bar_label(bars, fmt="%.3f", fontsize=8)
+    names = [n for n in runs[0]["phases"] if n not in ("total", "forward_stub")]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    height = 0.8 / len(runs)
+    for j, r in enumerate(runs):
+        vals = [max(r["phases"][n]["mean_ms"], 1e-3) for n in names]
+        ys = [i + j * height for i in range(len(names))]
+        bars = ax.barh(ys, vals, height, label=f"vocab {r['vocab_size']}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_yticks([i + height * (len(runs) - 1) / 2 for i in range(len(names))], names)
+    ax.set_xscale("log")
     ax.axvline(1.0, color="red", ls="--", lw=1, label="1 ms target (whole step)")
-    ax.set_xlabel("ms per step (mean)")
+    ax.set_xlabel("ms per step (mean, log scale)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)

@@ -26,6 +26,14 @@ PYTHONPATH=packages/paged-kernels/src:packages/paged-engine/src:packages/paged-s
 """
 
 
+CPU_CAVEAT = (
+    "Reading CPU numbers: batches of a few short requests on a 135M model, so per-step costs "
+    "that a GPU hides dominate and the ratios say nothing about GPU throughput. KV waste is "
+    "high when sequences are this short (each leaves on average half of its last 16-token block "
+    "empty); sharing savings depend on the prompt / output length ratio of the workload shown."
+)
+
+
 def write(root: Path) -> Path:
     runs = sorted(root.glob("*/results.json"))
     parts = [HEADER]
@@ -67,6 +75,8 @@ def device_section(name: str, res: dict) -> str:
         f"CUDA graphs: {'on (paged decode)' if res['cuda_graphs'] else 'off'}",
         "",
     ]
+    if not name.startswith("gpu"):
+        lines += [CPU_CAVEAT, ""]
     sections = res.get("sections", {})
     for key, fn in (
         ("throughput", _throughput),

@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m benchmarks.run_all "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        + shlex.join(sys.argv[1:] if argv is None else argv),
         "env": {**environment(device), "torch_threads": torch.get_num_threads()},
         "load_avg_1m_start": round(os.getloadavg()[0], 2),
         "note": args.note,
@@ -201,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             name = "qwen3-0.6b-config" + ("-v512" if extra else "")
             ospec = config_dir("qwen3-0.6b", args.work_dir / name, device, **layers, **extra)
             runs.append(overhead.run(ospec, device, steps=10 if args.smoke else 50, log=log))
-        plots.overhead(runs[0], out / "overhead.png", f"engine step, 256 sequences, {slug}")
+        plots.overhead(
+            runs, out / "overhead.png", f"engine step, 256 sequences, forward stubbed, {slug}"
+        )
         return {"runs": runs}
 
     def run_kernels() -> dict:

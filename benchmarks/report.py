@@ -55,7 +55,9 @@ def device_section(name: str, res: dict) -> str:
         f"{env.get('cpu_count')}-core CPU ({env.get('cpu')}), {env.get('torch_threads')} torch "
         "thread(s)"
     )
-    dtypes = ", ".join(f"{m} {v['dtype']}" for m, v in res.get("models", {}).items())
+    dtypes = "; ".join(
+        f"{m} {v['dtype']} ({v.get('origin', '')})" for m, v in res.get("models", {}).items()
+    )
     lines = [
         f"## {name}: {hw}",
         "",
@@ -70,7 +72,7 @@ def device_section(name: str, res: dict) -> str:
         ),
         f"- versions: Python {env['python']}, torch {env['torch']}, triton {env.get('triton')}, "
         f"transformers {env['transformers']}, paged-engine {env.get('paged_engine')}",
-        f"- models and dtype: {dtypes}; random or GGUF weights, identical for every system",
+        f"- models and dtype: {dtypes}; every system runs the same weights",
         f"- prefill included in every timing: {res['prefill_included']}; "
         f"CUDA graphs: {'on (paged decode)' if res['cuda_graphs'] else 'off'}",
         "",

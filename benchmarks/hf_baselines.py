@@ -128,7 +128,7 @@ def hf_continuous(
         "hf-continuous",
         wl,
         elapsed,
-        attn_implementation=model.config._attn_implementation,
+        attn_implementation=attn,  # requested; the manager restores the original on exit
         cb_config={k: v for k, v in cb_options.items()},
     )
 

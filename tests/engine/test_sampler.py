@@ -78,6 +78,13 @@ def naive_penalties(x: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     return x
 
 
+def test_logprobs_skipped_when_nobody_reads_them(device):
+    x = logits_for(3, device)
+    out = Sampler()(x, [row(temperature=0.0) for _ in range(3)])
+    assert out.sampled_token_ids == x.argmax(-1).tolist()
+    assert out.top_logprobs is None and all(lp != lp for lp in out.sampled_logprobs)  # NaN
+
+
 def test_penalties_match_naive_reference(device):
     g = torch.Generator().manual_seed(3)
     rows = []
@@ -89,7 +96,7 @@ def test_penalties_match_naive_reference(device):
             "frequency_penalty": [0.0, 0.5, -0.4, 1.1][i % 4],
             "presence_penalty": [0.0, 1.0][i % 2],
         }
-        rows.append(row(prompt.tolist(), output.tolist(), temperature=0.0, **kw))
+        rows.append(row(prompt.tolist(), output.tolist(), temperature=0.0, logprobs=0, **kw))
     x = logits_for(12, device, seed=4)
     got = Sampler.process_logits(x, rows).cpu()
     want = torch.stack([naive_penalties(x[i].cpu(), r) for i, r in enumerate(rows)])

@@ -45,6 +45,12 @@ def make_decode_fn(
     }
     if not getattr(tokenizer, "is_fast", True):  # only slow tokenizers honour this flag
         kwargs["spaces_between_special_tokens"] = spaces_between_special_tokens
+        return lambda ids: tokenizer.decode(ids, **kwargs)
+    # A fast tokenizer's decode without clean-up is its Rust backend's decode; calling it directly
+    # skips transformers' argument normalisation (most of the per-token cost).
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return lambda ids: tokenizer.decode(ids, **kwargs)
 
 

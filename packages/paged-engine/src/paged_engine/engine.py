@@ -143,8 +143,13 @@ class LLMEngine:
         prompt: str | list[int] | dict,
         params: SamplingParams | BeamSearchParams | None = None,
         arrival_time: float | None = None,
+        *,
+        final_only: bool = False,
     ) -> None:
-        """Queue a request; raises ValueError (naming the parameter) on bad input."""
+        """Queue a request; raises ValueError (naming the parameter) on bad input.
+
+        `final_only`: `step()` reports this request once, when it finishes (what offline
+        generation needs), instead of after every step (what streaming needs)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
@@ -165,6 +170,13 @@ class LLMEngine:
             )
         self._check_params(params)
         state = self._make_state(params, num_returned)
+        state.final_only = final_only
+        if isinstance(params, SamplingParams):
+            state.needs_history = params.min_tokens > 0 or (
+                params.repetition_penalty != 1.0
+                or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0
+            )
         req = Request(
             request_id=request_id,
             prompt=text,

@@ -88,7 +88,7 @@ class LLM:
         try:
             for prompt, params in items:
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, final_only=True)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued

@@ -13,9 +13,9 @@ and returns the logits of the last row of every sequence that reaches the end of
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,6 +28,15 @@ from paged_engine.request import Sequence
 from paged_engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]  # row in [T] of the last token of each sampling sequence
+    sample_seqs: list[Sequence]
+    prompt_seqs: list[Sequence]  # sequences whose prompt logprobs are computed this step
 
 
 @dataclass(slots=True)
@@ -72,67 +81,62 @@ class ModelRunner:
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(
-        self, out: SchedulerOutput
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence], list[Sequence]
-    ]:
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """Flat varlen inputs for every sequence with tokens this step (plain lists on the host,
+        one tensor each to the device). A decode row costs a few list appends."""
         bs = self.block_size
         ids: list[int] = []
-        pos_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
+        positions: list[int] = []
+        slots: list[int] = []
         cu = [0]
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prompt_seqs: list[Sequence] = []
-        for item in out.scheduled:
-            seq, n = item.seq, item.num_new_tokens
+        max_q = 0
+        for seq, n in out.scheduled:
             if n == 0:
                 continue
             start = seq.num_computed_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            table = seq.block_ids
             if n == 1:
-                pos_chunks.append(np.array([start], dtype=np.int64))
-                slot_chunks.append(
-                    np.array([seq.block_ids[start // bs] * bs + start % bs], dtype=np.int64)
-                )
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
             else:
-                p = np.arange(start, end, dtype=np.int64)
-                table = np.asarray(seq.block_ids, dtype=np.int64)
-                pos_chunks.append(p)
-                slot_chunks.append(table[p // bs] * bs + p % bs)
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                _extend_slots(slots, table, start, end, bs)
+            max_q = max(max_q, n)
             cu.append(cu[-1] + n)
             seq_lens.append(end)
-            tables.append(seq.block_ids)
+            tables.append(table)
             if end == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(seq)
             if _wants_prompt_logprobs(seq, start):
                 prompt_seqs.append(seq)
-        positions = np.concatenate(pos_chunks)
-        slot_mapping = np.concatenate(slot_chunks)
         width = max(len(t) for t in tables)
-        block_tables = np.zeros((len(tables), width), dtype=np.int32)  # 0 = null block
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t)] = t
-        max_q = max(b - a for a, b in itertools.pairwise(cu))
-        dev = self.device
+        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
         meta = AttentionMetadata(
-            slot_mapping=self._to_dev(torch.from_numpy(slot_mapping)),
-            block_tables=self._to_dev(torch.from_numpy(block_tables)),
+            slot_mapping=self._to_dev(torch.tensor(slots, dtype=torch.int64)),
+            block_tables=self._to_dev(torch.tensor(padded, dtype=torch.int32)),  # 0 = null block
             cu_seqlens_q=self._to_dev(torch.tensor(cu, dtype=torch.int32)),
             seq_lens=self._to_dev(torch.tensor(seq_lens, dtype=torch.int32)),
             max_seqlen_q=max_q,
             max_seqlen_k=max(seq_lens),
             backend=self.backend,
         )
-        input_ids = self._to_dev(torch.tensor(ids, dtype=torch.int64))
-        pos = self._to_dev(torch.from_numpy(positions))
-        del dev
-        return input_ids, pos, meta, sample_rows, sample_seqs, prompt_seqs
+        return StepInputs(
+            input_ids=self._to_dev(torch.tensor(ids, dtype=torch.int64)),
+            positions=self._to_dev(torch.tensor(positions, dtype=torch.int64)),
+            attn_metadata=meta,
+            sample_rows=sample_rows,
+            sample_seqs=sample_seqs,
+            prompt_seqs=prompt_seqs,
+        )
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -146,7 +150,13 @@ class ModelRunner:
             self.cache.copy_blocks(out.blocks_to_copy)
         if not any(item.num_new_tokens for item in out.scheduled):
             return ModelOutput(logits=None, sample_seqs=[], prompt_logits={})
-        input_ids, positions, meta, sample_rows, sample_seqs, prompt_seqs = self.prepare(out)
+        inputs = self.prepare(out)
+        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        sample_rows, sample_seqs, prompt_seqs = (
+            inputs.sample_rows,
+            inputs.sample_seqs,
+            inputs.prompt_seqs,
+        )
         if self.graphs is not None and self.graphs.can_run(meta, len(input_ids)):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
@@ -242,6 +252,14 @@ class ModelRunner:
         hidden = self.model(ids, positions, scratch.kv_caches, meta)
         self.model.compute_logits(hidden[:num_seqs])
         del scratch, hidden
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: int) -> None:
+    """Append the cache slots of positions [start, end): one range per block touched."""
+    for b in range(start // bs, (end - 1) // bs + 1):
+        lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
+        base = table[b] * bs - b * bs
+        slots.extend(range(base + lo, base + hi))
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -36,6 +36,11 @@ class RequestState:
     num_samples: int  # sequences to generate (best_of for sampling, beam_width for beams)
     num_returned: int  # outputs returned (n)
     last_token_time: float | None = None
+    final_only: bool = False  # build a RequestOutput only when the request finishes
+    needs_history: bool = False  # penalties / min_tokens read the sampled tokens so far
+
+
+_NO_TOKENS: list[int] = []
 
 
 class OutputProcessor:
@@ -80,7 +85,11 @@ class OutputProcessor:
                     model_out.logits[rows_of_req],
                 )
                 continue
-            seqs = [model_out.sample_seqs[r] for r in rows_of_req]
+            seqs = (
+                [model_out.sample_seqs[rows_of_req[0]]]
+                if len(rows_of_req) == 1
+                else [model_out.sample_seqs[r] for r in rows_of_req]
+            )
             if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1:
                 fan = state.num_samples  # first token of n > 1: all samples from one row
                 rows.extend(self._row(req, seqs[0]) for _ in range(fan))
@@ -91,8 +100,12 @@ class OutputProcessor:
             sampling_targets.append((req, seqs))
         if rows:
             assert model_out.logits is not None
-            idx = torch.tensor(row_index, dtype=torch.long, device=model_out.logits.device)
-            result = self.sampler(model_out.logits.index_select(0, idx), rows)
+            logits = model_out.logits
+            if len(row_index) != logits.shape[0] or row_index != list(range(len(row_index))):
+                # fan-out (n > 1 first tokens) or beam rows removed: gather the sampler's rows
+                idx = torch.tensor(row_index, dtype=torch.long, device=logits.device)
+                logits = logits.index_select(0, idx)
+            result = self.sampler(logits, rows)
             k = 0
             for req, seqs in sampling_targets:
                 if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and req.state.num_samples > 1:
@@ -117,17 +130,21 @@ class OutputProcessor:
                 req.first_token_time = now
             req.state.last_token_time = now
             self._maybe_finish_request(req, now)
-            outputs.append(self.make_output(req))
+            if req.is_finished or not req.state.final_only:
+                outputs.append(self.make_output(req))
         return outputs
 
     def _row(self, req: Request, seq: Sequence) -> SamplingRow:
+        state: RequestState = req.state
+        # Copying the output tokens is O(length): only for rows whose processing reads them.
+        history = seq.output_token_ids if state.needs_history else _NO_TOKENS
         return SamplingRow(
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            generator=req.state.generator,
-            eos_token_id=self.eos_token_ids,
-        )  # masked while below min_tokens
+            output_token_ids=history,
+            generator=state.generator,
+            eos_token_id=self.eos_token_ids,  # masked while below min_tokens
+        )
 
     # ---- tokens ---------------------------------------------------------------------------------
     def _append(
@@ -180,6 +197,9 @@ class OutputProcessor:
         return None
 
     def _decode_one(self, token_id: int) -> str:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            return backend.decode([token_id], skip_special_tokens=False)
         return self.tokenizer.decode([token_id])
 
     def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:

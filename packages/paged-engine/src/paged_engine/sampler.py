@@ -234,7 +234,18 @@ class Sampler:
         return sampled
 
 
+def _wants_logprobs(row: SamplingRow) -> bool:
+    """Logprobs are reported (logprobs=k) or rank best_of > n samples by cumulative logprob."""
+    p = row.params
+    return p.logprobs is not None or (p.best_of or 0) > p.n
+
+
 def _gather_logprobs(raw: Tensor, tokens: Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    if not any(_wants_logprobs(r) for r in rows):
+        # Nothing reads them: skip the [N, V] logsumexp and rank passes (NaN marks "not computed").
+        ids = tokens.cpu().tolist()
+        nan = float("nan")
+        return SamplerOutput(ids, [nan] * len(ids), [0] * len(ids), None)
     vocab = raw.shape[1]
     lse = raw.logsumexp(dim=-1, keepdim=True)
     tok_logit = raw.gather(1, tokens.unsqueeze(1))

@@ -27,6 +27,7 @@ TEST_DEPS = [
     "transformers",
     "tokenizers",
     "safetensors",
+    "matplotlib",  # the benchmark tests draw their plots
 ]
 
 nox.options.sessions = ["lint", "tests"]

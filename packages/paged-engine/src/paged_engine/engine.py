@@ -18,11 +18,10 @@ from typing import Any
 
 import torch
 
-from paged_engine.beam_search import BeamSearchState
 from paged_engine.block_manager import BlockManager
 from paged_engine.config import EngineConfig
 from paged_engine.default_model import default_model_path
-from paged_engine.detokenizer import IncrementalDetokenizer
+from paged_engine.input_processor import InputProcessor
 from paged_engine.loader import (
     load_hf_config,
     load_model,
@@ -31,7 +30,7 @@ from paged_engine.loader import (
     resolve_model,
 )
 from paged_engine.model_runner import ModelRunner
-from paged_engine.output_processor import OutputProcessor, RequestState
+from paged_engine.output_processor import OutputProcessor
 from paged_engine.outputs import RequestOutput
 from paged_engine.request import Request
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -122,6 +121,13 @@ class LLMEngine:
             device=self.device,
         )
         self.vocab_size = _vocab_size(self.hf_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            config,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            device=self.device,
+        )
         self._requests: dict[str, Request] = {}
         self.prompt_tokens_total = 0
         self.peak_used_blocks = 0
@@ -154,130 +160,12 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        params = SamplingParams() if params is None else params
-        num_returned = None
-        if isinstance(params, SamplingParams) and params.use_beam_search:
-            num_returned = params.n  # the n best of beam_width = max(n, best_of) beams
-            params = params.to_beam_search_params()
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
-        text, token_ids = self._tokenize_prompt(prompt)
-        max_len = self.config.max_model_len
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt is too long: {len(token_ids)} tokens, but max_model_len is {max_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
-        self._check_params(params)
-        state = self._make_state(params, num_returned)
-        state.final_only = final_only
-        if isinstance(params, SamplingParams):
-            state.needs_history = params.min_tokens > 0 or (
-                params.repetition_penalty != 1.0
-                or params.frequency_penalty != 0.0
-                or params.presence_penalty != 0.0
-            )
-        req = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=arrival_time or time.monotonic(),
+        req = self.input_processor.make_request(
+            request_id, prompt, params, arrival_time, final_only=final_only
         )
-        req.state = state
-        seq = req.seqs[0]
-        if isinstance(params, SamplingParams) and params.detokenize:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            )
         self._requests[request_id] = req
         self.scheduler.add_request(req)
-        self.prompt_tokens_total += len(token_ids)
-
-    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            if not prompt:
-                raise ValueError("prompt must not be empty (got no token ids)")
-            ids = list(prompt)
-            bad = [
-                t
-                for t in ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-            ]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
-                )
-            return None, ids
-        raise ValueError(
-            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
-        )
-
-    def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
-        if isinstance(params, SamplingParams):
-            for name in ("logprobs", "prompt_logprobs"):
-                k = getattr(params, name)
-                if k is not None and k > self.config.max_logprobs:
-                    raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
-            width = max(params.n, params.best_of or params.n)
-        else:
-            width = params.beam_width
-        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens or width)
-        if width > limit:
-            raise ValueError(
-                f"n/best_of/beam_width={width} exceeds what one step can run "
-                f"(max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens})"
-            )
-
-    def _make_state(
-        self, params: SamplingParams | BeamSearchParams, num_returned: int | None = None
-    ) -> RequestState:
-        if isinstance(params, BeamSearchParams):
-            eos = set() if params.ignore_eos else set(self.eos_token_ids)
-            beam = BeamSearchState(
-                beam_width=params.beam_width,
-                length_penalty=params.length_penalty,
-                early_stopping=params.early_stopping,
-                max_tokens=params.max_tokens
-                if params.max_tokens is not None
-                else self.config.max_model_len,
-                eos_token_ids=eos,
-            )
-            n = num_returned or params.beam_width
-            return RequestState(
-                generator=None,
-                beam=beam,
-                prompt_logprobs=None,
-                num_samples=params.beam_width,
-                num_returned=min(n, params.beam_width),
-            )
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        samples = max(params.n, params.best_of or params.n)
-        return RequestState(
-            generator=gen,
-            beam=None,
-            prompt_logprobs=None,
-            num_samples=samples,
-            num_returned=params.n,
-        )
+        self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

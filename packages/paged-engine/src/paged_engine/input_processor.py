@@ -1,0 +1,167 @@
+"""Turns what a caller submits (a prompt, its parameters) into a validated `Request`.
+
+Everything that can be wrong with a request is caught here, before the scheduler sees it, with a
+`ValueError` that names the parameter: the engine keeps serving everyone else.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from paged_engine.beam_search import BeamSearchState
+from paged_engine.config import EngineConfig
+from paged_engine.detokenizer import IncrementalDetokenizer
+from paged_engine.output_processor import RequestState
+from paged_engine.request import Request
+from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer,
+        config: EngineConfig,
+        *,
+        vocab_size: int,
+        eos_token_ids: set[int],
+        device: torch.device,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | BeamSearchParams | None,
+        arrival_time: float | None,
+        *,
+        final_only: bool,
+    ) -> Request:
+        params = SamplingParams() if params is None else params
+        num_returned = None
+        if isinstance(params, SamplingParams) and params.use_beam_search:
+            num_returned = params.n  # the n best of beam_width = max(n, best_of) beams
+            params = params.to_beam_search_params()
+        if not isinstance(params, (SamplingParams, BeamSearchParams)):
+            raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        text, token_ids = self._tokenize_prompt(prompt)
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt is too long: {len(token_ids)} tokens, but max_model_len is {max_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        self._check_params(params)
+        state = self._make_state(params, num_returned)
+        state.final_only = final_only
+        if isinstance(params, SamplingParams):
+            state.needs_history = params.min_tokens > 0 or (
+                params.repetition_penalty != 1.0
+                or params.frequency_penalty != 0.0
+                or params.presence_penalty != 0.0
+            )
+        req = Request(
+            request_id=request_id,
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_time=arrival_time or time.monotonic(),
+        )
+        req.state = state
+        if isinstance(params, SamplingParams) and params.detokenize:
+            req.seqs[0].detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        return req
+
+    def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            if not prompt:
+                raise ValueError("prompt must not be empty (got no token ids)")
+            ids = list(prompt)
+            bad = [
+                t
+                for t in ids
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
+                )
+            return None, ids
+        raise ValueError(
+            f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        if isinstance(params, SamplingParams):
+            for name in ("logprobs", "prompt_logprobs"):
+                k = getattr(params, name)
+                if k is not None and k > self.config.max_logprobs:
+                    raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
+            width = max(params.n, params.best_of or params.n)
+        else:
+            width = params.beam_width
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens or width)
+        if width > limit:
+            raise ValueError(
+                f"n/best_of/beam_width={width} exceeds what one step can run "
+                f"(max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
+                f"{self.config.max_num_batched_tokens})"
+            )
+
+    def _make_state(
+        self, params: SamplingParams | BeamSearchParams, num_returned: int | None = None
+    ) -> RequestState:
+        if isinstance(params, BeamSearchParams):
+            eos = set() if params.ignore_eos else set(self.eos_token_ids)
+            beam = BeamSearchState(
+                beam_width=params.beam_width,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                max_tokens=params.max_tokens
+                if params.max_tokens is not None
+                else self.config.max_model_len,
+                eos_token_ids=eos,
+            )
+            n = num_returned or params.beam_width
+            return RequestState(
+                generator=None,
+                beam=beam,
+                prompt_logprobs=None,
+                num_samples=params.beam_width,
+                num_returned=min(n, params.beam_width),
+            )
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        samples = max(params.n, params.best_of or params.n)
+        return RequestState(
+            generator=gen,
+            beam=None,
+            prompt_logprobs=None,
+            num_samples=samples,
+            num_returned=params.n,
+        )

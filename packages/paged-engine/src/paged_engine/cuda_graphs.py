@@ -73,11 +73,18 @@ class CudaGraphRunner:
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         num_seqs = meta.seq_lens.shape[0]
-        return meta.max_seqlen_q == 1 and num_tokens == num_seqs and num_seqs <= self.max_bs
+        return (
+            meta.max_seqlen_q == 1
+            and num_tokens == num_seqs
+            and num_seqs <= self.max_bs
+            and meta.block_tables.shape[1] <= self.block_tables.shape[1]
+        )
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        """Hidden states [n, D] of a decode step: a view of the graph's static output, valid only
+        until the next replay (the caller consumes it before the next step)."""
         n = input_ids.shape[0]
         bs = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids)
@@ -90,5 +97,7 @@ class CudaGraphRunner:
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.block_tables[:n, width:].zero_()
         self.block_tables[n:bs].zero_()
+        # Rows [n, bs) keep stale ids / positions: harmless, as they write nothing (slot -1) and
+        # attend only to the null block (seq_len 1); their outputs are dropped.
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

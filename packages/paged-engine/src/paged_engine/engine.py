@@ -263,10 +263,15 @@ class LLMEngine:
 
 def _pick_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        # An explicit index: tensors report cuda:N, so `device ==` checks (a seeded generator vs
+        # the logits in the sampler) only hold against cuda:N.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _max_positions(hf_config) -> int:

@@ -76,7 +76,12 @@ class ModelRunner:
             device=self.device,
             backend=self.backend,
         )
-        if self.device.type == "cuda" and not self.config.enforce_eager:
+        # Only the Triton backend is capturable: the torch reference reads lengths on the host.
+        if (
+            self.device.type == "cuda"
+            and self.backend == "triton"
+            and not self.config.enforce_eager
+        ):
             self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
             self.graphs.capture()
 
@@ -163,7 +168,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta)
         logits = None
         if sample_rows:
-            rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
+            rows = self._to_dev(torch.tensor(sample_rows, dtype=torch.long))
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
         prompt_logits: dict[int, tuple[torch.Tensor, int]] = {}
         if prompt_seqs:
@@ -192,14 +197,16 @@ class ModelRunner:
             return cfg.num_gpu_blocks_override
         if self.device.type != "cuda":
             return max(int(cfg.cpu_kv_cache_gib * (1 << 30)) // bytes_per_block, 2)
+        dev = self.device
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        free_before, total = torch.cuda.mem_get_info()
-        used_before = total - free_before  # weights and anything else already on the device
-        allocated_before = torch.cuda.memory_allocated()
-        self._profile_forward()
-        torch.cuda.synchronize()
-        activation_peak = torch.cuda.max_memory_allocated() - allocated_before
+        torch.cuda.reset_peak_memory_stats(dev)
+        free_before, total = torch.cuda.mem_get_info(dev)
+        used_before = total - free_before  # weights, CUDA context, other processes
+        allocated_before = torch.cuda.memory_allocated(dev)
+        scratch_bytes = self._profile_forward()
+        torch.cuda.synchronize(dev)
+        # The peak counts the forward's scratch KV blocks too: the real pool replaces them.
+        activation_peak = torch.cuda.max_memory_allocated(dev) - allocated_before - scratch_bytes
         budget = total * cfg.gpu_memory_utilization - used_before - activation_peak
         torch.cuda.empty_cache()
         num_blocks = int(budget // bytes_per_block)
@@ -211,14 +218,17 @@ class ModelRunner:
         )
         return num_blocks
 
-    def _profile_forward(self) -> None:
-        """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits."""
+    def _profile_forward(self) -> int:
+        """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits.
+        Returns the bytes of the scratch KV cache it allocated."""
         cfg = self.config
         assert cfg.max_num_batched_tokens is not None
-        num_tokens = cfg.max_num_batched_tokens
-        num_seqs = max(1, min(cfg.max_num_seqs, num_tokens))
-        lens = [num_tokens // num_seqs] * num_seqs
-        lens[-1] += num_tokens - sum(lens)
+        assert cfg.max_model_len is not None
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+        # No step runs more than max_model_len tokens of one sequence (nor positions past it).
+        num_tokens = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
+        q, r = divmod(num_tokens, num_seqs)
+        lens = [q + 1] * r + [q] * (num_seqs - r)  # each <= ceil(num_tokens / num_seqs)
         blocks_needed = sum(-(-n // self.block_size) for n in lens) + 1
         scratch = CacheEngine(
             self.hf_config,
@@ -252,6 +262,8 @@ class ModelRunner:
         hidden = self.model(ids, positions, scratch.kv_caches, meta)
         self.model.compute_logits(hidden[:num_seqs])
         del scratch, hidden
+        bpb = CacheEngine.bytes_per_block(self.hf_config, self.block_size, _model_dtype(self.model))
+        return blocks_needed * bpb
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: int) -> None:

@@ -1,0 +1,368 @@
+"""CUDA-only engine logic run on CPU: `CudaGraphRunner` and `ModelRunner.profile_num_blocks`.
+
+A fake graph stands in for `torch.cuda.CUDAGraph`: capture records every model call made under
+`torch.cuda.graph` (arguments and the returned tensor), replay re-runs those calls eagerly and
+copies the results into the captured output tensors in place. Like a real graph, a replay reads
+whatever the static input buffers hold at that moment and writes to fixed output storage, so the
+runner's buffer handling (padding rows, block table widths, bucket choice) is exercised for real.
+The memory profiler runs its real forward on CPU while `torch.cuda`'s memory queries are faked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import ClassVar
+
+import pytest
+import torch
+
+from paged_engine import EngineConfig, LLMEngine, SamplingParams
+from paged_engine.cache_engine import CacheEngine
+from paged_engine.cuda_graphs import CudaGraphRunner, bucket_sizes
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.model_runner import ModelRunner
+
+MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
+BLOCK = 4
+MAX_LEN = 64  # 16 blocks per sequence
+
+
+# ---- fake CUDA graphs ---------------------------------------------------------------------------
+class _Capture:
+    current: ClassVar[_FakeGraph | None] = None
+    pools: ClassVar[list[object]] = []  # the pool argument of each capture
+    sizes: ClassVar[list[int]] = []  # the batch size of each captured model call
+
+
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.nn.Module, tuple, torch.Tensor]] = []
+        self.replays = 0
+        self._pool = object()
+
+    def replay(self) -> None:
+        for model, args, out in self.calls:
+            out.copy_(model(*args))
+        self.replays += 1
+
+    def pool(self) -> object:
+        return self._pool
+
+
+@contextlib.contextmanager
+def _fake_graph_ctx(graph: _FakeGraph, pool=None, **_):
+    assert _Capture.current is None, "nested capture"
+    _Capture.current = graph
+    _Capture.pools.append(pool)
+    try:
+        yield
+    finally:
+        _Capture.current = None
+
+
+class _Recorder:
+    """Wraps the model: calls under a fake capture are recorded into that graph."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+
+    def __call__(self, *args):
+        out = self._model(*args)
+        if _Capture.current is not None:
+            _Capture.current.calls.append((self._model, args, out))
+            _Capture.sizes.append(args[0].shape[0])
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+@pytest.fixture
+def fake_cuda_graphs(monkeypatch):
+    _Capture.current, _Capture.pools, _Capture.sizes = None, [], []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", _fake_graph_ctx)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+
+def _engine(model_dir, **overrides) -> LLMEngine:
+    options = dict(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=MAX_LEN,
+        block_size=BLOCK,
+        max_num_seqs=MAX_SEQS,
+        num_gpu_blocks_override=MAX_SEQS * MAX_LEN // BLOCK + 8,
+        enable_prefix_caching=False,
+    )
+    options.update(overrides)
+    return LLMEngine(EngineConfig(**options))
+
+
+def _attach_graphs(engine: LLMEngine) -> CudaGraphRunner:
+    runner = engine.model_runner
+    runner.model = _Recorder(runner.model)
+    graphs = CudaGraphRunner(runner, engine.config.max_num_seqs)
+    graphs.capture()
+    runner.graphs = graphs
+    return graphs
+
+
+# ---- tests --------------------------------------------------------------------------------------
+def test_bucket_sizes():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(3) == [1, 2, 3]
+    assert bucket_sizes(16) == [1, 2, 4, 8, 16]
+    assert bucket_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert bucket_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert bucket_sizes(300) == [1, 2, 4, 8, *range(16, 257, 16), 300]
+    for n in range(1, 400):
+        sizes = bucket_sizes(n)
+        assert sizes == sorted(set(sizes)) and sizes[0] == 1 and sizes[-1] == n
+
+
+def test_capture_reads_static_buffers_largest_first(tiny_llama_dir, fake_cuda_graphs):
+    engine = _engine(tiny_llama_dir)
+    graphs = _attach_graphs(engine)
+    assert graphs.sizes == bucket_sizes(MAX_SEQS)
+    assert _Capture.sizes == sorted(graphs.sizes, reverse=True)
+    first_pool = graphs.graphs[MAX_SEQS].pool()
+    assert _Capture.pools == [None] + [first_pool] * (len(graphs.sizes) - 1)
+    assert graphs.block_tables.shape == (MAX_SEQS, MAX_LEN // BLOCK)
+    for bs, graph in graphs.graphs.items():
+        ((_, (ids, pos, kv, meta), out),) = graph.calls
+        assert ids.data_ptr() == graphs.input_ids.data_ptr() and ids.shape == (bs,)
+        assert pos.data_ptr() == graphs.positions.data_ptr()
+        assert meta.slot_mapping.data_ptr() == graphs.slot_mapping.data_ptr()
+        assert meta.block_tables.data_ptr() == graphs.block_tables.data_ptr()
+        assert meta.seq_lens.data_ptr() == graphs.seq_lens.data_ptr()
+        assert meta.cu_seqlens_q.tolist() == list(range(bs + 1))
+        assert (meta.max_seqlen_q, meta.max_seqlen_k) == (1, MAX_LEN)  # static bounds
+        assert kv is engine.model_runner.cache.kv_caches
+        assert out is graphs.outputs[bs] and out.shape[0] == bs
+    # Capture ran with every slot -1: the warm-up and capture wrote nothing.
+    assert all(not k.any() and not v.any() for k, v in engine.model_runner.cache.kv_caches)
+
+
+def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
+    """Random workloads: every decode-only step (batch sizes 1..MAX_SEQS, bucket or not, block
+    tables of changing widths) replays a graph and gives the eager logits and KV writes."""
+    engine = _engine(tiny_llama_dir)
+    graphs = _attach_graphs(engine)
+    runner = engine.model_runner
+    execute = runner.execute
+    seen: dict[str, set] = {"sizes": set(), "widths": set()}
+    eager_steps = 0
+    last: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def checked_execute(out):
+        nonlocal eager_steps
+        caches = runner.cache.kv_caches
+        before = [(k.clone(), v.clone()) for k, v in caches]
+        saved, runner.graphs = runner.graphs, None
+        eager = execute(out)
+        eager_caches = [(k.clone(), v.clone()) for k, v in caches]
+        runner.graphs = saved
+        for (k, v), (k0, v0) in zip(caches, before):
+            k.copy_(k0)
+            v.copy_(v0)
+        replays = sum(g.replays for g in graphs.graphs.values())
+        result = execute(out)
+        replayed = sum(g.replays for g in graphs.graphs.values()) - replays
+        items = [it for it in out.scheduled if it.num_new_tokens]
+        decode_only = all(it.num_new_tokens == 1 for it in items)
+        assert replayed == (1 if decode_only else 0)
+        if decode_only:
+            seen["sizes"].add(len(items))
+            seen["widths"].add(max(len(it.seq.block_ids) for it in items))
+        else:
+            eager_steps += 1
+        assert [s.seq_id for s in result.sample_seqs] == [s.seq_id for s in eager.sample_seqs]
+        torch.testing.assert_close(result.logits, eager.logits, rtol=1e-5, atol=1e-5)
+        for (k, v), (ke, ve) in zip(caches, eager_caches):  # padding rows wrote nothing
+            torch.testing.assert_close(k, ke, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, ve, rtol=1e-5, atol=1e-5)
+            assert not k[0].any() and not v[0].any(), "the null block was written"
+        # The logits handed out earlier are not views of a static buffer a replay overwrote.
+        for tensor, copy in last:
+            assert torch.equal(tensor, copy)
+        last[:] = [(result.logits, result.logits.clone())]
+        return result
+
+    runner.execute = checked_execute
+    rng = random.Random(0)
+    params = dict(temperature=0.0, ignore_eos=True)
+    # Round 1: MAX_SEQS requests admitted together, all finishing at different steps, so the
+    # decode batch shrinks through every size MAX_SEQS..1.
+    for i, max_tokens in enumerate(rng.sample(range(2, 2 + MAX_SEQS), MAX_SEQS)):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(1, 40))]
+        engine.add_request(f"a{i}", prompt, SamplingParams(max_tokens=max_tokens, **params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen["sizes"] == set(range(1, MAX_SEQS + 1))
+    # Round 2: arrivals mid-stream mix prefills (eager) into the decodes; rows left stale by
+    # larger batches must not leak into smaller ones.
+    for i in range(30):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(1, 48))]
+        max_tokens = rng.randint(1, MAX_LEN - len(prompt))
+        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=max_tokens, **params))
+        if i % 3 == 2:
+            for _ in range(rng.randint(1, 6)):
+                engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    # Round 3: short prompts growing to max_model_len: batch tables of every width 1..16.
+    for i in range(3):
+        prompt = [rng.randrange(3, 200) for _ in range(i + 1)]
+        engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=MAX_LEN - i - 1, **params))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert eager_steps > 3
+    assert seen["widths"] == set(range(1, MAX_LEN // BLOCK + 1))
+    assert engine.get_stats().num_used_blocks == 0
+
+
+def test_run_pads_rows_and_table_columns(tiny_llama_dir, fake_cuda_graphs):
+    engine = _engine(tiny_llama_dir)
+    graphs = _attach_graphs(engine)
+    runner = engine.model_runner
+    max_blocks = graphs.block_tables.shape[1]
+
+    def meta(n: int, width: int) -> AttentionMetadata:
+        tables = torch.randint(1, 50, (n, width), dtype=torch.int32)
+        lens = torch.randint(1, width * BLOCK + 1, (n,), dtype=torch.int32)
+        lens[0] = width * BLOCK  # the widest row fills its table
+        pos = lens.long() - 1
+        slots = tables[torch.arange(n), pos // BLOCK].long() * BLOCK + pos % BLOCK
+        return AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=lens,
+            max_seqlen_q=1,
+            max_seqlen_k=int(lens.max()),
+            backend=runner.backend,
+        )
+
+    with torch.inference_mode():
+        for n, width in [(MAX_SEQS, max_blocks), (13, 3), (3, max_blocks), (3, 1), (1, 2)]:
+            m = meta(n, width)
+            ids = torch.randint(0, 200, (n,))
+            assert graphs.can_run(m, n)
+            hidden = graphs.run(ids, m.seq_lens.long() - 1, m)
+            bs = next(s for s in graphs.sizes if s >= n)
+            assert hidden.shape[0] == n
+            assert hidden.data_ptr() == graphs.outputs[bs].data_ptr()  # a view: consume now
+            assert graphs.block_tables[:n, :width].equal(m.block_tables)
+            assert not graphs.block_tables[:n, width:].any()
+            assert not graphs.block_tables[n:bs].any()
+            assert (graphs.slot_mapping[n:bs] == -1).all()
+            assert (graphs.seq_lens[n:bs] == 1).all()
+            eager = runner.model(ids, m.seq_lens.long() - 1, runner.cache.kv_caches, m)
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+
+        m = meta(2, 2)
+        assert not graphs.can_run(m, 3)  # a prefill row: not a decode-only step
+        wide = meta(2, max_blocks + 1)
+        assert not graphs.can_run(wide, 2)  # wider than the static table
+        big = meta(MAX_SEQS + 1, 1)
+        assert not graphs.can_run(big, MAX_SEQS + 1)
+
+
+# ---- memory profiling ---------------------------------------------------------------------------
+MIB = 1 << 20
+
+
+class _FakeCudaMemory:
+    """torch.cuda's memory queries; `_profile_forward` (run for real on CPU) bumps the peak by its
+    scratch KV bytes plus `activation` bytes."""
+
+    def __init__(self, total: int, used: int, allocated: int, activation: int) -> None:
+        self.total, self.used, self.allocated, self.activation = total, used, allocated, activation
+        self.peak = allocated
+        self.calls: list[str] = []
+
+    def install(self, monkeypatch) -> None:
+        fakes = {
+            "mem_get_info": lambda *a: (self.total - self.used, self.total),
+            "memory_allocated": lambda *a: self.allocated,
+            "max_memory_allocated": lambda *a: self.peak,
+            "reset_peak_memory_stats": self._reset,
+            "empty_cache": lambda: self.calls.append("empty_cache"),
+            "synchronize": lambda *a: None,
+        }
+        for name, fn in fakes.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+        profile, forward = ModelRunner.profile_num_blocks, ModelRunner._profile_forward
+
+        def profile_as_cuda(runner):  # the CUDA branch, with the runner's tensors on the CPU
+            cpu, runner.device = runner.device, torch.device("cuda")
+            try:
+                return profile(runner)
+            finally:
+                runner.device = cpu
+
+        def forward_on_cpu(runner):
+            cuda, runner.device = runner.device, torch.device("cpu")
+            try:
+                self.calls.append("forward")
+                scratch = forward(runner)
+                self.peak = max(self.peak, self.allocated + scratch + self.activation)
+                return scratch
+            finally:
+                runner.device = cuda
+
+        monkeypatch.setattr(ModelRunner, "profile_num_blocks", profile_as_cuda)
+        monkeypatch.setattr(ModelRunner, "_profile_forward", forward_on_cpu)
+
+    def _reset(self, *a) -> None:
+        self.calls.append("reset_peak")
+        self.peak = self.allocated
+
+
+def _bytes_per_block(engine: LLMEngine) -> int:
+    return CacheEngine.bytes_per_block(engine.hf_config, engine.config.block_size, torch.float32)
+
+
+@pytest.mark.parametrize("util", [0.5, 0.9])
+def test_profile_num_blocks_arithmetic(tiny_llama_dir, monkeypatch, util):
+    mem = _FakeCudaMemory(total=64 * MIB, used=20 * MIB, allocated=15 * MIB, activation=5 * MIB)
+    mem.install(monkeypatch)
+    engine = _engine(
+        tiny_llama_dir,
+        num_gpu_blocks_override=None,
+        gpu_memory_utilization=util,
+        max_num_batched_tokens=256,
+    )
+    bpb = _bytes_per_block(engine)
+    expected = int((64 * MIB * util - 20 * MIB - 5 * MIB) // bpb)
+    assert engine.num_blocks == expected
+    assert mem.calls[:3] == ["empty_cache", "reset_peak", "forward"]
+    # Weights (already in `used`) are not counted twice, and the forward's scratch KV cache is
+    # not counted as activation memory.
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_profile_budget_too_small_is_a_clear_error(tiny_llama_dir, monkeypatch):
+    mem = _FakeCudaMemory(total=64 * MIB, used=40 * MIB, allocated=30 * MIB, activation=8 * MIB)
+    mem.install(monkeypatch)
+    with pytest.raises(ValueError, match=r"fewer than max_model_len=64.*gpu_memory_utilization"):
+        _engine(tiny_llama_dir, num_gpu_blocks_override=None, gpu_memory_utilization=0.75)
+
+
+def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
+    """Few sequences and a token budget above max_model_len: no profiled row runs positions the
+    model has no embedding for (the tiny model has 1024)."""
+    engine = _engine(
+        tiny_llama_dir,
+        max_model_len=1024,
+        max_num_seqs=1,
+        max_num_batched_tokens=3000,
+        num_gpu_blocks_override=300,
+    )
+    scratch = engine.model_runner._profile_forward()
+    assert scratch == (1024 // BLOCK + 1) * _bytes_per_block(engine)

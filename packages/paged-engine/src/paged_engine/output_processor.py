@@ -143,7 +143,8 @@ class OutputProcessor:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=history,
             generator=state.generator,
-            eos_token_id=self.eos_token_ids,  # masked while below min_tokens
+            # Masked while below min_tokens; with ignore_eos, EOS is an ordinary token (vLLM).
+            eos_token_id=None if req.params.ignore_eos else self.eos_token_ids,
         )
 
     # ---- tokens ---------------------------------------------------------------------------------

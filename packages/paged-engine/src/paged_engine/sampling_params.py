@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -23,9 +24,25 @@ class SamplingType(enum.IntEnum):
 
 
 def _as_float(name: str, value: object) -> float:
+    """A finite float: NaN / inf would poison every comparison and score downstream."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
     return float(value)
+
+
+def _check_early_stopping(value: object) -> None:
+    # `1 in (True, False)` holds, but the beam search tests `is True`: only real bools pass.
+    if not (isinstance(value, bool) or value == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {value!r}.")
+
+
+def _check_bools(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
 
 
 def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
@@ -41,6 +58,16 @@ def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
         raise ValueError(
             f"{name} must be an integer, got {value!r} ({type(value).__name__})."
         ) from None
+
+
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "use_beam_search",
+)
 
 
 @dataclass(slots=True)
@@ -161,8 +188,8 @@ class SamplingParams:
                 raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True, got detokenize=False.")
-        if self.early_stopping not in (True, False, "never"):
-            raise bad("early_stopping", "True, False or 'never'")
+        _check_early_stopping(self.early_stopping)
+        _check_bools(self, _BOOL_FIELDS)
 
     @property
     def is_greedy(self) -> bool:
@@ -226,7 +253,5 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping must be True, False or 'never', got {self.early_stopping!r}."
-            )
+        _check_early_stopping(self.early_stopping)
+        _check_bools(self, ("ignore_eos", "include_stop_str_in_output"))

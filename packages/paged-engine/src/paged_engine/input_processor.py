@@ -86,12 +86,17 @@ class InputProcessor:
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+            keys = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
+            if len(keys) != 1:
+                raise ValueError(
+                    "prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', got "
+                    f"keys {sorted(prompt)}"
+                )
+            prompt = prompt[keys[0]]
+            if keys[0] == "prompt_token_ids" and not isinstance(prompt, (list, tuple)):
+                raise ValueError(
+                    f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}"
+                )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")

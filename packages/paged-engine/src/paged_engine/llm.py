@@ -114,6 +114,11 @@ class LLM:
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(
+            "prompts must be a prompt (str, token-id list or dict) or a list of them, got "
+            f"{type(prompts).__name__}"
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,11 +66,20 @@ class EngineConfig:
             "a float in (0, 1]",
         )
         _check(
-            _is_number(self.cpu_kv_cache_gib) and self.cpu_kv_cache_gib > 0,
+            _is_number(self.cpu_kv_cache_gib) and 0 < self.cpu_kv_cache_gib < math.inf,
             "cpu_kv_cache_gib",
             self.cpu_kv_cache_gib,
-            "a positive number",
+            "a positive finite number",
         )
+        for name in (
+            "enable_prefix_caching",
+            "enable_chunked_prefill",
+            "enforce_eager",
+            "trust_remote_code",
+            "disable_log_stats",
+        ):
+            value = getattr(self, name)
+            _check(isinstance(value, bool), name, value, "a bool")
         bs = self.block_size
         _check(
             _is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0,

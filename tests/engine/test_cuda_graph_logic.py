@@ -146,19 +146,16 @@ def test_capture_reads_static_buffers_largest_first(tiny_llama_dir, fake_cuda_gr
     assert all(not k.any() and not v.any() for k, v in engine.model_runner.cache.kv_caches)
 
 
-def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
-    """Random workloads: every decode-only step (batch sizes 1..MAX_SEQS, bucket or not, block
-    tables of changing widths) replays a graph and gives the eager logits and KV writes."""
-    engine = _engine(tiny_llama_dir)
-    graphs = _attach_graphs(engine)
+def _check_against_eager(engine: LLMEngine, graphs: CudaGraphRunner) -> dict:
+    """Make every step run eagerly, then again (from the same KV cache) through the graphs, and
+    check both give the same logits and cache writes. Returns what it saw: decode batch sizes
+    and table widths, and the count of steps that were not decode-only."""
     runner = engine.model_runner
     execute = runner.execute
-    seen: dict[str, set] = {"sizes": set(), "widths": set()}
-    eager_steps = 0
+    seen: dict = {"sizes": set(), "widths": set(), "eager_steps": 0}
     last: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def checked_execute(out):
-        nonlocal eager_steps
         caches = runner.cache.kv_caches
         before = [(k.clone(), v.clone()) for k, v in caches]
         saved, runner.graphs = runner.graphs, None
@@ -178,7 +175,7 @@ def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
             seen["sizes"].add(len(items))
             seen["widths"].add(max(len(it.seq.block_ids) for it in items))
         else:
-            eager_steps += 1
+            seen["eager_steps"] += 1
         assert [s.seq_id for s in result.sample_seqs] == [s.seq_id for s in eager.sample_seqs]
         torch.testing.assert_close(result.logits, eager.logits, rtol=1e-5, atol=1e-5)
         for (k, v), (ke, ve) in zip(caches, eager_caches):  # padding rows wrote nothing
@@ -192,6 +189,14 @@ def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
         return result
 
     runner.execute = checked_execute
+    return seen
+
+
+def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
+    """Random workloads: every decode-only step (batch sizes 1..MAX_SEQS, bucket or not, block
+    tables of changing widths) replays a graph and gives the eager logits and KV writes."""
+    engine = _engine(tiny_llama_dir)
+    seen = _check_against_eager(engine, _attach_graphs(engine))
     rng = random.Random(0)
     params = dict(temperature=0.0, ignore_eos=True)
     # Round 1: MAX_SEQS requests admitted together, all finishing at different steps, so the
@@ -219,9 +224,44 @@ def test_graph_decode_matches_eager(tiny_llama_dir, fake_cuda_graphs):
         engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=MAX_LEN - i - 1, **params))
     while engine.has_unfinished_requests():
         engine.step()
-    assert eager_steps > 3
+    assert seen["eager_steps"] > 3
     assert seen["widths"] == set(range(1, MAX_LEN // BLOCK + 1))
     assert engine.get_stats().num_used_blocks == 0
+
+
+def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, fake_cuda_graphs, monkeypatch):
+    """The Triton backend (interpreter on CPU): graphs are captured with max_seqlen_k =
+    max_model_len, which picks split-KV for small buckets while the eager path over short
+    contexts does not; padding rows and empty splits must not change the result."""
+    from paged_kernels import attention as kernels
+
+    splits: list[int] = []
+
+    def spy(*args):
+        splits.append(kernels_choose(*args))
+        return splits[-1]
+
+    kernels_choose = kernels.choose_num_splits
+    monkeypatch.setattr(kernels, "choose_num_splits", spy)
+    engine = _engine(
+        tiny_llama_dir,
+        attention_backend="triton",
+        max_model_len=1024,
+        block_size=16,
+        max_num_seqs=3,
+        num_gpu_blocks_override=70,
+    )
+    graphs = _attach_graphs(engine)
+    assert graphs.sizes == [1, 2, 3] and set(splits) == {2}  # captured with split-KV
+    seen = _check_against_eager(engine, graphs)
+    rng = random.Random(1)
+    for i, max_tokens in enumerate([2, 3, 5]):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(10, 20))]
+        engine.add_request(f"t{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen["sizes"] == {1, 2, 3}
+    assert 1 in splits  # the eager steps over short contexts did not split
 
 
 def test_run_pads_rows_and_table_columns(tiny_llama_dir, fake_cuda_graphs):

@@ -10,6 +10,7 @@ thread).
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -23,6 +24,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.default_model import default_model_path
 from paged_engine.input_processor import InputProcessor
 from paged_engine.loader import (
+    ResolvedModel,
     load_hf_config,
     load_model,
     load_tokenizer,
@@ -112,7 +114,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
         self.output_processor = OutputProcessor(
             self.tokenizer,
             self.scheduler,
@@ -286,9 +288,19 @@ def _vocab_size(hf_config) -> int:
     return int(hf_config.vocab_size)
 
 
-def _eos_ids(hf_config, tokenizer) -> set[int]:
+def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:
+    """EOS ids of the config, the tokenizer and generation_config.json (chat models list their
+    end-of-turn token there, e.g. Qwen2.5's <|endoftext|> besides <|im_end|>; vLLM stops on all)."""
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    gen_eos = None
+    gen_path = resolved.path / "generation_config.json"
+    if not resolved.is_gguf and gen_path.is_file():
+        try:
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            gen_eos = None  # a broken generation config only loses its extra stop ids
+    sources = (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id, gen_eos)
+    for source in sources:
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):

@@ -428,3 +428,39 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
     )
     scratch = engine.model_runner._profile_forward()
     assert scratch == (1024 // BLOCK + 1) * _bytes_per_block(engine)
+
+
+# ---- devices and block copies -------------------------------------------------------------------
+def test_cuda_device_gets_an_index(monkeypatch):
+    """Tensors report cuda:N; a seeded generator made on the engine's device must compare equal
+    to the logits' device, or the sampler takes its slower cross-device path."""
+    from paged_engine.engine import _pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _pick_device("auto") == _pick_device("cuda") == torch.device("cuda", 0)
+    assert _pick_device("cuda:1") == torch.device("cuda", 1)
+    assert _pick_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    cpu = torch.device("cpu")
+    caches = {
+        backend: CacheEngine(hf_config, 12, BLOCK, dtype=dtype, device=cpu, backend=backend)
+        for backend in ("torch", "triton")
+    }
+    gen = torch.Generator().manual_seed(0)
+    for layers in zip(*(c.kv_caches for c in caches.values())):
+        for a, b in zip(*layers):
+            a.copy_(torch.randn(a.shape, generator=gen))
+            b.copy_(a)
+    pairs = [(3, 7), (5, 1), (3, 9)]  # one source twice; no destination is also a source
+    for cache in caches.values():
+        cache.copy_blocks(pairs)
+    for (k1, v1), (k2, v2) in zip(caches["torch"].kv_caches, caches["triton"].kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        assert torch.equal(k1[9], k1[3]) and torch.equal(v1[1], v1[5])

@@ -82,6 +82,11 @@ class LLMEngine:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self.device = _pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        if config.dtype == "auto" and self.resolved.is_gguf and self.device.type == "cuda":
+            # A GGUF file carries no compute dtype (its weights are quantized): on a GPU run in
+            # bf16 (fp16 where bf16 is missing) rather than the float32 "auto" gives elsewhere.
+            bf16 = torch.cuda.is_bf16_supported()
+            self.dtype = torch.bfloat16 if bf16 else torch.float16
         self._resolve_lengths()
         torch.manual_seed(config.seed)
         self.model = load_model(

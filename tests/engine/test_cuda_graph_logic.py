@@ -28,6 +28,16 @@ BLOCK = 4
 MAX_LEN = 64  # 16 blocks per sequence
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny-model ops gain nothing from intra-op threads, and on a shared 2-core machine their
+    spin-waiting made these tests up to 30x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ---- fake CUDA graphs ---------------------------------------------------------------------------
 class _Capture:
     current: ClassVar[_FakeGraph | None] = None
@@ -61,7 +71,8 @@ def _fake_graph_ctx(graph: _FakeGraph, pool=None, **_):
     assert _Capture.current is None, "nested capture"
     _Capture.current = graph
     _Capture.pools.append(pool)
-    originals = {name: getattr(torch.Tensor, name) for name in _HOST_SYNCS}
+    # Restored exactly: a name torch.Tensor inherits from its C base is deleted again, not set.
+    originals = {name: torch.Tensor.__dict__.get(name) for name in _HOST_SYNCS}
 
     def spy(name: str, fn):
         def wrapper(self, *args, **kwargs):
@@ -70,13 +81,16 @@ def _fake_graph_ctx(graph: _FakeGraph, pool=None, **_):
 
         return wrapper
 
-    for name, fn in originals.items():
-        setattr(torch.Tensor, name, spy(name, fn))
+    for name in originals:
+        setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
     try:
         yield
     finally:
         for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
+            if fn is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, fn)
         _Capture.current = None
 
 
@@ -284,6 +298,39 @@ def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, fake_cuda_gr
         engine.step()
     assert seen["sizes"] == {1, 2, 3}
     assert 1 in splits  # the eager steps over short contexts did not split
+
+
+@pytest.mark.parametrize(
+    ("backend", "enforce_eager", "captured"),
+    [("triton", False, True), ("triton", True, False), ("torch", False, False)],
+)
+def test_init_kv_cache_captures_only_triton_on_cuda(
+    tiny_llama_dir, monkeypatch, backend, enforce_eager, captured
+):
+    import paged_engine.model_runner as mr
+
+    engine = _engine(tiny_llama_dir, enforce_eager=enforce_eager)
+    runner = engine.model_runner
+    runner.device, runner.backend = torch.device("cuda", 0), backend
+    made: list[object] = []
+
+    class FakeGraphRunner:
+        def __init__(self, r, max_num_seqs):
+            assert r is runner and max_num_seqs == MAX_SEQS
+            made.append(self)
+
+        def capture(self):
+            self.captured = True
+
+    def cache_on_cpu(*args, **kwargs):
+        return CacheEngine(*args, **{**kwargs, "device": torch.device("cpu")})
+
+    monkeypatch.setattr(mr, "CacheEngine", cache_on_cpu)
+    monkeypatch.setattr(mr, "CudaGraphRunner", FakeGraphRunner)
+    runner.graphs = None
+    runner.init_kv_cache(8)
+    assert (runner.graphs is not None) == captured
+    assert [getattr(g, "captured", False) for g in made] == ([True] if captured else [])
 
 
 def test_run_pads_rows_and_table_columns(tiny_llama_dir, fake_cuda_graphs):

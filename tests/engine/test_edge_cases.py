@@ -750,3 +750,20 @@ def test_chat_and_prompt_shapes(llm):
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([ids, ids, ids], [params, params], use_tqdm=False)
     _assert_idle(llm)
+
+
+def test_streamed_outputs_are_snapshots(llama_dir):
+    """A RequestOutput from step() does not change after later steps (logprobs included)."""
+    engine = _engine(llama_dir)
+    engine.add_request("a", [5, 6, 7], SamplingParams(n=2, max_tokens=6, logprobs=2, seed=3))
+    engine.add_request("b", [8, 9], SamplingParams(max_tokens=5, logprobs=0, prompt_logprobs=1))
+    seen = []
+    while engine.has_unfinished_requests():
+        seen.extend(engine.step())
+    assert len(seen) > 4
+    for out in seen:
+        for c in out.outputs:
+            assert len(c.logprobs) == len(c.token_ids)
+        if out.request_id == "b":
+            assert len(out.prompt_logprobs) == 2
+    _assert_idle(engine)

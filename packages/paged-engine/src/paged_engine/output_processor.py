@@ -295,7 +295,8 @@ class OutputProcessor:
                     cumulative_logprob=s.cumulative_logprob
                     if req.params.logprobs is not None
                     else None,
-                    logprobs=s.logprobs,
+                    # A snapshot, like token_ids: a streamed output must not grow afterwards.
+                    logprobs=None if s.logprobs is None else s.logprobs.copy(),
                     finish_reason=s.finish_reason,
                     stop_reason=s.stop_reason,
                 )

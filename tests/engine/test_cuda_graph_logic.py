@@ -5,7 +5,9 @@ A fake graph stands in for `torch.cuda.CUDAGraph`: capture records every model c
 copies the results into the captured output tensors in place. Like a real graph, a replay reads
 whatever the static input buffers hold at that moment and writes to fixed output storage, so the
 runner's buffer handling (padding rows, block table widths, bucket choice) is exercised for real.
-The memory profiler runs its real forward on CPU while `torch.cuda`'s memory queries are faked.
+While capturing, host reads of tensors (`.item()`, `.tolist()`, `int()`, ...) are recorded: each
+would fail a real capture. The memory profiler runs its real forward on CPU while `torch.cuda`'s
+memory queries are faked. On a CUDA machine the Triton graph test uses real CUDA graphs instead.
 """
 
 from __future__ import annotations

@@ -767,3 +767,23 @@ def test_streamed_outputs_are_snapshots(llama_dir):
         if out.request_id == "b":
             assert len(out.prompt_logprobs) == 2
     _assert_idle(engine)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="recompute after preemption loses the prompt-block sharing of n > 1 / beam requests: "
+    "a request that runs alone in the pool may never fit again once preempted",
+)
+def test_preempted_parallel_request_resumes(llama_dir):
+    llm = _llm(llama_dir, max_model_len=48, block_size=8, num_gpu_blocks_override=7)
+    first = (
+        _tp(list(range(10, 18))),
+        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+    )
+    fork = (_tp(list(range(100, 116))), SamplingParams(n=2, seed=0, max_tokens=16, ignore_eos=True))
+    alone = llm.generate(*fork, use_tqdm=False)[0]  # 2 shared + 2 x 2 own blocks: fits
+    assert llm.get_stats().num_preemptions == 0
+    both = llm.generate([first[0], fork[0]], [first[1], fork[1]], use_tqdm=False)
+    assert [c.token_ids for c in both[1].outputs] == [c.token_ids for c in alone.outputs]
+    _assert_idle(llm)

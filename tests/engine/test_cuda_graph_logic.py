@@ -447,10 +447,10 @@ class _FakeCudaMemory:
             monkeypatch.setattr(torch.cuda, name, fn)
         profile, forward = ModelRunner.profile_num_blocks, ModelRunner._profile_forward
 
-        def profile_as_cuda(runner):  # the CUDA branch, with the runner's tensors on the CPU
+        def profile_as_cuda(runner, *args, **kwargs):  # CUDA branch, runner tensors on the CPU
             cpu, runner.device = runner.device, torch.device("cuda")
             try:
-                return profile(runner)
+                return profile(runner, *args, **kwargs)
             finally:
                 runner.device = cpu
 
@@ -495,6 +495,20 @@ def test_profile_num_blocks_arithmetic(tiny_llama_dir, monkeypatch, util):
     engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3))
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_profile_counts_only_the_engines_own_memory(tiny_llama_dir, monkeypatch):
+    """With a baseline (memory other processes held before the engine loaded), only what the
+    engine added counts against total * utilization."""
+    mem = _FakeCudaMemory(total=64 * MIB, used=20 * MIB, allocated=15 * MIB, activation=5 * MIB)
+    mem.install(monkeypatch)
+    engine = _engine(tiny_llama_dir)  # CPU engine; re-profile its runner as if on CUDA
+    runner = engine.model_runner
+    runner.config.num_gpu_blocks_override = None
+    runner.config.max_num_batched_tokens = 256
+    blocks = runner.profile_num_blocks(baseline_used=12 * MIB)
+    expected = int((64 * MIB * 0.9 - (20 - 12) * MIB - 5 * MIB) // _bytes_per_block(engine))
+    assert blocks == expected
 
 
 def test_profile_budget_too_small_is_a_clear_error(tiny_llama_dir, monkeypatch):
@@ -552,3 +566,12 @@ def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
     for (k1, v1), (k2, v2) in zip(caches["torch"].kv_caches, caches["triton"].kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
         assert torch.equal(k1[9], k1[3]) and torch.equal(v1[1], v1[5])
+
+
+def test_gpu_share_must_be_free_at_start(monkeypatch):
+    from paged_engine.engine import _gpu_baseline
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * MIB, 64 * MIB))
+    assert _gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 .* only 0.0 GiB is free"):
+        _gpu_baseline(torch.device("cuda"), 0.9)

@@ -89,6 +89,9 @@ class LLMEngine:
             self.dtype = torch.bfloat16 if bf16 else torch.float16
         self._resolve_lengths()
         torch.manual_seed(config.seed)
+        gpu_baseline = None
+        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+            gpu_baseline = _gpu_baseline(self.device, config.gpu_memory_utilization)
         self.model = load_model(
             self.resolved,
             self.hf_config,
@@ -99,7 +102,7 @@ class LLMEngine:
         )
         self.model.eval()
         self.model_runner = ModelRunner(config, self.model, self.hf_config, self.device)
-        num_blocks = self.model_runner.profile_num_blocks()
+        num_blocks = self.model_runner.profile_num_blocks(baseline_used=gpu_baseline)
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
             raise ValueError(
@@ -279,6 +282,20 @@ def _pick_device(name: str) -> torch.device:
         # the logits in the sampler) only hold against cuda:N.
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _gpu_baseline(device: torch.device, utilization: float) -> int:
+    """Bytes in use on the device before the engine loads anything (other processes, the CUDA
+    context). The engine's share, total * utilization, must be free now: fail early if not."""
+    free, total = torch.cuda.mem_get_info(device)
+    want = total * utilization
+    if free < want:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB of {device} "
+            f"({total / 2**30:.1f} GiB), but only {free / 2**30:.1f} GiB is free (other processes "
+            "hold the rest): lower gpu_memory_utilization"
+        )
+    return total - free
 
 
 def _max_positions(hf_config) -> int:

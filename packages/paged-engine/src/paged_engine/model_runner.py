@@ -187,8 +187,13 @@ class ModelRunner:
 
     # ---- memory profiling -----------------------------------------------------------------------
     @torch.inference_mode()
-    def profile_num_blocks(self) -> int:
-        """KV blocks that fit once weights and the activations of the largest step are resident."""
+    def profile_num_blocks(self, baseline_used: int | None = None) -> int:
+        """KV blocks that fit once weights and the activations of the largest step are resident.
+
+        `gpu_memory_utilization` is this engine's share of the device: the budget is
+        `total * utilization` minus what the engine itself holds (memory used now minus
+        `baseline_used`, the device's use before the engine loaded anything: other processes)
+        minus the activation peak. Without a baseline all used memory counts as ours."""
         cfg = self.config
         bytes_per_block = CacheEngine.bytes_per_block(
             self.hf_config, self.block_size, _model_dtype(self.model)
@@ -202,17 +207,18 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         free_before, total = torch.cuda.mem_get_info(dev)
         used_before = total - free_before  # weights, CUDA context, other processes
+        own = used_before - (baseline_used or 0)
         allocated_before = torch.cuda.memory_allocated(dev)
         scratch_bytes = self._profile_forward()
         torch.cuda.synchronize(dev)
         # The peak counts the forward's scratch KV blocks too: the real pool replaces them.
         activation_peak = torch.cuda.max_memory_allocated(dev) - allocated_before - scratch_bytes
-        budget = total * cfg.gpu_memory_utilization - used_before - activation_peak
+        budget = total * cfg.gpu_memory_utilization - own - activation_peak
         torch.cuda.empty_cache()
         num_blocks = int(budget // bytes_per_block)
         logger.info(
-            "profiling: %.2f GiB used before, %.2f GiB activation peak -> %d KV blocks",
-            used_before / 2**30,
+            "profiling: %.2f GiB held by the engine, %.2f GiB activation peak -> %d KV blocks",
+            own / 2**30,
             activation_peak / 2**30,
             num_blocks,
         )

@@ -11,8 +11,8 @@ import time
 import torch
 
 from paged_engine.beam_search import BeamSearchState
+from paged_engine.bytelevel_detokenizer import make_detokenizer
 from paged_engine.config import EngineConfig
-from paged_engine.detokenizer import IncrementalDetokenizer
 from paged_engine.output_processor import RequestState
 from paged_engine.request import Request
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -76,7 +76,7 @@ class InputProcessor:
         )
         req.state = state
         if isinstance(params, SamplingParams) and params.detokenize:
-            req.seqs[0].detokenizer = IncrementalDetokenizer(
+            req.seqs[0].detokenizer = make_detokenizer(
                 self.tokenizer,
                 token_ids,
                 skip_special_tokens=params.skip_special_tokens,

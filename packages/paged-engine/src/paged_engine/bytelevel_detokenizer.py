@@ -1,0 +1,124 @@
+"""Fast incremental detokenization for byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM2).
+
+With a `ByteLevel` decoder, decoding is a concatenation: every token maps to a fixed byte
+string (each character of the token through GPT-2's byte table; a token with a character outside
+the table, such as an added token, keeps its own UTF-8 bytes) and the text is those bytes read as
+UTF-8 with invalid sequences replaced. So one dictionary lookup per token and an incremental UTF-8
+decoder (which holds back an unfinished character) give exactly the full decode, with no windowed
+re-decoding. `make_detokenizer` picks this class when it applies, `IncrementalDetokenizer` else.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+from typing import Any
+
+from paged_engine.detokenizer import IncrementalDetokenizer
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's printable stand-in character -> the byte it encodes (the ByteLevel alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_CHAR_TO_BYTE = _byte_table()
+
+
+class ByteLevelVocab:
+    """token id -> bytes for one tokenizer, and which ids are special (skippable)."""
+
+    def __init__(self, backend: Any) -> None:
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self.bytes: dict[int, bytes] = {}
+        for token, token_id in vocab.items():
+            try:
+                self.bytes[token_id] = bytes(_CHAR_TO_BYTE[c] for c in token)
+            except KeyError:  # e.g. an added token: decoded as its own text
+                self.bytes[token_id] = token.encode("utf-8")
+        added = backend.get_added_tokens_decoder()
+        self.special = frozenset(i for i, tok in added.items() if tok.special)
+
+
+_VOCABS: dict[int, ByteLevelVocab] = {}
+
+
+def byte_level_vocab(tokenizer: Any) -> ByteLevelVocab | None:
+    """The byte table of a fast tokenizer whose decoder is exactly ByteLevel, else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None and type(tokenizer).__name__ == "Tokenizer":
+        backend = tokenizer  # a raw tokenizers.Tokenizer
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    key = id(backend)
+    if key not in _VOCABS:
+        _VOCABS[key] = ByteLevelVocab(backend)
+    return _VOCABS[key]
+
+
+class ByteLevelDetokenizer:
+    """Same interface as `IncrementalDetokenizer`; output equals the full decode of the output."""
+
+    __slots__ = ("_decoder", "_skip", "_vocab", "output_text")
+
+    def __init__(self, vocab: ByteLevelVocab, *, skip_special_tokens: bool) -> None:
+        self._vocab = vocab
+        self._skip = vocab.special if skip_special_tokens else frozenset()
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.output_text = ""
+
+    @property
+    def num_held_tokens(self) -> int:
+        return 1 if self._decoder.getstate()[0] else 0  # bytes of an unfinished character
+
+    def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        table, skip = self._vocab.bytes, self._skip
+        data = b"".join(table.get(t, b"") for t in new_token_ids if t not in skip)
+        delta = self._decoder.decode(data)
+        self.output_text += delta
+        return delta
+
+    def finalize(self) -> str:
+        delta = self._decoder.decode(b"", final=True)  # an unfinished character -> U+FFFD
+        self.output_text += delta
+        return delta
+
+    def fork(self) -> ByteLevelDetokenizer:
+        child = ByteLevelDetokenizer.__new__(ByteLevelDetokenizer)
+        child._vocab, child._skip, child.output_text = self._vocab, self._skip, self.output_text
+        child._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        child._decoder.setstate(self._decoder.getstate())
+        return child
+
+    def truncate(self, length: int) -> None:
+        self.output_text = self.output_text[:length]
+
+    def decode_token(self, token_id: int) -> str:
+        return self._vocab.bytes.get(token_id, b"").decode("utf-8", errors="replace")
+
+
+def make_detokenizer(
+    tokenizer: Any,
+    prompt_token_ids: Sequence[int],
+    *,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> ByteLevelDetokenizer | IncrementalDetokenizer:
+    vocab = byte_level_vocab(tokenizer)
+    if vocab is not None:
+        return ByteLevelDetokenizer(vocab, skip_special_tokens=skip_special_tokens)
+    return IncrementalDetokenizer(
+        tokenizer,
+        prompt_token_ids,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+    )

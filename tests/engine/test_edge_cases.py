@@ -398,9 +398,11 @@ def test_abort_in_every_state(llama_dir, llm):
 def test_many_requests_tiny_pool(llama_dir, llm):
     prompts = _prompts(200, seed=13, lo=1, hi=24)
     params = [
-        SamplingParams(temperature=0, max_tokens=1 + i % 5, ignore_eos=True)
+        BeamSearchParams(beam_width=2, max_tokens=6, ignore_eos=True)
+        if i % 11 == 5
+        else SamplingParams(temperature=0, max_tokens=1 + i % 5, ignore_eos=True)
         if i % 7
-        else SamplingParams(n=2, temperature=0.8, seed=i, max_tokens=4, ignore_eos=True)
+        else SamplingParams(n=3, temperature=0.8, seed=i, max_tokens=9, ignore_eos=True)
         for i in range(len(prompts))
     ]
     roomy = llm.generate([_tp(p) for p in prompts], params, use_tqdm=False)
@@ -413,6 +415,7 @@ def test_many_requests_tiny_pool(llama_dir, llm):
         max_model_len=64,
     )
     got = tight.generate([_tp(p) for p in prompts], params, use_tqdm=False)
+    assert tight.get_stats().num_preemptions > 0
     assert [[c.token_ids for c in o.outputs] for o in got] == [
         [c.token_ids for c in o.outputs] for o in roomy
     ]
@@ -769,21 +772,31 @@ def test_streamed_outputs_are_snapshots(llama_dir):
     _assert_idle(engine)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="recompute after preemption loses the prompt-block sharing of n > 1 / beam requests: "
-    "a request that runs alone in the pool may never fit again once preempted",
-)
-def test_preempted_parallel_request_resumes(llama_dir):
-    llm = _llm(llama_dir, max_model_len=48, block_size=8, num_gpu_blocks_override=7)
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("beam", [False, True])
+def test_preempted_parallel_request_resumes(llama_dir, caching, beam):
+    """A forked request that fits the pool alone (its prompt blocks shared) still fits when it
+    is recomputed after a preemption: the recompute shares the prompt blocks again."""
+    llm = _llm(
+        llama_dir,
+        max_model_len=48,
+        block_size=8,
+        num_gpu_blocks_override=7,
+        enable_prefix_caching=caching,
+    )
     first = (
         _tp(list(range(10, 18))),
         SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
     )
-    fork = (_tp(list(range(100, 116))), SamplingParams(n=2, seed=0, max_tokens=16, ignore_eos=True))
+    fork_params = (
+        BeamSearchParams(beam_width=2, max_tokens=16, ignore_eos=True)
+        if beam
+        else SamplingParams(n=2, seed=0, max_tokens=16, ignore_eos=True)
+    )
+    fork = (_tp(list(range(100, 116))), fork_params)
     alone = llm.generate(*fork, use_tqdm=False)[0]  # 2 shared + 2 x 2 own blocks: fits
     assert llm.get_stats().num_preemptions == 0
     both = llm.generate([first[0], fork[0]], [first[1], fork[1]], use_tqdm=False)
+    assert llm.get_stats().num_preemptions > 0
     assert [c.token_ids for c in both[1].outputs] == [c.token_ids for c in alone.outputs]
     _assert_idle(llm)

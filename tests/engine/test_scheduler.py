@@ -213,7 +213,8 @@ def test_abort_in_every_state_frees_everything() -> None:
 
 
 def test_lockstep_for_multi_sequence_requests() -> None:
-    d = make(max_num_batched_tokens=16, block_size=4, caching=False)
+    # block_size 16: the prompt fills no block, so the recompute has no prefix to share
+    d = make(max_num_batched_tokens=16, block_size=16, caching=False)
     req = d.add("a", list(range(10)), n=3, max_tokens=5)
     d.step()  # the prompt, then 3 samples forked from it
     assert len(req.live_seqs()) == 3
@@ -224,6 +225,22 @@ def test_lockstep_for_multi_sequence_requests() -> None:
     out = d.step()
     assert [n for _, n in out.scheduled] == [6, 10]  # seq 2 stops one short of the end
     assert [n for _, n in d.step().scheduled] == [1, 1, 2]  # all three end in the same step
+    d.run()
+    d.check_done()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_recomputed_fork_shares_its_prefix_again(caching: bool) -> None:
+    d = make(max_num_batched_tokens=64, block_size=4, caching=caching)
+    req = d.add("a", list(range(10)), n=3, max_tokens=5)
+    d.step()
+    d.step()
+    d.sched._preempt(req, [])  # each live seq: 12 tokens, the 10-token prompt in common
+    d.bm.reset_prefix_cache()
+    assert plan(d.step()) == [("a", 8)]  # the first seq computes the 2 full common blocks
+    assert plan(d.step()) == [("a", 4)] * 3  # the others share them, as after the fork
+    first, *others = req.live_seqs()
+    assert all(s.block_ids[:2] == first.block_ids[:2] for s in others)
     d.run()
     d.check_done()
 

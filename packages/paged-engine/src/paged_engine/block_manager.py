@@ -253,6 +253,20 @@ class BlockManager:
         child.num_computed_tokens = parent.num_computed_tokens
         self._num_table_blocks += len(child.block_ids)
 
+    def share_prefix(self, src: Sequence, dst: Sequence, num_blocks: int) -> None:
+        """A forked request recomputed after preemption: `dst` takes `src`'s computed blocks up
+        to `num_blocks` (full blocks of tokens both hold) as the fork once did, and counts them
+        as computed. `src` writes only past them, so they are never written again."""
+        start = len(dst.block_ids)
+        assert dst.block_ids == src.block_ids[:start]
+        assert num_blocks * self.block_size <= src.num_computed_tokens
+        blocks, pool = self._blocks, self.pool
+        for block_id in src.block_ids[start:num_blocks]:
+            pool.touch(blocks[block_id])
+        dst.block_ids.extend(src.block_ids[start:num_blocks])
+        self._num_table_blocks += num_blocks - start
+        dst.num_computed_tokens = num_blocks * self.block_size
+
     def free(self, seq: Sequence) -> None:
         """Drop the table's references, tail first (so tail blocks are evicted first), and
         reset num_computed_tokens (no blocks -> nothing computed)."""

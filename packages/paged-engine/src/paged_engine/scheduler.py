@@ -12,7 +12,8 @@ Order: running requests first (admission order), then waiting requests FCFS whil
 budget, `max_num_seqs` (live sequences; a request not yet forked reserves `max_live_seqs`) and
 free blocks allow. When blocks run out, the most recently admitted running request is
 preempted by recompute: its blocks are freed, its tokens (outputs included) kept, and it goes
-back to the head of the waiting queue. Without chunked prefill a request's work runs whole,
+back to the head of the waiting queue (a forked request, n > 1 or beams, shares its common
+prefix blocks again when it is recomputed). Without chunked prefill a request's work runs whole,
 unless it could never fit one step (a multi-sequence recompute). A step that can schedule
 nothing while requests remain raises RuntimeError instead of looping forever.
 
@@ -76,6 +77,7 @@ class Scheduler:
         self.running: dict[Request, None] = {}  # insertion-ordered set: admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0  # total, for metrics
+        self._reshare: set[Request] = set()  # preempted forked requests (see _reshare_plan)
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -154,6 +156,7 @@ class Scheduler:
         self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus | None = None) -> None:
+        self._reshare.discard(req)
         if req.status == RequestStatus.RUNNING:
             del self.running[req]
         elif req in self.waiting:  # O(num_waiting), only for a request finished while waiting
@@ -209,6 +212,35 @@ class Scheduler:
                 budget -= n
         return plan
 
+    def _reshare_plan(
+        self, req: Request, seqs: list[Sequence], budget: int
+    ) -> list[tuple[Sequence, int]] | None:
+        """A forked request (n > 1, beams) recomputed after preemption: the first sequence
+        computes the common prefix alone, then the others share its full blocks as after the
+        fork (recomputing each copy could need more blocks than the request ever held).
+        Returns the first sequence's part while the others wait for it, None once shared
+        (or nothing to share: e.g. prefix-cache hits already cover it)."""
+        first, bm = seqs[0], self.block_manager
+        bs = bm.block_size
+        target = 0  # tokens the first sequence must have computed before the others share
+        for seq in seqs[1:]:
+            common = 0
+            for a, b in zip(first.token_ids, seq.token_ids):
+                if a != b:
+                    break
+                common += 1
+            num_blocks = min(common, seq.num_tokens - 1) // bs  # the last token always runs
+            if num_blocks <= len(seq.block_ids):
+                continue
+            if first.num_computed_tokens >= num_blocks * bs:
+                bm.share_prefix(first, seq, num_blocks)
+            else:
+                target = max(target, num_blocks * bs)
+        if not target:
+            return None
+        n = min(target - first.num_computed_tokens, budget)
+        return [(first, n)] if n > 0 else []
+
     def _preempt(self, req: Request, preempted: list[Request]) -> None:
         """Recompute preemption: drop all blocks, keep every token, back to the waiting head."""
         del self.running[req]
@@ -220,6 +252,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         preempted.append(req)
+        if len(req.seqs) > 1:
+            self._reshare.add(req)
 
     def _make_room(self, req: Request, seq: Sequence, n: int, preempted: list[Request]) -> bool:
         """Preempt from the tail of `running` until `seq` gets its blocks. False when `req`
@@ -262,7 +296,10 @@ class Scheduler:
                 num_seqs += req.max_live_seqs  # seats reserved for its forks (_seq_slots)
                 continue
             seqs = req.live_seqs()
-            plan = self._plan(seqs, budget) if budget else []
+            plan = self._reshare_plan(req, seqs, budget) if req in self._reshare else None
+            if plan is None:
+                self._reshare.discard(req)  # running with its blocks: sharing is settled
+                plan = self._plan(seqs, budget) if budget else []
             if not all(
                 allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
             ):
@@ -284,7 +321,9 @@ class Scheduler:
             if req.use_prefix_cache:
                 for seq in seqs:
                     bm.get_computed_blocks(seq)
-            plan = self._plan(seqs, budget)
+            plan = self._reshare_plan(req, seqs, budget) if req in self._reshare else None
+            if plan is None:
+                plan = self._plan(seqs, budget)
             if not plan or not all(allocate(seq, n) for seq, n in plan):
                 for seq in seqs:  # roll back: blocks taken and prefix-cache stats counted
                     if req.use_prefix_cache:

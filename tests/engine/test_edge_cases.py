@@ -543,6 +543,11 @@ def test_penalties_match_naive_reference(llm, hf_llama):
         ({"use_beam_search": 1}, "use_beam_search"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"use_beam_search": True, "top_k": 5}, "top_k"),
+        ({"use_beam_search": True, "n": 2, "stop": ["x"]}, "stop"),
+        ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
+        ({"use_beam_search": True, "n": 2, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"use_beam_search": True, "n": 2, "min_tokens": 3}, "min_tokens"),
+        ({"use_beam_search": True, "n": 2, "repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_bad_sampling_params(kwargs, name):

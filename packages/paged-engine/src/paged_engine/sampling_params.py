@@ -145,7 +145,27 @@ class SamplingParams:
                 "top_p, top_k and min_p must be off with use_beam_search, got "
                 f"top_p={self.top_p}, top_k={self.top_k}, min_p={self.min_p}."
             )
+        if self.use_beam_search:
+            self._verify_beam_search()
         self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify_beam_search(self) -> None:
+        """Beam search (`to_beam_search_params`) would silently drop these: refuse them."""
+        unsupported = {
+            "stop": bool(self.stop),
+            "stop_token_ids": bool(self.stop_token_ids),
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+        }
+        for name, used in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"{name} is not supported with use_beam_search, got {getattr(self, name)!r}."
+                )
 
     def _verify(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

@@ -14,6 +14,9 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The test models are tiny, and the suite shares 2 cores with the server subprocesses it
+    # starts: one intra-op thread avoids OpenMP threads spinning against each other.
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

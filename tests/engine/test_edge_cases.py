@@ -576,7 +576,6 @@ def test_bad_requests_keep_engine_serving(llm):
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
     cases = [
-        ({"prompt": "hi", "prompt_token_ids": [5]}, "prompt"),
         ({}, "prompt"),
         ({"prompt_token_ids": 5}, "prompt_token_ids"),
         ({"prompt_token_ids": None}, "prompt_token_ids"),
@@ -805,3 +804,17 @@ def test_preempted_parallel_request_resumes(llama_dir, caching, beam):
     assert llm.get_stats().num_preemptions > 0
     assert [c.token_ids for c in both[1].outputs] == [c.token_ids for c in alone.outputs]
     _assert_idle(llm)
+
+
+def test_prompt_dict_with_text_and_ids_uses_the_ids(tmp_path):
+    """As in vLLM: with both keys the token ids are run and the text is reported."""
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.testing import write_tiny_model
+
+    llm = LLM(model=str(write_tiny_model(tmp_path, "llama")), dtype="float32", max_model_len=64)
+    out = llm.generate(
+        {"prompt": "hi", "prompt_token_ids": [5, 6, 7]},
+        SamplingParams(temperature=0, max_tokens=2),
+        use_tqdm=False,
+    )[0]
+    assert out.prompt == "hi" and out.prompt_token_ids == [5, 6, 7]

@@ -86,17 +86,21 @@ class InputProcessor:
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            keys = [k for k in ("prompt", "prompt_token_ids") if k in prompt]
-            if len(keys) != 1:
+            # As in vLLM: token ids win when both are given; the text is kept for the output.
+            text = prompt.get("prompt")
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise ValueError(
+                        f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}"
+                    )
+                _, token_ids = self._tokenize_prompt(list(ids))
+                return (text if isinstance(text, str) else None), token_ids
+            if "prompt" not in prompt:
                 raise ValueError(
-                    "prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', got "
-                    f"keys {sorted(prompt)}"
+                    f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
                 )
-            prompt = prompt[keys[0]]
-            if keys[0] == "prompt_token_ids" and not isinstance(prompt, (list, tuple)):
-                raise ValueError(
-                    f"prompt_token_ids must be a list of token ids, got {type(prompt).__name__}"
-                )
+            prompt = text
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")

@@ -196,10 +196,9 @@ class LLMEngine:
             return []
         model_out = self.model_runner.execute(sched_out)
         self.scheduler.update_after_step(sched_out)
-        outputs = self.output_processor.process(sched_out, model_out)
-        self.peak_used_blocks = max(
-            self.peak_used_blocks, self.block_manager.stats().num_used_blocks
-        )
+        outputs = self.output_processor.process(model_out)
+        bm = self.block_manager
+        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_total_blocks - bm.num_free_blocks)
         for out in outputs:
             if out.finished:
                 self._requests.pop(out.request_id, None)

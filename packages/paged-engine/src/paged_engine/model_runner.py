@@ -36,15 +36,16 @@ class StepInputs(NamedTuple):
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # row in [T] of the last token of each sampling sequence
     sample_seqs: list[Sequence]
-    prompt_seqs: list[Sequence]  # sequences whose prompt logprobs are computed this step
+    # (sequence, first row, end row) of sequences whose prompt logprobs are computed this step
+    prompt_rows: list[tuple[Sequence, int, int]]
 
 
 @dataclass(slots=True)
 class ModelOutput:
     logits: torch.Tensor | None  # [len(sample_seqs), vocab] float32
     sample_seqs: list[Sequence]  # sequences whose last token's logits are in `logits`
-    # seq_id -> (logits [q_len, vocab] of every row run this step, first position of those rows)
-    prompt_logits: dict[int, tuple[torch.Tensor, int]]
+    # (sequence, logits [q_len, vocab] of every row it ran this step, position of the first row)
+    prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
 
 
 class ModelRunner:
@@ -98,7 +99,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
-        prompt_seqs: list[Sequence] = []
+        prompt_rows: list[tuple[Sequence, int, int]] = []
         max_q = 0
         for seq, n in out.scheduled:
             if n == 0:
@@ -122,7 +123,7 @@ class ModelRunner:
                 sample_rows.append(cu[-1] - 1)
                 sample_seqs.append(seq)
             if _wants_prompt_logprobs(seq, start):
-                prompt_seqs.append(seq)
+                prompt_rows.append((seq, cu[-2], cu[-1]))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
         meta = AttentionMetadata(
@@ -140,7 +141,7 @@ class ModelRunner:
             attn_metadata=meta,
             sample_rows=sample_rows,
             sample_seqs=sample_seqs,
-            prompt_seqs=prompt_seqs,
+            prompt_rows=prompt_rows,
         )
 
     def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -154,36 +155,24 @@ class ModelRunner:
         if out.blocks_to_copy:
             self.cache.copy_blocks(out.blocks_to_copy)
         if not any(item.num_new_tokens for item in out.scheduled):
-            return ModelOutput(logits=None, sample_seqs=[], prompt_logits={})
+            return ModelOutput(logits=None, sample_seqs=[], prompt_logits=[])
         inputs = self.prepare(out)
         input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
-        sample_rows, sample_seqs, prompt_seqs = (
-            inputs.sample_rows,
-            inputs.sample_seqs,
-            inputs.prompt_seqs,
-        )
         if self.graphs is not None and self.graphs.can_run(meta, len(input_ids)):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.cache.kv_caches, meta)
         logits = None
-        if sample_rows:
-            rows = self._to_dev(torch.tensor(sample_rows, dtype=torch.long))
+        if inputs.sample_rows:
+            rows = self._to_dev(torch.tensor(inputs.sample_rows, dtype=torch.long))
             logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-        prompt_logits: dict[int, tuple[torch.Tensor, int]] = {}
-        if prompt_seqs:
-            cu = meta.cu_seqlens_q.tolist()
-            row_of = {
-                item.seq.seq_id: i
-                for i, item in enumerate([it for it in out.scheduled if it.num_new_tokens])
-            }
-            for seq in prompt_seqs:
-                i = row_of[seq.seq_id]
-                prompt_logits[seq.seq_id] = (
-                    self.model.compute_logits(hidden[cu[i] : cu[i + 1]]).float(),
-                    seq.num_computed_tokens,
-                )
-        return ModelOutput(logits=logits, sample_seqs=sample_seqs, prompt_logits=prompt_logits)
+        prompt_logits = [
+            (seq, self.model.compute_logits(hidden[lo:hi]).float(), seq.num_computed_tokens)
+            for seq, lo, hi in inputs.prompt_rows
+        ]
+        return ModelOutput(
+            logits=logits, sample_seqs=inputs.sample_seqs, prompt_logits=prompt_logits
+        )
 
     # ---- memory profiling -----------------------------------------------------------------------
     @torch.inference_mode()

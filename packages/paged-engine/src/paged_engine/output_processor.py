@@ -22,8 +22,8 @@ from paged_engine.model_runner import ModelOutput
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_engine.request import Request, Sequence, SequenceStatus
 from paged_engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs, log_softmax_topk
-from paged_engine.sampling_params import BeamSearchParams, SamplingParams
-from paged_engine.scheduler import Scheduler, SchedulerOutput
+from paged_engine.sampling_params import SamplingParams
+from paged_engine.scheduler import Scheduler
 
 
 @dataclass(slots=True)
@@ -62,17 +62,18 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     # ---- per step -------------------------------------------------------------------------------
-    def process(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
+    def process(self, model_out: ModelOutput) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, Request] = {}
-        for seq_id, (logits, start) in model_out.prompt_logits.items():
-            self._add_prompt_logprobs(seq_id, logits, start, out)
+        for seq, logits, start in model_out.prompt_logits:
+            self._add_prompt_logprobs(seq, logits, start)
         by_request: dict[str, list[int]] = {}
         for row, seq in enumerate(model_out.sample_seqs):
             by_request.setdefault(seq.request.request_id, []).append(row)
         rows: list[SamplingRow] = []
         row_index: list[int] = []  # logits row of each sampler row
-        sampling_targets: list[tuple[Request, list[Sequence]]] = []
+        # (request, its sampled sequences, fan out: the first token of n > 1 from one row)
+        sampling_targets: list[tuple[Request, list[Sequence], bool]] = []
         for rows_of_req in by_request.values():
             req = model_out.sample_seqs[rows_of_req[0]].request
             touched[req.request_id] = req
@@ -90,14 +91,14 @@ class OutputProcessor:
                 if len(rows_of_req) == 1
                 else [model_out.sample_seqs[r] for r in rows_of_req]
             )
-            if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1:
-                fan = state.num_samples  # first token of n > 1: all samples from one row
-                rows.extend(self._row(req, seqs[0]) for _ in range(fan))
-                row_index.extend([rows_of_req[0]] * fan)
+            fan_out = len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1
+            if fan_out:
+                rows.extend(self._row(req, seqs[0]) for _ in range(state.num_samples))
+                row_index.extend([rows_of_req[0]] * state.num_samples)
             else:
                 rows.extend(self._row(req, s) for s in seqs)
                 row_index.extend(rows_of_req)
-            sampling_targets.append((req, seqs))
+            sampling_targets.append((req, seqs, fan_out))
         if rows:
             assert model_out.logits is not None
             logits = model_out.logits
@@ -107,8 +108,8 @@ class OutputProcessor:
                 logits = logits.index_select(0, idx)
             result = self.sampler(logits, rows)
             k = 0
-            for req, seqs in sampling_targets:
-                if len(seqs) == 1 and seqs[0].num_output_tokens == 0 and req.state.num_samples > 1:
+            for req, seqs, fan_out in sampling_targets:
+                if fan_out:
                     parent = seqs[0]
                     seqs = [parent] + [
                         self.scheduler.fork_seq(parent, index=i)
@@ -129,7 +130,7 @@ class OutputProcessor:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.state.last_token_time = now
-            self._maybe_finish_request(req, now)
+            # A request finished with its last live sequence (Scheduler.free_seq).
             if req.is_finished or not req.state.final_only:
                 outputs.append(self.make_output(req))
         return outputs
@@ -215,12 +216,6 @@ class OutputProcessor:
         )
         self.scheduler.free_seq(seq, status)
 
-    def _maybe_finish_request(self, req: Request, now: float) -> None:
-        if req.live_seqs():
-            return
-        req.finished_time = now
-        self.scheduler.finish_request(req)
-
     # ---- beams ----------------------------------------------------------------------------------
     def _beam_step(self, req: Request, seqs: list[Sequence], logits: torch.Tensor) -> None:
         state: BeamSearchState = req.state.beam
@@ -251,10 +246,7 @@ class OutputProcessor:
             self.generation_tokens_total += 1
 
     # ---- prompt logprobs ------------------------------------------------------------------------
-    def _add_prompt_logprobs(
-        self, seq_id: int, logits: torch.Tensor, start: int, out: SchedulerOutput
-    ) -> None:
-        seq = next(it.seq for it in out.scheduled if it.seq.seq_id == seq_id)
+    def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         req = seq.request
         state: RequestState = req.state
         k = req.params.prompt_logprobs
@@ -322,7 +314,6 @@ class OutputProcessor:
 
     def _beam_outputs(self, req: Request, finished: bool) -> list[CompletionOutput]:
         state: RequestState = req.state
-        params: BeamSearchParams = req.params
         if finished:
             hyps = state.beam.best(state.num_returned)
             items = [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in hyps]
@@ -339,7 +330,6 @@ class OutputProcessor:
                 stop_reason=None,
             )
             for i, (tokens, cum, reason) in enumerate(items)
-            if params is not None
         ]
 
 

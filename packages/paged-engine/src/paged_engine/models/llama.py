@@ -22,7 +22,12 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.models.utils import cfg_get, layer_sliding_window, load_named_weights
+from paged_engine.models.utils import (
+    QKV_PROJ_RULES,
+    cfg_get,
+    layer_sliding_window,
+    load_named_weights,
+)
 
 
 def llama_head_dim(config) -> int:
@@ -121,9 +126,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     # (our fused param fragment, HF fragment, shard id)
     stacked_params = (
-        (".qkv_proj", ".q_proj", "q"),
-        (".qkv_proj", ".k_proj", "k"),
-        (".qkv_proj", ".v_proj", "v"),
+        *QKV_PROJ_RULES,
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     )

@@ -16,7 +16,7 @@ from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.utils import cfg_get, load_named_weights
+from paged_engine.models.utils import QKV_PROJ_RULES, cfg_get, load_named_weights
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves two leading rows
 
@@ -131,10 +131,6 @@ class OPTForCausalLM(nn.Module):
             self,
             weights,
             rename=rename,
-            stacked=(
-                (".qkv_proj", ".q_proj", "q"),
-                (".qkv_proj", ".k_proj", "k"),
-                (".qkv_proj", ".v_proj", "v"),
-            ),
+            stacked=QKV_PROJ_RULES,
             skip=lambda n: tied and n == "lm_head.weight",
         )

@@ -10,6 +10,13 @@ from torch import nn
 # (fragment of our param name, fragment of the HF name, shard id for the param's weight_loader)
 StackedRule = tuple[str, str, str | int]
 
+# HF's separate q_proj / k_proj / v_proj into our fused qkv_proj (Llama family, OPT).
+QKV_PROJ_RULES: tuple[StackedRule, ...] = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+)
+
 
 def default_weight_loader(
     param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None

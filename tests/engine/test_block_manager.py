@@ -8,8 +8,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_engine.block_manager import BlockManager
-from paged_engine.request import Request, Sequence, next_seq_id
+from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.request import Request, Sequence, next_seq_id
 
 
 def make_seq(tokens: list[int]) -> Sequence:

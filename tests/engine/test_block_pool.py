@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from paged_engine.block_pool import NULL_BLOCK_ID, BlockPool
+from paged_engine.core.block_pool import NULL_BLOCK_ID, BlockPool
 
 
 def test_null_block_is_never_handed_out() -> None:

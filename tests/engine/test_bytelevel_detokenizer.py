@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from paged_engine.bytelevel_detokenizer import ByteLevelDetokenizer, make_detokenizer
-from paged_engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.bytelevel_detokenizer import ByteLevelDetokenizer, make_detokenizer
+from paged_engine.engine.detokenizer import IncrementalDetokenizer
 from paged_engine.testing import build_tiny_tokenizer
 
 

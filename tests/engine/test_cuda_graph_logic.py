@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from paged_engine import EngineConfig, LLMEngine, SamplingParams
-from paged_engine.cache_engine import CacheEngine
-from paged_engine.cuda_graphs import CudaGraphRunner, bucket_sizes
+from paged_engine.worker.cache_engine import CacheEngine
+from paged_engine.worker.cuda_graphs import CudaGraphRunner, bucket_sizes
 from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.model_runner import ModelRunner
+from paged_engine.worker.model_runner import ModelRunner
 
 MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
 BLOCK = 4
@@ -348,7 +348,7 @@ def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, monkeypatch,
 def test_init_kv_cache_captures_only_triton_on_cuda(
     tiny_llama_dir, monkeypatch, backend, enforce_eager, captured
 ):
-    import paged_engine.model_runner as mr
+    import paged_engine.worker.model_runner as mr
 
     engine = _engine(tiny_llama_dir, enforce_eager=enforce_eager)
     runner = engine.model_runner
@@ -536,7 +536,7 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
 def test_cuda_device_gets_an_index(monkeypatch):
     """Tensors report cuda:N; a seeded generator made on the engine's device must compare equal
     to the logits' device, or the sampler takes its slower cross-device path."""
-    from paged_engine.engine import _pick_device
+    from paged_engine.engine.llm_engine import _pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -569,7 +569,7 @@ def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
 
 
 def test_gpu_share_must_be_free_at_start(monkeypatch):
-    from paged_engine.engine import _gpu_baseline
+    from paged_engine.engine.llm_engine import _gpu_baseline
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * MIB, 64 * MIB))
     assert _gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from paged_engine.detokenizer import (
+from paged_engine.engine.detokenizer import (
     IncrementalDetokenizer,
     StopChecker,
     find_stop,

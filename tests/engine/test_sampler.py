@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_engine.sampler import (
+from paged_engine.sample.sampler import (
     Sampler,
     SamplingRow,
     compute_prompt_logprobs,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_engine.block_manager import BlockManager
-from paged_engine.request import Request, RequestStatus, SequenceStatus
-from paged_engine.scheduler import Scheduler, SchedulerOutput
+from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.request import Request, RequestStatus, SequenceStatus
+from paged_engine.core.scheduler import Scheduler, SchedulerOutput
 
 
 def token_for(index: int, pos: int) -> int:

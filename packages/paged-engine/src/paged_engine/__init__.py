@@ -14,8 +14,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "paged_engine.llm",
-    "LLMEngine": "paged_engine.engine",
-    "EngineStats": "paged_engine.engine",
+    "LLMEngine": "paged_engine.engine.llm_engine",
+    "EngineStats": "paged_engine.engine.llm_engine",
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
     "BeamSearchParams": "paged_engine.sampling_params",
@@ -40,7 +40,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from paged_engine.config import EngineConfig
-    from paged_engine.engine import EngineStats, LLMEngine
+    from paged_engine.engine.llm_engine import EngineStats, LLMEngine
     from paged_engine.llm import LLM
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from paged_engine.sampling_params import BeamSearchParams, SamplingParams

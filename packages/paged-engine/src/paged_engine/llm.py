@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paged_engine.config import EngineConfig
-from paged_engine.engine import EngineStats, LLMEngine
+from paged_engine.engine.llm_engine import EngineStats, LLMEngine
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 

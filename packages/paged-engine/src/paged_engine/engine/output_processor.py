@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_engine.beam_search import BeamSearchState
-from paged_engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from paged_engine.model_runner import ModelOutput
+from paged_engine.sample.beam_search import BeamSearchState
+from paged_engine.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from paged_engine.worker.model_runner import ModelOutput
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paged_engine.request import Request, Sequence, SequenceStatus
-from paged_engine.sampler import Sampler, SamplingRow, compute_prompt_logprobs, log_softmax_topk
+from paged_engine.core.request import Request, Sequence, SequenceStatus
+from paged_engine.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs, log_softmax_topk
 from paged_engine.sampling_params import SamplingParams
-from paged_engine.scheduler import Scheduler
+from paged_engine.core.scheduler import Scheduler
 
 
 @dataclass(slots=True)

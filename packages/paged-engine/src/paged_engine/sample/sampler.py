@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .outputs import Logprob
-from .sampling_params import SamplingParams
+from paged_engine.outputs import Logprob
+from paged_engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ import torch
 from paged_engine.layers.attention import AttentionMetadata
 
 if TYPE_CHECKING:
-    from paged_engine.model_runner import ModelRunner
+    from paged_engine.worker.model_runner import ModelRunner
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:

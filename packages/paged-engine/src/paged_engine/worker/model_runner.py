@@ -20,12 +20,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from paged_engine.cache_engine import CacheEngine
+from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.config import EngineConfig
-from paged_engine.cuda_graphs import CudaGraphRunner
+from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.request import Sequence
-from paged_engine.scheduler import SchedulerOutput
+from paged_engine.core.request import Sequence
+from paged_engine.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

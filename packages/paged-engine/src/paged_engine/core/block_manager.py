@@ -26,12 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paged_engine.block_pool import BlockPool
+from paged_engine.core.block_pool import BlockPool
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from paged_engine.request import Sequence
+    from paged_engine.core.request import Sequence
 
 # Parent hash of a sequence's first block (a fixed int keeps hashes identical across runs).
 ROOT_HASH = 0x5EED_CAFE_F00D

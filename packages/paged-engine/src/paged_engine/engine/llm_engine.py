@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from paged_engine.block_manager import BlockManager
+from paged_engine.core.block_manager import BlockManager
 from paged_engine.config import EngineConfig
 from paged_engine.default_model import default_model_path
-from paged_engine.input_processor import InputProcessor
+from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.loader import (
     ResolvedModel,
     load_hf_config,
@@ -31,12 +31,12 @@ from paged_engine.loader import (
     resolve_dtype,
     resolve_model,
 )
-from paged_engine.model_runner import ModelRunner
-from paged_engine.output_processor import OutputProcessor
+from paged_engine.worker.model_runner import ModelRunner
+from paged_engine.engine.output_processor import OutputProcessor
 from paged_engine.outputs import RequestOutput
-from paged_engine.request import Request
+from paged_engine.core.request import Request
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
-from paged_engine.scheduler import Scheduler
+from paged_engine.core.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ import time
 
 import torch
 
-from paged_engine.beam_search import BeamSearchState
-from paged_engine.bytelevel_detokenizer import make_detokenizer
+from paged_engine.sample.beam_search import BeamSearchState
+from paged_engine.engine.bytelevel_detokenizer import make_detokenizer
 from paged_engine.config import EngineConfig
-from paged_engine.output_processor import RequestState
-from paged_engine.request import Request
+from paged_engine.engine.output_processor import RequestState
+from paged_engine.core.request import Request
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 
 

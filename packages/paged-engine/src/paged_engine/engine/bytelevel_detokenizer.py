@@ -14,7 +14,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
-from paged_engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.detokenizer import IncrementalDetokenizer
 
 
 def _byte_table() -> dict[str, int]:

@@ -30,8 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from paged_engine.block_manager import BlockManager, BlockManagerStats
-from paged_engine.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
+from paged_engine.core.block_manager import BlockManager, BlockManagerStats
+from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING

@@ -1,7 +1,16 @@
-"""paged-kernels: JIT Triton kernels for paged attention, with plain-torch references."""
+"""paged-kernels: JIT Triton kernels for paged attention, with plain-torch references.
 
-from paged_kernels.attention import choose_num_splits, paged_attention
-from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
+The torch references load eagerly and need only torch. The Triton kernels resolve lazily
+(PEP 562) on first access, so `import paged_kernels` works where triton is not installed
+(macOS, Windows, CPU-only Linux); there, touching a kernel raises ImportError.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from paged_kernels.reference import (
     alibi_slopes,
     ref_copy_blocks,
@@ -11,6 +20,14 @@ from paged_kernels.reference import (
 )
 
 __version__ = "0.1.0"
+
+_KERNELS = {
+    "choose_num_splits": "paged_kernels.attention",
+    "paged_attention": "paged_kernels.attention",
+    "copy_blocks": "paged_kernels.kv_cache",
+    "swap_blocks": "paged_kernels.kv_cache",
+    "write_kv_cache": "paged_kernels.kv_cache",
+}
 
 __all__ = [
     "alibi_slopes",
@@ -22,5 +39,45 @@ __all__ = [
     "ref_swap_blocks",
     "ref_write_kv_cache",
     "swap_blocks",
+    "triton_available",
     "write_kv_cache",
 ]
+
+if TYPE_CHECKING:
+    from paged_kernels.attention import choose_num_splits, paged_attention
+    from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
+
+
+def triton_available() -> bool:
+    """True when the import system can find triton; neither triton nor the kernels are imported.
+
+    An installed but broken triton still reports True and fails on first kernel access.
+    """
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def __getattr__(name: str) -> Any:
+    module = _KERNELS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'paged_kernels' has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        if (exc.name or "").partition(".")[0] != "triton":
+            raise
+        raise ImportError(
+            f"paged_kernels.{name} is a Triton kernel and needs the 'triton' package, which is "
+            "not installed. Install it with `pip install triton` (wheels: Linux x86_64 and "
+            "aarch64), or use the plain-torch references (paged_kernels.ref_*; the engine's "
+            "attention_backend='torch').",
+            name="triton",
+        ) from exc
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_KERNELS})

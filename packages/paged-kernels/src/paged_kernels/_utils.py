@@ -1,4 +1,7 @@
-"""Device and interpreter helpers shared by the kernel wrappers."""
+"""Device and interpreter helpers shared by the kernel wrappers.
+
+Plain Python and torch only: this module must stay importable without triton.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +9,8 @@ import functools
 import os
 
 import torch
-import triton.language as tl
 
-TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-FLOAT_DTYPES = tuple(TORCH_TO_TL)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def is_interpreter() -> bool:

@@ -11,13 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import (
-    FLOAT_DTYPES,
-    TORCH_TO_TL,
-    check,
-    check_last_dim_contiguous,
-    next_pow2,
-)
+from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, next_pow2
+
+TORCH_TO_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit

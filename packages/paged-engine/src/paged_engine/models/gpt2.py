@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
-from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.attention import Attention
+from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.utils import cfg_get, load_named_weights
+from paged_engine.models.utils import CausalLMBase, cfg_get
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -81,56 +81,30 @@ class GPT2Model(nn.Module):
         return self.ln_f(x)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(CausalLMBase):
+    inner_name = "transformer"
+    embed_path = "transformer.wte"
+    tie_default = True
+    stacked_params = (
+        (".c_attn.", ".c_attn_q.", "q"),
+        (".c_attn.", ".c_attn_k.", "k"),
+        (".c_attn.", ".c_attn_v.", "v"),
+    )
+    ignored_weights = (".attn.bias", ".attn.masked_bias")  # HF's causal-mask buffers
+
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = GPT2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.transformer.wte)
+        super().__init__(config, GPT2Model(config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # hidden [T, D]
-        return self.transformer(input_ids, positions, kv_caches, attn_metadata)
+    def rename_weight(self, name: str) -> str:  # the original checkpoints lack "transformer."
+        if name.startswith(("transformer.", "lm_head.")):
+            return name
+        return "transformer." + name
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.tie_word_embeddings
-
-        def rename(name: str) -> str:  # the original checkpoints lack the "transformer." prefix
-            if name.startswith(("transformer.", "lm_head.")):
-                return name
-            return "transformer." + name
-
-        def convert(name: str, w: torch.Tensor):
-            if name.endswith(_CONV1D):
-                w = w.t()
-            if ".attn.c_attn." in name:  # q | k | v along the output dim
-                for shard, part in zip("qkv", w.chunk(3, dim=0)):
-                    yield name.replace(".c_attn.", f".c_attn_{shard}."), part
-            else:
-                yield name, w
-
-        load_named_weights(
-            self,
-            weights,
-            rename=rename,
-            convert=convert,
-            stacked=(
-                (".c_attn.", ".c_attn_q.", "q"),
-                (".c_attn.", ".c_attn_k.", "k"),
-                (".c_attn.", ".c_attn_v.", "v"),
-            ),
-            skip=lambda n: (
-                n.endswith((".attn.bias", ".attn.masked_bias")) or (tied and n == "lm_head.weight")
-            ),
-        )
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.endswith(_CONV1D):
+            w = w.t()
+        if ".attn.c_attn." in name:  # q | k | v along the output dim
+            for shard, part in zip("qkv", w.chunk(3, dim=0)):
+                yield name.replace(".c_attn.", f".c_attn_{shard}."), part
+        else:
+            yield name, w

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
-from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.attention import Attention
+from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.models.utils import cfg_get, load_named_weights
+from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
 class GPTNeoXAttention(nn.Module):
@@ -85,55 +85,30 @@ class GPTNeoXModel(nn.Module):
         return self.final_layer_norm(x)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(CausalLMBase):
+    inner_name = "gpt_neox"
+    embed_path = "gpt_neox.embed_in"
+    head_name = "embed_out"
+    stacked_params = (
+        (".query_key_value.", ".qkv_q.", "q"),
+        (".query_key_value.", ".qkv_k.", "k"),
+        (".query_key_value.", ".qkv_v.", "v"),
+    )
+    # HF's causal-mask buffers and RoPE frequencies, which we rebuild
+    ignored_weights = (".attention.bias", ".attention.masked_bias", ".inv_freq")
+
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.gpt_neox = GPTNeoXModel(config)
-        self.embed_out = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.embed_out.tie_to(self.gpt_neox.embed_in)
-        self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
+        super().__init__(config, GPTNeoXModel(config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # hidden [T, D]
-        return self.gpt_neox(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        return self.embed_out(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied, h, d = self.tie_word_embeddings, self.num_heads, self.head_dim
-
-        def convert(name: str, w: torch.Tensor):
-            if ".query_key_value." not in name:
-                yield name, w
-                return
-            parts = w.reshape(h, 3, d, *w.shape[1:])  # rows [H, q|k|v, D]
-            for i, shard in enumerate("qkv"):
-                yield (
-                    name.replace(".query_key_value.", f".qkv_{shard}."),
-                    parts[:, i].reshape(h * d, *w.shape[1:]),
-                )
-
-        load_named_weights(
-            self,
-            weights,
-            convert=convert,
-            stacked=(
-                (".query_key_value.", ".qkv_q.", "q"),
-                (".query_key_value.", ".qkv_k.", "k"),
-                (".query_key_value.", ".qkv_v.", "v"),
-            ),
-            skip=lambda n: (
-                n.endswith((".attention.bias", ".attention.masked_bias", ".inv_freq"))
-                or (tied and n == "embed_out.weight")
-            ),
-        )
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if ".query_key_value." not in name:
+            yield name, w
+            return
+        h = self.config.num_attention_heads
+        d = self.config.hidden_size // h
+        parts = w.reshape(h, 3, d, *w.shape[1:])  # rows [H, q|k|v, D]
+        for i, shard in enumerate("qkv"):
+            yield (
+                name.replace(".query_key_value.", f".qkv_{shard}."),
+                parts[:, i].reshape(h * d, *w.shape[1:]),
+            )

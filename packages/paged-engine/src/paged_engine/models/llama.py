@@ -7,14 +7,12 @@ windows through the class attributes below.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -24,9 +22,9 @@ from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.utils import (
     QKV_PROJ_RULES,
+    CausalLMBase,
     cfg_get,
     layer_sliding_window,
-    load_named_weights,
 )
 
 
@@ -123,22 +121,16 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
 
-class LlamaForCausalLM(nn.Module):
-    # (our fused param fragment, HF fragment, shard id)
+class LlamaForCausalLM(CausalLMBase):
     stacked_params = (
         *QKV_PROJ_RULES,
         (".gate_up_proj", ".gate_proj", 0),
         (".gate_up_proj", ".up_proj", 1),
     )
+    ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.layer_flags(config))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        super().__init__(config, LlamaModel(config, self.layer_flags(config)))
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
@@ -149,24 +141,3 @@ class LlamaForCausalLM(nn.Module):
             "qk_norm": False,
             "mlp_bias": bool(getattr(config, "mlp_bias", False)),
         }
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # hidden [T, D]
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.tie_word_embeddings
-        load_named_weights(
-            self,
-            weights,
-            stacked=self.stacked_params,
-            skip=lambda n: "rotary_emb.inv_freq" in n or (tied and n == "lm_head.weight"),
-        )

@@ -6,17 +6,15 @@ the token embedding, whose width is `word_embed_proj_dim` (may differ from hidde
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
-from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.attention import Attention
+from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.utils import QKV_PROJ_RULES, cfg_get, load_named_weights
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves two leading rows
 
@@ -92,45 +90,23 @@ class OPTDecoder(nn.Module):
 
 
 class OPTModel(nn.Module):
+    """Only a name level: HF checkpoints keep the decoder under `model.decoder.*`."""
+
     def __init__(self, config):
         super().__init__()
         self.decoder = OPTDecoder(config)
 
+    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
+        return self.decoder(input_ids, positions, kv_caches, md)
 
-class OPTForCausalLM(nn.Module):
+
+class OPTForCausalLM(CausalLMBase):
+    embed_path = "model.decoder.embed_tokens"
+    tie_default = True
+    stacked_params = QKV_PROJ_RULES
+
     def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.model = OPTModel(config)
-        proj = cfg_get(config, "word_embed_proj_dim", config.hidden_size)
-        self.lm_head = ParallelLMHead(config.vocab_size, proj)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.decoder.embed_tokens)
+        super().__init__(config, OPTModel(config))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        # Returns [T, word_embed_proj_dim]: the LM head's input width.
-        return self.model.decoder(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tied = self.tie_word_embeddings
-
-        def rename(name: str) -> str:
-            return "model." + name if name.startswith("decoder.") else name
-
-        load_named_weights(
-            self,
-            weights,
-            rename=rename,
-            stacked=QKV_PROJ_RULES,
-            skip=lambda n: tied and n == "lm_head.weight",
-        )
+    def rename_weight(self, name: str) -> str:
+        return "model." + name if name.startswith("decoder.") else name

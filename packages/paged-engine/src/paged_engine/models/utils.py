@@ -1,11 +1,15 @@
-"""Shared weight-loading plumbing for models/*.py."""
+"""Shared plumbing for models/*.py: the `*ForCausalLM` shell and weight loading."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.embedding import ParallelLMHead
 
 # (fragment of our param name, fragment of the HF name, shard id for the param's weight_loader)
 StackedRule = tuple[str, str, str | int]
@@ -104,3 +108,66 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
+
+
+class CausalLMBase(nn.Module):
+    """The shell of an HF `*ForCausalLM`: a decoder stack and an LM head, maybe tied.
+
+    Subclasses name their HF submodules in the class attributes (checkpoints load by name), build
+    the decoder stack and hand it to `__init__`, and override `rename_weight` / `convert_weight`
+    only where their checkpoints' names or layouts differ from our parameters.
+    """
+
+    inner_name: ClassVar[str] = "model"  # attribute holding the decoder stack
+    embed_path: ClassVar[str] = "model.embed_tokens"  # the token embedding the head may tie to
+    head_name: ClassVar[str] = "lm_head"
+    tie_default: ClassVar[bool] = False  # HF's default when the config omits tie_word_embeddings
+    stacked_params: ClassVar[tuple[StackedRule, ...]] = ()
+    ignored_weights: ClassVar[tuple[str, ...]] = ()  # suffixes of HF buffers we recompute
+
+    def __init__(self, config, inner: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        setattr(self, self.inner_name, inner)
+        embed = self.get_submodule(self.embed_path)
+        # The decoder's output is as wide as the token embedding (OPT projects back to it), which
+        # is what lets the head share the embedding's weight.
+        head = ParallelLMHead(config.vocab_size, embed.weight.shape[1])
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_default))
+        if self.tie_word_embeddings:
+            head.tie_to(embed)
+        # Registered after the decoder, so the shared weight is named after the embedding.
+        setattr(self, self.head_name, head)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # hidden [T, D], D the token embedding's width
+        return getattr(self, self.inner_name)(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        return getattr(self, self.head_name)(hidden)
+
+    def rename_weight(self, name: str) -> str:
+        """A checkpoint name -> our parameter's name (or a shard of it, for `convert_weight`)."""
+        return name
+
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """One renamed checkpoint tensor -> the (name, tensor) pairs to load."""
+        return ((name, w),)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # A tied head has no parameter of its own; checkpoints may still carry a copy.
+        tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
+        ignored = self.ignored_weights
+        load_named_weights(
+            self,
+            weights,
+            stacked=self.stacked_params,
+            rename=self.rename_weight,
+            convert=self.convert_weight,
+            skip=lambda n: n == tied_head or n.endswith(ignored),
+        )

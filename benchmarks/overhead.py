@@ -1,10 +1,14 @@
-"""Engine overhead: one `LLMEngine.step` with 256 running sequences, the model forward stubbed.
+"""Engine overhead: `LLMEngine.step` with 256 running sequences and the model forward stubbed.
 
 The stub returns zeros for the hidden states and one fixed random logits row per sampled
-sequence, so what is left is the engine itself: scheduling, block bookkeeping, input
-preparation (host tensors, copy to the device), sampling, output processing (append, stop checks,
-detokenize, RequestOutput). Target: under 1 ms per step. Each phase is timed by wrapping the
-engine's own methods; the rest of `step` is reported as "other".
+sequence, so what is left is the engine itself: scheduling, the worker's input preparation
+(persistent batch -> flat tensors), sampling, applying results (append, stop checks, block
+bookkeeping) and the output stage (detokenize, RequestOutputs). Target: under 1 ms per step
+without the forward and sampling. Each phase is timed by wrapping the engine's own methods; the
+rest of `step` is reported as "other".
+
+`run_overlap` checks async scheduling: with a forward that sleeps (releasing the GIL, as a
+device would), a step should cost the forward alone, the host work hidden behind it.
 """
 
 from __future__ import annotations
@@ -22,15 +26,18 @@ from benchmarks.throughput import engine_kwargs
 
 
 class StubModel:
-    """Stands in for the model: no compute, fixed logits."""
+    """Stands in for the model: no compute (or a sleep, standing for device time), fixed logits."""
 
-    def __init__(self, vocab_size: int, max_rows: int, device, seed: int = 0):
+    def __init__(self, vocab_size: int, max_rows: int, device, seed: int = 0, sleep_s: float = 0):
         g = torch.Generator().manual_seed(seed)
         # contiguous like real logits (an expanded view makes index_select crawl)
         self.logits = torch.randn(max_rows, vocab_size, generator=g).to(device)
         self.device = device
+        self.sleep_s = sleep_s
 
     def __call__(self, input_ids, positions, kv_caches, attn_metadata):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
         return torch.zeros(input_ids.shape[0], 1, device=self.device)  # [T, 1]: width unused
 
     def compute_logits(self, hidden):
@@ -50,34 +57,23 @@ class _Timed:
         self.acc[self.name] += time.perf_counter() - t0
         return out
 
+    def __getattr__(self, name: str):
+        return getattr(self.fn, name)
 
-def run(
-    spec: ModelSpec,
-    device: str,
-    *,
-    num_seqs: int = 256,
-    prompt_len: int = 32,
-    steps: int = 50,
-    log=print,
-) -> dict:
-    from paged_engine import LLM, SamplingParams
+
+def _engine(spec: ModelSpec, device: str, num_seqs: int, prompt_len: int, steps: int, **kw):
+    from paged_engine import LLM
 
     mml = prompt_len + steps + 64
     kw = engine_kwargs(
-        spec, device, mml, load_format="dummy", max_num_seqs=num_seqs, enforce_eager=True
+        spec, device, mml, load_format="dummy", max_num_seqs=num_seqs, enforce_eager=True, **kw
     )
     kw["max_num_batched_tokens"] = max(num_seqs * prompt_len, 8192)
-    llm = LLM(**kw)
-    engine = llm.llm_engine
-    runner = engine.model_runner
-    runner.model = StubModel(spec.vocab_size, num_seqs, runner.device)
-    if getattr(runner, "graphs", None) is not None:
-        runner.graphs = None
+    return LLM(**kw).llm_engine
+
+
+def _fill(engine, spec: ModelSpec, num_seqs: int, prompt_len: int, params) -> None:
     rng = random.Random(0)
-    # On a GPU the sampler is device work; on a CPU a top-p sort of [256, 151936] costs seconds
-    # per step, so the CPU run samples greedily (argmax over the same logits).
-    sampling = dict(temperature=0.8, top_p=0.95) if device == "cuda" else dict(temperature=0.0)
-    params = SamplingParams(**sampling, ignore_eos=True, max_tokens=steps + 32)
     for i in range(num_seqs):
         prompt = [rng.randint(0, min(spec.vocab_size, 10000) - 1) for _ in range(prompt_len)]
         engine.add_request(f"ovh-{i}", {"prompt_token_ids": prompt}, params)
@@ -86,18 +82,47 @@ def run(
     for _ in range(3):
         engine.step()  # warm-up
 
+
+def _sampling(device: str) -> dict:
+    # On a GPU the sampler is device work; on a CPU a top-p sort of [256, 151936] costs seconds
+    # per step, so the CPU run samples greedily (argmax over the same logits).
+    return dict(temperature=0.8, top_p=0.95) if device == "cuda" else dict(temperature=0.0)
+
+
+def run(
+    spec: ModelSpec,
+    device: str,
+    *,
+    num_seqs: int = 256,
+    prompt_len: int = 32,
+    steps: int = 50,
+    output_kind: str = "DELTA",
+    log=print,
+) -> dict:
+    """Synchronous steps, each phase timed. `output_kind`: what the outputs of every step hold
+    (DELTA: a streaming server; CUMULATIVE: the default of LLMEngine)."""
+    from paged_engine import RequestOutputKind, SamplingParams
+
+    engine = _engine(spec, device, num_seqs, prompt_len, steps, async_scheduling=False)
+    runner = engine.model_runner
+    runner.model = StubModel(spec.vocab_size, num_seqs, runner.device)
+    sampling = _sampling(device)
+    kind = RequestOutputKind[output_kind]
+    params = SamplingParams(**sampling, ignore_eos=True, max_tokens=steps + 32, output_kind=kind)
+    _fill(engine, spec, num_seqs, prompt_len, params)
+
     acc: dict = defaultdict(float)
     phases = {
         "schedule": (engine.scheduler, "schedule"),
+        "execute_model": (runner, "execute_model"),
         "prepare_inputs": (runner, "prepare"),
         "forward_stub": (runner, "model"),
-        "update_after_step": (engine.scheduler, "update_after_step"),
-        "sample": (engine.output_processor, "sampler"),
+        "sample": (runner, "sampler"),
+        "apply_outputs": (engine.engine_core, "_apply"),
         "process_outputs": (engine.output_processor, "process"),
     }
     for name, (obj, attr) in phases.items():
         setattr(obj, attr, _Timed(getattr(obj, attr), name, acc, device))
-    runner.model.compute_logits = runner.model.fn.compute_logits  # the wrapper hides it
     per_step: dict[str, list[float]] = defaultdict(list)
     for _ in range(steps):
         acc.clear()
@@ -110,11 +135,17 @@ def run(
         per_step["total"].append(total)
         for name in phases:
             per_step[name].append(acc[name])
-    # process_outputs includes sample: report it exclusive of sampling
-    per_step["process_outputs"] = [
-        p - s for p, s in zip(per_step["process_outputs"], per_step["sample"])
+    # execute_model contains prepare, forward and sample: report the rest of it on its own
+    per_step["worker_other"] = [
+        e - p - f - s
+        for e, p, f, s in zip(
+            per_step.pop("execute_model"),
+            per_step["prepare_inputs"],
+            per_step["forward_stub"],
+            per_step["sample"],
+        )
     ]
-    named = [sum(per_step[n][i] for n in phases) for i in range(steps)]
+    named = [sum(v[i] for k, v in per_step.items() if k != "total") for i in range(steps)]
     per_step["other"] = [t - n for t, n in zip(per_step["total"], named)]
     ms = {
         name: {
@@ -123,8 +154,8 @@ def run(
         }
         for name, v in per_step.items()
     }
-    total = ms["total"]["mean_ms"] - ms["forward_stub"]["mean_ms"]
-    engine_only = total - ms["sample"]["mean_ms"]
+    total = ms["total"]["p50_ms"] - ms["forward_stub"]["p50_ms"]
+    engine_only = total - ms["sample"]["p50_ms"]
     rec = {
         "num_running_seqs": num_seqs,
         "steps_timed": steps,
@@ -132,6 +163,7 @@ def run(
         "vocab_size": spec.vocab_size,
         "engine_device": str(runner.device),
         "sampling": ", ".join(f"{k} {v}" for k, v in sampling.items()),
+        "output_kind": output_kind,
         "phases": ms,
         "step_ms_without_forward": round(total, 3),
         # the target covers scheduling, bookkeeping, input preparation and output processing
@@ -140,7 +172,54 @@ def run(
         "meets_target": engine_only < 1.0,
     }
     log(
-        f"    -> {engine_only:.3f} ms per step without forward and sampling, {total:.3f} ms with "
-        f"sampling ({num_seqs} sequences)"
+        f"    -> {engine_only:.3f} ms per step (p50) without forward and sampling, {total:.3f} ms "
+        f"with sampling ({num_seqs} sequences, {output_kind} outputs)"
+    )
+    return rec
+
+
+def run_overlap(
+    spec: ModelSpec,
+    device: str,
+    *,
+    num_seqs: int = 256,
+    prompt_len: int = 32,
+    steps: int = 50,
+    forward_ms: float = 10.0,
+    log=print,
+) -> dict:
+    """Wall time per step with a forward that sleeps `forward_ms`, async scheduling off and on."""
+    from paged_engine import RequestOutputKind, SamplingParams
+
+    rec: dict = {"forward_ms": forward_ms, "num_running_seqs": num_seqs, "steps_timed": steps}
+    for mode in (False, True):
+        engine = _engine(spec, device, num_seqs, prompt_len, steps, async_scheduling=mode)
+        runner = engine.model_runner
+        runner.model = StubModel(spec.vocab_size, num_seqs, runner.device)
+        params = SamplingParams(
+            **_sampling(device),
+            ignore_eos=True,
+            max_tokens=steps + 32,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        _fill(engine, spec, num_seqs, prompt_len, params)
+        runner.model.sleep_s = forward_ms / 1e3
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        engine.shutdown()
+        rec["async" if mode else "sync"] = {
+            "step_mean_ms": round(1e3 * statistics.fmean(times), 3),
+            "step_p50_ms": round(1e3 * statistics.median(times), 3),
+        }
+    ratio = rec["async"]["step_p50_ms"] / forward_ms
+    rec["async_step_over_forward"] = round(ratio, 3)
+    rec["meets_target"] = ratio <= 1.10
+    log(
+        f"    -> forward {forward_ms:.0f} ms: step {rec['sync']['step_p50_ms']:.2f} ms sync, "
+        f"{rec['async']['step_p50_ms']:.2f} ms async ({ratio:.3f}x the forward)"
     )
     return rec

@@ -87,17 +87,20 @@ def overhead(runs: list[dict], path: Path, title: str) -> Path | None:
         return None
     plt = _plt()
     names = [n for n in runs[0]["phases"] if n not in ("total", "forward_stub")]
+    runs = [r for r in runs if r.get("output_kind", "DELTA") == "DELTA"] or runs
     fig, ax = plt.subplots(figsize=(7, 4))
     height = 0.8 / len(runs)
     for j, r in enumerate(runs):
-        vals = [max(r["phases"][n]["mean_ms"], 1e-3) for n in names]
+        vals = [max(r["phases"][n]["p50_ms"], 1e-3) for n in names]
         ys = [i + j * height for i in range(len(names))]
-        bars = ax.barh(ys, vals, height, label=f"vocab {r['vocab_size']}")
+        bars = ax.barh(
+            ys, vals, height, label=f"vocab {r['vocab_size']}, {r.get('output_kind', '')} outputs"
+        )
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_yticks([i + height * (len(runs) - 1) / 2 for i in range(len(names))], names)
     ax.set_xscale("log")
     ax.axvline(1.0, color="red", ls="--", lw=1, label="1 ms target (whole step)")
-    ax.set_xlabel("ms per step (mean, log scale)")
+    ax.set_xlabel("ms per step (p50, log scale)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     return _save(fig, path)

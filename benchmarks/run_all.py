@@ -212,17 +212,22 @@ def main(argv: list[str] | None = None) -> int:
         # The forward is stubbed, so layers only size the KV pool (2 on CPU: small memory).
         # Two vocabularies: Qwen3's real one, where vocab-sized tensor work (logits copies,
         # logprob reductions) shows on a CPU, and a 512-token one that leaves the Python
-        # bookkeeping alone.
+        # bookkeeping alone. Three output kinds: what a streaming server asks for (DELTA), the
+        # LLMEngine default (CUMULATIVE) and offline generation (FINAL_ONLY).
         layers = {} if gpu else {"num_hidden_layers": 2}
-        runs = []
+        steps = 10 if args.smoke else 50
+        runs, specs = [], []
         for extra in ({}, {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}):
             name = "qwen3-0.6b-config" + ("-v512" if extra else "")
             ospec = config_dir("qwen3-0.6b", args.work_dir / name, device, **layers, **extra)
-            runs.append(overhead.run(ospec, device, steps=10 if args.smoke else 50, log=log))
+            specs.append(ospec)
+            for kind in ("DELTA", "CUMULATIVE", "FINAL_ONLY"):
+                runs.append(overhead.run(ospec, device, steps=steps, output_kind=kind, log=log))
+        overlap = overhead.run_overlap(specs[-1], device, steps=steps, log=log)
         plots.overhead(
             runs, out / "overhead.png", f"engine step, 256 sequences, forward stubbed, {slug}"
         )
-        return {"runs": runs}
+        return {"runs": runs, "overlap": overlap}
 
     def run_kernels() -> dict:
         from benchmarks import kernel_bench

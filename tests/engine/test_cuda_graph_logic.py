@@ -1,4 +1,4 @@
-"""CUDA-only engine logic run on CPU: `CudaGraphRunner` and `ModelRunner.profile_num_blocks`.
+"""CUDA-only engine logic run on CPU: `CudaGraphRunner` and the worker's memory profiler.
 
 A fake graph stands in for `torch.cuda.CUDAGraph`: capture records every model call made under
 `torch.cuda.graph` (arguments and the returned tensor), replay re-runs those calls eagerly and
@@ -19,11 +19,12 @@ from typing import ClassVar
 import pytest
 import torch
 
+import paged_engine.worker.memory_profiler as mp
+import paged_engine.worker.worker as worker_mod
 from paged_engine import EngineConfig, LLMEngine, SamplingParams
+from paged_engine.attention import AttentionMetadata, get_attention_backend
 from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.cuda_graphs import CudaGraphRunner, bucket_sizes
-from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.worker.model_runner import ModelRunner
 
 MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
 BLOCK = 4
@@ -189,48 +190,42 @@ def test_capture_reads_static_buffers_largest_first(tiny_llama_dir, fake_cuda_gr
 
 
 def _check_against_eager(engine: LLMEngine, graphs: CudaGraphRunner, tol: float = 1e-5) -> dict:
-    """Make every step run eagerly, then again (from the same KV cache) through the graphs, and
-    check both give the same logits and cache writes. Returns what it saw: decode batch sizes
-    and table widths, and the count of steps that were not decode-only."""
+    """Make every forward run eagerly, then again (from the same KV cache) through the graphs,
+    and check both give the same hidden states and cache writes. Returns what it saw: decode
+    batch sizes and table widths, and the count of forwards that were not decode-only."""
     runner = engine.model_runner
-    execute = runner.execute
+    forward = runner.forward
     seen: dict = {"sizes": set(), "widths": set(), "eager_steps": 0}
-    last: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def checked_execute(out):
+    def checked_forward(inputs):
         caches = runner.cache.kv_caches
         before = [(k.clone(), v.clone()) for k, v in caches]
         saved, runner.graphs = runner.graphs, None
-        eager = execute(out)
+        eager = forward(inputs).clone()
         eager_caches = [(k.clone(), v.clone()) for k, v in caches]
         runner.graphs = saved
         for (k, v), (k0, v0) in zip(caches, before):
             k.copy_(k0)
             v.copy_(v0)
         replays = sum(g.replays for g in graphs.graphs.values())
-        result = execute(out)
+        result = forward(inputs)
         replayed = sum(g.replays for g in graphs.graphs.values()) - replays
-        items = [it for it in out.scheduled if it.num_new_tokens]
-        decode_only = all(it.num_new_tokens == 1 for it in items)
+        meta = inputs.attn_metadata
+        decode_only = meta.max_seqlen_q == 1
         assert replayed == (1 if decode_only else 0)
         if decode_only:
-            seen["sizes"].add(len(items))
-            seen["widths"].add(max(len(it.seq.block_ids) for it in items))
+            seen["sizes"].add(meta.seq_lens.shape[0])
+            seen["widths"].add(meta.block_tables.shape[1])
         else:
             seen["eager_steps"] += 1
-        assert [s.seq_id for s in result.sample_seqs] == [s.seq_id for s in eager.sample_seqs]
-        torch.testing.assert_close(result.logits, eager.logits, rtol=tol, atol=tol)
+        torch.testing.assert_close(result, eager, rtol=tol, atol=tol)
         for (k, v), (ke, ve) in zip(caches, eager_caches):  # padding rows wrote nothing
             torch.testing.assert_close(k, ke, rtol=tol, atol=tol)
             torch.testing.assert_close(v, ve, rtol=tol, atol=tol)
             assert not k[0].any() and not v[0].any(), "the null block was written"
-        # The logits handed out earlier are not views of a static buffer a replay overwrote.
-        for tensor, copy in last:
-            assert torch.equal(tensor, copy)
-        last[:] = [(result.logits, result.logits.clone())]
         return result
 
-    runner.execute = checked_execute
+    runner.forward = checked_forward
     return seen
 
 
@@ -352,7 +347,8 @@ def test_init_kv_cache_captures_only_triton_on_cuda(
 
     engine = _engine(tiny_llama_dir, enforce_eager=enforce_eager)
     runner = engine.model_runner
-    runner.device, runner.backend = torch.device("cuda", 0), backend
+    runner.device = torch.device("cuda", 0)
+    runner.backend = get_attention_backend(backend, torch.device("cpu"))
     made: list[object] = []
 
     class FakeGraphRunner:
@@ -445,7 +441,7 @@ class _FakeCudaMemory:
         }
         for name, fn in fakes.items():
             monkeypatch.setattr(torch.cuda, name, fn)
-        profile, forward = ModelRunner.profile_num_blocks, ModelRunner._profile_forward
+        profile, forward = mp.profile_num_blocks, mp.profile_forward
 
         def profile_as_cuda(runner, *args, **kwargs):  # CUDA branch, runner tensors on the CPU
             cpu, runner.device = runner.device, torch.device("cuda")
@@ -464,8 +460,8 @@ class _FakeCudaMemory:
             finally:
                 runner.device = cuda
 
-        monkeypatch.setattr(ModelRunner, "profile_num_blocks", profile_as_cuda)
-        monkeypatch.setattr(ModelRunner, "_profile_forward", forward_on_cpu)
+        monkeypatch.setattr(worker_mod, "profile_num_blocks", profile_as_cuda)
+        monkeypatch.setattr(mp, "profile_forward", forward_on_cpu)
 
     def _reset(self, *a) -> None:
         self.calls.append("reset_peak")
@@ -506,7 +502,7 @@ def test_profile_counts_only_the_engines_own_memory(tiny_llama_dir, monkeypatch)
     runner = engine.model_runner
     runner.config.num_gpu_blocks_override = None
     runner.config.max_num_batched_tokens = 256
-    blocks = runner.profile_num_blocks(baseline_used=12 * MIB)
+    blocks = worker_mod.profile_num_blocks(runner, baseline_used=12 * MIB)
     expected = int((64 * MIB * 0.9 - (20 - 12) * MIB - 5 * MIB) // _bytes_per_block(engine))
     assert blocks == expected
 
@@ -528,7 +524,7 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
         max_num_batched_tokens=3000,
         num_gpu_blocks_override=300,
     )
-    scratch = engine.model_runner._profile_forward()
+    scratch = mp.profile_forward(engine.model_runner)
     assert scratch == (1024 // BLOCK + 1) * _bytes_per_block(engine)
 
 
@@ -536,8 +532,7 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
 def test_cuda_device_gets_an_index(monkeypatch):
     """Tensors report cuda:N; a seeded generator made on the engine's device must compare equal
     to the logits' device, or the sampler takes its slower cross-device path."""
-    from paged_engine.engine.llm_engine import _pick_device
-
+    _pick_device = worker_mod.pick_device
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert _pick_device("auto") == _pick_device("cuda") == torch.device("cuda", 0)
@@ -552,8 +547,10 @@ def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
     hf_config = AutoConfig.from_pretrained(tiny_llama_dir)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # else the interpreter
     caches = {
-        backend: CacheEngine(hf_config, 12, BLOCK, dtype=dtype, device=dev, backend=backend)
-        for backend in ("torch", "triton")
+        name: CacheEngine(
+            hf_config, 12, BLOCK, dtype=dtype, device=dev, backend=get_attention_backend(name, dev)
+        )
+        for name in ("torch", "triton")
     }
     gen = torch.Generator().manual_seed(0)
     for layers in zip(*(c.kv_caches for c in caches.values())):
@@ -569,8 +566,7 @@ def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
 
 
 def test_gpu_share_must_be_free_at_start(monkeypatch):
-    from paged_engine.engine.llm_engine import _gpu_baseline
-
+    _gpu_baseline = mp.gpu_baseline
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * MIB, 64 * MIB))
     assert _gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 .* only 0.0 GiB is free"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_engine.attention import get_attention_backend
 from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.loader import load_hf_config, load_model, resolve_model
 
@@ -52,7 +53,7 @@ class PagedRunner:
             for a in attn
         ]
         self.max_blocks = max_blocks_per_seq
-        self.backend = "torch"
+        self.backend = get_attention_backend("torch", torch.device("cpu"))
 
     def block_table(self, seq: int) -> list[int]:
         first = 1 + seq * self.max_blocks  # block 0 is the null block
@@ -168,7 +169,7 @@ def test_padding_slots_are_skipped(tiny_llama_dir):
         seq_lens=torch.tensor([6], dtype=torch.int32),
         max_seqlen_q=6,
         max_seqlen_k=6,
-        backend="torch",
+        backend=get_attention_backend("torch", torch.device("cpu")),
     )
     with torch.no_grad():
         got = model.compute_logits(model(ids, positions, runner2.kv_caches, md)[:6])
@@ -191,7 +192,7 @@ def test_triton_backend_matches_torch_backend(tiny_model_factory, arch, override
     runs = {}
     for backend in ("torch", "triton"):
         runner = PagedRunner(model)
-        runner.backend = backend
+        runner.backend = get_attention_backend(backend, torch.device("cpu"))
         first = runner.step([(0, tokens[:12], 0), (1, tokens[:5], 0)])
         second = runner.step([(0, tokens[12:], 12), (1, [tokens[5]], 5)])
         runs[backend] = torch.cat([first, second])

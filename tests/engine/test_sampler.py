@@ -2,22 +2,47 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from paged_engine.sample.sampler import (
-    Sampler,
-    SamplingRow,
-    compute_prompt_logprobs,
-    log_softmax_topk,
-)
+from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs, unpack
+from paged_engine.sample.metadata import metadata_from_params
+from paged_engine.sample.sampler import Sampler
 from paged_engine.sampling_params import SamplingParams
 
 V = 64
 
 
-def row(prompt=(), output=(), gen=None, eos=None, **kw) -> SamplingRow:
-    return SamplingRow(SamplingParams(**kw), list(prompt), list(output), gen, eos)
+def row(prompt=(), output=(), eos=(), **kw) -> SimpleNamespace:
+    return SimpleNamespace(
+        params=SamplingParams(**kw), prompt=list(prompt), output=list(output), eos=eos
+    )
+
+
+def metadata(rows, device, vocab: int = V):
+    return metadata_from_params(
+        [r.params for r in rows],
+        device,
+        vocab,
+        prompts=[r.prompt for r in rows],
+        outputs=[r.output for r in rows],
+        eos_token_ids=[{r.eos} if isinstance(r.eos, int) else r.eos for r in rows],
+    )
+
+
+def sample(x: torch.Tensor, rows) -> SimpleNamespace:
+    """Token ids and (when any row asked) unpacked logprobs, as host lists."""
+    out = Sampler()(x, metadata(rows, x.device, x.shape[1]))
+    lp = None
+    if out.logprobs is not None:
+        lp = unpack(out.logprobs.cpu().tolist(), [r.params.logprobs for r in rows])
+    return SimpleNamespace(tokens=out.token_ids.cpu().tolist(), lp=lp)
+
+
+def process(x: torch.Tensor, rows) -> torch.Tensor:
+    return Sampler.process_logits(x, metadata(rows, x.device, x.shape[1]))
 
 
 def logits_for(n: int, device, seed: int = 0) -> torch.Tensor:
@@ -28,26 +53,26 @@ def logits_for(n: int, device, seed: int = 0) -> torch.Tensor:
 def test_greedy_is_argmax_and_input_untouched(device):
     x = logits_for(8, device)
     before = x.clone()
-    out = Sampler()(x, [row(temperature=0.0) for _ in range(8)])
-    assert out.sampled_token_ids == x.argmax(-1).tolist()
+    out = sample(x, [row(temperature=0.0) for _ in range(8)])
+    assert out.tokens == x.argmax(-1).tolist()
     assert torch.equal(x, before)
-    assert Sampler.process_logits(x, [row(temperature=0.0)] * 8) is x  # nothing to do, no copy
-    empty = Sampler()(x[:0], [])
-    assert empty.sampled_token_ids == [] and empty.top_logprobs is None
+    assert process(x, [row(temperature=0.0)] * 8) is x  # nothing to do, no copy
+    empty = sample(x[:0], [])
+    assert empty.tokens == [] and empty.lp is None
 
 
 @pytest.mark.parametrize("kw", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
 def test_degenerate_filters_are_greedy(device, kw):
     x = logits_for(16, device, seed=1)
     for _ in range(3):
-        out = Sampler()(x, [row(temperature=1.3, **kw) for _ in range(16)])
-        assert out.sampled_token_ids == x.argmax(-1).tolist()
+        out = sample(x, [row(temperature=1.3, **kw) for _ in range(16)])
+        assert out.tokens == x.argmax(-1).tolist()
 
 
 def empirical(x_row: torch.Tensor, params: dict, n: int = 20000) -> torch.Tensor:
     torch.manual_seed(0)
     x = x_row.expand(n, -1).contiguous()
-    toks = torch.tensor(Sampler()(x, [row(**params)] * n).sampled_token_ids)
+    toks = torch.tensor(sample(x, [row(**params)] * n).tokens)
     return torch.bincount(toks, minlength=x.shape[1]).double() / n
 
 
@@ -68,21 +93,21 @@ def test_temperature_top_k_top_p_min_p_distributions(device):
     assert (got - minp / minp.sum()).abs().max() < tol
 
 
-def naive_penalties(x: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+def naive_penalties(x: torch.Tensor, r: SimpleNamespace) -> torch.Tensor:
     x = x.clone()
     p = r.params
-    for t in set(r.prompt_token_ids + r.output_token_ids):
+    for t in set(r.prompt + r.output):
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
-    for t in set(r.output_token_ids):
-        x[t] -= p.frequency_penalty * r.output_token_ids.count(t) + p.presence_penalty
+    for t in set(r.output):
+        x[t] -= p.frequency_penalty * r.output.count(t) + p.presence_penalty
     return x
 
 
 def test_logprobs_skipped_when_nobody_reads_them(device):
     x = logits_for(3, device)
-    out = Sampler()(x, [row(temperature=0.0) for _ in range(3)])
-    assert out.sampled_token_ids == x.argmax(-1).tolist()
-    assert out.top_logprobs is None and all(lp != lp for lp in out.sampled_logprobs)  # NaN
+    out = sample(x, [row(temperature=0.0) for _ in range(3)])
+    assert out.tokens == x.argmax(-1).tolist()
+    assert out.lp is None  # no [N, V] logsumexp or rank pass at all
 
 
 def test_penalties_match_naive_reference(device):
@@ -98,28 +123,26 @@ def test_penalties_match_naive_reference(device):
         }
         rows.append(row(prompt.tolist(), output.tolist(), temperature=0.0, logprobs=0, **kw))
     x = logits_for(12, device, seed=4)
-    got = Sampler.process_logits(x, rows).cpu()
+    got = process(x, rows).cpu()
     want = torch.stack([naive_penalties(x[i].cpu(), r) for i, r in enumerate(rows)])
     torch.testing.assert_close(got, want)
-    out = Sampler()(x, rows)
-    assert out.sampled_token_ids == want.argmax(-1).tolist()
+    out = sample(x, rows)
+    assert out.tokens == want.argmax(-1).tolist()
     # Logprobs stay those of the raw logits, whatever the penalties did.
     raw = torch.log_softmax(x.cpu(), -1)
-    torch.testing.assert_close(
-        torch.tensor(out.sampled_logprobs), raw[range(12), out.sampled_token_ids]
-    )
+    torch.testing.assert_close(torch.tensor(out.lp.logprobs), raw[range(12), out.tokens])
 
 
 def run_seeded(device, position: int, others: list[dict], steps: int = 8) -> list[int]:
-    """Sample `steps` tokens for a seeded row placed at `position` among other rows."""
-    gen = torch.Generator(device=device).manual_seed(1234)
-    tokens = []
+    """Sample `steps` tokens for a seeded row placed at `position` among other rows; the row's
+    draw depends on (seed, sample index, output position) only."""
+    tokens: list[int] = []
     for step in range(steps):
         rows = [row(**kw) for kw in others]
-        rows.insert(position, row(output=tokens, gen=gen, temperature=0.9, top_p=0.95, seed=1234))
+        rows.insert(position, row(output=tokens, temperature=0.9, top_p=0.95, seed=1234))
         x = logits_for(len(rows), device, seed=100 + step)  # seeded row's logits: position-free
         x[position] = logits_for(1, device, seed=step)[0]
-        tokens.append(Sampler()(x, rows).sampled_token_ids[position])
+        tokens.append(sample(x, rows).tokens[position])
     return tokens
 
 
@@ -131,6 +154,21 @@ def test_seeded_row_independent_of_batch(device):
     torch.manual_seed(99)  # the global RNG does not matter either
     assert run_seeded(device, 1, [{"temperature": 2.0, "frequency_penalty": 1.0}]) == alone
     assert len(set(alone)) > 1  # it really sampled
+
+
+def test_seeded_draws_differ_by_index_and_position(device):
+    """Two samples of one request (index 0 and 1) and two positions draw different noise."""
+    x = torch.zeros(64, V, device=device)  # uniform: the draw alone decides
+    p = SamplingParams(temperature=1.0, seed=3)
+    md = metadata_from_params([p] * 64, device, V, indices=[i % 2 for i in range(64)])
+    toks = Sampler()(x, md).token_ids.cpu().tolist()
+    assert toks[0::2] == [toks[0]] * 32 and toks[1::2] == [toks[1]] * 32
+    assert toks[0] != toks[1]
+    by_position = [
+        Sampler()(x[:1], metadata_from_params([p], device, V, outputs=[[1] * k])).token_ids.item()
+        for k in range(8)
+    ]
+    assert by_position[0] == toks[0] and len(set(by_position)) > 1
 
 
 def test_min_tokens_masks_eos_and_stop_ids(device):
@@ -146,12 +184,12 @@ def test_min_tokens_masks_eos_and_stop_ids(device):
         row(output=[], temperature=0.0, min_tokens=1),  # eos known only via all_stop_token_ids
     ]
     rows[4].params.all_stop_token_ids.add(5)
-    out = Sampler()(x, rows)
-    assert out.sampled_token_ids[0] not in (5, 6)
-    assert out.sampled_token_ids[1] == 5  # min_tokens reached: eos allowed again
-    assert out.sampled_token_ids[2] not in (5, 6)
-    assert out.sampled_token_ids[3] not in (5, 6, 7)
-    assert out.sampled_token_ids[4] == 6  # 6 is no stop token for this row
+    out = sample(x, rows)
+    assert out.tokens[0] not in (5, 6)
+    assert out.tokens[1] == 5  # min_tokens reached: eos allowed again
+    assert out.tokens[2] == 5  # with ignore_eos, eos is an ordinary token; 6 stays banned
+    assert out.tokens[3] not in (5, 6, 7)
+    assert out.tokens[4] == 6  # 6 is no stop token for this row
 
 
 def test_logprobs_ranks_and_topk(device):
@@ -160,24 +198,22 @@ def test_logprobs_ranks_and_topk(device):
         row(temperature=0.0, logprobs=3),
         row(temperature=1.0, top_k=10, logprobs=0),
         row(temperature=0.5),
-        row(temperature=1.0, logprobs=5, seed=1, gen=torch.Generator(device=device).manual_seed(1)),
+        row(temperature=1.0, logprobs=5, seed=1),
     ]
-    out = Sampler()(x, rows)
+    out = sample(x, rows)
     raw = torch.log_softmax(x.cpu().double(), -1)
-    for i, tok in enumerate(out.sampled_token_ids):
-        assert out.sampled_logprobs[i] == pytest.approx(raw[i, tok].item(), abs=1e-5)
-        assert out.sampled_ranks[i] == int((raw[i] > raw[i, tok]).sum()) + 1
-    assert out.sampled_ranks[0] == 1
-    assert [len(t) for t in out.top_logprobs] == [3, 0, 0, 5]
+    lp = out.lp
+    for i, tok in enumerate(out.tokens):
+        assert lp.token_ids[i] == tok
+        assert lp.logprobs[i] == pytest.approx(raw[i, tok].item(), abs=1e-5)
+        assert lp.ranks[i] == int((raw[i] > raw[i, tok]).sum()) + 1
+    assert lp.ranks[0] == 1
+    assert [len(t) for t in lp.top] == [3, 0, 0, 5]
     for i in (0, 3):
-        vals, ids = raw[i].topk(len(out.top_logprobs[i]))
-        assert [t for t, _ in out.top_logprobs[i]] == ids.tolist()
-        assert [lp for _, lp in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-5)
-    d = out.logprobs_dict(0)
-    assert next(iter(d)) == out.sampled_token_ids[0] and len(d) == 3
-    assert all(d[t].logprob == lp for t, lp in out.top_logprobs[0])
-    assert list(out.logprobs_dict(1)) == [out.sampled_token_ids[1]]
-    assert Sampler()(x, [row() for _ in range(4)]).top_logprobs is None
+        vals, ids = raw[i].topk(len(lp.top[i]))
+        assert [t for t, _ in lp.top[i]] == ids.tolist()
+        assert [v for _, v in lp.top[i]] == pytest.approx(vals.tolist(), abs=1e-5)
+    assert sample(x, [row() for _ in range(4)]).lp is None
 
 
 def test_mixed_batch(device):
@@ -189,10 +225,10 @@ def test_mixed_batch(device):
         row(temperature=1.2, top_p=0.5, min_p=0.05),
         row(temperature=0.0),
         row(temperature=0.7, presence_penalty=2.0, output=[1, 1, 2]),
-        row(gen=torch.Generator(device=device).manual_seed(5), seed=5, top_k=2, top_p=0.9),
+        row(seed=5, top_k=2, top_p=0.9),
     ]
-    toks = Sampler()(x, rows).sampled_token_ids
-    assert toks[0] == Sampler.process_logits(x[:1], rows[:1]).argmax().item()
+    toks = sample(x, rows).tokens
+    assert toks[0] == process(x[:1], rows[:1]).argmax().item()
     assert toks[3] == x[3].argmax().item()
     assert toks[1] in x[1].topk(3).indices.tolist()
     assert toks[5] in x[5].topk(2).indices.tolist()
@@ -202,15 +238,14 @@ def test_mixed_batch(device):
 def test_prompt_logprobs_and_beam_topk(device):
     x = logits_for(5, device, seed=7)
     targets = torch.tensor([3, 1, 4, 1, 5])
-    res = compute_prompt_logprobs(x, targets, k=2)
+    res = unpack(prompt_logprobs(x, targets, k=2).cpu().tolist())
     raw = torch.log_softmax(x.cpu().double(), -1)
-    for i, d in enumerate(res):
+    for i in range(5):
         t = targets[i].item()
-        assert next(iter(d)) == t
-        assert d[t].logprob == pytest.approx(raw[i, t].item(), abs=1e-5)
-        assert d[t].rank == int((raw[i] > raw[i, t]).sum()) + 1
-        top = raw[i].topk(2).indices.tolist()
-        assert all(tok in d for tok in top) and len(d) == len({t, *top})
+        assert res.token_ids[i] == t
+        assert res.logprobs[i] == pytest.approx(raw[i, t].item(), abs=1e-5)
+        assert res.ranks[i] == int((raw[i] > raw[i, t]).sum()) + 1
+        assert [tok for tok, _ in res.top[i]] == raw[i].topk(2).indices.tolist()
     vals, ids = log_softmax_topk(x, 4)
     ref_v, ref_i = raw.topk(4, -1)
     assert torch.equal(ids.cpu(), ref_i)

@@ -1,6 +1,7 @@
-"""Scheduler: token budget, chunked prefill, FCFS, max_num_seqs, recompute preemption, abort,
-lockstep for multi-sequence requests, prefix-cache admission; plus a hypothesis test driving a
-simulated engine (runner + output processor) to completion under a tiny KV pool."""
+"""Scheduler and engine core: token budget, chunked prefill, FCFS, max_num_seqs, recompute
+preemption, abort, lockstep for multi-sequence requests, prefix-cache admission; plus a
+hypothesis test driving the real `EngineCore` (sync and async scheduling) over a fake worker
+that keeps its own state from the plain-data `SchedulerOutput`s only, under a tiny KV pool."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.request import Request, RequestStatus, SequenceStatus
-from paged_engine.core.scheduler import Scheduler, SchedulerOutput
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.core.scheduler import Scheduler
+from paged_engine.executor.base import Executor
+from paged_engine.worker.runner_output import ModelRunnerOutput
 
 
 def token_for(index: int, pos: int) -> int:
@@ -20,79 +25,116 @@ def token_for(index: int, pos: int) -> int:
     return (index * 7 + pos * 13) % 50
 
 
-class Driver:
-    """A fake engine: checks each SchedulerOutput, simulates KV writes (content = hash of the
-    token prefix), then samples like the output processor (fork for n > 1, finish on length)."""
+class FakeWorker(Executor):
+    """A worker that sees only SchedulerOutputs: per sequence it keeps the tokens it was sent
+    plus the one it sampled last, and a block table applied from deltas. Writing a position's KV
+    stores the hash of the token prefix ending there; before each write it checks that every
+    earlier position of the sequence reads back the right content through its table (so block
+    deltas, copy-on-write, prefix-cache hits and forks are all checked). With `lazy`, results
+    are handed out later, as a device would (async scheduling)."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.bs = block_size
+        self.content: dict[int, list[int | None]] = {}
+        self.seqs: dict[int, SimpleNamespace] = {}
+        self.steps: list[SchedulerOutput] = []
+
+    def determine_num_blocks(self) -> int:
+        raise NotImplementedError
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+    def slot(self, block_id: int) -> list[int | None]:
+        return self.content.setdefault(block_id, [None] * self.bs)
+
+    def execute_model(self, out: SchedulerOutput) -> SimpleNamespace:
+        self.steps.append(out)
+        for sid in out.finished_seq_ids:
+            del self.seqs[sid]
+        for d in out.new_seqs:
+            assert d.seq_id not in self.seqs
+            self.seqs[d.seq_id] = SimpleNamespace(
+                index=d.index, tokens=list(d.token_ids), table=list(d.block_ids)
+            )
+        for sid, first, ids in out.block_updates:
+            table = self.seqs[sid].table
+            del table[first:]
+            table.extend(ids)
+        for src, dst in out.blocks_to_copy:  # copies first, then the forward
+            self.content[dst] = list(self.slot(src))
+        assert out.num_batched_tokens == sum(out.num_new_tokens)
+        assert len(set(out.seq_ids)) == len(out.seq_ids)
+        bs = self.bs
+        for sid, start, n in zip(out.seq_ids, out.start_positions, out.num_new_tokens):
+            s = self.seqs[sid]
+            assert n > 0 and start + n <= len(s.tokens)
+            for pos in range(start):
+                got = self.slot(s.table[pos // bs])[pos % bs]
+                assert got == hash(tuple(s.tokens[: pos + 1])), f"bad KV of {sid} at {pos}"
+            for pos in range(start, start + n):
+                self.slot(s.table[pos // bs])[pos % bs] = hash(tuple(s.tokens[: pos + 1]))
+        result = ModelRunnerOutput(out.step_id)
+        for row in out.sample_rows:
+            sid = out.seq_ids[row]
+            s = self.seqs[sid]
+            pos = out.start_positions[row] + out.num_new_tokens[row]
+            for j in range(out.num_samples.get(sid, 1)):
+                result.sampled_seq_ids.append(sid)
+                result.sampled_token_ids.append(token_for(j or s.index, pos))
+            s.tokens.append(token_for(s.index, pos))  # the worker's own copy of its sample
+        return SimpleNamespace(get=lambda: result)
+
+
+class Driver:
+    """The real engine core over a FakeWorker; checks lockstep and max_num_seqs every step."""
+
+    latest: Driver
+
+    def __init__(self, sched: Scheduler, async_scheduling: bool = False) -> None:
         self.sched = sched
         self.bm = sched.block_manager
-        self.content: dict[int, list[int | None]] = {}
+        self.worker = FakeWorker(self.bm.block_size)
+        self.core = EngineCore(
+            sched, self.worker, max_model_len=sched.max_model_len, async_scheduling=async_scheduling
+        )
         self.spec: dict[str, tuple[int, int]] = {}  # request id -> (n, max_tokens)
         self.reqs: dict[str, Request] = {}
-        self.steps: list[SchedulerOutput] = []
+        Driver.latest = self
+
+    @property
+    def content(self) -> dict[int, list[int | None]]:
+        return self.worker.content
 
     def add(
         self, rid: str, prompt: list[int], n: int = 1, max_tokens: int = 4, params: object = None
     ) -> Request:
-        req = Request(rid, None, prompt, SimpleNamespace(n=n) if params is None else params)
+        params = SimpleNamespace(n=n) if params is None else params
+        req = Request(rid, prompt, params, max_tokens=max_tokens)
         self.spec[rid] = (n, max_tokens)
         self.reqs[rid] = req
-        self.sched.add_request(req)
+        self.core.add_request(req)
         return req
 
-    def slot(self, block_id: int) -> list[int | None]:
-        return self.content.setdefault(block_id, [None] * self.bm.block_size)
-
     def step(self) -> SchedulerOutput:
-        sched, bs = self.sched, self.bm.block_size
-        out = sched.schedule()
-        self.steps.append(out)
-        assert out.num_batched_tokens == sum(n for _, n in out.scheduled)
-        assert out.num_batched_tokens <= sched.max_num_batched_tokens
-        assert len({id(s.seq) for s in out.scheduled}) == len(out.scheduled)
-        for src, dst in out.blocks_to_copy:  # the runner: copies first, then the forward
-            self.content[dst] = list(self.slot(src))
-        for seq, n in out.scheduled:
-            assert 0 < n <= seq.num_tokens - seq.num_computed_tokens
-            assert seq.status == SequenceStatus.RUNNING
-            for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                block = self.bm.pool.blocks[seq.block_ids[pos // bs]]
-                assert block.ref_cnt == 1 and block.block_hash is None
-                self.slot(block.block_id)[pos % bs] = hash(tuple(seq.token_ids[: pos + 1]))
-        sched.update_after_step(out)
-        for req in out.scheduled_requests:
-            live = req.live_seqs()
-            done = [s for s in live if s.num_computed_tokens == s.num_tokens]
-            assert not done or len(done) == len(live), "lockstep broken"
-            if done:
-                self.sample(req, live)
-        self.check_content()
-        assert sched.num_running_seqs <= sched.max_num_seqs
-        return out
-
-    def sample(self, req: Request, live: list) -> None:
-        n, max_tokens = self.spec[req.request_id]
-        if len(req.seqs) == 1 and live[0].num_output_tokens == 0 and n > 1:
-            live = live + [self.sched.fork_seq(live[0], index=i) for i in range(1, n)]
-        for seq in live:
-            seq.append_token(token_for(seq.index, seq.num_tokens))
-            if seq.num_output_tokens >= max_tokens:
-                self.sched.free_seq(seq, SequenceStatus.FINISHED_LENGTH)
-
-    def check_content(self) -> None:
-        bs = self.bm.block_size
+        before = len(self.worker.steps)
+        self.core.step()
+        assert len(self.worker.steps) == before + 1, "one step scheduled per call"
+        out = self.worker.steps[-1]
         for req in self.sched.running:
-            for seq in req.live_seqs():
-                for pos in range(seq.num_computed_tokens):
-                    got = self.slot(seq.block_ids[pos // bs])[pos % bs]
-                    assert got == hash(tuple(seq.token_ids[: pos + 1]))
+            live = req.live_seqs()
+            assert len({s.num_tokens for s in live}) <= 1 or req in self.sched._reshare
+        assert self.sched.num_running_seqs <= self.sched.max_num_seqs
+        return out
 
     def run(self, max_steps: int = 10_000) -> None:
         for _ in range(max_steps):
             if not self.sched.has_unfinished_requests():
                 return
-            self.step()
+            self.core.step()
         raise AssertionError("did not finish")
 
     def check_done(self) -> None:
@@ -109,18 +151,29 @@ class Driver:
                 assert seq.finish_reason == "length"
         assert self.bm.num_free_blocks == self.bm.num_total_blocks
         assert self.bm.stats().num_table_blocks == 0
+        while self.core._in_flight:  # an async step may still be in flight: its result is moot
+            assert self.core.step() == []
+        assert not self.sched.seqs and not self.sched.step_seqs
 
 
-def make(num_blocks: int = 200, block_size: int = 4, caching: bool = True, **kw) -> Driver:
+def make(
+    num_blocks: int = 200, block_size: int = 4, caching: bool = True, async_: bool = False, **kw
+) -> Driver:
     kw.setdefault("max_num_seqs", 64)
     kw.setdefault("max_num_batched_tokens", 64)
     kw.setdefault("max_model_len", 256)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Driver(Scheduler(bm, **kw))
+    return Driver(Scheduler(bm, **kw), async_scheduling=async_)
 
 
 def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
-    return [(seq.request.request_id, n) for seq, n in out.scheduled]
+    """(request id, tokens) per batch row of a step of the latest Driver."""
+    owners = {s.seq_id: r.request_id for r in Driver.latest.reqs.values() for s in r.seqs}
+    return [(owners[sid], n) for sid, n in zip(out.seq_ids, out.num_new_tokens)]
+
+
+def requests_of(out: SchedulerOutput) -> list[str]:
+    return list(dict.fromkeys(rid for rid, _ in plan(out)))
 
 
 def test_chunked_prefill_splits_long_prompts_while_decodes_run() -> None:
@@ -169,7 +222,7 @@ def test_preemption_recomputes_and_loses_nothing() -> None:
     d.step()
     d.step()  # 6 tokens each in 3 blocks: the pool is full
     out = d.step()  # a needs a 4th block: b (admitted last) is preempted
-    assert out.preempted == [b] and plan(out) == [("a", 1)]
+    assert plan(out) == [("a", 1)]
     assert b.status == RequestStatus.WAITING and b.num_preemptions == 1
     assert list(d.sched.waiting) == [b] and d.sched.num_preemptions == 1
     seq_b = b.seqs[0]
@@ -185,7 +238,7 @@ def test_the_request_needing_blocks_preempts_itself_when_last() -> None:
     b = d.add("b", [5, 6, 7, 8], max_tokens=4)
     d.step()  # 4 blocks used
     out = d.step()  # a needs a 5th block: fine; b needs a 6th: b is last, preempts itself
-    assert plan(out) == [("a", 1)] and out.preempted == [b]
+    assert plan(out) == [("a", 1)] and b.status == RequestStatus.WAITING
     d.run()
     d.check_done()
     assert a.num_preemptions == 0 and b.num_preemptions >= 1
@@ -199,7 +252,7 @@ def test_abort_in_every_state_frees_everything() -> None:
     for _ in range(3):
         d.step()
     out = d.step()
-    assert [r.request_id for r in out.preempted] == ["b"]
+    assert plan(out) == [("a", 1)] and d.reqs["b"].status == RequestStatus.WAITING
     for rid in ("w", "b", "a"):  # waiting, preempted, running
         assert d.sched.abort_request(rid)
         req = d.reqs[rid]
@@ -221,10 +274,10 @@ def test_lockstep_for_multi_sequence_requests() -> None:
     assert plan(d.step()) == [("a", 1)] * 3
     d.sched._preempt(req, [])  # recompute: each live seq now has 12 tokens to compute
     out = d.step()  # 36 > 16: nobody may finish, each gets at most remaining - 1
-    assert [n for _, n in out.scheduled] == [11, 5]
+    assert out.num_new_tokens == [11, 5]
     out = d.step()
-    assert [n for _, n in out.scheduled] == [6, 10]  # seq 2 stops one short of the end
-    assert [n for _, n in d.step().scheduled] == [1, 1, 2]  # all three end in the same step
+    assert out.num_new_tokens == [6, 10]  # seq 2 stops one short of the end
+    assert d.step().num_new_tokens == [1, 1, 2]  # all three end in the same step
     d.run()
     d.check_done()
 
@@ -252,7 +305,7 @@ def test_multi_sequence_request_readmitted_whole_or_not_at_all() -> None:
     d.sched._preempt(req, [])
     d.add("b", [4], max_tokens=2)
     out = d.step()  # a needs 3 seq slots: readmitted whole; b waits (max_num_seqs)
-    assert {r.request_id for r in out.scheduled_requests} == {"a"}
+    assert requests_of(out) == ["a"]
     assert all(s.status == SequenceStatus.RUNNING for s in req.live_seqs())
     d.run()
     d.check_done()
@@ -264,10 +317,10 @@ def test_max_num_seqs_reserves_seats_for_forks() -> None:
     d.add("b", [4, 5], n=2, max_tokens=3)
     d.add("c", [6], n=1, max_tokens=3)
     # a reserves 3 seats before it forks; b (2 more) must wait, and FCFS keeps c behind b
-    assert [r.request_id for r in d.step().scheduled_requests] == ["a"]
+    assert requests_of(d.step()) == ["a"]
     assert d.sched.num_running_seqs == 3 and d.sched.num_waiting == 2
     with pytest.raises(ValueError, match="max_num_seqs"):
-        d.sched.add_request(Request("big", None, [1], SimpleNamespace(n=5)))
+        d.sched.add_request(Request("big", [1], SimpleNamespace(n=5)))
     d.run()
     d.check_done()
 
@@ -310,6 +363,7 @@ def test_a_request_larger_than_the_pool_raises_instead_of_looping() -> None:
         max_size=10,
     ),
     abort_at=st.lists(st.tuples(st.integers(0, 30), st.integers(0, 7)), max_size=3),
+    async_=st.booleans(),
 )
 def test_random_workloads_finish_correctly(
     num_blocks: int,
@@ -318,7 +372,9 @@ def test_random_workloads_finish_correctly(
     caching: bool,
     reqs: list[tuple[int, int, int, int]],
     abort_at: list[tuple[int, int]],
+    async_: bool,
 ) -> None:
+    """Sync or async scheduling: the same tokens, every block free, KV always right."""
     if not chunked:
         budget = max(budget, 16)
     d = make(
@@ -329,6 +385,7 @@ def test_random_workloads_finish_correctly(
         max_num_batched_tokens=budget,
         max_model_len=48,
         enable_chunked_prefill=chunked,
+        async_=async_,
     )
     for i, (plen, n, max_tokens, family) in enumerate(reqs):
         d.add(str(i), [(family * 5 + j) % 9 for j in range(plen)], n=n, max_tokens=max_tokens)
@@ -337,7 +394,42 @@ def test_random_workloads_finish_correctly(
         if not d.sched.has_unfinished_requests():
             break
         if step in aborts:
-            d.sched.abort_request(str(aborts[step]))
+            d.core.abort_requests([str(aborts[step])])
         if d.sched.has_unfinished_requests():
-            d.step()
+            d.core.step()
     d.check_done()
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_async_scheduling_plans_ahead_and_drops_nothing(n: int) -> None:
+    """Step N+1 is scheduled before step N's tokens are known: a decode row runs the pending
+    position; a request that fans out (n > 1) sits out until its samples exist; a sequence
+    whose pending token reaches max_tokens is not scheduled again."""
+    d = make(num_blocks=16, block_size=2, caching=False, async_=True)
+    d.add("a", [1, 2, 3, 4], n=n, max_tokens=5)
+    d.add("b", [5, 6, 7], max_tokens=3)
+    assert d.core.step() == []  # the first step is in flight, nothing applied yet
+    first = d.worker.steps[-1]
+    assert plan(first) == [("a", 4), ("b", 3)]
+    assert len(d.core.step()) == 2  # schedules step 2 with the pending tokens, applies step 1
+    second = d.worker.steps[-1]
+    assert plan(second) == [("a", 1)] * (n == 1) + [("b", 1)]
+    d.core.step()
+    assert plan(d.worker.steps[-1]) == [("a", 1)] * n + [("b", 1)]
+    d.core.step()  # b's pending token is its 3rd, its last: b is not scheduled again
+    assert plan(d.worker.steps[-1]) == [("a", 1)] * n
+    d.run()
+    d.check_done()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_async_preemption_recomputes_and_loses_nothing(caching: bool) -> None:
+    """A request preempted while its step is in flight gets that token when it lands and is
+    readmitted only then."""
+    d = make(num_blocks=7, block_size=2, caching=caching, async_=True)
+    d.add("a", [1, 2, 3, 4], max_tokens=6)
+    d.add("b", [5, 6, 7, 8], max_tokens=6)
+    d.add("c", [5, 6, 7, 8, 9], n=2, max_tokens=3)
+    d.run()
+    d.check_done()
+    assert d.sched.num_preemptions > 0

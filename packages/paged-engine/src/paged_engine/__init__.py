@@ -19,6 +19,7 @@ _EXPORTS = {
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
     "BeamSearchParams": "paged_engine.sampling_params",
+    "RequestOutputKind": "paged_engine.sampling_params",
     "RequestOutput": "paged_engine.outputs",
     "CompletionOutput": "paged_engine.outputs",
     "RequestMetrics": "paged_engine.outputs",
@@ -35,6 +36,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 
@@ -43,7 +45,7 @@ if TYPE_CHECKING:
     from paged_engine.engine.llm_engine import EngineStats, LLMEngine
     from paged_engine.llm import LLM
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+    from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

@@ -46,6 +46,8 @@ class EngineConfig:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     disable_log_stats: bool = True
+    # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -80,6 +82,12 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")
+        _check(
+            self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+            "async_scheduling",
+            self.async_scheduling,
+            "None (auto) or a bool",
+        )
         bs = self.block_size
         _check(
             _is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0,

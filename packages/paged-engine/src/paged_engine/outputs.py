@@ -50,7 +50,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock timestamps (time.time()) of one request's life; None until reached."""
+    """Timestamps (`time.monotonic()`, one clock for the engine and the server) of one request's
+    life; None until reached."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

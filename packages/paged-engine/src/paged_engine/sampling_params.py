@@ -16,6 +16,19 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds (vLLM's names).
+
+    CUMULATIVE: everything so far (text, token_ids, logprobs), after every step.
+    DELTA: only what is new since the previous output (streaming consumers).
+    FINAL_ONLY: one output, when the request finishes (offline generation).
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
@@ -30,6 +43,15 @@ def _as_float(name: str, value: object) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
     return float(value)
+
+
+def _as_output_kind(value: object) -> RequestOutputKind:
+    try:
+        return RequestOutputKind(value)
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"output_kind must be a RequestOutputKind (0, 1 or 2), got {value!r}."
+        ) from None
 
 
 def _check_early_stopping(value: object) -> None:
@@ -105,6 +127,7 @@ class SamplingParams:
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -122,6 +145,7 @@ class SamplingParams:
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
         self.logprobs = _as_int("logprobs", self.logprobs, optional=True)
         self.prompt_logprobs = _as_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        self.output_kind = _as_output_kind(self.output_kind)
 
         if self.stop is None:
             self.stop = []
@@ -241,6 +265,7 @@ class SamplingParams:
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             early_stopping=self.early_stopping,
+            output_kind=self.output_kind,
         )
 
     def clone(self) -> SamplingParams:
@@ -261,8 +286,10 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     early_stopping: bool | str = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        self.output_kind = _as_output_kind(self.output_kind)
         self.beam_width = _as_int("beam_width", self.beam_width)
         self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
         self.temperature = _as_float("temperature", self.temperature)

@@ -73,15 +73,6 @@ class BlockManagerStats:
         return 1.0 - self.num_tokens_stored / self.num_slots_allocated
 
 
-@dataclass(slots=True)
-class SharingStats:
-    """Slot use over a set of sequences (the running ones) and what sharing saved overall."""
-
-    slots_allocated: int  # sum of len(block_ids) * block_size over the given seqs
-    tokens_stored: int  # sum of num_computed_tokens over the given seqs
-    blocks_saved: int  # table entries of every sequence minus distinct blocks in use
-
-
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
@@ -160,8 +151,9 @@ class BlockManager:
         seq.num_cached_tokens = 0
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full of computed tokens. O(new full blocks)."""
-        num_full = seq.num_computed_tokens // self.block_size
+        """Register blocks that became full of computed tokens the host knows (a pending
+        token's id is not known yet). O(new full blocks)."""
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
             return
         table, blocks, pool = seq.block_ids, self._blocks, self.pool
@@ -215,6 +207,7 @@ class BlockManager:
             self._copy_holds[src] = self._copy_holds.get(src, 0) + 1
             self._pending_copies[dst] = src
             table[i] = dst
+            seq.num_synced_blocks = min(seq.num_synced_blocks, i)  # the worker's entry is stale
         if num_new_blocks:
             table.extend([b.block_id for b in pool.get_new_blocks(num_new_blocks)])
             self._num_table_blocks += num_new_blocks
@@ -287,15 +280,6 @@ class BlockManager:
         self.pool.reset_prefix_cache()
 
     # ---- stats -------------------------------------------------------------------------------
-    def sharing_stats(self, seqs: Iterable[Sequence]) -> SharingStats:
-        """O(len(seqs)): KV slots vs tokens (waste) over seqs, blocks saved by sharing."""
-        slots = tokens = 0
-        for seq in seqs:
-            slots += len(seq.block_ids)
-            tokens += seq.num_computed_tokens
-        used = self.num_total_blocks - self.pool.num_free_blocks
-        return SharingStats(slots * self.block_size, tokens, self._num_table_blocks - used)
-
     def stats(self, seqs: Iterable[Sequence] = ()) -> BlockManagerStats:
         """O(1) plus O(len(seqs)) for the slot-waste figures (pass the running sequences)."""
         total = self.num_total_blocks

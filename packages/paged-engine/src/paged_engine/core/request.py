@@ -1,16 +1,25 @@
-"""Requests and their sequences: the state the scheduler owns and the runner only reads.
+"""Requests and their sequences: token-level state owned by the engine core.
 
 A `Request` is one prompt with its sampling parameters and one or more `Sequence`s (n > 1 and
 beam search fork more). A `Sequence` is one token stream plus its block table:
 
-    token_ids:  | prompt (num_prompt_tokens) | outputs ...                        |
-                | computed (KV in cache)     | not yet computed |
-                0                num_computed_tokens       num_tokens
+    token_ids + pending:  | prompt (num_prompt_tokens) | outputs ...        | pending |
+                          | computed (KV in cache or scheduled)   | not yet scheduled |
+                          0                           num_computed_tokens     num_tokens
 
 Invariants:
-- `token_ids` is append-only (prefix-cache block hashes of full blocks are cached in
-  `block_hashes` and stay valid across preemption and fork).
+- `token_ids` holds the tokens the host knows and is append-only (prefix-cache block hashes of
+  full blocks are cached in `block_hashes` and stay valid across preemption and fork).
+- `num_pending` counts tokens a scheduled step will sample that the host does not know yet (0
+  or 1; the worker has them on the device). `num_tokens` includes them, so the scheduler can
+  schedule the next step before the last one's output arrived (async scheduling).
+- `num_computed_tokens` advances when a step is scheduled, not after it ran: the KV of
+  positions [0, num_computed_tokens) is in the cache or written by a step already scheduled
+  (steps run in order on one stream).
 - `block_ids` covers at least positions [0, num_computed_tokens); the block manager owns it.
+  The worker's copy of the table is in sync for entries [0, num_synced_blocks) while
+  `in_worker` (the scheduler sends the rest as a delta).
+- Text-level state (detokenizer, output text, logprob dicts) lives in the output stage, not here.
 - Every time here is `time.monotonic()`.
 """
 
@@ -53,7 +62,7 @@ _seq_ids = itertools.count()
 
 
 def next_seq_id() -> int:
-    """Process-wide unique sequence id (the runner may key per-sequence state on it)."""
+    """Process-wide unique sequence id (the worker keys its per-sequence state on it)."""
     return next(_seq_ids)
 
 
@@ -62,9 +71,10 @@ class Sequence:
     seq_id: int
     request: Request = field(repr=False)
     index: int  # CompletionOutput.index within the request
-    token_ids: list[int]  # prompt + outputs, append-only
+    token_ids: list[int]  # prompt + outputs known to the host, append-only
     num_prompt_tokens: int
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_pending: int = 0  # sampled by a scheduled step, not known to the host yet
+    num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # block table (block manager owns it)
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
@@ -72,46 +82,33 @@ class Sequence:
     # so valid while token_ids grows), and how many table blocks are registered in the cache.
     block_hashes: list[int] = field(default_factory=list, repr=False)
     num_registered_blocks: int = 0
-    # Output side, filled by the output processor.
-    cumulative_logprob: float = 0.0
-    logprobs: list[Any] | None = None
-    output_text: str = ""
-    detokenizer: object | None = field(default=None, repr=False)
+    # The worker's view (see the module docstring).
+    in_worker: bool = False
+    num_synced_blocks: int = 0
+    cumulative_logprob: float = 0.0  # beam search score (raw logprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Outputs, pending ones included."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status >= SequenceStatus.FINISHED_STOPPED
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def fork(self, new_seq_id: int, index: int) -> Sequence:
-        """A copy of this stream's tokens and output state, with NO blocks.
-
-        `BlockManager.fork(parent, child)` then shares the parent's blocks with the child.
-        A detokenizer is forked through its own `fork()` method when it has one, else left
-        None for the output processor to set (a shallow copy could share mutable state).
-        """
-        detok = self.detokenizer
-        fork_detok = getattr(detok, "fork", None)
+        """A copy of this stream's tokens with NO blocks (`BlockManager.fork` shares them)."""
+        assert not self.num_pending, "fork a sequence whose tokens are all known"
         return Sequence(
             seq_id=new_seq_id,
             request=self.request,
@@ -122,34 +119,37 @@ class Sequence:
             status=self.status,
             num_cached_tokens=self.num_cached_tokens,
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else self.logprobs.copy(),
-            output_text=self.output_text,
-            detokenizer=fork_detok() if fork_detok is not None else None,
         )
 
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One prompt; created WAITING with a single sequence holding the prompt tokens."""
+    """One prompt; created WAITING with a single sequence holding the prompt tokens.
+
+    `params` is a SamplingParams or BeamSearchParams (duck-typed here: the scheduler reads
+    `n` / `best_of` / `beam_width` / `prompt_logprobs` / `max_tokens` when present)."""
 
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
-    params: Any  # SamplingParams or BeamSearchParams; opaque to the scheduler
+    params: Any
     arrival_time: float = field(default_factory=time.monotonic)
     seqs: list[Sequence] = field(default_factory=list)  # every sequence, live and finished
     status: RequestStatus = RequestStatus.WAITING
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
-    state: object | None = field(default=None, repr=False)  # output processor's slot
+    # Token-level stop rules, checked by the engine core when a token is appended.
+    eos_token_ids: frozenset[int] = frozenset()  # empty with ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0  # stop tokens and eos count only from this many outputs on
+    beam: Any = None  # BeamSearchState for beam search requests
     # Look up the prefix cache at admission. Off when prompt logprobs are wanted: cached
     # prompt positions are never run through the model, so they would have no logits.
     use_prefix_cache: bool = True
     # Sequences this request will fork into (n / best_of, or the beam width): the scheduler
     # reserves that many of max_num_seqs at admission. 0 = derive from params.
     max_live_seqs: int = 0
+    max_tokens: int | None = None  # resolved from params; None = up to max_model_len
 
     def __post_init__(self) -> None:
         params = self.params
@@ -160,6 +160,8 @@ class Request:
                 getattr(params, "n", None) or 1, getattr(params, "best_of", None) or 1
             )
             self.max_live_seqs = int(width)
+        if self.max_tokens is None:
+            self.max_tokens = getattr(params, "max_tokens", None)
         if not self.seqs:
             self.seqs.append(
                 Sequence(
@@ -177,6 +179,26 @@ class Request:
         if len(seqs) == 1:  # fast path: the common single-sequence request
             return [seqs[0]] if seqs[0].status < SequenceStatus.FINISHED_STOPPED else []
         return [s for s in seqs if s.status < SequenceStatus.FINISHED_STOPPED]
+
+    @property
+    def fans_out(self) -> bool:
+        """The next sample forks the prompt sequence into max_live_seqs samples (n > 1)."""
+        return (
+            self.beam is None
+            and self.max_live_seqs > 1
+            and len(self.seqs) == 1
+            and len(self.seqs[0].token_ids) == self.seqs[0].num_prompt_tokens
+        )
+
+    @property
+    def needs_host_result(self) -> bool:
+        """Its next step depends on the host seeing the last one (beams pick parents; a fan-out
+        creates the samples): with async scheduling it sits out while a step is in flight."""
+        return self.beam is not None or self.fans_out
+
+    @property
+    def num_pending(self) -> int:
+        return sum(s.num_pending for s in self.seqs)
 
     @property
     def is_finished(self) -> bool:

@@ -15,7 +15,16 @@ preempted by recompute: its blocks are freed, its tokens (outputs included) kept
 back to the head of the waiting queue (a forked request, n > 1 or beams, shares its common
 prefix blocks again when it is recomputed). Without chunked prefill a request's work runs whole,
 unless it could never fit one step (a multi-sequence recompute). A step that can schedule
-nothing while requests remain raises RuntimeError instead of looping forever.
+nothing while requests remain (and no step is in flight) raises RuntimeError instead of
+looping forever.
+
+The output is plain data (`SchedulerOutput`): `num_computed_tokens` advances here, when a step
+is scheduled, and a token the step will sample counts as pending (`Sequence.num_pending`) until
+the engine core applies the step's result. So with async scheduling the next step is planned
+while this one runs: a decode row simply runs the pending position (the worker feeds it the
+token it sampled, on the device). Requests whose next step depends on the host seeing the last
+result (beam search, the fan-out of n > 1) sit out while they have a pending token; a sequence
+whose pending token finishes it for sure (max_tokens, max_model_len) is not scheduled again.
 
 Lockstep: the live sequences of one request reach the end of their tokens in the same step
 (they are sampled together). If the budget cannot finish all of them, each gets at most
@@ -27,32 +36,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from paged_engine.core.block_manager import BlockManager, BlockManagerStats
+from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
+from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
-
-
-class ScheduledSeq(NamedTuple):
-    seq: Sequence
-    num_new_tokens: int  # runs token_ids[num_computed : num_computed + num_new_tokens]
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
-    num_batched_tokens: int = 0
-    preempted: list[Request] = field(default_factory=list)
-    scheduled_requests: list[Request] = field(default_factory=list)  # each once, in order
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -76,8 +66,14 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: dict[Request, None] = {}  # insertion-ordered set: admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
+        self.seqs: dict[int, Sequence] = {}  # every live sequence of those requests
         self.num_preemptions = 0  # total, for metrics
         self._reshare: set[Request] = set()  # preempted forked requests (see _reshare_plan)
+        self._finished_seq_ids: list[int] = []  # to drop from the worker with the next output
+        self._next_step_id = 0
+        # step id -> its sequences that may fill a block (for the prefix cache), until the
+        # engine core applies its result
+        self.step_seqs: dict[int, list[Sequence]] = {}
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -91,6 +87,8 @@ class Scheduler:
                 f"more than max_num_seqs={self.max_num_seqs}"
             )
         self.requests[req.request_id] = req
+        for seq in req.live_seqs():
+            self.seqs[seq.seq_id] = seq
         self.waiting.append(req)
 
     def get_request(self, request_id: str) -> Request | None:
@@ -115,11 +113,7 @@ class Scheduler:
     def running_seqs(self) -> list[Sequence]:
         return [seq for req in self.running for seq in req.live_seqs()]
 
-    def kv_stats(self) -> BlockManagerStats:
-        """Block stats with slot waste measured over the running sequences."""
-        return self.block_manager.stats(self.running_seqs())
-
-    # ---- finishing ---------------------------------------------------------------------------
+    # ---- finishing and forking ---------------------------------------------------------------
     def abort_request(self, request_id: str) -> bool:
         """Free everything the request holds, wherever it is. False if unknown or finished."""
         req = self.requests.get(request_id)
@@ -128,15 +122,26 @@ class Scheduler:
         self.finish_request(req, SequenceStatus.FINISHED_ABORTED)
         return True
 
-    def free_seq(self, seq: Sequence, status: SequenceStatus | None = None) -> None:
-        """The output processor finished `seq` (status set here or before): free its blocks.
-        The request finishes when its last live sequence does."""
-        if status is not None:
-            seq.status = status
-        assert seq.is_finished, "free_seq needs a finished status"
-        if seq.finish_reason is None:
-            seq.finish_reason = seq.status.finish_reason
+    def _release(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; the worker drops it with the next step."""
         self.block_manager.free(seq)
+        if seq.in_worker:
+            seq.in_worker = False
+            self._finished_seq_ids.append(seq.seq_id)
+
+    def free_seq(
+        self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None
+    ) -> None:
+        """Finish one sequence and free its blocks. The request finishes with its last live
+        sequence."""
+        assert status.is_finished, "free_seq needs a finished status"
+        seq.status = status
+        if seq.finish_reason is None:
+            seq.finish_reason = status.finish_reason
+            seq.stop_reason = stop_reason
+        seq.num_pending = 0  # a token still in flight for it is dropped when it lands
+        self._release(seq)
+        self.seqs.pop(seq.seq_id, None)
         req = seq.request
         if not req.is_finished and not req.live_seqs():
             self._finish(req)
@@ -152,7 +157,9 @@ class Scheduler:
             seq.status = status
             if seq.finish_reason is None:
                 seq.finish_reason = status.finish_reason
-            self.block_manager.free(seq)
+            seq.num_pending = 0
+            self._release(seq)
+            self.seqs.pop(seq.seq_id, None)
         self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus | None = None) -> None:
@@ -173,7 +180,15 @@ class Scheduler:
         child = parent.fork(next_seq_id() if new_seq_id is None else new_seq_id, index)
         self.block_manager.fork(parent, child)
         parent.request.seqs.append(child)
+        self.seqs[child.seq_id] = child
         return child
+
+    def resend(self, seq: Sequence) -> None:
+        """The host changed the sequence's tokens behind the worker's back (a beam took another
+        candidate): the worker drops its copy and gets it again in full when next scheduled."""
+        if seq.in_worker:
+            seq.in_worker = False
+            self._finished_seq_ids.append(seq.seq_id)
 
     # ---- one step ----------------------------------------------------------------------------
     @staticmethod
@@ -242,10 +257,12 @@ class Scheduler:
         return [(first, n)] if n > 0 else []
 
     def _preempt(self, req: Request, preempted: list[Request]) -> None:
-        """Recompute preemption: drop all blocks, keep every token, back to the waiting head."""
+        """Recompute preemption: drop all blocks, keep every token, back to the waiting head.
+        A pending token still arrives (its step was scheduled); the request is not readmitted
+        before it has."""
         del self.running[req]
         for seq in req.live_seqs():
-            self.block_manager.free(seq)  # also resets num_computed_tokens to 0
+            self._release(seq)  # also resets num_computed_tokens to 0
             seq.status = _WAITING
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -266,13 +283,20 @@ class Scheduler:
             if self.block_manager.allocate_slots(seq, n):
                 return True
 
+    def _finishes_when_pending_lands(self, req: Request, seq: Sequence) -> bool:
+        """Its pending token ends it for sure: scheduling it again would be wasted work."""
+        return seq.num_tokens >= self.max_model_len or (
+            req.max_tokens is not None and seq.num_output_tokens >= req.max_tokens
+        )
+
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         max_len = self.max_model_len
         bm = self.block_manager
         allocate = bm.allocate_slots
-        out = SchedulerOutput()
-        scheduled, scheduled_reqs, preempted = out.scheduled, out.scheduled_requests, out.preempted
+        planned: list[tuple[Sequence, int]] = []
+        scheduled_reqs: list[Request] = []
+        preempted: list[Request] = []
         num_seqs = 0  # live sequences of the requests still running after this pass
 
         # 1) Running requests, in admission order. Victims come off the tail, which this loop
@@ -283,19 +307,30 @@ class Scheduler:
             seqs = req.seqs
             if len(seqs) == 1:  # fast path, one live sequence (else the request is finished)
                 seq = seqs[0]
-                n = len(seq.token_ids) - seq.num_computed_tokens
+                num_seqs += req.max_live_seqs  # seats reserved for its forks (_seq_slots)
+                if seq.num_pending and (
+                    req.needs_host_result or self._finishes_when_pending_lands(req, seq)
+                ):
+                    continue
+                num_tokens = len(seq.token_ids) + seq.num_pending
+                n = num_tokens - seq.num_computed_tokens
                 if n > budget:
                     n = budget if self._may_split(n) else 0
                 if n > 0:
-                    assert len(seq.token_ids) <= max_len, "the engine finishes at max_model_len"
+                    assert num_tokens <= max_len, "the engine finishes at max_model_len"
                     if not allocate(seq, n) and not self._make_room(req, seq, n, preempted):
+                        num_seqs -= req.max_live_seqs
                         continue  # req preempted itself
-                    scheduled.append(ScheduledSeq(seq, n))
+                    planned.append((seq, n))
                     budget -= n
                     scheduled_reqs.append(req)
-                num_seqs += req.max_live_seqs  # seats reserved for its forks (_seq_slots)
                 continue
             seqs = req.live_seqs()
+            num_seqs += len(seqs)
+            if req.num_pending and (
+                req.needs_host_result or self._finishes_when_pending_lands(req, seqs[0])
+            ):
+                continue  # lockstep: every live sequence has the same length
             plan = self._reshare_plan(req, seqs, budget) if req in self._reshare else None
             if plan is None:
                 self._reshare.discard(req)  # running with its blocks: sharing is settled
@@ -303,17 +338,19 @@ class Scheduler:
             if not all(
                 allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
             ):
+                num_seqs -= len(seqs)
                 continue  # req preempted itself
-            num_seqs += len(seqs)
             if plan:
-                for seq, n in plan:
-                    scheduled.append(ScheduledSeq(seq, n))
-                    budget -= n
+                planned += plan
+                budget -= sum(n for _, n in plan)
                 scheduled_reqs.append(req)
 
-        # 2) Waiting requests, FCFS; none after a preemption (they would only thrash).
+        # 2) Waiting requests, FCFS; none after a preemption (they would only thrash), and none
+        #    past a preempted request whose pending token has not landed yet.
         while self.waiting and budget and not preempted:
             req = self.waiting[0]
+            if req.num_pending:
+                break
             seqs = req.live_seqs()
             slots = self._seq_slots(req, seqs)
             if num_seqs + slots > self.max_num_seqs:
@@ -337,34 +374,77 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             num_seqs += slots
-            for seq, n in plan:
-                scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+            planned += plan
+            budget -= sum(n for _, n in plan)
             scheduled_reqs.append(req)
 
-        if not scheduled and self.requests:
+        if not planned and self.requests and not self._any_pending():
             raise RuntimeError(
                 "scheduler cannot make progress: a request needs more KV blocks than the pool "
                 "holds, or more tokens/sequences in one step than max_num_batched_tokens / "
                 f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)"
             )
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
-        out.blocks_to_copy = bm.take_blocks_to_copy()
-        return out
+        return self._emit(planned, scheduled_reqs)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """The step ran: advance num_computed_tokens, register newly full blocks."""
+    def _any_pending(self) -> bool:
+        return any(req.num_pending for req in self.requests.values())
+
+    def _emit(
+        self, planned: list[tuple[Sequence, int]], scheduled_reqs: list[Request]
+    ) -> SchedulerOutput:
+        """The plain-data step: advances num_computed_tokens and marks sampled tokens pending."""
+        out = SchedulerOutput(step_id=self._next_step_id)
+        self._next_step_id += 1
+        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         now = None
-        for req in out.scheduled_requests:
+        for req in scheduled_reqs:
             if req.first_scheduled_time is None:
                 now = self.clock() if now is None else now
                 req.first_scheduled_time = now
+        seq_ids, num_new, starts = out.seq_ids, out.num_new_tokens, out.start_positions
+        sample_rows, updates = out.sample_rows, out.block_updates
+        for row, (seq, n) in enumerate(planned):
+            start = seq.num_computed_tokens
+            seq_ids.append(seq.seq_id)
+            num_new.append(n)
+            starts.append(start)
+            end = seq.num_computed_tokens = start + n
+            if end == len(seq.token_ids) + seq.num_pending:
+                sample_rows.append(row)
+                req = seq.request
+                if req.max_live_seqs > 1 and req.fans_out:
+                    out.num_samples[seq.seq_id] = req.max_live_seqs
+                seq.num_pending += 1
+            table = seq.block_ids
+            if not seq.in_worker:
+                out.new_seqs.append(self._new_seq_data(seq))
+                seq.in_worker = True
+                seq.num_synced_blocks = len(table)
+            elif seq.num_synced_blocks < len(table):
+                first = seq.num_synced_blocks
+                updates.append((seq.seq_id, first, table[first:]))
+                seq.num_synced_blocks = len(table)
+        out.num_batched_tokens = sum(num_new)
         bm = self.block_manager
+        out.blocks_to_copy = bm.take_blocks_to_copy()
         bs = bm.block_size
-        caching = bm.enable_prefix_caching
-        for seq, n in out.scheduled:
-            if seq.status != _RUNNING:  # finished or aborted since schedule()
-                continue
-            seq.num_computed_tokens += n
-            if caching and seq.num_computed_tokens // bs > seq.num_registered_blocks:
-                bm.cache_full_blocks(seq)
+        self.step_seqs[out.step_id] = (
+            [seq for seq, _ in planned if seq.num_computed_tokens // bs > seq.num_registered_blocks]
+            if bm.enable_prefix_caching
+            else []
+        )
+        return out
+
+    @staticmethod
+    def _new_seq_data(seq: Sequence) -> NewSeqData:
+        req = seq.request
+        return NewSeqData(
+            seq_id=seq.seq_id,
+            index=seq.index,
+            token_ids=list(seq.token_ids),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            block_ids=list(seq.block_ids),
+            params=req.params,
+            beam_candidates=req.beam.num_candidates if req.beam is not None else 0,
+            eos_token_ids=tuple(sorted(req.eos_token_ids)),
+        )

@@ -6,16 +6,19 @@ Everything that can be wrong with a request is caught here, before the scheduler
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 
-import torch
-
-from paged_engine.sample.beam_search import BeamSearchState
-from paged_engine.engine.bytelevel_detokenizer import make_detokenizer
 from paged_engine.config import EngineConfig
-from paged_engine.engine.output_processor import RequestState
 from paged_engine.core.request import Request
+from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass(slots=True)
+class ProcessedRequest:
+    request: Request  # for the engine core
+    prompt_text: str | None  # for the outputs
+    num_returned: int  # outputs returned (n)
 
 
 class InputProcessor:
@@ -26,13 +29,11 @@ class InputProcessor:
         *,
         vocab_size: int,
         eos_token_ids: set[int],
-        device: torch.device,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.device = device
 
     def make_request(
         self,
@@ -40,9 +41,7 @@ class InputProcessor:
         prompt: str | list[int] | dict,
         params: SamplingParams | BeamSearchParams | None,
         arrival_time: float | None,
-        *,
-        final_only: bool,
-    ) -> Request:
+    ) -> ProcessedRequest:
         params = SamplingParams() if params is None else params
         num_returned = None
         if isinstance(params, SamplingParams) and params.use_beam_search:
@@ -59,30 +58,31 @@ class InputProcessor:
                 "(the prompt must leave room for at least one generated token)"
             )
         self._check_params(params)
-        state = self._make_state(params, num_returned)
-        state.final_only = final_only
-        if isinstance(params, SamplingParams):
-            state.needs_history = params.min_tokens > 0 or (
-                params.repetition_penalty != 1.0
-                or params.frequency_penalty != 0.0
-                or params.presence_penalty != 0.0
+        eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
+        if isinstance(params, BeamSearchParams):
+            beam = BeamSearchState(
+                beam_width=params.beam_width,
+                length_penalty=params.length_penalty,
+                early_stopping=params.early_stopping,
+                max_tokens=params.max_tokens if params.max_tokens is not None else max_len,
+                eos_token_ids=set(eos),
             )
-        req = Request(
-            request_id=request_id,
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=arrival_time or time.monotonic(),
-        )
-        req.state = state
-        if isinstance(params, SamplingParams) and params.detokenize:
-            req.seqs[0].detokenizer = make_detokenizer(
-                self.tokenizer,
+            num_returned = min(num_returned or params.beam_width, params.beam_width)
+            # Beams finish through the search itself: no token-level stop rule applies.
+            req = Request(request_id, token_ids, params, beam=beam, max_tokens=None)
+        else:
+            num_returned = params.n
+            req = Request(
+                request_id,
                 token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                params,
+                eos_token_ids=eos,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                min_tokens=params.min_tokens,
             )
-        return req
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        return ProcessedRequest(req, text, num_returned)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -139,38 +139,3 @@ class InputProcessor:
                 f"(max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens})"
             )
-
-    def _make_state(
-        self, params: SamplingParams | BeamSearchParams, num_returned: int | None = None
-    ) -> RequestState:
-        if isinstance(params, BeamSearchParams):
-            eos = set() if params.ignore_eos else set(self.eos_token_ids)
-            beam = BeamSearchState(
-                beam_width=params.beam_width,
-                length_penalty=params.length_penalty,
-                early_stopping=params.early_stopping,
-                max_tokens=params.max_tokens
-                if params.max_tokens is not None
-                else self.config.max_model_len,
-                eos_token_ids=eos,
-            )
-            n = num_returned or params.beam_width
-            return RequestState(
-                generator=None,
-                beam=beam,
-                prompt_logprobs=None,
-                num_samples=params.beam_width,
-                num_returned=min(n, params.beam_width),
-            )
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        samples = max(params.n, params.best_of or params.n)
-        return RequestState(
-            generator=gen,
-            beam=None,
-            prompt_logprobs=None,
-            num_samples=samples,
-            num_returned=params.n,
-        )

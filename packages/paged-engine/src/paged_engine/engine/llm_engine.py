@@ -1,11 +1,13 @@
-"""`LLMEngine`: the step loop the offline `LLM` and the HTTP server both drive.
+"""`LLMEngine`: the front end the offline `LLM` and the HTTP server both drive.
 
-    add_request -> scheduler queue
-    step():  schedule (CPU) -> model runner (device) -> scheduler bookkeeping -> sample + outputs
+    add_request:  input processor (tokenize, validate) -> engine core + output stage
+    step():       engine core (schedule -> executor -> worker -> apply) -> output stage
     abort_request -> every block the request held is free again
 
+The engine core holds token-level state; the output stage text-level state; each request is
+registered in both (the core's scheduler and the output stage's states) and nowhere else.
 Not thread-safe: one thread owns the engine (the server funnels everything through its engine
-thread).
+thread). The tokenizer is the engine thread's: other threads use their own copy.
 """
 
 from __future__ import annotations
@@ -17,26 +19,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from paged_engine.core.block_manager import BlockManager
 from paged_engine.config import EngineConfig
+from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.engine_core import EngineCore
+from paged_engine.core.scheduler import Scheduler
 from paged_engine.default_model import default_model_path
 from paged_engine.engine.input_processor import InputProcessor
-from paged_engine.loader import (
-    ResolvedModel,
-    load_hf_config,
-    load_model,
-    load_tokenizer,
-    resolve_dtype,
-    resolve_model,
-)
-from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.engine.output_processor import OutputProcessor
+from paged_engine.executor.uniproc import UniprocExecutor
+from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
-from paged_engine.core.request import Request
-from paged_engine.sampling_params import BeamSearchParams, SamplingParams
-from paged_engine.core.scheduler import Scheduler
+from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -80,29 +73,15 @@ class LLMEngine:
         )
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
-        self.device = _pick_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config)
-        if config.dtype == "auto" and self.resolved.is_gguf and self.device.type == "cuda":
-            # A GGUF file carries no compute dtype (its weights are quantized): on a GPU run in
-            # bf16 (fp16 where bf16 is missing) rather than the float32 "auto" gives elsewhere.
-            bf16 = torch.cuda.is_bf16_supported()
-            self.dtype = torch.bfloat16 if bf16 else torch.float16
         self._resolve_lengths()
-        torch.manual_seed(config.seed)
-        gpu_baseline = None
-        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
-            gpu_baseline = _gpu_baseline(self.device, config.gpu_memory_utilization)
-        self.model = load_model(
-            self.resolved,
-            self.hf_config,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            seed=config.seed,
+        self.executor = UniprocExecutor(
+            config, self.resolved, self.hf_config, overlap=bool(config.async_scheduling)
         )
-        self.model.eval()
-        self.model_runner = ModelRunner(config, self.model, self.hf_config, self.device)
-        num_blocks = self.model_runner.profile_num_blocks(baseline_used=gpu_baseline)
+        worker = self.executor.worker
+        self.device, self.dtype = worker.device, worker.dtype
+        if config.async_scheduling is None:
+            config.async_scheduling = self.device.type == "cuda"
+        num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
             raise ValueError(
@@ -111,7 +90,8 @@ class LLMEngine:
                 f"{config.max_model_len}: raise gpu_memory_utilization (or cpu_kv_cache_gib / "
                 "num_gpu_blocks_override) or lower max_model_len"
             )
-        self.model_runner.init_kv_cache(num_blocks)
+        self.executor.initialize_cache(num_blocks)
+        self.num_blocks = num_blocks
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
@@ -122,35 +102,33 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
-        self.output_processor = OutputProcessor(
-            self.tokenizer,
+        self.engine_core = EngineCore(
             self.scheduler,
+            self.executor,
             max_model_len=config.max_model_len,
-            eos_token_ids=self.eos_token_ids,
-            device=self.device,
+            async_scheduling=config.async_scheduling,
         )
-        self.vocab_size = _vocab_size(self.hf_config)
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
+        self.vocab_size = int(self.hf_config.vocab_size)
         self.input_processor = InputProcessor(
-            self.tokenizer,
-            config,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            device=self.device,
+            self.tokenizer, config, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
         )
-        self._requests: dict[str, Request] = {}
-        self.prompt_tokens_total = 0
-        self.peak_used_blocks = 0
-        self.num_blocks = num_blocks
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
-            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens",
+            "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens, async scheduling %s",
             time.perf_counter() - t0,
             config.model,
             self.device,
             self.dtype,
             num_blocks,
             config.block_size,
+            "on" if config.async_scheduling else "off",
         )
+
+    @property
+    def model_runner(self):
+        """The in-process worker's runner (tests and benchmarks reach the model through it)."""
+        return self.executor.worker.model_runner
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(
@@ -164,45 +142,49 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises ValueError (naming the parameter) on bad input.
 
-        `final_only`: `step()` reports this request once, when it finishes (what offline
-        generation needs), instead of after every step (what streaming needs)."""
+        What each output holds follows `params.output_kind` (CUMULATIVE by default, DELTA for
+        streaming); `final_only=True` overrides it with FINAL_ONLY (offline generation)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
-        if request_id in self._requests:
+        if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        req = self.input_processor.make_request(
-            request_id, prompt, params, arrival_time, final_only=final_only
+        p = self.input_processor.make_request(request_id, prompt, params, arrival_time)
+        req = p.request
+        kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind
+        self.engine_core.add_request(req)
+        self.output_processor.add_request(
+            request_id,
+            p.prompt_text,
+            req.prompt_token_ids,
+            req.params,
+            req.arrival_time,
+            num_returned=p.num_returned,
+            kind=kind,
         )
-        self._requests[request_id] = req
-        self.scheduler.add_request(req)
-        self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            if self._requests.pop(rid, None) is not None:
-                self.scheduler.abort_request(rid)
+        self.output_processor.abort(ids)
+        self.engine_core.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.num_running + self.scheduler.num_waiting
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        if not sched_out.scheduled:
+        core_outputs = self.engine_core.step()
+        if not core_outputs:
             return []
-        model_out = self.model_runner.execute(sched_out)
-        self.scheduler.update_after_step(sched_out)
-        outputs = self.output_processor.process(model_out)
-        bm = self.block_manager
-        self.peak_used_blocks = max(self.peak_used_blocks, bm.num_total_blocks - bm.num_free_blocks)
-        for out in outputs:
-            if out.finished:
-                self._requests.pop(out.request_id, None)
-        return outputs
+        processed = self.output_processor.process(core_outputs)
+        if processed.stopped:
+            self.engine_core.finish_seqs(processed.stopped)
+        return processed.request_outputs
+
+    def shutdown(self) -> None:
+        self.engine_core.shutdown()
 
     # ---- chat and stats -------------------------------------------------------------------------
     def apply_chat_template(
@@ -225,28 +207,27 @@ class LLMEngine:
         )
 
     def get_stats(self) -> EngineStats:
-        bm = self.block_manager.stats()
-        sharing = self.block_manager.sharing_stats(self.scheduler.running_seqs())
-        allocated = sharing.slots_allocated
-        waste = 100.0 * (allocated - sharing.tokens_stored) / allocated if allocated else 0.0
+        sched, core = self.scheduler, self.engine_core
+        bm = self.block_manager.stats(sched.running_seqs())
+        allocated = bm.num_slots_allocated
         return EngineStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
             num_total_blocks=bm.num_total_blocks,
             num_used_blocks=bm.num_used_blocks,
             num_free_blocks=bm.num_free_blocks,
             num_cached_blocks=bm.num_cached_blocks,
-            kv_cache_usage=bm.num_used_blocks / bm.num_total_blocks if bm.num_total_blocks else 0,
+            kv_cache_usage=bm.usage,
             kv_slots_allocated=allocated,
-            kv_tokens_stored=sharing.tokens_stored,
-            kv_waste_perc=waste,
-            blocks_saved_by_sharing=sharing.blocks_saved,
+            kv_tokens_stored=bm.num_tokens_stored,
+            kv_waste_perc=100.0 * bm.kv_waste,
+            blocks_saved_by_sharing=bm.blocks_saved_by_sharing,
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.output_processor.generation_tokens_total,
-            peak_used_blocks=self.peak_used_blocks,
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens_total=core.prompt_tokens_total,
+            generation_tokens_total=core.generation_tokens_total,
+            peak_used_blocks=core.peak_used_blocks,
             block_size=self.config.block_size,
         )
 
@@ -270,43 +251,12 @@ class LLMEngine:
             )
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        # An explicit index: tensors report cuda:N, so `device ==` checks (a seeded generator vs
-        # the logits in the sampler) only hold against cuda:N.
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _gpu_baseline(device: torch.device, utilization: float) -> int:
-    """Bytes in use on the device before the engine loads anything (other processes, the CUDA
-    context). The engine's share, total * utilization, must be free now: fail early if not."""
-    free, total = torch.cuda.mem_get_info(device)
-    want = total * utilization
-    if free < want:
-        raise ValueError(
-            f"gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB of {device} "
-            f"({total / 2**30:.1f} GiB), but only {free / 2**30:.1f} GiB is free (other processes "
-            "hold the rest): lower gpu_memory_utilization"
-        )
-    return total - free
-
-
 def _max_positions(hf_config) -> int:
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return 2048
-
-
-def _vocab_size(hf_config) -> int:
-    return int(hf_config.vocab_size)
 
 
 def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:

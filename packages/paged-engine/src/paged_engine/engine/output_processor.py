@@ -1,342 +1,329 @@
-"""Turns one step's logits into tokens, updates sequences and builds `RequestOutput`s.
+"""The output stage: token-level `EngineCoreOutput`s -> text -> `RequestOutput`s.
 
-Per sampled request (all its live sequences reached the end of their tokens this step):
-- sampling: one sampler row per live sequence; on the first token of an n > 1 request the single
-  prompt sequence gets `best_of` rows from the same logits and is forked (blocks shared, CoW
-  later) into one sequence per sample;
-- beam search: `BeamSearchState.step` picks the surviving (parent, token) pairs; parents with
-  several children are forked, parents with none are freed;
-then every new token goes through logprobs, detokenization and the stop checks.
+Per new token of a sequence: logprob dicts (when asked), incremental detokenization, stop
+strings. A stop string ends the sequence here; `process` reports it so the caller tells the
+engine core to free it (`EngineCore.finish_seqs`). Tokens the core sent for a sequence this
+stage already finished (an async step was in flight) are ignored.
+
+It holds no engine object and reads no scheduler state: its input is plain data, so it can run
+on another thread than the step. The tokenizer it decodes with is its own to use (the caller
+must not share it with a thread that changes its settings).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-import torch
-
-from paged_engine.sample.beam_search import BeamSearchState
-from paged_engine.engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from paged_engine.worker.model_runner import ModelOutput
+from paged_engine.core.core_output import EngineCoreOutput, PromptLogprobsChunk, SeqUpdate
+from paged_engine.engine.bytelevel_detokenizer import make_detokenizer
+from paged_engine.engine.detokenizer import find_stop, stop_holdback
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paged_engine.core.request import Request, Sequence, SequenceStatus
-from paged_engine.sample.sampler import Sampler, SamplingRow, compute_prompt_logprobs, log_softmax_topk
-from paged_engine.sampling_params import SamplingParams
-from paged_engine.core.scheduler import Scheduler
+from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+
+_CUMULATIVE = RequestOutputKind.CUMULATIVE
+_DELTA = RequestOutputKind.DELTA
+_FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+@dataclass(slots=True, eq=False)
+class SeqText:
+    """One sequence's text-level state."""
+
+    index: int
+    detokenizer: Any
+    token_ids: list[int] = field(default_factory=list)  # outputs
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_sent_tokens: int = 0  # DELTA: what earlier outputs carried
+    num_sent_chars: int = 0
+    finish_sent: bool = False  # DELTA: an output carried the finish reason
+
+    def fork(self, index: int) -> SeqText:
+        detok = self.detokenizer
+        return SeqText(
+            index=index,
+            detokenizer=None if detok is None else detok.fork(),
+            token_ids=self.token_ids.copy(),
+            text=self.text,
+            logprobs=None if self.logprobs is None else self.logprobs.copy(),
+            cumulative_logprob=self.cumulative_logprob,
+        )
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams | BeamSearchParams
+    kind: RequestOutputKind
+    num_samples: int  # sequences generated (best_of, or the beam width)
+    num_returned: int  # outputs returned (n)
+    arrival_time: float
+    is_beam: bool
+    # Beams change wholesale and best_of > n ranks at the end: a DELTA request of either kind
+    # gets its outputs once, whole, when it finishes.
+    whole_at_end: bool
+    seqs: dict[int, SeqText] = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    beams: list | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
-class RequestState:
-    """Output-side state the engine keeps per request (Request.state)."""
-
-    generator: torch.Generator | None
-    beam: BeamSearchState | None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
-    num_samples: int  # sequences to generate (best_of for sampling, beam_width for beams)
-    num_returned: int  # outputs returned (n)
-    last_token_time: float | None = None
-    final_only: bool = False  # build a RequestOutput only when the request finishes
-    needs_history: bool = False  # penalties / min_tokens read the sampled tokens so far
-
-
-_NO_TOKENS: list[int] = []
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput]
+    # (request id, sequence index, stop string): sequences a stop string ended this step
+    stopped: list[tuple[str, int, str]]
 
 
 class OutputProcessor:
-    def __init__(
-        self,
-        tokenizer,
-        scheduler: Scheduler,
-        *,
-        max_model_len: int,
-        eos_token_ids: set[int],
-        device: torch.device,
-    ) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self.device = device
-        self.sampler = Sampler()
-        self.generation_tokens_total = 0
+        self.states: dict[str, RequestState] = {}  # every request not finished here yet
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_one_fn = (
+            (lambda t: backend.decode([t], skip_special_tokens=False))
+            if backend is not None
+            else (lambda t: tokenizer.decode([t]))
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams | BeamSearchParams,
+        arrival_time: float,
+        *,
+        num_returned: int,
+        kind: RequestOutputKind,
+    ) -> None:
+        beam = isinstance(params, BeamSearchParams)
+        num_samples = params.beam_width if beam else params.num_sequences
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            kind=kind,
+            num_samples=num_samples,
+            num_returned=num_returned,
+            arrival_time=arrival_time,
+            is_beam=beam,
+            whole_at_end=beam or num_samples > num_returned,
+        )
+        detok = None
+        if not beam and params.detokenize:
+            detok = make_detokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        state.seqs[0] = SeqText(0, detok)
+        self.states[request_id] = state
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.states.pop(rid, None)
 
     # ---- per step -------------------------------------------------------------------------------
-    def process(self, model_out: ModelOutput) -> list[RequestOutput]:
+    def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for seq, logits, start in model_out.prompt_logits:
-            self._add_prompt_logprobs(seq, logits, start)
-        by_request: dict[str, list[int]] = {}
-        for row, seq in enumerate(model_out.sample_seqs):
-            by_request.setdefault(seq.request.request_id, []).append(row)
-        rows: list[SamplingRow] = []
-        row_index: list[int] = []  # logits row of each sampler row
-        # (request, its sampled sequences, fan out: the first token of n > 1 from one row)
-        sampling_targets: list[tuple[Request, list[Sequence], bool]] = []
-        for rows_of_req in by_request.values():
-            req = model_out.sample_seqs[rows_of_req[0]].request
-            touched[req.request_id] = req
-            state: RequestState = req.state
-            if state.beam is not None:
-                assert model_out.logits is not None
-                self._beam_step(
-                    req,
-                    [model_out.sample_seqs[r] for r in rows_of_req],
-                    model_out.logits[rows_of_req],
-                )
+        result = ProcessedOutputs([], [])
+        for co in core_outputs:
+            state = self.states.get(co.request_id)
+            if state is None:  # aborted, or finished by a stop string earlier
                 continue
-            seqs = (
-                [model_out.sample_seqs[rows_of_req[0]]]
-                if len(rows_of_req) == 1
-                else [model_out.sample_seqs[r] for r in rows_of_req]
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = co.first_scheduled_time
+                state.num_cached_tokens = co.num_cached_tokens
+            if co.prompt_logprobs is not None:
+                self._add_prompt_logprobs(state, co.prompt_logprobs)
+            if co.beams is not None:
+                state.beams = co.beams
+            if len(co.seqs) > 1:  # forks copy their parent as it was before this step
+                for upd in co.seqs:
+                    if upd.fork_of is not None and upd.index not in state.seqs:
+                        state.seqs[upd.index] = state.seqs[upd.fork_of].fork(upd.index)
+            for upd in co.seqs:
+                seq = state.seqs[upd.index]
+                if seq.finish_reason is None and self._apply(state, seq, upd):
+                    result.stopped.append((state.request_id, seq.index, seq.stop_reason))
+            if not co.seqs and co.beams is None and not co.finished:
+                continue  # a prompt-logprobs chunk alone: nothing to report yet
+            if state.first_token_time is None:
+                state.first_token_time = now
+            state.last_token_time = now
+            finished = co.finished or (
+                bool(result.stopped)
+                and len(state.seqs) == state.num_samples
+                and all(s.finish_reason is not None for s in state.seqs.values())
             )
-            fan_out = len(seqs) == 1 and seqs[0].num_output_tokens == 0 and state.num_samples > 1
-            if fan_out:
-                rows.extend(self._row(req, seqs[0]) for _ in range(state.num_samples))
-                row_index.extend([rows_of_req[0]] * state.num_samples)
-            else:
-                rows.extend(self._row(req, s) for s in seqs)
-                row_index.extend(rows_of_req)
-            sampling_targets.append((req, seqs, fan_out))
-        if rows:
-            assert model_out.logits is not None
-            logits = model_out.logits
-            if len(row_index) != logits.shape[0] or row_index != list(range(len(row_index))):
-                # fan-out (n > 1 first tokens) or beam rows removed: gather the sampler's rows
-                idx = torch.tensor(row_index, dtype=torch.long, device=logits.device)
-                logits = logits.index_select(0, idx)
-            result = self.sampler(logits, rows)
-            k = 0
-            for req, seqs, fan_out in sampling_targets:
-                if fan_out:
-                    parent = seqs[0]
-                    seqs = [parent] + [
-                        self.scheduler.fork_seq(parent, index=i)
-                        for i in range(1, req.state.num_samples)
-                    ]
-                for seq in seqs:
-                    top = result.top_logprobs[k] if result.top_logprobs is not None else None
-                    self._append(
-                        seq,
-                        result.sampled_token_ids[k],
-                        result.sampled_logprobs[k],
-                        result.sampled_ranks[k],
-                        top,
-                    )
-                    k += 1
-        outputs = []
-        for req in touched.values():
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.state.last_token_time = now
-            # A request finished with its last live sequence (Scheduler.free_seq).
-            if req.is_finished or not req.state.final_only:
-                outputs.append(self.make_output(req))
-        return outputs
+            if finished:
+                del self.states[state.request_id]
+            out = self._make_output(state, finished, now)
+            if out is not None:
+                result.request_outputs.append(out)
+        return result
 
-    def _row(self, req: Request, seq: Sequence) -> SamplingRow:
-        state: RequestState = req.state
-        # Copying the output tokens is O(length): only for rows whose processing reads them.
-        history = seq.output_token_ids if state.needs_history else _NO_TOKENS
-        return SamplingRow(
-            params=req.params,
-            prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=history,
-            generator=state.generator,
-            # Masked while below min_tokens; with ignore_eos, EOS is an ordinary token (vLLM).
-            eos_token_id=None if req.params.ignore_eos else self.eos_token_ids,
-        )
-
-    # ---- tokens ---------------------------------------------------------------------------------
-    def _append(
-        self,
-        seq: Sequence,
-        token_id: int,
-        logprob: float,
-        rank: int | None,
-        top: list[tuple[int, float]] | None,
-    ) -> None:
-        params: SamplingParams = seq.request.params
-        seq.token_ids.append(token_id)
-        seq.cumulative_logprob += logprob
-        self.generation_tokens_total += 1
-        if params.logprobs is not None:
-            entry = {token_id: Logprob(logprob, rank, self._decode_one(token_id))}
-            for tid, lp in (top or [])[: params.logprobs]:
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, None, self._decode_one(tid))
-            for r, (tid, _) in enumerate((top or [])[: params.logprobs], start=1):
-                entry[tid].rank = r
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.append(entry)
-        num_out = seq.num_output_tokens
-        reached_min = num_out >= params.min_tokens
-        stop_token = reached_min and (
-            token_id in params.stop_token_ids
-            or (not params.ignore_eos and token_id in self.eos_token_ids)
-        )
-        detok: IncrementalDetokenizer | None = seq.detokenizer
-        if detok is not None and (not stop_token or params.include_stop_str_in_output):
-            delta = detok.add_tokens([token_id])
-            seq.output_text = detok.output_text
-            if reached_min and params.stop and delta:
+    def _apply(self, state: RequestState, seq: SeqText, upd: SeqUpdate) -> bool:
+        """Append the update's tokens to `seq`; True when a stop string ended it."""
+        params: SamplingParams = state.params  # beams send no SeqUpdates
+        last = len(upd.new_token_ids) - 1
+        for k, token in enumerate(upd.new_token_ids):
+            seq.token_ids.append(token)
+            if upd.logprobs is not None:
+                seq.cumulative_logprob += upd.logprobs[k]
+                if params.logprobs is not None:
+                    self._add_logprobs(seq, params.logprobs, token, upd, k)
+            stop_token = k == last and upd.finish_reason == "stop"
+            detok = seq.detokenizer
+            if detok is None or (stop_token and not params.include_stop_str_in_output):
+                continue
+            delta = detok.add_tokens([token])
+            seq.text = detok.output_text
+            if params.stop and delta and len(seq.token_ids) >= params.min_tokens:
                 hit = find_stop(
-                    seq.output_text, len(delta), params.stop, params.include_stop_str_in_output
+                    seq.text, len(delta), params.stop, params.include_stop_str_in_output
                 )
                 if hit is not None:
-                    cut, stop_str = hit
-                    seq.output_text = seq.output_text[:cut]
-                    return self._finish_seq(seq, "stop", stop_str)
-        if stop_token:
-            reason = token_id if token_id in params.stop_token_ids else None
-            return self._finish_seq(seq, "stop", reason)
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return self._finish_seq(seq, "length", None)
-        if seq.num_tokens >= self.max_model_len:
-            return self._finish_seq(seq, "length", None)
-        return None
+                    seq.text = seq.text[: hit[0]]
+                    seq.finish_reason, seq.stop_reason = "stop", hit[1]
+                    # The core already freed it when it also ended there (eos, max_tokens).
+                    return upd.finish_reason is None
+        if upd.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
+            if seq.detokenizer is not None:
+                seq.detokenizer.finalize()  # flush an unfinished character held for streaming
+                seq.text = seq.detokenizer.output_text
+        return False
 
-    def _decode_one(self, token_id: int) -> str:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            return backend.decode([token_id], skip_special_tokens=False)
-        return self.tokenizer.decode([token_id])
+    def _add_logprobs(self, seq: SeqText, k: int, token: int, upd: SeqUpdate, i: int) -> None:
+        decode = self._decode_one_fn
+        top = upd.top[i][:k] if upd.top is not None else []
+        entry = {token: Logprob(upd.logprobs[i], upd.ranks[i], decode(token))}
+        for tid, lp in top:
+            if tid not in entry:
+                entry[tid] = Logprob(lp, None, decode(tid))
+        for r, (tid, _) in enumerate(top, start=1):
+            entry[tid].rank = r
+        if seq.logprobs is None:
+            seq.logprobs = []
+        seq.logprobs.append(entry)
 
-    def _finish_seq(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
-        detok: IncrementalDetokenizer | None = seq.detokenizer
-        if detok is not None and not isinstance(stop_reason, str):
-            detok.finalize()  # flush an unfinished character held back for streaming
-            seq.output_text = detok.output_text
-        seq.finish_reason = reason
-        seq.stop_reason = stop_reason
-        status = (
-            SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
-        )
-        self.scheduler.free_seq(seq, status)
-
-    # ---- beams ----------------------------------------------------------------------------------
-    def _beam_step(self, req: Request, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        state: BeamSearchState = req.state.beam
-        top_lp, top_ids = log_softmax_topk(logits, min(state.num_candidates, logits.shape[-1]))
-        room = self.max_model_len - seqs[0].num_tokens
-        scores = [s.cumulative_logprob for s in seqs]
-        result = state.step(top_lp, top_ids, scores, [s.output_token_ids for s in seqs], room)
-        if result.done:
-            for seq in seqs:
-                self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)
-            return
-        children: list[tuple[Sequence, int, float]] = []
-        used: set[int] = set()
-        for cand in result.running:
-            parent = seqs[cand.parent]
-            if cand.parent in used:
-                child = self.scheduler.fork_seq(parent, index=len(req.seqs))
-            else:
-                used.add(cand.parent)
-                child = parent
-            children.append((child, cand.token_id, cand.cumulative_logprob))
-        for row, seq in enumerate(seqs):
-            if row not in used:
-                self.scheduler.free_seq(seq, SequenceStatus.FINISHED_STOPPED)
-        for seq, token_id, score in children:
-            seq.token_ids.append(token_id)
-            seq.cumulative_logprob = score
-            self.generation_tokens_total += 1
-
-    # ---- prompt logprobs ------------------------------------------------------------------------
-    def _add_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
-        req = seq.request
-        state: RequestState = req.state
-        k = req.params.prompt_logprobs
+    def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobsChunk) -> None:
+        """Row j of the chunk scores prompt token chunk.start + j + 1. After a preemption the
+        prompt is recomputed: positions already covered are not added twice."""
         if state.prompt_logprobs is None:
             state.prompt_logprobs = [None]  # position 0 has no predecessor
-        # logits row j (position start + j) predicts prompt token start + j + 1. After a
-        # preemption the prompt is recomputed: positions already covered are not added twice.
-        start_row = max(start, len(state.prompt_logprobs) - 1)
-        last = min(start + logits.shape[0], seq.num_prompt_tokens - 1)
-        if last <= start_row:
-            return
-        logits = logits[start_row - start :]
-        start = start_row
-        targets = torch.tensor(seq.token_ids[start + 1 : last + 1], dtype=torch.long)
-        entries = compute_prompt_logprobs(logits[: last - start], targets, k)
-        for entry in entries:
-            for tid, lp in entry.items():
-                lp.decoded_token = self._decode_one(tid)
-        state.prompt_logprobs.extend(entries)
+        lists, decode = chunk.lists, self._decode_one_fn
+        for j in range(len(state.prompt_logprobs) - 1 - chunk.start, len(lists.token_ids)):
+            d = {lists.token_ids[j]: Logprob(lists.logprobs[j], lists.ranks[j])}
+            for rank, (t, lp) in enumerate(lists.top[j], 1):
+                d.setdefault(t, Logprob(lp, rank))
+            for tid, lp in d.items():
+                lp.decoded_token = decode(tid)
+            state.prompt_logprobs.append(d)
 
     # ---- outputs --------------------------------------------------------------------------------
-    def make_output(self, req: Request) -> RequestOutput:
-        state: RequestState = req.state
-        finished = req.is_finished
-        if state.beam is not None:
-            completions = self._beam_outputs(req, finished)
+    def _make_output(self, state: RequestState, finished: bool, now: float) -> RequestOutput | None:
+        kind = state.kind
+        if not finished and (kind == _FINAL_ONLY or (kind == _DELTA and state.whole_at_end)):
+            return None
+        delta = kind == _DELTA and not state.whole_at_end
+        if state.is_beam:
+            completions = self._beam_outputs(state, finished)
+        elif len(state.seqs) == 1:
+            completions = [self._completion(state.params, state.seqs[0], 0, delta)]
         else:
-            seqs = sorted(req.seqs, key=lambda s: s.index)
-            if finished and state.num_samples > state.num_returned:
+            seqs = sorted(state.seqs.values(), key=lambda s: s.index)
+            if delta:  # only sequences with news: new tokens, or a finish not reported yet
+                seqs = [
+                    s
+                    for s in seqs
+                    if s.num_sent_tokens < len(s.token_ids)
+                    or (s.finish_reason and not s.finish_sent)
+                ]
+            ranked = finished and state.num_samples > state.num_returned
+            if ranked:
                 seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)
                 seqs = seqs[: state.num_returned]
-            stops = req.params.stop
             completions = [
-                CompletionOutput(
-                    index=i if finished and state.num_samples > state.num_returned else s.index,
-                    text=_visible_text(s, stops),
-                    token_ids=list(s.output_token_ids),
-                    cumulative_logprob=s.cumulative_logprob
-                    if req.params.logprobs is not None
-                    else None,
-                    # A snapshot, like token_ids: a streamed output must not grow afterwards.
-                    logprobs=None if s.logprobs is None else s.logprobs.copy(),
-                    finish_reason=s.finish_reason,
-                    stop_reason=s.stop_reason,
-                )
+                self._completion(state.params, s, i if ranked else s.index, delta)
                 for i, s in enumerate(seqs)
             ]
         metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_scheduled_time=req.first_scheduled_time,
-            first_token_time=req.first_token_time,
-            last_token_time=state.last_token_time,
-            finished_time=req.finished_time,
+            state.arrival_time,
+            state.first_scheduled_time,
+            state.first_token_time,
+            state.last_token_time,
+            now if finished else None,
         )
         return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            num_cached_tokens=req.seqs[0].num_cached_tokens if req.seqs else 0,
+            state.request_id,
+            state.prompt,
+            state.prompt_token_ids,
+            state.prompt_logprobs,
+            completions,
+            finished,
+            metrics,
+            state.num_cached_tokens,
         )
 
-    def _beam_outputs(self, req: Request, finished: bool) -> list[CompletionOutput]:
-        state: RequestState = req.state
-        if finished:
-            hyps = state.beam.best(state.num_returned)
-            items = [(h.token_ids, h.cumulative_logprob, h.finish_reason) for h in hyps]
+    @staticmethod
+    def _completion(
+        params: SamplingParams, seq: SeqText, index: int, delta: bool
+    ) -> CompletionOutput:
+        text = seq.text
+        if seq.finish_reason is None and params.stop:
+            # Hold back a tail that may still grow into a stop string: a streaming client must
+            # never receive text that is cut later.
+            hold = stop_holdback(text, params.stop)
+            text = text[: len(text) - hold] if hold else text
+        token_ids, logprobs = seq.token_ids, seq.logprobs
+        if delta:
+            t0, c0 = seq.num_sent_tokens, seq.num_sent_chars
+            seq.num_sent_tokens, seq.num_sent_chars = len(token_ids), len(text)
+            seq.finish_sent = seq.finish_reason is not None
+            token_ids, text = token_ids[t0:], text[c0:]
+            logprobs = None if logprobs is None else logprobs[t0:]
         else:
-            items = [(s.output_token_ids, s.cumulative_logprob, None) for s in req.live_seqs()]
+            # Snapshots: a streamed output must not grow after step() returned it.
+            token_ids = list(token_ids)
+            logprobs = None if logprobs is None else logprobs.copy()
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
+    def _beam_outputs(self, state: RequestState, finished: bool) -> list[CompletionOutput]:
+        beams = state.beams or []
+        if finished:
+            beams = beams[: state.num_returned]
         return [
             CompletionOutput(
                 index=i,
-                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
-                token_ids=list(tokens),
-                cumulative_logprob=cum,
+                text=self.tokenizer.decode(b.token_ids, skip_special_tokens=True),
+                token_ids=list(b.token_ids),
+                cumulative_logprob=b.cumulative_logprob,
                 logprobs=None,
-                finish_reason=reason,
+                finish_reason=b.finish_reason if finished else None,
                 stop_reason=None,
             )
-            for i, (tokens, cum, reason) in enumerate(items)
+            for i, b in enumerate(beams)
         ]
-
-
-def _visible_text(seq: Sequence, stops: list[str] | None) -> str:
-    """Text safe to show now: while running, a tail that may still grow into a stop string is
-    held back, so a streaming client never receives text that is later cut."""
-    if not stops or seq.is_finished:
-        return seq.output_text
-    hold = stop_holdback(seq.output_text, stops)
-    return seq.output_text[: len(seq.output_text) - hold] if hold else seq.output_text

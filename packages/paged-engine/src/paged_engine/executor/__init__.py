@@ -1,1 +1,1 @@
-"""executor"""
+"""Executors: how the engine core reaches its worker(s)."""

@@ -1,26 +1,16 @@
-"""Paged attention layer: write this step's K/V into the cache, then attend through block tables."""
+"""Paged attention layer: write this step's K/V into the cache, then attend through block tables.
+
+The layer holds no parameters and no backend choice: `attn_metadata.backend` does the work.
+"""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-import paged_kernels
+from paged_engine.attention.backend import AttentionMetadata
 
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    """Everything an attention layer needs for one forward; built by the model runner."""
-
-    slot_mapping: torch.Tensor  # [T] int64, -1 = padding token (not written)
-    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with the null block 0
-    cu_seqlens_q: torch.Tensor  # [S+1] int32
-    seq_lens: torch.Tensor  # [S] int32 (context incl. this step's tokens)
-    max_seqlen_q: int
-    max_seqlen_k: int
-    backend: str  # "triton" (CUDA or TRITON_INTERPRET) or "torch" (reference)
+__all__ = ["Attention", "AttentionMetadata"]
 
 
 class Attention(nn.Module):
@@ -63,40 +53,16 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        md = attn_metadata
-        if md.backend == "torch":
-            paged_kernels.ref_write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
-            out = paged_kernels.ref_paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                md.block_tables,
-                md.cu_seqlens_q,
-                md.seq_lens,
-                self.scale,
-                sliding_window=self.sliding_window,
-                soft_cap=self.soft_cap,
-                alibi_slopes=self.alibi_slopes,
-            )
-        elif md.backend == "triton":
-            # Imported lazily: the Triton kernels are optional on CPU-only machines.
-            from paged_kernels import paged_attention, write_kv_cache
-
-            write_kv_cache(k, v, key_cache, value_cache, md.slot_mapping)
-            out = paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                md.block_tables,
-                md.cu_seqlens_q,
-                md.seq_lens,
-                self.scale,
-                max_seqlen_q=md.max_seqlen_q,
-                max_seqlen_k=md.max_seqlen_k,
-                sliding_window=self.sliding_window,
-                soft_cap=self.soft_cap,
-                alibi_slopes=self.alibi_slopes,
-            )
-        else:
-            raise ValueError(f"unknown attention backend {md.backend!r} (use 'torch' or 'triton')")
+        backend = attn_metadata.backend
+        backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        out = backend.attend(
+            q,
+            key_cache,
+            value_cache,
+            attn_metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+            alibi_slopes=self.alibi_slopes,
+        )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from paged_engine.attention import AttentionBackend
+
 
 def kv_shape(hf_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of a HF config, for any supported architecture."""
@@ -29,10 +31,10 @@ class CacheEngine:
         *,
         dtype: torch.dtype,
         device: torch.device,
-        backend: str = "torch",
+        backend: AttentionBackend,
     ) -> None:
         num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -42,7 +44,7 @@ class CacheEngine:
             for _ in range(num_layers)
         ]
         self.device = device
-        self.backend = backend  # "triton": the batched copy kernel; "torch": the reference
+        self.backend = backend
 
     @staticmethod
     def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -55,11 +57,4 @@ class CacheEngine:
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
         keys = [k for k, _ in self.kv_caches]
         values = [v for _, v in self.kv_caches]
-        if self.backend == "triton":
-            from paged_kernels import copy_blocks
-
-            copy_blocks(keys, values, mapping)
-        else:
-            from paged_kernels import ref_copy_blocks
-
-            ref_copy_blocks(keys, values, mapping)
+        self.backend.copy_blocks(keys, values, mapping)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
@@ -44,14 +44,13 @@ class CudaGraphRunner:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         r = self.runner
-        return AttentionMetadata(
+        return r.backend.build_metadata(
             slot_mapping=self.slot_mapping[:bs],
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             max_seqlen_q=1,
             max_seqlen_k=r.config.max_model_len,  # static upper bound: no host sync in replay
-            backend=r.backend,
         )
 
     @torch.inference_mode()

@@ -1,71 +1,81 @@
-"""Runs the model for one scheduled step: inputs from the scheduler's plan, logits out.
+"""Runs one scheduled step on the device: persistent batch -> flat inputs -> forward -> sample.
 
-The runner reads `Sequence` state and never changes it. Per step it builds one flat varlen batch:
+Per step it builds one flat varlen batch (numpy on the host, one copy to the device):
 
     input_ids / positions / slot_mapping : [T]   every scheduled token of every sequence
     cu_seqlens_q                         : [S+1] sequence i owns rows [cu[i], cu[i+1])
     seq_lens                             : [S]   context length after this step
-    block_tables                         : [S, max_blocks]  padded with the null block 0
+    block_tables                         : [S, width]  gathered from the device-resident table
 
-and returns the logits of the last row of every sequence that reaches the end of its known tokens
-(those are sampled). Decode-only batches replay a CUDA graph of the nearest bucket size on GPUs.
+A token the worker sampled itself is read on the device (`InputBatch.last_token`), so the step
+after can run before the host has seen it. Decode-only batches replay a CUDA graph on GPUs.
+Results leave as an `AsyncRunnerOutput`: copies to pinned host memory that `get()` waits for.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from paged_engine.worker.cache_engine import CacheEngine
+from paged_engine.attention import AttentionBackend, AttentionMetadata
 from paged_engine.config import EngineConfig
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs
+from paged_engine.sample.metadata import (
+    SamplingMetadata,
+    banned_tokens,
+    build_sampling_metadata,
+    draw_seed,
+)
+from paged_engine.sample.sampler import Sampler
+from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
-from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.core.request import Sequence
-from paged_engine.core.scheduler import SchedulerOutput
+from paged_engine.worker.input_batch import CachedSeq, InputBatch
+from paged_engine.worker.runner_output import AsyncRunnerOutput
 
 logger = logging.getLogger(__name__)
 
 
-class StepInputs(NamedTuple):
+@dataclass(slots=True)
+class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
-    sample_rows: list[int]  # row in [T] of the last token of each sampling sequence
-    sample_seqs: list[Sequence]
-    # (sequence, first row, end row) of sequences whose prompt logprobs are computed this step
-    prompt_rows: list[tuple[Sequence, int, int]]
-
-
-@dataclass(slots=True)
-class ModelOutput:
-    logits: torch.Tensor | None  # [len(sample_seqs), vocab] float32
-    sample_seqs: list[Sequence]  # sequences whose last token's logits are in `logits`
-    # (sequence, logits [q_len, vocab] of every row it ran this step, position of the first row)
-    prompt_logits: list[tuple[Sequence, torch.Tensor, int]]
+    rows: np.ndarray  # [S] InputBatch row of each sequence
+    cu: np.ndarray  # [S+1] host copy of cu_seqlens_q
+    seq_lens: np.ndarray  # [S] host copy
 
 
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, model: torch.nn.Module, hf_config, device: torch.device
-    ):
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        hf_config,
+        device: torch.device,
+        backend: AttentionBackend,
+    ) -> None:
         self.config = config
         self.model = model
         self.hf_config = hf_config
         self.device = device
+        self.backend = backend
         self.block_size = config.block_size
         assert config.max_model_len is not None
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
-        if config.attention_backend == "auto":
-            self.backend = "triton" if device.type == "cuda" else "torch"
-        else:
-            self.backend = config.attention_backend
+        self.vocab_size = int(hf_config.vocab_size)
         self.cache: CacheEngine | None = None
         self.graphs: CudaGraphRunner | None = None
+        self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.sampler = Sampler()
         self._pin = device.type == "cuda"
+        # Steps whose sampled ids the host-side histories (penalty rows) still need.
+        self._history: deque[tuple[AsyncRunnerOutput, list[tuple[int, int]]]] = deque()
+        self._md_cache: tuple[tuple[int, np.ndarray], SamplingMetadata | None] = ((-1, None), None)
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -77,206 +87,288 @@ class ModelRunner:
             device=self.device,
             backend=self.backend,
         )
-        # Only the Triton backend is capturable: the torch reference reads lengths on the host.
         if (
             self.device.type == "cuda"
-            and self.backend == "triton"
+            and self.backend.cuda_graph_capturable
             and not self.config.enforce_eager
         ):
             self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
-        """Flat varlen inputs for every sequence with tokens this step (plain lists on the host,
-        one tensor each to the device). A decode row costs a few list appends."""
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        prompt_rows: list[tuple[Sequence, int, int]] = []
-        max_q = 0
-        for seq, n in out.scheduled:
-            if n == 0:
-                continue
-            start = seq.num_computed_tokens
-            end = start + n
-            table = seq.block_ids
-            if n == 1:
-                ids.append(seq.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                ids.extend(seq.token_ids[start:end])
-                positions.extend(range(start, end))
-                _extend_slots(slots, table, start, end, bs)
-            max_q = max(max_q, n)
-            cu.append(cu[-1] + n)
-            seq_lens.append(end)
-            tables.append(table)
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-                sample_seqs.append(seq)
-            if _wants_prompt_logprobs(seq, start):
-                prompt_rows.append((seq, cu[-2], cu[-1]))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) if len(t) < width else t for t in tables]
-        meta = AttentionMetadata(
-            slot_mapping=self._to_dev(torch.tensor(slots, dtype=torch.int64)),
-            block_tables=self._to_dev(torch.tensor(padded, dtype=torch.int32)),  # 0 = null block
-            cu_seqlens_q=self._to_dev(torch.tensor(cu, dtype=torch.int32)),
-            seq_lens=self._to_dev(torch.tensor(seq_lens, dtype=torch.int32)),
-            max_seqlen_q=max_q,
-            max_seqlen_k=max(seq_lens),
-            backend=self.backend,
-        )
-        return StepInputs(
-            input_ids=self._to_dev(torch.tensor(ids, dtype=torch.int64)),
-            positions=self._to_dev(torch.tensor(positions, dtype=torch.int64)),
-            attn_metadata=meta,
-            sample_rows=sample_rows,
-            sample_seqs=sample_seqs,
-            prompt_rows=prompt_rows,
-        )
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
+        assert self.cache is not None, "init_kv_cache() first"
+        self._apply_history()
+        batch = self.batch
+        for seq_id in sched.finished_seq_ids:
+            batch.remove(seq_id)
+        for data in sched.new_seqs:
+            batch.add(data)
+        batch.update_blocks(sched.block_updates)
+        if sched.blocks_to_copy:
+            self.cache.copy_blocks(sched.blocks_to_copy)
+        cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
+        if not cached:
+            return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
+        inputs = self.prepare(sched, cached)
+        hidden = self.forward(inputs)
+        return self._sample(sched, cached, inputs, hidden)
 
-    def _to_dev(self, t: torch.Tensor) -> torch.Tensor:
+    def prepare(self, sched: SchedulerOutput, cached: list[CachedSeq]) -> StepInputs:
+        """Flat inputs of the batch; host work is numpy over rows, plus a Python slice per
+        sequence that has host-known tokens to run (prefill chunks)."""
+        batch, bs = self.batch, self.block_size
+        num_seqs = len(cached)
+        rows = np.fromiter(map(batch.row_of.__getitem__, sched.seq_ids), np.int64, num_seqs)
+        starts = np.asarray(sched.start_positions, dtype=np.int64)
+        num_new = np.asarray(sched.num_new_tokens, dtype=np.int64)
+        seq_lens = starts + num_new
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        num_tokens = int(cu[-1])
+        if num_tokens == num_seqs:  # decode-only: one row per sequence
+            tok_rows, positions = rows, starts
+        else:
+            tok_rows = np.repeat(rows, num_new)
+            positions = np.arange(num_tokens) + np.repeat(starts - cu[:-1], num_new)
+        host_len = batch.num_host_tokens[rows]
+        ids = np.zeros(num_tokens, dtype=np.int64)
+        for i in np.flatnonzero(starts < host_len):  # positions the host knows
+            start, a = int(starts[i]), int(cu[i])
+            m = min(int(num_new[i]), int(host_len[i]) - start)
+            ids[a : a + m] = cached[i].token_ids[start : start + m]
+        from_device = positions >= batch.num_host_tokens[tok_rows]
+        slots = batch.block_table_np[tok_rows, positions // bs].astype(np.int64) * bs
+        slots += positions % bs
+        max_seqlen_k = int(seq_lens.max())
+        width = -(-max_seqlen_k // bs)
+        slots_d, positions_d, ids_d, tok_rows_d, mask_d = self._upload(
+            slots, positions, ids, tok_rows, from_device.astype(np.int64)
+        )
+        seq_lens_d, cu_d = self._upload(seq_lens.astype(np.int32), cu.astype(np.int32))
+        if from_device.all():
+            input_ids = batch.last_token.index_select(0, tok_rows_d)
+        elif from_device.any():
+            last = batch.last_token.index_select(0, tok_rows_d)
+            input_ids = torch.where(mask_d.bool(), last, ids_d)
+        else:
+            input_ids = ids_d
+        if self.device.type == "cpu":
+            block_tables = torch.from_numpy(batch.block_table_np[rows, :width])
+        else:
+            block_tables = batch.block_table[:, :width].index_select(0, self._to_dev(rows))
+        meta = self.backend.build_metadata(
+            slot_mapping=slots_d,
+            block_tables=block_tables,
+            cu_seqlens_q=cu_d,
+            seq_lens=seq_lens_d,
+            max_seqlen_q=int(num_new.max()),
+            max_seqlen_k=max_seqlen_k,
+        )
+        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, D]; a view of a graph's static output when a graph ran (valid until
+        the next replay)."""
+        assert self.cache is not None
+        ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
+            return self.graphs.run(ids, pos, meta)
+        return self.model(ids, pos, self.cache.kv_caches, meta)
+
+    def _to_dev(self, values: np.ndarray | list) -> torch.Tensor:
+        t = torch.from_numpy(np.asarray(values, dtype=np.int64))
         if self.device.type == "cpu":
             return t
-        return t.pin_memory().to(self.device, non_blocking=True) if self._pin else t.to(self.device)
+        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        assert self.cache is not None, "init_kv_cache() first"
-        if out.blocks_to_copy:
-            self.cache.copy_blocks(out.blocks_to_copy)
-        if not any(item.num_new_tokens for item in out.scheduled):
-            return ModelOutput(logits=None, sample_seqs=[], prompt_logits=[])
-        inputs = self.prepare(out)
-        input_ids, positions, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
-        if self.graphs is not None and self.graphs.can_run(meta, len(input_ids)):
-            hidden = self.graphs.run(input_ids, positions, meta)
+    def _upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host arrays of one dtype on the device: views of the arrays on CPU; elsewhere one
+        pinned buffer and one copy, split into views."""
+        if self.device.type == "cpu":
+            return [torch.from_numpy(a) for a in arrays]
+        buf = torch.from_numpy(np.concatenate(arrays)).pin_memory()
+        return list(buf.to(self.device, non_blocking=True).split([a.size for a in arrays]))
+
+    def _sample(
+        self,
+        sched: SchedulerOutput,
+        cached: list[CachedSeq],
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+    ) -> AsyncRunnerOutput:
+        batch = self.batch
+        sample_idx = np.asarray(sched.sample_rows, dtype=np.int64)
+        # One entry per sampled token: the batch index it comes from and its sample number.
+        if sched.num_samples or (batch.num_beam_rows and sample_idx.size):
+            entries = [
+                (i, j)
+                for i in sched.sample_rows
+                if not cached[i].beam_candidates
+                for j in range(sched.num_samples.get(cached[i].seq_id, 1))
+            ]
+            beam_idx = [i for i in sched.sample_rows if cached[i].beam_candidates]
         else:
-            hidden = self.model(input_ids, positions, self.cache.kv_caches, meta)
-        logits = None
-        if inputs.sample_rows:
-            rows = self._to_dev(torch.tensor(inputs.sample_rows, dtype=torch.long))
-            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
-        prompt_logits = [
-            (seq, self.model.compute_logits(hidden[lo:hi]).float(), seq.num_computed_tokens)
-            for seq, lo, hi in inputs.prompt_rows
-        ]
-        return ModelOutput(
-            logits=logits, sample_seqs=inputs.sample_seqs, prompt_logits=prompt_logits
+            entries, beam_idx = None, []
+        if entries is None:
+            src = sample_idx
+            sample_no = np.zeros(src.size, dtype=np.int64)
+        else:
+            src = np.asarray([i for i, _ in entries], dtype=np.int64)
+            sample_no = np.asarray([j for _, j in entries], dtype=np.int64)
+        if entries is None and src.size == len(cached):  # every row samples once
+            seq_ids = sched.seq_ids
+        else:
+            seq_ids = [cached[i].seq_id for i in src.tolist()]
+        tokens = packed_lp = None
+        num_logprobs: list[int | None] = []
+        track_history = False
+        if src.size:
+            hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
+            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            rows = inputs.rows[src]
+            track_history = bool(batch.history[rows].any())
+            out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
+            md = self._cached_metadata(rows)
+            if md is None:
+                md = self._sampling_metadata(cached, src, rows, sample_no, out_pos)
+            num_logprobs = md.num_logprobs
+            result = self.sampler(logits, md)
+            tokens, packed_lp = result.token_ids, result.logprobs
+            first = sample_no == 0  # a fan-out sequence keeps its first sample
+            if first.all():
+                batch.last_token.index_copy_(0, self._to_dev(rows), tokens)
+            else:
+                keep = self._to_dev(np.flatnonzero(first))
+                batch.last_token.index_copy_(0, self._to_dev(rows[first]), tokens[keep])
+        beam = None
+        if beam_idx:
+            ks = [cached[i].beam_candidates for i in beam_idx]
+            rows_d = self._to_dev(inputs.cu[np.asarray(beam_idx) + 1] - 1)
+            beam_logits = self.model.compute_logits(hidden.index_select(0, rows_d))
+            lps, ids = log_softmax_topk(beam_logits, max(ks))
+            beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
+        prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
+        handle = AsyncRunnerOutput(
+            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt
         )
+        if track_history:
+            self._track_history(handle, cached, src, sample_no)
+        return handle
 
-    # ---- memory profiling -----------------------------------------------------------------------
-    @torch.inference_mode()
-    def profile_num_blocks(self, baseline_used: int | None = None) -> int:
-        """KV blocks that fit once weights and the activations of the largest step are resident.
+    def _cached_metadata(self, rows: np.ndarray) -> SamplingMetadata | None:
+        """The last step's metadata when it samples the same rows of an unchanged batch and no
+        setting depends on the position (seeds, min_tokens, penalties): a decode loop builds it
+        once."""
+        key, md = self._md_cache
+        if md is not None and key[0] == self.batch.version and np.array_equal(key[1], rows):
+            return md
+        return None
 
-        `gpu_memory_utilization` is this engine's share of the device: the budget is
-        `total * utilization` minus what the engine itself holds (memory used now minus
-        `baseline_used`, the device's use before the engine loaded anything: other processes)
-        minus the activation peak. Without a baseline all used memory counts as ours."""
-        cfg = self.config
-        bytes_per_block = CacheEngine.bytes_per_block(
-            self.hf_config, self.block_size, _model_dtype(self.model)
-        )
-        if cfg.num_gpu_blocks_override is not None:
-            return cfg.num_gpu_blocks_override
-        if self.device.type != "cuda":
-            return max(int(cfg.cpu_kv_cache_gib * (1 << 30)) // bytes_per_block, 2)
-        dev = self.device
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-        free_before, total = torch.cuda.mem_get_info(dev)
-        used_before = total - free_before  # weights, CUDA context, other processes
-        own = used_before - (baseline_used or 0)
-        allocated_before = torch.cuda.memory_allocated(dev)
-        scratch_bytes = self._profile_forward()
-        torch.cuda.synchronize(dev)
-        # The peak counts the forward's scratch KV blocks too: the real pool replaces them.
-        activation_peak = torch.cuda.max_memory_allocated(dev) - allocated_before - scratch_bytes
-        budget = total * cfg.gpu_memory_utilization - own - activation_peak
-        torch.cuda.empty_cache()
-        num_blocks = int(budget // bytes_per_block)
-        logger.info(
-            "profiling: %.2f GiB held by the engine, %.2f GiB activation peak -> %d KV blocks",
-            own / 2**30,
-            activation_peak / 2**30,
-            num_blocks,
-        )
-        return num_blocks
-
-    def _profile_forward(self) -> int:
-        """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits.
-        Returns the bytes of the scratch KV cache it allocated."""
-        cfg = self.config
-        assert cfg.max_num_batched_tokens is not None
-        assert cfg.max_model_len is not None
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
-        # No step runs more than max_model_len tokens of one sequence (nor positions past it).
-        num_tokens = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
-        q, r = divmod(num_tokens, num_seqs)
-        lens = [q + 1] * r + [q] * (num_seqs - r)  # each <= ceil(num_tokens / num_seqs)
-        blocks_needed = sum(-(-n // self.block_size) for n in lens) + 1
-        scratch = CacheEngine(
-            self.hf_config,
-            blocks_needed,
-            self.block_size,
-            dtype=_model_dtype(self.model),
+    def _sampling_metadata(self, cached, src, rows, sample_no, out_pos):
+        batch = self.batch
+        seeds: list[tuple[int, int]] = []
+        for k in np.flatnonzero(batch.seeded[rows]).tolist():
+            c = cached[src[k]]
+            index = int(sample_no[k]) or c.index  # a fan-out's sample j becomes index j
+            seeds.append((k, draw_seed(c.seed, index, int(out_pos[k]))))
+        banned: list[set[int]] = [set()] * src.size
+        for k in np.flatnonzero(batch.min_tokens[rows] > out_pos).tolist():
+            c = cached[src[k]]
+            banned[k] = banned_tokens(c.params, int(out_pos[k]), c.eos_token_ids)
+        history: list[tuple[list[int], list[int]] | None] = [None] * src.size
+        output_history = None
+        hist_rows = np.flatnonzero(batch.history[rows]).tolist()
+        if hist_rows:
+            history, output_history = self._histories(cached, src, rows, hist_rows, history)
+        wants_lp = batch.logprobs[rows]
+        md = build_sampling_metadata(
             device=self.device,
+            vocab_size=self.vocab_size,
+            temperature=batch.temperature[rows],
+            top_k=batch.top_k[rows],
+            top_p=batch.top_p[rows],
+            min_p=batch.min_p[rows],
+            repetition=batch.repetition[rows],
+            frequency=batch.frequency[rows],
+            presence=batch.presence[rows],
+            history=history,
+            banned=banned,
+            seeds=seeds,
+            num_logprobs=[cached[i].num_logprobs for i in src.tolist()] if wants_lp.any() else [],
+            need_logprobs=bool(wants_lp.any()),
+            output_history=output_history,
         )
-        tables, slots, next_block = [], [], 1
-        for n in lens:
-            nb = -(-n // self.block_size)
-            table = list(range(next_block, next_block + nb))
-            next_block += nb
-            tables.append(table + [0] * (max(1, blocks_needed) - nb))
-            slots.extend(
-                table[p // self.block_size] * self.block_size + p % self.block_size
-                for p in range(n)
-            )
-        cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            max_seqlen_q=max(lens),
-            max_seqlen_k=max(lens),
-            backend=self.backend,
-        )
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(ids, positions, scratch.kv_caches, meta)
-        self.model.compute_logits(hidden[:num_seqs])
-        del scratch, hidden
-        bpb = CacheEngine.bytes_per_block(self.hf_config, self.block_size, _model_dtype(self.model))
-        return blocks_needed * bpb
+        reusable = not (seeds or hist_rows or (batch.min_tokens[rows] > 0).any())
+        self._md_cache = ((batch.version, rows.copy()), md if reusable else None)
+        return md
 
+    def _histories(self, cached, src, rows, hist_rows, history):
+        """(prompt, outputs) of penalty rows; an output the host has not seen yet is read from
+        `last_token` on the device into the padded output tensor."""
+        placeholders: list[tuple[int, int, int]] = []  # (history row, column, batch row)
+        outputs: list[list[int]] = []
+        for j, k in enumerate(hist_rows):
+            c = cached[src[k]]
+            known = c.token_ids[c.num_prompt_tokens :]
+            missing = c.num_tokens - len(c.token_ids)
+            assert missing in (0, 1), f"sequence {c.seq_id} is {missing} tokens behind"
+            if missing:
+                placeholders.append((j, len(known), int(rows[k])))
+            history[k] = (c.token_ids[: c.num_prompt_tokens], known)
+            outputs.append(known + [0] * missing)
+        width = max(len(o) for o in outputs) or 1
+        padded = np.full((len(outputs), width), -1, dtype=np.int64)
+        for j, o in enumerate(outputs):
+            padded[j, : len(o)] = o
+        out = self._to_dev(padded)
+        if placeholders:
+            idx = self._to_dev(np.asarray(placeholders).T)
+            out[idx[0], idx[1]] = self.batch.last_token[idx[2]]
+        return history, out
 
-def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bs: int) -> None:
-    """Append the cache slots of positions [start, end): one range per block touched."""
-    for b in range(start // bs, (end - 1) // bs + 1):
-        lo, hi = max(start, b * bs), min(end, (b + 1) * bs)
-        base = table[b] * bs - b * bs
-        slots.extend(range(base + lo, base + hi))
+    def _track_history(self, handle, cached, src, sample_no) -> None:
+        """Penalty rows keep every output token on the host: apply this step's ids once they
+        have landed (`_apply_history`), and count them now."""
+        entries = []
+        for k, i in enumerate(src.tolist()):
+            c = cached[i]
+            if c.needs_history and sample_no[k] == 0:
+                c.num_tokens += 1
+                entries.append((c.seq_id, k))
+        if entries:
+            self._history.append((handle, entries))
+
+    def _apply_history(self) -> None:
+        """Append landed sampled ids to their penalty rows' host tokens. Only the newest step
+        may still be in flight (its token is read from the device meanwhile)."""
+        batch = self.batch
+        while self._history and (len(self._history) > 1 or self._history[0][0].ready()):
+            handle, entries = self._history.popleft()
+            ids = handle.token_ids()
+            for seq_id, k in entries:
+                c = batch.seqs.get(seq_id)
+                if c is not None and len(c.token_ids) < c.num_tokens:
+                    c.token_ids.append(ids[k])
+                    batch.num_host_tokens[c.row] = len(c.token_ids)
+
+    def _prompt_logprobs(self, sched, cached, inputs, hidden):
+        """(seq_id, start, k, packed rows) for sequences computing prompt logprobs this step."""
+        out = []
+        for i in np.flatnonzero(self.batch.prompt_logprobs[inputs.rows]).tolist():
+            c = cached[i]
+            start = sched.start_positions[i]
+            last = min(start + sched.num_new_tokens[i], c.num_prompt_tokens - 1)
+            if last <= start:
+                continue
+            lo = int(inputs.cu[i])
+            logits = self.model.compute_logits(hidden[lo : lo + last - start])
+            targets = torch.tensor(c.token_ids[start + 1 : last + 1], dtype=torch.long)
+            packed = prompt_logprobs(logits, targets, c.prompt_logprobs)
+            out.append((c.seq_id, start, c.prompt_logprobs, packed))
+        return out
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
-
-
-def _wants_prompt_logprobs(seq: Sequence, start: int) -> bool:
-    params = seq.request.params
-    return (
-        getattr(params, "prompt_logprobs", None) is not None
-        and start < seq.num_prompt_tokens
-        and seq.index == 0
-    )

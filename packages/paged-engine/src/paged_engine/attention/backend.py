@@ -1,0 +1,97 @@
+"""The attention-backend interface: one object per engine decides how KV is laid out, written,
+read and copied, and whether a forward through it can be captured in a CUDA graph.
+
+The model's `Attention` layers call `metadata.backend.write_kv` and `.attend`; the worker builds
+the metadata through `build_metadata`, allocates the cache in `kv_cache_shape` and runs
+copy-on-write through `copy_blocks`. No other module branches on which backend is in use.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything an attention layer needs for one forward; built by the worker."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1 = padding token (not written)
+    block_tables: torch.Tensor  # [S, max_blocks] int32, padded with the null block 0
+    cu_seqlens_q: torch.Tensor  # [S+1] int32
+    seq_lens: torch.Tensor  # [S] int32 (context incl. this step's tokens)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    backend: AttentionBackend
+
+
+class AttentionBackend(ABC):
+    """Contract: `write_kv` stores the step's K/V at `slot_mapping` (skipping slot -1) before
+    `attend` of the same layer reads the cache; `attend` is causal within each sequence's new
+    rows and sees its whole context through the block table; `copy_blocks` copies whole blocks
+    of every layer. `cuda_graph_capturable` backends read no device memory on the host."""
+
+    name: str
+    cuda_graph_capturable: bool = False
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's key (and value) cache; slot = block_id * block_size + offset."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(
+        self,
+        *,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+    ) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            backend=self,
+        )
+
+    @abstractmethod
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64
+    ) -> None: ...
+
+    @abstractmethod
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+        alibi_slopes: torch.Tensor | None,
+    ) -> torch.Tensor:  # [T, H, D]
+        ...
+
+    @abstractmethod
+    def copy_blocks(
+        self,
+        key_caches: list[torch.Tensor],
+        value_caches: list[torch.Tensor],
+        mapping: torch.Tensor,  # [P, 2] int64 (src, dst)
+    ) -> None: ...

@@ -1,0 +1,232 @@
+"""`EngineCore`: the step, and the one owner of request state.
+
+    step():  scheduler.schedule() -> executor.execute_model() -> handle.get() -> _apply()
+
+`_apply` is the only place that changes requests after a step ran: it appends sampled tokens,
+checks eos / stop token ids / max_tokens / max_model_len, forks (n > 1, beams), frees, and
+registers newly full blocks in the prefix cache. What it learned leaves as `EngineCoreOutput`s.
+
+With async scheduling up to two steps are in flight: step N+1 is scheduled and submitted before
+step N's result is applied (its sampled tokens count as pending; the worker feeds them to step
+N+1 on the device), so the host work of one step hides behind the device work of the other.
+Without it, each step is applied before the next is scheduled. Outputs are identical either way:
+a token sampled for a sequence that finished meanwhile is dropped, and every seeded draw depends
+only on (seed, sample index, position).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from paged_engine.core.core_output import BeamHypothesis, EngineCoreOutput, SeqUpdate
+from paged_engine.core.request import Request, Sequence, SequenceStatus
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.core.scheduler import Scheduler
+from paged_engine.executor.base import Executor, RunnerOutputHandle
+from paged_engine.worker.runner_output import ModelRunnerOutput
+
+_RUNNING = SequenceStatus.RUNNING
+_STOPPED = SequenceStatus.FINISHED_STOPPED
+_LENGTH = SequenceStatus.FINISHED_LENGTH
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        max_model_len: int,
+        async_scheduling: bool = False,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
+        self._in_flight: deque[tuple[SchedulerOutput, RunnerOutputHandle]] = deque()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.peak_used_blocks = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        self.prompt_tokens_total += req.num_prompt_tokens
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.scheduler.abort_request(rid)
+
+    def finish_seqs(self, stops: list[tuple[str, int, str]]) -> None:
+        """The output stage saw stop strings: (request id, sequence index, stop string)."""
+        for rid, index, stop in stops:
+            req = self.scheduler.get_request(rid)
+            if req is None:
+                continue
+            for seq in req.live_seqs():
+                if seq.index == index:
+                    seq.finish_reason = "stop"
+                    self.scheduler.free_seq(seq, _STOPPED, stop)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def shutdown(self) -> None:
+        self._in_flight.clear()
+        self.executor.shutdown()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one step; return what the oldest finished step produced ([] while the first of
+        two async steps is still in flight, or when there is nothing to do)."""
+        depth = 2 if self.async_scheduling else 1
+        submitted = False
+        if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
+            sched = self.scheduler.schedule()
+            if sched.is_empty and not sched.blocks_to_copy and not sched.finished_seq_ids:
+                self.scheduler.step_seqs.pop(sched.step_id)
+            else:
+                self._in_flight.append((sched, self.executor.execute_model(sched)))
+                submitted = not sched.is_empty
+        if not self._in_flight or (submitted and len(self._in_flight) < depth):
+            return []
+        sched, handle = self._in_flight.popleft()
+        return self._apply(sched, handle.get())
+
+    def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        scheduler = self.scheduler
+        live = scheduler.seqs
+        outputs: dict[str, EngineCoreOutput] = {}
+        ids, tokens, lp = out.sampled_seq_ids, out.sampled_token_ids, out.logprobs
+        max_len, free_seq = self.max_model_len, scheduler.free_seq
+        num_appended = 0
+        i, n = 0, len(ids)
+        # One iteration per sampled sequence: append, then eos / stop ids (from min_tokens on),
+        # max_tokens and max_model_len. Inlined: this is the hot loop of the step.
+        while i < n:
+            seq_id = ids[i]
+            j = i + 1
+            while j < n and ids[j] == seq_id:  # a fan-out: k samples of one sequence
+                j += 1
+            seq = live.get(seq_id)
+            if seq is None:  # finished (or aborted) after this step was scheduled
+                i = j
+                continue
+            seq.num_pending -= 1
+            req = seq.request
+            o = outputs.get(req.request_id) or self._new_output(req, outputs)
+            if j - i == 1:
+                targets: tuple | list = ((seq, i, None),)
+            else:  # the first sample stays with the prompt sequence; the others fork from it
+                forks = [self.scheduler.fork_seq(seq, index=k) for k in range(1, j - i)]
+                targets = [(seq, i, None)] + [
+                    (c, i + 1 + k, seq.index) for k, c in enumerate(forks)
+                ]
+            for s, k, parent in targets:
+                token = tokens[k]
+                if lp is None:
+                    update = SeqUpdate(s.index, [token], fork_of=parent)
+                else:
+                    update = SeqUpdate(
+                        s.index, [token], [lp.logprobs[k]], [lp.ranks[k]], [lp.top[k]],
+                        fork_of=parent,
+                    )  # fmt: skip
+                o.seqs.append(update)
+                token_ids = s.token_ids
+                token_ids.append(token)
+                num_appended += 1
+                num_out = len(token_ids) - s.num_prompt_tokens
+                if num_out >= req.min_tokens and (
+                    token in req.stop_token_ids or token in req.eos_token_ids
+                ):
+                    reason = token if token in req.stop_token_ids else None
+                    update.finish_reason, update.stop_reason = "stop", reason
+                    free_seq(s, _STOPPED, reason)
+                    o.finished = req.status >= _STOPPED
+                elif (req.max_tokens is not None and num_out >= req.max_tokens) or len(
+                    token_ids
+                ) >= max_len:
+                    update.finish_reason = "length"
+                    free_seq(s, _LENGTH)
+                    o.finished = req.status >= _STOPPED
+            i = j
+        self.generation_tokens_total += num_appended
+        if out.beam_topk:
+            beams: dict[Request, list[Sequence]] = {}
+            for seq_id in out.beam_topk:
+                seq = live.get(seq_id)
+                if seq is not None:
+                    seq.num_pending -= 1
+                    beams.setdefault(seq.request, []).append(seq)
+            for req, seqs in beams.items():
+                o = outputs.get(req.request_id) or self._new_output(req, outputs)
+                self._beam_step(req, seqs, out, o)
+                o.finished = req.is_finished
+        for seq_id, chunk in out.prompt_logprobs.items():
+            seq = live.get(seq_id)
+            if seq is not None:
+                req = seq.request
+                o = outputs.get(req.request_id) or self._new_output(req, outputs)
+                o.prompt_logprobs = chunk
+        bm = scheduler.block_manager
+        for seq in scheduler.step_seqs.pop(sched.step_id):  # blocks this step filled
+            if seq.status == _RUNNING:
+                bm.cache_full_blocks(seq)
+        used = bm.num_total_blocks - bm.num_free_blocks
+        if used > self.peak_used_blocks:
+            self.peak_used_blocks = used
+        return list(outputs.values())
+
+    @staticmethod
+    def _new_output(req: Request, outputs: dict[str, EngineCoreOutput]) -> EngineCoreOutput:
+        o = outputs[req.request_id] = EngineCoreOutput(
+            req.request_id, [], False, None, None, req.first_scheduled_time,
+            req.seqs[0].num_cached_tokens,
+        )  # fmt: skip
+        return o
+
+    def _beam_step(
+        self, req: Request, seqs: list[Sequence], out: ModelRunnerOutput, o: EngineCoreOutput
+    ) -> None:
+        """Pick the surviving (parent, token) pairs of a beam request; fork parents with several
+        children, free those with none. Survivors took a token the worker did not sample, so the
+        worker gets them again in full."""
+        state = req.beam
+        seqs.sort(key=lambda s: req.seqs.index(s))  # the request's order (HF's beam order)
+        top = [out.beam_topk[s.seq_id] for s in seqs]
+        top_lp = torch.tensor([t[0] for t in top], dtype=torch.float32)
+        top_ids = torch.tensor([t[1] for t in top], dtype=torch.long)
+        room = self.max_model_len - seqs[0].num_tokens
+        scores = [s.cumulative_logprob for s in seqs]
+        result = state.step(top_lp, top_ids, scores, [s.output_token_ids for s in seqs], room)
+        if result.done:
+            for seq in seqs:
+                self.scheduler.free_seq(seq, _STOPPED)
+            o.beams = [
+                BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason)
+                for h in state.finished
+            ]
+            return
+        children: list[tuple[Sequence, int, float]] = []
+        used: set[int] = set()
+        for cand in result.running:
+            parent = seqs[cand.parent]
+            if cand.parent in used:
+                child = self.scheduler.fork_seq(parent, index=len(req.seqs))
+            else:
+                used.add(cand.parent)
+                child = parent
+            children.append((child, cand.token_id, cand.cumulative_logprob))
+        for row, seq in enumerate(seqs):
+            if row not in used:
+                self.scheduler.free_seq(seq, _STOPPED)
+        for seq, token_id, score in children:
+            seq.token_ids.append(token_id)
+            seq.cumulative_logprob = score
+            self.scheduler.resend(seq)
+            self.generation_tokens_total += 1
+        o.beams = [
+            BeamHypothesis(s.output_token_ids, s.cumulative_logprob, None) for s in req.live_seqs()
+        ]

@@ -1,0 +1,52 @@
+"""`SchedulerOutput`: what one step runs, as plain data (picklable; no live engine object).
+
+A sequence the worker has not seen comes once in full (`new_seqs`); afterwards only what
+changed: block-table deltas and, every step, where it starts and how many tokens it runs.
+
+    batch row i runs positions [start_positions[i], start_positions[i] + num_new_tokens[i])
+    of sequence seq_ids[i]; rows in `sample_rows` sample a token from their last position.
+
+Worker order for one output: drop `finished_seq_ids`, add `new_seqs`, apply `block_updates`,
+run `blocks_to_copy`, then the forward over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class NewSeqData:
+    """A sequence the worker does not hold: new, resumed after preemption, or forked."""
+
+    seq_id: int
+    index: int  # sample index within its request (seeds each seeded draw)
+    token_ids: list[int]  # every token the host knows
+    num_prompt_tokens: int
+    block_ids: list[int]  # the whole table
+    params: Any  # SamplingParams, or BeamSearchParams (then the worker returns top-k)
+    beam_candidates: int = 0  # beam search: candidates (top-k) returned per step
+    eos_token_ids: tuple[int, ...] = ()  # masked while below min_tokens (empty: ignore_eos)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_id: int
+    new_seqs: list[NewSeqData] = field(default_factory=list)
+    # The batch, one row per sequence with tokens this step, in order.
+    seq_ids: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)  # num_computed before the step
+    sample_rows: list[int] = field(default_factory=list)  # batch rows that sample
+    # seq_id -> samples drawn from its logits when more than one (n > 1: the first token)
+    num_samples: dict[int, int] = field(default_factory=dict)
+    # (seq_id, first table index, block ids): table[first : first + len(ids)] = ids
+    block_updates: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)  # the worker drops these
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seq_ids

@@ -1,0 +1,38 @@
+"""`Executor`: the seam between the engine core and its workers.
+
+The core hands it plain data and gets a handle back; how many workers there are, and in which
+thread or process they run, is the executor's business (tensor parallelism adds one here).
+
+    execute_model(SchedulerOutput) -> RunnerOutputHandle;   handle.get() -> ModelRunnerOutput
+
+Steps run in submission order. A handle returned before its step finished lets the core
+schedule the next step meanwhile (async scheduling).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.worker.runner_output import ModelRunnerOutput
+
+
+class RunnerOutputHandle(Protocol):
+    def get(self) -> ModelRunnerOutput: ...
+
+
+class Executor(ABC):
+    @abstractmethod
+    def determine_num_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int) -> None: ...
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release workers and threads; idempotent."""

@@ -1,0 +1,114 @@
+"""How many KV blocks fit: the device's share for this engine minus weights and the activation
+peak of the largest step (measured by running it once), divided by the bytes of one block."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from paged_engine.worker.cache_engine import CacheEngine
+
+if TYPE_CHECKING:
+    from paged_engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_baseline(device: torch.device, utilization: float) -> int:
+    """Bytes in use on the device before the engine loads anything (other processes, the CUDA
+    context). The engine's share, total * utilization, must be free now: fail early if not."""
+    free, total = torch.cuda.mem_get_info(device)
+    want = total * utilization
+    if free < want:
+        raise ValueError(
+            f"gpu_memory_utilization={utilization} asks for {want / 2**30:.1f} GiB of {device} "
+            f"({total / 2**30:.1f} GiB), but only {free / 2**30:.1f} GiB is free (other processes "
+            "hold the rest): lower gpu_memory_utilization"
+        )
+    return total - free
+
+
+@torch.inference_mode()
+def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) -> int:
+    """KV blocks that fit once weights and the activations of the largest step are resident.
+
+    `gpu_memory_utilization` is this engine's share of the device: the budget is
+    `total * utilization` minus what the engine itself holds (memory used now minus
+    `baseline_used`, the device's use before the engine loaded anything: other processes)
+    minus the activation peak. Without a baseline all used memory counts as ours."""
+    cfg = runner.config
+    bytes_per_block = CacheEngine.bytes_per_block(
+        runner.hf_config, runner.block_size, _model_dtype(runner.model)
+    )
+    if cfg.num_gpu_blocks_override is not None:
+        return cfg.num_gpu_blocks_override
+    if runner.device.type != "cuda":
+        return max(int(cfg.cpu_kv_cache_gib * (1 << 30)) // bytes_per_block, 2)
+    dev = runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    free_before, total = torch.cuda.mem_get_info(dev)
+    used_before = total - free_before  # weights, CUDA context, other processes
+    own = used_before - (baseline_used or 0)
+    allocated_before = torch.cuda.memory_allocated(dev)
+    scratch_bytes = profile_forward(runner)
+    torch.cuda.synchronize(dev)
+    # The peak counts the forward's scratch KV blocks too: the real pool replaces them.
+    activation_peak = torch.cuda.max_memory_allocated(dev) - allocated_before - scratch_bytes
+    budget = total * cfg.gpu_memory_utilization - own - activation_peak
+    torch.cuda.empty_cache()
+    num_blocks = int(budget // bytes_per_block)
+    logger.info(
+        "profiling: %.2f GiB held by the engine, %.2f GiB activation peak -> %d KV blocks",
+        own / 2**30,
+        activation_peak / 2**30,
+        num_blocks,
+    )
+    return num_blocks
+
+
+def profile_forward(runner: ModelRunner) -> int:
+    """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits.
+    Returns the bytes of the scratch KV cache it allocated."""
+    cfg, bs, dev = runner.config, runner.block_size, runner.device
+    assert cfg.max_num_batched_tokens is not None
+    assert cfg.max_model_len is not None
+    num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens))
+    # No step runs more than max_model_len tokens of one sequence (nor positions past it).
+    num_tokens = min(cfg.max_num_batched_tokens, num_seqs * cfg.max_model_len)
+    q, r = divmod(num_tokens, num_seqs)
+    lens = [q + 1] * r + [q] * (num_seqs - r)  # each <= ceil(num_tokens / num_seqs)
+    blocks_needed = sum(-(-n // bs) for n in lens) + 1
+    dtype = _model_dtype(runner.model)
+    scratch = CacheEngine(
+        runner.hf_config, blocks_needed, bs, dtype=dtype, device=dev, backend=runner.backend
+    )
+    tables, slots, next_block = [], [], 1
+    for n in lens:
+        nb = -(-n // bs)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb
+        tables.append(table + [0] * (max(1, blocks_needed) - nb))
+        slots.extend(table[p // bs] * bs + p % bs for p in range(n))
+    cu = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    meta = runner.backend.build_metadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+        max_seqlen_q=max(lens),
+        max_seqlen_k=max(lens),
+    )
+    ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    hidden = runner.model(ids, positions, scratch.kv_caches, meta)
+    runner.model.compute_logits(hidden[:num_seqs])
+    del scratch, hidden
+    return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, dtype)
+
+
+def _model_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype

@@ -1,0 +1,100 @@
+"""What a worker step returns: `ModelRunnerOutput` (plain host data) and the handle that
+produces it once the device results have reached the host.
+
+    flat sample list, one entry per sampled token (a fan-out sequence appears k times):
+    sampled_seq_ids [i] -> sampled_token_ids [i], logprobs row i (when any row asked)
+
+Beam rows are not sampled: they return their top-k raw logprobs (`beam_topk`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_engine.core.core_output import LogprobsLists, PromptLogprobsChunk
+from paged_engine.sample.logprobs import unpack
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    step_id: int
+    sampled_seq_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: LogprobsLists | None = None  # aligned with the sampled tokens
+    beam_topk: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start a device -> host copy that does not block the host (pinned memory on CUDA)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+class AsyncRunnerOutput:
+    """A step's results on their way to the host. Created right after the step's kernels are
+    queued; `get()` waits for the copies (an event on CUDA; nothing on CPU) and unpacks."""
+
+    def __init__(
+        self,
+        step_id: int,
+        seq_ids: list[int],
+        token_ids: torch.Tensor | None,  # [N] int64
+        logprobs: torch.Tensor | None,  # [N, 3 + 2k] float64 packed
+        num_logprobs: list[int | None],
+        beam: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None,
+        prompt: list[tuple[int, int, int, torch.Tensor]],  # (seq_id, start, k, packed)
+    ) -> None:
+        self.step_id = step_id
+        self._seq_ids = seq_ids
+        self._num_logprobs = num_logprobs
+        self._tokens = None if token_ids is None else _to_host(token_ids)
+        self._logprobs = None if logprobs is None else _to_host(logprobs)
+        self._beam = None
+        if beam is not None:
+            beam_ids, ks, lps, ids = beam
+            self._beam = (beam_ids, ks, _to_host(lps), _to_host(ids))
+        self._prompt = [(sid, start, k, _to_host(p)) for sid, start, k, p in prompt]
+        self._event = None
+        device = next(
+            (t.device for t in (token_ids, logprobs) if t is not None), torch.device("cpu")
+        )
+        if device.type == "cuda" or (beam is not None and beam[2].device.type == "cuda"):
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._result: ModelRunnerOutput | None = None
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids alone (the worker's own history bookkeeping); waits like get()."""
+        if self._event is not None:
+            self._event.synchronize()
+        return [] if self._tokens is None else self._tokens.tolist()
+
+    def get(self) -> ModelRunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        out = ModelRunnerOutput(self.step_id, self._seq_ids)
+        if self._tokens is not None:
+            out.sampled_token_ids = self._tokens.tolist()
+        if self._logprobs is not None:
+            out.logprobs = unpack(self._logprobs.tolist(), self._num_logprobs)
+        if self._beam is not None:
+            beam_ids, ks, lps, ids = self._beam
+            for i, (sid, k) in enumerate(zip(beam_ids, ks)):
+                out.beam_topk[sid] = (lps[i, :k].tolist(), ids[i, :k].tolist())
+        for sid, start, k, packed in self._prompt:
+            out.prompt_logprobs[sid] = PromptLogprobsChunk(
+                start, unpack(packed.tolist(), [k] * packed.shape[0])
+            )
+        self._result = out
+        return out

@@ -1,0 +1,69 @@
+"""`Worker`: one device. Loads the model, sizes and owns the KV cache, runs scheduled steps.
+
+The engine core reaches it only through an executor with plain data (`SchedulerOutput` in,
+`AsyncRunnerOutput` out), so the same worker can live in another process or thread.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from paged_engine.attention import get_attention_backend
+from paged_engine.config import EngineConfig
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
+from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
+from paged_engine.worker.model_runner import ModelRunner
+from paged_engine.worker.runner_output import AsyncRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        # An explicit index: tensors report cuda:N, so `device ==` checks only hold against it.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config)
+        if config.dtype == "auto" and resolved.is_gguf and self.device.type == "cuda":
+            # A GGUF file carries no compute dtype (its weights are quantized): on a GPU run in
+            # bf16 (fp16 where bf16 is missing) rather than the float32 "auto" gives elsewhere.
+            bf16 = torch.cuda.is_bf16_supported()
+            self.dtype = torch.bfloat16 if bf16 else torch.float16
+        torch.manual_seed(config.seed)
+        self._baseline = None
+        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+            self._baseline = gpu_baseline(self.device, config.gpu_memory_utilization)
+        model = load_model(
+            resolved,
+            hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=config.load_format,
+            seed=config.seed,
+        )
+        model.eval()
+        backend = get_attention_backend(config.attention_backend, self.device)
+        self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
+
+    def determine_num_blocks(self) -> int:
+        return profile_num_blocks(self.model_runner, baseline_used=self._baseline)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.model_runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
+        return self.model_runner.execute_model(sched)

@@ -1,66 +1,58 @@
 """A deterministic stand-in for `paged_engine.LLMEngine` with the same methods (no torch).
 
 Tokens are bytes (+ BOS 1, EOS 2); each step appends one token to every running sequence after a
-fixed `step_time`, so tests can reason about timing. Used for fast in-process tests of the engine
-loop and for developing the server while the real engine was being written.
+fixed `step_time`, so tests can reason about timing. It takes the engine's own `SamplingParams`
+and returns its `RequestOutput`s, shaped by `output_kind` as the engine shapes them: CUMULATIVE
+every step; DELTA only what is new (beams and best_of > n: once, whole, at the end); FINAL_ONLY
+once, at the end. Used for fast in-process tests of the engine loop and the routes.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from paged_engine.engine.detokenizer import find_stop, stop_holdback
+from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_engine.sampling_params import RequestOutputKind, SamplingParams
+
 
 class FakeTokenizer:
+    """Records which threads used it and how often it encoded: one owner per tokenizer."""
+
     bos_token_id, eos_token_id = 1, 2
+    chat_template = "fake"
+
+    def __init__(self) -> None:
+        self.threads: set[str] = set()
+        self.num_encodes = 0
 
     def __len__(self) -> int:
         return 259
 
+    def _used(self) -> None:
+        self.threads.add(threading.current_thread().name)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self._used()
+        self.num_encodes += 1
         ids = [b + 3 for b in text.encode()]
         return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        self._used()
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", "replace")
 
-
-@dataclass
-class SamplingParams:
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    def apply_chat_template(
+        self, messages, *, chat_template=None, tokenize=True, add_generation_prompt=True
+    ):
+        self._used()
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        text += "<assistant>" if add_generation_prompt else ""
+        return text if not tokenize else self.encode(text, add_special_tokens=False)
 
 
 @dataclass
@@ -71,15 +63,20 @@ class _Seq:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    num_sent_tokens: int = 0  # DELTA: what earlier outputs carried
+    num_sent_chars: int = 0
 
 
 @dataclass
 class _Req:
     rid: str
-    prompt: str | list[int] | None
+    prompt: str | None
     prompt_ids: list[int]
     params: SamplingParams
     seqs: list[_Seq]
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
 
 
 class FakeEngine:
@@ -98,17 +95,23 @@ class FakeEngine:
         self.running: dict[str, _Req] = {}
         self.waiting: list[_Req] = []
         self.prompt_tokens = self.gen_tokens = 0
-
-    def apply_chat_template(self, messages, *, chat_template=None, add_generation_prompt=True):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return text + ("<assistant>" if add_generation_prompt else "")
+        self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = list(prompt["prompt_token_ids"])
+        else:
+            ids = self.tokenizer.encode(text) if isinstance(text, str) else list(text)
         if len(ids) >= self.config.max_model_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_model_len")
-        seqs = [_Seq(i) for i in range(params.n)]
-        self.waiting.append(_Req(request_id, prompt, ids, params, seqs))
+        if params.num_sequences > self.max_num_seqs:
+            raise ValueError(f"n/best_of={params.num_sequences} exceeds max_num_seqs")
+        seqs = [_Seq(i) for i in range(params.num_sequences)]
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        text = text if isinstance(text, str) else None
+        self.waiting.append(_Req(request_id, text, ids, params, seqs, arrival))
+        self.params[request_id] = params
 
     def abort_request(self, request_id) -> None:
         rids = {request_id} if isinstance(request_id, str) else set(request_id)
@@ -123,56 +126,88 @@ class FakeEngine:
         last = (seq.token_ids or req.prompt_ids)[-1]
         return 3 + 97 + (last * 7 + 3 + seq.index) % 26  # 'a'..'z'
 
-    def step(self):
+    def _advance(self, r: _Req, s: _Seq) -> None:
+        p = r.params
+        tid = self._next_token(r, s)
+        s.token_ids.append(tid)
+        piece = self.tokenizer.decode([tid])
+        s.text += piece
+        if p.logprobs is not None:
+            alt = 3 + 97 + (tid - 3 - 97 + 1) % 26
+            s.logprobs.append({tid: Logprob(-0.5, 1), alt: Logprob(-1.5, 2)})
+        self.gen_tokens += 1
+        hit = find_stop(s.text, len(piece), p.stop, p.include_stop_str_in_output)
+        if hit is not None:
+            s.text = s.text[: hit[0]]
+            s.finish_reason, s.stop_reason = "stop", hit[1]
+        max_tokens = p.max_tokens or self.config.max_model_len - len(r.prompt_ids)
+        if not s.finish_reason and len(s.token_ids) >= max_tokens:
+            s.finish_reason = "length"
+
+    def step(self) -> list[RequestOutput]:
         time.sleep(self.step_time)
+        now = time.monotonic()
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting.pop(0)
+            r.first_scheduled = now
             self.running[r.rid] = r
             self.prompt_tokens += len(r.prompt_ids)
         outs = []
         for rid, r in list(self.running.items()):
             for s in r.seqs:
-                if s.finish_reason:
-                    continue
-                tid = self._next_token(r, s)
-                s.token_ids.append(tid)
-                s.text += self.tokenizer.decode([tid])
-                if r.params.logprobs is not None:
-                    alt = 3 + 97 + (tid - 3 - 97 + 1) % 26
-                    s.logprobs.append({tid: Logprob(-0.5, 1), alt: Logprob(-1.5, 2)})
-                self.gen_tokens += 1
-                for stop in r.params.stop or []:
-                    if stop in s.text:
-                        s.text = s.text[: s.text.index(stop)]
-                        s.finish_reason, s.stop_reason = "stop", stop
-                if not s.finish_reason and len(s.token_ids) >= r.params.max_tokens:
-                    s.finish_reason = "length"
+                if not s.finish_reason:
+                    self._advance(r, s)
+            r.first_token = r.first_token or now
             finished = all(s.finish_reason for s in r.seqs)
-            outs.append(
-                SimpleNamespace(
-                    request_id=rid,
-                    prompt=r.prompt,
-                    prompt_token_ids=r.prompt_ids,
-                    prompt_logprobs=None,
-                    finished=finished,
-                    metrics=None,
-                    outputs=[
-                        SimpleNamespace(
-                            index=s.index,
-                            text=s.text,
-                            token_ids=list(s.token_ids),
-                            cumulative_logprob=-0.5 * len(s.token_ids),
-                            logprobs=list(s.logprobs) if r.params.logprobs is not None else None,
-                            finish_reason=s.finish_reason,
-                            stop_reason=s.stop_reason,
-                        )
-                        for s in r.seqs
-                    ],
-                )
-            )
             if finished:
                 del self.running[rid]
+            out = self._output(r, finished, now)
+            if out is not None:
+                outs.append(out)
         return outs
+
+    def _output(self, r: _Req, finished: bool, now: float) -> RequestOutput | None:
+        kind, n = r.params.output_kind, r.params.n
+        whole_at_end = r.params.use_beam_search or len(r.seqs) > n
+        if not finished and (
+            kind == RequestOutputKind.FINAL_ONLY
+            or (kind == RequestOutputKind.DELTA and whole_at_end)
+        ):
+            return None
+        delta = kind == RequestOutputKind.DELTA and not whole_at_end
+        # Every sequence scores alike here: the "best" n of a finished request are the first n.
+        seqs = r.seqs[:n] if finished else r.seqs
+        return RequestOutput(
+            request_id=r.rid,
+            prompt=r.prompt,
+            prompt_token_ids=r.prompt_ids,
+            prompt_logprobs=None,
+            outputs=[self._completion(r.params, s, delta) for s in seqs],
+            finished=finished,
+            metrics=RequestMetrics(
+                r.arrival, r.first_scheduled, r.first_token, now, now if finished else None
+            ),
+        )
+
+    @staticmethod
+    def _completion(p: SamplingParams, s: _Seq, delta: bool) -> CompletionOutput:
+        text = s.text
+        if s.finish_reason is None:  # a tail that may still become a stop string waits
+            text = text[: len(text) - stop_holdback(text, p.stop)]
+        token_ids, logprobs = s.token_ids, s.logprobs if p.logprobs is not None else None
+        t0 = c0 = 0
+        if delta:
+            t0, c0 = s.num_sent_tokens, s.num_sent_chars
+            s.num_sent_tokens, s.num_sent_chars = len(token_ids), len(text)
+        return CompletionOutput(
+            index=s.index,
+            text=text[c0:],
+            token_ids=token_ids[t0:],
+            cumulative_logprob=-0.5 * len(token_ids) if p.logprobs is not None else None,
+            logprobs=None if logprobs is None else logprobs[t0:],
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
+        )
 
     def get_stats(self):
         used = sum(

@@ -8,7 +8,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fake_engine import FakeEngine, SamplingParams
+from fake_engine import FakeEngine
 
 from paged_server.cli import build_parser, serve
 
@@ -20,4 +20,4 @@ if __name__ == "__main__":
         max_num_seqs=args.max_num_seqs,
         step_time=float(os.environ.get("FAKE_STEP_TIME", "0.002")),
     )
-    raise SystemExit(serve(args, engine, SamplingParams))
+    raise SystemExit(serve(args, engine))

@@ -21,11 +21,12 @@ from urllib.parse import urlsplit
 
 HERE = Path(__file__).parent
 MAX_MODEL_LEN = 128
+HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass
 class ServerProc:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a server in this process
     url: str
     lines: list[str] = field(default_factory=list)
 
@@ -52,7 +53,7 @@ class ServerProc:
         c = self.conn(timeout)
         try:
             data = body if isinstance(body, bytes | None) else json.dumps(body).encode()
-            hdrs = {"Content-Type": "application/json", **(headers or {})}
+            hdrs = {**HEADERS, **(headers or {})}
             c.request(method, path, body=data, headers=hdrs)
             r = c.getresponse()
             raw = r.read().decode()
@@ -60,6 +61,24 @@ class ServerProc:
             return r.status, dict(r.getheaders()), json.loads(raw) if "json" in ctype else raw
         finally:
             c.close()
+
+    def stream(self, body: dict, path: str = "/v1/completions") -> list[dict]:
+        """All SSE events of one streaming request; asserts the stream ends with [DONE]."""
+        conn = self.conn(timeout=120)
+        try:
+            conn.request("POST", path, json.dumps({**body, "stream": True}), HEADERS)
+            r = conn.getresponse()
+            assert r.status == 200, r.read()
+            events = []
+            for line in r:
+                if line.startswith(b"data: "):
+                    payload = line[6:].strip()
+                    if payload == b"[DONE]":
+                        return events
+                    events.append(json.loads(payload))
+            raise AssertionError("stream ended without [DONE]")
+        finally:
+            conn.close()
 
     def metrics(self) -> dict[str, float]:
         _, _, text = self.request("GET", "/metrics")

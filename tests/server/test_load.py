@@ -13,27 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_proc import API_KEY, COMMON_ARGS, ServerProc, launch
 
-HEADERS = {"Content-Type": "application/json"}
-
-
-def _stream(server: ServerProc, body: dict, path: str = "/v1/completions") -> list[dict]:
-    """All SSE events of one streaming request; asserts the stream ends with [DONE]."""
-    conn = server.conn(timeout=120)
-    try:
-        conn.request("POST", path, json.dumps({**body, "stream": True}), HEADERS)
-        r = conn.getresponse()
-        assert r.status == 200, r.read()
-        events = []
-        for line in r:
-            if line.startswith(b"data: "):
-                payload = line[6:].strip()
-                if payload == b"[DONE]":
-                    return events
-                events.append(json.loads(payload))
-        raise AssertionError("stream ended without [DONE]")
-    finally:
-        conn.close()
-
 
 def _health_latencies(server: ServerProc, stop: threading.Event) -> list[float]:
     out = []
@@ -52,7 +31,7 @@ def test_200_concurrent_streams_all_complete(server: ServerProc) -> None:
     with ThreadPoolExecutor(n + 1) as pool:
         health = pool.submit(_health_latencies, server, stop)
         t0 = time.monotonic()
-        results = list(pool.map(lambda i: _stream(server, {**body, "seed": i}), range(n)))
+        results = list(pool.map(lambda i: server.stream({**body, "seed": i}), range(n)))
         wall = time.monotonic() - t0
         stop.set()
         lat = health.result()

@@ -9,14 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from paged_server.engine_client import EngineClient, SeqSnapshot
+from paged_engine.sampling_params import RequestOutputKind
+from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError
 from paged_server.metrics import Metrics
 from paged_server.openai_protocol import check_context, parse_chat, parse_completion
-from paged_server.openai_responses import DeltaState
+from paged_server.openai_responses import StreamChoice
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fake_engine import FakeEngine, SamplingParams
+from fake_engine import FakeEngine
 
 
 @pytest.mark.parametrize(
@@ -58,7 +59,7 @@ def test_completion_parse() -> None:
         }
     )
     assert req.prompts == [[1, 2], [3]] and req.max_tokens == 16 and req.n == 2
-    assert req.include_usage and req.stop_strings == ["x"]
+    assert req.include_usage and req.sampling["stop"] == ["x"]
     assert parse_completion({"prompt": [1, 2, 3]}).prompts == [[1, 2, 3]]
 
 
@@ -103,17 +104,32 @@ def test_context_check_message_gives_both_lengths() -> None:
     assert e.value.param == "max_tokens" and "150" in e.value.message
 
 
-def _seq(text: str, n_tokens: int, finish: str | None = None) -> SeqSnapshot:
-    return SeqSnapshot(0, text, list(range(n_tokens)), None, None, finish, None)
+def _delta(text: str, token_ids: list[int], finish: str | None = None) -> SimpleNamespace:
+    lps = [{t: SimpleNamespace(logprob=-1.0, rank=1, decoded_token=None)} for t in token_ids]
+    return SimpleNamespace(
+        index=0,
+        text=text,
+        token_ids=token_ids,
+        logprobs=lps,
+        finish_reason=finish,
+        stop_reason=None,
+    )
 
 
-def test_delta_holds_back_possible_stop_prefix_and_partial_utf8() -> None:
-    st = DeltaState()
-    assert st.take(_seq("Hello wo", 2), holdback=3)[0] == "Hello"
-    assert st.take(_seq("Hello world\ufffd", 3), holdback=0)[0] == " world"
-    # the engine truncated a stop string: nothing that was streamed is ever retracted
-    assert st.take(_seq("Hello world", 4, "stop"), holdback=3)[0] == ""
-    assert st.sent_chars == len("Hello world")
+def test_stream_choice_merges_deltas_a_slow_reader_missed() -> None:
+    st = StreamChoice()
+    assert st.add(_delta("He", [1]), False) and st.add(_delta("llo", [2, 3]), False)
+    c = st.chunk(4, "echo: ", 0, str, chat=False)
+    assert c["index"] == 4 and c["text"] == "echo: Hello" and c["finish_reason"] is None
+    assert c["logprobs"]["tokens"] == ["1", "2", "3"] and c["logprobs"]["text_offset"] == [0, 1, 2]
+    assert st.chunk(4, "", 0, str, chat=False) is None  # nothing new
+    st.add(_delta(" you", [4]), False)
+    st.add(_delta("", [], "stop"), True)
+    c = st.chunk(4, "", 0, str, chat=True)
+    assert c["delta"] == {"content": " you"} and c["finish_reason"] == "stop"
+    assert c["logprobs"]["content"][0]["token"] == "4"
+    assert st.sent_chars == len("Hello you")
+    assert not st.add(_delta("", [], "stop"), True)  # finished: later outputs repeat it
 
 
 def test_metrics_render_prometheus_text() -> None:
@@ -128,44 +144,78 @@ def test_metrics_render_prometheus_text() -> None:
     assert "# TYPE paged:prompt_tokens_total counter" in text
 
 
-def _run(client: EngineClient, prompts: list, params) -> list:
+def _run(client: EngineClient, prompts: list, max_tokens: int, stream: bool = False) -> list:
+    """Every output of each prompt, in order."""
+    params = client.make_params({"max_tokens": max_tokens}, beam=False, stream=stream)
     group = client.add([f"r{i}" for i in range(len(prompts))], prompts, params)
+    outputs: list[list] = [[] for _ in prompts]
     deadline = time.monotonic() + 10
     while not group.done and time.monotonic() < deadline:
-        group.next(0.1)
-    return group.latest
+        for i, out in group.next(0.1):
+            outputs[i].append(out)
+    return outputs
 
 
 def test_engine_client_generates_aborts_and_reports_errors() -> None:
     engine = FakeEngine(step_time=0.01)
-    client = EngineClient(engine, SamplingParams, metrics=Metrics("fake"))
+    client = EngineClient(engine, metrics=Metrics("fake"))
     client.start()
     try:
-        out = _run(client, ["ab", [5, 6]], SamplingParams(max_tokens=3))
-        assert [len(o.outputs[0].token_ids) for o in out] == [3, 3]
-        assert all(o.finished for o in out)
-        group = client.add(["long"], ["x"], SamplingParams(max_tokens=200))
+        prompts = [{"prompt": "ab", "prompt_token_ids": [1, 100, 101]}, {"prompt_token_ids": [5]}]
+        out = _run(client, prompts, 3)
+        assert [len(o) for o in out] == [1, 1]  # FINAL_ONLY: the whole result, once
+        assert [len(o[0].outputs[0].token_ids) for o in out] == [3, 3]
+        assert [o[0].prompt for o in out] == ["ab", None] and all(o[0].finished for o in out)
+        streamed = _run(client, prompts, 3, stream=True)
+        assert [len(o) for o in streamed] == [3, 3]  # DELTA: one new token per step
+        for whole, deltas in zip(out, streamed):
+            assert "".join(d.outputs[0].text for d in deltas) == whole[0].outputs[0].text
+        params = client.make_params({"max_tokens": 200}, beam=False, stream=True)
+        group = client.add(["long"], [{"prompt_token_ids": [5]}], params)
         group.next(5)
         client.abort(["long"])
         deadline = time.monotonic() + 5
         while engine.has_unfinished_requests() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not engine.has_unfinished_requests() and client.num_in_flight() == 0
-        bad = client.add(["ok", "bad"], ["y", "y" * 300], SamplingParams())
+        params = client.make_params({}, beam=False, stream=False)
+        bad = client.add(["ok", "bad"], [{"prompt_token_ids": [5] * n} for n in (1, 300)], params)
         with pytest.raises(APIError) as e:  # the engine's ValueError arrives as a 400
             bad.wait_added(5)
         assert e.value.status == 400
         client.abort(bad.request_ids)
         with pytest.raises(APIError) as e:
-            client.make_params({"temperature": -1.0}, beam=False)
+            client.make_params({"temperature": -1.0}, beam=False, stream=False)
         assert e.value.param == "temperature"
     finally:
         client.stop()
     assert not client.alive
 
 
+def test_streams_ask_for_deltas_and_the_rest_for_the_final_output_only() -> None:
+    for stream, kind in [(True, RequestOutputKind.DELTA), (False, RequestOutputKind.FINAL_ONLY)]:
+        params = EngineClient.make_params({"n": 2}, beam=False, stream=stream)
+        assert params.output_kind == kind and params.n == 2
+        assert EngineClient.make_params({}, beam=True, stream=stream).output_kind == kind
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_latency_metrics_from_deltas_and_final_outputs(stream: bool) -> None:
+    """FINAL_ONLY sends no per-step outputs: TTFT and inter-token gaps come from the engine's
+    token times, with the same sum and count as per-step observation."""
+    client = EngineClient(FakeEngine(step_time=0.01), metrics=Metrics("fake"))
+    client.start()
+    try:
+        _run(client, [{"prompt_token_ids": [5]}], 5, stream=stream)
+    finally:
+        client.stop()  # joins the engine thread: its last observations are in
+    m = client.metrics
+    assert m.ttft._count == 1 and m.e2e._count == 1 and m.finished["length"] == 1
+    assert m.itl._count == 4 and 0.035 < m.itl._sum < 1.0  # 4 gaps of about 10 ms
+
+
 def test_queue_limit_counts_requests_not_yet_seen_by_the_engine() -> None:
-    client = EngineClient(FakeEngine(), SamplingParams, max_queued_requests=2)
+    client = EngineClient(FakeEngine(), max_queued_requests=2)
     client.stats = SimpleNamespace(num_waiting=1)
     client.check_queue()
     client._pending_adds = 1  # added but not drained yet: still counts as waiting
@@ -211,16 +261,14 @@ def test_engine_failure_fails_only_the_requests_in_flight() -> None:
                 raise RuntimeError("boom")
             return super().step()
 
-    client = EngineClient(Flaky(step_time=0.0), SamplingParams)
+    client = EngineClient(Flaky(step_time=0.0))
     client.start()
     try:
-        group = client.add(["a"], ["x"], SamplingParams(max_tokens=2))
         with pytest.raises(APIError) as e:
-            while not group.done:
-                group.next(5)
+            _run(client, [{"prompt_token_ids": [5]}], 2)
         assert e.value.status == 500
-        out = _run(client, ["y"], SamplingParams(max_tokens=2))  # the loop lives on
-        assert out[0].finished and client.alive
+        out = _run(client, [{"prompt_token_ids": [6]}], 2)  # the loop lives on
+        assert out[0][-1].finished and client.alive
     finally:
         client.stop()
 

@@ -3,6 +3,10 @@
 Every route runs on its connection's HTTP thread. A route that started engine requests aborts
 them on any way out other than their completion (error, disconnect, failed write), so KV blocks
 are never held for a client that is gone.
+
+`tokenizer` is the HTTP side's own (never the engine's: the engine thread uses that one without
+a lock), shared by the HTTP threads under `tok_lock`. A prompt is tokenized here once; the
+engine gets its ids with its text and does not tokenize it again.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from paged_server.openai_protocol import (
     parse_completion,
 )
 from paged_server.openai_responses import (
-    DeltaState,
+    StreamChoice,
     chat_logprobs,
     completion_logprobs,
     envelope,
@@ -45,7 +49,6 @@ class OpenAIApp:
         model_path: str,
         max_model_len: int,
         api_key: str | None = None,
-        apply_chat_template: Callable[..., str] | None = None,
         chat_template: str | None = None,
         engine_version: str | None = None,
         poll_interval: float = 0.25,
@@ -56,7 +59,6 @@ class OpenAIApp:
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.api_key = api_key
-        self.apply_chat_template = apply_chat_template
         self.chat_template = chat_template
         self.engine_version = engine_version
         self.poll_interval = poll_interval
@@ -189,13 +191,15 @@ class OpenAIApp:
                 raise bad_request(f"token id {t!r} is not in [0, {self.vocab_size})", param)
 
     def _render_chat(self, req: GenerationRequest) -> str:
-        if self.apply_chat_template is None:
+        template = req.chat_template or self.chat_template or self.tokenizer.chat_template
+        if template is None:
             raise bad_request("this model has no chat template", "messages")
         try:
             with self.tok_lock:
-                return self.apply_chat_template(
+                return self.tokenizer.apply_chat_template(
                     req.messages,
-                    chat_template=req.chat_template or self.chat_template,
+                    chat_template=template,
+                    tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
@@ -205,40 +209,48 @@ class OpenAIApp:
     def completions(self, h: Handler) -> None:
         req = parse_completion(h.read_json())
         model = self._model(req.model)
-        ids = []
+        texts, ids = [], []
         for p in req.prompts:
             if isinstance(p, str):
+                texts.append(p)
                 ids.append(self._encode(p, True))
             else:
                 self._check_ids(p, "prompt")
+                texts.append(None)
                 ids.append(p)
-        self._generate(h, req, model, req.prompts, ids, chat=False)
+        self._generate(h, req, model, texts, ids, chat=False)
 
     def chat(self, h: Handler) -> None:
         req = parse_chat(h.read_json())
         model = self._model(req.model)
-        ids = self._encode(self._render_chat(req), False)  # the template carries BOS itself
-        self._generate(h, req, model, [ids], [ids], chat=True)
+        text = self._render_chat(req)
+        ids = self._encode(text, False)  # the template carries BOS itself
+        self._generate(h, req, model, [text], [ids], chat=True)
 
     def _generate(
         self,
         h: Handler,
         req: GenerationRequest,
         model: str,
-        prompts: list[str | list[int]],
+        texts: list[str | None],
         ids: list[list[int]],
         chat: bool,
     ) -> None:
+        """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids."""
         max_tokens = min(check_context(len(i), req.max_tokens, self.max_model_len) for i in ids)
         self.client.check_queue()
         kwargs = {**req.sampling, "max_tokens": max_tokens}
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
-            if req.echo:
+            if req.echo and not req.stream:  # a stream's logprobs cover its new tokens only
                 kwargs["prompt_logprobs"] = req.logprobs
-        params = self.client.make_params(kwargs, req.use_beam_search)
+        params = self.client.make_params(kwargs, beam=req.use_beam_search, stream=req.stream)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        rids = [f"{rid}-{i}" for i in range(len(prompts))]
+        rids = [f"{rid}-{i}" for i in range(len(ids))]
+        prompts = [
+            {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
+            for t, i in zip(texts, ids)
+        ]
         group = self.client.add(rids, prompts, params)
         try:
             # Engine-side refusals must become HTTP errors before a stream's headers go out.
@@ -246,10 +258,10 @@ class OpenAIApp:
                 if h.client_gone():
                     raise ConnectionResetError("client disconnected")
             if req.stream:
-                self._stream(h, req, model, rid, group, ids, chat)
+                self._stream(h, req, model, rid, group, texts, ids, chat)
             else:
                 self._wait(h, group)
-                self._respond(h, req, model, rid, group, ids, chat)
+                self._respond(h, req, model, rid, group, texts, ids, chat)
         finally:
             if not group.done:
                 self.client.abort(rids)
@@ -264,9 +276,9 @@ class OpenAIApp:
                     raise ConnectionResetError("client disconnected")
                 next_check = time.monotonic() + self.poll_interval
 
-    def _prompt_text(self, prompt_ids: list[int], original: Any) -> str:
-        if isinstance(original, str):
-            return original
+    def _prompt_text(self, text: str | None, prompt_ids: list[int]) -> str:
+        if text is not None:
+            return text
         with self.tok_lock:
             return self.tokenizer.decode(prompt_ids)
 
@@ -277,14 +289,15 @@ class OpenAIApp:
         model: str,
         rid: str,
         group: RequestGroup,
+        texts: list[str | None],
         ids: list[list[int]],
         chat: bool,
     ) -> None:
-        choices, n_prompt, n_gen = [], 0, 0
-        for pi, snap in enumerate(group.latest):
-            n_prompt += len(snap.prompt_token_ids)
-            n_gen += sum(len(s.token_ids) for s in snap.outputs)
-            for seq in snap.outputs[: req.n]:
+        """One FINAL_ONLY output per prompt: its best n sequences, ranked by the engine."""
+        choices, n_prompt = [], 0
+        for pi, out in enumerate(group.latest):
+            n_prompt += len(out.prompt_token_ids)
+            for seq in out.outputs:
                 choice: dict[str, Any] = {"index": len(choices)}
                 lp = None
                 if chat:
@@ -294,18 +307,19 @@ class OpenAIApp:
                         )
                     choice["message"] = {"role": "assistant", "content": seq.text}
                 else:
-                    prefix = self._prompt_text(ids[pi], req.prompts[pi]) if req.echo else ""
+                    prefix = self._prompt_text(texts[pi], ids[pi]) if req.echo else ""
                     if req.logprobs is not None:
                         tids, lps = seq.token_ids, list(seq.logprobs or [])
                         if req.echo:
-                            p_lps = snap.prompt_logprobs or [None] * len(snap.prompt_token_ids)
-                            tids, lps = snap.prompt_token_ids + tids, list(p_lps) + lps
+                            p_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                            tids, lps = out.prompt_token_ids + tids, list(p_lps) + lps
                         lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
                     choice["text"] = prefix + seq.text
                 choice.update(
                     logprobs=lp, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
                 )
                 choices.append(choice)
+        n_gen = group.num_generated_tokens
         body = envelope(rid, "chat.completion" if chat else "text_completion", model)
         body.update(choices=choices, usage=usage(n_prompt, n_gen))
         h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen}"
@@ -318,19 +332,20 @@ class OpenAIApp:
         model: str,
         rid: str,
         group: RequestGroup,
+        texts: list[str | None],
         ids: list[list[int]],
         chat: bool,
     ) -> None:
+        """One event per batch of DELTA outputs; choice `pi * n + i` is sequence i of prompt pi."""
         n = req.n
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
-        holdback = max((len(s) for s in req.stop_strings), default=1) - 1
-        states = [[DeltaState() for _ in range(n)] for _ in ids]
+        choices = [StreamChoice() for _ in range(n * len(ids))]
         h.start_stream()
 
-        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
             body = envelope(rid, obj, model, created)
-            body["choices"] = choices
+            body["choices"] = entries
             if req.include_usage:
                 body["usage"] = None
             return body
@@ -345,56 +360,34 @@ class OpenAIApp:
                             "logprobs": None,
                             "finish_reason": None,
                         }
-                        for i in range(n * len(ids))
+                        for i in range(len(choices))
                     ]
                 )
             )
         while not group.done:
-            updated = group.next(self.poll_interval)
-            if not updated:
+            arrived = group.next(self.poll_interval)
+            if not arrived:
                 if h.client_gone():
                     raise ConnectionResetError("client disconnected")
                 continue
-            out = []
-            for pi in sorted(updated):
-                snap = group.latest[pi]
-                for pos, seq in enumerate(snap.outputs[:n]):
-                    si = seq.index if 0 <= seq.index < n else pos
-                    st = states[pi][si]
-                    if st.finished:
-                        continue
-                    fin = seq.finish_reason or ("stop" if snap.finished else None)
-                    offset = st.sent_chars
-                    delta, t0, t1 = st.take(seq, holdback)
-                    if req.echo and not st.started:
-                        delta = self._prompt_text(ids[pi], req.prompts[pi]) + delta
-                    st.started = True
-                    if not delta and t0 == t1 and fin is None:
-                        continue
-                    lp = None
-                    if req.logprobs is not None and seq.logprobs is not None:
-                        tids, lps = seq.token_ids[t0:t1], seq.logprobs[t0:t1]
-                        lp = (
-                            chat_logprobs(tids, lps, req.logprobs, self._decode_one)
-                            if chat
-                            else completion_logprobs(
-                                tids, lps, req.logprobs, self._decode_one, offset
-                            )
-                        )
-                    c: dict[str, Any] = {"index": pi * n + si}
-                    if chat:
-                        c["delta"] = {"content": delta} if delta or fin is None else {}
-                    else:
-                        c["text"] = delta
-                    c.update(
-                        logprobs=lp, finish_reason=fin, stop_reason=seq.stop_reason if fin else None
-                    )
-                    st.finished = fin is not None
-                    out.append(c)
-            if out:
-                h.send_event(chunk(out))
-        n_prompt = sum(len(s.prompt_token_ids) for s in group.latest)
-        n_gen = sum(len(o.token_ids) for s in group.latest for o in s.outputs)
+            updated = set()
+            for pi, out in arrived:
+                for seq in out.outputs:
+                    ci = pi * n + seq.index
+                    if choices[ci].add(seq, out.finished):
+                        updated.add(ci)
+            entries = []
+            for ci in sorted(updated):
+                st, pi = choices[ci], ci // n
+                echo = req.echo and not st.started
+                prefix = self._prompt_text(texts[pi], ids[pi]) if echo else ""
+                entry = st.chunk(ci, prefix, req.logprobs, self._decode_one, chat)
+                if entry is not None:
+                    entries.append(entry)
+            if entries:
+                h.send_event(chunk(entries))
+        n_prompt = sum(len(out.prompt_token_ids) for out in group.latest)
+        n_gen = group.num_generated_tokens
         h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
         if req.include_usage:
             body = envelope(rid, obj, model, created)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import signal
 import sys
@@ -78,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, type]:
-    """The engine and its SamplingParams class (the engine imports torch; we never do)."""
-    from paged_engine import EngineConfig, LLMEngine, SamplingParams
+def build_engine(args: argparse.Namespace) -> Any:
+    """The engine (it imports torch; we never do)."""
+    from paged_engine import EngineConfig, LLMEngine
 
     model = args.model
     if model is None:
@@ -103,34 +104,38 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, type]:
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
     )
-    return LLMEngine(config), SamplingParams
+    return LLMEngine(config)
 
 
-def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
-    """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
+def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, OpenAIApp]:
+    """The engine loop (not started yet) and the routes over it.
+
+    The routes get a copy of the engine's tokenizer, made before the engine loop starts: the
+    engine thread alone uses the engine's (HF fast tokenizers fail with "Already borrowed" when
+    two threads use one while either changes its settings, e.g. truncation or padding).
+    """
     model_path = str(getattr(engine.config, "model", args.model))
     from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
 
     # Like vLLM: the --model string itself; the built-in default is served by its plain name.
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     metrics = Metrics(names[0])
-    client = EngineClient(
-        engine,
-        sampling_cls,
-        metrics=metrics,
-        max_queued_requests=args.max_queued_requests,
-    )
-    apply_template = getattr(engine, "apply_chat_template", None)
+    client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
     app = OpenAIApp(
         client,
-        engine.tokenizer,
+        copy.deepcopy(engine.tokenizer),
         served_model_names=names,
         model_path=model_path,
         max_model_len=engine.config.max_model_len,
         api_key=args.api_key,
-        apply_chat_template=apply_template,
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
     )
+    return client, app
+
+
+def serve(args: argparse.Namespace, engine: Any) -> int:
+    """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
+    client, app = build_app(args, engine)
     try:
         server = Server(
             (args.host, args.port),
@@ -160,7 +165,7 @@ def serve(args: argparse.Namespace, engine: Any, sampling_cls: type) -> int:
     block_size = getattr(engine.config, "block_size", args.block_size)
     host, port = server.server_address[:2]
     print(
-        f"paged-server: model {names[0]} ({model_path}), max_model_len "
+        f"paged-server: model {app.names[0]} ({app.model_path}), max_model_len "
         f"{engine.config.max_model_len}, KV pool {stats.num_total_blocks} blocks x {block_size} "
         f"= {stats.num_total_blocks * block_size} tokens\n"
         f"paged-server: serving on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1)",
@@ -192,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        engine, sampling_cls = build_engine(args)
+        engine = build_engine(args)
     except (ValueError, NotImplementedError, FileNotFoundError, OSError) as e:
         print(f"paged-server: cannot start the engine: {e}", file=sys.stderr)
         return 2
-    return serve(args, engine, sampling_cls)
+    return serve(args, engine)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,13 @@
 
 Invariants:
 - Exactly one thread (the engine thread) calls the engine's add_request / step / abort_request /
-  get_stats. HTTP threads only push commands onto `_commands` and read their own `RequestGroup`.
+  get_stats and uses the engine's tokenizer. HTTP threads only push commands onto `_commands` and
+  read their own `RequestGroup`.
+- Every request asks the engine for DELTA outputs (streams) or FINAL_ONLY (one output at the
+  end): each output holds only what is new, so the HTTP thread consumes all of them, in order.
+  Outputs are fresh objects the engine never touches after step(): they cross threads as they are.
 - The engine thread never blocks on a socket or on a consumer: outputs go to unbounded per-request
-  queues, and since outputs are cumulative a slow consumer simply skips to the newest one.
+  queues, and a slow consumer merges what piled up.
 - `stats` is an immutable snapshot replaced by the engine thread after every step and every batch
   of commands, so /metrics and /health never wait for the engine.
 """
@@ -20,55 +24,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
 
 log = logging.getLogger("paged_server")
 
-
-@dataclass(slots=True)
-class SeqSnapshot:
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict] | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass(slots=True)
-class OutputSnapshot:
-    """A copy of one RequestOutput taken on the engine thread (the engine may reuse its objects)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt_logprobs: list | None
-    outputs: list[SeqSnapshot]
-    finished: bool
-
-
-def _snapshot(out: Any) -> OutputSnapshot:
-    seqs = [
-        SeqSnapshot(
-            index=o.index,
-            text=o.text,
-            token_ids=list(o.token_ids),
-            cumulative_logprob=o.cumulative_logprob,
-            logprobs=None if o.logprobs is None else list(o.logprobs),
-            finish_reason=o.finish_reason,
-            stop_reason=getattr(o, "stop_reason", None),
-        )
-        for o in out.outputs
-    ]
-    prompt_lp = getattr(out, "prompt_logprobs", None)
-    return OutputSnapshot(
-        request_id=out.request_id,
-        prompt_token_ids=list(out.prompt_token_ids or []),
-        prompt_logprobs=None if prompt_lp is None else list(prompt_lp),
-        outputs=seqs,
-        finished=bool(out.finished),
-    )
+_SP_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 
 
 @dataclass(slots=True)
@@ -76,23 +38,23 @@ class _Tracking:
     """Engine-thread bookkeeping for the latency histograms."""
 
     arrival: float
-    first_token: float | None = None
-    last_token: float = 0.0
-    num_tokens: int = 0
+    last_token: float | None = None  # None until the first token arrived
 
 
 class RequestGroup:
     """The HTTP side of the engine requests of one HTTP request (one per prompt).
 
-    The engine thread puts `(index, OutputSnapshot | APIError)` on one shared queue, so a single
+    The engine thread puts `(index, RequestOutput | APIError)` on one shared queue, so a single
     blocking `get` wakes on progress of any member.
     """
 
     def __init__(self, request_ids: list[str]):
         self.request_ids = request_ids
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.latest: list[OutputSnapshot | None] = [None] * len(request_ids)
+        # The newest output of each member: with FINAL_ONLY, the whole result once it finished.
+        self.latest: list[Any] = [None] * len(request_ids)
         self.num_finished = 0
+        self.num_generated_tokens = 0  # over every output so far (each holds only new tokens)
         self.add_error: APIError | None = None  # set by the engine thread before `_added`
         self._num_added = 0  # engine thread only
         self._added = threading.Event()
@@ -109,36 +71,37 @@ class RequestGroup:
     def done(self) -> bool:
         return self.num_finished == len(self.request_ids)
 
-    def next(self, timeout: float) -> set[int]:
-        """Indices that progressed, after waiting up to `timeout` for the first; may be empty.
+    def next(self, timeout: float) -> list[tuple[int, Any]]:
+        """Every `(member index, RequestOutput)` that arrived, in order, after waiting up to
+        `timeout` for the first; may be empty.
 
         Raises the APIError the engine thread reported for any member.
         """
         try:
             item = self.queue.get(timeout=timeout)
         except queue.Empty:
-            return set()
-        updated: set[int] = set()
+            return []
+        arrived = []
         while True:
-            index, snap = item
-            if isinstance(snap, APIError):
-                raise snap
-            self.latest[index] = snap
-            if snap.finished:
-                self.num_finished += 1
-            updated.add(index)
+            index, out = item
+            if isinstance(out, APIError):
+                raise out
+            self.latest[index] = out
+            self.num_finished += out.finished
+            self.num_generated_tokens += sum(len(o.token_ids) for o in out.outputs)
+            arrived.append(item)
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
-                return updated
+                return arrived
 
 
 @dataclass
 class _Add:
     group: RequestGroup
     index: int
-    prompt: str | list[int]
-    params: Any
+    prompt: dict[str, Any]  # {"prompt_token_ids": ids} and, for a text prompt, "prompt": text
+    params: SamplingParams
     arrival: float
 
 
@@ -146,14 +109,11 @@ class EngineClient:
     def __init__(
         self,
         engine: Any,
-        sampling_params_cls: type,
         *,
         metrics: Metrics | None = None,
         max_queued_requests: int | None = None,
     ):
         self.engine = engine
-        self._sp_cls = sampling_params_cls
-        self._sp_fields = set(inspect.signature(sampling_params_cls).parameters)
         self.metrics = metrics or Metrics("model")
         self.max_queued = max_queued_requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -177,19 +137,23 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
 
-    def make_params(self, kwargs: dict[str, Any], beam: bool) -> Any:
-        """Build SamplingParams in the calling thread; its ValueErrors become 400s."""
+    @staticmethod
+    def make_params(kwargs: dict[str, Any], *, beam: bool, stream: bool) -> SamplingParams:
+        """Build SamplingParams in the calling thread; its ValueErrors become 400s. A stream
+        gets DELTA outputs, anything else one FINAL_ONLY output."""
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        kwargs = {**kwargs, "output_kind": kind}
         if beam:
-            kwargs = {**kwargs, "use_beam_search": True}
-        unknown = sorted(k for k in kwargs if k not in self._sp_fields)
+            kwargs["use_beam_search"] = True
+        unknown = sorted(k for k in kwargs if k not in _SP_FIELDS)
         if unknown:
             raise bad_request(
                 f"parameter '{unknown[0]}' is not supported by this engine", unknown[0]
             )
         try:
-            return self._sp_cls(**kwargs)
+            return SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
-            raise bad_request(str(e), _guess_param(str(e), self._sp_fields)) from None
+            raise bad_request(str(e), _guess_param(str(e), _SP_FIELDS)) from None
 
     def check_queue(self) -> None:
         if self.max_queued is None:
@@ -205,7 +169,7 @@ class EngineClient:
             )
 
     def add(
-        self, request_ids: list[str], prompts: list[str | list[int]], params: Any
+        self, request_ids: list[str], prompts: list[dict[str, Any]], params: SamplingParams
     ) -> RequestGroup:
         group = RequestGroup(request_ids)
         now = time.monotonic()
@@ -281,7 +245,7 @@ class EngineClient:
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival)
         except ValueError as e:
             group.add_error = group.add_error or bad_request(
-                str(e), _guess_param(str(e), self._sp_fields)
+                str(e), _guess_param(str(e), _SP_FIELDS)
             )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)
@@ -323,37 +287,39 @@ class EngineClient:
             member = self._streams.get(out.request_id)
             if member is None:  # aborted after this step was scheduled
                 continue
-            snap = _snapshot(out)
-            member[0].queue.put((member[1], snap))
-            self._observe(out, snap, now)
-            if snap.finished:
+            member[0].queue.put((member[1], out))
+            self._observe(out, now)
+            if out.finished:
                 del self._streams[out.request_id]
                 self._tracking.pop(out.request_id, None)
 
-    def _observe(self, out: Any, snap: OutputSnapshot, now: float) -> None:
-        t = self._tracking.get(snap.request_id)
+    def _observe(self, out: Any, now: float) -> None:
+        """Latency histograms from the engine's token times (its clock is ours: monotonic).
+
+        One output may cover several steps (FINAL_ONLY, or beams): the span from its first (or
+        the previous output's last) token to its last is observed as that many equal gaps, so
+        the inter-token sum and count are those of per-step observation.
+        """
+        t = self._tracking.get(out.request_id)
         if t is None:
             return
-        m = self.metrics
-        num = sum(len(s.token_ids) for s in snap.outputs)
-        if num > t.num_tokens:
-            if t.first_token is None:
-                t.first_token = now
-                m.ttft.observe(now - t.arrival)
-                rm = getattr(out, "metrics", None)
-                sched, arr = (
-                    getattr(rm, "first_scheduled_time", None),
-                    getattr(rm, "arrival_time", None),
-                )
-                if sched is not None and arr is not None:
-                    m.queue_time.observe(max(0.0, sched - arr))
+        m, rm = self.metrics, out.metrics
+        steps = max((len(o.token_ids) for o in out.outputs), default=0)
+        if steps:
+            first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
+            if t.last_token is None:
+                m.ttft.observe(first - t.arrival)
+                if rm is not None and rm.first_scheduled_time is not None:
+                    m.queue_time.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
+                start, gaps = first, steps - 1
             else:
-                m.itl.observe(now - t.last_token)
-            t.last_token = now
-            t.num_tokens = num
-        if snap.finished:
+                start, gaps = t.last_token, steps
+            if gaps:
+                m.itl.observe((last - start) / gaps, count=gaps)
+            t.last_token = last
+        if out.finished:
             m.e2e.observe(now - t.arrival)
-            for s in snap.outputs:
+            for s in out.outputs:
                 m.finished[s.finish_reason or "unknown"] += 1
 
     def _refresh_stats(self) -> None:

@@ -88,11 +88,11 @@ class Histogram:
         self._count = 0
         self._lock = threading.Lock()
 
-    def observe(self, value: float) -> None:
+    def observe(self, value: float, count: int = 1) -> None:
         with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += 1
-            self._sum += value
-            self._count += 1
+            self._counts[bisect.bisect_left(self.buckets, value)] += count
+            self._sum += value * count
+            self._count += count
 
     def render(self, labels: str) -> list[str]:
         with self._lock:

@@ -93,11 +93,6 @@ class GenerationRequest:
     def n(self) -> int:
         return self.sampling.get("n", 1)
 
-    @property
-    def stop_strings(self) -> list[str]:
-        stop = self.sampling.get("stop")
-        return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
-
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)

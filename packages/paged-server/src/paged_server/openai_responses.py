@@ -1,14 +1,12 @@
-"""Builders for OpenAI response bodies, stream chunks and logprob objects, and stream deltas."""
+"""Builders for OpenAI response bodies, stream chunks and logprob objects; a stream's choices."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-from paged_server.engine_client import SeqSnapshot
 
 Decode = Callable[[int], str]  # token id -> its text
 
@@ -97,26 +95,57 @@ def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict
 
 
 @dataclass(slots=True)
-class DeltaState:
-    """What of one choice was already streamed. Text is streamed only once it can no longer be
-    retracted: a suffix that could begin a stop string, or a trailing replacement character of
-    an incomplete UTF-8 sequence, is held back until more text or the finish arrives."""
+class StreamChoice:
+    """One choice of a stream: the engine's DELTA outputs for it, merged in order until the next
+    chunk takes them (a reader that fell behind sends one chunk for several engine steps).
 
-    sent_chars: int = 0
-    sent_tokens: int = 0
-    finished: bool = False
-    started: bool = False
+    The engine streams only text no stop string can cut any more, so nothing is held back here.
+    """
 
-    def take(self, seq: SeqSnapshot, holdback: int) -> tuple[str, int, int]:
-        """(text delta, first new token, end token) for this snapshot; advances the state."""
-        text = seq.text
-        end = len(text)
-        if seq.finish_reason is None:
-            end = max(self.sent_chars, end - holdback)
-            while end > self.sent_chars and text[end - 1] == "\ufffd":
-                end -= 1
-        delta = text[self.sent_chars : end] if end > self.sent_chars else ""
-        self.sent_chars = max(self.sent_chars, end)
-        t0, t1 = self.sent_tokens, len(seq.token_ids)
-        self.sent_tokens = max(t0, t1)
-        return delta, t0, t1
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_chars: int = 0  # generated text already streamed: the next token's text_offset
+    started: bool = False  # its first chunk went out (an echoed prompt leads that one)
+    finished: bool = False  # its finish_reason went out: nothing follows
+
+    def add(self, seq: Any, request_finished: bool) -> bool:
+        """Merge one DELTA `CompletionOutput`; False once the choice finished."""
+        if self.finished:
+            return False
+        self.text += seq.text
+        self.token_ids += seq.token_ids
+        if seq.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + seq.logprobs
+        self.finish_reason = seq.finish_reason or ("stop" if request_finished else None)
+        self.stop_reason = seq.stop_reason
+        return True
+
+    def chunk(
+        self, index: int, prefix: str, top_n: int | None, decode: Decode, chat: bool
+    ) -> dict[str, Any] | None:
+        """This choice's entry in the next chunk (None when nothing is new); it takes what was
+        merged. `prefix`, an echoed prompt, leads the first entry."""
+        text, fin = prefix + self.text, self.finish_reason
+        if not text and not self.token_ids and fin is None:
+            return None
+        lp = None
+        if top_n is not None and self.logprobs is not None:
+            tids, lps = self.token_ids, self.logprobs
+            lp = (
+                chat_logprobs(tids, lps, top_n, decode)
+                if chat
+                else completion_logprobs(tids, lps, top_n, decode, self.sent_chars)
+            )
+        c: dict[str, Any] = {"index": index}
+        if chat:
+            c["delta"] = {"content": text} if text or fin is None else {}
+        else:
+            c["text"] = text
+        c.update(logprobs=lp, finish_reason=fin, stop_reason=self.stop_reason if fin else None)
+        self.sent_chars += len(self.text)
+        self.started, self.finished = True, fin is not None
+        self.text, self.token_ids, self.logprobs = "", [], None
+        return c

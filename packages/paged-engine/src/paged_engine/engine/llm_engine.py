@@ -21,11 +21,12 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.core_output import EngineCoreOutput
 from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.default_model import default_model_path
 from paged_engine.engine.input_processor import InputProcessor
-from paged_engine.engine.output_processor import OutputProcessor
+from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
@@ -175,13 +176,28 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        core_outputs = self.engine_core.step()
+        core_outputs = self.step_core()
         if not core_outputs:
             return []
-        processed = self.output_processor.process(core_outputs)
+        processed = self.process_outputs(core_outputs)
         if processed.stopped:
-            self.engine_core.finish_seqs(processed.stopped)
+            self.finish_seqs(processed.stopped)
         return processed.request_outputs
+
+    # The two halves of step(), for a caller that runs the output stage on a thread of its own
+    # (the server): step_core and finish_seqs on the engine thread, process_outputs anywhere.
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One engine-core step: token-level results as plain data."""
+        return self.engine_core.step()
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """The output stage: text, stop strings, RequestOutputs. Pass `.stopped` back to
+        `finish_seqs` (on the engine thread)."""
+        return self.output_processor.process(core_outputs)
+
+    def finish_seqs(self, stopped: list[tuple[str, int, str]]) -> None:
+        """Free sequences the output stage ended with a stop string."""
+        self.engine_core.finish_seqs(stopped)
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

@@ -179,6 +179,13 @@ class OutputProcessor:
     def _apply(self, state: RequestState, seq: SeqText, upd: SeqUpdate) -> bool:
         """Append the update's tokens to `seq`; True when a stop string ended it."""
         params: SamplingParams = state.params  # beams send no SeqUpdates
+        detok = seq.detokenizer
+        if upd.finish_reason is None and upd.logprobs is None and not params.stop:
+            seq.token_ids += upd.new_token_ids  # the common step: text only, nothing to check
+            if detok is not None:
+                detok.add_tokens(upd.new_token_ids)
+                seq.text = detok.output_text
+            return False
         last = len(upd.new_token_ids) - 1
         for k, token in enumerate(upd.new_token_ids):
             seq.token_ids.append(token)
@@ -187,7 +194,6 @@ class OutputProcessor:
                 if params.logprobs is not None:
                     self._add_logprobs(seq, params.logprobs, token, upd, k)
             stop_token = k == last and upd.finish_reason == "stop"
-            detok = seq.detokenizer
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
             delta = detok.add_tokens([token])
@@ -301,14 +307,9 @@ class OutputProcessor:
             # Snapshots: a streamed output must not grow after step() returned it.
             token_ids = list(token_ids)
             logprobs = None if logprobs is None else logprobs.copy()
+        cumulative = seq.cumulative_logprob if params.logprobs is not None else None
         return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=token_ids,
-            cumulative_logprob=seq.cumulative_logprob if params.logprobs is not None else None,
-            logprobs=logprobs,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
+            index, text, token_ids, cumulative, logprobs, seq.finish_reason, seq.stop_reason
         )
 
     def _beam_outputs(self, state: RequestState, finished: bool) -> list[CompletionOutput]:

@@ -27,3 +27,28 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+# Modules whose every test runs twice: synchronous and async scheduling must give the same
+# outputs (HF parity, sampling, n > 1, beams, stop strings, aborts, preemption, prefix cache).
+BOTH_MODES = {"test_llm_vs_hf", "test_edge_cases", "test_engine", "test_default_model"}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.module.__name__.rpartition(".")[2] in BOTH_MODES:
+        metafunc.fixturenames.append("scheduling")
+        metafunc.parametrize("scheduling", ["sync", "async"])
+
+
+@pytest.fixture(autouse=True)
+def _scheduling_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines left at async_scheduling=None (auto) follow the test's `scheduling` parameter."""
+    mode = (
+        request.node.callspec.params.get("scheduling")
+        if hasattr(request.node, "callspec")
+        else None
+    )
+    if mode is not None:
+        import paged_engine.engine.llm_engine as llm_engine
+
+        monkeypatch.setattr(llm_engine, "auto_async_scheduling", lambda device: mode == "async")

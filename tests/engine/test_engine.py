@@ -84,7 +84,8 @@ def _engine(model_dir, **kw) -> LLMEngine:
 
 @pytest.mark.parametrize(("prompt_len", "expected_blocks"), [(20, 1 + 4), (32, 2 + 4)])
 def test_parallel_sampling_shares_prompt_blocks(model_dir, prompt_len, expected_blocks):
-    engine = _engine(model_dir)
+    # Counts blocks after each step: synchronous steps (async ones apply a step later).
+    engine = _engine(model_dir, async_scheduling=False)
     prompt = _prompts(1, seed=4, lo=prompt_len, hi=prompt_len)[0]
     engine.add_request(
         "r", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True)

@@ -81,7 +81,7 @@ class LLMEngine:
         worker = self.executor.worker
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:
-            config.async_scheduling = self.device.type == "cuda"
+            config.async_scheduling = auto_async_scheduling(self.device)
         num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
@@ -265,6 +265,13 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len} and chunked prefill is off: a long prompt "
                 "could never be scheduled"
             )
+
+
+def auto_async_scheduling(device: torch.device) -> bool:
+    """async_scheduling=None: on where the device computes asynchronously (CUDA), so the host
+    schedules the next step while the device runs this one. On CPU the forward computes on the
+    host itself; async scheduling then runs it on a worker thread (opt in with True)."""
+    return device.type == "cuda"
 
 
 def _max_positions(hf_config) -> int:

@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from host_reads import spy_host_reads
 
 import paged_engine.worker.memory_profiler as mp
 import paged_engine.worker.worker as worker_mod
@@ -69,36 +70,16 @@ class _FakeGraph:
         return self._pool
 
 
-# Tensor methods that read device memory on the host: each one inside a real capture is an error.
-_HOST_SYNCS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
-
 @contextlib.contextmanager
 def _fake_graph_ctx(graph: _FakeGraph, pool=None, **_):
     """torch.cuda.graph stand-in: records the model calls and every host sync under it."""
     assert _Capture.current is None, "nested capture"
     _Capture.current = graph
     _Capture.pools.append(pool)
-    # Restored exactly: a name torch.Tensor inherits from its C base is deleted again, not set.
-    originals = {name: torch.Tensor.__dict__.get(name) for name in _HOST_SYNCS}
-
-    def spy(name: str, fn):
-        def wrapper(self, *args, **kwargs):
-            _Capture.syncs.append(name)
-            return fn(self, *args, **kwargs)
-
-        return wrapper
-
-    for name in originals:
-        setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
     try:
-        yield
+        with spy_host_reads(_Capture.syncs.append):
+            yield
     finally:
-        for name, fn in originals.items():
-            if fn is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, fn)
         _Capture.current = None
 
 

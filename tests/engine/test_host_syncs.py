@@ -14,11 +14,9 @@ import contextlib
 import threading
 
 import pytest
-import torch
+from host_reads import spy_host_reads
 
 from paged_engine import EngineConfig, LLMEngine, SamplingParams
-
-_HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 
 
 class _Spy:
@@ -43,28 +41,9 @@ class _Spy:
     def calls(self, value: list[str]) -> None:
         self._local.calls = value
 
-    @contextlib.contextmanager
-    def installed(self):
-        originals = {name: torch.Tensor.__dict__.get(name) for name in _HOST_READS}
-
-        def spy(name: str, fn):
-            def wrapper(t, *args, **kwargs):
-                if self.active:
-                    self.calls.append(name)
-                return fn(t, *args, **kwargs)
-
-            return wrapper
-
-        for name in originals:
-            setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
-        try:
-            yield self
-        finally:
-            for name, fn in originals.items():
-                if fn is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, fn)
+    def record(self, name: str) -> None:
+        if self.active:
+            self.calls.append(name)
 
     @contextlib.contextmanager
     def paused(self):
@@ -128,7 +107,7 @@ def _run(model_dir, params: list[SamplingParams], async_scheduling: bool) -> tup
         return handle
 
     runner.execute_model = counted_execute
-    with spy.installed():
+    with spy_host_reads(spy.record):
         for i, p in enumerate(params):
             engine.add_request(str(i), [5 + i, 7, 9] * (4 + 9 * i), p)
         while engine.has_unfinished_requests():

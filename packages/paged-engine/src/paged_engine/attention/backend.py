@@ -95,3 +95,50 @@ class AttentionBackend(ABC):
         value_caches: list[torch.Tensor],
         mapping: torch.Tensor,  # [P, 2] int64 (src, dst)
     ) -> None: ...
+
+
+class KernelBackend(AttentionBackend):
+    """A backend made of paged_kernels' three entry points, which the Triton kernels and their
+    torch references share: write_kv_cache, paged_attention, copy_blocks. `max_seqlens`: pass
+    max_seqlen_q / max_seqlen_k from the metadata (so the kernel reads no lengths on the host)."""
+
+    def __init__(self, write, attention, copy, *, max_seqlens: bool) -> None:
+        self._write, self._attention, self._copy = write, attention, copy
+        self._max_seqlens = max_seqlens
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self._write(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+        alibi_slopes: torch.Tensor | None,
+    ) -> torch.Tensor:
+        lengths = (
+            {"max_seqlen_q": md.max_seqlen_q, "max_seqlen_k": md.max_seqlen_k}
+            if self._max_seqlens
+            else {}
+        )
+        return self._attention(
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.cu_seqlens_q,
+            md.seq_lens,
+            scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            alibi_slopes=alibi_slopes,
+            **lengths,
+        )
+
+    def copy_blocks(self, key_caches, value_caches, mapping) -> None:
+        self._copy(key_caches, value_caches, mapping)

@@ -19,6 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from paged_engine.config import EngineConfig
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.core_output import EngineCoreOutput

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
+from paged_engine.core.token_plan import plan_tokens, reshare_plan
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -68,7 +69,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.seqs: dict[int, Sequence] = {}  # every live sequence of those requests
         self.num_preemptions = 0  # total, for metrics
-        self._reshare: set[Request] = set()  # preempted forked requests (see _reshare_plan)
+        self._reshare: set[Request] = (
+            set()
+        )  # preempted forked requests (see token_plan.reshare_plan)
         self._finished_seq_ids: list[int] = []  # to drop from the worker with the next output
         self._next_step_id = 0
         # step id -> its sequences that may fill a block (for the prefix cache), until the
@@ -202,60 +205,6 @@ class Scheduler:
         never fit (a multi-sequence request recomputed after preemption) is still split."""
         return self.enable_chunked_prefill or num_tokens > self.max_num_batched_tokens
 
-    def _plan(self, seqs: list[Sequence], budget: int) -> list[tuple[Sequence, int]]:
-        """Tokens per sequence of one request under `budget`; [] when nothing can run."""
-        if len(seqs) == 1:
-            seq = seqs[0]
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > budget:
-                if not self._may_split(n):
-                    return []
-                n = budget
-            return [(seq, n)] if n > 0 else []
-        remaining = [s.num_tokens - s.num_computed_tokens for s in seqs]
-        total = sum(remaining)
-        if total <= budget:
-            return [(s, r) for s, r in zip(seqs, remaining) if r > 0]
-        if not self._may_split(total):
-            return []
-        # Lockstep: nobody may reach the end this step; each gets at most remaining - 1.
-        plan = []
-        for s, r in zip(seqs, remaining):
-            n = min(r - 1, budget)
-            if n > 0:
-                plan.append((s, n))
-                budget -= n
-        return plan
-
-    def _reshare_plan(
-        self, req: Request, seqs: list[Sequence], budget: int
-    ) -> list[tuple[Sequence, int]] | None:
-        """A forked request (n > 1, beams) recomputed after preemption: the first sequence
-        computes the common prefix alone, then the others share its full blocks as after the
-        fork (recomputing each copy could need more blocks than the request ever held).
-        Returns the first sequence's part while the others wait for it, None once shared
-        (or nothing to share: e.g. prefix-cache hits already cover it)."""
-        first, bm = seqs[0], self.block_manager
-        bs = bm.block_size
-        target = 0  # tokens the first sequence must have computed before the others share
-        for seq in seqs[1:]:
-            common = 0
-            for a, b in zip(first.token_ids, seq.token_ids):
-                if a != b:
-                    break
-                common += 1
-            num_blocks = min(common, seq.num_tokens - 1) // bs  # the last token always runs
-            if num_blocks <= len(seq.block_ids):
-                continue
-            if first.num_computed_tokens >= num_blocks * bs:
-                bm.share_prefix(first, seq, num_blocks)
-            else:
-                target = max(target, num_blocks * bs)
-        if not target:
-            return None
-        n = min(target - first.num_computed_tokens, budget)
-        return [(first, n)] if n > 0 else []
-
     def _preempt(self, req: Request, preempted: list[Request]) -> None:
         """Recompute preemption: drop all blocks, keep every token, back to the waiting head.
         A pending token still arrives (its step was scheduled); the request is not readmitted
@@ -331,10 +280,10 @@ class Scheduler:
                 req.needs_host_result or self._finishes_when_pending_lands(req, seqs[0])
             ):
                 continue  # lockstep: every live sequence has the same length
-            plan = self._reshare_plan(req, seqs, budget) if req in self._reshare else None
+            plan = reshare_plan(self.block_manager, seqs, budget) if req in self._reshare else None
             if plan is None:
                 self._reshare.discard(req)  # running with its blocks: sharing is settled
-                plan = self._plan(seqs, budget) if budget else []
+                plan = plan_tokens(seqs, budget, self._may_split) if budget else []
             if not all(
                 allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
             ):
@@ -358,9 +307,9 @@ class Scheduler:
             if req.use_prefix_cache:
                 for seq in seqs:
                     bm.get_computed_blocks(seq)
-            plan = self._reshare_plan(req, seqs, budget) if req in self._reshare else None
+            plan = reshare_plan(self.block_manager, seqs, budget) if req in self._reshare else None
             if plan is None:
-                plan = self._plan(seqs, budget)
+                plan = plan_tokens(seqs, budget, self._may_split)
             if not plan or not all(allocate(seq, n) for seq, n in plan):
                 for seq in seqs:  # roll back: blocks taken and prefix-cache stats counted
                     if req.use_prefix_cache:

@@ -1,0 +1,73 @@
+"""How one request's live sequences split a step's token budget.
+
+`plan_tokens`: lockstep for multi-sequence requests (n > 1, beams): all reach the end of their
+tokens in the same step, or none does (each then runs at most `remaining - 1`).
+`reshare_plan`: a forked request recomputed after preemption computes its common prefix once and
+shares it again, as the fork did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from paged_engine.core.block_manager import BlockManager
+from paged_engine.core.request import Sequence
+
+
+def plan_tokens(
+    seqs: list[Sequence], budget: int, may_split: Callable[[int], bool]
+) -> list[tuple[Sequence, int]]:
+    """Tokens per sequence of one request under `budget`; [] when nothing can run.
+    `may_split(n)`: whether work of n tokens may run in part (chunked prefill)."""
+    if len(seqs) == 1:
+        seq = seqs[0]
+        n = seq.num_tokens - seq.num_computed_tokens
+        if n > budget:
+            if not may_split(n):
+                return []
+            n = budget
+        return [(seq, n)] if n > 0 else []
+    remaining = [s.num_tokens - s.num_computed_tokens for s in seqs]
+    total = sum(remaining)
+    if total <= budget:
+        return [(s, r) for s, r in zip(seqs, remaining) if r > 0]
+    if not may_split(total):
+        return []
+    # Lockstep: nobody may reach the end this step; each gets at most remaining - 1.
+    plan = []
+    for s, r in zip(seqs, remaining):
+        n = min(r - 1, budget)
+        if n > 0:
+            plan.append((s, n))
+            budget -= n
+    return plan
+
+
+def reshare_plan(
+    bm: BlockManager, seqs: list[Sequence], budget: int
+) -> list[tuple[Sequence, int]] | None:
+    """A forked request (n > 1, beams) recomputed after preemption: the first sequence
+    computes the common prefix alone, then the others share its full blocks as after the
+    fork (recomputing each copy could need more blocks than the request ever held).
+    Returns the first sequence's part while the others wait for it, None once shared
+    (or nothing to share: e.g. prefix-cache hits already cover it)."""
+    first = seqs[0]
+    bs = bm.block_size
+    target = 0  # tokens the first sequence must have computed before the others share
+    for seq in seqs[1:]:
+        common = 0
+        for a, b in zip(first.token_ids, seq.token_ids):
+            if a != b:
+                break
+            common += 1
+        num_blocks = min(common, seq.num_tokens - 1) // bs  # the last token always runs
+        if num_blocks <= len(seq.block_ids):
+            continue
+        if first.num_computed_tokens >= num_blocks * bs:
+            bm.share_prefix(first, seq, num_blocks)
+        else:
+            target = max(target, num_blocks * bs)
+    if not target:
+        return None
+    n = min(target - first.num_computed_tokens, budget)
+    return [(first, n)] if n > 0 else []

@@ -204,3 +204,46 @@ def test_triton_path_matches_torch_reference(model_dir):
     triton_llm = LLM(attention_backend="triton", **kw)
     assert _greedy(triton_llm, prompts, max_tokens=4) == torch_out
     assert triton_llm.get_stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"include_stop_str_in_output": True},
+        {"skip_special_tokens": False},
+        {"n": 3, "logprobs": 2},
+    ],
+)
+def test_every_output_kind_gives_the_same_text(model_dir, extra):
+    """FINAL_ONLY decodes each output once at the end; CUMULATIVE every step; DELTA pieces
+    that add up. The texts (and tokens, finish reasons) are the same."""
+    from paged_engine import RequestOutputKind
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(6, seed=9)]
+    # 27 stop ids of 512 (and eos): some outputs end on a stop token, some run to max_tokens
+    params = dict(
+        temperature=1.0, seed=5, max_tokens=24, stop_token_ids=list(range(3, 30)), **extra
+    )
+    engine, got = llm.llm_engine, {}
+    for kind in RequestOutputKind:
+        ids = [f"{kind.name}-{i}" for i in range(len(prompts))]
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, p, SamplingParams(output_kind=kind, **params))
+        acc: dict = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for o in out.outputs:
+                    key = (out.request_id.split("-")[1], o.index)
+                    text, toks, _ = acc.get(key, ("", [], None))
+                    if kind == RequestOutputKind.DELTA:
+                        acc[key] = (text + o.text, toks + o.token_ids, o.finish_reason)
+                    else:
+                        acc[key] = (o.text, list(o.token_ids), o.finish_reason)
+        got[kind] = acc
+    want = got[RequestOutputKind.CUMULATIVE]
+    assert any(reason == "stop" for _, _, reason in want.values())
+    assert any(text for text, _, _ in want.values())
+    assert got[RequestOutputKind.FINAL_ONLY] == want
+    assert got[RequestOutputKind.DELTA] == want

@@ -69,6 +69,7 @@ class RequestState:
     # Beams change wholesale and best_of > n ranks at the end: a DELTA request of either kind
     # gets its outputs once, whole, when it finishes.
     whole_at_end: bool
+    text_at_end: bool  # FINAL_ONLY without stop strings: detokenize once, at the end
     seqs: dict[int, SeqText] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beams: list | None = None
@@ -120,6 +121,7 @@ class OutputProcessor:
             arrival_time=arrival_time,
             is_beam=beam,
             whole_at_end=beam or num_samples > num_returned,
+            text_at_end=kind == _FINAL_ONLY and not beam and not params.stop,
         )
         detok = None
         if not beam and params.detokenize:
@@ -180,6 +182,8 @@ class OutputProcessor:
         """Append the update's tokens to `seq`; True when a stop string ended it."""
         params: SamplingParams = state.params  # beams send no SeqUpdates
         detok = seq.detokenizer
+        if state.text_at_end:
+            return self._apply_deferred(params, seq, upd)
         if upd.finish_reason is None and upd.logprobs is None and not params.stop:
             seq.token_ids += upd.new_token_ids  # the common step: text only, nothing to check
             if detok is not None:
@@ -212,6 +216,27 @@ class OutputProcessor:
             if seq.detokenizer is not None:
                 seq.detokenizer.finalize()  # flush an unfinished character held for streaming
                 seq.text = seq.detokenizer.output_text
+        return False
+
+    def _apply_deferred(self, params: SamplingParams, seq: SeqText, upd: SeqUpdate) -> bool:
+        """FINAL_ONLY without stop strings: nobody reads text before the end, so the output is
+        detokenized once, when it finishes (the same text as token by token)."""
+        seq.token_ids += upd.new_token_ids
+        if upd.logprobs is not None:
+            for k, token in enumerate(upd.new_token_ids):
+                seq.cumulative_logprob += upd.logprobs[k]
+                if params.logprobs is not None:
+                    self._add_logprobs(seq, params.logprobs, token, upd, k)
+        if upd.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
+            detok = seq.detokenizer
+            if detok is not None:
+                ids = seq.token_ids
+                if upd.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    ids = ids[:-1]  # the core stops on tokens: eos or a stop id, not shown
+                detok.add_tokens(ids)
+                detok.finalize()
+                seq.text = detok.output_text
         return False
 
     def _add_logprobs(self, seq: SeqText, k: int, token: int, upd: SeqUpdate, i: int) -> None:

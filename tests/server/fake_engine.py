@@ -4,7 +4,10 @@ Tokens are bytes (+ BOS 1, EOS 2); each step appends one token to every running 
 fixed `step_time`, so tests can reason about timing. It takes the engine's own `SamplingParams`
 and returns its `RequestOutput`s, shaped by `output_kind` as the engine shapes them: CUMULATIVE
 every step; DELTA only what is new (beams and best_of > n: once, whole, at the end); FINAL_ONLY
-once, at the end. Used for fast in-process tests of the engine loop and the routes.
+once, at the end. Its step is the engine's three: `step_core` (token ids, as
+`EngineCoreOutput`s), `process_outputs` (text, stop strings, outputs: a `ProcessedOutputs`),
+`finish_seqs` (free what stop strings ended). It records which thread called each method. Used
+for fast in-process tests of the engine loop and the routes.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from paged_engine.core.core_output import EngineCoreOutput, SeqUpdate
 from paged_engine.engine.detokenizer import find_stop, stop_holdback
+from paged_engine.engine.output_processor import ProcessedOutputs
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,7 +61,28 @@ class FakeTokenizer:
 
 
 @dataclass
+class _CoreSeq:
+    """Token-level: what the engine core knows of a sequence."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class _Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[_CoreSeq]
+    arrival: float
+    first_scheduled: float | None = None
+
+
+@dataclass
 class _Seq:
+    """Text-level: what the output stage knows of a sequence."""
+
     index: int
     token_ids: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
@@ -68,7 +94,7 @@ class _Seq:
 
 
 @dataclass
-class _Req:
+class _State:
     rid: str
     prompt: str | None
     prompt_ids: list[int]
@@ -80,6 +106,10 @@ class _Req:
 
 
 class FakeEngine:
+    """The engine core (`waiting`, `running`) and the output stage (`states`) are apart, as in
+    the engine: `step_core` returns token ids, `process_outputs` turns them into text and
+    `RequestOutput`s and reports stop strings, `finish_seqs` frees what they ended."""
+
     def __init__(
         self,
         max_model_len: int = 256,
@@ -94,10 +124,17 @@ class FakeEngine:
         self.num_blocks = num_blocks
         self.running: dict[str, _Req] = {}
         self.waiting: list[_Req] = []
+        self.states: dict[str, _State] = {}  # the output stage's, like OutputProcessor.states
         self.prompt_tokens = self.gen_tokens = 0
         self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
+        self.threads: dict[str, set[str]] = {}  # method -> names of the threads that called it
+        self.stopped: list[tuple[str, int, str]] = []  # every finish_seqs entry
+
+    def _called(self, method: str) -> None:
+        self.threads.setdefault(method, set()).add(threading.current_thread().name)
 
     def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+        self._called("add_request")
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
@@ -107,44 +144,35 @@ class FakeEngine:
             raise ValueError(f"prompt length {len(ids)} exceeds max_model_len")
         if params.num_sequences > self.max_num_seqs:
             raise ValueError(f"n/best_of={params.num_sequences} exceeds max_num_seqs")
-        seqs = [_Seq(i) for i in range(params.num_sequences)]
         arrival = time.monotonic() if arrival_time is None else arrival_time
         text = text if isinstance(text, str) else None
-        self.waiting.append(_Req(request_id, text, ids, params, seqs, arrival))
+        n = params.num_sequences
+        self.waiting.append(_Req(request_id, ids, params, [_CoreSeq(i) for i in range(n)], arrival))
+        seqs = [_Seq(i) for i in range(n)]
+        self.states[request_id] = _State(request_id, text, ids, params, seqs, arrival)
         self.params[request_id] = params
 
     def abort_request(self, request_id) -> None:
+        self._called("abort_request")
         rids = {request_id} if isinstance(request_id, str) else set(request_id)
         self.waiting = [r for r in self.waiting if r.rid not in rids]
         for rid in rids:
             self.running.pop(rid, None)
+            self.states.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def _next_token(self, req: _Req, seq: _Seq) -> int:
-        last = (seq.token_ids or req.prompt_ids)[-1]
-        return 3 + 97 + (last * 7 + 3 + seq.index) % 26  # 'a'..'z'
-
-    def _advance(self, r: _Req, s: _Seq) -> None:
-        p = r.params
-        tid = self._next_token(r, s)
-        s.token_ids.append(tid)
-        piece = self.tokenizer.decode([tid])
-        s.text += piece
-        if p.logprobs is not None:
-            alt = 3 + 97 + (tid - 3 - 97 + 1) % 26
-            s.logprobs.append({tid: Logprob(-0.5, 1), alt: Logprob(-1.5, 2)})
-        self.gen_tokens += 1
-        hit = find_stop(s.text, len(piece), p.stop, p.include_stop_str_in_output)
-        if hit is not None:
-            s.text = s.text[: hit[0]]
-            s.finish_reason, s.stop_reason = "stop", hit[1]
-        max_tokens = p.max_tokens or self.config.max_model_len - len(r.prompt_ids)
-        if not s.finish_reason and len(s.token_ids) >= max_tokens:
-            s.finish_reason = "length"
-
+    # ---- the step: step() = step_core -> process_outputs -> finish_seqs, as in the engine ----
     def step(self) -> list[RequestOutput]:
+        processed = self.process_outputs(self.step_core())
+        if processed.stopped:
+            self.finish_seqs(processed.stopped)
+        return processed.request_outputs
+
+    def step_core(self) -> list[EngineCoreOutput]:
+        """One token for every running sequence: token ids and length limits only."""
+        self._called("step_core")
         time.sleep(self.step_time)
         now = time.monotonic()
         while self.waiting and len(self.running) < self.max_num_seqs:
@@ -154,19 +182,79 @@ class FakeEngine:
             self.prompt_tokens += len(r.prompt_ids)
         outs = []
         for rid, r in list(self.running.items()):
+            updates = []
+            max_tokens = r.params.max_tokens or self.config.max_model_len - len(r.prompt_ids)
             for s in r.seqs:
-                if not s.finish_reason:
-                    self._advance(r, s)
-            r.first_token = r.first_token or now
-            finished = all(s.finish_reason for s in r.seqs)
+                if s.finished:
+                    continue
+                s.token_ids.append(self._next_token(r, s))
+                self.gen_tokens += 1
+                s.finished = len(s.token_ids) >= max_tokens
+                finish = "length" if s.finished else None
+                updates.append(SeqUpdate(s.index, s.token_ids[-1:], finish_reason=finish))
+            finished = all(s.finished for s in r.seqs)
             if finished:
                 del self.running[rid]
-            out = self._output(r, finished, now)
-            if out is not None:
-                outs.append(out)
+            outs.append(EngineCoreOutput(rid, updates, finished, first_scheduled_time=now))
         return outs
 
-    def _output(self, r: _Req, finished: bool, now: float) -> RequestOutput | None:
+    def _next_token(self, req: _Req, seq: _CoreSeq) -> int:
+        last = (seq.token_ids or req.prompt_ids)[-1]
+        return 3 + 97 + (last * 7 + 3 + seq.index) % 26  # 'a'..'z'
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Text, stop strings and outputs: touches `states` and the tokenizer, never the core."""
+        self._called("process_outputs")
+        now = time.monotonic()
+        result = ProcessedOutputs([], [])
+        for co in core_outputs:
+            st = self.states.get(co.request_id)
+            if st is None:  # aborted, or ended by stop strings already
+                continue
+            st.first_scheduled = st.first_scheduled or co.first_scheduled_time
+            st.first_token = st.first_token or now
+            for upd in co.seqs:
+                s = st.seqs[upd.index]
+                if s.finish_reason is None and self._apply(st.params, s, upd):
+                    result.stopped.append((st.rid, s.index, s.stop_reason))
+            finished = co.finished or all(s.finish_reason for s in st.seqs)
+            if finished:
+                self.states.pop(st.rid, None)
+            out = self._output(st, finished, now)
+            if out is not None:
+                result.request_outputs.append(out)
+        return result
+
+    def _apply(self, p: SamplingParams, s: _Seq, upd: SeqUpdate) -> bool:
+        """Append the update's token to `s`; True when a stop string ended it here."""
+        (tid,) = upd.new_token_ids
+        s.token_ids.append(tid)
+        piece = self.tokenizer.decode([tid])
+        s.text += piece
+        if p.logprobs is not None:
+            alt = 3 + 97 + (tid - 3 - 97 + 1) % 26
+            s.logprobs.append({tid: Logprob(-0.5, 1), alt: Logprob(-1.5, 2)})
+        hit = find_stop(s.text, len(piece), p.stop, p.include_stop_str_in_output)
+        if hit is not None:
+            s.text = s.text[: hit[0]]
+            s.finish_reason, s.stop_reason = "stop", hit[1]
+            return upd.finish_reason is None  # the core still runs it: free it
+        s.finish_reason = upd.finish_reason
+        return False
+
+    def finish_seqs(self, stopped: list[tuple[str, int, str]]) -> None:
+        """Free the sequences stop strings ended (the request may be gone already)."""
+        self._called("finish_seqs")
+        self.stopped += stopped
+        for rid, index, _ in stopped:
+            r = self.running.get(rid)
+            if r is None:
+                continue
+            r.seqs[index].finished = True
+            if all(s.finished for s in r.seqs):
+                del self.running[rid]
+
+    def _output(self, r: _State, finished: bool, now: float) -> RequestOutput | None:
         kind, n = r.params.output_kind, r.params.n
         whole_at_end = r.params.use_beam_search or len(r.seqs) > n
         if not finished and (

@@ -58,7 +58,7 @@ def test_each_prompt_is_tokenized_once(inproc: SimpleNamespace) -> None:
     assert inproc.engine.tokenizer.num_encodes == 0  # it got the ids, with the text
 
 
-def test_the_engine_tokenizer_is_the_engine_threads_alone(inproc: SimpleNamespace) -> None:
+def test_the_engine_tokenizer_is_the_engine_sides_alone(inproc: SimpleNamespace) -> None:
     assert inproc.app.tokenizer is not inproc.engine.tokenizer
     http = inproc.http
     _post(http, "/v1/completions", {"prompt": [40, 41], "max_tokens": 2, "echo": True})
@@ -66,8 +66,9 @@ def test_the_engine_tokenizer_is_the_engine_threads_alone(inproc: SimpleNamespac
     _post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2, "logprobs": True})
     _post(http, "/tokenize", {"messages": CHAT})
     _post(http, "/detokenize", {"tokens": [40, 41]})
-    assert inproc.engine.tokenizer.threads == {"engine-loop"}
-    assert inproc.app.tokenizer.threads and "engine-loop" not in inproc.app.tokenizer.threads
+    engine_side = {"engine-loop", "engine-output"}
+    assert inproc.engine.tokenizer.threads == {"engine-output"}  # detokenizing: the output stage
+    assert inproc.app.tokenizer.threads and not inproc.app.tokenizer.threads & engine_side
 
 
 def test_streams_ask_for_deltas_the_rest_for_the_final_output(inproc: SimpleNamespace) -> None:

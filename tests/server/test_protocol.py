@@ -1,16 +1,13 @@
-"""In-process unit tests: request validation, stream deltas, metrics text, the engine loop."""
+"""In-process unit tests: request validation, stream deltas, metrics text, the CLI flags."""
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from paged_engine.sampling_params import RequestOutputKind
-from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError
 from paged_server.metrics import Metrics
 from paged_server.openai_protocol import check_context, parse_chat, parse_completion
@@ -144,86 +141,6 @@ def test_metrics_render_prometheus_text() -> None:
     assert "# TYPE paged:prompt_tokens_total counter" in text
 
 
-def _run(client: EngineClient, prompts: list, max_tokens: int, stream: bool = False) -> list:
-    """Every output of each prompt, in order."""
-    params = client.make_params({"max_tokens": max_tokens}, beam=False, stream=stream)
-    group = client.add([f"r{i}" for i in range(len(prompts))], prompts, params)
-    outputs: list[list] = [[] for _ in prompts]
-    deadline = time.monotonic() + 10
-    while not group.done and time.monotonic() < deadline:
-        for i, out in group.next(0.1):
-            outputs[i].append(out)
-    return outputs
-
-
-def test_engine_client_generates_aborts_and_reports_errors() -> None:
-    engine = FakeEngine(step_time=0.01)
-    client = EngineClient(engine, metrics=Metrics("fake"))
-    client.start()
-    try:
-        prompts = [{"prompt": "ab", "prompt_token_ids": [1, 100, 101]}, {"prompt_token_ids": [5]}]
-        out = _run(client, prompts, 3)
-        assert [len(o) for o in out] == [1, 1]  # FINAL_ONLY: the whole result, once
-        assert [len(o[0].outputs[0].token_ids) for o in out] == [3, 3]
-        assert [o[0].prompt for o in out] == ["ab", None] and all(o[0].finished for o in out)
-        streamed = _run(client, prompts, 3, stream=True)
-        assert [len(o) for o in streamed] == [3, 3]  # DELTA: one new token per step
-        for whole, deltas in zip(out, streamed):
-            assert "".join(d.outputs[0].text for d in deltas) == whole[0].outputs[0].text
-        params = client.make_params({"max_tokens": 200}, beam=False, stream=True)
-        group = client.add(["long"], [{"prompt_token_ids": [5]}], params)
-        group.next(5)
-        client.abort(["long"])
-        deadline = time.monotonic() + 5
-        while engine.has_unfinished_requests() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not engine.has_unfinished_requests() and client.num_in_flight() == 0
-        params = client.make_params({}, beam=False, stream=False)
-        bad = client.add(["ok", "bad"], [{"prompt_token_ids": [5] * n} for n in (1, 300)], params)
-        with pytest.raises(APIError) as e:  # the engine's ValueError arrives as a 400
-            bad.wait_added(5)
-        assert e.value.status == 400
-        client.abort(bad.request_ids)
-        with pytest.raises(APIError) as e:
-            client.make_params({"temperature": -1.0}, beam=False, stream=False)
-        assert e.value.param == "temperature"
-    finally:
-        client.stop()
-    assert not client.alive
-
-
-def test_streams_ask_for_deltas_and_the_rest_for_the_final_output_only() -> None:
-    for stream, kind in [(True, RequestOutputKind.DELTA), (False, RequestOutputKind.FINAL_ONLY)]:
-        params = EngineClient.make_params({"n": 2}, beam=False, stream=stream)
-        assert params.output_kind == kind and params.n == 2
-        assert EngineClient.make_params({}, beam=True, stream=stream).output_kind == kind
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_latency_metrics_from_deltas_and_final_outputs(stream: bool) -> None:
-    """FINAL_ONLY sends no per-step outputs: TTFT and inter-token gaps come from the engine's
-    token times, with the same sum and count as per-step observation."""
-    client = EngineClient(FakeEngine(step_time=0.01), metrics=Metrics("fake"))
-    client.start()
-    try:
-        _run(client, [{"prompt_token_ids": [5]}], 5, stream=stream)
-    finally:
-        client.stop()  # joins the engine thread: its last observations are in
-    m = client.metrics
-    assert m.ttft._count == 1 and m.e2e._count == 1 and m.finished["length"] == 1
-    assert m.itl._count == 4 and 0.035 < m.itl._sum < 1.0  # 4 gaps of about 10 ms
-
-
-def test_queue_limit_counts_requests_not_yet_seen_by_the_engine() -> None:
-    client = EngineClient(FakeEngine(), max_queued_requests=2)
-    client.stats = SimpleNamespace(num_waiting=1)
-    client.check_queue()
-    client._pending_adds = 1  # added but not drained yet: still counts as waiting
-    with pytest.raises(APIError) as e:
-        client.check_queue()
-    assert e.value.status == 429 and e.value.headers["Retry-After"]
-
-
 def test_cli_takes_vllm_flag_names() -> None:
     from paged_server.cli import build_parser
 
@@ -239,38 +156,6 @@ def test_cli_takes_vllm_flag_names() -> None:
     defaults = build_parser().parse_args([])
     assert (defaults.host, defaults.port, defaults.model) == ("127.0.0.1", 8000, None)
     assert defaults.enable_prefix_caching and defaults.max_queued_requests is None
-
-
-def test_engine_errors_name_the_first_parameter_they_mention() -> None:
-    from paged_server.engine_client import _guess_param
-
-    fields = {"n", "best_of", "max_tokens", "min_tokens", "temperature", "stop"}
-    assert _guess_param("n/best_of/beam_width=2 exceeds max_num_seqs=1", fields) == "n"
-    assert _guess_param("min_tokens must be <= max_tokens=5, got 9.", fields) == "min_tokens"
-    assert _guess_param("temperature must be non-negative, got -1.", fields) == "temperature"
-    assert _guess_param("prompt is too long: 300 tokens", fields) == "prompt"
-
-
-def test_engine_failure_fails_only_the_requests_in_flight() -> None:
-    class Flaky(FakeEngine):
-        fail = True
-
-        def step(self):
-            if self.fail:
-                self.fail = False
-                raise RuntimeError("boom")
-            return super().step()
-
-    client = EngineClient(Flaky(step_time=0.0))
-    client.start()
-    try:
-        with pytest.raises(APIError) as e:
-            _run(client, [{"prompt_token_ids": [5]}], 2)
-        assert e.value.status == 500
-        out = _run(client, [{"prompt_token_ids": [6]}], 2)  # the loop lives on
-        assert out[0][-1].finished and client.alive
-    finally:
-        client.stop()
 
 
 def test_server_modules_never_import_torch() -> None:

@@ -4,9 +4,9 @@ Every route runs on its connection's HTTP thread. A route that started engine re
 them on any way out other than their completion (error, disconnect, failed write), so KV blocks
 are never held for a client that is gone.
 
-`tokenizer` is the HTTP side's own (never the engine's: the engine thread uses that one without
-a lock), shared by the HTTP threads under `tok_lock`. A prompt is tokenized here once; the
-engine gets its ids with its text and does not tokenize it again.
+`tokenizer` is the HTTP side's own (never the engine's: the engine and output threads use that
+one without a lock), shared by the HTTP threads under `tok_lock`. A prompt is tokenized here
+once; the engine gets its ids with its text and does not tokenize it again.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_server import __version__
-from paged_server.engine_client import EngineClient, RequestGroup
+from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
 from paged_server.metrics import CONTENT_TYPE
@@ -37,6 +37,7 @@ from paged_server.openai_responses import (
     envelope,
     usage,
 )
+from paged_server.request_group import RequestGroup
 
 
 class OpenAIApp:

@@ -111,8 +111,9 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     """The engine loop (not started yet) and the routes over it.
 
     The routes get a copy of the engine's tokenizer, made before the engine loop starts: the
-    engine thread alone uses the engine's (HF fast tokenizers fail with "Already borrowed" when
-    two threads use one while either changes its settings, e.g. truncation or padding).
+    engine's is the engine and output threads' alone, which only read it (HF fast tokenizers fail
+    with "Already borrowed" when two threads use one while either changes its settings, e.g.
+    truncation or padding).
     """
     model_path = str(getattr(engine.config, "model", args.model))
     from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module

@@ -1,16 +1,39 @@
-"""The engine loop thread and the thread-safe handles HTTP threads use to talk to it.
+"""The engine thread, the output thread, and the handles HTTP threads use to talk to them.
+
+    HTTP threads --commands--> engine thread --core outputs (FIFO)--> output thread --> groups
+                                    ^--------- finish: stop strings (a command) ---------'
 
 Invariants:
-- Exactly one thread (the engine thread) calls the engine's add_request / step / abort_request /
-  get_stats and uses the engine's tokenizer. HTTP threads only push commands onto `_commands` and
-  read their own `RequestGroup`.
+- Exactly one thread (the engine thread) calls the engine's add_request / step_core /
+  finish_seqs / abort_request / get_stats: its loop is commands + step_core(), nothing else.
+  Exactly one other thread (the output thread) calls process_outputs (detokenize, stop strings,
+  logprob dicts, RequestOutputs) and hands the RequestOutputs to the groups and the metrics; a
+  stop string it sees goes back to the engine thread as a command. HTTP threads only push
+  commands and read their own `RequestGroup`.
+- The engine's tokenizer is used by those two threads only, read-only (decode, id -> token;
+  nothing changes its truncation or padding settings, which is what makes a shared HF fast
+  tokenizer fail with "Already borrowed"). HTTP threads use their own copy.
 - Every request asks the engine for DELTA outputs (streams) or FINAL_ONLY (one output at the
   end): each output holds only what is new, so the HTTP thread consumes all of them, in order.
-  Outputs are fresh objects the engine never touches after step(): they cross threads as they are.
-- The engine thread never blocks on a socket or on a consumer: outputs go to unbounded per-request
-  queues, and a slow consumer merges what piled up.
+  Core outputs reach the output thread in step order through one queue, and a request is
+  registered (engine.add_request, `_streams`) before the step that can produce its outputs.
+  RequestOutputs are fresh objects nobody touches after process_outputs: they cross as they are.
+- Neither thread blocks on a socket or on a consumer: core outputs and per-request outputs go
+  to unbounded queues, and a slow consumer merges what piled up. The only lock they share,
+  `_lock`, is held for a few dict operations. An abort may drop a request's output-stage state
+  while process_outputs runs: the stage tolerates it, and its outputs are dropped here.
+- An aborted request (abort, client gone, failure) leaves `_streams` first, then the engine
+  (its blocks are free again); outputs of it still queued are dropped by the output stage (no
+  state) and by the dispatch (no stream).
+- Failures fail requests, never a thread: an exception in step_core fails every request in
+  flight with a 500; one in process_outputs or the dispatch fails that step's requests with a
+  500 (the engine thread then aborts them). Both threads go on serving.
+- stop(): the engine thread fails every request still in flight with a 503 and exits; an end
+  marker queued behind its last outputs ends the output thread; both are joined.
 - `stats` is an immutable snapshot replaced by the engine thread after every step and every batch
-  of commands, so /metrics and /health never wait for the engine.
+  of commands, so /metrics and /health never wait for the engine. A request handed over is
+  counted as waiting in `_pending_adds` until a snapshot taken after its add counts it, so the
+  queue limit (429) never under-counts.
 """
 
 from __future__ import annotations
@@ -27,73 +50,21 @@ from typing import Any
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
+from paged_server.request_group import RequestGroup
 
 log = logging.getLogger("paged_server")
 
 _SP_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 
 
-@dataclass(slots=True)
-class _Tracking:
-    """Engine-thread bookkeeping for the latency histograms."""
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """One engine request in flight: where its outputs go, and its latency bookkeeping."""
 
-    arrival: float
-    last_token: float | None = None  # None until the first token arrived
-
-
-class RequestGroup:
-    """The HTTP side of the engine requests of one HTTP request (one per prompt).
-
-    The engine thread puts `(index, RequestOutput | APIError)` on one shared queue, so a single
-    blocking `get` wakes on progress of any member.
-    """
-
-    def __init__(self, request_ids: list[str]):
-        self.request_ids = request_ids
-        self.queue: queue.SimpleQueue = queue.SimpleQueue()
-        # The newest output of each member: with FINAL_ONLY, the whole result once it finished.
-        self.latest: list[Any] = [None] * len(request_ids)
-        self.num_finished = 0
-        self.num_generated_tokens = 0  # over every output so far (each holds only new tokens)
-        self.add_error: APIError | None = None  # set by the engine thread before `_added`
-        self._num_added = 0  # engine thread only
-        self._added = threading.Event()
-
-    def wait_added(self, timeout: float) -> bool:
-        """True once the engine took (or refused) every member; then raises a refusal."""
-        if not self._added.wait(timeout):
-            return False
-        if self.add_error is not None:
-            raise self.add_error
-        return True
-
-    @property
-    def done(self) -> bool:
-        return self.num_finished == len(self.request_ids)
-
-    def next(self, timeout: float) -> list[tuple[int, Any]]:
-        """Every `(member index, RequestOutput)` that arrived, in order, after waiting up to
-        `timeout` for the first; may be empty.
-
-        Raises the APIError the engine thread reported for any member.
-        """
-        try:
-            item = self.queue.get(timeout=timeout)
-        except queue.Empty:
-            return []
-        arrived = []
-        while True:
-            index, out = item
-            if isinstance(out, APIError):
-                raise out
-            self.latest[index] = out
-            self.num_finished += out.finished
-            self.num_generated_tokens += sum(len(o.token_ids) for o in out.outputs)
-            arrived.append(item)
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                return arrived
+    group: RequestGroup
+    index: int  # in the group
+    arrival: float  # when the HTTP thread handed it over (monotonic: the engine's clock too)
+    last_token: float | None = None  # output thread only; None until the first token arrived
 
 
 @dataclass
@@ -116,23 +87,31 @@ class EngineClient:
         self.engine = engine
         self.metrics = metrics or Metrics("model")
         self.max_queued = max_queued_requests
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()  # -> the engine thread
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[RequestGroup, int]] = {}  # engine thread only
-        self._tracking: dict[str, _Tracking] = {}  # engine thread only
+        # -> the output thread: each step's core outputs, in step order; None ends the thread
+        self._core_outputs: queue.SimpleQueue = queue.SimpleQueue()
+        # Requests in flight. The engine thread adds, aborts and fails them; the output thread
+        # delivers to them and removes the finished (and fails a step's requests on an error).
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards `_streams`: a few dict operations at a time
         self._pending_lock = threading.Lock()
         self._pending_adds = 0
         self._stopping = False
         self.stats = engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._output_thread = threading.Thread(
+            target=self._output_loop, name="engine-output", daemon=True
+        )
 
     # ---- HTTP-thread API -------------------------------------------------------------------
     def start(self) -> None:
+        self._output_thread.start()
         self._thread.start()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and self._output_thread.is_alive() and not self._stopping
 
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
@@ -181,17 +160,23 @@ class EngineClient:
         return group
 
     def abort(self, request_ids: list[str]) -> None:
-        self._commands.put(("abort", list(request_ids)))
-        self._wake.set()
+        self._send(("abort", list(request_ids)))
 
     def abort_all(self) -> None:
-        self._commands.put(("abort_all", None))
-        self._wake.set()
+        self._send(("abort_all", None))
 
     def stop(self, timeout: float = 10.0) -> None:
+        """End both threads: every request still in flight fails with a 503."""
+        deadline = time.monotonic() + timeout
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        self._core_outputs.put(None)  # behind the engine thread's last outputs
+        self._output_thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _send(self, cmd: tuple[str, Any]) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -206,7 +191,14 @@ class EngineClient:
     def _iterate(self) -> None:
         handled = self._drain()
         if self.engine.has_unfinished_requests():
-            self._dispatch(self.engine.step())
+            # Registration before outputs: `_drain` ran engine.add_request and filled `_streams`
+            # for a request before the first step_core that can schedule it (the scheduler sees
+            # only added requests), and that step's outputs are queued after it returns. The
+            # queue orders the put after those writes and the output thread's get after the put,
+            # so no output reaches the output thread before its request is known to both.
+            core_outputs = self.engine.step_core()
+            if core_outputs:
+                self._core_outputs.put(core_outputs)
             self._refresh_stats()
         else:
             if handled:
@@ -225,8 +217,12 @@ class EngineClient:
             if isinstance(cmd, _Add):
                 self._do_add(cmd)
                 adds += 1
+            elif cmd[0] == "finish":  # stop strings the output stage saw
+                self.engine.finish_seqs(cmd[1])
             elif cmd[0] == "abort":
                 self._do_abort(cmd[1])
+            elif cmd[0] == "failed":  # the output stage failed them: free them in the engine
+                self._abort_in_engine(cmd[1])
             elif cmd[0] == "abort_all":
                 self._fail_all(APIError(503, "the server is shutting down"))
         if adds:
@@ -251,82 +247,104 @@ class EngineClient:
             log.exception("add_request(%s) failed", rid)
             group.add_error = group.add_error or APIError(500, f"internal error adding {rid}: {e}")
         else:
-            self._streams[rid] = (group, cmd.index)
-            self._tracking[rid] = _Tracking(arrival=cmd.arrival)
+            with self._lock:
+                self._streams[rid] = _Stream(group, cmd.index, cmd.arrival)
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()
 
     def _do_abort(self, request_ids: list[str]) -> None:
-        live = [r for r in request_ids if r in self._streams]
-        for rid in live:
-            self._streams.pop(rid)
-            self._tracking.pop(rid, None)
+        with self._lock:
+            live = [r for r in request_ids if self._streams.pop(r, None) is not None]
         if live:
-            try:
-                self.engine.abort_request(live)
-            except Exception:
-                log.exception("abort_request(%s) failed", live)
+            self._abort_in_engine(live)
             self.metrics.requests_aborted += len(live)
 
     def _fail_all(self, err: APIError) -> None:
-        rids = list(self._streams)
-        for rid in rids:
-            group, index = self._streams.pop(rid)
-            group.queue.put((index, err))
-            self._tracking.pop(rid, None)
+        rids = self._fail(None, err)
         if rids:
-            try:
-                self.engine.abort_request(rids)
-            except Exception:
-                log.exception("abort_request failed while failing all requests")
+            self._abort_in_engine(rids)
 
-    def _dispatch(self, outputs: list[Any]) -> None:
-        now = time.monotonic()
-        for out in outputs:
-            member = self._streams.get(out.request_id)
-            if member is None:  # aborted after this step was scheduled
-                continue
-            member[0].queue.put((member[1], out))
-            self._observe(out, now)
-            if out.finished:
-                del self._streams[out.request_id]
-                self._tracking.pop(out.request_id, None)
-
-    def _observe(self, out: Any, now: float) -> None:
-        """Latency histograms from the engine's token times (its clock is ours: monotonic).
-
-        One output may cover several steps (FINAL_ONLY, or beams): the span from its first (or
-        the previous output's last) token to its last is observed as that many equal gaps, so
-        the inter-token sum and count are those of per-step observation.
-        """
-        t = self._tracking.get(out.request_id)
-        if t is None:
-            return
-        m, rm = self.metrics, out.metrics
-        steps = max((len(o.token_ids) for o in out.outputs), default=0)
-        if steps:
-            first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
-            if t.last_token is None:
-                m.ttft.observe(first - t.arrival)
-                if rm is not None and rm.first_scheduled_time is not None:
-                    m.queue_time.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
-                start, gaps = first, steps - 1
-            else:
-                start, gaps = t.last_token, steps
-            if gaps:
-                m.itl.observe((last - start) / gaps, count=gaps)
-            t.last_token = last
-        if out.finished:
-            m.e2e.observe(now - t.arrival)
-            for s in out.outputs:
-                m.finished[s.finish_reason or "unknown"] += 1
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            log.exception("abort_request(%s) failed", request_ids)
 
     def _refresh_stats(self) -> None:
         try:
             self.stats = self.engine.get_stats()
         except Exception:
             log.exception("get_stats failed")
+
+    # ---- output thread ---------------------------------------------------------------------
+    def _output_loop(self) -> None:
+        while (core_outputs := self._core_outputs.get()) is not None:
+            try:
+                processed = self.engine.process_outputs(core_outputs)
+                if processed.stopped:
+                    self._send(("finish", processed.stopped))
+                self._dispatch(processed.request_outputs)
+            except Exception:  # this step's output state is unknown: fail its requests, go on
+                log.exception("output stage error; failing the requests of this step")
+                err = APIError(500, "internal engine error")
+                failed = self._fail([co.request_id for co in core_outputs], err)
+                if failed:
+                    self._send(("failed", failed))
+
+    def _dispatch(self, outputs: list[Any]) -> None:
+        now = time.monotonic()
+        delivered = []
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:  # aborted or failed after its step ran
+                    continue
+                stream.group.queue.put((stream.index, out))
+                if out.finished:
+                    del self._streams[out.request_id]
+                delivered.append((stream, out))
+        for stream, out in delivered:
+            self._observe(stream, out, now)
+
+    def _observe(self, stream: _Stream, out: Any, now: float) -> None:
+        """Latency histograms from the engine's token times (its clock is ours: monotonic).
+
+        One output may cover several steps (FINAL_ONLY, or beams): the span from its first (or
+        the previous output's last) token to its last is observed as that many equal gaps, so
+        the inter-token sum and count are those of per-step observation.
+        """
+        m, rm = self.metrics, out.metrics
+        steps = max((len(o.token_ids) for o in out.outputs), default=0)
+        if steps:
+            first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
+            if stream.last_token is None:
+                m.ttft.observe(first - stream.arrival)
+                if rm is not None and rm.first_scheduled_time is not None:
+                    m.queue_time.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
+                start, gaps = first, steps - 1
+            else:
+                start, gaps = stream.last_token, steps
+            if gaps:
+                m.itl.observe((last - start) / gaps, count=gaps)
+            stream.last_token = last
+        if out.finished:
+            m.e2e.observe(now - stream.arrival)
+            for s in out.outputs:
+                m.finished[s.finish_reason or "unknown"] += 1
+
+    # ---- either thread ---------------------------------------------------------------------
+    def _fail(self, request_ids: list[str] | None, err: APIError) -> list[str]:
+        """Fail these requests (None: every one in flight) with `err`; returns those that were
+        still in flight. The caller frees them in the engine (on the engine thread)."""
+        failed = []
+        with self._lock:
+            for rid in list(self._streams) if request_ids is None else request_ids:
+                stream = self._streams.pop(rid, None)
+                if stream is not None:
+                    stream.group.queue.put((stream.index, err))
+                    failed.append(rid)
+        return failed
 
 
 def _guess_param(message: str, fields: set[str]) -> str | None:

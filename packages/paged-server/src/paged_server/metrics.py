@@ -1,6 +1,6 @@
 """Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix.
 
-Histograms are observed on the engine thread and rendered on HTTP threads; a lock per histogram
+Histograms are observed on the output thread and rendered on HTTP threads; a lock per histogram
 keeps each rendering consistent (bucket counts never exceed `_count`).
 """
 
@@ -172,7 +172,7 @@ class Metrics:
         self.queue_time = Histogram(
             "paged:request_queue_time_seconds", "Arrival to first scheduling.", _E2E_BUCKETS
         )
-        self.finished: Counter[str] = Counter()  # engine thread
+        self.finished: Counter[str] = Counter()  # output thread
         self.requests_aborted = 0  # engine thread
         self.http: Counter[tuple[str, int]] = Counter()  # (route, status)
         self._http_lock = threading.Lock()

@@ -171,8 +171,8 @@ class OutputProcessor:
                 and len(state.seqs) == state.num_samples
                 and all(s.finish_reason is not None for s in state.seqs.values())
             )
-            if finished:
-                del self.states[state.request_id]
+            if finished:  # pop: an abort from another thread may have dropped it already
+                self.states.pop(state.request_id, None)
             out = self._make_output(state, finished, now)
             if out is not None:
                 result.request_outputs.append(out)

@@ -1,10 +1,17 @@
 """`UniprocExecutor`: one worker in this process.
 
-On CUDA the worker runs inline: its kernels are queued asynchronously already, so the core
-thread schedules the next step while the device computes. On CPU every op computes before it
-returns, so with `overlap=True` (async scheduling) the worker runs on one thread of its own
-(torch releases the GIL inside ops) and the core's host work overlaps the forward there. One
-thread keeps the steps in submission order.
+On CUDA the worker runs inline on the caller's thread: its kernels are queued asynchronously,
+so the core thread schedules the next step while the device computes.
+
+On CPU the worker lives on one thread of its own, from loading the model to every step:
+- torch's CPU ops run on an OpenMP team per calling thread, and two teams on the same cores
+  make every parallel op wait for sleeping threads (measured on 2 cores: the same engine runs
+  2x slower stepped from a second thread than from the one that loaded it; a plain indexing
+  loop 6x). Whichever thread drives the engine (the main thread offline, the server's engine
+  thread), only this thread runs torch's parallel work.
+- CPU ops compute before they return, so with `overlap=True` (async scheduling) the step is
+  handed over and the core's host work overlaps the forward (torch releases the GIL in ops).
+One thread keeps the steps in submission order.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.executor.base import Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.runner_output import ModelRunnerOutput
-from paged_engine.worker.worker import Worker
+from paged_engine.worker.worker import Worker, pick_device
 
 
 class _FutureHandle:
@@ -32,19 +39,23 @@ class _FutureHandle:
 
 
 class UniprocExecutor(Executor):
-    def __init__(
-        self, config: EngineConfig, resolved: ResolvedModel, hf_config, *, overlap: bool
-    ) -> None:
-        self.worker = Worker(config, resolved, hf_config)
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self._thread: ThreadPoolExecutor | None = None
-        if overlap and self.worker.device.type != "cuda":
+        if pick_device(config.device).type != "cuda":
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="paged-worker")
+        self.worker: Worker = self._call(Worker, config, resolved, hf_config)
+
+    def _call(self, fn, *args):
+        """Run fn on the worker's thread (inline on CUDA) and wait for it."""
+        if self._thread is None:
+            return fn(*args)
+        return self._thread.submit(fn, *args).result()
 
     def determine_num_blocks(self) -> int:
-        return self.worker.determine_num_blocks()
+        return self._call(self.worker.determine_num_blocks)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.worker.initialize_cache(num_blocks)
+        self._call(self.worker.initialize_cache, num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         if self._thread is None:

@@ -148,7 +148,7 @@ def serve(args: argparse.Namespace, engine: Any) -> int:
     except OSError as e:
         print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
-    client.start()
+    client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -172,22 +172,28 @@ def serve(args: argparse.Namespace, engine: Any) -> int:
         f"paged-server: serving on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1)",
         flush=True,
     )
-    while not stop.wait(0.5):
-        pass
-    log.info("shutting down: no new requests; %d in flight", client.num_in_flight())
-    server.accepting = False
-    server.shutdown()
-    server.server_close()
-    deadline = time.monotonic() + args.shutdown_timeout
-    while client.num_in_flight() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if client.num_in_flight():
-        log.info("aborting %d requests still in flight", client.num_in_flight())
-        client.abort_all()
-    deadline = time.monotonic() + 2.0
-    while server.active_requests() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    client.stop()
+
+    def shut_down() -> None:
+        stop.wait()
+        log.info("shutting down: no new requests; %d in flight", client.num_in_flight())
+        server.accepting = False
+        server.shutdown()
+        server.server_close()
+        deadline = time.monotonic() + args.shutdown_timeout
+        while client.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if client.num_in_flight():
+            log.info("aborting %d requests still in flight", client.num_in_flight())
+            client.abort_all()
+        deadline = time.monotonic() + 2.0
+        while server.active_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client.stop()
+
+    closer = threading.Thread(target=shut_down, name="shutdown", daemon=True)
+    closer.start()
+    client.run_engine_loop()  # until shut_down() stops it; signals still reach this thread
+    closer.join()
     log.info("bye")
     return 0
 

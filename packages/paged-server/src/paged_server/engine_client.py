@@ -28,8 +28,12 @@ Invariants:
 - Failures fail requests, never a thread: an exception in step_core fails every request in
   flight with a 500; one in process_outputs or the dispatch fails that step's requests with a
   500 (the engine thread then aborts them). Both threads go on serving.
-- stop(): the engine thread fails every request still in flight with a 503 and exits; an end
-  marker queued behind its last outputs ends the output thread; both are joined.
+- The engine thread is the one that loaded the engine (`paged-server` runs the loop on its
+  main thread with `run_engine_loop`): torch's CPU ops use an OpenMP team per calling thread,
+  and a second team on the same cores slows every parallel op (measured 4x on 2 cores).
+  `start(engine_thread=True)` spawns one instead (tests, embedding).
+- stop(): the engine loop fails every request still in flight with a 503 and returns; an end
+  marker queued behind its last outputs ends the output thread; both are waited for.
 - `stats` is an immutable snapshot replaced by the engine thread after every step and every batch
   of commands, so /metrics and /health never wait for the engine. A request handed over is
   counted as waiting in `_pending_adds` until a snapshot taken after its add counts it, so the
@@ -100,18 +104,29 @@ class EngineClient:
         self._stopping = False
         self.stats = engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._loop_done = threading.Event()
+        self._loop_running = False
         self._output_thread = threading.Thread(
             target=self._output_loop, name="engine-output", daemon=True
         )
 
     # ---- HTTP-thread API -------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, engine_thread: bool = True) -> None:
+        """Start the output thread, and the engine loop on a thread of its own unless the
+        caller runs it (`run_engine_loop`, on the thread that loaded the engine)."""
         self._output_thread.start()
-        self._thread.start()
+        if engine_thread:
+            self._loop_running = True
+            self._thread.start()
+
+    def run_engine_loop(self) -> None:
+        """Run the engine loop on the calling thread until stop()."""
+        self._loop_running = True
+        self._loop()
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self._output_thread.is_alive() and not self._stopping
+        return self._loop_running and self._output_thread.is_alive() and not self._stopping
 
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
@@ -170,7 +185,8 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._loop_running:
+            self._loop_done.wait(timeout)
         self._core_outputs.put(None)  # behind the engine thread's last outputs
         self._output_thread.join(max(0.0, deadline - time.monotonic()))
 
@@ -180,13 +196,17 @@ class EngineClient:
 
     # ---- engine thread ---------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
-            try:
-                self._iterate()
-            except Exception:  # the engine's state is unknown: fail what is in flight, go on
-                log.exception("engine loop error; failing the requests in flight")
-                self._fail_all(APIError(500, "internal engine error"))
-        self._fail_all(APIError(503, "the server is shutting down"))
+        try:
+            while not self._stopping:
+                try:
+                    self._iterate()
+                except Exception:  # the engine's state is unknown: fail what is in flight
+                    log.exception("engine loop error; failing the requests in flight")
+                    self._fail_all(APIError(500, "internal engine error"))
+            self._fail_all(APIError(503, "the server is shutting down"))
+        finally:
+            self._loop_running = False
+            self._loop_done.set()
 
     def _iterate(self) -> None:
         handled = self._drain()

@@ -77,7 +77,9 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self._resolve_lengths()
-        self.executor = UniprocExecutor(config, self.resolved, self.hf_config)
+        self.executor = UniprocExecutor(
+            config, self.resolved, self.hf_config, overlap=bool(config.async_scheduling)
+        )
         worker = self.executor.worker
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:

@@ -1,17 +1,16 @@
 """`UniprocExecutor`: one worker in this process.
 
-On CUDA the worker runs inline on the caller's thread: its kernels are queued asynchronously,
-so the core thread schedules the next step while the device computes.
+The worker runs inline on the caller's thread, the one that drives the engine. On CUDA that
+overlaps already: kernels are queued asynchronously, so the core schedules the next step while
+the device computes. On CPU every op computes before it returns, so with `overlap=True` (async
+scheduling) the worker lives on one thread of its own instead, from loading the model to every
+step, and the core's host work overlaps the forward (torch releases the GIL in ops).
 
-On CPU the worker lives on one thread of its own, from loading the model to every step:
-- torch's CPU ops run on an OpenMP team per calling thread, and two teams on the same cores
-  make every parallel op wait for sleeping threads (measured on 2 cores: the same engine runs
-  2x slower stepped from a second thread than from the one that loaded it; a plain indexing
-  loop 6x). Whichever thread drives the engine (the main thread offline, the server's engine
-  thread), only this thread runs torch's parallel work.
-- CPU ops compute before they return, so with `overlap=True` (async scheduling) the step is
-  handed over and the core's host work overlaps the forward (torch releases the GIL in ops).
-One thread keeps the steps in submission order.
+Why from loading the model on: torch's CPU ops run on an OpenMP team per calling thread, and
+two teams on the same cores make every parallel op wait for sleeping threads (measured on 2
+cores: an engine stepped from another thread than the one that loaded it ran 2x slower). The
+same holds for the caller: drive an engine from the thread that built it (`paged-server` runs
+its engine loop on the main thread for this reason).
 """
 
 from __future__ import annotations
@@ -39,14 +38,16 @@ class _FutureHandle:
 
 
 class UniprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
+    def __init__(
+        self, config: EngineConfig, resolved: ResolvedModel, hf_config, *, overlap: bool
+    ) -> None:
         self._thread: ThreadPoolExecutor | None = None
-        if pick_device(config.device).type != "cuda":
+        if overlap and pick_device(config.device).type != "cuda":
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="paged-worker")
         self.worker: Worker = self._call(Worker, config, resolved, hf_config)
 
     def _call(self, fn, *args):
-        """Run fn on the worker's thread (inline on CUDA) and wait for it."""
+        """Run fn on the worker's thread (or inline) and wait for it."""
         if self._thread is None:
             return fn(*args)
         return self._thread.submit(fn, *args).result()

@@ -132,3 +132,39 @@ def test_async_abort_frees_everything_and_spares_the_rest(tiny_llama_dir):
         engine.step()
     assert engine.get_stats().num_used_blocks == 0
     engine.shutdown()
+
+
+def test_step_contract_is_plain_data(tiny_llama_dir):
+    """What crosses between scheduler, worker and output stage pickles (another process could
+    take it) and holds no live engine object."""
+    import pickle
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128, block_size=4)
+    engine = llm.llm_engine
+    runner = engine.model_runner
+    seen: list = []
+    execute = runner.execute_model
+
+    def record(sched):
+        handle = execute(sched)
+        seen.append((sched, handle.get()))
+        return handle
+
+    runner.execute_model = record
+    core_outs: list = []
+    step_core = engine.step_core
+
+    def record_core():
+        outs = step_core()
+        core_outs.extend(outs)
+        return outs
+
+    engine.step_core = record_core
+    params = [SamplingParams(n=2, temperature=1.0, seed=1, logprobs=1, max_tokens=6)]
+    params.append(SamplingParams(prompt_logprobs=1, max_tokens=4))
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params, use_tqdm=False)
+    assert seen and core_outs
+    for item in [*seen, *core_outs]:
+        blob = pickle.dumps(item)
+        assert b"paged_engine.core.request" not in blob  # no Request / Sequence inside
+        pickle.loads(blob)

@@ -5,6 +5,7 @@ that keeps its own state from the plain-data `SchedulerOutput`s only, under a ti
 
 from __future__ import annotations
 
+import pickle
 from types import SimpleNamespace
 
 import pytest
@@ -52,6 +53,7 @@ class FakeWorker(Executor):
         return self.content.setdefault(block_id, [None] * self.bs)
 
     def execute_model(self, out: SchedulerOutput) -> SimpleNamespace:
+        out = pickle.loads(pickle.dumps(out))  # plain data: it could cross to another process
         self.steps.append(out)
         for sid in out.finished_seq_ids:
             del self.seqs[sid]
@@ -86,6 +88,7 @@ class FakeWorker(Executor):
                 result.sampled_seq_ids.append(sid)
                 result.sampled_token_ids.append(token_for(j or s.index, pos))
             s.tokens.append(token_for(s.index, pos))  # the worker's own copy of its sample
+        result = pickle.loads(pickle.dumps(result))
         return SimpleNamespace(get=lambda: result)
 
 

@@ -31,8 +31,8 @@ def _params() -> list[SamplingParams | BeamSearchParams]:
     ]
 
 
-def _run(model_dir, async_scheduling: bool, **engine) -> tuple[list, object]:
-    llm = LLM(
+def _llm(model_dir, async_scheduling: bool, **engine) -> LLM:
+    return LLM(
         model=str(model_dir),
         dtype="float32",
         max_model_len=128,
@@ -40,6 +40,10 @@ def _run(model_dir, async_scheduling: bool, **engine) -> tuple[list, object]:
         async_scheduling=async_scheduling,
         **engine,
     )
+
+
+def _run(model_dir, async_scheduling: bool, **engine) -> tuple[list, object]:
+    llm = _llm(model_dir, async_scheduling, **engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _params(), use_tqdm=False)
     got = [
         (
@@ -99,14 +103,7 @@ def test_async_abort_frees_everything_and_spares_the_rest(tiny_llama_dir):
     blocks freed, and the others finish as in a run without it."""
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=15, ignore_eos=True)
     want, _ = _run(tiny_llama_dir, False)
-    llm = LLM(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        max_model_len=128,
-        block_size=4,
-        async_scheduling=True,
-    )
-    engine = llm.llm_engine
+    engine = _llm(tiny_llama_dir, True).llm_engine
     for i, (p, sp) in enumerate(zip(PROMPTS, _params())):
         engine.add_request(str(i), {"prompt_token_ids": p}, sp, final_only=True)
     engine.add_request("gone", {"prompt_token_ids": PROMPTS[3]}, params)

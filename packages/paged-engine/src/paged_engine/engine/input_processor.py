@@ -69,7 +69,7 @@ class InputProcessor:
             )
             num_returned = min(num_returned or params.beam_width, params.beam_width)
             # Beams finish through the search itself: no token-level stop rule applies.
-            req = Request(request_id, token_ids, params, beam=beam, max_tokens=None)
+            req = Request(request_id, token_ids, params, beam=beam)
         else:
             num_returned = params.n
             req = Request(

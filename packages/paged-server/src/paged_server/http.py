@@ -23,6 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from paged_engine.unicode_text import find_lone_surrogate, surrogate_message
 from paged_server import __version__
 from paged_server.errors import APIError, bad_request
 
@@ -195,9 +196,16 @@ class Handler(BaseHTTPRequestHandler):
         data = self._read_exact(length)
         self.body_read = True
         try:
-            return json.loads(data)
+            body = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise bad_request(f"Invalid JSON body: {e}") from None
+        # Every route's text reaches a tokenizer, a template or a log: none takes a lone
+        # surrogate (valid JSON, invalid Unicode), so it is refused here, naming the field.
+        found = find_lone_surrogate(body, "")
+        if found is not None:
+            path, at, char = found
+            raise bad_request(surrogate_message(path or "the body", at, char), path or None)
+        return body
 
     def _read_exact(self, n: int) -> bytes:
         """Read n bytes within one io_timeout in total (a trickling client cannot hold us)."""

@@ -12,6 +12,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.unicode_text import check_text
 
 
 @dataclass(slots=True)
@@ -104,6 +105,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            check_text(prompt, "prompt")  # the tokenizer would raise a TypeError
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             if not prompt:

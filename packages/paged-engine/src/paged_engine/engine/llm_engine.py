@@ -33,6 +33,7 @@ from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from paged_engine.unicode_text import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ class LLMEngine:
         template = chat_template or self.tokenizer.chat_template
         if template is None:
             raise ValueError("the model has no chat template; pass chat_template")
+        check_text(messages, "messages")  # rendering would raise a UnicodeEncodeError
         return self.tokenizer.apply_chat_template(
             messages,
             chat_template=template,

@@ -52,7 +52,13 @@ class FakeTokenizer:
         return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", "replace")
 
     def apply_chat_template(
-        self, messages, *, chat_template=None, tokenize=True, add_generation_prompt=True
+        self,
+        messages,
+        *,
+        chat_template=None,
+        tokenize=True,
+        add_generation_prompt=True,
+        **template_vars,
     ):
         self._used()
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)

@@ -7,6 +7,7 @@ model and must stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -154,3 +156,23 @@ COMMON_ARGS = [
 ]
 REAL_ARGS = ["--dtype", "float32", "--num-gpu-blocks-override", "512", *COMMON_ARGS]
 API_KEY = "sk-test-key"
+
+
+@contextlib.contextmanager
+def serve_in_process(args: list[str], engine: object) -> Iterator[tuple[ServerProc, object]]:
+    """`paged-server ARGS` over `engine` in this process: (its HTTP handle, its app)."""
+    from paged_server.cli import build_app, build_parser
+    from paged_server.http import Server
+
+    parsed = build_parser().parse_args(args)
+    client, app = build_app(parsed, engine)
+    server = Server(("127.0.0.1", 0), app, keep_alive_timeout=2, io_timeout=3)
+    client.start()
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    host, port = server.server_address[:2]
+    try:
+        yield ServerProc(None, f"http://{host}:{port}"), app
+    finally:
+        server.shutdown()
+        server.server_close()
+        client.stop()

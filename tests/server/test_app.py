@@ -3,34 +3,23 @@ token ids), who uses which tokenizer, and streams that carry exactly what the JS
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc
+from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc, serve_in_process
 
 from paged_engine.sampling_params import RequestOutputKind
-from paged_server.cli import build_app, build_parser
-from paged_server.http import Server
 
 CHAT = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
 def inproc() -> Iterator[SimpleNamespace]:
-    args = build_parser().parse_args(COMMON_ARGS)
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
-    client, app = build_app(args, engine)
-    server = Server(("127.0.0.1", 0), app, keep_alive_timeout=2, io_timeout=3)
-    client.start()
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    host, port = server.server_address[:2]
-    yield SimpleNamespace(http=ServerProc(None, f"http://{host}:{port}"), engine=engine, app=app)
-    server.shutdown()
-    server.server_close()
-    client.stop()
+    with serve_in_process(COMMON_ARGS, engine) as (http, app):
+        yield SimpleNamespace(http=http, engine=engine, app=app)
 
 
 @pytest.fixture(params=["inproc", "real"])

@@ -51,6 +51,7 @@ class OpenAIApp:
         max_model_len: int,
         api_key: str | None = None,
         chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
         engine_version: str | None = None,
         poll_interval: float = 0.25,
     ):
@@ -61,6 +62,7 @@ class OpenAIApp:
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         self.engine_version = engine_version
         self.poll_interval = poll_interval
         self.vocab_size = len(tokenizer)
@@ -192,7 +194,22 @@ class OpenAIApp:
                 raise bad_request(f"token id {t!r} is not in [0, {self.vocab_size})", param)
 
     def _render_chat(self, req: GenerationRequest) -> str:
-        template = req.chat_template or self.chat_template or self.tokenizer.chat_template
+        """The conversation through the chat template. A template sent by the client is code
+        it chose: refused unless the server trusts request templates (vLLM's rule); either way
+        transformers renders it in Jinja's sandbox."""
+        variables = dict(req.chat_template_kwargs)
+        request_template = req.chat_template
+        if variables.get("chat_template") is not None:
+            request_template = request_template or variables["chat_template"]
+        variables.pop("chat_template", None)
+        if request_template is not None and not self.trust_request_chat_template:
+            param = "chat_template" if req.chat_template is not None else "chat_template_kwargs"
+            raise bad_request(
+                "a chat template was sent with the request, but this server renders only its "
+                "own (start it with --trust-request-chat-template to allow request templates)",
+                param,
+            )
+        template = request_template or self.chat_template or self.tokenizer.chat_template
         if template is None:
             raise bad_request("this model has no chat template", "messages")
         try:
@@ -202,6 +219,7 @@ class OpenAIApp:
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,
+                    **variables,
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
@@ -241,11 +259,18 @@ class OpenAIApp:
         max_tokens = min(check_context(len(i), req.max_tokens, self.max_model_len) for i in ids)
         self.client.check_queue()
         kwargs = {**req.sampling, "max_tokens": max_tokens}
+        if max_tokens == 0:
+            # Prompt scoring (echo only): what the engine generates is dropped. Two tokens and no
+            # stop rule, because the engine core loses the prompt logprobs of a request that
+            # finishes in its prefill step (it applies them after freeing finished sequences).
+            kwargs.update(max_tokens=2, ignore_eos=True, min_tokens=0)
+            kwargs.pop("stop_token_ids", None)
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
             if req.echo and not req.stream:  # a stream's logprobs cover its new tokens only
                 kwargs["prompt_logprobs"] = req.logprobs
-        params = self.client.make_params(kwargs, beam=req.use_beam_search, stream=req.stream)
+        beam = req.use_beam_search and max_tokens > 0
+        params = self.client.make_params(kwargs, beam=beam, stream=req.stream)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(ids))]
         prompts = [
@@ -296,6 +321,7 @@ class OpenAIApp:
     ) -> None:
         """One FINAL_ONLY output per prompt: its best n sequences, ranked by the engine."""
         choices, n_prompt = [], 0
+        scoring = req.max_tokens == 0  # the prompt only: what the engine generated is dropped
         for pi, out in enumerate(group.latest):
             n_prompt += len(out.prompt_token_ids)
             for seq in out.outputs:
@@ -309,18 +335,22 @@ class OpenAIApp:
                     choice["message"] = {"role": "assistant", "content": seq.text}
                 else:
                     prefix = self._prompt_text(texts[pi], ids[pi]) if req.echo else ""
+                    text, tids, lps = seq.text, seq.token_ids, list(seq.logprobs or [])
+                    if scoring:
+                        text, tids, lps = "", [], []
                     if req.logprobs is not None:
-                        tids, lps = seq.token_ids, list(seq.logprobs or [])
                         if req.echo:
                             p_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
                             tids, lps = out.prompt_token_ids + tids, list(p_lps) + lps
                         lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
-                    choice["text"] = prefix + seq.text
+                    choice["text"] = prefix + text
                 choice.update(
-                    logprobs=lp, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason
+                    logprobs=lp,
+                    finish_reason="length" if scoring else seq.finish_reason,
+                    stop_reason=None if scoring else seq.stop_reason,
                 )
                 choices.append(choice)
-        n_gen = group.num_generated_tokens
+        n_gen = 0 if scoring else group.num_generated_tokens
         body = envelope(rid, "chat.completion" if chat else "text_completion", model)
         body.update(choices=choices, usage=usage(n_prompt, n_gen))
         h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen}"

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent in a request (default: refuse it with a 400)",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -129,6 +134,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         model_path=model_path,
         max_model_len=engine.config.max_model_len,
         api_key=args.api_key,
+        trust_request_chat_template=args.trust_request_chat_template,
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
     )
     return client, app

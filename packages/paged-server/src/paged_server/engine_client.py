@@ -69,6 +69,9 @@ class _Stream:
     index: int  # in the group
     arrival: float  # when the HTTP thread handed it over (monotonic: the engine's clock too)
     last_token: float | None = None  # output thread only; None until the first token arrived
+    # (sequence index, finish reason) of the lowest-index sequence that finished so far: the
+    # request's reason in `request_success_total`, which counts requests, not sequences.
+    finished_seq: tuple[int, str] | None = None
 
 
 @dataclass
@@ -348,10 +351,14 @@ class EngineClient:
             if gaps:
                 m.itl.observe((last - start) / gaps, count=gaps)
             stream.last_token = last
+        for s in out.outputs:  # DELTA outputs may carry a sequence's finish before the end
+            if s.finish_reason is not None and (
+                stream.finished_seq is None or s.index < stream.finished_seq[0]
+            ):
+                stream.finished_seq = (s.index, s.finish_reason)
         if out.finished:
             m.e2e.observe(now - stream.arrival)
-            for s in out.outputs:
-                m.finished[s.finish_reason or "unknown"] += 1
+            m.finished[stream.finished_seq[1] if stream.finished_seq else "unknown"] += 1
 
     # ---- either thread ---------------------------------------------------------------------
     def _fail(self, request_ids: list[str] | None, err: APIError) -> list[str]:

@@ -193,7 +193,8 @@ class Metrics:
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             lines += h.render(lab)
         lines += [
-            "# HELP paged:request_success_total Finished requests by finish reason.",
+            "# HELP paged:request_success_total Finished requests (one per prompt, whatever its n) "
+            "by the finish reason of its first sequence.",
             "# TYPE paged:request_success_total counter",
         ]
         for reason, n in sorted(dict(self.finished).items()):

@@ -67,6 +67,7 @@ _CHAT_KEYS = _COMMON | {
     "logprobs",
     "top_logprobs",
     "chat_template",
+    "chat_template_kwargs",
     "add_generation_prompt",
 }
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -87,6 +88,7 @@ class GenerationRequest:
     echo: bool = False
     messages: list[dict[str, str]] = field(default_factory=list)
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
     add_generation_prompt: bool = True
 
     @property
@@ -253,9 +255,8 @@ def _prompts(value: Any) -> list[str | list[int]]:
     else:
         raise bad_request("'prompt' must be a string, a list of strings or of token ids", "prompt")
     for p in prompts:
-        ok = isinstance(p, str) or (
-            isinstance(p, list) and p and all(_is_int(x) and x >= 0 for x in p)
-        )
+        # Ids out of the vocabulary (negative ones too) are the route's to name, with the range.
+        ok = isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(x) for x in p))
         if not ok:
             raise bad_request(
                 "'prompt' items must be strings or non-empty token-id lists", "prompt"
@@ -274,7 +275,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         model=None,
         prompts=_prompts(b.d["prompt"]),
         sampling=_sampling(b),
-        max_tokens=b.int("max_tokens", 16, 1, 1 << 31),
+        max_tokens=b.int("max_tokens", 16, 0, 1 << 31),
         stream=stream,
         include_usage=usage,
         use_beam_search=b.bool("use_beam_search"),
@@ -282,6 +283,13 @@ def parse_completion(body: Any) -> GenerationRequest:
         echo=b.bool("echo"),
     )
     _common(b, req)
+    if req.max_tokens == 0 and (not req.echo or req.stream):
+        # Prompt scoring (legacy OpenAI, lm-eval-harness): the prompt and its logprobs, nothing
+        # generated. Without echo there is nothing to return.
+        raise bad_request(
+            "'max_tokens' 0 scores the prompt: it needs 'echo': true and no 'stream'",
+            "max_tokens",
+        )
     return req
 
 
@@ -313,6 +321,43 @@ def _message(i: int, m: Any) -> dict[str, str]:
     return out
 
 
+# The render's own arguments: a template variable of the same name would replace them. A
+# "chat_template" key is the template itself (the app lets it through only when trusted).
+_RENDER_ARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _template_kwargs(value: Any) -> dict[str, Any]:
+    """chat_template_kwargs: variables for the chat template (e.g. {"enable_thinking": false})."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    taken = sorted(_RENDER_ARGS.intersection(value))
+    if taken:
+        raise bad_request(
+            f"'chat_template_kwargs' may not set {taken[0]!r}: the request's own fields do",
+            "chat_template_kwargs",
+        )
+    return value
+
+
 def parse_chat(body: Any) -> GenerationRequest:
     b = _Body(body, _CHAT_KEYS)
     messages = b.d.get("messages")
@@ -337,6 +382,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         logprobs=(top or 0) if logprobs else None,
         messages=[_message(i, m) for i, m in enumerate(messages)],
         chat_template=b.str("chat_template"),
+        chat_template_kwargs=_template_kwargs(b.d.get("chat_template_kwargs")),
         add_generation_prompt=b.bool("add_generation_prompt", True),
     )
     _common(b, req)

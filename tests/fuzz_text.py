@@ -4,6 +4,8 @@ combining sequences, BOM, the last code point)."""
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import strategies as st
 
 TRICKY = [
@@ -35,3 +37,9 @@ def hostile_text(max_pieces: int = 6) -> st.SearchStrategy[str]:
 
 def has_lone_surrogate(text: str) -> bool:
     return any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+
+
+def through_json(text: str) -> str:
+    """`text` as a server reads it: JSON joins an escaped high+low surrogate pair into one code
+    point, so only surrogates left alone after that are invalid."""
+    return json.loads(json.dumps(text))

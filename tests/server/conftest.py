@@ -32,7 +32,7 @@ def real_server(tiny_model: str) -> Iterator[ServerProc]:
 def guarded_server(tiny_model: str) -> Iterator[ServerProc]:
     """Real engine, an API key, one running sequence and a waiting queue of one."""
     args = [
-        "--model",
+        "serve",  # vLLM's `vllm serve MODEL` form
         tiny_model,
         *REAL_ARGS,
         "--api-key",

@@ -115,14 +115,16 @@ class ServerProc:
             return -9
 
 
-def launch(args: list[str], *, fake: bool, timeout: float = 180.0) -> ServerProc:
+def launch(
+    args: list[str], *, fake: bool, timeout: float = 180.0, env: dict[str, str] | None = None
+) -> ServerProc:
     if fake:
         cmd = [sys.executable, str(HERE / "fake_server.py")]
     else:
         cmd = [sys.executable, "-m", "paged_server"]
-    cmd += ["--host", "127.0.0.1", "--port", "0", *args]
+    cmd += [*args, "--host", "127.0.0.1", "--port", "0"]
     # The fake engine takes 20 ms a step, so 100 tokens outlast a client's disconnect.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAKE_STEP_TIME": "0.02"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "FAKE_STEP_TIME": "0.02", **(env or {})}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )

@@ -19,6 +19,8 @@ _EXPORTS = {
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
     "BeamSearchParams": "paged_engine.sampling_params",
+    "BeamSearchOutput": "paged_engine.beam_search",
+    "BeamSearchSequence": "paged_engine.beam_search",
     "RequestOutputKind": "paged_engine.sampling_params",
     "RequestOutput": "paged_engine.outputs",
     "CompletionOutput": "paged_engine.outputs",
@@ -28,7 +30,9 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
     "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",
@@ -41,6 +45,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
     from paged_engine.config import EngineConfig
     from paged_engine.engine.llm_engine import EngineStats, LLMEngine
     from paged_engine.llm import LLM

@@ -11,8 +11,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import EngineStats, LLMEngine
+from paged_engine.logging_setup import configure_default_logging
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 
@@ -21,6 +23,7 @@ PromptType = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        configure_default_logging()  # startup stages at INFO, unless logging is configured
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
 
@@ -51,6 +54,48 @@ class LLM:
                 )
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: None = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the best `params.beam_width` beams of each prompt, best
+        first. As in vLLM, a sequence's `tokens` and `text` include the prompt; the beams run
+        in the engine (sharing the prompt's KV blocks), `concurrency_limit` prompts at a time."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: paged serves no LoRA adapters")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _as_prompt_list(prompts)
+        limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"concurrency_limit must be None or an int >= 1, got {limit!r}")
+        outputs: list[RequestOutput] = []
+        for start in range(0, len(prompt_list), limit):
+            batch = prompt_list[start : start + limit]
+            outputs += self._run([(p, params) for p in batch], use_tqdm)
+        tok = self.get_tokenizer()
+        results = []
+        for out in outputs:
+            beams = []
+            for c in out.outputs:
+                tokens = out.prompt_token_ids + list(c.token_ids)
+                beams.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        logprobs=[],
+                        cum_logprob=c.cumulative_logprob or 0.0,
+                        text=tok.decode(tokens),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences=beams))
+        return results
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
@@ -58,12 +103,17 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        """Apply the model's chat template to one conversation or a list of them, then generate.
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [
             self.llm_engine.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
             )
             for conv in conversations
         ]

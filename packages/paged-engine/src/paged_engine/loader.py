@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
@@ -73,12 +74,13 @@ def _hub_snapshot(repo_id: str) -> Path:
 
     try:
         return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
-    except Exception as e:  # LocalEntryNotFoundError, RepositoryNotFoundError, ...
+    except Exception:  # LocalEntryNotFoundError, RepositoryNotFoundError, ...
+        # `from None`: the hub's chained traceback says the same thing at length.
         raise FileNotFoundError(
             f"model {repo_id!r} is not a local path and is not in the Hugging Face hub cache "
-            f"({constants.HF_HUB_CACHE}). paged never downloads models: fetch it first "
-            f"(e.g. `huggingface-cli download {repo_id}`) or pass a local directory."
-        ) from e
+            f"({constants.HF_HUB_CACHE}). paged never downloads models: fetch it first with "
+            f"`hf download {repo_id}` (huggingface_hub's CLI) or pass a local directory."
+        ) from None
 
 
 def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
@@ -164,7 +166,9 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        model.load_weights(iter_weights(resolved, load_format))
+        total = count_weights(resolved, load_format)
+        weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
+        model.load_weights(weights)
     return model.eval().requires_grad_(False)
 
 

@@ -9,19 +9,29 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paged_server.app import OpenAIApp
-from paged_server.engine_client import EngineClient
 from paged_server.http import Server
-from paged_server.metrics import Metrics
+
+if TYPE_CHECKING:
+    from paged_server.app import OpenAIApp
+    from paged_server.engine_client import EngineClient
 
 log = logging.getLogger("paged_server")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="paged-server", description="OpenAI-compatible HTTP server for paged-engine."
+        prog="paged-server",
+        description="OpenAI-compatible HTTP server for paged-engine.",
+        usage="paged-server [serve] [MODEL] [options]  (or --model MODEL)",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)",
     )
     p.add_argument(
         "--model",
@@ -60,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer 429 while this many requests wait; default: unbounded",
     )
     p.add_argument("--load-format", default="auto")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run the model repository's own config / tokenizer code",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--timeout-keep-alive",
@@ -84,6 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`paged-server [serve] [MODEL] [options]`: the model positionally (vLLM's `vllm serve
+    MODEL`, the `serve` word optional) or as --model."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return args
+
+
 def build_engine(args: argparse.Namespace) -> Any:
     """The engine (it imports torch; we never do)."""
     from paged_engine import EngineConfig, LLMEngine
@@ -104,6 +134,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         load_format=args.load_format,
+        trust_remote_code=args.trust_remote_code,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         chat_template=args.chat_template,
@@ -120,8 +151,14 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     with "Already borrowed" when two threads use one while either changes its settings, e.g.
     truncation or padding).
     """
-    model_path = str(getattr(engine.config, "model", args.model))
+    # Imported here, not at the top: `main` binds the port before anything heavier than the
+    # HTTP server is imported (the engine client pulls in the engine's modules).
     from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
+    from paged_server.app import OpenAIApp
+    from paged_server.engine_client import EngineClient
+    from paged_server.metrics import Metrics
+
+    model_path = str(getattr(engine.config, "model", args.model))
 
     # Like vLLM: the --model string itself; the built-in default is served by its plain name.
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
@@ -140,20 +177,32 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     return client, app
 
 
-def serve(args: argparse.Namespace, engine: Any) -> int:
-    """Serve `engine` until SIGINT / SIGTERM; returns the exit code."""
-    client, app = build_app(args, engine)
+def bind(args: argparse.Namespace) -> Server | None:
+    """The server's socket, bound (not yet listening) before the model loads, so a busy port
+    fails at once; None after printing why it cannot be bound."""
     try:
-        server = Server(
+        return Server(
             (args.host, args.port),
-            app,
+            None,
             max_body_bytes=args.max_request_body_bytes,
             keep_alive_timeout=args.timeout_keep_alive,
             io_timeout=args.client_timeout,
+            listen=False,
         )
     except OSError as e:
         print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return None
+
+
+def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -> int:
+    """Serve `engine` until SIGINT / SIGTERM on `server` (bound here if None); returns the
+    exit code."""
+    server = server or bind(args)
+    if server is None:
         return 2
+    client, app = build_app(args, engine)
+    server.app = app
+    server.server_activate()  # listen: connections queue from here on
     client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop
     stop = threading.Event()
 
@@ -205,16 +254,24 @@ def serve(args: argparse.Namespace, engine: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    server = bind(args)  # before the model: a busy port fails in a fraction of a second
+    if server is None:
+        return 2
     try:
         engine = build_engine(args)
-    except (ValueError, NotImplementedError, FileNotFoundError, OSError) as e:
-        print(f"paged-server: cannot start the engine: {e}", file=sys.stderr)
+    except (ValueError, NotImplementedError, FileNotFoundError, OSError, RuntimeError) as e:
+        server.server_close()
+        log.debug("the engine did not start", exc_info=True)
+        hint = ""
+        if "trust_remote_code" in str(e) and not args.trust_remote_code:
+            hint = " (paged-server: pass --trust-remote-code to run it)"
+        print(f"paged-server: cannot start the engine: {e}{hint}", file=sys.stderr)
         return 2
-    return serve(args, engine)
+    return serve(args, engine, server)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,15 @@ class Server(ThreadingHTTPServer):
     def __init__(
         self,
         address: tuple[str, int],
-        app: App,
+        app: App | None,
         *,
         max_body_bytes: int = 16 << 20,
         keep_alive_timeout: float = 5.0,
         io_timeout: float = 30.0,
+        listen: bool = True,
     ):
+        """`listen=False` only binds (the port is taken, connections are refused): set `app`,
+        then call `server_activate()` before serving."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.keep_alive_timeout = keep_alive_timeout
@@ -61,7 +64,14 @@ class Server(ThreadingHTTPServer):
         # by which they must be done: a client trickling header bytes cannot hold a thread.
         self._reading: dict[Handler, float] = {}
         self._reading_lock = threading.Lock()
-        super().__init__(address, Handler)
+        super().__init__(address, Handler, bind_and_activate=False)
+        try:
+            self.server_bind()
+            if listen:
+                self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
         threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
 
     def active_requests(self) -> int:

@@ -69,8 +69,9 @@ class LLMEngine:
             config.model = str(default_model_path())
         self.config = config
         t0 = time.perf_counter()
+        logger.info("resolving model %s", config.model)
         self.resolved = resolve_model(config.model)
-        self.hf_config = load_hf_config(self.resolved)
+        self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
         self.tokenizer = load_tokenizer(
             self.resolved if config.tokenizer is None else resolve_model(config.tokenizer),
             trust_remote_code=config.trust_remote_code,
@@ -78,6 +79,12 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self._resolve_lengths()
+        logger.info(
+            "model %s: %s, config and tokenizer loaded; max_model_len %d",
+            self.resolved.gguf_file or self.resolved.path,
+            ", ".join(getattr(self.hf_config, "architectures", None) or ["?"]),
+            config.max_model_len,
+        )
         self.executor = UniprocExecutor(
             config, self.resolved, self.hf_config, overlap=bool(config.async_scheduling)
         )
@@ -85,6 +92,7 @@ class LLMEngine:
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:
             config.async_scheduling = auto_async_scheduling(self.device)
+        logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
@@ -94,6 +102,13 @@ class LLMEngine:
                 f"{config.max_model_len}: raise gpu_memory_utilization (or cpu_kv_cache_gib / "
                 "num_gpu_blocks_override) or lower max_model_len"
             )
+        logger.info(
+            "allocating the KV cache: %d blocks x %d tokens = %d token slots%s",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            "" if self.device.type != "cuda" or config.enforce_eager else " (then CUDA graphs)",
+        )
         self.executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
         self.block_manager = BlockManager(

@@ -8,6 +8,8 @@ and read the null block with seq_len 1; their outputs are ignored.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +18,8 @@ from paged_engine.attention import AttentionMetadata
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -57,6 +61,10 @@ class CudaGraphRunner:
     def capture(self) -> None:
         r = self.runner
         assert r.cache is not None
+        t0 = time.perf_counter()
+        logger.info(
+            "capturing CUDA graphs for %d batch sizes (1..%d)", len(self.sizes), max(self.sizes)
+        )
         for bs in reversed(self.sizes):  # largest first so smaller graphs reuse its memory pool
             meta = self._meta(bs)
             args = (self.input_ids[:bs], self.positions[:bs], r.cache.kv_caches, meta)
@@ -69,6 +77,7 @@ class CudaGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
+        logger.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         num_seqs = meta.seq_lens.shape[0]

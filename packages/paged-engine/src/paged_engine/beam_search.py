@@ -1,0 +1,29 @@
+"""What `LLM.beam_search` returns, named and shaped as vLLM's `vllm.beam_search` records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_engine.outputs import Logprob
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam. `tokens` holds the prompt's ids then the generated ones, and `text`
+    their decoding, both as in vLLM. `logprobs` stays empty: the engine's beam search keeps
+    each beam's cumulative logprob, not every step's candidates."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    lora_request: None = None
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best `beam_width` beams of one prompt, best (highest length-penalized score) first."""
+
+    sequences: list[BeamSearchSequence]

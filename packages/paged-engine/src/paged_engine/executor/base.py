@@ -18,6 +18,11 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.worker.runner_output import ModelRunnerOutput
 
 
+class EngineDeadError(RuntimeError):
+    """A worker (rank) failed and the engine cannot run another step; every request in flight
+    fails with this message. Build a new engine to go on."""
+
+
 class RunnerOutputHandle(Protocol):
     def get(self) -> ModelRunnerOutput: ...
 

@@ -6,15 +6,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.distributed.communication import tp_all_gather, tp_all_reduce
+from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [rank*V/tp, (rank+1)*V/tp) of the embedding; tokens outside the shard embed to 0
-    (an all-reduce over ranks, done outside, completes the lookup)."""
+    """Rows [rank*ceil(V/tp), (rank+1)*ceil(V/tp)) of the embedding; tokens outside the shard
+    embed to 0 and an all-reduce over the TP group completes the lookup."""
 
     def __init__(
-        self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__()
+        tp_rank = get_tp_rank() if tp_rank is None else tp_rank
+        tp_size = get_tp_size() if tp_size is None else tp_size
         self.num_embeddings = num_embeddings
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.shard_size = -(-num_embeddings // tp_size)  # ceil; the last shard may be padded
@@ -38,7 +47,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         valid = (local >= 0) & (local < self.shard_size)
         out = F.embedding(local.clamp(0, self.shard_size - 1), self.weight)
-        return out * valid.unsqueeze(-1).to(out.dtype)
+        return tp_all_reduce(out * valid.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -49,8 +58,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         num_embeddings: int,
         embedding_dim: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
         if bias:
@@ -67,8 +76,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
-        logits = F.linear(hidden, self.weight, self.bias)
+        # Every TP rank ends with the same full logits (the gathered bits), so every rank
+        # samples the same tokens from them.
+        logits = tp_all_gather(F.linear(hidden, self.weight, self.bias), dim=-1)
         # Drop the padded rows of the last shard (only when the vocab does not split evenly).
-        if self.tp_size == 1 and logits.shape[-1] != self.num_embeddings:
+        if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., : self.num_embeddings]
         return logits.float()

@@ -1,9 +1,11 @@
 """Linear layers that know their tensor-parallel shard.
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes the
-full HF tensor and copies this rank's slice into it, so weights load the same way at any
-`tp_size`. The collectives themselves (all-gather / all-reduce) live outside these layers;
-with `tp_size == 1` (today) each layer is a plain `F.linear`.
+full HF tensor (often a view of the memory-mapped file) and copies this rank's slice into it, so
+weights load the same way at any `tp_size`. `tp_rank` / `tp_size` default to this process's
+place in the parallel state (1 outside a tensor-parallel world). Column-parallel outputs stay
+sharded (the next row-parallel layer consumes them); a row-parallel layer all-reduces its
+partial sums, so its output is whole and identical on every rank.
 """
 
 from __future__ import annotations
@@ -12,11 +14,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.distributed.communication import tp_all_reduce
+from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d != 0:
         raise ValueError(f"{what}={n} is not divisible by tp_size={d}")
     return n // d
+
+
+def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
+    """Explicit values win; otherwise this process's place in the tensor-parallel group."""
+    return (get_tp_rank() if tp_rank is None else tp_rank), (
+        get_tp_size() if tp_size is None else tp_size
+    )
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -58,9 +70,10 @@ class ColumnParallelLinear(LinearBase):
         input_size: int,
         output_size: int,
         bias: bool = True,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         super().__init__(
             input_size, _divide(output_size, tp_size, "output_size"), bias, tp_rank, tp_size
         )
@@ -78,9 +91,10 @@ class RowParallelLinear(LinearBase):
         input_size: int,
         output_size: int,
         bias: bool = True,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         super().__init__(
             _divide(input_size, tp_size, "input_size"), output_size, bias, tp_rank, tp_size
         )
@@ -93,7 +107,8 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return tp_all_reduce(out) if self.tp_size > 1 else out
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -104,8 +119,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         input_size: int,
         output_sizes: list[int],
         bias: bool = True,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size)
@@ -135,9 +150,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: int,
         num_kv_heads: int | None = None,
         bias: bool = True,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: int | None = None,
+        tp_size: int | None = None,
     ) -> None:
+        tp_rank, tp_size = _tp(tp_rank, tp_size)
         num_kv_heads = num_kv_heads or num_heads
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "num_heads")

@@ -16,7 +16,7 @@ from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.utils import CausalLMBase, cfg_get
+from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -31,7 +31,7 @@ class GPT2Attention(nn.Module):
             scale /= layer_idx + 1
         self.c_attn = QKVParallelLinear(d, head_dim, heads, heads, bias=True)
         self.c_proj = RowParallelLinear(d, d, bias=True)
-        self.attn = Attention(heads, head_dim, heads, scale)
+        self.attn = Attention(self.c_attn.num_heads, head_dim, self.c_attn.num_kv_heads, scale)
 
     def forward(self, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         q, k, v = self.c_attn(x).chunk(3, dim=-1)
@@ -71,14 +71,15 @@ class GPT2Model(nn.Module):
         d = config.hidden_size
         self.wte = VocabParallelEmbedding(config.vocab_size, d)
         self.wpe = nn.Embedding(config.max_position_embeddings, d)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_hidden_layers))
+        self.h, self.stage = make_layers(config.num_hidden_layers, lambda i: GPT2Block(config, i))
         self.ln_f = LayerNorm(d, eps=cfg_get(config, "layer_norm_epsilon", 1e-5))
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)  # [T, D]
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        # hidden: the previous pipeline stage's output (None on the first stage)
+        x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden  # [T, D]
+        for block, kv_cache in zip(self.stage.layers(self.h), kv_caches, strict=True):
             x = block(x, kv_cache, md)
-        return self.ln_f(x)
+        return self.ln_f(x) if self.stage.is_last else x
 
 
 class GPT2LMHeadModel(CausalLMBase):

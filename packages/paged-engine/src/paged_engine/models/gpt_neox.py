@@ -16,7 +16,7 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.models.utils import CausalLMBase, cfg_get
+from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
 
 
 class GPTNeoXAttention(nn.Module):
@@ -28,7 +28,8 @@ class GPTNeoXAttention(nn.Module):
         self.query_key_value = QKVParallelLinear(d, self.head_dim, heads, heads, bias=bias)
         self.dense = RowParallelLinear(d, d, bias=bias)
         self.rotary_emb = rope  # shared by all layers
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
+        local = self.query_key_value.num_heads  # this rank's heads
+        self.attn = Attention(local, self.head_dim, local, self.head_dim**-0.5)
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         q, k, v = self.query_key_value(x).chunk(3, dim=-1)
@@ -71,18 +72,18 @@ class GPTNeoXModel(nn.Module):
         self.embed_in = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = config.hidden_size // config.num_attention_heads
         rope = get_rope(config, head_dim, is_neox_style=True)
-        self.layers = nn.ModuleList(
-            GPTNeoXLayer(config, rope) for _ in range(config.num_hidden_layers)
+        self.layers, self.stage = make_layers(
+            config.num_hidden_layers, lambda i: GPTNeoXLayer(config, rope)
         )
         self.final_layer_norm = LayerNorm(
             config.hidden_size, eps=cfg_get(config, "layer_norm_eps", 1e-5)
         )
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        x = self.embed_in(input_ids)  # [T, D]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        x = self.embed_in(input_ids) if hidden is None else hidden  # [T, D]
+        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
             x = layer(positions, x, kv_cache, md)
-        return self.final_layer_norm(x)
+        return self.final_layer_norm(x) if self.stage.is_last else x
 
 
 class GPTNeoXForCausalLM(CausalLMBase):

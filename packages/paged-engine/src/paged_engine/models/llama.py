@@ -25,6 +25,7 @@ from paged_engine.models.utils import (
     CausalLMBase,
     cfg_get,
     layer_sliding_window,
+    make_layers,
 )
 
 
@@ -40,10 +41,12 @@ class LlamaAttention(nn.Module):
         num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
         head_dim = llama_head_dim(config)
         self.head_dim = head_dim
-        self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = QKVParallelLinear(
             hidden, head_dim, num_heads, num_kv_heads, bias=flags["qkv_bias"]
         )
+        # This rank's heads (all of them outside tensor parallelism).
+        local_heads, local_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = local_heads * head_dim, local_kv_heads * head_dim
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=flags["o_bias"])
         self.rotary_emb = rope  # one instance shared by all layers (its cos/sin tables are big)
         self.qk_norm = flags["qk_norm"]
@@ -52,9 +55,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, eps)
             self.k_norm = RMSNorm(head_dim, eps)
         self.attn = Attention(
-            num_heads,
+            local_heads,
             head_dim,
-            num_kv_heads,
+            local_kv_heads,
             head_dim**-0.5,
             sliding_window=layer_sliding_window(config, layer_idx),
         )
@@ -109,16 +112,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, flags, rope) for i in range(config.num_hidden_layers)
+        self.layers, self.stage = make_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i, flags, rope)
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, D]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        # hidden: the previous pipeline stage's output (None on the first stage)
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
+        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
             x = layer(positions, x, kv_cache, md)
-        return self.norm(x)
+        return self.norm(x) if self.stage.is_last else x
 
 
 class LlamaForCausalLM(CausalLMBase):

@@ -14,7 +14,7 @@ from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, make_layers
 
 POSITION_OFFSET = 2  # OPT's learned position table reserves two leading rows
 
@@ -27,7 +27,8 @@ class OPTAttention(nn.Module):
         self.head_dim = hidden // heads
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, heads, heads, bias=bias)
         self.out_proj = RowParallelLinear(hidden, hidden, bias=bias)
-        self.attn = Attention(heads, self.head_dim, heads, self.head_dim**-0.5)
+        local = self.qkv_proj.num_heads  # this rank's heads
+        self.attn = Attention(local, self.head_dim, local, self.head_dim**-0.5)
 
     def forward(self, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
@@ -71,17 +72,21 @@ class OPTDecoder(nn.Module):
         )
         affine = cfg_get(config, "layer_norm_elementwise_affine", True)
         self.final_layer_norm = LayerNorm(d, elementwise_affine=affine) if final_ln else None
-        self.layers = nn.ModuleList(
-            OPTDecoderLayer(config) for _ in range(config.num_hidden_layers)
+        self.layers, self.stage = make_layers(
+            config.num_hidden_layers, lambda i: OPTDecoderLayer(config)
         )
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, proj]
-        if self.project_in is not None:
-            x = self.project_in(x)
-        x = x + self.embed_positions(positions + POSITION_OFFSET)  # [T, D]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        if hidden is None:  # first pipeline stage
+            x = self.embed_tokens(input_ids)  # [T, proj]
+            if self.project_in is not None:
+                x = self.project_in(x)
+            hidden = x + self.embed_positions(positions + POSITION_OFFSET)  # [T, D]
+        x = hidden
+        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
             x = layer(x, kv_cache, md)
+        if not self.stage.is_last:
+            return x
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
         if self.project_out is not None:
@@ -96,8 +101,8 @@ class OPTModel(nn.Module):
         super().__init__()
         self.decoder = OPTDecoder(config)
 
-    def forward(self, input_ids, positions, kv_caches, md) -> torch.Tensor:
-        return self.decoder(input_ids, positions, kv_caches, md)
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        return self.decoder(input_ids, positions, kv_caches, md, hidden)
 
 
 class OPTForCausalLM(CausalLMBase):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead
 
@@ -91,6 +94,39 @@ def _short(names: list[str], limit: int = 12) -> str:
     return ", ".join(names[:limit]) + more
 
 
+# The decoder-layer index in our parameter names (model.layers.3., transformer.h.3., ...).
+_LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
+
+
+class PPMissingLayer(nn.Identity):
+    """A decoder layer that another pipeline stage holds: no parameters, never called."""
+
+
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """This rank's slice [start, end) of a decoder stack, and whether it ends the model."""
+
+    start: int
+    end: int
+    is_last: bool
+
+    def layers(self, stack: nn.ModuleList) -> Iterable[nn.Module]:
+        return (stack[i] for i in range(self.start, self.end))
+
+
+def make_layers(
+    num_layers: int, build: Callable[[int], nn.Module]
+) -> tuple[nn.ModuleList, StageLayers]:
+    """The decoder stack with this pipeline stage's layers built and the others left as
+    `PPMissingLayer` (so layer i keeps its checkpoint name at any pipeline size)."""
+    state = get_parallel_state()
+    start, end = stage_layers(num_layers, state.pp_rank, state.pp_size)
+    stack = nn.ModuleList(
+        build(i) if start <= i < end else PPMissingLayer() for i in range(num_layers)
+    )
+    return stack, StageLayers(start, end, state.is_last_stage)
+
+
 def cfg_get(config, name: str, default):
     """getattr with a default that also replaces an explicit None."""
     value = getattr(config, name, None)
@@ -145,8 +181,12 @@ class CausalLMBase(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # one (k, v) per layer
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # hidden [T, D], D the token embedding's width
-        return getattr(self, self.inner_name)(input_ids, positions, kv_caches, attn_metadata)
+        hidden: torch.Tensor | None = None,  # [T, hidden_size] from the previous pipeline stage
+    ) -> torch.Tensor:
+        """The last stage's hidden [T, D] (D the token embedding's width); an earlier stage's
+        output [T, hidden_size] for the next stage."""
+        inner = getattr(self, self.inner_name)
+        return inner(input_ids, positions, kv_caches, attn_metadata, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         return getattr(self, self.head_name)(hidden)
@@ -163,11 +203,20 @@ class CausalLMBase(nn.Module):
         # A tied head has no parameter of its own; checkpoints may still carry a copy.
         tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
         ignored = self.ignored_weights
+        state = get_parallel_state()
+        start, end = stage_layers(self.config.num_hidden_layers, state.pp_rank, state.pp_size)
+
+        def skip(name: str) -> bool:
+            if name == tied_head or name.endswith(ignored):
+                return True
+            layer = _LAYER_INDEX.search(name)  # another pipeline stage's layer
+            return layer is not None and not start <= int(layer.group(1)) < end
+
         load_named_weights(
             self,
             weights,
             stacked=self.stacked_params,
             rename=self.rename_weight,
             convert=self.convert_weight,
-            skip=lambda n: n == tied_head or n.endswith(ignored),
+            skip=skip,
         )

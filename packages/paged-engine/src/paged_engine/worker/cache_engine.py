@@ -5,16 +5,21 @@ from __future__ import annotations
 import torch
 
 from paged_engine.attention import AttentionBackend
+from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 
 
 def kv_shape(hf_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a HF config, for any supported architecture."""
+    """(num_layers, num_kv_heads, head_dim) this rank caches, for any supported architecture:
+    its pipeline stage's layers and its tensor-parallel share of the KV heads (one replicated
+    head when there are more TP ranks than KV heads)."""
     num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
     num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
-    return num_layers, num_kv_heads, head_dim
+    state = get_parallel_state()
+    start, end = stage_layers(num_layers, state.pp_rank, state.pp_size)
+    return end - start, max(1, num_kv_heads // state.tp_size), head_dim
 
 
 class CacheEngine:

@@ -104,8 +104,13 @@ def profile_forward(runner: ModelRunner) -> int:
     )
     ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
-    hidden = runner.model(ids, positions, scratch.kv_caches, meta)
-    runner.model.compute_logits(hidden[:num_seqs])
+    state = runner.parallel
+    hidden_in = None  # a later pipeline stage profiles on stand-in hidden states
+    if not state.is_first_stage:
+        hidden_in = torch.zeros(num_tokens, runner.stage_width, dtype=dtype, device=dev)
+    hidden = runner.model(ids, positions, scratch.kv_caches, meta, hidden_in)
+    if state.is_last_stage:
+        runner.model.compute_logits(hidden[:num_seqs])
     del scratch, hidden
     return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, dtype)
 

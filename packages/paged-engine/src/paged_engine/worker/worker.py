@@ -13,6 +13,7 @@ import torch
 from paged_engine.attention import get_attention_backend
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.distributed.communication import all_reduce_min
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
@@ -60,7 +61,9 @@ class Worker:
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
 
     def determine_num_blocks(self) -> int:
-        return profile_num_blocks(self.model_runner, baseline_used=self._baseline)
+        """Blocks every rank can hold: the minimum over the world (each rank profiles its own
+        shard and device)."""
+        return all_reduce_min(profile_num_blocks(self.model_runner, baseline_used=self._baseline))
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)

@@ -1,0 +1,72 @@
+"""How the ranks of one engine come to exist: spawned by rank 0, or launched by torchrun.
+
+    paged-server --model M -tp 2                 rank 0 spawns rank 1 (torch.multiprocessing)
+    torchrun --nnodes 2 --nproc-per-node 8 ...   every rank runs the same command; rank 0 runs
+                                                 the engine, the others serve it (`is_worker_rank`)
+
+Either way the world meets through torch.distributed's own rendezvous (a TCP store on
+localhost, or torchrun's MASTER_ADDR / MASTER_PORT): nothing of our own.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TorchrunEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+
+
+def torchrun_env() -> TorchrunEnv | None:
+    """This process's place when torchrun (or any launcher that sets its variables) started
+    it; None otherwise."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "MASTER_ADDR" not in os.environ:
+        return None
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return TorchrunEnv(rank, local_rank, world, local_world)
+
+
+def is_worker_rank(world_size: int) -> bool:
+    """True in a torchrun-launched process that is not rank 0 of a multi-rank engine."""
+    env = torchrun_env()
+    return world_size > 1 and env is not None and env.rank != 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """torch intra-op threads for one of `local_world_size` ranks sharing this machine's cores:
+    two OpenMP teams on one core make every parallel op wait for a sleeping thread."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // local_world_size)
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process when the one that started it is gone (killed with SIGKILL, say, so it
+    could not stop us). A daemon thread polls the parent pid."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="paged-parent-watch", daemon=True).start()

@@ -1,0 +1,197 @@
+"""`MultiprocExecutor`: one engine over `tensor_parallel_size * pipeline_parallel_size` ranks.
+
+Rank 0 is this process: its worker (the driver) runs inline on the engine's thread. Every call
+is first broadcast to the other ranks as plain data over the gloo cpu group, then run here;
+each rank applies the same step to its own persistent batch and its shard of the model and KV
+cache, and the collectives inside the forward keep them in lockstep. Rank 0's result is the
+engine's (under pipeline parallelism the last stage sends it to rank 0).
+
+Ranks 1.. are spawned here (torch.multiprocessing, spawn) unless torchrun started them. They
+die with the engine: `shutdown()` (also run by a finalizer at garbage collection and at exit)
+stops them, they exit when this process disappears, and a rank that dies makes the next call
+raise `EngineDeadError` naming it, never hang (gloo reports the closed connection).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import time
+import weakref
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from paged_engine.config import EngineConfig
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.distributed.communication import broadcast_object
+from paged_engine.distributed.launch import free_port, torchrun_env
+from paged_engine.distributed.parallel_state import destroy_parallel_state
+from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
+from paged_engine.loader import ResolvedModel
+from paged_engine.worker.runner_output import ModelRunnerOutput
+from paged_engine.worker.worker import Worker
+from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0  # spawned ranks must import torch and reach the rendezvous by then
+
+
+class _GuardedHandle:
+    """A step's output; a failure while fetching it (pipeline parallelism receives it from the
+    last stage) marks the engine dead like a failure in the step itself."""
+
+    __slots__ = ("_executor", "_handle")
+
+    def __init__(self, handle: RunnerOutputHandle, executor: MultiprocExecutor) -> None:
+        self._handle, self._executor = handle, executor
+
+    def get(self) -> ModelRunnerOutput:
+        try:
+            return self._handle.get()
+        except Exception as e:
+            raise self._executor._died(e) from e
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self._procs: list[mp.Process] = []
+        self._dead: str | None = None
+        self._closed = False
+        env = torchrun_env()
+        if env is not None:  # torchrun started every rank; we are rank 0
+            if env.world_size != self.world_size or env.rank != 0:
+                raise ValueError(
+                    f"torchrun started {env.world_size} processes, but tensor_parallel_size * "
+                    f"pipeline_parallel_size = {self.world_size}: launch that many in total "
+                    "(--nnodes * --nproc-per-node)"
+                )
+            init_method, local_rank, local_world = "env://", env.local_rank, env.local_world_size
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            local_rank, local_world = 0, self.world_size
+            self._spawn(config, resolved, hf_config, init_method)
+        # `del llm` (or exit) without shutdown(): stop the ranks and leave the world anyway.
+        self._finalizer = weakref.finalize(self, _release, self._procs)
+        try:
+            join_world(config, 0, local_rank, local_world, init_method)
+            self.worker = Worker(config, resolved, hf_config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, config: EngineConfig, resolved: ResolvedModel, hf_config, init: str) -> None:
+        """Start ranks 1.. and wait until each is alive and about to join the rendezvous, so a
+        rank that fails on import is reported now instead of stalling the rendezvous."""
+        ctx = mp.get_context("spawn")
+        waiting = {}
+        for rank in range(1, self.world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=spawned_worker_main,
+                args=(send, config, resolved, hf_config, rank, init),
+                name=f"paged-worker-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            send.close()
+            self._procs.append(proc)
+            waiting[recv] = proc
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while waiting:
+            left = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(
+                [*waiting, *(p.sentinel for p in waiting.values())], timeout=max(left, 0)
+            )
+            if not ready:
+                _stop_processes(self._procs)
+                raise RuntimeError(f"worker ranks did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            for conn in list(waiting):
+                proc = waiting[conn]
+                if conn in ready:
+                    try:
+                        conn.recv()
+                    except EOFError:  # closed without a word: the process died
+                        proc.join(1.0)
+                    else:
+                        del waiting[conn]
+                        continue
+                if conn in ready or proc.sentinel in ready:
+                    _stop_processes(self._procs)
+                    raise RuntimeError(
+                        f"{proc.name} (pid {proc.pid}) exited with code {proc.exitcode} while "
+                        "starting; its traceback is above"
+                    )
+
+    # ---- the Executor interface -------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return self._call("determine_num_blocks")
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self._call("initialize_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
+        return _GuardedHandle(self._call("execute_model", sched), self)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._dead is None and hasattr(self, "worker"):
+            with contextlib.suppress(Exception):  # a rank already gone: stopped below
+                broadcast_object((SHUTDOWN, ()))
+        if self._dead is None:  # a clean stop: give the ranks time to leave the world
+            for proc in self._procs:
+                proc.join(timeout=10.0)
+        self._finalizer()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _call(self, method: str, *args: Any) -> Any:
+        """Run `method` on every rank: broadcast it, then run it on rank 0's worker."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._closed:
+            raise EngineDeadError("the engine was shut down")
+        try:
+            broadcast_object((method, args))
+            return getattr(self.worker, method)(*args)
+        except Exception as e:
+            # Any failure leaves the ranks out of step (some may wait in a collective forever):
+            # the engine cannot go on.
+            raise self._died(e) from e
+
+    def _died(self, error: BaseException) -> EngineDeadError:
+        if self._dead is None:
+            deadline = time.monotonic() + 2.0  # a crashed rank may still be exiting
+            gone = [p for p in self._procs if p.exitcode is not None]
+            while not gone and self._procs and time.monotonic() < deadline:
+                time.sleep(0.05)
+                gone = [p for p in self._procs if p.exitcode is not None]
+            if gone:
+                why = ", ".join(f"{p.name} (pid {p.pid}) exited with {p.exitcode}" for p in gone)
+            else:
+                why = f"{type(error).__name__}: {error}"
+            self._dead = f"a worker rank failed, the engine cannot continue: {why}"
+            logger.error("%s", self._dead)
+            self.shutdown()
+        return EngineDeadError(self._dead)
+
+
+def _release(procs: list[mp.Process]) -> None:
+    _stop_processes(procs)
+    destroy_parallel_state()
+
+
+def _stop_processes(procs: list[mp.Process]) -> None:
+    """Terminate what is still running, then kill what ignores it (idempotent)."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)

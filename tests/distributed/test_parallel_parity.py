@@ -1,0 +1,148 @@
+"""Tensor and pipeline parallelism (2 gloo ranks on the CPU) give the single-process engine's
+outputs: identical greedy tokens, logprobs within 1e-4, for every tiny architecture; and the
+step's other features (n > 1, beams, seeds, preemption, prefix caching, prompt logprobs)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine.testing import SUPPORTED_TINY_ARCHS, write_tiny_model
+
+pytest.importorskip("transformers")
+
+LP_TOL = 1e-4
+
+
+def _run(path, requests, **engine_kwargs):
+    """[(token_ids, logprobs of the chosen tokens)] per request, in order."""
+    engine_kwargs.setdefault("max_model_len", 256)
+    llm = LLM(model=str(path), dtype="float32", **engine_kwargs)
+    try:
+        prompts = [p for p, _ in requests]
+        outs = llm.generate(prompts, [sp for _, sp in requests], use_tqdm=False)
+        return [_summary(o) for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _summary(out):
+    seqs = []
+    for c in out.outputs:
+        lps = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]
+        seqs.append((list(c.token_ids), lps))
+    prompt_lps = None
+    if out.prompt_logprobs is not None:
+        prompt_lps = [None if d is None else sorted(d.items()) for d in out.prompt_logprobs]
+    return seqs, prompt_lps
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for (g_seqs, g_prompt), (w_seqs, w_prompt) in zip(got, want):
+        assert [t for t, _ in g_seqs] == [t for t, _ in w_seqs]
+        for (_, g_lp), (_, w_lp) in zip(g_seqs, w_seqs):
+            assert g_lp == pytest.approx(w_lp, abs=LP_TOL)
+        assert (g_prompt is None) == (w_prompt is None)
+        for g, w in zip(g_prompt or [], w_prompt or []):
+            if w is None:
+                assert g is None
+                continue
+            assert [tok for tok, _ in g] == [tok for tok, _ in w]
+            assert [x.logprob for _, x in g] == pytest.approx([x.logprob for _, x in w], abs=LP_TOL)
+
+
+def _greedy_requests(seed: int = 0):
+    rng = random.Random(seed)
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    return [
+        ({"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.randint(1, 40))]}, sp)
+        for _ in range(6)
+    ]
+
+
+@pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
+def tiny(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1)
+    requests = _greedy_requests()
+    return path, requests, _run(path, requests)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_every_architecture_matches_one_process(tiny, tp, pp):
+    path, requests, want = tiny
+    got = _run(path, requests, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    _assert_same(got, want)
+
+
+def _feature_requests():
+    rng = random.Random(3)
+    system = [rng.randrange(3, 200) for _ in range(40)]  # a shared prefix: prefix-cache hits
+    reqs = []
+    for _ in range(4):
+        tail = [rng.randrange(3, 200) for _ in range(rng.randint(5, 30))]
+        reqs.append(
+            (
+                {"prompt_token_ids": system + tail},
+                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1),
+            )
+        )
+    prompt = {"prompt_token_ids": [rng.randrange(3, 200) for _ in range(20)]}
+    reqs += [
+        (prompt, SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, logprobs=1)),
+        (prompt, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True)),
+        (prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)),
+        (prompt, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)),
+    ]
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def feature_model(tmp_path_factory):
+    # One KV head and a vocabulary that does not split evenly: KV heads replicated over two
+    # TP ranks, and a padded last vocab shard.
+    path = write_tiny_model(
+        tmp_path_factory.mktemp("gqa"), "llama", seed=2, num_key_value_heads=1, vocab_size=509
+    )
+    # A pool of 12 blocks of 16 tokens: the batch does not fit at once, so some sequences are
+    # preempted and recomputed.
+    kwargs = {"num_gpu_blocks_override": 12, "block_size": 16, "max_model_len": 128}
+    requests = _feature_requests()
+    return path, requests, kwargs, _run(path, requests, **kwargs)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_features_under_parallelism(feature_model, tp, pp):
+    """n > 1 (seeded), unseeded sampling (the ranks' own generator, seeded by the engine seed),
+    beams, prompt logprobs, prefix caching and preemption: the same outputs."""
+    path, requests, kwargs, want = feature_model
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        **kwargs,
+    )
+    try:
+        outs = llm.generate([p for p, _ in requests], [sp for _, sp in requests], use_tqdm=False)
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
+        assert stats.num_used_blocks == 0
+    finally:
+        llm.llm_engine.shutdown()
+    _assert_same([_summary(o) for o in outs], want)
+
+
+def test_sizes_the_model_cannot_take_fail_before_any_process_starts(tmp_path):
+    path = write_tiny_model(tmp_path, "llama")  # 4 heads, 2 KV heads, 2 layers
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        LLM(model=str(path), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds"):
+        LLM(model=str(path), pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        LLM(model=str(path), pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(model=str(path), pipeline_parallel_size=2, async_scheduling=True)

@@ -1,0 +1,51 @@
+"""A process that owns a tensor_parallel_size=2 engine, for the teardown tests.
+
+    python tp_owner.py MODEL MODE
+
+Prints `PIDS [..]` (its worker ranks) once the engine is up, then MODE: `exit` (return without
+shutdown), `del` (drop the LLM, then idle), `loop` (generate until a signal ends it),
+`kill-worker` (SIGKILL rank 1, then report how the next two calls fail).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import signal
+import sys
+import time
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.executor.base import EngineDeadError
+
+
+def main() -> None:
+    model, mode = sys.argv[1], sys.argv[2]
+    llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
+    pids = [p.pid for p in llm.llm_engine.executor._procs]
+    print("PIDS", json.dumps(pids), flush=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate(["hello"], params, use_tqdm=False)
+    if mode == "exit":
+        return
+    if mode == "del":
+        del llm
+        gc.collect()
+        print("DELETED", flush=True)
+        time.sleep(60)
+    elif mode == "loop":
+        print("LOOPING", flush=True)
+        while True:
+            llm.generate(["hello"] * 4, params, use_tqdm=False)
+    elif mode == "kill-worker":
+        os.kill(pids[0], signal.SIGKILL)
+        for attempt in (1, 2):
+            try:
+                llm.generate(["hello"], params, use_tqdm=False)
+            except EngineDeadError as e:
+                print(f"DEAD{attempt} {e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

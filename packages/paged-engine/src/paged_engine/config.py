@@ -38,7 +38,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     enforce_eager: bool = False
+    # Ranks = tensor_parallel_size * pipeline_parallel_size processes (one GPU each on CUDA).
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
@@ -119,10 +121,16 @@ class EngineConfig:
             self.tensor_parallel_size,
             "an int >= 1",
         )
-        if self.tensor_parallel_size != 1:
+        _check(
+            _is_int(self.pipeline_parallel_size) and self.pipeline_parallel_size >= 1,
+            "pipeline_parallel_size",
+            self.pipeline_parallel_size,
+            "an int >= 1",
+        )
+        if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size} is not supported yet: this "
-                "version runs on one device (the layers are written shard-ready for a later one)"
+                "async_scheduling=True is not supported with pipeline_parallel_size > 1: the "
+                "first stage needs each step's sampled tokens before the next step"
             )
 
     @classmethod

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
+import mmap
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,12 +217,57 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
 
 
 def _iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+        yield from mmap_safetensors(file)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one .safetensors file, each tensor a view of the memory-mapped file.
+
+    Nothing is read until a tensor's bytes are touched, so a tensor-parallel rank that copies
+    out its slice reads only the pages of that slice (and ranks on one node share the page
+    cache). The format: an 8-byte little-endian header length, a JSON header mapping names to
+    dtype / shape / [begin, end) byte offsets after the header, then the data."""
+    with open(file, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        if f.seek(0, 2) == 8 + header_len:  # no tensor data: nothing to map
+            mapped = None
+        else:
+            # A private (copy-on-write) mapping: writable for torch.frombuffer, never the file.
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{file}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end == begin:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        assert mapped is not None
+        count = (end - begin) // dtype.itemsize
+        flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + begin)
+        yield name, flat.view(shape)
 
 
 def _iter_pt(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

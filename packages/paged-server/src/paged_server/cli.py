@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import signal
 import sys
 import threading
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -137,6 +139,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         trust_remote_code=args.trust_remote_code,
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
     )
@@ -249,8 +252,18 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
     closer.start()
     client.run_engine_loop()  # until shut_down() stops it; signals still reach this thread
     closer.join()
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is not None:  # stops worker ranks (tensor / pipeline parallelism)
+        shutdown()
     log.info("bye")
     return 0
+
+
+def _torchrun_rank() -> int:
+    """This process's global rank when torchrun (or a launcher setting its variables) started
+    it, else 0 (as paged_engine.distributed.launch decides)."""
+    launched = "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
+    return int(os.environ.get("RANK", "0")) if launched else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and _torchrun_rank() > 0:
+        # torchrun started every rank with this command: rank 0 serves HTTP, the others serve
+        # rank 0's engine (build_engine returns by SystemExit when rank 0 shuts down).
+        build_engine(args)
+        return 0
     server = bind(args)  # before the model: a busy port fails in a fraction of a second
     if server is None:
         return 2

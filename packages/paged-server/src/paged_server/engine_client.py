@@ -51,6 +51,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.executor.base import EngineDeadError
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
@@ -105,6 +106,7 @@ class EngineClient:
         self._pending_lock = threading.Lock()
         self._pending_adds = 0
         self._stopping = False
+        self._dead: str | None = None  # why the engine can run no more steps (a rank died)
         self.stats = engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._loop_done = threading.Event()
@@ -129,7 +131,12 @@ class EngineClient:
 
     @property
     def alive(self) -> bool:
-        return self._loop_running and self._output_thread.is_alive() and not self._stopping
+        return (
+            self._loop_running
+            and self._output_thread.is_alive()
+            and not self._stopping
+            and self._dead is None
+        )
 
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
@@ -203,6 +210,10 @@ class EngineClient:
             while not self._stopping:
                 try:
                     self._iterate()
+                except EngineDeadError as e:  # a worker rank died: no step can run again
+                    log.error("the engine failed: %s", e)
+                    self._dead = f"the engine failed and cannot serve requests: {e}"
+                    self._fail_all(APIError(500, self._dead))
                 except Exception:  # the engine's state is unknown: fail what is in flight
                     log.exception("engine loop error; failing the requests in flight")
                     self._fail_all(APIError(500, "internal engine error"))
@@ -260,8 +271,12 @@ class EngineClient:
         group = cmd.group
         rid = group.request_ids[cmd.index]
         try:
+            if self._dead is not None:  # /health says 503 too: restart the server
+                raise EngineDeadError(self._dead)
             # arrival: when the HTTP thread handed it over (monotonic, the engine's clock too)
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival)
+        except EngineDeadError as e:
+            group.add_error = group.add_error or APIError(503, str(e))
         except ValueError as e:
             group.add_error = group.add_error or bad_request(
                 str(e), _guess_param(str(e), _SP_FIELDS)

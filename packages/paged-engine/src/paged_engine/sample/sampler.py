@@ -85,11 +85,16 @@ def argmax(x: Tensor) -> Tensor:
 
 
 class Sampler:
-    """`Sampler()(logits, metadata)` samples one token per row. Holds one generator per device
-    for seeded rows, reseeded per draw (`metadata.seeds` carries each draw's seed)."""
+    """`Sampler(seed)(logits, metadata)` samples one token per row. Holds one generator per
+    device for seeded rows, reseeded per draw (`metadata.seeds` carries each draw's seed), and
+    one per device for unseeded rows, seeded once with the engine's `seed`: never torch's
+    global RNG, so tensor-parallel ranks draw the same noise whatever else their process
+    draws, and sample the same tokens from the same logits."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._unseeded: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V], any float dtype; md describes its rows.
@@ -140,7 +145,11 @@ class Sampler:
         noise, so probs / noise is never NaN."""
         q = torch.empty(shape, device=device)
         if len(md.seeds) < md.num_rows:
-            q.uniform_()
+            gen = self._unseeded.get(device)
+            if gen is None:
+                gen = self._unseeded[device] = torch.Generator(device=device)
+                gen.manual_seed(self._seed)
+            q.uniform_(generator=gen)
         if md.seeds:
             gen = self._generators.get(device)
             if gen is None:

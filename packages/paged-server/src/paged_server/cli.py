@@ -50,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas behind this server, each on its own GPUs (tp * pp per replica)",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -259,6 +266,44 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
     return 0
 
 
+def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) -> int:
+    """--data-parallel-size K: K child servers (engines) behind this one, until a signal."""
+    from paged_server import data_parallel as dp
+
+    try:
+        per_replica = args.tensor_parallel_size * args.pipeline_parallel_size
+        replicas = dp.start_replicas(dp.replica_argv(argv), args.data_parallel_size, per_replica)
+    except (ValueError, RuntimeError) as e:
+        server.server_close()
+        print(f"paged-server: cannot start the engine replicas: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    server.app = dp.ReplicaRouter(replicas, timeout=max(args.client_timeout, 600.0))
+    server.server_activate()
+    threading.Thread(target=server.serve_forever, args=(0.1,), daemon=True).start()
+    host, port = server.server_address[:2]
+    print(
+        f"paged-server: {len(replicas)} engine replicas, requests to the least loaded\n"
+        f"paged-server: serving on http://{host}:{port} (OpenAI API at http://{host}:{port}/v1)",
+        flush=True,
+    )
+    reported: set[int] = set()
+    while not stop.wait(1.0):
+        for r in replicas:
+            if r.proc.poll() is not None and r.index not in reported:
+                reported.add(r.index)
+                log.error(
+                    "engine replica %d exited (%s); /health answers 503", r.index, r.proc.poll()
+                )
+    server.accepting = False
+    server.shutdown()
+    server.server_close()
+    dp.stop_replicas(replicas)
+    return 0
+
+
 def _torchrun_rank() -> int:
     """This process's global rank when torchrun (or a launcher setting its variables) started
     it, else 0 (as paged_engine.distributed.launch decides)."""
@@ -276,9 +321,15 @@ def main(argv: list[str] | None = None) -> int:
         # rank 0's engine (build_engine returns by SystemExit when rank 0 shuts down).
         build_engine(args)
         return 0
+    if args.data_parallel_size < 1:
+        print("paged-server: --data-parallel-size must be >= 1", file=sys.stderr)
+        return 2
     server = bind(args)  # before the model: a busy port fails in a fraction of a second
     if server is None:
         return 2
+    if args.data_parallel_size > 1:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        return serve_replicas(args, argv, server)
     try:
         engine = build_engine(args)
     except (ValueError, NotImplementedError, FileNotFoundError, OSError, RuntimeError) as e:

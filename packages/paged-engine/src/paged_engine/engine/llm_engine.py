@@ -27,13 +27,18 @@ from paged_engine.core.core_output import EngineCoreOutput
 from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.default_model import default_model_path
+from paged_engine.distributed.launch import is_worker_rank
+from paged_engine.distributed.parallel_state import check_model_parallelism
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
+from paged_engine.executor.base import Executor
+from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.unicode_text import check_text
+from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +90,26 @@ class LLMEngine:
             ", ".join(getattr(self.hf_config, "architectures", None) or ["?"]),
             config.max_model_len,
         )
-        self.executor = UniprocExecutor(
-            config, self.resolved, self.hf_config, overlap=bool(config.async_scheduling)
-        )
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.executor: Executor
+        if is_worker_rank(world_size):  # torchrun rank > 0: serve rank 0's engine, then leave
+            run_torchrun_worker(config, self.resolved, self.hf_config)
+            raise SystemExit(0)
+        if world_size > 1:
+            check_model_parallelism(
+                self.hf_config, config.tensor_parallel_size, config.pipeline_parallel_size
+            )
+            self.executor = MultiprocExecutor(config, self.resolved, self.hf_config)
+        else:
+            self.executor = UniprocExecutor(
+                config, self.resolved, self.hf_config, overlap=bool(config.async_scheduling)
+            )
         worker = self.executor.worker
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:
-            config.async_scheduling = auto_async_scheduling(self.device)
+            # Pipeline stages need each step's tokens before the next step: synchronous there.
+            pipelined = config.pipeline_parallel_size > 1
+            config.async_scheduling = auto_async_scheduling(self.device) and not pipelined
         logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block

@@ -24,6 +24,13 @@ import torch
 from paged_engine.attention import AttentionBackend, AttentionMetadata
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.distributed.communication import (
+    recv_object,
+    recv_tensor,
+    send_object,
+    send_tensor,
+)
+from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
     SamplingMetadata,
@@ -35,7 +42,7 @@ from paged_engine.sample.sampler import Sampler
 from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
-from paged_engine.worker.runner_output import AsyncRunnerOutput
+from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +78,10 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.graphs: CudaGraphRunner | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
+        self.parallel = get_parallel_state()
+        # What one pipeline stage hands the next: [T, hidden_size] (OPT projects only at the ends).
+        self.stage_width = int(hf_config.hidden_size)
         self._pin = device.type == "cuda"
         # Steps whose sampled ids the host-side histories (penalty rows) still need.
         self._history: deque[tuple[AsyncRunnerOutput, list[tuple[int, int]]]] = deque()
@@ -91,6 +101,7 @@ class ModelRunner:
             self.device.type == "cuda"
             and self.backend.cuda_graph_capturable
             and not self.config.enforce_eager
+            and self.parallel.pp_size == 1  # a graph's input is token ids, not a stage's hidden
         ):
             self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
             self.graphs.capture()
@@ -112,8 +123,45 @@ class ModelRunner:
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
         inputs = self.prepare(sched, cached)
+        if self.parallel.pp_size > 1:
+            return self._execute_stage(sched, cached, inputs)
         hidden = self.forward(inputs)
         return self._sample(sched, cached, inputs, hidden)
+
+    def _execute_stage(
+        self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
+    ) -> AsyncRunnerOutput | ReceivedRunnerOutput:
+        """This pipeline stage's share of a step. Hidden states pass from stage to stage
+        between ranks of the same TP rank; the last stage samples and sends its output to its
+        first-stage peer, which takes the sampled ids as its next input tokens (rank 0 also
+        hands the output to the engine core). Middle stages return an empty output."""
+        assert self.cache is not None
+        state = self.parallel
+        hidden_in = None
+        if not state.is_first_stage:
+            shape = (inputs.input_ids.shape[0], self.stage_width)
+            prev = state.stage_rank(state.pp_rank - 1)
+            hidden_in = recv_tensor(shape, _model_dtype(self.model), self.device, prev)
+        hidden = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.cache.kv_caches,
+            inputs.attn_metadata,
+            hidden_in,
+        )
+        if state.is_last_stage:
+            out = self._sample(sched, cached, inputs, hidden)
+            send_object(out.get(), state.stage_rank(0))
+            return out
+        send_tensor(hidden, state.stage_rank(state.pp_rank + 1))
+        if not state.is_first_stage:
+            return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
+        result = recv_object(state.stage_rank(state.pp_size - 1))
+        src, sample_no, _, _ = self._sample_plan(sched, cached)
+        if src.size:
+            tokens = self._to_dev(result.sampled_token_ids)
+            self._set_last_token(inputs.rows[src], tokens, sample_no)
+        return ReceivedRunnerOutput(result)
 
     def prepare(self, sched: SchedulerOutput, cached: list[CachedSeq]) -> StepInputs:
         """Flat inputs of the batch; host work is numpy over rows, plus a Python slice per
@@ -199,6 +247,51 @@ class ModelRunner:
         hidden: torch.Tensor,
     ) -> AsyncRunnerOutput:
         batch = self.batch
+        src, sample_no, seq_ids, beam_idx = self._sample_plan(sched, cached)
+        tokens = packed_lp = None
+        num_logprobs: list[int | None] = []
+        track_history = False
+        if src.size:
+            hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
+            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            rows = inputs.rows[src]
+            track_history = bool(batch.history[rows].any())
+            out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
+            md = self._cached_metadata(rows)
+            if md is None:
+                md = self._sampling_metadata(cached, src, rows, sample_no, out_pos)
+            num_logprobs = md.num_logprobs
+            result = self.sampler(logits, md)
+            tokens, packed_lp = result.token_ids, result.logprobs
+            self._set_last_token(rows, tokens, sample_no)
+        beam = None
+        if beam_idx:
+            ks = [cached[i].beam_candidates for i in beam_idx]
+            rows_d = self._to_dev(inputs.cu[np.asarray(beam_idx) + 1] - 1)
+            beam_logits = self.model.compute_logits(hidden.index_select(0, rows_d))
+            lps, ids = log_softmax_topk(beam_logits, max(ks))
+            beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
+        prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
+        handle = AsyncRunnerOutput(
+            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt
+        )
+        if track_history:
+            self._track_history(handle, cached, src, sample_no)
+        return handle
+
+    def _set_last_token(self, rows: np.ndarray, tokens: torch.Tensor, sample_no: np.ndarray):
+        """Each sampling row's next input token; a fan-out sequence keeps its first sample."""
+        first = sample_no == 0
+        if first.all():
+            self.batch.last_token.index_copy_(0, self._to_dev(rows), tokens)
+        else:
+            keep = self._to_dev(np.flatnonzero(first))
+            self.batch.last_token.index_copy_(0, self._to_dev(rows[first]), tokens[keep])
+
+    def _sample_plan(self, sched: SchedulerOutput, cached: list[CachedSeq]):
+        """(src, sample_no, seq_ids, beam_idx): one entry per token sampled this step, the batch
+        index it comes from, its sample number and its sequence; and the beam rows."""
+        batch = self.batch
         sample_idx = np.asarray(sched.sample_rows, dtype=np.int64)
         # One entry per sampled token: the batch index it comes from and its sample number.
         if sched.num_samples or (batch.num_beam_rows and sample_idx.size):
@@ -221,41 +314,7 @@ class ModelRunner:
             seq_ids = sched.seq_ids
         else:
             seq_ids = [cached[i].seq_id for i in src.tolist()]
-        tokens = packed_lp = None
-        num_logprobs: list[int | None] = []
-        track_history = False
-        if src.size:
-            hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
-            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
-            rows = inputs.rows[src]
-            track_history = bool(batch.history[rows].any())
-            out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
-            md = self._cached_metadata(rows)
-            if md is None:
-                md = self._sampling_metadata(cached, src, rows, sample_no, out_pos)
-            num_logprobs = md.num_logprobs
-            result = self.sampler(logits, md)
-            tokens, packed_lp = result.token_ids, result.logprobs
-            first = sample_no == 0  # a fan-out sequence keeps its first sample
-            if first.all():
-                batch.last_token.index_copy_(0, self._to_dev(rows), tokens)
-            else:
-                keep = self._to_dev(np.flatnonzero(first))
-                batch.last_token.index_copy_(0, self._to_dev(rows[first]), tokens[keep])
-        beam = None
-        if beam_idx:
-            ks = [cached[i].beam_candidates for i in beam_idx]
-            rows_d = self._to_dev(inputs.cu[np.asarray(beam_idx) + 1] - 1)
-            beam_logits = self.model.compute_logits(hidden.index_select(0, rows_d))
-            lps, ids = log_softmax_topk(beam_logits, max(ks))
-            beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
-        prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
-        handle = AsyncRunnerOutput(
-            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt
-        )
-        if track_history:
-            self._track_history(handle, cached, src, sample_no)
-        return handle
+        return src, sample_no, seq_ids, beam_idx
 
     def _cached_metadata(self, rows: np.ndarray) -> SamplingMetadata | None:
         """The last step's metadata when it samples the same rows of an unchanged batch and no

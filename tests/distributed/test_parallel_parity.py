@@ -146,3 +146,17 @@ def test_sizes_the_model_cannot_take_fail_before_any_process_starts(tmp_path):
         LLM(model=str(path), pipeline_parallel_size=0)
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(model=str(path), pipeline_parallel_size=2, async_scheduling=True)
+
+
+def test_a_second_parallel_engine_in_one_process_is_refused_until_the_first_stops(tmp_path):
+    path = write_tiny_model(tmp_path, "llama")
+    first = LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
+    try:
+        with pytest.raises(RuntimeError, match="already belongs to a torch.distributed world"):
+            LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        assert len(first.generate(["hi"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+    finally:
+        first.llm_engine.shutdown()
+    second = LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
+    second.llm_engine.shutdown()

@@ -88,6 +88,7 @@ def init_parallel_state(
     """Join the world (`init_method`: "env://" under torchrun, "tcp://host:port" otherwise) and
     build the groups. Every rank calls this with the same sizes; new_group is collective."""
     global _state
+    check_not_in_world()
     world_size = tp_size * pp_size
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -117,6 +118,16 @@ def init_parallel_state(
         pp_size,
     )
     return _state
+
+
+def check_not_in_world() -> None:
+    """One engine with ranks per process: refuse a second before it starts any process."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed world (another engine with "
+            "tensor or pipeline parallelism, or the application's own): shut that engine down "
+            "(llm.llm_engine.shutdown()) or destroy the process group first"
+        )
 
 
 def destroy_parallel_state() -> None:

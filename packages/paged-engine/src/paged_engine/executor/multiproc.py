@@ -27,7 +27,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import broadcast_object
 from paged_engine.distributed.launch import free_port, torchrun_env
-from paged_engine.distributed.parallel_state import destroy_parallel_state
+from paged_engine.distributed.parallel_state import check_not_in_world, destroy_parallel_state
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.runner_output import ModelRunnerOutput
@@ -58,7 +58,9 @@ class _GuardedHandle:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        check_not_in_world()
         self._procs: list[mp.Process] = []
+        self._joined: list[bool] = [False]  # this engine's world exists: the finalizer leaves it
         self._dead: str | None = None
         self._closed = False
         env = torchrun_env()
@@ -75,9 +77,10 @@ class MultiprocExecutor(Executor):
             local_rank, local_world = 0, self.world_size
             self._spawn(config, resolved, hf_config, init_method)
         # `del llm` (or exit) without shutdown(): stop the ranks and leave the world anyway.
-        self._finalizer = weakref.finalize(self, _release, self._procs)
+        self._finalizer = weakref.finalize(self, _release, self._procs, self._joined)
         try:
             join_world(config, 0, local_rank, local_world, init_method)
+            self._joined[0] = True
             self.worker = Worker(config, resolved, hf_config)
         except BaseException:
             self.shutdown()
@@ -143,7 +146,7 @@ class MultiprocExecutor(Executor):
         if self._dead is None and hasattr(self, "worker"):
             with contextlib.suppress(Exception):  # a rank already gone: stopped below
                 broadcast_object((SHUTDOWN, ()))
-        if self._dead is None:  # a clean stop: give the ranks time to leave the world
+        if self._dead is None and hasattr(self, "worker"):  # a clean stop: let the ranks leave
             for proc in self._procs:
                 proc.join(timeout=10.0)
         self._finalizer()
@@ -180,9 +183,11 @@ class MultiprocExecutor(Executor):
         return EngineDeadError(self._dead)
 
 
-def _release(procs: list[mp.Process]) -> None:
+def _release(procs: list[mp.Process], joined: list[bool]) -> None:
     _stop_processes(procs)
-    destroy_parallel_state()
+    if joined[0]:
+        joined[0] = False
+        destroy_parallel_state()
 
 
 def _stop_processes(procs: list[mp.Process]) -> None:

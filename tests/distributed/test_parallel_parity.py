@@ -113,16 +113,22 @@ def feature_model(tmp_path_factory):
     return path, requests, kwargs, _run(path, requests, **kwargs)
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_features_under_parallelism(feature_model, tp, pp):
+@pytest.mark.parametrize(
+    ("tp", "pp", "overlap"),
+    [(2, 1, False), (2, 1, True), (1, 2, False)],
+    ids=["tp2", "tp2-async", "pp2"],
+)
+def test_features_under_parallelism(feature_model, tp, pp, overlap):
     """n > 1 (seeded), unseeded sampling (the ranks' own generator, seeded by the engine seed),
-    beams, prompt logprobs, prefix caching and preemption: the same outputs."""
+    beams, prompt logprobs, prefix caching and preemption: the same outputs; with async
+    scheduling too (two steps in flight across the ranks)."""
     path, requests, kwargs, want = feature_model
     llm = LLM(
         model=str(path),
         dtype="float32",
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        async_scheduling=overlap,
         **kwargs,
     )
     try:
@@ -152,7 +158,7 @@ def test_a_second_parallel_engine_in_one_process_is_refused_until_the_first_stop
     path = write_tiny_model(tmp_path, "llama")
     first = LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
     try:
-        with pytest.raises(RuntimeError, match="already belongs to a torch.distributed world"):
+        with pytest.raises(RuntimeError, match=r"already belongs to a torch\.distributed world"):
             LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         assert len(first.generate(["hi"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -139,7 +139,19 @@ def test_features_under_parallelism(feature_model, tp, pp, overlap):
         assert stats.num_used_blocks == 0
     finally:
         llm.llm_engine.shutdown()
-    _assert_same([_summary(o) for o in outs], want)
+    got = [_summary(o) for o in outs]
+    if overlap:  # unseeded draws follow the steps' composition, which async scheduling changes
+        unseeded = next(i for i, (_, sp) in enumerate(requests) if _is_unseeded(sp))
+        got, want = _without(got, unseeded), _without(want, unseeded)
+    _assert_same(got, want)
+
+
+def _is_unseeded(sp) -> bool:
+    return isinstance(sp, SamplingParams) and sp.temperature > 0 and sp.seed is None
+
+
+def _without(items: list, index: int) -> list:
+    return items[:index] + items[index + 1 :]
 
 
 def test_sizes_the_model_cannot_take_fail_before_any_process_starts(tmp_path):

@@ -93,3 +93,12 @@ def test_a_killed_worker_fails_the_engine_instead_of_hanging(model):
     assert "exited with -9" in second
     assert owner.finish() == 0
     assert wait_gone(owner.pids) == []
+
+
+def test_an_exception_in_the_workers_fails_the_engine_and_ends_them(model):
+    owner = Owner(model, "worker-error")
+    first = owner.wait_for("DEAD1")
+    assert "no_such_method" in first or "exited with" in first, first
+    assert "cannot continue" in owner.wait_for("DEAD2")
+    assert owner.finish() == 0
+    assert wait_gone(owner.pids) == []

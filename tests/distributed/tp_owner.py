@@ -4,7 +4,8 @@
 
 Prints `PIDS [..]` (its worker ranks) once the engine is up, then MODE: `exit` (return without
 shutdown), `del` (drop the LLM, then idle), `loop` (generate until a signal ends it),
-`kill-worker` (SIGKILL rank 1, then report how the next two calls fail).
+`kill-worker` (SIGKILL rank 1, then report how the next two calls fail), `worker-error` (an
+exception inside a call on every rank, then the same report).
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def main() -> None:
         print("LOOPING", flush=True)
         while True:
             llm.generate(["hello"] * 4, params, use_tqdm=False)
+    elif mode == "worker-error":  # every rank raises inside a call (rank 0 included)
+        try:
+            llm.llm_engine.executor._call("no_such_method")
+        except EngineDeadError as e:
+            print(f"DEAD1 {e}", flush=True)
+        try:
+            llm.generate(["hello"], params, use_tqdm=False)
+        except EngineDeadError as e:
+            print(f"DEAD2 {e}", flush=True)
     elif mode == "kill-worker":
         os.kill(pids[0], signal.SIGKILL)
         for attempt in (1, 2):

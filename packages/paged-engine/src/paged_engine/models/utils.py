@@ -71,11 +71,13 @@ def load_named_weights(
                 continue
             loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():
+                # `w` as read (maybe another dtype, maybe a view of the mapped file): loaders
+                # copy_ their slice, which converts only that slice.
                 try:
                     if shard_id is None:
-                        loader(param, w.to(param.dtype))
+                        loader(param, w)
                     else:
-                        loader(param, w.to(param.dtype), shard_id)
+                        loader(param, w, shard_id)
                 except ValueError as e:
                     raise ValueError(f"cannot load weight {hf_name!r} into {pname!r}: {e}") from e
             loaded.add(pname)

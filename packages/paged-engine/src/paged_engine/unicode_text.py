@@ -23,6 +23,9 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
+_NESTED = (str, dict, list, tuple)
+
+
 def find_lone_surrogate(value: Any, name: str) -> tuple[str, int, str] | None:
     """The first string (or object key) under `value` holding a lone surrogate, as
     (path such as "messages[0].content", index in that string, the surrogate); None if there is
@@ -39,9 +42,12 @@ def find_lone_surrogate(value: Any, name: str) -> tuple[str, int, str] | None:
                 at = lone_surrogate(key) if isinstance(key, str) else None
                 if at is not None:
                     return f"a key of {path or 'the body'}", at, key[at]
-                stack.append((sub, f"{path}.{key}" if path else str(key)))
+                if isinstance(sub, _NESTED):
+                    stack.append((sub, f"{path}.{key}" if path else str(key)))
         elif isinstance(item, (list, tuple)):
-            stack.extend((sub, f"{path}[{i}]") for i, sub in reversed(list(enumerate(item))))
+            # Numbers (token ids) are skipped without building their paths.
+            nested = [i for i, sub in enumerate(item) if isinstance(sub, _NESTED)]
+            stack.extend((item[i], f"{path}[{i}]") for i in reversed(nested))
     return None
 
 

@@ -134,6 +134,29 @@ def test_engine_failure_fails_only_the_requests_in_flight() -> None:
         client.stop()
 
 
+def test_a_dead_engine_fails_what_is_in_flight_then_refuses_with_503() -> None:
+    from paged_engine.executor.base import EngineDeadError
+
+    class Dying(FakeEngine):
+        def step_core(self):
+            raise EngineDeadError("rank 1 exited with code -9")
+
+    client = EngineClient(Dying(step_time=0.0))
+    client.start()
+    try:
+        with pytest.raises(APIError) as e:
+            _run(client, [{"prompt_token_ids": [5]}], 2)
+        assert e.value.status == 500 and "rank 1 exited" in e.value.message
+        assert not client.alive  # /health answers 503
+        params = client.make_params({"max_tokens": 2}, beam=False, stream=False)
+        group = client.add(["later"], [{"prompt_token_ids": [6]}], params)
+        with pytest.raises(APIError) as e:  # refused when added, as the route sees it
+            group.wait_added(5.0)
+        assert e.value.status == 503 and "rank 1 exited" in e.value.message
+    finally:
+        client.stop()
+
+
 # ---- the output thread ----------------------------------------------------------------------
 def _stream_text(client: EngineClient, prompt: dict, **kwargs) -> tuple[str, object]:
     """The joined text of one streamed request, and its last output."""

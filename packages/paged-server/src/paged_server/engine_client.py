@@ -51,7 +51,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from paged_engine.executor.base import EngineDeadError
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
@@ -107,6 +106,11 @@ class EngineClient:
         self._pending_adds = 0
         self._stopping = False
         self._dead: str | None = None  # why the engine can run no more steps (a rank died)
+        # Imported here, with the engine built: its module imports torch, and the server's
+        # modules never do (paged-server binds its port before anything imports torch).
+        from paged_engine.executor.base import EngineDeadError
+
+        self._dead_error: type[Exception] = EngineDeadError
         self.stats = engine.get_stats()
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._loop_done = threading.Event()
@@ -210,7 +214,7 @@ class EngineClient:
             while not self._stopping:
                 try:
                     self._iterate()
-                except EngineDeadError as e:  # a worker rank died: no step can run again
+                except self._dead_error as e:  # a worker rank died: no step can run again
                     log.error("the engine failed: %s", e)
                     self._dead = f"the engine failed and cannot serve requests: {e}"
                     self._fail_all(APIError(500, self._dead))
@@ -272,10 +276,10 @@ class EngineClient:
         rid = group.request_ids[cmd.index]
         try:
             if self._dead is not None:  # /health says 503 too: restart the server
-                raise EngineDeadError(self._dead)
+                raise self._dead_error(self._dead)
             # arrival: when the HTTP thread handed it over (monotonic, the engine's clock too)
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival)
-        except EngineDeadError as e:
+        except self._dead_error as e:
             group.add_error = group.add_error or APIError(503, str(e))
         except ValueError as e:
             group.add_error = group.add_error or bad_request(

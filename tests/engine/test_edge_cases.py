@@ -632,7 +632,11 @@ def test_bad_request_ids(llama_dir):
         ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"gpu_memory_utilization": math.nan}, "gpu_memory_utilization"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size"),  # 4 heads
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+        ({"speculative_config": {"method": "eagle"}}, "speculative_config"),
+        ({"speculative_config": {"num_speculative_tokens": 0}}, "num_speculative_tokens"),
         ({"max_model_len": 5000}, "max_model_len"),
         ({"max_model_len": 0}, "max_model_len"),
         ({"not_an_option": 1}, "not_an_option"),

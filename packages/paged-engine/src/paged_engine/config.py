@@ -41,6 +41,8 @@ class EngineConfig:
     # Ranks = tensor_parallel_size * pipeline_parallel_size processes (one GPU each on CUDA).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/config.py)
+    speculative_config: dict | None = None
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
@@ -127,6 +129,19 @@ class EngineConfig:
             self.pipeline_parallel_size,
             "an int >= 1",
         )
+        if self.speculative_config is not None:
+            from paged_engine.spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True is not supported with speculative_config: drafts "
+                    "come from each step's sampled tokens"
+                )
+            if self.pipeline_parallel_size > 1:
+                raise ValueError(
+                    "speculative_config is not supported with pipeline_parallel_size > 1"
+                )
         if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ValueError(
                 "async_scheduling=True is not supported with pipeline_parallel_size > 1: the "

@@ -276,6 +276,21 @@ class BlockManager:
         seq.num_registered_blocks = 0
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the table's blocks past the ones `num_tokens` positions need (speculative
+        positions given back), tail first."""
+        keep = -(-num_tokens // self.block_size)
+        table = seq.block_ids
+        if len(table) <= keep:
+            return
+        blocks, pool = self._blocks, self.pool
+        for block_id in reversed(table[keep:]):
+            if block_id in self._pending_copies:
+                self._drop_pending_copy(block_id)
+            pool.free_block(blocks[block_id])
+        self._num_table_blocks -= len(table) - keep
+        del table[keep:]
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 

@@ -102,6 +102,7 @@ class EngineCore:
         ids, tokens, lp = out.sampled_seq_ids, out.sampled_token_ids, out.logprobs
         max_len, free_seq = self.max_model_len, scheduler.free_seq
         num_appended = 0
+        spec = sched.spec_token_ids
         i, n = 0, len(ids)
         # One iteration per sampled sequence: append, then eos / stop ids (from min_tokens on),
         # max_tokens and max_model_len. Inlined: this is the hot loop of the step.
@@ -117,6 +118,10 @@ class EngineCore:
             seq.num_pending -= 1
             req = seq.request
             o = outputs.get(req.request_id) or self._new_output(req, outputs)
+            if spec and seq_id in spec:  # speculative: tokens i..j-1 follow one another
+                num_appended += self._apply_verified(seq, spec[seq_id], out, i, j, o)
+                i = j
+                continue
             if j - i == 1:
                 targets: tuple | list = ((seq, i, None),)
             else:  # the first sample stays with the prompt sequence; the others fork from it
@@ -178,6 +183,59 @@ class EngineCore:
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         return list(outputs.values())
+
+    def _apply_verified(
+        self,
+        seq: Sequence,
+        drafts: list[int],
+        out: ModelRunnerOutput,
+        first: int,
+        end: int,
+        o: EngineCoreOutput,
+    ) -> int:
+        """A speculative row emitted tokens [first, end) of the flat output: its accepted
+        drafts, then one token of its own. Append them up to the first that finishes the
+        sequence; give back the positions of rejected drafts (their KV is overwritten later,
+        and no block holding them was registered in the prefix cache: that happens after this,
+        from computed tokens only). Returns the tokens appended."""
+        req, lp, tokens = seq.request, out.logprobs, out.sampled_token_ids
+        self.scheduler.draft_planner.feedback(req, len(drafts), end - first - 1)
+        update = SeqUpdate(seq.index, [])
+        if lp is not None:
+            update.logprobs, update.ranks, update.top = [], [], []
+        o.seqs.append(update)
+        appended = 0
+        for k in range(first, end):
+            token = tokens[k]
+            seq.token_ids.append(token)
+            update.new_token_ids.append(token)
+            if lp is not None:
+                update.logprobs.append(lp.logprobs[k])
+                update.ranks.append(lp.ranks[k])
+                update.top.append(lp.top[k])
+            appended += 1
+            num_out = len(seq.token_ids) - seq.num_prompt_tokens
+            if num_out >= req.min_tokens and (
+                token in req.stop_token_ids or token in req.eos_token_ids
+            ):
+                reason = token if token in req.stop_token_ids else None
+                update.finish_reason, update.stop_reason = "stop", reason
+                self.scheduler.free_seq(seq, _STOPPED, reason)
+            elif (req.max_tokens is not None and num_out >= req.max_tokens) or len(
+                seq.token_ids
+            ) >= self.max_model_len:
+                update.finish_reason = "length"
+                self.scheduler.free_seq(seq, _LENGTH)
+            else:
+                continue
+            o.finished = req.status >= _STOPPED
+            return appended
+        # Still running: computed = every token but the last (the next step's input); blocks
+        # only past the drafts' positions go back (the worker's table is re-sent from there).
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.scheduler.block_manager.trim(seq, len(seq.token_ids))
+        seq.num_synced_blocks = min(seq.num_synced_blocks, len(seq.block_ids))
+        return appended
 
     @staticmethod
     def _new_output(req: Request, outputs: dict[str, EngineCoreOutput]) -> EngineCoreOutput:

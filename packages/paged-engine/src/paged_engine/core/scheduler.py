@@ -41,6 +41,7 @@ from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
 from paged_engine.core.token_plan import plan_tokens, reshare_plan
+from paged_engine.spec_decode.planner import DraftPlanner
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
@@ -56,6 +57,7 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        draft_planner: DraftPlanner | None = None,
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
         self.block_manager = block_manager
@@ -77,6 +79,10 @@ class Scheduler:
         # step id -> its sequences that may fill a block (for the prefix cache), until the
         # engine core applies its result
         self.step_seqs: dict[int, list[Sequence]] = {}
+        # Speculative decoding: proposes drafts for decode rows (None: off); seq id -> this
+        # step's drafts, from schedule() to _emit().
+        self.draft_planner = draft_planner
+        self._drafts: dict[int, list[int]] = {}
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -167,6 +173,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus | None = None) -> None:
         self._reshare.discard(req)
+        if self.draft_planner is not None:
+            self.draft_planner.forget(req)
         if req.status == RequestStatus.RUNNING:
             del self.running[req]
         elif req in self.waiting:  # O(num_waiting), only for a request finished while waiting
@@ -247,6 +255,9 @@ class Scheduler:
         scheduled_reqs: list[Request] = []
         preempted: list[Request] = []
         num_seqs = 0  # live sequences of the requests still running after this pass
+        planner = self.draft_planner
+        if planner is not None:
+            planner.next_step()
 
         # 1) Running requests, in admission order. Victims come off the tail, which this loop
         #    has not reached yet, so nothing already scheduled is ever preempted.
@@ -267,6 +278,12 @@ class Scheduler:
                     n = budget if self._may_split(n) else 0
                 if n > 0:
                     assert num_tokens <= max_len, "the engine finishes at max_model_len"
+                    if planner is not None and n == 1 and not seq.num_pending:
+                        # Drafts ride along only where their blocks are free: never preempt.
+                        drafts = planner.drafts(req, seq, budget - 1)
+                        if drafts and allocate(seq, 1 + len(drafts)):
+                            n += len(drafts)
+                            self._drafts[seq.seq_id] = drafts
                     if not allocate(seq, n) and not self._make_room(req, seq, n, preempted):
                         num_seqs -= req.max_live_seqs
                         continue  # req preempted itself
@@ -358,6 +375,10 @@ class Scheduler:
             num_new.append(n)
             starts.append(start)
             end = seq.num_computed_tokens = start + n
+            drafts = self._drafts.pop(seq.seq_id, None) if self._drafts else None
+            if drafts:  # the row runs its last token and the drafts, and samples from all
+                out.spec_token_ids[seq.seq_id] = drafts
+                end -= len(drafts)
             if end == len(seq.token_ids) + seq.num_pending:
                 sample_rows.append(row)
                 req = seq.request

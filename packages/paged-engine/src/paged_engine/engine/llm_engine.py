@@ -37,6 +37,8 @@ from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from paged_engine.spec_decode.config import SpeculativeConfig
+from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.unicode_text import check_text
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
@@ -65,6 +67,11 @@ class EngineStats:
     generation_tokens_total: int
     peak_used_blocks: int
     block_size: int
+    # Speculative decoding (vLLM's spec_decode_* counters): verified proposals, the draft
+    # tokens they held, and how many of those the target accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 class LLMEngine:
@@ -108,8 +115,10 @@ class LLMEngine:
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:
             # Pipeline stages need each step's tokens before the next step: synchronous there.
+            # So does speculation: drafts come from the host's tokens.
             pipelined = config.pipeline_parallel_size > 1
-            config.async_scheduling = auto_async_scheduling(self.device) and not pipelined
+            sync = pipelined or config.speculative_config is not None
+            config.async_scheduling = auto_async_scheduling(self.device) and not sync
         logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block
@@ -132,12 +141,17 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        self.draft_planner = None
+        if config.speculative_config is not None:
+            spec = SpeculativeConfig.from_dict(config.speculative_config)
+            self.draft_planner = DraftPlanner(spec, config.max_model_len)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            draft_planner=self.draft_planner,
         )
         self.engine_core = EngineCore(
             self.scheduler,
@@ -185,6 +199,11 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.draft_planner is not None and isinstance(params, BeamSearchParams):
+            raise ValueError(
+                "beam search cannot run on an engine with speculative_config: build one "
+                "without speculative decoding for beam search"
+            )
         p = self.input_processor.make_request(request_id, prompt, params, arrival_time)
         req = p.request
         kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind
@@ -282,6 +301,7 @@ class LLMEngine:
             generation_tokens_total=core.generation_tokens_total,
             peak_used_blocks=core.peak_used_blocks,
             block_size=self.config.block_size,
+            **_spec_stats(self.draft_planner),
         )
 
     def _resolve_lengths(self) -> None:
@@ -302,6 +322,16 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len} and chunked prefill is off: a long prompt "
                 "could never be scheduled"
             )
+
+
+def _spec_stats(planner: DraftPlanner | None) -> dict[str, int]:
+    if planner is None:
+        return {}
+    return {
+        "spec_decode_num_drafts": planner.num_drafts,
+        "spec_decode_num_draft_tokens": planner.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": planner.num_accepted_tokens,
+    }
 
 
 def auto_async_scheduling(device: torch.device) -> bool:

@@ -139,6 +139,10 @@ class Sampler:
             sampled = torch.where(md.greedy, argmax(x), sampled)
         return sampled
 
+    def noise(self, shape: torch.Size, md: SamplingMetadata, device) -> Tensor:
+        """The Exp(1) noise rows `sample` races with (speculative verification reuses it)."""
+        return self._exponential_noise(shape, md, device)
+
     def _exponential_noise(self, shape: torch.Size, md: SamplingMetadata, device) -> Tensor:
         """Exp(1) noise [N, V] as -log(U): the global RNG for unseeded rows (one op), a reseeded
         generator for each seeded row. U = 0 gives +inf noise (that token loses), never 0

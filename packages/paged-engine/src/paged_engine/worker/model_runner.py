@@ -31,7 +31,7 @@ from paged_engine.distributed.communication import (
     send_tensor,
 )
 from paged_engine.distributed.parallel_state import get_parallel_state
-from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs
+from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
     SamplingMetadata,
     banned_tokens,
@@ -39,6 +39,7 @@ from paged_engine.sample.metadata import (
     draw_seed,
 )
 from paged_engine.sample.sampler import Sampler
+from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
@@ -187,6 +188,13 @@ class ModelRunner:
             m = min(int(num_new[i]), int(host_len[i]) - start)
             ids[a : a + m] = cached[i].token_ids[start : start + m]
         from_device = positions >= batch.num_host_tokens[tok_rows]
+        if sched.spec_token_ids:  # drafts: host-known tokens after a row's last token
+            for i, seq_id in enumerate(sched.seq_ids):
+                drafts = sched.spec_token_ids.get(seq_id)
+                if drafts:
+                    a = int(cu[i + 1]) - len(drafts)
+                    ids[a : a + len(drafts)] = drafts
+                    from_device[a : a + len(drafts)] = False
         slots = batch.block_table_np[tok_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
         max_seqlen_k = int(seq_lens.max())
@@ -251,7 +259,14 @@ class ModelRunner:
         tokens = packed_lp = None
         num_logprobs: list[int | None] = []
         track_history = False
-        if src.size:
+        flat = None  # each entry's first index in the flat output (drafted rows emit several)
+        if src.size and sched.spec_token_ids:
+            rows = inputs.rows[src]
+            track_history = bool(batch.history[rows].any())
+            seq_ids, tokens, packed_lp, num_logprobs, flat = self._sample_drafts(
+                sched, cached, inputs, hidden, src, sample_no, seq_ids
+            )
+        elif src.size:
             hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
             logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
             rows = inputs.rows[src]
@@ -276,8 +291,55 @@ class ModelRunner:
             sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt
         )
         if track_history:
-            self._track_history(handle, cached, src, sample_no)
+            self._track_history(handle, cached, src, sample_no, flat)
         return handle
+
+    def _sample_drafts(self, sched, cached, inputs, hidden, src, sample_no, seq_ids):
+        """Sampling in a step where some rows carry drafts: each entry samples at its last
+        1 + d positions (d its drafts, 0 for rows without) and the rejection sampler keeps what
+        the target's distribution allows. Returns the flat output (a drafted row's emitted
+        tokens in order) and each entry's first index in it."""
+        batch, spec = self.batch, sched.spec_token_ids
+        num_drafts = np.asarray(
+            [len(spec.get(s, ())) if not no else 0 for s, no in zip(seq_ids, sample_no.tolist())],
+            dtype=np.int64,
+        )
+        reps = num_drafts + 1
+        first_row = np.cumsum(reps) - reps  # each entry's first row in the expanded layout
+        step = np.arange(int(reps.sum())) - np.repeat(first_row, reps)  # position within entry
+        src_x, sample_no_x = np.repeat(src, reps), np.repeat(sample_no, reps)
+        rows_x = inputs.rows[src_x]
+        hidden_rows = np.repeat(inputs.cu[src + 1] - 1 - num_drafts, reps) + step
+        out_pos = inputs.seq_lens[src] - batch.num_prompt[inputs.rows[src]] - num_drafts
+        out_pos_x = np.repeat(out_pos, reps) + step
+        raw = self.model.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
+        md = self._sampling_metadata(cached, src_x, rows_x, sample_no_x, out_pos_x)
+        drafts_x = np.full(raw.shape[0], -1, dtype=np.int64)
+        for e in np.flatnonzero(num_drafts).tolist():
+            drafts_x[first_row[e] : first_row[e] + num_drafts[e]] = spec[seq_ids[e]]
+        processed = self.sampler.process_logits(raw, md)
+        noise = None if md.all_greedy else self.sampler.noise(raw.shape, md, raw.device)
+        greedy = None if md.all_greedy else md.greedy
+        if greedy is None and not md.all_greedy:
+            greedy = torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
+        result = verify(processed, self._to_dev(drafts_x), greedy, noise, num_drafts)
+        emitted = result.num_accepted + 1
+        flat = np.cumsum(emitted) - emitted
+        emit_rows = np.repeat(first_row, emitted) + (
+            np.arange(int(emitted.sum())) - np.repeat(flat, emitted)
+        )
+        emit_d = self._to_dev(emit_rows)
+        tokens = result.tokens.index_select(0, emit_d)
+        packed = None
+        if md.need_logprobs:
+            packed = gather_logprobs(raw, result.tokens, md.max_num_logprobs).index_select(
+                0, emit_d
+            )
+        num_logprobs = [md.num_logprobs[r] for r in emit_rows.tolist()] if md.num_logprobs else []
+        last = result.tokens.index_select(0, self._to_dev(first_row + result.num_accepted))
+        self._set_last_token(inputs.rows[src], last, sample_no)
+        out_ids = [s for s, m in zip(seq_ids, emitted.tolist()) for _ in range(m)]
+        return out_ids, tokens, packed, num_logprobs, flat
 
     def _set_last_token(self, rows: np.ndarray, tokens: torch.Tensor, sample_no: np.ndarray):
         """Each sampling row's next input token; a fan-out sequence keeps its first sample."""
@@ -387,7 +449,7 @@ class ModelRunner:
             out[idx[0], idx[1]] = self.batch.last_token[idx[2]]
         return history, out
 
-    def _track_history(self, handle, cached, src, sample_no) -> None:
+    def _track_history(self, handle, cached, src, sample_no, flat=None) -> None:
         """Penalty rows keep every output token on the host: apply this step's ids once they
         have landed (`_apply_history`), and count them now."""
         entries = []
@@ -395,7 +457,7 @@ class ModelRunner:
             c = cached[i]
             if c.needs_history and sample_no[k] == 0:
                 c.num_tokens += 1
-                entries.append((c.seq_id, k))
+                entries.append((c.seq_id, k if flat is None else int(flat[k])))
         if entries:
             self._history.append((handle, entries))
 

@@ -1,0 +1,89 @@
+"""`DraftPlanner`: which decode rows speculate this step, with which drafts, and when to stop.
+
+The scheduler asks it for a decoding sequence's drafts; the engine core reports how many the
+target accepted. A request speculates when its next token depends on nothing the drafts would
+change: one sequence (no n > 1 fan-out, no beams), no grammar, no repetition / frequency /
+presence penalties (they would need the drafts in their history). Drafts never run past
+max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
+
+Switching off: each proposal that gets nothing accepted doubles a request's pause (steps
+without proposals, up to 64); an accepted token resets it. On text the n-grams do not predict
+the request soon stops paying for verification.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_engine.core.request import Request, Sequence
+from paged_engine.spec_decode.config import SpeculativeConfig
+from paged_engine.spec_decode.ngram_proposer import propose_ngram
+
+MAX_PAUSE = 64
+
+
+@dataclass(slots=True)
+class _Backoff:
+    misses: int = 0  # proposals in a row with nothing accepted
+    resume_at: int = 0  # the step from which it proposes again
+
+
+class DraftPlanner:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self._backoff: dict[str, _Backoff] = {}
+        self._step = 0
+        # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens.
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def next_step(self) -> None:
+        self._step += 1
+
+    def drafts(self, req: Request, seq: Sequence, budget: int) -> list[int]:
+        """Drafts for a decode row of `seq` (its one new token is the last, known one) that
+        `budget` more tokens can carry; [] when it does not speculate."""
+        if not _eligible(req):
+            return []
+        state = self._backoff.get(req.request_id)
+        if state is not None and self._step < state.resume_at:
+            return []
+        tokens = seq.token_ids
+        room = min(self.config.num_speculative_tokens, budget, self.max_model_len - len(tokens) - 1)
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1)
+        if room <= 0:
+            return []
+        cfg = self.config
+        return propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+
+    def feedback(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """A verified step of `req`: `num_accepted` of its `num_drafts` drafts were kept."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        state = self._backoff.setdefault(req.request_id, _Backoff())
+        if num_accepted:
+            state.misses, state.resume_at = 0, 0
+            return
+        state.misses += 1
+        state.resume_at = self._step + min(MAX_PAUSE, 2 ** (state.misses - 1))
+
+    def forget(self, req: Request) -> None:
+        self._backoff.pop(req.request_id, None)
+
+
+def _eligible(req: Request) -> bool:
+    # A grammar (`constraint`) masks by every output token: its requests do not draft.
+    if req.beam is not None or getattr(req, "constraint", None) is not None:
+        return False
+    if req.max_live_seqs > 1:
+        return False
+    p = req.params
+    return (
+        getattr(p, "repetition_penalty", 1.0) == 1.0
+        and not getattr(p, "frequency_penalty", 0.0)
+        and not getattr(p, "presence_penalty", 0.0)
+    )

@@ -1,0 +1,203 @@
+"""Speculative decoding (n-gram prompt lookup): exact in distribution.
+
+Greedy: token-identical to plain decoding (logprobs within 1e-4) for every tiny architecture and
+k in {1, 3, 5}, with drafts proposed and accepted. Sampling: the first tokens' distribution
+matches plain decoding (two-sample chi-square over many seeded requests). Rejected drafts leave
+nothing behind: every block free, preemption mid-speculation loses nothing, limits hold.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine.spec_decode.ngram_proposer import propose_ngram
+from paged_engine.spec_decode.planner import DraftPlanner
+from paged_engine.testing import SUPPORTED_TINY_ARCHS, write_tiny_model
+
+pytest.importorskip("transformers")
+
+
+def _spec(k: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+
+
+def _prompts(seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    repetitive = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41] * 9}]
+    others = [
+        {"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randint(1, 40))]}
+        for _ in range(5)
+    ]
+    return repetitive + others
+
+
+def _run(path, prompts, params, **kwargs):
+    kwargs.setdefault("max_model_len", 256)
+    llm = LLM(model=str(path), dtype="float32", block_size=8, **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_used_blocks == 0
+    return outs, stats
+
+
+def _tokens_and_logprobs(outs):
+    return [
+        (list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])])
+        for o in outs
+        for c in o.outputs
+    ]
+
+
+@pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
+def arch_model(request, tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
+    plain, _ = _run(path, _prompts(), params)
+    return path, params, _tokens_and_logprobs(plain)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_is_token_identical_with_drafts_accepted(arch_model, k):
+    path, params, want = arch_model
+    outs, stats = _run(path, _prompts(), params, speculative_config=_spec(k))
+    got = _tokens_and_logprobs(outs)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-4)
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens > 0  # the accepting path ran too
+    assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=1)
+
+
+def _chi_square_same(a: Counter, b: Counter) -> tuple[float, float]:
+    """Two-sample chi-square statistic (equal sample sizes) and the 0.1% critical value
+    (Wilson-Hilferty), over bins with at least 10 pooled samples (the rest pooled)."""
+    keys = [t for t in set(a) | set(b) if a[t] + b[t] >= 10]
+    rest_a = sum(a.values()) - sum(a[t] for t in keys)
+    rest_b = sum(b.values()) - sum(b[t] for t in keys)
+    pairs = [(a[t], b[t]) for t in keys] + ([(rest_a, rest_b)] if rest_a + rest_b else [])
+    stat = sum((x - y) ** 2 / (x + y) for x, y in pairs)
+    df = len(pairs) - 1
+    z = 3.09  # one-sided 0.1%
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat, critical
+
+
+def test_sampling_distribution_matches_plain_decoding(llama):
+    """Seeded temperature-0.5 requests on a prompt that repeats the model's greedy text, with
+    unigram lookup (so nearly every decode step drafts, and drafts get both accepted and
+    rejected): the first three tokens' marginals match plain sampling."""
+    num = 1500
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    (seed_out,), _ = _run(llama, [{"prompt_token_ids": [5, 6, 7, 8]}], greedy)
+    text = [5, 6, 7, 8, *seed_out.outputs[0].token_ids]
+    prompt = {"prompt_token_ids": text + text[:16]}
+    params = [
+        SamplingParams(temperature=0.5, seed=s, max_tokens=5, ignore_eos=True) for s in range(num)
+    ]
+    plain, _ = _run(llama, [prompt] * num, params)
+    config = {**_spec(3), "prompt_lookup_min": 1}
+    spec, stats = _run(llama, [prompt] * num, params, speculative_config=config)
+    assert stats.spec_decode_num_drafts > num // 10
+    accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
+    assert 0 < accepted < drafted
+    for pos in range(5):
+        a = Counter(o.outputs[0].token_ids[pos] for o in plain)
+        b = Counter(o.outputs[0].token_ids[pos] for o in spec)
+        stat, critical = _chi_square_same(a, b)
+        assert stat < critical, (pos, stat, critical, a.most_common(5), b.most_common(5))
+
+
+def test_preemption_limits_and_stops_under_speculation(llama):
+    """A pool too small for the batch (preemption mid-speculation), stop tokens that land
+    inside accepted drafts, max_tokens never exceeded: the plain engine's outputs."""
+    prompts = _prompts(3) * 2
+    rng = random.Random(5)
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=rng.randint(5, 40),
+            stop_token_ids=[rng.randrange(3, 400)] if i % 3 == 0 else None,
+            logprobs=1,
+        )
+        for i in range(len(prompts))
+    ]
+    kwargs = {"num_gpu_blocks_override": 16, "max_num_seqs": 8, "max_model_len": 96}
+    plain, _ = _run(llama, prompts, params, **kwargs)
+    spec, stats = _run(llama, prompts, params, speculative_config=_spec(5), **kwargs)
+    assert stats.num_preemptions > 0
+    got, want = _tokens_and_logprobs(spec), _tokens_and_logprobs(plain)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-4)
+    for o, p, ref in zip(spec, params, plain):
+        assert len(o.outputs[0].token_ids) <= p.max_tokens
+        assert o.outputs[0].finish_reason == ref.outputs[0].finish_reason
+
+
+def test_tensor_parallel_speculation_matches(llama):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain, _ = _run(llama, _prompts(), params)
+    spec, stats = _run(
+        llama, _prompts(), params, speculative_config=_spec(3), tensor_parallel_size=2
+    )
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_what_speculation_refuses(llama):
+    llm = LLM(model=str(llama), max_model_len=64, speculative_config=_spec(2))
+    with pytest.raises(ValueError, match="beam search"):
+        llm.generate(["hi"], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
+    # n > 1 and penalties run without drafts (their next token depends on all samples)
+    out = llm.generate(["hi"], SamplingParams(n=2, max_tokens=3, seed=1), use_tqdm=False)
+    assert len(out[0].outputs) == 2
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM(model=str(llama), speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="unknown key"):
+        LLM(model=str(llama), speculative_config={"num_speculative_tokens": 2, "lookahead": 1})
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(model=str(llama), speculative_config={"model": "x", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="async_scheduling"):
+        LLM(model=str(llama), speculative_config=_spec(2), async_scheduling=True)
+
+
+def test_ngram_proposals():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, 2, 4) == [4, 1, 2]
+    assert propose_ngram([1, 2, 3, 4, 5], 3, 2, 4) == []
+    assert propose_ngram([9, 1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]  # the latest match
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 4, 1, 2, 3], 1, 2, 3) == [9]  # the longest n
+    assert propose_ngram([256, 1, 2, 1], 3, 1, 1) == [2, 1]
+    assert propose_ngram([1, 1], 4, 1, 1) == [1]  # never past the end
+
+
+def test_planner_backs_off_when_drafts_keep_failing():
+    from paged_engine.core.request import Request
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    planner = DraftPlanner(SpeculativeConfig.from_dict(_spec(3)), max_model_len=100)
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(max_tokens=50))
+    seq = req.seqs[0]
+    proposals = 0
+    for _ in range(64):
+        planner.next_step()
+        if planner.drafts(req, seq, budget=10):
+            proposals += 1
+            planner.feedback(req, 3, 0)
+    assert 3 <= proposals <= 8  # 1, 2, 4, 8, ... steps of pause
+    planner.feedback(req, 3, 2)  # an accepted token resets it
+    planner.next_step()
+    assert planner.drafts(req, seq, budget=10)
+    assert planner.drafts(req, seq, budget=0) == []
+    short = Request("s", [1, 2, 1, 2], SamplingParams(max_tokens=1))
+    assert planner.drafts(short, short.seqs[0], budget=10) == []  # max_tokens leaves no room

@@ -822,3 +822,11 @@ def test_prompt_dict_with_text_and_ids_uses_the_ids(tmp_path):
         use_tqdm=False,
     )[0]
     assert out.prompt == "hi" and out.prompt_token_ids == [5, 6, 7]
+
+
+def test_prompt_logprobs_of_a_request_that_finishes_in_its_prefill_step(llama_dir):
+    llm = LLM(model=str(llama_dir), dtype="float32", max_model_len=64)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert [next(iter(d)) if d else None for d in out.prompt_logprobs][1:] == [6, 7, 8]

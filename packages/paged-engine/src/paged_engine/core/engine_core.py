@@ -102,6 +102,13 @@ class EngineCore:
         ids, tokens, lp = out.sampled_seq_ids, out.sampled_token_ids, out.logprobs
         max_len, free_seq = self.max_model_len, scheduler.free_seq
         num_appended = 0
+        # Prompt logprobs first: the token loop may finish (and free) the sequence this step.
+        for seq_id, chunk in out.prompt_logprobs.items():
+            seq = live.get(seq_id)
+            if seq is not None:
+                req = seq.request
+                o = outputs.get(req.request_id) or self._new_output(req, outputs)
+                o.prompt_logprobs = chunk
         spec = sched.spec_token_ids
         i, n = 0, len(ids)
         # One iteration per sampled sequence: append, then eos / stop ids (from min_tokens on),
@@ -169,12 +176,6 @@ class EngineCore:
                 o = outputs.get(req.request_id) or self._new_output(req, outputs)
                 self._beam_step(req, seqs, out, o)
                 o.finished = req.is_finished
-        for seq_id, chunk in out.prompt_logprobs.items():
-            seq = live.get(seq_id)
-            if seq is not None:
-                req = seq.request
-                o = outputs.get(req.request_id) or self._new_output(req, outputs)
-                o.prompt_logprobs = chunk
         bm = scheduler.block_manager
         for seq in scheduler.step_seqs.pop(sched.step_id):  # blocks this step filled
             if seq.status == _RUNNING:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 import signal
@@ -50,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     p.add_argument(
         "--data-parallel-size",
         "-dp",
@@ -147,6 +154,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enforce_eager=args.enforce_eager,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        speculative_config=args.speculative_config,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
     )
@@ -302,6 +310,16 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     server.server_close()
     dp.stop_replicas(replicas)
     return 0
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _torchrun_rank() -> int:

@@ -146,6 +146,24 @@ _ENGINE_METRICS = (
         "counter",
         "Generation tokens processed.",
     ),
+    (
+        "paged:spec_decode_num_drafts_total",
+        "spec_decode_num_drafts",
+        "counter",
+        "Speculative decoding: verified draft proposals.",
+    ),
+    (
+        "paged:spec_decode_num_draft_tokens_total",
+        "spec_decode_num_draft_tokens",
+        "counter",
+        "Speculative decoding: draft tokens proposed.",
+    ),
+    (
+        "paged:spec_decode_num_accepted_tokens_total",
+        "spec_decode_num_accepted_tokens",
+        "counter",
+        "Speculative decoding: draft tokens the target accepted.",
+    ),
 )
 
 

@@ -1,0 +1,52 @@
+"""`paged-server --speculative-config '{...}'`: n-gram speculation behind the OpenAI API gives
+the plain server's greedy text, and its spec_decode counters show up in /metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from server_proc import REAL_ARGS, ServerProc, launch
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = ["one two three one two three one two", "a b a b a b a b a b", "Hello, my name is"]
+
+
+def _texts(server: ServerProc) -> list[str]:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=24, temperature=0)
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True
+    )
+    return [c.text for c in r.choices] + ["".join(c.choices[0].text for c in stream)]
+
+
+def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
+    want = _texts(real_server)
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    args = ["--model", tiny_model, "--speculative-config", config, *REAL_ARGS]
+    server = launch(args, fake=False)
+    try:
+        assert _texts(server) == want
+        m = server.metrics()
+        assert m["paged:spec_decode_num_draft_tokens_total"] > 0
+        assert (
+            0
+            <= m["paged:spec_decode_num_accepted_tokens_total"]
+            <= (m["paged:spec_decode_num_draft_tokens_total"])
+        )
+    finally:
+        assert server.stop() == 0, "".join(server.lines[-30:])
+
+
+def test_bad_speculative_config_fails_at_start(tiny_model):
+    for bad, needle in (("{not json", "not JSON"), ('{"method": "eagle"}', "not supported")):
+        r = subprocess.run(
+            [sys.executable, "-m", "paged_server", "--model", tiny_model, "--port", "0",
+             "--speculative-config", bad],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2 and needle in r.stderr, r.stderr[-2000:]

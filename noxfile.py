@@ -28,6 +28,8 @@ TEST_DEPS = [
     "tokenizers",
     "safetensors",
     "matplotlib",  # the benchmark tests draw their plots
+    "llguidance>=1.0",  # paged-engine[structured]: structured outputs
+    "jsonschema",  # structured-output tests validate what the engine generates
 ]
 
 nox.options.sessions = ["lint", "tests"]

@@ -22,6 +22,8 @@ _EXPORTS = {
     "BeamSearchOutput": "paged_engine.beam_search",
     "BeamSearchSequence": "paged_engine.beam_search",
     "RequestOutputKind": "paged_engine.sampling_params",
+    "StructuredOutputsParams": "paged_engine.structured_output.params",
+    "GuidedDecodingParams": "paged_engine.structured_output.params",
     "RequestOutput": "paged_engine.outputs",
     "CompletionOutput": "paged_engine.outputs",
     "RequestMetrics": "paged_engine.outputs",
@@ -36,12 +38,14 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineStats",
+    "GuidedDecodingParams",
     "LLMEngine",
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 if TYPE_CHECKING:
@@ -51,6 +55,10 @@ if TYPE_CHECKING:
     from paged_engine.llm import LLM
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from paged_engine.structured_output.params import (
+        GuidedDecodingParams,
+        StructuredOutputsParams,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,9 @@ import enum
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Any
+
+from paged_engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are greedy (argmax); the same threshold the sampler uses.
 SAMPLING_EPS = 1e-5
@@ -128,6 +131,12 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Token rules (vLLM's names): the output follows a grammar; token id -> bias added to its
+    # logit (clamped to [-100, 100]); only these ids may be sampled; these words never appear.
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -160,6 +169,7 @@ class SamplingParams:
         self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
         if self.top_k == -1:
             self.top_k = 0
+        _check_token_rules(self)
         self._verify()
         if self.temperature < SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -184,6 +194,10 @@ class SamplingParams:
             "presence_penalty": self.presence_penalty != 0.0,
             "frequency_penalty": self.frequency_penalty != 0.0,
             "repetition_penalty": self.repetition_penalty != 1.0,
+            "structured_outputs": self.structured_outputs is not None,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
         }
         for name, used in unsupported.items():
             if used:
@@ -271,6 +285,42 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A copy that shares nothing mutable with self (stop lists, all_stop_token_ids)."""
         return copy.deepcopy(self)
+
+
+def _check_token_rules(p: SamplingParams) -> None:
+    """Normalize structured_outputs / logit_bias / allowed_token_ids / bad_words; a ValueError
+    names the parameter. Token ids are checked against the vocabulary by the engine."""
+    if p.structured_outputs is not None:
+        p.structured_outputs = StructuredOutputsParams.from_dict(p.structured_outputs)
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r}")
+        bias: dict[int, float] = {}
+        for key, value in p.logit_bias.items():
+            token = _token_id("logit_bias", key)
+            bias[token] = min(100.0, max(-100.0, _as_float(f"logit_bias[{key!r}]", value)))
+        p.logit_bias = bias
+    if p.allowed_token_ids is not None:
+        ids = p.allowed_token_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError(f"allowed_token_ids must be a non-empty list of ids, got {ids!r}")
+        p.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in ids]
+    if p.bad_words is not None:
+        words = p.bad_words
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+        p.bad_words = list(words)
+
+
+def _token_id(name: str, value: Any) -> int:
+    """A non-negative token id; JSON object keys arrive as strings ("50256")."""
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    token = _as_int(name, value)
+    assert token is not None
+    if token < 0:
+        raise ValueError(f"{name} token ids must be non-negative, got {token}.")
+    return token
 
 
 @dataclass(slots=True)

@@ -43,6 +43,8 @@ class SeqUpdate:
     finish_reason: str | None = None  # "stop" here means a stop token or eos
     stop_reason: int | None = None  # the stop token id, None for eos or length
     fork_of: int | None = None  # starts as a copy of this index's state (before its tokens)
+    # "stop" because the grammar is complete: the last token is output text, not a stop token
+    grammar_end: bool = False
 
 
 @dataclass(slots=True)

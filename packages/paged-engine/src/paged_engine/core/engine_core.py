@@ -12,11 +12,22 @@ N+1 on the device), so the host work of one step hides behind the device work of
 Without it, each step is applied before the next is scheduled. Outputs are identical either way:
 a token sampled for a sequence that finished meanwhile is dropped, and every seeded draw depends
 only on (seed, sample index, position).
+
+Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
+grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
+core fills the token bitmask of the constrained sequences it scheduled to sample
+(`SchedulerOutput.token_bitmask`), and `_apply` advances their matchers with exactly the tokens
+it appends (a fork copies its parent's matcher first). A matcher that says the output is
+complete finishes its sequence with "stop". Such requests wait for their token before they are
+scheduled again (`Request.needs_host_result`), so a mask always sees every earlier token.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, wait
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +37,11 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.executor.base import Executor, RunnerOutputHandle
 from paged_engine.worker.runner_output import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from paged_engine.structured_output.manager import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = SequenceStatus.RUNNING
 _STOPPED = SequenceStatus.FINISHED_STOPPED
@@ -40,8 +56,12 @@ class EngineCore:
         *,
         max_model_len: int,
         async_scheduling: bool = False,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.structured = structured
+        self._compiling: list[Request] = []  # constrained, grammar not compiled yet (FCFS)
+        self._constrained: dict[str, Request] = {}  # unfinished requests with a constraint
         self.executor = executor
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
@@ -52,12 +72,21 @@ class EngineCore:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
         self.prompt_tokens_total += req.num_prompt_tokens
+        if req.constraint is not None:
+            self._constrained[req.request_id] = req
+            if not req.constraint.ready:
+                self._compiling.append(req)
+                return
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.scheduler.abort_request(rid)
+            self._constrained.pop(rid, None)
+        if self._compiling:
+            ids = set(request_ids)
+            self._compiling = [r for r in self._compiling if r.request_id not in ids]
 
     def finish_seqs(self, stops: list[tuple[str, int, str]]) -> None:
         """The output stage saw stop strings: (request id, sequence index, stop string)."""
@@ -71,11 +100,39 @@ class EngineCore:
                     self.scheduler.free_seq(seq, _STOPPED, stop)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests held while their grammar compiles (they count as waiting)."""
+        return len(self._compiling)
 
     def shutdown(self) -> None:
         self._in_flight.clear()
+        if self.structured is not None:
+            self.structured.shutdown()
         self.executor.shutdown()
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Move requests whose grammar compiled to the scheduler (in arrival order); finish
+        those whose grammar failed. With nothing else to run, wait for the first compile."""
+        if not self.scheduler.has_unfinished_requests() and not self._in_flight:
+            futures = [r.constraint.grammar for r in self._compiling]
+            wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)  # stay responsive
+        failed: list[EngineCoreOutput] = []
+        still: list[Request] = []
+        for req in self._compiling:
+            if not req.constraint.ready:
+                still.append(req)
+            elif (error := req.constraint.error()) is not None:
+                logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
+                self._constrained.pop(req.request_id, None)
+                update = SeqUpdate(0, [], finish_reason="abort")
+                failed.append(EngineCoreOutput(req.request_id, [update], True))
+            else:
+                self.scheduler.add_request(req)
+        self._compiling = still
+        return failed
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -83,8 +140,12 @@ class EngineCore:
         two async steps is still in flight, or when there is nothing to do)."""
         depth = 2 if self.async_scheduling else 1
         submitted = False
+        if self._compiling and (failed := self._admit_compiled()):
+            return failed
         if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
+            if self._constrained:
+                self._fill_token_bitmask(sched)
             if sched.is_empty and not sched.blocks_to_copy and not sched.finished_seq_ids:
                 self.scheduler.step_seqs.pop(sched.step_id)
             else:
@@ -94,6 +155,14 @@ class EngineCore:
             return []
         sched, handle = self._in_flight.popleft()
         return self._apply(sched, handle.get())
+
+    def _fill_token_bitmask(self, sched: SchedulerOutput) -> None:
+        live = self._constrained
+        for rid in [rid for rid, req in live.items() if req.is_finished]:
+            del live[rid]
+        if live and sched.sample_rows:
+            assert self.structured is not None
+            self.structured.fill_bitmask(sched, live.values())
 
     def _apply(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         scheduler = self.scheduler
@@ -129,6 +198,7 @@ class EngineCore:
                 num_appended += self._apply_verified(seq, spec[seq_id], out, i, j, o)
                 i = j
                 continue
+            constraint = req.constraint
             if j - i == 1:
                 targets: tuple | list = ((seq, i, None),)
             else:  # the first sample stays with the prompt sequence; the others fork from it
@@ -136,6 +206,8 @@ class EngineCore:
                 targets = [(seq, i, None)] + [
                     (c, i + 1 + k, seq.index) for k, c in enumerate(forks)
                 ]
+                if constraint is not None:
+                    constraint.fork(seq.seq_id, [c.seq_id for c in forks])
             for s, k, parent in targets:
                 token = tokens[k]
                 if lp is None:
@@ -150,6 +222,7 @@ class EngineCore:
                 token_ids.append(token)
                 num_appended += 1
                 num_out = len(token_ids) - s.num_prompt_tokens
+                complete = constraint is not None and constraint.accept(s.seq_id, token)
                 if num_out >= req.min_tokens and (
                     token in req.stop_token_ids or token in req.eos_token_ids
                 ):
@@ -162,6 +235,10 @@ class EngineCore:
                 ) >= max_len:
                     update.finish_reason = "length"
                     free_seq(s, _LENGTH)
+                    o.finished = req.status >= _STOPPED
+                elif complete:  # the grammar allows nothing more (or rejected the token)
+                    update.finish_reason, update.grammar_end = "stop", True
+                    free_seq(s, _STOPPED)
                     o.finished = req.status >= _STOPPED
             i = j
         self.generation_tokens_total += num_appended

@@ -150,6 +150,9 @@ class Request:
     # reserves that many of max_num_seqs at admission. 0 = derive from params.
     max_live_seqs: int = 0
     max_tokens: int | None = None  # resolved from params; None = up to max_model_len
+    # Grammar / bad words (structured_output.RequestConstraint): the next mask depends on every
+    # output token, computed by the engine core from the tokens it applied.
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         params = self.params
@@ -193,8 +196,9 @@ class Request:
     @property
     def needs_host_result(self) -> bool:
         """Its next step depends on the host seeing the last one (beams pick parents; a fan-out
-        creates the samples): with async scheduling it sits out while a step is in flight."""
-        return self.beam is not None or self.fans_out
+        creates the samples; a constraint masks by every output token): with async scheduling
+        it sits out while a step is in flight."""
+        return self.beam is not None or self.constraint is not None or self.fans_out
 
     @property
     def num_pending(self) -> int:

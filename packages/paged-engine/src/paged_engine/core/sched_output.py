@@ -46,6 +46,9 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)  # the worker drops these
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) CoW
     num_batched_tokens: int = 0
+    # Constrained sequences sampled this step: (seq ids, [R, ceil(V / 32)] int32 numpy bitmask),
+    # row r the tokens seq_ids[r] may sample (structured_output/bitmask.py); None when none.
+    token_bitmask: tuple[list[int], Any] | None = None
     # Speculative decoding: seq id -> draft tokens the row runs after its last token; the row
     # then samples at every one of its positions (verification).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -12,6 +12,8 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.structured_output.manager import StructuredOutputManager
+from paged_engine.structured_output.request_constraint import RequestConstraint
 from paged_engine.unicode_text import check_text
 
 
@@ -30,11 +32,13 @@ class InputProcessor:
         *,
         vocab_size: int,
         eos_token_ids: set[int],
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.structured = structured
 
     def make_request(
         self,
@@ -80,6 +84,7 @@ class InputProcessor:
                 eos_token_ids=eos,
                 stop_token_ids=frozenset(params.stop_token_ids),
                 min_tokens=params.min_tokens,
+                constraint=self._constraint(params),
             )
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -125,12 +130,40 @@ class InputProcessor:
             f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
         )
 
+    def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
+        """The request's grammar (compiling from now on) and bad words, if it has either."""
+        if params.structured_outputs is None and not params.bad_words:
+            return None
+        if self.structured is None:
+            raise ValueError("structured_outputs / bad_words are not available in this engine")
+        return self.structured.new_constraint(
+            params.structured_outputs, self._bad_words_ids(params.bad_words or [])
+        )
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as vLLM: the same word starts
+        with another token mid-sentence)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip(" ")):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
         if isinstance(params, SamplingParams):
             for name in ("logprobs", "prompt_logprobs"):
                 k = getattr(params, name)
                 if k is not None and k > self.config.max_logprobs:
                     raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
+            for name in ("logit_bias", "allowed_token_ids"):
+                bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
+                if bad:
+                    raise ValueError(
+                        f"{name} has token ids outside the vocabulary [0, {self.vocab_size}): "
+                        f"{sorted(bad)[:5]}"
+                    )
             width = max(params.n, params.best_of or params.n)
         else:
             width = params.beam_width

@@ -39,6 +39,7 @@ from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.planner import DraftPlanner
+from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
@@ -153,16 +154,23 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             draft_planner=self.draft_planner,
         )
+        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        # Grammars compile on the manager's thread; llguidance loads with the first one.
+        structured = StructuredOutputManager(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.engine_core = EngineCore(
             self.scheduler,
             self.executor,
             max_model_len=config.max_model_len,
             async_scheduling=config.async_scheduling,
+            structured=structured,
         )
-        self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
-        self.vocab_size = int(self.hf_config.vocab_size)
         self.input_processor = InputProcessor(
-            self.tokenizer, config, vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids
+            self.tokenizer,
+            config,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            structured=structured,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(

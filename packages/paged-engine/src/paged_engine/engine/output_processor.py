@@ -197,7 +197,7 @@ class OutputProcessor:
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
                     self._add_logprobs(seq, params.logprobs, token, upd, k)
-            stop_token = k == last and upd.finish_reason == "stop"
+            stop_token = k == last and upd.finish_reason == "stop" and not upd.grammar_end
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
             delta = detok.add_tokens([token])
@@ -232,7 +232,8 @@ class OutputProcessor:
             detok = seq.detokenizer
             if detok is not None:
                 ids = seq.token_ids
-                if upd.finish_reason == "stop" and not params.include_stop_str_in_output:
+                hidden = upd.finish_reason == "stop" and not upd.grammar_end
+                if hidden and not params.include_stop_str_in_output:
                     ids = ids[:-1]  # the core stops on tokens: eos or a stop id, not shown
                 detok.add_tokens(ids)
                 detok.finalize()

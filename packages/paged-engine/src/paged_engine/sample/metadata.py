@@ -9,13 +9,14 @@ for every row, so the common cases (all greedy, plain temperature) skip whole pa
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from paged_engine.sampling_params import SamplingParams
+from paged_engine.structured_output.bitmask import bitmask_width
 
 # Token id that pads history rows; the penalty passes scatter it into a discarded column.
 PAD = -1
@@ -48,6 +49,11 @@ class SamplingMetadata:
     seeds: list[tuple[int, int]]  # (row, seed of this draw) for seeded rows
     num_logprobs: list[int | None]  # per row: top-k logprobs to return (None: not reported)
     need_logprobs: bool  # any row reports logprobs or ranks its samples by them
+    # Token rules (SamplingParams.allowed_token_ids / logit_bias; structured outputs): applied
+    # first, each as one batched op over its rows.
+    allowed: tuple[Tensor, Tensor] | None = None  # (rows [A], bitmask [A, W] int32)
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, token ids, biases) [B]
+    token_bitmask: tuple[Tensor, Tensor] | None = None  # this step's grammar masks (rows, bitmask)
 
     @property
     def max_num_logprobs(self) -> int:
@@ -87,6 +93,7 @@ def build_sampling_metadata(
     num_logprobs: list[int | None],
     need_logprobs: bool,
     output_history: Tensor | None = None,  # [P, Lo] int64 on device, overrides history outputs
+    token_rules: Sequence[tuple[int, SamplingParams]] = (),  # rows with allowed ids / logit bias
 ) -> SamplingMetadata:
     """Everything host-side is numpy over the N rows: no per-row Python except for the rare
     rows that use penalties or min_tokens."""
@@ -154,7 +161,61 @@ def build_sampling_metadata(
         seeds=seeds,
         num_logprobs=num_logprobs,
         need_logprobs=need_logprobs,
+        **_token_rules(token_rules, vocab_size, device),
     )
+
+
+def _token_rules(
+    rules: Sequence[tuple[int, SamplingParams]], vocab_size: int, device: torch.device
+) -> dict:
+    """allowed_token_ids as bitmask rows and logit_bias as flat (row, id, bias) triples."""
+    if not rules:
+        return {}
+    allowed_rows, masks, bias_rows, bias_ids, biases = [], [], [], [], []
+    for row, p in rules:
+        if p.allowed_token_ids:
+            bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=np.uint8)
+            bits[p.allowed_token_ids] = 1
+            masks.append(np.packbits(bits, bitorder="little").view(np.int32))
+            allowed_rows.append(row)
+        for token, bias in (p.logit_bias or {}).items():
+            bias_rows.append(row)
+            bias_ids.append(token)
+            biases.append(bias)
+    out: dict = {}
+    if allowed_rows:
+        out["allowed"] = (
+            _dev(allowed_rows, torch.long, device),
+            _dev(np.stack(masks), torch.int32, device),
+        )
+    if bias_rows:
+        out["logit_bias"] = (
+            _dev(bias_rows, torch.long, device),
+            _dev(bias_ids, torch.long, device),
+            _dev(biases, torch.float32, device),
+        )
+    return out
+
+
+def with_token_bitmask(
+    md: SamplingMetadata,
+    token_bitmask: tuple[list[int], np.ndarray],
+    row_seq_ids: Sequence[int],
+    device: torch.device,
+) -> SamplingMetadata:
+    """`md` plus this step's grammar masks: (seq ids, [R, W] bitmask) from the engine core,
+    matched to the logits rows by sequence (a fan-out's samples share their sequence's row)."""
+    index = {seq_id: i for i, seq_id in enumerate(token_bitmask[0])}
+    rows, picks = [], []
+    for k, seq_id in enumerate(row_seq_ids):
+        i = index.get(seq_id)
+        if i is not None:
+            rows.append(k)
+            picks.append(i)
+    if not rows:
+        return md
+    bitmask = _dev(token_bitmask[1][picks], torch.int32, device)
+    return replace(md, token_bitmask=(_dev(rows, torch.long, device), bitmask))
 
 
 def banned_tokens(
@@ -221,4 +282,5 @@ def metadata_from_params(
         ],
         num_logprobs=[p.logprobs for p in params],
         need_logprobs=any(p.logprobs is not None or (p.best_of or 0) > p.n for p in params),
+        token_rules=[(i, p) for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids],
     )

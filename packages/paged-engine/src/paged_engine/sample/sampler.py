@@ -1,7 +1,8 @@
 """Batched sampling over a logits tensor [N, V]: one row per sequence that samples this step.
 
-Processing order (vLLM's): min_tokens -> repetition / frequency / presence penalties ->
-temperature -> top-k -> top-p -> min-p -> sample. Greedy rows take the argmax of the processed
+Processing order (vLLM's): token rules (grammar bitmask, allowed_token_ids, logit_bias) ->
+min_tokens -> repetition / frequency / presence penalties -> temperature -> top-k -> top-p ->
+min-p -> sample. Greedy rows take the argmax of the processed
 logits; random rows use the exponential race (argmax of probs / Exp(1) noise), so nothing reads
 the device on the host: the sampled ids stay on the device (the next step's inputs read them
 there) and the worker copies them to the host asynchronously. Every pass is row-wise: a row's
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from paged_engine.sample.logprobs import gather_logprobs
 from paged_engine.sample.metadata import Penalties, SamplingMetadata
+from paged_engine.structured_output.bitmask import apply_token_bitmask
 
 
 @dataclass(slots=True)
@@ -110,6 +112,9 @@ class Sampler:
         untouched), `raw` itself when none does."""
         if not (
             md.banned is not None
+            or md.token_bitmask is not None
+            or md.allowed is not None
+            or md.logit_bias is not None
             or md.penalties is not None
             or md.temperature is not None
             or md.top_k_top_p is not None
@@ -117,6 +122,13 @@ class Sampler:
         ):
             return raw
         x = raw.clone()
+        if md.token_bitmask is not None:
+            apply_token_bitmask(x, *md.token_bitmask)
+        if md.allowed is not None:
+            apply_token_bitmask(x, *md.allowed)
+        if md.logit_bias is not None:
+            rows, ids, bias = md.logit_bias
+            x.index_put_((rows, ids), bias, accumulate=True)
         if md.banned is not None:
             x[md.banned] = float("-inf")
         if md.penalties is not None:

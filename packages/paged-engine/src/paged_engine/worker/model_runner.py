@@ -37,6 +37,7 @@ from paged_engine.sample.metadata import (
     banned_tokens,
     build_sampling_metadata,
     draw_seed,
+    with_token_bitmask,
 )
 from paged_engine.sample.sampler import Sampler
 from paged_engine.spec_decode.rejection_sampler import verify
@@ -275,6 +276,8 @@ class ModelRunner:
             md = self._cached_metadata(rows)
             if md is None:
                 md = self._sampling_metadata(cached, src, rows, sample_no, out_pos)
+            if sched.token_bitmask is not None:  # grammar masks change every step: not cached
+                md = with_token_bitmask(md, sched.token_bitmask, seq_ids, self.device)
             num_logprobs = md.num_logprobs
             result = self.sampler(logits, md)
             tokens, packed_lp = result.token_ids, result.logprobs
@@ -404,6 +407,7 @@ class ModelRunner:
         if hist_rows:
             history, output_history = self._histories(cached, src, rows, hist_rows, history)
         wants_lp = batch.logprobs[rows]
+        rules = batch.token_rules[rows]  # allowed_token_ids / logit_bias rows
         md = build_sampling_metadata(
             device=self.device,
             vocab_size=self.vocab_size,
@@ -420,6 +424,7 @@ class ModelRunner:
             num_logprobs=[cached[i].num_logprobs for i in src.tolist()] if wants_lp.any() else [],
             need_logprobs=bool(wants_lp.any()),
             output_history=output_history,
+            token_rules=[(k, cached[src[k]].params) for k in np.flatnonzero(rules)],
         )
         reusable = not (seeds or hist_rows or (batch.min_tokens[rows] > 0).any())
         self._md_cache = ((batch.version, rows.copy()), md if reusable else None)

@@ -1,0 +1,56 @@
+"""`GrammarBackend` on llguidance: a Rust Earley parser over the tokenizer's token trie.
+
+The tokenizer is converted once per engine (~0.5 s for 49k tokens, ~2 s for 150k); masks of a
+step's matchers are filled by llguidance's thread pool in one call, with the GIL released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+
+from paged_engine.structured_output.backend import GrammarBackend, GrammarMatcher
+from paged_engine.structured_output.grammar import import_llguidance
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    __slots__ = ("m",)
+
+    def __init__(self, matcher) -> None:
+        self.m = matcher  # llguidance.LLMatcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.m.consume_token(token_id)
+
+    def is_stopped(self) -> bool:
+        return self.m.is_stopped() or self.m.is_error()
+
+    def copy(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.m.deep_copy())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        llg = import_llguidance()
+        import llguidance.hf
+
+        self._llg = llg
+        self.vocab_size = vocab_size
+        eos = sorted(eos_token_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._executor = llg.LLExecutor()
+
+    def compile(self, grammar: str) -> LLGuidanceMatcher:
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"grammar rejected for this tokenizer: {matcher.get_error()}")
+        return LLGuidanceMatcher(matcher)
+
+    def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous, bitmask.dtype
+        assert bitmask.shape[1] * 32 >= self.vocab_size, bitmask.shape
+        pairs = [(m.m, row) for m, row in rows]  # type: ignore[attr-defined]
+        self._executor.unsafe_compute_mask_ptr(
+            pairs, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0]
+        )

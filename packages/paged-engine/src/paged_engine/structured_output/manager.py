@@ -1,0 +1,101 @@
+"""`StructuredOutputManager`: grammar compilation (cached, off the step thread) and each step's
+token bitmask.
+
+- `new_constraint(params, bad_words_ids)` (input processor, on add_request): checks the grammar
+  (ValueError naming the field) and starts compiling it on the manager's own thread; a grammar
+  compiled before (same constraint) is reused. The first constrained request also builds the
+  backend there (the tokenizer's conversion takes ~0.5-2 s).
+- `fill_bitmask(sched, requests)` (engine core, after scheduling): one [R, W] int32 row per
+  sampled sequence of a constrained request, as plain data in the `SchedulerOutput`; the
+  sampler masks the logits with it in one batched op.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from paged_engine.core.request import Request
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.structured_output.backend import GrammarBackend, GrammarMatcher
+from paged_engine.structured_output.bitmask import allocate_bitmask
+from paged_engine.structured_output.grammar import grammar_text
+from paged_engine.structured_output.params import StructuredOutputsParams
+from paged_engine.structured_output.request_constraint import RequestConstraint
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer  # the engine thread's; the compile thread gets a copy
+        self.vocab_size = vocab_size
+        self._eos = tuple(eos_token_ids)
+        self._backend: GrammarBackend | None = None  # built on the compile thread
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer_copy = None
+        self._cache: OrderedDict[str, Future[GrammarMatcher]] = OrderedDict()
+
+    def new_constraint(
+        self, params: StructuredOutputsParams | None, bad_words: list[list[int]]
+    ) -> RequestConstraint | None:
+        if params is None and not bad_words:
+            return None
+        grammar = None if params is None else self._compile(params)
+        return RequestConstraint(grammar, bad_words)
+
+    def _compile(self, params: StructuredOutputsParams) -> Future[GrammarMatcher]:
+        key = params.key()
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None):
+            self._cache.move_to_end(key)  # compiled, or compiling: shared
+            return fut
+        text = grammar_text(params)  # raises ValueError on this thread, before anything queues
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-grammar")
+            self._tokenizer_copy = copy.deepcopy(self._tokenizer)
+        fut = self._cache[key] = self._pool.submit(self._compile_now, text)
+        if len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return fut
+
+    def _compile_now(self, text: str) -> GrammarMatcher:
+        if self._backend is None:
+            from paged_engine.structured_output.llguidance_backend import LLGuidanceBackend
+
+            self._backend = LLGuidanceBackend(self._tokenizer_copy, self.vocab_size, self._eos)
+        return self._backend.compile(text)
+
+    def fill_bitmask(self, sched: SchedulerOutput, requests: Iterable[Request]) -> None:
+        """Set `sched.token_bitmask` for the sampled sequences of constrained `requests`."""
+        sampled = {sched.seq_ids[r] for r in sched.sample_rows}
+        seqs = [
+            (req.constraint, seq)
+            for req in requests
+            for seq in req.live_seqs()
+            if seq.seq_id in sampled
+        ]
+        if not seqs:
+            return
+        bitmask = allocate_bitmask(len(seqs), self.vocab_size)
+        grammar_rows = []
+        for row, (c, seq) in enumerate(seqs):
+            m = c.matcher(seq.seq_id)
+            if m is not None:
+                grammar_rows.append((m, row))
+        if grammar_rows:
+            assert self._backend is not None  # a ready grammar was compiled by it
+            self._backend.fill_bitmasks(grammar_rows, bitmask)
+        for row, (c, seq) in enumerate(seqs):
+            if c.bad_words:
+                c.ban_bad_words(seq.output_token_ids, bitmask[row])
+        sched.token_bitmask = ([seq.seq_id for _, seq in seqs], bitmask)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

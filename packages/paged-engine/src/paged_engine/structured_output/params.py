@@ -1,0 +1,127 @@
+"""`StructuredOutputsParams`: what a request's output must match (vLLM's names and meanings).
+
+Exactly one constraint per request:
+
+    json         a JSON schema (dict or JSON text): the output is one JSON value valid under it
+    regex        the output matches the regular expression (Rust `regex` syntax, anchored)
+    choice       the output is exactly one of these strings
+    grammar      a context-free grammar: GBNF / EBNF (`root ::= ...`, as llama.cpp and xgrammar
+                 write it) or Lark (`start: ...`)
+    json_object  True: the output is any JSON object
+
+Options: `disable_any_whitespace` (JSON without free whitespace between tokens: compact output,
+and no way for a model to pad forever), `disable_additional_properties` (objects in the schema
+take no keys beyond `properties`), `whitespace_pattern` (the regex whitespace must match).
+`disable_fallback` is accepted for vLLM compatibility: there is one backend, nothing to fall
+back to. `structural_tag` is not supported (a ValueError says so).
+
+Checked here: the shape (types, exactly one constraint). Whether the schema / regex / grammar
+itself is valid is checked when the engine accepts the request (`grammar.py`), with a ValueError
+naming the field.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.structural_tag is not None:
+            raise ValueError("structured_outputs.structural_tag is not supported")
+        if self.json_object is False:
+            self.json_object = None
+        given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    parsed = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            else:
+                parsed = self.json
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError(
+                    "structured_outputs.json must be a JSON schema (an object), got "
+                    f"{type(parsed).__name__}"
+                )
+        for name in ("regex", "grammar", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, (list, tuple))
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    "structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {self.choice!r}"
+                )
+            self.choice = list(self.choice)
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(
+                f"structured_outputs.json_object must be true, got {self.json_object!r}"
+            )
+        for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be a bool")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
+
+    @property
+    def schema(self) -> Any:
+        """The JSON schema as a Python value (json and json_object only)."""
+        if self.json_object:
+            return {"type": "object"}
+        return _json.loads(self.json) if isinstance(self.json, str) else self.json
+
+    def key(self) -> str:
+        """A canonical text of everything that shapes the grammar: the compile-cache key."""
+        spec = self.schema if self.kind in ("json", "json_object") else getattr(self, self.kind)
+        return _json.dumps(
+            [self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
+             self.whitespace_pattern],
+            sort_keys=True,
+        )  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, value: Any, name: str = "structured_outputs") -> StructuredOutputsParams:
+        """From a JSON object (the server's `structured_outputs` field); errors name `name`."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"{name} has unknown fields {unknown}")
+        return cls(**value)
+
+
+# vLLM's earlier name for the same parameters.
+GuidedDecodingParams = StructuredOutputsParams

@@ -1,0 +1,78 @@
+"""`RequestConstraint`: what limits one request's next tokens beyond its sampling settings.
+
+A grammar (structured outputs) and / or bad words (vLLM's `bad_words`: token sequences that must
+not appear in the output). Both depend on every output token so far, so a constrained request
+waits for its sampled token before it is scheduled again (`Request.needs_host_result`, as beams
+and the n > 1 fan-out do): its next mask is computed on the host, by the engine core, from
+tokens the core has applied.
+
+Owned by the engine core: `EngineCore._apply` is the only caller of `accept` and `fork`, in the
+order tokens are appended, so each matcher holds exactly the tokens its sequence holds. A
+sequence recomputed after preemption keeps its tokens and its matcher unchanged.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from paged_engine.structured_output.backend import GrammarMatcher
+
+
+class RequestConstraint:
+    __slots__ = ("bad_words", "grammar", "matchers")
+
+    def __init__(self, grammar: Future[GrammarMatcher] | None, bad_words: list[list[int]]) -> None:
+        self.grammar = grammar  # resolves to a matcher at the grammar's start (the template)
+        self.bad_words = bad_words  # token id sequences, never empty
+        self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> that sequence's matcher
+
+    @property
+    def ready(self) -> bool:
+        return self.grammar is None or self.grammar.done()
+
+    def error(self) -> str | None:
+        """Why the grammar could not be compiled (once ready), else None."""
+        if self.grammar is None or self.grammar.exception() is None:
+            return None
+        return str(self.grammar.exception())
+
+    def matcher(self, seq_id: int) -> GrammarMatcher | None:
+        """The sequence's matcher; the first sequence starts from the compiled template."""
+        if self.grammar is None:
+            return None
+        m = self.matchers.get(seq_id)
+        if m is None:
+            m = self.matchers[seq_id] = self.grammar.result().copy()
+        return m
+
+    def fork(self, parent_id: int, child_ids: list[int]) -> None:
+        """Children take a copy of the parent's state (call before the parent accepts its
+        token: the fan-out's samples all come from the parent's state)."""
+        m = self.matcher(parent_id)
+        if m is not None:
+            for child in child_ids:
+                self.matchers[child] = m.copy()
+
+    def accept(self, seq_id: int, token_id: int) -> bool:
+        """Advance the sequence's matcher; True when its output must end here (the grammar is
+        complete, or it rejected the token)."""
+        m = self.matcher(seq_id)
+        if m is None:
+            return False
+        return not m.accept(token_id) or m.is_stopped()
+
+    def drop(self, seq_id: int) -> None:
+        self.matchers.pop(seq_id, None)
+
+    def ban_bad_words(self, output_ids: list[int], row: np.ndarray) -> None:
+        """Clear the bits of tokens that would complete a bad word after `output_ids` (row:
+        one [W] int32 bitmask row, little-endian words)."""
+        as_bytes = row.view(np.uint8)
+        for word in self.bad_words:
+            prefix = word[:-1]
+            if prefix and output_ids[-len(prefix) :] != prefix:
+                continue
+            t = word[-1]
+            as_bytes[t >> 3] &= ~np.uint8(1 << (t & 7))

@@ -9,9 +9,10 @@ Exactly one constraint per request:
                  write it) or Lark (`start: ...`)
     json_object  True: the output is any JSON object
 
-Options: `disable_any_whitespace` (JSON without free whitespace between tokens: compact output,
-and no way for a model to pad forever), `disable_additional_properties` (objects in the schema
-take no keys beyond `properties`), `whitespace_pattern` (the regex whitespace must match).
+JSON is written with `json.dumps` spacing (", " and ": ") unless `whitespace_pattern` allows
+free whitespace matching it (vLLM's default; small models then pad with newlines) or
+`disable_any_whitespace` removes the spaces; `disable_additional_properties`: objects in the
+schema take no keys beyond `properties`.
 `disable_fallback` is accepted for vLLM compatibility: there is one backend, nothing to fall
 back to. `structural_tag` is not supported (a ValueError says so).
 

@@ -201,3 +201,23 @@ def test_planner_backs_off_when_drafts_keep_failing():
     assert planner.drafts(req, seq, budget=0) == []
     short = Request("s", [1, 2, 1, 2], SamplingParams(max_tokens=1))
     assert planner.drafts(short, short.seqs[0], budget=10) == []  # max_tokens leaves no room
+
+
+def test_stop_strings_inside_accepted_drafts(llama):
+    """A stop string that ends inside a step's emitted tokens: the same text and finish as
+    plain decoding (the output stage cuts the text; the core frees the sequence)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = _run(llama, _prompts(), params)
+    stops = []
+    for i, o in enumerate(plain):  # every other request stops 3/4 of the way in
+        text, at = o.outputs[0].text, 3 * len(o.outputs[0].text) // 4
+        stops.append([text[at : at + 3]] if i % 2 and len(text) > 8 else None)
+    with_stops = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=s) for s in stops
+    ]
+    want, _ = _run(llama, _prompts(), with_stops)
+    got, stats = _run(llama, _prompts(), with_stops, speculative_config=_spec(5))
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == [
+        (o.outputs[0].text, o.outputs[0].finish_reason) for o in want
+    ]

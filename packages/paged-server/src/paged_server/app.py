@@ -260,11 +260,9 @@ class OpenAIApp:
         self.client.check_queue()
         kwargs = {**req.sampling, "max_tokens": max_tokens}
         if max_tokens == 0:
-            # Prompt scoring (echo only): what the engine generates is dropped. Two tokens and no
-            # stop rule, because the engine core loses the prompt logprobs of a request that
-            # finishes in its prefill step (it applies them after freeing finished sequences).
-            kwargs.update(max_tokens=2, ignore_eos=True, min_tokens=0)
-            kwargs.pop("stop_token_ids", None)
+            # Prompt scoring (echo only): the engine runs the prompt and samples one token,
+            # which is dropped (its prompt logprobs survive a request that ends at prefill).
+            kwargs.update(max_tokens=1, min_tokens=0)
         if req.logprobs is not None:
             kwargs["logprobs"] = req.logprobs
             if req.echo and not req.stream:  # a stream's logprobs cover its new tokens only

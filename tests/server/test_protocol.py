@@ -27,7 +27,7 @@ from fake_engine import FakeEngine
         ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "stop": [1]}, "stop"),
-        ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": [1, 5]}, "logit_bias"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
         ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
         ({"prompt": [[]]}, "prompt"),
@@ -75,10 +75,10 @@ def test_chat_validation() -> None:
     for body, param in [
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0]"),
-        ({"messages": [{"role": "user", "content": 3}]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-            "tools",
+            "tools[0]",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (

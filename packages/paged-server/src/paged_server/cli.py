@@ -112,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, seconds to let requests finish before aborting them",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help="parse the model's tool calls for tool_choice 'auto' (Hermes/Qwen or Llama 3 JSON)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: --tool-call-parser enables tool_choice 'auto'",
+    )
     return p
 
 
@@ -191,6 +202,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         api_key=args.api_key,
         trust_request_chat_template=args.trust_request_chat_template,
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
+        tool_call_parser=args.tool_call_parser,
     )
     return client, app
 

@@ -7,36 +7,40 @@ so this module never imports the engine (nor torch).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from paged_server.errors import APIError, bad_request
+from paged_server.structured_request import FIELDS as STRUCTURED_FIELDS
+from paged_server.structured_request import parse_structured
+from paged_server.tools import ToolRequest, parse_tools
 
 MAX_N = 128
 MAX_LOGPROBS = 20
 
 # Accepted and ignored: they change nothing about generation.
-_IGNORED = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "priority"}
+_IGNORED = {
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "priority",
+    "prompt_cache_key",
+    "safety_identifier",
+}
 # Known OpenAI / vLLM parameters we do not implement; allowed only at their "off" values.
 _UNSUPPORTED_UNLESS = {
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     "prompt_logprobs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "lora_request": (None,),
 }
 
@@ -59,7 +63,19 @@ _SAMPLING = (
     "include_stop_str_in_output",
     "length_penalty",
 )
-_COMMON = {"model", "stream", "stream_options", "use_beam_search", "max_tokens", *_SAMPLING}
+_COMMON = {
+    "model",
+    "stream",
+    "stream_options",
+    "use_beam_search",
+    "max_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "spaces_between_special_tokens",
+    *_SAMPLING,
+    *STRUCTURED_FIELDS,
+}
 _COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo"}
 _CHAT_KEYS = _COMMON | {
     "messages",
@@ -69,6 +85,9 @@ _CHAT_KEYS = _COMMON | {
     "chat_template",
     "chat_template_kwargs",
     "add_generation_prompt",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
 }
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -90,6 +109,9 @@ class GenerationRequest:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables
     add_generation_prompt: bool = True
+    structured: dict[str, Any] | None = None  # for SamplingParams(structured_outputs=...)
+    structured_param: str | None = None  # the request field that set it (names its errors)
+    tools: ToolRequest | None = None
 
     @property
     def n(self) -> int:
@@ -194,6 +216,14 @@ def _sampling(b: _Body) -> dict[str, Any]:
         "include_stop_str_in_output": lambda: (
             b.bool("include_stop_str_in_output") if b.has("include_stop_str_in_output") else None
         ),
+        "spaces_between_special_tokens": lambda: (
+            b.bool("spaces_between_special_tokens")
+            if b.has("spaces_between_special_tokens")
+            else None
+        ),
+        "allowed_token_ids": lambda: b.int_list("allowed_token_ids"),
+        "logit_bias": lambda: _logit_bias(b.d.get("logit_bias")),
+        "bad_words": lambda: _bad_words(b.d.get("bad_words")),
     }
     for name, check in checks.items():
         value = check()
@@ -215,6 +245,24 @@ def _sampling(b: _Body) -> dict[str, Any]:
         if stop:
             s["stop"] = stop
     return s
+
+
+def _logit_bias(value: Any) -> dict[str, float] | None:
+    """{token id (JSON keys are strings): bias}; SamplingParams clamps to [-100, 100] and the
+    engine checks the ids against the vocabulary."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
+        raise bad_request("'logit_bias' must map token ids to numbers", "logit_bias")
+    return value
+
+
+def _bad_words(value: Any) -> list[str] | None:
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(w, str) and w for w in value):
+        raise bad_request("'bad_words' must be a list of non-empty strings", "bad_words")
+    return value
 
 
 def _stream_flags(b: _Body) -> tuple[bool, bool]:
@@ -283,6 +331,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         echo=b.bool("echo"),
     )
     _common(b, req)
+    req.structured, req.structured_param = parse_structured(b.d)
     if req.max_tokens == 0 and (not req.echo or req.stream):
         # Prompt scoring (legacy OpenAI, lm-eval-harness): the prompt and its logprobs, nothing
         # generated. Without echo there is nothing to return.
@@ -293,31 +342,84 @@ def parse_completion(body: Any) -> GenerationRequest:
     return req
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
+def _message(i: int, m: Any) -> dict[str, Any]:
+    """One chat message, checked as OpenAI checks it: a known role; content a string or a list
+    of text parts, required except on an assistant message that makes tool calls; assistant
+    `tool_calls` well formed (their JSON arguments become objects for the chat template, as
+    templates index them); a tool message names its `tool_call_id`."""
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"{param} must be an object with a string 'role'", param)
-    if m["role"] not in _ROLES:
-        raise bad_request(f"{param}.role '{m['role']}' is not one of {sorted(_ROLES)}", param)
+    role = m["role"]
+    if role not in _ROLES:
+        raise bad_request(f"{param}.role '{role}' is not one of {sorted(_ROLES)}", param)
     content = m.get("content")
+    tool_calls = m.get("tool_calls")
     if content is None:
+        if role != "assistant":
+            raise bad_request(f"{param}.content is required for role '{role}'", f"{param}.content")
         content = ""
     elif isinstance(content, list):
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise bad_request(f"{param}: only text content parts are supported", param)
+                raise bad_request(
+                    f"{param}.content: only text content parts are supported", f"{param}.content"
+                )
             if not isinstance(part.get("text"), str):
-                raise bad_request(f"{param}: a text part needs a string 'text'", param)
+                raise bad_request(
+                    f"{param}.content: a text part needs a string 'text'", f"{param}.content"
+                )
             parts.append(part["text"])
         content = "\n".join(parts)
     elif not isinstance(content, str):
-        raise bad_request(f"{param}.content must be a string or a list of parts", param)
-    if m.get("tool_calls") or m.get("function_call"):
-        raise bad_request(f"{param}: tool calls are not supported", param)
-    out = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        raise bad_request(
+            f"{param}.content must be a string or a list of parts", f"{param}.content"
+        )
+    if m.get("function_call"):
+        raise bad_request(
+            f"{param}.function_call (deprecated) is not supported: use tool_calls",
+            f"{param}.function_call",
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad_request(f"{param}.tool_calls is only allowed on assistant messages", param)
+        out["tool_calls"] = _tool_calls(f"{param}.tool_calls", tool_calls)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            raise bad_request(
+                f"{param}.tool_call_id is required for role 'tool'", f"{param}.tool_call_id"
+            )
+        out["tool_call_id"] = m["tool_call_id"]
     if isinstance(m.get("name"), str):
         out["name"] = m["name"]
+    return out
+
+
+def _tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(
+                f"{p} must be {{'type': 'function', 'function': {{name, arguments}}}}", p
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"{p}.function.arguments must be JSON text", p) from None
+        if not isinstance(args, dict):
+            raise bad_request(f"{p}.function.arguments must be a JSON object", p)
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
     return out
 
 
@@ -358,7 +460,7 @@ def _template_kwargs(value: Any) -> dict[str, Any]:
     return value
 
 
-def parse_chat(body: Any) -> GenerationRequest:
+def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
     b = _Body(body, _CHAT_KEYS)
     messages = b.d.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -386,6 +488,16 @@ def parse_chat(body: Any) -> GenerationRequest:
         add_generation_prompt=b.bool("add_generation_prompt", True),
     )
     _common(b, req)
+    req.structured, req.structured_param = parse_structured(b.d)
+    req.tools = parse_tools(b.d, tool_parser)
+    forced = req.tools.constraint() if req.tools is not None else None
+    if forced is not None:
+        if req.structured is not None:
+            raise bad_request(
+                f"'{req.structured_param}' cannot be combined with a forced 'tool_choice'",
+                req.structured_param,
+            )
+        req.structured, req.structured_param = forced, "tools"
     return req
 
 

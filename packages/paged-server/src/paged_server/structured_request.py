@@ -1,0 +1,117 @@
+"""Structured-output fields of a request -> the engine's `structured_outputs` (plain dicts).
+
+Three spellings of one feature, at most one per request:
+
+    response_format      OpenAI: {"type": "text" | "json_object" | "json_schema",
+                                  "json_schema": {"name", "schema", "strict", "description"}}
+    guided_json / guided_regex / guided_choice / guided_grammar   vLLM's extra parameters
+                         (with guided_whitespace_pattern; guided_decoding_backend is accepted
+                         and ignored: one grammar engine serves them all)
+    structured_outputs   vLLM's newer object: {"json" | "regex" | "choice" | "grammar" |
+                         "json_object": ..., options}
+
+Returns the dict for `SamplingParams(structured_outputs=...)` and the request field it came from,
+so the engine's verdict on the grammar itself (an invalid schema or regex) names that field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged_server.errors import bad_request
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+FIELDS = frozenset(
+    {
+        "response_format",
+        "structured_outputs",
+        "guided_whitespace_pattern",
+        "guided_decoding_backend",
+        *GUIDED,
+    }
+)
+
+
+def parse_structured(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """(structured_outputs dict or None, the field that set it)."""
+    found: list[tuple[dict[str, Any], str]] = []
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append((rf, "response_format"))
+    for name in GUIDED:
+        if body.get(name) is not None:
+            found.append(({name.removeprefix("guided_"): body[name]}, name))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad_request("'structured_outputs' must be an object", "structured_outputs")
+        found.append((dict(so), "structured_outputs"))
+    ws = body.get("guided_whitespace_pattern")
+    if ws is not None and not isinstance(ws, str):
+        raise bad_request(
+            "'guided_whitespace_pattern' must be a string", "guided_whitespace_pattern"
+        )
+    backend = body.get("guided_decoding_backend")
+    if backend is not None and not isinstance(backend, str):
+        raise bad_request("'guided_decoding_backend' must be a string", "guided_decoding_backend")
+    if len(found) > 1:
+        names = [name for _, name in found]
+        raise bad_request(
+            f"only one structured-output constraint per request, got {names}", names[1]
+        )
+    if not found:
+        return None, None
+    spec, name = found[0]
+    if ws is not None:
+        spec.setdefault("whitespace_pattern", ws)
+    return spec, name
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad_request(
+            "'response_format' must be an object with a string 'type'", "response_format"
+        )
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_request(
+            f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format",
+        )
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_request(
+            "'response_format.json_schema' must be an object with 'name' and 'schema'",
+            "response_format",
+        )
+    if not isinstance(js.get("name"), str) or not js["name"]:
+        raise bad_request(
+            "'response_format.json_schema.name' must be a non-empty string", "response_format"
+        )
+    schema = js.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_request(
+            "'response_format.json_schema.schema' must be an object", "response_format"
+        )
+    if js.get("strict") not in (None, True, False):
+        raise bad_request(
+            "'response_format.json_schema.strict' must be a boolean", "response_format"
+        )
+    return {"json": schema or {"type": "object"}}
+
+
+def check_structured(params: Any, param: str | None) -> None:
+    """Check the grammar on the HTTP thread (400 naming the request field): an invalid schema,
+    regex or grammar, or the optional dependency missing. The engine reuses the cached result."""
+    from paged_engine.structured_output.grammar import grammar_text
+
+    try:
+        grammar_text(params.structured_outputs)
+    except (ValueError, ImportError) as e:
+        raise bad_request(f"'{param}': {e}", param) from None

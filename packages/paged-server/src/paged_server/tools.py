@@ -1,0 +1,193 @@
+"""Tool calling for /v1/chat/completions: `tools`, `tool_choice`, `parallel_tool_calls`.
+
+    tool_choice "none"      the tools are shown to the chat template; the output is plain text
+    "auto" (default)        the model decides; its text is parsed with --tool-call-parser
+                            (hermes, llama3_json) into `tool_calls` (400 without a parser)
+    "required"              the output is forced (structured outputs) to a JSON array of
+                            {"name", "parameters"} objects, one of the tools each, at least one
+                            (exactly one when parallel_tool_calls is false)
+    {"type": "function", "function": {"name": N}}   forced to N's parameters schema
+
+Forced outputs are valid JSON for the functions' parameters by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_server.errors import bad_request
+from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
+from paged_server.tool_parsers.base import StreamingToolText
+
+
+@dataclass(slots=True)
+class ToolRequest:
+    tools: list[dict[str, Any]]  # OpenAI's tool objects, for the chat template
+    choice: str  # "none" | "auto" | "required" | "named"
+    named: str | None = None
+    parallel: bool = True
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters
+
+    def constraint(self) -> dict[str, Any] | None:
+        """structured_outputs forcing the call(s), for "required" and a named function."""
+        if self.choice == "named":
+            assert self.named is not None
+            return {"json": self.schemas[self.named]}
+        if self.choice != "required":
+            return None
+        one_of = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": name}, "parameters": schema},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for name, schema in self.schemas.items()
+        ]
+        array: dict[str, Any] = {"type": "array", "items": {"anyOf": one_of}, "minItems": 1}
+        if not self.parallel:
+            array["maxItems"] = 1
+        return {"json": array}
+
+    def calls_from_forced(self, text: str) -> list[ParsedCall]:
+        """The tool calls of a forced output ([] when it was cut short by max_tokens)."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return []
+        if self.choice == "named":
+            assert self.named is not None
+            return [ParsedCall(self.named, json.dumps(value, ensure_ascii=False))]
+        calls = [ToolParser.call_from(item, "parameters") for item in value]
+        return [c for c in calls if c is not None]
+
+
+def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | None:
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of tool objects", "tools")
+    schemas: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        param = f"tools[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"{param} must be {{'type': 'function', 'function': {{...}}}}", param)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"{param}.function.name must be a non-empty string", param)
+        if name in schemas:
+            raise bad_request(f"{param}: duplicate function name {name!r}", param)
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise bad_request(f"{param}.function.parameters must be a JSON schema object", param)
+        schemas[name] = params or {"type": "object", "properties": {}}
+    req = ToolRequest(tools=tools, choice="auto", parallel=parallel, schemas=schemas)
+    if choice is None or choice == "auto":
+        if parser_name is None:
+            raise bad_request(
+                "tool_choice 'auto' needs the server started with --tool-call-parser "
+                f"({' or '.join(TOOL_PARSERS)})",
+                "tool_choice",
+            )
+    elif choice in ("none", "required"):
+        req.choice = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        name = (choice.get("function") or {}).get("name")
+        if name not in schemas:
+            raise bad_request(f"'tool_choice' names an unknown function {name!r}", "tool_choice")
+        req.choice, req.named = "named", name
+    else:
+        raise bad_request(
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
+    return req
+
+
+def tool_call_json(calls: list[ParsedCall]) -> list[dict[str, Any]]:
+    """OpenAI's message.tool_calls."""
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+    ]
+
+
+def make_parser(name: str | None) -> ToolParser | None:
+    return None if name is None else TOOL_PARSERS[name]()
+
+
+class ToolOutput:
+    """One chat choice's text -> content and tool calls: whole (`message`) or as a stream
+    (`rewrite`, applied to each chunk entry of that choice)."""
+
+    def __init__(self, req: ToolRequest, parser: ToolParser | None) -> None:
+        self.req = req
+        self.parser = parser if req.choice == "auto" else None
+        self.stream = StreamingToolText(self.parser) if self.parser is not None else None
+        self.held = ""  # forced outputs: the JSON, held until the end
+
+    def _calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        if self.req.choice in ("required", "named"):
+            calls = self.req.calls_from_forced(text)
+            return (None if calls else text), calls
+        if self.parser is not None:
+            return self.parser.parse(text)
+        return text, []
+
+    def _finish_reason(self, calls: list[ParsedCall], reason: str | None) -> str | None:
+        if calls and self.req.choice != "named" and reason == "stop":
+            return "tool_calls"
+        return reason
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        content, calls = self._calls(text)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = tool_call_json(calls)
+        return msg, self._finish_reason(calls, reason)
+
+    def rewrite(self, entry: dict[str, Any]) -> dict[str, Any] | None:
+        """The chunk entry with its content passed through the tool logic; None if nothing is
+        left to send this time."""
+        if self.req.choice == "none":
+            return entry
+        delta = entry.get("delta", {})
+        text = delta.get("content", "")
+        reason = entry.get("finish_reason")
+        if self.stream is not None:
+            shown = self.stream.feed(text)
+        else:
+            self.held += text
+            shown = ""
+        calls: list[ParsedCall] = []
+        if reason is not None:
+            if self.stream is not None:
+                rest, calls = self.stream.finish()
+                shown += rest
+            else:
+                content, calls = self._calls(self.held)
+                shown += content or ""
+        new_delta: dict[str, Any] = {"content": shown} if shown else {}
+        if calls:
+            new_delta["tool_calls"] = [
+                {"index": k, **call} for k, call in enumerate(tool_call_json(calls))
+            ]
+        if not new_delta and reason is None:
+            return None
+        return {**entry, "delta": new_delta, "finish_reason": self._finish_reason(calls, reason)}

@@ -1,0 +1,264 @@
+"""Structured outputs, token rules and tool calling through paged-server, with the official
+`openai` client (a real engine over a tiny llama, `--tool-call-parser hermes`)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Iterator
+
+import jsonschema
+import pytest
+from server_proc import REAL_ARGS, ServerProc, launch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "forecast", "description": "weather", "parameters": CITY},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "clock",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"enum": ["utc", "cet"]}},
+                "required": ["tz"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: str) -> Iterator[ServerProc]:
+    server = launch(["--model", tiny_model, *REAL_ARGS, "--tool-call-parser", "hermes"], fake=False)
+    yield server
+    assert server.stop() == 0, "".join(server.lines[-30:])
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProc):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+MSGS = [{"role": "user", "content": "weather?"}]
+
+
+def test_response_format_json_schema(client) -> None:
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=60,
+        temperature=0.8,
+        seed=2,
+        n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}},
+    )
+    for choice in r.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+
+
+def test_vllm_guided_fields_and_structured_outputs(client) -> None:
+    kw = {"model": "tiny", "prompt": "x", "max_tokens": 40, "temperature": 0}
+    r = client.completions.create(**kw, extra_body={"guided_regex": r"[a-z]{2}-[0-9]{3}"})
+    assert re.fullmatch(r"[a-z]{2}-[0-9]{3}", r.choices[0].text)
+    r = client.completions.create(**kw, extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].text in ("left", "right")
+    r = client.completions.create(**kw, extra_body={"guided_json": CITY})
+    jsonschema.validate(json.loads(r.choices[0].text), CITY)
+    r = client.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    assert r.choices[0].text in ("a", "b")
+    grammar = 'root ::= "go " ("up" | "down")'
+    r = client.completions.create(**kw, extra_body={"guided_grammar": grammar})
+    assert r.choices[0].text in ("go up", "go down")
+
+
+def test_streamed_constrained_output_validates(client) -> None:
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MSGS,
+        max_tokens=60,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}},
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), CITY)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"extra_body": {"guided_regex": "a[b"}}, "guided_regex"),
+        ({"extra_body": {"guided_grammar": "root ::= ("}}, "guided_grammar"),
+        (
+            {"extra_body": {"structured_outputs": {"regex": "x", "choice": ["y"]}}},
+            "structured_outputs",
+        ),
+        ({"extra_body": {"guided_regex": "a", "guided_choice": ["b"]}}, "guided_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"extra_body": {"allowed_token_ids": [-1]}}, "allowed_token_ids"),
+        ({"extra_body": {"bad_words": [""]}}, "bad_words"),
+    ],
+)
+def test_invalid_constraints_are_400_naming_the_field(client, extra, param) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=5, **extra)
+    assert e.value.body["param"] == param, e.value.body
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")  # still serving
+
+
+def _post(server: ServerProc, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def test_logit_bias_allowed_ids_bad_words(client, server) -> None:
+    kw = {"model": "tiny", "prompt": "x", "max_tokens": 6, "temperature": 0}
+    r = client.completions.create(**kw, logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    ids = _post(server, "/tokenize", {"prompt": r.choices[0].text, "add_special_tokens": False})
+    assert set(ids["tokens"]) == {77} or r.choices[0].text == ""
+    r = client.completions.create(**kw, extra_body={"allowed_token_ids": [40, 41]})
+    ids = _post(server, "/tokenize", {"prompt": r.choices[0].text, "add_special_tokens": False})
+    assert set(ids["tokens"]) <= {40, 41}
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    word = free.split()[0]
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert word not in r.choices[0].text.split()
+
+
+def test_tool_choice_required(client) -> None:
+    r = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=100, temperature=0, tools=TOOLS,
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(call.function.arguments), schema[call.function.name])
+
+
+def test_tool_choice_named_streaming(client) -> None:
+    stream = client.chat.completions.create(
+        model="tiny", messages=MSGS, max_tokens=60, temperature=0, tools=TOOLS, stream=True,
+        tool_choice={"type": "function", "function": {"name": "forecast"}},
+    )  # fmt: skip
+    args, names, finish = "", [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            for tc in c.delta.tool_calls or []:
+                names.append(tc.function.name)
+                args += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert names == ["forecast"] and finish == "stop"
+    jsonschema.validate(json.loads(args), CITY)
+
+
+HERMES = r'<tool_call>\n\{"name": "clock", "arguments": \{"tz": "(utc|cet)"\}\}\n</tool_call>'
+
+
+def test_tool_choice_auto_parses_hermes_calls(client) -> None:
+    """The model's text is forced into Hermes' format; "auto" parses it, whole and streamed."""
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 110, "temperature": 0, "tools": TOOLS}
+    extra = {"structured_outputs": {"regex": "ok " + HERMES}}
+    r = client.chat.completions.create(**kw, tool_choice="auto", extra_body=extra)
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.content == "ok"
+    assert msg.tool_calls[0].function.name == "clock"
+    whole = json.loads(msg.tool_calls[0].function.arguments)
+    stream = client.chat.completions.create(**kw, stream=True, extra_body=extra)
+    content, calls = "", []
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+    assert content.strip() == "ok" and "<tool_call>" not in content
+    assert [c.function.name for c in calls] == ["clock"]
+    assert json.loads(calls[0].function.arguments) == whole
+
+
+def test_tool_messages_round_trip(client) -> None:
+    msgs = [
+        {"role": "user", "content": "weather in oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "forecast", "arguments": '{"city": "oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, tools=TOOLS,
+                                       tool_choice="none")  # fmt: skip
+    assert r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content"),
+        (
+            [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"type": "function", "function": {"name": "f", "arguments": "{"}}
+                    ],
+                }
+            ],
+            "messages[0].tool_calls[0]",
+        ),  # fmt: skip
+        ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0]"),
+    ],
+)
+def test_malformed_messages_name_the_field(client, messages, param) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_tool_choice_errors(client) -> None:
+    bad = [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "response_format"),
+    ]  # fmt: skip
+    for kw, param in bad:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)

@@ -178,3 +178,27 @@ def serve_in_process(args: list[str], engine: object) -> Iterator[tuple[ServerPr
         server.shutdown()
         server.server_close()
         client.stop()
+
+
+GREEDY_PROMPTS = ["Hello, my name is", "The capital of France is", "one two three"]
+
+
+def greedy_answers(server: ServerProc) -> tuple[list[str], str, str]:
+    """Greedy completions, one chat answer and one streamed completion through the official
+    openai client: what two servers over the same model must agree on."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    prompts = GREEDY_PROMPTS
+    comp = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=8,
+        temperature=0,
+    )
+    stream = client.completions.create(
+        model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    return [c.text for c in comp.choices], chat.choices[0].message.content, streamed

@@ -7,39 +7,21 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from procs import wait_gone
-from server_proc import REAL_ARGS, ServerProc, launch
+from server_proc import REAL_ARGS, greedy_answers, launch
 
 from paged_server.data_parallel import _estimate_tokens, _label, replica_argv
 
 openai = pytest.importorskip("openai")
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "one two three"]
-
-
-def _answers(server: ServerProc) -> tuple[list[str], str, str]:
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
-    comp = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0)
-    chat = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Say something."}],
-        max_tokens=8,
-        temperature=0,
-    )
-    stream = client.completions.create(
-        model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, stream=True
-    )
-    streamed = "".join(c.choices[0].text for c in stream if c.choices)
-    return [c.text for c in comp.choices], chat.choices[0].message.content, streamed
-
 
 def test_two_replicas_serve_like_one(real_server, tiny_model):
-    want = _answers(real_server)
+    want = greedy_answers(real_server)
     server = launch(["--model", tiny_model, "--data-parallel-size", "2", *REAL_ARGS], fake=False)
     try:
         with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
             replicas = [int(p) for p in f.read().split()]
         assert len(replicas) == 2
-        assert _answers(server) == want
+        assert greedy_answers(server) == want
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
 
         def one(i: int) -> str:

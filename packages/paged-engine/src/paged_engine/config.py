@@ -9,7 +9,7 @@ from typing import Any
 
 _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
 
 

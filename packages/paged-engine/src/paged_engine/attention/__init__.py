@@ -4,19 +4,29 @@ from __future__ import annotations
 
 import torch
 
-from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
+from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "HostLengths", "get_attention_backend"]
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """`name` is EngineConfig.attention_backend: "auto" picks Triton on CUDA (where triton is
-    installed) and the torch reference elsewhere."""
+    installed), the CPU backend on CPU and the torch reference elsewhere."""
     if name == "auto":
         import paged_kernels
 
-        cuda_triton = device.type == "cuda" and paged_kernels.triton_available()
-        name = "triton" if cuda_triton else "torch"
+        if device.type == "cpu":
+            name = "cpu"
+        elif device.type == "cuda" and paged_kernels.triton_available():
+            name = "triton"
+        else:
+            name = "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device}")
+        from paged_engine.attention.cpu_backend import CpuBackend
+
+        return CpuBackend()
     if name == "triton":
         from paged_engine.attention.triton_backend import TritonBackend
 
@@ -25,4 +35,6 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
         from paged_engine.attention.torch_backend import TorchBackend
 
         return TorchBackend()
-    raise ValueError(f"attention_backend={name!r} is invalid: expected 'auto', 'triton' or 'torch'")
+    raise ValueError(
+        f"attention_backend={name!r} is invalid: expected 'auto', 'cpu', 'triton' or 'torch'"
+    )

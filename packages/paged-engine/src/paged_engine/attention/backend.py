@@ -10,8 +10,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
+
+
+@dataclass(slots=True)
+class HostLengths:
+    """Host (numpy) copies of the step's batch layout, which the worker has before the forward:
+    backends that plan on the host (the CPU backend) read these instead of device tensors."""
+
+    cu_seqlens_q: np.ndarray  # [S+1]
+    seq_lens: np.ndarray  # [S]
+    block_tables: np.ndarray  # [S, max_blocks]
+    slot_mapping: np.ndarray  # [T], -1 = padding
 
 
 @dataclass(slots=True)
@@ -25,6 +38,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     backend: AttentionBackend
+    plan: Any = None  # a backend's per-step precomputation (index tensors, masks), or None
 
 
 class AttentionBackend(ABC):
@@ -52,7 +66,10 @@ class AttentionBackend(ABC):
         seq_lens: torch.Tensor,
         max_seqlen_q: int,
         max_seqlen_k: int,
+        host: HostLengths | None = None,
     ) -> AttentionMetadata:
+        """`host`: the same layout as numpy arrays, when the caller has it (backends that plan
+        on the host use it; the kernels read the tensors)."""
         return AttentionMetadata(
             slot_mapping=slot_mapping,
             block_tables=block_tables,

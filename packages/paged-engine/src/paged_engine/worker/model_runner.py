@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_engine.attention import AttentionBackend, AttentionMetadata
+from paged_engine.attention import AttentionBackend, AttentionMetadata, HostLengths
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import (
@@ -211,8 +211,9 @@ class ModelRunner:
             input_ids = torch.where(mask_d.bool(), last, ids_d)
         else:
             input_ids = ids_d
+        tables_np = batch.block_table_np[rows, :width]
         if self.device.type == "cpu":
-            block_tables = torch.from_numpy(batch.block_table_np[rows, :width])
+            block_tables = torch.from_numpy(tables_np)
         else:
             block_tables = batch.block_table[:, :width].index_select(0, self._to_dev(rows))
         meta = self.backend.build_metadata(
@@ -222,6 +223,7 @@ class ModelRunner:
             seq_lens=seq_lens_d,
             max_seqlen_q=int(num_new.max()),
             max_seqlen_k=max_seqlen_k,
+            host=HostLengths(cu, seq_lens, tables_np, slots),
         )
         return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens)
 

@@ -1,0 +1,132 @@
+"""The CPU backend: batched varlen paged attention from torch ops, no per-sequence loop.
+
+Sequence lengths are known on the host before the forward, so `build_metadata` turns them once
+per step into a `CpuPlan` of index tensors and masks; every layer then runs the same few ops:
+
+    write_kv   one index_copy_ per cache (padding slots -1 filtered once, in the plan)
+    attend     per row group (decode rows, prefill / chunked-prefill rows): gather the group's
+               K/V from the cache into [Hkv, S, L, D], one scaled_dot_product_attention over
+               all its sequences and heads, scatter the rows back
+
+Cache layout: [num_kv_heads, num_blocks, block_size, head_dim] (head planes, so a gather by slot
+yields [Hkv, S*L, D] contiguous, the layout SDPA reads fastest). Grouped-query heads are folded
+into the query dimension: query head kv*G + h attends as row (j*G + h) of KV head kv, so K/V are
+never expanded. Everything stays in the model's dtype (SDPA accumulates in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
+from paged_engine.attention.cpu_plan import CpuPlan, RowGroup, build_plan, write_index
+
+
+class CpuBackend(AttentionBackend):
+    name = "cpu"
+    cuda_graph_capturable = False
+
+    def __init__(self) -> None:
+        # (slot_mapping, slots to write, rows they come from or None for all): one per step.
+        self._write_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (num_kv_heads, num_blocks, block_size, head_dim)
+
+    def build_metadata(self, *, host: HostLengths | None = None, **tensors) -> AttentionMetadata:
+        md = super().build_metadata(**tensors)
+        if md.block_tables.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend got {md.block_tables.device} tensors")
+        md.plan = build_plan(md, host)
+        self._write_memo = (md.slot_mapping, md.plan.write_slots, md.plan.write_rows)
+        return md
+
+    @staticmethod
+    def _plan(md: AttentionMetadata) -> CpuPlan:
+        """The step's plan; built on first use for metadata made without `build_metadata`."""
+        if md.plan is None:
+            md.plan = build_plan(md, None)
+        return md.plan
+
+    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        # key, value: [T, Hkv, D]; caches: [Hkv, num_blocks, block_size, D]
+        memo = self._write_memo
+        if memo is None or memo[0] is not slot_mapping:  # metadata not from build_metadata
+            memo = self._write_memo = (slot_mapping, *write_index(slot_mapping.numpy()))
+        _, slots, rows = memo
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            if rows is not None:
+                src = src.index_select(0, rows)
+            planes = cache.view(cache.shape[0], -1, cache.shape[-1])
+            planes.index_copy_(1, slots, src.transpose(0, 1).to(cache.dtype))
+
+    def attend(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D]
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+        alibi_slopes: torch.Tensor | None,
+    ) -> torch.Tensor:  # [T, H, D]
+        plan = self._plan(md)
+        num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
+        group = query.shape[1] // num_kv_heads
+        k_planes = key_cache.view(num_kv_heads, -1, head_dim)
+        v_planes = value_cache.view(num_kv_heads, -1, head_dim)
+        outs = []
+        for g in plan.groups(key_cache.shape[2]):
+            q = g.fold_queries(query, num_kv_heads, group)  # [Hkv, S, Q*G, D]
+            shape = (num_kv_heads, g.num_seqs, g.kv_len, head_dim)
+            # A cache in another dtype (an fp8 KV cache) is read in the query's.
+            k = k_planes.index_select(1, g.kv_index).view(shape).to(query.dtype)
+            v = v_planes.index_select(1, g.kv_index).view(shape).to(query.dtype)
+            mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
+            if soft_cap or alibi_slopes is not None:
+                o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            outs.append(g.unfold_rows(o, group))  # [rows, H, D]
+        return plan.scatter(outs, query)
+
+    def copy_blocks(self, key_caches, value_caches, mapping) -> None:
+        if mapping.numel() == 0:
+            return
+        src, dst = mapping[:, 0], mapping[:, 1]
+        for cache in (*key_caches, *value_caches):
+            cache[:, dst] = cache[:, src]
+
+
+def _attend_math(
+    q: torch.Tensor,  # [Hkv, S, Q*G, D]
+    k: torch.Tensor,  # [Hkv, S, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor,  # [1, S, Q*G or 1, L]
+    g: RowGroup,
+    scale: float,
+    soft_cap: float | None,
+    alibi_slopes: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
+    """Explicit scores in fp32, for what SDPA cannot express (tanh soft cap, ALiBi)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    if alibi_slopes is not None:
+        num_kv_heads = q.shape[0]
+        dist = g.key_distance(group)  # [S, Q*G, L] float32: key pos - query pos
+        slopes = alibi_slopes.float().view(num_kv_heads, 1, 1, group)
+        slopes = slopes.expand(num_kv_heads, 1, dist.shape[1] // group, group).reshape(
+            num_kv_heads, 1, -1, 1
+        )
+        scores = scores + slopes * dist
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked padding rows -> 0
+    return torch.matmul(probs, v.float()).to(q.dtype)

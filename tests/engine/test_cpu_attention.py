@@ -1,0 +1,167 @@
+"""The CPU attention backend against paged_kernels' torch reference on random paged batches.
+
+Each batch scatters its sequences' blocks over a random permutation of a larger pool whose other
+blocks hold random data, and mixes decode rows, fresh prompts and chunked-prefill rows (new rows
+after a cached context) of random lengths. The CPU backend keeps its cache in head planes
+([Hkv, num_blocks, block_size, D]); the reference reads the same values in its own layout.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from paged_engine.attention import AttentionMetadata, get_attention_backend
+from paged_engine.attention.cpu_backend import CpuBackend
+from paged_engine.attention.cpu_plan import length_bands
+from paged_kernels import alibi_slopes, ref_paged_attention, ref_write_kv_cache
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def to_planes(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] -> the CPU backend's [Hkv, num_blocks, block_size, D]."""
+    return cache.permute(2, 0, 1, 3).contiguous()
+
+
+def make_batch(q_lens, ctx_lens, *, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens, strict=True)]
+    needed = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(needed) + 8
+    perm = torch.randperm(num_blocks - 1) + 1  # block 0 is the null block
+    tables = torch.randint(0, num_blocks, (len(q_lens), max(needed) + 2), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = perm[start : start + n]
+        start += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
+        block_tables=tables,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        max_seqlen_q=max(q_lens),
+        max_seqlen_k=max(seq_lens),
+        backend=None,
+    )
+    q = torch.randn(cu[-1], num_heads, head_dim).to(dtype)
+    return q, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), md
+
+
+def random_mix(rng: random.Random, num_seqs: int, max_len: int) -> tuple[list[int], list[int]]:
+    """(q_lens, ctx_lens): a random mix of decode rows, prompts and chunks after a context."""
+    q_lens, ctx = [], []
+    for _ in range(num_seqs):
+        kind = rng.choice(("decode", "prompt", "chunk"))
+        if kind == "decode":
+            q_lens.append(1)
+            ctx.append(rng.randint(0, max_len))
+        elif kind == "prompt":
+            q_lens.append(rng.randint(1, max_len))
+            ctx.append(0)
+        else:
+            q_lens.append(rng.randint(2, max_len // 2))
+            ctx.append(rng.randint(1, max_len))
+    return q_lens, ctx
+
+
+def attend_both(q, kc, vc, md, **kw):
+    scale = q.shape[-1] ** -0.5
+    want = ref_paged_attention(
+        q, kc, vc, md.block_tables, md.cu_seqlens_q, md.seq_lens, scale, **kw
+    ).float()
+    backend = get_attention_backend("auto", torch.device("cpu"))
+    assert isinstance(backend, CpuBackend)
+    md.backend = backend
+    args = {"sliding_window": None, "soft_cap": None, "alibi_slopes": None, **kw}
+    got = backend.attend(q, to_planes(kc), to_planes(vc), md, scale=scale, **args)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    return got.float(), want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_random_mixed_batches(dtype, num_heads, num_kv_heads, block_size):
+    rng = random.Random(hash((str(dtype), num_heads, num_kv_heads, block_size)))
+    torch.manual_seed(rng.randrange(2**31))
+    for num_seqs in (1, 3, 9):
+        q_lens, ctx = random_mix(rng, num_seqs, 40)
+        q, kc, vc, md = make_batch(
+            q_lens,
+            ctx,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=32,
+            block_size=block_size,
+            dtype=dtype,
+        )
+        got, want = attend_both(q, kc, vc, md)
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize(
+    ("q_lens", "ctx"),
+    [
+        ([1] * 7, [0, 3, 16, 17, 40, 1, 100]),  # decode only: lengths over several bands
+        ([5], [0]),  # one prompt (rows already in order: no scatter)
+        ([9, 1, 1, 30], [0, 5, 70, 33]),  # prompts, decodes and a long chunk
+        ([3, 1, 2], [60, 0, 0]),  # the shortest decode (context 1)
+    ],
+)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"sliding_window": 5},
+        {"soft_cap": 3.0},
+        {"alibi": True},
+        {"soft_cap": 2.0, "sliding_window": 9, "alibi": True},
+    ],
+)
+def test_edge_batches_and_options(q_lens, ctx, extra):
+    torch.manual_seed(0)
+    q, kc, vc, md = make_batch(
+        q_lens, ctx, num_heads=6, num_kv_heads=2, head_dim=16, block_size=4, dtype=torch.float32
+    )
+    kw = {k: v for k, v in extra.items() if k != "alibi"}
+    if extra.get("alibi"):
+        kw["alibi_slopes"] = alibi_slopes(6)
+    got, want = attend_both(q, kc, vc, md, **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_skips_padding_and_copy_blocks():
+    torch.manual_seed(1)
+    num_blocks, bs, hkv, d = 6, 4, 2, 8
+    ref_k, ref_v = (torch.randn(num_blocks, bs, hkv, d) for _ in "kv")
+    cpu_k, cpu_v = to_planes(ref_k), to_planes(ref_v)
+    key, value = torch.randn(5, hkv, d), torch.randn(5, hkv, d)
+    slots = torch.tensor([5, -1, 9, 23, -1])
+    ref_write_kv_cache(key, value, ref_k, ref_v, slots)
+    backend = CpuBackend()
+    backend.write_kv(key, value, cpu_k, cpu_v, slots)
+    assert torch.equal(cpu_k, to_planes(ref_k)) and torch.equal(cpu_v, to_planes(ref_v))
+    backend.copy_blocks([cpu_k], [cpu_v], torch.tensor([[1, 4], [2, 0]]))
+    assert torch.equal(cpu_k[:, 4], cpu_k[:, 1]) and torch.equal(cpu_v[:, 0], cpu_v[:, 2])
+    assert CpuBackend.kv_cache_shape(num_blocks, bs, hkv, d) == cpu_k.shape
+
+
+def test_length_bands_bound_padding():
+    lengths = torch.randint(1, 5000, (500,)).numpy()
+    bands = length_bands(lengths)
+    assert bands.min() == 0 and bands.max() <= 7
+    for b in set(bands.tolist()) - {7}:  # the last band collects everything shorter
+        members = lengths[bands == b]
+        assert members.max() / members.min() <= 2**0.5 + 1e-9
+
+
+def test_cpu_backend_rejects_other_devices():
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        get_attention_backend("cpu", torch.device("cuda"))

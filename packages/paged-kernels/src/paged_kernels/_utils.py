@@ -11,6 +11,12 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# 8-bit KV caches: values stored as x / scale (saturated to the format's max), read as q * scale.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+KV_CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+
+# (mantissa bits, exponent bias, largest finite value) of each fp8 format.
+FP8_FORMATS = {torch.float8_e4m3fn: (3, 7, 448.0), torch.float8_e5m2: (2, 15, 57344.0)}
 
 
 def is_interpreter() -> bool:
@@ -33,6 +39,16 @@ def device_sms(device: torch.device) -> int:
         return 8
     index = device.index if device.index is not None else torch.cuda.current_device()
     return num_sms(index)
+
+
+def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
+    """Scales are an fp8 cache's alone: positive and finite there, exactly 1.0 elsewhere."""
+    if cache_dtype in FP8_DTYPES:
+        ok = all(0.0 < s < float("inf") for s in (k_scale, v_scale))
+        check(ok, f"k_scale / v_scale must be positive and finite, got {k_scale}, {v_scale}")
+    else:
+        ok = k_scale == 1.0 and v_scale == 1.0
+        check(ok, f"k_scale / v_scale apply to fp8 caches only (cache dtype {cache_dtype})")
 
 
 def check(cond: bool, msg: str) -> None:

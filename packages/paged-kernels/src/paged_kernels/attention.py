@@ -10,6 +10,10 @@ sliding-window range of the query tile are never visited.
 Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
 each sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes a normalised
 partial output and its log-sum-exp, and a small second kernel merges them.
+
+An fp8 cache is dequantized on load: each K/V tile is cast to q's dtype (exact: every fp8 value
+is representable there) and the per-tensor scales are folded into the math, k_scale into the
+softmax scale and v_scale into the final normalisation.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import triton.language as tl
 
 from paged_kernels._utils import (
     FLOAT_DTYPES,
+    FP8_DTYPES,
     check,
+    check_kv_scales,
     check_last_dim_contiguous,
     device_sms,
     is_interpreter,
@@ -68,7 +74,8 @@ def _paged_attention_kernel(
     part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32 (log2 domain), written if SPLIT
     num_seqs,
     num_q_tokens,
-    scale,
+    scale,  # softmax scale times k_scale (an fp8 cache's key scale; 1 otherwise)
+    v_scale,  # an fp8 cache's value scale; 1 otherwise
     soft_cap,
     window,
     stride_qt,
@@ -152,6 +159,7 @@ def _paged_attention_kernel(
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh
         k_mask = d_ok[:, None] & n_ok[None, :]
         k = tl.load(k_cache_ptr + k_off[None, :] + offs_d[:, None], mask=k_mask, other=0.0)
+        k = k.to(q_ptr.dtype.element_ty)  # no-op unless the cache is fp8
         if DOT_UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
@@ -169,14 +177,15 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v_mask = n_ok[:, None] & d_ok[None, :]
         v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=v_mask, other=0.0)
-        p = p.to(v_cache_ptr.dtype.element_ty)  # PV runs in the cache dtype, like the GPU
+        v = v.to(q_ptr.dtype.element_ty)
+        p = p.to(q_ptr.dtype.element_ty)  # PV runs in the compute dtype, like the GPU
         if DOT_UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0  # false only for padded rows, or for an empty split
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
         idx = (split * num_q_tokens + tok) * NUM_HEADS + head  # int64 via tok
@@ -227,12 +236,14 @@ def paged_attention(
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
     num_splits: int | None = None,  # None: heuristic; 1: never split; >1: force split-KV
+    k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged K/V.
 
-    Same semantics as `ref_paged_attention`. Pass max_seqlen_q / max_seqlen_k to avoid a host
-    sync (they only steer tile sizes and the split heuristic). Output rows past
-    cu_seqlens_q[-1] are not written.
+    Same semantics as `ref_paged_attention` (an fp8 cache is dequantized on load). Pass
+    max_seqlen_q / max_seqlen_k to avoid a host sync (they only steer tile sizes and the split
+    heuristic). Output rows past cu_seqlens_q[-1] are not written.
     """
     check(q.dim() == 3, f"q must be [num_q_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
@@ -243,7 +254,12 @@ def paged_attention(
     check(head_dim <= 256, f"head_dim {head_dim} > 256 is not supported")
     check(num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads}")
     check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
-    check(key_cache.dtype == q.dtype == value_cache.dtype, "q and the caches must share a dtype")
+    check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")
+    check(
+        key_cache.dtype == q.dtype or key_cache.dtype in FP8_DTYPES,
+        f"the caches ({key_cache.dtype}) must have q's dtype ({q.dtype}) or be fp8",
+    )
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     check(seq_lens.dim() == 1, "seq_lens must be [num_seqs]")
     check(cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]")
@@ -306,7 +322,8 @@ def paged_attention(
         part_lse,
         num_seqs,
         num_tokens,
-        float(scale),
+        float(scale) * float(k_scale),
+        float(v_scale),
         float(soft_cap or 0.0),
         int(sliding_window or 0),
         q.stride(0),

@@ -5,6 +5,10 @@ attention path on machines without a CUDA device. Cache layout everywhere:
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot = block_id * block_size + offset_in_block; slot -1 marks a padding token (skipped).
+
+An fp8 cache (torch.float8_e4m3fn / float8_e5m2) holds x / scale, saturated to the format's
+largest finite value and rounded to nearest even, with one scale per cache tensor (`k_scale`,
+`v_scale`); readers dequantize to fp32 as stored * scale.
 """
 
 from __future__ import annotations
@@ -13,6 +17,23 @@ import math
 
 import torch
 
+from paged_kernels._utils import FP8_DTYPES, FP8_FORMATS, check_kv_scales
+
+
+def ref_quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x in a cache's dtype: a plain cast, or for fp8 (x / scale) saturated and rounded to
+    nearest even (the division is a multiply by the fp32 reciprocal, as in the kernel)."""
+    if dtype not in FP8_DTYPES:
+        return x.to(dtype)
+    fmax = FP8_FORMATS[dtype][2]
+    inv = torch.tensor(1.0 / scale, dtype=torch.float32, device=x.device)
+    return (x.float() * inv).clamp_(-fmax, fmax).to(dtype)
+
+
+def ref_dequantize(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 values of cache entries: fp8 ones times their scale."""
+    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+
 
 def ref_write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -20,16 +41,17 @@ def ref_write_kv_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int, -1 = padding
+    *,
+    k_scale: float = 1.0,  # fp8 caches: stored = key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_blocks, block_size = key_cache.shape[:2]
-    key_cache.view(num_blocks * block_size, *key_cache.shape[2:])[slots] = key[valid].to(
-        key_cache.dtype
-    )
-    value_cache.view(num_blocks * block_size, *value_cache.shape[2:])[slots] = value[valid].to(
-        value_cache.dtype
-    )
+    for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+        flat = cache.view(num_blocks * block_size, *cache.shape[2:])
+        flat[slots] = ref_quantize(src[valid], cache.dtype, scale)
 
 
 def ref_copy_blocks(
@@ -89,13 +111,17 @@ def ref_paged_attention(
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
+    k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new query tokens over its paged K/V.
+    """Causal attention of each sequence's new query tokens over its paged K/V (an fp8 cache
+    is dequantized on load).
 
     Invariant: the K/V of every position < seq_lens[i] (this step's tokens included) is already
     in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
     key positions k with k <= pos and, with a sliding window W, pos - k < W.
     """
+    check_kv_scales(key_cache.dtype, k_scale, v_scale)
     num_heads = q.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -108,8 +134,8 @@ def ref_paged_attention(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(key_cache, block_tables[i], seq_len).float()
-        v = gather_kv(value_cache, block_tables[i], seq_len).float()
+        k = ref_dequantize(gather_kv(key_cache, block_tables[i], seq_len), k_scale)
+        v = ref_dequantize(gather_kv(value_cache, block_tables[i], seq_len), v_scale)
         # [num_heads, seq_len, head_dim]: kv head h serves query heads h*group .. h*group+group-1
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)

@@ -52,6 +52,8 @@ class EngineConfig:
     disable_log_stats: bool = True
     # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
     async_scheduling: bool | None = None
+    # torch intra-op threads on CPU (None: the physical cores this process may run on).
+    cpu_num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -91,6 +93,13 @@ class EngineConfig:
             "async_scheduling",
             self.async_scheduling,
             "None (auto) or a bool",
+        )
+        _check(
+            self.cpu_num_threads is None
+            or (_is_int(self.cpu_num_threads) and self.cpu_num_threads >= 1),
+            "cpu_num_threads",
+            self.cpu_num_threads,
+            "None (physical cores) or an int >= 1",
         )
         bs = self.block_size
         _check(

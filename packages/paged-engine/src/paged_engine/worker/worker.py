@@ -14,7 +14,9 @@ from paged_engine.attention import get_attention_backend
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min
+from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
+from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.worker.runner_output import AsyncRunnerOutput
@@ -44,6 +46,11 @@ class Worker:
             # bf16 (fp16 where bf16 is missing) rather than the float32 "auto" gives elsewhere.
             bf16 = torch.cuda.is_bf16_supported()
             self.dtype = torch.bfloat16 if bf16 else torch.float16
+        # On this thread (every step runs on it). Ranks sharing a machine keep the share of
+        # cores their launcher set unless the option says otherwise.
+        single = get_parallel_state().world_size == 1
+        if self.device.type == "cpu" and (single or config.cpu_num_threads is not None):
+            set_cpu_threads(config.cpu_num_threads)
         torch.manual_seed(config.seed)
         self._baseline = None
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:

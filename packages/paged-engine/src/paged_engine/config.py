@@ -11,6 +11,8 @@ _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
+_KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+_PREEMPTION_MODES = (None, "recompute", "swap")
 
 
 @dataclass
@@ -52,6 +54,13 @@ class EngineConfig:
     disable_log_stats: bool = True
     # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
     async_scheduling: bool | None = None
+    # KV memory (docs/engine.md "Memory"): the cache's element type ("auto": the model dtype;
+    # fp8 = fp8_e4m3), preemption by recompute or swap to a CPU pool of swap_space GiB (None:
+    # chosen per request by cost), and a CPU tier of cpu_offload_gib GiB for the prefix cache.
+    kv_cache_dtype: str = "auto"
+    preemption_mode: str | None = None
+    swap_space: float = 0.0
+    cpu_offload_gib: float = 0.0
     # torch intra-op threads on CPU (None: the physical cores this process may run on).
     cpu_num_threads: int | None = None
 
@@ -67,6 +76,25 @@ class EngineConfig:
             str(_BACKENDS),
         )
         _check(self.device in _DEVICES, "device", self.device, str(_DEVICES))
+        _check(
+            self.kv_cache_dtype in _KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            str(_KV_CACHE_DTYPES),
+        )
+        _check(
+            self.preemption_mode in _PREEMPTION_MODES,
+            "preemption_mode",
+            self.preemption_mode,
+            "None (by cost), 'recompute' or 'swap'",
+        )
+        for name in ("swap_space", "cpu_offload_gib"):
+            value = getattr(self, name)
+            _check(_is_number(value) and 0 <= value < math.inf, name, value, "a finite number >= 0")
+        if self.preemption_mode == "swap" and not self.swap_space:
+            raise ValueError(
+                "preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory for swapped blocks)"
+            )
         _check(
             _is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",

@@ -18,7 +18,11 @@ Invariants:
   copies are taken, each source keeps a hold (one reference) so it cannot be reallocated and
   overwritten before the copy runs; a sequence freed before that drops its pending copies.
 - Prefix-cache stats count tokens (like vLLM): queries = tokens of admitted sequences,
-  hits = tokens found in the cache.
+  hits = tokens found in the cache (either tier).
+- With a CPU pool (`cpu_pool.py`) a preempted request's tables can be swapped out: its device
+  references go, its `num_computed_tokens` stays, and its CPU table waits in `cpu.tables` until
+  `swap_in` gives it device blocks again. With the CPU tier on, cached device blocks are copied
+  to the CPU pool when evicted, and admission looks there after a device miss.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged_engine.core.block_pool import BlockPool
+from paged_engine.core.cpu_pool import CpuPool
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -49,6 +54,9 @@ class BlockManagerStats:
     num_table_blocks: int  # sum of len(block_ids) over every sequence holding blocks
     num_slots_allocated: int = 0  # over the seqs passed to stats(): table slots
     num_tokens_stored: int = 0  # over the seqs passed to stats(): computed tokens
+    num_cpu_blocks: int = 0  # the CPU pool (swap_space + cpu_offload_gib); 0 = none
+    num_free_cpu_blocks: int = 0  # includes free blocks that hold a tier hash
+    prefix_cache_cpu_hits: int = 0  # tokens of the hits served from the CPU tier
 
     @property
     def usage(self) -> float:
@@ -75,18 +83,29 @@ class BlockManagerStats:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        *,
+        num_cpu_blocks: int = 0,  # the CPU pool, block 0 unused; < 2 = no pool
+        cpu_offload: bool = False,  # the prefix cache's CPU tier (needs caching and the pool)
     ) -> None:
         assert block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.cpu: CpuPool | None = None
+        if num_cpu_blocks >= 2:
+            offload = cpu_offload and enable_prefix_caching
+            self.cpu = CpuPool(num_cpu_blocks, self.pool, offload)
         self._blocks = self.pool.blocks
         self._pending_copies: dict[int, int] = {}  # dst block id -> src block id
         self._copy_holds: dict[int, int] = {}  # src block id -> references held for copies
         self._num_table_blocks = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.prefix_cache_cpu_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -123,15 +142,20 @@ class BlockManager:
         seq.num_cached_tokens = 0
         if not self.enable_prefix_caching:
             return 0
-        pool = self.pool
+        pool, cpu = self.pool, self.cpu
         hits = []
+        num_tier = 0
         for i in range((seq.num_tokens - 1) // self.block_size):
-            block = pool.lookup(*self._block_key(seq, i))
-            if block is None:
+            key = self._block_key(seq, i)
+            block = pool.lookup(*key)
+            if block is not None:
+                pool.touch(block)  # now: a tier hit below allocates, which could evict it
+            elif cpu is not None and (block := cpu.load(*key)) is not None:
+                num_tier += 1
+            else:
                 break
             hits.append(block)
-        for block in hits:
-            pool.touch(block)
+        self.prefix_cache_cpu_hits += num_tier * self.block_size
         seq.block_ids = [b.block_id for b in hits]
         seq.num_registered_blocks = len(hits)
         self._num_table_blocks += len(hits)
@@ -149,6 +173,54 @@ class BlockManager:
             self.prefix_cache_hits -= seq.num_cached_tokens
         self.free(seq)
         seq.num_cached_tokens = 0
+
+    # ---- swapping to the CPU pool ------------------------------------------------------------
+    def is_swapped(self, seq: Sequence) -> bool:
+        return self.cpu is not None and seq.seq_id in self.cpu.tables
+
+    def swap_out(self, seqs: list[Sequence]) -> bool:
+        """Move one request's tables to the CPU pool: copies recorded, device references
+        dropped, `num_computed_tokens` kept. False (nothing changes) without a pool, without
+        room in it, or while a copy-on-write copy into one of the blocks is pending."""
+        cpu = self.cpu
+        if cpu is None or any(b in self._pending_copies for s in seqs for b in s.block_ids):
+            return False
+        cpu_tables = cpu.swap_out([s.block_ids for s in seqs])
+        if cpu_tables is None:
+            return False
+        for seq, cpu_table in zip(seqs, cpu_tables):
+            computed = seq.num_computed_tokens
+            self.free(seq)
+            cpu.tables[seq.seq_id] = cpu_table
+            seq.num_computed_tokens = computed
+        return True
+
+    def swap_in(self, seqs: list[Sequence], plan: list[tuple[Sequence, int]]) -> bool:
+        """Give swapped-out sequences device blocks again and the slots `plan` schedules for
+        them. False (nothing changes) unless the device pool surely has room: their distinct
+        blocks, the new blocks of the plan, and one copy-on-write per planned sequence."""
+        cpu = self.cpu
+        assert cpu is not None
+        tables = [cpu.tables[s.seq_id] for s in seqs]
+        bs = self.block_size
+        lengths = {s.seq_id: len(t) for s, t in zip(seqs, tables)}
+        need = len(set().union(*tables)) + sum(
+            max(-(-(s.num_computed_tokens + n) // bs) - lengths[s.seq_id], 0) + 1 for s, n in plan
+        )
+        if need > self.pool.num_free_blocks:
+            return False
+        for seq, table in zip(seqs, cpu.swap_in(tables)):
+            del cpu.tables[seq.seq_id]
+            seq.block_ids = table
+            seq.num_registered_blocks = 0  # new blocks: registered again once full
+            self._num_table_blocks += len(table)
+        for seq, n in plan:
+            assert self.allocate_slots(seq, n), "swap_in: room was checked"
+        return True
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (swap-outs, swap-ins); the runner runs them before copies and forward."""
+        return self.cpu.take() if self.cpu is not None else ([], [])
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens the host knows (a pending
@@ -263,6 +335,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop the table's references, tail first (so tail blocks are evicted first), and
         reset num_computed_tokens (no blocks -> nothing computed)."""
+        if self.cpu is not None and seq.seq_id in self.cpu.tables:  # swapped out
+            self.cpu.release(self.cpu.tables.pop(seq.seq_id))
         table = seq.block_ids
         if self._pending_copies:
             for block_id in table:
@@ -293,6 +367,8 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
+        if self.cpu is not None:
+            self.cpu.reset_prefix_cache()
 
     # ---- stats -------------------------------------------------------------------------------
     def stats(self, seqs: Iterable[Sequence] = ()) -> BlockManagerStats:
@@ -309,6 +385,10 @@ class BlockManager:
             prefix_cache_hits=self.prefix_cache_hits,
             num_table_blocks=self._num_table_blocks,
         )
+        if self.cpu is not None:
+            st.num_cpu_blocks = self.cpu.num_total_blocks
+            st.num_free_cpu_blocks = self.cpu.num_free_blocks
+            st.prefix_cache_cpu_hits = self.prefix_cache_cpu_hits
         for seq in seqs:
             st.num_slots_allocated += len(seq.block_ids) * self.block_size
             st.num_tokens_stored += seq.num_computed_tokens

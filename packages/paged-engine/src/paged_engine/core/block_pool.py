@@ -12,10 +12,16 @@
 - Prefix cache: `block_hash -> Block` for full, computed blocks. A block's hash chains its
   parent's hash with its own tokens; the block keeps `(parent_hash, token_ids)` and a lookup
   compares them, so a hash collision never hands out wrong KV.
+- `on_evict(block)`, when set, sees a cached block just before its hash is dropped for reuse
+  (the prefix cache's CPU tier copies it out then).
+
+The same class serves as the CPU block pool (swapped-out blocks in use, offloaded prefix-cache
+blocks free but cached, evicted LRU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 NULL_BLOCK_ID = 0
@@ -46,6 +52,7 @@ class BlockPool:
             self._link_tail(block)
         self.num_free_blocks = num_blocks - 1
         self._cached: dict[int, Block] = {}
+        self.on_evict: Callable[[Block], None] | None = None
 
     # ---- free list ---------------------------------------------------------------------------
     def _link_tail(self, block: Block) -> None:
@@ -139,6 +146,8 @@ class BlockPool:
         return True
 
     def _evict(self, block: Block) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block)
         del self._cached[block.block_hash]
         block.block_hash = block.parent_hash = block.token_ids = None
 

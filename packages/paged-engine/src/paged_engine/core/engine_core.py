@@ -146,7 +146,7 @@ class EngineCore:
             sched = self.scheduler.schedule()
             if self._constrained:
                 self._fill_token_bitmask(sched)
-            if sched.is_empty and not sched.blocks_to_copy and not sched.finished_seq_ids:
+            if sched.is_empty and not sched.has_block_work and not sched.finished_seq_ids:
                 self.scheduler.step_seqs.pop(sched.step_id)
             else:
                 self._in_flight.append((sched, self.executor.execute_model(sched)))

@@ -7,7 +7,7 @@ changed: block-table deltas and, every step, where it starts and how many tokens
     of sequence seq_ids[i]; rows in `sample_rows` sample a token from their last position.
 
 Worker order for one output: drop `finished_seq_ids`, add `new_seqs`, apply `block_updates`,
-run `blocks_to_copy`, then the forward over the batch.
+run `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`, then the forward over the batch.
 """
 
 from __future__ import annotations
@@ -52,7 +52,16 @@ class SchedulerOutput:
     # Speculative decoding: seq id -> draft tokens the row runs after its last token; the row
     # then samples at every one of its positions (verification).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # KV blocks moved to / from the CPU pool (swap preemption, the prefix cache's CPU tier):
+    # (device block, CPU block) copied out first, then (CPU block, device block) copied in.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.seq_ids
+
+    @property
+    def has_block_work(self) -> bool:
+        """Block copies or swaps the worker must run even when no sequence runs."""
+        return bool(self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)

@@ -11,9 +11,11 @@ so a long prompt spreads over several steps (chunked prefill) while decodes keep
 Order: running requests first (admission order), then waiting requests FCFS while the token
 budget, `max_num_seqs` (live sequences; a request not yet forked reserves `max_live_seqs`) and
 free blocks allow. When blocks run out, the most recently admitted running request is
-preempted by recompute: its blocks are freed, its tokens (outputs included) kept, and it goes
-back to the head of the waiting queue (a forked request, n > 1 or beams, shares its common
-prefix blocks again when it is recomputed). Without chunked prefill a request's work runs whole,
+preempted and goes back to the head of the waiting queue, its tokens (outputs included) kept:
+by recompute (its blocks are freed; a forked request, n > 1 or beams, shares its common prefix
+blocks again when it is recomputed) or by swap (its blocks are copied to the CPU pool and come
+back, with `num_computed_tokens` intact, when it is readmitted). `preemption_mode` picks one;
+None chooses per request by cost (`_swaps`). Without chunked prefill a request's work runs whole,
 unless it could never fit one step (a multi-sequence recompute). A step that can schedule
 nothing while requests remain (and no step is in flight) raises RuntimeError instead of
 looping forever.
@@ -58,6 +60,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         clock: Callable[[], float] = time.monotonic,
         draft_planner: DraftPlanner | None = None,
+        preemption_mode: str | None = None,
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
         self.block_manager = block_manager
@@ -71,6 +74,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.seqs: dict[int, Sequence] = {}  # every live sequence of those requests
         self.num_preemptions = 0  # total, for metrics
+        self.num_swap_preemptions = 0  # of those, by swap
+        self.preemption_mode = preemption_mode
         self._reshare: set[Request] = (
             set()
         )  # preempted forked requests (see token_plan.reshare_plan)
@@ -213,20 +218,41 @@ class Scheduler:
         never fit (a multi-sequence request recomputed after preemption) is still split."""
         return self.enable_chunked_prefill or num_tokens > self.max_num_batched_tokens
 
-    def _preempt(self, req: Request, preempted: list[Request]) -> None:
-        """Recompute preemption: drop all blocks, keep every token, back to the waiting head.
-        A pending token still arrives (its step was scheduled); the request is not readmitted
-        before it has."""
+    def _swaps(self, seqs: list[Sequence]) -> bool:
+        """Preempt by swap rather than recompute? Only with a CPU pool. By cost when
+        preemption_mode is None: recomputing a request that fits in one step's token budget
+        costs one prefill chunk and no transfer, so it recomputes; a longer one would hold the
+        budget for several steps (and a forked one must rebuild its sharing), so it swaps:
+        two copies of its blocks over the host link, one step to resume."""
+        mode = self.preemption_mode
+        if mode == "recompute" or self.block_manager.cpu is None:
+            return False
+        if mode == "swap" or len(seqs) > 1:
+            return True
+        return seqs[0].num_computed_tokens > self.max_num_batched_tokens
+
+    def _preempt(self, req: Request, preempted: list[Request], *, allow_swap: bool = True) -> None:
+        """Drop the request's device blocks, keep every token, back to the waiting head:
+        swapped out to the CPU pool when `_swaps` says so and the pool has room (then its
+        computed tokens stay computed), else for recompute. A pending token still arrives (its
+        step was scheduled); the request is not readmitted before it has."""
         del self.running[req]
-        for seq in req.live_seqs():
-            self._release(seq)  # also resets num_computed_tokens to 0
+        seqs = req.live_seqs()
+        swapped = allow_swap and self._swaps(seqs) and self.block_manager.swap_out(seqs)
+        for seq in seqs:
+            if not swapped:
+                self._release(seq)  # also resets num_computed_tokens to 0
+            elif seq.in_worker:  # its row goes; it comes back in full with its new table
+                seq.in_worker = False
+                self._finished_seq_ids.append(seq.seq_id)
             seq.status = _WAITING
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         preempted.append(req)
-        if len(req.seqs) > 1:
+        self.num_swap_preemptions += swapped
+        if len(req.seqs) > 1 and not swapped:
             self._reshare.add(req)
 
     def _make_room(self, req: Request, seq: Sequence, n: int, preempted: list[Request]) -> bool:
@@ -234,7 +260,8 @@ class Scheduler:
         itself was the last one left to preempt (then it is preempted)."""
         while True:
             victim = next(reversed(self.running))
-            self._preempt(victim, preempted)
+            # Itself: it may hold blocks allocated this pass (and copies): recompute.
+            self._preempt(victim, preempted, allow_swap=victim is not req)
             if victim is req:
                 return False
             if self.block_manager.allocate_slots(seq, n):
@@ -321,6 +348,16 @@ class Scheduler:
             slots = self._seq_slots(req, seqs)
             if num_seqs + slots > self.max_num_seqs:
                 break
+            if bm.is_swapped(seqs[0]):  # its KV waits in the CPU pool
+                plan = plan_tokens(seqs, budget, self._may_split)
+                if not plan or not bm.swap_in(seqs, plan):
+                    break
+                self._admit(req, seqs)
+                num_seqs += slots
+                planned += plan
+                budget -= sum(n for _, n in plan)
+                scheduled_reqs.append(req)
+                continue
             if req.use_prefix_cache:
                 for seq in seqs:
                     bm.get_computed_blocks(seq)
@@ -334,11 +371,7 @@ class Scheduler:
                     else:
                         bm.free(seq)
                 break
-            self.waiting.popleft()
-            self.running[req] = None
-            req.status = RequestStatus.RUNNING
-            for seq in seqs:
-                seq.status = _RUNNING
+            self._admit(req, seqs)
             num_seqs += slots
             planned += plan
             budget -= sum(n for _, n in plan)
@@ -351,6 +384,13 @@ class Scheduler:
                 f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)"
             )
         return self._emit(planned, scheduled_reqs)
+
+    def _admit(self, req: Request, seqs: list[Sequence]) -> None:
+        self.waiting.popleft()
+        self.running[req] = None
+        req.status = RequestStatus.RUNNING
+        for seq in seqs:
+            seq.status = _RUNNING
 
     def _any_pending(self) -> bool:
         return any(req.num_pending for req in self.requests.values())
@@ -397,6 +437,7 @@ class Scheduler:
         out.num_batched_tokens = sum(num_new)
         bm = self.block_manager
         out.blocks_to_copy = bm.take_blocks_to_copy()
+        out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
         bs = bm.block_size
         self.step_seqs[out.step_id] = (
             [seq for seq, _ in planned if seq.num_computed_tokens // bs > seq.num_registered_blocks]

@@ -41,6 +41,7 @@ from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
+from paged_engine.worker.cache_engine import num_cpu_blocks
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,13 @@ class EngineStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    # The CPU block pool (swap_space + cpu_offload_gib): its size and free blocks (free ones
+    # may hold prefix-cache tier content), preemptions that swapped, and the prefix-cache hits
+    # (tokens, part of prefix_cache_hits) served from the CPU tier.
+    num_cpu_blocks: int = 0
+    num_free_cpu_blocks: int = 0
+    num_swap_preemptions: int = 0
+    prefix_cache_cpu_hits: int = 0
 
 
 class LLMEngine:
@@ -139,8 +147,14 @@ class LLMEngine:
         )
         self.executor.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
+        cpu_gib = config.swap_space + config.cpu_offload_gib
+        kv_dtype = worker.model_runner.kv_cache_dtype
         self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            num_cpu_blocks=num_cpu_blocks(self.hf_config, config.block_size, kv_dtype, cpu_gib),
+            cpu_offload=config.cpu_offload_gib > 0,
         )
         self.draft_planner = None
         if config.speculative_config is not None:
@@ -153,6 +167,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             draft_planner=self.draft_planner,
+            preemption_mode=config.preemption_mode,
         )
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
         self.vocab_size = int(self.hf_config.vocab_size)
@@ -309,6 +324,10 @@ class LLMEngine:
             generation_tokens_total=core.generation_tokens_total,
             peak_used_blocks=core.peak_used_blocks,
             block_size=self.config.block_size,
+            num_cpu_blocks=bm.num_cpu_blocks,
+            num_free_cpu_blocks=bm.num_free_cpu_blocks,
+            num_swap_preemptions=sched.num_swap_preemptions,
+            prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
             **_spec_stats(self.draft_planner),
         )
 

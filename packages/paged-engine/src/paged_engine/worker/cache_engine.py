@@ -1,31 +1,63 @@
-"""The KV cache tensors of every layer and the batched block copies that copy-on-write needs."""
+"""The KV cache tensors of every layer, the batched block copies that copy-on-write needs, and
+the CPU block pool that swapped-out and offloaded blocks live in."""
 
 from __future__ import annotations
 
 import torch
 
+import paged_kernels
 from paged_engine.attention import AttentionBackend
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
+
+_FP8 = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """EngineConfig.kv_cache_dtype -> the cache's element type ("auto": the model's)."""
+    return model_dtype if name == "auto" else _FP8[name]
+
+
+def _model_kv_shape(hf_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of the whole model."""
+    num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
+    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+    return num_layers, num_kv_heads, head_dim
 
 
 def kv_shape(hf_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) this rank caches, for any supported architecture:
     its pipeline stage's layers and its tensor-parallel share of the KV heads (one replicated
     head when there are more TP ranks than KV heads)."""
-    num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
-    num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
-    hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
-    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
+    num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
     state = get_parallel_state()
     start, end = stage_layers(num_layers, state.pp_rank, state.pp_size)
     return end - start, max(1, num_kv_heads // state.tp_size), head_dim
 
 
+def num_cpu_blocks(hf_config, block_size: int, dtype: torch.dtype, gib: float) -> int:
+    """Blocks of the CPU pool (swap_space + cpu_offload_gib GiB): sized from the whole model's
+    KV, so every rank (and the engine, which manages the pool) gets the same count; each rank
+    holds its shard of those blocks. 0 = no CPU pool."""
+    num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return int(gib * (1 << 30)) // per_block
+
+
 class CacheEngine:
-    """Per layer: key and value caches of shape [num_blocks, block_size, num_kv_heads, head_dim].
+    """Per layer: key and value caches in the backend's layout (by default
+    [num_blocks, block_size, num_kv_heads, head_dim]), of the KV cache dtype.
 
     Block 0 is the null block: block tables are padded with it and nothing real lives there.
+    With `num_cpu_blocks` a CPU copy of that layout (pinned on CUDA) holds swapped-out and
+    offloaded blocks; `swap_out` / `swap_in` move whole blocks of every layer between them.
     """
 
     def __init__(
@@ -37,9 +69,13 @@ class CacheEngine:
         dtype: torch.dtype,
         device: torch.device,
         backend: AttentionBackend,
+        num_cpu_blocks: int = 0,
     ) -> None:
         num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
         shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        # The block axis of the backend's layout: the one dimension that follows num_blocks.
+        two, three = (backend.kv_cache_shape(n, block_size, num_kv_heads, head_dim) for n in (2, 3))
+        self._block_dim = next(i for i, (a, b) in enumerate(zip(two, three)) if a != b)
         self.num_blocks = num_blocks
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
             (
@@ -50,6 +86,14 @@ class CacheEngine:
         ]
         self.device = device
         self.backend = backend
+        self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if num_cpu_blocks:
+            cpu_shape = backend.kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_dim)
+            pin = device.type == "cuda"
+            self.cpu_caches = [
+                tuple(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(2))
+                for _ in range(num_layers)
+            ]
 
     @staticmethod
     def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -63,3 +107,22 @@ class CacheEngine:
         keys = [k for k, _ in self.kv_caches]
         values = [v for _, v in self.kv_caches]
         self.backend.copy_blocks(keys, values, mapping)
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """(device block, CPU block) copies of every layer's K and V; run before this step's
+        swap-ins, copies and forward overwrite any of those device blocks."""
+        self._swap(self.kv_caches, self.cpu_caches, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """(CPU block, device block) copies, before this step's copies and forward."""
+        self._swap(self.cpu_caches, self.kv_caches, pairs)
+
+    def _swap(self, src_caches, dst_caches, pairs: list[tuple[int, int]]) -> None:
+        assert self.cpu_caches, "no CPU block pool (swap_space / cpu_offload_gib are 0)"
+        cuda = self.device.type == "cuda"  # the kernel package's non-blocking DMA per pair
+        swap = paged_kernels.swap_blocks if cuda else paged_kernels.ref_swap_blocks
+        mapping = torch.tensor(pairs, dtype=torch.int64)
+        dim = self._block_dim
+        for src_layer, dst_layer in zip(src_caches, dst_caches):
+            for src, dst in zip(src_layer, dst_layer):
+                swap(src.movedim(dim, 0), dst.movedim(dim, 0), mapping)

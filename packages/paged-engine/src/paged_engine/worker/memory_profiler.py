@@ -41,7 +41,7 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
     minus the activation peak. Without a baseline all used memory counts as ours."""
     cfg = runner.config
     bytes_per_block = CacheEngine.bytes_per_block(
-        runner.hf_config, runner.block_size, _model_dtype(runner.model)
+        runner.hf_config, runner.block_size, runner.kv_cache_dtype
     )
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
@@ -83,8 +83,9 @@ def profile_forward(runner: ModelRunner) -> int:
     lens = [q + 1] * r + [q] * (num_seqs - r)  # each <= ceil(num_tokens / num_seqs)
     blocks_needed = sum(-(-n // bs) for n in lens) + 1
     dtype = _model_dtype(runner.model)
+    kv_dtype = runner.kv_cache_dtype
     scratch = CacheEngine(
-        runner.hf_config, blocks_needed, bs, dtype=dtype, device=dev, backend=runner.backend
+        runner.hf_config, blocks_needed, bs, dtype=kv_dtype, device=dev, backend=runner.backend
     )
     tables, slots, next_block = [], [], 1
     for n in lens:
@@ -112,7 +113,7 @@ def profile_forward(runner: ModelRunner) -> int:
     if state.is_last_stage:
         runner.model.compute_logits(hidden[:num_seqs])
     del scratch, hidden
-    return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, dtype)
+    return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, kv_dtype)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -41,7 +41,7 @@ from paged_engine.sample.metadata import (
 )
 from paged_engine.sample.sampler import Sampler
 from paged_engine.spec_decode.rejection_sampler import verify
-from paged_engine.worker.cache_engine import CacheEngine
+from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
@@ -78,6 +78,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.vocab_size = int(hf_config.vocab_size)
         self.cache: CacheEngine | None = None
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, _model_dtype(model))
         self.graphs: CudaGraphRunner | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(config.seed)
@@ -95,9 +96,15 @@ class ModelRunner:
             self.hf_config,
             num_blocks,
             self.block_size,
-            dtype=_model_dtype(self.model),
+            dtype=self.kv_cache_dtype,
             device=self.device,
             backend=self.backend,
+            num_cpu_blocks=num_cpu_blocks(
+                self.hf_config,
+                self.block_size,
+                self.kv_cache_dtype,
+                self.config.swap_space + self.config.cpu_offload_gib,
+            ),
         )
         if (
             self.device.type == "cuda"
@@ -119,6 +126,10 @@ class ModelRunner:
         for data in sched.new_seqs:
             batch.add(data)
         batch.update_blocks(sched.block_updates)
+        if sched.blocks_to_swap_out:  # first: later swaps, copies and writes may reuse them
+            self.cache.swap_out(sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.cache.swap_in(sched.blocks_to_swap_in)
         if sched.blocks_to_copy:
             self.cache.copy_blocks(sched.blocks_to_copy)
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
@@ -317,8 +328,11 @@ class ModelRunner:
         hidden_rows = np.repeat(inputs.cu[src + 1] - 1 - num_drafts, reps) + step
         out_pos = inputs.seq_lens[src] - batch.num_prompt[inputs.rows[src]] - num_drafts
         out_pos_x = np.repeat(out_pos, reps) + step
+        seq_ids_x = [s for s, r in zip(seq_ids, reps.tolist()) for _ in range(r)]
         raw = self.model.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
         md = self._sampling_metadata(cached, src_x, rows_x, sample_no_x, out_pos_x)
+        if sched.token_bitmask is not None:
+            md = with_token_bitmask(md, sched.token_bitmask, seq_ids_x, self.device)
         drafts_x = np.full(raw.shape[0], -1, dtype=np.int64)
         for e in np.flatnonzero(num_drafts).tolist():
             drafts_x[first_row[e] : first_row[e] + num_drafts[e]] = spec[seq_ids[e]]

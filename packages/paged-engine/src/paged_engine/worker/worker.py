@@ -36,6 +36,22 @@ def pick_device(name: str) -> torch.device:
     return device
 
 
+def _backend_name(config: EngineConfig, device: torch.device) -> str:
+    """An fp8 KV cache needs a backend that dequantizes on load: the Triton kernels or the torch
+    reference. On CPU, "auto" takes the reference then (the cpu backend keeps the model dtype)."""
+    name = config.attention_backend
+    if config.kv_cache_dtype == "auto":
+        return name
+    if name == "auto" and device.type == "cpu":
+        return "torch"
+    if name == "cpu":
+        raise ValueError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by "
+            "attention_backend='cpu': use attention_backend='torch' (or 'auto')"
+        )
+    return name
+
+
 class Worker:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self.config = config
@@ -64,7 +80,7 @@ class Worker:
             seed=config.seed,
         )
         model.eval()
-        backend = get_attention_backend(config.attention_backend, self.device)
+        backend = get_attention_backend(_backend_name(config, self.device), self.device)
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
 
     def determine_num_blocks(self) -> int:

@@ -132,3 +132,20 @@ def test_kv_cache_dtype_validation(tiny_model_factory):
         EngineConfig(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         LLM(model=str(tiny_model_factory("llama")), kv_cache_dtype="fp8", attention_backend="cpu")
+
+
+def test_server_flags_and_option_errors():
+    from paged_server.cli import parse_args
+
+    args = parse_args(["m", "--kv-cache-dtype", "fp8_e5m2", "--swap-space", "2",
+                       "--preemption-mode", "swap", "--cpu-offload-gib", "0.5"])  # fmt: skip
+    assert (args.kv_cache_dtype, args.swap_space) == ("fp8_e5m2", 2.0)
+    assert (args.preemption_mode, args.cpu_offload_gib) == ("swap", 0.5)
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs swap_space"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode='later'"):
+        EngineConfig(preemption_mode="later", swap_space=1)
+    with pytest.raises(ValueError, match="swap_space=-1"):
+        EngineConfig(swap_space=-1)
+    with pytest.raises(ValueError, match="cpu_offload_gib=inf"):
+        EngineConfig(cpu_offload_gib=float("inf"))

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="let transformers run the model repository's own config / tokenizer code",
     )
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 (= fp8_e4m3), fp8_e5m2")
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
+    p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
+    p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")
     p.add_argument(
         "--timeout-keep-alive",
         type=float,
@@ -168,6 +172,10 @@ def build_engine(args: argparse.Namespace) -> Any:
         speculative_config=args.speculative_config,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_dtype=args.kv_cache_dtype,
+        swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
+        cpu_offload_gib=args.cpu_offload_gib,
     )
     return LLMEngine(config)
 

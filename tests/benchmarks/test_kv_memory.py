@@ -1,0 +1,23 @@
+"""benchmarks/kv_memory.py end to end on a tiny model (a handful of requests; no timings)."""
+
+from __future__ import annotations
+
+from benchmarks import kv_memory
+
+
+def test_fp8_section(tmp_path):
+    model = kv_memory.tiny_llama(tmp_path / "m", hidden=64, layers=2)
+    res = kv_memory.run_fp8(model, "cpu", 2**-10, 4, ((20, 40), (5, 10)))
+    by_kv = {r["kv_cache_dtype"]: r for r in res["records"]}
+    assert set(by_kv) == {"auto", "fp8", "fp8_e5m2"}
+    assert by_kv["fp8"]["blocks_vs_auto"] == 4.0  # float32 model: 4 bytes -> 1
+    assert all(r["output_tokens_per_s"] > 0 and r["max_running_seqs"] >= 1 for r in by_kv.values())
+
+
+def test_chat_section(tmp_path):
+    model = kv_memory.tiny_llama(tmp_path / "m", hidden=64, layers=2)
+    res = kv_memory.run_chat(model, "cpu", 12, 2**-11, 4, 3, 40, (10, 20), 4)
+    assert res["outputs_identical"]
+    none, tier = res["records"]
+    assert none["prefix_cache_cpu_hit_tokens"] == 0 and tier["prefix_cache_cpu_hit_tokens"] > 0
+    assert tier["prefix_cache_hit_rate"] > none["prefix_cache_hit_rate"]

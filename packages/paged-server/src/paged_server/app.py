@@ -38,6 +38,8 @@ from paged_server.openai_responses import (
     usage,
 )
 from paged_server.request_group import RequestGroup
+from paged_server.structured_request import check_structured
+from paged_server.tools import ToolOutput, make_parser
 
 
 class OpenAIApp:
@@ -54,7 +56,9 @@ class OpenAIApp:
         trust_request_chat_template: bool = False,
         engine_version: str | None = None,
         poll_interval: float = 0.25,
+        tool_call_parser: str | None = None,
     ):
+        self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -214,6 +218,8 @@ class OpenAIApp:
             raise bad_request("this model has no chat template", "messages")
         try:
             with self.tok_lock:
+                if req.tools is not None:  # the template shows the model its tools
+                    variables["tools"] = req.tools.tools
                 return self.tokenizer.apply_chat_template(
                     req.messages,
                     chat_template=template,
@@ -240,7 +246,7 @@ class OpenAIApp:
         self._generate(h, req, model, texts, ids, chat=False)
 
     def chat(self, h: Handler) -> None:
-        req = parse_chat(h.read_json())
+        req = parse_chat(h.read_json(), self.tool_call_parser)
         model = self._model(req.model)
         text = self._render_chat(req)
         ids = self._encode(text, False)  # the template carries BOS itself
@@ -267,8 +273,12 @@ class OpenAIApp:
             kwargs["logprobs"] = req.logprobs
             if req.echo and not req.stream:  # a stream's logprobs cover its new tokens only
                 kwargs["prompt_logprobs"] = req.logprobs
+        if req.structured is not None:
+            kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
         params = self.client.make_params(kwargs, beam=beam, stream=req.stream)
+        if req.structured is not None:
+            check_structured(params, req.structured_param)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(ids))]
         prompts = [
@@ -324,13 +334,16 @@ class OpenAIApp:
             n_prompt += len(out.prompt_token_ids)
             for seq in out.outputs:
                 choice: dict[str, Any] = {"index": len(choices)}
-                lp = None
+                lp = reason = None
                 if chat:
                     if req.logprobs is not None:
                         lp = chat_logprobs(
                             seq.token_ids, seq.logprobs or [], req.logprobs, self._decode_one
                         )
                     choice["message"] = {"role": "assistant", "content": seq.text}
+                    if req.tools is not None and req.tools.choice != "none":
+                        tool_out = ToolOutput(req.tools, make_parser(self.tool_call_parser))
+                        choice["message"], reason = tool_out.message(seq.text, seq.finish_reason)
                 else:
                     prefix = self._prompt_text(texts[pi], ids[pi]) if req.echo else ""
                     text, tids, lps = seq.text, seq.token_ids, list(seq.logprobs or [])
@@ -344,7 +357,7 @@ class OpenAIApp:
                     choice["text"] = prefix + text
                 choice.update(
                     logprobs=lp,
-                    finish_reason="length" if scoring else seq.finish_reason,
+                    finish_reason="length" if scoring else (reason or seq.finish_reason),
                     stop_reason=None if scoring else seq.stop_reason,
                 )
                 choices.append(choice)
@@ -370,6 +383,10 @@ class OpenAIApp:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         choices = [StreamChoice() for _ in range(n * len(ids))]
+        tool_outs = None
+        if chat and req.tools is not None and req.tools.choice != "none":
+            parser = self.tool_call_parser
+            tool_outs = [ToolOutput(req.tools, make_parser(parser)) for _ in choices]
         h.start_stream()
 
         def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -411,6 +428,8 @@ class OpenAIApp:
                 echo = req.echo and not st.started
                 prefix = self._prompt_text(texts[pi], ids[pi]) if echo else ""
                 entry = st.chunk(ci, prefix, req.logprobs, self._decode_one, chat)
+                if entry is not None and tool_outs is not None:
+                    entry = tool_outs[ci].rewrite(entry)
                 if entry is not None:
                     entries.append(entry)
             if entries:

@@ -17,6 +17,7 @@ if not HAS_CUDA:
     # The test models are tiny, and the suite shares 2 cores with the server subprocesses it
     # starts: one intra-op thread avoids OpenMP threads spinning against each other.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # engines (and server subprocesses) keep it
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

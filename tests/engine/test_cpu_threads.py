@@ -31,12 +31,17 @@ def test_cpu_num_threads_is_validated(bad):
         EngineConfig(cpu_num_threads=bad)
 
 
-def test_engine_sets_threads_on_its_thread(tiny_llama_dir):
+def test_engine_sets_threads_on_its_thread(tiny_llama_dir, monkeypatch):
     before = torch.get_num_threads()
+    kw = dict(model=str(tiny_llama_dir), device="cpu", async_scheduling=False)
     try:
-        LLM(model=str(tiny_llama_dir), device="cpu", cpu_num_threads=1, async_scheduling=False)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        LLM(cpu_num_threads=1, **kw)
         assert torch.get_num_threads() == 1
-        LLM(model=str(tiny_llama_dir), device="cpu", async_scheduling=False)
+        LLM(**kw)
         assert torch.get_num_threads() == physical_cores()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        LLM(**kw)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -11,6 +11,7 @@ _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
+_QUANTIZATIONS = (None, "int8", "int4")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 
@@ -54,6 +55,12 @@ class EngineConfig:
     disable_log_stats: bool = True
     # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
     async_scheduling: bool | None = None
+    # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
+    cpu_num_threads: int | None = None
+    # CPU: weight-only "int8" / "int4" linear layers (layers/quantization.py), and logits of a
+    # sequence bit-identical whatever else is in the batch (layers/batch_invariant.py).
+    quantization: str | None = None
+    batch_invariant: bool = False
     # KV memory (docs/engine.md "Memory"): the cache's element type ("auto": the model dtype;
     # fp8 = fp8_e4m3), preemption by recompute or swap to a CPU pool of swap_space GiB (None:
     # chosen per request by cost), and a CPU tier of cpu_offload_gib GiB for the prefix cache.
@@ -61,8 +68,6 @@ class EngineConfig:
     preemption_mode: str | None = None
     swap_space: float = 0.0
     cpu_offload_gib: float = 0.0
-    # torch intra-op threads on CPU (None: the physical cores this process may run on).
-    cpu_num_threads: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -129,6 +134,22 @@ class EngineConfig:
             self.cpu_num_threads,
             "None (physical cores) or an int >= 1",
         )
+        _check(
+            self.quantization in _QUANTIZATIONS,
+            "quantization",
+            self.quantization,
+            str(_QUANTIZATIONS),
+        )
+        _check(
+            isinstance(self.batch_invariant, bool),
+            "batch_invariant",
+            self.batch_invariant,
+            "a bool",
+        )
+        if self.batch_invariant and self.quantization is not None:
+            raise ValueError(
+                f"batch_invariant=True does not combine with quantization={self.quantization!r}"
+            )
         bs = self.block_size
         _check(
             _is_int(bs) and 1 <= bs <= 256 and bs & (bs - 1) == 0,

@@ -153,8 +153,10 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> nn.Module:
-    """Build the model directly on `device` in `dtype` and fill its weights."""
+    """Build the model directly on `device` in `dtype` and fill its weights; `quantization`
+    ("int8" / "int4", CPU) then quantizes its linear layers (layers/quantization.py)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     cls = get_model_class(hf_config)
@@ -171,6 +173,10 @@ def load_model(
         total = count_weights(resolved, load_format)
         weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
         model.load_weights(weights)
+    if quantization is not None:
+        from paged_engine.layers.quantization import quantize_model
+
+        quantize_model(model, quantization)
     return model.eval().requires_grad_(False)
 
 

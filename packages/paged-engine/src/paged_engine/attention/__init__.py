@@ -9,9 +9,12 @@ from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, 
 __all__ = ["AttentionBackend", "AttentionMetadata", "HostLengths", "get_attention_backend"]
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, *, batch_invariant: bool = False
+) -> AttentionBackend:
     """`name` is EngineConfig.attention_backend: "auto" picks Triton on CUDA (where triton is
-    installed), the CPU backend on CPU and the torch reference elsewhere."""
+    installed), the CPU backend on CPU and the torch reference elsewhere. `batch_invariant`
+    (EngineConfig.batch_invariant): only the CPU backend has that mode so far."""
     if name == "auto":
         import paged_kernels
 
@@ -26,7 +29,12 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(f"attention_backend='cpu' runs on the CPU only, not on {device}")
         from paged_engine.attention.cpu_backend import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend(batch_invariant=batch_invariant)
+    if batch_invariant:
+        raise ValueError(
+            f"batch_invariant=True needs attention_backend='cpu' (device cpu); got {name!r} on "
+            f"{device.type} (the Triton kernels have no fixed-reduction-order mode yet)"
+        )
     if name == "triton":
         from paged_engine.attention.triton_backend import TritonBackend
 

@@ -22,12 +22,19 @@ import torch.nn.functional as F
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
 from paged_engine.attention.cpu_plan import CpuPlan, RowGroup, build_plan, write_index
 
+BATCH_INVARIANT_KV_MULTIPLE = 512
+
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
     cuda_graph_capturable = False
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        # Batch invariance: SDPA's CPU kernel walks keys in blocks of min(L, 512) and reduces
+        # each block's softmax with a vector tail that depends on the block's length, so the
+        # keys of every group are padded to a multiple of 512: every block is then a full
+        # 512 keys, and blocks past a row's context are fully masked (exact no-ops).
+        self.kv_multiple = BATCH_INVARIANT_KV_MULTIPLE if batch_invariant else 1
         # (slot_mapping, slots to write, rows they come from or None for all): one per step.
         self._write_memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
@@ -41,15 +48,14 @@ class CpuBackend(AttentionBackend):
         md = super().build_metadata(**tensors)
         if md.block_tables.device.type != "cpu":
             raise ValueError(f"the cpu attention backend got {md.block_tables.device} tensors")
-        md.plan = build_plan(md, host)
+        md.plan = build_plan(md, host, self.kv_multiple)
         self._write_memo = (md.slot_mapping, md.plan.write_slots, md.plan.write_rows)
         return md
 
-    @staticmethod
-    def _plan(md: AttentionMetadata) -> CpuPlan:
+    def _plan(self, md: AttentionMetadata) -> CpuPlan:
         """The step's plan; built on first use for metadata made without `build_metadata`."""
         if md.plan is None:
-            md.plan = build_plan(md, None)
+            md.plan = build_plan(md, None, self.kv_multiple)
         return md.plan
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:

@@ -112,6 +112,7 @@ class CpuPlan:
     cu: np.ndarray  # [S+1] int64
     seq_lens: np.ndarray  # [S] int64
     block_tables: np.ndarray  # [S, width] int32
+    kv_multiple: int = 1  # keys per group padded to a multiple of this (batch invariance)
     _groups: tuple[int, list[RowGroup]] | None = None  # (block_size, groups), built on first use
 
     def groups(self, block_size: int) -> list[RowGroup]:
@@ -142,9 +143,10 @@ class CpuPlan:
     ) -> RowGroup:
         lens = self.seq_lens[seqs]
         q_len = int(q_lens[seqs].max())
-        kv_len = int(lens.max())
+        kv_len = -(-int(lens.max()) // self.kv_multiple) * self.kv_multiple
         k_pos = np.arange(kv_len)
-        tables = self.block_tables[seqs][:, k_pos // block_size].astype(np.int64)
+        cols = np.minimum(k_pos // block_size, self.block_tables.shape[1] - 1)
+        tables = self.block_tables[seqs][:, cols].astype(np.int64)
         slots = tables * block_size + k_pos % block_size  # [S, L]
         slots[k_pos >= lens[:, None]] = 0
         j = np.arange(q_len)
@@ -177,7 +179,7 @@ class CpuPlan:
         return out
 
 
-def build_plan(md: AttentionMetadata, host: HostLengths | None) -> CpuPlan:
+def build_plan(md: AttentionMetadata, host: HostLengths | None, kv_multiple: int = 1) -> CpuPlan:
     """From the host copies when the worker passed them, else from the (CPU) tensors."""
     if host is None:
         host = HostLengths(
@@ -194,4 +196,5 @@ def build_plan(md: AttentionMetadata, host: HostLengths | None) -> CpuPlan:
         cu=host.cu_seqlens_q.astype(np.int64, copy=False),
         seq_lens=host.seq_lens.astype(np.int64, copy=False),
         block_tables=host.block_tables,
+        kv_multiple=kv_multiple,
     )

@@ -72,13 +72,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
         param.data[: shard.shape[0]].copy_(shard)
 
+    linear_method = None  # an object with apply(layer, x, bias), set after loading
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] float32
         # Every TP rank ends with the same full logits (the gathered bits), so every rank
         # samples the same tokens from them.
-        logits = tp_all_gather(F.linear(hidden, self.weight, self.bias), dim=-1)
+        if self.linear_method is None:
+            local = F.linear(hidden, self.weight, self.bias)
+        else:  # quantized or batch-invariant (layers/quantization.py, batch_invariant.py)
+            local = self.linear_method.apply(self, hidden, self.bias)
+        logits = tp_all_gather(local, dim=-1)
         # Drop the padded rows of the last shard (only when the vocab does not split evenly).
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., : self.num_embeddings]

@@ -58,8 +58,17 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    # Set after loading to run the matmul another way (layers/quantization.py,
+    # layers/batch_invariant.py): an object with apply(layer, x, bias).
+    linear_method = None
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.linear_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.linear_method.apply(self, x, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -107,7 +116,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        out = self._linear(x, self.bias if self.tp_rank == 0 else None)
         return tp_all_reduce(out) if self.tp_size > 1 else out
 
 

@@ -38,9 +38,16 @@ def physical_cores(
     return max(1, len(cores))
 
 
+def default_threads() -> int:
+    """OMP_NUM_THREADS when the environment sets it (the standard way to limit OpenMP), else
+    the physical cores."""
+    env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(env) if env.isdigit() and int(env) > 0 else physical_cores()
+
+
 def set_cpu_threads(num_threads: int | None) -> int:
-    """Set torch's intra-op threads for the calling thread's OpenMP team (None: physical
-    cores); returns the number set."""
-    n = physical_cores() if num_threads is None else num_threads
+    """Set torch's intra-op threads for the calling thread's OpenMP team (None:
+    `default_threads()`); returns the number set."""
+    n = default_threads() if num_threads is None else num_threads
     torch.set_num_threads(n)
     return n

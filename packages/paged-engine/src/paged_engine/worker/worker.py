@@ -15,6 +15,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min
 from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.layers.batch_invariant import make_batch_invariant
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
@@ -67,6 +68,19 @@ class Worker:
         single = get_parallel_state().world_size == 1
         if self.device.type == "cpu" and (single or config.cpu_num_threads is not None):
             set_cpu_threads(config.cpu_num_threads)
+        if config.quantization is not None:
+            if self.device.type != "cpu":
+                raise ValueError(
+                    f"quantization={config.quantization!r} runs on the CPU only (torch's CPU "
+                    f"weight-only kernels), not on {self.device.type}"
+                )
+            if config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                self.dtype = torch.bfloat16  # the fused int8 / int4 kernels are fast in bf16
+        if config.batch_invariant and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                "batch_invariant=True runs on the CPU in float32 only so far (dtype resolved to "
+                f"{self.dtype}, device {self.device.type}): pass dtype='float32', device='cpu'"
+            )
         torch.manual_seed(config.seed)
         self._baseline = None
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
@@ -78,9 +92,14 @@ class Worker:
             device=self.device,
             load_format=config.load_format,
             seed=config.seed,
+            quantization=config.quantization,
         )
         model.eval()
-        backend = get_attention_backend(_backend_name(config, self.device), self.device)
+        if config.batch_invariant:
+            make_batch_invariant(model)
+        backend = get_attention_backend(
+            _backend_name(config, self.device), self.device, batch_invariant=config.batch_invariant
+        )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
 
     def determine_num_blocks(self) -> int:

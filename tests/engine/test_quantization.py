@@ -1,0 +1,69 @@
+"""Weight-only int8 / int4 linear layers (layers/quantization.py) on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from paged_engine import LLM, EngineConfig, SamplingParams
+from paged_engine.layers.quantization import FUSED_MAX_ROWS, Int4Linear, Int8Linear
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cls", [Int8Linear, Int4Linear])
+def test_fused_and_dequantized_paths_match_the_dense_matmul(cls, dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    bias = torch.randn(96).to(dtype)
+    method = cls(w.to(dtype), dtype)
+    # relative error of the quantized weight: int8 per channel, int4 per group of 32
+    tol = 0.02 if cls is Int8Linear else 0.2
+    for rows in (1, FUSED_MAX_ROWS, FUSED_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 128).to(dtype)
+        got = method.apply(x, bias).float()
+        want = F.linear(x.float(), w, bias.float())
+        err = (got - want).norm() / want.norm()
+        assert got.shape == (rows, 96) and got.dtype == torch.float32
+        assert err < tol, (rows, err)
+    # both paths compute with the same quantized weight, one row or many at a time
+    x = torch.randn(FUSED_MAX_ROWS + 1, 128).to(dtype)
+    few = torch.cat([method.apply(x[i : i + 1], None) for i in range(x.shape[0])])
+    many = method.apply(x, None)
+    diff = (few.float() - many.float()).norm() / many.float().norm()
+    assert diff < (1e-5 if dtype == torch.float32 else 1e-2)  # bf16 rounds in other places
+
+
+def test_int4_dequantize_reproduces_exact_grid_weights():
+    # a weight on the int4 grid of each group (min + q * scale) comes back exactly
+    q = torch.randint(0, 16, (8, 64)).float()
+    q[:, ::32] = 0
+    q[:, 1::32] = 15  # every group spans the full range
+    w = q * 0.5 - 3.0
+    torch.testing.assert_close(Int4Linear(w, torch.float32).dequantize(torch.float32), w)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_engine_generates_close_to_dense(tiny_llama_dir, quantization):
+    prompts = [{"prompt_token_ids": [5, 9, 3, 7, 11, 2, 8]}, {"prompt_token_ids": [4, 4, 6]}]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    kw = dict(model=str(tiny_llama_dir), device="cpu", dtype="float32")
+    dense = LLM(**kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(quantization=quantization, **kw)
+    runner = llm.llm_engine.model_runner
+    assert all(p.dtype != torch.int8 for p in runner.model.parameters())  # weights left params
+    quant = llm.generate(prompts, params, use_tqdm=False)
+    for d, q in zip(dense, quant, strict=True):
+        assert len(q.outputs[0].token_ids) == 6
+        # the first token's logprob of the dense choice stays close
+        tok = d.outputs[0].token_ids[0]
+        lp_dense = d.outputs[0].logprobs[0][tok].logprob
+        lp_quant = q.outputs[0].logprobs[0].get(tok)
+        assert lp_quant is not None and abs(lp_quant.logprob - lp_dense) < 0.5
+
+
+def test_quantization_option_is_validated():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")

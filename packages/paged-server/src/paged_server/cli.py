@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
     p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")
+    p.add_argument("--quantization", "-q", default=None, help="CPU weight-only int8 or int4")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="logits of a request independent of the rest of the batch (CPU, float32)",
+    )
+    p.add_argument("--cpu-num-threads", type=int, default=None, help="default: physical cores")
     p.add_argument(
         "--timeout-keep-alive",
         type=float,
@@ -176,6 +183,9 @@ def build_engine(args: argparse.Namespace) -> Any:
         swap_space=args.swap_space,
         preemption_mode=args.preemption_mode,
         cpu_offload_gib=args.cpu_offload_gib,
+        quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
+        cpu_num_threads=args.cpu_num_threads,
     )
     return LLMEngine(config)
 

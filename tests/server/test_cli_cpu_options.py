@@ -1,0 +1,36 @@
+"""paged-server's CPU options reach the engine config: --quantization, --batch-invariant,
+--cpu-num-threads (the engine validates them)."""
+
+from __future__ import annotations
+
+import pytest
+
+import paged_engine
+from paged_server.cli import build_engine, parse_args
+
+
+def engine_config(monkeypatch: pytest.MonkeyPatch, argv: list[str]):
+    seen = {}
+    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.setdefault("c", config))
+    build_engine(parse_args(["m", *argv]))
+    return seen["c"]
+
+
+def test_defaults(monkeypatch):
+    config = engine_config(monkeypatch, [])
+    assert (config.quantization, config.batch_invariant, config.cpu_num_threads) == (
+        None,
+        False,
+        None,
+    )
+
+
+def test_options_are_passed(monkeypatch):
+    config = engine_config(monkeypatch, ["-q", "int4", "--cpu-num-threads", "3"])
+    assert (config.quantization, config.cpu_num_threads) == ("int4", 3)
+    assert engine_config(monkeypatch, ["--batch-invariant"]).batch_invariant is True
+
+
+def test_bad_values_name_the_option(monkeypatch):
+    with pytest.raises(ValueError, match="quantization"):
+        engine_config(monkeypatch, ["--quantization", "int2"])

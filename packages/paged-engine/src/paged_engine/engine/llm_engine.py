@@ -167,7 +167,8 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             draft_planner=self.draft_planner,
-            preemption_mode=config.preemption_mode,
+            # The CPU pool swaps only with swap_space (cpu_offload_gib alone is the tier's).
+            preemption_mode=config.preemption_mode if config.swap_space else "recompute",
         )
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
         self.vocab_size = int(self.hf_config.vocab_size)

@@ -14,7 +14,7 @@ def pid_running(pid: int) -> bool:
         return False
 
 
-def wait_gone(pids: list[int], timeout: float = 20.0) -> list[int]:
+def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     """Wait until none of `pids` runs; returns those still running at the timeout."""
     deadline = time.monotonic() + timeout
     while any(map(pid_running, pids)) and time.monotonic() < deadline:

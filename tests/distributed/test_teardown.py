@@ -46,7 +46,7 @@ class Owner:
                 return line.strip()
         raise AssertionError(f"no {prefix!r} line:\n" + "".join(self.lines[-40:]))
 
-    def finish(self, timeout: float = 60.0) -> int:
+    def finish(self, timeout: float = 120.0) -> int:
         try:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as e:
@@ -60,7 +60,7 @@ class Owner:
 
 def test_normal_exit_without_shutdown_stops_the_workers(model):
     owner = Owner(model, "exit")
-    assert owner.finish() == 0, "".join(owner.lines)
+    assert owner.finish() == 0, "".join(owner.lines[-40:])
     assert wait_gone(owner.pids) == []
 
 

@@ -187,7 +187,9 @@ def _release(procs: list[mp.Process], joined: list[bool]) -> None:
     _stop_processes(procs)
     if joined[0]:
         joined[0] = False
-        destroy_parallel_state()
+        # The peers are gone: leaving their world must not fail this process's exit.
+        with contextlib.suppress(Exception):
+            destroy_parallel_state()
 
 
 def _stop_processes(procs: list[mp.Process]) -> None:

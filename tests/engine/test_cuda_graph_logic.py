@@ -118,6 +118,9 @@ def _engine(model_dir, **overrides) -> LLMEngine:
         max_num_seqs=MAX_SEQS,
         num_gpu_blocks_override=MAX_SEQS * MAX_LEN // BLOCK + 8,
         enable_prefix_caching=False,
+        # The torch reference: what these tests drive through fake graphs (the CPU default,
+        # the "cpu" backend, plans from host lengths and is never captured).
+        attention_backend="torch",
     )
     options.update(overrides)
     return LLMEngine(EngineConfig(**options))

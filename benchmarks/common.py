@@ -24,12 +24,29 @@ def now(device: str) -> float:
     return time.perf_counter()
 
 
-def throughput_record(system: str, wl: Workload, elapsed_s: float, **extra: Any) -> dict:
-    """requests/s, total tokens/s (prompt + output) and output tokens/s of one timed run.
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all its threads (the CPU-second denominator)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def throughput_record(
+    system: str, wl: Workload, elapsed_s: float, cpu_s: float | None = None, **extra: Any
+) -> dict:
+    """requests/s, total tokens/s (prompt + output) and output tokens/s of one timed run, and
+    output tokens per CPU-second when `cpu_s` (the run's CPU time) is given.
 
     Output tokens are the requested ones (sum of max_tokens, ignore_eos): tokens a static batch
     generates past a request's own max_tokens (padding) are not counted.
     """
+    if cpu_s is not None:
+        extra = {
+            "cpu_s": round(cpu_s, 3),
+            "output_tokens_per_cpu_s": round(wl.output_tokens / cpu_s, 2),
+            **extra,
+        }
     return {
         "system": system,
         "workload": wl.name,

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from benchmarks.common import now, throughput_record
+from benchmarks.common import cpu_seconds, now, throughput_record
 from benchmarks.models import ModelSpec, load_hf
 from benchmarks.workloads import Request, Workload
 
@@ -64,10 +64,10 @@ def hf_static(
         _static_batch(model, [Request(wl.requests[0].prompt_token_ids[:8], 4)] * 2, wl, device)
         while True:
             try:
-                t0, generated = now(device), 0
+                t0, c0, generated = now(device), cpu_seconds(), 0
                 for i in range(0, wl.num_requests, batch_size):
                     generated += _static_batch(model, wl.requests[i : i + batch_size], wl, device)
-                elapsed = now(device) - t0
+                elapsed, cpu_s = now(device) - t0, cpu_seconds() - c0
                 break
             except torch.OutOfMemoryError:
                 if batch_size == 1:
@@ -78,6 +78,7 @@ def hf_static(
         "hf-static",
         wl,
         elapsed,
+        cpu_s,
         batch_size=batch_size,
         tokens_generated_incl_padding=generated,
         attn_implementation=model.config._attn_implementation,
@@ -118,9 +119,9 @@ def hf_continuous(
         generation_config=gen, continuous_batching_config=cbc, workload_hints=hints
     ) as mgr:
         _drain(mgr, [Request(wl.requests[0].prompt_token_ids[:8], 4)] * 2)  # warm-up
-        t0 = now(device)
+        t0, c0 = now(device), cpu_seconds()
         outputs = _drain(mgr, wl.requests)
-        elapsed = now(device) - t0
+        elapsed, cpu_s = now(device) - t0, cpu_seconds() - c0
     lengths = [len(o.generated_tokens) for o in outputs]
     if lengths != [r.max_tokens for r in wl.requests]:
         raise RuntimeError("HF continuous batching did not generate the requested tokens")
@@ -128,6 +129,7 @@ def hf_continuous(
         "hf-continuous",
         wl,
         elapsed,
+        cpu_s,
         attn_implementation=attn,  # requested; the manager restores the original on exit
         cb_config={k: v for k, v in cb_options.items()},
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.common import call, error_record, now, throughput_record
+from benchmarks.common import call, cpu_seconds, error_record, now, throughput_record
 from benchmarks.hf_baselines import hf_continuous, hf_static
 from benchmarks.models import ModelSpec
 from benchmarks.workloads import Workload
@@ -53,9 +53,9 @@ def paged_generate(spec: ModelSpec, wl: Workload, device: str, **engine_override
     llm.generate(
         [{"prompt_token_ids": wl.requests[0].prompt_token_ids[:8]}] * 2, warm, use_tqdm=False
     )
-    t0 = now(device)
+    t0, c0 = now(device), cpu_seconds()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = now(device) - t0
+    elapsed, cpu_s = now(device) - t0, cpu_seconds() - c0
     got = [len(o.outputs[0].token_ids) for o in outs]
     if got != [r.max_tokens for r in wl.requests]:
         raise RuntimeError("paged did not generate the requested number of tokens")
@@ -68,7 +68,7 @@ def paged_generate(spec: ModelSpec, wl: Workload, device: str, **engine_override
         extra["num_preemptions"] = st.num_preemptions
     except Exception as exc:  # stats are a bonus here, never a reason to lose the timing
         extra["stats_error"] = repr(exc)
-    return throughput_record("paged", wl, elapsed, **extra)
+    return throughput_record("paged", wl, elapsed, cpu_s, **extra)
 
 
 def run_one(system: str, spec: ModelSpec, wl: Workload, device: str, opts: dict) -> dict:
@@ -121,7 +121,13 @@ def ratios(records: list[dict]) -> list[dict]:
                 "peer": system,
                 **{
                     m: round(ours[m] / peer[m], 2)
-                    for m in ("requests_per_s", "total_tokens_per_s", "output_tokens_per_s")
+                    for m in (
+                        "requests_per_s",
+                        "total_tokens_per_s",
+                        "output_tokens_per_s",
+                        "output_tokens_per_cpu_s",
+                    )
+                    if m in ours and m in peer
                 },
             }
         )

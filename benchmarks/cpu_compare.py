@@ -1,0 +1,282 @@
+"""The CPU comparison of issue 12, every system side by side in one run, each in its own process.
+
+    python -m benchmarks.cpu_compare [--only throughput single aggregate accuracy] [--quick]
+
+- throughput: the default model (SmolLM2-135M-Instruct GGUF, dequantised to float32), 48
+  requests, prompts 16-256 random ids, outputs 16-96, ignore_eos (nano-vllm recipe, scaled):
+  paged `LLM.generate` (CPU backend; and the torch reference backend, the path before it) vs HF
+  `generate` (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second
+  and per CPU-second (user + system time of the process, all threads).
+- single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / int8 /
+  int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same GGUF file, 2 threads).
+- aggregate: 16 and 48 concurrent requests (prompts from the workload, 64 outputs each): paged
+  `LLM.generate` vs llama-cpp-python, which decodes one stream at a time (its Python API has no
+  batching), so its aggregate is its requests run back to back.
+- accuracy: greedy agreement (first 64 tokens of 8 prompts) and perplexity on a fixed text,
+  bfloat16 / int8 / int4 against float32.
+
+Results: docs/benchmarks/cpu/cpu_compare.json (with the load average before and after each
+system: the machine is shared). llama-cpp-python is a benchmark peer only, never a dependency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.common import call, cpu_seconds, environment, error_record
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = list(range(100, 108))
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
+    "Within fifty years presses were running in more than two hundred European cities, and the "
+    "price of books fell so far that reading spread from monasteries and universities to "
+    "merchants and craftsmen. Printers standardised spelling, grammar and the layout of pages, "
+    "and the rapid copying of pamphlets carried the ideas of the Reformation across borders."
+)
+
+
+def _workload(num_requests: int = 48):
+    from benchmarks import workloads
+
+    return workloads.nano_vllm(num_requests, (16, 256), (16, 96), max_token_id=10000)
+
+
+def _spec(work_dir: Path):
+    from benchmarks.models import default_model
+
+    return default_model("cpu", work_dir)
+
+
+def _llm(**overrides):
+    from paged_engine import LLM
+
+    kw = dict(model="SmolLM2-135M-Instruct", dtype="float32", max_model_len=512, seed=0)
+    kw.update(overrides)
+    return LLM(**kw)
+
+
+def paged_throughput(work_dir: Path, **engine) -> dict:
+    from benchmarks.throughput import paged_generate
+
+    return paged_generate(_spec(work_dir), _workload(), "cpu", **engine)
+
+
+def hf_throughput(work_dir: Path, system: str) -> dict:
+    from benchmarks.hf_baselines import hf_continuous, hf_static
+
+    wl = _workload()
+    if system == "hf-static":
+        return hf_static(_spec(work_dir), wl, "cpu", batch_size=16)
+    need = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // 256) for r in wl.requests)
+    return hf_continuous(_spec(work_dir), wl, "cpu", num_blocks=need + 4, max_batch_tokens=2048)
+
+
+def _timed(fn) -> tuple[float, float]:
+    t0, c0 = time.perf_counter(), cpu_seconds()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def paged_single(work_dir: Path, **engine) -> dict:
+    from paged_engine import SamplingParams
+
+    llm = _llm(**engine)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPT}
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    wall, cpu = _timed(lambda: llm.generate([prompt], params, use_tqdm=False))
+    return {"tokens_per_s": round(128 / wall, 2), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+
+
+def hf_single(work_dir: Path) -> dict:
+    import torch
+
+    from benchmarks.models import load_hf
+
+    model = load_hf(_spec(work_dir), "cpu", "sdpa")
+    ids = torch.tensor([PROMPT])
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
+        wall, cpu = _timed(
+            lambda: model.generate(ids, max_new_tokens=128, min_new_tokens=128, **kw)
+        )
+    return {"tokens_per_s": round(128 / wall, 2), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+
+
+def _llama_cpp(threads: int):
+    import llama_cpp  # benchmark peer only: pip install llama-cpp-python
+
+    from paged_engine.default_model import default_model_path
+
+    return llama_cpp.Llama(
+        model_path=str(default_model_path()), n_threads=threads, n_ctx=1024, verbose=False
+    )
+
+
+def _llama_generate(llm, prompt: list[int], n: int) -> int:
+    llm.reset()
+    count = 0
+    for _ in llm.generate(prompt, temp=0.0, reset=True):
+        count += 1
+        if count == n:
+            break
+    return count
+
+
+def llama_single(work_dir: Path, threads: int = 2) -> dict:
+    llm = _llama_cpp(threads)
+    _llama_generate(llm, PROMPT, 8)
+    wall, cpu = _timed(lambda: _llama_generate(llm, PROMPT, 128))
+    return {"tokens_per_s": round(128 / wall, 2), "wall_s": round(wall, 3), "cpu_s": round(cpu, 3)}
+
+
+def paged_aggregate(work_dir: Path, num_requests: int, **engine) -> dict:
+    from paged_engine import SamplingParams
+
+    wl = _workload(num_requests)
+    llm = _llm(**engine)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in wl.requests]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    wall, cpu = _timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    tokens = 64 * num_requests
+    return {
+        "tokens_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+    }
+
+
+def llama_aggregate(work_dir: Path, num_requests: int, threads: int = 2) -> dict:
+    wl = _workload(num_requests)
+    llm = _llama_cpp(threads)
+    _llama_generate(llm, PROMPT, 4)
+    wall, cpu = _timed(lambda: [_llama_generate(llm, r.prompt_token_ids, 64) for r in wl.requests])
+    tokens = 64 * num_requests
+    return {
+        "tokens_per_s": round(tokens / wall, 2),
+        "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
+    }
+
+
+def accuracy(work_dir: Path) -> dict:
+    """Greedy agreement and perplexity of bf16 / int8 / int4 against float32."""
+    import math
+
+    from paged_engine import SamplingParams
+
+    prompts = [{"prompt_token_ids": [100 + 37 * i + j for j in range(12)]} for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    results, reference = {}, None
+    for name, kw in [
+        ("float32", {}),
+        ("bfloat16", {"dtype": "bfloat16"}),
+        ("int8", {"dtype": "bfloat16", "quantization": "int8"}),
+        ("int4", {"dtype": "bfloat16", "quantization": "int4"}),
+    ]:
+        llm = _llm(**kw)
+        text_ids = llm.get_tokenizer().encode(TEXT)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        scored = llm.generate([{"prompt_token_ids": text_ids}], scoring, use_tqdm=False)[0]
+        lps = [d[t].logprob for d, t in zip(scored.prompt_logprobs[1:], text_ids[1:], strict=True)]
+        ppl = math.exp(-sum(lps) / len(lps))
+        if reference is None:
+            reference = outs
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(r))
+            for o, r in zip(outs, reference, strict=True)
+        ]
+        results[name] = {
+            "perplexity": round(ppl, 3),
+            "greedy_tokens_matching_fp32_before_first_difference": agree,
+            "greedy_full_agreement": sum(a == 64 for a in agree),
+        }
+    return {"text_tokens": len(text_ids), "prompts": len(prompts), "results": results}
+
+
+def _run(name: str, fn, *args, log=print, **kwargs) -> dict:
+    load0 = os.getloadavg()[0]
+    try:
+        rec = call(fn, *args, isolate=True, **kwargs)
+    except Exception as exc:  # a missing peer (llama-cpp-python) is recorded, never fatal
+        rec = error_record(name, fn.__name__, exc)
+    rec["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    log(f"  {name}: {json.dumps(rec)[:300]}")
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.cpu_compare", description=__doc__)
+    p.add_argument("--only", nargs="+", default=["throughput", "single", "aggregate", "accuracy"])
+    p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "cpu")
+    args = p.parse_args(argv)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    wd = args.work_dir
+    out: dict = {
+        "env": environment("cpu"),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    if "throughput" in args.only:
+        print("throughput (48 requests, prompts 16-256, outputs 16-96, float32)", flush=True)
+        out["throughput"] = {
+            "paged": _run("paged", paged_throughput, wd),
+            "paged-torch-reference": _run(
+                "paged-torch-reference", paged_throughput, wd, attention_backend="torch"
+            ),
+            "hf-static": _run("hf-static", hf_throughput, wd, "hf-static"),
+            "hf-continuous": _run("hf-continuous", hf_throughput, wd, "hf-continuous"),
+        }
+    if "single" in args.only:
+        print("single stream (128 greedy tokens)", flush=True)
+        out["single"] = {
+            "paged-float32": _run("paged-float32", paged_single, wd),
+            "paged-bfloat16": _run("paged-bfloat16", paged_single, wd, dtype="bfloat16"),
+            "paged-int8": _run(
+                "paged-int8", paged_single, wd, dtype="bfloat16", quantization="int8"
+            ),
+            "paged-int4": _run(
+                "paged-int4", paged_single, wd, dtype="bfloat16", quantization="int4"
+            ),
+            "hf-generate-float32": _run("hf-generate-float32", hf_single, wd),
+            "llama.cpp-q4_1": _run("llama.cpp-q4_1", llama_single, wd),
+        }
+    if "aggregate" in args.only:
+        print("aggregate (16 / 48 concurrent requests, 64 tokens each)", flush=True)
+        out["aggregate"] = {
+            str(n): {
+                "paged-float32": _run(f"paged-float32-{n}", paged_aggregate, wd, n),
+                "paged-bfloat16": _run(
+                    f"paged-bfloat16-{n}", paged_aggregate, wd, n, dtype="bfloat16"
+                ),
+                "paged-int8": _run(
+                    f"paged-int8-{n}", paged_aggregate, wd, n, dtype="bfloat16", quantization="int8"
+                ),
+                "llama.cpp-q4_1-sequential": _run(f"llama.cpp-{n}", llama_aggregate, wd, n),
+            }
+            for n in (16, 48)
+        }
+    if "accuracy" in args.only:
+        print("accuracy against float32", flush=True)
+        out["accuracy"] = _run("accuracy", accuracy, wd)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "cpu_compare.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    old.update(out)
+    path.write_text(json.dumps(old, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())

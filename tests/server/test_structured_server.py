@@ -239,7 +239,7 @@ def test_tool_messages_round_trip(client) -> None:
                 }
             ],
             "messages[0].tool_calls[0]",
-        ),  # fmt: skip
+        ),
         ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0]"),
     ],
 )

@@ -8,14 +8,15 @@
   `generate` (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second
   and per CPU-second (user + system time of the process, all threads).
 - single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / int8 /
-  int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same GGUF file, 2 threads).
+  int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same GGUF file).
+Every system gets `--threads` CPU threads (default 2).
 - aggregate: 16 and 48 concurrent requests (prompts from the workload, 64 outputs each): paged
   `LLM.generate` vs llama-cpp-python, which decodes one stream at a time (its Python API has no
   batching), so its aggregate is its requests run back to back.
-- accuracy: greedy agreement (first 64 tokens of 8 prompts) and perplexity on a fixed text,
+- accuracy: greedy agreement (first 64 tokens of 8 text prompts) and perplexity on a fixed text,
   bfloat16 / int8 / int4 against float32.
 
-Results: docs/benchmarks/cpu/cpu_compare.json (with the load average before and after each
+Results: docs/benchmarks/cpu/cpu_compare-threads<N>.json (with the load average before and after each
 system: the machine is shared). llama-cpp-python is a benchmark peer only, never a dependency.
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -130,7 +132,7 @@ def _llama_generate(llm, prompt: list[int], n: int) -> int:
     return count
 
 
-def llama_single(work_dir: Path, threads: int = 2) -> dict:
+def llama_single(work_dir: Path, threads: int) -> dict:
     llm = _llama_cpp(threads)
     _llama_generate(llm, PROMPT, 8)
     wall, cpu = _timed(lambda: _llama_generate(llm, PROMPT, 128))
@@ -154,7 +156,7 @@ def paged_aggregate(work_dir: Path, num_requests: int, **engine) -> dict:
     }
 
 
-def llama_aggregate(work_dir: Path, num_requests: int, threads: int = 2) -> dict:
+def llama_aggregate(work_dir: Path, num_requests: int, threads: int) -> dict:
     wl = _workload(num_requests)
     llm = _llama_cpp(threads)
     _llama_generate(llm, PROMPT, 4)
@@ -173,7 +175,16 @@ def accuracy(work_dir: Path) -> dict:
 
     from paged_engine import SamplingParams
 
-    prompts = [{"prompt_token_ids": [100 + 37 * i + j for j in range(12)]} for i in range(8)]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+        "Water boils at a temperature of",
+        "To make a cup of tea, first",
+        "The largest planet in the solar system is",
+        "In 1969, the first humans",
+    ]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     results, reference = {}, None
@@ -196,7 +207,7 @@ def accuracy(work_dir: Path) -> dict:
             for o, r in zip(outs, reference, strict=True)
         ]
         results[name] = {
-            "perplexity": round(ppl, 3),
+            "perplexity": round(ppl, 4),
             "greedy_tokens_matching_fp32_before_first_difference": agree,
             "greedy_full_agreement": sum(a == 64 for a in agree),
         }
@@ -219,11 +230,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=["throughput", "single", "aggregate", "accuracy"])
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "cpu")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="CPU threads of every system (OMP_NUM_THREADS of each spawned process: paged and "
+        "torch follow it; llama.cpp's n_threads)",
+    )
     args = p.parse_args(argv)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every spawned system
     args.work_dir.mkdir(parents=True, exist_ok=True)
     wd = args.work_dir
     out: dict = {
         "env": environment("cpu"),
+        "threads": args.threads,
+        "command": "python -m benchmarks.cpu_compare " + " ".join(argv or sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     if "throughput" in args.only:
@@ -248,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 "paged-int4", paged_single, wd, dtype="bfloat16", quantization="int4"
             ),
             "hf-generate-float32": _run("hf-generate-float32", hf_single, wd),
-            "llama.cpp-q4_1": _run("llama.cpp-q4_1", llama_single, wd),
+            "llama.cpp-q4_1": _run("llama.cpp-q4_1", llama_single, wd, args.threads),
         }
     if "aggregate" in args.only:
         print("aggregate (16 / 48 concurrent requests, 64 tokens each)", flush=True)
@@ -261,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
                 "paged-int8": _run(
                     f"paged-int8-{n}", paged_aggregate, wd, n, dtype="bfloat16", quantization="int8"
                 ),
-                "llama.cpp-q4_1-sequential": _run(f"llama.cpp-{n}", llama_aggregate, wd, n),
+                "llama.cpp-q4_1-sequential": _run(
+                    f"llama.cpp-{n}", llama_aggregate, wd, n, args.threads
+                ),
             }
             for n in (16, 48)
         }
@@ -269,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print("accuracy against float32", flush=True)
         out["accuracy"] = _run("accuracy", accuracy, wd)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "cpu_compare.json"
+    path = args.out / f"cpu_compare-threads{args.threads}.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     old.update(out)
     path.write_text(json.dumps(old, indent=1) + "\n")

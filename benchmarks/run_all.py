@@ -44,6 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "HF dir; memory and serving use the first. Default: all three configs on GPU (qwen3-0.6b "
         "with --smoke), default on CPU",
     )
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=("nano-vllm", "fixed-length"),
+        default=["nano-vllm", "fixed-length"],
+        help="throughput workloads to run (both by default)",
+    )
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")
     p.add_argument("--rates", type=float, nargs="+", default=None, help="serving request rates")
     p.add_argument(
@@ -167,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         per_model = {}
         for s in specs:
             wls = workloads.standard(args.smoke, device, min(10000, s.vocab_size - 1))
+            wls = [w for w in wls if w.name in args.workloads]
             per_model[s.name] = throughput.run(
                 s, wls, device, out, isolate=isolate, opts=hf_options(args, device, wls), log=log
             )

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Issue 14's GPU runs, each phase one device call of under 10 minutes (the device tool's limit).
+#
+#   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
+#   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
+#   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
+#   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
+#
+# phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
+#         SDPA); the nano-vllm workload on the Qwen3-0.6B config (bf16, seeded random weights)
+#         through paged, HF generate and HF continuous batching in one run; a torch-profiler
+#         summary at batch 256 (top kernels, host ms per step, GPU idle fraction, engine start).
+# phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
+#         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
+# Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
+# copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
+# Every step has its own time limit, so a slow or hung step costs only its own budget.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PHASE=${1:-phase1}
+OUT=${OUT:-$PWD/bench-out/gpu-run}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/packages/paged-kernels/src:$PWD/packages/paged-engine/src:$PWD/packages/paged-server/src:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if [ "$PHASE" != rehearse ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+PY=${PY:-python3}
+LOG="$OUT/log.txt"
+T0=$(date +%s)
+
+step() {  # step SECONDS NAME CMD...: run with a limit, log the outcome, never abort the phase
+  local limit=$1 name=$2 part
+  shift 2
+  part=$(mktemp)
+  echo "=== [$(($(date +%s) - T0))s] $name (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout -k 10 "$limit" bash -c '"$@"' _ "$@" >"$part" 2>&1
+  local rc=$?
+  cat "$part" >>"$LOG"
+  grep -E "passed|failed|rror|tok/s|goal|idle|start_s" "$part" | tail -n 8
+  echo "=== [$(($(date +%s) - T0))s] $name rc=$rc" | tee -a "$LOG"
+  rm -f "$part"
+}
+
+versions() {
+  $PY - <<'EOF'
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+try:
+    import triton; print("triton", triton.__version__)
+except ImportError:
+    print("triton missing")
+import transformers; print("transformers", transformers.__version__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("gpu", p.name, round(p.total_memory / 2**30, 1), "GiB", p.multi_processor_count, "SMs")
+for m in ("openai", "gguf", "llguidance", "jsonschema", "hypothesis"):
+    try:
+        __import__(m); print(m, "ok")
+    except ImportError:
+        print(m, "MISSING")
+EOF
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  fi
+}
+export -f versions
+export PY
+
+case "$PHASE" in
+  phase1)
+    step 30 versions versions
+    step 110 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests
+    step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
+    step 150 gpu-profile $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --out "$OUT"
+    step 170 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --out "$OUT" --no-report --note "issue 14 phase1"
+    ;;
+  phase2)
+    step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
+      tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
+      tests/engine/test_cuda_graph_logic.py tests/kernels
+    step 150 fixed-length $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads fixed-length --out "$OUT/fixed" --no-report --note "issue 14 phase2"
+    step 120 serving $PY -m benchmarks.run_all --only serving --model-config qwen3-0.6b \
+      --out "$OUT/serving" --no-report --note "issue 14 phase2"
+    step 150 llama-8b $PY -m benchmarks.run_all --only throughput --model-config llama-3.1-8b \
+      --workloads nano-vllm --out "$OUT/8b" --no-report --note "issue 14 phase2"
+    ;;
+  rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
+    export CUDA_VISIBLE_DEVICES=""
+    TINY=/tmp/paged-bench/tiny-llama
+    step 60 tiny-model $PY -c "from paged_engine.testing import write_tiny_model as w; w('$TINY', 'llama')"
+    step 30 versions versions
+    step 120 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels
+    step 300 kernel-bench $PY -m benchmarks.kernel_bench --smoke --out "$OUT/kernels"
+    step 300 gpu-profile $PY -m benchmarks.gpu_profile --smoke --out "$OUT"
+    step 400 nano-vllm $PY -m benchmarks.run_all --smoke --only throughput --model-config "$TINY" \
+      --workloads nano-vllm --out "$OUT" --no-report --note "rehearsal"
+    step 300 serving $PY -m benchmarks.run_all --smoke --only serving --model-config "$TINY" \
+      --rates 2 --out "$OUT/serving" --no-report --note "rehearsal"
+    ;;
+  *)
+    echo "usage: $0 phase1|phase2|rehearse" >&2
+    exit 2
+    ;;
+esac
+echo "done in $(($(date +%s) - T0))s; files:" | tee -a "$LOG"
+find "$OUT" -maxdepth 2 -type f \( -name "*.json" -o -name "*.png" -o -name "*.txt" \) | tee -a "$LOG"

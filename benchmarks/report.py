@@ -19,7 +19,7 @@ How to run (see `benchmarks/README.md`):
 
 ```bash
 nox -s bench -- --smoke                       # venv, installs the packages
-bash benchmarks/gpu_run.sh phase1             # GPU image (no network, no nox): sources on PYTHONPATH
+bash benchmarks/gpu_run.sh phase1             # GPU image (no nox): sources on PYTHONPATH
 PYTHONPATH=packages/paged-kernels/src:packages/paged-engine/src:packages/paged-server/src \\
     python -m benchmarks.run_all [--smoke] [--only throughput ...] [--model-config NAME ...]
 ```

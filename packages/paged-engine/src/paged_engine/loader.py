@@ -23,6 +23,7 @@ from torch import nn
 
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
+from paged_engine.worker.kv_scales import split_kv_scales
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
@@ -172,7 +173,10 @@ def load_model(
     else:
         total = count_weights(resolved, load_format)
         weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
-        model.load_weights(weights)
+        # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
+        kv_scales: dict[int, dict[str, float]] = {}
+        model.load_weights(split_kv_scales(weights, kv_scales))
+        model.checkpoint_kv_scales = kv_scales
     if quantization is not None:
         from paged_engine.layers.quantization import quantize_model
 

@@ -11,10 +11,13 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+from paged_kernels._utils import FP8_DTYPES, check_kv_scales
 from paged_kernels.reference import (
     alibi_slopes,
+    fp8_to_float,
     ref_copy_blocks,
     ref_paged_attention,
+    ref_quantize,
     ref_swap_blocks,
     ref_write_kv_cache,
 )
@@ -30,12 +33,16 @@ _KERNELS = {
 }
 
 __all__ = [
+    "FP8_DTYPES",
     "alibi_slopes",
+    "check_kv_scales",
     "choose_num_splits",
     "copy_blocks",
+    "fp8_to_float",
     "paged_attention",
     "ref_copy_blocks",
     "ref_paged_attention",
+    "ref_quantize",
     "ref_swap_blocks",
     "ref_write_kv_cache",
     "swap_blocks",

@@ -31,8 +31,29 @@ def ref_quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> tor
 
 
 def ref_dequantize(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """fp32 values of cache entries: fp8 ones times their scale."""
-    return x.float() * scale if x.dtype in FP8_DTYPES else x.float()
+    """fp32 values of cache entries: fp8 ones times their scale (`fp8_to_float`)."""
+    return fp8_to_float(x, scale) if x.dtype in FP8_DTYPES else x.float()
+
+
+def fp8_to_float(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """fp32 x * scale of an fp8 tensor, from its bits: the same values as `x.float() * scale`
+    (one rounding, of the product), about 4x faster than torch's fp8 cast on CPU.
+
+    The byte, sign-extended to int32 and shifted so its exponent and mantissa bits land at the
+    top of fp32's, reads as the fp8 value times 2^(BIAS - 127) (fp8 subnormals become fp32
+    subnormals, exactly); one multiply by scale * 2^(127 - BIAS) undoes that. The NaN / inf
+    codes never occur: writers saturate at the format's largest finite value. (Under
+    torch.set_flush_denormal(True) the fp8 subnormals would read as 0.)"""
+    man, bias, _ = FP8_FORMATS[x.dtype]
+    shift = 23 - man  # the 7 low bits (exponent + mantissa) end at fp32's mantissa top
+    mask = -(1 << 31) | (0x7F << shift)  # sign (bit 31 after sign extension) + those bits
+    bits = x.view(torch.int8).to(torch.int32)
+    bits.bitwise_left_shift_(shift).bitwise_and_(mask)
+    factor = 2.0 ** (127 - bias)
+    out = bits.view(torch.float32)
+    if scale * factor < 2.0**127:  # one exact product, rounded once (as x.float() * scale)
+        return out.mul_(scale * factor)
+    return out.mul_(factor).mul_(scale)
 
 
 def ref_write_kv_cache(

@@ -45,7 +45,11 @@ class AttentionBackend(ABC):
     """Contract: `write_kv` stores the step's K/V at `slot_mapping` (skipping slot -1) before
     `attend` of the same layer reads the cache; `attend` is causal within each sequence's new
     rows and sees its whole context through the block table; `copy_blocks` copies whole blocks
-    of every layer. `cuda_graph_capturable` backends read no device memory on the host."""
+    of every layer. `cuda_graph_capturable` backends read no device memory on the host.
+
+    An fp8 cache (float8_e4m3fn / float8_e5m2) holds key / k_scale and value / v_scale (the
+    layer's per-tensor scales, fixed before the first write); `attend` dequantizes what it
+    reads. Any other cache dtype takes scales of exactly 1.0."""
 
     name: str
     cuda_graph_capturable: bool = False
@@ -88,6 +92,9 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
+        *,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None: ...
 
     @abstractmethod
@@ -102,6 +109,8 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         soft_cap: float | None,
         alibi_slopes: torch.Tensor | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -123,8 +132,12 @@ class KernelBackend(AttentionBackend):
         self._write, self._attention, self._copy = write, attention, copy
         self._max_seqlens = max_seqlens
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        self._write(key, value, key_cache, value_cache, slot_mapping)
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0
+    ) -> None:
+        self._write(
+            key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+        )
 
     def attend(
         self,
@@ -137,6 +150,8 @@ class KernelBackend(AttentionBackend):
         sliding_window: int | None,
         soft_cap: float | None,
         alibi_slopes: torch.Tensor | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         lengths = (
             {"max_seqlen_q": md.max_seqlen_q, "max_seqlen_k": md.max_seqlen_k}
@@ -154,6 +169,8 @@ class KernelBackend(AttentionBackend):
             sliding_window=sliding_window,
             soft_cap=soft_cap,
             alibi_slopes=alibi_slopes,
+            k_scale=k_scale,
+            v_scale=v_scale,
             **lengths,
         )
 

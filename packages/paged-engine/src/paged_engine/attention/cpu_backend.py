@@ -12,6 +12,11 @@ Cache layout: [num_kv_heads, num_blocks, block_size, head_dim] (head planes, so 
 yields [Hkv, S*L, D] contiguous, the layout SDPA reads fastest). Grouped-query heads are folded
 into the query dimension: query head kv*G + h attends as row (j*G + h) of KV head kv, so K/V are
 never expanded. Everything stays in the model's dtype (SDPA accumulates in fp32).
+
+An fp8 cache (kv_cache_dtype fp8 / fp8_e5m2) is written as the torch reference quantizes
+(`ref_quantize`: x / scale, saturated, round to nearest even: the same bits) and the gathered
+K/V are dequantized from their bits (`fp8_to_float`, exact and ~4x faster than torch's fp8
+cast on CPU), times the layer's k_scale / v_scale, then cast to the query's dtype.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
 from paged_engine.attention.cpu_plan import CpuPlan, RowGroup, build_plan, write_index
+from paged_kernels import FP8_DTYPES, check_kv_scales, fp8_to_float, ref_quantize
 
 BATCH_INVARIANT_KV_MULTIPLE = 512
 
@@ -58,17 +64,22 @@ class CpuBackend(AttentionBackend):
             md.plan = build_plan(md, None, self.kv_multiple)
         return md.plan
 
-    def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def write_kv(
+        self, key, value, key_cache, value_cache, slot_mapping, *, k_scale=1.0, v_scale=1.0
+    ) -> None:
         # key, value: [T, Hkv, D]; caches: [Hkv, num_blocks, block_size, D]
+        check_kv_scales(key_cache.dtype, k_scale, v_scale)
         memo = self._write_memo
         if memo is None or memo[0] is not slot_mapping:  # metadata not from build_metadata
             memo = self._write_memo = (slot_mapping, *write_index(slot_mapping.numpy()))
         _, slots, rows = memo
-        for src, cache in ((key, key_cache), (value, value_cache)):
+        for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
             if rows is not None:
                 src = src.index_select(0, rows)
-            planes = cache.view(cache.shape[0], -1, cache.shape[-1])
-            planes.index_copy_(1, slots, src.transpose(0, 1).to(cache.dtype))
+            planes = _bytes(cache.view(cache.shape[0], -1, cache.shape[-1]))
+            planes.index_copy_(
+                1, slots, _bytes(ref_quantize(src.transpose(0, 1), cache.dtype, scale))
+            )
 
     def attend(
         self,
@@ -81,7 +92,10 @@ class CpuBackend(AttentionBackend):
         sliding_window: int | None,
         soft_cap: float | None,
         alibi_slopes: torch.Tensor | None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, H, D]
+        check_kv_scales(key_cache.dtype, k_scale, v_scale)
         plan = self._plan(md)
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
         group = query.shape[1] // num_kv_heads
@@ -91,9 +105,8 @@ class CpuBackend(AttentionBackend):
         for g in plan.groups(key_cache.shape[2]):
             q = g.fold_queries(query, num_kv_heads, group)  # [Hkv, S, Q*G, D]
             shape = (num_kv_heads, g.num_seqs, g.kv_len, head_dim)
-            # A cache in another dtype (an fp8 KV cache) is read in the query's.
-            k = k_planes.index_select(1, g.kv_index).view(shape).to(query.dtype)
-            v = v_planes.index_select(1, g.kv_index).view(shape).to(query.dtype)
+            k = _read(k_planes.index_select(1, g.kv_index).view(shape), k_scale, query.dtype)
+            v = _read(v_planes.index_select(1, g.kv_index).view(shape), v_scale, query.dtype)
             mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
             if soft_cap or alibi_slopes is not None:
                 o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group)
@@ -107,7 +120,20 @@ class CpuBackend(AttentionBackend):
             return
         src, dst = mapping[:, 0], mapping[:, 1]
         for cache in (*key_caches, *value_caches):
+            cache = _bytes(cache)
             cache[:, dst] = cache[:, src]
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as uint8 (torch's CPU index_copy_ / index_put_ have no fp8 kernels)."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
+
+
+def _read(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries in the query's dtype: an fp8 cache's dequantized (times scale)."""
+    if kv.dtype in FP8_DTYPES:
+        return fp8_to_float(kv, scale).to(dtype)
+    return kv.to(dtype)
 
 
 def _attend_math(

@@ -1,6 +1,7 @@
 """The collectives the sharded layers and the executor use; each is a no-op in a world of 1.
 
 tp_all_reduce(x)        sum of x over the TP group (row-parallel outputs, embedding lookups)
+tp_all_reduce_max(x)    elementwise max of x over the TP group (fp8 KV-cache scales)
 tp_all_gather(x, dim)   the TP group's shards of x side by side (vocab-parallel logits)
 broadcast_object(obj)   rank 0's plain-data message to every rank (cpu group, pickled)
 send_tensor / recv_tensor   hidden states from one pipeline stage to the next
@@ -21,6 +22,14 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     state = get_parallel_state()
     if state.tp_size > 1:
         dist.all_reduce(x, group=state.tp_group)
+    return x
+
+
+def tp_all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """In place: every TP rank ends with the elementwise max over the group (fp8 KV scales)."""
+    state = get_parallel_state()
+    if state.tp_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=state.tp_group)
     return x
 
 

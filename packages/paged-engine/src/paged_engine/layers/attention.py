@@ -35,6 +35,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.soft_cap = soft_cap
+        # An fp8 KV cache's per-tensor scales (stored = key / k_scale); 1.0 for any other cache.
+        # Set once before the first cache write (worker/kv_scales.py), never changed after.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
         else:
@@ -54,7 +58,8 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend = attn_metadata.backend
-        backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping, **scales)
         out = backend.attend(
             q,
             key_cache,
@@ -64,5 +69,6 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
             alibi_slopes=self.alibi_slopes,
+            **scales,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

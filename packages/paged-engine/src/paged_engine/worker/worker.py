@@ -18,6 +18,7 @@ from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import make_batch_invariant
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.worker.cpu_threads import set_cpu_threads
+from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.worker.runner_output import AsyncRunnerOutput
@@ -35,22 +36,6 @@ def pick_device(name: str) -> torch.device:
         # An explicit index: tensors report cuda:N, so `device ==` checks only hold against it.
         device = torch.device("cuda", torch.cuda.current_device())
     return device
-
-
-def _backend_name(config: EngineConfig, device: torch.device) -> str:
-    """An fp8 KV cache needs a backend that dequantizes on load: the Triton kernels or the torch
-    reference. On CPU, "auto" takes the reference then (the cpu backend keeps the model dtype)."""
-    name = config.attention_backend
-    if config.kv_cache_dtype == "auto":
-        return name
-    if name == "auto" and device.type == "cpu":
-        return "torch"
-    if name == "cpu":
-        raise ValueError(
-            f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported by "
-            "attention_backend='cpu': use attention_backend='torch' (or 'auto')"
-        )
-    return name
 
 
 class Worker:
@@ -98,9 +83,10 @@ class Worker:
         if config.batch_invariant:
             make_batch_invariant(model)
         backend = get_attention_backend(
-            _backend_name(config, self.device), self.device, batch_invariant=config.batch_invariant
+            config.attention_backend, self.device, batch_invariant=config.batch_invariant
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
+        init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
 
     def determine_num_blocks(self) -> int:
         """Blocks every rank can hold: the minimum over the world (each rank profiles its own

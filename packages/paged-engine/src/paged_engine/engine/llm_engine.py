@@ -38,6 +38,7 @@ from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, r
 from paged_engine.outputs import RequestOutput
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
+from paged_engine.spec_decode.draft_loader import check_draft_model
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
@@ -100,6 +101,16 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         self._resolve_lengths()
+        spec = config.speculative_config
+        spec = None if spec is None else SpeculativeConfig.from_dict(spec)
+        if spec is not None and spec.model is not None:
+            check_draft_model(
+                spec.model,
+                self.hf_config,
+                self.tokenizer,
+                config.max_model_len,
+                config.trust_remote_code,
+            )
         logger.info(
             "model %s: %s, config and tokenizer loaded; max_model_len %d",
             self.resolved.gguf_file or self.resolved.path,

@@ -1,5 +1,9 @@
-"""`speculative_config`, vLLM's names: {"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_max": 4, "prompt_lookup_min": 2}."""
+"""`speculative_config`, vLLM's names:
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
+
+A "model" key implies method "draft_model"; without one the method defaults to "ngram"."""
 
 from __future__ import annotations
 
@@ -7,14 +11,20 @@ from dataclasses import dataclass
 from typing import Any
 
 _KNOWN = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str
+    method: str  # "ngram" | "draft_model"
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    model: str | None = None  # the draft model (method "draft_model")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -28,11 +38,21 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: unknown key(s) {unknown}; known: {sorted(_KNOWN)}"
             )
-        method = value.get("method", "ngram" if "model" not in value else "draft_model")
-        if value.get("model") is not None or method != "ngram":
+        model = value.get("model")
+        method = value.get("method", "ngram" if model is None else "draft_model")
+        if method not in METHODS:
             raise ValueError(
-                f"speculative_config: method {method!r} is not supported; this engine "
-                'speculates with {"method": "ngram"} (prompt lookup) only'
+                f"speculative_config.method {method!r} is not supported; choose from {METHODS}"
+            )
+        if method == "draft_model" and (not isinstance(model, str) or not model):
+            raise ValueError(
+                "speculative_config.model must name the draft model (a path or hub id) for "
+                f"method 'draft_model', got {model!r}"
+            )
+        if method == "ngram" and model is not None:
+            raise ValueError(
+                "speculative_config.model is given with method 'ngram': drop the method (or "
+                "pass 'draft_model') to speculate with a draft model"
             )
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", 4)
@@ -46,4 +66,4 @@ class SpeculativeConfig:
             )
         if k > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got {k}")
-        return cls("ngram", k, hi, lo)
+        return cls(method, k, hi, lo, model)

@@ -1,9 +1,12 @@
 """`DraftPlanner`: which decode rows speculate this step, with which drafts, and when to stop.
 
 The scheduler asks it for a decoding sequence's drafts; the engine core reports how many the
-target accepted. A request speculates when its next token depends on nothing the drafts would
-change: one sequence (no n > 1 fan-out, no beams), no grammar, no repetition / frequency /
-presence penalties (they would need the drafts in their history). Drafts never run past
+target accepted. With n-gram lookup the drafts are real tokens; with a draft model they are
+`DRAFT_PLACEHOLDER` slots that the worker's draft model fills in the same step.
+
+A request speculates when its next token depends on nothing the drafts would change: one
+sequence (no n > 1 fan-out, no beams), no grammar, no repetition / frequency / presence
+penalties (they would need the drafts in their history). Drafts never run past
 max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
 
 Switching off: each proposal that gets nothing accepted doubles a request's pause (steps
@@ -20,6 +23,9 @@ from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.ngram_proposer import propose_ngram
 
 MAX_PAUSE = 64
+# A draft slot the worker's draft model proposes (method "draft_model"): the scheduler plans
+# how many drafts a row runs, the worker decides which tokens they are.
+DRAFT_PLACEHOLDER = -1
 
 
 @dataclass(slots=True)
@@ -57,6 +63,8 @@ class DraftPlanner:
         if room <= 0:
             return []
         cfg = self.config
+        if cfg.uses_draft_model:  # the worker's draft model fills these in at the step
+            return [DRAFT_PLACEHOLDER] * room
         return propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
     def feedback(self, req: Request, num_drafts: int, num_accepted: int) -> None:

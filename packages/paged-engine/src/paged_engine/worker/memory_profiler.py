@@ -43,6 +43,8 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
     bytes_per_block = CacheEngine.bytes_per_block(
         runner.hf_config, runner.block_size, runner.kv_cache_dtype
     )
+    if runner.draft is not None:  # a draft model's cache: the same blocks, a second set
+        bytes_per_block += runner.draft.bytes_per_block(runner.block_size)
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     if runner.device.type != "cuda":

@@ -40,6 +40,7 @@ from paged_engine.sample.metadata import (
     with_token_bitmask,
 )
 from paged_engine.sample.sampler import Sampler
+from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
@@ -89,9 +90,17 @@ class ModelRunner:
         # Steps whose sampled ids the host-side histories (penalty rows) still need.
         self._history: deque[tuple[AsyncRunnerOutput, list[tuple[int, int]]]] = deque()
         self._md_cache: tuple[tuple[int, np.ndarray], SamplingMetadata | None] = ((-1, None), None)
+        # speculative_config with a draft model: proposes each step's drafts (set by the worker).
+        self.draft: DraftModelRunner | None = None
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> None:
+        cpu_blocks = num_cpu_blocks(
+            self.hf_config,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.config.swap_space + self.config.cpu_offload_gib,
+        )
         self.cache = CacheEngine(
             self.hf_config,
             num_blocks,
@@ -99,13 +108,10 @@ class ModelRunner:
             dtype=self.kv_cache_dtype,
             device=self.device,
             backend=self.backend,
-            num_cpu_blocks=num_cpu_blocks(
-                self.hf_config,
-                self.block_size,
-                self.kv_cache_dtype,
-                self.config.swap_space + self.config.cpu_offload_gib,
-            ),
+            num_cpu_blocks=cpu_blocks,
         )
+        if self.draft is not None:  # the same blocks, a second set of tensors
+            self.draft.init_cache(num_blocks, cpu_blocks)
         if (
             self.device.type == "cuda"
             and self.backend.cuda_graph_capturable
@@ -121,25 +127,33 @@ class ModelRunner:
         assert self.cache is not None, "init_kv_cache() first"
         self._apply_history()
         batch = self.batch
+        draft = self.draft
         for seq_id in sched.finished_seq_ids:
             batch.remove(seq_id)
+            if draft is not None:
+                draft.forget(seq_id)
         for data in sched.new_seqs:
             batch.add(data)
+            if draft is not None:
+                draft.forget(data.seq_id)
         batch.update_blocks(sched.block_updates)
-        if sched.blocks_to_swap_out:  # first: later swaps, copies and writes may reuse them
-            self.cache.swap_out(sched.blocks_to_swap_out)
-        if sched.blocks_to_swap_in:
-            self.cache.swap_in(sched.blocks_to_swap_in)
-        if sched.blocks_to_copy:
-            self.cache.copy_blocks(sched.blocks_to_copy)
+        caches = [self.cache] if draft is None else [self.cache, draft.cache]
+        for cache in caches:
+            if sched.blocks_to_swap_out:  # first: later swaps, copies and writes may reuse them
+                cache.swap_out(sched.blocks_to_swap_out)
+            if sched.blocks_to_swap_in:
+                cache.swap_in(sched.blocks_to_swap_in)
+            if sched.blocks_to_copy:
+                cache.copy_blocks(sched.blocks_to_copy)
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
         inputs = self.prepare(sched, cached)
         if self.parallel.pp_size > 1:
             return self._execute_stage(sched, cached, inputs)
+        proposal = None if draft is None else draft.propose(sched, cached, inputs)
         hidden = self.forward(inputs)
-        return self._sample(sched, cached, inputs, hidden)
+        return self._sample(sched, cached, inputs, hidden, proposal)
 
     def _execute_stage(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
@@ -267,6 +281,7 @@ class ModelRunner:
         cached: list[CachedSeq],
         inputs: StepInputs,
         hidden: torch.Tensor,
+        proposal: DraftProposal | None = None,
     ) -> AsyncRunnerOutput:
         batch = self.batch
         src, sample_no, seq_ids, beam_idx = self._sample_plan(sched, cached)
@@ -278,7 +293,7 @@ class ModelRunner:
             rows = inputs.rows[src]
             track_history = bool(batch.history[rows].any())
             seq_ids, tokens, packed_lp, num_logprobs, flat = self._sample_drafts(
-                sched, cached, inputs, hidden, src, sample_no, seq_ids
+                sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal
             )
         elif src.size:
             hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
@@ -310,12 +325,14 @@ class ModelRunner:
             self._track_history(handle, cached, src, sample_no, flat)
         return handle
 
-    def _sample_drafts(self, sched, cached, inputs, hidden, src, sample_no, seq_ids):
+    def _sample_drafts(self, sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal):
         """Sampling in a step where some rows carry drafts: each entry samples at its last
         1 + d positions (d its drafts, 0 for rows without) and the rejection sampler keeps what
-        the target's distribution allows. Returns the flat output (a drafted row's emitted
-        tokens in order) and each entry's first index in it."""
-        batch, spec = self.batch, sched.spec_token_ids
+        the target's distribution allows (q: the draft model's `proposal`, else point masses).
+        Returns the flat output (a drafted row's emitted tokens in order) and each entry's
+        first index in it."""
+        batch = self.batch
+        spec = sched.spec_token_ids if proposal is None else proposal.tokens
         num_drafts = np.asarray(
             [len(spec.get(s, ())) if not no else 0 for s, no in zip(seq_ids, sample_no.tolist())],
             dtype=np.int64,
@@ -341,7 +358,19 @@ class ModelRunner:
         greedy = None if md.all_greedy else md.greedy
         if greedy is None and not md.all_greedy:
             greedy = torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
-        result = verify(processed, self._to_dev(drafts_x), greedy, noise, num_drafts)
+        q = None
+        if proposal is not None and proposal.probs is not None and noise is not None:
+            # q rows in the expanded layout (bonus rows and rows without drafts stay 0).
+            q_rows, q_src = [], []
+            for e in np.flatnonzero(num_drafts).tolist():
+                first, off = int(first_row[e]), proposal.offsets[seq_ids[e]]
+                q_rows.extend(range(first, first + int(num_drafts[e])))
+                q_src.extend(range(off, off + int(num_drafts[e])))
+            q = processed.new_zeros(processed.shape)
+            q.index_copy_(0, self._to_dev(q_rows), proposal.probs[self._to_dev(q_src)])
+        result = verify(processed, self._to_dev(drafts_x), greedy, noise, num_drafts, q)
+        if self.draft is not None:
+            self.draft.after_verify(seq_ids, num_drafts, result.num_accepted, spec)
         emitted = result.num_accepted + 1
         flat = np.cumsum(emitted) - emitted
         emit_rows = np.repeat(first_row, emitted) + (

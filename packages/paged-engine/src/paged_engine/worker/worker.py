@@ -17,6 +17,7 @@ from paged_engine.distributed.communication import all_reduce_min
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import make_batch_invariant
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
+from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
@@ -86,6 +87,7 @@ class Worker:
             config.attention_backend, self.device, batch_invariant=config.batch_invariant
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
+        attach_draft_model(self.model_runner)  # speculative_config={"model": ...}
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
 
     def determine_num_blocks(self) -> int:

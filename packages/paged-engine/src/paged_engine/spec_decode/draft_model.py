@@ -1,0 +1,232 @@
+"""`DraftModelRunner`: a small draft model that proposes a step's drafts on the worker
+(speculative_config={"model": ..., "num_speculative_tokens": k}).
+
+The draft keeps its own paged KV cache: a second set of per-layer K/V tensors with the same number
+of blocks and block size as the target's, indexed by the same block tables. The scheduler and
+block manager never know it exists: every block a sequence holds holds both models' KV for the
+same positions, and copy-on-write, swaps and frees apply to both caches alike.
+
+One invariant per sequence, before a step: the draft cache holds positions [0, start - lag) of
+every token the target has computed, where start is the step's first position and lag is 0 or
+1. A step runs, per row of the batch (every row, speculating or not):
+
+    pass 1   the draft runs [lag token] + the row's own new tokens (a prefill chunk, or the last
+             token at position c); a drafting row samples draft 1 from the logits at c
+    pass j   rows with >= j drafts run draft j-1 at position c + j - 1 and sample draft j
+
+so the draft cache then holds [0, c + d) for a row with d drafts. The target accepts a <= d of
+them and computes [0, c + 1 + a): the draft is behind only when a == d (draft d at c + d is
+accepted but the draft never ran it). That token is the row's lag token, run first next step.
+Positions past the accepted length hold rejected drafts and are overwritten later, exactly like
+the target's. A sequence the worker drops (finished, preempted) forgets its lag: it comes back
+with its whole prefix to compute, for both models.
+
+Draft tokens are drawn with the sampling settings of the row (temperature, top-k / top-p /
+min-p, min_tokens), from the processed draft distribution q, with noise independent of the
+verification's (seeded rows use a salted seed): the rejection sampler needs q and the draft.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from paged_engine.attention import AttentionMetadata, HostLengths
+from paged_engine.worker.cache_engine import CacheEngine
+
+if TYPE_CHECKING:
+    from paged_engine.core.sched_output import SchedulerOutput
+    from paged_engine.worker.input_batch import CachedSeq
+    from paged_engine.worker.model_runner import ModelRunner, StepInputs
+
+# XOR-ed into a seeded row's draw seed for its draft draw: the verification draws with the
+# unsalted seed, and the two must be independent.
+_DRAFT_SEED_SALT = 0x2545F4914F6CDD1D
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    tokens: dict[int, list[int]]  # seq id -> its drafts (host), as many as it was scheduled
+    probs: Tensor | None  # [sum of drafts, V] float32 q per draft, None when every row is greedy
+    offsets: dict[int, int]  # seq id -> the row of its first draft in `probs`
+
+
+class DraftModelRunner:
+    def __init__(self, model: torch.nn.Module, hf_config, runner: ModelRunner) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.runner = runner  # the target's runner: batch, backend, sampler, device
+        self.dtype = next(model.parameters()).dtype
+        self.cache: CacheEngine | None = None
+        self._lag: dict[int, int] = {}  # seq id -> accepted token the draft has not run
+
+    # ---- cache ----------------------------------------------------------------------------------
+    def bytes_per_block(self, block_size: int) -> int:
+        return CacheEngine.bytes_per_block(self.hf_config, block_size, self.dtype)
+
+    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        """Same block count (and CPU pool) as the target's cache, in the draft's dtype."""
+        r = self.runner
+        self.cache = CacheEngine(
+            self.hf_config,
+            num_blocks,
+            r.block_size,
+            dtype=self.dtype,
+            device=r.device,
+            backend=r.backend,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+
+    def forget(self, seq_id: int) -> None:
+        self._lag.pop(seq_id, None)
+
+    # ---- one step -------------------------------------------------------------------------------
+    def propose(
+        self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
+    ) -> DraftProposal:
+        """Run the draft over the step (pass 1, every row) and its drafting rows (passes 2..k);
+        write the drafts into `inputs.input_ids` at their positions and return them."""
+        r = self.runner
+        spec = sched.spec_token_ids
+        num_new = np.asarray(sched.num_new_tokens, dtype=np.int64)
+        num_drafts = np.asarray([len(spec.get(s, ())) for s in sched.seq_ids], dtype=np.int64)
+        base = num_new - num_drafts  # the row's own tokens (a prefill chunk or its last token)
+        starts = np.asarray(sched.start_positions, dtype=np.int64)
+        lag_tokens = [self._lag.pop(s, None) for s in sched.seq_ids]
+        lag = np.asarray([t is not None for t in lag_tokens], dtype=np.int64)
+
+        # Pass 1: [lag token] + the row's own tokens, gathered from cat(target ids, lag tokens).
+        total = int(inputs.cu[-1])
+        parts: list[np.ndarray] = []
+        num_lag = 0
+        for i in range(len(cached)):
+            if lag[i]:
+                parts.append(np.asarray([total + num_lag], dtype=np.int64))
+                num_lag += 1
+            a = int(inputs.cu[i])
+            parts.append(np.arange(a, a + int(base[i]), dtype=np.int64))
+        source = inputs.input_ids
+        extra = [t for t in lag_tokens if t is not None]
+        if extra:
+            source = torch.cat([source, r._to_dev(extra)])
+        ids = source.index_select(0, r._to_dev(np.concatenate(parts)))
+        q_lens, ends = base + lag, starts + base
+        hidden = self._forward(ids, inputs.rows, q_lens, ends)
+
+        drafting = np.flatnonzero(num_drafts)  # batch indices of the rows that draft
+        if drafting.size == 0:
+            return DraftProposal({}, None, {})
+        nd = num_drafts[drafting]
+        c = ends[drafting] - 1  # position of each drafting row's last token
+        last = np.cumsum(q_lens)[drafting] - 1  # its row in pass 1's output
+        logits = self.model.compute_logits(hidden.index_select(0, r._to_dev(last)))
+        k = int(nd.max())
+        tokens = torch.zeros((drafting.size, k), dtype=torch.int64, device=r.device)
+        probs: Tensor | None = None
+        live = np.arange(drafting.size)  # drafting rows still drafting at pass j
+        for j in range(1, k + 1):
+            if j > 1:  # run draft j-1 of the rows that want draft j
+                live = live[nd[live] >= j]
+                live_d = r._to_dev(live)
+                prev = tokens[:, j - 2].index_select(0, live_d)
+                ones = np.ones(live.size, dtype=np.int64)
+                hidden = self._forward(prev, inputs.rows[drafting[live]], ones, c[live] + j)
+                logits = self.model.compute_logits(hidden)
+            else:
+                live_d = r._to_dev(live)
+            tok, q = self._sample(logits.float(), cached, drafting[live], inputs, c[live] + j)
+            tokens[:, j - 1].index_copy_(0, live_d, tok)
+            if q is not None:
+                if probs is None:
+                    probs = q.new_zeros((drafting.size, k, q.shape[1]))
+                probs[:, j - 1].index_copy_(0, live_d, q)
+
+        # Row-major over (drafting row, draft j): the target's layout of draft rows.
+        mask = np.arange(k)[None, :] < nd[:, None]
+        flat = r._to_dev(np.flatnonzero(mask.ravel()))
+        drafts = tokens.view(-1).index_select(0, flat)
+        # Draft j of batch row i runs at cu[i] + base[i] + j - 1 of the target's step.
+        dst = np.concatenate(
+            [inputs.cu[i] + base[i] + np.arange(d) for i, d in zip(drafting.tolist(), nd.tolist())]
+        )
+        inputs.input_ids.index_copy_(0, r._to_dev(dst), drafts)
+        host = drafts.tolist()
+        out: dict[int, list[int]] = {}
+        offsets: dict[int, int] = {}
+        at = 0
+        for i, d in zip(drafting.tolist(), nd.tolist()):
+            seq_id = sched.seq_ids[i]
+            out[seq_id], offsets[seq_id] = host[at : at + d], at
+            at += d
+        if probs is not None:
+            probs = probs.view(-1, probs.shape[2]).index_select(0, flat)
+        return DraftProposal(out, probs, offsets)
+
+    def after_verify(
+        self,
+        seq_ids: list[int],
+        num_drafts: np.ndarray,
+        num_accepted: np.ndarray,
+        drafts: dict[int, list[int]],
+    ) -> None:
+        """Rows whose every draft was accepted: their last draft is next step's lag token."""
+        for seq_id, d, a in zip(seq_ids, num_drafts.tolist(), num_accepted.tolist()):
+            if d and a == d:
+                self._lag[seq_id] = drafts[seq_id][-1]
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _forward(self, ids: Tensor, rows: np.ndarray, q_lens: np.ndarray, ends: np.ndarray):
+        """The draft over `q_lens[i]` tokens of batch row rows[i] ending at position ends[i] - 1
+        (through the target's block tables, into the draft's cache). Returns hidden [T, D]."""
+        r, bs = self.runner, self.runner.block_size
+        assert self.cache is not None
+        batch = r.batch
+        cu = np.zeros(rows.size + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        positions = np.arange(num_tokens) + np.repeat(ends - q_lens - cu[:-1], q_lens)
+        tok_rows = np.repeat(rows, q_lens)
+        slots = batch.block_table_np[tok_rows, positions // bs].astype(np.int64) * bs
+        slots += positions % bs
+        max_k = int(ends.max())
+        width = -(-max_k // bs)
+        tables_np = batch.block_table_np[rows, :width]
+        if r.device.type == "cpu":
+            block_tables = torch.from_numpy(tables_np)
+        else:
+            block_tables = batch.block_table[:, :width].index_select(0, r._to_dev(rows))
+        slots_d, positions_d = r._upload(slots, positions)
+        seq_lens_d, cu_d = r._upload(ends.astype(np.int32), cu.astype(np.int32))
+        meta: AttentionMetadata = r.backend.build_metadata(
+            slot_mapping=slots_d,
+            block_tables=block_tables,
+            cu_seqlens_q=cu_d,
+            seq_lens=seq_lens_d,
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=max_k,
+            host=HostLengths(cu, ends, tables_np, slots),
+        )
+        return self.model(ids, positions_d, self.cache.kv_caches, meta)
+
+    def _sample(self, raw: Tensor, cached, src: np.ndarray, inputs, positions: np.ndarray):
+        """Draft tokens [R] and, unless every row is greedy, q [R, V] (the processed draft
+        distribution they were drawn from) for batch indices `src` at `positions`."""
+        r = self.runner
+        rows = inputs.rows[src]
+        out_pos = positions - r.batch.num_prompt[rows]
+        md = r._sampling_metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos)
+        x = r.sampler.process_logits(raw, md)
+        if md.all_greedy:
+            return x.max(dim=-1).indices, None
+        if md.seeds:
+            md = dataclasses.replace(md, seeds=[(k, s ^ _DRAFT_SEED_SALT) for k, s in md.seeds])
+        q = x.softmax(dim=-1)
+        tokens = (q / r.sampler.noise(x.shape, md, x.device)).max(dim=-1).indices
+        if md.greedy is not None:
+            tokens = torch.where(md.greedy, x.max(dim=-1).indices, tokens)
+        return tokens, q

@@ -251,10 +251,13 @@ def test_scales_loaded_from_the_checkpoint(tiny_model_factory, tmp_path):
         _llm(bad, "fp8")
 
 
-def test_tp2_ranks_calibrate_the_same_scales(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_parallel_ranks_calibrate_the_single_process_scales(tiny_model_factory, tmp_path, tp, pp):
     """Tensor parallelism: each rank sees only its KV heads, and the scales are the max over
     the ranks, so every rank has the single process's scales. Layer 0's second KV head (rank
-    1's shard) is made 8x larger, so rank 0's own amax alone would give a smaller scale."""
+    1's shard) is made 8x larger, so rank 0's own amax alone would give a smaller scale (1/8 for
+    K). Pipeline parallelism: the second stage calibrates on the first stage's hidden states
+    (outputs equal the single process's)."""
     src = tiny_model_factory("llama")  # 2 KV heads: one per rank
     path = tmp_path / "skewed"
     shutil.copytree(src, path)
@@ -267,10 +270,10 @@ def test_tp2_ranks_calibrate_the_same_scales(tiny_model_factory, tmp_path):
     one = _llm(path, "fp8")
     want_scales, want = _scales(one), _greedy(one, prompts, max_tokens=6)
     one.llm_engine.shutdown()
-    two = _llm(path, "fp8", tensor_parallel_size=2)
+    two = _llm(path, "fp8", tensor_parallel_size=tp, pipeline_parallel_size=pp)
     got_scales, got = _scales(two), _greedy(two, prompts, max_tokens=6)  # rank 0's scales
     two.llm_engine.shutdown()
-    assert got_scales == want_scales
+    assert got_scales == want_scales[: len(got_scales)] and len(got_scales) == 2 // pp
     assert [o for _, o, _ in got] == [o for _, o, _ in want]
     for (_, _, a), (_, _, b) in zip(got, want):
         assert a == pytest.approx(b, abs=1e-4)

@@ -53,30 +53,6 @@ def test_resolve_missing_path_is_clear():
         resolve_model("/nonexistent/model/dir")
 
 
-def test_resolve_uncached_hub_id_says_no_download(tmp_path, monkeypatch):
-    from huggingface_hub import constants
-
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(
-        FileNotFoundError, match=r"not in the Hugging Face hub cache.*never downloads"
-    ):
-        resolve_model("some-org/not-a-cached-model")
-
-
-def test_resolve_cached_hub_id(tmp_path, monkeypatch, tiny_llama_dir):
-    from huggingface_hub import constants
-
-    repo = tmp_path / "models--some-org--tiny-llama"
-    commit = "0" * 40
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
-    shutil.copytree(tiny_llama_dir, repo / "snapshots" / commit)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
-    r = resolve_model("some-org/tiny-llama")
-    assert r.path == repo / "snapshots" / commit
-    assert load_hf_config(r).model_type == "llama"
-
-
 def test_resolve_gguf_file_and_dir(tmp_path):
     src = default_model_path()
     assert src.name.endswith(".gguf")

@@ -95,7 +95,8 @@ def test_weights_are_counted_from_the_headers(tiny_llama_dir: Path) -> None:
     assert count_weights(resolved, "pt") is None
 
 
-def test_a_missing_model_names_hf_download_in_one_short_error() -> None:
+def test_a_missing_model_names_hf_download_in_one_short_error(monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests never reach the network
     with pytest.raises(FileNotFoundError) as e:
         resolve_model("paged-tests/no-such-model-anywhere")
     message = str(e.value)

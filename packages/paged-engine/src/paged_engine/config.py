@@ -28,6 +28,11 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    # Hub ids (hub.py): branch / tag / commit of the model and of a separate tokenizer, and a
+    # cache directory other than huggingface_hub's standard one.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None

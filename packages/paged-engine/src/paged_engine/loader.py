@@ -1,10 +1,11 @@
-"""Find a model (local dir, .gguf file, offline HF cache), build it, and load its weights.
+"""Find a model (local dir, .gguf file, hub id), build it, and load its weights.
 
     resolved = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     config = load_hf_config(resolved)
     model = load_model(resolved, config, dtype=resolve_dtype("auto", config), device=device)
 
-Nothing here downloads: hub ids resolve through the local Hugging Face cache only.
+Hub ids resolve through huggingface_hub (hub.py): the local cache, downloading what is missing
+unless HF_HUB_OFFLINE=1.
 """
 
 from __future__ import annotations
@@ -40,8 +41,15 @@ class ResolvedModel:
         return self.gguf_file is not None
 
 
-def resolve_model(model: str | Path) -> ResolvedModel:
-    """A local HF-format dir, a .gguf file (or a dir holding exactly one), or a cached hub id."""
+def resolve_model(
+    model: str | Path,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    weights: bool = True,
+) -> ResolvedModel:
+    """A local HF-format dir, a .gguf file (or a dir holding exactly one), or a hub id
+    (`revision`: branch, tag or commit; `download_dir`: a cache other than the standard one;
+    `weights=False`: a tokenizer-only use, so a hub download skips the weight files)."""
     name = str(model)
     path = Path(name).expanduser()
     if path.is_file():
@@ -57,7 +65,9 @@ def resolve_model(model: str | Path) -> ResolvedModel:
         return ResolvedModel(name, gguf_file.parent, gguf_file)
     if not _HUB_ID.match(name) or name.startswith((".", "/", "~")):
         raise FileNotFoundError(f"model path {name!r} does not exist")
-    return _resolve_dir(name, _hub_snapshot(name))
+    from paged_engine.hub import hub_snapshot
+
+    return _resolve_dir(name, hub_snapshot(name, revision, download_dir, weights))
 
 
 def _resolve_dir(name: str, path: Path) -> ResolvedModel:
@@ -70,20 +80,6 @@ def _resolve_dir(name: str, path: Path) -> ResolvedModel:
         listed = ", ".join(g.name for g in ggufs)
         raise ValueError(f"{path} holds several .gguf files ({listed}); pass one file path")
     raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
-
-
-def _hub_snapshot(repo_id: str) -> Path:
-    from huggingface_hub import constants, snapshot_download
-
-    try:
-        return Path(snapshot_download(repo_id=repo_id, local_files_only=True))
-    except Exception:  # LocalEntryNotFoundError, RepositoryNotFoundError, ...
-        # `from None`: the hub's chained traceback says the same thing at length.
-        raise FileNotFoundError(
-            f"model {repo_id!r} is not a local path and is not in the Hugging Face hub cache "
-            f"({constants.HF_HUB_CACHE}). paged never downloads models: fetch it first with "
-            f"`hf download {repo_id}` (huggingface_hub's CLI) or pass a local directory."
-        ) from None
 
 
 def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):

@@ -38,7 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="HF model dir, .gguf file or cached hub id; default: SmolLM2-135M-Instruct",
+        help="HF model dir, .gguf file or hub id (downloaded unless cached or HF_HUB_OFFLINE=1);"
+        " default: SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--revision", default=None, help="hub branch, tag or commit of the model")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: model's)")
+    p.add_argument("--tokenizer-revision", default=None, help="hub revision of --tokenizer")
+    p.add_argument(
+        "--download-dir", default=None, help="hub cache directory (default: huggingface_hub's)"
     )
     p.add_argument(
         "--served-model-name",
@@ -163,6 +170,10 @@ def build_engine(args: argparse.Namespace) -> Any:
         model = str(default_model_path())
     config = EngineConfig(
         model=model,
+        revision=args.revision,
+        tokenizer=args.tokenizer,
+        tokenizer_revision=args.tokenizer_revision,
+        download_dir=args.download_dir,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

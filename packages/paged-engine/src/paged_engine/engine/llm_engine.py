@@ -92,10 +92,14 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         logger.info("resolving model %s", config.model)
-        self.resolved = resolve_model(config.model)
+        self.resolved = resolve_model(config.model, config.revision, config.download_dir)
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
         self.tokenizer = load_tokenizer(
-            self.resolved if config.tokenizer is None else resolve_model(config.tokenizer),
+            self.resolved
+            if config.tokenizer is None
+            else resolve_model(
+                config.tokenizer, config.tokenizer_revision, config.download_dir, weights=False
+            ),
             trust_remote_code=config.trust_remote_code,
         )
         if config.chat_template is not None:

@@ -28,6 +28,9 @@ _EXPORTS = {
     "CompletionOutput": "paged_engine.outputs",
     "RequestMetrics": "paged_engine.outputs",
     "Logprob": "paged_engine.outputs",
+    "PoolingParams": "paged_engine.pooling",
+    "PoolingRequestOutput": "paged_engine.pooling",
+    "EmbeddingRequestOutput": "paged_engine.pooling",
 }
 
 __all__ = [
@@ -36,11 +39,14 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineConfig",
     "EngineStats",
     "GuidedDecodingParams",
     "LLMEngine",
     "Logprob",
+    "PoolingParams",
+    "PoolingRequestOutput",
     "RequestMetrics",
     "RequestOutput",
     "RequestOutputKind",
@@ -54,6 +60,7 @@ if TYPE_CHECKING:
     from paged_engine.engine.llm_engine import EngineStats, LLMEngine
     from paged_engine.llm import LLM
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from paged_engine.structured_output.params import (
         GuidedDecodingParams,

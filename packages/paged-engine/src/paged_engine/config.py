@@ -51,6 +51,8 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/config.py)
     speculative_config: dict | None = None
+    # Embeddings (pooling.py): {"pooling_type": "LAST" | "MEAN", "normalize": bool}
+    pooler_config: dict | None = None
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
@@ -192,6 +194,10 @@ class EngineConfig:
             self.pipeline_parallel_size,
             "an int >= 1",
         )
+        if self.pooler_config is not None:
+            from paged_engine.pooling import check_pooler_config
+
+            check_pooler_config(self.pooler_config)  # raises naming the key
         if self.speculative_config is not None:
             from paged_engine.spec_decode.config import SpeculativeConfig
 

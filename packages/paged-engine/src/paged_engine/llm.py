@@ -16,6 +16,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import EngineStats, LLMEngine
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.outputs import RequestOutput
+from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -127,12 +128,36 @@ class LLM:
             out.prompt = text
         return outputs
 
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: one embedding per prompt (`out.outputs.embedding`), pooled from
+        the model's final hidden states as `pooler_config` says (last token by default,
+        L2-normalized), in input order. The requests batch like any others (pooling.py)."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(prompt_list)} prompts but {len(params_list)} pooling_params: "
+                    "pass one, or one per prompt"
+                )
+        outputs = self._run(list(zip(prompt_list, params_list)), use_tqdm)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
     def _run(
-        self, items: list[tuple[PromptType, SamplingParams | BeamSearchParams]], use_tqdm: bool
-    ) -> list[RequestOutput]:
+        self,
+        items: list[tuple[PromptType, SamplingParams | BeamSearchParams | PoolingParams]],
+        use_tqdm: bool,
+    ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -143,7 +168,7 @@ class LLM:
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, Any] = {}
         bar = _progress(len(ids)) if use_tqdm else None
         try:
             while engine.has_unfinished_requests():

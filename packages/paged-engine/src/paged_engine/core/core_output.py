@@ -60,6 +60,7 @@ class EngineCoreOutput:
     seqs: list[SeqUpdate] = field(default_factory=list)
     finished: bool = False
     prompt_logprobs: PromptLogprobsChunk | None = None
+    pooled: tuple[int, int, list[float]] | None = None  # an embedding request's chunk
     # Beam search: the live beams while running, the finished hypotheses (best first) at the end.
     beams: list[BeamHypothesis] | None = None
     first_scheduled_time: float | None = None

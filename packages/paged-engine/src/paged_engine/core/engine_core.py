@@ -178,6 +178,11 @@ class EngineCore:
                 req = seq.request
                 o = outputs.get(req.request_id) or self._new_output(req, outputs)
                 o.prompt_logprobs = chunk
+        for seq_id, pooled in out.pooled.items():
+            seq = live.get(seq_id)
+            if seq is not None:
+                req = seq.request
+                (outputs.get(req.request_id) or self._new_output(req, outputs)).pooled = pooled
         spec = sched.spec_token_ids
         i, n = 0, len(ids)
         # One iteration per sampled sequence: append, then eos / stop ids (from min_tokens on),

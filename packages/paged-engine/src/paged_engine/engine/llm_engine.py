@@ -36,6 +36,7 @@ from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.outputs import RequestOutput
+from paged_engine.pooling import PoolingParams, to_sampling_params
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_loader import check_draft_model
@@ -225,7 +226,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | dict,
-        params: SamplingParams | BeamSearchParams | None = None,
+        params: SamplingParams | BeamSearchParams | PoolingParams | None = None,
         arrival_time: float | None = None,
         *,
         final_only: bool = False,
@@ -243,6 +244,9 @@ class LLMEngine:
                 "beam search cannot run on an engine with speculative_config: build one "
                 "without speculative decoding for beam search"
             )
+        if isinstance(params, PoolingParams):  # an embedding (pooling.py): ends at its prefill
+            hidden_size = int(self.hf_config.hidden_size)
+            params = to_sampling_params(params, self.config.pooler_config, hidden_size)
         p = self.input_processor.make_request(request_id, prompt, params, arrival_time)
         req = p.request
         kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind

@@ -16,10 +16,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from paged_engine.core.core_output import EngineCoreOutput, PromptLogprobsChunk, SeqUpdate
 from paged_engine.engine.bytelevel_detokenizer import make_detokenizer
 from paged_engine.engine.detokenizer import find_stop, stop_holdback
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_engine.pooling import (
+    PooledChunks,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PoolingSamplingParams,
+)
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
@@ -77,6 +85,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    pooled: PooledChunks | None = None  # embedding requests (pooling.py)
 
 
 @dataclass(slots=True)
@@ -132,6 +141,8 @@ class OutputProcessor:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
             )
         state.seqs[0] = SeqText(0, detok)
+        if isinstance(params, PoolingSamplingParams):
+            state.pooled = PooledChunks()
         self.states[request_id] = state
 
     def abort(self, request_ids: list[str]) -> None:
@@ -151,6 +162,8 @@ class OutputProcessor:
                 state.num_cached_tokens = co.num_cached_tokens
             if co.prompt_logprobs is not None:
                 self._add_prompt_logprobs(state, co.prompt_logprobs)
+            if co.pooled is not None and state.pooled is not None:
+                state.pooled.add(*co.pooled)
             if co.beams is not None:
                 state.beams = co.beams
             if len(co.seqs) > 1:  # forks copy their parent as it was before this step
@@ -269,6 +282,16 @@ class OutputProcessor:
 
     # ---- outputs --------------------------------------------------------------------------------
     def _make_output(self, state: RequestState, finished: bool, now: float) -> RequestOutput | None:
+        if state.pooled is not None:  # an embedding: one output, when its prefill is done
+            if not finished:
+                return None
+            params = state.params
+            assert isinstance(params, PoolingSamplingParams)
+            vec = state.pooled.finish(params, len(state.prompt_token_ids))
+            data = PoolingOutput(torch.tensor(vec, dtype=torch.float32))
+            return PoolingRequestOutput(
+                state.request_id, data, state.prompt_token_ids, True, state.prompt
+            )
         kind = state.kind
         if not finished and (kind == _FINAL_ONLY or (kind == _DELTA and state.whole_at_end)):
             return None

@@ -74,6 +74,7 @@ class InputBatch:
         self.logprobs = np.zeros(max_num_seqs, dtype=bool)  # report or rank by logprobs
         self.beam = np.zeros(max_num_seqs, dtype=bool)
         self.prompt_logprobs = np.zeros(max_num_seqs, dtype=bool)
+        self.pooling = np.zeros(max_num_seqs, dtype=bool)  # embedding requests (pooler.py)
         self.token_rules = np.zeros(max_num_seqs, dtype=bool)  # allowed_token_ids / logit_bias
         self.num_beam_rows = 0
 
@@ -124,6 +125,7 @@ class InputBatch:
         self.logprobs[row] = not beam and (p.logprobs is not None or (p.best_of or 0) > p.n)
         self.beam[row] = beam
         self.prompt_logprobs[row] = seq.prompt_logprobs is not None and data.index == 0
+        self.pooling[row] = hasattr(p, "pooling_type")
         self.token_rules[row] = not beam and bool(p.allowed_token_ids or p.logit_bias)
         if beam:  # beams rank raw logprobs: no sampling settings apply
             self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = 0, 0, 1, 0

@@ -45,6 +45,7 @@ from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
+from paged_engine.worker.pooler import pool_hidden
 from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -318,8 +319,9 @@ class ModelRunner:
             lps, ids = log_softmax_topk(beam_logits, max(ks))
             beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
         prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
+        pooled = pool_hidden(batch, sched, cached, inputs, hidden) if batch.pooling.any() else []
         handle = AsyncRunnerOutput(
-            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt
+            sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt, pooled
         )
         if track_history:
             self._track_history(handle, cached, src, sample_no, flat)

@@ -25,6 +25,8 @@ class ModelRunnerOutput:
     logprobs: LogprobsLists | None = None  # aligned with the sampled tokens
     beam_topk: dict[int, tuple[list[float], list[int]]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
+    # Embedding requests: seq id -> (first prompt position, positions, pooled vector)
+    pooled: dict[int, tuple[int, int, list[float]]] = field(default_factory=dict)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,7 @@ class AsyncRunnerOutput:
         num_logprobs: list[int | None],
         beam: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None,
         prompt: list[tuple[int, int, int, torch.Tensor]],  # (seq_id, start, k, packed)
+        pooled: list[tuple[int, int, int, torch.Tensor]] | None = None,  # worker/pooler.py
     ) -> None:
         self.step_id = step_id
         self._seq_ids = seq_ids
@@ -75,6 +78,7 @@ class AsyncRunnerOutput:
             beam_ids, ks, lps, ids = beam
             self._beam = (beam_ids, ks, _to_host(lps), _to_host(ids))
         self._prompt = [(sid, start, k, _to_host(p)) for sid, start, k, p in prompt]
+        self._pooled = [(sid, start, n, _to_host(v)) for sid, start, n, v in pooled or ()]
         self._event = None
         device = next(
             (t.device for t in (token_ids, logprobs) if t is not None), torch.device("cpu")
@@ -111,5 +115,7 @@ class AsyncRunnerOutput:
             out.prompt_logprobs[sid] = PromptLogprobsChunk(
                 start, unpack(packed.tolist(), [k] * packed.shape[0])
             )
+        for sid, start, n, vec in self._pooled:
+            out.pooled[sid] = (start, n, vec.tolist())
         self._result = out
         return out

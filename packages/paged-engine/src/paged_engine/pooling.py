@@ -1,0 +1,158 @@
+"""Embeddings from a decoder model (vLLM's pooling API: `LLM.embed`, `PoolingParams`).
+
+A pooling request is a generation request that ends at its prefill: it runs through the same
+scheduler and step as every other request (chunked prefill, preemption, batching with decodes),
+samples one throwaway token greedily and finishes by length. On every step that computes some of
+its prompt, the worker pools the final (normed) hidden states of those positions
+(worker/pooler.py) and the output processor adds the chunks up:
+
+    LAST: the hidden state of the last prompt token (what vLLM uses for decoder embed models)
+    MEAN: the mean over every prompt token (prefix caching is off for such requests: cached
+          positions never run through the model)
+
+then L2-normalizes (unless `normalize=False`) into `EmbeddingRequestOutput.outputs.embedding`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_engine.sampling_params import SamplingParams
+
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """Per-request pooling options (vLLM's names). `dimensions` (Matryoshka truncation) is
+    accepted only as None or the model's hidden size; `normalize=None` takes the engine's
+    `pooler_config` (normalized by default, as vLLM does for embedding models)."""
+
+    normalize: bool | None = None
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be a bool or None, got {self.normalize!r}")
+        v = self.dimensions
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"dimensions must be a positive int or None, got {v!r}")
+
+
+@dataclass(slots=True)
+class PoolingSamplingParams(SamplingParams):
+    """What the engine runs for a pooling request: one greedy token, never detokenized, plus
+    how to pool. Built by `to_sampling_params`; not a user-facing class."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+
+def to_sampling_params(
+    params: PoolingParams, pooler_config: dict | None, hidden_size: int
+) -> PoolingSamplingParams:
+    if params.dimensions is not None and params.dimensions != hidden_size:
+        raise ValueError(
+            f"dimensions={params.dimensions} is not supported: this model's embeddings have "
+            f"{hidden_size} dimensions and it was not trained for truncated (Matryoshka) ones"
+        )
+    cfg = check_pooler_config(pooler_config)
+    normalize = cfg["normalize"] if params.normalize is None else params.normalize
+    return PoolingSamplingParams(
+        temperature=0.0,
+        max_tokens=1,
+        ignore_eos=True,
+        detokenize=False,
+        pooling_type=cfg["pooling_type"],
+        normalize=normalize,
+    )
+
+
+def check_pooler_config(pooler_config: dict | None) -> dict:
+    """{"pooling_type": "LAST" | "MEAN", "normalize": bool} with defaults filled in."""
+    cfg = {"pooling_type": "LAST", "normalize": True}
+    unknown = set(pooler_config or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"pooler_config has unknown keys {sorted(unknown)}; use {sorted(cfg)}")
+    cfg.update(pooler_config or {})
+    cfg["pooling_type"] = str(cfg["pooling_type"]).upper()
+    if cfg["pooling_type"] not in POOLING_TYPES:
+        raise ValueError(
+            f"pooler_config.pooling_type must be one of {POOLING_TYPES}, "
+            f"got {pooler_config['pooling_type']!r}"
+        )
+    if not isinstance(cfg["normalize"], bool):
+        raise ValueError(f"pooler_config.normalize must be a bool, got {cfg['normalize']!r}")
+    return cfg
+
+
+@dataclass(slots=True)
+class PooledChunks:
+    """The worker's pooled pieces of one request, by first prompt position. A recompute after
+    a preemption starts again at position 0 and replaces what was there."""
+
+    chunks: dict[int, tuple[int, list[float]]] = field(default_factory=dict)
+
+    def add(self, start: int, count: int, vector: list[float]) -> None:
+        if start == 0:
+            self.chunks.clear()
+        self.chunks[start] = (count, vector)
+
+    def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list[float]:
+        if params.pooling_type == "LAST":  # the worker sends the last position alone
+            pooled = list(self.chunks[num_prompt_tokens - 1][1])
+        else:
+            pos, total = 0, None
+            while pos < num_prompt_tokens:  # the chunks tile [0, num_prompt_tokens)
+                count, vec = self.chunks[pos]
+                total = list(vec) if total is None else [a + b for a, b in zip(total, vec)]
+                pos += count
+            assert total is not None
+            pooled = [v / num_prompt_tokens for v in total]
+        if params.normalize:
+            norm = math.sqrt(sum(v * v for v in pooled))
+            pooled = [v / max(norm, 1e-12) for v in pooled]
+        return pooled
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: Any  # torch.Tensor [hidden_size], float32
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's `PoolingRequestOutput`: what the engine returns for a pooling request."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's `EmbeddingRequestOutput` (`LLM.embed`): `outputs.embedding` is a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        embedding = EmbeddingOutput(out.outputs.data.tolist())
+        return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from paged_server import __version__
+from paged_server.embeddings import serve_embeddings
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
@@ -79,6 +80,7 @@ class OpenAIApp:
             "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
+            "/v1/embeddings": {"POST": self.embeddings},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
@@ -229,6 +231,9 @@ class OpenAIApp:
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+
+    def embeddings(self, h: Handler) -> None:
+        serve_embeddings(self, h)  # embeddings.py
 
     # ---- generation ------------------------------------------------------------------------
     def completions(self, h: Handler) -> None:

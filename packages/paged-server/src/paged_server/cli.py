@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(default: last token, normalized)",
+    )
+    p.add_argument(
         "--data-parallel-size",
         "-dp",
         type=int,
@@ -188,6 +195,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
+        pooler_config=args.pooler_config,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype,

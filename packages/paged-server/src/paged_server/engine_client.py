@@ -283,7 +283,7 @@ class EngineClient:
             group.add_error = group.add_error or APIError(503, str(e))
         except ValueError as e:
             group.add_error = group.add_error or bad_request(
-                str(e), _guess_param(str(e), _SP_FIELDS)
+                str(e), _guess_param(str(e), _SP_FIELDS | {"dimensions"})
             )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)
@@ -357,7 +357,8 @@ class EngineClient:
         the inter-token sum and count are those of per-step observation.
         """
         m, rm = self.metrics, out.metrics
-        steps = max((len(o.token_ids) for o in out.outputs), default=0)
+        seqs = out.outputs if isinstance(out.outputs, list) else []  # [] for an embedding
+        steps = max((len(o.token_ids) for o in seqs), default=0)
         if steps:
             first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
             if stream.last_token is None:
@@ -370,14 +371,15 @@ class EngineClient:
             if gaps:
                 m.itl.observe((last - start) / gaps, count=gaps)
             stream.last_token = last
-        for s in out.outputs:  # DELTA outputs may carry a sequence's finish before the end
+        for s in seqs:  # DELTA outputs may carry a sequence's finish before the end
             if s.finish_reason is not None and (
                 stream.finished_seq is None or s.index < stream.finished_seq[0]
             ):
                 stream.finished_seq = (s.index, s.finish_reason)
         if out.finished:
             m.e2e.observe(now - stream.arrival)
-            m.finished[stream.finished_seq[1] if stream.finished_seq else "unknown"] += 1
+            reason = stream.finished_seq[1] if stream.finished_seq else "unknown"
+            m.finished["stop" if out.outputs is not seqs else reason] += 1  # embeddings: stop
 
     # ---- either thread ---------------------------------------------------------------------
     def _fail(self, request_ids: list[str] | None, err: APIError) -> list[str]:

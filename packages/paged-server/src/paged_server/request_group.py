@@ -57,7 +57,8 @@ class RequestGroup:
                 raise out
             self.latest[index] = out
             self.num_finished += out.finished
-            self.num_generated_tokens += sum(len(o.token_ids) for o in out.outputs)
+            if isinstance(out.outputs, list):  # an embedding's output has no tokens
+                self.num_generated_tokens += sum(len(o.token_ids) for o in out.outputs)
             arrived.append(item)
             try:
                 item = self.queue.get_nowait()

@@ -1,0 +1,172 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings API over the engine's pooling requests.
+
+    {"model": M, "input": "text" | ["text", ...] | [ids] | [[ids], ...],
+     "encoding_format": "float" | "base64", "dimensions": N, "user": ...}
+    -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
+        "model": M, "usage": {"prompt_tokens": n, "total_tokens": n}}
+
+vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default
+true), `normalize`. The pooling itself (last token or mean, `--pooler-config`) is the engine's:
+paged_engine/pooling.py. base64 is the little-endian float32 bytes, as OpenAI encodes them (the
+official Python client asks for it by default).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from paged_engine.pooling import PoolingParams
+from paged_server.errors import bad_request
+
+if TYPE_CHECKING:
+    from paged_server.app import OpenAIApp
+    from paged_server.http import Handler
+
+_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "encoding_format",
+        "dimensions",
+        "user",
+        "truncate_prompt_tokens",
+        "add_special_tokens",
+        "normalize",
+    }
+)
+
+
+@dataclass(slots=True)
+class EmbeddingRequest:
+    model: str | None
+    inputs: list[str | list[int]]
+    encoding_format: str
+    params: PoolingParams
+    truncate_prompt_tokens: int | None
+    add_special_tokens: bool
+
+
+def parse_embedding(body: Any) -> EmbeddingRequest:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise bad_request(
+            f"parameter '{unknown[0]}' is not supported by /v1/embeddings", unknown[0]
+        )
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    inputs = _inputs(body.get("input"))
+    fmt = body.get("encoding_format", "float")
+    if fmt is None:
+        fmt = "float"
+    if fmt not in ("float", "base64"):
+        raise bad_request(
+            f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format"
+        )
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (
+        isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1
+    ):
+        raise bad_request("'truncate_prompt_tokens' must be an int >= 1", "truncate_prompt_tokens")
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+    try:
+        params = PoolingParams(normalize=body.get("normalize"), dimensions=body.get("dimensions"))
+    except ValueError as e:
+        param = "dimensions" if "dimensions" in str(e) else "normalize"
+        raise bad_request(str(e), param) from None
+    return EmbeddingRequest(model, inputs, fmt, params, truncate, special)
+
+
+def _inputs(value: Any) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> one entry per embedding."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise bad_request(
+            "'input' must be a non-empty string, list of strings, list of token ids or list of "
+            "token id lists",
+            "input",
+        )
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return [value]
+    for i, item in enumerate(value):
+        ok = isinstance(item, str) or (
+            isinstance(item, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+        )
+        if not ok:
+            raise bad_request(f"input[{i}] must be a string or a list of token ids", "input")
+        if not item:
+            raise bad_request(f"input[{i}] is empty", "input")
+    return value
+
+
+def encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+
+
+def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
+    req = parse_embedding(h.read_json())
+    model = app._model(req.model)
+    ids = []
+    for i, item in enumerate(req.inputs):
+        if isinstance(item, str):
+            with app.tok_lock:
+                tokens = app.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
+        else:
+            app._check_ids(item, "input")
+            tokens = list(item)
+        if req.truncate_prompt_tokens is not None:
+            tokens = tokens[-req.truncate_prompt_tokens :]
+        if len(tokens) >= app.max_model_len:
+            raise bad_request(
+                f"input[{i}] has {len(tokens)} tokens; this model's maximum context length is "
+                f"{app.max_model_len} (set truncate_prompt_tokens to keep the last tokens)",
+                "input",
+            )
+        ids.append(tokens)
+    app.client.check_queue()
+    rid = f"embd-{uuid.uuid4().hex}"
+    rids = [f"{rid}-{i}" for i in range(len(ids))]
+    group = app.client.add(rids, [{"prompt_token_ids": t} for t in ids], req.params)
+    try:
+        while not group.wait_added(app.poll_interval):
+            if h.client_gone():
+                raise ConnectionResetError("client disconnected")
+        app._wait(h, group)
+    finally:
+        if not group.done:
+            app.client.abort(rids)
+            h.log_extra += " aborted"
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": encode(out.outputs.data.tolist(), req.encoding_format),
+        }
+        for i, out in enumerate(group.latest)
+    ]
+    num_tokens = sum(len(t) for t in ids)
+    h.log_extra += f" prompt_tokens={num_tokens}"
+    h.send_json(
+        200,
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        },
+    )

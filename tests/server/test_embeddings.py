@@ -1,0 +1,114 @@
+"""/v1/embeddings with the official `openai` client against a real server on a tiny llama,
+checked against HF transformers' final hidden state of the same weights (last token, L2)."""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+import torch
+from server_proc import MAX_MODEL_LEN, ServerProc
+
+openai = pytest.importorskip("openai")
+
+TEXTS = ["Hello, my name is", "The capital of France is", "one two three"]
+
+
+@pytest.fixture(scope="module")
+def client(real_server: ServerProc):
+    return openai.OpenAI(base_url=real_server.url + "/v1", api_key="EMPTY", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model)
+
+
+def reference(hf, ids: list[int]) -> torch.Tensor:
+    model, _ = hf
+    with torch.no_grad():
+        h = model.base_model(torch.tensor([ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(h, dim=-1)
+
+
+def test_openai_client_embeddings_match_hf(client, hf) -> None:
+    tok = hf[1]
+    r = client.embeddings.create(model="tiny", input=TEXTS)  # the client asks for base64
+    assert r.object == "list" and r.model == "tiny" and [d.index for d in r.data] == [0, 1, 2]
+    ids = [tok.encode(t) for t in TEXTS]
+    assert r.usage.prompt_tokens == r.usage.total_tokens == sum(len(i) for i in ids)
+    for d, i in zip(r.data, ids):
+        assert d.object == "embedding"
+        torch.testing.assert_close(
+            torch.tensor(d.embedding), reference(hf, i), atol=1e-5, rtol=1e-4
+        )
+    floats = client.embeddings.create(model="tiny", input=TEXTS[0], encoding_format="float")
+    torch.testing.assert_close(
+        torch.tensor(floats.data[0].embedding), torch.tensor(r.data[0].embedding)
+    )
+
+
+def test_token_id_inputs(client, hf) -> None:
+    one = client.embeddings.create(model="tiny", input=[5, 6, 7, 8], encoding_format="float")
+    assert len(one.data) == 1 and one.usage.prompt_tokens == 4
+    torch.testing.assert_close(
+        torch.tensor(one.data[0].embedding), reference(hf, [5, 6, 7, 8]), atol=1e-5, rtol=1e-4
+    )
+    many = client.embeddings.create(model="tiny", input=[[5, 6, 7, 8], [9, 10]])
+    assert len(many.data) == 2 and many.usage.prompt_tokens == 6
+    torch.testing.assert_close(
+        torch.tensor(many.data[0].embedding), torch.tensor(one.data[0].embedding)
+    )
+
+
+def test_raw_http_shape_base64_and_truncation(real_server: ServerProc, hf) -> None:
+    body = {"model": "tiny", "input": "one two three", "encoding_format": "base64"}
+    status, _, r = real_server.request("POST", "/v1/embeddings", body)
+    assert status == 200 and r["object"] == "list" and r["id"].startswith("embd-")
+    (d,) = r["data"]
+    raw = base64.b64decode(d["embedding"])
+    vec = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw))
+    torch.testing.assert_close(
+        vec, reference(hf, hf[1].encode("one two three")), atol=1e-5, rtol=1e-4
+    )
+    long_ids = list(range(3, 3 + MAX_MODEL_LEN + 10))
+    body = {"input": long_ids, "truncate_prompt_tokens": 5, "encoding_format": "float"}
+    status, _, r = real_server.request("POST", "/v1/embeddings", body)
+    assert status == 200 and r["usage"]["prompt_tokens"] == 5
+    torch.testing.assert_close(
+        torch.tensor(r["data"][0]["embedding"]), reference(hf, long_ids[-5:]), atol=1e-5, rtol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "hi", "dimensions": 3}, "dimensions"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [["a"]]}, "input"),
+        ({"input": [1, 2, 10**9]}, "input"),
+        ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "hi", "bogus": 1}, "bogus"),
+        ({"input": list(range(3, 3 + MAX_MODEL_LEN))}, "input"),
+        ({"model": "other", "input": "hi"}, "model"),
+    ],
+)
+def test_bad_requests_name_the_field(real_server: ServerProc, body, param) -> None:
+    status, _, r = real_server.request("POST", "/v1/embeddings", body)
+    assert status in (400, 404), r
+    assert r["error"]["param"] == param, r
+    status, _, r = real_server.request("POST", "/v1/embeddings", {"input": "still serving"})
+    assert status == 200 and len(r["data"]) == 1
+
+
+def test_dimensions_equal_to_the_hidden_size_is_accepted(real_server: ServerProc) -> None:
+    status, _, r = real_server.request("POST", "/v1/embeddings", {"input": "x"})
+    size = len(r["data"][0]["embedding"])
+    body = {"input": "x", "dimensions": size}
+    status, _, r2 = real_server.request("POST", "/v1/embeddings", body)
+    assert status == 200 and r2["data"][0]["embedding"] == r["data"][0]["embedding"]

@@ -7,8 +7,9 @@ from benchmarks import kv_memory
 
 def test_fp8_section(tmp_path):
     model = kv_memory.tiny_llama(tmp_path / "m", hidden=64, layers=2)
-    res = kv_memory.run_fp8(model, "cpu", 2**-10, 4, ((20, 40), (5, 10)))
+    res = kv_memory.run_fp8(model, "cpu", 2**-10, 4, ((20, 40), (5, 10)), backends=("cpu",))
     by_kv = {r["kv_cache_dtype"]: r for r in res["records"]}
+    assert {r["attention_backend"] for r in res["records"]} == {"cpu"}
     assert set(by_kv) == {"auto", "fp8", "fp8_e5m2"}
     assert by_kv["fp8"]["blocks_vs_auto"] == 4.0  # float32 model: 4 bytes -> 1
     assert all(r["output_tokens_per_s"] > 0 and r["max_running_seqs"] >= 1 for r in by_kv.values())

@@ -222,11 +222,14 @@ class OpenAIApp:
             with self.tok_lock:
                 if req.tools is not None:  # the template shows the model its tools
                     variables["tools"] = req.tools.tools
+                if req.documents is not None:
+                    variables["documents"] = req.documents
                 return self.tokenizer.apply_chat_template(
                     req.messages,
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
                     **variables,
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
@@ -243,18 +246,30 @@ class OpenAIApp:
         for p in req.prompts:
             if isinstance(p, str):
                 texts.append(p)
-                ids.append(self._encode(p, True))
+                ids.append(self._encode(p, req.add_special_tokens))
             else:
                 self._check_ids(p, "prompt")
                 texts.append(None)
                 ids.append(p)
         self._generate(h, req, model, texts, ids, chat=False)
 
+    @staticmethod
+    def _truncate(req: GenerationRequest, texts: list[str | None], ids: list[list[int]]) -> None:
+        """truncate_prompt_tokens (vLLM): keep each prompt's last k tokens (from the left, so
+        the end of the prompt, next to what is generated, stays); a cut prompt's text is
+        re-derived from its ids."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return
+        for i, t in enumerate(ids):
+            if len(t) > k:
+                ids[i], texts[i] = t[-k:], None
+
     def chat(self, h: Handler) -> None:
         req = parse_chat(h.read_json(), self.tool_call_parser)
         model = self._model(req.model)
         text = self._render_chat(req)
-        ids = self._encode(text, False)  # the template carries BOS itself
+        ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
         self._generate(h, req, model, [text], [ids], chat=True)
 
     def _generate(
@@ -267,6 +282,7 @@ class OpenAIApp:
         chat: bool,
     ) -> None:
         """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids."""
+        self._truncate(req, texts, ids)
         max_tokens = min(check_context(len(i), req.max_tokens, self.max_model_len) for i in ids)
         self.client.check_queue()
         kwargs = {**req.sampling, "max_tokens": max_tokens}
@@ -284,7 +300,7 @@ class OpenAIApp:
         params = self.client.make_params(kwargs, beam=beam, stream=req.stream)
         if req.structured is not None:
             check_structured(params, req.structured_param)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(ids))]
         prompts = [
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
@@ -314,6 +330,14 @@ class OpenAIApp:
                 if h.client_gone():
                     raise ConnectionResetError("client disconnected")
                 next_check = time.monotonic() + self.poll_interval
+
+    def _echo(self, req: GenerationRequest, text: str | None, ids: list[int], chat: bool) -> str:
+        """What `echo` puts before the answer: the prompt (completions), or the last message
+        when it is the assistant's (chat, as vLLM does: the answer continues it)."""
+        if not chat:
+            return self._prompt_text(text, ids)
+        last = req.messages[-1]
+        return last["content"] if last["role"] == "assistant" else ""
 
     def _prompt_text(self, text: str | None, prompt_ids: list[int]) -> str:
         if text is not None:
@@ -345,12 +369,15 @@ class OpenAIApp:
                         lp = chat_logprobs(
                             seq.token_ids, seq.logprobs or [], req.logprobs, self._decode_one
                         )
-                    choice["message"] = {"role": "assistant", "content": seq.text}
+                    content = seq.text
+                    if req.echo:
+                        content = self._echo(req, texts[pi], ids[pi], chat) + content
+                    choice["message"] = {"role": "assistant", "content": content}
                     if req.tools is not None and req.tools.choice != "none":
                         tool_out = ToolOutput(req.tools, make_parser(self.tool_call_parser))
                         choice["message"], reason = tool_out.message(seq.text, seq.finish_reason)
                 else:
-                    prefix = self._prompt_text(texts[pi], ids[pi]) if req.echo else ""
+                    prefix = self._echo(req, texts[pi], ids[pi], chat) if req.echo else ""
                     text, tids, lps = seq.text, seq.token_ids, list(seq.logprobs or [])
                     if scoring:
                         text, tids, lps = "", [], []
@@ -431,7 +458,7 @@ class OpenAIApp:
             for ci in sorted(updated):
                 st, pi = choices[ci], ci // n
                 echo = req.echo and not st.started
-                prefix = self._prompt_text(texts[pi], ids[pi]) if echo else ""
+                prefix = self._echo(req, texts[pi], ids[pi], chat) if echo else ""
                 entry = st.chunk(ci, prefix, req.logprobs, self._decode_one, chat)
                 if entry is not None and tool_outs is not None:
                     entry = tool_outs[ci].rewrite(entry)

@@ -40,8 +40,18 @@ _UNSUPPORTED_UNLESS = {
     "prediction": (None,),
     "reasoning_effort": (None,),
     "web_search_options": (None,),
+    "verbosity": (None,),
     "prompt_logprobs": (None,),
     "lora_request": (None,),
+    # vLLM extras left out (docs/server.md lists why)
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "cache_salt": (None,),
+    "logits_processors": (None, []),
+    "mm_processor_kwargs": (None, {}),
+    "prompt_embeds": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None, {}),
 }
 
 _SAMPLING = (
@@ -73,12 +83,18 @@ _COMMON = {
     "allowed_token_ids",
     "bad_words",
     "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "add_special_tokens",
+    "request_id",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
 _COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo"}
 _CHAT_KEYS = _COMMON | {
     "messages",
+    "echo",
+    "continue_final_message",
+    "documents",
     "max_completion_tokens",
     "logprobs",
     "top_logprobs",
@@ -112,6 +128,11 @@ class GenerationRequest:
     structured: dict[str, Any] | None = None  # for SamplingParams(structured_outputs=...)
     structured_param: str | None = None  # the request field that set it (names its errors)
     tools: ToolRequest | None = None
+    continue_final_message: bool = False  # the template leaves the last message open
+    documents: list[dict[str, Any]] | None = None  # for RAG chat templates
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
+    add_special_tokens: bool = True  # BOS etc. when tokenizing (chat: False, the template has it)
+    request_id: str | None = None  # vLLM: the response id is "cmpl-" / "chatcmpl-" + this
 
     @property
     def n(self) -> int:
@@ -270,7 +291,8 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
     opts = b.d.get("stream_options")
     if opts is None:
         return stream, False
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+    # include_obfuscation (OpenAI's padding against side channels) changes nothing here.
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
         raise bad_request("'stream_options' must be {\"include_usage\": bool}", "stream_options")
     if not stream:
         raise bad_request(
@@ -285,6 +307,16 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
 def _common(b: _Body, req: GenerationRequest) -> None:
     model = b.str("model")
     req.model = model
+    # vLLM: -1 means the whole context, i.e. no truncation beyond the max_model_len check.
+    truncate = b.int("truncate_prompt_tokens", None, -1, 1 << 31)
+    if truncate == 0:
+        raise bad_request("'truncate_prompt_tokens' must be >= 1 (or -1)", "truncate_prompt_tokens")
+    req.truncate_prompt_tokens = None if truncate == -1 else truncate
+    req.add_special_tokens = b.bool("add_special_tokens", req.add_special_tokens)
+    rid = b.str("request_id")
+    if rid is not None and not (0 < len(rid) <= 128 and rid.isprintable()):
+        raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
+    req.request_id = rid
     if req.use_beam_search and req.stream:
         raise bad_request("streaming is not supported with beam search", "use_beam_search")
     best_of = req.sampling.get("best_of")
@@ -460,6 +492,20 @@ def _template_kwargs(value: Any) -> dict[str, Any]:
     return value
 
 
+def _documents(value: Any) -> list[dict[str, Any]] | None:
+    """documents: a list of objects with string values (e.g. {"title", "text"}) for chat
+    templates that ground answers in documents."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(
+        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+        for d in value
+    )
+    if not ok:
+        raise bad_request("'documents' must be a list of objects with string values", "documents")
+    return value
+
+
 def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
     b = _Body(body, _CHAT_KEYS)
     messages = b.d.get("messages")
@@ -486,7 +532,22 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
         chat_template=b.str("chat_template"),
         chat_template_kwargs=_template_kwargs(b.d.get("chat_template_kwargs")),
         add_generation_prompt=b.bool("add_generation_prompt", True),
+        echo=b.bool("echo"),
+        continue_final_message=b.bool("continue_final_message"),
+        documents=_documents(b.d.get("documents")),
+        add_special_tokens=False,
     )
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "'continue_final_message' and 'add_generation_prompt' cannot both be true: send "
+            "'add_generation_prompt': false to continue the last message",
+            "continue_final_message",
+        )
+    if req.continue_final_message and req.messages[-1]["role"] != "assistant":
+        raise bad_request(
+            "'continue_final_message' needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     _common(b, req)
     req.structured, req.structured_param = parse_structured(b.d)
     req.tools = parse_tools(b.d, tool_parser)

@@ -1,0 +1,166 @@
+"""The rest of the OpenAI / vLLM request fields: add_special_tokens, truncate_prompt_tokens,
+request_id, echo for chat, continue_final_message, documents, and the fields deliberately
+left out (400 naming them). Over the in-process fake engine, whose tokenizer is one byte per
+token plus a BOS (id 1), and the chat template rendering with a real HF tokenizer."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+from fake_engine import FakeEngine
+from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc, serve_in_process
+
+from paged_server.openai_protocol import parse_chat
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[ServerProc]:
+    engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
+    with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+        yield http
+
+
+def post(server: ServerProc, path: str, body: dict, status: int = 200) -> dict:
+    got, _, payload = server.request("POST", path, body)
+    assert got == status, payload
+    return payload
+
+
+def test_add_special_tokens(fake) -> None:
+    body = {"prompt": "abc", "max_tokens": 1}
+    assert post(fake, "/v1/completions", body)["usage"]["prompt_tokens"] == 4  # BOS + 3
+    body["add_special_tokens"] = False
+    assert post(fake, "/v1/completions", body)["usage"]["prompt_tokens"] == 3
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    n_chat = post(fake, "/v1/chat/completions", chat)["usage"]["prompt_tokens"]
+    chat["add_special_tokens"] = True  # off by default for chat: the template holds BOS
+    assert post(fake, "/v1/chat/completions", chat)["usage"]["prompt_tokens"] == n_chat + 1
+
+
+def test_truncate_prompt_tokens_keeps_the_end(fake) -> None:
+    body = {"prompt": "abcdef", "max_tokens": 1, "truncate_prompt_tokens": 2, "echo": True}
+    r = post(fake, "/v1/completions", body)
+    assert r["usage"]["prompt_tokens"] == 2 and r["choices"][0]["text"].startswith("ef")
+    body = {"prompt": [[10, 11, 12, 13]], "max_tokens": 1, "truncate_prompt_tokens": -1}
+    assert post(fake, "/v1/completions", body)["usage"]["prompt_tokens"] == 4  # -1: no cut
+    chat = {"messages": [{"role": "user", "content": "x" * 50}], "truncate_prompt_tokens": 5}
+    assert (
+        post(fake, "/v1/chat/completions", {**chat, "max_tokens": 1})["usage"]["prompt_tokens"] == 5
+    )
+    r = post(fake, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}, 400)
+    assert r["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_request_id_names_the_response(fake) -> None:
+    r = post(fake, "/v1/completions", {"prompt": "a", "max_tokens": 1, "request_id": "job-7"})
+    assert r["id"] == "cmpl-job-7"
+    body = {"messages": [{"role": "user", "content": "a"}], "request_id": "job-8"}
+    assert post(fake, "/v1/chat/completions", {**body, "max_tokens": 1})["id"] == "chatcmpl-job-8"
+
+
+def test_chat_echo_repeats_the_final_assistant_message(fake) -> None:
+    messages = [
+        {"role": "user", "content": "tell me a story"},
+        {"role": "assistant", "content": "Once upon"},
+    ]
+    body = {
+        "messages": messages,
+        "echo": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "max_tokens": 3,
+    }
+    r = post(fake, "/v1/chat/completions", body)
+    content = r["choices"][0]["message"]["content"]
+    plain = post(fake, "/v1/chat/completions", {**body, "echo": False})
+    assert content == "Once upon" + plain["choices"][0]["message"]["content"]
+    events = fake.stream({**body, "stream": True}, "/v1/chat/completions")
+    streamed = "".join(
+        c["delta"].get("content") or "" for e in events for c in e["choices"] if "delta" in c
+    )
+    assert streamed == content
+    user_last = {**body, "messages": messages[:1], "continue_final_message": False}
+    r = post(fake, "/v1/chat/completions", user_last)  # echo of a user turn: nothing
+    assert (
+        r["choices"][0]["message"]["content"]
+        == post(fake, "/v1/chat/completions", {**user_last, "echo": False})["choices"][0][
+            "message"
+        ]["content"]
+    )
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # + add_generation_prompt
+        (
+            {"continue_final_message": True, "add_generation_prompt": False},
+            "continue_final_message",  # the last message is the user's
+        ),
+        ({"documents": "not a list"}, "documents"),
+        ({"documents": [{"title": 3}]}, "documents"),
+        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"cache_salt": "s"}, "cache_salt"),
+        ({"verbosity": "low"}, "verbosity"),
+        ({"logits_processors": ["x"]}, "logits_processors"),
+        ({"request_id": ""}, "request_id"),
+    ],
+)
+def test_refused_fields_are_named(fake, extra, param) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    r = post(fake, "/v1/chat/completions", body, 400)
+    assert r["error"]["param"] == param
+
+
+def test_off_values_and_obfuscation_are_accepted(fake) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "return_tokens_as_token_ids": False,
+        "logits_processors": [],
+        "stream": True,
+        "stream_options": {"include_usage": True, "include_obfuscation": False},
+    }
+    events = fake.stream(body, "/v1/chat/completions")
+    assert events[-1]["usage"]["completion_tokens"] == 1
+
+
+def real_app(tokenizer, template: str):
+    from paged_server.app import OpenAIApp
+
+    return OpenAIApp(
+        SimpleNamespace(),
+        tokenizer,
+        served_model_names=["t"],
+        model_path="t",
+        max_model_len=MAX_MODEL_LEN,
+        chat_template=template,
+    )
+
+
+def test_documents_and_continue_final_message_reach_the_template(tiny_model) -> None:
+    from transformers import AutoTokenizer
+
+    template = (
+        "{% for d in documents or [] %}[doc {{ d.title }}: {{ d.text }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    app = real_app(AutoTokenizer.from_pretrained(tiny_model), template)
+    docs = [{"title": "A", "text": "cats purr"}, {"title": "B", "text": "dogs bark"}]
+    body = {"messages": [{"role": "user", "content": "who purrs?"}], "documents": docs}
+    text = app._render_chat(parse_chat(body))
+    assert text == "[doc A: cats purr][doc B: dogs bark]<user>who purrs?</user><assistant>"
+    body = {
+        "messages": [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "The answer is"},
+        ],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
+    assert app._render_chat(parse_chat(body)) == "<user>q</user><assistant>The answer is"
+    body["continue_final_message"] = False
+    assert app._render_chat(parse_chat(body)).endswith("The answer is</assistant>")

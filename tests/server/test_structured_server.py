@@ -197,15 +197,22 @@ def test_tool_choice_auto_parses_hermes_calls(client) -> None:
     assert r.choices[0].finish_reason == "tool_calls" and msg.content == "ok"
     assert msg.tool_calls[0].function.name == "clock"
     whole = json.loads(msg.tool_calls[0].function.arguments)
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
     stream = client.chat.completions.create(**kw, stream=True, extra_body=extra)
-    content, calls = "", []
-    for chunk in stream:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-    assert content.strip() == "ok" and "<tool_call>" not in content
-    assert [c.function.name for c in calls] == ["clock"]
-    assert json.loads(calls[0].function.arguments) == whole
+    state, pieces = ChatCompletionStreamState(), []
+    for chunk in stream:  # the client's own accumulation of delta.tool_calls
+        state.handle_chunk(chunk)
+        pieces += [tc for c in chunk.choices for tc in c.delta.tool_calls or []]
+    final = state.get_final_completion().choices[0]
+    assert final.message.content.strip() == "ok" and "<tool_call>" not in final.message.content
+    assert final.finish_reason == "tool_calls"
+    (call,) = final.message.tool_calls
+    assert call.function.name == "clock" and json.loads(call.function.arguments) == whole
+    # OpenAI's shape: id, type and name once, first; then the arguments in several pieces
+    assert pieces[0].id and pieces[0].function.name == "clock"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
 
 
 def test_tool_messages_round_trip(client) -> None:

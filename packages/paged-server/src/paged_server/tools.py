@@ -20,7 +20,7 @@ from typing import Any
 
 from paged_server.errors import bad_request
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
-from paged_server.tool_parsers.base import StreamingToolText
+from paged_server.tool_parsers.streaming import StreamingToolText
 
 
 @dataclass(slots=True)
@@ -170,24 +170,38 @@ class ToolOutput:
         delta = entry.get("delta", {})
         text = delta.get("content", "")
         reason = entry.get("finish_reason")
+        entries: list[dict[str, Any]] = []  # delta.tool_calls
         if self.stream is not None:
-            shown = self.stream.feed(text)
+            shown, entries = self.stream.feed(text)
         else:
             self.held += text
             shown = ""
         calls: list[ParsedCall] = []
         if reason is not None:
             if self.stream is not None:
-                rest, calls = self.stream.finish()
-                shown += rest
-            else:
+                rest, more, calls = self.stream.finish()
+                shown, entries = shown + rest, entries + more
+            else:  # forced calls: whole, once the output is complete
                 content, calls = self._calls(self.held)
                 shown += content or ""
+                entries = [{"index": k, **c} for k, c in enumerate(tool_call_json(calls))]
         new_delta: dict[str, Any] = {"content": shown} if shown else {}
-        if calls:
-            new_delta["tool_calls"] = [
-                {"index": k, **call} for k, call in enumerate(tool_call_json(calls))
-            ]
+        if entries:
+            new_delta["tool_calls"] = _merge_by_index(entries)
         if not new_delta and reason is None:
             return None
         return {**entry, "delta": new_delta, "finish_reason": self._finish_reason(calls, reason)}
+
+
+def _merge_by_index(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per call in a chunk: pieces of the same call's arguments joined."""
+    merged: dict[int, dict[str, Any]] = {}
+    for e in entries:
+        m = merged.get(e["index"])
+        if m is None:
+            merged[e["index"]] = {**e, "function": dict(e["function"])}
+        else:
+            m["function"]["arguments"] = m["function"].get("arguments", "") + e["function"].get(
+                "arguments", ""
+            )
+    return list(merged.values())

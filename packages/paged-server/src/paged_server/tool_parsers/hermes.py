@@ -7,6 +7,7 @@ import json
 import re
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.streaming import PartialCall, scan_call
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
@@ -29,3 +30,17 @@ class HermesToolParser(ToolParser):
             calls.append(call)
         content = text[:start].strip()
         return content or None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        pos = text.find("<tool_call>")
+        while pos >= 0:
+            brace = text.find("{", pos)
+            if brace < 0:
+                break
+            call = scan_call(text, brace, ("arguments",))
+            calls.append(call)
+            if call.end is None:
+                break
+            pos = text.find("<tool_call>", call.end)
+        return calls

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.streaming import PartialCall, scan_call
 
 _TAG = "<|python_tag|>"
 
@@ -35,3 +36,20 @@ class Llama3JsonToolParser(ToolParser):
             while pos < len(body) and body[pos] in " \n\t;":
                 pos += 1
         return None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls: list[PartialCall] = []
+        pos = len(text) - len(text.lstrip())
+        if text.startswith(_TAG, pos):
+            pos += len(_TAG)
+        while pos < len(text) and text[pos] in " \n\t;":
+            pos += 1
+        while pos < len(text) and text[pos] == "{":
+            call = scan_call(text, pos, ("parameters", "arguments"))
+            calls.append(call)
+            if call.end is None:
+                break
+            pos = call.end
+            while pos < len(text) and text[pos] in " \n\t;":
+                pos += 1
+        return calls

@@ -1,0 +1,170 @@
+"""Tool calls as they are generated: OpenAI's streamed `delta.tool_calls`.
+
+    {"index": k, "id": "call_...", "type": "function", "function": {"name": N, "arguments": ""}}
+    {"index": k, "function": {"arguments": "<the next piece of the JSON text>"}}  ...
+
+`scan_call` reads one call object of the model's text as far as it has arrived (its name once
+the name string is complete; the raw text of its arguments object so far). `ToolCallDeltas`
+turns successive scans into those entries: a call is announced once its name is known (calls
+in order: a later one waits for the earlier one's name), then each new piece of its arguments
+follows. Concatenated, a call's argument pieces are its arguments' JSON text exactly as the
+model wrote it (the non-streamed answer re-serializes the same value).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from paged_server.tool_parsers.base import ParsedCall, ToolParser
+
+
+@dataclass(slots=True)
+class PartialCall:
+    name: str | None = None
+    args: str = ""  # raw JSON text of the arguments object so far ("" until it starts)
+    args_done: bool = False
+    end: int | None = None  # index just past the call object's closing brace, once complete
+
+
+def scan_call(s: str, start: int, args_keys: tuple[str, ...]) -> PartialCall:
+    """The call object starting at s[start] == "{" (JSON strings, escapes and nesting aware).
+    Keys and values are tracked at depth 1 only: "name" (a string) and the first of
+    `args_keys` whose value is an object."""
+    call = PartialCall()
+    depth, in_str, esc, str_start = 0, False, False, 0
+    last_key: str | None = None  # the last depth-1 string that can still become a key
+    key: str | None = None  # the key whose value is being read (None: expecting a key)
+    args_start = -1
+    for i in range(start, len(s)):
+        c = s[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if depth == 1:
+                    text = _loads(s[str_start : i + 1])
+                    if key is None:
+                        last_key = text
+                    elif key == "name" and isinstance(text, str):
+                        call.name = text
+            continue
+        if c == '"':
+            in_str, str_start = True, i
+        elif c in "{[":
+            depth += 1
+            if depth == 2 and c == "{" and key in args_keys and args_start < 0:
+                args_start = i
+        elif c in "}]":
+            depth -= 1
+            if depth == 1 and args_start >= 0 and not call.args_done:
+                call.args, call.args_done = s[args_start : i + 1], True
+            if depth == 0:
+                call.end = i + 1
+                break
+        elif depth == 1 and c == ":":
+            key = last_key if isinstance(last_key, str) else None
+        elif depth == 1 and c == ",":
+            key = last_key = None
+    if args_start >= 0 and not call.args_done:
+        call.args = s[args_start:]
+    return call
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+@dataclass(slots=True)
+class ToolCallDeltas:
+    """What of each call was sent: its id once announced, and how much of its arguments."""
+
+    ids: list[str] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+
+    def update(self, partial: list[PartialCall]) -> list[dict[str, Any]]:
+        out = []
+        for k, call in enumerate(partial):
+            if call.name is None:
+                break  # announce calls in order
+            if k == len(self.ids):
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.sent.append(0)
+                fn = {"name": call.name, "arguments": call.args}
+                out.append({"index": k, "id": self.ids[k], "type": "function", "function": fn})
+            elif len(call.args) > self.sent[k]:
+                out.append({"index": k, "function": {"arguments": call.args[self.sent[k] :]}})
+            self.sent[k] = len(call.args)
+        return out
+
+    def finish(self, partial: list[PartialCall], calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        """The rest of every call once the output is complete. A call whose arguments never
+        streamed (not a JSON object in the text, e.g. a JSON string) gets them whole now."""
+        out = []
+        for k, call in enumerate(calls):
+            raw = partial[k].args if k < len(partial) and partial[k].args_done else ""
+            if k >= len(self.ids):
+                self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+                self.sent.append(0)
+                fn = {"name": call.name, "arguments": raw or call.arguments}
+                out.append({"index": k, "id": self.ids[k], "type": "function", "function": fn})
+            elif self.sent[k] == 0 and not raw:
+                out.append({"index": k, "function": {"arguments": call.arguments}})
+            elif len(raw) > self.sent[k]:
+                out.append({"index": k, "function": {"arguments": raw[self.sent[k] :]}})
+        return out
+
+
+class StreamingToolText:
+    """Feeds streamed text through a parser: content while no tool call may have started, then
+    the calls piece by piece (`ToolCallDeltas` entries), and the rest when the output ends."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.text = ""
+        self.sent = 0  # characters of text already streamed as content
+        self.holding = False  # a tool call may have started: no more content streams
+        self.deltas = ToolCallDeltas()
+
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content to show now, tool_calls entries to send now)."""
+        self.text += delta
+        if self.holding:
+            return "", self.deltas.update(self.parser.partial_calls(self.text))
+        starts = [self.text.find(m, self.sent) for m in self.parser.start_markers]
+        starts = [s for s in starts if s >= 0]
+        if starts:
+            self.holding = True
+            end = min(starts)
+        else:
+            end = len(self.text) - self._partial_marker_len()
+        out, self.sent = self.text[self.sent : end], max(self.sent, end)
+        calls = self.deltas.update(self.parser.partial_calls(self.text)) if self.holding else []
+        return out, calls
+
+    def _partial_marker_len(self) -> int:
+        """Length of the longest text tail that is a proper prefix of a start marker."""
+        best = 0
+        for m in self.parser.start_markers:
+            for k in range(min(len(m) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(m[:k]):
+                    best = max(best, k)
+                    break
+        return best
+
+    def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:
+        """(content not streamed yet, the calls' remaining entries, the calls) once the output
+        is complete. Text that turns out not to be well-formed calls is content after all (a
+        call already announced stays announced: the stream cannot take it back)."""
+        _, calls = self.parser.parse(self.text)
+        if not calls:
+            return self.text[self.sent :], [], []
+        return "", self.deltas.finish(self.parser.partial_calls(self.text), calls), calls

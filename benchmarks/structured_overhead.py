@@ -77,10 +77,16 @@ class PartTimers:
         import importlib
 
         self.total = dict.fromkeys((t[0] for t in self.TARGETS), 0.0)
+        self.originals = []
         for name, module, cls, attr in self.TARGETS:
             owner = importlib.import_module(module)
             owner = getattr(owner, cls) if cls else owner
+            self.originals.append((owner, attr, getattr(owner, attr)))
             setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+
+    def close(self) -> None:
+        for owner, attr, fn in self.originals:
+            setattr(owner, attr, fn)
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
@@ -160,14 +166,16 @@ def main(argv: list[str] | None = None) -> None:
     load_before = _loadavg()
     names = ("unconstrained", "json", "regex")
     parts = PartTimers()
-    run(llm, "json", args.batch, 2, "warmup", parts)  # grammar compiler and tokenizer set up once
-    records = []
-    for r in range(args.repeats):
-        for name in names:
-            records.append(
-                {**run(llm, name, args.batch, args.steps, f"{name}-{r}", parts), "repeat": r}
-            )
-            print(records[-1], flush=True)
+    try:
+        run(llm, "json", args.batch, 2, "warmup", parts)  # grammar compiler set up once
+        records = []
+        for r in range(args.repeats):
+            for name in names:
+                rec = run(llm, name, args.batch, args.steps, f"{name}-{r}", parts)
+                records.append({**rec, "repeat": r})
+                print(records[-1], flush=True)
+    finally:
+        parts.close()
     base = statistics.median(
         x["step_ms_median"] for x in records if x["workload"] == "unconstrained"
     )

@@ -126,6 +126,22 @@ def test_preemption_keeps_embeddings(tiny_llama_dir, pooling):
     assert_close(outs, hf_embeddings(tiny_llama_dir, embeds, pooling))
 
 
+@pytest.mark.parametrize("kw", [{"async_scheduling": True}, {"tensor_parallel_size": 2}])
+def test_async_scheduling_and_tensor_parallel_embed_alike(tiny_llama_dir, kw):
+    refs = hf_embeddings(tiny_llama_dir, PROMPTS, "LAST")
+    assert_close(make_llm(tiny_llama_dir, **kw).embed(PROMPTS, use_tqdm=False), refs)
+
+
+def test_encode_returns_pooling_outputs(tiny_llama_dir):
+    from paged_engine import PoolingRequestOutput
+
+    llm = make_llm(tiny_llama_dir)
+    (out,) = llm.encode([[5, 6, 7]], use_tqdm=False)
+    assert isinstance(out, PoolingRequestOutput) and out.outputs.data.dtype == torch.float32
+    (emb,) = llm.embed([[5, 6, 7]], use_tqdm=False)
+    assert out.outputs.data.tolist() == emb.outputs.embedding
+
+
 def test_pooled_chunks_restart_after_a_recompute():
     from paged_engine.pooling import PooledChunks, PoolingSamplingParams
 

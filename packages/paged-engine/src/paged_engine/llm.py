@@ -16,7 +16,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import EngineStats, LLMEngine
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.outputs import RequestOutput
-from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams
+from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
@@ -137,6 +137,19 @@ class LLM:
         """vLLM's `LLM.embed`: one embedding per prompt (`out.outputs.embedding`), pooled from
         the model's final hidden states as `pooler_config` says (last token by default,
         L2-normalized), in input order. The requests batch like any others (pooling.py)."""
+        return [
+            EmbeddingRequestOutput.from_base(o)
+            for o in self.encode(prompts, pooling_params, use_tqdm)
+        ]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
+        (`outputs.data`: a float32 tensor), in input order."""
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -147,8 +160,7 @@ class LLM:
                     f"got {len(prompt_list)} prompts but {len(params_list)} pooling_params: "
                     "pass one, or one per prompt"
                 )
-        outputs = self._run(list(zip(prompt_list, params_list)), use_tqdm)
-        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+        return self._run(list(zip(prompt_list, params_list)), use_tqdm)
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()

@@ -164,3 +164,32 @@ def test_documents_and_continue_final_message_reach_the_template(tiny_model) -> 
     assert app._render_chat(parse_chat(body)) == "<user>q</user><assistant>The answer is"
     body["continue_final_message"] = False
     assert app._render_chat(parse_chat(body)).endswith("The answer is</assistant>")
+
+
+def test_prompt_logprobs_match_hf(real_server: ServerProc, tiny_model) -> None:
+    """vLLM's prompt_logprobs: per prompt token {id: {logprob, rank, decoded_token}}, the token
+    itself plus the top k; completions per choice, chat at the top level."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = [5, 6, 7, 8, 9, 10]
+    body = {"prompt": [ids], "max_tokens": 1, "prompt_logprobs": 2}
+    r = post(real_server, "/v1/completions", body)
+    plp = r["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    for j in range(1, len(ids)):
+        entry = plp[j]
+        assert str(ids[j]) in entry and 2 <= len(entry) <= 3
+        assert abs(entry[str(ids[j])]["logprob"] - ref[j - 1, ids[j]].item()) < 1e-3
+        top = sorted(entry.values(), key=lambda e: e["rank"])[0]
+        assert top["rank"] == 1 and abs(top["logprob"] - ref[j - 1].max().item()) < 1e-3
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = post(real_server, "/v1/chat/completions", {**chat, "prompt_logprobs": 0})
+    assert r["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in r["prompt_logprobs"][1:])  # the prompt token alone
+    assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
+    bad = post(real_server, "/v1/completions", {**body, "stream": True}, 400)
+    assert bad["error"]["param"] == "prompt_logprobs"

@@ -36,6 +36,7 @@ from paged_server.openai_responses import (
     chat_logprobs,
     completion_logprobs,
     envelope,
+    prompt_logprobs_json,
     usage,
 )
 from paged_server.request_group import RequestGroup
@@ -294,6 +295,8 @@ class OpenAIApp:
             kwargs["logprobs"] = req.logprobs
             if req.echo and not req.stream:  # a stream's logprobs cover its new tokens only
                 kwargs["prompt_logprobs"] = req.logprobs
+        if req.prompt_logprobs is not None:
+            kwargs["prompt_logprobs"] = max(req.prompt_logprobs, kwargs.get("prompt_logprobs", 0))
         if req.structured is not None:
             kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
@@ -387,6 +390,10 @@ class OpenAIApp:
                             tids, lps = out.prompt_token_ids + tids, list(p_lps) + lps
                         lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
                     choice["text"] = prefix + text
+                if req.prompt_logprobs is not None and not chat:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs
+                    )
                 choice.update(
                     logprobs=lp,
                     finish_reason="length" if scoring else (reason or seq.finish_reason),
@@ -396,6 +403,11 @@ class OpenAIApp:
         n_gen = 0 if scoring else group.num_generated_tokens
         body = envelope(rid, "chat.completion" if chat else "text_completion", model)
         body.update(choices=choices, usage=usage(n_prompt, n_gen))
+        if req.prompt_logprobs is not None and chat:  # vLLM: one prompt, at the top level
+            out = group.latest[0]
+            body["prompt_logprobs"] = prompt_logprobs_json(
+                out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs
+            )
         h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen}"
         h.send_json(200, body)
 

@@ -41,7 +41,6 @@ _UNSUPPORTED_UNLESS = {
     "reasoning_effort": (None,),
     "web_search_options": (None,),
     "verbosity": (None,),
-    "prompt_logprobs": (None,),
     "lora_request": (None,),
     # vLLM extras left out (docs/server.md lists why)
     "return_tokens_as_token_ids": (None, False),
@@ -85,6 +84,7 @@ _COMMON = {
     "spaces_between_special_tokens",
     "truncate_prompt_tokens",
     "add_special_tokens",
+    "prompt_logprobs",
     "request_id",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
@@ -133,6 +133,7 @@ class GenerationRequest:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
     add_special_tokens: bool = True  # BOS etc. when tokenizing (chat: False, the template has it)
     request_id: str | None = None  # vLLM: the response id is "cmpl-" / "chatcmpl-" + this
+    prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
 
     @property
     def n(self) -> int:
@@ -317,6 +318,9 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     if rid is not None and not (0 < len(rid) <= 128 and rid.isprintable()):
         raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
     req.request_id = rid
+    req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")
     if req.use_beam_search and req.stream:
         raise bad_request("streaming is not supported with beam search", "use_beam_search")
     best_of = req.sampling.get("best_of")

@@ -29,6 +29,32 @@ def _ranked(lp_dict: dict, top_n: int) -> list[tuple[int, Any]]:
     return items[:top_n]
 
 
+def prompt_logprobs_json(
+    token_ids: list[int], logprobs: list[dict | None] | None, top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id as a string:
+    {"logprob", "rank", "decoded_token"}}, the prompt token itself plus the top `top_n`."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, d in zip(token_ids, logprobs or [None] * len(token_ids)):
+        if d is None:
+            out.append(None)
+            continue
+        keep = dict(_ranked(d, top_n))
+        if tid in d:
+            keep[tid] = d[tid]
+        out.append(
+            {
+                str(t): {
+                    "logprob": _lp(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": lp.decoded_token,
+                }
+                for t, lp in keep.items()
+            }
+        )
+    return out
+
+
 def completion_logprobs(
     token_ids: list[int], logprobs: list[dict | None], top_n: int, decode: Decode, text_offset: int
 ) -> dict[str, list]:

@@ -193,3 +193,17 @@ def test_prompt_logprobs_match_hf(real_server: ServerProc, tiny_model) -> None:
     assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
     bad = post(real_server, "/v1/completions", {**body, "stream": True}, 400)
     assert bad["error"]["param"] == "prompt_logprobs"
+
+
+def test_continuous_usage_stats(fake) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "abc", "max_tokens": 4, "stream": True, "stream_options": opts}
+    events = fake.stream(body)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == 4 for e in events)
+    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] < 4
+    plain = fake.stream({**body, "stream_options": {"include_usage": True}})
+    assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]
+    bad = {**body, "stream_options": {"continuous_usage_stats": "yes"}}
+    assert post(fake, "/v1/completions", bad, 400)["error"]["param"] == "stream_options"

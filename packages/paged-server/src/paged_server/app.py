@@ -433,11 +433,15 @@ class OpenAIApp:
             tool_outs = [ToolOutput(req.tools, make_parser(parser)) for _ in choices]
         h.start_stream()
 
+        num_prompt = sum(len(i) for i in ids)
+
         def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
             body = envelope(rid, obj, model, created)
             body["choices"] = entries
             if req.include_usage:
-                body["usage"] = None
+                body["usage"] = (
+                    usage(num_prompt, group.num_generated_tokens) if req.continuous_usage else None
+                )
             return body
 
         if chat:  # the role comes first, once per choice

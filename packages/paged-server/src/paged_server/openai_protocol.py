@@ -134,6 +134,7 @@ class GenerationRequest:
     add_special_tokens: bool = True  # BOS etc. when tokenizing (chat: False, the template has it)
     request_id: str | None = None  # vLLM: the response id is "cmpl-" / "chatcmpl-" + this
     prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
+    continuous_usage: bool = False  # usage in every stream chunk
 
     @property
     def n(self) -> int:
@@ -287,13 +288,17 @@ def _bad_words(value: Any) -> list[str] | None:
     return value
 
 
+_STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
+
+
 def _stream_flags(b: _Body) -> tuple[bool, bool]:
     stream = b.bool("stream")
     opts = b.d.get("stream_options")
     if opts is None:
         return stream, False
-    # include_obfuscation (OpenAI's padding against side channels) changes nothing here.
-    if not isinstance(opts, dict) or set(opts) - {"include_usage", "include_obfuscation"}:
+    # include_obfuscation (OpenAI's padding against side channels) changes nothing here;
+    # continuous_usage_stats (vLLM) is read by _continuous_usage.
+    if not isinstance(opts, dict) or set(opts) - _STREAM_OPTIONS:
         raise bad_request("'stream_options' must be {\"include_usage\": bool}", "stream_options")
     if not stream:
         raise bad_request(
@@ -303,6 +308,17 @@ def _stream_flags(b: _Body) -> tuple[bool, bool]:
     if not isinstance(usage, bool):
         raise bad_request("'stream_options.include_usage' must be a boolean", "stream_options")
     return stream, usage
+
+
+def _continuous_usage(b: _Body, include_usage: bool) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: usage in every chunk (with include_usage)."""
+    opts = b.d.get("stream_options") or {}
+    value = opts.get("continuous_usage_stats", False)
+    if not isinstance(value, bool):
+        raise bad_request(
+            "'stream_options.continuous_usage_stats' must be a boolean", "stream_options"
+        )
+    return value and include_usage
 
 
 def _common(b: _Body, req: GenerationRequest) -> None:
@@ -318,6 +334,7 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     if rid is not None and not (0 < len(rid) <= 128 and rid.isprintable()):
         raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
     req.request_id = rid
+    req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")

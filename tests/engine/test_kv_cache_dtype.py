@@ -279,6 +279,23 @@ def test_parallel_ranks_calibrate_the_single_process_scales(tiny_model_factory, 
         assert a == pytest.approx(b, abs=1e-4)
 
 
+def test_pp2_with_scales_for_the_first_stage_only(tiny_model_factory, tmp_path):
+    """Checkpoint scales for layer 0 (stage 0) only: stage 1 calibrates, and stage 0 still runs
+    the calibration forward that feeds it (no hang); the outputs are the single process's."""
+    src = tiny_model_factory("llama")
+    path = _with_scales(src, tmp_path / "a", {"model.layers.0.self_attn.kv_scale": 0.0625})
+    runs = []
+    for pp in (1, 2):
+        llm = _llm(path, "fp8", pipeline_parallel_size=pp)
+        runs.append((_scales(llm)[0], _greedy(llm, _prompts()[:2], max_tokens=6)))
+        llm.llm_engine.shutdown()
+    (one_scales, one), (two_scales, two) = runs
+    assert one_scales == two_scales == (0.0625, 0.0625)
+    assert [o for _, o, _ in two] == [o for _, o, _ in one]
+    for (_, _, a), (_, _, b) in zip(two, one):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 @pytest.mark.parametrize("cache_dtype", FP8)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_fp8_matches_reference(cache_dtype, dtype):

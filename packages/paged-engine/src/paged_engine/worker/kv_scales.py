@@ -113,14 +113,19 @@ def init_kv_scales(runner: ModelRunner) -> None:
         if i not in missing:
             attn.k_scale, attn.v_scale = stored[i]["k"], stored[i]["v"]
     source = "checkpoint"
-    if missing:
+    # `stored` holds the whole checkpoint's scales (every pipeline stage's layers), so every
+    # rank takes the same decision here: the calibration forward passes hidden states from
+    # stage to stage, and all stages must run it, even one whose own layers need nothing.
+    num_layers = int(runner.hf_config.num_hidden_layers)
+    if any(set(stored.get(i, ())) != {"k", "v"} for i in range(num_layers)):
         amax = calibration_amax(runner, [layers[i] for i in missing])  # [len(missing), 2]
         for i, (k, v) in zip(missing, amax.tolist()):
             if not (math.isfinite(k) and math.isfinite(v)):
                 raise ValueError(f"fp8 KV-scale calibration: layer {i} produced non-finite K/V")
             layers[i].k_scale = scale_from_amax(k, cache_dtype)
             layers[i].v_scale = scale_from_amax(v, cache_dtype)
-        source = "calibrated" if len(missing) == len(layers) else "checkpoint + calibrated"
+        if missing:
+            source = "calibrated" if len(missing) == len(layers) else "checkpoint + calibrated"
     logger.info(
         "fp8 KV cache (%s): %s scales for %d layers, k_scale %s, v_scale %s",
         cache_dtype,

@@ -116,9 +116,10 @@ def test_download_fetches_config_tokenizer_and_safetensors_only(
     (src / "model.gguf").write_bytes(b"not wanted")
     hub = FakeHub(hub_cache, {"org/tiny": src})
     online_with(monkeypatch, hub)
-    r = resolve_model("org/tiny", revision="abc")
+    r = resolve_model("org/tiny", revision="abc", token="hf_secret")
     (call,) = hub.calls
     assert call["revision"] == "abc" and call["local_files_only"] is False
+    assert call["token"] == "hf_secret"
     assert "*.safetensors" in call["allow_patterns"] and "*.bin" not in call["allow_patterns"]
     files = {p.name for p in r.path.iterdir()}
     assert "model.safetensors" in files and "config.json" in files

@@ -16,10 +16,11 @@ def engine_config(monkeypatch, argv: list[str]):
 
 def test_hub_options_are_passed(monkeypatch):
     argv = ["--model", "Qwen/Qwen3-0.6B", "--revision", "v1", "--tokenizer", "org/tok"]
-    argv += ["--tokenizer-revision", "abc", "--download-dir", "/tmp/hub"]
+    argv += ["--tokenizer-revision", "abc", "--download-dir", "/tmp/hub", "--hf-token", "t0k"]
     config = engine_config(monkeypatch, argv)
     assert (config.model, config.revision, config.tokenizer) == ("Qwen/Qwen3-0.6B", "v1", "org/tok")
     assert (config.tokenizer_revision, config.download_dir) == ("abc", "/tmp/hub")
+    assert config.hf_token == "t0k"
 
 
 def test_hub_options_default_to_none(monkeypatch):

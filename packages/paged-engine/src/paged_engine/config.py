@@ -33,6 +33,7 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    hf_token: str | bool | None = None  # None: HF_TOKEN / the saved login, as huggingface_hub
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None

@@ -38,6 +38,7 @@ def hub_snapshot(
     revision: str | None = None,
     cache_dir: str | Path | None = None,
     weights: bool = True,
+    token: str | bool | None = None,
 ) -> Path:
     """The snapshot directory of `repo_id` at `revision` (default branch if None); with
     `weights=False` (a tokenizer from another repo) only its config and tokenizer files."""
@@ -55,6 +56,7 @@ def hub_snapshot(
                 cache_dir=cache_dir,
                 allow_patterns=patterns,
                 local_files_only=offline,
+                token=token,
             )
         )
 

@@ -46,10 +46,12 @@ def resolve_model(
     revision: str | None = None,
     download_dir: str | Path | None = None,
     weights: bool = True,
+    token: str | bool | None = None,
 ) -> ResolvedModel:
     """A local HF-format dir, a .gguf file (or a dir holding exactly one), or a hub id
     (`revision`: branch, tag or commit; `download_dir`: a cache other than the standard one;
-    `weights=False`: a tokenizer-only use, so a hub download skips the weight files)."""
+    `weights=False`: a tokenizer-only use, so a hub download skips the weight files; `token`:
+    a Hub token other than HF_TOKEN's)."""
     name = str(model)
     path = Path(name).expanduser()
     if path.is_file():
@@ -67,7 +69,7 @@ def resolve_model(
         raise FileNotFoundError(f"model path {name!r} does not exist")
     from paged_engine.hub import hub_snapshot
 
-    return _resolve_dir(name, hub_snapshot(name, revision, download_dir, weights))
+    return _resolve_dir(name, hub_snapshot(name, revision, download_dir, weights, token))
 
 
 def _resolve_dir(name: str, path: Path) -> ResolvedModel:

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--download-dir", default=None, help="hub cache directory (default: huggingface_hub's)"
     )
+    p.add_argument("--hf-token", default=None, help="Hub token (default: HF_TOKEN or the login)")
     p.add_argument(
         "--served-model-name",
         nargs="+",
@@ -181,6 +182,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         tokenizer=args.tokenizer,
         tokenizer_revision=args.tokenizer_revision,
         download_dir=args.download_dir,
+        hf_token=args.hf_token,
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

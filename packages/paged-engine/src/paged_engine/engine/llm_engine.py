@@ -93,13 +93,19 @@ class LLMEngine:
         self.config = config
         t0 = time.perf_counter()
         logger.info("resolving model %s", config.model)
-        self.resolved = resolve_model(config.model, config.revision, config.download_dir)
+        self.resolved = resolve_model(
+            config.model, config.revision, config.download_dir, token=config.hf_token
+        )
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
             else resolve_model(
-                config.tokenizer, config.tokenizer_revision, config.download_dir, weights=False
+                config.tokenizer,
+                config.tokenizer_revision,
+                config.download_dir,
+                weights=False,
+                token=config.hf_token,
             ),
             trust_remote_code=config.trust_remote_code,
         )

@@ -33,7 +33,8 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
-    hf_token: str | bool | None = None  # None: HF_TOKEN / the saved login, as huggingface_hub
+    # None: HF_TOKEN / the saved login, as huggingface_hub reads them; never in the repr
+    hf_token: str | bool | None = dataclasses.field(default=None, repr=False)
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None

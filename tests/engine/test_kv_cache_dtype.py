@@ -51,9 +51,8 @@ BOUNDS = {"fp8": (0.95, 0.9, 0.3, 0.03), "fp8_e5m2": (0.9, 0.8, 0.5, 0.06)}
 
 def _llm(path, kv_cache_dtype: str, **kw) -> LLM:
     kw.setdefault("cpu_kv_cache_gib", 2**-6)
-    return LLM(
-        model=str(path), dtype="float32", max_model_len=256, kv_cache_dtype=kv_cache_dtype, **kw
-    )
+    kw.setdefault("max_model_len", 256)
+    return LLM(model=str(path), dtype="float32", kv_cache_dtype=kv_cache_dtype, **kw)
 
 
 def _scales(llm: LLM) -> list[tuple[float, float]]:
@@ -149,6 +148,35 @@ def test_fp8_doubles_blocks_for_the_same_memory(tiny_model_factory):
     hf = _hf(path)
     fp16 = CacheEngine.bytes_per_block(hf, 16, torch.float16)
     assert CacheEngine.bytes_per_block(hf, 16, torch.float8_e4m3fn) * 2 == fp16
+
+
+def test_fp8_swap_preemption_and_cpu_tier_keep_outputs(tiny_model_factory):
+    """fp8 blocks swapped to the CPU pool and back, or kept in the prefix cache's CPU tier,
+    come back byte for byte: the outputs of an unconstrained fp8 engine, every block free."""
+    path = tiny_model_factory("llama")
+    block_bytes = CacheEngine.bytes_per_block(_hf(path), 16, torch.float8_e4m3fn)
+    cpu_gib = 64 * block_bytes / 2**30
+    prompts = _prompts()
+    llm = _llm(path, "fp8", max_model_len=128)
+    want = _greedy(llm, prompts)
+    llm.llm_engine.shutdown()
+    for kw in (
+        {"preemption_mode": "swap", "swap_space": cpu_gib, "enable_prefix_caching": False},
+        {"cpu_offload_gib": cpu_gib},
+    ):
+        llm = _llm(path, "fp8", num_gpu_blocks_override=14, max_model_len=128, **kw)
+        got = _greedy(llm, prompts)
+        got += _greedy(llm, prompts[:2])  # the tier: prompts seen before, evicted since
+        stats = llm.llm_engine.get_stats()
+        llm.llm_engine.shutdown()
+        assert [o for _, o, _ in got] == [o for _, o, _ in want + want[:2]]
+        for (_, _, a), (_, _, b) in zip(got, want + want[:2]):
+            assert a == pytest.approx(b, abs=1e-4)
+        if "swap_space" in kw:
+            assert stats.num_swap_preemptions > 0
+        else:
+            assert stats.prefix_cache_cpu_hits > 0
+        assert stats.num_used_blocks == 0 and stats.num_free_cpu_blocks == stats.num_cpu_blocks
 
 
 def _hf(path):

@@ -207,3 +207,24 @@ def test_continuous_usage_stats(fake) -> None:
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]
     bad = {**body, "stream_options": {"continuous_usage_stats": "yes"}}
     assert post(fake, "/v1/completions", bad, 400)["error"]["param"] == "stream_options"
+
+
+def test_return_token_ids(fake) -> None:
+    """vLLM's return_token_ids: the prompt's ids and each choice's generated ids; streamed, the
+    prompt's ids come first and each chunk carries its new ids."""
+    body = {"prompt": "abc", "max_tokens": 4, "return_token_ids": True, "temperature": 0}
+    r = post(fake, "/v1/completions", body)
+    c = r["choices"][0]
+    assert c["prompt_token_ids"] == [1, 100, 101, 102]  # BOS + one id per byte (+3)
+    assert len(c["token_ids"]) == r["usage"]["completion_tokens"] == 4
+    events = fake.stream({**body, "stream": True})
+    entries = [e for ev in events for e in ev["choices"]]
+    assert entries[0]["prompt_token_ids"] == c["prompt_token_ids"]
+    assert all("prompt_token_ids" not in e for e in entries[1:])
+    assert [t for e in entries for t in e["token_ids"]] == c["token_ids"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = post(fake, "/v1/chat/completions", {**chat, "return_token_ids": True})
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"]
+    assert len(r["choices"][0]["token_ids"]) == r["usage"]["completion_tokens"]
+    plain = post(fake, "/v1/completions", {**body, "return_token_ids": False})
+    assert "token_ids" not in plain["choices"][0]

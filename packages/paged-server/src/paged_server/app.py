@@ -390,6 +390,10 @@ class OpenAIApp:
                             tids, lps = out.prompt_token_ids + tids, list(p_lps) + lps
                         lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
                     choice["text"] = prefix + text
+                if req.return_token_ids:
+                    choice["token_ids"] = [] if scoring else list(seq.token_ids)
+                    if not chat:
+                        choice["prompt_token_ids"] = out.prompt_token_ids
                 if req.prompt_logprobs is not None and not chat:
                     choice["prompt_logprobs"] = prompt_logprobs_json(
                         out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs
@@ -403,6 +407,8 @@ class OpenAIApp:
         n_gen = 0 if scoring else group.num_generated_tokens
         body = envelope(rid, "chat.completion" if chat else "text_completion", model)
         body.update(choices=choices, usage=usage(n_prompt, n_gen))
+        if req.return_token_ids and chat:
+            body["prompt_token_ids"] = group.latest[0].prompt_token_ids
         if req.prompt_logprobs is not None and chat:  # vLLM: one prompt, at the top level
             out = group.latest[0]
             body["prompt_logprobs"] = prompt_logprobs_json(
@@ -445,19 +451,20 @@ class OpenAIApp:
             return body
 
         if chat:  # the role comes first, once per choice
-            h.send_event(
-                chunk(
-                    [
-                        {
-                            "index": i,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                        for i in range(len(choices))
-                    ]
-                )
+            first = chunk(
+                [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(len(choices))
+                ]
             )
+            if req.return_token_ids:  # vLLM: the prompt's ids in the first chunk
+                first["prompt_token_ids"] = ids[0]
+            h.send_event(first)
         while not group.done:
             arrived = group.next(self.poll_interval)
             if not arrived:
@@ -475,7 +482,12 @@ class OpenAIApp:
                 st, pi = choices[ci], ci // n
                 echo = req.echo and not st.started
                 prefix = self._echo(req, texts[pi], ids[pi], chat) if echo else ""
+                new_ids, first = list(st.token_ids), not st.started
                 entry = st.chunk(ci, prefix, req.logprobs, self._decode_one, chat)
+                if entry is not None and req.return_token_ids:  # this chunk's new ids
+                    entry["token_ids"] = new_ids
+                    if first and not chat:
+                        entry["prompt_token_ids"] = ids[pi]
                 if entry is not None and tool_outs is not None:
                     entry = tool_outs[ci].rewrite(entry)
                 if entry is not None:

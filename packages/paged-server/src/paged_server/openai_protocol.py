@@ -44,7 +44,6 @@ _UNSUPPORTED_UNLESS = {
     "lora_request": (None,),
     # vLLM extras left out (docs/server.md lists why)
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "cache_salt": (None,),
     "logits_processors": (None, []),
     "mm_processor_kwargs": (None, {}),
@@ -85,6 +84,7 @@ _COMMON = {
     "truncate_prompt_tokens",
     "add_special_tokens",
     "prompt_logprobs",
+    "return_token_ids",
     "request_id",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
@@ -135,6 +135,7 @@ class GenerationRequest:
     request_id: str | None = None  # vLLM: the response id is "cmpl-" / "chatcmpl-" + this
     prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
     continuous_usage: bool = False  # usage in every stream chunk
+    return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
 
     @property
     def n(self) -> int:
@@ -335,6 +336,7 @@ def _common(b: _Body, req: GenerationRequest) -> None:
         raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
     req.request_id = rid
     req.continuous_usage = _continuous_usage(b, req.include_usage)
+    req.return_token_ids = b.bool("return_token_ids")
     req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")

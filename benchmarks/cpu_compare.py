@@ -16,8 +16,8 @@ Every system gets `--threads` CPU threads (default 2).
 - accuracy: greedy agreement (first 64 tokens of 8 text prompts) and perplexity on a fixed text,
   bfloat16 / int8 / int4 against float32.
 
-Results: docs/benchmarks/cpu/cpu_compare-threads<N>.json (with the load average before and after each
-system: the machine is shared). llama-cpp-python is a benchmark peer only, never a dependency.
+Results: docs/benchmarks/cpu/cpu_compare-threads<N>.json (with the load average before and after
+each system: the machine is shared). llama-cpp-python is a benchmark peer only, never a dependency.
 """
 
 from __future__ import annotations

@@ -18,8 +18,14 @@ so the draft cache then holds [0, c + d) for a row with d drafts. The target acc
 them and computes [0, c + 1 + a): the draft is behind only when a == d (draft d at c + d is
 accepted but the draft never ran it). That token is the row's lag token, run first next step.
 Positions past the accepted length hold rejected drafts and are overwritten later, exactly like
-the target's. A sequence the worker drops (finished, preempted) forgets its lag: it comes back
-with its whole prefix to compute, for both models.
+the target's. The lag is kept with its position: a sequence the worker drops and gets back
+(swapped out and in, or recomputed with a prefix-cache hit) runs it first only if it resumes
+right after it; one that recomputes that position anyway discards it.
+
+One gap remains: a block whose last token is a lag token can be registered in the prefix cache
+before the draft runs it (the sequence finishes or is preempted that step). A later sequence
+that hits that block sees a stale draft KV entry at that one position: its drafts may be worse,
+never its outputs (verification uses the draft's real q).
 
 Draft tokens are drawn with the sampling settings of the row (temperature, top-k / top-p /
 min-p, min_tokens), from the processed draft distribution q, with noise independent of the
@@ -63,7 +69,9 @@ class DraftModelRunner:
         self.runner = runner  # the target's runner: batch, backend, sampler, device
         self.dtype = next(model.parameters()).dtype
         self.cache: CacheEngine | None = None
-        self._lag: dict[int, int] = {}  # seq id -> accepted token the draft has not run
+        # seq id -> (token, position): an accepted token the draft has not run yet.
+        self._lag: dict[int, tuple[int, int]] = {}
+        self._max_lag_entries = 4 * runner.config.max_num_seqs
 
     # ---- cache ----------------------------------------------------------------------------------
     def bytes_per_block(self, block_size: int) -> int:
@@ -82,9 +90,6 @@ class DraftModelRunner:
             num_cpu_blocks=num_cpu_blocks,
         )
 
-    def forget(self, seq_id: int) -> None:
-        self._lag.pop(seq_id, None)
-
     # ---- one step -------------------------------------------------------------------------------
     def propose(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
@@ -97,7 +102,10 @@ class DraftModelRunner:
         num_drafts = np.asarray([len(spec.get(s, ())) for s in sched.seq_ids], dtype=np.int64)
         base = num_new - num_drafts  # the row's own tokens (a prefill chunk or its last token)
         starts = np.asarray(sched.start_positions, dtype=np.int64)
-        lag_tokens = [self._lag.pop(s, None) for s in sched.seq_ids]
+        lag_tokens: list[int | None] = []
+        for seq_id, start in zip(sched.seq_ids, sched.start_positions):
+            entry = self._lag.pop(seq_id, None)
+            lag_tokens.append(entry[0] if entry is not None and entry[1] == start - 1 else None)
         lag = np.asarray([t is not None for t in lag_tokens], dtype=np.int64)
 
         # Pass 1: [lag token] + the row's own tokens, gathered from cat(target ids, lag tokens).
@@ -173,11 +181,19 @@ class DraftModelRunner:
         num_drafts: np.ndarray,
         num_accepted: np.ndarray,
         drafts: dict[int, list[int]],
+        positions: np.ndarray,
     ) -> None:
-        """Rows whose every draft was accepted: their last draft is next step's lag token."""
-        for seq_id, d, a in zip(seq_ids, num_drafts.tolist(), num_accepted.tolist()):
+        """Rows whose every draft was accepted: their last draft is next step's lag token.
+        `positions`: each entry's first draft position."""
+        lag = self._lag
+        counts = zip(num_drafts.tolist(), num_accepted.tolist(), positions.tolist())
+        for seq_id, (d, a, pos) in zip(seq_ids, counts):
             if d and a == d:
-                self._lag[seq_id] = drafts[seq_id][-1]
+                lag[seq_id] = (drafts[seq_id][-1], pos + d - 1)
+        if len(lag) > self._max_lag_entries:  # finished sequences' entries, oldest first
+            live = self.runner.batch.seqs
+            for seq_id in [s for s in lag if s not in live][: len(lag) // 2]:
+                del lag[seq_id]
 
     # ---- helpers --------------------------------------------------------------------------------
     def _forward(self, ids: Tensor, rows: np.ndarray, q_lens: np.ndarray, ends: np.ndarray):

@@ -131,12 +131,8 @@ class ModelRunner:
         draft = self.draft
         for seq_id in sched.finished_seq_ids:
             batch.remove(seq_id)
-            if draft is not None:
-                draft.forget(seq_id)
         for data in sched.new_seqs:
             batch.add(data)
-            if draft is not None:
-                draft.forget(data.seq_id)
         batch.update_blocks(sched.block_updates)
         caches = [self.cache] if draft is None else [self.cache, draft.cache]
         for cache in caches:
@@ -372,7 +368,8 @@ class ModelRunner:
             q.index_copy_(0, self._to_dev(q_rows), proposal.probs[self._to_dev(q_src)])
         result = verify(processed, self._to_dev(drafts_x), greedy, noise, num_drafts, q)
         if self.draft is not None:
-            self.draft.after_verify(seq_ids, num_drafts, result.num_accepted, spec)
+            first_draft = inputs.seq_lens[src] - num_drafts  # each entry's first draft position
+            self.draft.after_verify(seq_ids, num_drafts, result.num_accepted, spec, first_draft)
         emitted = result.num_accepted + 1
         flat = np.cumsum(emitted) - emitted
         emit_rows = np.repeat(first_row, emitted) + (

@@ -78,6 +78,37 @@ class RotaryEmbedding(nn.Module):
             out = torch.stack((o1, o2), dim=-1).flatten(-2)
         return torch.cat((out.to(x.dtype), rest), dim=-1)
 
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        """Gather this forward's tables once for all layers (the model calls it first thing in
+        every forward, so a table never outlives its positions): `rotate_heads` reads them.
+
+        NeoX style over the whole head: out = x * [cos, cos] + swap_halves(x) * [-sin, sin],
+        the same products and sums as `_rotate` (x1*cos + x2*(-sin) == x1*cos - x2*sin exactly).
+        """
+        if not (self.is_neox_style and self.rotary_dim == self.head_dim):
+            self._tables = None
+            return
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        self._tables = (
+            positions,
+            torch.cat((cos, cos), dim=-1).unsqueeze(1),  # [T, 1, D] float32
+            torch.cat((-sin, sin), dim=-1).unsqueeze(1),
+        )
+
+    _tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """x: [T, N, D] (q and k heads side by side, maybe a strided view) -> rotated [T, N, D]
+        in x's dtype, or None when `begin_forward` did not prepare tables for `positions`."""
+        tables = self._tables
+        if tables is None or tables[0] is not positions:
+            return None
+        _, cos, sin = tables
+        t, n, d = x.shape
+        xf = x.float()
+        swapped = xf.view(t, n, 2, d // 2).flip(2).view(t, n, d)  # [x2, x1]
+        return (xf * cos + swapped * sin).to(x.dtype)
+
     def forward(
         self,
         positions: torch.Tensor,  # [T] int64

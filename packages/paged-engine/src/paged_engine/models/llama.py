@@ -70,7 +70,17 @@ class LlamaAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not self.qk_norm:  # q and k heads rotated in one go from the model's tables
+            qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+            rotated = self.rotary_emb.rotate_heads(positions, qk)
+            if rotated is not None:
+                heads = self.q_size // self.head_dim
+                q = rotated[:, :heads].reshape(t, -1)  # views: no copy
+                k = rotated[:, heads:].reshape(t, -1)
+                v = qkv[:, self.q_size + self.kv_size :]
+                return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
@@ -112,6 +122,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
+        self.rotary_emb = rope  # the layers' shared instance: its tables are set per forward
         self.layers, self.stage = make_layers(
             config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i, flags, rope)
         )
@@ -120,6 +131,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # hidden: the previous pipeline stage's output (None on the first stage)
         x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
+        self.rotary_emb.begin_forward(positions)
         for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
             x = layer(positions, x, kv_cache, md)
         return self.norm(x) if self.stage.is_last else x

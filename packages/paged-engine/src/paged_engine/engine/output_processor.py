@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from paged_engine.core.core_output import EngineCoreOutput, PromptLogprobsChunk, SeqUpdate
-from paged_engine.engine.bytelevel_detokenizer import make_detokenizer
+from paged_engine.engine.bytelevel_detokenizer import byte_level_vocab, make_detokenizer
 from paged_engine.engine.detokenizer import find_stop, stop_holdback
 from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged_engine.pooling import (
@@ -99,6 +99,7 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}  # every request not finished here yet
+        self._byte_vocab = byte_level_vocab(tokenizer)  # None: not byte-level, general path
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_one_fn = (
             (lambda t: backend.decode([t], skip_special_tokens=False))
@@ -139,6 +140,7 @@ class OutputProcessor:
                 prompt_token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
+                vocab=self._byte_vocab,
             )
         state.seqs[0] = SeqText(0, detok)
         if isinstance(params, PoolingSamplingParams):

@@ -72,6 +72,18 @@ def test_greedy_is_token_identical_with_drafts_accepted(arch_model, k):
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens > 0  # the accepting path ran too
     assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    _assert_spec_stats_consistent(stats, k)
+
+
+def _assert_spec_stats_consistent(stats, k: int) -> None:
+    """The per-position counts and the derived figures agree with the three totals."""
+    drafts, accepted = stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == k and sum(per_pos) == accepted
+    assert drafts >= per_pos[0] and per_pos == sorted(per_pos, reverse=True)
+    rate = stats.spec_decode_acceptance_rate
+    assert rate == pytest.approx(accepted / stats.spec_decode_num_draft_tokens)
+    assert stats.spec_decode_mean_acceptance_length == pytest.approx(1 + accepted / drafts)
 
 
 @pytest.fixture(scope="module")

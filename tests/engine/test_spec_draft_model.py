@@ -140,6 +140,21 @@ def test_greedy_with_the_target_as_its_own_draft(arch_models):
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
+def test_metrics_when_the_target_is_its_own_draft(llama):
+    """Every draft accepted, and 25 = 1 + 6 x (3 + 1) tokens: each row proposes the full k = 3
+    (none cut short by max_tokens), so the rate is 1, the mean acceptance length k + 1, and
+    every position accepted once per proposal."""
+    target, _ = llama
+    params = SamplingParams(temperature=0, max_tokens=25, ignore_eos=True)
+    _, stats = _run(target, _prompts(), params, speculative_config=_spec(target, 3))
+    drafts = stats.spec_decode_num_drafts
+    assert drafts == 6 * len(_prompts())
+    assert stats.spec_decode_num_draft_tokens == stats.spec_decode_num_accepted_tokens == 3 * drafts
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [drafts] * 3
+    assert stats.spec_decode_acceptance_rate == 1.0
+    assert stats.spec_decode_mean_acceptance_length == 4.0
+
+
 def test_greedy_is_token_identical_with_an_unrelated_draft(arch_models):
     target, _, small, params, want = arch_models
     outs, stats = _run(target, _prompts(), params, speculative_config=_spec(small, 3))

@@ -4,6 +4,7 @@ the plain server's greedy text, and its spec_decode counters show up in /metrics
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -32,12 +33,25 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
     try:
         assert _texts(server) == want
         m = server.metrics()
-        assert m["paged:spec_decode_num_draft_tokens_total"] > 0
-        assert (
-            0
-            <= m["paged:spec_decode_num_accepted_tokens_total"]
-            <= (m["paged:spec_decode_num_draft_tokens_total"])
-        )
+        drafts = m["paged:spec_decode_num_drafts_total"]
+        drafted = m["paged:spec_decode_num_draft_tokens_total"]
+        accepted = m["paged:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and 0 <= accepted <= drafted
+        assert m["paged:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+        assert m["paged:spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+        # vLLM's labelled counter: one sample per draft position, summing to the accepted total
+        _, _, text = server.request("GET", "/metrics")
+        per_pos = {
+            int(pos): float(value)
+            for pos, value in re.findall(
+                r'^paged:spec_decode_num_accepted_tokens_per_pos_total\{model_name="[^"]*",'
+                r'position="(\d+)"\} (\S+)$',
+                text,
+                re.MULTILINE,
+            )
+        }
+        assert sorted(per_pos) == [0, 1, 2]
+        assert sum(per_pos.values()) == accepted and per_pos[0] <= drafts
     finally:
         assert server.stop() == 0, "".join(server.lines[-30:])
 

@@ -164,7 +164,21 @@ _ENGINE_METRICS = (
         "counter",
         "Speculative decoding: draft tokens the target accepted.",
     ),
+    # vLLM v0's gauge name; no samples before the first proposal (the rate is undefined).
+    (
+        "paged:spec_decode_draft_acceptance_rate",
+        "spec_decode_acceptance_rate",
+        "gauge",
+        "Speculative decoding: accepted / draft tokens since start.",
+    ),
+    (
+        "paged:spec_decode_mean_acceptance_length",
+        "spec_decode_mean_acceptance_length",
+        "gauge",
+        "Speculative decoding: 1 + accepted tokens / drafts since start.",
+    ),
 )
+_PER_POS = "paged:spec_decode_num_accepted_tokens_per_pos_total"
 
 
 def _esc(value: str) -> str:
@@ -208,6 +222,13 @@ class Metrics:
                 continue
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             lines.append(f"{name}{{{lab}}} {_num(value)}")
+        per_pos = getattr(stats, "spec_decode_num_accepted_tokens_per_pos", None)
+        if per_pos:  # vLLM's labelled counter: one sample per draft position
+            lines += [
+                f"# HELP {_PER_POS} Speculative decoding: drafts accepted up to each position.",
+                f"# TYPE {_PER_POS} counter",
+            ]
+            lines += [f'{_PER_POS}{{{lab},position="{j}"}} {n}' for j, n in enumerate(per_pos)]
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             lines += h.render(lab)
         lines += [

@@ -16,7 +16,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,10 +72,16 @@ class EngineStats:
     peak_used_blocks: int
     block_size: int
     # Speculative decoding (vLLM's spec_decode_* counters): verified proposals, the draft
-    # tokens they held, and how many of those the target accepted.
+    # tokens they held, how many of those the target accepted, and per draft position j (one
+    # entry per speculative token) the proposals whose drafts 0..j were all accepted.
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # Derived as vLLM does (None before the first proposal): accepted / draft tokens, and
+    # 1 + accepted / drafts (tokens a verified row emits on average, the bonus token included).
+    spec_decode_acceptance_rate: float | None = None
+    spec_decode_mean_acceptance_length: float | None = None
     # The CPU block pool (swap_space + cpu_offload_gib): its size and free blocks (free ones
     # may hold prefix-cache tier content), preemptions that swapped, and the prefix-cache hits
     # (tokens, part of prefix_cache_hits) served from the CPU tier.
@@ -377,13 +383,21 @@ class LLMEngine:
             )
 
 
-def _spec_stats(planner: DraftPlanner | None) -> dict[str, int]:
+def _spec_stats(planner: DraftPlanner | None) -> dict[str, Any]:
     if planner is None:
         return {}
+    drafts, drafted, accepted = (
+        planner.num_drafts,
+        planner.num_draft_tokens,
+        planner.num_accepted_tokens,
+    )
     return {
-        "spec_decode_num_drafts": planner.num_drafts,
-        "spec_decode_num_draft_tokens": planner.num_draft_tokens,
-        "spec_decode_num_accepted_tokens": planner.num_accepted_tokens,
+        "spec_decode_num_drafts": drafts,
+        "spec_decode_num_draft_tokens": drafted,
+        "spec_decode_num_accepted_tokens": accepted,
+        "spec_decode_num_accepted_tokens_per_pos": list(planner.num_accepted_tokens_per_pos),
+        "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
     }
 
 

@@ -40,10 +40,13 @@ class DraftPlanner:
         self.max_model_len = max_model_len
         self._backoff: dict[str, _Backoff] = {}
         self._step = 0
-        # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens.
+        # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens, and
+        # per draft position j the proposals whose drafts 0..j were all accepted (so
+        # sum(per_pos) == num_accepted_tokens and per_pos[0] <= num_drafts).
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
     def next_step(self) -> None:
         self._step += 1
@@ -72,6 +75,9 @@ class DraftPlanner:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for j in range(num_accepted):
+            per_pos[j] += 1
         state = self._backoff.setdefault(req.request_id, _Backoff())
         if num_accepted:
             state.misses, state.resume_at = 0, 0

@@ -106,12 +106,18 @@ def test_chat_echo_repeats_the_final_assistant_message(fake) -> None:
         ({"verbosity": "low"}, "verbosity"),
         ({"logits_processors": ["x"]}, "logits_processors"),
         ({"request_id": ""}, "request_id"),
+        ({"include_reasoning": "yes"}, "include_reasoning"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
+        ({"structural_tag": "{}"}, "structural_tag"),
+        ({"max_repetition_pattern_size": 8}, "max_repetition_pattern_size"),
+        ({"repetition_min_count": 3}, "repetition_min_count"),
     ],
 )
 def test_refused_fields_are_named(fake, extra, param) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
     r = post(fake, "/v1/chat/completions", body, 400)
     assert r["error"]["param"] == param
+    assert "Unrecognized" not in r["error"]["message"]  # known, refused on purpose
 
 
 def test_off_values_and_obfuscation_are_accepted(fake) -> None:
@@ -120,6 +126,10 @@ def test_off_values_and_obfuscation_are_accepted(fake) -> None:
         "max_tokens": 1,
         "return_tokens_as_token_ids": False,
         "logits_processors": [],
+        "include_reasoning": False,  # no reasoning parser: no effect
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": "30m"},
+        "min_repetition_pattern_size": 0,
         "stream": True,
         "stream_options": {"include_usage": True, "include_obfuscation": False},
     }

@@ -28,6 +28,8 @@ _IGNORED = {
     "service_tier",
     "priority",
     "prompt_cache_key",
+    "prompt_cache_retention",  # caching hints: the prefix cache is automatic
+    "prompt_cache_options",
     "safety_identifier",
 }
 # Known OpenAI / vLLM parameters we do not implement; allowed only at their "off" values.
@@ -42,6 +44,7 @@ _UNSUPPORTED_UNLESS = {
     "web_search_options": (None,),
     "verbosity": (None,),
     "lora_request": (None,),
+    "moderation": (None,),
     # vLLM extras left out (docs/server.md lists why)
     "return_tokens_as_token_ids": (None, False),
     "cache_salt": (None,),
@@ -50,6 +53,10 @@ _UNSUPPORTED_UNLESS = {
     "prompt_embeds": (None,),
     "kv_transfer_params": (None,),
     "vllm_xargs": (None, {}),
+    "structural_tag": (None,),  # older vLLM's top-level spelling
+    "max_repetition_pattern_size": (None, 0),  # repetition detection, 0: off
+    "min_repetition_pattern_size": (None, 0),
+    "repetition_min_count": (None, 0),
 }
 
 _SAMPLING = (
@@ -104,6 +111,7 @@ _CHAT_KEYS = _COMMON | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "include_reasoning",
 }
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
@@ -572,6 +580,7 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
             "continue_final_message",
         )
     _common(b, req)
+    b.bool("include_reasoning", True)  # no reasoning parser: there is no reasoning to drop
     req.structured, req.structured_param = parse_structured(b.d)
     req.tools = parse_tools(b.d, tool_parser)
     forced = req.tools.constraint() if req.tools is not None else None

@@ -135,6 +135,37 @@ def test_invalid_constraints_are_400_naming_the_field(client, extra, param) -> N
     assert r.choices[0].finish_reason in ("stop", "length")  # still serving
 
 
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": CITY},
+                }
+            },
+            "response_format",
+        ),
+        ("/v1/completions", {"guided_json": CITY}, "guided_json"),
+        ("/v1/completions", {"structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs"),
+        ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_beam_search_with_a_constraint_is_400(server, path, extra, param) -> None:
+    """Beam search keeps no grammar state per beam: refused, naming the field the client sent."""
+    prompt = {"messages": MSGS} if "chat" in path else {"prompt": "x"}
+    body = {"model": "tiny", **prompt, "max_tokens": 4, "n": 2, "use_beam_search": True}
+    status, _, r = server.request("POST", path, {**body, **extra})
+    assert status == 400, r
+    err = r["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == 400
+    assert err["param"] == param and "use_beam_search" in err["message"], err
+    status, _, r = server.request("POST", path, body)  # still serving, beams included
+    assert status == 200 and len(r["choices"]) == 2, r
+
+
 def _post(server: ServerProc, path: str, body: dict) -> dict:
     req = urllib.request.Request(
         server.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}

@@ -395,6 +395,7 @@ def parse_completion(body: Any) -> GenerationRequest:
     )
     _common(b, req)
     req.structured, req.structured_param = parse_structured(b.d)
+    _check_beam_constraint(req)
     if req.max_tokens == 0 and (not req.echo or req.stream):
         # Prompt scoring (legacy OpenAI, lm-eval-harness): the prompt and its logprobs, nothing
         # generated. Without echo there is nothing to return.
@@ -591,7 +592,20 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
                 req.structured_param,
             )
         req.structured, req.structured_param = forced, "tools"
+    _check_beam_constraint(req)
     return req
+
+
+def _check_beam_constraint(req: GenerationRequest) -> None:
+    """The engine's beam search takes no structured-output constraint (SamplingParams refuses
+    it as `structured_outputs`): name the field the client sent instead."""
+    if not (req.use_beam_search and req.structured is not None):
+        return
+    param = "tool_choice" if req.structured_param == "tools" else req.structured_param
+    raise bad_request(
+        f"'{param}' (a structured-output constraint) is not supported with 'use_beam_search'",
+        param,
+    )
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> int:

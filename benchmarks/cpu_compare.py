@@ -7,17 +7,19 @@
   paged `LLM.generate` (CPU backend; and the torch reference backend, the path before it) vs HF
   `generate` (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second
   and per CPU-second (user + system time of the process, all threads).
-- single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / int8 /
-  int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same GGUF file).
+- single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / fp16
+  weights (fbgemm) / int8 / int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same
+  GGUF file).
 Every system gets `--threads` CPU threads (default 2).
 - aggregate: 16 and 48 concurrent requests (prompts from the workload, 64 outputs each): paged
   `LLM.generate` vs llama-cpp-python, which decodes one stream at a time (its Python API has no
   batching), so its aggregate is its requests run back to back.
 - accuracy: greedy agreement (first 64 tokens of 8 text prompts) and perplexity on a fixed text,
-  bfloat16 / int8 / int4 against float32.
+  bfloat16 / fp16 weights / int8 / int4 against float32.
 
-Results: docs/benchmarks/cpu/cpu_compare-threads<N>.json (with the load average before and after
-each system: the machine is shared). llama-cpp-python is a benchmark peer only, never a dependency.
+Results: docs/benchmarks/cpu/cpu_compare-threads<N>[-<tag>].json (with the load average before
+and after each system: the machine is shared). llama-cpp-python is a benchmark peer only,
+never a dependency.
 """
 
 from __future__ import annotations
@@ -191,6 +193,7 @@ def accuracy(work_dir: Path) -> dict:
     for name, kw in [
         ("float32", {}),
         ("bfloat16", {"dtype": "bfloat16"}),
+        ("fp16-weights", {"quantization": "fp16"}),
         ("int8", {"dtype": "bfloat16", "quantization": "int8"}),
         ("int4", {"dtype": "bfloat16", "quantization": "int4"}),
     ]:
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU threads of every system (OMP_NUM_THREADS of each spawned process: paged and "
         "torch follow it; llama.cpp's n_threads)",
     )
+    p.add_argument("--tag", default="", help="suffix of the result file (e.g. the machine)")
     args = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # inherited by every spawned system
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -254,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             "paged-torch-reference": _run(
                 "paged-torch-reference", paged_throughput, wd, attention_backend="torch"
             ),
+            "paged-fp16-weights": _run(
+                "paged-fp16-weights", paged_throughput, wd, quantization="fp16"
+            ),
             "hf-static": _run("hf-static", hf_throughput, wd, "hf-static"),
             "hf-continuous": _run("hf-continuous", hf_throughput, wd, "hf-continuous"),
         }
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         out["single"] = {
             "paged-float32": _run("paged-float32", paged_single, wd),
             "paged-bfloat16": _run("paged-bfloat16", paged_single, wd, dtype="bfloat16"),
+            "paged-fp16-weights": _run("paged-fp16-weights", paged_single, wd, quantization="fp16"),
             "paged-int8": _run(
                 "paged-int8", paged_single, wd, dtype="bfloat16", quantization="int8"
             ),
@@ -279,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
                 "paged-bfloat16": _run(
                     f"paged-bfloat16-{n}", paged_aggregate, wd, n, dtype="bfloat16"
                 ),
+                "paged-fp16-weights": _run(
+                    f"paged-fp16-weights-{n}", paged_aggregate, wd, n, quantization="fp16"
+                ),
                 "paged-int8": _run(
                     f"paged-int8-{n}", paged_aggregate, wd, n, dtype="bfloat16", quantization="int8"
                 ),
@@ -292,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         print("accuracy against float32", flush=True)
         out["accuracy"] = _run("accuracy", accuracy, wd)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"cpu_compare-threads{args.threads}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    path = args.out / f"cpu_compare-threads{args.threads}{tag}.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     old.update(out)
     path.write_text(json.dumps(old, indent=1) + "\n")

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 linear layers (layers/quantization.py) on CPU."""
+"""Weight-only fp16 / int8 / int4 linear layers (layers/quantization.py) on CPU."""
 
 from __future__ import annotations
 
@@ -7,9 +7,53 @@ import torch
 import torch.nn.functional as F
 
 from paged_engine import LLM, EngineConfig, SamplingParams
-from paged_engine.layers.quantization import FUSED_MAX_ROWS, Int4Linear, Int8Linear
+from paged_engine.layers.quantization import (
+    FUSED_MAX_ROWS,
+    Fp16Linear,
+    Int4Linear,
+    Int8Linear,
+    require_fp16_gemm,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _fp16_gemm() -> bool:
+    try:
+        require_fp16_gemm()
+    except ValueError:
+        return False
+    return True
+
+
+needs_fp16_gemm = pytest.mark.skipif(not _fp16_gemm(), reason="no fbgemm fp16 GEMM (non-x86)")
+
+
+@needs_fp16_gemm
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp16_weights_compute_in_float32(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    bias = torch.randn(96).to(dtype)
+    method = Fp16Linear(w.to(dtype), dtype)
+    assert method.nbytes() == 96 * 128 * 2
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 128).to(dtype)
+        got = method.apply(x, bias)
+        assert got.shape == (rows, 96) and got.dtype == dtype
+        # exactly the float16-rounded weight in float32 arithmetic (up to summation order)
+        want = F.linear(x.float(), w.to(dtype).half().float(), bias.float()).to(dtype)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # weights beyond float16's range saturate instead of turning into inf
+    big = Fp16Linear(torch.full((16, 32), 1e6), torch.float32).apply(torch.ones(1, 32), None)
+    assert torch.isfinite(big).all() and big[0, 0].item() == pytest.approx(65504.0 * 32)
+
+
+def test_fp16_refused_where_fbgemm_is_missing(monkeypatch):
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", ["qnnpack"])
+    with pytest.raises(ValueError, match="quantization='fp16'"):
+        require_fp16_gemm()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -45,7 +89,9 @@ def test_int4_dequantize_reproduces_exact_grid_weights():
     torch.testing.assert_close(Int4Linear(w, torch.float32).dequantize(torch.float32), w)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "quantization", [pytest.param("fp16", marks=needs_fp16_gemm), "int8", "int4"]
+)
 def test_engine_generates_close_to_dense(tiny_llama_dir, quantization):
     prompts = [{"prompt_token_ids": [5, 9, 3, 7, 11, 2, 8]}, {"prompt_token_ids": [4, 4, 6]}]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
@@ -62,6 +108,16 @@ def test_engine_generates_close_to_dense(tiny_llama_dir, quantization):
         lp_dense = d.outputs[0].logprobs[0][tok].logprob
         lp_quant = q.outputs[0].logprobs[0].get(tok)
         assert lp_quant is not None and abs(lp_quant.logprob - lp_dense) < 0.5
+        if quantization == "fp16":  # float32 arithmetic on weights off by <= 2**-11
+            assert q.outputs[0].token_ids == d.outputs[0].token_ids
+            for entry_q, entry_d, t in zip(
+                q.outputs[0].logprobs, d.outputs[0].logprobs, tok_ids(d)
+            ):
+                assert abs(entry_q[t].logprob - entry_d[t].logprob) < 2e-3
+
+
+def tok_ids(out) -> list[int]:
+    return out.outputs[0].token_ids
 
 
 def test_quantization_option_is_validated():

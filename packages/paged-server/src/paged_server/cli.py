@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
     p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")
-    p.add_argument("--quantization", "-q", default=None, help="CPU weight-only int8 or int4")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="CPU weight-only fp16 (fbgemm, x86), int8 or int4",
+    )
     p.add_argument(
         "--batch-invariant",
         action="store_true",

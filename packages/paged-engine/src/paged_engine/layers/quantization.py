@@ -1,11 +1,18 @@
-"""Weight-only int8 / int4 linear layers on CPU, through torch's own CPU kernels.
+"""Weight-only fp16 / int8 / int4 linear layers on CPU, through torch's own CPU kernels.
 
-`quantize_model(model, "int8" | "int4")` replaces, after loading, the weight of every linear
-layer (and of a tied LM head) with:
+`quantize_model(model, "fp16" | "int8" | "int4")` replaces, after loading, the weight of every
+linear layer (and of a tied LM head) with:
 
+    fp16  the weight rounded to float16, packed for fbgemm's fp16 GEMM (x86 CPUs): float32
+          activations and accumulation, half the bytes of float32 read per token  (2 bytes)
     int8  per output channel, symmetric: w = q * scale, q in [-127, 127]     (1 byte / weight)
     int4  per group of 32 inputs, asymmetric (GGUF Q4_1's blocks): w = q * scale + min,
           q in [0, 15], nibble-packed                                        (0.5 byte / weight)
+
+fp16 is for float32 models (`dtype="auto"` keeps float32 with it): a decode matmul reads half
+the bytes of float32 with the same float32 arithmetic, so on CPUs whose matmuls are bound by
+memory (one stream, small batches) it is the fastest mode here, and the closest to float32
+(each weight off by at most 2**-11 relative).
 
 A forward with few rows (decode) runs the fused kernels (`aten._weight_int8pack_mm`,
 `aten._weight_int4pack_mm_for_cpu`, as gpt-fast uses them), which read the small weights once
@@ -21,11 +28,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("fp16", "int8", "int4")
 INT4_GROUP = 32
 # Rows up to which the fused kernels beat dequantize + dense matmul (measured on one core of
 # the project's 2-core Xeon with AMX, SmolLM2-135M shapes, bf16: equal near 12 rows).
 FUSED_MAX_ROWS = 8
+
+
+def require_fp16_gemm() -> None:
+    """Raise unless this torch build has fbgemm's fp16-weight GEMM (x86 CPUs with AVX2)."""
+    engines = torch.backends.quantized.supported_engines
+    if "fbgemm" not in engines and "x86" not in engines:
+        raise ValueError(
+            "quantization='fp16' needs fbgemm's fp16 GEMM, which this torch build or CPU "
+            f"lacks (quantized engines: {engines}; it needs x86 with AVX2): use 'int8' or 'int4'"
+        )
+
+
+class Fp16Linear:
+    """Float16 weights in fbgemm's packed layout; `apply(x, bias)` = x @ W^T + bias computed in
+    float32 (an activation of another dtype is cast to float32 and back)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        require_fp16_gemm()
+        w = weight.detach().float().contiguous()  # [N, K]
+        self.shape = tuple(w.shape)
+        # fbgemm saturates out-of-range weights to the fp16 range (and warns; we clamp first).
+        w = w.clamp(-65504.0, 65504.0)
+        self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self.packed)
+        out = out.to(x.dtype)
+        return out if bias is None else out + bias
+
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * 2
 
 
 class Int8Linear:
@@ -97,15 +135,19 @@ class Int4Linear:
         return self.packed.numel() + kernel + scales
 
 
+Method = Fp16Linear | Int8Linear | Int4Linear
+
+
 class QuantizedTiedHead:
     """A quantized copy of a tied LM head's weight: few rows run the fused kernel, many rows
-    the dense weight the head shares with the token embedding (kept for lookups anyway)."""
+    the dense weight the head shares with the token embedding (kept for lookups anyway); an
+    fp16 head is as fast as the dense one at any row count, so it serves every row."""
 
-    def __init__(self, method: Int8Linear | Int4Linear) -> None:
+    def __init__(self, method: Method) -> None:
         self.method = method
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= FUSED_MAX_ROWS:
+        if x.shape[0] <= FUSED_MAX_ROWS or isinstance(self.method, Fp16Linear):
             return self.method.apply(x, bias)
         return F.linear(x, layer.weight, bias)
 
@@ -113,15 +155,16 @@ class QuantizedTiedHead:
 class QuantizedLinearMethod:
     """The `linear_method` of a linear layer whose dense weight was dropped."""
 
-    def __init__(self, method: Int8Linear | Int4Linear) -> None:
+    def __init__(self, method: Method) -> None:
         self.method = method
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.method.apply(x, bias)
 
 
-def _method(kind: str, weight: torch.Tensor, dtype: torch.dtype) -> Int8Linear | Int4Linear:
-    return Int8Linear(weight, dtype) if kind == "int8" else Int4Linear(weight, dtype)
+def _method(kind: str, weight: torch.Tensor, dtype: torch.dtype) -> Method:
+    cls = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear}[kind]
+    return cls(weight, dtype)
 
 
 @torch.no_grad()

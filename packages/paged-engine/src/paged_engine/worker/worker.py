@@ -60,7 +60,11 @@ class Worker:
                     f"quantization={config.quantization!r} runs on the CPU only (torch's CPU "
                     f"weight-only kernels), not on {self.device.type}"
                 )
-            if config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            if config.quantization == "fp16":  # float32 activations: fail before loading
+                from paged_engine.layers.quantization import require_fp16_gemm
+
+                require_fp16_gemm()
+            elif config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.dtype = torch.bfloat16  # the fused int8 / int4 kernels are fast in bf16
         if config.batch_invariant and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(

@@ -1,5 +1,6 @@
 """Structured outputs, token rules and tool calling through paged-server, with the official
-`openai` client (a real engine over a tiny llama, `--tool-call-parser hermes`)."""
+`openai` client (a real engine over a tiny llama, `--tool-call-parser hermes`; a second server
+with `llama3_json` for its test)."""
 
 from __future__ import annotations
 
@@ -241,6 +242,43 @@ def test_tool_choice_auto_parses_hermes_calls(client) -> None:
     (call,) = final.message.tool_calls
     assert call.function.name == "clock" and json.loads(call.function.arguments) == whole
     # OpenAI's shape: id, type and name once, first; then the arguments in several pieces
+    assert pieces[0].id and pieces[0].function.name == "clock"
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
+    assert len(pieces) > 2 and all(p.index == 0 for p in pieces)
+
+
+LLAMA3 = r'\{"name": "clock", "parameters": \{"tz": "(utc|cet)"\}\}'
+
+
+@pytest.fixture(scope="module")
+def llama3_client(tiny_model: str) -> Iterator:
+    args = ["--model", tiny_model, *REAL_ARGS, "--tool-call-parser", "llama3_json"]
+    server = launch(args, fake=False)
+    yield openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    assert server.stop() == 0, "".join(server.lines[-30:])
+
+
+def test_tool_choice_auto_parses_llama3_json_calls(llama3_client) -> None:
+    """As the Hermes test, with Llama 3's bare `{"name", "parameters"}` output: the openai
+    client's own accumulation of the streamed call equals the non-streamed call."""
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 60, "temperature": 0, "tools": TOOLS}
+    extra = {"structured_outputs": {"regex": LLAMA3}}
+    r = llama3_client.chat.completions.create(**kw, tool_choice="auto", extra_body=extra)
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+    (whole,) = r.choices[0].message.tool_calls
+    assert whole.function.name == "clock"
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    stream = llama3_client.chat.completions.create(**kw, stream=True, extra_body=extra)
+    state, pieces = ChatCompletionStreamState(), []
+    for chunk in stream:
+        state.handle_chunk(chunk)
+        pieces += [tc for c in chunk.choices for tc in c.delta.tool_calls or []]
+    final = state.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    (call,) = final.message.tool_calls
+    assert call.function.name == "clock"
+    assert json.loads(call.function.arguments) == json.loads(whole.function.arguments)
     assert pieces[0].id and pieces[0].function.name == "clock"
     assert all(p.id is None and p.function.name is None for p in pieces[1:])
     assert len(pieces) > 2 and all(p.index == 0 for p in pieces)

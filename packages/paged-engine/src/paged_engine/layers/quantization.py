@@ -56,9 +56,11 @@ class Fp16Linear:
         # fbgemm saturates out-of-range weights to the fp16 range (and warns; we clamp first).
         w = w.clamp(-65504.0, 65504.0)
         self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
+        # The resolved overload: calling the packet re-checks its arguments in Python each time.
+        self._gemm = torch.ops.quantized.linear_dynamic_fp16.default
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.ops.quantized.linear_dynamic_fp16(x.float().contiguous(), self.packed)
+        out = self._gemm(x.float().contiguous(), self.packed)
         out = out.to(x.dtype)
         return out if bias is None else out + bias
 

@@ -7,7 +7,11 @@ import random
 
 import pytest
 
-from paged_engine.engine.bytelevel_detokenizer import ByteLevelDetokenizer, make_detokenizer
+from paged_engine.engine.bytelevel_detokenizer import (
+    ByteLevelDetokenizer,
+    byte_level_vocab,
+    make_detokenizer,
+)
 from paged_engine.engine.detokenizer import IncrementalDetokenizer
 from paged_engine.testing import build_tiny_tokenizer
 
@@ -28,13 +32,13 @@ def tokenizers_under_test():
 def test_stream_equals_full_decode(tokenizers_under_test):
     rng = random.Random()
     for tok in tokenizers_under_test:
-        vocab = len(tok)
+        table = byte_level_vocab(tok)  # built once per tokenizer, as the output processor does
         for _ in range(400):
             skip = rng.random() < 0.5
-            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 16))]
+            ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 16))]
             if rng.random() < 0.5:
                 ids += tok.encode("héllo 世界 🙂 ok", add_special_tokens=False)
-            det = make_detokenizer(tok, [], skip_special_tokens=skip)
+            det = make_detokenizer(tok, [], skip_special_tokens=skip, vocab=table)
             assert isinstance(det, ByteLevelDetokenizer)
             streamed, i = "", 0
             while i < len(ids):

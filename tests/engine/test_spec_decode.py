@@ -3,7 +3,8 @@
 Greedy: token-identical to plain decoding (logprobs within 1e-4) for every tiny architecture and
 k in {1, 3, 5}, with drafts proposed and accepted. Sampling: the first tokens' distribution
 matches plain decoding (two-sample chi-square over many seeded requests). Rejected drafts leave
-nothing behind: every block free, preemption mid-speculation loses nothing, limits hold.
+nothing behind: every block free, preemption mid-speculation loses nothing, limits hold. n > 1:
+each sequence drafts and rolls back on its own next to siblings sharing its prompt blocks.
 """
 
 from __future__ import annotations
@@ -157,6 +158,93 @@ def test_preemption_limits_and_stops_under_speculation(llama):
         assert o.outputs[0].finish_reason == ref.outputs[0].finish_reason
 
 
+def _assert_logprobs_recomputed(path, outs) -> None:
+    """Each emitted token's logprob (raw, under the target) equals its prompt logprob when the
+    sequence is run again from scratch as a prompt: nothing a step read came from another
+    sequence's KV or from a rejected draft."""
+    prompts, recorded = [], []
+    for o in outs:
+        for c in o.outputs:
+            prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
+            recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    again, _ = _run(path, prompts, params)
+    for r, got in zip(again, recorded):
+        ids, plp = r.prompt_token_ids, r.prompt_logprobs
+        start = len(ids) - len(got)
+        want = [plp[i][ids[i]].logprob for i in range(start, len(ids))]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_n_greater_than_one_greedy_every_sequence_speculates(llama):
+    """Greedy n = 3: each sequence drafts over its own tokens and is verified on its own (three
+    times the proposals of n = 1, whose tokens they repeat), and gives plain greedy decoding's
+    tokens and logprobs."""
+    one = SamplingParams(temperature=0, max_tokens=30, logprobs=1, ignore_eos=True)
+    three = SamplingParams(temperature=0, n=3, max_tokens=30, logprobs=1, ignore_eos=True)
+    plain, _ = _run(llama, _prompts(), one)
+    _, single = _run(llama, _prompts(), one, speculative_config=_spec(3))
+    spec, stats = _run(llama, _prompts(), three, speculative_config=_spec(3))
+    assert stats.spec_decode_num_drafts == 3 * single.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == 3 * single.spec_decode_num_accepted_tokens > 0
+    want = _tokens_and_logprobs(plain)
+    for o, (tokens, lps) in zip(spec, want):
+        assert len(o.outputs) == 3
+        for got_tokens, got_lps in _tokens_and_logprobs([o]):
+            assert got_tokens == tokens
+            assert got_lps == pytest.approx(lps, abs=1e-4)
+
+
+def _own_text_prompts(path, starts: list[list[int]]) -> list[dict]:
+    """Each start and the model's greedy text after it: where that text falls into a loop,
+    n-gram lookup predicts the continuation (long accepted runs)."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outs, _ = _run(path, [{"prompt_token_ids": s} for s in starts], greedy)
+    return [{"prompt_token_ids": s + list(o.outputs[0].token_ids)} for s, o in zip(starts, outs)]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_n_greater_than_one_through_preemption(llama, mode):
+    """Only n > 1 requests (greedy n = 2; seeded temperature-0.7 n = 3, whose sequences
+    diverge) on a pool too small for them: preempted mid-speculation (recomputed and shared
+    again, or swapped out and in) while every sequence drafts and rolls back on its own next to
+    siblings that share its prompt blocks copy-on-write. Greedy sequences give plain greedy
+    decoding's outputs; every sampled token's logprob is the target's on the sequence
+    recomputed from scratch; max_tokens holds; every block free (checked by _run)."""
+    starts = [[333, 4], [40, 41, 42], [12, 13], [9, 250, 31, 77], [5, 6, 7, 8], [100, 7, 300]]
+    prompts = _own_text_prompts(llama, starts)
+    rng = random.Random(7)
+    greedy, sampled = [], []
+    params = []
+    for i in range(len(prompts)):
+        common = {"max_tokens": rng.randint(12, 24), "logprobs": 0, "ignore_eos": True}
+        if i % 2:
+            params.append(SamplingParams(temperature=0.5, n=3, seed=i, **common))
+            sampled.append(i)
+        else:
+            params.append(SamplingParams(temperature=0, n=2, **common))
+            greedy.append(i)
+    config = {**_spec(4), "prompt_lookup_min": 1}
+    kwargs = {"num_gpu_blocks_override": 24, "max_num_seqs": 12, "max_model_len": 96}
+    kwargs |= {"preemption_mode": mode, "swap_space": 0.05}
+    spec, stats = _run(llama, prompts, params, speculative_config=config, **kwargs)
+    assert stats.num_preemptions > 0
+    assert (stats.num_swap_preemptions > 0) == (mode == "swap")
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    one = [
+        SamplingParams(temperature=0, max_tokens=params[i].max_tokens, ignore_eos=True)
+        for i in greedy
+    ]
+    plain, _ = _run(llama, [prompts[i] for i in greedy], one)
+    for i, ref in zip(greedy, plain):
+        assert [list(c.token_ids) for c in spec[i].outputs] == [list(ref.outputs[0].token_ids)] * 2
+    rows = [spec[i] for i in sampled]
+    for o, i in zip(rows, sampled):
+        assert all(len(c.token_ids) == params[i].max_tokens for c in o.outputs)
+    assert sum(len({tuple(c.token_ids) for c in o.outputs}) > 1 for o in rows) >= 2
+    _assert_logprobs_recomputed(llama, rows)
+
+
 def test_tensor_parallel_speculation_matches(llama):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain, _ = _run(llama, _prompts(), params)
@@ -171,8 +259,9 @@ def test_what_speculation_refuses(llama):
     llm = LLM(model=str(llama), max_model_len=64, speculative_config=_spec(2))
     with pytest.raises(ValueError, match="beam search"):
         llm.generate(["hi"], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
-    # n > 1 and penalties run without drafts (their next token depends on all samples)
-    out = llm.generate(["hi"], SamplingParams(n=2, max_tokens=3, seed=1), use_tqdm=False)
+    # penalties run without drafts (their next token depends on every earlier one)
+    params = SamplingParams(n=2, max_tokens=3, seed=1, presence_penalty=0.5)
+    out = llm.generate(["hi"], params, use_tqdm=False)
     assert len(out[0].outputs) == 2
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(model=str(llama), speculative_config={"method": "ngram"})
@@ -205,14 +294,40 @@ def test_planner_backs_off_when_drafts_keep_failing():
         planner.next_step()
         if planner.drafts(req, seq, budget=10):
             proposals += 1
-            planner.feedback(req, 3, 0)
+            planner.feedback(seq, 3, 0)
     assert 3 <= proposals <= 8  # 1, 2, 4, 8, ... steps of pause
-    planner.feedback(req, 3, 2)  # an accepted token resets it
+    planner.feedback(seq, 3, 2)  # an accepted token resets it
     planner.next_step()
     assert planner.drafts(req, seq, budget=10)
     assert planner.drafts(req, seq, budget=0) == []
     short = Request("s", [1, 2, 1, 2], SamplingParams(max_tokens=1))
     assert planner.drafts(short, short.seqs[0], budget=10) == []  # max_tokens leaves no room
+
+
+def test_planner_drafts_each_sequence_of_n_on_its_own():
+    """n = 2: the row whose sample fans out drafts nothing; after the fork each sequence
+    drafts over its own tokens, and one sequence's failed proposals pause only itself."""
+    from paged_engine.core.request import Request, next_seq_id
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    planner = DraftPlanner(SpeculativeConfig.from_dict(_spec(3)), max_model_len=100)
+    req = Request("r", [1, 2, 3, 1, 2, 3, 1, 2], SamplingParams(n=2, max_tokens=50))
+    first = req.seqs[0]
+    planner.next_step()
+    assert planner.drafts(req, first, budget=10) == []  # its sample becomes both first tokens
+    first.token_ids.append(3)
+    second = first.fork(next_seq_id(), index=1)
+    req.seqs.append(second)
+    second.token_ids[-1] = 9
+    assert planner.drafts(req, first, budget=10) == [1, 2, 3]
+    assert planner.drafts(req, second, budget=10) == []  # "2 9" never occurred
+    second.token_ids += [1, 2]
+    assert planner.drafts(req, second, budget=10) == [9, 1, 2]  # its own latest "1 2"
+    planner.feedback(first, 3, 0)  # pauses it for this step
+    assert planner.drafts(req, first, budget=10) == []
+    assert planner.drafts(req, second, budget=10) == [9, 1, 2]
+    planner.forget(req)
+    assert planner.drafts(req, first, budget=10) == [1, 2, 3]
 
 
 def test_stop_strings_inside_accepted_drafts(llama):

@@ -220,8 +220,8 @@ def test_sampling_distribution_matches_plain_decoding(llama):
 
 def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
     """A pool too small for the batch (preemption mid-speculation: both caches recomputed),
-    chunked prefill of long prompts next to speculating rows, rows that never speculate
-    (n > 1, penalties), stop tokens inside accepted drafts, max_tokens: plain's outputs."""
+    chunked prefill of long prompts next to speculating rows (n > 1 too), rows that never
+    speculate (penalties), stop tokens inside accepted drafts, max_tokens: plain's outputs."""
     target, noisy = llama
     rng = random.Random(5)
     prompts = _prompts(3) * 2 + [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(90)]}]
@@ -251,6 +251,53 @@ def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
     for o, p, ref in zip(spec, params, plain):
         assert all(len(c.token_ids) <= p.max_tokens for c in o.outputs)
         assert [c.finish_reason for c in o.outputs] == [c.finish_reason for c in ref.outputs]
+
+
+def test_n_greater_than_one_every_sequence_drafts(llama):
+    """n > 1 with a draft model, on a pool too small for the batch: forked sequences share the
+    prompt's blocks in both caches (copy-on-write copies both), each drafts with its own draft
+    state and rolls back on its own, and preemption recomputes both caches. Greedy n = 2 gives
+    plain greedy decoding's outputs; seeded temperature-0.8 n = 3 sequences diverge, and each of
+    their tokens' logprobs is the target's on the sequence recomputed from scratch."""
+    target, noisy = llama
+    prompts = _prompts(4)
+    rng = random.Random(3)
+    params = [
+        SamplingParams(
+            temperature=0.8 if i % 2 else 0,
+            n=3 if i % 2 else 2,
+            seed=i,
+            max_tokens=rng.randint(10, 20),
+            logprobs=0,
+            ignore_eos=True,
+        )
+        for i in range(len(prompts))
+    ]
+    kwargs = {"num_gpu_blocks_override": 24, "max_num_seqs": 12, "max_model_len": 96}
+    spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 3), **kwargs)
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    one = [
+        SamplingParams(temperature=0, max_tokens=p.max_tokens, logprobs=0, ignore_eos=True)
+        for p in params[::2]
+    ]
+    plain, _ = _run(target, prompts[::2], one)
+    for o, ref in zip(spec[::2], plain):
+        for got in _tokens_and_logprobs([o]):
+            _assert_same([got], _tokens_and_logprobs([ref]))
+    sampled = spec[1::2]
+    assert sum(len({tuple(c.token_ids) for c in o.outputs}) > 1 for o in sampled) >= 2
+    recompute = [
+        {"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)}
+        for o in sampled
+        for c in o.outputs
+    ]
+    again, _ = _run(target, recompute, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    recorded = [lps for _, lps in _tokens_and_logprobs(sampled)]
+    for r, got in zip(again, recorded):
+        ids, plp = r.prompt_token_ids, r.prompt_logprobs
+        want = [plp[i][ids[i]].logprob for i in range(len(ids) - len(got), len(ids))]
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_draft_model_refusals(llama, tmp_path):

@@ -352,16 +352,20 @@ class BlockManager:
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Free the table's blocks past the ones `num_tokens` positions need (speculative
-        positions given back), tail first."""
+        positions given back), tail first. Those blocks were taken for this step's drafts
+        (`num_tokens` covers every position the table held before), so no other table (a fork's
+        sibling) shares them and none is registered in the prefix cache."""
         keep = -(-num_tokens // self.block_size)
         table = seq.block_ids
         if len(table) <= keep:
             return
         blocks, pool = self._blocks, self.pool
         for block_id in reversed(table[keep:]):
+            block = blocks[block_id]
+            assert block.ref_cnt == 1 and block.block_hash is None, "trim: a shared block"
             if block_id in self._pending_copies:
                 self._drop_pending_copy(block_id)
-            pool.free_block(blocks[block_id])
+            pool.free_block(block)
         self._num_table_blocks -= len(table) - keep
         del table[keep:]
 

@@ -282,7 +282,7 @@ class EngineCore:
         and no block holding them was registered in the prefix cache: that happens after this,
         from computed tokens only). Returns the tokens appended."""
         req, lp, tokens = seq.request, out.logprobs, out.sampled_token_ids
-        self.scheduler.draft_planner.feedback(req, len(drafts), end - first - 1)
+        self.scheduler.draft_planner.feedback(seq, len(drafts), end - first - 1)
         update = SeqUpdate(seq.index, [])
         if lp is not None:
             update.logprobs, update.ranks, update.top = [], [], []

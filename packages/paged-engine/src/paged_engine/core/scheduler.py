@@ -321,9 +321,10 @@ class Scheduler:
             seqs = req.live_seqs()
             num_seqs += len(seqs)
             if req.num_pending and (
-                req.needs_host_result or self._finishes_when_pending_lands(req, seqs[0])
+                req.needs_host_result
+                or all(self._finishes_when_pending_lands(req, s) for s in seqs)
             ):
-                continue  # lockstep: every live sequence has the same length
+                continue  # (lengths may differ: each sequence speculates on its own)
             plan = reshare_plan(self.block_manager, seqs, budget) if req in self._reshare else None
             if plan is None:
                 self._reshare.discard(req)  # running with its blocks: sharing is settled
@@ -334,8 +335,10 @@ class Scheduler:
                 num_seqs -= len(seqs)
                 continue  # req preempted itself
             if plan:
-                planned += plan
                 budget -= sum(n for _, n in plan)
+                if planner is not None:
+                    plan, budget = self._with_drafts(req, plan, budget)
+                planned += plan
                 scheduled_reqs.append(req)
 
         # 2) Waiting requests, FCFS; none after a preemption (they would only thrash), and none
@@ -384,6 +387,31 @@ class Scheduler:
                 f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)"
             )
         return self._emit(planned, scheduled_reqs)
+
+    def _with_drafts(
+        self, req: Request, plan: list[tuple[Sequence, int]], budget: int
+    ) -> tuple[list[tuple[Sequence, int]], int]:
+        """Drafts for the decode rows of a multi-sequence request (n > 1), each sequence on its
+        own, where the budget and free blocks allow. Called once the plan's blocks are taken:
+        no preemption can drop the request (and its drafts) after this. Returns (plan, budget)."""
+        planner, allocate = self.draft_planner, self.block_manager.allocate_slots
+        assert planner is not None
+        out = []
+        for seq, n in plan:
+            # Only a row that runs exactly its last token, known to the host: a decode.
+            if (
+                n == 1
+                and budget
+                and not seq.num_pending
+                and seq.num_computed_tokens + 1 == len(seq.token_ids)
+            ):
+                drafts = planner.drafts(req, seq, budget)
+                if drafts and allocate(seq, 1 + len(drafts)):  # never preempts for drafts
+                    self._drafts[seq.seq_id] = drafts
+                    n += len(drafts)
+                    budget -= len(drafts)
+            out.append((seq, n))
+        return out, budget
 
     def _admit(self, req: Request, seqs: list[Sequence]) -> None:
         self.waiting.popleft()

@@ -4,14 +4,15 @@ The scheduler asks it for a decoding sequence's drafts; the engine core reports 
 target accepted. With n-gram lookup the drafts are real tokens; with a draft model they are
 `DRAFT_PLACEHOLDER` slots that the worker's draft model fills in the same step.
 
-A request speculates when its next token depends on nothing the drafts would change: one
-sequence (no n > 1 fan-out, no beams), no grammar, no repetition / frequency / presence
-penalties (they would need the drafts in their history). Drafts never run past
-max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
+A sequence speculates when its next token depends on nothing the drafts would change: no
+beams, no grammar, no repetition / frequency / presence penalties (they would need the drafts in
+their history), and not the row whose sample fans out into n > 1 sequences. After that fan-out
+each sequence of an n > 1 request drafts (over its own tokens) and is verified on its own. Drafts
+never run past max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
 
-Switching off: each proposal that gets nothing accepted doubles a request's pause (steps
+Switching off: each proposal that gets nothing accepted doubles a sequence's pause (steps
 without proposals, up to 64); an accepted token resets it. On text the n-grams do not predict
-the request soon stops paying for verification.
+the sequence soon stops paying for verification.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class DraftPlanner:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self._backoff: dict[str, _Backoff] = {}
+        self._backoff: dict[int, _Backoff] = {}  # seq id -> its pause
         self._step = 0
         # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens, and
         # per draft position j the proposals whose drafts 0..j were all accepted (so
@@ -56,7 +57,7 @@ class DraftPlanner:
         `budget` more tokens can carry; [] when it does not speculate."""
         if not _eligible(req):
             return []
-        state = self._backoff.get(req.request_id)
+        state = self._backoff.get(seq.seq_id)
         if state is not None and self._step < state.resume_at:
             return []
         tokens = seq.token_ids
@@ -70,15 +71,15 @@ class DraftPlanner:
             return [DRAFT_PLACEHOLDER] * room
         return propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
 
-    def feedback(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """A verified step of `req`: `num_accepted` of its `num_drafts` drafts were kept."""
+    def feedback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """A verified step of `seq`: `num_accepted` of its `num_drafts` drafts were kept."""
         self.num_drafts += 1
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += num_accepted
         per_pos = self.num_accepted_tokens_per_pos
         for j in range(num_accepted):
             per_pos[j] += 1
-        state = self._backoff.setdefault(req.request_id, _Backoff())
+        state = self._backoff.setdefault(seq.seq_id, _Backoff())
         if num_accepted:
             state.misses, state.resume_at = 0, 0
             return
@@ -86,14 +87,15 @@ class DraftPlanner:
         state.resume_at = self._step + min(MAX_PAUSE, 2 ** (state.misses - 1))
 
     def forget(self, req: Request) -> None:
-        self._backoff.pop(req.request_id, None)
+        for seq in req.seqs:
+            self._backoff.pop(seq.seq_id, None)
 
 
 def _eligible(req: Request) -> bool:
     # A grammar (`constraint`) masks by every output token: its requests do not draft.
     if req.beam is not None or getattr(req, "constraint", None) is not None:
         return False
-    if req.max_live_seqs > 1:
+    if req.fans_out:  # this row's sample becomes the first token of every one of n sequences
         return False
     p = req.params
     return (

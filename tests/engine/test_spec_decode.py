@@ -205,7 +205,7 @@ def _own_text_prompts(path, starts: list[list[int]]) -> list[dict]:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_n_greater_than_one_through_preemption(llama, mode):
-    """Only n > 1 requests (greedy n = 2; seeded temperature-0.7 n = 3, whose sequences
+    """Only n > 1 requests (greedy n = 2; seeded temperature-0.5 n = 3, whose sequences
     diverge) on a pool too small for them: preempted mid-speculation (recomputed and shared
     again, or swapped out and in) while every sequence drafts and rolls back on its own next to
     siblings that share its prompt blocks copy-on-write. Greedy sequences give plain greedy

@@ -4,9 +4,10 @@
 
 - throughput: the default model (SmolLM2-135M-Instruct GGUF, dequantised to float32), 48
   requests, prompts 16-256 random ids, outputs 16-96, ignore_eos (nano-vllm recipe, scaled):
-  paged `LLM.generate` (CPU backend; and the torch reference backend, the path before it) vs HF
-  `generate` (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second
-  and per CPU-second (user + system time of the process, all threads).
+  paged `LLM.generate` (CPU backend; with fp16 weights; in batch-invariant mode; and the torch
+  reference backend, the path before it) vs HF `generate` (static batches of 16) and HF
+  continuous batching (`paged|sdpa`), per wall-second and per CPU-second (user + system time
+  of the process, all threads).
 - single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / fp16
   weights (fbgemm) / int8 / int4, HF `generate` float32, llama.cpp (llama-cpp-python, the same
   GGUF file).
@@ -119,8 +120,14 @@ def _llama_cpp(threads: int):
 
     from paged_engine.default_model import default_model_path
 
+    # n_threads_batch too: llama-cpp-python's generate() evaluates each new token as a batch,
+    # and its default (every core) oversubscribes a loaded machine when `threads` is fewer.
     return llama_cpp.Llama(
-        model_path=str(default_model_path()), n_threads=threads, n_ctx=1024, verbose=False
+        model_path=str(default_model_path()),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=1024,
+        verbose=False,
     )
 
 
@@ -260,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             ),
             "paged-fp16-weights": _run(
                 "paged-fp16-weights", paged_throughput, wd, quantization="fp16"
+            ),
+            "paged-batch-invariant": _run(
+                "paged-batch-invariant", paged_throughput, wd, batch_invariant=True
             ),
             "hf-static": _run("hf-static", hf_throughput, wd, "hf-static"),
             "hf-continuous": _run("hf-continuous", hf_throughput, wd, "hf-continuous"),

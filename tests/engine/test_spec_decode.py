@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 
 import pytest
@@ -348,3 +349,31 @@ def test_stop_strings_inside_accepted_drafts(llama):
     assert [(o.outputs[0].text, o.outputs[0].finish_reason) for o in got] == [
         (o.outputs[0].text, o.outputs[0].finish_reason) for o in want
     ]
+
+
+def test_constrained_rows_run_beside_speculating_ones(llama):
+    """Structured-output requests never draft (a draft would bypass their grammar) but share the
+    speculative engine's steps: their text matches the plain engine's and its constraint, while
+    the unconstrained rows beside them keep speculating."""
+    pytest.importorskip("llguidance")
+    from paged_engine import StructuredOutputsParams
+
+    free = SamplingParams(temperature=0, max_tokens=24, logprobs=1, ignore_eos=True)
+    regex = SamplingParams(
+        temperature=0,
+        max_tokens=24,
+        logprobs=1,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"),
+    )
+    prompts = _prompts()
+    params = [regex if i % 2 else free for i in range(len(prompts))]
+    plain, _ = _run(llama, prompts, params)
+    spec, stats = _run(llama, prompts, params, speculative_config=_spec(3))
+    got, want = _tokens_and_logprobs(spec), _tokens_and_logprobs(plain)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        assert g == pytest.approx(w, abs=1e-4)
+    for out, p in zip(spec, params):
+        if p is regex:
+            assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", out.outputs[0].text)
+    assert stats.spec_decode_num_draft_tokens > 0

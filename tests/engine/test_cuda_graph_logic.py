@@ -20,6 +20,7 @@ import pytest
 import torch
 from host_reads import spy_host_reads
 
+import paged_engine.spec_decode.planner as planner_mod
 import paged_engine.worker.memory_profiler as mp
 import paged_engine.worker.worker as worker_mod
 from paged_engine import EngineConfig, LLMEngine, SamplingParams
@@ -30,6 +31,7 @@ from paged_engine.worker.cuda_graphs import CudaGraphRunner, bucket_sizes
 MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
 BLOCK = 4
 MAX_LEN = 64  # 16 blocks per sequence
+SPEC_K = 2  # speculative tests: verification steps run q = 3 query tokens per row
 
 
 @pytest.fixture(autouse=True)
@@ -126,10 +128,10 @@ def _engine(model_dir, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**options))
 
 
-def _attach_graphs(engine: LLMEngine) -> CudaGraphRunner:
+def _attach_graphs(engine: LLMEngine, verify_len: int | None = None) -> CudaGraphRunner:
     runner = engine.model_runner
     runner.model = _Recorder(runner.model)
-    graphs = CudaGraphRunner(runner, engine.config.max_num_seqs)
+    graphs = CudaGraphRunner(runner, engine.config.max_num_seqs, verify_len=verify_len)
     graphs.capture()
     runner.graphs = graphs
     return graphs
@@ -151,12 +153,12 @@ def test_bucket_sizes():
 def test_capture_reads_static_buffers_largest_first(tiny_llama_dir, fake_cuda_graphs):
     engine = _engine(tiny_llama_dir)
     graphs = _attach_graphs(engine)
-    assert graphs.sizes == bucket_sizes(MAX_SEQS)
-    assert _Capture.sizes == sorted(graphs.sizes, reverse=True)
-    first_pool = graphs.graphs[MAX_SEQS].pool()
-    assert _Capture.pools == [None] + [first_pool] * (len(graphs.sizes) - 1)
+    assert graphs.sizes == {1: bucket_sizes(MAX_SEQS)}
+    assert _Capture.sizes == sorted(graphs.sizes[1], reverse=True)
+    first_pool = graphs.graphs[1, MAX_SEQS].pool()
+    assert _Capture.pools == [None] + [first_pool] * (len(graphs.sizes[1]) - 1)
     assert graphs.block_tables.shape == (MAX_SEQS, MAX_LEN // BLOCK)
-    for bs, graph in graphs.graphs.items():
+    for (_, bs), graph in graphs.graphs.items():
         ((_, (ids, pos, kv, meta), out),) = graph.calls
         assert ids.data_ptr() == graphs.input_ids.data_ptr() and ids.shape == (bs,)
         assert pos.data_ptr() == graphs.positions.data_ptr()
@@ -166,20 +168,23 @@ def test_capture_reads_static_buffers_largest_first(tiny_llama_dir, fake_cuda_gr
         assert meta.cu_seqlens_q.tolist() == list(range(bs + 1))
         assert (meta.max_seqlen_q, meta.max_seqlen_k) == (1, MAX_LEN)  # static bounds
         assert kv is engine.model_runner.cache.kv_caches
-        assert out is graphs.outputs[bs] and out.shape[0] == bs
+        assert out is graphs.outputs[1, bs] and out.shape[0] == bs
     # The torch reference reads lengths on the host: why only the Triton backend is captured.
     assert "tolist" in _Capture.syncs
     # Capture ran with every slot -1: the warm-up and capture wrote nothing.
     assert all(not k.any() and not v.any() for k, v in engine.model_runner.cache.kv_caches)
 
 
-def _check_against_eager(engine: LLMEngine, graphs: CudaGraphRunner, tol: float = 1e-5) -> dict:
+def _check_against_eager(
+    engine: LLMEngine, graphs: CudaGraphRunner, tol: float = 1e-5, query_lens=(1,)
+) -> dict:
     """Make every forward run eagerly, then again (from the same KV cache) through the graphs,
-    and check both give the same hidden states and cache writes. Returns what it saw: decode
-    batch sizes and table widths, and the count of forwards that were not decode-only."""
+    and check both give the same hidden states and cache writes. A step replays a graph exactly
+    when every row has the same query length q and q is one of `query_lens`. Returns what it
+    saw: the (q, batch size) and table widths of graphed steps, the count of eager ones."""
     runner = engine.model_runner
     forward = runner.forward
-    seen: dict = {"sizes": set(), "widths": set(), "eager_steps": 0}
+    seen: dict = {"sizes": set(), "verify_sizes": set(), "widths": set(), "eager_steps": 0}
 
     def checked_forward(inputs):
         caches = runner.cache.kv_caches
@@ -195,10 +200,12 @@ def _check_against_eager(engine: LLMEngine, graphs: CudaGraphRunner, tol: float 
         result = forward(inputs)
         replayed = sum(g.replays for g in graphs.graphs.values()) - replays
         meta = inputs.attn_metadata
-        decode_only = meta.max_seqlen_q == 1
-        assert replayed == (1 if decode_only else 0)
-        if decode_only:
-            seen["sizes"].add(meta.seq_lens.shape[0])
+        row_lens = set((inputs.cu[1:] - inputs.cu[:-1]).tolist())  # query tokens per row
+        graphed = len(row_lens) == 1 and row_lens <= set(query_lens)
+        assert replayed == (1 if graphed else 0)
+        if graphed:
+            (q,) = row_lens
+            seen["sizes" if q == 1 else "verify_sizes"].add(meta.seq_lens.shape[0])
             seen["widths"].add(meta.block_tables.shape[1])
         else:
             seen["eager_steps"] += 1
@@ -304,11 +311,11 @@ def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, monkeypatch,
     )
     if on_gpu:  # init_kv_cache captured them
         graphs = engine.model_runner.graphs
-        graphs.graphs = {bs: _CountingGraph(g) for bs, g in graphs.graphs.items()}
+        graphs.graphs = {key: _CountingGraph(g) for key, g in graphs.graphs.items()}
     else:
         graphs = _attach_graphs(engine)
         assert _Capture.syncs == []  # the Triton path never reads device memory on the host
-    assert graphs.sizes == [1, 2, 3] and set(splits) == {2}  # captured with split-KV
+    assert graphs.sizes == {1: [1, 2, 3]} and set(splits) == {2}  # captured with split-KV
     seen = _check_against_eager(engine, graphs, tol=1e-4 if on_gpu else 1e-5)
     rng = random.Random(1)
     for i, max_tokens in enumerate([2, 3, 5]):
@@ -320,24 +327,147 @@ def test_graph_decode_matches_eager_triton_split_kv(tiny_llama_dir, monkeypatch,
     assert 1 in splits  # the eager steps over short contexts did not split
 
 
+# ---- verification steps (speculative decoding): q = k + 1 query tokens per row -----------------
+def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int]) -> list[tuple]:
+    """(token ids, their logprobs) of each prompt's greedy completion; every block free after."""
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+        engine.add_request(str(i), prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0]) for o in engine.step() if o.finished)
+    assert engine.get_stats().num_used_blocks == 0
+    outs = [done[str(i)] for i in range(len(prompts))]
+    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for c in outs]
+
+
+def _oracle_drafts(monkeypatch, prompts: list[list[int]], texts: list[list[int]]) -> None:
+    """The n-gram lookup, replaced by an oracle: a decoding row proposes k drafts, the next
+    tokens of its plain greedy text, the last one wrong when its length is a multiple of 4
+    (partly accepted: something to roll back). No proposal gets nothing accepted, so no row
+    pauses and every decode step verifies k drafts in every row, until rows near max_tokens get
+    fewer (the tiny random model's text seldom repeats n-grams: real lookup drafts too rarely
+    for every row of a step to have k drafts)."""
+    full = [p + t for p, t in zip(prompts, texts)]
+
+    def propose(tokens, k, n_min, n_max):
+        seq = next(f for f in full if f[: len(tokens)] == tokens)
+        drafts = seq[len(tokens) : len(tokens) + k]
+        if len(tokens) % 4 == 0 and len(drafts) > 1:
+            drafts[-1] = 3 if drafts[-1] != 3 else 4
+        return drafts
+
+    monkeypatch.setattr(planner_mod, "propose_ngram", propose)
+
+
+def _spec_config() -> dict:
+    return {"method": "ngram", "num_speculative_tokens": SPEC_K}
+
+
+def test_graph_verify_matches_eager(tiny_llama_dir, fake_cuda_graphs, monkeypatch):
+    """With speculative_config (k = 2) graphs are captured for q = 1 and q = 3; every step whose
+    rows all run 3 tokens (last token + 2 drafts) replays a q = 3 graph (padded batch sizes
+    included) with the eager hidden states and KV writes, mixed steps run eagerly, and greedy
+    output equals the plain eager engine's."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(2, 20))] for _ in range(6)]
+    max_tokens = [8, 14, 20, 26, 32, 38]
+    want = _greedy(_engine(tiny_llama_dir), prompts, max_tokens)
+    _oracle_drafts(monkeypatch, prompts, [t for t, _ in want])
+    engine = _engine(tiny_llama_dir, speculative_config=_spec_config())
+    graphs = _attach_graphs(engine, verify_len=SPEC_K + 1)
+    buckets = bucket_sizes(MAX_SEQS)
+    assert graphs.sizes == {1: buckets, 3: buckets}
+    assert set(graphs.graphs) == {(q, bs) for q in (1, 3) for bs in buckets}
+    # Most tokens first (one memory pool): q = 3 at 20 rows is 60 tokens.
+    assert _Capture.sizes == sorted([*buckets, *(3 * bs for bs in buckets)], reverse=True)
+    for (q, bs), graph in graphs.graphs.items():
+        ((_, (ids, _, _, meta), out),) = graph.calls
+        assert ids.shape == (bs * q,) and out.shape[0] == bs * q
+        assert meta.cu_seqlens_q.tolist() == [q * i for i in range(bs + 1)]
+        assert (meta.max_seqlen_q, meta.max_seqlen_k) == (q, MAX_LEN)
+    seen = _check_against_eager(engine, graphs, query_lens=(1, SPEC_K + 1))
+
+    got = _greedy(engine, prompts, max_tokens)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+    verify_replays = sum(g.replays for (q, _), g in graphs.graphs.items() if q == 3)
+    assert verify_replays >= 6
+    assert {3, 5, 6} <= seen["verify_sizes"]  # padded into buckets 4 and 8
+    assert seen["eager_steps"] > 0  # the prefill and mixed steps
+    stats = engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_graph_verify_matches_eager_triton(tiny_llama_dir, monkeypatch, request):
+    """The Triton backend's q = 3 graphs (the multi-token tile shape, no split-KV) give the eager
+    results, padding rows (3 rows in bucket 4) included. Without CUDA: fake graphs and the
+    Triton interpreter; with CUDA: the engine's own, real CUDA graphs."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        request.getfixturevalue("fake_cuda_graphs")
+    options = dict(attention_backend="triton", max_num_seqs=5, device="cuda" if on_gpu else "cpu")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(3, 12))] for _ in range(3)]
+    max_tokens = [6, 9, 12]
+    want = _greedy(_engine(tiny_llama_dir, enforce_eager=True, **options), prompts, max_tokens)
+    _oracle_drafts(monkeypatch, prompts, [t for t, _ in want])
+    engine = _engine(tiny_llama_dir, speculative_config=_spec_config(), **options)
+    if on_gpu:  # init_kv_cache captured them
+        graphs = engine.model_runner.graphs
+        graphs.graphs = {key: _CountingGraph(g) for key, g in graphs.graphs.items()}
+    else:
+        graphs = _attach_graphs(engine, verify_len=SPEC_K + 1)
+        assert _Capture.syncs == []  # no host reads in the q = 3 graphs either
+    assert graphs.sizes == {1: [1, 2, 4, 5], 3: [1, 2, 4, 5]}
+    tol = 1e-4 if on_gpu else 1e-5
+    seen = _check_against_eager(engine, graphs, tol=tol, query_lens=(1, SPEC_K + 1))
+    got = _greedy(engine, prompts, max_tokens)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, g), (_, w) in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=tol)
+    assert 3 in seen["verify_sizes"]
+    assert sum(g.replays for (q, _), g in graphs.graphs.items() if q == 3) >= 2
+
+
+def test_verify_buckets_fit_the_token_budget(tiny_llama_dir):
+    """A verification step of bs rows takes bs * q tokens of max_num_batched_tokens: buckets
+    past budget // q could never run and are not captured; the buffers hold the most tokens."""
+    engine = _engine(tiny_llama_dir, max_num_batched_tokens=32, speculative_config=_spec_config())
+    graphs = CudaGraphRunner(engine.model_runner, MAX_SEQS, verify_len=3)
+    assert graphs.sizes == {1: bucket_sizes(MAX_SEQS), 3: [1, 2, 4, 8, 10]}
+    assert graphs.input_ids.shape == graphs.slot_mapping.shape == (30,)
+    assert graphs.cu_seqlens_q[3].tolist() == [3 * i for i in range(11)]
+    assert CudaGraphRunner(engine.model_runner, MAX_SEQS).sizes == {1: bucket_sizes(MAX_SEQS)}
+
+
 @pytest.mark.parametrize(
-    ("backend", "enforce_eager", "captured"),
-    [("triton", False, True), ("triton", True, False), ("torch", False, False)],
+    ("backend", "enforce_eager", "spec_k", "captured"),
+    [
+        ("triton", False, None, True),
+        ("triton", False, SPEC_K, True),
+        ("triton", True, SPEC_K, False),
+        ("torch", False, None, False),
+    ],
 )
 def test_init_kv_cache_captures_only_triton_on_cuda(
-    tiny_llama_dir, monkeypatch, backend, enforce_eager, captured
+    tiny_llama_dir, monkeypatch, backend, enforce_eager, spec_k, captured
 ):
+    """Captured graphs: decode only, or with speculative_config also verification (k + 1)."""
     import paged_engine.worker.model_runner as mr
 
-    engine = _engine(tiny_llama_dir, enforce_eager=enforce_eager)
+    spec = None if spec_k is None else {"method": "ngram", "num_speculative_tokens": spec_k}
+    engine = _engine(tiny_llama_dir, enforce_eager=enforce_eager, speculative_config=spec)
     runner = engine.model_runner
     runner.device = torch.device("cuda", 0)
     runner.backend = get_attention_backend(backend, torch.device("cpu"))
     made: list[object] = []
 
     class FakeGraphRunner:
-        def __init__(self, r, max_num_seqs):
+        def __init__(self, r, max_num_seqs, verify_len=None):
             assert r is runner and max_num_seqs == MAX_SEQS
+            assert verify_len == (None if spec_k is None else spec_k + 1)
             made.append(self)
 
         def capture(self):
@@ -382,9 +512,9 @@ def test_run_pads_rows_and_table_columns(tiny_llama_dir, fake_cuda_graphs):
             ids = torch.randint(0, 200, (n,))
             assert graphs.can_run(m, n)
             hidden = graphs.run(ids, m.seq_lens.long() - 1, m)
-            bs = next(s for s in graphs.sizes if s >= n)
+            bs = next(s for s in graphs.sizes[1] if s >= n)
             assert hidden.shape[0] == n
-            assert hidden.data_ptr() == graphs.outputs[bs].data_ptr()  # a view: consume now
+            assert hidden.data_ptr() == graphs.outputs[1, bs].data_ptr()  # a view: consume now
             assert graphs.block_tables[:n, :width].equal(m.block_tables)
             assert not graphs.block_tables[:n, width:].any()
             assert not graphs.block_tables[n:bs].any()
@@ -399,6 +529,85 @@ def test_run_pads_rows_and_table_columns(tiny_llama_dir, fake_cuda_graphs):
         assert not graphs.can_run(wide, 2)  # wider than the static table
         big = meta(MAX_SEQS + 1, 1)
         assert not graphs.can_run(big, MAX_SEQS + 1)
+
+
+def test_run_pads_verify_rows(tiny_llama_dir, fake_cuda_graphs):
+    """q = 3 graphs: n rows of 3 tokens fill the first 3n token slots. Padding rows write nothing
+    (slot -1 for each of their tokens) and attend the null block with seq_len 3 (query
+    positions 0..2: finite outputs); the real rows' hidden states and KV writes equal an eager
+    forward's, whatever larger steps left in the buffers."""
+    q = SPEC_K + 1
+    engine = _engine(tiny_llama_dir, speculative_config=_spec_config())
+    graphs = _attach_graphs(engine, verify_len=q)
+    runner = engine.model_runner
+    caches = runner.cache.kv_caches
+    max_blocks = graphs.block_tables.shape[1]
+    num_blocks = caches[0][0].shape[0]
+    gen = torch.Generator().manual_seed(0)
+
+    def step(n: int, width: int, q_lens: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata and positions of n rows, row i running the last q_lens[i] positions of
+        its seq_len. Distinct blocks: no two tokens of the step share a slot."""
+        tables = torch.randperm(num_blocks - 1, generator=gen)[: n * width] + 1
+        tables = tables.view(n, width).int()
+        lens = torch.randint(q, width * BLOCK + 1, (n,), generator=gen, dtype=torch.int32)
+        lens[0] = width * BLOCK  # the widest row fills its table
+        q_lens_t = torch.tensor(q_lens)
+        rows = torch.arange(n).repeat_interleave(q_lens_t)
+        cu = torch.zeros(n + 1, dtype=torch.int32)
+        cu[1:] = q_lens_t.cumsum(0)
+        pos = lens.long()[rows] - cu[1:].long()[rows] + torch.arange(len(rows))  # last q_len
+        slots = tables[rows, pos // BLOCK].long() * BLOCK + pos % BLOCK
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_tables=tables,
+            cu_seqlens_q=cu,
+            seq_lens=lens,
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=int(lens.max()),
+            backend=runner.backend,
+        )
+        return meta, pos
+
+    def can_run(n: int, width: int, q_lens: list[int]) -> bool:
+        return graphs.can_run(step(n, width, q_lens)[0], sum(q_lens))
+
+    with torch.inference_mode():
+        for k, v in caches:  # context to attend to; the null block stays empty
+            k[1:].normal_(generator=gen)
+            v[1:].normal_(generator=gen)
+        for n, width in [(MAX_SEQS, max_blocks), (13, 3), (3, max_blocks), (5, 1), (1, 2)]:
+            m, pos = step(n, width, [q] * n)
+            ids = torch.randint(0, 200, (n * q,), generator=gen)
+            assert graphs.can_run(m, n * q)
+            before = [(k.clone(), v.clone()) for k, v in caches]
+            hidden = graphs.run(ids, pos, m)
+            bs = next(s for s in graphs.sizes[q] if s >= n)
+            assert hidden.shape[0] == n * q
+            assert hidden.data_ptr() == graphs.outputs[q, bs].data_ptr()  # a view: consume now
+            assert (graphs.slot_mapping[n * q : bs * q] == -1).all()
+            assert (graphs.seq_lens[n:bs] == q).all()
+            assert not graphs.block_tables[n:bs].any() and not graphs.block_tables[:n, width:].any()
+            assert graphs.outputs[q, bs].isfinite().all()  # the padding rows' too
+            written = set(m.slot_mapping.tolist())
+            for (k, v), (k0, v0) in zip(caches, before):
+                changed = ((k != k0) | (v != v0)).flatten(2).any(-1).flatten()
+                assert set(changed.nonzero().flatten().tolist()) <= written
+            graph_caches = [(k.clone(), v.clone()) for k, v in caches]
+            for (k, v), (k0, v0) in zip(caches, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            eager = runner.model(ids, pos, caches, m)
+            torch.testing.assert_close(hidden, eager, rtol=1e-5, atol=1e-5)
+            for (k, v), (kg, vg) in zip(caches, graph_caches):
+                assert k.equal(kg) and v.equal(vg)
+
+        assert can_run(4, 2, [1] * 4)  # decode steps keep their graphs
+        assert not can_run(3, 2, [3, 3, 2])  # a row with one draft: the step runs eagerly
+        assert not can_run(3, 2, [3, 1, 3])  # a row without drafts
+        assert not can_run(3, 2, [2, 2, 2])  # q = 2 was not captured
+        assert not can_run(2, max_blocks + 1, [q] * 2)  # wider than the static table
+        assert not can_run(MAX_SEQS + 1, 1, [q] * (MAX_SEQS + 1))
 
 
 # ---- memory profiling ---------------------------------------------------------------------------

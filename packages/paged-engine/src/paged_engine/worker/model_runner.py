@@ -8,7 +8,8 @@ Per step it builds one flat varlen batch (numpy on the host, one copy to the dev
     block_tables                         : [S, width]  gathered from the device-resident table
 
 A token the worker sampled itself is read on the device (`InputBatch.last_token`), so the step
-after can run before the host has seen it. Decode-only batches replay a CUDA graph on GPUs.
+after can run before the host has seen it. On GPUs, decode-only batches and verification
+batches (k + 1 tokens in every row) replay a CUDA graph.
 Results leave as an `AsyncRunnerOutput`: copies to pinned host memory that `get()` waits for.
 """
 
@@ -40,6 +41,7 @@ from paged_engine.sample.metadata import (
     with_token_bitmask,
 )
 from paged_engine.sample.sampler import Sampler
+from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
@@ -119,7 +121,12 @@ class ModelRunner:
             and not self.config.enforce_eager
             and self.parallel.pp_size == 1  # a graph's input is token ids, not a stage's hidden
         ):
-            self.graphs = CudaGraphRunner(self, self.config.max_num_seqs)
+            # Speculation adds graphs for verification steps: k + 1 query tokens in every row.
+            spec = self.config.speculative_config
+            k = 0 if spec is None else SpeculativeConfig.from_dict(spec).num_speculative_tokens
+            self.graphs = CudaGraphRunner(
+                self, self.config.max_num_seqs, verify_len=k + 1 if k else None
+            )
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------

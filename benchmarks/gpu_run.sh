@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
+#   device run:                   bash benchmarks/gpu_run.sh phase3
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -12,6 +13,10 @@
 #         summary at batch 256 (top kernels, host ms per step, GPU idle fraction, engine start).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
+# phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
+#         fp8 / fp8_e5m2 KV cache at one KV budget (blocks, most sequences running at once,
+#         preemptions, output tok/s), swap vs recompute preemption on a small pool, the
+#         prefix cache's CPU tier in a multi-turn chat.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -88,6 +93,12 @@ case "$PHASE" in
     step 150 llama-8b $PY -m benchmarks.run_all --only throughput --model-config llama-3.1-8b \
       --workloads nano-vllm --out "$OUT/8b" --no-report --note "issue 14 phase2"
     ;;
+  phase3)  # issue 13: one device call, well under its 10 minutes
+    step 30 versions versions
+    step 300 kv-memory $PY -m benchmarks.kv_memory --device cuda --dtype bfloat16 \
+      --hidden 1024 --layers 8 --requests 128 --kv-gib 0.25 --swap-blocks 512 --repeat 2 \
+      --backends auto --out "$OUT/kv_memory.json"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -100,9 +111,12 @@ case "$PHASE" in
       --workloads nano-vllm --out "$OUT" --no-report --note "rehearsal"
     step 300 serving $PY -m benchmarks.run_all --smoke --only serving --model-config "$TINY" \
       --rates 2 --out "$OUT/serving" --no-report --note "rehearsal"
+    step 300 kv-memory $PY -m benchmarks.kv_memory --dtype bfloat16 --hidden 64 --layers 2 \
+      --requests 6 --kv-gib 0.001 --swap-blocks 48 --backends auto --convs 2 --turns 2 \
+      --out "$OUT/kv_memory.json"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|rehearse" >&2
     exit 2
     ;;
 esac

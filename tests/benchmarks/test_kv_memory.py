@@ -22,3 +22,24 @@ def test_chat_section(tmp_path):
     none, tier = res["records"]
     assert none["prefix_cache_cpu_hit_tokens"] == 0 and tier["prefix_cache_cpu_hit_tokens"] > 0
     assert tier["prefix_cache_hit_rate"] > none["prefix_cache_hit_rate"]
+
+
+def test_fp8_section_16bit(tmp_path):
+    """A bfloat16 model: the cache is bfloat16, fp8 holds twice its blocks."""
+    model = kv_memory.tiny_llama(tmp_path / "m", hidden=64, layers=2)
+    res = kv_memory.run_fp8(
+        model, "cpu", 2**-10, 4, ((20, 40), (5, 10)), backends=("cpu",), dtype="bfloat16"
+    )
+    by_kv = {r["kv_cache_dtype"]: r for r in res["records"]}
+    assert by_kv["auto"]["cache_dtype"] == "bfloat16"
+    assert by_kv["fp8"]["cache_dtype"] == "float8_e4m3fn"
+    assert by_kv["fp8"]["blocks_vs_auto"] == by_kv["fp8_e5m2"]["blocks_vs_auto"] == 2.0
+
+
+def test_swap_section(tmp_path):
+    model = kv_memory.tiny_llama(tmp_path / "m", hidden=64, layers=2)
+    res = kv_memory.run_swap(model, "cpu", 12, 6, ((40, 80), (10, 20)))  # float32: exact
+    assert res["outputs_identical"]
+    recompute, swap = res["records"]
+    assert recompute["preemptions"] > 0 and recompute["swap_preemptions"] == 0
+    assert swap["swap_preemptions"] == swap["preemptions"] > 0

@@ -9,10 +9,9 @@ linear layer (and of a tied LM head) with:
     int4  per group of 32 inputs, asymmetric (GGUF Q4_1's blocks): w = q * scale + min,
           q in [0, 15], nibble-packed                                        (0.5 byte / weight)
 
-fp16 is for float32 models (`dtype="auto"` keeps float32 with it): a decode matmul reads half
-the bytes of float32 with the same float32 arithmetic, so on CPUs whose matmuls are bound by
-memory (one stream, small batches) it is the fastest mode here, and the closest to float32
-(each weight off by at most 2**-11 relative).
+fp16 is for float32 models (`dtype="auto"` keeps float32 with it): a matmul reads half the bytes
+of float32 with the same float32 arithmetic, the closest mode to float32 (each weight off by at
+most 2**-11 relative) and, on CPUs without native bf16, the fastest for batches.
 
 A forward with few rows (decode) runs the fused kernels (`aten._weight_int8pack_mm`,
 `aten._weight_int4pack_mm_for_cpu`, as gpt-fast uses them), which read the small weights once

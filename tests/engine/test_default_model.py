@@ -84,3 +84,30 @@ def test_chat_matches_hf(llm, hf):
         ref_ids = ref_ids["input_ids"]
     assert out.prompt_token_ids == list(ref_ids)
     _check(out, model, out.prompt_token_ids)
+
+
+def test_auto_dtype_runs_gguf_linears_with_fp16_weights():
+    """With no dtype or quantization chosen, a GGUF checkpoint on an x86 CPU runs its linear
+    layers with float16 weights (fbgemm) and float32 arithmetic; dtype="float32" keeps float32
+    weights. Both give the same greedy tokens here."""
+    from paged_engine.layers.quantization import Fp16Linear, fp16_gemm_available
+
+    def methods(engine: LLM) -> list:
+        model = engine.llm_engine.model_runner.model
+        return [
+            getattr(m.linear_method, "method", None)
+            for m in model.modules()
+            if hasattr(m, "linear_method")
+        ]
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    auto = LLM(max_model_len=512)
+    fp32 = LLM(dtype="float32", max_model_len=512)
+    assert all(m is None for m in methods(fp32))
+    if fp16_gemm_available():
+        assert methods(auto) and all(isinstance(m, Fp16Linear) for m in methods(auto))
+    else:
+        assert all(m is None for m in methods(auto))
+    got = [o.outputs[0].token_ids for o in auto.generate(PROMPTS, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in fp32.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want

@@ -34,10 +34,16 @@ INT4_GROUP = 32
 FUSED_MAX_ROWS = 8
 
 
-def require_fp16_gemm() -> None:
-    """Raise unless this torch build has fbgemm's fp16-weight GEMM (x86 CPUs with AVX2)."""
+def fp16_gemm_available() -> bool:
+    """Whether this torch build has fbgemm's fp16-weight GEMM (x86 CPUs with AVX2)."""
     engines = torch.backends.quantized.supported_engines
-    if "fbgemm" not in engines and "x86" not in engines:
+    return "fbgemm" in engines or "x86" in engines
+
+
+def require_fp16_gemm() -> None:
+    """Raise unless `fp16_gemm_available()`."""
+    if not fp16_gemm_available():
+        engines = torch.backends.quantized.supported_engines
         raise ValueError(
             "quantization='fp16' needs fbgemm's fp16 GEMM, which this torch build or CPU "
             f"lacks (quantized engines: {engines}; it needs x86 with AVX2): use 'int8' or 'int4'"

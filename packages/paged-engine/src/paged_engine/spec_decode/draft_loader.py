@@ -62,9 +62,10 @@ def check_draft_model(
         )
 
 
-def attach_draft_model(runner: ModelRunner) -> None:
+def attach_draft_model(runner: ModelRunner, quantization: str | None) -> None:
     """Load the draft of the runner's speculative_config, if it names one, built like the
-    target (same dtype, device, load format and quantization), as `runner.draft`."""
+    target (same dtype, device, load format, and `quantization`: the target's as the worker
+    resolved it), as `runner.draft`."""
     from paged_engine.spec_decode.config import SpeculativeConfig
     from paged_engine.spec_decode.draft_model import DraftModelRunner
 
@@ -85,6 +86,6 @@ def attach_draft_model(runner: ModelRunner) -> None:
         device=runner.device,
         load_format=config.load_format,
         seed=config.seed,
-        quantization=config.quantization,
+        quantization=quantization,
     )
     runner.draft = DraftModelRunner(model.eval(), hf_config, runner)

@@ -16,6 +16,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import make_batch_invariant
+from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cpu_threads import set_cpu_threads
@@ -61,8 +62,6 @@ class Worker:
                     f"weight-only kernels), not on {self.device.type}"
                 )
             if config.quantization == "fp16":  # float32 activations: fail before loading
-                from paged_engine.layers.quantization import require_fp16_gemm
-
                 require_fp16_gemm()
             elif config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.dtype = torch.bfloat16  # the fused int8 / int4 kernels are fast in bf16
@@ -92,7 +91,7 @@ class Worker:
             config.attention_backend, self.device, batch_invariant=config.batch_invariant
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
-        attach_draft_model(self.model_runner)  # speculative_config={"model": ...}
+        attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
 
     def _default_quantization(self, config: EngineConfig, resolved: ResolvedModel) -> str | None:
@@ -100,8 +99,6 @@ class Worker:
         dtype nor quantization was chosen: its weights are 4-8 bit already, float16 holds each
         of them to 2**-11 of itself, and matmuls that read half of float32's bytes decode about
         1.85x faster (docs/engine.md). dtype="float32" keeps float32 weights."""
-        from paged_engine.layers.quantization import fp16_gemm_available
-
         if (
             config.quantization is None
             and config.dtype == "auto"

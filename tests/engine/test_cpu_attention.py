@@ -113,6 +113,8 @@ def test_random_mixed_batches(dtype, num_heads, num_kv_heads, block_size):
         ([5], [0]),  # one prompt (rows already in order: no scatter)
         ([9, 1, 1, 30], [0, 5, 70, 33]),  # prompts, decodes and a long chunk
         ([3, 1, 2], [60, 0, 0]),  # the shortest decode (context 1)
+        ([1], [30]),  # one decode sequence: every key visible, SDPA runs without a mask
+        ([1, 1, 1], [12, 12, 12]),  # decodes of one length: no mask either
     ],
 )
 @pytest.mark.parametrize(
@@ -165,3 +167,24 @@ def test_length_bands_bound_padding():
 def test_cpu_backend_rejects_other_devices():
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         get_attention_backend("cpu", torch.device("cuda"))
+
+
+def test_mask_dropped_only_when_every_key_is_visible():
+    """A decode group whose rows all see all keys runs SDPA without a mask; padding keys, a
+    window shorter than the context, or batch invariance keep it."""
+
+    def group(q_lens, ctx, batch_invariant=False):
+        *_, md = make_batch(
+            q_lens, ctx, num_heads=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32
+        )
+        backend = CpuBackend(batch_invariant=batch_invariant)
+        md.backend = backend
+        (g,) = backend._plan(md).groups(4)
+        return g
+
+    assert group([1], [30]).sdpa_mask(None, 2) is None
+    assert group([1, 1], [9, 9]).sdpa_mask(None, 2) is None
+    assert group([1, 1], [9, 9]).sdpa_mask(20, 2) is None  # window longer than the context
+    assert group([1, 1], [9, 9]).sdpa_mask(4, 2) is not None
+    assert group([1, 1], [9, 7]).sdpa_mask(None, 2) is not None  # the shorter row has padding
+    assert group([1], [30], batch_invariant=True).sdpa_mask(None, 2) is not None  # keys to 512

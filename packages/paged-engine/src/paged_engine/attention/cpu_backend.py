@@ -76,10 +76,13 @@ class CpuBackend(AttentionBackend):
         for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
             if rows is not None:
                 src = src.index_select(0, rows)
-            planes = _bytes(cache.view(cache.shape[0], -1, cache.shape[-1]))
-            planes.index_copy_(
-                1, slots, _bytes(ref_quantize(src.transpose(0, 1), cache.dtype, scale))
-            )
+            planes = cache.view(cache.shape[0], -1, cache.shape[-1])
+            src = src.transpose(0, 1)
+            if cache.dtype in FP8_DTYPES:
+                planes, src = _bytes(planes), _bytes(ref_quantize(src, cache.dtype, scale))
+            elif src.dtype != cache.dtype:
+                src = src.to(cache.dtype)
+            planes.index_copy_(1, slots, src)
 
     def attend(
         self,
@@ -107,10 +110,14 @@ class CpuBackend(AttentionBackend):
             shape = (num_kv_heads, g.num_seqs, g.kv_len, head_dim)
             k = _read(k_planes.index_select(1, g.kv_index).view(shape), k_scale, query.dtype)
             v = _read(v_planes.index_select(1, g.kv_index).view(shape), v_scale, query.dtype)
-            mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
             if soft_cap or alibi_slopes is not None:
+                mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
                 o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group)
             else:
+                # Batch invariance keeps the mask always: one row, one code path in SDPA.
+                exact = self.kv_multiple > 1
+                masked = g.mask if exact else g.sdpa_mask
+                mask = masked(sliding_window, group)
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
             outs.append(g.unfold_rows(o, group))  # [rows, H, D]
         return plan.scatter(outs, query)

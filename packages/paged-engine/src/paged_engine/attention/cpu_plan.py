@@ -63,7 +63,7 @@ class RowGroup:
     q_index: torch.Tensor | None  # [S*Q] query tensor row of each padded row; None = identity
     keep: torch.Tensor | None  # [R] padded rows that are real; None = all
     dst: torch.Tensor | None  # [R] output rows of the real rows; None = [0, R) in order
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
 
     def fold_queries(self, query: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
         """[T, H, D] -> [Hkv, S, Q*G, D]: query head kv*G + h becomes row j*G + h of KV head kv."""
@@ -86,6 +86,15 @@ class RowGroup:
         if m is None:
             m = self._masks[key] = self._build_mask(window, group)
         return m
+
+    def sdpa_mask(self, window: int | None, group: int) -> torch.Tensor | None:
+        """`mask`, or None when every row sees every key (one decode sequence, or several of
+        one length, outside a window): SDPA then skips its additive bias."""
+        key = (-1 - (window or 0), group)
+        if key not in self._masks:
+            m = self.mask(window, group)
+            self._masks[key] = None if bool(m.all()) else m
+        return self._masks[key]
 
     def _build_mask(self, window: int | None, group: int) -> torch.Tensor:
         k_pos = torch.arange(self.kv_len)

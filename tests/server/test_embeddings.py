@@ -112,3 +112,26 @@ def test_dimensions_equal_to_the_hidden_size_is_accepted(real_server: ServerProc
     body = {"input": "x", "dimensions": size}
     status, _, r2 = real_server.request("POST", "/v1/embeddings", body)
     assert status == 200 and r2["data"][0]["embedding"] == r["data"][0]["embedding"]
+
+
+def test_embeddings_beside_running_generations(real_server: ServerProc) -> None:
+    """Embeddings finishing in the same steps as decoding requests: every request succeeds (a
+    pooling output carries no token metrics; observing them used to fail the whole step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def generate(i: int):
+        body = {"prompt": f"count {i}", "max_tokens": 24, "ignore_eos": True, "stream": True}
+        events = real_server.stream(body)
+        assert not [e for e in events if "error" in e], events[-1]
+        return [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+
+    def embed(i: int):
+        return real_server.request("POST", "/v1/embeddings", {"input": [f"text {i}"] * 2})
+
+    with ThreadPoolExecutor(12) as pool:
+        gens = [pool.submit(generate, i) for i in range(4)]
+        embeds = [pool.submit(embed, i) for i in range(8)]
+        for f in embeds:
+            status, _, r = f.result()
+            assert status == 200 and len(r["data"]) == 2, r
+        assert [f.result() for f in gens] == [["length"]] * 4

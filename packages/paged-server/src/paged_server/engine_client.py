@@ -346,8 +346,11 @@ class EngineClient:
                 if out.finished:
                     del self._streams[out.request_id]
                 delivered.append((stream, out))
-        for stream, out in delivered:
-            self._observe(stream, out, now)
+        for stream, out in delivered:  # metrics only: a failure here must not fail requests
+            try:
+                self._observe(stream, out, now)
+            except Exception:
+                log.exception("metrics of request %s not observed", out.request_id)
 
     def _observe(self, stream: _Stream, out: Any, now: float) -> None:
         """Latency histograms from the engine's token times (its clock is ours: monotonic).
@@ -356,7 +359,7 @@ class EngineClient:
         the previous output's last) token to its last is observed as that many equal gaps, so
         the inter-token sum and count are those of per-step observation.
         """
-        m, rm = self.metrics, out.metrics
+        m, rm = self.metrics, getattr(out, "metrics", None)  # a pooling output has none
         seqs = out.outputs if isinstance(out.outputs, list) else []  # [] for an embedding
         steps = max((len(o.token_ids) for o in seqs), default=0)
         if steps:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATIONS = ("fp16", "int8", "int4")
+_NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 INT4_GROUP = 32
 # Rows up to which the fused kernels beat dequantize + dense matmul (measured on one core of
 # the project's 2-core Xeon with AMX, SmolLM2-135M shapes, bf16: equal near 12 rows).
@@ -62,15 +63,21 @@ class Fp16Linear:
         w = w.clamp(-65504.0, 65504.0)
         self.packed = torch.ops.quantized.linear_prepack_fp16(w, None)
         # The operator itself: calling the overload (or the packet) first walks the arguments
-        # in Python looking for fake script objects, ~3 us of the ~20 us a small GEMV costs.
+        # in Python looking for fake script objects (~3 us a call).
         overload = torch.ops.quantized.linear_dynamic_fp16.default
         self._gemm = getattr(overload, "_op", overload)
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the usual case (fp16 weights serve float32 models)
-            out = self._gemm(x if x.is_contiguous() else x.contiguous(), self.packed)
-        else:
-            out = self._gemm(x.float().contiguous(), self.packed).to(x.dtype)
+        dtype = x.dtype
+        x = x.contiguous() if dtype == torch.float32 else x.float().contiguous()
+        # The binding asks each argument for `__torch_function__`; on the packed weights (a
+        # script object) the failed lookup raises a C++ exception, ~12 of the ~17 us a small
+        # GEMV costs from Python. With subclass dispatch off it checks nothing (plain tensors
+        # and a script object here: nothing to dispatch).
+        with _NO_SUBCLASS_DISPATCH():
+            out = self._gemm(x, self.packed)
+        if dtype != torch.float32:
+            out = out.to(dtype)
         return out if bias is None else out + bias
 
     def nbytes(self) -> int:

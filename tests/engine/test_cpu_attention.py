@@ -188,3 +188,25 @@ def test_mask_dropped_only_when_every_key_is_visible():
     assert group([1, 1], [9, 9]).sdpa_mask(4, 2) is not None
     assert group([1, 1], [9, 7]).sdpa_mask(None, 2) is not None  # the shorter row has padding
     assert group([1], [30], batch_invariant=True).sdpa_mask(None, 2) is not None  # keys to 512
+
+
+def test_head_kv_index_gathers_the_same_rows_as_the_planes():
+    """The flat row gather (dim 0 of [Hkv * slots, D]) yields the per-plane gather's bytes."""
+    *_, md = make_batch(
+        [1, 3, 1],
+        [20, 0, 7],
+        num_heads=6,
+        num_kv_heads=3,
+        head_dim=8,
+        block_size=4,
+        dtype=torch.float32,
+    )
+    backend = CpuBackend()
+    md.backend = backend
+    cache = torch.randn(3, 40, 4, 8)  # [Hkv, num_blocks, block_size, D]
+    planes, rows = cache.view(3, -1, 8), cache.view(-1, 8)
+    for g in backend._plan(md).groups(4):
+        index = g.head_kv_index(3, planes.shape[1])
+        assert g.head_kv_index(3, planes.shape[1]) is index  # built once per step
+        want = planes.index_select(1, g.kv_index)
+        assert torch.equal(rows.index_select(0, index).view_as(want), want)

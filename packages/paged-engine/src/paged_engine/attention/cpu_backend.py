@@ -102,14 +102,16 @@ class CpuBackend(AttentionBackend):
         plan = self._plan(md)
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
         group = query.shape[1] // num_kv_heads
-        k_planes = key_cache.view(num_kv_heads, -1, head_dim)
-        v_planes = value_cache.view(num_kv_heads, -1, head_dim)
+        k_rows = key_cache.view(-1, head_dim)  # [Hkv * slots, D]: head planes one after another
+        v_rows = value_cache.view(-1, head_dim)
+        slots_per_head = k_rows.shape[0] // num_kv_heads
         outs = []
         for g in plan.groups(key_cache.shape[2]):
             q = g.fold_queries(query, num_kv_heads, group)  # [Hkv, S, Q*G, D]
             shape = (num_kv_heads, g.num_seqs, g.kv_len, head_dim)
-            k = _read(k_planes.index_select(1, g.kv_index).view(shape), k_scale, query.dtype)
-            v = _read(v_planes.index_select(1, g.kv_index).view(shape), v_scale, query.dtype)
+            rows = g.head_kv_index(num_kv_heads, slots_per_head)
+            k = _read(k_rows.index_select(0, rows).view(shape), k_scale, query.dtype)
+            v = _read(v_rows.index_select(0, rows).view(shape), v_scale, query.dtype)
             if soft_cap or alibi_slopes is not None:
                 mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
                 o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group)

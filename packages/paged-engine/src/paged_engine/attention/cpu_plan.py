@@ -64,6 +64,19 @@ class RowGroup:
     keep: torch.Tensor | None  # [R] padded rows that are real; None = all
     dst: torch.Tensor | None  # [R] output rows of the real rows; None = [0, R) in order
     _masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    _head_index: tuple[int, int, torch.Tensor] | None = None
+
+    def head_kv_index(self, num_kv_heads: int, slots_per_head: int) -> torch.Tensor:
+        """[Hkv*S*L] int64: `kv_index` in each head plane of a cache viewed as
+        [Hkv * slots_per_head, D], head-major. A row gather along dim 0 of that view is a
+        plain memcpy per row; `index_select` along dim 1 of [Hkv, slots, D] is up to 6x
+        slower for the same bytes (3.0 vs 0.47 ms for 3 x 14400 rows of 64 floats)."""
+        memo = self._head_index
+        if memo is None or memo[:2] != (num_kv_heads, slots_per_head):
+            base = torch.arange(num_kv_heads, dtype=torch.int64) * slots_per_head
+            index = (base[:, None] + self.kv_index[None, :]).reshape(-1)
+            memo = self._head_index = (num_kv_heads, slots_per_head, index)
+        return memo[2]
 
     def fold_queries(self, query: torch.Tensor, num_kv_heads: int, group: int) -> torch.Tensor:
         """[T, H, D] -> [Hkv, S, Q*G, D]: query head kv*G + h becomes row j*G + h of KV head kv."""

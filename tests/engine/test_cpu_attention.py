@@ -192,15 +192,8 @@ def test_mask_dropped_only_when_every_key_is_visible():
 
 def test_head_kv_index_gathers_the_same_rows_as_the_planes():
     """The flat row gather (dim 0 of [Hkv * slots, D]) yields the per-plane gather's bytes."""
-    *_, md = make_batch(
-        [1, 3, 1],
-        [20, 0, 7],
-        num_heads=6,
-        num_kv_heads=3,
-        head_dim=8,
-        block_size=4,
-        dtype=torch.float32,
-    )
+    shape = {"num_heads": 6, "num_kv_heads": 3, "head_dim": 8, "block_size": 4}
+    *_, md = make_batch([1, 3, 1], [20, 0, 7], **shape, dtype=torch.float32)
     backend = CpuBackend()
     md.backend = backend
     cache = torch.randn(3, 40, 4, 8)  # [Hkv, num_blocks, block_size, D]

@@ -63,7 +63,8 @@ class RowGroup:
     q_index: torch.Tensor | None  # [S*Q] query tensor row of each padded row; None = identity
     keep: torch.Tensor | None  # [R] padded rows that are real; None = all
     dst: torch.Tensor | None  # [R] output rows of the real rows; None = [0, R) in order
-    _masks: dict[tuple[int, int], torch.Tensor | None] = field(default_factory=dict)
+    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    _all_visible: dict[tuple[int, int], bool] = field(default_factory=dict)
     _head_index: tuple[int, int, torch.Tensor] | None = None
 
     def head_kv_index(self, num_kv_heads: int, slots_per_head: int) -> torch.Tensor:
@@ -103,11 +104,11 @@ class RowGroup:
     def sdpa_mask(self, window: int | None, group: int) -> torch.Tensor | None:
         """`mask`, or None when every row sees every key (one decode sequence, or several of
         one length, outside a window): SDPA then skips its additive bias."""
-        key = (-1 - (window or 0), group)
-        if key not in self._masks:
-            m = self.mask(window, group)
-            self._masks[key] = None if bool(m.all()) else m
-        return self._masks[key]
+        key = (window or 0, group)
+        m = self.mask(window, group)
+        if key not in self._all_visible:
+            self._all_visible[key] = bool(m.all())
+        return None if self._all_visible[key] else m
 
     def _build_mask(self, window: int | None, group: int) -> torch.Tensor:
         k_pos = torch.arange(self.kv_len)

@@ -1,5 +1,5 @@
 """paged-server's CPU options reach the engine config: --quantization, --batch-invariant,
---cpu-num-threads (the engine validates them)."""
+--cpu-num-threads, -O / --compilation-config (the engine validates them)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def test_defaults(monkeypatch):
         False,
         None,
     )
+    assert config.compilation_level == 0
 
 
 def test_options_are_passed(monkeypatch):
@@ -34,3 +35,24 @@ def test_options_are_passed(monkeypatch):
 def test_bad_values_name_the_option(monkeypatch):
     with pytest.raises(ValueError, match="quantization"):
         engine_config(monkeypatch, ["--quantization", "int2"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "value"),
+    [
+        (["-O3"], 3),
+        (["-O", "0"], 0),
+        (["--compilation-config", "1"], 1),
+        (["--compilation-config", '{"level": 3}'], {"level": 3}),
+    ],
+)
+def test_compilation_config_forms(monkeypatch, argv, value):
+    assert engine_config(monkeypatch, argv).compilation_config == value
+
+
+def test_bad_compilation_config(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="compilation_config=7"):
+        engine_config(monkeypatch, ["-O7"])
+    with pytest.raises(SystemExit):
+        parse_args(["m", "-O", "fast"])
+    assert "--compilation-config" in capsys.readouterr().err

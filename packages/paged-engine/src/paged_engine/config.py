@@ -48,6 +48,9 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     enforce_eager: bool = False
+    # vLLM's optimization level, an int or {"level": n} ("mode" too): 0 runs the model eagerly;
+    # 1-3 run it through torch.compile (CPU only so far; worker/cpu_compile.py).
+    compilation_config: int | dict | None = None
     # Ranks = tensor_parallel_size * pipeline_parallel_size processes (one GPU each on CUDA).
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -223,6 +226,40 @@ class EngineConfig:
                 "async_scheduling=True is not supported with pipeline_parallel_size > 1: the "
                 "first stage needs each step's sampled tokens before the next step"
             )
+        level = self.compilation_level  # raises naming compilation_config
+        if level and self.batch_invariant:
+            raise ValueError(
+                "compilation_config (torch.compile) does not combine with batch_invariant=True: "
+                "compiled kernels fix their own reduction orders"
+            )
+        if level and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                "compilation_config (torch.compile) is not supported with tensor or pipeline "
+                "parallelism yet: pass compilation_config=0 there"
+            )
+
+    @property
+    def compilation_level(self) -> int:
+        """0: eager; 1-3: torch.compile. Raises ValueError naming a bad compilation_config."""
+        value = self.compilation_config
+        if value is None:
+            return 0
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"level", "mode"})
+            _check(
+                not unknown and len(value) == 1,
+                "compilation_config",
+                value,
+                'an int or a dict with one key, "level" or "mode"',
+            )
+            value = next(iter(value.values()))
+        _check(
+            _is_int(value) and 0 <= value <= 3,
+            "compilation_config",
+            self.compilation_config,
+            "an optimization level 0-3 (0: eager, 1-3: torch.compile) or {'level': n}",
+        )
+        return int(value)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

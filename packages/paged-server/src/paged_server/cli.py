@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="let transformers run the model repository's own config / tokenizer code",
     )
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--compilation-config",
+        "-O",
+        type=_compilation_config,
+        default=None,
+        help="0: eager (default); 1-3 (-O3): torch.compile the model forward (CPU), or "
+        "'{\"level\": 3}'",
+    )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 (= fp8_e4m3), fp8_e5m2")
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
@@ -199,6 +207,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         load_format=args.load_format,
         trust_remote_code=args.trust_remote_code,
         enforce_eager=args.enforce_eager,
+        compilation_config=args.compilation_config,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
@@ -376,6 +385,14 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("expected a JSON object")
     return value
+
+
+def _compilation_config(text: str) -> int | dict:
+    """vLLM's forms: an optimization level (`-O3`, `-O 3`) or a JSON object."""
+    try:
+        return int(text)
+    except ValueError:
+        return _json_object(text)
 
 
 def _torchrun_rank() -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from paged_engine.attention.backend import AttentionMetadata
+from paged_engine.layers import compiled_ops
 
 __all__ = ["Attention", "AttentionMetadata"]
 
@@ -43,6 +44,10 @@ class Attention(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
         else:
             self.alibi_slopes = None
+        # Set by a compiled forward (worker/cpu_compile.py): this layer's handle for the
+        # paged_engine::attention operator and the index of its cache in the model's kv_caches.
+        self.op_handle: int | None = None
+        self.kv_index = -1
 
     def forward(
         self,
@@ -52,6 +57,18 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H*D]
+        if self.op_handle is not None and torch.compiler.is_compiling():
+            return compiled_ops.attention(q, k, v, self.op_handle)  # runs `run` below
+        return self.run(q, k, v, kv_cache, attn_metadata)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.layers import compiled_ops
+
 QUANTIZATIONS = ("fp16", "int8", "int4")
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 INT4_GROUP = 32
@@ -66,8 +68,13 @@ class Fp16Linear:
         # in Python looking for fake script objects (~3 us a call).
         overload = torch.ops.quantized.linear_dynamic_fp16.default
         self._gemm = getattr(overload, "_op", overload)
+        # paged_engine::fp16_linear's handle for this weight, set by a compiled forward.
+        self.op_handle: int | None = None
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.op_handle is not None and torch.compiler.is_compiling():
+            out = compiled_ops.fp16_linear(x, self.op_handle)  # runs this method eagerly
+            return out if bias is None else out + bias
         dtype = x.dtype
         x = x.contiguous() if dtype == torch.float32 else x.float().contiguous()
         # The binding asks each argument for `__torch_function__`; on the packed weights (a

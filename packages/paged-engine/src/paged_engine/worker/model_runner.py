@@ -45,6 +45,7 @@ from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
+from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.pooler import pool_hidden
@@ -84,6 +85,7 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, _model_dtype(model))
         self.graphs: CudaGraphRunner | None = None
+        self.compiled: CompiledForward | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
         self.sampler = Sampler(config.seed)
         self.parallel = get_parallel_state()
@@ -128,6 +130,13 @@ class ModelRunner:
                 self, self.config.max_num_seqs, verify_len=k + 1 if k else None
             )
             self.graphs.capture()
+        if self.device.type == "cpu" and self.config.compilation_level:
+            self.compiled = CompiledForward(self)
+            try:
+                self.compiled.compile()
+            except Exception as e:  # e.g. no C++ compiler for inductor's CPU code
+                logger.warning("torch.compile failed, the model runs eagerly: %r", e)
+                self.compiled = None
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -263,6 +272,8 @@ class ModelRunner:
         ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
             return self.graphs.run(ids, pos, meta)
+        if self.compiled is not None:
+            return self.compiled.run(ids, pos, meta)
         return self.model(ids, pos, self.cache.kv_caches, meta)
 
     def _to_dev(self, values: np.ndarray | list) -> torch.Tensor:

@@ -71,6 +71,11 @@ class Worker:
                 "batch_invariant=True runs on the CPU in float32 only so far (dtype resolved to "
                 f"{self.dtype}, device {self.device.type}): pass dtype='float32', device='cpu'"
             )
+        if config.compilation_level and self.device.type != "cpu":
+            raise ValueError(
+                f"compilation_config={config.compilation_config!r} (torch.compile) runs on the "
+                f"CPU only so far, not on {self.device.type}: pass compilation_config=0"
+            )
         torch.manual_seed(config.seed)
         self._baseline = None
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:

@@ -1,0 +1,122 @@
+"""`compilation_config` level >= 1 on the CPU: the model's forward through `torch.compile`.
+
+Inductor turns the decoder's small ops (RMSNorm, RoPE, residual adds, SiLU * up: ~60 ATen calls
+a layer, ~4 us of dispatch each) into a few fused C++ loops, and its generated code calls the
+rest without Python in between. Two operators stay opaque (layers/compiled_ops.py): fbgemm's
+fp16 GEMM and the paged attention of the step's backend, which reads the step's metadata and
+caches from the forward context set around each call.
+
+Two graphs serve every step: one for a single token (a decode step of one sequence) and one
+with the token count symbolic (any other step). Both are compiled while the engine starts, by
+forwards over a dummy batch that writes nothing (slot -1) and reads only the null block.
+
+Guards: dynamo would check ~50 guards per layer before each call (~1 ms for 30 layers); the
+model's modules never change after loading, so guards on them are dropped. Dynamo caches
+graphs per code object, so each engine compiles through its own copy of `_forward`'s code:
+another engine's model of the same class never runs this one's graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from paged_engine.attention import AttentionMetadata, HostLengths
+from paged_engine.layers import compiled_ops
+from paged_engine.layers.attention import Attention
+from paged_engine.layers.quantization import Fp16Linear
+
+if TYPE_CHECKING:
+    from paged_engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _forward(model, input_ids, positions, kv_caches, md):
+    return model(input_ids, positions, kv_caches, md)
+
+
+def _skip_module_guards(entries) -> list[bool]:
+    return [not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+
+
+class CompiledForward:
+    """The runner's model forward, compiled; `compile()` once the KV cache exists."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        model = runner.model
+        self.attention = [m for m in model.modules() if isinstance(m, Attention)]
+        for module in model.modules():
+            method = getattr(getattr(module, "linear_method", None), "method", None)
+            if isinstance(method, Fp16Linear):
+                method.op_handle = compiled_ops.register(method)
+        code = _forward.__code__.replace(co_name=f"compiled_forward_{id(self):x}")
+        fn = types.FunctionType(code, _forward.__globals__, code.co_name)
+        self.compiled = torch.compile(
+            fn, fullgraph=True, options={"guard_filter_fn": _skip_module_guards}
+        )
+
+    def _dummy_meta(self, num_tokens: int) -> AttentionMetadata:
+        """`num_tokens` sequences of one token at position 0 that write nothing."""
+        n = num_tokens
+        cu = np.arange(n + 1, dtype=np.int64)
+        seq_lens = np.ones(n, dtype=np.int64)
+        tables = np.zeros((n, 1), dtype=np.int32)
+        slots = np.full(n, -1, dtype=np.int64)
+        return self.runner.backend.build_metadata(
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(tables),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            max_seqlen_q=1,
+            max_seqlen_k=1,
+            host=HostLengths(cu, seq_lens, tables, slots),
+        )
+
+    def _map_caches(self) -> None:
+        """Each Attention layer's index in kv_caches, from one eager forward (the model hands
+        each layer its cache; nothing else says which is whose)."""
+        r = self.runner
+        assert r.cache is not None
+        index = {id(k): i for i, (k, _) in enumerate(r.cache.kv_caches)}
+        seen: dict[int, int] = {}
+
+        def hook(module, args, kwargs):
+            kv_cache = args[3] if len(args) > 3 else kwargs["kv_cache"]
+            seen[id(module)] = index[id(kv_cache[0])]
+
+        hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.attention]
+        try:
+            ids = torch.zeros(1, dtype=torch.int64)
+            r.model(ids, ids.clone(), r.cache.kv_caches, self._dummy_meta(1))
+        finally:
+            for h in hooks:
+                h.remove()
+        for m in self.attention:
+            m.kv_index = seen[id(m)]
+            m.op_handle = compiled_ops.register(m)
+
+    @torch.inference_mode()
+    def compile(self) -> None:
+        t0 = time.perf_counter()
+        self._map_caches()
+        sizes = [1, 2] if self.runner.config.max_num_seqs > 1 else [1]
+        for n in sizes:  # 1: a static graph; 2: the token count becomes symbolic
+            ids = torch.zeros(n, dtype=torch.int64)
+            self.run(ids, ids.clone(), self._dummy_meta(n))
+        logger.info("torch.compile: model forward compiled in %.1fs", time.perf_counter() - t0)
+
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        r = self.runner
+        assert r.cache is not None
+        kv_caches = r.cache.kv_caches
+        with compiled_ops.forward_context(kv_caches, meta):
+            return self.compiled(r.model, input_ids, positions, kv_caches, meta)

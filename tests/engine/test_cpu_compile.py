@@ -1,0 +1,126 @@
+"""compilation_config >= 1 on the CPU (worker/cpu_compile.py): the model forward through
+torch.compile gives the eager engine's tokens and logprobs (inductor fuses the norms and
+elementwise ops, so logprobs agree to float32 rounding, not bit for bit).
+
+Every step shape goes through the compiled graphs: one decode sequence (the static graph),
+batched decode, prefill and chunked prefill mixed with decode (the graph with a symbolic token
+count)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from paged_engine import LLM, EngineConfig, SamplingParams
+from paged_engine.layers.quantization import fp16_gemm_available
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+PROMPTS = [
+    {"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 17, 40, 9)
+]  # different lengths: decode rows of different contexts share steps
+
+
+def _run(model_dir, prompts, **options):
+    llm = LLM(
+        model=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=32,  # the 40-token prompt is chunked beside decode rows
+        block_size=8,
+        **options,
+    )
+    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    runner = llm.llm_engine.model_runner
+    return llm, runner, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _assert_same(got, want):
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
+        assert tokens == want_tokens
+        for step, want_step in zip(logprobs, want_logprobs, strict=True):
+            assert step.keys() == want_step.keys()
+            for token, lp in step.items():
+                assert lp.logprob == pytest.approx(want_step[token].logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_compiled_forward_matches_eager(tiny_model_factory, arch):
+    model = tiny_model_factory(arch)
+    _, runner, got = _run(model, PROMPTS, compilation_config=3)
+    assert runner.compiled is not None
+    _, _, want = _run(model, PROMPTS)
+    _assert_same(got, want)
+    # One sequence alone: every decode step is the single-token graph.
+    _, _, got = _run(model, PROMPTS[1:2], compilation_config={"level": 3})
+    _, _, want = _run(model, PROMPTS[1:2])
+    _assert_same(got, want)
+
+
+@pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM (non-x86)")
+def test_compiled_fp16_weights_match_eager(tiny_model_factory):
+    """fbgemm's GEMM runs as the opaque paged_engine::fp16_linear operator."""
+    model = tiny_model_factory("llama")
+    _, runner, got = _run(model, PROMPTS, quantization="fp16", compilation_config=3)
+    assert runner.compiled is not None
+    _, _, want = _run(model, PROMPTS, quantization="fp16")
+    _assert_same(got, want)
+
+
+@pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM (non-x86)")
+def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory):
+    """Guards on modules are dropped, so each engine compiles its own code object: a second
+    model of the same class and shapes must not run the first engine's graphs, which name the
+    first model's fp16 weights by their operator handles."""
+    first_dir = tiny_model_factory("llama")
+    second_dir = tiny_model_factory("llama", seed=1)
+    options = {"quantization": "fp16", "compilation_config": 3}
+    first, _, got_first = _run(first_dir, PROMPTS[:2], **options)
+    second, _, got_second = _run(second_dir, PROMPTS[:2], **options)
+    _, _, want_second = _run(second_dir, PROMPTS[:2], quantization="fp16")
+    _assert_same(got_second, want_second)
+    # The first engine still serves with its own graphs after the second compiled.
+    again = first.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
+    _assert_same([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again], got_first)
+    del second
+
+
+def test_failed_compile_runs_eagerly(tiny_model_factory, monkeypatch, caplog):
+    from paged_engine.worker.cpu_compile import CompiledForward
+
+    def broken(self):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(CompiledForward, "compile", broken)
+    model = tiny_model_factory("llama")
+    with caplog.at_level(logging.WARNING):
+        _, runner, got = _run(model, PROMPTS[:2], compilation_config=3)
+    assert runner.compiled is None
+    assert "torch.compile failed" in caplog.text and "no C++ compiler" in caplog.text
+    _, _, want = _run(model, PROMPTS[:2])
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize(
+    ("value", "level"), [(None, 0), (0, 0), (3, 3), ({"level": 1}, 1), ({"mode": 3}, 3)]
+)
+def test_compilation_config_forms(value, level):
+    assert EngineConfig(model="m", compilation_config=value).compilation_level == level
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"compilation_config": 4}, "compilation_config=4 is invalid"),
+        ({"compilation_config": "3"}, "compilation_config='3' is invalid"),
+        ({"compilation_config": True}, "compilation_config=True is invalid"),
+        ({"compilation_config": {"level": 3, "backend": "x"}}, "compilation_config="),
+        ({"compilation_config": {}}, "compilation_config="),
+        ({"compilation_config": 3, "batch_invariant": True}, "does not combine"),
+        ({"compilation_config": 3, "tensor_parallel_size": 2}, "parallelism"),
+    ],
+)
+def test_bad_compilation_config_is_rejected(options, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model="m", **options)

@@ -203,3 +203,30 @@ def test_head_kv_index_gathers_the_same_rows_as_the_planes():
         assert g.head_kv_index(3, planes.shape[1]) is index  # built once per step
         want = planes.index_select(1, g.kv_index)
         assert torch.equal(rows.index_select(0, index).view_as(want), want)
+
+
+@pytest.mark.parametrize("ctx", [[30], [12, 12, 12], [20, 23, 27]])  # [20, 23, 27]: masked
+def test_decode_fast_path_matches_the_general_path_bitwise(ctx):
+    """A decode-only step in one group takes `CpuBackend._decode`; a window longer than any
+    context (every key still visible) sends the same step through the general path."""
+    torch.manual_seed(len(ctx))
+    q, kc, vc, md = make_batch(
+        [1] * len(ctx),
+        ctx,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=4,
+        dtype=torch.float32,
+    )
+    backend = CpuBackend()
+    md.backend = backend
+    kc, vc = to_planes(kc), to_planes(vc)
+    calls = []
+    fast = backend._decode
+    backend._decode = lambda *a: calls.append(1) or fast(*a)
+    kw = {"scale": 32**-0.5, "soft_cap": None, "alibi_slopes": None}
+    got = backend.attend(q, kc, vc, md, sliding_window=None, **kw)
+    general = backend.attend(q, kc, vc, md, sliding_window=10**6, **kw)
+    assert calls == [1]
+    assert torch.equal(got, general)

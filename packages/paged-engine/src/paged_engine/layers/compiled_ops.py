@@ -15,6 +15,7 @@ call less than `torch.library.custom_op`, which matters for 120 GEMVs a token).
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,8 +32,9 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v, int handle) -> Tensor")
 _LAYERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _NEXT_HANDLE = itertools.count(1)
 
-# (kv_caches, attention metadata) of the forward running now; None outside one.
-_FORWARD: tuple[list[tuple[torch.Tensor, torch.Tensor]], Any] | None = None
+# `.step`: (kv_caches, attention metadata) of the forward running on this thread (engines on
+# other threads run their own), None outside one.
+_CONTEXT = threading.local()
 
 
 def register(layer: Any) -> int:
@@ -44,12 +46,11 @@ def register(layer: Any) -> int:
 
 @contextmanager
 def forward_context(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: Any) -> Iterator[None]:
-    global _FORWARD
-    _FORWARD = (kv_caches, md)
+    _CONTEXT.step = (kv_caches, md)
     try:
         yield
     finally:
-        _FORWARD = None
+        _CONTEXT.step = None
 
 
 def _fp16_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -61,10 +62,11 @@ def _fp16_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int) -> torch.Tensor:
-    if _FORWARD is None:
+    step = getattr(_CONTEXT, "step", None)
+    if step is None:
         raise RuntimeError("paged_engine::attention called outside a compiled forward")
     layer = _LAYERS[handle]
-    kv_caches, md = _FORWARD
+    kv_caches, md = step
     return layer.run(q, k, v, kv_caches[layer.kv_index], md)
 
 

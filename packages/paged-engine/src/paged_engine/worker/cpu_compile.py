@@ -50,9 +50,7 @@ class CompiledForward:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        model = runner.model
-        self.attention = [m for m in model.modules() if isinstance(m, Attention)]
-        for module in model.modules():
+        for module in runner.model.modules():
             method = getattr(getattr(module, "linear_method", None), "method", None)
             if isinstance(method, Fp16Linear):
                 method.op_handle = compiled_ops.register(method)
@@ -89,6 +87,7 @@ class CompiledForward:
         each layer its cache; nothing else says which is whose)."""
         r = self.runner
         assert r.cache is not None
+        attention = [m for m in r.model.modules() if isinstance(m, Attention)]
         index = {id(k): i for i, (k, _) in enumerate(r.cache.kv_caches)}
         seen: dict[int, int] = {}
 
@@ -96,14 +95,14 @@ class CompiledForward:
             kv_cache = args[3] if len(args) > 3 else kwargs["kv_cache"]
             seen[id(module)] = index[id(kv_cache[0])]
 
-        hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in self.attention]
+        hooks = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in attention]
         try:
             ids = torch.zeros(1, dtype=torch.int64)
             r.model(ids, ids.clone(), r.cache.kv_caches, self._dummy_meta(1))
         finally:
             for h in hooks:
                 h.remove()
-        for m in self.attention:
+        for m in attention:
             m.kv_index = seen[id(m)]
             m.op_handle = compiled_ops.register(m)
 

@@ -58,17 +58,35 @@ def test_compiled_forward_matches_eager(tiny_model_factory, arch):
     _assert_same(got, want)
 
 
-@pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM (non-x86)")
-def test_compiled_fp16_weights_match_eager(tiny_model_factory):
-    """fbgemm's GEMM runs as the opaque paged_engine::fp16_linear operator."""
-    model = tiny_model_factory("llama")
-    _, runner, got = _run(model, PROMPTS, quantization="fp16", compilation_config=3)
+needs_fp16_gemm = pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM")
+
+
+@pytest.mark.parametrize(
+    ("quantization", "arch"),
+    [
+        pytest.param("fp16", "llama", marks=needs_fp16_gemm),
+        ("int8", "qwen3"),  # a tied head: the int8 head gets a graph of its own
+        ("int4", "llama"),
+    ],
+)
+def test_compiled_quantized_weights_match_eager(tiny_model_factory, quantization, arch):
+    """fbgemm's fp16 GEMM and the int4 kernels run as the opaque paged_engine::linear operator;
+    int8 layers trace their single-row GEMV into the graph (on reordered weights) and run the
+    operator for more rows."""
+    model = tiny_model_factory(arch)
+    options = {"quantization": quantization}
+    _, runner, got = _run(model, PROMPTS, compilation_config=3, **options)
     assert runner.compiled is not None
-    _, _, want = _run(model, PROMPTS, quantization="fp16")
+    assert (runner.compiled.head is not None) == (quantization == "int8")
+    _, _, want = _run(model, PROMPTS, **options)
+    _assert_same(got, want)
+    # One sequence alone: every decode step (and its logits) is a single-row graph.
+    _, _, got = _run(model, PROMPTS[1:2], compilation_config=3, **options)
+    _, _, want = _run(model, PROMPTS[1:2], **options)
     _assert_same(got, want)
 
 
-@pytest.mark.skipif(not fp16_gemm_available(), reason="no fbgemm fp16 GEMM (non-x86)")
+@needs_fp16_gemm
 def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory):
     """Guards on modules are dropped, so each engine compiles its own code object: a second
     model of the same class and shapes must not run the first engine's graphs, which name the

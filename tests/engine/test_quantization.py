@@ -80,6 +80,35 @@ def test_fused_and_dequantized_paths_match_the_dense_matmul(cls, dtype):
     assert diff < (1e-5 if dtype == torch.float32 else 1e-2)  # bf16 rounds in other places
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(96, 128), (40, 36), (16, 30)])  # 30: K % 4 != 0
+def test_int8_words_layout_computes_the_same_product(shape, dtype):
+    """use_words() reorders the int8 weight's columns into int32 words for the compiled GEMV;
+    the eager kernels on the reordered weight (activation permuted alike) and the GEMV itself
+    give the product of the original layout."""
+    torch.manual_seed(0)
+    n, k = shape
+    w = torch.randn(n, k)
+    plain = Int8Linear(w.to(dtype), dtype)
+    reordered = Int8Linear(w.to(dtype), dtype)
+    reordered.use_words()
+    assert (reordered.words is None) == (k % 4 != 0)
+    assert reordered.qweight.shape == (n, k) and reordered.nbytes() == plain.nbytes()
+    if reordered.words is not None:  # the same bytes, in word order
+        assert reordered.words.data_ptr() == reordered.qweight.data_ptr()
+        assert sorted(reordered.qweight[0].tolist()) == sorted(plain.qweight[0].tolist())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, FUSED_MAX_ROWS, 40):
+        x = torch.randn(rows, k).to(dtype)
+        torch.testing.assert_close(reordered.run(x), plain.run(x), rtol=tol, atol=tol)
+    if reordered.words is not None:  # the traced GEMV, run eagerly here (plain torch ops)
+        x = torch.randn(1, k).to(dtype)
+        want = F.linear(x.float(), plain.qweight.float()) * plain.scales.float()
+        got = reordered._gemv(x)
+        assert got.shape == (1, n) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
 def test_int4_dequantize_reproduces_exact_grid_weights():
     # a weight on the int4 grid of each group (min + q * scale) comes back exactly
     q = torch.randint(0, 16, (8, 64)).float()

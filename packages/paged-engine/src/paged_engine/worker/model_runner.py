@@ -276,6 +276,11 @@ class ModelRunner:
             return self.compiled.run(ids, pos, meta)
         return self.model(ids, pos, self.cache.kv_caches, meta)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        if self.compiled is not None:
+            return self.compiled.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
+
     def _to_dev(self, values: np.ndarray | list) -> torch.Tensor:
         t = torch.from_numpy(np.asarray(values, dtype=np.int64))
         if self.device.type == "cpu":
@@ -312,7 +317,7 @@ class ModelRunner:
             )
         elif src.size:
             hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
-            logits = self.model.compute_logits(hidden.index_select(0, hidden_rows))
+            logits = self.compute_logits(hidden.index_select(0, hidden_rows))
             rows = inputs.rows[src]
             track_history = bool(batch.history[rows].any())
             out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
@@ -329,7 +334,7 @@ class ModelRunner:
         if beam_idx:
             ks = [cached[i].beam_candidates for i in beam_idx]
             rows_d = self._to_dev(inputs.cu[np.asarray(beam_idx) + 1] - 1)
-            beam_logits = self.model.compute_logits(hidden.index_select(0, rows_d))
+            beam_logits = self.compute_logits(hidden.index_select(0, rows_d))
             lps, ids = log_softmax_topk(beam_logits, max(ks))
             beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
         prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
@@ -362,7 +367,7 @@ class ModelRunner:
         out_pos = inputs.seq_lens[src] - batch.num_prompt[inputs.rows[src]] - num_drafts
         out_pos_x = np.repeat(out_pos, reps) + step
         seq_ids_x = [s for s, r in zip(seq_ids, reps.tolist()) for _ in range(r)]
-        raw = self.model.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
+        raw = self.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
         md = self._sampling_metadata(cached, src_x, rows_x, sample_no_x, out_pos_x)
         if sched.token_bitmask is not None:
             md = with_token_bitmask(md, sched.token_bitmask, seq_ids_x, self.device)
@@ -551,7 +556,7 @@ class ModelRunner:
             if last <= start:
                 continue
             lo = int(inputs.cu[i])
-            logits = self.model.compute_logits(hidden[lo : lo + last - start])
+            logits = self.compute_logits(hidden[lo : lo + last - start])
             targets = torch.tensor(c.token_ids[start + 1 : last + 1], dtype=torch.long)
             packed = prompt_logprobs(logits, targets, c.prompt_logprobs)
             out.append((c.seq_id, start, c.prompt_logprobs, packed))

@@ -1,6 +1,6 @@
 """The CPU comparison of issue 12, every system side by side in one run, each in its own process.
 
-    python -m benchmarks.cpu_compare [--only throughput single aggregate accuracy compile]
+    python -m benchmarks.cpu_compare [--only throughput single single_ab aggregate accuracy compile]
 
 - throughput: the default model (SmolLM2-135M-Instruct GGUF, dequantised to float32), 48
   requests, prompts 16-256 random ids, outputs 16-96, ignore_eos (nano-vllm recipe, scaled):
@@ -9,9 +9,11 @@
   (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second and per
   CPU-second (user + system time of the process, all threads).
 - single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / fp16
-  weights (fbgemm) / int8 / int4, fp16 and float32 compiled (`compilation_config=3`), HF
+  weights (fbgemm) / int8 / int4, fp16, float32 and int8 compiled (`compilation_config=3`), HF
   `generate` float32, llama.cpp (llama-cpp-python, the same
   GGUF file).
+- single_ab: one stream again, paged fp16 weights, paged int8 compiled and llama.cpp in one
+  process, their runs interleaved (5 rounds): the ratio to llama.cpp without the VM's drift.
 Every system gets `--threads` CPU threads (default 2).
 - aggregate: 16 and 48 concurrent requests (prompts from the workload, 64 outputs each): paged
   `LLM.generate` vs llama-cpp-python, which decodes one stream at a time (its Python API has no
@@ -43,6 +45,8 @@ PROMPT = list(range(100, 108))
 # fp16 weights with the forward through torch.compile (worker/cpu_compile.py), compiled while
 # the engine starts (outside the timed part).
 FP16_COMPILED = {"quantization": "fp16", "compilation_config": 3}
+# int8 weights with float32 activations, compiled: one stream's GEMVs traced into inductor's C++
+INT8_COMPILED = {"quantization": "int8", "dtype": "float32", "compilation_config": 3}
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type, oil-based ink and a wooden press adapted from wine making. "
@@ -233,6 +237,43 @@ def compile_ab(work_dir: Path, rounds: int = 4) -> dict:
     return out
 
 
+def single_ab(work_dir: Path, threads: int, rounds: int = 5) -> dict:
+    """One stream (128 greedy tokens): paged fp16 weights (the default), paged int8 compiled
+    and llama.cpp, all in this one process, their runs interleaved round by round; medians over
+    `rounds`, and the median of each round's paged / llama.cpp ratio (this VM's speed drifts by
+    tens of percent over minutes: systems measured minutes apart are not comparable)."""
+    import statistics
+
+    from paged_engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    one = [{"prompt_token_ids": PROMPT}]
+    paged = {
+        "paged-fp16-weights": _llm(quantization="fp16"),
+        "paged-int8-compiled": _llm(**INT8_COMPILED),
+    }
+    runners = {
+        name: (lambda llm=llm: llm.generate(one, params, use_tqdm=False))
+        for name, llm in paged.items()
+    }
+    llama = _llama_cpp(threads)
+    runners["llama.cpp-q4_1"] = lambda: _llama_generate(llama, PROMPT, 128)
+    for run in runners.values():  # warm-up
+        run()
+    runs: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            wall, _ = _timed(run)
+            runs[name].append(round(128 / wall, 2))
+    out: dict = {
+        name: {"tokens_per_s": statistics.median(v), "runs": v} for name, v in runs.items()
+    }
+    for name in paged:
+        ratios = [p / q for p, q in zip(runs[name], runs["llama.cpp-q4_1"], strict=True)]
+        out[f"{name}_vs_llama.cpp"] = round(statistics.median(ratios), 3)
+    return out
+
+
 def accuracy(work_dir: Path) -> dict:
     """Greedy agreement and perplexity of bf16 / int8 / int4 against float32."""
     import math
@@ -258,6 +299,7 @@ def accuracy(work_dir: Path) -> dict:
         ("fp16-weights", {"quantization": "fp16"}),
         ("fp16-weights-compiled", FP16_COMPILED),
         ("int8", {"dtype": "bfloat16", "quantization": "int8"}),
+        ("int8-compiled", INT8_COMPILED),
         ("int4", {"dtype": "bfloat16", "quantization": "int4"}),
     ]:
         llm = _llm(**kw)
@@ -296,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--only",
         nargs="+",
-        default=["throughput", "single", "aggregate", "accuracy", "compile"],
+        default=["throughput", "single", "single_ab", "aggregate", "accuracy", "compile"],
     )
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "cpu")
@@ -349,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             "paged-float32-compiled": _run(
                 "paged-float32-compiled", paged_single, wd, compilation_config=3
             ),
+            "paged-int8-compiled": _run("paged-int8-compiled", paged_single, wd, **INT8_COMPILED),
             "paged-int8": _run(
                 "paged-int8", paged_single, wd, dtype="bfloat16", quantization="int8"
             ),
@@ -358,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
             "hf-generate-float32": _run("hf-generate-float32", hf_single, wd),
             "llama.cpp-q4_1": _run("llama.cpp-q4_1", llama_single, wd, args.threads),
         }
+    if "single_ab" in args.only:
+        print("single stream, paged and llama.cpp interleaved in one process", flush=True)
+        out["single_ab"] = _run("single-ab", single_ab, wd, args.threads)
     if "aggregate" in args.only:
         print("aggregate (16 / 48 concurrent requests, 64 tokens each)", flush=True)
         out["aggregate"] = {
@@ -374,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "paged-int8": _run(
                     f"paged-int8-{n}", paged_aggregate, wd, n, dtype="bfloat16", quantization="int8"
+                ),
+                "paged-int8-compiled": _run(
+                    f"paged-int8-compiled-{n}", paged_aggregate, wd, n, **INT8_COMPILED
                 ),
                 "llama.cpp-q4_1-sequential": _run(
                     f"llama.cpp-{n}", llama_aggregate, wd, n, args.threads

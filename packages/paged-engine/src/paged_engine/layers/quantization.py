@@ -17,8 +17,10 @@ A forward with few rows (decode) runs the fused kernels (`aten._weight_int8pack_
 `aten._weight_int4pack_mm_for_cpu`, as gpt-fast uses them), which read the small weights once
 and are 2-3x faster than a dense bf16 matmul there; with many rows (prefill, large decode
 batches) those kernels cost time per row, so the weight is dequantized for one dense matmul.
-Activations stay in the model dtype; the fused kernels are fast in bf16 (fp32 runs correctly,
-slower: `dtype="auto"` with quantization picks bf16 where the CPU has it).
+Activations stay in the model dtype; the fused kernels are fast in bf16 (int4 runs correctly in
+fp32, slower; int8 in fp32 always dequantizes: `dtype="auto"` with quantization picks bf16 where
+the CPU has it). Under a compiled forward, a single-row int8 product is traced into inductor's
+C++ instead (`Int8Linear._gemv`), the fastest one-stream decode on CPU.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ class Owner:
         try:
             out, _ = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as e:
+            self.proc.send_signal(signal.SIGUSR1)  # tp_owner.py dumps every thread's stack
+            time.sleep(2.0)
             self.proc.kill()
             out, _ = self.proc.communicate()
             hung = "the engine's process hung:\n" + "".join(self.lines) + out

@@ -10,6 +10,7 @@ exception inside a call on every rank, then the same report).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
@@ -23,6 +24,7 @@ from paged_engine.executor.base import EngineDeadError
 
 def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
     llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.executor._procs]
     print("PIDS", json.dumps(pids), flush=True)

@@ -25,6 +25,10 @@ from paged_engine.executor.base import EngineDeadError
 def main() -> None:
     model, mode = sys.argv[1], sys.argv[2]
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's dump of a hang
+    # Ctrl-C's handler, as in a terminal: a process started from a background job (`cmd &` in a
+    # script, nohup) inherits SIGINT *ignored*, and would go on generating through the test's
+    # SIGINT.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.executor._procs]
     print("PIDS", json.dumps(pids), flush=True)

@@ -55,7 +55,35 @@ def require_fp16_gemm() -> None:
         )
 
 
-class Fp16Linear:
+def _static_single_row(x: torch.Tensor) -> bool:
+    """While tracing: x has exactly one row in every call of the graph (a static shape)."""
+    rows = x.shape[0]
+    return isinstance(rows, int) and rows == 1
+
+
+class _QuantizedWeight:
+    """`apply(x, bias)` = x @ W^T + bias: `run` (eager kernels) outside a compiled forward,
+    `traced` inside one. `op_handle` is paged_engine::linear's handle for this weight, set by a
+    compiled forward; `shape` is (N, K)."""
+
+    shape: tuple[int, ...]
+    op_handle: int | None = None
+
+    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.op_handle is not None and torch.compiler.is_compiling():
+            out = self.traced(x)
+        else:
+            out = self.run(x)
+        return out if bias is None else out + bias
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        return compiled_ops.linear(x, self.op_handle)  # the graph calls `run` eagerly
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Fp16Linear(_QuantizedWeight):
     """Float16 weights in fbgemm's packed layout; `apply(x, bias)` = x @ W^T + bias computed in
     float32 (an activation of another dtype is cast to float32 and back)."""
 
@@ -70,15 +98,6 @@ class Fp16Linear:
         # in Python looking for fake script objects (~3 us a call).
         overload = torch.ops.quantized.linear_dynamic_fp16.default
         self._gemm = getattr(overload, "_op", overload)
-        # paged_engine::linear's handle for this weight, set by a compiled forward.
-        self.op_handle: int | None = None
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.op_handle is not None and torch.compiler.is_compiling():
-            out = compiled_ops.linear(x, self.op_handle)  # runs `run` eagerly
-        else:
-            out = self.run(x)
-        return out if bias is None else out + bias
 
     def run(self, x: torch.Tensor) -> torch.Tensor:  # x @ W^T
         dtype = x.dtype
@@ -95,7 +114,7 @@ class Fp16Linear:
         return self.shape[0] * self.shape[1] * 2
 
 
-class Int8Linear:
+class Int8Linear(_QuantizedWeight):
     """Per-channel symmetric int8 weights; `apply(x, bias)` = x @ W^T + bias.
 
     A compiled forward (worker/cpu_compile.py) calls `use_words()`: the weight's columns are
@@ -113,7 +132,6 @@ class Int8Linear:
         self.qweight = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.scales = scale.to(dtype)  # [N]
         self.shape = tuple(w.shape)
-        self.op_handle: int | None = None  # paged_engine::linear's, set by a compiled forward
         # After use_words(): the reordered weight as float32 [N, K/4] (each element a word of 4
         # weights: float32, not int32, because inductor's int32 vector load takes a slow path).
         self.words: torch.Tensor | None = None
@@ -127,18 +145,12 @@ class Int8Linear:
         self.qweight = q.view(n, k)
         self.words = q.view(n, k).view(torch.float32)
 
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.op_handle is not None and torch.compiler.is_compiling():
-            # A static single row (a one-sequence decode graph) is traced into inductor's fused
-            # GEMV; any other row count calls the eager kernels from the graph.
-            rows = x.shape[0]
-            if self.words is not None and isinstance(rows, int) and rows == 1:
-                out = self._gemv(x)
-            else:
-                out = compiled_ops.linear(x, self.op_handle)  # runs `run` eagerly
-        else:
-            out = self.run(x)
-        return out if bias is None else out + bias
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        # A static single row (a one-sequence decode graph) is traced into inductor's fused
+        # GEMV; any other row count calls the eager kernels from the graph.
+        if self.words is not None and _static_single_row(x):
+            return self._gemv(x)
+        return super().traced(x)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:  # [1, K] -> [1, N], traced
         w = self.words.view(torch.int32)  # type: ignore[union-attr]
@@ -165,7 +177,7 @@ class Int8Linear:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
 
-class Int4Linear:
+class Int4Linear(_QuantizedWeight):
     """Groupwise asymmetric int4 weights (groups of INT4_GROUP inputs)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
@@ -190,7 +202,6 @@ class Int4Linear:
             )
         zero = lo + 8 * scale
         self.shape = (n, k)
-        self.op_handle: int | None = None  # paged_engine::linear's, set by a compiled forward
         self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         self.scales_and_zeros = self.scales_and_zeros.to(dtype)  # [K/G, N, 2]
 
@@ -199,13 +210,6 @@ class Int4Linear:
         q = torch.stack([self.packed & 0xF, self.packed >> 4], dim=-1).view(n, -1, INT4_GROUP)
         w = q.to(dtype) * self.scale[..., None].to(dtype) + self.low[..., None].to(dtype)
         return w.view(n, -1)
-
-    def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.op_handle is not None and torch.compiler.is_compiling():
-            out = compiled_ops.linear(x, self.op_handle)  # runs `run` eagerly
-        else:
-            out = self.run(x)
-        return out if bias is None else out + bias
 
     def run(self, x: torch.Tensor) -> torch.Tensor:  # x @ W^T, eager
         if x.shape[0] <= FUSED_MAX_ROWS and self.kernel_weight is not None:
@@ -237,8 +241,7 @@ class QuantizedTiedHead:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.op_handle is not None and torch.compiler.is_compiling():
-            rows = x.shape[0]
-            if isinstance(rows, int) and rows == 1:  # a static single row: the method's graph
+            if _static_single_row(x):  # the method's own traced path
                 return self.method.apply(x, bias)
             out = compiled_ops.linear(x, self.op_handle)  # runs `run` eagerly
         else:

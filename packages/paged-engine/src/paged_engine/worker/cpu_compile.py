@@ -33,13 +33,7 @@ import torch
 from paged_engine.attention import AttentionMetadata, HostLengths
 from paged_engine.layers import compiled_ops
 from paged_engine.layers.attention import Attention
-from paged_engine.layers.quantization import (
-    Fp16Linear,
-    Int4Linear,
-    Int8Linear,
-    QuantizedLinearMethod,
-    QuantizedTiedHead,
-)
+from paged_engine.layers.quantization import Int8Linear, QuantizedLinearMethod, QuantizedTiedHead
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
@@ -77,8 +71,7 @@ class CompiledForward:
                 method = lm.method
                 if isinstance(method, Int8Linear):
                     method.use_words()
-                if isinstance(method, Fp16Linear | Int8Linear | Int4Linear):
-                    method.op_handle = compiled_ops.register(method)
+                method.op_handle = compiled_ops.register(method)
                 if isinstance(lm, QuantizedTiedHead):
                     lm.op_handle = compiled_ops.register(lm)
                     traced_head = isinstance(method, Int8Linear) and method.words is not None
@@ -143,7 +136,8 @@ class CompiledForward:
         for n in sizes:  # 1: a static graph; 2: the token count becomes symbolic
             ids = torch.zeros(n, dtype=torch.int64)
             hidden = self.run(ids, ids.clone(), self._dummy_meta(n))
-            self.compute_logits(hidden)
+            if self.head is not None:
+                self.head(self.runner.model, hidden)
         logger.info("torch.compile: model forward compiled in %.1fs", time.perf_counter() - t0)
 
     def run(

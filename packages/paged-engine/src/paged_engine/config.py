@@ -226,6 +226,12 @@ class EngineConfig:
                 "async_scheduling=True is not supported with pipeline_parallel_size > 1: the "
                 "first stage needs each step's sampled tokens before the next step"
             )
+        if self.batch_invariant and self.tensor_parallel_size > 2:
+            raise ValueError(
+                f"batch_invariant=True supports tensor_parallel_size <= 2 (got "
+                f"{self.tensor_parallel_size}): an all-reduce of 3+ partial sums may add them in "
+                "an order that depends on the message size, so on the batch; two add exactly"
+            )
         level = self.compilation_level  # raises naming compilation_config
         if level and self.batch_invariant:
             raise ValueError(

@@ -16,8 +16,12 @@ from paged_kernels.reference import (
     alibi_slopes,
     fp8_to_float,
     ref_copy_blocks,
+    ref_layer_norm,
+    ref_logsumexp,
+    ref_matmul,
     ref_paged_attention,
     ref_quantize,
+    ref_rms_norm,
     ref_swap_blocks,
     ref_write_kv_cache,
 )
@@ -28,6 +32,10 @@ _KERNELS = {
     "choose_num_splits": "paged_kernels.attention",
     "paged_attention": "paged_kernels.attention",
     "copy_blocks": "paged_kernels.kv_cache",
+    "layer_norm": "paged_kernels.norm",
+    "logsumexp": "paged_kernels.softmax",
+    "matmul": "paged_kernels.matmul",
+    "rms_norm": "paged_kernels.norm",
     "swap_blocks": "paged_kernels.kv_cache",
     "write_kv_cache": "paged_kernels.kv_cache",
 }
@@ -39,12 +47,20 @@ __all__ = [
     "choose_num_splits",
     "copy_blocks",
     "fp8_to_float",
+    "layer_norm",
+    "logsumexp",
+    "matmul",
     "paged_attention",
     "ref_copy_blocks",
+    "ref_layer_norm",
+    "ref_logsumexp",
+    "ref_matmul",
     "ref_paged_attention",
     "ref_quantize",
+    "ref_rms_norm",
     "ref_swap_blocks",
     "ref_write_kv_cache",
+    "rms_norm",
     "swap_blocks",
     "triton_available",
     "write_kv_cache",
@@ -53,6 +69,9 @@ __all__ = [
 if TYPE_CHECKING:
     from paged_kernels.attention import choose_num_splits, paged_attention
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
+    from paged_kernels.matmul import matmul
+    from paged_kernels.norm import layer_norm, rms_norm
+    from paged_kernels.softmax import logsumexp
 
 
 def triton_available() -> bool:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_kernels._dot import tile_dot
 from paged_kernels._utils import (
     FLOAT_DTYPES,
     FP8_DTYPES,
@@ -104,6 +105,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
+    EXPLICIT_DOT: tl.constexpr,  # interpreter and batch_invariant only (_dot.py)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,7 +139,10 @@ def _paged_attention_kernel(
     hi = ctx + tl.minimum(q_len, (local + 1) * BLOCK_Q)
     lo = hi * 0
     if USE_WINDOW:
+        # Aligned down to a key tile: every row then meets the same tiles at the same offsets
+        # however its query rows were tiled (leading fully masked tiles are exact no-ops).
         lo = tl.maximum(lo, ctx + local * BLOCK_Q - window + 1)
+        lo -= lo % BLOCK_N
     if SPLIT:
         split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
         lo = tl.maximum(lo, split * split_len)
@@ -148,6 +153,8 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give p = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
+    zero_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    zero_o = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -162,7 +169,7 @@ def _paged_attention_kernel(
         k = k.to(q_ptr.dtype.element_ty)  # no-op unless the cache is fp8
         if DOT_UPCAST:
             k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        s = tile_dot(q, k, zero_s, DOT_PRECISION, EXPLICIT_DOT) * scale  # [BLOCK_M, BLOCK_N]
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
         if USE_ALIBI:
@@ -181,7 +188,7 @@ def _paged_attention_kernel(
         p = p.to(q_ptr.dtype.element_ty)  # PV runs in the compute dtype, like the GPU
         if DOT_UPCAST:
             p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tile_dot(p, v, zero_o, DOT_PRECISION, EXPLICIT_DOT)
         m_i = m_new
 
     has_keys = l_i > 0.0  # false only for padded rows, or for an empty split
@@ -238,12 +245,18 @@ def paged_attention(
     num_splits: int | None = None,  # None: heuristic; 1: never split; >1: force split-KV
     k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
     v_scale: float = 1.0,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged K/V.
 
     Same semantics as `ref_paged_attention` (an fp8 cache is dequantized on load). Pass
     max_seqlen_q / max_seqlen_k to avoid a host sync (they only steer tile sizes and the split
     heuristic). Output rows past cu_seqlens_q[-1] are not written.
+
+    `batch_invariant=True`: a row's output has the same bits whatever else is in the batch and
+    however its sequence's query rows are chunked. Every call then uses one tile config (the
+    prefill one, whatever max_seqlen_q) and never splits the keys (num_splits must be None or
+    1): each row walks its keys in BLOCK_N tiles from key 0, the same tiles in the same order.
     """
     check(q.dim() == 3, f"q must be [num_q_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
@@ -284,6 +297,11 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
+    if batch_invariant:
+        check(
+            num_splits in (None, 1), f"batch_invariant=True never splits (num_splits={num_splits})"
+        )
+        max_seqlen_q, num_splits = 2, 1  # the prefill tile config for every row
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
@@ -352,6 +370,7 @@ def paged_attention(
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
+        EXPLICIT_DOT=is_interpreter() and batch_invariant,
         num_warps=1 if is_interpreter() else num_warps,
         num_stages=2,
     )

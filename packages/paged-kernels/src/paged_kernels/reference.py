@@ -176,3 +176,40 @@ def ref_paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
+
+
+# ---- Batch-invariant building blocks (matmul.py, norm.py, softmax.py): the same values, in
+# torch's own reduction order (which may change with the batch).
+
+
+def ref_matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) in x's dtype, accumulated in fp32."""
+    out = x.float() @ weight.float().t()
+    return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def ref_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+) -> torch.Tensor:
+    """fp32 statistics; 16-bit inputs round the normalised row and (weight + offset) to their
+    dtype before the product (paged_engine's RMSNorm)."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + weight_offset
+    if x.dtype != torch.float32:
+        y, w = y.to(x.dtype).float(), w.to(x.dtype).float()
+    return (y * w).to(x.dtype)
+
+
+def ref_layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(x.dtype)
+
+
+def ref_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """[rows, N] -> [rows, 1] fp32."""
+    return x.float().logsumexp(-1, keepdim=True)

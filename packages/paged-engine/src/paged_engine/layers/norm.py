@@ -1,6 +1,12 @@
-"""Normalization layers. Statistics are computed in float32 whatever the activation dtype."""
+"""Normalization layers. Statistics are computed in float32 whatever the activation dtype.
+
+`kernel`, when set (batch_invariant=True on the Triton path, layers/batch_invariant.py), replaces
+the torch ops with paged_kernels.rms_norm / layer_norm: the same roundings, one program per row.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,7 +21,11 @@ class RMSNorm(nn.Module):
         self.weight_offset = weight_offset
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
+    kernel: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, weight_offset)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, self.weight_offset)
         # torch.rms_norm computes x * rsqrt(mean(x^2) + eps) with the same bits as HF (same
         # float32 reduction). The weight multiplies the result cast back to the input dtype,
         # as HF does: fused into the norm only when that cast is a no-op.
@@ -48,7 +58,11 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm computed in float32, returned in the input dtype."""
 
+    kernel: Callable[..., torch.Tensor] | None = None  # (x, weight, bias, eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias, self.eps)
         w = None if self.weight is None else self.weight.float()
         b = None if self.bias is None else self.bias.float()
         y = nn.functional.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)

@@ -9,15 +9,25 @@ A packed row is float64 (exact for token ids):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from paged_engine.core.core_output import LogprobsLists
 
+# [N, V] -> [N, 1] float32 log-sum-exp of each row. batch_invariant=True on the Triton path
+# swaps in paged_kernels.logsumexp (fixed reduction order); torch's otherwise.
+LogSumExp = Callable[[Tensor], Tensor]
 
-def _pack(raw: Tensor, tokens: Tensor, k: int) -> Tensor:
+
+def torch_logsumexp(raw: Tensor) -> Tensor:
+    return raw.logsumexp(dim=-1, keepdim=True)
+
+
+def _pack(raw: Tensor, tokens: Tensor, k: int, logsumexp: LogSumExp) -> Tensor:
     """raw: [N, V] float32 logits; tokens: [N] int64 -> [N, 3 + 2k] float64."""
-    lse = raw.logsumexp(dim=-1, keepdim=True)
+    lse = logsumexp(raw)
     tok_logit = raw.gather(1, tokens.unsqueeze(1))
     cols = [tokens.unsqueeze(1).double(), (tok_logit - lse).double()]
     cols.append(((raw > tok_logit).sum(dim=-1, keepdim=True) + 1).double())
@@ -27,16 +37,21 @@ def _pack(raw: Tensor, tokens: Tensor, k: int) -> Tensor:
     return torch.cat(cols, dim=1)
 
 
-def gather_logprobs(raw: Tensor, tokens: Tensor, max_k: int) -> Tensor:
+def gather_logprobs(
+    raw: Tensor, tokens: Tensor, max_k: int, logsumexp: LogSumExp = torch_logsumexp
+) -> Tensor:
     """Logprob, rank and top-`max_k` of each row's sampled token, packed."""
-    return _pack(raw, tokens, min(max_k, raw.shape[1]))
+    return _pack(raw, tokens, min(max_k, raw.shape[1]), logsumexp)
 
 
-def prompt_logprobs(logits: Tensor, targets: Tensor, k: int) -> Tensor:
+def prompt_logprobs(
+    logits: Tensor, targets: Tensor, k: int, logsumexp: LogSumExp = torch_logsumexp
+) -> Tensor:
     """Packed rows for prompt positions: logits [P, V] at positions p, targets [P] the prompt
     token at p + 1."""
     raw = logits.float()
-    return _pack(raw, targets.to(device=raw.device, dtype=torch.long), min(k, raw.shape[1]))
+    targets = targets.to(device=raw.device, dtype=torch.long)
+    return _pack(raw, targets, min(k, raw.shape[1]), logsumexp)
 
 
 def unpack(rows: list[list[float]], ks: list[int | None] | None = None) -> LogprobsLists:
@@ -55,9 +70,11 @@ def unpack(rows: list[list[float]], ks: list[int | None] | None = None) -> Logpr
     return out
 
 
-def log_softmax_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def log_softmax_topk(
+    logits: Tensor, k: int, logsumexp: LogSumExp = torch_logsumexp
+) -> tuple[Tensor, Tensor]:
     """The k most likely tokens per row under the raw distribution, best first.
     logits: [N, V] -> (logprobs [N, k] float32, token ids [N, k] int64). For beam search."""
     raw = logits.float()
     values, ids = raw.topk(min(k, raw.shape[1]), dim=-1)
-    return values - raw.logsumexp(dim=-1, keepdim=True), ids
+    return values - logsumexp(raw), ids

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paged_engine.sample.logprobs import gather_logprobs
+from paged_engine.sample.logprobs import LogSumExp, gather_logprobs, torch_logsumexp
 from paged_engine.sample.metadata import Penalties, SamplingMetadata
 from paged_engine.structured_output.bitmask import apply_token_bitmask
 
@@ -93,8 +93,9 @@ class Sampler:
     global RNG, so tensor-parallel ranks draw the same noise whatever else their process
     draws, and sample the same tokens from the same logits."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, logsumexp: LogSumExp = torch_logsumexp) -> None:
         self._seed = seed
+        self.logsumexp = logsumexp  # of the logprobs (sample/logprobs.py)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._unseeded: dict[torch.device, torch.Generator] = {}
 
@@ -103,7 +104,9 @@ class Sampler:
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
         raw = logits.float()
         tokens = self.sample(self.process_logits(raw, md), md)
-        packed = gather_logprobs(raw, tokens, md.max_num_logprobs) if md.need_logprobs else None
+        packed = None
+        if md.need_logprobs:
+            packed = gather_logprobs(raw, tokens, md.max_num_logprobs, self.logsumexp)
         return SamplerOutput(tokens, packed)
 
     @staticmethod

@@ -32,6 +32,7 @@ from paged_engine.distributed.communication import (
     send_tensor,
 )
 from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
     SamplingMetadata,
@@ -87,7 +88,8 @@ class ModelRunner:
         self.graphs: CudaGraphRunner | None = None
         self.compiled: CompiledForward | None = None
         self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
-        self.sampler = Sampler(config.seed)
+        invariant = backend.name if config.batch_invariant else None
+        self.sampler = Sampler(config.seed, invariant_logsumexp(invariant))
         self.parallel = get_parallel_state()
         # What one pipeline stage hands the next: [T, hidden_size] (OPT projects only at the ends).
         self.stage_width = int(hf_config.hidden_size)
@@ -335,7 +337,7 @@ class ModelRunner:
             ks = [cached[i].beam_candidates for i in beam_idx]
             rows_d = self._to_dev(inputs.cu[np.asarray(beam_idx) + 1] - 1)
             beam_logits = self.compute_logits(hidden.index_select(0, rows_d))
-            lps, ids = log_softmax_topk(beam_logits, max(ks))
+            lps, ids = log_softmax_topk(beam_logits, max(ks), self.sampler.logsumexp)
             beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
         prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
         pooled = pool_hidden(batch, sched, cached, inputs, hidden) if batch.pooling.any() else []
@@ -402,9 +404,9 @@ class ModelRunner:
         tokens = result.tokens.index_select(0, emit_d)
         packed = None
         if md.need_logprobs:
-            packed = gather_logprobs(raw, result.tokens, md.max_num_logprobs).index_select(
-                0, emit_d
-            )
+            packed = gather_logprobs(
+                raw, result.tokens, md.max_num_logprobs, self.sampler.logsumexp
+            ).index_select(0, emit_d)
         num_logprobs = [md.num_logprobs[r] for r in emit_rows.tolist()] if md.num_logprobs else []
         last = result.tokens.index_select(0, self._to_dev(first_row + result.num_accepted))
         self._set_last_token(inputs.rows[src], last, sample_no)
@@ -558,7 +560,7 @@ class ModelRunner:
             lo = int(inputs.cu[i])
             logits = self.compute_logits(hidden[lo : lo + last - start])
             targets = torch.tensor(c.token_ids[start + 1 : last + 1], dtype=torch.long)
-            packed = prompt_logprobs(logits, targets, c.prompt_logprobs)
+            packed = prompt_logprobs(logits, targets, c.prompt_logprobs, self.sampler.logsumexp)
             out.append((c.seq_id, start, c.prompt_logprobs, packed))
         return out
 

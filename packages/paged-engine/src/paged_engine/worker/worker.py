@@ -15,7 +15,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min
 from paged_engine.distributed.parallel_state import get_parallel_state
-from paged_engine.layers.batch_invariant import make_batch_invariant
+from paged_engine.layers.batch_invariant import invariant_kernels, make_batch_invariant
 from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.spec_decode.draft_loader import attach_draft_model
@@ -66,11 +66,9 @@ class Worker:
             elif config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.dtype = torch.bfloat16  # the fused int8 / int4 kernels are fast in bf16
         self.quantization = self._default_quantization(config, resolved)
-        if config.batch_invariant and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(
-                "batch_invariant=True runs on the CPU in float32 only so far (dtype resolved to "
-                f"{self.dtype}, device {self.device.type}): pass dtype='float32', device='cpu'"
-            )
+        invariant = None  # the fixed-order kernel set of batch_invariant=True
+        if config.batch_invariant:
+            invariant = invariant_kernels(config.attention_backend, self.device, self.dtype)
         if config.compilation_level and self.device.type != "cpu":
             raise ValueError(
                 f"compilation_config={config.compilation_config!r} (torch.compile) runs on the "
@@ -90,8 +88,8 @@ class Worker:
             quantization=self.quantization,
         )
         model.eval()
-        if config.batch_invariant:
-            make_batch_invariant(model)
+        if invariant is not None:
+            make_batch_invariant(model, invariant)
         backend = get_attention_backend(
             config.attention_backend, self.device, batch_invariant=config.batch_invariant
         )

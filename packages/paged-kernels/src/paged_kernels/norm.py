@@ -1,0 +1,157 @@
+"""Row norms with a fixed reduction order: RMSNorm and LayerNorm, one program per row.
+
+torch's CUDA reductions choose how many threads and blocks share a row from the tensor's shape,
+so a row's sum can change with the number of rows. Here one program reduces one whole row
+(held in registers, BLOCK = the row length rounded up to a power of two) with the same
+tl.sum tree for every row: a row's result depends on that row alone. Statistics are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_kernels._utils import FLOAT_DTYPES, check, is_interpreter, next_pow2
+
+MAX_ROW = 65536
+
+
+@triton.jit
+def _load_row(x_ptr, stride, N, BLOCK: tl.constexpr):
+    """This program's row of x in fp32 (zeros past N), its offsets and their mask."""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + tl.program_id(0).to(tl.int64) * stride + offs, mask=ok, other=0.0)
+    return x.to(tl.float32), offs, ok
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [rows, N]
+    w_ptr,  # [N]
+    out_ptr,  # [rows, N]
+    stride_x,
+    stride_o,
+    N,
+    eps,
+    weight_offset,
+    BLOCK: tl.constexpr,
+    ROUND_BEFORE_WEIGHT: tl.constexpr,
+):
+    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32) + weight_offset
+    if ROUND_BEFORE_WEIGHT:  # 16-bit models: normalise, round, then scale in the model dtype
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out_ptr + tl.program_id(0).to(tl.int64) * stride_o + offs,
+        (y * w).to(out_ptr.dtype.element_ty),
+        mask=ok,
+    )
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr,  # [rows, N]
+    w_ptr,  # [N], read only if HAS_WEIGHT
+    b_ptr,  # [N], read only if HAS_BIAS
+    out_ptr,  # [rows, N]
+    stride_x,
+    stride_o,
+    N,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
+    centred = tl.where(ok, x - tl.sum(x, 0) / N, 0.0)
+    y = centred * tl.rsqrt(tl.sum(centred * centred, 0) / N + eps)
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + tl.program_id(0).to(tl.int64) * stride_o + offs,
+        y.to(out_ptr.dtype.element_ty),
+        mask=ok,
+    )
+
+
+def _rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
+    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
+    check(x.dim() >= 1 and x.shape[-1] == n, f"x's last dim must be {name}'s size {n}")
+    check(0 < n <= MAX_ROW, f"rows of {n} elements are not supported (1..{MAX_ROW})")
+    x2 = x.reshape(-1, n)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _warps(block: int) -> int:
+    return 1 if is_interpreter() else min(16, max(1, block // 256))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor,  # [N]
+    eps: float,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (weight + weight_offset), statistics in fp32, with the
+    roundings of paged_engine's RMSNorm: fp32 inputs scale in fp32; 16-bit inputs round the
+    normalised row and (weight + offset) to their dtype and multiply in it. Batch-invariant."""
+    check(weight.dim() == 1, "weight must be [N]")
+    x2 = _rows(x, weight.shape[0], "weight")
+    check(weight.device == x.device, f"weight on {weight.device}, x on {x.device}")
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        block = next_pow2(x2.shape[1])
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            weight.contiguous(),
+            out,
+            x2.stride(0),
+            out.stride(0),
+            x2.shape[1],
+            float(eps),
+            float(weight_offset),
+            BLOCK=block,
+            ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
+            num_warps=_warps(block),
+        )
+    return out.view(x.shape)
+
+
+def layer_norm(
+    x: torch.Tensor,  # [..., N]
+    weight: torch.Tensor | None,  # [N]
+    bias: torch.Tensor | None,  # [N]
+    eps: float,
+) -> torch.Tensor:
+    """`F.layer_norm(x.float(), (N,), weight, bias, eps).to(x.dtype)`: two-pass mean and
+    variance in fp32, one rounding at the end. Batch-invariant."""
+    n = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None:
+            check(t.shape == (n,), f"{name} must be [{n}], got {tuple(t.shape)}")
+            check(t.device == x.device, f"{name} on {t.device}, x on {x.device}")
+    x2 = _rows(x, n, "x")
+    out = torch.empty_like(x2)
+    if x2.shape[0]:
+        block = next_pow2(n)
+        _layer_norm_kernel[(x2.shape[0],)](
+            x2,
+            weight.contiguous() if weight is not None else x2,
+            bias.contiguous() if bias is not None else x2,
+            out,
+            x2.stride(0),
+            out.stride(0),
+            n,
+            float(eps),
+            BLOCK=block,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            num_warps=_warps(block),
+        )
+    return out.view(x.shape)

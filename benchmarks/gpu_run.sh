@@ -16,7 +16,11 @@
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
 #         fp8 / fp8_e5m2 KV cache at one KV budget (blocks, most sequences running at once,
 #         preemptions, output tok/s), swap vs recompute preemption on a small pool, the
-#         prefix cache's CPU tier in a multi-turn chat.
+#         prefix cache's CPU tier in a multi-turn chat. Then issue 12's batch-invariant mode
+#         natively: its GPU-marked tests (kernels' rows vs any batch, engine logprobs bit for bit
+#         among 1-64 others, bf16, CUDA graphs) and its cost (benchmarks/batch_invariant.py:
+#         plain vs batch-invariant engine on the nano-vllm workload, Qwen3-0.6B config; the
+#         kernel-level costs are in phase1's kernel bench).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -76,7 +80,7 @@ export PY
 case "$PHASE" in
   phase1)
     step 30 versions versions
-    step 110 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests
+    step 110 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider -k "not any_batch" tests
     step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
     step 150 gpu-profile $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --out "$OUT"
     step 170 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
@@ -98,6 +102,10 @@ case "$PHASE" in
     step 300 kv-memory $PY -m benchmarks.kv_memory --device cuda --dtype bfloat16 \
       --hidden 1024 --layers 8 --requests 128 --kv-gib 0.25 --swap-blocks 512 --repeat 2 \
       --backends auto --out "$OUT/kv_memory.json"
+    step 100 invariant-tests $PY -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_batch_invariant_kernels.py tests/engine/test_batch_invariant.py
+    step 150 invariant-cost $PY -m benchmarks.batch_invariant --model-config qwen3-0.6b \
+      --out "$OUT/batch_invariant.json"
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
@@ -114,6 +122,7 @@ case "$PHASE" in
     step 300 kv-memory $PY -m benchmarks.kv_memory --dtype bfloat16 --hidden 64 --layers 2 \
       --requests 6 --kv-gib 0.001 --swap-blocks 48 --backends auto --convs 2 --turns 2 \
       --out "$OUT/kv_memory.json"
+    step 300 invariant-cost $PY -m benchmarks.batch_invariant --smoke --out "$OUT/batch_invariant.json"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|rehearse" >&2

@@ -1,4 +1,5 @@
-"""Decode paged-attention benchmark: time, bandwidth vs a device copy, ratio vs torch SDPA.
+"""Decode paged-attention benchmark: time, bandwidth vs a device copy, ratio vs torch SDPA; and
+the batch-invariant kernels' cost (attention in that mode; matmul against cuBLAS).
 
     python -m benchmarks.kernel_bench --smoke --out DIR
 
@@ -102,9 +103,9 @@ def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps:
     out = torch.empty_like(q)
     kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=out)
     splits = choose_num_splits(batch, hk, 1, ctx, device_sms(device))
-    paged_ms, nosplit_ms = _time_paged(
-        paged_attention, (q, k_cache, v_cache, block_tables, cu, seq_lens, scale), kw, splits
-    )
+    args = (q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
+    paged_ms, nosplit_ms = _time_paged(paged_attention, args, kw, splits)
+    invariant_ms = _time_ms(lambda: paged_attention(*args, batch_invariant=True, **kw))
 
     # The same K/V, contiguous per sequence: [B, H_kv, S, D].
     def contiguous(cache):
@@ -127,6 +128,7 @@ def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps:
         "num_splits": splits,
         "paged_ms": round(paged_ms, 5),
         "paged_nosplit_ms": round(nosplit_ms, 5),
+        "paged_batch_invariant_ms": round(invariant_ms, 5),  # prefill tiles, no split-KV
         "sdpa_ms": None if sdpa_ms is None else round(sdpa_ms, 5),
         "speedup_vs_sdpa": None if sdpa_ms is None else round(sdpa_ms / paged_ms, 3),
         "kv_bytes": kv_bytes,
@@ -164,6 +166,37 @@ def _plot(results: list[dict], out_dir: Path, title: str) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.name
+
+
+def _bench_matmul(smoke: bool, device: torch.device) -> list[dict]:
+    """paged_kernels.matmul (batch_invariant=True's linear layers) against F.linear (cuBLAS on
+    CUDA) on Qwen3-0.6B's weight shapes (qkv, down projection, LM head), bf16, over rows M."""
+    from paged_kernels import matmul
+
+    if HAS_CUDA:
+        shapes = {"qkv": (4096, 1024), "down": (1024, 3072), "lm_head": (151936, 1024)}
+        rows, dtype = ([1, 256] if smoke else [1, 16, 64, 256, 1024, 4096]), torch.bfloat16
+    else:
+        shapes, rows, dtype = {"tiny": (96, 64)}, [1, 70], torch.float32
+    out = []
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            ours = _time_ms(lambda x=x, w=w: matmul(x, w))
+            ref = _time_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w))
+            out.append(
+                {
+                    "weight": name,
+                    "n": n,
+                    "k": k,
+                    "m": m,
+                    "invariant_ms": round(ours, 5),
+                    "torch_linear_ms": round(ref, 5),
+                    "invariant_over_torch_linear": round(ours / ref, 3),
+                }
+            )
+    return out
 
 
 def _run_in_interpreter(smoke: bool, out_dir: Path) -> dict:
@@ -212,6 +245,7 @@ def run(smoke: bool, out_dir: Path) -> dict:
         "copy_bandwidth_gbps": round(copy_gbps, 2),
         "bandwidth_definition": "K+V bytes read / paged time; copy = (read + written) / time",
         "results": results,
+        "batch_invariant_matmul": _bench_matmul(smoke, device),
     }
     report["plot"] = _plot(results, out_dir, f"paged decode attention, {name}")
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
@@ -229,6 +263,11 @@ def main(argv: list[str] | None = None) -> None:
             f"batch {r['batch']:>4} ctx {r['context']:>6} splits {r['num_splits']:>2}: "
             f"{r['paged_ms']:.4f} ms, {r['fraction_of_copy_bw']:.2f} of copy bw, "
             f"{r['speedup_vs_sdpa']}x vs SDPA"
+        )
+    for r in report["batch_invariant_matmul"]:
+        print(
+            f"matmul {r['weight']} M={r['m']}: {r['invariant_ms']:.4f} ms batch-invariant, "
+            f"{r['torch_linear_ms']:.4f} ms F.linear ({r['invariant_over_torch_linear']}x)"
         )
     print(f"wrote {args.out / 'kernel_bench.json'}")
 

@@ -21,10 +21,15 @@ import torch
 from paged_engine import LLM, SamplingParams
 from paged_engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
-try:
-    default_model_path()
-except RuntimeError as exc:
-    pytest.skip(f"default model missing: {exc}", allow_module_level=True)
+
+@pytest.fixture
+def default_model() -> str:
+    try:
+        default_model_path()
+    except RuntimeError as exc:
+        pytest.skip(f"default model missing: {exc}")
+    return DEFAULT_MODEL_NAME
+
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
 
@@ -50,10 +55,10 @@ def run_inside(
     return out.token_ids, logprobs
 
 
-def batch_variation(batch_invariant: bool, sizes: tuple[int, ...]) -> list[int]:
+def batch_variation(model: str, batch_invariant: bool, sizes: tuple[int, ...]) -> list[int]:
     """Batch sizes whose result for the target differs from the target run alone."""
     llm = LLM(
-        model=DEFAULT_MODEL_NAME,
+        model=model,
         dtype="float32",
         device="cpu",
         max_model_len=512,
@@ -66,13 +71,13 @@ def batch_variation(batch_invariant: bool, sizes: tuple[int, ...]) -> list[int]:
     return [n for n in sizes if run_inside(llm, target, n, rng) != alone]
 
 
-def test_logprobs_bit_identical_in_any_batch():
-    assert batch_variation(True, (1, 3, 17, 64)) == []
+def test_logprobs_bit_identical_in_any_batch(default_model):
+    assert batch_variation(default_model, True, (1, 3, 17, 64)) == []
 
 
-def test_without_the_mode_batches_change_the_logprobs():
+def test_without_the_mode_batches_change_the_logprobs(default_model):
     """The check above can fail: the plain CPU path differs in at least one batch."""
-    assert batch_variation(False, (1, 17)) != []
+    assert batch_variation(default_model, False, (1, 17)) != []
 
 
 def triton_variation(model_dir, batch_invariant: bool, sizes, longest: int = 30, **options):

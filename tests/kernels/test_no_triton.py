@@ -12,7 +12,17 @@ import json
 import pytest
 from no_triton import run_python
 
-KERNELS = ["choose_num_splits", "copy_blocks", "paged_attention", "swap_blocks", "write_kv_cache"]
+KERNELS = [
+    "choose_num_splits",
+    "copy_blocks",
+    "layer_norm",
+    "logsumexp",
+    "matmul",
+    "paged_attention",
+    "rms_norm",
+    "swap_blocks",
+    "write_kv_cache",
+]
 
 
 def test_references_run_without_triton():

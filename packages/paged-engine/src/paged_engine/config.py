@@ -69,8 +69,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
-    # CPU: weight-only "int8" / "int4" linear layers (layers/quantization.py), and logits of a
-    # sequence bit-identical whatever else is in the batch (layers/batch_invariant.py).
+    # CPU: weight-only "int8" / "int4" linear layers (layers/quantization.py). batch_invariant:
+    # logits of a sequence bit-identical whatever else is in the batch (CPU backend in float32,
+    # or the Triton kernels; layers/batch_invariant.py).
     quantization: str | None = None
     batch_invariant: bool = False
     # KV memory (docs/engine.md "Memory"): the cache's element type ("auto": the model dtype;

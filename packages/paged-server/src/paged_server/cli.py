@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="logits of a request independent of the rest of the batch (CPU, float32)",
+        help="logits of a request bit-identical whatever else is in the batch (CPU backend in "
+        "float32, or the Triton kernels in any dtype)",
     )
     p.add_argument("--cpu-num-threads", type=int, default=None, help="default: physical cores")
     p.add_argument(

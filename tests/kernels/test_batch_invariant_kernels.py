@@ -30,9 +30,10 @@ from paged_kernels import (
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-# (start, rows) slices of a 150-row batch: one row, rows crossing a 64-row tile boundary, rows
+# (start, rows) slices of a ROWS-row batch: one row, rows crossing a 64-row tile boundary, rows
 # landing at other positions of their tile than in the full batch.
-SLICES = [(0, 1), (7, 1), (63, 2), (3, 7), (70, 80), (0, 150)]
+ROWS = 100
+SLICES = [(0, 1), (7, 1), (63, 2), (3, 7), (60, 40)]
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
@@ -42,7 +43,7 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k", "bias"), [(96, 64, False), (100, 70, True), (3, 130, True)])
 def test_matmul(seed, device, dtype, n, k, bias):
-    x = torch.randn(150, k, dtype=dtype, device=device)
+    x = torch.randn(ROWS, k, dtype=dtype, device=device)
     w = torch.randn(n, k, dtype=dtype, device=device) / math.sqrt(k)
     b = torch.randn(n, dtype=dtype, device=device) if bias else None
     full = matmul(x, w, b)
@@ -50,8 +51,8 @@ def test_matmul(seed, device, dtype, n, k, bias):
     for start, rows in SLICES:
         assert torch.equal(matmul(x[start : start + rows], w, b), full[start : start + rows])
     # Leading dims are flattened; a strided row view is read in place.
-    assert torch.equal(matmul(x.view(10, 15, k), w, b), full.view(10, 15, n))
-    wide = torch.randn(150, 2 * k, dtype=dtype, device=device)
+    assert torch.equal(matmul(x.view(10, 10, k), w, b), full.view(10, 10, n))
+    wide = torch.randn(ROWS, 2 * k, dtype=dtype, device=device)
     wide[:, :k] = x
     assert torch.equal(matmul(wide[:, :k], w, b), full)
 
@@ -71,9 +72,9 @@ def test_matmul_rejects_bad_arguments(device):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0.0, 1.0])
-@pytest.mark.parametrize("n", [64, 80, 576])
+@pytest.mark.parametrize("n", [80, 576])
 def test_rms_norm(seed, device, dtype, offset, n):
-    x = torch.randn(150, n, dtype=dtype, device=device) * 3
+    x = torch.randn(ROWS, n, dtype=dtype, device=device) * 3
     w = (torch.randn(n, device=device) * 0.1 + (0.0 if offset else 1.0)).to(dtype)
     full = rms_norm(x, w, 1e-6, offset)
     close(full, ref_rms_norm(x, w, 1e-6, offset), dtype)
@@ -110,7 +111,7 @@ def test_rms_norm_of_head_views(device):
 @pytest.mark.parametrize("affine", [True, False])
 def test_layer_norm(seed, device, dtype, affine):
     n = 72
-    x = torch.randn(150, n, dtype=dtype, device=device) + 2
+    x = torch.randn(ROWS, n, dtype=dtype, device=device) + 2
     w = torch.randn(n, dtype=dtype, device=device) if affine else None
     b = torch.randn(n, dtype=dtype, device=device) if affine else None
     full = layer_norm(x, w, b, 1e-5)
@@ -129,12 +130,12 @@ def test_norms_reject_bad_arguments(device):
         layer_norm(x, None, torch.zeros(3, device=device), 1e-5)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("vocab", [50, 1024, 3000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [50, 2100])
 def test_logsumexp(seed, device, dtype, vocab):
-    x = (torch.randn(150, vocab, device=device) * 4).to(dtype)
+    x = (torch.randn(ROWS, vocab, device=device) * 4).to(dtype)
     full = logsumexp(x)
-    assert full.shape == (150, 1) and full.dtype == torch.float32
+    assert full.shape == (ROWS, 1) and full.dtype == torch.float32
     torch.testing.assert_close(full, ref_logsumexp(x), rtol=1e-5, atol=1e-5)
     for start, rows in SLICES:
         assert torch.equal(logsumexp(x[start : start + rows]), full[start : start + rows])

@@ -16,8 +16,8 @@ from torch import Tensor
 
 from paged_engine.core.core_output import LogprobsLists
 
-# [N, V] -> [N, 1] float32 log-sum-exp of each row. batch_invariant=True on the Triton path
-# swaps in paged_kernels.logsumexp (fixed reduction order); torch's otherwise.
+# [N, V] -> [N, 1] float32 log-sum-exp of each row: torch's, or under batch_invariant=True one
+# with a fixed reduction order (layers/batch_invariant.py: invariant_logsumexp).
 LogSumExp = Callable[[Tensor], Tensor]
 
 

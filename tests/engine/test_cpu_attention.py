@@ -169,6 +169,13 @@ def test_cpu_backend_rejects_other_devices():
         get_attention_backend("cpu", torch.device("cuda"))
 
 
+def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
+    """Without it Triton fails deep inside with "0 active drivers"; this says what to do."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        get_attention_backend("triton", torch.device("cpu"))
+
+
 def test_mask_dropped_only_when_every_key_is_visible():
     """A decode group whose rows all see all keys runs SDPA without a mask; padding keys, a
     window shorter than the context, or batch invariance keep it."""

@@ -49,6 +49,14 @@ def get_attention_backend(
 
         return CpuBackend(batch_invariant=batch_invariant)
     if name == "triton":
+        from paged_kernels._utils import is_interpreter
+
+        if device.type != "cuda" and not is_interpreter():
+            raise ValueError(
+                f"attention_backend='triton' on {device.type} needs Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before paged_kernels is imported (slow; for tests), or use "
+                "attention_backend='cpu'"
+            )
         from paged_engine.attention.triton_backend import TritonBackend
 
         return TritonBackend(batch_invariant=batch_invariant)

@@ -181,3 +181,17 @@ def test_copy_and_swap_fp8_blocks(seed, device, cache_dtype):
     ref_swap_blocks(ref_k[0], ref_cpu, pairs)
     assert torch.equal(_bits(cpu), _bits(ref_cpu))
     assert torch.equal(_bits(cpu[0]), _bits(keys[0][7].cpu()))
+
+
+def test_e4m3_cache_on_a_gpu_before_ada_is_refused(monkeypatch):
+    """Triton's fp8e4nv type does not exist before compute capability 8.9: the attention kernel
+    would fail to compile there (tests/kernels/gpu_compile.py --arch 80 shows the error)."""
+    import paged_kernels._utils as utils
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(utils, "capability", lambda index: (8, 0))
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        utils.check_fp8_readable(torch.float8_e4m3fn, gpu)
+    utils.check_fp8_readable(torch.float8_e5m2, gpu)
+    monkeypatch.setattr(utils, "capability", lambda index: (8, 9))
+    utils.check_fp8_readable(torch.float8_e4m3fn, gpu)

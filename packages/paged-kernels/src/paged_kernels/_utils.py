@@ -41,6 +41,25 @@ def device_sms(device: torch.device) -> int:
     return num_sms(index)
 
 
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def check_fp8_readable(cache_dtype: torch.dtype, device: torch.device) -> None:
+    """The attention kernel casts an e4m3 cache with Triton's fp8e4nv type, which exists from
+    compute capability 8.9 (Ada, Hopper) on; e5m2 loads everywhere."""
+    if cache_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = capability(index)
+    check(
+        (major, minor) >= (8, 9),
+        f"an fp8 e4m3 KV cache needs compute capability 8.9+ (this GPU is {major}.{minor}): "
+        "use kv_cache_dtype='fp8_e5m2' (torch.float8_e5m2) here",
+    )
+
+
 def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) -> None:
     """Scales are an fp8 cache's alone: positive and finite there, exactly 1.0 elsewhere."""
     if cache_dtype in FP8_DTYPES:

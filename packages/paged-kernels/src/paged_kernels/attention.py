@@ -27,6 +27,7 @@ from paged_kernels._utils import (
     FLOAT_DTYPES,
     FP8_DTYPES,
     check,
+    check_fp8_readable,
     check_kv_scales,
     check_last_dim_contiguous,
     device_sms,
@@ -273,6 +274,7 @@ def paged_attention(
         f"the caches ({key_cache.dtype}) must have q's dtype ({q.dtype}) or be fp8",
     )
     check_kv_scales(key_cache.dtype, k_scale, v_scale)
+    check_fp8_readable(key_cache.dtype, q.device)
     num_seqs = seq_lens.shape[0]
     check(seq_lens.dim() == 1, "seq_lens must be [num_seqs]")
     check(cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]")

@@ -1,0 +1,253 @@
+"""Compile every kernel launch of paged_kernels' wrappers for a GPU, on a machine without one.
+
+    python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
+
+Each wrapper (paged_attention in its modes, write_kv_cache, copy_blocks, matmul, rms_norm,
+layer_norm, logsumexp) is called on CPU tensors with its Triton kernels swapped for recorders:
+a launch records its arguments instead of running. Every recorded launch is then compiled by
+Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with the wrapper's own
+constexprs, warps and stages, so type errors, unsupported ops and shared-memory overflows show
+here rather than on a rented GPU. Prints one line per launch, "ok" or the error, and exits 1 on
+any error. What it cannot check: numerics (the interpreter tests do) and runtime behaviour.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    sys.exit("gpu_compile.py compiles real kernels: unset TRITON_INTERPRET")
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Shared memory a block may opt into, per compute capability (CUDA programming guide, "Technical
+# Specifications"): a kernel over it compiles but fails at launch.
+MAX_SHARED = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448}
+
+_PTR = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e5m2: "*fp8e5",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+    torch.uint8: "*u8",
+}
+
+
+class Recorder:
+    """Stands in for a JITFunction: `kernel[grid](*args, **kw)` records the launch."""
+
+    def __init__(self, fn, launches: list) -> None:
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((self.fn, args, kwargs))
+
+        return launch
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _PTR[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
+    """Compile one recorded launch for cuda:<arch>; returns the compiled kernel."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    names = [p.name for p in fn.params]
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    signature, constexprs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = values[p.name]
+        else:
+            signature[p.name] = _arg_type(values[p.name])
+    src = ASTSource(fn, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def record_launches() -> list[tuple[str, object, tuple, dict]]:
+    """(label, kernel, args, kwargs) of every launch of a matrix of wrapper calls."""
+    import paged_kernels.attention as attention
+    import paged_kernels.kv_cache as kv_cache
+    import paged_kernels.matmul as matmul
+    import paged_kernels.norm as norm
+    import paged_kernels.softmax as softmax
+
+    modules = (attention, kv_cache, matmul, norm, softmax)
+    launches: list = []
+    for mod in modules:
+        for name in dir(mod):
+            fn = getattr(mod, name)
+            if isinstance(fn, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+                setattr(mod, name, Recorder(fn, launches))
+    out = []
+
+    def call(label: str, wrapper, *args, **kwargs) -> None:
+        start = len(launches)
+        wrapper(*args, **kwargs)
+        out.extend((f"{label} [{fn.__name__}]", fn, a, k) for fn, a, k in launches[start:])
+
+    def batch(dtype, cache_dtype, heads, kv_heads, head_dim, q_lens, ctx, block_size=16):
+        seq_lens = [c + q for c, q in zip(ctx, q_lens)]
+        blocks = sum(-(-s // block_size) for s in seq_lens) + 1
+        q = torch.zeros(sum(q_lens), heads, head_dim, dtype=dtype)
+        cache = torch.zeros(blocks, block_size, kv_heads, head_dim, dtype=cache_dtype)
+        tables = torch.zeros(len(q_lens), blocks, dtype=torch.int32)
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        return q, cache, cache.clone(), tables, cu, lens
+
+    decode = ([1] * 4, [700] * 4)
+    mixed = ([1, 37, 5], [90, 0, 12])
+    attn_cases = [
+        ("decode bf16 GQA 4, D=128", torch.bfloat16, torch.bfloat16, 32, 8, 128, decode, {}),
+        (
+            "decode fp16 MHA, D=64, split",
+            torch.float16,
+            torch.float16,
+            8,
+            8,
+            64,
+            decode,
+            {"num_splits": 4},
+        ),
+        (
+            "mixed bf16 GQA 8, D=96, window + soft cap",
+            torch.bfloat16,
+            torch.bfloat16,
+            16,
+            2,
+            96,
+            mixed,
+            {"sliding_window": 33, "soft_cap": 30.0},
+        ),
+        (
+            "mixed fp32 D=256 ALiBi",
+            torch.float32,
+            torch.float32,
+            4,
+            4,
+            256,
+            mixed,
+            {"alibi_slopes": torch.ones(4)},
+        ),
+        (
+            "mixed bf16, fp8 e4m3 cache, D=128",
+            torch.bfloat16,
+            torch.float8_e4m3fn,
+            32,
+            8,
+            128,
+            mixed,
+            {"k_scale": 0.5, "v_scale": 0.25},
+        ),
+        (
+            "mixed bf16 batch_invariant, D=128",
+            torch.bfloat16,
+            torch.bfloat16,
+            32,
+            8,
+            128,
+            mixed,
+            {"batch_invariant": True},
+        ),
+        (
+            "decode bf16 batch_invariant, D=64 GQA 2",
+            torch.bfloat16,
+            torch.bfloat16,
+            16,
+            8,
+            64,
+            decode,
+            {"batch_invariant": True},
+        ),
+    ]
+    for label, dtype, cache_dtype, h, hk, d, (q_lens, ctx), kw in attn_cases:
+        q, kc, vc, tables, cu, lens = batch(dtype, cache_dtype, h, hk, d, q_lens, ctx)
+        kwargs = {"max_seqlen_q": max(q_lens), "max_seqlen_k": int(lens.max()), **kw}
+        call(
+            f"paged_attention {label}",
+            attention.paged_attention,
+            q,
+            kc,
+            vc,
+            tables,
+            cu,
+            lens,
+            0.1,
+            **kwargs,
+        )
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        kc = torch.zeros(8, 16, 8, 128, dtype=dtype)
+        k = torch.zeros(5, 8, 128, dtype=torch.bfloat16)
+        scales = {} if dtype == torch.bfloat16 else {"k_scale": 0.5, "v_scale": 0.5}
+        slots = torch.zeros(5, dtype=torch.int64)
+        call(
+            f"write_kv_cache {dtype}",
+            kv_cache.write_kv_cache,
+            k,
+            k,
+            kc,
+            kc.clone(),
+            slots,
+            **scales,
+        )
+    caches = [torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16) for _ in range(4)]
+    call("copy_blocks bf16", kv_cache.copy_blocks, caches[:2], caches[2:], torch.tensor([[0, 1]]))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x, w = torch.zeros(3, 1024, dtype=dtype), torch.zeros(4096, 1024, dtype=dtype)
+        call(f"matmul {dtype}", matmul.matmul, x, w, torch.zeros(4096, dtype=dtype))
+        call(f"rms_norm {dtype}", norm.rms_norm, x, w[0], 1e-6, 1.0)
+        call(f"layer_norm {dtype}", norm.layer_norm, x, w[0], w[1], 1e-5)
+        call(f"logsumexp {dtype}", softmax.logsumexp, torch.zeros(2, 151936, dtype=dtype))
+    call(
+        "rms_norm bf16 hidden 8192",
+        lambda: norm.rms_norm(
+            torch.zeros(2, 8192, dtype=torch.bfloat16),
+            torch.zeros(8192, dtype=torch.bfloat16),
+            1e-6,
+        ),
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    args = p.parse_args(argv)
+    failed = 0
+    for label, fn, a, kw in record_launches():
+        try:
+            kernel = compile_launch(fn, a, dict(kw), args.arch)
+            shared, limit = kernel.metadata.shared, MAX_SHARED.get(args.arch)
+            if limit is not None and shared > limit:
+                raise RuntimeError(f"{shared} B of shared memory > sm_{args.arch}'s {limit} B")
+            print(f"ok    sm_{args.arch} {label}: {shared} B shared", flush=True)
+        except Exception:
+            failed += 1
+            print(f"ERROR sm_{args.arch} {label}:\n{traceback.format_exc()}", flush=True)
+    print(f"{failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

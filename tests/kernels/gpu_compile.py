@@ -7,15 +7,20 @@ layer_norm, logsumexp) is called on CPU tensors with its Triton kernels swapped 
 a launch records its arguments instead of running. Every recorded launch is then compiled by
 Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with the wrapper's own
 constexprs, warps and stages, so type errors, unsupported ops and shared-memory overflows show
-here rather than on a rented GPU. Prints one line per launch, "ok" or the error, and exits 1 on
-any error. What it cannot check: numerics (the interpreter tests do) and runtime behaviour.
+here rather than on a rented GPU; `ptxas -v` then reports the registers each thread spills
+(`--no-spills` makes a spill an error). Prints one line per launch, "ok" or the error, and
+exits 1 on any error. What it cannot check: numerics (the interpreter tests do) and runtime
+behaviour.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import subprocess
 import sys
+import tempfile
 import traceback
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -82,6 +87,23 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
             signature[p.name] = _arg_type(values[p.name])
     src = ASTSource(fn, signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def spilled_bytes(kernel, arch: int) -> int | None:
+    """Bytes a thread spills (ptxas -v on the kernel's PTX, with the ptxas Triton uses); None
+    where this Triton does not say which ptxas that is."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+    except ImportError:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        suffix = "a" if arch >= 90 else ""
+        cmd = [get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", ptx, "-o", ptx + ".o"]
+        report = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))
 
 
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
@@ -233,6 +255,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    p.add_argument("--no-spills", action="store_true", help="a launch that spills registers fails")
     args = p.parse_args(argv)
     failed = 0
     for label, fn, a, kw in record_launches():
@@ -241,7 +264,10 @@ def main(argv: list[str] | None = None) -> int:
             shared, limit = kernel.metadata.shared, MAX_SHARED.get(args.arch)
             if limit is not None and shared > limit:
                 raise RuntimeError(f"{shared} B of shared memory > sm_{args.arch}'s {limit} B")
-            print(f"ok    sm_{args.arch} {label}: {shared} B shared", flush=True)
+            spills = spilled_bytes(kernel, args.arch)
+            if spills and args.no_spills:
+                raise RuntimeError(f"spills {spills} B a thread")
+            print(f"ok    sm_{args.arch} {label}: {shared} B shared, spills {spills}", flush=True)
         except Exception:
             failed += 1
             print(f"ERROR sm_{args.arch} {label}:\n{traceback.format_exc()}", flush=True)

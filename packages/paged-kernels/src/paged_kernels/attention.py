@@ -219,13 +219,23 @@ def choose_num_splits(
     return max(splits, 1)
 
 
-def _tile_config(group_p2: int, head_dim_p2: int, max_seqlen_q: int) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_N, num_warps). M >= 16 rows keeps tl.dot legal on tensor cores."""
-    block_m = 16 if max_seqlen_q == 1 else 64
-    block_q = max(1, block_m // group_p2)
-    block_n = 32 if head_dim_p2 > 128 else 64
-    num_warps = 8 if block_q * group_p2 * head_dim_p2 >= 64 * 256 else 4
-    return block_q, block_n, num_warps
+def _tile_config(
+    group_p2: int, head_dim_p2: int, max_seqlen_q: int, fp32: bool = False
+) -> tuple[int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps). M >= 16 rows keeps tl.dot legal on tensor cores. Sized so
+    the sm_90 build spills no registers (ptxas -v over tests/kernels/gpu_compile.py's launches;
+    not yet timed on a GPU): with 4 warps every 16-bit head size of 128 spilled 344-924 bytes a
+    thread, decode included; a 64-row tile at head size 256 spilled with 8 warps too; fp32 (full
+    precision dots, no tensor cores) spilled kilobytes at any BLOCK_N above 16 but 16."""
+    decode = max_seqlen_q == 1
+    if fp32:
+        block_m, block_n = (16 if decode else 32), 16
+        num_warps = 8 if head_dim_p2 > 128 else 4
+    else:
+        block_m = 16 if decode else (32 if head_dim_p2 > 128 else 64)
+        block_n = 32 if head_dim_p2 > 128 else 64
+        num_warps = 8 if head_dim_p2 >= 128 else 4
+    return max(1, block_m // group_p2), block_n, num_warps
 
 
 def paged_attention(
@@ -308,7 +318,8 @@ def paged_attention(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
     group_p2, head_dim_p2 = next_pow2(group), max(16, next_pow2(head_dim))
-    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, max_seqlen_q)
+    fp32 = q.dtype == torch.float32
+    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, max_seqlen_q, fp32)
     if num_splits is None:
         if max_seqlen_q == 1 and max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())

@@ -220,14 +220,14 @@ def choose_num_splits(
 
 
 def _tile_config(
-    group_p2: int, head_dim_p2: int, max_seqlen_q: int, fp32: bool = False
+    group_p2: int, head_dim_p2: int, decode: bool, fp32: bool = False
 ) -> tuple[int, int, int]:
     """(BLOCK_Q, BLOCK_N, num_warps). M >= 16 rows keeps tl.dot legal on tensor cores. Sized so
     the sm_90 build spills no registers (ptxas -v over tests/kernels/gpu_compile.py's launches;
     not yet timed on a GPU): with 4 warps every 16-bit head size of 128 spilled 344-924 bytes a
     thread, decode included; a 64-row tile at head size 256 spilled with 8 warps too; fp32 (full
-    precision dots, no tensor cores) spilled kilobytes at any BLOCK_N above 16 but 16."""
-    decode = max_seqlen_q == 1
+    precision dots, no tensor cores) spilled kilobytes at any BLOCK_N above 16 but 16.
+    `decode`: every row is a decode row (16-row tiles); otherwise the prefill tiles."""
     if fp32:
         block_m, block_n = (16 if decode else 32), 16
         num_warps = 8 if head_dim_p2 > 128 else 4
@@ -313,13 +313,14 @@ def paged_attention(
         check(
             num_splits in (None, 1), f"batch_invariant=True never splits (num_splits={num_splits})"
         )
-        max_seqlen_q, num_splits = 2, 1  # the prefill tile config for every row
-    if max_seqlen_q is None:
+        num_splits = 1
+    if max_seqlen_q is None and not batch_invariant:  # (batch_invariant: prefill tiles always)
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
     group_p2, head_dim_p2 = next_pow2(group), max(16, next_pow2(head_dim))
+    decode = not batch_invariant and max_seqlen_q == 1
     fp32 = q.dtype == torch.float32
-    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, max_seqlen_q, fp32)
+    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, decode, fp32)
     if num_splits is None:
         if max_seqlen_q == 1 and max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())

@@ -108,8 +108,8 @@ def cpu_logsumexp(raw: torch.Tensor) -> torch.Tensor:
     2 threads, [1, 49152]: the single row differed from the same row in a batch in 8 of 200
     draws; padded to two rows, in none). So one row is reduced next to a copy of itself."""
     if raw.shape[0] == 1 and torch.get_num_threads() > 1:
-        return torch.cat([raw, raw]).logsumexp(dim=-1, keepdim=True)[:1]
-    return raw.logsumexp(dim=-1, keepdim=True)
+        return torch_logsumexp(torch.cat([raw, raw]))[:1]
+    return torch_logsumexp(raw)
 
 
 def invariant_logsumexp(kernels: str | None) -> LogSumExp:

@@ -3,15 +3,15 @@
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
 Each wrapper (paged_attention in its modes, write_kv_cache, copy_blocks, matmul, rms_norm,
-layer_norm, logsumexp, fused_moe) is called on CPU tensors with its Triton kernels swapped for
-recorders: a launch records its arguments instead of running. Every recorded launch is then
-compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with the wrapper's
-own constexprs, warps and stages and the launcher's run-time specialisation of the arguments
-(16-divisible pointers and ints, ints equal to 1), so type errors, unsupported ops and
-shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then reports the
-registers each thread spills (`--no-spills` makes a spill an error). Prints one line per
-launch, "ok" or the error, and exits 1 on any error. What it cannot check: numerics (the
-interpreter tests do) and runtime behaviour.
+layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU tensors with its
+Triton kernels swapped for recorders: a launch records its arguments instead of running. Every
+recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
+ptxas), with the wrapper's own constexprs, warps and stages and the launcher's run-time
+specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type
+errors, unsupported ops and shared-memory overflows show here rather than on a rented GPU;
+`ptxas -v` then reports the registers each thread spills (`--no-spills` makes a spill an error).
+Prints one line per launch, "ok" or the error, and exits 1 on any error. What it cannot check:
+numerics (the interpreter tests do) and runtime behaviour.
 """
 
 from __future__ import annotations
@@ -129,11 +129,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.attention as attention
     import paged_kernels.gemm as gemm
     import paged_kernels.kv_cache as kv_cache
+    import paged_kernels.lora as lora
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
 
-    modules = (attention, gemm, kv_cache, moe, norm, softmax)
+    modules = (attention, gemm, kv_cache, lora, moe, norm, softmax)
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -280,6 +281,18 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             weights = torch.zeros(tokens, 2)
             label = f"fused_moe {dtype} T={tokens}"
             call(label, moe.fused_moe, x, gate_up, down, weights, ids)
+    # Multi-LoRA at a 4096 hidden size, rank 48 (q/k/v rank 16 stacked), 4 adapter slots: decode,
+    # mid-size and prefill batches pick different tiles (and shrink's split-K).
+    slots, rank, hidden = 4, 48, 4096
+    lora_a = torch.zeros(slots, rank, hidden, dtype=torch.bfloat16)
+    lora_b = torch.zeros(slots, hidden, rank, dtype=torch.bfloat16)
+    seg_start = torch.zeros(slots + 1, dtype=torch.int32)
+    for tokens in (1, 256, 4096):
+        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+        token_idx = torch.zeros(tokens, dtype=torch.int32)
+        s = torch.zeros(tokens, rank)
+        call(f"lora_shrink bf16 T={tokens}", lora.lora_shrink, x, lora_a, token_idx, seg_start)
+        call(f"lora_expand bf16 T={tokens}", lora.lora_expand, s, lora_b, token_idx, seg_start, x)
     return out
 
 

@@ -15,10 +15,13 @@ from paged_kernels._utils import FP8_DTYPES, check_kv_scales
 from paged_kernels.reference import (
     alibi_slopes,
     fp8_to_float,
+    lora_segments,
     ref_copy_blocks,
     ref_fused_moe,
     ref_layer_norm,
     ref_logsumexp,
+    ref_lora_expand,
+    ref_lora_shrink,
     ref_matmul,
     ref_paged_attention,
     ref_quantize,
@@ -37,6 +40,8 @@ _KERNELS = {
     "copy_blocks": "paged_kernels.kv_cache",
     "layer_norm": "paged_kernels.norm",
     "logsumexp": "paged_kernels.softmax",
+    "lora_expand": "paged_kernels.lora",
+    "lora_shrink": "paged_kernels.lora",
     "matmul": "paged_kernels.gemm",
     "rms_norm": "paged_kernels.norm",
     "swap_blocks": "paged_kernels.kv_cache",
@@ -54,12 +59,17 @@ __all__ = [
     "fused_moe",
     "layer_norm",
     "logsumexp",
+    "lora_expand",
+    "lora_segments",
+    "lora_shrink",
     "matmul",
     "paged_attention",
     "ref_copy_blocks",
     "ref_fused_moe",
     "ref_layer_norm",
     "ref_logsumexp",
+    "ref_lora_expand",
+    "ref_lora_shrink",
     "ref_matmul",
     "ref_paged_attention",
     "ref_quantize",
@@ -76,6 +86,7 @@ if TYPE_CHECKING:
     from paged_kernels.attention import choose_num_splits, paged_attention
     from paged_kernels.gemm import matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
+    from paged_kernels.lora import lora_expand, lora_shrink
     from paged_kernels.moe import align_moe_blocks, fused_moe
     from paged_kernels.norm import layer_norm, rms_norm
     from paged_kernels.softmax import logsumexp

@@ -14,10 +14,14 @@ largest finite value and rounded to nearest even, with one scale per cache tenso
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from paged_kernels._utils import FP8_DTYPES, FP8_FORMATS, check_kv_scales
+from paged_kernels._utils import FP8_DTYPES, FP8_FORMATS, check, check_kv_scales
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def ref_quantize(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
@@ -236,3 +240,70 @@ def ref_fused_moe(
         y = (act @ down[e].float().t()) * topk_weights[tokens, choices, None].float()
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+# ---- Multi-LoRA (lora.py): slots [T] hold each token's adapter slot, -1 for none.
+
+
+def lora_segments(
+    slots: torch.Tensor | np.ndarray,  # [T] int, each in [-1, num_slots)
+    num_slots: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # token_idx [T] int32, seg_start [num_slots + 1] int32
+    """Per-token slots -> the segment layout of lora_shrink / lora_expand: slot l's tokens are
+    token_idx[seg_start[l] : seg_start[l + 1]] in their original order; tokens without an
+    adapter (-1) follow seg_start[num_slots], in no segment. On slots' device (numpy: the CPU).
+    Range-checks slots, which reads two values on the host (a sync on a GPU)."""
+    if not isinstance(slots, torch.Tensor):
+        slots = torch.as_tensor(slots)
+    check(slots.dim() == 1, f"slots must be 1-D [T], got shape {tuple(slots.shape)}")
+    check(
+        not (slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool),
+        f"slots must be integers, got {slots.dtype}",
+    )
+    check(num_slots >= 0, f"num_slots must be >= 0, got {num_slots}")
+    if slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        check(
+            lo >= -1 and hi < num_slots,
+            f"slots must be in [-1, {num_slots}) (num_slots={num_slots}), got values in "
+            f"[{lo}, {hi}]",
+        )
+    keys = torch.where(slots < 0, num_slots, slots.long())  # no adapter sorts last
+    sorted_keys, order = torch.sort(keys, stable=True)
+    bounds = torch.arange(num_slots + 1, device=slots.device)
+    seg_start = torch.searchsorted(sorted_keys, bounds)  # tokens with a smaller slot
+    return order.to(torch.int32), seg_start.to(torch.int32)
+
+
+def _slot_rows(slots: torch.Tensor | np.ndarray, device: torch.device) -> dict[int, torch.Tensor]:
+    """{slot: its tokens' rows} for every slot >= 0 that some token uses."""
+    slots = torch.as_tensor(slots, device=device)
+    return {
+        slot: (slots == slot).nonzero().squeeze(1) for slot in slots.unique().tolist() if slot >= 0
+    }
+
+
+def ref_lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [L, R, K]
+    slots: torch.Tensor | np.ndarray,  # [T] int, -1 = no adapter
+) -> torch.Tensor:  # [T, R] float32; rows without an adapter are 0
+    """x[t] @ lora_a[slots[t]]^T in fp32."""
+    out = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    for slot, rows in _slot_rows(slots, x.device).items():
+        out[rows] = x[rows].float() @ lora_a[slot].float().t()
+    return out
+
+
+def ref_lora_expand(
+    s: torch.Tensor,  # [T, R] float32
+    lora_b: torch.Tensor,  # [L, N, R]
+    slots: torch.Tensor | np.ndarray,  # [T] int, -1 = no adapter
+    y: torch.Tensor,  # [T, N], updated in place
+) -> torch.Tensor:  # y
+    """y[t] += s[t] @ lora_b[slots[t]]^T: s rounded to lora_b's dtype, fp32 products and sum,
+    one rounding to y's dtype; rows without an adapter untouched."""
+    for slot, rows in _slot_rows(slots, y.device).items():
+        delta = s[rows].to(lora_b.dtype).float() @ lora_b[slot].float().t()
+        y[rows] = (y[rows].float() + delta).to(y.dtype)
+    return y

@@ -31,6 +31,7 @@ _EXPORTS = {
     "PoolingParams": "paged_engine.pooling",
     "PoolingRequestOutput": "paged_engine.pooling",
     "EmbeddingRequestOutput": "paged_engine.pooling",
+    "LoRARequest": "paged_engine.lora.request",
 }
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "EngineStats",
     "GuidedDecodingParams",
     "LLMEngine",
+    "LoRARequest",
     "Logprob",
     "PoolingParams",
     "PoolingRequestOutput",
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from paged_engine.config import EngineConfig
     from paged_engine.engine.llm_engine import EngineStats, LLMEngine
     from paged_engine.llm import LLM
+    from paged_engine.lora.request import LoRARequest
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams

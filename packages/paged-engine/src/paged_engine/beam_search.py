@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from paged_engine.outputs import Logprob
 
@@ -15,7 +16,7 @@ class BeamSearchSequence:
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    lora_request: None = None
+    lora_request: Any = None  # the LoRARequest it ran with
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None

@@ -81,6 +81,12 @@ class EngineConfig:
     preemption_mode: str | None = None
     swap_space: float = 0.0
     cpu_offload_gib: float = 0.0
+    # Multi-LoRA (lora/): adapters per batch, their largest rank, and adapters kept loaded in
+    # host memory (None: max_loras). Requests pick one with lora_request=LoRARequest(...).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -131,6 +137,7 @@ class EngineConfig:
             "enforce_eager",
             "trust_remote_code",
             "disable_log_stats",
+            "enable_lora",
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")
@@ -234,6 +241,7 @@ class EngineConfig:
                 "an order that depends on the message size, so on the batch; two add exactly"
             )
         level = self.compilation_level  # raises naming compilation_config
+        self._check_lora(level)
         if level and self.batch_invariant:
             raise ValueError(
                 "compilation_config (torch.compile) does not combine with batch_invariant=True: "
@@ -244,6 +252,28 @@ class EngineConfig:
                 "compilation_config (torch.compile) is not supported with tensor or pipeline "
                 "parallelism yet: pass compilation_config=0 there"
             )
+
+    def _check_lora(self, level: int) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, name, value, "an int >= 1")
+        _check(
+            self.max_cpu_loras is None
+            or (_is_int(self.max_cpu_loras) and self.max_cpu_loras >= self.max_loras),
+            "max_cpu_loras",
+            self.max_cpu_loras,
+            f"None or an int >= max_loras={self.max_loras}",
+        )
+        if not self.enable_lora:
+            return
+        unsupported = {
+            "pipeline_parallel_size > 1": self.pipeline_parallel_size > 1,
+            "batch_invariant=True": self.batch_invariant,
+            "compilation_config (torch.compile)": bool(level),
+        }
+        for what, on in unsupported.items():
+            if on:
+                raise ValueError(f"enable_lora=True does not combine with {what} yet")
 
     @property
     def compilation_level(self) -> int:

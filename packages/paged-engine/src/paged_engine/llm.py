@@ -15,6 +15,7 @@ from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import EngineStats, LLMEngine
 from paged_engine.logging_setup import configure_default_logging
+from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -39,8 +40,10 @@ class LLM:
         | Sequence[SamplingParams | BeamSearchParams]
         | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. `lora_request`: one
+        adapter for every prompt, or one (or None) per prompt (needs enable_lora=True)."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -53,31 +56,35 @@ class LLM:
                     f"got {len(prompt_list)} prompts but {len(params_list)} "
                     "sampling_params: pass one, or one per prompt"
                 )
-        return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompt_list))
+        return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
 
     def beam_search(
         self,
         prompts: PromptType | Sequence[PromptType],
         params: BeamSearchParams,
-        lora_request: None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the best `params.beam_width` beams of each prompt, best
         first. As in vLLM, a sequence's `tokens` and `text` include the prompt; the beams run
         in the engine (sharing the prompt's KV blocks), `concurrency_limit` prompts at a time."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: paged serves no LoRA adapters")
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompt_list = _as_prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompt_list))
         limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"concurrency_limit must be None or an int >= 1, got {limit!r}")
         outputs: list[RequestOutput] = []
         for start in range(0, len(prompt_list), limit):
             batch = prompt_list[start : start + limit]
-            outputs += self._run([(p, params) for p in batch], use_tqdm)
+            outputs += self._run(
+                [(p, params) for p in batch],
+                use_tqdm,
+                None if loras is None else loras[start : start + limit],
+            )
         tok = self.get_tokenizer()
         results = []
         for out in outputs:
@@ -89,6 +96,7 @@ class LLM:
                         tokens=tokens,
                         logprobs=[],
                         cum_logprob=c.cumulative_logprob or 0.0,
+                        lora_request=out.lora_request,
                         text=tok.decode(tokens),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -105,6 +113,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
@@ -123,7 +132,9 @@ class LLM:
         token_prompts = [
             {"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts
         ]
-        outputs = self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(
+            token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
+        )
         for out, text in zip(outputs, prompts):
             out.prompt = text
         return outputs
@@ -169,13 +180,15 @@ class LLM:
         self,
         items: list[tuple[PromptType, SamplingParams | BeamSearchParams | PoolingParams]],
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in items:
+            for k, (prompt, params) in enumerate(items):
                 rid = str(next(self._counter))
-                engine.add_request(rid, prompt, params, final_only=True)
+                lora = None if loras is None else loras[k]
+                engine.add_request(rid, prompt, params, final_only=True, lora_request=lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
@@ -196,6 +209,24 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None] | None:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return None if lora_request is None else [lora_request] * num_prompts
+    if not isinstance(lora_request, (list, tuple)):
+        raise ValueError(
+            "lora_request must be a LoRARequest, None or a list of them, got "
+            f"{type(lora_request).__name__}"
+        )
+    if len(lora_request) != num_prompts:
+        raise ValueError(
+            f"got {num_prompts} prompts but {len(lora_request)} lora_request entries: pass one, "
+            "or one per prompt"
+        )
+    return list(lora_request)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

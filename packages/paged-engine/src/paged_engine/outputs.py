@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Per position: token id -> Logprob. Holds the top-k tokens plus the sampled (or actual) one.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -94,8 +95,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    lora_request: Any = field(default=None, repr=False)  # the LoRARequest it ran with
     # vLLM fields kept for ported code; always None here.
-    lora_request: None = field(default=None, repr=False)
     encoder_prompt: None = field(default=None, repr=False)
     encoder_prompt_token_ids: None = field(default=None, repr=False)
 

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,15 @@ if TYPE_CHECKING:
 
 # Parent hash of a sequence's first block (a fixed int keeps hashes identical across runs).
 ROOT_HASH = 0x5EED_CAFE_F00D
+
+
+def root_hash(lora_id: int, lora_path: str | None = None) -> int:
+    """The chain's root: the base model's, or one per LoRA adapter (same tokens, other KV);
+    the path is part of it, so an id re-registered for other weights shares nothing."""
+    if not lora_id:
+        return ROOT_HASH
+    key = hashlib.blake2b(f"{lora_id}\0{lora_path}".encode(), digest_size=8).digest()
+    return hash((ROOT_HASH, int.from_bytes(key, "little")))  # no str hash: stable across runs
 
 
 @dataclass(slots=True)
@@ -121,7 +131,7 @@ class BlockManager:
         bs = self.block_size
         tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
         hashes = seq.block_hashes
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root_hash(seq.request.lora_id, seq.request.lora_path)
         if i < len(hashes):
             return hashes[i], parent, tokens
         assert i == len(hashes)

@@ -153,6 +153,10 @@ class Request:
     # Grammar / bad words (structured_output.RequestConstraint): the next mask depends on every
     # output token, computed by the engine core from the tokens it applied.
     constraint: Any = None
+    # The LoRA adapter it runs with (0: the base model). Its KV differs from the base model's
+    # for the same tokens, so its prefix-cache hashes start from their own root.
+    lora_id: int = 0
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         params = self.params

@@ -28,6 +28,8 @@ class NewSeqData:
     params: Any  # SamplingParams, or BeamSearchParams (then the worker returns top-k)
     beam_candidates: int = 0  # beam search: candidates (top-k) returned per step
     eos_token_ids: tuple[int, ...] = ()  # masked while below min_tokens (empty: ignore_eos)
+    lora_id: int = 0  # the adapter it runs with (lora/), 0 for none
+    lora_path: str | None = None
 
 
 @dataclass(slots=True)

@@ -71,6 +71,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         draft_planner: DraftPlanner | None = None,
         preemption_mode: str | None = None,
+        max_loras: int = 0,
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
         self.block_manager = block_manager
@@ -98,6 +99,8 @@ class Scheduler:
         # step's drafts, from schedule() to _emit().
         self.draft_planner = draft_planner
         self._drafts: dict[int, list[int]] = {}
+        # LoRA: distinct adapters among running requests (the worker has that many slots).
+        self.max_loras = max_loras
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -352,11 +355,23 @@ class Scheduler:
                 scheduled_reqs.append(req)
 
         # 2) Waiting requests, FCFS; none after a preemption (they would only thrash), and none
-        #    past a preempted request whose pending token has not landed yet.
+        #    past a preempted request whose pending token has not landed yet. A request whose
+        #    LoRA adapter would exceed max_loras adapters in the batch is passed over (it keeps
+        #    its place) while later ones are admitted.
+        adapters = self._running_adapters() if self.max_loras and self.waiting else None
+        passed: list[Request] = []
         while self.waiting and budget and not preempted:
             req = self.waiting[0]
             if req.num_pending:
                 break
+            if (
+                adapters is not None
+                and req.lora_id
+                and req.lora_id not in adapters
+                and len(adapters) >= self.max_loras
+            ):
+                passed.append(self.waiting.popleft())
+                continue
             seqs = req.live_seqs()
             slots = self._seq_slots(req, seqs)
             if num_seqs + slots > self.max_num_seqs:
@@ -366,6 +381,8 @@ class Scheduler:
                 if not plan or not bm.swap_in(seqs, plan):
                     break
                 self._admit(req, seqs)
+                if adapters is not None and req.lora_id:
+                    adapters.add(req.lora_id)
                 num_seqs += slots
                 planned += plan
                 budget -= sum(n for _, n in plan)
@@ -385,10 +402,14 @@ class Scheduler:
                         bm.free(seq)
                 break
             self._admit(req, seqs)
+            if adapters is not None and req.lora_id:
+                adapters.add(req.lora_id)
             num_seqs += slots
             planned += plan
             budget -= sum(n for _, n in plan)
             scheduled_reqs.append(req)
+        if passed:
+            self.waiting.extendleft(reversed(passed))
 
         if not planned and self.requests and not self._any_pending():
             # Nothing runs: the head of the queue cannot fit even alone, so it alone is named.
@@ -425,6 +446,9 @@ class Scheduler:
                     budget -= len(drafts)
             out.append((seq, n))
         return out, budget
+
+    def _running_adapters(self) -> set[int]:
+        return {req.lora_id for req in self.running if req.lora_id}
 
     def _admit(self, req: Request, seqs: list[Sequence]) -> None:
         self.waiting.popleft()
@@ -499,4 +523,6 @@ class Scheduler:
             params=req.params,
             beam_candidates=req.beam.num_candidates if req.beam is not None else 0,
             eos_token_ids=tuple(sorted(req.eos_token_ids)),
+            lora_id=req.lora_id,
+            lora_path=req.lora_path,
         )

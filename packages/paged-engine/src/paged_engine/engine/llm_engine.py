@@ -35,6 +35,8 @@ from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
+from paged_engine.lora.registry import LoRARegistry
+from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, to_sampling_params
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -197,7 +199,16 @@ class LLMEngine:
             draft_planner=self.draft_planner,
             # The CPU pool swaps only with swap_space (cpu_offload_gib alone is the tier's).
             preemption_mode=config.preemption_mode if config.swap_space else "recompute",
+            max_loras=config.max_loras if config.enable_lora else 0,
         )
+        self.lora_registry = None
+        if config.enable_lora:
+            scheduler = self.scheduler
+            self.lora_registry = LoRARegistry(
+                self.executor,
+                config.max_cpu_loras or config.max_loras,
+                lambda: {r.lora_id for r in scheduler.requests.values() if r.lora_id},
+            )
         self.eos_token_ids = _eos_ids(self.hf_config, self.tokenizer, self.resolved)
         self.vocab_size = int(self.hf_config.vocab_size)
         # Grammars compile on the manager's thread; llguidance loads with the first one.
@@ -242,11 +253,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         *,
         final_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; raises ValueError (naming the parameter) on bad input.
 
         What each output holds follows `params.output_kind` (CUMULATIVE by default, DELTA for
-        streaming); `final_only=True` overrides it with FINAL_ONLY (offline generation)."""
+        streaming); `final_only=True` overrides it with FINAL_ONLY (offline generation).
+        `lora_request` runs it with that adapter (loaded now if it is not)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         if request_id in self.output_processor.states:
@@ -259,8 +272,14 @@ class LLMEngine:
         if isinstance(params, PoolingParams):  # an embedding (pooling.py): ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
             params = to_sampling_params(params, self.config.pooler_config, hidden_size)
+        if lora_request is not None:
+            if self.lora_registry is None:
+                raise ValueError("lora_request needs an engine started with enable_lora=True")
+            self.lora_registry.ensure(lora_request)  # raises ValueError for a bad adapter
         p = self.input_processor.make_request(request_id, prompt, params, arrival_time)
         req = p.request
+        if lora_request is not None:
+            req.lora_id, req.lora_path = lora_request.lora_int_id, lora_request.lora_path
         kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind
         self.engine_core.add_request(req)
         self.output_processor.add_request(
@@ -271,7 +290,23 @@ class LLMEngine:
             req.arrival_time,
             num_returned=p.num_returned,
             kind=kind,
+            lora_request=lora_request,
         )
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter ahead of its requests; ValueError when it cannot be served."""
+        if self.lora_registry is None:
+            raise ValueError("add_lora needs an engine started with enable_lora=True")
+        self.lora_registry.ensure(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter; False when it is not loaded or unfinished requests use it."""
+        return self.lora_registry is not None and self.lora_registry.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora_registry is None else self.lora_registry.ids()
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)

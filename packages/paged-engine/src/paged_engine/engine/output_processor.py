@@ -86,6 +86,7 @@ class RequestState:
     last_token_time: float | None = None
     num_cached_tokens: int = 0
     pooled: PooledChunks | None = None  # embedding requests (pooling.py)
+    lora_request: Any = None  # echoed on its RequestOutputs
 
 
 @dataclass(slots=True)
@@ -117,6 +118,7 @@ class OutputProcessor:
         *,
         num_returned: int,
         kind: RequestOutputKind,
+        lora_request: Any = None,
     ) -> None:
         beam = isinstance(params, BeamSearchParams)
         num_samples = params.beam_width if beam else params.num_sequences
@@ -132,6 +134,7 @@ class OutputProcessor:
             is_beam=beam,
             whole_at_end=beam or num_samples > num_returned,
             text_at_end=kind == _FINAL_ONLY and not beam and not params.stop,
+            lora_request=lora_request,
         )
         detok = None
         if not beam and params.detokenize:
@@ -335,6 +338,7 @@ class OutputProcessor:
             finished,
             metrics,
             state.num_cached_tokens,
+            state.lora_request,
         )
 
     @staticmethod

@@ -38,6 +38,15 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle: ...
 
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Load a LoRA adapter on every worker, in order with the steps. A ValueError (the
+        adapter does not fit) leaves every worker as it was and the engine running."""
+        raise ValueError(f"{type(self).__name__} cannot load LoRA adapters")
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Unload an adapter from every worker (a no-op for one never loaded)."""
+        raise ValueError(f"{type(self).__name__} cannot unload LoRA adapters")
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and threads; idempotent."""

@@ -139,6 +139,21 @@ class MultiprocExecutor(Executor):
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         return _GuardedHandle(self._call("execute_model", sched), self)
 
+    def add_lora(self, lora_id: int, path: str) -> None:
+        # Rank 0 first: an adapter that does not fit fails here, before any other rank saw
+        # the call (a failure after the broadcast would leave the ranks out of step).
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        self.worker.add_lora(lora_id, path)
+        if self.world_size > 1:
+            try:
+                broadcast_object(("add_lora", (lora_id, path)))
+            except Exception as e:
+                raise self._died(e) from e
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._call("remove_lora", lora_id)
+
     def shutdown(self) -> None:
         if self._closed:
             return

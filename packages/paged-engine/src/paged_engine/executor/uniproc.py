@@ -63,6 +63,12 @@ class UniprocExecutor(Executor):
             return self.worker.execute_model(sched)
         return _FutureHandle(self._thread.submit(self.worker.execute_model, sched))
 
+    def add_lora(self, lora_id: int, path: str) -> None:
+        self._call(self.worker.add_lora, lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._call(self.worker.remove_lora, lora_id)
+
     def shutdown(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True)

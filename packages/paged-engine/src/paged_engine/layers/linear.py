@@ -45,6 +45,7 @@ class LinearBase(nn.Module):
     def __init__(self, in_local: int, out_local: int, bias: bool, tp_rank: int, tp_size: int):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.in_local, self.out_local = in_local, out_local  # the weight may be dropped later
         self.weight = nn.Parameter(torch.empty(out_local, in_local))
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -61,6 +62,8 @@ class LinearBase(nn.Module):
     # Set after loading to run the matmul another way (layers/quantization.py,
     # layers/batch_invariant.py): an object with apply(layer, x, bias).
     linear_method = None
+    # Set by lora/model.py with enable_lora: adds each token's adapter delta to the output.
+    lora = None
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.linear_method is None:
@@ -68,7 +71,8 @@ class LinearBase(nn.Module):
         return self.linear_method.apply(self, x, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in_local] -> [T, out_local]
-        return self._linear(x, self.bias)
+        out = self._linear(x, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -117,7 +121,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.bias if self.tp_rank == 0 else None)
-        return tp_all_reduce(out) if self.tp_size > 1 else out
+        if self.tp_size > 1:
+            out = tp_all_reduce(out)
+        # After the reduce: the adapter's delta is whole on every rank (lora/layers.py).
+        return out if self.lora is None else self.lora.apply(x, out)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -103,6 +103,11 @@ class GPT2LMHeadModel(CausalLMBase):
             return name
         return "transformer." + name
 
+    def convert_lora_b(self, name: str, b: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A LoRA B is [out, r] even on a Conv1D module (PEFT keeps its A / B as linear
+        layers): stored the Conv1D way round, it splits as the weight does."""
+        return self.convert_weight(name, b.t() if name.endswith(_CONV1D) else b)
+
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if name.endswith(_CONV1D):
             w = w.t()

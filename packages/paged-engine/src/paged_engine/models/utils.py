@@ -201,6 +201,12 @@ class CausalLMBase(nn.Module):
         """One renamed checkpoint tensor -> the (name, tensor) pairs to load."""
         return ((name, w),)
 
+    def convert_lora_b(self, name: str, b: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """A LoRA B matrix [out, r] of the module whose weight is `name` -> (name, rows) pairs,
+        split like the weight (lora/model.py). `convert_weight` splits weights by output rows,
+        which is right for B too unless a model stores weights transposed."""
+        return self.convert_weight(name, b)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # A tied head has no parameter of its own; checkpoints may still carry a copy.
         tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None

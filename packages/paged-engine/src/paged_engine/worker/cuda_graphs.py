@@ -23,6 +23,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from paged_engine.attention import AttentionMetadata
@@ -96,6 +97,21 @@ class CudaGraphRunner:
             len(keys),
             ", ".join(f"q={q}: 1..{sizes[-1]}" for q, sizes in self.sizes.items()),
         )
+        mapping = r.lora.model.mapping if r.lora is not None else None
+        if mapping is not None:  # LoRA kernels go into every graph; no slot has tokens yet
+            mapping.set(np.full(0, -1, dtype=np.int64))
+            mapping.capturing = True
+        try:
+            self._capture_all(keys)
+        finally:
+            if mapping is not None:
+                mapping.capturing = False
+        torch.cuda.synchronize()
+        logger.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
+
+    def _capture_all(self, keys: list[tuple[int, int]]) -> None:
+        r = self.runner
+        assert r.cache is not None
         for q, bs in keys:
             self.seq_lens.fill_(q)  # every row a valid q-token query while capturing
             meta = self._meta(q, bs)
@@ -109,8 +125,6 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[q, bs] = graph
-        torch.cuda.synchronize()
-        logger.info("CUDA graphs captured in %.1fs", time.perf_counter() - t0)
 
     def can_run(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         """Every row has exactly q query tokens for a captured q: no row has more than

@@ -38,6 +38,7 @@ class CachedSeq:
     num_logprobs: int | None
     prompt_logprobs: int | None
     needs_history: bool  # penalties read every output token
+    lora_id: int = 0  # its LoRA adapter (0: none)
     num_tokens: int = 0  # host tokens + tokens sampled since (tracked for history rows)
 
 
@@ -113,6 +114,7 @@ class InputBatch:
             prompt_logprobs=None if beam else p.prompt_logprobs,
             needs_history=history,
             num_tokens=len(data.token_ids),
+            lora_id=data.lora_id,
         )
         self.seqs[data.seq_id] = seq
         self.row_of[data.seq_id] = row

@@ -33,6 +33,7 @@ from paged_engine.distributed.communication import (
 )
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_logsumexp
+from paged_engine.lora.manager import LoRAManager
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
     SamplingMetadata,
@@ -99,6 +100,8 @@ class ModelRunner:
         self._md_cache: tuple[tuple[int, np.ndarray], SamplingMetadata | None] = ((-1, None), None)
         # speculative_config with a draft model: proposes each step's drafts (set by the worker).
         self.draft: DraftModelRunner | None = None
+        # enable_lora: adapter slots and each row's slot (set by the worker; lora/manager.py).
+        self.lora: LoRAManager | None = None
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -147,10 +150,16 @@ class ModelRunner:
         self._apply_history()
         batch = self.batch
         draft = self.draft
+        lora = self.lora
         for seq_id in sched.finished_seq_ids:
+            if lora is not None and seq_id in batch.seqs:
+                c = batch.seqs[seq_id]
+                lora.release(c.row, c.lora_id)
             batch.remove(seq_id)
         for data in sched.new_seqs:
-            batch.add(data)
+            c = batch.add(data)
+            if lora is not None:
+                lora.acquire(c.row, data.lora_id, data.lora_path)
         batch.update_blocks(sched.block_updates)
         caches = [self.cache] if draft is None else [self.cache, draft.cache]
         for cache in caches:
@@ -236,6 +245,8 @@ class ModelRunner:
                     a = int(cu[i + 1]) - len(drafts)
                     ids[a : a + len(drafts)] = drafts
                     from_device[a : a + len(drafts)] = False
+        if self.lora is not None:
+            self.lora.set_mapping(tok_rows)
         slots = batch.block_table_np[tok_rows, positions // bs].astype(np.int64) * bs
         slots += positions % bs
         max_seqlen_k = int(seq_lens.max())

@@ -18,6 +18,8 @@ from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_kernels, make_batch_invariant
 from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
+from paged_engine.lora.manager import LoRAManager
+from paged_engine.lora.model import LoRAModel
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
@@ -95,6 +97,18 @@ class Worker:
             config.attention_backend, self.device, batch_invariant=config.batch_invariant
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
+        if config.enable_lora:  # slots allocated before the KV cache is sized
+            self.model_runner.lora = LoRAManager(
+                LoRAModel(
+                    model,
+                    max_loras=config.max_loras,
+                    max_rank=config.max_lora_rank,
+                    max_tokens=max(config.max_num_batched_tokens or 0, config.max_num_seqs),
+                    dtype=self.dtype,
+                    device=self.device,
+                ),
+                config.max_num_seqs,
+            )
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
 
@@ -128,3 +142,14 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def add_lora(self, lora_id: int, path: str) -> None:
+        """Read and pack an adapter into host memory; ValueError when it does not fit."""
+        lora = self.model_runner.lora
+        if lora is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        lora.add(lora_id, path)
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.remove(lora_id)

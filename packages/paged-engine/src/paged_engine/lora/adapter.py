@@ -1,0 +1,135 @@
+"""Reading a PEFT LoRA adapter directory.
+
+A directory holds `adapter_config.json` (r, lora_alpha, use_rslora, target_modules, ...) and
+`adapter_model.safetensors` (or `adapter_model.bin`) with, per adapted linear layer,
+
+    base_model.model.<module path>.lora_A.weight   [r, in]
+    base_model.model.<module path>.lora_B.weight   [out, r]
+
+and the layer computes y = x W^T + scale * (x A^T) B^T, scale = lora_alpha / r (lora_alpha /
+sqrt(r) with use_rslora). Only that plain form is served; adapters that need more (DoRA, LoRA
+biases, replaced modules, per-module ranks, embedding LoRA) are refused with a ValueError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+_PREFIX = "base_model.model."
+# PEFT drops the adapter name ("default") when saving; accept it either way.
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAModule:
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [out, r]
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeftAdapter:
+    path: str
+    rank: int  # the largest rank of any module
+    modules: dict[str, LoRAModule]  # module path as in the base model's checkpoint
+
+
+def _refuse(path: str, why: str) -> ValueError:
+    return ValueError(f"lora_request: the adapter at {path!r} cannot be served: {why}")
+
+
+def _read_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(cfg_path):
+        if not os.path.isdir(path):
+            raise ValueError(f"lora_request: lora_path {path!r} is not a directory")
+        raise _refuse(path, "it has no adapter_config.json (a PEFT LoRA directory is expected)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise _refuse(path, f"adapter_config.json is unreadable: {e}") from e
+    if not isinstance(cfg, dict):
+        raise _refuse(path, "adapter_config.json is not a JSON object")
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise _refuse(path, f"peft_type is {peft_type!r}, only LORA is supported")
+    if cfg.get("use_dora"):
+        raise _refuse(path, "DoRA adapters (use_dora) are not supported")
+    if cfg.get("bias", "none") not in ("none", None):
+        raise _refuse(path, f"bias={cfg['bias']!r}: LoRA biases are not supported")
+    if cfg.get("modules_to_save"):
+        raise _refuse(path, f"modules_to_save={cfg['modules_to_save']!r} is not supported")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise _refuse(path, f"{key} (per-module ranks or alphas) is not supported")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise _refuse(path, f"adapter_config.json has r={r!r}, expected an int >= 1")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise _refuse(path, f"adapter_config.json has lora_alpha={alpha!r}, expected a number")
+    return cfg
+
+
+def _read_tensors(path: str) -> dict[str, torch.Tensor]:
+    st = os.path.join(path, "adapter_model.safetensors")
+    pt = os.path.join(path, "adapter_model.bin")
+    try:
+        if os.path.isfile(st):
+            from safetensors.torch import load_file
+
+            return load_file(st)
+        if os.path.isfile(pt):
+            return torch.load(pt, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file: the adapter is bad, not the engine
+        raise _refuse(path, f"its weights are unreadable: {e}") from e
+    raise _refuse(path, "it has no adapter_model.safetensors or adapter_model.bin")
+
+
+def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
+    """The adapter's modules with their scales; ValueError (naming lora_request) when the
+    directory is not a servable LoRA adapter or its rank exceeds `max_rank`."""
+    cfg = _read_config(path)
+    tensors = _read_tensors(path)
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        name = key[len(_PREFIX) :] if key.startswith(_PREFIX) else key
+        m = _KEY.match(name)
+        if m is None:
+            raise _refuse(path, f"unsupported tensor {key!r} (only lora_A / lora_B weights)")
+        parts.setdefault(m["module"], {})[m["which"]] = tensor
+    if not parts:
+        raise _refuse(path, "it holds no LoRA weights")
+    alpha, rslora = float(cfg.get("lora_alpha", 8)), bool(cfg.get("use_rslora", False))
+    modules: dict[str, LoRAModule] = {}
+    for module, ab in parts.items():
+        a, b = ab.get("A"), ab.get("B")
+        if a is None or b is None:
+            raise _refuse(path, f"module {module!r} has only lora_{'A' if b is None else 'B'}")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise _refuse(
+                path,
+                f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are "
+                "not [r, in] and [out, r]",
+            )
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise _refuse(path, f"module {module!r}: LoRA weights must be floating point")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise _refuse(path, f"module {module!r}: LoRA weights hold NaN or infinity")
+        r = int(a.shape[0])
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        modules[module] = LoRAModule(a, b, scale)
+    rank = max(int(m.a.shape[0]) for m in modules.values())
+    if rank > max_rank:
+        raise ValueError(
+            f"lora_request: the adapter at {path!r} has rank {rank}, more than "
+            f"max_lora_rank={max_rank}: start the engine with a larger max_lora_rank"
+        )
+    return PeftAdapter(path, rank, modules)

@@ -1,0 +1,74 @@
+"""The engine's side of LoRA: which adapters the workers hold, and which requests use them.
+
+An adapter is loaded on every worker (read, checked against the model and packed into host
+memory) the first time a request or `add_lora` names it; a bad adapter fails that call with a
+ValueError and nothing else. At most `max_cpu_loras` stay loaded: adding one more unloads the
+least recently used adapter that no unfinished request needs (when every one is needed, the
+cache grows past the limit until they finish). An id names one directory for as long as it
+is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+from paged_engine.executor.base import Executor
+from paged_engine.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRARegistry:
+    def __init__(
+        self, executor: Executor, max_cpu_loras: int, in_use: Callable[[], set[int]]
+    ) -> None:
+        self.executor = executor
+        self.capacity = max_cpu_loras
+        self.in_use = in_use  # adapter ids of unfinished requests
+        self.loaded: OrderedDict[int, LoRARequest] = OrderedDict()  # least recently used first
+
+    def ensure(self, lora: LoRARequest) -> None:
+        """Load `lora` unless it is loaded; ValueError when it cannot be served."""
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        known = self.loaded.get(lora.lora_int_id)
+        if known is not None:
+            if known.lora_path != lora.lora_path:
+                raise ValueError(
+                    f"lora_request: lora_int_id {lora.lora_int_id} is loaded from "
+                    f"{known.lora_path!r}, not {lora.lora_path!r}: one id names one adapter "
+                    "(remove_lora it first, or pick another id)"
+                )
+            self.loaded.move_to_end(lora.lora_int_id)
+            return
+        self._make_room()
+        self.executor.add_lora(lora.lora_int_id, lora.lora_path)  # raises ValueError if bad
+        self.loaded[lora.lora_int_id] = lora
+        logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
+
+    def _make_room(self) -> None:
+        if len(self.loaded) < self.capacity:
+            return
+        busy = self.in_use()
+        for lora_id in list(self.loaded):
+            if len(self.loaded) < self.capacity:
+                return
+            if lora_id not in busy:
+                self._unload(lora_id)
+
+    def _unload(self, lora_id: int) -> None:
+        lora = self.loaded.pop(lora_id)
+        self.executor.remove_lora(lora_id)
+        logger.info("LoRA adapter %r (id %d) unloaded", lora.lora_name, lora_id)
+
+    def remove(self, lora_id: int) -> bool:
+        """Unload an adapter; False when it is not loaded or unfinished requests use it."""
+        if lora_id not in self.loaded or lora_id in self.in_use():
+            return False
+        self._unload(lora_id)
+        return True
+
+    def ids(self) -> set[int]:
+        return set(self.loaded)

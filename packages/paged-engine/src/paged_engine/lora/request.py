@@ -1,0 +1,49 @@
+"""`LoRARequest`: the adapter a request runs with, under vLLM's names and meanings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """A PEFT adapter directory, named for clients and identified by `lora_int_id` (>= 1).
+
+    Requests with the same `lora_int_id` share one loaded adapter, so an id must always name the
+    same directory. Equality and hashing go by the id, as in vLLM.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"lora_name must be a non-empty str, got {self.lora_name!r}")
+        if (
+            isinstance(self.lora_int_id, bool)
+            or not isinstance(self.lora_int_id, int)
+            or self.lora_int_id < 1
+        ):
+            raise ValueError(f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a non-empty str, got {self.lora_path!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoRARequest) and other.lora_int_id == self.lora_int_id
+
+    def __hash__(self) -> int:
+        return hash(("lora", self.lora_int_id))
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path

@@ -8,15 +8,22 @@ once, at the end. Its step is the engine's three: `step_core` (token ids, as
 `EngineCoreOutput`s), `process_outputs` (text, stop strings, outputs: a `ProcessedOutputs`),
 `finish_seqs` (free what stop strings ended). It records which thread called each method. Used
 for fast in-process tests of the engine loop and the routes.
+
+LoRA (`enable_lora=True`): `add_lora` / `remove_lora` / `list_loras` as the engine has them, and
+`add_request(lora_request=...)`. An adapter is valid when its directory holds an
+`adapter_config.json`; a request with one writes the adapter's name over and over ("sqlsql...")
+instead of the base model's letters, so a test sees which adapter ran.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 from paged_engine.core.core_output import EngineCoreOutput, SeqUpdate
 from paged_engine.engine.detokenizer import find_stop, stop_holdback
@@ -83,6 +90,7 @@ class _Req:
     seqs: list[_CoreSeq]
     arrival: float
     first_scheduled: float | None = None
+    lora: Any = None  # its LoRARequest
 
 
 @dataclass
@@ -122,6 +130,7 @@ class FakeEngine:
         step_time: float = 0.002,
         max_num_seqs: int = 256,
         num_blocks: int = 4096,
+        enable_lora: bool = False,
     ) -> None:
         self.tokenizer = FakeTokenizer()
         self.config = SimpleNamespace(model="fake", max_model_len=max_model_len, block_size=16)
@@ -135,12 +144,46 @@ class FakeEngine:
         self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
         self.threads: dict[str, set[str]] = {}  # method -> names of the threads that called it
         self.stopped: list[tuple[str, int, str]] = []  # every finish_seqs entry
+        self.enable_lora = enable_lora
+        self.lora_requests: dict[str, Any] = {}  # every request's LoRARequest (or None), by id
+        self.loras: dict[int, Any] = {}  # loaded adapters by lora_int_id
 
     def _called(self, method: str) -> None:
         self.threads.setdefault(method, set()).add(threading.current_thread().name)
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    # ---- LoRA -----------------------------------------------------------------------------
+    def _load(self, lora_request) -> None:
+        if not self.enable_lora:
+            raise ValueError("lora_request given, but LoRA is not enabled (enable_lora=True)")
+        path = lora_request.lora_path
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"lora_request: {path!r} is not a PEFT adapter directory")
+        self.loras.setdefault(lora_request.lora_int_id, lora_request)
+
+    def add_lora(self, lora_request) -> bool:
+        self._called("add_lora")
+        self._load(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """False when unknown or used by a request (as the engine: it keeps it until then)."""
+        self._called("remove_lora")
+        used = any(r.lora and r.lora.lora_int_id == lora_int_id for r in self._requests())
+        return not used and self.loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        self._called("list_loras")
+        return set(self.loras)
+
+    def _requests(self) -> list[_Req]:
+        return [*self.waiting, *self.running.values()]
+
+    def add_request(
+        self, request_id, prompt, params, arrival_time=None, *, lora_request=None
+    ) -> None:
         self._called("add_request")
+        if lora_request is not None:
+            self._load(lora_request)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = list(prompt["prompt_token_ids"])
@@ -153,7 +196,9 @@ class FakeEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         text = text if isinstance(text, str) else None
         n = params.num_sequences
-        self.waiting.append(_Req(request_id, ids, params, [_CoreSeq(i) for i in range(n)], arrival))
+        core_seqs = [_CoreSeq(i) for i in range(n)]
+        self.waiting.append(_Req(request_id, ids, params, core_seqs, arrival, lora=lora_request))
+        self.lora_requests[request_id] = lora_request
         seqs = [_Seq(i) for i in range(n)]
         self.states[request_id] = _State(request_id, text, ids, params, seqs, arrival)
         self.params[request_id] = params
@@ -206,6 +251,9 @@ class FakeEngine:
         return outs
 
     def _next_token(self, req: _Req, seq: _CoreSeq) -> int:
+        if req.lora is not None:  # the adapter's name, over and over
+            name = req.lora.lora_name.encode()
+            return 3 + name[len(seq.token_ids) % len(name)]
         last = (seq.token_ids or req.prompt_ids)[-1]
         return 3 + 97 + (last * 7 + 3 + seq.index) % 26  # 'a'..'z'
 

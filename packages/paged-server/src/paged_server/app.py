@@ -24,6 +24,7 @@ from paged_server.embeddings import serve_embeddings
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
+from paged_server.lora import LoRARegistry, serve_load_adapter, serve_unload_adapter
 from paged_server.metrics import CONTENT_TYPE
 from paged_server.openai_protocol import (
     GenerationRequest,
@@ -65,12 +66,16 @@ class OpenAIApp:
         poll_interval: float = 0.25,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        lora: LoRARegistry | None = None,
+        runtime_lora_updates: bool = False,
     ):
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning.py
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
+        # Adapters served beside the model (lora.py): a `model` naming one runs with it.
+        self.lora = lora or LoRARegistry(served_model_names, enabled=False)
         self.model_path = model_path
         self.max_model_len = max_model_len
         self.api_key = api_key
@@ -93,6 +98,9 @@ class OpenAIApp:
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
+        if runtime_lora_updates:  # else these are unknown routes (404), as in vLLM
+            self.routes["/v1/load_lora_adapter"] = {"POST": self.load_lora_adapter}
+            self.routes["/v1/unload_lora_adapter"] = {"POST": self.unload_lora_adapter}
 
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
@@ -140,9 +148,16 @@ class OpenAIApp:
             )
 
     def _model(self, requested: str | None) -> str:
-        if requested is not None and requested not in self.names:
+        return self._resolve(requested)[0]
+
+    def _resolve(self, requested: str | None) -> tuple[str, Any]:
+        """(the name responses echo, the adapter's LoRARequest or None for the base model)."""
+        if requested is None or requested in self.names:
+            return requested or self.names[0], None
+        lora = self.lora.get(requested)
+        if lora is None:
             raise model_not_found(requested)
-        return requested or self.names[0]
+        return requested, lora
 
     # ---- simple routes ---------------------------------------------------------------------
     def health(self, h: Handler) -> None:
@@ -157,24 +172,33 @@ class OpenAIApp:
         body = self.client.metrics.render(self.client.stats).encode()
         h.send_bytes(200, body, CONTENT_TYPE)
 
-    def _card(self, name: str) -> dict[str, Any]:
+    def _card(self, name: str, lora: Any = None) -> dict[str, Any]:
+        """A served name's card, or an adapter's: root its path, parent its base model."""
         return {
             "id": name,
             "object": "model",
             "created": self.created,
             "owned_by": "paged",
-            "root": self.model_path,
-            "parent": None,
+            "root": self.model_path if lora is None else lora.lora_path,
+            "parent": None if lora is None else self.lora.parent(lora),
             "max_model_len": self.max_model_len,
         }
 
     def models(self, h: Handler) -> None:
-        h.send_json(200, {"object": "list", "data": [self._card(n) for n in self.names]})
+        cards = [self._card(n) for n in self.names]
+        cards += [self._card(a.lora_name, a) for a in self.lora.adapters()]
+        h.send_json(200, {"object": "list", "data": cards})
 
     def model(self, h: Handler, name: str) -> None:
-        if name not in self.names:
-            raise model_not_found(name)
-        h.send_json(200, self._card(name))
+        _, lora = self._resolve(name)
+        h.send_json(200, self._card(name, lora))
+
+    # ---- runtime LoRA updates (lora.py) ----------------------------------------------------
+    def load_lora_adapter(self, h: Handler) -> None:
+        serve_load_adapter(self, h)
+
+    def unload_lora_adapter(self, h: Handler) -> None:
+        serve_unload_adapter(self, h)
 
     def tokenize(self, h: Handler) -> None:
         body = h.read_json()
@@ -262,7 +286,7 @@ class OpenAIApp:
     # ---- generation ------------------------------------------------------------------------
     def completions(self, h: Handler) -> None:
         req = parse_completion(h.read_json())
-        model = self._model(req.model)
+        model, lora = self._resolve(req.model)
         texts, ids = [], []
         for p in req.prompts:
             if isinstance(p, str):
@@ -272,7 +296,7 @@ class OpenAIApp:
                 self._check_ids(p, "prompt")
                 texts.append(None)
                 ids.append(p)
-        self._generate(h, req, model, texts, ids, chat=False)
+        self._generate(h, req, model, texts, ids, chat=False, lora=lora)
 
     @staticmethod
     def _truncate(req: GenerationRequest, texts: list[str | None], ids: list[list[int]]) -> None:
@@ -288,7 +312,7 @@ class OpenAIApp:
 
     def chat(self, h: Handler) -> None:
         req = parse_chat(h.read_json(), self.tool_call_parser)
-        model = self._model(req.model)
+        model, lora = self._resolve(req.model)
         text = self._render_chat(req)
         ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
         parser = TOOL_PARSERS.get(self.tool_call_parser or "")
@@ -300,7 +324,7 @@ class OpenAIApp:
         # first token: it holds no reasoning.
         if self.reasoning_parser is not None and req.structured is None:
             reasoning = ReasoningRequest(self.reasoning_parser, req.include_reasoning)
-        self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning)
+        self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning, lora=lora)
 
     def _generate(
         self,
@@ -311,8 +335,10 @@ class OpenAIApp:
         ids: list[list[int]],
         chat: bool,
         reasoning: ReasoningRequest | None = None,
+        lora: Any = None,
     ) -> None:
-        """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids."""
+        """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids;
+        `lora` the adapter `model` named (every prompt runs with it)."""
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
         max_tokens = min(
@@ -345,7 +371,7 @@ class OpenAIApp:
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
             for t, i in zip(texts, ids)
         ]
-        group = self.client.add(rids, prompts, params)
+        group = self.client.add(rids, prompts, params, lora)
         try:
             # Engine-side refusals must become HTTP errors before a stream's headers go out.
             while not group.wait_added(self.poll_interval):

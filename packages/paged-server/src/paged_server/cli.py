@@ -15,6 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 from paged_server.cors import CorsPolicy
 from paged_server.http import Server
+from paged_server.lora import (
+    load_lora_modules,
+    lora_names_error,
+    parse_lora_module,
+    runtime_updates_allowed,
+)
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -89,6 +95,28 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="engine replicas behind this server, each on its own GPUs (tp * pp per replica)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: --lora-modules, or runtime loads (docs/server.md)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters served under their names: name=path, or \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\' (needs --enable-lora)',
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded in host memory (default: --max-loras)",
     )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -224,7 +252,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cors_policy(args)
     except ValueError as e:
         parser.error(str(e))
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    why = lora_names_error(args.lora_modules or [], served_names(args))
+    if why is not None:
+        parser.error(f"--lora-modules: {why}")
     return args
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """Like vLLM: --served-model-name, else the --model string itself; the built-in default
+    model is served by its plain name."""
+    from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
+
+    return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
 
 
 def build_engine(args: argparse.Namespace) -> Any:
@@ -268,8 +309,21 @@ def build_engine(args: argparse.Namespace) -> Any:
         quantization=args.quantization,
         batch_invariant=args.batch_invariant,
         cpu_num_threads=args.cpu_num_threads,
+        **_lora_config(args),
     )
     return LLMEngine(config)
+
+
+def _lora_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA engine args; none without --enable-lora (the engine's defaults: off)."""
+    if not args.enable_lora:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+        "max_cpu_loras": args.max_cpu_loras,
+    }
 
 
 def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, OpenAIApp]:
@@ -278,19 +332,20 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     The routes get a copy of the engine's tokenizer, made before the engine loop starts: the
     engine's is the engine and output threads' alone, which only read it (HF fast tokenizers fail
     with "Already borrowed" when two threads use one while either changes its settings, e.g.
-    truncation or padding).
+    truncation or padding). The --lora-modules adapters are loaded into the engine here, on the
+    thread that owns it, before its loop starts; ValueError naming one the engine refuses.
     """
     # Imported here, not at the top: `main` binds the port before anything heavier than the
     # HTTP server is imported (the engine client pulls in the engine's modules).
-    from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
     from paged_server.app import OpenAIApp
     from paged_server.engine_client import EngineClient
     from paged_server.metrics import Metrics
 
     model_path = str(getattr(engine.config, "model", args.model))
-
-    # Like vLLM: the --model string itself; the built-in default is served by its plain name.
-    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    names = served_names(args)
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    lora = load_lora_modules(engine, args.lora_modules or [], names, enabled=args.enable_lora)
     metrics = Metrics(names[0])
     client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
     app = OpenAIApp(
@@ -304,6 +359,8 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        lora=lora,
+        runtime_lora_updates=runtime_updates_allowed(),
     )
     return client, app
 
@@ -332,7 +389,15 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
     server = server or bind(args)
     if server is None:
         return 2
-    client, app = build_app(args, engine)
+    try:
+        client, app = build_app(args, engine)
+    except ValueError as e:  # an invalid --lora-modules adapter
+        server.server_close()
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        print(f"paged-server: cannot start: {e}", file=sys.stderr)
+        return 2
     server.app = app
     server.server_activate()  # listen: connections queue from here on
     client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop

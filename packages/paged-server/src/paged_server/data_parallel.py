@@ -13,6 +13,7 @@ fails alone, and `/health` reports it); the router adds one loopback hop.
 
     /health   200 when every replica is healthy, else 503 naming the unhealthy ones
     /metrics  every replica's metrics, each sample labelled replica="i"
+    /v1/load_lora_adapter, /v1/unload_lora_adapter   to every replica (they serve one set)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ log = logging.getLogger("paged_server")
 # Hop-by-hop headers and those the router sets itself (the body goes on whole, with its length).
 _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "expect"})
 _PASS_RESPONSE_HEADERS = ("Retry-After", "WWW-Authenticate")
+_LOAD_LORA, _UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 
 
 @dataclass
@@ -62,6 +64,7 @@ class ReplicaRouter:
         self.replicas = replicas
         self.timeout = timeout
         self._lock = threading.Lock()
+        self._lora_lock = threading.Lock()  # one runtime LoRA update at a time, on all replicas
 
     # ---- App protocol ----------------------------------------------------------------------
     def record(self, path: str, status: int) -> None:
@@ -77,6 +80,8 @@ class ReplicaRouter:
             parsed = handler.read_json()  # size limit, JSON and Unicode checks, as a replica
             body = json.dumps(parsed).encode()
             cost = _estimate_tokens(parsed, len(body))
+            if method == "POST" and path.rstrip("/") in (_LOAD_LORA, _UNLOAD_LORA):
+                return self._update_loras(handler, path.rstrip("/"), body, parsed)
         replica = self._pick(cost)
         try:
             self._forward(handler, replica, method, body)
@@ -117,6 +122,42 @@ class ReplicaRouter:
                 return
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             h.send_bytes(resp.status, resp.read(), ctype, extra)
+        finally:
+            conn.close()
+
+    # ---- runtime LoRA updates --------------------------------------------------------------
+    def _update_loras(self, h: Handler, route: str, body: bytes, parsed: Any) -> None:
+        """Send the update to every live replica in turn and answer the first failure, else the
+        first success. A load that some replicas took and another refused is undone on those
+        that took it, so every replica keeps serving the same adapters. With the runtime-update
+        variable unset each replica answers 404, and so does this."""
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in _SKIP_HEADERS}
+        with self._lora_lock:
+            live = [r for r in self.replicas if r.proc.poll() is None]
+            if not live:
+                raise APIError(503, "no engine replica is running")
+            answers = [(r, *self._post(r, route, body, headers)) for r in live]
+            failed = [a for a in answers if a[1] != 200]
+            if failed and route == _LOAD_LORA and isinstance(parsed, dict):
+                undo = json.dumps({"lora_name": parsed.get("lora_name")}).encode()
+                for r, status, _, _ in answers:
+                    if status == 200:
+                        self._post(r, _UNLOAD_LORA, undo, headers)
+        _, status, ctype, data = (failed or answers)[0]
+        h.send_bytes(status, data, ctype)
+
+    def _post(
+        self, replica: Replica, path: str, body: bytes, headers: dict[str, str]
+    ) -> tuple[int, str, bytes]:
+        """(status, content type, body) of one POST to a replica; 502 when it does not answer."""
+        conn = replica.connect(self.timeout)
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, resp.getheader("Content-Type", "text/plain"), resp.read()
+        except OSError as e:
+            err = APIError(502, f"engine replica {replica.index} did not answer: {e}")
+            return err.status, "application/json", err.body()
         finally:
             conn.close()
 

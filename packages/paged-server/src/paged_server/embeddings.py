@@ -118,7 +118,7 @@ def encode(vector: list[float], fmt: str) -> list[float] | str:
 
 def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
     req = parse_embedding(h.read_json())
-    model = app._model(req.model)
+    model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
     ids = []
     for i, item in enumerate(req.inputs):
         if isinstance(item, str):
@@ -139,7 +139,7 @@ def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
     app.client.check_queue()
     rid = f"embd-{uuid.uuid4().hex}"
     rids = [f"{rid}-{i}" for i in range(len(ids))]
-    group = app.client.add(rids, [{"prompt_token_ids": t} for t in ids], req.params)
+    group = app.client.add(rids, [{"prompt_token_ids": t} for t in ids], req.params, lora)
     try:
         while not group.wait_added(app.poll_interval):
             if h.client_gone():

@@ -5,7 +5,9 @@
 
 Invariants:
 - Exactly one thread (the engine thread) calls the engine's add_request / step_core /
-  finish_seqs / abort_request / get_stats: its loop is commands + step_core(), nothing else.
+  finish_seqs / abort_request / get_stats / add_lora / remove_lora / list_loras: its loop is
+  commands + step_core(), nothing else. An HTTP thread that needs an engine answer (loading a
+  LoRA adapter) sends a `_Call` command and waits on its Future.
   Exactly one other thread (the output thread) calls process_outputs (detokenize, stop strings,
   logprob dicts, RequestOutputs) and hands the RequestOutputs to the groups and the metrics; a
   stop string it sees goes back to the engine thread as a command. HTTP threads only push
@@ -49,12 +51,15 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
+from paged_server.openai_protocol import model_not_found
 from paged_server.request_group import RequestGroup
 
 log = logging.getLogger("paged_server")
@@ -82,6 +87,15 @@ class _Add:
     prompt: dict[str, Any]  # {"prompt_token_ids": ids} and, for a text prompt, "prompt": text
     params: SamplingParams
     arrival: float
+    lora_request: Any = None  # the adapter's LoRARequest (lora.py), None for the base model
+
+
+@dataclass
+class _Call:
+    """Run `fn` on the engine thread (the engine's owner) and hand its result back."""
+
+    fn: Callable[[], Any]
+    future: Future
 
 
 class EngineClient:
@@ -107,6 +121,11 @@ class EngineClient:
         self._pending_adds = 0
         self._stopping = False
         self._dead: str | None = None  # why the engine can run no more steps (a rank died)
+        # Engine thread only. Adapters unloaded by id: a request for one still queued when it
+        # was unloaded fails with a 404 instead of loading it again. `_lora_removals`: those
+        # the engine refused to remove while requests used them, retried after each step.
+        self._unloaded_loras: set[int] = set()
+        self._lora_removals: set[int] = set()
         # Imported here, with the engine built: its module imports torch, and the server's
         # modules never do (paged-server binds its port before anything imports torch).
         from paged_engine.core.scheduler import SchedulerStuckError
@@ -180,16 +199,41 @@ class EngineClient:
             )
 
     def add(
-        self, request_ids: list[str], prompts: list[dict[str, Any]], params: SamplingParams
+        self,
+        request_ids: list[str],
+        prompts: list[dict[str, Any]],
+        params: SamplingParams,
+        lora_request: Any = None,
     ) -> RequestGroup:
         group = RequestGroup(request_ids)
         now = time.monotonic()
         with self._pending_lock:
             self._pending_adds += len(prompts)
         for i, prompt in enumerate(prompts):
-            self._commands.put(_Add(group, i, prompt, params, now))
+            self._commands.put(_Add(group, i, prompt, params, now, lora_request))
         self._wake.set()
         return group
+
+    def add_lora(self, lora_request: Any, timeout: float = 300.0) -> bool:
+        """engine.add_lora on the engine thread; its ValueError (a bad adapter) is raised here."""
+        return self._call(lambda: self.engine.add_lora(lora_request), timeout)
+
+    def remove_lora(self, lora_int_id: int, timeout: float = 60.0) -> None:
+        """Unload an adapter: requests for it not yet in the engine fail with a 404; if
+        requests in the engine use it, it is removed once the engine lets go of it."""
+        self._call(lambda: self._remove_lora(lora_int_id), timeout)
+
+    def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        if not self.alive:
+            raise APIError(503, "the engine loop is not running")
+        future: Future = Future()
+        self._send(("call", _Call(fn, future)))
+        if not self._loop_running:  # the loop ended after the check: nobody will run it
+            self._fail_calls()
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            raise APIError(503, f"the engine did not answer within {timeout:.0f} s") from None
 
     def abort(self, request_ids: list[str]) -> None:
         self._send(("abort", list(request_ids)))
@@ -230,6 +274,7 @@ class EngineClient:
         finally:
             self._loop_running = False
             self._loop_done.set()
+            self._fail_calls()
 
     def _iterate(self) -> None:
         handled = self._drain()
@@ -246,8 +291,10 @@ class EngineClient:
         else:
             if handled:
                 self._refresh_stats()
-            self._wake.wait(1.0)
+            self._wake.wait(0.1 if self._lora_removals else 1.0)
             self._wake.clear()
+        if self._lora_removals:
+            self._retry_lora_removals()
 
     def _drain(self) -> int:
         handled = adds = 0
@@ -268,6 +315,8 @@ class EngineClient:
                 self._abort_in_engine(cmd[1])
             elif cmd[0] == "abort_all":
                 self._fail_all(APIError(503, "the server is shutting down"))
+            elif cmd[0] == "call":
+                self._do_call(cmd[1])
         if adds:
             # Refresh before un-counting, so waiting requests are always counted in one of
             # `stats.num_waiting` and `_pending_adds` (the queue limit never under-counts).
@@ -297,16 +346,24 @@ class EngineClient:
     def _do_add(self, cmd: _Add) -> None:
         group = cmd.group
         rid = group.request_ids[cmd.index]
+        lora = cmd.lora_request
         try:
             if self._dead is not None:  # /health says 503 too: restart the server
                 raise self._dead_error(self._dead)
+            if lora is not None and lora.lora_int_id in self._unloaded_loras:
+                raise model_not_found(lora.lora_name)
             # arrival: when the HTTP thread handed it over (monotonic, the engine's clock too)
-            self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival)
+            extra = {} if lora is None else {"lora_request": lora}
+            self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival, **extra)
         except self._dead_error as e:
             group.add_error = group.add_error or APIError(503, str(e))
+        except APIError as e:
+            group.add_error = group.add_error or e
         except ValueError as e:
+            # The client named the adapter by `model`: an adapter the engine refuses is that.
+            param = "model" if lora is not None and "lora" in str(e).lower() else None
             group.add_error = group.add_error or bad_request(
-                str(e), _guess_param(str(e), _SP_FIELDS | {"dimensions"})
+                str(e), param or _guess_param(str(e), _SP_FIELDS | {"dimensions"})
             )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)
@@ -317,6 +374,41 @@ class EngineClient:
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()
+
+    def _do_call(self, call: _Call) -> None:
+        if not call.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = call.fn()
+        except Exception as e:  # the caller's to handle (ValueError: a bad adapter)
+            call.future.set_exception(e)
+        else:
+            call.future.set_result(result)
+
+    def _fail_calls(self) -> None:
+        """After the loop: calls still queued get a 503 (adds and the rest need no answer)."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            call = None if isinstance(cmd, _Add) or cmd[0] != "call" else cmd[1]
+            if call is not None and call.future.set_running_or_notify_cancel():
+                call.future.set_exception(APIError(503, "the server is shutting down"))
+
+    def _remove_lora(self, lora_int_id: int) -> None:
+        self._unloaded_loras.add(lora_int_id)
+        if not self.engine.remove_lora(lora_int_id) and lora_int_id in self.engine.list_loras():
+            self._lora_removals.add(lora_int_id)  # requests in the engine still use it
+
+    def _retry_lora_removals(self) -> None:
+        try:
+            loaded = self.engine.list_loras()
+            for lora_id in list(self._lora_removals):
+                if lora_id not in loaded or self.engine.remove_lora(lora_id):
+                    self._lora_removals.discard(lora_id)
+        except Exception:
+            log.exception("removing unloaded LoRA adapters failed")
 
     def _do_abort(self, request_ids: list[str]) -> None:
         with self._lock:

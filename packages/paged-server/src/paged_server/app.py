@@ -15,7 +15,8 @@ import hmac
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
@@ -43,11 +44,18 @@ from paged_server.openai_responses import (
 )
 from paged_server.reasoning import ReasoningOutput, ReasoningRequest, split_reasoning
 from paged_server.request_group import RequestGroup
+from paged_server.responses_api import (
+    ResponseStore,
+    serve_create_response,
+    serve_delete_response,
+    serve_get_response,
+)
 from paged_server.structured_request import check_structured
 from paged_server.tool_parsers import TOOL_PARSERS
 from paged_server.tools import ToolOutput, make_parser
 
 _MODEL_ROUTE = "/v1/models/"
+_RESPONSE_ROUTE = "/v1/responses/"
 
 
 class OpenAIApp:
@@ -86,6 +94,7 @@ class OpenAIApp:
         self.vocab_size = len(tokenizer)
         self.created = int(time.time())
         self.tok_lock = threading.Lock()  # HF tokenizers are not guaranteed thread-safe
+        self.response_store = ResponseStore()  # /v1/responses with store: the newest finished
         self.routes: dict[str, dict[str, Callable[[Handler], None]]] = {
             "/health": {"GET": self.health},
             "/ping": {"GET": self.health, "POST": self.health},  # vLLM's (SageMaker's) probe
@@ -95,6 +104,7 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/embeddings": {"POST": self.embeddings},
+            "/v1/responses": {"POST": self.create_response},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
@@ -112,6 +122,12 @@ class OpenAIApp:
             # OpenAI's "retrieve model"; a served name may hold "/" (an org/name hub id)
             name = unquote(route[len(_MODEL_ROUTE) :])
             methods = {"GET": lambda h: self.model(h, name)}
+        if methods is None and route.startswith(_RESPONSE_ROUTE):
+            rid = route[len(_RESPONSE_ROUTE) :]
+            methods = {
+                "GET": lambda h: serve_get_response(self, h, rid),
+                "DELETE": lambda h: serve_delete_response(self, h, rid),
+            }
         if methods is None:
             raise APIError(404, f"route {path} not found", code="not_found")
         fn = methods.get("GET" if method == "HEAD" else method)
@@ -129,6 +145,8 @@ class OpenAIApp:
         route = path.rstrip("/") or "/"
         if route.startswith(_MODEL_ROUTE):
             route = _MODEL_ROUTE + "{model}"
+        elif route.startswith(_RESPONSE_ROUTE):
+            route = _RESPONSE_ROUTE + "{response_id}"
         elif route not in self.routes:
             route = "other"
         self.client.metrics.count_http(route, status)
@@ -283,6 +301,9 @@ class OpenAIApp:
     def embeddings(self, h: Handler) -> None:
         serve_embeddings(self, h)  # embeddings.py
 
+    def create_response(self, h: Handler) -> None:
+        serve_create_response(self, h)  # responses_api.py: OpenAI's Responses API
+
     # ---- generation ------------------------------------------------------------------------
     def completions(self, h: Handler) -> None:
         req = parse_completion(h.read_json())
@@ -313,6 +334,14 @@ class OpenAIApp:
     def chat(self, h: Handler) -> None:
         req = parse_chat(h.read_json(), self.tool_call_parser)
         model, lora = self._resolve(req.model)
+        text, ids, reasoning = self._chat_prompt(req)
+        self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning, lora=lora)
+
+    def _chat_prompt(
+        self, req: GenerationRequest
+    ) -> tuple[str, list[int], ReasoningRequest | None]:
+        """A chat request's rendered prompt, its ids and its reasoning handling (chat
+        completions and the Responses API)."""
         text = self._render_chat(req)
         ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
         parser = TOOL_PARSERS.get(self.tool_call_parser or "")
@@ -324,7 +353,7 @@ class OpenAIApp:
         # first token: it holds no reasoning.
         if self.reasoning_parser is not None and req.structured is None:
             reasoning = ReasoningRequest(self.reasoning_parser, req.include_reasoning)
-        self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning, lora=lora)
+        return text, ids, reasoning
 
     def _generate(
         self,
@@ -339,6 +368,35 @@ class OpenAIApp:
     ) -> None:
         """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids;
         `lora` the adapter `model` named (every prompt runs with it)."""
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
+        scoring_stream = req.stream and req.max_tokens == 0  # answered whole, then as one event
+        group, rids = self._submit(
+            req, texts, ids, rid, chat=chat, lora=lora, stream=req.stream and not scoring_stream
+        )
+        with self._in_flight(h, group, rids):
+            if req.stream and not scoring_stream:
+                self._stream(h, req, model, rid, group, texts, ids, chat, reasoning)
+            else:
+                self._wait(h, group)
+                body = self._final_body(h, req, model, rid, group, texts, ids, chat, reasoning)
+                if scoring_stream:
+                    self._stream_final(h, req, body)
+                else:
+                    h.send_json(200, body)
+
+    def _submit(
+        self,
+        req: GenerationRequest,
+        texts: list[str | None],
+        ids: list[list[int]],
+        rid: str,
+        *,
+        chat: bool,
+        lora: Any,
+        stream: bool,
+    ) -> tuple[RequestGroup, list[str]]:
+        """Check the prompts against the context, build the SamplingParams (DELTA outputs for
+        a stream) and hand one engine request per prompt (`rid-i`) to the engine loop."""
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
         max_tokens = min(
@@ -359,33 +417,26 @@ class OpenAIApp:
         if req.structured is not None:
             kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
-        scoring_stream = req.stream and max_tokens == 0  # answered whole, then as one event
-        params = self.client.make_params(
-            kwargs, beam=beam, stream=req.stream and not scoring_stream
-        )
+        params = self.client.make_params(kwargs, beam=beam, stream=stream)
         if req.structured is not None:
             check_structured(params, req.structured_param)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         rids = [f"{rid}-{i}" for i in range(len(ids))]
         prompts = [
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
             for t, i in zip(texts, ids)
         ]
-        group = self.client.add(rids, prompts, params, lora)
+        return self.client.add(rids, prompts, params, lora), rids
+
+    @contextmanager
+    def _in_flight(self, h: Handler, group: RequestGroup, rids: list[str]) -> Iterator[None]:
+        """Wait until the engine took the group (its refusal becomes an HTTP error before a
+        stream's headers go out), then run the body; every way out but the group's completion
+        aborts its requests."""
         try:
-            # Engine-side refusals must become HTTP errors before a stream's headers go out.
             while not group.wait_added(self.poll_interval):
                 if h.client_gone():
                     raise ConnectionResetError("client disconnected")
-            if req.stream and not scoring_stream:
-                self._stream(h, req, model, rid, group, texts, ids, chat, reasoning)
-            else:
-                self._wait(h, group)
-                body = self._final_body(h, req, model, rid, group, texts, ids, chat, reasoning)
-                if scoring_stream:
-                    self._stream_final(h, req, body)
-                else:
-                    h.send_json(200, body)
+            yield
         finally:
             if not group.done:
                 self.client.abort(rids)

@@ -1,0 +1,458 @@
+"""`/v1/responses` (OpenAI's Responses API): shapes, errors, stream events, tool calls, reasoning,
+store / retrieve / previous_response_id over a ScriptedEngine in this process (the model's text is
+set per test), every body and event checked against the installed `openai` package's types; then
+the official client against a real tiny llama, where the answer must equal chat completions'."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+from fake_engine import ScriptedEngine
+from server_proc import HEADERS, ServerProc, serve_in_process
+
+from paged_server.responses_api import ResponseStore, StoredResponse
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
+
+STREAM_EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
+ARGS = ["--max-model-len", "2048", "--served-model-name", "tiny", "--client-timeout", "3"]
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+}
+CALL_SCRIPT = (
+    'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    "</tool_call>"
+)
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[SimpleNamespace]:
+    engine = ScriptedEngine(max_model_len=2048, step_time=0.0005)
+    args = [*ARGS, "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    with serve_in_process(args, engine) as (http, app):
+        yield SimpleNamespace(http=http, engine=engine, app=app)
+
+
+def _post(srv: SimpleNamespace, script: str, **body) -> tuple[int, dict]:
+    srv.engine.script = script
+    status, _, payload = srv.http.request("POST", "/v1/responses", body)
+    return status, payload
+
+
+def _create(srv: SimpleNamespace, script: str, **body) -> dict:
+    status, payload = _post(srv, script, **body)
+    assert status == 200, payload
+    Response.model_validate(payload)  # the SDK's own type, validated (not just constructed)
+    return payload
+
+
+def _events(srv: SimpleNamespace, script: str, **body) -> list[dict]:
+    """Every event of a stream; checks each against the SDK's types, its `event:` name and the
+    sequence numbers 0, 1, 2, ..."""
+    srv.engine.script = script
+    conn = srv.http.conn(30)
+    try:
+        conn.request("POST", "/v1/responses", json.dumps({**body, "stream": True}), HEADERS)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        assert r.getheader("Content-Type") == "text/event-stream"
+        events, name = [], None
+        for raw in r:
+            line = raw.rstrip(b"\r\n")
+            if line.startswith(b"event: "):
+                name = line[7:].decode()
+            elif line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                assert event["type"] == name, (name, event)
+                STREAM_EVENT.validate_python(event)
+                events.append(event)
+                name = None
+            else:
+                assert line == b"", line
+    finally:
+        conn.close()
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def _prompt_len(*messages: tuple[str, str]) -> int:
+    """The fake chat template's token count: one token per byte of `<role>content\\n`."""
+    return len("".join(f"<{r}>{c}\n" for r, c in messages).encode()) + len("<assistant>")
+
+
+# ---- the response object -----------------------------------------------------------------
+def test_text_response_shape_and_echo(srv: SimpleNamespace) -> None:
+    r = _create(
+        srv,
+        "Hello there.",
+        model="tiny",
+        input="Hi",
+        instructions="Be brief.",
+        metadata={"k": "v"},
+        temperature=0.5,
+        user="u1",
+        store=False,
+    )
+    assert r["id"].startswith("resp_") and r["object"] == "response"
+    assert r["status"] == "completed" and r["error"] is None and r["incomplete_details"] is None
+    assert r["model"] == "tiny" and isinstance(r["created_at"], int)
+    (msg,) = r["output"]
+    assert msg["type"] == "message" and msg["id"].startswith("msg_")
+    assert (msg["role"], msg["status"]) == ("assistant", "completed")
+    assert msg["content"] == [
+        {"type": "output_text", "text": "Hello there.", "annotations": [], "logprobs": []}
+    ]
+    assert Response.model_validate(r).output_text == "Hello there."
+    u = r["usage"]
+    assert u["input_tokens"] == _prompt_len(("system", "Be brief."), ("user", "Hi"))
+    assert u["output_tokens"] == len("Hello there.") + 1  # and the EOS token
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"]
+    assert u["input_tokens_details"]["cached_tokens"] == 0
+    assert u["output_tokens_details"] == {"reasoning_tokens": 0}
+    echo = {k: r[k] for k in ("instructions", "metadata", "temperature", "top_p", "user")}
+    assert echo == {
+        "instructions": "Be brief.",
+        "metadata": {"k": "v"},
+        "temperature": 0.5,
+        "top_p": 1.0,
+        "user": "u1",
+    }
+    assert (r["tools"], r["tool_choice"], r["parallel_tool_calls"]) == ([], "auto", True)
+    assert r["text"] == {"format": {"type": "text"}} and r["previous_response_id"] is None
+    assert r["max_output_tokens"] is None and r["store"] is False
+    params = srv.engine.params[r["id"] + "-0"]
+    assert params.temperature == 0.5 and params.structured_outputs is None
+
+
+def test_input_items_become_the_chat_messages(srv: SimpleNamespace) -> None:
+    items = [
+        {"role": "developer", "content": "Rules."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"}]},
+        {
+            "type": "message",
+            "id": "msg_1",
+            "status": "completed",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "b", "annotations": []}],
+        },
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # a past turn's: dropped
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "c"}, {"type": "input_text", "text": "d"}],
+        },
+    ]
+    r = _create(srv, "ok", input=items)
+    want = (("system", "Rules."), ("user", "a"), ("assistant", "b"), ("user", "c\nd"))
+    assert r["usage"]["input_tokens"] == _prompt_len(*want)
+
+
+# ---- errors -------------------------------------------------------------------------------
+BAD = [
+    ({}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": []}, "input"),
+    ({"input": ["hi"]}, "input[0]"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0]"),
+    ({"input": [{"role": "user", "content": 3}]}, "input[0].content"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+        "input[0].content[0]",
+    ),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
+    (
+        {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]},
+        "input[0].arguments",
+    ),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": "x", "bogus": 1}, "bogus"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "instructions": ["x"]}, "instructions"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata"),
+    ({"input": "x", "store": "yes"}, "store"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "x", "tools": [{**WEATHER, "defer_loading": True}]}, "tools[0].defer_loading"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "mcp"}}, "tool_choice"),
+    (
+        {"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "f"}},
+        "tool_choice",
+    ),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": "x", "text": {"verbosity": "low"}}, "text.verbosity"),
+    (
+        {
+            "input": "x",
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": 5}}},
+        },
+        "text.format",
+    ),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),  # over the context
+    ({"input": "x" * 3000}, "input"),
+    ({"input": "x", "temperature": -1}, "temperature"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_bad_requests_are_400s_naming_the_parameter(
+    srv: SimpleNamespace, body: dict, param: str
+) -> None:
+    status, payload = _post(srv, "x", **body)
+    assert status == 400, payload
+    assert payload["error"]["param"] == param, payload
+    assert payload["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_and_response_ids_are_404s(srv: SimpleNamespace) -> None:
+    status, payload = _post(srv, "x", model="nope", input="x")
+    assert status == 404 and payload["error"]["param"] == "model"
+    for method in ("GET", "DELETE"):
+        status, _, payload = srv.http.request(method, "/v1/responses/resp_nope")
+        assert status == 404 and payload["error"]["code"] == "not_found"
+
+
+# ---- streams ------------------------------------------------------------------------------
+def test_a_stream_is_openais_event_sequence(srv: SimpleNamespace) -> None:
+    events = _events(srv, "Hello there.", input="Hi", store=False)
+    kinds = [e["type"] for e in events]
+    n = kinds.count("response.output_text.delta")
+    assert n >= 1
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * n,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert (
+        events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    )
+    item_id = events[2]["item"]["id"]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert all(
+        (d["item_id"], d["output_index"], d["content_index"]) == (item_id, 0, 0) for d in deltas
+    )
+    assert "".join(d["delta"] for d in deltas) == "Hello there." == events[-4]["text"]
+    final = events[-1]["response"]
+    assert final["status"] == "completed" and final["output"] == [events[-2]["item"]]
+    assert final["id"] == events[0]["response"]["id"]
+    whole = _create(srv, "Hello there.", input="Hi", store=False)
+    assert final["usage"] == whole["usage"]
+    assert final["output"][0]["content"] == whole["output"][0]["content"]
+
+
+def test_incomplete_when_max_output_tokens_cuts_it(srv: SimpleNamespace) -> None:
+    r = _create(srv, "Hello there.", input="Hi", max_output_tokens=3)
+    assert r["status"] == "incomplete" and r["incomplete_details"] == {
+        "reason": "max_output_tokens"
+    }
+    assert r["output"][0]["status"] == "incomplete" and r["max_output_tokens"] == 3
+    assert r["output"][0]["content"][0]["text"] == "Hel" and r["usage"]["output_tokens"] == 3
+    events = _events(srv, "Hello there.", input="Hi", max_output_tokens=3)
+    final = events[-1]
+    assert final["type"] == "response.completed"  # vLLM's (the SDK's stream helper needs it)
+    assert final["response"]["status"] == "incomplete"
+    assert final["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_an_engine_failure_mid_stream_is_response_failed(
+    srv: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(req, seq) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(srv.engine, "_next_token", boom)
+    events = _events(srv, "x", input="x")
+    assert [e["type"] for e in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.failed",
+    ]
+    response = events[-1]["response"]
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert srv.http.request("GET", f"/v1/responses/{response['id']}")[0] == 404
+    monkeypatch.undo()
+    assert _create(srv, "ok", input="x")["output"][0]["content"][0]["text"] == "ok"
+
+
+def test_a_disconnected_stream_is_aborted(srv: SimpleNamespace) -> None:
+    engine = srv.engine
+    engine.script = "z" * 1500
+    before = engine.gen_tokens
+    conn = srv.http.conn(10)
+    conn.request("POST", "/v1/responses", json.dumps({"input": "x", "stream": True}), HEADERS)
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline()  # the stream began
+    conn.close()
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.has_unfinished_requests()
+    assert engine.gen_tokens - before < 1500 and "abort_request" in engine.threads
+
+
+# ---- tools and reasoning ------------------------------------------------------------------
+def test_tool_calls_whole_and_streamed_then_the_round_trip(srv: SimpleNamespace) -> None:
+    r = _create(srv, CALL_SCRIPT, input="Weather in Paris?", tools=[WEATHER])
+    msg, call = r["output"]
+    assert msg["content"][0]["text"] == "Let me look."
+    assert call["type"] == "function_call" and call["name"] == "get_weather"
+    assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
+    assert json.loads(call["arguments"]) == {"city": "Paris"} and call["status"] == "completed"
+    assert r["status"] == "completed" and r["tools"] == [{**WEATHER, "strict": None}]
+
+    events = _events(srv, CALL_SCRIPT, input="Weather in Paris?", tools=[WEATHER])
+    kinds = [e["type"] for e in events]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    assert [a["item"]["type"] for a in added] == ["message", "function_call"]
+    assert kinds.index("response.function_call_arguments.delta") > kinds.index(
+        "response.output_text.done"
+    )  # the message closed before the call opened
+    args = "".join(
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"
+    )
+    (done,) = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert json.loads(args) == {"city": "Paris"} and done["arguments"] == args
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call"]
+    assert final["output"][1]["call_id"] == added[1]["item"]["call_id"]
+
+    # the call and its output go back as input items: an assistant turn, then a tool message
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        call,
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+    ]
+    r = _create(srv, "It is sunny.", input=items, tools=[WEATHER])
+    want = (("user", "Weather in Paris?"), ("assistant", ""), ("tool", "sunny"))
+    assert r["usage"]["input_tokens"] == _prompt_len(*want)
+    assert Response.model_validate(r).output_text == "It is sunny."
+
+
+def test_forced_tool_calls_and_text_format_constrain_the_output(srv: SimpleNamespace) -> None:
+    named = {"type": "function", "name": "get_weather"}
+    r = _create(srv, '{"city": "Oslo"}', input="x", tools=[WEATHER], tool_choice=named)
+    (call,) = r["output"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Oslo"}
+    assert srv.engine.params[r["id"] + "-0"].structured_outputs.json == WEATHER["parameters"]
+    assert r["tool_choice"] == named
+    script = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'
+    events = _events(srv, script, input="x", tools=[WEATHER], tool_choice="required")
+    (call,) = events[-1]["response"]["output"]
+    assert json.loads(call["arguments"]) == {"city": "Rome"}
+    assert "response.function_call_arguments.delta" in [e["type"] for e in events]
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    r = _create(srv, '{"a": 1}', input="x", text={"format": fmt})
+    assert srv.engine.params[r["id"] + "-0"].structured_outputs.json == schema
+    assert (
+        r["text"]["format"]["name"] == "thing"
+        and r["output"][0]["content"][0]["text"] == '{"a": 1}'
+    )
+    r = _create(srv, "{}", input="x", text={"format": {"type": "json_object"}})
+    assert srv.engine.params[r["id"] + "-0"].structured_outputs.json_object is True
+
+
+def test_reasoning_is_its_own_output_item(srv: SimpleNamespace) -> None:
+    script = "<think>plan it</think>The answer."
+    r = _create(srv, script, input="x")
+    reasoning, msg = r["output"]
+    assert reasoning["type"] == "reasoning" and reasoning["id"].startswith("rs_")
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "plan it"}]
+    assert msg["content"][0]["text"] == "The answer."
+    assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == len("plan it")
+
+    events = _events(srv, script, input="x")
+    kinds = [e["type"] for e in events]
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[3]["part"]["type"] == "reasoning_text"
+    text = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert text == "plan it" and kinds.index("response.reasoning_text.done") < kinds.index(
+        "response.output_text.delta"
+    )
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message"]
+    assert final["output"][1]["content"][0]["text"] == "The answer."
+
+
+# ---- store, retrieve, previous_response_id -------------------------------------------------
+def test_store_retrieve_continue_and_delete(srv: SimpleNamespace) -> None:
+    first = _create(srv, "Blue.", input="Favourite colour?", instructions="Be brief.")
+    status, _, got = srv.http.request("GET", f"/v1/responses/{first['id']}")
+    assert status == 200 and got == first and first["store"] is True
+
+    second = _create(srv, "Red.", input="And yours?", previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    # the first turn's input and output lead; its instructions are not carried over
+    want = (("user", "Favourite colour?"), ("assistant", "Blue."), ("user", "And yours?"))
+    assert second["usage"]["input_tokens"] == _prompt_len(*want)
+    third = _events(srv, "Green.", input="Why?", previous_response_id=second["id"])[-1]["response"]
+    want = (*want, ("assistant", "Red."), ("user", "Why?"))
+    assert third["usage"]["input_tokens"] == _prompt_len(*want)
+    status, _, got = srv.http.request("GET", f"/v1/responses/{third['id']}")
+    assert status == 200 and got == third  # streamed ones are stored too
+
+    status, _, payload = srv.http.request("DELETE", f"/v1/responses/{first['id']}")
+    assert status == 200 and payload == {"id": first["id"], "object": "response", "deleted": True}
+    assert srv.http.request("GET", f"/v1/responses/{first['id']}")[0] == 404
+    unstored = _create(srv, "x", input="x", store=False)
+    assert srv.http.request("GET", f"/v1/responses/{unstored['id']}")[0] == 404
+
+
+def test_the_store_is_a_bounded_lru() -> None:
+    store = ResponseStore(capacity=2)
+    for rid in ("a", "b"):
+        store.put(StoredResponse({"id": rid}, []))
+    assert store.get("a") is not None  # "b" is now the least recently used
+    store.put(StoredResponse({"id": "c"}, []))
+    assert store.get("b") is None and len(store) == 2
+    assert store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
+
+
+# ---- the official client on a real model ---------------------------------------------------
+def test_openai_client_on_a_real_model_matches_chat_completions(real_server: ServerProc) -> None:
+    client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="EMPTY", max_retries=0)
+    prompt = "The capital of France is"
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0
+    )
+    want = chat.choices[0].message.content
+    r = client.responses.create(model="tiny", input=prompt, max_output_tokens=8, temperature=0)
+    assert r.output_text == want
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert client.responses.retrieve(r.id).output_text == want
+
+    with client.responses.stream(
+        model="tiny", input=prompt, max_output_tokens=8, temperature=0
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == want
+    chunks = client.responses.create(
+        model="tiny", input=prompt, max_output_tokens=8, temperature=0, stream=True
+    )
+    assert [e.type for e in chunks][-1] == "response.completed"

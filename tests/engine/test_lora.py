@@ -180,6 +180,17 @@ def test_more_adapters_than_max_loras_take_turns(llama_setup):
         assert engine.list_loras() == {1, 2, 3}
         engine.add_lora(LoRARequest("a-again", 4, loras[1].lora_path))
         assert engine.list_loras() == {2, 4}  # least recently used first: 3, then 1
+        # The stats (paged-server's lora_requests_info) name the adapters running and waiting.
+        for k, lora_id in enumerate([1, 2, 3]):
+            engine.add_request(
+                f"s{k}", {"prompt_token_ids": [4, 5]}, GREEDY, lora_request=loras[lora_id]
+            )
+        engine.step()
+        stats = engine.get_stats()
+        assert stats.max_loras == 1 and stats.running_lora_adapters == ["a"]
+        assert stats.waiting_lora_adapters == ["b", "c"]
+        while engine.has_unfinished_requests():
+            engine.step()
     finally:
         engine.shutdown()
 

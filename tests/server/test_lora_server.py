@@ -416,3 +416,18 @@ def test_a_real_engine_serves_an_adapter_as_offline_generation(
             for m in ("ad", "tiny")
         ]
         assert embedded[0] != embedded[1]  # pooled with the adapter
+
+
+def test_lora_requests_info_metric_names_running_and_waiting_adapters():
+    from types import SimpleNamespace
+
+    from paged_server.metrics import Metrics
+
+    stats = SimpleNamespace(
+        max_loras=2, running_lora_adapters=["a"], waiting_lora_adapters=["b", "c"]
+    )
+    text = Metrics("m").render(stats)
+    line = next(x for x in text.splitlines() if x.startswith("paged:lora_requests_info{"))
+    assert 'max_lora="2"' in line and 'running_lora_adapters="a"' in line
+    assert 'waiting_lora_adapters="b,c"' in line
+    assert "lora_requests_info" not in Metrics("m").render(SimpleNamespace(max_loras=0))

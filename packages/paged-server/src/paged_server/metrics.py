@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -229,6 +230,16 @@ class Metrics:
                 f"# TYPE {_PER_POS} counter",
             ]
             lines += [f'{_PER_POS}{{{lab},position="{j}"}} {n}' for j, n in enumerate(per_pos)]
+        if getattr(stats, "max_loras", 0):  # vLLM's info gauge: the value is the time
+            running = ",".join(stats.running_lora_adapters)
+            waiting = ",".join(stats.waiting_lora_adapters)
+            lines += [
+                "# HELP paged:lora_requests_info LoRA adapters of running and waiting requests.",
+                "# TYPE paged:lora_requests_info gauge",
+                f'paged:lora_requests_info{{{lab},max_lora="{stats.max_loras}",'
+                f'running_lora_adapters="{_esc(running)}",'
+                f'waiting_lora_adapters="{_esc(waiting)}"}} {_num(time.time())}',
+            ]
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             lines += h.render(lab)
         lines += [

@@ -91,6 +91,10 @@ class EngineStats:
     num_free_cpu_blocks: int = 0
     num_swap_preemptions: int = 0
     prefix_cache_cpu_hits: int = 0
+    # enable_lora: max_loras, and the adapters (names) of running and of waiting requests.
+    max_loras: int = 0
+    running_lora_adapters: list[str] = field(default_factory=list)
+    waiting_lora_adapters: list[str] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -396,7 +400,25 @@ class LLMEngine:
             num_swap_preemptions=sched.num_swap_preemptions,
             prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
             **_spec_stats(self.draft_planner),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        registry = self.lora_registry
+        if registry is None:
+            return {}
+
+        def names(reqs: Iterable) -> list[str]:
+            ids = {r.lora_id for r in reqs if r.lora_id}
+            known = registry.loaded
+            return sorted(known[i].lora_name if i in known else str(i) for i in ids)
+
+        sched = self.scheduler
+        return {
+            "max_loras": self.config.max_loras,
+            "running_lora_adapters": names(sched.running),
+            "waiting_lora_adapters": names(sched.waiting),
+        }
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

@@ -21,7 +21,9 @@
 #         natively: its GPU-marked tests (kernels' rows vs any batch, engine logprobs bit for bit
 #         among 1-64 others, bf16, CUDA graphs) and its cost (benchmarks/batch_invariant.py:
 #         plain vs batch-invariant engine on the nano-vllm workload, Qwen3-0.6B config; the
-#         kernel-level costs are in phase1's kernel bench).
+#         kernel-level costs are in phase1's kernel bench). Last, what multi-LoRA costs
+#         (benchmarks/lora.py: base vs enable_lora unused vs 1 / 4 rank-16 adapters, 4 adapters
+#         on 2 slots; nano-vllm workload, Qwen3-0.6B config, bf16, greedy, CUDA graphs).
 # phase4: a mixture-of-experts model, the Qwen3-30B-A3B config (61 GB of bf16 dummy weights):
 #         the Triton MoE kernel's GPU-marked tests, then gpu_profile at batch 64 with CUDA
 #         graphs and eager (decode tok/s, top kernels, host time, GPU idle, engine start).
@@ -93,8 +95,8 @@ case "$PHASE" in
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
-      tests/engine/test_cuda_graph_logic.py tests/engine/test_models_moe.py tests/kernels \
-      -k "not tensor_parallel_matches"
+      tests/engine/test_cuda_graph_logic.py tests/engine/test_models_moe.py \
+      tests/engine/test_lora.py tests/kernels -k "not tensor_parallel_matches"
     step 150 fixed-length $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads fixed-length --out "$OUT/fixed" --no-report --note "issue 14 phase2"
     step 120 serving $PY -m benchmarks.run_all --only serving --model-config qwen3-0.6b \
@@ -111,6 +113,9 @@ case "$PHASE" in
       tests/kernels/test_batch_invariant_kernels.py tests/engine/test_batch_invariant.py
     step 150 invariant-cost $PY -m benchmarks.batch_invariant --model-config qwen3-0.6b \
       --out "$OUT/batch_invariant.json"
+    # last: five engines in one process; lora.json is rewritten after each, so a run the 10-minute
+    # call limit cuts keeps its part (the call returns $OUT on a timeout too)
+    step 150 lora $PY -m benchmarks.lora --device cuda --out "$OUT/lora"
     ;;
   phase4)  # a mixture-of-experts model: Qwen3-30B-A3B (61 GB of bf16 dummy weights; H100 or H200)
     step 30 versions versions
@@ -139,6 +144,7 @@ case "$PHASE" in
       --requests 6 --kv-gib 0.001 --swap-blocks 48 --backends auto --convs 2 --turns 2 \
       --out "$OUT/kv_memory.json"
     step 300 invariant-cost $PY -m benchmarks.batch_invariant --smoke --out "$OUT/batch_invariant.json"
+    step 120 lora $PY -m benchmarks.lora --smoke --out "$OUT/lora"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|rehearse" >&2

@@ -330,6 +330,21 @@ def _lora_target_layers(model: torch.nn.Module, targets: tuple[str, ...]):
     return found
 
 
+def _lora_shape_model(model_dir: Path) -> torch.nn.Module:
+    """The HF model of `model_dir`, for its layer names and shapes: loaded when the dir has
+    weights, else built from config.json on the meta device (no memory, any size)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(f"model_dir {model_dir} has no config.json")
+    weights = [*model_dir.glob("*.safetensors"), *model_dir.glob("pytorch_model*.bin")]
+    if weights:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 def write_lora_adapter(
     path: str | Path,
     model_dir: str | Path,
@@ -342,13 +357,14 @@ def write_lora_adapter(
 ) -> Path:
     """A PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) with
     random A and B for the HF model in `model_dir` (B is not zero, unlike a fresh PEFT adapter,
-    so the adapter changes the outputs)."""
+    so the adapter changes the outputs). `model_dir` may hold only config.json (a
+    `load_format="dummy"` model): layer names and shapes then come from the model built on the
+    meta device, which allocates no weights."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = _lora_shape_model(Path(model_dir))
     layers = _lora_target_layers(model, tuple(target_modules))
     if not layers:
         raise ValueError(f"no layer of {type(model).__name__} matches {target_modules}")

@@ -4,8 +4,16 @@ Each replica is a complete `paged-server` child process (its own engine, its own
 parallel group, its own devices) on a loopback port; this process only routes. A request goes to
 the replica with the fewest tokens in flight (its prompt's estimate plus `max_tokens` times `n`,
 counted from when it is sent until its response ends), so long requests do not pile up on one
-replica. Responses, SSE streams included, pass through unchanged; a client that disconnects
-closes its replica connection, which aborts the request there.
+replica. Responses pass through unchanged: an SSE stream byte for byte (`event:` lines, `data:
+[DONE]` where the route sends one), ended when the replica's stream ends (a replica that breaks
+off mid-stream: an in-band 502); a client that disconnects closes its replica connection, which
+aborts the request there.
+
+Stored Responses API responses live in the replica that answered them, and the front keeps no
+state of its own: `GET` / `DELETE /v1/responses/{id}` ask the replicas in turn until one holds
+it, and a `POST /v1/responses` with `previous_response_id` first asks them (`GET`) which holds
+that response and runs there, load or not (a conversation stays on its replica, with its prefix
+cache). A follow-up costs at most K loopback requests; replicas are the one source of truth.
 
 Why child servers and not K engines inside this process: each replica keeps its own GIL, its
 own engine loop on its main thread and its own failure domain (a replica whose worker dies
@@ -24,13 +32,14 @@ import http.client
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from paged_server.errors import APIError
@@ -42,6 +51,17 @@ log = logging.getLogger("paged_server")
 _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "expect"})
 _PASS_RESPONSE_HEADERS = ("Retry-After", "WWW-Authenticate")
 _LOAD_LORA, _UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_RESPONSES, _RESPONSE_ROUTE = "/v1/responses", "/v1/responses/"
+_RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids are made of
+
+
+class Answer(NamedTuple):
+    """One replica's whole answer, as the front passes it on."""
+
+    status: int
+    content_type: str
+    body: bytes
+    headers: dict[str, str]  # the response headers the client gets too (_PASS_RESPONSE_HEADERS)
 
 
 @dataclass
@@ -75,14 +95,19 @@ class ReplicaRouter:
             return self._health(handler)
         if path == "/metrics":
             return self._metrics(handler)
-        body, cost = None, 1
+        route = path.rstrip("/")
+        if route.startswith(_RESPONSE_ROUTE) and method in ("GET", "HEAD", "DELETE"):
+            return self._stored_response(handler, method)
+        body, cost, holder = None, 1, None
         if method in ("POST", "PUT", "PATCH"):
             parsed = handler.read_json()  # size limit, JSON and Unicode checks, as a replica
             body = json.dumps(parsed).encode()
             cost = _estimate_tokens(parsed, len(body))
-            if method == "POST" and path.rstrip("/") in (_LOAD_LORA, _UNLOAD_LORA):
-                return self._update_loras(handler, path.rstrip("/"), body, parsed)
-        replica = self._pick(cost)
+            if method == "POST" and route in (_LOAD_LORA, _UNLOAD_LORA):
+                return self._update_loras(handler, route, body, parsed)
+            if method == "POST" and route == _RESPONSES and isinstance(parsed, dict):
+                holder = self._holder(handler, parsed.get("previous_response_id"))
+        replica = self._pick(cost, holder)
         try:
             self._forward(handler, replica, method, body)
         finally:
@@ -90,40 +115,63 @@ class ReplicaRouter:
                 replica.tokens_in_flight -= cost
 
     # ---- routing ---------------------------------------------------------------------------
-    def _pick(self, cost: int) -> Replica:
+    def _live(self) -> list[Replica]:
+        live = [r for r in self.replicas if r.proc.poll() is None]
+        if not live:
+            raise APIError(503, "no engine replica is running")
+        return live
+
+    def _pick(self, cost: int, holder: Replica | None = None) -> Replica:
+        """`holder` when it is given and running, else the least-loaded replica."""
         with self._lock:
-            live = [r for r in self.replicas if r.proc.poll() is None]
-            if not live:
-                raise APIError(503, "no engine replica is running")
-            best = min(live, key=lambda r: (r.tokens_in_flight, r.index))
+            if holder is not None and holder.proc.poll() is None:
+                best = holder
+            else:
+                best = min(self._live(), key=lambda r: (r.tokens_in_flight, r.index))
             best.tokens_in_flight += cost
             return best
 
     def _forward(self, h: Handler, replica: Replica, method: str, body: bytes | None) -> None:
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in _SKIP_HEADERS}
         conn = replica.connect(self.timeout)
         try:
             try:
-                conn.request(method, h.path, body=body, headers=headers)
+                conn.request(method, h.path, body=body, headers=_headers(h))
                 resp = conn.getresponse()
             except OSError as e:
                 raise APIError(502, f"engine replica {replica.index} did not answer: {e}") from e
             ctype = resp.getheader("Content-Type", "application/json")
             if resp.status == 200 and ctype.startswith("text/event-stream"):
                 h.start_stream()
-                for line in resp:  # "data: ...\n" and blank separators
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].rstrip(b"\r\n")
-                    if payload == b"[DONE]":
-                        h.end_stream()
-                        return
-                    h.send_event(payload)  # OSError when the client left: closes conn below
-                return
+                return _relay(h, resp, replica.index)
             extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
             h.send_bytes(resp.status, resp.read(), ctype, extra)
         finally:
             conn.close()
+
+    # ---- stored responses (the Responses API) ----------------------------------------------
+    def _stored_response(self, h: Handler, method: str) -> None:
+        """GET / DELETE /v1/responses/{id}: asked of each replica in turn. The holder's answer
+        (2xx) or any answer every replica would give (401, 405, ...) ends the search; else a
+        replica that did not answer (502: it may hold it) is reported before the 404."""
+        answers = []
+        for r in self._live():
+            a = self._request(r, method, h.path, None, _headers(h))
+            if a.status not in (404, 502):
+                break
+            answers.append(a)
+        else:
+            a = min(answers, key=lambda a: a.status != 502)
+        h.send_bytes(a.status, a.body, a.content_type, a.headers)
+
+    def _holder(self, h: Handler, rid: Any) -> Replica | None:
+        """The replica that stores response `rid` (`previous_response_id`), or None (then any
+        replica answers the 400 of an unknown id)."""
+        if not isinstance(rid, str) or not _RESPONSE_ID.fullmatch(rid):
+            return None  # no replica made this id
+        for r in self._live():
+            if self._request(r, "GET", _RESPONSE_ROUTE + rid, None, _headers(h)).status == 200:
+                return r
+        return None
 
     # ---- runtime LoRA updates --------------------------------------------------------------
     def _update_loras(self, h: Handler, route: str, body: bytes, parsed: Any) -> None:
@@ -131,33 +179,38 @@ class ReplicaRouter:
         first success. A load that some replicas took and another refused is undone on those
         that took it, so every replica keeps serving the same adapters. With the runtime-update
         variable unset each replica answers 404, and so does this."""
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in _SKIP_HEADERS}
+        headers = _headers(h)
         with self._lora_lock:
-            live = [r for r in self.replicas if r.proc.poll() is None]
-            if not live:
-                raise APIError(503, "no engine replica is running")
-            answers = [(r, *self._post(r, route, body, headers)) for r in live]
-            failed = [a for a in answers if a[1] != 200]
+            live = self._live()
+            answers = [(r, self._request(r, "POST", route, body, headers)) for r in live]
+            failed = [a for _, a in answers if a.status != 200]
             if failed and route == _LOAD_LORA and isinstance(parsed, dict):
                 undo = json.dumps({"lora_name": parsed.get("lora_name")}).encode()
-                for r, status, _, _ in answers:
-                    if status == 200:
-                        self._post(r, _UNLOAD_LORA, undo, headers)
-        _, status, ctype, data = (failed or answers)[0]
-        h.send_bytes(status, data, ctype)
+                for r, a in answers:
+                    if a.status == 200:
+                        self._request(r, "POST", _UNLOAD_LORA, undo, headers)
+        a = (failed or [a for _, a in answers])[0]
+        h.send_bytes(a.status, a.body, a.content_type, a.headers)
 
-    def _post(
-        self, replica: Replica, path: str, body: bytes, headers: dict[str, str]
-    ) -> tuple[int, str, bytes]:
-        """(status, content type, body) of one POST to a replica; 502 when it does not answer."""
+    def _request(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+    ) -> Answer:
+        """One whole request to a replica; a 502 when it does not answer."""
         conn = replica.connect(self.timeout)
         try:
-            conn.request("POST", path, body=body, headers=headers)
+            conn.request(method, path, body=body, headers=headers)
             resp = conn.getresponse()
-            return resp.status, resp.getheader("Content-Type", "text/plain"), resp.read()
-        except OSError as e:
+            extra = {k: v for k in _PASS_RESPONSE_HEADERS if (v := resp.getheader(k))}
+            ctype = resp.getheader("Content-Type", "text/plain")
+            return Answer(resp.status, ctype, resp.read(), extra)
+        except (OSError, http.client.HTTPException) as e:
             err = APIError(502, f"engine replica {replica.index} did not answer: {e}")
-            return err.status, "application/json", err.body()
+            return Answer(err.status, "application/json", err.body(), {})
         finally:
             conn.close()
 
@@ -196,6 +249,27 @@ class ReplicaRouter:
         h.send_bytes(200, ("\n".join(out) + "\n").encode(), "text/plain; version=0.0.4")
 
 
+def _headers(h: Handler) -> dict[str, str]:
+    """The client's request headers a replica gets (its API key among them)."""
+    return {k: v for k, v in h.headers.items() if k.lower() not in _SKIP_HEADERS}
+
+
+def _relay(h: Handler, resp: http.client.HTTPResponse, index: int) -> None:
+    """A replica's SSE stream to the client byte for byte, each piece as it arrives (a replica
+    sends one event per chunk, and `read1` returns at most one chunk), ended when the replica's
+    stream ends. A replica that breaks off (its last chunk missing: `read1` raises where line
+    iteration would end quietly) is reported in-band, a 502."""
+    while True:
+        try:
+            data = resp.read1(1 << 16)
+        except (OSError, http.client.HTTPException) as e:
+            raise APIError(502, f"engine replica {index} broke off its stream: {e!r}") from e
+        if not data:
+            break
+        h.send_chunk(data)  # OSError when the client left: closes the replica connection
+    h.end_stream(done=False)  # a [DONE] the replica sent went through above
+
+
 def _label(sample: str, label: str) -> str:
     """Add `label` to one Prometheus sample line."""
     name, _, rest = sample.partition(" ")
@@ -209,7 +283,14 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
     every token it may generate."""
     if not isinstance(body, dict):
         return 1
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = next(
+        (
+            body[k]
+            for k in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+            if k in body
+        ),
+        None,
+    )
     n = body.get("n")
     gen = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 256
     return body_bytes // 4 + gen * (n if isinstance(n, int) and n > 0 else 1)

@@ -415,16 +415,30 @@ class Handler(BaseHTTPRequestHandler):
         self.headers_sent = True
         self.wfile.flush()
 
-    def send_event(self, obj: Any) -> None:
-        """One SSE event (one HTTP chunk); raises OSError if the client went away."""
-        data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+    def send_event(self, obj: Any, event: str | None = None) -> None:
+        """One SSE event: `event: <event>` when named (the Responses API's typed events), then
+        `data: <obj>` (bytes as they are, else JSON); raises OSError if the client went away."""
+        data = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        if event is None:
+            self.send_chunk(b"data: %s\n\n" % data)
+            return
+        if not event or any(c in event for c in "\r\n"):
+            raise ValueError(f"event must be a non-empty one-line name, got {event!r}")
+        self.send_chunk(b"event: %s\ndata: %s\n\n" % (event.encode(), data))
+
+    def send_chunk(self, data: bytes) -> None:
+        """Stream bytes as they are (whole SSE events: one HTTP chunk, flushed); raises OSError
+        if the client went away."""
         if self.chunked:
             data = b"%x\r\n%s\r\n" % (len(data), data)
         self.wfile.write(data)
         self.wfile.flush()
 
-    def end_stream(self) -> None:
-        self.send_event(b"[DONE]")
+    def end_stream(self, done: bool = True) -> None:
+        """End the stream: after a `data: [DONE]` event when `done` (the completions and chat
+        streams' end mark; Responses API streams end without one)."""
+        if done:
+            self.send_event(b"[DONE]")
         if self.chunked:
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()

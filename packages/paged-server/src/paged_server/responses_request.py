@@ -1,0 +1,384 @@
+"""A Responses API request (`POST /v1/responses`) -> the chat request that runs it.
+
+    instructions + (the previous response's context) + input items
+    -> a chat-completions body -> parse_chat (messages, tools, tool_choice, structured outputs
+    and sampling checked there)
+
+Input items (normalized to `message` / `function_call` / `function_call_output` dicts; a past
+turn's `reasoning` items are dropped, as chat templates drop past thinking) become chat
+messages: a `function_call` joins the assistant message before it as one of its `tool_calls`,
+a `function_call_output` is a `tool` message. Errors name the Responses field
+(`max_output_tokens`, `text.format`, `input[2].content`), never the chat one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from paged_server.errors import APIError, bad_request
+from paged_server.openai_protocol import GenerationRequest, parse_chat
+
+if TYPE_CHECKING:
+    from paged_server.responses_api import ResponseStore
+
+# fmt: off
+_FIELDS = frozenset({
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
+    "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "store",
+    "previous_response_id", "metadata", "user", "include", "background", "truncation",
+    "reasoning", "max_tool_calls", "top_logprobs",
+})
+# Accepted and ignored: they change nothing about generation.
+_IGNORED = frozenset({
+    "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    "prompt_cache_options",
+})
+# fmt: on
+_NOT_SUPPORTED = frozenset({"conversation", "prompt", "context_management"})
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text")
+_TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
+# chat-completions parameter names as the Responses API spells them (errors name these)
+_RENAMED = {
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
+
+
+@contextmanager
+def responses_params() -> Iterator[None]:
+    """Errors of the chat path, renamed to the Responses fields the client sent."""
+    try:
+        yield
+    except APIError as e:
+        if e.param in _RENAMED:
+            old, new = e.param, _RENAMED[e.param]
+            e.param, e.message = new, e.message.replace(old, new)
+        elif e.param is not None and e.param.startswith("messages"):
+            e.param = "input"
+        raise
+
+
+# ---- the request ----------------------------------------------------------------------------
+@dataclass(slots=True)
+class ResponsesRequest:
+    chat: GenerationRequest  # what the chat path runs
+    context: list[dict[str, Any]]  # normalized items: the previous context + this input
+    echo: dict[str, Any]  # request fields the response object repeats
+    store: bool
+
+
+def _text(param: str, content: Any, kinds: tuple[str, ...]) -> str:
+    """A string, or a list of text parts of `kinds`, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or a list of content parts", param)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(
+                f"{param}[{j}]: content part {kind!r} is not supported (only {', '.join(kinds)})",
+                f"{param}[{j}]",
+            )
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}[{j}].text must be a string", f"{param}[{j}].text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, param: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{param}.{key} must be a non-empty string", f"{param}.{key}")
+    return value
+
+
+def _input_items(value: Any) -> list[dict[str, Any]]:
+    """`input` -> normalized items; a string is one user message."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise bad_request("'input' must be a string or a list of input items", "input")
+    items = []
+    for i, item in enumerate(value):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{p} must be an object", p)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise bad_request(f"{p}.role must be one of {list(_ROLES)}, got {role!r}", p)
+            content = _text(f"{p}.content", item.get("content"), _TEXT_PARTS)
+            items.append({"type": "message", "role": role, "content": content})
+        elif kind == "function_call":
+            args = item.get("arguments")
+            try:
+                ok = isinstance(args, str) and isinstance(json.loads(args or "{}"), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise bad_request(f"{p}.arguments must be a JSON object as text", f"{p}.arguments")
+            call = {"call_id": _string(item, "call_id", p), "name": _string(item, "name", p)}
+            items.append({"type": "function_call", **call, "arguments": args})
+        elif kind == "function_call_output":
+            output = _text(f"{p}.output", item.get("output"), ("input_text",))
+            call_id = _string(item, "call_id", p)
+            items.append({"type": "function_call_output", "call_id": call_id, "output": output})
+        elif kind != "reasoning":  # a past turn's reasoning: chat templates drop it
+            raise bad_request(
+                f"{p}: input items of type {kind!r} are not supported (message, function_call, "
+                "function_call_output, reasoning)",
+                p,
+            )
+    return items
+
+
+def _messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalized items -> chat messages; a function call joins the assistant turn before it."""
+    messages: list[dict[str, Any]] = []
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
+    for it in items:
+        if it["type"] == "message":
+            messages.append({"role": it["role"], "content": it["content"]})
+        elif it["type"] == "function_call":
+            fn = {"name": it["name"], "arguments": it["arguments"]}
+            call = {"id": it["call_id"], "type": "function", "function": fn}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            messages.append(
+                {"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]}
+            )
+    return messages
+
+
+def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
+    """Responses function tools -> (chat tools, the tools as the response echoes them)."""
+    if value is None:
+        return None, []
+    if not isinstance(value, list):
+        raise bad_request("'tools' must be a list of tools", "tools")
+    chat, echo = [], []
+    for i, tool in enumerate(value):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_request(f"{p} must be an object", p)
+        if tool.get("type") != "function":
+            raise bad_request(
+                f"{p}: tool type {tool.get('type')!r} is not supported: this server runs "
+                "function tools only",
+                p,
+            )
+        unknown = sorted(set(tool) - _TOOL_KEYS)
+        if unknown:
+            raise bad_request(f"{p}: unknown field {unknown[0]!r}", f"{p}.{unknown[0]}")
+        name = _string(tool, "name", p)
+        fn: dict[str, Any] = {"name": name}
+        for key, kind in (("description", str), ("parameters", dict), ("strict", bool)):
+            v = tool.get(key)
+            if v is not None and not isinstance(v, kind):
+                raise bad_request(f"{p}.{key} must be a {kind.__name__}", f"{p}.{key}")
+            if v is not None and key != "strict":  # strict: no schema check under "auto"
+                fn[key] = v
+        chat.append({"type": "function", "function": fn})
+        echo.append(
+            {
+                "type": "function",
+                "name": name,
+                "description": tool.get("description"),
+                "parameters": tool.get("parameters"),
+                "strict": tool.get("strict"),
+            }
+        )
+    return chat, echo
+
+
+def _tool_choice(value: Any, has_tools: bool) -> Any:
+    """Responses `tool_choice` -> the chat form (parse_tools checks the rest)."""
+    if value == "auto" and not has_tools:
+        return None  # nothing to choose from: plain text, as OpenAI answers
+    if isinstance(value, dict):
+        if value.get("type") != "function" or not isinstance(value.get("name"), str):
+            raise bad_request(
+                "'tool_choice' must be 'none', 'auto', 'required' or "
+                "{'type': 'function', 'name': ...}",
+                "tool_choice",
+            )
+        return {"type": "function", "function": {"name": value["name"]}}
+    return value
+
+
+def _text_format(value: Any) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """`text` -> (chat response_format or None, the text config as the response echoes it)."""
+    if value is None:
+        return None, {"format": {"type": "text"}}
+    if not isinstance(value, dict):
+        raise bad_request("'text' must be an object", "text")
+    for key, v in value.items():
+        if key != "format" and v is not None:
+            raise bad_request(
+                f"parameter 'text.{key}' is not supported by this server", f"text.{key}"
+            )
+    fmt = value.get("format") or {"type": "text"}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return ({"type": kind} if kind == "json_object" else None), {"format": {"type": kind}}
+    if kind != "json_schema":
+        raise bad_request(
+            "'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text.format"
+        )
+    name, schema, strict = fmt.get("name"), fmt.get("schema"), fmt.get("strict")
+    if not isinstance(name, str) or not name:
+        raise bad_request("'text.format.name' must be a non-empty string", "text.format.name")
+    if not isinstance(schema, dict):
+        raise bad_request("'text.format.schema' must be a JSON schema object", "text.format.schema")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request("'text.format.strict' must be a boolean", "text.format.strict")
+    desc = fmt.get("description")
+    if desc is not None and not isinstance(desc, str):
+        raise bad_request("'text.format.description' must be a string", "text.format.description")
+    spec = {"name": name, "schema": schema, "strict": strict}
+    return {"type": "json_schema", "json_schema": spec}, {
+        "format": {"type": "json_schema", **spec, "description": desc}
+    }
+
+
+def _metadata(value: Any) -> dict[str, str] | None:
+    """OpenAI's limits: at most 16 pairs, keys up to 64 characters, values up to 512."""
+    if value is None:
+        return None
+    ok = (
+        isinstance(value, dict)
+        and len(value) <= 16
+        and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+            for k, v in value.items()
+        )
+    )
+    if not ok:
+        raise bad_request(
+            "'metadata' must map at most 16 strings (keys up to 64 characters) to strings "
+            "(up to 512 characters)",
+            "metadata",
+        )
+    return value
+
+
+def _check_off(body: dict[str, Any]) -> None:
+    """Fields accepted only at values that ask for nothing this server lacks."""
+    if body.get("background"):
+        raise bad_request("background responses are not supported by this server", "background")
+    if body.get("truncation") not in (None, "disabled"):
+        raise bad_request("'truncation' must be 'disabled': input is never dropped", "truncation")
+    include = body.get("include")
+    if include not in (None, []):
+        raise bad_request(
+            f"'include' values are not supported by this server: {include!r}", "include"
+        )
+    if body.get("top_logprobs") not in (None, 0):
+        raise bad_request("'top_logprobs' is not supported by this server", "top_logprobs")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (
+        not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())
+    ):
+        raise bad_request(
+            "'reasoning' options are not supported: the model reasons as its chat template "
+            "lets it (--reasoning-parser splits it off)",
+            "reasoning",
+        )
+    opts = body.get("stream_options")
+    if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
+        raise bad_request(
+            "'stream_options' must be {\"include_obfuscation\": bool}", "stream_options"
+        )
+    max_calls = body.get("max_tool_calls")
+    if max_calls is not None and (
+        not isinstance(max_calls, int) or isinstance(max_calls, bool) or max_calls < 1
+    ):
+        raise bad_request("'max_tool_calls' must be a positive integer", "max_tool_calls")
+
+
+def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) -> ResponsesRequest:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    for key in body:
+        if key in _NOT_SUPPORTED:
+            raise bad_request(f"parameter '{key}' is not supported by this server", key)
+        if key not in _FIELDS and key not in _IGNORED:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", key)
+    _check_off(body)
+    if "input" not in body:
+        raise bad_request("'input' is required", "input")
+    items = _input_items(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string", "instructions")
+    prev_id = body.get("previous_response_id")
+    if prev_id is not None:
+        prev = store.get(prev_id) if isinstance(prev_id, str) else None
+        if prev is None:
+            raise APIError(
+                400,
+                f"Previous response with id {prev_id!r} not found.",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
+        items = prev.context + items  # its instructions are not carried over (OpenAI's rule)
+    messages = _messages(instructions, items)
+    if not messages:
+        raise bad_request("'input' must hold at least one item", "input")
+    do_store = body.get("store", True)
+    if not isinstance(do_store, bool):
+        raise bad_request("'store' must be a boolean", "store")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_request("'user' must be a string", "user")
+    parallel = body.get("parallel_tool_calls")
+    tools, tools_echo = _tools(body.get("tools"))
+    response_format, text_echo = _text_format(body.get("text"))
+    chat_body = {
+        "messages": messages,
+        "model": body.get("model"),
+        "stream": body.get("stream"),
+        "max_completion_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "seed": body.get("seed"),
+        "tools": tools,
+        "tool_choice": _tool_choice(body.get("tool_choice"), bool(tools)),
+        "parallel_tool_calls": True if parallel is None else parallel,
+        "response_format": response_format,
+    }
+    with responses_params():
+        chat = parse_chat(chat_body, tool_parser)
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": chat.max_tokens,
+        "max_tool_calls": body.get("max_tool_calls"),
+        "metadata": _metadata(body.get("metadata")) or {},
+        "parallel_tool_calls": chat_body["parallel_tool_calls"],
+        "previous_response_id": prev_id,
+        "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
+        "store": do_store,
+        "temperature": chat.sampling.get("temperature", 1.0),
+        "text": text_echo,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": tools_echo,
+        "top_logprobs": 0,
+        "top_p": chat.sampling.get("top_p", 1.0),
+        "truncation": "disabled",
+        "user": user,
+    }
+    return ResponsesRequest(chat=chat, context=items, echo=echo, store=do_store)

@@ -1,5 +1,6 @@
 """Tensor and pipeline parallelism (2 gloo ranks on the CPU) give the single-process engine's
-outputs: identical greedy tokens, logprobs within 1e-4, for every tiny architecture; and the
+outputs: identical greedy tokens, logprobs within 1e-4, for every tiny architecture (pipeline
+stages: one per model shell); and the
 step's other features (n > 1, beams, seeds, preemption, prefix caching, prompt logprobs)."""
 
 from __future__ import annotations
@@ -63,16 +64,36 @@ def _greedy_requests(seed: int = 0):
     ]
 
 
-@pytest.fixture(scope="module", params=SUPPORTED_TINY_ARCHS)
-def tiny(request, tmp_path_factory):
-    path = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=1)
-    requests = _greedy_requests()
-    return path, requests, _run(path, requests)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """tiny(arch) -> (model dir, requests, single-process outputs), once per architecture."""
+    cache: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            path = write_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
+            requests = _greedy_requests()
+            cache[arch] = (path, requests, _run(path, requests))
+        return cache[arch]
+
+    return get
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_every_architecture_matches_one_process(tiny, tp, pp):
-    path, requests, want = tiny
+# Tensor parallelism shards every layer type of every architecture. Pipeline stages cut the
+# decoder stack between layers: one Llama-family shell (Llama, Mistral, Qwen2 and Qwen3 share
+# it) and each other shell (OPT's projections, GPT-2's tied head, GPT-NeoX's head).
+PARALLEL_CASES = [(arch, 2, 1) for arch in SUPPORTED_TINY_ARCHS] + [
+    (arch, 1, 2) for arch in ("llama", "opt", "gpt2", "gpt_neox")
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp", "pp"),
+    PARALLEL_CASES,
+    ids=[f"{a}-{'tp2' if tp == 2 else 'pp2'}" for a, tp, _ in PARALLEL_CASES],
+)
+def test_every_architecture_matches_one_process(tiny, arch, tp, pp):
+    path, requests, want = tiny(arch)
     got = _run(path, requests, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     _assert_same(got, want)
 

@@ -1,6 +1,6 @@
 """batch_invariant=True: a sequence's tokens and logprobs are bit-identical whatever else runs.
 
-The same greedy prompt (logprobs on) runs alone, then inside batches of 1 to 64 other requests
+The same greedy prompt (logprobs on) runs alone, then inside batches of 1 to 33 other requests
 of random lengths placed before and after it (its prompt then shares steps, chunks of the token
 budget, attention groups and matmul tiles with them; from the second run on it also hits the
 prefix cache). Without the mode the CPU GEMMs change their reduction order with the number of
@@ -72,7 +72,7 @@ def batch_variation(model: str, batch_invariant: bool, sizes: tuple[int, ...]) -
 
 
 def test_logprobs_bit_identical_in_any_batch(default_model):
-    assert batch_variation(default_model, True, (1, 3, 17, 64)) == []
+    assert batch_variation(default_model, True, (1, 5, 33)) == []
 
 
 def test_without_the_mode_batches_change_the_logprobs(default_model):

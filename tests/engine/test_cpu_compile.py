@@ -45,7 +45,8 @@ def _assert_same(got, want):
                 assert lp.logprob == pytest.approx(want_step[token].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+# Qwen3 (a Llama with q/k norms) compiles in the int8 test below.
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_compiled_forward_matches_eager(tiny_model_factory, arch):
     model = tiny_model_factory(arch)
     _, runner, got = _run(model, PROMPTS, compilation_config=3)

@@ -330,3 +330,68 @@ def test_beam_search_and_n_run_with_the_adapter(llama_setup):
     base = llm.beam_search([{"prompt_token_ids": prompt}], params)
     assert with_lora[0].sequences[0].lora_request == loras[2]
     assert with_lora[0].sequences[0].tokens != base[0].sequences[0].tokens
+
+
+def test_adapter_churn_under_preemption_and_async_scheduling(llama_setup):
+    """Random traffic over three adapters and the base model on two slots, a KV pool small enough
+    to preempt, async scheduling, n > 1, aborts and removals: every finished request has the
+    tokens it gets alone, and no row keeps an adapter slot once its sequences are gone."""
+    model, llm_ref, loras, _ = llama_setup
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        max_model_len=128,
+        enable_lora=True,
+        max_loras=2,
+        max_cpu_loras=2,
+        max_lora_rank=8,
+        num_gpu_blocks_override=14,
+        max_num_seqs=12,
+        max_num_batched_tokens=64,
+        async_scheduling=True,
+    )
+    engine = llm.llm_engine
+    rng = random.Random(4)
+    system = [rng.randrange(3, 500) for _ in range(32)]
+    want: dict[str, tuple] = {}
+    alone: dict[tuple, list] = {}
+
+    def check(out) -> None:
+        prompt, lora, sp = want.pop(out.request_id)
+        key = (tuple(prompt), lora, sp.max_tokens, sp.n)
+        if key not in alone:
+            ref = llm_ref.generate([prompt], sp, lora_request=loras.get(lora), use_tqdm=False)
+            alone[key] = sorted(list(c.token_ids) for c in ref[0].outputs)
+        assert sorted(list(c.token_ids) for c in out.outputs) == alone[key], out.request_id
+
+    try:
+        for k in range(60):
+            prefix = system if rng.random() < 0.5 else []
+            prompt = prefix + [rng.randrange(3, 500) for _ in range(rng.randint(2, 30))]
+            lora = rng.choice([1, 2, 3, None])
+            sp = SamplingParams(
+                temperature=0, max_tokens=rng.randint(1, 16), ignore_eos=True, n=rng.choice([1, 2])
+            )
+            engine.add_request(f"r{k}", prompt, sp, lora_request=loras.get(lora))
+            want[f"r{k}"] = (prompt, lora, sp)
+            if k % 7 == 3:
+                engine.remove_lora(rng.choice([1, 2, 3]))  # refused while in use
+            if k % 11 == 5:
+                rid = rng.choice(sorted(want))
+                engine.abort_request(rid)
+                del want[rid]
+            for _ in range(rng.randint(0, 3)):
+                for out in engine.step():
+                    if out.finished:
+                        check(out)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    check(out)
+        stats = engine.get_stats()
+        assert not want and stats.num_preemptions > 0 and stats.num_used_blocks == 0
+        manager, batch = engine.model_runner.lora, engine.model_runner.batch
+        live = [c for c in batch.seqs.values() if c.lora_id]  # finished rows drop next step
+        assert sum(manager.users.values()) == len(live)
+    finally:
+        engine.shutdown()

@@ -114,6 +114,11 @@ class LoRAModel:
                 pname, shard_id = pname.replace(rule[1], rule[0]), rule[2]
             layer_name = pname.removesuffix(".weight")
             layer = self.layers.get(layer_name)
+            if ".experts." in pname:
+                raise ValueError(
+                    f"module {module!r} is a mixture-of-experts expert: LoRA on experts is not "
+                    "supported (the attention projections and dense MLPs take it)"
+                )
             if layer is None or not pname.endswith(".weight"):
                 raise ValueError(
                     f"module {module!r} is not a linear layer of {type(model).__name__} that "

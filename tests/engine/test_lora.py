@@ -31,6 +31,12 @@ TARGETS = {
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 
 
+def _lora_llm(model, **options) -> LLM:
+    """A float32 engine serving adapters of rank <= 8 (options override the defaults)."""
+    kw = {"dtype": "float32", "max_model_len": 128, "enable_lora": True, "max_lora_rank": 8}
+    return LLM(str(model), **{**kw, **options})
+
+
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
@@ -44,14 +50,7 @@ def llama_setup(tiny_model_factory, tmp_path_factory):
     b = write_lora_adapter(root / "b", model, rank=8, alpha=8, seed=2, use_rslora=True)
     # Attention only (an MLP-free adapter leaves gate_up / down at the base weights).
     c = write_lora_adapter(root / "c", model, rank=2, seed=3, target_modules=("q_proj", "v_proj"))
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        max_model_len=128,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=8,
-    )
+    llm = _lora_llm(model, max_loras=3)
     refs = {
         None: load_hf_model(model),
         1: merge_lora_adapter(load_hf_model(model), a),
@@ -105,16 +104,8 @@ def test_async_scheduling_and_chunked_prefill_give_the_same_tokens(llama_setup):
     prompts = _prompts(6, seed=7, lo=20, hi=60)
     ids = [2, 1, None, 3, 2, 1]
     want = llm.generate(prompts, GREEDY, lora_request=[loras.get(i) for i in ids], use_tqdm=False)
-    other = LLM(
-        str(model),
-        dtype="float32",
-        max_model_len=128,
-        enable_lora=True,
-        max_loras=3,
-        max_lora_rank=8,
-        async_scheduling=True,
-        max_num_batched_tokens=32,  # prompts of up to 60 tokens run in chunks
-    )
+    # Prompts of up to 60 tokens run in chunks of a 32-token budget.
+    other = _lora_llm(model, max_loras=3, async_scheduling=True, max_num_batched_tokens=32)
     try:
         got = other.generate(
             prompts, GREEDY, lora_request=[loras.get(i) for i in ids], use_tqdm=False
@@ -148,15 +139,7 @@ def test_more_adapters_than_max_loras_take_turns(llama_setup):
     """max_loras=1: requests for three adapters and the base model all finish with their own
     adapter's tokens; no step ever runs two adapters; max_cpu_loras=2 unloads idle ones."""
     model, _, loras, refs = llama_setup
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        max_model_len=128,
-        enable_lora=True,
-        max_loras=1,
-        max_lora_rank=8,
-        max_cpu_loras=2,
-    )
+    llm = _lora_llm(model, max_loras=1, max_cpu_loras=2)
     engine = llm.llm_engine
     manager = engine.model_runner.lora
     seen: list[int] = []
@@ -197,7 +180,7 @@ def test_more_adapters_than_max_loras_take_turns(llama_setup):
 
 def test_add_remove_and_list_loras(llama_setup, tmp_path):
     model, _, loras, refs = llama_setup
-    llm = LLM(str(model), dtype="float32", max_model_len=128, enable_lora=True, max_lora_rank=8)
+    llm = _lora_llm(model)
     engine = llm.llm_engine
     try:
         assert engine.add_lora(loras[2]) and engine.list_loras() == {2}
@@ -337,14 +320,10 @@ def test_adapter_churn_under_preemption_and_async_scheduling(llama_setup):
     to preempt, async scheduling, n > 1, aborts and removals: every finished request has the
     tokens it gets alone, and no row keeps an adapter slot once its sequences are gone."""
     model, llm_ref, loras, _ = llama_setup
-    llm = LLM(
-        str(model),
-        dtype="float32",
-        max_model_len=128,
-        enable_lora=True,
+    llm = _lora_llm(
+        model,
         max_loras=2,
         max_cpu_loras=2,
-        max_lora_rank=8,
         num_gpu_blocks_override=14,
         max_num_seqs=12,
         max_num_batched_tokens=64,

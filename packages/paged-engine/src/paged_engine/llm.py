@@ -8,7 +8,7 @@ for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8)):
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
@@ -172,6 +172,21 @@ class LLM:
                     "pass one, or one per prompt"
                 )
         return self._run(list(zip(prompt_list, params_list)), use_tqdm)
+
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Run `method` on every worker rank (see LLMEngine.collective_rpc); e.g. a weight
+        update: `llm.collective_rpc("update_weights", args=(named_tensors,))`."""
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (after a weight update); False while requests run."""
+        return self.llm_engine.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()

@@ -4,6 +4,7 @@ tp_all_reduce(x)        sum of x over the TP group (row-parallel outputs, embedd
 tp_all_reduce_max(x)    elementwise max of x over the TP group (fp8 KV-cache scales)
 tp_all_gather(x, dim)   the TP group's shards of x side by side (vocab-parallel logits)
 broadcast_object(obj)   rank 0's plain-data message to every rank (cpu group, pickled)
+gather_object(obj)      every rank's object, in rank order, on rank 0 (None elsewhere)
 send_tensor / recv_tensor   hidden states from one pipeline stage to the next
 """
 
@@ -52,6 +53,16 @@ def broadcast_object(obj: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0, group=state.cpu_group)
     return box[0]
+
+
+def gather_object(obj: Any) -> list[Any] | None:
+    """Rank 0 gets [obj of rank 0, obj of rank 1, ...]; the other ranks get None."""
+    state = get_parallel_state()
+    if state.world_size == 1:
+        return [obj]
+    box: list[Any] | None = [None] * state.world_size if state.rank == 0 else None
+    dist.gather_object(obj, box, dst=0, group=state.cpu_group)
+    return box
 
 
 def all_reduce_min(value: int) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,6 +296,30 @@ class LLMEngine:
             kind=kind,
             lora_request=lora_request,
         )
+
+    # ---- workers, weights and the prefix cache (what RL rollout loops call) ------------------
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """vLLM's `collective_rpc`: run `method` on every worker rank, one result per rank in
+        rank order. `method` is a Worker method's name (e.g. "update_weights") or a function
+        called as fn(worker, *args, **kwargs) (module-level, so it pickles, with tensor or
+        pipeline parallelism). A failure on any rank raises RpcError; the engine goes on.
+        `timeout` is accepted for vLLM's signature; calls wait for every rank. It runs after
+        any step already submitted (same thread, stream or broadcast order)."""
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (after a weight update its KV is stale). False, and
+        nothing changes, while requests are unfinished (their blocks stay registered)."""
+        if self.scheduler.has_unfinished_requests():
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:

@@ -38,6 +38,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle: ...
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run `method` on every worker (Worker.collective_rpc); one result per rank."""
+        raise ValueError(f"{type(self).__name__} cannot run collective_rpc")
+
     def add_lora(self, lora_id: int, path: str) -> None:
         """Load a LoRA adapter on every worker, in order with the steps. A ValueError (the
         adapter does not fit) leaves every worker as it was and the engine running."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
+import pickle
 import time
 import weakref
 from typing import Any
@@ -31,7 +32,7 @@ from paged_engine.distributed.parallel_state import check_not_in_world, destroy_
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.runner_output import ModelRunnerOutput
-from paged_engine.worker.worker import Worker
+from paged_engine.worker.worker import RpcError, Worker
 from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,27 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         return _GuardedHandle(self._call("execute_model", sched), self)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        # Checked before anything is sent: a message rank 0 cannot pickle would leave the
+        # others waiting for it.
+        try:
+            pickle.dumps((method, args, kwargs))
+        except Exception as e:
+            raise ValueError(
+                "collective_rpc with tensor or pipeline parallelism sends its method and "
+                "arguments to every rank: they must pickle (a module-level function, not a "
+                f"lambda or a local function): {e}"
+            ) from e
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            broadcast_object(("collective_rpc", (method, args, kwargs)))
+            return self.worker.collective_rpc(method, args, kwargs)
+        except RpcError:
+            raise  # the function failed somewhere, but every rank returned: the engine goes on
+        except Exception as e:
+            raise self._died(e) from e
 
     def add_lora(self, lora_id: int, path: str) -> None:
         # Rank 0 first: an adapter that does not fit fails here, before any other rank saw

@@ -63,6 +63,9 @@ class UniprocExecutor(Executor):
             return self.worker.execute_model(sched)
         return _FutureHandle(self._thread.submit(self.worker.execute_model, sched))
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self._call(self.worker.collective_rpc, method, args, kwargs)
+
     def add_lora(self, lora_id: int, path: str) -> None:
         self._call(self.worker.add_lora, lora_id, path)
 

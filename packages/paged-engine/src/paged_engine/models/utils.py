@@ -43,12 +43,14 @@ def load_named_weights(
     skip: Callable[[str], bool] = lambda name: False,
     rename: Callable[[str], str] = lambda name: name,
     convert: Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]] | None = None,
-) -> None:
-    """Copy HF-named tensors into `model`'s parameters.
+    strict: bool = True,
+) -> set[str]:
+    """Copy HF-named tensors into `model`'s parameters; returns the names of those loaded.
 
     Each HF name goes through `rename`, then `convert` (which may split one tensor into several,
     e.g. a fused qkv), then `skip`; `stacked` rules route it to a fused parameter's
-    `weight_loader` with a shard id. Raises ValueError naming unexpected and missing weights.
+    `weight_loader` with a shard id. Raises ValueError naming unexpected weights, and missing
+    ones when `strict` (a whole checkpoint; False: an update of some of the weights).
     """
     params = dict(model.named_parameters())
     stacked = list(stacked)
@@ -81,7 +83,7 @@ def load_named_weights(
                 except ValueError as e:
                     raise ValueError(f"cannot load weight {hf_name!r} into {pname!r}: {e}") from e
             loaded.add(pname)
-    missing = sorted(n for n in params if n not in loaded)
+    missing = sorted(n for n in params if n not in loaded) if strict else []
     if unexpected or missing:
         parts = []
         if unexpected:
@@ -89,6 +91,7 @@ def load_named_weights(
         if missing:
             parts.append(f"missing weights {_short(missing)}")
         raise ValueError(f"{type(model).__name__}: checkpoint does not match: " + "; ".join(parts))
+    return loaded
 
 
 def _short(names: list[str], limit: int = 12) -> str:
@@ -207,7 +210,11 @@ class CausalLMBase(nn.Module):
         which is right for B too unless a model stores weights transposed."""
         return self.convert_weight(name, b)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """Load HF-named tensors; returns our parameter names loaded. `strict=False` takes a
+        subset (a weight update: the rest keep their values)."""
         # A tied head has no parameter of its own; checkpoints may still carry a copy.
         tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
         ignored = self.ignored_weights
@@ -220,11 +227,12 @@ class CausalLMBase(nn.Module):
             layer = _LAYER_INDEX.search(name)  # another pipeline stage's layer
             return layer is not None and not start <= int(layer.group(1)) < end
 
-        load_named_weights(
+        return load_named_weights(
             self,
             weights,
             stacked=self.stacked_params,
             rename=self.rename_weight,
             convert=self.convert_weight,
             skip=skip,
+            strict=strict,
         )

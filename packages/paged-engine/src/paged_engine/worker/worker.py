@@ -6,14 +6,17 @@ The engine core reaches it only through an executor with plain data (`SchedulerO
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
 from paged_engine.attention import get_attention_backend
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
-from paged_engine.distributed.communication import all_reduce_min
+from paged_engine.distributed.communication import all_reduce_min, gather_object
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_kernels, make_batch_invariant
 from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
@@ -143,6 +146,43 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.model_runner.execute_model(sched)
 
+    def collective_rpc(
+        self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None
+    ) -> list[Any] | None:
+        """Run `method` (a Worker method's name, or a function called as fn(worker, *args,
+        **kwargs)) on this rank; rank 0 returns every rank's result, in rank order, and raises
+        RpcError if any rank failed (every rank has returned by then: none is left behind
+        in a collective)."""
+        fn = getattr(self, method) if isinstance(method, str) else functools.partial(method, self)
+        try:
+            result: tuple[bool, Any] = (True, fn(*args, **(kwargs or {})))
+        except Exception as e:  # reported by rank 0 below
+            result = (False, f"{type(e).__name__}: {e}")
+        results = gather_object(result)
+        if results is None:
+            return None
+        failed = [(rank, msg) for rank, (ok, msg) in enumerate(results) if not ok]
+        if failed:
+            rank, msg = failed[0]
+            raise RpcError(f"collective_rpc({_rpc_name(method)}) failed on rank {rank}: {msg}")
+        return [value for _, value in results]
+
+    @torch.no_grad()
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors (all of the model's or some) into this rank's shard of the
+        weights, in place (CUDA graphs keep replaying them); returns the parameters updated.
+        The caller resets the prefix cache (its KV came from the old weights)."""
+        if self.quantization is not None:
+            raise ValueError(
+                f"update_weights cannot run on quantization={self.quantization!r} weights (the "
+                "dense weights were dropped at load)"
+            )
+        model = self.model_runner.model
+        loaded = model.load_weights(
+            ((name, w.to(self.device)) for name, w in weights), strict=False
+        )
+        return len(loaded)
+
     def add_lora(self, lora_id: int, path: str) -> None:
         """Read and pack an adapter into host memory; ValueError when it does not fit."""
         lora = self.model_runner.lora
@@ -153,3 +193,11 @@ class Worker:
     def remove_lora(self, lora_id: int) -> None:
         if self.model_runner.lora is not None:
             self.model_runner.lora.remove(lora_id)
+
+
+class RpcError(RuntimeError):
+    """A collective_rpc function failed on some rank; every rank returned (the engine goes on)."""
+
+
+def _rpc_name(method: str | Callable[..., Any]) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))

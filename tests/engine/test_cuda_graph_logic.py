@@ -764,3 +764,42 @@ def test_gpu_share_must_be_free_at_start(monkeypatch):
     assert _gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 .* only 0.0 GiB is free"):
         _gpu_baseline(torch.device("cuda"), 0.9)
+
+
+def test_graph_decode_with_lora_adapters_matches_eager(tiny_llama_dir, fake_cuda_graphs, tmp_path):
+    """The LoRA kernels (Triton's interpreter) go into every graph while no slot has tokens, and
+    each replay reads the step's token -> slot mapping from the static buffers: decode steps of
+    requests with two adapters and none give the eager hidden states."""
+    from paged_engine import LoRARequest
+    from paged_engine.testing import write_lora_adapter
+
+    engine = _engine(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=4)
+    mapping = engine.model_runner.lora.model.mapping
+    mapping.use_kernels = True  # the CUDA path, on CPU tensors
+    seen = _check_against_eager(engine, _attach_graphs(engine), tol=1e-4)
+    assert not mapping.capturing
+    paths = [write_lora_adapter(tmp_path / f"a{i}", tiny_llama_dir, rank=4, seed=i) for i in (0, 1)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(path)) for i, path in enumerate(paths)]
+    rng = random.Random(5)
+    requests = []
+    for i in range(6):
+        prompt = [rng.randrange(3, 200) for _ in range(rng.randint(2, 12))]
+        sp = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=rng.randint(2, 6))
+        requests.append((f"l{i}", prompt, sp, [*loras, None][i % 3]))
+
+    def run(eng: LLMEngine) -> dict[str, list[int]]:
+        for rid, prompt, sp, lora in requests:
+            eng.add_request(rid, prompt, sp, lora_request=lora)
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
+        return done
+
+    # A real graph reads the addresses captured: the mapping must be written into them.
+    static = (mapping.token_idx.data_ptr(), mapping.seg_start.data_ptr())
+    got = run(engine)
+    assert len(seen["sizes"]) >= 3 and seen["eager_steps"] >= 1
+    assert (mapping.token_idx.data_ptr(), mapping.seg_start.data_ptr()) == static
+    # The tokens of an engine without graphs, whose LoRA runs in torch.
+    plain = _engine(tiny_llama_dir, enable_lora=True, max_loras=2, max_lora_rank=4)
+    assert got == run(plain)

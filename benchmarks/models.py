@@ -81,11 +81,14 @@ def materialize(
 def write_tokenizer(
     out_dir: Path, vocab_size: int, bos: int | None, eos: int | list | None
 ) -> None:
-    """A word-level tokenizer with one word per id ("t<id>"): prompts are token ids anyway."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A word-level tokenizer with one word per id ("t<id>"): prompts are token ids anyway.
+    Its decoder is byte-level, as the real models' (Qwen, Llama 3, GPT-2) are, so the engine
+    detokenizes these outputs the way it does theirs (bytelevel_detokenizer.py)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.ByteLevel()
     tok.save(str(out_dir / "tokenizer.json"))
     eos_id = eos[0] if isinstance(eos, list) else eos
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0"}

@@ -374,3 +374,22 @@ def test_adapter_churn_under_preemption_and_async_scheduling(llama_setup):
         assert sum(manager.users.values()) == len(live)
     finally:
         engine.shutdown()
+
+
+def test_embeddings_run_with_the_adapter(llama_setup):
+    """LLM.embed(..., lora_request=...): the adapter's hidden states, HF-merged's last one."""
+    model, _, loras, refs = llama_setup
+    llm = _lora_llm(model)
+    try:
+        prompt = _prompts(1, seed=19)[0]
+        with_lora, base = llm.embed(
+            [{"prompt_token_ids": prompt}] * 2, lora_request=[loras[1], None], use_tqdm=False
+        )
+    finally:
+        llm.llm_engine.shutdown()
+    for out, lora_id in ((with_lora, 1), (base, None)):
+        with torch.no_grad():
+            hf = refs[lora_id](torch.tensor([prompt]), output_hidden_states=True)
+        want = torch.nn.functional.normalize(hf.hidden_states[-1][0, -1], dim=-1)
+        got = torch.tensor(out.outputs.embedding)
+        assert torch.allclose(got, want, atol=1e-4), lora_id

@@ -144,13 +144,14 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: one embedding per prompt (`out.outputs.embedding`), pooled from
         the model's final hidden states as `pooler_config` says (last token by default,
         L2-normalized), in input order. The requests batch like any others (pooling.py)."""
         return [
             EmbeddingRequestOutput.from_base(o)
-            for o in self.encode(prompts, pooling_params, use_tqdm)
+            for o in self.encode(prompts, pooling_params, use_tqdm, lora_request)
         ]
 
     def encode(
@@ -158,6 +159,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
         (`outputs.data`: a float32 tensor), in input order."""
@@ -171,7 +173,8 @@ class LLM:
                     f"got {len(prompt_list)} prompts but {len(params_list)} pooling_params: "
                     "pass one, or one per prompt"
                 )
-        return self._run(list(zip(prompt_list, params_list)), use_tqdm)
+        loras = _per_prompt_loras(lora_request, len(prompt_list))
+        return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
 
     def collective_rpc(
         self,

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from paged_engine.distributed.communication import tp_all_reduce
+from paged_kernels import lora_segments
 
 
 class LoRAMapping:
@@ -55,22 +56,22 @@ class LoRAMapping:
                 self.seg_start.zero_()
             self.groups, self.num_lora_tokens = [], 0
             return
-        order = np.argsort(token_slots, kind="stable")[token_slots.size - num :]
-        counts = np.bincount(token_slots[has], minlength=self.num_slots)
-        starts = np.zeros(self.num_slots + 1, dtype=np.int64)
-        np.cumsum(counts, out=starts[1:])
+        # The kernels' layout (paged_kernels.lora_segments): slot l's tokens in
+        # order[starts[l]:starts[l + 1]]; tokens without an adapter after starts[-1] == num.
+        order, starts = lora_segments(token_slots, self.num_slots)
         self.num_lora_tokens = num
         if self.use_kernels:
-            packed = torch.from_numpy(np.concatenate([starts, order]).astype(np.int32))
+            packed = torch.cat([starts, order[:num]])
             if self.device.type == "cuda":
                 packed = packed.pin_memory().to(self.device, non_blocking=True)
             self.seg_start.copy_(packed[: self.num_slots + 1])
             self.token_idx[:num].copy_(packed[self.num_slots + 1 :])
             self.groups = []
             return
+        order_np, starts_np = order.numpy(), starts.numpy()
         groups: list[tuple[int, int | torch.Tensor, int | None]] = []
-        for slot in np.flatnonzero(counts).tolist():
-            idx = order[starts[slot] : starts[slot + 1]]
+        for slot in np.flatnonzero(np.diff(starts_np)).tolist():
+            idx = order_np[starts_np[slot] : starts_np[slot + 1]]
             first, last = int(idx[0]), int(idx[-1])
             if last - first + 1 == idx.size:  # one run of consecutive tokens: a slice
                 groups.append((slot, first, last + 1))

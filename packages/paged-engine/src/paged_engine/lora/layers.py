@@ -96,8 +96,6 @@ class LoRAWeights:
         dtype: torch.dtype,
     ) -> None:
         self.mapping = mapping
-        self.num_subs, self.max_rank = num_subs, max_rank
-        self.in_local, self.out_local = in_local, out_local
         self.row_parallel = row_parallel
         self.reduce = row_parallel and tp_size > 1
         width = num_subs * max_rank

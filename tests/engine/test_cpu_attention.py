@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_engine.attention import AttentionMetadata, get_attention_backend
-from paged_engine.attention.cpu_backend import CpuBackend
+from paged_engine.attention.cpu_backend import CpuBackend, SingleSequence
 from paged_engine.attention.cpu_plan import length_bands
 from paged_kernels import alibi_slopes, ref_paged_attention, ref_write_kv_cache
 
@@ -237,3 +237,117 @@ def test_decode_fast_path_matches_the_general_path_bitwise(ctx):
     general = backend.attend(q, kc, vc, md, sliding_window=10**6, **kw)
     assert calls == [1]
     assert torch.equal(got, general)
+
+
+def _single_step(ctx: int, *, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """A one-token step after `ctx` cached tokens: (query, key, value, reference caches,
+    metadata with its slot set)."""
+    q, kc, vc, md = make_batch(
+        [1],
+        [ctx],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+    )
+    table = md.block_tables[0]
+    md.slot_mapping = (table[ctx // block_size] * block_size + ctx % block_size).long().view(1)
+    key, value = (torch.randn(1, num_kv_heads, head_dim).to(dtype) for _ in "kv")
+    return q, key, value, kc, vc, md
+
+
+def _attend_single(q, key, value, kc, vc, md, **options):
+    """attend_single on the CPU backend's planes; returns (output [1, H, D], the planes)."""
+    k_planes, v_planes = to_planes(kc), to_planes(vc)
+    seq = SingleSequence.from_metadata(md, kc.shape[1])
+    assert seq is not None
+    out = CpuBackend.attend_single(
+        q.reshape(1, -1),
+        key.reshape(1, -1),
+        value.reshape(1, -1),
+        k_planes,
+        v_planes,
+        seq,
+        scale=q.shape[-1] ** -0.5,
+        **{"sliding_window": None, "soft_cap": None, **options},
+    )
+    return out.view(q.shape), k_planes, v_planes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(
+    "options", [{}, {"sliding_window": 5}, {"soft_cap": 3.0, "sliding_window": 20}]
+)
+def test_attend_single_matches_the_reference(dtype, num_heads, num_kv_heads, block_size, options):
+    """The traced one-token step (compiled forward) writes the reference's cache bytes and
+    attends as the reference does, for contexts from none to several blocks (one block
+    exactly full, one token past it)."""
+    torch.manual_seed(block_size * 100 + num_heads)
+    for ctx in (0, 1, block_size - 1, block_size, 2 * block_size + 1, 37):
+        q, key, value, kc, vc, md = _single_step(
+            ctx,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=16,
+            block_size=block_size,
+            dtype=dtype,
+        )
+        got, k_planes, v_planes = _attend_single(q, key, value, kc, vc, md, **options)
+        ref_write_kv_cache(key, value, kc, vc, md.slot_mapping)
+        assert torch.equal(k_planes, to_planes(kc)) and torch.equal(v_planes, to_planes(vc))
+        want = ref_paged_attention(
+            q,
+            kc,
+            vc,
+            md.block_tables,
+            md.cu_seqlens_q,
+            md.seq_lens,
+            q.shape[-1] ** -0.5,
+            **options,
+        )
+        torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_attend_single_traces_with_a_symbolic_block_count():
+    """Under torch.compile one graph serves every context length (the block count is
+    symbolic from 2 up; SingleSequence pads shorter tables), and its outputs and cache writes
+    equal the eager call's."""
+    torch.manual_seed(3)
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(CpuBackend.attend_single, backend=backend, fullgraph=True)
+    block_size = 4
+    q, key, value, kc, vc, md = _single_step(
+        30, num_heads=6, num_kv_heads=2, head_dim=8, block_size=block_size, dtype=torch.float32
+    )
+    args = (q.reshape(1, -1), key.reshape(1, -1), value.reshape(1, -1))
+    opts = {"scale": 0.3, "sliding_window": 7, "soft_cap": 4.0}
+    for ctx in (2, 9, 30):  # tables of 2, 3 and 8 blocks over one cache
+        md.seq_lens = torch.tensor([ctx + 1], dtype=torch.int32)
+        table = md.block_tables[0]
+        md.slot_mapping = (table[ctx // block_size] * block_size + ctx % block_size).view(1)
+        seq = SingleSequence.from_metadata(md, block_size)
+        if ctx == 2:
+            torch._dynamo.mark_dynamic(seq.block_table, 0)
+        k_eager, v_eager = to_planes(kc), to_planes(vc)
+        k_traced, v_traced = to_planes(kc), to_planes(vc)
+        want = CpuBackend.attend_single(*args, k_eager, v_eager, seq, **opts)
+        got = compiled(*args, k_traced, v_traced, seq, **opts)
+        torch.testing.assert_close(got, want)
+        assert torch.equal(k_traced, k_eager) and torch.equal(v_traced, v_eager)
+    assert len(calls) == 1
+
+
+def test_single_sequence_skips_a_token_that_writes_nothing():
+    md = _single_step(
+        3, num_heads=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32
+    )[-1]
+    md.slot_mapping = torch.tensor([-1])
+    assert SingleSequence.from_metadata(md, 4) is None

@@ -39,6 +39,9 @@ class AttentionMetadata:
     max_seqlen_k: int
     backend: AttentionBackend
     plan: Any = None  # a backend's per-step precomputation (index tensors, masks), or None
+    # A one-token step under the CPU's compiled forward: the sequence's inputs for
+    # `CpuBackend.attend_single`, which the graph traces (worker/cpu_compile.py); else None.
+    single: Any = None
 
 
 class AttentionBackend(ABC):

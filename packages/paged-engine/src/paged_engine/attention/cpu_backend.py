@@ -17,9 +17,16 @@ An fp8 cache (kv_cache_dtype fp8 / fp8_e5m2) is written as the torch reference q
 (`ref_quantize`: x / scale, saturated, round to nearest even: the same bits) and the gathered
 K/V are dequantized from their bits (`fp8_to_float`, exact and ~4x faster than torch's fp8
 cast on CPU), times the layer's k_scale / v_scale, then cast to the query's dtype.
+
+`attend_single` is the one-token step (one sequence decoding) written for `torch.compile` to
+trace (worker/cpu_compile.py): the write, a gather of the sequence's whole blocks, two bmm and a
+masked softmax, which inductor runs from its generated code beside the layer's other ops, where
+`attend` costs ~100 us of Python and dispatch a layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +36,30 @@ from paged_engine.attention.cpu_plan import CpuPlan, RowGroup, build_plan, write
 from paged_kernels import FP8_DTYPES, check_kv_scales, fp8_to_float, ref_quantize
 
 BATCH_INVARIANT_KV_MULTIPLE = 512
+
+
+@dataclass(slots=True)
+class SingleSequence:
+    """`attend_single`'s inputs: the step's one token and the sequence it extends."""
+
+    block_table: torch.Tensor  # [B] int64, B >= 2 blocks covering seq_len, padded with block 0
+    seq_len: torch.Tensor  # [1] int64: the context, this token included
+    slot: torch.Tensor  # [1] int64 >= 0: where this token's K/V go
+
+    @classmethod
+    def from_metadata(cls, md: AttentionMetadata, block_size: int) -> SingleSequence | None:
+        """The inputs of a one-token step's metadata; None if its token writes nothing."""
+        slot = md.slot_mapping[:1]
+        if int(slot[0]) < 0:
+            return None
+        seq_len = int(md.seq_lens[0])
+        # At least 2 blocks: a traced graph keeps B symbolic only from 2 up (dynamo
+        # specializes sizes 0 and 1), and a padding block is masked like any other key.
+        num_blocks = max(2, -(-seq_len // block_size))
+        table = torch.zeros(num_blocks, dtype=torch.int64)
+        row = md.block_tables[0, :num_blocks]
+        table[: row.shape[0]] = row
+        return cls(table, torch.tensor([seq_len], dtype=torch.int64), slot.long())
 
 
 class CpuBackend(AttentionBackend):
@@ -156,6 +187,44 @@ class CpuBackend(AttentionBackend):
         mask = g.sdpa_mask(None, group)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
+
+    @staticmethod
+    def attend_single(
+        query: torch.Tensor,  # [1, H*D]
+        key: torch.Tensor,  # [1, Hkv*D]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], not fp8
+        value_cache: torch.Tensor,
+        seq: SingleSequence,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        soft_cap: float | None,
+    ) -> torch.Tensor:  # [1, H*D]
+        """`write_kv` + `attend` of a one-token step, in ops `torch.compile` traces: the token
+        (position seq_len - 1) attends to keys 0 .. seq_len - 1 (within the window), scores and
+        softmax in fp32 as `_attend_math`. No fp8 cache, no ALiBi (the compiled forward keeps
+        those layers on the opaque operator)."""
+        num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+        group = query.shape[-1] // (num_kv_heads * head_dim)
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            planes = cache.view(num_kv_heads, num_blocks * block_size, head_dim)
+            src = src.view(1, num_kv_heads, head_dim).transpose(0, 1).to(cache.dtype)
+            planes.index_copy_(1, seq.slot, src)
+        k = key_cache[:, seq.block_table].flatten(1, 2)  # [Hkv, B*block_size, D]
+        v = value_cache[:, seq.block_table].flatten(1, 2)
+        q = query.view(num_kv_heads, group, head_dim)  # query head kv*G + g -> [kv, g]
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale  # [Hkv, G, keys]
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        last = seq.seq_len - 1  # the query's position
+        key_pos = torch.arange(k.shape[1])
+        visible = key_pos <= last
+        if sliding_window:
+            visible = visible & (last - key_pos < sliding_window)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out = torch.bmm(probs, v.float()).to(query.dtype)  # [Hkv, G, D]
+        return out.reshape(1, num_kv_heads * group * head_dim)
 
     def copy_blocks(self, key_caches, value_caches, mapping) -> None:
         if mapping.numel() == 0:

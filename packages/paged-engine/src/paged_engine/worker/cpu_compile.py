@@ -10,9 +10,14 @@ weights reordered into int32 words): inductor's loop reads the int8 weights at ~
 AVX2 cores, 2.4x the weights per second of fbgemm's fp16 GEMV. An int8 tied LM head gets a
 compiled `compute_logits` of its own for the same reason.
 
-Two graphs serve every step: one for a single token (a decode step of one sequence) and one
-with the token count symbolic (any other step). Both are compiled while the engine starts, by
-forwards over a dummy batch that writes nothing (slot -1) and reads only the null block.
+Two graphs serve every step, both compiled while the engine starts:
+
+    single   a one-token step (one sequence decoding): static shapes but for the sequence's
+             block count; its attention is traced too (`CpuBackend.attend_single`: KV write,
+             block gather, bmm, softmax), so the whole forward is one C++ call sequence
+    general  any other step: the token count symbolic, attention through the operator
+
+The warm-up forwards write nothing but into the null block (zeroed after) and read only it.
 
 Guards: dynamo would check ~50 guards per layer before each call (~1 ms for 30 layers); the
 model's modules never change after loading, so guards on them are dropped. Dynamo caches
@@ -31,9 +36,11 @@ import numpy as np
 import torch
 
 from paged_engine.attention import AttentionMetadata, HostLengths
+from paged_engine.attention.cpu_backend import CpuBackend, SingleSequence
 from paged_engine.layers import compiled_ops
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.quantization import Int8Linear, QuantizedLinearMethod, QuantizedTiedHead
+from paged_kernels import FP8_DTYPES
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
@@ -49,14 +56,27 @@ def _logits(model, hidden):
     return model.compute_logits(hidden)
 
 
-def _own_copy(fn: types.FunctionType, owner: object) -> types.FunctionType:
+def _own_copy(fn: types.FunctionType, owner: object, tag: str) -> types.FunctionType:
     """`fn` with a code object of its own: dynamo's graph cache is per code object."""
-    code = fn.__code__.replace(co_name=f"compiled_{fn.__name__.strip('_')}_{id(owner):x}")
+    code = fn.__code__.replace(co_name=f"compiled_{tag}_{id(owner):x}")
     return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
 def _skip_module_guards(entries) -> list[bool]:
     return [not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+
+
+def _compile(fn: types.FunctionType):
+    # A fresh options dict per call: torch.compile takes guard_filter_fn out of the one it
+    # gets, so a shared dict would leave every later graph with its ~9,000 module guards.
+    # No size / alignment asserts after each opaque operator (~1 us each, 10 per layer):
+    # their fake implementations state the shapes.
+    options = {
+        "guard_filter_fn": _skip_module_guards,
+        "size_asserts": False,
+        "alignment_asserts": False,
+    }
+    return torch.compile(fn, fullgraph=True, options=options)
 
 
 class CompiledForward:
@@ -75,17 +95,13 @@ class CompiledForward:
                 if isinstance(lm, QuantizedTiedHead):
                     lm.op_handle = compiled_ops.register(lm)
                     traced_head = isinstance(method, Int8Linear) and method.words is not None
-        # No size / alignment asserts after each opaque operator (~1 us each, 10 per layer):
-        # their fake implementations state the shapes.
-        options = {
-            "guard_filter_fn": _skip_module_guards,
-            "size_asserts": False,
-            "alignment_asserts": False,
-        }
-        self.compiled = torch.compile(_own_copy(_forward, self), fullgraph=True, options=options)
+        self.compiled = _compile(_own_copy(_forward, self, "general"))
+        self.single = None
+        if isinstance(runner.backend, CpuBackend) and runner.backend.kv_multiple == 1:
+            self.single = _compile(_own_copy(_forward, self, "single"))
         self.head = None
         if traced_head:
-            self.head = torch.compile(_own_copy(_logits, self), fullgraph=True, options=options)
+            self.head = _compile(_own_copy(_logits, self, "logits"))
 
     def _dummy_meta(self, num_tokens: int) -> AttentionMetadata:
         """`num_tokens` sequences of one token at position 0 that write nothing."""
@@ -127,27 +143,63 @@ class CompiledForward:
         for m in attention:
             m.kv_index = seen[id(m)]
             m.op_handle = compiled_ops.register(m)
+            # attend_single covers windows and soft caps, not an fp8 cache or ALiBi.
+            key_cache = r.cache.kv_caches[m.kv_index][0]
+            m.trace_single = (
+                self.single is not None
+                and key_cache.dtype not in FP8_DTYPES
+                and m.alibi_slopes is None
+            )
 
     @torch.inference_mode()
     def compile(self) -> None:
         t0 = time.perf_counter()
         self._map_caches()
-        sizes = [1, 2] if self.runner.config.max_num_seqs > 1 else [1]
-        for n in sizes:  # 1: a static graph; 2: the token count becomes symbolic
-            ids = torch.zeros(n, dtype=torch.int64)
-            hidden = self.run(ids, ids.clone(), self._dummy_meta(n))
-            if self.head is not None:
-                self.head(self.runner.model, hidden)
+        r = self.runner
+        assert r.cache is not None
+        # general: 2 tokens, marked dynamic (symbolic from 2 up; one token runs `single`).
+        ids = torch.zeros(2, dtype=torch.int64)
+        pos = ids.clone()
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(pos, 0)
+        meta = self._dummy_meta(2)
+        with compiled_ops.forward_context(r.cache.kv_caches, meta):
+            rows = self.compiled(r.model, ids, pos, r.cache.kv_caches, meta)
+        # single: one token at position 0 of a 2-block table of null blocks (block count
+        # symbolic), writing its K/V into the null block's slot 0.
+        ids = torch.zeros(1, dtype=torch.int64)
+        meta = self._dummy_meta(1)
+        if self.single is not None:
+            table = torch.zeros(2, dtype=torch.int64)
+            torch._dynamo.mark_dynamic(table, 0)
+            meta.single = SingleSequence(table, torch.ones(1, dtype=torch.int64), ids.clone())
+        hidden = self._forward(ids, ids.clone(), meta)
+        for key_cache, value_cache in r.cache.kv_caches:  # nothing real lives in block 0
+            key_cache[:, 0].zero_()
+            value_cache[:, 0].zero_()
+        if self.head is not None:  # one row (traced GEMV), then a symbolic row count
+            self.head(r.model, hidden)
+            torch._dynamo.mark_dynamic(rows, 0)
+            self.head(r.model, rows)
         logger.info("torch.compile: model forward compiled in %.1fs", time.perf_counter() - t0)
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if input_ids.shape[0] == 1 and self.single is not None:
+            block_size = self.runner.cache.kv_caches[0][0].shape[2]  # type: ignore[union-attr]
+            meta.single = SingleSequence.from_metadata(meta, block_size)
+        return self._forward(input_ids, positions, meta)
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         r = self.runner
         assert r.cache is not None
         kv_caches = r.cache.kv_caches
+        fn = self.single if meta.single is not None else self.compiled
         with compiled_ops.forward_context(kv_caches, meta):
-            return self.compiled(r.model, input_ids, positions, kv_caches, meta)
+            return fn(r.model, input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.head is None:

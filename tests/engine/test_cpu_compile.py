@@ -27,7 +27,8 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _run(model_dir, prompts, **options):
+def _run(model_dir, *prompt_sets, **options):
+    """One engine generates each prompt set in turn: (llm, runner, [results of each set])."""
     llm = LLM(
         model=str(model_dir),
         device="cpu",
@@ -38,14 +39,21 @@ def _run(model_dir, prompts, **options):
         **options,
     )
     graphs = _graphs()
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    runner = llm.llm_engine.model_runner
+    results = []
+    for prompts in prompt_sets:
+        outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     # Every step shape runs a graph compiled while the engine started: nothing recompiles.
     assert _graphs() == graphs
-    return llm, runner, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    return llm, llm.llm_engine.model_runner, results
 
 
 def _assert_same(got, want):
+    """`got` and `want`: lists of prompt sets' results, or one set's."""
+    if got and isinstance(got[0], list):
+        for got_set, want_set in zip(got, want, strict=True):
+            _assert_same(got_set, want_set)
+        return
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want, strict=True):
         assert tokens == want_tokens
         for step, want_step in zip(logprobs, want_logprobs, strict=True):
@@ -59,13 +67,11 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_compiled_forward_matches_eager(tiny_model_factory, arch):
     model = tiny_model_factory(arch)
-    _, runner, got = _run(model, PROMPTS, compilation_config=3)
+    # Then one sequence alone: its prompt's first 16 tokens are cached from the batch, so it
+    # prefills one token after a cached context, then decodes, all in the one-token graph.
+    _, runner, got = _run(model, PROMPTS, PROMPTS[1:2], compilation_config=3)
     assert runner.compiled is not None
-    _, _, want = _run(model, PROMPTS)
-    _assert_same(got, want)
-    # One sequence alone: every decode step is the single-token graph.
-    _, _, got = _run(model, PROMPTS[1:2], compilation_config={"level": 3})
-    _, _, want = _run(model, PROMPTS[1:2])
+    _, _, want = _run(model, PROMPTS, PROMPTS[1:2])
     _assert_same(got, want)
 
 
@@ -86,14 +92,11 @@ def test_compiled_quantized_weights_match_eager(tiny_model_factory, quantization
     operator for more rows."""
     model = tiny_model_factory(arch)
     options = {"quantization": quantization}
-    _, runner, got = _run(model, PROMPTS, compilation_config=3, **options)
+    # Then one sequence alone: every decode step (and its logits) is a single-row graph.
+    _, runner, got = _run(model, PROMPTS, PROMPTS[1:2], compilation_config=3, **options)
     assert runner.compiled is not None
     assert (runner.compiled.head is not None) == (quantization == "int8")
-    _, _, want = _run(model, PROMPTS, **options)
-    _assert_same(got, want)
-    # One sequence alone: every decode step (and its logits) is a single-row graph.
-    _, _, got = _run(model, PROMPTS[1:2], compilation_config=3, **options)
-    _, _, want = _run(model, PROMPTS[1:2], **options)
+    _, _, want = _run(model, PROMPTS, PROMPTS[1:2], **options)
     _assert_same(got, want)
 
 
@@ -111,8 +114,21 @@ def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory):
     _assert_same(got_second, want_second)
     # The first engine still serves with its own graphs after the second compiled.
     again = first.generate(PROMPTS[:2], PARAMS, use_tqdm=False)
-    _assert_same([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again], got_first)
+    _assert_same([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in again], got_first[0])
     del second
+
+
+def test_compiled_fp8_cache_keeps_the_attention_operator(tiny_model_factory):
+    """An fp8 cache is not traced (attend_single covers caches in a float dtype): the one-token
+    graph calls the operator for it, and the tokens and logprobs equal the eager engine's."""
+    model = tiny_model_factory("llama")
+    options = {"kv_cache_dtype": "fp8"}
+    _, runner, got = _run(model, PROMPTS[1:2], compilation_config=3, **options)
+    assert runner.compiled.single is not None
+    layers = [m for m in runner.model.modules() if hasattr(m, "trace_single")]
+    assert layers and not any(m.trace_single for m in layers)
+    _, _, want = _run(model, PROMPTS[1:2], **options)
+    _assert_same(got, want)
 
 
 def test_failed_compile_runs_eagerly(tiny_model_factory, monkeypatch, caplog):

@@ -175,6 +175,24 @@ class FakeEngine:
         self._called("list_loras")
         return set(self.loras)
 
+    # start_profile / stop_profile: the engine's contract (worker/profiler.py), no recording.
+    profiling = False
+    traces_written = 0
+
+    def start_profile(self) -> None:
+        self._called("start_profile")
+        if self.profiling:
+            raise RuntimeError("the profiler is already running: stop_profile() first")
+        self.profiling = True
+
+    def stop_profile(self) -> list[str]:
+        self._called("stop_profile")
+        if not self.profiling:
+            raise RuntimeError("the profiler is not running: start_profile() first")
+        self.profiling = False
+        self.traces_written += 1
+        return [f"rank0.{id(self):x}.{self.traces_written}.pt.trace.json.gz"]
+
     def _requests(self) -> list[_Req]:
         return [*self.waiting, *self.running.values()]
 

@@ -191,6 +191,15 @@ class LLM:
         """Forget the prefix cache (after a weight update); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
 
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank (needs PAGED_TORCH_PROFILER_DIR or
+        VLLM_TORCH_PROFILER_DIR set before the engine starts; docs/engine.md "Profiling")."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; returns the trace files written (one per rank, gzipped Chrome traces)."""
+        return self.llm_engine.stop_profile()
+
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 

@@ -42,6 +42,7 @@ from paged_server.openai_responses import (
     prompt_logprobs_json,
     usage,
 )
+from paged_server.profiling import profile_routes
 from paged_server.reasoning import ReasoningOutput, ReasoningRequest, split_reasoning
 from paged_server.request_group import RequestGroup
 from paged_server.responses_api import (
@@ -108,6 +109,7 @@ class OpenAIApp:
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
+        self.routes.update(profile_routes(client))  # with the profiler variable set
         if runtime_lora_updates:  # else these are unknown routes (404), as in vLLM
             self.routes["/v1/load_lora_adapter"] = {"POST": self.load_lora_adapter}
             self.routes["/v1/unload_lora_adapter"] = {"POST": self.unload_lora_adapter}

@@ -22,6 +22,8 @@ fails alone, and `/health` reports it); the router adds one loopback hop.
     /health   200 when every replica is healthy, else 503 naming the unhealthy ones
     /metrics  every replica's metrics, each sample labelled replica="i"
     /v1/load_lora_adapter, /v1/unload_lora_adapter   to every replica (they serve one set)
+    /start_profile, /stop_profile   to every replica (each writes its own traces); the stop
+                                    answers every replica's trace files
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ log = logging.getLogger("paged_server")
 _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "expect"})
 _PASS_RESPONSE_HEADERS = ("Retry-After", "WWW-Authenticate")
 _LOAD_LORA, _UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+_START_PROFILE, _STOP_PROFILE = "/start_profile", "/stop_profile"
 _RESPONSES, _RESPONSE_ROUTE = "/v1/responses", "/v1/responses/"
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids are made of
 
@@ -98,6 +101,8 @@ class ReplicaRouter:
         route = path.rstrip("/")
         if route.startswith(_RESPONSE_ROUTE) and method in ("GET", "HEAD", "DELETE"):
             return self._stored_response(handler, method)
+        if method == "POST" and route in (_START_PROFILE, _STOP_PROFILE):  # no body, as vLLM's
+            return self._profile(handler, route)
         body, cost, holder = None, 1, None
         if method in ("POST", "PUT", "PATCH"):
             parsed = handler.read_json()  # size limit, JSON and Unicode checks, as a replica
@@ -191,6 +196,19 @@ class ReplicaRouter:
                         self._request(r, "POST", _UNLOAD_LORA, undo, headers)
         a = (failed or [a for _, a in answers])[0]
         h.send_bytes(a.status, a.body, a.content_type, a.headers)
+
+    # ---- profiling ---------------------------------------------------------------------------
+    def _profile(self, h: Handler, route: str) -> None:
+        """Start or stop every live replica's profiler; the first failure, else the stop's
+        trace files of all replicas (a start's first answer)."""
+        headers = _headers(h)
+        answers = [self._request(r, "POST", route, None, headers) for r in self._live()]
+        failed = [a for a in answers if a.status != 200]
+        if failed or route == _START_PROFILE:
+            a = (failed or answers)[0]
+            return h.send_bytes(a.status, a.body, a.content_type, a.headers)
+        traces = [path for a in answers for path in json.loads(a.body)["traces"]]
+        h.send_json(200, {"traces": traces})
 
     def _request(
         self,

@@ -5,7 +5,8 @@
 
 Invariants:
 - Exactly one thread (the engine thread) calls the engine's add_request / step_core /
-  finish_seqs / abort_request / get_stats / add_lora / remove_lora / list_loras: its loop is
+  finish_seqs / abort_request / get_stats / add_lora / remove_lora / list_loras /
+  start_profile / stop_profile: its loop is
   commands + step_core(), nothing else. An HTTP thread that needs an engine answer (loading a
   LoRA adapter) sends a `_Call` command and waits on its Future.
   Exactly one other thread (the output thread) calls process_outputs (detokenize, stop strings,
@@ -222,6 +223,13 @@ class EngineClient:
         """Unload an adapter: requests for it not yet in the engine fail with a 404; if
         requests in the engine use it, it is removed once the engine lets go of it."""
         self._call(lambda: self._remove_lora(lora_int_id), timeout)
+
+    def start_profile(self, timeout: float = 60.0) -> None:
+        self._call(self.engine.start_profile, timeout)
+
+    def stop_profile(self, timeout: float = 60.0) -> list[str]:
+        """The trace files written, one per rank."""
+        return self._call(self.engine.stop_profile, timeout)
 
     def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
         if not self.alive:

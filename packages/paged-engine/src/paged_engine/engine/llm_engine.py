@@ -313,6 +313,16 @@ class LLMEngine:
         any step already submitted (same thread, stream or broadcast order)."""
         return self.executor.collective_rpc(method, args, kwargs)
 
+    def start_profile(self) -> None:
+        """vLLM's: every rank starts torch.profiler (worker/profiler.py); RuntimeError unless
+        the engine started with PAGED_TORCH_PROFILER_DIR (or VLLM_TORCH_PROFILER_DIR) set, or
+        while it already runs."""
+        self.collective_rpc("start_profile")
+
+    def stop_profile(self) -> list[str]:
+        """Stop every rank's profiler; returns the trace files written, one per rank."""
+        return self.collective_rpc("stop_profile")
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (after a weight update its KV is stale). False, and
         nothing changes, while requests are unfinished (their blocks stay registered)."""

@@ -28,6 +28,7 @@ from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
+from paged_engine.worker.profiler import DIR_ENV, WorkerProfiler
 from paged_engine.worker.runner_output import AsyncRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class Worker:
             )
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
+        # start_profile / stop_profile: on when the environment names a trace directory.
+        self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)
 
     def _default_quantization(self, config: EngineConfig, resolved: ResolvedModel) -> str | None:
         """`config.quantization`, or "fp16" for a GGUF checkpoint on an x86 CPU when neither
@@ -182,6 +185,21 @@ class Worker:
             ((name, w.to(self.device)) for name, w in weights), strict=False
         )
         return len(loaded)
+
+    def start_profile(self) -> None:
+        if self.profiler is None:
+            raise RuntimeError(
+                f"profiling is off: start the engine with {DIR_ENV} (or VLLM_TORCH_PROFILER_DIR) "
+                "naming a directory for the traces"
+            )
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """This rank's trace file."""
+        if self.profiler is None:
+            self.start_profile()  # raises: profiling is off
+        assert self.profiler is not None
+        return self.profiler.stop()
 
     def add_lora(self, lora_id: int, path: str) -> None:
         """Read and pack an adapter into host memory; ValueError when it does not fit."""

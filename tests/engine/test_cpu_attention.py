@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from paged_engine.attention import AttentionMetadata, get_attention_backend
-from paged_engine.attention.cpu_backend import CpuBackend, SingleSequence
+from paged_engine.attention.cpu_backend import CpuBackend, DecodeRows
 from paged_engine.attention.cpu_plan import length_bands
 from paged_kernels import alibi_slopes, ref_paged_attention, ref_write_kv_cache
 
@@ -239,36 +239,41 @@ def test_decode_fast_path_matches_the_general_path_bitwise(ctx):
     assert torch.equal(got, general)
 
 
-def _single_step(ctx: int, *, num_heads, num_kv_heads, head_dim, block_size, dtype):
-    """A one-token step after `ctx` cached tokens: (query, key, value, reference caches,
-    metadata with its slot set)."""
+def _decode_step(ctxs: list[int], *, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """A decode step: row i adds one token after ctxs[i] cached ones. (query, key, value,
+    reference caches, metadata with the rows' slots set.)"""
     q, kc, vc, md = make_batch(
-        [1],
-        [ctx],
+        [1] * len(ctxs),
+        ctxs,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         block_size=block_size,
         dtype=dtype,
     )
-    table = md.block_tables[0]
-    md.slot_mapping = (table[ctx // block_size] * block_size + ctx % block_size).long().view(1)
-    key, value = (torch.randn(1, num_kv_heads, head_dim).to(dtype) for _ in "kv")
+    md.slot_mapping = torch.stack(
+        [
+            md.block_tables[i, c // block_size] * block_size + c % block_size
+            for i, c in enumerate(ctxs)
+        ]
+    ).long()
+    key, value = (torch.randn(len(ctxs), num_kv_heads, head_dim).to(dtype) for _ in "kv")
     return q, key, value, kc, vc, md
 
 
-def _attend_single(q, key, value, kc, vc, md, **options):
-    """attend_single on the CPU backend's planes; returns (output [1, H, D], the planes)."""
+def _attend_decode(q, key, value, kc, vc, md, **options):
+    """attend_decode on the CPU backend's planes; returns (output [S, H, D], the planes)."""
     k_planes, v_planes = to_planes(kc), to_planes(vc)
-    seq = SingleSequence.from_metadata(md, kc.shape[1])
-    assert seq is not None
-    out = CpuBackend.attend_single(
-        q.reshape(1, -1),
-        key.reshape(1, -1),
-        value.reshape(1, -1),
+    rows = DecodeRows.from_metadata(md, kc.shape[1])
+    assert rows is not None
+    num_rows = q.shape[0]
+    out = CpuBackend.attend_decode(
+        q.reshape(num_rows, -1),
+        key.reshape(num_rows, -1),
+        value.reshape(num_rows, -1),
         k_planes,
         v_planes,
-        seq,
+        rows,
         scale=q.shape[-1] ** -0.5,
         **{"sliding_window": None, "soft_cap": None, **options},
     )
@@ -281,21 +286,22 @@ def _attend_single(q, key, value, kc, vc, md, **options):
 @pytest.mark.parametrize(
     "options", [{}, {"sliding_window": 5}, {"soft_cap": 3.0, "sliding_window": 20}]
 )
-def test_attend_single_matches_the_reference(dtype, num_heads, num_kv_heads, block_size, options):
-    """The traced one-token step (compiled forward) writes the reference's cache bytes and
-    attends as the reference does, for contexts from none to several blocks (one block
-    exactly full, one token past it)."""
+def test_attend_decode_matches_the_reference(dtype, num_heads, num_kv_heads, block_size, options):
+    """The traced decode step (compiled forward) writes the reference's cache bytes and attends
+    as the reference does: one sequence with a context from none to several blocks (one block
+    exactly full, one token past it), and rows of different lengths in one step."""
     torch.manual_seed(block_size * 100 + num_heads)
-    for ctx in (0, 1, block_size - 1, block_size, 2 * block_size + 1, 37):
-        q, key, value, kc, vc, md = _single_step(
-            ctx,
+    bs = block_size
+    for ctxs in ([0], [1], [bs - 1], [bs], [2 * bs + 1], [37], [0, 37, bs, 5], [bs, bs - 1]):
+        q, key, value, kc, vc, md = _decode_step(
+            ctxs,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=16,
             block_size=block_size,
             dtype=dtype,
         )
-        got, k_planes, v_planes = _attend_single(q, key, value, kc, vc, md, **options)
+        got, k_planes, v_planes = _attend_decode(q, key, value, kc, vc, md, **options)
         ref_write_kv_cache(key, value, kc, vc, md.slot_mapping)
         assert torch.equal(k_planes, to_planes(kc)) and torch.equal(v_planes, to_planes(vc))
         want = ref_paged_attention(
@@ -311,10 +317,11 @@ def test_attend_single_matches_the_reference(dtype, num_heads, num_kv_heads, blo
         torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_attend_single_traces_with_a_symbolic_block_count():
-    """Under torch.compile one graph serves every context length (the block count is
-    symbolic from 2 up; SingleSequence pads shorter tables), and its outputs and cache writes
-    equal the eager call's."""
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_attend_decode_traces_with_symbolic_sizes(num_rows):
+    """Under torch.compile one graph serves every context length (block count symbolic from 2
+    up; DecodeRows pads shorter tables) and, past one row, every row count; its outputs and
+    cache writes equal the eager call's."""
     torch.manual_seed(3)
     calls = []
 
@@ -322,32 +329,64 @@ def test_attend_single_traces_with_a_symbolic_block_count():
         calls.append(gm)
         return gm.forward
 
-    compiled = torch.compile(CpuBackend.attend_single, backend=backend, fullgraph=True)
-    block_size = 4
-    q, key, value, kc, vc, md = _single_step(
-        30, num_heads=6, num_kv_heads=2, head_dim=8, block_size=block_size, dtype=torch.float32
+    compiled = torch.compile(CpuBackend.attend_decode, backend=backend, fullgraph=True)
+    block_size, most = 4, 5  # rows in the largest step
+    q, key, value, kc, vc, md = _decode_step(
+        [30] * most,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        block_size=block_size,
+        dtype=torch.float32,
     )
-    args = (q.reshape(1, -1), key.reshape(1, -1), value.reshape(1, -1))
     opts = {"scale": 0.3, "sliding_window": 7, "soft_cap": 4.0}
-    for ctx in (2, 9, 30):  # tables of 2, 3 and 8 blocks over one cache
-        md.seq_lens = torch.tensor([ctx + 1], dtype=torch.int32)
-        table = md.block_tables[0]
-        md.slot_mapping = (table[ctx // block_size] * block_size + ctx % block_size).view(1)
-        seq = SingleSequence.from_metadata(md, block_size)
-        if ctx == 2:
-            torch._dynamo.mark_dynamic(seq.block_table, 0)
+    steps = [[2], [9], [30]] if num_rows == 1 else [[2, 5, 1], [9, 30], [30, 1, 17, 4, 8]]
+    for i, ctxs in enumerate(steps):  # tables of 2, 3 and 8 blocks over one cache
+        n = len(ctxs)
+        step = AttentionMetadata(
+            slot_mapping=torch.stack(
+                [
+                    md.block_tables[r, c // block_size] * block_size + c % block_size
+                    for r, c in enumerate(ctxs)
+                ]
+            ).long(),
+            block_tables=md.block_tables[:n],
+            cu_seqlens_q=torch.arange(n + 1, dtype=torch.int32),
+            seq_lens=torch.tensor([c + 1 for c in ctxs], dtype=torch.int32),
+            max_seqlen_q=1,
+            max_seqlen_k=max(ctxs) + 1,
+            backend=None,
+        )
+        rows = DecodeRows.from_metadata(step, block_size)
+        if i == 0:
+            torch._dynamo.mark_dynamic(rows.block_tables, 1)
+            if n > 1:
+                for t in (rows.block_tables, rows.seq_lens, rows.slots):
+                    torch._dynamo.mark_dynamic(t, 0)
+        args = (q[:n].reshape(n, -1), key[:n].reshape(n, -1), value[:n].reshape(n, -1))
         k_eager, v_eager = to_planes(kc), to_planes(vc)
         k_traced, v_traced = to_planes(kc), to_planes(vc)
-        want = CpuBackend.attend_single(*args, k_eager, v_eager, seq, **opts)
-        got = compiled(*args, k_traced, v_traced, seq, **opts)
+        want = CpuBackend.attend_decode(*args, k_eager, v_eager, rows, **opts)
+        got = compiled(*args, k_traced, v_traced, rows, **opts)
         torch.testing.assert_close(got, want)
         assert torch.equal(k_traced, k_eager) and torch.equal(v_traced, v_eager)
     assert len(calls) == 1
 
 
-def test_single_sequence_skips_a_token_that_writes_nothing():
-    md = _single_step(
-        3, num_heads=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32
+def test_decode_rows_only_for_steps_of_one_written_token_per_row():
+    md = _decode_step(
+        [3, 5], num_heads=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32
     )[-1]
-    md.slot_mapping = torch.tensor([-1])
-    assert SingleSequence.from_metadata(md, 4) is None
+    assert DecodeRows.from_metadata(md, 4) is not None
+    md.slot_mapping = torch.tensor([7, -1])  # a token that writes nothing
+    assert DecodeRows.from_metadata(md, 4) is None
+    prefill = make_batch(
+        [1, 2],
+        [3, 0],
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=4,
+        block_size=4,
+        dtype=torch.float32,
+    )[-1]
+    assert DecodeRows.from_metadata(prefill, 4) is None

@@ -119,15 +119,15 @@ def test_engines_of_one_class_keep_their_own_graphs(tiny_model_factory):
 
 
 def test_compiled_fp8_cache_keeps_the_attention_operator(tiny_model_factory):
-    """An fp8 cache is not traced (attend_single covers caches in a float dtype): the one-token
-    graph calls the operator for it, and the tokens and logprobs equal the eager engine's."""
+    """An fp8 cache is not traced (attend_decode covers caches in a float dtype): the decode
+    graphs call the operator for it, and the tokens and logprobs equal the eager engine's."""
     model = tiny_model_factory("llama")
     options = {"kv_cache_dtype": "fp8"}
-    _, runner, got = _run(model, PROMPTS[1:2], compilation_config=3, **options)
-    assert runner.compiled.single is not None
-    layers = [m for m in runner.model.modules() if hasattr(m, "trace_single")]
-    assert layers and not any(m.trace_single for m in layers)
-    _, _, want = _run(model, PROMPTS[1:2], **options)
+    _, runner, got = _run(model, PROMPTS, PROMPTS[1:2], compilation_config=3, **options)
+    assert runner.compiled.single is not None and runner.compiled.decode is not None
+    layers = [m for m in runner.model.modules() if hasattr(m, "trace_decode")]
+    assert layers and not any(m.trace_decode for m in layers)
+    _, _, want = _run(model, PROMPTS, PROMPTS[1:2], **options)
     _assert_same(got, want)
 
 

@@ -39,9 +39,9 @@ class AttentionMetadata:
     max_seqlen_k: int
     backend: AttentionBackend
     plan: Any = None  # a backend's per-step precomputation (index tensors, masks), or None
-    # A one-token step under the CPU's compiled forward: the sequence's inputs for
-    # `CpuBackend.attend_single`, which the graph traces (worker/cpu_compile.py); else None.
-    single: Any = None
+    # A decode step under the CPU's compiled forward: its rows' inputs for
+    # `CpuBackend.attend_decode`, which the graph traces (worker/cpu_compile.py); else None.
+    decode: Any = None
 
 
 class AttentionBackend(ABC):

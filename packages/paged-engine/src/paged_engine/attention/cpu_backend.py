@@ -18,10 +18,10 @@ An fp8 cache (kv_cache_dtype fp8 / fp8_e5m2) is written as the torch reference q
 K/V are dequantized from their bits (`fp8_to_float`, exact and ~4x faster than torch's fp8
 cast on CPU), times the layer's k_scale / v_scale, then cast to the query's dtype.
 
-`attend_single` is the one-token step (one sequence decoding) written for `torch.compile` to
-trace (worker/cpu_compile.py): the write, a gather of the sequence's whole blocks, two bmm and a
-masked softmax, which inductor runs from its generated code beside the layer's other ops, where
-`attend` costs ~100 us of Python and dispatch a layer.
+`attend_decode` is a decode step (every row one new token) written for `torch.compile` to trace
+(worker/cpu_compile.py): the write, a gather of each sequence's whole blocks, two batched
+matmuls and a masked softmax, which inductor runs from its generated code beside the layer's
+other ops, where `attend` costs ~100-200 us of Python and dispatch a layer.
 """
 
 from __future__ import annotations
@@ -39,27 +39,27 @@ BATCH_INVARIANT_KV_MULTIPLE = 512
 
 
 @dataclass(slots=True)
-class SingleSequence:
-    """`attend_single`'s inputs: the step's one token and the sequence it extends."""
+class DecodeRows:
+    """`attend_decode`'s inputs: a step of S sequences that each add one token."""
 
-    block_table: torch.Tensor  # [B] int64, B >= 2 blocks covering seq_len, padded with block 0
-    seq_len: torch.Tensor  # [1] int64: the context, this token included
-    slot: torch.Tensor  # [1] int64 >= 0: where this token's K/V go
+    block_tables: torch.Tensor  # [S, B] int64, B >= 2 blocks covering every row, padding 0
+    seq_lens: torch.Tensor  # [S] int64: each row's context, its new token included
+    slots: torch.Tensor  # [S] int64 >= 0: where each new token's K/V go
 
     @classmethod
-    def from_metadata(cls, md: AttentionMetadata, block_size: int) -> SingleSequence | None:
-        """The inputs of a one-token step's metadata; None if its token writes nothing."""
-        slot = md.slot_mapping[:1]
-        if int(slot[0]) < 0:
+    def from_metadata(cls, md: AttentionMetadata, block_size: int) -> DecodeRows | None:
+        """The step's rows, or None unless every row is one token that writes its K/V."""
+        num_rows = md.seq_lens.shape[0]
+        slots = md.slot_mapping
+        if md.max_seqlen_q != 1 or slots.shape[0] != num_rows or bool((slots < 0).any()):
             return None
-        seq_len = int(md.seq_lens[0])
         # At least 2 blocks: a traced graph keeps B symbolic only from 2 up (dynamo
-        # specializes sizes 0 and 1), and a padding block is masked like any other key.
-        num_blocks = max(2, -(-seq_len // block_size))
-        table = torch.zeros(num_blocks, dtype=torch.int64)
-        row = md.block_tables[0, :num_blocks]
-        table[: row.shape[0]] = row
-        return cls(table, torch.tensor([seq_len], dtype=torch.int64), slot.long())
+        # specializes sizes 0 and 1); keys past a row's length are masked, padding blocks too.
+        num_blocks = max(2, -(-md.max_seqlen_k // block_size))
+        tables = torch.zeros(num_rows, num_blocks, dtype=torch.int64)
+        width = min(num_blocks, md.block_tables.shape[1])
+        tables[:, :width] = md.block_tables[:, :width]
+        return cls(tables, md.seq_lens.long(), slots.long())
 
 
 class CpuBackend(AttentionBackend):
@@ -189,42 +189,45 @@ class CpuBackend(AttentionBackend):
         return o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
-    def attend_single(
-        query: torch.Tensor,  # [1, H*D]
-        key: torch.Tensor,  # [1, Hkv*D]
+    def attend_decode(
+        query: torch.Tensor,  # [S, H*D]
+        key: torch.Tensor,  # [S, Hkv*D]
         value: torch.Tensor,
         key_cache: torch.Tensor,  # [Hkv, num_blocks, block_size, D], not fp8
         value_cache: torch.Tensor,
-        seq: SingleSequence,
+        rows: DecodeRows,
         *,
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
-    ) -> torch.Tensor:  # [1, H*D]
-        """`write_kv` + `attend` of a one-token step, in ops `torch.compile` traces: the token
-        (position seq_len - 1) attends to keys 0 .. seq_len - 1 (within the window), scores and
-        softmax in fp32 as `_attend_math`. No fp8 cache, no ALiBi (the compiled forward keeps
-        those layers on the opaque operator)."""
+    ) -> torch.Tensor:  # [S, H*D]
+        """`write_kv` + `attend` of a decode step (one token per row), in ops `torch.compile`
+        traces: row s (position seq_lens[s] - 1) attends to its keys 0 .. seq_lens[s] - 1
+        (within the window), gathered by whole blocks; scores and softmax in fp32 as
+        `_attend_math`. No fp8 cache, no ALiBi (the compiled forward keeps those layers on the
+        opaque operator)."""
         num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
+        num_rows = query.shape[0]
         group = query.shape[-1] // (num_kv_heads * head_dim)
         for src, cache in ((key, key_cache), (value, value_cache)):
             planes = cache.view(num_kv_heads, num_blocks * block_size, head_dim)
-            src = src.view(1, num_kv_heads, head_dim).transpose(0, 1).to(cache.dtype)
-            planes.index_copy_(1, seq.slot, src)
-        k = key_cache[:, seq.block_table].flatten(1, 2)  # [Hkv, B*block_size, D]
-        v = value_cache[:, seq.block_table].flatten(1, 2)
-        q = query.view(num_kv_heads, group, head_dim)  # query head kv*G + g -> [kv, g]
-        scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale  # [Hkv, G, keys]
+            src = src.view(num_rows, num_kv_heads, head_dim).transpose(0, 1).to(cache.dtype)
+            planes.index_copy_(1, rows.slots, src)
+        k = key_cache[:, rows.block_tables].flatten(2, 3)  # [Hkv, S, B*block_size, D]
+        v = value_cache[:, rows.block_tables].flatten(2, 3)
+        # query head kv*G + g of row s -> [kv, s, g]
+        q = query.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [Hkv, S, G, L]
         if soft_cap:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        last = seq.seq_len - 1  # the query's position
-        key_pos = torch.arange(k.shape[1])
+        last = (rows.seq_lens - 1).view(1, num_rows, 1, 1)  # each row's query position
+        key_pos = torch.arange(k.shape[2])
         visible = key_pos <= last
         if sliding_window:
             visible = visible & (last - key_pos < sliding_window)
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out = torch.bmm(probs, v.float()).to(query.dtype)  # [Hkv, G, D]
-        return out.reshape(1, num_kv_heads * group * head_dim)
+        out = torch.matmul(probs, v.float()).to(query.dtype)  # [Hkv, S, G, D]
+        return out.transpose(0, 1).reshape(num_rows, num_kv_heads * group * head_dim)
 
     def copy_blocks(self, key_caches, value_caches, mapping) -> None:
         if mapping.numel() == 0:

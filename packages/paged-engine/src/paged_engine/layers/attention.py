@@ -48,9 +48,9 @@ class Attention(nn.Module):
         # paged_engine::attention operator and the index of its cache in the model's kv_caches.
         self.op_handle: int | None = None
         self.kv_index = -1
-        # Set by a compiled forward: a one-token step's attention is traced into the graph
-        # (`backend.attend_single`) instead of calling the operator.
-        self.trace_single = False
+        # Set by a compiled forward: a decode step's attention is traced into the graph
+        # (`backend.attend_decode`) instead of calling the operator.
+        self.trace_decode = False
 
     def forward(
         self,
@@ -61,16 +61,16 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H*D]
         if self.op_handle is not None and torch.compiler.is_compiling():
-            single = attn_metadata.single
-            if single is not None and self.trace_single:
+            rows = attn_metadata.decode
+            if rows is not None and self.trace_decode:
                 key_cache, value_cache = kv_cache
-                return attn_metadata.backend.attend_single(
+                return attn_metadata.backend.attend_decode(
                     q,
                     k,
                     v,
                     key_cache,
                     value_cache,
-                    single,
+                    rows,
                     scale=self.scale,
                     sliding_window=self.sliding_window,
                     soft_cap=self.soft_cap,

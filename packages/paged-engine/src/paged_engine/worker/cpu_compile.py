@@ -10,12 +10,16 @@ weights reordered into int32 words): inductor's loop reads the int8 weights at ~
 AVX2 cores, 2.4x the weights per second of fbgemm's fp16 GEMV. An int8 tied LM head gets a
 compiled `compute_logits` of its own for the same reason.
 
-Two graphs serve every step, both compiled while the engine starts:
+Three graphs serve every step, all compiled while the engine starts:
 
-    single   a one-token step (one sequence decoding): static shapes but for the sequence's
-             block count; its attention is traced too (`CpuBackend.attend_single`: KV write,
-             block gather, bmm, softmax), so the whole forward is one C++ call sequence
-    general  any other step: the token count symbolic, attention through the operator
+    single   one token (one sequence decoding): static shapes but for the sequence's block
+             count; its attention is traced (`CpuBackend.attend_decode`: KV write, block
+             gather, two matmuls, softmax) and an int8 layer's GEMV too, so the whole forward
+             is one C++ call sequence
+    decode   S >= 2 sequences of one token each: the row and block counts symbolic, attention
+             traced the same way, linear layers as in the general graph
+    general  any other step (prefill, chunked prefill beside decode): the token count
+             symbolic, attention through the operator
 
 The warm-up forwards write nothing but into the null block (zeroed after) and read only it.
 
@@ -36,7 +40,7 @@ import numpy as np
 import torch
 
 from paged_engine.attention import AttentionMetadata, HostLengths
-from paged_engine.attention.cpu_backend import CpuBackend, SingleSequence
+from paged_engine.attention.cpu_backend import CpuBackend, DecodeRows
 from paged_engine.layers import compiled_ops
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.quantization import Int8Linear, QuantizedLinearMethod, QuantizedTiedHead
@@ -64,6 +68,20 @@ def _own_copy(fn: types.FunctionType, owner: object, tag: str) -> types.Function
 
 def _skip_module_guards(entries) -> list[bool]:
     return [not e.orig_guard.source.is_unspecialized_nn_module() for e in entries]
+
+
+def _null_rows(num_rows: int, num_blocks: int) -> DecodeRows:
+    """Warm-up rows: one token each at position 0, written to the null block's slot 0, over
+    tables of null blocks; both sizes marked dynamic (the block count always, the row count
+    where it is not the one-token graph's static 1)."""
+    tables = torch.zeros(num_rows, num_blocks, dtype=torch.int64)
+    seq_lens = torch.ones(num_rows, dtype=torch.int64)
+    slots = torch.zeros(num_rows, dtype=torch.int64)
+    torch._dynamo.mark_dynamic(tables, 1)
+    if num_rows > 1:
+        for t in (tables, seq_lens, slots):
+            torch._dynamo.mark_dynamic(t, 0)
+    return DecodeRows(tables, seq_lens, slots)
 
 
 def _compile(fn: types.FunctionType):
@@ -96,9 +114,11 @@ class CompiledForward:
                     lm.op_handle = compiled_ops.register(lm)
                     traced_head = isinstance(method, Int8Linear) and method.words is not None
         self.compiled = _compile(_own_copy(_forward, self, "general"))
-        self.single = None
+        self.single = self.decode = None
         if isinstance(runner.backend, CpuBackend) and runner.backend.kv_multiple == 1:
             self.single = _compile(_own_copy(_forward, self, "single"))
+            if runner.config.max_num_seqs > 1:
+                self.decode = _compile(_own_copy(_forward, self, "decode"))
         self.head = None
         if traced_head:
             self.head = _compile(_own_copy(_logits, self, "logits"))
@@ -143,9 +163,9 @@ class CompiledForward:
         for m in attention:
             m.kv_index = seen[id(m)]
             m.op_handle = compiled_ops.register(m)
-            # attend_single covers windows and soft caps, not an fp8 cache or ALiBi.
+            # attend_decode covers windows and soft caps, not an fp8 cache or ALiBi.
             key_cache = r.cache.kv_caches[m.kv_index][0]
-            m.trace_single = (
+            m.trace_decode = (
                 self.single is not None
                 and key_cache.dtype not in FP8_DTYPES
                 and m.alibi_slopes is None
@@ -157,7 +177,7 @@ class CompiledForward:
         self._map_caches()
         r = self.runner
         assert r.cache is not None
-        # general: 2 tokens, marked dynamic (symbolic from 2 up; one token runs `single`).
+        # general: 2 tokens, marked dynamic (symbolic from 2 up; decode steps run the others).
         ids = torch.zeros(2, dtype=torch.int64)
         pos = ids.clone()
         torch._dynamo.mark_dynamic(ids, 0)
@@ -165,14 +185,17 @@ class CompiledForward:
         meta = self._dummy_meta(2)
         with compiled_ops.forward_context(r.cache.kv_caches, meta):
             rows = self.compiled(r.model, ids, pos, r.cache.kv_caches, meta)
+        if self.decode is not None:
+            # 2 rows of 3-block tables (unequal sizes: dynamo would tie equal ones together).
+            meta = self._dummy_meta(2)
+            meta.decode = _null_rows(2, 3)
+            self._forward(ids, pos, meta)
         # single: one token at position 0 of a 2-block table of null blocks (block count
         # symbolic), writing its K/V into the null block's slot 0.
         ids = torch.zeros(1, dtype=torch.int64)
         meta = self._dummy_meta(1)
         if self.single is not None:
-            table = torch.zeros(2, dtype=torch.int64)
-            torch._dynamo.mark_dynamic(table, 0)
-            meta.single = SingleSequence(table, torch.ones(1, dtype=torch.int64), ids.clone())
+            meta.decode = _null_rows(1, 2)
         hidden = self._forward(ids, ids.clone(), meta)
         for key_cache, value_cache in r.cache.kv_caches:  # nothing real lives in block 0
             key_cache[:, 0].zero_()
@@ -186,9 +209,10 @@ class CompiledForward:
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if input_ids.shape[0] == 1 and self.single is not None:
+        num_tokens = input_ids.shape[0]
+        if self.decode is not None or (num_tokens == 1 and self.single is not None):
             block_size = self.runner.cache.kv_caches[0][0].shape[2]  # type: ignore[union-attr]
-            meta.single = SingleSequence.from_metadata(meta, block_size)
+            meta.decode = DecodeRows.from_metadata(meta, block_size)
         return self._forward(input_ids, positions, meta)
 
     def _forward(
@@ -197,7 +221,9 @@ class CompiledForward:
         r = self.runner
         assert r.cache is not None
         kv_caches = r.cache.kv_caches
-        fn = self.single if meta.single is not None else self.compiled
+        fn = self.compiled
+        if meta.decode is not None:
+            fn = self.single if input_ids.shape[0] == 1 else self.decode
         with compiled_ops.forward_context(kv_caches, meta):
             return fn(r.model, input_ids, positions, kv_caches, meta)
 

@@ -10,10 +10,10 @@ is not running, is a 409. A development tool: nothing guards it but the variable
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from paged_engine.worker.profiler import profiler_dir
 from paged_server.errors import APIError
 
 if TYPE_CHECKING:
@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     from paged_server.http import Handler
 
 START, STOP = "/start_profile", "/stop_profile"
+# The engine's variables (paged_engine/worker/profiler.py), read here without importing the
+# engine: the server's modules never import torch.
+DIR_ENV = ("PAGED_TORCH_PROFILER_DIR", "VLLM_TORCH_PROFILER_DIR")
 # Writing a trace of a long run takes a while (vLLM's docs warn of minutes on big models).
 STOP_TIMEOUT = 1800.0
 
 
 def profile_routes(client: EngineClient) -> dict[str, dict[str, Callable[[Handler], None]]]:
     """The two routes, or none when profiling is off."""
-    if profiler_dir() is None:
+    if not any(os.environ.get(name) for name in DIR_ENV):
         return {}
 
     def start(h: Handler) -> None:

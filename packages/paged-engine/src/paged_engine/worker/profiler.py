@@ -28,10 +28,11 @@ DIR_ENV = "PAGED_TORCH_PROFILER_DIR"
 
 
 def _env(name: str) -> str | None:
-    """TORCH_PROFILER_<name>, PAGED_ first; None when neither prefix sets it."""
+    """TORCH_PROFILER_<name>, PAGED_ first; None when neither prefix sets it (an empty
+    value counts as unset)."""
     for prefix in PREFIXES:
         value = os.environ.get(f"{prefix}TORCH_PROFILER_{name}")
-        if value is not None:
+        if value:
             return value
     return None
 
@@ -47,8 +48,7 @@ def _flag(name: str, default: bool) -> bool:
 
 def profiler_dir() -> str | None:
     """The trace directory the environment names, or None (profiling off)."""
-    value = _env("DIR")
-    return value or None
+    return _env("DIR")
 
 
 class WorkerProfiler:

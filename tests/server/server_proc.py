@@ -180,6 +180,25 @@ def serve_in_process(args: list[str], engine: object) -> Iterator[tuple[ServerPr
         client.stop()
 
 
+@contextlib.contextmanager
+def data_parallel_front(replicas: list[ServerProc]) -> Iterator[ServerProc]:
+    """The data-parallel front (ReplicaRouter) over servers already running, in this process."""
+    from types import SimpleNamespace
+
+    from paged_server.data_parallel import Replica, ReplicaRouter
+    from paged_server.http import Server
+
+    live = SimpleNamespace(poll=lambda: None)  # a replica process that is running
+    router = ReplicaRouter([Replica(i, live, r.host, r.port) for i, r in enumerate(replicas)])
+    front = Server(("127.0.0.1", 0), router, io_timeout=3)
+    threading.Thread(target=front.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield ServerProc(None, "http://{}:{}".format(*front.server_address[:2]))
+    finally:
+        front.shutdown()
+        front.server_close()
+
+
 GREEDY_PROMPTS = ["Hello, my name is", "The capital of France is", "one two three"]
 
 

@@ -14,14 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc, serve_in_process
+from server_proc import (
+    COMMON_ARGS,
+    MAX_MODEL_LEN,
+    ServerProc,
+    data_parallel_front,
+    serve_in_process,
+)
 
 from paged_engine.lora.request import LoRARequest
 from paged_server.cli import _lora_config, build_parser, parse_args, serve
-from paged_server.data_parallel import Replica, ReplicaRouter
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError
-from paged_server.http import Server
 from paged_server.lora import LoRAModule, runtime_updates_allowed
 
 ENV = "PAGED_ALLOW_RUNTIME_LORA_UPDATING"
@@ -353,31 +357,21 @@ def test_the_data_parallel_front_updates_every_replica(adapters: dict[str, str])
     with (
         _serve(_lora_args(adapters), runtime=True) as r0,
         _serve(_lora_args(adapters), runtime=True) as r1,
+        data_parallel_front([r0.http, r1.http]) as http,
     ):
-        replicas = []
-        for i, s in enumerate((r0, r1)):
-            proc = SimpleNamespace(poll=lambda: None)  # a live replica process
-            replicas.append(Replica(i, proc, s.http.host, s.http.port))
-        front = Server(("127.0.0.1", 0), ReplicaRouter(replicas), io_timeout=3)
-        threading.Thread(target=front.serve_forever, args=(0.05,), daemon=True).start()
-        http = ServerProc(None, "http://{}:{}".format(*front.server_address[:2]))
-        try:
-            body = {"lora_name": "dp", "lora_path": adapters["dp"]}
-            _post(http, "/v1/load_lora_adapter", body)
-            assert [s.app.lora.get("dp") is not None for s in (r0, r1)] == [True, True]
-            for _ in range(2):  # least-loaded routing: both replicas answer
-                answer = _post(http, "/v1/completions", {"model": "dp", "prompt": "x"})
-                assert answer["choices"][0]["text"].startswith("dpdp")
-            _post(http, "/v1/unload_lora_adapter", {"lora_name": "dp"})
-            assert [s.app.lora.get("dp") for s in (r0, r1)] == [None, None]
-            # replica 0 refuses (the name is taken there): replica 1's load is undone
-            _post(r0.http, "/v1/load_lora_adapter", body)
-            err = _post(http, "/v1/load_lora_adapter", body, 400)
-            assert err["error"]["param"] == "lora_name"
-            assert r1.app.lora.get("dp") is None and r0.app.lora.get("dp") is not None
-        finally:
-            front.shutdown()
-            front.server_close()
+        body = {"lora_name": "dp", "lora_path": adapters["dp"]}
+        _post(http, "/v1/load_lora_adapter", body)
+        assert [s.app.lora.get("dp") is not None for s in (r0, r1)] == [True, True]
+        for _ in range(2):  # least-loaded routing: both replicas answer
+            answer = _post(http, "/v1/completions", {"model": "dp", "prompt": "x"})
+            assert answer["choices"][0]["text"].startswith("dpdp")
+        _post(http, "/v1/unload_lora_adapter", {"lora_name": "dp"})
+        assert [s.app.lora.get("dp") for s in (r0, r1)] == [None, None]
+        # replica 0 refuses (the name is taken there): replica 1's load is undone
+        _post(r0.http, "/v1/load_lora_adapter", body)
+        err = _post(http, "/v1/load_lora_adapter", body, 400)
+        assert err["error"]["param"] == "lora_name"
+        assert r1.app.lora.get("dp") is None and r0.app.lora.get("dp") is not None
 
 
 # ---- a real engine -------------------------------------------------------------------------

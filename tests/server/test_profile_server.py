@@ -5,17 +5,19 @@ engine goes on serving), one trace per replica behind the data-parallel front.""
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc, serve_in_process
-
-from paged_server.data_parallel import Replica, ReplicaRouter
-from paged_server.http import Server
+from server_proc import (
+    COMMON_ARGS,
+    MAX_MODEL_LEN,
+    ServerProc,
+    data_parallel_front,
+    serve_in_process,
+)
 
 COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
 
@@ -81,25 +83,18 @@ def _serve_fake(trace_dir: Path) -> Iterator[SimpleNamespace]:
 
 
 def test_the_data_parallel_front_profiles_every_replica(tmp_path: Path) -> None:
-    with _serve_fake(tmp_path) as r0, _serve_fake(tmp_path) as r1:
-        replicas = []
-        for i, s in enumerate((r0, r1)):
-            proc = SimpleNamespace(poll=lambda: None)  # a live replica process
-            replicas.append(Replica(i, proc, s.http.host, s.http.port))
-        front = Server(("127.0.0.1", 0), ReplicaRouter(replicas), io_timeout=3)
-        threading.Thread(target=front.serve_forever, args=(0.05,), daemon=True).start()
-        http = ServerProc(None, "http://{}:{}".format(*front.server_address[:2]))
-        try:
-            _post(http, "/start_profile")
-            assert r0.engine.profiling and r1.engine.profiling
-            _post(r1.http, "/stop_profile")  # replica 1 alone: the front's stop fails there
-            assert "not running" in _post(http, "/stop_profile", status=409)["error"]["message"]
-            assert not r0.engine.profiling
-            _post(http, "/start_profile")
-            traces = _post(http, "/stop_profile")["traces"]
-            assert len(traces) == 2 and len(set(traces)) == 2  # one per replica
-            assert not r0.engine.profiling and not r1.engine.profiling
-            assert r0.engine.threads["start_profile"] == {"engine-loop"}  # the engine thread
-        finally:
-            front.shutdown()
-            front.server_close()
+    with (
+        _serve_fake(tmp_path) as r0,
+        _serve_fake(tmp_path) as r1,
+        data_parallel_front([r0.http, r1.http]) as http,
+    ):
+        _post(http, "/start_profile")
+        assert r0.engine.profiling and r1.engine.profiling
+        _post(r1.http, "/stop_profile")  # replica 1 alone: the front's stop fails there
+        assert "not running" in _post(http, "/stop_profile", status=409)["error"]["message"]
+        assert not r0.engine.profiling
+        _post(http, "/start_profile")
+        traces = _post(http, "/stop_profile")["traces"]
+        assert len(traces) == 2 and len(set(traces)) == 2  # one per replica
+        assert not r0.engine.profiling and not r1.engine.profiling
+        assert r0.engine.threads["start_profile"] == {"engine-loop"}  # the engine thread

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from paged_server import profiling
 from paged_server.errors import APIError
 from paged_server.http import Handler
 
@@ -53,7 +54,6 @@ log = logging.getLogger("paged_server")
 _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-encoding", "expect"})
 _PASS_RESPONSE_HEADERS = ("Retry-After", "WWW-Authenticate")
 _LOAD_LORA, _UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
-_START_PROFILE, _STOP_PROFILE = "/start_profile", "/stop_profile"
 _RESPONSES, _RESPONSE_ROUTE = "/v1/responses", "/v1/responses/"
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids are made of
 
@@ -101,7 +101,7 @@ class ReplicaRouter:
         route = path.rstrip("/")
         if route.startswith(_RESPONSE_ROUTE) and method in ("GET", "HEAD", "DELETE"):
             return self._stored_response(handler, method)
-        if method == "POST" and route in (_START_PROFILE, _STOP_PROFILE):  # no body, as vLLM's
+        if method == "POST" and route in (profiling.START, profiling.STOP):  # no body, as vLLM's
             return self._profile(handler, route)
         body, cost, holder = None, 1, None
         if method in ("POST", "PUT", "PATCH"):
@@ -204,7 +204,7 @@ class ReplicaRouter:
         headers = _headers(h)
         answers = [self._request(r, "POST", route, None, headers) for r in self._live()]
         failed = [a for a in answers if a.status != 200]
-        if failed or route == _START_PROFILE:
+        if failed or route == profiling.START:
             a = (failed or answers)[0]
             return h.send_bytes(a.status, a.body, a.content_type, a.headers)
         traces = [path for a in answers for path in json.loads(a.body)["traces"]]

@@ -182,9 +182,7 @@ class CompiledForward:
         pos = ids.clone()
         torch._dynamo.mark_dynamic(ids, 0)
         torch._dynamo.mark_dynamic(pos, 0)
-        meta = self._dummy_meta(2)
-        with compiled_ops.forward_context(r.cache.kv_caches, meta):
-            rows = self.compiled(r.model, ids, pos, r.cache.kv_caches, meta)
+        rows = self._forward(ids, pos, self._dummy_meta(2))
         if self.decode is not None:
             # 2 rows of 3-block tables (unequal sizes: dynamo would tie equal ones together).
             meta = self._dummy_meta(2)

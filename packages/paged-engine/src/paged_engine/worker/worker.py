@@ -187,19 +187,19 @@ class Worker:
         return len(loaded)
 
     def start_profile(self) -> None:
+        self._profiler().start()
+
+    def stop_profile(self) -> str:
+        """This rank's trace file."""
+        return self._profiler().stop()
+
+    def _profiler(self) -> WorkerProfiler:
         if self.profiler is None:
             raise RuntimeError(
                 f"profiling is off: start the engine with {DIR_ENV} (or VLLM_TORCH_PROFILER_DIR) "
                 "naming a directory for the traces"
             )
-        self.profiler.start()
-
-    def stop_profile(self) -> str:
-        """This rank's trace file."""
-        if self.profiler is None:
-            self.start_profile()  # raises: profiling is off
-        assert self.profiler is not None
-        return self.profiler.stop()
+        return self.profiler
 
     def add_lora(self, lora_id: int, path: str) -> None:
         """Read and pack an adapter into host memory; ValueError when it does not fit."""

@@ -65,6 +65,13 @@ def test_prefix_cache_hits_and_same_outputs(model_dir):
     expected = _greedy(off, prompts)
     assert _greedy(on, prompts[:1]) == expected[:1]  # fills the cache
     assert _greedy(on, prompts) == expected
+    # The outputs say so too: cached prompt tokens, and metrics in time order (a regression:
+    # these two fields once came through shifted into the wrong places).
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = on.generate([{"prompt_token_ids": prompts[1]}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 48
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     stats = on.get_stats()
     assert stats.prefix_cache_hits >= 3 * 48  # three full 16-token blocks per later prompt
     assert stats.num_used_blocks == 0

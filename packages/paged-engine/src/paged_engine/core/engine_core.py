@@ -323,9 +323,10 @@ class EngineCore:
     @staticmethod
     def _new_output(req: Request, outputs: dict[str, EngineCoreOutput]) -> EngineCoreOutput:
         o = outputs[req.request_id] = EngineCoreOutput(
-            req.request_id, [], False, None, None, req.first_scheduled_time,
-            req.seqs[0].num_cached_tokens,
-        )  # fmt: skip
+            req.request_id,
+            first_scheduled_time=req.first_scheduled_time,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
         return o
 
     def _beam_step(

@@ -133,7 +133,12 @@ class FakeEngine:
         enable_lora: bool = False,
     ) -> None:
         self.tokenizer = FakeTokenizer()
-        self.config = SimpleNamespace(model="fake", max_model_len=max_model_len, block_size=16)
+        self.config = SimpleNamespace(
+            model="fake",
+            max_model_len=max_model_len,
+            block_size=16,
+            scheduling_policy="fcfs",
+        )
         self.step_time = step_time
         self.max_num_seqs = max_num_seqs
         self.num_blocks = num_blocks
@@ -142,6 +147,7 @@ class FakeEngine:
         self.states: dict[str, _State] = {}  # the output stage's, like OutputProcessor.states
         self.prompt_tokens = self.gen_tokens = 0
         self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
+        self.priorities: dict[str, int] = {}  # the priority each request was added with
         self.threads: dict[str, set[str]] = {}  # method -> names of the threads that called it
         self.stopped: list[tuple[str, int, str]] = []  # every finish_seqs entry
         self.enable_lora = enable_lora
@@ -197,9 +203,12 @@ class FakeEngine:
         return [*self.waiting, *self.running.values()]
 
     def add_request(
-        self, request_id, prompt, params, arrival_time=None, *, lora_request=None
+        self, request_id, prompt, params, arrival_time=None, *, lora_request=None, priority=0
     ) -> None:
         self._called("add_request")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs priority scheduling")
+        self.priorities[request_id] = priority
         if lora_request is not None:
             self._load(lora_request)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt

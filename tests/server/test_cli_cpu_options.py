@@ -1,5 +1,6 @@
-"""paged-server's CPU options reach the engine config: --quantization, --batch-invariant,
---cpu-num-threads, -O / --compilation-config (the engine validates them)."""
+"""paged-server's engine options reach the engine config: the CPU ones (--quantization,
+--batch-invariant, --cpu-num-threads, -O / --compilation-config), --generation-config,
+--override-generation-config and --scheduling-policy (the engine validates them)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,28 @@ def test_bad_compilation_config(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["m", "-O", "fast"])
     assert "--compilation-config" in capsys.readouterr().err
+
+
+def test_generation_config_and_scheduling_policy(monkeypatch, capsys):
+    config = engine_config(monkeypatch, [])
+    assert (config.generation_config, config.override_generation_config) == ("auto", None)
+    assert config.scheduling_policy == "fcfs"
+    argv = [
+        "--generation-config",
+        "vllm",
+        "--override-generation-config",
+        '{"temperature": 0.3}',
+        "--scheduling-policy",
+        "priority",
+    ]
+    config = engine_config(monkeypatch, argv)
+    assert (config.generation_config, config.override_generation_config) == (
+        "vllm",
+        {"temperature": 0.3},
+    )
+    assert config.scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="override_generation_config has unknown key"):
+        engine_config(monkeypatch, ["--override-generation-config", '{"temp": 1}'])
+    with pytest.raises(SystemExit):
+        parse_args(["m", "--scheduling-policy", "lifo"])
+    assert "--scheduling-policy" in capsys.readouterr().err

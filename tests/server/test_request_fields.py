@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from fake_engine import FakeEngine
@@ -238,3 +239,57 @@ def test_return_token_ids(fake) -> None:
     assert len(r["choices"][0]["token_ids"]) == r["usage"]["completion_tokens"]
     plain = post(fake, "/v1/completions", {**body, "return_token_ids": False})
     assert "token_ids" not in plain["choices"][0]
+
+
+def test_priority_needs_the_priority_policy(fake) -> None:
+    body = {"prompt": "a", "max_tokens": 1}
+    post(fake, "/v1/completions", {**body, "priority": 0})
+    r = post(fake, "/v1/completions", {**body, "priority": 3}, 400)
+    assert r["error"]["param"] == "priority" and "priority scheduling" in r["error"]["message"]
+    for bad in ("high", 1.5, 1 << 64):
+        r = post(fake, "/v1/completions", {**body, "priority": bad}, 400)
+        assert r["error"]["param"] == "priority"
+
+
+@pytest.fixture(scope="module")
+def tuned() -> Iterator[tuple[ServerProc, FakeEngine]]:
+    """A fake engine whose model recommends sampling defaults, under the priority policy."""
+    engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
+    engine.generation_defaults = {"temperature": 0.5, "top_k": 5, "max_tokens": 3}
+    engine.config.scheduling_policy = "priority"
+    with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+        yield http, engine
+
+
+def _last_params(engine: FakeEngine) -> tuple[Any, int]:
+    rid = next(reversed(engine.params))
+    return engine.params[rid], engine.priorities[rid]
+
+
+def test_generation_config_defaults_fill_unset_fields(tuned) -> None:
+    http, engine = tuned
+    r = post(http, "/v1/completions", {"prompt": "abc", "max_tokens": 16})
+    params, _ = _last_params(engine)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.5, 5, 3)
+    assert r["usage"]["completion_tokens"] <= 3  # the model's max_new_tokens caps requests
+    body = {"prompt": "abc", "max_tokens": 2, "temperature": 0.9, "top_k": None}
+    post(http, "/v1/completions", body)  # a request's own values win; null means unset
+    params, _ = _last_params(engine)
+    assert (params.temperature, params.top_k, params.max_tokens) == (0.9, 5, 2)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "priority": -2}
+    post(http, "/v1/chat/completions", chat)  # no max_tokens: the rest of the context, capped
+    params, priority = _last_params(engine)
+    assert (params.max_tokens, params.temperature, priority) == (3, 0.5, -2)
+    beams = {"prompt": "abc", "use_beam_search": True, "n": 2, "max_tokens": 8}
+    post(http, "/v1/completions", beams)  # beams sample nothing: only the length cap applies
+    params, _ = _last_params(engine)
+    assert (params.top_k, params.max_tokens) == (0, 3)
+
+
+def test_responses_echo_the_defaults_that_ran(tuned) -> None:
+    http, engine = tuned
+    r = post(http, "/v1/responses", {"input": "hi", "priority": 4, "store": False})
+    assert (r["temperature"], r["top_p"]) == (0.5, 1.0)
+    assert _last_params(engine)[1] == 4
+    r = post(http, "/v1/responses", {"input": "hi", "temperature": 0.1, "store": False})
+    assert r["temperature"] == 0.1

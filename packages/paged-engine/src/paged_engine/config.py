@@ -14,6 +14,7 @@ _DEVICES = ("auto", "cuda", "cpu")
 _QUANTIZATIONS = (None, "fp16", "int8", "int4")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
+_SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -87,6 +88,13 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Sampling defaults (engine/generation_defaults.py): "auto" takes the model's
+    # generation_config.json, "vllm" none, a path that directory's; the override goes on top.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    # "fcfs": requests run in arrival order; "priority": by (priority, arrival), lower first,
+    # and preemption takes the running request that sorts last (core/scheduler.py).
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -100,6 +108,15 @@ class EngineConfig:
             str(_BACKENDS),
         )
         _check(self.device in _DEVICES, "device", self.device, str(_DEVICES))
+        _check(
+            self.scheduling_policy in _SCHEDULING_POLICIES,
+            "scheduling_policy",
+            self.scheduling_policy,
+            str(_SCHEDULING_POLICIES),
+        )
+        from paged_engine.engine.generation_defaults import check_setting
+
+        check_setting(self.generation_config, self.override_generation_config)
         _check(
             self.kv_cache_dtype in _KV_CACHE_DTYPES,
             "kv_cache_dtype",

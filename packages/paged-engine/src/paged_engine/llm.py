@@ -32,6 +32,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams `generate` and `chat` use when given none: the model's
+        generation_config.json recommendations (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens) over SamplingParams' defaults, as in
+        vLLM; plain `SamplingParams()` with generation_config='vllm'."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -41,12 +48,21 @@ class LLM:
         | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. `lora_request`: one
-        adapter for every prompt, or one (or None) per prompt (needs enable_lora=True)."""
+        adapter for every prompt, or one (or None) per prompt (needs enable_lora=True).
+        `priority`: one int per prompt, lower first (needs scheduling_policy="priority")."""
         prompt_list = _as_prompt_list(prompts)
+        if priority is not None and (
+            not isinstance(priority, (list, tuple)) or len(priority) != len(prompt_list)
+        ):
+            raise ValueError(
+                f"priority must be a list of one int per prompt ({len(prompt_list)}), got "
+                f"{priority!r}"
+            )
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             params_list = [sampling_params] * len(prompt_list)
         else:
@@ -57,7 +73,7 @@ class LLM:
                     "sampling_params: pass one, or one per prompt"
                 )
         loras = _per_prompt_loras(lora_request, len(prompt_list))
-        return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
+        return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras, priority)
 
     def beam_search(
         self,
@@ -208,6 +224,7 @@ class LLM:
         items: list[tuple[PromptType, SamplingParams | BeamSearchParams | PoolingParams]],
         use_tqdm: bool,
         loras: Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[Any]:
         engine = self.llm_engine
         ids: list[str] = []
@@ -215,7 +232,14 @@ class LLM:
             for k, (prompt, params) in enumerate(items):
                 rid = str(next(self._counter))
                 lora = None if loras is None else loras[k]
-                engine.add_request(rid, prompt, params, final_only=True, lora_request=lora)
+                engine.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    final_only=True,
+                    lora_request=lora,
+                    priority=0 if priority is None else priority[k],
+                )
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued

@@ -77,7 +77,11 @@ class OpenAIApp:
         reasoning_parser: str | None = None,
         lora: LoRARegistry | None = None,
         runtime_lora_updates: bool = False,
+        sampling_defaults: dict[str, Any] | None = None,
     ):
+        # The model's generation-config sampling defaults (SamplingParams keywords): a request
+        # field left unset takes them; "max_tokens" caps every request (vLLM's behaviour).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning.py
         self.client = client
@@ -405,7 +409,13 @@ class OpenAIApp:
             check_context(len(i), req.max_tokens, self.max_model_len, param) for i in ids
         )
         self.client.check_queue()
-        kwargs = {**req.sampling, "max_tokens": max_tokens}
+        defaults = self.sampling_defaults
+        cap = defaults.get("max_tokens")
+        if cap is not None and max_tokens > cap:
+            max_tokens = cap
+        if req.use_beam_search:  # beams sample nothing: only the length cap applies
+            defaults = {}
+        kwargs = {**defaults, **req.sampling, "max_tokens": max_tokens}
         if max_tokens == 0:
             # Prompt scoring (echo only): the engine runs the prompt and samples one token,
             # which is dropped (its prompt logprobs survive a request that ends at prefill).
@@ -427,7 +437,7 @@ class OpenAIApp:
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
             for t, i in zip(texts, ids)
         ]
-        return self.client.add(rids, prompts, params, lora), rids
+        return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     @contextmanager
     def _in_flight(self, h: Handler, group: RequestGroup, rids: list[str]) -> Iterator[None]:

@@ -83,6 +83,25 @@ def build_parser() -> argparse.ArgumentParser:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
+        "generation_config.json), 'vllm' (none) or a directory holding one",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        help="sampling defaults on top of --generation-config, e.g. '{\"temperature\": 0.5}'",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: arrival order; priority: a request's 'priority' first (lower runs "
+        "first), then arrival; preemption takes the request that sorts last",
+    )
+    p.add_argument(
         "--pooler-config",
         type=_json_object,
         default=None,
@@ -309,6 +328,9 @@ def build_engine(args: argparse.Namespace) -> Any:
         quantization=args.quantization,
         batch_invariant=args.batch_invariant,
         cpu_num_threads=args.cpu_num_threads,
+        generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
+        scheduling_policy=args.scheduling_policy,
         **_lora_config(args),
     )
     return LLMEngine(config)
@@ -361,6 +383,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         reasoning_parser=args.reasoning_parser,
         lora=lora,
         runtime_lora_updates=runtime_updates_allowed(),
+        sampling_defaults=getattr(engine, "generation_defaults", None),
     )
     return client, app
 

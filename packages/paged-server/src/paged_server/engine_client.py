@@ -89,6 +89,7 @@ class _Add:
     params: SamplingParams
     arrival: float
     lora_request: Any = None  # the adapter's LoRARequest (lora.py), None for the base model
+    priority: int = 0
 
 
 @dataclass
@@ -205,13 +206,14 @@ class EngineClient:
         prompts: list[dict[str, Any]],
         params: SamplingParams,
         lora_request: Any = None,
+        priority: int = 0,
     ) -> RequestGroup:
         group = RequestGroup(request_ids)
         now = time.monotonic()
         with self._pending_lock:
             self._pending_adds += len(prompts)
         for i, prompt in enumerate(prompts):
-            self._commands.put(_Add(group, i, prompt, params, now, lora_request))
+            self._commands.put(_Add(group, i, prompt, params, now, lora_request, priority))
         self._wake.set()
         return group
 
@@ -361,7 +363,9 @@ class EngineClient:
             if lora is not None and lora.lora_int_id in self._unloaded_loras:
                 raise model_not_found(lora.lora_name)
             # arrival: when the HTTP thread handed it over (monotonic, the engine's clock too)
-            extra = {} if lora is None else {"lora_request": lora}
+            extra: dict[str, Any] = {} if lora is None else {"lora_request": lora}
+            if cmd.priority:
+                extra["priority"] = cmd.priority
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival, **extra)
         except self._dead_error as e:
             group.add_error = group.add_error or APIError(503, str(e))
@@ -371,7 +375,7 @@ class EngineClient:
             # The client named the adapter by `model`: an adapter the engine refuses is that.
             param = "model" if lora is not None and "lora" in str(e).lower() else None
             group.add_error = group.add_error or bad_request(
-                str(e), param or _guess_param(str(e), _SP_FIELDS | {"dimensions"})
+                str(e), param or _guess_param(str(e), _SP_FIELDS | {"dimensions", "priority"})
             )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)

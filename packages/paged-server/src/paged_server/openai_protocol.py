@@ -26,7 +26,6 @@ _IGNORED = {
     "store",
     "metadata",
     "service_tier",
-    "priority",
     "prompt_cache_key",
     "prompt_cache_retention",  # caching hints: the prefix cache is automatic
     "prompt_cache_options",
@@ -93,6 +92,7 @@ _COMMON = {
     "prompt_logprobs",
     "return_token_ids",
     "request_id",
+    "priority",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
@@ -145,6 +145,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM: top-k logprobs of every prompt token
     continuous_usage: bool = False  # usage in every stream chunk
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
+    priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
 
     @property
     def n(self) -> int:
@@ -344,6 +345,7 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     if rid is not None and not (0 < len(rid) <= 128 and rid.isprintable()):
         raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
     req.request_id = rid
+    req.priority = b.int("priority", 0, -(1 << 63), (1 << 63) - 1)
     req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.return_token_ids = b.bool("return_token_ids")
     req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)

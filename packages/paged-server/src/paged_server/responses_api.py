@@ -305,6 +305,9 @@ class _EventStream:
 def serve_create_response(app: OpenAIApp, h: Handler) -> None:
     req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store)
     chat = req.chat
+    for name in ("temperature", "top_p"):  # echo what runs: the model's default if unset
+        if name not in chat.sampling and name in app.sampling_defaults:
+            req.echo[name] = app.sampling_defaults[name]
     rid, created = _new_id("resp"), int(time.time())
     with responses_params():
         model, lora = app._resolve(chat.model)

@@ -157,6 +157,8 @@ class Request:
     # for the same tokens, so its prefix-cache hashes start from their own root.
     lora_id: int = 0
     lora_path: str | None = None
+    # scheduling_policy="priority": lower runs first; ties go by arrival_time
+    priority: int = 0
 
     def __post_init__(self) -> None:
         params = self.params

@@ -11,7 +11,11 @@ so a long prompt spreads over several steps (chunked prefill) while decodes keep
 Order: running requests first (admission order), then waiting requests FCFS while the token
 budget, `max_num_seqs` (live sequences; a request not yet forked reserves `max_live_seqs`) and
 free blocks allow. When blocks run out, the most recently admitted running request is
-preempted and goes back to the head of the waiting queue, its tokens (outputs included) kept:
+preempted and goes back to the head of the waiting queue, its tokens (outputs included) kept.
+With `policy="priority"` (vLLM's) both queues are ordered by (priority, arrival_time) instead,
+lower first: the waiting queue on insertion, the running one at the start of each step, so the
+victim is the running request that sorts last and a preempted request goes back to its place
+in the waiting queue. Preemption keeps the tokens either way:
 by recompute (its blocks are freed; a forked request, n > 1 or beams, shares its common prefix
 blocks again when it is recomputed) or by swap (its blocks are copied to the CPU pool and come
 back, with `num_computed_tokens` intact, when it is readmitted). `preemption_mode` picks one;
@@ -36,6 +40,7 @@ Lockstep: the live sequences of one request reach the end of their tokens in the
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -72,8 +77,12 @@ class Scheduler:
         draft_planner: DraftPlanner | None = None,
         preemption_mode: str | None = None,
         max_loras: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
+        assert policy in ("fcfs", "priority"), policy
+        self.policy = policy
+        self._by_priority = policy == "priority"
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -116,7 +125,19 @@ class Scheduler:
         self.requests[req.request_id] = req
         for seq in req.live_seqs():
             self.seqs[seq.seq_id] = seq
-        self.waiting.append(req)
+        if self._by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.append(req)
+
+    def _enqueue(self, req: Request) -> None:
+        """Priority policy: insert where (priority, arrival_time) sorts (after equal keys)."""
+        waiting = self.waiting
+        key = _priority_key(req)
+        if not waiting or _priority_key(waiting[-1]) <= key:
+            waiting.append(req)  # the common case: same priority, newest arrival
+        else:
+            waiting.insert(bisect.bisect_right(waiting, key, key=_priority_key), req)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
@@ -262,7 +283,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self._by_priority:
+            self._enqueue(req)
+        else:
+            self.waiting.appendleft(req)
         preempted.append(req)
         self.num_swap_preemptions += swapped
         if len(req.seqs) > 1 and not swapped:
@@ -299,8 +323,11 @@ class Scheduler:
         if planner is not None:
             planner.next_step()
 
-        # 1) Running requests, in admission order. Victims come off the tail, which this loop
-        #    has not reached yet, so nothing already scheduled is ever preempted.
+        # 1) Running requests, in admission order (priority order under that policy). Victims
+        #    come off the tail, which this loop has not reached yet, so nothing already
+        #    scheduled is ever preempted.
+        if self._by_priority and len(self.running) > 1:
+            self.running = dict.fromkeys(sorted(self.running, key=_priority_key))
         for req in list(self.running):
             if req.status != _RUNNING:  # preempted as a victim earlier in this loop
                 continue
@@ -526,3 +553,7 @@ class Scheduler:
             lora_id=req.lora_id,
             lora_path=req.lora_path,
         )
+
+
+def _priority_key(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_time)

@@ -33,8 +33,10 @@ class InputProcessor:
         vocab_size: int,
         eos_token_ids: set[int],
         structured: StructuredOutputManager | None = None,
+        default_params: dict | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.default_params = default_params or {}  # params=None: SamplingParams(**these)
         self.config = config
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -47,7 +49,7 @@ class InputProcessor:
         params: SamplingParams | BeamSearchParams | None,
         arrival_time: float | None,
     ) -> ProcessedRequest:
-        params = SamplingParams() if params is None else params
+        params = SamplingParams(**self.default_params) if params is None else params
         num_returned = None
         if isinstance(params, SamplingParams) and params.use_beam_search:
             num_returned = params.n  # the n best of beam_width = max(n, best_of) beams

@@ -29,6 +29,7 @@ from paged_engine.core.scheduler import Scheduler
 from paged_engine.default_model import default_model_path
 from paged_engine.distributed.launch import is_worker_rank
 from paged_engine.distributed.parallel_state import check_model_parallelism
+from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
 from paged_engine.executor.base import Executor
@@ -123,6 +124,12 @@ class LLMEngine:
         )
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
+        # SamplingParams keywords replacing its defaults where a request leaves them unset
+        self.generation_defaults = generation_defaults(
+            None if self.resolved.is_gguf else self.resolved.path,
+            config.generation_config,
+            config.override_generation_config,
+        )
         self._resolve_lengths()
         spec = config.speculative_config
         spec = None if spec is None else SpeculativeConfig.from_dict(spec)
@@ -204,6 +211,7 @@ class LLMEngine:
             # The CPU pool swaps only with swap_space (cpu_offload_gib alone is the tier's).
             preemption_mode=config.preemption_mode if config.swap_space else "recompute",
             max_loras=config.max_loras if config.enable_lora else 0,
+            policy=config.scheduling_policy,
         )
         self.lora_registry = None
         if config.enable_lora:
@@ -230,6 +238,7 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
             structured=structured,
+            default_params=self.generation_defaults,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
@@ -249,6 +258,11 @@ class LLMEngine:
         return self.executor.worker.model_runner
 
     # ---- requests -------------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation-config defaults (a new object
+        each call; `SamplingParams()` when there are none or generation_config='vllm')."""
+        return SamplingParams(**self.generation_defaults)
+
     def add_request(
         self,
         request_id: str,
@@ -258,14 +272,17 @@ class LLMEngine:
         *,
         final_only: bool = False,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; raises ValueError (naming the parameter) on bad input.
 
         What each output holds follows `params.output_kind` (CUMULATIVE by default, DELTA for
         streaming); `final_only=True` overrides it with FINAL_ONLY (offline generation).
-        `lora_request` runs it with that adapter (loaded now if it is not)."""
+        `lora_request` runs it with that adapter (loaded now if it is not). `priority`: with
+        scheduling_policy="priority", lower runs first (and is preempted last)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        check_priority(priority, self.config.scheduling_policy)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.draft_planner is not None and isinstance(params, BeamSearchParams):
@@ -282,6 +299,7 @@ class LLMEngine:
             self.lora_registry.ensure(lora_request)  # raises ValueError for a bad adapter
         p = self.input_processor.make_request(request_id, prompt, params, arrival_time)
         req = p.request
+        req.priority = priority
         if lora_request is not None:
             req.lora_id, req.lora_path = lora_request.lora_int_id, lora_request.lora_path
         kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind
@@ -525,6 +543,19 @@ def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(x) for x in source)
     return ids
+
+
+def check_priority(priority: object, policy: str) -> None:
+    """A request's priority: an int; non-zero only under the priority policy (as in vLLM)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if not -(1 << 63) <= priority < 1 << 63:
+        raise ValueError(f"priority must fit in 64 bits, got {priority}")
+    if priority and policy != "priority":
+        raise ValueError(
+            f"priority={priority} needs priority scheduling: start the engine with "
+            "scheduling_policy='priority' (--scheduling-policy priority)"
+        )
 
 
 def _read_template(value: str) -> str:

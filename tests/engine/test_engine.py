@@ -77,6 +77,25 @@ def test_prefix_cache_hits_and_same_outputs(model_dir):
     assert stats.num_used_blocks == 0
 
 
+def test_cache_salt_keeps_prefix_cache_hits_apart(model_dir):
+    """vLLM's cache_salt: only requests with the same salt share cached blocks."""
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128)
+    shared = _prompts(1, seed=9, lo=50, hi=50)[0] + [7]
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def run(salt: str | None):
+        prompt = {"prompt_token_ids": shared} | ({} if salt is None else {"cache_salt": salt})
+        return llm.generate([prompt], params, use_tqdm=False)[0]
+
+    first = run("tenant-a")
+    assert [run(s).num_cached_tokens for s in ("tenant-b", None, "tenant-a")] == [0, 0, 48]
+    assert run(None).num_cached_tokens == 48
+    assert run("tenant-a").outputs[0].token_ids == first.outputs[0].token_ids
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt_token_ids": shared, "cache_salt": ""}], params, use_tqdm=False)
+    assert llm.get_stats().num_used_blocks == 0
+
+
 def _engine(model_dir, **kw) -> LLMEngine:
     return LLMEngine(
         EngineConfig(

@@ -148,6 +148,7 @@ class FakeEngine:
         self.prompt_tokens = self.gen_tokens = 0
         self.params: dict[str, SamplingParams] = {}  # every request ever added, by id
         self.priorities: dict[str, int] = {}  # the priority each request was added with
+        self.prompts: dict[str, Any] = {}  # the prompt each request was added with
         self.threads: dict[str, set[str]] = {}  # method -> names of the threads that called it
         self.stopped: list[tuple[str, int, str]] = []  # every finish_seqs entry
         self.enable_lora = enable_lora
@@ -209,6 +210,7 @@ class FakeEngine:
         if priority and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs priority scheduling")
         self.priorities[request_id] = priority
+        self.prompts[request_id] = prompt
         if lora_request is not None:
             self._load(lora_request)
         text = prompt.get("prompt") if isinstance(prompt, dict) else prompt

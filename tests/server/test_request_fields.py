@@ -103,7 +103,7 @@ def test_chat_echo_repeats_the_final_assistant_message(fake) -> None:
         ({"documents": "not a list"}, "documents"),
         ({"documents": [{"title": 3}]}, "documents"),
         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
-        ({"cache_salt": "s"}, "cache_salt"),
+        ({"cache_salt": ""}, "cache_salt"),  # a salt must be a non-empty string
         ({"verbosity": "low"}, "verbosity"),
         ({"logits_processors": ["x"]}, "logits_processors"),
         ({"request_id": ""}, "request_id"),
@@ -293,3 +293,12 @@ def test_responses_echo_the_defaults_that_ran(tuned) -> None:
     assert _last_params(engine)[1] == 4
     r = post(http, "/v1/responses", {"input": "hi", "temperature": 0.1, "store": False})
     assert r["temperature"] == 0.1
+
+
+def test_cache_salt_reaches_the_engine(tuned) -> None:
+    http, engine = tuned
+    body = {"prompt": "abc", "max_tokens": 1, "cache_salt": "tenant-1"}
+    post(http, "/v1/completions", body)
+    assert engine.prompts[next(reversed(engine.params))]["cache_salt"] == "tenant-1"
+    r = post(http, "/v1/completions", {**body, "cache_salt": 7}, 400)
+    assert r["error"]["param"] == "cache_salt"

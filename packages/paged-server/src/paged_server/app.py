@@ -433,10 +433,13 @@ class OpenAIApp:
         if req.structured is not None:
             check_structured(params, req.structured_param)
         rids = [f"{rid}-{i}" for i in range(len(ids))]
-        prompts = [
+        prompts: list[dict[str, Any]] = [
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
             for t, i in zip(texts, ids)
         ]
+        if req.cache_salt is not None:
+            for p in prompts:
+                p["cache_salt"] = req.cache_salt
         return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     @contextmanager

@@ -46,7 +46,6 @@ _UNSUPPORTED_UNLESS = {
     "moderation": (None,),
     # vLLM extras left out (docs/server.md lists why)
     "return_tokens_as_token_ids": (None, False),
-    "cache_salt": (None,),
     "logits_processors": (None, []),
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
@@ -93,6 +92,7 @@ _COMMON = {
     "return_token_ids",
     "request_id",
     "priority",
+    "cache_salt",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
@@ -146,6 +146,7 @@ class GenerationRequest:
     continuous_usage: bool = False  # usage in every stream chunk
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
 
     @property
     def n(self) -> int:
@@ -346,6 +347,10 @@ def _common(b: _Body, req: GenerationRequest) -> None:
         raise bad_request("'request_id' must be 1-128 printable characters", "request_id")
     req.request_id = rid
     req.priority = b.int("priority", 0, -(1 << 63), (1 << 63) - 1)
+    salt = b.d.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad_request("'cache_salt' must be a non-empty string if provided", "cache_salt")
+    req.cache_salt = salt
     req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.return_token_ids = b.bool("return_token_ids")
     req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)

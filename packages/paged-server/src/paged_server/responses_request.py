@@ -30,7 +30,7 @@ _FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
     "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "store",
     "previous_response_id", "metadata", "user", "include", "background", "truncation",
-    "reasoning", "max_tool_calls", "top_logprobs", "priority",
+    "reasoning", "max_tool_calls", "top_logprobs", "priority", "cache_salt",
 })
 # Accepted and ignored: they change nothing about generation.
 _IGNORED = frozenset({
@@ -356,6 +356,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
         "top_p": body.get("top_p"),
         "seed": body.get("seed"),
         "priority": body.get("priority"),
+        "cache_salt": body.get("cache_salt"),
         "tools": tools,
         "tool_choice": _tool_choice(body.get("tool_choice"), bool(tools)),
         "parallel_tool_calls": True if parallel is None else parallel,

@@ -43,12 +43,16 @@ if TYPE_CHECKING:
 ROOT_HASH = 0x5EED_CAFE_F00D
 
 
-def root_hash(lora_id: int, lora_path: str | None = None) -> int:
-    """The chain's root: the base model's, or one per LoRA adapter (same tokens, other KV);
-    the path is part of it, so an id re-registered for other weights shares nothing."""
-    if not lora_id:
+def root_hash(lora_id: int, lora_path: str | None = None, cache_salt: str | None = None) -> int:
+    """The chain's root: the base model's, or one per LoRA adapter (same tokens, other KV)
+    and per cache salt (same KV, but kept apart); the path is part of it, so an id
+    re-registered for other weights shares nothing."""
+    if not lora_id and cache_salt is None:
         return ROOT_HASH
-    key = hashlib.blake2b(f"{lora_id}\0{lora_path}".encode(), digest_size=8).digest()
+    text = (
+        f"{lora_id}\0{lora_path}" if cache_salt is None else f"{lora_id}\0{lora_path}\0{cache_salt}"
+    )
+    key = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return hash((ROOT_HASH, int.from_bytes(key, "little")))  # no str hash: stable across runs
 
 
@@ -131,7 +135,11 @@ class BlockManager:
         bs = self.block_size
         tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
         hashes = seq.block_hashes
-        parent = hashes[i - 1] if i else root_hash(seq.request.lora_id, seq.request.lora_path)
+        if i:
+            parent = hashes[i - 1]
+        else:
+            req = seq.request
+            parent = root_hash(req.lora_id, req.lora_path, req.cache_salt)
         if i < len(hashes):
             return hashes[i], parent, tokens
         assert i == len(hashes)

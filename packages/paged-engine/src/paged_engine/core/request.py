@@ -157,6 +157,9 @@ class Request:
     # for the same tokens, so its prefix-cache hashes start from their own root.
     lora_id: int = 0
     lora_path: str | None = None
+    # vLLM's cache_salt: prefix-cache hits only between requests with the same salt (tenants
+    # that must not learn, from timing, which prompts others sent). Part of the hash root.
+    cache_salt: str | None = None
     # scheduling_policy="priority": lower runs first; ties go by arrival_time
     priority: int = 0
 

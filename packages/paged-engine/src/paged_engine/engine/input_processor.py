@@ -57,6 +57,9 @@ class InputProcessor:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
         text, token_ids = self._tokenize_prompt(prompt)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
         max_len = self.config.max_model_len
         assert max_len is not None
         if len(token_ids) >= max_len:
@@ -90,6 +93,7 @@ class InputProcessor:
             )
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        req.cache_salt = salt
         return ProcessedRequest(req, text, num_returned)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

@@ -406,6 +406,15 @@ def bind(args: argparse.Namespace) -> Server | None:
         return None
 
 
+def _freeze_startup_heap(engine: Any) -> None:
+    """This process exists to serve: the garbage collector stops walking the startup heap and
+    collects less often (paged_engine/engine/gc_tuning.py). Not over a test's fake engine."""
+    if type(engine).__module__.startswith("paged_engine."):
+        from paged_engine.engine.gc_tuning import freeze_startup_heap
+
+        freeze_startup_heap()
+
+
 def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -> int:
     """Serve `engine` until SIGINT / SIGTERM on `server` (bound here if None); returns the
     exit code."""
@@ -422,6 +431,7 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
         print(f"paged-server: cannot start: {e}", file=sys.stderr)
         return 2
     server.app = app
+    _freeze_startup_heap(engine)
     server.server_activate()  # listen: connections queue from here on
     client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop
     stop = threading.Event()

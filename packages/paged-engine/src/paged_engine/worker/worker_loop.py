@@ -18,6 +18,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.distributed.communication import broadcast_object
 from paged_engine.distributed.launch import cpu_threads_per_rank, exit_with_parent
 from paged_engine.distributed.parallel_state import destroy_parallel_state, init_parallel_state
+from paged_engine.engine.gc_tuning import freeze_startup_heap
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.worker import Worker, pick_device
 
@@ -70,10 +71,14 @@ def run_worker(
     join_world(config, rank, local_rank, local_world_size, init_method)
     try:
         worker = Worker(config, resolved, hf_config)
+        started = False
         while True:
             method, args = broadcast_object()
             if method == SHUTDOWN:
                 return
+            if method == "execute_model" and not started:  # startup is over
+                freeze_startup_heap()
+                started = True
             getattr(worker, method)(*args)
     finally:
         destroy_parallel_state()

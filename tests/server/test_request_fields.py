@@ -5,6 +5,7 @@ token plus a BOS (id 1), and the chat template rendering with a real HF tokenize
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -102,7 +103,7 @@ def test_chat_echo_repeats_the_final_assistant_message(fake) -> None:
         ),
         ({"documents": "not a list"}, "documents"),
         ({"documents": [{"title": 3}]}, "documents"),
-        ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"return_tokens_as_token_ids": "yes"}, "return_tokens_as_token_ids"),
         ({"cache_salt": ""}, "cache_salt"),  # a salt must be a non-empty string
         ({"verbosity": "low"}, "verbosity"),
         ({"logits_processors": ["x"]}, "logits_processors"),
@@ -302,3 +303,27 @@ def test_cache_salt_reaches_the_engine(tuned) -> None:
     assert engine.prompts[next(reversed(engine.params))]["cache_salt"] == "tenant-1"
     r = post(http, "/v1/completions", {**body, "cache_salt": 7}, 400)
     assert r["error"]["param"] == "cache_salt"
+
+
+def test_return_tokens_as_token_ids(fake) -> None:
+    as_id = re.compile(r"token_id:\d+")
+    body = {"prompt": "ab", "max_tokens": 3, "logprobs": 2, "return_tokens_as_token_ids": True}
+    lp = post(fake, "/v1/completions", body)["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 3 and all(as_id.fullmatch(t) for t in lp["tokens"])
+    assert all(as_id.fullmatch(t) for top in lp["top_logprobs"] for t in top)
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "return_tokens_as_token_ids": True,
+    }
+    content = post(fake, "/v1/chat/completions", chat)["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        assert as_id.fullmatch(entry["token"]) and bytes(entry["bytes"]).decode() == entry["token"]
+        assert all(as_id.fullmatch(t["token"]) for t in entry["top_logprobs"])
+    events = fake.stream(body)
+    streamed = [
+        t for e in events if e.get("choices") for t in e["choices"][0]["logprobs"]["tokens"]
+    ]
+    assert len(streamed) == 3 and all(as_id.fullmatch(t) for t in streamed)

@@ -40,6 +40,7 @@ from paged_server.openai_responses import (
     completion_logprobs,
     envelope,
     prompt_logprobs_json,
+    token_id_text,
     usage,
 )
 from paged_server.profiling import profile_routes
@@ -262,6 +263,10 @@ class OpenAIApp:
     def _decode_one(self, tid: int) -> str:
         with self.tok_lock:
             return self.tokenizer.decode([tid])
+
+    def _decoder(self, req: GenerationRequest) -> Callable[[int], str]:
+        """How logprob entries show a token: its text, or "token_id:{id}" when asked."""
+        return token_id_text if req.tokens_as_ids else self._decode_one
 
     def _check_ids(self, ids: list, param: str) -> None:
         for t in ids:
@@ -504,7 +509,7 @@ class OpenAIApp:
                 if chat:
                     if req.logprobs is not None:
                         lp = chat_logprobs(
-                            seq.token_ids, seq.logprobs or [], req.logprobs, self._decode_one
+                            seq.token_ids, seq.logprobs or [], req.logprobs, self._decoder(req)
                         )
                     thought, answer = None, seq.text
                     if reasoning is not None:
@@ -528,7 +533,7 @@ class OpenAIApp:
                         if req.echo:
                             p_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
                             tids, lps = out.prompt_token_ids + tids, list(p_lps) + lps
-                        lp = completion_logprobs(tids, lps, req.logprobs, self._decode_one, 0)
+                        lp = completion_logprobs(tids, lps, req.logprobs, self._decoder(req), 0)
                     choice["text"] = prefix + text
                 if req.return_token_ids:
                     choice["token_ids"] = [] if scoring else list(seq.token_ids)
@@ -643,7 +648,7 @@ class OpenAIApp:
                     out = group.latest[pi]
                     p_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
                     echo_lps = (list(out.prompt_token_ids), list(p_lps))
-                entry = st.chunk(ci, prefix, req.logprobs, self._decode_one, chat, echo_lps)
+                entry = st.chunk(ci, prefix, req.logprobs, self._decoder(req), chat, echo_lps)
                 if entry is not None and req.return_token_ids:  # this chunk's new ids
                     entry["token_ids"] = new_ids
                     if first and not chat:

@@ -45,7 +45,6 @@ _UNSUPPORTED_UNLESS = {
     "lora_request": (None,),
     "moderation": (None,),
     # vLLM extras left out (docs/server.md lists why)
-    "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None, []),
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),
@@ -90,6 +89,7 @@ _COMMON = {
     "add_special_tokens",
     "prompt_logprobs",
     "return_token_ids",
+    "return_tokens_as_token_ids",
     "request_id",
     "priority",
     "cache_salt",
@@ -147,6 +147,7 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM: prompt_token_ids and each choice's token_ids
     priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
 
     @property
     def n(self) -> int:
@@ -353,6 +354,7 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     req.cache_salt = salt
     req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.return_token_ids = b.bool("return_token_ids")
+    req.tokens_as_ids = b.bool("return_tokens_as_token_ids")
     req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")

@@ -16,7 +16,15 @@ def _lp(value: float) -> float:
     return max(value, -9999.0) if math.isfinite(value) else -9999.0
 
 
+def token_id_text(tid: int) -> str:
+    """vLLM's `return_tokens_as_token_ids`: a logprob entry's token as "token_id:{id}", so a
+    token whose text is not valid UTF-8 on its own (a byte of a character) stays identifiable."""
+    return f"token_id:{tid}"
+
+
 def _entry_text(tid: int, lp: Any, decode: Decode) -> str:
+    if decode is token_id_text:
+        return token_id_text(tid)
     text = getattr(lp, "decoded_token", None)
     return text if text is not None else decode(tid)
 

@@ -96,6 +96,8 @@ def test_raw_http_shape_base64_and_truncation(real_server: ServerProc, hf) -> No
         ({"input": "hi", "bogus": 1}, "bogus"),
         ({"input": list(range(3, 3 + MAX_MODEL_LEN))}, "input"),
         ({"model": "other", "input": "hi"}, "model"),
+        ({"input": "hi", "priority": "high"}, "priority"),
+        ({"input": "hi", "priority": 2}, "priority"),  # needs --scheduling-policy priority
     ],
 )
 def test_bad_requests_name_the_field(real_server: ServerProc, body, param) -> None:

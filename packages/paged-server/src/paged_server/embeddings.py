@@ -37,6 +37,7 @@ _FIELDS = frozenset(
         "truncate_prompt_tokens",
         "add_special_tokens",
         "normalize",
+        "priority",
     }
 )
 
@@ -49,6 +50,7 @@ class EmbeddingRequest:
     params: PoolingParams
     truncate_prompt_tokens: int | None
     add_special_tokens: bool
+    priority: int = 0  # --scheduling-policy priority: lower runs first
 
 
 def parse_embedding(body: Any) -> EmbeddingRequest:
@@ -83,7 +85,12 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     except ValueError as e:
         param = "dimensions" if "dimensions" in str(e) else "normalize"
         raise bad_request(str(e), param) from None
-    return EmbeddingRequest(model, inputs, fmt, params, truncate, special)
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 1 << 63:
+        raise bad_request("'priority' must be a 64-bit integer", "priority")
+    return EmbeddingRequest(model, inputs, fmt, params, truncate, special, priority)
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
@@ -139,7 +146,8 @@ def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
     app.client.check_queue()
     rid = f"embd-{uuid.uuid4().hex}"
     rids = [f"{rid}-{i}" for i in range(len(ids))]
-    group = app.client.add(rids, [{"prompt_token_ids": t} for t in ids], req.params, lora)
+    prompts = [{"prompt_token_ids": t} for t in ids]
+    group = app.client.add(rids, prompts, req.params, lora, req.priority)
     try:
         while not group.wait_added(app.poll_interval):
             if h.client_gone():

@@ -14,7 +14,7 @@ import codecs
 from collections.abc import Sequence
 from typing import Any
 
-from paged_engine.engine.detokenizer import IncrementalDetokenizer
+from paged_engine.engine.detokenizer import IncrementalDetokenizer, append_text
 
 
 def _byte_table() -> dict[str, int]:
@@ -83,12 +83,12 @@ class ByteLevelDetokenizer:
         table, skip = self._vocab.bytes, self._skip
         data = b"".join(table.get(t, b"") for t in new_token_ids if t not in skip)
         delta = self._decoder.decode(data)
-        self.output_text += delta
+        self.output_text = append_text(self, delta)
         return delta
 
     def finalize(self) -> str:
         delta = self._decoder.decode(b"", final=True)  # an unfinished character -> U+FFFD
-        self.output_text += delta
+        self.output_text = append_text(self, delta)
         return delta
 
     def fork(self) -> ByteLevelDetokenizer:

@@ -73,6 +73,20 @@ def _is_byte_piece(piece: str | None) -> bool:
     return piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece[5] == ">"
 
 
+def append_text(detok: Any, delta: str) -> str:
+    """`detok.output_text + delta`, resized in place when nothing else holds the text.
+
+    `self.output_text += delta` copies the whole text on every call (CPython appends in place
+    only to a local variable whose string has no other reference): O(n^2) over an output,
+    ~40 us a token at 80,000 tokens. Taking the text into a local and clearing the attribute
+    first makes the append amortized O(len(delta)), as long as the caller dropped its own
+    reference (the output stage does)."""
+    text = detok.output_text
+    detok.output_text = ""
+    text += delta
+    return text
+
+
 class IncrementalDetokenizer:
     """Turns the output token ids of one sequence into text, one delta at a time.
 
@@ -147,7 +161,7 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
         self._trim()
-        self.output_text += delta
+        self.output_text = append_text(self, delta)
         return delta
 
     def _trim(self) -> None:

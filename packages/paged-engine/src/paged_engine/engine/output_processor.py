@@ -205,6 +205,7 @@ class OutputProcessor:
         if upd.finish_reason is None and upd.logprobs is None and not params.stop:
             seq.token_ids += upd.new_token_ids  # the common step: text only, nothing to check
             if detok is not None:
+                seq.text = ""  # the detokenizer appends in place only to an unshared text
                 detok.add_tokens(upd.new_token_ids)
                 seq.text = detok.output_text
             return False
@@ -218,6 +219,7 @@ class OutputProcessor:
             stop_token = k == last and upd.finish_reason == "stop" and not upd.grammar_end
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
+            seq.text = ""
             delta = detok.add_tokens([token])
             seq.text = detok.output_text
             if params.stop and delta and len(seq.token_ids) >= params.min_tokens:
@@ -232,6 +234,7 @@ class OutputProcessor:
         if upd.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             if seq.detokenizer is not None:
+                seq.text = ""
                 seq.detokenizer.finalize()  # flush an unfinished character held for streaming
                 seq.text = seq.detokenizer.output_text
         return False

@@ -208,9 +208,11 @@ class _EventStream:
     def __init__(self, h: Handler, body: dict[str, Any]) -> None:
         self.h, self.body, self.seq = h, body, 0
         self.open: dict[str, Any] | None = None  # the item taking deltas
-        self.text = ""  # the open item's text (reasoning, message) or arguments (call)
+        # The open item's text (reasoning, message) or arguments (call), as pieces: joined when
+        # the item closes (appending to one string would copy it on every piece).
+        self.pieces: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}  # the tool-call stream's index -> its item
-        self.reasoning = ""  # all of it: its token count goes into the usage
+        self.reasoning_pieces: list[str] = []  # all of it: its token count goes into the usage
 
     def send(self, kind: str, **fields: Any) -> None:
         self.h.send_event({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
@@ -222,7 +224,7 @@ class _EventStream:
 
     def _add(self, item: dict[str, Any]) -> None:
         self.close("completed")
-        self.open, self.text = item, ""
+        self.open, self.pieces = item, []
         self.body["output"].append(item)
         self.send(
             "response.output_item.added", output_index=len(self.body["output"]) - 1, item=item
@@ -242,7 +244,7 @@ class _EventStream:
         item = self.open
         if item is None:
             return
-        where, text = self._where(), self.text
+        where, text = self._where(), "".join(self.pieces)
         if item["type"] == "function_call":
             self.send("response.function_call_arguments.done", **where, arguments=text)
             done = _call_item(item["id"], item["call_id"], item["name"], text, status)
@@ -267,7 +269,7 @@ class _EventStream:
         if self.open is None or self.open["type"] != kind:
             make = _message_item if kind == "message" else _reasoning_item
             self._add(make(_new_id("msg" if kind == "message" else "rs"), None, "in_progress"))
-        self.text += piece
+        self.pieces.append(piece)
         event = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
@@ -277,7 +279,7 @@ class _EventStream:
     def delta(self, delta: dict[str, Any]) -> None:
         """One chat-style delta (after the reasoning and tool-call rewrites)."""
         if delta.get("reasoning_content"):
-            self.reasoning += delta["reasoning_content"]
+            self.reasoning_pieces.append(delta["reasoning_content"])
             self._piece("reasoning", delta["reasoning_content"])
         if delta.get("content"):
             self._piece("message", delta["content"])
@@ -291,7 +293,7 @@ class _EventStream:
             args = fn.get("arguments") or ""
             if args:
                 assert item is self.open, "a call's arguments stream while it is the open item"
-                self.text += args
+                self.pieces.append(args)
                 self.send("response.function_call_arguments.delta", **self._where(), delta=args)
 
     def finish(self, incomplete: bool) -> None:
@@ -377,7 +379,7 @@ def _stream(
         h.log_extra = f" failed: {e.message}"
         return False
     events.finish(group.latest[0].outputs[0].finish_reason == "length")
-    _finish(app, body, group, events.reasoning or None)
+    _finish(app, body, group, "".join(events.reasoning_pieces) or None)
     events.send("response.completed", response=body)
     h.end_stream(done=False)
     return True

@@ -147,7 +147,7 @@ class ToolOutput:
         self.req = req
         self.parser = parser if req.choice == "auto" else None
         self.stream = StreamingToolText(self.parser) if self.parser is not None else None
-        self.held = ""  # forced outputs: the JSON, held until the end
+        self.held: list[str] = []  # forced outputs: the JSON's pieces, held until the end
         self.new_id = call_id_maker(parser)  # forced calls too
 
     def _calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
@@ -182,7 +182,7 @@ class ToolOutput:
         if self.stream is not None:
             shown, entries = self.stream.feed(text)
         else:
-            self.held += text
+            self.held.append(text)
             shown = ""
         calls: list[ParsedCall] = []
         if reason is not None:
@@ -190,7 +190,7 @@ class ToolOutput:
                 rest, more, calls = self.stream.finish()
                 shown, entries = shown + rest, entries + more
             else:  # forced calls: whole, once the output is complete
-                content, calls = self._calls(self.held)
+                content, calls = self._calls("".join(self.held))
                 shown += content or ""
                 entries = [
                     {"index": k, **c} for k, c in enumerate(tool_call_json(calls, self.new_id))

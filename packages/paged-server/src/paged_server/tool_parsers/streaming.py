@@ -136,7 +136,10 @@ class StreamingToolText:
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to show now, tool_calls entries to send now)."""
-        self.text += delta
+        text = self.text  # appended in place: the attribute is not holding it meanwhile
+        self.text = ""
+        text += delta
+        self.text = text
         if self.holding:
             return "", self.deltas.update(self.parser.partial_calls(self.text))
         starts = [self.text.find(m, self.sent) for m in self.parser.start_markers]

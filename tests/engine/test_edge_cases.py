@@ -493,11 +493,12 @@ def _reference_penalized(hf, prompt, n_tokens, rep, freq, pres) -> list[int]:
 
 
 def test_penalties_match_naive_reference(llm, hf_llama):
-    prompts = _prompts(2, seed=15, lo=5, hi=15)
+    # Prompts of different lengths: the worker slices every row's history out of one array.
+    prompts = _prompts(3, seed=15, lo=5, hi=30)
     for rep, freq, pres in [(1.3, 0.0, 0.0), (1.0, 1.5, 0.0), (0.8, -0.5, 2.0)]:
         params = SamplingParams(
             temperature=0,
-            max_tokens=6,
+            max_tokens=10,
             ignore_eos=True,
             repetition_penalty=rep,
             frequency_penalty=freq,
@@ -505,7 +506,7 @@ def test_penalties_match_naive_reference(llm, hf_llama):
         )
         outs = llm.generate([_tp(p) for p in prompts], params, use_tqdm=False)
         for p, o in zip(prompts, outs):
-            assert o.outputs[0].token_ids == _reference_penalized(hf_llama, p, 6, rep, freq, pres)
+            assert o.outputs[0].token_ids == _reference_penalized(hf_llama, p, 10, rep, freq, pres)
     _assert_idle(llm)
 
 

@@ -93,6 +93,7 @@ def build_sampling_metadata(
     num_logprobs: list[int | None],
     need_logprobs: bool,
     output_history: Tensor | None = None,  # [P, Lo] int64 on device, overrides history outputs
+    prompt_history: Tensor | None = None,  # [P, Lp] int64 on device, overrides history prompts
     token_rules: Sequence[tuple[int, SamplingParams]] = (),  # rows with allowed ids / logit bias
 ) -> SamplingMetadata:
     """Everything host-side is numpy over the N rows: no per-row Python except for the rare
@@ -115,18 +116,24 @@ def build_sampling_metadata(
     penalties = None
     if penalty_rows.size:
         hist = [history[i] for i in penalty_rows]
-        assert all(h is not None for h in hist), "penalty rows need their token history"
+        if output_history is None or prompt_history is None:
+            assert all(h is not None for h in hist), "penalty rows need their token history"
         outputs = (
             output_history
             if output_history is not None
             else _dev(_padded([h[1] for h in hist]), torch.long, device)
+        )
+        prompts = (
+            prompt_history
+            if prompt_history is not None
+            else _dev(_padded([h[0] for h in hist]), torch.long, device)
         )
         penalties = Penalties(
             rows=_dev(penalty_rows, torch.long, device),
             repetition=_dev(repetition[penalty_rows, None], torch.float32, device),
             frequency=_dev(frequency[penalty_rows, None], torch.float32, device),
             presence=_dev(presence[penalty_rows, None], torch.float32, device),
-            prompt_ids=_dev(_padded([h[0] for h in hist]), torch.long, device),
+            prompt_ids=prompts,
             output_ids=outputs,
         )
     ban_rows: list[int] = []

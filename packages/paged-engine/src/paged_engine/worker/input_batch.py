@@ -7,6 +7,7 @@ drops it. Per row, preallocated and updated in place:
     last_token  [rows] int64 (device)              the last token the worker sampled for it
     temperature / top_k / top_p / min_p / penalties / min_tokens (host numpy)
     num_host_tokens [rows] (host numpy)             tokens the worker knows on the host
+    tokens_np [rows, max_model_len] (host numpy)    penalty rows' known tokens (lazily)
 
 Position p of a sequence holds token_ids[p] when p < num_host_tokens, else the token the worker
 sampled last (last_token): at most one position is ever in that state, because a sequence with
@@ -43,9 +44,20 @@ class CachedSeq:
 
 
 class InputBatch:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        max_model_len: int | None = None,
+    ) -> None:
         self.capacity = max_num_seqs
         self.device = device
+        # Penalty rows' tokens, mirrored from CachedSeq.token_ids so a step reads its histories
+        # as array slices instead of converting Python lists (O(length) of Python a row and
+        # step). Allocated with the first penalty row; only the pages rows write become memory.
+        self.max_model_len = max_model_len
+        self.tokens_np: np.ndarray | None = None
         self.seqs: dict[int, CachedSeq] = {}
         self.row_of: dict[int, int] = {}  # seq id -> row
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
@@ -123,6 +135,8 @@ class InputBatch:
         self.num_host_tokens[row] = len(data.token_ids)
         self.num_prompt[row] = data.num_prompt_tokens
         self.history[row] = history
+        if history:
+            self.mirror_tokens(row, data.token_ids)
         self.seeded[row] = seq.seed is not None and not p.is_greedy
         self.logprobs[row] = not beam and (p.logprobs is not None or (p.best_of or 0) > p.n)
         self.beam[row] = beam
@@ -148,6 +162,13 @@ class InputBatch:
         if self.device.type != "cpu":
             self.block_table[row].copy_(torch.from_numpy(table), non_blocking=False)
         return seq
+
+    def mirror_tokens(self, row: int, token_ids: list[int], start: int = 0) -> None:
+        """Write token_ids at positions [start, start + len) of the row's token mirror."""
+        if self.tokens_np is None:
+            width = self.max_model_len or self.block_table_np.shape[1] * 16
+            self.tokens_np = np.zeros((self.capacity, width), dtype=np.int32)
+        self.tokens_np[row, start : start + len(token_ids)] = token_ids
 
     def update_blocks(self, updates: list[tuple[int, int, list[int]]]) -> None:
         """Apply (seq_id, first index, block ids) deltas in one scatter."""

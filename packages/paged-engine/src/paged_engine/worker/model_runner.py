@@ -36,6 +36,7 @@ from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
+    PAD,
     SamplingMetadata,
     banned_tokens,
     build_sampling_metadata,
@@ -88,7 +89,9 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, _model_dtype(model))
         self.graphs: CudaGraphRunner | None = None
         self.compiled: CompiledForward | None = None
-        self.batch = InputBatch(config.max_num_seqs, self.max_blocks_per_seq, device)
+        self.batch = InputBatch(
+            config.max_num_seqs, self.max_blocks_per_seq, device, config.max_model_len
+        )
         invariant = backend.name if config.batch_invariant else None
         self.sampler = Sampler(config.seed, invariant_logsumexp(invariant))
         self.parallel = get_parallel_state()
@@ -482,10 +485,10 @@ class ModelRunner:
             c = cached[src[k]]
             banned[k] = banned_tokens(c.params, int(out_pos[k]), c.eos_token_ids)
         history: list[tuple[list[int], list[int]] | None] = [None] * src.size
-        output_history = None
-        hist_rows = np.flatnonzero(batch.history[rows]).tolist()
-        if hist_rows:
-            history, output_history = self._histories(cached, src, rows, hist_rows, history)
+        prompt_history = output_history = None
+        hist_rows = np.flatnonzero(batch.history[rows])
+        if hist_rows.size:
+            prompt_history, output_history = self._histories(cached, src, rows, hist_rows)
         wants_lp = batch.logprobs[rows]
         rules = batch.token_rules[rows]  # allowed_token_ids / logit_bias rows
         md = build_sampling_metadata(
@@ -504,35 +507,42 @@ class ModelRunner:
             num_logprobs=[cached[i].num_logprobs for i in src.tolist()] if wants_lp.any() else [],
             need_logprobs=bool(wants_lp.any()),
             output_history=output_history,
+            prompt_history=prompt_history,
             token_rules=[(k, cached[src[k]].params) for k in np.flatnonzero(rules)],
         )
-        reusable = not (seeds or hist_rows or (batch.min_tokens[rows] > 0).any())
+        reusable = not (seeds or hist_rows.size or (batch.min_tokens[rows] > 0).any())
         self._md_cache = ((batch.version, rows.copy()), md if reusable else None)
         return md
 
-    def _histories(self, cached, src, rows, hist_rows, history):
-        """(prompt, outputs) of penalty rows; an output the host has not seen yet is read from
-        `last_token` on the device into the padded output tensor."""
-        placeholders: list[tuple[int, int, int]] = []  # (history row, column, batch row)
-        outputs: list[list[int]] = []
-        for j, k in enumerate(hist_rows):
-            c = cached[src[k]]
-            known = c.token_ids[c.num_prompt_tokens :]
-            missing = c.num_tokens - len(c.token_ids)
-            assert missing in (0, 1), f"sequence {c.seq_id} is {missing} tokens behind"
-            if missing:
-                placeholders.append((j, len(known), int(rows[k])))
-            history[k] = (c.token_ids[: c.num_prompt_tokens], known)
-            outputs.append(known + [0] * missing)
-        width = max(len(o) for o in outputs) or 1
-        padded = np.full((len(outputs), width), -1, dtype=np.int64)
-        for j, o in enumerate(outputs):
-            padded[j, : len(o)] = o
-        out = self._to_dev(padded)
-        if placeholders:
-            idx = self._to_dev(np.asarray(placeholders).T)
+    def _histories(self, cached, src, rows, hist_rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded (prompt ids, output ids) of the penalty rows, sliced from the batch's token
+        mirror; an output the host has not seen yet is read from `last_token` on the device."""
+        batch = self.batch
+        toks = batch.tokens_np
+        assert toks is not None, "penalty rows mirror their tokens"
+        brows = rows[hist_rows]  # batch rows, in the order of the sampled rows
+        n_prompt = batch.num_prompt[brows]
+        known = np.fromiter((len(cached[src[k]].token_ids) for k in hist_rows), np.int64)
+        total = np.fromiter((cached[src[k]].num_tokens for k in hist_rows), np.int64)
+        missing = total - known
+        assert ((missing == 0) | (missing == 1)).all(), "a penalty row is tokens behind"
+        width_p = max(int(n_prompt.max()), 1)
+        prompt = toks[brows, :width_p].astype(np.int64)
+        prompt[np.arange(width_p) >= n_prompt[:, None]] = PAD
+        out_len = total - n_prompt
+        width_o = max(int(out_len.max()), 1)
+        lo, hi = int(n_prompt.min()), int((n_prompt + width_o).max())
+        window = toks[brows, lo : min(hi, toks.shape[1])]
+        cols = np.minimum(n_prompt[:, None] - lo + np.arange(width_o), window.shape[1] - 1)
+        outputs = np.take_along_axis(window, cols, axis=1).astype(np.int64)
+        outputs[np.arange(width_o) >= out_len[:, None]] = PAD
+        out = self._to_dev(outputs)
+        pending = np.flatnonzero(missing)
+        if pending.size:  # (history row, column, batch row) of tokens still on the device
+            where = np.stack([pending, out_len[pending] - 1, brows[pending]])
+            idx = self._to_dev(where)
             out[idx[0], idx[1]] = self.batch.last_token[idx[2]]
-        return history, out
+        return self._to_dev(prompt), out
 
     def _track_history(self, handle, cached, src, sample_no, flat=None) -> None:
         """Penalty rows keep every output token on the host: apply this step's ids once they
@@ -558,6 +568,7 @@ class ModelRunner:
                 if c is not None and len(c.token_ids) < c.num_tokens:
                     c.token_ids.append(ids[k])
                     batch.num_host_tokens[c.row] = len(c.token_ids)
+                    batch.mirror_tokens(c.row, [ids[k]], len(c.token_ids) - 1)
 
     def _prompt_logprobs(self, sched, cached, inputs, hidden):
         """(seq_id, start, k, packed rows) for sequences computing prompt logprobs this step."""

@@ -27,6 +27,12 @@ from pathlib import Path
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+# Triton reads TRITON_INTERPRET when its modules are defined: imported earlier without it (by
+# run_all's other sections), its own library functions are compiled ones, and the kernels must
+# run in a fresh process instead.
+_INTERPRETER_TOO_LATE = (
+    not HAS_CUDA and "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1"
+)
 if not HAS_CUDA:  # must precede the first @triton.jit definition (import of paged_kernels)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -239,7 +245,7 @@ def _bench_moe(smoke: bool, device: torch.device) -> list[dict]:
 
 
 def _run_in_interpreter(smoke: bool, out_dir: Path) -> dict:
-    """paged_kernels was imported before TRITON_INTERPRET was set: rerun in a fresh process."""
+    """triton was imported before TRITON_INTERPRET was set: rerun in a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, "-m", "benchmarks.kernel_bench", "--out", str(out_dir)]
     root = Path(__file__).resolve().parent.parent
@@ -251,7 +257,7 @@ def run(smoke: bool, out_dir: Path) -> dict:
     """Benchmark decode paged attention; write kernel_bench.json (+ .png) into out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+    if _INTERPRETER_TOO_LATE or (not HAS_CUDA and os.environ.get("TRITON_INTERPRET") != "1"):
         return _run_in_interpreter(smoke, out_dir)
     attention = sys.modules.get("paged_kernels.attention")
     kernel_kind = type(getattr(attention, "_paged_attention_kernel", None)).__name__

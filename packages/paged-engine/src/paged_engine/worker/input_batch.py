@@ -166,7 +166,8 @@ class InputBatch:
     def mirror_tokens(self, row: int, token_ids: list[int], start: int = 0) -> None:
         """Write token_ids at positions [start, start + len) of the row's token mirror."""
         if self.tokens_np is None:
-            width = self.max_model_len or self.block_table_np.shape[1] * 16
+            # without max_model_len: what the block table can address at the largest block size
+            width = self.max_model_len or self.block_table_np.shape[1] * 256
             self.tokens_np = np.zeros((self.capacity, width), dtype=np.int32)
         self.tokens_np[row, start : start + len(token_ids)] = token_ids
 

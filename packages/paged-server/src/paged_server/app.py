@@ -12,6 +12,7 @@ once; the engine gets its ids with its text and does not tokenize it again.
 from __future__ import annotations
 
 import hmac
+import logging
 import threading
 import time
 import uuid
@@ -60,6 +61,9 @@ _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 
 
+log = logging.getLogger("paged_server")
+
+
 class OpenAIApp:
     def __init__(
         self,
@@ -79,7 +83,18 @@ class OpenAIApp:
         lora: LoRARegistry | None = None,
         runtime_lora_updates: bool = False,
         sampling_defaults: dict[str, Any] | None = None,
+        prompt_tokens_details: bool = False,
+        tokens_as_ids: bool = False,
+        response_role: str = "assistant",
+        log_requests: int | None = None,
     ):
+        # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
+        # return_tokens_as_token_ids field; the role of chat answers; log each request (its
+        # prompt cut to this many characters / ids) when not None.
+        self.prompt_tokens_details = prompt_tokens_details
+        self.tokens_as_ids = tokens_as_ids
+        self.response_role = response_role
+        self.log_requests = log_requests
         # The model's generation-config sampling defaults (SamplingParams keywords): a request
         # field left unset takes them; "max_tokens" caps every request (vLLM's behaviour).
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -265,8 +280,15 @@ class OpenAIApp:
             return self.tokenizer.decode([tid])
 
     def _decoder(self, req: GenerationRequest) -> Callable[[int], str]:
-        """How logprob entries show a token: its text, or "token_id:{id}" when asked."""
-        return token_id_text if req.tokens_as_ids else self._decode_one
+        """How logprob entries show a token: its text, or "token_id:{id}" when asked (by the
+        request, or by --return-tokens-as-token-ids for every request)."""
+        return token_id_text if req.tokens_as_ids or self.tokens_as_ids else self._decode_one
+
+    def _cached(self, group: RequestGroup) -> int | None:
+        """Prompt tokens the prefix cache served (None unless --enable-prompt-tokens-details)."""
+        if not self.prompt_tokens_details:
+            return None
+        return sum(getattr(out, "num_cached_tokens", 0) or 0 for out in group.latest)
 
     def _check_ids(self, ids: list, param: str) -> None:
         for t in ids:
@@ -438,6 +460,8 @@ class OpenAIApp:
         if req.structured is not None:
             check_structured(params, req.structured_param)
         rids = [f"{rid}-{i}" for i in range(len(ids))]
+        if self.log_requests is not None:
+            self._log_request(rids, texts, ids, params)
         prompts: list[dict[str, Any]] = [
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
             for t, i in zip(texts, ids)
@@ -446,6 +470,17 @@ class OpenAIApp:
             for p in prompts:
                 p["cache_salt"] = req.cache_salt
         return self.client.add(rids, prompts, params, lora, req.priority), rids
+
+    def _log_request(
+        self, rids: list[str], texts: list[str | None], ids: list[list[int]], params: Any
+    ) -> None:
+        """--enable-log-requests: one INFO line per engine request, its prompt cut short."""
+        cut = self.log_requests
+        for rid, text, tids in zip(rids, texts, ids):
+            shown = text[:cut] if text is not None else tids[:cut]
+            log.info(
+                "request %s: %d prompt tokens, prompt %r, params %s", rid, len(tids), shown, params
+            )
 
     @contextmanager
     def _in_flight(self, h: Handler, group: RequestGroup, rids: list[str]) -> Iterator[None]:
@@ -517,7 +552,7 @@ class OpenAIApp:
                     content = answer if thought is None or answer else None
                     if req.echo:
                         content = self._echo(req, texts[pi], ids[pi], chat) + (content or "")
-                    choice["message"] = {"role": "assistant", "content": content}
+                    choice["message"] = {"role": self.response_role, "content": content}
                     if req.tools is not None and req.tools.choice != "none":
                         tool_out = ToolOutput(req.tools, make_parser(self.tool_call_parser))
                         choice["message"], reason = tool_out.message(answer, seq.finish_reason)
@@ -551,7 +586,7 @@ class OpenAIApp:
                 choices.append(choice)
         n_gen = 0 if scoring else group.num_generated_tokens
         body = envelope(rid, "chat.completion" if chat else "text_completion", model)
-        body.update(choices=choices, usage=usage(n_prompt, n_gen))
+        body.update(choices=choices, usage=usage(n_prompt, n_gen, self._cached(group)))
         if req.return_token_ids and chat:
             body["prompt_token_ids"] = group.latest[0].prompt_token_ids
         if req.prompt_logprobs is not None and chat:  # vLLM: one prompt, at the top level
@@ -615,7 +650,7 @@ class OpenAIApp:
                 [
                     {
                         "index": i,
-                        "delta": {"role": "assistant", "content": ""},
+                        "delta": {"role": self.response_role, "content": ""},
                         "logprobs": None,
                         "finish_reason": None,
                     }
@@ -666,6 +701,6 @@ class OpenAIApp:
         h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
         if req.include_usage:
             body = envelope(rid, obj, model, created)
-            body.update(choices=[], usage=usage(n_prompt, n_gen))
+            body.update(choices=[], usage=usage(n_prompt, n_gen, self._cached(group)))
             h.send_event(body)
         h.end_stream()

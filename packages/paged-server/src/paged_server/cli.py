@@ -144,6 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps (on by default, as in vLLM V1)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs / prompt_logprobs a request may ask for (the API caps at 20)",
+    )
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
@@ -210,6 +222,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, seconds to let requests finish before aborting them",
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one INFO line per request: its id, prompt (cut to --max-log-len) and params",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older spelling of the default (requests are not logged)",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="characters (or token ids) of a prompt that --enable-log-requests logs (all)",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM scripts: paged logs no periodic stats (GET /metrics has them)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens read 'token_id:<id>' in every answer (the request field's default)",
+    )
+    p.add_argument(
+        "--response-role", default="assistant", help="the role of chat answers (vLLM's flag)"
+    )
     p.add_argument(
         "--tool-call-parser",
         choices=["hermes", "llama3_json", "mistral", "pythonic"],
@@ -310,6 +356,8 @@ def build_engine(args: argparse.Namespace) -> Any:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_logprobs=args.max_logprobs,
         seed=args.seed,
         load_format=args.load_format,
         trust_remote_code=args.trust_remote_code,
@@ -384,8 +432,21 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         lora=lora,
         runtime_lora_updates=runtime_updates_allowed(),
         sampling_defaults=getattr(engine, "generation_defaults", None),
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        tokens_as_ids=args.return_tokens_as_token_ids,
+        response_role=args.response_role,
+        log_requests=_log_requests(args),
     )
     return client, app
+
+
+def _log_requests(args: argparse.Namespace) -> int | None:
+    """How much of each prompt --enable-log-requests logs (None: requests are not logged)."""
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if not args.enable_log_requests:
+        return None
+    return args.max_log_len if args.max_log_len is not None else 1 << 62
 
 
 def bind(args: argparse.Namespace) -> Server | None:

@@ -116,12 +116,19 @@ def chat_logprobs(
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens` (--enable-prompt-tokens-details): prompt tokens the
+    prefix cache served, as `prompt_tokens_details`."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def envelope(rid: str, obj: str, model: str, created: int | None = None) -> dict[str, Any]:

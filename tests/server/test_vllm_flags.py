@@ -1,0 +1,77 @@
+"""vLLM's server flags that launch scripts carry: --enable-prompt-tokens-details (usage's cached
+prompt tokens, from the prefix cache), --return-tokens-as-token-ids, --response-role,
+--enable-log-requests / --max-log-len, and the engine ones (--no-enable-chunked-prefill,
+--max-logprobs); accepted as the defaults they are: --disable-log-requests, --disable-log-stats."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+from server_proc import COMMON_ARGS, ServerProc, serve_in_process
+
+import paged_engine
+from paged_server.cli import build_engine, parse_args
+
+FLAGS = [
+    "--enable-prompt-tokens-details",
+    "--return-tokens-as-token-ids",
+    "--response-role",
+    "bot",
+    "--enable-log-requests",
+    "--max-log-len",
+    "6",
+    "--disable-log-requests",
+    "--disable-log-stats",
+]
+
+
+@pytest.fixture(scope="module")
+def flagged(tiny_model: str) -> Iterator[ServerProc]:
+    """A real tiny engine in this process behind a server started with FLAGS."""
+    engine = paged_engine.LLMEngine(model=tiny_model, dtype="float32", max_model_len=128)
+    with serve_in_process([*COMMON_ARGS, *FLAGS], engine) as (http, _app):
+        yield http
+    engine.shutdown()
+
+
+def post(server: ServerProc, path: str, body: dict) -> dict:
+    status, _, payload = server.request("POST", path, body)
+    assert status == 200, payload
+    return payload
+
+
+def test_cached_tokens_role_token_ids_and_request_log(flagged, caplog) -> None:
+    prompt = list(range(10, 60))  # 50 tokens: three full 16-token blocks to cache
+    body = {"prompt": prompt, "max_tokens": 2, "logprobs": 0}
+    with caplog.at_level(logging.INFO, logger="paged_server"):
+        first = post(flagged, "/v1/completions", body)
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert any("prompt [10, 11, 12, 13, 14, 15], params" in r.message for r in caplog.records)
+    second = post(flagged, "/v1/completions", body)
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert all(t.startswith("token_id:") for t in second["choices"][0]["logprobs"]["tokens"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert post(flagged, "/v1/chat/completions", chat)["choices"][0]["message"]["role"] == "bot"
+    events = flagged.stream(
+        {**chat, "stream_options": {"include_usage": True}}, "/v1/chat/completions"
+    )
+    assert events[0]["choices"][0]["delta"]["role"] == "bot"
+    assert "prompt_tokens_details" in events[-1]["usage"]
+
+
+def engine_config(monkeypatch: pytest.MonkeyPatch, argv: list[str]):
+    seen = {}
+    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.setdefault("c", config))
+    build_engine(parse_args(["m", *argv]))
+    return seen["c"]
+
+
+def test_engine_flags(monkeypatch) -> None:
+    config = engine_config(monkeypatch, [])
+    assert (config.enable_chunked_prefill, config.max_logprobs) == (True, 20)
+    config = engine_config(monkeypatch, ["--no-enable-chunked-prefill", "--max-logprobs", "5"])
+    assert (config.enable_chunked_prefill, config.max_logprobs) == (False, 5)
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine_config(monkeypatch, ["--max-logprobs", "-1"])

@@ -75,3 +75,18 @@ def test_engine_flags(monkeypatch) -> None:
     assert (config.enable_chunked_prefill, config.max_logprobs) == (False, 5)
     with pytest.raises(ValueError, match="max_logprobs"):
         engine_config(monkeypatch, ["--max-logprobs", "-1"])
+    # accepted as what paged does; refused where paged cannot
+    engine_config(monkeypatch, ["--distributed-executor-backend", "mp", "--tokenizer-mode", "auto"])
+    engine_config(monkeypatch, ["--distributed-executor-backend", "uni"])
+    with pytest.raises(ValueError, match="uni runs one process"):
+        engine_config(monkeypatch, ["--distributed-executor-backend", "uni", "-tp", "2"])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"]],
+)
+def test_what_paged_cannot_do_is_refused_naming_the_flag(argv, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["m", *argv])
+    assert argv[0] in capsys.readouterr().err

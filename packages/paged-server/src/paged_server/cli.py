@@ -145,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "uni"],
+        default=None,
+        help="vLLM's: 'mp' (a process per rank, what paged runs) or 'uni' (one process: "
+        "tensor and pipeline parallel size 1)",
+    )
+    p.add_argument(
+        "--tokenizer-mode",
+        choices=["auto", "hf"],
+        default="auto",
+        help="vLLM's: paged loads the Hugging Face (fast) tokenizer in either mode",
+    )
+    p.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -337,6 +350,8 @@ def build_engine(args: argparse.Namespace) -> Any:
     """The engine (it imports torch; we never do)."""
     from paged_engine import EngineConfig, LLMEngine
 
+    _check_executor(args)
+
     model = args.model
     if model is None:
         from paged_engine.default_model import default_model_path
@@ -438,6 +453,15 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         log_requests=_log_requests(args),
     )
     return client, app
+
+
+def _check_executor(args: argparse.Namespace) -> None:
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.distributed_executor_backend == "uni" and world > 1:
+        raise ValueError(
+            "--distributed-executor-backend uni runs one process: it needs tensor and pipeline "
+            f"parallel size 1 (got {world} ranks); use mp"
+        )
 
 
 def _log_requests(args: argparse.Namespace) -> int | None:

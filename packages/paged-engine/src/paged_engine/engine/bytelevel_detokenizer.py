@@ -11,6 +11,7 @@ re-decoding. `make_detokenizer` picks this class when it applies, `IncrementalDe
 from __future__ import annotations
 
 import codecs
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,16 +36,22 @@ _CHAR_TO_BYTE = _byte_table()
 
 
 class ByteLevelVocab:
-    """token id -> bytes for one tokenizer, and which ids are special (skippable)."""
+    """token id -> bytes for one tokenizer, which ids are special (skippable), and the text of
+    every token whose bytes are whole UTF-8 characters (most of them)."""
 
     def __init__(self, backend: Any) -> None:
         vocab = backend.get_vocab(with_added_tokens=True)
         self.bytes: dict[int, bytes] = {}
+        self.text: dict[int, str] = {}
         for token, token_id in vocab.items():
             try:
-                self.bytes[token_id] = bytes(_CHAR_TO_BYTE[c] for c in token)
+                data = bytes(_CHAR_TO_BYTE[c] for c in token)
             except KeyError:  # e.g. an added token: decoded as its own text
-                self.bytes[token_id] = token.encode("utf-8")
+                data = token.encode("utf-8")
+            self.bytes[token_id] = data
+            # part of a character: left to the incremental decoder
+            with contextlib.suppress(UnicodeDecodeError):
+                self.text[token_id] = data.decode("utf-8")
         added = backend.get_added_tokens_decoder()
         self.special = frozenset(i for i, tok in added.items() if tok.special)
 
@@ -67,12 +74,13 @@ def byte_level_vocab(tokenizer: Any) -> ByteLevelVocab | None:
 class ByteLevelDetokenizer:
     """Same interface as `IncrementalDetokenizer`; output equals the full decode of the output."""
 
-    __slots__ = ("_decoder", "_skip", "_vocab", "output_text")
+    __slots__ = ("_decoder", "_partial", "_skip", "_vocab", "output_text")
 
     def __init__(self, vocab: ByteLevelVocab, *, skip_special_tokens: bool) -> None:
         self._vocab = vocab
         self._skip = vocab.special if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = False  # the decoder holds bytes of an unfinished character
         self.output_text = ""
 
     @property
@@ -80,14 +88,25 @@ class ByteLevelDetokenizer:
         return 1 if self._decoder.getstate()[0] else 0  # bytes of an unfinished character
 
     def add_tokens(self, new_token_ids: Sequence[int]) -> str:
+        if len(new_token_ids) == 1 and not self._partial:
+            # The common step: one token of whole characters after whole characters; its text
+            # is what the incremental decoder would give, without the decoder.
+            t = new_token_ids[0]
+            delta = "" if t in self._skip else self._vocab.text.get(t)
+            if delta is not None:
+                if delta:
+                    self.output_text = append_text(self, delta)
+                return delta
         table, skip = self._vocab.bytes, self._skip
         data = b"".join(table.get(t, b"") for t in new_token_ids if t not in skip)
         delta = self._decoder.decode(data)
+        self._partial = bool(self._decoder.getstate()[0])
         self.output_text = append_text(self, delta)
         return delta
 
     def finalize(self) -> str:
         delta = self._decoder.decode(b"", final=True)  # an unfinished character -> U+FFFD
+        self._partial = False
         self.output_text = append_text(self, delta)
         return delta
 
@@ -96,6 +115,7 @@ class ByteLevelDetokenizer:
         child._vocab, child._skip, child.output_text = self._vocab, self._skip, self.output_text
         child._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         child._decoder.setstate(self._decoder.getstate())
+        child._partial = self._partial
         return child
 
     def truncate(self, length: int) -> None:

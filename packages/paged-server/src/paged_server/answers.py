@@ -167,12 +167,7 @@ def stream(
         if req.return_token_ids:  # vLLM: the prompt's ids in the first chunk
             first["prompt_token_ids"] = ids[0]
         h.send_event(first)
-    while not group.done:
-        arrived = group.next(app.poll_interval)
-        if not arrived:
-            if h.client_gone():
-                raise ConnectionResetError("client disconnected")
-            continue
+    for arrived in app.arrivals(h, group):
         updated = set()
         for pi, out in arrived:
             for seq in out.outputs:

@@ -492,6 +492,16 @@ class OpenAIApp:
                 self.client.abort(rids)
                 h.log_extra += " aborted"
 
+    def arrivals(self, h: Handler, group: RequestGroup) -> Iterator[list]:
+        """Each batch of (prompt index, output) pairs as it arrives until the group is done;
+        ConnectionResetError when the client left while nothing arrived."""
+        while not group.done:
+            arrived = group.next(self.poll_interval)
+            if arrived:
+                yield arrived
+            elif h.client_gone():
+                raise ConnectionResetError("client disconnected")
+
     def _wait(self, h: Handler, group: RequestGroup) -> None:
         next_check = time.monotonic() + self.poll_interval
         while not group.done:

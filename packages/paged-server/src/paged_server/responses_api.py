@@ -354,12 +354,7 @@ def _stream(
     think = None if reasoning is None else ReasoningOutput(reasoning)
     tools = _tool_output(app, req.chat)
     try:
-        while not group.done:
-            arrived = group.next(app.poll_interval)
-            if not arrived:
-                if h.client_gone():
-                    raise ConnectionResetError("client disconnected")
-                continue
+        for arrived in app.arrivals(h, group):
             for _, out in arrived:
                 for seq in out.outputs:
                     choice.add(seq, out.finished)

@@ -49,9 +49,9 @@ def root_hash(lora_id: int, lora_path: str | None = None, cache_salt: str | None
     re-registered for other weights shares nothing."""
     if not lora_id and cache_salt is None:
         return ROOT_HASH
-    text = (
-        f"{lora_id}\0{lora_path}" if cache_salt is None else f"{lora_id}\0{lora_path}\0{cache_salt}"
-    )
+    text = f"{lora_id}\0{lora_path}"
+    if cache_salt is not None:
+        text += f"\0{cache_salt}"
     key = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return hash((ROOT_HASH, int.from_bytes(key, "little")))  # no str hash: stable across runs
 

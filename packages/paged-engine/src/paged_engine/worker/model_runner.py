@@ -522,7 +522,7 @@ class ModelRunner:
         assert toks is not None, "penalty rows mirror their tokens"
         brows = rows[hist_rows]  # batch rows, in the order of the sampled rows
         n_prompt = batch.num_prompt[brows]
-        known = np.fromiter((len(cached[src[k]].token_ids) for k in hist_rows), np.int64)
+        known = batch.num_host_tokens[brows]  # len(token_ids) of each row
         total = np.fromiter((cached[src[k]].num_tokens for k in hist_rows), np.int64)
         missing = total - known
         assert ((missing == 0) | (missing == 1)).all(), "a penalty row is tokens behind"

@@ -71,15 +71,13 @@ def run_worker(
     join_world(config, rank, local_rank, local_world_size, init_method)
     try:
         worker = Worker(config, resolved, hf_config)
-        started = False
         while True:
             method, args = broadcast_object()
             if method == SHUTDOWN:
                 return
-            if method == "execute_model" and not started:  # startup is over
-                freeze_startup_heap()
-                started = True
             getattr(worker, method)(*args)
+            if method == "initialize_cache":  # the last startup step: the heap is the engine's
+                freeze_startup_heap()
     finally:
         destroy_parallel_state()
 

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "paged_engine.llm",
     "LLMEngine": "paged_engine.engine.llm_engine",
-    "EngineStats": "paged_engine.engine.llm_engine",
+    "EngineStats": "paged_engine.engine.stats",
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
     "BeamSearchParams": "paged_engine.sampling_params",
@@ -59,7 +59,8 @@ __all__ = [
 if TYPE_CHECKING:
     from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
     from paged_engine.config import EngineConfig
-    from paged_engine.engine.llm_engine import EngineStats, LLMEngine
+    from paged_engine.engine.llm_engine import LLMEngine
+    from paged_engine.engine.stats import EngineStats
     from paged_engine.llm import LLM
     from paged_engine.lora.request import LoRARequest
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput

@@ -13,7 +13,8 @@ from typing import Any
 
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.config import EngineConfig
-from paged_engine.engine.llm_engine import EngineStats, LLMEngine
+from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput

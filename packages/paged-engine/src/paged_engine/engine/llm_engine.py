@@ -16,7 +16,6 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ from paged_engine.distributed.parallel_state import check_model_parallelism
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
+from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
@@ -50,52 +50,6 @@ from paged_engine.worker.cache_engine import num_cpu_blocks
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot of the engine; `kv_*` figures are over the running sequences right now."""
-
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    num_used_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float  # used / total blocks, 0..1
-    kv_slots_allocated: int  # block slots held by running sequences (shared blocks once)
-    kv_tokens_stored: int  # distinct tokens those slots hold
-    kv_waste_perc: float  # 100 * (allocated - stored) / allocated
-    blocks_saved_by_sharing: int  # table entries minus distinct blocks (fork and prefix sharing)
-    prefix_cache_queries: int  # tokens looked up at admission
-    prefix_cache_hits: int  # tokens found cached
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    peak_used_blocks: int
-    block_size: int
-    # Speculative decoding (vLLM's spec_decode_* counters): verified proposals, the draft
-    # tokens they held, how many of those the target accepted, and per draft position j (one
-    # entry per speculative token) the proposals whose drafts 0..j were all accepted.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    # Derived as vLLM does (None before the first proposal): accepted / draft tokens, and
-    # 1 + accepted / drafts (tokens a verified row emits on average, the bonus token included).
-    spec_decode_acceptance_rate: float | None = None
-    spec_decode_mean_acceptance_length: float | None = None
-    # The CPU block pool (swap_space + cpu_offload_gib): its size and free blocks (free ones
-    # may hold prefix-cache tier content), preemptions that swapped, and the prefix-cache hits
-    # (tokens, part of prefix_cache_hits) served from the CPU tier.
-    num_cpu_blocks: int = 0
-    num_free_cpu_blocks: int = 0
-    num_swap_preemptions: int = 0
-    prefix_cache_cpu_hits: int = 0
-    # enable_lora: max_loras, and the adapters (names) of running and of waiting requests.
-    max_loras: int = 0
-    running_lora_adapters: list[str] = field(default_factory=list)
-    waiting_lora_adapters: list[str] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -425,52 +379,7 @@ class LLMEngine:
         )
 
     def get_stats(self) -> EngineStats:
-        sched, core = self.scheduler, self.engine_core
-        bm = self.block_manager.stats(sched.running_seqs())
-        allocated = bm.num_slots_allocated
-        return EngineStats(
-            num_running=sched.num_running,
-            num_waiting=sched.num_waiting,
-            num_total_blocks=bm.num_total_blocks,
-            num_used_blocks=bm.num_used_blocks,
-            num_free_blocks=bm.num_free_blocks,
-            num_cached_blocks=bm.num_cached_blocks,
-            kv_cache_usage=bm.usage,
-            kv_slots_allocated=allocated,
-            kv_tokens_stored=bm.num_tokens_stored,
-            kv_waste_perc=100.0 * bm.kv_waste,
-            blocks_saved_by_sharing=bm.blocks_saved_by_sharing,
-            prefix_cache_queries=bm.prefix_cache_queries,
-            prefix_cache_hits=bm.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            prompt_tokens_total=core.prompt_tokens_total,
-            generation_tokens_total=core.generation_tokens_total,
-            peak_used_blocks=core.peak_used_blocks,
-            block_size=self.config.block_size,
-            num_cpu_blocks=bm.num_cpu_blocks,
-            num_free_cpu_blocks=bm.num_free_cpu_blocks,
-            num_swap_preemptions=sched.num_swap_preemptions,
-            prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
-            **_spec_stats(self.draft_planner),
-            **self._lora_stats(),
-        )
-
-    def _lora_stats(self) -> dict[str, Any]:
-        registry = self.lora_registry
-        if registry is None:
-            return {}
-
-        def names(reqs: Iterable) -> list[str]:
-            ids = {r.lora_id for r in reqs if r.lora_id}
-            known = registry.loaded
-            return sorted(known[i].lora_name if i in known else str(i) for i in ids)
-
-        sched = self.scheduler
-        return {
-            "max_loras": self.config.max_loras,
-            "running_lora_adapters": names(sched.running),
-            "waiting_lora_adapters": names(sched.waiting),
-        }
+        return engine_stats(self)
 
     def _resolve_lengths(self) -> None:
         cfg = self.config
@@ -490,24 +399,6 @@ class LLMEngine:
                 f"max_model_len={cfg.max_model_len} and chunked prefill is off: a long prompt "
                 "could never be scheduled"
             )
-
-
-def _spec_stats(planner: DraftPlanner | None) -> dict[str, Any]:
-    if planner is None:
-        return {}
-    drafts, drafted, accepted = (
-        planner.num_drafts,
-        planner.num_draft_tokens,
-        planner.num_accepted_tokens,
-    )
-    return {
-        "spec_decode_num_drafts": drafts,
-        "spec_decode_num_draft_tokens": drafted,
-        "spec_decode_num_accepted_tokens": accepted,
-        "spec_decode_num_accepted_tokens_per_pos": list(planner.num_accepted_tokens_per_pos),
-        "spec_decode_acceptance_rate": accepted / drafted if drafted else None,
-        "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-    }
 
 
 def auto_async_scheduling(device: torch.device) -> bool:

@@ -235,7 +235,7 @@ class DraftModelRunner:
         r = self.runner
         rows = inputs.rows[src]
         out_pos = positions - r.batch.num_prompt[rows]
-        md = r._sampling_metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos)
+        md = r.sampling.metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos)
         x = r.sampler.process_logits(raw, md)
         if md.all_greedy:
             return x.max(dim=-1).indices, None

@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from fake_engine import FakeEngine
 
-from paged_server.cli import build_parser, serve
+from paged_server.cli import serve
+from paged_server.cli_args import build_parser
 
 if __name__ == "__main__":
     args = build_parser().parse_args(sys.argv[1:])

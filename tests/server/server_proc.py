@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -31,6 +32,7 @@ class ServerProc:
     proc: subprocess.Popen | None  # None: a server in this process
     url: str
     lines: list[str] = field(default_factory=list)
+    ssl_context: ssl.SSLContext | None = None  # how to trust an https:// server's certificate
 
     @property
     def host(self) -> str:
@@ -41,6 +43,10 @@ class ServerProc:
         return urlsplit(self.url).port
 
     def conn(self, timeout: float = 30.0) -> http.client.HTTPConnection:
+        if self.url.startswith("https://"):
+            return http.client.HTTPSConnection(
+                self.host, self.port, timeout=timeout, context=self.ssl_context
+            )
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout)
 
     def request(
@@ -134,7 +140,7 @@ def launch(
     def pump() -> None:  # keep reading so the pipe never blocks the server
         for line in proc.stdout:
             server.lines.append(line)
-            if "serving on http://" in line and not ready.is_set():
+            if "serving on " in line and not ready.is_set():
                 server.url = line.split("serving on ")[1].split()[0]
                 ready.set()
         ready.set()
@@ -163,7 +169,8 @@ API_KEY = "sk-test-key"
 @contextlib.contextmanager
 def serve_in_process(args: list[str], engine: object) -> Iterator[tuple[ServerProc, object]]:
     """`paged-server ARGS` over `engine` in this process: (its HTTP handle, its app)."""
-    from paged_server.cli import build_app, build_parser
+    from paged_server.cli import build_app
+    from paged_server.cli_args import build_parser
     from paged_server.http import Server
 
     parsed = build_parser().parse_args(args)

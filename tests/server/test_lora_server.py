@@ -23,7 +23,8 @@ from server_proc import (
 )
 
 from paged_engine.lora.request import LoRARequest
-from paged_server.cli import _lora_config, build_parser, parse_args, serve
+from paged_server.cli import _lora_config, parse_args, serve
+from paged_server.cli_args import build_parser
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError
 from paged_server.lora import LoRAModule, runtime_updates_allowed

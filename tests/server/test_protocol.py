@@ -142,7 +142,7 @@ def test_metrics_render_prometheus_text() -> None:
 
 
 def test_cli_takes_vllm_flag_names() -> None:
-    from paged_server.cli import build_parser
+    from paged_server.cli_args import build_parser
 
     argv = (
         "--model m --served-model-name a b --port 0 --api-key k --tensor-parallel-size 2 "

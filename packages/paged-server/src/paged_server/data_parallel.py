@@ -315,17 +315,33 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
 
 
 # ---- replica processes ---------------------------------------------------------------------
+# The router's own flags: replicas listen on loopback, in plain HTTP.
+_ROUTER_FLAGS = {
+    "--data-parallel-size",
+    "-dp",
+    "--host",
+    "--port",
+    "--ssl-keyfile",
+    "--ssl-certfile",
+    "--ssl-ca-certs",
+    "--ssl-cert-reqs",
+    "--ssl-ciphers",
+}
+_ROUTER_SWITCHES = {"--enable-ssl-refresh"}  # flags without a value
+
+
 def replica_argv(argv: list[str]) -> list[str]:
-    """The command line without --data-parallel-size, --host and --port (the router's)."""
-    drop = {"--data-parallel-size", "-dp", "--host", "--port"}
+    """The command line without the router's flags (its address and HTTPS)."""
     out, skip = [], False
     for arg in argv:
         if skip:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in drop:
+        if name in _ROUTER_FLAGS:
             skip = "=" not in arg
+            continue
+        if name in _ROUTER_SWITCHES:
             continue
         out.append(arg)
     return out

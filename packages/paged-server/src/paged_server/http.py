@@ -9,7 +9,8 @@ Invariants:
   their sizes arrive); a rejected body closes the connection instead of being drained.
 - Socket timeouts: `keep_alive_timeout` while waiting for the next request line, `io_timeout` for
   reading a body and for every write (a stuck streaming client fails its write and is aborted).
-  The request line and headers must be complete within `keep_alive_timeout + io_timeout`.
+  The request line and headers must be complete within `keep_alive_timeout + io_timeout`,
+  and so must a TLS handshake (HTTPS: `tls.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +32,7 @@ from paged_engine.unicode_text import find_lone_surrogate, surrogate_message
 from paged_server import __version__
 from paged_server.cors import CorsPolicy
 from paged_server.errors import APIError, bad_request
+from paged_server.tls import TLS
 
 log = logging.getLogger("paged_server")
 
@@ -63,11 +66,14 @@ class Server(ThreadingHTTPServer):
         io_timeout: float = 30.0,
         listen: bool = True,
         cors: CorsPolicy | None = None,
+        tls: TLS | None = None,
     ):
         """`listen=False` only binds (the port is taken, connections are refused): set `app`,
-        then call `server_activate()` before serving. `cors` None: no CORS headers at all."""
+        then call `server_activate()` before serving. `cors` None: no CORS headers at all.
+        `tls`: every connection speaks HTTPS."""
         self.app = app
         self.cors = cors
+        self.tls = tls
         self.max_body_bytes = max_body_bytes
         self.keep_alive_timeout = keep_alive_timeout
         self.io_timeout = io_timeout
@@ -87,6 +93,37 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls is not None else "http"
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """On the connection's own thread: the TLS handshake (one deadline for all of it: the
+        ssl module bounds the whole handshake by the socket timeout), then the handler. A failed
+        handshake (a plain-HTTP client, a refused client certificate) closes that connection
+        alone."""
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(self.keep_alive_timeout + self.io_timeout)
+        try:  # wrap_socket detaches `request`: the TLS socket owns the connection from here
+            conn = self.tls.context.wrap_socket(
+                request, server_side=True, do_handshake_on_connect=False
+            )
+        except OSError as e:
+            log.info("%s: TLS setup failed: %s", client_address[0], e)
+            return None
+        try:
+            conn.do_handshake()
+        except (ssl.SSLError, OSError) as e:
+            log.info("%s: TLS handshake failed: %s", client_address[0], e)
+            self.shutdown_request(conn)
+            return None
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            self.shutdown_request(conn)
+        return None
 
     def active_requests(self) -> int:
         return self._active
@@ -115,7 +152,9 @@ class Server(ThreadingHTTPServer):
             for h in late:
                 log.info("%s: request headers too slow; closing", h.client_address[0])
                 with contextlib.suppress(OSError):
-                    h.connection.shutdown(socket.SHUT_RDWR)
+                    # the TCP socket's own shutdown: an SSLSocket's would drop its TLS state
+                    # under the handler thread still reading it
+                    socket.socket.shutdown(h.connection, socket.SHUT_RDWR)
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -195,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
             self.server.app.dispatch(self, method, path)
         except APIError as e:
             self._send_error(e)
-        except (TimeoutError, ConnectionError, BrokenPipeError):
+        except (TimeoutError, ConnectionError, ssl.SSLError):  # the client went away
             self.close_connection = True
         except Exception:
             log.exception("unhandled error in %s %s", method, path)
@@ -454,11 +493,32 @@ class Handler(BaseHTTPRequestHandler):
                 return False
             if events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
                 return True
+            if isinstance(self.connection, ssl.SSLSocket):
+                return self._tls_peer_closed()
             return self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
         except BlockingIOError:
             return False
         except OSError:
             return True
+
+    def _tls_peer_closed(self) -> bool:
+        """TLS cannot peek: records are read (without blocking) and decrypted. A close_notify
+        or EOF means the peer left; a partial record means nothing yet. Request bytes a client
+        pipelined behind this request cannot be put back, so the connection closes after this
+        response (clients resend an unanswered request on a new connection)."""
+        conn = self.connection
+        timeout = conn.gettimeout()
+        conn.settimeout(0.0)
+        try:
+            data = conn.recv(1 << 16)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return False
+        finally:
+            conn.settimeout(timeout)
+        if not data:
+            return True
+        self.close_connection = True
+        return False
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.client_address[0], *args)

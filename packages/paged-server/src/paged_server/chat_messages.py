@@ -1,0 +1,150 @@
+"""Chat request parts checked as OpenAI checks them, into what a chat template takes: messages
+(text content, assistant tool calls with their arguments as objects, tool results), documents,
+and the template variables a client may set.
+
+Every check raises `APIError(400)` naming the offending parameter (`messages[2].content`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from paged_server.errors import bad_request
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def chat_message(i: int, m: Any) -> dict[str, Any]:
+    """One chat message, checked as OpenAI checks it: a known role; content a string or a list
+    of text parts, required except on an assistant message that makes tool calls; assistant
+    `tool_calls` well formed (their JSON arguments become objects for the chat template, as
+    templates index them); a tool message names its `tool_call_id`."""
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise bad_request(f"{param} must be an object with a string 'role'", param)
+    role = m["role"]
+    if role not in _ROLES:
+        raise bad_request(f"{param}.role '{role}' is not one of {sorted(_ROLES)}", param)
+    content = m.get("content")
+    tool_calls = m.get("tool_calls")
+    if content is None:
+        if role != "assistant":
+            raise bad_request(f"{param}.content is required for role '{role}'", f"{param}.content")
+        content = ""
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise bad_request(
+                    f"{param}.content: only text content parts are supported", f"{param}.content"
+                )
+            if not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"{param}.content: a text part needs a string 'text'", f"{param}.content"
+                )
+            parts.append(part["text"])
+        content = "\n".join(parts)
+    elif not isinstance(content, str):
+        raise bad_request(
+            f"{param}.content must be a string or a list of parts", f"{param}.content"
+        )
+    if m.get("function_call"):
+        raise bad_request(
+            f"{param}.function_call (deprecated) is not supported: use tool_calls",
+            f"{param}.function_call",
+        )
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    if tool_calls is not None:
+        if role != "assistant":
+            raise bad_request(f"{param}.tool_calls is only allowed on assistant messages", param)
+        out["tool_calls"] = _tool_calls(f"{param}.tool_calls", tool_calls)
+    if role == "tool":
+        if not isinstance(m.get("tool_call_id"), str) or not m["tool_call_id"]:
+            raise bad_request(
+                f"{param}.tool_call_id is required for role 'tool'", f"{param}.tool_call_id"
+            )
+        out["tool_call_id"] = m["tool_call_id"]
+    name = m.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise bad_request(f"{param}.name must be a string", f"{param}.name")
+        out["name"] = name
+    return out
+
+
+def _tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be a list", param)
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(
+                f"{p} must be {{'type': 'function', 'function': {{name, arguments}}}}", p
+            )
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise bad_request(f"{p}.function.arguments must be JSON text", p) from None
+        if not isinstance(args, dict):
+            raise bad_request(f"{p}.function.arguments must be a JSON object", p)
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+# The render's own arguments: a template variable of the same name would replace them. A
+# "chat_template" key is the template itself (the app lets it through only when trusted).
+_RENDER_ARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def template_kwargs(value: Any) -> dict[str, Any]:
+    """chat_template_kwargs: variables for the chat template (e.g. {"enable_thinking": false})."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    taken = sorted(_RENDER_ARGS.intersection(value))
+    if taken:
+        raise bad_request(
+            f"'chat_template_kwargs' may not set {taken[0]!r}: the request's own fields do",
+            "chat_template_kwargs",
+        )
+    return value
+
+
+def chat_documents(value: Any) -> list[dict[str, Any]] | None:
+    """documents: a list of objects with string values (e.g. {"title", "text"}) for chat
+    templates that ground answers in documents."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and all(
+        isinstance(d, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in d.items())
+        for d in value
+    )
+    if not ok:
+        raise bad_request("'documents' must be a list of objects with string values", "documents")
+    return value

@@ -1,0 +1,388 @@
+"""paged-server's command line: every flag (named as in vLLM) and its checks.
+
+`parse_args` returns the namespace `cli.py` starts the server from; a bad combination of flags
+exits with argparse's usage error naming the flag, before anything loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from paged_server.cors import CorsPolicy
+from paged_server.lora import lora_names_error, parse_lora_module
+from paged_server.tls import CERT_REQS, TLSConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paged-server",
+        description="OpenAI-compatible HTTP server for paged-engine.",
+        usage="paged-server [serve] [MODEL] [options]  (or --model MODEL)",
+    )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as vLLM's `vllm serve MODEL` takes it (same as --model)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir, .gguf file or hub id (downloaded unless cached or HF_HUB_OFFLINE=1);"
+        " default: SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--revision", default=None, help="hub branch, tag or commit of the model")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir or hub id (default: model's)")
+    p.add_argument("--tokenizer-revision", default=None, help="hub revision of --tokenizer")
+    p.add_argument(
+        "--download-dir", default=None, help="hub cache directory (default: huggingface_hub's)"
+    )
+    p.add_argument("--hf-token", default=None, help="Hub token (default: HF_TOKEN or the login)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="name(s) clients use; the first is reported in responses",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    for flag, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
+        p.add_argument(
+            f"--allowed-{flag}",
+            type=_json_list,
+            default=None,
+            help=f'CORS: allowed {what}, a JSON list or comma-separated (default: ["*"], any)',
+        )
+    p.add_argument(
+        "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+    )
+    p.add_argument("--ssl-keyfile", default=None, help="HTTPS: the server's private key (PEM)")
+    p.add_argument("--ssl-certfile", default=None, help="HTTPS: the server's certificate chain")
+    p.add_argument(
+        "--ssl-ca-certs", default=None, help="HTTPS: CA file that client certificates must match"
+    )
+    p.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=0,
+        help="HTTPS client certificates: 0 not asked, 1 optional, 2 required (vLLM's values)",
+    )
+    p.add_argument("--ssl-ciphers", default=None, help="HTTPS: OpenSSL cipher list (TLS 1.2)")
+    p.add_argument(
+        "--enable-ssl-refresh",
+        action="store_true",
+        help="HTTPS: reload the key and certificates when their files change (no restart)",
+    )
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument(
+        "--speculative-config",
+        type=_json_object,
+        default=None,
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    p.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves unset: 'auto' (the model's "
+        "generation_config.json), 'vllm' (none) or a directory holding one",
+    )
+    p.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        help="sampling defaults on top of --generation-config, e.g. '{\"temperature\": 0.5}'",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="fcfs: arrival order; priority: a request's 'priority' first (lower runs "
+        "first), then arrival; preemption takes the request that sorts last",
+    )
+    p.add_argument(
+        "--pooler-config",
+        type=_json_object,
+        default=None,
+        help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(default: last token, normalized)",
+    )
+    p.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas behind this server, each on its own GPUs (tp * pp per replica)",
+    )
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: --lora-modules, or runtime loads (docs/server.md)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help='adapters served under their names: name=path, or \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\' (needs --enable-lora)',
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="distinct adapters in one batch")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank")
+    p.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="adapters kept loaded in host memory (default: --max-loras)",
+    )
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "uni"],
+        default=None,
+        help="vLLM's: 'mp' (a process per rank, what paged runs) or 'uni' (one process: "
+        "tensor and pipeline parallel size 1)",
+    )
+    p.add_argument(
+        "--tokenizer-mode",
+        choices=["auto", "hf"],
+        default="auto",
+        help="vLLM's: paged loads the Hugging Face (fast) tokenizer in either mode",
+    )
+    p.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="split long prompts across steps (on by default, as in vLLM V1)",
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most logprobs / prompt_logprobs a request may ask for (the API caps at 20)",
+    )
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render a chat_template sent in a request (default: refuse it with a 400)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 429 while this many requests wait; default: unbounded",
+    )
+    p.add_argument("--load-format", default="auto")
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let transformers run the model repository's own config / tokenizer code",
+    )
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--compilation-config",
+        "-O",
+        type=_compilation_config,
+        default=None,
+        help="0: eager (default); 1-3 (-O3): torch.compile the model forward (CPU), or "
+        "'{\"level\": 3}'",
+    )
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 (= fp8_e4m3), fp8_e5m2")
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
+    p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
+    p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="CPU weight-only fp16 (fbgemm, x86), int8 or int4",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="logits of a request bit-identical whatever else is in the batch (CPU backend in "
+        "float32, or the Triton kernels in any dtype)",
+    )
+    p.add_argument("--cpu-num-threads", type=int, default=None, help="default: physical cores")
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection is kept open",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a body read or a response write may stall before we give up",
+    )
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGINT/SIGTERM, seconds to let requests finish before aborting them",
+    )
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log one INFO line per request: its id, prompt (cut to --max-log-len) and params",
+    )
+    p.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="vLLM's older spelling of the default (requests are not logged)",
+    )
+    p.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="characters (or token ids) of a prompt that --enable-log-requests logs (all)",
+    )
+    p.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM scripts: paged logs no periodic stats (GET /metrics has them)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served",
+    )
+    p.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprob tokens read 'token_id:<id>' in every answer (the request field's default)",
+    )
+    p.add_argument(
+        "--response-role", default="assistant", help="the role of chat answers (vLLM's flag)"
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        default=None,
+        help="parse the model's tool calls for tool_choice 'auto' (Hermes/Qwen, Llama 3 JSON, "
+        "Mistral [TOOL_CALLS], or Llama 3.2/4 pythonic [f(x=1)])",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek_r1", "qwen3"],
+        default=None,
+        help="chat: the model's <think>...</think> text goes to message.reasoning_content",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: --tool-call-parser enables tool_choice 'auto'",
+    )
+    return p
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's JSON list (`'["http://a.com"]'`), or plain comma-separated values."""
+    stripped = text.strip()
+    if stripped.startswith("["):
+        try:
+            value = json.loads(stripped)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return value
+    return [v.strip() for v in stripped.split(",") if v.strip()]
+
+
+def cors_policy(args: argparse.Namespace) -> CorsPolicy:
+    """The CORS flags' policy; ValueError on an empty or malformed list."""
+    return CorsPolicy.from_lists(
+        getattr(args, "allowed_origins", None),
+        getattr(args, "allowed_methods", None),
+        getattr(args, "allowed_headers", None),
+        getattr(args, "allow_credentials", False),
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`paged-server [serve] [MODEL] [options]`: the model positionally (vLLM's `vllm serve
+    MODEL`, the `serve` word optional) or as --model."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    try:
+        cors_policy(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.ssl_cert_reqs not in CERT_REQS:
+        parser.error(f"--ssl-cert-reqs must be 0, 1 or 2, got {args.ssl_cert_reqs}")
+    if args.ssl_keyfile is None and (
+        args.ssl_ca_certs or args.ssl_cert_reqs or args.ssl_ciphers or args.enable_ssl_refresh
+    ):
+        parser.error("the --ssl-* options need --ssl-keyfile and --ssl-certfile (HTTPS)")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    why = lora_names_error(args.lora_modules or [], served_names(args))
+    if why is not None:
+        parser.error(f"--lora-modules: {why}")
+    return args
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    """Like vLLM: --served-model-name, else the --model string itself; the built-in default
+    model is served by its plain name."""
+    from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
+
+    return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _compilation_config(text: str) -> int | dict:
+    """vLLM's forms: an optimization level (`-O3`, `-O 3`) or a JSON object."""
+    try:
+        return int(text)
+    except ValueError:
+        return _json_object(text)
+
+
+def tls_config(args: argparse.Namespace) -> TLSConfig | None:
+    """The HTTPS settings of the --ssl-* flags; None for plain HTTP."""
+    if getattr(args, "ssl_keyfile", None) is None:
+        return None
+    return TLSConfig(
+        keyfile=args.ssl_keyfile,
+        certfile=args.ssl_certfile,
+        ca_certs=args.ssl_ca_certs,
+        cert_reqs=args.ssl_cert_reqs,
+        ciphers=args.ssl_ciphers,
+    )

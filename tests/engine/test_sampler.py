@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs, unpack
-from paged_engine.sample.metadata import metadata_from_params
-from paged_engine.sample.sampler import Sampler
+from paged_engine.sample.metadata import Penalties, metadata_from_params
+from paged_engine.sample.sampler import Sampler, apply_penalties
 from paged_engine.sampling_params import SamplingParams
 
 V = 64
@@ -42,7 +43,7 @@ def sample(x: torch.Tensor, rows) -> SimpleNamespace:
 
 
 def process(x: torch.Tensor, rows) -> torch.Tensor:
-    return Sampler.process_logits(x, metadata(rows, x.device, x.shape[1]))
+    return Sampler().process_logits(x, metadata(rows, x.device, x.shape[1]))
 
 
 def logits_for(n: int, device, seed: int = 0) -> torch.Tensor:
@@ -131,6 +132,62 @@ def test_penalties_match_naive_reference(device):
     # Logprobs stay those of the raw logits, whatever the penalties did.
     raw = torch.log_softmax(x.cpu(), -1)
     torch.testing.assert_close(torch.tensor(out.lp.logprobs), raw[range(12), out.tokens])
+
+
+def dense_penalties(x: torch.Tensor, pen: Penalties) -> None:
+    """The penalties as passes over [P, V]: a seen mask, then counts (the arithmetic order the
+    engine's gather / scatter version keeps)."""
+    vocab = x.shape[1]
+    sub = x[pen.rows]
+    seen = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=x.device)
+    seen.scatter_(1, pen.prompt_ids.masked_fill(pen.prompt_ids < 0, vocab), True)
+    output = pen.output_ids.masked_fill(pen.output_ids < 0, vocab)
+    seen.scatter_(1, output, True)
+    rp = pen.repetition
+    sub = torch.where(seen[:, :vocab], torch.where(sub > 0, sub / rp, sub * rp), sub)
+    counts = torch.zeros(sub.shape[0], vocab + 1, dtype=x.dtype, device=x.device)
+    counts.scatter_add_(1, output, torch.ones(output.shape, dtype=x.dtype, device=x.device))
+    counts = counts[:, :vocab]
+    x[pen.rows] = sub - pen.frequency * counts - pen.presence * (counts > 0).to(x.dtype)
+
+
+def test_penalties_touch_only_history_tokens_bit_exactly(device):
+    """apply_penalties reads and writes the logits at the rows' history tokens only: the same
+    bits as the dense passes, with repeated tokens, padding, token 0, rows with no history,
+    -inf logits (grammar masks) and rows that do not use penalties in between."""
+    g = torch.Generator().manual_seed(11)
+    for trial in range(60):
+        vocab = int(torch.randint(2, 300, (1,), generator=g))
+        p = int(torch.randint(1, 7, (1,), generator=g))
+        n = p + int(torch.randint(0, 4, (1,), generator=g))
+        lp, lo = (int(v) for v in torch.randint(1, 40, (2,), generator=g))
+        x = torch.randn(n, vocab, generator=g) * 3
+        x[torch.rand(n, vocab, generator=g) < 0.1] = float("-inf")
+        prompt = torch.randint(-1, min(vocab, 8), (p, lp), generator=g)  # many repeats, PAD = -1
+        output = torch.randint(-1, vocab, (p, lo), generator=g)
+        if trial % 5 == 0:
+            prompt[0], output[0] = -1, -1  # a row without any history token
+        pen = Penalties(
+            rows=torch.randperm(n, generator=g)[:p],
+            repetition=torch.rand(p, 1, generator=g) + 0.5,
+            frequency=torch.randn(p, 1, generator=g),
+            presence=torch.randn(p, 1, generator=g),
+            prompt_ids=prompt,
+            output_ids=output,
+        )
+        x, pen = x.to(device), Penalties(*(t.to(device) for t in dataclasses.astuple(pen)))
+        want = x.clone()
+        dense_penalties(want, pen)
+        got = x.clone()
+        apply_penalties(got, pen)  # its own scratch
+        assert torch.equal(got, want), trial
+        # the sampler's kept scratch (more rows than needed) is zero again afterwards
+        tally = torch.zeros(p + 3, vocab + 1, device=device)
+        for _ in range(2):
+            got = x.clone()
+            apply_penalties(got, pen, tally)
+            assert torch.equal(got, want), trial
+            assert not tally.any(), trial
 
 
 def run_seeded(device, position: int, others: list[dict], steps: int = 8) -> list[int]:

@@ -33,23 +33,43 @@ class SamplerOutput:
     logprobs: Tensor | None  # [N, 3 + 2k] float64
 
 
-def apply_penalties(x: Tensor, pen: Penalties) -> None:
+def apply_penalties(x: Tensor, pen: Penalties, tally: Tensor | None = None) -> None:
     """Repetition penalty over prompt + output tokens, then frequency and presence over output
-    tokens (in place, rows `pen.rows` only)."""
-    vocab = x.shape[1]
-    sub = x[pen.rows]
-    # Column `vocab` absorbs the padding (PAD = -1 is remapped there).
-    prompt = pen.prompt_ids.masked_fill(pen.prompt_ids < 0, vocab)
-    output = pen.output_ids.masked_fill(pen.output_ids < 0, vocab)
-    seen = torch.zeros(sub.shape[0], vocab + 1, dtype=torch.bool, device=x.device)
-    seen.scatter_(1, prompt, True).scatter_(1, output, True)
-    seen = seen[:, :vocab]
+    tokens (in place, rows `pen.rows` only).
+
+    Only the logits of tokens a row holds change, so the logits are read and written at the
+    rows' histories [P, L] only, never in passes over [P, V]: each (row, token) of the history
+    computes its new value from its own logit (the same arithmetic, in the same order, as a
+    dense pass), and every occurrence of a token writes that same value back. `tally`: a zero
+    scratch [>= P, V + 1] of x's dtype, zero again on return (the sampler keeps one, so a step
+    neither allocates nor clears [P, V]); None allocates one.
+    """
+    prompt, output = pen.prompt_ids, pen.output_ids
+    ids = torch.cat([prompt, output], dim=1)  # [P, L], PAD-padded
+    real = ids >= 0
+    # Padding takes a token the row holds (its largest id; PAD sorts below every id), whose own
+    # new value it then writes again. A row without tokens points at token 0 and keeps it.
+    fill = ids.max(dim=1, keepdim=True).values.clamp_(min=0)
+    ids = torch.where(real, ids, fill)
+    rows = pen.rows[:, None].expand_as(ids)
+    old = x[rows, ids]
     rp = pen.repetition
-    sub = torch.where(seen, torch.where(sub > 0, sub / rp, sub * rp), sub)
-    counts = torch.zeros(sub.shape[0], vocab + 1, dtype=x.dtype, device=x.device)
-    counts.scatter_add_(1, output, torch.ones_like(output, dtype=x.dtype))
-    counts = counts[:, :vocab]
-    x[pen.rows] = sub - pen.frequency * counts - pen.presence * (counts > 0).to(x.dtype)
+    new = torch.where(old > 0, old / rp, old * rp)
+    # Output token counts: scattered into the tally (column V absorbs PAD), read at the ids,
+    # then cleared at the same places.
+    vocab = x.shape[1]
+    if tally is None:
+        tally = torch.zeros(ids.shape[0], vocab + 1, dtype=x.dtype, device=x.device)
+    else:
+        assert tally.shape[0] >= ids.shape[0] and tally.shape[1] == vocab + 1, tally.shape
+        tally = tally[: ids.shape[0]]
+    out_ids = output.masked_fill(output < 0, vocab)
+    tally.scatter_add_(1, out_ids, torch.ones(out_ids.shape, dtype=x.dtype, device=x.device))
+    counts = tally.gather(1, ids)
+    tally.scatter_(1, out_ids, 0.0)
+    new = new - pen.frequency * counts - pen.presence * (counts > 0).to(x.dtype)
+    new = torch.where(real.any(dim=1, keepdim=True), new, old)
+    x.index_put_((rows, ids), new)
 
 
 def apply_top_k_top_p(x: Tensor, md: SamplingMetadata) -> None:
@@ -80,6 +100,11 @@ def apply_min_p(x: Tensor, rows: Tensor, min_p: Tensor) -> None:
     x[rows] = sub.masked_fill(probs < keep_min, float("-inf"))
 
 
+# The penalties' scratch stays under [256, V + 1] (155 MB of float32 at a 151,936 vocabulary);
+# more penalty rows in one step (speculative rows at large batches) allocate per step.
+_MAX_TALLY_ROWS = 256
+
+
 def argmax(x: Tensor) -> Tensor:
     """[N, V] -> [N] int64, the first maximal index per row (as torch.argmax): `max` is twice as
     fast as `argmax` on CPUs."""
@@ -98,6 +123,9 @@ class Sampler:
         self.logsumexp = logsumexp  # of the logprobs (sample/logprobs.py)
         self._generators: dict[torch.device, torch.Generator] = {}
         self._unseeded: dict[torch.device, torch.Generator] = {}
+        # Per device: the penalties' zero scratch [rows, V + 1] (apply_penalties), made on the
+        # first penalty row and grown to the most penalty rows seen, up to _MAX_TALLY_ROWS.
+        self._tallies: dict[torch.device, Tensor] = {}
 
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V], any float dtype; md describes its rows.
@@ -109,8 +137,7 @@ class Sampler:
             packed = gather_logprobs(raw, tokens, md.max_num_logprobs, self.logsumexp)
         return SamplerOutput(tokens, packed)
 
-    @staticmethod
-    def process_logits(raw: Tensor, md: SamplingMetadata) -> Tensor:
+    def process_logits(self, raw: Tensor, md: SamplingMetadata) -> Tensor:
         """The processed logits [N, V]: a new tensor when any processing applies (`raw` is left
         untouched), `raw` itself when none does."""
         if not (
@@ -135,7 +162,7 @@ class Sampler:
         if md.banned is not None:
             x[md.banned] = float("-inf")
         if md.penalties is not None:
-            apply_penalties(x, md.penalties)
+            apply_penalties(x, md.penalties, self._tally(md.penalties.rows.shape[0], x))
         if md.temperature is not None:
             x.div_(md.temperature)
         if md.top_k_top_p is not None:  # greedy rows never land here: their filters are off
@@ -143,6 +170,24 @@ class Sampler:
         if md.min_p is not None:
             apply_min_p(x, *md.min_p)
         return x
+
+    def _tally(self, rows: int, x: Tensor) -> Tensor | None:
+        """The zero scratch for `rows` penalty rows of logits like `x`; None (apply_penalties
+        then allocates its own) past _MAX_TALLY_ROWS rows."""
+        if rows > _MAX_TALLY_ROWS:
+            return None
+        tally = self._tallies.get(x.device)
+        width = x.shape[1] + 1
+        if (
+            tally is None
+            or tally.shape[0] < rows
+            or tally.shape[1] != width
+            or tally.dtype != x.dtype
+        ):
+            size = min(_MAX_TALLY_ROWS, 1 << (rows - 1).bit_length())
+            tally = torch.zeros(size, width, dtype=x.dtype, device=x.device)
+            self._tallies[x.device] = tally
+        return tally
 
     def sample(self, x: Tensor, md: SamplingMetadata) -> Tensor:
         """[N] int64 token ids: argmax for greedy rows, the exponential race for the others."""

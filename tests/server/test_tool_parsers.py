@@ -150,3 +150,112 @@ def test_scan_call_partial_states() -> None:
         assert (call.end is not None) == (cut == len(text))
     done = scan_call(text, 0, ("arguments",))
     assert json.loads(done.args) == {"a": [1, {"b": "}"}], "c": 2}
+
+
+QWEN3_CODER = (
+    "I'll check both.\n<tool_call>\n<function=forecast>\n<parameter=city>\nSão Paulo\n"
+    "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=hourly>\nfalse\n</parameter>\n"
+    "<parameter=units>\n{'temp': 'C', \"wind\": [1, 2]}\n</parameter>\n<parameter=note>\n"
+    'line one\nsay "hi" <b>\n</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>\n'
+    "</tool_call>\n<tool_call>\n<function=clock>\n</function>\n</tool_call>"
+)
+QWEN3_SCHEMAS = {
+    "forecast": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "hourly": {"type": "boolean"},
+            "units": {"type": "object"},
+            "note": {"type": ["string", "null"]},
+        },
+    },
+    "clock": {"type": "object", "properties": {}},
+}
+
+
+def test_qwen3_coder_calls_typed_by_the_tool_schemas() -> None:
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    parser.schemas = QWEN3_SCHEMAS
+    content, calls = parser.parse(QWEN3_CODER)
+    assert content == "I'll check both."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        (
+            "forecast",
+            {
+                "city": "São Paulo",
+                "days": 3,
+                "hourly": False,
+                "units": {"temp": "C", "wind": [1, 2]},  # a Python literal, read
+                "note": 'line one\nsay "hi" <b>',  # inner newlines stay
+                "extra": "7",  # not in the schema: text
+            },
+        ),
+        ("clock", {}),
+    ]
+    assert calls[0].arguments == json.dumps(json.loads(calls[0].arguments), ensure_ascii=False)
+    # without schemas every value is text; a call without the <tool_call> wrapper still counts
+    bare = TOOL_PARSERS["qwen3_xml"]()
+    _, calls = bare.parse("<function=f>\n<parameter=n>\n5\n</parameter>\n</function>")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"n": "5"})]
+    cut = QWEN3_CODER[: QWEN3_CODER.index("</function>")]  # max_tokens cut the call short
+    assert parser.parse(cut) == (cut, [])
+    assert parser.parse("no calls") == ("no calls", [])
+
+
+@pytest.mark.parametrize(
+    ("text", "schema", "want"),
+    [
+        ("12", {"type": "integer"}, 12),
+        ("1.5", {"type": "number"}, 1.5),
+        ("2", {"type": "number"}, 2),
+        ("nan", {"type": "number"}, "nan"),  # JSON has no NaN: stays text
+        ("twelve", {"type": "integer"}, "twelve"),
+        ("null", {"type": ["integer", "null"]}, None),
+        ("True", {"type": "boolean"}, True),
+        ("[1, 'a']", {"type": "array"}, [1, "a"]),
+        ("{oops", {"type": "object"}, "{oops"),
+        (" 12 ", {}, " 12 "),  # no type: the text as written
+    ],
+)
+def test_qwen3_coder_value_types(text: str, schema: dict, want: object) -> None:
+    from paged_server.tool_parsers.qwen3_coder import typed_value
+
+    assert typed_value(text, schema) == want
+
+
+@pytest.mark.parametrize("split", [1, 4, 1000])
+def test_qwen3_coder_streams_parameters_as_json_prefixes(split: int) -> None:
+    """Streamed, each call is announced by name first, then its arguments grow a parameter at
+    a time; accumulated they are exactly the non-streamed arguments."""
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    parser.schemas = QWEN3_SCHEMAS
+    shown, per_feed = stream_calls(parser, QWEN3_CODER, split)
+    assert shown.strip() == "I'll check both."
+    calls = accumulate(per_feed)
+    _, whole = parser.parse(QWEN3_CODER)
+    assert [(c["name"], c["arguments"]) for c in calls] == [(w.name, w.arguments) for w in whole]
+    if split == 1:
+        pieces = [e["function"]["arguments"] for f in per_feed for e in f if e["index"] == 0]
+        assert pieces[0] == "" and len(pieces) >= 7  # name, six parameters, the closing brace
+
+
+def test_qwen3_coder_through_the_chat_answer() -> None:
+    """tool_choice auto: the request's tools reach the parser, so the message's arguments are
+    typed, and the finish reason is tool_calls."""
+    from paged_server.tools import ToolOutput
+
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}}
+        for n, s in QWEN3_SCHEMAS.items()
+    ]
+    req = parse_tools({"tools": tools}, "qwen3_coder")
+    assert req is not None
+    msg, reason = ToolOutput(req, TOOL_PARSERS["qwen3_coder"]()).message(QWEN3_CODER, "stop")
+    assert reason == "tool_calls" and msg["content"] == "I'll check both."
+    args = json.loads(msg["tool_calls"][0]["function"]["arguments"])
+    assert args["days"] == 3 and args["hourly"] is False
+    from paged_server.cli_args import parse_args
+
+    for name in ("qwen3_coder", "qwen3_xml"):  # vLLM's launch flags
+        assert parse_args(["--tool-call-parser", name]).tool_call_parser == name

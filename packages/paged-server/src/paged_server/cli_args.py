@@ -274,10 +274,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral", "pythonic"],
+        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml"],
         default=None,
         help="parse the model's tool calls for tool_choice 'auto' (Hermes/Qwen, Llama 3 JSON, "
-        "Mistral [TOOL_CALLS], or Llama 3.2/4 pythonic [f(x=1)])",
+        "Mistral [TOOL_CALLS], Llama 3.2/4 pythonic [f(x=1)], or Qwen3-Coder's XML "
+        "<function=f><parameter=x>; qwen3_xml is the same)",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -146,6 +146,8 @@ class ToolOutput:
     def __init__(self, req: ToolRequest, parser: ToolParser | None) -> None:
         self.req = req
         self.parser = parser if req.choice == "auto" else None
+        if self.parser is not None:
+            self.parser.schemas = req.schemas
         self.stream = StreamingToolText(self.parser) if self.parser is not None else None
         self.held: list[str] = []  # forced outputs: the JSON's pieces, held until the end
         self.new_id = call_id_maker(parser)  # forced calls too

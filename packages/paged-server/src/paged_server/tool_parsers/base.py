@@ -21,6 +21,9 @@ class ParsedCall:
 
 class ToolParser:
     start_markers: tuple[str, ...] = ()
+    # The request's tools: function name -> its parameters' JSON schema (set per request by
+    # tools.ToolOutput; a parser whose format carries untyped values reads their types here).
+    schemas: dict[str, Any] = {}  # noqa: RUF012 - replaced per instance, never mutated
     # The marker that opens a call is a special token (Mistral's [TOOL_CALLS]): the request's
     # skip_special_tokens defaults to False so the text keeps it.
     keeps_special_tokens: bool = False

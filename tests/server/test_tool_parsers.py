@@ -108,10 +108,25 @@ PARALLEL = {
         '"note": "say \\"hi\\" {ok}"}}; {"parameters": {"tz": "utc"}, "name": "clock"}',
         "",
     ),
+    "mistral": (
+        'Checking.[TOOL_CALLS][{"name": "forecast", "arguments": {"city": "oslo", "days": 3, '
+        '"note": "say \\"hi\\" {ok}"}}, {"arguments": {"tz": "utc"}, "name": "clock"}]',
+        "Checking.",
+    ),
+    "granite": (
+        'Checking.<|tool_call|>[{"name": "forecast", "arguments": {"city": "oslo", "days": 3, '
+        '"note": "say \\"hi\\" {ok}"}}, {"arguments": {"tz": "utc"}, "name": "clock"}]',
+        "Checking.",
+    ),
+    "phi4_mini_json": (
+        'functools[{"name": "forecast", "arguments": {"city": "oslo", "days": 3, "note": '
+        '"say \\"hi\\" {ok}"}}, {"name": "clock", "parameters": {"tz": "utc"}}]',
+        "",
+    ),
 }
 
 
-@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
+@pytest.mark.parametrize("parser", sorted(PARALLEL))
 @pytest.mark.parametrize("split", [1, 2, 5, 1000])
 def test_arguments_stream_piece_by_piece(parser: str, split: int) -> None:
     """The first entry of a call carries id, type and name; then argument pieces follow as
@@ -259,3 +274,19 @@ def test_qwen3_coder_through_the_chat_answer() -> None:
 
     for name in ("qwen3_coder", "qwen3_xml"):  # vLLM's launch flags
         assert parse_args(["--tool-call-parser", name]).tool_call_parser == name
+
+
+def test_json_list_parsers_refuse_what_is_not_a_list_of_calls() -> None:
+    for name, marker in (("granite", "<|tool_call|>"), ("phi4_mini_json", "functools")):
+        p = TOOL_PARSERS[name]()
+        for text in (
+            f"{marker}[]",  # no call
+            f'{marker}{{"name": "a", "arguments": {{}}}}',  # not a list
+            f'{marker}[{{"name": "a", "arguments": {{}}}}] and more',  # trailing text
+            f'{marker}[{{"name": "a", "arguments": "{{oops"}}]',  # arguments not JSON
+            "import functools" if name == "phi4_mini_json" else "plain text",
+        ):
+            assert p.parse(text) == (text, []), (name, text)
+    _, calls = TOOL_PARSERS["granite"]().parse('<tool_call>[{"name": "a", "arguments": {}}]')
+    assert [c.name for c in calls] == ["a"]  # the marker spelled out, not the special token
+    assert TOOL_PARSERS["granite"].keeps_special_tokens

@@ -13,6 +13,7 @@ import sys
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
 from paged_server.tls import CERT_REQS, TLSConfig
+from paged_server.tool_parsers import TOOL_PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,11 +275,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "qwen3_xml"],
+        choices=sorted(TOOL_PARSERS),
         default=None,
-        help="parse the model's tool calls for tool_choice 'auto' (Hermes/Qwen, Llama 3 JSON, "
-        "Mistral [TOOL_CALLS], Llama 3.2/4 pythonic [f(x=1)], or Qwen3-Coder's XML "
-        "<function=f><parameter=x>; qwen3_xml is the same)",
+        help="parse the model's tool calls for tool_choice 'auto': hermes (Hermes / Qwen), "
+        "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), qwen3_coder "
+        "(= qwen3_xml, Qwen3-Coder's <function=f>), granite (<|tool_call|>), phi4_mini_json "
+        "(functools[...])",
     )
     p.add_argument(
         "--reasoning-parser",

@@ -5,7 +5,8 @@
                     what could start a tool call
     hermes.py       Hermes / Qwen: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
     llama3_json.py  Llama 3.x: {"name": ..., "parameters": {...}} (after <|python_tag|>), ";"-joined
-    mistral.py      Mistral: [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]; 9-character ids
+    json_list.py    one JSON list after a marker: Mistral [TOOL_CALLS][...] (9-character ids),
+                    Granite 3 <|tool_call|>[...], Phi-4-mini functools[...]
     pythonic.py     Llama 3.2 / 4: [f(x=1), g(city="Paris")], read with `ast` (literals only)
     qwen3_coder.py  Qwen3-Coder: <tool_call><function=f><parameter=x>1</parameter></function>...,
                     values typed by the request's tool schemas
@@ -15,8 +16,12 @@ from __future__ import annotations
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
 from paged_server.tool_parsers.hermes import HermesToolParser
+from paged_server.tool_parsers.json_list import (
+    GraniteToolParser,
+    MistralToolParser,
+    Phi4MiniToolParser,
+)
 from paged_server.tool_parsers.llama3_json import Llama3JsonToolParser
-from paged_server.tool_parsers.mistral import MistralToolParser
 from paged_server.tool_parsers.pythonic import PythonicToolParser
 from paged_server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
@@ -24,6 +29,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "granite": GraniteToolParser,
+    "phi4_mini_json": Phi4MiniToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # vLLM's name for the same format

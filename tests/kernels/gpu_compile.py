@@ -222,6 +222,26 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             decode,
             {"batch_invariant": True},
         ),
+        (
+            "mixed bf16 GQA 8, D=64, sinks",
+            torch.bfloat16,
+            torch.bfloat16,
+            64,
+            8,
+            64,
+            mixed,
+            {"sinks": torch.zeros(64)},
+        ),
+        (
+            "decode bf16 GQA 8, D=64, split, window + sinks",
+            torch.bfloat16,
+            torch.bfloat16,
+            64,
+            8,
+            64,
+            decode,
+            {"num_splits": 4, "sliding_window": 128, "sinks": torch.zeros(64)},
+        ),
     ]
     for label, dtype, cache_dtype, h, hk, d, (q_lens, ctx), kw in attn_cases:
         q, kc, vc, tables, cu, lens = batch(dtype, cache_dtype, h, hk, d, q_lens, ctx)

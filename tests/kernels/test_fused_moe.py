@@ -12,7 +12,7 @@ import torch
 from host_reads import spy_host_reads
 
 import paged_kernels.moe as moe
-from paged_kernels import align_moe_blocks, fused_moe, ref_fused_moe
+from paged_kernels import MoeActivation, align_moe_blocks, fused_moe, ref_fused_moe
 from paged_kernels.moe import MoeTiles, max_moe_blocks
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -90,6 +90,70 @@ def test_fused_moe_matches_reference(seed, device, dtype, tokens, experts, top_k
     _close(got, ref_fused_moe(x, gate_up, down, weights, ids), dtype)
 
 
+def _gpt_oss_experts(x, gate_up_t, gate_up_bias, down_t, down_bias, weights, ids, act):
+    """gpt-oss's experts as HF computes them, token by token: gate_up_t [E, H, 2I] with gate
+    and up interleaved in its columns, down_t [E, I, H] (x @ W layouts), clamped SwiGLU."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = x[t].float() @ gate_up_t[e].float() + gate_up_bias[e].float()
+            gate, up = h[::2].clamp(max=act.limit), h[1::2].clamp(-act.limit, act.limit)
+            glu = (up + 1) * gate * torch.sigmoid(gate * act.alpha)
+            out[t] += w * (glu @ down_t[e].float() + down_bias[e].float())
+    return out
+
+
+def test_reference_swigluoai_with_biases_is_gpt_oss_experts(seed):
+    """ref_fused_moe with biases and swigluoai computes HF's gpt-oss experts once their
+    interleaved gate / up columns are split into gate rows, then up rows."""
+    experts, top_k, tokens = 5, 2, 9
+    act = MoeActivation("swigluoai", alpha=1.702, limit=0.3)  # a limit the values reach
+    x = torch.randn(tokens, HID)
+    gate_up_t = torch.randn(experts, HID, 2 * INTER) * HID**-0.5
+    gate_up_bias = torch.randn(experts, 2 * INTER) * 0.1
+    down_t, down_bias = torch.randn(experts, INTER, HID), torch.randn(experts, HID)
+    weights, ids = _route(tokens, experts, top_k, "cpu")
+    gate_up = torch.cat([gate_up_t[..., ::2], gate_up_t[..., 1::2]], dim=-1).transpose(1, 2)
+    bias = torch.cat([gate_up_bias[:, ::2], gate_up_bias[:, 1::2]], dim=-1)
+    got = ref_fused_moe(
+        x,
+        gate_up.contiguous(),
+        down_t.transpose(1, 2).contiguous(),
+        weights,
+        ids,
+        gate_up_bias=bias,
+        down_bias=down_bias,
+        activation=act,
+    )
+    want = _gpt_oss_experts(x, gate_up_t, gate_up_bias, down_t, down_bias, weights, ids, act)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    clamped = ref_fused_moe(x, gate_up, down_t.transpose(1, 2), weights, ids, activation=act)
+    unclamped = act._replace(limit=1e9)
+    assert not torch.allclose(
+        clamped,
+        ref_fused_moe(x, gate_up, down_t.transpose(1, 2), weights, ids, activation=unclamped),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "biases"), [(1, "both"), (3, "gate_up"), (33, "down")])
+def test_biases_and_swigluoai_match_reference(seed, device, dtype, tokens, biases):
+    """gpt-oss's experts: per-expert biases on either projection, the clamped SwiGLU (a limit
+    small enough that the clamps bite), against ref_fused_moe."""
+    experts, top_k = 8, 2
+    act = MoeActivation("swigluoai", alpha=1.702, limit=0.5)
+    x = torch.randn(tokens, HID, device=device).to(dtype)
+    gate_up, down = _weights(experts, dtype, device)
+    gb = torch.randn(experts, 2 * INTER, device=device).to(dtype) if biases != "down" else None
+    db = torch.randn(experts, HID, device=device).to(dtype) if biases != "gate_up" else None
+    weights, ids = _route(tokens, experts, top_k, device)
+    kwargs = dict(gate_up_bias=gb, down_bias=db, activation=act)
+    got = fused_moe(x, gate_up, down, weights, ids, **kwargs)
+    _close(got, ref_fused_moe(x, gate_up, down, weights, ids, **kwargs), dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)  # several N tiles: each reads its slice of the bias
+    _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), got, dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_tiles_walk_k_and_n_and_several_blocks_per_expert(seed, device, dtype):
     """16 x 16 x 16 tiles: the K loop runs several steps, several N tiles per GEMM (partial last
@@ -143,6 +207,12 @@ def test_rejects_bad_arguments(device):
         fused_moe(x, gate_up, down, weights.repeat(1, 3)[:, :5], ids.repeat(1, 3)[:, :5])
     with pytest.raises(ValueError, match="tiles"):
         fused_moe(x, gate_up, down, weights, ids, tiles=MoeTiles(8, 16, 16, 4, 2))
+    with pytest.raises(ValueError, match="gate_up_bias"):
+        fused_moe(x, gate_up, down, weights, ids, gate_up_bias=torch.zeros(4, INTER))
+    with pytest.raises(ValueError, match="down_bias"):
+        fused_moe(x, gate_up, down, weights, ids, down_bias=torch.zeros(3, HID))
+    with pytest.raises(ValueError, match="activation"):
+        fused_moe(x, gate_up, down, weights, ids, activation=MoeActivation("gelu"))
     assert fused_moe(x[:0], gate_up, down, weights[:0], ids[:0]).shape == (0, HID)
 
 

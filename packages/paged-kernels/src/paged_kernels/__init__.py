@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_kernels._utils import FP8_DTYPES, check_kv_scales
 from paged_kernels.reference import (
+    MoeActivation,
     alibi_slopes,
     fp8_to_float,
     lora_segments,
@@ -50,6 +51,7 @@ _KERNELS = {
 
 __all__ = [
     "FP8_DTYPES",
+    "MoeActivation",
     "alibi_slopes",
     "align_moe_blocks",
     "check_kv_scales",

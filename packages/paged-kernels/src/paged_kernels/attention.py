@@ -14,6 +14,11 @@ partial output and its log-sum-exp, and a small second kernel merges them.
 An fp8 cache is dequantized on load: each K/V tile is cast to q's dtype (exact: every fp8 value
 is representable there) and the per-tensor scales are folded into the math, k_scale into the
 softmax scale and v_scale into the final normalisation.
+
+Attention sinks (gpt-oss: one raw logit per query head) act as one extra key of value 0 seen by
+every row: the online softmax starts from it (m = sink, l = 1, acc = 0) instead of from nothing.
+Under split-KV only split 0 carries it, so the merge counts it once, through split 0's
+log-sum-exp (a split 0 without visible keys then holds just the sink: o = 0, lse = sink).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, context incl. this step's query tokens
     alibi_ptr,  # [num_heads] fp32, read only if USE_ALIBI
+    sinks_ptr,  # [num_heads] fp32 raw logits, read only if USE_SINKS
     out_ptr,  # [num_q_tokens, num_heads, head_dim], written unless SPLIT
     part_out_ptr,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32, written if SPLIT
     part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32 (log2 domain), written if SPLIT
@@ -103,6 +109,7 @@ def _paged_attention_kernel(
     USE_WINDOW: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
@@ -153,6 +160,16 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked tiles give p = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # The sink as a key already visited: its logit is the running max, its weight
+        # 2^(sink - m) = 1 the running sum, its value 0 (acc stays 0). Clamped to m_i's floor
+        # so a -inf sink (no sink) keeps alpha finite. Only split 0 holds it.
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        carry = row_ok
+        if SPLIT:
+            carry = carry & (split == 0)
+        m_i = tl.where(carry, tl.maximum(sink, -1.0e30), m_i)
+        l_i = tl.where(carry, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
     zero_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     zero_o = tl.zeros([BLOCK_M, HEAD_DIM_P2], tl.float32)
@@ -192,7 +209,7 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tile_dot(p, v, zero_o, DOT_PRECISION, EXPLICIT_DOT)
         m_i = m_new
 
-    has_keys = l_i > 0.0  # false only for padded rows, or for an empty split
+    has_keys = l_i > 0.0  # false only for padded rows or an empty split (sinks: not split 0)
     o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -257,10 +274,12 @@ def paged_attention(
     k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
     v_scale: float = 1.0,
     batch_invariant: bool = False,
+    sinks: torch.Tensor | None = None,  # [num_heads] raw logits (gpt-oss), any float dtype
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged K/V.
 
-    Same semantics as `ref_paged_attention` (an fp8 cache is dequantized on load). Pass
+    Same semantics as `ref_paged_attention` (an fp8 cache is dequantized on load; `sinks` add
+    one raw logit per head to each row's softmax denominator and nothing to its values). Pass
     max_seqlen_q / max_seqlen_k to avoid a host sync (they only steer tile sizes and the split
     heuristic). Output rows past cu_seqlens_q[-1] are not written.
 
@@ -303,6 +322,10 @@ def paged_attention(
     if alibi_slopes is not None:
         check(alibi_slopes.shape == (num_heads,), "alibi_slopes must be [num_heads]")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
+    if sinks is not None:
+        check(sinks.shape == (num_heads,), f"sinks must be [num_heads={num_heads}]")
+        check(sinks.is_floating_point(), f"sinks must be floating point, got {sinks.dtype}")
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     tensors = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
     devices = {t.device for t in tensors}
     check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
@@ -349,6 +372,7 @@ def paged_attention(
         cu_seqlens_q,
         seq_lens,
         alibi_slopes if alibi_slopes is not None else q,
+        sinks if sinks is not None else q,
         out,
         part_out,
         part_lse,
@@ -381,6 +405,7 @@ def paged_attention(
         USE_WINDOW=bool(sliding_window and sliding_window > 0),
         USE_SOFT_CAP=bool(soft_cap and soft_cap > 0),
         USE_ALIBI=alibi_slopes is not None,
+        USE_SINKS=sinks is not None,
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
@@ -415,7 +440,8 @@ def _merge_splits_kernel(
     row = (offs_s * num_q_tokens + tok) * NUM_HEADS + head  # [SPLITS_P2] int64
     s_ok = offs_s < num_splits
     lse = tl.load(part_lse_ptr + row, mask=s_ok, other=float("-inf"))
-    # Every real row has its diagonal key in some split, so the max is finite.
+    # Every real row has its diagonal key in some split, so the max is finite. Sinks need
+    # nothing here: split 0's lse and (already normalised) output include its sink.
     w = tl.exp2(lse - tl.max(lse, 0))
     mask = s_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)

@@ -1,6 +1,12 @@
 """Mixture-of-experts MLPs as two grouped GEMMs over expert-sorted slots, with no host sync.
 
-    y_t = sum over the k choices j of w_tj * down_e (silu(gate_e x_t) * up_e x_t),  e = e_tj
+    y_t = sum over the k choices j of w_tj * down_e (act(gate_e x_t, up_e x_t)),  e = e_tj
+
+    act   silu       silu(g) * u                                     (Llama-style experts)
+          swigluoai  (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, L)  (gpt-oss)
+
+Each projection may carry a per-expert bias (gpt-oss), added to the fp32 accumulator before the
+activation (gate_up) or before the routing weight (down).
 
 A token's k choices are its slots s = t * k + j (S = T * k of them). `align_moe_blocks` sorts
 the slots by expert on the device and pads every expert's group to a multiple of BLOCK_M, so
@@ -19,8 +25,8 @@ static shapes and nothing is read on the host, so a CUDA graph can capture the w
 its expert's weight [N, K] (fp32 accumulator) and writes each row to its slot's row of the
 output. Launched twice:
 
-    gate_up   rows of x (slot // k) @ gate_up[e]^T, SiLU(gate) * up fused -> act [S, I] (x.dtype)
-    down      rows of act (slot)    @ down[e]^T, times w_tj            -> ys  [S, H] (float32)
+    gate_up   rows of x (slot // k) @ gate_up[e]^T (+ bias), act fused -> act [S, I] (x.dtype)
+    down      rows of act (slot) @ down[e]^T (+ bias), times w_tj       -> ys  [S, H] (float32)
 
 and y = ys.view(T, k, H).sum(1) in float32, rounded once to x's dtype: no atomics, so the
 result is deterministic.
@@ -35,6 +41,7 @@ import triton
 import triton.language as tl
 
 from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, is_interpreter
+from paged_kernels.reference import SILU, MoeActivation, check_moe_activation
 
 
 class MoeBlocks(NamedTuple):
@@ -110,10 +117,15 @@ def choose_moe_tiles(num_slots: int, num_experts: int, dtype: torch.dtype) -> Mo
     return MoeTiles(64, 64, 64, 4, 3)
 
 
+# MoeActivation.name -> the kernel's ACTIVATION code.
+ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+
+
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: slot s reads row s // a_row_div (x's token rows, or act's slot rows)
-    w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_SILU (gate rows, then up rows)
+    w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_ACT (gate rows, then up rows)
+    bias_ptr,  # [E, N] or [E, 2N] like w's rows, read only with HAS_BIAS
     topk_weights_ptr,  # [S] float32, read only with MUL_ROUTED_WEIGHT
     sorted_slot_ids_ptr,  # [max_blocks * BLOCK_M] int32, num_slots = padding
     block_expert_ids_ptr,  # [max_blocks] int32
@@ -127,7 +139,12 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
-    FUSE_SILU: tl.constexpr,
+    stride_be,
+    swiglu_alpha,
+    swiglu_limit,
+    FUSE_ACT: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # ACTIVATIONS' code, with FUSE_ACT
+    HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,7 +166,7 @@ def _moe_gemm_kernel(
     a_tile = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_tile = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # FUSE_SILU only; folded away otherwise
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # FUSE_ACT only; folded away otherwise
     for k0 in range(0, K, BLOCK_K):
         k_ok = offs_k < K - k0
         a = tl.load(a_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -158,13 +175,23 @@ def _moe_gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if FUSE_SILU:
+        if FUSE_ACT:
             b = tl.load(w_tile + N * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if DOT_UPCAST:
                 b = b.to(tl.float32)
             acc_up = tl.dot(a, b, acc_up, input_precision=DOT_PRECISION)
-    if FUSE_SILU:
-        acc = acc * tl.sigmoid(acc) * acc_up
+    if HAS_BIAS:
+        bias = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if FUSE_ACT:
+            acc_up += tl.load(bias + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if FUSE_ACT:
+        if ACTIVATION == 0:  # silu
+            acc = acc * tl.sigmoid(acc) * acc_up
+        else:  # swigluoai
+            gate = tl.minimum(acc, swiglu_limit)
+            up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
+            acc = (up + 1.0) * gate * tl.sigmoid(gate * swiglu_alpha)
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + slots, mask=m_ok, other=0.0)[:, None]
     out = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -174,20 +201,23 @@ def _moe_gemm_kernel(
 def _launch(
     a: torch.Tensor,
     w: torch.Tensor,
+    bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     blocks: MoeBlocks,
     out: torch.Tensor,
     a_row_div: int,
-    fuse_silu: bool,
+    act: MoeActivation | None,
     tiles: MoeTiles,
 ) -> None:
-    """out[s] = a[s // a_row_div] @ w[e]^T for every slot s of the blocks (see the kernel)."""
+    """out[s] = a[s // a_row_div] @ w[e]^T (+ bias[e]) for every slot s of the blocks, through
+    `act` when given (see the kernel)."""
     n, k = out.shape[1], a.shape[1]
     grid = (blocks.block_expert_ids.shape[0], triton.cdiv(n, tiles.block_n))
     upcast = is_interpreter() and a.dtype != torch.float32
     _moe_gemm_kernel[grid](
         a,
         w,
+        bias if bias is not None else out,
         topk_weights if topk_weights is not None else out,
         blocks.sorted_slot_ids,
         blocks.block_expert_ids,
@@ -201,7 +231,12 @@ def _launch(
         w.stride(0),
         w.stride(1),
         out.stride(0),
-        FUSE_SILU=fuse_silu,
+        bias.stride(0) if bias is not None else 0,
+        float(act.alpha) if act is not None else 0.0,
+        float(act.limit) if act is not None else 0.0,
+        FUSE_ACT=act is not None,
+        ACTIVATION=ACTIVATIONS[act.name] if act is not None else 0,
+        HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -220,12 +255,15 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, each in [0, E)
     *,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    activation: MoeActivation = SILU,
     tiles: MoeTiles | None = None,  # None: choose_moe_tiles
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t) over each token's k experts: two grouped
-    GEMMs (SiLU-and-mul fused into the first), fp32 accumulation, the activation rounded to x's
-    dtype between them. No host sync: capturable in a CUDA graph. Ids are not range-checked
-    (that would read them on the host)."""
+    """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e) over each token's k experts: two
+    grouped GEMMs (biases and the activation fused into the first), fp32 accumulation, the
+    activation rounded to x's dtype between them. No host sync: capturable in a CUDA graph. Ids
+    are not range-checked (that would read them on the host)."""
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
     check(gate_up.dim() == 3 and down.dim() == 3, "gate_up must be [E, 2I, H] and down [E, H, I]")
     t, h = x.shape
@@ -241,6 +279,15 @@ def fused_moe(
         gate_up.dtype == down.dtype == x.dtype,
         f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",
     )
+    check_moe_activation(activation)
+    for name, b, shape in (
+        ("gate_up_bias", gate_up_bias, (e, 2 * i)),
+        ("down_bias", down_bias, (e, h)),
+    ):
+        if b is not None:
+            check(tuple(b.shape) == shape, f"{name} {tuple(b.shape)} != {list(shape)}")
+            check(b.dtype in FLOAT_DTYPES, f"{name}: unsupported dtype {b.dtype}")
+            check_last_dim_contiguous(name, b)
     check(
         topk_ids.dim() == 2 and topk_ids.shape[0] == t,
         f"topk_ids must be [T={t}, k], got {tuple(topk_ids.shape)}",
@@ -252,7 +299,8 @@ def fused_moe(
     )
     k = topk_ids.shape[1]
     check(1 <= k <= e, f"top-k {k} must be between 1 and the number of experts {e}")
-    devices = {x.device, gate_up.device, down.device, topk_weights.device, topk_ids.device}
+    tensors = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias)
+    devices = {t.device for t in tensors if t is not None}
     check(len(devices) == 1, f"tensors on several devices: {sorted(map(str, devices))}")
     for name, w in (("gate_up", gate_up), ("down", down)):
         check_last_dim_contiguous(name, w)
@@ -269,8 +317,8 @@ def fused_moe(
     )
     blocks = align_moe_blocks(topk_ids, e, tiles.block_m)
     act = torch.empty(s, i, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, None, blocks, act, k, True, tiles)
+    _launch(x, gate_up, gate_up_bias, None, blocks, act, k, activation, tiles)
     ys = torch.empty(s, h, dtype=torch.float32, device=x.device)  # every row written
     weights = topk_weights.reshape(-1).to(torch.float32)
-    _launch(act, down, weights, blocks, ys, 1, False, tiles)
+    _launch(act, down, down_bias, weights, blocks, ys, 1, None, tiles)
     return ys.view(t, k, h).sum(1).to(x.dtype)

@@ -14,7 +14,7 @@ largest finite value and rounded to nearest even, with one scale per cache tenso
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -138,6 +138,7 @@ def ref_paged_attention(
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
     k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
     v_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,  # [num_heads] float, one raw logit per query head
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its paged K/V (an fp8 cache
     is dequantized on load).
@@ -145,6 +146,10 @@ def ref_paged_attention(
     Invariant: the K/V of every position < seq_lens[i] (this step's tokens included) is already
     in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
     key positions k with k <= pos and, with a sliding window W, pos - k < W.
+
+    `sinks` (gpt-oss): each row's softmax of head h also runs over one extra logit sinks[h]
+    (not scaled, capped, biased or windowed), whose probability multiplies no value:
+    out = sum_k e^s_k v_k / (sum_k e^s_k + e^sinks[h]).
     """
     check_kv_scales(key_cache.dtype, k_scale, v_scale)
     num_heads = q.shape[1]
@@ -177,7 +182,11 @@ def ref_paged_attention(
         if sliding_window is not None and sliding_window > 0:
             mask = mask & (q_pos - k_pos < sliding_window)
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # one more column holding the sink; its probability is dropped
+            sink = sinks.to(q.device).float()[:, None, None].expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(out.dtype)
     return out
 
@@ -222,23 +231,63 @@ def ref_logsumexp(x: torch.Tensor) -> torch.Tensor:
 # ---- Mixture of experts (moe.py)
 
 
+class MoeActivation(NamedTuple):
+    """The experts' gated activation of (gate, up) projections:
+
+    silu       silu(g) * u
+    swigluoai  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
+               (gpt-oss; alpha and limit from its config's swiglu_alpha / swiglu_limit)
+    """
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+MOE_ACTIVATIONS = ("silu", "swigluoai")
+SILU = MoeActivation()
+
+
+def check_moe_activation(act: MoeActivation) -> None:
+    check(act.name in MOE_ACTIVATIONS, f"activation must be one of {MOE_ACTIVATIONS}: {act.name!r}")
+
+
+def moe_activation(gate: torch.Tensor, up: torch.Tensor, act: MoeActivation) -> torch.Tensor:
+    """act(gate, up), elementwise in the inputs' dtype."""
+    if act.name == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=act.limit)
+    up = up.clamp(-act.limit, act.limit)
+    return (up + 1) * gate * torch.sigmoid(gate * act.alpha)
+
+
 def ref_fused_moe(
     x: torch.Tensor,  # [T, H]
     gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int in [0, E)
+    *,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    activation: MoeActivation = SILU,
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]: each used expert
-    over its (token, choice) pairs, in fp32; the activation rounds to x's dtype before the down
-    projection, and the sum over a token's k choices rounds once."""
+    """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j]: each used
+    expert over its (token, choice) pairs, in fp32; the activation rounds to x's dtype before
+    the down projection, and the sum over a token's k choices rounds once."""
+    check_moe_activation(activation)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, choices = (topk_ids == e).nonzero(as_tuple=True)
-        gate, up = (x[tokens].float() @ gate_up[e].float().t()).chunk(2, dim=-1)
-        act = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
-        y = (act @ down[e].float().t()) * topk_weights[tokens, choices, None].float()
-        out.index_add_(0, tokens, y)
+        h = x[tokens].float() @ gate_up[e].float().t()
+        if gate_up_bias is not None:
+            h += gate_up_bias[e].float()
+        gate, up = h.chunk(2, dim=-1)
+        act = moe_activation(gate, up, activation).to(x.dtype).float()
+        y = act @ down[e].float().t()
+        if down_bias is not None:
+            y += down_bias[e].float()
+        out.index_add_(0, tokens, y * topk_weights[tokens, choices, None].float())
     return out.to(x.dtype)
 
 

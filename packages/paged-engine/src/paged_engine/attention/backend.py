@@ -52,7 +52,11 @@ class AttentionBackend(ABC):
 
     An fp8 cache (float8_e4m3fn / float8_e5m2) holds key / k_scale and value / v_scale (the
     layer's per-tensor scales, fixed before the first write); `attend` dequantizes what it
-    reads. Any other cache dtype takes scales of exactly 1.0."""
+    reads. Any other cache dtype takes scales of exactly 1.0.
+
+    `sinks` (gpt-oss): [H] float raw logits, one per query head, that join every row's softmax
+    denominator and add nothing to its output (`ref_paged_attention`); None = none. A backend
+    that cannot honour them raises, never drops them."""
 
     name: str
     cuda_graph_capturable: bool = False
@@ -114,6 +118,7 @@ class AttentionBackend(ABC):
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [H] float
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
@@ -155,6 +160,7 @@ class KernelBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         lengths = (
             {"max_seqlen_q": md.max_seqlen_q, "max_seqlen_k": md.max_seqlen_k}
@@ -174,6 +180,7 @@ class KernelBackend(AttentionBackend):
             alibi_slopes=alibi_slopes,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=sinks,
             **lengths,
         )
 

@@ -18,6 +18,12 @@ An fp8 cache (kv_cache_dtype fp8 / fp8_e5m2) is written as the torch reference q
 K/V are dequantized from their bits (`fp8_to_float`, exact and ~4x faster than torch's fp8
 cast on CPU), times the layer's k_scale / v_scale, then cast to the query's dtype.
 
+Attention sinks (gpt-oss: a raw logit per query head in each row's softmax denominator) keep
+SDPA: its CPU flash kernel also returns each row's log-sum-exp, and the sink then scales the
+row by e^lse / (e^lse + e^sink) = sigmoid(lse - sink) (`_sdpa`). The explicit-score paths
+(soft cap, ALiBi, `attend_decode`) append the sink as one more score column and drop its
+probability. Without sinks every path runs as before, bit for bit.
+
 `attend_decode` is a decode step (every row one new token) written for `torch.compile` to trace
 (worker/cpu_compile.py): the write, a gather of each sequence's whole blocks, two batched
 matmuls and a masked softmax, which inductor runs from its generated code beside the layer's
@@ -128,8 +134,11 @@ class CpuBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        sinks: torch.Tensor | None = None,  # [H] float
     ) -> torch.Tensor:  # [T, H, D]
         check_kv_scales(key_cache.dtype, k_scale, v_scale)
+        if sinks is not None and sinks.shape != (query.shape[1],):
+            raise ValueError(f"sinks must be [num_heads={query.shape[1]}], got {sinks.shape}")
         plan = self._plan(md)
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
         group = query.shape[1] // num_kv_heads
@@ -142,7 +151,7 @@ class CpuBackend(AttentionBackend):
             and not (sliding_window or soft_cap or self.kv_multiple > 1)
             and alibi_slopes is None
         ):
-            return self._decode(query, key_cache, value_cache, groups[0], scale)
+            return self._decode(query, key_cache, value_cache, groups[0], scale, sinks)
         k_rows = key_cache.view(-1, head_dim)  # [Hkv * slots, D]: head planes one after another
         v_rows = value_cache.view(-1, head_dim)
         slots_per_head = k_rows.shape[0] // num_kv_heads
@@ -155,13 +164,13 @@ class CpuBackend(AttentionBackend):
             v = _read(v_rows.index_select(0, rows).view(shape), v_scale, query.dtype)
             if soft_cap or alibi_slopes is not None:
                 mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
-                o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group)
+                o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group, sinks)
             else:
                 # Batch invariance keeps the mask always: one row, one code path in SDPA.
                 exact = self.kv_multiple > 1
                 masked = g.mask if exact else g.sdpa_mask
                 mask = masked(sliding_window, group)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+                o = _sdpa(q, k, v, mask, scale, sinks)
             outs.append(g.unfold_rows(o, group))  # [rows, H, D]
         return plan.scatter(outs, query)
 
@@ -172,6 +181,7 @@ class CpuBackend(AttentionBackend):
         value_cache: torch.Tensor,
         g: RowGroup,
         scale: float,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attend` for a step of decode rows only in one group, with the cache in the query's
         dtype and nothing SDPA cannot express: the same ops on the same strides as the general
@@ -185,7 +195,7 @@ class CpuBackend(AttentionBackend):
         v = value_cache.view(-1, head_dim).index_select(0, rows).view(shape)
         q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
         mask = g.sdpa_mask(None, group)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = _sdpa(q, k, v, mask, scale, sinks)
         return o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
     @staticmethod
@@ -200,12 +210,13 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        sinks: torch.Tensor | None = None,  # [H] float
     ) -> torch.Tensor:  # [S, H*D]
         """`write_kv` + `attend` of a decode step (one token per row), in ops `torch.compile`
         traces: row s (position seq_lens[s] - 1) attends to its keys 0 .. seq_lens[s] - 1
         (within the window), gathered by whole blocks; scores and softmax in fp32 as
-        `_attend_math`. No fp8 cache, no ALiBi (the compiled forward keeps those layers on the
-        opaque operator)."""
+        `_attend_math`, sinks too. No fp8 cache, no ALiBi (the compiled forward keeps those
+        layers on the opaque operator)."""
         num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         num_rows = query.shape[0]
         group = query.shape[-1] // (num_kv_heads * head_dim)
@@ -225,7 +236,7 @@ class CpuBackend(AttentionBackend):
         visible = key_pos <= last
         if sliding_window:
             visible = visible & (last - key_pos < sliding_window)
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        probs = _softmax(scores.masked_fill(~visible, float("-inf")), sinks)
         out = torch.matmul(probs, v.float()).to(query.dtype)  # [Hkv, S, G, D]
         return out.transpose(0, 1).reshape(num_rows, num_kv_heads * group * head_dim)
 
@@ -260,6 +271,7 @@ def _attend_math(
     soft_cap: float | None,
     alibi_slopes: torch.Tensor | None,
     group: int,
+    sinks: torch.Tensor | None = None,  # [H] float
 ) -> torch.Tensor:
     """Explicit scores in fp32, for what SDPA cannot express (tanh soft cap, ALiBi)."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -274,5 +286,48 @@ def _attend_math(
         )
         scores = scores + slopes * dist
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # fully masked padding rows -> 0
+    probs = _softmax(scores, sinks).nan_to_num_(0.0)  # fully masked padding rows -> 0
     return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def _sink_logits(sinks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[H] -> [Hkv, S, R, 1] fp32 for rows folded as [Hkv, S, R = Q*G]: row j*G + h of KV
+    head kv is query head kv*G + h."""
+    num_kv_heads, num_seqs, rows = shape
+    group = sinks.shape[0] // num_kv_heads
+    sink = sinks.float().view(num_kv_heads, 1, 1, group)
+    sink = sink.expand(num_kv_heads, num_seqs, rows // group, group)
+    return sink.reshape(num_kv_heads, num_seqs, rows, 1)
+
+
+def _softmax(
+    scores: torch.Tensor,  # [Hkv, S, R, L] fp32, masked keys -inf
+    sinks: torch.Tensor | None,  # [H] float
+) -> torch.Tensor:  # [Hkv, S, R, L] fp32
+    """Softmax over the keys, and with sinks over one more column holding the row's sink,
+    whose probability is then dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = _sink_logits(sinks, scores.shape[:3])
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def _sdpa(
+    q: torch.Tensor,  # [Hkv, S, R, D]
+    k: torch.Tensor,  # [Hkv, S, L, D]
+    v: torch.Tensor,
+    mask: torch.Tensor | None,  # bool, broadcast to [Hkv, S, R, L]; None = all visible
+    scale: float,
+    sinks: torch.Tensor | None,  # [H] float
+) -> torch.Tensor:  # [Hkv, S, R, D]
+    """SDPA; with sinks its CPU flash kernel, which also gives each row's fp32 log-sum-exp
+    (the kernel SDPA runs here: the same output bits), scaled by sigmoid(lse - sink)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is not None:  # the additive mask SDPA makes of a boolean one
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, attn_mask=mask, scale=scale
+    )  # lse: [Hkv, S, R] fp32
+    keep = torch.sigmoid(lse.unsqueeze(-1) - _sink_logits(sinks, lse.shape))
+    return (out.float() * keep).to(q.dtype)

@@ -1,6 +1,8 @@
 """Paged attention layer: write this step's K/V into the cache, then attend through block tables.
 
-The layer holds no parameters and no backend choice: `attn_metadata.backend` does the work.
+The layer holds no parameters and no backend choice: `attn_metadata.backend` does the work. A
+model with attention sinks (gpt-oss) hands the layer its own sinks parameter, which the layer
+reads at every call and never registers or copies.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float: this rank's heads' sinks
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -44,6 +47,12 @@ class Attention(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes.float(), persistent=False)
         else:
             self.alibi_slopes = None
+        if sinks is not None and sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}], got {tuple(sinks.shape)}")
+        # The model's parameter itself, read at call time (weights load after construction and
+        # may be updated in place). Set past nn.Module.__setattr__, so it is not registered a
+        # second time under this module's name (a duplicate in state_dict / the loader's map).
+        self.__dict__["sinks"] = sinks
         # Set by a compiled forward (worker/cpu_compile.py): this layer's handle for the
         # paged_engine::attention operator and the index of its cache in the model's kv_caches.
         self.op_handle: int | None = None
@@ -74,6 +83,7 @@ class Attention(nn.Module):
                     scale=self.scale,
                     sliding_window=self.sliding_window,
                     soft_cap=self.soft_cap,
+                    sinks=self.sinks,
                 )
             return compiled_ops.attention(q, k, v, self.op_handle)  # runs `run` below
         return self.run(q, k, v, kv_cache, attn_metadata)
@@ -103,6 +113,7 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
             alibi_slopes=self.alibi_slopes,
+            sinks=self.sinks,
             **scales,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

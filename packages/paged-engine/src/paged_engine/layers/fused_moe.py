@@ -1,11 +1,14 @@
-"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router sends each token to k experts.
+"""Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): a router sends each token to k
+experts.
 
     router   logits = x @ W_r^T [T, E]; softmax over all E experts in float32; the k largest
              probabilities and their expert ids. `renormalize` rescales a token's k weights to sum
              to 1 (Mixtral always, Qwen3-MoE when `norm_topk_prob`): the same as a softmax over
              the k chosen logits alone
-    experts  expert e is a gated SiLU MLP: down_e(silu(gate_e x) * up_e x), its weights stacked
-             as gate_up_proj [E, 2*I, H] (gate rows, then up rows) and down_proj [E, H, I]
+    experts  expert e is a gated MLP: down_e(act(gate_e x, up_e x)), its weights stacked as
+             gate_up_proj [E, 2*I, H] (gate rows, then up rows) and down_proj [E, H, I]; act is
+             SiLU-and-mul, or gpt-oss's clamped SwiGLU (`MoeActivation`); gpt-oss adds a bias to
+             each projection (gate_up_proj_bias [E, 2*I], down_proj_bias [E, H])
     output   y_t = sum over the k choices j of w_tj * expert_{e_tj}(x_t)
 
 On CUDA the experts run as paged_kernels.fused_moe: the T*k (token, choice) slots sorted by
@@ -19,7 +22,8 @@ tensors through the Triton kernels too, which needs Triton's interpreter (TRITON
 
 Tensor parallelism splits each expert's intermediate dim I like a dense MLP (gate / up rows and
 down columns [r*I/tp, (r+1)*I/tp) on rank r): every rank computes a partial sum for every token
-and the block all-reduces once. The router is replicated, so all ranks route alike. Expert
+and the block all-reduces once (the down bias is added on rank 0 only, so it counts once). The
+router is replicated, so all ranks route alike. Expert
 weights and the router are plain parameters, not linear layers: weight-only quantization leaves
 them in the model dtype, and batch_invariant=True does not reach them (an expert's group size,
 hence its matmul's shape, depends on the rest of the batch).
@@ -35,6 +39,8 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+from paged_kernels import MoeActivation
+from paged_kernels.reference import SILU, check_moe_activation, moe_activation
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,10 +52,17 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
-def _expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert over rows x [n, H]: gate_up [2I, H], down [H, I] -> [n, H]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def _expert_mlp(
+    x: torch.Tensor,  # [n, H]
+    gate_up: torch.Tensor,  # [2I, H]
+    down: torch.Tensor,  # [H, I]
+    gate_up_bias: torch.Tensor | None,  # [2I]
+    down_bias: torch.Tensor | None,  # [H]
+    act: MoeActivation,
+) -> torch.Tensor:  # [n, H]
+    """One expert over rows x."""
+    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    return F.linear(moe_activation(gate, up, act), down, down_bias)
 
 
 def grouped_experts(
@@ -58,6 +71,9 @@ def grouped_experts(
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    activation: MoeActivation = SILU,
 ) -> torch.Tensor:
     """sum_j w_tj * expert_{e_tj}(x_t) -> [T, H] in x's dtype, one matmul pair per used expert."""
     t, k = topk_ids.shape
@@ -70,7 +86,10 @@ def grouped_experts(
     start = 0
     for e, n in enumerate(counts):
         if n:
-            ys[start : start + n] = _expert_mlp(xs[start : start + n], gate_up[e], down[e])
+            gb = gate_up_bias[e] if gate_up_bias is not None else None
+            db = down_bias[e] if down_bias is not None else None
+            rows = xs[start : start + n]
+            ys[start : start + n] = _expert_mlp(rows, gate_up[e], down[e], gb, db, activation)
             start += n
     ys *= topk_weights.reshape(-1)[order, None]
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -94,6 +113,9 @@ def run_experts(
     down: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    activation: MoeActivation = SILU,
 ) -> torch.Tensor:
     """The experts' weighted sum [T, H]: the Triton kernels on CUDA (no host sync, capturable),
     else `grouped_experts` (a CUDA device without triton has no graph-capturable attention
@@ -101,8 +123,18 @@ def run_experts(
     if (x.is_cuda or TRITON_ON_CPU) and _triton_available():
         from paged_kernels import fused_moe
 
-        return fused_moe(x, gate_up, down, topk_weights, topk_ids)
-    return grouped_experts(x, gate_up, down, topk_weights, topk_ids)
+        return fused_moe(
+            x,
+            gate_up,
+            down,
+            topk_weights,
+            topk_ids,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            activation=activation,
+        )
+    args = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, activation)
+    return grouped_experts(*args)
 
 
 @torch.library.custom_op("paged_engine::moe_experts", mutates_args=())
@@ -112,12 +144,18 @@ def _moe_experts_op(
     down: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    activation: str,
+    swiglu_alpha: float,
+    swiglu_limit: float,
 ) -> torch.Tensor:
-    return run_experts(x, gate_up, down, topk_weights, topk_ids)
+    act = MoeActivation(activation, swiglu_alpha, swiglu_limit)
+    return run_experts(x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias, act)
 
 
 @_moe_experts_op.register_fake
-def _(x, gate_up, down, topk_weights, topk_ids) -> torch.Tensor:
+def _(x, gate_up, down, topk_weights, topk_ids, *args) -> torch.Tensor:
     return torch.empty_like(x)
 
 
@@ -130,9 +168,10 @@ class FusedMoE(nn.Module):
     """The experts' stacked weights (this rank's slice of I) and their grouped forward.
 
     Loaders (`weight_loader(param, w, shard_id)`) take either a whole fused checkpoint tensor
-    (shard_id None: gate_up [E, 2I, H], down [E, H, I]) or one expert's HF matrix: gate_up with
-    shard_id (expert, 0) for its gate [I, H] or (expert, 1) for its up [I, H], down with
-    shard_id expert for its [H, I]. Each copies only this rank's slice.
+    (shard_id None: gate_up [E, 2I, H], down [E, H, I]; with `bias`, gate_up_bias [E, 2I] and
+    down_bias [E, H] too) or one expert's HF matrix: gate_up with shard_id (expert, 0) for its
+    gate [I, H] or (expert, 1) for its up [I, H], down with shard_id expert for its [H, I]. Each
+    copies only this rank's slice.
     """
 
     def __init__(
@@ -142,6 +181,9 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        *,
+        bias: bool = False,
+        activation: MoeActivation = SILU,
     ) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
@@ -158,6 +200,13 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))
         self.gate_up_proj.weight_loader = self._load_gate_up
         self.down_proj.weight_loader = self._load_down
+        check_moe_activation(activation)
+        self.activation = activation
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+            self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias
 
     def _load_gate_up(
         self, param: nn.Parameter, w: torch.Tensor, shard_id: tuple[int, int] | None = None
@@ -173,6 +222,13 @@ class FusedMoE(nn.Module):
         _check_shape(w, (full, self.hidden_size), f"expert {expert} {('gate', 'up')[half]}")
         param.data[expert, half * i : (half + 1) * i].copy_(w[begin : begin + i])
 
+    def _load_gate_up_bias(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        i, full = param.shape[1] // 2, self.intermediate_size
+        begin = self.tp_rank * i
+        _check_shape(w, (self.num_experts, 2 * full), "experts gate_up bias")
+        param.data[:, :i].copy_(w[:, begin : begin + i])
+        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+
     def _load_down(self, param: nn.Parameter, w: torch.Tensor, shard_id: int | None = None) -> None:
         i, full = param.shape[2], self.intermediate_size
         begin = self.tp_rank * i
@@ -187,21 +243,26 @@ class FusedMoE(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H], weights / ids [T, k] -> this rank's partial sum [T, H] (not all-reduced)."""
+        down_bias = self.down_proj_bias if self.tp_rank == 0 else None  # counted once in the sum
         args = (x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        args += (self.gate_up_proj_bias, down_bias)
         if torch.compiler.is_compiling():
-            return _moe_experts_op(*args)
-        return run_experts(*args)
+            act = self.activation
+            return _moe_experts_op(*args, act.name, act.alpha, act.limit)
+        return run_experts(*args, self.activation)
 
 
 class MoeRouter(nn.Module):
-    """The router's logits x @ W^T [T, E]; W [E, H] replicated on every rank (HF's `gate`)."""
+    """The router's logits x @ W^T (+ b) [T, E]; W [E, H] (b [E]) replicated on every rank (HF's
+    `gate`, gpt-oss's `router`)."""
 
-    def __init__(self, num_experts: int, hidden_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class SparseMoeBlock(nn.Module):
@@ -219,6 +280,10 @@ class SparseMoeBlock(nn.Module):
         renormalize: bool,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        *,
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        activation: MoeActivation = SILU,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -227,8 +292,16 @@ class SparseMoeBlock(nn.Module):
                 f"({num_experts})"
             )
         self.top_k, self.renormalize = top_k, renormalize
-        self.gate = MoeRouter(num_experts, hidden_size)
-        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
+        self.gate = MoeRouter(num_experts, hidden_size, bias=router_bias)
+        self.experts = FusedMoE(
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            tp_rank,
+            tp_size,
+            bias=expert_bias,
+            activation=activation,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)

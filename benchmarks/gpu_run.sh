@@ -6,6 +6,7 @@
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
+#   device run:                   bash benchmarks/gpu_run.sh phase5
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -27,6 +28,8 @@
 # phase4: a mixture-of-experts model, the Qwen3-30B-A3B config (61 GB of bf16 dummy weights):
 #         the Triton MoE kernel's GPU-marked tests, then gpu_profile at batch 64 with CUDA
 #         graphs and eager (decode tok/s, top kernels, host time, GPU idle, engine start).
+# phase5: gpt-oss-20b's config (42 GB of bf16 dummy experts and attention with sinks): the
+#         attention and MoE kernels' GPU-marked tests, then gpu_profile at batch 64, CUDA graphs.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -126,6 +129,13 @@ case "$PHASE" in
     step 150 moe-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3-30b-a3b \
       --batch 64 --enforce-eager --steps 10 --out "$OUT/moe-eager"
     ;;
+  phase5)  # gpt-oss-20b (bf16 dummy weights; its MXFP4 release dequantizes to the same 42 GB)
+    step 30 versions versions
+    step 180 gpt-oss-tests $PY -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_fused_moe.py tests/kernels/test_attention.py
+    step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --model-config gpt-oss-20b \
+      --batch 64 --out "$OUT/gpt-oss"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -145,9 +155,11 @@ case "$PHASE" in
       --out "$OUT/kv_memory.json"
     step 300 invariant-cost $PY -m benchmarks.batch_invariant --smoke --out "$OUT/batch_invariant.json"
     step 120 lora $PY -m benchmarks.lora --smoke --out "$OUT/lora"
+    step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --smoke --model-config gpt-oss-20b \
+      --out "$OUT/gpt-oss"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|rehearse" >&2
     exit 2
     ;;
 esac

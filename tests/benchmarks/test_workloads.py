@@ -52,3 +52,10 @@ def test_committed_configs_are_the_published_architectures():
         assert got == (layers, hidden, heads, kv_heads, vocab), name
     moe = AutoConfig.for_model(**json.loads(CONFIGS["qwen3-30b-a3b"].read_text()))
     assert (moe.num_experts, moe.num_experts_per_tok, moe.moe_intermediate_size) == (128, 8, 768)
+    oss = AutoConfig.for_model(**json.loads(CONFIGS["gpt-oss-20b"].read_text()))
+    got = (oss.num_hidden_layers, oss.hidden_size, oss.num_local_experts, oss.num_experts_per_tok)
+    assert got == (24, 2880, 32, 4) and oss.layer_types[:2] == [
+        "sliding_attention",
+        "full_attention",
+    ]
+    assert (oss.sliding_window, oss.head_dim, oss.vocab_size) == (128, 64, 201088)

@@ -27,6 +27,7 @@ MORE_TINY_ARCHS: list[str] = [
     "granite",
     "olmo2",
     "qwen2_moe",
+    "gpt_oss",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -146,6 +147,32 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "shared_expert_intermediate_size": 64,
             "norm_topk_prob": False,
             "mlp_only_layers": [1],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # gpt-oss: sliding (window 8 < the test prompts) and full layers, YaRN x4 over a 64-token
+    # original context, a SwiGLU limit the activations reach, attention sinks
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            **_LLAMA_LIKE,
+            "max_position_embeddings": 256,
+            "intermediate_size": 32,
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_theta": 10_000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+            "swiglu_limit": 1.0,
             "tie_word_embeddings": False,
         },
     ),

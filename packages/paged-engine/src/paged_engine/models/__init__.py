@@ -9,6 +9,7 @@ from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
+from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -38,6 +39,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

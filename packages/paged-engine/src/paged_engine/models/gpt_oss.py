@@ -1,0 +1,145 @@
+"""gpt-oss (OpenAI's gpt-oss-20b / gpt-oss-120b, `GptOssForCausalLM`).
+
+Llama's pre-norm decoder with:
+
+    attention  q / k / v / o biases, YaRN rope (NeoX halves), sliding-window (128) and full layers
+               alternating (`layer_types`), and one learned sink logit per query head: the
+               softmax of each row also runs over exp(sink_h), whose mass then multiplies no
+               value (the attention backends take `sinks`)
+    MLP        a MoE in every layer: the router has a bias; top-k over its logits, softmax over
+               the k chosen (= softmax over all, renormalized); experts with biases and the
+               clamped SwiGLU `(clamp(up, -L, L) + 1) * g * sigmoid(alpha * g)`, g = min(gate, L)
+
+Checkpoints: transformers' layout holds the experts as x @ W (gate_up_proj [E, H, 2I] with the
+gate and up columns interleaved, down_proj [E, I, H]); OpenAI's release holds them in MXFP4
+(`*_blocks` / `*_scales`, mxfp4.py), dequantized to the model dtype as they load. Both
+become FusedMoE's [E, 2I, H] (gate rows, then up rows) and [E, H, I].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.distributed.parallel_state import get_tp_rank
+from paged_engine.layers.attention import Attention
+from paged_engine.layers.fused_moe import SparseMoeBlock
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from paged_engine.models.mixtral import num_experts
+from paged_engine.models.utils import CausalLMBase, cfg_get, layer_sliding_window
+from paged_engine.mxfp4 import Mxfp4Pairs, check_quantization
+from paged_kernels import MoeActivation
+
+_FLAGS = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "mlp_bias": False, "sliding": True}
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (biases on, per-layer window) plus this rank's heads' sinks, kept in
+    float32 whatever the model dtype."""
+
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, _FLAGS, rope)
+        heads = self.qkv_proj.num_heads
+        self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
+        self.sinks.weight_loader = self._load_sinks
+        attn = self.attn
+        self.attn = Attention(
+            attn.num_heads,
+            attn.head_dim,
+            attn.num_kv_heads,
+            attn.scale,
+            sliding_window=layer_sliding_window(config, layer_idx),
+            sinks=self.sinks,
+        )
+
+    def _load_sinks(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        heads = param.shape[0]
+        begin = get_tp_rank() * heads
+        if w.shape[0] < begin + heads:
+            raise ValueError(f"sinks: {tuple(w.shape)} holds fewer than {begin + heads} heads")
+        param.data.copy_(w[begin : begin + heads])
+
+
+class GptOssDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = cfg_get(config, "rms_norm_eps", 1e-5)
+        self.self_attn = GptOssAttention(config, layer_idx, rope)
+        self.mlp = SparseMoeBlock(
+            num_experts(config),
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.intermediate_size,
+            renormalize=True,
+            router_bias=True,
+            expert_bias=True,
+            activation=MoeActivation(
+                "swigluoai",
+                float(cfg_get(config, "swiglu_alpha", 1.702)),
+                float(cfg_get(config, "swiglu_limit", 7.0)),
+            ),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _split_interleaved(w: torch.Tensor, dim: int) -> torch.Tensor:
+    """gate / up interleaved along `dim` (g0 u0 g1 u1 ...) -> all gates, then all ups."""
+    index = torch.cat([torch.arange(0, w.shape[dim], 2), torch.arange(1, w.shape[dim], 2)])
+    return w.index_select(dim, index.to(w.device))
+
+
+class GptOssForCausalLM(CausalLMBase):
+    stacked_params = LlamaForCausalLM.stacked_params
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config) -> None:
+        check_quantization(config)
+        act = cfg_get(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"GptOssForCausalLM supports hidden_act='silu' only, got {act!r}")
+        inner = LlamaModel(config, _FLAGS, lambda i, rope: GptOssDecoderLayer(config, i, rope))
+        super().__init__(config, inner)
+        self._mxfp4 = Mxfp4Pairs()
+
+    def rename_weight(self, name: str) -> str:
+        return name.replace(".mlp.router.", ".mlp.gate.")
+
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if ".mlp.experts." not in name:
+            return ((name, w),)
+        if self._mxfp4.takes(name):
+            # [E, out, in] once both halves of an MXFP4 tensor arrived (rows = outputs)
+            pair = self._mxfp4.add(name, w, self.model.embed_tokens.weight)
+            if pair is None:
+                return ()
+            name, w = pair
+            if name.endswith(".gate_up_proj"):
+                w = _split_interleaved(w, 1)
+            return ((name, w),)
+        if name.endswith(".gate_up_proj"):  # [E, H, 2I] interleaved columns
+            return ((name, _split_interleaved(w, 2).transpose(1, 2)),)
+        if name.endswith(".gate_up_proj_bias"):  # [E, 2I] interleaved
+            return ((name, _split_interleaved(w, 1)),)
+        if name.endswith(".down_proj"):  # [E, I, H]
+            return ((name, w.transpose(1, 2)),)
+        return ((name, w),)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        try:
+            loaded = super().load_weights(weights, strict)
+        except ValueError:
+            self._mxfp4.check_done()  # an MXFP4 half without its mate: the root cause
+            raise
+        self._mxfp4.check_done()
+        return loaded

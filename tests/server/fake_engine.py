@@ -33,7 +33,8 @@ from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
 
 class FakeTokenizer:
-    """Records which threads used it and how often it encoded: one owner per tokenizer."""
+    """Records which threads used it, how often it encoded and the last chat template
+    variables: one owner per tokenizer."""
 
     bos_token_id, eos_token_id = 1, 2
     chat_template = "fake"
@@ -41,6 +42,7 @@ class FakeTokenizer:
     def __init__(self) -> None:
         self.threads: set[str] = set()
         self.num_encodes = 0
+        self.template_vars: dict[str, Any] = {}  # the last render's extra template variables
 
     def __len__(self) -> int:
         return 259
@@ -68,6 +70,7 @@ class FakeTokenizer:
         **template_vars,
     ):
         self._used()
+        self.template_vars = template_vars
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         text += "<assistant>" if add_generation_prompt else ""
         return text if not tokenize else self.encode(text, add_special_tokens=False)

@@ -178,7 +178,8 @@ BAD = [
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),  # low | medium | high
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
     ({"input": "x", "instructions": ["x"]}, "instructions"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "store": "yes"}, "store"),

@@ -53,7 +53,9 @@ def final_body(
                     )
                 thought, answer = None, seq.text
                 if reasoning is not None:
-                    thought, answer = split_reasoning(reasoning.parser, seq.text)
+                    thought, answer = split_reasoning(
+                        reasoning.parser, seq.text, reasoning.tool_markup
+                    )
                 content = answer if thought is None or answer else None
                 if req.echo:
                     content = app._echo(req, texts[pi], ids[pi], chat) + (content or "")

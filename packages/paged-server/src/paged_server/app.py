@@ -313,6 +313,8 @@ class OpenAIApp:
                     variables["tools"] = req.tools.tools
                 if req.documents is not None:
                     variables["documents"] = req.documents
+                if req.reasoning_effort is not None:  # gpt-oss's template reads it
+                    variables["reasoning_effort"] = req.reasoning_effort
                 return self.tokenizer.apply_chat_template(
                     req.messages,
                     chat_template=template,
@@ -370,15 +372,18 @@ class OpenAIApp:
         completions and the Responses API)."""
         text = self._render_chat(req)
         ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
-        parser = TOOL_PARSERS.get(self.tool_call_parser or "")
         auto = req.tools is not None and req.tools.choice == "auto"
-        if auto and parser is not None and parser.keeps_special_tokens:
+        parser = TOOL_PARSERS.get(self.tool_call_parser or "") if auto else None
+        if parser is not None and parser.keeps_special_tokens:
             req.sampling.setdefault("skip_special_tokens", False)  # the call marker is one
         reasoning = None
         # A constrained output (structured outputs, forced tool calls) is the answer from its
         # first token: it holds no reasoning.
         if self.reasoning_parser is not None and req.structured is None:
-            reasoning = ReasoningRequest(self.reasoning_parser, req.include_reasoning)
+            markup = parser is not None and parser.reads_harmony
+            reasoning = ReasoningRequest(self.reasoning_parser, req.include_reasoning, markup)
+            if reasoning.keeps_special_tokens:  # Harmony's markers
+                req.sampling.setdefault("skip_special_tokens", False)
         return text, ids, reasoning
 
     def _generate(

@@ -12,6 +12,7 @@ import sys
 
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
+from paged_server.reasoning import REASONING_PARSERS
 from paged_server.tls import CERT_REQS, TLSConfig
 from paged_server.tool_parsers import TOOL_PARSERS
 
@@ -280,13 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="parse the model's tool calls for tool_choice 'auto': hermes (Hermes / Qwen), "
         "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), qwen3_coder "
         "(= qwen3_xml, Qwen3-Coder's <function=f>), granite (<|tool_call|>), phi4_mini_json "
-        "(functools[...])",
+        "(functools[...]), openai (gpt-oss: Harmony messages to=functions.NAME)",
     )
     p.add_argument(
         "--reasoning-parser",
-        choices=["deepseek_r1", "qwen3"],
+        choices=list(REASONING_PARSERS),
         default=None,
-        help="chat: the model's <think>...</think> text goes to message.reasoning_content",
+        help="chat: the model's reasoning goes to message.reasoning_content: deepseek_r1 / "
+        "qwen3 (<think>...</think>), openai_gptoss (gpt-oss's Harmony analysis channel; the "
+        "final channel is the content; with --tool-call-parser openai for tool calls)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

@@ -39,7 +39,6 @@ _UNSUPPORTED_UNLESS = {
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
-    "reasoning_effort": (None,),
     "web_search_options": (None,),
     "verbosity": (None,),
     "lora_request": (None,),
@@ -112,7 +111,9 @@ _CHAT_KEYS = _COMMON | {
     "tool_choice",
     "parallel_tool_calls",
     "include_reasoning",
+    "reasoning_effort",
 }
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(slots=True)
@@ -136,6 +137,7 @@ class GenerationRequest:
     structured_param: str | None = None  # the request field that set it (names its errors)
     tools: ToolRequest | None = None
     include_reasoning: bool = True  # chat: keep the reasoning a --reasoning-parser splits off
+    reasoning_effort: str | None = None  # chat: a template variable (gpt-oss's template reads it)
     continue_final_message: bool = False  # the template leaves the last message open
     documents: list[dict[str, Any]] | None = None  # for RAG chat templates
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens
@@ -457,6 +459,14 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
         )
     _common(b, req)
     req.include_reasoning = b.bool("include_reasoning", True)
+    effort = b.str("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(
+            f"'reasoning_effort' must be one of {', '.join(map(repr, REASONING_EFFORTS))}, "
+            f"got {effort!r}",
+            "reasoning_effort",
+        )
+    req.reasoning_effort = effort
     req.structured, req.structured_param = parse_structured(b.d)
     req.tools = parse_tools(b.d, tool_parser)
     forced = req.tools.constraint() if req.tools is not None else None

@@ -1,5 +1,5 @@
-"""Reasoning parsers (`--reasoning-parser NAME`, vLLM's): a thinking model's `<think> ... </think>`
-text goes to `reasoning_content`, the rest stays `content` (chat completions only).
+"""Reasoning parsers (`--reasoning-parser NAME`, vLLM's): a thinking model's reasoning goes to
+`reasoning_content`, the rest stays `content` (chat completions and the Responses API).
 
     deepseek_r1   the chat template may have opened the block already (R1 distills): everything
                   up to the first `</think>` is reasoning, a `<think>` before it is dropped;
@@ -8,15 +8,20 @@ text goes to `reasoning_content`, the rest stays `content` (chat completions onl
                   short while thinking, as vLLM's qwen3 parser answers since it treats a missing
                   `</think>` as truncation); text before `<think>` and after `</think>` is content;
                   no `<think>`: all content
+    openai_gptoss gpt-oss's Harmony messages (harmony.py): the analysis channel is reasoning,
+                  final and commentary without a recipient are content, tool calls are the
+                  tool parser's (`--tool-call-parser openai`); special tokens are kept in the
+                  text, since the markers are special tokens
 
-Only the first block counts: after `</think>` the text is content, tags included. The response
-carries the reasoning twice, as `reasoning_content` (DeepSeek's name) and `reasoning` (vLLM's
-since 0.11); `include_reasoning: false` drops both. A stream sends it as `delta` pieces of the
-same two fields.
+Think tags: only the first block counts, after `</think>` the text is content, tags included.
+The response carries the reasoning twice, as `reasoning_content` (DeepSeek's name) and
+`reasoning` (vLLM's since 0.11); `include_reasoning: false` drops both. A stream sends it as
+`delta` pieces of the same two fields.
 
-`ThinkSplitter` is one state machine over the text as it arrives; the whole text is that machine
-fed once, so a stream's pieces always join to the non-streamed answer. A tail that could still
-become a tag is held back until the next piece (or the end) decides it.
+`ThinkSplitter` (`HarmonySplitter` for openai_gptoss) is one state machine over the text as it
+arrives; the whole text is that machine fed once, so a stream's pieces always join to the
+non-streamed answer. A tail that could still become a tag is held back until the next piece (or
+the end) decides it.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from paged_server.harmony import HarmonySplitter
+
 OPEN, CLOSE = "<think>", "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+THINK_PARSERS = ("deepseek_r1", "qwen3")
+HARMONY = "openai_gptoss"
+REASONING_PARSERS = (*THINK_PARSERS, HARMONY)
 _BEFORE, _THINKING, _AFTER = range(3)  # content until <think> | reasoning | content to the end
 
 
@@ -33,8 +42,8 @@ class ThinkSplitter:
     """Text pieces in, (reasoning, content) pieces out."""
 
     def __init__(self, parser: str) -> None:
-        if parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got {parser!r}")
+        if parser not in THINK_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {THINK_PARSERS}, got {parser!r}")
         # deepseek_r1: the template opened the block; qwen3: the model must open it
         self.state = _THINKING if parser == "deepseek_r1" else _BEFORE
         self.opened = parser == "qwen3"  # qwen3 reaches _THINKING only through its <think>
@@ -86,9 +95,14 @@ def _tag_prefix_len(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-def split_reasoning(parser: str, text: str) -> tuple[str | None, str]:
+def make_splitter(parser: str, tool_markup: bool = False) -> ThinkSplitter | HarmonySplitter:
+    """`tool_markup`: the tool parser reads the Harmony messages itself (HarmonySplitter)."""
+    return HarmonySplitter(tool_markup) if parser == HARMONY else ThinkSplitter(parser)
+
+
+def split_reasoning(parser: str, text: str, tool_markup: bool = False) -> tuple[str | None, str]:
     """The whole output -> (reasoning or None when there is none, content)."""
-    s = ThinkSplitter(parser)
+    s = make_splitter(parser, tool_markup)
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     reasoning = r1 + r2
@@ -101,6 +115,14 @@ class ReasoningRequest:
 
     parser: str
     include: bool = True  # include_reasoning
+    # The tool parser of this request reads Harmony (--tool-call-parser openai): the content
+    # keeps the messages as written (less the reasoning), for it to find the calls in.
+    tool_markup: bool = False
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The format's markers are special tokens: the text must keep them."""
+        return self.parser == HARMONY
 
     def fields(self, reasoning: str) -> dict[str, str]:
         return {"reasoning_content": reasoning, "reasoning": reasoning} if self.include else {}
@@ -112,7 +134,7 @@ class ReasoningOutput:
 
     def __init__(self, req: ReasoningRequest) -> None:
         self.req = req
-        self.splitter = ThinkSplitter(req.parser)
+        self.splitter = make_splitter(req.parser, req.tool_markup)
 
     def rewrite(self, entry: dict[str, Any]) -> dict[str, Any] | None:
         """The entry with its delta split; None when it carries nothing any more (an entry

@@ -179,11 +179,17 @@ def _tool_output(app: OpenAIApp, req: GenerationRequest) -> ToolOutput | None:
 
 
 def _whole_output(
-    app: OpenAIApp, req: GenerationRequest, text: str, reason: str | None, parser: str | None
+    app: OpenAIApp,
+    req: GenerationRequest,
+    text: str,
+    reason: str | None,
+    reasoning: ReasoningRequest | None,
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A finished output's items: [reasoning] [message] [function_call ...]; and its reasoning
     text. A message is there when it has text, or when nothing else is."""
-    thought, answer = split_reasoning(parser, text) if parser is not None else (None, text)
+    thought, answer = None, text
+    if reasoning is not None:
+        thought, answer = split_reasoning(reasoning.parser, text, reasoning.tool_markup)
     content, calls = answer, []
     tool_out = _tool_output(app, req)
     if tool_out is not None:
@@ -325,8 +331,9 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
         else:
             app._wait(h, group)
             seq = group.latest[0].outputs[0]
-            parser = None if reasoning is None else reasoning.parser
-            body["output"], thought = _whole_output(app, chat, seq.text, seq.finish_reason, parser)
+            body["output"], thought = _whole_output(
+                app, chat, seq.text, seq.finish_reason, reasoning
+            )
             _finish(app, body, group, thought)
             h.send_json(200, body)
         usage = body["usage"]

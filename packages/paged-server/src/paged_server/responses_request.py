@@ -47,6 +47,7 @@ _RENAMED = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -290,11 +291,12 @@ def _check_off(body: dict[str, Any]) -> None:
         raise bad_request("'top_logprobs' is not supported by this server", "top_logprobs")
     reasoning = body.get("reasoning")
     if reasoning is not None and (
-        not isinstance(reasoning, dict) or any(v is not None for v in reasoning.values())
+        not isinstance(reasoning, dict)
+        or any(v is not None for k, v in reasoning.items() if k != "effort")
     ):
         raise bad_request(
-            "'reasoning' options are not supported: the model reasons as its chat template "
-            "lets it (--reasoning-parser splits it off)",
+            "'reasoning' options other than 'effort' are not supported: the model reasons as "
+            "its chat template lets it (--reasoning-parser splits it off)",
             "reasoning",
         )
     opts = body.get("stream_options")
@@ -347,6 +349,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
     parallel = body.get("parallel_tool_calls")
     tools, tools_echo = _tools(body.get("tools"))
     response_format, text_echo = _text_format(body.get("text"))
+    effort = (body.get("reasoning") or {}).get("effort")  # checked by parse_chat
     chat_body = {
         "messages": messages,
         "model": body.get("model"),
@@ -361,6 +364,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
         "tool_choice": _tool_choice(body.get("tool_choice"), bool(tools)),
         "parallel_tool_calls": True if parallel is None else parallel,
         "response_format": response_format,
+        "reasoning_effort": effort,
     }
     with responses_params():
         chat = parse_chat(chat_body, tool_parser)
@@ -371,7 +375,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
         "metadata": _metadata(body.get("metadata")) or {},
         "parallel_tool_calls": chat_body["parallel_tool_calls"],
         "previous_response_id": prev_id,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": effort, "summary": None},
         "service_tier": "default",
         "store": do_store,
         "temperature": chat.sampling.get("temperature", 1.0),

@@ -2,7 +2,8 @@
 
     tool_choice "none"      the tools are shown to the chat template; the output is plain text
     "auto" (default)        the model decides; its text is parsed with --tool-call-parser
-                            (hermes, llama3_json) into `tool_calls` (400 without a parser)
+                            (hermes, llama3_json, openai, ...) into `tool_calls` (400 without
+                            a parser)
     "required"              the output is forced (structured outputs) to a JSON array of
                             {"name", "parameters"} objects, one of the tools each, at least one
                             (exactly one when parallel_tool_calls is false)
@@ -20,7 +21,6 @@ from typing import Any
 
 from paged_server.errors import bad_request
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
-from paged_server.tool_parsers.streaming import StreamingToolText
 
 
 @dataclass(slots=True)
@@ -148,7 +148,7 @@ class ToolOutput:
         self.parser = parser if req.choice == "auto" else None
         if self.parser is not None:
             self.parser.schemas = req.schemas
-        self.stream = StreamingToolText(self.parser) if self.parser is not None else None
+        self.stream = self.parser.streamer() if self.parser is not None else None
         self.held: list[str] = []  # forced outputs: the JSON's pieces, held until the end
         self.new_id = call_id_maker(parser)  # forced calls too
 

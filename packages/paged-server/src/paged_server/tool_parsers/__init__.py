@@ -10,11 +10,13 @@
     pythonic.py     Llama 3.2 / 4: [f(x=1), g(city="Paris")], read with `ast` (literals only)
     qwen3_coder.py  Qwen3-Coder: <tool_call><function=f><parameter=x>1</parameter></function>...,
                     values typed by the request's tool schemas
+    gpt_oss.py      gpt-oss (openai): Harmony messages to functions.NAME, the body the arguments
 """
 
 from __future__ import annotations
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.gpt_oss import OpenAIToolParser
 from paged_server.tool_parsers.hermes import HermesToolParser
 from paged_server.tool_parsers.json_list import (
     GraniteToolParser,
@@ -34,6 +36,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # vLLM's name for the same format
+    "openai": OpenAIToolParser,  # gpt-oss's Harmony format (vLLM's name)
 }
 
 __all__ = ["TOOL_PARSERS", "ParsedCall", "ToolParser"]

@@ -2,7 +2,8 @@
 
 `parse(text)` -> (content or None, calls); `partial_calls(text)` -> the calls as far as they
 have arrived, for streaming (streaming.py: content streams until the text might be starting a
-tool call, `start_markers`; from there the calls stream as `delta.tool_calls`).
+tool call, `start_markers`; from there the calls stream as `delta.tool_calls`). A parser whose
+format interleaves content and calls streams with its own `streamer()` (gpt_oss.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ class ToolParser:
     # The marker that opens a call is a special token (Mistral's [TOOL_CALLS]): the request's
     # skip_special_tokens defaults to False so the text keeps it.
     keeps_special_tokens: bool = False
+    # The parser reads Harmony messages (gpt-oss) itself: a Harmony reasoning parser leaves it
+    # the text as written, less the reasoning (reasoning.py).
+    reads_harmony: bool = False
 
     @staticmethod
     def new_call_id() -> str:
@@ -35,6 +39,14 @@ class ToolParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
+
+    def streamer(self) -> Any:
+        """What streams one output through this parser: `feed(text)` -> (content, tool_calls
+        entries), `finish()` -> (content, entries, calls). By default streaming.py's
+        StreamingToolText over `partial_calls`: content until a call may start, then calls."""
+        from paged_server.tool_parsers.streaming import StreamingToolText  # it imports this
+
+        return StreamingToolText(self)
 
     def partial_calls(self, text: str) -> list[Any]:
         """streaming.PartialCall per call begun in `text` (the last one may be incomplete)."""

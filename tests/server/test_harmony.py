@@ -566,28 +566,33 @@ def test_reasoning_effort_reaches_the_template(gptoss: SimpleNamespace) -> None:
         assert status == 400 and r["error"]["param"] == param, r
 
 
-def test_reasoning_effort_in_a_real_template() -> None:
-    """gpt-oss's template reads `reasoning_effort` (default "medium") into its system message:
-    rendered by transformers' Jinja, as the server renders every template."""
+def _template_app(template: str):
+    """The app over a one-token tokenizer and `template`: renders as the server renders every
+    template (transformers' Jinja), without an engine."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
     from paged_server.app import OpenAIApp
 
     vocab = Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
-    template = (
-        "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}"
-        "{%- endif %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
-        "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
-        "{% endfor %}<|start|>assistant"
-    )
-    app = OpenAIApp(
+    return OpenAIApp(
         SimpleNamespace(),
         PreTrainedTokenizerFast(tokenizer_object=vocab),
         served_model_names=["t"],
         model_path="t",
         max_model_len=64,
         chat_template=template,
+    )
+
+
+def test_reasoning_effort_in_a_real_template() -> None:
+    """gpt-oss's template reads `reasoning_effort` (default "medium") into its system message:
+    rendered by transformers' Jinja, as the server renders every template."""
+    app = _template_app(
+        "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}"
+        "{%- endif %}<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
+        "{% for m in messages %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+        "{% endfor %}<|start|>assistant"
     )
     msgs = [{"role": "user", "content": "hi"}]
     text = app._render_chat(parse_chat({"messages": msgs, "reasoning_effort": "high"}))
@@ -596,3 +601,34 @@ def test_reasoning_effort_in_a_real_template() -> None:
         "<|start|>assistant"
     )
     assert "Reasoning: medium" in app._render_chat(parse_chat({"messages": msgs}))
+
+
+def test_reasoning_sent_back_reaches_the_template() -> None:
+    """A tool loop sends the assistant's earlier turn back with its reasoning: under any of
+    the names clients use, it reaches the template as gpt-oss's `thinking` and Qwen3's
+    `reasoning_content` (rendered by transformers' Jinja); other roles may not carry it."""
+    from paged_server.errors import APIError
+
+    app = _template_app(
+        "{% for m in messages %}<|start|>{{ m.role }}"
+        "{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+        "{% if m.reasoning_content %}[{{ m.reasoning_content }}]{% endif %}"
+        "<|message|>{{ m.content }}<|end|>{% endfor %}"
+    )
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        msgs = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo", key: "think"},
+        ]
+        text = app._render_chat(parse_chat({"messages": msgs}))
+        assert text.endswith(
+            "<|start|>assistant<|channel|>analysis<|message|>think<|end|>[think]"
+            "<|message|>yo<|end|>"
+        ), key
+    for msgs, param in (
+        ([{"role": "user", "content": "hi", "reasoning": "r"}], "messages[0]"),
+        ([{"role": "assistant", "content": "x", "thinking": 1}], "messages[0].thinking"),
+    ):
+        with pytest.raises(APIError) as e:
+            parse_chat({"messages": msgs})
+        assert e.value.param == param

@@ -1,6 +1,6 @@
 """Chat request parts checked as OpenAI checks them, into what a chat template takes: messages
-(text content, assistant tool calls with their arguments as objects, tool results), documents,
-and the template variables a client may set.
+(text content, assistant tool calls with their arguments as objects and the reasoning sent
+back with them, tool results), documents, and the template variables a client may set.
 
 Every check raises `APIError(400)` naming the offending parameter (`messages[2].content`).
 """
@@ -65,12 +65,31 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
                 f"{param}.tool_call_id is required for role 'tool'", f"{param}.tool_call_id"
             )
         out["tool_call_id"] = m["tool_call_id"]
+    reasoning = _reasoning(param, m)
+    if reasoning is not None:
+        if role != "assistant":
+            raise bad_request(f"{param}: reasoning is only allowed on assistant messages", param)
+        # Templates read it by either name: Qwen3's `reasoning_content`, gpt-oss's `thinking`
+        # (which carries the analysis across a tool call's turns).
+        out["reasoning_content"] = out["thinking"] = reasoning
     name = m.get("name")
     if name is not None:
         if not isinstance(name, str):
             raise bad_request(f"{param}.name must be a string", f"{param}.name")
         out["name"] = name
     return out
+
+
+def _reasoning(param: str, m: dict[str, Any]) -> str | None:
+    """An earlier answer's reasoning as a client sends it back: `reasoning_content` (what our
+    answers carry, DeepSeek's name), `reasoning` (vLLM's newer name) or `thinking`."""
+    for key in ("reasoning_content", "reasoning", "thinking"):
+        value = m.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise bad_request(f"{param}.{key} must be a string", f"{param}.{key}")
+            return value
+    return None
 
 
 def _tool_calls(param: str, calls: Any) -> list[dict[str, Any]]:

@@ -155,6 +155,8 @@ def load_hf(spec: ModelSpec, device: str, attn_implementation: str = "sdpa"):
 def config_dir(config: str, out_dir: Path, device: str, **overrides) -> ModelSpec:
     """A dir with only config.json and a tokenizer: for `load_format="dummy"` runs."""
     cfg = {**json.loads(CONFIGS[config].read_text()), **overrides}
+    if "num_hidden_layers" in overrides and isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][: cfg["num_hidden_layers"]]  # fewer layers
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
     if not (out_dir / "tokenizer.json").exists():

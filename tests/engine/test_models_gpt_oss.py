@@ -3,8 +3,9 @@ biased router and biased experts with the clamped SwiGLU; checkpoints in transfo
 and in OpenAI's MXFP4 (`*_blocks` / `*_scales`).
 
 `LLM.generate` against HF `generate` on the same weights (greedy tokens identical, logprobs
-within 1e-3), also from an MXFP4 checkpoint (whose experts dequantize to exactly HF's values),
-at tensor_parallel_size=2, and on the CUDA path's Triton kernels run in the interpreter.
+within 1e-3), also from an MXFP4 checkpoint (whose experts dequantize to exactly HF's values,
+or stay MXFP4 as on CUDA: decoded by the torch path or by the Triton kernel in the
+interpreter), at tensor_parallel_size=2, and on the CUDA path's Triton kernels.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from hf_reference import assert_matches, hf_greedy, load_hf_model
 import paged_kernels
 from paged_engine import LLM, SamplingParams
 from paged_engine.layers import fused_moe as moe_layer
+from paged_engine.layers.fused_moe import FusedMoE, grouped_experts, route
 from paged_engine.loader import load_hf_config, load_model, resolve_model
-from paged_engine.mxfp4 import dequantize_mxfp4
+from paged_engine.models import gpt_oss
 from paged_engine.testing import tiny_config, write_tiny_model
+from paged_kernels import MoeActivation, Mxfp4Weight, dequantize_mxfp4
 
 transformers = pytest.importorskip("transformers")
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+DENSE = ("experts.gate_up_proj", "experts.down_proj")
+SWIGLU = MoeActivation("swigluoai", 1.702, 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -94,30 +99,12 @@ def _mxfp4_copy(path, dst):
     return dst
 
 
-def test_dequantize_mxfp4_codes_and_scales():
-    codes = torch.arange(32, dtype=torch.uint8) % 16  # every code twice
-    blocks = (codes[0::2] | (codes[1::2] << 4)).view(1, 1, 16)
-    signed = torch.tensor(E2M1 + [-v for v in E2M1])
-    for biased, dtype in ((127, torch.float32), (130, torch.bfloat16), (120, torch.float16)):
-        scales = torch.full((1, 1), biased, dtype=torch.uint8)
-        got = dequantize_mxfp4(blocks, scales, dtype)
-        want = (signed[codes.long()] * 2.0 ** (biased - 127)).view(1, 32).to(dtype)
-        assert got.dtype == dtype and torch.equal(got, want)
-    assert torch.signbit(dequantize_mxfp4(blocks, scales, torch.float32)[0, 8])  # code 8: -0
-    with pytest.raises(ValueError, match="uint8"):
-        dequantize_mxfp4(blocks.int(), scales, torch.float32)
-    with pytest.raises(ValueError, match="16 bytes"):
-        dequantize_mxfp4(blocks[..., :8], scales, torch.float32)
-
-
 def test_mxfp4_checkpoint_dequantizes_as_hf_and_matches_its_outputs(tiny, tmp_path):
     """Our experts from the MXFP4 checkpoint equal HF's dequantized ones (put in our layout),
     and generation matches HF on that checkpoint."""
     path = _mxfp4_copy(tiny, tmp_path / "mxfp4")
     ours = _load(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
-    )
+    hf = _hf_mxfp4(path)
     for layer, hf_layer in zip(ours.model.layers, hf.model.layers):
         hf_experts = hf_layer.mlp.experts
         gate_up = hf_experts.gate_up_proj.detach().float()  # [E, H, 2I], interleaved columns
@@ -128,12 +115,80 @@ def test_mxfp4_checkpoint_dequantizes_as_hf_and_matches_its_outputs(tiny, tmp_pa
     dense = _load(tiny).model.layers[0].mlp.experts.gate_up_proj
     assert not torch.equal(dense, ours.model.layers[0].mlp.experts.gate_up_proj)  # really FP4
 
+    assert not ours.keeps_mxfp4  # the CPU dequantizes
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
     prompts = _prompts(2, 3)
     for prompt, out in zip(prompts, _generate(llm, prompts, 8)):
         assert_matches("gpt_oss mxfp4", out, hf_greedy(hf, prompt, 8))
+
+
+def _hf_mxfp4(path):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_mxfp4_experts_kept_as_bytes_match_hf(tiny, tmp_path, monkeypatch, kernel):
+    """The experts as CUDA keeps them (uint8 blocks and scales, 4.25 bits a weight), decoded
+    per call by the CPU's grouped path or inside the Triton MoE kernel (interpreter): HF's
+    tokens on the MXFP4 checkpoint."""
+    if kernel == "triton" and (torch.cuda.is_available() or not paged_kernels.triton_available()):
+        pytest.skip("Triton's interpreter, CPU only")
+    path = _mxfp4_copy(tiny, tmp_path / "mxfp4")
+    monkeypatch.setattr(gpt_oss, "KEEP_MXFP4_ON_CPU", True)
+    monkeypatch.setattr(moe_layer, "TRITON_ON_CPU", kernel == "triton")
+    model = _load(path)
+    experts = model.model.layers[0].mlp.experts
+    assert model.keeps_mxfp4 and experts.gate_up_proj_blocks.dtype == torch.uint8
+    assert not any(n.endswith(DENSE) for n, _ in model.named_parameters())
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    hf = _hf_mxfp4(path)
+    prompts = _prompts(5, 2, longest=20)
+    for prompt, out in zip(prompts, _generate(llm, prompts, 6)):
+        assert_matches(f"gpt_oss mxfp4 {kernel}", out, hf_greedy(hf, prompt, 6))
+
+
+def test_mxfp4_experts_tensor_parallel_shards_sum_to_the_whole_layer():
+    """MXFP4 experts split over 2 ranks (gate / up rows, down's 32-value groups) from the
+    checkpoint's [.., K/32, 16] blocks: the ranks' partial sums add up to the unsplit layer's,
+    which is the dense layer on the dequantized weights; the down bias counts once."""
+    e, hid, inter = 4, 64, 64
+    gen = torch.Generator().manual_seed(0)
+
+    def mx(n: int, k: int) -> Mxfp4Weight:
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=gen, dtype=torch.uint8)
+        return Mxfp4Weight(blocks, torch.randint(118, 124, (e, n, k // 32), dtype=torch.uint8))
+
+    gate_up, down = mx(2 * inter, hid), mx(hid, inter)
+    gb, db = torch.randn(e, 2 * inter, generator=gen), torch.randn(e, hid, generator=gen)
+    x = torch.randn(7, hid, generator=gen)
+    weights, ids = route(torch.randn(7, e, generator=gen), 2, renormalize=True)
+    outs = []
+    for rank, size in ((0, 1), (0, 2), (1, 2)):
+        layer = FusedMoE(e, hid, inter, rank, size, bias=True, mxfp4=True, activation=SWIGLU)
+        tensors = {
+            "gate_up_proj_blocks": gate_up.blocks,
+            "gate_up_proj_scales": gate_up.scales,
+            "down_proj_blocks": down.blocks,
+            "down_proj_scales": down.scales,
+            "gate_up_proj_bias": gb,
+            "down_proj_bias": db,
+        }
+        for name, p in layer.named_parameters():
+            loader = getattr(p, "weight_loader", None)
+            loader(p, tensors[name]) if loader else p.data.copy_(tensors[name])
+        outs.append(layer(x, weights, ids))
+    torch.testing.assert_close(outs[1] + outs[2], outs[0], atol=1e-5, rtol=1e-5)
+    flat = [Mxfp4Weight(w.blocks.flatten(-2), w.scales) for w in (gate_up, down)]
+    dense = [dequantize_mxfp4(w) for w in flat]
+    want = grouped_experts(x, *dense, weights, ids, gb, db, SWIGLU)
+    torch.testing.assert_close(outs[0], want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        FusedMoE(e, hid, 32, 0, 2, mxfp4=True)
 
 
 def test_checkpoint_errors_name_the_problem(tiny, tmp_path):

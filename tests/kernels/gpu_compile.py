@@ -301,6 +301,34 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             weights = torch.zeros(tokens, 2)
             label = f"fused_moe {dtype} T={tokens}"
             call(label, moe.fused_moe, x, gate_up, down, weights, ids)
+    # gpt-oss-20b's experts (H = I = 2880; 8 of its 32 experts, top-4): biases and the clamped
+    # SwiGLU, dense bf16 and MXFP4 (bytes decoded in the GEMMs), decode- and prefill-size groups.
+    act = moe.MoeActivation("swigluoai", 1.702, 7.0)
+    hid = inter = 2880
+    gate_up_mx = moe.Mxfp4Weight(
+        torch.zeros(8, 2 * inter, hid // 2, dtype=torch.uint8),
+        torch.zeros(8, 2 * inter, hid // 32, dtype=torch.uint8),
+    )
+    down_mx = moe.Mxfp4Weight(
+        torch.zeros(8, hid, inter // 2, dtype=torch.uint8),
+        torch.zeros(8, hid, inter // 32, dtype=torch.uint8),
+    )
+    biases = {
+        "gate_up_bias": torch.zeros(8, 2 * inter, dtype=torch.bfloat16),
+        "down_bias": torch.zeros(8, hid, dtype=torch.bfloat16),
+        "activation": act,
+    }
+    for tokens in (4, 512):
+        x = torch.zeros(tokens, hid, dtype=torch.bfloat16)
+        ids = torch.arange(4 * tokens).remainder(8).view(tokens, 4)
+        weights = torch.zeros(tokens, 4)
+        call(f"fused_moe mxfp4 gpt-oss T={tokens}", moe.fused_moe, x, gate_up_mx, down_mx,
+             weights, ids, **biases)  # fmt: skip
+    x = torch.zeros(4, hid, dtype=torch.bfloat16)
+    gate_up = torch.zeros(8, 2 * inter, hid, dtype=torch.bfloat16)
+    down = torch.zeros(8, hid, inter, dtype=torch.bfloat16)
+    ids, weights = torch.arange(16).remainder(8).view(4, 4), torch.zeros(4, 4)
+    call("fused_moe bf16 gpt-oss T=4", moe.fused_moe, x, gate_up, down, weights, ids, **biases)
     # Multi-LoRA at a 4096 hidden size, rank 48 (q/k/v rank 16 stacked), 4 adapter slots: decode,
     # mid-size and prefill batches pick different tiles (and shrink's split-K).
     slots, rank, hidden = 4, 48, 4096

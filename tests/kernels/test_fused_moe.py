@@ -12,7 +12,14 @@ import torch
 from host_reads import spy_host_reads
 
 import paged_kernels.moe as moe
-from paged_kernels import MoeActivation, align_moe_blocks, fused_moe, ref_fused_moe
+from paged_kernels import (
+    MoeActivation,
+    Mxfp4Weight,
+    align_moe_blocks,
+    dequantize_mxfp4,
+    fused_moe,
+    ref_fused_moe,
+)
 from paged_kernels.moe import MoeTiles, max_moe_blocks
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -154,6 +161,74 @@ def test_biases_and_swigluoai_match_reference(seed, device, dtype, tokens, biase
     _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), got, dtype)
 
 
+def _mxfp4_weights(experts: int, hid: int, inter: int, device, seed: int = 0):
+    """Random MXFP4 gate_up [E, 2I, H] and down [E, H, I]: every code, scales 2^-10 to 2^-5."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(n: int, k: int) -> Mxfp4Weight:
+        blocks = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(117, 123, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
+        return Mxfp4Weight(blocks.to(device), scales.to(device))
+
+    return weight(2 * inter, hid), weight(hid, inter)
+
+
+def test_dequantize_mxfp4_reads_codes_low_nibble_first():
+    codes = torch.arange(32) % 16  # every code twice
+    blocks = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).view(1, 16)
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    signed = torch.tensor(e2m1 + [-v for v in e2m1])
+    for biased, dtype in ((127, torch.float32), (130, torch.bfloat16), (120, torch.float16)):
+        scales = torch.full((1, 1), biased, dtype=torch.uint8)
+        got = dequantize_mxfp4(Mxfp4Weight(blocks, scales), dtype)
+        want = (signed[codes] * 2.0 ** (biased - 127)).view(1, 32).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+    assert torch.signbit(dequantize_mxfp4(Mxfp4Weight(blocks, scales))[0, 8])  # code 8: -0
+    with pytest.raises(ValueError, match="uint8"):
+        dequantize_mxfp4(Mxfp4Weight(blocks.int(), scales))
+    with pytest.raises(ValueError, match="K/32"):
+        dequantize_mxfp4(Mxfp4Weight(blocks[:, :8], scales))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (5, 8, 2), (33, 4, 3)])
+def test_mxfp4_experts_match_reference(seed, device, dtype, tokens, experts, top_k):
+    """MXFP4 weights decoded in the GEMMs give the reference on their exact values: with and
+    without gpt-oss's biases and clamped SwiGLU; H = 96, I = 64 (K not a multiple of the
+    tile), 32-wide K tiles and wide ones."""
+    hid, inter = 96, 64
+    gate_up, down = _mxfp4_weights(experts, hid, inter, device, seed=tokens)
+    x = torch.randn(tokens, hid, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    kwargs: dict = {}
+    if tokens > 1:
+        act = MoeActivation("swigluoai", alpha=1.702, limit=0.5)
+        gb = torch.randn(experts, 2 * inter, device=device).to(dtype)
+        kwargs = dict(
+            gate_up_bias=gb, down_bias=torch.randn(experts, hid, device=device), activation=act
+        )
+    want = ref_fused_moe(x, gate_up, down, weights, ids, **kwargs)
+    _close(fused_moe(x, gate_up, down, weights, ids, **kwargs), want, dtype)
+    for tiles in (MoeTiles(16, 16, 32, 4, 2), MoeTiles(16, 32, 128, 4, 2)):
+        _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
+    dense = [dequantize_mxfp4(w, dtype) for w in (gate_up, down)]
+    _close(fused_moe(x, *dense, weights, ids, **kwargs), want, dtype)
+
+
+def test_mxfp4_rejects_bad_arguments(device):
+    gate_up, down = _mxfp4_weights(4, 64, 32, device)
+    x = torch.randn(3, 64, device=device)
+    weights, ids = _route(3, 4, 2, device)
+    with pytest.raises(ValueError, match="both MXFP4 or neither"):
+        fused_moe(x, gate_up, dequantize_mxfp4(down), weights, ids)
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        fused_moe(x, gate_up, down, weights, ids, tiles=MoeTiles(16, 16, 16, 4, 2))
+    with pytest.raises(ValueError, match="gate_up"):
+        fused_moe(x, gate_up._replace(scales=gate_up.scales[..., :1]), down, weights, ids)
+    with pytest.raises(ValueError, match="down"):
+        fused_moe(x[:, :32], gate_up, down, weights, ids)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_tiles_walk_k_and_n_and_several_blocks_per_expert(seed, device, dtype):
     """16 x 16 x 16 tiles: the K loop runs several steps, several N tiles per GEMM (partial last
@@ -229,6 +304,24 @@ def test_qwen3_30b_a3b_shapes(seed, tokens):
     weights, ids = _route(tokens, c["experts"], c["top_k"], device, unused=8)
     got = fused_moe(x, gate_up, down, weights, ids)
     _close(got, ref_fused_moe(x, gate_up, down, weights, ids), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_gpt_oss_20b_mxfp4_shapes(seed, tokens):
+    """gpt-oss-20b's experts (hidden 2880, intermediate 2880, 32 experts, top-4) in MXFP4 with
+    biases and the clamped SwiGLU, against the reference on their exact values."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    hid = inter = 2880
+    gate_up, down = _mxfp4_weights(32, hid, inter, device)
+    act = MoeActivation("swigluoai", alpha=1.702, limit=7.0)
+    gb = torch.randn(32, 2 * inter, device=device, dtype=dtype) * 0.1
+    db = torch.randn(32, hid, device=device, dtype=dtype) * 0.1
+    x = torch.randn(tokens, hid, device=device, dtype=dtype)
+    weights, ids = _route(tokens, 32, 4, device, unused=4)
+    kw = dict(gate_up_bias=gb, down_bias=db, activation=act)
+    got = fused_moe(x, gate_up, down, weights, ids, **kw)
+    _close(got, ref_fused_moe(x, gate_up, down, weights, ids, **kw), dtype)
 
 
 @pytest.mark.gpu

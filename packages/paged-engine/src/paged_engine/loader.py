@@ -293,14 +293,18 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     """Random weights of the right shapes: matrices ~ N(0, std), norm weights = 1, biases = 0.
 
     Drawn on the parameters' device (fast for large models), so a given seed gives the same
-    weights on every run on the same kind of device.
+    weights on every run on the same kind of device. A parameter with a `dummy_init(param,
+    generator)` fills itself (MXFP4 experts: random codes, small scales).
     """
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        if param.dim() >= 2:
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        fill = getattr(param, "dummy_init", None)  # a layout of its own (MXFP4 bytes)
+        if fill is not None:
+            fill(param, gen)
+        elif param.dim() >= 2:
             param.normal_(0.0, std, generator=gen)
         elif name.endswith("bias"):
             param.zero_()

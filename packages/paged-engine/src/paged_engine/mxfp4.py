@@ -1,50 +1,26 @@
-"""MXFP4 checkpoint tensors (OCP microscaling FP4, as OpenAI's gpt-oss release stores its experts),
-dequantized as they load.
+"""MXFP4 checkpoint tensors (OCP microscaling FP4: OpenAI's gpt-oss release stores its experts so).
 
-A weight W [..., N, K] is stored as two tensors:
+A weight W [..., N, K] comes as two tensors, joined here into a `paged_kernels.Mxfp4Weight`:
 
     NAME_blocks  uint8 [..., N, K/32, 16]  two FP4 (E2M1) codes a byte, the low nibble first
     NAME_scales  uint8 [..., N, K/32]      one power of two per 32 values, biased by 127 (E8M0)
 
-    W[..., n, 32 g + j] = E2M1[code j of block g] * 2^(scales[..., n, g] - 127)
-
-E2M1 codes 0-7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8-15 the same values negated. Every
-value is exact in bfloat16 and float16 while the scale stays in their range.
+Models either dequantize it as it loads (`paged_kernels.dequantize_mxfp4`) or keep the bytes for
+the MoE kernel, which decodes them tile by tile (`FusedMoE(mxfp4=True)`).
 """
 
 from __future__ import annotations
 
 import torch
 
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+from paged_kernels import Mxfp4Weight
+
 _SUFFIXES = ("_blocks", "_scales")
 
 
-def dequantize_mxfp4(
-    blocks: torch.Tensor,  # uint8 [..., N, G, 16]
-    scales: torch.Tensor,  # uint8 [..., N, G]
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [..., N, G * 32] in dtype, on blocks' device
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(
-            f"MXFP4 blocks / scales must be uint8, got {blocks.dtype} / {scales.dtype}"
-        )
-    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
-        raise ValueError(
-            f"MXFP4 blocks {tuple(blocks.shape)} must be scales' shape {tuple(scales.shape)} "
-            "plus a last dimension of 16 bytes"
-        )
-    table = torch.tensor(_E2M1, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., N, G, 32]
-    values = table[codes.long()]
-    exponents = scales.to(torch.int32) - 127
-    values = torch.ldexp(values, exponents.unsqueeze(-1).to(torch.float32))
-    return values.flatten(-2).to(dtype)
-
-
 class Mxfp4Pairs:
-    """Joins each NAME_blocks with its NAME_scales as the checkpoint streams them (in any
-    order) and hands back NAME with the dequantized weight."""
+    """Joins each NAME_blocks with its NAME_scales as the checkpoint streams them (in either
+    order); `check_done` refuses a half left without its mate."""
 
     def __init__(self) -> None:
         self._pending: dict[str, torch.Tensor] = {}
@@ -53,10 +29,8 @@ class Mxfp4Pairs:
     def takes(name: str) -> bool:
         return name.endswith(_SUFFIXES)
 
-    def add(
-        self, name: str, w: torch.Tensor, like: torch.Tensor
-    ) -> tuple[str, torch.Tensor] | None:
-        """(NAME, weight in like's dtype on like's device) once both halves arrived, else None."""
+    def add(self, name: str, w: torch.Tensor) -> tuple[str, Mxfp4Weight] | None:
+        """(NAME, the weight: blocks flattened to [..., N, K/2]) once both halves arrived."""
         base, suffix = name[: -len("_blocks")], name[-len("_blocks") :]
         other = base + (_SUFFIXES[1] if suffix == _SUFFIXES[0] else _SUFFIXES[0])
         if other not in self._pending:
@@ -64,8 +38,9 @@ class Mxfp4Pairs:
             return None
         mate = self._pending.pop(other)
         blocks, scales = (w, mate) if suffix == "_blocks" else (mate, w)
-        device = like.device
-        return base, dequantize_mxfp4(blocks.to(device), scales.to(device), like.dtype)
+        if blocks.dim() == scales.dim() + 1:  # the checkpoint's [..., K/32, 16]
+            blocks = blocks.flatten(-2)
+        return base, Mxfp4Weight(blocks, scales)
 
     def check_done(self) -> None:
         if self._pending:
@@ -74,16 +49,21 @@ class Mxfp4Pairs:
             raise ValueError(f"MXFP4 checkpoint: tensors without their blocks / scales: {names}")
 
 
-def check_quantization(config, supported: tuple[str, ...] = ("mxfp4",)) -> None:
-    """Refuse a checkpoint quantized in a way this model cannot load, naming the method."""
+def quant_method(config) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, or None."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
-        return
+        return None
     method = quant.get("quant_method") if isinstance(quant, dict) else None
-    method = method or getattr(quant, "quant_method", None)
-    if method not in supported:
+    return method or getattr(quant, "quant_method", None)
+
+
+def check_quantization(config, supported: tuple[str, ...] = ("mxfp4",)) -> None:
+    """Refuse a checkpoint quantized in a way this model cannot load, naming the method."""
+    method = quant_method(config)
+    if getattr(config, "quantization_config", None) is not None and method not in supported:
+        arch = (getattr(config, "architectures", None) or ["this model"])[0]
         raise ValueError(
-            f"checkpoint quantization {method!r} is not supported for "
-            f"{(getattr(config, 'architectures', None) or ['this model'])[0]}: supported "
+            f"checkpoint quantization {method!r} is not supported for {arch}: supported "
             f"{list(supported)}"
         )

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 from paged_kernels._utils import FP8_DTYPES, check_kv_scales
 from paged_kernels.reference import (
     MoeActivation,
+    Mxfp4Weight,
     alibi_slopes,
+    dequantize_mxfp4,
     fp8_to_float,
     lora_segments,
     ref_copy_blocks,
@@ -52,11 +54,13 @@ _KERNELS = {
 __all__ = [
     "FP8_DTYPES",
     "MoeActivation",
+    "Mxfp4Weight",
     "alibi_slopes",
     "align_moe_blocks",
     "check_kv_scales",
     "choose_num_splits",
     "copy_blocks",
+    "dequantize_mxfp4",
     "fp8_to_float",
     "fused_moe",
     "layer_norm",

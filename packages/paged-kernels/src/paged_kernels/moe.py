@@ -41,7 +41,13 @@ import triton
 import triton.language as tl
 
 from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, is_interpreter
-from paged_kernels.reference import SILU, MoeActivation, check_moe_activation
+from paged_kernels.reference import (
+    SILU,
+    MoeActivation,
+    Mxfp4Weight,
+    check_moe_activation,
+    check_mxfp4,
+)
 
 
 class MoeBlocks(NamedTuple):
@@ -122,9 +128,29 @@ ACTIVATIONS = {"silu": 0, "swigluoai": 1}
 
 
 @triton.jit
+def _e2m1(code):
+    # An FP4 (E2M1) code's value: bit 3 the sign, bits 2-1 the exponent (bias 1), bit 0 the
+    # mantissa; exponent 0 is subnormal (0 or 0.5).
+    exp = (code >> 1) & 3
+    man = (code & 1).to(tl.float32)
+    mag = tl.where(exp == 0, 0.5 * man, (1.0 + 0.5 * man) * tl.exp2((exp - 1).to(tl.float32)))
+    return tl.where(code >= 8, -mag, mag)
+
+
+@triton.jit
+def _mxfp4_tiles(q_ptrs, s_ptrs, mask, dtype: tl.constexpr):
+    # A tile of packed bytes [BLOCK_K / 2, BLOCK_N] -> the weights at its even and at its odd K
+    # positions (low and high nibbles), each times its group's power of two, in `dtype` (exact).
+    q = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.exp2((tl.load(s_ptrs, mask=mask, other=127).to(tl.int32) - 127).to(tl.float32))
+    return (_e2m1(q & 15) * scale).to(dtype), (_e2m1(q >> 4) * scale).to(dtype)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: slot s reads row s // a_row_div (x's token rows, or act's slot rows)
-    w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_ACT (gate rows, then up rows)
+    w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_ACT (gate rows, then up rows); MXFP4: [.., K / 2]
+    w_scales_ptr,  # MXFP4 only: [E, N or 2N, K / 32] uint8
     bias_ptr,  # [E, N] or [E, 2N] like w's rows, read only with HAS_BIAS
     topk_weights_ptr,  # [S] float32, read only with MUL_ROUTED_WEIGHT
     sorted_slot_ids_ptr,  # [max_blocks * BLOCK_M] int32, num_slots = padding
@@ -140,12 +166,15 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_om,
     stride_be,
+    stride_se,
+    stride_sn,
     swiglu_alpha,
     swiglu_limit,
     FUSE_ACT: tl.constexpr,
     ACTIVATION: tl.constexpr,  # ACTIVATIONS' code, with FUSE_ACT
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
+    W_MXFP4: tl.constexpr,  # w is MXFP4 bytes + scales (BLOCK_K a multiple of 32, K of 32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -167,19 +196,47 @@ def _moe_gemm_kernel(
     w_tile = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # FUSE_ACT only; folded away otherwise
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = offs_k < K - k0
-        a = tl.load(a_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # W^T: [K, N]
-        if DOT_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        if FUSE_ACT:
-            b = tl.load(w_tile + N * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if W_MXFP4:
+        # Byte j of a tile holds K positions 2j (low nibble) and 2j + 1 (high): two dots of
+        # BLOCK_K / 2, over the even and the odd columns of a.
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        a_even = a_ptr + rows[:, None] * stride_am + 2 * offs_j[None, :]
+        n_off = offs_n[None, :].to(tl.int64)
+        q_tile = w_ptr + expert * stride_we + n_off * stride_wn + offs_j[:, None]
+        s_tile = w_scales_ptr + expert * stride_se + n_off * stride_sn + (offs_j // 16)[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            j_ok = offs_j < (K - k0) // 2
+            a_mask = m_ok[:, None] & j_ok[None, :]
+            a0 = tl.load(a_even + k0, mask=a_mask, other=0.0)
+            a1 = tl.load(a_even + k0 + 1, mask=a_mask, other=0.0)
+            w_mask = j_ok[:, None] & n_ok[None, :]
+            dtype = tl.float32 if DOT_UPCAST else a_ptr.dtype.element_ty
             if DOT_UPCAST:
+                a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
+            w0, w1 = _mxfp4_tiles(q_tile + k0 // 2, s_tile + k0 // 32, w_mask, dtype)
+            acc = tl.dot(a0, w0, acc, input_precision=DOT_PRECISION)
+            acc = tl.dot(a1, w1, acc, input_precision=DOT_PRECISION)
+            if FUSE_ACT:
+                up_q, up_s = q_tile + N * stride_wn + k0 // 2, s_tile + N * stride_sn + k0 // 32
+                w0, w1 = _mxfp4_tiles(up_q, up_s, w_mask, dtype)
+                acc_up = tl.dot(a0, w0, acc_up, input_precision=DOT_PRECISION)
+                acc_up = tl.dot(a1, w1, acc_up, input_precision=DOT_PRECISION)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # W^T: [K, N]
+            if DOT_UPCAST:
+                a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc_up = tl.dot(a, b, acc_up, input_precision=DOT_PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+            if FUSE_ACT:
+                b = tl.load(
+                    w_tile + N * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0
+                )
+                if DOT_UPCAST:
+                    b = b.to(tl.float32)
+                acc_up = tl.dot(a, b, acc_up, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -200,7 +257,7 @@ def _moe_gemm_kernel(
 
 def _launch(
     a: torch.Tensor,
-    w: torch.Tensor,
+    w: torch.Tensor | Mxfp4Weight,
     bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     blocks: MoeBlocks,
@@ -214,9 +271,12 @@ def _launch(
     n, k = out.shape[1], a.shape[1]
     grid = (blocks.block_expert_ids.shape[0], triton.cdiv(n, tiles.block_n))
     upcast = is_interpreter() and a.dtype != torch.float32
+    mxfp4 = isinstance(w, Mxfp4Weight)
+    w, scales = (w.blocks, w.scales) if mxfp4 else (w, None)
     _moe_gemm_kernel[grid](
         a,
         w,
+        scales if scales is not None else w,
         bias if bias is not None else out,
         topk_weights if topk_weights is not None else out,
         blocks.sorted_slot_ids,
@@ -232,12 +292,15 @@ def _launch(
         w.stride(1),
         out.stride(0),
         bias.stride(0) if bias is not None else 0,
+        scales.stride(0) if scales is not None else 0,
+        scales.stride(1) if scales is not None else 0,
         float(act.alpha) if act is not None else 0.0,
         float(act.limit) if act is not None else 0.0,
         FUSE_ACT=act is not None,
         ACTIVATION=ACTIVATIONS[act.name] if act is not None else 0,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
+        W_MXFP4=mxfp4,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -250,8 +313,8 @@ def _launch(
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]: gate rows, then up rows
+    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, each in [0, E)
     *,
@@ -263,22 +326,40 @@ def fused_moe(
     """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e) over each token's k experts: two
     grouped GEMMs (biases and the activation fused into the first), fp32 accumulation, the
     activation rounded to x's dtype between them. No host sync: capturable in a CUDA graph. Ids
-    are not range-checked (that would read them on the host)."""
+    are not range-checked (that would read them on the host).
+
+    Weights in x's dtype, or both in MXFP4 (`Mxfp4Weight`: H and I multiples of 32), decoded
+    tile by tile into x's dtype (exactly) as the GEMMs load them."""
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
-    check(gate_up.dim() == 3 and down.dim() == 3, "gate_up must be [E, 2I, H] and down [E, H, I]")
+    mxfp4 = isinstance(gate_up, Mxfp4Weight)
+    check(mxfp4 == isinstance(down, Mxfp4Weight), "gate_up and down: both MXFP4 or neither")
+    if mxfp4:
+        check_mxfp4(gate_up, "gate_up")
+        check_mxfp4(down, "down")
+        g_shape, d_shape = (
+            (*gate_up.blocks.shape[:-1], 2 * gate_up.blocks.shape[-1]),
+            (
+                *down.blocks.shape[:-1],
+                2 * down.blocks.shape[-1],
+            ),
+        )
+        weights: tuple[torch.Tensor, ...] = (*gate_up, *down)
+    else:
+        g_shape, d_shape, weights = tuple(gate_up.shape), tuple(down.shape), (gate_up, down)
+    check(len(g_shape) == 3 and len(d_shape) == 3, "gate_up must be [E, 2I, H] and down [E, H, I]")
     t, h = x.shape
-    e, i = gate_up.shape[0], down.shape[2]
+    e, i = g_shape[0], d_shape[2]
     check(
-        gate_up.shape == (e, 2 * i, h),
-        f"gate_up {tuple(gate_up.shape)} != [E, 2I, H] = "
-        f"[{e}, {2 * i}, {h}] (down {tuple(down.shape)})",
+        g_shape == (e, 2 * i, h),
+        f"gate_up {g_shape} != [E, 2I, H] = [{e}, {2 * i}, {h}] (down {d_shape})",
     )
-    check(down.shape == (e, h, i), f"down {tuple(down.shape)} != [E, H, I] = [{e}, {h}, {i}]")
+    check(d_shape == (e, h, i), f"down {d_shape} != [E, H, I] = [{e}, {h}, {i}]")
     check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
-    check(
-        gate_up.dtype == down.dtype == x.dtype,
-        f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",
-    )
+    if not mxfp4:
+        check(
+            gate_up.dtype == down.dtype == x.dtype,
+            f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",
+        )
     check_moe_activation(activation)
     for name, b, shape in (
         ("gate_up_bias", gate_up_bias, (e, 2 * i)),
@@ -299,11 +380,11 @@ def fused_moe(
     )
     k = topk_ids.shape[1]
     check(1 <= k <= e, f"top-k {k} must be between 1 and the number of experts {e}")
-    tensors = (x, gate_up, down, topk_weights, topk_ids, gate_up_bias, down_bias)
+    tensors = (x, *weights, topk_weights, topk_ids, gate_up_bias, down_bias)
     devices = {t.device for t in tensors if t is not None}
     check(len(devices) == 1, f"tensors on several devices: {sorted(map(str, devices))}")
-    for name, w in (("gate_up", gate_up), ("down", down)):
-        check_last_dim_contiguous(name, w)
+    for w in weights:
+        check_last_dim_contiguous("gate_up / down", w)
     if x.stride(-1) != 1:
         x = x.contiguous()
     s = t * k
@@ -315,6 +396,7 @@ def fused_moe(
         all(b >= 16 and b & (b - 1) == 0 for b in sizes),
         f"tiles: block sizes {sizes} must be powers of two >= 16 (tl.dot's minimum)",
     )
+    check(not mxfp4 or tiles.block_k >= 32, f"tiles: MXFP4 needs block_k >= 32, got {sizes}")
     blocks = align_moe_blocks(topk_ids, e, tiles.block_m)
     act = torch.empty(s, i, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, gate_up_bias, None, blocks, act, k, activation, tiles)

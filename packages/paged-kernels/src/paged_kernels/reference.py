@@ -261,10 +261,53 @@ def moe_activation(gate: torch.Tensor, up: torch.Tensor, act: MoeActivation) -> 
     return (up + 1) * gate * torch.sigmoid(gate * act.alpha)
 
 
+class Mxfp4Weight(NamedTuple):
+    """A weight W [..., N, K] in MXFP4 (OCP microscaling FP4, gpt-oss's experts):
+
+    blocks  uint8 [..., N, K/2]   two E2M1 codes a byte, the even position in the low nibble
+    scales  uint8 [..., N, K/32]  a power of two per 32 values, biased by 127 (E8M0)
+
+    W[..., n, k] = E2M1[code k] * 2^(scales[..., n, k // 32] - 127); E2M1 codes 0-7 are +0,
+    0.5, 1, 1.5, 2, 3, 4, 6 and codes 8-15 the same negated. K is a multiple of 32."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def check_mxfp4(w: Mxfp4Weight, what: str = "MXFP4 weight") -> None:
+    blocks, scales = w
+    check(
+        blocks.dtype == torch.uint8 and scales.dtype == torch.uint8,
+        f"{what}: blocks / scales must be uint8, got {blocks.dtype} / {scales.dtype}",
+    )
+    check(
+        blocks.dim() >= 2
+        and scales.shape[:-1] == blocks.shape[:-1]
+        and blocks.shape[-1] == 16 * scales.shape[-1],
+        f"{what}: blocks {tuple(blocks.shape)} must be [..., N, K/2] and scales "
+        f"{tuple(scales.shape)} [..., N, K/32]",
+    )
+
+
+def dequantize_mxfp4(w: Mxfp4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The values of an MXFP4 weight, [..., N, K] in `dtype` on its device (exact in fp32;
+    in bf16 / fp16 too while the scales stay in their range)."""
+    check_mxfp4(w)
+    blocks, scales = w
+    table = torch.tensor(_E2M1, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., N, K]
+    values = table[codes.long()].unflatten(-1, (-1, 32))  # [..., N, K/32, 32]
+    exponents = (scales.to(torch.int32) - 127).to(torch.float32).unsqueeze(-1)
+    return torch.ldexp(values, exponents).flatten(-2).to(dtype)
+
+
 def ref_fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]: gate rows, then up rows
+    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int in [0, E)
     *,
@@ -274,8 +317,11 @@ def ref_fused_moe(
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j]: each used
     expert over its (token, choice) pairs, in fp32; the activation rounds to x's dtype before
-    the down projection, and the sum over a token's k choices rounds once."""
+    the down projection, and the sum over a token's k choices rounds once. MXFP4 weights
+    (both projections) multiply as their exact values."""
     check_moe_activation(activation)
+    if isinstance(gate_up, Mxfp4Weight):
+        gate_up, down = dequantize_mxfp4(gate_up), dequantize_mxfp4(down)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, choices = (topk_ids == e).nonzero(as_tuple=True)

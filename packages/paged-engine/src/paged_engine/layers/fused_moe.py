@@ -39,8 +39,10 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_kernels import MoeActivation
+from paged_kernels import MoeActivation, Mxfp4Weight, dequantize_mxfp4
 from paged_kernels.reference import SILU, check_moe_activation, moe_activation
+
+Weight = torch.Tensor | Mxfp4Weight  # stacked [E, rows, cols], dense or MXFP4
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +67,17 @@ def _expert_mlp(
     return F.linear(moe_activation(gate, up, act), down, down_bias)
 
 
+def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's matrix in `dtype` (an MXFP4 one decoded now)."""
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_mxfp4(Mxfp4Weight(w.blocks[e], w.scales[e]), dtype)
+    return w[e]
+
+
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: Weight,  # [E, 2I, H]
+    down: Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
@@ -79,7 +88,8 @@ def grouped_experts(
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # slot s = token s // k, choice s % k
     order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, ascending
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    num_experts = (gate_up.blocks if isinstance(gate_up, Mxfp4Weight) else gate_up).shape[0]
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens = order // k
     xs = x.index_select(0, tokens)  # [T*k, H]: each slot's token, in expert order
     ys = torch.empty(t * k, x.shape[1], dtype=torch.float32, device=x.device)
@@ -89,7 +99,8 @@ def grouped_experts(
             gb = gate_up_bias[e] if gate_up_bias is not None else None
             db = down_bias[e] if down_bias is not None else None
             rows = xs[start : start + n]
-            ys[start : start + n] = _expert_mlp(rows, gate_up[e], down[e], gb, db, activation)
+            gu, dn = _expert(gate_up, e, x.dtype), _expert(down, e, x.dtype)
+            ys[start : start + n] = _expert_mlp(rows, gu, dn, gb, db, activation)
             start += n
     ys *= topk_weights.reshape(-1)[order, None]
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
@@ -109,8 +120,8 @@ def _triton_available() -> bool:
 
 def run_experts(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor,  # [E, 2I, H]
-    down: torch.Tensor,  # [E, H, I]
+    gate_up: Weight,  # [E, 2I, H]
+    down: Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
@@ -167,6 +178,12 @@ def _check_shape(w: torch.Tensor, expected: tuple[int, ...], what: str) -> None:
 class FusedMoE(nn.Module):
     """The experts' stacked weights (this rank's slice of I) and their grouped forward.
 
+    `mxfp4=True` keeps them as MXFP4 bytes (`gate_up_proj_blocks` [E, 2I, H/2] and
+    `gate_up_proj_scales` [E, 2I, H/32], `down_proj_blocks` [E, H, I/2] and `down_proj_scales`
+    [E, H, I/32]; 4.25 bits a weight), which the MoE kernel decodes as it multiplies (the CPU's
+    grouped path decodes each used expert per call); loaders take them whole (gate / up rows
+    already split), blocks as [.., K/2] or the checkpoint's [.., K/32, 16].
+
     Loaders (`weight_loader(param, w, shard_id)`) take either a whole fused checkpoint tensor
     (shard_id None: gate_up [E, 2I, H], down [E, H, I]; with `bias`, gate_up_bias [E, 2I] and
     down_bias [E, H] too) or one expert's HF matrix: gate_up with shard_id (expert, 0) for its
@@ -184,6 +201,7 @@ class FusedMoE(nn.Module):
         *,
         bias: bool = False,
         activation: MoeActivation = SILU,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         self.tp_rank = get_tp_rank() if tp_rank is None else tp_rank
@@ -196,10 +214,14 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size  # the full I
         i = intermediate_size // self.tp_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))
-        self.gate_up_proj.weight_loader = self._load_gate_up
-        self.down_proj.weight_loader = self._load_down
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            self._make_mxfp4(num_experts, hidden_size, i)
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))
+            self.gate_up_proj.weight_loader = self._load_gate_up
+            self.down_proj.weight_loader = self._load_down
         check_moe_activation(activation)
         self.activation = activation
         self.gate_up_proj_bias = self.down_proj_bias = None
@@ -207,6 +229,45 @@ class FusedMoE(nn.Module):
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * i))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
             self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias
+
+    def _make_mxfp4(self, num_experts: int, hidden: int, i: int) -> None:
+        if hidden % 32 or i % 32:
+            raise ValueError(
+                f"MXFP4 experts need the hidden size ({hidden}) and each rank's share of the "
+                f"intermediate size ({i}, tensor_parallel_size={self.tp_size}) to be multiples "
+                "of 32"
+            )
+
+        def param(*shape: int, loader, fill) -> nn.Parameter:
+            p = nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
+            p.weight_loader, p.dummy_init = loader, fill
+            return p
+
+        rows, cols = self._load_gate_up_rows, self._load_down_cols
+        self.gate_up_proj_blocks = param(num_experts, 2 * i, hidden // 2, loader=rows, fill=_bytes)
+        self.gate_up_proj_scales = param(num_experts, 2 * i, hidden // 32, loader=rows, fill=_scale)
+        self.down_proj_blocks = param(num_experts, hidden, i // 2, loader=cols, fill=_bytes)
+        self.down_proj_scales = param(num_experts, hidden, i // 32, loader=cols, fill=_scale)
+
+    def _load_gate_up_rows(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        """An MXFP4 gate_up tensor [E, gate I | up I, cols]: this rank's rows of both halves."""
+        if w.dim() == 4:
+            w = w.flatten(-2)
+        i, full = param.shape[1] // 2, self.intermediate_size
+        _check_shape(w, (self.num_experts, 2 * full, param.shape[2]), "experts gate_up (MXFP4)")
+        begin = self.tp_rank * i
+        param.data[:, :i].copy_(w[:, begin : begin + i])
+        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+
+    def _load_down_cols(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        """An MXFP4 down tensor [E, H, I / per]: this rank's columns."""
+        if w.dim() == 4:
+            w = w.flatten(-2)
+        per = self.intermediate_size // (param.shape[2] * self.tp_size)  # 2 or 32
+        full = self.intermediate_size // per
+        _check_shape(w, (self.num_experts, self.hidden_size, full), "experts down (MXFP4)")
+        cols = param.shape[2]
+        param.data.copy_(w[:, :, self.tp_rank * cols : (self.tp_rank + 1) * cols])
 
     def _load_gate_up(
         self, param: nn.Parameter, w: torch.Tensor, shard_id: tuple[int, int] | None = None
@@ -244,12 +305,27 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """x [T, H], weights / ids [T, k] -> this rank's partial sum [T, H] (not all-reduced)."""
         down_bias = self.down_proj_bias if self.tp_rank == 0 else None  # counted once in the sum
+        if self.mxfp4:
+            if torch.compiler.is_compiling():
+                raise NotImplementedError("MXFP4 experts under a compiled CPU forward")
+            gate_up = Mxfp4Weight(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+            down = Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)
+            args = (x, gate_up, down, topk_weights, topk_ids, self.gate_up_proj_bias, down_bias)
+            return run_experts(*args, self.activation)
         args = (x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         args += (self.gate_up_proj_bias, down_bias)
         if torch.compiler.is_compiling():
             act = self.activation
             return _moe_experts_op(*args, act.name, act.alpha, act.limit)
         return run_experts(*args, self.activation)
+
+
+def _bytes(p: torch.Tensor, gen: torch.Generator) -> None:
+    p.random_(0, 256, generator=gen)  # dummy MXFP4 codes: every value
+
+
+def _scale(p: torch.Tensor, gen: torch.Generator) -> None:
+    p.fill_(119)  # dummy MXFP4 scales, 2^-8: weights within +-6 / 256, like std 0.02
 
 
 class MoeRouter(nn.Module):
@@ -284,6 +360,7 @@ class SparseMoeBlock(nn.Module):
         router_bias: bool = False,
         expert_bias: bool = False,
         activation: MoeActivation = SILU,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -301,6 +378,7 @@ class SparseMoeBlock(nn.Module):
             tp_size,
             bias=expert_bias,
             activation=activation,
+            mxfp4=mxfp4,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,18 +12,22 @@ Llama's pre-norm decoder with:
 
 Checkpoints: transformers' layout holds the experts as x @ W (gate_up_proj [E, H, 2I] with the
 gate and up columns interleaved, down_proj [E, I, H]); OpenAI's release holds them in MXFP4
-(`*_blocks` / `*_scales`, mxfp4.py), dequantized to the model dtype as they load. Both
-become FusedMoE's [E, 2I, H] (gate rows, then up rows) and [E, H, I].
+(`*_blocks` / `*_scales`, mxfp4.py, rows interleaved alike). Either becomes FusedMoE's
+[E, 2I, H] (gate rows, then up rows) and [E, H, I]. An MXFP4 checkpoint on CUDA keeps its
+experts in MXFP4 (4.25 bits a weight: gpt-oss-120b's fit one 80 GB GPU), decoded inside the MoE
+kernel (`keep_mxfp4`); elsewhere they dequantize to the model dtype as they load.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from paged_engine.distributed.parallel_state import get_tp_rank
+import paged_kernels
+from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import RMSNorm
@@ -31,8 +35,14 @@ from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from paged_engine.models.mixtral import num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get, layer_sliding_window
-from paged_engine.mxfp4 import Mxfp4Pairs, check_quantization
-from paged_kernels import MoeActivation
+from paged_engine.mxfp4 import Mxfp4Pairs, check_quantization, quant_method
+from paged_kernels import MoeActivation, dequantize_mxfp4
+
+logger = logging.getLogger(__name__)
+
+# Tests set this to keep MXFP4 experts on the CPU too (decoded per call by the torch path, or by
+# the Triton kernels in the interpreter with fused_moe.TRITON_ON_CPU).
+KEEP_MXFP4_ON_CPU = False
 
 _FLAGS = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "mlp_bias": False, "sliding": True}
 
@@ -65,7 +75,7 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, mxfp4: bool) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-5)
         self.self_attn = GptOssAttention(config, layer_idx, rope)
@@ -82,6 +92,7 @@ class GptOssDecoderLayer(nn.Module):
                 float(cfg_get(config, "swiglu_alpha", 1.702)),
                 float(cfg_get(config, "swiglu_limit", 7.0)),
             ),
+            mxfp4=mxfp4,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -97,6 +108,26 @@ def _split_interleaved(w: torch.Tensor, dim: int) -> torch.Tensor:
     return w.index_select(dim, index.to(w.device))
 
 
+def keep_mxfp4(config) -> bool:
+    """Whether an MXFP4 checkpoint's experts stay MXFP4: on CUDA with triton (the model is built
+    under its device), when every rank's share of the experts splits into 32-value groups."""
+    if quant_method(config) != "mxfp4":
+        return False
+    on_cuda = torch.get_default_device().type == "cuda"
+    if not (on_cuda or KEEP_MXFP4_ON_CPU) or not paged_kernels.triton_available():
+        return False
+    share = config.intermediate_size // get_tp_size()
+    if config.hidden_size % 32 or share % 32:
+        logger.warning(
+            "MXFP4 experts dequantize to the model dtype: each rank's share of the "
+            "intermediate size (%d) is not a multiple of 32 at tensor_parallel_size=%d",
+            share,
+            get_tp_size(),
+        )
+        return False
+    return True
+
+
 class GptOssForCausalLM(CausalLMBase):
     stacked_params = LlamaForCausalLM.stacked_params
     ignored_weights = ("rotary_emb.inv_freq",)
@@ -106,9 +137,15 @@ class GptOssForCausalLM(CausalLMBase):
         act = cfg_get(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"GptOssForCausalLM supports hidden_act='silu' only, got {act!r}")
-        inner = LlamaModel(config, _FLAGS, lambda i, rope: GptOssDecoderLayer(config, i, rope))
+        self.keeps_mxfp4 = keep_mxfp4(config)
+        mxfp4 = self.keeps_mxfp4
+        inner = LlamaModel(
+            config, _FLAGS, lambda i, rope: GptOssDecoderLayer(config, i, rope, mxfp4)
+        )
         super().__init__(config, inner)
         self._mxfp4 = Mxfp4Pairs()
+        if mxfp4:
+            logger.info("gpt-oss: the experts stay in MXFP4 (4.25 bits a weight)")
 
     def rename_weight(self, name: str) -> str:
         return name.replace(".mlp.router.", ".mlp.gate.")
@@ -116,12 +153,15 @@ class GptOssForCausalLM(CausalLMBase):
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".mlp.experts." not in name:
             return ((name, w),)
-        if self._mxfp4.takes(name):
-            # [E, out, in] once both halves of an MXFP4 tensor arrived (rows = outputs)
-            pair = self._mxfp4.add(name, w, self.model.embed_tokens.weight)
+        if self._mxfp4.takes(name):  # [E, out, ...] (rows = outputs, gate / up interleaved)
+            if self.keeps_mxfp4:  # FusedMoE's own blocks / scales
+                return ((name, _split_interleaved(w, 1) if ".gate_up_proj_" in name else w),)
+            pair = self._mxfp4.add(name, w)
             if pair is None:
                 return ()
-            name, w = pair
+            name, mx = pair
+            like = self.model.embed_tokens.weight  # the model's device and dtype
+            w = dequantize_mxfp4(type(mx)(*(t.to(like.device) for t in mx)), like.dtype)
             if name.endswith(".gate_up_proj"):
                 w = _split_interleaved(w, 1)
             return ((name, w),)

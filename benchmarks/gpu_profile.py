@@ -201,16 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="profiled steps (30; smoke 4)")
     p.add_argument("--smoke", action="store_true", help="tiny layers and batch: CPU rehearsal")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--override-config",
+        type=json.loads,
+        default={},
+        help='JSON merged into the config, e.g. \'{"quantization_config": {"quant_method": '
+        "\"mxfp4\"}}' (gpt-oss's experts kept in MXFP4 on CUDA)",
+    )
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.batch or (8 if args.smoke else 256)
     steps = args.steps or (4 if args.smoke else 30)
-    overrides = {"num_hidden_layers": 2} if args.smoke else {}
+    overrides = {**args.override_config, **({"num_hidden_layers": 2} if args.smoke else {})}
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    tag = "-mxfp4" if "quantization_config" in overrides else ""
     spec = config_dir(
-        args.model_config, args.work_dir / f"{args.model_config}-cfg", device, **overrides
+        args.model_config, args.work_dir / f"{args.model_config}{tag}-cfg", device, **overrides
     )
     engine_kw = {
         "load_format": "dummy",

@@ -28,8 +28,9 @@
 # phase4: a mixture-of-experts model, the Qwen3-30B-A3B config (61 GB of bf16 dummy weights):
 #         the Triton MoE kernel's GPU-marked tests, then gpu_profile at batch 64 with CUDA
 #         graphs and eager (decode tok/s, top kernels, host time, GPU idle, engine start).
-# phase5: gpt-oss-20b's config (42 GB of bf16 dummy experts and attention with sinks): the
-#         attention and MoE kernels' GPU-marked tests, then gpu_profile at batch 64, CUDA graphs.
+# phase5: gpt-oss-20b's config (attention with sinks, a MoE in every layer): the attention and
+#         MoE kernels' GPU-marked tests, then gpu_profile at batch 64 with CUDA graphs, its
+#         experts dense bf16 (42 GB in all) and MXFP4 as its release ships them (~13 GB).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -45,6 +46,7 @@ if [ "$PHASE" != rehearse ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; the
     --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 PY=${PY:-python3}
+MXFP4='{"quantization_config": {"quant_method": "mxfp4"}}'  # gpt-oss's experts kept in MXFP4
 LOG="$OUT/log.txt"
 T0=$(date +%s)
 
@@ -129,12 +131,14 @@ case "$PHASE" in
     step 150 moe-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3-30b-a3b \
       --batch 64 --enforce-eager --steps 10 --out "$OUT/moe-eager"
     ;;
-  phase5)  # gpt-oss-20b (bf16 dummy weights; its MXFP4 release dequantizes to the same 42 GB)
+  phase5)  # gpt-oss-20b: bf16 dummy experts (42 GB), then MXFP4 ones as on its release (~13 GB)
     step 30 versions versions
     step 180 gpt-oss-tests $PY -m pytest -q -m gpu -p no:cacheprovider \
       tests/kernels/test_fused_moe.py tests/kernels/test_attention.py
-    step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --model-config gpt-oss-20b \
+    step 240 gpt-oss-profile $PY -m benchmarks.gpu_profile --model-config gpt-oss-20b \
       --batch 64 --out "$OUT/gpt-oss"
+    step 240 gpt-oss-mxfp4 $PY -m benchmarks.gpu_profile --model-config gpt-oss-20b \
+      --batch 64 --override-config "$MXFP4" --out "$OUT/gpt-oss-mxfp4"
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
@@ -156,7 +160,7 @@ case "$PHASE" in
     step 300 invariant-cost $PY -m benchmarks.batch_invariant --smoke --out "$OUT/batch_invariant.json"
     step 120 lora $PY -m benchmarks.lora --smoke --out "$OUT/lora"
     step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --smoke --model-config gpt-oss-20b \
-      --out "$OUT/gpt-oss"
+      --override-config "$MXFP4" --out "$OUT/gpt-oss"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|phase4|phase5|rehearse" >&2

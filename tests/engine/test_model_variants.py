@@ -122,6 +122,20 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "qwen3_moe",
         {"decoder_sparse_step": 2, "norm_topk_prob": False},
     ),
+    # gpt-oss without attention biases, every layer full, MQA, a tied head, plain rope, the
+    # default SwiGLU limit, and a hidden_act its experts ignore (as HF's do)
+    "gpt_oss-nobias-full-mqa-tied": (
+        "gpt_oss",
+        {
+            "attention_bias": False,
+            "layer_types": ["full_attention", "full_attention"],
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+            "rope_scaling": {"rope_type": "default"},
+            "swiglu_limit": 7.0,
+            "hidden_act": "gelu",
+        },
+    ),
 }
 # HF's generate keeps only the last sliding_window keys of every layer whose config carries one,
 # also for Llama, whose forward attends to everything; compare with the forward there.

@@ -44,7 +44,12 @@ logger = logging.getLogger(__name__)
 # the Triton kernels in the interpreter with fused_moe.TRITON_ON_CPU).
 KEEP_MXFP4_ON_CPU = False
 
-_FLAGS = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "mlp_bias": False, "sliding": True}
+
+def layer_flags(config) -> dict[str, bool]:
+    """Llama attention's switches: q/k/v/o biases as `attention_bias` says (True in gpt-oss's
+    configs), windows by layer_types; no q/k norms. The experts have no dense MLP."""
+    bias = bool(cfg_get(config, "attention_bias", True))
+    return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False, "sliding": True}
 
 
 class GptOssAttention(LlamaAttention):
@@ -52,7 +57,7 @@ class GptOssAttention(LlamaAttention):
     float32 whatever the model dtype."""
 
     def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__(config, layer_idx, _FLAGS, rope)
+        super().__init__(config, layer_idx, layer_flags(config), rope)
         heads = self.qkv_proj.num_heads
         self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         self.sinks.weight_loader = self._load_sinks
@@ -133,14 +138,11 @@ class GptOssForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config) -> None:
-        check_quantization(config)
-        act = cfg_get(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"GptOssForCausalLM supports hidden_act='silu' only, got {act!r}")
+        check_quantization(config)  # (hidden_act is unused: the experts' SwiGLU is fixed, as in HF)
         self.keeps_mxfp4 = keep_mxfp4(config)
         mxfp4 = self.keeps_mxfp4
         inner = LlamaModel(
-            config, _FLAGS, lambda i, rope: GptOssDecoderLayer(config, i, rope, mxfp4)
+            config, layer_flags(config), lambda i, rope: GptOssDecoderLayer(config, i, rope, mxfp4)
         )
         super().__init__(config, inner)
         self._mxfp4 = Mxfp4Pairs()

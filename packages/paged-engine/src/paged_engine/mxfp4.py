@@ -47,23 +47,3 @@ class Mxfp4Pairs:
             names = ", ".join(sorted(self._pending))
             self._pending.clear()
             raise ValueError(f"MXFP4 checkpoint: tensors without their blocks / scales: {names}")
-
-
-def quant_method(config) -> str | None:
-    """The checkpoint's `quantization_config.quant_method`, or None."""
-    quant = getattr(config, "quantization_config", None)
-    if quant is None:
-        return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    return method or getattr(quant, "quant_method", None)
-
-
-def check_quantization(config, supported: tuple[str, ...] = ("mxfp4",)) -> None:
-    """Refuse a checkpoint quantized in a way this model cannot load, naming the method."""
-    method = quant_method(config)
-    if getattr(config, "quantization_config", None) is not None and method not in supported:
-        arch = (getattr(config, "architectures", None) or ["this model"])[0]
-        raise ValueError(
-            f"checkpoint quantization {method!r} is not supported for {arch}: supported "
-            f"{list(supported)}"
-        )

@@ -35,7 +35,8 @@ from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
 from paged_engine.models.mixtral import num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get, layer_sliding_window
-from paged_engine.mxfp4 import Mxfp4Pairs, check_quantization, quant_method
+from paged_engine.mxfp4 import Mxfp4Pairs
+from paged_engine.quantized_checkpoint import quant_method
 from paged_kernels import MoeActivation, dequantize_mxfp4
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,10 @@ def keep_mxfp4(config) -> bool:
 class GptOssForCausalLM(CausalLMBase):
     stacked_params = LlamaForCausalLM.stacked_params
     ignored_weights = ("rotary_emb.inv_freq",)
+    checkpoint_quantizations = ("mxfp4",)  # its experts are not `.weight`s: no generic FP8
 
     def __init__(self, config) -> None:
-        check_quantization(config)  # (hidden_act is unused: the experts' SwiGLU is fixed, as in HF)
+        # (hidden_act is unused: the experts' SwiGLU is fixed, as in HF)
         self.keeps_mxfp4 = keep_mxfp4(config)
         mxfp4 = self.keeps_mxfp4
         inner = LlamaModel(

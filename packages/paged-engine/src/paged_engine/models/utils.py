@@ -13,6 +13,7 @@ from torch import nn
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead
+from paged_engine.quantized_checkpoint import DEQUANTIZED, check_checkpoint_quantization
 
 # (fragment of our param name, fragment of the HF name, shard id for the param's weight_loader)
 StackedRule = tuple[str, str, str | int | tuple[int, int]]
@@ -165,9 +166,13 @@ class CausalLMBase(nn.Module):
     tie_default: ClassVar[bool] = False  # HF's default when the config omits tie_word_embeddings
     stacked_params: ClassVar[tuple[StackedRule, ...]] = ()
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # suffixes of HF buffers we recompute
+    # The checkpoint quantizations (quantization_config.quant_method) this model loads: by
+    # default the weight-quantized ones the loader dequantizes (quantized_checkpoint.py).
+    checkpoint_quantizations: ClassVar[tuple[str, ...]] = DEQUANTIZED
 
     def __init__(self, config, inner: nn.Module) -> None:
         super().__init__()
+        check_checkpoint_quantization(config, self.checkpoint_quantizations)
         self.config = config
         setattr(self, self.inner_name, inner)
         embed = self.get_submodule(self.embed_path)

@@ -1,0 +1,142 @@
+"""Weight-quantized checkpoints (FP8 and INT8 with scales), dequantized to the model dtype as
+they load, so any architecture runs them with its unquantized layers.
+
+`quantization_config.quant_method` names the scheme:
+
+    fp8                 Qwen3-*-FP8, DeepSeek-V3: float8_e4m3fn `weight` [N, K] and float32
+                        `weight_scale_inv` [ceil(N / bn), ceil(K / bk)], one scale per block
+                        (`weight_block_size` [bn, bk], usually [128, 128]); W = w * scale
+    fbgemm_fp8          fp8 `weight`, one scale per output channel (`weight_scale` [N, 1])
+    compressed-tensors  llm-compressor's "float-quantized" / "int-quantized" formats: fp8 or
+                        int8 `weight`, `weight_scale` per tensor, per channel or per block
+                        (`block_structure`); a zero point (asymmetric) or packed formats are
+                        refused
+
+Activation scales (`input_scale`) are dropped: activations stay in the model dtype. An fp8 KV
+cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. A model class names what it loads
+(`checkpoint_quantizations`: these by default; gpt-oss: its own mxfp4 only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors")
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+_SCALES = (".weight_scale_inv", ".weight_scale")
+_DROPPED = (".input_scale", ".input_scale_ub")
+
+
+def _get(obj, key: str, default=None):
+    return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
+
+
+def quant_method(config) -> str | None:
+    """The checkpoint's `quantization_config.quant_method`, or None."""
+    quant = getattr(config, "quantization_config", None)
+    return None if quant is None else _get(quant, "quant_method")
+
+
+def checkpoint_block_size(config) -> tuple[int, int] | None:
+    """The [rows, cols] of a block-wise weight scale, when the config names one."""
+    quant = getattr(config, "quantization_config", None)
+    size = _get(quant, "weight_block_size") if quant is not None else None
+    for group in (_get(quant, "config_groups") or {}).values() if quant is not None else ():
+        size = size or _get(_get(group, "weights") or {}, "block_structure")
+    return (int(size[0]), int(size[1])) if size else None
+
+
+def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZED) -> None:
+    """Refuse, naming it, a quantization the model cannot load (GPTQ, AWQ, packed int4,
+    asymmetric schemes), before any weight is read."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return
+    method = _get(quant, "quant_method")
+    if method not in supported:
+        raise ValueError(
+            f"checkpoint quantization {method!r} is not supported; supported: "
+            f"{', '.join(supported)} (or an unquantized checkpoint)"
+        )
+    if method == "compressed-tensors":
+        fmt = _get(quant, "format")
+        if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized"):
+            raise ValueError(
+                f"compressed-tensors format {fmt!r} is not supported: only 8-bit weights "
+                "(float-quantized, int-quantized)"
+            )
+        for name, group in (_get(quant, "config_groups") or {}).items():
+            weights = _get(group, "weights") or {}
+            bits, symmetric = _get(weights, "num_bits", 8), _get(weights, "symmetric", True)
+            if bits != 8 or symmetric is False:
+                raise ValueError(
+                    f"compressed-tensors group {name!r}: {bits}-bit "
+                    f"{'symmetric' if symmetric is not False else 'asymmetric'} weights are not "
+                    "supported, only 8-bit symmetric ones"
+                )
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """w [N, K] (fp8 / int8) times its scale: one value, one per row ([N] or [N, 1]), or one
+    per block ([ceil(N / bn), ceil(K / bk)]) -> float32 [N, K]."""
+    n, k = w.shape[-2:]
+    out = w.to(torch.float32)
+    scale = scale.to(device=w.device, dtype=torch.float32)
+    if scale.numel() == 1:
+        return out.mul_(scale.reshape(()))
+    tiles = block is not None and scale.shape == (-(-n // block[0]), -(-k // block[1]))
+    if not tiles and (scale.dim() == 1 or scale.shape[-1] == 1):
+        if scale.shape[0] != n:
+            raise ValueError(f"a per-channel weight scale of {tuple(scale.shape)} for [{n}, {k}]")
+        return out.mul_(scale.reshape(n, 1))
+    bn, bk = block or (-(-n // scale.shape[0]), -(-k // scale.shape[1]))
+    if scale.shape != (-(-n // bn), -(-k // bk)):
+        raise ValueError(
+            f"a block weight scale of {tuple(scale.shape)} does not tile [{n}, {k}] in "
+            f"[{bn}, {bk}] blocks"
+        )
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return out.mul_(full)
+
+
+def dequantize_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    block: tuple[int, int] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight stream with every quantized `X.weight` joined to its `X.weight_scale(_inv)`
+    (either may come first) and yielded as `X.weight` in `dtype`, dequantized on `device`;
+    activation scales dropped; everything else passed on. A quantized weight without its scale,
+    or a scale without its weight, is an error naming it."""
+    weights_of: dict[str, torch.Tensor] = {}
+    scales_of: dict[str, torch.Tensor] = {}
+    for name, t in weights:
+        if name.endswith(_DROPPED):
+            continue
+        if name.endswith(".weight_zero_point"):
+            raise ValueError(f"{name}: asymmetric (zero-point) weights are not supported")
+        scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
+        if scale_suffix is not None:
+            prefix = name[: -len(scale_suffix)]
+            if prefix in weights_of:
+                w = weights_of.pop(prefix)
+                yield prefix + ".weight", dequantize(w.to(device), t, block).to(dtype)
+            else:
+                scales_of[prefix] = t
+            continue
+        if name.endswith(".weight") and t.dtype in _QUANTIZED_DTYPES:
+            prefix = name[: -len(".weight")]
+            if prefix in scales_of:
+                scale = scales_of.pop(prefix)
+                yield name, dequantize(t.to(device), scale, block).to(dtype)
+            else:
+                weights_of[prefix] = t
+            continue
+        yield name, t
+    if weights_of or scales_of:
+        lost = [f"{p}.weight (no scale)" for p in weights_of]
+        lost += [f"{p}.weight_scale (no weight)" for p in scales_of]
+        raise ValueError(f"quantized checkpoint: unpaired tensors: {', '.join(sorted(lost))}")

@@ -1,0 +1,195 @@
+"""FP8 / INT8 weight-quantized checkpoints (quantized_checkpoint.py): Qwen3-FP8's block scales,
+llm-compressor's per-channel / per-tensor fp8 and int8, fbgemm's fp8. Each tiny checkpoint is
+quantized here; its weights must load as exactly their dequantized values, and the engine must
+give HF's greedy tokens (logprobs within 1e-3) on a copy holding those values unquantized.
+Quantizations we cannot load fail before any weight is read, naming the method.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from hf_reference import assert_matches, hf_greedy, load_hf_model
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.loader import load_hf_config, load_model, resolve_model
+from paged_engine.quantized_checkpoint import dequantize
+from paged_engine.testing import write_tiny_model
+
+pytest.importorskip("transformers")
+
+FP8 = torch.float8_e4m3fn
+BLOCK = (48, 40)  # tiles the tiny shapes (64, 128, 32 rows / columns) with ragged edges
+
+# name -> (quantization_config, weight dtype, scale: "block" | "channel" | "tensor", scale name)
+SCHEMES = {
+    "fp8-block": (
+        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)},
+        FP8,
+        "block",
+        "weight_scale_inv",
+    ),
+    "compressed-fp8-channel": (
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}
+            },
+            "ignore": ["lm_head"],
+        },
+        FP8,
+        "channel",
+        "weight_scale",
+    ),
+    "compressed-int8-tensor": (
+        {
+            "quant_method": "compressed-tensors",
+            "format": "int-quantized",
+            "config_groups": {
+                "group_0": {"weights": {"num_bits": 8, "type": "int", "strategy": "tensor"}}
+            },
+        },
+        torch.int8,
+        "tensor",
+        "weight_scale",
+    ),
+    "fbgemm-fp8": ({"quant_method": "fbgemm_fp8"}, FP8, "channel", "weight_scale"),
+}
+
+
+def _quantize(w: torch.Tensor, dtype: torch.dtype, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q, scale) with q * scale ~ w; the largest |w| of each group maps to the
+    format's largest value."""
+    top = 448.0 if dtype == FP8 else 127.0
+    n, k = w.shape
+    if kind == "tensor":
+        scale = w.abs().max().reshape(1) / top
+        full = scale.expand(n, k)
+    elif kind == "channel":
+        scale = w.abs().amax(1, keepdim=True) / top
+        full = scale.expand(n, k)
+    else:
+        bn, bk = BLOCK
+        pad = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk)
+        pad[:n, :k] = w.abs()
+        scale = pad.unflatten(0, (-1, bn)).unflatten(2, (-1, bk)).amax((1, 3)) / top
+        full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    q = w / full
+    q = q.to(dtype) if dtype == FP8 else q.round().clamp(-127, 127).to(dtype)
+    return q, scale
+
+
+def _is_linear(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith("_proj.weight")
+
+
+def _quantized_copy(src, scheme: str, dst):
+    """`src` with its linear weights quantized by `scheme` (plus an activation scale the loader
+    must drop), and beside it `dst/dense`: the same model holding the dequantized values."""
+    from safetensors.torch import load_file, save_file
+
+    config_quant, dtype, kind, scale_name = SCHEMES[scheme]
+    shutil.copytree(src, dst)
+    shutil.copytree(src, dst / "dense")
+    state = load_file(str(src / "model.safetensors"))
+    quantized, dense = {}, {}
+    for name, t in state.items():
+        if not _is_linear(name, t):
+            quantized[name] = dense[name] = t
+            continue
+        q, scale = _quantize(t, dtype, kind)
+        prefix = name.removesuffix(".weight")
+        quantized[name], quantized[f"{prefix}.{scale_name}"] = q, scale
+        quantized[f"{prefix}.input_scale"] = torch.ones(1)
+        dense[name] = dequantize(q, scale, BLOCK if kind == "block" else None)
+    save_file(quantized, str(dst / "model.safetensors"))
+    save_file(dense, str(dst / "dense" / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": config_quant}))
+    return dst, dst / "dense"
+
+
+def _load(path):
+    resolved = resolve_model(str(path))
+    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=2)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
+    path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
+    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+    unquantized = dict(_load(tiny).named_parameters())
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(got[name], unquantized[name])  # really quantized
+    torch.testing.assert_close(got[name], unquantized[name], atol=0.1, rtol=0.1)
+
+
+@pytest.mark.parametrize("scheme", ["fp8-block", "compressed-int8-tensor"])
+def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme):
+    path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    hf = load_hf_model(dense)
+    rng = random.Random(scheme)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
+
+
+def test_per_expert_moe_weights_dequantize(tmp_path):
+    """Qwen3-30B-A3B-FP8's layout: every expert's matrices quantized by block."""
+    src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
+    path, dense = _quantized_copy(src, "fp8-block", tmp_path / "q")
+    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+
+
+def _with_quant(tiny, dst, quant: dict):
+    shutil.copytree(tiny, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return dst
+
+
+def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
+    cases = [
+        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+        ({"quant_method": "awq"}, "'awq' is not supported"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "symmetric": False}}},
+            },
+            "asymmetric",
+        ),
+    ]
+    for i, (quant, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            _load(_with_quant(tiny, tmp_path / str(i), quant))
+
+
+def test_a_quantized_weight_without_its_scale_is_named(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = _quantized_copy(tiny, "fp8-block", tmp_path / "q")
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.o_proj\.weight \(no scale\)"):
+        _load(path)

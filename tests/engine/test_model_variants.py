@@ -122,6 +122,18 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "qwen3_moe",
         {"decoder_sparse_step": 2, "norm_topk_prob": False},
     ),
+    # SmolLM3 with sliding windows on its NoPE layers, attention and MLP biases, untied
+    "smollm3-sliding-bias": (
+        "smollm3",
+        {
+            "num_hidden_layers": 4,
+            "use_sliding_window": True,
+            "sliding_window": 8,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     # gpt-oss without attention biases, every layer full, MQA, a tied head, plain rope, the
     # default SwiGLU limit, and a hidden_act its experts ignore (as HF's do)
     "gpt_oss-nobias-full-mqa-tied": (

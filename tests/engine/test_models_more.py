@@ -1,8 +1,9 @@
-"""Gemma 1, Granite, OLMo 2 and Qwen2-MoE against HF transformers.
+"""Gemma 1, Granite, OLMo 2, Qwen2-MoE and SmolLM3 against HF transformers.
 
 `LLM.generate` on tiny random models whose special features bite (Granite's four multipliers
 away from 1; Qwen2-MoE's shared expert, a dense layer among sparse ones, unnormalized top-k;
-OLMo 2's post-norms and whole-projection q/k norms; Gemma 1's explicit head_dim) must give HF
+OLMo 2's post-norms and whole-projection q/k norms; Gemma 1's explicit head_dim; SmolLM3's
+layers without rope) must give HF
 `generate`'s greedy tokens and the same top-5 logprobs (1e-3, float32); Qwen2-MoE also at TP=2.
 """
 
@@ -20,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 10
 TOP = 5
-ARCHS = ["gemma", "granite", "olmo2", "qwen2_moe"]
+ARCHS = ["gemma", "granite", "olmo2", "qwen2_moe", "smollm3"]
 
 
 def _generate(llm, prompts):

@@ -28,6 +28,7 @@ MORE_TINY_ARCHS: list[str] = [
     "olmo2",
     "qwen2_moe",
     "gpt_oss",
+    "smollm3",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -175,6 +176,11 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "swiglu_limit": 1.0,
             "tie_word_embeddings": False,
         },
+    ),
+    # SmolLM3: layer 1 of 2 without rope (NoPE)
+    "smollm3": (
+        "SmolLM3Config",
+        {**_LLAMA_LIKE, "no_rope_layer_interval": 2, "tie_word_embeddings": True},
     ),
     "opt": (
         "OPTConfig",

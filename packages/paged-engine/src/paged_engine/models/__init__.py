@@ -21,6 +21,7 @@ from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
 from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -40,6 +41,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -36,7 +36,11 @@ def llama_head_dim(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
+    """`rope` None: a NoPE layer (SmolLM3's), q and k used as projected."""
+
+    def __init__(
+        self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
+    ):
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -73,6 +77,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.rotary_emb is None:  # NoPE
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, kv_cache, md))
         if not self.qk_norm:  # q and k heads rotated in one go from the model's tables
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             rotated = self.rotary_emb.rotate_heads(positions, qk)
@@ -106,7 +113,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
+    def __init__(
+        self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
+    ):
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(config, layer_idx, flags, rope)

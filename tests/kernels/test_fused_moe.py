@@ -191,11 +191,11 @@ def test_dequantize_mxfp4_reads_codes_low_nibble_first():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (5, 8, 2), (33, 4, 3)])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (5, 8, 2), (19, 4, 3)])
 def test_mxfp4_experts_match_reference(seed, device, dtype, tokens, experts, top_k):
     """MXFP4 weights decoded in the GEMMs give the reference on their exact values: with and
     without gpt-oss's biases and clamped SwiGLU; H = 96, I = 64 (K not a multiple of the
-    tile), 32-wide K tiles and wide ones."""
+    tile); in bf16 also 32-wide K tiles and wide ones, and the dense kernel on the values."""
     hid, inter = 96, 64
     gate_up, down = _mxfp4_weights(experts, hid, inter, device, seed=tokens)
     x = torch.randn(tokens, hid, device=device).to(dtype)
@@ -209,6 +209,8 @@ def test_mxfp4_experts_match_reference(seed, device, dtype, tokens, experts, top
         )
     want = ref_fused_moe(x, gate_up, down, weights, ids, **kwargs)
     _close(fused_moe(x, gate_up, down, weights, ids, **kwargs), want, dtype)
+    if dtype != torch.bfloat16:  # the tile walks below once (the interpreter is slow)
+        return
     for tiles in (MoeTiles(16, 16, 32, 4, 2), MoeTiles(16, 32, 128, 4, 2)):
         _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
     dense = [dequantize_mxfp4(w, dtype) for w in (gate_up, down)]

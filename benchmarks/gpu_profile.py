@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="profiled steps (30; smoke 4)")
     p.add_argument("--smoke", action="store_true", help="tiny layers and batch: CPU rehearsal")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--quantization", default=None, help="the engine's, e.g. fp8 (CUDA)")
     p.add_argument(
         "--override-config",
         type=json.loads,
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": spec.dtype_name,
         "max_model_len": 4096 if device == "cuda" else 256,
         "enforce_eager": args.enforce_eager or device != "cuda",
+        "quantization": args.quantization,
     }
     if device != "cuda":
         engine_kw["num_gpu_blocks_override"] = 256 if args.smoke else None

@@ -7,6 +7,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
 #   device run:                   bash benchmarks/gpu_run.sh phase5
+#   device run:                   bash benchmarks/gpu_run.sh phase6
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -31,6 +32,8 @@
 # phase5: gpt-oss-20b's config (attention with sinks, a MoE in every layer): the attention and
 #         MoE kernels' GPU-marked tests, then gpu_profile at batch 64 with CUDA graphs, its
 #         experts dense bf16 (42 GB in all) and MXFP4 as its release ships them (~13 GB).
+# phase6: weight-only FP8 (`quantization="fp8"`): the fp8 GEMM's GPU-marked tests, then
+#         gpu_profile on the Llama-3.1-8B config at batch 64, bf16 weights against FP8 ones.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -140,6 +143,14 @@ case "$PHASE" in
     step 240 gpt-oss-mxfp4 $PY -m benchmarks.gpu_profile --model-config gpt-oss-20b \
       --batch 64 --override-config "$MXFP4" --out "$OUT/gpt-oss-mxfp4"
     ;;
+  phase6)  # weight-only FP8 against bf16 weights, Llama-3.1-8B's config
+    step 30 versions versions
+    step 120 fp8-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8_gemm.py
+    step 200 bf16-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 64 --out "$OUT/llama-8b-bf16"
+    step 200 fp8-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 64 --quantization fp8 --out "$OUT/llama-8b-fp8"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -161,9 +172,11 @@ case "$PHASE" in
     step 120 lora $PY -m benchmarks.lora --smoke --out "$OUT/lora"
     step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --smoke --model-config gpt-oss-20b \
       --override-config "$MXFP4" --out "$OUT/gpt-oss"
+    step 300 fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config llama-3.2-1b \
+      --quantization fp8 --out "$OUT/fp8"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|rehearse" >&2
     exit 2
     ;;
 esac

@@ -1,12 +1,19 @@
-"""Weight-only fp16 / int8 / int4 linear layers (layers/quantization.py) on CPU."""
+"""Weight-only fp16 / int8 / int4 linear layers (layers/quantization.py) on CPU, and fp8 (CUDA's
+Triton kernel, run here in the interpreter, and the CPU's dequantizing path)."""
 
 from __future__ import annotations
+
+import random
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hf_reference import assert_matches, hf_greedy, load_hf_model
 
+import paged_kernels
 from paged_engine import LLM, EngineConfig, SamplingParams
+from paged_engine.layers import quantization as quant_layers
 from paged_engine.layers.quantization import (
     FUSED_MAX_ROWS,
     Fp16Linear,
@@ -14,6 +21,8 @@ from paged_engine.layers.quantization import (
     Int8Linear,
     require_fp16_gemm,
 )
+from paged_engine.testing import write_tiny_model
+from paged_kernels import quantize_fp8_per_channel
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -152,3 +161,43 @@ def tok_ids(out) -> list[int]:
 def test_quantization_option_is_validated():
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
+
+
+def _fp8_rounded_copy(src, dst):
+    """`src` with every linear weight replaced by its per-channel FP8 values (what
+    quantization="fp8" multiplies by), the LM head and embeddings left alone."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(str(src / "model.safetensors"))
+    for name, t in state.items():
+        if t.dim() == 2 and name.endswith("_proj.weight"):
+            q, scale = quantize_fp8_per_channel(t)
+            state[name] = q.float() * scale[:, None]
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_fp8_weights_give_hf_tokens_on_their_values(tmp_path, monkeypatch, kernel):
+    """quantization="fp8": every linear layer's weight held as float8_e4m3fn with a scale per
+    output channel (the head stays dense), multiplied by the CPU's dequantizing path or by the
+    CUDA path's Triton kernel (in the interpreter): HF's greedy tokens on a model holding those
+    values, logprobs within 1e-3."""
+    if kernel == "triton" and (torch.cuda.is_available() or not paged_kernels.triton_available()):
+        pytest.skip("Triton's interpreter, CPU only")
+    monkeypatch.setattr(quant_layers, "TRITON_ON_CPU", kernel == "triton")
+    src = write_tiny_model(tmp_path / "llama", "llama", seed=4)
+    llm = LLM(model=str(src), device="cpu", dtype="float32", quantization="fp8")
+    model = llm.llm_engine.model_runner.model
+    methods = [m.linear_method.method for m in model.modules() if getattr(m, "linear_method", None)]
+    assert methods and all(isinstance(m, quant_layers.Fp8Linear) for m in methods)
+    assert methods[0].qweight.dtype == torch.float8_e4m3fn
+    assert model.lm_head.linear_method is None
+    hf = load_hf_model(_fp8_rounded_copy(src, tmp_path / "rounded"))
+    rng = random.Random(kernel)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 23)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches(f"fp8 {kernel}", out, hf_greedy(hf, prompt, 8))

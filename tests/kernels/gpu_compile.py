@@ -2,17 +2,16 @@
 
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
-Each wrapper (paged_attention in its modes, write_kv_cache, copy_blocks, matmul, rms_norm,
-layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU tensors with its
-Triton kernels swapped for recorders: a launch records its arguments instead of running. Every
+Each wrapper (paged_attention in its modes, write_kv_cache, copy_blocks, matmul, fp8_linear,
+rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU tensors with
+its Triton kernels swapped for recorders: a launch records its arguments instead of running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
 ptxas), with the wrapper's own constexprs, warps and stages and the launcher's run-time
-specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type
-errors, unsupported ops and shared-memory overflows show here rather than on a rented GPU;
-`ptxas -v` then reports the registers each thread spills (`--no-spills` makes a spill an error).
-Prints one line per launch, "ok" or the error, and exits 1 on any error. What it cannot check:
-numerics (the interpreter tests do) and runtime behaviour.
-"""
+specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type errors,
+unsupported ops and shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then
+reports the registers each thread spills (`--no-spills` makes a spill an error). Prints one line
+per launch, "ok" or the error, and exits 1 on any error. What it cannot check: numerics (the
+interpreter tests do) and runtime behaviour."""
 
 from __future__ import annotations
 
@@ -329,6 +328,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     down = torch.zeros(8, hid, inter, dtype=torch.bfloat16)
     ids, weights = torch.arange(16).remainder(8).view(4, 4), torch.zeros(4, 4)
     call("fused_moe bf16 gpt-oss T=4", moe.fused_moe, x, gate_up, down, weights, ids, **biases)
+    # FP8 weights (W8A16) at Llama-3.1-8B's down projection: each tile config, bf16 and fp32.
+    w8 = torch.zeros(4096, 14336, dtype=torch.float8_e4m3fn)
+    for dtype, token_counts in ((torch.bfloat16, (1, 48, 512)), (torch.float32, (1, 48))):
+        for tokens in token_counts:
+            x = torch.zeros(tokens, 14336, dtype=dtype)
+            call(f"fp8_linear {dtype} T={tokens}", gemm.fp8_linear, x, w8, torch.ones(4096))
     # Multi-LoRA at a 4096 hidden size, rank 48 (q/k/v rank 16 stacked), 4 adapter slots: decode,
     # mid-size and prefill batches pick different tiles (and shrink's split-K).
     slots, rank, hidden = 4, 48, 4096

@@ -11,7 +11,7 @@ _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
-_QUANTIZATIONS = (None, "fp16", "int8", "int4")
+_QUANTIZATIONS = (None, "fp16", "int8", "int4", "fp8")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -70,7 +70,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
-    # CPU: weight-only "int8" / "int4" linear layers (layers/quantization.py). batch_invariant:
+    # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" / "int4" on the CPU,
+    # "fp8" on CUDA (a Triton kernel; on the CPU it runs, slowly, for checks). batch_invariant:
     # logits of a sequence bit-identical whatever else is in the batch (CPU backend in float32,
     # or the Triton kernels; layers/batch_invariant.py).
     quantization: str | None = None

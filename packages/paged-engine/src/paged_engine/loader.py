@@ -191,6 +191,8 @@ def load_model(
         from paged_engine.layers.quantization import quantize_model
 
         quantize_model(model, quantization)
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()  # the dense weights' blocks, before the KV cache is sized
     return model.eval().requires_grad_(False)
 
 

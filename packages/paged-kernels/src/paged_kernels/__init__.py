@@ -19,7 +19,9 @@ from paged_kernels.reference import (
     dequantize_mxfp4,
     fp8_to_float,
     lora_segments,
+    quantize_fp8_per_channel,
     ref_copy_blocks,
+    ref_fp8_linear,
     ref_fused_moe,
     ref_layer_norm,
     ref_logsumexp,
@@ -41,6 +43,7 @@ _KERNELS = {
     "align_moe_blocks": "paged_kernels.moe",
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
+    "fp8_linear": "paged_kernels.gemm",
     "layer_norm": "paged_kernels.norm",
     "logsumexp": "paged_kernels.softmax",
     "lora_expand": "paged_kernels.lora",
@@ -61,6 +64,7 @@ __all__ = [
     "choose_num_splits",
     "copy_blocks",
     "dequantize_mxfp4",
+    "fp8_linear",
     "fp8_to_float",
     "fused_moe",
     "layer_norm",
@@ -70,7 +74,9 @@ __all__ = [
     "lora_shrink",
     "matmul",
     "paged_attention",
+    "quantize_fp8_per_channel",
     "ref_copy_blocks",
+    "ref_fp8_linear",
     "ref_fused_moe",
     "ref_layer_norm",
     "ref_logsumexp",
@@ -90,7 +96,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from paged_kernels.attention import choose_num_splits, paged_attention
-    from paged_kernels.gemm import matmul
+    from paged_kernels.gemm import fp8_linear, matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
     from paged_kernels.lora import lora_expand, lora_shrink
     from paged_kernels.moe import align_moe_blocks, fused_moe

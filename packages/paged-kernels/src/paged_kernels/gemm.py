@@ -1,12 +1,22 @@
-"""A batch-invariant matrix multiply: out = x @ weight.T (+ bias), every row computed the same way
-whatever the other rows are.
+"""Two matrix multiplies over one GEMM kernel:
 
-cuBLAS picks its algorithm (tile shape, split-K, stream-K) from the problem's shape, so the order
-in which a row's K products are summed changes with the number of rows M. This kernel's tile
-config is a constant: each BLOCK_M x BLOCK_N output tile walks K from 0 in BLOCK_K steps, one
-tl.dot per step into an fp32 accumulator, and no split-K. A row's result is then a function of
-that row and the weight alone, whatever M is and wherever the row sits in a tile (all rows of a
-tile run the same instructions). M is not specialised on, so every M runs the same binary.
+- `matmul`: batch-invariant, out = x @ weight.T (+ bias), every row computed the same way
+  whatever the other rows are.
+- `fp8_linear`: FP8 weights, out = x @ (weight * scale).T (+ bias) with float8_e4m3fn weights
+  and one float32 scale per output channel (weight-only FP8, "W8A16": `quantization="fp8"`).
+  Each fp8 tile is cast to x's dtype as it loads (exact: every e4m3 value is representable in
+  bf16 / fp16 / fp32) and multiplied with an fp32 accumulator; a channel's scale is constant
+  along K, so it multiplies the finished sum once. The weights are read at one byte each, half of
+  bf16's (decode steps are bound by reading weights). Tiles by M, not batch-invariant.
+
+Batch invariance (`matmul`): cuBLAS picks its algorithm (tile shape, split-K, stream-K) from
+the problem's shape, so the order in which a row's K products are summed changes with the
+number of rows M. This kernel's tile config is a constant: each BLOCK_M x BLOCK_N output tile
+walks K from 0 in BLOCK_K steps, one tl.dot per step into an fp32 accumulator, and no split-K.
+A row's result is then a function of that row and the weight alone, whatever M is and wherever
+the row sits in a tile (all rows of a tile run the same instructions). M is not specialised on,
+so every M runs the same binary.
+`matmul`'s tile config is fixed; `fp8_linear` picks its tiles by M.
 """
 
 from __future__ import annotations
@@ -27,7 +37,8 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K] in x's dtype, or float8_e4m3fn with HAS_SCALE
+    scale_ptr,  # [N] float32, read only if HAS_SCALE
     bias_ptr,  # [N], read only if HAS_BIAS
     out_ptr,  # [M, N]
     M,
@@ -36,6 +47,7 @@ def _matmul_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    HAS_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -57,11 +69,48 @@ def _matmul_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(x_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b = b.to(x_ptr.dtype.element_ty)  # fp8 -> x's dtype (exact); a no-op otherwise
         acc = tile_dot(a, b, acc, DOT_PRECISION, EXPLICIT_DOT)
+    if HAS_SCALE:  # the output channel's scale, constant along K
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:  # added in fp32 before the one rounding, as cuBLAS's epilogue does
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _launch(
+    x: torch.Tensor,  # [M, K], rows contiguous
+    weight: torch.Tensor,  # [N, K]
+    scale: torch.Tensor | None,  # [N] float32 (fp8 weights)
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [M, N]
+    tiles: tuple[int, int, int, int],  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+) -> None:
+    (m, k), n = x.shape, weight.shape[0]
+    block_m, block_n, block_k, num_warps = tiles
+    _matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x,
+        weight,
+        scale if scale is not None else weight,
+        bias if bias is not None else weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EXPLICIT_DOT=is_interpreter(),
+        num_warps=1 if is_interpreter() else num_warps,
+        num_stages=3,
+    )
 
 
 def matmul(
@@ -93,25 +142,47 @@ def matmul(
         return out.view(*lead, n)
     if k == 0:
         return out.zero_().add_(bias if bias is not None else 0).view(*lead, n)
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, BLOCK_M))
-    _matmul_kernel[grid](
-        x2,
-        weight,
-        bias if bias is not None else weight,
-        out,
-        m,
-        n,
-        k,
-        x2.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        EXPLICIT_DOT=is_interpreter(),
-        num_warps=1 if is_interpreter() else 8,  # 4 spill on sm_90 (255 registers + 56 B)
-        num_stages=3,
-    )
+    tiles = (BLOCK_M, BLOCK_N, BLOCK_K, 8)  # 4 warps spill on sm_90 (255 registers + 56 B)
+    _launch(x2, weight, None, bias, out, tiles)
     return out.view(*lead, n)
+
+
+def _fp8_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by rows (not yet timed on a GPU): decode-size M
+    streams the weights in long K steps over 16-row tiles (tl.dot's minimum); prefill-size M
+    reuses each weight tile over 64 rows. fp32 multiplies without tensor-core tiles: smaller."""
+    if dtype == torch.float32:
+        return 16 if m <= 16 else 32, 32, 32, 4
+    if m <= 16:
+        return 16, 64, 128, 4
+    if m <= 64:
+        return 32, 64, 64, 4
+    return 64, 128, 64, 8
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N] float32: W's values are weight * scale
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x @ (weight * scale[:, None]).T + bias, the weights decoded in the kernel (no host read)."""
+    check(x.dim() == 2 and weight.dim() == 2, "x must be [M, K] and weight [N, K]")
+    m, k = x.shape
+    n = weight.shape[0]
+    check(weight.shape[1] == k, f"weight {tuple(weight.shape)} does not take x's K={k}")
+    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
+    check(weight.dtype == torch.float8_e4m3fn, f"weight must be float8_e4m3fn, got {weight.dtype}")
+    check(scale.shape == (n,) and scale.dtype == torch.float32, "scale must be float32 [N]")
+    if bias is not None:
+        check(bias.shape == (n,), f"bias must be [N={n}], got {tuple(bias.shape)}")
+    tensors = (x, weight, scale) + ((bias,) if bias is not None else ())
+    check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    check_last_dim_contiguous("weight", weight)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    _launch(x, weight, scale.contiguous(), bias, out, _fp8_tiles(m, x.dtype))
+    return out

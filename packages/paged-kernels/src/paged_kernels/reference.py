@@ -337,6 +337,33 @@ def ref_fused_moe(
     return out.to(x.dtype)
 
 
+# ---- FP8 weights (gemm.py's fp8_linear)
+
+FP8_E4M3_MAX = 448.0
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (float8_e4m3fn [N, K], float32 scale [N]): each row scaled so its largest
+    |value| maps to e4m3's largest, 448 (round to nearest even); a zero row keeps scale 1."""
+    amax = w.detach().float().abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    q = (w.float() / scale[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def ref_fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """(x @ weight^T in fp32) * scale + bias, rounded once to x's dtype."""
+    out = (x.float() @ weight.float().t()) * scale.float()
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
 # ---- Multi-LoRA (lora.py): slots [T] hold each token's adapter slot, -1 for none.
 
 

@@ -211,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantization",
         "-q",
         default=None,
-        help="CPU weight-only fp16 (fbgemm, x86), int8 or int4",
+        help="weight-only: fp8 (CUDA: per-channel FP8 weights, a Triton GEMM), or on the CPU "
+        "fp16 (fbgemm, x86), int8 or int4",
     )
     p.add_argument(
         "--batch-invariant",

@@ -1,13 +1,18 @@
-"""Weight-only fp16 / int8 / int4 linear layers on CPU, through torch's own CPU kernels.
+"""Weight-only linear layers: fp16 / int8 / int4 on CPU through torch's own CPU kernels, fp8 on
+CUDA through a Triton kernel.
 
-`quantize_model(model, "fp16" | "int8" | "int4")` replaces, after loading, the weight of every
-linear layer (and of a tied LM head) with:
+`quantize_model(model, "fp16" | "int8" | "int4" | "fp8")` replaces, after loading, the weight of
+every linear layer (and, but for fp8, of a tied LM head) with:
 
     fp16  the weight rounded to float16, packed for fbgemm's fp16 GEMM (x86 CPUs): float32
           activations and accumulation, half the bytes of float32 read per token  (2 bytes)
     int8  per output channel, symmetric: w = q * scale, q in [-127, 127]     (1 byte / weight)
     int4  per group of 32 inputs, asymmetric (GGUF Q4_1's blocks): w = q * scale + min,
           q in [0, 15], nibble-packed                                        (0.5 byte / weight)
+    fp8   float8_e4m3fn per output channel, w = q * scale (the row's largest |w| -> 448):
+          paged_kernels.fp8_linear decodes it in the GEMM on CUDA (vLLM's `quantization="fp8"`
+          with weight-only FP8); on the CPU each call dequantizes (checks, not speed)
+                                                                             (1 byte / weight)
 
 fp16 is for float32 models (`dtype="auto"` keeps float32 with it): a matmul reads half the bytes
 of float32 with the same float32 arithmetic, the closest mode to float32 (each weight off by at
@@ -31,7 +36,10 @@ from torch import nn
 
 from paged_engine.layers import compiled_ops
 
-QUANTIZATIONS = ("fp16", "int8", "int4")
+QUANTIZATIONS = ("fp16", "int8", "int4", "fp8")
+CPU_QUANTIZATIONS = ("fp16", "int8", "int4")  # torch's CPU kernels
+# Tests set this to run fp8 weights through the Triton kernel on CPU tensors (interpreter only).
+TRITON_ON_CPU = False
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass
 INT4_GROUP = 32
 # Rows up to which the fused kernels beat dequantize + dense matmul (measured on one core of
@@ -225,7 +233,27 @@ class Int4Linear(_QuantizedWeight):
         return self.packed.numel() + kernel + scales
 
 
-Method = Fp16Linear | Int8Linear | Int4Linear
+class Fp8Linear(_QuantizedWeight):
+    """float8_e4m3fn weights with a float32 scale per output channel."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        from paged_kernels import quantize_fp8_per_channel
+
+        self.qweight, self.scale = quantize_fp8_per_channel(weight)  # [N, K], [N]
+        self.shape = tuple(weight.shape)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:  # x @ W^T
+        import paged_kernels
+
+        if (x.is_cuda or TRITON_ON_CPU) and paged_kernels.triton_available():
+            return paged_kernels.fp8_linear(x, self.qweight, self.scale)
+        return F.linear(x, self.qweight.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + self.scale.numel() * 4
+
+
+Method = Fp16Linear | Int8Linear | Int4Linear | Fp8Linear
 
 
 class QuantizedTiedHead:
@@ -265,7 +293,7 @@ class QuantizedLinearMethod:
 
 
 def _method(kind: str, weight: torch.Tensor, dtype: torch.dtype) -> Method:
-    cls = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear}[kind]
+    cls = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear, "fp8": Fp8Linear}[kind]
     return cls(weight, dtype)
 
 
@@ -287,7 +315,11 @@ def quantize_model(model: nn.Module, kind: str) -> int:
             module.weight = None
             module.linear_method = QuantizedLinearMethod(method)
             total += method.nbytes()
-        elif isinstance(module, ParallelLMHead) and getattr(model, "tie_word_embeddings", False):
+        elif (
+            isinstance(module, ParallelLMHead)
+            and getattr(model, "tie_word_embeddings", False)
+            and kind != "fp8"  # as vLLM: the head stays in the model dtype
+        ):
             method = _method(kind, module.weight, module.weight.dtype)
             module.linear_method = QuantizedTiedHead(method, module.weight)
             total += method.nbytes()

@@ -61,11 +61,17 @@ class Worker:
         single = get_parallel_state().world_size == 1
         if self.device.type == "cpu" and (single or config.cpu_num_threads is not None):
             set_cpu_threads(config.cpu_num_threads)
-        if config.quantization is not None:
+        if config.quantization == "fp8" and self.device.type != "cuda":
+            logger.warning(
+                "quantization='fp8' dequantizes its weights at every call on %s (the fast "
+                "kernel is CUDA's): for speed there use 'int8', 'int4' or 'fp16'",
+                self.device.type,
+            )
+        elif config.quantization is not None:
             if self.device.type != "cpu":
                 raise ValueError(
                     f"quantization={config.quantization!r} runs on the CPU only (torch's CPU "
-                    f"weight-only kernels), not on {self.device.type}"
+                    f"weight-only kernels), not on {self.device.type}: on CUDA use 'fp8'"
                 )
             if config.quantization == "fp16":  # float32 activations: fail before loading
                 require_fp16_gemm()

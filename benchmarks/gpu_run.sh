@@ -8,6 +8,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase4
 #   device run:                   bash benchmarks/gpu_run.sh phase5
 #   device run:                   bash benchmarks/gpu_run.sh phase6
+#   device run:                   bash benchmarks/gpu_run.sh phase7
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -34,6 +35,8 @@
 #         experts dense bf16 (42 GB in all) and MXFP4 as its release ships them (~13 GB).
 # phase6: weight-only FP8 (`quantization="fp8"`): the fp8 GEMM's GPU-marked tests, then
 #         gpu_profile on the Llama-3.1-8B config at batch 64, bf16 weights against FP8 ones.
+# phase7: FP8 experts: the MoE kernel's GPU-marked tests, then gpu_profile on Qwen3-30B-A3B's
+#         config at batch 64 with quantization="fp8" (~31 GB; phase4 ran it in bf16).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -151,6 +154,12 @@ case "$PHASE" in
     step 200 fp8-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
       --batch 64 --quantization fp8 --out "$OUT/llama-8b-fp8"
     ;;
+  phase7)  # FP8 experts, Qwen3-30B-A3B's config (compare with phase4's bf16 run)
+    step 30 versions versions
+    step 120 moe-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_moe.py
+    step 300 moe-fp8-profile $PY -m benchmarks.gpu_profile --model-config qwen3-30b-a3b \
+      --batch 64 --quantization fp8 --out "$OUT/moe-fp8"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -176,7 +185,7 @@ case "$PHASE" in
       --quantization fp8 --out "$OUT/fp8"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|rehearse" >&2
     exit 2
     ;;
 esac

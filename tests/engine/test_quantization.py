@@ -164,8 +164,8 @@ def test_quantization_option_is_validated():
 
 
 def _fp8_rounded_copy(src, dst):
-    """`src` with every linear weight replaced by its per-channel FP8 values (what
-    quantization="fp8" multiplies by), the LM head and embeddings left alone."""
+    """`src` with every linear weight (each expert's too) replaced by its per-row FP8 values
+    (what quantization="fp8" multiplies by), the LM head, router and embeddings left alone."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -178,26 +178,33 @@ def _fp8_rounded_copy(src, dst):
     return dst
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
-def test_fp8_weights_give_hf_tokens_on_their_values(tmp_path, monkeypatch, kernel):
-    """quantization="fp8": every linear layer's weight held as float8_e4m3fn with a scale per
-    output channel (the head stays dense), multiplied by the CPU's dequantizing path or by the
-    CUDA path's Triton kernel (in the interpreter): HF's greedy tokens on a model holding those
-    values, logprobs within 1e-3."""
+def test_fp8_weights_give_hf_tokens_on_their_values(tmp_path, monkeypatch, arch, kernel):
+    """quantization="fp8": every linear layer's weight, and a MoE's experts, held as
+    float8_e4m3fn with a scale per output row (the head and the router stay dense), multiplied
+    by the CPU's dequantizing path or by the CUDA path's Triton kernels (in the interpreter):
+    HF's greedy tokens on a model holding those values, logprobs within 1e-3."""
+    from paged_engine.layers import fused_moe
+
     if kernel == "triton" and (torch.cuda.is_available() or not paged_kernels.triton_available()):
         pytest.skip("Triton's interpreter, CPU only")
     monkeypatch.setattr(quant_layers, "TRITON_ON_CPU", kernel == "triton")
-    src = write_tiny_model(tmp_path / "llama", "llama", seed=4)
+    monkeypatch.setattr(fused_moe, "TRITON_ON_CPU", kernel == "triton")
+    src = write_tiny_model(tmp_path / arch, arch, seed=4)
     llm = LLM(model=str(src), device="cpu", dtype="float32", quantization="fp8")
     model = llm.llm_engine.model_runner.model
     methods = [m.linear_method.method for m in model.modules() if getattr(m, "linear_method", None)]
     assert methods and all(isinstance(m, quant_layers.Fp8Linear) for m in methods)
     assert methods[0].qweight.dtype == torch.float8_e4m3fn
     assert model.lm_head.linear_method is None
+    experts = [m for m in model.modules() if isinstance(m, fused_moe.FusedMoE)]
+    assert all(e.fp8 is not None and e.gate_up_proj is None for e in experts)
+    assert bool(experts) == (arch == "qwen3_moe")
     hf = load_hf_model(_fp8_rounded_copy(src, tmp_path / "rounded"))
-    rng = random.Random(kernel)
+    rng = random.Random(kernel + arch)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (4, 23)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs, strict=True):
-        assert_matches(f"fp8 {kernel}", out, hf_greedy(hf, prompt, 8))
+        assert_matches(f"fp8 {arch} {kernel}", out, hf_greedy(hf, prompt, 8))

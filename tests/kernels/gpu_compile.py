@@ -323,6 +323,18 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         weights = torch.zeros(tokens, 4)
         call(f"fused_moe mxfp4 gpt-oss T={tokens}", moe.fused_moe, x, gate_up_mx, down_mx,
              weights, ids, **biases)  # fmt: skip
+    # FP8 experts (quantization="fp8"): Qwen3-30B-A3B's sizes, decode and prefill groups.
+    fp8_gate_up = moe.Fp8Weight(
+        torch.zeros(8, 2 * 768, 2048, dtype=torch.float8_e4m3fn), torch.ones(8, 2 * 768)
+    )
+    fp8_down = moe.Fp8Weight(
+        torch.zeros(8, 2048, 768, dtype=torch.float8_e4m3fn), torch.ones(8, 2048)
+    )
+    for tokens in (4, 512):
+        x = torch.zeros(tokens, 2048, dtype=torch.bfloat16)
+        ids = torch.arange(2 * tokens).remainder(8).view(tokens, 2)
+        call(f"fused_moe fp8 T={tokens}", moe.fused_moe, x, fp8_gate_up, fp8_down,
+             torch.zeros(tokens, 2), ids)  # fmt: skip
     x = torch.zeros(4, hid, dtype=torch.bfloat16)
     gate_up = torch.zeros(8, 2 * inter, hid, dtype=torch.bfloat16)
     down = torch.zeros(8, hid, inter, dtype=torch.bfloat16)

@@ -13,11 +13,13 @@ from host_reads import spy_host_reads
 
 import paged_kernels.moe as moe
 from paged_kernels import (
+    Fp8Weight,
     MoeActivation,
     Mxfp4Weight,
     align_moe_blocks,
     dequantize_mxfp4,
     fused_moe,
+    quantize_fp8_per_channel,
     ref_fused_moe,
 )
 from paged_kernels.moe import MoeTiles, max_moe_blocks
@@ -217,11 +219,38 @@ def test_mxfp4_experts_match_reference(seed, device, dtype, tokens, experts, top
     _close(fused_moe(x, *dense, weights, ids, **kwargs), want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "biases"), [(1, False), (17, True)])
+def test_fp8_experts_match_reference(seed, device, dtype, tokens, biases):
+    """FP8 experts (a scale per output row; `quantization="fp8"`) cast in the GEMMs, their row
+    scales on the sums: the reference on their exact values, with and without gpt-oss's biases
+    and clamped SwiGLU, over small tiles too (several N tiles each reading their scales)."""
+    experts, top_k = 6, 2
+    gate_up, down = (
+        Fp8Weight(*quantize_fp8_per_channel(w)) for w in _weights(experts, dtype, device)
+    )
+    x = torch.randn(tokens, HID, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    kwargs: dict = {}
+    if biases:
+        kwargs = dict(
+            gate_up_bias=torch.randn(experts, 2 * INTER, device=device).to(dtype),
+            down_bias=torch.randn(experts, HID, device=device).to(dtype),
+            activation=MoeActivation("swigluoai", alpha=1.702, limit=0.5),
+        )
+    want = ref_fused_moe(x, gate_up, down, weights, ids, **kwargs)
+    _close(fused_moe(x, gate_up, down, weights, ids, **kwargs), want, dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)
+    _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
+    with pytest.raises(ValueError, match="both dense, both MXFP4 or both FP8"):
+        fused_moe(x, gate_up, down.dequantize(dtype), weights, ids)
+
+
 def test_mxfp4_rejects_bad_arguments(device):
     gate_up, down = _mxfp4_weights(4, 64, 32, device)
     x = torch.randn(3, 64, device=device)
     weights, ids = _route(3, 4, 2, device)
-    with pytest.raises(ValueError, match="both MXFP4 or neither"):
+    with pytest.raises(ValueError, match="both dense, both MXFP4 or both FP8"):
         fused_moe(x, gate_up, dequantize_mxfp4(down), weights, ids)
     with pytest.raises(ValueError, match="block_k >= 32"):
         fused_moe(x, gate_up, down, weights, ids, tiles=MoeTiles(16, 16, 16, 4, 2))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_kernels._utils import FP8_DTYPES, check_kv_scales
 from paged_kernels.reference import (
+    Fp8Weight,
     MoeActivation,
     Mxfp4Weight,
     alibi_slopes,
@@ -56,6 +57,7 @@ _KERNELS = {
 
 __all__ = [
     "FP8_DTYPES",
+    "Fp8Weight",
     "MoeActivation",
     "Mxfp4Weight",
     "alibi_slopes",

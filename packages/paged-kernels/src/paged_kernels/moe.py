@@ -43,6 +43,7 @@ import triton.language as tl
 from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, is_interpreter
 from paged_kernels.reference import (
     SILU,
+    Fp8Weight,
     MoeActivation,
     Mxfp4Weight,
     check_moe_activation,
@@ -150,7 +151,7 @@ def _mxfp4_tiles(q_ptrs, s_ptrs, mask, dtype: tl.constexpr):
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: slot s reads row s // a_row_div (x's token rows, or act's slot rows)
     w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_ACT (gate rows, then up rows); MXFP4: [.., K / 2]
-    w_scales_ptr,  # MXFP4 only: [E, N or 2N, K / 32] uint8
+    w_scales_ptr,  # MXFP4: [E, N or 2N, K / 32] uint8; FP8: [E, N or 2N] float32 (a row's)
     bias_ptr,  # [E, N] or [E, 2N] like w's rows, read only with HAS_BIAS
     topk_weights_ptr,  # [S] float32, read only with MUL_ROUTED_WEIGHT
     sorted_slot_ids_ptr,  # [max_blocks * BLOCK_M] int32, num_slots = padding
@@ -175,6 +176,7 @@ def _moe_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     W_MXFP4: tl.constexpr,  # w is MXFP4 bytes + scales (BLOCK_K a multiple of 32, K of 32)
+    W_FP8: tl.constexpr,  # w is float8_e4m3fn with a float32 scale per row
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -226,6 +228,7 @@ def _moe_gemm_kernel(
             k_ok = offs_k < K - k0
             a = tl.load(a_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_tile + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)  # W^T: [K, N]
+            b = b.to(a_ptr.dtype.element_ty)  # fp8 -> a's dtype (exact); a no-op otherwise
             if DOT_UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -234,9 +237,15 @@ def _moe_gemm_kernel(
                 b = tl.load(
                     w_tile + N * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0
                 )
+                b = b.to(a_ptr.dtype.element_ty)
                 if DOT_UPCAST:
                     b = b.to(tl.float32)
                 acc_up = tl.dot(a, b, acc_up, input_precision=DOT_PRECISION)
+    if W_FP8:  # each output row's scale, constant along K
+        row_scale = w_scales_ptr + expert * stride_se + offs_n * stride_sn
+        acc = acc * tl.load(row_scale, mask=n_ok, other=0.0)[None, :]
+        if FUSE_ACT:
+            acc_up = acc_up * tl.load(row_scale + N * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         bias = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -257,7 +266,7 @@ def _moe_gemm_kernel(
 
 def _launch(
     a: torch.Tensor,
-    w: torch.Tensor | Mxfp4Weight,
+    w: torch.Tensor | Mxfp4Weight | Fp8Weight,
     bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     blocks: MoeBlocks,
@@ -271,8 +280,8 @@ def _launch(
     n, k = out.shape[1], a.shape[1]
     grid = (blocks.block_expert_ids.shape[0], triton.cdiv(n, tiles.block_n))
     upcast = is_interpreter() and a.dtype != torch.float32
-    mxfp4 = isinstance(w, Mxfp4Weight)
-    w, scales = (w.blocks, w.scales) if mxfp4 else (w, None)
+    mxfp4, fp8 = isinstance(w, Mxfp4Weight), isinstance(w, Fp8Weight)
+    w, scales = tuple(w) if mxfp4 or fp8 else (w, None)
     _moe_gemm_kernel[grid](
         a,
         w,
@@ -301,6 +310,7 @@ def _launch(
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         W_MXFP4=mxfp4,
+        W_FP8=fp8,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -313,8 +323,8 @@ def _launch(
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]: gate rows, then up rows
-    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up rows
+    down: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, each in [0, E)
     *,
@@ -328,22 +338,29 @@ def fused_moe(
     activation rounded to x's dtype between them. No host sync: capturable in a CUDA graph. Ids
     are not range-checked (that would read them on the host).
 
-    Weights in x's dtype, or both in MXFP4 (`Mxfp4Weight`: H and I multiples of 32), decoded
-    tile by tile into x's dtype (exactly) as the GEMMs load them."""
+    Weights in x's dtype; or both projections in MXFP4 (`Mxfp4Weight`: H and I multiples of
+    32) or in FP8 (`Fp8Weight`: float8_e4m3fn with a float32 scale per output row), decoded
+    tile by tile into x's dtype (exactly) as the GEMMs load them, FP8's row scales multiplying
+    the finished sums."""
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
-    mxfp4 = isinstance(gate_up, Mxfp4Weight)
-    check(mxfp4 == isinstance(down, Mxfp4Weight), "gate_up and down: both MXFP4 or neither")
+    kinds = {type(gate_up), type(down)}
+    check(len(kinds) == 1, "gate_up and down: both dense, both MXFP4 or both FP8")
+    mxfp4, fp8 = isinstance(gate_up, Mxfp4Weight), isinstance(gate_up, Fp8Weight)
     if mxfp4:
         check_mxfp4(gate_up, "gate_up")
         check_mxfp4(down, "down")
-        g_shape, d_shape = (
-            (*gate_up.blocks.shape[:-1], 2 * gate_up.blocks.shape[-1]),
-            (
-                *down.blocks.shape[:-1],
-                2 * down.blocks.shape[-1],
-            ),
-        )
+        g_shape = (*gate_up.blocks.shape[:-1], 2 * gate_up.blocks.shape[-1])
+        d_shape = (*down.blocks.shape[:-1], 2 * down.blocks.shape[-1])
         weights: tuple[torch.Tensor, ...] = (*gate_up, *down)
+    elif fp8:
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            check(
+                w.weight.dtype == torch.float8_e4m3fn and w.scale.dtype == torch.float32,
+                f"{name}: FP8 weights must be float8_e4m3fn with float32 scales",
+            )
+            check(w.scale.shape == w.weight.shape[:-1], f"{name}: one scale per row [E, N]")
+        g_shape, d_shape = tuple(gate_up.weight.shape), tuple(down.weight.shape)
+        weights = (*gate_up, *down)
     else:
         g_shape, d_shape, weights = tuple(gate_up.shape), tuple(down.shape), (gate_up, down)
     check(len(g_shape) == 3 and len(d_shape) == 3, "gate_up must be [E, 2I, H] and down [E, H, I]")
@@ -355,7 +372,7 @@ def fused_moe(
     )
     check(d_shape == (e, h, i), f"down {d_shape} != [E, H, I] = [{e}, {h}, {i}]")
     check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
-    if not mxfp4:
+    if not (mxfp4 or fp8):
         check(
             gate_up.dtype == down.dtype == x.dtype,
             f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",

@@ -306,8 +306,8 @@ def dequantize_mxfp4(w: Mxfp4Weight, dtype: torch.dtype = torch.float32) -> torc
 
 def ref_fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor | Mxfp4Weight,  # [E, 2I, H]: gate rows, then up rows
-    down: torch.Tensor | Mxfp4Weight,  # [E, H, I]
+    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up rows
+    down: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int in [0, E)
     *,
@@ -317,11 +317,13 @@ def ref_fused_moe(
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j]: each used
     expert over its (token, choice) pairs, in fp32; the activation rounds to x's dtype before
-    the down projection, and the sum over a token's k choices rounds once. MXFP4 weights
+    the down projection, and the sum over a token's k choices rounds once. MXFP4 or FP8 weights
     (both projections) multiply as their exact values."""
     check_moe_activation(activation)
     if isinstance(gate_up, Mxfp4Weight):
         gate_up, down = dequantize_mxfp4(gate_up), dequantize_mxfp4(down)
+    if isinstance(gate_up, Fp8Weight):
+        gate_up, down = gate_up.dequantize(), down.dequantize()
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, choices = (topk_ids == e).nonzero(as_tuple=True)
@@ -343,12 +345,24 @@ FP8_E4M3_MAX = 448.0
 
 
 def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (float8_e4m3fn [N, K], float32 scale [N]): each row scaled so its largest
-    |value| maps to e4m3's largest, 448 (round to nearest even); a zero row keeps scale 1."""
-    amax = w.detach().float().abs().amax(dim=1)
+    """w [..., N, K] -> (float8_e4m3fn [..., N, K], float32 scale [..., N]): each row scaled so
+    its largest |value| maps to e4m3's largest, 448 (round to nearest even); a zero row keeps
+    scale 1."""
+    amax = w.detach().float().abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-    q = (w.float() / scale[:, None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = (w.float() / scale[..., None]).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
+
+
+class Fp8Weight(NamedTuple):
+    """Stacked experts' weights in FP8: `weight` float8_e4m3fn [E, N, K] and `scale` float32
+    [E, N], one per output row: W = weight * scale[..., None] (`quantize_fp8_per_channel`)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight.float() * self.scale.float()[..., None]).to(dtype)
 
 
 def ref_fp8_linear(

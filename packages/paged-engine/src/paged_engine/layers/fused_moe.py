@@ -24,8 +24,9 @@ Tensor parallelism splits each expert's intermediate dim I like a dense MLP (gat
 down columns [r*I/tp, (r+1)*I/tp) on rank r): every rank computes a partial sum for every token
 and the block all-reduces once (the down bias is added on rank 0 only, so it counts once). The
 router is replicated, so all ranks route alike. Expert
-weights and the router are plain parameters, not linear layers: weight-only quantization leaves
-them in the model dtype, and batch_invariant=True does not reach them (an expert's group size,
+weights and the router are plain parameters, not linear layers: the CPU's weight-only
+quantizations leave them in the model dtype (quantization="fp8" converts the experts,
+`FusedMoE.to_fp8`), and batch_invariant=True does not reach them (an expert's group size,
 hence its matmul's shape, depends on the rest of the batch).
 """
 
@@ -39,10 +40,10 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_kernels import MoeActivation, Mxfp4Weight, dequantize_mxfp4
+from paged_kernels import Fp8Weight, MoeActivation, Mxfp4Weight, dequantize_mxfp4
 from paged_kernels.reference import SILU, check_moe_activation, moe_activation
 
-Weight = torch.Tensor | Mxfp4Weight  # stacked [E, rows, cols], dense or MXFP4
+Weight = torch.Tensor | Mxfp4Weight | Fp8Weight  # stacked [E, rows, cols]
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +69,11 @@ def _expert_mlp(
 
 
 def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e's matrix in `dtype` (an MXFP4 one decoded now)."""
+    """Expert e's matrix in `dtype` (an MXFP4 or FP8 one decoded now)."""
     if isinstance(w, Mxfp4Weight):
         return dequantize_mxfp4(Mxfp4Weight(w.blocks[e], w.scales[e]), dtype)
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.weight[e], w.scale[e]).dequantize(dtype)
     return w[e]
 
 
@@ -88,7 +91,7 @@ def grouped_experts(
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # slot s = token s // k, choice s % k
     order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert, ascending
-    num_experts = (gate_up.blocks if isinstance(gate_up, Mxfp4Weight) else gate_up).shape[0]
+    num_experts = (gate_up if isinstance(gate_up, torch.Tensor) else gate_up[0]).shape[0]
     counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     tokens = order // k
     xs = x.index_select(0, tokens)  # [T*k, H]: each slot's token, in expert order
@@ -215,6 +218,7 @@ class FusedMoE(nn.Module):
         self.intermediate_size = intermediate_size  # the full I
         i = intermediate_size // self.tp_size
         self.mxfp4 = mxfp4
+        self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None  # set by to_fp8()
         if mxfp4:
             self._make_mxfp4(num_experts, hidden_size, i)
         else:
@@ -248,6 +252,22 @@ class FusedMoE(nn.Module):
         self.gate_up_proj_scales = param(num_experts, 2 * i, hidden // 32, loader=rows, fill=_scale)
         self.down_proj_blocks = param(num_experts, hidden, i // 2, loader=cols, fill=_bytes)
         self.down_proj_scales = param(num_experts, hidden, i // 32, loader=cols, fill=_scale)
+
+    @torch.no_grad()
+    def to_fp8(self) -> int:
+        """After loading: the dense experts become FP8 with a scale per output row
+        (`quantization="fp8"`), run by the MoE kernel; returns the bytes they now take."""
+        from paged_kernels import quantize_fp8_per_channel
+
+        if self.mxfp4:
+            raise ValueError("MXFP4 experts are not converted to FP8")
+        self.fp8 = (
+            Fp8Weight(*quantize_fp8_per_channel(self.gate_up_proj)),
+            Fp8Weight(*quantize_fp8_per_channel(self.down_proj)),
+        )
+        del self.gate_up_proj, self.down_proj  # the dense weights are freed
+        self.gate_up_proj = self.down_proj = None
+        return sum(w.weight.numel() + w.scale.numel() * 4 for w in self.fp8)
 
     def _load_gate_up_rows(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """An MXFP4 gate_up tensor [E, gate I | up I, cols]: this rank's rows of both halves."""
@@ -305,11 +325,17 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """x [T, H], weights / ids [T, k] -> this rank's partial sum [T, H] (not all-reduced)."""
         down_bias = self.down_proj_bias if self.tp_rank == 0 else None  # counted once in the sum
-        if self.mxfp4:
+        if self.mxfp4 or self.fp8 is not None:
             if torch.compiler.is_compiling():
-                raise NotImplementedError("MXFP4 experts under a compiled CPU forward")
-            gate_up = Mxfp4Weight(self.gate_up_proj_blocks, self.gate_up_proj_scales)
-            down = Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)
+                raise NotImplementedError(
+                    "MXFP4 / FP8 experts do not run under a compiled CPU forward "
+                    "(compilation_config=0)"
+                )
+            if self.fp8 is not None:
+                gate_up, down = self.fp8
+            else:
+                gate_up = Mxfp4Weight(self.gate_up_proj_blocks, self.gate_up_proj_scales)
+                down = Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)
             args = (x, gate_up, down, topk_weights, topk_ids, self.gate_up_proj_bias, down_bias)
             return run_experts(*args, self.activation)
         args = (x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)

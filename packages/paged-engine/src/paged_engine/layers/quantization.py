@@ -11,7 +11,8 @@ every linear layer (and, but for fp8, of a tied LM head) with:
           q in [0, 15], nibble-packed                                        (0.5 byte / weight)
     fp8   float8_e4m3fn per output channel, w = q * scale (the row's largest |w| -> 448):
           paged_kernels.fp8_linear decodes it in the GEMM on CUDA (vLLM's `quantization="fp8"`
-          with weight-only FP8); on the CPU each call dequantizes (checks, not speed)
+          with weight-only FP8); MoE experts too (`FusedMoE.to_fp8`, the MoE kernel); on the
+          CPU each call dequantizes (checks, not speed)
                                                                              (1 byte / weight)
 
 fp16 is for float32 models (`dtype="auto"` keeps float32 with it): a matmul reads half the bytes
@@ -302,13 +303,16 @@ def quantize_model(model: nn.Module, kind: str) -> int:
     """Quantize every linear layer's weight (and a tied LM head) in place; returns the bytes
     of weights the model keeps per quantized layer in total."""
     from paged_engine.layers.embedding import ParallelLMHead
+    from paged_engine.layers.fused_moe import FusedMoE
     from paged_engine.layers.linear import LinearBase
 
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization={kind!r} is invalid: expected one of {QUANTIZATIONS}")
     total = 0
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if kind == "fp8" and isinstance(module, FusedMoE) and not module.mxfp4:
+            total += module.to_fp8()  # the experts too: most of a MoE model's weights
+        elif isinstance(module, LinearBase):
             weight = module.weight
             method = _method(kind, weight, weight.dtype)
             del module.weight  # the dense weight is freed; the method holds the quantized one

@@ -183,6 +183,8 @@ case "$PHASE" in
       --override-config "$MXFP4" --out "$OUT/gpt-oss"
     step 300 fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config llama-3.2-1b \
       --quantization fp8 --out "$OUT/fp8"
+    step 300 moe-fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3-30b-a3b \
+      --quantization fp8 --out "$OUT/moe-fp8"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|rehearse" >&2

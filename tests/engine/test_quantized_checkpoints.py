@@ -17,7 +17,7 @@ from hf_reference import assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.loader import load_hf_config, load_model, resolve_model
-from paged_engine.quantized_checkpoint import dequantize
+from paged_engine.quantized_checkpoint import dequantize, fp8_checkpoint
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
@@ -193,3 +193,31 @@ def test_a_quantized_weight_without_its_scale_is_named(tiny, tmp_path):
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.o_proj\.weight \(no scale\)"):
         _load(path)
+
+
+def test_fp8_checkpoints_are_told_apart_for_cuda():
+    """Which checkpoints run as quantization="fp8" on CUDA: FP8 weights, not INT8 ones."""
+    from types import SimpleNamespace
+
+    for scheme, (quant, dtype, _, _) in SCHEMES.items():
+        config = SimpleNamespace(quantization_config=quant)
+        assert fp8_checkpoint(config) == (dtype == FP8), scheme
+    assert not fp8_checkpoint(SimpleNamespace())
+    assert not fp8_checkpoint(SimpleNamespace(quantization_config={"quant_method": "mxfp4"}))
+
+
+def test_per_channel_fp8_codes_survive_bf16_and_requantization(tiny, tmp_path):
+    """What CUDA does with an FP8 checkpoint: dequantize into bf16 as it loads, then back to
+    FP8 per row (quantization="fp8"). A per-channel checkpoint gets its own codes back."""
+    from safetensors.torch import load_file
+
+    from paged_kernels import quantize_fp8_per_channel
+
+    path, _ = _quantized_copy(tiny, "compressed-fp8-channel", tmp_path / "q")
+    resolved = resolve_model(str(path))
+    model = load_model(resolved, load_hf_config(resolved), dtype=torch.bfloat16, device="cpu")
+    state = load_file(str(path / "model.safetensors"))
+    params = dict(model.named_parameters())
+    name = "model.layers.1.mlp.down_proj.weight"
+    codes, _ = quantize_fp8_per_channel(params[name])
+    assert torch.equal(codes.view(torch.uint8), state[name].view(torch.uint8))

@@ -13,8 +13,12 @@ they load, so any architecture runs them with its unquantized layers.
                         refused
 
 Activation scales (`input_scale`) are dropped: activations stay in the model dtype. An fp8 KV
-cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. A model class names what it loads
-(`checkpoint_quantizations`: these by default; gpt-oss: its own mxfp4 only).
+cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. On CUDA an FP8 checkpoint then runs
+with quantization="fp8" (`fp8_checkpoint`; not in batch-invariant mode): its weights return to
+FP8 with a scale per output row (the checkpoint's own codes where it had per-row scales with
+each row's largest code at 448; a block-scaled checkpoint is rounded again per row). A
+model class names what it loads (`checkpoint_quantizations`: these by default; gpt-oss: its own
+mxfp4 only).
 """
 
 from __future__ import annotations
@@ -76,6 +80,19 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
                     f"{'symmetric' if symmetric is not False else 'asymmetric'} weights are not "
                     "supported, only 8-bit symmetric ones"
                 )
+
+
+def fp8_checkpoint(config) -> bool:
+    """Whether the checkpoint's weights are FP8 (`fp8`, `fbgemm_fp8`, or compressed-tensors
+    with 8-bit float weights): on CUDA the engine then keeps them in FP8 (quantization="fp8")."""
+    method = quant_method(config)
+    if method in ("fp8", "fbgemm_fp8"):
+        return True
+    if method != "compressed-tensors":
+        return False
+    groups = (_get(getattr(config, "quantization_config", None), "config_groups") or {}).values()
+    kinds = [_get(_get(g, "weights") or {}, "type") for g in groups]
+    return bool(kinds) and all(k == "float" for k in kinds)
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_g
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
+from paged_engine.quantized_checkpoint import fp8_checkpoint
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
@@ -77,7 +78,7 @@ class Worker:
                 require_fp16_gemm()
             elif config.dtype == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
                 self.dtype = torch.bfloat16  # the fused int8 / int4 kernels are fast in bf16
-        self.quantization = self._default_quantization(config, resolved)
+        self.quantization = self._default_quantization(config, resolved, hf_config)
         invariant = None  # the fixed-order kernel set of batch_invariant=True
         if config.batch_invariant:
             invariant = invariant_kernels(config.attention_backend, self.device, self.dtype)
@@ -124,11 +125,22 @@ class Worker:
         # start_profile / stop_profile: on when the environment names a trace directory.
         self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)
 
-    def _default_quantization(self, config: EngineConfig, resolved: ResolvedModel) -> str | None:
-        """`config.quantization`, or "fp16" for a GGUF checkpoint on an x86 CPU when neither
+    def _default_quantization(
+        self, config: EngineConfig, resolved: ResolvedModel, hf_config
+    ) -> str | None:
+        """`config.quantization`; else "fp8" for an FP8 checkpoint on CUDA (its weights stay
+        8-bit, as vLLM runs them); else "fp16" for a GGUF checkpoint on an x86 CPU when neither
         dtype nor quantization was chosen: its weights are 4-8 bit already, float16 holds each
         of them to 2**-11 of itself, and matmuls that read half of float32's bytes decode about
         1.85x faster (docs/engine.md). dtype="float32" keeps float32 weights."""
+        if (
+            config.quantization is None
+            and self.device.type == "cuda"
+            and not config.batch_invariant
+            and fp8_checkpoint(hf_config)
+        ):
+            logger.info("FP8 checkpoint on CUDA: linear weights and experts stay FP8")
+            return "fp8"
         if (
             config.quantization is None
             and config.dtype == "auto"

@@ -221,3 +221,17 @@ def test_per_channel_fp8_codes_survive_bf16_and_requantization(tiny, tmp_path):
     name = "model.layers.1.mlp.down_proj.weight"
     codes, _ = quantize_fp8_per_channel(params[name])
     assert torch.equal(codes.view(torch.uint8), state[name].view(torch.uint8))
+
+
+def test_a_kv_scales_only_checkpoint_still_loads(tiny, tmp_path):
+    """llm-compressor's fp8 KV-cache-only checkpoints: compressed-tensors, format "dense",
+    unquantized weights plus k / v scales (read by kv_scales.py)."""
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "dense",
+        "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
+    }
+    path = _with_quant(tiny, tmp_path / "kv", quant)
+    got = dict(_load(path).named_parameters())
+    for name, p in _load(tiny).named_parameters():
+        assert torch.equal(p, got[name]), name

@@ -66,7 +66,8 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
         )
     if method == "compressed-tensors":
         fmt = _get(quant, "format")
-        if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized"):
+        # "dense": no weight quantized (an fp8 KV cache's scales alone)
+        if fmt not in (None, "dense", "float-quantized", "int-quantized", "naive-quantized"):
             raise ValueError(
                 f"compressed-tensors format {fmt!r} is not supported: only 8-bit weights "
                 "(float-quantized, int-quantized)"

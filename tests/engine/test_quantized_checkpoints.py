@@ -59,6 +59,12 @@ SCHEMES = {
         "weight_scale",
     ),
     "fbgemm-fp8": ({"quant_method": "fbgemm_fp8"}, FP8, "channel", "weight_scale"),
+    "modelopt-fp8": (
+        {"quant_method": "modelopt", "quant_algo": "FP8"},
+        FP8,
+        "tensor",
+        "weight_scale",
+    ),
 }
 
 
@@ -170,6 +176,7 @@ def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
     cases = [
         ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
         ({"quant_method": "awq"}, "'awq' is not supported"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
         (
             {

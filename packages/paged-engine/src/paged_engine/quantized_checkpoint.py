@@ -11,6 +11,8 @@ they load, so any architecture runs them with its unquantized layers.
                         int8 `weight`, `weight_scale` per tensor, per channel or per block
                         (`block_structure`); a zero point (asymmetric) or packed formats are
                         refused
+    modelopt            NVIDIA ModelOpt's FP8 (`quant_algo` "FP8"): fp8 `weight`, one
+                        `weight_scale`; its NVFP4 / INT4 algorithms are refused
 
 Activation scales (`input_scale`) are dropped: activations stay in the model dtype. An fp8 KV
 cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. On CUDA an FP8 checkpoint then runs
@@ -27,7 +29,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors")
+DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt")
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale", ".input_scale_ub")
@@ -64,6 +66,10 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
             f"checkpoint quantization {method!r} is not supported; supported: "
             f"{', '.join(supported)} (or an unquantized checkpoint)"
         )
+    if method == "modelopt":
+        algo = _get(quant, "quant_algo")
+        if algo not in (None, "FP8"):
+            raise ValueError(f"modelopt quant_algo {algo!r} is not supported: only FP8")
     if method == "compressed-tensors":
         fmt = _get(quant, "format")
         # "dense": no weight quantized (an fp8 KV cache's scales alone)
@@ -84,10 +90,11 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
 
 
 def fp8_checkpoint(config) -> bool:
-    """Whether the checkpoint's weights are FP8 (`fp8`, `fbgemm_fp8`, or compressed-tensors
-    with 8-bit float weights): on CUDA the engine then keeps them in FP8 (quantization="fp8")."""
+    """Whether the checkpoint's weights are FP8 (`fp8`, `fbgemm_fp8`, `modelopt`, or
+    compressed-tensors with 8-bit float weights): on CUDA the engine then keeps them in FP8
+    (quantization="fp8")."""
     method = quant_method(config)
-    if method in ("fp8", "fbgemm_fp8"):
+    if method in ("fp8", "fbgemm_fp8", "modelopt"):
         return True
     if method != "compressed-tensors":
         return False

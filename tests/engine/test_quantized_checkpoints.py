@@ -242,3 +242,15 @@ def test_a_kv_scales_only_checkpoint_still_loads(tiny, tmp_path):
     got = dict(_load(path).named_parameters())
     for name, p in _load(tiny).named_parameters():
         assert torch.equal(p, got[name]), name
+
+
+def test_fp8_tensors_without_a_quantization_config_are_dequantized(tiny, tmp_path):
+    """A checkpoint that names its scheme only in hf_quant_config.json (ModelOpt's): the
+    tensors' dtypes tell, and the weights load as their values."""
+    path, dense = _quantized_copy(tiny, "modelopt-fp8", tmp_path / "q")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name

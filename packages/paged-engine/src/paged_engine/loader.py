@@ -25,12 +25,7 @@ from torch import nn
 from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
-from paged_engine.quantized_checkpoint import (
-    DEQUANTIZED,
-    checkpoint_block_size,
-    dequantize_weights,
-    quant_method,
-)
+from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
 from paged_engine.worker.kv_scales import split_kv_scales
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
@@ -180,9 +175,9 @@ def load_model(
     else:
         total = count_weights(resolved, load_format)
         weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
-        if quant_method(hf_config) in DEQUANTIZED:  # FP8 / INT8 weights with their scales
-            block = checkpoint_block_size(hf_config)
-            weights = dequantize_weights(weights, dtype, device, block)
+        # FP8 / INT8 weights with their scales (also where only hf_quant_config.json named the
+        # scheme: the tensors' dtypes tell); other tensors pass through.
+        weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
         # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
         kv_scales: dict[int, dict[str, float]] = {}
         model.load_weights(split_kv_scales(weights, kv_scales))

@@ -59,3 +59,27 @@ def assert_matches(name: str, out, ref: Greedy, abs_tol: float = 1e-3) -> None:
         got_top = {t: lp.logprob for t, lp in entry.items() if t in want}
         assert len(got_top) == len(want), f"{name}: top-{len(want)} tokens differ from HF"
         assert got_top == pytest.approx(want, abs=abs_tol), f"{name}: top logprobs differ"
+
+
+def assert_tp_matches_one_process(
+    path, prompts: list[list[int]], max_tokens: int, max_model_len: int
+) -> None:
+    """tensor_parallel_size=2 (gloo on the CPU) gives the one-process engine's greedy tokens,
+    logprobs within 1e-4."""
+    from paged_engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(
+            model=str(path), dtype="float32", max_model_len=max_model_len, tensor_parallel_size=tp
+        )
+        try:
+            runs.append([o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
+        finally:
+            llm.llm_engine.shutdown()
+    for one, two in zip(*runs, strict=True):
+        assert two.token_ids == one.token_ids
+        lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (one, two)]
+        assert lps[1] == pytest.approx(lps[0], abs=1e-4)

@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
 
 import paged_kernels
 from paged_engine import LLM, SamplingParams
@@ -210,18 +210,7 @@ def test_checkpoint_errors_name_the_problem(tiny, tmp_path):
 def test_tensor_parallel_matches_one_process(tiny):
     """tensor_parallel_size=2 (gloo on the CPU): each rank holds half of the heads (and their
     sinks) and half of every expert; the experts' down bias counts once."""
-    prompts = _prompts(3, 4)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(model=str(tiny), dtype="float32", max_model_len=128, tensor_parallel_size=tp)
-        try:
-            runs.append([o.outputs[0] for o in _generate(llm, prompts, 8)])
-        finally:
-            llm.llm_engine.shutdown()
-    for one, two in zip(*runs):
-        assert two.token_ids == one.token_ids
-        lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (one, two)]
-        assert lps[1] == pytest.approx(lps[0], abs=1e-4)
+    assert_tp_matches_one_process(tiny, _prompts(3, 4), max_tokens=8, max_model_len=128)
 
 
 @pytest.mark.skipif(not paged_kernels.triton_available(), reason="needs triton")

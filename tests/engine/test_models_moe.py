@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
 
 import paged_kernels
 from paged_engine import LLM, SamplingParams
@@ -215,23 +215,8 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     """tensor_parallel_size=2 (gloo on the CPU): each rank holds half of every expert."""
     path = write_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=3)
     rng = random.Random(1)
-    prompts = [
-        {"prompt_token_ids": [rng.randrange(3, 200) for _ in range(rng.randint(1, 40))]}
-        for _ in range(4)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=0)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(model=str(path), dtype="float32", max_model_len=256, tensor_parallel_size=tp)
-        try:
-            outs = llm.generate(prompts, params, use_tqdm=False)
-        finally:
-            llm.llm_engine.shutdown()
-        runs.append([o.outputs[0] for o in outs])
-    for one, two in zip(*runs):
-        assert two.token_ids == one.token_ids
-        lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (one, two)]
-        assert lps[1] == pytest.approx(lps[0], abs=1e-4)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(1, 40))] for _ in range(4)]
+    assert_tp_matches_one_process(path, prompts, max_tokens=10, max_model_len=256)
 
 
 @pytest.mark.skipif(not paged_kernels.triton_available(), reason="needs triton")

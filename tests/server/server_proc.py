@@ -228,3 +228,23 @@ def greedy_answers(server: ServerProc) -> tuple[list[str], str, str]:
     )
     streamed = "".join(c.choices[0].text for c in stream if c.choices)
     return [c.text for c in comp.choices], chat.choices[0].message.content, streamed
+
+
+def chat_stream(server, script: str, **extra) -> dict:
+    """A streamed chat completion of `server` (serve_in_process over a ScriptedEngine playing
+    `script`): its deltas joined per field (reasoning, content, tool calls by index) and its
+    last finish_reason."""
+    server.engine.script = script
+    body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
+    out: dict = {"reasoning_content": "", "reasoning": "", "content": "", "calls": {}}
+    for event in server.http.stream(body, "/v1/chat/completions"):
+        (choice,) = event["choices"]
+        delta = choice["delta"]
+        for key in ("reasoning_content", "reasoning", "content"):
+            out[key] += delta.get(key) or ""
+        for tc in delta.get("tool_calls", []):
+            c = out["calls"].setdefault(tc["index"], {"id": tc.get("id"), "arguments": ""})
+            c["name"] = tc["function"].get("name", c.get("name"))
+            c["arguments"] += tc["function"].get("arguments", "")
+        out["finish"] = choice["finish_reason"] or out.get("finish")
+    return out

@@ -15,7 +15,7 @@ import pytest
 from fake_engine import ScriptedEngine
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_proc import serve_in_process
+from server_proc import chat_stream, serve_in_process
 
 from paged_server.errors import APIError
 from paged_server.harmony import MARKERS, HarmonyScanner
@@ -392,24 +392,6 @@ def _chat(server: SimpleNamespace, script: str, **extra) -> dict:
     return payload
 
 
-def _chat_stream(server: SimpleNamespace, script: str, **extra) -> dict:
-    """The stream's deltas joined per field, and its last finish_reason."""
-    server.engine.script = script
-    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, **extra}
-    out: dict = {"reasoning_content": "", "reasoning": "", "content": "", "calls": {}}
-    for event in server.http.stream(body, "/v1/chat/completions"):
-        (choice,) = event["choices"]
-        delta = choice["delta"]
-        for key in ("reasoning_content", "reasoning", "content"):
-            out[key] += delta.get(key) or ""
-        for tc in delta.get("tool_calls", []):
-            c = out["calls"].setdefault(tc["index"], {"id": tc.get("id"), "arguments": ""})
-            c["name"] = tc["function"].get("name", c.get("name"))
-            c["arguments"] += tc["function"].get("arguments", "")
-        out["finish"] = choice["finish_reason"] or out.get("finish")
-    return out
-
-
 def _kept_special_tokens(server: SimpleNamespace, payload_id: str) -> bool:
     return server.engine.params[payload_id + "-0"].skip_special_tokens is False
 
@@ -426,7 +408,7 @@ def test_chat_reasoning_and_a_tool_call(gptoss: SimpleNamespace) -> None:
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"location":"Paris"}'}
 
-    s = _chat_stream(gptoss, CALL_SCRIPT, tools=TOOLS)
+    s = chat_stream(gptoss, CALL_SCRIPT, tools=TOOLS)
     assert s["reasoning_content"] == s["reasoning"] == "User asks weather. Call tool."
     assert s["content"] == "" and s["finish"] == "tool_calls"
     (call,) = s["calls"].values()
@@ -446,7 +428,7 @@ def test_chat_reasoning_and_final(gptoss: SimpleNamespace) -> None:
             "stop",
         )
         assert "tool_calls" not in m or not m["tool_calls"]
-        s = _chat_stream(gptoss, FINAL_SCRIPT, **extra)
+        s = chat_stream(gptoss, FINAL_SCRIPT, **extra)
         assert (s["reasoning"], s["content"], s["calls"], s["finish"]) == (
             "Simple.",
             "Hello!",
@@ -462,7 +444,7 @@ def test_chat_preamble_call_and_cut_short(gptoss: SimpleNamespace) -> None:
     m = _chat(gptoss, script, tools=TOOLS)["choices"][0]["message"]
     assert (m["reasoning_content"], m["content"]) == (reasoning, content)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] == calls
-    s = _chat_stream(gptoss, script, tools=TOOLS)
+    s = chat_stream(gptoss, script, tools=TOOLS)
     assert (s["reasoning"], s["content"], s["finish"]) == (reasoning, content, "tool_calls")
 
     # max_tokens inside the analysis: reasoning so far, no content
@@ -474,7 +456,7 @@ def test_chat_preamble_call_and_cut_short(gptoss: SimpleNamespace) -> None:
         None,
     )
     assert not choice["message"].get("tool_calls")
-    s = _chat_stream(gptoss, CALL_SCRIPT, tools=TOOLS, max_tokens=cut)
+    s = chat_stream(gptoss, CALL_SCRIPT, tools=TOOLS, max_tokens=cut)
     assert (s["reasoning"], s["content"], s["calls"], s["finish"]) == (
         "User asks",
         "",

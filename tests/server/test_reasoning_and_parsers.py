@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_engine import ScriptedEngine
-from server_proc import serve_in_process
+from server_proc import chat_stream, serve_in_process
 
 from paged_server.reasoning import ThinkSplitter, split_reasoning
 from paged_server.tool_parsers import TOOL_PARSERS
@@ -204,24 +204,6 @@ def _chat(server: SimpleNamespace, script: str, **extra) -> dict:
     return payload
 
 
-def _chat_stream(server: SimpleNamespace, script: str, **extra) -> dict:
-    """The stream's deltas joined per field, and its last finish_reason."""
-    server.engine.script = script
-    body = {"messages": [{"role": "user", "content": "Hi"}], **extra}
-    out: dict = {"reasoning_content": "", "reasoning": "", "content": "", "calls": {}}
-    for event in server.http.stream(body, "/v1/chat/completions"):
-        (choice,) = event["choices"]
-        delta = choice["delta"]
-        for key in ("reasoning_content", "reasoning", "content"):
-            out[key] += delta.get(key) or ""
-        for tc in delta.get("tool_calls", []):
-            c = out["calls"].setdefault(tc["index"], {"id": tc.get("id"), "arguments": ""})
-            c["name"] = tc["function"].get("name", c.get("name"))
-            c["arguments"] += tc["function"].get("arguments", "")
-        out["finish"] = choice["finish_reason"] or out.get("finish")
-    return out
-
-
 R1_SCRIPT = (
     "I should call the tool.</think>Let me look.\n<tool_call>\n"
     '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -238,7 +220,7 @@ def test_reasoning_and_tool_calls_end_to_end(r1_hermes: SimpleNamespace) -> None
     assert call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
 
-    s = _chat_stream(r1_hermes, R1_SCRIPT, tools=TOOLS)
+    s = chat_stream(r1_hermes, R1_SCRIPT, tools=TOOLS)
     assert s["reasoning_content"] == s["reasoning"] == "I should call the tool."
     assert s["content"].strip() == "Let me look." and s["finish"] == "tool_calls"
     (call,) = s["calls"].values()
@@ -249,7 +231,7 @@ def test_include_reasoning_false_and_completions(r1_hermes: SimpleNamespace) -> 
     script = "hmm</think>4"
     m = _chat(r1_hermes, script, include_reasoning=False)["choices"][0]["message"]
     assert m["content"] == "4" and "reasoning_content" not in m and "reasoning" not in m
-    s = _chat_stream(r1_hermes, script, include_reasoning=False)
+    s = chat_stream(r1_hermes, script, include_reasoning=False)
     assert (s["reasoning_content"], s["content"], s["finish"]) == ("", "4", "stop")
     m = _chat(r1_hermes, "cut</thi")["choices"][0]["message"]
     assert m["reasoning_content"] == "cut</thi" and m["content"] is None
@@ -270,7 +252,7 @@ def test_qwen3_with_mistral_calls_end_to_end() -> None:
         (call,) = m["tool_calls"]
         assert len(call["id"]) == 9 and call["id"].isalnum()
         assert engine.params[payload["id"] + "-0"].skip_special_tokens is False
-        s = _chat_stream(server, script, tools=TOOLS)
+        s = chat_stream(server, script, tools=TOOLS)
         assert s["reasoning_content"] == "call it" and s["finish"] == "tool_calls"
         (call,) = s["calls"].values()
         assert len(call["id"]) == 9 and call["name"] == "get_weather"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_engine.quantized_checkpoint import TensorPairs
 from paged_kernels import Mxfp4Weight
 
 _SUFFIXES = ("_blocks", "_scales")
@@ -23,7 +24,7 @@ class Mxfp4Pairs:
     order); `check_done` refuses a half left without its mate."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pairs = TensorPairs()  # first: the blocks, second: the scales
 
     @staticmethod
     def takes(name: str) -> bool:
@@ -32,18 +33,16 @@ class Mxfp4Pairs:
     def add(self, name: str, w: torch.Tensor) -> tuple[str, Mxfp4Weight] | None:
         """(NAME, the weight: blocks flattened to [..., N, K/2]) once both halves arrived."""
         base, suffix = name[: -len("_blocks")], name[-len("_blocks") :]
-        other = base + (_SUFFIXES[1] if suffix == _SUFFIXES[0] else _SUFFIXES[0])
-        if other not in self._pending:
-            self._pending[name] = w
+        pair = self._pairs.add(base, w, first=suffix == "_blocks")
+        if pair is None:
             return None
-        mate = self._pending.pop(other)
-        blocks, scales = (w, mate) if suffix == "_blocks" else (mate, w)
+        blocks, scales = pair
         if blocks.dim() == scales.dim() + 1:  # the checkpoint's [..., K/32, 16]
             blocks = blocks.flatten(-2)
         return base, Mxfp4Weight(blocks, scales)
 
     def check_done(self) -> None:
-        if self._pending:
-            names = ", ".join(sorted(self._pending))
-            self._pending.clear()
+        waiting = self._pairs.take_waiting()
+        if waiting:
+            names = ", ".join(base + _SUFFIXES[not first] for base, first in waiting)
             raise ValueError(f"MXFP4 checkpoint: tensors without their blocks / scales: {names}")

@@ -126,6 +126,30 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
     return out.mul_(full)
 
 
+class TensorPairs:
+    """Joins the two tensors of one weight that a checkpoint streams separately (FP8 codes and
+    their scale, MXFP4 blocks and scales), in either order, by the weight's base name."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[tuple[str, bool], torch.Tensor] = {}  # (base, is first) -> tensor
+
+    def add(
+        self, base: str, t: torch.Tensor, first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(first, second) once both halves of `base` arrived, else None (t waits)."""
+        mate = self._waiting.pop((base, not first), None)
+        if mate is None:
+            self._waiting[(base, first)] = t
+            return None
+        return (t, mate) if first else (mate, t)
+
+    def take_waiting(self) -> list[tuple[str, bool]]:
+        """(base, is first) of every half still without its mate; forgets them."""
+        waiting = sorted(self._waiting)
+        self._waiting.clear()
+        return waiting
+
+
 def dequantize_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
@@ -136,8 +160,7 @@ def dequantize_weights(
     (either may come first) and yielded as `X.weight` in `dtype`, dequantized on `device`;
     activation scales dropped; everything else passed on. A quantized weight without its scale,
     or a scale without its weight, is an error naming it."""
-    weights_of: dict[str, torch.Tensor] = {}
-    scales_of: dict[str, torch.Tensor] = {}
+    pairs = TensorPairs()  # first: the quantized weight, second: its scale
     for name, t in weights:
         if name.endswith(_DROPPED):
             continue
@@ -145,23 +168,19 @@ def dequantize_weights(
             raise ValueError(f"{name}: asymmetric (zero-point) weights are not supported")
         scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
         if scale_suffix is not None:
-            prefix = name[: -len(scale_suffix)]
-            if prefix in weights_of:
-                w = weights_of.pop(prefix)
-                yield prefix + ".weight", dequantize(w.to(device), t, block).to(dtype)
-            else:
-                scales_of[prefix] = t
+            pair = pairs.add(name[: -len(scale_suffix)], t, first=False)
+        elif name.endswith(".weight") and t.dtype in _QUANTIZED_DTYPES:
+            pair = pairs.add(name[: -len(".weight")], t, first=True)
+        else:
+            yield name, t
             continue
-        if name.endswith(".weight") and t.dtype in _QUANTIZED_DTYPES:
-            prefix = name[: -len(".weight")]
-            if prefix in scales_of:
-                scale = scales_of.pop(prefix)
-                yield name, dequantize(t.to(device), scale, block).to(dtype)
-            else:
-                weights_of[prefix] = t
-            continue
-        yield name, t
-    if weights_of or scales_of:
-        lost = [f"{p}.weight (no scale)" for p in weights_of]
-        lost += [f"{p}.weight_scale (no weight)" for p in scales_of]
+        if pair is not None:
+            prefix = name[: -len(scale_suffix or ".weight")]
+            w, scale = pair
+            yield prefix + ".weight", dequantize(w.to(device), scale, block).to(dtype)
+    lost = [
+        f"{p}.weight (no scale)" if first else f"{p}.weight_scale (no weight)"
+        for p, first in pairs.take_waiting()
+    ]
+    if lost:
         raise ValueError(f"quantized checkpoint: unpaired tensors: {', '.join(sorted(lost))}")

@@ -269,15 +269,20 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = self.down_proj = None
         return sum(w.weight.numel() + w.scale.numel() * 4 for w in self.fp8)
 
+    def _copy_halves(self, param: nn.Parameter, w: torch.Tensor) -> None:
+        """w [E, gate I | up I, ...] whole: this rank's rows of both halves into param."""
+        i, full = param.shape[1] // 2, self.intermediate_size
+        begin = self.tp_rank * i
+        param.data[:, :i].copy_(w[:, begin : begin + i])
+        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+
     def _load_gate_up_rows(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """An MXFP4 gate_up tensor [E, gate I | up I, cols]: this rank's rows of both halves."""
         if w.dim() == 4:
             w = w.flatten(-2)
-        i, full = param.shape[1] // 2, self.intermediate_size
+        full = self.intermediate_size
         _check_shape(w, (self.num_experts, 2 * full, param.shape[2]), "experts gate_up (MXFP4)")
-        begin = self.tp_rank * i
-        param.data[:, :i].copy_(w[:, begin : begin + i])
-        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+        self._copy_halves(param, w)
 
     def _load_down_cols(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """An MXFP4 down tensor [E, H, I / per]: this rank's columns."""
@@ -296,19 +301,15 @@ class FusedMoE(nn.Module):
         begin = self.tp_rank * i
         if shard_id is None:  # [E, gate I | up I, H]: this rank's rows of both halves
             _check_shape(w, (self.num_experts, 2 * full, self.hidden_size), "experts gate_up")
-            param.data[:, :i].copy_(w[:, begin : begin + i])
-            param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+            self._copy_halves(param, w)
             return
         expert, half = shard_id
         _check_shape(w, (full, self.hidden_size), f"expert {expert} {('gate', 'up')[half]}")
         param.data[expert, half * i : (half + 1) * i].copy_(w[begin : begin + i])
 
     def _load_gate_up_bias(self, param: nn.Parameter, w: torch.Tensor) -> None:
-        i, full = param.shape[1] // 2, self.intermediate_size
-        begin = self.tp_rank * i
-        _check_shape(w, (self.num_experts, 2 * full), "experts gate_up bias")
-        param.data[:, :i].copy_(w[:, begin : begin + i])
-        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+        _check_shape(w, (self.num_experts, 2 * self.intermediate_size), "experts gate_up bias")
+        self._copy_halves(param, w)
 
     def _load_down(self, param: nn.Parameter, w: torch.Tensor, shard_id: int | None = None) -> None:
         i, full = param.shape[2], self.intermediate_size

@@ -38,7 +38,6 @@ from torch import nn
 from paged_engine.layers import compiled_ops
 
 QUANTIZATIONS = ("fp16", "int8", "int4", "fp8")
-CPU_QUANTIZATIONS = ("fp16", "int8", "int4")  # torch's CPU kernels
 # Tests set this to run fp8 weights through the Triton kernel on CPU tensors (interpreter only).
 TRITON_ON_CPU = False
 _NO_SUBCLASS_DISPATCH = torch._C.DisableTorchFunctionSubclass

@@ -365,9 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
     p.add_argument("--no-spills", action="store_true", help="a launch that spills registers fails")
+    p.add_argument("--only", default="", help="compile only launches whose label contains this")
     args = p.parse_args(argv)
     failed = 0
     for label, fn, a, kw in record_launches():
+        if args.only not in label:
+            continue
         try:
             kernel = compile_launch(fn, a, dict(kw), args.arch)
             shared, limit = kernel.metadata.shared, MAX_SHARED.get(args.arch)

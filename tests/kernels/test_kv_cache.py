@@ -77,6 +77,19 @@ def test_copy_blocks_many_layers(seed, device, dtype):
         assert torch.equal(got, want)
 
 
+def test_copy_blocks_of_caches_without_values(device):
+    """A latent cache (MLA) is its own value cache: its layers are passed as keys only."""
+    latents = [_cache(12, 16, 1, 40, torch.float32, device) for _ in range(3)]
+    want = [c.clone() for c in latents]
+    mapping = torch.tensor([[1, 7], [4, 9]])
+    copy_blocks(latents, [], mapping)
+    ref_copy_blocks(want, [], mapping)
+    for got, ref in zip(latents, want, strict=True):
+        assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="one value cache per key cache"):
+        copy_blocks(latents, latents[:1], mapping)
+
+
 def test_copy_blocks_empty_and_mismatch(device):
     cache = torch.zeros(4, 16, 2, 64, device=device)
     copy_blocks([cache], [cache.clone()], torch.zeros(0, 2, dtype=torch.int64))

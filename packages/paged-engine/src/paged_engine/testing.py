@@ -29,6 +29,12 @@ MORE_TINY_ARCHS: list[str] = [
     "qwen2_moe",
     "gpt_oss",
     "smollm3",
+    "olmo3",
+    "ministral3",
+    "glm4_moe",
+    "deepseek_v3",
+    "deepseek_v2",
+    "glm4_moe_lite",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -182,6 +188,152 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         "SmolLM3Config",
         {**_LLAMA_LIKE, "no_rope_layer_interval": 2, "tie_word_embeddings": True},
     ),
+    # DeepSeek-V3: MLA with a q bottleneck, YaRN x4 with mscale_all_dim (the softmax scale), a
+    # dense layer before MoE layers of 8 routed experts in 4 groups (2 chosen) and a shared one
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GLM-4.5: a dense layer before MoE layers of 8 routed experts in 4 groups (2 kept, 3
+    # chosen: across groups), 2 shared experts, partial rotary, explicit head_dim, q / k norms
+    # and q / k / v biases (tests randomize e_score_correction_bias, a buffer)
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "moe_intermediate_size": 16,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # OLMo 3: a sliding layer (window 8 < the test prompts) and a full one, each with its own
+    # rope (YaRN x4 over a 64-token original context on the full layer only)
+    "olmo3": (
+        "Olmo3Config",
+        {
+            **_LLAMA_LIKE,
+            "max_position_embeddings": 256,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "rope_theta": 10_000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "attention_factor": 1.2,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Ministral 3: head_dim != hidden / heads, YaRN, and the position-dependent q scaling away
+    # from 1 within the test prompts (original context 16, beta 0.5)
+    "ministral3": (
+        "Ministral3Config",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 1_000_000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # DeepSeek-V2: MLA without the q bottleneck, softmax routing limited to 2 of 4 groups
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 2,
+            "moe_intermediate_size": 32,
+            "num_experts_per_tok": 2,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, its MLPs named by mlp_layer_types
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "num_key_value_heads": 4,
+            "q_lora_rank": 32,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "mlp_layer_types": ["dense", "sparse", "dense"],
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "num_experts_per_tok": 2,
+            "routed_scaling_factor": 1.8,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     "opt": (
         "OPTConfig",
         {
@@ -298,6 +450,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
         else:  # norm weights
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing balance (a buffer)
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 
 class _quiet_progress:

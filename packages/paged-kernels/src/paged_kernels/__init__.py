@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
-from paged_kernels._utils import FP8_DTYPES, check_kv_scales
+from paged_kernels._utils import FP8_DTYPES, MAX_HEAD_DIM, check_kv_scales
 from paged_kernels.reference import (
     Fp8Weight,
     MoeActivation,
@@ -57,6 +57,7 @@ _KERNELS = {
 
 __all__ = [
     "FP8_DTYPES",
+    "MAX_HEAD_DIM",
     "Fp8Weight",
     "MoeActivation",
     "Mxfp4Weight",

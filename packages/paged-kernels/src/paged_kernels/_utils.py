@@ -78,3 +78,7 @@ def check(cond: bool, msg: str) -> None:
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+# The largest head size paged_attention takes (its tiles hold whole heads in registers).
+MAX_HEAD_DIM = 256

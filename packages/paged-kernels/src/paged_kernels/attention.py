@@ -31,6 +31,7 @@ from paged_kernels._dot import tile_dot
 from paged_kernels._utils import (
     FLOAT_DTYPES,
     FP8_DTYPES,
+    MAX_HEAD_DIM,
     check,
     check_fp8_readable,
     check_kv_scales,
@@ -294,7 +295,7 @@ def paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
     check(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q's {head_dim}")
-    check(head_dim <= 256, f"head_dim {head_dim} > 256 is not supported")
+    check(head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     check(num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads}")
     check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
     check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")

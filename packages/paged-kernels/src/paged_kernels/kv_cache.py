@@ -183,7 +183,7 @@ def _copy_blocks_kernel(
 
 def copy_blocks(
     key_caches: list[torch.Tensor],  # per layer [num_blocks, block_size, num_kv_heads, head_dim]
-    value_caches: list[torch.Tensor],  # per layer, same shape
+    value_caches: list[torch.Tensor],  # per layer, same shape; [] where K and V share a tensor
     block_mapping: torch.Tensor,  # [num_pairs, 2] int, (src, dst) rows
 ) -> None:
     """Copy block src -> dst in every layer's K and V cache, all layers in one launch.
@@ -192,7 +192,10 @@ def copy_blocks(
     also be a src in the same call (copies run concurrently).
     """
     caches = [*key_caches, *value_caches]
-    check(len(key_caches) == len(value_caches), "need one value cache per key cache")
+    check(
+        len(value_caches) in (0, len(key_caches)),
+        "need one value cache per key cache (or none: keys and values in one tensor)",
+    )
     check(block_mapping.dim() == 2 and block_mapping.shape[1] == 2, "block_mapping: [P, 2]")
     if not caches or block_mapping.shape[0] == 0:
         return

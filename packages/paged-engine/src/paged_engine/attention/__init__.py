@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AttentionBackend",
@@ -36,11 +40,32 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
 
 
 def get_attention_backend(
-    name: str, device: torch.device, *, batch_invariant: bool = False
+    name: str,
+    device: torch.device,
+    *,
+    batch_invariant: bool = False,
+    head_dim: int | None = None,
 ) -> AttentionBackend:
     """The backend `resolve_backend_name(name, device)` names. `batch_invariant`
     (EngineConfig.batch_invariant): the CPU and Triton backends have that mode; the torch
-    reference does not."""
+    reference does not. `head_dim`: the KV cache's head size; above the Triton kernel's
+    MAX_HEAD_DIM (MLA's latent cache: 576) "auto" takes the torch reference instead."""
+    import paged_kernels
+
+    too_wide = head_dim is not None and head_dim > paged_kernels.MAX_HEAD_DIM
+    if too_wide and resolve_backend_name(name, device) == "triton":
+        if name == "triton":
+            raise ValueError(
+                f"attention_backend='triton' takes head sizes up to {paged_kernels.MAX_HEAD_DIM}; "
+                f"this model caches {head_dim} a KV head: use attention_backend 'auto' or 'torch'"
+            )
+        logger.warning(
+            "the KV cache's head size %d is above the Triton kernel's %d: attention runs on the "
+            "torch reference (correct, not fast; no CUDA graphs)",
+            head_dim,
+            paged_kernels.MAX_HEAD_DIM,
+        )
+        name = "torch"
     name = resolve_backend_name(name, device)
     if name == "cpu":
         if device.type != "cpu":

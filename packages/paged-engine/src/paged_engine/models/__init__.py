@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from paged_engine.models.deepseek_v2 import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Glm4MoeLiteForCausalLM,
+)
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
+from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
+from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
+from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
@@ -42,6 +50,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "Ministral3ForCausalLM": Ministral3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
 }
 
 

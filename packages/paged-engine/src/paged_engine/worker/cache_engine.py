@@ -21,9 +21,24 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else _FP8[name]
 
 
+def latent_kv(hf_config) -> bool:
+    """Whether the model caches one latent vector a token instead of keys and values (DeepSeek's
+    multi-head latent attention, models/deepseek_v2.py): one "KV head" of kv_lora_rank +
+    qk_rope_head_dim entries, held by a single tensor that is both the layer's key and value
+    cache (the attention reads its values from the keys' first kv_lora_rank entries)."""
+    return getattr(hf_config, "kv_lora_rank", None) is not None
+
+
+def _kv_copies(hf_config) -> int:
+    """Tensors a layer's cache holds: 2 (keys, values), 1 for a latent cache."""
+    return 1 if latent_kv(hf_config) else 2
+
+
 def _model_kv_shape(hf_config) -> tuple[int, int, int]:
     """(num_layers, num_kv_heads, head_dim) of the whole model."""
     num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    if latent_kv(hf_config):  # replicated on every tensor-parallel rank
+        return num_layers, 1, int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
     num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
     hidden = getattr(hf_config, "hidden_size", None) or hf_config.n_embd
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -47,7 +62,7 @@ def num_cpu_blocks(hf_config, block_size: int, dtype: torch.dtype, gib: float) -
     holds its shard of those blocks. 0 = no CPU pool."""
     num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    per_block = _kv_copies(hf_config) * num_layers * block_size * num_kv_heads * head_dim * elem
     return int(gib * (1 << 30)) // per_block
 
 
@@ -55,7 +70,9 @@ class CacheEngine:
     """Per layer: key and value caches in the backend's layout (by default
     [num_blocks, block_size, num_kv_heads, head_dim]), of the KV cache dtype.
 
-    Block 0 is the null block: block tables are padded with it and nothing real lives there.
+    A latent cache (`latent_kv`) is one tensor per layer, the same object in both places of its
+    (key, value) pair. Block 0 is the null block: block tables are padded with it and nothing
+    real lives there.
     With `num_cpu_blocks` a CPU copy of that layout (pinned on CUDA) holds swapped-out and
     offloaded blocks; `swap_out` / `swap_in` move whole blocks of every layer between them.
     """
@@ -77,13 +94,8 @@ class CacheEngine:
         two, three = (backend.kv_cache_shape(n, block_size, num_kv_heads, head_dim) for n in (2, 3))
         self._block_dim = next(i for i, (a, b) in enumerate(zip(two, three)) if a != b)
         self.num_blocks = num_blocks
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
-            for _ in range(num_layers)
-        ]
+        self.shared_kv = latent_kv(hf_config)
+        self.kv_caches = [self._pair(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.device = device
         self.backend = backend
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -91,21 +103,31 @@ class CacheEngine:
             cpu_shape = backend.kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_dim)
             pin = device.type == "cuda"
             self.cpu_caches = [
-                tuple(torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(2))
-                for _ in range(num_layers)
+                self._pair(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
             ]
+
+    def _pair(self, shape, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (key, value) caches: two tensors, or one latent tensor twice."""
+        key = torch.zeros(shape, **kwargs)
+        return (key, key) if self.shared_kv else (key, torch.zeros(shape, **kwargs))
+
+    def _unique(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return pair[:1] if self.shared_kv else pair
 
     @staticmethod
     def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
         num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        copies = _kv_copies(hf_config)
+        return copies * num_layers * block_size * num_kv_heads * head_dim * elem
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """All (src, dst) copies of one step, over every layer's K and V, in one launch."""
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
         keys = [k for k, _ in self.kv_caches]
-        values = [v for _, v in self.kv_caches]
+        # A latent cache's values are its keys: copy each tensor once (the key and value
+        # lists of a launch must not hold one tensor twice, or two programs write one block).
+        values = [] if self.shared_kv else [v for _, v in self.kv_caches]
         self.backend.copy_blocks(keys, values, mapping)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -124,5 +146,5 @@ class CacheEngine:
         mapping = torch.tensor(pairs, dtype=torch.int64)
         dim = self._block_dim
         for src_layer, dst_layer in zip(src_caches, dst_caches):
-            for src, dst in zip(src_layer, dst_layer):
+            for src, dst in zip(self._unique(src_layer), self._unique(dst_layer)):
                 swap(src.movedim(dim, 0), dst.movedim(dim, 0), mapping)

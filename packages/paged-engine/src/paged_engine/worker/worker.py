@@ -23,8 +23,10 @@ from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_g
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
+from paged_engine.models.multimodal_text import text_model_weights
 from paged_engine.quantized_checkpoint import fp8_checkpoint
 from paged_engine.spec_decode.draft_loader import attach_draft_model
+from paged_engine.worker.cache_engine import kv_shape
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
@@ -105,7 +107,10 @@ class Worker:
         if invariant is not None:
             make_batch_invariant(model, invariant)
         backend = get_attention_backend(
-            config.attention_backend, self.device, batch_invariant=config.batch_invariant
+            config.attention_backend,
+            self.device,
+            batch_invariant=config.batch_invariant,
+            head_dim=kv_shape(hf_config)[2],
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
         if config.enable_lora:  # slots allocated before the KV cache is sized
@@ -199,6 +204,7 @@ class Worker:
                 "dense weights were dropped at load)"
             )
         model = self.model_runner.model
+        weights = text_model_weights(weights, getattr(model, "config", None))  # VLM names -> ours
         loaded = model.load_weights(
             ((name, w.to(self.device)) for name, w in weights), strict=False
         )

@@ -1,0 +1,90 @@
+"""OLMo 3 (`Olmo3ForCausalLM`: Olmo-3-7B / 32B, base, Instruct and Think).
+
+OLMo 2's decoder (models/olmo2.py: norms after the sublayers, whole-projection q / k RMSNorms
+before RoPE, float32 norm products), with two kinds of attention layer from config.layer_types:
+`sliding_attention` layers see only the last config.sliding_window keys (themselves included),
+`full_attention` layers the whole context. Without layer_types every fourth layer is full, the
+others slide (HF's default).
+
+Each kind has its own rope. transformers >= 5 keeps them in config.rope_parameters, one dict
+per layer type: the rope scaling (YaRN in the long-context checkpoints) is the full layers'
+only, the sliding layers rotate unscaled. Both are read as HF stores them (when a config names
+rope_theta outside rope_parameters, transformers 5 gives it to the full layers and its default
+500000 to the sliding ones; the released checkpoints use 500000 anyway). Configs of older
+transformers carry one rope_theta and rope_scaling: the full layers take both, the sliding
+layers rope_theta alone (what those versions ran).
+
+Under tensor parallelism everything is OLMo 2's: the window and the rope are per layer, not per
+rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_engine.layers.embedding import VocabParallelEmbedding
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.models.gemma2 import gemma_layer_types
+from paged_engine.models.llama import llama_head_dim
+from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2RMSNorm
+from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def olmo3_ropes(config, head_dim: int, types: list[str]) -> dict[str, RotaryEmbedding]:
+    """One rope per layer type in `types` (each instance shared by that type's layers)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if any(isinstance(params.get(t), dict) for t in _LAYER_TYPES):  # transformers >= 5
+        return {t: get_rope(config, head_dim, is_neox_style=True, layer_type=t) for t in set(types)}
+    ropes: dict[str, RotaryEmbedding] = {}
+    if "full_attention" in types:
+        ropes["full_attention"] = get_rope(config, head_dim, is_neox_style=True)
+    if "sliding_attention" in types:  # the same base, never scaled
+        theta, _, partial = rope_config(config)
+        ropes["sliding_attention"] = RotaryEmbedding(
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            max_position=int(config.max_position_embeddings),
+            base=theta,
+            is_neox_style=True,
+        )
+    return ropes
+
+
+class Olmo3DecoderLayer(Olmo2DecoderLayer):
+    """OLMo 2's layer; `sliding_window` None attends to the whole context."""
+
+    def __init__(self, config, rope: RotaryEmbedding, sliding_window: int | None) -> None:
+        super().__init__(config, rope)
+        self.self_attn.attn.sliding_window = sliding_window  # read at every attention call
+
+
+class Olmo3Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        types = gemma_layer_types(config, every=4)
+        head_dim = llama_head_dim(config)
+        window = cfg_get(config, "sliding_window", None)
+        window = int(window) if window else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        ropes = olmo3_ropes(config, head_dim, types)  # each shared by its type's layers
+
+        def build(i: int) -> Olmo3DecoderLayer:
+            sliding = window if types[i] == "sliding_attention" else None
+            return Olmo3DecoderLayer(config, ropes[types[i]], sliding)
+
+        self.layers, self.stage = make_layers(config.num_hidden_layers, build)
+        self.norm = Olmo2RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
+        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, md)
+        return self.norm(x) if self.stage.is_last else x
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    def __init__(self, config) -> None:
+        CausalLMBase.__init__(self, config, Olmo3Model(config))

@@ -144,7 +144,7 @@ class DeepseekRouter(nn.Module):
         )
 
 
-class _PartialRowLinear(RowParallelLinear):
+class PartialRowLinear(RowParallelLinear):
     """A row-parallel linear that leaves its partial sum to the block's all-reduce. A LoRA
     adapter's delta is whole on every rank (lora/layers.py reduces its shrink), so rank 0
     alone adds it to its partial."""
@@ -174,7 +174,7 @@ class SharedExpertsMLP(nn.Module):
         sizes = [intermediate_size, intermediate_size]
         tp = (tp_rank, tp_size)
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, False, *tp)
-        self.down_proj = _PartialRowLinear(intermediate_size, hidden_size, False, *tp)
+        self.down_proj = PartialRowLinear(intermediate_size, hidden_size, False, *tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

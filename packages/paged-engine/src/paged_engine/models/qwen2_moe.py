@@ -20,32 +20,10 @@ import torch
 from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
-from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.deepseek_moe import SharedExpertsMLP
 from paged_engine.layers.fused_moe import MoeRouter, SparseMoeBlock, route
-from paged_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from paged_engine.models.mixtral import num_experts
 from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
-
-
-class _PartialRowLinear(RowParallelLinear):
-    """A row-parallel linear that leaves its partial sum to the caller's all-reduce."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias if self.tp_rank == 0 else None)
-
-
-class SharedExpertMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) of width `intermediate_size`; [T, H] -> this rank's partial."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        sizes = [intermediate_size, intermediate_size]
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, bias=False)
-        self.down_proj = _PartialRowLinear(intermediate_size, hidden_size, bias=False)
-        self.act_fn = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
@@ -61,7 +39,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         renormalize: bool,
     ) -> None:
         super().__init__(num_experts, top_k, hidden_size, intermediate_size, renormalize)
-        self.shared_expert = SharedExpertMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert = SharedExpertsMLP(hidden_size, shared_intermediate_size)
         self.shared_expert_gate = MoeRouter(1, hidden_size)  # a replicated [1, H] projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

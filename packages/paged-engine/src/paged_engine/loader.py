@@ -25,6 +25,11 @@ from torch import nn
 from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
+from paged_engine.models.multimodal_text import (
+    processor_chat_template,
+    text_model_weights,
+    text_only_config,
+)
 from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
 from paged_engine.worker.kv_scales import split_kv_scales
 
@@ -94,7 +99,9 @@ def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
         return gguf_to_hf_config(_open_gguf(resolved.gguf_file))
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
+    return text_only_config(config, resolved.path)
 
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
@@ -105,7 +112,10 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
         return gguf_tokenizer(_open_gguf(resolved.gguf_file))
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
+        tokenizer.chat_template = processor_chat_template(resolved.path)
+    return tokenizer
 
 
 @functools.lru_cache(maxsize=4)
@@ -175,6 +185,7 @@ def load_model(
     else:
         total = count_weights(resolved, load_format)
         weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
+        weights = text_model_weights(weights, hf_config)  # a VLM's vision weights: dropped
         # FP8 / INT8 weights with their scales (also where only hf_quant_config.json named the
         # scheme: the tensors' dtypes tell); other tensors pass through.
         weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))

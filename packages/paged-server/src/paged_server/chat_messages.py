@@ -35,9 +35,13 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
     elif isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                # Text-only serving (a VLM's language model included): no image / audio input.
                 raise bad_request(
-                    f"{param}.content: only text content parts are supported", f"{param}.content"
+                    f"{param}.content: content part type {kind!r} is not supported; this "
+                    "server takes text only (no image, audio or file input): send 'text' parts",
+                    f"{param}.content",
                 )
             if not isinstance(part.get("text"), str):
                 raise bad_request(

@@ -98,6 +98,11 @@ class InputProcessor:
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):  # vLLM's images / audio: a VLM's text model only
+                raise ValueError(
+                    "multi_modal_data is not supported: this engine serves text only (a "
+                    "vision-language checkpoint's language model, without its vision encoder)"
+                )
             # As in vLLM: token ids win when both are given; the text is kept for the output.
             text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:

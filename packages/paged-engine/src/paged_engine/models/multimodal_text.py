@@ -1,0 +1,225 @@
+"""The language model inside a vision-language checkpoint, served text-only.
+
+A VLM wrapper (`*ForConditionalGeneration`) is a vision encoder and projector around a text
+decoder that is, on text-only input, exactly a text `*ForCausalLM` we already build:
+
+    wrapper (config.architectures)       text_config.model_type -> our class
+    Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
+    Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
+                                         ministral3             -> Ministral3ForCausalLM
+    Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
+    Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
+    Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
+
+Config (`text_only_config`, called where the loader reads config.json): the wrapper's
+text_config, with `architectures` naming our class and the fields that live at the wrapper's
+top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by the top-level
+flag, and leaves them untied where the checkpoint carries its own head), `quantization_config`,
+the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
+final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
+`final_logit_softcapping`; a Qwen "mrope" rope type (older configs) becomes "default".
+
+Weights (`text_model_weights`): the language model's names map to ours whichever way the
+checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
+(older Gemma 3 / Mistral 3 saves) -> `model.X`; `language_model.lm_head.X` -> `lm_head.X`;
+`model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay. The vision tower and projector
+(`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`) are dropped by
+name before their bytes are touched (tensors are views of memory-mapped files until copied).
+
+Why text-only is exact (checked against transformers' modeling code): with no image, every
+wrapper embeds the tokens with the text model's embedding, runs the text decoder with its own
+causal / sliding masks, and applies lm_head; no vision path runs (Gemma 3's bidirectional image
+mask needs token_type_ids, Qwen3-VL's deepstack needs visual positions). Qwen's M-RoPE gives
+each rotary frequency the position id of one of three sections (temporal, height, width: in
+contiguous blocks of mrope_section for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL); text
+tokens get the same id in all three sections (their 1-D position, rope_deltas 0 without
+images), so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style
+RoPE over head_dim with the same inv_freq.
+
+Not handled: images (the server refuses image content parts; there is no vision encoder here),
+LoRA adapters trained on the wrapper's module names, wrappers whose decoder is not one of ours
+as it stands (Qwen3-VL-MoE's fused expert tensors, Gemma 3n, Llama 4, Qwen3.5).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_LLAVA_STYLE = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+_QWEN_VISUAL = ("visual.", "model.visual.")
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapper:
+    text_archs: dict[str, str]  # text_config.model_type -> our text *ForCausalLM
+    skipped: tuple[str, ...]  # name prefixes of the vision weights
+    no_final_soft_cap: bool = False  # the wrapper's logits are lm_head(hidden) alone
+    mrope: bool = False  # the text rope is M-RoPE: the ordinary rope on text-only input
+
+
+WRAPPERS: dict[str, Wrapper] = {
+    "Gemma3ForConditionalGeneration": Wrapper(
+        {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True
+    ),
+    "Mistral3ForConditionalGeneration": Wrapper(
+        {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}, _LLAVA_STYLE
+    ),
+    "Qwen2VLForConditionalGeneration": Wrapper(
+        {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Wrapper(
+        {"qwen2_5_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen3VLForConditionalGeneration": Wrapper(
+        {"qwen3_vl_text": "Qwen3ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+}
+
+# Set on the text config we return: the wrapper it came from (selects the weight mapping).
+MARKER = "text_only_of"
+
+# (checkpoint prefix, our prefix), first match wins
+_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def wrapper_arch(config: Any) -> str | None:
+    """The VLM wrapper `config.architectures` names, or None."""
+    archs = getattr(config, "architectures", None) or []
+    return next((a for a in archs if a in WRAPPERS), None)
+
+
+def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
+    """`config` itself unless it is a known VLM wrapper's; then a copy of its text_config set
+    up to build and load our text model (see the module doc). `checkpoint_dir` tells whether
+    the checkpoint carries its own lm_head (safetensors headers only)."""
+    arch = wrapper_arch(config)
+    if arch is None:
+        return config
+    spec = WRAPPERS[arch]
+    text = getattr(config, "text_config", None)
+    model_type = getattr(text, "model_type", None)
+    target = spec.text_archs.get(model_type) if text is not None else None
+    if target is None:
+        known = ", ".join(sorted(spec.text_archs))
+        raise ValueError(
+            f"{arch} with a text_config of model_type {model_type!r} is not supported "
+            f"(text-only serving knows: {known})"
+        )
+    text = copy.deepcopy(text)
+    text.architectures = [target]
+    tie = getattr(config, "tie_word_embeddings", None)
+    if tie is None:
+        tie = getattr(text, "tie_word_embeddings", False)
+    if tie and checkpoint_dir is not None and _has_own_head(checkpoint_dir):
+        tie = False  # transformers 5 keeps a checkpoint's own head untied
+    text.tie_word_embeddings = bool(tie)
+    if getattr(text, "quantization_config", None) is None:
+        quant = getattr(config, "quantization_config", None)
+        if quant is not None:
+            text.quantization_config = quant
+    attrs, top = vars(text), vars(config)
+    if attrs.get("dtype") is None and attrs.get("torch_dtype") is None:
+        dtype = top.get("dtype") or top.get("torch_dtype")
+        if dtype is not None:
+            text.dtype = dtype
+    for key in _TOKEN_IDS:
+        value = getattr(config, key, None)
+        if value is not None:
+            setattr(text, key, value)
+    if spec.no_final_soft_cap:
+        text.final_logit_softcapping = None
+    if spec.mrope:
+        _mrope_as_default(text)
+    setattr(text, MARKER, arch)
+    logger.info(
+        "%s: serving its language model (%s) text-only; the vision weights are not loaded",
+        arch,
+        target,
+    )
+    return text
+
+
+def text_model_weights(
+    weights: Iterable[tuple[str, Any]], config: Any
+) -> Iterable[tuple[str, Any]]:
+    """`weights` with a VLM wrapper's language-model names mapped to ours and its vision
+    weights dropped; unchanged for any other config."""
+    arch = getattr(config, MARKER, None)
+    if arch is None:
+        return weights
+    return _mapped(weights, WRAPPERS[arch].skipped)
+
+
+def _mapped(
+    weights: Iterable[tuple[str, Any]], skipped: tuple[str, ...]
+) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        if name.startswith(skipped):
+            continue  # never read: only the name was looked at
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
+
+
+def _mrope_as_default(text: Any) -> None:
+    """An "mrope" rope type (configs of older transformers) is the default rope for text."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(text, key, None)
+        if isinstance(params, dict) and "mrope" in (params.get("rope_type"), params.get("type")):
+            params = dict(params)
+            params["rope_type"] = "default"
+            params.pop("type", None)
+            setattr(text, key, params)
+
+
+def _has_own_head(path: Path) -> bool:
+    """Whether the safetensors checkpoint in `path` holds an lm_head tensor (False when there
+    is none to read: then the config decides)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names: Iterable[str] = json.loads(index.read_text())["weight_map"]
+            return any(n in _HEAD_NAMES for n in names)
+        for file in sorted(path.glob("*.safetensors")):
+            with open(file, "rb") as f:
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                if any(n in _HEAD_NAMES for n in json.loads(f.read(header_len))):
+                    return True
+    except (OSError, ValueError, KeyError, struct.error):
+        return False  # the weight load reports a broken file
+    return False
+
+
+def processor_chat_template(path: Path) -> str | None:
+    """The chat template a VLM repo keeps for its processor only (chat_template.json), which
+    the tokenizer does not read; None where there is none."""
+    file = path / "chat_template.json"
+    if not file.is_file():
+        return None
+    try:
+        template = json.loads(file.read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return template if isinstance(template, str) else None

@@ -1,0 +1,404 @@
+"""Vision-language checkpoints served text-only (models/multimodal_text.py) against HF.
+
+Tiny random wrapper models (`*ForConditionalGeneration`, a small vision tower included) saved
+by transformers: `LLM.generate` on them must give the wrapper's HF `generate` greedy tokens and
+top-5 logprobs (1e-3, float32) on text prompts. The cases make the mapping's details bite:
+Gemma 3's text config sets a final soft-cap that its wrapper does not apply; Mistral 3 ties by
+its top-level flag (not text_config's), and a Mistral-Small-style config that omits the flag
+(transformers 5 then defaults to tied) still loads the checkpoint's own head; Qwen's M-RoPE
+sections (contiguous for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL) are the plain rope on
+text. Also: either weight naming loads (transformers 5's `model.language_model.` and the older
+`language_model.model.` / Qwen's `model.`), weight updates take the wrapper's names, an
+unsupported text model is a clear error, and images are refused (an image content part in
+a chat request: a 400; vLLM's multi_modal_data in an `LLM.generate` prompt: a ValueError).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.loader import load_hf_config, load_tokenizer, resolve_model
+from paged_engine.models.multimodal_text import text_model_weights, text_only_config
+from paged_engine.testing import (
+    _COMMON,
+    _quiet_progress,
+    _randomize,
+    build_tiny_tokenizer,
+    tiny_config,
+)
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+MAX_TOKENS = 10
+TOP = 5
+VOCAB = 512
+# Prompt ids stay below the special / image ids the wrappers reserve at the top of the vocab.
+PROMPT_IDS = range(3, 500)
+_LLAMA_LIKE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    **_COMMON,
+}
+
+
+def _text(arch: str, **overrides) -> dict:
+    return tiny_config(arch, **overrides).to_dict()
+
+
+def _gemma3(**top) -> tuple[type, object]:
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    # final_logit_softcapping: Gemma3ForCausalLM applies it, the wrapper does not
+    text = _text("gemma3", final_logit_softcapping=3.0)
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        boi_token_index=509,
+        eoi_token_index=510,
+        image_token_index=511,
+        **top,
+    )
+    return transformers.Gemma3ForConditionalGeneration, config
+
+
+def _mistral3(text: dict, **top) -> tuple[type, object]:
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "image_size": 56,
+        "patch_size": 14,
+    }
+    config = transformers.Mistral3Config(
+        text_config=text, vision_config=vision, image_token_index=511, **top
+    )
+    return transformers.Mistral3ForConditionalGeneration, config
+
+
+_QWEN_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+def _qwen2_vl(**top) -> tuple[type, object]:
+    rope = {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]}
+    text = transformers.Qwen2VLTextConfig(**_LLAMA_LIKE, rope_parameters=rope)
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2}
+    vision |= {"patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    config = transformers.Qwen2VLConfig(text_config=text.to_dict(), vision_config=vision, **top)
+    return transformers.Qwen2VLForConditionalGeneration, config
+
+
+def _qwen2_5_vl(**top) -> tuple[type, object]:
+    # head_dim 16: sections of 2, 3, 3 frequencies (temporal, height, width)
+    rope = {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]}
+    text = transformers.Qwen2_5_VLTextConfig(**_LLAMA_LIKE, rope_parameters=rope)
+    vision = {**_QWEN_VISION, "fullatt_block_indexes": [0], "window_size": 56}
+    config = transformers.Qwen2_5_VLConfig(text_config=text.to_dict(), vision_config=vision, **top)
+    return transformers.Qwen2_5_VLForConditionalGeneration, config
+
+
+def _qwen3_vl(**top) -> tuple[type, object]:
+    # head_dim 32: 16 frequencies, height / width ones interleaved with the temporal ones
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    }
+    text = transformers.Qwen3VLTextConfig(
+        **_LLAMA_LIKE, head_dim=32, attention_bias=True, rope_parameters=rope
+    )
+    vision = {**_QWEN_VISION, "depth": 2, "num_position_embeddings": 16}
+    vision["deepstack_visual_indexes"] = [0]
+    config = transformers.Qwen3VLConfig(text_config=text.to_dict(), vision_config=vision, **top)
+    return transformers.Qwen3VLForConditionalGeneration, config
+
+
+# name -> (builder of (wrapper class, config), the text class we serve it with)
+CASES = {
+    "gemma3": (lambda: _gemma3(), "Gemma3ForCausalLM"),
+    # top-level tie False beats text_config's True (the tiny ministral3 ties)
+    "mistral3-ministral3": (
+        lambda: _mistral3(_text("ministral3"), tie_word_embeddings=False),
+        "Ministral3ForCausalLM",
+    ),
+    # top-level tie True beats text_config's False (no lm_head saved); sliding window 32 <
+    # the longer prompts + continuations
+    "mistral3-mistral": (
+        lambda: _mistral3(_text("mistral"), tie_word_embeddings=True),
+        "MistralForCausalLM",
+    ),
+    "qwen2_vl": (lambda: _qwen2_vl(tie_word_embeddings=True), "Qwen2ForCausalLM"),
+    "qwen2_5_vl": (lambda: _qwen2_5_vl(tie_word_embeddings=False), "Qwen2ForCausalLM"),
+    "qwen3_vl": (lambda: _qwen3_vl(tie_word_embeddings=True), "Qwen3ForCausalLM"),
+}
+
+
+def write_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
+    """A tiny random wrapper checkpoint (as transformers saves it), tokenizer and
+    generation config in `path`."""
+    cls, config = CASES[name][0]()
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+def load_hf_wrapper(path: Path):
+    """The HF wrapper model of `path` in float32, generating exactly max_new_tokens."""
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _prompts(seed: str, n: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.choice(PROMPT_IDS) for _ in range(rng.randint(12, 40))] for _ in range(n)]
+
+
+def _generate(path: Path, prompts: list[list[int]]):
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, outs
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    """name -> a tiny wrapper checkpoint, written once per module."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            cache[name] = write_tiny_vlm(tmp_path_factory.mktemp(name), name, seed=1)
+        return cache[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_text_only_generation_matches_hf_wrapper(name, vlm_dirs):
+    path = vlm_dirs(name)
+    config = load_hf_config(resolve_model(path))
+    assert config.architectures == [CASES[name][1]]
+    hf = load_hf_wrapper(path)
+    prompts = _prompts(name)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
+    llm, outs = _generate(path, prompts)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches(name, out, ref)
+    model = llm.llm_engine.model_runner.model
+    assert model.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
+
+
+def test_tensor_parallel_matches_one_process(vlm_dirs):
+    """TP=2 (worker processes get the text config, its wrapper marker with it)."""
+    assert_tp_matches_one_process(vlm_dirs("gemma3"), _prompts("tp", 2), 6, max_model_len=64)
+
+
+def _rename(path: Path, rules: list[tuple[str, str]]) -> None:
+    """Rewrite path/model.safetensors with each name's first matching prefix replaced."""
+    file = path / "model.safetensors"
+    state = safetensors_torch.load_file(str(file))
+    renamed = {}
+    for name, tensor in state.items():
+        for old, new in rules:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        renamed[name] = tensor
+    assert renamed.keys() != state.keys()
+    safetensors_torch.save_file(renamed, str(file), metadata={"format": "pt"})
+
+
+# transformers 5 saves Gemma 3 / Mistral 3 in the older naming and Qwen2.5-VL with its text
+# model as `model.`: rewrite each into the other naming checkpoints use.
+OTHER_NAMING = {
+    "gemma3": [
+        ("language_model.model.", "model.language_model."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ],
+    "mistral3-ministral3": [
+        ("language_model.model.", "model.language_model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ],
+    "qwen2_5_vl": [("model.", "model.language_model."), ("visual.", "model.visual.")],
+    # Qwen3-VL saves the new naming: its text model in the older llava-style one
+    "qwen3_vl": [("model.language_model.", "language_model.model.")],
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_NAMING))
+def test_either_weight_naming_loads(name, vlm_dirs, tmp_path):
+    original = vlm_dirs(name)
+    saved = set(safetensors_torch.load_file(str(original / "model.safetensors")))
+    path = write_tiny_vlm(tmp_path, name, seed=1)
+    _rename(path, OTHER_NAMING[name])
+    prompts = _prompts(name, 2)
+    _, want = _generate(original, prompts)
+    _, got = _generate(path, prompts)
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        outs = (a.outputs[0], b.outputs[0])
+        lps = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in outs]
+        assert lps[0] == pytest.approx(lps[1], abs=1e-5)
+    renamed = set(safetensors_torch.load_file(str(path / "model.safetensors")))
+    assert renamed != saved
+
+
+def test_head_kept_where_the_config_omits_tie(vlm_dirs, tmp_path):
+    """Mistral-Small-3.x style: config.json has no top-level tie_word_embeddings (transformers
+    5's Mistral3Config then says True) but the checkpoint has its own lm_head: HF keeps it
+    untied, and so do we."""
+    path = write_tiny_vlm(tmp_path, "mistral3-ministral3", seed=3)
+    cfg_file = path / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    raw.pop("tie_word_embeddings")
+    cfg_file.write_text(json.dumps(raw))
+    assert transformers.AutoConfig.from_pretrained(path).tie_word_embeddings
+    names = set(safetensors_torch.load_file(str(path / "model.safetensors")))
+    assert "language_model.lm_head.weight" in names
+    hf = load_hf_wrapper(path)
+    prompts = _prompts("small", 2)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
+    llm, outs = _generate(path, prompts)
+    assert not llm.llm_engine.model_runner.model.tie_word_embeddings
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches("mistral3 untied head", out, ref)
+
+
+def test_update_weights_takes_wrapper_names(vlm_dirs, tmp_path):
+    """collective_rpc("update_weights") with a wrapper checkpoint's tensors (vision ones
+    included, dropped): the engine then generates what HF does on those weights."""
+    a = vlm_dirs("qwen3_vl")
+    b = write_tiny_vlm(tmp_path, "qwen3_vl", seed=4)
+    b_weights = safetensors_torch.load_file(str(b / "model.safetensors"))
+    assert any(n.startswith("model.visual.") for n in b_weights)
+    llm = LLM(model=str(a), dtype="float32", max_model_len=128, block_size=16)
+    updated = llm.collective_rpc("update_weights", args=(list(b_weights.items()),))
+    assert updated == [len(dict(llm.llm_engine.model_runner.model.named_parameters()))]
+    llm.reset_prefix_cache()
+    prompts = _prompts("update", 2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf_b = load_hf_wrapper(b)
+    want = [hf_greedy(hf_b, p, MAX_TOKENS).tokens for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_weight_names_mapped_and_vision_dropped():
+    marker = SimpleNamespace(text_only_of="Gemma3ForConditionalGeneration")
+    names = [
+        "model.language_model.layers.0.mlp.up_proj.weight",
+        "language_model.model.norm.weight",
+        "language_model.lm_head.weight",
+        "lm_head.weight",
+        "model.vision_tower.vision_model.post_layernorm.weight",
+        "vision_tower.vision_model.post_layernorm.weight",
+        "multi_modal_projector.mm_input_projection_weight",
+        "model.multi_modal_projector.mm_soft_emb_norm.weight",
+    ]
+    got = [n for n, _ in text_model_weights(((n, None) for n in names), marker)]
+    want = ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"] + ["lm_head.weight"] * 2
+    assert got == want
+    qwen = SimpleNamespace(text_only_of="Qwen2_5_VLForConditionalGeneration")
+    names = ["model.layers.1.self_attn.q_proj.bias", "visual.blocks.0.attn.qkv.weight"]
+    got = [n for n, _ in text_model_weights(((n, None) for n in names), qwen)]
+    assert got == ["model.layers.1.self_attn.q_proj.bias"]
+    plain = [("model.vision_tower.x", None)]  # not a wrapper: passed through untouched
+    assert text_model_weights(plain, SimpleNamespace()) is plain
+
+
+def test_older_mrope_type_is_the_default_rope():
+    _, config = _qwen2_5_vl()
+    config.text_config.rope_parameters = {"type": "mrope", "mrope_section": [2, 3, 3]}
+    config.architectures = ["Qwen2_5_VLForConditionalGeneration"]
+    text = text_only_config(config)
+    assert text.rope_parameters["rope_type"] == "default"
+    assert config.text_config.rope_parameters["type"] == "mrope"  # the wrapper's is untouched
+
+
+def test_unsupported_text_model_is_a_clear_error():
+    _, config = _mistral3(tiny_config("llama").to_dict())
+    config.architectures = ["Mistral3ForConditionalGeneration"]
+    with pytest.raises(ValueError, match=r"Mistral3ForConditionalGeneration .* 'llama'"):
+        text_only_config(config)
+
+
+def test_processor_chat_template_used_when_the_tokenizer_has_none(tmp_path):
+    tok = build_tiny_tokenizer(VOCAB)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(resolve_model(tmp_path)).chat_template == template
+
+
+def test_multi_modal_data_is_refused(vlm_dirs):
+    llm = LLM(model=str(vlm_dirs("gemma3")), dtype="float32", max_model_len=64)
+    prompt = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": object()}}
+    with pytest.raises(ValueError, match="multi_modal_data is not supported"):
+        llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_server_refuses_image_content_parts():
+    from paged_server.chat_messages import chat_message
+    from paged_server.errors import APIError
+
+    message = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ],
+    }
+    with pytest.raises(APIError) as e:
+        chat_message(0, message)
+    assert e.value.status == 400
+    assert e.value.param == "messages[0].content"
+    assert "'image_url' is not supported" in e.value.message
+    assert "text only" in e.value.message

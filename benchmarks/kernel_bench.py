@@ -244,6 +244,42 @@ def _bench_moe(smoke: bool, device: torch.device) -> list[dict]:
     return out
 
 
+def _bench_mla(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict]:
+    """paged_kernels.mla_attention (DeepSeek's latent cache: 512 + 64 entries a token, one KV
+    head) in decode: bytes of latent read per ms against the copy bandwidth, at 16 heads
+    (V2-Lite, Moonlight) and 128 (V3 / R1 at TP=1), bf16. CUDA only."""
+    if not HAS_CUDA:
+        return []
+    from paged_kernels import mla_attention
+
+    out = []
+    block, width, latent = 16, 576, 512
+    for heads in (16, 128):
+        for batch, ctx in [(32, 2048)] if smoke else [(32, 2048), (64, 4096), (256, 1024)]:
+            blocks = batch * ctx // block
+            cache = torch.randn(blocks + 1, block, 1, width, device=device, dtype=torch.bfloat16)
+            tables = torch.randperm(blocks, device=device).view(batch, -1).int() + 1
+            q = torch.randn(batch, heads, width, device=device, dtype=torch.bfloat16)
+            cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
+            lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+            args = (q, cache, tables, cu, lens, width**-0.5)
+            ms = _time_ms(lambda args=args: mla_attention(*args, latent_dim=latent, max_seqlen_q=1))
+            read = batch * ctx * width * 2
+            gbps = read / ms / 1e6
+            out.append(
+                {
+                    "heads": heads,
+                    "batch": batch,
+                    "context": ctx,
+                    "mla_ms": round(ms, 5),
+                    "latent_bytes": read,
+                    "achieved_gbps": round(gbps, 1),
+                    "fraction_of_copy_bw": round(gbps / copy_gbps, 3),
+                }
+            )
+    return out
+
+
 def _run_in_interpreter(smoke: bool, out_dir: Path) -> dict:
     """triton was imported before TRITON_INTERPRET was set: rerun in a fresh process."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -292,6 +328,7 @@ def run(smoke: bool, out_dir: Path) -> dict:
         "results": results,
         "batch_invariant_matmul": _bench_matmul(smoke, device),
         "fused_moe": _bench_moe(smoke, device),  # empty without CUDA
+        "mla_decode": _bench_mla(smoke, device, copy_gbps),  # empty without CUDA
     }
     report["plot"] = _plot(results, out_dir, f"paged decode attention, {name}")
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))

@@ -4,8 +4,9 @@ HF transformers, and the latent cache against the engine's machinery.
 Tiny random models through `LLM.generate` must give HF `generate`'s greedy tokens and top-5
 logprobs (1e-3, float32): V3 with a q bottleneck, YaRN with both mscales, group-limited routing
 over biased sigmoid scores and a shared expert; a V3 variant without the q bottleneck or YaRN;
-V2 (softmax routing); GLM-4.7-Flash (`mlp_layer_types`); V3 on the Triton kernels (interpreter)
-and at TP=2 (gloo).
+V2 (softmax routing); GLM-4.7-Flash (`mlp_layer_types`); Mistral 4 (Llama-4 query scaling past
+a 16-token original context, its softmax router; interleaved and NeoX rope); V3 on the Triton
+kernels (interpreter) and at TP=2 (gloo).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ VARIANTS = {
     ),
     "v2": ("deepseek_v2", {}),
     "glm4_moe_lite": ("glm4_moe_lite", {}),
+    # position-scaled queries, softmax routing over top-2-sum groups, renormalized
+    "mistral4": ("mistral4", {}),
+    "mistral4-neox-rope": ("mistral4", {"rope_interleave": False}),
 }
 
 
@@ -129,9 +133,10 @@ def test_shared_prefix_and_parallel_samples(tmp_path):
     assert llm.get_stats().num_used_blocks == 0
 
 
-def test_auto_backend_on_cuda_takes_torch_for_a_latent_cache(caplog):
-    """The Triton kernel holds heads of up to MAX_HEAD_DIM entries; MLA's latent (576 for V3)
-    runs on the torch reference under "auto", and an explicit "triton" is refused up front."""
+def test_auto_backend_on_cuda_takes_torch_for_wide_heads(caplog):
+    """paged_attention holds heads of up to MAX_HEAD_DIM entries: a wider KV head (no supported
+    model has one; MLA's 576-wide latent has its own kernel, mla_attention) runs on the torch
+    reference under "auto", and an explicit "triton" is refused up front."""
     from paged_engine.attention import get_attention_backend
     from paged_engine.attention.torch_backend import TorchBackend
 
@@ -144,3 +149,10 @@ def test_auto_backend_on_cuda_takes_torch_for_a_latent_cache(caplog):
     with pytest.raises(ValueError, match="attention_backend='triton' takes head sizes"):
         get_attention_backend("triton", cuda, head_dim=wide)
     assert not isinstance(get_attention_backend("auto", cuda, head_dim=128), TorchBackend)
+
+
+def test_batch_invariant_mode_is_refused(tmp_path):
+    """MLA's absorbed products are batched matmuls without a fixed-order kernel: refused, named."""
+    path = write_tiny_model(tmp_path, "deepseek_v3", seed=6, first_k_dense_replace=3)
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        LLM(model=str(path), dtype="float32", max_model_len=64, batch_invariant=True)

@@ -1,11 +1,12 @@
 """GLM-4.5 (`Glm4MoeForCausalLM`) and its DeepSeek-style MoE block (layers/deepseek_moe.py).
 
-The router against HF's GLM-4-MoE, DeepSeek-V3 and DeepSeek-V2 routers (group-limited top-k,
-correction bias, renormalization, scaling); the whole block against HF's blocks, also as two
-tensor-parallel shards; dense / MoE layers as HF places them; both checkpoint layouts, with
-multi-token-prediction layers skipped; `LLM.generate` against HF `generate` (greedy tokens
-identical, top-5 logprobs within 1e-3, float32), at tensor_parallel_size=2 too, and with a LoRA
-adapter on the shared experts against HF with it merged. The tiny model
+The router against HF's GLM-4-MoE, DeepSeek-V3, DeepSeek-V2 and Mistral 4 routers (group-limited
+top-k, correction bias, renormalization, scaling; Mistral 4's in bfloat16 too); the whole block
+against HF's blocks, also as two tensor-parallel shards; dense / MoE layers as HF places them;
+both checkpoint layouts, with multi-token-prediction layers skipped; `LLM.generate` against HF
+`generate` (greedy tokens identical, top-5 logprobs within 1e-3, float32), at
+tensor_parallel_size=2 too, and with a LoRA adapter on the shared experts against HF with it
+merged. The tiny model
 (testing.py) exercises groups, a random correction bias, routed_scaling_factor, a dense first
 layer, shared experts, partial rotary, q / k norms and q / k / v biases.
 """
@@ -42,7 +43,8 @@ TOP = 5
 
 
 def _hf_configs() -> dict[str, object]:
-    """HF configs whose routers differ: GLM grouped / plain, DeepSeek-V3, both V2 methods."""
+    """HF configs whose routers differ: GLM grouped / plain, DeepSeek-V3, both V2 methods,
+    Mistral 4 (softmax, top-2-sum groups, renormalized)."""
     from transformers import DeepseekV2Config, DeepseekV3Config
 
     moe = {"hidden_size": 64, "moe_intermediate_size": 16, "intermediate_size": 32}
@@ -72,6 +74,9 @@ def _hf_configs() -> dict[str, object]:
             topk_group=2,
             routed_scaling_factor=1.5,
         ),
+        "mistral4": tiny_config(
+            "mistral4", **moe, n_routed_experts=16, num_experts_per_tok=3, routed_scaling_factor=1.5
+        ),
     }
 
 
@@ -81,6 +86,8 @@ def _hf_block(name: str, config):
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE as block_cls
     elif name == "deepseek_v3":
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as block_cls
+    elif name == "mistral4":
+        from transformers.models.mistral4.modeling_mistral4 import Mistral4MoE as block_cls
     else:
         from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as block_cls
     block = block_cls(config).eval()
@@ -133,6 +140,28 @@ def test_router_matches_hf_routers(name):
     if gate.renormalize:
         sums = weights.sum(-1)
         torch.testing.assert_close(sums, torch.full_like(sums, gate.scale))
+
+
+def test_mistral4_router_in_bfloat16_matches_hf():
+    """HF's Mistral 4 router scores in the model dtype (no float32 weight or softmax): so does
+    ours, choosing HF's experts and weights in bfloat16."""
+    config = _hf_configs()["mistral4"]
+    hf = _hf_block("mistral4", config).to(torch.bfloat16)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # the loader builds models under the model dtype
+    try:
+        ours = DeepseekMoe.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    _load_block(ours, hf)
+    assert ours.gate.weight.dtype == torch.bfloat16
+    x = torch.randn(256, config.hidden_size, generator=torch.Generator().manual_seed(3))
+    x = x.to(torch.bfloat16)
+    _, hf_weights, hf_ids = hf.gate(x)
+    want_w, want_ids = _sorted(hf_weights, hf_ids)
+    got_w, got_ids = _sorted(*ours.gate(x))
+    assert torch.equal(got_ids, want_ids)
+    assert torch.equal(got_w, want_w.float())
 
 
 @pytest.mark.parametrize("name", list(_hf_configs()))

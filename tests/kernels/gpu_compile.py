@@ -2,9 +2,10 @@
 
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
-Each wrapper (paged_attention in its modes, write_kv_cache, copy_blocks, matmul, fp8_linear,
-rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU tensors with
-its Triton kernels swapped for recorders: a launch records its arguments instead of running. Every
+Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
+fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU
+tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
+running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
 ptxas), with the wrapper's own constexprs, warps and stages and the launcher's run-time
 specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type errors,
@@ -129,11 +130,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.gemm as gemm
     import paged_kernels.kv_cache as kv_cache
     import paged_kernels.lora as lora
+    import paged_kernels.mla_attention as mla_attention
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
 
-    modules = (attention, gemm, kv_cache, lora, moe, norm, softmax)
+    modules = (attention, gemm, kv_cache, lora, mla_attention, moe, norm, softmax)
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -256,6 +258,30 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             lens,
             0.1,
             **kwargs,
+        )
+    # MLA's latent cache (models/deepseek_v2.py): one head of 512 + 64, 16 query heads a program
+    # (DeepSeek-V2-Lite, Moonlight; V3's 128 in eight head groups), bf16 and an fp8 cache.
+    for label, heads, cache_dtype, (q_lens, ctx), scales in (
+        ("decode bf16 16 heads", 16, torch.bfloat16, decode, {}),
+        ("mixed bf16 16 heads", 16, torch.bfloat16, mixed, {}),
+        ("decode bf16 128 heads", 128, torch.bfloat16, decode, {}),
+        ("mixed bf16 128 heads, fp8 e4m3 cache", 128, torch.float8_e4m3fn, mixed, {"k_scale": 0.5}),
+    ):
+        q, cache, _, tables, cu, lens = batch(
+            torch.bfloat16, cache_dtype, heads, 1, 576, q_lens, ctx
+        )
+        call(
+            f"mla_attention {label}",
+            mla_attention.mla_attention,
+            q,
+            cache,
+            tables,
+            cu,
+            lens,
+            0.1,
+            latent_dim=512,
+            max_seqlen_q=max(q_lens),
+            **scales,
         )
     for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
         kc = torch.zeros(8, 16, 8, 128, dtype=dtype)

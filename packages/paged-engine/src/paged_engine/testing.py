@@ -35,6 +35,7 @@ MORE_TINY_ARCHS: list[str] = [
     "deepseek_v3",
     "deepseek_v2",
     "glm4_moe_lite",
+    "mistral4",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -56,6 +57,25 @@ _LLAMA_LIKE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5,
+}
+# DeepSeek-V3's layout, tiny: MLA with a q bottleneck (latent 32 + rope 8), a dense layer, then
+# MoE layers of 8 routed experts in 4 groups (2 kept), 2 chosen, and a shared expert
+_DEEPSEEK_LIKE = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "max_position_embeddings": 256,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
 }
 _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {**_LLAMA_LIKE, "tie_word_embeddings": False}),
@@ -194,21 +214,7 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         "DeepseekV3Config",
         {
             **_LLAMA_LIKE,
-            "num_hidden_layers": 3,
-            "num_key_value_heads": 4,
-            "max_position_embeddings": 256,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 32,
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "v_head_dim": 16,
-            "first_k_dense_replace": 1,
-            "n_routed_experts": 8,
-            "n_shared_experts": 1,
-            "moe_intermediate_size": 32,
-            "num_experts_per_tok": 2,
-            "n_group": 4,
-            "topk_group": 2,
+            **_DEEPSEEK_LIKE,
             "routed_scaling_factor": 2.5,
             "norm_topk_prob": True,
             "rope_scaling": {
@@ -331,6 +337,30 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 2,
             "routed_scaling_factor": 1.8,
             "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Mistral 4: V3's MLA and layout with the q scaling away from 1 within the test prompts
+    # (original context 16, beta 0.5) under YaRN x16; a softmax router over 8 experts in 4
+    # groups (2 kept), renormalized and scaled by 2.0; a dense first layer, a shared expert
+    "mistral4": (
+        "Mistral4Config",
+        {
+            **_LLAMA_LIKE,
+            **_DEEPSEEK_LIKE,
+            "routed_scaling_factor": 2.0,
+            "norm_topk_prob": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 16,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+                "llama_4_scaling_beta": 0.5,
+            },
             "tie_word_embeddings": False,
         },
     ),
@@ -471,6 +501,21 @@ class _quiet_progress:
             logging.enable_progress_bar()
 
 
+def _register_causal_lm(config) -> None:
+    """Map `config`'s class to its `*ForCausalLM` in transformers' AutoModelForCausalLM where
+    transformers maps none (Mistral 4: only its pretraining and image-text-to-text classes), so
+    tiny models build and load through the Auto class (exist_ok: a no-op once mapped)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return
+    name = type(config).__name__.removesuffix("Config") + "ForCausalLM"
+    transformers.AutoModelForCausalLM.register(
+        type(config), getattr(transformers, name), exist_ok=True
+    )
+
+
 def write_tiny_model(
     path: str | Path, arch: str, *, seed: int = 0, **config_overrides: Any
 ) -> Path:
@@ -480,6 +525,7 @@ def write_tiny_model(
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, **config_overrides)
+    _register_causal_lm(config)
     torch.manual_seed(seed)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

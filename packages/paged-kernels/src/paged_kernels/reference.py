@@ -195,6 +195,38 @@ def ref_paged_attention(
 # torch's own reduction order (which may change with the batch).
 
 
+def ref_mla_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_heads, latent + rope]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, latent + rope]
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    latent_dim: int,
+    k_scale: float = 1.0,
+    out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, >= latent_dim]
+    **_: object,  # max_seqlen_q: the kernel's tile hint
+) -> torch.Tensor:
+    """Attention over a latent cache (multi-head latent attention): the cache is every head's
+    key and its first `latent_dim` entries the value. Returns `out` with those columns set."""
+    full = ref_paged_attention(
+        q,
+        cache,
+        cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        scale,
+        k_scale=k_scale,
+        v_scale=k_scale,
+    )
+    if out is None:
+        return full[..., :latent_dim].contiguous()
+    out[..., :latent_dim] = full[..., :latent_dim]
+    return out
+
+
 def ref_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

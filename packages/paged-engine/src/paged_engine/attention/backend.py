@@ -122,6 +122,31 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # [T, H, D]
         ...
 
+    def attend_latent(
+        self,
+        query: torch.Tensor,  # [T, H, D]: absorbed MLA queries
+        cache: torch.Tensor,  # one latent head: every head's key, its first columns the value
+        md: AttentionMetadata,
+        *,
+        scale: float,
+        latent_dim: int,
+        k_scale: float = 1.0,
+    ) -> torch.Tensor:  # [T, H, D]; only the first latent_dim columns are defined
+        """Attention over a latent cache (models/deepseek_v2.py). By default the cache serves as
+        both K and V of `attend` (a D-wide output); a backend may run a latent kernel instead."""
+        return self.attend(
+            query,
+            cache,
+            cache,
+            md,
+            scale=scale,
+            sliding_window=None,
+            soft_cap=None,
+            alibi_slopes=None,
+            k_scale=k_scale,
+            v_scale=k_scale,
+        )
+
     @abstractmethod
     def copy_blocks(
         self,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 
-from paged_engine.attention.backend import KernelBackend
+import torch
+
+from paged_engine.attention.backend import AttentionMetadata, KernelBackend
 
 
 class TritonBackend(KernelBackend):
@@ -24,3 +26,32 @@ class TritonBackend(KernelBackend):
         if batch_invariant:
             attention = functools.partial(paged_attention, batch_invariant=True)
         super().__init__(write_kv_cache, attention, copy_blocks, max_seqlens=True)
+        self.batch_invariant = batch_invariant
+
+    def attend_latent(
+        self,
+        query: torch.Tensor,
+        cache: torch.Tensor,
+        md: AttentionMetadata,
+        *,
+        scale: float,
+        latent_dim: int,
+        k_scale: float = 1.0,
+    ) -> torch.Tensor:
+        """paged_kernels.mla_attention: the latent head in two tiles (latent, rope), as wide
+        as it is (576 for DeepSeek-V3: above paged_attention's MAX_HEAD_DIM)."""
+        from paged_kernels import mla_attention
+
+        return mla_attention(
+            query,
+            cache,
+            md.block_tables,
+            md.cu_seqlens_q,
+            md.seq_lens,
+            scale,
+            latent_dim=latent_dim,
+            max_seqlen_q=md.max_seqlen_q,
+            k_scale=k_scale,
+            out=torch.empty_like(query),
+            batch_invariant=self.batch_invariant,
+        )

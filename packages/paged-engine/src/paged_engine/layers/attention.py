@@ -13,7 +13,7 @@ from torch import nn
 from paged_engine.attention.backend import AttentionMetadata
 from paged_engine.layers import compiled_ops
 
-__all__ = ["Attention", "AttentionMetadata"]
+__all__ = ["Attention", "AttentionMetadata", "LatentAttention"]
 
 
 class Attention(nn.Module):
@@ -115,5 +115,52 @@ class Attention(nn.Module):
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
             **scales,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+
+class LatentAttention(Attention):
+    """Attention over a latent KV cache (multi-head latent attention, models/deepseek_v2.py): one
+    KV head of `head_dim` entries a token that is every query head's key, and whose first
+    `latent_dim` entries are its value. The layer's (key, value) cache pair holds one tensor
+    twice (worker/cache_engine.py `latent_kv`); the output keeps the query's width [T, H*D],
+    only each head's first `latent_dim` columns defined.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, latent_dim: int, scale: float) -> None:
+        super().__init__(num_heads, head_dim, 1, scale)
+        self.latent_dim = latent_dim
+
+    # The value is the key: its fp8 scale is the key's (both writes of a slot store one vector).
+    @property
+    def v_scale(self) -> float:
+        return self.k_scale
+
+    @v_scale.setter
+    def v_scale(self, value: float) -> None:  # set with k_scale (worker/kv_scales.py)
+        pass
+
+    def run(
+        self,
+        q: torch.Tensor,  # [T, H*D]: absorbed queries
+        k: torch.Tensor,  # [T, D]: the latent
+        v: torch.Tensor,  # the latent again (unused)
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # one tensor twice
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        latent = k.view(num_tokens, 1, self.head_dim)
+        cache = kv_cache[0]
+        backend = attn_metadata.backend
+        scales = {"k_scale": self.k_scale, "v_scale": self.k_scale}
+        backend.write_kv(latent, latent, cache, cache, attn_metadata.slot_mapping, **scales)
+        out = backend.attend_latent(
+            q,
+            cache,
+            attn_metadata,
+            scale=self.scale,
+            latent_dim=self.latent_dim,
+            k_scale=self.k_scale,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)

@@ -83,6 +83,7 @@ def invariant_kernels(attention_backend: str, device: torch.device, dtype: torch
 def make_batch_invariant(model: nn.Module, kernels: str) -> None:
     """Route every linear layer and the LM head (and with "triton" every norm) through the
     fixed-order kernels of `kernels` ("cpu" or "triton", from `invariant_kernels`)."""
+    from paged_engine.layers.attention import LatentAttention
     from paged_engine.layers.embedding import ParallelLMHead
     from paged_engine.layers.fused_moe import FusedMoE
     from paged_engine.layers.linear import LinearBase
@@ -92,6 +93,12 @@ def make_batch_invariant(model: nn.Module, kernels: str) -> None:
         # An expert's matmul runs over the tokens routed to it: its shape depends on the batch.
         raise ValueError(
             f"batch_invariant=True does not support mixture-of-experts models "
+            f"({type(model).__name__})"
+        )
+    if any(isinstance(m, LatentAttention) for m in model.modules()):
+        # MLA's absorbed query / output products are batched matmuls over the step's tokens.
+        raise ValueError(
+            f"batch_invariant=True does not support multi-head latent attention models "
             f"({type(model).__name__})"
         )
     method = TritonInvariantLinear() if kernels == "triton" else BatchInvariantLinear()

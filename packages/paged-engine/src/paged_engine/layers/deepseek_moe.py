@@ -1,6 +1,6 @@
 """The DeepSeek-style MoE MLP (DeepSeek-V3, GLM-4.5 / 4.6 `Glm4MoeForCausalLM`; DeepSeek-V2's
-softmax routers too): routed experts chosen group by group, plus shared experts every token
-goes through. [T, H] -> [T, H].
+and Mistral 4's softmax routers too): routed experts chosen group by group, plus shared experts
+every token goes through. [T, H] -> [T, H].
 
     router   logits = x @ W_g^T [T, E] in float32 (W_g kept in float32, as HF keeps it);
              `noaux_tc` (V3, GLM; the default): s = sigmoid(logits); the choice ranks
@@ -8,9 +8,13 @@ goes through. [T, H] -> [T, H].
              chosen experts' unbiased s, renormalized to sum 1 when `norm_topk_prob`.
              `greedy` / `group_limited_greedy` (V2): s = softmax(logits), no correction bias,
              never renormalized (HF's V2 router ignores norm_topk_prob)
+             Mistral 4 (model_type "mistral4", no topk_method): s = softmax(logits), no bias,
+             renormalized when `norm_topk_prob`; all of it in the model dtype, W_g too (HF's
+             Mistral 4 router keeps no float32)
     groups   with n_group > 1 the E experts form n_group contiguous groups; a token keeps its
              `topk_group` best groups (scored by the sum of a group's two best choice scores,
-             V2's group_limited_greedy: its best score) and picks its k experts among them
+             "top2_sum"; V2's group_limited_greedy: its best score, "max") and picks its k
+             experts among them
     weights  times `routed_scaling_factor`, then y = sum_j w_j * expert_{e_j}(x) (FusedMoE)
     shared   + shared_experts(x): a gated SiLU MLP of n_shared_experts * moe_intermediate_size
 
@@ -43,6 +47,7 @@ from paged_engine.layers.linear import MergedColumnParallelLinear, RowParallelLi
 
 # topk_method -> whether it scores with a sigmoid and a correction bias (else a softmax)
 TOPK_METHODS = {"noaux_tc": True, "greedy": False, "group_limited_greedy": False}
+GROUP_SCORES = ("top2_sum", "max")  # a group's score: its two best choice scores' sum, its best
 
 
 def num_routed_experts(config) -> int:
@@ -69,18 +74,23 @@ def grouped_topk(
     sigmoid: bool = True,
     renormalize: bool = True,
     scale: float = 1.0,
+    group_score: str | None = None,  # GROUP_SCORES; None: "top2_sum" for sigmoid, else "max"
+    float32: bool = True,  # False: score in the logits' dtype (Mistral 4)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k] int64): the routing of the module docstring,
     on the device with static shapes (no host sync, capturable)."""
-    logits = logits.float()
+    if float32:
+        logits = logits.float()
     scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
     choice = scores if correction_bias is None else scores + correction_bias
     if n_group > 1 and topk_group < n_group:  # otherwise every group is kept
         t, e = choice.shape
         grouped = choice.view(t, n_group, e // n_group)
-        if sigmoid:  # the sum of each group's two best
+        if group_score is None:
+            group_score = "top2_sum" if sigmoid else "max"
+        if group_score == "top2_sum":
             group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)
-        else:  # V2: each group's best
+        else:
             group_scores = grouped.amax(dim=-1)
         kept = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
@@ -91,13 +101,13 @@ def grouped_topk(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if scale != 1.0:
         weights = weights * scale
-    return weights, ids
+    return weights.float(), ids
 
 
 class DeepseekRouter(nn.Module):
     """HF's `mlp.gate`: `weight` [E, H] and (noaux_tc) `e_score_correction_bias` [E], both
-    float32 whatever the model dtype and replicated on every rank. x [T, H] -> (weights [T, k]
-    float32, ids [T, k])."""
+    float32 whatever the model dtype (`float32=False`: the weight and the routing in the model
+    dtype) and replicated on every rank. x [T, H] -> (weights [T, k] float32, ids [T, k])."""
 
     def __init__(
         self,
@@ -111,8 +121,12 @@ class DeepseekRouter(nn.Module):
         correction_bias: bool = True,
         renormalize: bool = True,
         scale: float = 1.0,
+        group_score: str | None = None,
+        float32: bool = True,
     ) -> None:
         super().__init__()
+        if group_score is not None and group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score={group_score!r}; supported: {list(GROUP_SCORES)}")
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"n_group={n_group} must divide the {num_experts} routed experts")
         if not 1 <= topk_group <= n_group:
@@ -125,7 +139,9 @@ class DeepseekRouter(nn.Module):
             )
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
         self.sigmoid, self.renormalize, self.scale = sigmoid, renormalize, float(scale)
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.group_score, self.float32 = group_score, float32
+        dtype = torch.float32 if float32 else None  # None: the model's (the default dtype)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
         self.e_score_correction_bias = None
         if correction_bias:
             bias = torch.empty(num_experts, dtype=torch.float32)
@@ -133,7 +149,7 @@ class DeepseekRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grouped_topk(
-            F.linear(x.float(), self.weight),
+            F.linear(x.float() if self.float32 else x.to(self.weight.dtype), self.weight),
             self.top_k,
             n_group=self.n_group,
             topk_group=self.topk_group,
@@ -141,6 +157,8 @@ class DeepseekRouter(nn.Module):
             sigmoid=self.sigmoid,
             renormalize=self.renormalize,
             scale=self.scale,
+            group_score=self.group_score,
+            float32=self.float32,
         )
 
 
@@ -186,7 +204,7 @@ class DeepseekMoe(nn.Module):
 
     Submodules carry HF's names: `gate` (DeepseekRouter), `experts` (FusedMoE), and
     `shared_experts` (None when `shared_intermediate_size` is 0). `from_config` reads an HF
-    DeepSeek-V2 / V3 or GLM-4-MoE config.
+    DeepSeek-V2 / V3, GLM-4-MoE or Mistral 4 config.
     """
 
     def __init__(
@@ -203,6 +221,8 @@ class DeepseekMoe(nn.Module):
         correction_bias: bool = True,
         renormalize: bool = True,
         routed_scaling_factor: float = 1.0,
+        group_score: str | None = None,
+        router_float32: bool = True,
         tp_rank: int | None = None,
         tp_size: int | None = None,
     ) -> None:
@@ -217,6 +237,8 @@ class DeepseekMoe(nn.Module):
             correction_bias=correction_bias,
             renormalize=renormalize,
             scale=routed_scaling_factor,
+            group_score=group_score,
+            float32=router_float32,
         )
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, tp_rank, tp_size)
         self.shared_experts = None
@@ -235,6 +257,28 @@ class DeepseekMoe(nn.Module):
             raise ValueError(f"{cls.__name__} supports hidden_act='silu' only, got {act!r}")
         if getattr(config, "mlp_bias", False):
             raise ValueError(f"{cls.__name__} has no MLP biases (config.mlp_bias=True)")
+        inter = int(config.moe_intermediate_size)
+        common = dict(
+            num_experts=num_routed_experts(config),
+            top_k=int(config.num_experts_per_tok),
+            hidden_size=int(config.hidden_size),
+            intermediate_size=inter,
+            shared_intermediate_size=inter * int(getattr(config, "n_shared_experts", None) or 0),
+            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", None) or 1.0),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        if getattr(config, "model_type", None) == "mistral4":  # its router has no topk_method
+            return cls(
+                **common,
+                n_group=int(getattr(config, "n_group", None) or 1),
+                topk_group=int(getattr(config, "topk_group", None) or 1),
+                sigmoid=False,
+                correction_bias=False,
+                renormalize=bool(getattr(config, "norm_topk_prob", False)),
+                group_score="top2_sum",
+                router_float32=False,
+            )
         method = getattr(config, "topk_method", None) or "noaux_tc"
         if method not in TOPK_METHODS:
             raise ValueError(f"unsupported topk_method {method!r}; supported: {list(TOPK_METHODS)}")
@@ -243,21 +287,13 @@ class DeepseekMoe(nn.Module):
         if scoring is not None and scoring != ("sigmoid" if sigmoid else "softmax"):
             raise ValueError(f"topk_method={method!r} with scoring_func={scoring!r}")
         grouped = method != "greedy"
-        inter = int(config.moe_intermediate_size)
         return cls(
-            num_routed_experts(config),
-            int(config.num_experts_per_tok),
-            int(config.hidden_size),
-            inter,
-            inter * int(getattr(config, "n_shared_experts", None) or 0),
+            **common,
             n_group=int(getattr(config, "n_group", None) or 1) if grouped else 1,
             topk_group=int(getattr(config, "topk_group", None) or 1) if grouped else 1,
             sigmoid=sigmoid,
             correction_bias=sigmoid,
             renormalize=sigmoid and bool(getattr(config, "norm_topk_prob", False)),
-            routed_scaling_factor=float(getattr(config, "routed_scaling_factor", None) or 1.0),
-            tp_rank=tp_rank,
-            tp_size=tp_size,
         )
 
     def partial_sum(self, x: torch.Tensor) -> torch.Tensor:

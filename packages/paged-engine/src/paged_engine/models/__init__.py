@@ -20,6 +20,7 @@ from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
+from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
@@ -56,6 +57,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "Mistral4ForCausalLM": Mistral4ForCausalLM,
 }
 
 

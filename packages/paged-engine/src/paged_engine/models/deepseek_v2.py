@@ -14,7 +14,8 @@ instead of 128 heads x 2 x 128), one tensor per layer that is both its key and v
 so q' . [c, k_pe] = q_nope . (W_UK[h] c) + q_pe . k_pe, the same score; attention over the
 latent as one KV head gives o' = sum_j p_j [c_j, k_pe_j], whose first kv_lora_rank entries
 times W_UV[h] are head h's output. The paged attention kernels run it unchanged (one KV head,
-head size kv_lora_rank + qk_rope_head_dim, values read from the key cache).
+head size kv_lora_rank + qk_rope_head_dim, values read from the key cache): on CUDA
+paged_kernels.mla_attention, which holds the 512 latent and 64 rope columns as two tiles.
 
 RoPE rotates (even, odd) pairs (GPT-J style): HF's V3 `rope_interleave` permutes the rotated
 dims of q and k alike, and V2's complex rotation is pair-wise, so the scores equal ours. YaRN's
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.layers.attention import AttentionMetadata, LatentAttention
 from paged_engine.layers.deepseek_moe import DeepseekMoe, is_dense_layer, num_routed_experts
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -54,19 +55,6 @@ def mla_softmax_scale(config) -> float:
         if kind != "default" and mscale_all:
             scale *= _yarn_mscale(float(scaling["factor"]), float(mscale_all)) ** 2
     return scale
-
-
-class LatentAttention(Attention):
-    """Attention over a latent cache: the value is the key (one tensor), so the values' fp8
-    scale is the keys' (both writes of a slot must store the same bytes)."""
-
-    @property
-    def v_scale(self) -> float:
-        return self.k_scale
-
-    @v_scale.setter
-    def v_scale(self, value: float) -> None:  # set with k_scale (kv_scales.py): keys' wins
-        pass
 
 
 class _HeadRows(nn.Module):
@@ -121,7 +109,7 @@ class MlaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.v_dim, hidden, bias=bias)
         self.rotary_emb = rope  # shared by all layers
         latent = self.rank + self.rope_dim  # one KV "head" of the latent and the rotary key
-        self.attn = LatentAttention(self.heads, latent, 1, mla_softmax_scale(config))
+        self.attn = LatentAttention(self.heads, latent, self.rank, mla_softmax_scale(config))
 
     def forward(
         self,
@@ -143,18 +131,32 @@ class MlaAttention(nn.Module):
         # q_nope [H, T, nope] @ W_UK [H, nope, rank] -> the queries in latent space
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         q_full = torch.cat((q_latent, q_pe.view(t, self.heads, -1)), dim=-1).reshape(t, -1)
+        q_full = self.scale_queries(positions, q_full)
         latent = torch.cat((c, k_pe), dim=-1)  # [T, rank + rope]
         out = self.attn(q_full, latent, latent, kv_cache, md).view(t, self.heads, -1)
         # o' [H, T, rank] @ W_UV^T [H, rank, v] -> each head's output
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))
         return self.o_proj(o.transpose(0, 1).reshape(t, -1))
 
+    def scale_queries(self, positions: torch.Tensor, q_full: torch.Tensor) -> torch.Tensor:
+        """The absorbed queries [T, H_local * (rank + rope)] before attention: unchanged here.
+        A subclass may scale them per token (scaling all of a token's q' scales its scores as
+        scaling HF's q would)."""
+        return q_full
+
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, mlp: nn.Module) -> None:
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        rope: RotaryEmbedding,
+        mlp: nn.Module,
+        attention_cls: type[MlaAttention] = MlaAttention,
+    ) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.self_attn = MlaAttention(config, rope)
+        self.self_attn = attention_cls(config, rope)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -165,14 +167,21 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, config, build_mlp) -> None:
+    def __init__(
+        self,
+        config,
+        build_mlp,
+        attention_cls: type[MlaAttention] = MlaAttention,
+        rope: RotaryEmbedding | None = None,  # None: DeepSeek's, over qk_rope_head_dim
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=False)
+        if rope is None:
+            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=False)
         self.rotary_emb = rope
         self.layers, self.stage = make_layers(
             config.num_hidden_layers,
-            lambda i: DeepseekDecoderLayer(config, i, rope, build_mlp(config, i)),
+            lambda i: DeepseekDecoderLayer(config, i, rope, build_mlp(config, i), attention_cls),
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
 
@@ -194,13 +203,21 @@ class DeepseekV2ForCausalLM(CausalLMBase):
         (".gate_up_proj", ".up_proj", 1),
     )
     ignored_weights = ("rotary_emb.inv_freq",)
+    attention_cls: type[MlaAttention] = MlaAttention  # a subclass's may scale the queries
 
     def __init__(self, config) -> None:
         check_silu(config, type(self).__name__)
-        super().__init__(config, DeepseekModel(config, type(self).build_mlp))
+        cls = type(self)
+        inner = DeepseekModel(config, cls.build_mlp, cls.attention_cls, cls.build_rope(config))
+        super().__init__(config, inner)
         # Expert rules first: the dense and shared MLPs' ".gate_proj" also matches an expert's.
         rules = expert_rules(num_routed_experts(config), "gate_proj", "up_proj", "down_proj")
         self.stacked_params = (*rules, *type(self).stacked_params)
+
+    @classmethod
+    def build_rope(cls, config) -> RotaryEmbedding | None:
+        """The rope all layers share; None: DeepseekModel's (GPT-J style, qk_rope_head_dim)."""
+        return None
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

@@ -114,11 +114,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
+        self,
+        config,
+        layer_idx: int,
+        flags: dict[str, bool],
+        rope: RotaryEmbedding | None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,  # a subclass with the same weights
     ):
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(config, layer_idx, flags, rope)
+        self.self_attn = attention_cls(config, layer_idx, flags, rope)
         self.mlp = LlamaMLP(config, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)

@@ -76,17 +76,11 @@ class Ministral3Attention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
-class Ministral3DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
-        super().__init__(config, layer_idx, flags, rope)
-        # Llama's attention swapped for ours: the same parameters under the same names.
-        self.self_attn = Ministral3Attention(config, layer_idx, flags, rope)
-
-
 class Ministral3ForCausalLM(MistralForCausalLM):
     def __init__(self, config) -> None:
         flags = self.layer_flags(config)
+        attn = Ministral3Attention
         inner = LlamaModel(
-            config, flags, lambda i, rope: Ministral3DecoderLayer(config, i, flags, rope)
+            config, flags, lambda i, rope: LlamaDecoderLayer(config, i, flags, rope, attn)
         )
         CausalLMBase.__init__(self, config, inner)

@@ -9,6 +9,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase5
 #   device run:                   bash benchmarks/gpu_run.sh phase6
 #   device run:                   bash benchmarks/gpu_run.sh phase7
+#   device run:                   bash benchmarks/gpu_run.sh phase8
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -37,6 +38,10 @@
 #         gpu_profile on the Llama-3.1-8B config at batch 64, bf16 weights against FP8 ones.
 # phase7: FP8 experts: the MoE kernel's GPU-marked tests, then gpu_profile on Qwen3-30B-A3B's
 #         config at batch 64 with quantization="fp8" (~31 GB; phase4 ran it in bf16).
+# phase8: multi-head latent attention, DeepSeek-V2-Lite's config (~31 GB of bf16 dummy weights,
+#         a 576-entry latent cache a token and layer): mla_attention's GPU-marked tests, then
+#         gpu_profile at batch 64 with CUDA graphs and eager (phase1's kernel bench has the
+#         kernel alone, `mla_decode`).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -160,6 +165,14 @@ case "$PHASE" in
     step 300 moe-fp8-profile $PY -m benchmarks.gpu_profile --model-config qwen3-30b-a3b \
       --batch 64 --quantization fp8 --out "$OUT/moe-fp8"
     ;;
+  phase8)  # MLA: DeepSeek-V2-Lite's config (latent cache, mla_attention, 64 softmax-routed experts)
+    step 30 versions versions
+    step 120 mla-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mla_attention.py
+    step 240 mla-profile $PY -m benchmarks.gpu_profile --model-config deepseek-v2-lite \
+      --batch 64 --out "$OUT/mla"
+    step 150 mla-profile-eager $PY -m benchmarks.gpu_profile --model-config deepseek-v2-lite \
+      --batch 64 --enforce-eager --steps 10 --out "$OUT/mla-eager"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -185,9 +198,11 @@ case "$PHASE" in
       --quantization fp8 --out "$OUT/fp8"
     step 300 moe-fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3-30b-a3b \
       --quantization fp8 --out "$OUT/moe-fp8"
+    step 300 mla-profile $PY -m benchmarks.gpu_profile --smoke --model-config deepseek-v2-lite \
+      --out "$OUT/mla"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|rehearse" >&2
     exit 2
     ;;
 esac

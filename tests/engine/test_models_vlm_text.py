@@ -161,6 +161,11 @@ CASES = {
         lambda: _mistral3(_text("mistral"), tie_word_embeddings=True),
         "MistralForCausalLM",
     ),
+    # Mistral Small 4: MLA and DeepSeek's MoE inside the same wrapper
+    "mistral3-mistral4": (
+        lambda: _mistral3(_text("mistral4"), tie_word_embeddings=False),
+        "Mistral4ForCausalLM",
+    ),
     "qwen2_vl": (lambda: _qwen2_vl(tie_word_embeddings=True), "Qwen2ForCausalLM"),
     "qwen2_5_vl": (lambda: _qwen2_5_vl(tie_word_embeddings=False), "Qwen2ForCausalLM"),
     "qwen3_vl": (lambda: _qwen3_vl(tie_word_embeddings=True), "Qwen3ForCausalLM"),

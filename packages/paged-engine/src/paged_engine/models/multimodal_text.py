@@ -7,6 +7,7 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
+                                         mistral4               -> Mistral4ForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
@@ -76,7 +77,12 @@ WRAPPERS: dict[str, Wrapper] = {
         {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True
     ),
     "Mistral3ForConditionalGeneration": Wrapper(
-        {"mistral": "MistralForCausalLM", "ministral3": "Ministral3ForCausalLM"}, _LLAVA_STYLE
+        {
+            "mistral": "MistralForCausalLM",
+            "ministral3": "Ministral3ForCausalLM",
+            "mistral4": "Mistral4ForCausalLM",  # Mistral Small 4
+        },
+        _LLAVA_STYLE,
     ),
     "Qwen2VLForConditionalGeneration": Wrapper(
         {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True

@@ -83,3 +83,35 @@ def assert_tp_matches_one_process(
         assert two.token_ids == one.token_ids
         lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (one, two)]
         assert lps[1] == pytest.approx(lps[0], abs=1e-4)
+
+
+def assert_lora_matches_hf_merged(
+    path, tmp_path: Path, prompt: list[int], max_tokens: int, top: int, tp: int = 1
+) -> None:
+    """A rank-4 adapter on every down_proj (dense MLPs' and shared experts', whose partial
+    sums leave the reduce to their MoE block): `LLM.generate` with it gives HF's greedy tokens
+    and top-`top` logprobs on the model with the adapter merged, at tensor_parallel_size `tp`."""
+    from paged_engine import LLM, LoRARequest, SamplingParams
+    from paged_engine.testing import merge_lora_adapter, write_lora_adapter
+
+    adapter = write_lora_adapter(tmp_path / "adapter", path, rank=4, target_modules=("down_proj",))
+    ref = hf_greedy(merge_lora_adapter(load_hf_model(path), adapter), prompt, max_tokens, top)
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=64,
+        tensor_parallel_size=tp,
+        enable_lora=True,
+        max_lora_rank=4,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=top)
+    try:
+        out = llm.generate(
+            [{"prompt_token_ids": prompt}],
+            params,
+            lora_request=LoRARequest("adapter", 1, str(adapter)),
+            use_tqdm=False,
+        )[0]
+    finally:
+        llm.llm_engine.shutdown()
+    assert_matches(f"{Path(path).name} lora tp={tp}", out, ref)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from hf_reference import assert_lora_matches_hf_merged, assert_matches, hf_greedy, load_hf_model
 
 import paged_kernels
-from paged_engine import LLM, LoRARequest, SamplingParams
+from paged_engine import LLM, SamplingParams
 from paged_engine.layers import fused_moe as moe_layer
 from paged_engine.layers.deepseek_moe import DeepseekMoe, grouped_topk, is_dense_layer
 from paged_engine.loader import load_hf_config, load_model, resolve_model
@@ -30,9 +30,7 @@ from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.utils import load_named_weights
 from paged_engine.testing import (
-    merge_lora_adapter,
     tiny_config,
-    write_lora_adapter,
     write_tiny_model,
 )
 
@@ -332,25 +330,5 @@ def test_tensor_parallel_matches_hf(tmp_path):
 def test_lora_on_shared_experts_matches_hf_merged(tiny, tmp_path, tp):
     """An adapter on down_proj (the dense MLP's and the shared experts', whose partial sum
     leaves the reduce to the block): its delta counts once, at any tensor_parallel_size."""
-    adapter = write_lora_adapter(tmp_path / "a", tiny, rank=4, target_modules=("down_proj",))
     prompt = [random.Random(6).randrange(3, 512) for _ in range(20)]
-    ref = hf_greedy(merge_lora_adapter(load_hf_model(tiny), adapter), prompt, MAX_TOKENS, TOP)
-    llm = LLM(
-        model=str(tiny),
-        dtype="float32",
-        max_model_len=64,
-        tensor_parallel_size=tp,
-        enable_lora=True,
-        max_lora_rank=4,
-    )
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    try:
-        out = llm.generate(
-            [{"prompt_token_ids": prompt}],
-            params,
-            lora_request=LoRARequest("a", 1, str(adapter)),
-            use_tqdm=False,
-        )[0]
-    finally:
-        llm.llm_engine.shutdown()
-    assert_matches(f"glm4_moe lora tp={tp}", out, ref)
+    assert_lora_matches_hf_merged(tiny, tmp_path, prompt, MAX_TOKENS, TOP, tp=tp)

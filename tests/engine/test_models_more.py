@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from hf_reference import assert_lora_matches_hf_merged, assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
@@ -59,15 +59,6 @@ def test_qwen2_moe_tensor_parallel_matches_hf(tmp_path):
 def test_qwen2_moe_lora_on_the_shared_expert_matches_hf_merged(tmp_path):
     """An adapter on down_proj reaches the shared expert, whose partial sum leaves the reduce to
     the block: its delta must count once (it used to be dropped)."""
-    from paged_engine import LoRARequest
-    from paged_engine.testing import merge_lora_adapter, write_lora_adapter
-
     path = write_tiny_model(tmp_path / "m", "qwen2_moe", seed=4)
-    adapter = write_lora_adapter(tmp_path / "a", path, rank=4, target_modules=("down_proj",))
     prompt = [random.Random(8).randrange(3, 512) for _ in range(20)]
-    ref = hf_greedy(merge_lora_adapter(load_hf_model(path), adapter), prompt, MAX_TOKENS, TOP)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=64, enable_lora=True)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    request = LoRARequest("a", 1, str(adapter))
-    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=request)[0]
-    assert_matches("qwen2_moe lora", out, ref)
+    assert_lora_matches_hf_merged(path, tmp_path, prompt, MAX_TOKENS, TOP)

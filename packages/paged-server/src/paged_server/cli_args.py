@@ -282,15 +282,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="parse the model's tool calls for tool_choice 'auto': hermes (Hermes / Qwen), "
         "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), qwen3_coder "
         "(= qwen3_xml, Qwen3-Coder's <function=f>), granite (<|tool_call|>), phi4_mini_json "
-        "(functools[...]), openai (gpt-oss: Harmony messages to=functions.NAME)",
+        "(functools[...]), openai (gpt-oss: Harmony messages to=functions.NAME), deepseek_v3 / "
+        "deepseek_v31 (DeepSeek-V3 / R1 / V3.1 tool-call tokens), kimi_k2, glm45 (= glm47: "
+        "GLM-4.5-4.7's <tool_call>NAME<arg_key>...)",
     )
     p.add_argument(
         "--reasoning-parser",
         choices=list(REASONING_PARSERS),
         default=None,
         help="chat: the model's reasoning goes to message.reasoning_content: deepseek_r1 / "
-        "qwen3 (<think>...</think>), openai_gptoss (gpt-oss's Harmony analysis channel; the "
-        "final channel is the content; with --tool-call-parser openai for tool calls)",
+        "qwen3 / glm45 / kimi_k2 (<think>...</think>; deepseek_r1 and kimi_k2 from the first "
+        "token, qwen3 and glm45 from the model's own <think>), openai_gptoss (gpt-oss's Harmony "
+        "analysis channel; the final channel is the content; with --tool-call-parser openai)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

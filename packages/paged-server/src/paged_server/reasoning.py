@@ -8,6 +8,10 @@
                   short while thinking, as vLLM's qwen3 parser answers since it treats a missing
                   `</think>` as truncation); text before `<think>` and after `</think>` is content;
                   no `<think>`: all content
+    glm45         GLM-4.5 / 4.6 (they write their own `<think>`): read as qwen3 (vLLM's glm4_moe
+                  parser, also explicit-`<think>`; GLM-4.7's template opens the block in the
+                  prompt: deepseek_r1 reads that)
+    kimi_k2       Kimi K2 Thinking: read as deepseek_r1 (vLLM maps kimi_k2 to its R1 parser)
     openai_gptoss gpt-oss's Harmony messages (harmony.py): the analysis channel is reasoning,
                   final and commentary without a recipient are content, tool calls are the
                   tool parser's (`--tool-call-parser openai`); special tokens are kept in the
@@ -32,7 +36,8 @@ from typing import Any
 from paged_server.harmony import HarmonySplitter
 
 OPEN, CLOSE = "<think>", "</think>"
-THINK_PARSERS = ("deepseek_r1", "qwen3")
+THINK_PARSERS = ("deepseek_r1", "qwen3", "glm45", "kimi_k2")
+_TEMPLATE_OPENS = ("deepseek_r1", "kimi_k2")  # the others: the model writes its own <think>
 HARMONY = "openai_gptoss"
 REASONING_PARSERS = (*THINK_PARSERS, HARMONY)
 _BEFORE, _THINKING, _AFTER = range(3)  # content until <think> | reasoning | content to the end
@@ -45,8 +50,8 @@ class ThinkSplitter:
         if parser not in THINK_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {THINK_PARSERS}, got {parser!r}")
         # deepseek_r1: the template opened the block; qwen3: the model must open it
-        self.state = _THINKING if parser == "deepseek_r1" else _BEFORE
-        self.opened = parser == "qwen3"  # qwen3 reaches _THINKING only through its <think>
+        self.state = _THINKING if parser in _TEMPLATE_OPENS else _BEFORE
+        self.opened = self.state == _BEFORE  # qwen3 reaches _THINKING only through its <think>
         self.pending = ""  # text not yet assigned: a possible start of a tag
 
     def _markers(self) -> tuple[str, ...]:

@@ -11,11 +11,20 @@
     qwen3_coder.py  Qwen3-Coder: <tool_call><function=f><parameter=x>1</parameter></function>...,
                     values typed by the request's tool schemas
     gpt_oss.py      gpt-oss (openai): Harmony messages to functions.NAME, the body the arguments
+    framed.py       calls framed by special tokens: a header naming the function, JSON arguments
+    deepseek.py     DeepSeek-V3 / R1: <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME then the
+                    arguments in a ```json fence; V3.1: <｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}
+    kimi_k2.py      Kimi K2: <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+                    {...}; the model's ids are the calls' ids
+    glm45.py        GLM-4.5 / 4.6 / 4.7: <tool_call>NAME<arg_key>k</arg_key><arg_value>v
+                    </arg_value>, values typed as vLLM does (schema "string": text; else JSON)
 """
 
 from __future__ import annotations
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
+from paged_server.tool_parsers.glm45 import Glm45ToolParser
 from paged_server.tool_parsers.gpt_oss import OpenAIToolParser
 from paged_server.tool_parsers.hermes import HermesToolParser
 from paged_server.tool_parsers.json_list import (
@@ -23,6 +32,7 @@ from paged_server.tool_parsers.json_list import (
     MistralToolParser,
     Phi4MiniToolParser,
 )
+from paged_server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from paged_server.tool_parsers.llama3_json import Llama3JsonToolParser
 from paged_server.tool_parsers.pythonic import PythonicToolParser
 from paged_server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -37,6 +47,11 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # vLLM's name for the same format
     "openai": OpenAIToolParser,  # gpt-oss's Harmony format (vLLM's name)
+    "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
+    "kimi_k2": KimiK2ToolParser,
+    "glm45": Glm45ToolParser,
+    "glm47": Glm45ToolParser,  # vLLM's name for GLM-4.7 (no newline after the name)
 }
 
 __all__ = ["TOOL_PARSERS", "ParsedCall", "ToolParser"]

@@ -1,0 +1,131 @@
+"""Tool calls framed by special tokens, each a header naming the function followed by its
+arguments as one JSON object (DeepSeek-V3 / V3.1 in deepseek.py, Kimi K2 in kimi_k2.py):
+
+    CONTENT <section begin> <call begin> HEADER {ARGS} <call end> <call begin> ... <section end>
+
+A subclass says how its header reads (`header`: the name, the call's id as the model wrote it,
+where the arguments may start) and what may stand between the header and the arguments' `{`
+(`gap_ok`). Text before the first marker is the content; text between or after the calls is
+dropped. A call is well formed when its name is a plain word and its arguments are a complete
+JSON object; the `<call end>` token itself is not required (the arguments' closing brace ends
+the call), so a call whose closing token was cut off by max_tokens still counts. Anything else
+leaves the whole text as content.
+
+Streamed, a call is announced once its header is complete, then its arguments follow as the
+model writes them (the raw JSON text; the non-streamed answer re-serializes the same value).
+The markers are special tokens: the server keeps them in the text (`keeps_special_tokens`).
+Slow tokenizers may put spaces around special tokens when decoding; whitespace around the header
+and the arguments is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.streaming import PartialCall
+
+
+def object_end(s: str, start: int) -> int | None:
+    """Index just past the JSON object (or array) opening at s[start]; None while it is still
+    open (strings and escapes aware)."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(s)):
+        c = s[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def plain_name(name: str) -> bool:
+    """A function name as a header carries it: one word, no markup."""
+    return bool(name) and not any(c in '<>{}"' or c.isspace() for c in name)
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+class FramedToolParser(ToolParser):
+    keeps_special_tokens = True
+    call_begin: str = ""
+    call_ids: list[str] = []  # noqa: RUF012 - the last scan's ids, replaced per scan
+
+    def header(self, text: str, pos: int) -> tuple[str, str, int] | None:
+        """The header after a call's begin token (text[pos:]): (function name, the call's id
+        as written, where its arguments may start); None until it is complete. A malformed
+        header gives a name that is not `plain_name`."""
+        raise NotImplementedError
+
+    def gap_ok(self, gap: str) -> bool:
+        """Whether `gap` may stand between the header and the arguments' opening brace."""
+        return not gap.strip()
+
+    def _start(self, text: str) -> int:
+        return min((i for m in self.start_markers if (i := text.find(m)) >= 0), default=-1)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        start = self._start(text)
+        if start < 0:
+            return text, []
+        calls = []
+        for call in self.partial_calls(text):
+            args = _json_object(call.args) if call.args_done else None
+            if call.name is None or args is None:  # malformed or cut short: all content
+                return text, []
+            calls.append(ParsedCall(call.name, json.dumps(args, ensure_ascii=False)))
+        if not calls:
+            return text, []
+        content = text[:start].strip()
+        return content or None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls, self.call_ids = self._scan(text)
+        return calls
+
+    def _scan(self, text: str) -> tuple[list[PartialCall], list[str]]:
+        """Every call begun in `text`, the last one as far as it has arrived (a malformed one
+        ends the scan, its arguments never done), and the ids of those whose header is read."""
+        calls: list[PartialCall] = []
+        ids: list[str] = []
+        start = self._start(text)
+        pos = text.find(self.call_begin, start) if start >= 0 else -1
+        while pos >= 0:
+            call = PartialCall()
+            calls.append(call)
+            head = self.header(text, pos + len(self.call_begin))
+            if head is None:
+                break
+            name, call_id, pos = head
+            if not plain_name(name):
+                break
+            call.name = name
+            ids.append(call_id)
+            brace = text.find("{", pos)
+            if brace < 0 or not self.gap_ok(text[pos:brace]):
+                break
+            end = object_end(text, brace)
+            call.args = text[brace:end]
+            if end is None:
+                break
+            call.args_done = True
+            pos = text.find(self.call_begin, end)
+        return calls, ids

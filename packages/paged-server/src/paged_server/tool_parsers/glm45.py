@@ -1,0 +1,142 @@
+"""GLM-4.5 / 4.6 / 4.7 tool calls (vLLM's `glm45`; `glm47` is the same reading), one block per
+call:
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    <arg_key>days</arg_key>
+    <arg_value>3</arg_value>
+    </tool_call>
+
+The name runs to the end of its line or to the first `<arg_key>` (GLM-4.7 writes no newline);
+a call may have no arguments. Text before the first block is the content. Values are typed as
+vLLM types them: a parameter whose schema (the request's tool) says `"type": "string"` keeps its
+text exactly; any other value, stripped, is read as JSON, else as a Python literal, else kept as
+text (so `3` is a number and `Paris` a string when the tool gives no schema).
+
+Arguments are JSON text built a parameter at a time, so what a stream has sent is always a
+prefix of the final arguments; a string parameter's text streams as it is generated.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Any
+
+from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.framed import plain_name
+from paged_server.tool_parsers.streaming import PartialCall
+
+_CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
+_KEY_OPEN, _KEY_CLOSE = "<arg_key>", "</arg_key>"
+_VALUE_OPEN, _VALUE_CLOSE = "<arg_value>", "</arg_value>"
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):  # a set, bytes, NaN, ...: no JSON form
+        return False
+    return True
+
+
+def glm_value(text: str, schema: Any) -> Any:
+    """One <arg_value>'s text as the value of the arguments' JSON."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    word = text.strip()
+    for read in (json.loads, ast.literal_eval):
+        try:
+            value = read(word)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+        if _is_json(value):
+            return json.loads(json.dumps(value))  # a literal's tuples as lists
+    return word
+
+
+def _partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _field(key: str, value: Any) -> str:
+    return json.dumps({key: value}, ensure_ascii=False)[1:-1]  # "key": value
+
+
+class Glm45ToolParser(ToolParser):
+    start_markers = (_CALL_OPEN,)
+    keeps_special_tokens = True  # vLLM keeps them for GLM too (added tokens)
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
+        start = text.find(_CALL_OPEN)
+        if start < 0:
+            return text, []
+        calls = []
+        for call in self._scan(text, start):
+            if call.name is None or not call.args_done:  # malformed or cut short: content
+                return text, []
+            calls.append(ParsedCall(call.name, call.args))
+        content = text[:start].strip()
+        return content or None, calls
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        start = text.find(_CALL_OPEN)
+        return [] if start < 0 else self._scan(text, start)
+
+    def _scan(self, text: str, pos: int) -> list[PartialCall]:
+        """Every call from `pos` on, the last one as far as it has arrived; a malformed call
+        ends the scan with its arguments never done."""
+        calls: list[PartialCall] = []
+        while (pos := text.find(_CALL_OPEN, pos)) >= 0:
+            call = PartialCall()
+            calls.append(call)
+            pos += len(_CALL_OPEN)
+            ends = [i for m in ("\n", _KEY_OPEN, _CALL_CLOSE) if (i := text.find(m, pos)) >= 0]
+            if not ends:
+                return calls
+            name = text[pos : min(ends)].strip()
+            if not plain_name(name):
+                return calls
+            call.name = name
+            schema = self.schemas.get(name, {})
+            props = schema.get("properties", {}) if isinstance(schema, dict) else {}
+            props = props if isinstance(props, dict) else {}
+            fields: list[str] = []
+            pos = min(ends)
+            while True:
+                close = text.find(_CALL_CLOSE, pos)
+                key = text.find(_KEY_OPEN, pos)
+                if key < 0 or 0 <= close < key:
+                    break
+                if text[pos:key].strip():
+                    return calls  # text between the parameters
+                key_end = text.find(_KEY_CLOSE, key)
+                value = text.find(_VALUE_OPEN, key_end) if key_end >= 0 else -1
+                if value < 0:
+                    return calls  # still arriving, or no value
+                name_key = text[key + len(_KEY_OPEN) : key_end].strip()
+                # GLM-4.7 may write the newline between key and value as the two characters \n
+                if text[key_end + len(_KEY_CLOSE) : value].replace("\\n", "").strip():
+                    return calls
+                value += len(_VALUE_OPEN)
+                value_end = text.find(_VALUE_CLOSE, value)
+                kind = props.get(name_key)
+                if value_end < 0:  # still arriving: a string's text so far streams
+                    if isinstance(kind, dict) and kind.get("type") == "string":
+                        raw = text[value:]
+                        raw = raw[: len(raw) - _partial_tag_len(raw, _VALUE_CLOSE)]
+                        call.args = "{" + ", ".join([*fields, _field(name_key, raw)[:-1]])
+                    return calls
+                fields.append(_field(name_key, glm_value(text[value:value_end], kind)))
+                call.args = "{" + ", ".join(fields)
+                pos = value_end + len(_VALUE_CLOSE)
+            if close < 0 or text[pos:close].strip():
+                return calls
+            call.args, call.args_done = "{" + ", ".join(fields) + "}", True
+            pos = close + len(_CALL_CLOSE)
+        return calls

@@ -1,0 +1,413 @@
+"""The DeepSeek-V3 / V3.1, Kimi K2 and GLM-4.5 tool-call parsers (vLLM's deepseek_v3,
+deepseek_v31, kimi_k2, glm45), the glm45 / kimi_k2 reasoning names: whole outputs, streamed in
+every chunking, malformed output, then one request through the in-process server."""
+
+from __future__ import annotations
+
+import json
+import re
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from fake_engine import ScriptedEngine
+from server_proc import chat_stream, serve_in_process
+
+from paged_server.reasoning import ThinkSplitter, split_reasoning
+from paged_server.tool_parsers import TOOL_PARSERS, ToolParser
+from paged_server.tool_parsers.glm45 import glm_value
+from paged_server.tool_parsers.streaming import StreamingToolText
+from paged_server.tools import ToolOutput, parse_tools
+
+TB, CB, SEP, CE, TE = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁end｜>",
+)
+KS, KC, KA, KE, KZ = (
+    "<|tool_calls_section_begin|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<|tool_calls_section_end|>",
+)
+NOTE = 'say "hi" {ok} }'  # braces and quotes inside a JSON string
+FORECAST = {"city": "São Paulo", "days": 3, "note": NOTE}
+FORECAST_JSON = json.dumps(FORECAST, ensure_ascii=False)
+SCHEMAS = {
+    "forecast": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer"},
+            "note": {"type": "string"},
+        },
+    },
+    "clock": {"type": "object", "properties": {}},
+}
+
+# parser -> (model text with content then two calls, the content)
+CASES = {
+    "deepseek_v3": (
+        f"Let me check.{TB}{CB}function{SEP}forecast\n```json\n{FORECAST_JSON}\n```{CE}\n"
+        f'{CB}function{SEP}clock\n```json\n{{"tz": "utc"}}\n```{CE}{TE}',
+        "Let me check.",
+    ),
+    "deepseek_v31": (
+        f"Let me check.{TB}{CB}forecast{SEP}{FORECAST_JSON}{CE}"
+        f'{CB}clock{SEP}{{"tz": "utc"}}{CE}{TE}',
+        "Let me check.",
+    ),
+    "kimi_k2": (
+        f"Let me check.{KS}{KC}functions.forecast:0{KA}{FORECAST_JSON}{KE}"
+        f'{KC}functions.clock:1{KA}{{"tz": "utc"}}{KE}{KZ}',
+        "Let me check.",
+    ),
+    "glm45": (
+        "Let me check.\n<tool_call>forecast\n<arg_key>city</arg_key>\n<arg_value>São Paulo"
+        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n<arg_key>note"
+        f"</arg_key>\n<arg_value>{NOTE}</arg_value>\n</tool_call>\n<tool_call>clock\n"
+        "<arg_key>tz</arg_key>\n<arg_value>utc</arg_value>\n</tool_call>",
+        "Let me check.",
+    ),
+}
+WANT = [("forecast", FORECAST), ("clock", {"tz": "utc"})]
+MARKERS = re.compile(r"(<｜[^｜]*｜>|<\|[a-z_]+\|>|</?(?:tool_call|arg_key|arg_value)>)")
+
+
+def make(name: str) -> ToolParser:
+    parser = TOOL_PARSERS[name]()
+    parser.schemas = SCHEMAS
+    return parser
+
+
+def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[list[dict]], list]:
+    """(content shown, tool_calls entries per feed and the finish's, the finish's calls)."""
+    s = StreamingToolText(parser)
+    shown, per_feed = "", []
+    for piece in pieces:
+        out, entries = s.feed(piece)
+        shown += out
+        per_feed.append(entries)
+    rest, entries, calls = s.finish()
+    per_feed.append(entries)
+    return shown + rest, per_feed, calls
+
+
+def accumulate(per_feed: list[list[dict]]) -> list[dict]:
+    """delta.tool_calls merged by index, as OpenAI clients do; id and name come once, first."""
+    calls: dict[int, dict] = {}
+    for entries in per_feed:
+        for e in entries:
+            c = calls.setdefault(e["index"], {"id": None, "name": None, "arguments": ""})
+            assert ("id" in e) == (c["id"] is None)
+            if "id" in e:
+                assert e["type"] == "function" and e["function"]["name"]
+                c["id"], c["name"] = e["id"], e["function"]["name"]
+            c["arguments"] += e["function"].get("arguments", "")
+    return [calls[k] for k in sorted(calls)]
+
+
+def chunkings(text: str) -> list[list[str]]:
+    """One piece; one character at a time; 2, 3 and 7 characters; the special tokens whole
+    (as a tokenizer emits them) with the text between them in 3-character pieces."""
+    out = [[text], list(text)]
+    out += [[text[i : i + n] for i in range(0, len(text), n)] for n in (2, 3, 7)]
+    tokens: list[str] = []
+    for part in MARKERS.split(text):
+        tokens += (
+            [part] if MARKERS.fullmatch(part) else [part[i : i + 3] for i in range(0, len(part), 3)]
+        )
+    return [*out, [t for t in tokens if t]]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_whole_output(name: str) -> None:
+    text, content = CASES[name]
+    got, calls = make(name).parse(text)
+    assert got == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == WANT
+    plain = "No tools needed: 2 < 3 and {x}."
+    assert make(name).parse(plain) == (plain, [])
+    _, calls = make(name).parse(text[text.index(content) + len(content) :])  # no content
+    assert len(calls) == 2 and make(name).parse(text[len(content) :])[0] is None
+    assert TOOL_PARSERS[name].keeps_special_tokens
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_streamed_in_every_chunking(name: str) -> None:
+    """Content streams up to the first marker; each call is announced by name, then its
+    arguments follow piece by piece; accumulated they equal the non-streamed calls."""
+    text, content = CASES[name]
+    _, whole = make(name).parse(text)
+    for pieces in chunkings(text):
+        shown, per_feed, calls = stream(make(name), pieces)
+        assert shown.strip() == content, pieces
+        got = accumulate(per_feed)
+        assert [(c["name"], json.loads(c["arguments"])) for c in got] == WANT, pieces
+        assert [(c.name, c.arguments) for c in calls] == [(w.name, w.arguments) for w in whole]
+    # two pieces, cut anywhere
+    for i in range(len(text) + 1):
+        shown, per_feed, _ = stream(make(name), [text[:i], text[i:]])
+        assert shown.strip() == content, i
+        assert [json.loads(c["arguments"]) for c in accumulate(per_feed)] == [w for _, w in WANT]
+    # one character at a time: the name goes out first, the arguments over many chunks
+    _, per_feed, _ = stream(make(name), list(text))
+    first = [e for entries in per_feed for e in entries if e["index"] == 0]
+    assert first[0]["function"]["name"] == "forecast" and len(first) >= 4
+    assert first[0]["function"]["arguments"] != accumulate(per_feed)[0]["arguments"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_text_that_only_looks_like_a_marker_streams_as_content(name: str) -> None:
+    text = "a <｜tool b <|tool_call c <tool d <tool_cal"
+    for pieces in ([text], list(text)):
+        shown, per_feed, calls = stream(make(name), pieces)
+        assert shown == text and calls == [] and accumulate(per_feed) == []
+    # the tail that may start a marker waits for the next piece
+    s = StreamingToolText(make(name))
+    marker = TOOL_PARSERS[name].start_markers[0]
+    assert s.feed("Hi " + marker[:5]) == ("Hi ", [])
+
+
+MALFORMED = {
+    "deepseek_v3": [
+        f"{TB}{CB}function{SEP}f\n```json\n{{bad json}}\n```{CE}{TE}",
+        f"{TB}{CB}function{SEP}f\n```json\n[1, 2]\n```{CE}{TE}",  # not an object
+        f"{TB}{CB}function{SEP}f\n```python\n{{}}\n```{CE}{TE}",  # not a json fence
+        f"{TB}{CB}function{SEP}\n```json\n{{}}\n```{CE}{TE}",  # no name
+        f"{TB}{CB}f\n```json\n{{}}\n```{CE}{TE}",  # no separator
+        f'{TB}{CB}function{SEP}f\n```json\n{{"a": 1',  # cut short by max_tokens
+        f"Sure.{TB}",
+    ],
+    "deepseek_v31": [
+        f"{TB}{CB}f{SEP}{{bad}}{CE}{TE}",
+        f'{TB}{CB}f{SEP}"text"{CE}{TE}',
+        f"{TB}{CB}two words{SEP}{{}}{CE}{TE}",
+        f"{TB}{CB}f{SEP}x {{}}{CE}{TE}",  # text before the arguments
+        f'{TB}{CB}f{SEP}{{"a": [1, 2}}{CE}{TE}',
+        f"{TB}{CB}f",
+    ],
+    "kimi_k2": [
+        f"{KS}{KC}functions.f:0{KA}{{broken{KE}{KZ}",
+        f"{KS}{KC}functions.f:0{KA}[]{KE}{KZ}",
+        f"{KS}{KC}functions.f:0{KE}{KC}functions.g:1{KA}{{}}{KE}{KZ}",  # no arguments marker
+        f'{KS}{KC}functions.f:0{KA}{{"a": "b',
+        f"{KS}{KC}",
+    ],
+    "glm45": [
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n",  # cut short
+        "<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>",  # a key without a value
+        "<tool_call>f\n<arg_key>a</arg_key>junk<arg_value>1</arg_value>\n</tool_call>",
+        "<tool_call>f\nstray text\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',  # Hermes JSON, not GLM
+        "<tool_call>\n<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>",  # no name
+        "<tool_call>",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_output_stays_content(name: str) -> None:
+    """Not well-formed calls: the whole text is the content, whole or streamed (a call whose
+    name was streamed stays announced, as with the other parsers)."""
+    for text in MALFORMED[name]:
+        for bad in (text, "Before. " + text):
+            assert make(name).parse(bad) == (bad, []), bad
+            for pieces in ([bad], list(bad)):
+                shown, _, calls = stream(make(name), pieces)
+                assert shown == bad and calls == [], bad
+
+
+def test_deepseek_formats_in_detail() -> None:
+    # pretty-printed arguments inside the fence; calls separated by a newline or not at all
+    v3 = (
+        f'{TB}{CB}function{SEP}f\n```json\n{{\n  "a": {{"b": [1, "}}"]}}\n}}\n```{CE}'
+        f"{CB}function{SEP}g\n```json\n{{}}\n```{CE}{TE}"
+    )
+    content, calls = make("deepseek_v3").parse(v3)
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("f", {"a": {"b": [1, "}"]}}),
+        ("g", {}),
+    ]
+    # a call begin without the block's opening token still counts; a call cut after its
+    # arguments (no closing token, max_tokens) keeps them
+    _, calls = make("deepseek_v31").parse(f'Ok {CB}f{SEP}{{"x": 1}}')
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"x": 1}')]
+    # V3.1 text read as V3 and the reverse: not calls
+    v31 = CASES["deepseek_v31"][0]
+    assert make("deepseek_v3").parse(v31) == (v31, [])
+    assert make("deepseek_v31").parse(CASES["deepseek_v3"][0])[1] == []
+
+
+def test_kimi_ids_spaces_and_variants() -> None:
+    # a slow tokenizer's spaces around special tokens; the singular section marker; an id
+    # without the functions. prefix
+    text = (
+        f"Hi <|tool_call_section_begin|> {KC} functions.get_weather:0 {KA} "
+        f'{{"city": "Paris"}} {KE} {KC} clock:1 {KA} {{}} {KE} <|tool_call_section_end|>'
+    )
+    parser = make("kimi_k2")
+    content, calls = parser.parse(text)
+    assert content == "Hi" and [c.name for c in calls] == ["get_weather", "clock"]
+    assert [parser.new_call_id() for _ in range(3)][:2] == ["functions.get_weather:0", "clock:1"]
+    assert parser.new_call_id().startswith("call_")  # past the model's calls: OpenAI-style
+
+
+def _kimi_request() -> Any:
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()
+    ]
+    return parse_tools({"tools": tools}, "kimi_k2")
+
+
+def test_kimi_call_ids_are_the_models_in_the_answer() -> None:
+    """Kimi's template writes the ids back: the answer's ids are functions.NAME:IDX, whole
+    and streamed (ToolOutput hands out the parser's ids)."""
+    text, _ = CASES["kimi_k2"]
+    msg, reason = ToolOutput(_kimi_request(), TOOL_PARSERS["kimi_k2"]()).message(text, "stop")
+    assert reason == "tool_calls" and msg["content"] == "Let me check."
+    assert [c["id"] for c in msg["tool_calls"]] == ["functions.forecast:0", "functions.clock:1"]
+    out = ToolOutput(_kimi_request(), TOOL_PARSERS["kimi_k2"]())
+    ids = []
+    for i, ch in enumerate(text):
+        last = i == len(text) - 1
+        entry = out.rewrite(
+            {"index": 0, "delta": {"content": ch}, "finish_reason": "stop" if last else None}
+        )
+        for tc in (entry or {}).get("delta", {}).get("tool_calls", []):
+            ids += [tc["id"]] if "id" in tc else []
+    assert ids == ["functions.forecast:0", "functions.clock:1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "want"),
+    [
+        ("3", {"type": "integer"}, 3),
+        ("3", {"type": "string"}, "3"),  # the schema says string: the text as written
+        (" padded \n", {"type": "string"}, " padded \n"),
+        ("3", None, 3),  # no schema: JSON when it reads
+        (" 2.5 ", {"type": "number"}, 2.5),
+        ("true", None, True),
+        ("True", None, True),  # a Python literal
+        ("None", {"type": "null"}, None),
+        ('{"a": [1, 2]}', {"type": "object"}, {"a": [1, 2]}),
+        ("{'a': (1, 2)}", {"type": "object"}, {"a": [1, 2]}),  # tuples as lists
+        ("Paris", None, "Paris"),
+        (" Paris ", {"type": ["string", "null"]}, "Paris"),  # only "string" itself keeps text
+        ("NaN", {"type": "number"}, "NaN"),  # no JSON form: text
+        ("{1, 2}", {"type": "array"}, "{1, 2}"),  # a set: text
+        ("[1, 2", {"type": "array"}, "[1, 2"),
+    ],
+)
+def test_glm45_value_types(text: str, kind: Any, want: Any) -> None:
+    assert glm_value(text, kind) == want
+
+
+def test_glm45_typed_calls_and_the_glm47_form() -> None:
+    parser = make("glm45")
+    text = (
+        "<tool_call>forecast\n<arg_key>city</arg_key>\n<arg_value>1984</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value> 3 </arg_value>\n<arg_key>extra</arg_key>\n"
+        "<arg_value>[1, 'a']</arg_value>\n</tool_call>"
+    )
+    _, (call,) = parser.parse(text)
+    assert call.arguments == '{"city": "1984", "days": 3, "extra": [1, "a"]}'
+    # GLM-4.7: no newline after the name, nor between the tags (or a literal \n); a call
+    # without arguments
+    glm47 = (
+        "<tool_call>forecast<arg_key>days</arg_key>\\n<arg_value>2</arg_value></tool_call>"
+        "<tool_call>clock</tool_call>"
+    )
+    _, calls = TOOL_PARSERS["glm47"]().parse(glm47)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("forecast", {"days": 2}),
+        ("clock", {}),
+    ]
+    assert TOOL_PARSERS["glm47"] is TOOL_PARSERS["glm45"]
+
+
+def test_glm45_string_values_stream_as_they_come() -> None:
+    """A string parameter's text streams before its closing tag (a possible start of the tag
+    held back); other values go out whole; the pieces add up to the final arguments."""
+    body = "line one\nline </arg two & 'three'"
+    text = (
+        f"<tool_call>forecast\n<arg_key>note</arg_key>\n<arg_value>{body}</arg_value>\n"
+        "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+    )
+    _, per_feed, (call,) = stream(make("glm45"), list(text))
+    pieces = [e["function"]["arguments"] for f in per_feed for e in f if e.get("index") == 0]
+    assert len(pieces) > len(body) // 2  # the note arrived over many chunks
+    assert "".join(pieces) == call.arguments == json.dumps({"note": body, "days": 3})
+    # without a string schema, the value waits for its closing tag
+    _, per_feed, _ = stream(TOOL_PARSERS["glm45"](), list(text))
+    assert len([e for f in per_feed for e in f]) <= 4
+
+
+@pytest.mark.parametrize(("alias", "same_as"), [("glm45", "qwen3"), ("kimi_k2", "deepseek_r1")])
+def test_reasoning_names(alias: str, same_as: str) -> None:
+    for text in (
+        "<think>plan</think>\n\nAnswer",
+        "plan it</think>The answer.",
+        "No thinking here, a < b.",
+        "pre <think>in</think> post",
+        "<think>cut short while thin",
+    ):
+        assert split_reasoning(alias, text) == split_reasoning(same_as, text), text
+        s, r, c = ThinkSplitter(alias), "", ""
+        for ch in text:
+            dr, dc = s.feed(ch)
+            r, c = r + dr, c + dc
+        dr, dc = s.finish()
+        assert ((r + dr) or None, c + dc) == split_reasoning(same_as, text)
+    from paged_server.cli_args import parse_args
+
+    assert parse_args(["--reasoning-parser", alias]).reasoning_parser == alias
+
+
+def test_cli_accepts_the_names() -> None:
+    from paged_server.cli_args import parse_args
+
+    for name in ("deepseek_v3", "deepseek_v31", "kimi_k2", "glm45", "glm47"):
+        assert parse_args(["--tool-call-parser", name]).tool_call_parser == name
+
+
+# ---- through the server ------------------------------------------------------------------
+
+
+def test_kimi_k2_end_to_end() -> None:
+    """--tool-call-parser kimi_k2 --reasoning-parser kimi_k2 over a scripted model: reasoning,
+    content and the calls (with the model's ids), whole and streamed; special tokens kept."""
+    engine = ScriptedEngine(max_model_len=512, step_time=0.0002)
+    args = ["--max-model-len", "512", "--served-model-name", "tiny", "--client-timeout", "3"]
+    args += ["--tool-call-parser", "kimi_k2", "--reasoning-parser", "kimi_k2"]
+    script = "Need the weather.</think>" + CASES["kimi_k2"][0].replace("São", "Sao")
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()
+    ]
+    with serve_in_process(args, engine) as (http, _):
+        engine.script = script
+        body = {"messages": [{"role": "user", "content": "Hi"}], "tools": tools}
+        status, _, payload = http.request("POST", "/v1/chat/completions", body)
+        assert status == 200, payload
+        choice = payload["choices"][0]
+        m = choice["message"]
+        assert choice["finish_reason"] == "tool_calls"
+        assert m["reasoning_content"] == "Need the weather." and m["content"] == "Let me check."
+        assert [(c["id"], c["function"]["name"]) for c in m["tool_calls"]] == [
+            ("functions.forecast:0", "forecast"),
+            ("functions.clock:1", "clock"),
+        ]
+        assert json.loads(m["tool_calls"][0]["function"]["arguments"])["days"] == 3
+        assert engine.params[payload["id"] + "-0"].skip_special_tokens is False
+        s = chat_stream(SimpleNamespace(http=http, engine=engine), script, tools=tools)
+        assert s["reasoning_content"] == "Need the weather." and s["finish"] == "tool_calls"
+        assert s["content"].strip() == "Let me check."
+        assert [(c["id"], c["name"]) for c in s["calls"].values()] == [
+            ("functions.forecast:0", "forecast"),
+            ("functions.clock:1", "clock"),
+        ]
+        assert json.loads(s["calls"][1]["arguments"]) == {"tz": "utc"}

@@ -7,10 +7,14 @@ Gemma 3's text config sets a final soft-cap that its wrapper does not apply; Mis
 its top-level flag (not text_config's), and a Mistral-Small-style config that omits the flag
 (transformers 5 then defaults to tied) still loads the checkpoint's own head; Qwen's M-RoPE
 sections (contiguous for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL) are the plain rope on
-text. Also: either weight naming loads (transformers 5's `model.language_model.` and the older
-`language_model.model.` / Qwen's `model.`), weight updates take the wrapper's names, an
-unsupported text model is a clear error, and images are refused (an image content part in
-a chat request: a 400; vLLM's multi_modal_data in an `LLM.generate` prompt: a ValueError).
+text; Qwen3-VL-MoE's router renormalizes although its config says norm_topk_prob False, and its
+fused experts load in transformers 5's layout and in the Hub's transpose (where
+hidden_size == 2 * moe_intermediate_size both have one shape: config.json's
+transformers_version decides). Also: either weight naming loads (transformers 5's
+`model.language_model.` and the older `language_model.model.` / Qwen's `model.`), weight
+updates take the wrapper's names, an unsupported text model is a clear error, and images are
+refused (an image content part in a chat request: a 400; vLLM's multi_modal_data in an
+`LLM.generate` prompt: a ValueError).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greed
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.loader import load_hf_config, load_tokenizer, resolve_model
-from paged_engine.models.multimodal_text import text_model_weights, text_only_config
+from paged_engine.models.multimodal_text import hub_layout, text_model_weights, text_only_config
 from paged_engine.testing import (
     _COMMON,
     _quiet_progress,
@@ -147,6 +151,29 @@ def _qwen3_vl(**top) -> tuple[type, object]:
     return transformers.Qwen3VLForConditionalGeneration, config
 
 
+def _qwen3_vl_moe(moe_intermediate_size: int, **top) -> tuple[type, object]:
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    }
+    text = transformers.Qwen3VLMoeTextConfig(
+        **{**_LLAMA_LIKE, "num_hidden_layers": 3},
+        head_dim=32,
+        rope_parameters=rope,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_intermediate_size,
+        mlp_only_layers=[1],  # layers 0 and 2 sparse, 1 dense (intermediate_size 128)
+        norm_topk_prob=False,  # stored in config.json; transformers 5's router ignores it
+    )
+    vision = {**_QWEN_VISION, "depth": 2, "num_position_embeddings": 16}
+    vision["deepstack_visual_indexes"] = [0]
+    config = transformers.Qwen3VLMoeConfig(text_config=text.to_dict(), vision_config=vision, **top)
+    return transformers.Qwen3VLMoeForConditionalGeneration, config
+
+
 # name -> (builder of (wrapper class, config), the text class we serve it with)
 CASES = {
     "gemma3": (lambda: _gemma3(), "Gemma3ForCausalLM"),
@@ -169,6 +196,13 @@ CASES = {
     "qwen2_vl": (lambda: _qwen2_vl(tie_word_embeddings=True), "Qwen2ForCausalLM"),
     "qwen2_5_vl": (lambda: _qwen2_5_vl(tie_word_embeddings=False), "Qwen2ForCausalLM"),
     "qwen3_vl": (lambda: _qwen3_vl(tie_word_embeddings=True), "Qwen3ForCausalLM"),
+    # hidden 64, experts' I 48: each fused expert tensor's layout shows in its shape
+    "qwen3_vl_moe": (lambda: _qwen3_vl_moe(48), "Qwen3MoeForCausalLM"),
+    # hidden 64 == 2 * 32: gate_up [8, 64, 64] in both layouts
+    "qwen3_vl_moe-square": (
+        lambda: _qwen3_vl_moe(32, tie_word_embeddings=True),
+        "Qwen3MoeForCausalLM",
+    ),
 }
 
 
@@ -276,6 +310,14 @@ OTHER_NAMING = {
 }
 
 
+def _outputs_equal(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        outs = (a.outputs[0], b.outputs[0])
+        lps = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in outs]
+        assert lps[0] == pytest.approx(lps[1], abs=1e-5)
+
+
 @pytest.mark.parametrize("name", list(OTHER_NAMING))
 def test_either_weight_naming_loads(name, vlm_dirs, tmp_path):
     original = vlm_dirs(name)
@@ -285,13 +327,62 @@ def test_either_weight_naming_loads(name, vlm_dirs, tmp_path):
     prompts = _prompts(name, 2)
     _, want = _generate(original, prompts)
     _, got = _generate(path, prompts)
-    for a, b in zip(got, want, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        outs = (a.outputs[0], b.outputs[0])
-        lps = [[e[t].logprob for e, t in zip(o.logprobs, o.token_ids)] for o in outs]
-        assert lps[0] == pytest.approx(lps[1], abs=1e-5)
+    _outputs_equal(got, want)
     renamed = set(safetensors_torch.load_file(str(path / "model.safetensors")))
     assert renamed != saved
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_moe", "qwen3_vl_moe-square"])
+def test_hub_expert_layout_loads(name, vlm_dirs, tmp_path):
+    """transformers 5 saves the fused experts as [E, 2I, H] / [E, H, I]; the published
+    Qwen3-VL-MoE checkpoints (transformers 4.57) hold [E, H, 2I] / [E, I, H]. Rewritten to the
+    Hub's layout (and writer), the checkpoint gives the same outputs; the square case
+    (gate_up [8, 64, 64]) needs the writer's version to tell."""
+    original = vlm_dirs(name)
+    path = write_tiny_vlm(tmp_path, name, seed=1)
+    file = path / "model.safetensors"
+    state = safetensors_torch.load_file(str(file))
+    fused = [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    assert len(fused) == 4  # two sparse layers
+    for n in fused:
+        state[n] = state[n].transpose(1, 2).contiguous()
+    safetensors_torch.save_file(state, str(file), metadata={"format": "pt"})
+    cfg_file = path / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    assert raw["transformers_version"].startswith("5.")
+    raw["transformers_version"] = "4.57.1"
+    cfg_file.write_text(json.dumps(raw))
+    prompts = _prompts(name, 2)
+    _, want = _generate(original, prompts)
+    _, got = _generate(path, prompts)
+    _outputs_equal(got, want)
+
+
+def test_expert_layout_rule():
+    h, i = 64, 48
+    gate_up, down = (2 * i, h), (h, i)
+    assert not hub_layout((8, 2 * i, h), gate_up, square_is_hub=True)  # ours
+    assert hub_layout((8, h, 2 * i), gate_up, square_is_hub=False)  # the Hub's: shape decides
+    assert not hub_layout((8, h, i), down, square_is_hub=True)
+    assert hub_layout((8, i, h), down, square_is_hub=False)
+    assert not hub_layout((8, 7, 9), down, square_is_hub=True)  # neither: the loader reports
+    assert not hub_layout((2 * i, h), gate_up, square_is_hub=True)  # not fused
+    for square in ((64, 64), (48, 48)):  # H == 2I (gate_up), H == I (down)
+        assert hub_layout((8, *square), square, square_is_hub=True)
+        assert not hub_layout((8, *square), square, square_is_hub=False)
+    # The writer: transformers 5 saves ours, older versions (or none named) the Hub's.
+    _, config = _qwen3_vl_moe(32)
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    for version, square_is_hub in (("5.24.0", False), ("4.57.1", True), (None, True)):
+        config.transformers_version = version
+        text = text_only_config(config)
+        assert text.text_only_square_experts_hub is square_is_hub
+        assert text.norm_topk_prob is True
+        w = torch.arange(8 * 64 * 64.0).reshape(8, 64, 64)
+        name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+        ((got_name, got),) = text_model_weights([(name, w)], text)
+        assert got_name == "model.layers.0.mlp.experts.gate_up_proj"
+        assert torch.equal(got, w.transpose(1, 2) if square_is_hub else w)
 
 
 def test_head_kept_where_the_config_omits_tie(vlm_dirs, tmp_path):

@@ -11,6 +11,7 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
+    Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
 
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
@@ -18,7 +19,9 @@ top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by t
 flag, and leaves them untied where the checkpoint carries its own head), `quantization_config`,
 the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
 final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
-`final_logit_softcapping`; a Qwen "mrope" rope type (older configs) becomes "default".
+`final_logit_softcapping`; a Qwen "mrope" rope type (older configs) becomes "default";
+Qwen3-VL-MoE's router always renormalizes its top-k weights (transformers 5's config has no
+`norm_topk_prob`, and its router reads none), so the copy sets `norm_topk_prob` True.
 
 Weights (`text_model_weights`): the language model's names map to ours whichever way the
 checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
@@ -26,6 +29,16 @@ checkpoint was saved: `model.language_model.X` (transformers 5) and `language_mo
 `model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay. The vision tower and projector
 (`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`) are dropped by
 name before their bytes are touched (tensors are views of memory-mapped files until copied).
+
+Qwen3-VL-MoE's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; per-expert
+matrices load as for Qwen3-MoE) come in one of two layouts, with H = hidden_size and
+I = moe_intermediate_size: ours, which is transformers 5's in memory and what its save_pretrained
+writes ([E, 2I, H] and [E, H, I]), or the Hub's, written by transformers 4.57 for the published
+checkpoints ([E, H, 2I] and [E, I, H], the transpose of dims 1 and 2). The shape decides: a
+tensor whose last two dims are ours reversed is transposed (a view), any other passes on for
+the loader to check. Where H == 2I (gate_up) or H == I (down) both layouts have one shape; then
+the writer decides: config.json's `transformers_version` 5 or later means ours (transformers 5
+itself transposes on a shape mismatch only), an older or missing one the Hub's layout.
 
 Why text-only is exact (checked against transformers' modeling code): with no image, every
 wrapper embeds the tokens with the text model's embedding, runs the text decoder with its own
@@ -39,7 +52,7 @@ RoPE over head_dim with the same inv_freq.
 
 Not handled: images (the server refuses image content parts; there is no vision encoder here),
 LoRA adapters trained on the wrapper's module names, wrappers whose decoder is not one of ours
-as it stands (Qwen3-VL-MoE's fused expert tensors, Gemma 3n, Llama 4, Qwen3.5).
+as it stands (Gemma 3n, Llama 4, Qwen3.5).
 """
 
 from __future__ import annotations
@@ -70,6 +83,8 @@ class Wrapper:
     skipped: tuple[str, ...]  # name prefixes of the vision weights
     no_final_soft_cap: bool = False  # the wrapper's logits are lm_head(hidden) alone
     mrope: bool = False  # the text rope is M-RoPE: the ordinary rope on text-only input
+    renormalized_topk: bool = False  # the router renormalizes whatever norm_topk_prob says
+    hub_experts: bool = False  # fused experts may come transposed ([E, H, 2I], [E, I, H])
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -93,10 +108,19 @@ WRAPPERS: dict[str, Wrapper] = {
     "Qwen3VLForConditionalGeneration": Wrapper(
         {"qwen3_vl_text": "Qwen3ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),
+    "Qwen3VLMoeForConditionalGeneration": Wrapper(
+        {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        renormalized_topk=True,
+        hub_experts=True,
+    ),
 }
 
 # Set on the text config we return: the wrapper it came from (selects the weight mapping).
 MARKER = "text_only_of"
+# Set with `hub_experts`: whether a fused expert tensor of either layout's shape is the Hub's.
+SQUARE_EXPERTS_HUB = "text_only_square_experts_hub"
 
 # (checkpoint prefix, our prefix), first match wins
 _RENAMES = (
@@ -156,6 +180,10 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.final_logit_softcapping = None
     if spec.mrope:
         _mrope_as_default(text)
+    if spec.renormalized_topk:
+        text.norm_topk_prob = True
+    if spec.hub_experts:
+        setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
     setattr(text, MARKER, arch)
     logger.info(
         "%s: serving its language model (%s) text-only; the vision weights are not loaded",
@@ -169,11 +197,14 @@ def text_model_weights(
     weights: Iterable[tuple[str, Any]], config: Any
 ) -> Iterable[tuple[str, Any]]:
     """`weights` with a VLM wrapper's language-model names mapped to ours and its vision
-    weights dropped; unchanged for any other config."""
+    weights dropped (and fused experts in our layout, see the module doc); unchanged for any
+    other config."""
     arch = getattr(config, MARKER, None)
     if arch is None:
         return weights
-    return _mapped(weights, WRAPPERS[arch].skipped)
+    spec = WRAPPERS[arch]
+    mapped = _mapped(weights, spec.skipped)
+    return _experts_as_ours(mapped, config) if spec.hub_experts else mapped
 
 
 def _mapped(
@@ -187,6 +218,34 @@ def _mapped(
                 name = new + name[len(old) :]
                 break
         yield name, tensor
+
+
+def hub_layout(shape: tuple[int, ...], ours: tuple[int, int], square_is_hub: bool) -> bool:
+    """Whether a fused expert tensor of `shape` [E, a, b] is the Hub's transpose of our
+    [E, *ours]; a square `ours` fits both layouts, and `square_is_hub` decides."""
+    if len(shape) != 3 or tuple(shape[1:]) != ours[::-1]:
+        return False  # ours, or neither layout: the loader reports a wrong shape
+    return ours[0] != ours[1] or square_is_hub
+
+
+def _experts_as_ours(weights: Iterable[tuple[str, Any]], config: Any) -> Iterator[tuple[str, Any]]:
+    h, i = config.hidden_size, config.moe_intermediate_size
+    ours = {".mlp.experts.gate_up_proj": (2 * i, h), ".mlp.experts.down_proj": (h, i)}
+    square_is_hub = bool(getattr(config, SQUARE_EXPERTS_HUB, True))
+    for name, tensor in weights:
+        suffix = next((s for s in ours if name.endswith(s)), None)
+        if suffix is not None and hub_layout(tuple(tensor.shape), ours[suffix], square_is_hub):
+            tensor = tensor.transpose(1, 2)
+        yield name, tensor
+
+
+def _written_before_5(config: Any) -> bool:
+    """Whether config.json names a transformers older than 5 as its writer, or none."""
+    version = str(getattr(config, "transformers_version", None))
+    try:
+        return int(version.split(".")[0]) < 5
+    except ValueError:
+        return True
 
 
 def _mrope_as_default(text: Any) -> None:

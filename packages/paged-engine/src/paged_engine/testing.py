@@ -36,6 +36,17 @@ MORE_TINY_ARCHS: list[str] = [
     "deepseek_v2",
     "glm4_moe_lite",
     "mistral4",
+    "granitemoe",
+    "granitemoeshared",
+    "ernie4_5",
+    "ernie4_5_moe",
+    "seed_oss",
+    "starcoder2",
+    "stablelm",
+    "phi",
+    "glm4",
+    "cohere",
+    "cohere2",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -156,7 +167,7 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             **_LLAMA_LIKE,
             "embedding_multiplier": 6.0,
             "residual_multiplier": 0.5,
-            "attention_multiplier": 0.25,
+            "attention_multiplier": 0.5,  # not head_dim^-0.5 (0.25 here): a dropped one shows
             "logits_scaling": 2.5,
             "tie_word_embeddings": True,
         },
@@ -340,6 +351,147 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
                 "mscale_all_dim": 0.707,
                 "llama_4_scaling_beta": 0.5,
             },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GLM-4: head_dim 32 (q wider than hidden), interleaved rope over half of each head, q / k / v
+    # biases, the four norms a layer
+    "glm4": (
+        "Glm4Config",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Cohere: per-head q / k LayerNorms, q / k / v / o biases, logits scaled by 0.5
+    "cohere": (
+        "CohereConfig",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "rms_norm_eps"},
+            "layer_norm_eps": 1e-5,
+            "use_qk_norm": True,
+            "attention_bias": True,
+            "logit_scale": 0.5,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Cohere 2: a sliding layer (window 8 < the test prompts, with rope) and a full NoPE one
+    "cohere2": (
+        "Cohere2Config",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "rms_norm_eps"},
+            "layer_norm_eps": 1e-5,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 8,
+            "logit_scale": 0.5,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # StarCoder2: LayerNorms, biases everywhere, a non-gated GELU MLP, every layer windowed (8 <
+    # the test prompts), GQA, tied head
+    "starcoder2": (
+        "Starcoder2Config",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "rms_norm_eps"},
+            "norm_epsilon": 1e-5,
+            "sliding_window": 8,
+            "use_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # StableLM-2 1.6B's layout: LayerNorms, rope over a quarter of each head, q / k / v biases
+    # (tests also turn on qk_layernorm and use_parallel_residual, 2-12B's)
+    "stablelm": (
+        "StableLmConfig",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "rms_norm_eps"},
+            "layer_norm_eps": 1e-5,
+            "partial_rotary_factor": 0.25,
+            "use_qkv_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Phi-2's layout with GQA and q / k LayerNorms: parallel attention and MLP, rope over half of
+    # each head, biases everywhere including the LM head
+    "phi": (
+        "PhiConfig",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "rms_norm_eps"},
+            "layer_norm_eps": 1e-5,
+            "partial_rotary_factor": 0.5,
+            "qk_layernorm": True,
+            "hidden_act": "gelu_new",
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Granite MoE: Granite's four multipliers away from 1 (the attention scale 0.5, not
+    # head_dim^-0.5 = 0.25), q / k / v / o biases, 4 experts (2 chosen); GraniteMoeShared adds an
+    # ungated shared MLP
+    "granitemoe": (
+        "GraniteMoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "attention_bias": True,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.5,
+            "logits_scaling": 2.5,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "granitemoeshared": (
+        "GraniteMoeSharedConfig",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 48,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.5,
+            "logits_scaling": 2.5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # ERNIE 4.5: interleaved rope, explicit head_dim, use_bias (every projection, and the MoE
+    # model's lm_head); the MoE model: a dense layer 0, then layers of 8 experts (2 chosen by
+    # softmax + a random e_score_correction_bias) and a shared expert
+    "ernie4_5": (
+        "Ernie4_5Config",
+        {**_LLAMA_LIKE, "head_dim": 32, "use_bias": True, "tie_word_embeddings": True},
+    ),
+    "ernie4_5_moe": (
+        "Ernie4_5_MoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "use_bias": True,
+            "moe_num_experts": 8,
+            "moe_k": 2,
+            "moe_intermediate_size": 32,
+            "moe_num_shared_experts": 1,
+            "moe_layer_start_index": 1,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # Seed-OSS: head_dim 32 (q wider than hidden), q / k / v biases without an o_proj one (the
+    # 36B model's), MLP biases
+    "seed_oss": (
+        "SeedOssConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "attention_bias": True,
+            "attention_out_bias": False,
+            "mlp_bias": True,
             "tie_word_embeddings": False,
         },
     ),

@@ -179,7 +179,8 @@ class PartialRowLinear(RowParallelLinear):
 
 class SharedExpertsMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), gate | up fused as `gate_up_proj`; [T, H] -> this rank's
-    partial sum (not all-reduced)."""
+    partial sum (not all-reduced). `bias`: on all three projections (ERNIE 4.5's `use_bias`;
+    the down bias is added by rank 0 alone)."""
 
     def __init__(
         self,
@@ -187,12 +188,14 @@ class SharedExpertsMLP(nn.Module):
         intermediate_size: int,
         tp_rank: int | None = None,
         tp_size: int | None = None,
+        *,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         sizes = [intermediate_size, intermediate_size]
         tp = (tp_rank, tp_size)
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, False, *tp)
-        self.down_proj = PartialRowLinear(intermediate_size, hidden_size, False, *tp)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, sizes, bias, *tp)
+        self.down_proj = PartialRowLinear(intermediate_size, hidden_size, bias, *tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

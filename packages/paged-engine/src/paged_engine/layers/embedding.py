@@ -69,8 +69,11 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.register_parameter("bias", None)
 
     def _bias_loader(self, param, loaded_weight, shard_id=None) -> None:
+        if tuple(loaded_weight.shape) != (self.num_embeddings,):
+            raise ValueError(f"expected ({self.num_embeddings},), got {tuple(loaded_weight.shape)}")
         shard = loaded_weight[self.vocab_start : self.vocab_start + self.shard_size]
         param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()  # the padded rows of the last shard (dropped)
 
     linear_method = None  # an object with apply(layer, x, bias), set after loading
 

@@ -82,3 +82,40 @@ class LayerNorm(nn.LayerNorm):
         b = None if self.bias is None else self.bias.float()
         y = nn.functional.layer_norm(x.float(), self.normalized_shape, w, b, self.eps)
         return y.to(x.dtype)
+
+
+class HeadLayerNorm(LayerNorm):
+    """Bias-free LayerNorm over each head of x [T, H, D] with one weight row per head, for this
+    rank's H heads: rows [shard * H, (shard + 1) * H) of the model's [H_total, D] weights.
+
+    Loads either the whole [H_total, D] tensor (Cohere's `q_norm.weight`) or one head's [D] row
+    with its head index as shard id (StableLM's `norms.{h}.weight`; another rank's heads are
+    skipped). A LayerNorm, so batch-invariant mode hands it its kernel (which normalizes; the
+    per-head weight multiplies after, in float32 like the rest)."""
+
+    def __init__(self, num_heads: int, head_dim: int, eps: float, shard: int) -> None:
+        super().__init__(head_dim, eps=eps, elementwise_affine=False)
+        self.weight = nn.Parameter(torch.ones(num_heads, head_dim))
+        self.weight.weight_loader = self._load
+        self.shard = shard
+
+    def _load(self, param: nn.Parameter, w: torch.Tensor, shard_id: int | None = None) -> None:
+        n, d = param.shape
+        if shard_id is not None:  # one head's row
+            if tuple(w.shape) != (d,):
+                raise ValueError(f"per-head norm weight {tuple(w.shape)}, expected ({d},)")
+            row = int(shard_id) - self.shard * n
+            if 0 <= row < n:
+                param.data[row].copy_(w)
+            return
+        if w.dim() != 2 or w.shape[1] != d or w.shape[0] < (self.shard + 1) * n:
+            raise ValueError(f"norm weight {tuple(w.shape)} has no rows for shard {self.shard}")
+        param.data.copy_(w[self.shard * n : (self.shard + 1) * n])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, H, D]
+        xf = x.float()
+        if self.kernel is not None:
+            y = self.kernel(xf, None, None, self.eps)
+        else:
+            y = nn.functional.layer_norm(xf, self.normalized_shape, None, None, self.eps)
+        return (y * self.weight.float()).to(x.dtype)

@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from torch import nn
 
+from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
 )
+from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
+from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
+from paged_engine.models.glm4 import Glm4ForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM
+from paged_engine.models.granitemoe import GraniteMoeForCausalLM
+from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -25,12 +31,16 @@ from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
+from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
 from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
+from paged_engine.models.stablelm import StableLmForCausalLM
+from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -58,6 +68,17 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
 }
 
 

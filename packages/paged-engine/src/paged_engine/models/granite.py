@@ -9,6 +9,7 @@ logits_scaling         the logits are divided by it
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -37,15 +38,23 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
 
 class GraniteForCausalLM(LlamaForCausalLM):
     def __init__(self, config):
-        flags = self.layer_flags(config)
+        cls = type(self)
+        flags = cls.layer_flags(config)
         inner = LlamaModel(
             config,
             flags,
-            lambda i, rope: GraniteDecoderLayer(config, i, flags, rope),
+            lambda i, rope: cls.build_layer(config, i, flags, rope),
             embedding_multiplier=granite_multiplier(config, "embedding_multiplier"),
         )
         CausalLMBase.__init__(self, config, inner)
         self.logits_scaling = granite_multiplier(config, "logits_scaling")
+
+    @classmethod
+    def build_layer(
+        cls, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding
+    ) -> nn.Module:
+        """Decoder layer `layer_idx` (the MoE variants swap the MLP)."""
+        return GraniteDecoderLayer(config, layer_idx, flags, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         return super().compute_logits(hidden) / self.logits_scaling

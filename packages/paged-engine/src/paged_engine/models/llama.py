@@ -135,7 +135,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """The Llama stack: embedding, decoder layers (`build_layer(i, rope)`, LlamaDecoderLayer by
-    default), final norm. `embedding_multiplier` scales the embedding (Granite)."""
+    default), final norm. `embedding_multiplier` scales the embedding (Granite);
+    `is_neox_style=False` rotates interleaved pairs (GLM-4, Cohere)."""
 
     def __init__(
         self,
@@ -143,11 +144,12 @@ class LlamaModel(nn.Module):
         flags: dict[str, bool],
         build_layer: Callable[[int, RotaryEmbedding], nn.Module] | None = None,
         embedding_multiplier: float | None = None,
+        is_neox_style: bool = True,
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embedding_multiplier = embedding_multiplier
-        rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
+        rope = get_rope(config, llama_head_dim(config), is_neox_style=is_neox_style)
         self.rotary_emb = rope  # the layers' shared instance: its tables are set per forward
         if build_layer is None:
             build_layer = lambda i, rope: LlamaDecoderLayer(config, i, flags, rope)

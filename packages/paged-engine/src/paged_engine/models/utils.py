@@ -163,6 +163,7 @@ class CausalLMBase(nn.Module):
     inner_name: ClassVar[str] = "model"  # attribute holding the decoder stack
     embed_path: ClassVar[str] = "model.embed_tokens"  # the token embedding the head may tie to
     head_name: ClassVar[str] = "lm_head"
+    head_bias: ClassVar[bool] = False  # the LM head adds a bias of its own (Phi), tied or not
     tie_default: ClassVar[bool] = False  # HF's default when the config omits tie_word_embeddings
     stacked_params: ClassVar[tuple[StackedRule, ...]] = ()
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # suffixes of HF buffers we recompute
@@ -178,7 +179,7 @@ class CausalLMBase(nn.Module):
         embed = self.get_submodule(self.embed_path)
         # The decoder's output is as wide as the token embedding (OPT projects back to it), which
         # is what lets the head share the embedding's weight.
-        head = ParallelLMHead(config.vocab_size, embed.weight.shape[1])
+        head = ParallelLMHead(config.vocab_size, embed.weight.shape[1], bias=self.head_bias)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_default))
         if self.tie_word_embeddings:
             head.tie_to(embed)

@@ -1,0 +1,114 @@
+"""StableLM (`StableLmForCausalLM`: StableLM-2 1.6B / 12B, StableLM-3B-4E1T, StableLM-Zephyr).
+
+The Llama decoder (gated SiLU MLP without biases, grouped-query attention, o_proj without bias)
+with LayerNorms (weight and bias) for every norm and partial NeoX RoPE (`partial_rotary_factor`,
+a quarter of each head by default). Per config:
+- `use_qkv_bias`: biases on q / k / v (StableLM-2 1.6B);
+- `use_parallel_residual`: x += attn(ln1(x)) + mlp(ln1(x)), no post-attention norm (2-12B);
+- `qk_layernorm`: each q and k head gets its own bias-free LayerNorm before RoPE (2-12B; HF's
+  `q_layernorm.norms.{h}.weight`, one per head).
+
+Invariants: head_dim is hidden_size / num_attention_heads. Under tensor parallelism a rank holds
+the rows of its own heads' norms (k heads replicated past num_key_value_heads ranks share them);
+each checkpoint row routes to the rank holding that head through a per-head stacked rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.linear import QKVParallelLinear
+from paged_engine.layers.norm import HeadLayerNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from paged_engine.models.starcoder2 import LayerNormDecoderLayer, LayerNormLlamaModel
+from paged_engine.models.utils import CausalLMBase, StackedRule, cfg_get
+
+# (q norm, k norm) for one layer's q / k / v projection (this rank's heads)
+HeadNorms = Callable[[QKVParallelLinear], tuple[nn.Module, nn.Module]]
+
+
+class QKNormAttention(LlamaAttention):
+    """LlamaAttention whose q and k heads pass through `q_layernorm` / `k_layernorm` ([T, heads,
+    D] -> [T, heads, D], built by `norms` for this rank's heads) between projection and RoPE."""
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        flags: dict[str, bool],
+        rope: RotaryEmbedding,
+        norms: HeadNorms,
+    ):
+        super().__init__(config, layer_idx, {**flags, "qk_norm": False}, rope)
+        self.q_layernorm, self.k_layernorm = norms(self.qkv_proj)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,  # [T, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_layernorm(q.reshape(t, -1, d)).reshape(t, -1)
+        k = self.k_layernorm(k.reshape(t, -1, d)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+def _per_head_norms(eps: float) -> HeadNorms:
+    def build(proj: QKVParallelLinear) -> tuple[nn.Module, nn.Module]:
+        kv_shard = proj.tp_rank // proj.kv_replicas  # k heads replicated past num_kv_heads
+        return (
+            HeadLayerNorm(proj.num_heads, proj.head_dim, eps, proj.tp_rank),
+            HeadLayerNorm(proj.num_kv_heads, proj.head_dim, eps, kv_shard),
+        )
+
+    return build
+
+
+def _per_head_norm_rules(config) -> tuple[StackedRule, ...]:
+    """HF's `{q,k}_layernorm.norms.{h}.weight` -> our stacked weight, shard id h."""
+    heads = config.num_attention_heads
+    kv_heads = cfg_get(config, "num_key_value_heads", heads)
+    return tuple(
+        (f".{p}_layernorm.weight", f".{p}_layernorm.norms.{h}.weight", h)
+        for p, n in (("q", heads), ("k", kv_heads))
+        for h in range(n)
+    )
+
+
+class StableLmForCausalLM(LlamaForCausalLM):
+    def __init__(self, config):
+        flags = self.layer_flags(config)
+        eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
+        parallel = bool(cfg_get(config, "use_parallel_residual", False))
+        qk_norm = bool(cfg_get(config, "qk_layernorm", False))
+
+        def build(i: int, rope: RotaryEmbedding) -> nn.Module:
+            if qk_norm:
+                attn = QKNormAttention(config, i, flags, rope, _per_head_norms(eps))
+            else:
+                attn = LlamaAttention(config, i, flags, rope)
+            mlp = LlamaMLP(config, bias=False)
+            return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel)
+
+        CausalLMBase.__init__(self, config, LayerNormLlamaModel(config, eps, build))
+        if qk_norm:  # this config's head count decides the rules
+            self.stacked_params = (*type(self).stacked_params, *_per_head_norm_rules(config))
+
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        return {
+            "qkv_bias": bool(cfg_get(config, "use_qkv_bias", False)),
+            "o_bias": False,
+            "qk_norm": False,
+            "mlp_bias": False,
+            "sliding": False,
+        }

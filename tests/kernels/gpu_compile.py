@@ -130,12 +130,12 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.gemm as gemm
     import paged_kernels.kv_cache as kv_cache
     import paged_kernels.lora as lora
-    import paged_kernels.mla_attention as mla_attention
+    import paged_kernels.mla as mla
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
 
-    modules = (attention, gemm, kv_cache, lora, mla_attention, moe, norm, softmax)
+    modules = (attention, gemm, kv_cache, lora, mla, moe, norm, softmax)
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -272,7 +272,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         )
         call(
             f"mla_attention {label}",
-            mla_attention.mla_attention,
+            mla.mla_attention,
             q,
             cache,
             tables,

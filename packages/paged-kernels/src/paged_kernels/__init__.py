@@ -46,7 +46,7 @@ _KERNELS = {
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
     "fp8_linear": "paged_kernels.gemm",
-    "mla_attention": "paged_kernels.mla_attention",
+    "mla_attention": "paged_kernels.mla",
     "layer_norm": "paged_kernels.norm",
     "logsumexp": "paged_kernels.softmax",
     "lora_expand": "paged_kernels.lora",
@@ -106,7 +106,7 @@ if TYPE_CHECKING:
     from paged_kernels.gemm import fp8_linear, matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
     from paged_kernels.lora import lora_expand, lora_shrink
-    from paged_kernels.mla_attention import mla_attention
+    from paged_kernels.mla import mla_attention
     from paged_kernels.moe import align_moe_blocks, fused_moe
     from paged_kernels.norm import layer_norm, rms_norm
     from paged_kernels.softmax import logsumexp

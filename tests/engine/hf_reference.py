@@ -86,15 +86,22 @@ def assert_tp_matches_one_process(
 
 
 def assert_lora_matches_hf_merged(
-    path, tmp_path: Path, prompt: list[int], max_tokens: int, top: int, tp: int = 1
+    path,
+    tmp_path: Path,
+    prompt: list[int],
+    max_tokens: int,
+    top: int,
+    tp: int = 1,
+    targets: tuple[str, ...] = ("down_proj",),
 ) -> None:
-    """A rank-4 adapter on every down_proj (dense MLPs' and shared experts', whose partial
-    sums leave the reduce to their MoE block): `LLM.generate` with it gives HF's greedy tokens
-    and top-`top` logprobs on the model with the adapter merged, at tensor_parallel_size `tp`."""
+    """A rank-4 adapter on `targets` (by default every down_proj: dense MLPs' and shared
+    experts', whose partial sums leave the reduce to their MoE block): `LLM.generate` with it
+    gives HF's greedy tokens and top-`top` logprobs on the model with the adapter merged, at
+    tensor_parallel_size `tp`."""
     from paged_engine import LLM, LoRARequest, SamplingParams
     from paged_engine.testing import merge_lora_adapter, write_lora_adapter
 
-    adapter = write_lora_adapter(tmp_path / "adapter", path, rank=4, target_modules=("down_proj",))
+    adapter = write_lora_adapter(tmp_path / "adapter", path, rank=4, target_modules=targets)
     ref = hf_greedy(merge_lora_adapter(load_hf_model(path), adapter), prompt, max_tokens, top)
     llm = LLM(
         model=str(path),

@@ -15,7 +15,13 @@ import random
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_lora_matches_hf_merged,
+    assert_matches,
+    assert_tp_matches_one_process,
+    hf_greedy,
+    load_hf_model,
+)
 
 import paged_kernels
 from paged_engine import LLM, SamplingParams
@@ -156,3 +162,21 @@ def test_batch_invariant_mode_is_refused(tmp_path):
     path = write_tiny_model(tmp_path, "deepseek_v3", seed=6, first_k_dense_replace=3)
     with pytest.raises(ValueError, match="multi-head latent attention"):
         LLM(model=str(path), dtype="float32", max_model_len=64, batch_invariant=True)
+
+
+def test_lora_on_latent_attention_matches_hf_merged(tmp_path):
+    """An adapter on MLA's projections (the replicated q_a_proj / kv_a_proj_with_mqa, the
+    per-head q_b_proj, o_proj) and the MLPs' down_proj; kv_b_proj, absorbed into the attention,
+    is refused by name (the loader's error names the module)."""
+    path = write_tiny_model(tmp_path / "m", "deepseek_v3", seed=7)
+    prompt = _prompts(17, 1)[0]
+    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "down_proj")
+    assert_lora_matches_hf_merged(path, tmp_path, prompt, MAX_TOKENS, TOP, targets=targets)
+    from paged_engine import LoRARequest
+    from paged_engine.testing import write_lora_adapter
+
+    bad = write_lora_adapter(tmp_path / "kv_b", path, rank=4, target_modules=("kv_b_proj",))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, enable_lora=True)
+    with pytest.raises(ValueError, match="kv_b_proj"):
+        request = LoRARequest("kv_b", 1, str(bad))
+        llm.generate([{"prompt_token_ids": prompt}], lora_request=request, use_tqdm=False)

@@ -7,8 +7,9 @@ layers add an ungated dense MLP every token goes through.
 `shared_mlp` is a gated SiLU MLP of `shared_intermediate_size`; 0 means none (plain GraniteMoe).
 Its checkpoint fuses gate | up rows in `shared_mlp.input_linear.weight` [2S, H] (split here into
 the gate and up pieces our merged projection shards) beside `shared_mlp.output_linear.weight`
-[H, S]. Tensor parallelism splits it like a dense MLP; its partial sum joins the experts' before
-the block's single all-reduce.
+[H, S]; it loads as the block's `shared_expert` (Qwen2-MoE's SharedExpertMoeBlock, ungated).
+Tensor parallelism splits it like a dense MLP; its partial sum joins the experts' before the
+block's single all-reduce.
 """
 
 from __future__ import annotations
@@ -18,32 +19,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from paged_engine.distributed.communication import tp_all_reduce
-from paged_engine.layers.deepseek_moe import SharedExpertsMLP
-from paged_engine.layers.fused_moe import SparseMoeBlock, route
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.mixtral import num_experts
+from paged_engine.models.qwen2_moe import SharedExpertMoeBlock
 from paged_engine.models.utils import cfg_get
-
-
-class SharedMlpMoeBlock(SparseMoeBlock):
-    """SparseMoeBlock plus an ungated shared MLP, one all-reduce for both. [T, H] -> [T, H]."""
-
-    def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden_size: int,
-        intermediate_size: int,
-        shared_intermediate_size: int,
-    ) -> None:
-        super().__init__(num_experts, top_k, hidden_size, intermediate_size, renormalize=True)
-        self.shared_mlp = SharedExpertsMLP(hidden_size, shared_intermediate_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids) + self.shared_mlp(x)  # this rank's partial sums
-        return tp_all_reduce(out) if self.experts.tp_size > 1 else out
 
 
 class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
@@ -52,22 +31,24 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         shared = int(cfg_get(config, "shared_intermediate_size", 0))
         if not shared:
             return super().build_mlp(config)
-        return SharedMlpMoeBlock(
+        return SharedExpertMoeBlock(
             num_experts(config),
             config.num_experts_per_tok,
             config.hidden_size,
             config.intermediate_size,
             shared,
+            renormalize=True,
+            gated=False,
         )
 
     def rename_weight(self, name: str) -> str:
         if ".shared_mlp." in name:
-            name = name.replace(".shared_mlp.", ".mlp.shared_mlp.")
+            name = name.replace(".shared_mlp.", ".mlp.shared_expert.")
             return name.replace(".output_linear.", ".down_proj.")
         return super().rename_weight(name)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if ".shared_mlp.input_linear." in name:  # rows [gate: S | up: S]
+        if ".shared_expert.input_linear." in name:  # rows [gate: S | up: S]
             gate, up = w.chunk(2, dim=0)
             yield name.replace(".input_linear.", ".gate_proj."), gate
             yield name.replace(".input_linear.", ".up_proj."), up

@@ -27,7 +27,9 @@ from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class SharedExpertMoeBlock(SparseMoeBlock):
-    """SparseMoeBlock plus the gated shared expert, one all-reduce for both. [T, H] -> [T, H]."""
+    """SparseMoeBlock plus a shared expert every token goes through, one all-reduce for both.
+    [T, H] -> [T, H]. `gated`: the shared expert's output is scaled by
+    sigmoid(shared_expert_gate(x)) (Qwen2-MoE); ungated it is added as is (GraniteMoeShared)."""
 
     def __init__(
         self,
@@ -37,15 +39,19 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         intermediate_size: int,
         shared_intermediate_size: int,
         renormalize: bool,
+        gated: bool = True,
     ) -> None:
         super().__init__(num_experts, top_k, hidden_size, intermediate_size, renormalize)
         self.shared_expert = SharedExpertsMLP(hidden_size, shared_intermediate_size)
-        self.shared_expert_gate = MoeRouter(1, hidden_size)  # a replicated [1, H] projection
+        # a replicated [1, H] projection
+        self.shared_expert_gate = MoeRouter(1, hidden_size) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = self.experts(x, weights, ids)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert(x)  # this rank's partial sum, like the experts'
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        out = self.experts(x, weights, ids) + shared
         return tp_all_reduce(out) if self.experts.tp_size > 1 else out
 
 

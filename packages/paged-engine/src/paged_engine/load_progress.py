@@ -6,7 +6,6 @@ Quiet when paged_engine's logger is above INFO: the bar follows the log level.
 
 from __future__ import annotations
 
-import json
 import logging
 import struct
 import time
@@ -22,7 +21,7 @@ BAR_DELAY_S = 1.0  # a faster load shows its two log lines only
 def count_weights(resolved, load_format: str) -> int | None:
     """Tensors the load will yield, from file headers only; None where that costs a full read
     (PyTorch .bin) or the format is unknown."""
-    from paged_engine.loader import _detect_format, _open_gguf, _weight_files
+    from paged_engine.loader import _detect_format, _open_gguf, _weight_files, safetensors_header
 
     try:
         fmt = _detect_format(resolved) if load_format == "auto" else load_format
@@ -33,8 +32,7 @@ def count_weights(resolved, load_format: str) -> int | None:
         total = 0
         for file in _weight_files(resolved.path, fmt):
             with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(header_len))
+                header, _ = safetensors_header(f)
             total += len(header) - ("__metadata__" in header)
         return total
     except (OSError, ValueError, KeyError, struct.error):

@@ -18,6 +18,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
@@ -265,22 +266,27 @@ _ST_DTYPES = {
 }
 
 
+def safetensors_header(f: BinaryIO) -> tuple[dict[str, Any], int]:
+    """(JSON header, offset of the tensor data) of a .safetensors file opened at its start: an
+    8-byte little-endian header length, then the header mapping names to dtype / shape /
+    [begin, end) byte offsets counted from the data."""
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    return json.loads(f.read(header_len)), 8 + header_len
+
+
 def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of one .safetensors file, each tensor a view of the memory-mapped file.
 
     Nothing is read until a tensor's bytes are touched, so a tensor-parallel rank that copies
     out its slice reads only the pages of that slice (and ranks on one node share the page
-    cache). The format: an 8-byte little-endian header length, a JSON header mapping names to
-    dtype / shape / [begin, end) byte offsets after the header, then the data."""
+    cache). The format: `safetensors_header`, then the data."""
     with open(file, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        if f.seek(0, 2) == 8 + header_len:  # no tensor data: nothing to map
+        header, base = safetensors_header(f)
+        if f.seek(0, 2) == base:  # no tensor data: nothing to map
             mapped = None
         else:
             # A private (copy-on-write) mapping: writable for torch.frombuffer, never the file.
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    base = 8 + header_len
     for name, info in header.items():
         if name == "__metadata__":
             continue

@@ -262,15 +262,16 @@ def _mrope_as_default(text: Any) -> None:
 def _has_own_head(path: Path) -> bool:
     """Whether the safetensors checkpoint in `path` holds an lm_head tensor (False when there
     is none to read: then the config decides)."""
+    from paged_engine.loader import _weight_files, safetensors_header  # (the loader imports us)
+
     index = path / "model.safetensors.index.json"
     try:
         if index.is_file():
             names: Iterable[str] = json.loads(index.read_text())["weight_map"]
             return any(n in _HEAD_NAMES for n in names)
-        for file in sorted(path.glob("*.safetensors")):
+        for file in _weight_files(path, "safetensors"):
             with open(file, "rb") as f:
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                if any(n in _HEAD_NAMES for n in json.loads(f.read(header_len))):
+                if any(n in _HEAD_NAMES for n in safetensors_header(f)[0]):
                     return True
     except (OSError, ValueError, KeyError, struct.error):
         return False  # the weight load reports a broken file

@@ -35,6 +35,8 @@ _RENAMES = (
     (".mlp.fc1.", ".mlp.c_fc."),
     (".mlp.fc2.", ".mlp.c_proj."),
     ("model.final_layernorm.", "model.norm."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),  # QKNormAttention's names
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
 )
 
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.linear import QKVParallelLinear
 from paged_engine.layers.norm import HeadLayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
@@ -33,8 +31,10 @@ HeadNorms = Callable[[QKVParallelLinear], tuple[nn.Module, nn.Module]]
 
 
 class QKNormAttention(LlamaAttention):
-    """LlamaAttention whose q and k heads pass through `q_layernorm` / `k_layernorm` ([T, heads,
-    D] -> [T, heads, D], built by `norms` for this rank's heads) between projection and RoPE."""
+    """LlamaAttention with its q / k norms made by `norms` for this rank's heads ([T, heads, D]
+    -> [T, heads, D], between projection and RoPE): Llama's own qk-norm path with other norms
+    (per-head LayerNorms here, Phi's shared LayerNorm). They are `q_norm` / `k_norm`; HF's
+    `q_layernorm` / `k_layernorm` load into them."""
 
     def __init__(
         self,
@@ -45,21 +45,8 @@ class QKNormAttention(LlamaAttention):
         norms: HeadNorms,
     ):
         super().__init__(config, layer_idx, {**flags, "qk_norm": False}, rope)
-        self.q_layernorm, self.k_layernorm = norms(self.qkv_proj)
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,  # [T, D]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_layernorm(q.reshape(t, -1, d)).reshape(t, -1)
-        k = self.k_layernorm(k.reshape(t, -1, d)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        self.qk_norm = True
+        self.q_norm, self.k_norm = norms(self.qkv_proj)
 
 
 def _per_head_norms(eps: float) -> HeadNorms:
@@ -78,7 +65,7 @@ def _per_head_norm_rules(config) -> tuple[StackedRule, ...]:
     heads = config.num_attention_heads
     kv_heads = cfg_get(config, "num_key_value_heads", heads)
     return tuple(
-        (f".{p}_layernorm.weight", f".{p}_layernorm.norms.{h}.weight", h)
+        (f".{p}_norm.weight", f".{p}_layernorm.norms.{h}.weight", h)
         for p, n in (("q", heads), ("k", kv_heads))
         for h in range(n)
     )

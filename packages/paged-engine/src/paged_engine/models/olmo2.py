@@ -13,6 +13,8 @@ by their slice of the weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -114,14 +116,17 @@ class Olmo2DecoderLayer(nn.Module):
 
 
 class Olmo2Model(nn.Module):
-    def __init__(self, config):
+    """Embedding, decoder layers (`build_layer(i)`; OLMo 2's, sharing one rope, by default),
+    final norm."""
+
+    def __init__(self, config, build_layer: Callable[[int], nn.Module] | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
-        self.rotary_emb = rope
-        self.layers, self.stage = make_layers(
-            config.num_hidden_layers, lambda i: Olmo2DecoderLayer(config, rope)
-        )
+        if build_layer is None:
+            rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
+            self.rotary_emb = rope
+            build_layer = lambda i: Olmo2DecoderLayer(config, rope)
+        self.layers, self.stage = make_layers(config.num_hidden_layers, build_layer)
         self.norm = Olmo2RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:

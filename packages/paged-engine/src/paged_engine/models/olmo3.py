@@ -20,15 +20,11 @@ rank.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from paged_engine.models.gemma2 import gemma_layer_types
 from paged_engine.models.llama import llama_head_dim
-from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2RMSNorm
-from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
+from paged_engine.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
+from paged_engine.models.utils import CausalLMBase, cfg_get
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -61,30 +57,20 @@ class Olmo3DecoderLayer(Olmo2DecoderLayer):
         self.self_attn.attn.sliding_window = sliding_window  # read at every attention call
 
 
-class Olmo3Model(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        types = gemma_layer_types(config, every=4)
-        head_dim = llama_head_dim(config)
-        window = cfg_get(config, "sliding_window", None)
-        window = int(window) if window else None
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        ropes = olmo3_ropes(config, head_dim, types)  # each shared by its type's layers
+def olmo3_model(config) -> Olmo2Model:
+    """OLMo 2's stack of Olmo3DecoderLayers: each layer type its window and rope."""
+    types = gemma_layer_types(config, every=4)
+    window = cfg_get(config, "sliding_window", None)
+    window = int(window) if window else None
+    ropes = olmo3_ropes(config, llama_head_dim(config), types)  # each shared by its type's layers
 
-        def build(i: int) -> Olmo3DecoderLayer:
-            sliding = window if types[i] == "sliding_attention" else None
-            return Olmo3DecoderLayer(config, ropes[types[i]], sliding)
+    def build(i: int) -> Olmo3DecoderLayer:
+        sliding = window if types[i] == "sliding_attention" else None
+        return Olmo3DecoderLayer(config, ropes[types[i]], sliding)
 
-        self.layers, self.stage = make_layers(config.num_hidden_layers, build)
-        self.norm = Olmo2RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
-
-    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
-        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, md)
-        return self.norm(x) if self.stage.is_last else x
+    return Olmo2Model(config, build)
 
 
 class Olmo3ForCausalLM(Olmo2ForCausalLM):
     def __init__(self, config) -> None:
-        CausalLMBase.__init__(self, config, Olmo3Model(config))
+        CausalLMBase.__init__(self, config, olmo3_model(config))

@@ -3,7 +3,8 @@
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
-fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand) is called on CPU
+fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand, causal_conv1d,
+gated_delta_rule) is called on CPU
 tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
 running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
@@ -129,13 +130,14 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.attention as attention
     import paged_kernels.gemm as gemm
     import paged_kernels.kv_cache as kv_cache
+    import paged_kernels.linear_attention as linear_attention
     import paged_kernels.lora as lora
     import paged_kernels.mla as mla
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
 
-    modules = (attention, gemm, kv_cache, lora, mla, moe, norm, softmax)
+    modules = (attention, gemm, kv_cache, linear_attention, lora, mla, moe, norm, softmax)
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -384,6 +386,30 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         s = torch.zeros(tokens, rank)
         call(f"lora_shrink bf16 T={tokens}", lora.lora_shrink, x, lora_a, token_idx, seg_start)
         call(f"lora_expand bf16 T={tokens}", lora.lora_expand, s, lora_b, token_idx, seg_start, x)
+    # Gated DeltaNet (Qwen3-Next-80B-A3B on one GPU: 16 key / 32 value heads of 128, conv over
+    # q, k, v = 8192 channels, K = 4): decode and mixed batches; bf16 and fp32 state pools.
+    for label, lens in (("decode", [1] * 4), ("mixed", [1, 37, 5])):
+        tokens = sum(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        slots = torch.arange(len(lens), dtype=torch.int32)
+        init = torch.ones(len(lens), dtype=torch.bool)
+        batch = (cu, slots, init)
+        x = torch.zeros(tokens, 8192, dtype=torch.bfloat16)
+        weight = torch.zeros(8192, 4, dtype=torch.bfloat16)
+        conv_state = torch.zeros(8, 8192, 3, dtype=torch.bfloat16)
+        call(f"causal_conv1d bf16 C=8192 K=4 {label}", linear_attention.causal_conv1d, x,
+             weight, weight[:, 0].contiguous(), conv_state, *batch)  # fmt: skip
+        for dim, state_dtype in ((128, torch.float32), (128, torch.bfloat16), (256, torch.float32)):
+            q = torch.zeros(tokens, 16, dim, dtype=torch.bfloat16)
+            v = torch.zeros(tokens, 32, dim, dtype=torch.bfloat16)
+            g, beta = torch.zeros(tokens, 32), torch.zeros(tokens, 32, dtype=torch.bfloat16)
+            pool = torch.zeros(8, 32, dim, dim, dtype=state_dtype)
+            call(f"gated_delta_rule bf16 D={dim} {state_dtype} state {label}",
+                 linear_attention.gated_delta_rule, q, q, v, g, beta, pool, *batch)  # fmt: skip
+    batch = (torch.tensor([0, 5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), init[:1])
+    call("causal_conv1d fp32 K=2, no activation", linear_attention.causal_conv1d,
+         torch.zeros(5, 1024), torch.zeros(1024, 2), None, torch.zeros(2, 1024, 1), *batch,
+         activation=None)  # fmt: skip
     return out
 
 

@@ -21,9 +21,11 @@ from paged_kernels.reference import (
     fp8_to_float,
     lora_segments,
     quantize_fp8_per_channel,
+    ref_causal_conv1d,
     ref_copy_blocks,
     ref_fp8_linear,
     ref_fused_moe,
+    ref_gated_delta_rule,
     ref_layer_norm,
     ref_logsumexp,
     ref_lora_expand,
@@ -43,6 +45,8 @@ _KERNELS = {
     "choose_num_splits": "paged_kernels.attention",
     "paged_attention": "paged_kernels.attention",
     "align_moe_blocks": "paged_kernels.moe",
+    "causal_conv1d": "paged_kernels.linear_attention",
+    "gated_delta_rule": "paged_kernels.linear_attention",
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
     "fp8_linear": "paged_kernels.gemm",
@@ -65,6 +69,7 @@ __all__ = [
     "Mxfp4Weight",
     "alibi_slopes",
     "align_moe_blocks",
+    "causal_conv1d",
     "check_kv_scales",
     "choose_num_splits",
     "copy_blocks",
@@ -72,6 +77,7 @@ __all__ = [
     "fp8_linear",
     "fp8_to_float",
     "fused_moe",
+    "gated_delta_rule",
     "layer_norm",
     "logsumexp",
     "lora_expand",
@@ -81,9 +87,11 @@ __all__ = [
     "mla_attention",
     "paged_attention",
     "quantize_fp8_per_channel",
+    "ref_causal_conv1d",
     "ref_copy_blocks",
     "ref_fp8_linear",
     "ref_fused_moe",
+    "ref_gated_delta_rule",
     "ref_layer_norm",
     "ref_logsumexp",
     "ref_lora_expand",
@@ -105,6 +113,7 @@ if TYPE_CHECKING:
     from paged_kernels.attention import choose_num_splits, paged_attention
     from paged_kernels.gemm import fp8_linear, matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
+    from paged_kernels.linear_attention import causal_conv1d, gated_delta_rule
     from paged_kernels.lora import lora_expand, lora_shrink
     from paged_kernels.mla import mla_attention
     from paged_kernels.moe import align_moe_blocks, fused_moe

@@ -475,3 +475,204 @@ def ref_lora_expand(
         delta = s[rows].to(lora_b.dtype).float() @ lora_b[slot].float().t()
         y[rows] = (y[rows].float() + delta).to(y.dtype)
     return y
+
+
+# ---- Gated DeltaNet linear attention (linear_attention.py): sequence i owns tokens
+# [cu_seqlens[i], cu_seqlens[i + 1]) and row state_slots[i] of the state pools (-1: padding,
+# skipped); has_initial_state[i] False starts it from zeros. Slots are distinct in a batch.
+
+
+def ref_causal_conv1d(
+    x: torch.Tensor,  # [T, C]
+    weight: torch.Tensor,  # [C, K]
+    bias: torch.Tensor | None,  # [C]
+    conv_state: torch.Tensor,  # [num_slots, C, K - 1], oldest input first; updated in place
+    cu_seqlens: torch.Tensor,  # [S + 1] int
+    state_slots: torch.Tensor,  # [S] int, -1 = padding
+    has_initial_state: torch.Tensor,  # [S] bool
+    activation: str | None = "silu",
+) -> torch.Tensor:  # [T, C] in x's dtype
+    """Causal depthwise conv per sequence over xin = [context, its inputs], the context being
+    the slot's K - 1 stored inputs (zeros without an initial state): out[t] = act(bias +
+    sum_j weight[:, j] * xin[t + j]) in fp32. The slot then holds xin's last K - 1 entries; an
+    empty sequence leaves it untouched. Rows of padding sequences hold the conv with a zero
+    context (the kernel leaves them unwritten).
+
+    The whole batch at once: entry p of a sequence's xin is one row of a table [a zero row,
+    x's T rows, the S * (K - 1) context rows], so each tap, and the new states, are a gather."""
+    check(activation in (None, "silu"), f"activation must be 'silu' or None: {activation!r}")
+    num_tokens, channels = x.shape
+    ctx_len = weight.shape[1] - 1
+    device = x.device
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    slots = state_slots.to(device=device, dtype=torch.long)
+    num_seqs = slots.shape[0]
+    if num_seqs == 0:
+        return torch.zeros_like(x)
+    use_ctx = (slots >= 0) & has_initial_state.to(device)
+    ctx = conv_state[slots.clamp(min=0)].float().transpose(1, 2)  # [S, K - 1, C]
+    zero = torch.zeros(1, channels, dtype=torch.float32, device=device)
+    table = torch.cat([zero, x.float(), ctx.reshape(-1, channels)])
+
+    def rows(seq: torch.Tensor, start: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Table rows of xin[p] of sequences seq (first input at token `start`)."""
+        from_x = 1 + start + p - ctx_len
+        from_ctx = torch.where(use_ctx[seq], 1 + num_tokens + seq * ctx_len + p, 0)
+        return torch.where(p >= ctx_len, from_x, from_ctx)
+
+    token = torch.arange(num_tokens, device=device)
+    seq = torch.searchsorted(cu[1:], token, right=True).clamp(max=num_seqs - 1)
+    local = token - starts[seq]
+    out = torch.zeros(num_tokens, channels, dtype=torch.float32, device=device)
+    if bias is not None:
+        out += bias.float()
+    for j in range(ctx_len + 1):
+        out += table[rows(seq, starts[seq], local + j)] * weight[:, j].float()
+    if activation == "silu":
+        out = torch.nn.functional.silu(out)
+
+    written = (slots >= 0) & (lens > 0)
+    seqs = written.nonzero().squeeze(1)
+    p = lens[seqs, None] + torch.arange(ctx_len, device=device)  # [n, K - 1]
+    new = table[rows(seqs[:, None], starts[seqs, None], p)]  # [n, K - 1, C]
+    conv_state[slots[seqs]] = new.transpose(1, 2).to(conv_state.dtype)
+    return out.to(x.dtype)
+
+
+# Sequences up to this long take the token-by-token update (batched over sequences, one step a
+# token position); longer ones the chunked form.
+DELTA_STEP_MAX_LEN = 16
+DELTA_CHUNK = 64
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _delta_steps(q, k, v, g, beta, state, starts, lens, out) -> None:
+    """The recurrence token by token for n sequences at once: state [n, Hv, Dk, Dv] fp32 (in
+    place), their first tokens `starts` [n], lengths `lens` [n]; q, k, v, g, beta, out fp32 per
+    token, q already scaled and both grouped to the value heads.
+
+    With a = exp(g): k^T (a S) = a k^T S and o = q^T (a S + k d^T) = a q^T S + (q . k) d, so
+    one product reads both q^T S and k^T S off the old state, and S is updated in place."""
+    dk, dv = state.shape[2:]
+    for p in range(int(lens.max())):
+        seqs = (lens > p).nonzero().squeeze(1)
+        tok = starts[seqs] + p
+        s = state if len(seqs) == len(state) else state[seqs]  # decode: every sequence
+        qt, kt = q[tok], k[tok]  # [m, Hv, Dk]
+        decay = g[tok].exp()[..., None]  # [m, Hv, 1]
+        read = torch.stack([qt, kt], dim=-2) @ s  # [m, Hv, 2, Dv]
+        delta = (v[tok] - decay * read[..., 1, :]) * beta[tok][..., None]
+        out[tok] = decay * read[..., 0, :] + (qt * kt).sum(-1, keepdim=True) * delta
+        s.mul_(decay[..., None]).view(-1, dk, dv).baddbmm_(
+            kt.reshape(-1, dk, 1), delta.reshape(-1, 1, dv)
+        )
+        if s is not state:
+            state[seqs] = s
+
+
+def _delta_chunks(q, k, v, g, beta, state, starts, lens, out) -> None:
+    """The same recurrence in chunks of DELTA_CHUNK tokens (arguments as _delta_steps).
+
+    Within a chunk started from state S0, with gamma_t = exp(G_t), G the inclusive cumsum of g,
+    and D[t, s] = gamma_t / gamma_s for s <= t (0 above the diagonal), unrolling the recurrence
+    gives S_t = gamma_t S0 + sum_{s <= t} D[t, s] k_s d_s^T for the written values d_t =
+    beta_t (v_t - gamma_t k_t^T S0 - sum_{s < t} D[t, s] (k_t . k_s) d_s), i.e. the unit lower
+    triangular system (I + diag(beta) strict_tril(D * K K^T)) d = beta V - (beta gamma K) S0,
+    solved once for both right-hand sides: d = U - W S0. Then O = (gamma Q) S0 + (D * Q K^T) d,
+    and the chunk's last state is gamma_C S0 + (K * gamma_C / gamma)^T d. Every chunk of every
+    sequence is solved at once; only the scan over chunk index is sequential. Chunks are padded
+    with g = beta = k = 0 tokens, which leave S unchanged."""
+    size = DELTA_CHUNK
+    device = q.device
+    num_chunks = (lens + size - 1) // size
+    first = num_chunks.cumsum(0) - num_chunks  # each sequence's first chunk row
+    total = int(num_chunks.sum())
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+    pos = torch.arange(len(seq), device=device) - (lens.cumsum(0) - lens)[seq]
+    src = starts[seq] + pos  # token rows
+    dst = first[seq] * size + pos  # padded rows
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [chunks, Hv, size, ...]
+        buf = x.new_zeros(total * size, *x.shape[1:])
+        buf[dst] = x[src]
+        return buf.view(total, size, *x.shape[1:]).transpose(1, 2)
+
+    qc, kc, vc, gc, bc = (chunked(t) for t in (q, k, v, g, beta))
+    log_gamma = gc.cumsum(-1)  # [chunks, Hv, size]
+    lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    # exp of a masked difference: never above 1, so nothing overflows however strong the decay.
+    decay = (log_gamma[..., :, None] - log_gamma[..., None, :]).masked_fill(~lower, -torch.inf)
+    decay = decay.exp()
+    system = (kc @ kc.transpose(-1, -2) * decay).tril(-1) * bc[..., None]
+    system += torch.eye(size, device=device)
+    rhs = torch.cat([vc * bc[..., None], kc * (bc * log_gamma.exp())[..., None]], dim=-1)
+    u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+        [vc.shape[-1], kc.shape[-1]], dim=-1
+    )
+    attn = qc @ kc.transpose(-1, -2) * decay
+    q_decayed = qc * log_gamma.exp()[..., None]
+    k_decayed = kc * (log_gamma[..., -1:] - log_gamma).exp()[..., None]
+    chunk_decay = log_gamma[..., -1].exp()[..., None, None]
+    out_c = torch.empty_like(vc)
+    for c in range(int(num_chunks.max())):
+        seqs = (num_chunks > c).nonzero().squeeze(1)
+        rows = first[seqs] + c
+        s0 = state[seqs]
+        d = u[rows] - w[rows] @ s0
+        out_c[rows] = q_decayed[rows] @ s0 + attn[rows] @ d
+        state[seqs] = s0 * chunk_decay[rows] + k_decayed[rows].transpose(-1, -2) @ d
+    out[src] = out_c.transpose(1, 2).reshape(total * size, *out.shape[1:])[dst]
+
+
+def ref_gated_delta_rule(
+    q: torch.Tensor,  # [T, Hk, Dk]
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv], Hv a multiple of Hk
+    g: torch.Tensor,  # [T, Hv] log decay (<= 0)
+    beta: torch.Tensor,  # [T, Hv]
+    ssm_state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
+    cu_seqlens: torch.Tensor,  # [S + 1] int
+    state_slots: torch.Tensor,  # [S] int, -1 = padding
+    has_initial_state: torch.Tensor,  # [S] bool
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
+    """The gated delta rule per sequence and value head h (key head h // (Hv // Hk)), in fp32:
+    per token, q and k L2-normalised (x * rsqrt(|x|^2 + 1e-6)) if use_qk_l2norm, q scaled
+    (default Dk ** -0.5), then S *= exp(g); S += k (beta (v - k^T S))^T; o = q^T S. S starts at
+    the slot's state (or zeros) and is stored back in the pool's dtype; empty and padding
+    sequences leave the pools untouched (padding rows of the output are 0).
+
+    Sequences of up to DELTA_STEP_MAX_LEN tokens (decode) run token by token, batched over the
+    sequences; longer ones in chunks (_delta_chunks). Reads the batch layout on the host."""
+    num_k_heads, dk = q.shape[1:]
+    num_v_heads = v.shape[1]
+    group = num_v_heads // num_k_heads
+    device, out_dtype = v.device, v.dtype
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = (q * (dk**-0.5 if scale is None else scale)).repeat_interleave(group, dim=1)
+    k = k.repeat_interleave(group, dim=1)
+    v, g, beta = v.float(), g.float(), beta.float()
+    out = torch.zeros_like(v)
+
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    slots = state_slots.to(device=device, dtype=torch.long)
+    live = (slots >= 0) & (lens > 0)
+    short = lens <= DELTA_STEP_MAX_LEN
+    for run, chosen in ((_delta_steps, live & short), (_delta_chunks, live & ~short)):
+        seqs = chosen.nonzero().squeeze(1)
+        if seqs.numel() == 0:
+            continue
+        state = ssm_state[slots[seqs]].float()  # a copy: [n, Hv, Dk, Dv]
+        fresh = ~has_initial_state.to(device)[seqs]
+        state[fresh] = 0.0  # not a product: the row's old contents may be NaN
+        run(q, k, v, g, beta, state, starts[seqs], lens[seqs], out)
+        ssm_state[slots[seqs]] = state.to(ssm_state.dtype)
+    return out.to(out_dtype)

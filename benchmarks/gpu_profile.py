@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", default=None, help="the engine's, e.g. fp8 (CUDA)")
     p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the engine's (256); hybrid models hold a recurrent state per seat",
+    )
+    p.add_argument(
         "--override-config",
         type=json.loads,
         default={},
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = args.batch or (8 if args.smoke else 256)
     steps = args.steps or (4 if args.smoke else 30)
-    overrides = {**args.override_config, **({"num_hidden_layers": 2} if args.smoke else {})}
+    overrides = {**({"num_hidden_layers": 2} if args.smoke else {}), **args.override_config}
     args.work_dir.mkdir(parents=True, exist_ok=True)
     tag = "-mxfp4" if "quantization_config" in overrides else ""
     spec = config_dir(
@@ -227,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         "max_model_len": 4096 if device == "cuda" else 256,
         "enforce_eager": args.enforce_eager or device != "cuda",
         "quantization": args.quantization,
+        "max_num_seqs": args.max_num_seqs,
     }
+    engine_kw = {k: v for k, v in engine_kw.items() if k != "max_num_seqs" or v is not None}
     if device != "cuda":
         engine_kw["num_gpu_blocks_override"] = 256 if args.smoke else None
         engine_kw = {k: v for k, v in engine_kw.items() if v is not None}

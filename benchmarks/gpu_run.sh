@@ -10,6 +10,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase6
 #   device run:                   bash benchmarks/gpu_run.sh phase7
 #   device run:                   bash benchmarks/gpu_run.sh phase8
+#   device run:                   bash benchmarks/gpu_run.sh phase9
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
@@ -42,6 +43,10 @@
 #         a 576-entry latent cache a token and layer): mla_attention's GPU-marked tests, then
 #         gpu_profile at batch 64 with CUDA graphs and eager (phase1's kernel bench has the
 #         kernel alone, `mla_decode`).
+# phase9: hybrid linear attention, Qwen3.5-27B's text config (~54 GB of bf16 dummy weights; 48
+#         Gated DeltaNet layers with a float32 state of ~154 MB a sequence, 16 full-attention
+#         layers): the linear-attention kernels' GPU-marked tests, then gpu_profile at batch 32
+#         (max_num_seqs 32: the state pool) with CUDA graphs and eager.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -58,6 +63,7 @@ if [ "$PHASE" != rehearse ] && [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; the
 fi
 PY=${PY:-python3}
 MXFP4='{"quantization_config": {"quant_method": "mxfp4"}}'  # gpt-oss's experts kept in MXFP4
+HYBRID_SMOKE='{"num_hidden_layers": 4, "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 4096}'
 LOG="$OUT/log.txt"
 T0=$(date +%s)
 
@@ -173,6 +179,14 @@ case "$PHASE" in
     step 150 mla-profile-eager $PY -m benchmarks.gpu_profile --model-config deepseek-v2-lite \
       --batch 64 --enforce-eager --steps 10 --out "$OUT/mla-eager"
     ;;
+  phase9)  # hybrid: Qwen3.5-27B's config (Gated DeltaNet state rows beside the paged KV)
+    step 30 versions versions
+    step 120 gdn-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_linear_attention.py
+    step 240 hybrid-profile $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
+      --batch 32 --max-num-seqs 32 --out "$OUT/hybrid"
+    step 150 hybrid-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
+      --batch 32 --max-num-seqs 32 --enforce-eager --steps 10 --out "$OUT/hybrid-eager"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -200,9 +214,13 @@ case "$PHASE" in
       --quantization fp8 --out "$OUT/moe-fp8"
     step 300 mla-profile $PY -m benchmarks.gpu_profile --smoke --model-config deepseek-v2-lite \
       --out "$OUT/mla"
+    # 4 layers (3 linear, 1 full), narrower, a small vocabulary: the 27B's embeddings alone
+    # would be 10 GB in float32 here
+    step 300 hybrid-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3.5-27b \
+      --max-num-seqs 8 --override-config "$HYBRID_SMOKE" --out "$OUT/hybrid"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|rehearse" >&2
+    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse" >&2
     exit 2
     ;;
 esac

@@ -174,6 +174,23 @@ def _qwen3_vl_moe(moe_intermediate_size: int, **top) -> tuple[type, object]:
     return transformers.Qwen3VLMoeForConditionalGeneration, config
 
 
+def _qwen3_5(moe: bool, **top) -> tuple[type, object]:
+    """Qwen3.5's hybrid decoder (linear and full attention, tiny_config's layout) in its VLM
+    wrapper; the M-RoPE sections interleaved as Qwen3-VL's over the 4 rotary frequencies."""
+    text = tiny_config("qwen3_5_moe" if moe else "qwen3_5").to_dict()
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.25,
+        "mrope_section": [2, 1, 1],
+        "mrope_interleaved": True,
+    }
+    vision = {**_QWEN_VISION, "num_position_embeddings": 16}
+    name = "Qwen3_5Moe" if moe else "Qwen3_5"
+    config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision, **top)
+    return getattr(transformers, f"{name}ForConditionalGeneration"), config
+
+
 # name -> (builder of (wrapper class, config), the text class we serve it with)
 CASES = {
     "gemma3": (lambda: _gemma3(), "Gemma3ForCausalLM"),
@@ -203,6 +220,9 @@ CASES = {
         lambda: _qwen3_vl_moe(32, tie_word_embeddings=True),
         "Qwen3MoeForCausalLM",
     ),
+    # hybrid linear-attention decoders (models/qwen3_next.py)
+    "qwen3_5": (lambda: _qwen3_5(False, tie_word_embeddings=False), "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": (lambda: _qwen3_5(True, tie_word_embeddings=False), "Qwen3_5MoeForCausalLM"),
 }
 
 

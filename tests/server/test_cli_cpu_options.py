@@ -1,6 +1,7 @@
 """paged-server's engine options reach the engine config: the CPU ones (--quantization,
 --batch-invariant, --cpu-num-threads, -O / --compilation-config), --generation-config,
---override-generation-config and --scheduling-policy (the engine validates them)."""
+--override-generation-config, --scheduling-policy and --mamba-ssm-cache-dtype (the engine
+validates them)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,11 @@ def test_generation_config_and_scheduling_policy(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         parse_args(["m", "--scheduling-policy", "lifo"])
     assert "--scheduling-policy" in capsys.readouterr().err
+
+
+def test_mamba_ssm_cache_dtype(monkeypatch):
+    assert engine_config(monkeypatch, []).mamba_ssm_cache_dtype == "auto"
+    config = engine_config(monkeypatch, ["--mamba-ssm-cache-dtype", "float32"])
+    assert config.mamba_ssm_cache_dtype == "float32"
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        engine_config(monkeypatch, ["--mamba-ssm-cache-dtype", "fp8"])

@@ -14,6 +14,7 @@ _DEVICES = ("auto", "cuda", "cpu")
 _QUANTIZATIONS = (None, "fp16", "int8", "int4", "fp8")
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
+_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
@@ -80,6 +81,9 @@ class EngineConfig:
     # fp8 = fp8_e4m3), preemption by recompute or swap to a CPU pool of swap_space GiB (None:
     # chosen per request by cost), and a CPU tier of cpu_offload_gib GiB for the prefix cache.
     kv_cache_dtype: str = "auto"
+    # Hybrid models (worker/recurrent_state.py): the linear-attention layers' recurrent matrices'
+    # dtype ("auto": the checkpoint config's mamba_ssm_dtype if it names one, else the model's).
+    mamba_ssm_cache_dtype: str = "auto"
     preemption_mode: str | None = None
     swap_space: float = 0.0
     cpu_offload_gib: float = 0.0
@@ -118,6 +122,12 @@ class EngineConfig:
         from paged_engine.engine.generation_defaults import check_setting
 
         check_setting(self.generation_config, self.override_generation_config)
+        _check(
+            self.mamba_ssm_cache_dtype in _SSM_CACHE_DTYPES,
+            "mamba_ssm_cache_dtype",
+            self.mamba_ssm_cache_dtype,
+            str(_SSM_CACHE_DTYPES),
+        )
         _check(
             self.kv_cache_dtype in _KV_CACHE_DTYPES,
             "kv_cache_dtype",

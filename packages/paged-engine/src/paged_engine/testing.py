@@ -47,6 +47,9 @@ MORE_TINY_ARCHS: list[str] = [
     "glm4",
     "cohere",
     "cohere2",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -68,6 +71,19 @@ _LLAMA_LIKE = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 1024,
     "rms_norm_eps": 1e-5,
+}
+_HYBRID_LIKE = {
+    **_LLAMA_LIKE,
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
 }
 # DeepSeek-V3's layout, tiny: MLA with a q bottleneck (latent 32 + rope 8), a dense layer, then
 # MoE layers of 8 routed experts in 4 groups (2 kept), 2 chosen, and a shared expert
@@ -174,6 +190,32 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "olmo2": ("Olmo2Config", {**_LLAMA_LIKE, "tie_word_embeddings": False}),
     # Qwen2-MoE: a dense layer (mlp_only_layers) before a sparse one with a shared expert
+    # Hybrids (models/qwen3_next.py): linear, linear, full, linear layers; GVA (4 value heads on
+    # 2 key heads), conv width 4, partial rope (1/4 of head_dim 16)
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {
+            **_HYBRID_LIKE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [1],
+        },
+    ),
+    "qwen3_5": ("Qwen3_5TextConfig", _HYBRID_LIKE),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        {
+            **_HYBRID_LIKE,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         {

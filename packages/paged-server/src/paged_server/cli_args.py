@@ -204,6 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
         "'{\"level\": 3}'",
     )
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8 (= fp8_e4m3), fp8_e5m2")
+    p.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default="auto",
+        help="hybrid models' recurrent state: auto (the config's mamba_ssm_dtype, else the "
+        "model dtype), float32, float16, bfloat16",
+    )
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
     p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")

@@ -42,6 +42,11 @@ class AttentionMetadata:
     # A decode step under the CPU's compiled forward: its rows' inputs for
     # `CpuBackend.attend_decode`, which the graph traces (worker/cpu_compile.py); else None.
     decode: Any = None
+    # Hybrid models (layers/gated_delta_net.py): each sequence's recurrent-state row [S] int64
+    # (-1: a padding row) and whether it continues that row's state [S] bool (False: it starts
+    # at position 0). None outside hybrid models and in stand-alone forwards (profiling).
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -154,6 +159,43 @@ class AttentionBackend(ABC):
         value_caches: list[torch.Tensor],
         mapping: torch.Tensor,  # [P, 2] int64 (src, dst)
     ) -> None: ...
+
+    # Linear attention (layers/gated_delta_net.py): paged_kernels' torch references by default.
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,  # [T, C]
+        weight: torch.Tensor,  # [C, K]
+        bias: torch.Tensor | None,
+        conv_state: torch.Tensor,  # [slots, C, K - 1], updated in place
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        *,
+        activation: str | None,
+    ) -> torch.Tensor:  # [T, C]
+        from paged_kernels import ref_causal_conv1d
+
+        return ref_causal_conv1d(
+            x, weight, bias, conv_state, cu_seqlens, state_slots, has_initial_state, activation
+        )
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,  # [T, Hk, Dk]
+        k: torch.Tensor,  # [T, Hk, Dk]
+        v: torch.Tensor,  # [T, Hv, Dv]
+        g: torch.Tensor,  # [T, Hv] float32 log-decay
+        beta: torch.Tensor,  # [T, Hv]
+        ssm_state: torch.Tensor,  # [slots, Hv, Dk, Dv], updated in place
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+    ) -> torch.Tensor:  # [T, Hv, Dv]
+        from paged_kernels import ref_gated_delta_rule
+
+        return ref_gated_delta_rule(
+            q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, has_initial_state
+        )
 
 
 class KernelBackend(AttentionBackend):

@@ -55,3 +55,21 @@ class TritonBackend(KernelBackend):
             out=torch.empty_like(query),
             batch_invariant=self.batch_invariant,
         )
+
+    def causal_conv1d(
+        self, x, weight, bias, conv_state, cu_seqlens, state_slots, has_initial_state, *, activation
+    ) -> torch.Tensor:
+        from paged_kernels import causal_conv1d
+
+        return causal_conv1d(
+            x, weight, bias, conv_state, cu_seqlens, state_slots, has_initial_state, activation
+        )
+
+    def gated_delta_rule(
+        self, q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, has_initial_state
+    ) -> torch.Tensor:
+        from paged_kernels import gated_delta_rule
+
+        return gated_delta_rule(
+            q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, has_initial_state
+        )

@@ -353,19 +353,22 @@ class EngineCore:
                 for h in state.finished
             ]
             return
-        children: list[tuple[Sequence, int, float]] = []
-        used: set[int] = set()
-        for cand in result.running:
-            parent = seqs[cand.parent]
-            if cand.parent in used:
-                child = self.scheduler.fork_seq(parent, index=len(req.seqs))
-            else:
-                used.add(cand.parent)
-                child = parent
-            children.append((child, cand.token_id, cand.cumulative_logprob))
+        # Parents without a survivor go first: their blocks (and recurrent-state rows) are
+        # free for the forks, so the request never holds more than its beam width.
+        used = {cand.parent for cand in result.running}
         for row, seq in enumerate(seqs):
             if row not in used:
                 self.scheduler.free_seq(seq, _STOPPED)
+        children: list[tuple[Sequence, int, float]] = []
+        kept: set[int] = set()
+        for cand in result.running:
+            parent = seqs[cand.parent]
+            if cand.parent in kept:
+                child = self.scheduler.fork_seq(parent, index=len(req.seqs))
+            else:
+                kept.add(cand.parent)
+                child = parent
+            children.append((child, cand.token_id, cand.cumulative_logprob))
         for seq, token_id, score in children:
             seq.token_ids.append(token_id)
             seq.cumulative_logprob = score

@@ -85,6 +85,7 @@ class Sequence:
     # The worker's view (see the module docstring).
     in_worker: bool = False
     num_synced_blocks: int = 0
+    state_slot: int = -1  # hybrid models: its recurrent-state row (core/state_slots.py)
     cumulative_logprob: float = 0.0  # beam search score (raw logprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

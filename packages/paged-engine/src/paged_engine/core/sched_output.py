@@ -7,7 +7,8 @@ changed: block-table deltas and, every step, where it starts and how many tokens
     of sequence seq_ids[i]; rows in `sample_rows` sample a token from their last position.
 
 Worker order for one output: drop `finished_seq_ids`, add `new_seqs`, apply `block_updates`,
-run `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`, then the forward over the batch.
+run `blocks_to_swap_out`, `blocks_to_swap_in`, `blocks_to_copy`, `state_copies`, then the forward
+over the batch.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class NewSeqData:
     eos_token_ids: tuple[int, ...] = ()  # masked while below min_tokens (empty: ignore_eos)
     lora_id: int = 0  # the adapter it runs with (lora/), 0 for none
     lora_path: str | None = None
+    state_slot: int = -1  # hybrid models: its recurrent-state row (core/state_slots.py)
 
 
 @dataclass(slots=True)
@@ -58,6 +60,8 @@ class SchedulerOutput:
     # (device block, CPU block) copied out first, then (CPU block, device block) copied in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Hybrid models: (src, dst) recurrent-state rows copied before the forward (forks).
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -66,4 +70,9 @@ class SchedulerOutput:
     @property
     def has_block_work(self) -> bool:
         """Block copies or swaps the worker must run even when no sequence runs."""
-        return bool(self.blocks_to_copy or self.blocks_to_swap_out or self.blocks_to_swap_in)
+        return bool(
+            self.blocks_to_copy
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.state_copies
+        )

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
+from paged_engine.core.state_slots import StateSlots
 from paged_engine.core.token_plan import plan_tokens, reshare_plan
 from paged_engine.spec_decode.planner import DraftPlanner
 
@@ -78,6 +79,7 @@ class Scheduler:
         preemption_mode: str | None = None,
         max_loras: int = 0,
         policy: str = "fcfs",
+        state_slots: StateSlots | None = None,
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
         assert policy in ("fcfs", "priority"), policy
@@ -110,6 +112,8 @@ class Scheduler:
         self._drafts: dict[int, list[int]] = {}
         # LoRA: distinct adapters among running requests (the worker has that many slots).
         self.max_loras = max_loras
+        # Hybrid models: each live sequence's recurrent-state row (None: no such state).
+        self.state_slots = state_slots
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -171,8 +175,13 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; the worker drops it with the next step."""
+        """Free the sequence's blocks (and recurrent state); the worker drops it with the next
+        step."""
         self.block_manager.free(seq)
+        if seq.state_slot >= 0:
+            assert self.state_slots is not None
+            self.state_slots.free(seq.state_slot)
+            seq.state_slot = -1
         if seq.in_worker:
             seq.in_worker = False
             self._finished_seq_ids.append(seq.seq_id)
@@ -229,6 +238,10 @@ class Scheduler:
         """A child sharing all of the parent's blocks; appended to the request's seqs."""
         child = parent.fork(next_seq_id() if new_seq_id is None else new_seq_id, index)
         self.block_manager.fork(parent, child)
+        slots = self.state_slots
+        if slots is not None and parent.state_slot >= 0:  # its own row, a copy of the parent's
+            child.state_slot = slots.allocate()
+            slots.copy(parent.state_slot, child.state_slot)
         parent.request.seqs.append(child)
         self.seqs[child.seq_id] = child
         return child
@@ -291,6 +304,13 @@ class Scheduler:
         self.num_swap_preemptions += swapped
         if len(req.seqs) > 1 and not swapped:
             self._reshare.add(req)
+
+    def _reshare_plan(
+        self, req: Request, seqs: list[Sequence], budget: int
+    ) -> list[tuple[Sequence, int]] | None:
+        if req not in self._reshare:
+            return None
+        return reshare_plan(self.block_manager, seqs, budget, self.state_slots)
 
     def _make_room(self, req: Request, seq: Sequence, n: int, preempted: list[Request]) -> bool:
         """Preempt from the tail of `running` until `seq` gets its blocks. False when `req`
@@ -365,7 +385,7 @@ class Scheduler:
                 or all(self._finishes_when_pending_lands(req, s) for s in seqs)
             ):
                 continue  # (lengths may differ: each sequence speculates on its own)
-            plan = reshare_plan(self.block_manager, seqs, budget) if req in self._reshare else None
+            plan = self._reshare_plan(req, seqs, budget)
             if plan is None:
                 self._reshare.discard(req)  # running with its blocks: sharing is settled
                 plan = plan_tokens(seqs, budget, self._may_split) if budget else []
@@ -418,7 +438,7 @@ class Scheduler:
             if req.use_prefix_cache:
                 for seq in seqs:
                     bm.get_computed_blocks(seq)
-            plan = reshare_plan(self.block_manager, seqs, budget) if req in self._reshare else None
+            plan = self._reshare_plan(req, seqs, budget)
             if plan is None:
                 plan = plan_tokens(seqs, budget, self._may_split)
             if not plan or not all(allocate(seq, n) for seq, n in plan):
@@ -518,6 +538,9 @@ class Scheduler:
                     out.num_samples[seq.seq_id] = req.max_live_seqs
                 seq.num_pending += 1
             table = seq.block_ids
+            if self.state_slots is not None and seq.state_slot < 0:
+                assert start == 0, "a sequence with computed tokens and no recurrent state"
+                seq.state_slot = self.state_slots.allocate()
             if not seq.in_worker:
                 out.new_seqs.append(self._new_seq_data(seq))
                 seq.in_worker = True
@@ -530,6 +553,8 @@ class Scheduler:
         bm = self.block_manager
         out.blocks_to_copy = bm.take_blocks_to_copy()
         out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
+        if self.state_slots is not None:
+            out.state_copies = self.state_slots.take_copies()
         bs = bm.block_size
         self.step_seqs[out.step_id] = (
             [seq for seq, _ in planned if seq.num_computed_tokens // bs > seq.num_registered_blocks]
@@ -552,6 +577,7 @@ class Scheduler:
             eos_token_ids=tuple(sorted(req.eos_token_ids)),
             lora_id=req.lora_id,
             lora_path=req.lora_path,
+            state_slot=seq.state_slot,
         )
 
 

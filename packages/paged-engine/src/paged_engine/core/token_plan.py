@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Sequence
+from paged_engine.core.state_slots import StateSlots
 
 
 def plan_tokens(
@@ -44,16 +45,24 @@ def plan_tokens(
 
 
 def reshare_plan(
-    bm: BlockManager, seqs: list[Sequence], budget: int
+    bm: BlockManager,
+    seqs: list[Sequence],
+    budget: int,
+    state_slots: StateSlots | None = None,
 ) -> list[tuple[Sequence, int]] | None:
     """A forked request (n > 1, beams) recomputed after preemption: the first sequence
     computes the common prefix alone, then the others share its full blocks as after the
     fork (recomputing each copy could need more blocks than the request ever held).
     Returns the first sequence's part while the others wait for it, None once shared
-    (or nothing to share: e.g. prefix-cache hits already cover it)."""
+    (or nothing to share: e.g. prefix-cache hits already cover it).
+
+    With `state_slots` (a hybrid model) a sequence also needs the first's recurrent state at
+    the point it shares up to, and the first keeps only its latest state: all share the same
+    number of blocks (the fewest any needs), taken when the first has computed exactly that
+    far, with a copy of its state row. Past that point nothing is shared: each computes its own."""
     first = seqs[0]
     bs = bm.block_size
-    target = 0  # tokens the first sequence must have computed before the others share
+    wanted: list[tuple[Sequence, int]] = []  # (sequence, blocks it can share)
     for seq in seqs[1:]:
         common = 0
         for a, b in zip(first.token_ids, seq.token_ids):
@@ -61,10 +70,22 @@ def reshare_plan(
                 break
             common += 1
         num_blocks = min(common, seq.num_tokens - 1) // bs  # the last token always runs
-        if num_blocks <= len(seq.block_ids):
-            continue
+        if num_blocks > len(seq.block_ids):
+            wanted.append((seq, num_blocks))
+    if not wanted:
+        return None
+    if state_slots is not None:
+        num_blocks = min(n for _, n in wanted)
+        wanted = [(seq, num_blocks) for seq, _ in wanted if seq.num_computed_tokens == 0]
+        if not wanted or first.num_computed_tokens > num_blocks * bs:
+            return None
+    target = 0  # tokens the first sequence must have computed before the others share
+    for seq, num_blocks in wanted:
         if first.num_computed_tokens >= num_blocks * bs:
             bm.share_prefix(first, seq, num_blocks)
+            if state_slots is not None:
+                seq.state_slot = state_slots.allocate()
+                state_slots.copy(first.state_slot, seq.state_slot)
         else:
             target = max(target, num_blocks * bs)
     if not target:

@@ -25,6 +25,7 @@ from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.core_output import EngineCoreOutput
 from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.scheduler import Scheduler
+from paged_engine.core.state_slots import StateSlots
 from paged_engine.default_model import default_model_path
 from paged_engine.distributed.launch import is_worker_rank
 from paged_engine.distributed.parallel_state import check_model_parallelism
@@ -47,6 +48,7 @@ from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
 from paged_engine.worker.cache_engine import num_cpu_blocks
+from paged_engine.worker.recurrent_state import hybrid_engine_config, is_hybrid
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class LLMEngine:
             config.model, config.revision, config.download_dir, token=config.hf_token
         )
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
+        hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -127,11 +130,18 @@ class LLMEngine:
         num_blocks = self.executor.determine_num_blocks()
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
+            states = worker.model_runner.states
+            seats = (
+                ""
+                if states is None
+                else f", or lower max_num_seqs (each seat holds {states.nbytes_per_row / 2**20:.1f}"
+                " MiB of recurrent state)"
+            )
             raise ValueError(
                 f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
                 f"({num_blocks} blocks of {config.block_size}), fewer than max_model_len="
                 f"{config.max_model_len}: raise gpu_memory_utilization (or cpu_kv_cache_gib / "
-                "num_gpu_blocks_override) or lower max_model_len"
+                f"num_gpu_blocks_override) or lower max_model_len{seats}"
             )
         logger.info(
             "allocating the KV cache: %d blocks x %d tokens = %d token slots%s",
@@ -166,6 +176,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode if config.swap_space else "recompute",
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
+            state_slots=StateSlots(config.max_num_seqs) if is_hybrid(self.hf_config) else None,
         )
         self.lora_registry = None
         if config.enable_lora:

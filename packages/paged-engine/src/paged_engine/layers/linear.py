@@ -31,12 +31,22 @@ def _tp(tp_rank: int | None, tp_size: int | None) -> tuple[int, int]:
     )
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(
             f"shape mismatch loading {name}: expected {tuple(dst.shape)}, got {tuple(src.shape)}"
         )
     dst.copy_(src)
+
+
+def shard_segments(w: torch.Tensor, sizes: list[int], rank: int, tp: int) -> torch.Tensor:
+    """Rows of several segments stacked along dim 0 (full sizes `sizes`) -> this rank's rows
+    of each, stacked in the same order (a fused projection whose parts split separately)."""
+    parts = []
+    for seg in w.split(sizes, dim=0):
+        n = seg.shape[0] // tp
+        parts.append(seg.narrow(0, rank * n, n))
+    return torch.cat(parts, dim=0)
 
 
 class LinearBase(nn.Module):
@@ -93,7 +103,7 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         n = param.shape[0]
-        _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), "column shard")
+        copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), "column shard")
 
 
 class RowParallelLinear(LinearBase):
@@ -114,10 +124,10 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         if param.dim() == 1:  # bias: replicated
-            _copy_checked(param.data, loaded_weight, "row bias")
+            copy_checked(param.data, loaded_weight, "row bias")
             return
         n = param.shape[1]
-        _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
+        copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * n, n), "row shard")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(x, self.bias if self.tp_rank == 0 else None)
@@ -149,7 +159,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[idx] // self.tp_size
         offset = sum(self.output_sizes[:idx]) // self.tp_size
         src = loaded_weight.narrow(0, self.tp_rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {idx}")
+        copy_checked(param.data.narrow(0, offset, size), src, f"merged shard {idx}")
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -193,4 +203,4 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"bad QKV shard_id {shard_id!r}")
         src = loaded_weight.narrow(0, rank * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")
+        copy_checked(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")

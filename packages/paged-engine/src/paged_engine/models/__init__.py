@@ -37,6 +37,11 @@ from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
 from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
+from paged_engine.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
@@ -79,6 +84,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
 }
 
 

@@ -12,6 +12,8 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
     Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
+    Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
+    Qwen3_5MoeForConditionalGeneration   qwen3_5_moe_text       -> Qwen3_5MoeForCausalLM
 
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
@@ -52,7 +54,7 @@ RoPE over head_dim with the same inv_freq.
 
 Not handled: images (the server refuses image content parts; there is no vision encoder here),
 LoRA adapters trained on the wrapper's module names, wrappers whose decoder is not one of ours
-as it stands (Gemma 3n, Llama 4, Qwen3.5).
+as it stands (Gemma 3n, Llama 4).
 """
 
 from __future__ import annotations
@@ -114,6 +116,17 @@ WRAPPERS: dict[str, Wrapper] = {
         mrope=True,
         renormalized_topk=True,
         hub_experts=True,
+    ),
+    # Hybrid linear-attention decoders (models/qwen3_next.py). Qwen3.5-MoE's Hub checkpoints
+    # hold per-expert matrices, and its router always renormalizes.
+    "Qwen3_5ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen3_5MoeForConditionalGeneration": Wrapper(
+        {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        renormalized_topk=True,
     ),
 }
 

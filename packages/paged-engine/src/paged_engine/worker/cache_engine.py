@@ -8,6 +8,7 @@ import torch
 import paged_kernels
 from paged_engine.attention import AttentionBackend
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
+from paged_engine.models.hybrid import is_hybrid, num_kv_layers
 
 _FP8 = {
     "fp8": torch.float8_e4m3fn,
@@ -35,8 +36,11 @@ def _kv_copies(hf_config) -> int:
 
 
 def _model_kv_shape(hf_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of the whole model."""
+    """(num_layers, num_kv_heads, head_dim) of the whole model; a hybrid model's layers of
+    linear attention cache nothing (worker/recurrent_state.py), its others count."""
     num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
+    if is_hybrid(hf_config):
+        num_layers = num_kv_layers(hf_config)
     if latent_kv(hf_config):  # replicated on every tensor-parallel rank
         return num_layers, 1, int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
     num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head

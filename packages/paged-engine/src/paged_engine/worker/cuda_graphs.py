@@ -10,7 +10,8 @@ static, and the attention kernels put a row's q queries at the last q positions 
 
 Padding rows write nothing (slot -1 for each of their q tokens) and read only the null block
 with seq_len q, so their query positions are 0 .. q - 1 (never negative: no row without a
-visible key); their outputs are dropped.
+visible key); their outputs are dropped. A hybrid model's padding rows run on the recurrent
+state's scratch row (worker/recurrent_state.py), which no sequence owns.
 
 Steps whose rows have different query lengths (a row with fewer than k drafts or none, a
 prefill chunk) run eagerly: a graph fixes every row's query count, and such a step matches no
@@ -69,13 +70,20 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(
             (n, runner.max_blocks_per_seq), dtype=torch.int32, device=dev
         )
+        # Hybrid models: each row's recurrent-state row; padding rows use the scratch row.
+        self.scratch_row = -1
+        self.state_slots = self.has_state = None
+        if runner.states is not None:
+            self.scratch_row = runner.states.scratch_row
+            self.state_slots = torch.full((n,), self.scratch_row, dtype=torch.int64, device=dev)
+            self.has_state = torch.zeros(n, dtype=torch.bool, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (q, bs) -> graph
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (q, bs) -> [bs * q, D]
         self.pool = None
 
     def _meta(self, q: int, bs: int) -> AttentionMetadata:
         r = self.runner
-        return r.backend.build_metadata(
+        meta = r.backend.build_metadata(
             slot_mapping=self.slot_mapping[: bs * q],
             block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.cu_seqlens_q[q][: bs + 1],
@@ -83,6 +91,9 @@ class CudaGraphRunner:
             max_seqlen_q=q,
             max_seqlen_k=r.config.max_model_len,  # static upper bound: no host sync in replay
         )
+        if self.state_slots is not None and self.has_state is not None:
+            meta.state_slots, meta.has_initial_state = self.state_slots[:bs], self.has_state[:bs]
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -157,6 +168,12 @@ class CudaGraphRunner:
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.block_tables[:n, width:].zero_()
         self.block_tables[n:bs].zero_()
+        if self.state_slots is not None and self.has_state is not None:
+            assert meta.state_slots is not None and meta.has_initial_state is not None
+            self.state_slots[:n].copy_(meta.state_slots)
+            self.state_slots[n:bs].fill_(self.scratch_row)
+            self.has_state[:n].copy_(meta.has_initial_state)
+            self.has_state[n:bs].fill_(False)
         # Tokens [t, t_bs) keep stale ids / positions: harmless, as they write nothing (slot -1)
         # and attend only to the null block (seq_len q); their outputs are dropped.
         self.graphs[q, bs].replay()

@@ -81,6 +81,7 @@ class InputBatch:
         self.presence = np.zeros(max_num_seqs)
         self.min_tokens = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_prompt = np.zeros(max_num_seqs, dtype=np.int64)
+        self.state_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # hybrid models' state row
         # Rare per-row features, as flags so a step finds its few rows without a Python loop.
         self.history = np.zeros(max_num_seqs, dtype=bool)  # penalties read output tokens
         self.seeded = np.zeros(max_num_seqs, dtype=bool)
@@ -134,6 +135,7 @@ class InputBatch:
         self.num_beam_rows += beam
         self.num_host_tokens[row] = len(data.token_ids)
         self.num_prompt[row] = data.num_prompt_tokens
+        self.state_slot[row] = data.state_slot
         self.history[row] = history
         if history:
             self.mirror_tokens(row, data.token_ids)

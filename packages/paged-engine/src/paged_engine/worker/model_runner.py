@@ -46,6 +46,7 @@ from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.pooler import pool_hidden
+from paged_engine.worker.recurrent_state import RecurrentStatePool, is_hybrid, resolve_ssm_dtype
 from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
 from paged_engine.worker.sampling_inputs import SamplingInputs
 
@@ -98,6 +99,18 @@ class ModelRunner:
         self.draft: DraftModelRunner | None = None
         # enable_lora: adapter slots and each row's slot (set by the worker; lora/manager.py).
         self.lora: LoRAManager | None = None
+        # Hybrid models: the linear-attention layers' state pools, allocated before the KV cache
+        # is sized (one row per state slot, core/state_slots.py, plus a scratch row).
+        self.states: RecurrentStatePool | None = None
+        if is_hybrid(hf_config):
+            dtype = _model_dtype(model)
+            self.states = RecurrentStatePool(
+                model,
+                config.max_num_seqs,
+                dtype,
+                resolve_ssm_dtype(config.mamba_ssm_cache_dtype, dtype, hf_config),
+                device,
+            )
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -165,6 +178,9 @@ class ModelRunner:
                 cache.swap_in(sched.blocks_to_swap_in)
             if sched.blocks_to_copy:
                 cache.copy_blocks(sched.blocks_to_copy)
+        if sched.state_copies:
+            assert self.states is not None
+            self.states.copy_rows(sched.state_copies)
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
@@ -272,6 +288,11 @@ class ModelRunner:
             max_seqlen_k=max_seqlen_k,
             host=HostLengths(cu, seq_lens, tables_np, slots),
         )
+        if self.states is not None:
+            state_rows = batch.state_slot[rows]
+            self.states.advance(state_rows, starts, num_new)
+            meta.state_slots, has_state = self._upload(state_rows, (starts > 0).astype(np.int64))
+            meta.has_initial_state = has_state.bool()
         return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

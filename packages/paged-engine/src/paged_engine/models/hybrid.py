@@ -1,0 +1,81 @@
+"""The decoder stack shared by hybrid models: layers of linear attention or state-space mixing
+(`config.layer_types`: "linear_attention", or "mamba" in older configs) among full-attention
+layers (anything else). Only the full-attention layers hold a paged KV cache: the model's
+`kv_caches` list has one entry per such layer, in order; the others carry a recurrent state per
+sequence (worker/recurrent_state.py).
+
+Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py) and Granite 4.0-H (models/granitemoehybrid.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.embedding import VocabParallelEmbedding
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.utils import make_layers
+
+LINEAR_LAYER_TYPES = ("linear_attention", "mamba")
+
+
+def layer_types(config) -> list[str]:
+    return list(
+        getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
+    )
+
+
+def is_hybrid(config) -> bool:
+    """Whether some layers are linear (carry a recurrent state instead of KV)."""
+    return any(t in LINEAR_LAYER_TYPES for t in layer_types(config))
+
+
+def num_kv_layers(config) -> int:
+    """Layers with a paged KV cache: a hybrid's full-attention ones."""
+    return sum(t not in LINEAR_LAYER_TYPES for t in layer_types(config))
+
+
+class HybridModel(nn.Module):
+    """Embedding (times `embedding_multiplier`), the layers (`build_layer(i)`, each called
+    with `(positions, x, kv_cache or None, md)`), the final norm."""
+
+    def __init__(
+        self,
+        config,
+        build_layer: Callable[[int], nn.Module],
+        norm: nn.Module,
+        rope: RotaryEmbedding | None,
+        embedding_multiplier: float | None = None,
+    ) -> None:
+        super().__init__()
+        types = layer_types(config)
+        if len(types) != config.num_hidden_layers or num_kv_layers(config) == 0:
+            raise ValueError(
+                f"layer_types must name each of the {config.num_hidden_layers} layers, at least "
+                f"one full attention, got {types!r}"
+            )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = embedding_multiplier
+        self.rotary_emb = rope
+        self.layers, self.stage = make_layers(config.num_hidden_layers, build_layer)
+        self.norm = norm
+        # Each layer's entry in kv_caches; -1: a linear layer (no KV).
+        self.kv_index: list[int] = []
+        for t in types:
+            n = sum(i >= 0 for i in self.kv_index)
+            self.kv_index.append(-1 if t in LINEAR_LAYER_TYPES else n)
+
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        if hidden is None:
+            x = self.embed_tokens(input_ids)
+            if self.embedding_multiplier is not None:
+                x = x * self.embedding_multiplier
+        else:
+            x = hidden
+        if self.rotary_emb is not None:
+            self.rotary_emb.begin_forward(positions)
+        for layer, i in zip(self.layers, self.kv_index, strict=True):
+            x = layer(positions, x, kv_caches[i] if i >= 0 else None, md)
+        return self.norm(x)

@@ -1,0 +1,144 @@
+"""Per-sequence recurrent state of hybrid models: Gated DeltaNet layers (Qwen3-Next, Qwen3.5)
+between full-attention layers.
+
+A linear-attention layer keeps nothing per token: each sequence carries a fixed-size state (a
+conv window and a [Hv, Dk, Dv] matrix a layer, layers/gated_delta_net.py) that has absorbed its
+tokens in order. The pools hold one row per InputBatch row (a sequence's row is its state slot)
+plus one scratch row, the last, that CUDA-graph padding rows read and write.
+
+Invariant: after a forward, row r holds the state of its sequence over positions
+[0, num_computed_tokens). A row whose step starts at position 0 starts from zeros; any other
+start continues the row. So a sequence arriving in the worker with computed tokens but no state
+of its own (a fork of n > 1, a beam that took another candidate, the copies of a forked request
+recomputed after preemption) names the sequence whose state it continues
+(`NewSeqData.state_from`), and `copy_rows` copies those rows before the step's forward (and
+before the step drops any sequence: the source may be leaving).
+
+What the engine gives up for it (`hybrid_engine_config`): prefix caching (a cached block has no
+state to go with it), swap preemption and the CPU offload tier (the state is not in blocks),
+speculative decoding (a rejected draft cannot be taken back out of the state), pipeline
+parallelism, LoRA and batch-invariant mode.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from paged_engine.models.hybrid import is_hybrid
+
+__all__ = ["RecurrentStatePool", "hybrid_engine_config", "is_hybrid", "resolve_ssm_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_SSM_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def hybrid_engine_config(config, hf_config) -> None:
+    """Refuse (ValueError naming the option) or turn off what a hybrid model cannot run with."""
+    if not is_hybrid(hf_config):
+        return
+    arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
+    unsupported = {
+        "speculative_config": config.speculative_config is not None,
+        "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
+        "enable_lora=True": bool(config.enable_lora),
+        "batch_invariant=True": bool(config.batch_invariant),
+        "cpu_offload_gib > 0": bool(config.cpu_offload_gib),
+        "preemption_mode='swap'": config.preemption_mode == "swap",
+        "compilation_config (torch.compile)": bool(config.compilation_level),
+    }
+    for what, on in unsupported.items():
+        if on:
+            raise ValueError(
+                f"{what} is not supported for hybrid linear-attention models ({arch}): their "
+                "per-sequence recurrent state is not held in KV blocks"
+            )
+    if config.enable_prefix_caching:
+        logger.info("%s is a hybrid linear-attention model: prefix caching is off", arch)
+        config.enable_prefix_caching = False
+    if config.swap_space:
+        logger.info("%s is a hybrid linear-attention model: swap_space is unused", arch)
+        config.swap_space = 0.0
+    config.preemption_mode = "recompute"
+
+
+def resolve_ssm_dtype(name: str, model_dtype: torch.dtype, hf_config) -> torch.dtype:
+    """EngineConfig.mamba_ssm_cache_dtype -> the recurrent matrices' dtype. "auto": the
+    checkpoint's `mamba_ssm_dtype` where its config names one (Qwen3.5's say float32), else
+    the model dtype."""
+    if name == "auto":
+        name = getattr(hf_config, "mamba_ssm_dtype", None) or "auto"
+        if name not in _SSM_DTYPES:
+            return model_dtype
+    return _SSM_DTYPES[name]
+
+
+def state_layers(model: nn.Module) -> list[nn.Module]:
+    """The modules holding recurrent state (those with `allocate_state`), in model order."""
+    return [m for m in model.modules() if hasattr(m, "allocate_state")]
+
+
+class RecurrentStatePool:
+    """Allocates every state layer's pools ([rows + 1, ...]) and copies rows between them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_rows: int,
+        dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = state_layers(model)
+        self.scratch_row = num_rows  # CUDA-graph padding rows use it
+        self.device = device
+        for layer in self.layers:
+            layer.allocate_state(num_rows + 1, dtype, ssm_dtype, device)
+        # Tokens each row's state has absorbed, checked against every step's start positions:
+        # a scheduler bug shows as an error here instead of as wrong text.
+        self.num_absorbed = np.zeros(num_rows + 1, dtype=np.int64)
+        self.nbytes = sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for t in (layer.conv_state, layer.ssm_state)
+        )
+        self.nbytes_per_row = self.nbytes // (num_rows + 1)
+        logger.info(
+            "recurrent state: %d layers x %d rows, %.1f MiB",
+            len(self.layers),
+            num_rows + 1,
+            self.nbytes / 2**20,
+        )
+
+    def copy_rows(self, pairs: list[tuple[int, int]]) -> None:
+        """state[dst] = state[src] for every (src, dst) and layer; all sources are read before
+        any row is written."""
+        src, dst = (np.asarray(x, dtype=np.int64) for x in zip(*pairs))
+        src_t, dst_t = (torch.from_numpy(x).to(self.device) for x in (src, dst))
+        for layer in self.layers:
+            for pool in (layer.conv_state, layer.ssm_state):
+                pool.index_copy_(0, dst_t, pool.index_select(0, src_t))
+        self.num_absorbed[dst] = self.num_absorbed[src]
+
+    def advance(self, rows: np.ndarray, starts: np.ndarray, num_new: np.ndarray) -> None:
+        """Book a step: row i runs positions [starts[i], starts[i] + num_new[i]), continuing
+        its state when starts[i] > 0 (which must be exactly where that state stands)."""
+        if (rows < 0).any():
+            raise RuntimeError("a sequence of a hybrid model was scheduled without a state slot")
+        cont = starts > 0
+        stale = cont & (self.num_absorbed[rows] != starts)
+        if stale.any():
+            i = int(np.flatnonzero(stale)[0])
+            raise RuntimeError(
+                f"recurrent state row {int(rows[i])} holds {int(self.num_absorbed[rows[i]])} "
+                f"tokens but its sequence continues from position {int(starts[i])}"
+            )
+        self.num_absorbed[rows] = starts + num_new

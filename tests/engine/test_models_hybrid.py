@@ -1,0 +1,250 @@
+"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against HF transformers,
+and the recurrent state's bookkeeping through forks, beams, preemption and async scheduling.
+
+Tiny random models (layers linear, linear, full, linear; 4 value heads on 2 key heads, conv
+width 4, partial rope): `LLM.generate` must give HF `generate`'s greedy tokens and top-5
+logprobs (1e-3, float32), on prompts of 1 to 70 tokens (one state chunk is 64), whole and in
+prefill chunks of 16. Each fork (n > 1) and beam must continue its parent's state: n greedy
+samples equal the single greedy output, sampled continuations' logprobs equal a fresh forward
+over prompt + continuation, and beam search gives HF's beams. Preemption by recompute (with
+n > 1 requests, which share their prefix again, state included) and async scheduling change
+no output; TP=2 gives the one-process results. What a hybrid model cannot combine with is
+refused, naming the option.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+
+from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine.core.state_slots import StateSlots
+from paged_engine.testing import write_tiny_model
+from paged_engine.worker.recurrent_state import RecurrentStatePool
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 10
+TOP = 5
+
+
+def _prompts(seed: int, lengths=(5, 23, 70, 1)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def _requests(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dirs(tmp_path_factory):
+    cache = {}
+
+    def make(arch: str):
+        if arch not in cache:
+            cache[arch] = write_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
+        return cache[arch]
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("arch", "backend", "budget"),
+    [
+        ("qwen3_next", "cpu", None),
+        ("qwen3_next", "cpu", 16),  # prefill chunks of 16: the state carries across them
+        ("qwen3_5", "cpu", None),
+        ("qwen3_5_moe", "cpu", None),
+        ("qwen3_5", "triton", 16),  # paged_kernels' Triton kernels (interpreted on the CPU)
+    ],
+)
+def test_greedy_tokens_and_logprobs_match_hf(arch, backend, budget, hybrid_dirs):
+    path = hybrid_dirs(arch)
+    prompts = _prompts(7)
+    hf = load_hf_model(path)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
+    kw = {} if budget is None else {"max_num_batched_tokens": budget}
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw)
+    assert llm.llm_engine.config.enable_prefix_caching is False  # turned off for hybrids
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate(_requests(prompts), params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_matches(f"{arch}-{i}", out, ref)
+
+
+def test_forks_continue_their_parents_state(hybrid_dirs):
+    llm = LLM(model=str(hybrid_dirs("qwen3_next")), dtype="float32", max_model_len=128)
+    reqs = _requests(_prompts(3, (5, 23, 40)))
+    one = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    three = llm.generate(reqs, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
+    for a, b in zip(one, three, strict=True):
+        assert [c.token_ids for c in b.outputs] == [a.outputs[0].token_ids] * 3
+    sampled = SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=0
+    )
+    for req, out in zip(reqs, llm.generate(reqs, sampled, use_tqdm=False), strict=True):
+        prompt = req["prompt_token_ids"]
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # the forks did diverge
+        for c in out.outputs:
+            fresh = llm.generate(
+                [{"prompt_token_ids": prompt + c.token_ids}],
+                SamplingParams(max_tokens=1, prompt_logprobs=0),
+                use_tqdm=False,
+            )[0]
+            want = [
+                fresh.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(c.token_ids)
+            ]
+            got = [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)]
+            assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_beam_search_matches_hf(hybrid_dirs):
+    path = hybrid_dirs("qwen3_5")
+    hf = load_hf_model(path)
+    prompts = _prompts(11, (5, 23))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.beam_search(_requests(prompts), params), strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=3,
+                num_return_sequences=3,
+                max_new_tokens=6,
+                do_sample=False,
+                length_penalty=1.0,
+                early_stopping=False,
+            )
+        assert [s.tokens[len(prompt) :] for s in out.sequences] == [
+            r[len(prompt) :].tolist() for r in ref
+        ]
+
+
+def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
+    path = str(hybrid_dirs("qwen3_next"))
+    rng = random.Random(0)
+    reqs = _requests(
+        [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
+    )
+    # greedy and seeded sampling; n = 3 requests fork (and, preempted, share their prefix again)
+    params = [
+        SamplingParams(
+            temperature=1.0 if i % 2 == 0 else 0,
+            seed=i,
+            max_tokens=30,
+            ignore_eos=True,
+            n=3 if i % 3 == 0 else 1,
+        )
+        for i in range(len(reqs))
+    ]
+
+    def run(**kw):
+        llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
+
+    want, _ = run()
+    for async_scheduling in (False, True):
+        got, scheduler = run(
+            num_gpu_blocks_override=20,
+            max_num_batched_tokens=32,
+            async_scheduling=async_scheduling,
+            swap_space=1,  # unused: a hybrid preempts by recompute
+        )
+        assert scheduler.num_preemptions > 0 and scheduler.num_swap_preemptions == 0
+        assert got == want
+        assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
+
+
+def test_tensor_parallel_matches_one_process(hybrid_dirs):
+    assert_tp_matches_one_process(hybrid_dirs("qwen3_next"), _prompts(5, (5, 23, 40)), 8, 128)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+        ("enable_lora", True),
+        ("batch_invariant", True),
+        ("cpu_offload_gib", 1),
+        ("preemption_mode", "swap"),
+        ("pipeline_parallel_size", 2),
+        ("compilation_config", 3),
+    ],
+)
+def test_unsupported_options_are_refused(option, value, hybrid_dirs):
+    kw = {option: value}
+    if option == "preemption_mode":
+        kw["swap_space"] = 1
+    with pytest.raises(ValueError, match=option):
+        LLM(model=str(hybrid_dirs("qwen3_5")), dtype="float32", max_model_len=128, **kw)
+
+
+def test_ssm_cache_dtype(hybrid_dirs, tmp_path):
+    path = str(hybrid_dirs("qwen3_5"))
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        LLM(model=path, mamba_ssm_cache_dtype="fp8")
+
+    def state_dtypes(model, **kw):
+        llm = LLM(model=model, dtype="bfloat16", max_model_len=128, **kw)
+        layer = llm.llm_engine.model_runner.states.layers[0]
+        out = llm.generate(
+            _requests(_prompts(2, (9,))), SamplingParams(temperature=0, max_tokens=4)
+        )
+        assert len(out[0].outputs[0].token_ids) == 4
+        return layer.ssm_state.dtype, layer.conv_state.dtype
+
+    assert state_dtypes(path) == (torch.bfloat16, torch.bfloat16)  # auto: the model's
+    float32 = (torch.float32, torch.bfloat16)
+    assert state_dtypes(path, mamba_ssm_cache_dtype="float32") == float32
+    # auto follows a config's mamba_ssm_dtype (Qwen3.5's releases ask for float32)
+    asks = write_tiny_model(tmp_path, "qwen3_5", seed=1, mamba_ssm_dtype="float32")
+    assert state_dtypes(str(asks)) == float32
+
+
+def test_state_slots_drop_copies_into_freed_slots():
+    slots = StateSlots(3)
+    a, b = slots.allocate(), slots.allocate()
+    slots.copy(a, b)
+    slots.free(b)  # its sequence left before the step ran: the copy must not land
+    c = slots.allocate()
+    assert c == b and slots.take_copies() == []
+    slots.copy(a, c)
+    assert slots.take_copies() == [(a, c)] and slots.take_copies() == []
+    slots.allocate()
+    with pytest.raises(RuntimeError, match="recurrent-state slots"):
+        slots.allocate()
+
+
+def test_state_pool_refuses_a_stale_continuation(hybrid_dirs):
+    llm = LLM(model=str(hybrid_dirs("qwen3_5")), dtype="float32", max_model_len=128)
+    pool: RecurrentStatePool = llm.llm_engine.model_runner.states
+    assert pool.scratch_row == llm.llm_engine.config.max_num_seqs
+    rows = np.array([0, 1])
+    pool.advance(rows, np.array([0, 0]), np.array([5, 3]))
+    pool.copy_rows([(0, 2)])
+    pool.advance(np.array([2]), np.array([5]), np.array([1]))  # continues the copied state
+    with pytest.raises(RuntimeError, match="holds 3 tokens"):
+        pool.advance(rows[1:], np.array([4]), np.array([1]))
+
+
+def test_too_small_a_cache_names_the_state_seats(hybrid_dirs):
+    with pytest.raises(ValueError, match=r"lower max_num_seqs .* MiB of recurrent state"):
+        LLM(
+            model=str(hybrid_dirs("qwen3_5")),
+            dtype="float32",
+            max_model_len=128,
+            num_gpu_blocks_override=4,
+        )
+
+
+def test_layer_types_without_full_attention_are_refused(tmp_path):
+    write_tiny_model(tmp_path, "qwen3_5", layer_types=["linear_attention"] * 4)
+    with pytest.raises(ValueError, match="at least one full"):
+        LLM(model=str(tmp_path), dtype="float32", max_model_len=128)

@@ -1,15 +1,18 @@
-"""Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) against HF transformers,
-and the recurrent state's bookkeeping through forks, beams, preemption and async scheduling.
+"""Hybrid models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: Gated DeltaNet; Granite 4.0-H: Mamba2) against
+HF transformers, and the recurrent state's bookkeeping through forks, beams, preemption and
+async scheduling.
 
-Tiny random models (layers linear, linear, full, linear; 4 value heads on 2 key heads, conv
-width 4, partial rope): `LLM.generate` must give HF `generate`'s greedy tokens and top-5
-logprobs (1e-3, float32), on prompts of 1 to 70 tokens (one state chunk is 64), whole and in
-prefill chunks of 16. Each fork (n > 1) and beam must continue its parent's state: n greedy
-samples equal the single greedy output, sampled continuations' logprobs equal a fresh forward
-over prompt + continuation, and beam search gives HF's beams. Preemption by recompute (with
-n > 1 requests, which share their prefix again, state included) and async scheduling change
-no output; TP=2 gives the one-process results. What a hybrid model cannot combine with is
-refused, naming the option.
+Tiny random models (3 linear layers and 1 full one; Gated DeltaNet with 4 value heads on 2 key
+heads, conv width 4, partial rope; Mamba2 with 8 heads on 2 groups, Granite's multipliers, a MoE
+or the shared MLP alone, with and without rope; a time-step clamp, applied as transformers
+applies it: to multi-token scans, not to one-token decode updates): `LLM.generate` must give HF
+`generate`'s greedy tokens and top-5 logprobs (1e-3, float32), on prompts of 1 to 70 tokens (one
+state chunk is 64), whole and in prefill chunks of 16. Each fork (n > 1) and beam must continue
+its parent's state: n greedy samples equal the single greedy output, sampled continuations'
+logprobs equal a fresh forward over prompt + continuation, and beam search gives HF's beams.
+Preemption by recompute (with n > 1 requests, which share their prefix again, state included)
+and async scheduling change no output; TP=2 gives the one-process results. What a hybrid model
+cannot combine with is refused, naming the option.
 """
 
 from __future__ import annotations
@@ -41,30 +44,54 @@ def _requests(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+# name -> (tiny arch, config overrides)
+CASES: dict[str, tuple[str, dict]] = {
+    "qwen3_next": ("qwen3_next", {}),
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3_5_moe": ("qwen3_5_moe", {}),
+    # Granite 4.0-H: Mamba2 layers (2 groups of 4 heads), attention without rope, a MoE
+    "granitemoehybrid": ("granitemoehybrid", {}),
+    # dense (the shared MLP alone), rope on the attention layers, one group, a time-step clamp
+    "granitemoehybrid-dense": (
+        "granitemoehybrid",
+        {
+            "num_local_experts": 0,
+            "position_embedding_type": "rope",
+            "mamba_n_groups": 1,
+            "time_step_limit": [0.1, 3.0],
+        },
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
     cache = {}
 
-    def make(arch: str):
-        if arch not in cache:
-            cache[arch] = write_tiny_model(tmp_path_factory.mktemp(arch), arch, seed=1)
-        return cache[arch]
+    def make(name: str):
+        if name not in cache:
+            arch, overrides = CASES[name]
+            cache[name] = write_tiny_model(tmp_path_factory.mktemp(name), arch, seed=1, **overrides)
+        return cache[name]
 
     return make
 
 
 @pytest.mark.parametrize(
-    ("arch", "backend", "budget"),
+    ("name", "backend", "budget"),
     [
         ("qwen3_next", "cpu", None),
         ("qwen3_next", "cpu", 16),  # prefill chunks of 16: the state carries across them
         ("qwen3_5", "cpu", None),
         ("qwen3_5_moe", "cpu", None),
         ("qwen3_5", "triton", 16),  # paged_kernels' Triton kernels (interpreted on the CPU)
+        ("granitemoehybrid", "cpu", None),
+        ("granitemoehybrid", "triton", 16),
+        ("granitemoehybrid-dense", "cpu", None),
     ],
 )
-def test_greedy_tokens_and_logprobs_match_hf(arch, backend, budget, hybrid_dirs):
-    path = hybrid_dirs(arch)
+def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs):
+    path = hybrid_dirs(name)
     prompts = _prompts(7)
     hf = load_hf_model(path)
     refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
@@ -74,7 +101,7 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, backend, budget, hybrid_dirs)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     outs = llm.generate(_requests(prompts), params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"{arch}-{i}", out, ref)
+        assert_matches(f"{name}-{i}", out, ref)
 
 
 def test_forks_continue_their_parents_state(hybrid_dirs):
@@ -103,8 +130,9 @@ def test_forks_continue_their_parents_state(hybrid_dirs):
             assert got == pytest.approx(want, abs=1e-4)
 
 
-def test_beam_search_matches_hf(hybrid_dirs):
-    path = hybrid_dirs("qwen3_5")
+@pytest.mark.parametrize("name", ["qwen3_5", "granitemoehybrid"])
+def test_beam_search_matches_hf(name, hybrid_dirs):
+    path = hybrid_dirs(name)
     hf = load_hf_model(path)
     prompts = _prompts(11, (5, 23))
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
@@ -162,8 +190,9 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
         assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
 
 
-def test_tensor_parallel_matches_one_process(hybrid_dirs):
-    assert_tp_matches_one_process(hybrid_dirs("qwen3_next"), _prompts(5, (5, 23, 40)), 8, 128)
+@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
+def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
+    assert_tp_matches_one_process(hybrid_dirs(name), _prompts(5, (5, 23, 40)), 8, 128)
 
 
 @pytest.mark.parametrize(

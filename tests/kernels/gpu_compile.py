@@ -4,7 +4,7 @@
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
 fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand, causal_conv1d,
-gated_delta_rule) is called on CPU
+gated_delta_rule, ssd_scan) is called on CPU
 tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
 running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
@@ -136,8 +136,9 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
+    import paged_kernels.ssd as ssd
 
-    modules = (attention, gemm, kv_cache, linear_attention, lora, mla, moe, norm, softmax)
+    modules = (attention, gemm, kv_cache, linear_attention, lora, mla, moe, norm, softmax, ssd)
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -406,6 +407,20 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             pool = torch.zeros(8, 32, dim, dim, dtype=state_dtype)
             call(f"gated_delta_rule bf16 D={dim} {state_dtype} state {label}",
                  linear_attention.gated_delta_rule, q, q, v, g, beta, pool, *batch)  # fmt: skip
+        # Mamba2's scan: Granite 4.0-H (128 heads of 64, N = 128, one group), Nemotron-H (8
+        # groups), and N = 256 with P = 128 (the largest state tile a program holds per row).
+        for heads, dim, groups, d_state, state_dtype in (
+            (128, 64, 1, 128, torch.float32),
+            (128, 64, 1, 128, torch.bfloat16),
+            (128, 64, 8, 128, torch.float32),
+            (32, 128, 1, 256, torch.float32),
+        ):
+            x = torch.zeros(tokens, heads, dim, dtype=torch.bfloat16)
+            dt, a = torch.zeros(tokens, heads), torch.zeros(heads)
+            bc = torch.zeros(tokens, groups, d_state, dtype=torch.bfloat16)
+            pool = torch.zeros(8, heads, dim, d_state, dtype=state_dtype)
+            call(f"ssd_scan bf16 H={heads} P={dim} G={groups} N={d_state} {state_dtype} state "
+                 f"{label}", ssd.ssd_scan, x, dt, a, bc, bc, pool, *batch)  # fmt: skip
     batch = (torch.tensor([0, 5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), init[:1])
     call("causal_conv1d fp32 K=2, no activation", linear_attention.causal_conv1d,
          torch.zeros(5, 1024), torch.zeros(1024, 2), None, torch.zeros(2, 1024, 1), *batch,

@@ -1,11 +1,13 @@
-"""Gated DeltaNet linear attention (Qwen3-Next / Qwen3.5): causal_conv1d and gated_delta_rule.
+"""Linear attention: causal_conv1d and gated_delta_rule (Gated DeltaNet: Qwen3-Next / Qwen3.5),
+ssd_scan (Mamba2: Granite 4.0-H, Nemotron-H).
 
-The references (ref_causal_conv1d: one gather a tap; ref_gated_delta_rule: batched token steps
-for short sequences, the chunked form for long ones) against a per-token oracle written here and
-against transformers' Qwen3-Next torch functions; the Triton kernels against the references on
-varlen batches: empty, 1-, 3- and 70-token sequences (70 crosses a 64-token chunk), mixed
-initial states (a fresh slot holds NaN, which must be ignored), a padding slot -1 and pool rows
-no sequence names (both must stay untouched), and a sequence run in two halves."""
+The references (ref_causal_conv1d: one gather a tap; ref_gated_delta_rule and ref_ssd_scan:
+batched token steps for short sequences, the chunked form for long ones) against a per-token
+oracle written here and against transformers' Qwen3-Next and Granite 4.0-H torch functions; the
+Triton kernels against the references on varlen batches: empty, 1-, 3- and 70-token sequences
+(70 crosses a 64-token chunk), mixed initial states (a fresh slot holds NaN, which must be
+ignored), a padding slot -1 and pool rows no sequence names (both must stay untouched), and a
+sequence run in two halves."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from paged_kernels import (
     gated_delta_rule,
     ref_causal_conv1d,
     ref_gated_delta_rule,
+    ref_ssd_scan,
+    ssd_scan,
 )
 
 # (atol, rtol) of outputs and states: fp32 math everywhere; 16-bit outputs round once (the
@@ -381,3 +385,197 @@ def test_gpu_qwen3_next_sizes(seed):
     got = causal_conv1d(x, weight, None, pool, *batch)
     torch.testing.assert_close(got.float(), want.float(), **tol_of(torch.bfloat16))
     assert torch.equal(pool, want_pool)
+
+
+# ---- Mamba2's selective scan (ssd_scan) ------------------------------------------------------
+
+
+def oracle_ssd(x, dt, A, B, C, ssm_state, cu, slots, init):
+    """(y fp32 with NaN rows for padding, the new pool); heads side by side."""
+    state = ssm_state.clone()
+    out = torch.full(x.shape, float("nan"))
+    group = x.shape[1] // B.shape[1]
+    cu = cu.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        a, b = cu[i], cu[i + 1]
+        if slot < 0 or a == b:
+            continue
+        s = state[slot].float() if init[i] else torch.zeros(state.shape[1:])  # [H, P, N]
+        for t in range(a, b):
+            bt = B[t].float().repeat_interleave(group, 0)  # [H, N]
+            ct = C[t].float().repeat_interleave(group, 0)
+            u = dt[t, :, None] * x[t].float()  # [H, P]
+            s = s * torch.exp(dt[t] * A)[:, None, None] + u[:, :, None] * bt[:, None, :]
+            out[t] = torch.einsum("hpn,hn->hp", s, ct)
+        state[slot] = s.to(state.dtype)
+    return out, state
+
+
+def ssd_inputs(lens, heads, groups, dim, d_state, dtype, device):
+    """x, dt, A, B, C; x, B and C views of one fused [T, H P + 2 G N] row, as the layer splits
+    its conv output (strided rows)."""
+    t = sum(lens)
+    xbc = torch.randn(t, heads * dim + 2 * groups * d_state, device=device).to(dtype)
+    x, b, c = xbc.split([heads * dim, groups * d_state, groups * d_state], dim=1)
+    dt = torch.rand(t, heads, device=device) * 0.5
+    # A step whose decay all but wipes the state (dt A in [-28, -4]). Far stronger ones are
+    # unrealistic and cost the reference's chunked form precision: it exponentiates differences
+    # of a chunk's cumsum of dt A, which then reaches hundreds.
+    dt[::11] = 8.0
+    A = -(torch.rand(heads, device=device) * 3 + 0.5)
+    shape = (t, groups, d_state)
+    return x.view(t, heads, dim), dt, A, b.view(shape), c.view(shape)
+
+
+@pytest.mark.parametrize("groups", [4, 1])
+def test_ref_ssd_matches_oracle(seed, groups):
+    """Short (token steps), long (chunks: 70, 150 tokens) and empty sequences in one batch;
+    H == G and H = 4 G."""
+    lens, init, slots = [*LENS, 150, 17], [*INIT, True, False], [*SLOTS, 0, 5]
+    x, dt, A, B, C = ssd_inputs(lens, 4, groups, 8, 16, torch.float32, "cpu")
+    pool = torch.randn(NUM_SLOTS, 4, 8, 16)
+    poison_fresh(pool, slots, init)
+    batch = layout(lens, init, slots, "cpu")
+    want_out, want_pool = oracle_ssd(x, dt, A, B, C, pool, *batch)
+    got_pool = pool.clone()
+    out = ref_ssd_scan(x, dt, A, B, C, got_pool, *batch)
+    rows = live_rows(lens, slots)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out[rows], want_out[rows], **tol_of(torch.float32))
+    assert_pool(got_pool, want_pool, pool, slots, lens, tol_of(torch.float32))
+
+
+def _hf_dt(dt_raw, bias):
+    return F.softplus(dt_raw + bias)
+
+
+@pytest.mark.parametrize("length", [5, 150])
+def test_ref_ssd_matches_transformers_chunk_scan(seed, length):
+    """One sequence continuing from a state against transformers' mamba2_chunk_scan (Granite
+    4.0-H's torch path: raw dt, dt_bias, dt_softplus=True, D=None), whose chunking differs from
+    the reference's (chunk 32 against 64); 5 tokens take the reference's token steps."""
+    hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+    x, _, A, B, C = ssd_inputs([length], 4, 2, 8, 16, torch.float32, "cpu")
+    dt_raw, dt_bias = torch.randn(length, 4) - 1.0, torch.randn(4) * 0.5
+    init_state = torch.randn(1, 4, 8, 16)
+    pool = torch.zeros(2, 4, 8, 16)
+    pool[1] = init_state[0]
+    dt = _hf_dt(dt_raw, dt_bias)
+    out = ref_ssd_scan(x, dt, A, B, C, pool, *layout([length], [True], [1], "cpu"))
+    want_out, want_state = hf.mamba2_chunk_scan(
+        x[None], dt_raw[None], A, B[None], C[None], chunk_size=32, D=None, dt_bias=dt_bias,
+        initial_states=init_state, dt_softplus=True, return_final_states=True,
+    )  # fmt: skip
+    torch.testing.assert_close(out, want_out[0], atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(pool[1], want_state[0], atol=5e-5, rtol=5e-5)
+    assert pool[0].eq(0).all()
+
+
+def test_ref_ssd_matches_transformers_state_update(seed):
+    """Three decode steps of three sequences against mamba2_selective_state_update, which takes
+    dt, dt_bias and D per (head, head-dim row) and A per state entry (expanded as Granite's
+    layer does); D = 0 (the skip is the caller's)."""
+    hf = pytest.importorskip("transformers.models.granitemoehybrid.modeling_granitemoehybrid")
+    heads, groups, dim, d_state = 4, 2, 8, 16
+    slots = [2, 0, 3]
+    hf_state = torch.randn(3, heads, dim, d_state)
+    pool = torch.full((4, heads, dim, d_state), float("nan"))
+    pool[slots] = hf_state
+    dt_bias = torch.randn(heads) * 0.5
+    A = -(torch.rand(heads) * 3 + 0.5)
+    batch = layout([1, 1, 1], [True] * 3, slots, "cpu")
+    for _ in range(3):
+        x, _, _, B, C = ssd_inputs([1, 1, 1], heads, groups, dim, d_state, torch.float32, "cpu")
+        dt_raw = torch.randn(3, heads) - 1.0
+        out = ref_ssd_scan(x, _hf_dt(dt_raw, dt_bias), A, B, C, pool, *batch)
+        want = hf.mamba2_selective_state_update(
+            hf_state, x, dt_raw[..., None].expand(-1, -1, dim),
+            A[:, None, None].expand(-1, dim, d_state), B, C, D=torch.zeros(heads, dim),
+            dt_bias=dt_bias[:, None].expand(-1, dim), dt_softplus=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out, want, atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(pool[slots], hf_state, atol=5e-5, rtol=5e-5)
+    assert pool[1].isnan().all()
+
+
+SSD_CASES = [
+    # dtype, state dtype, H, G, P, N
+    (torch.float32, torch.float32, 4, 4, 8, 16),
+    (torch.bfloat16, torch.float32, 4, 1, 8, 16),
+    (torch.bfloat16, torch.bfloat16, 8, 2, 16, 8),
+    (torch.float16, torch.float32, 4, 1, 12, 24),  # masked P and N
+    (torch.bfloat16, torch.float32, 2, 1, 20, 256),  # 3 tiles of 8 head-dim rows, one masked
+]
+
+
+@pytest.mark.parametrize(("dtype", "state_dtype", "heads", "groups", "dim", "d_state"), SSD_CASES)
+def test_ssd_scan_matches_reference(seed, device, dtype, state_dtype, heads, groups, dim, d_state):
+    lens = LENS if d_state <= 64 else [3, 0, 1, 1, 5, 1]
+    _check_ssd(lens, INIT, SLOTS, dtype, state_dtype, heads, groups, dim, d_state, device)
+
+
+def test_ssd_scan_granite_head_size(seed, device):
+    """P = 64, N = 128 (Granite 4.0-H, Nemotron-H): four head-dim tiles a head."""
+    _check_ssd([2, 1], [True, False], [5, 0], torch.bfloat16, torch.float32, 2, 1, 64, 128,
+               device)  # fmt: skip
+
+
+def _check_ssd(lens, init, slots, dtype, state_dtype, heads, groups, dim, d_state, device):
+    x, dt, A, B, C = ssd_inputs(lens, heads, groups, dim, d_state, dtype, device)
+    num_slots = max(NUM_SLOTS, max(slots) + 1)
+    pool = torch.randn(num_slots, heads, dim, d_state, device=device).to(state_dtype)
+    poison_fresh(pool, slots, init)
+    batch = layout(lens, init, slots, device)
+    want_pool = pool.clone()
+    want = ref_ssd_scan(x, dt, A, B, C, want_pool, *batch)
+    got_pool = pool.clone()
+    got = ssd_scan(x, dt, A, B, C, got_pool, *batch)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    rows = live_rows(lens, slots).to(device)
+    # Both read the same rounded inputs and run in fp32: the outputs agree to fp32 rounding
+    # (of the reference's chunked form for 70 tokens); a 16-bit pool rounds the new state.
+    torch.testing.assert_close(got[rows], want[rows], **tol_of(torch.float32))
+    assert_pool(got_pool, want_pool, pool, slots, lens, tol_of(state_dtype))
+
+
+@pytest.mark.parametrize("impl", ["ref", "triton"])
+def test_ssd_two_steps_equal_one(seed, device, impl):
+    """67 tokens as one step, and as 2 + 65 (the second continuing from the slot; the
+    reference's second step is chunked)."""
+    scan = ref_ssd_scan if impl == "ref" else ssd_scan
+    x, dt, A, B, C = ssd_inputs([67], 2, 1, 8, 16, torch.float32, device)
+    pool = torch.randn(2, 2, 8, 16, device=device)
+    whole = pool.clone()
+    y = scan(x, dt, A, B, C, whole, *layout([67], [False], [1], device))
+    ys = []
+    for lo, hi, init in ((0, 2, False), (2, 67, True)):
+        batch = layout([hi - lo], [init], [1], device)
+        ys.append(scan(*(t[lo:hi] for t in (x, dt)), A, B[lo:hi], C[lo:hi], pool, *batch))
+    torch.testing.assert_close(torch.cat(ys), y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pool, whole, atol=1e-4, rtol=1e-4)
+
+
+def test_ssd_scan_bad_arguments(device):
+    x, dt, A, B, C = ssd_inputs([2], 3, 2, 8, 16, torch.float32, device)
+    batch = layout([2], [True], [0], device)
+    pool = torch.zeros(1, 3, 8, 16, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        ssd_scan(x, dt, A, B, C, pool, *batch)
+    x, dt, A, B, C = ssd_inputs([2], 4, 2, 8, 16, torch.float32, device)
+    pool = torch.zeros(1, 4, 8, 16, device=device)
+    with pytest.raises(ValueError, match="dt"):
+        ssd_scan(x, dt.bfloat16(), A, B, C, pool, *batch)
+    with pytest.raises(ValueError, match="ssm_state"):
+        ssd_scan(x, dt, A, B, C, pool[:, :, :, :8], *batch)
+
+
+@pytest.mark.gpu
+def test_gpu_granite_4_sizes(seed):
+    """Granite 4.0-H's mixer on one GPU: 128 heads of 64, N = 128, one group; decode rows and
+    prefills, bf16 activations, fp32 and bf16 state pools."""
+    device = torch.device("cuda")
+    lens = [1] * 32 + [300, 17, 1000]
+    init = [True] * 32 + [False, True, False]
+    slots = torch.randperm(64)[: len(lens)].tolist()
+    for state_dtype in (torch.float32, torch.bfloat16):
+        _check_ssd(lens, init, slots, torch.bfloat16, state_dtype, 128, 1, 64, 128, device)

@@ -50,6 +50,7 @@ MORE_TINY_ARCHS: list[str] = [
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "granitemoehybrid",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -206,6 +207,33 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen3_5": ("Qwen3_5TextConfig", _HYBRID_LIKE),
+    # Granite 4.0-H: Mamba2 layers (4 heads of 16 on 2 groups, state 16, conv 4 with bias) among
+    # attention layers without rope; Granite's multipliers; MoE plus a shared MLP
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "mamba_n_heads": 8,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_head": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "intermediate_size": 32,
+            "shared_intermediate_size": 48,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.5,
+            "logits_scaling": 2.0,
+            "position_embedding_type": None,
+            "tie_word_embeddings": False,
+        },
+    ),
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         {

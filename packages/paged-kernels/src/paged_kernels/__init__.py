@@ -35,6 +35,7 @@ from paged_kernels.reference import (
     ref_paged_attention,
     ref_quantize,
     ref_rms_norm,
+    ref_ssd_scan,
     ref_swap_blocks,
     ref_write_kv_cache,
 )
@@ -57,6 +58,7 @@ _KERNELS = {
     "lora_shrink": "paged_kernels.lora",
     "matmul": "paged_kernels.gemm",
     "rms_norm": "paged_kernels.norm",
+    "ssd_scan": "paged_kernels.ssd",
     "swap_blocks": "paged_kernels.kv_cache",
     "write_kv_cache": "paged_kernels.kv_cache",
 }
@@ -101,9 +103,11 @@ __all__ = [
     "ref_paged_attention",
     "ref_quantize",
     "ref_rms_norm",
+    "ref_ssd_scan",
     "ref_swap_blocks",
     "ref_write_kv_cache",
     "rms_norm",
+    "ssd_scan",
     "swap_blocks",
     "triton_available",
     "write_kv_cache",
@@ -119,6 +123,7 @@ if TYPE_CHECKING:
     from paged_kernels.moe import align_moe_blocks, fused_moe
     from paged_kernels.norm import layer_norm, rms_norm
     from paged_kernels.softmax import logsumexp
+    from paged_kernels.ssd import ssd_scan
 
 
 def triton_available() -> bool:

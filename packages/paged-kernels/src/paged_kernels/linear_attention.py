@@ -1,11 +1,12 @@
-"""Gated DeltaNet linear attention (Qwen3-Next / Qwen3.5): the short causal conv over q, k, v and
-the gated delta rule, over a varlen batch whose sequences each own a row of two state pools.
+"""Linear attention over a varlen batch whose sequences each own a row of state pools: the short
+causal conv and the gated delta rule of Gated DeltaNet (Qwen3-Next / Qwen3.5). Mamba2's
+selective scan, which shares the conv and this batch layout, is in ssd.py.
 
-Batch layout of both ops: the tokens of S sequences flattened along dim 0; sequence i owns
+Batch layout of the ops: the tokens of S sequences flattened along dim 0; sequence i owns
 tokens [cu_seqlens[i], cu_seqlens[i + 1]) and reads and updates row state_slots[i] of the state
 pools (-1: padding, skipped); has_initial_state[i] False starts it from zeros (the row's old
 contents are ignored, then overwritten). Slots are distinct within a batch. Nothing is read on
-the host and the grids depend on shapes only, so a CUDA graph captures both launches.
+the host and the grids depend on shapes only, so a CUDA graph captures every launch.
 
 causal_conv1d: a program per (BLOCK_T tokens of one sequence, BLOCK_C channels); each of the K
 taps is one [BLOCK_T, BLOCK_C] load, from x or, for the first K - 1 positions, from the slot's
@@ -112,6 +113,15 @@ def _causal_conv1d_kernel(
         new = new_x.to(state_ptr.dtype.element_ty) + kept.to(state_ptr.dtype.element_ty)
         tl.debug_barrier()  # every thread's reads of the old state precede the first write
         tl.store(state[None, :] + offs_w[:, None], new, mask=w_ok[:, None] & c_ok[None, :])
+
+
+def _check_floats(named: dict[str, torch.Tensor]) -> None:
+    """Float tensors on the first one's device, each with a contiguous last dim."""
+    first, device = next(iter(named)), next(iter(named.values())).device
+    for name, t in named.items():
+        check(t.dtype in FLOAT_DTYPES, f"{name}: unsupported dtype {t.dtype}")
+        check(t.device == device, f"{name} is on {t.device}, {first} on {device}")
+        check_last_dim_contiguous(name, t)
 
 
 def _check_batch(cu_seqlens, state_slots, has_initial_state, num_slots: int, device) -> int:
@@ -316,11 +326,7 @@ def gated_delta_rule(
         ssm_state.dim() == 4 and ssm_state.shape[1:] == (num_v_heads, dk, dv),
         f"ssm_state must be [num_slots, {num_v_heads}, {dk}, {dv}], got {tuple(ssm_state.shape)}",
     )
-    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "ssm_state": ssm_state}
-    for name, t in named.items():
-        check(t.dtype in FLOAT_DTYPES, f"{name}: unsupported dtype {t.dtype}")
-        check(t.device == v.device, f"{name} is on {t.device}, v on {v.device}")
-        check_last_dim_contiguous(name, t)
+    _check_floats({"v": v, "q": q, "k": k, "g": g, "beta": beta, "ssm_state": ssm_state})
     check(ssm_state.stride(2) == dv, "ssm_state must be contiguous in its last two dims")
     num_seqs = _check_batch(
         cu_seqlens, state_slots, has_initial_state, ssm_state.shape[0], v.device

@@ -546,6 +546,32 @@ DELTA_STEP_MAX_LEN = 16
 DELTA_CHUNK = 64
 
 
+class _Chunks:
+    """Sequences (first token rows `starts`, lengths `lens`) cut into chunks of `size` tokens,
+    zero-padded: chunk row first[i] + c holds tokens [c * size, (c + 1) * size) of sequence i."""
+
+    def __init__(self, starts: torch.Tensor, lens: torch.Tensor, size: int) -> None:
+        device = lens.device
+        self.size = size
+        self.num_chunks = (lens + size - 1) // size
+        self.first = self.num_chunks.cumsum(0) - self.num_chunks  # each sequence's first row
+        self.total = int(self.num_chunks.sum())
+        seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
+        pos = torch.arange(len(seq), device=device) - (lens.cumsum(0) - lens)[seq]
+        self.src = starts[seq] + pos  # token rows
+        self.dst = self.first[seq] * size + pos  # padded rows
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:  # [T, H, ...] -> [chunks, H, size, ...]
+        buf = x.new_zeros(self.total * self.size, *x.shape[1:])
+        buf[self.dst] = x[self.src]
+        return buf.view(self.total, self.size, *x.shape[1:]).transpose(1, 2)
+
+    def scatter(self, chunked: torch.Tensor, out: torch.Tensor) -> None:
+        """The inverse of gather, into `out`'s token rows."""
+        flat = chunked.transpose(1, 2).reshape(self.total * self.size, *out.shape[1:])
+        out[self.src] = flat[self.dst]
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -588,20 +614,9 @@ def _delta_chunks(q, k, v, g, beta, state, starts, lens, out) -> None:
     with g = beta = k = 0 tokens, which leave S unchanged."""
     size = DELTA_CHUNK
     device = q.device
-    num_chunks = (lens + size - 1) // size
-    first = num_chunks.cumsum(0) - num_chunks  # each sequence's first chunk row
-    total = int(num_chunks.sum())
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), lens)
-    pos = torch.arange(len(seq), device=device) - (lens.cumsum(0) - lens)[seq]
-    src = starts[seq] + pos  # token rows
-    dst = first[seq] * size + pos  # padded rows
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [T, Hv, ...] -> [chunks, Hv, size, ...]
-        buf = x.new_zeros(total * size, *x.shape[1:])
-        buf[dst] = x[src]
-        return buf.view(total, size, *x.shape[1:]).transpose(1, 2)
-
-    qc, kc, vc, gc, bc = (chunked(t) for t in (q, k, v, g, beta))
+    chunks = _Chunks(starts, lens, size)
+    num_chunks, first = chunks.num_chunks, chunks.first
+    qc, kc, vc, gc, bc = (chunks.gather(t) for t in (q, k, v, g, beta))
     log_gamma = gc.cumsum(-1)  # [chunks, Hv, size]
     lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
     # exp of a masked difference: never above 1, so nothing overflows however strong the decay.
@@ -625,7 +640,7 @@ def _delta_chunks(q, k, v, g, beta, state, starts, lens, out) -> None:
         d = u[rows] - w[rows] @ s0
         out_c[rows] = q_decayed[rows] @ s0 + attn[rows] @ d
         state[seqs] = s0 * chunk_decay[rows] + k_decayed[rows].transpose(-1, -2) @ d
-    out[src] = out_c.transpose(1, 2).reshape(total * size, *out.shape[1:])[dst]
+    chunks.scatter(out_c, out)
 
 
 def ref_gated_delta_rule(
@@ -676,3 +691,88 @@ def ref_gated_delta_rule(
         run(q, k, v, g, beta, state, starts[seqs], lens[seqs], out)
         ssm_state[slots[seqs]] = state.to(ssm_state.dtype)
     return out.to(out_dtype)
+
+
+# Mamba2 (SSD): sequences up to this long go token by token, longer ones in chunks of SSD_CHUNK.
+SSD_STEP_MAX_LEN = 16
+SSD_CHUNK = 64
+
+
+def _ssd_steps(x, dt, a, b, c, state, starts, lens, out) -> None:
+    """The scan token by token for n sequences at once: state [n, H, P, N] fp32 (in place);
+    x [T, H, P], dt [T, H], b and c [T, H, N] (grouped to the heads), a [H], out [T, H, P]."""
+    for p in range(int(lens.max())):
+        seqs = (lens > p).nonzero().squeeze(1)
+        tok = starts[seqs] + p
+        s = state if len(seqs) == len(state) else state[seqs]  # decode: every sequence
+        step = dt[tok]  # [m, H]
+        s.mul_(torch.exp(step * a)[..., None, None])
+        s.add_((step[..., None] * x[tok])[..., None] * b[tok][:, :, None, :])
+        out[tok] = (s @ c[tok][..., None]).squeeze(-1)
+        if s is not state:
+            state[seqs] = s
+
+
+def _ssd_chunks(x, dt, a, b, c, state, starts, lens, out) -> None:
+    """The same scan in chunks (arguments as _ssd_steps). With L_t the inclusive cumsum of
+    dt * a over a chunk started from state S0, and u_s = dt_s x_s:
+    y_t = e^{L_t} S0 c_t + sum_{s <= t} e^{L_t - L_s} (c_t . b_s) u_s and the chunk's last state
+    is e^{L_C} S0 + sum_s e^{L_C - L_s} u_s b_s^T. Padding tokens (dt = 0) change nothing."""
+    chunks = _Chunks(starts, lens, SSD_CHUNK)
+    size, device = SSD_CHUNK, x.device
+    uc = chunks.gather(x * dt[..., None])  # [chunks, H, size, P]
+    bc, cc = chunks.gather(b), chunks.gather(c)  # [chunks, H, size, N]
+    log_decay = chunks.gather(dt * a).cumsum(-1)  # [chunks, H, size]
+    lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    decay = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~lower, -torch.inf)
+    y_in = (cc @ bc.transpose(-1, -2) * decay.exp()) @ uc
+    c_decayed = cc * log_decay.exp()[..., None]
+    u_tail = uc * (log_decay[..., -1:] - log_decay).exp()[..., None]
+    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+    out_c = torch.empty_like(uc)
+    for k in range(int(chunks.num_chunks.max())):
+        seqs = (chunks.num_chunks > k).nonzero().squeeze(1)
+        rows = chunks.first[seqs] + k
+        s0 = state[seqs]
+        out_c[rows] = y_in[rows] + c_decayed[rows] @ s0.transpose(-1, -2)
+        state[seqs] = s0 * chunk_decay[rows] + u_tail[rows].transpose(-1, -2) @ bc[rows]
+    chunks.scatter(out_c, out)
+
+
+def ref_ssd_scan(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H] step sizes (softplus and bias applied)
+    A: torch.Tensor,  # [H] negative
+    B: torch.Tensor,  # [T, G, N], H a multiple of G
+    C: torch.Tensor,  # [T, G, N]
+    ssm_state: torch.Tensor,  # [num_slots, H, P, N], updated in place
+    cu_seqlens: torch.Tensor,  # [S + 1] int
+    state_slots: torch.Tensor,  # [S] int, -1 = padding
+    has_initial_state: torch.Tensor,  # [S] bool
+) -> torch.Tensor:  # [T, H, P] float32
+    """Mamba2's selective scan per sequence and head h (group h // (H // G)), in fp32:
+    S = exp(dt A) S + dt x (x) B;  y = S . C  (the D skip is the caller's). S starts at the
+    slot's state (or zeros) and is stored back in the pool's dtype; empty and padding sequences
+    leave the pool untouched (their output rows are 0). Sequences of up to SSD_STEP_MAX_LEN
+    tokens run token by token, batched over the sequences; longer ones in chunks."""
+    num_heads, groups = x.shape[1], B.shape[1]
+    check(num_heads % groups == 0, f"heads ({num_heads}) must be a multiple of groups ({groups})")
+    device = x.device
+    x, dt, a = x.float(), dt.float(), A.float()
+    b = B.float().repeat_interleave(num_heads // groups, dim=1)
+    c = C.float().repeat_interleave(num_heads // groups, dim=1)
+    out = torch.zeros_like(x)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    slots = state_slots.to(device=device, dtype=torch.long)
+    live = (slots >= 0) & (lens > 0)
+    short = lens <= SSD_STEP_MAX_LEN
+    for run, chosen in ((_ssd_steps, live & short), (_ssd_chunks, live & ~short)):
+        seqs = chosen.nonzero().squeeze(1)
+        if seqs.numel() == 0:
+            continue
+        state = ssm_state[slots[seqs]].float()  # a copy: [n, H, P, N]
+        state[~has_initial_state.to(device)[seqs]] = 0.0  # the row may hold anything
+        run(x, dt, a, b, c, state, starts[seqs], lens[seqs], out)
+        ssm_state[slots[seqs]] = state.to(ssm_state.dtype)
+    return out

@@ -197,6 +197,23 @@ class AttentionBackend(ABC):
             q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, has_initial_state
         )
 
+    def ssd_scan(
+        self,
+        x: torch.Tensor,  # [T, H, P]
+        dt: torch.Tensor,  # [T, H] float32 step sizes
+        A: torch.Tensor,  # [H] float32, negative
+        B: torch.Tensor,  # [T, G, N]
+        C: torch.Tensor,  # [T, G, N]
+        ssm_state: torch.Tensor,  # [slots, H, P, N], updated in place
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+    ) -> torch.Tensor:  # [T, H, P] float32
+        """Mamba2's selective scan (layers/mamba2.py)."""
+        from paged_kernels import ref_ssd_scan
+
+        return ref_ssd_scan(x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state)
+
 
 class KernelBackend(AttentionBackend):
     """A backend made of paged_kernels' three entry points, which the Triton kernels and their

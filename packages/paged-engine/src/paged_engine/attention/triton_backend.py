@@ -73,3 +73,10 @@ class TritonBackend(KernelBackend):
         return gated_delta_rule(
             q, k, v, g, beta, ssm_state, cu_seqlens, state_slots, has_initial_state
         )
+
+    def ssd_scan(
+        self, x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state
+    ) -> torch.Tensor:
+        from paged_kernels import ssd_scan
+
+        return ssd_scan(x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state)

@@ -51,6 +51,16 @@ GDN_PROJ_RULES = (
 )
 
 
+def check_mixer(name: str, config, tp: int, **counts: int) -> None:
+    """A linear mixer's head counts split over `tp` ranks, and its activation is SiLU."""
+    for what, n in counts.items():
+        if n % tp:
+            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{name} supports hidden_act='silu' only, got {act!r}")
+
+
 class GatedRMSNorm(nn.Module):
     """y = weight * rmsnorm(x) (rounded to x's dtype) * silu(z), per value head: x, z [T, H, D]."""
 
@@ -83,12 +93,13 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(
                 f"linear_num_value_heads={num_v} must be a multiple of linear_num_key_heads={num_k}"
             )
-        for what, n in (("linear_num_key_heads", num_k), ("linear_num_value_heads", num_v)):
-            if n % tp:
-                raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"GatedDeltaNet supports hidden_act='silu' only, got {act!r}")
+        check_mixer(
+            type(self).__name__,
+            config,
+            tp,
+            linear_num_key_heads=num_k,
+            linear_num_value_heads=num_v,
+        )
         self.head_k, self.head_v = (
             int(config.linear_key_head_dim),
             int(config.linear_value_head_dim),

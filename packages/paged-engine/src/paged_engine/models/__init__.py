@@ -22,6 +22,7 @@ from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
+from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
@@ -87,6 +88,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 
 

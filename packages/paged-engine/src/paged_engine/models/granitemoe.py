@@ -69,7 +69,12 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
         )
 
     def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            if old in name:
-                return name.replace(old, new)
-        return name
+        return rename_granite_moe(name)
+
+
+def rename_granite_moe(name: str) -> str:
+    """A Granite MoE checkpoint's (or transformers 5's) MoE names -> ours."""
+    for old, new in _RENAMES:
+        if old in name:
+            return name.replace(old, new)
+    return name

@@ -42,15 +42,25 @@ class GraniteMoeSharedForCausalLM(GraniteMoeForCausalLM):
         )
 
     def rename_weight(self, name: str) -> str:
-        if ".shared_mlp." in name:
-            name = name.replace(".shared_mlp.", ".mlp.shared_expert.")
-            return name.replace(".output_linear.", ".down_proj.")
-        return super().rename_weight(name)
+        return rename_shared_mlp(name) or super().rename_weight(name)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if ".shared_expert.input_linear." in name:  # rows [gate: S | up: S]
-            gate, up = w.chunk(2, dim=0)
-            yield name.replace(".input_linear.", ".gate_proj."), gate
-            yield name.replace(".input_linear.", ".up_proj."), up
-        else:
-            yield name, w
+        return split_shared_input_linear(name, w)
+
+
+def rename_shared_mlp(name: str) -> str | None:
+    """A checkpoint's `shared_mlp.*` name -> the block's `mlp.shared_expert.*` (else None)."""
+    if ".shared_mlp." not in name:
+        return None
+    name = name.replace(".shared_mlp.", ".mlp.shared_expert.")
+    return name.replace(".output_linear.", ".down_proj.")
+
+
+def split_shared_input_linear(name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+    """The shared MLP's fused input_linear (rows [gate: S | up: S]) as gate and up."""
+    if ".shared_expert.input_linear." in name:
+        gate, up = w.chunk(2, dim=0)
+        yield name.replace(".input_linear.", ".gate_proj."), gate
+        yield name.replace(".input_linear.", ".up_proj."), up
+    else:
+        yield name, w

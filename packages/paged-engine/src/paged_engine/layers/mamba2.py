@@ -1,0 +1,194 @@
+"""Mamba2 mixer: the state-space token mixer of IBM Granite 4.0-H (GraniteMoeHybrid) and other
+Mamba2 hybrids.
+
+Per token, one input projection gives a gate z [I], the conv input x | B | C ([I], [G, N],
+[G, N]) and a step dt per head. After a causal depthwise conv (width `mamba_d_conv`) and SiLU,
+with dt = softplus(dt + dt_bias) (clamped to `time_step_limit`) and A = -exp(A_log), each head
+h (of H, head_dim P; group g = h // (H / G) supplies B and C) runs
+
+    S = exp(dt * A) * S + dt * x (x) B;   y = S . C + D * x         (S: [P, N])
+
+then y * silu(z) goes through an RMSNorm over groups of I / G channels and the output
+projection. The state a sequence carries: its conv window and S for every head, in per-layer
+pools indexed by `md.state_slots` (worker/recurrent_state.py), exactly as Gated DeltaNet's
+(layers/gated_delta_net.py), with whom it shares the conv op.
+
+Tensor parallelism splits heads and groups (mamba_n_heads and mamba_n_groups divisible by
+tp_size): in_proj per segment (z | x | B | C | dt), conv channels, A_log / D / dt_bias and the
+norm weight with them; out_proj by rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_engine.attention.backend import AttentionMetadata
+from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+from paged_engine.layers.gated_delta_net import check_mixer
+from paged_engine.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+    shard_segments,
+)
+
+
+class _Conv(nn.Module):
+    """The depthwise conv's parameters under HF's names (`conv1d.weight` [C, 1, K], `.bias`)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y = weight * rmsnorm_per_group(x * silu(z)) over groups of `group_size` channels, in
+    float32 (the gate before the norm: Mamba2's norm_before_gate=False)."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.group_size, self.eps = group_size, eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = x.float() * F.silu(z.float())
+        t = h.shape[0]
+        h = torch.rms_norm(h.view(t, -1, self.group_size), (self.group_size,), None, self.eps)
+        return self.weight * h.view(t, -1).to(dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        tp, rank = get_tp_size(), get_tp_rank()
+        self.tp_size, self.tp_rank = tp, rank
+        hidden = config.hidden_size
+        heads, groups = int(config.mamba_n_heads), int(config.mamba_n_groups)
+        inner = int(config.mamba_expand * hidden)
+        head_dim = int(config.mamba_d_head) if config.mamba_d_head != "auto" else inner // heads
+        if heads * head_dim != inner or heads % groups:
+            raise ValueError(
+                f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand * "
+                f"hidden_size={inner}, and mamba_n_groups={groups} divide the heads"
+            )
+        check_mixer(type(self).__name__, config, tp, mamba_n_heads=heads, mamba_n_groups=groups)
+        self.state_size = int(config.mamba_d_state)
+        self.kernel = int(config.mamba_d_conv)
+        self.full_heads, self.full_groups, self.full_inner = heads, groups, inner
+        self.num_heads, self.num_groups = heads // tp, groups // tp  # this rank's
+        self.head_dim = head_dim
+        self.inner = inner // tp
+        bc = self.num_groups * self.state_size
+        self.conv_dim = self.inner + 2 * bc
+        gn = groups * self.state_size
+        # in_proj's rows: z | x | B | C | dt (full sizes, each split by heads / groups)
+        self.proj_sizes = [inner, inner, gn, gn, heads]
+        bias = bool(getattr(config, "mamba_proj_bias", False))
+        self.in_proj = ColumnParallelLinear(hidden, sum(self.proj_sizes), bias=bias)
+        self.in_proj.weight.weight_loader = self._load_in_proj
+        if bias:
+            self.in_proj.bias.weight_loader = self._load_in_proj
+        self.conv1d = _Conv(
+            self.conv_dim, self.kernel, bool(getattr(config, "mamba_conv_bias", True))
+        )
+        self.conv1d.weight.weight_loader = self._load_conv
+        if self.conv1d.bias is not None:
+            self.conv1d.bias.weight_loader = self._load_conv
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        for p in (self.A_log, self.D, self.dt_bias):
+            p.weight_loader = self._load_heads
+        eps = float(getattr(config, "rms_norm_eps", 1e-6))
+        self.norm = GroupedGatedRMSNorm(self.inner, inner // groups, eps)
+        self.norm.weight.weight_loader = self._load_heads
+        self.out_proj = RowParallelLinear(inner, hidden, bias=bias)
+        limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        self.dt_limit = None if limit == (0.0, float("inf")) else (float(limit[0]), float(limit[1]))
+        self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K - 1]
+        self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state_size]
+
+    # ---- state -----------------------------------------------------------------------------------
+    def allocate_state(
+        self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.conv_state = torch.zeros(
+            (num_slots, self.conv_dim, self.kernel - 1), dtype=dtype, device=device
+        )
+        self.ssm_state = torch.zeros(
+            (num_slots, self.num_heads, self.head_dim, self.state_size),
+            dtype=ssm_dtype,
+            device=device,
+        )
+
+    # ---- weight loading --------------------------------------------------------------------------
+    def _load_in_proj(self, param, w: torch.Tensor, shard_id=None) -> None:
+        copy_checked(
+            param.data, shard_segments(w, self.proj_sizes, self.tp_rank, self.tp_size), "in_proj"
+        )
+
+    def _load_conv(self, param, w: torch.Tensor, shard_id=None) -> None:
+        gn = self.full_groups * self.state_size
+        sizes = [self.full_inner, gn, gn]
+        copy_checked(param.data, shard_segments(w, sizes, self.tp_rank, self.tp_size), "conv1d")
+
+    def _load_heads(self, param, w: torch.Tensor, shard_id=None) -> None:
+        copy_checked(
+            param.data, shard_segments(w, [w.shape[0]], self.tp_rank, self.tp_size), "mamba"
+        )
+
+    # ---- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:  # [T, D] -> [T, D]
+        assert self.conv_state is not None and self.ssm_state is not None, "allocate_state() first"
+        t = x.shape[0]
+        slots, has_state = md.state_slots, md.has_initial_state
+        if slots is None:  # a stand-alone forward (memory profiling): rows 0.., fresh states
+            num_seqs = md.seq_lens.shape[0]
+            slots = torch.arange(num_seqs, dtype=torch.int64, device=x.device)
+            has_state = torch.zeros(num_seqs, dtype=torch.bool, device=x.device)
+        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        backend = md.backend
+        xbc = backend.causal_conv1d(
+            xbc,
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.conv_state,
+            md.cu_seqlens_q,
+            slots,
+            has_state,
+            activation="silu",
+        )
+        bc = self.num_groups * self.state_size
+        xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_limit is not None:
+            dt = self._clamp_dt(dt, md.cu_seqlens_q, has_state)
+        xs = xs.reshape(t, self.num_heads, self.head_dim)
+        y = backend.ssd_scan(
+            xs,
+            dt,
+            -torch.exp(self.A_log.float()),
+            b.reshape(t, self.num_groups, self.state_size),
+            c.reshape(t, self.num_groups, self.state_size),
+            self.ssm_state,
+            md.cu_seqlens_q,
+            slots,
+            has_state,
+        )
+        y = y.float() + xs.float() * self.D.float()[:, None]
+        y = self.norm(y.reshape(t, self.inner), z, x.dtype)
+        return self.out_proj(y)
+
+    def _clamp_dt(
+        self, dt: torch.Tensor, cu: torch.Tensor, has_state: torch.Tensor
+    ) -> torch.Tensor:
+        """time_step_limit as the reference implementations apply it (mamba_ssm, transformers):
+        in the chunked scan over several tokens, not in the one-token update of a sequence
+        that continues its state (a decode step)."""
+        lens = cu[1:] - cu[:-1]
+        decode = (lens == 1) & has_state
+        keep = torch.repeat_interleave(decode, lens, output_size=dt.shape[0])
+        return torch.where(keep[:, None], dt, dt.clamp(*self.dt_limit))

@@ -249,6 +249,23 @@ def test_ref_conv1d_matches_transformers(seed):
         torch.testing.assert_close(pool[slots], hf_state)
 
 
+def test_ref_conv1d_decode_batch_equals_the_general_path():
+    """A batch of one token a sequence takes the reference's decode shortcut; the same batch
+    with an empty padding sequence appended takes the general gather path: both agree, with
+    fresh rows (NaN-filled) beside continued ones."""
+    x, weight, bias = conv_inputs([1, 1, 1], 12, 4, torch.float32, "cpu", bias=True)
+    pool = torch.randn(4, 12, 3)
+    pool[1] = float("nan")  # fresh: must be ignored
+    pools = [pool, pool.clone()]
+    init, slots = [True, False, True], [2, 1, 0]
+    fast = ref_causal_conv1d(x, weight, bias, pools[0], *layout([1, 1, 1], init, slots, "cpu"))
+    general = ref_causal_conv1d(
+        x, weight, bias, pools[1], *layout([1, 1, 1, 0], [*init, False], [*slots, -1], "cpu")
+    )
+    torch.testing.assert_close(fast, general)
+    torch.testing.assert_close(pools[0], pools[1], equal_nan=True)
+
+
 # ---- The Triton kernels against the references ----------------------------------------------
 
 

@@ -18,6 +18,7 @@ cannot combine with is refused, naming the option.
 from __future__ import annotations
 
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -61,6 +62,8 @@ CASES: dict[str, tuple[str, dict]] = {
             "time_step_limit": [0.1, 3.0],
         },
     ),
+    # Nemotron-H (dense): Mamba2, relu^2 MLP and attention blocks, a time_step_min clamp
+    "nemotron_h": ("nemotron_h", {}),
 }
 
 
@@ -88,6 +91,7 @@ def hybrid_dirs(tmp_path_factory):
         ("granitemoehybrid", "cpu", None),
         ("granitemoehybrid", "triton", 16),
         ("granitemoehybrid-dense", "cpu", None),
+        ("nemotron_h", "cpu", 16),
     ],
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs):
@@ -278,4 +282,39 @@ def test_too_small_a_cache_names_the_state_seats(hybrid_dirs):
 def test_layer_types_without_full_attention_are_refused(tmp_path):
     write_tiny_model(tmp_path, "qwen3_5", layer_types=["linear_attention"] * 4)
     with pytest.raises(ValueError, match="at least one full"):
+        LLM(model=str(tmp_path), dtype="float32", max_model_len=128)
+
+
+def test_nemotron_h_loads_either_checkpoint_naming(hybrid_dirs, tmp_path):
+    """The Hub's `backbone.` names (what transformers still writes) and transformers 5's
+    in-memory `model.` names give the same model."""
+    from safetensors.torch import load_file, save_file
+
+    src = hybrid_dirs("nemotron_h")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    weights = load_file(str(src / "model.safetensors"))
+    assert any(k.startswith("backbone.") for k in weights)
+    renamed = {k.replace("backbone.", "model.", 1): v for k, v in weights.items()}
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = [
+        LLM(model=str(p), dtype="float32", max_model_len=128).generate(
+            _requests(_prompts(4, (9, 30))), params, use_tqdm=False
+        )
+        for p in (src, tmp_path)
+    ]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+
+
+def test_nemotron_h_moe_blocks_are_refused(tmp_path):
+    write_tiny_model(
+        tmp_path,
+        "nemotron_h",
+        layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"],
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+    )
+    with pytest.raises(ValueError, match="MoE blocks"):
         LLM(model=str(tmp_path), dtype="float32", max_model_len=128)

@@ -51,6 +51,7 @@ MORE_TINY_ARCHS: list[str] = [
     "qwen3_5",
     "qwen3_5_moe",
     "granitemoehybrid",
+    "nemotron_h",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -231,6 +232,25 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "attention_multiplier": 0.5,
             "logits_scaling": 2.0,
             "position_embedding_type": None,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Nemotron-H (dense): Mamba2, MLP and attention blocks (no rope), 8 heads of 16 on 2 groups
+    "nemotron_h": (
+        "NemotronHConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 5,
+            "layers_block_type": ["mamba", "mlp", "attention", "mamba", "mlp"],
+            "head_dim": 16,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "ssm_state_size": 16,
+            "conv_kernel": 4,
+            "chunk_size": 16,
+            "layer_norm_epsilon": 1e-5,
+            "time_step_min": 0.5,  # a clamp that bites in prefill scans (softplus(dt) ~ 0.3-1.3)
             "tie_word_embeddings": False,
         },
     ),

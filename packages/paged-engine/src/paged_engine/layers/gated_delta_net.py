@@ -51,14 +51,14 @@ GDN_PROJ_RULES = (
 )
 
 
-def check_mixer(name: str, config, tp: int, **counts: int) -> None:
-    """A linear mixer's head counts split over `tp` ranks, and its activation is SiLU."""
+def check_mixer(name: str, act: str | None, tp: int, **counts: int) -> None:
+    """A linear mixer's head counts split over `tp` ranks, and its activation (None: not
+    configurable) is SiLU."""
     for what, n in counts.items():
         if n % tp:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
-    act = getattr(config, "hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ValueError(f"{name} supports hidden_act='silu' only, got {act!r}")
+    if act is not None and act not in ("silu", "swish"):
+        raise ValueError(f"{name} supports the 'silu' activation only, got {act!r}")
 
 
 class GatedRMSNorm(nn.Module):
@@ -95,7 +95,7 @@ class GatedDeltaNet(nn.Module):
             )
         check_mixer(
             type(self).__name__,
-            config,
+            getattr(config, "hidden_act", "silu"),
             tp,
             linear_num_key_heads=num_k,
             linear_num_value_heads=num_v,

@@ -1,10 +1,10 @@
-"""Mamba2 mixer: the state-space token mixer of IBM Granite 4.0-H (GraniteMoeHybrid) and other
-Mamba2 hybrids.
+"""Mamba2 mixer: the state-space token mixer of IBM Granite 4.0-H (GraniteMoeHybrid) and
+NVIDIA Nemotron-H.
 
 Per token, one input projection gives a gate z [I], the conv input x | B | C ([I], [G, N],
-[G, N]) and a step dt per head. After a causal depthwise conv (width `mamba_d_conv`) and SiLU,
-with dt = softplus(dt + dt_bias) (clamped to `time_step_limit`) and A = -exp(A_log), each head
-h (of H, head_dim P; group g = h // (H / G) supplies B and C) runs
+[G, N]) and a step dt per head. After a causal depthwise conv (width K) and SiLU, with
+dt = softplus(dt + dt_bias) (clamped to the spec's dt_limit in multi-token scans) and
+A = -exp(A_log), each head h (of H, head_dim P; group g = h // (H / G) supplies B and C) runs
 
     S = exp(dt * A) * S + dt * x (x) B;   y = S . C + D * x         (S: [P, N])
 
@@ -13,12 +13,15 @@ projection. The state a sequence carries: its conv window and S for every head, 
 pools indexed by `md.state_slots` (worker/recurrent_state.py), exactly as Gated DeltaNet's
 (layers/gated_delta_net.py), with whom it shares the conv op.
 
-Tensor parallelism splits heads and groups (mamba_n_heads and mamba_n_groups divisible by
-tp_size): in_proj per segment (z | x | B | C | dt), conv channels, A_log / D / dt_bias and the
-norm weight with them; out_proj by rows.
+`Mamba2Spec` holds the sizes (Granite and Nemotron-H name them differently in their configs).
+Tensor parallelism splits heads and groups (both divisible by tp_size): in_proj per segment
+(z | x | B | C | dt), the conv channels, A_log / D / dt_bias and the norm weight with them;
+out_proj by rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,23 +63,34 @@ class GroupedGatedRMSNorm(nn.Module):
         return self.weight * h.view(t, -1).to(dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Mamba2Spec:
+    """A Mamba2 mixer's sizes and options (each model family names them differently)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    eps: float
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+
 class Mamba2Mixer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
         self.tp_size, self.tp_rank = tp, rank
-        hidden = config.hidden_size
-        heads, groups = int(config.mamba_n_heads), int(config.mamba_n_groups)
-        inner = int(config.mamba_expand * hidden)
-        head_dim = int(config.mamba_d_head) if config.mamba_d_head != "auto" else inner // heads
-        if heads * head_dim != inner or heads % groups:
-            raise ValueError(
-                f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand * "
-                f"hidden_size={inner}, and mamba_n_groups={groups} divide the heads"
-            )
-        check_mixer(type(self).__name__, config, tp, mamba_n_heads=heads, mamba_n_groups=groups)
-        self.state_size = int(config.mamba_d_state)
-        self.kernel = int(config.mamba_d_conv)
+        heads, groups, head_dim = spec.num_heads, spec.num_groups, spec.head_dim
+        inner = heads * head_dim
+        if heads % groups:
+            raise ValueError(f"Mamba2: {groups} groups do not divide {heads} heads")
+        check_mixer("Mamba2Mixer", None, tp, mamba_heads=heads, mamba_groups=groups)
+        self.state_size = spec.state_size
+        self.kernel = spec.conv_kernel
         self.full_heads, self.full_groups, self.full_inner = heads, groups, inner
         self.num_heads, self.num_groups = heads // tp, groups // tp  # this rank's
         self.head_dim = head_dim
@@ -86,14 +100,12 @@ class Mamba2Mixer(nn.Module):
         gn = groups * self.state_size
         # in_proj's rows: z | x | B | C | dt (full sizes, each split by heads / groups)
         self.proj_sizes = [inner, inner, gn, gn, heads]
-        bias = bool(getattr(config, "mamba_proj_bias", False))
-        self.in_proj = ColumnParallelLinear(hidden, sum(self.proj_sizes), bias=bias)
+        bias = spec.proj_bias
+        self.in_proj = ColumnParallelLinear(spec.hidden_size, sum(self.proj_sizes), bias=bias)
         self.in_proj.weight.weight_loader = self._load_in_proj
         if bias:
             self.in_proj.bias.weight_loader = self._load_in_proj
-        self.conv1d = _Conv(
-            self.conv_dim, self.kernel, bool(getattr(config, "mamba_conv_bias", True))
-        )
+        self.conv1d = _Conv(self.conv_dim, self.kernel, spec.conv_bias)
         self.conv1d.weight.weight_loader = self._load_conv
         if self.conv1d.bias is not None:
             self.conv1d.bias.weight_loader = self._load_conv
@@ -102,11 +114,10 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         for p in (self.A_log, self.D, self.dt_bias):
             p.weight_loader = self._load_heads
-        eps = float(getattr(config, "rms_norm_eps", 1e-6))
-        self.norm = GroupedGatedRMSNorm(self.inner, inner // groups, eps)
+        self.norm = GroupedGatedRMSNorm(self.inner, inner // groups, spec.eps)
         self.norm.weight.weight_loader = self._load_heads
-        self.out_proj = RowParallelLinear(inner, hidden, bias=bias)
-        limit = tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf")))
+        self.out_proj = RowParallelLinear(inner, spec.hidden_size, bias=bias)
+        limit = tuple(spec.dt_limit)
         self.dt_limit = None if limit == (0.0, float("inf")) else (float(limit[0]), float(limit[1]))
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K - 1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state_size]

@@ -29,6 +29,7 @@ from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
+from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
@@ -89,6 +90,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -22,7 +22,8 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.deepseek_moe import SharedExpertsMLP
-from paged_engine.layers.mamba2 import Mamba2Mixer
+from paged_engine.layers.gated_delta_net import check_mixer
+from paged_engine.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.granite import granite_multiplier
@@ -33,6 +34,31 @@ from paged_engine.models.llama import LlamaAttention, llama_head_dim
 from paged_engine.models.mixtral import check_silu
 from paged_engine.models.qwen2_moe import SharedExpertMoeBlock
 from paged_engine.models.utils import CausalLMBase, cfg_get
+
+
+def granite_mamba2(config) -> Mamba2Spec:
+    """Granite 4.0-H's mamba_* config fields (mamba_d_head "auto": expand * hidden / heads)."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    heads = int(config.mamba_n_heads)
+    head_dim = inner // heads if config.mamba_d_head == "auto" else int(config.mamba_d_head)
+    if heads * head_dim != inner:
+        raise ValueError(
+            f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand * "
+            f"hidden_size={inner}"
+        )
+    check_mixer("GraniteMoeHybrid's Mamba2", getattr(config, "hidden_act", "silu"), 1)
+    return Mamba2Spec(
+        hidden_size=config.hidden_size,
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=int(config.mamba_n_groups),
+        state_size=int(config.mamba_d_state),
+        conv_kernel=int(config.mamba_d_conv),
+        conv_bias=bool(getattr(config, "mamba_conv_bias", True)),
+        proj_bias=bool(getattr(config, "mamba_proj_bias", False)),
+        eps=float(cfg_get(config, "rms_norm_eps", 1e-6)),
+        dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))),
+    )
 
 
 class SharedMLP(nn.Module):
@@ -54,7 +80,7 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = layer_types(config)[layer_idx] in LINEAR_LAYER_TYPES
         if self.is_linear:
-            self.mamba = Mamba2Mixer(config)
+            self.mamba = Mamba2Mixer(granite_mamba2(config))
         else:
             self.self_attn = LlamaAttention(config, layer_idx, flags, rope)
             self.self_attn.attn.scale = granite_multiplier(config, "attention_multiplier")

@@ -1,10 +1,11 @@
 """The decoder stack shared by hybrid models: layers of linear attention or state-space mixing
-(`config.layer_types`: "linear_attention", or "mamba" in older configs) among full-attention
-layers (anything else). Only the full-attention layers hold a paged KV cache: the model's
-`kv_caches` list has one entry per such layer, in order; the others carry a recurrent state per
-sequence (worker/recurrent_state.py).
+(`config.layer_types`: "linear_attention", or "mamba" in older configs) among attention layers
+(any other type but Nemotron-H's feed-forward-only "mlp" / "moe" layers). Only the attention
+layers hold a paged KV cache: the model's `kv_caches` list has one entry per such layer, in
+order; the linear ones carry a recurrent state per sequence (worker/recurrent_state.py).
 
-Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py) and Granite 4.0-H (models/granitemoehybrid.py).
+Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py)
+and Nemotron-H (models/nemotron_h.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.utils import make_layers
 
 LINEAR_LAYER_TYPES = ("linear_attention", "mamba")
+# Layers with neither KV nor state (Nemotron-H's MLP-only and MoE-only layers).
+FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
 
 
 def layer_types(config) -> list[str]:
@@ -32,9 +35,13 @@ def is_hybrid(config) -> bool:
     return any(t in LINEAR_LAYER_TYPES for t in layer_types(config))
 
 
+def has_kv(layer_type: str) -> bool:
+    return layer_type not in LINEAR_LAYER_TYPES + FEED_FORWARD_LAYER_TYPES
+
+
 def num_kv_layers(config) -> int:
-    """Layers with a paged KV cache: a hybrid's full-attention ones."""
-    return sum(t not in LINEAR_LAYER_TYPES for t in layer_types(config))
+    """Layers with a paged KV cache: a hybrid's attention ones."""
+    return sum(map(has_kv, layer_types(config)))
 
 
 class HybridModel(nn.Module):
@@ -61,11 +68,11 @@ class HybridModel(nn.Module):
         self.rotary_emb = rope
         self.layers, self.stage = make_layers(config.num_hidden_layers, build_layer)
         self.norm = norm
-        # Each layer's entry in kv_caches; -1: a linear layer (no KV).
+        # Each layer's entry in kv_caches; -1: no KV (a linear or feed-forward layer).
         self.kv_index: list[int] = []
         for t in types:
             n = sum(i >= 0 for i in self.kv_index)
-            self.kv_index.append(-1 if t in LINEAR_LAYER_TYPES else n)
+            self.kv_index.append(n if has_kv(t) else -1)
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         if hidden is None:

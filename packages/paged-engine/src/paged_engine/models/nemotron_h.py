@@ -1,0 +1,131 @@
+"""NVIDIA Nemotron-H (`NemotronHForCausalLM`: Nemotron-H-4B / 8B / 47B / 56B, NVIDIA Nemotron
+Nano 2 9B / 12B): a stack of single-mixer blocks, each one of
+
+    "mamba" / "linear_attention"   a Mamba2 mixer (layers/mamba2.py)
+    "attention" / "full_attention" grouped-query attention without any positional encoding
+    "mlp"                          up -> relu(.)^2 -> down (no gate)
+
+as `config.layer_types` (or the older `hybrid_override_pattern`, "M" / "*" / "-") lists them,
+every block x += mixer(rmsnorm(x)), a final RMSNorm (`norm_f`). Only the attention blocks hold
+paged KV (models/hybrid.py); the Mamba blocks a recurrent state per sequence. As transformers
+does, the Mamba blocks clamp dt from below at `time_step_min` in multi-token scans.
+
+Checkpoints name the stack `backbone.` (the Hub's) or `model.` (transformers 5), the embedding
+`embeddings` and the final norm `norm_f`; multi-token-prediction weights (`mtp.*`) are skipped.
+The MoE blocks of Nemotron 3 ("moe": non-gated relu^2 experts) are not supported yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.gated_delta_net import check_mixer
+from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from paged_engine.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.models.hybrid import LINEAR_LAYER_TYPES, HybridModel, layer_types
+from paged_engine.models.llama import LlamaAttention
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
+
+# checkpoint prefix -> ours, applied in order
+_RENAMES = (
+    ("backbone.", "model."),
+    ("model.embeddings.", "model.embed_tokens."),
+    ("model.norm_f.", "model.norm."),
+)
+
+
+def nemotron_mamba2(config) -> Mamba2Spec:
+    check_mixer("Nemotron-H's Mamba2", getattr(config, "mamba_hidden_act", "silu"), 1)
+    return Mamba2Spec(
+        hidden_size=config.hidden_size,
+        num_heads=int(config.mamba_num_heads),
+        head_dim=int(config.mamba_head_dim),
+        num_groups=int(config.n_groups),
+        state_size=int(config.ssm_state_size),
+        conv_kernel=int(config.conv_kernel),
+        conv_bias=bool(getattr(config, "use_conv_bias", True)),
+        proj_bias=bool(getattr(config, "use_bias", False)),
+        eps=float(cfg_get(config, "layer_norm_epsilon", 1e-5)),
+        dt_limit=(float(cfg_get(config, "time_step_min", 0.0)), float("inf")),
+    )
+
+
+class Relu2MLP(nn.Module):
+    """down(relu(up(x))^2): [T, D] -> [T, D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.relu(self.up_proj(x)).square())
+
+
+class NemotronHBlock(nn.Module):
+    def __init__(self, config, layer_idx: int, flags: dict[str, bool]) -> None:
+        super().__init__()
+        kind = layer_types(config)[layer_idx]
+        self.kind = "mamba" if kind in LINEAR_LAYER_TYPES else kind
+        if self.kind == "mamba":
+            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba2(config))
+        elif kind == "mlp":
+            bias = bool(getattr(config, "mlp_bias", False))
+            self.mixer = Relu2MLP(config.hidden_size, config.intermediate_size, bias)
+        elif kind == "moe":
+            raise ValueError(
+                "Nemotron-H's MoE blocks (Nemotron 3: non-gated relu^2 experts) are not supported "
+                "yet; the dense Nemotron-H models (Mamba2, attention and MLP blocks) are"
+            )
+        else:
+            self.kind = "attention"
+            self.mixer = LlamaAttention(config, layer_idx, flags, None)  # no positional encoding
+        self.norm = RMSNorm(config.hidden_size, cfg_get(config, "layer_norm_epsilon", 1e-5))
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        h = self.norm(x)
+        if self.kind == "mamba":
+            h = self.mixer(h, md)
+        elif self.kind == "mlp":
+            h = self.mixer(h)
+        else:
+            h = self.mixer(positions, h, kv_cache, md)
+        return x + h
+
+
+class NemotronHForCausalLM(CausalLMBase):
+    stacked_params = QKV_PROJ_RULES  # the MLP's up_proj is not a gate_up half
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config) -> None:
+        act = cfg_get(config, "mlp_hidden_act", "relu2")
+        if act != "relu2":
+            raise ValueError(f"NemotronH supports mlp_hidden_act='relu2' only, got {act!r}")
+        bias = bool(getattr(config, "attention_bias", False))
+        flags = {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False}
+        flags["sliding"] = False
+        inner = HybridModel(
+            config,
+            lambda i: NemotronHBlock(config, i, flags),
+            RMSNorm(config.hidden_size, cfg_get(config, "layer_norm_epsilon", 1e-5)),
+            None,
+        )
+        super().__init__(config, inner)
+
+    def rename_weight(self, name: str) -> str:
+        for old, new in _RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        return name
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        # Multi-token-prediction modules (`mtp.*`) serve speculation we do not run.
+        return super().load_weights(
+            ((n, w) for n, w in weights if not n.startswith("mtp.")), strict
+        )

@@ -45,6 +45,16 @@ def _requests(prompts):
     return [{"prompt_token_ids": p} for p in prompts]
 
 
+_NEMOTRON_MOE = {
+    "layers_block_type": ["mamba", "moe", "attention", "mamba", "moe"],
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.0,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+}
 # name -> (tiny arch, config overrides)
 CASES: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("qwen3_next", {}),
@@ -64,6 +74,10 @@ CASES: dict[str, tuple[str, dict]] = {
     ),
     # Nemotron-H (dense): Mamba2, relu^2 MLP and attention blocks, a time_step_min clamp
     "nemotron_h": ("nemotron_h", {}),
+    # Nemotron 3: MoE blocks (DeepSeek-V3's router over 2 groups, non-gated relu^2 experts and
+    # shared experts), also with the experts in a latent space
+    "nemotron_h-moe": ("nemotron_h", _NEMOTRON_MOE),
+    "nemotron_h-moe-latent": ("nemotron_h", {**_NEMOTRON_MOE, "moe_latent_size": 24}),
 }
 
 
@@ -92,6 +106,9 @@ def hybrid_dirs(tmp_path_factory):
         ("granitemoehybrid", "triton", 16),
         ("granitemoehybrid-dense", "cpu", None),
         ("nemotron_h", "cpu", 16),
+        ("nemotron_h-moe", "cpu", None),
+        ("nemotron_h-moe", "triton", 16),
+        ("nemotron_h-moe-latent", "cpu", None),
     ],
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs):
@@ -196,7 +213,7 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
         assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid"])
+@pytest.mark.parametrize("name", ["qwen3_next", "granitemoehybrid", "nemotron_h-moe"])
 def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
     assert_tp_matches_one_process(hybrid_dirs(name), _prompts(5, (5, 23, 40)), 8, 128)
 
@@ -304,17 +321,3 @@ def test_nemotron_h_loads_either_checkpoint_naming(hybrid_dirs, tmp_path):
         for p in (src, tmp_path)
     ]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
-
-
-def test_nemotron_h_moe_blocks_are_refused(tmp_path):
-    write_tiny_model(
-        tmp_path,
-        "nemotron_h",
-        layers_block_type=["mamba", "moe", "attention", "mamba", "mlp"],
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32,
-    )
-    with pytest.raises(ValueError, match="MoE blocks"):
-        LLM(model=str(tmp_path), dtype="float32", max_model_len=128)

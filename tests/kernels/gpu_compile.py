@@ -364,6 +364,31 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         ids = torch.arange(2 * tokens).remainder(8).view(tokens, 2)
         call(f"fused_moe fp8 T={tokens}", moe.fused_moe, x, fp8_gate_up, fp8_down,
              torch.zeros(tokens, 2), ids)  # fmt: skip
+    # Nemotron 3 Nano's non-gated relu2 experts (H 2688, I 1856; 8 of its 128 experts, top-6):
+    # the first GEMM over up [E, I, H] alone, one accumulator; bf16, FP8 and MXFP4 weights.
+    relu2, nh, ni = moe.MoeActivation("relu2"), 2688, 1856
+
+    def mxfp4(n: int, k: int) -> moe.Mxfp4Weight:
+        blocks = torch.zeros(8, n, k // 2, dtype=torch.uint8)
+        return moe.Mxfp4Weight(blocks, torch.zeros(8, n, k // 32, dtype=torch.uint8))
+
+    nemotron = {
+        "bf16": (
+            torch.zeros(8, ni, nh, dtype=torch.bfloat16),
+            torch.zeros(8, nh, ni, dtype=torch.bfloat16),
+        ),
+        "fp8": (
+            moe.Fp8Weight(torch.zeros(8, ni, nh, dtype=torch.float8_e4m3fn), torch.ones(8, ni)),
+            moe.Fp8Weight(torch.zeros(8, nh, ni, dtype=torch.float8_e4m3fn), torch.ones(8, nh)),
+        ),
+        "mxfp4": (mxfp4(ni, nh), mxfp4(nh, ni)),
+    }
+    for kind, (up, dn) in nemotron.items():
+        for tokens in (4, 512) if kind != "mxfp4" else (4,):
+            x = torch.zeros(tokens, nh, dtype=torch.bfloat16)
+            ids = torch.arange(6 * tokens).remainder(8).view(tokens, 6)
+            call(f"fused_moe relu2 {kind} Nemotron-3 T={tokens}", moe.fused_moe, x, up, dn,
+                 torch.zeros(tokens, 6), ids, activation=relu2)  # fmt: skip
     x = torch.zeros(4, hid, dtype=torch.bfloat16)
     gate_up = torch.zeros(8, 2 * inter, hid, dtype=torch.bfloat16)
     down = torch.zeros(8, hid, inter, dtype=torch.bfloat16)

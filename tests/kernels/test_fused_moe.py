@@ -23,6 +23,7 @@ from paged_kernels import (
     ref_fused_moe,
 )
 from paged_kernels.moe import MoeTiles, max_moe_blocks
+from paged_kernels.reference import SILU, moe_activation
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -37,8 +38,10 @@ def _route(tokens: int, experts: int, top_k: int, device, unused: int = 1):
     return weights, ids
 
 
-def _weights(experts: int, dtype, device, hid: int = HID, inter: int = INTER):
-    gate_up = torch.randn(experts, 2 * inter, hid, device=device) * hid**-0.5
+def _weights(experts: int, dtype, device, hid: int = HID, inter: int = INTER, gated: bool = True):
+    """gate_up [E, 2I, H] (gated) or up [E, I, H], and down [E, H, I]."""
+    rows = 2 * inter if gated else inter
+    gate_up = torch.randn(experts, rows, hid, device=device) * hid**-0.5
     down = torch.randn(experts, hid, inter, device=device) * inter**-0.5
     return gate_up.to(dtype), down.to(dtype)
 
@@ -163,8 +166,9 @@ def test_biases_and_swigluoai_match_reference(seed, device, dtype, tokens, biase
     _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), got, dtype)
 
 
-def _mxfp4_weights(experts: int, hid: int, inter: int, device, seed: int = 0):
-    """Random MXFP4 gate_up [E, 2I, H] and down [E, H, I]: every code, scales 2^-10 to 2^-5."""
+def _mxfp4_weights(experts: int, hid: int, inter: int, device, seed: int = 0, gated: bool = True):
+    """Random MXFP4 gate_up [E, 2I, H] (up [E, I, H] if not gated) and down [E, H, I]: every
+    code, scales 2^-10 to 2^-5."""
     gen = torch.Generator().manual_seed(seed)
 
     def weight(n: int, k: int) -> Mxfp4Weight:
@@ -172,7 +176,7 @@ def _mxfp4_weights(experts: int, hid: int, inter: int, device, seed: int = 0):
         scales = torch.randint(117, 123, (experts, n, k // 32), generator=gen, dtype=torch.uint8)
         return Mxfp4Weight(blocks.to(device), scales.to(device))
 
-    return weight(2 * inter, hid), weight(hid, inter)
+    return weight(2 * inter if gated else inter, hid), weight(hid, inter)
 
 
 def test_dequantize_mxfp4_reads_codes_low_nibble_first():
@@ -244,6 +248,86 @@ def test_fp8_experts_match_reference(seed, device, dtype, tokens, biases):
     _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
     with pytest.raises(ValueError, match="both dense, both MXFP4 or both FP8"):
         fused_moe(x, gate_up, down.dequantize(dtype), weights, ids)
+
+
+def _nemotron_experts(x, up, up_bias, down, weights, ids):
+    """Nemotron-H's experts as HF's NemotronHExperts computes them, token by token: not gated,
+    up [E, I, H], down [E, H, I], relu2(h) = relu(h)^2 (with a bias on up here)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            h = up[e].float() @ x[t].float() + up_bias[e].float()
+            out[t] += w * (down[e].float() @ torch.relu(h) ** 2)
+    return out
+
+
+def test_reference_relu2_is_nemotron_experts(seed):
+    """ref_fused_moe with the non-gated relu2 (gate_up the up weight [E, I, H], its bias
+    [E, I]) computes Nemotron-H's experts; moe_activation takes up=None for it."""
+    experts, top_k, tokens = 5, 2, 9
+    relu2 = MoeActivation("relu2")
+    assert not relu2.gated and SILU.gated and MoeActivation("swigluoai").gated
+    x = torch.randn(tokens, HID)
+    up, down = _weights(experts, torch.float32, "cpu", gated=False)
+    up_bias = torch.randn(experts, INTER) * 0.1
+    weights, ids = _route(tokens, experts, top_k, "cpu")
+    got = ref_fused_moe(x, up, down, weights, ids, gate_up_bias=up_bias, activation=relu2)
+    want = _nemotron_experts(x, up, up_bias, down, weights, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    h = torch.randn(3, 7)
+    assert torch.equal(moe_activation(h, None, relu2), torch.relu(h).square())
+    with pytest.raises(ValueError, match="up must be given iff gated"):
+        moe_activation(h, h, relu2)
+    with pytest.raises(ValueError, match="up must be given iff gated"):
+        moe_activation(h, None, SILU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "biases"), [(1, False), (33, True)])
+def test_relu2_matches_reference(seed, device, dtype, tokens, biases):
+    """Nemotron-H's non-gated experts: the first GEMM over the up weight alone (here a strided
+    view [E, I, H]), relu2 on its fp32 sums, with and without biases on both projections,
+    against ref_fused_moe; over small tiles too (several K steps and N tiles)."""
+    experts, top_k = 8, 2
+    x = torch.randn(tokens, HID, device=device).to(dtype)
+    gate_up, down = _weights(experts, dtype, device)
+    up = gate_up[:, INTER:]  # [E, I, H] with the gated layout's expert stride
+    weights, ids = _route(tokens, experts, top_k, device)
+    kwargs: dict = dict(activation=MoeActivation("relu2"))
+    if biases:
+        kwargs["gate_up_bias"] = (torch.randn(experts, INTER, device=device) * 0.1).to(dtype)
+        kwargs["down_bias"] = torch.randn(experts, HID, device=device).to(dtype)
+    want = ref_fused_moe(x, up, down, weights, ids, **kwargs)
+    _close(fused_moe(x, up, down, weights, ids, **kwargs), want, dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)
+    _close(fused_moe(x, up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_fp8_and_mxfp4_experts_match_reference(seed, device, dtype):
+    """Non-gated experts quantized: FP8 (`quantization="fp8"`: up's row scales [E, I]) with an
+    up bias, and MXFP4, decoded in the GEMMs: the reference on their exact values."""
+    experts, top_k, tokens = 6, 2, 17
+    relu2 = MoeActivation("relu2")
+    up, down = (
+        Fp8Weight(*quantize_fp8_per_channel(w))
+        for w in _weights(experts, dtype, device, gated=False)
+    )
+    assert up.scale.shape == (experts, INTER)
+    x = torch.randn(tokens, HID, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    bias = (torch.randn(experts, INTER, device=device) * 0.1).to(dtype)
+    kwargs = dict(gate_up_bias=bias, activation=relu2)
+    want = ref_fused_moe(x, up, down, weights, ids, **kwargs)
+    _close(fused_moe(x, up, down, weights, ids, **kwargs), want, dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)
+    _close(fused_moe(x, up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
+    hid, inter = 64, 32
+    up, down = _mxfp4_weights(experts, hid, inter, device, seed=1, gated=False)
+    x = (torch.randn(tokens, hid, device=device) * 3).to(dtype)  # up x near N(0, 1)
+    want = ref_fused_moe(x, up, down, weights, ids, activation=relu2)
+    assert want.abs().max() > 0.1
+    _close(fused_moe(x, up, down, weights, ids, activation=relu2), want, dtype)
 
 
 def test_mxfp4_rejects_bad_arguments(device):
@@ -320,6 +404,29 @@ def test_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="activation"):
         fused_moe(x, gate_up, down, weights, ids, activation=MoeActivation("gelu"))
     assert fused_moe(x[:0], gate_up, down, weights[:0], ids[:0]).shape == (0, HID)
+
+
+def test_gated_and_non_gated_shapes_are_checked(device):
+    """A gated activation takes gate_up [E, 2I, H] (bias [E, 2I]), the non-gated relu2 the up
+    weight [E, I, H] (bias [E, I]): each refuses the other's, dense or FP8."""
+    gate_up, down = _weights(4, torch.float32, device)
+    up = gate_up[:, :INTER]
+    x = torch.randn(3, HID, device=device)
+    weights, ids = _route(3, 4, 2, device)
+    relu2 = MoeActivation("relu2")
+    with pytest.raises(ValueError, match=r"!= \[E, I, H\] = \[4, 24, 40\] for 'relu2'"):
+        fused_moe(x, gate_up, down, weights, ids, activation=relu2)
+    with pytest.raises(ValueError, match=r"!= \[E, 2I, H\] = \[4, 48, 40\] for 'silu'"):
+        fused_moe(x, up, down, weights, ids)
+    with pytest.raises(ValueError, match="gate_up_bias"):
+        fused_moe(x, up, down, weights, ids, gate_up_bias=gate_up[:, :, 0], activation=relu2)
+    fp8_up, fp8_down = (Fp8Weight(*quantize_fp8_per_channel(w)) for w in (up, down))
+    with pytest.raises(ValueError, match=r"\[E, 2I, H\]"):
+        fused_moe(x, fp8_up, fp8_down, weights, ids)
+    with pytest.raises(ValueError, match="'relu2' needs 24 rows"):
+        ref_fused_moe(x, gate_up, down, weights, ids, activation=relu2)
+    with pytest.raises(ValueError, match="'silu' needs 48 rows"):
+        ref_fused_moe(x, up, down, weights, ids)
 
 
 # Qwen3-30B-A3B's experts: hidden 2048, expert intermediate 768, 128 experts, top-8.

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._dot import tile_dot
+from paged_kernels._dot import round_bf16, tile_dot
 from paged_kernels._utils import (
     FLOAT_DTYPES,
     check,
@@ -129,15 +129,6 @@ def _check_devices(**tensors: torch.Tensor) -> None:
 
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 x rounded to the nearest bf16 value (ties to even), kept in fp32, for finite x: the
-    interpreter's own fp32 -> bf16 cast truncates, the GPU's rounds to nearest even."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits += 0x7FFF + ((bits >> 16) & 1)
-    return ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [L, R, K]
@@ -209,8 +200,8 @@ def _lora_expand_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EXPLICIT_DOT: tl.constexpr,  # interpreter only (_dot.py)
-    ROUND_S_BITS: tl.constexpr,  # interpreter only, bf16 lora_b: s rounds with _round_bf16
-    ROUND_Y_BITS: tl.constexpr,  # interpreter only, bf16 y: y rounds with _round_bf16
+    ROUND_S_BITS: tl.constexpr,  # interpreter only, bf16 lora_b: s rounds with round_bf16
+    ROUND_Y_BITS: tl.constexpr,  # interpreter only, bf16 y: y rounds with round_bf16
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -236,14 +227,14 @@ def _lora_expand_kernel(
         # s rounds to lora_b's dtype (a no-op for fp32) so 16-bit weights use tensor cores.
         a = tl.load(s_tile + r0, mask=m_ok[:, None] & r_ok[None, :], other=0.0)
         if ROUND_S_BITS:
-            a = _round_bf16(a)  # the explicit product upcasts to fp32 anyway
+            a = round_bf16(a)  # the explicit product upcasts to fp32 anyway
         else:
             a = a.to(b_ptr.dtype.element_ty)
         b = tl.load(b_tile + r0, mask=r_ok[:, None] & n_ok[None, :], other=0.0)  # B^T: [R, N]
         acc = tile_dot(a, b, acc, DOT_PRECISION, EXPLICIT_DOT)
     acc += y.to(tl.float32)
     if ROUND_Y_BITS:
-        acc = _round_bf16(acc)  # exact in bf16 now: the cast below truncates nothing
+        acc = round_bf16(acc)  # exact in bf16 now: the cast below truncates nothing
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=y_ok)
 
 

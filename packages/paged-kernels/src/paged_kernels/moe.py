@@ -4,6 +4,7 @@
 
     act   silu       silu(g) * u                                     (Llama-style experts)
           swigluoai  (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, L)  (gpt-oss)
+          relu2      relu(u)^2, not gated: no gate_e, gate_up is up alone  (Nemotron-H)
 
 Each projection may carry a per-expert bias (gpt-oss), added to the fp32 accumulator before the
 activation (gate_up) or before the routing weight (down).
@@ -26,6 +27,7 @@ its expert's weight [N, K] (fp32 accumulator) and writes each row to its slot's 
 output. Launched twice:
 
     gate_up   rows of x (slot // k) @ gate_up[e]^T (+ bias), act fused -> act [S, I] (x.dtype)
+              (gated: a gate and an up accumulator per tile, over rows n and I + n of gate_up)
     down      rows of act (slot) @ down[e]^T (+ bias), times w_tj       -> ys  [S, H] (float32)
 
 and y = ys.view(T, k, H).sum(1) in float32, rounded once to x's dtype: no atomics, so the
@@ -40,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from paged_kernels._dot import round_bf16
 from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, is_interpreter
 from paged_kernels.reference import (
     SILU,
@@ -125,7 +128,7 @@ def choose_moe_tiles(num_slots: int, num_experts: int, dtype: torch.dtype) -> Mo
 
 
 # MoeActivation.name -> the kernel's ACTIVATION code.
-ACTIVATIONS = {"silu": 0, "swigluoai": 1}
+ACTIVATIONS = {"silu": 0, "swigluoai": 1, "relu2": 2}
 
 
 @triton.jit
@@ -150,7 +153,7 @@ def _mxfp4_tiles(q_ptrs, s_ptrs, mask, dtype: tl.constexpr):
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: slot s reads row s // a_row_div (x's token rows, or act's slot rows)
-    w_ptr,  # [E, N, K], or [E, 2N, K] with FUSE_ACT (gate rows, then up rows); MXFP4: [.., K / 2]
+    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows); MXFP4: [.., K / 2]
     w_scales_ptr,  # MXFP4: [E, N or 2N, K / 32] uint8; FP8: [E, N or 2N] float32 (a row's)
     bias_ptr,  # [E, N] or [E, 2N] like w's rows, read only with HAS_BIAS
     topk_weights_ptr,  # [S] float32, read only with MUL_ROUTED_WEIGHT
@@ -173,6 +176,7 @@ def _moe_gemm_kernel(
     swiglu_limit,
     FUSE_ACT: tl.constexpr,
     ACTIVATION: tl.constexpr,  # ACTIVATIONS' code, with FUSE_ACT
+    GATED: tl.constexpr,  # FUSE_ACT with a gated ACTIVATION: a second (up) accumulator
     HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     W_MXFP4: tl.constexpr,  # w is MXFP4 bytes + scales (BLOCK_K a multiple of 32, K of 32)
@@ -182,6 +186,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
+    ROUND_OUT_BITS: tl.constexpr,  # interpreter only, bf16 out: its fp32 -> bf16 cast truncates
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -197,7 +202,7 @@ def _moe_gemm_kernel(
     a_tile = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_tile = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # FUSE_ACT only; folded away otherwise
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED only; folded away otherwise
     if W_MXFP4:
         # Byte j of a tile holds K positions 2j (low nibble) and 2j + 1 (high): two dots of
         # BLOCK_K / 2, over the even and the odd columns of a.
@@ -218,7 +223,7 @@ def _moe_gemm_kernel(
             w0, w1 = _mxfp4_tiles(q_tile + k0 // 2, s_tile + k0 // 32, w_mask, dtype)
             acc = tl.dot(a0, w0, acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a1, w1, acc, input_precision=DOT_PRECISION)
-            if FUSE_ACT:
+            if GATED:
                 up_q, up_s = q_tile + N * stride_wn + k0 // 2, s_tile + N * stride_sn + k0 // 32
                 w0, w1 = _mxfp4_tiles(up_q, up_s, w_mask, dtype)
                 acc_up = tl.dot(a0, w0, acc_up, input_precision=DOT_PRECISION)
@@ -233,7 +238,7 @@ def _moe_gemm_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-            if FUSE_ACT:
+            if GATED:
                 b = tl.load(
                     w_tile + N * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0
                 )
@@ -244,22 +249,27 @@ def _moe_gemm_kernel(
     if W_FP8:  # each output row's scale, constant along K
         row_scale = w_scales_ptr + expert * stride_se + offs_n * stride_sn
         acc = acc * tl.load(row_scale, mask=n_ok, other=0.0)[None, :]
-        if FUSE_ACT:
+        if GATED:
             acc_up = acc_up * tl.load(row_scale + N * stride_sn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         bias = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(bias, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if FUSE_ACT:
+        if GATED:
             acc_up += tl.load(bias + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if FUSE_ACT:
         if ACTIVATION == 0:  # silu
             acc = acc * tl.sigmoid(acc) * acc_up
-        else:  # swigluoai
+        elif ACTIVATION == 1:  # swigluoai
             gate = tl.minimum(acc, swiglu_limit)
             up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
             acc = (up + 1.0) * gate * tl.sigmoid(gate * swiglu_alpha)
+        else:  # relu2 (not gated: acc is the up projection)
+            acc = tl.maximum(acc, 0.0)
+            acc = acc * acc
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + slots, mask=m_ok, other=0.0)[:, None]
+    if ROUND_OUT_BITS:
+        acc = round_bf16(acc)  # to nearest, as the GPU's cast rounds: the cast below is exact
     out = out_ptr + slots[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -307,6 +317,7 @@ def _launch(
         float(act.limit) if act is not None else 0.0,
         FUSE_ACT=act is not None,
         ACTIVATION=ACTIVATIONS[act.name] if act is not None else 0,
+        GATED=act is not None and act.gated,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         W_MXFP4=mxfp4,
@@ -316,6 +327,7 @@ def _launch(
         BLOCK_K=tiles.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
+        ROUND_OUT_BITS=is_interpreter() and out.dtype == torch.bfloat16,
         num_warps=1 if is_interpreter() else tiles.num_warps,
         num_stages=tiles.num_stages,
     )
@@ -323,20 +335,21 @@ def _launch(
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up rows
+    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up; [E, I, H]
     down: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, each in [0, E)
     *,
-    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I], or [E, I] when not gated
     down_bias: torch.Tensor | None = None,  # [E, H]
     activation: MoeActivation = SILU,
     tiles: MoeTiles | None = None,  # None: choose_moe_tiles
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e) over each token's k experts: two
     grouped GEMMs (biases and the activation fused into the first), fp32 accumulation, the
-    activation rounded to x's dtype between them. No host sync: capturable in a CUDA graph. Ids
-    are not range-checked (that would read them on the host).
+    activation rounded to x's dtype between them. A non-gated activation (`relu2`) computes
+    down_e(act(up_e x_t)), gate_up then being the up projection alone [E, I, H]. No host sync:
+    capturable in a CUDA graph. Ids are not range-checked (that would read them on the host).
 
     Weights in x's dtype; or both projections in MXFP4 (`Mxfp4Weight`: H and I multiples of
     32) or in FP8 (`Fp8Weight`: float8_e4m3fn with a float32 scale per output row), decoded
@@ -363,12 +376,18 @@ def fused_moe(
         weights = (*gate_up, *down)
     else:
         g_shape, d_shape, weights = tuple(gate_up.shape), tuple(down.shape), (gate_up, down)
-    check(len(g_shape) == 3 and len(d_shape) == 3, "gate_up must be [E, 2I, H] and down [E, H, I]")
+    check_moe_activation(activation)
+    rows, g_name = (2, "2I") if activation.gated else (1, "I")  # gate_up's rows per I
+    check(
+        len(g_shape) == 3 and len(d_shape) == 3,
+        f"gate_up must be [E, {g_name}, H] and down [E, H, I]",
+    )
     t, h = x.shape
     e, i = g_shape[0], d_shape[2]
     check(
-        g_shape == (e, 2 * i, h),
-        f"gate_up {g_shape} != [E, 2I, H] = [{e}, {2 * i}, {h}] (down {d_shape})",
+        g_shape == (e, rows * i, h),
+        f"gate_up {g_shape} != [E, {g_name}, H] = [{e}, {rows * i}, {h}] for "
+        f"{activation.name!r} (down {d_shape})",
     )
     check(d_shape == (e, h, i), f"down {d_shape} != [E, H, I] = [{e}, {h}, {i}]")
     check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
@@ -377,9 +396,8 @@ def fused_moe(
             gate_up.dtype == down.dtype == x.dtype,
             f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",
         )
-    check_moe_activation(activation)
     for name, b, shape in (
-        ("gate_up_bias", gate_up_bias, (e, 2 * i)),
+        ("gate_up_bias", gate_up_bias, (e, rows * i)),
         ("down_bias", down_bias, (e, h)),
     ):
         if b is not None:

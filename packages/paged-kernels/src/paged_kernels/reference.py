@@ -264,19 +264,30 @@ def ref_logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 
 class MoeActivation(NamedTuple):
-    """The experts' gated activation of (gate, up) projections:
+    """The experts' activation. Gated ones act on (gate, up) projections, the halves of a
+    gate_up weight [E, 2I, H] (gate rows, then up rows):
 
     silu       silu(g) * u
     swigluoai  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
                (gpt-oss; alpha and limit from its config's swiglu_alpha / swiglu_limit)
+
+    A non-gated one acts on the up projection h alone, gate_up then being up [E, I, H]:
+
+    relu2      relu(h)^2  (Nemotron-H / Nemotron 3 MoE experts)
     """
 
     name: str = "silu"
     alpha: float = 1.702
     limit: float = 7.0
 
+    @property
+    def gated(self) -> bool:
+        """Whether it acts on (gate, up): the first projection has 2I rows, else I."""
+        return self.name in GATED_MOE_ACTIVATIONS
 
-MOE_ACTIVATIONS = ("silu", "swigluoai")
+
+GATED_MOE_ACTIVATIONS = ("silu", "swigluoai")
+MOE_ACTIVATIONS = (*GATED_MOE_ACTIVATIONS, "relu2")
 SILU = MoeActivation()
 
 
@@ -284,8 +295,12 @@ def check_moe_activation(act: MoeActivation) -> None:
     check(act.name in MOE_ACTIVATIONS, f"activation must be one of {MOE_ACTIVATIONS}: {act.name!r}")
 
 
-def moe_activation(gate: torch.Tensor, up: torch.Tensor, act: MoeActivation) -> torch.Tensor:
-    """act(gate, up), elementwise in the inputs' dtype."""
+def moe_activation(gate: torch.Tensor, up: torch.Tensor | None, act: MoeActivation) -> torch.Tensor:
+    """act(gate, up), elementwise in the inputs' dtype; a non-gated act takes its projection as
+    `gate` and up=None."""
+    check((up is not None) == act.gated, f"{act.name!r}: up must be given iff gated")
+    if act.name == "relu2":
+        return torch.relu(gate).square()
     if act.name == "silu":
         return torch.nn.functional.silu(gate) * up
     gate = gate.clamp(max=act.limit)
@@ -338,31 +353,38 @@ def dequantize_mxfp4(w: Mxfp4Weight, dtype: torch.dtype = torch.float32) -> torc
 
 def ref_fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up rows
+    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up; [E, I, H]
     down: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int in [0, E)
     *,
-    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I], or [E, I] when not gated
     down_bias: torch.Tensor | None = None,  # [E, H]
     activation: MoeActivation = SILU,
 ) -> torch.Tensor:  # [T, H] in x's dtype
-    """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j]: each used
-    expert over its (token, choice) pairs, in fp32; the activation rounds to x's dtype before
-    the down projection, and the sum over a token's k choices rounds once. MXFP4 or FP8 weights
-    (both projections) multiply as their exact values."""
+    """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j] (a non-gated
+    act: down_e(act(up_e x_t)), gate_up the up weight alone): each used expert over its (token,
+    choice) pairs, in fp32; the activation rounds to x's dtype before the down projection, and
+    the sum over a token's k choices rounds once. MXFP4 or FP8 weights (both projections)
+    multiply as their exact values."""
     check_moe_activation(activation)
     if isinstance(gate_up, Mxfp4Weight):
         gate_up, down = dequantize_mxfp4(gate_up), dequantize_mxfp4(down)
     if isinstance(gate_up, Fp8Weight):
         gate_up, down = gate_up.dequantize(), down.dequantize()
+    rows = (2 if activation.gated else 1) * down.shape[-1]
+    check(
+        gate_up.shape[-2] == rows,
+        f"gate_up {tuple(gate_up.shape)}: {activation.name!r} needs {rows} rows "
+        f"({'2I' if activation.gated else 'I'}, down {tuple(down.shape)})",
+    )
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in topk_ids.unique().tolist():
         tokens, choices = (topk_ids == e).nonzero(as_tuple=True)
         h = x[tokens].float() @ gate_up[e].float().t()
         if gate_up_bias is not None:
             h += gate_up_bias[e].float()
-        gate, up = h.chunk(2, dim=-1)
+        gate, up = h.chunk(2, dim=-1) if activation.gated else (h, None)
         act = moe_activation(gate, up, activation).to(x.dtype).float()
         y = act @ down[e].float().t()
         if down_bias is not None:

@@ -8,7 +8,9 @@ experts.
     experts  expert e is a gated MLP: down_e(act(gate_e x, up_e x)), its weights stacked as
              gate_up_proj [E, 2*I, H] (gate rows, then up rows) and down_proj [E, H, I]; act is
              SiLU-and-mul, or gpt-oss's clamped SwiGLU (`MoeActivation`); gpt-oss adds a bias to
-             each projection (gate_up_proj_bias [E, 2*I], down_proj_bias [E, H])
+             each projection (gate_up_proj_bias [E, 2*I], down_proj_bias [E, H]). Nemotron's
+             experts are not gated: down_e(relu(up_e x)^2), gate_up_proj holding up alone
+             [E, I, H]
     output   y_t = sum over the k choices j of w_tj * expert_{e_tj}(x_t)
 
 On CUDA the experts run as paged_kernels.fused_moe: the T*k (token, choice) slots sorted by
@@ -57,14 +59,17 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 def _expert_mlp(
     x: torch.Tensor,  # [n, H]
-    gate_up: torch.Tensor,  # [2I, H]
+    gate_up: torch.Tensor,  # [2I, H] ([I, H] not gated)
     down: torch.Tensor,  # [H, I]
     gate_up_bias: torch.Tensor | None,  # [2I]
     down_bias: torch.Tensor | None,  # [H]
     act: MoeActivation,
 ) -> torch.Tensor:  # [n, H]
-    """One expert over rows x."""
-    gate, up = F.linear(x, gate_up, gate_up_bias).chunk(2, dim=-1)
+    """One expert over rows x (a non-gated activation: `gate_up` is the up projection alone)."""
+    h = F.linear(x, gate_up, gate_up_bias)
+    if not act.gated:
+        return F.linear(moe_activation(h, None, act), down, down_bias)
+    gate, up = h.chunk(2, dim=-1)
     return F.linear(moe_activation(gate, up, act), down, down_bias)
 
 
@@ -79,7 +84,7 @@ def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 def grouped_experts(
     x: torch.Tensor,  # [T, H]
-    gate_up: Weight,  # [E, 2I, H]
+    gate_up: Weight,  # [E, 2I, H] ([E, I, H]: a non-gated activation's up alone)
     down: Weight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
     topk_ids: torch.Tensor,  # [T, k]
@@ -217,20 +222,26 @@ class FusedMoE(nn.Module):
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size  # the full I
         i = intermediate_size // self.tp_size
+        check_moe_activation(activation)
+        self.activation = activation
+        # A gated activation reads gate and up halves of gate_up_proj [E, 2I, H]; a non-gated
+        # one (Nemotron's relu^2) holds the up projection alone there, [E, I, H].
+        self.halves = 2 if activation.gated else 1
+        if mxfp4 and not activation.gated:
+            raise ValueError(f"MXFP4 experts need a gated activation, not {activation.name!r}")
         self.mxfp4 = mxfp4
         self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None  # set by to_fp8()
         if mxfp4:
             self._make_mxfp4(num_experts, hidden_size, i)
         else:
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size))
+            rows = self.halves * i
+            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
             self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))
             self.gate_up_proj.weight_loader = self._load_gate_up
             self.down_proj.weight_loader = self._load_down
-        check_moe_activation(activation)
-        self.activation = activation
         self.gate_up_proj_bias = self.down_proj_bias = None
         if bias:
-            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * i))
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, self.halves * i))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
             self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias
 
@@ -270,11 +281,12 @@ class FusedMoE(nn.Module):
         return sum(w.weight.numel() + w.scale.numel() * 4 for w in self.fp8)
 
     def _copy_halves(self, param: nn.Parameter, w: torch.Tensor) -> None:
-        """w [E, gate I | up I, ...] whole: this rank's rows of both halves into param."""
-        i, full = param.shape[1] // 2, self.intermediate_size
+        """w [E, gate I | up I, ...] whole (non-gated: [E, up I, ...]): this rank's rows of each
+        half into param."""
+        i, full = param.shape[1] // self.halves, self.intermediate_size
         begin = self.tp_rank * i
-        param.data[:, :i].copy_(w[:, begin : begin + i])
-        param.data[:, i:].copy_(w[:, full + begin : full + begin + i])
+        for h in range(self.halves):
+            param.data[:, h * i : (h + 1) * i].copy_(w[:, h * full + begin : h * full + begin + i])
 
     def _load_gate_up_rows(self, param: nn.Parameter, w: torch.Tensor) -> None:
         """An MXFP4 gate_up tensor [E, gate I | up I, cols]: this rank's rows of both halves."""
@@ -297,18 +309,24 @@ class FusedMoE(nn.Module):
     def _load_gate_up(
         self, param: nn.Parameter, w: torch.Tensor, shard_id: tuple[int, int] | None = None
     ) -> None:
-        i, full = param.shape[1] // 2, self.intermediate_size
+        i, full = param.shape[1] // self.halves, self.intermediate_size
         begin = self.tp_rank * i
         if shard_id is None:  # [E, gate I | up I, H]: this rank's rows of both halves
-            _check_shape(w, (self.num_experts, 2 * full, self.hidden_size), "experts gate_up")
+            shape = (self.num_experts, self.halves * full, self.hidden_size)
+            _check_shape(w, shape, "experts gate_up" if self.halves == 2 else "experts up")
             self._copy_halves(param, w)
             return
         expert, half = shard_id
+        if self.halves == 1:  # non-gated: the up projection is all there is
+            if half != 1:
+                raise ValueError(f"expert {expert}: a gate matrix for non-gated experts")
+            half = 0
         _check_shape(w, (full, self.hidden_size), f"expert {expert} {('gate', 'up')[half]}")
         param.data[expert, half * i : (half + 1) * i].copy_(w[begin : begin + i])
 
     def _load_gate_up_bias(self, param: nn.Parameter, w: torch.Tensor) -> None:
-        _check_shape(w, (self.num_experts, 2 * self.intermediate_size), "experts gate_up bias")
+        rows = self.halves * self.intermediate_size
+        _check_shape(w, (self.num_experts, rows), "experts gate_up bias")
         self._copy_halves(param, w)
 
     def _load_down(self, param: nn.Parameter, w: torch.Tensor, shard_id: int | None = None) -> None:

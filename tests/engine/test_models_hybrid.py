@@ -213,7 +213,7 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
         assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe"])  # GDN, Mamba2 + relu^2 experts
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe", "granitemoehybrid-dense"])
 def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
     assert_tp_matches_one_process(hybrid_dirs(name), _prompts(5, (5, 23, 40)), 8, 128)
 

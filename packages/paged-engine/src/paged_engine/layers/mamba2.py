@@ -14,9 +14,10 @@ pools indexed by `md.state_slots` (worker/recurrent_state.py), exactly as Gated 
 (layers/gated_delta_net.py), with whom it shares the conv op.
 
 `Mamba2Spec` holds the sizes (Granite and Nemotron-H name them differently in their configs).
-Tensor parallelism splits heads and groups (both divisible by tp_size): in_proj per segment
+Tensor parallelism splits heads (divisible by tp_size) and groups: in_proj per segment
 (z | x | B | C | dt), the conv channels, A_log / D / dt_bias and the norm weight with them;
-out_proj by rows.
+out_proj by rows. A single group (Granite 4.0-H) is replicated instead: every rank holds B and C
+whole, and the norm's one group, spread over the ranks, sums its squares with an all-reduce.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.attention.backend import AttentionMetadata
+from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
 from paged_engine.layers.gated_delta_net import check_mixer
 from paged_engine.layers.linear import (
@@ -51,14 +53,19 @@ class GroupedGatedRMSNorm(nn.Module):
     """y = weight * rmsnorm_per_group(x * silu(z)) over groups of `group_size` channels, in
     float32 (the gate before the norm: Mamba2's norm_before_gate=False)."""
 
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    def __init__(self, size: int, group_size: int, eps: float, across_ranks: bool = False) -> None:
         super().__init__()
         self.group_size, self.eps = group_size, eps
+        self.across_ranks = across_ranks  # one group over every rank's channels (`size` of it)
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         h = x.float() * F.silu(z.float())
         t = h.shape[0]
+        if self.across_ranks:  # the mean square over the whole group: its ranks' sums reduced
+            sq = tp_all_reduce(h.square().sum(-1, keepdim=True))
+            h = h * torch.rsqrt(sq / self.group_size + self.eps)
+            return self.weight * h.to(dtype)
         h = torch.rms_norm(h.view(t, -1, self.group_size), (self.group_size,), None, self.eps)
         return self.weight * h.view(t, -1).to(dtype)
 
@@ -88,11 +95,19 @@ class Mamba2Mixer(nn.Module):
         inner = heads * head_dim
         if heads % groups:
             raise ValueError(f"Mamba2: {groups} groups do not divide {heads} heads")
-        check_mixer("Mamba2Mixer", None, tp, mamba_heads=heads, mamba_groups=groups)
+        check_mixer("Mamba2Mixer", None, tp, mamba_heads=heads)
+        # Groups split over the ranks, or (one group) replicated on every rank: then the norm,
+        # whose one group spans every rank's channels, sums its squares across them.
+        if groups % tp and groups != 1:
+            raise ValueError(
+                f"mamba groups ({groups}) must be 1 or divisible by tensor_parallel_size={tp}"
+            )
+        self.replicated_group = groups % tp != 0
         self.state_size = spec.state_size
         self.kernel = spec.conv_kernel
         self.full_heads, self.full_groups, self.full_inner = heads, groups, inner
-        self.num_heads, self.num_groups = heads // tp, groups // tp  # this rank's
+        self.num_heads = heads // tp  # this rank's
+        self.num_groups = 1 if self.replicated_group else groups // tp
         self.head_dim = head_dim
         self.inner = inner // tp
         bc = self.num_groups * self.state_size
@@ -101,7 +116,9 @@ class Mamba2Mixer(nn.Module):
         # in_proj's rows: z | x | B | C | dt (full sizes, each split by heads / groups)
         self.proj_sizes = [inner, inner, gn, gn, heads]
         bias = spec.proj_bias
-        self.in_proj = ColumnParallelLinear(spec.hidden_size, sum(self.proj_sizes), bias=bias)
+        local_rows = 2 * self.inner + 2 * bc + self.num_heads
+        # built whole (tp_size 1) at this rank's size: the loaders pick each segment's rows
+        self.in_proj = ColumnParallelLinear(spec.hidden_size, local_rows, bias, 0, 1)
         self.in_proj.weight.weight_loader = self._load_in_proj
         if bias:
             self.in_proj.bias.weight_loader = self._load_in_proj
@@ -114,7 +131,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         for p in (self.A_log, self.D, self.dt_bias):
             p.weight_loader = self._load_heads
-        self.norm = GroupedGatedRMSNorm(self.inner, inner // groups, spec.eps)
+        self.norm = GroupedGatedRMSNorm(
+            self.inner, inner // groups, spec.eps, across_ranks=self.replicated_group and tp > 1
+        )
         self.norm.weight.weight_loader = self._load_heads
         self.out_proj = RowParallelLinear(inner, spec.hidden_size, bias=bias)
         limit = tuple(spec.dt_limit)
@@ -136,15 +155,23 @@ class Mamba2Mixer(nn.Module):
         )
 
     # ---- weight loading --------------------------------------------------------------------------
+    def _local_rows(self, w: torch.Tensor, sizes: list[int], bc_segments: set[int]) -> torch.Tensor:
+        """This rank's rows of each segment; B / C segments (indices `bc_segments`) whole when
+        their one group is replicated."""
+        parts = []
+        for i, seg in enumerate(w.split(sizes, dim=0)):
+            if i in bc_segments and self.replicated_group:
+                parts.append(seg)
+            else:
+                parts.append(shard_segments(seg, [seg.shape[0]], self.tp_rank, self.tp_size))
+        return torch.cat(parts, dim=0)
+
     def _load_in_proj(self, param, w: torch.Tensor, shard_id=None) -> None:
-        copy_checked(
-            param.data, shard_segments(w, self.proj_sizes, self.tp_rank, self.tp_size), "in_proj"
-        )
+        copy_checked(param.data, self._local_rows(w, self.proj_sizes, {2, 3}), "in_proj")
 
     def _load_conv(self, param, w: torch.Tensor, shard_id=None) -> None:
         gn = self.full_groups * self.state_size
-        sizes = [self.full_inner, gn, gn]
-        copy_checked(param.data, shard_segments(w, sizes, self.tp_rank, self.tp_size), "conv1d")
+        copy_checked(param.data, self._local_rows(w, [self.full_inner, gn, gn], {1, 2}), "conv1d")
 
     def _load_heads(self, param, w: torch.Tensor, shard_id=None) -> None:
         copy_checked(

@@ -288,11 +288,12 @@ def _gated_delta_rule_kernel(
     tl.store(state, s.to(state_ptr.dtype.element_ty), mask=s_ok)
 
 
-def _block_v(dk: int, dv: int) -> int:
-    """Value columns a program holds: the fp32 S tile [next_pow2(Dk), BLOCK_V] at 2048 entries
-    is 64 registers a thread of the program's one warp (16 columns at Dk 128, 8 at 256; about
-    170 registers in all, no spills on sm_90), and 8-16 programs a head at decode."""
-    return max(1, min(next_pow2(dv), 2048 // next_pow2(dk)))
+def _state_tile(split: int, whole: int) -> int:
+    """Of a one-warp program's fp32 state tile [next_pow2(whole), BLOCK], the BLOCK entries of
+    the `split` dim it holds: 2048 entries are 64 registers a thread (16 at a whole dim of 128,
+    8 at 256; about 170 registers in all for the delta rule, no spills on sm_90), and 8-16
+    programs a head at decode. gated_delta_rule splits Dv (whole: Dk), ssd_scan P (whole: N)."""
+    return max(1, min(next_pow2(split), 2048 // next_pow2(whole)))
 
 
 def gated_delta_rule(
@@ -334,7 +335,7 @@ def gated_delta_rule(
     out = torch.empty(num_tokens, num_v_heads, dv, dtype=v.dtype, device=v.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_v = _block_v(dk, dv)
+    block_v = _state_tile(dv, dk)
     grid = (num_seqs, num_v_heads, triton.cdiv(dv, block_v))
     _gated_delta_rule_kernel[grid](
         q,

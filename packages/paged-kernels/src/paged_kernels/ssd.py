@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from paged_kernels._utils import check, next_pow2
-from paged_kernels.linear_attention import _check_batch, _check_floats
+from paged_kernels.linear_attention import _check_batch, _check_floats, _state_tile
 
 
 @triton.jit
@@ -80,12 +80,6 @@ def _ssd_scan_kernel(
     tl.store(state, s.to(state_ptr.dtype.element_ty), mask=s_ok)
 
 
-def _block_p(p: int, n: int) -> int:
-    """Head-dim rows a program holds: as _block_v, the fp32 S tile [BLOCK_P, next_pow2(N)] at
-    2048 entries (16 rows at N 128, 8 at 256), one warp; 4-8 programs a head at P = 64."""
-    return max(1, min(next_pow2(p), 2048 // next_pow2(n)))
-
-
 def ssd_scan(
     x: torch.Tensor,  # [T, H, P]
     dt: torch.Tensor,  # [T, H] float32 step sizes (softplus and bias applied)
@@ -123,7 +117,7 @@ def ssd_scan(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_p = _block_p(head_dim, d_state)
+    block_p = _state_tile(head_dim, d_state)
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_scan_kernel[grid](
         x,

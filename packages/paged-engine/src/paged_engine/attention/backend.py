@@ -48,6 +48,17 @@ class AttentionMetadata:
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
 
+    def state_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_slots, has_initial_state); in a stand-alone forward (memory profiling, where
+        the worker sets neither) sequence i uses row i from a fresh state."""
+        if self.state_slots is not None and self.has_initial_state is not None:
+            return self.state_slots, self.has_initial_state
+        num_seqs, device = self.seq_lens.shape[0], self.seq_lens.device
+        return (
+            torch.arange(num_seqs, dtype=torch.int64, device=device),
+            torch.zeros(num_seqs, dtype=torch.bool, device=device),
+        )
+
 
 class AttentionBackend(ABC):
     """Contract: `write_kv` stores the step's K/V at `slot_mapping` (skipping slot -1) before

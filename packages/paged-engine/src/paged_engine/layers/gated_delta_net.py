@@ -205,11 +205,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:  # [T, D] -> [T, D]
         assert self.conv_state is not None and self.ssm_state is not None, "allocate_state() first"
         t = x.shape[0]
-        slots, has_state = md.state_slots, md.has_initial_state
-        if slots is None:  # a stand-alone forward (memory profiling): rows 0.., fresh states
-            num_seqs = md.seq_lens.shape[0]
-            slots = torch.arange(num_seqs, dtype=torch.int64, device=x.device)
-            has_state = torch.zeros(num_seqs, dtype=torch.bool, device=x.device)
+        slots, has_state = md.state_rows()
         mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self.num_v, self.num_v], dim=-1)
         backend = md.backend

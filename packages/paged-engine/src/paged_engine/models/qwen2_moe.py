@@ -68,11 +68,17 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     @classmethod
     def sparse_block(cls, config) -> nn.Module:
-        return SharedExpertMoeBlock(
-            num_experts(config),
-            config.num_experts_per_tok,
-            config.hidden_size,
-            config.moe_intermediate_size,
-            config.shared_expert_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-        )
+        return shared_expert_block(config, renormalize_default=False)
+
+
+def shared_expert_block(config, renormalize_default: bool) -> SharedExpertMoeBlock:
+    """The block of a Qwen2-MoE-style config (also Qwen3-Next / Qwen3.5-MoE's); `norm_topk_prob`
+    decides the renormalization, `renormalize_default` where the config has none."""
+    return SharedExpertMoeBlock(
+        num_experts(config),
+        config.num_experts_per_tok,
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.shared_expert_intermediate_size,
+        renormalize=bool(getattr(config, "norm_topk_prob", renormalize_default)),
+    )

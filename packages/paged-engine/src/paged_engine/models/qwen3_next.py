@@ -32,7 +32,7 @@ from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.hybrid import LINEAR_LAYER_TYPES, HybridModel, layer_types
 from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP, llama_head_dim
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
-from paged_engine.models.qwen2_moe import SharedExpertMoeBlock
+from paged_engine.models.qwen2_moe import shared_expert_block
 from paged_engine.models.qwen3_moe import is_sparse_layer
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
@@ -106,14 +106,8 @@ def _dense_mlp(config, layer_idx: int) -> nn.Module:
 def _moe_mlp(config, layer_idx: int) -> nn.Module:
     if not is_sparse_layer(config, layer_idx):
         return LlamaMLP(config, bias=False)
-    return SharedExpertMoeBlock(
-        num_experts(config),
-        config.num_experts_per_tok,
-        config.hidden_size,
-        config.moe_intermediate_size,
-        config.shared_expert_intermediate_size,
-        renormalize=bool(getattr(config, "norm_topk_prob", True)),
-    )
+    # Qwen3.5-MoE's router always renormalizes; its config has no norm_topk_prob
+    return shared_expert_block(config, renormalize_default=True)
 
 
 class Qwen3_5ForCausalLM(CausalLMBase):

@@ -11,8 +11,10 @@ state chunk is 64), whole and in prefill chunks of 16. Each fork (n > 1) and bea
 its parent's state: n greedy samples equal the single greedy output, sampled continuations'
 logprobs equal a fresh forward over prompt + continuation, and beam search gives HF's beams.
 Preemption by recompute (with n > 1 requests, which share their prefix again, state included)
-and async scheduling change no output; TP=2 gives the one-process results. What a hybrid model
-cannot combine with is refused, naming the option.
+and async scheduling change no output; TP=2 gives the one-process results. Prefix caching
+resumes from state snapshots (a shared system prompt from its third request on, a repeated
+prompt, the next turn of a chat) with the outputs of an engine without it, also when snapshots
+are evicted. What a hybrid model cannot combine with is refused, naming the option.
 """
 
 from __future__ import annotations
@@ -81,6 +83,21 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
+def _mixed_params(count: int, max_tokens: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling; n = 3 requests fork (and, preempted, share their prefix
+    again)."""
+    return [
+        SamplingParams(
+            temperature=1.0 if i % 2 == 0 else 0,
+            seed=i,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            n=3 if i % 3 == 0 else 1,
+        )
+        for i in range(count)
+    ]
+
+
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
     cache = {}
@@ -120,7 +137,8 @@ def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs)
     refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw)
-    assert llm.llm_engine.config.enable_prefix_caching is False  # turned off for hybrids
+    config = llm.llm_engine.config
+    assert config.enable_prefix_caching and config.prefix_state_snapshots == config.max_num_seqs
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
     outs = llm.generate(_requests(prompts), params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
@@ -183,17 +201,7 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
     reqs = _requests(
         [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
     )
-    # greedy and seeded sampling; n = 3 requests fork (and, preempted, share their prefix again)
-    params = [
-        SamplingParams(
-            temperature=1.0 if i % 2 == 0 else 0,
-            seed=i,
-            max_tokens=30,
-            ignore_eos=True,
-            n=3 if i % 3 == 0 else 1,
-        )
-        for i in range(len(reqs))
-    ]
+    params = _mixed_params(len(reqs), 30)
 
     def run(**kw):
         llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
@@ -211,6 +219,115 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
         assert scheduler.num_preemptions > 0 and scheduler.num_swap_preemptions == 0
         assert got == want
         assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
+
+
+def _chat_workload(llm: LLM, params: SamplingParams) -> list:
+    """One request at a time: a system prompt with four user messages (the second request
+    leaves a snapshot where the prompts diverge, the next ones resume there), the first prompt
+    again, and the first conversation's next turn."""
+    rng = random.Random(3)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] for n in (13, 7, 21, 5)]
+    prompts.append(prompts[0])
+    outs = []
+    for prompt in prompts:
+        outs += llm.generate(_requests([prompt]), params, use_tqdm=False)
+    turn = prompts[0] + list(outs[0].outputs[0].token_ids) + [7, 8, 9]
+    return outs + llm.generate(_requests([turn]), params, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "kw", "hits"),
+    [
+        # block_size 16: the system prompt's 2 full blocks, then the first prompt's 3
+        ("qwen3_5", {}, [0, 0, 32, 32, 48, 48]),
+        ("nemotron_h", {}, [0, 0, 32, 32, 48, 48]),
+        # async scheduling (the snapshot copy runs a step later); prompts in one step each
+        ("qwen3_5", {"async_scheduling": True, "enable_chunked_prefill": False}, None),
+        # one snapshot row: each new one evicts the last (the third prompt's end evicts the
+        # system prompt's, which the fourth takes again)
+        ("qwen3_5", {"prefix_state_snapshots": 1}, [0, 0, 32, 0, 32, 48]),
+    ],
+)
+def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
+    path = str(hybrid_dirs(name))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
+    plain = LLM(model=path, dtype="float32", max_model_len=256, prefix_state_snapshots=0)
+    assert plain.llm_engine.config.enable_prefix_caching is False
+    want = _chat_workload(plain, params)
+    llm = LLM(model=path, dtype="float32", max_model_len=256, **kw)
+    got = _chat_workload(llm, params)
+    slots = llm.llm_engine.scheduler.state_slots
+    assert [o.num_cached_tokens for o in got] == (hits or [0, 0, 32, 32, 48, 48])
+    assert slots.snapshot_hits == sum(map(bool, hits or [1] * 4))
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, i
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys(), i
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4, i
+    assert slots.num_free == slots.num_slots
+    assert llm.llm_engine.reset_prefix_cache() and slots.num_cached_snapshots == 0
+
+
+def test_prefix_cache_with_preemption_and_async_scheduling(hybrid_dirs):
+    """Requests sharing a system prompt, in waves (later waves resume from earlier snapshots),
+    greedy and sampled, n = 3 among them, under preemption and async scheduling: the outputs
+    of an engine without prefix caching, and no state row leaked."""
+    path = str(hybrid_dirs("qwen3_next"))
+    rng = random.Random(0)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [
+        system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(14)
+    ]
+    params = _mixed_params(len(prompts), 20)
+
+    def run(**kw):
+        llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
+        outs = []
+        for lo in range(0, len(prompts), 7):
+            wave = slice(lo, lo + 7)
+            outs += llm.generate(_requests(prompts[wave]), params[wave], use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
+
+    want, _ = run(prefix_state_snapshots=0)
+    for async_scheduling in (False, True):
+        got, scheduler = run(
+            num_gpu_blocks_override=24,
+            max_num_batched_tokens=32,
+            async_scheduling=async_scheduling,
+        )
+        slots = scheduler.state_slots
+        assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
+        assert got == want
+        assert slots.num_free == slots.num_slots
+
+
+def test_state_snapshots_register_a_step_late_and_evict_lru():
+    slots = StateSlots(2, num_snapshots=2)
+    seat = slots.allocate()
+    key = (11, None, (1, 2))
+    slots.snapshot(seat, key)  # taken when the step reaching the boundary was emitted
+    assert slots.lookup(key) is None  # not before its copy runs
+    assert slots.take_copies() == [(seat, 2)]  # with the next step, into the first free row
+    assert slots.lookup(key) == 2 and slots.lookup((11, 5, (1, 2))) is None  # parent checked
+    slots.snapshot(seat, (12, 11, (3,)))
+    slots.snapshot(seat, (11, None, (1, 2)))  # already kept: no copy
+    assert slots.take_copies() == [(seat, 3)]
+    assert slots.lookup(key) == 2  # now the most recently used: row 3 goes first
+    other = slots.allocate()
+    slots.copy(2, other)  # a hit reading row 2 in the step that evicts it (reads come first)
+    slots.snapshot(seat, (13, 12, (4,)))
+    slots.snapshot(other, (14, 12, (5,)))
+    assert slots.take_copies() == [(2, other), (seat, 3), (other, 2)]
+    assert slots.lookup(key) is None and slots.lookup((12, 11, (3,))) is None
+    assert slots.lookup((13, 12, (4,))) == 3 and slots.lookup((14, 12, (5,))) == 2
+    slots.reset_snapshots()
+    assert slots.num_cached_snapshots == 0 and slots.lookup(key) is None
+    one = StateSlots(2, num_snapshots=1)
+    one.snapshot(0, (1, None, (1,)))
+    one.snapshot(1, (2, None, (2,)))  # no second row: one batch writes a row once
+    assert one.take_copies() == [(0, 2)] and one.lookup((1, None, (1,))) == 2
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe", "granitemoehybrid-dense"])
@@ -242,6 +359,8 @@ def test_ssm_cache_dtype(hybrid_dirs, tmp_path):
     path = str(hybrid_dirs("qwen3_5"))
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         LLM(model=path, mamba_ssm_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="prefix_state_snapshots"):
+        LLM(model=path, prefix_state_snapshots=-1)
 
     def state_dtypes(model, **kw):
         llm = LLM(model=model, dtype="bfloat16", max_model_len=128, **kw)
@@ -277,7 +396,8 @@ def test_state_slots_drop_copies_into_freed_slots():
 def test_state_pool_refuses_a_stale_continuation(hybrid_dirs):
     llm = LLM(model=str(hybrid_dirs("qwen3_5")), dtype="float32", max_model_len=128)
     pool: RecurrentStatePool = llm.llm_engine.model_runner.states
-    assert pool.scratch_row == llm.llm_engine.config.max_num_seqs
+    config = llm.llm_engine.config
+    assert pool.scratch_row == config.max_num_seqs + config.prefix_state_snapshots
     rows = np.array([0, 1])
     pool.advance(rows, np.array([0, 0]), np.array([5, 3]))
     pool.copy_rows([(0, 2)])
@@ -287,7 +407,7 @@ def test_state_pool_refuses_a_stale_continuation(hybrid_dirs):
 
 
 def test_too_small_a_cache_names_the_state_seats(hybrid_dirs):
-    with pytest.raises(ValueError, match=r"lower max_num_seqs .* MiB of recurrent state"):
+    with pytest.raises(ValueError, match=r"lower max_num_seqs or prefix_state_snapshots .* MiB"):
         LLM(
             model=str(hybrid_dirs("qwen3_5")),
             dtype="float32",

@@ -1,7 +1,7 @@
 """paged-server's engine options reach the engine config: the CPU ones (--quantization,
 --batch-invariant, --cpu-num-threads, -O / --compilation-config), --generation-config,
---override-generation-config, --scheduling-policy and --mamba-ssm-cache-dtype (the engine
-validates them)."""
+--override-generation-config, --scheduling-policy, --mamba-ssm-cache-dtype and
+--prefix-state-snapshots (the engine validates them)."""
 
 from __future__ import annotations
 
@@ -91,3 +91,10 @@ def test_mamba_ssm_cache_dtype(monkeypatch):
     assert config.mamba_ssm_cache_dtype == "float32"
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         engine_config(monkeypatch, ["--mamba-ssm-cache-dtype", "fp8"])
+
+
+def test_prefix_state_snapshots(monkeypatch):
+    assert engine_config(monkeypatch, []).prefix_state_snapshots is None
+    assert engine_config(monkeypatch, ["--prefix-state-snapshots", "8"]).prefix_state_snapshots == 8
+    with pytest.raises(ValueError, match="prefix_state_snapshots"):
+        engine_config(monkeypatch, ["--prefix-state-snapshots", "-1"])

@@ -84,6 +84,9 @@ class EngineConfig:
     # Hybrid models (worker/recurrent_state.py): the linear-attention layers' recurrent matrices'
     # dtype ("auto": the checkpoint config's mamba_ssm_dtype if it names one, else the model's).
     mamba_ssm_cache_dtype: str = "auto"
+    # ... and their prefix caching: state snapshots kept at block boundaries (core/state_slots.py),
+    # rows of state beside the max_num_seqs seats (None: max_num_seqs; 0: prefix caching off).
+    prefix_state_snapshots: int | None = None
     preemption_mode: str | None = None
     swap_space: float = 0.0
     cpu_offload_gib: float = 0.0
@@ -169,6 +172,13 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")
+        _check(
+            self.prefix_state_snapshots is None
+            or (_is_int(self.prefix_state_snapshots) and self.prefix_state_snapshots >= 0),
+            "prefix_state_snapshots",
+            self.prefix_state_snapshots,
+            "None (max_num_seqs) or an int >= 0",
+        )
         _check(
             self.async_scheduling is None or isinstance(self.async_scheduling, bool),
             "async_scheduling",

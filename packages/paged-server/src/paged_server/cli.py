@@ -65,6 +65,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        prefix_state_snapshots=args.prefix_state_snapshots,
         swap_space=args.swap_space,
         preemption_mode=args.preemption_mode,
         cpu_offload_gib=args.cpu_offload_gib,

@@ -210,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="hybrid models' recurrent state: auto (the config's mamba_ssm_dtype, else the "
         "model dtype), float32, float16, bfloat16",
     )
+    p.add_argument(
+        "--prefix-state-snapshots",
+        type=int,
+        default=None,
+        help="hybrid models' prefix caching: state snapshots kept (default: max-num-seqs; 0: "
+        "prefix caching off)",
+    )
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")
     p.add_argument("--cpu-offload-gib", type=float, default=0.0, help="prefix cache CPU tier")

@@ -183,6 +183,28 @@ class BlockManager:
         self.prefix_cache_hits += num_cached
         return num_cached
 
+    def block_key(self, seq: Sequence, i: int) -> tuple[int, int | None, tuple[int, ...]]:
+        """(hash, parent hash, tokens) of full block i of the sequence's tokens."""
+        while len(seq.block_hashes) < i:
+            self._block_key(seq, len(seq.block_hashes))
+        return self._block_key(seq, i)
+
+    def drop_computed_blocks(self, seq: Sequence, num_blocks: int) -> None:
+        """Keep only the first `num_blocks` blocks of an admission's prefix-cache hit (a hybrid
+        model resumes only where a state snapshot exists); the rest is computed again."""
+        table = seq.block_ids
+        assert num_blocks <= len(table) and seq.num_computed_tokens == len(table) * self.block_size
+        dropped = (len(table) - num_blocks) * self.block_size
+        blocks, pool = self._blocks, self.pool
+        for block_id in reversed(table[num_blocks:]):
+            pool.free_block(blocks[block_id])
+        self._num_table_blocks -= len(table) - num_blocks
+        del table[num_blocks:]
+        seq.num_registered_blocks = num_blocks
+        seq.num_computed_tokens -= dropped
+        seq.num_cached_tokens -= dropped
+        self.prefix_cache_hits -= dropped
+
     def undo_computed_blocks(self, seq: Sequence) -> None:
         """Roll back an admission that failed after `get_computed_blocks` (and maybe
         `allocate_slots`): frees the blocks and un-counts the prefix-cache query."""

@@ -86,6 +86,9 @@ class Sequence:
     in_worker: bool = False
     num_synced_blocks: int = 0
     state_slot: int = -1  # hybrid models: its recurrent-state row (core/state_slots.py)
+    # Hybrid models with prefix caching: block boundaries (ascending, past num_computed_tokens)
+    # where a step must end so that the state there is kept as a snapshot.
+    state_checkpoints: list[int] = field(default_factory=list, repr=False)
     cumulative_logprob: float = 0.0  # beam search score (raw logprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

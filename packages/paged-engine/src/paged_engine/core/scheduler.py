@@ -178,13 +178,17 @@ class Scheduler:
         """Free the sequence's blocks (and recurrent state); the worker drops it with the next
         step."""
         self.block_manager.free(seq)
+        self._release_state(seq)
+        if seq.in_worker:
+            seq.in_worker = False
+            self._finished_seq_ids.append(seq.seq_id)
+
+    def _release_state(self, seq: Sequence) -> None:
         if seq.state_slot >= 0:
             assert self.state_slots is not None
             self.state_slots.free(seq.state_slot)
             seq.state_slot = -1
-        if seq.in_worker:
-            seq.in_worker = False
-            self._finished_seq_ids.append(seq.seq_id)
+        seq.state_checkpoints = []
 
     def free_seq(
         self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None
@@ -363,6 +367,8 @@ class Scheduler:
                 n = num_tokens - seq.num_computed_tokens
                 if n > budget:
                     n = budget if self._may_split(n) else 0
+                if seq.state_checkpoints:  # end this step where a state snapshot is due
+                    n = min(n, seq.state_checkpoints[0] - seq.num_computed_tokens)
                 if n > 0:
                     assert num_tokens <= max_len, "the engine finishes at max_model_len"
                     if planner is not None and n == 1 and not seq.num_pending:
@@ -435,18 +441,20 @@ class Scheduler:
                 budget -= sum(n for _, n in plan)
                 scheduled_reqs.append(req)
                 continue
-            if req.use_prefix_cache:
-                for seq in seqs:
-                    bm.get_computed_blocks(seq)
+            counted = req.use_prefix_cache and self._computed_blocks(seqs)
             plan = self._reshare_plan(req, seqs, budget)
             if plan is None:
                 plan = plan_tokens(seqs, budget, self._may_split)
+                if plan and seqs[0].state_checkpoints:  # one sequence (_computed_blocks)
+                    seq, n = plan[0]
+                    plan = [(seq, min(n, seq.state_checkpoints[0] - seq.num_computed_tokens))]
             if not plan or not all(allocate(seq, n) for seq, n in plan):
                 for seq in seqs:  # roll back: blocks taken and prefix-cache stats counted
-                    if req.use_prefix_cache:
+                    if counted:
                         bm.undo_computed_blocks(seq)
                     else:
                         bm.free(seq)
+                    self._release_state(seq)
                 break
             self._admit(req, seqs)
             if adapters is not None and req.lora_id:
@@ -468,6 +476,39 @@ class Scheduler:
                 culprits,
             )
         return self._emit(planned, scheduled_reqs)
+
+    def _computed_blocks(self, seqs: list[Sequence]) -> bool:
+        """Admission's prefix-cache hit for each sequence (blocks taken, num_computed_tokens
+        set). Returns whether the lookup counted in the cache's stats.
+
+        A hybrid model resumes only at the deepest hit block with a state snapshot (the rest of
+        the hit is computed again; its state comes from a copy of the snapshot), and sets the
+        block boundaries where snapshots are wanted for the requests to come: where the KV hit
+        ends (a shared prefix, e.g. a system prompt, that has no snapshot yet) and the last full
+        block of its tokens (the next turn of a chat resumes there). A forked request recomputed
+        after preemption takes no hit: `reshare_plan` shares its prefix."""
+        bm, slots = self.block_manager, self.state_slots
+        if slots is None:
+            for seq in seqs:
+                bm.get_computed_blocks(seq)
+            return True
+        if len(seqs) > 1:
+            return False
+        seq = seqs[0]
+        bs = bm.block_size
+        num_hit = bm.get_computed_blocks(seq) // bs
+        num, row = num_hit, None
+        while num and (row := slots.lookup(bm.block_key(seq, num - 1))) is None:
+            num -= 1
+        if num < num_hit:
+            bm.drop_computed_blocks(seq, num)
+        if row is not None:
+            seq.state_slot = slots.allocate()
+            slots.copy(row, seq.state_slot)
+            slots.snapshot_hits += 1
+        marks = {num_hit * bs, seq.num_tokens // bs * bs}
+        seq.state_checkpoints = sorted(m for m in marks if m > num * bs)
+        return True
 
     def _with_drafts(
         self, req: Request, plan: list[tuple[Sequence, int]], budget: int
@@ -521,6 +562,9 @@ class Scheduler:
                 req.first_scheduled_time = now
         seq_ids, num_new, starts = out.seq_ids, out.num_new_tokens, out.start_positions
         sample_rows, updates = out.sample_rows, out.block_updates
+        bs = self.block_manager.block_size
+        if self.state_slots is not None:  # first: the snapshots this step takes run with the next
+            out.state_copies = self.state_slots.take_copies()
         for row, (seq, n) in enumerate(planned):
             start = seq.num_computed_tokens
             seq_ids.append(seq.seq_id)
@@ -538,9 +582,16 @@ class Scheduler:
                     out.num_samples[seq.seq_id] = req.max_live_seqs
                 seq.num_pending += 1
             table = seq.block_ids
-            if self.state_slots is not None and seq.state_slot < 0:
-                assert start == 0, "a sequence with computed tokens and no recurrent state"
-                seq.state_slot = self.state_slots.allocate()
+            if self.state_slots is not None:
+                if seq.state_slot < 0:
+                    assert start == 0, "a sequence with computed tokens and no recurrent state"
+                    seq.state_slot = self.state_slots.allocate()
+                marks = seq.state_checkpoints
+                if marks and marks[0] <= seq.num_computed_tokens:
+                    if marks[0] == seq.num_computed_tokens:
+                        key = self.block_manager.block_key(seq, marks[0] // bs - 1)
+                        self.state_slots.snapshot(seq.state_slot, key)
+                    seq.state_checkpoints = [m for m in marks if m > seq.num_computed_tokens]
             if not seq.in_worker:
                 out.new_seqs.append(self._new_seq_data(seq))
                 seq.in_worker = True
@@ -553,9 +604,6 @@ class Scheduler:
         bm = self.block_manager
         out.blocks_to_copy = bm.take_blocks_to_copy()
         out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
-        if self.state_slots is not None:
-            out.state_copies = self.state_slots.take_copies()
-        bs = bm.block_size
         self.step_seqs[out.step_id] = (
             [seq for seq, _ in planned if seq.num_computed_tokens // bs > seq.num_registered_blocks]
             if bm.enable_prefix_caching

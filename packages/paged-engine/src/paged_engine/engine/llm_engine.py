@@ -134,8 +134,8 @@ class LLMEngine:
             seats = (
                 ""
                 if states is None
-                else f", or lower max_num_seqs (each seat holds {states.nbytes_per_row / 2**20:.1f}"
-                " MiB of recurrent state)"
+                else f", or lower max_num_seqs or prefix_state_snapshots (each seat and snapshot"
+                f" holds {states.nbytes_per_row / 2**20:.1f} MiB of recurrent state)"
             )
             raise ValueError(
                 f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
@@ -176,7 +176,11 @@ class LLMEngine:
             preemption_mode=config.preemption_mode if config.swap_space else "recompute",
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
-            state_slots=StateSlots(config.max_num_seqs) if is_hybrid(self.hf_config) else None,
+            state_slots=(
+                StateSlots(config.max_num_seqs, config.prefix_state_snapshots or 0)
+                if is_hybrid(self.hf_config)
+                else None
+            ),
         )
         self.lora_registry = None
         if config.enable_lora:
@@ -312,6 +316,8 @@ class LLMEngine:
         if self.scheduler.has_unfinished_requests():
             return False
         self.block_manager.reset_prefix_cache()
+        if self.scheduler.state_slots is not None:
+            self.scheduler.state_slots.reset_snapshots()
         return True
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------

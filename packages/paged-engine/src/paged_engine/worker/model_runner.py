@@ -100,13 +100,14 @@ class ModelRunner:
         # enable_lora: adapter slots and each row's slot (set by the worker; lora/manager.py).
         self.lora: LoRAManager | None = None
         # Hybrid models: the linear-attention layers' state pools, allocated before the KV cache
-        # is sized (one row per state slot, core/state_slots.py, plus a scratch row).
+        # is sized (a row per seat and per prefix-cache snapshot, core/state_slots.py, plus a
+        # scratch row).
         self.states: RecurrentStatePool | None = None
         if is_hybrid(hf_config):
             dtype = _model_dtype(model)
             self.states = RecurrentStatePool(
                 model,
-                config.max_num_seqs,
+                config.max_num_seqs + (config.prefix_state_snapshots or 0),
                 dtype,
                 resolve_ssm_dtype(config.mamba_ssm_cache_dtype, dtype, hf_config),
                 device,

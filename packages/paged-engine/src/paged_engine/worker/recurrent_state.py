@@ -14,10 +14,13 @@ recomputed after preemption) names the sequence whose state it continues
 (`NewSeqData.state_from`), and `copy_rows` copies those rows before the step's forward (and
 before the step drops any sequence: the source may be leaving).
 
-What the engine gives up for it (`hybrid_engine_config`): prefix caching (a cached block has no
-state to go with it), swap preemption and the CPU offload tier (the state is not in blocks),
-speculative decoding (a rejected draft cannot be taken back out of the state), pipeline
-parallelism, LoRA and batch-invariant mode.
+Prefix caching keeps snapshots of the state at chosen block boundaries in rows of their own,
+after the seats (core/state_slots.py has the row layout and the rules); a copy of a snapshot
+into a seat resumes a prefix-cache hit there.
+
+What the engine gives up for it (`hybrid_engine_config`): swap preemption and the CPU offload
+tier (the state is not in blocks), speculative decoding (a rejected draft cannot be taken back
+out of the state), pipeline parallelism, LoRA and batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -61,9 +64,13 @@ def hybrid_engine_config(config, hf_config) -> None:
                 f"{what} is not supported for hybrid linear-attention models ({arch}): their "
                 "per-sequence recurrent state is not held in KV blocks"
             )
-    if config.enable_prefix_caching:
-        logger.info("%s is a hybrid linear-attention model: prefix caching is off", arch)
+    if config.prefix_state_snapshots is None:
+        config.prefix_state_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+    elif not config.prefix_state_snapshots and config.enable_prefix_caching:
+        logger.info("%s: prefix caching is off (prefix_state_snapshots=0)", arch)
         config.enable_prefix_caching = False
+    if not config.enable_prefix_caching:
+        config.prefix_state_snapshots = 0
     if config.swap_space:
         logger.info("%s is a hybrid linear-attention model: swap_space is unused", arch)
         config.swap_space = 0.0

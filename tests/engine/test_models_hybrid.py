@@ -30,6 +30,7 @@ from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greed
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.core.state_slots import StateSlots
 from paged_engine.testing import write_tiny_model
+from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.recurrent_state import RecurrentStatePool
 
 transformers = pytest.importorskip("transformers")
@@ -296,11 +297,37 @@ def test_prefix_cache_with_preemption_and_async_scheduling(hybrid_dirs):
             num_gpu_blocks_override=24,
             max_num_batched_tokens=32,
             async_scheduling=async_scheduling,
+            prefix_state_snapshots=8,  # auto would fit none in 24 blocks
         )
         slots = scheduler.state_slots
         assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
         assert got == want
         assert slots.num_free == slots.num_slots
+
+
+def test_state_snapshots_take_their_memory_from_the_kv_cache(hybrid_dirs):
+    path = str(hybrid_dirs("qwen3_5"))
+    kw = {"dtype": "float32", "max_model_len": 128, "cpu_kv_cache_gib": 0.01}
+    plain = LLM(model=path, prefix_state_snapshots=0, **kw)
+    row = plain.llm_engine.model_runner.states.nbytes_per_row
+    blocks = plain.llm_engine.num_blocks  # the whole budget: no snapshot
+    block = CacheEngine.bytes_per_block(plain.llm_engine.hf_config, 16, torch.float32)
+    assert blocks == int((1 << 30) * 0.01) // block
+    for asked, want in ((None, int(0.1 * blocks * block // row)), (3, 3)):
+        # auto: a tenth of the KV cache's memory (fewer than max_num_seqs at this budget)
+        engine = LLM(model=path, prefix_state_snapshots=asked, **kw).llm_engine
+        assert 0 < want < engine.config.max_num_seqs
+        assert engine.config.prefix_state_snapshots == want
+        assert engine.scheduler.state_slots.num_snapshots == want
+        assert engine.model_runner.states.scratch_row == engine.config.max_num_seqs + want
+        assert engine.num_blocks == blocks - -(-want * row // block)
+    # under num_gpu_blocks_override the blocks stay as told
+    engine = LLM(model=path, dtype="float32", max_model_len=128, num_gpu_blocks_override=40)
+    assert engine.llm_engine.num_blocks == 40
+    # a snapshot larger than a tenth of the KV cache: prefix caching off
+    kw["cpu_kv_cache_gib"] = 40 * block / 2**30
+    config = LLM(model=path, **kw).llm_engine.config
+    assert not config.enable_prefix_caching and config.prefix_state_snapshots == 0
 
 
 def test_state_snapshots_register_a_step_late_and_evict_lru():

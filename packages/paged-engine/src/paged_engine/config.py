@@ -85,7 +85,8 @@ class EngineConfig:
     # dtype ("auto": the checkpoint config's mamba_ssm_dtype if it names one, else the model's).
     mamba_ssm_cache_dtype: str = "auto"
     # ... and their prefix caching: state snapshots kept at block boundaries (core/state_slots.py),
-    # rows of state beside the max_num_seqs seats (None: max_num_seqs; 0: prefix caching off).
+    # their memory taken from the KV cache's (None: as many as fit in a tenth of it, at most
+    # max_num_seqs; 0: prefix caching off).
     prefix_state_snapshots: int | None = None
     preemption_mode: str | None = None
     swap_space: float = 0.0
@@ -177,7 +178,7 @@ class EngineConfig:
             or (_is_int(self.prefix_state_snapshots) and self.prefix_state_snapshots >= 0),
             "prefix_state_snapshots",
             self.prefix_state_snapshots,
-            "None (max_num_seqs) or an int >= 0",
+            "None (auto) or an int >= 0",
         )
         _check(
             self.async_scheduling is None or isinstance(self.async_scheduling, bool),

@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-state-snapshots",
         type=int,
         default=None,
-        help="hybrid models' prefix caching: state snapshots kept (default: max-num-seqs; 0: "
-        "prefix caching off)",
+        help="hybrid models' prefix caching: state snapshots kept, out of the KV cache's memory "
+        "(default: as many as fit in a tenth of it, at most max-num-seqs; 0: prefix caching off)",
     )
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap for preemption")
     p.add_argument("--preemption-mode", default=None, help="recompute or swap (default: by cost)")

@@ -47,8 +47,12 @@ from paged_engine.spec_decode.draft_loader import check_draft_model
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
-from paged_engine.worker.cache_engine import num_cpu_blocks
-from paged_engine.worker.recurrent_state import hybrid_engine_config, is_hybrid
+from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks
+from paged_engine.worker.recurrent_state import (
+    fit_state_snapshots,
+    hybrid_engine_config,
+    is_hybrid,
+)
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
@@ -128,9 +132,14 @@ class LLMEngine:
             config.async_scheduling = auto_async_scheduling(self.device) and not sync
         logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
+        states = worker.model_runner.states
+        if states is not None:  # the prefix cache's state snapshots share the KV cache's memory
+            block_bytes = CacheEngine.bytes_per_block(
+                self.hf_config, config.block_size, worker.model_runner.kv_cache_dtype
+            )
+            num_blocks = fit_state_snapshots(config, num_blocks, block_bytes, states.nbytes_per_row)
         usable = num_blocks - 1  # block 0 is the null block
         if usable * config.block_size < config.max_model_len:
-            states = worker.model_runner.states
             seats = (
                 ""
                 if states is None
@@ -150,7 +159,7 @@ class LLMEngine:
             num_blocks * config.block_size,
             "" if self.device.type != "cuda" or config.enforce_eager else " (then CUDA graphs)",
         )
-        self.executor.initialize_cache(num_blocks)
+        self.executor.initialize_cache(num_blocks, config.prefix_state_snapshots or 0)
         self.num_blocks = num_blocks
         cpu_gib = config.swap_space + config.cpu_offload_gib
         kv_dtype = worker.model_runner.kv_cache_dtype

@@ -33,7 +33,8 @@ class Executor(ABC):
         """KV blocks every worker can hold (the minimum over workers)."""
 
     @abstractmethod
-    def initialize_cache(self, num_blocks: int) -> None: ...
+    def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        """The KV cache of `num_blocks` blocks, and a hybrid model's state snapshot rows."""
 
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle: ...

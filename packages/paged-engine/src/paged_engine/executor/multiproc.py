@@ -134,8 +134,8 @@ class MultiprocExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self._call("determine_num_blocks")
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call("initialize_cache", num_blocks)
+    def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        self._call("initialize_cache", num_blocks, num_state_snapshots)
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         return _GuardedHandle(self._call("execute_model", sched), self)

@@ -55,8 +55,8 @@ class UniprocExecutor(Executor):
     def determine_num_blocks(self) -> int:
         return self._call(self.worker.determine_num_blocks)
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self._call(self.worker.initialize_cache, num_blocks)
+    def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        self._call(self.worker.initialize_cache, num_blocks, num_state_snapshots)
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         if self._thread is None:

@@ -99,22 +99,25 @@ class ModelRunner:
         self.draft: DraftModelRunner | None = None
         # enable_lora: adapter slots and each row's slot (set by the worker; lora/manager.py).
         self.lora: LoRAManager | None = None
-        # Hybrid models: the linear-attention layers' state pools, allocated before the KV cache
-        # is sized (a row per seat and per prefix-cache snapshot, core/state_slots.py, plus a
-        # scratch row).
+        # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
+        # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
+        # (core/state_slots.py has the layout), plus a scratch row.
         self.states: RecurrentStatePool | None = None
         if is_hybrid(hf_config):
             dtype = _model_dtype(model)
             self.states = RecurrentStatePool(
                 model,
-                config.max_num_seqs + (config.prefix_state_snapshots or 0),
+                config.max_num_seqs,
                 dtype,
                 resolve_ssm_dtype(config.mamba_ssm_cache_dtype, dtype, hf_config),
                 device,
             )
 
     # ---- KV cache -------------------------------------------------------------------------------
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        if num_state_snapshots:
+            assert self.states is not None
+            self.states.resize(self.config.max_num_seqs + num_state_snapshots)
         cpu_blocks = num_cpu_blocks(
             self.hf_config,
             self.block_size,

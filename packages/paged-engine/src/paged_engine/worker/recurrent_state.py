@@ -33,7 +33,13 @@ from torch import nn
 
 from paged_engine.models.hybrid import is_hybrid
 
-__all__ = ["RecurrentStatePool", "hybrid_engine_config", "is_hybrid", "resolve_ssm_dtype"]
+__all__ = [
+    "RecurrentStatePool",
+    "fit_state_snapshots",
+    "hybrid_engine_config",
+    "is_hybrid",
+    "resolve_ssm_dtype",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +70,7 @@ def hybrid_engine_config(config, hf_config) -> None:
                 f"{what} is not supported for hybrid linear-attention models ({arch}): their "
                 "per-sequence recurrent state is not held in KV blocks"
             )
-    if config.prefix_state_snapshots is None:
-        config.prefix_state_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
-    elif not config.prefix_state_snapshots and config.enable_prefix_caching:
+    if config.prefix_state_snapshots == 0 and config.enable_prefix_caching:
         logger.info("%s: prefix caching is off (prefix_state_snapshots=0)", arch)
         config.enable_prefix_caching = False
     if not config.enable_prefix_caching:
@@ -75,6 +79,35 @@ def hybrid_engine_config(config, hf_config) -> None:
         logger.info("%s is a hybrid linear-attention model: swap_space is unused", arch)
         config.swap_space = 0.0
     config.preemption_mode = "recompute"
+
+
+# Unless told how many, state snapshots take at most this share of the KV cache's memory.
+SNAPSHOT_SHARE = 0.1
+
+
+def fit_state_snapshots(config, num_blocks: int, block_bytes: int, row_bytes: int) -> int:
+    """Sets `config.prefix_state_snapshots` (None: as many as fit in SNAPSHOT_SHARE of the
+    `num_blocks` KV blocks' memory, at most max_num_seqs) and returns the KV blocks left once
+    the snapshots' memory comes out of them (all of them under num_gpu_blocks_override, which
+    fixes the block count). No snapshot fits: prefix caching is off."""
+    if not config.enable_prefix_caching:
+        config.prefix_state_snapshots = 0
+        return num_blocks
+    if config.prefix_state_snapshots is None:
+        fit = int(SNAPSHOT_SHARE * num_blocks * block_bytes // row_bytes)
+        config.prefix_state_snapshots = min(config.max_num_seqs, fit)
+        if not fit:
+            logger.info(
+                "prefix caching is off: a recurrent-state snapshot (%.1f MiB) is more than %d%% "
+                "of the KV cache (set prefix_state_snapshots to keep some anyway)",
+                row_bytes / 2**20,
+                round(100 * SNAPSHOT_SHARE),
+            )
+            config.enable_prefix_caching = False
+            return num_blocks
+    if config.num_gpu_blocks_override is not None:
+        return num_blocks
+    return num_blocks - -(-config.prefix_state_snapshots * row_bytes // block_bytes)
 
 
 def resolve_ssm_dtype(name: str, model_dtype: torch.dtype, hf_config) -> torch.dtype:
@@ -105,10 +138,17 @@ class RecurrentStatePool:
         device: torch.device,
     ) -> None:
         self.layers = state_layers(model)
-        self.scratch_row = num_rows  # CUDA-graph padding rows use it
         self.device = device
+        self._dtypes = dtype, ssm_dtype
+        self.resize(num_rows)
+
+    def resize(self, num_rows: int) -> None:
+        """(Re)allocate every layer's pools with `num_rows` rows plus the scratch row, zeroed:
+        at start, before anything is stored (the seats, then with the snapshots once the KV
+        cache is sized)."""
+        self.scratch_row = num_rows  # CUDA-graph padding rows use it
         for layer in self.layers:
-            layer.allocate_state(num_rows + 1, dtype, ssm_dtype, device)
+            layer.allocate_state(num_rows + 1, *self._dtypes, self.device)
         # Tokens each row's state has absorbed, checked against every step's start positions:
         # a scheduler bug shows as an error here instead of as wrong text.
         self.num_absorbed = np.zeros(num_rows + 1, dtype=np.int64)

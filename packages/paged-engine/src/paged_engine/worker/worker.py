@@ -167,8 +167,8 @@ class Worker:
         shard and device)."""
         return all_reduce_min(profile_num_blocks(self.model_runner, baseline_used=self._baseline))
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.model_runner.init_kv_cache(num_blocks)
+    def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        self.model_runner.init_kv_cache(num_blocks, num_state_snapshots)
 
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.model_runner.execute_model(sched)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -91,6 +93,13 @@ def environment(device: str) -> dict:
         except (ImportError, AttributeError):
             env[pkg] = None
     return env
+
+
+def write_result(path: Path, result: dict) -> None:
+    """A benchmark's JSON record, its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
 
 
 def _cpu_count() -> int:

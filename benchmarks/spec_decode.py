@@ -17,12 +17,11 @@ measured in the same run. Requests go in groups of `batch` (one group at a time)
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from pathlib import Path
 
-from benchmarks.common import environment
+from benchmarks.common import environment, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,9 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         "environment": environment(str(plain.llm_engine.device.type)),
         "records": records,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ SRC_PATH = os.pathsep.join(str(ROOT / p / "src") for p in PACKAGES)
 TORCH_SPEC = os.environ.get("PAGED_TORCH_SPEC", "torch==2.13.0")
 TEST_DEPS = [
     "pytest",
+    "pytest-xdist",  # the suite runs on 2 workers (tests keep to 1 torch thread each)
     "hypothesis",
     "openai",
     "gguf",
@@ -74,7 +75,10 @@ def lint(session: nox.Session) -> None:
 def tests(session: nox.Session) -> None:
     env = _install_stack(session, *TEST_DEPS)
     env.update(_kernel_env())
-    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=env)
+    # Two workers: a 2-core CI machine runs the suite in ~2/3 of the serial time (tests that
+    # start processes of their own keep it from half). The GPU image may lack pytest-xdist.
+    workers = [] if _no_venv(session) else ["-n", "2"]
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests", *workers]), env=env)
 
 
 @nox.session

@@ -25,7 +25,16 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import assert_tp_matches_one_process, load_hf_model
+from hybrid_checks import (
+    CHAT_HITS,
+    assert_greedy_forks_equal_one,
+    assert_greedy_matches_hf,
+    assert_snapshots_keep_outputs,
+    random_prompts,
+    tiny_dirs,
+    token_requests,
+)
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.core.state_slots import StateSlots
@@ -34,19 +43,6 @@ from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.recurrent_state import RecurrentStatePool
 
 transformers = pytest.importorskip("transformers")
-
-MAX_TOKENS = 10
-TOP = 5
-
-
-def _prompts(seed: int, lengths=(5, 23, 70, 1)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
-
-
-def _requests(prompts):
-    return [{"prompt_token_ids": p} for p in prompts]
-
 
 _NEMOTRON_MOE = {
     "layers_block_type": ["mamba", "moe", "attention", "mamba", "moe"],
@@ -101,15 +97,7 @@ def _mixed_params(count: int, max_tokens: int) -> list[SamplingParams]:
 
 @pytest.fixture(scope="module")
 def hybrid_dirs(tmp_path_factory):
-    cache = {}
-
-    def make(name: str):
-        if name not in cache:
-            arch, overrides = CASES[name]
-            cache[name] = write_tiny_model(tmp_path_factory.mktemp(name), arch, seed=1, **overrides)
-        return cache[name]
-
-    return make
+    return tiny_dirs(tmp_path_factory, CASES)
 
 
 @pytest.mark.parametrize(
@@ -130,29 +118,12 @@ def hybrid_dirs(tmp_path_factory):
     ],
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs):
-    path = hybrid_dirs(name)
-    # The interpreted kernels walk tokens one by one: shorter prompts (the references' chunked
-    # path is what the 70-token one is for).
-    prompts = _prompts(7, (5, 23, 1) if backend == "triton" else (5, 23, 70, 1))
-    hf = load_hf_model(path)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    kw = {} if budget is None else {"max_num_batched_tokens": budget}
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw)
-    config = llm.llm_engine.config
-    assert config.enable_prefix_caching and config.prefix_state_snapshots == config.max_num_seqs
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate(_requests(prompts), params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"{name}-{i}", out, ref)
+    assert_greedy_matches_hf(name, hybrid_dirs(name), backend, budget)
 
 
 def test_forks_continue_their_parents_state(hybrid_dirs):
     llm = LLM(model=str(hybrid_dirs("qwen3_next")), dtype="float32", max_model_len=128)
-    reqs = _requests(_prompts(3, (5, 23, 40)))
-    one = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    three = llm.generate(reqs, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
-    for a, b in zip(one, three, strict=True):
-        assert [c.token_ids for c in b.outputs] == [a.outputs[0].token_ids] * 3
+    reqs = assert_greedy_forks_equal_one(llm)
     sampled = SamplingParams(
         n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=0
     )
@@ -176,10 +147,10 @@ def test_forks_continue_their_parents_state(hybrid_dirs):
 def test_beam_search_matches_hf(name, hybrid_dirs):
     path = hybrid_dirs(name)
     hf = load_hf_model(path)
-    prompts = _prompts(11, (5, 23))
+    prompts = random_prompts(11, (5, 23))
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.beam_search(_requests(prompts), params), strict=True):
+    for prompt, out in zip(prompts, llm.beam_search(token_requests(prompts), params), strict=True):
         with torch.no_grad():
             ref = hf.generate(
                 torch.tensor([prompt]),
@@ -199,7 +170,7 @@ def test_beam_search_matches_hf(name, hybrid_dirs):
 def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
     path = str(hybrid_dirs("qwen3_next"))
     rng = random.Random(0)
-    reqs = _requests(
+    reqs = token_requests(
         [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
     )
     params = _mixed_params(len(reqs), 30)
@@ -222,52 +193,21 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
         assert scheduler.state_slots.num_free == scheduler.state_slots.num_slots  # none leaked
 
 
-def _chat_workload(llm: LLM, params: SamplingParams) -> list:
-    """One request at a time: a system prompt with four user messages (the second request
-    leaves a snapshot where the prompts diverge, the next ones resume there), the first prompt
-    again, and the first conversation's next turn."""
-    rng = random.Random(3)
-    system = [rng.randrange(3, 500) for _ in range(40)]
-    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] for n in (13, 7, 21, 5)]
-    prompts.append(prompts[0])
-    outs = []
-    for prompt in prompts:
-        outs += llm.generate(_requests([prompt]), params, use_tqdm=False)
-    turn = prompts[0] + list(outs[0].outputs[0].token_ids) + [7, 8, 9]
-    return outs + llm.generate(_requests([turn]), params, use_tqdm=False)
-
-
 @pytest.mark.parametrize(
     ("name", "kw", "hits"),
     [
-        # block_size 16: the system prompt's 2 full blocks, then the first prompt's 3
-        ("qwen3_5", {}, [0, 0, 32, 32, 48, 48]),
-        ("nemotron_h", {}, [0, 0, 32, 32, 48, 48]),
+        ("qwen3_5", {}, CHAT_HITS),
+        ("nemotron_h", {}, CHAT_HITS),
         # async scheduling (the snapshot copy runs a step later); prompts in one step each
-        ("qwen3_5", {"async_scheduling": True, "enable_chunked_prefill": False}, None),
+        ("qwen3_5", {"async_scheduling": True, "enable_chunked_prefill": False}, CHAT_HITS),
         # one snapshot row: each new one evicts the last (the third prompt's end evicts the
         # system prompt's, which the fourth takes again)
         ("qwen3_5", {"prefix_state_snapshots": 1}, [0, 0, 32, 0, 32, 48]),
     ],
 )
 def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
-    path = str(hybrid_dirs(name))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
-    plain = LLM(model=path, dtype="float32", max_model_len=256, prefix_state_snapshots=0)
-    assert plain.llm_engine.config.enable_prefix_caching is False
-    want = _chat_workload(plain, params)
-    llm = LLM(model=path, dtype="float32", max_model_len=256, **kw)
-    got = _chat_workload(llm, params)
+    llm = assert_snapshots_keep_outputs(hybrid_dirs(name), hits, **kw)
     slots = llm.llm_engine.scheduler.state_slots
-    assert [o.num_cached_tokens for o in got] == (hits or [0, 0, 32, 32, 48, 48])
-    assert slots.snapshot_hits == sum(map(bool, hits or [1] * 4))
-    for i, (a, b) in enumerate(zip(want, got, strict=True)):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, i
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert x.keys() == y.keys(), i
-            for t in x:
-                assert abs(x[t].logprob - y[t].logprob) < 1e-4, i
-    assert slots.num_free == slots.num_slots
     assert llm.llm_engine.reset_prefix_cache() and slots.num_cached_snapshots == 0
 
 
@@ -288,7 +228,7 @@ def test_prefix_cache_with_preemption_and_async_scheduling(hybrid_dirs):
         outs = []
         for lo in range(0, len(prompts), 7):
             wave = slice(lo, lo + 7)
-            outs += llm.generate(_requests(prompts[wave]), params[wave], use_tqdm=False)
+            outs += llm.generate(token_requests(prompts[wave]), params[wave], use_tqdm=False)
         return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
 
     want, _ = run(prefix_state_snapshots=0)
@@ -359,7 +299,7 @@ def test_state_snapshots_register_a_step_late_and_evict_lru():
 
 @pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe", "granitemoehybrid-dense"])
 def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
-    assert_tp_matches_one_process(hybrid_dirs(name), _prompts(5, (5, 23, 40)), 8, 128)
+    assert_tp_matches_one_process(hybrid_dirs(name), random_prompts(5, (5, 23, 40)), 8, 128)
 
 
 @pytest.mark.parametrize(
@@ -393,7 +333,7 @@ def test_ssm_cache_dtype(hybrid_dirs, tmp_path):
         llm = LLM(model=model, dtype="bfloat16", max_model_len=128, **kw)
         layer = llm.llm_engine.model_runner.states.layers[0]
         out = llm.generate(
-            _requests(_prompts(2, (9,))), SamplingParams(temperature=0, max_tokens=4)
+            token_requests(random_prompts(2, (9,))), SamplingParams(temperature=0, max_tokens=4)
         )
         assert len(out[0].outputs[0].token_ids) == 4
         return layer.ssm_state.dtype, layer.conv_state.dtype
@@ -463,7 +403,7 @@ def test_nemotron_h_loads_either_checkpoint_naming(hybrid_dirs, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = [
         LLM(model=str(p), dtype="float32", max_model_len=128).generate(
-            _requests(_prompts(4, (9, 30))), params, use_tqdm=False
+            token_requests(random_prompts(4, (9, 30))), params, use_tqdm=False
         )
         for p in (src, tmp_path)
     ]

@@ -52,6 +52,8 @@ MORE_TINY_ARCHS: list[str] = [
     "qwen3_5_moe",
     "granitemoehybrid",
     "nemotron_h",
+    "lfm2",
+    "lfm2_moe",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -252,6 +254,44 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "layer_norm_epsilon": 1e-5,
             "time_step_min": 0.5,  # a clamp that bites in prefill scans (softplus(dt) ~ 0.3-1.3)
             "tie_word_embeddings": False,
+        },
+    ),
+    # LFM2: short-conv layers (width 3) among attention layers with q / k norms; the MLP's
+    # width auto-adjusted (2/3 of 128 rounded up to a multiple of 16: 96); tied embeddings
+    "lfm2": (
+        "Lfm2Config",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "block_multiple_of": 16,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "layer_types": ["conv", "conv", "full_attention", "conv"],
+            "conv_L_cache": 3,
+            "norm_eps": 1e-5,
+        },
+    ),
+    # LFM2-MoE: a dense first layer, then MoE layers of 8 experts (2 chosen by sigmoid scores
+    # plus an expert bias, renormalized and scaled)
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 1024,
+            "layer_types": ["conv", "full_attention", "conv", "conv"],
+            "conv_L_cache": 3,
+            "norm_eps": 1e-5,
+            "num_dense_layers": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "routed_scaling_factor": 1.5,
         },
     ),
     "qwen3_5_moe": (
@@ -702,7 +742,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         else:  # norm weights
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
     for name, b in sorted(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing balance (a buffer)
+        # routing balance biases: DeepSeek-V3's, LFM2-MoE's (buffers)
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
             b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
 

@@ -40,8 +40,9 @@ from paged_engine.layers.linear import (
 )
 
 
-class _Conv(nn.Module):
-    """The depthwise conv's parameters under HF's names (`conv1d.weight` [C, 1, K], `.bias`)."""
+class DepthwiseConv(nn.Module):
+    """A depthwise conv's parameters under HF's names (`weight` [C, 1, K], `bias`): Mamba2's
+    `conv1d`, LFM2's short `conv`."""
 
     def __init__(self, channels: int, kernel: int, bias: bool) -> None:
         super().__init__()
@@ -122,7 +123,7 @@ class Mamba2Mixer(nn.Module):
         self.in_proj.weight.weight_loader = self._load_in_proj
         if bias:
             self.in_proj.bias.weight_loader = self._load_in_proj
-        self.conv1d = _Conv(self.conv_dim, self.kernel, spec.conv_bias)
+        self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, spec.conv_bias)
         self.conv1d.weight.weight_loader = self._load_conv
         if self.conv1d.bias is not None:
             self.conv1d.bias.weight_loader = self._load_conv

@@ -24,6 +24,7 @@ from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -91,6 +92,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
 }
 
 

@@ -1,11 +1,12 @@
 """The decoder stack shared by hybrid models: layers of linear attention or state-space mixing
-(`config.layer_types`: "linear_attention", or "mamba" in older configs) among attention layers
-(any other type but Nemotron-H's feed-forward-only "mlp" / "moe" layers). Only the attention
-layers hold a paged KV cache: the model's `kv_caches` list has one entry per such layer, in
-order; the linear ones carry a recurrent state per sequence (worker/recurrent_state.py).
+(`config.layer_types`: "linear_attention", "mamba" in older configs, LFM2's short "conv")
+among attention layers (any other type but Nemotron-H's feed-forward-only "mlp" / "moe"
+layers). Only the attention layers hold a paged KV cache: the model's `kv_caches` list has one
+entry per such layer, in order; the linear ones carry a recurrent state per sequence
+(worker/recurrent_state.py).
 
-Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py)
-and Nemotron-H (models/nemotron_h.py).
+Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py),
+Nemotron-H (models/nemotron_h.py) and LFM2 / LFM2-MoE (models/lfm2.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.utils import make_layers
 
-LINEAR_LAYER_TYPES = ("linear_attention", "mamba")
+LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 # Layers with neither KV nor state (Nemotron-H's MLP-only and MoE-only layers).
 FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
 

@@ -126,6 +126,11 @@ def state_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "allocate_state")]
 
 
+def state_pools(layer: nn.Module) -> list[torch.Tensor]:
+    """A state layer's pools: its conv window and, but for LFM2's short conv, its ssm_state."""
+    return [t for t in (layer.conv_state, getattr(layer, "ssm_state", None)) if t is not None]
+
+
 class RecurrentStatePool:
     """Allocates every state layer's pools ([rows + 1, ...]) and copies rows between them."""
 
@@ -153,9 +158,7 @@ class RecurrentStatePool:
         # a scheduler bug shows as an error here instead of as wrong text.
         self.num_absorbed = np.zeros(num_rows + 1, dtype=np.int64)
         self.nbytes = sum(
-            t.numel() * t.element_size()
-            for layer in self.layers
-            for t in (layer.conv_state, layer.ssm_state)
+            t.numel() * t.element_size() for layer in self.layers for t in state_pools(layer)
         )
         self.nbytes_per_row = self.nbytes // (num_rows + 1)
         logger.info(
@@ -171,7 +174,7 @@ class RecurrentStatePool:
         src, dst = (np.asarray(x, dtype=np.int64) for x in zip(*pairs))
         src_t, dst_t = (torch.from_numpy(x).to(self.device) for x in (src, dst))
         for layer in self.layers:
-            for pool in (layer.conv_state, layer.ssm_state):
+            for pool in state_pools(layer):
                 pool.index_copy_(0, dst_t, pool.index_select(0, src_t))
         self.num_absorbed[dst] = self.num_absorbed[src]
 

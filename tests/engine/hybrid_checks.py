@@ -1,0 +1,111 @@
+"""Checks shared by the hybrid models' tests (test_models_hybrid.py, test_models_lfm2.py): tiny
+model directories per case, HF parity of greedy tokens and logprobs, forks against n = 1, and
+prefix caching from state snapshots against an engine without it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hf_reference import assert_matches, hf_greedy, load_hf_model
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_model
+
+MAX_TOKENS = 10
+TOP = 5
+
+
+def random_prompts(seed: int, lengths=(5, 23, 70, 1)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in lengths]
+
+
+def token_requests(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def tiny_dirs(tmp_path_factory, cases: dict[str, tuple[str, dict]]):
+    """name -> the directory of `cases[name]` = (tiny arch, config overrides), written once."""
+    cache = {}
+
+    def make(name: str):
+        if name not in cache:
+            arch, overrides = cases[name]
+            cache[name] = write_tiny_model(tmp_path_factory.mktemp(name), arch, seed=1, **overrides)
+        return cache[name]
+
+    return make
+
+
+def assert_greedy_matches_hf(name, path, backend: str, budget: int | None) -> LLM:
+    """HF generate's greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70
+    tokens (shorter on the interpreted Triton kernels, which walk tokens one by one), whole or
+    in prefill chunks of `budget`. Returns the engine."""
+    prompts = random_prompts(7, (5, 23, 1) if backend == "triton" else (5, 23, 70, 1))
+    hf = load_hf_model(path)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
+    kw = {} if budget is None else {"max_num_batched_tokens": budget}
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw)
+    config = llm.llm_engine.config
+    assert config.enable_prefix_caching and config.prefix_state_snapshots == config.max_num_seqs
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_matches(f"{name}-{i}", out, ref)
+    return llm
+
+
+def assert_greedy_forks_equal_one(llm: LLM) -> list:
+    """n = 3 greedy samples each equal the single greedy output; returns the requests."""
+    reqs = token_requests(random_prompts(3, (5, 23, 40)))
+    one = llm.generate(reqs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    three = llm.generate(reqs, SamplingParams(n=3, temperature=0, max_tokens=8, ignore_eos=True))
+    for a, b in zip(one, three, strict=True):
+        assert [c.token_ids for c in b.outputs] == [a.outputs[0].token_ids] * 3
+    return reqs
+
+
+def _chat_workload(llm: LLM, params: SamplingParams) -> list:
+    """One request at a time: a system prompt with four user messages (the second request
+    leaves a snapshot where the prompts diverge, the next ones resume there), the first prompt
+    again, and the first conversation's next turn."""
+    rng = random.Random(3)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] for n in (13, 7, 21, 5)]
+    prompts.append(prompts[0])
+    outs = []
+    for prompt in prompts:
+        outs += llm.generate(token_requests([prompt]), params, use_tqdm=False)
+    turn = prompts[0] + list(outs[0].outputs[0].token_ids) + [7, 8, 9]
+    return outs + llm.generate(token_requests([turn]), params, use_tqdm=False)
+
+
+# block_size 16: the system prompt's 2 full blocks, then the first prompt's 3
+CHAT_HITS = [0, 0, 32, 32, 48, 48]
+
+
+def assert_snapshots_keep_outputs(path, hits: list[int] | None = CHAT_HITS, **kw) -> LLM:
+    """The chat workload with prefix caching (engine options `kw`) gives the tokens and
+    logprobs (1e-4) of an engine without it, taking `hits` tokens from the cache per request
+    (None: not checked); no state row is left taken. Returns the engine."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
+    plain = LLM(model=str(path), dtype="float32", max_model_len=256, prefix_state_snapshots=0)
+    assert plain.llm_engine.config.enable_prefix_caching is False
+    want = _chat_workload(plain, params)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kw)
+    got = _chat_workload(llm, params)
+    slots = llm.llm_engine.scheduler.state_slots
+    if hits is not None:
+        assert [o.num_cached_tokens for o in got] == hits
+        assert slots.snapshot_hits == sum(map(bool, hits))
+    else:
+        assert slots.snapshot_hits > 0
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, i
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert x.keys() == y.keys(), i
+            for t in x:
+                assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4), i
+    assert slots.num_free == slots.num_slots
+    return llm

@@ -46,7 +46,9 @@
 # phase9: hybrid linear attention, Qwen3.5-27B's text config (~54 GB of bf16 dummy weights; 48
 #         Gated DeltaNet layers with a float32 state of ~154 MB a sequence, 16 full-attention
 #         layers): the linear-attention kernels' GPU-marked tests, then gpu_profile at batch 32
-#         (max_num_seqs 32: the state pool) with CUDA graphs and eager.
+#         (max_num_seqs 32: the state pool) with CUDA graphs and eager; prefix caching from
+#         state snapshots (benchmarks/prefix_cache.py: Qwen3.5, LFM2 and Qwen3 at hidden 1024,
+#         16 layers, 64 chats sharing a system prompt) on or off, its answers compared.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -186,6 +188,9 @@ case "$PHASE" in
       --batch 32 --max-num-seqs 32 --out "$OUT/hybrid"
     step 150 hybrid-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
       --batch 32 --max-num-seqs 32 --enforce-eager --steps 10 --out "$OUT/hybrid-eager"
+    # prefix caching from state snapshots on the native kernels: answers equal to no caching
+    step 150 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 qwen3 \
+      --hidden-size 1024 --layers 16 --conversations 64 --out "$OUT/prefix_cache.json"
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
@@ -218,6 +223,9 @@ case "$PHASE" in
     # would be 10 GB in float32 here
     step 300 hybrid-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3.5-27b \
       --max-num-seqs 8 --override-config "$HYBRID_SMOKE" --out "$OUT/hybrid"
+    step 200 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 \
+      --hidden-size 64 --layers 4 --conversations 3 --turns 2 --system-tokens 40 \
+      --max-tokens 4 --out "$OUT/prefix_cache.json"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse" >&2

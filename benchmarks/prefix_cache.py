@@ -2,6 +2,7 @@
 
     python -m benchmarks.prefix_cache                       # a hybrid (Qwen3.5) and a transformer
     python -m benchmarks.prefix_cache --archs qwen3_5 --conversations 8 --turns 2
+    python -m benchmarks.prefix_cache --device cuda --archs qwen3_5 lfm2 qwen3 --hidden-size 1024
 
 Workload: `conversations` chats that share one system prompt (`system_tokens` random ids), each
 `turns` turns long. A turn sends every chat's whole history (system prompt, earlier user
@@ -27,9 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks.common import environment, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
+# Hybrids' layer types, four layers at a time: Qwen3.5 / Qwen3-Next's 3 : 1, LFM2's
+LAYER_PATTERNS = {
+    "qwen3_5": ["linear_attention"] * 3 + ["full_attention"],
+    "qwen3_next": ["linear_attention"] * 3 + ["full_attention"],
+    "lfm2": ["conv", "conv", "full_attention", "conv"],
+}
 
 
 def chat(llm, args) -> dict:
@@ -81,8 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--system-tokens", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/cpu/prefix_cache.json")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--out", type=Path, default=None, help="default: docs/benchmarks/<device>/")
     args = p.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = args.out or ROOT / "docs/benchmarks" / device / "prefix_cache.json"
     size = {
         "hidden_size": args.hidden_size,
         "num_hidden_layers": args.layers,
@@ -94,16 +108,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs:
             kw = dict(size)
-            if arch.startswith("qwen3_"):  # Qwen3-Next / 3.5: 3 Gated DeltaNet layers, 1 full
-                kw["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (
-                    args.layers // 4
-                )
+            if arch in LAYER_PATTERNS:
+                kw["layer_types"] = LAYER_PATTERNS[arch] * (args.layers // 4)
             path = write_tiny_model(Path(tmp) / arch, arch, seed=0, **kw)
             base = None
             for caching in (False, True):
                 llm = LLM(
                     model=str(path),
-                    dtype="float32",
+                    dtype="float32",  # the answers are compared: no bf16 rounding noise
+                    device=device,
                     max_model_len=4096,
                     enable_prefix_caching=caching,
                 )
@@ -131,10 +144,10 @@ def main(argv: list[str] | None = None) -> None:
         "workload": f"{args.conversations} chats sharing a {args.system_tokens}-token system "
         f"prompt, {args.turns} turns, user messages of 32-96 tokens, greedy answers of "
         f"{args.max_tokens} tokens (ignore_eos); each turn one LLM.generate call",
-        "environment": environment("cpu"),
+        "environment": environment(device),
         "records": records,
     }
-    write_result(args.out, result)
+    write_result(out, result)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from benchmarks import prefix_cache
 def test_runs_on_tiny_models(tmp_path):
     out = tmp_path / "r.json"
     argv = ["--archs", "qwen3_5", "qwen3", "--hidden-size", "64", "--layers", "4"]
+    argv += ["--device", "cpu"]
     argv += ["--conversations", "3", "--turns", "2", "--system-tokens", "40", "--max-tokens", "4"]
     prefix_cache.main([*argv, "--out", str(out)])
     records = json.loads(out.read_text())["records"]

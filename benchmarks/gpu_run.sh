@@ -189,7 +189,7 @@ case "$PHASE" in
     step 150 hybrid-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
       --batch 32 --max-num-seqs 32 --enforce-eager --steps 10 --out "$OUT/hybrid-eager"
     # prefix caching from state snapshots on the native kernels: answers equal to no caching
-    step 150 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 qwen3 \
+    step 100 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 qwen3 \
       --hidden-size 1024 --layers 16 --conversations 64 --out "$OUT/prefix_cache.json"
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent

@@ -6,6 +6,13 @@ What the converter does and we redo here: Llama-family q/k rows permuted (arch "
 included), Gemma norm weights stored as 1 + w, per-expert matrices merged into one [E, ...]
 tensor per layer (or, `merged_experts=False`, old Mixtral files' one tensor per expert), a tied
 head left out, Phi-3's longrope factors as `rope_factors_{long,short}` tensors.
+
+Hybrids, as convert_hf_to_gguf.py's Qwen3NextModel / _LinearAttentionVReorderBase (Qwen3.5,
+Qwen3.5-MoE) and LFM2Model / LFM2MoeModel do: (1 + w) norms stored as w + 1 except
+linear_attn.norm, A_log stored as -exp(A_log), dt_bias renamed dt_proj.bias, conv weights
+squeezed to [C, K], Qwen3-Next's in_proj_qkvz split into attn_qkv + attn_gate, Qwen3.5's value
+heads reordered grouped -> tiled, LFM2's expert bias renamed expert_bias.bias, the ssm.* /
+full_attention_interval / shortconv.l_cache keys and LFM2's per-layer head_count_kv.
 """
 
 from __future__ import annotations
@@ -28,9 +35,17 @@ GGUF_ARCH = {
     "gemma2": ("gemma2", "GEMMA2"),
     "gemma3": ("gemma3", "GEMMA3"),
     "phi3": ("phi3", "PHI3"),
+    "qwen3_next": ("qwen3next", "QWEN3NEXT"),
+    "qwen3_5": ("qwen35", "QWEN35"),
+    "qwen3_5_moe": ("qwen35moe", "QWEN35MOE"),
+    "lfm2": ("lfm2", "LFM2"),
+    "lfm2_moe": ("lfm2moe", "LFM2MOE"),
 }
+QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+LFM2S = ("lfm2", "lfm2_moe")
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight$"
+    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+)"
+    r"\.weight$"
 )
 
 
@@ -48,6 +63,18 @@ def _rope_params(cfg: dict) -> dict:
     return rope.get("full_attention", rope)
 
 
+def _lfm2_ff(cfg: dict) -> int:
+    """LFM2Model._add_feed_forward_length: the MLP width LFM2 auto-adjusts to."""
+    ff = cfg["intermediate_size"]
+    if cfg["block_auto_adjust_ff_dim"]:
+        ff = int(2 * ff / 3)
+        if cfg.get("block_ffn_dim_multiplier") is not None:
+            ff = int(cfg["block_ffn_dim_multiplier"] * ff)
+        multiple = cfg["block_multiple_of"]
+        ff = multiple * ((ff + multiple - 1) // multiple)
+    return ff
+
+
 def _write_metadata(w, arch: str, cfg: dict) -> None:
     """The converter's set_gguf_parameters: TextModel's keys, then each arch's own."""
     import gguf
@@ -56,10 +83,15 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_feed_forward_length(_lfm2_ff(cfg) if arch == "lfm2" else cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if arch in ("lfm2", "lfm2moe"):  # LFM2Model: kv heads on attention layers only, 0 on conv
+        w.add_head_count_kv(
+            [cfg["num_key_value_heads"] if t == "full_attention" else 0 for t in cfg["layer_types"]]
+        )
+    else:
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     if arch != "gemma2":  # Gemma2Model writes its own keys, no rope base
         w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     if cfg.get("head_dim"):
@@ -87,6 +119,79 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
             rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
         )
         w.add_sliding_window(cfg.get("sliding_window") or 0)
+    if arch in ("qwen3next", "qwen35", "qwen35moe"):  # Qwen2MoeModel, then Qwen3NextModel
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+        w.add_ssm_state_size(cfg["linear_key_head_dim"])
+        w.add_ssm_group_count(cfg["linear_num_key_heads"])
+        w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+        w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+        w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+        w.add_rope_dimension_count(int(head_dim * partial))
+    if arch in ("lfm2", "lfm2moe"):
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_shortconv_l_cache(cfg["conv_L_cache"])
+    if arch == "lfm2moe":
+        w.add_leading_dense_block_count(cfg["num_dense_layers"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _tile_heads(a: np.ndarray, axis: int, groups: int, per_group: int, size: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase's value-head reorder along `axis`: grouped by key head
+    ([g0 v0..v{r-1}, g1 ..]) -> tiled ([g0 v0, g1 v0, .., g0 v1, ..])."""
+    shape = a.shape
+    split = a.reshape(*shape[:axis], groups, per_group, size, *shape[axis + 1 :])
+    return np.ascontiguousarray(np.swapaxes(split, axis, axis + 1)).reshape(shape)
+
+
+def _qwen_hybrid(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
+    """Qwen3NextModel.modify_tensors (after _LinearAttentionVReorderBase's reorder for Qwen3.5):
+    [(HF-side name to map, or a GGUF name given as ("gguf", name)), array]."""
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    if name.startswith("mtp"):
+        return []
+    if tiny_arch != "qwen3_next" and nk != nv and "linear_attn." in name:
+        per, qk = nv // nk, 2 * dk * nk
+        if ".in_proj_qkv." in name or ".conv1d" in name:
+            arr = arr.squeeze() if ".conv1d" in name else arr
+            arr = np.concatenate([arr[:qk], _tile_heads(arr[qk:], 0, nk, per, dv)])
+        elif ".in_proj_z." in name:
+            arr = _tile_heads(arr, 0, nk, per, dv)
+        elif any(p in name for p in (".in_proj_a.", ".in_proj_b.", ".A_log", ".dt_bias")):
+            arr = _tile_heads(arr, 0, nk, per, 1)
+        elif ".out_proj." in name:
+            arr = _tile_heads(arr, 1, nk, per, dv)
+    if name.endswith(".A_log"):
+        arr = -np.exp(arr)
+    elif name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in name:
+        arr = arr.squeeze()
+    elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        arr = arr + np.float32(1)
+    if "in_proj_qkvz.weight" in name:
+        # per key head [q, k, v, z] -> [all q; all k; all v] and z
+        bid = int(name.split(".")[2])
+        per_head = arr.reshape(nk, -1, arr.shape[1])
+        sizes = np.cumsum([dk, dk, nv // nk * dv])
+        q, k, v, z = np.split(per_head, sizes, axis=1)
+        qkv = np.concatenate([p.reshape(-1, arr.shape[1]) for p in (q, k, v)])
+        return [(("gguf", f"blk.{bid}.attn_qkv.weight"), qkv),
+                (("gguf", f"blk.{bid}.attn_gate.weight"), z.reshape(-1, arr.shape[1]))]  # fmt: skip
+    return [(name, arr)]
+
+
+def _lfm2(name: str, arr: np.ndarray):
+    """LFM2Model / LFM2MoeModel.modify_tensors (expert merging: in _converted)."""
+    if "conv.conv" in name:
+        arr = arr.squeeze(1)
+    if name.endswith(".expert_bias"):
+        name = name.replace(".expert_bias", ".expert_bias.bias")
+    return [(name, arr)]
 
 
 def _write_tokenizer(w, src: Path) -> None:
@@ -155,8 +260,25 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     out: list[tuple[str, np.ndarray, list[str], np.ndarray]] = []
     groups: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+
+    def to_gguf(name) -> str:
+        if isinstance(name, tuple):  # already a GGUF name
+            return name[1]
+        found = names.get_name(name, try_suffixes=(".weight", ".bias")) or names.get_name(name)
+        if found is None:
+            raise ValueError(f"llama.cpp has no {member} tensor for {name!r}")
+        return found
+
     for name, t in sorted(load_file(src / "model.safetensors").items()):
         hf = arr = t.float().numpy()
+        if tiny_arch in QWEN_HYBRIDS + LFM2S and _EXPERT.match(name) is None:
+            if tiny_arch in QWEN_HYBRIDS:
+                pieces = _qwen_hybrid(tiny_arch, cfg, name, arr)
+            else:
+                pieces = _lfm2(name, arr)
+            for i, (mapped, piece) in enumerate(pieces):  # a split tensor: HF's under the first
+                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf))
+            continue
         if tiny_arch in ("llama", "mixtral") and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, heads)
         elif tiny_arch in ("llama", "mixtral") and name.endswith("k_proj.weight"):
@@ -170,6 +292,8 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
             continue
         out.append((names.get_name(name, try_suffixes=(".weight", ".bias")), arr, [name], hf))
     for merged, per_expert in sorted(groups.items()):
+        if tiny_arch == "lfm2_moe":  # LFM2MoeModel's merged name has no "model." prefix
+            merged = merged.removeprefix("model.")
         gguf_name = names.get_name(merged, try_suffixes=(".weight",))
         hf_names = [per_expert[e][0] for e in sorted(per_expert)]
         arrays = [per_expert[e][1] for e in sorted(per_expert)]
@@ -203,6 +327,8 @@ def write_gguf(
 
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
+    if tiny_arch in QWEN_HYBRIDS + LFM2S and quant != "f32":
+        raise NotImplementedError("hybrid GGUF files are written as F32 only")
     arch, _ = GGUF_ARCH[tiny_arch]
     w = gguf.GGUFWriter(str(path), arch)
     _write_metadata(w, arch, cfg)
@@ -228,6 +354,8 @@ def write_gguf(
             want = hf
         if tiny_arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             want = arr - np.float32(1)  # the stored float32(1 + w), less the 1 we add back
+        if not hf_names:  # the second half of a split tensor (Qwen3-Next's attn_gate)
+            continue
         want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
         parts = want.unbind(0) if len(hf_names) > 1 else [want]
         expected.update(zip(hf_names, parts, strict=True))

@@ -9,6 +9,19 @@ converter (convert_hf_to_gguf.py) changed the checkpoint on the way in, which lo
 - MoE: the router is `ffn_gate_inp`; experts are merged into `ffn_{gate,up,down}_exps`
   ([E, I, H] / [E, H, I]), or in older Mixtral files one tensor each, `ffn_gate.M`.
 - Mixtral is stored as arch "llama" with `llama.expert_count` > 0.
+
+Hybrids (convert_hf_to_gguf.py: Qwen3NextModel, _LinearAttentionVReorderBase / Qwen3_5TextModel /
+Qwen3_5MoeTextModel, LFM2Model, LFM2MoeModel; undone in convert.py):
+- Qwen3-Next / Qwen3.5(-MoE) ("qwen3next", "qwen35", "qwen35moe"): their (1 + w) RMSNorm weights
+  are stored as w + 1 except the gated-delta-net's own `linear_attn.norm` (ssm_norm); A_log is
+  stored as A = -exp(A_log) (`ssm_a`, no suffix); dt_bias as `ssm_dt.bias`; conv1d weights
+  squeezed to [C, K]. Qwen3-Next's fused in_proj_qkvz (per key head [q, k, v, z]) is split into
+  `attn_qkv` ([all q, all k, all v]) and `attn_gate` (z); in_proj_ba stays as `ssm_ba`.
+  Qwen3.5 with fewer key than value heads has its value heads reordered from grouped by key
+  head to tiled (v-rows of attn_qkv, attn_gate, ssm_alpha / ssm_beta, ssm_a, ssm_dt, the conv's
+  v channels, ssm_out's columns).
+- LFM2 / LFM2-MoE ("lfm2", "lfm2moe"): short-conv weights squeezed to [C, K]; the expert bias
+  stored as `exp_probs_b.bias`; the final norm (HF `embedding_norm`) as `token_embd_norm`.
 """
 
 from __future__ import annotations
@@ -40,6 +53,47 @@ _GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Qwen3.5: gated-delta-net (linear attention) layers among gated full-attention layers
+_QWEN35_NAMES: dict[str, str | None] = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+# Qwen3-Next: attn_qkv and attn_gate load back as one in_proj_qkvz (attn_gate: None, folded in)
+_QWEN3NEXT_NAMES = {
+    **_QWEN35_NAMES,
+    "attn_qkv": "linear_attn.in_proj_qkvz",
+    "attn_gate": None,
+    "ssm_ba": "linear_attn.in_proj_ba",
+}
+# parameters whose GGUF name has no .weight (or whose HF name has no .weight / .bias)
+_QWEN_HYBRID_PARAMS = {"ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias"}
+_LFM2_NAMES: dict[str, str | None] = {
+    "attn_norm": "operator_norm",
+    "ffn_norm": "ffn_norm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.out_proj",
+    "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm",
+    "ffn_gate": "feed_forward.w1",
+    "ffn_up": "feed_forward.w3",
+    "ffn_down": "feed_forward.w2",
+    "shortconv.conv": "conv.conv",
+    "shortconv.in_proj": "conv.in_proj",
+    "shortconv.out_proj": "conv.out_proj",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +102,18 @@ class GGUFArch:
     config_cls: str  # the transformers config class
     permute_qk: bool = False  # llama.cpp permuted q/k rows (Llama family)
     norm_offset: float = 0.0  # stored norm weight = HF weight + norm_offset (Gemma: 1)
-    layer_names: Mapping[str, str] = field(default_factory=lambda: LAYER_NAMES)
+    layer_names: Mapping[str, str | None] = field(default_factory=lambda: LAYER_NAMES)
     # MoE: (HF block name, per-expert gate, up, down matrix names); None for dense models
     experts: tuple[str, str, str, str] | None = None
+    # GGUF parts whose `*norm.weight` carries no norm_offset
+    plain_norms: tuple[str, ...] = ()
+    # GGUF `<part>` / `<part>.<weight|bias>` -> HF parameter path within the layer, for names
+    # that do not follow `<module>.<weight|bias>` on one side
+    params: Mapping[str, str] = field(default_factory=dict)
+    # extra global tensors: GGUF name -> HF name
+    global_names: Mapping[str, str] = field(default_factory=dict)
+    # hybrid family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2"
+    family: str = ""
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
@@ -69,6 +132,51 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         "Gemma3ForCausalLM", "Gemma3TextConfig", norm_offset=1.0, layer_names=_GEMMA_NAMES
     ),
     "phi3": GGUFArch("Phi3ForCausalLM", "Phi3Config", layer_names=_PHI3_NAMES),
+    "qwen3next": GGUFArch(
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        norm_offset=1.0,
+        layer_names=_QWEN3NEXT_NAMES,
+        experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+        plain_norms=("ssm_norm",),
+        params=_QWEN_HYBRID_PARAMS,
+        family="qwen3next",
+    ),
+    "qwen35": GGUFArch(
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        norm_offset=1.0,
+        layer_names=_QWEN35_NAMES,
+        plain_norms=("ssm_norm",),
+        params=_QWEN_HYBRID_PARAMS,
+        family="qwen35",
+    ),
+    "qwen35moe": GGUFArch(
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        norm_offset=1.0,
+        layer_names=_QWEN35_NAMES,
+        experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+        plain_norms=("ssm_norm",),
+        params=_QWEN_HYBRID_PARAMS,
+        family="qwen35",
+    ),
+    "lfm2": GGUFArch(
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        layer_names=_LFM2_NAMES,
+        global_names={"token_embd_norm.weight": "model.embedding_norm.weight"},
+        family="lfm2",
+    ),
+    "lfm2moe": GGUFArch(
+        "Lfm2MoeForCausalLM",
+        "Lfm2MoeConfig",
+        layer_names=_LFM2_NAMES,
+        experts=("feed_forward", "w1", "w3", "w2"),
+        params={"exp_probs_b.bias": "feed_forward.expert_bias"},
+        global_names={"token_embd_norm.weight": "model.embedding_norm.weight"},
+        family="lfm2",
+    ),
 }
 # arch "llama" with experts
 MIXTRAL = GGUFArch(

@@ -1,11 +1,13 @@
 """GGUF (llama.cpp naming) -> HF checkpoint tensors: names, and undoing what llama.cpp's
 converter did to them (archs.py): the Llama q/k row permutation, Gemma's +1 on norm weights,
-experts merged into one [E, ...] tensor."""
+experts merged into one [E, ...] tensor, and the hybrids' (Qwen3-Next / Qwen3.5 / LFM2) own
+changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value heads."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -22,24 +24,39 @@ _GLOBAL_NAMES = {
 }
 # Read into the config instead: Llama 3.1's rope factors, Phi-3's longrope factors.
 _SKIP = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
-# blk.<layer>.<part>[.<expert>].<weight|bias>
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)$")
+# blk.<layer>.<part>[.<expert>][.<weight|bias>] (a part may hold dots: shortconv.in_proj;
+# some parameters have no suffix: ssm_a)
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([\w.]+?)(?:\.(\d+))?(?:\.(weight|bias))?$")
 _EXPERT_PARTS = {"ffn_gate": 1, "ffn_up": 2, "ffn_down": 3}  # index into GGUFArch.experts
 EXPERT_SLOT = "{}"  # where the expert index goes in a merged expert tensor's HF name
 
 
+def _split(name: str) -> tuple[str, str, str | None, str | None] | None:
+    """(layer, part, expert, kind) of a `blk.*` tensor name; None for other names."""
+    m = _LAYER_RE.match(name)
+    return None if m is None else m.groups()
+
+
 def hf_tensor_name(name: str, spec: GGUFArch = GGUF_ARCHS["llama"]) -> str | None:
-    """HF name of a llama.cpp tensor name; None for tensors we do not load. A merged expert
-    tensor (`ffn_*_exps`, [E, ...]) gets EXPERT_SLOT where the expert index goes."""
+    """HF name of a llama.cpp tensor name; None for tensors we do not load (or that load folded
+    into another one). A merged expert tensor (`ffn_*_exps`, [E, ...]) gets EXPERT_SLOT where
+    the expert index goes."""
     if name in _SKIP:
         return None
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    m = _LAYER_RE.match(name)
-    if m is None:
+    if name in spec.global_names:
+        return spec.global_names[name]
+    groups = _split(name)
+    if groups is None:
         raise ValueError(f"unknown GGUF tensor {name!r}")
-    layer, part, expert, kind = m.groups()
+    layer, part, expert, kind = groups
     prefix = f"model.layers.{layer}"
+    key = part if kind is None else f"{part}.{kind}"
+    if expert is None and key in spec.params:
+        return f"{prefix}.{spec.params[key]}"
+    if kind is None:
+        raise ValueError(f"unknown GGUF tensor {name!r} for {spec.hf_arch}")
     if spec.experts is not None:
         block = spec.experts[0]
         if part == "ffn_gate_inp":
@@ -51,7 +68,8 @@ def hf_tensor_name(name: str, spec: GGUFArch = GGUF_ARCHS["llama"]) -> str | Non
             return f"{prefix}.{block}.experts.{expert}.{spec.experts[_EXPERT_PARTS[merged]]}.{kind}"
     if expert is not None or part not in spec.layer_names:
         raise ValueError(f"unknown GGUF tensor {name!r} for {spec.hf_arch}")
-    return f"{prefix}.{spec.layer_names[part]}.{kind}"
+    module = spec.layer_names[part]
+    return None if module is None else f"{prefix}.{module}.{kind}"
 
 
 def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -62,25 +80,111 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     )
 
 
+def untile_heads(w: torch.Tensor, dim: int, groups: int, per_group: int, size: int) -> torch.Tensor:
+    """Value heads along `dim` from llama.cpp's tiled order (head j of every group, for
+    j = 0, 1, ..) back to HF's grouped one (all heads of group 0, then group 1, ..); `size`
+    entries per head."""
+    dim %= w.dim()
+    shape = list(w.shape)
+    tiled = w.reshape(*shape[:dim], per_group, groups, size, *shape[dim + 1 :])
+    return tiled.transpose(dim, dim + 1).reshape(shape)
+
+
+@dataclass(frozen=True, slots=True)
+class _LinearAttn:
+    """Gated-delta-net sizes from `<arch>.ssm.*` (Qwen3NextModel.set_gguf_parameters)."""
+
+    k_heads: int  # ssm.group_count
+    v_heads: int  # ssm.time_step_rank
+    k_dim: int  # ssm.state_size
+    v_dim: int  # ssm.inner_size / v_heads
+
+    @classmethod
+    def read(cls, f: GGUFFile, arch: str) -> _LinearAttn:
+        def key(name: str) -> int:
+            value = f.get(f"{arch}.ssm.{name}")
+            if value is None:
+                raise ValueError(f"GGUF metadata lacks {arch}.ssm.{name}")
+            return int(value)
+
+        v_heads = key("time_step_rank")
+        return cls(key("group_count"), v_heads, key("state_size"), key("inner_size") // v_heads)
+
+
+def _qwen3next_qkvz(qkv: torch.Tensor, z: torch.Tensor, g: _LinearAttn) -> torch.Tensor:
+    """HF's in_proj_qkvz (per key head: q, k, its value heads' v, their z) from llama.cpp's
+    attn_qkv ([all q; all k; all v]) and attn_gate (z)."""
+    hidden = qkv.shape[1]
+    qk = g.k_heads * g.k_dim
+    parts = (qkv[:qk], qkv[qk : 2 * qk], qkv[2 * qk :], z)
+    per_head = [p.reshape(g.k_heads, -1, hidden) for p in parts]
+    return torch.cat(per_head, dim=1).reshape(-1, hidden)
+
+
+def _untile_qwen35(part: str, w: torch.Tensor, g: _LinearAttn) -> torch.Tensor:
+    """Undo _LinearAttentionVReorderBase's grouped -> tiled value-head order (one part)."""
+    per = g.v_heads // g.k_heads
+    if part == "attn_qkv":  # v rows only
+        qk = 2 * g.k_heads * g.k_dim
+        return torch.cat([w[:qk], untile_heads(w[qk:], 0, g.k_heads, per, g.v_dim)])
+    if part == "attn_gate":
+        return untile_heads(w, 0, g.k_heads, per, g.v_dim)
+    if part in ("ssm_alpha", "ssm_beta", "ssm_a", "ssm_dt"):  # one row / entry per head
+        return untile_heads(w, 0, g.k_heads, per, 1)
+    if part == "ssm_conv1d":  # [C, K] (squeezed); q, k channels then v
+        qk = 2 * g.k_heads * g.k_dim
+        return torch.cat([w[:qk], untile_heads(w[qk:], 0, g.k_heads, per, g.v_dim)])
+    if part == "ssm_out":  # the input columns
+        return untile_heads(w, 1, g.k_heads, per, g.v_dim)
+    return w
+
+
+def _restore(spec: GGUFArch, part: str, w: torch.Tensor, g: _LinearAttn | None) -> torch.Tensor:
+    """A hybrid's tensor as HF has it (see archs.py), after name-independent loading."""
+    if spec.family == "qwen35" and g is not None and g.k_heads != g.v_heads:
+        w = _untile_qwen35(part, w, g)
+    if part == "ssm_a":  # stored as A = -exp(A_log)
+        return torch.log(-w.double()).float()
+    if part in ("ssm_conv1d", "shortconv.conv") and w.dim() == 2:  # [C, K] -> HF's [C, 1, K]
+        return w.unsqueeze(1)
+    if part == "ffn_gate_inp_shexp" and w.dim() == 1:  # HF's [1, H]
+        return w.unsqueeze(0)
+    return w
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
     arch, spec = gguf_arch(f)
     heads = int(f.get(f"{arch}.attention.head_count"))
-    kv_heads = int(f.get(f"{arch}.attention.head_count_kv", heads))
+    kv_heads = f.get(f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per layer (LFM2: 0 on conv layers)
+        kv_heads = max(kv_heads)
+    kv_heads = int(kv_heads)
+    linear = _LinearAttn.read(f, arch) if spec.family in ("qwen3next", "qwen35") else None
     for name in f.tensors:
         hf_name = hf_tensor_name(name, spec)
         if hf_name is None:
             continue
         w = f.tensor(name)
+        groups = _split(name)
+        part = "" if groups is None else groups[1]
         if spec.permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, heads)
         elif spec.permute_qk and name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_qk(w, kv_heads)
-        elif spec.norm_offset and name.endswith("norm.weight"):
+        elif spec.norm_offset and name.endswith("norm.weight") and part not in spec.plain_norms:
             # Stored as float32(w + 1). For stored values >= 0.5 (Gemma's norms) the float32
             # subtraction is exact, so the model's 1 + w equals the stored value bit for bit.
             w = w.float() - spec.norm_offset
+        if spec.family:
+            w = _restore(spec, part, w, linear)
+        if spec.family == "qwen3next" and part == "attn_qkv":
+            assert linear is not None
+            gate = f"blk.{groups[0]}.attn_gate.weight"
+            if gate not in f.tensors:
+                raise ValueError(f"GGUF file has {name} but lacks {gate}")
+            w = _qwen3next_qkvz(w, f.tensor(gate), linear)
         if EXPERT_SLOT in hf_name:
             for e in range(w.shape[0]):
                 yield hf_name.format(e), w[e]

@@ -58,10 +58,13 @@ def gguf_to_hf_config(f: GGUFFile):
         # the embedding's rows: llama.cpp keeps HF's padded vocab (Qwen) or trims it (Gemma 3)
         vocab_size=f.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        intermediate_size=meta.get_int("feed_forward_length"),
+        # MoE models without dense layers may leave it out (_moe fills it in)
+        intermediate_size=meta.get_int(
+            "feed_forward_length", None if spec.experts is not None else _MISSING
+        ),
         num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=meta.get_int("attention.head_count_kv", heads),
+        num_key_value_heads=_kv_heads(meta, heads),
         head_dim=head_dim,
         max_position_embeddings=meta.get_int("context_length", 2048),
         rms_norm_eps=meta.get_float("attention.layer_norm_rms_epsilon", 1e-6),
@@ -71,8 +74,12 @@ def gguf_to_hf_config(f: GGUFFile):
         pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
     )
     rope = _rope(meta, f, head_dim)
-    if spec.experts is not None:
+    if spec.experts is not None and spec.family != "lfm2":
         kwargs.update(_moe(meta, f, arch, layers))
+    if spec.family in ("qwen3next", "qwen35"):
+        _qwen_hybrid(meta, f, kwargs, layers)
+    if spec.family == "lfm2":
+        _lfm2(meta, f, kwargs, layers, moe=spec.experts is not None)
     if arch in ("gemma2", "gemma3"):
         rope = _gemma(meta, arch, kwargs, rope)
     if arch == "phi3":
@@ -92,6 +99,21 @@ def gguf_to_hf_config(f: GGUFFile):
         if "sliding_attention" in rope:
             config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
     return config
+
+
+def _kv_heads(meta: _Meta, heads: int) -> int:
+    """attention.head_count_kv: one value, or one per layer where attention layers agree and
+    other layers (LFM2's short-conv ones) hold 0."""
+    value = meta.get("attention.head_count_kv", heads)
+    if isinstance(value, list):
+        kv = {int(v) for v in value if int(v) > 0}
+        if len(kv) > 1:
+            raise ValueError(
+                f"GGUF metadata {meta.arch}.attention.head_count_kv differs across layers: "
+                f"{value!r}"
+            )
+        return kv.pop() if kv else heads
+    return int(value)
 
 
 def _rope(meta: _Meta, f: GGUFFile, head_dim: int) -> dict[str, Any]:
@@ -137,7 +159,7 @@ def _moe(meta: _Meta, f: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
         if not sparse or f"blk.{sparse[0]}.ffn_gate_exps.weight" not in f.tensors:
             raise ValueError(f"GGUF metadata lacks {arch}.expert_feed_forward_length")
         size = f.tensors[f"blk.{sparse[0]}.ffn_gate_exps.weight"].shape[1]
-    return {
+    out = {
         "num_experts": experts,
         "num_experts_per_tok": used,
         "moe_intermediate_size": size,
@@ -147,6 +169,82 @@ def _moe(meta: _Meta, f: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(layers) if i not in sparse],
     }
+    # Qwen3-Next / Qwen3.5-MoE: a gated shared expert (Qwen2MoeModel writes its width)
+    shared = meta.get_int("expert_shared_feed_forward_length", None)
+    if shared is None and sparse and f"blk.{sparse[0]}.ffn_up_shexp.weight" in f.tensors:
+        shared = f.tensors[f"blk.{sparse[0]}.ffn_up_shexp.weight"].shape[0]
+    if shared is not None:
+        out["shared_expert_intermediate_size"] = shared
+    return out
+
+
+def _qwen_hybrid(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Qwen3-Next / Qwen3.5: the gated delta net's sizes (ssm.*, Qwen3NextModel's mapping) and
+    which layers are full attention: every full_attention_interval-th (llama.cpp's default 4)."""
+    k_heads, v_heads = meta.get_int("ssm.group_count"), meta.get_int("ssm.time_step_rank")
+    inner = meta.get_int("ssm.inner_size")
+    if v_heads <= 0 or inner % v_heads or v_heads % k_heads:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.ssm.*: inner_size {inner}, time_step_rank {v_heads}, "
+            f"group_count {k_heads} do not describe whole value heads grouped by key heads"
+        )
+    interval = meta.get_int("full_attention_interval", 4)
+    if interval < 1:
+        raise ValueError(f"GGUF metadata {meta.arch}.full_attention_interval={interval!r}")
+    types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+             for i in range(layers)]  # fmt: skip
+    for i, kind in enumerate(types):  # the tensors must agree
+        if (f"blk.{i}.ssm_out.weight" in f.tensors) != (kind == "linear_attention"):
+            raise ValueError(
+                f"GGUF layer {i} does not match {meta.arch}.full_attention_interval={interval}"
+            )
+    kwargs.update(
+        layer_types=types,
+        full_attention_interval=interval,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_key_head_dim=meta.get_int("ssm.state_size"),
+        linear_value_head_dim=inner // v_heads,
+        linear_conv_kernel_dim=meta.get_int("ssm.conv_kernel"),
+    )
+
+
+def _lfm2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int, moe: bool) -> None:
+    """LFM2 / LFM2-MoE: conv layers are those with 0 kv heads (LFM2Model's per-layer
+    head_count_kv); feed_forward_length is already the adjusted MLP width."""
+    kv = meta.get("attention.head_count_kv")
+    if not isinstance(kv, list) or len(kv) != layers:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv: expected one entry per layer "
+            f"(0 for conv layers), got {kv!r}"
+        )
+    types = ["conv" if int(n) == 0 else "full_attention" for n in kv]
+    conv = [i for i, t in enumerate(types) if t == "conv"]
+    kwargs.update(
+        layer_types=types,
+        conv_L_cache=meta.get_int("shortconv.l_cache"),
+        conv_bias=bool(conv) and f"blk.{conv[0]}.shortconv.in_proj.bias" in f.tensors,
+        norm_eps=kwargs["rms_norm_eps"],
+        block_auto_adjust_ff_dim=False,
+    )
+    if not moe:
+        return
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
+    size = meta.get_int("expert_feed_forward_length", None)
+    if size is None:
+        if not sparse:
+            raise ValueError(f"GGUF metadata lacks {meta.arch}.expert_feed_forward_length")
+        size = f.tensors[f"blk.{sparse[0]}.ffn_gate_exps.weight"].shape[1]
+    kwargs.update(
+        num_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        moe_intermediate_size=size,
+        num_dense_layers=meta.get_int("leading_dense_block_count", sparse[0] if sparse else layers),
+        use_expert_bias=bool(sparse) and f"blk.{sparse[0]}.exp_probs_b.bias" in f.tensors,
+        # LFM2MoeModel writes neither; llama.cpp then renormalizes and does not scale
+        norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
+        routed_scaling_factor=meta.get_float("expert_weights_scale", 1.0),
+    )
 
 
 # layers of the largest Gemma 2 / 3 (27B), whose attention scale llama.cpp takes from

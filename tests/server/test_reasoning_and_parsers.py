@@ -1,4 +1,4 @@
-"""--reasoning-parser (deepseek_r1, qwen3) and the mistral / pythonic tool-call parsers: the
+"""--reasoning-parser (deepseek_r1, qwen3) and the mistral / pythonic / lfm2 tool-call parsers: the
 parsers alone (whole text, and streamed with every split point), then requests through the
 in-process server over a ScriptedEngine that writes the model's text."""
 
@@ -129,6 +129,34 @@ def test_pythonic_calls_literals_only() -> None:
         assert PYTHONIC.parse(bad) == (bad, []), bad
 
 
+LFM2 = TOOL_PARSERS["lfm2"]()
+TS, TE = "<|tool_call_start|>", "<|tool_call_end|>"
+
+
+def test_lfm2_framed_pythonic_calls() -> None:
+    text = f'Let me check.{TS}[get_weather(city="Paris"), clock(tz="utc")]{TE}It is sunny.'
+    content, calls = LFM2.parse(text)
+    assert content == "Let me check."  # what follows the calls is dropped
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("clock", {"tz": "utc"}),
+    ]
+    content, calls = LFM2.parse(f"{TS}[f(a=1)]{TE}\n{TS} [g()] {TE}")
+    assert content is None and [c.name for c in calls] == ["f", "g"]
+    assert [c.name for c in LFM2.parse(f"{TS}[f(a=1)] ")[1]] == ["f"]  # the end marker cut off
+    assert LFM2.keeps_special_tokens
+    for bad in (
+        f"{TS}[f(x=y)]{TE}",  # a name, not a literal
+        f"{TS}[f(a=1)",  # cut short by max_tokens
+        f"{TS}f(a=1){TE}",  # not a list
+        f"{TS}[f(a=1)]{TE}{TS}oops{TE}",  # a second frame without a list
+        f"{TS}[]{TE}",
+        "[f(a=1)]",  # Llama's bare list is not LFM2's
+        "plain text",
+    ):
+        assert LFM2.parse(bad) == (bad, []), bad
+
+
 def _stream_calls(parser, pieces: list[str]) -> tuple[str, list[dict]]:
     """(content shown, the calls as an OpenAI client accumulates delta.tool_calls)."""
     s = StreamingToolText(parser)
@@ -156,6 +184,12 @@ STREAMED_CALLS = [
     ),
     ("pythonic", '[f(a="x)]", b=[1, {"c": 2}]), g()]', ""),
     ("pythonic", "[f(s='''it's'''), g(t=\"\\\"q\\\"\")]", ""),
+    (
+        "lfm2",
+        'Sure.<|tool_call_start|>[f(a="x)]", b=[1, {"c": 2}])]<|tool_call_end|> '
+        "<|tool_call_start|>[g()]<|tool_call_end|>Done.",
+        "Sure.",
+    ),
 ]
 
 
@@ -175,9 +209,13 @@ def test_tool_calls_stream_at_every_split_point(name: str, text: str, content: s
     assert [c["name"] for c in calls] == [c.name for c in whole]
 
 
-@pytest.mark.parametrize("name", ["mistral", "pythonic"])
+@pytest.mark.parametrize("name", ["mistral", "pythonic", "lfm2"])
 def test_malformed_calls_stream_as_content(name: str) -> None:
-    text = {"mistral": "[TOOL_CALLS][{nope}]", "pythonic": "[f(x=y), g(1)] see"}[name]
+    text = {
+        "mistral": "[TOOL_CALLS][{nope}]",
+        "pythonic": "[f(x=y), g(1)] see",
+        "lfm2": f"Hm. {TS}[f(x=y), g(1)]{TE}",
+    }[name]
     shown, calls = _stream_calls(TOOL_PARSERS[name](), list(text))
     assert calls == [] and shown == text
 
@@ -258,3 +296,25 @@ def test_qwen3_with_mistral_calls_end_to_end() -> None:
         assert len(call["id"]) == 9 and call["name"] == "get_weather"
         plain = _chat(server, "No think tags.")["choices"][0]["message"]
         assert plain["content"] == "No think tags." and "reasoning_content" not in plain
+
+
+def test_lfm2_end_to_end() -> None:
+    """--tool-call-parser lfm2 over a scripted model: content and calls, whole and streamed;
+    the framing special tokens are kept in the text the parser reads."""
+    engine = ScriptedEngine(max_model_len=512, step_time=0.0002)
+    script = f'Checking.{TS}[get_weather(city="Paris", days=2)]{TE}'
+    with serve_in_process([*ARGS, "--tool-call-parser", "lfm2"], engine) as (http, _):
+        engine.script = script
+        body = {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS}
+        status, _, payload = http.request("POST", "/v1/chat/completions", body)
+        assert status == 200, payload
+        choice = payload["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["content"] == "Checking."
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
+        assert engine.params[payload["id"] + "-0"].skip_special_tokens is False
+        s = chat_stream(SimpleNamespace(http=http, engine=engine), script, tools=TOOLS)
+        assert s["content"] == "Checking." and s["finish"] == "tool_calls"
+        assert [c["name"] for c in s["calls"].values()] == ["get_weather"]

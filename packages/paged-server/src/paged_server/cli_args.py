@@ -293,7 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         default=None,
         help="parse the model's tool calls for tool_choice 'auto': hermes (Hermes / Qwen), "
-        "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), qwen3_coder "
+        "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), lfm2 (LFM2: "
+        "<|tool_call_start|>[f(x=1)]<|tool_call_end|>), qwen3_coder "
         "(= qwen3_xml, Qwen3-Coder's <function=f>), granite (<|tool_call|>), phi4_mini_json "
         "(functools[...]), openai (gpt-oss: Harmony messages to=functions.NAME), deepseek_v3 / "
         "deepseek_v31 (DeepSeek-V3 / R1 / V3.1 tool-call tokens), kimi_k2, glm45 (= glm47: "

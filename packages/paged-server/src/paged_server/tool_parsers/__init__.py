@@ -8,6 +8,7 @@
     json_list.py    one JSON list after a marker: Mistral [TOOL_CALLS][...] (9-character ids),
                     Granite 3 <|tool_call|>[...], Phi-4-mini functools[...]
     pythonic.py     Llama 3.2 / 4: [f(x=1), g(city="Paris")], read with `ast` (literals only)
+    lfm2.py         LFM2: the same lists framed by <|tool_call_start|> ... <|tool_call_end|>
     qwen3_coder.py  Qwen3-Coder: <tool_call><function=f><parameter=x>1</parameter></function>...,
                     values typed by the request's tool schemas
     gpt_oss.py      gpt-oss (openai): Harmony messages to functions.NAME, the body the arguments
@@ -33,6 +34,7 @@ from paged_server.tool_parsers.json_list import (
     Phi4MiniToolParser,
 )
 from paged_server.tool_parsers.kimi_k2 import KimiK2ToolParser
+from paged_server.tool_parsers.lfm2 import Lfm2ToolParser
 from paged_server.tool_parsers.llama3_json import Llama3JsonToolParser
 from paged_server.tool_parsers.pythonic import PythonicToolParser
 from paged_server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
@@ -44,6 +46,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "granite": GraniteToolParser,
     "phi4_mini_json": Phi4MiniToolParser,
     "pythonic": PythonicToolParser,
+    "lfm2": Lfm2ToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "qwen3_xml": Qwen3CoderToolParser,  # vLLM's name for the same format
     "openai": OpenAIToolParser,  # gpt-oss's Harmony format (vLLM's name)

@@ -73,6 +73,40 @@ def _close_paren(s: str, i: int) -> int | None:
     return None
 
 
+def list_calls(source: str) -> list[ParsedCall] | None:
+    """The calls of a whole Python list of calls (`[f(x=1), g()]`, surrounding whitespace
+    allowed); None unless every element is a call with literal keyword arguments."""
+    try:
+        tree = ast.parse(source.strip(), mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = [_call(e) for e in tree.elts]
+    return None if any(c is None for c in calls) else [c for c in calls if c is not None]
+
+
+def scan_list(text: str, start: int) -> list[PartialCall]:
+    """The calls complete so far of the list opening at text[start] == "[", each whole (name
+    and arguments as JSON): Python source is not JSON, so there is no prefix of the arguments
+    to send, and a call is announced only once it is known to be one (literal arguments), since
+    a stream cannot take it back."""
+    calls: list[PartialCall] = []
+    pos = start + 1
+    while True:
+        while pos < len(text) and text[pos] in " \n\t\r,":
+            pos += 1
+        m = _NAME.match(text, pos)
+        if m is None:
+            return calls
+        close = _close_paren(text, m.end())
+        call = None if close is None else _parse_call(text[m.start() : close + 1])
+        if close is None or call is None:
+            return calls
+        calls.append(PartialCall(call.name, call.arguments, True, close + 1))
+        pos = close + 1
+
+
 class PythonicToolParser(ToolParser):
     start_markers = ("[", _START)
 
@@ -83,35 +117,11 @@ class PythonicToolParser(ToolParser):
         body = text[start:].rstrip()
         if body.endswith(_END):
             body = body[: -len(_END)]
-        try:
-            tree = ast.parse(body.strip(), mode="eval").body
-        except (SyntaxError, ValueError, MemoryError, RecursionError):
-            return text, []
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return text, []
-        calls = [_call(e) for e in tree.elts]
-        if any(c is None for c in calls):
+        calls = list_calls(body)
+        if calls is None:
             return text, []  # not calls with literal arguments: the text stays content
-        return None, [c for c in calls if c is not None]
+        return None, calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        """The calls complete so far, each whole (name and arguments as JSON): Python source is
-        not JSON, so there is no prefix of the arguments to send, and a call is announced only
-        once it is known to be one (literal arguments), since a stream cannot take it back."""
-        calls: list[PartialCall] = []
         start = _list_start(text)
-        if start < 0:
-            return calls
-        pos = start + 1
-        while True:
-            while pos < len(text) and text[pos] in " \n\t\r,":
-                pos += 1
-            m = _NAME.match(text, pos)
-            if m is None:
-                return calls
-            close = _close_paren(text, m.end())
-            call = None if close is None else _parse_call(text[m.start() : close + 1])
-            if close is None or call is None:
-                return calls
-            calls.append(PartialCall(call.name, call.arguments, True, close + 1))
-            pos = close + 1
+        return [] if start < 0 else scan_list(text, start)

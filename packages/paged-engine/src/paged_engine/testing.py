@@ -54,6 +54,7 @@ MORE_TINY_ARCHS: list[str] = [
     "nemotron_h",
     "lfm2",
     "lfm2_moe",
+    "falcon_h1",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -292,6 +293,34 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts": 8,
             "num_experts_per_tok": 2,
             "routed_scaling_factor": 1.5,
+        },
+    ),
+    # Falcon-H1: attention (rope, heads of 24: not hidden / heads) and a Mamba2 mixer in every
+    # layer, side by side; the mixer 6 heads of 16 (mamba_d_ssm 96, not expand * hidden) on 2
+    # groups, no norm (y * silu(z)); every multiplier != 1
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 24,
+            "mamba_d_ssm": 96,
+            "mamba_n_heads": 6,
+            "mamba_d_head": 16,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_chunk_size": 16,
+            "mamba_rms_norm": False,
+            "embedding_multiplier": 1.5,
+            "lm_head_multiplier": 0.75,
+            "key_multiplier": 0.8,
+            "attention_in_multiplier": 1.25,
+            "attention_out_multiplier": 0.75,
+            "ssm_in_multiplier": 1.5,
+            "ssm_out_multiplier": 0.6,
+            "ssm_multipliers": [0.5, 1.25, 0.8, 1.5, 0.7],
+            "mlp_multipliers": [1.5, 0.5],
+            "tie_word_embeddings": False,
         },
     ),
     "qwen3_5_moe": (

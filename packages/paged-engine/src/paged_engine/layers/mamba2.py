@@ -1,5 +1,5 @@
-"""Mamba2 mixer: the state-space token mixer of IBM Granite 4.0-H (GraniteMoeHybrid) and
-NVIDIA Nemotron-H.
+"""Mamba2 mixer: the state-space token mixer of IBM Granite 4.0-H (GraniteMoeHybrid), NVIDIA
+Nemotron-H and TII Falcon-H1.
 
 Per token, one input projection gives a gate z [I], the conv input x | B | C ([I], [G, N],
 [G, N]) and a step dt per head. After a causal depthwise conv (width K) and SiLU, with
@@ -9,11 +9,13 @@ A = -exp(A_log), each head h (of H, head_dim P; group g = h // (H / G) supplies 
     S = exp(dt * A) * S + dt * x (x) B;   y = S . C + D * x         (S: [P, N])
 
 then y * silu(z) goes through an RMSNorm over groups of I / G channels and the output
-projection. The state a sequence carries: its conv window and S for every head, in per-layer
-pools indexed by `md.state_slots` (worker/recurrent_state.py), exactly as Gated DeltaNet's
+projection. Falcon-H1's options (`Mamba2Spec`): multipliers on in_proj's five segments, the norm
+before the gate (rmsnorm(y) * silu(z)) or no norm (y * silu(z)), out_proj's own bias flag. The
+state a sequence carries: its conv window and S for every head, in per-layer pools indexed by
+`md.state_slots` (worker/recurrent_state.py), exactly as Gated DeltaNet's
 (layers/gated_delta_net.py), with whom it shares the conv op.
 
-`Mamba2Spec` holds the sizes (Granite and Nemotron-H name them differently in their configs).
+`Mamba2Spec` holds the sizes (each family names them differently in its config).
 Tensor parallelism splits heads (divisible by tp_size) and groups: in_proj per segment
 (z | x | B | C | dt), the conv channels, A_log / D / dt_bias and the norm weight with them;
 out_proj by rows. A single group (Granite 4.0-H) is replicated instead: every rank holds B and C
@@ -52,23 +54,37 @@ class DepthwiseConv(nn.Module):
 
 class GroupedGatedRMSNorm(nn.Module):
     """y = weight * rmsnorm_per_group(x * silu(z)) over groups of `group_size` channels, in
-    float32 (the gate before the norm: Mamba2's norm_before_gate=False)."""
+    float32 (the gate before the norm: Mamba2's norm_before_gate=False). `norm_before_gate`:
+    y = weight * rmsnorm_per_group(x) * silu(z), weight and gate applied in float32 (Falcon-H1's
+    FalconH1RMSNormGated)."""
 
-    def __init__(self, size: int, group_size: int, eps: float, across_ranks: bool = False) -> None:
+    def __init__(
+        self,
+        size: int,
+        group_size: int,
+        eps: float,
+        across_ranks: bool = False,
+        norm_before_gate: bool = False,
+    ) -> None:
         super().__init__()
         self.group_size, self.eps = group_size, eps
         self.across_ranks = across_ranks  # one group over every rank's channels (`size` of it)
+        self.norm_before_gate = norm_before_gate
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        h = x.float() * F.silu(z.float())
+        if self.norm_before_gate:
+            h = self._normalize(x.float())
+            return (self.weight * h * F.silu(z.float())).to(dtype)
+        return self.weight * self._normalize(x.float() * F.silu(z.float())).to(dtype)
+
+    def _normalize(self, h: torch.Tensor) -> torch.Tensor:  # float32 [T, C]
         t = h.shape[0]
         if self.across_ranks:  # the mean square over the whole group: its ranks' sums reduced
             sq = tp_all_reduce(h.square().sum(-1, keepdim=True))
-            h = h * torch.rsqrt(sq / self.group_size + self.eps)
-            return self.weight * h.to(dtype)
+            return h * torch.rsqrt(sq / self.group_size + self.eps)
         h = torch.rms_norm(h.view(t, -1, self.group_size), (self.group_size,), None, self.eps)
-        return self.weight * h.view(t, -1).to(dtype)
+        return h.view(t, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +101,11 @@ class Mamba2Spec:
     proj_bias: bool
     eps: float
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # Falcon-H1's options (the defaults: Granite's and Nemotron-H's mixer)
+    in_multipliers: tuple[float, float, float, float, float] | None = None  # z, x, B, C, dt
+    rms_norm: bool = True  # False: y * silu(z), no norm (nor its weight)
+    norm_before_gate: bool = False  # rmsnorm(y) * silu(z) instead of rmsnorm(y * silu(z))
+    out_bias: bool | None = None  # out_proj's bias; None: proj_bias
 
 
 class Mamba2Mixer(nn.Module):
@@ -132,11 +153,25 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         for p in (self.A_log, self.D, self.dt_bias):
             p.weight_loader = self._load_heads
-        self.norm = GroupedGatedRMSNorm(
-            self.inner, inner // groups, spec.eps, across_ranks=self.replicated_group and tp > 1
-        )
-        self.norm.weight.weight_loader = self._load_heads
-        self.out_proj = RowParallelLinear(inner, spec.hidden_size, bias=bias)
+        self.norm: GroupedGatedRMSNorm | None = None
+        if spec.rms_norm:
+            self.norm = GroupedGatedRMSNorm(
+                self.inner,
+                inner // groups,
+                spec.eps,
+                across_ranks=self.replicated_group and tp > 1,
+                norm_before_gate=spec.norm_before_gate,
+            )
+            self.norm.weight.weight_loader = self._load_heads
+        out_bias = bias if spec.out_bias is None else spec.out_bias
+        self.out_proj = RowParallelLinear(inner, spec.hidden_size, bias=out_bias)
+        # in_proj's output times each segment's multiplier (this rank's rows: z | x | B | C | dt)
+        scale = None
+        if spec.in_multipliers is not None and any(m != 1 for m in spec.in_multipliers):
+            sizes = [self.inner, self.inner, bc, bc, self.num_heads]
+            pairs = zip(sizes, spec.in_multipliers, strict=True)
+            scale = torch.cat([torch.full((n,), float(m)) for n, m in pairs])
+        self.register_buffer("in_scale", scale, persistent=False)
         limit = tuple(spec.dt_limit)
         self.dt_limit = None if limit == (0.0, float("inf")) else (float(limit[0]), float(limit[1]))
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K - 1]
@@ -184,7 +219,10 @@ class Mamba2Mixer(nn.Module):
         assert self.conv_state is not None and self.ssm_state is not None, "allocate_state() first"
         t = x.shape[0]
         slots, has_state = md.state_rows()
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        zxbcdt = self.in_proj(x)
+        if self.in_scale is not None:
+            zxbcdt = zxbcdt * self.in_scale
+        z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         backend = md.backend
         xbc = backend.causal_conv1d(
             xbc,
@@ -213,8 +251,11 @@ class Mamba2Mixer(nn.Module):
             slots,
             has_state,
         )
-        y = y.float() + xs.float() * self.D.float()[:, None]
-        y = self.norm(y.reshape(t, self.inner), z, x.dtype)
+        y = (y.float() + xs.float() * self.D.float()[:, None]).reshape(t, self.inner)
+        if self.norm is None:
+            y = (y * F.silu(z.float())).to(x.dtype)
+        else:
+            y = self.norm(y, z, x.dtype)
         return self.out_proj(y)
 
     def _clamp_dt(

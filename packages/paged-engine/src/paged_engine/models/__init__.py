@@ -12,6 +12,7 @@ from paged_engine.models.deepseek_v2 import (
 )
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
@@ -94,6 +95,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
 }
 
 

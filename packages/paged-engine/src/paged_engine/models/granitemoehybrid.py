@@ -36,17 +36,18 @@ from paged_engine.models.qwen2_moe import SharedExpertMoeBlock
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
-def granite_mamba2(config) -> Mamba2Spec:
-    """Granite 4.0-H's mamba_* config fields (mamba_d_head "auto": expand * hidden / heads)."""
-    inner = int(config.mamba_expand * config.hidden_size)
+def mamba_spec(config, inner: int, label: str, eps: float, **options) -> Mamba2Spec:
+    """A Mamba2Spec from the mamba_* config fields Granite 4.0-H and Falcon-H1 share: `inner`
+    the mixer's width, mamba_d_head "auto" (or absent) = inner / heads, rms_norm_eps defaulting
+    to `eps`; `options` the spec's optional fields."""
     heads = int(config.mamba_n_heads)
-    head_dim = inner // heads if config.mamba_d_head == "auto" else int(config.mamba_d_head)
+    d_head = getattr(config, "mamba_d_head", "auto")
+    head_dim = inner // heads if d_head in (None, "auto") else int(d_head)
     if heads * head_dim != inner:
         raise ValueError(
-            f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal mamba_expand * "
-            f"hidden_size={inner}"
+            f"mamba_n_heads={heads} x mamba_d_head={head_dim} must equal the mixer's width {inner}"
         )
-    check_mixer("GraniteMoeHybrid's Mamba2", getattr(config, "hidden_act", "silu"), 1)
+    check_mixer(label, getattr(config, "hidden_act", "silu"), 1)
     return Mamba2Spec(
         hidden_size=config.hidden_size,
         num_heads=heads,
@@ -56,9 +57,16 @@ def granite_mamba2(config) -> Mamba2Spec:
         conv_kernel=int(config.mamba_d_conv),
         conv_bias=bool(getattr(config, "mamba_conv_bias", True)),
         proj_bias=bool(getattr(config, "mamba_proj_bias", False)),
-        eps=float(cfg_get(config, "rms_norm_eps", 1e-6)),
+        eps=float(cfg_get(config, "rms_norm_eps", eps)),
         dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))),
+        **options,
     )
+
+
+def granite_mamba2(config) -> Mamba2Spec:
+    """Granite 4.0-H's mixer: width mamba_expand * hidden_size."""
+    inner = int(config.mamba_expand * config.hidden_size)
+    return mamba_spec(config, inner, "GraniteMoeHybrid's Mamba2", 1e-6)
 
 
 class SharedMLP(nn.Module):

@@ -1,12 +1,14 @@
 """The decoder stack shared by hybrid models: layers of linear attention or state-space mixing
 (`config.layer_types`: "linear_attention", "mamba" in older configs, LFM2's short "conv")
 among attention layers (any other type but Nemotron-H's feed-forward-only "mlp" / "moe"
-layers). Only the attention layers hold a paged KV cache: the model's `kv_caches` list has one
-entry per such layer, in order; the linear ones carry a recurrent state per sequence
-(worker/recurrent_state.py).
+layers), or of "hybrid" layers running attention and a linear mixer side by side (Falcon-H1's,
+every layer of a "falcon_h1" model). Only the layers with attention hold a paged KV cache: the
+model's `kv_caches` list has one entry per such layer, in order; the linear and hybrid ones carry
+a recurrent state per sequence (worker/recurrent_state.py).
 
 Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py),
-Nemotron-H (models/nemotron_h.py) and LFM2 / LFM2-MoE (models/lfm2.py).
+Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py) and Falcon-H1
+(models/falcon_h1.py).
 """
 
 from __future__ import annotations
@@ -23,17 +25,25 @@ from paged_engine.models.utils import make_layers
 LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 # Layers with neither KV nor state (Nemotron-H's MLP-only and MoE-only layers).
 FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
+# Layers with both: attention and a linear mixer in parallel (Falcon-H1's).
+PARALLEL_LAYER_TYPES = ("hybrid",)
+# Model types whose every layer is a parallel one, whatever their config lists (transformers 5's
+# FalconH1Config says "hybrid" for each layer; earlier ones say nothing).
+_PARALLEL_MODEL_TYPES = ("falcon_h1",)
 
 
 def layer_types(config) -> list[str]:
+    if getattr(config, "model_type", None) in _PARALLEL_MODEL_TYPES:
+        return [PARALLEL_LAYER_TYPES[0]] * int(config.num_hidden_layers)
     return list(
         getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
     )
 
 
 def is_hybrid(config) -> bool:
-    """Whether some layers are linear (carry a recurrent state instead of KV)."""
-    return any(t in LINEAR_LAYER_TYPES for t in layer_types(config))
+    """Whether some layers carry a recurrent state (linear ones: instead of KV; parallel ones:
+    besides it)."""
+    return any(t in LINEAR_LAYER_TYPES + PARALLEL_LAYER_TYPES for t in layer_types(config))
 
 
 def has_kv(layer_type: str) -> bool:
@@ -41,7 +51,7 @@ def has_kv(layer_type: str) -> bool:
 
 
 def num_kv_layers(config) -> int:
-    """Layers with a paged KV cache: a hybrid's attention ones."""
+    """Layers with a paged KV cache: a hybrid's attention (and parallel) ones."""
     return sum(map(has_kv, layer_types(config)))
 
 

@@ -170,5 +170,25 @@ def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={width}"
             )
+    # Hybrids' linear mixers split their heads too (Gated DeltaNet's key and value heads,
+    # Mamba2's heads); Mamba2's groups split as well unless there is one (replicated).
+    for name in (
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "mamba_n_heads",
+        "mamba_num_heads",
+    ):
+        count = getattr(hf_config, name, None)
+        if isinstance(count, int) and count % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} must divide the model's {name}={count}"
+            )
+    for name in ("mamba_n_groups", "n_groups"):
+        count = getattr(hf_config, name, None)
+        if isinstance(count, int) and count > 1 and count % tp_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} must divide the model's {name}={count} "
+                "(or the model have a single group, replicated on every rank)"
+            )
     layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
     stage_layers(layers, 0, pp_size)  # raises when there are more stages than layers

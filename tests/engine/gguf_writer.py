@@ -13,6 +13,18 @@ linear_attn.norm, A_log stored as -exp(A_log), dt_bias renamed dt_proj.bias, con
 squeezed to [C, K], Qwen3-Next's in_proj_qkvz split into attn_qkv + attn_gate, Qwen3.5's value
 heads reordered grouped -> tiled, LFM2's expert bias renamed expert_bias.bias, the ssm.* /
 full_attention_interval / shortconv.l_cache keys and LFM2's per-layer head_count_kv.
+
+Mamba2 hybrids, as Mamba2Model / GraniteHybridModel / NemotronHModel do: A_log stored as
+-exp(A_log) and D, both [H, 1]; dt_bias renamed dt_proj.bias (Nemotron 3: dt.bias); conv1d weights
+squeezed; the gated norm reshaped to [groups, inner / groups]; q / k rows permuted as Llama's;
+Granite's fused input_linear split into gate / up (experts, shared MLP, or a dense model's
+ffn_gate / ffn_up / ffn_down), its multipliers as attention.scale / embedding_scale /
+residual_scale / logit_scale; Nemotron 3's experts merged (model.layers.N.mlp.experts.*), its
+router bias renamed e_score_correction.bias; per-layer head_count_kv (and Nemotron-H's
+feed_forward_length), ssm.* keys, context_length 2**20 and rope.scaling.finetuned False (no rope).
+Layer kinds are taken from the config by meaning (the converter matches the Hub configs' names:
+"mamba" / "attention" lists or "M" / "*" / "-" / "E" patterns, not transformers 5's
+"linear_attention" / "full_attention"), and Nemotron-H is MoE when it has MoE blocks.
 """
 
 from __future__ import annotations
@@ -40,12 +52,15 @@ GGUF_ARCH = {
     "qwen3_5_moe": ("qwen35moe", "QWEN35MOE"),
     "lfm2": ("lfm2", "LFM2"),
     "lfm2_moe": ("lfm2moe", "LFM2MOE"),
+    "granitemoehybrid": ("granitehybrid", "GRANITE_HYBRID"),
+    "nemotron_h": ("nemotron_h", "NEMOTRON_H"),  # nemotron_h_moe with MoE blocks (_gguf_arch)
 }
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
+MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+)"
-    r"\.weight$"
+    r"^((?:model|backbone)\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward|mixer)\.experts)"
+    r"\.(\d+)\.(\w+)\.weight$"
 )
 
 
@@ -73,6 +88,93 @@ def _lfm2_ff(cfg: dict) -> int:
         multiple = cfg["block_multiple_of"]
         ff = multiple * ((ff + multiple - 1) // multiple)
     return ff
+
+
+def _gguf_arch(tiny_arch: str, cfg: dict) -> tuple[str, str]:
+    """(general.architecture, MODEL_ARCH member): NemotronHModel picks NEMOTRON_H_MOE for MoE."""
+    if tiny_arch == "nemotron_h" and "moe" in _kinds(tiny_arch, cfg):
+        return "nemotron_h_moe", "NEMOTRON_H_MOE"
+    return GGUF_ARCH[tiny_arch]
+
+
+def _kinds(tiny_arch: str, cfg: dict) -> list[str]:
+    """Each layer's kind, "mamba" / "attention" / "mlp" / "moe", whatever the config calls it."""
+    names = {"linear_attention": "mamba", "full_attention": "attention", "M": "mamba",
+             "*": "attention", "-": "mlp", "E": "moe"}  # fmt: skip
+    if tiny_arch == "granitemoehybrid":
+        listed = cfg["layer_types"]
+    else:
+        listed = cfg.get("layers_block_type") or list(cfg["hybrid_override_pattern"])
+    return [names.get(k, k) for k in listed]
+
+
+def _write_mamba_metadata(w, arch: str, tiny_arch: str, cfg: dict) -> None:
+    """GraniteHybridModel.set_gguf_parameters (GraniteMoeModel's, then the hybrid's keys), and
+    NemotronHModel's on top; the last value of a key written twice."""
+    kinds = _kinds(tiny_arch, cfg)
+    granite = tiny_arch == "granitemoehybrid"
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(2**20)  # no rope: GraniteHybridModel's use_rope is False
+    w.add_embedding_length(cfg["hidden_size"])
+    if granite:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    else:  # per layer: MLP (dense) or MoE (Nemotron 3) blocks, 0 elsewhere
+        ff = cfg["moe_intermediate_size"] if arch == "nemotron_h_moe" else cfg["intermediate_size"]
+        w.add_feed_forward_length([ff if k in ("mlp", "moe") else 0 for k in kinds])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([cfg["num_key_value_heads"] if k == "attention" else 0 for k in kinds])
+    rope_theta = _rope_params(cfg).get("rope_theta")
+    if rope_theta is not None:
+        w.add_rope_freq_base(rope_theta)
+    if "rms_norm_eps" in cfg:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if "layer_norm_epsilon" in cfg:
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    if granite:  # TextModel's expert keys (0 experts for a dense model)
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    if granite:  # GraniteModel: each multiplier if set; GraniteMoeModel: the shared MLP's width
+        for key, add in (
+            ("attention_multiplier", w.add_attention_scale),
+            ("embedding_multiplier", w.add_embedding_scale),
+            ("residual_multiplier", w.add_residual_scale),
+            ("logits_scaling", w.add_logit_scale),
+            ("shared_intermediate_size", w.add_expert_shared_feed_forward_length),
+        ):
+            if cfg.get(key):
+                add(cfg[key])
+        heads, inner = cfg["mamba_n_heads"], cfg["mamba_expand"] * cfg["hidden_size"]
+        w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+        w.add_ssm_state_size(cfg["mamba_d_state"])
+        w.add_ssm_group_count(cfg["mamba_n_groups"])
+    else:
+        heads, inner = cfg["mamba_num_heads"], cfg["mamba_num_heads"] * cfg["mamba_head_dim"]
+        w.add_ssm_conv_kernel(cfg["conv_kernel"])
+        w.add_ssm_state_size(cfg["ssm_state_size"])
+        w.add_ssm_group_count(cfg["n_groups"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(heads)
+    w.add_rope_scaling_finetuned(False)
+    if granite:
+        return
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_add_bos_token(arch == "nemotron_h")  # NemotronHModel.set_vocab, dense models only
+    if arch != "nemotron_h_moe":
+        return
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+    w.add_expert_count(cfg["n_routed_experts"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_norm(cfg["norm_topk_prob"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])  # TextModel's
+    if cfg.get("moe_latent_size") is not None:
+        w.add_moe_latent_size(cfg["moe_latent_size"])
 
 
 def _write_metadata(w, arch: str, cfg: dict) -> None:
@@ -185,6 +287,49 @@ def _qwen_hybrid(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     return [(name, arr)]
 
 
+def _mamba_hybrid(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
+    """GraniteHybridModel / NemotronHModel.modify_tensors (Nemotron 3's expert merging: in
+    _converted): [(HF-side name to map, or ("gguf", name)), array]."""
+    if name.startswith("mtp."):
+        return []
+    bid = int(name.split(".")[2]) if ".layers." in name else None
+    kind = None if bid is None else _kinds(tiny_arch, cfg)[bid]
+    moe = tiny_arch == "nemotron_h" and "moe" in _kinds(tiny_arch, cfg)
+    if tiny_arch == "granitemoehybrid":  # GraniteMoeModel's splits of fused [gate; up] rows
+        experts = bool(cfg.get("num_local_experts"))
+        if name.endswith("block_sparse_moe.input_linear.weight"):
+            gate, up = np.split(arr, 2, axis=-2)
+            return [(("gguf", f"blk.{bid}.ffn_gate_exps.weight"), gate),
+                    (("gguf", f"blk.{bid}.ffn_up_exps.weight"), up)]  # fmt: skip
+        if name.endswith("shared_mlp.input_linear.weight"):
+            gate, up = np.split(arr, 2, axis=-2)
+            stem = "_shexp" if experts else ""
+            return [(("gguf", f"blk.{bid}.ffn_gate{stem}.weight"), gate),
+                    (("gguf", f"blk.{bid}.ffn_up{stem}.weight"), up)]  # fmt: skip
+        if name.endswith("shared_mlp.output_linear.weight") and not experts:
+            return [(("gguf", f"blk.{bid}.ffn_down.weight"), arr)]
+    if kind == "attention":  # LlamaModel.modify_tensors (undo_permute is True)
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_permute(arr, cfg["num_key_value_heads"])
+    elif kind == "mamba":  # Mamba2Model.modify_tensors (NemotronHModel's own when MoE)
+        groups = cfg["mamba_n_groups"] if tiny_arch == "granitemoehybrid" else cfg["n_groups"]
+        if name.endswith(".dt_bias"):
+            name = name.removesuffix("_bias") + (".bias" if moe else "_proj.bias")
+        elif name.endswith("conv1d.weight"):
+            arr = arr.squeeze()
+        elif name.endswith((".A_log", ".D")):
+            arr = arr.reshape(-1, 1)
+        elif name.endswith(("mamba.norm.weight", "mixer.norm.weight")):
+            arr = arr.reshape(groups, -1)
+        if name.endswith(".A_log"):
+            arr = -np.exp(arr)
+    elif name.endswith("gate.e_score_correction_bias"):
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    return [(name, arr)]
+
+
 def _lfm2(name: str, arr: np.ndarray):
     """LFM2Model / LFM2MoeModel.modify_tensors (expert merging: in _converted)."""
     if "conv.conv" in name:
@@ -255,7 +400,7 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
     import gguf
     from safetensors.torch import load_file
 
-    _, member = GGUF_ARCH[tiny_arch]
+    _, member = _gguf_arch(tiny_arch, cfg)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, member), cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     out: list[tuple[str, np.ndarray, list[str], np.ndarray]] = []
@@ -271,9 +416,11 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
 
     for name, t in sorted(load_file(src / "model.safetensors").items()):
         hf = arr = t.float().numpy()
-        if tiny_arch in QWEN_HYBRIDS + LFM2S and _EXPERT.match(name) is None:
+        if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS and _EXPERT.match(name) is None:
             if tiny_arch in QWEN_HYBRIDS:
                 pieces = _qwen_hybrid(tiny_arch, cfg, name, arr)
+            elif tiny_arch in MAMBA_HYBRIDS:
+                pieces = _mamba_hybrid(tiny_arch, cfg, name, arr)
             else:
                 pieces = _lfm2(name, arr)
             for i, (mapped, piece) in enumerate(pieces):  # a split tensor: HF's under the first
@@ -294,6 +441,8 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
     for merged, per_expert in sorted(groups.items()):
         if tiny_arch == "lfm2_moe":  # LFM2MoeModel's merged name has no "model." prefix
             merged = merged.removeprefix("model.")
+        if tiny_arch == "nemotron_h":  # NemotronHModel merges into Qwen2-MoE's name
+            merged = re.sub(r"^backbone\.(layers\.\d+)\.mixer\.", r"model.\1.mlp.", merged)
         gguf_name = names.get_name(merged, try_suffixes=(".weight",))
         hf_names = [per_expert[e][0] for e in sorted(per_expert)]
         arrays = [per_expert[e][1] for e in sorted(per_expert)]
@@ -327,11 +476,16 @@ def write_gguf(
 
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
-    if tiny_arch in QWEN_HYBRIDS + LFM2S and quant != "f32":
+    if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS and quant != "f32":
         raise NotImplementedError("hybrid GGUF files are written as F32 only")
-    arch, _ = GGUF_ARCH[tiny_arch]
+    if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
+        cfg.setdefault("num_hidden_layers", len(_kinds(tiny_arch, cfg)))
+    arch, _ = _gguf_arch(tiny_arch, cfg)
     w = gguf.GGUFWriter(str(path), arch)
-    _write_metadata(w, arch, cfg)
+    if tiny_arch in MAMBA_HYBRIDS:
+        _write_mamba_metadata(w, arch, tiny_arch, cfg)
+    else:
+        _write_metadata(w, arch, cfg)
     if spm_vocab is None:
         _write_tokenizer(w, src)
     else:

@@ -61,6 +61,31 @@ def assert_matches(name: str, out, ref: Greedy, abs_tol: float = 1e-3) -> None:
         assert got_top == pytest.approx(want, abs=abs_tol), f"{name}: top logprobs differ"
 
 
+def assert_file_greedy_matches_hf(path, hf, seed: int, lengths: tuple[int, ...]) -> None:
+    """LLM(model=path) (a GGUF file: config, tokenizer and weights from it) gives `hf`'s greedy
+    tokens, 8 a prompt, on random prompts of `lengths` tokens."""
+    from paged_engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=8,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        want.append(out[0, len(prompt) :].tolist())
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in results] == want
+
+
 def assert_tp_matches_one_process(
     path, prompts: list[list[int]], max_tokens: int, max_model_len: int
 ) -> None:

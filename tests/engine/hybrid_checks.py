@@ -14,6 +14,18 @@ from paged_engine.testing import write_tiny_model
 
 MAX_TOKENS = 10
 TOP = 5
+# Nemotron 3's MoE blocks on a tiny Nemotron-H: DeepSeek-V3's router over 2 groups, non-gated
+# relu^2 experts and shared experts (write_tiny_model overrides)
+NEMOTRON_MOE = {
+    "layers_block_type": ["mamba", "moe", "attention", "mamba", "moe"],
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.0,
+    "moe_intermediate_size": 32,
+    "moe_shared_expert_intermediate_size": 48,
+}
 
 
 def random_prompts(seed: int, lengths=(5, 23, 70, 1)) -> list[list[int]]:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.gguf import GGUFFile, gguf_to_hf_config, gguf_weights
 from paged_engine.layers.rotary import rope_config
 from paged_engine.loader import load_hf_config, resolve_model
@@ -17,6 +16,7 @@ from paged_engine.models.lfm2 import lfm2_intermediate_size
 gguf = pytest.importorskip("gguf")
 
 from gguf_writer import write_gguf  # noqa: E402  (needs gguf)
+from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import load_hf  # noqa: E402
 
 # llama.cpp's Qwen3-Next / Qwen3.5 files say which layers are full attention only through
@@ -104,25 +104,7 @@ def test_weights_and_config_match_hf(case):
 def test_llm_generates_hf_greedy_tokens(case):
     """End to end: LLM(model=<file>.gguf) (config, tokenizer, weights from the file)."""
     _, path, src, _ = case
-    hf = load_hf(src)
-    gen = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 21, 34)]
-    want = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=8,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        want.append(out[0, len(prompt) :].tolist())
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [r.outputs[0].token_ids for r in results] == want
+    assert_file_greedy_matches_hf(path, load_hf(src), 11, (7, 21, 34))
 
 
 # -- metadata edge cases ------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import torch
 from hf_reference import assert_tp_matches_one_process, load_hf_model
 from hybrid_checks import (
     CHAT_HITS,
+    NEMOTRON_MOE,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
     assert_snapshots_keep_outputs,
@@ -44,16 +45,6 @@ from paged_engine.worker.recurrent_state import RecurrentStatePool
 
 transformers = pytest.importorskip("transformers")
 
-_NEMOTRON_MOE = {
-    "layers_block_type": ["mamba", "moe", "attention", "mamba", "moe"],
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
-    "routed_scaling_factor": 2.0,
-    "moe_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 48,
-}
 # name -> (tiny arch, config overrides)
 CASES: dict[str, tuple[str, dict]] = {
     "qwen3_next": ("qwen3_next", {}),
@@ -75,8 +66,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "nemotron_h": ("nemotron_h", {}),
     # Nemotron 3: MoE blocks (DeepSeek-V3's router over 2 groups, non-gated relu^2 experts and
     # shared experts), also with the experts in a latent space
-    "nemotron_h-moe": ("nemotron_h", _NEMOTRON_MOE),
-    "nemotron_h-moe-latent": ("nemotron_h", {**_NEMOTRON_MOE, "moe_latent_size": 24}),
+    "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE),
+    "nemotron_h-moe-latent": ("nemotron_h", {**NEMOTRON_MOE, "moe_latent_size": 24}),
 }
 
 

@@ -22,6 +22,22 @@ Qwen3_5MoeTextModel, LFM2Model, LFM2MoeModel; undone in convert.py):
   v channels, ssm_out's columns).
 - LFM2 / LFM2-MoE ("lfm2", "lfm2moe"): short-conv weights squeezed to [C, K]; the expert bias
   stored as `exp_probs_b.bias`; the final norm (HF `embedding_norm`) as `token_embd_norm`.
+
+Mamba2 hybrids (convert_hf_to_gguf.py: Mamba2Model, GraniteHybridModel, NemotronHModel):
+- Granite 4.0-H ("granitehybrid") and Nemotron-H / Nemotron 3 ("nemotron_h", "nemotron_h_moe"):
+  A_log stored as A = -exp(A_log) and D, both as [H, 1] (`ssm_a`, `ssm_d`, no suffix); dt_bias
+  as `ssm_dt.bias`; conv1d weights squeezed to [C, K]; the gated norm (`ssm_norm`) reshaped to
+  [groups, inner / groups]; attention q / k rows permuted as Llama's (GraniteModel and
+  NemotronHModel derive from LlamaModel), though neither rotates them. Layer kinds: per-layer
+  head_count_kv (0 off attention layers), and for Nemotron-H per-layer feed_forward_length (0 off
+  MLP / MoE layers); we read them from the tensors each layer holds.
+- Granite: the MoE's fused input_linear [E, 2I, H] split into `ffn_gate_exps` / `ffn_up_exps`,
+  the shared MLP's input_linear into `ffn_gate_shexp` / `ffn_up_shexp` (dense models: `ffn_gate`
+  / `ffn_up` / `ffn_down`); loading concatenates them back (GGUFArch.fold). The multipliers are
+  metadata: attention.scale, embedding_scale, residual_scale, logit_scale.
+- Nemotron-H keeps HF's `backbone.` names; Nemotron 3's experts are merged (`ffn_up_exps`,
+  `ffn_down_exps`, no gate), the router's correction bias is `exp_probs_b.bias`, the latent
+  projections are `ffn_latent_down` / `ffn_latent_up`.
 """
 
 from __future__ import annotations
@@ -94,6 +110,56 @@ _LFM2_NAMES: dict[str, str | None] = {
     "shortconv.in_proj": "conv.in_proj",
     "shortconv.out_proj": "conv.out_proj",
 }
+# Mamba2 mixer parts, under the HF module holding them ("mamba" / "mixer")
+_MAMBA2_PARTS = {
+    "ssm_in": "in_proj",
+    "ssm_conv1d": "conv1d",
+    "ssm_norm": "norm",
+    "ssm_out": "out_proj",
+}
+_MAMBA2_PARAMS = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt.bias": "dt_bias"}
+# Granite 4.0-H: a `None` part loads folded into another one (_GRANITE_FOLD)
+_GRANITE_HYBRID_NAMES: dict[str, str | None] = {
+    **LAYER_NAMES,
+    **{k: f"mamba.{v}" for k, v in _MAMBA2_PARTS.items()},
+    "ffn_gate_inp": "block_sparse_moe.router.layer",
+    "ffn_gate_exps": "block_sparse_moe.input_linear",
+    "ffn_up_exps": None,
+    "ffn_down_exps": "block_sparse_moe.output_linear",
+    "ffn_gate_shexp": "shared_mlp.input_linear",
+    "ffn_up_shexp": None,
+    "ffn_down_shexp": "shared_mlp.output_linear",
+    "ffn_gate": "shared_mlp.input_linear",
+    "ffn_up": None,
+    "ffn_down": "shared_mlp.output_linear",
+}
+# GraniteMoeModel.modify_tensors split HF's fused [gate; up] rows: gate part -> (up part, dim)
+_GRANITE_FOLD = {
+    "ffn_gate_exps": ("ffn_up_exps", 1),
+    "ffn_gate_shexp": ("ffn_up_shexp", 0),
+    "ffn_gate": ("ffn_up", 0),
+}
+# Nemotron-H: one mixer per block (`backbone.layers.N.mixer`), its norm `norm`
+_NEMOTRON_H_NAMES: dict[str, str | None] = {
+    "attn_norm": "norm",
+    "attn_q": "mixer.q_proj",
+    "attn_k": "mixer.k_proj",
+    "attn_v": "mixer.v_proj",
+    "attn_output": "mixer.o_proj",
+    "ffn_up": "mixer.up_proj",
+    "ffn_down": "mixer.down_proj",
+    "ffn_up_shexp": "mixer.shared_experts.up_proj",
+    "ffn_down_shexp": "mixer.shared_experts.down_proj",
+    "ffn_latent_down": "mixer.fc1_latent_proj",
+    "ffn_latent_up": "mixer.fc2_latent_proj",
+    **{k: f"mixer.{v}" for k, v in _MAMBA2_PARTS.items()},
+}
+_NEMOTRON_H_GLOBALS = {
+    "token_embd.weight": "backbone.embeddings.weight",
+    "output_norm.weight": "backbone.norm_f.weight",
+}
+# the GGUF families whose mixer is Mamba2 (convert.py reshapes A, D and the gated norm back)
+MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +178,13 @@ class GGUFArch:
     params: Mapping[str, str] = field(default_factory=dict)
     # extra global tensors: GGUF name -> HF name
     global_names: Mapping[str, str] = field(default_factory=dict)
-    # hybrid family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2"
+    # hybrid family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
+    # "granitehybrid", "nemotron_h"
     family: str = ""
+    # HF path of the decoder layers (`<prefix>.<N>.<module>`)
+    prefix: str = "model.layers"
+    # GGUF part -> (part concatenated after it, dim): HF's one fused tensor stored as two
+    fold: Mapping[str, tuple[str, int]] = field(default_factory=dict)
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
@@ -176,6 +247,39 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         params={"exp_probs_b.bias": "feed_forward.expert_bias"},
         global_names={"token_embd_norm.weight": "model.embedding_norm.weight"},
         family="lfm2",
+    ),
+    "granitehybrid": GGUFArch(
+        "GraniteMoeHybridForCausalLM",
+        "GraniteMoeHybridConfig",
+        permute_qk=True,
+        layer_names=_GRANITE_HYBRID_NAMES,
+        params={k: f"mamba.{v}" for k, v in _MAMBA2_PARAMS.items()},
+        family="granitehybrid",
+        fold=_GRANITE_FOLD,
+    ),
+    "nemotron_h": GGUFArch(
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        permute_qk=True,
+        layer_names=_NEMOTRON_H_NAMES,
+        params={k: f"mixer.{v}" for k, v in _MAMBA2_PARAMS.items()},
+        global_names=_NEMOTRON_H_GLOBALS,
+        family="nemotron_h",
+        prefix="backbone.layers",
+    ),
+    "nemotron_h_moe": GGUFArch(
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        permute_qk=True,
+        layer_names=_NEMOTRON_H_NAMES,
+        experts=("mixer", "gate_proj", "up_proj", "down_proj"),
+        params={
+            **{k: f"mixer.{v}" for k, v in _MAMBA2_PARAMS.items()},
+            "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
+        },
+        global_names=_NEMOTRON_H_GLOBALS,
+        family="nemotron_h",
+        prefix="backbone.layers",
     ),
 }
 # arch "llama" with experts

@@ -1,7 +1,9 @@
 """GGUF (llama.cpp naming) -> HF checkpoint tensors: names, and undoing what llama.cpp's
 converter did to them (archs.py): the Llama q/k row permutation, Gemma's +1 on norm weights,
 experts merged into one [E, ...] tensor, and the hybrids' (Qwen3-Next / Qwen3.5 / LFM2) own
-changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value heads."""
+changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value heads; the
+Mamba2 hybrids' (Granite 4.0-H, Nemotron-H) [H, 1] A / D, [groups, n] gated norm and split fused
+gate / up projections."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_engine.gguf.archs import GGUF_ARCHS, GGUFArch, gguf_arch
+from paged_engine.gguf.archs import GGUF_ARCHS, MAMBA2_FAMILIES, GGUFArch, gguf_arch
 from paged_engine.gguf.hf_config import gguf_to_hf_config
 from paged_engine.gguf.reader import GGUFFile
 
@@ -43,15 +45,15 @@ def hf_tensor_name(name: str, spec: GGUFArch = GGUF_ARCHS["llama"]) -> str | Non
     the expert index goes."""
     if name in _SKIP:
         return None
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
     if name in spec.global_names:
         return spec.global_names[name]
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
     groups = _split(name)
     if groups is None:
         raise ValueError(f"unknown GGUF tensor {name!r}")
     layer, part, expert, kind = groups
-    prefix = f"model.layers.{layer}"
+    prefix = f"{spec.prefix}.{layer}"
     key = part if kind is None else f"{part}.{kind}"
     if expert is None and key in spec.params:
         return f"{prefix}.{spec.params[key]}"
@@ -143,8 +145,10 @@ def _restore(spec: GGUFArch, part: str, w: torch.Tensor, g: _LinearAttn | None) 
     """A hybrid's tensor as HF has it (see archs.py), after name-independent loading."""
     if spec.family == "qwen35" and g is not None and g.k_heads != g.v_heads:
         w = _untile_qwen35(part, w, g)
-    if part == "ssm_a":  # stored as A = -exp(A_log)
-        return torch.log(-w.double()).float()
+    if part == "ssm_a":  # stored as A = -exp(A_log) (Mamba2: [H, 1])
+        return torch.log(-w.double()).float().reshape(-1)
+    if spec.family in MAMBA2_FAMILIES and part in ("ssm_d", "ssm_norm"):  # [H, 1], [G, n]
+        return w.reshape(-1)
     if part in ("ssm_conv1d", "shortconv.conv") and w.dim() == 2:  # [C, K] -> HF's [C, 1, K]
         return w.unsqueeze(1)
     if part == "ffn_gate_inp_shexp" and w.dim() == 1:  # HF's [1, H]
@@ -185,6 +189,12 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             if gate not in f.tensors:
                 raise ValueError(f"GGUF file has {name} but lacks {gate}")
             w = _qwen3next_qkvz(w, f.tensor(gate), linear)
+        if part in spec.fold:  # HF's fused tensor, stored as two (Granite's [gate; up])
+            other, dim = spec.fold[part]
+            rest = f"blk.{groups[0]}.{other}.{groups[3]}"
+            if rest not in f.tensors:
+                raise ValueError(f"GGUF file has {name} but lacks {rest}")
+            w = torch.cat([w, f.tensor(rest).to(w.dtype)], dim=dim)
         if EXPERT_SLOT in hf_name:
             for e in range(w.shape[0]):
                 yield hf_name.format(e), w[e]

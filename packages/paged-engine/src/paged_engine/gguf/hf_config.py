@@ -58,10 +58,11 @@ def gguf_to_hf_config(f: GGUFFile):
         # the embedding's rows: llama.cpp keeps HF's padded vocab (Qwen) or trims it (Gemma 3)
         vocab_size=f.tensors["token_embd.weight"].shape[0],
         hidden_size=hidden,
-        # MoE models without dense layers may leave it out (_moe fills it in)
-        intermediate_size=meta.get_int(
-            "feed_forward_length", None if spec.experts is not None else _MISSING
-        ),
+        # MoE models without dense layers may leave it out (_moe fills it in); Nemotron-H's is
+        # per layer (_nemotron_h reads it)
+        intermediate_size=None
+        if spec.family == "nemotron_h"
+        else meta.get_int("feed_forward_length", None if spec.experts is not None else _MISSING),
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=_kv_heads(meta, heads),
@@ -73,13 +74,18 @@ def gguf_to_hf_config(f: GGUFFile):
         eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
         pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
     )
-    rope = _rope(meta, f, head_dim)
-    if spec.experts is not None and spec.family != "lfm2":
+    rope: dict[str, Any] | None = _rope(meta, f, head_dim)
+    if spec.experts is not None and spec.family not in ("lfm2", "nemotron_h"):
         kwargs.update(_moe(meta, f, arch, layers))
     if spec.family in ("qwen3next", "qwen35"):
         _qwen_hybrid(meta, f, kwargs, layers)
     if spec.family == "lfm2":
         _lfm2(meta, f, kwargs, layers, moe=spec.experts is not None)
+    if spec.family == "granitehybrid":
+        rope = _granite_hybrid(meta, f, kwargs, layers, rope)
+    if spec.family == "nemotron_h":
+        _nemotron_h(meta, f, kwargs, layers)
+        rope = None  # no positional encoding at all
     if arch in ("gemma2", "gemma3"):
         rope = _gemma(meta, arch, kwargs, rope)
     if arch == "phi3":
@@ -89,7 +95,9 @@ def gguf_to_hf_config(f: GGUFFile):
     config = getattr(transformers, spec.config_cls)(**kwargs)
     # Set after construction: transformers >= 5 reads rope settings from rope_parameters (one
     # dict per layer type for Gemma 3), older versions from rope_theta / rope_scaling.
-    if hasattr(config, "rope_parameters"):
+    if rope is None:
+        pass
+    elif hasattr(config, "rope_parameters"):
         config.rope_parameters = rope
     else:  # pragma: no cover - transformers 4.x
         flat = rope.get("full_attention", rope)
@@ -244,6 +252,189 @@ def _lfm2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int, moe: bo
         # LFM2MoeModel writes neither; llama.cpp then renormalizes and does not scale
         norm_topk_prob=bool(meta.get("expert_weights_norm", True)),
         routed_scaling_factor=meta.get_float("expert_weights_scale", 1.0),
+    )
+
+
+def _mamba2(meta: _Meta, f: GGUFFile, layers: list[int]) -> dict[str, Any]:
+    """The Mamba2 mixer's sizes from ssm.* (GraniteHybridModel.set_gguf_parameters: time_step_rank
+    is the head count, inner_size heads x head_dim); biases from the first Mamba layer's
+    tensors."""
+    heads, inner = meta.get_int("ssm.time_step_rank"), meta.get_int("ssm.inner_size")
+    groups = meta.get_int("ssm.group_count", 1)
+    if heads <= 0 or inner % heads or groups <= 0 or heads % groups:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.ssm.*: inner_size {inner}, time_step_rank {heads}, "
+            f"group_count {groups} do not describe whole heads in whole groups"
+        )
+    first = layers[0] if layers else None
+    return {
+        "heads": heads,
+        "head_dim": inner // heads,
+        "inner": inner,
+        "groups": groups,
+        "state": meta.get_int("ssm.state_size"),
+        "conv": meta.get_int("ssm.conv_kernel"),
+        "conv_bias": first is not None and f"blk.{first}.ssm_conv1d.bias" in f.tensors,
+        "proj_bias": first is not None and f"blk.{first}.ssm_in.bias" in f.tensors,
+    }
+
+
+def _has(f: GGUFFile, layer: int, part: str) -> bool:
+    return f"blk.{layer}.{part}.weight" in f.tensors
+
+
+def _granite_hybrid(
+    meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int, rope: dict[str, Any]
+) -> dict[str, Any]:
+    """Granite 4.0-H (GraniteHybridModel): Mamba layers are those with 0 kv heads (per-layer
+    head_count_kv) and an ssm_in; GraniteModel's multipliers from attention.scale,
+    embedding_scale, residual_scale and logit_scale (each written only when set; llama.cpp then
+    scales by 1, attention by 1 / sqrt(head_dim)); rope only where rope.scaling.finetuned says so
+    (the converter's use_rope, False for every GraniteMoeHybrid checkpoint)."""
+    kv = meta.get("attention.head_count_kv")
+    if not isinstance(kv, list) or len(kv) != layers:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv: expected one entry per layer "
+            f"(0 for Mamba layers), got {kv!r}"
+        )
+    types = []
+    for i, n in enumerate(kv):
+        kind = "full_attention" if int(n) > 0 else "linear_attention"
+        if _has(f, i, "ssm_in") != (kind == "linear_attention"):
+            raise ValueError(
+                f"GGUF layer {i} does not match {meta.arch}.attention.head_count_kv[{i}]={n}"
+            )
+        types.append(kind)
+    mamba = _mamba2(meta, f, [i for i, t in enumerate(types) if t != "full_attention"])
+    hidden = kwargs["hidden_size"]
+    if mamba["inner"] % hidden:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.ssm.inner_size={mamba['inner']} is no whole multiple of "
+            f"embedding_length={hidden} (GraniteMoeHybrid's mamba_expand)"
+        )
+    experts = meta.get_int("expert_count", 0)
+    shared = meta.get_int("expert_shared_feed_forward_length", None)
+    if shared is None:  # the shared MLP's (or a dense model's only MLP's) width
+        gate = "ffn_gate_shexp" if experts else "ffn_gate"
+        if not _has(f, 0, gate):
+            raise ValueError(f"GGUF metadata lacks {meta.arch}.expert_shared_feed_forward_length")
+        shared = f.tensors[f"blk.0.{gate}.weight"].shape[0]
+    # GraniteModel's converter drops head_dim: hidden / heads, as HF's Granite computes it
+    head_dim = kwargs.pop("head_dim")
+    if head_dim != hidden // kwargs["num_attention_heads"]:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.key_length={head_dim} is not "
+            "embedding_length / head_count, which GraniteMoeHybrid assumes"
+        )
+    attn = [i for i, t in enumerate(types) if t == "full_attention"]
+    scale = meta.get_float("attention.scale", None)
+    kwargs.update(
+        layer_types=types,
+        num_local_experts=experts,
+        num_experts_per_tok=meta.get_int("expert_used_count", 0) if experts else 0,
+        shared_intermediate_size=shared,
+        mamba_n_heads=mamba["heads"],
+        mamba_d_head=mamba["head_dim"],
+        mamba_n_groups=mamba["groups"],
+        mamba_d_state=mamba["state"],
+        mamba_d_conv=mamba["conv"],
+        mamba_expand=mamba["inner"] // hidden,
+        mamba_conv_bias=mamba["conv_bias"],
+        mamba_proj_bias=mamba["proj_bias"],
+        attention_bias=bool(attn) and f"blk.{attn[0]}.attn_q.bias" in f.tensors,
+        attention_multiplier=scale if scale else head_dim**-0.5,
+        embedding_multiplier=meta.get_float("embedding_scale", 0.0) or 1.0,
+        residual_multiplier=meta.get_float("residual_scale", 0.0) or 1.0,
+        logits_scaling=meta.get_float("logit_scale", 0.0) or 1.0,
+        position_embedding_type="rope" if meta.get("rope.scaling.finetuned", False) else None,
+    )
+    if kwargs["position_embedding_type"] is None:
+        return {"rope_type": "default", "rope_theta": rope["rope_theta"]}
+    return rope
+
+
+def _nemotron_h(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Nemotron-H / Nemotron 3 (NemotronHModel): each block one mixer. llama.cpp tells them by
+    per-layer head_count_kv (attention) and feed_forward_length (MLP / MoE), both 0 on Mamba
+    blocks; we read the kind off the tensors each block holds (NemotronHModel writes 0 for a
+    dense model's MLP blocks when its config lists the blocks instead of giving a pattern string)
+    and check the kv heads against it."""
+    kv = meta.get("attention.head_count_kv")
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    if len(kv) != layers:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv has {len(kv)} entries for "
+            f"{layers} layers"
+        )
+    types = []
+    for i in range(layers):
+        if _has(f, i, "ssm_in"):
+            kind = "linear_attention"
+        elif _has(f, i, "attn_q"):
+            kind = "full_attention"
+        elif _has(f, i, "ffn_gate_inp"):
+            kind = "moe"
+        elif _has(f, i, "ffn_up"):
+            kind = "mlp"
+        else:
+            raise ValueError(
+                f"GGUF layer {i} holds neither ssm_in, attn_q, ffn_gate_inp nor ffn_up"
+            )
+        if (int(kv[i]) > 0) != (kind == "full_attention"):
+            raise ValueError(
+                f"GGUF layer {i} ({kind}) does not match {meta.arch}.attention.head_count_kv[{i}]"
+                f"={kv[i]}"
+            )
+        types.append(kind)
+    mamba = _mamba2(meta, f, [i for i, t in enumerate(types) if t == "linear_attention"])
+    eps = meta.get_float("attention.layer_norm_rms_epsilon", None) or meta.get_float(
+        "attention.layer_norm_epsilon", 1e-5
+    )
+    mlp = [i for i, t in enumerate(types) if t == "mlp"]
+    attn = [i for i, t in enumerate(types) if t == "full_attention"]
+    if mlp:  # the MLP blocks' width (feed_forward_length's nonzero entries)
+        kwargs["intermediate_size"] = f.tensors[f"blk.{mlp[0]}.ffn_up.weight"].shape[0]
+    else:  # MoE blocks only: NemotronHConfig's default stands
+        del kwargs["intermediate_size"]
+    kwargs.update(
+        layers_block_type=types,
+        mamba_num_heads=mamba["heads"],
+        mamba_head_dim=mamba["head_dim"],
+        n_groups=mamba["groups"],
+        ssm_state_size=mamba["state"],
+        conv_kernel=mamba["conv"],
+        use_conv_bias=mamba["conv_bias"],
+        use_bias=mamba["proj_bias"],
+        mlp_bias=bool(mlp) and f"blk.{mlp[0]}.ffn_up.bias" in f.tensors,
+        attention_bias=bool(attn) and f"blk.{attn[0]}.attn_q.bias" in f.tensors,
+        rms_norm_eps=eps,
+        layer_norm_epsilon=eps,
+    )
+    moe = [i for i, t in enumerate(types) if t == "moe"]
+    if not moe:
+        return
+    size = meta.get_int("expert_feed_forward_length", None)
+    if size is None:
+        size = f.tensors[f"blk.{moe[0]}.ffn_up_exps.weight"].shape[1]
+    shared = meta.get_int("expert_shared_feed_forward_length", None)
+    if shared is None:
+        shared = f.tensors[f"blk.{moe[0]}.ffn_up_shexp.weight"].shape[0]
+    latent = meta.get_int("moe_latent_size", None)
+    if latent is None and _has(f, moe[0], "ffn_latent_down"):
+        latent = f.tensors[f"blk.{moe[0]}.ffn_latent_down.weight"].shape[0]
+    kwargs.update(
+        n_routed_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        moe_intermediate_size=size,
+        moe_shared_expert_intermediate_size=shared,
+        n_shared_experts=meta.get_int("expert_shared_count", 1),
+        moe_latent_size=latent,
+        # llama.cpp's defaults where NemotronHModel wrote nothing
+        norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+        routed_scaling_factor=meta.get_float("expert_weights_scale", 1.0),
+        n_group=meta.get_int("expert_group_count", 1),
+        topk_group=meta.get_int("expert_group_used_count", 1),
+        mlp_bias=f"blk.{moe[0]}.ffn_up_shexp.bias" in f.tensors,
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -398,6 +399,25 @@ def test_reasoning_is_its_own_output_item(srv: SimpleNamespace) -> None:
 
 
 # ---- store, retrieve, previous_response_id -------------------------------------------------
+def test_a_next_turn_sent_at_once_finds_the_response(srv: SimpleNamespace, monkeypatch) -> None:
+    """A response is stored before the client sees it end: a client that sends the next turn
+    the moment it has the answer (whole or streamed) finds it, however slowly the server's
+    thread winds down after sending."""
+    wind_down = srv.app._in_flight
+
+    @contextmanager
+    def slow(*args):
+        with wind_down(*args):
+            yield
+        time.sleep(0.3)  # the handler thread, after its last byte went out
+
+    monkeypatch.setattr(srv.app, "_in_flight", slow)
+    first = _create(srv, "Blue.", input="Favourite colour?")
+    second = _create(srv, "Red.", input="And yours?", previous_response_id=first["id"])
+    third = _events(srv, "Green.", input="Why?", previous_response_id=second["id"])[-1]
+    _create(srv, "Fine.", input="Ok.", previous_response_id=third["response"]["id"])
+
+
 def test_store_retrieve_continue_and_delete(srv: SimpleNamespace) -> None:
     first = _create(srv, "Blue.", input="Favourite colour?", instructions="Be brief.")
     status, _, got = srv.http.request("GET", f"/v1/responses/{first['id']}")

@@ -335,10 +335,16 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
                 app, chat, seq.text, seq.finish_reason, reasoning
             )
             _finish(app, body, group, thought)
+            _store(app, req, body)
             h.send_json(200, body)
         usage = body["usage"]
         h.log_extra = f" prompt_tokens={usage['input_tokens']} gen_tokens={usage['output_tokens']}"
         h.log_extra += " stream" if chat.stream else ""
+
+
+def _store(app: OpenAIApp, req: ResponsesRequest, body: dict[str, Any]) -> None:
+    """Keep a finished response (store=true) for retrieval and previous_response_id: before the
+    client sees it end, so a next turn sent right away finds it."""
     if req.store:
         app.response_store.put(StoredResponse(body, req.context + _context_items(body["output"])))
 
@@ -382,6 +388,7 @@ def _stream(
         return False
     events.finish(group.latest[0].outputs[0].finish_reason == "length")
     _finish(app, body, group, "".join(events.reasoning_pieces) or None)
+    _store(app, req, body)
     events.send("response.completed", response=body)
     h.end_stream(done=False)
     return True

@@ -297,7 +297,6 @@ def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
     ("option", "value"),
     [
         ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
-        ("enable_lora", True),
         ("batch_invariant", True),
         ("cpu_offload_gib", 1),
         ("preemption_mode", "swap"),

@@ -116,6 +116,16 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_ba = ColumnParallelLinear(hidden, 2 * num_v, bias=False)
         self.in_proj_qkvz.weight.weight_loader = self._load_qkvz
         self.in_proj_ba.weight.weight_loader = self._load_ba
+        # LoRA (lora/model.py): an adapter's B loads as the weight does, Qwen3.5's projections
+        # as two parts (qkv | z, b | a) of our merged ones, Qwen3-Next's interleaved ones whole.
+        self.in_proj_qkvz.lora_segments = {
+            None: (0, sum(self.qkvz_sizes)),
+            "qkv": (0, 2 * full_key + full_value),
+            "z": (1, full_value),
+        }
+        self.in_proj_qkvz.lora_b_loader = self._load_qkvz
+        self.in_proj_ba.lora_segments = {None: (0, 2 * num_v), "b": (0, num_v), "a": (1, num_v)}
+        self.in_proj_ba.lora_b_loader = self._load_ba
         self.conv1d = _ConvWeight(self.conv_dim, self.kernel)
         self.conv1d.weight.weight_loader = self._load_conv
         self.A_log = nn.Parameter(torch.empty(self.num_v))

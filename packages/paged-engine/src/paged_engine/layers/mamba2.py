@@ -142,6 +142,9 @@ class Mamba2Mixer(nn.Module):
         # built whole (tp_size 1) at this rank's size: the loaders pick each segment's rows
         self.in_proj = ColumnParallelLinear(spec.hidden_size, local_rows, bias, 0, 1)
         self.in_proj.weight.weight_loader = self._load_in_proj
+        # LoRA (lora/model.py): an adapter's B [z | x | B | C | dt rows, r] loads as the weight
+        self.in_proj.lora_segments = {None: (0, sum(self.proj_sizes))}
+        self.in_proj.lora_b_loader = self._load_in_proj
         if bias:
             self.in_proj.bias.weight_loader = self._load_in_proj
         self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, spec.conv_bias)

@@ -55,6 +55,9 @@ class ShortConv(nn.Module):
         for p in (self.in_proj.weight, self.in_proj.bias, self.conv.weight, self.conv.bias):
             if p is not None:
                 p.weight_loader = self._load_channels
+        # LoRA (lora/model.py): an adapter's B [b | c | x rows, r] loads as the weight
+        self.in_proj.lora_segments = {None: (0, 3 * hidden_size)}
+        self.in_proj.lora_b_loader = self._load_channels
         self.conv_state: torch.Tensor | None = None  # [slots, channels, K - 1]
 
     # ---- state -----------------------------------------------------------------------------------

@@ -6,7 +6,15 @@ model's `rename_weight`, `convert_lora_b` (its `convert_weight`: a fused HF modu
 rows) and `stacked_params` rules, to one of our linear layers and a sub-projection of it (q / k /
 v of a fused qkv_proj, gate / up of gate_up_proj). The layer's own `weight_loader` then cuts this
 rank's shard out of B (column-parallel layers) or A (row-parallel layers), so an adapter loads
-the same way at any tensor-parallel size.
+the same way at any tensor-parallel size. A vision-language wrapper's names (served text-only:
+models/multimodal_text.py) are mapped first, as its weights are; its vision tower's modules are
+not loaded (the tower never runs).
+
+A linear layer that loads through a loader of its own (the hybrid mixers' input projections:
+segments regrouped or cut one by one, or a layer built at this rank's size with tp_size 1)
+declares how its LoRA B loads: `lora_segments` {shard id: (sub-projection, full output rows)}
+and `lora_b_loader` (its weight's loader, which cuts B's rows as it cuts the weight's). A layer
+with a loader of its own and no `lora_b_loader` is refused, never adapted with the wrong rows.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.lora.adapter import PeftAdapter
 from paged_engine.lora.layers import LoRAMapping, LoRAWeights
+from paged_engine.models.multimodal_text import text_model_weights
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +41,23 @@ logger = logging.getLogger(__name__)
 PackedAdapter = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
+def _segments(layer: LinearBase) -> dict | None:
+    """A layer's own LoRA layout, {shard id: (sub-projection, full rows)} (module docstring)."""
+    return getattr(layer, "lora_segments", None)
+
+
+def _segment(layer: LinearBase, shard_id) -> tuple[int, int]:
+    segments = _segments(layer)
+    assert segments is not None
+    if shard_id not in segments:
+        raise ValueError(f"{type(layer).__name__} has no part {shard_id!r}")
+    return segments[shard_id]
+
+
 def _num_subs(layer: LinearBase) -> int:
+    segments = _segments(layer)
+    if segments is not None:
+        return 1 + max(sub for sub, _ in segments.values())
     if isinstance(layer, QKVParallelLinear):
         return 3
     if isinstance(layer, MergedColumnParallelLinear):
@@ -42,6 +67,8 @@ def _num_subs(layer: LinearBase) -> int:
 
 def _full_rows(layer: LinearBase, shard_id) -> int:
     """Output rows of the whole (unsharded) sub-projection `shard_id` of `layer`."""
+    if _segments(layer) is not None:
+        return _segment(layer, shard_id)[1]
     if isinstance(layer, QKVParallelLinear):
         if shard_id == "q":
             return layer.num_heads * layer.head_dim * layer.tp_size
@@ -54,6 +81,8 @@ def _full_rows(layer: LinearBase, shard_id) -> int:
 
 
 def _sub_index(layer: LinearBase, shard_id) -> int:
+    if _segments(layer) is not None:
+        return _segment(layer, shard_id)[0]
     if isinstance(layer, QKVParallelLinear):
         return {"q": 0, "k": 1, "v": 2}[shard_id]
     if isinstance(layer, MergedColumnParallelLinear):
@@ -77,8 +106,17 @@ class LoRAModel:
         self.dtype = dtype
         self.mapping = LoRAMapping(max_loras, max_tokens, device)
         self.layers: dict[str, LinearBase] = {}
+        # Layers whose weight loads through a loader of their own that says nothing of LoRA.
+        self.unroutable: set[str] = set()
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
+                own = getattr(getattr(module, "weight", None), "weight_loader", None)
+                if (
+                    own is not None
+                    and own != module.weight_loader
+                    and not hasattr(module, "lora_b_loader")
+                ):
+                    self.unroutable.add(name)
                 module.lora = LoRAWeights(
                     self.mapping,
                     num_subs=_num_subs(module),
@@ -103,9 +141,17 @@ class LoRAModel:
 
     # ---- packing ----------------------------------------------------------------------------
     def _route(self, module: str, b: torch.Tensor):
-        """(layer name, sub-projection, shard id, B rows of it) for one adapter module."""
+        """(layer name, sub-projection, shard id, B rows of it) for one adapter module; none
+        for a module of a vision-language wrapper's vision tower, which is not served."""
         model = self.model
-        name = model.rename_weight(f"{module}.weight")
+        name = f"{module}.weight"
+        config = getattr(model, "config", None)
+        if config is not None:  # a VLM wrapper's language-model names, as the loader maps them
+            mapped = list(text_model_weights([(name, b)], config))
+            if not mapped:
+                return []
+            ((name, b),) = mapped
+        name = model.rename_weight(name)
         routed = []
         for pname, piece in model.convert_lora_b(name, b):
             rule = next((r for r in model.stacked_params if r[1] in pname), None)
@@ -122,7 +168,13 @@ class LoRAModel:
             if layer is None or not pname.endswith(".weight"):
                 raise ValueError(
                     f"module {module!r} is not a linear layer of {type(model).__name__} that "
-                    "LoRA can adapt (supported: the attention and MLP projections)"
+                    "LoRA can adapt (supported: the attention and MLP projections, and the "
+                    "linear mixers' input and output projections)"
+                )
+            if layer_name in self.unroutable:
+                raise ValueError(
+                    f"module {module!r} loads its weight in a layout of its own that LoRA "
+                    "cannot follow: it cannot be adapted"
                 )
             routed.append((layer_name, _sub_index(layer, shard_id), shard_id, piece))
         return routed
@@ -134,9 +186,12 @@ class LoRAModel:
         packed: PackedAdapter = {}
         seen: set[tuple[str, int]] = set()
         r_max = self.max_rank
+        vision: list[str] = []
         for module, lm in adapter.modules.items():
             try:
                 routed = self._route(module, lm.b.to(torch.float32) * lm.scale)
+                if not routed:
+                    vision.append(module)
                 r = lm.a.shape[0]
                 for layer_name, sub, shard_id, b in routed:
                     if (layer_name, sub) in seen:
@@ -165,15 +220,24 @@ class LoRAModel:
                         _copy(b_pack[:, cols], b_full)
                     else:  # B is cut along its output rows, by the layer's sharding
                         _copy(a_pack[cols], a_full)
+                        load_b = getattr(layer, "lora_b_loader", layer.weight_loader)
                         if shard_id is None:
-                            layer.weight_loader(b_pack[:, cols], b_full)
+                            load_b(b_pack[:, cols], b_full)
                         else:
-                            layer.weight_loader(b_pack[:, cols], b_full, shard_id)
+                            load_b(b_pack[:, cols], b_full, shard_id)
             except (ValueError, KeyError, RuntimeError) as e:  # RuntimeError: a bad reshape
                 raise ValueError(
                     f"lora_request: the adapter at {adapter.path!r} does not fit the model: "
                     f"module {module!r}: {e}"
                 ) from e
+        if vision:
+            logger.info(
+                "LoRA adapter %s: %d modules of the vision tower (%s, ...) are not loaded: the "
+                "model is served text-only",
+                adapter.path,
+                len(vision),
+                vision[0],
+            )
         return packed
 
     # ---- slots ------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ into a seat resumes a prefix-cache hit there.
 
 What the engine gives up for it (`hybrid_engine_config`): swap preemption and the CPU offload
 tier (the state is not in blocks), speculative decoding (a rejected draft cannot be taken back
-out of the state), pipeline parallelism, LoRA and batch-invariant mode.
+out of the state), pipeline parallelism and batch-invariant mode. LoRA adapters have nothing to
+do with the state (a token's adapter changes its projections only; prefix-cache snapshots are
+keyed by block hashes whose root names the adapter), so they are served.
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ def hybrid_engine_config(config, hf_config) -> None:
     unsupported = {
         "speculative_config": config.speculative_config is not None,
         "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
-        "enable_lora=True": bool(config.enable_lora),
         "batch_invariant=True": bool(config.batch_invariant),
         "cpu_offload_gib > 0": bool(config.cpu_offload_gib),
         "preemption_mode='swap'": config.preemption_mode == "swap",

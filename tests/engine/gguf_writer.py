@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -395,15 +396,17 @@ def write_spm_tokenizer(w, vocab: SpmVocab) -> None:
 
 
 def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
-    """(GGUF name, float32 array as the converter emits it, HF names, HF's own array): one HF
-    name per expert of a merged tensor, whose HF array is the stack of theirs."""
+    """(GGUF name, float32 array as the converter emits it, HF names, HF's own array, sources):
+    one HF name per expert of a merged tensor, whose HF array is the stack of theirs; sources
+    (hybrids' own transforms only, else None): the flat index into HF's array of each stored
+    value, as float64 in the stored shape."""
     import gguf
     from safetensors.torch import load_file
 
     _, member = _gguf_arch(tiny_arch, cfg)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, member), cfg["num_hidden_layers"])
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    out: list[tuple[str, np.ndarray, list[str], np.ndarray]] = []
+    out: list[tuple[str, np.ndarray, list[str], np.ndarray, np.ndarray | None]] = []
     groups: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
 
     def to_gguf(name) -> str:
@@ -418,13 +421,17 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
         hf = arr = t.float().numpy()
         if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS and _EXPERT.match(name) is None:
             if tiny_arch in QWEN_HYBRIDS:
-                pieces = _qwen_hybrid(tiny_arch, cfg, name, arr)
+                transform = partial(_qwen_hybrid, tiny_arch, cfg, name)
             elif tiny_arch in MAMBA_HYBRIDS:
-                pieces = _mamba_hybrid(tiny_arch, cfg, name, arr)
+                transform = partial(_mamba_hybrid, tiny_arch, cfg, name)
             else:
-                pieces = _lfm2(name, arr)
-            for i, (mapped, piece) in enumerate(pieces):  # a split tensor: HF's under the first
-                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf))
+                transform = partial(_lfm2, name)
+            # the same transform on HF's flat element indices: where each stored value came from
+            with np.errstate(all="ignore"):  # -exp of an index (A_log's, never quantized)
+                sources = transform(np.arange(hf.size, dtype=np.float64).reshape(hf.shape))
+            for i, ((mapped, piece), (_, src)) in enumerate(zip(transform(arr), sources)):
+                # a split tensor: HF's names under the first piece
+                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, src))
             continue
         if tiny_arch in ("llama", "mixtral") and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, heads)
@@ -437,7 +444,7 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
             base, expert, part = m.groups()
             groups.setdefault(f"{base}.{part}.weight", {})[int(expert)] = (name, arr)
             continue
-        out.append((names.get_name(name, try_suffixes=(".weight", ".bias")), arr, [name], hf))
+        out.append((names.get_name(name, try_suffixes=(".weight", ".bias")), arr, [name], hf, None))
     for merged, per_expert in sorted(groups.items()):
         if tiny_arch == "lfm2_moe":  # LFM2MoeModel's merged name has no "model." prefix
             merged = merged.removeprefix("model.")
@@ -448,12 +455,222 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
         arrays = [per_expert[e][1] for e in sorted(per_expert)]
         if merged_experts:
             stacked = np.stack(arrays)
-            out.append((gguf_name, stacked, hf_names, stacked))
+            out.append((gguf_name, stacked, hf_names, stacked, None))
         else:  # blk.N.ffn_gate.M.weight
             stem = gguf_name.removesuffix("_exps.weight")
             for e, (hf_name, arr) in enumerate(zip(hf_names, arrays, strict=True)):
-                out.append((f"{stem}.{e}.weight", arr, [hf_name], arr))
+                out.append((f"{stem}.{e}.weight", arr, [hf_name], arr, None))
     return out
+
+
+# -- quantized hybrid files ---------------------------------------------------------------------
+HYBRID_QUANTS = ("f32", "q8_0", "q4_k_m", "q6_k")
+# convert_hf_to_gguf.py's prepare_tensors keeps these F32 whatever --outtype says (with 1-D
+# tensors, "_norm.weight" ones and names not ending ".weight": ssm_a, ssm_d, biases)
+_CONVERTER_F32 = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d", "shortconv.conv")
+# llama-quant.cpp's tensor_allows_quantization: substrings of names it never quantizes
+_QUANTIZE_SKIPS = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d", "shortconv.conv.weight")
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def quantize_q6_k(arr: np.ndarray) -> np.ndarray:
+    """A plain Q6_K encoder (rows of 256-value super-blocks; our own rounding, not ggml's search):
+    16 sub-blocks of 16 with an int8 scale each on a float16 d, values (q - 32) in -32..31."""
+    x = arr.astype(np.float32).reshape(-1, 16, 16)
+    sub = np.abs(x).max(axis=2) / 31  # [nb, 16] wanted step per sub-block
+    d = _f16_round(sub.max(axis=1, keepdims=True) / 127)
+    sc = np.where(d > 0, np.round(sub / np.where(d > 0, d, 1)), 0).clip(-128, 127)
+    step = (d * sc)[:, :, None]
+    q = np.where(step > 0, np.round(x / np.where(step > 0, step, 1)), 0).clip(-32, 31)
+    q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, quarter, 32]
+    low = q & 15
+    ql = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2
+    )  # [nb, 2, 64]
+    qh = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+    qh = qh | ((q[:, :, 3] >> 4) << 6)  # [nb, 2, 32]
+    nb = x.shape[0]
+    blocks = np.concatenate(
+        [
+            ql.reshape(nb, 128),
+            qh.reshape(nb, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d.astype(np.float16).view(np.uint8),
+        ],
+        axis=1,
+    )
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 210)
+
+
+def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
+    """A plain Q4_K encoder: 8 sub-blocks of 32 per super-block of 256, each value
+    d * scale * q - dmin * min with q in 0..15 and 6-bit scales / mins on float16 d / dmin."""
+    x = arr.astype(np.float32).reshape(-1, 8, 32)
+    low = np.maximum(-x.min(axis=2), 0)  # [nb, 8] subtracted minimum
+    step = (x.max(axis=2) + low) / 15
+    d = _f16_round(step.max(axis=1, keepdims=True) / 63)
+    dmin = _f16_round(low.max(axis=1, keepdims=True) / 63)
+    sc = np.where(d > 0, np.round(step / np.where(d > 0, d, 1)), 0).clip(0, 63)
+    mn = np.where(dmin > 0, np.round(low / np.where(dmin > 0, dmin, 1)), 0).clip(0, 63)
+    eff = (d * sc)[:, :, None]
+    shifted = x + (dmin * mn)[:, :, None]
+    q = np.where(eff > 0, np.round(shifted / np.where(eff > 0, eff, 1)), 0).clip(0, 15)
+    q = q.astype(np.uint8).reshape(-1, 4, 2, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    scales = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4),
+        ],
+        axis=1,
+    )
+    blocks = np.concatenate(
+        [d.astype(np.float16).view(np.uint8), dmin.astype(np.float16).view(np.uint8), scales, qs],
+        axis=1,
+    )
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 144)
+
+
+def _ggml_n_dims(shape: tuple[int, ...]) -> int:
+    """ggml_n_dims: dimensions up to the last one > 1 in ggml's order (numpy's reversed)."""
+    lead = 0
+    while lead < len(shape) - 1 and shape[lead] == 1:
+        lead += 1
+    return len(shape) - lead
+
+
+def _use_more_bits(i: int, n: int) -> bool:  # llama-quant.cpp's helper of that name
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".")[1]) if name.startswith("blk.") else -1
+
+
+def hybrid_tensor_types(
+    tensors: list[tuple[str, tuple[int, ...]]],
+    quant: str,
+    cfg: dict,
+    overrides: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """GGUF name -> ggml type name of each tensor, as llama.cpp would store it.
+
+    "q8_0": convert_hf_to_gguf.py's prepare_tensors: F32 for 1-D tensors, "_norm.weight" ones,
+    names not ending ".weight" and the _CONVERTER_F32 kinds; Q8_0 otherwise, F16 when a row is
+    not whole 32-value blocks (gguf.quants.quantize's QuantError). "q4_k_m" / "q6_k":
+    llama-quant.cpp on the F32 file, tensors in its loader's order (by layer, then name):
+    tensor_allows_quantization (>= 2 ggml dims, ".weight", none of _QUANTIZE_SKIPS), then
+    llama_tensor_get_type_impl's Q4_K_M / Q6_K choices (output, and a tied token_embd: Q6_K, Q8_0
+    when rows are not whole 256 blocks; attn_v / attn_qkv and ffn_down: Q6_K on use_more_bits
+    layers) and tensor_type_fallback (rows not whole 256 blocks: Q4_K -> Q5_0, Q6_K -> Q8_0, F16
+    when not whole 32 blocks either). `overrides` (llama-quantize's --tensor-type: regex ->
+    type) replace the choice for the tensors it quantizes, before the fallback."""
+    types: dict[str, str] = {}
+    if quant == "f32":
+        return {name: "F32" for name, _ in tensors}
+    if quant == "q8_0":
+        for name, shape in tensors:
+            part = name.removesuffix(".weight").split(".", 2)[-1]
+            keep = (
+                len(shape) <= 1
+                or name.endswith("_norm.weight")
+                or not name.endswith(".weight")
+                or part in _CONVERTER_F32
+            )
+            types[name] = "F32" if keep else "Q8_0" if shape[-1] % 32 == 0 else "F16"
+        return types
+    n_layers = cfg["num_hidden_layers"]
+    n_expert = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    n_expert = n_expert or cfg.get("n_routed_experts") or 0
+    names = [name for name, _ in tensors]
+    tied = "output.weight" not in names
+    n_attn_v = sum(("attn_v.weight" in n or "attn_qkv.weight" in n) for n in names)
+    i_attn_v = i_ffn_down = 0
+    default = "Q4_K" if quant == "q4_k_m" else "Q6_K"
+    for name, shape in sorted(tensors, key=lambda t: (_layer(t[0]), t[0])):
+        allowed = (
+            _ggml_n_dims(shape) >= 2
+            and name.endswith("weight")
+            and not any(skip in name for skip in _QUANTIZE_SKIPS)
+        )
+        if not allowed:
+            types[name] = "F32"
+            continue
+        new = default
+        manual = next((t for p, t in (overrides or {}).items() if re.search(p, name)), None)
+        if manual is not None:
+            new = manual
+        elif name == "output.weight" or (tied and name == "token_embd.weight"):
+            new = "Q8_0" if shape[-1] % 256 else "Q6_K"
+        elif "attn_v.weight" in name or "attn_qkv.weight" in name:
+            if quant == "q4_k_m" and _use_more_bits(i_attn_v, n_attn_v):
+                new = "Q6_K"
+            i_attn_v += 1
+        elif "ffn_down" in name:
+            layer = _layer(name) if n_expert > 1 else i_ffn_down
+            if quant == "q4_k_m" and _use_more_bits(layer, n_layers):
+                new = "Q6_K"
+            i_ffn_down += 1
+        if new in ("Q4_K", "Q6_K") and shape[-1] % 256:
+            new = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}[new]
+            if shape[-1] % 32:
+                new = "F16"
+        types[name] = new
+    return types
+
+
+def _store(arr: np.ndarray, ggml: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """(array for GGUFWriter.add_tensor, its dequantized float32 values or None for F32)."""
+    import gguf
+
+    if ggml == "F32":
+        return arr, None
+    if ggml == "F16":
+        half = arr.astype(np.float16)
+        return half, half.astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml]
+    encode = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(ggml)
+    raw = encode(arr) if encode else gguf.quants.quantize(arr, qtype)
+    return raw, gguf.quants.dequantize(raw, qtype)  # the gguf package's own dequantizer
+
+
+def _write_hybrid_tensors(w, entries, quant: str, cfg: dict, exact: set[str] | None, overrides):
+    """Add a hybrid's tensors to `w` as `quant` stores them; the HF-named expected weights: HF's
+    own where the stored value is F32, else the dequantized values put back where the
+    converter took them from (its transforms only move, split or reshape quantized tensors)."""
+    import gguf
+
+    types = hybrid_tensor_types([(e[0], e[1].shape) for e in entries], quant, cfg, overrides)
+    built: dict[int, tuple[list[str], np.ndarray, list[bool]]] = {}
+    for gguf_name, arr, hf_names, hf, sources in entries:
+        data, values = _store(arr, types[gguf_name])
+        if data.dtype == np.uint8:
+            qtype = gguf.GGMLQuantizationType[types[gguf_name]]
+            w.add_tensor(gguf_name, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data)
+        names, want, quantized = built.setdefault(id(hf), ([], hf.astype(np.float32), []))
+        names.extend(hf_names)
+        quantized.append(values is not None)
+        if values is None:
+            continue
+        if sources is None:  # stored as HF has it (merged experts: their stack)
+            want[...] = values.reshape(want.shape)
+        else:
+            want.reshape(-1)[sources.reshape(-1).astype(np.int64)] = values.reshape(-1)
+    expected: dict[str, torch.Tensor] = {}
+    for names, want, quantized in built.values():
+        tensor = torch.from_numpy(np.ascontiguousarray(want))
+        parts = tensor.unbind(0) if len(names) > 1 else [tensor]
+        expected.update(zip(names, parts, strict=True))
+        if exact is not None and all(quantized):
+            exact.update(names)
+    return expected
 
 
 def write_gguf(
@@ -465,19 +682,27 @@ def write_gguf(
     merged_experts: bool = True,
     rope_freqs: np.ndarray | None = None,
     spm_vocab: SpmVocab | None = None,
+    exact: set[str] | None = None,
+    tensor_types: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `src` (a tiny HF model dir) as GGUF to `path`; returns the HF-named float32 weights
     our reader must produce (HF's own, after the file's rounding and dequantization).
 
     quant: "f32" (every tensor F32), "q8_0" (every matrix Q8_0, vectors F32), or "mixed"
-    (embedding and gate projections Q8_0, down projections F16, the rest F32). `spm_vocab`:
-    write that SentencePiece vocabulary instead of the model dir's byte-level BPE one."""
+    (embedding and gate projections Q8_0, down projections F16, the rest F32). Hybrids: "f32",
+    or a quantized file as llama.cpp makes one (which tensors stay F32, fallback types: see
+    hybrid_tensor_types): "q8_0" (convert_hf_to_gguf.py --outtype q8_0), "q4_k_m" / "q6_k"
+    (llama-quantize of the F32 file; `tensor_types`: its --tensor-type overrides). `exact`,
+    when given, receives the HF names whose expected values are dequantized ones (our loader
+    must give them bit for bit). `spm_vocab`: write that SentencePiece vocabulary instead of
+    the model dir's byte-level BPE one."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
-    if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS and quant != "f32":
-        raise NotImplementedError("hybrid GGUF files are written as F32 only")
+    hybrid = tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS
+    if quant not in (HYBRID_QUANTS if hybrid else ("f32", "q8_0", "mixed")):
+        raise NotImplementedError(f"{tiny_arch} GGUF files are not written as {quant!r}")
     if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
         cfg.setdefault("num_hidden_layers", len(_kinds(tiny_arch, cfg)))
     arch, _ = _gguf_arch(tiny_arch, cfg)
@@ -491,7 +716,11 @@ def write_gguf(
     else:
         write_spm_tokenizer(w, spm_vocab)
     expected: dict[str, torch.Tensor] = {}
-    for gguf_name, arr, hf_names, hf in _converted(src, tiny_arch, cfg, merged_experts):
+    entries = _converted(src, tiny_arch, cfg, merged_experts)
+    if hybrid:
+        expected = _write_hybrid_tensors(w, entries, quant, cfg, exact, tensor_types)
+        entries = []
+    for gguf_name, arr, hf_names, hf, _ in entries:
         is_gate = "ffn_gate" in gguf_name and "ffn_gate_inp" not in gguf_name
         if arr.ndim >= 2 and (
             quant == "q8_0" or (quant == "mixed" and (gguf_name == "token_embd.weight" or is_gate))

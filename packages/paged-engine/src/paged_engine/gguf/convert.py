@@ -194,7 +194,11 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             rest = f"blk.{groups[0]}.{other}.{groups[3]}"
             if rest not in f.tensors:
                 raise ValueError(f"GGUF file has {name} but lacks {rest}")
-            w = torch.cat([w, f.tensor(rest).to(w.dtype)], dim=dim)
+            # the halves may be stored as different types (llama-quantize --tensor-type, say an
+            # F16 gate and a Q8_0 up): the wider dtype holds both exactly
+            rest_w = f.tensor(rest)
+            dtype = torch.promote_types(w.dtype, rest_w.dtype)
+            w = torch.cat([w.to(dtype), rest_w.to(dtype)], dim=dim)
         if EXPERT_SLOT in hf_name:
             for e in range(w.shape[0]):
                 yield hf_name.format(e), w[e]

@@ -4,7 +4,7 @@
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
 fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand, causal_conv1d,
-gated_delta_rule, ssd_scan) is called on CPU
+gated_delta_rule (a gate per head or per key channel), ssd_scan) is called on CPU
 tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
 running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
@@ -432,6 +432,11 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             pool = torch.zeros(8, 32, dim, dim, dtype=state_dtype)
             call(f"gated_delta_rule bf16 D={dim} {state_dtype} state {label}",
                  linear_attention.gated_delta_rule, q, q, v, g, beta, pool, *batch)  # fmt: skip
+        # Kimi Delta Attention (Kimi-Linear-48B: 32 heads of 128): a decay per key channel
+        q, g = torch.zeros(tokens, 32, 128, dtype=torch.bfloat16), torch.zeros(tokens, 32, 128)
+        beta, pool = torch.zeros(tokens, 32, dtype=torch.bfloat16), torch.zeros(8, 32, 128, 128)
+        call(f"gated_delta_rule per-channel gate bf16 D=128 {label}",
+             linear_attention.gated_delta_rule, q, q, q, g, beta, pool, *batch)  # fmt: skip
         # Mamba2's scan: Granite 4.0-H (128 heads of 64, N = 128, one group), Nemotron-H (8
         # groups), and N = 256 with P = 128 (the largest state tile a program holds per row).
         for heads, dim, groups, d_state, state_dtype in (

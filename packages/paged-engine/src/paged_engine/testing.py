@@ -55,6 +55,7 @@ MORE_TINY_ARCHS: list[str] = [
     "lfm2",
     "lfm2_moe",
     "falcon_h1",
+    "kimi_linear",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -211,6 +212,41 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "qwen3_5": ("Qwen3_5TextConfig", _HYBRID_LIKE),
+    # Kimi Linear: KDA, KDA, MLA (NoPE: the rope part of the keys is shared but never rotated),
+    # KDA, given as Moonshot's config gives them (linear_attn_config, 1-based layer numbers); a
+    # dense first layer, then DeepSeek-V3 MoE layers (8 experts in 4 groups, 2 kept, 2 chosen,
+    # a shared expert), under Moonshot's names (num_experts, num_expert_group, ...)
+    "kimi_linear": (
+        "KimiLinearConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+            "linear_attn_config": {
+                "kda_layers": [1, 2, 4],
+                "full_attn_layers": [3],
+                "num_heads": 4,
+                "head_dim": 16,
+                "short_conv_kernel_size": 4,
+            },
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "first_k_dense_replace": 1,
+            "num_experts": 8,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "num_experts_per_token": 2,
+            "num_expert_group": 4,
+            "topk_group": 2,
+            "moe_renormalize": True,
+            "routed_scaling_factor": 2.5,
+            "tie_word_embeddings": False,
+        },
+    ),
     # Granite 4.0-H: Mamba2 layers (4 heads of 16 on 2 groups, state 16, conv 4 with bias) among
     # attention layers without rope; Granite's multipliers; MoE plus a shared MLP
     "granitemoehybrid": (

@@ -1,5 +1,7 @@
 """Linear attention over a varlen batch whose sequences each own a row of state pools: the short
-causal conv and the gated delta rule of Gated DeltaNet (Qwen3-Next / Qwen3.5). Mamba2's
+causal conv and the gated delta rule of Gated DeltaNet (Qwen3-Next / Qwen3.5), whose decay is one
+scalar per head and token, or Kimi Delta Attention's (KDA, Kimi Linear), one per key channel,
+head and token. Mamba2's
 selective scan, which shares the conv and this batch layout, is in ssd.py.
 
 Batch layout of the ops: the tokens of S sequences flattened along dim 0; sequence i owns
@@ -15,7 +17,8 @@ writes the new one, after a barrier.
 
 gated_delta_rule: a fused recurrent kernel, a program per (sequence, value head, BLOCK_V value
 columns) holding S[Dk, BLOCK_V] in fp32 registers and walking the sequence's tokens one by one:
-fine for decode, sequential (slow) for long prefills; there is no chunked prefill kernel yet.
+fine for decode, sequential (slow) for long prefills; there is no chunked prefill kernel yet. A
+per-key-channel decay (G_PER_K) scales S's rows by the token's [Dk] gate vector instead.
 """
 
 from __future__ import annotations
@@ -223,7 +226,7 @@ def _gated_delta_rule_kernel(
     q_ptr,  # [T, Hk, DK]
     k_ptr,  # [T, Hk, DK]
     v_ptr,  # [T, Hv, DV]
-    g_ptr,  # [T, Hv] log decay (<= 0)
+    g_ptr,  # [T, Hv] log decay (<= 0), or [T, Hv, DK] if G_PER_K
     beta_ptr,  # [T, Hv]
     state_ptr,  # [num_slots, Hv, DK, DV]
     cu_seqlens_ptr,  # [S + 1] int32
@@ -238,6 +241,7 @@ def _gated_delta_rule_kernel(
     stride_vt,
     stride_vh,
     stride_gt,
+    stride_gh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -250,6 +254,7 @@ def _gated_delta_rule_kernel(
     BLOCK_K: tl.constexpr,  # next_pow2(DK): a whole key head
     BLOCK_V: tl.constexpr,
     L2NORM: tl.constexpr,
+    G_PER_K: tl.constexpr,  # g holds one log decay per key channel (KDA)
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -273,13 +278,17 @@ def _gated_delta_rule_kernel(
         q = tl.load(q_ptr + tok * stride_qt + k_head * stride_qh + offs_k, mask=k_ok, other=0.0)
         k = tl.load(k_ptr + tok * stride_kt + k_head * stride_kh + offs_k, mask=k_ok, other=0.0)
         v = tl.load(v_ptr + tok * stride_vt + head * stride_vh + offs_v, mask=v_ok, other=0.0)
-        g = tl.load(g_ptr + tok * stride_gt + head).to(tl.float32)
+        g_row = g_ptr + tok * stride_gt + head * stride_gh
         beta = tl.load(beta_ptr + tok * stride_bt + head).to(tl.float32)
         q, k = q.to(tl.float32), k.to(tl.float32)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
-        s = s * tl.exp(g)
+        if G_PER_K:
+            g = tl.load(g_row + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            s = s * tl.exp(g)[:, None]
+        else:
+            s = s * tl.exp(tl.load(g_row).to(tl.float32))
         delta = (v.to(tl.float32) - tl.sum(s * k[:, None], 0)) * beta  # what S fails to recall
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * (q * scale)[:, None], 0)
@@ -300,7 +309,7 @@ def gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
     v: torch.Tensor,  # [T, Hv, Dv], Hv a multiple of Hk
-    g: torch.Tensor,  # [T, Hv] float32 log decay (<= 0)
+    g: torch.Tensor,  # [T, Hv] or [T, Hv, Dk] (KDA) float32 log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv], already through the sigmoid
     ssm_state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
     cu_seqlens: torch.Tensor,  # [S + 1] int32
@@ -311,8 +320,9 @@ def gated_delta_rule(
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """The gated delta rule per sequence and value head h (key head h // (Hv // Hk)), in fp32:
     per token, q and k L2-normalised (x * rsqrt(|x|^2 + 1e-6)) if use_qk_l2norm, q scaled
-    (default Dk ** -0.5), then S *= exp(g); S += k (beta (v - k^T S))^T; o = q^T S. S starts at
-    the slot's state (or zeros) and is stored back in the pool's dtype. Rows of padding
+    (default Dk ** -0.5), then S *= exp(g); S += k (beta (v - k^T S))^T; o = q^T S. A g of
+    [T, Hv, Dk] decays each key channel (row of S) by its own exp(g) (Kimi Delta Attention). S
+    starts at the slot's state (or zeros) and is stored back in the pool's dtype. Rows of padding
     sequences and of tokens past cu_seqlens[S] are not written; an empty sequence leaves its
     slot untouched."""
     check(q.dim() == 3 and k.shape == q.shape, f"q, k must be [T, Hk, Dk]: {q.shape}, {k.shape}")
@@ -321,7 +331,12 @@ def gated_delta_rule(
     _, num_v_heads, dv = v.shape
     check(num_v_heads % num_k_heads == 0, f"Hv={num_v_heads} not a multiple of Hk={num_k_heads}")
     check(dk <= 256 and dv <= 256, f"head sizes must be <= 256, got Dk={dk}, Dv={dv}")
-    check(g.shape == (num_tokens, num_v_heads) and g.dtype == torch.float32, "g: fp32 [T, Hv]")
+    per_k = g.dim() == 3
+    check(
+        g.shape in ((num_tokens, num_v_heads), (num_tokens, num_v_heads, dk))
+        and g.dtype == torch.float32,
+        f"g must be fp32 [T, Hv] or [T, Hv, Dk], got {g.dtype} {tuple(g.shape)}",
+    )
     check(beta.shape == (num_tokens, num_v_heads), f"beta must be [T, Hv], got {beta.shape}")
     check(
         ssm_state.dim() == 4 and ssm_state.shape[1:] == (num_v_heads, dk, dv),
@@ -356,6 +371,7 @@ def gated_delta_rule(
         v.stride(0),
         v.stride(1),
         g.stride(0),
+        g.stride(1),
         beta.stride(0),
         out.stride(0),
         out.stride(1),
@@ -368,6 +384,7 @@ def gated_delta_rule(
         BLOCK_K=next_pow2(dk),
         BLOCK_V=block_v,
         L2NORM=use_qk_l2norm,
+        G_PER_K=per_k,
         num_warps=1,
     )
     return out

@@ -499,7 +499,8 @@ def ref_lora_expand(
     return y
 
 
-# ---- Gated DeltaNet linear attention (linear_attention.py): sequence i owns tokens
+# ---- Gated DeltaNet / Kimi Delta Attention linear attention (linear_attention.py): sequence i owns
+# tokens
 # [cu_seqlens[i], cu_seqlens[i + 1]) and row state_slots[i] of the state pools (-1: padding,
 # skipped); has_initial_state[i] False starts it from zeros. Slots are distinct in a batch.
 
@@ -577,6 +578,9 @@ def ref_causal_conv1d(
 # token position); longer ones the chunked form.
 DELTA_STEP_MAX_LEN = 16
 DELTA_CHUNK = 64
+# Chunk size of the per-key-channel decay's chunked form, whose pairwise decays are [size, size,
+# Dk] a chunk and head.
+KDA_CHUNK = 32
 
 
 class _Chunks:
@@ -615,17 +619,26 @@ def _delta_steps(q, k, v, g, beta, state, starts, lens, out) -> None:
     token, q already scaled and both grouped to the value heads.
 
     With a = exp(g): k^T (a S) = a k^T S and o = q^T (a S + k d^T) = a q^T S + (q . k) d, so
-    one product reads both q^T S and k^T S off the old state, and S is updated in place."""
+    one product reads both q^T S and k^T S off the old state, and S is updated in place. A
+    per-key-channel g [T, Hv, Dk] decays S's rows: a S becomes diag(a) S, read through q * a and
+    k * a."""
     dk, dv = state.shape[2:]
+    per_k = g.dim() == 3
     for p in range(int(lens.max())):
         seqs = (lens > p).nonzero().squeeze(1)
         tok = starts[seqs] + p
         s = state if len(seqs) == len(state) else state[seqs]  # decode: every sequence
         qt, kt = q[tok], k[tok]  # [m, Hv, Dk]
-        decay = g[tok].exp()[..., None]  # [m, Hv, 1]
-        read = torch.stack([qt, kt], dim=-2) @ s  # [m, Hv, 2, Dv]
-        delta = (v[tok] - decay * read[..., 1, :]) * beta[tok][..., None]
-        out[tok] = decay * read[..., 0, :] + (qt * kt).sum(-1, keepdim=True) * delta
+        if per_k:
+            decay = g[tok].exp()  # [m, Hv, Dk]
+            read = torch.stack([qt * decay, kt * decay], dim=-2) @ s  # [m, Hv, 2, Dv]
+            delta = (v[tok] - read[..., 1, :]) * beta[tok][..., None]
+            out[tok] = read[..., 0, :] + (qt * kt).sum(-1, keepdim=True) * delta
+        else:
+            decay = g[tok].exp()[..., None]  # [m, Hv, 1]
+            read = torch.stack([qt, kt], dim=-2) @ s  # [m, Hv, 2, Dv]
+            delta = (v[tok] - decay * read[..., 1, :]) * beta[tok][..., None]
+            out[tok] = decay * read[..., 0, :] + (qt * kt).sum(-1, keepdim=True) * delta
         s.mul_(decay[..., None]).view(-1, dk, dv).baddbmm_(
             kt.reshape(-1, dk, 1), delta.reshape(-1, 1, dv)
         )
@@ -676,11 +689,50 @@ def _delta_chunks(q, k, v, g, beta, state, starts, lens, out) -> None:
     chunks.scatter(out_c, out)
 
 
+def _kda_chunks(q, k, v, g, beta, state, starts, lens, out) -> None:
+    """_delta_chunks with a per-key-channel decay g [T, Hv, Dk], in chunks of KDA_CHUNK tokens.
+
+    The same unrolling with G_t the inclusive cumsum of g per channel: the decay between tokens
+    s <= t is the vector exp(G_t - G_s), so k_t . k_s becomes sum_c k_t[c] k_s[c] exp(G_t[c] -
+    G_s[c]) (likewise q_t . k_s), gamma_t S0 becomes diag(exp(G_t)) S0 and the last state
+    diag(exp(G_C)) S0 + (K * exp(G_C - G))^T d. The pairwise decays ([size, size, Dk] a chunk and
+    head) are built for one chunk index at a time, inside the scan."""
+    size = KDA_CHUNK
+    device = q.device
+    chunks = _Chunks(starts, lens, size)
+    num_chunks, first = chunks.num_chunks, chunks.first
+    qc, kc, vc, gc, bc = (chunks.gather(t) for t in (q, k, v, g, beta))
+    log_gamma = gc.cumsum(-2)  # [chunks, Hv, size, Dk]
+    lower = torch.ones(size, size, dtype=torch.bool, device=device).tril()[..., None]
+    eye = torch.eye(size, device=device)
+    out_c = torch.empty_like(vc)
+    for c in range(int(num_chunks.max())):
+        seqs = (num_chunks > c).nonzero().squeeze(1)
+        rows = first[seqs] + c
+        lg, qr, kr, br = log_gamma[rows], qc[rows], kc[rows], bc[rows]
+        # exp of a masked difference: never above 1, so nothing overflows however strong the decay
+        decay = (lg[..., :, None, :] - lg[..., None, :, :]).masked_fill(~lower, -torch.inf).exp()
+        kk = torch.einsum("nhtsc,nhsc->nhts", kr[..., :, None, :] * decay, kr)
+        system = kk.tril(-1) * br[..., None] + eye
+        rhs = torch.cat([vc[rows] * br[..., None], kr * br[..., None] * lg.exp()], dim=-1)
+        u, w = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split(
+            [vc.shape[-1], kc.shape[-1]], dim=-1
+        )
+        attn = torch.einsum("nhtsc,nhsc->nhts", qr[..., :, None, :] * decay, kr)
+        s0 = state[seqs]
+        d = u - w @ s0
+        out_c[rows] = (qr * lg.exp()) @ s0 + attn @ d
+        last = lg[..., -1:, :]  # [n, Hv, 1, Dk]
+        k_decayed = kr * (last - lg).exp()
+        state[seqs] = s0 * last.exp().transpose(-1, -2) + k_decayed.transpose(-1, -2) @ d
+    chunks.scatter(out_c, out)
+
+
 def ref_gated_delta_rule(
     q: torch.Tensor,  # [T, Hk, Dk]
     k: torch.Tensor,  # [T, Hk, Dk]
     v: torch.Tensor,  # [T, Hv, Dv], Hv a multiple of Hk
-    g: torch.Tensor,  # [T, Hv] log decay (<= 0)
+    g: torch.Tensor,  # [T, Hv] or [T, Hv, Dk] (KDA) log decay (<= 0)
     beta: torch.Tensor,  # [T, Hv]
     ssm_state: torch.Tensor,  # [num_slots, Hv, Dk, Dv], updated in place
     cu_seqlens: torch.Tensor,  # [S + 1] int
@@ -691,12 +743,14 @@ def ref_gated_delta_rule(
 ) -> torch.Tensor:  # [T, Hv, Dv] in v's dtype
     """The gated delta rule per sequence and value head h (key head h // (Hv // Hk)), in fp32:
     per token, q and k L2-normalised (x * rsqrt(|x|^2 + 1e-6)) if use_qk_l2norm, q scaled
-    (default Dk ** -0.5), then S *= exp(g); S += k (beta (v - k^T S))^T; o = q^T S. S starts at
-    the slot's state (or zeros) and is stored back in the pool's dtype; empty and padding
-    sequences leave the pools untouched (padding rows of the output are 0).
+    (default Dk ** -0.5), then S *= exp(g); S += k (beta (v - k^T S))^T; o = q^T S. A g of
+    [T, Hv, Dk] decays each key channel (row of S) by its own exp(g) (Kimi Delta Attention). S
+    starts at the slot's state (or zeros) and is stored back in the pool's dtype; empty and
+    padding sequences leave the pools untouched (padding rows of the output are 0).
 
     Sequences of up to DELTA_STEP_MAX_LEN tokens (decode) run token by token, batched over the
-    sequences; longer ones in chunks (_delta_chunks). Reads the batch layout on the host."""
+    sequences; longer ones in chunks (_delta_chunks, _kda_chunks for a per-channel g). Reads the
+    batch layout on the host."""
     num_k_heads, dk = q.shape[1:]
     num_v_heads = v.shape[1]
     group = num_v_heads // num_k_heads
@@ -714,7 +768,8 @@ def ref_gated_delta_rule(
     slots = state_slots.to(device=device, dtype=torch.long)
     live = (slots >= 0) & (lens > 0)
     short = lens <= DELTA_STEP_MAX_LEN
-    for run, chosen in ((_delta_steps, live & short), (_delta_chunks, live & ~short)):
+    chunked = _kda_chunks if g.dim() == 3 else _delta_chunks
+    for run, chosen in ((_delta_steps, live & short), (chunked, live & ~short)):
         seqs = chosen.nonzero().squeeze(1)
         if seqs.numel() == 0:
             continue

@@ -195,7 +195,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, Hk, Dk]
         k: torch.Tensor,  # [T, Hk, Dk]
         v: torch.Tensor,  # [T, Hv, Dv]
-        g: torch.Tensor,  # [T, Hv] float32 log-decay
+        g: torch.Tensor,  # [T, Hv] (a decay per head) or [T, Hv, Dk] (per key channel) fp32 log
         beta: torch.Tensor,  # [T, Hv]
         ssm_state: torch.Tensor,  # [slots, Hv, Dk, Dv], updated in place
         cu_seqlens: torch.Tensor,

@@ -74,7 +74,7 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * y * F.silu(z.float())).to(x.dtype)
 
 
-class _ConvWeight(nn.Module):
+class ConvWeight(nn.Module):
     """Holds the depthwise conv's weight under HF's name (`conv1d.weight`, [C, 1, K])."""
 
     def __init__(self, channels: int, kernel: int) -> None:
@@ -126,7 +126,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz.lora_b_loader = self._load_qkvz
         self.in_proj_ba.lora_segments = {None: (0, 2 * num_v), "b": (0, num_v), "a": (1, num_v)}
         self.in_proj_ba.lora_b_loader = self._load_ba
-        self.conv1d = _ConvWeight(self.conv_dim, self.kernel)
+        self.conv1d = ConvWeight(self.conv_dim, self.kernel)
         self.conv1d.weight.weight_loader = self._load_conv
         self.A_log = nn.Parameter(torch.empty(self.num_v))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v))

@@ -25,6 +25,7 @@ from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
@@ -96,6 +97,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "KimiLinearForCausalLM": KimiLinearForCausalLM,
 }
 
 

@@ -7,8 +7,8 @@ model's `kv_caches` list has one entry per such layer, in order; the linear and 
 a recurrent state per sequence (worker/recurrent_state.py).
 
 Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py),
-Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py) and Falcon-H1
-(models/falcon_h1.py).
+Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py), Falcon-H1
+(models/falcon_h1.py) and Kimi Linear (models/kimi_linear.py).
 """
 
 from __future__ import annotations

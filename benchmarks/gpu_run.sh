@@ -183,7 +183,8 @@ case "$PHASE" in
     ;;
   phase9)  # hybrid: Qwen3.5-27B's config (Gated DeltaNet state rows beside the paged KV)
     step 30 versions versions
-    step 120 gdn-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_linear_attention.py
+    step 120 gdn-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_linear_attention.py \
+      tests/kernels/test_kda.py
     step 240 hybrid-profile $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
       --batch 32 --max-num-seqs 32 --out "$OUT/hybrid"
     step 150 hybrid-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \

@@ -40,6 +40,7 @@ from paged_engine.layers.linear import (
     copy_checked,
     shard_segments,
 )
+from paged_engine.layers.linear_mixer import DepthwiseConv, LinearMixer, check_mixer
 
 # Stacked rules routing Qwen3.5's separate projections into the merged ones (the trailing dot
 # keeps ".in_proj_qkv." from matching Qwen3-Next's ".in_proj_qkvz.").
@@ -49,16 +50,6 @@ GDN_PROJ_RULES = (
     (".in_proj_ba.", ".in_proj_b.", "b"),
     (".in_proj_ba.", ".in_proj_a.", "a"),
 )
-
-
-def check_mixer(name: str, act: str | None, tp: int, **counts: int) -> None:
-    """A linear mixer's head counts split over `tp` ranks, and its activation (None: not
-    configurable) is SiLU."""
-    for what, n in counts.items():
-        if n % tp:
-            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={tp}")
-    if act is not None and act not in ("silu", "swish"):
-        raise ValueError(f"{name} supports the 'silu' activation only, got {act!r}")
 
 
 class GatedRMSNorm(nn.Module):
@@ -74,15 +65,7 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * y * F.silu(z.float())).to(x.dtype)
 
 
-class ConvWeight(nn.Module):
-    """Holds the depthwise conv's weight under HF's name (`conv1d.weight`, [C, 1, K])."""
-
-    def __init__(self, channels: int, kernel: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-
-
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(LinearMixer):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
@@ -126,7 +109,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz.lora_b_loader = self._load_qkvz
         self.in_proj_ba.lora_segments = {None: (0, 2 * num_v), "b": (0, num_v), "a": (1, num_v)}
         self.in_proj_ba.lora_b_loader = self._load_ba
-        self.conv1d = ConvWeight(self.conv_dim, self.kernel)
+        self.conv1d = DepthwiseConv(self.conv_dim, self.kernel, bias=False)
         self.conv1d.weight.weight_loader = self._load_conv
         self.A_log = nn.Parameter(torch.empty(self.num_v))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v))
@@ -146,13 +129,6 @@ class GatedDeltaNet(nn.Module):
             self.head_k,
             self.head_v,
         )
-
-    def allocate_state(
-        self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
-    ) -> None:
-        conv, ssm = self.state_shapes(num_slots)
-        self.conv_state = torch.zeros(conv, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(ssm, dtype=ssm_dtype, device=device)
 
     # ---- weight loading --------------------------------------------------------------------------
     def _load_qkvz(self, param, w: torch.Tensor, shard_id: str | None = None) -> None:

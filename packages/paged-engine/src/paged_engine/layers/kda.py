@@ -38,13 +38,13 @@ from torch import nn
 
 from paged_engine.attention.backend import AttentionMetadata
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_engine.layers.gated_delta_net import ConvWeight, check_mixer
 from paged_engine.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_checked,
     shard_segments,
 )
+from paged_engine.layers.linear_mixer import DepthwiseConv, LinearMixer, check_mixer
 
 # Stacked rules routing Moonshot's three short-conv weights into our fused conv1d.
 KDA_CONV_RULES = (
@@ -68,7 +68,7 @@ class SigmoidGatedRMSNorm(nn.Module):
         return (self.weight.float() * y * torch.sigmoid(gate.float())).to(x.dtype)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(LinearMixer):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
@@ -85,7 +85,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = ColumnParallelLinear(hidden, self.full, bias=False)
         self.k_proj = ColumnParallelLinear(hidden, self.full, bias=False)
         self.v_proj = ColumnParallelLinear(hidden, self.full, bias=False)
-        self.conv1d = ConvWeight(3 * self.dim, self.kernel)
+        self.conv1d = DepthwiseConv(3 * self.dim, self.kernel, bias=False)
         self.conv1d.weight.weight_loader = self._load_conv
         # The decay: a replicated bottleneck, then per-head rows.
         self.f_a_proj = ColumnParallelLinear(hidden, dim, bias=False, tp_rank=0, tp_size=1)
@@ -107,13 +107,6 @@ class KimiDeltaAttention(nn.Module):
     def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         d = self.head_dim
         return (num_slots, 3 * self.dim, self.kernel - 1), (num_slots, self.heads, d, d)
-
-    def allocate_state(
-        self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
-    ) -> None:
-        conv, ssm = self.state_shapes(num_slots)
-        self.conv_state = torch.zeros(conv, dtype=dtype, device=device)
-        self.ssm_state = torch.zeros(ssm, dtype=ssm_dtype, device=device)
 
     # ---- weight loading --------------------------------------------------------------------------
     def _load_conv(self, param, w: torch.Tensor, shard_id: str | None = None) -> None:

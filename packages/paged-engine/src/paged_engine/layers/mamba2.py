@@ -33,23 +33,13 @@ from torch import nn
 from paged_engine.attention.backend import AttentionMetadata
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_engine.layers.gated_delta_net import check_mixer
 from paged_engine.layers.linear import (
     ColumnParallelLinear,
     RowParallelLinear,
     copy_checked,
     shard_segments,
 )
-
-
-class DepthwiseConv(nn.Module):
-    """A depthwise conv's parameters under HF's names (`weight` [C, 1, K], `bias`): Mamba2's
-    `conv1d`, LFM2's short `conv`."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
-        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+from paged_engine.layers.linear_mixer import DepthwiseConv, LinearMixer, check_mixer
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -108,7 +98,7 @@ class Mamba2Spec:
     out_bias: bool | None = None  # out_proj's bias; None: proj_bias
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(LinearMixer):
     def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
@@ -181,17 +171,9 @@ class Mamba2Mixer(nn.Module):
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state_size]
 
     # ---- state -----------------------------------------------------------------------------------
-    def allocate_state(
-        self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
-    ) -> None:
-        self.conv_state = torch.zeros(
-            (num_slots, self.conv_dim, self.kernel - 1), dtype=dtype, device=device
-        )
-        self.ssm_state = torch.zeros(
-            (num_slots, self.num_heads, self.head_dim, self.state_size),
-            dtype=ssm_dtype,
-            device=device,
-        )
+    def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        conv = (num_slots, self.conv_dim, self.kernel - 1)
+        return conv, (num_slots, self.num_heads, self.head_dim, self.state_size)
 
     # ---- weight loading --------------------------------------------------------------------------
     def _local_rows(self, w: torch.Tensor, sizes: list[int], bc_segments: set[int]) -> torch.Tensor:

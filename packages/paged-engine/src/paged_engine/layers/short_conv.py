@@ -20,7 +20,6 @@ Tensor parallelism splits the channels (hidden_size divisible by tp_size): in_pr
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from paged_engine.attention.backend import AttentionMetadata
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
@@ -30,10 +29,10 @@ from paged_engine.layers.linear import (
     copy_checked,
     shard_segments,
 )
-from paged_engine.layers.mamba2 import DepthwiseConv
+from paged_engine.layers.linear_mixer import DepthwiseConv, LinearMixer
 
 
-class ShortConv(nn.Module):
+class ShortConv(LinearMixer):
     def __init__(self, hidden_size: int, kernel: int, bias: bool) -> None:
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
@@ -63,13 +62,6 @@ class ShortConv(nn.Module):
     # ---- state -----------------------------------------------------------------------------------
     def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...]]:
         return ((num_slots, self.channels, self.kernel - 1),)
-
-    def allocate_state(
-        self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
-    ) -> None:
-        """The conv window pool (`ssm_dtype` unused: there is no ssm_state)."""
-        (shape,) = self.state_shapes(num_slots)
-        self.conv_state = torch.zeros(shape, dtype=dtype, device=device)
 
     # ---- weight loading --------------------------------------------------------------------------
     def _load_channels(self, param, w: torch.Tensor, shard_id=None) -> None:

@@ -28,8 +28,8 @@ from torch import nn
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.deepseek_moe import DeepseekRouter, PartialRowLinear
 from paged_engine.layers.fused_moe import FusedMoE
-from paged_engine.layers.gated_delta_net import check_mixer
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from paged_engine.layers.linear_mixer import check_mixer
 from paged_engine.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.models.hybrid import LINEAR_LAYER_TYPES, HybridModel, layer_types

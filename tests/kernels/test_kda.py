@@ -1,8 +1,9 @@
 """Kimi Delta Attention (KDA, Kimi Linear): the gated delta rule with a per-key-channel decay,
 gated_delta_rule / ref_gated_delta_rule given g [T, H, Dk] instead of [T, H].
 
-The reference (batched token steps for short sequences, _kda_chunks for long ones) against a
-per-token oracle written from transformers' fused_recurrent_kda fallback and against
+The reference (batched token steps for short sequences, _kda_chunks for long ones) against
+test_linear_attention.py's per-token oracle (its per-channel decay as transformers'
+fused_recurrent_kda fallback has it) and against
 transformers' own torch functions; the Triton kernel against the reference on the varlen batches
 of test_linear_attention.py (empty, decode, 70-token sequences, fresh NaN rows, a padding slot,
 untouched rows) in fp32 / bf16 / fp16, and a sequence run in two steps against it run whole.
@@ -20,38 +21,12 @@ from test_linear_attention import (
     assert_pool,
     layout,
     live_rows,
+    oracle_delta_rule,
     poison_fresh,
     tol_of,
 )
 
 from paged_kernels import gated_delta_rule, ref_gated_delta_rule
-
-
-def oracle_kda(q, k, v, g, beta, ssm_state, cu, slots, init, scale=None, l2norm=True):
-    """(out fp32 with NaN rows for padding, the new pool): transformers' recurrence, per token:
-    q, k <- x / sqrt(|x|^2 + 1e-6), q *= scale; S *= exp(g)[:, None] (a row per key channel);
-    S += k (beta (v - k^T S))^T; o = q^T S."""
-    state = ssm_state.clone()
-    out = torch.full(v.shape, float("nan"))
-    scale = q.shape[2] ** -0.5 if scale is None else scale
-    cu = cu.tolist()
-    for i, slot in enumerate(slots.tolist()):
-        a, b = cu[i], cu[i + 1]
-        if slot < 0 or a == b:
-            continue
-        s = state[slot].float() if init[i] else torch.zeros(state.shape[1:])  # [H, Dk, Dv]
-        for t in range(a, b):
-            qt, kt = q[t].float(), k[t].float()
-            if l2norm:
-                qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + 1e-6)
-                kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + 1e-6)
-            s = s * g[t].float().exp()[:, :, None]
-            recalled = (s * kt[:, :, None]).sum(1)
-            delta = (v[t].float() - recalled) * beta[t].float()[:, None]
-            s = s + kt[:, :, None] * delta[:, None, :]
-            out[t] = (s * (qt * scale)[:, :, None]).sum(1)
-        state[slot] = s.to(state.dtype)
-    return out, state
 
 
 def kda_inputs(lens, heads, dk, dv, dtype, device):
@@ -76,7 +51,7 @@ def test_ref_kda_matches_oracle(seed):
     pool = torch.randn(NUM_SLOTS, 3, 16, 24)
     poison_fresh(pool, slots, init)
     batch = layout(lens, init, slots, "cpu")
-    want_out, want_pool = oracle_kda(q, k, v, g, beta, pool, *batch)
+    want_out, want_pool = oracle_delta_rule(q, k, v, g, beta, pool, *batch)
     got_pool = pool.clone()
     out = ref_gated_delta_rule(q, k, v, g, beta, got_pool, *batch)
     rows = live_rows(lens, slots)
@@ -92,7 +67,7 @@ def test_ref_kda_decode_batch(seed):
     pool = torch.randn(NUM_SLOTS, 2, 16, 16).to(torch.bfloat16)
     batch = layout(lens, init, slots, "cpu")
     args = (q, k, v, g, beta)
-    want_out, want_pool = oracle_kda(*args, pool, *batch, scale=0.3, l2norm=False)
+    want_out, want_pool = oracle_delta_rule(*args, pool, *batch, scale=0.3, l2norm=False)
     got_pool = pool.clone()
     out = ref_gated_delta_rule(*args, got_pool, *batch, scale=0.3, use_qk_l2norm=False)
     rows = live_rows(lens, slots)

@@ -54,7 +54,10 @@ def oracle_conv1d(x, weight, bias, conv_state, cu, slots, init, activation="silu
 
 
 def oracle_delta_rule(q, k, v, g, beta, ssm_state, cu, slots, init, scale=None, l2norm=True):
-    """(out fp32 with NaN rows for padding, the new pool); heads side by side."""
+    """(out fp32 with NaN rows for padding, the new pool); heads side by side. transformers'
+    recurrence, per token: q, k <- x / sqrt(|x|^2 + 1e-6), q *= scale; S *= exp(g), g [T, Hv]
+    one decay a head or [T, Hv, Dk] one a key channel (Kimi Delta Attention: row i of S by
+    exp(g[i])); S += k (beta (v - k^T S))^T; o = q^T S."""
     state = ssm_state.clone()
     out = torch.full(v.shape, float("nan"))
     group = v.shape[1] // q.shape[1]
@@ -71,7 +74,8 @@ def oracle_delta_rule(q, k, v, g, beta, ssm_state, cu, slots, init, scale=None, 
             if l2norm:
                 qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + 1e-6)
                 kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + 1e-6)
-            s = s * g[t].float().exp()[:, None, None]
+            decay = g[t].float().exp()  # [Hv] or [Hv, Dk]
+            s = s * (decay[:, None, None] if decay.dim() == 1 else decay[:, :, None])
             recalled = torch.einsum("hk,hkv->hv", kt, s)
             delta = (v[t].float() - recalled) * beta[t].float()[:, None]
             s = s + kt[:, :, None] * delta[:, None, :]

@@ -753,3 +753,54 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return expected
+
+
+def write_metadata_only(
+    path,
+    arch: str,
+    layers: int,
+    *,
+    ffn: int = 128,
+    kv: int | list[int] | None = None,
+    head_len: int | None = None,
+    tensors: dict[str, tuple[int, ...]] | None = None,
+    **keys,
+):
+    """A GGUF file of metadata (hidden 64, 4 heads, `layers` blocks, `ffn` wide; `kv` KV heads,
+    per layer when a list; `head_len` as key and value length) and zero tensors: a 32-row
+    embedding plus `tensors` (name -> shape). `keys` go under `arch.`, typed by their values.
+    For the loader's config and error paths."""
+    import gguf
+
+    from paged_engine.gguf import GGUFFile
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers)
+    w.add_embedding_length(64)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(4)
+    if kv is not None:
+        w.add_head_count_kv(kv)
+    if head_len is not None:
+        w.add_key_length(head_len)
+        w.add_value_length(head_len)
+    for key, value in keys.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, list):
+            w.add_array(name, value)
+        elif isinstance(value, bool):
+            w.add_bool(name, value)
+        elif isinstance(value, int):
+            w.add_uint32(name, value)
+        elif isinstance(value, float):
+            w.add_float32(name, value)
+        else:
+            w.add_string(name, value)
+    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
+    for name, shape in (tensors or {}).items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return GGUFFile(path)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from paged_engine.loader import load_hf_config, load_model, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf  # noqa: E402  (needs gguf)
+from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
 from test_models import PagedRunner, load_hf  # noqa: E402
 
 SHORT = [1.0, 1.25, 1.5, 2.0, 3.0, 4.0]  # Phi-3 longrope factors: rotary dim 12 -> 6
@@ -149,28 +148,7 @@ def test_llm_generates_hf_greedy_tokens(name, tiny_model_factory, tmp_path):
 
 # -- metadata edge cases: files with no tensor data beyond the embedding ------------------------
 def _metadata_only(path, arch: str, layers: int = 4, **keys) -> GGUFFile:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_key_length(16)
-    w.add_value_length(16)
-    for key, value in keys.items():
-        if isinstance(value, list):
-            w.add_array(f"{arch}.{key}", value)
-        elif isinstance(value, bool):
-            w.add_bool(f"{arch}.{key}", value)
-        elif isinstance(value, int):
-            w.add_uint32(f"{arch}.{key}", value)
-        else:
-            w.add_string(f"{arch}.{key}", value)
-    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return GGUFFile(path)
+    return write_metadata_only(path, arch, layers, head_len=16, **keys)
 
 
 def test_gemma_layer_pattern_and_scale_follow_llama_cpp(tmp_path):

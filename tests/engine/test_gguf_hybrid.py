@@ -4,7 +4,6 @@ back HF's weights and config, and LLM(model=<file>.gguf) HF's greedy tokens."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -15,7 +14,7 @@ from paged_engine.models.lfm2 import lfm2_intermediate_size
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf  # noqa: E402  (needs gguf)
+from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import load_hf  # noqa: E402
 
@@ -109,20 +108,7 @@ def test_llm_generates_hf_greedy_tokens(case):
 
 # -- metadata edge cases ------------------------------------------------------------------------
 def _metadata_only(path, arch: str, kv, **keys) -> GGUFFile:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(len(kv) if isinstance(kv, list) else 4)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(128)
-    w.add_head_count(4)
-    w.add_head_count_kv(kv)
-    for key, value in keys.items():
-        w.add_uint32(f"{arch}.{key}", value)
-    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return GGUFFile(path)
+    return write_metadata_only(path, arch, len(kv) if isinstance(kv, list) else 4, kv=kv, **keys)
 
 
 def test_hybrid_metadata_errors_name_the_key(tmp_path):

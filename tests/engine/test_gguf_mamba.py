@@ -10,7 +10,6 @@ default, 0.001, loads back)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ from paged_engine.loader import load_hf_config, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf  # noqa: E402  (needs gguf)
+from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from hybrid_checks import NEMOTRON_MOE  # noqa: E402
 from test_models import load_hf  # noqa: E402
@@ -150,25 +149,8 @@ def test_llm_generates_hf_greedy_tokens(case):
 
 # -- metadata edge cases ------------------------------------------------------------------------
 def _metadata_only(path, arch: str, kv, tensors: dict[str, tuple[int, ...]], **keys) -> GGUFFile:
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(len(kv) if isinstance(kv, list) else 2)
-    w.add_embedding_length(64)
-    w.add_feed_forward_length(32)
-    w.add_head_count(4)
-    w.add_head_count_kv(kv)
-    for key, value in keys.items():
-        if isinstance(value, float):
-            w.add_float32(f"{arch}.{key}", value)
-        else:
-            w.add_uint32(f"{arch}.{key}", value)
-    w.add_tensor("token_embd.weight", np.zeros((32, 64), np.float32))
-    for name, shape in tensors.items():
-        w.add_tensor(name, np.zeros(shape, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return GGUFFile(path)
+    layers = len(kv) if isinstance(kv, list) else 2
+    return write_metadata_only(path, arch, layers, ffn=32, kv=kv, tensors=tensors, **keys)
 
 
 _SSM = {"ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2, "ssm.inner_size": 128,

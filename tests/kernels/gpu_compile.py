@@ -4,7 +4,7 @@
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
 fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand, causal_conv1d,
-gated_delta_rule (a gate per head or per key channel), ssd_scan) is called on CPU
+gated_delta_rule (a gate per head or per key channel), ssd_scan, selective_scan) is called on CPU
 tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
 running. Every
 recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
@@ -132,13 +132,16 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.kv_cache as kv_cache
     import paged_kernels.linear_attention as linear_attention
     import paged_kernels.lora as lora
+    import paged_kernels.mamba1 as mamba1
     import paged_kernels.mla as mla
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.softmax as softmax
     import paged_kernels.ssd as ssd
 
-    modules = (attention, gemm, kv_cache, linear_attention, lora, mla, moe, norm, softmax, ssd)
+    modules = (
+        attention, gemm, kv_cache, linear_attention, lora, mamba1, mla, moe, norm, softmax, ssd,
+    )  # fmt: skip
     launches: list = []
     for mod in modules:
         for name in dir(mod):
@@ -451,6 +454,21 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             pool = torch.zeros(8, heads, dim, d_state, dtype=state_dtype)
             call(f"ssd_scan bf16 H={heads} P={dim} G={groups} N={d_state} {state_dtype} state "
                  f"{label}", ssd.ssd_scan, x, dt, a, bc, bc, pool, *batch)  # fmt: skip
+        # Mamba1's scan: Mamba-2.8B (D = 5120, N = 16; B and C slices of x_proj's output),
+        # Jamba (D = 8192), and N = 256 (the largest state row).
+        for channels, d_state, state_dtype in (
+            (5120, 16, torch.float32),
+            (5120, 16, torch.bfloat16),
+            (8192, 16, torch.float32),
+            (1024, 256, torch.float32),
+        ):
+            x = torch.zeros(tokens, channels, dtype=torch.bfloat16)
+            dt, a = torch.zeros(tokens, channels), torch.zeros(channels, d_state)
+            proj = torch.zeros(tokens, 160 + 2 * d_state, dtype=torch.bfloat16)
+            b, c = proj[:, 160 : 160 + d_state], proj[:, 160 + d_state :]
+            pool = torch.zeros(8, channels, d_state, dtype=state_dtype)
+            call(f"selective_scan bf16 D={channels} N={d_state} {state_dtype} state {label}",
+                 mamba1.selective_scan, x, dt, a, b, c, pool, *batch)  # fmt: skip
     batch = (torch.tensor([0, 5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), init[:1])
     call("causal_conv1d fp32 K=2, no activation", linear_attention.causal_conv1d,
          torch.zeros(5, 1024), torch.zeros(1024, 2), None, torch.zeros(2, 1024, 1), *batch,

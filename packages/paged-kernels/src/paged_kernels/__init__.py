@@ -35,6 +35,7 @@ from paged_kernels.reference import (
     ref_paged_attention,
     ref_quantize,
     ref_rms_norm,
+    ref_selective_scan,
     ref_ssd_scan,
     ref_swap_blocks,
     ref_write_kv_cache,
@@ -58,6 +59,7 @@ _KERNELS = {
     "lora_shrink": "paged_kernels.lora",
     "matmul": "paged_kernels.gemm",
     "rms_norm": "paged_kernels.norm",
+    "selective_scan": "paged_kernels.mamba1",
     "ssd_scan": "paged_kernels.ssd",
     "swap_blocks": "paged_kernels.kv_cache",
     "write_kv_cache": "paged_kernels.kv_cache",
@@ -103,10 +105,12 @@ __all__ = [
     "ref_paged_attention",
     "ref_quantize",
     "ref_rms_norm",
+    "ref_selective_scan",
     "ref_ssd_scan",
     "ref_swap_blocks",
     "ref_write_kv_cache",
     "rms_norm",
+    "selective_scan",
     "ssd_scan",
     "swap_blocks",
     "triton_available",
@@ -119,6 +123,7 @@ if TYPE_CHECKING:
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
     from paged_kernels.linear_attention import causal_conv1d, gated_delta_rule
     from paged_kernels.lora import lora_expand, lora_shrink
+    from paged_kernels.mamba1 import selective_scan
     from paged_kernels.mla import mla_attention
     from paged_kernels.moe import align_moe_blocks, fused_moe
     from paged_kernels.norm import layer_norm, rms_norm

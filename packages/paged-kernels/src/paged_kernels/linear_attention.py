@@ -2,7 +2,8 @@
 causal conv and the gated delta rule of Gated DeltaNet (Qwen3-Next / Qwen3.5), whose decay is one
 scalar per head and token, or Kimi Delta Attention's (KDA, Kimi Linear), one per key channel,
 head and token. Mamba2's
-selective scan, which shares the conv and this batch layout, is in ssd.py.
+selective scan, which shares the conv and this batch layout, is in ssd.py; Mamba's (v1) in
+mamba1.py.
 
 Batch layout of the ops: the tokens of S sequences flattened along dim 0; sequence i owns
 tokens [cu_seqlens[i], cu_seqlens[i + 1]) and reads and updates row state_slots[i] of the state

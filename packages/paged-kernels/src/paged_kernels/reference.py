@@ -864,3 +864,58 @@ def ref_ssd_scan(
         run(x, dt, a, b, c, state, starts[seqs], lens[seqs], out)
         ssm_state[slots[seqs]] = state.to(ssm_state.dtype)
     return out
+
+
+# Mamba1 (mamba1.py): the batch layout of the linear attention ops above.
+
+
+def _selective_steps(u, dt, a, b, c, state, starts, lens, out) -> None:
+    """Mamba1's scan token by token for n sequences at once, sorted longest first, so the ones
+    still running at a step are a prefix and their states a view: state [n, D, N] fp32 (in
+    place), u = dt x and dt [T, D], a [D, N], b and c [T, N], out [T, D]."""
+    lengths = lens.tolist()
+    running = len(lengths)
+    for p in range(lengths[0]):
+        while lengths[running - 1] <= p:
+            running -= 1
+        s, tok = state[:running], starts[:running] + p
+        s.mul_(torch.exp(dt[tok][:, :, None] * a))
+        s.addcmul_(u[tok][:, :, None], b[tok][:, None, :])
+        out[tok] = (s @ c[tok][:, :, None]).squeeze(-1)
+
+
+def ref_selective_scan(
+    x: torch.Tensor,  # [T, D]
+    dt: torch.Tensor,  # [T, D] step sizes (softplus and bias applied)
+    A: torch.Tensor,  # [D, N] negative
+    B: torch.Tensor,  # [T, N]
+    C: torch.Tensor,  # [T, N]
+    ssm_state: torch.Tensor,  # [num_slots, D, N], updated in place
+    cu_seqlens: torch.Tensor,  # [S + 1] int
+    state_slots: torch.Tensor,  # [S] int, -1 = padding
+    has_initial_state: torch.Tensor,  # [S] bool
+) -> torch.Tensor:  # [T, D] float32
+    """Mamba1's selective scan per sequence, in fp32: h = exp(dt A) * h + (dt x) B^T (h: [D,
+    N]); y = h C (the D skip and the gate are the caller's). h starts at the slot's state (or
+    zeros) and is stored back in the pool's dtype; empty and padding sequences leave the pool
+    untouched (their output rows are 0).
+
+    Token by token, batched over the sequences (one step a token position): every state entry
+    decays at its own rate, so a chunked form would need pairwise decays [size, size, D, N] a
+    chunk, more work than the steps. Reads the batch layout on the host."""
+    device = x.device
+    dt, a = dt.float(), A.float()
+    u, b, c = x.float() * dt, B.float(), C.float()
+    out = torch.zeros_like(u)
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    starts, lens = cu[:-1], cu[1:] - cu[:-1]
+    slots = state_slots.to(device=device, dtype=torch.long)
+    seqs = ((slots >= 0) & (lens > 0)).nonzero().squeeze(1)
+    if seqs.numel() == 0:
+        return out
+    seqs = seqs[lens[seqs].argsort(descending=True, stable=True)]
+    state = ssm_state[slots[seqs]].float()  # a copy: [n, D, N]
+    state[~has_initial_state.to(device)[seqs]] = 0.0  # the row may hold anything
+    _selective_steps(u, dt, a, b, c, state, starts[seqs], lens[seqs], out)
+    ssm_state[slots[seqs]] = state.to(ssm_state.dtype)
+    return out

@@ -225,6 +225,25 @@ class AttentionBackend(ABC):
 
         return ref_ssd_scan(x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state)
 
+    def selective_scan(
+        self,
+        x: torch.Tensor,  # [T, D]
+        dt: torch.Tensor,  # [T, D] float32 step sizes
+        A: torch.Tensor,  # [D, N] float32, negative
+        B: torch.Tensor,  # [T, N]
+        C: torch.Tensor,  # [T, N]
+        ssm_state: torch.Tensor,  # [slots, D, N], updated in place
+        cu_seqlens: torch.Tensor,
+        state_slots: torch.Tensor,
+        has_initial_state: torch.Tensor,
+    ) -> torch.Tensor:  # [T, D] float32
+        """Mamba1's selective scan (Mamba, Falcon Mamba, Jamba's mamba layers)."""
+        from paged_kernels import ref_selective_scan
+
+        return ref_selective_scan(
+            x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state
+        )
+
 
 class KernelBackend(AttentionBackend):
     """A backend made of paged_kernels' three entry points, which the Triton kernels and their

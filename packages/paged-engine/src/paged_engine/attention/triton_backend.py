@@ -80,3 +80,10 @@ class TritonBackend(KernelBackend):
         from paged_kernels import ssd_scan
 
         return ssd_scan(x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state)
+
+    def selective_scan(
+        self, x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state
+    ) -> torch.Tensor:
+        from paged_kernels import selective_scan
+
+        return selective_scan(x, dt, A, B, C, ssm_state, cu_seqlens, state_slots, has_initial_state)

@@ -195,16 +195,7 @@ class GatedDeltaNet(LinearMixer):
         mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self.num_v, self.num_v], dim=-1)
         backend = md.backend
-        mixed = backend.causal_conv1d(
-            mixed,
-            self.conv1d.weight.squeeze(1),
-            None,
-            self.conv_state,
-            md.cu_seqlens_q,
-            slots,
-            has_state,
-            activation="silu",
-        )
+        mixed = self.run_conv(self.conv1d, mixed, md, slots, has_state)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)

@@ -135,16 +135,7 @@ class KimiDeltaAttention(LinearMixer):
         slots, has_state = md.state_rows()
         backend = md.backend
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        mixed = backend.causal_conv1d(
-            mixed,
-            self.conv1d.weight.squeeze(1),
-            None,
-            self.conv_state,
-            md.cu_seqlens_q,
-            slots,
-            has_state,
-            activation="silu",
-        )
+        mixed = self.run_conv(self.conv1d, mixed, md, slots, has_state)
         q, k, v = (part.reshape(t, h, d) for part in mixed.split([self.dim] * 3, dim=-1))
         raw = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = -self.A_log.float().exp()[:, None] * F.softplus(raw.view(t, h, d))

@@ -43,6 +43,28 @@ class LinearMixer(nn.Module):
     def state_shapes(self, num_slots: int) -> tuple[tuple[int, ...], ...]:
         raise NotImplementedError
 
+    def run_conv(
+        self,
+        conv: DepthwiseConv,
+        x: torch.Tensor,  # [T, C]
+        md,
+        slots: torch.Tensor,
+        has_state: torch.Tensor,
+        activation: str | None = "silu",
+    ) -> torch.Tensor:
+        """x through the causal depthwise `conv` over this layer's conv windows (updated in
+        place: each sequence's last K - 1 inputs), on the step's backend: [T, C]."""
+        return md.backend.causal_conv1d(
+            x,
+            conv.weight.squeeze(1),
+            conv.bias,
+            self.conv_state,
+            md.cu_seqlens_q,
+            slots,
+            has_state,
+            activation=activation,
+        )
+
     def allocate_state(
         self, num_slots: int, dtype: torch.dtype, ssm_dtype: torch.dtype, device: torch.device
     ) -> None:

@@ -209,16 +209,7 @@ class Mamba2Mixer(LinearMixer):
             zxbcdt = zxbcdt * self.in_scale
         z, xbc, dt = zxbcdt.split([self.inner, self.conv_dim, self.num_heads], dim=-1)
         backend = md.backend
-        xbc = backend.causal_conv1d(
-            xbc,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            self.conv_state,
-            md.cu_seqlens_q,
-            slots,
-            has_state,
-            activation="silu",
-        )
+        xbc = self.run_conv(self.conv1d, xbc, md, slots, has_state)
         bc = self.num_groups * self.state_size
         xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())

@@ -75,14 +75,5 @@ class ShortConv(LinearMixer):
         assert self.conv_state is not None, "allocate_state() first"
         slots, has_state = md.state_rows()
         b, c, h = self.in_proj(x).split([self.channels] * 3, dim=-1)
-        h = md.backend.causal_conv1d(
-            b * h,
-            self.conv.weight.squeeze(1),
-            self.conv.bias,
-            self.conv_state,
-            md.cu_seqlens_q,
-            slots,
-            has_state,
-            activation=None,
-        )
+        h = self.run_conv(self.conv, b * h, md, slots, has_state, activation=None)
         return self.out_proj(c * h)

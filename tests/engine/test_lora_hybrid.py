@@ -1,7 +1,8 @@
 """Multi-LoRA on the hybrid models (Qwen3.5, Qwen3-Next, Granite 4.0-H, Nemotron-H, LFM2,
-Falcon-H1): adapters on the attention and MLP projections and on the linear mixers' own
-projections (Gated DeltaNet's in_proj_qkv / z / b / a, Qwen3-Next's interleaved in_proj_qkvz /
-ba, Mamba2's and the short conv's in_proj / out_proj) give HF's greedy tokens and logprobs on the
+Falcon-H1) and the pure state-space ones (Mamba, Mamba2): adapters on the attention and MLP
+projections and on the linear mixers' own projections (Gated DeltaNet's in_proj_qkv / z / b / a,
+Qwen3-Next's interleaved in_proj_qkvz / ba, Mamba2's and the short conv's in_proj / out_proj,
+Mamba's in_proj / x_proj / dt_proj / out_proj) give HF's greedy tokens and logprobs on the
 model with the adapter merged, two adapters and the base model in one batch; under tensor
 parallelism the one process's; prefix-cache state snapshots never cross adapters; modules that
 cannot be adapted are refused with a ValueError naming them."""
@@ -36,6 +37,10 @@ TARGETS = {
     # conv.in_proj / conv.out_proj, and the attention's out_proj (our o_proj)
     "lfm2": ("q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"),
     "falcon_h1": (*ATTN, *MLP, "in_proj", "out_proj"),
+    # pure state-space models: Mamba's every projection (dt_proj's bias added in float32 after
+    # its adapter), Mamba2's two
+    "mamba": ("in_proj", "x_proj", "dt_proj", "out_proj"),
+    "mamba2": ("in_proj", "out_proj"),
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
@@ -121,7 +126,7 @@ def test_state_snapshots_never_cross_adapters(tiny_model_factory, tmp_path):
 
 @pytest.mark.parametrize(
     ("arch", "overrides"),
-    [("qwen3_5", {}), ("granitemoehybrid", {"mamba_n_groups": 1})],
+    [("qwen3_5", {}), ("granitemoehybrid", {"mamba_n_groups": 1}), ("mamba", {})],
 )
 def test_tensor_parallel_matches_one_process(arch, overrides, tiny_model_factory, tmp_path):
     """tensor_parallel_size=2 (gloo on the CPU): each rank cuts its heads' rows of every

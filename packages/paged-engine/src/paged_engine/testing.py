@@ -55,7 +55,12 @@ MORE_TINY_ARCHS: list[str] = [
     "lfm2",
     "lfm2_moe",
     "falcon_h1",
+    "mamba",
+    "falcon_mamba",
+    "mamba2",
+    "jamba",
     "kimi_linear",
+    "bamba",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -216,6 +221,49 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     # KDA, given as Moonshot's config gives them (linear_attn_config, 1-based layer numbers); a
     # dense first layer, then DeepSeek-V3 MoE layers (8 experts in 4 groups, 2 kept, 2 chosen,
     # a shared expert), under Moonshot's names (num_experts, num_expert_group, ...)
+    # Mamba: 3 mixer layers of 128 channels (expand 2), state 16, conv 4 with bias, dt rank 8
+    # ("auto" is hidden / 16 = 4: set apart from N), float32 residuals, tied embeddings
+    "mamba": (
+        "MambaConfig",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "state_size": 16,
+            "expand": 2,
+            "conv_kernel": 4,
+            "time_step_rank": 8,
+            "layer_norm_epsilon": 1e-5,
+        },
+    ),
+    # Falcon Mamba: Mamba's mixer with dt, B and C normalized (no weights), state 12, untied
+    "falcon_mamba": (
+        "FalconMambaConfig",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "state_size": 12,
+            "expand": 2,
+            "conv_kernel": 3,
+            "mixer_rms_eps": 1e-6,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Mamba2 (pure): 8 heads of 16 on 2 groups, state 16, a dt clamp that bites in prefill scans
+    "mamba2": (
+        "Mamba2Config",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "num_heads": 8,
+            "head_dim": 16,
+            "n_groups": 2,
+            "state_size": 16,
+            "expand": 2,
+            "conv_kernel": 4,
+            "chunk_size": 16,
+            "time_step_limit": (0.0, 0.9),
+        },
+    ),
     "kimi_linear": (
         "KimiLinearConfig",
         {
@@ -356,6 +404,46 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "ssm_out_multiplier": 0.6,
             "ssm_multipliers": [0.5, 1.25, 0.8, 1.5, 0.7],
             "mlp_multipliers": [1.5, 0.5],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Bamba: Mamba2 layers (8 heads of 16 on 2 groups, state 16, conv 4 with bias) around one
+    # attention layer (attn_layer_indices) with partial rope (0.5: BambaConfig fixes it); a
+    # gated SiLU MLP, no multipliers
+    "bamba": (
+        "BambaConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 8,
+            "mamba_n_groups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_head": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 16,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Jamba: Mamba (v1) layers (128 channels, state 16, conv 4 with bias, dt rank 8 apart from
+    # "auto" = 4, weighted dt / B / C norms) around one attention layer (no rope) at index 1;
+    # 4 experts (top 2, not renormalized) on layers 1 and 3, a gated SiLU MLP on the others
+    "jamba": (
+        "JambaConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "attn_layer_period": 4,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "expert_layer_offset": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 8,
             "tie_word_embeddings": False,
         },
     ),

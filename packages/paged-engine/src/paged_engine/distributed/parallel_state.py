@@ -152,7 +152,9 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]
 
 def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
     """Fail before any process starts when the model cannot be split this way."""
-    heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
+    # A pure state-space model (Mamba) has no attention heads to split.
+    heads = getattr(hf_config, "num_attention_heads", None) or getattr(hf_config, "n_head", None)
+    heads = heads or tp_size
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp_size:
         raise ValueError(
@@ -177,12 +179,20 @@ def check_model_parallelism(hf_config, tp_size: int, pp_size: int) -> None:
         "linear_num_value_heads",
         "mamba_n_heads",
         "mamba_num_heads",
+        "num_heads",  # Mamba2ForCausalLM's SSM heads
     ):
         count = getattr(hf_config, name, None)
         if isinstance(count, int) and count % tp_size:
             raise ValueError(
                 f"tensor_parallel_size={tp_size} must divide the model's {name}={count}"
             )
+    # Mamba (v1) mixers split their channels (Jamba's: mamba_expand x hidden_size)
+    expand, hidden = getattr(hf_config, "mamba_expand", None), getattr(hf_config, "hidden_size", 0)
+    if isinstance(expand, int) and (expand * hidden) % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide the model's mamba width "
+            f"(mamba_expand x hidden_size = {expand * hidden})"
+        )
     for name in ("mamba_n_groups", "n_groups"):
         count = getattr(hf_config, name, None)
         if isinstance(count, int) and count > 1 and count % tp_size:

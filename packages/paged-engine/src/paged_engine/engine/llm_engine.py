@@ -39,6 +39,7 @@ from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
+from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, to_sampling_params
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -133,6 +134,7 @@ class LLMEngine:
         logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
         states = worker.model_runner.states
+        block_bytes = None
         if states is not None:  # the prefix cache's state snapshots share the KV cache's memory
             block_bytes = CacheEngine.bytes_per_block(
                 self.hf_config, config.block_size, worker.model_runner.kv_cache_dtype
@@ -153,10 +155,11 @@ class LLMEngine:
                 f"num_gpu_blocks_override) or lower max_model_len{seats}"
             )
         logger.info(
-            "allocating the KV cache: %d blocks x %d tokens = %d token slots%s",
+            "allocating the KV cache: %d blocks x %d tokens = %d token slots%s%s",
             num_blocks,
             config.block_size,
             num_blocks * config.block_size,
+            " (no KV layers: the blocks only count tokens)" if states and not block_bytes else "",
             "" if self.device.type != "cuda" or config.enforce_eager else " (then CUDA graphs)",
         )
         self.executor.initialize_cache(num_blocks, config.prefix_state_snapshots or 0)
@@ -411,7 +414,7 @@ class LLMEngine:
         cfg = self.config
         limit = _max_positions(self.hf_config)
         if cfg.max_model_len is None:
-            cfg.max_model_len = limit
+            cfg.max_model_len = limit or _DEFAULT_MAX_MODEL_LEN
         elif limit is not None and cfg.max_model_len > limit:
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
@@ -434,12 +437,19 @@ def auto_async_scheduling(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _max_positions(hf_config) -> int:
+_DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _max_positions(hf_config) -> int | None:
+    """The model's context limit; None for a pure state-space model (no attention, no
+    positions: Mamba), whose max_model_len is the user's choice (default 2048)."""
+    if is_hybrid(hf_config) and num_kv_layers(hf_config) == 0:
+        return None
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value
-    return 2048
+    return _DEFAULT_MAX_MODEL_LEN
 
 
 def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:

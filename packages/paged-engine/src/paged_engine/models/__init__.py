@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
@@ -25,9 +26,15 @@ from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
+from paged_engine.models.mamba import (
+    FalconMambaForCausalLM,
+    Mamba2ForCausalLM,
+    MambaForCausalLM,
+)
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
@@ -98,6 +105,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    "JambaForCausalLM": JambaForCausalLM,
 }
 
 

@@ -7,8 +7,10 @@ model's `kv_caches` list has one entry per such layer, in order; the linear and 
 a recurrent state per sequence (worker/recurrent_state.py).
 
 Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py),
-Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py), Falcon-H1
-(models/falcon_h1.py) and Kimi Linear (models/kimi_linear.py).
+Bamba (models/bamba.py), Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py),
+Falcon-H1 (models/falcon_h1.py), Kimi Linear (models/kimi_linear.py) and Jamba
+(models/jamba.py). Pure state-space models (every layer a mixer, no KV: Mamba, Mamba2) have a
+stack of their own (models/mamba.py) but the same layer types.
 """
 
 from __future__ import annotations
@@ -30,11 +32,17 @@ PARALLEL_LAYER_TYPES = ("hybrid",)
 # Model types whose every layer is a parallel one, whatever their config lists (transformers 5's
 # FalconH1Config says "hybrid" for each layer; earlier ones say nothing).
 _PARALLEL_MODEL_TYPES = ("falcon_h1",)
+# Pure state-space models (models/mamba.py): every layer a mixer, whatever their config lists
+# (transformers 5 names each layer "linear_attention"; earlier ones nothing).
+_STATE_SPACE_MODEL_TYPES = ("mamba", "falcon_mamba", "mamba2")
 
 
 def layer_types(config) -> list[str]:
-    if getattr(config, "model_type", None) in _PARALLEL_MODEL_TYPES:
+    model_type = getattr(config, "model_type", None)
+    if model_type in _PARALLEL_MODEL_TYPES:
         return [PARALLEL_LAYER_TYPES[0]] * int(config.num_hidden_layers)
+    if model_type in _STATE_SPACE_MODEL_TYPES:
+        return ["mamba"] * int(config.num_hidden_layers)
     return list(
         getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
     )

@@ -41,6 +41,8 @@ def _model_kv_shape(hf_config) -> tuple[int, int, int]:
     num_layers = getattr(hf_config, "num_hidden_layers", None) or hf_config.n_layer
     if is_hybrid(hf_config):
         num_layers = num_kv_layers(hf_config)
+        if num_layers == 0:  # a pure state-space model (Mamba): blocks only count tokens
+            return 0, 1, 1
     if latent_kv(hf_config):  # replicated on every tensor-parallel rank
         return num_layers, 1, int(hf_config.kv_lora_rank) + int(hf_config.qk_rope_head_dim)
     num_heads = getattr(hf_config, "num_attention_heads", None) or hf_config.n_head
@@ -55,6 +57,8 @@ def kv_shape(hf_config) -> tuple[int, int, int]:
     its pipeline stage's layers and its tensor-parallel share of the KV heads (one replicated
     head when there are more TP ranks than KV heads)."""
     num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
+    if num_layers == 0:
+        return 0, num_kv_heads, head_dim
     state = get_parallel_state()
     start, end = stage_layers(num_layers, state.pp_rank, state.pp_size)
     return end - start, max(1, num_kv_heads // state.tp_size), head_dim
@@ -67,7 +71,7 @@ def num_cpu_blocks(hf_config, block_size: int, dtype: torch.dtype, gib: float) -
     num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
     per_block = _kv_copies(hf_config) * num_layers * block_size * num_kv_heads * head_dim * elem
-    return int(gib * (1 << 30)) // per_block
+    return int(gib * (1 << 30)) // per_block if per_block else 0
 
 
 class CacheEngine:
@@ -127,6 +131,8 @@ class CacheEngine:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """All (src, dst) copies of one step, over every layer's K and V, in one launch."""
+        if not self.kv_caches:  # a model without KV layers: blocks hold nothing to copy
+            return
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
         keys = [k for k, _ in self.kv_caches]
         # A latent cache's values are its keys: copy each tensor once (the key and value

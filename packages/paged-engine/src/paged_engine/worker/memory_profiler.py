@@ -33,7 +33,8 @@ def gpu_baseline(device: torch.device, utilization: float) -> int:
 
 @torch.inference_mode()
 def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) -> int:
-    """KV blocks that fit once weights and the activations of the largest step are resident.
+    """KV blocks that fit once weights and the activations of the largest step are resident
+    (for a model without KV layers: recurrent-state rows).
 
     `gpu_memory_utilization` is this engine's share of the device: the budget is
     `total * utilization` minus what the engine itself holds (memory used now minus
@@ -45,6 +46,11 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
     )
     if runner.draft is not None:  # a draft model's cache: the same blocks, a second set
         bytes_per_block += runner.draft.bytes_per_block(runner.block_size)
+    if bytes_per_block == 0:
+        # No KV layers (a pure state-space model): the budget is counted in recurrent-state
+        # rows instead, which the prefix cache's snapshots take (fit_state_snapshots).
+        assert runner.states is not None, "a model without KV layers carries recurrent state"
+        bytes_per_block = runner.states.nbytes_per_row
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
     if runner.device.type != "cuda":

@@ -90,7 +90,14 @@ def fit_state_snapshots(config, num_blocks: int, block_bytes: int, row_bytes: in
     """Sets `config.prefix_state_snapshots` (None: as many as fit in SNAPSHOT_SHARE of the
     `num_blocks` KV blocks' memory, at most max_num_seqs) and returns the KV blocks left once
     the snapshots' memory comes out of them (all of them under num_gpu_blocks_override, which
-    fixes the block count). No snapshot fits: prefix caching is off."""
+    fixes the block count). No snapshot fits: prefix caching is off.
+
+    A model without KV layers (`block_bytes` 0: Mamba, Mamba2) has blocks that hold nothing:
+    `num_blocks` is then the state rows the memory budget holds (memory_profiler.py), all of
+    them the snapshots' to take (at most max_num_seqs by default), and the blocks returned are
+    enough for every seat's sequence at max_model_len (or num_gpu_blocks_override)."""
+    if block_bytes == 0:
+        return _fit_without_kv(config, num_blocks)
     if not config.enable_prefix_caching:
         config.prefix_state_snapshots = 0
         return num_blocks
@@ -109,6 +116,27 @@ def fit_state_snapshots(config, num_blocks: int, block_bytes: int, row_bytes: in
     if config.num_gpu_blocks_override is not None:
         return num_blocks
     return num_blocks - -(-config.prefix_state_snapshots * row_bytes // block_bytes)
+
+
+def _fit_without_kv(config, budget_rows: int) -> int:
+    if config.num_gpu_blocks_override is not None:
+        num_blocks, budget_rows = config.num_gpu_blocks_override, config.max_num_seqs
+    else:
+        per_seq = -(-config.max_model_len // config.block_size)
+        num_blocks = config.max_num_seqs * per_seq + 1  # + the null block
+    if not config.enable_prefix_caching:
+        config.prefix_state_snapshots = 0
+    elif config.prefix_state_snapshots is None:
+        config.prefix_state_snapshots = min(config.max_num_seqs, budget_rows)
+        if not budget_rows:
+            logger.info("prefix caching is off: no memory left for a recurrent-state snapshot")
+            config.enable_prefix_caching = False
+    elif config.prefix_state_snapshots > budget_rows:
+        raise ValueError(
+            f"prefix_state_snapshots={config.prefix_state_snapshots}: the memory left holds "
+            f"{budget_rows} recurrent-state rows"
+        )
+    return num_blocks
 
 
 def resolve_ssm_dtype(name: str, model_dtype: torch.dtype, hf_config) -> torch.dtype:

@@ -25,6 +25,13 @@ feed_forward_length), ssm.* keys, context_length 2**20 and rope.scaling.finetune
 Layer kinds are taken from the config by meaning (the converter matches the Hub configs' names:
 "mamba" / "attention" lists or "M" / "*" / "-" / "E" patterns, not transformers 5's
 "linear_attention" / "full_attention"), and Nemotron-H is MoE when it has MoE blocks.
+
+Pure state-space models, as MambaModel / Mamba2Model do: A_log stored as -exp(A_log) (Mamba:
+[inner, state] as HF has it; Mamba2: [H, 1], with D), Mamba2's dt_bias renamed dt_proj.bias and
+its gated norm reshaped [groups, inner / groups], conv1d weights squeezed; head_count and
+feed_forward_length 0, context_length 2**20, ssm.* keys (Mamba: dt_b_c_rms, True for Falcon
+Mamba; Mamba2: group_count, time_step_rank = inner / head_dim); the token list padded with
+`[PAD<i>]` to a multiple of 8 (Mamba) / 16 (Mamba2).
 """
 
 from __future__ import annotations
@@ -55,10 +62,16 @@ GGUF_ARCH = {
     "lfm2_moe": ("lfm2moe", "LFM2MOE"),
     "granitemoehybrid": ("granitehybrid", "GRANITE_HYBRID"),
     "nemotron_h": ("nemotron_h", "NEMOTRON_H"),  # nemotron_h_moe with MoE blocks (_gguf_arch)
+    "mamba": ("mamba", "MAMBA"),
+    "falcon_mamba": ("mamba", "MAMBA"),
+    "mamba2": ("mamba2", "MAMBA2"),
 }
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
+SSMS = ("mamba", "falcon_mamba", "mamba2")  # pure state-space models
+# MambaModel / Mamba2Model.set_vocab: the vocabulary padded to a multiple of this
+_SSM_PAD_VOCAB = {"mamba": 8, "falcon_mamba": 8, "mamba2": 16}
 _EXPERT = re.compile(
     r"^((?:model|backbone)\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward|mixer)\.experts)"
     r"\.(\d+)\.(\w+)\.weight$"
@@ -176,6 +189,29 @@ def _write_mamba_metadata(w, arch: str, tiny_arch: str, cfg: dict) -> None:
     w.add_expert_group_used_count(cfg["topk_group"])  # TextModel's
     if cfg.get("moe_latent_size") is not None:
         w.add_moe_latent_size(cfg["moe_latent_size"])
+
+
+def _write_ssm_metadata(w, tiny_arch: str, cfg: dict) -> None:
+    """MambaModel / Mamba2Model.set_gguf_parameters (neither calls TextModel's)."""
+    hidden = cfg["hidden_size"]
+    inner = cfg.get("intermediate_size") or 2 * hidden  # Mamba2Config saves none
+    w.add_context_length(2**20)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(cfg["state_size"])
+    if tiny_arch == "mamba2":
+        w.add_ssm_time_step_rank(inner // cfg["head_dim"])
+        w.add_ssm_group_count(cfg["n_groups"])
+    else:
+        rank = cfg["time_step_rank"]
+        w.add_ssm_time_step_rank(-(hidden // -16) if rank == "auto" else rank)
+    w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
+    if tiny_arch != "mamba2":
+        w.add_ssm_dt_b_c_rms(cfg["model_type"] == "falcon_mamba")
 
 
 def _write_metadata(w, arch: str, cfg: dict) -> None:
@@ -331,6 +367,21 @@ def _mamba_hybrid(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     return [(name, arr)]
 
 
+def _ssm(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
+    """MambaModel / Mamba2Model.modify_tensors (Mamba2's dt_bias rename: its filter_tensors)."""
+    if name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    if name.endswith("conv1d.weight"):
+        arr = arr.squeeze()
+    elif tiny_arch == "mamba2" and name.endswith((".A_log", ".D")):
+        arr = arr.reshape(*arr.shape, 1)
+    elif tiny_arch == "mamba2" and name.endswith("mixer.norm.weight"):
+        arr = arr.reshape(cfg["n_groups"], -1)
+    if name.endswith(".A_log"):
+        arr = -np.exp(arr)
+    return [(name, arr)]
+
+
 def _lfm2(name: str, arr: np.ndarray):
     """LFM2Model / LFM2MoeModel.modify_tensors (expert merging: in _converted)."""
     if "conv.conv" in name:
@@ -340,15 +391,21 @@ def _lfm2(name: str, arr: np.ndarray):
     return [(name, arr)]
 
 
-def _write_tokenizer(w, src: Path) -> None:
+def _write_tokenizer(w, src: Path, pad_to: int = 1) -> None:
+    """The byte-level BPE vocabulary; `pad_to` > 1: padded with `[PAD<i>]` (type unused) to a
+    multiple of it, as the converter pads a vocabulary to the config's (padded) vocab_size."""
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {t["id"]: t for t in tok["added_tokens"]}
     tokens = [t for t, _ in vocab] + [added[i]["content"] for i in sorted(added) if i >= len(vocab)]
+    types = [3 if i in added and added[i]["special"] else 1 for i in range(len(tokens))]
+    while len(tokens) % pad_to:
+        tokens.append(f"[PAD{len(tokens)}]")
+        types.append(5)
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_token_types([3 if i in added and added[i]["special"] else 1 for i in range(len(tokens))])
+    w.add_token_types(types)
     w.add_bos_token_id(0)
     w.add_eos_token_id(1)
     w.add_pad_token_id(2)
@@ -405,7 +462,7 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
 
     _, member = _gguf_arch(tiny_arch, cfg)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, member), cfg["num_hidden_layers"])
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     out: list[tuple[str, np.ndarray, list[str], np.ndarray, np.ndarray | None]] = []
     groups: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
 
@@ -419,9 +476,11 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
 
     for name, t in sorted(load_file(src / "model.safetensors").items()):
         hf = arr = t.float().numpy()
-        if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS and _EXPERT.match(name) is None:
+        if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS + SSMS and _EXPERT.match(name) is None:
             if tiny_arch in QWEN_HYBRIDS:
                 transform = partial(_qwen_hybrid, tiny_arch, cfg, name)
+            elif tiny_arch in SSMS:
+                transform = partial(_ssm, tiny_arch, cfg, name)
             elif tiny_arch in MAMBA_HYBRIDS:
                 transform = partial(_mamba_hybrid, tiny_arch, cfg, name)
             else:
@@ -700,7 +759,7 @@ def write_gguf(
 
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
-    hybrid = tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS
+    hybrid = tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS + SSMS
     if quant not in (HYBRID_QUANTS if hybrid else ("f32", "q8_0", "mixed")):
         raise NotImplementedError(f"{tiny_arch} GGUF files are not written as {quant!r}")
     if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
@@ -709,10 +768,12 @@ def write_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     if tiny_arch in MAMBA_HYBRIDS:
         _write_mamba_metadata(w, arch, tiny_arch, cfg)
+    elif tiny_arch in SSMS:
+        _write_ssm_metadata(w, tiny_arch, cfg)
     else:
         _write_metadata(w, arch, cfg)
     if spm_vocab is None:
-        _write_tokenizer(w, src)
+        _write_tokenizer(w, src, _SSM_PAD_VOCAB.get(tiny_arch, 1))
     else:
         write_spm_tokenizer(w, spm_vocab)
     expected: dict[str, torch.Tensor] = {}

@@ -38,12 +38,18 @@ Mamba2 hybrids (convert_hf_to_gguf.py: Mamba2Model, GraniteHybridModel, Nemotron
 - Nemotron-H keeps HF's `backbone.` names; Nemotron 3's experts are merged (`ffn_up_exps`,
   `ffn_down_exps`, no gate), the router's correction bias is `exp_probs_b.bias`, the latent
   projections are `ffn_latent_down` / `ffn_latent_up`.
+
+Pure state-space models (convert_hf_to_gguf.py: MambaModel, Mamba2Model), HF's `backbone.` names:
+- Mamba / Falcon Mamba ("mamba"; Falcon Mamba's files say `ssm.dt_b_c_rms` True): A_log stored
+  as A = -exp(A_log), still [inner, state] (`ssm_a`, no suffix), D as is (`ssm_d`); conv1d weights
+  squeezed to [C, K]; x_proj `ssm_x`, dt_proj `ssm_dt`; a head equal to the embedding left out.
+- Mamba2 ("mamba2"): as the Mamba2 hybrids' mixers above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from paged_engine.gguf.reader import GGUFFile
 
@@ -154,12 +160,26 @@ _NEMOTRON_H_NAMES: dict[str, str | None] = {
     "ffn_latent_up": "mixer.fc2_latent_proj",
     **{k: f"mixer.{v}" for k, v in _MAMBA2_PARTS.items()},
 }
-_NEMOTRON_H_GLOBALS = {
+# the global tensors under HF's `backbone.` (Nemotron-H, Mamba, Mamba2)
+_BACKBONE_GLOBALS = {
     "token_embd.weight": "backbone.embeddings.weight",
     "output_norm.weight": "backbone.norm_f.weight",
 }
+# Mamba / Falcon Mamba and Mamba2: a norm and a mixer per block (`backbone.layers.N.mixer`)
+_MAMBA_NAMES: dict[str, str | None] = {
+    "attn_norm": "norm",
+    "ssm_in": "mixer.in_proj",
+    "ssm_conv1d": "mixer.conv1d",
+    "ssm_x": "mixer.x_proj",
+    "ssm_dt": "mixer.dt_proj",
+    "ssm_out": "mixer.out_proj",
+}
+_MAMBA2_NAMES: dict[str, str | None] = {
+    "attn_norm": "norm",
+    **{k: f"mixer.{v}" for k, v in _MAMBA2_PARTS.items()},
+}
 # the GGUF families whose mixer is Mamba2 (convert.py reshapes A, D and the gated norm back)
-MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h")
+MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h", "mamba2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,8 +198,8 @@ class GGUFArch:
     params: Mapping[str, str] = field(default_factory=dict)
     # extra global tensors: GGUF name -> HF name
     global_names: Mapping[str, str] = field(default_factory=dict)
-    # hybrid family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
-    # "granitehybrid", "nemotron_h"
+    # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
+    # "granitehybrid", "nemotron_h", "mamba", "mamba2"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -263,7 +283,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         permute_qk=True,
         layer_names=_NEMOTRON_H_NAMES,
         params={k: f"mixer.{v}" for k, v in _MAMBA2_PARAMS.items()},
-        global_names=_NEMOTRON_H_GLOBALS,
+        global_names=_BACKBONE_GLOBALS,
         family="nemotron_h",
         prefix="backbone.layers",
     ),
@@ -277,8 +297,26 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
             **{k: f"mixer.{v}" for k, v in _MAMBA2_PARAMS.items()},
             "exp_probs_b.bias": "mixer.gate.e_score_correction_bias",
         },
-        global_names=_NEMOTRON_H_GLOBALS,
+        global_names=_BACKBONE_GLOBALS,
         family="nemotron_h",
+        prefix="backbone.layers",
+    ),
+    "mamba": GGUFArch(
+        "MambaForCausalLM",
+        "MambaConfig",
+        layer_names=_MAMBA_NAMES,
+        params={"ssm_a": "mixer.A_log", "ssm_d": "mixer.D"},
+        global_names=_BACKBONE_GLOBALS,
+        family="mamba",
+        prefix="backbone.layers",
+    ),
+    "mamba2": GGUFArch(
+        "Mamba2ForCausalLM",
+        "Mamba2Config",
+        layer_names=_MAMBA2_NAMES,
+        params={k: f"mixer.{v}" for k, v in _MAMBA2_PARAMS.items()},
+        global_names=_BACKBONE_GLOBALS,
+        family="mamba2",
         prefix="backbone.layers",
     ),
 }
@@ -288,6 +326,11 @@ MIXTRAL = GGUFArch(
     "MixtralConfig",
     permute_qk=True,
     experts=("block_sparse_moe", "w1", "w3", "w2"),
+)
+# arch "mamba" whose mixer normalizes dt, B and C (MambaModel's dt_b_c_rms: model_type
+# falcon_mamba)
+FALCON_MAMBA = replace(
+    GGUF_ARCHS["mamba"], hf_arch="FalconMambaForCausalLM", config_cls="FalconMambaConfig"
 )
 
 
@@ -300,4 +343,6 @@ def gguf_arch(f: GGUFFile) -> tuple[str, GGUFArch]:
         )
     if arch == "llama" and int(f.get("llama.expert_count") or 0) > 0:
         return arch, MIXTRAL
+    if arch == "mamba" and f.get("mamba.ssm.dt_b_c_rms"):
+        return arch, FALCON_MAMBA
     return arch, GGUF_ARCHS[arch]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_engine.gguf.archs import gguf_arch
+from paged_engine.gguf.archs import GGUFArch, gguf_arch
 from paged_engine.gguf.reader import GGUFFile
 
 _MISSING = object()
@@ -45,6 +45,8 @@ def gguf_to_hf_config(f: GGUFFile):
 
     arch, spec = gguf_arch(f)
     meta = _Meta(f, arch)
+    if spec.family in ("mamba", "mamba2"):  # no attention: head_count 0
+        return _state_space(meta, f, spec)
     hidden = meta.get_int("embedding_length")
     heads = meta.get_int("attention.head_count")
     layers = meta.get_int("block_count")
@@ -277,6 +279,58 @@ def _mamba2(meta: _Meta, f: GGUFFile, layers: list[int]) -> dict[str, Any]:
         "conv_bias": first is not None and f"blk.{first}.ssm_conv1d.bias" in f.tensors,
         "proj_bias": first is not None and f"blk.{first}.ssm_in.bias" in f.tensors,
     }
+
+
+def _state_space(meta: _Meta, f: GGUFFile, spec: GGUFArch):
+    """Mamba / Falcon Mamba ("mamba") and Mamba2 ("mamba2") (MambaModel / Mamba2Model
+    .set_gguf_parameters): every block a mixer, sized by ssm.* (inner_size = expand x hidden;
+    Mamba: time_step_rank is dt_proj's rank, Mamba2: the head count); head_count and
+    feed_forward_length are 0 and context_length an arbitrary 2**20, none of them HF's. The
+    biases from the first layer's tensors; a missing `output` is a tied head. What the format
+    does not carry stays at the config class's default: residual_in_fp32, Falcon Mamba's
+    mixer_rms_eps (llama.cpp normalizes dt, B and C with the layer eps), Mamba2's time_step_limit
+    (llama.cpp clamps nothing) and chunk_size."""
+    import transformers
+
+    arch = meta.arch
+    if "token_embd.weight" not in f.tensors:
+        raise ValueError("GGUF file lacks the tensor token_embd.weight")
+    hidden, layers = meta.get_int("embedding_length"), meta.get_int("block_count")
+    inner = meta.get_int("ssm.inner_size")
+    if hidden <= 0 or inner % hidden:
+        raise ValueError(
+            f"GGUF metadata {arch}.ssm.inner_size={inner} is no whole multiple of "
+            f"embedding_length={hidden} (the config's expand)"
+        )
+    kwargs: dict[str, Any] = dict(
+        architectures=[spec.hf_arch],
+        vocab_size=f.tensors["token_embd.weight"].shape[0],  # the converter pads only the vocab
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        state_size=meta.get_int("ssm.state_size"),
+        conv_kernel=meta.get_int("ssm.conv_kernel"),
+        expand=inner // hidden,
+        layer_norm_epsilon=meta.get_float("attention.layer_norm_rms_epsilon"),
+        use_conv_bias=_has_bias(f, "ssm_conv1d"),
+        use_bias=_has_bias(f, "ssm_in"),
+        tie_word_embeddings="output.weight" not in f.tensors,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+    )
+    if spec.family == "mamba":
+        kwargs["time_step_rank"] = meta.get_int("ssm.time_step_rank")
+    else:
+        mamba = _mamba2(meta, f, [])
+        kwargs.update(
+            num_heads=mamba["heads"], head_dim=mamba["head_dim"], n_groups=mamba["groups"]
+        )
+    return getattr(transformers, spec.config_cls)(**kwargs)
+
+
+def _has_bias(f: GGUFFile, part: str) -> bool:
+    """Whether the first layer's `part` has a bias (all layers alike)."""
+    return f"blk.0.{part}.bias" in f.tensors
 
 
 def _has(f: GGUFFile, layer: int, part: str) -> bool:

@@ -48,7 +48,9 @@
 #         layers): the linear-attention kernels' GPU-marked tests, then gpu_profile at batch 32
 #         (max_num_seqs 32: the state pool) with CUDA graphs and eager; prefix caching from
 #         state snapshots (benchmarks/prefix_cache.py: Qwen3.5, LFM2 and Qwen3 at hidden 1024,
-#         16 layers, 64 chats sharing a system prompt) on or off, its answers compared.
+#         16 layers, 64 chats sharing a system prompt) on or off, its answers compared; the
+#         same for the state-space models (Mamba, Mamba2 without KV; Jamba) and the
+#         selective_scan kernel's GPU-marked tests.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -184,7 +186,7 @@ case "$PHASE" in
   phase9)  # hybrid: Qwen3.5-27B's config (Gated DeltaNet state rows beside the paged KV)
     step 30 versions versions
     step 120 gdn-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_linear_attention.py \
-      tests/kernels/test_kda.py
+      tests/kernels/test_kda.py tests/kernels/test_selective_scan.py
     step 240 hybrid-profile $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
       --batch 32 --max-num-seqs 32 --out "$OUT/hybrid"
     step 150 hybrid-profile-eager $PY -m benchmarks.gpu_profile --model-config qwen3.5-27b \
@@ -192,6 +194,10 @@ case "$PHASE" in
     # prefix caching from state snapshots on the native kernels: answers equal to no caching
     step 100 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 qwen3 \
       --hidden-size 1024 --layers 16 --conversations 64 --out "$OUT/prefix_cache.json"
+    # the state-space models on the native kernels (Mamba's selective_scan, Mamba2's ssd_scan):
+    # Mamba and Mamba2 without any KV, Jamba among attention layers; answers equal to no caching
+    step 100 ssm-prefix-cache $PY -m benchmarks.prefix_cache --archs mamba mamba2 jamba \
+      --hidden-size 1024 --layers 16 --conversations 64 --out "$OUT/ssm_prefix_cache.json"
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
@@ -227,6 +233,9 @@ case "$PHASE" in
     step 200 hybrid-prefix-cache $PY -m benchmarks.prefix_cache --archs qwen3_5 lfm2 \
       --hidden-size 64 --layers 4 --conversations 3 --turns 2 --system-tokens 40 \
       --max-tokens 4 --out "$OUT/prefix_cache.json"
+    step 200 ssm-prefix-cache $PY -m benchmarks.prefix_cache --archs mamba mamba2 jamba \
+      --hidden-size 64 --layers 4 --conversations 3 --turns 2 --system-tokens 40 \
+      --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
     echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse" >&2

@@ -8,15 +8,18 @@ must give HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32) on pr
 70 tokens, whole and in prefill chunks of 16, on the CPU backend and the Triton one. The engine
 runs them without KV (blocks count tokens, no context limit but max_model_len, every snapshot
 row from the state budget); forks (n = 3) continue their parent's state, prefix caching resumes
-from state snapshots with the outputs of an engine without it, TP=2 gives the one-process
-results, and bfloat16 runs agree with HF's in bfloat16.
+from state snapshots with the outputs of an engine without it (also under preemption, which
+the blocks still cause, and async scheduling), beam search gives HF's beams, TP=2 gives the
+one-process results, and bfloat16 runs agree with HF's in bfloat16.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
-from hf_reference import assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
 from hybrid_checks import (
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
@@ -26,7 +29,7 @@ from hybrid_checks import (
     token_requests,
 )
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM, BeamSearchParams, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -162,3 +165,85 @@ def test_bfloat16_matches_hf(mamba_dirs):
         assert c.token_ids == ref.tokens
         got = [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]
         assert got == pytest.approx(ref.logprobs, abs=0.2)
+
+
+@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+def test_beam_search_matches_hf(name, mamba_dirs):
+    path = mamba_dirs(name)
+    hf = load_hf_model(path)
+    prompts = random_prompts(11, (5, 23))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.beam_search(token_requests(prompts), params), strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=3,
+                num_return_sequences=3,
+                max_new_tokens=6,
+                do_sample=False,
+                length_penalty=1.0,
+                early_stopping=False,
+            )
+        assert [s.tokens[len(prompt) :] for s in out.sequences] == [
+            r[len(prompt) :].tolist() for r in ref
+        ]
+
+
+def test_preemption_async_and_prefix_cache_change_no_output(mamba_dirs):
+    """Without KV the blocks still run out under num_gpu_blocks_override: requests sharing a
+    system prompt in waves, greedy and sampled, n = 3 among them, preempted (recompute), with
+    async scheduling and prefix caching, give the outputs of a plain engine; no row leaks."""
+    path = str(mamba_dirs("mamba2"))
+    rng = random.Random(0)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [
+        system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(14)
+    ]
+    params = [
+        SamplingParams(
+            temperature=1.0 if i % 2 == 0 else 0,
+            seed=i,
+            max_tokens=20,
+            ignore_eos=True,
+            n=3 if i % 3 == 0 else 1,
+        )
+        for i in range(len(prompts))
+    ]
+
+    def run(**kw):
+        llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
+        outs = []
+        for lo in range(0, len(prompts), 7):
+            wave = slice(lo, lo + 7)
+            outs += llm.generate(token_requests(prompts[wave]), params[wave], use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
+
+    want, _ = run(prefix_state_snapshots=0)
+    for async_scheduling in (False, True):
+        got, scheduler = run(
+            num_gpu_blocks_override=24,
+            max_num_batched_tokens=32,
+            async_scheduling=async_scheduling,
+            prefix_state_snapshots=8,
+        )
+        slots = scheduler.state_slots
+        assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
+        assert got == want
+        assert slots.num_free == slots.num_slots
+
+
+def test_dt_clamp_follows_positions_not_chunks(mamba_dirs):
+    """Mamba2's time_step_limit clamps prompt tokens (transformers' prefill scan), not generated
+    ones: a prompt of 17 or 33 tokens in chunks of 16 ends in a one-token chunk that continues
+    its state, which is still a prompt token (clamped): HF's greedy tokens and logprobs."""
+    path = mamba_dirs("mamba2")  # its limit (0, 0.9) bites: softplus(dt) reaches ~1.3
+    prompts = [list(range(5, 22)), list(range(30, 63))]
+    hf = load_hf_model(path)
+    refs = [hf_greedy(hf, p, 6, 5) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+    outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
+        assert_matches(f"mamba2-chunked-{i}", out, ref)

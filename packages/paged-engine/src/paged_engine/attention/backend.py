@@ -47,6 +47,9 @@ class AttentionMetadata:
     # at position 0). None outside hybrid models and in stand-alone forwards (profiling).
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    # Hybrid models: each sequence's prompt length [S] int64; its tokens at positions from there
+    # on are generated ones (Mamba2's dt clamp tells them apart). None where state_slots is.
+    prompt_lens: torch.Tensor | None = None
 
     def state_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(state_slots, has_initial_state); in a stand-alone forward (memory profiling, where

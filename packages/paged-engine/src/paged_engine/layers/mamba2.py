@@ -3,7 +3,7 @@ Nemotron-H and TII Falcon-H1.
 
 Per token, one input projection gives a gate z [I], the conv input x | B | C ([I], [G, N],
 [G, N]) and a step dt per head. After a causal depthwise conv (width K) and SiLU, with
-dt = softplus(dt + dt_bias) (clamped to the spec's dt_limit in multi-token scans) and
+dt = softplus(dt + dt_bias) (clamped to the spec's dt_limit for prompt tokens) and
 A = -exp(A_log), each head h (of H, head_dim P; group g = h // (H / G) supplies B and C) runs
 
     S = exp(dt * A) * S + dt * x (x) B;   y = S . C + D * x         (S: [P, N])
@@ -214,7 +214,7 @@ class Mamba2Mixer(LinearMixer):
         xs, b, c = xbc.split([self.inner, bc, bc], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.dt_limit is not None:
-            dt = self._clamp_dt(dt, md.cu_seqlens_q, has_state)
+            dt = self._clamp_dt(dt, md)
         xs = xs.reshape(t, self.num_heads, self.head_dim)
         y = backend.ssd_scan(
             xs,
@@ -234,13 +234,19 @@ class Mamba2Mixer(LinearMixer):
             y = self.norm(y, z, x.dtype)
         return self.out_proj(y)
 
-    def _clamp_dt(
-        self, dt: torch.Tensor, cu: torch.Tensor, has_state: torch.Tensor
-    ) -> torch.Tensor:
+    def _clamp_dt(self, dt: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         """time_step_limit as the reference implementations apply it (mamba_ssm, transformers):
-        in the chunked scan over several tokens, not in the one-token update of a sequence
-        that continues its state (a decode step)."""
+        in the chunked scan over a prompt, not in the one-token updates of generated tokens.
+        Told apart by position (from `md.prompt_lens`), so every chunking of a prompt, a
+        prefix-cache resume and a recompute after preemption clamp the same tokens."""
+        if md.prompt_lens is None:  # a stand-alone forward (profiling): prompts only
+            return dt.clamp(*self.dt_limit)
+        t, cu = dt.shape[0], md.cu_seqlens_q
         lens = cu[1:] - cu[:-1]
-        decode = (lens == 1) & has_state
-        keep = torch.repeat_interleave(decode, lens, output_size=dt.shape[0])
+        # the step's local index of each sequence's first generated token (<= 0: all are)
+        first_generated = md.prompt_lens - (md.seq_lens - lens)
+        local = torch.arange(t, device=dt.device) - torch.repeat_interleave(
+            cu[:-1], lens, output_size=t
+        )
+        keep = local >= torch.repeat_interleave(first_generated, lens, output_size=t)
         return torch.where(keep[:, None], dt, dt.clamp(*self.dt_limit))

@@ -9,7 +9,7 @@ BambaConfig turns it into `layers_block_type`, aliased as `layer_types`: "linear
 The attention is Llama's with partial rope (`partial_rotary_factor`, which BambaConfig fixes at
 0.5), optional q/k/v/o biases (`attention_bias`); the MLP Llama's (`mlp_bias`). The mixer is
 Granite 4.0-H's (width mamba_expand * hidden_size, `mamba_conv_bias`, `mamba_proj_bias` on
-in_proj and out_proj, `time_step_limit` in multi-token scans, RMSNorm over groups of
+in_proj and out_proj, `time_step_limit` on prompt tokens, RMSNorm over groups of
 y * silu(z)). Checkpoints name the MLP `feed_forward`, its norm `pre_ff_layernorm` and the final
 norm `final_layernorm`, as Falcon-H1's do. Only the attention layers hold paged KV
 (models/hybrid.py).

@@ -9,7 +9,7 @@ Nano 2 9B / 12B, Nemotron 3 Nano / Super): a stack of single-mixer blocks, each 
 as `config.layer_types` (or the older `hybrid_override_pattern`, "M" / "*" / "-") lists them,
 every block x += mixer(rmsnorm(x)), a final RMSNorm (`norm_f`). Only the attention blocks hold
 paged KV (models/hybrid.py); the Mamba blocks a recurrent state per sequence. As transformers
-does, the Mamba blocks clamp dt from below at `time_step_min` in multi-token scans.
+does, the Mamba blocks clamp dt from below at `time_step_min` for prompt tokens.
 
 Checkpoints name the stack `backbone.` (the Hub's) or `model.` (transformers 5), the embedding
 `embeddings` and the final norm `norm_f`; multi-token-prediction weights (`mtp.*`) are skipped.

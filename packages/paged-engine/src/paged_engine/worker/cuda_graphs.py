@@ -72,11 +72,12 @@ class CudaGraphRunner:
         )
         # Hybrid models: each row's recurrent-state row; padding rows use the scratch row.
         self.scratch_row = -1
-        self.state_slots = self.has_state = None
+        self.state_slots = self.has_state = self.prompt_lens = None
         if runner.states is not None:
             self.scratch_row = runner.states.scratch_row
             self.state_slots = torch.full((n,), self.scratch_row, dtype=torch.int64, device=dev)
             self.has_state = torch.zeros(n, dtype=torch.bool, device=dev)
+            self.prompt_lens = torch.zeros(n, dtype=torch.int64, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (q, bs) -> graph
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # (q, bs) -> [bs * q, D]
         self.pool = None
@@ -93,6 +94,7 @@ class CudaGraphRunner:
         )
         if self.state_slots is not None and self.has_state is not None:
             meta.state_slots, meta.has_initial_state = self.state_slots[:bs], self.has_state[:bs]
+            meta.prompt_lens = self.prompt_lens[:bs]  # type: ignore[index]
         return meta
 
     @torch.inference_mode()
@@ -174,6 +176,9 @@ class CudaGraphRunner:
             self.state_slots[n:bs].fill_(self.scratch_row)
             self.has_state[:n].copy_(meta.has_initial_state)
             self.has_state[n:bs].fill_(False)
+            assert self.prompt_lens is not None and meta.prompt_lens is not None
+            self.prompt_lens[:n].copy_(meta.prompt_lens)
+            self.prompt_lens[n:bs].fill_(0)
         # Tokens [t, t_bs) keep stale ids / positions: harmless, as they write nothing (slot -1)
         # and attend only to the null block (seq_len q); their outputs are dropped.
         self.graphs[q, bs].replay()

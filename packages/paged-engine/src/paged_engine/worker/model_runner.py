@@ -295,7 +295,9 @@ class ModelRunner:
         if self.states is not None:
             state_rows = batch.state_slot[rows]
             self.states.advance(state_rows, starts, num_new)
-            meta.state_slots, has_state = self._upload(state_rows, (starts > 0).astype(np.int64))
+            meta.state_slots, has_state, meta.prompt_lens = self._upload(
+                state_rows, (starts > 0).astype(np.int64), batch.num_prompt[rows].astype(np.int64)
+            )
             meta.has_initial_state = has_state.bool()
         return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens)
 

@@ -32,6 +32,22 @@ its gated norm reshaped [groups, inner / groups], conv1d weights squeezed; head_
 feed_forward_length 0, context_length 2**20, ssm.* keys (Mamba: dt_b_c_rms, True for Falcon
 Mamba; Mamba2: group_count, time_step_rank = inner / head_dim); the token list padded with
 `[PAD<i>]` to a multiple of 8 (Mamba) / 16 (Mamba2).
+
+Falcon-H1, as FalconH1Model does (Mamba2Model's mixer transforms and keys first): every
+multiplier folded into a weight, none written (token_embd x embedding_multiplier, output x
+lm_head_multiplier, attn_q / attn_v x attention_in_multiplier, attn_k x key_multiplier x
+attention_in_multiplier, attn_output x attention_out_multiplier, ssm_in x ssm_in_multiplier and
+its z / x / B / C / dt row blocks x ssm_multipliers, ssm_out x ssm_out_multiplier, ffn_gate /
+ffn_down x mlp_multipliers); the pre-MLP norm as `blk.N.ffn_norm` (no `.weight`); ssm.* keys
+(inner_size mamba_d_ssm, time_step_rank = inner / mamba_d_head), then its attention keys over
+Mamba2Model's zeros. The expected weights are the folded ones (the converter's own float32
+products), in HF's names and shapes.
+
+Jamba, as JambaModel does: A_log stored as -exp(A_log) ([inner, state]), conv1d weights
+squeezed, experts merged (under Qwen2-MoE's `mlp.experts` name), the router `ffn_gate_inp`;
+per-layer head_count_kv (0 on Mamba layers), ssm.* keys, expert_count / expert_used_count.
+Its converter writes a SentencePiece vocabulary (tokenizer.model, else the HF tokenizer as
+"llama"); we write the tiny model's byte-level BPE one as for the other archs.
 """
 
 from __future__ import annotations
@@ -65,11 +81,15 @@ GGUF_ARCH = {
     "mamba": ("mamba", "MAMBA"),
     "falcon_mamba": ("mamba", "MAMBA"),
     "mamba2": ("mamba2", "MAMBA2"),
+    "falcon_h1": ("falcon-h1", "FALCON_H1"),
+    "jamba": ("jamba", "JAMBA"),
 }
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
 SSMS = ("mamba", "falcon_mamba", "mamba2")  # pure state-space models
+OTHER_HYBRIDS = ("falcon_h1", "jamba")
+HYBRIDS = QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS + SSMS + OTHER_HYBRIDS
 # MambaModel / Mamba2Model.set_vocab: the vocabulary padded to a multiple of this
 _SSM_PAD_VOCAB = {"mamba": 8, "falcon_mamba": 8, "mamba2": 16}
 _EXPERT = re.compile(
@@ -212,6 +232,48 @@ def _write_ssm_metadata(w, tiny_arch: str, cfg: dict) -> None:
     w.add_layer_norm_rms_eps(cfg["layer_norm_epsilon"])
     if tiny_arch != "mamba2":
         w.add_ssm_dt_b_c_rms(cfg["model_type"] == "falcon_mamba")
+
+
+def _write_falcon_h1_metadata(w, cfg: dict) -> None:
+    """Mamba2Model.set_gguf_parameters, then FalconH1Model's: the values each key ends with."""
+    inner = cfg["mamba_d_ssm"]
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 0))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_time_step_rank(inner // cfg["mamba_d_head"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(_rope_params(cfg)["rope_theta"])
+
+
+def _write_jamba_metadata(w, cfg: dict) -> None:
+    """JambaModel.set_gguf_parameters (no TextModel keys)."""
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    offset, period = cfg["attn_layer_offset"], cfg["attn_layer_period"]
+    kv = [cfg["num_key_value_heads"] if i >= offset and (i - offset) % period == 0 else 0
+          for i in range(layers)]  # fmt: skip
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(kv)
+    w.add_ssm_conv_kernel(cfg.get("mamba_d_conv") or 4)
+    w.add_ssm_inner_size(cfg["mamba_expand"] * hidden)
+    w.add_ssm_state_size(cfg.get("mamba_d_state") or 16)
+    w.add_ssm_time_step_rank(cfg.get("mamba_dt_rank") or -(hidden // -16))
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps") or 1e-6)
+    w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
 
 
 def _write_metadata(w, arch: str, cfg: dict) -> None:
@@ -382,6 +444,53 @@ def _ssm(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     return [(name, arr)]
 
 
+def _falcon_h1_fold(cfg: dict, name: str, arr: np.ndarray) -> np.ndarray:
+    """FalconH1Model.modify_tensors' multipliers, by HF-name substring in its order (float32
+    products, as torch makes them); HF's shape."""
+    mlp, f32 = cfg["mlp_multipliers"], np.float32
+    if "down_proj" in name:
+        return arr * f32(mlp[1])
+    if "gate_proj" in name:
+        return arr * f32(mlp[0])
+    if "k_proj" in name:
+        return arr * f32(cfg["key_multiplier"]) * f32(cfg["attention_in_multiplier"])
+    if "q_proj" in name or "v_proj" in name:
+        return arr * f32(cfg["attention_in_multiplier"])
+    if "o_proj" in name:
+        return arr * f32(cfg["attention_out_multiplier"])
+    if "out_proj" in name:
+        return arr * f32(cfg["ssm_out_multiplier"])
+    if "in_proj" in name:
+        arr = arr * f32(cfg["ssm_in_multiplier"])
+        inner, bc = cfg["mamba_d_ssm"], cfg["mamba_n_groups"] * cfg["mamba_d_state"]
+        ends = np.cumsum([0, inner, inner, bc, bc])  # z, x, B, C, then dt to the end
+        for start, end, m in zip(ends, [*ends[1:], len(arr)], cfg["ssm_multipliers"]):
+            arr[start:end] *= f32(m)
+        return arr
+    if "lm_head" in name:
+        return arr * f32(cfg["lm_head_multiplier"])
+    if "embed_tokens" in name:
+        return arr * f32(cfg["embedding_multiplier"])
+    return arr
+
+
+def _falcon_h1(cfg: dict, name: str, arr: np.ndarray):
+    """Mamba2Model's filter_tensors / modify_tensors under FalconH1Model (the shapes: dt_bias
+    renamed dt_proj.bias, conv squeezed, A and D [H, 1], the gated norm [groups, inner / groups],
+    A_log stored as -exp(A_log)); the multipliers come first (_falcon_h1_fold)."""
+    if name.endswith(".dt_bias"):
+        name = name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif name.endswith("conv1d.weight"):
+        arr = arr.squeeze()
+    elif name.endswith((".A_log", ".D")):
+        arr = arr.reshape(*arr.shape, 1)
+    elif name.endswith("mamba.norm.weight"):
+        arr = arr.reshape(cfg["mamba_n_groups"], -1)
+    if name.endswith(".A_log"):
+        arr = -np.exp(arr)
+    return [(name, arr)]
+
+
 def _lfm2(name: str, arr: np.ndarray):
     """LFM2Model / LFM2MoeModel.modify_tensors (expert merging: in _converted)."""
     if "conv.conv" in name:
@@ -476,11 +585,15 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
 
     for name, t in sorted(load_file(src / "model.safetensors").items()):
         hf = arr = t.float().numpy()
-        if tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS + SSMS and _EXPERT.match(name) is None:
+        if tiny_arch == "falcon_h1":  # what we expect back: the folded weights
+            hf = arr = _falcon_h1_fold(cfg, name, arr)
+        if tiny_arch in HYBRIDS and _EXPERT.match(name) is None:
             if tiny_arch in QWEN_HYBRIDS:
                 transform = partial(_qwen_hybrid, tiny_arch, cfg, name)
-            elif tiny_arch in SSMS:
+            elif tiny_arch in SSMS or tiny_arch == "jamba":  # Jamba's mixer: Mamba's transforms
                 transform = partial(_ssm, tiny_arch, cfg, name)
+            elif tiny_arch == "falcon_h1":
+                transform = partial(_falcon_h1, cfg, name)
             elif tiny_arch in MAMBA_HYBRIDS:
                 transform = partial(_mamba_hybrid, tiny_arch, cfg, name)
             else:
@@ -509,6 +622,8 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
             merged = merged.removeprefix("model.")
         if tiny_arch == "nemotron_h":  # NemotronHModel merges into Qwen2-MoE's name
             merged = re.sub(r"^backbone\.(layers\.\d+)\.mixer\.", r"model.\1.mlp.", merged)
+        if tiny_arch == "jamba":  # so does JambaModel
+            merged = merged.replace(".feed_forward.experts.", ".mlp.experts.")
         gguf_name = names.get_name(merged, try_suffixes=(".weight",))
         hf_names = [per_expert[e][0] for e in sorted(per_expert)]
         arrays = [per_expert[e][1] for e in sorted(per_expert)]
@@ -759,7 +874,7 @@ def write_gguf(
 
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
-    hybrid = tiny_arch in QWEN_HYBRIDS + LFM2S + MAMBA_HYBRIDS + SSMS
+    hybrid = tiny_arch in HYBRIDS
     if quant not in (HYBRID_QUANTS if hybrid else ("f32", "q8_0", "mixed")):
         raise NotImplementedError(f"{tiny_arch} GGUF files are not written as {quant!r}")
     if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
@@ -770,6 +885,10 @@ def write_gguf(
         _write_mamba_metadata(w, arch, tiny_arch, cfg)
     elif tiny_arch in SSMS:
         _write_ssm_metadata(w, tiny_arch, cfg)
+    elif tiny_arch == "falcon_h1":
+        _write_falcon_h1_metadata(w, cfg)
+    elif tiny_arch == "jamba":
+        _write_jamba_metadata(w, cfg)
     else:
         _write_metadata(w, arch, cfg)
     if spm_vocab is None:

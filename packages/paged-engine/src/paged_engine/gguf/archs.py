@@ -44,6 +44,22 @@ Pure state-space models (convert_hf_to_gguf.py: MambaModel, Mamba2Model), HF's `
   as A = -exp(A_log), still [inner, state] (`ssm_a`, no suffix), D as is (`ssm_d`); conv1d weights
   squeezed to [C, K]; x_proj `ssm_x`, dt_proj `ssm_dt`; a head equal to the embedding left out.
 - Mamba2 ("mamba2"): as the Mamba2 hybrids' mixers above.
+
+Other hybrids (convert_hf_to_gguf.py: FalconH1Model, JambaModel), HF's `model.` names with
+`final_layernorm` as `output_norm`:
+- Falcon-H1 ("falcon-h1"): the mixer as Mamba2's above ([H, 1] A / D, [groups, n] gated norm,
+  present only with mamba_rms_norm); the pre-MLP norm stored as `ffn_norm` with no `.weight`
+  (gguf-py maps `pre_ff_layernorm.weight` whole). Every multiplier is folded into a weight and
+  none is written: embedding_multiplier into token_embd, lm_head_multiplier into output,
+  attention_in_multiplier into attn_q / attn_k / attn_v (key_multiplier too into attn_k),
+  attention_out_multiplier into attn_output, ssm_in_multiplier and the ssm_multipliers (z, x, B,
+  C, dt row blocks) into ssm_in, ssm_out_multiplier into ssm_out, mlp_multipliers into ffn_gate
+  / ffn_down. They load as 1 with the folded weights (the same function; HF's split between
+  weight and multiplier is lost). q / k not permuted (llama.cpp's NeoX rope).
+- Jamba ("jamba"): Mamba (v1) mixers as Mamba's above (A = -exp(A_log), [inner, state]) with
+  the dt / B / C norms' weights (`ssm_dt_norm`, `ssm_b_norm`, `ssm_c_norm`); layer kinds from the
+  per-layer head_count_kv (0 on Mamba layers), MoE layers from their router (`ffn_gate_inp`) and
+  merged experts (`ffn_{gate,up,down}_exps`).
 """
 
 from __future__ import annotations
@@ -178,8 +194,35 @@ _MAMBA2_NAMES: dict[str, str | None] = {
     "attn_norm": "norm",
     **{k: f"mixer.{v}" for k, v in _MAMBA2_PARTS.items()},
 }
+# the global tensors of Falcon-H1 and Jamba (HF's final norm is `final_layernorm`)
+_FINAL_LAYERNORM = {"output_norm.weight": "model.final_layernorm.weight"}
+_FEED_FORWARD_NAMES = {
+    "ffn_norm": "pre_ff_layernorm",
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+}
+# Falcon-H1: attention and a Mamba2 mixer (`mamba`) side by side in every layer
+_FALCON_H1_NAMES: dict[str, str | None] = {
+    **LAYER_NAMES,
+    **_FEED_FORWARD_NAMES,
+    **{k: f"mamba.{v}" for k, v in _MAMBA2_PARTS.items()},
+}
+# Jamba: a Mamba (v1) mixer or attention per layer, a MLP or MoE (`feed_forward`) after it
+_JAMBA_NAMES: dict[str, str | None] = {
+    **LAYER_NAMES,
+    **_FEED_FORWARD_NAMES,
+    "ssm_in": "mamba.in_proj",
+    "ssm_conv1d": "mamba.conv1d",
+    "ssm_x": "mamba.x_proj",
+    "ssm_dt": "mamba.dt_proj",
+    "ssm_dt_norm": "mamba.dt_layernorm",
+    "ssm_b_norm": "mamba.b_layernorm",
+    "ssm_c_norm": "mamba.c_layernorm",
+    "ssm_out": "mamba.out_proj",
+}
 # the GGUF families whose mixer is Mamba2 (convert.py reshapes A, D and the gated norm back)
-MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h", "mamba2")
+MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h", "mamba2", "falcon_h1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +242,7 @@ class GGUFArch:
     # extra global tensors: GGUF name -> HF name
     global_names: Mapping[str, str] = field(default_factory=dict)
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
-    # "granitehybrid", "nemotron_h", "mamba", "mamba2"
+    # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -318,6 +361,31 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         global_names=_BACKBONE_GLOBALS,
         family="mamba2",
         prefix="backbone.layers",
+    ),
+    "falcon-h1": GGUFArch(
+        "FalconH1ForCausalLM",
+        "FalconH1Config",
+        layer_names=_FALCON_H1_NAMES,
+        # the pre-MLP norm without `.weight` (FFN_PRE_NORM's mapping takes HF's name whole)
+        params={
+            **{k: f"mamba.{v}" for k, v in _MAMBA2_PARAMS.items()},
+            "ffn_norm": "pre_ff_layernorm.weight",
+        },
+        global_names=_FINAL_LAYERNORM,
+        family="falcon_h1",
+    ),
+    "jamba": GGUFArch(
+        "JambaForCausalLM",
+        "JambaConfig",
+        layer_names=_JAMBA_NAMES,
+        experts=("feed_forward", "gate_proj", "up_proj", "down_proj"),
+        params={
+            "ssm_a": "mamba.A_log",
+            "ssm_d": "mamba.D",
+            "ffn_gate_inp.weight": "feed_forward.router.weight",
+        },
+        global_names=_FINAL_LAYERNORM,
+        family="jamba",
     ),
 }
 # arch "llama" with experts

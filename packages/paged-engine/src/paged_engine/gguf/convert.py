@@ -3,7 +3,8 @@ converter did to them (archs.py): the Llama q/k row permutation, Gemma's +1 on n
 experts merged into one [E, ...] tensor, and the hybrids' (Qwen3-Next / Qwen3.5 / LFM2) own
 changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value heads; the
 Mamba2 hybrids' (Granite 4.0-H, Nemotron-H) [H, 1] A / D, [groups, n] gated norm and split fused
-gate / up projections; Mamba's / Mamba2's (the same as their hybrids')."""
+gate / up projections; Mamba's / Mamba2's (the same as their hybrids'), and so Falcon-H1's
+(Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts)."""
 
 from __future__ import annotations
 
@@ -145,9 +146,9 @@ def _restore(spec: GGUFArch, part: str, w: torch.Tensor, g: _LinearAttn | None) 
     """A hybrid's tensor as HF has it (see archs.py), after name-independent loading."""
     if spec.family == "qwen35" and g is not None and g.k_heads != g.v_heads:
         w = _untile_qwen35(part, w, g)
-    if part == "ssm_a":  # stored as A = -exp(A_log) (Mamba2: [H, 1]; Mamba: [inner, state])
+    if part == "ssm_a":  # stored as A = -exp(A_log) (Mamba2: [H, 1]; Mamba, Jamba: [inner, state])
         a_log = torch.log(-w.double()).float()
-        return a_log if spec.family == "mamba" else a_log.reshape(-1)
+        return a_log if spec.family in ("mamba", "jamba") else a_log.reshape(-1)
     if spec.family in MAMBA2_FAMILIES and part in ("ssm_d", "ssm_norm"):  # [H, 1], [G, n]
         return w.reshape(-1)
     if part in ("ssm_conv1d", "shortconv.conv") and w.dim() == 2:  # [C, K] -> HF's [C, 1, K]

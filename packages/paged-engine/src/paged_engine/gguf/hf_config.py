@@ -77,7 +77,7 @@ def gguf_to_hf_config(f: GGUFFile):
         pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
     )
     rope: dict[str, Any] | None = _rope(meta, f, head_dim)
-    if spec.experts is not None and spec.family not in ("lfm2", "nemotron_h"):
+    if spec.experts is not None and spec.family not in ("lfm2", "nemotron_h", "jamba"):
         kwargs.update(_moe(meta, f, arch, layers))
     if spec.family in ("qwen3next", "qwen35"):
         _qwen_hybrid(meta, f, kwargs, layers)
@@ -87,6 +87,11 @@ def gguf_to_hf_config(f: GGUFFile):
         rope = _granite_hybrid(meta, f, kwargs, layers, rope)
     if spec.family == "nemotron_h":
         _nemotron_h(meta, f, kwargs, layers)
+        rope = None  # no positional encoding at all
+    if spec.family == "falcon_h1":
+        _falcon_h1(meta, f, kwargs, layers)
+    if spec.family == "jamba":
+        _jamba(meta, f, kwargs, layers)
         rope = None  # no positional encoding at all
     if arch in ("gemma2", "gemma3"):
         rope = _gemma(meta, arch, kwargs, rope)
@@ -490,6 +495,125 @@ def _nemotron_h(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -
         topk_group=meta.get_int("expert_group_used_count", 1),
         mlp_bias=f"blk.{moe[0]}.ffn_up_shexp.bias" in f.tensors,
     )
+
+
+def _falcon_h1(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Falcon-H1 (FalconH1Model: Mamba2Model's ssm.* keys, then attention keys over them): every
+    layer holds attention and a Mamba2 mixer of ssm.inner_size (mamba_d_ssm) in time_step_rank
+    heads; the gated norm only where the checkpoint had one (mamba_rms_norm), applied after the
+    gate as llama.cpp does (mamba_norm_before_gate False). The converter folds every multiplier
+    into a weight and writes none, so they load as 1; biases from the first layer's tensors."""
+    lacking = [i for i in range(layers) if not _has(f, i, "ssm_in")]
+    if lacking:
+        raise ValueError(
+            f"GGUF layer {lacking[0]} lacks ssm_in (every Falcon-H1 layer holds a Mamba2 mixer)"
+        )
+    mamba = _mamba2(meta, f, list(range(layers)))
+    kwargs.update(
+        mamba_d_ssm=mamba["inner"],
+        mamba_n_heads=mamba["heads"],
+        mamba_d_head=mamba["head_dim"],
+        mamba_n_groups=mamba["groups"],
+        mamba_d_state=mamba["state"],
+        mamba_d_conv=mamba["conv"],
+        mamba_conv_bias=mamba["conv_bias"],
+        mamba_proj_bias=mamba["proj_bias"],
+        mamba_rms_norm=_has(f, 0, "ssm_norm"),
+        mamba_norm_before_gate=False,
+        projectors_bias="blk.0.ssm_out.bias" in f.tensors,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        embedding_multiplier=1.0,
+        lm_head_multiplier=1.0,
+        key_multiplier=1.0,
+        attention_in_multiplier=1.0,
+        attention_out_multiplier=1.0,
+        ssm_in_multiplier=1.0,
+        ssm_out_multiplier=1.0,
+        ssm_multipliers=[1.0] * 5,
+        mlp_multipliers=[1.0, 1.0],
+    )
+
+
+def _every(picked: list[int], layers: int, what: str) -> tuple[int, int]:
+    """(period, offset) such that the layers i with i % period == offset are `picked`, offset <
+    period (JambaConfig's attn_layer_* / expert_layer_*); none picked: offset = layers."""
+    if not picked:
+        return layers + 1, layers
+    offset = picked[0]
+    period = picked[1] - offset if len(picked) > 1 else max(offset + 1, layers - offset)
+    if offset >= period or [i for i in range(layers) if i % period == offset] != picked:
+        raise ValueError(
+            f"GGUF {what} layers {picked} are not every n-th layer from one below n, as "
+            "JambaConfig lays them out"
+        )
+    return period, offset
+
+
+def _jamba(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Jamba (JambaModel): attention layers are those with kv heads in the per-layer
+    head_count_kv (0 on Mamba layers, which hold ssm_in), MoE layers those with a router; both
+    evenly spaced as JambaConfig's periods and offsets say. The Mamba (v1) mixer from ssm.*
+    (inner_size = mamba_expand x hidden, time_step_rank = dt rank); experts as wide as the MLPs
+    (feed_forward_length); attention with hidden / heads per head and no rope."""
+    kv = meta.get("attention.head_count_kv")
+    if not isinstance(kv, list) or len(kv) != layers:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv: expected one entry per layer "
+            f"(0 for Mamba layers), got {kv!r}"
+        )
+    for i, n in enumerate(kv):
+        if _has(f, i, "ssm_in") != (int(n) == 0):
+            raise ValueError(
+                f"GGUF layer {i} does not match {meta.arch}.attention.head_count_kv[{i}]={n}"
+            )
+    attn = [i for i, n in enumerate(kv) if int(n) > 0]
+    sparse = [i for i in range(layers) if _has(f, i, "ffn_gate_inp")]
+    attn_period, attn_offset = _every(attn, layers, "attention")
+    expert_period, expert_offset = _every(sparse, layers, "MoE")
+    head_dim = kwargs.pop("head_dim")  # not a JambaConfig field: hidden / heads
+    hidden = kwargs["hidden_size"]
+    if head_dim != hidden // kwargs["num_attention_heads"]:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.key_length={head_dim} is not "
+            "embedding_length / head_count, which Jamba assumes"
+        )
+    ff = kwargs["intermediate_size"] = meta.get_int("feed_forward_length")
+    for i in sparse:
+        size = f.tensors[f"blk.{i}.ffn_gate_exps.weight"].shape[1]
+        if size != ff:
+            raise ValueError(
+                f"GGUF layer {i}'s experts are {size} wide, not feed_forward_length={ff} "
+                "(Jamba's experts and MLPs share intermediate_size)"
+            )
+    inner = meta.get_int("ssm.inner_size")
+    if inner % hidden:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.ssm.inner_size={inner} is no whole multiple of "
+            f"embedding_length={hidden} (Jamba's mamba_expand)"
+        )
+    experts = _largest(meta.get("expert_count", 1 if not sparse else _MISSING))
+    mamba = [i for i in range(layers) if i not in attn]
+    first = mamba[0] if mamba else 0
+    kwargs.update(
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        expert_layer_period=expert_period,
+        expert_layer_offset=expert_offset,
+        num_experts=experts,
+        num_experts_per_tok=_largest(meta.get("expert_used_count", 1 if not sparse else _MISSING)),
+        mamba_d_state=meta.get_int("ssm.state_size"),
+        mamba_d_conv=meta.get_int("ssm.conv_kernel"),
+        mamba_expand=inner // hidden,
+        mamba_dt_rank=meta.get_int("ssm.time_step_rank"),
+        mamba_conv_bias=f"blk.{first}.ssm_conv1d.bias" in f.tensors,
+        mamba_proj_bias=f"blk.{first}.ssm_in.bias" in f.tensors,
+    )
+
+
+def _largest(value: Any) -> int:
+    """An integer key, or the largest entry of a per-layer one."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
 
 
 # layers of the largest Gemma 2 / 3 (27B), whose attention scale llama.cpp takes from

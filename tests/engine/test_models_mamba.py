@@ -30,6 +30,7 @@ from hybrid_checks import (
 )
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine.worker.recurrent_state import MAX_COUNTING_BLOCKS
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -86,6 +87,11 @@ def test_engine_without_kv_layers(mamba_dirs):
     assert config.enable_prefix_caching and config.prefix_state_snapshots == 4
     long = LLM(model=path, dtype="float32", max_num_seqs=2, max_model_len=100_000)
     assert long.llm_engine.config.max_model_len == 100_000
+    assert long.llm_engine.num_blocks == 2 * 6250 + 1
+    # bookkeeping blocks are capped (host memory): 256 seats x 100k tokens would be 1.6M
+    many = LLM(model=path, dtype="float32", max_model_len=100_000)
+    assert many.llm_engine.num_blocks == MAX_COUNTING_BLOCKS
+    del many
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     a, b = (x.generate([{"prompt_token_ids": [5, 6, 7]}], params)[0] for x in (llm, long))
     assert a.outputs[0].token_ids == b.outputs[0].token_ids

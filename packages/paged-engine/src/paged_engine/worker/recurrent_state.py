@@ -95,7 +95,8 @@ def fit_state_snapshots(config, num_blocks: int, block_bytes: int, row_bytes: in
     A model without KV layers (`block_bytes` 0: Mamba, Mamba2) has blocks that hold nothing:
     `num_blocks` is then the state rows the memory budget holds (memory_profiler.py), all of
     them the snapshots' to take (at most max_num_seqs by default), and the blocks returned are
-    enough for every seat's sequence at max_model_len (or num_gpu_blocks_override)."""
+    enough for every seat's sequence at max_model_len, up to MAX_COUNTING_BLOCKS (or
+    num_gpu_blocks_override)."""
     if block_bytes == 0:
         return _fit_without_kv(config, num_blocks)
     if not config.enable_prefix_caching:
@@ -118,12 +119,19 @@ def fit_state_snapshots(config, num_blocks: int, block_bytes: int, row_bytes: in
     return num_blocks - -(-config.prefix_state_snapshots * row_bytes // block_bytes)
 
 
+# Blocks of a model without KV cost host memory only (the pool's bookkeeping, ~150 bytes each):
+# at most this many unless one sequence at max_model_len needs more (2**18 blocks of 16: 4M
+# tokens in flight; past that, sequences are preempted as when KV blocks run out).
+MAX_COUNTING_BLOCKS = 1 << 18
+
+
 def _fit_without_kv(config, budget_rows: int) -> int:
     if config.num_gpu_blocks_override is not None:
         num_blocks, budget_rows = config.num_gpu_blocks_override, config.max_num_seqs
     else:
         per_seq = -(-config.max_model_len // config.block_size)
         num_blocks = config.max_num_seqs * per_seq + 1  # + the null block
+        num_blocks = max(per_seq + 1, min(num_blocks, MAX_COUNTING_BLOCKS))
     if not config.enable_prefix_caching:
         config.prefix_state_snapshots = 0
     elif config.prefix_state_snapshots is None:

@@ -61,6 +61,15 @@ MORE_TINY_ARCHS: list[str] = [
     "jamba",
     "kimi_linear",
     "bamba",
+    "zamba2",
+    "exaone4",
+    "apertus",
+    "arcee",
+    "olmoe",
+    "minimax_m2",
+    "hunyuan_v1_dense",
+    "hunyuan_v1_moe",
+    "dots1",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -426,6 +435,29 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Zamba2: six Mamba2 layers (8 heads of 16 on 2 groups, state 16, conv 4); layers 1, 3 and 5
+    # are hybrid, each first running one of 2 shared transformer blocks (alternating: block 0 at
+    # 1 and 5) with rank-8 adapters of its own on q / k / v and gate_up; the blocks' attention
+    # reads [hidden | embeddings] (4 heads of 32, rope), a GELU MLP; tied embeddings
+    "zamba2": (
+        "Zamba2Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 6,
+            "layers_block_type": ["linear_attention", "hybrid"] * 3,
+            "num_key_value_heads": 4,
+            "num_mem_blocks": 2,
+            "use_shared_attention_adapter": True,
+            "adapter_rank": 8,
+            "use_mem_rope": True,
+            "n_mamba_heads": 8,
+            "mamba_ngroups": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "chunk_size": 16,
+        },
+    ),
     # Jamba: Mamba (v1) layers (128 channels, state 16, conv 4 with bias, dt rank 8 apart from
     # "auto" = 4, weighted dt / B / C norms) around one attention layer (no rope) at index 1;
     # 4 experts (top 2, not renormalized) on layers 1 and 3, a gated SiLU MLP on the others
@@ -775,6 +807,154 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "attention_bias": True,
             "attention_out_bias": False,
             "mlp_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # EXAONE 4.0: post-norms, per-head q / k norms, sliding layers (window 8 < the test prompts)
+    # with rope beside global NoPE ones ("LG" twice), Llama 3 rope scaling over a 64-token
+    # original context
+    "exaone4": (
+        "Exaone4Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "max_position_embeddings": 256,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Apertus: ungated xIELU MLP (its alpha_p / alpha_n randomized like norm weights), per-head
+    # q / k norms, the released models' Llama 3 rope (theta 12M, factor 8) over a 64-token
+    # original context
+    "apertus": (
+        "ApertusConfig",
+        {
+            **_LLAMA_LIKE,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 12_000_000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Arcee AFM: ungated relu^2 MLP, head_dim 32 (q wider than hidden), YaRN x4 over a 64-token
+    # original context (the released model's rope type)
+    "arcee": (
+        "ArceeConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # OLMoE: whole-projection q / k norms, 8 experts of 32 in every layer, 2 chosen (softmax, not
+    # renormalized: the released checkpoints' norm_topk_prob=False)
+    "olmoe": (
+        "OlmoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # MiniMax-M2: whole-projection q / k norms, partial rotary (rotary_dim 16 of head_dim 32, q
+    # wider than hidden), 8 experts of 32 in every layer, 2 chosen by sigmoid + a random
+    # e_score_correction_bias, renormalized
+    "minimax_m2": (
+        "MiniMaxM2Config",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "head_dim": 32,
+            "rotary_dim": 16,
+            "max_position_embeddings": 256,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Hunyuan: per-head q / k norms after RoPE, NTK-alpha rope (alpha 1000: a fixed, larger base),
+    # head_dim 32; dense: q / k / v / o biases (tests tie the embeddings, as the small models
+    # do); MoE: 8 experts of 32 with a shared MLP, softmax top-k renormalized, k per layer (2,
+    # then 3)
+    "hunyuan_v1_dense": (
+        "HunYuanDenseV1Config",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "attention_bias": True,
+            "rope_parameters": {
+                "rope_type": "dynamic",
+                "rope_theta": 10_000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    "hunyuan_v1_moe": (
+        "HunYuanMoEV1Config",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "num_experts": 8,
+            "moe_topk": [2, 3],
+            "rope_parameters": {
+                "rope_type": "dynamic",
+                "rope_theta": 10_000.0,
+                "alpha": 1000.0,
+                "factor": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # dots.llm1: Qwen3's attention (per-head q / k norms) with the last layer sliding (window 8
+    # < the test prompts); a dense layer, then DeepSeek-V3 MoE layers: 8 experts in 4 groups (2
+    # kept), 3 chosen by sigmoid + a random correction bias, renormalized, scaled by 2.5, a
+    # shared expert
+    "dots1": (
+        "Dots1Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "max_position_embeddings": 256,
+            "sliding_window": 8,
+            "max_window_layers": 2,
+            "first_k_dense_replace": 1,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
             "tie_word_embeddings": False,
         },
     ),

@@ -1,6 +1,9 @@
-"""Activations: gated SiLU for Llama-style MLPs and the GELU / ReLU variants of older models."""
+"""Activations: gated SiLU for Llama-style MLPs, the GELU / ReLU variants of older models and
+Apertus's learned xIELU."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,51 @@ class FastGELU(nn.Module):
         return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
 
 
+class XIELU(nn.Module):
+    """xIELU (Apertus; arXiv:2411.13010), elementwise with learned scalars a_p, a_n:
+
+        alpha_p = softplus(a_p)                alpha_n = beta + softplus(a_n)
+        y = alpha_p * x^2 + beta * x                                  x > 0
+        y = alpha_n * (expm1(min(x, eps)) - x) + beta * x             x <= 0
+
+    The four scalars are checkpoint weights (HF's `act_fn.alpha_p` / `alpha_n` [1] and its
+    persistent buffers `beta` / `eps` [], loaded as parameters here), defaults a_p =
+    softplus^-1(0.8), a_n = softplus^-1(0.8 - beta), beta 0.5, eps -1e-6. Computed in x's dtype
+    with the scalars in the model's, in HF's order (its Python path; the optional CUDA kernel
+    is the same function).
+    """
+
+    def __init__(
+        self, alpha_p: float = 0.8, alpha_n: float = 0.8, beta: float = 0.5, eps: float = -1e-6
+    ) -> None:
+        super().__init__()
+        self._init_values = (alpha_p, alpha_n, beta, eps)
+        self.alpha_p = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.alpha_n = nn.Parameter(torch.empty(1), requires_grad=False)
+        self.beta = nn.Parameter(torch.empty(()), requires_grad=False)
+        self.eps = nn.Parameter(torch.empty(()), requires_grad=False)
+        for p in (self.alpha_p, self.alpha_n, self.beta, self.eps):
+            p.dummy_init = self._defaults  # (loader.init_dummy_weights) not a norm's 1.0
+        self._defaults()
+
+    @torch.no_grad()
+    def _defaults(self, param: nn.Parameter | None = None, gen=None) -> None:
+        """HF's initial values (each parameter's own, whichever `param` asks)."""
+        alpha_p, alpha_n, beta, eps = self._init_values
+        inv_softplus = lambda y: math.log(math.expm1(y))
+        self.alpha_p.fill_(inv_softplus(alpha_p))
+        self.alpha_n.fill_(inv_softplus(alpha_n - beta))
+        self.beta.fill_(beta)
+        self.eps.fill_(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        alpha_p = F.softplus(self.alpha_p)
+        alpha_n = self.beta + F.softplus(self.alpha_n)
+        beta_x = self.beta * x
+        negative = (torch.expm1(torch.minimum(x, self.eps)) - x) * alpha_n + beta_x
+        return torch.where(x > 0, alpha_p * x * x + beta_x, negative)
+
+
 _ACTIVATIONS: dict[str, type[nn.Module] | tuple[type[nn.Module], dict]] = {
     "gelu": GELU,
     "gelu_new": (GELU, {"approximate": "tanh"}),
@@ -39,6 +87,7 @@ _ACTIVATIONS: dict[str, type[nn.Module] | tuple[type[nn.Module], dict]] = {
     "relu": nn.ReLU,
     "silu": nn.SiLU,
     "swish": nn.SiLU,
+    "xielu": XIELU,
 }
 
 

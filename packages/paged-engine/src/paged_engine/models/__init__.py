@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from paged_engine.models.apertus import ApertusForCausalLM
+from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from paged_engine.models.deepseek_v2 import (
@@ -11,8 +13,10 @@ from paged_engine.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
 )
+from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from paged_engine.models.exaone4 import Exaone4ForCausalLM
 from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
@@ -26,6 +30,7 @@ from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
@@ -35,6 +40,7 @@ from paged_engine.models.mamba import (
     Mamba2ForCausalLM,
     MambaForCausalLM,
 )
+from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
@@ -42,6 +48,7 @@ from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
+from paged_engine.models.olmoe import OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
@@ -58,6 +65,7 @@ from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
+from paged_engine.models.zamba2 import Zamba2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -110,6 +118,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
 }
 
 

@@ -8,9 +8,10 @@ a recurrent state per sequence (worker/recurrent_state.py).
 
 Used by Qwen3-Next / Qwen3.5 (models/qwen3_next.py), Granite 4.0-H (models/granitemoehybrid.py),
 Bamba (models/bamba.py), Nemotron-H (models/nemotron_h.py), LFM2 / LFM2-MoE (models/lfm2.py),
-Falcon-H1 (models/falcon_h1.py), Kimi Linear (models/kimi_linear.py) and Jamba
-(models/jamba.py). Pure state-space models (every layer a mixer, no KV: Mamba, Mamba2) have a
-stack of their own (models/mamba.py) but the same layer types.
+Falcon-H1 (models/falcon_h1.py), Kimi Linear (models/kimi_linear.py), Jamba
+(models/jamba.py) and Zamba2 (models/zamba2.py; its "hybrid" layers run a shared transformer
+block before their mixer). Pure state-space models (every layer a mixer, no KV: Mamba,
+Mamba2) have a stack of their own (models/mamba.py) but the same layer types.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from paged_engine.models.utils import make_layers
 LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 # Layers with neither KV nor state (Nemotron-H's MLP-only and MoE-only layers).
 FEED_FORWARD_LAYER_TYPES = ("mlp", "moe")
-# Layers with both: attention and a linear mixer in parallel (Falcon-H1's).
+# Layers with both KV and a state: attention and a linear mixer in parallel (Falcon-H1's), or a
+# shared transformer block before the mixer (Zamba2's).
 PARALLEL_LAYER_TYPES = ("hybrid",)
 # Model types whose every layer is a parallel one, whatever their config lists (transformers 5's
 # FalconH1Config says "hybrid" for each layer; earlier ones say nothing).

@@ -68,8 +68,8 @@ def hybrid_engine_config(config, hf_config) -> None:
     for what, on in unsupported.items():
         if on:
             raise ValueError(
-                f"{what} is not supported for hybrid linear-attention models ({arch}): their "
-                "per-sequence recurrent state is not held in KV blocks"
+                f"{what} is not supported for models with a recurrent state (hybrid and "
+                f"state-space models: {arch}): their per-sequence state is not held in KV blocks"
             )
     if config.prefix_state_snapshots == 0 and config.enable_prefix_caching:
         logger.info("%s: prefix caching is off (prefix_state_snapshots=0)", arch)

@@ -1,0 +1,91 @@
+"""AllenAI OLMoE (`OlmoeForCausalLM`: OLMoE-1B-7B-0924 / -0125, base and Instruct).
+
+Llama's pre-norm layer (x += attn(norm(x)); x += moe(norm(x))) with OLMo 2's attention
+(models/olmo2.py): q and k RMS-normalized over the whole projection (all heads at once) before
+RoPE, the norms' sums of squares all-reduced under tensor parallelism. Then, with `clip_qkv`,
+q, k and v are clamped to [-clip_qkv, clip_qkv] (after the norms). The MLP is a sparse MoE block
+(layers/fused_moe.py) in every layer: softmax over `num_experts` in float32, top
+`num_experts_per_tok`, renormalized when `norm_topk_prob` (False in the released checkpoints),
+gated SiLU experts of `intermediate_size`.
+
+Checkpoints name experts `mlp.experts.M.{gate_proj,up_proj,down_proj}` and the router
+`mlp.gate` (transformers 5 holds them fused in memory, `mlp.experts.gate_up_proj` /
+`down_proj`: both load, as Mixtral's). The q / k norms multiply by their weight in float32 and
+round once (OLMo 2's order; HF's OLMoE rounds before the weight: the same in float32, within a
+rounding step in 16-bit dtypes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from paged_engine.layers.fused_moe import SparseMoeBlock
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.llama import LlamaForCausalLM, LlamaModel
+from paged_engine.models.mixtral import (
+    MixtralForCausalLM,
+    MoeDecoderLayer,
+    check_silu,
+    expert_rules,
+    num_experts,
+)
+from paged_engine.models.olmo2 import Olmo2Attention
+from paged_engine.models.utils import CausalLMBase, cfg_get
+
+
+class OlmoeAttention(Olmo2Attention):
+    """OLMo 2's attention, clamping q / k / v to +-`clip_qkv` after the q / k norms."""
+
+    def __init__(self, config, rope: RotaryEmbedding) -> None:
+        super().__init__(config, rope)
+        clip = getattr(config, "clip_qkv", None)
+        self.clip = None if clip is None else float(clip)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self._norm_qk(q, k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+
+
+class OlmoeDecoderLayer(MoeDecoderLayer):
+    """MoeDecoderLayer's pre-norm forward around OlmoeAttention and the MoE block."""
+
+    def __init__(self, config, rope: RotaryEmbedding, mlp: nn.Module) -> None:
+        nn.Module.__init__(self)
+        eps = cfg_get(config, "rms_norm_eps", 1e-5)
+        self.self_attn = OlmoeAttention(config, rope)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+
+class OlmoeForCausalLM(MixtralForCausalLM):
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config) -> None:
+        check_silu(config, type(self).__name__)
+        cls = type(self)
+        inner = LlamaModel(
+            config,
+            LlamaForCausalLM.layer_flags(config),  # unused: the layers are built here
+            lambda i, rope: OlmoeDecoderLayer(config, rope, cls.build_mlp(config, i)),
+        )
+        CausalLMBase.__init__(self, config, inner)
+        # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.
+        rules = expert_rules(num_experts(config), *self.expert_names)
+        self.stacked_params = (*rules, *cls.stacked_params)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+        return SparseMoeBlock(
+            num_experts(config),
+            config.num_experts_per_tok,
+            config.hidden_size,
+            config.intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+        )

@@ -1,0 +1,202 @@
+"""Zyphra Zamba2 (models/zamba2.py: Mamba2 layers, the hybrid ones first running one of a few
+shared transformer blocks over [hidden | embeddings]) against HF transformers.
+
+Tiny random models: six Mamba2 layers (8 heads of 16 on 2 groups, state 16, conv 4), layers 1,
+3 and 5 hybrid, running 2 shared blocks in turn (block 0 at layers 1 and 5) with rank-8 adapters
+per application on q / k / v and gate_up, rope, tied embeddings; also with no attention
+adapters and no rope, grouped-query attention, biases (add_bias_linear), one mixer group
+(replicated under TP) and a time_step_min clamp that bites in prefill scans; and with one block
+for all three applications and untied embeddings, from a checkpoint holding every layer's copy
+of the block (transformers 5 unties the blocks with the embeddings). `LLM.generate` must give
+HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70 tokens,
+whole and in prefill chunks of 16, on the CPU backend and the Triton one. The blocks are one
+module each (HF's parameter count), each application has its own KV; forks (n = 3) continue
+their parent's state, prefix caching resumes from state snapshots with the outputs of an engine
+without it, TP=2 gives the one-process results, and a LoRA adapter on the mixers' and hybrid
+layers' own projections gives HF's tokens on the merged model. Refused: per-layer copies of a
+block that differ, attention adapters with fewer KV heads than heads (HF cannot run those
+either), and LoRA on a projection of a block that runs at several layers.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+from hf_reference import (
+    assert_lora_matches_hf_merged,
+    assert_matches,
+    assert_tp_matches_one_process,
+    hf_greedy,
+    load_hf_model,
+)
+from hybrid_checks import (
+    MAX_TOKENS,
+    TOP,
+    assert_greedy_forks_equal_one,
+    assert_snapshots_keep_outputs,
+    random_prompts,
+    tiny_dirs,
+    token_requests,
+)
+
+from paged_engine import LLM, LoRARequest, SamplingParams
+from paged_engine.models.hybrid import is_hybrid, layer_types, num_kv_layers
+from paged_engine.models.zamba2 import Zamba2ForCausalLM
+from paged_engine.testing import tiny_config, write_lora_adapter
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+_PLAIN = {
+    "use_shared_attention_adapter": False,
+    "use_mem_rope": False,
+    "num_key_value_heads": 2,
+    "add_bias_linear": True,  # in_proj / out_proj, gate_up / down
+    "mamba_ngroups": 1,  # replicated on every TP rank, its norm's squares summed across them
+    "time_step_min": 0.5,  # softplus(dt) reaches ~0.3 to ~3 in these models
+}
+# name -> (tiny arch, config overrides)
+CASES: dict[str, tuple[str, dict]] = {
+    "zamba2": ("zamba2", {}),
+    "zamba2-plain": ("zamba2", _PLAIN),
+    "zamba2-oneblock": ("zamba2", {"num_mem_blocks": 1, "tie_word_embeddings": False}),
+}
+_SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.*)")
+
+
+@pytest.fixture(scope="module")
+def zamba2_dirs(tmp_path_factory):
+    return tiny_dirs(tmp_path_factory, CASES)
+
+
+@pytest.fixture(scope="module")
+def oneblock_dir(zamba2_dirs, tmp_path_factory):
+    """The untied one-block model with every layer's copy of the block equal (HF runs three
+    equal blocks; we load them into one)."""
+    path = tmp_path_factory.mktemp("zamba2-oneblock-shared")
+    for f in zamba2_dirs("zamba2-oneblock").iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    _same_block_copies(path)
+    return path
+
+
+def _same_block_copies(path) -> None:
+    """Rewrite an untied checkpoint's later copies of each block as its first one's."""
+    config = transformers.AutoConfig.from_pretrained(path)
+    hybrid = [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"]
+    first = {layer: hybrid[j % config.num_mem_blocks] for j, layer in enumerate(hybrid)}
+    tensors = safetensors_torch.load_file(path / "model.safetensors")
+    for name in tensors:
+        match = _SHARED.fullmatch(name)
+        if match is not None:
+            src = f"model.layers.{first[int(match.group(1))]}.shared_transformer.{match.group(2)}"
+            tensors[name] = tensors[src].clone()
+    safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("name", "runs"),
+    [
+        # (backend, prefill budget): chunks of 16 carry KV and state across them; the Triton
+        # kernels (paged_kernels, interpreted) on shorter prompts
+        pytest.param("zamba2", [("cpu", None), ("cpu", 16)], id="zamba2-cpu"),
+        pytest.param("zamba2", [("triton", 16)], id="zamba2-triton"),
+        pytest.param("zamba2-plain", [("cpu", 16)], id="zamba2-plain-cpu"),
+        pytest.param("zamba2-oneblock", [("cpu", None)], id="zamba2-oneblock-cpu"),
+    ],
+)
+def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba2_dirs, request):
+    path = (
+        request.getfixturevalue("oneblock_dir") if name == "zamba2-oneblock" else zamba2_dirs(name)
+    )
+    hf = load_hf_model(path)
+    refs = {}
+    for backend, budget in runs:
+        prompts = random_prompts(7, (5, 23, 1) if backend == "triton" else (5, 23, 70, 1))
+        for p in prompts:
+            if tuple(p) not in refs:
+                refs[tuple(p)] = hf_greedy(hf, p, MAX_TOKENS, TOP)
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        llm = LLM(
+            model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw
+        )
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+        outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
+        for i, (out, p) in enumerate(zip(outs, prompts, strict=True)):
+            assert_matches(f"{name}-{backend}-{budget}-{i}", out, refs[tuple(p)])
+        _check_layout(llm, hf)
+        del llm
+
+
+def _check_layout(llm: LLM, hf) -> None:
+    """One module per shared block (HF's parameter count), run at each of its layers; a state
+    pool per layer, KV per hybrid layer (its own paged attention)."""
+    model = llm.llm_engine.model_runner.model
+    layers = model.model.layers
+    config = hf.config
+    hybrid = [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"]
+    assert hybrid == [1, 3, 5]
+    blocks = [layers[i].shared_transformer for i in hybrid]
+    n = config.num_mem_blocks
+    assert all(blocks[j] is blocks[j % n] for j in range(3))
+    assert len({id(b) for b in blocks}) == n
+    assert len({id(layers[i].attn) for i in hybrid}) == 3
+    # HF's parameters but an untied model's later copies of its blocks
+    later = tuple(f"model.layers.{i}.shared_transformer." for i in hybrid[n:])
+    want = sum(p.numel() for k, p in hf.named_parameters() if not k.startswith(later))
+    assert sum(p.numel() for p in model.parameters()) == want
+    assert model.model.kv_index == [-1, 0, -1, 1, -1, 2]
+    assert len(llm.llm_engine.model_runner.states.layers) == 6
+
+
+def test_layer_types_and_refusals():
+    config = tiny_config("zamba2")
+    lin, hyb = "linear_attention", "hybrid"
+    assert layer_types(config) == [lin, hyb] * 3
+    assert is_hybrid(config) and num_kv_layers(config) == 3
+    # older configs say "mamba" / "hybrid"
+    older = SimpleNamespace(layers_block_type=["mamba", "hybrid", "mamba"])
+    assert is_hybrid(older) and num_kv_layers(older) == 1
+    # HF's k / v adapters are 2 * hidden wide: fewer KV heads cannot take them
+    with pytest.raises(ValueError, match="use_shared_attention_adapter needs num_key_value"):
+        Zamba2ForCausalLM(tiny_config("zamba2", num_key_value_heads=2))
+
+
+def test_untied_distinct_blocks_are_refused(zamba2_dirs):
+    # transformers 5 saved each layer's own (randomized) copy of the block
+    with pytest.raises(ValueError, match="differ, but both belong to one shared block"):
+        LLM(model=str(zamba2_dirs("zamba2-oneblock")), dtype="float32", max_model_len=128)
+
+
+def test_forks_and_prefix_cache_keep_outputs(zamba2_dirs, oneblock_dir):
+    llm = LLM(model=str(zamba2_dirs("zamba2")), dtype="float32", max_model_len=128)
+    assert_greedy_forks_equal_one(llm)
+    del llm
+    # untied: the tied tiny head (embeddings of std 0.5, logits ~4x an untied head's) magnifies
+    # the float noise of scanning in other chunks (~1e-4) past what the check allows
+    assert_snapshots_keep_outputs(oneblock_dir)
+
+
+@pytest.mark.parametrize("name", ["zamba2", "zamba2-plain"])
+def test_tensor_parallel_matches_one_process(name, zamba2_dirs):
+    # attention heads (and the adapters' B rows), MLP halves and mixer heads over 2 ranks
+    assert_tp_matches_one_process(zamba2_dirs(name), random_prompts(5, (5, 23, 40)), 8, 128)
+
+
+def test_lora_matches_hf_merged_and_shared_blocks_refuse_it(zamba2_dirs, tmp_path):
+    """An adapter on every layer's own projections (the mixers' in_proj / out_proj, the hybrid
+    layers' linear) gives HF's tokens on the merged model. One on a shared block's projection
+    names each application's module, which here are one module: refused, not merged."""
+    path = zamba2_dirs("zamba2")
+    prompt = random_prompts(11, (23,))[0]
+    targets = ("in_proj", "out_proj", "linear")
+    assert_lora_matches_hf_merged(path, tmp_path, prompt, 8, 5, targets=targets)
+    adapter = write_lora_adapter(tmp_path / "q", path, rank=4, target_modules=("q_proj",))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, enable_lora=True, max_lora_rank=4)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"shared_transformer\.self_attn\.qkv_proj .* twice"):
+        llm.generate(
+            [{"prompt_token_ids": prompt}], params, lora_request=LoRARequest("q", 1, str(adapter))
+        )

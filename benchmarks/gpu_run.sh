@@ -198,6 +198,8 @@ case "$PHASE" in
     # Mamba and Mamba2 without any KV, Jamba among attention layers; answers equal to no caching
     step 100 ssm-prefix-cache $PY -m benchmarks.prefix_cache --archs mamba mamba2 jamba \
       --hidden-size 1024 --layers 16 --conversations 64 --out "$OUT/ssm_prefix_cache.json"
+    # speculative decoding with state backups on the native kernels and verification graphs
+    step 120 hybrid-spec $PY -m pytest -q -p no:cacheprovider tests/engine/test_spec_decode_hybrid.py
     ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""

@@ -296,7 +296,6 @@ def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
 @pytest.mark.parametrize(
     ("option", "value"),
     [
-        ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
         ("batch_invariant", True),
         ("cpu_offload_gib", 1),
         ("preemption_mode", "swap"),

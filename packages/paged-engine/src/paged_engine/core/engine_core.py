@@ -318,6 +318,11 @@ class EngineCore:
         # Still running: computed = every token but the last (the next step's input); blocks
         # only past the drafts' positions go back (the worker's table is re-sent from there).
         seq.num_computed_tokens = len(seq.token_ids) - 1
+        if appended <= len(drafts) and self.scheduler.state_slots is not None:
+            # A draft was rejected: the worker put the recurrent state back to where the row
+            # started (it had absorbed every draft); the accepted tokens run again next step.
+            seq.replay_end = seq.num_computed_tokens
+            seq.num_computed_tokens -= appended
         self.scheduler.block_manager.trim(seq, len(seq.token_ids))
         seq.num_synced_blocks = min(seq.num_synced_blocks, len(seq.block_ids))
         return appended

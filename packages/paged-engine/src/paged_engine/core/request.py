@@ -89,6 +89,10 @@ class Sequence:
     # Hybrid models with prefix caching: block boundaries (ascending, past num_computed_tokens)
     # where a step must end so that the state there is kept as a snapshot.
     state_checkpoints: list[int] = field(default_factory=list, repr=False)
+    # Models with a recurrent state under speculative decoding: a verify step that rejected a
+    # draft left the state before its row, so positions [num_computed_tokens, replay_end) run
+    # again, their tokens sent to the worker (which knows generated tokens on the device only).
+    replay_end: int = 0
     cumulative_logprob: float = 0.0  # beam search score (raw logprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None

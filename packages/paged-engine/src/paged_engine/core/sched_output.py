@@ -56,6 +56,9 @@ class SchedulerOutput:
     # Speculative decoding: seq id -> draft tokens the row runs after its last token; the row
     # then samples at every one of its positions (verification).
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # seq id -> tokens of the row's first positions that the worker does not know (generated
+    # tokens run again after a rejected draft rolled a recurrent state back: Sequence.replay_end).
+    known_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # KV blocks moved to / from the CPU pool (swap preemption, the prefix cache's CPU tier):
     # (device block, CPU block) copied out first, then (CPU block, device block) copied in.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)

@@ -179,6 +179,7 @@ class Scheduler:
         step."""
         self.block_manager.free(seq)
         self._release_state(seq)
+        seq.replay_end = 0  # recomputed from position 0 with every token sent
         if seq.in_worker:
             seq.in_worker = False
             self._finished_seq_ids.append(seq.seq_id)
@@ -571,6 +572,10 @@ class Scheduler:
             num_new.append(n)
             starts.append(start)
             end = seq.num_computed_tokens = start + n
+            if seq.replay_end:  # a rolled-back verify step's tokens run again
+                out.known_token_ids[seq.seq_id] = seq.token_ids[start : min(end, seq.replay_end)]
+                if end >= seq.replay_end:
+                    seq.replay_end = 0
             drafts = self._drafts.pop(seq.seq_id, None) if self._drafts else None
             if drafts:  # the row runs its last token and the drafts, and samples from all
                 out.spec_token_ids[seq.seq_id] = drafts

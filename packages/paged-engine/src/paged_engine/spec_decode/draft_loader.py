@@ -35,6 +35,13 @@ def check_draft_model(
         draft_config = load_hf_config(resolved, trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the draft model ({e})") from None
+    from paged_engine.models.hybrid import is_hybrid
+
+    if is_hybrid(draft_config):  # its drafts would need a recurrent state of their own
+        raise ValueError(
+            f"{where}: a draft model with a recurrent state (hybrid or state-space) is not "
+            "supported; pick a transformer draft"
+        )
     draft_vocab, target_vocab = _vocab_size(draft_config), _vocab_size(target_hf_config)
     if draft_vocab != target_vocab:
         raise ValueError(

@@ -111,6 +111,8 @@ class ModelRunner:
                 dtype,
                 resolve_ssm_dtype(config.mamba_ssm_cache_dtype, dtype, hf_config),
                 device,
+                # speculative decoding: a backup row per seat, to undo a verify step's drafts
+                num_backups=config.max_num_seqs if config.speculative_config else 0,
             )
 
     # ---- KV cache -------------------------------------------------------------------------------
@@ -254,6 +256,13 @@ class ModelRunner:
             m = min(int(num_new[i]), int(host_len[i]) - start)
             ids[a : a + m] = cached[i].token_ids[start : start + m]
         from_device = positions >= batch.num_host_tokens[tok_rows]
+        if sched.known_token_ids:  # generated tokens run again: the row's first positions
+            for i, seq_id in enumerate(sched.seq_ids):
+                known = sched.known_token_ids.get(seq_id)
+                if known:
+                    a = int(cu[i])
+                    ids[a : a + len(known)] = known
+                    from_device[a : a + len(known)] = False
         if sched.spec_token_ids:  # drafts: host-known tokens after a row's last token
             for i, seq_id in enumerate(sched.seq_ids):
                 drafts = sched.spec_token_ids.get(seq_id)
@@ -294,6 +303,9 @@ class ModelRunner:
         )
         if self.states is not None:
             state_rows = batch.state_slot[rows]
+            if sched.spec_token_ids:  # verify steps absorb drafts that may be rejected
+                drafting = [i for i, s in enumerate(sched.seq_ids) if s in sched.spec_token_ids]
+                self.states.back_up(state_rows[drafting], starts[drafting])
             self.states.advance(state_rows, starts, num_new)
             meta.state_slots, has_state, meta.prompt_lens = self._upload(
                 state_rows, (starts > 0).astype(np.int64), batch.num_prompt[rows].astype(np.int64)
@@ -429,6 +441,11 @@ class ModelRunner:
         if self.draft is not None:
             first_draft = inputs.seq_lens[src] - num_drafts  # each entry's first draft position
             self.draft.after_verify(seq_ids, num_drafts, result.num_accepted, spec, first_draft)
+        if self.states is not None:  # a rejected draft: the state goes back to the row's start
+            rejected = np.flatnonzero(result.num_accepted < num_drafts)
+            if rejected.size:
+                rows = batch.state_slot[inputs.rows[src[rejected]]]
+                self.states.restore(rows)
         emitted = result.num_accepted + 1
         flat = np.cumsum(emitted) - emitted
         emit_rows = np.repeat(first_row, emitted) + (

@@ -19,8 +19,10 @@ after the seats (core/state_slots.py has the row layout and the rules); a copy o
 into a seat resumes a prefix-cache hit there.
 
 What the engine gives up for it (`hybrid_engine_config`): swap preemption and the CPU offload
-tier (the state is not in blocks), speculative decoding (a rejected draft cannot be taken back
-out of the state), pipeline parallelism and batch-invariant mode. LoRA adapters have nothing to
+tier (the state is not in blocks), pipeline parallelism and batch-invariant mode. Speculative
+decoding takes a backup row per seat: a verify step backs its rows up, a rejected draft restores
+the row, and the engine core rolls the sequence back so that its accepted tokens run again
+(`Sequence.replay_end`). LoRA adapters have nothing to
 do with the state (a token's adapter changes its projections only; prefix-cache snapshots are
 keyed by block hashes whose root names the adapter), so they are served.
 """
@@ -58,7 +60,6 @@ def hybrid_engine_config(config, hf_config) -> None:
         return
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
     unsupported = {
-        "speculative_config": config.speculative_config is not None,
         "pipeline_parallel_size > 1": config.pipeline_parallel_size > 1,
         "batch_invariant=True": bool(config.batch_invariant),
         "cpu_offload_gib > 0": bool(config.cpu_offload_gib),
@@ -169,7 +170,10 @@ def state_pools(layer: nn.Module) -> list[torch.Tensor]:
 
 
 class RecurrentStatePool:
-    """Allocates every state layer's pools ([rows + 1, ...]) and copies rows between them."""
+    """Allocates every state layer's pools and copies rows between them. Rows: `num_rows`
+    (the seats, then the prefix cache's snapshots), `num_backups` (under speculative decoding,
+    backup row `backup_row + r` holds seat r's state from before its verify step), the scratch
+    row last."""
 
     def __init__(
         self,
@@ -178,32 +182,47 @@ class RecurrentStatePool:
         dtype: torch.dtype,
         ssm_dtype: torch.dtype,
         device: torch.device,
+        num_backups: int = 0,
     ) -> None:
         self.layers = state_layers(model)
         self.device = device
         self._dtypes = dtype, ssm_dtype
+        self.num_backups = num_backups
         self.resize(num_rows)
 
     def resize(self, num_rows: int) -> None:
-        """(Re)allocate every layer's pools with `num_rows` rows plus the scratch row, zeroed:
-        at start, before anything is stored (the seats, then with the snapshots once the KV
-        cache is sized)."""
-        self.scratch_row = num_rows  # CUDA-graph padding rows use it
+        """(Re)allocate every layer's pools with `num_rows` rows, the backups and the scratch
+        row, zeroed: at start, before anything is stored (the seats, then with the snapshots
+        once the KV cache is sized)."""
+        self.backup_row = num_rows
+        self.scratch_row = num_rows + self.num_backups  # CUDA-graph padding rows use it
+        total = self.scratch_row + 1
         for layer in self.layers:
-            layer.allocate_state(num_rows + 1, *self._dtypes, self.device)
+            layer.allocate_state(total, *self._dtypes, self.device)
         # Tokens each row's state has absorbed, checked against every step's start positions:
         # a scheduler bug shows as an error here instead of as wrong text.
-        self.num_absorbed = np.zeros(num_rows + 1, dtype=np.int64)
+        self.num_absorbed = np.zeros(total, dtype=np.int64)
         self.nbytes = sum(
             t.numel() * t.element_size() for layer in self.layers for t in state_pools(layer)
         )
-        self.nbytes_per_row = self.nbytes // (num_rows + 1)
+        self.nbytes_per_row = self.nbytes // total
         logger.info(
             "recurrent state: %d layers x %d rows, %.1f MiB",
             len(self.layers),
-            num_rows + 1,
+            total,
             self.nbytes / 2**20,
         )
+
+    def back_up(self, rows: np.ndarray, starts: np.ndarray) -> None:
+        """Keep seats `rows`' states, which stand at `starts`, before a verify step runs their
+        drafts through them."""
+        self.copy_rows([(int(r), self.backup_row + int(r)) for r in rows])
+        self.num_absorbed[self.backup_row + rows] = starts
+
+    def restore(self, rows: np.ndarray) -> None:
+        """Put seats `rows` back to their backups (a draft was rejected: the accepted tokens
+        run again in the next step, from where the verify step started)."""
+        self.copy_rows([(self.backup_row + int(r), int(r)) for r in rows])
 
     def copy_rows(self, pairs: list[tuple[int, int]]) -> None:
         """state[dst] = state[src] for every (src, dst) and layer; all sources are read before

@@ -48,6 +48,13 @@ squeezed, experts merged (under Qwen2-MoE's `mlp.experts` name), the router `ffn
 per-layer head_count_kv (0 on Mamba layers), ssm.* keys, expert_count / expert_used_count.
 Its converter writes a SentencePiece vocabulary (tokenizer.model, else the HF tokenizer as
 "llama"); we write the tiny model's byte-level BPE one as for the other archs.
+
+More transformer archs (MORE_ARCHS; conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,
+dots1}.py): TextModel's keys, then each class's own (_write_more_metadata). Tensors as HF has
+them except: Arcee's q/k rows permuted (LlamaModel; Apertus turns that off), Apertus's xIELU
+scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's e_score_correction_bias
+renamed e_score_correction.bias, experts merged; Llama 3 rope scaling (EXAONE 4, Apertus) as
+`rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
 """
 
 from __future__ import annotations
@@ -83,7 +90,17 @@ GGUF_ARCH = {
     "mamba2": ("mamba2", "MAMBA2"),
     "falcon_h1": ("falcon-h1", "FALCON_H1"),
     "jamba": ("jamba", "JAMBA"),
+    "exaone4": ("exaone4", "EXAONE4"),
+    "apertus": ("apertus", "APERTUS"),
+    "arcee": ("arcee", "ARCEE"),
+    "olmoe": ("olmoe", "OLMOE"),
+    "minimax_m2": ("minimax-m2", "MINIMAXM2"),
+    "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
+    "hunyuan_v1_moe": ("hunyuan-moe", "HUNYUAN_MOE"),
+    "dots1": ("dots1", "DOTS1"),
 }
+MORE_ARCHS = ("exaone4", "apertus", "arcee", "olmoe", "minimax_m2", "hunyuan_v1_dense",
+              "hunyuan_v1_moe", "dots1")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
@@ -274,6 +291,109 @@ def _write_jamba_metadata(w, cfg: dict) -> None:
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps") or 1e-6)
     w.add_expert_count(cfg.get("num_local_experts") or cfg["num_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
+
+
+def llama3_rope_factors(cfg: dict) -> np.ndarray | None:
+    """LlamaModel / Exaone4Model.generate_extra_tensors: Llama 3's scaling as one divisor per
+    rotary frequency (`rope_freqs`); None for other ropes. (Our own arithmetic: smooth
+    interpolation between the low- and high-frequency wavelength bounds.)"""
+    rope = _rope_params(cfg)
+    if (rope.get("rope_type") or "").lower() != "llama3":
+        return None
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = rope["factor"]
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
+    """TextModel.set_gguf_parameters, then the arch class's own keys (the last value of a key
+    written twice only)."""
+    import gguf
+
+    rope = _rope_params(cfg)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim")
+    context, theta = cfg["max_position_embeddings"], rope.get("rope_theta", 10000.0)
+    if tiny_arch.startswith("hunyuan") and rope.get("rope_type") == "dynamic":
+        # NTK by alpha baked into the base (the MoE converter takes hidden / heads per head)
+        dim = head_dim if tiny_arch == "hunyuan_v1_dense" else hidden // heads
+        theta = theta * rope["alpha"] ** (dim / (dim - 2))
+        context = 256 * 1024
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        w.add_rope_scaling_factor(1)
+        w.add_rope_scaling_orig_ctx_len(256 * 1024)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(1e-5 if tiny_arch == "olmoe" else cfg["rms_norm_eps"])
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if experts and tiny_arch != "hunyuan_v1_dense":
+        w.add_expert_count(experts)
+    if cfg.get("num_experts_per_tok"):
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if head_dim:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if tiny_arch in ("exaone4", "apertus", "arcee"):
+        w.add_vocab_size(cfg["vocab_size"])
+    if tiny_arch in ("apertus", "arcee"):  # LlamaModel
+        w.add_rope_dimension_count(head_dim or hidden // heads)
+    if tiny_arch == "arcee" and rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if tiny_arch == "exaone4" and cfg.get("sliding_window") is not None:
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if tiny_arch == "minimax_m2":
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func sigmoid
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_dimension_count(cfg["rotary_dim"])
+    if tiny_arch == "hunyuan_v1_moe":
+        first = {k: v[0] if isinstance(v, list) else v for k, v in cfg.items()}
+        w.add_expert_shared_feed_forward_length(cfg["intermediate_size"])
+        w.add_expert_feed_forward_length(first["moe_intermediate_size"])
+        w.add_expert_used_count(first["moe_topk"])
+        w.add_expert_shared_count(first["num_shared_expert"])
+    if tiny_arch == "dots1":  # Qwen2MoeModel's, then Dots1Model's
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func noaux_tc
+
+
+def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
+    """The arch class's modify_tensors before the name map: [(HF-side name, array)]."""
+    if tiny_arch == "apertus" and ".act_fn." in name:
+        return []  # xielu.* metadata (write_gguf)
+    if tiny_arch == "arcee":  # LlamaModel.modify_tensors, undo_permute on
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = llama_cpp_permute(arr, cfg["num_key_value_heads"])
+    if name.endswith("e_score_correction_bias"):  # MiniMax-M2, dots1
+        name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+    return [(name, arr)]
 
 
 def _write_metadata(w, arch: str, cfg: dict) -> None:
@@ -605,6 +725,10 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
                 # a split tensor: HF's names under the first piece
                 out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, src))
             continue
+        if tiny_arch in MORE_ARCHS and _EXPERT.match(name) is None:
+            for mapped, piece in _more(tiny_arch, cfg, name, arr):
+                out.append((to_gguf(mapped), piece, [name], hf, None))
+            continue
         if tiny_arch in ("llama", "mixtral") and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, heads)
         elif tiny_arch in ("llama", "mixtral") and name.endswith("k_proj.weight"):
@@ -889,6 +1013,8 @@ def write_gguf(
         _write_falcon_h1_metadata(w, cfg)
     elif tiny_arch == "jamba":
         _write_jamba_metadata(w, cfg)
+    elif tiny_arch in MORE_ARCHS:
+        _write_more_metadata(w, tiny_arch, cfg)
     else:
         _write_metadata(w, arch, cfg)
     if spm_vocab is None:
@@ -922,6 +1048,17 @@ def write_gguf(
         want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
         parts = want.unbind(0) if len(hf_names) > 1 else [want]
         expected.update(zip(hf_names, parts, strict=True))
+    if tiny_arch in ("exaone4", "apertus") and rope_freqs is None:
+        rope_freqs = llama3_rope_factors(cfg)
+    if tiny_arch == "apertus":  # ApertusModel: xIELU's scalars as per-layer float32 arrays
+        from safetensors.torch import load_file
+
+        weights = load_file(src / "model.safetensors")
+        for key, add in (("alpha_n", w.add_xielu_alpha_n), ("alpha_p", w.add_xielu_alpha_p),
+                         ("beta", w.add_xielu_beta), ("eps", w.add_xielu_eps)):  # fmt: skip
+            names = [f"model.layers.{i}.mlp.act_fn.{key}" for i in range(cfg["num_hidden_layers"])]
+            add([weights[n].float().item() for n in names])
+            expected.update({n: weights[n].float() for n in names})
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     rope = _rope_params(cfg)

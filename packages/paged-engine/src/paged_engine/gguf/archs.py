@@ -60,6 +60,29 @@ Other hybrids (convert_hf_to_gguf.py: FalconH1Model, JambaModel), HF's `model.` 
   the dt / B / C norms' weights (`ssm_dt_norm`, `ssm_b_norm`, `ssm_c_norm`); layer kinds from the
   per-layer head_count_kv (0 on Mamba layers), MoE layers from their router (`ffn_gate_inp`) and
   merged experts (`ffn_{gate,up,down}_exps`).
+
+More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,dots1}.py):
+- EXAONE 4.0 ("exaone4"): stored as HF has it (no permutation, NeoX rope); the post-norms are
+  `post_attention_norm` / `post_ffw_norm`; sliding layers as a per-layer bool list
+  (attention.sliding_window_pattern) beside attention.sliding_window; Llama 3 rope scaling baked
+  into `rope_freqs`.
+- Apertus ("apertus"): LlamaModel with undo_permute off (q/k as HF has them); the pre-norms
+  `attn_norm` / `ffn_norm`; xIELU's four scalars per layer are metadata arrays
+  (xielu.alpha_p / alpha_n / beta / eps, raw parameters: softplus applies at run time), loaded
+  back as the HF `mlp.act_fn.*` tensors; Llama 3 scaling as `rope_freqs`.
+- Arcee AFM ("arcee"): LlamaModel, q/k rows (and biases) permuted; YaRN as rope.scaling.*.
+- OLMoE ("olmoe"): no permutation; whole-projection q/k norms; merged experts; llama.cpp never
+  renormalizes the top-k weights and does not clamp q/k/v (clip_qkv is not written).
+- MiniMax-M2 ("minimax-m2"): merged experts (w1 / w3 / w2), the router bias
+  `exp_probs_b.bias`, rope.dimension_count = rotary_dim, experts of
+  expert_feed_forward_length; sigmoid gating.
+- Hunyuan dense / MoE ("hunyuan-dense", "hunyuan-moe"): `query_layernorm` / `key_layernorm` as
+  attn_q_norm / attn_k_norm; the NTK-alpha rope is baked into rope.freq_base (scaling none,
+  context_length 256k); MoE: router `mlp.gate.wg` as ffn_gate_inp, merged experts, the shared
+  MLP as `ffn_*_shexp` (expert_shared_feed_forward_length = intermediate_size).
+- dots.llm1 ("dots1"): Qwen2MoeModel's layout: merged experts, `shared_experts` as
+  `ffn_*_shexp`, the router bias `exp_probs_b.bias`; no expert groups and no sliding window in
+  llama.cpp (they load as 1 group / no window).
 """
 
 from __future__ import annotations
@@ -221,6 +244,33 @@ _JAMBA_NAMES: dict[str, str | None] = {
     "ssm_c_norm": "mamba.c_layernorm",
     "ssm_out": "mamba.out_proj",
 }
+# EXAONE 4: post-norms only (OLMo 2's placement)
+_EXAONE4_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Apertus: the pre-norms under their own names
+_APERTUS_NAMES = {
+    **LAYER_NAMES,
+    "attn_norm": "attention_layernorm",
+    "ffn_norm": "feedforward_layernorm",
+}
+_HUNYUAN_NAMES = {
+    **LAYER_NAMES,
+    "attn_q_norm": "self_attn.query_layernorm",
+    "attn_k_norm": "self_attn.key_layernorm",
+    "ffn_gate_shexp": "mlp.shared_mlp.gate_proj",
+    "ffn_up_shexp": "mlp.shared_mlp.up_proj",
+    "ffn_down_shexp": "mlp.shared_mlp.down_proj",
+}
+_DOTS1_NAMES = {
+    **LAYER_NAMES,
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+_HF_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 # the GGUF families whose mixer is Mamba2 (convert.py reshapes A, D and the gated norm back)
 MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h", "mamba2", "falcon_h1")
 
@@ -242,7 +292,9 @@ class GGUFArch:
     # extra global tensors: GGUF name -> HF name
     global_names: Mapping[str, str] = field(default_factory=dict)
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
-    # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"
+    # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
+    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmoe", "minimax_m2",
+    # "hunyuan", "dots1"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -386,6 +438,43 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         },
         global_names=_FINAL_LAYERNORM,
         family="jamba",
+    ),
+    "exaone4": GGUFArch(
+        "Exaone4ForCausalLM", "Exaone4Config", layer_names=_EXAONE4_NAMES, family="exaone4"
+    ),
+    "apertus": GGUFArch(
+        "ApertusForCausalLM", "ApertusConfig", layer_names=_APERTUS_NAMES, family="apertus"
+    ),
+    "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
+    "olmoe": GGUFArch("OlmoeForCausalLM", "OlmoeConfig", experts=_HF_EXPERTS, family="olmoe"),
+    "minimax-m2": GGUFArch(
+        "MiniMaxM2ForCausalLM",
+        "MiniMaxM2Config",
+        experts=("block_sparse_moe", "w1", "w3", "w2"),
+        params={"exp_probs_b.bias": "block_sparse_moe.e_score_correction_bias"},
+        family="minimax_m2",
+    ),
+    "hunyuan-dense": GGUFArch(
+        "HunYuanDenseV1ForCausalLM",
+        "HunYuanDenseV1Config",
+        layer_names=_HUNYUAN_NAMES,
+        family="hunyuan",
+    ),
+    "hunyuan-moe": GGUFArch(
+        "HunYuanMoEV1ForCausalLM",
+        "HunYuanMoEV1Config",
+        layer_names=_HUNYUAN_NAMES,
+        experts=_HF_EXPERTS,
+        params={"ffn_gate_inp.weight": "mlp.gate.wg.weight"},
+        family="hunyuan",
+    ),
+    "dots1": GGUFArch(
+        "Dots1ForCausalLM",
+        "Dots1Config",
+        layer_names=_DOTS1_NAMES,
+        experts=_HF_EXPERTS,
+        params={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+        family="dots1",
     ),
 }
 # arch "llama" with experts

@@ -4,7 +4,8 @@ experts merged into one [E, ...] tensor, and the hybrids' (Qwen3-Next / Qwen3.5 
 changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value heads; the
 Mamba2 hybrids' (Granite 4.0-H, Nemotron-H) [H, 1] A / D, [groups, n] gated norm and split fused
 gate / up projections; Mamba's / Mamba2's (the same as their hybrids'), and so Falcon-H1's
-(Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts)."""
+(Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts); Apertus's
+xIELU scalars, which the converter moved into metadata arrays, come back as HF's tensors."""
 
 from __future__ import annotations
 
@@ -158,6 +159,28 @@ def _restore(spec: GGUFArch, part: str, w: torch.Tensor, g: _LinearAttn | None) 
     return w
 
 
+# Apertus: xIELU's per-layer scalars (ApertusModel.modify_tensors' metadata arrays; gguf-py's
+# keys carry no arch prefix: `xielu.alpha_p`) -> HF's `mlp.act_fn.<name>` tensors, of HF's
+# shapes ([1] for the alphas, [] for beta and eps). llama.cpp also takes one value for all layers.
+_XIELU = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
+
+
+def _xielu_weights(f: GGUFFile, arch: str, spec: GGUFArch) -> Iterator[tuple[str, torch.Tensor]]:
+    layers = int(f.get(f"{arch}.block_count") or 0)
+    for name, shape in _XIELU.items():
+        key = f"xielu.{name}"
+        values = f.get(key, f.get(f"{arch}.{key}"))
+        if isinstance(values, (int, float)) and not isinstance(values, bool):
+            values = [values] * layers
+        if not isinstance(values, list) or len(values) != layers:
+            raise ValueError(
+                f"GGUF metadata {key}: expected one value per layer ({layers}), got {values!r}"
+            )
+        for i, v in enumerate(values):
+            t = torch.tensor(float(v), dtype=torch.float32).reshape(shape)
+            yield f"{spec.prefix}.{i}.mlp.act_fn.{name}", t
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
@@ -206,3 +229,5 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
                 yield hf_name.format(e), w[e]
         else:
             yield hf_name, w
+    if spec.family == "apertus":
+        yield from _xielu_weights(f, arch, spec)

@@ -77,7 +77,7 @@ def gguf_to_hf_config(f: GGUFFile):
         pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
     )
     rope: dict[str, Any] | None = _rope(meta, f, head_dim)
-    if spec.experts is not None and spec.family not in ("lfm2", "nemotron_h", "jamba"):
+    if spec.experts is not None and spec.family in ("", "qwen3next", "qwen35"):
         kwargs.update(_moe(meta, f, arch, layers))
     if spec.family in ("qwen3next", "qwen35"):
         _qwen_hybrid(meta, f, kwargs, layers)
@@ -93,6 +93,8 @@ def gguf_to_hf_config(f: GGUFFile):
     if spec.family == "jamba":
         _jamba(meta, f, kwargs, layers)
         rope = None  # no positional encoding at all
+    if spec.family in _MORE:
+        _MORE[spec.family](meta, f, kwargs, layers)
     if arch in ("gemma2", "gemma3"):
         rope = _gemma(meta, arch, kwargs, rope)
     if arch == "phi3":
@@ -614,6 +616,154 @@ def _jamba(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> Non
 def _largest(value: Any) -> int:
     """An integer key, or the largest entry of a per-layer one."""
     return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
+def _exaone4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """EXAONE 4 (Exaone4Model): with attention.sliding_window, the sliding layers from the
+    per-layer attention.sliding_window_pattern (true = sliding; an integer n: every n-th layer
+    global), every 4th global when the file has no pattern; the global layers do not rotate
+    (the model decides that from layer_types). Without a window every layer is global.
+    llama.cpp itself windows only 64-layer files (the 32B; 4096 and every 4th layer global when
+    the keys are missing) and runs other files' layers all global; we follow the file's keys,
+    as HF does the checkpoint's config."""
+    window = meta.get_int("attention.sliding_window", 4096 if layers == 64 else None)
+    if not window:
+        kwargs.update(sliding_window=None, layer_types=["full_attention"] * layers)
+        return
+    pattern = meta.get("attention.sliding_window_pattern", 4)
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(
+                f"GGUF metadata {meta.arch}.attention.sliding_window_pattern has {len(pattern)} "
+                f"entries for {layers} layers"
+            )
+        sliding = [bool(p) for p in pattern]
+    elif isinstance(pattern, int) and pattern >= 1:
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    else:
+        raise ValueError(f"GGUF metadata {meta.arch}.attention.sliding_window_pattern={pattern!r}")
+    kwargs.update(
+        sliding_window=window,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+    )
+
+
+def _apertus(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Apertus (ApertusModel): the MLP's activation is xIELU (its scalars: convert.py)."""
+    kwargs.update(hidden_act="xielu", attention_bias="blk.0.attn_q.bias" in f.tensors)
+
+
+def _arcee(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Arcee AFM (ArceeModel): Llama's layout with a relu^2 MLP; biases from the tensors."""
+    kwargs.update(
+        hidden_act="relu2",
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+    )
+
+
+def _experts_width(meta: _Meta, f: GGUFFile, sparse: list[int], key: str) -> int:
+    """The experts' width: `key`, else the first MoE layer's merged gate rows."""
+    size = meta.get_int(key, None)
+    if size is None:
+        if not sparse or f"blk.{sparse[0]}.ffn_gate_exps.weight" not in f.tensors:
+            raise ValueError(f"GGUF metadata lacks {meta.arch}.{key}")
+        size = f.tensors[f"blk.{sparse[0]}.ffn_gate_exps.weight"].shape[1]
+    return size
+
+
+def _sparse(f: GGUFFile, layers: int) -> list[int]:
+    return [i for i in range(layers) if _has(f, i, "ffn_gate_inp")]
+
+
+def _olmoe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """OLMoE (OlmoeModel, llama.cpp's OLMoE graph): every layer MoE, experts of
+    feed_forward_length, softmax routing never renormalized, no q/k/v clamp."""
+    kwargs.update(
+        num_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        intermediate_size=_experts_width(meta, f, _sparse(f, layers), "feed_forward_length"),
+        norm_topk_prob=False,
+        clip_qkv=None,
+    )
+
+
+def _sigmoid_gating(meta: _Meta) -> None:
+    func = meta.get_int("expert_gating_func", 2)
+    if func != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.expert_gating_func={func}: only sigmoid (2) is supported"
+        )
+
+
+def _minimax_m2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """MiniMax-M2 (MiniMaxM2Model): every layer MoE with sigmoid scores, the router bias and
+    renormalized top-k weights; experts of expert_feed_forward_length; partial rotary of
+    rope.dimension_count (HF's rotary_dim)."""
+    _sigmoid_gating(meta)
+    kwargs.update(
+        num_local_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        intermediate_size=_experts_width(meta, f, _sparse(f, layers), "expert_feed_forward_length"),
+        rotary_dim=meta.get_int("rope.dimension_count", kwargs["head_dim"]),
+        scoring_func="sigmoid",
+        use_routing_bias=True,
+    )
+
+
+def _hunyuan(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Hunyuan (HunYuanModel / HunYuanMoEModel): rope.freq_base is already the NTK-alpha base
+    (the plain rope rotates with it); MoE: every layer, softmax routing renormalized, experts
+    of expert_feed_forward_length and one shared MLP of expert_shared_feed_forward_length."""
+    kwargs["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+    sparse = _sparse(f, layers)
+    if not sparse:
+        return
+    shared = meta.get_int("expert_shared_feed_forward_length", None)
+    if shared is None:
+        shared = f.tensors[f"blk.{sparse[0]}.ffn_up_shexp.weight"].shape[0]
+    kwargs.update(
+        num_experts=meta.get_int("expert_count"),
+        moe_topk=meta.get_int("expert_used_count"),
+        moe_intermediate_size=_experts_width(meta, f, sparse, "expert_feed_forward_length"),
+        intermediate_size=shared,  # HF sizes the shared MLP by intermediate_size
+        num_shared_expert=1,
+    )
+
+
+def _dots1(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """dots.llm1 (Dots1Model): leading_dense_block_count dense layers, then MoE layers with
+    sigmoid scores, the router bias and expert_shared_count shared experts; llama.cpp routes
+    without groups and attends without a window, so the config has neither."""
+    _sigmoid_gating(meta)
+    sparse = _sparse(f, layers)
+    kwargs.update(
+        n_routed_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        moe_intermediate_size=_experts_width(meta, f, sparse, "expert_feed_forward_length"),
+        first_k_dense_replace=meta.get_int(
+            "leading_dense_block_count", sparse[0] if sparse else layers
+        ),
+        n_shared_experts=meta.get_int("expert_shared_count", 1),
+        routed_scaling_factor=meta.get_float("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+        n_group=1,
+        topk_group=1,
+        sliding_window=None,
+        layer_types=["full_attention"] * layers,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+    )
+
+
+_MORE = {
+    "exaone4": _exaone4,
+    "apertus": _apertus,
+    "arcee": _arcee,
+    "olmoe": _olmoe,
+    "minimax_m2": _minimax_m2,
+    "hunyuan": _hunyuan,
+    "dots1": _dots1,
+}
 
 
 # layers of the largest Gemma 2 / 3 (27B), whose attention scale llama.cpp takes from

@@ -315,8 +315,15 @@ def rope_config(
 def get_rope(
     config: Any, head_dim: int, is_neox_style: bool = True, layer_type: str | None = None
 ) -> RotaryEmbedding:
-    """The rope of `config` (of its `layer_type` layers where ropes differ by layer type)."""
+    """The rope of `config` (of its `layer_type` layers where ropes differ by layer type).
+
+    A "dynamic" scaling with an `alpha` (Hunyuan's checkpoints) is NTK by a fixed alpha, a
+    static table: base = rope_theta * alpha ** (d / (d - 2)), d the rotary dims."""
     theta, scaling, partial = rope_config(config, layer_type)
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    if kind == "dynamic" and scaling.get("alpha"):  # type: ignore[union-attr]
+        dims = int(head_dim * partial)
+        theta, scaling = theta * float(scaling["alpha"]) ** (dims / (dims - 2)), None
     max_position = int(config.max_position_embeddings)
     context_len = _CONTEXT_LEN.get()
     return RotaryEmbedding(

@@ -6,7 +6,7 @@ decoder with these differences:
                *after* RoPE (Qwen3 norms before it): q = norm(rope(x W_q)), k = norm(rope(x W_k))
     rope       the checkpoints' rope_scaling {"type": "dynamic", "alpha": a} is NTK by a fixed
                alpha, a static table: base = rope_theta * a ** (d / (d - 2)), d = head_dim
-               (plain `dynamic` without alpha, or any other scaling: layers/rotary.py's)
+               (layers/rotary.py's get_rope)
     mlp        dense: Llama's gated SiLU MLP of `intermediate_size`. MoE, in every layer:
                p = softmax(x @ W_g^T) in float32 (W_g kept in float32, as HF keeps it), the
                k = moe_topk largest renormalized to sum 1; experts gated SiLU MLPs of
@@ -29,7 +29,7 @@ from torch import nn
 
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.deepseek_moe import DeepseekMoe
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.deepseek_v2 import DeepseekModel
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, llama_head_dim
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
@@ -63,18 +63,6 @@ class HunYuanAttention(LlamaAttention):
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
-def hunyuan_rope(config) -> RotaryEmbedding:
-    """The rope of the module docstring: NTK-alpha when the scaling names an alpha."""
-    head_dim = llama_head_dim(config)
-    theta, scaling, _ = rope_config(config)
-    scaling = scaling or {}
-    alpha = scaling.get("alpha")
-    if (scaling.get("rope_type") or scaling.get("type")) != "dynamic" or not alpha:
-        return get_rope(config, head_dim)
-    base = theta * float(alpha) ** (head_dim / (head_dim - 2))
-    return RotaryEmbedding(head_dim, head_dim, int(config.max_position_embeddings), base)
-
-
 def _per_layer(value, layer_idx: int) -> int:
     return int(value[layer_idx] if isinstance(value, (list, tuple)) else value)
 
@@ -101,7 +89,8 @@ class HunYuanDenseV1ForCausalLM(CausalLMBase):
 
     def __init__(self, config):
         check_silu(config, type(self).__name__)
-        inner = DeepseekModel(config, type(self).build_mlp, HunYuanAttention, hunyuan_rope(config))
+        rope = get_rope(config, llama_head_dim(config))  # NTK-alpha: layers/rotary.py
+        inner = DeepseekModel(config, type(self).build_mlp, HunYuanAttention, rope)
         super().__init__(config, inner)
 
     @classmethod

@@ -5,7 +5,7 @@ A verify step runs a row's drafts through the state; the worker backs the row up
 it back when a draft is rejected, and the accepted tokens run again in the next step (their
 tokens sent to the worker). Greedy decoding must be token-identical to plain decoding (logprobs
 within 1e-4) with drafts both accepted and rejected, by n-gram lookup and by a draft model; n > 1
-sequences, preemption mid-speculation and the prefix cache's snapshots lose nothing, and no
+sequences, preemption mid-speculation, the prefix cache's snapshots and TP=2 lose nothing, and no
 state row is left taken.
 """
 
@@ -133,3 +133,27 @@ def test_draft_model_on_a_stateful_target(dirs, tmp_path):
             dtype="float32",
             speculative_config={"model": str(target), "num_speculative_tokens": 2},
         )
+
+
+def test_tensor_parallel_ranks_roll_back_together(dirs):
+    """tensor_parallel_size=2 (gloo on the CPU): each rank backs up and restores its shard of
+    the state on the same verdicts; the plain engine's greedy tokens."""
+    path = dirs("mamba")
+    plain = LLM(model=str(path), dtype="float32", max_model_len=256)
+    requests = _requests(plain)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    want = _outputs(plain.generate(requests, params, use_tqdm=False))
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=256,
+        tensor_parallel_size=2,
+        speculative_config=NGRAM,
+    )
+    try:
+        got = _outputs(llm.generate(requests, params, use_tqdm=False))
+        stats = llm.llm_engine.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    _assert_same(got, want)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

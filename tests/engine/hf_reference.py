@@ -3,6 +3,7 @@ that `LLM.generate` reproduces them (the method of every HF-parity test)."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,31 @@ def assert_matches(name: str, out, ref: Greedy, abs_tol: float = 1e-3) -> None:
         got_top = {t: lp.logprob for t, lp in entry.items() if t in want}
         assert len(got_top) == len(want), f"{name}: top-{len(want)} tokens differ from HF"
         assert got_top == pytest.approx(want, abs=abs_tol), f"{name}: top logprobs differ"
+
+
+def random_token_prompts(seed: int, n: int) -> list[list[int]]:
+    """`n` prompts of 12-40 random token ids of the tiny vocabulary."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(n)]
+
+
+def assert_tiny_case_matches_hf(case: str, arch: str, overrides: dict, tmp_path: Path) -> None:
+    """A tiny `arch` model (config `overrides`) served by `LLM` gives HF's greedy tokens and
+    top-5 logprobs (1e-3, float32) on 3 random prompts (seeded by the case name's length), 10
+    tokens each; every block free afterwards."""
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
+    hf = load_hf_model(path)
+    prompts = random_token_prompts(len(case), 3)
+    refs = [hf_greedy(hf, p, 10, 5) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches(case, out, ref)
+    assert llm.get_stats().num_used_blocks == 0
 
 
 def assert_file_greedy_matches_hf(path, hf, seed: int, lengths: tuple[int, ...]) -> None:

@@ -10,20 +10,20 @@ also at TP=2, where each rank holds its heads' norm rows and both share the one 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_tiny_case_matches_hf,
+    assert_tp_matches_one_process,
+    random_token_prompts,
+)
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.layers.embedding import ParallelLMHead
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 10
-TOP = 5
 # StableLM-2 12B's options, with one k head (replicated at TP=2)
 STABLELM_12B = {
     "qk_layernorm": True,
@@ -39,30 +39,15 @@ CASES = {
 }
 
 
-def _prompts(seed: int, n: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(n)]
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_and_logprobs_match_hf(case, tmp_path):
-    arch, overrides = CASES[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    hf = load_hf_model(path)
-    prompts = _prompts(len(case), 3)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(case, out, ref)
-    assert llm.get_stats().num_used_blocks == 0
+    assert_tiny_case_matches_hf(case, *CASES[case], tmp_path)
 
 
 def test_stablelm_per_head_norms_tensor_parallel(tmp_path):
     """TP=2 (gloo): q norm rows split by head, the single k head's row on both ranks."""
     path = write_tiny_model(tmp_path, "stablelm", seed=2, **STABLELM_12B)
-    assert_tp_matches_one_process(path, _prompts(4, 2), MAX_TOKENS, max_model_len=64)
+    assert_tp_matches_one_process(path, random_token_prompts(4, 2), MAX_TOKENS, max_model_len=64)
 
 
 def test_lm_head_bias_splits_with_the_vocabulary():

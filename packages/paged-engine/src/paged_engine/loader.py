@@ -102,7 +102,21 @@ def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
 
     config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
-    return text_only_config(config, resolved.path)
+    return with_kv_head_count(text_only_config(config, resolved.path))
+
+
+def with_kv_head_count(config):
+    """`num_key_value_heads` set where a family names it otherwise (Falcon's `num_kv_heads` /
+    `multi_query`, GPT-BigCode's `multi_query`): the KV cache, the TP checks and the models all
+    read that one field, in the engine process and in every worker."""
+    from paged_engine.models.falcon import falcon_kv_heads
+    from paged_engine.models.gpt_bigcode import bigcode_kv_heads
+
+    counts = {"falcon": falcon_kv_heads, "gpt_bigcode": bigcode_kv_heads}
+    count = counts.get(getattr(config, "model_type", None))
+    if count is not None:
+        config.num_key_value_heads = count(config)
+    return config
 
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):

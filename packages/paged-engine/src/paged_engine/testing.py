@@ -70,6 +70,13 @@ MORE_TINY_ARCHS: list[str] = [
     "hunyuan_v1_dense",
     "hunyuan_v1_moe",
     "dots1",
+    "gpt_bigcode",
+    "falcon",
+    "gptj",
+    "nemotron",
+    "dbrx",
+    "internlm3",
+    "exaone_moe",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -991,6 +998,116 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "rotary_pct": 0.5,
             "use_parallel_residual": True,
             "hidden_act": "gelu",
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GPT-BigCode (StarCoder, SantaCoder): GPT-2 with multi-query attention, one KV head
+    # (tests also turn multi_query off: per-head q / k / v rows in c_attn)
+    "gpt_bigcode": (
+        "GPTBigCodeConfig",
+        {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_inner": 128,
+            "n_positions": 1024,
+            "multi_query": True,
+        },
+    ),
+    # Falcon-40B's layout: the new decoder architecture, 2 KV heads, ln_attn / ln_mlp beside
+    # each other (tests also use 7B's: multi-query, one LayerNorm; and RW's: ALiBi, biases,
+    # sequential)
+    "falcon": (
+        "FalconConfig",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_kv_heads": 2,
+            "ffn_hidden_size": 128,
+            "max_position_embeddings": 1024,
+            "new_decoder_architecture": True,
+            "bias": False,
+        },
+    ),
+    # GPT-J-6B's layout: parallel attention and MLP on one LayerNorm, interleaved rotary on the
+    # first half of each head, LM head with a bias
+    "gptj": (
+        "GPTJConfig",
+        {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "rotary_dim": 8,
+            "n_inner": 128,
+            "n_positions": 1024,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Nemotron: LayerNorm1P norms (weight stored minus 1, with biases), ungated relu^2 MLP,
+    # partial rotary (half of head_dim 32: q wider than hidden)
+    "nemotron": (
+        "NemotronConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # DBRX: fused Wqkv clamped at 1.5 (bites: the released 8 rarely would here), the released
+    # rope base in attn_config (and in rope_parameters, which HF reads), bias-free LayerNorms,
+    # 8 stacked experts of 32, 2 chosen, weights divided by their 1-norm
+    "dbrx": (
+        "DbrxConfig",
+        {
+            "d_model": 64,
+            "n_heads": 4,
+            "n_layers": 2,
+            "max_seq_len": 256,
+            "attn_config": {"kv_n_heads": 2, "clip_qkv": 1.5, "rope_theta": 500_000.0},
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500_000.0},
+            "ffn_config": {
+                "ffn_hidden_size": 32,
+                "moe_num_experts": 8,
+                "moe_top_k": 2,
+                "moe_normalize_expert_weights": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
+    # InternLM3: Llama's layout with head_dim 32 (q wider than hidden); tests also turn on its
+    # qkv_bias / bias switches
+    "internlm3": (
+        "InternLM3Config",
+        {**_LLAMA_LIKE, "head_dim": 32, "max_position_embeddings": 256},
+    ),
+    # K-EXAONE: EXAONE 4.0's attention (per-head q / k norms, sliding layers with window 8 < the
+    # test prompts beside global NoPE ones, "LG" twice) in pre-norm layers; a dense layer, then
+    # DeepSeek-V3 MoE layers: 8 experts of 16 in 4 groups (2 kept), 3 chosen by sigmoid + a
+    # random correction bias, renormalized, scaled by 2.5, a shared expert
+    "exaone_moe": (
+        "ExaoneMoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "max_position_embeddings": 256,
+            "sliding_window": 8,
+            "sliding_window_pattern": 2,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "num_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
             "tie_word_embeddings": False,
         },
     ),

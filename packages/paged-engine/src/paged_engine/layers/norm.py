@@ -84,6 +84,19 @@ class LayerNorm(nn.LayerNorm):
         return y.to(x.dtype)
 
 
+class LayerNorm1P(LayerNorm):
+    """Nemotron's LayerNorm1P: checkpoints store (weight - 1), y = norm(x) * (1 + weight) + bias
+    (the 1 added in the weight's dtype, as HF adds it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
+        w = self.weight + 1.0
+        if self.kernel is not None:
+            return self.kernel(x, w, self.bias, self.eps)
+        b = None if self.bias is None else self.bias.float()
+        y = nn.functional.layer_norm(x.float(), self.normalized_shape, w.float(), b, self.eps)
+        return y.to(x.dtype)
+
+
 class HeadLayerNorm(LayerNorm):
     """Bias-free LayerNorm over each head of x [T, H, D] with one weight row per head, for this
     rank's H heads: rows [shard * H, (shard + 1) * H) of the model's [H_total, D] weights.

@@ -8,6 +8,7 @@ from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from paged_engine.models.dbrx import DbrxForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -17,6 +18,8 @@ from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from paged_engine.models.exaone4 import Exaone4ForCausalLM
+from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM
+from paged_engine.models.falcon import FalconForCausalLM
 from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
@@ -24,13 +27,16 @@ from paged_engine.models.gemma3 import Gemma3ForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
+from paged_engine.models.gpt_bigcode import GPTBigCodeForCausalLM
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
+from paged_engine.models.gptj import GPTJForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
+from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
@@ -45,6 +51,7 @@ from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
+from paged_engine.models.nemotron import NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
@@ -127,6 +134,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "GPTJForCausalLM": GPTJForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
+    "DbrxForCausalLM": DbrxForCausalLM,
+    "InternLM3ForCausalLM": InternLM3ForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
 }
 
 

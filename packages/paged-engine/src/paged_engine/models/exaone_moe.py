@@ -1,0 +1,125 @@
+"""LG AI K-EXAONE (`ExaoneMoeForCausalLM`, model_type "exaone_moe": K-EXAONE-236B-A23B).
+
+EXAONE 4.0's attention (models/exaone4.py) in a pre-norm MoE decoder:
+
+    layers     Llama's pre-norm placement, x += attn(norm(x)); x += mlp(norm(x)) (EXAONE 4.0
+               puts its norms after the sublayers; this model does not)
+    attention  per-head q / k RMSNorms after the projections; with a `sliding_window`, the
+               `sliding_attention` layers of config.layer_types (3 of 4, "LLLG") see the last
+               sliding_window keys and rotate q and k, the `full_attention` ones see everything
+               without positional encoding (NoPE); without a window every layer is global and
+               rotates
+    mlp        config.mlp_layer_types ("dense" for the first `first_k_dense_replace` layers by
+               default): a gated SiLU MLP of intermediate_size; "sparse": DeepSeek-V3's MoE
+               (layers/deepseek_moe.py): s = sigmoid(x @ W_g^T) in float32, the top
+               num_experts_per_tok of s + e_score_correction_bias within the topk_group best of
+               n_group groups, weights s renormalized (norm_topk_prob) times
+               routed_scaling_factor, experts of moe_intermediate_size, plus
+               num_shared_experts * moe_intermediate_size of shared experts
+
+Checkpoints name experts `mlp.experts.M.{gate,up,down}_proj` (transformers 5's fused
+`mlp.experts.gate_up_proj` / `down_proj` load too), the router `mlp.gate.weight`, its balance
+bias `mlp.e_score_correction_bias` (HF holds it as `mlp.gate.e_score_correction_bias`: both
+load), the shared experts `mlp.shared_experts.*`. Multi-token-prediction weights (`mtp.*`) are
+skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.deepseek_moe import DeepseekMoe
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.exaone4 import Exaone4Attention, Exaone4ForCausalLM, exaone4_layers
+from paged_engine.models.llama import LlamaMLP, LlamaModel
+from paged_engine.models.mixtral import (
+    MixtralForCausalLM,
+    MoeDecoderLayer,
+    check_silu,
+    expert_rules,
+    num_experts,
+)
+from paged_engine.models.utils import CausalLMBase, cfg_get
+
+
+class ExaoneMoeDecoderLayer(MoeDecoderLayer):
+    """MoeDecoderLayer's pre-norm forward around Exaone4Attention (`rope` None: NoPE;
+    `sliding_window` None: the whole context) and a dense or MoE MLP."""
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        flags: dict[str, bool],
+        rope: RotaryEmbedding | None,
+        sliding_window: int | None,
+        mlp: nn.Module,
+    ) -> None:
+        nn.Module.__init__(self)
+        eps = cfg_get(config, "rms_norm_eps", 1e-5)
+        self.self_attn = Exaone4Attention(config, layer_idx, flags, rope)
+        self.self_attn.attn.sliding_window = sliding_window
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+
+
+def is_sparse_layer(config, layer_idx: int) -> bool:
+    """config.mlp_layer_types[i] == "sparse", else i >= first_k_dense_replace."""
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None:
+        if types[layer_idx] not in ("dense", "sparse"):
+            raise ValueError(f"config.mlp_layer_types: unsupported {types[layer_idx]!r}")
+        return types[layer_idx] == "sparse"
+    return layer_idx >= int(cfg_get(config, "first_k_dense_replace", 1))
+
+
+class ExaoneMoeForCausalLM(MixtralForCausalLM):
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config) -> None:
+        check_silu(config, type(self).__name__)
+        cls = type(self)
+        flags = Exaone4ForCausalLM.layer_flags(config)
+        layers = exaone4_layers(config)
+
+        def build(i: int, rope: RotaryEmbedding) -> ExaoneMoeDecoderLayer:
+            window, rotates = layers[i]
+            mlp = cls.build_mlp(config, i)
+            rope = rope if rotates else None
+            return ExaoneMoeDecoderLayer(config, i, flags, rope, window, mlp)
+
+        CausalLMBase.__init__(self, config, LlamaModel(config, flags, build))
+        # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.
+        rules = expert_rules(num_experts(config), *self.expert_names)
+        self.stacked_params = (*rules, *cls.stacked_params)
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+        if not is_sparse_layer(config, layer_idx):
+            return LlamaMLP(config, bias=False)
+        inter = int(config.moe_intermediate_size)
+        return DeepseekMoe(
+            num_experts(config),
+            int(config.num_experts_per_tok),
+            config.hidden_size,
+            inter,
+            inter * int(cfg_get(config, "num_shared_experts", 0)),
+            n_group=int(cfg_get(config, "n_group", 1)),
+            topk_group=int(cfg_get(config, "topk_group", 1)),
+            renormalize=bool(cfg_get(config, "norm_topk_prob", True)),
+            routed_scaling_factor=float(cfg_get(config, "routed_scaling_factor", 1.0)),
+            group_score="top2_sum",
+        )
+
+    def rename_weight(self, name: str) -> str:
+        return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.startswith("mtp.") or ".mtp." in name:
+            return ()
+        return ((name, w),)

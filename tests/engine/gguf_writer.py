@@ -55,6 +55,14 @@ them except: Arcee's q/k rows permuted (LlamaModel; Apertus turns that off), Ape
 scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's e_score_correction_bias
 renamed e_score_correction.bias, experts merged; Llama 3 rope scaling (EXAONE 4, Apertus) as
 `rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
+
+Older archs (OLD_ARCHS; FalconModel, StarCoderModel, NemotronModel, DbrxModel; _write_old_metadata):
+Falcon's query_key_value reordered per KV group [q.., k, v] -> [all q; all k; all v],
+context_length 2048 and feed_forward_length 4 x hidden whatever the config says; StarCoder as HF
+has it with head_count_kv 1; Nemotron's norm weights stored as w + 1, rope.dimension_count
+partial_rotary_factor x hidden / heads; DBRX's stacked experts viewed [E, ff, d] (w2 transposed
+per expert to [E, d, ff]) and named `.weight`, clip_qkv as attention.clamp_kqv, layer norm eps
+1e-5. InternLM3 is written as "llama" (q/k permuted, as InternLM3Model does).
 """
 
 from __future__ import annotations
@@ -98,7 +106,14 @@ GGUF_ARCH = {
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
     "hunyuan_v1_moe": ("hunyuan-moe", "HUNYUAN_MOE"),
     "dots1": ("dots1", "DOTS1"),
+    "falcon": ("falcon", "FALCON"),
+    "gpt_bigcode": ("starcoder", "STARCODER"),
+    "nemotron": ("nemotron", "NEMOTRON"),
+    "dbrx": ("dbrx", "DBRX"),
+    "internlm3": ("llama", "LLAMA"),  # InternLM3Model: model_arch LLAMA, q/k permuted
 }
+OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
+LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
 MORE_ARCHS = ("exaone4", "apertus", "arcee", "olmoe", "minimax_m2", "hunyuan_v1_dense",
               "hunyuan_v1_moe", "dots1")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -394,6 +409,92 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     if name.endswith("e_score_correction_bias"):  # MiniMax-M2, dots1
         name = name.replace("e_score_correction_bias", "e_score_correction.bias")
     return [(name, arr)]
+
+
+def _falcon_kv(cfg: dict) -> int:
+    """FalconModel's n_head_kv: num_kv_heads, else n_head_kv, else 1. The released 7B config has
+    neither key; transformers saves num_kv_heads = heads for it, which the converter would take,
+    so the old layout's tiny config is read as the released one."""
+    if not cfg.get("new_decoder_architecture"):
+        return cfg.get("n_head_kv", 1)
+    return cfg.get("num_kv_heads") or cfg.get("n_head_kv", 1)
+
+
+def _write_old_metadata(w, tiny_arch: str, cfg: dict) -> None:
+    """FalconModel / StarCoderModel / DbrxModel.set_gguf_parameters (their own keys only);
+    NemotronModel's: TextModel's, then its own (the last value of a key written twice)."""
+    import gguf
+
+    if tiny_arch == "falcon":
+        w.add_context_length(2048)  # "not in config.json"
+        w.add_tensor_data_layout("jploski")
+        w.add_embedding_length(cfg["hidden_size"])
+        w.add_feed_forward_length(4 * cfg["hidden_size"])
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_head_count(cfg["num_attention_heads"])
+        w.add_head_count_kv(_falcon_kv(cfg))
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    elif tiny_arch == "gpt_bigcode":
+        w.add_context_length(cfg["n_positions"])
+        w.add_embedding_length(cfg["n_embd"])
+        w.add_feed_forward_length(4 * cfg["n_embd"])
+        w.add_block_count(cfg["n_layer"])
+        w.add_head_count(cfg["n_head"])
+        w.add_head_count_kv(1)
+        w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    elif tiny_arch == "dbrx":
+        ffn, attn = cfg["ffn_config"], cfg["attn_config"]
+        w.add_block_count(cfg["n_layers"])
+        w.add_context_length(cfg["max_seq_len"])
+        w.add_embedding_length(cfg["d_model"])
+        w.add_feed_forward_length(ffn["ffn_hidden_size"])
+        w.add_head_count(cfg["n_heads"])
+        w.add_head_count_kv(attn["kv_n_heads"])
+        w.add_rope_freq_base(attn["rope_theta"])
+        w.add_clamp_kqv(attn["clip_qkv"])
+        w.add_expert_count(ffn["moe_num_experts"])
+        w.add_expert_used_count(ffn["moe_top_k"])
+        w.add_layer_norm_eps(1e-5)
+    else:  # nemotron
+        rope = _rope_params(cfg)
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        w.add_block_count(cfg["num_hidden_layers"])
+        w.add_context_length(cfg["max_position_embeddings"])
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
+        if cfg.get("head_dim"):
+            w.add_key_length(cfg["head_dim"])
+            w.add_value_length(cfg["head_dim"])
+        w.add_vocab_size(cfg["vocab_size"])
+        w.add_layer_norm_eps(cfg["norm_eps"])
+        w.add_rope_dimension_count(int(rope.get("partial_rotary_factor", 1.0) * hidden) // heads)
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+
+
+def _old(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray) -> tuple[str, np.ndarray]:
+    """The arch class's modify_tensors before the name map: (HF-side name, array)."""
+    if tiny_arch == "falcon" and "query_key_value" in name:
+        heads = cfg["num_attention_heads"]
+        kv = _falcon_kv(cfg)
+        head_dim = cfg["hidden_size"] // heads
+        qkv = arr.reshape(kv, heads // kv + 2, head_dim, *arr.shape[1:])
+        rest = arr.shape[1:]
+        q = qkv[:, :-2].reshape(heads * head_dim, *rest)
+        k = qkv[:, -2].reshape(kv * head_dim, *rest)
+        v = qkv[:, -1].reshape(kv * head_dim, *rest)
+        arr = np.concatenate([q, k, v])
+    elif tiny_arch == "nemotron" and name.endswith("norm.weight"):
+        arr = arr + np.float32(1)
+    elif tiny_arch == "dbrx" and ".experts.mlp." in name:
+        ffn = cfg["ffn_config"]
+        arr = arr.reshape(ffn["moe_num_experts"], ffn["ffn_hidden_size"], cfg["d_model"])
+        if name.endswith(".w2"):
+            arr = np.ascontiguousarray(arr.transpose(0, 2, 1))
+        name += ".weight"
+    return name, arr
 
 
 def _write_metadata(w, arch: str, cfg: dict) -> None:
@@ -729,9 +830,15 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
             for mapped, piece in _more(tiny_arch, cfg, name, arr):
                 out.append((to_gguf(mapped), piece, [name], hf, None))
             continue
-        if tiny_arch in ("llama", "mixtral") and name.endswith("q_proj.weight"):
+        if tiny_arch in OLD_ARCHS:
+            mapped, arr = _old(tiny_arch, cfg, name, arr)
+            if tiny_arch == "nemotron" and name.endswith("norm.weight"):
+                hf = arr - np.float32(1)  # the stored float32(1 + w), less the 1 we add back
+            out.append((to_gguf(mapped), arr, [name], hf, None))
+            continue
+        if tiny_arch in LLAMAS and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, heads)
-        elif tiny_arch in ("llama", "mixtral") and name.endswith("k_proj.weight"):
+        elif tiny_arch in LLAMAS and name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, kv_heads)
         elif tiny_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + np.float32(1)
@@ -1003,6 +1110,8 @@ def write_gguf(
         raise NotImplementedError(f"{tiny_arch} GGUF files are not written as {quant!r}")
     if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
         cfg.setdefault("num_hidden_layers", len(_kinds(tiny_arch, cfg)))
+    if tiny_arch in ("gpt_bigcode", "dbrx"):  # their own name for the layer count
+        cfg.setdefault("num_hidden_layers", cfg.get("n_layer") or cfg.get("n_layers"))
     arch, _ = _gguf_arch(tiny_arch, cfg)
     w = gguf.GGUFWriter(str(path), arch)
     if tiny_arch in MAMBA_HYBRIDS:
@@ -1015,6 +1124,8 @@ def write_gguf(
         _write_jamba_metadata(w, cfg)
     elif tiny_arch in MORE_ARCHS:
         _write_more_metadata(w, tiny_arch, cfg)
+    elif tiny_arch in OLD_ARCHS:
+        _write_old_metadata(w, tiny_arch, cfg)
     else:
         _write_metadata(w, arch, cfg)
     if spm_vocab is None:

@@ -271,6 +271,50 @@ _DOTS1_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _HF_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
+# Falcon: `transformer.h.N`; 7B's one norm (`attn_norm`), 40B's two (FALCON_40B below)
+_FALCON_NAMES: dict[str, str | None] = {
+    "attn_norm": "input_layernorm",
+    "attn_qkv": "self_attention.query_key_value",
+    "attn_output": "self_attention.dense",
+    "ffn_up": "mlp.dense_h_to_4h",
+    "ffn_down": "mlp.dense_4h_to_h",
+}
+_FALCON_GLOBALS = {
+    "token_embd.weight": "transformer.word_embeddings.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+}
+_STARCODER_NAMES: dict[str, str | None] = {
+    "attn_norm": "ln_1",
+    "ffn_norm": "ln_2",
+    "attn_qkv": "attn.c_attn",
+    "attn_output": "attn.c_proj",
+    "ffn_up": "mlp.c_fc",
+    "ffn_down": "mlp.c_proj",
+}
+_STARCODER_GLOBALS = {
+    "token_embd.weight": "transformer.wte.weight",
+    "position_embd.weight": "transformer.wpe.weight",
+    "output_norm.weight": "transformer.ln_f.weight",
+    "output_norm.bias": "transformer.ln_f.bias",
+}
+_DBRX_NAMES: dict[str, str | None] = {
+    "attn_norm": "norm_attn_norm.norm_1",
+    "attn_output_norm": "norm_attn_norm.norm_2",
+    "attn_qkv": "norm_attn_norm.attn.Wqkv",
+    "attn_output": "norm_attn_norm.attn.out_proj",
+}
+# DBRX's stacked experts and router: HF parameters without `.weight` (convert.py reshapes them)
+_DBRX_PARAMS = {
+    "ffn_gate_inp.weight": "ffn.router.layer.weight",
+    "ffn_gate_exps.weight": "ffn.experts.mlp.w1",
+    "ffn_up_exps.weight": "ffn.experts.mlp.v1",
+    "ffn_down_exps.weight": "ffn.experts.mlp.w2",
+}
+_DBRX_GLOBALS = {
+    "token_embd.weight": "transformer.wte.weight",
+    "output_norm.weight": "transformer.norm_f.weight",
+}
 # the GGUF families whose mixer is Mamba2 (convert.py reshapes A, D and the gated norm back)
 MAMBA2_FAMILIES = ("granitehybrid", "nemotron_h", "mamba2", "falcon_h1")
 
@@ -294,7 +338,7 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmoe", "minimax_m2",
-    # "hunyuan", "dots1"
+    # "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -476,6 +520,38 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         params={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
         family="dots1",
     ),
+    "falcon": GGUFArch(
+        "FalconForCausalLM",
+        "FalconConfig",
+        layer_names=_FALCON_NAMES,
+        global_names=_FALCON_GLOBALS,
+        family="falcon",
+        prefix="transformer.h",
+    ),
+    "starcoder": GGUFArch(
+        "GPTBigCodeForCausalLM",
+        "GPTBigCodeConfig",
+        layer_names=_STARCODER_NAMES,
+        global_names=_STARCODER_GLOBALS,
+        family="starcoder",
+        prefix="transformer.h",
+    ),
+    "nemotron": GGUFArch(
+        "NemotronForCausalLM",
+        "NemotronConfig",
+        norm_offset=1.0,
+        global_names={"output_norm.bias": "model.norm.bias"},
+        family="nemotron",
+    ),
+    "dbrx": GGUFArch(
+        "DbrxForCausalLM",
+        "DbrxConfig",
+        layer_names=_DBRX_NAMES,
+        params=_DBRX_PARAMS,
+        global_names=_DBRX_GLOBALS,
+        family="dbrx",
+        prefix="transformer.blocks",
+    ),
 }
 # arch "llama" with experts
 MIXTRAL = GGUFArch(
@@ -490,6 +566,13 @@ FALCON_MAMBA = replace(
     GGUF_ARCHS["mamba"], hf_arch="FalconMambaForCausalLM", config_cls="FalconMambaConfig"
 )
 
+# arch "falcon" with two norms a layer (40B / 180B: gguf-py maps ln_mlp to attn_norm and
+# ln_attn to attn_norm_2)
+FALCON_40B = replace(
+    GGUF_ARCHS["falcon"],
+    layer_names={**_FALCON_NAMES, "attn_norm": "ln_mlp", "attn_norm_2": "ln_attn"},
+)
+
 
 def gguf_arch(f: GGUFFile) -> tuple[str, GGUFArch]:
     """(general.architecture, its spec); ValueError naming the supported ones."""
@@ -500,6 +583,8 @@ def gguf_arch(f: GGUFFile) -> tuple[str, GGUFArch]:
         )
     if arch == "llama" and int(f.get("llama.expert_count") or 0) > 0:
         return arch, MIXTRAL
+    if arch == "falcon" and "blk.0.attn_norm_2.weight" in f.tensors:
+        return arch, FALCON_40B
     if arch == "mamba" and f.get("mamba.ssm.dt_b_c_rms"):
         return arch, FALCON_MAMBA
     return arch, GGUF_ARCHS[arch]

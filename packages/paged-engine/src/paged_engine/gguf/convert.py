@@ -5,7 +5,9 @@ changes: A = -exp(A_log), squeezed conv weights, split in_proj_qkvz, tiled value
 Mamba2 hybrids' (Granite 4.0-H, Nemotron-H) [H, 1] A / D, [groups, n] gated norm and split fused
 gate / up projections; Mamba's / Mamba2's (the same as their hybrids'), and so Falcon-H1's
 (Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts); Apertus's
-xIELU scalars, which the converter moved into metadata arrays, come back as HF's tensors."""
+xIELU scalars, which the converter moved into metadata arrays, come back as HF's tensors;
+Falcon's fused query_key_value goes back to its per-KV-group layout, DBRX's experts to HF's
+stacked [E x ff, d] parameters; Nemotron's +1 on norm weights as Gemma's."""
 
 from __future__ import annotations
 
@@ -159,6 +161,25 @@ def _restore(spec: GGUFArch, part: str, w: torch.Tensor, g: _LinearAttn | None) 
     return w
 
 
+def falcon_qkv(w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """Falcon's query_key_value rows (weight or bias) from llama.cpp's [all q; all k; all v]
+    back to HF's per-KV-group [its q heads.., k, v] (FalconModel.modify_tensors' inverse)."""
+    head_dim = w.shape[0] // (heads + 2 * kv_heads)
+    rest = w.shape[1:]
+    q = w[: heads * head_dim].reshape(kv_heads, heads // kv_heads, head_dim, *rest)
+    k = w[heads * head_dim : (heads + kv_heads) * head_dim].reshape(kv_heads, 1, head_dim, *rest)
+    v = w[(heads + kv_heads) * head_dim :].reshape(kv_heads, 1, head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(w.shape)
+
+
+def _dbrx_experts(part: str, w: torch.Tensor) -> torch.Tensor:
+    """DBRX's stacked experts as HF keeps them, [E x ff, d]: gate / up stored [E, ff, d], down
+    (w2) stored [E, d, ff] (DbrxModel.modify_tensors' permute)."""
+    if part == "ffn_down_exps":
+        w = w.transpose(1, 2)
+    return w.reshape(-1, w.shape[-1])
+
+
 # Apertus: xIELU's per-layer scalars (ApertusModel.modify_tensors' metadata arrays; gguf-py's
 # keys carry no arch prefix: `xielu.alpha_p`) -> HF's `mlp.act_fn.<name>` tensors, of HF's
 # shapes ([1] for the alphas, [] for beta and eps). llama.cpp also takes one value for all layers.
@@ -208,6 +229,10 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             w = w.float() - spec.norm_offset
         if spec.family:
             w = _restore(spec, part, w, linear)
+        if spec.family == "falcon" and part == "attn_qkv":
+            w = falcon_qkv(w, heads, kv_heads)
+        elif spec.family == "dbrx" and part.endswith("_exps"):
+            w = _dbrx_experts(part, w)
         if spec.family == "qwen3next" and part == "attn_qkv":
             assert linear is not None
             gate = f"blk.{groups[0]}.attn_gate.weight"

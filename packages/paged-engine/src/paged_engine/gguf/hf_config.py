@@ -47,6 +47,8 @@ def gguf_to_hf_config(f: GGUFFile):
     meta = _Meta(f, arch)
     if spec.family in ("mamba", "mamba2"):  # no attention: head_count 0
         return _state_space(meta, f, spec)
+    if spec.family in _OWN_CONFIGS:  # config classes with their own field names
+        return _OWN_CONFIGS[spec.family](meta, f, spec)
     hidden = meta.get_int("embedding_length")
     heads = meta.get_int("attention.head_count")
     layers = meta.get_int("block_count")
@@ -755,6 +757,18 @@ def _dots1(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> Non
     )
 
 
+def _nemotron(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Nemotron (NemotronModel): LayerNorm1P with attention.layer_norm_epsilon, an ungated
+    relu^2 MLP; partial rotary from rope.dimension_count (the generic rope)."""
+    kwargs.pop("rms_norm_eps")
+    kwargs.update(
+        norm_eps=meta.get_float("attention.layer_norm_epsilon", 1e-5),
+        hidden_act="relu2",
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+    )
+
+
 _MORE = {
     "exaone4": _exaone4,
     "apertus": _apertus,
@@ -763,7 +777,144 @@ _MORE = {
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,
     "dots1": _dots1,
+    "nemotron": _nemotron,
 }
+
+
+def _common(meta: _Meta, f: GGUFFile) -> dict[str, Any]:
+    """(hidden, heads, kv heads, layers) and what every config takes from the file."""
+    if "token_embd.weight" not in f.tensors:
+        raise ValueError("GGUF file lacks the tensor token_embd.weight")
+    heads = meta.get_int("attention.head_count")
+    return dict(
+        hidden=meta.get_int("embedding_length"),
+        heads=heads,
+        kv=_kv_heads(meta, heads),
+        layers=meta.get_int("block_count"),
+        vocab_size=f.tensors["token_embd.weight"].shape[0],
+        tie_word_embeddings="output.weight" not in f.tensors,
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+        pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+    )
+
+
+def _ffn_width(meta: _Meta, f: GGUFFile) -> int:
+    """The MLP's width off the first layer's ffn_up rows (Falcon's and StarCoder's converters
+    write 4 x hidden as feed_forward_length, whatever the checkpoint's)."""
+    if "blk.0.ffn_up.weight" in f.tensors:
+        return f.tensors["blk.0.ffn_up.weight"].shape[0]
+    return meta.get_int("feed_forward_length")
+
+
+def _falcon_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
+    """Falcon (FalconModel): 7B's layout (multi-query, one norm) when head_count_kv is 1 and
+    layers have no attn_norm_2, else the new decoder architecture with head_count_kv groups and
+    one or two norms; always parallel attention, no ALiBi (llama.cpp has neither sequential
+    layers nor ALiBi for Falcon); biases from the tensors; rope base 10000 unless written."""
+    import transformers
+
+    c = _common(meta, f)
+    two_norms = "blk.0.attn_norm_2.weight" in f.tensors
+    new_arch = c["kv"] != 1 or two_norms
+    kwargs: dict[str, Any] = dict(
+        architectures=[spec.hf_arch],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden"],
+        num_hidden_layers=c["layers"],
+        num_attention_heads=c["heads"],
+        num_kv_heads=c["kv"] if new_arch else None,
+        new_decoder_architecture=new_arch,
+        multi_query=True,  # (ignored by the new architecture)
+        num_ln_in_parallel_attn=2 if two_norms else 1,
+        parallel_attn=True,
+        alibi=False,
+        bias="blk.0.attn_qkv.bias" in f.tensors,
+        ffn_hidden_size=_ffn_width(meta, f),
+        layer_norm_epsilon=meta.get_float("attention.layer_norm_epsilon", 1e-5),
+        max_position_embeddings=meta.get_int("context_length", 2048),
+        tie_word_embeddings=c["tie_word_embeddings"],
+        bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"],
+        pad_token_id=c["pad_token_id"],
+    )
+    config = transformers.FalconConfig(**kwargs)
+    theta = meta.get_float("rope.freq_base", 1e4)
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    else:  # pragma: no cover - transformers 4.x
+        config.rope_theta = theta
+    return config
+
+
+def _starcoder_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
+    """StarCoder / GPT-BigCode (StarCoderModel): multi-query when head_count_kv is 1; the
+    learned positions' rows are n_positions."""
+    import transformers
+
+    c = _common(meta, f)
+    if c["kv"] not in (1, c["heads"]):
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.head_count_kv={c['kv']}: GPT-BigCode has "
+            "one KV head or one per head"
+        )
+    if "position_embd.weight" not in f.tensors:
+        raise ValueError("GGUF file lacks the tensor position_embd.weight")
+    return transformers.GPTBigCodeConfig(
+        architectures=[spec.hf_arch],
+        vocab_size=c["vocab_size"],
+        n_embd=c["hidden"],
+        n_layer=c["layers"],
+        n_head=c["heads"],
+        n_inner=_ffn_width(meta, f),
+        n_positions=f.tensors["position_embd.weight"].shape[0],
+        multi_query=c["kv"] == 1,
+        layer_norm_epsilon=meta.get_float("attention.layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=c["tie_word_embeddings"],
+        bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"],
+        pad_token_id=c["pad_token_id"],
+    )
+
+
+def _dbrx_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
+    """DBRX (DbrxModel): every layer MoE, softmax routing with the top-k weights renormalized
+    (llama.cpp's, HF's moe_normalize_expert_weights 1), experts of feed_forward_length
+    (else the stacked gate's rows), q/k/v clamped at attention.clamp_kqv."""
+    import transformers
+
+    c = _common(meta, f)
+    experts = meta.get_int("expert_count")
+    ff = meta.get_int("feed_forward_length", None)
+    if ff is None:
+        ff = f.tensors["blk.0.ffn_gate_exps.weight"].shape[1]
+    theta = meta.get_float("rope.freq_base", 1e4)
+    clip = meta.get_float("attention.clamp_kqv", None)
+    config = transformers.DbrxConfig(
+        architectures=[spec.hf_arch],
+        vocab_size=c["vocab_size"],
+        d_model=c["hidden"],
+        n_heads=c["heads"],
+        n_layers=c["layers"],
+        max_seq_len=meta.get_int("context_length", 2048),
+        attn_config={"kv_n_heads": c["kv"], "clip_qkv": clip or None, "rope_theta": theta},
+        ffn_config={
+            "ffn_hidden_size": ff,
+            "moe_num_experts": experts,
+            "moe_top_k": meta.get_int("expert_used_count"),
+            "moe_normalize_expert_weights": 1.0,
+        },
+        tie_word_embeddings=c["tie_word_embeddings"],
+        bos_token_id=c["bos_token_id"],
+        eos_token_id=c["eos_token_id"],
+        pad_token_id=c["pad_token_id"],
+    )
+    if hasattr(config, "rope_parameters"):
+        config.rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    return config
+
+
+_OWN_CONFIGS = {"falcon": _falcon_config, "starcoder": _starcoder_config, "dbrx": _dbrx_config}
 
 
 # layers of the largest Gemma 2 / 3 (27B), whose attention scale llama.cpp takes from

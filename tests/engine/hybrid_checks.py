@@ -68,6 +68,34 @@ def assert_greedy_matches_hf(name, path, backend: str, budget: int | None) -> LL
     return llm
 
 
+def assert_beam_search_matches_hf(path) -> None:
+    """Beam search (width 3, 6 tokens) gives HF's beams on prompts of 5 and 23 tokens: each
+    beam carries its own recurrent state (a new beam copies its parent's row)."""
+    import torch
+
+    from paged_engine import BeamSearchParams
+
+    hf = load_hf_model(path)
+    prompts = random_prompts(11, (5, 23))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.beam_search(token_requests(prompts), params), strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                num_beams=3,
+                num_return_sequences=3,
+                max_new_tokens=6,
+                do_sample=False,
+                length_penalty=1.0,
+                early_stopping=False,
+            )
+        assert [s.tokens[len(prompt) :] for s in out.sequences] == [
+            r[len(prompt) :].tolist() for r in ref
+        ]
+
+
 def assert_greedy_forks_equal_one(llm: LLM) -> list:
     """n = 3 greedy samples each equal the single greedy output; returns the requests."""
     reqs = token_requests(random_prompts(3, (5, 23, 40)))

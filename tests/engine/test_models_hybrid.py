@@ -25,10 +25,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from hf_reference import assert_tp_matches_one_process, load_hf_model
+from hf_reference import assert_tp_matches_one_process
 from hybrid_checks import (
     CHAT_HITS,
     NEMOTRON_MOE,
+    assert_beam_search_matches_hf,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
     assert_snapshots_keep_outputs,
@@ -37,7 +38,7 @@ from hybrid_checks import (
     token_requests,
 )
 
-from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine import LLM, SamplingParams
 from paged_engine.core.state_slots import StateSlots
 from paged_engine.testing import write_tiny_model
 from paged_engine.worker.cache_engine import CacheEngine
@@ -136,26 +137,7 @@ def test_forks_continue_their_parents_state(hybrid_dirs):
 
 @pytest.mark.parametrize("name", ["qwen3_5", "granitemoehybrid"])
 def test_beam_search_matches_hf(name, hybrid_dirs):
-    path = hybrid_dirs(name)
-    hf = load_hf_model(path)
-    prompts = random_prompts(11, (5, 23))
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.beam_search(token_requests(prompts), params), strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                num_beams=3,
-                num_return_sequences=3,
-                max_new_tokens=6,
-                do_sample=False,
-                length_penalty=1.0,
-                early_stopping=False,
-            )
-        assert [s.tokens[len(prompt) :] for s in out.sequences] == [
-            r[len(prompt) :].tolist() for r in ref
-        ]
+    assert_beam_search_matches_hf(hybrid_dirs(name))
 
 
 def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):

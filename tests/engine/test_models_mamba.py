@@ -21,6 +21,7 @@ import pytest
 import torch
 from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
 from hybrid_checks import (
+    assert_beam_search_matches_hf,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
     assert_snapshots_keep_outputs,
@@ -29,7 +30,7 @@ from hybrid_checks import (
     token_requests,
 )
 
-from paged_engine import LLM, BeamSearchParams, SamplingParams
+from paged_engine import LLM, SamplingParams
 from paged_engine.worker.recurrent_state import MAX_COUNTING_BLOCKS
 
 transformers = pytest.importorskip("transformers")
@@ -175,26 +176,7 @@ def test_bfloat16_matches_hf(mamba_dirs):
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2"])
 def test_beam_search_matches_hf(name, mamba_dirs):
-    path = mamba_dirs(name)
-    hf = load_hf_model(path)
-    prompts = random_prompts(11, (5, 23))
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.beam_search(token_requests(prompts), params), strict=True):
-        with torch.no_grad():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                num_beams=3,
-                num_return_sequences=3,
-                max_new_tokens=6,
-                do_sample=False,
-                length_penalty=1.0,
-                early_stopping=False,
-            )
-        assert [s.tokens[len(prompt) :] for s in out.sequences] == [
-            r[len(prompt) :].tolist() for r in ref
-        ]
+    assert_beam_search_matches_hf(mamba_dirs(name))
 
 
 def test_preemption_async_and_prefix_cache_change_no_output(mamba_dirs):

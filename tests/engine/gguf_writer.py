@@ -1078,6 +1078,33 @@ def _write_hybrid_tensors(w, entries, quant: str, cfg: dict, exact: set[str] | N
     return expected
 
 
+def dequantized_reference(src: Path, dst: Path, expected: dict[str, torch.Tensor]) -> Path:
+    """`dst`: a copy of the HF model dir `src` whose weights are the file's dequantized ones
+    (`expected`; what the file leaves out, such as a tied head, kept): HF on what a quantized
+    file holds."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    weights = load_file(src / "model.safetensors")
+    assert expected.keys() <= weights.keys()
+    weights.update({k: v.contiguous() for k, v in expected.items()})
+    save_file(weights, dst / "model.safetensors")
+    return dst
+
+
+def assert_weights_back(got: dict, expected: dict) -> None:
+    """The loaded weights are HF's, bit for bit (a quantized file's: its dequantized values),
+    but A_log, stored as -exp(A_log), whose log rounds in float32."""
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        if key.endswith(".A_log"):
+            torch.testing.assert_close(got[key].float(), want, atol=1e-6, rtol=1e-6, msg=key)
+        else:
+            assert torch.equal(got[key].float(), want), key
+
+
 def write_gguf(
     src: Path,
     path: Path,

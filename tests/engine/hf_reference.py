@@ -87,6 +87,21 @@ def assert_tiny_case_matches_hf(case: str, arch: str, overrides: dict, tmp_path:
     assert llm.get_stats().num_used_blocks == 0
 
 
+def assert_file_logprobs_match_hf(name: str, path, hf, seed: int) -> None:
+    """LLM(model=path) (a GGUF file) gives `hf`'s greedy tokens and logprobs (1e-4), 6 a
+    prompt, on random prompts of 9 and 23 tokens."""
+    from paged_engine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 23)]
+    refs = [hf_greedy(hf, p, 6) for p in prompts]
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches(name, out, ref, abs_tol=1e-4)
+
+
 def assert_file_greedy_matches_hf(path, hf, seed: int, lengths: tuple[int, ...]) -> None:
     """LLM(model=path) (a GGUF file: config, tokenizer and weights from it) gives `hf`'s greedy
     tokens, 8 a prompt, on random prompts of `lengths` tokens."""

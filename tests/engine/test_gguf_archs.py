@@ -4,8 +4,6 @@ loader must give back HF's weights and config, and the model HF's logits and gre
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -16,7 +14,7 @@ from paged_engine.loader import load_hf_config, load_model, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from gguf_writer import dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
 from test_models import PagedRunner, load_hf  # noqa: E402
 
 SHORT = [1.0, 1.25, 1.5, 2.0, 3.0, 4.0]  # Phi-3 longrope factors: rotary dim 12 -> 6
@@ -70,12 +68,7 @@ def case(request, tiny_model_factory, tmp_path_factory):
     expected = write_gguf(src, path, arch, **options)
     ref_dir = src
     if options.get("quant", "f32") != "f32":  # HF on the file's dequantized weights
-        from safetensors.torch import save_file
-
-        ref_dir = tmp / "hf"
-        ref_dir.mkdir()
-        shutil.copy(src / "config.json", ref_dir)
-        save_file({k: v.contiguous() for k, v in expected.items()}, ref_dir / "model.safetensors")
+        ref_dir = dequantized_reference(src, tmp / "hf", expected)
     return name, path, load_hf(ref_dir), expected, max_len, arch
 
 

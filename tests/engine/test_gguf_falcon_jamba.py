@@ -26,7 +26,6 @@ What the format cannot carry:
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -37,8 +36,11 @@ from paged_engine.loader import load_hf_config, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
-from hf_reference import assert_file_greedy_matches_hf, assert_matches, hf_greedy  # noqa: E402
+from gguf_writer import assert_weights_back, dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from hf_reference import (  # noqa: E402
+    assert_file_greedy_matches_hf,
+    assert_file_logprobs_match_hf,
+)
 from test_models import load_hf  # noqa: E402
 
 # name -> (tiny arch, config overrides)
@@ -119,16 +121,6 @@ def case(request, tiny_model_factory, tmp_path_factory):
     return name, path, src, expected
 
 
-def _assert_weights(got: dict, expected: dict) -> None:
-    """Bit for bit (dequantized values too, as the gguf package dequantizes them), but A_log."""
-    assert got.keys() == expected.keys()
-    for key, want in expected.items():
-        if key.endswith(".A_log"):  # stored -exp(A_log): log of it rounds in float32
-            torch.testing.assert_close(got[key].float(), want, atol=1e-6, rtol=1e-6, msg=key)
-        else:
-            assert torch.equal(got[key].float(), want), key
-
-
 def _falcon_factor(hf, name: str) -> torch.Tensor | float:
     """What the converter multiplied HF's `name` by (the mixer's in_proj: by HF's mup vector)."""
     from transformers.models.falcon_h1.modeling_falcon_h1 import compute_mup_vector
@@ -159,7 +151,7 @@ def test_weights_and_config_match_hf(case):
     hf = load_hf(src)
     ref = hf.config
     got = dict(gguf_weights(f))
-    _assert_weights(got, expected)
+    assert_weights_back(got, expected)
     config = load_hf_config(resolve_model(str(path)))
     assert config.architectures == ref.architectures
     assert type(config) is type(ref)
@@ -219,9 +211,6 @@ def test_q8_0_file(name, tiny_model_factory, tmp_path):
     whole 32-value blocks: F16), norms, convs, A, D, biases and the router F32; loading gives the
     dequantized values bit for bit, and LLM(model=<file>.gguf) HF's greedy tokens and logprobs
     on them (Falcon-H1's HF reference: the folded weights with every multiplier 1)."""
-    from safetensors.torch import load_file, save_file
-
-    from paged_engine import LLM, SamplingParams
 
     arch, overrides = CASES[name]
     src = tiny_model_factory(arch, **overrides)
@@ -244,25 +233,13 @@ def test_q8_0_file(name, tiny_model_factory, tmp_path):
     assert {types[t] for t in keep} == {"F32"}
     prefix = "model.layers.0.mamba"
     assert {f"{prefix}.in_proj.weight", f"{prefix}.out_proj.weight", "lm_head.weight"} <= exact
-    _assert_weights(dict(gguf_weights(f)), expected)
+    assert_weights_back(dict(gguf_weights(f)), expected)
 
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
+    ref_dir = dequantized_reference(src, tmp_path / "dequantized", expected)
     if arch == "falcon_h1":  # the folded weights need multipliers of 1
         config = json.loads((ref_dir / "config.json").read_text())
         (ref_dir / "config.json").write_text(json.dumps({**config, **UNIT_MULTIPLIERS}))
-    weights = load_file(src / "model.safetensors")
-    weights.update({k: v.contiguous() for k, v in expected.items()})
-    save_file(weights, ref_dir / "model.safetensors")
-    hf = load_hf(ref_dir)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 23)]
-    refs = [hf_greedy(hf, p, 6) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, want in zip(outs, refs, strict=True):
-        assert_matches(name, out, want, abs_tol=1e-4)
+    assert_file_logprobs_match_hf(name, path, load_hf(ref_dir), seed=5)
 
 
 # -- metadata edge cases ------------------------------------------------------------------------

@@ -11,8 +11,6 @@ rows); at 64 most matrices fall back as llama-quantize falls back."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -21,8 +19,8 @@ from paged_engine.gguf.dequant import type_name
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import hybrid_tensor_types, write_gguf  # noqa: E402  (needs gguf)
-from hf_reference import assert_matches, hf_greedy  # noqa: E402
+from gguf_writer import dequantized_reference, hybrid_tensor_types, write_gguf  # noqa: E402  (needs gguf)
+from hf_reference import assert_file_logprobs_match_hf  # noqa: E402
 from test_gguf_hybrid import CASES as QWEN_LFM2  # noqa: E402
 from test_gguf_mamba import CASES as MAMBA  # noqa: E402
 from test_models import load_hf  # noqa: E402
@@ -131,26 +129,10 @@ def test_weights_are_the_dequantized_ones(case):
 
 def test_llm_matches_hf_on_the_dequantized_weights(case, tmp_path):
     """LLM(model=<file>.gguf) against HF loaded with the weights the file holds."""
-    from safetensors.torch import load_file, save_file
-
-    from paged_engine import LLM, SamplingParams
 
     name, path, src, expected, _ = case
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
-    weights = load_file(src / "model.safetensors")  # keeps what the file leaves out (tied)
-    assert expected.keys() <= weights.keys()
-    weights.update({k: v.contiguous() for k, v in expected.items()})
-    save_file(weights, ref_dir / "model.safetensors")
-    hf = load_hf(ref_dir)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 23)]
-    refs = [hf_greedy(hf, p, 6) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref, abs_tol=1e-4)
+    ref_dir = dequantized_reference(src, tmp_path / "dequantized", expected)
+    assert_file_logprobs_match_hf(name, path, load_hf(ref_dir), seed=3)
 
 
 def test_fallback_types_follow_llama_quant():

@@ -13,8 +13,6 @@ GPT-J: not covered (see the report)."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -24,7 +22,7 @@ from paged_engine.loader import load_hf_config, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from gguf_writer import dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import load_hf  # noqa: E402
 
@@ -74,13 +72,7 @@ def case(request, tiny_model_factory, tmp_path_factory):
     quant = "q8_0" if request.param in QUANTIZED else "f32"
     expected = write_gguf(src, path, arch, quant=quant)
     if quant != "f32":  # HF on the file's dequantized weights
-        from safetensors.torch import save_file
-
-        ref = tmp / "hf"
-        ref.mkdir()
-        shutil.copy(src / "config.json", ref)
-        save_file({k: v.contiguous() for k, v in expected.items()}, ref / "model.safetensors")
-        src = ref
+        src = dequantized_reference(src, tmp / "hf", expected)
     return name, arch, path, src, expected
 
 

@@ -11,10 +11,8 @@ no dt clamp (time_step_limit (0, inf): llama.cpp clamps nothing)."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
-import torch
 
 from paged_engine.gguf import GGUFFile, gguf_to_hf_config, gguf_weights
 from paged_engine.gguf.dequant import type_name
@@ -22,8 +20,11 @@ from paged_engine.loader import load_hf_config, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
-from hf_reference import assert_file_greedy_matches_hf, assert_matches, hf_greedy  # noqa: E402
+from gguf_writer import assert_weights_back, dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from hf_reference import (  # noqa: E402
+    assert_file_greedy_matches_hf,
+    assert_file_logprobs_match_hf,
+)
 from test_models import load_hf  # noqa: E402
 
 _NO_CLAMP = {"time_step_limit": (0.0, math.inf)}
@@ -71,16 +72,6 @@ def case(request, tiny_model_factory, tmp_path_factory):
     return name, path, src, expected
 
 
-def _assert_weights(got: dict, expected: dict) -> None:
-    """Bit for bit (dequantized values too, as the gguf package dequantizes them), but A_log."""
-    assert got.keys() == expected.keys()
-    for key, want in expected.items():
-        if key.endswith(".A_log"):  # stored -exp(A_log): log of it rounds in float32
-            torch.testing.assert_close(got[key].float(), want, atol=1e-6, rtol=1e-6, msg=key)
-        else:
-            assert torch.equal(got[key].float(), want), key
-
-
 def test_weights_and_config_match_hf(case):
     name, path, src, expected = case
     arch = CASES[name][0]
@@ -101,7 +92,7 @@ def test_weights_and_config_match_hf(case):
     else:
         assert f.tensors["blk.0.ssm_a"].shape == (inner, ref.state_size)
         assert f.get("mamba.ssm.dt_b_c_rms") is (arch == "falcon_mamba")
-    _assert_weights(dict(gguf_weights(f)), expected)
+    assert_weights_back(dict(gguf_weights(f)), expected)
 
     config = load_hf_config(resolve_model(str(path)))
     assert config.architectures == ref.architectures
@@ -126,9 +117,6 @@ def test_q8_0_file(name, tiny_model_factory, tmp_path):
     """convert_hf_to_gguf.py --outtype q8_0: the matrices Q8_0 (dt_proj's 8 columns, not whole
     32-value blocks: F16), convs, norms, A, D and biases F32; loading gives the dequantized values
     bit for bit, and LLM(model=<file>.gguf) HF's greedy tokens and logprobs on them."""
-    from safetensors.torch import load_file, save_file
-
-    from paged_engine import LLM, SamplingParams
 
     arch, overrides = CASES[name]
     src = tiny_model_factory(arch, **overrides)
@@ -148,22 +136,10 @@ def test_q8_0_file(name, tiny_model_factory, tmp_path):
     assert {
         f"backbone.layers.{i}.mixer.{m}.weight" for i in range(3) for m in ("in_proj", "out_proj")
     } <= exact
-    _assert_weights(dict(gguf_weights(f)), expected)
+    assert_weights_back(dict(gguf_weights(f)), expected)
 
-    ref_dir = tmp_path / "dequantized"
-    shutil.copytree(src, ref_dir)
-    weights = load_file(src / "model.safetensors")
-    weights.update({k: v.contiguous() for k, v in expected.items()})
-    save_file(weights, ref_dir / "model.safetensors")
-    hf = load_hf(ref_dir)
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 23)]
-    refs = [hf_greedy(hf, p, 6) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=64, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, want in zip(outs, refs, strict=True):
-        assert_matches(name, out, want, abs_tol=1e-4)
+    ref_dir = dequantized_reference(src, tmp_path / "dequantized", expected)
+    assert_file_logprobs_match_hf(name, path, load_hf(ref_dir), seed=5)
 
 
 # -- metadata edge cases ------------------------------------------------------------------------

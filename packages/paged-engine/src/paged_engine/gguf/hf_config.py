@@ -632,7 +632,13 @@ def _exaone4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
     if not window:
         kwargs.update(sliding_window=None, layer_types=["full_attention"] * layers)
         return
-    pattern = meta.get("attention.sliding_window_pattern", 4)
+    kwargs.update(sliding_window=window, layer_types=_sliding_layer_types(meta, layers, 4))
+
+
+def _sliding_layer_types(meta: _Meta, layers: int, period: int) -> list[str]:
+    """layer_types from attention.sliding_window_pattern as llama.cpp writes it: a per-layer
+    list of is-sliding flags, or an integer n (`period` when absent): every n-th layer global."""
+    pattern = meta.get("attention.sliding_window_pattern", period)
     if isinstance(pattern, list):
         if len(pattern) != layers:
             raise ValueError(
@@ -644,10 +650,7 @@ def _exaone4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     else:
         raise ValueError(f"GGUF metadata {meta.arch}.attention.sliding_window_pattern={pattern!r}")
-    kwargs.update(
-        sliding_window=window,
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-    )
+    return ["sliding_attention" if s else "full_attention" for s in sliding]
 
 
 def _apertus(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
@@ -935,21 +938,8 @@ def _gemma(meta: _Meta, arch: str, kwargs: dict[str, Any], rope: dict[str, Any])
         kwargs["query_pre_attn_scalar"] = hidden // heads
     else:
         kwargs["query_pre_attn_scalar"] = kwargs["head_dim"]
-    # llama.cpp: every `pattern`-th layer global (2 for Gemma 2, 6 for Gemma 3), or a per-layer
-    # list of is-sliding flags
-    pattern = meta.get("attention.sliding_window_pattern", 2 if arch == "gemma2" else 6)
-    if isinstance(pattern, list):
-        if len(pattern) != layers:
-            raise ValueError(
-                f"GGUF metadata {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                f"entries for {layers} layers"
-            )
-        sliding = [bool(p) for p in pattern]
-    elif isinstance(pattern, int) and pattern >= 1:
-        sliding = [i % pattern < pattern - 1 for i in range(layers)]
-    else:
-        raise ValueError(f"GGUF metadata {arch}.attention.sliding_window_pattern={pattern!r}")
-    kwargs["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    # every 2nd layer global in Gemma 2, every 6th in Gemma 3, unless the file says otherwise
+    kwargs["layer_types"] = _sliding_layer_types(meta, layers, 2 if arch == "gemma2" else 6)
     if arch == "gemma2":
         kwargs["sliding_window"] = meta.get_int("attention.sliding_window", 4096)
         kwargs["attn_logit_softcapping"] = meta.get_float("attn_logit_softcapping", 50.0)

@@ -96,6 +96,55 @@ def assert_beam_search_matches_hf(path) -> None:
         ]
 
 
+def mixed_params(count: int, max_tokens: int) -> list[SamplingParams]:
+    """Greedy and seeded sampling; n = 3 requests fork (and, preempted, share their prefix
+    again)."""
+    return [
+        SamplingParams(
+            temperature=1.0 if i % 2 == 0 else 0,
+            seed=i,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            n=3 if i % 3 == 0 else 1,
+        )
+        for i in range(count)
+    ]
+
+
+def assert_preemption_keeps_outputs(path) -> None:
+    """Requests sharing a system prompt, in waves (later waves resume from earlier snapshots),
+    greedy and sampled, n = 3 among them, preempted (recompute) in a pool of 24 blocks, with
+    async scheduling off and on: the outputs of an engine without prefix caching, and no state
+    row leaked."""
+    rng = random.Random(0)
+    system = [rng.randrange(3, 500) for _ in range(40)]
+    prompts = [
+        system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(14)
+    ]
+    params = mixed_params(len(prompts), 20)
+
+    def run(**kw):
+        llm = LLM(model=str(path), dtype="float32", max_model_len=128, **kw)
+        outs = []
+        for lo in range(0, len(prompts), 7):
+            wave = slice(lo, lo + 7)
+            outs += llm.generate(token_requests(prompts[wave]), params[wave], use_tqdm=False)
+        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
+
+    want, _ = run(prefix_state_snapshots=0)
+    for async_scheduling in (False, True):
+        got, scheduler = run(
+            num_gpu_blocks_override=24,
+            max_num_batched_tokens=32,
+            async_scheduling=async_scheduling,
+            prefix_state_snapshots=8,  # auto would fit none in 24 blocks
+        )
+        slots = scheduler.state_slots
+        assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
+        assert got == want
+        assert slots.num_free == slots.num_slots
+
+
 def assert_greedy_forks_equal_one(llm: LLM) -> list:
     """n = 3 greedy samples each equal the single greedy output; returns the requests."""
     reqs = token_requests(random_prompts(3, (5, 23, 40)))

@@ -32,7 +32,9 @@ from hybrid_checks import (
     assert_beam_search_matches_hf,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
+    assert_preemption_keeps_outputs,
     assert_snapshots_keep_outputs,
+    mixed_params,
     random_prompts,
     tiny_dirs,
     token_requests,
@@ -70,21 +72,6 @@ CASES: dict[str, tuple[str, dict]] = {
     "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE),
     "nemotron_h-moe-latent": ("nemotron_h", {**NEMOTRON_MOE, "moe_latent_size": 24}),
 }
-
-
-def _mixed_params(count: int, max_tokens: int) -> list[SamplingParams]:
-    """Greedy and seeded sampling; n = 3 requests fork (and, preempted, share their prefix
-    again)."""
-    return [
-        SamplingParams(
-            temperature=1.0 if i % 2 == 0 else 0,
-            seed=i,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            n=3 if i % 3 == 0 else 1,
-        )
-        for i in range(count)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +133,7 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
     reqs = token_requests(
         [[rng.randrange(3, 500) for _ in range(rng.randrange(20, 60))] for _ in range(8)]
     )
-    params = _mixed_params(len(reqs), 30)
+    params = mixed_params(len(reqs), 30)
 
     def run(**kw):
         llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
@@ -185,37 +172,7 @@ def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
 
 
 def test_prefix_cache_with_preemption_and_async_scheduling(hybrid_dirs):
-    """Requests sharing a system prompt, in waves (later waves resume from earlier snapshots),
-    greedy and sampled, n = 3 among them, under preemption and async scheduling: the outputs
-    of an engine without prefix caching, and no state row leaked."""
-    path = str(hybrid_dirs("qwen3_next"))
-    rng = random.Random(0)
-    system = [rng.randrange(3, 500) for _ in range(40)]
-    prompts = [
-        system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(14)
-    ]
-    params = _mixed_params(len(prompts), 20)
-
-    def run(**kw):
-        llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
-        outs = []
-        for lo in range(0, len(prompts), 7):
-            wave = slice(lo, lo + 7)
-            outs += llm.generate(token_requests(prompts[wave]), params[wave], use_tqdm=False)
-        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
-
-    want, _ = run(prefix_state_snapshots=0)
-    for async_scheduling in (False, True):
-        got, scheduler = run(
-            num_gpu_blocks_override=24,
-            max_num_batched_tokens=32,
-            async_scheduling=async_scheduling,
-            prefix_state_snapshots=8,  # auto would fit none in 24 blocks
-        )
-        slots = scheduler.state_slots
-        assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
-        assert got == want
-        assert slots.num_free == slots.num_slots
+    assert_preemption_keeps_outputs(hybrid_dirs("qwen3_next"))
 
 
 def test_state_snapshots_take_their_memory_from_the_kv_cache(hybrid_dirs):

@@ -15,8 +15,6 @@ one-process results, and bfloat16 runs agree with HF's in bfloat16.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
@@ -24,6 +22,7 @@ from hybrid_checks import (
     assert_beam_search_matches_hf,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
+    assert_preemption_keeps_outputs,
     assert_snapshots_keep_outputs,
     random_prompts,
     tiny_dirs,
@@ -183,43 +182,7 @@ def test_preemption_async_and_prefix_cache_change_no_output(mamba_dirs):
     """Without KV the blocks still run out under num_gpu_blocks_override: requests sharing a
     system prompt in waves, greedy and sampled, n = 3 among them, preempted (recompute), with
     async scheduling and prefix caching, give the outputs of a plain engine; no row leaks."""
-    path = str(mamba_dirs("mamba2"))
-    rng = random.Random(0)
-    system = [rng.randrange(3, 500) for _ in range(40)]
-    prompts = [
-        system + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))] for _ in range(14)
-    ]
-    params = [
-        SamplingParams(
-            temperature=1.0 if i % 2 == 0 else 0,
-            seed=i,
-            max_tokens=20,
-            ignore_eos=True,
-            n=3 if i % 3 == 0 else 1,
-        )
-        for i in range(len(prompts))
-    ]
-
-    def run(**kw):
-        llm = LLM(model=path, dtype="float32", max_model_len=128, **kw)
-        outs = []
-        for lo in range(0, len(prompts), 7):
-            wave = slice(lo, lo + 7)
-            outs += llm.generate(token_requests(prompts[wave]), params[wave], use_tqdm=False)
-        return [[c.token_ids for c in o.outputs] for o in outs], llm.llm_engine.scheduler
-
-    want, _ = run(prefix_state_snapshots=0)
-    for async_scheduling in (False, True):
-        got, scheduler = run(
-            num_gpu_blocks_override=24,
-            max_num_batched_tokens=32,
-            async_scheduling=async_scheduling,
-            prefix_state_snapshots=8,
-        )
-        slots = scheduler.state_slots
-        assert scheduler.num_preemptions > 0 and slots.snapshot_hits > 0
-        assert got == want
-        assert slots.num_free == slots.num_slots
+    assert_preemption_keeps_outputs(mamba_dirs("mamba2"))
 
 
 def test_dt_clamp_follows_positions_not_chunks(mamba_dirs):

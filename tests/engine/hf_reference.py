@@ -62,25 +62,34 @@ def assert_matches(name: str, out, ref: Greedy, abs_tol: float = 1e-3) -> None:
         assert got_top == pytest.approx(want, abs=abs_tol), f"{name}: top logprobs differ"
 
 
-def random_token_prompts(seed: int, n: int) -> list[list[int]]:
+def random_token_prompts(seed: int | str, n: int) -> list[list[int]]:
     """`n` prompts of 12-40 random token ids of the tiny vocabulary."""
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(n)]
 
 
-def assert_tiny_case_matches_hf(case: str, arch: str, overrides: dict, tmp_path: Path) -> None:
+def assert_tiny_case_matches_hf(
+    case: str,
+    arch: str,
+    overrides: dict,
+    tmp_path: Path,
+    *,
+    seed: int | str | None = None,
+    num_prompts: int = 3,
+    max_tokens: int = 10,
+) -> None:
     """A tiny `arch` model (config `overrides`) served by `LLM` gives HF's greedy tokens and
-    top-5 logprobs (1e-3, float32) on 3 random prompts (seeded by the case name's length), 10
-    tokens each; every block free afterwards."""
+    top-5 logprobs (1e-3, float32) on `num_prompts` random prompts (`seed`; by default the
+    case name's length), `max_tokens` each; every block free afterwards."""
     from paged_engine import LLM, SamplingParams
     from paged_engine.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
     hf = load_hf_model(path)
-    prompts = random_token_prompts(len(case), 3)
-    refs = [hf_greedy(hf, p, 10, 5) for p in prompts]
+    prompts = random_token_prompts(len(case) if seed is None else seed, num_prompts)
+    refs = [hf_greedy(hf, p, max_tokens, 5) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for out, ref in zip(outs, refs, strict=True):
         assert_matches(case, out, ref)

@@ -18,7 +18,13 @@ import random
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_matches,
+    assert_tiny_case_matches_hf,
+    assert_tp_matches_one_process,
+    hf_greedy,
+    load_hf_model,
+)
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.layers.activation import XIELU
@@ -57,16 +63,7 @@ def _generate(llm, prompts):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(name, tmp_path):
-    arch, overrides = CASES[name]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    hf = load_hf_model(path)
-    rng = random.Random(name)
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(3)]
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    for out, ref in zip(_generate(llm, prompts), refs, strict=True):
-        assert_matches(name, out, ref)
-    assert llm.get_stats().num_used_blocks == 0
+    assert_tiny_case_matches_hf(name, *CASES[name], tmp_path, seed=name, max_tokens=MAX_TOKENS)
 
 
 def test_exaone4_long_prompts_prefilled_in_chunks_match_hf(tmp_path):

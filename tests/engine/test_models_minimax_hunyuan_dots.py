@@ -17,17 +17,19 @@ import random
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_tiny_case_matches_hf,
+    assert_tp_matches_one_process,
+    load_hf_model,
+)
 from safetensors import safe_open
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 8
-TOP = 5
 CASES = {
     "minimax_m2": ("minimax_m2", {}),
     # full rotary, 3 experts a token, one k / v head
@@ -66,17 +68,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(case, tmp_path):
-    arch, overrides = CASES[case]
-    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
-    hf = load_hf_model(path)
-    rng = random.Random(len(case))
-    prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(2)]
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(case, out, ref)
+    assert_tiny_case_matches_hf(case, *CASES[case], tmp_path, num_prompts=2, max_tokens=MAX_TOKENS)
 
 
 def test_minimax_m2_tensor_parallel_matches_one_process(tmp_path):

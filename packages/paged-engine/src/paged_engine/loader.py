@@ -97,7 +97,7 @@ def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     if resolved.is_gguf:
         from paged_engine.gguf import gguf_to_hf_config
 
-        return gguf_to_hf_config(_open_gguf(resolved.gguf_file))
+        return with_kv_head_count(gguf_to_hf_config(_open_gguf(resolved.gguf_file)))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)

@@ -98,10 +98,6 @@ class FalconForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config):
-        # FalconConfig names its KV heads `num_kv_heads` (multi-query: one); loader.py sets
-        # `num_key_value_heads` from them for the cache and the TP checks; a config built
-        # elsewhere gets it here
-        config.num_key_value_heads = falcon_kv_heads(config)
         view = llama_view(config)
         eps = float(cfg_get(config, "layer_norm_epsilon", 1e-5))
         bias = bool(cfg_get(config, "bias", False))

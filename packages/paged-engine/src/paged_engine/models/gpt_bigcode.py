@@ -78,9 +78,6 @@ class GPTBigCodeForCausalLM(GPT2LMHeadModel):
     ignored_weights = (*GPT2LMHeadModel.ignored_weights, "transformer.bias")
 
     def __init__(self, config):
-        # `num_key_value_heads` from `multi_query` (loader.py sets it too, for the cache and
-        # the TP checks; older transformers may leave it unset)
-        config.num_key_value_heads = bigcode_kv_heads(config)
         CausalLMBase.__init__(self, config, GPTBigCodeModel(config))
 
     # nn.Linear weights: a LoRA B splits as the weight does

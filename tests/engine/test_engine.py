@@ -77,6 +77,23 @@ def test_prefix_cache_hits_and_same_outputs(model_dir):
     assert stats.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_finished_sequence_caches_the_block_its_last_step_filled(model_dir, async_scheduling):
+    """The next turn of a chat holds the answer: the block the answer's last step completed
+    is cached too (it was lost when the sequence finished in that step)."""
+    llm = LLM(
+        model=str(model_dir), dtype="float32", max_model_len=128, async_scheduling=async_scheduling
+    )
+    prompt = _prompts(1, seed=11, lo=26, hi=26)[0]
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    first = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    # 26 prompt tokens + 6 computed outputs: the last step filled block 1 (positions 16-31)
+    turn = prompt + list(first.outputs[0].token_ids) + [5, 6]
+    out = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 32
+    assert llm.get_stats().num_used_blocks == 0
+
+
 def test_cache_salt_keeps_prefix_cache_hits_apart(model_dir):
     """vLLM's cache_salt: only requests with the same salt share cached blocks."""
     llm = LLM(model=str(model_dir), dtype="float32", max_model_len=128)

@@ -171,6 +171,14 @@ class EngineCore:
         ids, tokens, lp = out.sampled_seq_ids, out.sampled_token_ids, out.logprobs
         max_len, free_seq = self.max_model_len, scheduler.free_seq
         num_appended = 0
+        bm = scheduler.block_manager
+        # Blocks this step filled, registered before the token loop can finish (and free) their
+        # sequence, so that a finished sequence's last full block is cached too. Every token a
+        # step fed is known to the host by now (a pending one landed with the step before).
+        filled = scheduler.step_seqs.pop(sched.step_id)
+        for seq in filled:
+            if seq.status == _RUNNING:
+                bm.cache_full_blocks(seq)
         # Prompt logprobs first: the token loop may finish (and free) the sequence this step.
         for seq_id, chunk in out.prompt_logprobs.items():
             seq = live.get(seq_id)
@@ -260,8 +268,7 @@ class EngineCore:
                 o = outputs.get(req.request_id) or self._new_output(req, outputs)
                 self._beam_step(req, seqs, out, o)
                 o.finished = req.is_finished
-        bm = scheduler.block_manager
-        for seq in scheduler.step_seqs.pop(sched.step_id):  # blocks this step filled
+        for seq in filled:  # and those that accepted drafts or an in-flight step complete
             if seq.status == _RUNNING:
                 bm.cache_full_blocks(seq)
         used = bm.num_total_blocks - bm.num_free_blocks

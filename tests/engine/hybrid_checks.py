@@ -145,6 +145,63 @@ def assert_preemption_keeps_outputs(path) -> None:
         assert slots.num_free == slots.num_slots
 
 
+def assert_chat_turns_keep_outputs(path) -> None:
+    """Six chats sharing a system prompt, three turns, each turn one `generate` of every chat's
+    history plus a new message; greedy and seeded answers of 18-40 tokens (one stops early on a
+    token id, one is n = 2). With prefix caching (sync; async with preemption in a pool of 40
+    blocks and prefill chunks of 32) the answers equal those of an engine without it, and later
+    turns resume past the previous prompt (at a decode snapshot) where the model allows it."""
+    rng = random.Random(5)
+    system = [rng.randrange(3, 500) for _ in range(20)]
+
+    def run(**kw):
+        llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kw)
+        chats = [list(system) for _ in range(6)]
+        answers, resumed = [], 0
+        prompt_lens = [0] * len(chats)  # each chat's previous prompt
+        turn_rng = random.Random(6)
+        for turn in range(3):
+            for chat in chats:
+                chat += [turn_rng.randrange(3, 500) for _ in range(turn_rng.randrange(3, 12))]
+            params = [
+                SamplingParams(
+                    temperature=0 if i % 2 else 0.8,
+                    seed=10 * turn + i,
+                    max_tokens=18 + 4 * i,
+                    ignore_eos=True,
+                    stop_token_ids=[7] if i == 4 else None,
+                    n=2 if i == 5 else 1,
+                )
+                for i in range(len(chats))
+            ]
+            outs = llm.generate(token_requests(chats), params, use_tqdm=False)
+            for i, (chat, out) in enumerate(zip(chats, outs, strict=True)):
+                answers.append([c.token_ids for c in out.outputs])
+                # past the previous prompt's last full block: a decode snapshot
+                resumed += out.num_cached_tokens > prompt_lens[i] // 16 * 16 > 0
+                prompt_lens[i] = len(chat)
+                chat += out.outputs[0].token_ids
+        return answers, resumed, llm.llm_engine.scheduler
+
+    want, _, _ = run(prefix_state_snapshots=0)
+    for kw in (
+        {},
+        {
+            "async_scheduling": True,
+            "num_gpu_blocks_override": 40,
+            "max_num_batched_tokens": 32,
+            "prefix_state_snapshots": 8,
+        },
+    ):
+        got, resumed, scheduler = run(**kw)
+        assert got == want, kw
+        slots = scheduler.state_slots
+        assert slots.num_free == slots.num_slots and not slots._held
+        assert (slots.decode_snapshots > 0) is slots.past_prompt
+        if not kw:
+            assert (resumed > 0) is slots.past_prompt
+
+
 def assert_greedy_forks_equal_one(llm: LLM) -> list:
     """n = 3 greedy samples each equal the single greedy output; returns the requests."""
     reqs = token_requests(random_prompts(3, (5, 23, 40)))
@@ -170,14 +227,19 @@ def _chat_workload(llm: LLM, params: SamplingParams) -> list:
     return outs + llm.generate(token_requests([turn]), params, use_tqdm=False)
 
 
-# block_size 16: the system prompt's 2 full blocks, then the first prompt's 3
-CHAT_HITS = [0, 0, 32, 32, 48, 48]
+# block_size 16: the system prompt's 2 full blocks, then the first prompt's 3; the next turn
+# resumes at the first answer's decode snapshot (53 prompt + 11 computed output tokens: 4 blocks)
+CHAT_HITS = [0, 0, 32, 32, 48, 64]
+# ... for a model whose prompt tokens update the state their own way (Mamba2 with a dt limit):
+# no decode snapshots, so the next turn resumes where the first prompt's last full block ends
+PROMPT_CHAT_HITS = [0, 0, 32, 32, 48, 48]
 
 
-def assert_snapshots_keep_outputs(path, hits: list[int] | None = CHAT_HITS, **kw) -> LLM:
+def assert_snapshots_keep_outputs(path, hits: list[int] | str | None = "auto", **kw) -> LLM:
     """The chat workload with prefix caching (engine options `kw`) gives the tokens and
     logprobs (1e-4) of an engine without it, taking `hits` tokens from the cache per request
-    (None: not checked); no state row is left taken. Returns the engine."""
+    ("auto": CHAT_HITS, or PROMPT_CHAT_HITS for a model that snapshots prompt tokens only;
+    None: not checked); no state row is left taken. Returns the engine."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
     plain = LLM(model=str(path), dtype="float32", max_model_len=256, prefix_state_snapshots=0)
     assert plain.llm_engine.config.enable_prefix_caching is False
@@ -185,6 +247,8 @@ def assert_snapshots_keep_outputs(path, hits: list[int] | None = CHAT_HITS, **kw
     llm = LLM(model=str(path), dtype="float32", max_model_len=256, **kw)
     got = _chat_workload(llm, params)
     slots = llm.llm_engine.scheduler.state_slots
+    if hits == "auto":
+        hits = CHAT_HITS if slots.past_prompt else PROMPT_CHAT_HITS
     if hits is not None:
         assert [o.num_cached_tokens for o in got] == hits
         assert slots.snapshot_hits == sum(map(bool, hits))

@@ -189,6 +189,23 @@ def test_prefix_cache_revives_freed_blocks_and_undo() -> None:
     assert bm.stats().prefix_cache_queries == 0 and bm.stats().prefix_cache_hits == 0
 
 
+def test_prompt_only_caches_no_block_of_generated_tokens() -> None:
+    """A model whose prompt tokens update its state their own way (Mamba2 with a dt limit): a
+    generated token's KV is not that of the same token in a prompt."""
+    bm = BlockManager(10, block_size=4, prompt_only=True)
+    sim = SimRunner(bm)
+    a = make_seq(list(range(6)))  # a prompt of 6: one full block of prompt tokens
+    assert sim.step(a, 6)
+    a.token_ids += [6, 7, 8]  # generated
+    assert sim.step(a, 3)
+    assert a.num_registered_blocks == 1 and bm.pool.num_cached_blocks == 1
+    b = make_seq(list(range(10)))  # the same tokens, all of them a prompt
+    assert bm.get_computed_blocks(b) == 4
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_free_blocks == 9
+
+
 def test_prefix_caching_disabled() -> None:
     bm = BlockManager(10, block_size=2, enable_prefix_caching=False)
     sim = SimRunner(bm)

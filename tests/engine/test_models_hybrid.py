@@ -29,7 +29,9 @@ from hf_reference import assert_tp_matches_one_process
 from hybrid_checks import (
     CHAT_HITS,
     NEMOTRON_MOE,
+    PROMPT_CHAT_HITS,
     assert_beam_search_matches_hf,
+    assert_chat_turns_keep_outputs,
     assert_greedy_forks_equal_one,
     assert_greedy_matches_hf,
     assert_preemption_keeps_outputs,
@@ -157,7 +159,8 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
     ("name", "kw", "hits"),
     [
         ("qwen3_5", {}, CHAT_HITS),
-        ("nemotron_h", {}, CHAT_HITS),
+        # its Mamba2 layers clamp dt for prompt tokens only: no snapshot after generated ones
+        ("nemotron_h", {}, PROMPT_CHAT_HITS),
         # async scheduling (the snapshot copy runs a step later); prompts in one step each
         ("qwen3_5", {"async_scheduling": True, "enable_chunked_prefill": False}, CHAT_HITS),
         # one snapshot row: each new one evicts the last (the third prompt's end evicts the
@@ -169,6 +172,11 @@ def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
     llm = assert_snapshots_keep_outputs(hybrid_dirs(name), hits, **kw)
     slots = llm.llm_engine.scheduler.state_slots
     assert llm.llm_engine.reset_prefix_cache() and slots.num_cached_snapshots == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h"])
+def test_chat_turns_resume_from_decode_snapshots(name, hybrid_dirs):
+    assert_chat_turns_keep_outputs(hybrid_dirs(name))
 
 
 def test_prefix_cache_with_preemption_and_async_scheduling(hybrid_dirs):
@@ -200,31 +208,78 @@ def test_state_snapshots_take_their_memory_from_the_kv_cache(hybrid_dirs):
     assert not config.enable_prefix_caching and config.prefix_state_snapshots == 0
 
 
+class _Seq:
+    """What StateSlots reads of a Sequence; `keys`: its blocks' keys (None: a token pending)."""
+
+    def __init__(self, seat: int, keys: list, num_pending: int = 0) -> None:
+        self.state_slot, self.keys, self.num_pending = seat, keys, num_pending
+        self.snapshot_row = -1
+
+
+def _key_of(seq: _Seq, i: int):
+    return seq.keys[i]
+
+
 def test_state_snapshots_register_a_step_late_and_evict_lru():
     slots = StateSlots(2, num_snapshots=2)
     seat = slots.allocate()
     key = (11, None, (1, 2))
-    slots.snapshot(seat, key)  # taken when the step reaching the boundary was emitted
+    seq = _Seq(seat, [key, (12, 11, (3,)), (13, 12, (4,))])
+    slots.snapshot(seat, seq, 0)  # taken when the step reaching the boundary was emitted
     assert slots.lookup(key) is None  # not before its copy runs
-    assert slots.take_copies() == [(seat, 2)]  # with the next step, into the first free row
+    assert slots.take_copies(_key_of) == [(seat, 2)]  # with the next step, into a free row
     assert slots.lookup(key) == 2 and slots.lookup((11, 5, (1, 2))) is None  # parent checked
-    slots.snapshot(seat, (12, 11, (3,)))
-    slots.snapshot(seat, (11, None, (1, 2)))  # already kept: no copy
-    assert slots.take_copies() == [(seat, 3)]
+    slots.snapshot(seat, seq, 1)
+    slots.snapshot(seat, seq, 0)  # already kept: no copy
+    assert slots.take_copies(_key_of) == [(seat, 3)]
     assert slots.lookup(key) == 2  # now the most recently used: row 3 goes first
     other = slots.allocate()
     slots.copy(2, other)  # a hit reading row 2 in the step that evicts it (reads come first)
-    slots.snapshot(seat, (13, 12, (4,)))
-    slots.snapshot(other, (14, 12, (5,)))
-    assert slots.take_copies() == [(2, other), (seat, 3), (other, 2)]
+    slots.snapshot(seat, seq, 2)
+    slots.snapshot(other, _Seq(other, [None, (14, 12, (5,))]), 1)
+    assert slots.take_copies(_key_of) == [(2, other), (seat, 3), (other, 2)]
     assert slots.lookup(key) is None and slots.lookup((12, 11, (3,))) is None
     assert slots.lookup((13, 12, (4,))) == 3 and slots.lookup((14, 12, (5,))) == 2
     slots.reset_snapshots()
     assert slots.num_cached_snapshots == 0 and slots.lookup(key) is None
     one = StateSlots(2, num_snapshots=1)
-    one.snapshot(0, (1, None, (1,)))
-    one.snapshot(1, (2, None, (2,)))  # no second row: one batch writes a row once
-    assert one.take_copies() == [(0, 2)] and one.lookup((1, None, (1,))) == 2
+    one.snapshot(0, _Seq(0, [(1, None, (1,))]), 0)
+    one.snapshot(1, _Seq(1, [(2, None, (2,))]), 0)  # no second row: one batch writes a row once
+    assert one.take_copies(_key_of) == [(0, 2)] and one.lookup((1, None, (1,))) == 2
+
+
+def test_decode_snapshots_keep_one_row_per_live_sequence():
+    slots = StateSlots(4, num_snapshots=4)  # rows 4-7; live sequences hold at most 2
+    a, b, c = (_Seq(slots.allocate(), [None] * 4, num_pending=1) for _ in range(3))
+    shared = (1, None, (0,))
+    slots.snapshot(a.state_slot, _Seq(a.state_slot, [shared]), 0)  # a prompt snapshot
+    for seq in (a, b, c):
+        slots.snapshot(seq.state_slot, seq, 1, decode=True)
+    # a and b take a row each, c none (the cap); under async scheduling their blocks' last
+    # tokens are still pending: copied now, findable once known
+    assert slots.take_copies(_key_of) == [(0, 4), (a.state_slot, 5), (b.state_slot, 6)]
+    assert (a.snapshot_row, b.snapshot_row, c.snapshot_row) == (5, 6, -1)
+    assert slots.num_cached_snapshots == 1 and slots.decode_snapshots == 2
+    a.keys[1], a.num_pending = (21, 1, (5,)), 0
+    b.keys[1], b.num_pending = None, 0  # b ended before its last token landed: dropped
+    assert slots.take_copies(_key_of) == []
+    assert slots.lookup((21, 1, (5,))) == 5 and b.snapshot_row == -1
+    # a's next boundary overwrites its own row, which stops being found under the old key
+    a.keys[2] = (22, 21, (6,))
+    slots.snapshot(a.state_slot, a, 2, decode=True)
+    assert slots.take_copies(_key_of) == [(a.state_slot, 5)]
+    assert slots.lookup((21, 1, (5,))) is None and slots.lookup((22, 21, (6,))) == 5
+    # a live sequence's row is never evicted: with the free rows gone the prompt snapshot goes
+    for i in range(3):
+        slots.snapshot(0, _Seq(0, [(30 + i, None, (i,))]), 0)
+        assert slots.take_copies(_key_of) == [(0, (6, 7, 4)[i])]
+    assert slots.lookup(shared) is None and a.snapshot_row == 5
+    # once `a` leaves, its row is an ordinary snapshot, here the least recently used
+    slots.release(a)
+    assert a.snapshot_row == -1
+    slots.snapshot(0, _Seq(0, [(40, None, (9,))]), 0)
+    assert slots.take_copies(_key_of) == [(0, 5)]
+    assert slots.lookup((22, 21, (6,))) is None and slots.lookup((40, None, (9,))) == 5
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe", "granitemoehybrid-dense"])
@@ -274,15 +329,28 @@ def test_ssm_cache_dtype(hybrid_dirs, tmp_path):
     assert state_dtypes(str(asks)) == float32
 
 
+@pytest.mark.parametrize(("name", "past_prompt"), [("qwen3_5", True), ("nemotron_h", False)])
+def test_decode_snapshots_only_where_prompt_tokens_update_the_state_alike(
+    name, past_prompt, hybrid_dirs
+):
+    """Nemotron-H's Mamba2 layers clamp dt for prompt tokens only (its tiny config's
+    time_step_min bites), so its prefix cache, KV blocks and snapshots, stays within prompts."""
+    llm = LLM(model=str(hybrid_dirs(name)), dtype="float32", max_model_len=128)
+    scheduler = llm.llm_engine.scheduler
+    slots = scheduler.state_slots
+    assert slots.past_prompt is past_prompt and (slots.max_held > 0) is past_prompt
+    assert scheduler.block_manager.prompt_only is not past_prompt
+
+
 def test_state_slots_drop_copies_into_freed_slots():
     slots = StateSlots(3)
     a, b = slots.allocate(), slots.allocate()
     slots.copy(a, b)
     slots.free(b)  # its sequence left before the step ran: the copy must not land
     c = slots.allocate()
-    assert c == b and slots.take_copies() == []
+    assert c == b and slots.take_copies(_key_of) == []
     slots.copy(a, c)
-    assert slots.take_copies() == [(a, c)] and slots.take_copies() == []
+    assert slots.take_copies(_key_of) == [(a, c)] and slots.take_copies(_key_of) == []
     slots.allocate()
     with pytest.raises(RuntimeError, match="recurrent-state slots"):
         slots.allocate()

@@ -104,10 +104,12 @@ class BlockManager:
         *,
         num_cpu_blocks: int = 0,  # the CPU pool, block 0 unused; < 2 = no pool
         cpu_offload: bool = False,  # the prefix cache's CPU tier (needs caching and the pool)
+        prompt_only: bool = False,  # cache blocks of prompt tokens only (see cache_full_blocks)
     ) -> None:
         assert block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prompt_only = prompt_only
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.cpu: CpuPool | None = None
         if num_cpu_blocks >= 2:
@@ -264,8 +266,13 @@ class BlockManager:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens the host knows (a pending
-        token's id is not known yet). O(new full blocks)."""
-        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        token's id is not known yet). O(new full blocks). With `prompt_only` (a model whose
+        layers update their state differently for prompt tokens: the KV of a generated token
+        then differs from that of the same token in a prompt) only blocks of prompt tokens."""
+        num_known = min(seq.num_computed_tokens, len(seq.token_ids))
+        if self.prompt_only:
+            num_known = min(num_known, seq.num_prompt_tokens)
+        num_full = num_known // self.block_size
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
             return
         table, blocks, pool = seq.block_ids, self._blocks, self.pool

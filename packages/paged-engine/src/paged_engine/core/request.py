@@ -89,6 +89,8 @@ class Sequence:
     # Hybrid models with prefix caching: block boundaries (ascending, past num_computed_tokens)
     # where a step must end so that the state there is kept as a snapshot.
     state_checkpoints: list[int] = field(default_factory=list, repr=False)
+    # ... and its decode snapshot's row while it runs (core/state_slots.py), or -1
+    snapshot_row: int = -1
     # Models with a recurrent state under speculative decoding: a verify step that rejected a
     # draft left the state before its row, so positions [num_computed_tokens, replay_end) run
     # again, their tokens sent to the worker (which knows generated tokens on the device only).

@@ -48,7 +48,7 @@ from collections.abc import Callable
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
-from paged_engine.core.state_slots import StateSlots
+from paged_engine.core.state_slots import BlockKey, StateSlots
 from paged_engine.core.token_plan import plan_tokens, reshare_plan
 from paged_engine.spec_decode.planner import DraftPlanner
 
@@ -188,6 +188,7 @@ class Scheduler:
         if seq.state_slot >= 0:
             assert self.state_slots is not None
             self.state_slots.free(seq.state_slot)
+            self.state_slots.release(seq)
             seq.state_slot = -1
         seq.state_checkpoints = []
 
@@ -498,7 +499,9 @@ class Scheduler:
         seq = seqs[0]
         bs = bm.block_size
         num_hit = bm.get_computed_blocks(seq) // bs
-        num, row = num_hit, None
+        # (a model whose prompt tokens update the state their own way resumes in the prompt)
+        num = num_hit if slots.past_prompt else min(num_hit, seq.num_prompt_tokens // bs)
+        row = None
         while num and (row := slots.lookup(bm.block_key(seq, num - 1))) is None:
             num -= 1
         if num < num_hit:
@@ -507,8 +510,9 @@ class Scheduler:
             seq.state_slot = slots.allocate()
             slots.copy(row, seq.state_slot)
             slots.snapshot_hits += 1
-        marks = {num_hit * bs, seq.num_tokens // bs * bs}
-        seq.state_checkpoints = sorted(m for m in marks if m > num * bs)
+        end = seq.num_tokens if slots.past_prompt else seq.num_prompt_tokens
+        marks = {num_hit * bs, end // bs * bs}
+        seq.state_checkpoints = sorted(m for m in marks if num * bs < m <= end)
         return True
 
     def _with_drafts(
@@ -565,7 +569,7 @@ class Scheduler:
         sample_rows, updates = out.sample_rows, out.block_updates
         bs = self.block_manager.block_size
         if self.state_slots is not None:  # first: the snapshots this step takes run with the next
-            out.state_copies = self.state_slots.take_copies()
+            out.state_copies = self.state_slots.take_copies(self._known_block_key)
         for row, (seq, n) in enumerate(planned):
             start = seq.num_computed_tokens
             seq_ids.append(seq.seq_id)
@@ -591,12 +595,19 @@ class Scheduler:
                 if seq.state_slot < 0:
                     assert start == 0, "a sequence with computed tokens and no recurrent state"
                     seq.state_slot = self.state_slots.allocate()
-                marks = seq.state_checkpoints
-                if marks and marks[0] <= seq.num_computed_tokens:
-                    if marks[0] == seq.num_computed_tokens:
-                        key = self.block_manager.block_key(seq, marks[0] // bs - 1)
-                        self.state_slots.snapshot(seq.state_slot, key)
-                    seq.state_checkpoints = [m for m in marks if m > seq.num_computed_tokens]
+                marks, end = seq.state_checkpoints, seq.num_computed_tokens
+                if marks and marks[0] <= end:
+                    if marks[0] == end:
+                        self.state_slots.snapshot(seq.state_slot, seq, end // bs - 1)
+                    seq.state_checkpoints = [m for m in marks if m > end]
+                elif (  # a block of generated tokens ends here: the decode snapshot
+                    self.state_slots.max_held
+                    and end % bs == 0
+                    and end > seq.num_prompt_tokens
+                    and not drafts
+                    and seq.request.max_live_seqs == 1
+                ):
+                    self.state_slots.snapshot(seq.state_slot, seq, end // bs - 1, decode=True)
             if not seq.in_worker:
                 out.new_seqs.append(self._new_seq_data(seq))
                 seq.in_worker = True
@@ -615,6 +626,12 @@ class Scheduler:
             else []
         )
         return out
+
+    def _known_block_key(self, seq: Sequence, i: int) -> BlockKey | None:
+        """The prefix-cache key of full block i, None while one of its tokens is pending."""
+        if len(seq.token_ids) < (i + 1) * self.block_manager.block_size:
+            return None
+        return self.block_manager.block_key(seq, i)
 
     @staticmethod
     def _new_seq_data(seq: Sequence) -> NewSeqData:

@@ -17,35 +17,68 @@ so max_num_seqs slots never run out.
 Snapshots (prefix caching for hybrids). A KV block alone cannot resume a sequence: the state
 after its tokens must come with it. A snapshot row holds the state after the last token of one
 full block, keyed like that block in the prefix cache (hash, parent hash, tokens), so a hit that
-walks a verified chain of cached KV blocks may resume at the deepest block that has one. The
-scheduler ends a step exactly at a block boundary where it wants one (`Sequence.
-state_checkpoints`) and calls `snapshot` after emitting that step; the copy seat -> snapshot is
+walks a verified chain of cached KV blocks may resume at the deepest block that has one. Two
+kinds are taken:
+
+- prompt snapshots: the scheduler ends a step exactly at a block boundary where it wants one
+  (`Sequence.state_checkpoints`: where a shared prefix diverges, the prompt's last full block);
+- decode snapshots: a one-output sequence whose step ends at a block boundary past its prompt
+  keeps its state there in a row of its own, overwritten at each later boundary, so that the
+  next turn of a chat (the whole conversation so far) resumes within a block of where the
+  answer ended. Live sequences hold at most half the rows this way (`max_held`); when a
+  sequence leaves, its row becomes an ordinary snapshot. Not for models whose state after a
+  token depends on whether it was a prompt token (`past_prompt` false: Mamba2 layers with a dt
+  limit, which transformers applies to prompt tokens only): their prefix cache holds prompt
+  tokens only, KV blocks too (BlockManager.prompt_only).
+
+`snapshot` is called when the step reaching the boundary is emitted. The copy seat -> row is
 emitted with the next step's copies (after the forward that computed it, before the next one
-can overwrite the seat), and only then is the snapshot registered, so a hit never reads a row
-whose copy is still queued. Snapshots are evicted least recently used first.
+can overwrite the seat); the row is registered once its block's tokens are all known to the
+host (under async scheduling the last one may still be pending), so a hit never reads a row
+whose copy is still queued. Snapshots are evicted least recently used first, never a live
+sequence's decode snapshot.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paged_engine.core.request import Sequence
 
 # (block hash, parent hash, the block's tokens): the prefix cache's key of the block the state
 # stands at the end of (core/block_manager.py).
 BlockKey = tuple[int, int | None, tuple[int, ...]]
+# (sequence, block index) -> the block's key, or None while some of its tokens are pending
+KeyOf = Callable[["Sequence", int], BlockKey | None]
 
 
 class StateSlots:
-    def __init__(self, num_slots: int, num_snapshots: int = 0) -> None:
+    def __init__(self, num_slots: int, num_snapshots: int = 0, *, past_prompt: bool = True) -> None:
         self.num_slots = num_slots
         self.num_snapshots = num_snapshots
+        # Snapshots may stand after generated tokens: false for a model whose layers update
+        # the state differently for prompt tokens (Mamba2's dt limit): a prompt of the same
+        # tokens would not reach the same state.
+        self.past_prompt = past_prompt
         self._free = list(range(num_slots - 1, -1, -1))
         self._copies: list[tuple[int, int]] = []  # (src row, dst row) for the next step
         # Snapshot rows: free ones, registered ones (block hash -> (row, parent, tokens), least
         # recently used first), and the ones taken this step (registered at the next step).
         self._free_snapshots = list(range(num_slots + num_snapshots - 1, num_slots - 1, -1))
         self._snapshots: OrderedDict[int, tuple[int, int | None, tuple[int, ...]]] = OrderedDict()
-        self._taken: list[tuple[int, BlockKey]] = []  # (seat row, key) since the last step
+        # Taken since the last step: (seat, sequence, block index, decode snapshot). Copied,
+        # waiting for their keys: (row, sequence, block index).
+        self._taken: list[tuple[int, Sequence, int, bool]] = []
+        self._unkeyed: list[tuple[int, Sequence, int]] = []
+        self._row_hash: dict[int, int] = {}  # registered row -> its block hash
+        # Rows holding a live sequence's decode snapshot (Sequence.snapshot_row), never evicted.
+        self._held: dict[int, Sequence] = {}
+        self.max_held = num_snapshots // 2 if past_prompt else 0
         self.snapshot_hits = 0  # admissions resumed from a snapshot
+        self.decode_snapshots = 0  # decode snapshots copied
 
     @property
     def num_rows(self) -> int:
@@ -79,16 +112,28 @@ class StateSlots:
     def copy(self, src: int, dst: int) -> None:
         self._copies.append((src, dst))
 
-    def take_copies(self) -> list[tuple[int, int]]:
+    def take_copies(self, key_of: KeyOf) -> list[tuple[int, int]]:
         """This step's copies: forks and hits, and the snapshots taken when the previous step
-        was emitted (registered now). One batch: every source is read before any write."""
+        was emitted. One batch: every source is read before any write."""
         copies, self._copies = self._copies, []
+        if self._unkeyed:
+            self._register(key_of)
         if self._taken:
             taken, self._taken = self._taken, []
             written: set[int] = set()
-            for seat, key in taken:
-                if (row := self._register(key, written)) is not None:
-                    copies.append((seat, row))
+            for seat, seq, index, decode in taken:
+                key = key_of(seq, index)
+                if key is not None and key[0] in self._snapshots:
+                    continue  # the same content, or a hash collision: the first one stays
+                row = self._reserve(seq if decode else None, written)
+                if row is None:
+                    continue
+                written.add(row)
+                copies.append((seat, row))
+                self._unkeyed.append((row, seq, index))
+                self.decode_snapshots += decode
+        if self._unkeyed:
+            self._register(key_of)
         return copies
 
     # ---- snapshots -------------------------------------------------------------------------
@@ -100,30 +145,78 @@ class StateSlots:
         self._snapshots.move_to_end(key[0])
         return entry[0]
 
-    def snapshot(self, seat: int, key: BlockKey) -> None:
-        """Keep the state seat `seat` will hold after the step just emitted (which ends at the
-        last token of the block `key`)."""
+    def snapshot(self, seat: int, seq: Sequence, index: int, decode: bool = False) -> None:
+        """Keep the state seat `seat` will hold after the step just emitted, which ends at the
+        last token of `seq`'s block `index` (`decode`: in the sequence's own row)."""
         if self.num_snapshots:
-            self._taken.append((seat, key))
+            self._taken.append((seat, seq, index, decode))
 
-    def _register(self, key: BlockKey, written: set[int]) -> int | None:
-        """The row a new snapshot goes to (None: not kept). `written`: rows this batch writes
-        already (one batch writes a row once)."""
-        if key[0] in self._snapshots:  # the same content, or a hash collision: first one wins
+    def release(self, seq: Sequence) -> None:
+        """`seq` left its seat (finished, aborted, preempted): its decode snapshot, if any, is
+        an ordinary one from now on."""
+        if seq.snapshot_row >= 0:
+            del self._held[seq.snapshot_row]
+            seq.snapshot_row = -1
+
+    def _reserve(self, seq: Sequence | None, written: set[int]) -> int | None:
+        """The row a snapshot is copied to (None: not kept). `seq`: a decode snapshot of this
+        live sequence. `written`: rows this batch writes already (one batch writes a row once;
+        a hit reading a row in the same batch reads it first)."""
+        if seq is not None and seq.state_slot < 0:
+            seq = None  # left since: an ordinary snapshot
+        if seq is not None and seq.snapshot_row >= 0:  # overwrite its own
+            row = seq.snapshot_row
+            if row in written:
+                return None
+            if (h := self._row_hash.pop(row, None)) is not None:
+                del self._snapshots[h]
+            else:  # its last one never got its key: its state is overwritten now
+                self._unkeyed = [u for u in self._unkeyed if u[0] != row]
+            return row
+        if seq is not None and len(self._held) >= self.max_held:
             return None
         if self._free_snapshots:
             row = self._free_snapshots.pop()
-        else:  # evict the least recently used (a hit reading it this step reads it first)
-            row = next(iter(self._snapshots.values()))[0]
-            if row in written:  # more snapshots this step than rows
+        else:  # evict the least recently used one that no live sequence holds
+            held = self._held
+            victim = next(
+                (h for h, (r, *_) in self._snapshots.items() if r not in written and r not in held),
+                None,
+            )
+            if victim is None:
                 return None
-            self._snapshots.popitem(last=False)
-        self._snapshots[key[0]] = (row, key[1], key[2])
-        written.add(row)
+            row = self._snapshots.pop(victim)[0]
+            del self._row_hash[row]
+        if seq is not None:
+            self._held[row] = seq
+            seq.snapshot_row = row
         return row
+
+    def _register(self, key_of: KeyOf) -> None:
+        """Make the copied rows whose blocks' tokens are known findable; drop those whose
+        tokens will never be (the sequence ended before its last one landed)."""
+        waiting = []
+        for row, seq, index in self._unkeyed:
+            key = key_of(seq, index)
+            if key is None and seq.num_pending:
+                waiting.append((row, seq, index))
+            elif key is None or key[0] in self._snapshots:
+                self._drop(row)
+            else:
+                self._snapshots[key[0]] = (row, key[1], key[2])
+                self._row_hash[row] = key[0]
+        self._unkeyed = waiting
+
+    def _drop(self, row: int) -> None:
+        if (seq := self._held.pop(row, None)) is not None:
+            seq.snapshot_row = -1
+        self._free_snapshots.append(row)
 
     def reset_snapshots(self) -> None:
         """Forget every snapshot (LLM.reset_prefix_cache)."""
-        self._free_snapshots.extend(row for row, *_ in self._snapshots.values())
+        for row in [*self._row_hash, *(row for row, *_ in self._unkeyed)]:
+            self._drop(row)
         self._snapshots.clear()
+        self._row_hash.clear()
+        self._unkeyed.clear()
         self._taken.clear()

@@ -53,6 +53,7 @@ from paged_engine.worker.recurrent_state import (
     fit_state_snapshots,
     hybrid_engine_config,
     is_hybrid,
+    states_depend_on_prompt,
 )
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
@@ -166,12 +167,16 @@ class LLMEngine:
         self.num_blocks = num_blocks
         cpu_gib = config.swap_space + config.cpu_offload_gib
         kv_dtype = worker.model_runner.kv_cache_dtype
+        # Mamba2 layers with a dt limit update their state one way for prompt tokens and another
+        # for generated ones: the prefix cache then holds prompt tokens only (KV and snapshots).
+        prompt_only = states_depend_on_prompt(worker.model_runner.model)
         self.block_manager = BlockManager(
             num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             num_cpu_blocks=num_cpu_blocks(self.hf_config, config.block_size, kv_dtype, cpu_gib),
             cpu_offload=config.cpu_offload_gib > 0,
+            prompt_only=prompt_only,
         )
         self.draft_planner = None
         if config.speculative_config is not None:
@@ -189,7 +194,11 @@ class LLMEngine:
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
             state_slots=(
-                StateSlots(config.max_num_seqs, config.prefix_state_snapshots or 0)
+                StateSlots(
+                    config.max_num_seqs,
+                    config.prefix_state_snapshots or 0,
+                    past_prompt=not prompt_only,
+                )
                 if is_hybrid(self.hf_config)
                 else None
             ),

@@ -167,6 +167,10 @@ class Mamba2Mixer(LinearMixer):
         self.register_buffer("in_scale", scale, persistent=False)
         limit = tuple(spec.dt_limit)
         self.dt_limit = None if limit == (0.0, float("inf")) else (float(limit[0]), float(limit[1]))
+        # A token's update differs as a prompt token (clamped) and as a generated one: neither
+        # the state nor the KV above it after generated tokens stand for a prompt of the same
+        # tokens, so the engine caches prompt tokens only (core/block_manager.py, state_slots.py).
+        self.state_depends_on_prompt = self.dt_limit is not None
         self.conv_state: torch.Tensor | None = None  # [slots, conv_dim, K - 1]
         self.ssm_state: torch.Tensor | None = None  # [slots, heads, head_dim, state_size]
 

@@ -43,6 +43,7 @@ __all__ = [
     "hybrid_engine_config",
     "is_hybrid",
     "resolve_ssm_dtype",
+    "states_depend_on_prompt",
 ]
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,13 @@ def hybrid_engine_config(config, hf_config) -> None:
         logger.info("%s is a hybrid linear-attention model: swap_space is unused", arch)
         config.swap_space = 0.0
     config.preemption_mode = "recompute"
+
+
+def states_depend_on_prompt(model: nn.Module) -> bool:
+    """Whether some layer updates its state differently for prompt tokens than for generated
+    ones (`state_depends_on_prompt`: Mamba2's dt limit), so that a snapshot after generated
+    tokens would not stand for a prompt of the same tokens."""
+    return any(getattr(m, "state_depends_on_prompt", False) for m in model.modules())
 
 
 # Unless told how many, state snapshots take at most this share of the KV cache's memory.

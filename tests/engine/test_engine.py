@@ -91,7 +91,8 @@ def test_a_finished_sequence_caches_the_block_its_last_step_filled(model_dir, as
     turn = prompt + list(first.outputs[0].token_ids) + [5, 6]
     out = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)[0]
     assert out.num_cached_tokens == 32
-    assert llm.get_stats().num_used_blocks == 0
+    stats = llm.get_stats()
+    assert stats.num_used_blocks == 0 and stats.state_snapshot_hits is None  # no state
 
 
 def test_cache_salt_keeps_prefix_cache_hits_apart(model_dir):

@@ -47,6 +47,7 @@ from paged_engine.core.state_slots import StateSlots
 from paged_engine.testing import write_tiny_model
 from paged_engine.worker.cache_engine import CacheEngine
 from paged_engine.worker.recurrent_state import RecurrentStatePool
+from paged_server.metrics import Metrics
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,6 +172,12 @@ def test_preemption_and_async_scheduling_change_no_output(hybrid_dirs):
 def test_prefix_cache_resumes_from_state_snapshots(name, kw, hits, hybrid_dirs):
     llm = assert_snapshots_keep_outputs(hybrid_dirs(name), hits, **kw)
     slots = llm.llm_engine.scheduler.state_slots
+    stats = llm.get_stats()  # and in /metrics
+    assert stats.state_snapshot_hits == slots.snapshot_hits > 0
+    assert stats.state_snapshots_cached == slots.num_cached_snapshots > 0
+    assert stats.state_decode_snapshots == slots.decode_snapshots
+    text = Metrics("m").render(stats)
+    assert f'paged:state_snapshot_hits_total{{model_name="m"}} {slots.snapshot_hits}' in text
     assert llm.llm_engine.reset_prefix_cache() and slots.num_cached_snapshots == 0
 
 

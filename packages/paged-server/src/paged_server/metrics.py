@@ -140,6 +140,24 @@ _ENGINE_METRICS = (
         "Prefix-cache hits, in tokens.",
     ),
     ("paged:num_preemptions_total", "num_preemptions", "counter", "Preemptions (recompute)."),
+    (
+        "paged:state_snapshots_cached",
+        "state_snapshots_cached",
+        "gauge",
+        "Recurrent-state snapshots kept for the prefix cache (models with a state).",
+    ),
+    (
+        "paged:state_snapshot_hits_total",
+        "state_snapshot_hits",
+        "counter",
+        "Admissions resumed from a recurrent-state snapshot.",
+    ),
+    (
+        "paged:state_decode_snapshots_total",
+        "state_decode_snapshots",
+        "counter",
+        "Recurrent-state snapshots taken after generated tokens.",
+    ),
     ("paged:prompt_tokens_total", "prompt_tokens_total", "counter", "Prefill tokens processed."),
     (
         "paged:generation_tokens_total",

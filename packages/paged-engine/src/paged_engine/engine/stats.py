@@ -54,6 +54,11 @@ class EngineStats:
     num_free_cpu_blocks: int = 0
     num_swap_preemptions: int = 0
     prefix_cache_cpu_hits: int = 0
+    # Models with a recurrent state and prefix caching (core/state_slots.py): snapshot rows
+    # registered now, admissions resumed from one, decode snapshots copied (None otherwise).
+    state_snapshots_cached: int | None = None
+    state_snapshot_hits: int | None = None
+    state_decode_snapshots: int | None = None
     # enable_lora: max_loras, and the adapters (names) of running and of waiting requests.
     max_loras: int = 0
     running_lora_adapters: list[str] = field(default_factory=list)
@@ -89,7 +94,19 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
         **_spec_stats(engine.draft_planner),
         **_lora_stats(engine),
+        **_state_stats(engine),
     )
+
+
+def _state_stats(engine: LLMEngine) -> dict[str, Any]:
+    slots = engine.scheduler.state_slots
+    if slots is None or not slots.num_snapshots:
+        return {}
+    return {
+        "state_snapshots_cached": slots.num_cached_snapshots,
+        "state_snapshot_hits": slots.snapshot_hits,
+        "state_decode_snapshots": slots.decode_snapshots,
+    }
 
 
 def _lora_stats(engine: LLMEngine) -> dict[str, Any]:

@@ -249,6 +249,11 @@ def test_state_snapshots_register_a_step_late_and_evict_lru():
     assert slots.lookup((13, 12, (4,))) == 3 and slots.lookup((14, 12, (5,))) == 2
     slots.reset_snapshots()
     assert slots.num_cached_snapshots == 0 and slots.lookup(key) is None
+    # the same block reached by two sequences in one step: one copy (nothing else evicted)
+    same = (15, 13, (6,))
+    slots.snapshot(seat, _Seq(seat, [same]), 0)
+    slots.snapshot(other, _Seq(other, [same]), 0)
+    assert len(slots.take_copies(_key_of)) == 1 and slots.num_cached_snapshots == 1
     one = StateSlots(2, num_snapshots=1)
     one.snapshot(0, _Seq(0, [(1, None, (1,))]), 0)
     one.snapshot(1, _Seq(1, [(2, None, (2,))]), 0)  # no second row: one batch writes a row once

@@ -121,10 +121,13 @@ class StateSlots:
         if self._taken:
             taken, self._taken = self._taken, []
             written: set[int] = set()
+            keys: set[int] = set()  # the known keys this batch copies (one row each)
             for seat, seq, index, decode in taken:
                 key = key_of(seq, index)
-                if key is not None and key[0] in self._snapshots:
-                    continue  # the same content, or a hash collision: the first one stays
+                if key is not None:
+                    if key[0] in self._snapshots or key[0] in keys:
+                        continue  # the same content, or a hash collision: the first one stays
+                    keys.add(key[0])
                 row = self._reserve(seq if decode else None, written)
                 if row is None:
                     continue

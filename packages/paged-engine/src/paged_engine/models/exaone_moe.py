@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from paged_engine.layers.deepseek_moe import DeepseekMoe
-from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.exaone4 import Exaone4Attention, Exaone4ForCausalLM, exaone4_layers
 from paged_engine.models.llama import LlamaMLP, LlamaModel
@@ -44,28 +43,6 @@ from paged_engine.models.mixtral import (
     num_experts,
 )
 from paged_engine.models.utils import CausalLMBase, cfg_get
-
-
-class ExaoneMoeDecoderLayer(MoeDecoderLayer):
-    """MoeDecoderLayer's pre-norm forward around Exaone4Attention (`rope` None: NoPE;
-    `sliding_window` None: the whole context) and a dense or MoE MLP."""
-
-    def __init__(
-        self,
-        config,
-        layer_idx: int,
-        flags: dict[str, bool],
-        rope: RotaryEmbedding | None,
-        sliding_window: int | None,
-        mlp: nn.Module,
-    ) -> None:
-        nn.Module.__init__(self)
-        eps = cfg_get(config, "rms_norm_eps", 1e-5)
-        self.self_attn = Exaone4Attention(config, layer_idx, flags, rope)
-        self.self_attn.attn.sliding_window = sliding_window
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -87,11 +64,11 @@ class ExaoneMoeForCausalLM(MixtralForCausalLM):
         flags = Exaone4ForCausalLM.layer_flags(config)
         layers = exaone4_layers(config)
 
-        def build(i: int, rope: RotaryEmbedding) -> ExaoneMoeDecoderLayer:
+        def build(i: int, rope: RotaryEmbedding) -> MoeDecoderLayer:
             window, rotates = layers[i]
-            mlp = cls.build_mlp(config, i)
-            rope = rope if rotates else None
-            return ExaoneMoeDecoderLayer(config, i, flags, rope, window, mlp)
+            attention = Exaone4Attention(config, i, flags, rope if rotates else None)
+            attention.attn.sliding_window = window  # None: the whole context
+            return MoeDecoderLayer(config, i, flags, None, cls.build_mlp(config, i), attention)
 
         CausalLMBase.__init__(self, config, LlamaModel(config, flags, build))
         # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.

@@ -43,19 +43,21 @@ def expert_rules(count: int, gate: str, up: str, down: str) -> tuple[StackedRule
 
 
 class MoeDecoderLayer(nn.Module):
-    """Llama's pre-norm layer around any MLP: x += attn(norm(x)); x += mlp(norm(x))."""
+    """Llama's pre-norm layer around any MLP: x += attn(norm(x)); x += mlp(norm(x)).
+    `attention`: a module with LlamaAttention's forward in its place (EXAONE-MoE's, OLMoE's)."""
 
     def __init__(
         self,
         config,
         layer_idx: int,
         flags: dict[str, bool],
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | None,
         mlp: nn.Module,
+        attention: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.self_attn = LlamaAttention(config, layer_idx, flags, rope)
+        self.self_attn = attention or LlamaAttention(config, layer_idx, flags, rope)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)

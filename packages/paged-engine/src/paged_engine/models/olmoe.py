@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from paged_engine.layers.fused_moe import SparseMoeBlock
-from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaForCausalLM, LlamaModel
 from paged_engine.models.mixtral import (
@@ -32,7 +31,7 @@ from paged_engine.models.mixtral import (
     num_experts,
 )
 from paged_engine.models.olmo2 import Olmo2Attention
-from paged_engine.models.utils import CausalLMBase, cfg_get
+from paged_engine.models.utils import CausalLMBase
 
 
 class OlmoeAttention(Olmo2Attention):
@@ -52,18 +51,6 @@ class OlmoeAttention(Olmo2Attention):
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
-class OlmoeDecoderLayer(MoeDecoderLayer):
-    """MoeDecoderLayer's pre-norm forward around OlmoeAttention and the MoE block."""
-
-    def __init__(self, config, rope: RotaryEmbedding, mlp: nn.Module) -> None:
-        nn.Module.__init__(self)
-        eps = cfg_get(config, "rms_norm_eps", 1e-5)
-        self.self_attn = OlmoeAttention(config, rope)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-
 class OlmoeForCausalLM(MixtralForCausalLM):
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
@@ -73,7 +60,9 @@ class OlmoeForCausalLM(MixtralForCausalLM):
         inner = LlamaModel(
             config,
             LlamaForCausalLM.layer_flags(config),  # unused: the layers are built here
-            lambda i, rope: OlmoeDecoderLayer(config, rope, cls.build_mlp(config, i)),
+            lambda i, rope: MoeDecoderLayer(
+                config, i, {}, None, cls.build_mlp(config, i), OlmoeAttention(config, rope)
+            ),
         )
         CausalLMBase.__init__(self, config, inner)
         # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.

@@ -1094,6 +1094,23 @@ def dequantized_reference(src: Path, dst: Path, expected: dict[str, torch.Tensor
     return dst
 
 
+def write_case(param: str, cases: dict, quantized: dict, model_factory, tmp_path_factory):
+    """A parametrized GGUF case: `param` names a case of `cases` ((tiny arch, overrides)) or a
+    Q8_0 file of one (`quantized`: param -> case name). Returns (case name, tiny arch, gguf path,
+    HF reference model dir, expected weights); the reference of a quantized file runs on its
+    dequantized weights."""
+    name = quantized.get(param, param)
+    arch, overrides = cases[name]
+    src = model_factory(arch, **overrides)
+    tmp = tmp_path_factory.mktemp(param)
+    path = tmp / f"{param}.gguf"
+    quant = "q8_0" if param in quantized else "f32"
+    expected = write_gguf(src, path, arch, quant=quant)
+    if quant != "f32":
+        src = dequantized_reference(src, tmp / "hf", expected)
+    return name, arch, path, src, expected
+
+
 def assert_weights_back(got: dict, expected: dict) -> None:
     """The loaded weights are HF's, bit for bit (a quantized file's: its dequantized values),
     but A_log, stored as -exp(A_log), whose log rounds in float32."""

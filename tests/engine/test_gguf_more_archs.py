@@ -22,7 +22,7 @@ from paged_engine.loader import load_hf_config, resolve_model
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from gguf_writer import write_case, write_metadata_only  # noqa: E402  (needs gguf)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import load_hf  # noqa: E402
 
@@ -64,16 +64,7 @@ QUANTIZED = {"falcon40b_q8_0": "falcon40b"}
 @pytest.fixture(scope="module", params=[*CASES, *QUANTIZED])
 def case(request, tiny_model_factory, tmp_path_factory):
     """(case name, tiny arch, gguf path, HF reference model dir, expected weights)."""
-    name = QUANTIZED.get(request.param, request.param)
-    arch, overrides = CASES[name]
-    src = tiny_model_factory(arch, **overrides)
-    tmp = tmp_path_factory.mktemp(request.param)
-    path = tmp / f"{request.param}.gguf"
-    quant = "q8_0" if request.param in QUANTIZED else "f32"
-    expected = write_gguf(src, path, arch, quant=quant)
-    if quant != "f32":  # HF on the file's dequantized weights
-        src = dequantized_reference(src, tmp / "hf", expected)
-    return name, arch, path, src, expected
+    return write_case(request.param, CASES, QUANTIZED, tiny_model_factory, tmp_path_factory)
 
 
 def _sub(config, name: str, key: str):

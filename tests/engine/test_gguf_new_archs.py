@@ -15,7 +15,7 @@ from paged_engine.models.llama import llama_head_dim
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import dequantized_reference, write_gguf, write_metadata_only  # noqa: E402  (needs gguf)
+from gguf_writer import write_case, write_metadata_only  # noqa: E402  (needs gguf)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import PagedRunner, load_hf  # noqa: E402
 
@@ -68,15 +68,9 @@ LLAMA3 = ("exaone4", "apertus")  # Llama 3 scaling stored as per-frequency divis
 @pytest.fixture(scope="module", params=[*CASES, *QUANTIZED])
 def case(request, tiny_model_factory, tmp_path_factory):
     """(case name, gguf path, HF reference model dir, expected weights)."""
-    name = QUANTIZED.get(request.param, request.param)
-    arch, overrides = CASES[name]
-    src = tiny_model_factory(arch, **overrides)
-    tmp = tmp_path_factory.mktemp(request.param)
-    path = tmp / f"{request.param}.gguf"
-    quant = "q8_0" if request.param in QUANTIZED else "f32"
-    expected = write_gguf(src, path, arch, quant=quant)
-    if quant != "f32":  # HF on the file's dequantized weights
-        src = dequantized_reference(src, tmp / "hf", expected)
+    _, _, path, src, expected = write_case(
+        request.param, CASES, QUANTIZED, tiny_model_factory, tmp_path_factory
+    )
     return request.param, path, src, expected
 
 

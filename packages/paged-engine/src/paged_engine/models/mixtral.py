@@ -57,7 +57,9 @@ class MoeDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.self_attn = attention or LlamaAttention(config, layer_idx, flags, rope)
+        if attention is None:
+            attention = LlamaAttention(config, layer_idx, flags, rope)
+        self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)

@@ -111,12 +111,16 @@ export PY
 
 case "$PHASE" in
   phase1)
-    step 30 versions versions
-    step 110 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider -k "not any_batch" tests
-    step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
-    step 150 gpu-profile $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --out "$OUT"
-    step 170 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
-      --workloads nano-vllm --out "$OUT" --no-report --note "issue 14 phase1"
+    step 20 versions versions
+    # every kernel test natively (not only the gpu-marked), 8 processes compiling side by side
+    step 100 kernel-tests $PY -m pytest -v -n 8 -p no:cacheprovider --timeout 60 -rfE \
+      -k "not any_batch" tests/kernels
+    step 70 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
+    step 100 gpu-profile $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --out "$OUT"
+    # the HF peers on the workload's first 64 requests (one static batch): the whole workload
+    # through both would outlast the call
+    step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --hf-requests 64 --out "$OUT" --no-report --note "issue 14 phase1"
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

@@ -52,6 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="throughput workloads to run (both by default)",
     )
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")
+    p.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="HF peers run only the first N requests of each workload (a sample that fits a time "
+        "limit; the records say so). Default: all",
+    )
     p.add_argument("--rates", type=float, nargs="+", default=None, help="serving request rates")
     p.add_argument(
         "--isolate",
@@ -171,12 +178,26 @@ def main(argv: list[str] | None = None) -> int:
         _write(out / "results.json", results)
 
     def run_throughput() -> dict:
-        per_model = {}
+        per_model: dict = {}
+
+        def partial(name: str, res: dict) -> None:  # a step cut short keeps its records
+            per_model[name] = res
+            results["sections"]["throughput"] = per_model
+            _write(out / "results.json", results)
+
         for s in specs:
             wls = workloads.standard(args.smoke, device, min(10000, s.vocab_size - 1))
             wls = [w for w in wls if w.name in args.workloads]
             per_model[s.name] = throughput.run(
-                s, wls, device, out, isolate=isolate, opts=hf_options(args, device, wls), log=log
+                s,
+                wls,
+                device,
+                out,
+                isolate=isolate,
+                opts=hf_options(args, device, wls),
+                peer_requests=args.hf_requests,
+                on_record=lambda res, name=s.name: partial(name, res),
+                log=log,
             )
             plots.throughput(
                 per_model[s.name]["records"],

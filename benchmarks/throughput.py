@@ -7,6 +7,8 @@ includes prefill. Ratios are paged / peer on output tokens/s.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import call, cpu_seconds, error_record, now, throughput_record
@@ -94,20 +96,35 @@ def run(
     systems: tuple[str, ...] = SYSTEMS,
     isolate: bool = False,
     opts: dict | None = None,
+    peer_requests: int | None = None,
+    on_record: Callable[[dict], None] | None = None,
     log=print,
 ) -> dict:
-    """All systems on all workloads; a failing system is recorded, never fatal."""
-    records = []
+    """All systems on all workloads; a failing system is recorded, never fatal.
+
+    `peer_requests`: the HF peers run only the first that many requests of each workload (their
+    tok/s on a sample, where the whole workload would outlast a time limit; the record says so).
+    `on_record(partial_result)` after each system, so a run cut short keeps what it measured.
+    """
+    records: list[dict] = []
     for wl in workloads:
         for system in systems:
-            log(f"  throughput {system} on {wl.describe()}")
+            run_wl = wl
+            if system != "paged" and peer_requests and peer_requests < wl.num_requests:
+                note = f"first {peer_requests} of the {wl.num_requests} requests"
+                run_wl = dataclasses.replace(wl, requests=wl.requests[:peer_requests], scaled=note)
+            log(f"  throughput {system} on {run_wl.describe()}")
             try:
-                rec = call(run_one, system, spec, wl, device, opts or {}, isolate=isolate)
+                rec = call(run_one, system, spec, run_wl, device, opts or {}, isolate=isolate)
             except Exception as exc:
                 rec = error_record(system, wl.name, exc)
+            if run_wl is not wl:
+                rec["sample"] = run_wl.scaled
             rec["model"] = spec.name
             records.append(rec)
             log(f"    -> {_short(rec)}")
+            if on_record is not None:
+                on_record({"records": records, "ratios": ratios(records)})
     return {"records": records, "ratios": ratios(records)}
 
 

@@ -14,6 +14,10 @@
    - GPU idle fraction = 1 - (union of kernel / memcpy / memset intervals) / (wall span of the
      profiled steps); issue 14's goal at batch 256 is under 5%.
    Without CUDA (the rehearsal) the GPU fields are null and the top host ops are reported.
+3. Where the host time goes: the CUDA runtime calls by host time (from the same trace), the
+   Python functions of `--steps` more steps under cProfile (by own and by inclusive time), and
+   on CUDA the ops that synchronize with the device in 3 steps (torch's sync debug mode: each
+   call site with its paged frames).
 
 Writes `gpu_profile.json` (and nothing large: the raw trace stays in the work dir).
 """
@@ -82,11 +86,24 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
         hi,
     )
     gpu = [e for e in spans if e.get("cat") in GPU_CATS]
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in spans:
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and lo <= e["ts"] <= hi:
+            calls[e["name"]][0] += 1
+            calls[e["name"]][1] += e["dur"]
     out: dict = {
         "steps": len(steps),
         "wall_ms_per_step": round(wall_us / len(steps) / 1e3, 3),
         "host_ms_per_step": round((wall_us - sync_us) / len(steps) / 1e3, 3),
         "sync_wait_ms_per_step": round(sync_us / len(steps) / 1e3, 3),
+        "runtime_calls": [
+            {
+                "name": n,
+                "calls_per_step": round(c / len(steps), 1),
+                "ms_per_step": round(us / len(steps) / 1e3, 3),
+            }
+            for n, (c, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:10]
+        ],
     }
     if gpu:
         by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -118,6 +135,69 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
             for n, us in sorted(ops.items(), key=lambda kv: -kv[1])[:top]
         ]
     return out
+
+
+def _host_functions(engine, steps: int, top: int = 25) -> dict:
+    """cProfile over `steps` engine steps: the top functions by own and by inclusive time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        _engine_step(engine)
+    prof.disable()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+    def row(key, v) -> dict:
+        file, line, name = key
+        where = f"{Path(file).name}:{line}({name})" if line else name
+        return {
+            "function": where,
+            "calls_per_step": round(v[1] / steps, 1),
+            "own_ms_per_step": round(v[2] / steps * 1e3, 3),
+            "incl_ms_per_step": round(v[3] / steps * 1e3, 3),
+        }
+
+    items = list(stats.items())
+    return {
+        "by_own_time": [row(k, v) for k, v in sorted(items, key=lambda kv: -kv[1][2])[:top]],
+        "by_inclusive_time": [row(k, v) for k, v in sorted(items, key=lambda kv: -kv[1][3])[:top]],
+    }
+
+
+def _sync_points(engine, steps: int) -> list[dict]:
+    """Ops that synchronize the host with the device during `steps` engine steps (torch's
+    sync debug mode), each call site counted once with its innermost paged frames."""
+    import traceback
+    import warnings
+
+    sites: dict[str, dict] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno}({f.name})"
+            for f in traceback.extract_stack()[:-1]
+            if "paged_" in f.filename or "benchmarks" in f.filename
+        ]
+        key = " <- ".join(reversed(frames[-4:])) or f"{filename}:{lineno}"
+        site = sites.setdefault(key, {"site": key, "what": str(message)[:120], "count": 0})
+        site["count"] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                _engine_step(engine)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return sorted(sites.values(), key=lambda s: -s["count"])
 
 
 def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **engine_kw) -> dict:
@@ -176,6 +256,9 @@ def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **
     summary["decode_tokens_per_s_unprofiled"] = round(
         batch / (summary["unprofiled_wall_ms_per_step"] / 1e3), 1
     )
+    summary["host_functions"] = _host_functions(engine, steps)
+    if device == "cuda":
+        summary["sync_points"] = _sync_points(engine, 3)
     stats = llm.get_stats()
     engine.abort_request([f"p{i}" for i in range(batch)])
     return {

@@ -107,6 +107,29 @@ EOF
   fi
 }
 export -f versions
+
+startup_probe() {  # where the engine start's first seconds go: imports, config, tokenizer
+  $PY - "$1" <<'EOF2'
+import os, sys, time
+t = time.perf_counter()
+marks = []
+def mark(what):
+    global t
+    now = time.perf_counter(); marks.append(f"{what} {now - t:.2f}s"); t = now
+import torch; mark("import torch")
+torch.cuda.is_available() and torch.cuda.init(); mark("cuda init")
+import transformers; mark("import transformers")
+from paged_engine.loader import load_hf_config, load_tokenizer, resolve_model; mark("import paged_engine.loader")
+r = resolve_model(sys.argv[1]); mark("resolve")
+load_hf_config(r); mark("config")
+load_tokenizer(r); mark("tokenizer")
+from paged_engine.engine.generation_defaults import generation_defaults
+generation_defaults(r.path); mark("generation defaults")
+from paged_engine import LLM; mark("import paged_engine")
+print("HF_HUB_OFFLINE=" + os.environ.get("HF_HUB_OFFLINE", ""), "; ".join(marks))
+EOF2
+}
+export -f versions startup_probe
 export PY
 
 case "$PHASE" in
@@ -121,6 +144,13 @@ case "$PHASE" in
     # through both would outlast the call
     step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --hf-requests 64 --out "$OUT" --no-report --note "issue 14 phase1"
+    ;;
+  diag)  # one short call: where the host time of a batch-256 step and the engine start go
+    step 100 gpu-profile $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --steps 10 \
+      --out "$OUT"
+    CFG=/tmp/paged-bench/qwen3-0.6b-cfg
+    step 40 startup-probe startup_probe $CFG
+    step 40 startup-probe-offline env HF_HUB_OFFLINE=1 bash -c "startup_probe $CFG"
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
@@ -205,6 +235,12 @@ case "$PHASE" in
     # speculative decoding with state backups on the native kernels and verification graphs
     step 120 hybrid-spec $PY -m pytest -q -p no:cacheprovider tests/engine/test_spec_decode_hybrid.py
     ;;
+  rehearse-diag)  # CPU: the diag phase's steps on tiny sizes
+    export CUDA_VISIBLE_DEVICES=""
+    step 300 gpu-profile $PY -m benchmarks.gpu_profile --smoke --out "$OUT"
+    step 40 startup-probe startup_probe /tmp/paged-bench/qwen3-0.6b-cfg
+    step 40 startup-probe-offline env HF_HUB_OFFLINE=1 bash -c "startup_probe /tmp/paged-bench/qwen3-0.6b-cfg"
+    ;;
   rehearse)  # CPU: the same steps on tiny sizes, to catch typos before a lease is spent
     export CUDA_VISIBLE_DEVICES=""
     TINY=/tmp/paged-bench/tiny-llama
@@ -244,7 +280,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse" >&2
+    echo "usage: $0 phase1|diag|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -137,6 +137,18 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
     return out
 
 
+def _torch_norms(engine) -> bool:
+    """Whether the engine's RMSNorms run on torch ops (no Triton kernel set)."""
+    from paged_engine.layers.norm import RMSNorm
+
+    worker = getattr(engine.engine_core.executor, "worker", None)  # in-process workers only
+    if worker is None:
+        return False
+    model = worker.model_runner.model
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    return not any(m.kernel is not None for m in norms)
+
+
 def _host_functions(engine, steps: int, top: int = 25) -> dict:
     """cProfile over `steps` engine steps: the top functions by own and by inclusive time."""
     import cProfile
@@ -270,6 +282,7 @@ def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **
         "num_preemptions": stats.num_preemptions,
         "async_scheduling": engine.config.async_scheduling,
         "engine": {k: v for k, v in engine_kw.items()},
+        "norms": "torch ops" if _torch_norms(engine) else "paged_kernels.rms_norm",
         **summary,
     }
 
@@ -298,10 +311,19 @@ def main(argv: list[str] | None = None) -> int:
         help='JSON merged into the config, e.g. \'{"quantization_config": {"quant_method": '
         "\"mxfp4\"}}' (gpt-oss's experts kept in MXFP4 on CUDA)",
     )
+    p.add_argument(
+        "--torch-norms",
+        action="store_true",
+        help="RMSNorm on torch ops (4 kernels a norm) instead of the Triton kernel: the A/B",
+    )
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
     p.add_argument("--out", type=Path, default=Path("."))
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.torch_norms:
+        from paged_engine.worker import worker
+
+        worker.use_triton_norms = lambda model: 0  # before the engine captures its graphs
     batch = args.batch or (8 if args.smoke else 256)
     steps = args.steps or (4 if args.smoke else 30)
     overrides = {**({"num_hidden_layers": 2} if args.smoke else {}), **args.override_config}

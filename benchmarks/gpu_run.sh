@@ -152,6 +152,21 @@ case "$PHASE" in
     step 40 startup-probe startup_probe $CFG
     step 40 startup-probe-offline env HF_HUB_OFFLINE=1 bash -c "startup_probe $CFG"
     ;;
+  final)  # after phase1 + diag: the fixes checked natively, the norm A/B, the split sweep
+    step 20 versions versions
+    step 90 native-tests $PY -m pytest -q -n 8 -p no:cacheprovider --timeout 80 -rfE \
+      tests/engine/test_norm.py tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
+      tests/engine/test_async_scheduling.py tests/kernels/test_linear_attention.py \
+      -k "gpu or llm_vs_hf or graph or async or delta_rule_matches or triton_norms"
+    step 40 split-sweep $PY -m benchmarks.kernel_bench --split-sweep --out "$OUT/kernels"
+    step 60 profile-torch-norms $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --torch-norms --out "$OUT/torch-norms"
+    step 60 profile-triton-norms $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --out "$OUT"
+    step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --systems paged hf-continuous --hf-requests 64 --out "$OUT" \
+      --no-report --note "issue 14 final"
+    ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
@@ -280,7 +295,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -145,6 +145,40 @@ def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps:
     }
 
 
+def split_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> list[dict]:
+    """Decode attention at forced num_splits (1, 2, 4, 8) for mid-size batches, the shapes the
+    split heuristic decides: time and fraction of copy bandwidth of each, and the heuristic's
+    pick. The real shapes on CUDA; tiny ones in the interpreter."""
+    from paged_kernels import choose_num_splits, paged_attention
+    from paged_kernels._utils import device_sms
+
+    cfg = _shapes(smoke)
+    h, hk, d, bs, dtype = (cfg[k] for k in ("heads", "kv_heads", "head_dim", "block_size", "dtype"))
+    grid = [(32, 2048), (64, 2048), (64, 8192), (128, 2048)]
+    grid = grid if HAS_CUDA and not smoke else [(2, 64)]
+    out = []
+    for batch, ctx in grid:
+        per_seq = -(-ctx // bs)
+        perm = torch.randperm(batch * per_seq, device=device).to(torch.int32)
+        k_cache = torch.randn(batch * per_seq, bs, hk, d, device=device, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(batch, h, d, device=device, dtype=dtype)
+        cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        args = (q, k_cache, v_cache, perm.view(batch, per_seq), cu, lens, d**-0.5)
+        kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=torch.empty_like(q))
+        kv_bytes = 2 * batch * ctx * hk * d * torch.finfo(dtype).bits // 8
+        row = {"batch": batch, "context": ctx}
+        row["heuristic"] = choose_num_splits(batch, hk, 1, ctx, device_sms(device))
+        for splits in (1, 2, 4, 8):
+            ms = _time_ms(lambda a=args, k=kw, s=splits: paged_attention(*a, num_splits=s, **k))
+            row[f"splits_{splits}_ms"] = round(ms, 5)
+            row[f"splits_{splits}_of_copy_bw"] = round(kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
+        out.append(row)
+        del k_cache, v_cache
+    return out
+
+
 def _plot(results: list[dict], out_dir: Path, title: str) -> str | None:
     try:
         import matplotlib
@@ -339,7 +373,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_bench", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="few, small shapes")
     p.add_argument("--out", type=Path, default=Path("kernel-bench-out"))
+    p.add_argument(
+        "--split-sweep",
+        action="store_true",
+        help="only the split-KV sweep (forced num_splits 1..8 at batch 32..128): split_sweep.json",
+    )
     args = p.parse_args(argv)
+    if args.split_sweep:
+        device = torch.device("cuda" if HAS_CUDA else "cpu")
+        rows = split_sweep(device, _copy_bandwidth_gbps(device), args.smoke)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "split_sweep.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(r)
+        return
     report = run(args.smoke, args.out)
     for r in report["results"]:
         print(

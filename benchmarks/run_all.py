@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["nano-vllm", "fixed-length"],
         help="throughput workloads to run (both by default)",
     )
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        choices=("paged", "hf-static", "hf-continuous"),
+        default=["paged", "hf-static", "hf-continuous"],
+        help="throughput systems to run (all three by default)",
+    )
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")
     p.add_argument(
         "--hf-requests",
@@ -193,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 wls,
                 device,
                 out,
+                systems=tuple(args.systems),
                 isolate=isolate,
                 opts=hf_options(args, device, wls),
                 peer_requests=args.hf_requests,

@@ -43,3 +43,56 @@ def test_half_dtypes_and_weight_offset(dtype):
         got = norm(x)
     want = hf_rms_norm(x, (norm.weight + 1.0).detach(), 1e-6)
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_norms_match_torch_ops(dtype):
+    """use_triton_norms (the CUDA default on the Triton backend) switches plain RMSNorms, with
+    or without a weight offset, to paged_kernels.rms_norm and leaves Gemma's (which rounds once,
+    after the weight) on the torch ops; the kernel (Triton's interpreter here) matches the
+    torch ops on decode rows, prompt rows and per-head [T, H, D] inputs."""
+    from paged_engine.layers.norm import GemmaRMSNorm, use_triton_norms
+
+    torch.manual_seed(0)
+    plain, offset, gemma = RMSNorm(64, 1e-6), RMSNorm(64, 1e-5, weight_offset=1.0), GemmaRMSNorm(64)
+    model = torch.nn.ModuleList([plain, offset, gemma]).to(dtype)
+    with torch.no_grad():
+        for m in model:
+            m.weight.copy_(torch.randn(64) * 0.5)
+    want = {}
+    inputs = [torch.randn(1, 64), torch.randn(9, 64) * 30, torch.randn(3, 4, 64)]
+    with torch.inference_mode():
+        for i, x in enumerate(inputs):
+            for j, m in enumerate(model):
+                want[i, j] = m(x.to(dtype))
+        assert use_triton_norms(model) == 2
+        assert plain.kernel is not None and offset.kernel is not None and gemma.kernel is None
+        for i, x in enumerate(inputs):
+            for j, m in enumerate(model):
+                got = m(x.to(dtype))
+                assert got.dtype == dtype and got.shape == x.shape
+                # Triton's interpreter rounds to bf16 its own way (a few bf16 steps apart);
+                # the GPU test below holds the kernel to the torch ops' bits on CUDA.
+                tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 4e-2}
+                torch.testing.assert_close(got, want[i, j], **tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_triton_norm_bits_match_torch_ops(dtype):
+    """On CUDA the kernel rounds as the torch ops do: the same bits on all but a few elements
+    (float32 sums in another order), which differ by one step of the dtype."""
+    from paged_kernels import rms_norm
+
+    torch.manual_seed(0)
+    for rows, width, offset in ((256, 1024, 0.0), (4096, 128, 0.0), (37, 2048, 1.0)):
+        norm = RMSNorm(width, 1e-6, weight_offset=offset).to("cuda", dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width) * 0.5)
+        x = (torch.randn(rows, width, device="cuda") * 4).to(dtype)
+        with torch.inference_mode():
+            want = norm(x)
+            got = rms_norm(x, norm.weight, norm.eps, offset)
+        differ = (got != want).float().mean().item()
+        assert differ < 1e-3, f"{differ:.2%} of the elements differ"
+        torch.testing.assert_close(got, want)  # within the dtype's own tolerance elsewhere

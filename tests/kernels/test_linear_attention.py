@@ -201,8 +201,12 @@ def test_ref_delta_rule_matches_transformers(seed, length):
     fn = qwen3_next.torch_chunk_gated_delta_rule
     if length < 64:
         fn = qwen3_next.torch_recurrent_gated_delta_rule
+    # Each value head reads key head h // 2 (as Qwen3-Next's layer repeats them): expanded
+    # here, since transformers' functions broadcast key heads only in newer releases (5.24, not
+    # 5.17).
+    q_x, k_x = (t.repeat_interleave(2, dim=1) for t in (q, k))
     want_out, want_state = fn(
-        q[None], k[None], v[None], g[None], beta[None], initial_state=init_state,
+        q_x[None], k_x[None], v[None], g[None], beta[None], initial_state=init_state,
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     torch.testing.assert_close(out, want_out[0], atol=5e-5, rtol=5e-5)
@@ -541,7 +545,9 @@ def test_ssd_scan_granite_head_size(seed, device):
                device)  # fmt: skip
 
 
-def _check_ssd(lens, init, slots, dtype, state_dtype, heads, groups, dim, d_state, device):
+def _check_ssd(
+    lens, init, slots, dtype, state_dtype, heads, groups, dim, d_state, device, out_tol=None
+):
     x, dt, A, B, C = ssd_inputs(lens, heads, groups, dim, d_state, dtype, device)
     num_slots = max(NUM_SLOTS, max(slots) + 1)
     pool = torch.randn(num_slots, heads, dim, d_state, device=device).to(state_dtype)
@@ -555,7 +561,7 @@ def _check_ssd(lens, init, slots, dtype, state_dtype, heads, groups, dim, d_stat
     rows = live_rows(lens, slots).to(device)
     # Both read the same rounded inputs and run in fp32: the outputs agree to fp32 rounding
     # (of the reference's chunked form for 70 tokens); a 16-bit pool rounds the new state.
-    torch.testing.assert_close(got[rows], want[rows], **tol_of(torch.float32))
+    torch.testing.assert_close(got[rows], want[rows], **(out_tol or tol_of(torch.float32)))
     assert_pool(got_pool, want_pool, pool, slots, lens, tol_of(state_dtype))
 
 
@@ -598,5 +604,10 @@ def test_gpu_granite_4_sizes(seed):
     lens = [1] * 32 + [300, 17, 1000]
     init = [True] * 32 + [False, True, False]
     slots = torch.randperm(64)[: len(lens)].tolist()
+    # Over 1000 tokens the two chunked forms' fp32 sums part further than over 70: on an H100,
+    # 36 of 11M outputs passed 1e-4 (at most 2.8e-4), so the outputs get 1e-3 here.
+    tol = {"atol": 1e-3, "rtol": 1e-3}
     for state_dtype in (torch.float32, torch.bfloat16):
-        _check_ssd(lens, init, slots, torch.bfloat16, state_dtype, 128, 1, 64, 128, device)
+        _check_ssd(
+            lens, init, slots, torch.bfloat16, state_dtype, 128, 1, 64, 128, device, out_tol=tol
+        )

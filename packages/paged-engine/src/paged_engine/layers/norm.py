@@ -55,6 +55,21 @@ class RMSNorm(nn.Module):
     _consts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def use_triton_norms(model: nn.Module) -> int:
+    """Run every plain RMSNorm of `model` through paged_kernels.rms_norm (CUDA, Triton backend):
+    one kernel a norm instead of four (upcast, norm, downcast, weight), with the same roundings
+    (fp32 statistics; a 16-bit row rounded before the weight). Subclasses that round otherwise
+    (Gemma's) keep the torch ops. Returns how many norms it switched."""
+    from paged_kernels import rms_norm
+
+    switched = 0
+    for module in model.modules():
+        if type(module) is RMSNorm and module.kernel is None:
+            module.kernel = rms_norm
+            switched += 1
+    return switched
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's y = x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once at the
     end (a Llama RMSNorm rounds before the weight). The batch-invariant Triton kernel, when set,

@@ -13,12 +13,13 @@ from typing import Any
 
 import torch
 
-from paged_engine.attention import get_attention_backend
+from paged_engine.attention import get_attention_backend, resolve_backend_name
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min, gather_object
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_kernels, make_batch_invariant
+from paged_engine.layers.norm import use_triton_norms
 from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.lora.manager import LoRAManager
@@ -106,6 +107,10 @@ class Worker:
         model.eval()
         if invariant is not None:
             make_batch_invariant(model, invariant)
+        elif self.device.type == "cuda" and (
+            resolve_backend_name(config.attention_backend, self.device) == "triton"
+        ):
+            use_triton_norms(model)
         backend = get_attention_backend(
             config.attention_backend,
             self.device,

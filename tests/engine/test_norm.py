@@ -46,7 +46,7 @@ def test_half_dtypes_and_weight_offset(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_norms_match_torch_ops(dtype):
+def test_triton_norms_match_torch_ops(dtype, device):
     """use_triton_norms (the CUDA default on the Triton backend) switches plain RMSNorms, with
     or without a weight offset, to paged_kernels.rms_norm and leaves Gemma's (which rounds once,
     after the weight) on the torch ops; the kernel (Triton's interpreter here) matches the
@@ -55,12 +55,13 @@ def test_triton_norms_match_torch_ops(dtype):
 
     torch.manual_seed(0)
     plain, offset, gemma = RMSNorm(64, 1e-6), RMSNorm(64, 1e-5, weight_offset=1.0), GemmaRMSNorm(64)
-    model = torch.nn.ModuleList([plain, offset, gemma]).to(dtype)
+    model = torch.nn.ModuleList([plain, offset, gemma]).to(device, dtype)
     with torch.no_grad():
         for m in model:
             m.weight.copy_(torch.randn(64) * 0.5)
     want = {}
     inputs = [torch.randn(1, 64), torch.randn(9, 64) * 30, torch.randn(3, 4, 64)]
+    inputs = [x.to(device) for x in inputs]
     with torch.inference_mode():
         for i, x in enumerate(inputs):
             for j, m in enumerate(model):
@@ -73,6 +74,7 @@ def test_triton_norms_match_torch_ops(dtype):
                 assert got.dtype == dtype and got.shape == x.shape
                 # Triton's interpreter rounds to bf16 its own way (a few bf16 steps apart);
                 # the GPU test below holds the kernel to the torch ops' bits on CUDA.
+                # (On a CUDA machine the kernel runs natively here, on CUDA tensors.)
                 tol = {} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 4e-2}
                 torch.testing.assert_close(got, want[i, j], **tol)
 

@@ -214,7 +214,10 @@ def test_split_kv_heuristic():
     assert choose_num_splits(2, 8, 1, 32768, 132) == 17  # decode, 16 pairs: ~2 programs per SM
     assert choose_num_splits(2, 8, 1, 1024, 132) == 2  # capped by >= 512 keys per split
     assert choose_num_splits(2, 8, 7, 32768, 132) == 1  # prefill rows present
-    assert choose_num_splits(64, 8, 1, 32768, 132) == 1  # enough pairs to fill the SMs
+    assert choose_num_splits(64, 8, 1, 32768, 132) == 2  # up to 4x the SMs, long: two splits
+    assert choose_num_splits(64, 8, 1, 2047, 132) == 1  # ... not under 2048 keys
+    assert choose_num_splits(67, 8, 1, 32768, 132) == 1  # more than 4x the SMs: no split
+    assert choose_num_splits(128, 8, 1, 32768, 132) == 1
     assert choose_num_splits(1, 1, 1, 100, 132) == 1  # too short to split
 
 

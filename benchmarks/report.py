@@ -39,8 +39,13 @@ def write(root: Path) -> Path:
     parts = [HEADER]
     devices = {p.parent.name: json.loads(p.read_text()) for p in runs}
     for name, res in devices.items():
-        parts.append(device_section(name, res))
-    if not any(n.startswith("gpu") for n in devices):
+        section = device_section(name, res)
+        if (root / name / "README.md").is_file():  # a device's own notes: goals, profiles, logs
+            section = section.replace(
+                "\n\n", f"\n\nMore: [{name}/README.md](./{name}/README.md)\n\n", 1
+            )
+        parts.append(section)
+    if not any(_is_gpu(res) for res in devices.values()):
         parts.append("## GPU\n\nNot yet measured: no GPU run has been committed.\n")
     if "cpu" not in devices:
         parts.append("## CPU\n\nNot yet measured.\n")
@@ -62,7 +67,8 @@ def device_section(name: str, res: dict) -> str:
         f"## {name}: {hw}",
         "",
         f"- command: `{res['command']}`{' (smoke: scaled-down sizes)' if res['smoke'] else ''}",
-        f"- measured: {res['date_utc']}, total wall time {res.get('wall_s', '?')} s"
+        f"- measured: {res['date_utc']}, "
+        + (f"total wall time {res['wall_s']} s" if "wall_s" in res else "cut short before its end")
         + (f"; {res['note']}" if res.get("note") else "")
         + (
             f"; 1-minute load average {res['load_avg_1m_start']} at start, "
@@ -77,7 +83,7 @@ def device_section(name: str, res: dict) -> str:
         f"CUDA graphs: {'on (paged decode)' if res['cuda_graphs'] else 'off'}",
         "",
     ]
-    if not name.startswith("gpu"):
+    if not _is_gpu(res):
         lines += [CPU_CAVEAT, ""]
     sections = res.get("sections", {})
     for key, fn in (
@@ -120,12 +126,18 @@ def _throughput(sec: dict, dev: str) -> list[str]:
     return out
 
 
+def _is_gpu(res: dict) -> bool:
+    """A run on a GPU (its folder may be named by the device: gpu-..., h100/)."""
+    return res.get("env", {}).get("device") == "cuda" or bool(res.get("env", {}).get("gpu"))
+
+
 def _sys_note(r: dict) -> str:
+    sample = f", {r['sample']}" if r.get("sample") else ""  # a peer run on part of the workload
     if r["system"] == "hf-static":
-        return f" (batch {r.get('batch_size')})"
+        return f" (batch {r.get('batch_size')}{sample})"
     if r["system"] == "hf-continuous":
-        return f" ({r.get('attn_implementation', '')})".replace("|", "\\|")  # table-safe
-    return ""
+        return f" ({r.get('attn_implementation', '')}{sample})".replace("|", "\\|")
+    return f" ({sample[2:]})" if sample else ""
 
 
 def _memory(sec: dict, dev: str) -> list[str]:

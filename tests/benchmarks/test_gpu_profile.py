@@ -40,6 +40,13 @@ def test_summary_of_a_synthetic_trace(tmp_path):
     assert s["gpu_idle_fraction"] == 0.25 and s["gpu_ms_per_step"] == 0.075
     top = s["top_kernels"][0]
     assert top["name"] == "attn" and top["calls"] == 2 and top["total_ms"] == 0.12
+    calls = {c["name"]: c for c in s["runtime_calls"]}  # host time in CUDA calls, per step
+    assert calls["cudaStreamSynchronize"] == {
+        "name": "cudaStreamSynchronize",
+        "calls_per_step": 0.5,
+        "ms_per_step": 0.015,
+    }
+    assert s["runtime_calls"][-1]["name"] == "cudaLaunchKernel"
     assert abs(sum(k["share"] for k in s["top_kernels"]) - 1.0) < 1e-3
 
 
@@ -55,3 +62,34 @@ def test_host_only_trace_reports_host_ops(tmp_path):
     s = gpu_profile.summarize_trace(path)
     assert s["gpu_idle_fraction"] is None
     assert s["top_host_ops_inclusive"][0] == {"name": "aten::mm", "ms_per_step": 0.06}
+
+
+def test_sync_points_name_each_call_site_once(monkeypatch):
+    """Every warning torch's sync debug mode raises in the steps is one call site, counted."""
+    import warnings
+
+    modes = []
+    monkeypatch.setattr(gpu_profile.torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def step(engine):
+        for _ in range(2):
+            warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        return 1
+
+    monkeypatch.setattr(gpu_profile, "_engine_step", step)
+    sites = gpu_profile._sync_points(None, 3)
+    assert modes == ["warn", "default"]  # switched on for the steps only
+    assert len(sites) == 1 and sites[0]["count"] == 6
+    assert "test_gpu_profile.py" in sites[0]["site"] or "gpu_profile.py" in sites[0]["site"]
+
+
+def test_host_functions_profile_the_steps(monkeypatch):
+    def step(engine):
+        sum(range(20_000))
+        return 1
+
+    monkeypatch.setattr(gpu_profile, "_engine_step", step)
+    res = gpu_profile._host_functions(None, 4)
+    names = [r["function"] for r in res["by_inclusive_time"]]
+    assert any("step" in n for n in names)
+    assert all(r["calls_per_step"] > 0 for r in res["by_own_time"])

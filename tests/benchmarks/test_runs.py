@@ -22,6 +22,32 @@ def test_throughput_all_systems(tiny_spec, tiny_workload, tmp_path):
     assert plots.throughput(res["records"], tmp_path / "t.png", "t").exists()
 
 
+def test_peer_sample_and_partial_records(tiny_spec, tiny_workload, tmp_path):
+    """peer_requests: HF runs the workload's first N requests and its record says so; paged
+    runs all of them; on_record sees the records after each system."""
+    seen = []
+    res = throughput.run(
+        tiny_spec,
+        [tiny_workload],
+        "cpu",
+        tmp_path,
+        systems=("paged", "hf-static"),
+        opts={"hf-static": {"batch_size": 2}},
+        peer_requests=2,
+        on_record=lambda partial: seen.append([r["system"] for r in partial["records"]]),
+        log=lambda _: None,
+    )
+    assert seen == [["paged"], ["paged", "hf-static"]]
+    paged, hf = res["records"]
+    assert paged["num_requests"] == tiny_workload.num_requests and "sample" not in paged
+    assert hf["num_requests"] == 2 and hf["sample"] == (
+        f"first 2 of the {tiny_workload.num_requests} requests"
+    )
+    assert [r["peer"] for r in res["ratios"]] == ["hf-static"]
+    table = "\n".join(report._throughput({"m": res}, "dev"))
+    assert "first 2 of the" in table
+
+
 def test_memory_waste_and_sharing(tiny_spec, tiny_workload):
     res = memory.run(
         tiny_spec, tiny_workload, tiny_workload, "cpu", widths=(2,), log=lambda _: None
@@ -85,6 +111,14 @@ def test_report_only_shows_measured_devices(tmp_path):
     (tmp_path / "cpu" / "results.json").write_text(json.dumps(run))
     text = report.write(tmp_path).read_text()
     assert "## cpu" in text and "Not yet measured" in text and "ModuleNotFoundError" in text
+    # a GPU run in a folder named by the device (h100/), with its own notes, cut short
+    gpu = {**run, "env": {**run["env"], "device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}}
+    (tmp_path / "h100").mkdir()
+    (tmp_path / "h100" / "results.json").write_text(json.dumps(gpu))
+    (tmp_path / "h100" / "README.md").write_text("notes")
+    text = report.write(tmp_path).read_text()
+    assert "## h100: NVIDIA H100 80GB HBM3" in text and "GPU\n\nNot yet measured" not in text
+    assert "[h100/README.md](./h100/README.md)" in text and "cut short before its end" in text
 
 
 def test_run_all_writes_results_and_report(tiny_spec, tmp_path, monkeypatch):

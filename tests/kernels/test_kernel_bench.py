@@ -18,3 +18,13 @@ def test_kernel_bench_smoke(tmp_path):
         assert row["paged_ms"] > 0 and row["sdpa_ms"] > 0
         assert row["max_abs_diff_vs_sdpa"] < 5e-2
     assert saved["meaningful"] == kernel_bench.HAS_CUDA
+
+
+def test_split_sweep_smoke(tmp_path):
+    """--split-sweep: every forced split count timed at each shape, beside the heuristic's pick."""
+    kernel_bench.main(["--split-sweep", "--smoke", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "split_sweep.json").read_text())
+    assert rows
+    for row in rows:
+        assert row["heuristic"] >= 1
+        assert all(row[f"splits_{s}_ms"] > 0 for s in (1, 2, 4, 8))

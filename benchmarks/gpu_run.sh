@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
+#   device run:                   bash benchmarks/gpu_run.sh diag | final | next
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
@@ -13,10 +14,17 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase9
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
-# phase1: versions and GPU; GPU-marked tests; decode-kernel benchmark (vs copy bandwidth and
+# phase1: versions and GPU; every kernel test natively; decode-kernel benchmark (vs copy bandwidth and
 #         SDPA); the nano-vllm workload on the Qwen3-0.6B config (bf16, seeded random weights)
-#         through paged, HF generate and HF continuous batching in one run; a torch-profiler
+#         through paged, HF generate and HF continuous batching (the peers on the first 64
+#         requests: the whole workload outlasts the call) in one run; a torch-profiler
 #         summary at batch 256 (top kernels, host ms per step, GPU idle fraction, engine start).
+# diag:   where a batch-256 step's host time goes (cProfile, CUDA runtime calls, sync points) and
+#         the engine start's first seconds (imports, config, tokenizer).
+# final:  the first GPU session's last call: native tests, kernel_bench --split-sweep,
+#         gpu_profile with torch-op norms against the Triton kernel, nano-vllm vs HF continuous.
+# next:   what that session left open: engine tests natively one at a time, gpu_profile at batch
+#         64 (two splits in the graphs), HF continuous batching on 16 requests.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -174,6 +182,19 @@ case "$PHASE" in
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 64 --out "$OUT" \
       --no-report --note "issue 14 final"
     ;;
+  next)  # what issue 14's first GPU session left open, in one call of ~7 minutes
+    step 20 versions versions
+    step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
+      tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
+      tests/engine/test_async_scheduling.py tests/engine/test_norm.py
+    # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
+    step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
+      --out "$OUT/batch64"
+    # HF continuous batching did not finish 64 requests in ~115 s: 16 this time
+    step 200 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \
+      --no-report --note "issue 14 next"
+    ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
@@ -302,7 +323,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -239,13 +239,16 @@ class RotaryEmbedding(nn.Module):
 
     _tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    def has_tables(self, positions: torch.Tensor) -> bool:
+        """Whether `rotate_heads` can rotate heads at `positions` (tables from begin_forward)."""
+        return self._tables is not None and self._tables[0] is positions
+
     def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """x: [T, N, D] (q and k heads side by side, maybe a strided view) -> rotated [T, N, D]
         in x's dtype, or None when `begin_forward` did not prepare tables for `positions`."""
-        tables = self._tables
-        if tables is None or tables[0] is not positions:
+        if not self.has_tables(positions):
             return None
-        _, cos, sin = tables
+        _, cos, sin = self._tables  # type: ignore[misc]
         t, n, d = x.shape
         xf = x.float()
         swapped = xf.view(t, n, 2, d // 2).flip(2).view(t, n, d)  # [x2, x1]

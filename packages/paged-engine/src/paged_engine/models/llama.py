@@ -91,8 +91,15 @@ class LlamaAttention(nn.Module):
                 return self.o_proj(self.attn(q, k, v, kv_cache, md))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
-            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
-            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1, self.head_dim)
+            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1, self.head_dim)
+            if self.rotary_emb.has_tables(positions):  # the normed heads rotated in one go
+                heads = self.q_size // self.head_dim
+                rotated = self.rotary_emb.rotate_heads(positions, torch.cat((q, k), dim=1))
+                assert rotated is not None
+                q, k = rotated[:, :heads].reshape(t, -1), rotated[:, heads:].reshape(t, -1)
+                return self.o_proj(self.attn(q, k, v, kv_cache, md))
+            q, k = q.reshape(t, -1), k.reshape(t, -1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 

@@ -190,10 +190,15 @@ case "$PHASE" in
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"
-    # HF continuous batching did not finish 64 requests in ~115 s: 16 this time
-    step 200 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+    # HF continuous batching did not finish 64 requests in ~115 s: 16 this time, with its
+    # defaults, then without its CUDA graphs (on CUDA it may capture one per new batch shape)
+    step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \
       --no-report --note "issue 14 next"
+    step 120 hf-cb-no-graphs $PY -m benchmarks.run_all --only throughput \
+      --model-config qwen3-0.6b --workloads nano-vllm --systems hf-continuous --hf-requests 16 \
+      --hf-cb-options '{"use_cuda_graph": false}' --out "$OUT/hf-cb-no-graphs" --no-report \
+      --note "issue 14 next: HF continuous batching without CUDA graphs"
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

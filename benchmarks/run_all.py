@@ -60,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")
     p.add_argument(
+        "--hf-cb-options",
+        type=json.loads,
+        default={},
+        help="JSON of ContinuousBatchingConfig fields for HF continuous batching, e.g. "
+        "'{\"use_cuda_graph\": false}'",
+    )
+    p.add_argument(
         "--hf-requests",
         type=int,
         default=None,
@@ -295,6 +302,8 @@ def hf_options(args: argparse.Namespace, device: str, wls) -> dict:
             for wl in wls
         )
         opts["hf-continuous"] = {"num_blocks": need + 4, "max_batch_tokens": 2048}
+    if args.hf_cb_options:
+        opts["hf-continuous"] = {**opts.get("hf-continuous", {}), **args.hf_cb_options}
     return opts
 
 

@@ -134,3 +134,14 @@ def test_run_all_writes_results_and_report(tiny_spec, tmp_path, monkeypatch):
     assert "error" not in res["sections"]["memory"], res["sections"]["memory"]
     text = (tmp_path / "out" / "README.md").read_text()
     assert "### memory" in text and "GPU" in text
+
+
+def test_hf_options_take_continuous_batching_fields():
+    from benchmarks import run_all, workloads
+
+    args = run_all.parse_args(["--hf-cb-options", '{"use_cuda_graph": false}'])
+    wls = [workloads.nano_vllm(2, (8, 8), (4, 4))]
+    opts = run_all.hf_options(args, "cuda", wls)
+    assert opts["hf-continuous"] == {"use_cuda_graph": False}
+    cpu = run_all.hf_options(args, "cpu", wls)["hf-continuous"]
+    assert cpu["use_cuda_graph"] is False and cpu["num_blocks"] > 0  # the CPU pool sizing stays

@@ -246,6 +246,13 @@ def test_triton_path_matches_torch_reference(model_dir):
     kw = dict(model=str(model_dir), dtype="float32", max_model_len=96, max_num_batched_tokens=48)
     torch_out = _greedy(LLM(attention_backend="torch", **kw), prompts, max_tokens=4)
     triton_llm = LLM(attention_backend="triton", **kw)
+    # the Triton backend runs its norms through paged_kernels.rms_norm too (use_triton_norms)
+    from paged_engine.layers.norm import RMSNorm
+    from paged_kernels import rms_norm
+
+    model = triton_llm.llm_engine.engine_core.executor.worker.model_runner.model
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is rms_norm for m in norms)
     assert _greedy(triton_llm, prompts, max_tokens=4) == torch_out
     assert triton_llm.get_stats().num_used_blocks == 0
 

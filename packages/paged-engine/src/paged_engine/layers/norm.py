@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
 
 
 def use_triton_norms(model: nn.Module) -> int:
-    """Run every plain RMSNorm of `model` through paged_kernels.rms_norm (CUDA, Triton backend):
+    """Run every plain RMSNorm of `model` through paged_kernels.rms_norm (the Triton backend):
     one kernel a norm instead of four (upcast, norm, downcast, weight), with the same roundings
     (fp32 statistics; a 16-bit row rounded before the weight). Subclasses that round otherwise
     (Gemma's) keep the torch ops. Returns how many norms it switched."""

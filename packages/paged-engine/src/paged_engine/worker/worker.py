@@ -107,10 +107,8 @@ class Worker:
         model.eval()
         if invariant is not None:
             make_batch_invariant(model, invariant)
-        elif self.device.type == "cuda" and (
-            resolve_backend_name(config.attention_backend, self.device) == "triton"
-        ):
-            use_triton_norms(model)
+        elif resolve_backend_name(config.attention_backend, self.device) == "triton":
+            use_triton_norms(model)  # CUDA's default; on a CPU, Triton's interpreter
         backend = get_attention_backend(
             config.attention_backend,
             self.device,

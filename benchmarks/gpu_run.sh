@@ -190,7 +190,7 @@ case "$PHASE" in
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"
-    # HF continuous batching did not finish 64 requests in ~115 s: 16 this time, with its
+    # HF continuous batching did not finish 64 requests in ~113 s: 16 this time, with its
     # defaults, then without its CUDA graphs (on CUDA it may capture one per new batch shape)
     step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \

@@ -24,7 +24,8 @@
 # final:  the first GPU session's last call: native tests, kernel_bench --split-sweep,
 #         gpu_profile with torch-op norms against the Triton kernel, nano-vllm vs HF continuous.
 # next:   what that session left open: engine tests natively one at a time, gpu_profile at batch
-#         64 (two splits in the graphs), HF continuous batching on 16 requests.
+#         64 (two splits in the graphs), HF continuous batching on 16 requests (its default, and
+#         with its CUDA graphs forced on).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -190,15 +191,16 @@ case "$PHASE" in
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"
-    # HF continuous batching did not finish 64 requests in ~113 s: 16 this time, with its
-    # defaults, then without its CUDA graphs (on CUDA it may capture one per new batch shape)
+    # HF continuous batching did not finish 64 requests in ~113 s: 16 this time. With
+    # paged|sdpa (the image has no flash-attn) it builds attention masks every step and, by its
+    # own heuristic, runs without CUDA graphs; then once with its graphs forced on
     step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \
       --no-report --note "issue 14 next"
-    step 120 hf-cb-no-graphs $PY -m benchmarks.run_all --only throughput \
+    step 120 hf-cb-graphs $PY -m benchmarks.run_all --only throughput \
       --model-config qwen3-0.6b --workloads nano-vllm --systems hf-continuous --hf-requests 16 \
-      --hf-cb-options '{"use_cuda_graph": false}' --out "$OUT/hf-cb-no-graphs" --no-report \
-      --note "issue 14 next: HF continuous batching without CUDA graphs"
+      --hf-cb-options '{"use_cuda_graph": true}' --out "$OUT/hf-cb-graphs" --no-report \
+      --note "issue 14 next: HF continuous batching with its CUDA graphs forced on"
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

@@ -137,16 +137,16 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
     return out
 
 
-def _torch_norms(engine) -> bool:
-    """Whether the engine's RMSNorms run on torch ops (no Triton kernel set)."""
+def _norms(engine) -> str:
+    """What the engine's RMSNorms run on: "torch ops", "paged_kernels.rms_norm", or "unknown"
+    (workers in other processes)."""
     from paged_engine.layers.norm import RMSNorm
 
     worker = getattr(engine.engine_core.executor, "worker", None)  # in-process workers only
     if worker is None:
-        return False
-    model = worker.model_runner.model
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
-    return not any(m.kernel is not None for m in norms)
+        return "unknown"
+    norms = [m for m in worker.model_runner.model.modules() if isinstance(m, RMSNorm)]
+    return "paged_kernels.rms_norm" if any(m.kernel is not None for m in norms) else "torch ops"
 
 
 def _host_functions(engine, steps: int, top: int = 25) -> dict:
@@ -189,6 +189,8 @@ def _sync_points(engine, steps: int) -> list[dict]:
     sites: dict[str, dict] = {}
 
     def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if str(message).startswith("Synchronization debug mode is a prototype"):
+            return  # torch's notice on switching the mode on, not a sync
         frames = [
             f"{Path(f.filename).name}:{f.lineno}({f.name})"
             for f in traceback.extract_stack()[:-1]
@@ -282,7 +284,7 @@ def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **
         "num_preemptions": stats.num_preemptions,
         "async_scheduling": engine.config.async_scheduling,
         "engine": {k: v for k, v in engine_kw.items()},
-        "norms": "torch ops" if _torch_norms(engine) else "paged_kernels.rms_norm",
+        "norms": _norms(engine),
         **summary,
     }
 

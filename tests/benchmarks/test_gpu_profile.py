@@ -72,6 +72,7 @@ def test_sync_points_name_each_call_site_once(monkeypatch):
     monkeypatch.setattr(gpu_profile.torch.cuda, "set_sync_debug_mode", modes.append)
 
     def step(engine):
+        warnings.warn("Synchronization debug mode is a prototype feature", stacklevel=1)
         for _ in range(2):
             warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
         return 1

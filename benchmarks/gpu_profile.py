@@ -17,7 +17,8 @@
 3. Where the host time goes: the CUDA runtime calls by host time (from the same trace), the
    Python functions of `--steps` more steps under cProfile (by own and by inclusive time), and
    on CUDA the ops that synchronize with the device in 3 steps (torch's sync debug mode: each
-   call site with its paged frames).
+   call site with its paged frames). Requests ask for an output every step, as the server's do;
+   `--final-only` for the final output alone, as `LLM.generate`'s (less host work a step).
 
 Writes `gpu_profile.json` (and nothing large: the raw trace stays in the work dir).
 """
@@ -214,7 +215,15 @@ def _sync_points(engine, steps: int) -> list[dict]:
     return sorted(sites.values(), key=lambda s: -s["count"])
 
 
-def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **engine_kw) -> dict:
+def run(
+    model_dir: Path,
+    device: str,
+    batch: int,
+    steps: int,
+    work_dir: Path,
+    final_only: bool = False,
+    **engine_kw,
+) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.workloads import nano_vllm
@@ -238,7 +247,9 @@ def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **
     )
     for i, r in enumerate(wl.requests):
         params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=r.max_tokens)
-        engine.add_request(f"p{i}", {"prompt_token_ids": r.prompt_token_ids}, params)
+        engine.add_request(
+            f"p{i}", {"prompt_token_ids": r.prompt_token_ids}, params, final_only=final_only
+        )
     t0 = time.perf_counter()
     warm_steps, full = 0, 0
     while full < 3:  # prefill (chunked or not) done: every request gets a token, 3 steps running
@@ -285,6 +296,7 @@ def run(model_dir: Path, device: str, batch: int, steps: int, work_dir: Path, **
         "async_scheduling": engine.config.async_scheduling,
         "engine": {k: v for k, v in engine_kw.items()},
         "norms": _norms(engine),
+        "outputs": "final only (as LLM.generate)" if final_only else "every step (as served)",
         **summary,
     }
 
@@ -317,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         "--torch-norms",
         action="store_true",
         help="RMSNorm on torch ops (4 kernels a norm) instead of the Triton kernel: the A/B",
+    )
+    p.add_argument(
+        "--final-only",
+        action="store_true",
+        help="requests ask for their final output only, as LLM.generate's do (default: an "
+        "output every step, as the server's)",
     )
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/paged-bench"))
     p.add_argument("--out", type=Path, default=Path("."))
@@ -352,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "env": environment(device),
         "model": spec.origin,
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        **run(spec.path, device, batch, steps, args.work_dir, **engine_kw),
+        **run(spec.path, device, batch, steps, args.work_dir, args.final_only, **engine_kw),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_profile.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -24,7 +24,7 @@
 # final:  the first GPU session's last call: native tests, kernel_bench --split-sweep,
 #         gpu_profile with torch-op norms against the Triton kernel, nano-vllm vs HF continuous.
 # next:   what that session left open: engine tests natively one at a time, gpu_profile at batch
-#         64 (two splits in the graphs), HF continuous batching on 16 requests (its default, and
+#         256 with final outputs only (as LLM.generate) and at batch 64 (two splits in the graphs), HF continuous batching on 16 requests (its default, and
 #         with its CUDA graphs forced on).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
@@ -188,6 +188,10 @@ case "$PHASE" in
     step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
       tests/engine/test_async_scheduling.py tests/engine/test_norm.py
+    # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle
+    # goal; the first session's profiles asked for an output every step, as the server does
+    step 60 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --final-only --out "$OUT/final-only"
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"

@@ -23,9 +23,9 @@
 #         the engine start's first seconds (imports, config, tokenizer).
 # final:  the first GPU session's last call: native tests, kernel_bench --split-sweep,
 #         gpu_profile with torch-op norms against the Triton kernel, nano-vllm vs HF continuous.
-# next:   what that session left open: engine tests natively one at a time, gpu_profile at batch
-#         256 with final outputs only (as LLM.generate) and at batch 64 (two splits in the graphs), HF continuous batching on 16 requests (its default, and
-#         with its CUDA graphs forced on).
+# next:   what that session left open: engine tests natively one at a time, gpu_profile at
+#         batch 256 with final outputs only (as LLM.generate) and at batch 64 (two splits in the
+#         graphs), HF continuous batching on 16 requests (its default, then its graphs forced on).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs

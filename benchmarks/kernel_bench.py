@@ -91,10 +91,9 @@ def _time_paged(paged_attention, args: tuple, kw: dict, splits: int) -> tuple[fl
     return auto_ms, _time_ms(lambda: paged_attention(*args, num_splits=1, **kw))
 
 
-def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps: float) -> dict:
-    from paged_kernels import choose_num_splits, paged_attention
-    from paged_kernels._utils import device_sms
-
+def _decode_inputs(batch: int, ctx: int, cfg: dict, device: torch.device) -> tuple:
+    """paged_attention's (args, kwargs) for `batch` decode rows of `ctx` keys each, their K/V
+    blocks scattered over a random permutation of the pool, and the K/V bytes a call must read."""
     h, hk, d = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     bs, dtype = cfg["block_size"], cfg["dtype"]
     blocks_per_seq = -(-ctx // bs)
@@ -106,11 +105,21 @@ def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps:
     q = torch.randn(batch, h, d, device=device, dtype=dtype)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    scale = d**-0.5
-    out = torch.empty_like(q)
-    kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=out)
+    kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=torch.empty_like(q))
+    kv_bytes = 2 * batch * ctx * hk * d * torch.finfo(dtype).bits // 8
+    return (q, k_cache, v_cache, block_tables, cu, seq_lens, d**-0.5), kw, kv_bytes
+
+
+def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps: float) -> dict:
+    from paged_kernels import choose_num_splits, paged_attention
+    from paged_kernels._utils import device_sms
+
+    hk, d, bs = cfg["kv_heads"], cfg["head_dim"], cfg["block_size"]
+    args, kw, kv_bytes = _decode_inputs(batch, ctx, cfg, device)
+    q, k_cache, v_cache, block_tables, _, _, scale = args
+    out = kw["out"]
+    blocks_per_seq = block_tables.shape[1]
     splits = choose_num_splits(batch, hk, 1, ctx, device_sms(device))
-    args = (q, k_cache, v_cache, block_tables, cu, seq_lens, scale)
     paged_ms, nosplit_ms = _time_paged(paged_attention, args, kw, splits)
     invariant_ms = _time_ms(lambda: paged_attention(*args, batch_invariant=True, **kw))
 
@@ -127,7 +136,6 @@ def _bench_one(batch: int, ctx: int, cfg: dict, device: torch.device, copy_gbps:
         diff = (_sdpa(q4, k, v, scale).squeeze(2).float() - out.float()).abs().max().item()
     except torch.OutOfMemoryError:
         sdpa_ms = diff = None
-    kv_bytes = 2 * batch * ctx * hk * d * torch.finfo(dtype).bits // 8
     gbps = kv_bytes / (paged_ms * 1e-3) / 1e9
     return {
         "batch": batch,
@@ -153,29 +161,19 @@ def split_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> 
     from paged_kernels._utils import device_sms
 
     cfg = _shapes(smoke)
-    h, hk, d, bs, dtype = (cfg[k] for k in ("heads", "kv_heads", "head_dim", "block_size", "dtype"))
     grid = [(32, 2048), (64, 2048), (64, 8192), (128, 2048)]
     grid = grid if HAS_CUDA and not smoke else [(2, 64)]
     out = []
     for batch, ctx in grid:
-        per_seq = -(-ctx // bs)
-        perm = torch.randperm(batch * per_seq, device=device).to(torch.int32)
-        k_cache = torch.randn(batch * per_seq, bs, hk, d, device=device, dtype=dtype)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(batch, h, d, device=device, dtype=dtype)
-        cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
-        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-        args = (q, k_cache, v_cache, perm.view(batch, per_seq), cu, lens, d**-0.5)
-        kw = dict(max_seqlen_q=1, max_seqlen_k=ctx, out=torch.empty_like(q))
-        kv_bytes = 2 * batch * ctx * hk * d * torch.finfo(dtype).bits // 8
+        args, kw, kv_bytes = _decode_inputs(batch, ctx, cfg, device)
         row = {"batch": batch, "context": ctx}
-        row["heuristic"] = choose_num_splits(batch, hk, 1, ctx, device_sms(device))
+        row["heuristic"] = choose_num_splits(batch, cfg["kv_heads"], 1, ctx, device_sms(device))
         for splits in (1, 2, 4, 8):
             ms = _time_ms(lambda a=args, k=kw, s=splits: paged_attention(*a, num_splits=s, **k))
             row[f"splits_{splits}_ms"] = round(ms, 5)
             row[f"splits_{splits}_of_copy_bw"] = round(kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
         out.append(row)
-        del k_cache, v_cache
+        del args, kw  # the pool, before the next shape's
     return out
 
 

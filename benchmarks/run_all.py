@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from benchmarks.models import CONFIGS
+    from benchmarks.throughput import SYSTEMS
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="small, quick runs (CI-sized on a CPU)")
@@ -54,8 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         nargs="+",
-        choices=("paged", "hf-static", "hf-continuous"),
-        default=["paged", "hf-static", "hf-continuous"],
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
         help="throughput systems to run (all three by default)",
     )
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF static batch size")

@@ -47,7 +47,7 @@ def test_half_dtypes_and_weight_offset(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_norms_match_torch_ops(dtype, device):
-    """use_triton_norms (the CUDA default on the Triton backend) switches plain RMSNorms, with
+    """use_triton_norms (what the Triton backend runs) switches plain RMSNorms, with
     or without a weight offset, to paged_kernels.rms_norm and leaves Gemma's (which rounds once,
     after the weight) on the torch ops; the kernel (Triton's interpreter here) matches the
     torch ops on decode rows, prompt rows and per-head [T, H, D] inputs."""

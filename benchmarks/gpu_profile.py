@@ -138,16 +138,49 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
     return out
 
 
-def _norms(engine) -> str:
-    """What the engine's RMSNorms run on: "torch ops", "paged_kernels.rms_norm", or "unknown"
-    (workers in other processes)."""
+def _layer_kernels(engine) -> dict[str, str]:
+    """What the engine's norms, residual adds, ropes and gated SiLUs run on: torch ops or the
+    Triton kernels the worker swapped in ("unknown": workers in other processes)."""
+    from paged_engine.layers.activation import SiluAndMul
     from paged_engine.layers.norm import RMSNorm
+    from paged_engine.layers.rotary import RotaryEmbedding
 
+    parts = {
+        "norms": (RMSNorm, "kernel", "paged_kernels.rms_norm"),
+        "residual_adds": (RMSNorm, "add_kernel", "paged_kernels.add_rms_norm"),
+        "rope": (RotaryEmbedding, "kernel", "paged_kernels.rope_qk_"),
+        "gated_silu": (SiluAndMul, "kernel", "paged_kernels.silu_and_mul"),
+    }
     worker = getattr(engine.engine_core.executor, "worker", None)  # in-process workers only
     if worker is None:
-        return "unknown"
-    norms = [m for m in worker.model_runner.model.modules() if isinstance(m, RMSNorm)]
-    return "paged_kernels.rms_norm" if any(m.kernel is not None for m in norms) else "torch ops"
+        return dict.fromkeys(parts, "unknown")
+    modules = list(worker.model_runner.model.modules())
+    return {
+        part: kernel
+        if any(isinstance(m, cls) and getattr(m, attr) is not None for m in modules)
+        else "torch ops"
+        for part, (cls, attr, kernel) in parts.items()
+    }
+
+
+def _unfuse_layers() -> None:
+    """Engines built from now on in this process run their norms as paged_kernels.rms_norm
+    alone and their residual adds, ropes and gated SiLUs on torch ops (`--unfused`)."""
+    from paged_engine.layers.norm import RMSNorm
+    from paged_engine.worker import worker
+
+    norms_only = worker.use_triton_norms
+
+    def rms_norm_alone(model) -> int:
+        switched = norms_only(model)
+        for m in model.modules():
+            if isinstance(m, RMSNorm):
+                m.add_kernel = None
+        return switched
+
+    worker.use_triton_norms = rms_norm_alone
+    worker.use_triton_rope = lambda model: 0
+    worker.use_triton_activations = lambda model: 0
 
 
 def _host_functions(engine, steps: int, top: int = 25) -> dict:
@@ -295,7 +328,7 @@ def run(
         "num_preemptions": stats.num_preemptions,
         "async_scheduling": engine.config.async_scheduling,
         "engine": {k: v for k, v in engine_kw.items()},
-        "norms": _norms(engine),
+        **_layer_kernels(engine),
         "outputs": "final only (as LLM.generate)" if final_only else "every step (as served)",
         **summary,
     }
@@ -331,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
         help="RMSNorm on torch ops (4 kernels a norm) instead of the Triton kernel: the A/B",
     )
     p.add_argument(
+        "--unfused",
+        action="store_true",
+        help="norms as paged_kernels.rms_norm alone; residual adds, rope and gated SiLU on torch "
+        "ops (the engine before its fused layer epilogues): the A/B",
+    )
+    p.add_argument(
         "--final-only",
         action="store_true",
         help="requests ask for their final output only, as LLM.generate's do (default: an "
@@ -344,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         from paged_engine.worker import worker
 
         worker.use_triton_norms = lambda model: 0  # before the engine captures its graphs
+    if args.unfused:
+        _unfuse_layers()
     batch = args.batch or (8 if args.smoke else 256)
     steps = args.steps or (4 if args.smoke else 30)
     overrides = {**({"num_hidden_layers": 2} if args.smoke else {}), **args.override_config}

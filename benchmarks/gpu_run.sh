@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
-#   device run:                   bash benchmarks/gpu_run.sh diag | final | next
+#   device run:                   bash benchmarks/gpu_run.sh diag | final | next | next2
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
@@ -23,9 +23,13 @@
 #         the engine start's first seconds (imports, config, tokenizer).
 # final:  the first GPU session's last call: native tests, kernel_bench --split-sweep,
 #         gpu_profile with torch-op norms against the Triton kernel, nano-vllm vs HF continuous.
-# next:   what that session left open: engine tests natively one at a time, gpu_profile at
-#         batch 256 with final outputs only (as LLM.generate) and at batch 64 (two splits in the
-#         graphs), HF continuous batching on 16 requests (its default, then its graphs forced on).
+# next:   what that session left open, and the fused layer epilogues (rope, add + norm, gated
+#         SiLU) that came after it: engine and fused-layer tests natively, one engine at a time;
+#         gpu_profile at batch 256 with final outputs only (as LLM.generate), fused against
+#         --unfused on one machine; the nano-vllm workload against HF continuous batching on
+#         16 requests.
+# next2:  gpu_profile at batch 64 (two splits in the graphs); HF continuous batching with its
+#         CUDA graphs forced on.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -183,24 +187,32 @@ case "$PHASE" in
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 64 --out "$OUT" \
       --no-report --note "issue 14 final"
     ;;
-  next)  # what issue 14's first GPU session left open, in one call of ~7 minutes
+  next)  # what issue 14's first GPU session left open, in one call of ~8 minutes
     step 20 versions versions
+    # engines one at a time: each sizes its KV cache to 90% of the GPU (gpu_memory_utilization)
     step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
+      tests/kernels/test_rotary.py tests/kernels/test_norm_activation.py \
+      tests/engine/test_fused_layers.py tests/engine/test_norm.py \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
-      tests/engine/test_async_scheduling.py tests/engine/test_norm.py
+      tests/engine/test_async_scheduling.py
     # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle
-    # goal; the first session's profiles asked for an output every step, as the server does
+    # goal, with the fused layer epilogues and without them (the A/B on one machine)
     step 60 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
       --final-only --out "$OUT/final-only"
-    # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
-    step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
-      --out "$OUT/batch64"
+    step 60 profile-unfused $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --final-only --unfused --out "$OUT/unfused"
     # HF continuous batching did not finish 64 requests in ~113 s: 16 this time. With
     # paged|sdpa (the image has no flash-attn) it builds attention masks every step and, by its
-    # own heuristic, runs without CUDA graphs; then once with its graphs forced on
+    # own heuristic, runs without CUDA graphs (next2 forces them on)
     step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \
       --no-report --note "issue 14 next"
+    ;;
+  next2)
+    step 20 versions versions
+    # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
+    step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
+      --out "$OUT/batch64"
     step 120 hf-cb-graphs $PY -m benchmarks.run_all --only throughput \
       --model-config qwen3-0.6b --workloads nano-vllm --systems hf-continuous --hf-requests 16 \
       --hf-cb-options '{"use_cuda_graph": true}' --out "$OUT/hf-cb-graphs" --no-report \
@@ -292,6 +304,8 @@ case "$PHASE" in
   rehearse-diag)  # CPU: the diag phase's steps on tiny sizes
     export CUDA_VISIBLE_DEVICES=""
     step 300 gpu-profile $PY -m benchmarks.gpu_profile --smoke --out "$OUT"
+    step 300 gpu-profile-unfused $PY -m benchmarks.gpu_profile --smoke --final-only --unfused \
+      --out "$OUT/unfused"
     step 40 startup-probe startup_probe /tmp/paged-bench/qwen3-0.6b-cfg
     step 40 startup-probe-offline env HF_HUB_OFFLINE=1 bash -c "startup_probe /tmp/paged-bench/qwen3-0.6b-cfg"
     ;;
@@ -303,6 +317,8 @@ case "$PHASE" in
     step 120 gpu-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels
     step 300 kernel-bench $PY -m benchmarks.kernel_bench --smoke --out "$OUT/kernels"
     step 300 gpu-profile $PY -m benchmarks.gpu_profile --smoke --out "$OUT"
+    step 300 gpu-profile-unfused $PY -m benchmarks.gpu_profile --smoke --final-only --unfused \
+      --out "$OUT/unfused"
     step 300 moe-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3-30b-a3b \
       --out "$OUT/moe"
     step 400 nano-vllm $PY -m benchmarks.run_all --smoke --only throughput --model-config "$TINY" \
@@ -334,7 +350,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|next|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|next2|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -103,5 +103,29 @@ def test_cpu_run_with_final_outputs_only(tmp_path):
     assert gpu_profile.main([*args, "--out", str(tmp_path), "--work-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu_profile.json").read_text())
     assert res["outputs"].startswith("final only") and res["norms"] == "torch ops"
+    assert res["rope"] == res["residual_adds"] == res["gated_silu"] == "torch ops"  # CPU backend
     assert res["batch"] == 2 and res["steps"] == 2 and res["gpu_idle_fraction"] is None
     assert res["host_functions"]["by_inclusive_time"] and res["decode_tokens_per_s_unprofiled"] > 0
+
+
+def test_layer_kernels_and_unfused(tmp_path, monkeypatch):
+    """The record names the kernels the Triton backend swapped into the layers; --unfused
+    leaves the norms alone on their kernel (the engine before the fused epilogues)."""
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_model
+    from paged_engine.worker import worker
+
+    kw = dict(model=str(write_tiny_model(tmp_path, "qwen3")), attention_backend="triton")
+    kw.update(dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
+    fused = gpu_profile._layer_kernels(LLM(**kw).llm_engine)
+    assert fused == {
+        "norms": "paged_kernels.rms_norm",
+        "residual_adds": "paged_kernels.add_rms_norm",
+        "rope": "paged_kernels.rope_qk_",
+        "gated_silu": "paged_kernels.silu_and_mul",
+    }
+    for name in ("use_triton_norms", "use_triton_rope", "use_triton_activations"):
+        monkeypatch.setattr(worker, name, getattr(worker, name))  # restored after the test
+    gpu_profile._unfuse_layers()
+    unfused = gpu_profile._layer_kernels(LLM(**kw).llm_engine)
+    assert unfused == {**dict.fromkeys(fused, "torch ops"), "norms": "paged_kernels.rms_norm"}

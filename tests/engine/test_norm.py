@@ -51,7 +51,8 @@ def test_triton_norms_match_torch_ops(dtype, device):
     or without a weight offset, to paged_kernels.rms_norm and leaves Gemma's (which rounds once,
     after the weight) on the torch ops; the kernel (Triton's interpreter here) matches the
     torch ops on decode rows, prompt rows and per-head [T, H, D] inputs."""
-    from paged_engine.layers.norm import GemmaRMSNorm, use_triton_norms
+    from paged_engine.layers.norm import GemmaRMSNorm
+    from paged_engine.layers.triton_layers import use_triton_norms
 
     torch.manual_seed(0)
     plain, offset, gemma = RMSNorm(64, 1e-6), RMSNorm(64, 1e-5, weight_offset=1.0), GemmaRMSNorm(64)

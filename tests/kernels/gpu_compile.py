@@ -3,15 +3,17 @@
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
-fp8_linear, rms_norm, layer_norm, logsumexp, fused_moe, lora_shrink, lora_expand, causal_conv1d,
-gated_delta_rule (a gate per head or per key channel), ssd_scan, selective_scan) is called on CPU
-tensors with its Triton kernels swapped for recorders: a launch records its arguments instead of
-running. Every
-recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles
-ptxas), with the wrapper's own constexprs, warps and stages and the launcher's run-time
-specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type errors,
-unsupported ops and shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then
-reports the registers each thread spills (`--no-spills` makes a spill an error). Prints one line
+fp8_linear, rms_norm, add_rms_norm, layer_norm, logsumexp, rope_qk_, silu_and_mul, fused_moe,
+lora_shrink, lora_expand, causal_conv1d, gated_delta_rule (a gate per head or per key channel),
+ssd_scan, selective_scan) is called on CPU tensors with its Triton kernels swapped for
+recorders: a launch records its arguments instead of running. Every recorded launch is then
+compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with the wrapper's
+own constexprs, warps, stages and fp-fusion switch and the launcher's run-time specialisation of
+the arguments (16-divisible pointers and ints, ints equal to 1), so type errors, unsupported ops
+and shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then reports the
+registers each thread spills (`--no-spills` makes a spill an error). A launch that turns fp
+fusion off (to round each product as torch does) must hold no fp32 fused multiply-add in its
+PTX. Prints one line
 per launch, "ok" or the error, and exits 1 on any error. What it cannot check: numerics (the
 interpreter tests do) and runtime behaviour."""
 
@@ -82,7 +84,8 @@ def compile_launch(fn, args: tuple, kwargs: dict, arch: int):
     the GPU build vectorise loads and pipeline them through shared memory (without the marks,
     loads are scalar: more registers, no cp.async). Parameters in the kernel's
     do_not_specialize lists are left unmarked, as at run time."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    launch_options = ("num_warps", "num_stages", "enable_fp_fusion")
+    options = {k: kwargs.pop(k) for k in launch_options if k in kwargs}
     names = [p.name for p in fn.params]
     values = dict(zip(names, args))
     values.update(kwargs)
@@ -127,6 +130,7 @@ def spilled_bytes(kernel, arch: int) -> int | None:
 
 def record_launches() -> list[tuple[str, object, tuple, dict]]:
     """(label, kernel, args, kwargs) of every launch of a matrix of wrapper calls."""
+    import paged_kernels.activation as activation
     import paged_kernels.attention as attention
     import paged_kernels.gemm as gemm
     import paged_kernels.kv_cache as kv_cache
@@ -136,11 +140,13 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.mla as mla
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
+    import paged_kernels.rotary as rotary
     import paged_kernels.softmax as softmax
     import paged_kernels.ssd as ssd
 
     modules = (
-        attention, gemm, kv_cache, linear_attention, lora, mamba1, mla, moe, norm, softmax, ssd,
+        activation, attention, gemm, kv_cache, linear_attention, lora, mamba1, mla, moe, norm,
+        rotary, softmax, ssd,
     )  # fmt: skip
     launches: list = []
     for mod in modules:
@@ -312,6 +318,29 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         call(f"rms_norm {dtype}", norm.rms_norm, x, w[0], 1e-6, 1.0)
         call(f"layer_norm {dtype}", norm.layer_norm, x, w[0], w[1], 1e-5)
         call(f"logsumexp {dtype}", softmax.logsumexp, torch.zeros(2, 151936, dtype=dtype))
+    # the layer epilogues at Qwen3-0.6B's sizes (16 q / 8 kv heads of 128, hidden 1024,
+    # intermediate 3072) and Llama-3.1-8B's; GLM-4's GPT-J pairs over half of each head
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.zeros(3, 1024, dtype=dtype)
+        call(f"add_rms_norm {dtype}", norm.add_rms_norm, x, x.clone(), x[0], 1e-6)
+        call(f"silu_and_mul {dtype}", activation.silu_and_mul, torch.zeros(3, 6144, dtype=dtype))
+    table = torch.zeros(4096, 64)
+    for label, dtype, (hq, hk, d), rot, kw in (
+        ("Qwen3 bf16, q/k norms", torch.bfloat16, (16, 8, 128), 64, {"norm": True}),
+        ("Llama-3.1-8B bf16", torch.bfloat16, (32, 8, 128), 64, {}),
+        ("GLM-4 fp16, GPT-J half rotary", torch.float16, (32, 2, 128), 32, {"neox": False}),
+        ("fp32 D=80, partial", torch.float32, (8, 8, 80), 16, {}),
+    ):
+        qkv = torch.zeros(3, (hq + 2 * hk) * d, dtype=dtype)
+        weights = {}
+        if kw.get("norm"):
+            weights = {
+                "q_weight": torch.zeros(d, dtype=dtype),
+                "k_weight": torch.zeros(d, dtype=dtype),
+            }
+        cs = table[:, :rot].contiguous()
+        call(f"rope_qk_ {label}", rotary.rope_qk_, qkv, torch.zeros(3, dtype=torch.int64), cs,
+             cs.clone(), hq, hk, d, is_neox_style=kw.get("neox", True), **weights)  # fmt: skip
     call(
         "rms_norm bf16 hidden 8192",
         lambda: norm.rms_norm(
@@ -488,6 +517,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             kernel = compile_launch(fn, a, dict(kw), args.arch)
+            if kw.get("enable_fp_fusion") is False and "fma.rn.f32" in kernel.asm["ptx"]:
+                raise RuntimeError("fp fusion is off, yet the PTX holds fma.rn.f32")
             shared, limit = kernel.metadata.shared, MAX_SHARED.get(args.arch)
             if limit is not None and shared > limit:
                 raise RuntimeError(f"{shared} B of shared memory > sm_{args.arch}'s {limit} B")

@@ -21,6 +21,7 @@ from paged_kernels.reference import (
     fp8_to_float,
     lora_segments,
     quantize_fp8_per_channel,
+    ref_add_rms_norm,
     ref_causal_conv1d,
     ref_copy_blocks,
     ref_fp8_linear,
@@ -35,7 +36,9 @@ from paged_kernels.reference import (
     ref_paged_attention,
     ref_quantize,
     ref_rms_norm,
+    ref_rope_qk,
     ref_selective_scan,
+    ref_silu_and_mul,
     ref_ssd_scan,
     ref_swap_blocks,
     ref_write_kv_cache,
@@ -44,6 +47,7 @@ from paged_kernels.reference import (
 __version__ = "0.1.0"
 
 _KERNELS = {
+    "add_rms_norm": "paged_kernels.norm",
     "choose_num_splits": "paged_kernels.attention",
     "paged_attention": "paged_kernels.attention",
     "align_moe_blocks": "paged_kernels.moe",
@@ -59,7 +63,9 @@ _KERNELS = {
     "lora_shrink": "paged_kernels.lora",
     "matmul": "paged_kernels.gemm",
     "rms_norm": "paged_kernels.norm",
+    "rope_qk_": "paged_kernels.rotary",
     "selective_scan": "paged_kernels.mamba1",
+    "silu_and_mul": "paged_kernels.activation",
     "ssd_scan": "paged_kernels.ssd",
     "swap_blocks": "paged_kernels.kv_cache",
     "write_kv_cache": "paged_kernels.kv_cache",
@@ -71,6 +77,7 @@ __all__ = [
     "Fp8Weight",
     "MoeActivation",
     "Mxfp4Weight",
+    "add_rms_norm",
     "alibi_slopes",
     "align_moe_blocks",
     "causal_conv1d",
@@ -91,6 +98,7 @@ __all__ = [
     "mla_attention",
     "paged_attention",
     "quantize_fp8_per_channel",
+    "ref_add_rms_norm",
     "ref_causal_conv1d",
     "ref_copy_blocks",
     "ref_fp8_linear",
@@ -105,12 +113,16 @@ __all__ = [
     "ref_paged_attention",
     "ref_quantize",
     "ref_rms_norm",
+    "ref_rope_qk",
     "ref_selective_scan",
+    "ref_silu_and_mul",
     "ref_ssd_scan",
     "ref_swap_blocks",
     "ref_write_kv_cache",
     "rms_norm",
+    "rope_qk_",
     "selective_scan",
+    "silu_and_mul",
     "ssd_scan",
     "swap_blocks",
     "triton_available",
@@ -118,6 +130,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from paged_kernels.activation import silu_and_mul
     from paged_kernels.attention import choose_num_splits, paged_attention
     from paged_kernels.gemm import fp8_linear, matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
@@ -126,7 +139,8 @@ if TYPE_CHECKING:
     from paged_kernels.mamba1 import selective_scan
     from paged_kernels.mla import mla_attention
     from paged_kernels.moe import align_moe_blocks, fused_moe
-    from paged_kernels.norm import layer_norm, rms_norm
+    from paged_kernels.norm import add_rms_norm, layer_norm, rms_norm
+    from paged_kernels.rotary import rope_qk_
     from paged_kernels.softmax import logsumexp
     from paged_kernels.ssd import ssd_scan
 

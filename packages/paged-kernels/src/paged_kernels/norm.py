@@ -1,4 +1,5 @@
-"""Row norms with a fixed reduction order: RMSNorm and LayerNorm, one program per row.
+"""Row norms with a fixed reduction order: RMSNorm (alone, or after a residual add) and
+LayerNorm, one program per row.
 
 torch's CUDA reductions choose how many threads and blocks share a row from the tensor's shape,
 so a row's sum can change with the number of rows. Here one program reduces one whole row
@@ -50,6 +51,34 @@ def _rms_norm_kernel(
         (y * w).to(out_ptr.dtype.element_ty),
         mask=ok,
     )
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [rows, N]
+    r_ptr,  # [rows, N] the residual stream
+    w_ptr,  # [N]
+    out_ptr,  # [rows, N] rms_norm(x + r)
+    sum_ptr,  # [rows, N] x + r
+    stride_x,
+    stride_r,
+    N,
+    eps,
+    BLOCK: tl.constexpr,
+    ROUND_BEFORE_WEIGHT: tl.constexpr,
+):
+    x, offs, ok = _load_row(x_ptr, stride_x, N, BLOCK)
+    r, _, _ = _load_row(r_ptr, stride_r, N, BLOCK)
+    row = tl.program_id(0).to(tl.int64) * N
+    total = (x + r).to(sum_ptr.dtype.element_ty)  # rounded as torch's x + r is
+    tl.store(sum_ptr + row + offs, total, mask=ok)
+    t = total.to(tl.float32)
+    y = t * tl.rsqrt(tl.sum(t * t, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_BEFORE_WEIGHT:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = w.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row + offs, (y * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -121,6 +150,43 @@ def rms_norm(
             num_warps=_warps(block),
         )
     return out.view(x.shape)
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [..., N]
+    residual: torch.Tensor,  # [..., N], x's shape and dtype
+    weight: torch.Tensor,  # [N]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual, weight, eps), x + residual) in one kernel: the sum rounded to
+    x's dtype as torch's `+` rounds it, then normalised as `rms_norm` does (a pre-norm
+    decoder's residual add and the next norm). Both outputs are new tensors."""
+    check(weight.dim() == 1, "weight must be [N]")
+    check(residual.shape == x.shape, f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+    check(residual.dtype == x.dtype, f"residual is {residual.dtype}, x {x.dtype}")
+    x2 = _rows(x, weight.shape[0], "weight")
+    r2 = _rows(residual, weight.shape[0], "weight")
+    for name, t in (("weight", weight), ("residual", residual)):
+        check(t.device == x.device, f"{name} on {t.device}, x on {x.device}")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # dense rows of N
+    total = torch.empty_like(out)
+    if x2.shape[0]:
+        block = next_pow2(x2.shape[1])
+        _add_rms_norm_kernel[(x2.shape[0],)](
+            x2,
+            r2,
+            weight.contiguous(),
+            out,
+            total,
+            x2.stride(0),
+            r2.stride(0),
+            x2.shape[1],
+            float(eps),
+            BLOCK=block,
+            ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
+            num_warps=_warps(block),
+        )
+    return out.view(x.shape), total.view(x.shape)
 
 
 def layer_norm(

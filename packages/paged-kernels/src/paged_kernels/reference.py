@@ -255,9 +255,58 @@ def ref_layer_norm(
     return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(x.dtype)
 
 
+def ref_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the sum rounded to x's dtype, then normalised."""
+    total = x + residual
+    return ref_rms_norm(total, weight, eps), total
+
+
 def ref_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """[rows, N] -> [rows, 1] fp32."""
     return x.float().logsumexp(-1, keepdim=True)
+
+
+# ---- Layer epilogues (rotary.py, activation.py): fused forms of paged_engine's torch layers
+
+
+def ref_rope_qk(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    is_neox_style: bool = True,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """A copy of qkv [T, W] with its q and k heads (normalised, then) rotated in float32:
+    o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin over the first R = 2 * cos.shape[1] dims."""
+    t, hq, hk = qkv.shape[0], num_q_heads, num_kv_heads
+    out = qkv.clone()
+    heads = out[:, : (hq + hk) * head_dim].view(t, hq + hk, head_dim)
+    if q_weight is not None and k_weight is not None:
+        heads[:, :hq] = ref_rms_norm(heads[:, :hq], q_weight, eps)
+        heads[:, hq:] = ref_rms_norm(heads[:, hq:], k_weight, eps)
+    r = 2 * cos.shape[1]
+    rot = heads[..., :r].float()
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, R/2]
+    x1, x2 = rot.chunk(2, dim=-1) if is_neox_style else (rot[..., 0::2], rot[..., 1::2])
+    o1, o2 = x1 * c - x2 * s, x2 * c + x1 * s
+    rotated = torch.cat((o1, o2), -1) if is_neox_style else torch.stack((o1, o2), -1).flatten(-2)
+    heads[..., :r] = rotated.to(qkv.dtype)
+    return out
+
+
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] = (gate | up) -> silu(gate) * up [..., I], each op rounded to x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
 
 
 # ---- Mixture of experts (moe.py)

@@ -4,6 +4,7 @@ Apertus's learned xIELU."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,12 @@ from torch import nn
 class SiluAndMul(nn.Module):
     """x: [T, 2*I] holding (gate | up) -> silu(gate) * up: [T, I]."""
 
+    # paged_kernels.silu_and_mul where the Triton backend runs (triton_layers.py)
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -22,6 +22,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     kernel: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, weight_offset)
+    # (x, residual, weight, eps) -> (norm(x + residual), x + residual): triton_layers.py
+    add_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual): a pre-norm decoder's residual add and the norm
+        after it, in one kernel where `add_kernel` is set (the same roundings)."""
+        if self.add_kernel is not None and x.shape == residual.shape and x.dtype == residual.dtype:
+            return self.add_kernel(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
         if self.kernel is not None:
@@ -53,21 +65,6 @@ class RMSNorm(nn.Module):
         return x.mul(var.rsqrt_()).mul_(self.weight)
 
     _consts: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-def use_triton_norms(model: nn.Module) -> int:
-    """Run every plain RMSNorm of `model` through paged_kernels.rms_norm (the Triton backend):
-    one kernel a norm instead of four (upcast, norm, downcast, weight), with the same roundings
-    (fp32 statistics; a 16-bit row rounded before the weight). Subclasses that round otherwise
-    (Gemma's) keep the torch ops. Returns how many norms it switched."""
-    from paged_kernels import rms_norm
-
-    switched = 0
-    for module in model.modules():
-        if type(module) is RMSNorm and module.kernel is None:
-            module.kernel = rms_norm
-            switched += 1
-    return switched
 
 
 class GemmaRMSNorm(RMSNorm):

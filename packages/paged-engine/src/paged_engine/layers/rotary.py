@@ -11,13 +11,15 @@ longrope), as HF scales its cos/sin.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
 import torch
 from torch import nn
+
+from paged_engine.layers.norm import RMSNorm
 
 # The engine's max_model_len while a model is built (`rope_context_len`): the longest sequence
 # the ropes serve, which picks longrope's factor set. None: the config's max_position_embeddings.
@@ -227,8 +229,8 @@ class RotaryEmbedding(nn.Module):
         NeoX style over the whole head: out = x * [cos, cos] + swap_halves(x) * [-sin, sin],
         the same products and sums as `_rotate` (x1*cos + x2*(-sin) == x1*cos - x2*sin exactly).
         """
-        if not (self.is_neox_style and self.rotary_dim == self.head_dim):
-            self._tables = None
+        if self.kernel is not None or not (self.is_neox_style and self.rotary_dim == self.head_dim):
+            self._tables = None  # the kernel (rotate_qkv_) reads cos / sin itself
             return
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
         self._tables = (
@@ -253,6 +255,48 @@ class RotaryEmbedding(nn.Module):
         xf = x.float()
         swapped = xf.view(t, n, 2, d // 2).flip(2).view(t, n, d)  # [x2, x1]
         return (xf * cos + swapped * sin).to(x.dtype)
+
+    # paged_kernels.rope_qk_ where the Triton backend runs (triton_layers.py): rotate_qkv_
+    kernel: Callable[..., torch.Tensor] | None = None
+
+    def rotate_qkv_(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> bool:
+        """With the kernel set, in one kernel: (q_norm / k_norm on each head, then) rotate the
+        q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place, the same values as the norms and
+        `forward`. False, qkv untouched, without the kernel, where the rows are not dense, or
+        where the norms are not a pair of plain RMSNorms with one eps (Gemma's round
+        otherwise)."""
+        if self.kernel is None or qkv.dim() != 2 or qkv.stride(1) != 1:
+            return False
+        weights: dict = {}
+        norms = [n for n in (q_norm, k_norm) if n is not None]
+        if norms:
+            plain = all(
+                type(n) is RMSNorm and not n.weight_offset and n.weight.shape == (self.head_dim,)
+                for n in norms
+            )
+            if len(norms) != 2 or not plain or norms[0].eps != norms[1].eps:
+                return False
+            weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps)
+        self.kernel(
+            qkv,
+            positions,
+            self.cos,
+            self.sin,
+            num_q_heads,
+            num_kv_heads,
+            self.head_dim,
+            is_neox_style=self.is_neox_style,
+            **weights,
+        )
+        return True
 
     def forward(
         self,

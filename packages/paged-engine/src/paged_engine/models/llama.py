@@ -80,11 +80,15 @@ class LlamaAttention(nn.Module):
         if self.rotary_emb is None:  # NoPE
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms):  # one kernel
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, kv_cache, md))
         if not self.qk_norm:  # q and k heads rotated in one go from the model's tables
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             rotated = self.rotary_emb.rotate_heads(positions, qk)
             if rotated is not None:
-                heads = self.q_size // self.head_dim
                 q = rotated[:, :heads].reshape(t, -1)  # views: no copy
                 k = rotated[:, heads:].reshape(t, -1)
                 v = qkv[:, self.q_size + self.kv_size :]
@@ -94,7 +98,6 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1, self.head_dim)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1, self.head_dim)
             if self.rotary_emb.has_tables(positions):  # the normed heads rotated in one go
-                heads = self.q_size // self.head_dim
                 rotated = self.rotary_emb.rotate_heads(positions, torch.cat((q, k), dim=1))
                 assert rotated is not None
                 q, k = rotated[:, :heads].reshape(t, -1), rotated[:, heads:].reshape(t, -1)
@@ -136,8 +139,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        y, x = self.post_attention_layernorm.add_forward(h, x)  # x += h; y = norm(x)
+        return x + self.mlp(y)
+
+    def forward_residual(
+        self, positions, h: torch.Tensor, residual: torch.Tensor | None, kv_cache, md
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the stream kept apart: the stream is residual + h (h alone for the
+        first layer, residual None); returns (this layer's MLP output, the stream before it),
+        so each residual add runs inside the norm after it (RMSNorm.add_forward). The same
+        sums in the same order as `forward`."""
+        if residual is None:
+            y, residual = self.input_layernorm(h), h
+        else:
+            y, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(positions, y, kv_cache, md)
+        y, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(y), residual
 
 
 class LlamaModel(nn.Module):
@@ -164,6 +183,10 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers, lambda i: build_layer(i, rope)
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
+        # Llama's own layers keep the residual stream apart (forward_residual); others add it
+        self.residual_apart = all(
+            type(layer) is LlamaDecoderLayer for layer in self.stage.layers(self.layers)
+        )
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # hidden: the previous pipeline stage's output (None on the first stage)
@@ -174,7 +197,18 @@ class LlamaModel(nn.Module):
         else:
             x = hidden
         self.rotary_emb.begin_forward(positions)
-        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
+        layers = list(self.stage.layers(self.layers))
+        if self.residual_apart:
+            # the stream kept apart: every residual add fused into the norm after it
+            h, residual = x, None
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                h, residual = layer.forward_residual(positions, h, residual, kv_cache, md)
+            if residual is None:  # a stage without layers
+                return self.norm(h) if self.stage.is_last else h
+            if self.stage.is_last:
+                return self.norm.add_forward(h, residual)[0]
+            return h + residual
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             x = layer(positions, x, kv_cache, md)
         return self.norm(x) if self.stage.is_last else x
 

@@ -19,8 +19,12 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min, gather_object
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_kernels, make_batch_invariant
-from paged_engine.layers.norm import use_triton_norms
 from paged_engine.layers.quantization import fp16_gemm_available, require_fp16_gemm
+from paged_engine.layers.triton_layers import (
+    use_triton_activations,
+    use_triton_norms,
+    use_triton_rope,
+)
 from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
@@ -108,7 +112,11 @@ class Worker:
         if invariant is not None:
             make_batch_invariant(model, invariant)
         elif resolve_backend_name(config.attention_backend, self.device) == "triton":
-            use_triton_norms(model)  # CUDA's default; on a CPU, Triton's interpreter
+            # CUDA's default; on a CPU, Triton's interpreter: fused norms (with the residual
+            # adds before them), rope (with Qwen3's q/k norms) and gated SiLU
+            use_triton_norms(model)
+            use_triton_rope(model)
+            use_triton_activations(model)
         backend = get_attention_backend(
             config.attention_backend,
             self.device,

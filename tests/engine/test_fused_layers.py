@@ -1,0 +1,116 @@
+"""The fused kernels the Triton backend swaps into a model's layers (layers/triton_layers.py),
+against the torch layers they replace, inside real models (Triton's interpreter runs them here;
+natively on a GPU).
+
+- use_triton_rope: the q and k heads of each Llama-family attention layer (with Qwen3's
+  per-head q/k norms) normalised and rotated in place by paged_kernels.rope_qk_;
+- use_triton_activations: SiluAndMul as paged_kernels.silu_and_mul;
+- use_triton_norms: RMSNorms as paged_kernels.rms_norm, and in Llama's own layers each
+  residual add with the norm after it as paged_kernels.add_rms_norm (the stream kept apart).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_models import CASES, PagedRunner, load_ours, prompt
+
+from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.norm import GemmaRMSNorm, RMSNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.layers.triton_layers import (
+    use_triton_activations,
+    use_triton_norms,
+    use_triton_rope,
+)
+
+# Llama-family layers: plain NeoX rope, llama3 scaling, qk norms (Qwen3), GPT-J pairs over a
+# partial rotary (GLM-4), partial NeoX (Phi), GQA with a sliding window (Mistral). Phi's q/k
+# LayerNorms are no RMSNorms: there the torch layers run (no kernel call).
+ROPE_CASES = [
+    *CASES[:2],  # Llama plain and with llama3 scaling (and tied embeddings)
+    ("qwen3", {}),
+    ("glm4", {}),
+    ("phi", {"qk_layernorm": False}),
+    ("phi", {"qk_layernorm": True}),
+    ("mistral", {"sliding_window": 8}),
+]
+
+
+def _run(model) -> torch.Tensor:
+    """Logits of a 2-sequence prefill, a chunk and three decode steps."""
+    runner = PagedRunner(model)
+    a, b = prompt(23, seed=5), prompt(11, seed=6)
+    out = [runner.step([(0, a[:17], 0), (1, b, 0)])]
+    out.append(runner.step([(0, a[17:], 17), (1, [7], 11)]))
+    out += [runner.step([(0, [3 + i], 23 + i), (1, [9 + i], 12 + i)]) for i in range(3)]
+    return torch.cat(out)
+
+
+class _Counting:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def _count(model, cls, attr: str) -> list[_Counting]:
+    """Wrap `attr` of every `cls` module (shared instances once) in a call counter."""
+    counters = []
+    for module in {id(m): m for m in model.modules() if type(m) is cls}.values():
+        if getattr(module, attr) is not None:
+            counter = _Counting(getattr(module, attr))
+            setattr(module, attr, counter)
+            counters.append(counter)
+    return counters
+
+
+def _calls(counters: list[_Counting]) -> int:
+    return sum(c.calls for c in counters)
+
+
+@pytest.mark.parametrize(("arch", "overrides"), ROPE_CASES, ids=lambda v: str(v)[:24])
+def test_triton_layers_match_torch_layers(tiny_model_factory, arch, overrides):
+    model = load_ours(tiny_model_factory(arch, **overrides))
+    want = _run(model)
+    assert use_triton_rope(model) >= 1
+    assert use_triton_activations(model) == (0 if arch == "phi" else 2)  # Phi: a GELU MLP
+    use_triton_norms(model)
+    ropes = _count(model, RotaryEmbedding, "kernel")
+    acts = _count(model, SiluAndMul, "kernel")
+    add_norms = _count(model, RMSNorm, "add_kernel")
+    got = _run(model)
+    steps, layers = 5, model.config.num_hidden_layers
+    fused = not overrides.get("qk_layernorm", False)  # Phi's LayerNorms: torch rope
+    assert _calls(ropes) == (steps * layers if fused else 0)
+    assert _calls(acts) == (0 if arch == "phi" else steps * layers)
+    # Llama's own layers: both adds of every layer fused (GLM-4 has four norms a layer)
+    plain = arch in ("llama", "qwen3", "mistral")
+    assert _calls(add_norms) == (steps * 2 * layers if plain else 0)
+    # float32; the kernels sum a row's squares in another order than torch
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rotate_qkv_declines_what_it_cannot_fuse():
+    """Without its kernel, with rows that are not dense or with norms that are not a pair of
+    plain RMSNorms of one eps, rotate_qkv_ leaves qkv alone and says so."""
+    rope = RotaryEmbedding(16, 16, 64, 10000.0)
+    qkv = torch.randn(3, 4 * 16)  # 2 q heads, 1 kv head
+    pos = torch.arange(3)
+    assert not rope.rotate_qkv_(pos, qkv, 2, 1)
+    assert use_triton_rope(torch.nn.ModuleList([rope])) == 1
+    before = qkv.clone()
+    for norms in [
+        (GemmaRMSNorm(16), GemmaRMSNorm(16)),
+        (RMSNorm(16, 1e-6), RMSNorm(16, 1e-5)),
+        (RMSNorm(16, 1e-6, weight_offset=1.0), RMSNorm(16, 1e-6)),
+        (RMSNorm(16, 1e-6), None),
+    ]:
+        assert not rope.rotate_qkv_(pos, qkv, 2, 1, *norms)
+    assert not rope.rotate_qkv_(pos, torch.randn(4 * 16, 3).t(), 2, 1)
+    assert torch.equal(qkv, before)
+    assert rope.rotate_qkv_(pos, qkv, 2, 1, RMSNorm(16, 1e-6), RMSNorm(16, 1e-6))
+    assert not torch.equal(qkv[:, :48], before[:, :48])
+    assert torch.equal(qkv[:, 48:], before[:, 48:])  # v untouched

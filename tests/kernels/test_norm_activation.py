@@ -1,0 +1,98 @@
+"""add_rms_norm (a residual add and the next RMSNorm in one kernel) and silu_and_mul (a gated
+MLP's activation), each against its torch reference on random inputs: dtypes, widths that are
+and are not powers of two, strided rows, leading dims, empty batches, bad arguments.
+
+Triton's interpreter casts float32 to bfloat16 by truncation where a GPU rounds to nearest
+even: bfloat16 results may sit a unit in the last place from torch's here. The GPU-marked
+tests hold the kernels to torch's bits (all but a rare last-bit case of silu's exp).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_kernels import add_rms_norm, ref_add_rms_norm, ref_silu_and_mul, silu_and_mul
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, atol: float = 0.0) -> None:
+    torch.testing.assert_close(a.float(), b.float(), rtol=TOL[dtype], atol=max(TOL[dtype], atol))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [64, 80, 1024])
+def test_add_rms_norm_matches_reference(seed, device, dtype, n):
+    x = (torch.randn(37, n, device=device) * 4).to(dtype)
+    residual = (torch.randn(37, n, device=device) * 4).to(dtype)
+    w = (torch.randn(n, device=device) * 0.2 + 1).to(dtype)
+    out, total = add_rms_norm(x, residual, w, 1e-6)
+    want_out, want_total = ref_add_rms_norm(x, residual, w, 1e-6)
+    assert out.dtype == total.dtype == dtype and out.shape == total.shape == x.shape
+    if dtype == torch.bfloat16:
+        close(total, want_total, dtype)
+    else:  # one rounding of an fp32 sum, as torch's +
+        assert torch.equal(total, want_total)
+    close(out, want_out, dtype)
+
+
+def test_add_rms_norm_shapes_and_strides(seed, device):
+    wide = torch.randn(2, 5, 96, device=device)
+    x = wide[..., :48]  # rows of a wider buffer
+    residual = torch.randn(2, 5, 48, device=device)
+    w = torch.randn(48, device=device)
+    out, total = add_rms_norm(x, residual, w, 1e-5)
+    want_out, want_total = ref_add_rms_norm(x, residual, w, 1e-5)
+    assert out.shape == (2, 5, 48) and torch.equal(total, want_total)
+    close(out, want_out, torch.float32)
+    empty = torch.empty(0, 48, device=device)
+    assert [t.shape for t in add_rms_norm(empty, empty, w, 1e-5)] == [empty.shape] * 2
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(x, residual[:1], w, 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        add_rms_norm(x, residual.half(), w, 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, residual, w[:40], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [64, 96, 1536])
+def test_silu_and_mul_matches_reference(seed, device, dtype, inter):
+    x = (torch.randn(29, 2 * inter, device=device) * 3).to(dtype)
+    out = silu_and_mul(x)
+    assert out.shape == (29, inter) and out.dtype == dtype
+    # up to ~10 in magnitude: two roundings of a unit in the last place, absolutely
+    close(out, ref_silu_and_mul(x), dtype, atol={torch.bfloat16: 0.1}.get(dtype, 0.0))
+
+
+def test_silu_and_mul_shapes_and_strides(seed, device):
+    wide = torch.randn(3, 4, 200, device=device)
+    x = wide[..., :128]
+    torch.testing.assert_close(silu_and_mul(x), ref_silu_and_mul(x), rtol=1e-5, atol=1e-6)
+    assert silu_and_mul(wide[:0, :, :128]).shape == (0, 4, 64)
+    with pytest.raises(ValueError, match="even"):
+        silu_and_mul(torch.randn(2, 7, device=device))
+    with pytest.raises(ValueError, match="dtype"):
+        silu_and_mul(torch.ones(2, 8, dtype=torch.int32, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_bits(dtype):
+    """At a batch-256 decode's sizes (Qwen3-0.6B): the residual sum is torch's bit for bit;
+    the norm matches but for float32 sums in another order, silu but for exp's last bit: a
+    16-bit step on a handful of elements at most."""
+    torch.manual_seed(0)
+    x = torch.randn(256, 1024, device="cuda").to(dtype)
+    r = torch.randn(256, 1024, device="cuda").to(dtype)
+    w = torch.randn(1024, device="cuda").to(dtype)
+    out, total = add_rms_norm(x, r, w, 1e-6)
+    want_out, want_total = ref_add_rms_norm(x, r, w, 1e-6)
+    assert torch.equal(total, want_total)
+    assert (out != want_out).float().mean().item() < 1e-3
+    g = (torch.randn(256, 6144, device="cuda") * 3).to(dtype)
+    got, want = silu_and_mul(g), ref_silu_and_mul(g)
+    assert (got != want).float().mean().item() < 1e-3
+    close(got, want, dtype, atol=0.1)

@@ -28,8 +28,8 @@
 #         gpu_profile at batch 256 with final outputs only (as LLM.generate), fused against
 #         --unfused on one machine; the nano-vllm workload against HF continuous batching on
 #         16 requests.
-# next2:  gpu_profile at batch 64 (two splits in the graphs); HF continuous batching with its
-#         CUDA graphs forced on.
+# next2:  decode attention's tile sweep (kernel_bench --tile-sweep); gpu_profile at batch 64
+#         (two splits in the graphs); HF continuous batching with its CUDA graphs forced on.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -210,6 +210,9 @@ case "$PHASE" in
     ;;
   next2)
     step 20 versions versions
+    # decode attention under 18 (BLOCK_N, warps, stages) tiles at batch 32-256: the default
+    # tile (64, 8, 2) was sized for no spills, never timed against others
+    step 120 tile-sweep $PY -m benchmarks.kernel_bench --tile-sweep --out "$OUT/kernels"
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"

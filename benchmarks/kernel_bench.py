@@ -177,6 +177,50 @@ def split_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> 
     return out
 
 
+def tile_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> list[dict]:
+    """Decode attention under every (BLOCK_N, warps, pipeline stages) of a small grid, at the
+    shapes issue 14's goal names (batch 32-256, 2k and 8k keys; the split heuristic's pick):
+    time and fraction of copy bandwidth of each, beside the default tile. Each config replaces
+    paged_kernels.attention's `_tile_config` for the call (the same BLOCK_Q). Real shapes on
+    CUDA; a tiny one and two configs in the interpreter."""
+    from paged_kernels import attention
+
+    cfg = _shapes(smoke)
+    real = HAS_CUDA and not smoke
+    grid = [(32, 2048), (64, 8192), (256, 2048), (256, 8192)] if real else [(2, 64)]
+    configs = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    configs = configs if real else [(16, 4, 2), (32, 4, 3)]
+    default = attention._tile_config
+    out = []
+    try:
+        for batch, ctx in grid:
+            args, kw, kv_bytes = _decode_inputs(batch, ctx, cfg, device)
+            row: dict = {"batch": batch, "context": ctx, "configs": []}
+            group_p2 = 1 << (cfg["heads"] // cfg["kv_heads"] - 1).bit_length()
+            block_q, *rest = default(group_p2, max(16, cfg["head_dim"]), True)
+            row["default"] = dict(zip(("block_n", "num_warps", "num_stages"), rest))
+            for block_n, warps, stages in configs:
+                tile = attention.TileConfig(block_q, block_n, warps, stages)
+                entry: dict = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+                attention._tile_config = lambda *a, t=tile, **k: t
+                try:
+                    ms = _time_ms(lambda a=args, k=kw: attention.paged_attention(*a, **k))
+                    entry["ms"] = round(ms, 5)
+                    entry["of_copy_bw"] = round(kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
+                except Exception as exc:  # e.g. out of shared memory at launch
+                    entry["error"] = str(exc)[:200]
+                finally:
+                    attention._tile_config = default
+                row["configs"].append(entry)
+            timed = [c for c in row["configs"] if "ms" in c]
+            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
+            out.append(row)
+            del args, kw  # the pool, before the next shape's
+    finally:
+        attention._tile_config = default
+    return out
+
+
 def _plot(results: list[dict], out_dir: Path, title: str) -> str | None:
     try:
         import matplotlib
@@ -376,7 +420,21 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="only the split-KV sweep (forced num_splits 1..8 at batch 32..128): split_sweep.json",
     )
+    p.add_argument(
+        "--tile-sweep",
+        action="store_true",
+        help="only the decode tile sweep (BLOCK_N x warps x stages at batch 32..256): "
+        "tile_sweep.json",
+    )
     args = p.parse_args(argv)
+    if args.tile_sweep:
+        device = torch.device("cuda" if HAS_CUDA else "cpu")
+        rows = tile_sweep(device, _copy_bandwidth_gbps(device), args.smoke)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "tile_sweep.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(r["batch"], r["context"], "default", r["default"], "best", r["best"])
+        return
     if args.split_sweep:
         device = torch.device("cuda" if HAS_CUDA else "cpu")
         rows = split_sweep(device, _copy_bandwidth_gbps(device), args.smoke)

@@ -28,3 +28,19 @@ def test_split_sweep_smoke(tmp_path):
     for row in rows:
         assert row["heuristic"] >= 1
         assert all(row[f"splits_{s}_ms"] > 0 for s in (1, 2, 4, 8))
+
+
+def test_tile_sweep_smoke(tmp_path):
+    """--tile-sweep: each (BLOCK_N, warps, stages) timed at each shape beside the default tile,
+    the best named; the default tile is back in place afterwards."""
+    from paged_kernels import attention
+
+    default = attention._tile_config
+    kernel_bench.main(["--tile-sweep", "--smoke", "--out", str(tmp_path)])
+    assert attention._tile_config is default
+    rows = json.loads((tmp_path / "tile_sweep.json").read_text())
+    assert rows and all(len(r["configs"]) == 2 for r in rows)
+    for row in rows:
+        assert set(row["default"]) == {"block_n", "num_warps", "num_stages"}
+        assert all(c["ms"] > 0 and c["of_copy_bw"] >= 0 for c in row["configs"])  # (tiny here)
+        assert row["best"] in row["configs"]

@@ -23,6 +23,8 @@ log-sum-exp (a split 0 without visible keys then holds just the sink: o = 0, lse
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -244,10 +246,15 @@ def choose_num_splits(
     return max(splits, 1)
 
 
-def _tile_config(
-    group_p2: int, head_dim_p2: int, decode: bool, fp32: bool = False
-) -> tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_N, num_warps). M >= 16 rows keeps tl.dot legal on tensor cores. Sized so
+class TileConfig(NamedTuple):
+    block_q: int  # query tokens a program (x GROUP_P2 heads = BLOCK_M rows)
+    block_n: int  # keys a tile
+    num_warps: int
+    num_stages: int
+
+
+def _tile_config(group_p2: int, head_dim_p2: int, decode: bool, fp32: bool = False) -> TileConfig:
+    """M >= 16 rows keeps tl.dot legal on tensor cores. Sized so
     the sm_90 build spills no registers (ptxas -v over tests/kernels/gpu_compile.py's launches;
     not yet timed on a GPU): with 4 warps every 16-bit head size of 128 spilled 344-924 bytes a
     thread, decode included; a 64-row tile at head size 256 spilled with 8 warps too; fp32 (full
@@ -260,7 +267,7 @@ def _tile_config(
         block_m = 16 if decode else (32 if head_dim_p2 > 128 else 64)
         block_n = 32 if head_dim_p2 > 128 else 64
         num_warps = 8 if head_dim_p2 >= 128 else 4
-    return max(1, block_m // group_p2), block_n, num_warps
+    return TileConfig(max(1, block_m // group_p2), block_n, num_warps, 2)
 
 
 def paged_attention(
@@ -351,7 +358,7 @@ def paged_attention(
     group_p2, head_dim_p2 = next_pow2(group), max(16, next_pow2(head_dim))
     decode = not batch_invariant and max_seqlen_q == 1
     fp32 = q.dtype == torch.float32
-    block_q, block_n, num_warps = _tile_config(group_p2, head_dim_p2, decode, fp32)
+    block_q, block_n, num_warps, num_stages = _tile_config(group_p2, head_dim_p2, decode, fp32)
     if num_splits is None:
         if max_seqlen_q == 1 and max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())
@@ -419,7 +426,7 @@ def paged_attention(
         DOT_UPCAST=upcast,
         EXPLICIT_DOT=is_interpreter() and batch_invariant,
         num_warps=1 if is_interpreter() else num_warps,
-        num_stages=2,
+        num_stages=num_stages,
     )
     if split:
         _merge_splits(part_out, part_lse, out)

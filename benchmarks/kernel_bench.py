@@ -427,22 +427,16 @@ def main(argv: list[str] | None = None) -> None:
         "tile_sweep.json",
     )
     args = p.parse_args(argv)
-    if args.tile_sweep:
-        device = torch.device("cuda" if HAS_CUDA else "cpu")
-        rows = tile_sweep(device, _copy_bandwidth_gbps(device), args.smoke)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tile_sweep.json").write_text(json.dumps(rows, indent=1))
-        for r in rows:
-            print(r["batch"], r["context"], "default", r["default"], "best", r["best"])
-        return
-    if args.split_sweep:
-        device = torch.device("cuda" if HAS_CUDA else "cpu")
-        rows = split_sweep(device, _copy_bandwidth_gbps(device), args.smoke)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "split_sweep.json").write_text(json.dumps(rows, indent=1))
-        for r in rows:
-            print(r)
-        return
+    sweeps = {"tile_sweep": tile_sweep, "split_sweep": split_sweep}
+    for name, sweep in sweeps.items():
+        if getattr(args, name):  # one sweep alone: its rows to <name>.json
+            device = torch.device("cuda" if HAS_CUDA else "cpu")
+            rows = sweep(device, _copy_bandwidth_gbps(device), args.smoke)
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+            for r in rows:
+                print({k: v for k, v in r.items() if k != "configs"})
+            return
     report = run(args.smoke, args.out)
     for r in report["results"]:
         print(

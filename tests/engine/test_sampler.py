@@ -307,3 +307,44 @@ def test_prompt_logprobs_and_beam_topk(device):
     ref_v, ref_i = raw.topk(4, -1)
     assert torch.equal(ids.cpu(), ref_i)
     torch.testing.assert_close(vals.cpu().double(), ref_v, atol=1e-5, rtol=0)
+
+
+def _race_reference(logits: torch.Tensor, md, seed: int) -> list[int]:
+    """The exponential race spelled out: float32 logits / temperature, softmax, divided by
+    -log(U) from the engine-seeded generator (unseeded rows) and reseeded ones (seeded rows),
+    first argmax; greedy rows take the argmax of the logits."""
+    x = logits.float() / (md.temperature if md.temperature is not None else 1.0)
+    u = torch.empty(x.shape, device=x.device)
+    u.uniform_(generator=torch.Generator(device=x.device).manual_seed(seed))
+    for r, s in md.seeds:
+        u[r].uniform_(generator=torch.Generator(device=x.device).manual_seed(s))
+    tokens = torch.argmax(x.softmax(-1) / -u.log(), dim=-1)
+    if md.greedy is not None:
+        tokens = torch.where(md.greedy, torch.argmax(logits.float(), dim=-1), tokens)
+    return tokens.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temperature_rows_race_as_spelled_out(device, dtype):
+    """Temperature-only rows (the fast path: no float32 copy of the logits, the race as an
+    argmin over log(U)) draw exactly the tokens of the race spelled out, greedy and seeded
+    rows among them; and the same tokens when another row's logprobs or top-p send the batch
+    the general way."""
+    temps = [0.6, 0.0, 1.3, 0.6] * 8
+    params = [SamplingParams(temperature=t, seed=11 * i if i % 3 == 0 else None)
+              for i, t in enumerate(temps)]  # fmt: skip
+    x = (torch.randn(len(temps), 4096, generator=torch.Generator().manual_seed(5)) * 4).to(device)
+    x = x.to(dtype)
+    md = metadata_from_params(params, device, x.shape[1])
+    assert not md.need_logprobs and md.temperature is not None
+    fast = Sampler(seed=7)(x, md).token_ids.tolist()
+    assert fast == _race_reference(x, md, seed=7)
+    assert len(set(fast)) > 8  # it really sampled
+    # seeded and greedy rows: the same tokens whatever else is in the batch (unseeded rows'
+    # noise may depend on the batch's shape on a GPU)
+    kept = [i for i, p in enumerate(params) if p.seed is not None or p.temperature == 0.0]
+    for extra in ({"logprobs": 2}, {"top_p": 0.5}):
+        other = [*params, SamplingParams(temperature=0.6, **extra)]
+        y = torch.cat((x, x[:1]))
+        general = Sampler(seed=7)(y, metadata_from_params(other, device, y.shape[1]))
+        assert [general.token_ids.tolist()[i] for i in kept] == [fast[i] for i in kept], extra

@@ -19,6 +19,8 @@
    on CUDA the ops that synchronize with the device in 3 steps (torch's sync debug mode: each
    call site with its paged frames). Requests ask for an output every step, as the server's do;
    `--final-only` for the final output alone, as `LLM.generate`'s (less host work a step).
+4. `--profile-prefill`: the admission steps (the prompts' prefill) under the profiler too, the
+   same summary as `prefill_profile`.
 
 Writes `gpu_profile.json` (and nothing large: the raw trace stays in the work dir).
 """
@@ -31,6 +33,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -255,6 +258,7 @@ def run(
     steps: int,
     work_dir: Path,
     final_only: bool = False,
+    profile_prefill: bool = False,
     **engine_kw,
 ) -> dict:
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -283,16 +287,25 @@ def run(
         engine.add_request(
             f"p{i}", {"prompt_token_ids": r.prompt_token_ids}, params, final_only=final_only
         )
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     t0 = time.perf_counter()
     warm_steps, full = 0, 0
-    while full < 3:  # prefill (chunked or not) done: every request gets a token, 3 steps running
-        got = _engine_step(engine)
-        warm_steps += 1
-        full = full + 1 if got == batch and engine.scheduler.num_waiting == 0 else 0
-        if warm_steps > 10_000:
-            raise RuntimeError("the batch never reached a steady decode")
+    with profile(activities=activities) if profile_prefill else nullcontext() as prefill_prof:
+        while full < 3:  # prefill (chunked or not) done: every request gets a token, 3 steps
+            with record_function(STEP):
+                got = _engine_step(engine)
+            warm_steps += 1
+            full = full + 1 if got == batch and engine.scheduler.num_waiting == 0 else 0
+            if warm_steps > 10_000:
+                raise RuntimeError("the batch never reached a steady decode")
+        if device == "cuda":
+            torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t0
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    prefill_summary = None
+    if prefill_prof is not None:
+        trace = work_dir / "gpu_profile_prefill_trace.json"
+        prefill_prof.export_chrome_trace(str(trace))
+        prefill_summary = summarize_trace(trace)
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with record_function(STEP):
@@ -324,6 +337,9 @@ def run(
         "batch": batch,
         "warmup_steps": warm_steps,
         "prefill_s": round(prefill_s, 2),
+        # --profile-prefill: the admission steps' kernels and idle time (prefill_s then includes
+        # the profiler's overhead)
+        "prefill_profile": prefill_summary,
         "kv_blocks": stats.num_total_blocks,
         "num_preemptions": stats.num_preemptions,
         "async_scheduling": engine.config.async_scheduling,
@@ -370,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
         "ops (the engine before its fused layer epilogues): the A/B",
     )
     p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="also profile the prefill steps (kernels by GPU time, idle): prefill_profile",
+    )
+    p.add_argument(
         "--final-only",
         action="store_true",
         help="requests ask for their final output only, as LLM.generate's do (default: an "
@@ -411,11 +432,26 @@ def main(argv: list[str] | None = None) -> int:
         "env": environment(device),
         "model": spec.origin,
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        **run(spec.path, device, batch, steps, args.work_dir, args.final_only, **engine_kw),
+        **run(
+            spec.path,
+            device,
+            batch,
+            steps,
+            args.work_dir,
+            args.final_only,
+            args.profile_prefill,
+            **engine_kw,
+        ),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_profile.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=1))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k not in ("env", "prefill_profile")}, indent=1
+        )
+    )
+    if result.get("prefill_profile"):
+        print("prefill:", json.dumps(result["prefill_profile"], indent=1))
     return 0
 
 

@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
-#   device run:                   bash benchmarks/gpu_run.sh diag | final | next | next2
+#   device run:                   bash benchmarks/gpu_run.sh diag | final | next
+#   device run (carry [".whl-tf"]): bash benchmarks/gpu_run.sh next2
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
@@ -29,7 +30,8 @@
 #         --unfused on one machine; the nano-vllm workload against HF continuous batching on
 #         16 requests.
 # next2:  decode attention's tile sweep (kernel_bench --tile-sweep); gpu_profile at batch 64
-#         (two splits in the graphs); HF continuous batching with its CUDA graphs forced on.
+#         (two splits in the graphs); the engine start's config step with the image's
+#         transformers and a carried 5.21; HF continuous batching with its graphs forced on.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -126,9 +128,11 @@ startup_probe() {  # where the engine start's first seconds go: imports, config,
 import os, sys, time
 t = time.perf_counter()
 marks = []
+mods = len(sys.modules)
 def mark(what):
-    global t
-    now = time.perf_counter(); marks.append(f"{what} {now - t:.2f}s"); t = now
+    global t, mods
+    now = time.perf_counter(); marks.append(f"{what} {now - t:.2f}s +{len(sys.modules) - mods}m")
+    t, mods = now, len(sys.modules)
 import torch; mark("import torch")
 torch.cuda.is_available() and torch.cuda.init(); mark("cuda init")
 import transformers; mark("import transformers")
@@ -141,7 +145,7 @@ from paged_engine.engine.generation_defaults import generation_defaults
 generation_defaults(r.path); mark("generation defaults")
 load_hf_config(r); mark("config again")
 from paged_engine import LLM; mark("import paged_engine")
-print("HF_HUB_OFFLINE=" + os.environ.get("HF_HUB_OFFLINE", ""), "; ".join(marks))
+print("transformers", transformers.__version__, "HF_HUB_OFFLINE=" + os.environ.get("HF_HUB_OFFLINE", ""), "; ".join(marks))
 pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
 EOF2
 }
@@ -197,8 +201,9 @@ case "$PHASE" in
       tests/engine/test_async_scheduling.py
     # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle
     # goal, with the fused layer epilogues and without them (the A/B on one machine)
-    step 60 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
-      --final-only --out "$OUT/final-only"
+    # (and where the prefill's 1.1 s go: ~3x what the GEMMs' FLOPs need at half the peak)
+    step 75 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --final-only --profile-prefill --out "$OUT/final-only"
     step 60 profile-unfused $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
       --final-only --unfused --out "$OUT/unfused"
     # HF continuous batching did not finish 64 requests in ~113 s: 16 this time. With
@@ -216,6 +221,16 @@ case "$PHASE" in
     # the two-split heuristic inside the engine's graphs (batch 64, nano-vllm contexts)
     step 60 profile-batch-64 $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --batch 64 \
       --out "$OUT/batch64"
+    # the engine start's config step with the image's transformers (5.17), then with 5.21
+    # (carried: .whl-tf, from gpu_wheels.sh), which no longer imports torch._dynamo,
+    # torch.distributed.tensor and sympy with any config class; "+Nm": modules imported
+    CFG=/tmp/paged-bench/qwen3-0.6b-cfg
+    step 40 startup-probe startup_probe $CFG
+    if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
+      step 40 startup-probe-tf-new env PYTHONPATH="/tmp/tf-new:$PYTHONPATH" \
+        bash -c "startup_probe $CFG"
+    fi
     step 120 hf-cb-graphs $PY -m benchmarks.run_all --only throughput \
       --model-config qwen3-0.6b --workloads nano-vllm --systems hf-continuous --hf-requests 16 \
       --hf-cb-options '{"use_cuda_graph": true}' --out "$OUT/hf-cb-graphs" --no-report \

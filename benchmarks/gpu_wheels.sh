@@ -24,3 +24,11 @@ for have in typing_extensions tqdm idna certifi attrs httpx httpcore h11 anyio n
 done
 du -sh .whl
 ls .whl
+# transformers 5.21 (the first without 5.17's eager GenerationMixin / GGUF imports) and the
+# huggingface_hub it needs, apart in .whl-tf/: only gpu_run.sh next2's start probe puts them
+# first on the path, so every other step keeps the image's transformers
+mkdir -p .whl-tf
+python3 -m pip download -q --no-deps --only-binary=:all: -d .whl-tf "transformers==5.21.0" \
+  "huggingface_hub>=1.31,<2"
+du -sh .whl-tf
+ls .whl-tf

@@ -99,12 +99,14 @@ def test_host_functions_profile_the_steps(monkeypatch):
 def test_cpu_run_with_final_outputs_only(tmp_path):
     """The whole profile on CPU (smoke sizes): engine start, steady steps, host functions; with
     --final-only the requests ask for their final output alone, as LLM.generate's do."""
-    args = ["--smoke", "--final-only", "--batch", "2", "--steps", "2"]
+    args = ["--smoke", "--final-only", "--profile-prefill", "--batch", "2", "--steps", "2"]
     assert gpu_profile.main([*args, "--out", str(tmp_path), "--work-dir", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "gpu_profile.json").read_text())
     assert res["outputs"].startswith("final only") and res["norms"] == "torch ops"
     assert res["rope"] == res["residual_adds"] == res["gated_silu"] == "torch ops"  # CPU backend
     assert res["batch"] == 2 and res["steps"] == 2 and res["gpu_idle_fraction"] is None
+    prefill = res["prefill_profile"]  # --profile-prefill: the admission steps summarized too
+    assert prefill["steps"] == res["warmup_steps"] and prefill["wall_ms_per_step"] > 0
     assert res["host_functions"]["by_inclusive_time"] and res["decode_tokens_per_s_unprofiled"] > 0
 
 

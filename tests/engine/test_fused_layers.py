@@ -24,16 +24,26 @@ from paged_engine.layers.triton_layers import (
     use_triton_rope,
 )
 
-# Llama-family layers: plain NeoX rope, llama3 scaling, qk norms (Qwen3), GPT-J pairs over a
+# (arch, config overrides, kernel calls a layer and step: rope, gated SiLU, fused add + norm).
+# Llama-family attention: plain NeoX rope, llama3 scaling, qk norms (Qwen3), GPT-J pairs over a
 # partial rotary (GLM-4), partial NeoX (Phi), GQA with a sliding window (Mistral). Phi's q/k
-# LayerNorms are no RMSNorms: there the torch layers run (no kernel call).
-ROPE_CASES = [
-    *CASES[:2],  # Llama plain and with llama3 scaling (and tied embeddings)
-    ("qwen3", {}),
-    ("glm4", {}),
-    ("phi", {"qk_layernorm": False}),
-    ("phi", {"qk_layernorm": True}),
-    ("mistral", {"sliding_window": 8}),
+# LayerNorms are no RMSNorms: the torch rope runs there. Plain pre-norm layers (Llama's,
+# Mistral's, Qwen3's, the MoE layers of Qwen3-MoE / gpt-oss, DeepSeek's around MLA) fuse both
+# adds; layers that compute otherwise (GLM-4's four norms, Granite's multipliers, Phi's
+# parallel block) keep them. DeepSeek-V3's MLA ropes itself; its dense first layer and each
+# MoE layer's shared experts run one gated SiLU.
+CASES_FUSED = [
+    (*CASES[0], 1, 1, 2),  # Llama
+    (*CASES[1], 1, 1, 2),  # and with llama3 scaling, tied embeddings
+    ("qwen3", {}, 1, 1, 2),
+    ("mistral", {"sliding_window": 8}, 1, 1, 2),
+    ("glm4", {}, 1, 1, 0),
+    ("phi", {"qk_layernorm": False}, 1, 0, 0),
+    ("phi", {"qk_layernorm": True}, 0, 0, 0),
+    ("qwen3_moe", {}, 1, 0, 2),
+    ("gpt_oss", {}, 1, 0, 2),
+    ("granitemoe", {}, 1, 0, 0),
+    ("deepseek_v3", {}, 0, 1, 2),
 ]
 
 
@@ -71,24 +81,30 @@ def _calls(counters: list[_Counting]) -> int:
     return sum(c.calls for c in counters)
 
 
-@pytest.mark.parametrize(("arch", "overrides"), ROPE_CASES, ids=lambda v: str(v)[:24])
-def test_triton_layers_match_torch_layers(tiny_model_factory, arch, overrides):
+@pytest.mark.parametrize(
+    ("arch", "overrides", "ropes", "silus", "add_norms"),
+    CASES_FUSED,
+    ids=[f"{c[0]}-{'-'.join(c[1]) or 'default'}" for c in CASES_FUSED],
+)
+def test_triton_layers_match_torch_layers(
+    tiny_model_factory, arch, overrides, ropes, silus, add_norms
+):
     model = load_ours(tiny_model_factory(arch, **overrides))
     want = _run(model)
-    assert use_triton_rope(model) >= 1
-    assert use_triton_activations(model) == (0 if arch == "phi" else 2)  # Phi: a GELU MLP
+    use_triton_rope(model)
+    use_triton_activations(model)
     use_triton_norms(model)
-    ropes = _count(model, RotaryEmbedding, "kernel")
-    acts = _count(model, SiluAndMul, "kernel")
-    add_norms = _count(model, RMSNorm, "add_kernel")
+    counters = {
+        "ropes": _count(model, RotaryEmbedding, "kernel"),
+        "silus": _count(model, SiluAndMul, "kernel"),
+        "add_norms": _count(model, RMSNorm, "add_kernel"),
+    }
     got = _run(model)
-    steps, layers = 5, model.config.num_hidden_layers
-    fused = not overrides.get("qk_layernorm", False)  # Phi's LayerNorms: torch rope
-    assert _calls(ropes) == (steps * layers if fused else 0)
-    assert _calls(acts) == (0 if arch == "phi" else steps * layers)
-    # Llama's own layers: both adds of every layer fused (GLM-4 has four norms a layer)
-    plain = arch in ("llama", "qwen3", "mistral")
-    assert _calls(add_norms) == (steps * 2 * layers if plain else 0)
+    runs = 5 * model.config.num_hidden_layers  # layer forwards over the run
+    calls = {name: _calls(c) for name, c in counters.items()}
+    assert calls["ropes"] == ropes * runs
+    assert calls["add_norms"] == add_norms * runs
+    assert calls["silus"] == silus * runs
     # float32; the kernels sum a row's squares in another order than torch
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

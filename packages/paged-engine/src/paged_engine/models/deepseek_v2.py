@@ -36,7 +36,12 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
-from paged_engine.models.llama import LlamaMLP
+from paged_engine.models.llama import (
+    LlamaMLP,
+    PreNormDecoderLayer,
+    keeps_stream_apart,
+    run_layers,
+)
 from paged_engine.models.mixtral import check_silu, expert_rules
 from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
 
@@ -145,7 +150,7 @@ class MlaAttention(nn.Module):
         return q_full
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config,
@@ -160,10 +165,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DeepseekModel(nn.Module):
@@ -184,12 +185,13 @@ class DeepseekModel(nn.Module):
             lambda i: DeepseekDecoderLayer(config, i, rope, build_mlp(config, i), attention_cls),
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
+        self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
-        for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, md)
-        return self.norm(x) if self.stage.is_last else x
+        layers = list(self.stage.layers(self.layers))
+        norm = self.norm if self.stage.is_last else None
+        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm)
 
 
 class DeepseekV2ForCausalLM(CausalLMBase):

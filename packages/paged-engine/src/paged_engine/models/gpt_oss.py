@@ -32,7 +32,12 @@ from paged_engine.layers.attention import Attention
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from paged_engine.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    PreNormDecoderLayer,
+)
 from paged_engine.models.mixtral import num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get, layer_sliding_window
 from paged_engine.mxfp4 import Mxfp4Pairs
@@ -80,7 +85,7 @@ class GptOssAttention(LlamaAttention):
         param.data.copy_(w[begin : begin + heads])
 
 
-class GptOssDecoderLayer(nn.Module):
+class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, mxfp4: bool) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-5)
@@ -102,10 +107,6 @@ class GptOssDecoderLayer(nn.Module):
         )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _split_interleaved(w: torch.Tensor, dim: int) -> torch.Tensor:

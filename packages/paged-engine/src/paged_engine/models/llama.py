@@ -7,7 +7,7 @@ windows through the class attributes below.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -122,7 +122,78 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+def add_norm(
+    norm: nn.Module, h: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(h + x), h + x): one kernel through an RMSNorm's `add_forward`, else an add and
+    the norm (a LayerNorm some models swap in)."""
+    if isinstance(norm, RMSNorm):
+        return norm.add_forward(h, x)
+    total = h + x
+    return norm(total), total
+
+
+class PreNormDecoderLayer(nn.Module):
+    """A pre-norm decoder layer: x += attn(input_layernorm(x)); x += mlp(post_attention_layernorm
+    (x)) over `self_attn`, `mlp` and two norms a subclass builds (RMSNorms fuse each add with
+    the norm after it). `forward_residual` is the same layer with the stream kept apart
+    (`run_layers`)."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
+        y, x = add_norm(self.post_attention_layernorm, h, x)  # x += h; y = norm(x)
+        return x + self.mlp(y)
+
+    def forward_residual(
+        self, positions, h: torch.Tensor, residual: torch.Tensor | None, kv_cache, md
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with the stream kept apart: the stream is residual + h (h alone for the
+        first layer, residual None); returns (this layer's MLP output, the stream before it),
+        so each residual add runs inside the norm after it (RMSNorm.add_forward). The same
+        sums in the same order as `forward`."""
+        if residual is None:
+            y, residual = self.input_layernorm(h), h
+        else:
+            y, residual = add_norm(self.input_layernorm, h, residual)
+        h = self.self_attn(positions, y, kv_cache, md)
+        y, residual = add_norm(self.post_attention_layernorm, h, residual)
+        return self.mlp(y), residual
+
+
+def keeps_stream_apart(layers: Iterable[nn.Module]) -> bool:
+    """Whether every layer is a PreNormDecoderLayer running its own forward (a subclass that
+    overrides it, Granite's multipliers, GLM-4's extra norms, computes something else)."""
+    return all(
+        isinstance(layer, PreNormDecoderLayer)
+        and type(layer).forward is PreNormDecoderLayer.forward
+        and type(layer).forward_residual is PreNormDecoderLayer.forward_residual
+        for layer in layers
+    )
+
+
+def run_layers(
+    layers: list[nn.Module], apart: bool, positions, x, kv_caches, md, norm: nn.Module | None
+) -> torch.Tensor:
+    """The decoder stack over x, then `norm` (None: a pipeline stage that is not the last).
+    `apart` (keeps_stream_apart): the stream kept apart from each layer's output, every
+    residual add fused into the norm after it, the final norm's included."""
+    if apart and layers:
+        h, residual = x, None
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            h, residual = layer.forward_residual(positions, h, residual, kv_cache, md)
+        assert residual is not None
+        return h + residual if norm is None else add_norm(norm, h, residual)[0]
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        x = layer(positions, x, kv_cache, md)
+    return x if norm is None else norm(x)
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
         config,
@@ -137,26 +208,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, flags["mlp_bias"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        h = self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
-        y, x = self.post_attention_layernorm.add_forward(h, x)  # x += h; y = norm(x)
-        return x + self.mlp(y)
-
-    def forward_residual(
-        self, positions, h: torch.Tensor, residual: torch.Tensor | None, kv_cache, md
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` with the stream kept apart: the stream is residual + h (h alone for the
-        first layer, residual None); returns (this layer's MLP output, the stream before it),
-        so each residual add runs inside the norm after it (RMSNorm.add_forward). The same
-        sums in the same order as `forward`."""
-        if residual is None:
-            y, residual = self.input_layernorm(h), h
-        else:
-            y, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(positions, y, kv_cache, md)
-        y, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(y), residual
 
 
 class LlamaModel(nn.Module):
@@ -183,10 +234,8 @@ class LlamaModel(nn.Module):
             config.num_hidden_layers, lambda i: build_layer(i, rope)
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
-        # Llama's own layers keep the residual stream apart (forward_residual); others add it
-        self.residual_apart = all(
-            type(layer) is LlamaDecoderLayer for layer in self.stage.layers(self.layers)
-        )
+        # plain pre-norm layers keep the residual stream apart (run_layers); others add it
+        self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # hidden: the previous pipeline stage's output (None on the first stage)
@@ -198,19 +247,8 @@ class LlamaModel(nn.Module):
             x = hidden
         self.rotary_emb.begin_forward(positions)
         layers = list(self.stage.layers(self.layers))
-        if self.residual_apart:
-            # the stream kept apart: every residual add fused into the norm after it
-            h, residual = x, None
-            for layer, kv_cache in zip(layers, kv_caches, strict=True):
-                h, residual = layer.forward_residual(positions, h, residual, kv_cache, md)
-            if residual is None:  # a stage without layers
-                return self.norm(h) if self.stage.is_last else h
-            if self.stage.is_last:
-                return self.norm.add_forward(h, residual)[0]
-            return h + residual
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, md)
-        return self.norm(x) if self.stage.is_last else x
+        norm = self.norm if self.stage.is_last else None
+        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm)
 
 
 class LlamaForCausalLM(CausalLMBase):

@@ -11,13 +11,17 @@ name (our parameters have transformers 5's names and layouts).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from paged_engine.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    PreNormDecoderLayer,
+)
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.utils import CausalLMBase, StackedRule, cfg_get
 
@@ -42,7 +46,7 @@ def expert_rules(count: int, gate: str, up: str, down: str) -> tuple[StackedRule
     return tuple(rules)
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(PreNormDecoderLayer):
     """Llama's pre-norm layer around any MLP: x += attn(norm(x)); x += mlp(norm(x)).
     `attention`: a module with LlamaAttention's forward in its place (EXAONE-MoE's, OLMoE's)."""
 
@@ -63,10 +67,6 @@ class MoeDecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, md)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def check_silu(config, cls_name: str) -> None:

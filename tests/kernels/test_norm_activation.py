@@ -1,6 +1,7 @@
-"""add_rms_norm (a residual add and the next RMSNorm in one kernel) and silu_and_mul (a gated
-MLP's activation), each against its torch reference on random inputs: dtypes, widths that are
-and are not powers of two, strided rows, leading dims, empty batches, bad arguments.
+"""add_rms_norm (a residual add and the next RMSNorm in one kernel), rms_norm's Gemma rounding
+and silu_and_mul (a gated MLP's activation), each against its torch reference on random inputs:
+dtypes, widths that are and are not powers of two, strided rows, leading dims, empty batches,
+bad arguments.
 
 Triton's interpreter casts float32 to bfloat16 by truncation where a GPU rounds to nearest
 even: bfloat16 results may sit a unit in the last place from torch's here. The GPU-marked
@@ -12,7 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kernels import add_rms_norm, ref_add_rms_norm, ref_silu_and_mul, silu_and_mul
+from paged_kernels import (
+    add_rms_norm,
+    ref_add_rms_norm,
+    ref_rms_norm,
+    ref_silu_and_mul,
+    rms_norm,
+    silu_and_mul,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -36,6 +44,25 @@ def test_add_rms_norm_matches_reference(seed, device, dtype, n):
     else:  # one rounding of an fp32 sum, as torch's +
         assert torch.equal(total, want_total)
     close(out, want_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_rounding_once_after_the_weight(seed, device, dtype, offset):
+    """round_before_weight=False (Gemma's and OLMo 2's norms): the fp32 product of the
+    normalised row and (weight + offset), rounded once; in 16 bits that differs from rounding
+    the row first, and float32 is the same either way."""
+    x = (torch.randn(33, 96, device=device) * 3).to(dtype)
+    w = (torch.randn(96, device=device) * 0.3).to(dtype)
+    got = rms_norm(x, w, 1e-6, offset, round_before_weight=False)
+    want = ref_rms_norm(x, w, 1e-6, offset, round_before_weight=False)
+    gemma = (torch.rms_norm(x.float(), (96,), None, 1e-6) * (w.float() + offset)).to(dtype)
+    close(got, want, dtype)
+    close(got, gemma, dtype)
+    if dtype == torch.float32:
+        close(got, rms_norm(x, w, 1e-6, offset), dtype)
+    else:  # the reference tells the two roundings apart
+        assert not torch.equal(want, ref_rms_norm(x, w, 1e-6, offset))
 
 
 def test_add_rms_norm_shapes_and_strides(seed, device):

@@ -126,10 +126,14 @@ def rms_norm(
     weight: torch.Tensor,  # [N]
     eps: float,
     weight_offset: float = 0.0,
+    *,
+    round_before_weight: bool | None = None,
 ) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * (weight + weight_offset), statistics in fp32, with the
     roundings of paged_engine's RMSNorm: fp32 inputs scale in fp32; 16-bit inputs round the
-    normalised row and (weight + offset) to their dtype and multiply in it. Batch-invariant."""
+    normalised row and (weight + offset) to their dtype and multiply in it. Batch-invariant.
+    `round_before_weight=False`: Gemma's roundings instead, the product in fp32 (weight +
+    offset too) and one rounding to x's dtype at the end (None: round before, unless fp32)."""
     check(weight.dim() == 1, "weight must be [N]")
     x2 = _rows(x, weight.shape[0], "weight")
     check(weight.device == x.device, f"weight on {weight.device}, x on {x.device}")
@@ -146,7 +150,7 @@ def rms_norm(
             float(eps),
             float(weight_offset),
             BLOCK=block,
-            ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
+            ROUND_BEFORE_WEIGHT=x.dtype != torch.float32 and round_before_weight is not False,
             num_warps=_warps(block),
         )
     return out.view(x.shape)

@@ -236,13 +236,19 @@ def ref_matmul(
 
 
 def ref_rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float = 0.0
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    weight_offset: float = 0.0,
+    *,
+    round_before_weight: bool | None = None,
 ) -> torch.Tensor:
     """fp32 statistics; 16-bit inputs round the normalised row and (weight + offset) to their
-    dtype before the product (paged_engine's RMSNorm)."""
+    dtype before the product (paged_engine's RMSNorm), or with `round_before_weight=False`
+    only the fp32 product, once (Gemma's)."""
     y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     w = weight.float() + weight_offset
-    if x.dtype != torch.float32:
+    if x.dtype != torch.float32 and round_before_weight is not False:
         y, w = y.to(x.dtype).float(), w.to(x.dtype).float()
     return (y * w).to(x.dtype)
 

@@ -87,7 +87,7 @@ def make_batch_invariant(model: nn.Module, kernels: str) -> None:
     from paged_engine.layers.embedding import ParallelLMHead
     from paged_engine.layers.fused_moe import FusedMoE
     from paged_engine.layers.linear import LinearBase
-    from paged_engine.layers.norm import LayerNorm, RMSNorm
+    from paged_engine.layers.norm import LayerNorm, RMSNorm, rms_norm_kernel
 
     if any(isinstance(m, FusedMoE) for m in model.modules()):
         # An expert's matmul runs over the tokens routed to it: its shape depends on the batch.
@@ -103,14 +103,14 @@ def make_batch_invariant(model: nn.Module, kernels: str) -> None:
         )
     method = TritonInvariantLinear() if kernels == "triton" else BatchInvariantLinear()
     if kernels == "triton":
-        from paged_kernels import layer_norm, rms_norm
+        from paged_kernels import layer_norm
     for module in model.modules():
         if isinstance(module, (LinearBase, ParallelLMHead)):
             if module.linear_method is not None:
                 raise ValueError("batch_invariant=True does not combine with quantization")
             module.linear_method = method
         elif kernels == "triton" and isinstance(module, RMSNorm):
-            module.kernel = rms_norm
+            module.kernel = rms_norm_kernel(module)  # Gemma's and OLMo 2's roundings kept
         elif kernels == "triton" and isinstance(module, LayerNorm):
             module.kernel = layer_norm
 

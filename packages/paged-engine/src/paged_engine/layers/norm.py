@@ -6,6 +6,7 @@ the torch ops with paged_kernels.rms_norm / layer_norm: the same roundings, one 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -22,6 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     kernel: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, weight_offset)
+    # 16-bit inputs: the normalised row rounds to x's dtype before the weight (Llama's); False
+    # where the fp32 product rounds once (Gemma's, OLMo 2's): what `rms_norm_kernel` passes on
+    round_before_weight = True
     # (x, residual, weight, eps) -> (norm(x + residual), x + residual): triton_layers.py
     add_kernel: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -67,10 +71,21 @@ class RMSNorm(nn.Module):
     _consts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+def rms_norm_kernel(norm: RMSNorm) -> Callable[..., torch.Tensor]:
+    """paged_kernels.rms_norm rounding as `norm` does (`round_before_weight`): the kernel the
+    Triton backend and batch-invariant mode give a norm of this kind."""
+    from paged_kernels import rms_norm
+
+    if norm.round_before_weight:
+        return rms_norm
+    return functools.partial(rms_norm, round_before_weight=False)
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's y = x / rms(x) * (1 + weight), all in float32, rounded to x's dtype once at the
-    end (a Llama RMSNorm rounds before the weight). The batch-invariant Triton kernel, when set,
-    rounds like the Llama norm in 16-bit dtypes (float32 is the same)."""
+    end (a Llama RMSNorm rounds before the weight); its kernel rounds so too."""
+
+    round_before_weight = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__(hidden_size, eps, weight_offset=1.0)

@@ -4,8 +4,8 @@ loading and before CUDA graphs are captured. Each layer keeps its torch ops as t
 takes the kernel through an attribute (`kernel`, `add_kernel`), so the same module runs either
 way; every kernel rounds where the torch ops round (docs/kernels.md, "Layer epilogues").
 
-    use_triton_norms        RMSNorm -> paged_kernels.rms_norm; its add_forward (a residual add
-                            and the norm) -> add_rms_norm
+    use_triton_norms        RMSNorm (Gemma's, OLMo 2's too) -> paged_kernels.rms_norm; a plain
+                            one's add_forward (a residual add and the norm) -> add_rms_norm
     use_triton_rope         RotaryEmbedding.rotate_qkv_ -> rope_qk_ (q and k heads in place,
                             Qwen3's q/k norms included)
     use_triton_activations  SiluAndMul -> silu_and_mul
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from torch import nn
 
 from paged_engine.layers.activation import SiluAndMul
-from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.norm import RMSNorm, rms_norm_kernel
 from paged_engine.layers.rotary import RotaryEmbedding
 
 
@@ -34,16 +34,18 @@ def _switch(modules: list[nn.Module], attr: str, kernel: Callable) -> int:
 
 
 def use_triton_norms(model: nn.Module) -> int:
-    """Every plain RMSNorm (with or without a weight offset) as paged_kernels.rms_norm: one
-    kernel a norm instead of four (upcast, norm, downcast, weight), the same roundings (fp32
-    statistics; a 16-bit row rounded before the weight). Subclasses that round otherwise
-    (Gemma's) keep the torch ops. Those without an offset also run `add_forward` as one
-    paged_kernels.add_rms_norm. Returns how many norms it switched."""
-    from paged_kernels import add_rms_norm, rms_norm
+    """Every RMSNorm as paged_kernels.rms_norm: one kernel a norm instead of four (upcast,
+    norm, downcast, weight), with the norm's roundings (fp32 statistics; a 16-bit row rounded
+    before the weight, or Gemma's and OLMo 2's fp32 product rounded once: rms_norm_kernel).
+    Plain ones without an offset also run `add_forward` as one paged_kernels.add_rms_norm.
+    Returns how many norms it switched."""
+    from paged_kernels import add_rms_norm
 
-    norms = [m for m in model.modules() if type(m) is RMSNorm]
-    switched = _switch(norms, "kernel", rms_norm)
-    _switch([m for m in norms if not m.weight_offset], "add_kernel", add_rms_norm)
+    switched = 0
+    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+        switched += _switch([norm], "kernel", rms_norm_kernel(norm))
+        if type(norm) is RMSNorm and not norm.weight_offset:
+            _switch([norm], "add_kernel", add_rms_norm)
     return switched
 
 

@@ -31,6 +31,8 @@ from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
 class Olmo2RMSNorm(RMSNorm):
     """y = round(weight * x / rms(x)), the product in float32 (float32 inputs: RMSNorm's path)."""
 
+    round_before_weight = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., D]
         if self.kernel is not None or x.dtype == torch.float32:
             return super().forward(x)

@@ -109,8 +109,8 @@ def test_silu_and_mul_shapes_and_strides(seed, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_bits(dtype):
     """At a batch-256 decode's sizes (Qwen3-0.6B): the residual sum is torch's bit for bit;
-    the norm matches but for float32 sums in another order, silu but for exp's last bit: a
-    16-bit step on a handful of elements at most."""
+    the norms (plain and Gemma's) match but for float32 sums in another order, silu but for
+    exp's last bit: a 16-bit step on a handful of elements at most."""
     torch.manual_seed(0)
     x = torch.randn(256, 1024, device="cuda").to(dtype)
     r = torch.randn(256, 1024, device="cuda").to(dtype)
@@ -119,6 +119,9 @@ def test_gpu_bits(dtype):
     want_out, want_total = ref_add_rms_norm(x, r, w, 1e-6)
     assert torch.equal(total, want_total)
     assert (out != want_out).float().mean().item() < 1e-3
+    gemma = (torch.rms_norm(x.float(), (1024,), None, 1e-6) * (w.float() + 1.0)).to(dtype)
+    got = rms_norm(x, w, 1e-6, 1.0, round_before_weight=False)  # Gemma's norm, torch's ops
+    assert (got != gemma).float().mean().item() < 1e-3
     g = (torch.randn(256, 6144, device="cuda") * 3).to(dtype)
     got, want = silu_and_mul(g), ref_silu_and_mul(g)
     assert (got != want).float().mean().item() < 1e-3

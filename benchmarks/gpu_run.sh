@@ -196,7 +196,7 @@ case "$PHASE" in
     # engines one at a time: each sizes its KV cache to 90% of the GPU (gpu_memory_utilization)
     step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
       tests/kernels/test_rotary.py tests/kernels/test_norm_activation.py \
-      tests/engine/test_fused_layers.py tests/engine/test_norm.py \
+      tests/engine/test_fused_layers.py tests/engine/test_norm.py tests/engine/test_sampler.py \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
       tests/engine/test_async_scheduling.py
     # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle

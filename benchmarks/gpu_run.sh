@@ -191,12 +191,15 @@ case "$PHASE" in
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 64 --out "$OUT" \
       --no-report --note "issue 14 final"
     ;;
-  next)  # what issue 14's first GPU session left open, in one call of ~8 minutes
+  next)  # what issue 14's first GPU session left open, in one call of ~9 minutes of limits
     step 20 versions versions
-    # engines one at a time: each sizes its KV cache to 90% of the GPU (gpu_memory_utilization)
-    step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
+    # the new kernels and the sampler (no engines: 8 processes compiling side by side)
+    step 80 native-kernel-tests $PY -m pytest -q -n 8 -p no:cacheprovider --timeout 60 -rfE \
       tests/kernels/test_rotary.py tests/kernels/test_norm_activation.py \
-      tests/engine/test_fused_layers.py tests/engine/test_norm.py tests/engine/test_sampler.py \
+      tests/engine/test_norm.py tests/engine/test_sampler.py
+    # engines one at a time: each sizes its KV cache to 90% of the GPU (gpu_memory_utilization);
+    # on CUDA they run the fused layer epilogues natively
+    step 150 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
       tests/engine/test_async_scheduling.py
     # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle
@@ -209,7 +212,7 @@ case "$PHASE" in
     # HF continuous batching did not finish 64 requests in ~113 s: 16 this time. With
     # paged|sdpa (the image has no flash-attn) it builds attention masks every step and, by its
     # own heuristic, runs without CUDA graphs (next2 forces them on)
-    step 150 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+    step 120 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged hf-continuous --hf-requests 16 --out "$OUT" \
       --no-report --note "issue 14 next"
     ;;

@@ -4,8 +4,13 @@ real architectures' configs at small widths (the launches do not depend on them)
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import launch_count
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="launch_count counts in Triton's interpreter (CPU)"
+)
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=512, bos_token_id=1, eos_token_id=2)  # fmt: skip

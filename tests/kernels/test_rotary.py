@@ -22,7 +22,9 @@ EXTRA = 5  # columns past q, k and v that the kernel must leave alone
 def _inputs(dtype, device, hq, hk, d, r, tokens=9, max_pos=300):
     qkv = (torch.randn(tokens, (hq + 2 * hk) * d + EXTRA, device=device) * 2).to(dtype)
     positions = torch.randint(0, max_pos, (tokens,), device=device)
-    angles = torch.outer(torch.arange(max_pos, device=device).float(), torch.rand(r // 2) * 0.5)
+    angles = torch.outer(
+        torch.arange(max_pos, device=device).float(), torch.rand(r // 2, device=device) * 0.5
+    )
     return qkv, positions, angles.cos(), angles.sin()
 
 

@@ -204,7 +204,8 @@ case "$PHASE" in
       tests/engine/test_async_scheduling.py
     # batch 256 as LLM.generate runs it (final outputs only: less host work a step) for the idle
     # goal, with the fused layer epilogues and without them (the A/B on one machine)
-    # (and where the prefill's 1.1 s go: ~3x what the GEMMs' FLOPs need at half the peak)
+    # (and where the prefill's 1.1 s go: by estimate ~4x what its GEMMs' FLOPs need at half
+    # the bf16 peak)
     step 75 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
       --final-only --profile-prefill --out "$OUT/final-only"
     step 60 profile-unfused $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \

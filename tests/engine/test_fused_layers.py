@@ -51,9 +51,10 @@ CASES_FUSED = [
     ("gpt_oss", {}, 1, 0, 2),
     ("granitemoe", {}, 1, 0, 0),
     ("deepseek_v3", {}, 0, 1, 2),
-    # their own layers; Gemma's norms (and OLMo 2's) run the kernel with their roundings
-    ("gemma2", {}, 0, 0, 0),
-    ("gemma3", {}, 0, 0, 0),
+    # their own layers: Gemma's rope (with Gemma 3's q/k norms, 1 + w, rounded once) and
+    # norms run the kernels with their roundings; OLMo 2's norms too
+    ("gemma2", {}, 1, 0, 0),
+    ("gemma3", {}, 1, 0, 0),
     ("olmo2", {}, 0, 1, 0),
 ]
 
@@ -124,7 +125,7 @@ def test_triton_layers_match_torch_layers(
 
 def test_rotate_qkv_declines_what_it_cannot_fuse():
     """Without its kernel, with rows that are not dense or with norms that are not a pair of
-    plain RMSNorms of one eps, rotate_qkv_ leaves qkv alone and says so."""
+    RMSNorms of one kind over a head, rotate_qkv_ leaves qkv alone and says so."""
     rope = RotaryEmbedding(16, 16, 64, 10000.0)
     qkv = torch.randn(3, 4 * 16)  # 2 q heads, 1 kv head
     pos = torch.arange(3)
@@ -132,14 +133,16 @@ def test_rotate_qkv_declines_what_it_cannot_fuse():
     assert use_triton_rope(torch.nn.ModuleList([rope])) == 1
     before = qkv.clone()
     for norms in [
-        (GemmaRMSNorm(16), GemmaRMSNorm(16)),
+        (GemmaRMSNorm(16), RMSNorm(16, 1e-6)),  # two kinds of rounding
         (RMSNorm(16, 1e-6), RMSNorm(16, 1e-5)),
+        (RMSNorm(32, 1e-6), RMSNorm(32, 1e-6)),  # not a head's width
         (RMSNorm(16, 1e-6, weight_offset=1.0), RMSNorm(16, 1e-6)),
         (RMSNorm(16, 1e-6), None),
     ]:
         assert not rope.rotate_qkv_(pos, qkv, 2, 1, *norms)
     assert not rope.rotate_qkv_(pos, torch.randn(4 * 16, 3).t(), 2, 1)
     assert torch.equal(qkv, before)
+    assert rope.rotate_qkv_(pos, qkv.clone(), 2, 1, GemmaRMSNorm(16), GemmaRMSNorm(16))
     assert rope.rotate_qkv_(pos, qkv, 2, 1, RMSNorm(16, 1e-6), RMSNorm(16, 1e-6))
     assert not torch.equal(qkv[:, :48], before[:, :48])
     assert torch.equal(qkv[:, 48:], before[:, 48:])  # v untouched

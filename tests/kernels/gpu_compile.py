@@ -324,20 +324,23 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         x = torch.zeros(3, 1024, dtype=dtype)
         call(f"add_rms_norm {dtype}", norm.add_rms_norm, x, x.clone(), x[0], 1e-6)
         call(f"silu_and_mul {dtype}", activation.silu_and_mul, torch.zeros(3, 6144, dtype=dtype))
-    table = torch.zeros(4096, 64)
+    table = torch.zeros(4096, 128)
     for label, dtype, (hq, hk, d), rot, kw in (
         ("Qwen3 bf16, q/k norms", torch.bfloat16, (16, 8, 128), 64, {"norm": True}),
+        ("Gemma 3 bf16, its q/k norms", torch.bfloat16, (8, 4, 256), 128, {"gemma": True}),
         ("Llama-3.1-8B bf16", torch.bfloat16, (32, 8, 128), 64, {}),
         ("GLM-4 fp16, GPT-J half rotary", torch.float16, (32, 2, 128), 32, {"neox": False}),
         ("fp32 D=80, partial", torch.float32, (8, 8, 80), 16, {}),
     ):
         qkv = torch.zeros(3, (hq + 2 * hk) * d, dtype=dtype)
-        weights = {}
-        if kw.get("norm"):
+        weights: dict = {}
+        if kw.get("norm") or kw.get("gemma"):
             weights = {
                 "q_weight": torch.zeros(d, dtype=dtype),
                 "k_weight": torch.zeros(d, dtype=dtype),
             }
+        if kw.get("gemma"):  # 1 + w, the fp32 product rounded once
+            weights.update(weight_offset=1.0, round_before_weight=False)
         cs = table[:, :rot].contiguous()
         call(f"rope_qk_ {label}", rotary.rope_qk_, qkv, torch.zeros(3, dtype=torch.int64), cs,
              cs.clone(), hq, hk, d, is_neox_style=kw.get("neox", True), **weights)  # fmt: skip

@@ -42,16 +42,21 @@ def _check(out, ref, dtype, norm):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("neox", [True, False])
-@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("norm", [None, "rms", "gemma"])
 def test_rope_qk_matches_reference(seed, device, dtype, shape, neox, norm):
+    """norm: none, Qwen3's q/k RMSNorms (rounded before the weight), or Gemma 3's (1 + w, the
+    fp32 product rounded once)."""
     hq, hk, d, r = shape
     qkv, positions, cos, sin = _inputs(dtype, device, hq, hk, d, r)
-    kw = {}
+    kw: dict = {}
     if norm:
+        gemma = norm == "gemma"
         kw = dict(
-            q_weight=(torch.randn(d, device=device) * 0.2 + 1).to(dtype),
-            k_weight=(torch.randn(d, device=device) * 0.2 + 1).to(dtype),
+            q_weight=(torch.randn(d, device=device) * 0.2 + (0 if gemma else 1)).to(dtype),
+            k_weight=(torch.randn(d, device=device) * 0.2 + (0 if gemma else 1)).to(dtype),
             eps=1e-6,
+            weight_offset=1.0 if gemma else 0.0,
+            round_before_weight=False if gemma else None,
         )
     ref = ref_rope_qk(qkv, positions, cos, sin, hq, hk, d, is_neox_style=neox, **kw)
     before = qkv.clone()

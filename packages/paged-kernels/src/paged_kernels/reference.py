@@ -290,15 +290,19 @@ def ref_rope_qk(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    round_before_weight: bool | None = None,
 ) -> torch.Tensor:
-    """A copy of qkv [T, W] with its q and k heads (normalised, then) rotated in float32:
-    o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin over the first R = 2 * cos.shape[1] dims."""
+    """A copy of qkv [T, W] with its q and k heads (normalised as ref_rms_norm, then) rotated
+    in float32: o1 = x1 cos - x2 sin, o2 = x2 cos + x1 sin over the first R = 2 * cos.shape[1]
+    dims."""
     t, hq, hk = qkv.shape[0], num_q_heads, num_kv_heads
     out = qkv.clone()
     heads = out[:, : (hq + hk) * head_dim].view(t, hq + hk, head_dim)
     if q_weight is not None and k_weight is not None:
-        heads[:, :hq] = ref_rms_norm(heads[:, :hq], q_weight, eps)
-        heads[:, hq:] = ref_rms_norm(heads[:, hq:], k_weight, eps)
+        kw = dict(round_before_weight=round_before_weight)
+        heads[:, :hq] = ref_rms_norm(heads[:, :hq], q_weight, eps, weight_offset, **kw)
+        heads[:, hq:] = ref_rms_norm(heads[:, hq:], k_weight, eps, weight_offset, **kw)
     r = 2 * cos.shape[1]
     rot = heads[..., :r].float()
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, R/2]

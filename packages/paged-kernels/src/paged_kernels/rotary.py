@@ -5,7 +5,8 @@
 qkv [T, (Hq + 2 Hkv) * D] holds each token's q heads, then its k heads, then its v heads (the
 layout of a QKV projection). The first Hq + Hkv heads are rotated where they lie; v is left
 alone. Optionally each of those heads is first RMS-normalised with its own weight row (Qwen3's
-q_norm / k_norm), with the roundings of paged_engine's RMSNorm. The torch version of the same
+q_norm / k_norm; Gemma 3's with their 1 + w and one rounding), with the roundings of
+paged_engine's RMSNorm. The torch version of the same
 work is a dozen kernels a layer (upcast, gather, products, sums, concatenations, downcast).
 
 The rotation is the float32 one of paged_engine's RotaryEmbedding: for a pair (x1, x2) at
@@ -37,6 +38,7 @@ def _rope_qk_kernel(
     num_heads,  # q + k heads
     num_q_heads,
     eps,
+    weight_offset,  # added to both norm weights (Gemma's 1 + w)
     HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -79,10 +81,12 @@ def _rope_qk_kernel(
             tl.load(qw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
             tl.load(kw_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :],
         )
+        w, wp = w + weight_offset, wp + weight_offset
         y, yp = x * rstd, xp * rstd
         if ROUND_BEFORE_WEIGHT:  # as RMSNorm in 16 bits: round the normalised row, then scale
             y, yp = y.to(dtype).to(tl.float32), yp.to(dtype).to(tl.float32)
-        x = (y * w).to(dtype).to(tl.float32)
+            w, wp = w.to(dtype).to(tl.float32), wp.to(dtype).to(tl.float32)
+        x = (y * w).to(dtype).to(tl.float32)  # (Gemma's: the fp32 product, rounded once)
         xp = (yp * wp).to(dtype).to(tl.float32)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.load(cos_ptr + pos * stride_cs + freq, mask=rot & d_ok, other=1.0)
@@ -106,10 +110,13 @@ def rope_qk_(
     q_weight: torch.Tensor | None = None,  # [head_dim]: RMS-normalise q heads first
     k_weight: torch.Tensor | None = None,  # [head_dim]: and k heads, with eps
     eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    round_before_weight: bool | None = None,
 ) -> torch.Tensor:
     """Rotate (after normalising, with weights) the q and k heads of `qkv` in place; returns
     qkv. Positions index the cos/sin tables (R = 2 * cos.shape[1] rotary dims, R <= head_dim);
-    the caller keeps them inside the tables."""
+    the caller keeps them inside the tables. The norms round as `rms_norm` with the same
+    `weight_offset` and `round_before_weight` does (False: Gemma's q/k norms)."""
     check(qkv.dtype in FLOAT_DTYPES, f"unsupported qkv dtype {qkv.dtype}")
     check(qkv.dim() == 2 and qkv.stride(1) == 1, "qkv must be [T, W] with contiguous rows")
     check(0 < head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} not in 1..{MAX_HEAD_DIM}")
@@ -157,13 +164,14 @@ def rope_qk_(
         num_heads,
         num_q_heads,
         float(eps),
+        float(weight_offset),
         HEAD_DIM=head_dim,
         ROT_HALF=rot_half,
         BLOCK_D=block_d,
         BLOCK_H=block_h,
         NEOX=is_neox_style,
         NORM=norm,
-        ROUND_BEFORE_WEIGHT=qkv.dtype != torch.float32,
+        ROUND_BEFORE_WEIGHT=qkv.dtype != torch.float32 and round_before_weight is not False,
         num_warps=1 if is_interpreter() else 4,
         enable_fp_fusion=False,  # torch rounds each product: no fused multiply-add
     )

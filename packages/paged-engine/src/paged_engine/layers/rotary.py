@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.norm import GemmaRMSNorm, RMSNorm
 
 # The engine's max_model_len while a model is built (`rope_context_len`): the longest sequence
 # the ropes serve, which picks longrope's factor set. None: the config's max_position_embeddings.
@@ -271,20 +271,26 @@ class RotaryEmbedding(nn.Module):
         """With the kernel set, in one kernel: (q_norm / k_norm on each head, then) rotate the
         q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place, the same values as the norms and
         `forward`. False, qkv untouched, without the kernel, where the rows are not dense, or
-        where the norms are not a pair of plain RMSNorms with one eps (Gemma's round
-        otherwise)."""
+        where the norms are not a pair of RMSNorms of one kind (eps, weight offset, rounding:
+        Llama's / Qwen3's, or Gemma 3's) over one head each."""
         if self.kernel is None or qkv.dim() != 2 or qkv.stride(1) != 1:
             return False
         weights: dict = {}
         norms = [n for n in (q_norm, k_norm) if n is not None]
         if norms:
-            plain = all(
-                type(n) is RMSNorm and not n.weight_offset and n.weight.shape == (self.head_dim,)
-                for n in norms
-            )
-            if len(norms) != 2 or not plain or norms[0].eps != norms[1].eps:
+            if len(norms) != 2 or not all(_head_norm(n, self.head_dim) for n in norms):
                 return False
-            weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps)
+            q, k = norms
+            kind = (q.eps, q.weight_offset, q.round_before_weight)
+            if (k.eps, k.weight_offset, k.round_before_weight) != kind:
+                return False
+            weights = dict(
+                q_weight=q.weight,
+                k_weight=k.weight,
+                eps=q.eps,
+                weight_offset=q.weight_offset,
+                round_before_weight=q.round_before_weight,
+            )
         self.kernel(
             qkv,
             positions,
@@ -310,6 +316,14 @@ class RotaryEmbedding(nn.Module):
         q = self._rotate(q.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
         k = self._rotate(k.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
         return q, k
+
+
+def _head_norm(norm: nn.Module, head_dim: int) -> bool:
+    """An RMSNorm the rope kernel can run: RMSNorm's or Gemma's forward (their roundings are
+    `round_before_weight`'s), one weight row of head_dim."""
+    return (
+        type(norm) in (RMSNorm, GemmaRMSNorm) and norm.weight.shape == (head_dim,)  # type: ignore[union-attr]
+    )
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -96,7 +96,13 @@ class GemmaAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
+        if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms):  # one kernel
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
             k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)

@@ -318,12 +318,10 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
-def _head_norm(norm: nn.Module, head_dim: int) -> bool:
+def _head_norm(norm: RMSNorm, head_dim: int) -> bool:
     """An RMSNorm the rope kernel can run: RMSNorm's or Gemma's forward (their roundings are
     `round_before_weight`'s), one weight row of head_dim."""
-    return (
-        type(norm) in (RMSNorm, GemmaRMSNorm) and norm.weight.shape == (head_dim,)  # type: ignore[union-attr]
-    )
+    return type(norm) in (RMSNorm, GemmaRMSNorm) and norm.weight.shape == (head_dim,)
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -223,34 +223,37 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out.to(x.dtype), rest), dim=-1)
 
     def begin_forward(self, positions: torch.Tensor) -> None:
-        """Gather this forward's tables once for all layers (the model calls it first thing in
-        every forward, so a table never outlives its positions): `rotate_heads` reads them.
+        """Mark the start of a forward over `positions` (the model calls it first thing in
+        every forward, so a table never outlives its positions): the first `rotate_heads` call
+        gathers the tables once for all layers; layers whose rope kernel runs (rotate_qkv_)
+        never ask for them.
 
         NeoX style over the whole head: out = x * [cos, cos] + swap_halves(x) * [-sin, sin],
         the same products and sums as `_rotate` (x1*cos + x2*(-sin) == x1*cos - x2*sin exactly).
         """
-        if self.kernel is not None or not (self.is_neox_style and self.rotary_dim == self.head_dim):
-            self._tables = None  # the kernel (rotate_qkv_) reads cos / sin itself
-            return
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
-        self._tables = (
-            positions,
-            torch.cat((cos, cos), dim=-1).unsqueeze(1),  # [T, 1, D] float32
-            torch.cat((-sin, sin), dim=-1).unsqueeze(1),
-        )
+        full_neox = self.is_neox_style and self.rotary_dim == self.head_dim
+        self._positions = positions if full_neox else None
+        self._tables = None
 
-    _tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _positions: torch.Tensor | None = None
+    _tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def has_tables(self, positions: torch.Tensor) -> bool:
-        """Whether `rotate_heads` can rotate heads at `positions` (tables from begin_forward)."""
-        return self._tables is not None and self._tables[0] is positions
+        """Whether `rotate_heads` can rotate heads at `positions` (marked by begin_forward)."""
+        return self._positions is positions
 
     def rotate_heads(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """x: [T, N, D] (q and k heads side by side, maybe a strided view) -> rotated [T, N, D]
-        in x's dtype, or None when `begin_forward` did not prepare tables for `positions`."""
+        in x's dtype, or None when `begin_forward` did not mark `positions`."""
         if not self.has_tables(positions):
             return None
-        _, cos, sin = self._tables  # type: ignore[misc]
+        if self._tables is None:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+            self._tables = (
+                torch.cat((cos, cos), dim=-1).unsqueeze(1),  # [T, 1, D] float32
+                torch.cat((-sin, sin), dim=-1).unsqueeze(1),
+            )
+        cos, sin = self._tables
         t, n, d = x.shape
         xf = x.float()
         swapped = xf.view(t, n, 2, d // 2).flip(2).view(t, n, d)  # [x2, x1]

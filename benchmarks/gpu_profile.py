@@ -166,6 +166,12 @@ def _layer_kernels(engine) -> dict[str, str]:
     }
 
 
+def _summarize(prof, trace: Path) -> dict:
+    """summarize_trace of a finished profiler session, its chrome trace written to `trace`."""
+    prof.export_chrome_trace(str(trace))
+    return summarize_trace(trace)
+
+
 def _unfuse_layers() -> None:
     """Engines built from now on in this process run their norms as paged_kernels.rms_norm
     alone and their residual adds, ropes and gated SiLUs on torch ops (`--unfused`)."""
@@ -303,18 +309,14 @@ def run(
     prefill_s = time.perf_counter() - t0
     prefill_summary = None
     if prefill_prof is not None:
-        trace = work_dir / "gpu_profile_prefill_trace.json"
-        prefill_prof.export_chrome_trace(str(trace))
-        prefill_summary = summarize_trace(trace)
+        prefill_summary = _summarize(prefill_prof, work_dir / "gpu_profile_prefill_trace.json")
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with record_function(STEP):
                 _engine_step(engine)
         if device == "cuda":
             torch.cuda.synchronize()
-    trace = work_dir / "gpu_profile_trace.json"
-    prof.export_chrome_trace(str(trace))
-    summary = summarize_trace(trace)
+    summary = _summarize(prof, work_dir / "gpu_profile_trace.json")
     # The same steps again without the profiler: its own overhead inflates host time.
     if device == "cuda":
         torch.cuda.synchronize()

@@ -41,11 +41,14 @@ def use_triton_norms(model: nn.Module) -> int:
     Returns how many norms it switched."""
     from paged_kernels import add_rms_norm
 
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     switched = 0
-    for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
-        switched += _switch([norm], "kernel", rms_norm_kernel(norm))
-        if type(norm) is RMSNorm and not norm.weight_offset:
-            _switch([norm], "add_kernel", add_rms_norm)
+    for norm in norms:
+        if norm.kernel is None:  # (a batch-invariant kernel stays)
+            norm.kernel = rms_norm_kernel(norm)
+            switched += 1
+    plain = [m for m in norms if type(m) is RMSNorm and not m.weight_offset]
+    _switch(plain, "add_kernel", add_rms_norm)
     return switched
 
 

@@ -13,7 +13,9 @@ memory queries are faked. On a CUDA machine the Triton graph test uses real CUDA
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
+import weakref
 from typing import ClassVar
 
 import pytest
@@ -32,6 +34,13 @@ MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
 BLOCK = 4
 MAX_LEN = 64  # 16 blocks per sequence
 SPEC_K = 2  # speculative tests: verification steps run q = 3 query tokens per row
+
+
+# Tests that drive CUDA's code paths on CPU tensors run Triton kernels in its interpreter, which
+# the suite turns on only where there is no CUDA device; there the real paths run natively.
+on_cpu_tensors = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CUDA's path on CPU tensors needs Triton's interpreter"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -445,9 +454,9 @@ def test_verify_buckets_fit_the_token_budget(tiny_llama_dir):
 @pytest.mark.parametrize(
     ("backend", "enforce_eager", "spec_k", "captured"),
     [
-        ("triton", False, None, True),
-        ("triton", False, SPEC_K, True),
-        ("triton", True, SPEC_K, False),
+        pytest.param("triton", False, None, True, marks=on_cpu_tensors),
+        pytest.param("triton", False, SPEC_K, True, marks=on_cpu_tensors),
+        pytest.param("triton", True, SPEC_K, False, marks=on_cpu_tensors),
         ("torch", False, None, False),
     ],
 )
@@ -759,13 +768,36 @@ def test_cache_engine_triton_copy_blocks_matches_torch(tiny_llama_dir, dtype):
 
 
 def test_gpu_share_must_be_free_at_start(monkeypatch):
+    """What others hold is measured after this process let go of a dropped engine: one that
+    only a reference cycle keeps (collected), and its blocks in torch's cache (released)."""
+
+    class Dropped:  # an earlier engine's KV cache: 20 MiB until collected
+        pass
+
+    gc.disable()  # only gpu_baseline's own collection may free it
+    try:
+        dropped = Dropped()
+        dropped.cycle = dropped
+        alive = weakref.ref(dropped)
+        del dropped
+        calls: list[str] = []
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+
+        def mem_get_info(*_):
+            calls.append("mem_get_info")
+            return ((30 if alive() is None else 10) * MIB, 64 * MIB)
+
+        monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+        assert mp.gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB
+    finally:
+        gc.enable()
+    assert calls == ["empty_cache", "mem_get_info"]
     _gpu_baseline = mp.gpu_baseline
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (30 * MIB, 64 * MIB))
-    assert _gpu_baseline(torch.device("cuda"), 0.4) == 34 * MIB  # others hold 34 MiB
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.9 .* only 0.0 GiB is free"):
         _gpu_baseline(torch.device("cuda"), 0.9)
 
 
+@on_cpu_tensors
 def test_graph_decode_with_lora_adapters_matches_eager(tiny_llama_dir, fake_cuda_graphs, tmp_path):
     """The LoRA kernels (Triton's interpreter) go into every graph while no slot has tokens, and
     each replay reads the step's token -> slot mapping from the static buffers: decode steps of

@@ -3,6 +3,7 @@ peak of the largest step (measured by running it once), divided by the bytes of 
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,13 @@ logger = logging.getLogger(__name__)
 
 def gpu_baseline(device: torch.device, utilization: float) -> int:
     """Bytes in use on the device before the engine loads anything (other processes, the CUDA
-    context). The engine's share, total * utilization, must be free now: fail early if not."""
+    context). The engine's share, total * utilization, must be free now: fail early if not.
+
+    An engine this process dropped (an earlier `LLM` in a notebook or a test) may still hold its
+    KV cache and graph pools through reference cycles, and torch's caching allocator keeps freed
+    blocks from the driver: collect and release both before asking the driver what is free."""
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     want = total * utilization
     if free < want:

@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
-#   device run:                   bash benchmarks/gpu_run.sh diag | final | next
+#   device run:                   bash benchmarks/gpu_run.sh diag | final | next | next3
 #   device run (carry [".whl-tf"]): bash benchmarks/gpu_run.sh next2
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
@@ -32,6 +32,9 @@
 # next2:  decode attention's tile sweep (kernel_bench --tile-sweep); gpu_profile at batch 64
 #         (two splits in the graphs); the engine start's config step with the image's
 #         transformers and a carried 5.21; HF continuous batching with its graphs forced on.
+# next3:  after next and next2: the engine tests natively again, the full kernel bench and the
+#         batch-256 profile with the decode tile next2's sweep chose, the nano-vllm workload
+#         through paged alone.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -240,6 +243,25 @@ case "$PHASE" in
       --hf-cb-options '{"use_cuda_graph": true}' --out "$OUT/hf-cb-graphs" --no-report \
       --note "issue 14 next: HF continuous batching with its CUDA graphs forced on"
     ;;
+  next3)  # after next + next2: the engine tests again (an engine now releases what a dropped
+    # one held), and the decode tile the sweep chose, in the kernel bench and the engine
+    step 120 native-engine-tests $PY -m pytest -v -p no:cacheprovider --timeout 60 -rfE \
+      tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
+      tests/engine/test_async_scheduling.py
+    step 70 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
+    step 40 profile-final-only $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --final-only --out "$OUT/final-only"
+    step 60 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --systems paged --out "$OUT" --no-report --note "issue 14 next3"
+    # next2's start probe again, now with 5.21 carried too (.whl-tf, from gpu_wheels.sh)
+    CFG=/tmp/paged-bench/qwen3-0.6b-cfg
+    step 30 startup-probe startup_probe $CFG
+    if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+      --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
+      step 30 startup-probe-tf-new env PYTHONPATH="/tmp/tf-new:$PYTHONPATH" \
+        bash -c "startup_probe $CFG"
+    fi
+    ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
@@ -372,7 +394,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|next|next2|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|next2|next3|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -20,7 +20,12 @@
    call site with its paged frames). Requests ask for an output every step, as the server's do;
    `--final-only` for the final output alone, as `LLM.generate`'s (less host work a step).
 4. `--profile-prefill`: the admission steps (the prompts' prefill) under the profiler too, the
-   same summary as `prefill_profile`.
+   same summary as `prefill_profile`, with their Python functions under cProfile.
+5. `jit_builds`: the Triton kernels built in each phase (engine start, prefill, steady decode),
+   counted and timed from Triton's pre- to its post-compile hook: a build is a compile, or a
+   load from Triton's on-disk cache (which outlives a process, not a machine). A kernel built
+   after the start is one the start's profile forward and graph capture did not cover; its
+   first step pays for it.
 
 Writes `gpu_profile.json` (and nothing large: the raw trace stays in the work dir).
 """
@@ -195,7 +200,6 @@ def _unfuse_layers() -> None:
 def _host_functions(engine, steps: int, top: int = 25) -> dict:
     """cProfile over `steps` engine steps: the top functions by own and by inclusive time."""
     import cProfile
-    import pstats
 
     prof = cProfile.Profile()
     prof.enable()
@@ -204,6 +208,13 @@ def _host_functions(engine, steps: int, top: int = 25) -> dict:
     prof.disable()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    return _top_functions(prof, steps, top)
+
+
+def _top_functions(prof, steps: int, top: int = 25) -> dict:
+    """A finished cProfile session's top functions by own and by inclusive time, per step."""
+    import pstats
+
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
 
     def row(key, v) -> dict:
@@ -221,6 +232,57 @@ def _host_functions(engine, steps: int, top: int = 25) -> dict:
         "by_own_time": [row(k, v) for k, v in sorted(items, key=lambda kv: -kv[1][2])[:top]],
         "by_inclusive_time": [row(k, v) for k, v in sorted(items, key=lambda kv: -kv[1][3])[:top]],
     }
+
+
+class JitBuilds:
+    """Triton kernel builds by phase, from Triton's jit_cache_hook (called on an in-memory cache
+    miss, before the compile or the on-disk cache's load) and jit_post_compile_hook (after it).
+    Set `phase` as the run moves on; `summary()` gives each phase's builds, seconds and kernels.
+    Without Triton's hooks (the interpreter, or a Triton before `triton.knobs`) nothing is
+    counted and `available` is False."""
+
+    def __init__(self) -> None:
+        self.phase = "start"
+        self.builds: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        self.available = False
+        self._began = 0.0
+        self._saved: tuple | None = None
+
+    def __enter__(self) -> JitBuilds:
+        try:
+            from triton import knobs
+
+            runtime = knobs.runtime
+            self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        except (ImportError, AttributeError):
+            return self
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self.before, self.after
+        self.available = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            from triton import knobs
+
+            knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+    def before(self, **_) -> bool:
+        self._began = time.perf_counter()
+        return False  # True would tell Triton to skip the compile
+
+    def after(self, **kw) -> None:
+        name = str(kw.get("repr", "?")).split("[", 1)[0]  # "kernel[num_warps=...](args)"
+        self.builds[self.phase].append((name, time.perf_counter() - self._began))
+
+    def summary(self) -> dict:
+        out = {}
+        for phase, builds in self.builds.items():
+            kernels: dict[str, int] = defaultdict(int)
+            for name, _ in builds:
+                kernels[name] += 1
+            seconds = round(sum(t for _, t in builds), 3)
+            out[phase] = {"builds": len(builds), "seconds": seconds, "kernels": dict(kernels)}
+        return out
 
 
 def _sync_points(engine, steps: int) -> list[dict]:
@@ -267,6 +329,26 @@ def run(
     profile_prefill: bool = False,
     **engine_kw,
 ) -> dict:
+    with JitBuilds() as jit:
+        result = _profile(
+            jit, model_dir, device, batch, steps, work_dir, final_only, profile_prefill, **engine_kw
+        )
+    return {**result, "jit_builds": jit.summary() if jit.available else None}
+
+
+def _profile(
+    jit: JitBuilds,
+    model_dir: Path,
+    device: str,
+    batch: int,
+    steps: int,
+    work_dir: Path,
+    final_only: bool,
+    profile_prefill: bool,
+    **engine_kw,
+) -> dict:
+    import cProfile
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.workloads import nano_vllm
@@ -294,9 +376,13 @@ def run(
             f"p{i}", {"prompt_token_ids": r.prompt_token_ids}, params, final_only=final_only
         )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    jit.phase = "prefill"
+    host_prof = cProfile.Profile() if profile_prefill else None
     t0 = time.perf_counter()
     warm_steps, full = 0, 0
     with profile(activities=activities) if profile_prefill else nullcontext() as prefill_prof:
+        if host_prof is not None:
+            host_prof.enable()
         while full < 3:  # prefill (chunked or not) done: every request gets a token, 3 steps
             with record_function(STEP):
                 got = _engine_step(engine)
@@ -306,10 +392,14 @@ def run(
                 raise RuntimeError("the batch never reached a steady decode")
         if device == "cuda":
             torch.cuda.synchronize()
+        if host_prof is not None:
+            host_prof.disable()
     prefill_s = time.perf_counter() - t0
+    jit.phase = "decode"
     prefill_summary = None
     if prefill_prof is not None:
         prefill_summary = _summarize(prefill_prof, work_dir / "gpu_profile_prefill_trace.json")
+        prefill_summary["host_functions"] = _top_functions(host_prof, warm_steps)
     with profile(activities=activities) as prof:
         for _ in range(steps):
             with record_function(STEP):

@@ -96,6 +96,27 @@ def test_host_functions_profile_the_steps(monkeypatch):
     assert all(r["calls_per_step"] > 0 for r in res["by_own_time"])
 
 
+def test_jit_builds_by_phase():
+    """Triton's compile hooks are installed for the run, each build lands in the phase it
+    happened in, and the hooks that were there before come back."""
+    from triton import knobs
+
+    saved = knobs.runtime.jit_cache_hook
+    with gpu_profile.JitBuilds() as jit:
+        assert knobs.runtime.jit_cache_hook == jit.before
+        assert jit.before(key="k") is False  # never tells Triton to skip the compile
+        jit.after(repr="_rope_qk_kernel[num_warps=4](qkv_ptr: *bf16)")
+        jit.phase = "prefill"
+        for _ in range(2):
+            jit.before()
+            jit.after(repr="_paged_attention_kernel[num_warps=4](q_ptr: *bf16)")
+    assert knobs.runtime.jit_cache_hook is saved
+    got = jit.summary()
+    assert got["start"]["builds"] == 1 and got["start"]["kernels"] == {"_rope_qk_kernel": 1}
+    assert got["prefill"]["kernels"] == {"_paged_attention_kernel": 2}
+    assert got["prefill"]["seconds"] >= 0 and "decode" not in got
+
+
 def test_cpu_run_with_final_outputs_only(tmp_path):
     """The whole profile on CPU (smoke sizes): engine start, steady steps, host functions; with
     --final-only the requests ask for their final output alone, as LLM.generate's do."""
@@ -107,6 +128,8 @@ def test_cpu_run_with_final_outputs_only(tmp_path):
     assert res["batch"] == 2 and res["steps"] == 2 and res["gpu_idle_fraction"] is None
     prefill = res["prefill_profile"]  # --profile-prefill: the admission steps summarized too
     assert prefill["steps"] == res["warmup_steps"] and prefill["wall_ms_per_step"] > 0
+    assert prefill["host_functions"]["by_inclusive_time"]  # and its Python functions
+    assert res["jit_builds"] is None  # the interpreter builds nothing
     assert res["host_functions"]["by_inclusive_time"] and res["decode_tokens_per_s_unprofiled"] > 0
 
 

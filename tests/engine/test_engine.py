@@ -240,20 +240,34 @@ def test_bad_input_raises_and_engine_keeps_serving(model_dir):
 
 
 def test_triton_path_matches_torch_reference(model_dir):
-    """The GPU code path, run by the Triton interpreter: slot mappings, block tables, kernels."""
+    """The GPU code path, run by the Triton interpreter: slot mappings, block tables, kernels.
+
+    And no kernel is specialised on a step's shape: from the engine start's profile forward
+    (which builds the prefill kernels on a GPU) through chunked prefills, a prefix hit and
+    decode steps of 1-4 rows, each kernel and constexpr set keeps one compile key, so a GPU
+    compiles nothing again mid-serving (see tests/compile_keys.py)."""
+    from compile_keys import recompiled, record_compile_keys
+
+    from paged_engine.worker.memory_profiler import profile_forward
+
     prompts = _prompts(3, seed=11, lo=10, hi=40)
     prompts.append(prompts[0][:20] + [7, 8, 9])  # shares a prefix block with prompt 0
     kw = dict(model=str(model_dir), dtype="float32", max_model_len=96, max_num_batched_tokens=48)
+    kw["max_num_seqs"] = len(prompts)  # the profile forward: 4 rows of 12 tokens, not 48 of 1
     torch_out = _greedy(LLM(attention_backend="torch", **kw), prompts, max_tokens=4)
     triton_llm = LLM(attention_backend="triton", **kw)
     # the Triton backend runs its norms through paged_kernels.rms_norm too (use_triton_norms)
     from paged_engine.layers.norm import RMSNorm
     from paged_kernels import rms_norm
 
-    model = triton_llm.llm_engine.engine_core.executor.worker.model_runner.model
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    runner = triton_llm.llm_engine.engine_core.executor.worker.model_runner
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
     assert norms and all(m.kernel is rms_norm for m in norms)
-    assert _greedy(triton_llm, prompts, max_tokens=4) == torch_out
+    with record_compile_keys() as keys:
+        profile_forward(runner)  # a GPU engine's start runs it (CPU engines skip it)
+        assert _greedy(triton_llm, prompts, max_tokens=4) == torch_out
+    assert {name for name, _ in keys} >= {"_paged_attention_kernel", "_write_kv_cache_kernel"}
+    assert recompiled(keys) == {}
     assert triton_llm.get_stats().num_used_blocks == 0
 
 

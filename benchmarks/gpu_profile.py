@@ -161,13 +161,17 @@ def _layer_kernels(engine) -> dict[str, str]:
     }
     worker = getattr(engine.engine_core.executor, "worker", None)  # in-process workers only
     if worker is None:
-        return dict.fromkeys(parts, "unknown")
+        return dict.fromkeys([*parts, "sampler_race"], "unknown")
     modules = list(worker.model_runner.model.modules())
+    race = worker.model_runner.sampler.race
     return {
-        part: kernel
-        if any(isinstance(m, cls) and getattr(m, attr) is not None for m in modules)
-        else "torch ops"
-        for part, (cls, attr, kernel) in parts.items()
+        **{
+            part: kernel
+            if any(isinstance(m, cls) and getattr(m, attr) is not None for m in modules)
+            else "torch ops"
+            for part, (cls, attr, kernel) in parts.items()
+        },
+        "sampler_race": f"paged_kernels.{race.__name__}" if race is not None else "torch ops",
     }
 
 
@@ -478,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         "ops (the engine before its fused layer epilogues): the A/B",
     )
     p.add_argument(
+        "--torch-sampler",
+        action="store_true",
+        help="random rows race on torch ops (softmax, noise, quotient, argmin) instead of "
+        "paged_kernels.gumbel_race's one pass: the A/B",
+    )
+    p.add_argument(
         "--profile-prefill",
         action="store_true",
         help="also profile the prefill steps (kernels by GPU time, idle): prefill_profile",
@@ -498,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
         worker.use_triton_norms = lambda model: 0  # before the engine captures its graphs
     if args.unfused:
         _unfuse_layers()
+    if args.torch_sampler:
+        from paged_engine.worker import model_runner
+
+        model_runner.sampling_race = lambda backend_name, device: None
     batch = args.batch or (8 if args.smoke else 256)
     steps = args.steps or (4 if args.smoke else 30)
     overrides = {**({"num_hidden_layers": 2} if args.smoke else {}), **args.override_config}

@@ -37,8 +37,9 @@
 #         through paged alone.
 # next4:  the slow first prefill (3.3 s cold against 0.2-1.2 s later on the same machine):
 #         gpu_profile twice on one fresh Triton cache (jit_builds: the kernels each phase
-#         built; the prefill's Python functions), nano-vllm on the warm cache, then the engine
-#         tests with transformers 5.21 (each engine starts ~8 s sooner than on 5.17).
+#         built; the prefill's Python functions); the sampler's race kernel against torch's
+#         (gpu_profile --torch-sampler, kernel_bench's sampler_race); nano-vllm on the warm
+#         cache; the sampler and engine tests with transformers 5.21 (engines start ~8 s sooner).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -266,7 +267,7 @@ case "$PHASE" in
         bash -c "startup_probe $CFG"
     fi
     ;;
-  next4)  # carry [".whl-tf"]: the slow first prefill, then the engine tests that next3's limit cut
+  next4)  # carry [".whl-tf"]: the slow first prefill, the sampler's race kernel, engine tests
     step 20 versions versions
     # the same profile twice on one Triton cache, cold then warm: jit_builds names the kernels
     # each phase built, prefill_profile.host_functions where the prefill's host time goes
@@ -274,20 +275,26 @@ case "$PHASE" in
     rm -rf "$TRITON_CACHE_DIR"
     step 75 profile-cold $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --final-only \
       --profile-prefill --out "$OUT/cold"
-    step 60 profile-warm $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --final-only \
+    step 50 profile-warm $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --final-only \
       --profile-prefill --out "$OUT/warm"
+    # the A/B of the sampler's one-pass race (gumbel_race) against torch's, on the warm cache
+    step 50 profile-torch-sampler $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
+      --final-only --torch-sampler --out "$OUT/torch-sampler"
+    step 60 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
     step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report \
-      --note "issue 14 next4: warm Triton cache"
-    # with transformers 5.21 (.whl-tf) each engine starts ~8 s sooner (next3's start probe)
+      --note "issue 14 next4: warm Triton cache, gumbel_race"
+    # with transformers 5.21 (.whl-tf) each engine starts ~8 s sooner (next3's start probe);
+    # the sampler's tests first (its race natively), then the engines one at a time
     TF=""
     if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
       --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
       TF="/tmp/tf-new:"
     fi
-    step 280 native-engine-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v \
-      -p no:cacheprovider --timeout 60 -rfE tests/engine/test_llm_vs_hf.py \
-      tests/engine/test_cuda_graph_logic.py tests/engine/test_async_scheduling.py
+    step 150 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v -p no:cacheprovider \
+      --timeout 60 -rfE tests/kernels/test_sampling.py tests/engine/test_sampler.py \
+      tests/engine/test_async_scheduling.py tests/engine/test_llm_vs_hf.py \
+      tests/engine/test_cuda_graph_logic.py
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

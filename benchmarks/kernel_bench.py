@@ -282,6 +282,44 @@ def _bench_matmul(smoke: bool, device: torch.device) -> list[dict]:
     return out
 
 
+def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict]:
+    """The sampler's race over Qwen3's vocabulary (151,936), bf16 logits at temperature 0.6:
+    paged_kernels.gumbel_race's one pass against torch's (the Sampler's plain path without it:
+    divide, softmax, uniform noise, its log, the quotient, argmin), over rows. Without CUDA a
+    2,048-token vocabulary in the interpreter: the numbers only prove the code runs."""
+    from paged_engine.sample.sampler import argmin
+    from paged_kernels import gumbel_race
+
+    vocab, out = (151936 if HAS_CUDA else 2048), []
+    gen = torch.Generator(device=device).manual_seed(0)
+    sizes = ([1, 256] if smoke else [1, 16, 64, 256]) if HAS_CUDA else [1, 4]
+    for rows in sizes:
+        x = (torch.randn(rows, vocab, device=device) * 4).to(torch.bfloat16)
+        temp = torch.full((rows, 1), 0.6, device=device)
+        seeds = torch.arange(rows, device=device)
+
+        def torch_race(x=x, temp=temp) -> torch.Tensor:
+            probs = x.div(temp).softmax(dim=-1)
+            u = torch.empty(probs.shape, device=device).uniform_(generator=gen)
+            return argmin(probs.div_(u.log_()))
+
+        ours = _time_ms(lambda x=x, seeds=seeds, temp=temp: gumbel_race(x, seeds, temp))
+        ref = _time_ms(torch_race)
+        read_gbps = x.numel() * x.element_size() / (ours * 1e-3) / 1e9
+        out.append(
+            {
+                "rows": rows,
+                "vocab": vocab,
+                "gumbel_race_ms": round(ours, 5),
+                "torch_race_ms": round(ref, 5),
+                "speedup_vs_torch": round(ref / ours, 3),
+                # the logits read once, against a copy's read + write bandwidth
+                "fraction_of_copy_bw": round(read_gbps / copy_gbps, 3),
+            }
+        )
+    return out
+
+
 def _bench_moe(smoke: bool, device: torch.device) -> list[dict]:
     """paged_kernels.fused_moe (the engine's CUDA MoE path) against the grouped torch path (one
     matmul pair per used expert, its group sizes read on the host) at Qwen3-30B-A3B's expert
@@ -405,6 +443,7 @@ def run(smoke: bool, out_dir: Path) -> dict:
         "batch_invariant_matmul": _bench_matmul(smoke, device),
         "fused_moe": _bench_moe(smoke, device),  # empty without CUDA
         "mla_decode": _bench_mla(smoke, device, copy_gbps),  # empty without CUDA
+        "sampler_race": _bench_sampler(smoke, device, copy_gbps),
     }
     report["plot"] = _plot(results, out_dir, f"paged decode attention, {name}")
     (out_dir / "kernel_bench.json").write_text(json.dumps(report, indent=2))
@@ -453,6 +492,11 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"fused_moe T={r['tokens']}: {r['fused_moe_ms']:.4f} ms, grouped torch "
             f"{r['grouped_torch_ms']:.4f} ms ({r['speedup_vs_grouped_torch']}x)"
+        )
+    for r in report["sampler_race"]:
+        print(
+            f"sampler race rows={r['rows']}: {r['gumbel_race_ms']:.4f} ms gumbel_race, torch "
+            f"{r['torch_race_ms']:.4f} ms ({r['speedup_vs_torch']}x)"
         )
     print(f"wrote {args.out / 'kernel_bench.json'}")
 

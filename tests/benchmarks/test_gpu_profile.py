@@ -148,6 +148,7 @@ def test_layer_kernels_and_unfused(tmp_path, monkeypatch):
         "residual_adds": "paged_kernels.add_rms_norm",
         "rope": "paged_kernels.rope_qk_",
         "gated_silu": "paged_kernels.silu_and_mul",
+        "sampler_race": "torch ops",  # gumbel_race on CUDA engines only
     }
     for name in ("use_triton_norms", "use_triton_rope", "use_triton_activations"):
         monkeypatch.setattr(worker, name, getattr(worker, name))  # restored after the test

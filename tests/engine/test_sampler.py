@@ -5,13 +5,15 @@ from __future__ import annotations
 import dataclasses
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs, unpack
 from paged_engine.sample.metadata import Penalties, metadata_from_params
-from paged_engine.sample.sampler import Sampler, apply_penalties
+from paged_engine.sample.sampler import Sampler, apply_penalties, sampling_race
 from paged_engine.sampling_params import SamplingParams
+from paged_kernels import gumbel_race, ref_gumbel_race, uniform_noise
 
 V = 64
 
@@ -33,9 +35,9 @@ def metadata(rows, device, vocab: int = V):
     )
 
 
-def sample(x: torch.Tensor, rows) -> SimpleNamespace:
+def sample(x: torch.Tensor, rows, race=None) -> SimpleNamespace:
     """Token ids and (when any row asked) unpacked logprobs, as host lists."""
-    out = Sampler()(x, metadata(rows, x.device, x.shape[1]))
+    out = Sampler(race=race)(x, metadata(rows, x.device, x.shape[1]))
     lp = None
     if out.logprobs is not None:
         lp = unpack(out.logprobs.cpu().tolist(), [r.params.logprobs for r in rows])
@@ -190,7 +192,7 @@ def test_penalties_touch_only_history_tokens_bit_exactly(device):
             assert not tally.any(), trial
 
 
-def run_seeded(device, position: int, others: list[dict], steps: int = 8) -> list[int]:
+def run_seeded(device, position: int, others: list[dict], steps: int = 8, race=None) -> list[int]:
     """Sample `steps` tokens for a seeded row placed at `position` among other rows; the row's
     draw depends on (seed, sample index, output position) only."""
     tokens: list[int] = []
@@ -199,17 +201,19 @@ def run_seeded(device, position: int, others: list[dict], steps: int = 8) -> lis
         rows.insert(position, row(output=tokens, temperature=0.9, top_p=0.95, seed=1234))
         x = logits_for(len(rows), device, seed=100 + step)  # seeded row's logits: position-free
         x[position] = logits_for(1, device, seed=step)[0]
-        tokens.append(sample(x, rows).tokens[position])
+        tokens.append(sample(x, rows, race).tokens[position])
     return tokens
 
 
-def test_seeded_row_independent_of_batch(device):
-    alone = run_seeded(device, 0, [])
+@pytest.mark.parametrize("race", [None, gumbel_race], ids=["torch", "gumbel_race"])
+def test_seeded_row_independent_of_batch(device, race):
+    alone = run_seeded(device, 0, [], race=race)
     mixed = [{"temperature": 1.0}, {"temperature": 0.0}, {"top_k": 5, "seed": 7}, {"min_p": 0.3}]
-    assert run_seeded(device, 2, mixed) == alone
-    assert run_seeded(device, 4, mixed) == alone
+    assert run_seeded(device, 2, mixed, race=race) == alone
+    assert run_seeded(device, 4, mixed, race=race) == alone
     torch.manual_seed(99)  # the global RNG does not matter either
-    assert run_seeded(device, 1, [{"temperature": 2.0, "frequency_penalty": 1.0}]) == alone
+    other = [{"temperature": 2.0, "frequency_penalty": 1.0}]
+    assert run_seeded(device, 1, other, race=race) == alone
     assert len(set(alone)) > 1  # it really sampled
 
 
@@ -348,3 +352,46 @@ def test_temperature_rows_race_as_spelled_out(device, dtype):
         y = torch.cat((x, x[:1]))
         general = Sampler(seed=7)(y, metadata_from_params(other, device, y.shape[1]))
         assert [general.token_ids.tolist()[i] for i in kept] == [fast[i] for i in kept], extra
+
+
+def test_gumbel_race_paths_agree(device):
+    """With the one-pass race (CUDA engines): temperature-only rows race on the model's logits,
+    the kernel dividing by T; the tokens are the race's on the uniforms of each row's seed (a
+    seeded row's draw seed, else one from the engine-seeded host generator), greedy rows take
+    the argmax; and seeded and greedy rows keep their tokens when another row's logprobs or
+    top-p send the batch through processing (x / T divided by torch, then the race)."""
+    temps = [0.6, 0.0, 1.3, 0.6] * 4
+    params = [SamplingParams(temperature=t, seed=11 * i if i % 3 == 0 else None)
+              for i, t in enumerate(temps)]  # fmt: skip
+    x = torch.randn(len(temps), 1100, generator=torch.Generator().manual_seed(5)) * 4
+    x = x.to(device, torch.bfloat16)  # the model's dtype: the fast path reads it as it is
+    md = metadata_from_params(params, device, x.shape[1])
+    fast = Sampler(seed=7, race=gumbel_race)(x, md).token_ids.tolist()
+    seeds = np.random.Generator(np.random.PCG64(7)).integers(
+        -(2**63), 2**63, size=len(temps), dtype=np.int64
+    )
+    for r, s in md.seeds:
+        seeds[r] = s
+    u = uniform_noise(torch.from_numpy(seeds).to(device), x.shape[1])
+    want = ref_gumbel_race(x, u, md.temperature)
+    want = torch.where(md.greedy, x.float().argmax(dim=-1), want)
+    assert fast == want.tolist()
+    assert len(set(fast)) > 6  # it really sampled
+    kept = [i for i, p in enumerate(params) if p.seed is not None or p.temperature == 0.0]
+    for extra in ({"logprobs": 2}, {"top_p": 0.5}):
+        other = [*params, SamplingParams(temperature=0.6, **extra)]
+        y = torch.cat((x, x[:1]))
+        general = Sampler(seed=7, race=gumbel_race)(y, metadata_from_params(other, device, 1100))
+        assert [general.token_ids.tolist()[i] for i in kept] == [fast[i] for i in kept], extra
+    # unseeded rows draw fresh seeds each call
+    sampler = Sampler(seed=7, race=gumbel_race)
+    first, second = (sampler(x, md).token_ids.tolist() for _ in range(2))
+    free = [i for i, p in enumerate(params) if p.seed is None and p.temperature > 0]
+    assert [first[i] for i in free] != [second[i] for i in free]
+
+
+def test_the_race_kernel_runs_where_triton_does():
+    cuda = torch.device("cuda", 0)
+    assert sampling_race("triton", cuda) is gumbel_race
+    assert sampling_race("torch", cuda) is None  # the reference engine keeps torch's race
+    assert sampling_race("triton", torch.device("cpu")) is None  # the interpreter: tests only

@@ -3,18 +3,18 @@
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
-fp8_linear, rms_norm, add_rms_norm, layer_norm, logsumexp, rope_qk_, silu_and_mul, fused_moe,
-lora_shrink, lora_expand, causal_conv1d, gated_delta_rule (a gate per head or per key channel),
-ssd_scan, selective_scan) is called on CPU tensors with its Triton kernels swapped for
-recorders: a launch records its arguments instead of running. Every recorded launch is then
-compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with the wrapper's
-own constexprs, warps, stages and fp-fusion switch and the launcher's run-time specialisation of
-the arguments (16-divisible pointers and ints, ints equal to 1), so type errors, unsupported ops
-and shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then reports the
-registers each thread spills (`--no-spills` makes a spill an error). A launch that turns fp
-fusion off (to round each product as torch does) must hold no fp32 fused multiply-add in its
-PTX. Prints one line
-per launch, "ok" or the error, and exits 1 on any error. What it cannot check: numerics (the
+fp8_linear, rms_norm, add_rms_norm, layer_norm, logsumexp, rope_qk_, silu_and_mul, gumbel_race,
+uniform_noise, fused_moe, lora_shrink, lora_expand, causal_conv1d, gated_delta_rule (a gate per
+head or per key channel), ssd_scan, selective_scan) is called on CPU tensors with its Triton
+kernels swapped for recorders: a launch records its arguments instead of running. Every recorded
+launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with
+the wrapper's own constexprs, warps, stages and fp-fusion switch and the launcher's run-time
+specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type
+errors, unsupported ops and shared-memory overflows show here rather than on a rented GPU;
+`ptxas -v` then reports the registers each thread spills (`--no-spills` makes a spill an error).
+A launch that turns fp fusion off (to round each product as torch does) must hold no fp32 fused
+multiply-add in its PTX. Prints one line per launch, "ok" or the error, and exits 1 on any
+error. What it cannot check: numerics (the
 interpreter tests do) and runtime behaviour."""
 
 from __future__ import annotations
@@ -141,12 +141,13 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     import paged_kernels.moe as moe
     import paged_kernels.norm as norm
     import paged_kernels.rotary as rotary
+    import paged_kernels.sampling as sampling
     import paged_kernels.softmax as softmax
     import paged_kernels.ssd as ssd
 
     modules = (
         activation, attention, gemm, kv_cache, linear_attention, lora, mamba1, mla, moe, norm,
-        rotary, softmax, ssd,
+        rotary, sampling, softmax, ssd,
     )  # fmt: skip
     launches: list = []
     for mod in modules:
@@ -324,6 +325,13 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         x = torch.zeros(3, 1024, dtype=dtype)
         call(f"add_rms_norm {dtype}", norm.add_rms_norm, x, x.clone(), x[0], 1e-6)
         call(f"silu_and_mul {dtype}", activation.silu_and_mul, torch.zeros(3, 6144, dtype=dtype))
+    # the sampler's race over Qwen3's vocabulary: bf16 logits divided in the kernel, fp32
+    # processed ones, split over programs; and its noise written out
+    seeds = torch.zeros(3, dtype=torch.int64)
+    for dtype, temp in ((torch.bfloat16, torch.ones(3)), (torch.float32, None)):
+        call(f"gumbel_race {dtype}", sampling.gumbel_race, torch.zeros(3, 151936, dtype=dtype),
+             seeds, temp)  # fmt: skip
+    call("uniform_noise", sampling.uniform_noise, seeds, 151936)
     table = torch.zeros(4096, 128)
     for label, dtype, (hq, hk, d), rot, kw in (
         ("Qwen3 bf16, q/k norms", torch.bfloat16, (16, 8, 128), 64, {"norm": True}),

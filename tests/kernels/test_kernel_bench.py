@@ -18,6 +18,8 @@ def test_kernel_bench_smoke(tmp_path):
         assert row["paged_ms"] > 0 and row["sdpa_ms"] > 0
         assert row["max_abs_diff_vs_sdpa"] < 5e-2
     assert saved["meaningful"] == kernel_bench.HAS_CUDA
+    race = saved["sampler_race"]  # the sampler's one-pass race beside torch's
+    assert race and all(r["gumbel_race_ms"] > 0 and r["torch_race_ms"] > 0 for r in race)
 
 
 def test_split_sweep_smoke(tmp_path):

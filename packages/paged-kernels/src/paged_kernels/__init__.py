@@ -27,6 +27,7 @@ from paged_kernels.reference import (
     ref_fp8_linear,
     ref_fused_moe,
     ref_gated_delta_rule,
+    ref_gumbel_race,
     ref_layer_norm,
     ref_logsumexp,
     ref_lora_expand,
@@ -53,6 +54,7 @@ _KERNELS = {
     "align_moe_blocks": "paged_kernels.moe",
     "causal_conv1d": "paged_kernels.linear_attention",
     "gated_delta_rule": "paged_kernels.linear_attention",
+    "gumbel_race": "paged_kernels.sampling",
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
     "fp8_linear": "paged_kernels.gemm",
@@ -68,6 +70,7 @@ _KERNELS = {
     "silu_and_mul": "paged_kernels.activation",
     "ssd_scan": "paged_kernels.ssd",
     "swap_blocks": "paged_kernels.kv_cache",
+    "uniform_noise": "paged_kernels.sampling",
     "write_kv_cache": "paged_kernels.kv_cache",
 }
 
@@ -89,6 +92,7 @@ __all__ = [
     "fp8_to_float",
     "fused_moe",
     "gated_delta_rule",
+    "gumbel_race",
     "layer_norm",
     "logsumexp",
     "lora_expand",
@@ -104,6 +108,7 @@ __all__ = [
     "ref_fp8_linear",
     "ref_fused_moe",
     "ref_gated_delta_rule",
+    "ref_gumbel_race",
     "ref_layer_norm",
     "ref_logsumexp",
     "ref_lora_expand",
@@ -126,6 +131,7 @@ __all__ = [
     "ssd_scan",
     "swap_blocks",
     "triton_available",
+    "uniform_noise",
     "write_kv_cache",
 ]
 
@@ -141,6 +147,7 @@ if TYPE_CHECKING:
     from paged_kernels.moe import align_moe_blocks, fused_moe
     from paged_kernels.norm import add_rms_norm, layer_norm, rms_norm
     from paged_kernels.rotary import rope_qk_
+    from paged_kernels.sampling import gumbel_race, uniform_noise
     from paged_kernels.softmax import logsumexp
     from paged_kernels.ssd import ssd_scan
 

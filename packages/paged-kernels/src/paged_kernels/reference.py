@@ -319,6 +319,20 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# ---- Sampling (sampling.py)
+
+
+def ref_gumbel_race(
+    x: torch.Tensor, u: torch.Tensor, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[N] int64: per row the first argmax of x / T - log(-log u) (u: the race's uniforms, as
+    `uniform_noise` writes them), in float32."""
+    x = x.float()
+    if temperature is not None:
+        x = x / temperature.reshape(-1, 1)
+    return (x - torch.log(-torch.log(u))).max(dim=-1).indices
+
+
 # ---- Mixture of experts (moe.py)
 
 

@@ -9,13 +9,23 @@ there) and the worker copies them to the host asynchronously. Every pass is row-
 result never depends on the other rows, so a seeded row samples the same tokens whatever else is
 in the batch.
 
+With a `race` (paged_kernels.gumbel_race, which the worker passes on CUDA) the random rows race
+in one kernel pass instead: argmax of x / T + Gumbel noise from Philox keyed by a seed per row
+(the draw's seed for a seeded row, one drawn from the engine-seeded host generator for the
+others). Every random row races through it, plain or processed, dividing by T in the kernel or
+before it to the same bits, so the promise above holds there too. Speculative verification
+races with `noise` (torch's generators), so an engine that verifies drafts samples without the
+kernel: one noise source for all its rows.
+
 Logprobs are always those of the RAW model distribution (log_softmax of the unprocessed logits).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,6 +110,10 @@ def apply_min_p(x: Tensor, rows: Tensor, min_p: Tensor) -> None:
     x[rows] = sub.masked_fill(probs < keep_min, float("-inf"))
 
 
+# (logits [N, V], seeds [N] int64, temperature [N, 1] float32 or None) -> tokens [N] int64: one
+# pass of the Gumbel-max race (paged_kernels.gumbel_race); x / T when a temperature is passed.
+Race = Callable[[Tensor, Tensor, Tensor | None], Tensor]
+
 # The penalties' scratch stays under [256, V + 1] (155 MB of float32 at a 151,936 vocabulary);
 # more penalty rows in one step (speculative rows at large batches) allocate per step.
 _MAX_TALLY_ROWS = 256
@@ -114,6 +128,16 @@ def argmax(x: Tensor) -> Tensor:
 def argmin(x: Tensor) -> Tensor:
     """[N, V] -> [N] int64, the first minimal index per row (argmax of -x, ties alike)."""
     return x.min(dim=-1).indices
+
+
+def sampling_race(backend_name: str, device: torch.device) -> Race | None:
+    """The one-pass race for an engine: paged_kernels.gumbel_race where Triton runs natively
+    (the triton attention backend on CUDA), else None (torch's race)."""
+    if backend_name != "triton" or device.type != "cuda":
+        return None
+    from paged_kernels import gumbel_race
+
+    return gumbel_race
 
 
 def _temperature_only(md: SamplingMetadata) -> bool:
@@ -136,9 +160,15 @@ class Sampler:
     global RNG, so tensor-parallel ranks draw the same noise whatever else their process
     draws, and sample the same tokens from the same logits."""
 
-    def __init__(self, seed: int = 0, logsumexp: LogSumExp = torch_logsumexp) -> None:
+    def __init__(
+        self, seed: int = 0, logsumexp: LogSumExp = torch_logsumexp, race: Race | None = None
+    ) -> None:
         self._seed = seed
         self.logsumexp = logsumexp  # of the logprobs (sample/logprobs.py)
+        self.race = race
+        # the race's seeds for unseeded rows: a host generator, so no step reads the device
+        # and tensor-parallel ranks (same engine seed, same steps) draw the same ones
+        self._race_seeds = np.random.Generator(np.random.PCG64(seed))
         self._generators: dict[torch.device, torch.Generator] = {}
         self._unseeded: dict[torch.device, torch.Generator] = {}
         # Per device: the penalties' zero scratch [rows, V + 1] (apply_penalties), made on the
@@ -148,7 +178,14 @@ class Sampler:
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V], any float dtype; md describes its rows.
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
-        if not md.need_logprobs and md.temperature is not None and _temperature_only(md):
+        plain = not md.need_logprobs and _temperature_only(md)
+        if plain and self.race is not None and not md.all_greedy and logits.stride(1) == 1:
+            # one pass over the model's logits: the kernel divides by the temperature itself
+            sampled = self.race(logits, self._seeds(md, logits.device), md.temperature)
+            if md.greedy is not None:  # greedy rows' temperature is 1: x / 1 is x
+                sampled = torch.where(md.greedy, argmax(logits), sampled)
+            return SamplerOutput(sampled, None)
+        if plain and md.temperature is not None:
             # Nobody reads the raw float32 logits: dividing the model's logits by the float32
             # temperature gives the processed rows directly, the same bits as a float32 copy
             # divided (a decode step's [N, V] written once instead of three times)
@@ -206,14 +243,29 @@ class Sampler:
     def sample(self, x: Tensor, md: SamplingMetadata) -> Tensor:
         """[N] int64 token ids: argmax for greedy rows, the exponential race for the others:
         argmax(probs / E) with E = -log(U) ~ Exp(1), taken as argmin(probs / log(U)), the
-        same quotients negated exactly (one pass over [N, V] fewer)."""
+        same quotients negated exactly (one pass over [N, V] fewer); with a `race`, its
+        Gumbel-max pass over x instead."""
         if md.all_greedy:
             return argmax(x)
-        probs = x.softmax(dim=-1)
-        sampled = argmin(probs.div_(self._log_uniform(x.shape, md, x.device)))
+        if self.race is not None:
+            sampled = self.race(x.contiguous(), self._seeds(md, x.device), None)
+        else:
+            probs = x.softmax(dim=-1)
+            sampled = argmin(probs.div_(self._log_uniform(x.shape, md, x.device)))
         if md.greedy is not None:
             sampled = torch.where(md.greedy, argmax(x), sampled)
         return sampled
+
+    def _seeds(self, md: SamplingMetadata, device: torch.device) -> Tensor:
+        """[N] int64, the race's seed per row: the draw's own for a seeded row, a fresh one from
+        the engine-seeded host generator for the others (drawn for every row each call)."""
+        seeds = self._race_seeds.integers(-(2**63), 2**63, size=md.num_rows, dtype=np.int64)
+        for row, seed in md.seeds:
+            seeds[row] = seed  # draw_seed: below 2**63
+        t = torch.from_numpy(seeds)
+        if device.type == "cuda":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t.to(device)
 
     def noise(self, shape: torch.Size, md: SamplingMetadata, device) -> Tensor:
         """The Exp(1) noise rows `sample` races with (speculative verification reuses it)."""

@@ -37,7 +37,7 @@ from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prom
 from paged_engine.sample.metadata import (
     with_token_bitmask,
 )
-from paged_engine.sample.sampler import Sampler
+from paged_engine.sample.sampler import Sampler, sampling_race
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 from paged_engine.spec_decode.rejection_sampler import verify
@@ -89,7 +89,10 @@ class ModelRunner:
             config.max_num_seqs, self.max_blocks_per_seq, device, config.max_model_len
         )
         invariant = backend.name if config.batch_invariant else None
-        self.sampler = Sampler(config.seed, invariant_logsumexp(invariant))
+        # Speculative verification races with the sampler's torch noise (Sampler.noise): an
+        # engine that verifies keeps one noise source for every row, so no race kernel there.
+        race = None if config.speculative_config else sampling_race(backend.name, device)
+        self.sampler = Sampler(config.seed, invariant_logsumexp(invariant), race)
         self.parallel = get_parallel_state()
         # What one pipeline stage hands the next: [T, hidden_size] (OPT projects only at the ends).
         self.stage_width = int(hf_config.hidden_size)

@@ -40,16 +40,15 @@ def _block_noise(seed, start, QUARTER: tl.constexpr):
 
 @triton.jit
 def _race_quarter(base, cols, hi, u, t, best, best_i, HAS_TEMP: tl.constexpr):
-    """The running (best score, its column) after the columns `cols` with noise `u`."""
+    """Each lane's running (best score, its column) after the columns `cols` with noise `u`:
+    elementwise, so the loop carries no reduction (one at the end)."""
     ok = cols < hi
     x = tl.load(base + cols, mask=ok, other=-float("inf")).to(tl.float32)
     if HAS_TEMP:
         x = tl.math.div_rn(x, t)
     score = tl.where(ok, x - tl.log(-tl.log(u)), -float("inf"))
-    m = tl.max(score, axis=0)
-    i = tl.argmax(score, axis=0)  # the first maximal column
-    take = m > best  # strictly: the earlier column keeps a tie
-    return tl.where(take, m, best), tl.where(take, tl.min(cols) + i, best_i)
+    take = score > best  # strictly: a lane's earlier (lower) column keeps a tie
+    return tl.where(take, score, best), tl.where(take, cols, best_i)
 
 
 @triton.jit
@@ -73,8 +72,8 @@ def _gumbel_race_kernel(
     q = tl.arange(0, QUARTER)
     base = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(temp_ptr + row) if HAS_TEMP else 1.0
-    best = tl.full((), -float("inf"), tl.float32)
-    best_i = tl.full((), -1, tl.int32)
+    best = tl.full((QUARTER,), -float("inf"), tl.float32)
+    best_i = tl.zeros((QUARTER,), tl.int32)
     lo = split * per_split
     hi = tl.minimum(lo + per_split, vocab)
     for start in range(lo, hi, BLOCK):
@@ -84,8 +83,11 @@ def _gumbel_race_kernel(
         best, best_i = _race_quarter(base, cols + QUARTER, hi, u1, t, best, best_i, HAS_TEMP)
         best, best_i = _race_quarter(base, cols + 2 * QUARTER, hi, u2, t, best, best_i, HAS_TEMP)
         best, best_i = _race_quarter(base, cols + 3 * QUARTER, hi, u3, t, best, best_i, HAS_TEMP)
-    tl.store(best_ptr + row * num_splits + split, best)
-    tl.store(index_ptr + row * num_splits + split, best_i.to(tl.int64))
+    top = tl.max(best, axis=0)
+    # the lowest column holding the best score (a tie between lanes, as within one)
+    column = tl.min(tl.where(best == top, best_i, vocab), axis=0)
+    tl.store(best_ptr + row * num_splits + split, top)
+    tl.store(index_ptr + row * num_splits + split, column.to(tl.int64))
 
 
 @triton.jit

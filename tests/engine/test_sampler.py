@@ -395,3 +395,24 @@ def test_the_race_kernel_runs_where_triton_does():
     assert sampling_race("triton", cuda) is gumbel_race
     assert sampling_race("torch", cuda) is None  # the reference engine keeps torch's race
     assert sampling_race("triton", torch.device("cpu")) is None  # the interpreter: tests only
+
+
+def test_warm_up_builds_every_race_the_sampler_runs(device):
+    """The engine start's warm-up (profile_forward) launches the race in each form sampling
+    will: later steps of other sizes and paths add no compile key (tests/compile_keys.py), the
+    split count (which follows the row count) included; and it draws no seeds."""
+    from compile_keys import record_compile_keys
+
+    def race(x, seeds, temperature):  # a split count that changes with the rows, as on a GPU
+        return gumbel_race(x, seeds, temperature, num_splits=x.shape[0] % 3 + 1)
+
+    sampler = Sampler(seed=3, race=race)
+    state = sampler._race_seeds.bit_generator.state
+    x = torch.randn(6, 3000, device=device)
+    with record_compile_keys() as keys:
+        sampler.warm_up(x)
+        built = {k: set(v) for k, v in keys.items()}
+        assert sampler._race_seeds.bit_generator.state == state
+        for rows in ([row(temperature=0.7, seed=1)] * 4, [row(top_k=5), row(temperature=1.0)]):
+            sampler(x[: len(rows)], metadata(rows, device, 3000))
+    assert {k: set(v) for k, v in keys.items()} == built

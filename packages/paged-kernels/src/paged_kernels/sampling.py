@@ -51,7 +51,8 @@ def _race_quarter(base, cols, hi, u, t, best, best_i, HAS_TEMP: tl.constexpr):
     return tl.where(take, score, best), tl.where(take, cols, best_i)
 
 
-@triton.jit
+# The split count follows the batch's row count: no specialisation on it (one compile).
+@triton.jit(do_not_specialize=["num_splits"])
 def _gumbel_race_kernel(
     x_ptr,  # [N, V]
     seeds_ptr,  # [N] int64

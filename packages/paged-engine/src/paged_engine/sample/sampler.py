@@ -256,6 +256,17 @@ class Sampler:
             sampled = torch.where(md.greedy, argmax(x), sampled)
         return sampled
 
+    def warm_up(self, logits: Tensor) -> None:
+        """Run the race kernel once in each form the sampler calls it (the temperature divided
+        in it, and not) on `logits` [N, V], so a GPU builds it before the first step samples.
+        Draws nothing from the seed generator."""
+        if self.race is None or logits.shape[0] == 0:
+            return
+        rows = logits.shape[0]
+        seeds = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        self.race(logits, seeds, torch.ones(rows, 1, device=logits.device))
+        self.race(logits, seeds, None)
+
     def _seeds(self, md: SamplingMetadata, device: torch.device) -> Tensor:
         """[N] int64, the race's seed per row: the draw's own for a seeded row, a fresh one from
         the engine-seeded host generator for the others (drawn for every row each call)."""

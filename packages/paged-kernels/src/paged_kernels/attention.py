@@ -255,10 +255,11 @@ class TileConfig(NamedTuple):
 
 def _tile_config(group_p2: int, head_dim_p2: int, decode: bool, fp32: bool = False) -> TileConfig:
     """M >= 16 rows keeps tl.dot legal on tensor cores. Sized so
-    the sm_90 build spills no registers (ptxas -v over tests/kernels/gpu_compile.py's launches;
-    not yet timed on a GPU): with 4 warps every 16-bit head size of 128 spilled 344-924 bytes a
-    thread, decode included; a 64-row tile at head size 256 spilled with 8 warps too; fp32 (full
-    precision dots, no tensor cores) spilled kilobytes at any BLOCK_N above 16 but 16.
+    the sm_90 build spills no registers (ptxas -v over tests/kernels/gpu_compile.py's launches):
+    with 4 warps every 16-bit 64-key tile at head size 128 spilled 344-924 bytes a thread,
+    decode included (the 128-key decode tile below does not); a 64-row tile at head size 256
+    spilled with 8 warps too; fp32 (full precision dots, no tensor cores) spilled kilobytes at
+    any BLOCK_N above 16 but 16.
     `decode`: every row is a decode row (16-row tiles); otherwise the prefill tiles.
 
     Decode at head size 128 (16-bit) takes the tile the H100 sweep timed fastest

@@ -179,9 +179,10 @@ class Sampler:
         # logits: [N, V], any float dtype; md describes its rows.
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
         plain = not md.need_logprobs and _temperature_only(md)
-        if plain and self.race is not None and not md.all_greedy and logits.stride(1) == 1:
+        if plain and self.race is not None and not md.all_greedy:
             # one pass over the model's logits: the kernel divides by the temperature itself
-            sampled = self.race(logits, self._seeds(md, logits.device), md.temperature)
+            x = logits if logits.stride(1) == 1 else logits.contiguous()
+            sampled = self.race(x, self._seeds(md, logits.device), md.temperature)
             if md.greedy is not None:  # greedy rows' temperature is 1: x / 1 is x
                 sampled = torch.where(md.greedy, argmax(logits), sampled)
             return SamplerOutput(sampled, None)

@@ -157,6 +157,20 @@ print("transformers", transformers.__version__, "HF_HUB_OFFLINE=" + os.environ.g
 pstats.Stats(prof).sort_stats("cumulative").print_stats(15)
 EOF2
 }
+tf_new() {  # transformers 5.21 (.whl-tf, from gpu_wheels.sh) into /tmp/tf-new; false if absent
+  ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
+    --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl
+}
+
+start_probes() {  # LIMIT: the start probe on the image's transformers, then on a carried 5.21
+  local cfg=/tmp/paged-bench/qwen3-0.6b-cfg
+  step "$1" startup-probe startup_probe $cfg
+  if tf_new; then
+    step "$1" startup-probe-tf-new env PYTHONPATH="/tmp/tf-new:$PYTHONPATH" \
+      bash -c "startup_probe $cfg"
+  fi
+}
+
 export -f versions startup_probe
 export PY
 
@@ -236,13 +250,7 @@ case "$PHASE" in
     # the engine start's config step with the image's transformers (5.17), then with 5.21
     # (carried: .whl-tf, from gpu_wheels.sh), which no longer imports torch._dynamo,
     # torch.distributed.tensor and sympy with any config class; "+Nm": modules imported
-    CFG=/tmp/paged-bench/qwen3-0.6b-cfg
-    step 40 startup-probe startup_probe $CFG
-    if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-      --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
-      step 40 startup-probe-tf-new env PYTHONPATH="/tmp/tf-new:$PYTHONPATH" \
-        bash -c "startup_probe $CFG"
-    fi
+    start_probes 40
     step 120 hf-cb-graphs $PY -m benchmarks.run_all --only throughput \
       --model-config qwen3-0.6b --workloads nano-vllm --systems hf-continuous --hf-requests 16 \
       --hf-cb-options '{"use_cuda_graph": true}' --out "$OUT/hf-cb-graphs" --no-report \
@@ -259,13 +267,7 @@ case "$PHASE" in
     step 60 nano-vllm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report --note "issue 14 next3"
     # next2's start probe again, now with 5.21 carried too (.whl-tf, from gpu_wheels.sh)
-    CFG=/tmp/paged-bench/qwen3-0.6b-cfg
-    step 30 startup-probe startup_probe $CFG
-    if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-      --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
-      step 30 startup-probe-tf-new env PYTHONPATH="/tmp/tf-new:$PYTHONPATH" \
-        bash -c "startup_probe $CFG"
-    fi
+    start_probes 30
     ;;
   next4)  # carry [".whl-tf"]: the slow first prefill, the sampler's race kernel, engine tests
     step 20 versions versions
@@ -287,10 +289,7 @@ case "$PHASE" in
     # with transformers 5.21 (.whl-tf) each engine starts ~8 s sooner (next3's start probe);
     # the sampler's tests first (its race natively), then the engines one at a time
     TF=""
-    if ls .whl-tf/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps \
-      --no-compile --no-cache-dir --target /tmp/tf-new .whl-tf/*.whl; then
-      TF="/tmp/tf-new:"
-    fi
+    if tf_new; then TF="/tmp/tf-new:"; fi
     step 150 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v -p no:cacheprovider \
       --timeout 60 -rfE tests/kernels/test_sampling.py tests/engine/test_sampler.py \
       tests/engine/test_async_scheduling.py tests/engine/test_llm_vs_hf.py \

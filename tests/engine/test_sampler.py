@@ -410,9 +410,21 @@ def test_warm_up_builds_every_race_the_sampler_runs(device):
     state = sampler._race_seeds.bit_generator.state
     x = torch.randn(6, 3000, device=device)
     with record_compile_keys() as keys:
-        sampler.warm_up(x)
+        sampler.warm_up(3000, x.device)
         built = {k: set(v) for k, v in keys.items()}
         assert sampler._race_seeds.bit_generator.state == state
         for rows in ([row(temperature=0.7, seed=1)] * 4, [row(top_k=5), row(temperature=1.0)]):
             sampler(x[: len(rows)], metadata(rows, device, 3000))
     assert {k: set(v) for k, v in keys.items()} == built
+
+
+def test_a_race_that_fails_at_warm_up_falls_back_to_torch(device, caplog):
+    def broken(x, seeds, temperature):
+        raise RuntimeError("no kernel for this GPU")
+
+    sampler = Sampler(seed=3, race=broken)
+    sampler.warm_up(64, device)
+    assert sampler.race is None and "sampling with torch's" in caplog.text
+    x = logits_for(4, device)
+    md = metadata([row(temperature=0.8), row(temperature=0.8, seed=4)] * 2, device)
+    assert torch.equal(sampler(x, md).token_ids, Sampler(seed=3)(x, md).token_ids)  # torch's race

@@ -22,6 +22,7 @@ Logprobs are always those of the RAW model distribution (log_softmax of the unpr
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,6 +110,8 @@ def apply_min_p(x: Tensor, rows: Tensor, min_p: Tensor) -> None:
     keep_min = probs.amax(dim=-1, keepdim=True) * min_p
     x[rows] = sub.masked_fill(probs < keep_min, float("-inf"))
 
+
+logger = logging.getLogger(__name__)
 
 # (logits [N, V], seeds [N] int64, temperature [N, 1] float32 or None) -> tokens [N] int64: one
 # pass of the Gumbel-max race (paged_kernels.gumbel_race); x / T when a temperature is passed.
@@ -257,16 +260,22 @@ class Sampler:
             sampled = torch.where(md.greedy, argmax(x), sampled)
         return sampled
 
-    def warm_up(self, logits: Tensor) -> None:
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Run the race kernel once in each form the sampler calls it (the temperature divided
-        in it, and not) on `logits` [N, V], so a GPU builds it before the first step samples.
-        Draws nothing from the seed generator."""
-        if self.race is None or logits.shape[0] == 0:
+        in it, and not) on float32 logits like the model's, so a GPU builds it at the engine's
+        start, not on the first step that samples. Draws nothing from the seed generator. A
+        race that fails here (a GPU or Triton it does not build for) is dropped with a warning:
+        the engine samples with torch's race instead."""
+        if self.race is None:
             return
-        rows = logits.shape[0]
-        seeds = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-        self.race(logits, seeds, torch.ones(rows, 1, device=logits.device))
-        self.race(logits, seeds, None)
+        logits = torch.zeros(2, vocab_size, device=device)
+        seeds = torch.zeros(2, dtype=torch.int64, device=device)
+        try:
+            self.race(logits, seeds, torch.ones(2, 1, device=device))
+            self.race(logits, seeds, None)
+        except Exception as e:
+            logger.warning("the sampler's race kernel failed; sampling with torch's: %r", e)
+            self.race = None
 
     def _seeds(self, md: SamplingMetadata, device: torch.device) -> Tensor:
         """[N] int64, the race's seed per row: the draw's own for a seeded row, a fresh one from

@@ -86,9 +86,8 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
 
 
 def profile_forward(runner: ModelRunner) -> int:
-    """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits and the
-    sampler's race kernel on them (built here, not on the first step that samples). Returns the
-    bytes of the scratch KV cache it allocated."""
+    """One forward of max_num_batched_tokens tokens over max_num_seqs rows, then logits.
+    Returns the bytes of the scratch KV cache it allocated."""
     cfg, bs, dev = runner.config, runner.block_size, runner.device
     assert cfg.max_num_batched_tokens is not None
     assert cfg.max_model_len is not None
@@ -127,7 +126,7 @@ def profile_forward(runner: ModelRunner) -> int:
         hidden_in = torch.zeros(num_tokens, runner.stage_width, dtype=dtype, device=dev)
     hidden = runner.model(ids, positions, scratch.kv_caches, meta, hidden_in)
     if state.is_last_stage:
-        runner.sampler.warm_up(runner.model.compute_logits(hidden[:num_seqs]))
+        runner.model.compute_logits(hidden[:num_seqs])
     del scratch, hidden
     return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, kv_dtype)
 

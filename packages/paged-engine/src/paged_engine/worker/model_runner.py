@@ -153,6 +153,8 @@ class ModelRunner:
                 self, self.config.max_num_seqs, verify_len=k + 1 if k else None
             )
             self.graphs.capture()
+        # the sampler's race kernel, built now rather than on the first step that samples
+        self.sampler.warm_up(self.vocab_size, self.device)
         if self.device.type == "cpu" and self.config.compilation_level:
             self.compiled = CompiledForward(self)
             try:

@@ -99,14 +99,13 @@ class GemmaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms):  # one kernel
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        rotated = self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
-            k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
-        q, k = self.rotary_emb(positions, q, k)
+        if not rotated:  # (else one kernel normed and rotated q and k in place)
+            if self.qk_norm:
+                q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
+                k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 

@@ -181,19 +181,11 @@ class Sampler:
     def __call__(self, logits: Tensor, md: SamplingMetadata) -> SamplerOutput:
         # logits: [N, V], any float dtype; md describes its rows.
         assert logits.dim() == 2 and logits.shape[0] == md.num_rows, (logits.shape, md.num_rows)
-        plain = not md.need_logprobs and _temperature_only(md)
-        if plain and self.race is not None and not md.all_greedy:
-            # one pass over the model's logits: the kernel divides by the temperature itself
-            x = logits if logits.stride(1) == 1 else logits.contiguous()
-            sampled = self.race(x, self._seeds(md, logits.device), md.temperature)
-            if md.greedy is not None:  # greedy rows' temperature is 1: x / 1 is x
-                sampled = torch.where(md.greedy, argmax(logits), sampled)
-            return SamplerOutput(sampled, None)
-        if plain and md.temperature is not None:
-            # Nobody reads the raw float32 logits: dividing the model's logits by the float32
-            # temperature gives the processed rows directly, the same bits as a float32 copy
-            # divided (a decode step's [N, V] written once instead of three times)
-            return SamplerOutput(self.sample(logits.div(md.temperature), md), None)
+        if not md.need_logprobs and _temperature_only(md):
+            # Nobody reads the raw float32 logits: the race divides the model's logits by the
+            # float32 temperature in its pass, torch's race into the processed rows directly
+            # (the same bits as a float32 copy divided: [N, V] written once, not three times)
+            return SamplerOutput(self.sample(logits, md, md.temperature), None)
         raw = logits.float()
         tokens = self.sample(self.process_logits(raw, md), md)
         packed = None
@@ -244,16 +236,18 @@ class Sampler:
             self._tallies[x.device] = tally
         return tally
 
-    def sample(self, x: Tensor, md: SamplingMetadata) -> Tensor:
+    def sample(self, x: Tensor, md: SamplingMetadata, temperature: Tensor | None = None) -> Tensor:
         """[N] int64 token ids: argmax for greedy rows, the exponential race for the others:
         argmax(probs / E) with E = -log(U) ~ Exp(1), taken as argmin(probs / log(U)), the
         same quotients negated exactly (one pass over [N, V] fewer); with a `race`, its
-        Gumbel-max pass over x instead."""
+        Gumbel-max pass over x instead. x: the processed logits, or with `temperature` [N, 1]
+        the model's, still to be divided (greedy rows' temperature is 1: x / 1 is x)."""
         if md.all_greedy:
             return argmax(x)
         if self.race is not None:
-            sampled = self.race(x.contiguous(), self._seeds(md, x.device), None)
+            sampled = self.race(x.contiguous(), self._seeds(md, x.device), temperature)
         else:
+            x = x.div(temperature) if temperature is not None else x.float()
             probs = x.softmax(dim=-1)
             sampled = argmin(probs.div_(self._log_uniform(x.shape, md, x.device)))
         if md.greedy is not None:

@@ -283,36 +283,32 @@ def _bench_matmul(smoke: bool, device: torch.device) -> list[dict]:
 
 
 def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict]:
-    """The sampler's race over Qwen3's vocabulary (151,936), bf16 logits at temperature 0.6:
-    paged_kernels.gumbel_race's one pass against torch's (the Sampler's plain path without it:
-    divide, softmax, uniform noise, its log, the quotient, argmin), over rows. Without CUDA a
-    2,048-token vocabulary in the interpreter: the numbers only prove the code runs."""
-    from paged_engine.sample.sampler import argmin
+    """The sampler's race over Qwen3's vocabulary (151,936), bf16 logits at temperature 0.6,
+    as the engine samples them: `Sampler` with paged_kernels.gumbel_race (one pass, its seeds
+    uploaded) against `Sampler` with torch's race (divide, softmax, uniform noise, its log, the
+    quotient, argmin), over rows. Without CUDA a 2,048-token vocabulary in the interpreter: the
+    numbers only prove the code runs."""
+    from paged_engine.sample.metadata import metadata_from_params
+    from paged_engine.sample.sampler import Sampler
+    from paged_engine.sampling_params import SamplingParams
     from paged_kernels import gumbel_race
 
     vocab, out = (151936 if HAS_CUDA else 2048), []
-    gen = torch.Generator(device=device).manual_seed(0)
     sizes = ([1, 256] if smoke else [1, 16, 64, 256]) if HAS_CUDA else [1, 4]
+    ours, torch_race = Sampler(race=gumbel_race), Sampler()
     for rows in sizes:
         x = (torch.randn(rows, vocab, device=device) * 4).to(torch.bfloat16)
-        temp = torch.full((rows, 1), 0.6, device=device)
-        seeds = torch.arange(rows, device=device)
-
-        def torch_race(x=x, temp=temp) -> torch.Tensor:
-            probs = x.div(temp).softmax(dim=-1)
-            u = torch.empty(probs.shape, device=device).uniform_(generator=gen)
-            return argmin(probs.div_(u.log_()))
-
-        ours = _time_ms(lambda x=x, seeds=seeds, temp=temp: gumbel_race(x, seeds, temp))
-        ref = _time_ms(torch_race)
-        read_gbps = x.numel() * x.element_size() / (ours * 1e-3) / 1e9
+        md = metadata_from_params([SamplingParams(temperature=0.6)] * rows, device, vocab)
+        race_ms = _time_ms(lambda x=x, md=md: ours(x, md))
+        ref_ms = _time_ms(lambda x=x, md=md: torch_race(x, md))
+        read_gbps = x.numel() * x.element_size() / (race_ms * 1e-3) / 1e9
         out.append(
             {
                 "rows": rows,
                 "vocab": vocab,
-                "gumbel_race_ms": round(ours, 5),
-                "torch_race_ms": round(ref, 5),
-                "speedup_vs_torch": round(ref / ours, 3),
+                "gumbel_race_ms": round(race_ms, 5),
+                "torch_race_ms": round(ref_ms, 5),
+                "speedup_vs_torch": round(ref_ms / race_ms, 3),
                 # the logits read once, against a copy's read + write bandwidth
                 "fraction_of_copy_bw": round(read_gbps / copy_gbps, 3),
             }

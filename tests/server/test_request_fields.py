@@ -212,9 +212,11 @@ def test_continuous_usage_stats(fake) -> None:
     opts = {"include_usage": True, "continuous_usage_stats": True}
     body = {"prompt": "abc", "max_tokens": 4, "stream": True, "stream_options": opts}
     events = fake.stream(body)
+    # Every chunk carries usage (None would raise here); how many tokens the first chunk holds
+    # depends on how the stream coalesces, so only the order and the total are fixed.
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert all(e["usage"]["prompt_tokens"] == 4 for e in events)
-    assert counts == sorted(counts) and counts[-1] == 4 and counts[0] < 4
+    assert len(events) >= 2 and counts == sorted(counts) and counts[-1] == 4
     plain = fake.stream({**body, "stream_options": {"include_usage": True}})
     assert all(e["usage"] is None for e in plain[:-1]) and plain[-1]["usage"]
     bad = {**body, "stream_options": {"continuous_usage_stats": "yes"}}

@@ -124,6 +124,13 @@ for m in ("openai", "gguf", "llguidance", "jsonschema", "hypothesis"):
         __import__(m); print(m, "ok")
     except ImportError:
         print(m, "MISSING")
+# next3's start probe compiled ~890 modules from source (4.5 s of builtins.compile) in a process
+# that was not the machine's first: can this Python keep bytecode between processes?
+import os, pathlib, sys
+pkg = pathlib.Path(transformers.__file__).parent
+print("bytecode: dont_write", sys.flags.dont_write_bytecode, "pycache_prefix",
+      sys.pycache_prefix, "writable", os.access(pkg / "models", os.W_OK), "transformers .py",
+      sum(1 for _ in pkg.rglob("*.py")), ".pyc", sum(1 for _ in pkg.rglob("*.pyc")))
 EOF
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
@@ -279,17 +286,19 @@ case "$PHASE" in
       --profile-prefill --out "$OUT/cold"
     step 50 profile-warm $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --final-only \
       --profile-prefill --out "$OUT/warm"
-    # the A/B of the sampler's one-pass race (gumbel_race) against torch's, on the warm cache
-    step 50 profile-torch-sampler $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b \
-      --final-only --torch-sampler --out "$OUT/torch-sampler"
+    # the A/B of the sampler's one-pass race (gumbel_race) against torch's, on the warm cache;
+    # on transformers 5.21 (.whl-tf) where carried, so that its engine start beside the warm
+    # run's is the config step's A/B too (transformers does not touch the decode step)
+    TF=""
+    if tf_new; then TF="/tmp/tf-new:"; fi
+    step 50 profile-torch-sampler env PYTHONPATH="$TF$PYTHONPATH" $PY -m benchmarks.gpu_profile \
+      --model-config qwen3-0.6b --final-only --torch-sampler --out "$OUT/torch-sampler"
     step 60 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
     step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report \
       --note "issue 14 next4: warm Triton cache, gumbel_race"
     # with transformers 5.21 (.whl-tf) each engine starts ~8 s sooner (next3's start probe);
     # the sampler's tests first (its race natively), then the engines one at a time
-    TF=""
-    if tf_new; then TF="/tmp/tf-new:"; fi
     step 150 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v -p no:cacheprovider \
       --timeout 60 -rfE tests/kernels/test_sampling.py tests/engine/test_sampler.py \
       tests/engine/test_async_scheduling.py tests/engine/test_llm_vs_hf.py \

@@ -38,8 +38,9 @@
 # next4:  the slow first prefill (3.3 s cold against 0.2-1.2 s later on the same machine):
 #         gpu_profile twice on one fresh Triton cache (jit_builds: the kernels each phase
 #         built; the prefill's Python functions); the sampler's race kernel against torch's
-#         (gpu_profile --torch-sampler, kernel_bench's sampler_race); nano-vllm on the warm
-#         cache; the sampler and engine tests with transformers 5.21 (engines start ~8 s sooner).
+#         (gpu_profile --torch-sampler, kernel_bench's sampler_race); the split sweep under
+#         the new decode tile; nano-vllm on the warm cache; the sampler and engine tests with
+#         transformers 5.21 (engines start ~8 s sooner).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -294,6 +295,8 @@ case "$PHASE" in
     step 50 profile-torch-sampler env PYTHONPATH="$TF$PYTHONPATH" $PY -m benchmarks.gpu_profile \
       --model-config qwen3-0.6b --final-only --torch-sampler --out "$OUT/torch-sampler"
     step 60 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
+    # the split counts again under the tile next2 chose (the sweep on record had the old one)
+    step 30 split-sweep $PY -m benchmarks.kernel_bench --split-sweep --out "$OUT/kernels"
     step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report \
       --note "issue 14 next4: warm Triton cache, gumbel_race"

@@ -12,7 +12,9 @@
    - wall time per step, and host time per step = wall minus the time the host sat in
      `cuda*Synchronize` calls (the host work async scheduling has to hide);
    - GPU idle fraction = 1 - (union of kernel / memcpy / memset intervals) / (wall span of the
-     profiled steps); issue 14's goal at batch 256 is under 5%.
+     profiled steps); issue 14's goal at batch 256 is under 5%;
+   - `idle_gaps`: that idle time by where it falls (the GPU op before and after each gap, and
+     the host op that launched the one after), and how much of it the host launched late.
    Without CUDA (the rehearsal) the GPU fields are null and the top host ops are reported.
 3. Where the host time goes: the CUDA runtime calls by host time (from the same trace), the
    Python functions of `--steps` more steps under cProfile (by own and by inclusive time), and
@@ -124,6 +126,7 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
         busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu], lo, hi)
         out["gpu_ms_per_step"] = round(busy / len(steps) / 1e3, 3)
         out["gpu_idle_fraction"] = round(1.0 - busy / (hi - lo), 4)
+        out["idle_gaps"] = idle_gaps(spans, lo, hi, len(steps))
         out["top_kernels"] = [
             {
                 "name": name[:160],
@@ -144,6 +147,84 @@ def summarize_trace(trace_path: Path, top: int = 15) -> dict:
             for n, us in sorted(ops.items(), key=lambda kv: -kv[1])[:top]
         ]
     return out
+
+
+def idle_gaps(spans: list[dict], lo: float, hi: float, steps: int, top: int = 8) -> dict:
+    """Where the GPU sits idle in [lo, hi): each gap between the end of the busy union and the
+    next GPU op, by (op before, op after, the host op that launched the one after).
+
+    A gap is "host late" when the launch call of the op after it started after the GPU went
+    idle: the host had not yet issued the work (Python, launches, uploads in its way). Otherwise
+    the op was queued in time and the gap is on the device's side (a graph launch's latency, a
+    stream waiting on an event or a copy). Launches pair with their GPU ops by Kineto's
+    correlation id; the host op is the innermost `cpu_op` around the launch on its thread.
+    """
+    import bisect
+
+    launches = {
+        e["args"]["correlation"]: e
+        for e in spans
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    ops_by_tid: dict = defaultdict(list)
+    for e in spans:
+        if e.get("cat") == "cpu_op":
+            ops_by_tid[e.get("tid")].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    starts = {}
+    for tid, ops in ops_by_tid.items():
+        ops.sort()
+        starts[tid] = [o[0] for o in ops]
+
+    def host_op(call: dict) -> str:
+        ops, t = ops_by_tid.get(call.get("tid"), []), call["ts"]
+        i = bisect.bisect_right(starts.get(call.get("tid"), []), t)
+        for s, e, name in reversed(ops[max(0, i - 256) : i]):  # the latest start around t
+            if e >= t:
+                return name
+        return "(no op)"
+
+    gpu = sorted((e for e in spans if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    pairs: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    busy_end, before, total, late = None, "(step start)", 0.0, 0.0
+    for e in gpu:
+        end = e["ts"] + e["dur"]
+        if end <= lo or e["ts"] >= hi:
+            continue
+        start = max(e["ts"], lo)
+        if start > (lo if busy_end is None else busy_end):
+            idle_from = lo if busy_end is None else busy_end
+            gap = start - idle_from
+            call = launches.get(e.get("args", {}).get("correlation"))
+            launched_late = call is not None and call["ts"] >= idle_from
+            via = f"{call['name']} in {host_op(call)}" if call is not None else "(no launch)"
+            rec = pairs[(before, e["name"], via)]
+            rec[0] += 1
+            rec[1] += gap
+            rec[2] += gap if launched_late else 0.0
+            total += gap
+            late += gap if launched_late else 0.0
+        if busy_end is None or end > busy_end:
+            busy_end, before = end, e["name"]
+    if busy_end is not None and busy_end < hi:  # after the last op: the sync at the end
+        total += hi - busy_end
+    return {
+        "idle_ms_per_step": round(total / steps / 1e3, 4),
+        "host_late_ms_per_step": round(late / steps / 1e3, 4),
+        "gaps_per_step": round(sum(r[0] for r in pairs.values()) / steps, 1),
+        "top": [
+            {
+                "before": b[:100],
+                "after": a[:100],
+                "launched_by": via[:120],
+                "gaps_per_step": round(n / steps, 2),
+                "ms_per_step": round(us / steps / 1e3, 4),
+                "host_late_share": round(late_us / us, 2) if us else 0.0,
+            }
+            for (b, a, via), (n, us, late_us) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[
+                :top
+            ]
+        ],
+    }
 
 
 def _layer_kernels(engine) -> dict[str, str]:

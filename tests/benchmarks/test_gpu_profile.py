@@ -155,3 +155,37 @@ def test_layer_kernels_and_unfused(tmp_path, monkeypatch):
     gpu_profile._unfuse_layers()
     unfused = gpu_profile._layer_kernels(LLM(**kw).llm_engine)
     assert unfused == {**dict.fromkeys(fused, "torch ops"), "norms": "paged_kernels.rms_norm"}
+
+
+def test_idle_gaps_split_host_late_from_queued():
+    """A gap whose op was launched before the GPU went idle is the device's; one launched after
+    is the host's, named by the host op around the launch."""
+
+    def op(cat, name, ts, dur, corr=None, tid=1):
+        e = _x(cat, name, ts, dur) | {"tid": tid}
+        return e | {"args": {"correlation": corr}} if corr is not None else e
+
+    spans = [
+        op("kernel", "A", 0, 10, corr=1),
+        op("cuda_runtime", "cudaLaunchKernel", 0, 1, corr=1),
+        op("kernel", "B", 15, 5, corr=2),  # queued at 2, idle 10..15: the device's
+        op("cuda_runtime", "cudaGraphLaunch", 2, 1, corr=2),
+        op("cpu_op", "aten::copy_", 24, 6),
+        op("cpu_op", "aten::to", 23, 8),
+        op("cuda_runtime", "cudaMemcpyAsync", 25, 1, corr=3),
+        op("gpu_memcpy", "Memcpy HtoD", 27, 3, corr=3),  # launched at 25, idle 20..27: host late
+    ]
+    g = gpu_profile.idle_gaps(spans, 0, 40, steps=2)
+    assert g["idle_ms_per_step"] == 0.011  # (5 + 7 + 10 after the last op) / 2 steps
+    assert g["host_late_ms_per_step"] == 0.0035 and g["gaps_per_step"] == 1.0
+    late, queued = g["top"]
+    assert late == {
+        "before": "B",
+        "after": "Memcpy HtoD",
+        "launched_by": "cudaMemcpyAsync in aten::copy_",
+        "gaps_per_step": 0.5,
+        "ms_per_step": 0.0035,
+        "host_late_share": 1.0,
+    }
+    assert queued["before"] == "A" and queued["after"] == "B"
+    assert queued["launched_by"] == "cudaGraphLaunch in (no op)" and queued["host_late_share"] == 0

@@ -283,8 +283,8 @@ def _bench_matmul(smoke: bool, device: torch.device) -> list[dict]:
 
 
 def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict]:
-    """The sampler's race over Qwen3's vocabulary (151,936), bf16 logits at temperature 0.6,
-    as the engine samples them: `Sampler` with paged_kernels.gumbel_race (one pass, its seeds
+    """The sampler's race over Qwen3's vocabulary (151,936), float32 logits (compute_logits'
+    dtype) at temperature 0.6, as the engine samples them: `Sampler` with paged_kernels.gumbel_race (one pass, its seeds
     uploaded) against `Sampler` with torch's race (divide, softmax, uniform noise, its log, the
     quotient, argmin), over rows. Without CUDA a 2,048-token vocabulary in the interpreter: the
     numbers only prove the code runs."""
@@ -297,7 +297,7 @@ def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[
     sizes = ([1, 256] if smoke else [1, 16, 64, 256]) if HAS_CUDA else [1, 4]
     ours, torch_race = Sampler(race=gumbel_race), Sampler()
     for rows in sizes:
-        x = (torch.randn(rows, vocab, device=device) * 4).to(torch.bfloat16)
+        x = torch.randn(rows, vocab, device=device) * 4
         md = metadata_from_params([SamplingParams(temperature=0.6)] * rows, device, vocab)
         race_ms = _time_ms(lambda x=x, md=md: ours(x, md))
         ref_ms = _time_ms(lambda x=x, md=md: torch_race(x, md))
@@ -306,6 +306,7 @@ def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[
             {
                 "rows": rows,
                 "vocab": vocab,
+                "logits_dtype": str(x.dtype),
                 "gumbel_race_ms": round(race_ms, 5),
                 "torch_race_ms": round(ref_ms, 5),
                 "speedup_vs_torch": round(ref_ms / race_ms, 3),

@@ -178,7 +178,7 @@ def idle_gaps(spans: list[dict], lo: float, hi: float, steps: int, top: int = 8)
     def host_op(call: dict) -> str:
         ops, t = ops_by_tid.get(call.get("tid"), []), call["ts"]
         i = bisect.bisect_right(starts.get(call.get("tid"), []), t)
-        for s, e, name in reversed(ops[max(0, i - 256) : i]):  # the latest start around t
+        for _, e, name in reversed(ops[max(0, i - 256) : i]):  # the latest start around t
             if e >= t:
                 return name
         return "(no op)"

@@ -284,10 +284,10 @@ def _bench_matmul(smoke: bool, device: torch.device) -> list[dict]:
 
 def _bench_sampler(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict]:
     """The sampler's race over Qwen3's vocabulary (151,936), float32 logits (compute_logits'
-    dtype) at temperature 0.6, as the engine samples them: `Sampler` with paged_kernels.gumbel_race (one pass, its seeds
-    uploaded) against `Sampler` with torch's race (divide, softmax, uniform noise, its log, the
-    quotient, argmin), over rows. Without CUDA a 2,048-token vocabulary in the interpreter: the
-    numbers only prove the code runs."""
+    dtype) at temperature 0.6, as the engine samples them: `Sampler` with
+    paged_kernels.gumbel_race (one pass, its seeds uploaded) against `Sampler` with torch's race
+    (divide, softmax, uniform noise, its log, the quotient, argmin), over rows. Without CUDA a
+    2,048-token vocabulary in the interpreter: the numbers only prove the code runs."""
     from paged_engine.sample.metadata import metadata_from_params
     from paged_engine.sample.sampler import Sampler
     from paged_engine.sampling_params import SamplingParams

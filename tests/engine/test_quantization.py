@@ -154,6 +154,40 @@ def test_engine_generates_close_to_dense(tiny_llama_dir, quantization):
                 assert abs(entry_q[t].logprob - entry_d[t].logprob) < 2e-3
 
 
+@needs_fp16_gemm
+def test_fp16_layers_packed_side_by_side_match_one_by_one(tiny_llama_dir, monkeypatch):
+    """With several torch threads fp16 layers pack in a thread pool: the same products as
+    packed one by one, and every dense weight freed."""
+    import copy
+
+    from paged_engine.layers.linear import LinearBase
+
+    llm = LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32")
+    model = llm.llm_engine.model_runner.model
+    copies, threads = [copy.deepcopy(model), copy.deepcopy(model)], torch.get_num_threads()
+    pools = []
+    pool_cls = quant_layers.ThreadPoolExecutor
+    monkeypatch.setattr(
+        quant_layers, "ThreadPoolExecutor", lambda n: pools.append(n) or pool_cls(n)
+    )
+    try:
+        for n, m in zip((1, 2), copies, strict=True):
+            torch.set_num_threads(n)
+            quant_layers.quantize_model(m, "fp16")
+    finally:
+        torch.set_num_threads(threads)
+    assert pools == [2]  # one thread: one by one; two: a pool of two
+    pairs = [
+        (a, b)
+        for a, b in zip(copies[0].modules(), copies[1].modules(), strict=True)
+        if isinstance(a, LinearBase)
+    ]
+    assert len(pairs) > 4 and all(a.weight is None and b.weight is None for a, b in pairs)
+    for a, b in pairs:
+        x = torch.randn(3, a.linear_method.method.shape[1])
+        assert torch.equal(a.linear_method.apply(a, x, None), b.linear_method.apply(b, x, None))
+
+
 def tok_ids(out) -> list[int]:
     return out.outputs[0].token_ids
 

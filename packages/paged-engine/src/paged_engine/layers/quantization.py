@@ -31,6 +31,8 @@ C++ instead (`Int8Linear._gemv`), the fastest one-stream decode on CPU.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -308,22 +310,39 @@ def quantize_model(model: nn.Module, kind: str) -> int:
     if kind not in QUANTIZATIONS:
         raise ValueError(f"quantization={kind!r} is invalid: expected one of {QUANTIZATIONS}")
     total = 0
+    layers: list[nn.Module] = []  # linear layers, and a tied LM head (but for fp8, as vLLM)
     for module in model.modules():
         if kind == "fp8" and isinstance(module, FusedMoE) and not module.mxfp4:
             total += module.to_fp8()  # the experts too: most of a MoE model's weights
-        elif isinstance(module, LinearBase):
-            weight = module.weight
-            method = _method(kind, weight, weight.dtype)
+        elif isinstance(module, LinearBase) or (
+            isinstance(module, ParallelLMHead)
+            and getattr(model, "tie_word_embeddings", False)
+            and kind != "fp8"
+        ):
+            layers.append(module)
+
+    def build(module: nn.Module) -> Method:
+        return _method(kind, module.weight, module.weight.dtype)
+
+    def install(module: nn.Module, method: Method) -> int:
+        if isinstance(module, LinearBase):
             del module.weight  # the dense weight is freed; the method holds the quantized one
             module.weight = None
             module.linear_method = QuantizedLinearMethod(method)
-            total += method.nbytes()
-        elif (
-            isinstance(module, ParallelLMHead)
-            and getattr(model, "tie_word_embeddings", False)
-            and kind != "fp8"  # as vLLM: the head stays in the model dtype
-        ):
-            method = _method(kind, module.weight, module.weight.dtype)
+        else:  # the tied head keeps the embedding's weight
             module.linear_method = QuantizedTiedHead(method, module.weight)
-            total += method.nbytes()
+        return method.nbytes()
+
+    # fbgemm's fp16 packing runs on one thread with the GIL released: layers pack side by side
+    # (the default model's 121 layers: 1.65 -> 1.14 s on 2 cores). The other kinds are torch
+    # ops that use every intra-op thread already. Each layer is installed (its dense weight
+    # freed) as soon as it is built, in order, so memory peaks at a few layers' copies.
+    workers = min(torch.get_num_threads(), 8) if kind == "fp16" else 1
+    if workers > 1 and len(layers) > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            for module, method in zip(layers, pool.map(build, layers)):
+                total += install(module, method)
+    else:
+        for module in layers:
+            total += install(module, build(module))
     return total

@@ -6,7 +6,7 @@
   requests, prompts 16-256 random ids, outputs 16-96, ignore_eos (nano-vllm recipe, scaled):
   paged `LLM.generate` (CPU backend; with fp16 weights, eager and compiled (`-O3`); in
   batch-invariant mode; and the torch reference backend, the path before it) vs HF `generate`
-  (static batches of 16) and HF continuous batching (`paged|sdpa`), per wall-second and per
+  (static batches of 16) and HF continuous batching (its paged sdpa), per wall-second and per
   CPU-second (user + system time of the process, all threads).
 - single: one request, 8-token prompt, 128 greedy tokens: paged in float32 / bfloat16 / fp16
   weights (fbgemm) / int8 / int4, fp16, float32 and int8 compiled (`compilation_config=3`), HF

@@ -941,6 +941,108 @@ def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
     return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 144)
 
 
+def _safe_div(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    return np.where(step > 0, x / np.where(step > 0, step, 1), 0)
+
+
+def _pack_two_bits(q: np.ndarray) -> np.ndarray:
+    """[nb, 256] values 0..3 -> [nb, 64]: value v in byte 32 * (v // 128) + v % 32, at bits
+    2 * (v % 128 // 32) (the Q2_K / Q3_K layout)."""
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)
+    return (q[:, :, 0] | q[:, :, 1] << 2 | q[:, :, 2] << 4 | q[:, :, 3] << 6).reshape(-1, 64)
+
+
+def quantize_q2_k(arr: np.ndarray) -> np.ndarray:
+    """A plain Q2_K encoder: 16 sub-blocks of 16, each value d * scale * q - dmin * min with q in
+    0..3 and 4-bit scales / mins on float16 d / dmin."""
+    x = arr.astype(np.float32).reshape(-1, 16, 16)
+    low = np.maximum(-x.min(axis=2), 0)
+    step = (x.max(axis=2) + low) / 3
+    d = _f16_round(step.max(axis=1, keepdims=True) / 15)
+    dmin = _f16_round(low.max(axis=1, keepdims=True) / 15)
+    sc = np.round(_safe_div(step, d)).clip(0, 15)
+    mn = np.round(_safe_div(low, dmin)).clip(0, 15)
+    q = np.round(_safe_div(x + (dmin * mn)[:, :, None], (d * sc)[:, :, None])).clip(0, 3)
+    scales = sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)
+    half = np.float16
+    blocks = np.concatenate(
+        [
+            scales,
+            _pack_two_bits(q.reshape(-1, 256)),
+            d.astype(half).view(np.uint8),
+            dmin.astype(half).view(np.uint8),
+        ],
+        axis=1,
+    )
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 84)
+
+
+def quantize_q3_k(arr: np.ndarray) -> np.ndarray:
+    """A plain Q3_K encoder: 16 sub-blocks of 16, values d * (scale - 32) * q with q in -4..3
+    (two low bits, and a high bit that is clear for q < 0) and 6-bit scales on a float16 d."""
+    x = arr.astype(np.float32).reshape(-1, 16, 16)
+    sub = np.abs(x).max(axis=2) / 4
+    d = _f16_round(sub.max(axis=1, keepdims=True) / 31)
+    sc = np.round(_safe_div(sub, d)).clip(0, 31)
+    q = np.round(_safe_div(x, (d * sc)[:, :, None])).clip(-4, 3).astype(np.int64) + 4  # 0..7
+    q = q.reshape(-1, 256)
+    high = (q >> 2).astype(np.uint8).reshape(-1, 8, 32)  # bit 4 * half + quarter of byte v % 32
+    hmask = np.bitwise_or.reduce(high << np.arange(8, dtype=np.uint8)[None, :, None], axis=1)
+    six = (sc + 32).astype(np.uint8)  # [nb, 16]
+    top = (six >> 4) & 3  # scale k's top bits: byte 8 + k % 4, bits 2 * (k // 4)
+    scales = np.concatenate(
+        [
+            (six[:, 0:8] & 15) | ((six[:, 8:16] & 15) << 4),
+            top[:, 0:4] | top[:, 4:8] << 2 | top[:, 8:12] << 4 | top[:, 12:16] << 6,
+        ],
+        axis=1,
+    )
+    blocks = np.concatenate(
+        [hmask, _pack_two_bits(q & 3), scales, d.astype(np.float16).view(np.uint8)], axis=1
+    )
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 110)
+
+
+def _iq4_nibbles(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """[..., 32] values over their step -> [..., 16] bytes of the nearest IQ4 grid levels, value
+    j in the low nibble of byte j and value j + 16 in its high nibble."""
+    from paged_engine.gguf.dequant import IQ4_GRID
+
+    n = np.abs(_safe_div(x, step)[..., None] - IQ4_GRID).argmin(axis=-1).astype(np.uint8)
+    return n[..., :16] | (n[..., 16:] << 4)
+
+
+def quantize_iq4_nl(arr: np.ndarray) -> np.ndarray:
+    """A plain IQ4_NL encoder: blocks of 32, each value d * IQ4_GRID[nibble], d on float16."""
+    x = arr.astype(np.float32).reshape(-1, 32)
+    d = _f16_round(np.abs(x).max(axis=1, keepdims=True) / 127)
+    blocks = np.concatenate([d.astype(np.float16).view(np.uint8), _iq4_nibbles(x, d)], axis=1)
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 32 * 18)
+
+
+def quantize_iq4_xs(arr: np.ndarray) -> np.ndarray:
+    """A plain IQ4_XS encoder: 8 sub-blocks of 32 per 256, each value
+    d * (scale - 32) * IQ4_GRID[nibble] with a 6-bit scale on a float16 d."""
+    x = arr.astype(np.float32).reshape(-1, 8, 32)
+    sub = np.abs(x).max(axis=2) / 127
+    d = _f16_round(sub.max(axis=1, keepdims=True) / 31)
+    sc = np.round(_safe_div(sub, d)).clip(0, 31)
+    qs = _iq4_nibbles(x, (d * sc)[:, :, None]).reshape(-1, 128)
+    six = (sc + 32).astype(np.uint16)
+    high = np.bitwise_or.reduce((six >> 4) << (2 * np.arange(8, dtype=np.uint16)), axis=1)
+    low = (six & 15).astype(np.uint8)
+    blocks = np.concatenate(
+        [
+            d.astype(np.float16).view(np.uint8),
+            high.astype("<u2")[:, None].view(np.uint8),
+            low[:, 0::2] | (low[:, 1::2] << 4),
+            qs,
+        ],
+        axis=1,
+    )
+    return blocks.reshape(*arr.shape[:-1], arr.shape[-1] // 256 * 136)
+
+
 def _ggml_n_dims(shape: tuple[int, ...]) -> int:
     """ggml_n_dims: dimensions up to the last one > 1 in ggml's order (numpy's reversed)."""
     lead = 0
@@ -1039,7 +1141,14 @@ def _store(arr: np.ndarray, ggml: str) -> tuple[np.ndarray, np.ndarray | None]:
         half = arr.astype(np.float16)
         return half, half.astype(np.float32)
     qtype = gguf.GGMLQuantizationType[ggml]
-    encode = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}.get(ggml)
+    encode = {
+        "Q2_K": quantize_q2_k,
+        "Q3_K": quantize_q3_k,
+        "Q4_K": quantize_q4_k,
+        "Q6_K": quantize_q6_k,
+        "IQ4_NL": quantize_iq4_nl,
+        "IQ4_XS": quantize_iq4_xs,
+    }.get(ggml)
     raw = encode(arr) if encode else gguf.quants.quantize(arr, qtype)
     return raw, gguf.quants.dequantize(raw, qtype)  # the gguf package's own dequantizer
 

@@ -31,7 +31,9 @@ TEXTS = [
 
 
 # -- dequantizers --------------------------------------------------------------------------------
-@pytest.mark.parametrize("ggml_type", [2, 3, 6, 7, 8, 12, 13, 14], ids=lambda t: GGML_TYPES[t][0])
+@pytest.mark.parametrize(
+    "ggml_type", [2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23], ids=lambda t: GGML_TYPES[t][0]
+)
 def test_dequantize_matches_gguf_package(ggml_type):
     _, block, nbytes = GGML_TYPES[ggml_type]
     rng = np.random.default_rng(ggml_type)
@@ -46,6 +48,10 @@ def test_dequantize_matches_gguf_package(ggml_type):
         12: [0, 2],
         13: [0, 2],
         14: [208],
+        10: [80, 82],
+        11: [108],
+        20: [0],
+        23: [0],
     }[ggml_type]
     for off in scale_offsets:  # finite float16 scales (random bytes may be inf / nan)
         scales = rng.uniform(-2, 2, size=(nb, 1)).astype(np.float16)
@@ -63,8 +69,8 @@ def test_dequantize_float_types_keep_dtype():
         raw = x.to(dt).view(torch.uint8 if dt == torch.float32 else torch.int16).numpy()
         got = dequantize(raw.view(np.uint8).reshape(-1), t, (4, 8))
         assert got.dtype == dt and torch.equal(got, x.to(dt))
-    with pytest.raises(ValueError, match="cannot dequantize ggml type Q2_K"):
-        dequantize(np.zeros(84, np.uint8), 10, (256,))
+    with pytest.raises(ValueError, match="cannot dequantize ggml type Q8_K"):
+        dequantize(np.zeros(292, np.uint8), 15, (256,))
 
 
 # -- a synthetic GGUF written from a tiny HF llama -------------------------------------------

@@ -188,3 +188,28 @@ def test_fused_halves_of_different_types(tiny_model_factory, tmp_path):
     key = "model.layers.0.shared_mlp.input_linear.weight"
     assert key in exact
     assert got[key].dtype == torch.float32 and torch.equal(got[key], expected[key])
+
+
+def test_two_to_four_bit_types_load_as_hf(tiny_model_factory, tmp_path):
+    """The types of llama-quantize's smaller mixes (Q2_K, Q3_K_S/M/L: Q2_K / Q3_K; IQ4_NL,
+    IQ4_XS), each stored in some matrices (--tensor-type): the loader gives their dequantized
+    values bit for bit and LLM(model=<file>.gguf) HF's tokens on those weights."""
+    src = tiny_model_factory("qwen3_5", **{**QWEN_LFM2["qwen3_5"], **_WIDE})
+    path = tmp_path / "low-bit.gguf"
+    types = {
+        "ffn_gate": "Q2_K",
+        "ffn_up|attn_qkv": "Q3_K",
+        "ffn_down": "IQ4_XS",
+        "ssm_out|attn_output": "IQ4_NL",  # rows of 64: IQ4_NL's blocks are 32
+    }
+    exact: set[str] = set()
+    expected = write_gguf(src, path, "qwen3_5", quant="q4_k_m", exact=exact, tensor_types=types)
+    f = GGUFFile(path)
+    stored = {type_name(info.ggml_type) for info in f.tensors.values()}
+    assert {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "Q4_K"} <= stored
+    got = dict(gguf_weights(f))
+    assert len(exact) > len(expected) // 3
+    for key in exact:
+        assert torch.equal(got[key].float(), expected[key]), key
+    ref_dir = dequantized_reference(src, tmp_path / "dequantized", expected)
+    assert_file_logprobs_match_hf("qwen3_5-low-bit", path, load_hf(ref_dir), seed=3)

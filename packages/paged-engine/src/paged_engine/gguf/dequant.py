@@ -9,6 +9,17 @@ Block layouts (bytes, little-endian; d/m/dmin are float16):
   Q4_K [d, dmin, scales:12, qs:128]           256 values, 8 sub-blocks with 6-bit scale/min
   Q5_K [d, dmin, scales:12, qh:32, qs:128]    as Q4_K plus a fifth bit from qh
   Q6_K [ql:128, qh:64, scales:i8 x 16, d]     (6-bit q - 32) * d * scale, 16 sub-blocks of 16
+  Q2_K [scales:16, qs:64, d, dmin]            2-bit q * d * (scale & 15) - dmin * (scale >> 4),
+                                              16 sub-blocks of 16
+  Q3_K [hmask:32, qs:64, scales:12, d]        (2-bit q - 4 * !high bit) * d * (6-bit scale - 32),
+                                              16 sub-blocks of 16
+  IQ4_NL [d, qs:16]                           32 values: d * IQ4_GRID[nibble] (low nibbles first)
+  IQ4_XS [d, scales_h:u16, scales_l:4, qs:128]  256 values, 8 sub-blocks of 32:
+                                              d * (6-bit scale - 32) * IQ4_GRID[nibble]
+
+In the K-quants of 16 sub-blocks (Q2_K, Q3_K), value v of a block sits in sub-block v // 16, in
+byte v % 32 of its 128-value half's 32 quant bytes, at bits 2 * (v % 128 // 32); Q3_K's high bit
+of value v is bit 4 * (v // 128) + v % 128 // 32 of hmask byte v % 32.
 """
 
 from __future__ import annotations
@@ -18,7 +29,13 @@ from math import prod
 import numpy as np
 import torch
 
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+
+# the 16 levels of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl), a nibble's value before the scale
+IQ4_GRID = np.array(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32
+)
 
 # ggml type -> (name, values per block, bytes per block); the dequantizable ones and a few more
 # that only need sizes so a file using them still parses.
@@ -27,6 +44,7 @@ GGML_TYPES: dict[int, tuple[str, int, int]] = {
     6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
     10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    20: ("IQ4_NL", 32, 18), 23: ("IQ4_XS", 256, 136),
     24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8),
     28: ("F64", 1, 8), 30: ("BF16", 1, 2),
 }  # fmt: skip
@@ -131,9 +149,54 @@ def _q6_k(b):
     return (d * sc[..., None] * q.reshape(-1, 2, 4, 2, 16)).reshape(-1, 256)
 
 
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """[nb, 64] -> [nb, 256]: each 128-value half's 32 bytes give 4 runs of 32 values, bits
+    0-1 first, then 2-3, 4-5, 6-7."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]
+    return ((qs.reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 256)
+
+
+def _q2_k(b):
+    sc = b[:, 0:16]
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])  # [nb, 1]
+    scale, low = d * (sc & 0x0F).astype(np.float32), dmin * (sc >> 4).astype(np.float32)
+    q = _two_bits(b[:, 16:80]).astype(np.float32).reshape(-1, 16, 16)
+    return (scale[:, :, None] * q - low[:, :, None]).reshape(-1, 256)
+
+
+def _q3_k_scales(s: np.ndarray) -> np.ndarray:
+    """12 packed bytes -> 16 six-bit scales, 32 subtracted: [nb, 16]. Scale k has its low four
+    bits in a nibble of byte k % 8 (low nibble for k < 8) and its top two bits in byte 8 + k % 4,
+    at bits 2 * (k // 4)."""
+    low = np.concatenate([s[:, 0:8] & 0x0F, s[:, 0:8] >> 4], axis=1)
+    high = (s[:, 8:12][:, None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, :, None]) & 3
+    return (low | (high.reshape(-1, 16) << 4)).astype(np.float32) - 32
+
+
+def _q3_k(b):
+    high_bit = (b[:, 0:32][:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+    q = _two_bits(b[:, 32:96]).astype(np.float32) - 4 * (1 - high_bit.reshape(-1, 256))
+    scale = _f16(b[:, 108:110]) * _q3_k_scales(b[:, 96:108])  # [nb, 16]
+    return (scale[:, :, None] * q.reshape(-1, 16, 16)).reshape(-1, 256)
+
+
+def _iq4_nl(b):
+    return _f16(b[:, 0:2]) * IQ4_GRID[_nibbles(b[:, 2:18])]
+
+
+def _iq4_xs(b):
+    high = np.ascontiguousarray(b[:, 2:4]).view("<u2")  # [nb, 1]: 2 bits per sub-block
+    high = (high >> (2 * np.arange(8, dtype=np.uint16))) & 3  # [nb, 8]
+    low = np.stack([b[:, 4:8] & 0x0F, b[:, 4:8] >> 4], axis=2).reshape(-1, 8)
+    scale = _f16(b[:, 0:2]) * ((low | (high << 4)).astype(np.float32) - 32)  # [nb, 8]
+    q = IQ4_GRID[_nibbles(b[:, 8:136].reshape(-1, 16)).reshape(-1, 8, 32)]
+    return (scale[:, :, None] * q).reshape(-1, 256)
+
+
 _BLOCK_DEQUANT = {
     Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
-    Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+    Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
+    IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs,
 }  # fmt: skip
 
 

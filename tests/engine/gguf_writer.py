@@ -49,9 +49,10 @@ per-layer head_count_kv (0 on Mamba layers), ssm.* keys, expert_count / expert_u
 Its converter writes a SentencePiece vocabulary (tokenizer.model, else the HF tokenizer as
 "llama"); we write the tiny model's byte-level BPE one as for the other archs.
 
-More transformer archs (MORE_ARCHS; conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,
-dots1}.py): TextModel's keys, then each class's own (_write_more_metadata). Tensors as HF has
-them except: Arcee's q/k rows permuted (LlamaModel; Apertus turns that off), Apertus's xIELU
+More transformer archs (MORE_ARCHS; conversion/{exaone,apertus,arcee,granite,olmo,minimax,
+hunyuan,dots1}.py): TextModel's keys, then each class's own (_write_more_metadata; Granite: its
+head_dim dropped, its multipliers as *_scale keys when set). Tensors as HF has them except:
+Arcee's and Granite's q/k rows permuted (LlamaModel; Apertus turns that off), Apertus's xIELU
 scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's e_score_correction_bias
 renamed e_score_correction.bias, experts merged; Llama 3 rope scaling (EXAONE 4, Apertus) as
 `rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
@@ -101,6 +102,7 @@ GGUF_ARCH = {
     "exaone4": ("exaone4", "EXAONE4"),
     "apertus": ("apertus", "APERTUS"),
     "arcee": ("arcee", "ARCEE"),
+    "granite": ("granite", "GRANITE"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -114,8 +116,8 @@ GGUF_ARCH = {
 }
 OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
-MORE_ARCHS = ("exaone4", "apertus", "arcee", "olmoe", "minimax_m2", "hunyuan_v1_dense",
-              "hunyuan_v1_moe", "dots1")  # fmt: skip
+MORE_ARCHS = ("exaone4", "apertus", "arcee", "granite", "olmoe", "minimax_m2",
+              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
@@ -341,7 +343,7 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
 
     rope = _rope_params(cfg)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim")
+    head_dim = None if tiny_arch == "granite" else cfg.get("head_dim")  # GraniteModel pops it
     context, theta = cfg["max_position_embeddings"], rope.get("rope_theta", 10000.0)
     if tiny_arch.startswith("hunyuan") and rope.get("rope_type") == "dynamic":
         # NTK by alpha baked into the base (the MoE converter takes hidden / heads per head)
@@ -367,10 +369,19 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
     if head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if tiny_arch in ("exaone4", "apertus", "arcee"):
+    if tiny_arch in ("exaone4", "apertus", "arcee", "granite"):
         w.add_vocab_size(cfg["vocab_size"])
-    if tiny_arch in ("apertus", "arcee"):  # LlamaModel
+    if tiny_arch in ("apertus", "arcee", "granite"):  # LlamaModel
         w.add_rope_dimension_count(head_dim or hidden // heads)
+    if tiny_arch == "granite":  # GraniteModel: each multiplier only when set
+        for key, add in (
+            ("attention_multiplier", w.add_attention_scale),
+            ("embedding_multiplier", w.add_embedding_scale),
+            ("residual_multiplier", w.add_residual_scale),
+            ("logits_scaling", w.add_logit_scale),
+        ):
+            if cfg.get(key):
+                add(cfg[key])
     if tiny_arch == "arcee" and rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
@@ -401,7 +412,7 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     """The arch class's modify_tensors before the name map: [(HF-side name, array)]."""
     if tiny_arch == "apertus" and ".act_fn." in name:
         return []  # xielu.* metadata (write_gguf)
-    if tiny_arch == "arcee":  # LlamaModel.modify_tensors, undo_permute on
+    if tiny_arch in ("arcee", "granite"):  # LlamaModel.modify_tensors, undo_permute on
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif name.endswith(("k_proj.weight", "k_proj.bias")):

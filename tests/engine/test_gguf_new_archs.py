@@ -1,7 +1,7 @@
-"""GGUF files of EXAONE 4, Apertus, Arcee, OLMoE, MiniMax-M2, Hunyuan (dense and MoE) and
-dots.llm1, written from tiny HF models as llama.cpp's converter lays them out (gguf_writer.py):
-our loader must give back HF's weights (after undoing the converter's transforms) and the config
-fields the model reads, and the model HF's logits and greedy tokens."""
+"""GGUF files of EXAONE 4, Apertus, Arcee, Granite 3.x, OLMoE, MiniMax-M2, Hunyuan (dense and
+MoE) and dots.llm1, written from tiny HF models as llama.cpp's converter lays them out
+(gguf_writer.py): our loader must give back HF's weights (after undoing the converter's
+transforms) and the config fields the model reads, and the model HF's logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CASES = {
     "exaone4": ("exaone4", {}),  # sliding + NoPE global layers, Llama 3 rope as rope_freqs
     "apertus": ("apertus", {}),  # xIELU scalars as metadata, Llama 3 rope as rope_freqs
     "arcee": ("arcee", {}),  # q/k permuted, YaRN
+    "granite": ("granite", {}),  # q/k permuted, every multiplier away from 1
     "olmoe": ("olmoe", {}),
     "minimax_m2": ("minimax_m2", {}),
     # HunYuanModel asserts the released context (32k or 256k) for its NTK-alpha rope
@@ -54,6 +55,8 @@ CONFIG_KEYS = {
     "exaone4": ("head_dim", "sliding_window", "layer_types"),
     "apertus": ("head_dim", "hidden_act"),
     "arcee": ("head_dim", "hidden_act", "attention_bias", "mlp_bias"),
+    "granite": ("head_dim", "attention_multiplier", "embedding_multiplier",
+                "residual_multiplier", "logits_scaling", "attention_bias", "mlp_bias"),
     "olmoe": ("num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv"),
     "minimax_m2": ("head_dim", "num_local_experts", "num_experts_per_tok", "rotary_dim"),
     "hunyuan_v1_dense": ("head_dim", "attention_bias"),
@@ -146,6 +149,17 @@ def test_exaone4_layer_pattern_forms(tmp_path):
     assert cfg.sliding_window == 16
     cfg = gguf_to_hf_config(write_metadata_only(tmp_path / "b.gguf", "exaone4", 4))
     assert cfg.sliding_window is None and cfg.layer_types == ["full_attention"] * 4
+
+
+def test_granite_multipliers_left_out_read_as_llama_cpp_does(tmp_path):
+    """GraniteModel writes a multiplier only when set: without one llama.cpp scales by 1 and
+    attention by 1 / sqrt(head_dim); a head size other than hidden / heads is refused."""
+    cfg = gguf_to_hf_config(write_metadata_only(tmp_path / "a.gguf", "granite", 2))
+    assert cfg.attention_multiplier == 16**-0.5  # hidden 64 over 4 heads
+    assert cfg.embedding_multiplier == cfg.residual_multiplier == cfg.logits_scaling == 1.0
+    f = write_metadata_only(tmp_path / "b.gguf", "granite", 2, head_len=32)
+    with pytest.raises(ValueError, match=r"granite\.attention\.key_length=32"):
+        gguf_to_hf_config(f)
 
 
 def test_bad_new_arch_metadata_is_a_value_error(tmp_path):

@@ -71,6 +71,9 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   (xielu.alpha_p / alpha_n / beta / eps, raw parameters: softplus applies at run time), loaded
   back as the HF `mlp.act_fn.*` tensors; Llama 3 scaling as `rope_freqs`.
 - Arcee AFM ("arcee"): LlamaModel, q/k rows (and biases) permuted; YaRN as rope.scaling.*.
+- Granite 3.x dense ("granite", conversion/granite.py's GraniteModel): LlamaModel, q/k rows
+  permuted, head_dim dropped (hidden / heads), the multipliers as attention.scale,
+  embedding_scale, residual_scale and logit_scale, each written only when set.
 - OLMoE ("olmoe"): no permutation; whole-projection q/k norms; merged experts; llama.cpp never
   renormalizes the top-k weights and does not clamp q/k/v (clip_qkv is not written).
 - MiniMax-M2 ("minimax-m2"): merged experts (w1 / w3 / w2), the router bias
@@ -337,8 +340,8 @@ class GGUFArch:
     global_names: Mapping[str, str] = field(default_factory=dict)
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
-    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmoe", "minimax_m2",
-    # "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
+    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "olmoe",
+    # "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -490,6 +493,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         "ApertusForCausalLM", "ApertusConfig", layer_names=_APERTUS_NAMES, family="apertus"
     ),
     "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
+    "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
     "olmoe": GGUFArch("OlmoeForCausalLM", "OlmoeConfig", experts=_HF_EXPERTS, family="olmoe"),
     "minimax-m2": GGUFArch(
         "MiniMaxM2ForCausalLM",

@@ -390,7 +390,7 @@ def _granite_hybrid(
             "embedding_length / head_count, which GraniteMoeHybrid assumes"
         )
     attn = [i for i, t in enumerate(types) if t == "full_attention"]
-    scale = meta.get_float("attention.scale", None)
+    kwargs.update(_granite_multipliers(meta, head_dim))
     kwargs.update(
         layer_types=types,
         num_local_experts=experts,
@@ -405,15 +405,40 @@ def _granite_hybrid(
         mamba_conv_bias=mamba["conv_bias"],
         mamba_proj_bias=mamba["proj_bias"],
         attention_bias=bool(attn) and f"blk.{attn[0]}.attn_q.bias" in f.tensors,
-        attention_multiplier=scale if scale else head_dim**-0.5,
-        embedding_multiplier=meta.get_float("embedding_scale", 0.0) or 1.0,
-        residual_multiplier=meta.get_float("residual_scale", 0.0) or 1.0,
-        logits_scaling=meta.get_float("logit_scale", 0.0) or 1.0,
         position_embedding_type="rope" if meta.get("rope.scaling.finetuned", False) else None,
     )
     if kwargs["position_embedding_type"] is None:
         return {"rope_type": "default", "rope_theta": rope["rope_theta"]}
     return rope
+
+
+def _granite_multipliers(meta: _Meta, head_dim: int) -> dict[str, float]:
+    """GraniteModel's multipliers: attention.scale, embedding_scale, residual_scale and
+    logit_scale, each written only when set (truthy); without one llama.cpp scales by 1, and
+    attention by 1 / sqrt(head_dim)."""
+    scale = meta.get_float("attention.scale", None)
+    return dict(
+        attention_multiplier=scale if scale else head_dim**-0.5,
+        embedding_multiplier=meta.get_float("embedding_scale", 0.0) or 1.0,
+        residual_multiplier=meta.get_float("residual_scale", 0.0) or 1.0,
+        logits_scaling=meta.get_float("logit_scale", 0.0) or 1.0,
+    )
+
+
+def _granite(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Granite 3.x dense (GraniteModel): Llama's layout, head_dim hidden / heads (the converter
+    drops the config's), the multipliers from the metadata, biases from the tensors."""
+    head_dim = kwargs.pop("head_dim")
+    if head_dim != kwargs["hidden_size"] // kwargs["num_attention_heads"]:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.key_length={head_dim} is not "
+            "embedding_length / head_count, which Granite assumes"
+        )
+    kwargs.update(
+        _granite_multipliers(meta, head_dim),
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+    )
 
 
 def _nemotron_h(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
@@ -776,6 +801,7 @@ _MORE = {
     "exaone4": _exaone4,
     "apertus": _apertus,
     "arcee": _arcee,
+    "granite": _granite,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -50,9 +50,10 @@ Its converter writes a SentencePiece vocabulary (tokenizer.model, else the HF to
 "llama"); we write the tiny model's byte-level BPE one as for the other archs.
 
 More transformer archs (MORE_ARCHS; conversion/{exaone,apertus,arcee,granite,olmo,minimax,
-hunyuan,dots1}.py): TextModel's keys, then each class's own (_write_more_metadata; Granite: its
-head_dim dropped, its multipliers as *_scale keys when set). Tensors as HF has them except:
-Arcee's and Granite's q/k rows permuted (LlamaModel; Apertus turns that off), Apertus's xIELU
+hunyuan,dots1}.py): TextModel's keys, then each class's own (_write_more_metadata; Granite's:
+its head_dim dropped, its multipliers as *_scale keys when set, GraniteMoe's shared MLP width).
+Tensors as HF has them except: Arcee's and Granite's q/k rows permuted (LlamaModel; Apertus
+turns that off), GraniteMoe's fused [gate; up] experts and shared MLP split in two, Apertus's xIELU
 scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's e_score_correction_bias
 renamed e_score_correction.bias, experts merged; Llama 3 rope scaling (EXAONE 4, Apertus) as
 `rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
@@ -103,6 +104,8 @@ GGUF_ARCH = {
     "apertus": ("apertus", "APERTUS"),
     "arcee": ("arcee", "ARCEE"),
     "granite": ("granite", "GRANITE"),
+    "granitemoe": ("granitemoe", "GRANITE_MOE"),
+    "granitemoeshared": ("granitemoe", "GRANITE_MOE"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -116,7 +119,8 @@ GGUF_ARCH = {
 }
 OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
-MORE_ARCHS = ("exaone4", "apertus", "arcee", "granite", "olmoe", "minimax_m2",
+GRANITES = ("granite", "granitemoe", "granitemoeshared")
+MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "olmoe", "minimax_m2",
               "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
@@ -343,7 +347,7 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
 
     rope = _rope_params(cfg)
     hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = None if tiny_arch == "granite" else cfg.get("head_dim")  # GraniteModel pops it
+    head_dim = None if tiny_arch in GRANITES else cfg.get("head_dim")  # GraniteModel pops it
     context, theta = cfg["max_position_embeddings"], rope.get("rope_theta", 10000.0)
     if tiny_arch.startswith("hunyuan") and rope.get("rope_type") == "dynamic":
         # NTK by alpha baked into the base (the MoE converter takes hidden / heads per head)
@@ -369,16 +373,17 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
     if head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if tiny_arch in ("exaone4", "apertus", "arcee", "granite"):
+    if tiny_arch in ("exaone4", "apertus", "arcee", *GRANITES):
         w.add_vocab_size(cfg["vocab_size"])
-    if tiny_arch in ("apertus", "arcee", "granite"):  # LlamaModel
+    if tiny_arch in ("apertus", "arcee", *GRANITES):  # LlamaModel
         w.add_rope_dimension_count(head_dim or hidden // heads)
-    if tiny_arch == "granite":  # GraniteModel: each multiplier only when set
+    if tiny_arch in GRANITES:  # GraniteModel (then GraniteMoeModel): each only when set
         for key, add in (
             ("attention_multiplier", w.add_attention_scale),
             ("embedding_multiplier", w.add_embedding_scale),
             ("residual_multiplier", w.add_residual_scale),
             ("logits_scaling", w.add_logit_scale),
+            ("shared_intermediate_size", w.add_expert_shared_feed_forward_length),
         ):
             if cfg.get(key):
                 add(cfg[key])
@@ -412,7 +417,14 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     """The arch class's modify_tensors before the name map: [(HF-side name, array)]."""
     if tiny_arch == "apertus" and ".act_fn." in name:
         return []  # xielu.* metadata (write_gguf)
-    if tiny_arch in ("arcee", "granite"):  # LlamaModel.modify_tensors, undo_permute on
+    if tiny_arch in ("granitemoe", "granitemoeshared") and "input_linear" in name:
+        # GraniteMoeModel.modify_tensors: HF's fused [gate; up] rows in two
+        bid = int(name.split(".")[2])
+        gate, up = np.split(arr, 2, axis=-2)
+        stem = "exps" if "block_sparse_moe" in name else "shexp"
+        return [(("gguf", f"blk.{bid}.ffn_gate_{stem}.weight"), gate),
+                (("gguf", f"blk.{bid}.ffn_up_{stem}.weight"), up)]  # fmt: skip
+    if tiny_arch in ("arcee", *GRANITES):  # LlamaModel.modify_tensors, undo_permute on
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -838,8 +850,9 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
                 out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, src))
             continue
         if tiny_arch in MORE_ARCHS and _EXPERT.match(name) is None:
-            for mapped, piece in _more(tiny_arch, cfg, name, arr):
-                out.append((to_gguf(mapped), piece, [name], hf, None))
+            for i, (mapped, piece) in enumerate(_more(tiny_arch, cfg, name, arr)):
+                # a split tensor (stored unquantized): HF's name under the first piece
+                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, None))
             continue
         if tiny_arch in OLD_ARCHS:
             mapped, arr = _old(tiny_arch, cfg, name, arr)

@@ -26,6 +26,9 @@ CASES = {
     "apertus": ("apertus", {}),  # xIELU scalars as metadata, Llama 3 rope as rope_freqs
     "arcee": ("arcee", {}),  # q/k permuted, YaRN
     "granite": ("granite", {}),  # q/k permuted, every multiplier away from 1
+    # llama.cpp's granitemoe: fused [gate; up] experts split in two; loaded as GraniteMoeShared
+    "granitemoe": ("granitemoe", {}),
+    "granitemoeshared": ("granitemoeshared", {}),  # with a shared MLP, its rows split too
     "olmoe": ("olmoe", {}),
     "minimax_m2": ("minimax_m2", {}),
     # HunYuanModel asserts the released context (32k or 256k) for its NTK-alpha rope
@@ -57,6 +60,10 @@ CONFIG_KEYS = {
     "arcee": ("head_dim", "hidden_act", "attention_bias", "mlp_bias"),
     "granite": ("head_dim", "attention_multiplier", "embedding_multiplier",
                 "residual_multiplier", "logits_scaling", "attention_bias", "mlp_bias"),
+    **dict.fromkeys(("granitemoe", "granitemoeshared"), (
+        "head_dim", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
+        "logits_scaling", "attention_bias", "num_local_experts", "num_experts_per_tok",
+    )),
     "olmoe": ("num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv"),
     "minimax_m2": ("head_dim", "num_local_experts", "num_experts_per_tok", "rotary_dim"),
     "hunyuan_v1_dense": ("head_dim", "attention_bias"),
@@ -78,7 +85,13 @@ def case(request, tiny_model_factory, tmp_path_factory):
 
 
 def _check_config(name, config, ref) -> None:
-    assert config.architectures == ref.architectures
+    if name == "granitemoe":  # llama.cpp's granitemoe loads as GraniteMoeShared, no shared MLP
+        assert config.architectures == ["GraniteMoeSharedForCausalLM"]
+        assert config.shared_intermediate_size == 0
+    else:
+        assert config.architectures == ref.architectures
+    if name == "granitemoeshared":
+        assert config.shared_intermediate_size == ref.shared_intermediate_size
     common = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "vocab_size", "tie_word_embeddings")  # fmt: skip
     for key in (*common, *CONFIG_KEYS[name]):

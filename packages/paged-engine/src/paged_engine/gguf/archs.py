@@ -73,7 +73,10 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
 - Arcee AFM ("arcee"): LlamaModel, q/k rows (and biases) permuted; YaRN as rope.scaling.*.
 - Granite 3.x dense ("granite", conversion/granite.py's GraniteModel): LlamaModel, q/k rows
   permuted, head_dim dropped (hidden / heads), the multipliers as attention.scale,
-  embedding_scale, residual_scale and logit_scale, each written only when set.
+  embedding_scale, residual_scale and logit_scale, each written only when set. Granite MoE
+  ("granitemoe", GraniteMoeModel, GraniteMoe and GraniteMoeShared alike): the same, with the
+  experts' fused [gate; up] rows split into ffn_gate_exps / ffn_up_exps (the shared MLP's into
+  ffn_gate_shexp / ffn_up_shexp), its width as expert_shared_feed_forward_length.
 - OLMoE ("olmoe"): no permutation; whole-projection q/k norms; merged experts; llama.cpp never
   renormalizes the top-k weights and does not clamp q/k/v (clip_qkv is not written).
 - MiniMax-M2 ("minimax-m2"): merged experts (w1 / w3 / w2), the router bias
@@ -166,10 +169,10 @@ _MAMBA2_PARTS = {
     "ssm_out": "out_proj",
 }
 _MAMBA2_PARAMS = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt.bias": "dt_bias"}
-# Granite 4.0-H: a `None` part loads folded into another one (_GRANITE_FOLD)
-_GRANITE_HYBRID_NAMES: dict[str, str | None] = {
+# Granite MoE's experts and shared MLP (GraniteMoe, GraniteMoeShared, Granite 4.0-H); a `None`
+# part loads folded into another one (_GRANITE_FOLD)
+_GRANITE_MOE_NAMES: dict[str, str | None] = {
     **LAYER_NAMES,
-    **{k: f"mamba.{v}" for k, v in _MAMBA2_PARTS.items()},
     "ffn_gate_inp": "block_sparse_moe.router.layer",
     "ffn_gate_exps": "block_sparse_moe.input_linear",
     "ffn_up_exps": None,
@@ -177,6 +180,10 @@ _GRANITE_HYBRID_NAMES: dict[str, str | None] = {
     "ffn_gate_shexp": "shared_mlp.input_linear",
     "ffn_up_shexp": None,
     "ffn_down_shexp": "shared_mlp.output_linear",
+}
+_GRANITE_HYBRID_NAMES: dict[str, str | None] = {
+    **_GRANITE_MOE_NAMES,
+    **{k: f"mamba.{v}" for k, v in _MAMBA2_PARTS.items()},
     "ffn_gate": "shared_mlp.input_linear",
     "ffn_up": None,
     "ffn_down": "shared_mlp.output_linear",
@@ -340,8 +347,9 @@ class GGUFArch:
     global_names: Mapping[str, str] = field(default_factory=dict)
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
-    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "olmoe",
-    # "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
+    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
+    # "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder",
+    # "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -494,6 +502,16 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     ),
     "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
     "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
+    # llama.cpp's one arch for GraniteMoe and GraniteMoeShared: loaded as the latter, whose
+    # shared_intermediate_size 0 is the former
+    "granitemoe": GGUFArch(
+        "GraniteMoeSharedForCausalLM",
+        "GraniteMoeSharedConfig",
+        permute_qk=True,
+        layer_names=_GRANITE_MOE_NAMES,
+        family="granitemoe",
+        fold=_GRANITE_FOLD,
+    ),
     "olmoe": GGUFArch("OlmoeForCausalLM", "OlmoeConfig", experts=_HF_EXPERTS, family="olmoe"),
     "minimax-m2": GGUFArch(
         "MiniMaxM2ForCausalLM",

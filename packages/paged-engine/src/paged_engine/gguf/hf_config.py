@@ -435,9 +435,26 @@ def _granite(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
             "embedding_length / head_count, which Granite assumes"
         )
     kwargs.update(
-        _granite_multipliers(meta, head_dim),
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        _granite_multipliers(meta, head_dim), attention_bias="blk.0.attn_q.bias" in f.tensors
+    )
+    if meta.arch == "granite":
+        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in f.tensors
+
+
+def _granite_moe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Granite MoE (GraniteMoeModel): Granite's attention, every layer's experts
+    feed_forward_length wide; the shared MLP's width from expert_shared_feed_forward_length
+    (else its gate's rows), 0 without one (plain GraniteMoe)."""
+    _granite(meta, f, kwargs, layers)
+    shared = meta.get_int("expert_shared_feed_forward_length", None)
+    if shared is None:
+        shared = (
+            f.tensors["blk.0.ffn_gate_shexp.weight"].shape[0] if _has(f, 0, "ffn_gate_shexp") else 0
+        )
+    kwargs.update(
+        num_local_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        shared_intermediate_size=shared,
     )
 
 
@@ -802,6 +819,7 @@ _MORE = {
     "apertus": _apertus,
     "arcee": _arcee,
     "granite": _granite,
+    "granitemoe": _granite_moe,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -50,13 +50,13 @@ Its converter writes a SentencePiece vocabulary (tokenizer.model, else the HF to
 "llama"); we write the tiny model's byte-level BPE one as for the other archs.
 
 More transformer archs (MORE_ARCHS; conversion/{exaone,apertus,arcee,granite,olmo,minimax,
-hunyuan,dots1}.py): TextModel's keys, then each class's own (_write_more_metadata; Granite's:
-its head_dim dropped, its multipliers as *_scale keys when set, GraniteMoe's shared MLP width).
-Tensors as HF has them except: Arcee's and Granite's q/k rows permuted (LlamaModel; Apertus
-turns that off), GraniteMoe's fused [gate; up] experts and shared MLP split in two, Apertus's xIELU
-scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's e_score_correction_bias
-renamed e_score_correction.bias, experts merged; Llama 3 rope scaling (EXAONE 4, Apertus) as
-`rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
+hunyuan,dots1,smollm3}.py): TextModel's keys, then each class's own (_write_more_metadata;
+Granite's: its head_dim dropped, its multipliers as *_scale keys when set, GraniteMoe's shared
+MLP width). Tensors as HF has them except: Arcee's, Granite's and SmolLM3's q/k rows permuted
+(LlamaModel; Apertus turns that off), GraniteMoe's fused [gate; up] experts and shared MLP split
+in two, Apertus's xIELU scalars moved into xielu.* metadata arrays, MiniMax-M2's / dots1's
+e_score_correction_bias renamed e_score_correction.bias, experts merged; Llama 3 rope scaling
+(EXAONE 4, Apertus) as `rope_freqs`; Hunyuan's NTK-alpha rope baked into rope.freq_base.
 
 Older archs (OLD_ARCHS; FalconModel, StarCoderModel, NemotronModel, DbrxModel; _write_old_metadata):
 Falcon's query_key_value reordered per KV group [q.., k, v] -> [all q; all k; all v],
@@ -106,6 +106,7 @@ GGUF_ARCH = {
     "granite": ("granite", "GRANITE"),
     "granitemoe": ("granitemoe", "GRANITE_MOE"),
     "granitemoeshared": ("granitemoe", "GRANITE_MOE"),
+    "smollm3": ("smollm3", "SMOLLM3"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -120,7 +121,7 @@ GGUF_ARCH = {
 OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
 GRANITES = ("granite", "granitemoe", "granitemoeshared")
-MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "olmoe", "minimax_m2",
+MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "smollm3", "olmoe", "minimax_m2",
               "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
@@ -373,9 +374,9 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
     if head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if tiny_arch in ("exaone4", "apertus", "arcee", *GRANITES):
+    if tiny_arch in ("exaone4", "apertus", "arcee", *GRANITES, "smollm3"):
         w.add_vocab_size(cfg["vocab_size"])
-    if tiny_arch in ("apertus", "arcee", *GRANITES):  # LlamaModel
+    if tiny_arch in ("apertus", "arcee", *GRANITES, "smollm3"):  # LlamaModel
         w.add_rope_dimension_count(head_dim or hidden // heads)
     if tiny_arch in GRANITES:  # GraniteModel (then GraniteMoeModel): each only when set
         for key, add in (
@@ -424,7 +425,7 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
         stem = "exps" if "block_sparse_moe" in name else "shexp"
         return [(("gguf", f"blk.{bid}.ffn_gate_{stem}.weight"), gate),
                 (("gguf", f"blk.{bid}.ffn_up_{stem}.weight"), up)]  # fmt: skip
-    if tiny_arch in ("arcee", *GRANITES):  # LlamaModel.modify_tensors, undo_permute on
+    if tiny_arch in ("arcee", *GRANITES, "smollm3"):  # LlamaModel.modify_tensors, undo_permute
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             arr = llama_cpp_permute(arr, cfg["num_attention_heads"])
         elif name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -29,6 +29,8 @@ CASES = {
     # llama.cpp's granitemoe: fused [gate; up] experts split in two; loaded as GraniteMoeShared
     "granitemoe": ("granitemoe", {}),
     "granitemoeshared": ("granitemoeshared", {}),  # with a shared MLP, its rows split too
+    # llama.cpp's NoPE layers are every 4th, HF's default (the tiny model's own is every 2nd)
+    "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4}),
     "olmoe": ("olmoe", {}),
     "minimax_m2": ("minimax_m2", {}),
     # HunYuanModel asserts the released context (32k or 256k) for its NTK-alpha rope
@@ -60,6 +62,7 @@ CONFIG_KEYS = {
     "arcee": ("head_dim", "hidden_act", "attention_bias", "mlp_bias"),
     "granite": ("head_dim", "attention_multiplier", "embedding_multiplier",
                 "residual_multiplier", "logits_scaling", "attention_bias", "mlp_bias"),
+    "smollm3": ("no_rope_layers", "attention_bias", "mlp_bias"),
     **dict.fromkeys(("granitemoe", "granitemoeshared"), (
         "head_dim", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
         "logits_scaling", "attention_bias", "num_local_experts", "num_experts_per_tok",

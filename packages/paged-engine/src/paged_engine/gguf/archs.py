@@ -77,6 +77,9 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   ("granitemoe", GraniteMoeModel, GraniteMoe and GraniteMoeShared alike): the same, with the
   experts' fused [gate; up] rows split into ffn_gate_exps / ffn_up_exps (the shared MLP's into
   ffn_gate_shexp / ffn_up_shexp), its width as expert_shared_feed_forward_length.
+- SmolLM3 ("smollm3", SmolLM3Model): LlamaModel, q/k rows permuted. No key carries its NoPE
+  layers: llama.cpp skips rope on every 4th layer ((il + 1) % 4 == 0, a constant in its graph),
+  which is HF's default `no_rope_layer_interval` of 4.
 - OLMoE ("olmoe"): no permutation; whole-projection q/k norms; merged experts; llama.cpp never
   renormalizes the top-k weights and does not clamp q/k/v (clip_qkv is not written).
 - MiniMax-M2 ("minimax-m2"): merged experts (w1 / w3 / w2), the router bias
@@ -348,8 +351,8 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder",
-    # "dbrx"
+    # "smollm3", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon",
+    # "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -502,6 +505,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     ),
     "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
     "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
+    "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
     # llama.cpp's one arch for GraniteMoe and GraniteMoeShared: loaded as the latter, whose
     # shared_intermediate_size 0 is the former
     "granitemoe": GGUFArch(

@@ -458,6 +458,22 @@ def _granite_moe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) 
     )
 
 
+# llama.cpp's SmolLM3 graph skips rope on layer il where (il + 1) % 4 == 0 (no GGUF key)
+_SMOLLM3_NOPE_STEP = 4
+
+
+def _smollm3(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """SmolLM3 (SmolLM3Model): Llama's layout with the NoPE layers llama.cpp assumes, every 4th
+    (HF's `no_rope_layers`, 1 where a layer rotates); biases from the tensors."""
+    step = _SMOLLM3_NOPE_STEP
+    kwargs.update(
+        no_rope_layer_interval=step,
+        no_rope_layers=[int((i + 1) % step != 0) for i in range(layers)],
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+    )
+
+
 def _nemotron_h(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """Nemotron-H / Nemotron 3 (NemotronHModel): each block one mixer. llama.cpp tells them by
     per-layer head_count_kv (attention) and feed_forward_length (MLP / MoE), both 0 on Mamba
@@ -820,6 +836,7 @@ _MORE = {
     "arcee": _arcee,
     "granite": _granite,
     "granitemoe": _granite_moe,
+    "smollm3": _smollm3,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -107,6 +107,8 @@ GGUF_ARCH = {
     "granitemoe": ("granitemoe", "GRANITE_MOE"),
     "granitemoeshared": ("granitemoe", "GRANITE_MOE"),
     "smollm3": ("smollm3", "SMOLLM3"),
+    "olmo2": ("olmo2", "OLMO2"),  # Olmo2Model: TextModel's keys and tensors
+    "seed_oss": ("seed_oss", "SEED_OSS"),  # SeedOssModel: likewise
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),

@@ -1,6 +1,7 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3 and Mixtral (arch "llama" with experts),
-written from tiny HF models as llama.cpp's converter lays them out (gguf_writer.py): our
-loader must give back HF's weights and config, and the model HF's logits and greedy tokens."""
+"""GGUF files of Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS and Mixtral (arch "llama"
+with experts), written from tiny HF models as llama.cpp's converter lays them out
+(gguf_writer.py): our loader must give back HF's weights and config, and the model HF's logits
+and greedy tokens."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ CASES = {
     # six layers: llama.cpp's fixed Gemma 3 pattern (five sliding, one global)
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}, {}, None),
     "phi3": ("phi3", {}, {}, None),
+    "olmo2": ("olmo2", {}, {}, None),  # post-norms only, whole-projection q / k norms
+    "seed_oss": ("seed_oss", {}, {}, None),  # q / k / v and MLP biases, no o_proj bias
     # longrope factors as rope_factors_{long,short}; max_model_len within the original context
     # picks the short set, as HF does for these prompts
     "phi3_longrope": (
@@ -54,6 +57,8 @@ CONFIG_KEYS = {
                "final_logit_softcapping"),
     "phi3": ("sliding_window", "original_max_position_embeddings"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "olmo2": (),
+    "seed_oss": ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"),
 }  # fmt: skip
 
 

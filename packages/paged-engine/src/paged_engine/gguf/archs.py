@@ -77,6 +77,9 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   ("granitemoe", GraniteMoeModel, GraniteMoe and GraniteMoeShared alike): the same, with the
   experts' fused [gate; up] rows split into ffn_gate_exps / ffn_up_exps (the shared MLP's into
   ffn_gate_shexp / ffn_up_shexp), its width as expert_shared_feed_forward_length.
+- OLMo 2 ("olmo2", Olmo2Model) and Seed-OSS ("seed_oss", SeedOssModel): TextModel's keys and
+  HF's tensors, q/k unpermuted; OLMo 2's two post-norms as post_attention_norm / post_ffw_norm,
+  Seed-OSS's pre-MLP norm as post_attention_norm.
 - SmolLM3 ("smollm3", SmolLM3Model): LlamaModel, q/k rows permuted. No key carries its NoPE
   layers: llama.cpp skips rope on every 4th layer ((il + 1) % 4 == 0, a constant in its graph),
   which is HF's default `no_rope_layer_interval` of 4.
@@ -123,6 +126,14 @@ _GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# OLMo 2: no pre-norms, a norm after attention and after the MLP
+_OLMO2_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Seed-OSS: llama.cpp names HF's pre-MLP `post_attention_layernorm` an attention post-norm
+_SEED_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 # Qwen3.5: gated-delta-net (linear attention) layers among gated full-attention layers
 _QWEN35_NAMES: dict[str, str | None] = {
     **LAYER_NAMES,
@@ -351,8 +362,8 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "smollm3", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon",
-    # "starcoder", "dbrx"
+    # "smollm3", "seed_oss", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both:
+    # "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -506,6 +517,10 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
     "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
     "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
+    "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
+    "seed_oss": GGUFArch(
+        "SeedOssForCausalLM", "SeedOssConfig", layer_names=_SEED_OSS_NAMES, family="seed_oss"
+    ),
     # llama.cpp's one arch for GraniteMoe and GraniteMoeShared: loaded as the latter, whose
     # shared_intermediate_size 0 is the former
     "granitemoe": GGUFArch(

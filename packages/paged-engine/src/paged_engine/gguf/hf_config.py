@@ -458,6 +458,15 @@ def _granite_moe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) 
     )
 
 
+def _seed_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Seed-OSS (SeedOssModel): its three bias switches from the tensors present."""
+    kwargs.update(
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        attention_out_bias="blk.0.attn_output.bias" in f.tensors,
+        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+    )
+
+
 # llama.cpp's SmolLM3 graph skips rope on layer il where (il + 1) % 4 == 0 (no GGUF key)
 _SMOLLM3_NOPE_STEP = 4
 
@@ -837,6 +846,7 @@ _MORE = {
     "granite": _granite,
     "granitemoe": _granite_moe,
     "smollm3": _smollm3,
+    "seed_oss": _seed_oss,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -109,6 +109,7 @@ GGUF_ARCH = {
     "smollm3": ("smollm3", "SMOLLM3"),
     "olmo2": ("olmo2", "OLMO2"),  # Olmo2Model: TextModel's keys and tensors
     "seed_oss": ("seed_oss", "SEED_OSS"),  # SeedOssModel: likewise
+    "glm4": ("glm4", "GLM4"),  # Glm4Model: likewise, plus its partial rotary dim
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -578,6 +579,10 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
         w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+        w.add_rope_dimension_count(int(head_dim * partial))
+    if arch == "glm4":  # Glm4Model: head_dim x partial_rotary_factor (0.5 when unset)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        partial = cfg.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.5))
         w.add_rope_dimension_count(int(head_dim * partial))
     if arch in ("lfm2", "lfm2moe"):
         w.add_vocab_size(cfg["vocab_size"])

@@ -1,5 +1,5 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS and Mixtral (arch "llama"
-with experts), written from tiny HF models as llama.cpp's converter lays them out
+"""GGUF files of Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4 and Mixtral (arch
+"llama" with experts), written from tiny HF models as llama.cpp's converter lays them out
 (gguf_writer.py): our loader must give back HF's weights and config, and the model HF's logits
 and greedy tokens."""
 
@@ -30,6 +30,7 @@ CASES = {
     "phi3": ("phi3", {}, {}, None),
     "olmo2": ("olmo2", {}, {}, None),  # post-norms only, whole-projection q / k norms
     "seed_oss": ("seed_oss", {}, {}, None),  # q / k / v and MLP biases, no o_proj bias
+    "glm4": ("glm4", {}, {}, None),  # four norms a layer, fused gate_up_proj, half rotary
     # longrope factors as rope_factors_{long,short}; max_model_len within the original context
     # picks the short set, as HF does for these prompts
     "phi3_longrope": (
@@ -59,6 +60,7 @@ CONFIG_KEYS = {
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
     "olmo2": (),
     "seed_oss": ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"),
+    "glm4": ("head_dim", "attention_bias"),
 }  # fmt: skip
 
 

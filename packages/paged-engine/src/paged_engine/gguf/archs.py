@@ -77,9 +77,11 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   ("granitemoe", GraniteMoeModel, GraniteMoe and GraniteMoeShared alike): the same, with the
   experts' fused [gate; up] rows split into ffn_gate_exps / ffn_up_exps (the shared MLP's into
   ffn_gate_shexp / ffn_up_shexp), its width as expert_shared_feed_forward_length.
-- OLMo 2 ("olmo2", Olmo2Model) and Seed-OSS ("seed_oss", SeedOssModel): TextModel's keys and
-  HF's tensors, q/k unpermuted; OLMo 2's two post-norms as post_attention_norm / post_ffw_norm,
-  Seed-OSS's pre-MLP norm as post_attention_norm.
+- OLMo 2 ("olmo2", Olmo2Model), Seed-OSS ("seed_oss", SeedOssModel) and GLM-4 ("glm4",
+  Glm4Model): TextModel's keys and HF's tensors, q/k unpermuted; OLMo 2's two post-norms as
+  post_attention_norm / post_ffw_norm, Seed-OSS's pre-MLP norm as post_attention_norm, GLM-4's
+  post-norms as post_attention_norm / post_ffw_norm and its fused gate_up_proj as ffn_up, its
+  partial rotary dim as rope.dimension_count (llama.cpp rotates adjacent pairs, as HF's GLM-4).
 - SmolLM3 ("smollm3", SmolLM3Model): LlamaModel, q/k rows permuted. No key carries its NoPE
   layers: llama.cpp skips rope on every 4th layer ((il + 1) % 4 == 0, a constant in its graph),
   which is HF's default `no_rope_layer_interval` of 4.
@@ -131,6 +133,14 @@ _OLMO2_NAMES = {
     **LAYER_NAMES,
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# GLM-4 (0414): four norms a layer (a post-norm after attention and after the MLP); the MLP's
+# gate and up rows one fused tensor, as HF has it
+_GLM4_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_self_attn_layernorm",
+    "post_ffw_norm": "post_mlp_layernorm",
+    "ffn_up": "mlp.gate_up_proj",
 }
 # Seed-OSS: llama.cpp names HF's pre-MLP `post_attention_layernorm` an attention post-norm
 _SEED_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
@@ -362,7 +372,7 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "smollm3", "seed_oss", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both:
+    # "smollm3", "seed_oss", "glm4", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both:
     # "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
@@ -518,6 +528,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
     "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
     "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
+    "glm4": GGUFArch("Glm4ForCausalLM", "Glm4Config", layer_names=_GLM4_NAMES, family="glm4"),
     "seed_oss": GGUFArch(
         "SeedOssForCausalLM", "SeedOssConfig", layer_names=_SEED_OSS_NAMES, family="seed_oss"
     ),

@@ -467,6 +467,12 @@ def _seed_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> 
     )
 
 
+def _glm4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """GLM-4 (Glm4Model): q / k / v biases from the tensors; the partial rotary factor comes
+    from rope.dimension_count (_rope)."""
+    kwargs["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+
+
 # llama.cpp's SmolLM3 graph skips rope on layer il where (il + 1) % 4 == 0 (no GGUF key)
 _SMOLLM3_NOPE_STEP = 4
 
@@ -847,6 +853,7 @@ _MORE = {
     "granitemoe": _granite_moe,
     "smollm3": _smollm3,
     "seed_oss": _seed_oss,
+    "glm4": _glm4,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -84,6 +84,7 @@ GGUF_ARCH = {
     "mixtral": ("llama", "LLAMA"),
     "qwen2": ("qwen2", "QWEN2"),
     "qwen3": ("qwen3", "QWEN3"),
+    "qwen2_moe": ("qwen2moe", "QWEN2MOE"),
     "qwen3_moe": ("qwen3moe", "QWEN3MOE"),
     "gemma2": ("gemma2", "GEMMA2"),
     "gemma3": ("gemma3", "GEMMA3"),
@@ -568,9 +569,10 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
             rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"]
         )
         w.add_sliding_window(cfg.get("sliding_window") or 0)
-    if arch in ("qwen3next", "qwen35", "qwen35moe"):  # Qwen2MoeModel, then Qwen3NextModel
-        if cfg.get("shared_expert_intermediate_size"):
-            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    shared = cfg.get("shared_expert_intermediate_size")
+    if arch in ("qwen2moe", "qwen3next", "qwen35", "qwen35moe") and shared:  # Qwen2MoeModel's
+        w.add_expert_shared_feed_forward_length(shared)
+    if arch in ("qwen3next", "qwen35", "qwen35moe"):  # then Qwen3NextModel's
         w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
         w.add_ssm_state_size(cfg["linear_key_head_dim"])
         w.add_ssm_group_count(cfg["linear_num_key_heads"])

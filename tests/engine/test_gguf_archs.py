@@ -1,7 +1,7 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4 and Mixtral (arch
-"llama" with experts), written from tiny HF models as llama.cpp's converter lays them out
-(gguf_writer.py): our loader must give back HF's weights and config, and the model HF's logits
-and greedy tokens."""
+"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4 and
+Mixtral (arch "llama" with experts), written from tiny HF models as llama.cpp's converter lays
+them out (gguf_writer.py): our loader must give back HF's weights and config, and the model HF's
+logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ LONG = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 CASES = {
     "qwen3": ("qwen3", {}, {}, None),
     "qwen3_moe": ("qwen3_moe", {}, {}, None),
+    # every layer sparse (llama.cpp's qwen2moe has no dense layers), a gated shared expert
+    "qwen2_moe": ("qwen2_moe", {"mlp_only_layers": []}, {}, None),
     "gemma2": ("gemma2", {}, {}, None),
     # six layers: llama.cpp's fixed Gemma 3 pattern (five sliding, one global)
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}, {}, None),
@@ -58,6 +60,8 @@ CONFIG_KEYS = {
                "final_logit_softcapping"),
     "phi3": ("sliding_window", "original_max_position_embeddings"),
     "mixtral": ("num_local_experts", "num_experts_per_tok"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob"),
     "olmo2": (),
     "seed_oss": ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"),
     "glm4": ("head_dim", "attention_bias"),

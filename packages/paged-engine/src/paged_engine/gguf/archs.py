@@ -128,6 +128,14 @@ _GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# Qwen2-MoE: every layer's experts beside a shared expert behind a sigmoid gate
+_QWEN2MOE_NAMES = {
+    **LAYER_NAMES,
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 # OLMo 2: no pre-norms, a norm after attention and after the MLP
 _OLMO2_NAMES = {
     **LAYER_NAMES,
@@ -385,6 +393,12 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaForCausalLM", "LlamaConfig", permute_qk=True),
     "qwen2": GGUFArch("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": GGUFArch("Qwen3ForCausalLM", "Qwen3Config"),
+    "qwen2moe": GGUFArch(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        layer_names=_QWEN2MOE_NAMES,
+        experts=("mlp", "gate_proj", "up_proj", "down_proj"),
+    ),
     "qwen3moe": GGUFArch(
         "Qwen3MoeForCausalLM",
         "Qwen3MoeConfig",

@@ -183,12 +183,14 @@ def _moe(meta: _Meta, f: GGUFFile, arch: str, layers: int) -> dict[str, Any]:
         "num_experts_per_tok": used,
         "moe_intermediate_size": size,
         "intermediate_size": meta.get_int("feed_forward_length", size),
-        # llama.cpp renormalizes the top-k weights unless the file says otherwise
-        "norm_topk_prob": bool(meta.get("expert_weights_norm", True)),
+        # llama.cpp renormalizes the top-k weights unless the file says otherwise; its
+        # qwen2moe graph never does
+        "norm_topk_prob": arch != "qwen2moe" and bool(meta.get("expert_weights_norm", True)),
         "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i in range(layers) if i not in sparse],
     }
-    # Qwen3-Next / Qwen3.5-MoE: a gated shared expert (Qwen2MoeModel writes its width)
+    # Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE: a gated shared expert (Qwen2MoeModel writes its
+    # width)
     shared = meta.get_int("expert_shared_feed_forward_length", None)
     if shared is None and sparse and f"blk.{sparse[0]}.ffn_up_shexp.weight" in f.tensors:
         shared = f.tensors[f"blk.{sparse[0]}.ffn_up_shexp.weight"].shape[0]

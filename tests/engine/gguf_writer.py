@@ -111,6 +111,7 @@ GGUF_ARCH = {
     "olmo2": ("olmo2", "OLMO2"),  # Olmo2Model: TextModel's keys and tensors
     "seed_oss": ("seed_oss", "SEED_OSS"),  # SeedOssModel: likewise
     "glm4": ("glm4", "GLM4"),  # Glm4Model: likewise, plus its partial rotary dim
+    "starcoder2": ("starcoder2", "STARCODER2"),  # StarCoder2Model: TextModel's keys and tensors
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -541,7 +542,10 @@ def _write_metadata(w, arch: str, cfg: dict) -> None:
         )
     else:
         w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
+    if "norm_epsilon" in cfg:  # TextModel: a LayerNorm's epsilon (StarCoder2)
+        w.add_layer_norm_eps(cfg["norm_epsilon"])
+    else:
+        w.add_layer_norm_rms_eps(cfg["rms_norm_eps"] if "rms_norm_eps" in cfg else cfg["norm_eps"])
     if arch != "gemma2":  # Gemma2Model writes its own keys, no rope base
         w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
     if cfg.get("head_dim"):

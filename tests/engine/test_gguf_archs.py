@@ -1,7 +1,7 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4 and
-Mixtral (arch "llama" with experts), written from tiny HF models as llama.cpp's converter lays
-them out (gguf_writer.py): our loader must give back HF's weights and config, and the model HF's
-logits and greedy tokens."""
+"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4,
+StarCoder2 and Mixtral (arch "llama" with experts), written from tiny HF models as llama.cpp's
+converter lays them out (gguf_writer.py): our loader must give back HF's weights and config, and
+the model HF's logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ CASES = {
     "olmo2": ("olmo2", {}, {}, None),  # post-norms only, whole-projection q / k norms
     "seed_oss": ("seed_oss", {}, {}, None),  # q / k / v and MLP biases, no o_proj bias
     "glm4": ("glm4", {}, {}, None),  # four norms a layer, fused gate_up_proj, half rotary
+    # LayerNorms and biases; no window (llama.cpp has none for it, so the file records none)
+    "starcoder2": ("starcoder2", {"sliding_window": None}, {}, None),
     # longrope factors as rope_factors_{long,short}; max_model_len within the original context
     # picks the short set, as HF does for these prompts
     "phi3_longrope": (
@@ -65,6 +67,7 @@ CONFIG_KEYS = {
     "olmo2": (),
     "seed_oss": ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"),
     "glm4": ("head_dim", "attention_bias"),
+    "starcoder2": ("use_bias", "sliding_window"),
 }  # fmt: skip
 
 
@@ -97,7 +100,8 @@ def test_weights_config_and_logits_match_hf(case):
                 "num_key_value_heads", "vocab_size", "tie_word_embeddings",
                 "max_position_embeddings", *CONFIG_KEYS[arch]):  # fmt: skip
         assert getattr(config, key) == getattr(ref, key), key
-    assert config.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
+    eps = "norm_epsilon" if arch == "starcoder2" else "rms_norm_eps"  # float32 in the file
+    assert getattr(config, eps) == pytest.approx(getattr(ref, eps), rel=1e-6)
     for layer_type in set(getattr(ref, "layer_types", None) or [None]):
         if arch != "gemma3":
             layer_type = None  # one rope for all layers

@@ -82,6 +82,9 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   post_attention_norm / post_ffw_norm, Seed-OSS's pre-MLP norm as post_attention_norm, GLM-4's
   post-norms as post_attention_norm / post_ffw_norm and its fused gate_up_proj as ffn_up, its
   partial rotary dim as rope.dimension_count (llama.cpp rotates adjacent pairs, as HF's GLM-4).
+- StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
+  attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
+  does not apply.
 - SmolLM3 ("smollm3", SmolLM3Model): LlamaModel, q/k rows permuted. No key carries its NoPE
   layers: llama.cpp skips rope on every 4th layer ((il + 1) % 4 == 0, a constant in its graph),
   which is HF's default `no_rope_layer_interval` of 4.
@@ -136,6 +139,8 @@ _QWEN2MOE_NAMES = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# StarCoder2: LayerNorms with biases, an ungated c_fc / c_proj MLP
+_STARCODER2_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 # OLMo 2: no pre-norms, a norm after attention and after the MLP
 _OLMO2_NAMES = {
     **LAYER_NAMES,
@@ -380,8 +385,8 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "smollm3", "seed_oss", "glm4", "olmoe", "minimax_m2", "hunyuan", "dots1", "nemotron"; or both:
-    # "falcon", "starcoder", "dbrx"
+    # "smollm3", "seed_oss", "glm4", "starcoder2", "olmoe", "minimax_m2", "hunyuan", "dots1",
+    # "nemotron"; or both: "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -543,6 +548,13 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
     "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
     "glm4": GGUFArch("Glm4ForCausalLM", "Glm4Config", layer_names=_GLM4_NAMES, family="glm4"),
+    "starcoder2": GGUFArch(
+        "Starcoder2ForCausalLM",
+        "Starcoder2Config",
+        layer_names=_STARCODER2_NAMES,
+        global_names={"output_norm.bias": "model.norm.bias"},
+        family="starcoder2",
+    ),
     "seed_oss": GGUFArch(
         "SeedOssForCausalLM", "SeedOssConfig", layer_names=_SEED_OSS_NAMES, family="seed_oss"
     ),

@@ -847,6 +847,17 @@ def _nemotron(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> 
     )
 
 
+def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """StarCoder2 (StarCoder2Model): LayerNorms of attention.layer_norm_epsilon, biases from the
+    tensors, no sliding window (none recorded; llama.cpp attends to the whole context)."""
+    kwargs.pop("rms_norm_eps")
+    kwargs.update(
+        norm_epsilon=meta.get_float("attention.layer_norm_epsilon", 1e-5),
+        use_bias="blk.0.attn_q.bias" in f.tensors,
+        sliding_window=None,
+    )
+
+
 _MORE = {
     "exaone4": _exaone4,
     "apertus": _apertus,
@@ -856,6 +867,7 @@ _MORE = {
     "smollm3": _smollm3,
     "seed_oss": _seed_oss,
     "glm4": _glm4,
+    "starcoder2": _starcoder2,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

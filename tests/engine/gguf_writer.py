@@ -112,6 +112,7 @@ GGUF_ARCH = {
     "seed_oss": ("seed_oss", "SEED_OSS"),  # SeedOssModel: likewise
     "glm4": ("glm4", "GLM4"),  # Glm4Model: likewise, plus its partial rotary dim
     "starcoder2": ("starcoder2", "STARCODER2"),  # StarCoder2Model: TextModel's keys and tensors
+    "ernie4_5": ("ernie4_5", "ERNIE4_5"),  # Ernie4_5Model: likewise (HF's split projections)
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),

@@ -1,7 +1,7 @@
 """GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4,
-StarCoder2 and Mixtral (arch "llama" with experts), written from tiny HF models as llama.cpp's
-converter lays them out (gguf_writer.py): our loader must give back HF's weights and config, and
-the model HF's logits and greedy tokens."""
+StarCoder2, ERNIE 4.5 and Mixtral (arch "llama" with experts), written from tiny HF models as
+llama.cpp's converter lays them out (gguf_writer.py): our loader must give back HF's weights and
+config, and the model HF's logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ CASES = {
     "glm4": ("glm4", {}, {}, None),  # four norms a layer, fused gate_up_proj, half rotary
     # LayerNorms and biases; no window (llama.cpp has none for it, so the file records none)
     "starcoder2": ("starcoder2", {"sliding_window": None}, {}, None),
+    "ernie4_5": ("ernie4_5", {}, {}, None),  # a bias on every projection, explicit head_dim
     # longrope factors as rope_factors_{long,short}; max_model_len within the original context
     # picks the short set, as HF does for these prompts
     "phi3_longrope": (
@@ -68,6 +69,7 @@ CONFIG_KEYS = {
     "seed_oss": ("head_dim", "attention_bias", "attention_out_bias", "mlp_bias"),
     "glm4": ("head_dim", "attention_bias"),
     "starcoder2": ("use_bias", "sliding_window"),
+    "ernie4_5": ("head_dim", "use_bias"),
 }  # fmt: skip
 
 

@@ -82,6 +82,8 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   post_attention_norm / post_ffw_norm, Seed-OSS's pre-MLP norm as post_attention_norm, GLM-4's
   post-norms as post_attention_norm / post_ffw_norm and its fused gate_up_proj as ffn_up, its
   partial rotary dim as rope.dimension_count (llama.cpp rotates adjacent pairs, as HF's GLM-4).
+- ERNIE 4.5 dense ("ernie4_5", Ernie4_5Model): TextModel's keys and HF's tensors (a fused
+  qkv_proj / up_gate_proj of older checkpoints split by the converter, as HF has them now).
 - StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
   attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
   does not apply.
@@ -385,8 +387,8 @@ class GGUFArch:
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "smollm3", "seed_oss", "glm4", "starcoder2", "olmoe", "minimax_m2", "hunyuan", "dots1",
-    # "nemotron"; or both: "falcon", "starcoder", "dbrx"
+    # "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe", "minimax_m2", "hunyuan",
+    # "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -548,6 +550,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
     "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
     "glm4": GGUFArch("Glm4ForCausalLM", "Glm4Config", layer_names=_GLM4_NAMES, family="glm4"),
+    "ernie4_5": GGUFArch("Ernie4_5ForCausalLM", "Ernie4_5Config", family="ernie4_5"),
     "starcoder2": GGUFArch(
         "Starcoder2ForCausalLM",
         "Starcoder2Config",

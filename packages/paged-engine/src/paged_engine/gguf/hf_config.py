@@ -847,6 +847,11 @@ def _nemotron(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> 
     )
 
 
+def _ernie4_5(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """ERNIE 4.5 (Ernie4_5Model): one bias switch for every projection, from the tensors."""
+    kwargs["use_bias"] = "blk.0.attn_q.bias" in f.tensors
+
+
 def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """StarCoder2 (StarCoder2Model): LayerNorms of attention.layer_norm_epsilon, biases from the
     tensors, no sliding window (none recorded; llama.cpp attends to the whole context)."""
@@ -868,6 +873,7 @@ _MORE = {
     "seed_oss": _seed_oss,
     "glm4": _glm4,
     "starcoder2": _starcoder2,
+    "ernie4_5": _ernie4_5,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

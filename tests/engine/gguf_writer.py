@@ -187,6 +187,19 @@ def _kinds(tiny_arch: str, cfg: dict) -> list[str]:
     return [names.get(k, k) for k in listed]
 
 
+def _write_granite_keys(w, cfg: dict) -> None:
+    """GraniteModel's multipliers, then GraniteMoeModel's shared MLP width: each only when set."""
+    for key, add in (
+        ("attention_multiplier", w.add_attention_scale),
+        ("embedding_multiplier", w.add_embedding_scale),
+        ("residual_multiplier", w.add_residual_scale),
+        ("logits_scaling", w.add_logit_scale),
+        ("shared_intermediate_size", w.add_expert_shared_feed_forward_length),
+    ):
+        if cfg.get(key):
+            add(cfg[key])
+
+
 def _write_mamba_metadata(w, arch: str, tiny_arch: str, cfg: dict) -> None:
     """GraniteHybridModel.set_gguf_parameters (GraniteMoeModel's, then the hybrid's keys), and
     NemotronHModel's on top; the last value of a key written twice."""
@@ -214,16 +227,8 @@ def _write_mamba_metadata(w, arch: str, tiny_arch: str, cfg: dict) -> None:
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-    if granite:  # GraniteModel: each multiplier if set; GraniteMoeModel: the shared MLP's width
-        for key, add in (
-            ("attention_multiplier", w.add_attention_scale),
-            ("embedding_multiplier", w.add_embedding_scale),
-            ("residual_multiplier", w.add_residual_scale),
-            ("logits_scaling", w.add_logit_scale),
-            ("shared_intermediate_size", w.add_expert_shared_feed_forward_length),
-        ):
-            if cfg.get(key):
-                add(cfg[key])
+    if granite:
+        _write_granite_keys(w, cfg)
         heads, inner = cfg["mamba_n_heads"], cfg["mamba_expand"] * cfg["hidden_size"]
         w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
         w.add_ssm_state_size(cfg["mamba_d_state"])
@@ -384,16 +389,8 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
         w.add_vocab_size(cfg["vocab_size"])
     if tiny_arch in ("apertus", "arcee", *GRANITES, "smollm3"):  # LlamaModel
         w.add_rope_dimension_count(head_dim or hidden // heads)
-    if tiny_arch in GRANITES:  # GraniteModel (then GraniteMoeModel): each only when set
-        for key, add in (
-            ("attention_multiplier", w.add_attention_scale),
-            ("embedding_multiplier", w.add_embedding_scale),
-            ("residual_multiplier", w.add_residual_scale),
-            ("logits_scaling", w.add_logit_scale),
-            ("shared_intermediate_size", w.add_expert_shared_feed_forward_length),
-        ):
-            if cfg.get(key):
-                add(cfg[key])
+    if tiny_arch in GRANITES:
+        _write_granite_keys(w, cfg)
     if tiny_arch == "arcee" and rope.get("rope_type") == "yarn":
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])

@@ -125,13 +125,13 @@ LAYER_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Gemma's four norms a layer: llama.cpp's ffn_norm is the pre-MLP norm there.
-_GEMMA_NAMES = {
-    **LAYER_NAMES,
-    "ffn_norm": "pre_feedforward_layernorm",
+# norms after attention and after the MLP (Gemma 2 / 3, OLMo 2)
+_POST_NORMS = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma's four norms a layer: llama.cpp's ffn_norm is the pre-MLP norm there.
+_GEMMA_NAMES = {**LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", **_POST_NORMS}
 _PHI3_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 # Qwen2-MoE: every layer's experts beside a shared expert behind a sigmoid gate
 _QWEN2MOE_NAMES = {
@@ -144,11 +144,7 @@ _QWEN2MOE_NAMES = {
 # StarCoder2: LayerNorms with biases, an ungated c_fc / c_proj MLP
 _STARCODER2_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
 # OLMo 2: no pre-norms, a norm after attention and after the MLP
-_OLMO2_NAMES = {
-    **LAYER_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+_OLMO2_NAMES = {**LAYER_NAMES, **_POST_NORMS}
 # GLM-4 (0414): four norms a layer (a post-norm after attention and after the MLP); the MLP's
 # gate and up rows one fused tensor, as HF has it
 _GLM4_NAMES = {

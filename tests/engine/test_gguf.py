@@ -71,6 +71,12 @@ def test_dequantize_float_types_keep_dtype():
         assert got.dtype == dt and torch.equal(got, x.to(dt))
     with pytest.raises(ValueError, match="cannot dequantize ggml type Q8_K"):
         dequantize(np.zeros(292, np.uint8), 15, (256,))
+    # the lattice-codebook types parse (sizes as the gguf package has them) and are refused by name
+    for t in (16, 17, 18, 19, 21, 22, 29, 34, 35, 39):
+        name, block, nbytes = GGML_TYPES[t]
+        assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t)] == (block, nbytes)
+        with pytest.raises(ValueError, match=f"cannot dequantize ggml type {name};"):
+            dequantize(np.zeros(nbytes, np.uint8), t, (block,))
 
 
 # -- a synthetic GGUF written from a tiny HF llama -------------------------------------------

@@ -113,6 +113,7 @@ GGUF_ARCH = {
     "glm4": ("glm4", "GLM4"),  # Glm4Model: likewise, plus its partial rotary dim
     "starcoder2": ("starcoder2", "STARCODER2"),  # StarCoder2Model: TextModel's keys and tensors
     "ernie4_5": ("ernie4_5", "ERNIE4_5"),  # Ernie4_5Model: likewise (HF's split projections)
+    "gpt_oss": ("gpt-oss", "GPT_OSS"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -128,7 +129,7 @@ OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
 GRANITES = ("granite", "granitemoe", "granitemoeshared")
 MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "smollm3", "olmoe", "minimax_m2",
-              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1")  # fmt: skip
+              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "gpt_oss")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
@@ -398,6 +399,12 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
     if tiny_arch == "exaone4" and cfg.get("sliding_window") is not None:
         w.add_sliding_window(cfg["sliding_window"])
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if tiny_arch == "gpt_oss":  # GptOssModel: the window, the experts' width, YaRN
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
     if tiny_arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func sigmoid
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -421,6 +428,27 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     """The arch class's modify_tensors before the name map: [(HF-side name, array)]."""
     if tiny_arch == "apertus" and ".act_fn." in name:
         return []  # xielu.* metadata (write_gguf)
+    if tiny_arch == "gpt_oss":  # GptOssModel.modify_tensors, for experts not in MXFP4
+        if name.endswith(".sinks"):
+            return [(name + ".weight", arr)]
+        bid = int(name.split(".")[2]) if ".layers." in name else None
+        stem = f"blk.{bid}.ffn"
+        pair = None
+        if name.endswith("experts.gate_up_proj"):  # [E, H, 2I] -> even / odd rows of [E, 2I, H]
+            t, kind = arr.transpose(0, 2, 1), "weight"
+            pair = t[:, ::2], t[:, 1::2]
+        elif name.endswith("experts.gate_up_proj_bias"):  # [E, 2I] -> even / odd columns
+            pair, kind = (arr[..., ::2], arr[..., 1::2]), "bias"
+        if pair is not None:
+            gate, up = (np.ascontiguousarray(p) for p in pair)
+            return [(("gguf", f"{stem}_gate_exps.{kind}"), gate),
+                    (("gguf", f"{stem}_up_exps.{kind}"), up)]  # fmt: skip
+        if name.endswith("experts.down_proj"):
+            return [
+                (("gguf", f"{stem}_down_exps.weight"), np.ascontiguousarray(arr.transpose(0, 2, 1)))
+            ]
+        if name.endswith("experts.down_proj_bias"):
+            return [(("gguf", f"{stem}_down_exps.bias"), arr)]
     if tiny_arch in ("granitemoe", "granitemoeshared") and "input_linear" in name:
         # GraniteMoeModel.modify_tensors: HF's fused [gate; up] rows in two
         bid = int(name.split(".")[2])

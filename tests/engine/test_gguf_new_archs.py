@@ -29,6 +29,19 @@ CASES = {
     # llama.cpp's granitemoe: fused [gate; up] experts split in two; loaded as GraniteMoeShared
     "granitemoe": ("granitemoe", {}),
     "granitemoeshared": ("granitemoeshared", {}),  # with a shared MLP, its rows split too
+    # gpt-oss: llama.cpp's fixed SwiGLU limit (7; the tiny model's 1 is not recorded) and YaRN
+    # with its correction range truncated (as llama.cpp computes it)
+    "gpt_oss": (
+        "gpt_oss",
+        {
+            "swiglu_limit": 7.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     # llama.cpp's NoPE layers are every 4th, HF's default (the tiny model's own is every 2nd)
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4}),
     "olmoe": ("olmoe", {}),
@@ -63,6 +76,8 @@ CONFIG_KEYS = {
     "granite": ("head_dim", "attention_multiplier", "embedding_multiplier",
                 "residual_multiplier", "logits_scaling", "attention_bias", "mlp_bias"),
     "smollm3": ("no_rope_layers", "attention_bias", "mlp_bias"),
+    "gpt_oss": ("head_dim", "num_local_experts", "num_experts_per_tok", "sliding_window",
+                "layer_types", "attention_bias", "swiglu_limit"),
     **dict.fromkeys(("granitemoe", "granitemoeshared"), (
         "head_dim", "attention_multiplier", "embedding_multiplier", "residual_multiplier",
         "logits_scaling", "attention_bias", "num_local_experts", "num_experts_per_tok",

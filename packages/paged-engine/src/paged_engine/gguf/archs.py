@@ -84,6 +84,12 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   partial rotary dim as rope.dimension_count (llama.cpp rotates adjacent pairs, as HF's GLM-4).
 - ERNIE 4.5 dense ("ernie4_5", Ernie4_5Model): TextModel's keys and HF's tensors (a fused
   qkv_proj / up_gate_proj of older checkpoints split by the converter, as HF has them now).
+- gpt-oss ("gpt-oss", GptOssModel): HF's gate_up_proj [E, H, 2I] (gate and up columns
+  interleaved) stored as ffn_gate_exps / ffn_up_exps [E, I, H] (the even and the odd rows of its
+  transpose), down_proj transposed to [E, H, I], the biases split alike; MXFP4 checkpoints'
+  experts repacked as ggml MXFP4 blocks (dequantized here). No key records the sliding-window
+  pattern or the SwiGLU limit: llama.cpp's graph slides every even layer and clamps at 7, and
+  computes YaRN's correction range truncated to whole dims.
 - StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
   attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
   does not apply.
@@ -152,6 +158,22 @@ _GLM4_NAMES = {
     "post_attention_norm": "post_self_attn_layernorm",
     "post_ffw_norm": "post_mlp_layernorm",
     "ffn_up": "mlp.gate_up_proj",
+}
+# gpt-oss: the sinks, the router and the experts under HF's parameter names; the experts' up
+# half loads interleaved into gate_up_proj with the gate half (convert.py)
+_GPT_OSS_NAMES = {
+    **LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_up_exps": None,
+}
+_GPT_OSS_PARAMS = {
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+    "ffn_gate_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
 }
 # Seed-OSS: llama.cpp names HF's pre-MLP `post_attention_layernorm` an attention post-norm
 _SEED_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
@@ -384,7 +406,7 @@ class GGUFArch:
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
     # "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe", "minimax_m2", "hunyuan",
-    # "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx"
+    # "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx", "gpt_oss"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -547,6 +569,13 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
     "glm4": GGUFArch("Glm4ForCausalLM", "Glm4Config", layer_names=_GLM4_NAMES, family="glm4"),
     "ernie4_5": GGUFArch("Ernie4_5ForCausalLM", "Ernie4_5Config", family="ernie4_5"),
+    "gpt-oss": GGUFArch(
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        layer_names=_GPT_OSS_NAMES,
+        params=_GPT_OSS_PARAMS,
+        family="gpt_oss",
+    ),
     "starcoder2": GGUFArch(
         "Starcoder2ForCausalLM",
         "Starcoder2Config",

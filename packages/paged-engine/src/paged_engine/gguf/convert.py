@@ -202,6 +202,23 @@ def _xielu_weights(f: GGUFFile, arch: str, spec: GGUFArch) -> Iterator[tuple[str
             yield f"{spec.prefix}.{i}.mlp.act_fn.{name}", t
 
 
+def _gpt_oss_experts(f: GGUFFile, layer: str, part: str, kind: str, w: torch.Tensor):
+    """gpt-oss's experts as HF holds them: the converter split gate_up_proj's interleaved
+    columns (gate, up, gate, up, ...) into ffn_gate_exps / ffn_up_exps [E, I, H] and stored
+    down_proj [E, I, H] transposed; biases alike ([E, 2I] -> two [E, I]; down's [E, H] as is)."""
+    if part == "ffn_down_exps":
+        return w.transpose(1, 2).contiguous() if kind == "weight" else w
+    up_name = f"blk.{layer}.ffn_up_exps.{kind}"
+    if up_name not in f.tensors:
+        raise ValueError(f"GGUF file has blk.{layer}.{part}.{kind} but lacks {up_name}")
+    up = f.tensor(up_name)
+    dtype = torch.promote_types(w.dtype, up.dtype)
+    if kind == "bias":  # [E, I] x 2 -> [E, 2I]
+        return torch.stack([w.to(dtype), up.to(dtype)], dim=-1).reshape(w.shape[0], -1)
+    pair = torch.stack([w.to(dtype), up.to(dtype)], dim=2)  # [E, I, 2, H]
+    return pair.reshape(w.shape[0], -1, w.shape[2]).transpose(1, 2).contiguous()
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
@@ -233,6 +250,8 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             w = falcon_qkv(w, heads, kv_heads)
         elif spec.family == "dbrx" and part.endswith("_exps"):
             w = _dbrx_experts(part, w)
+        elif spec.family == "gpt_oss" and part in ("ffn_gate_exps", "ffn_down_exps"):
+            w = _gpt_oss_experts(f, groups[0], part, groups[3], w)
         if spec.family == "qwen3next" and part == "attn_qkv":
             assert linear is not None
             gate = f"blk.{groups[0]}.attn_gate.weight"

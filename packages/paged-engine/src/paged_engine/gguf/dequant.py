@@ -16,6 +16,8 @@ Block layouts (bytes, little-endian; d/m/dmin are float16):
   IQ4_NL [d, qs:16]                           32 values: d * IQ4_GRID[nibble] (low nibbles first)
   IQ4_XS [d, scales_h:u16, scales_l:4, qs:128]  256 values, 8 sub-blocks of 32:
                                               d * (6-bit scale - 32) * IQ4_GRID[nibble]
+  MXFP4 [e:u8, qs:16]                         32 values: 2**(e - 128) * MXFP4_GRID[nibble]
+                                              (E2M1 doubled, E8M0 scale halved; gpt-oss)
 
 In the K-quants of 16 sub-blocks (Q2_K, Q3_K), value v of a block sits in sub-block v // 16, in
 byte v % 32 of its 128-value half's 32 quant bytes, at bits 2 * (v % 128 // 32); Q3_K's high bit
@@ -30,12 +32,15 @@ import numpy as np
 import torch
 
 F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, BF16 = 0, 1, 2, 3, 6, 7, 8, 30
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 10, 11, 12, 13, 14, 20, 23
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 = 10, 11, 12, 13, 14, 20, 23, 39
 
 # the 16 levels of IQ4_NL / IQ4_XS (ggml's kvalues_iq4nl), a nibble's value before the scale
 IQ4_GRID = np.array(
     [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32
 )
+
+# MXFP4's E2M1 values, doubled (ggml's kvalues_mxfp4): the sign is the nibble's top bit
+MXFP4_GRID = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.float32)
 
 # ggml type -> (name, values per block, bytes per block); the dequantizable ones and a few more
 # that only need sizes so a file using them still parses.
@@ -196,10 +201,15 @@ def _iq4_xs(b):
     return (scale[:, :, None] * q).reshape(-1, 256)
 
 
+def _mxfp4(b):
+    scale = np.ldexp(np.float32(1), b[:, 0:1].astype(np.int32) - 128)  # exact, subnormals too
+    return scale * MXFP4_GRID[_nibbles(b[:, 1:17])]
+
+
 _BLOCK_DEQUANT = {
     Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0,
     Q2_K: _q2_k, Q3_K: _q3_k, Q4_K: _q4_k, Q5_K: _q5_k, Q6_K: _q6_k,
-    IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs,
+    IQ4_NL: _iq4_nl, IQ4_XS: _iq4_xs, MXFP4: _mxfp4,
 }  # fmt: skip
 
 

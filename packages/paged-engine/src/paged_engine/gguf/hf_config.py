@@ -852,6 +852,29 @@ def _ernie4_5(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> 
     kwargs["use_bias"] = "blk.0.attn_q.bias" in f.tensors
 
 
+# what llama.cpp's gpt-oss graph hard-codes: the SwiGLU clamp and every even layer sliding
+_GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+def _gpt_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """gpt-oss (GptOssModel): experts expert_feed_forward_length wide in every layer, the even
+    layers sliding over attention.sliding_window and the SwiGLU limit as llama.cpp runs them (no
+    key records either), q / k / v / o biases from the tensors. YaRN comes from rope.scaling.*
+    (_rope) without `truncate`: the correction range is truncated, as llama.cpp computes it
+    (OpenAI's checkpoints say truncate: false)."""
+    kwargs.update(
+        num_local_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        intermediate_size=meta.get_int("expert_feed_forward_length"),
+        sliding_window=meta.get_int("attention.sliding_window"),
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+        ],
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        swiglu_limit=_GPT_OSS_SWIGLU_LIMIT,
+    )
+
+
 def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """StarCoder2 (StarCoder2Model): LayerNorms of attention.layer_norm_epsilon, biases from the
     tensors, no sliding window (none recorded; llama.cpp attends to the whole context)."""
@@ -874,6 +897,7 @@ _MORE = {
     "glm4": _glm4,
     "starcoder2": _starcoder2,
     "ernie4_5": _ernie4_5,
+    "gpt_oss": _gpt_oss,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

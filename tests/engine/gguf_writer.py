@@ -890,9 +890,14 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
                 out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, src))
             continue
         if tiny_arch in MORE_ARCHS and _EXPERT.match(name) is None:
-            for i, (mapped, piece) in enumerate(_more(tiny_arch, cfg, name, arr)):
-                # a split tensor (stored unquantized): HF's name under the first piece
-                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, None))
+            # the same transform on HF's flat element indices: where each stored value came from
+            sources = _more(
+                tiny_arch, cfg, name, np.arange(hf.size, dtype=np.float64).reshape(hf.shape)
+            )
+            pieces = zip(_more(tiny_arch, cfg, name, arr), sources)
+            for i, ((mapped, piece), (_, src)) in enumerate(pieces):
+                # a split tensor: HF's name under the first piece
+                out.append((to_gguf(mapped), piece, [name] if i == 0 else [], hf, src))
             continue
         if tiny_arch in OLD_ARCHS:
             mapped, arr = _old(tiny_arch, cfg, name, arr)
@@ -1323,7 +1328,8 @@ def write_gguf(
     Q = gguf.GGMLQuantizationType
     cfg = json.loads((src / "config.json").read_text())
     hybrid = tiny_arch in HYBRIDS
-    if quant not in (HYBRID_QUANTS if hybrid else ("f32", "q8_0", "mixed")):
+    quants = ("f32", "q8_0", "mixed") + (("mxfp4",) if tiny_arch == "gpt_oss" else ())
+    if quant not in (HYBRID_QUANTS if hybrid else quants):
         raise NotImplementedError(f"{tiny_arch} GGUF files are not written as {quant!r}")
     if tiny_arch == "nemotron_h":  # transformers 5's NemotronHConfig saves no layer count
         cfg.setdefault("num_hidden_layers", len(_kinds(tiny_arch, cfg)))
@@ -1354,7 +1360,19 @@ def write_gguf(
     if hybrid:
         expected = _write_hybrid_tensors(w, entries, quant, cfg, exact, tensor_types)
         entries = []
-    for gguf_name, arr, hf_names, hf, _ in entries:
+    mxfp4: dict[int, tuple[list[str], np.ndarray]] = {}  # HF tensor -> (name, dequantized)
+    for gguf_name, arr, hf_names, hf, src in entries:
+        if quant == "mxfp4" and gguf_name.endswith("_exps.weight"):
+            # gpt-oss's release: the experts in MXFP4 (32-value blocks along the stored rows,
+            # which the split and the transpose moved), everything else as is
+            q = gguf.quants.quantize(arr, Q.MXFP4)
+            w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=Q.MXFP4)
+            names, want = mxfp4.setdefault(id(hf), ([], hf.astype(np.float32)))
+            names.extend(hf_names)
+            want.reshape(-1)[src.reshape(-1).astype(np.int64)] = gguf.quants.dequantize(
+                q, Q.MXFP4
+            ).reshape(-1)
+            continue
         is_gate = "ffn_gate" in gguf_name and "ffn_gate_inp" not in gguf_name
         if arr.ndim >= 2 and (
             quant == "q8_0" or (quant == "mixed" and (gguf_name == "token_embd.weight" or is_gate))
@@ -1376,6 +1394,7 @@ def write_gguf(
         want = torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32))
         parts = want.unbind(0) if len(hf_names) > 1 else [want]
         expected.update(zip(hf_names, parts, strict=True))
+    expected.update({names[0]: torch.from_numpy(want) for names, want in mxfp4.values()})
     if tiny_arch in ("exaone4", "apertus") and rope_freqs is None:
         rope_freqs = llama3_rope_factors(cfg)
     if tiny_arch == "apertus":  # ApertusModel: xIELU's scalars as per-layer float32 arrays

@@ -9,13 +9,19 @@ import pytest
 import torch
 
 from paged_engine.gguf import GGUFFile, gguf_to_hf_config, gguf_weights
+from paged_engine.gguf.dequant import type_name
 from paged_engine.layers.rotary import rope_config
 from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.models.llama import llama_head_dim
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_writer import write_case, write_metadata_only  # noqa: E402  (needs gguf)
+from gguf_writer import (  # noqa: E402  (needs gguf)
+    dequantized_reference,
+    write_case,
+    write_gguf,
+    write_metadata_only,
+)
 from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from test_models import PagedRunner, load_hf  # noqa: E402
 
@@ -166,6 +172,24 @@ def test_llm_generates_hf_greedy_tokens(case):
     """End to end: LLM(model=<file>.gguf) (config, tokenizer, weights from the file)."""
     _, path, src, _ = case
     assert_file_greedy_matches_hf(path, load_hf(src), 23, (9, 30))
+
+
+def test_gpt_oss_with_mxfp4_experts(tiny_model_factory, tmp_path):
+    """gpt-oss as ggml-org's files hold it: the experts' matrices MXFP4 (blocks along the rows
+    the converter's split and transpose made), the rest as is. The loader gives back the
+    dequantized values bit for bit in HF's layout, and LLM HF's greedy tokens on them."""
+    src = tiny_model_factory("gpt_oss", **CASES["gpt_oss"][1])
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    expected = write_gguf(src, path, "gpt_oss", quant="mxfp4")
+    f = GGUFFile(path)
+    stored = {n: type_name(i.ggml_type) for n, i in f.tensors.items()}
+    assert {stored[n] for n in stored if n.endswith("_exps.weight")} == {"MXFP4"}
+    got = dict(gguf_weights(f))
+    assert got.keys() == expected.keys()
+    for key, want in expected.items():
+        assert torch.equal(got[key].float(), want.float()), key
+    ref = dequantized_reference(src, tmp_path / "hf", expected)
+    assert_file_greedy_matches_hf(path, load_hf(ref), 23, (9, 30))
 
 
 # -- metadata edge cases: files with no tensor data beyond the embedding ------------------------

@@ -1361,7 +1361,7 @@ def write_gguf(
         expected = _write_hybrid_tensors(w, entries, quant, cfg, exact, tensor_types)
         entries = []
     mxfp4: dict[int, tuple[list[str], np.ndarray]] = {}  # HF tensor -> (name, dequantized)
-    for gguf_name, arr, hf_names, hf, src in entries:
+    for gguf_name, arr, hf_names, hf, sources in entries:
         if quant == "mxfp4" and gguf_name.endswith("_exps.weight"):
             # gpt-oss's release: the experts in MXFP4 (32-value blocks along the stored rows,
             # which the split and the transpose moved), everything else as is
@@ -1369,7 +1369,7 @@ def write_gguf(
             w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=Q.MXFP4)
             names, want = mxfp4.setdefault(id(hf), ([], hf.astype(np.float32)))
             names.extend(hf_names)
-            want.reshape(-1)[src.reshape(-1).astype(np.int64)] = gguf.quants.dequantize(
+            want.reshape(-1)[sources.reshape(-1).astype(np.int64)] = gguf.quants.dequantize(
                 q, Q.MXFP4
             ).reshape(-1)
             continue

@@ -289,3 +289,29 @@ def test_default_model_weights_and_logits_match_transformers(default_gguf, hf_de
         want = ref(torch.tensor([ids])).logits[0]
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
     assert tok.decode(got[-1].argmax()) == " Berlin"
+
+
+def test_pre_tokenizer_names_split_as_llama_cpp(caplog):
+    """`tokenizer.ggml.pre` names grouped as llama.cpp groups them, each group's split regex;
+    an unknown name splits as GPT-2 does and says so."""
+    import logging
+
+    from paged_engine.gguf.tokenizer import byte_level_pre_tokenizer
+
+    def words(pre: str, text: str = "HelloWorld's 12345 x!!\n") -> list[str]:
+        return [w for w, _ in byte_level_pre_tokenizer(pre).pre_tokenize_str(text)]
+
+    o200k = ["Hello", "World's", "Ġ", "123", "45", "Ġx", "!!Ċ"]  # case change, 3-digit runs
+    assert words("gpt-4o") == words("llama4") == words("minimax-m2") == o200k
+    llama3 = ["HelloWorld", "'s", "Ġ", "123", "45", "Ġx", "!!Ċ"]
+    assert words("glm4") == words("chatglm-bpe") == words("llama-bpe") == llama3
+    qwen2 = ["HelloWorld", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġx", "!!Ċ"]
+    assert words("qwen2") == words("stablelm2") == qwen2
+    assert words("seed-coder") == [*qwen2[:-1], "!!", "Ċ"]  # punctuation stops at a newline
+    gpt2 = ["HelloWorld", "'s", "Ġ12345", "Ġx", "!!", "Ċ"]
+    assert words("gpt-2") == words("olmo") == words("exaone4") == gpt2
+    digits = ["HelloWorld", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġx", "!!", "Ċ"]
+    assert words("smollm") == words("command-r") == words("refact") == digits
+    with caplog.at_level(logging.WARNING):
+        assert words("no-such-pre") == gpt2
+    assert "no-such-pre" in caplog.text

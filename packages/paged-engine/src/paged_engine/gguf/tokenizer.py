@@ -1,9 +1,9 @@
 """A transformers `PreTrainedTokenizerFast` built from GGUF tokenizer metadata.
 
 `tokenizer.ggml.model`:
-  "gpt2"  byte-level BPE (Llama 3, Qwen, SmolLM2): tokens, merges, token types;
+  "gpt2"  byte-level BPE (Llama 3, Qwen, SmolLM2, gpt-oss): tokens, merges, token types;
           `tokenizer.ggml.pre` picks the split regex the merges were learned with, as llama.cpp
-          does. Token type 3 (control) becomes a special added token, type 4 (user defined) a
+          does (its names grouped as llama-vocab.cpp groups them; an unknown one warns). Token type 3 (control) becomes a special added token, type 4 (user defined) a
           plain added token, so both are matched whole.
   "llama" SentencePiece (Llama 2, Mistral, Gemma, Phi-3): tokens, scores, token types, built as
           llama.cpp tokenizes them (spm.py).
@@ -33,18 +33,76 @@ _LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
-# tokenizer.ggml.pre -> (split regex, digits split one by one first)
+# o200k (gpt-oss, Llama 4, MiniMax-M2): words split at case changes, a contraction kept on them
+_O200K_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Seed-Coder / Seed-OSS: single digits, punctuation runs that stop at a newline
+_SEED_CODER_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (split regex, digits split one by one first), grouped as llama.cpp's
+# llama-vocab.cpp maps the names to its pre-tokenizer types
 _PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
     "default": (_GPT2_SPLIT, False),
-    "gpt-2": (_GPT2_SPLIT, False),
-    "smollm": (_GPT2_SPLIT, True),  # SmolLM: Digits(individual) + GPT-2 byte-level
-    "starcoder": (_GPT2_SPLIT, True),
-    "llama3": (_LLAMA3_SPLIT, False),
-    "llama-bpe": (_LLAMA3_SPLIT, False),
-    "llama-v3": (_LLAMA3_SPLIT, False),
-    "smaug-bpe": (_LLAMA3_SPLIT, False),
-    "qwen2": (_QWEN2_SPLIT, False),
+    **dict.fromkeys(
+        (
+            "gpt-2",
+            "phi-2",
+            "olmo",
+            "mpt",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+            "mellum",
+            "gigachat",
+            "a.x-4.0",
+        ),
+        (_GPT2_SPLIT, False),
+    ),
+    # Digits(individual) before GPT-2's split (SmolLM, StarCoder, Command-R, EXAONE 3, ...)
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+        (_GPT2_SPLIT, True),
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx", "glm4", "chatglm-bpe"),
+        (_LLAMA3_SPLIT, False),
+    ),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan"),
+        (_QWEN2_SPLIT, False),
+    ),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_O200K_SPLIT, False)),
+    "seed-coder": (_SEED_CODER_SPLIT, False),
 }
+
+
+def byte_level_pre_tokenizer(pre: str):
+    """The tokenizers pre-tokenizer for `tokenizer.ggml.pre`: its split regex (after single
+    digits for some), then GPT-2's byte-level alphabet. A name we do not know splits as GPT-2
+    does, with a warning (llama.cpp's own fallback is a regex of its own)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    if pre not in _PRE_TOKENIZERS:
+        logger.warning(
+            "GGUF tokenizer.ggml.pre=%r is not one paged knows; splitting words as GPT-2 does, "
+            "which may tokenize some text differently from llama.cpp and transformers",
+            pre,
+        )
+    split, digits = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["default"])
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
+    steps += [
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+    return pre_tokenizers.Sequence(steps)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -135,7 +193,7 @@ def _template(tokens: list[str], bos: int | None, eos: int | None):
 
 
 def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models
 
     merges: list[str] = f.get("tokenizer.ggml.merges") or []
     alphabet = _bytes_to_unicode()
@@ -149,14 +207,7 @@ def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
         byte_fallback=False,
     )
     tok = Tokenizer(bpe)
-    pre = f.get("tokenizer.ggml.pre", "default")
-    split, digits = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["default"])
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    steps += [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
-    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.pre_tokenizer = byte_level_pre_tokenizer(f.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([
         AddedToken(t, special=True, normalized=False)

@@ -217,6 +217,15 @@ def test_granite_multipliers_left_out_read_as_llama_cpp_does(tmp_path):
         gguf_to_hf_config(f)
 
 
+def test_olmo3_files_are_refused_by_their_window(tmp_path):
+    """OLMo 3 is written as arch olmo2 plus a sliding window: refused, naming the key, rather
+    than run as OLMo 2 (whose files carry no window and load)."""
+    assert gguf_to_hf_config(write_metadata_only(tmp_path / "a.gguf", "olmo2", 2)).architectures
+    f = write_metadata_only(tmp_path / "b.gguf", "olmo2", 2, **{"attention.sliding_window": 8})
+    with pytest.raises(ValueError, match=r"olmo2\.attention\.sliding_window.*OLMo 3"):
+        gguf_to_hf_config(f)
+
+
 def test_bad_new_arch_metadata_is_a_value_error(tmp_path):
     # a softmax router where the model has only sigmoid scores
     f = write_metadata_only(

@@ -404,9 +404,10 @@ class GGUFArch:
     global_names: Mapping[str, str] = field(default_factory=dict)
     # family whose converter transforms convert.py undoes: "qwen3next", "qwen35", "lfm2",
     # "granitehybrid", "nemotron_h", "mamba", "mamba2", "falcon_h1", "jamba"; or whose config
-    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "granite", "granitemoe",
-    # "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe", "minimax_m2", "hunyuan",
-    # "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx", "gpt_oss"
+    # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmo2", "granite",
+    # "granitemoe", "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe",
+    # "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx",
+    # "gpt_oss"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -566,7 +567,7 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     "arcee": GGUFArch("ArceeForCausalLM", "ArceeConfig", permute_qk=True, family="arcee"),
     "granite": GGUFArch("GraniteForCausalLM", "GraniteConfig", permute_qk=True, family="granite"),
     "smollm3": GGUFArch("SmolLM3ForCausalLM", "SmolLM3Config", permute_qk=True, family="smollm3"),
-    "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES),
+    "olmo2": GGUFArch("Olmo2ForCausalLM", "Olmo2Config", layer_names=_OLMO2_NAMES, family="olmo2"),
     "glm4": GGUFArch("Glm4ForCausalLM", "Glm4Config", layer_names=_GLM4_NAMES, family="glm4"),
     "ernie4_5": GGUFArch("Ernie4_5ForCausalLM", "Ernie4_5Config", family="ernie4_5"),
     "gpt-oss": GGUFArch(

@@ -460,6 +460,17 @@ def _granite_moe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) 
     )
 
 
+def _olmo2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """OLMo 2 (Olmo2Model). OLMo 3 files share the arch and add a sliding window; its layers'
+    ropes (scaled on the full layers only, in HF) are not worked out for them yet, so such a file
+    is refused rather than run as OLMo 2."""
+    if meta.get("attention.sliding_window", None) is not None:
+        raise ValueError(
+            f"GGUF metadata {meta.arch}.attention.sliding_window is set: an OLMo 3 file, which "
+            "is not supported as GGUF yet (load its HF checkpoint instead)"
+        )
+
+
 def _seed_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """Seed-OSS (SeedOssModel): its three bias switches from the tensors present."""
     kwargs.update(
@@ -894,6 +905,7 @@ _MORE = {
     "granitemoe": _granite_moe,
     "smollm3": _smollm3,
     "seed_oss": _seed_oss,
+    "olmo2": _olmo2,
     "glm4": _glm4,
     "starcoder2": _starcoder2,
     "ernie4_5": _ernie4_5,

@@ -3,8 +3,9 @@
 `tokenizer.ggml.model`:
   "gpt2"  byte-level BPE (Llama 3, Qwen, SmolLM2, gpt-oss): tokens, merges, token types;
           `tokenizer.ggml.pre` picks the split regex the merges were learned with, as llama.cpp
-          does (its names grouped as llama-vocab.cpp groups them; an unknown one warns). Token type 3 (control) becomes a special added token, type 4 (user defined) a
-          plain added token, so both are matched whole.
+          does (its names grouped as llama-vocab.cpp groups them; an unknown one warns).
+          Token type 3 (control) becomes a special added token, type 4 (user defined) a plain
+          added token, so both are matched whole.
   "llama" SentencePiece (Llama 2, Mistral, Gemma, Phi-3): tokens, scores, token types, built as
           llama.cpp tokenizes them (spm.py).
 BOS / EOS are added per `tokenizer.ggml.add_bos_token` / `add_eos_token`; a SentencePiece file

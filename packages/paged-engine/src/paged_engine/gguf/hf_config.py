@@ -436,11 +436,9 @@ def _granite(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
             f"GGUF metadata {meta.arch}.attention.key_length={head_dim} is not "
             "embedding_length / head_count, which Granite assumes"
         )
-    kwargs.update(
-        _granite_multipliers(meta, head_dim), attention_bias="blk.0.attn_q.bias" in f.tensors
-    )
+    kwargs.update(_granite_multipliers(meta, head_dim), attention_bias=_has_bias(f, "attn_q"))
     if meta.arch == "granite":
-        kwargs["mlp_bias"] = "blk.0.ffn_up.bias" in f.tensors
+        kwargs["mlp_bias"] = _has_bias(f, "ffn_up")
 
 
 def _granite_moe(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
@@ -474,16 +472,16 @@ def _olmo2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> Non
 def _seed_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """Seed-OSS (SeedOssModel): its three bias switches from the tensors present."""
     kwargs.update(
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        attention_out_bias="blk.0.attn_output.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
+        attention_out_bias=_has_bias(f, "attn_output"),
+        mlp_bias=_has_bias(f, "ffn_up"),
     )
 
 
 def _glm4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """GLM-4 (Glm4Model): q / k / v biases from the tensors; the partial rotary factor comes
     from rope.dimension_count (_rope)."""
-    kwargs["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+    kwargs["attention_bias"] = _has_bias(f, "attn_q")
 
 
 # llama.cpp's SmolLM3 graph skips rope on layer il where (il + 1) % 4 == 0 (no GGUF key)
@@ -497,8 +495,8 @@ def _smollm3(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
     kwargs.update(
         no_rope_layer_interval=step,
         no_rope_layers=[int((i + 1) % step != 0) for i in range(layers)],
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
+        mlp_bias=_has_bias(f, "ffn_up"),
     )
 
 
@@ -610,9 +608,9 @@ def _falcon_h1(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) ->
         mamba_proj_bias=mamba["proj_bias"],
         mamba_rms_norm=_has(f, 0, "ssm_norm"),
         mamba_norm_before_gate=False,
-        projectors_bias="blk.0.ssm_out.bias" in f.tensors,
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        projectors_bias=_has_bias(f, "ssm_out"),
+        attention_bias=_has_bias(f, "attn_q"),
+        mlp_bias=_has_bias(f, "ffn_up"),
         embedding_multiplier=1.0,
         lm_head_multiplier=1.0,
         key_multiplier=1.0,
@@ -741,15 +739,15 @@ def _sliding_layer_types(meta: _Meta, layers: int, period: int) -> list[str]:
 
 def _apertus(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """Apertus (ApertusModel): the MLP's activation is xIELU (its scalars: convert.py)."""
-    kwargs.update(hidden_act="xielu", attention_bias="blk.0.attn_q.bias" in f.tensors)
+    kwargs.update(hidden_act="xielu", attention_bias=_has_bias(f, "attn_q"))
 
 
 def _arcee(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """Arcee AFM (ArceeModel): Llama's layout with a relu^2 MLP; biases from the tensors."""
     kwargs.update(
         hidden_act="relu2",
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
+        mlp_bias=_has_bias(f, "ffn_up"),
     )
 
 
@@ -806,7 +804,7 @@ def _hunyuan(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
     """Hunyuan (HunYuanModel / HunYuanMoEModel): rope.freq_base is already the NTK-alpha base
     (the plain rope rotates with it); MoE: every layer, softmax routing renormalized, experts
     of expert_feed_forward_length and one shared MLP of expert_shared_feed_forward_length."""
-    kwargs["attention_bias"] = "blk.0.attn_q.bias" in f.tensors
+    kwargs["attention_bias"] = _has_bias(f, "attn_q")
     sparse = _sparse(f, layers)
     if not sparse:
         return
@@ -842,7 +840,7 @@ def _dots1(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> Non
         topk_group=1,
         sliding_window=None,
         layer_types=["full_attention"] * layers,
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
     )
 
 
@@ -853,14 +851,14 @@ def _nemotron(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> 
     kwargs.update(
         norm_eps=meta.get_float("attention.layer_norm_epsilon", 1e-5),
         hidden_act="relu2",
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        mlp_bias="blk.0.ffn_up.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
+        mlp_bias=_has_bias(f, "ffn_up"),
     )
 
 
 def _ernie4_5(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """ERNIE 4.5 (Ernie4_5Model): one bias switch for every projection, from the tensors."""
-    kwargs["use_bias"] = "blk.0.attn_q.bias" in f.tensors
+    kwargs["use_bias"] = _has_bias(f, "attn_q")
 
 
 # what llama.cpp's gpt-oss graph hard-codes: the SwiGLU clamp and every even layer sliding
@@ -881,7 +879,7 @@ def _gpt_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
         layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
         ],
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        attention_bias=_has_bias(f, "attn_q"),
         swiglu_limit=_GPT_OSS_SWIGLU_LIMIT,
     )
 
@@ -892,7 +890,7 @@ def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -
     kwargs.pop("rms_norm_eps")
     kwargs.update(
         norm_epsilon=meta.get_float("attention.layer_norm_epsilon", 1e-5),
-        use_bias="blk.0.attn_q.bias" in f.tensors,
+        use_bias=_has_bias(f, "attn_q"),
         sliding_window=None,
     )
 
@@ -966,7 +964,7 @@ def _falcon_config(meta: _Meta, f: GGUFFile, spec: GGUFArch):
         num_ln_in_parallel_attn=2 if two_norms else 1,
         parallel_attn=True,
         alibi=False,
-        bias="blk.0.attn_qkv.bias" in f.tensors,
+        bias=_has_bias(f, "attn_qkv"),
         ffn_hidden_size=_ffn_width(meta, f),
         layer_norm_epsilon=meta.get_float("attention.layer_norm_epsilon", 1e-5),
         max_position_embeddings=meta.get_int("context_length", 2048),

@@ -956,9 +956,9 @@ def quantize_q6_k(arr: np.ndarray) -> np.ndarray:
     x = arr.astype(np.float32).reshape(-1, 16, 16)
     sub = np.abs(x).max(axis=2) / 31  # [nb, 16] wanted step per sub-block
     d = _f16_round(sub.max(axis=1, keepdims=True) / 127)
-    sc = np.where(d > 0, np.round(sub / np.where(d > 0, d, 1)), 0).clip(-128, 127)
+    sc = np.round(_safe_div(sub, d)).clip(-128, 127)
     step = (d * sc)[:, :, None]
-    q = np.where(step > 0, np.round(x / np.where(step > 0, step, 1)), 0).clip(-32, 31)
+    q = np.round(_safe_div(x, step)).clip(-32, 31)
     q = (q + 32).astype(np.uint8).reshape(-1, 2, 4, 32)  # [nb, half, quarter, 32]
     low = q & 15
     ql = np.concatenate(
@@ -987,11 +987,11 @@ def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
     step = (x.max(axis=2) + low) / 15
     d = _f16_round(step.max(axis=1, keepdims=True) / 63)
     dmin = _f16_round(low.max(axis=1, keepdims=True) / 63)
-    sc = np.where(d > 0, np.round(step / np.where(d > 0, d, 1)), 0).clip(0, 63)
-    mn = np.where(dmin > 0, np.round(low / np.where(dmin > 0, dmin, 1)), 0).clip(0, 63)
+    sc = np.round(_safe_div(step, d)).clip(0, 63)
+    mn = np.round(_safe_div(low, dmin)).clip(0, 63)
     eff = (d * sc)[:, :, None]
     shifted = x + (dmin * mn)[:, :, None]
-    q = np.where(eff > 0, np.round(shifted / np.where(eff > 0, eff, 1)), 0).clip(0, 15)
+    q = np.round(_safe_div(shifted, eff)).clip(0, 15)
     q = q.astype(np.uint8).reshape(-1, 4, 2, 32)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
     qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
     sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
@@ -1011,6 +1011,7 @@ def quantize_q4_k(arr: np.ndarray) -> np.ndarray:
 
 
 def _safe_div(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """x / step where the step is positive, 0 where it is 0 (an all-zero block)."""
     return np.where(step > 0, x / np.where(step > 0, step, 1), 0)
 
 
@@ -1033,13 +1034,12 @@ def quantize_q2_k(arr: np.ndarray) -> np.ndarray:
     mn = np.round(_safe_div(low, dmin)).clip(0, 15)
     q = np.round(_safe_div(x + (dmin * mn)[:, :, None], (d * sc)[:, :, None])).clip(0, 3)
     scales = sc.astype(np.uint8) | (mn.astype(np.uint8) << 4)
-    half = np.float16
     blocks = np.concatenate(
         [
             scales,
             _pack_two_bits(q.reshape(-1, 256)),
-            d.astype(half).view(np.uint8),
-            dmin.astype(half).view(np.uint8),
+            d.astype(np.float16).view(np.uint8),
+            dmin.astype(np.float16).view(np.uint8),
         ],
         axis=1,
     )
@@ -1222,6 +1222,16 @@ def _store(arr: np.ndarray, ggml: str) -> tuple[np.ndarray, np.ndarray | None]:
     return raw, gguf.quants.dequantize(raw, qtype)  # the gguf package's own dequantizer
 
 
+def _put_back(want: np.ndarray, sources: np.ndarray | None, values: np.ndarray) -> None:
+    """A stored tensor's (dequantized) values written into HF's array `want` where the
+    converter took them from: `sources` holds each stored value's flat index in HF's array
+    (None: stored as HF has it, merged experts as their stack)."""
+    if sources is None:
+        want[...] = values.reshape(want.shape)
+    else:
+        want.reshape(-1)[sources.reshape(-1).astype(np.int64)] = values.reshape(-1)
+
+
 def _write_hybrid_tensors(w, entries, quant: str, cfg: dict, exact: set[str] | None, overrides):
     """Add a hybrid's tensors to `w` as `quant` stores them; the HF-named expected weights: HF's
     own where the stored value is F32, else the dequantized values put back where the
@@ -1242,10 +1252,7 @@ def _write_hybrid_tensors(w, entries, quant: str, cfg: dict, exact: set[str] | N
         quantized.append(values is not None)
         if values is None:
             continue
-        if sources is None:  # stored as HF has it (merged experts: their stack)
-            want[...] = values.reshape(want.shape)
-        else:
-            want.reshape(-1)[sources.reshape(-1).astype(np.int64)] = values.reshape(-1)
+        _put_back(want, sources, values)
     expected: dict[str, torch.Tensor] = {}
     for names, want, quantized in built.values():
         tensor = torch.from_numpy(np.ascontiguousarray(want))
@@ -1369,9 +1376,7 @@ def write_gguf(
             w.add_tensor(gguf_name, q, raw_shape=q.shape, raw_dtype=Q.MXFP4)
             names, want = mxfp4.setdefault(id(hf), ([], hf.astype(np.float32)))
             names.extend(hf_names)
-            want.reshape(-1)[sources.reshape(-1).astype(np.int64)] = gguf.quants.dequantize(
-                q, Q.MXFP4
-            ).reshape(-1)
+            _put_back(want, sources, gguf.quants.dequantize(q, Q.MXFP4))
             continue
         is_gate = "ffn_gate" in gguf_name and "ffn_gate_inp" not in gguf_name
         if arr.ndim >= 2 and (

@@ -217,6 +217,34 @@ def test_gguf_add_bos_token(synthetic_gguf, tmp_path):
     assert tok.decode(ids, skip_special_tokens=True) == "hello world"
 
 
+@pytest.mark.parametrize(
+    "pre, want_bos, want_abc",
+    [("llama-bpe", True, ["abc"]), ("tekken", True, ["abc"]), ("smaug-bpe", False, ["ab", "c"])],
+)
+def test_gguf_ignore_merges_and_default_bos(tmp_path, pre, want_bos, want_abc):
+    """llama.cpp's Llama 3 and Tekken families take a piece that is itself a token whole, though
+    no merge makes it, and add BOS when the file does not say; Smaug splits as Llama 3 does,
+    with neither."""
+    from paged_engine.gguf.tokenizer import _bytes_to_unicode
+
+    tokens = ["<s>", *_bytes_to_unicode().values(), "ab", "abc"]
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(["a b"])  # "abc" is in the vocabulary, but no merge reaches it
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_bos_token_id(0)  # no tokenizer.ggml.add_bos_token: the family's default
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = gguf_tokenizer(GGUFFile(tmp_path / "t.gguf"))
+    ids = tok("abc")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids) == ["<s>"] * want_bos + want_abc
+    assert tok("abcab")["input_ids"][want_bos:] == [tokens.index(t) for t in ("ab", "c", "ab")]
+
+
 # -- the default model (SmolLM2-135M-Instruct, Q4_1 / Q8_0) against transformers --------------
 @pytest.fixture(scope="module")
 def default_gguf() -> Path:
@@ -312,6 +340,14 @@ def test_pre_tokenizer_names_split_as_llama_cpp(caplog):
     assert words("gpt-2") == words("olmo") == words("exaone4") == gpt2
     digits = ["HelloWorld", "'s", "Ġ", "1", "2", "3", "4", "5", "Ġx", "!!", "Ċ"]
     assert words("smollm") == words("command-r") == words("refact") == digits
+    assert words("lfm2") == words("pixtral") == words("falcon3") == llama3
+    assert words("tekken") == ["Hello", "World", "'s", *qwen2[2:]]  # case split, single digits
+    assert words("grok-2") == qwen2
+    # multi-regex families: each regex splits the pieces the one before it left
+    assert words("deepseek-v3", "你好world 1234") == ["ä½łå¥½", "world", "Ġ", "123", "4"]
+    assert words("deepseek-coder", "你好world 12") == ["ä½łå¥½", "world", "Ġ", "1", "2"]
+    assert words("falcon", "x$=1234") == ["x", "$=", "123", "4"]
+    assert words("llama-bpe", "你好world 1234") == ["ä½łå¥½world", "Ġ", "123", "4"]
     with caplog.at_level(logging.WARNING):
         assert words("no-such-pre") == gpt2
     assert "no-such-pre" in caplog.text

@@ -2,19 +2,22 @@
 
 `tokenizer.ggml.model`:
   "gpt2"  byte-level BPE (Llama 3, Qwen, SmolLM2, gpt-oss): tokens, merges, token types;
-          `tokenizer.ggml.pre` picks the split regex the merges were learned with, as llama.cpp
-          does (its names grouped as llama-vocab.cpp groups them; an unknown one warns).
+          `tokenizer.ggml.pre` picks the split regexes the merges were learned with, as llama.cpp
+          does (its names grouped as llama-vocab.cpp groups them; an unknown one warns), and for
+          Llama 3 and Tekken takes a piece that is itself a token whole (`ignore_merges`).
           Token type 3 (control) becomes a special added token, type 4 (user defined) a plain
           added token, so both are matched whole.
   "llama" SentencePiece (Llama 2, Mistral, Gemma, Phi-3): tokens, scores, token types, built as
           llama.cpp tokenizes them (spm.py).
-BOS / EOS are added per `tokenizer.ggml.add_bos_token` / `add_eos_token`; a SentencePiece file
-that does not say adds BOS (llama.cpp's default), and its bos / eos / unk ids default to 1 / 2 / 0.
+BOS / EOS are added per `tokenizer.ggml.add_bos_token` / `add_eos_token`; a file that does not
+say adds BOS where llama.cpp does (SentencePiece, Llama 3 and Tekken splits). A SentencePiece
+file's bos / eos / unk ids default to 1 / 2 / 0.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from paged_engine.gguf.reader import GGUFFile
 from paged_engine.gguf.spm import spm_backend
@@ -47,10 +50,49 @@ _SEED_CODER_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-# tokenizer.ggml.pre -> (split regex, digits split one by one first), grouped as llama.cpp's
-# llama-vocab.cpp maps the names to its pre-tokenizer types
-_PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
-    "default": (_GPT2_SPLIT, False),
+# Tekken (Mistral Nemo / Small 3+, Pixtral): o200k's case split without contractions, 1 digit
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Ling / Bailing-MoE: Qwen2's with a single newline per piece
+_BAILING_SPLIT = _QWEN2_SPLIT.replace(r"\s*[\r\n]+", r"\s*[\r\n]")
+# DeepSeek-V3 / R1, Hunyuan dense: 1-3 digits, then CJK runs, then words and punctuation
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",  # CJK ideographs, hiragana, katakana
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# DeepSeek Coder (v1): newlines, words, punctuation, CJK runs, single digits
+_DEEPSEEK_CODER_SPLITS = (
+    r"[\r\n]",
+    r"\s?\p{L}+",
+    r"\s?\p{P}+",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}",
+)
+_FALCON_SPLITS = (
+    r"[\p{P}\$\+<=>\^~\|`]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+    r"[0-9][0-9][0-9]",
+)
+
+
+@dataclass(frozen=True)
+class _Pre:
+    """How one `tokenizer.ggml.pre` family splits text before BPE, as llama.cpp runs it."""
+
+    splits: tuple[str, ...]  # regexes applied in turn, each splitting the last one's pieces
+    ignore_merges: bool = False  # a piece that is itself a token is taken whole, unmerged
+    add_bos: bool = False  # BOS is added when the file has no tokenizer.ggml.add_bos_token
+
+
+_GPT2 = _Pre((_GPT2_SPLIT,))
+# tokenizer.ggml.pre -> its family, grouped as llama.cpp's llama-vocab.cpp groups the names
+_PRE_TOKENIZERS: dict[str, _Pre] = {
+    "default": _GPT2,
     **dict.fromkeys(
         (
             "gpt-2",
@@ -65,44 +107,53 @@ _PRE_TOKENIZERS: dict[str, tuple[str, bool]] = {
             "gigachat",
             "a.x-4.0",
         ),
-        (_GPT2_SPLIT, False),
+        _GPT2,
     ),
-    # Digits(individual) before GPT-2's split (SmolLM, StarCoder, Command-R, EXAONE 3, ...)
+    # single digits before GPT-2's split (SmolLM, StarCoder, Command-R, EXAONE 3, ...)
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
-        (_GPT2_SPLIT, True),
+        _Pre((r"\p{N}", _GPT2_SPLIT)),
     ),
+    # Llama 3's own: a piece that is in the vocabulary is one token, BOS by default
     **dict.fromkeys(
-        ("llama3", "llama-bpe", "llama-v3", "smaug-bpe", "dbrx", "glm4", "chatglm-bpe"),
-        (_LLAMA3_SPLIT, False),
+        ("llama3", "llama-bpe", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"),
+        _Pre((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True),
     ),
+    **dict.fromkeys(("smaug-bpe", "dbrx", "glm4", "chatglm-bpe"), _Pre((_LLAMA3_SPLIT,))),
     **dict.fromkeys(
-        ("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan"),
-        (_QWEN2_SPLIT, False),
+        ("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan", "grok-2"),
+        _Pre((_QWEN2_SPLIT,)),
     ),
-    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_O200K_SPLIT, False)),
-    "seed-coder": (_SEED_CODER_SPLIT, False),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _Pre((_O200K_SPLIT,))),
+    "seed-coder": _Pre((_SEED_CODER_SPLIT,)),
+    "tekken": _Pre((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), _Pre((_BAILING_SPLIT,))),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _Pre(_DEEPSEEK3_SPLITS)),
+    "deepseek-coder": _Pre(_DEEPSEEK_CODER_SPLITS),
+    "falcon": _Pre(_FALCON_SPLITS),
 }
 
 
-def byte_level_pre_tokenizer(pre: str):
-    """The tokenizers pre-tokenizer for `tokenizer.ggml.pre`: its split regex (after single
-    digits for some), then GPT-2's byte-level alphabet. A name we do not know splits as GPT-2
-    does, with a warning (llama.cpp's own fallback is a regex of its own)."""
-    from tokenizers import Regex, pre_tokenizers
-
+def pre_tokenizer_family(pre: str) -> _Pre:
+    """The family of `tokenizer.ggml.pre`. A name we do not know splits as GPT-2 does, with a
+    warning (llama.cpp's own fallback is a regex of its own)."""
     if pre not in _PRE_TOKENIZERS:
         logger.warning(
             "GGUF tokenizer.ggml.pre=%r is not one paged knows; splitting words as GPT-2 does, "
             "which may tokenize some text differently from llama.cpp and transformers",
             pre,
         )
-    split, digits = _PRE_TOKENIZERS.get(pre, _PRE_TOKENIZERS["default"])
-    steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
-    steps += [
-        pre_tokenizers.Split(Regex(split), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ]
+    return _PRE_TOKENIZERS.get(pre, _GPT2)
+
+
+def byte_level_pre_tokenizer(pre: str | _Pre):
+    """The tokenizers pre-tokenizer for `tokenizer.ggml.pre` (a name or its family): its split
+    regexes in turn, then GPT-2's byte-level alphabet."""
+    from tokenizers import Regex, pre_tokenizers
+
+    family = pre_tokenizer_family(pre) if isinstance(pre, str) else pre
+    steps = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in family.splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     return pre_tokenizers.Sequence(steps)
 
 
@@ -146,7 +197,9 @@ def gguf_tokenizer(f: GGUFFile):
 
     unk = token("unknown")
     if kind == "gpt2":
-        tok = _byte_level_bpe(f, tokens, types)
+        family = pre_tokenizer_family(f.get("tokenizer.ggml.pre", "default"))
+        default_add_bos = family.add_bos
+        tok = _byte_level_bpe(f, tokens, types, family)
     else:
         tok = spm_backend(f, tokens, types, unk)
     add_bos = bool(f.get("tokenizer.ggml.add_bos_token", default_add_bos))
@@ -193,7 +246,7 @@ def _template(tokens: list[str], bos: int | None, eos: int | None):
     )
 
 
-def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
+def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int], family: _Pre):
     from tokenizers import AddedToken, Tokenizer, decoders, models
 
     merges: list[str] = f.get("tokenizer.ggml.merges") or []
@@ -206,9 +259,10 @@ def _byte_level_bpe(f: GGUFFile, tokens: list[str], types: list[int]):
         merges=[tuple(m.split(" ", 1)) for m in merges],
         fuse_unk=False,
         byte_fallback=False,
+        ignore_merges=family.ignore_merges,
     )
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = byte_level_pre_tokenizer(f.get("tokenizer.ggml.pre", "default"))
+    tok.pre_tokenizer = byte_level_pre_tokenizer(family)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([
         AddedToken(t, special=True, normalized=False)

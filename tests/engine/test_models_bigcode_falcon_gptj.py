@@ -1,4 +1,4 @@
-"""GPT-BigCode, Falcon and GPT-J against HF transformers.
+"""GPT-BigCode, Falcon, GPT-J and BLOOM against HF transformers.
 
 `LLM.generate` on tiny random models, saved as HF saves them, must give HF `generate`'s greedy
 tokens and the same top-5 logprobs (1e-3, float32), per variant: GPT-BigCode with multi-query
@@ -6,7 +6,8 @@ attention (one KV head) and without (per-head rows in `c_attn`); Falcon's new de
 architecture (grouped KV rows per group, ln_attn / ln_mlp), 7B's layout (multi-query, one
 LayerNorm, parallel attention), Falcon-11B's (new architecture, one LayerNorm) and RW's (ALiBi,
 biases, sequential layer, multi-head); GPT-J (parallel layer, interleaved rotary on part of each
-head, LM-head bias). Multi-query GPT-BigCode and grouped-KV Falcon also at TP=2, where the lone KV
+head, LM-head bias); BLOOM (ALiBi with 6 heads, two past the largest power of two, and the
+embedding LayerNorm). Multi-query GPT-BigCode and grouped-KV Falcon also at TP=2, where the lone KV
 head is replicated and the KV groups split.
 """
 
@@ -42,6 +43,7 @@ CASES = {
     "falcon_7b": ("falcon", FALCON_7B),
     "falcon_rw": ("falcon", FALCON_RW),
     "gptj": ("gptj", {}),
+    "bloom": ("bloom", {}),
 }
 
 
@@ -84,3 +86,33 @@ def test_loaded_config_names_its_kv_heads(arch, overrides, kv_heads, tmp_path):
     # the CPU pool is sized from the same count
     per_head = num_cpu_blocks(config, 16, torch.float32, 1.0) * kv_heads
     assert per_head == num_cpu_blocks(config, 16, torch.float32, 1.0 * kv_heads)
+
+
+def test_bloom_bare_model_checkpoint_names(tmp_path):
+    """BLOOM checkpoints saved from the bare model (bigscience/bloom-560m) name weights without
+    `transformer.` and hold no LM head: they load as the full model's do."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from paged_engine.loader import load_hf_config, load_model, resolve_model
+
+    full = write_tiny_model(tmp_path / "full", "bloom", seed=3)
+    bare = tmp_path / "bare"
+    shutil.copytree(full, bare)
+    weights = load_file(full / "model.safetensors")
+    renamed = {
+        k.removeprefix("transformer."): v for k, v in weights.items() if k.startswith("transf")
+    }
+    assert len(renamed) == len(weights) - ("lm_head.weight" in weights)
+    save_file(renamed, bare / "model.safetensors", metadata={"format": "pt"})
+    models = []
+    for path in (full, bare):
+        resolved = resolve_model(str(path))
+        models.append(
+            load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+        )
+    ours, theirs = (dict(m.named_parameters()) for m in models)
+    assert ours.keys() == theirs.keys()
+    for name, p in ours.items():
+        assert torch.equal(p, theirs[name]), name

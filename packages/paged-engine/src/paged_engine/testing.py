@@ -73,6 +73,7 @@ MORE_TINY_ARCHS: list[str] = [
     "gpt_bigcode",
     "falcon",
     "gptj",
+    "bloom",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -1029,6 +1030,12 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "new_decoder_architecture": True,
             "bias": False,
         },
+    ),
+    # BLOOM: ALiBi, fused per-head query_key_value rows, embedding LayerNorm, biases everywhere;
+    # 6 heads: two past the largest power of two take the second slope sequence
+    "bloom": (
+        "BloomConfig",
+        {"hidden_size": 96, "n_layer": 2, "n_head": 6, "layer_norm_epsilon": 1e-5},
     ),
     # GPT-J-6B's layout: parallel attention and MLP on one LayerNorm, interleaved rotary on the
     # first half of each head, LM head with a bias

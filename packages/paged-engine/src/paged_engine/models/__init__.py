@@ -7,6 +7,7 @@ from torch import nn
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
+from paged_engine.models.bloom import BloomForCausalLM
 from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
 from paged_engine.models.deepseek_v2 import (
@@ -136,6 +137,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "BloomForCausalLM": BloomForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "DbrxForCausalLM": DbrxForCausalLM,

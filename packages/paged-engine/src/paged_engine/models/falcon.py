@@ -27,9 +27,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from paged_engine.layers.attention import Attention
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.bloom import alibi_slopes, use_alibi
 from paged_engine.models.llama import LlamaAttention
 from paged_engine.models.starcoder2 import (
     LayerNormDecoderLayer,
@@ -69,12 +69,7 @@ def llama_view(config):
 def falcon_alibi_slopes(num_heads: int, head_dim: int) -> torch.Tensor:
     """HF's Falcon ALiBi slopes (bfloat16-rounded, as HF builds them) times the 1 / sqrt(head_dim)
     HF applies to the biased scores: [num_heads] float32."""
-    closest = 2 ** (num_heads.bit_length() - 1)
-    base = 2.0 ** (-(2.0 ** -(closest.bit_length() - 1 - 3)))
-    slopes = [base ** (i + 1) for i in range(closest)]
-    extra_base = 2.0 ** (-(2.0 ** -(closest.bit_length() - 3)))
-    slopes += [extra_base ** (2 * i + 1) for i in range(min(closest, num_heads - closest))]
-    return torch.tensor(slopes).bfloat16().float() * head_dim**-0.5
+    return alibi_slopes(num_heads).bfloat16().float() * head_dim**-0.5
 
 
 class FalconParallelLayer(nn.Module):
@@ -109,17 +104,9 @@ class FalconForCausalLM(CausalLMBase):
 
         def build(i: int, rope: RotaryEmbedding) -> nn.Module:
             attn = LlamaAttention(view, i, flags, None if alibi else rope)
-            if alibi:  # this rank's heads' slopes
-                proj, head_dim = attn.qkv_proj, attn.head_dim
-                slopes = falcon_alibi_slopes(config.num_attention_heads, head_dim)
-                first = proj.tp_rank * proj.num_heads
-                attn.attn = Attention(
-                    proj.num_heads,
-                    head_dim,
-                    proj.num_kv_heads,
-                    head_dim**-0.5,
-                    alibi_slopes=slopes[first : first + proj.num_heads],
-                )
+            if alibi:
+                head_dim = attn.head_dim
+                attn = use_alibi(attn, falcon_alibi_slopes(config.num_attention_heads, head_dim))
             mlp = Starcoder2MLP(view, bias)
             if new_arch and norms == 2:
                 return FalconParallelLayer(config.hidden_size, eps, attn, mlp)

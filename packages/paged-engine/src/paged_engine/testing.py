@@ -74,6 +74,9 @@ MORE_TINY_ARCHS: list[str] = [
     "falcon",
     "gptj",
     "bloom",
+    "olmo",
+    "glm",
+    "helium",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -689,6 +692,15 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # GLM (glm-4-9b-chat-hf): GLM-4's attention and rope on Llama's two norms a layer
+    "glm": (
+        "GlmConfig",
+        {**_LLAMA_LIKE, "head_dim": 32, "partial_rotary_factor": 0.5, "attention_bias": True},
+    ),
+    # Helium: Llama with interleaved rope over the whole head, o_proj without a bias
+    "helium": ("HeliumConfig", {**_LLAMA_LIKE, "head_dim": 16, "attention_bias": True}),
+    # OLMo (v1): parameter-free LayerNorms; q / k / v clamped (tests also leave clip_qkv unset)
+    "olmo": ("OlmoConfig", {**_LLAMA_LIKE, "clip_qkv": 0.5, "tie_word_embeddings": False}),
     # Cohere: per-head q / k LayerNorms, q / k / v / o biases, logits scaled by 0.5
     "cohere": (
         "CohereConfig",

@@ -25,7 +25,7 @@ from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
-from paged_engine.models.glm4 import Glm4ForCausalLM
+from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_bigcode import GPTBigCodeForCausalLM
@@ -54,6 +54,7 @@ from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.nemotron import NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
+from paged_engine.models.olmo import OlmoForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.olmoe import OlmoeForCausalLM
@@ -110,6 +111,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "StableLmForCausalLM": StableLmForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "HeliumForCausalLM": GlmForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

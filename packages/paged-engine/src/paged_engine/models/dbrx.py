@@ -56,6 +56,9 @@ _RENAMES = (
 )
 
 
+_NO_BIAS = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "sliding": False}
+
+
 def _sub(config, name: str, key: str, default=None):
     """A field of a DBRX sub-config (attn_config / ffn_config: a config object or a dict)."""
     sub = getattr(config, name, None)
@@ -63,19 +66,19 @@ def _sub(config, name: str, key: str, default=None):
     return default if value is None else value
 
 
-class DbrxAttention(LlamaAttention):
-    """Llama's attention (fused qkv_proj, no biases) clamping q / k / v to +-clip_qkv first."""
+class ClipQKVAttention(LlamaAttention):
+    """Llama's attention clamping q / k / v to +-clip before RoPE (DBRX, OLMo; None: Llama's)."""
 
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
-        flags = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "sliding": False}
+    def __init__(
+        self, config, layer_idx: int, flags: dict, rope: RotaryEmbedding, clip: float | None
+    ) -> None:
         super().__init__(config, layer_idx, flags, rope)
-        clip = _sub(config, "attn_config", "clip_qkv")
         self.clip = None if clip is None else float(clip)
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        qkv = self.qkv_proj(x)
-        if self.clip is not None:
-            qkv = qkv.clamp(-self.clip, self.clip)
+        if self.clip is None:
+            return super().forward(positions, x, kv_cache, md)
+        qkv = self.qkv_proj(x).clamp(-self.clip, self.clip)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
@@ -123,7 +126,8 @@ class DbrxForCausalLM(CausalLMBase):
         rope = RotaryEmbedding(head_dim, head_dim, int(config.max_position_embeddings), theta)
 
         def build(i: int, _: RotaryEmbedding) -> nn.Module:
-            attn = DbrxAttention(config, i, rope)
+            clip = _sub(config, "attn_config", "clip_qkv")
+            attn = ClipQKVAttention(config, i, _NO_BIAS, rope, clip)
             layer = LayerNormDecoderLayer(d, _EPS, attn, DbrxMoe(config), parallel=False)
             layer.input_layernorm = LayerNorm(d, eps=_EPS, bias=False)
             layer.post_attention_layernorm = LayerNorm(d, eps=_EPS, bias=False)

@@ -1,4 +1,5 @@
-"""GLM-4 dense models (`Glm4ForCausalLM`: GLM-4-9B-0414 / 32B-0414, GLM-Z1-9B / 32B).
+"""GLM-4 dense models (`Glm4ForCausalLM`: GLM-4-9B-0414 / 32B-0414, GLM-Z1-9B / 32B), and the
+earlier GLM-4 / Helium models without the extra norms (`GlmForCausalLM`, `HeliumForCausalLM`).
 
 Llama's attention and gated SiLU MLP (models/llama.py) with three differences:
 
@@ -13,6 +14,10 @@ Llama's attention and gated SiLU MLP (models/llama.py) with three differences:
 
 The checkpoint fuses gate | up into one `mlp.gate_up_proj` [2I, D]: loading splits it into its
 halves, so that under tensor parallelism each rank takes its slice of both.
+
+`GlmForCausalLM` (glm-4-9b-chat-hf, glm-edge) is the same model with Llama's two norms a layer;
+`HeliumForCausalLM` (Kyutai Helium-1) is that again with full interleaved rope (its
+partial_rotary_factor is 1), separate gate / up matrices and no q / k / v biases by default.
 """
 
 from __future__ import annotations
@@ -63,3 +68,11 @@ class Glm4ForCausalLM(LlamaForCausalLM):
             yield name.replace(".gate_up_proj.", ".up_proj."), up
         else:
             yield name, w
+
+
+class GlmForCausalLM(Glm4ForCausalLM):
+    """GLM-4's attention flags and interleaved partial rope on Llama's pre-norm layers."""
+
+    def __init__(self, config):
+        inner = LlamaModel(config, self.layer_flags(config), is_neox_style=False)
+        CausalLMBase.__init__(self, config, inner)

@@ -77,6 +77,8 @@ MORE_TINY_ARCHS: list[str] = [
     "olmo",
     "glm",
     "helium",
+    "ministral",
+    "vaultgemma",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -699,6 +701,29 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Helium: Llama with interleaved rope over the whole head, o_proj without a bias
     "helium": ("HeliumConfig", {**_LLAMA_LIKE, "head_dim": 16, "attention_bias": True}),
+    # Ministral (8B): Mistral with sliding and full layers by layer_types (window 8 < prompts)
+    "ministral": (
+        "MinistralConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 16,  # HF's attention cannot read a None head_dim
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # VaultGemma: Gemma 2's attention (soft-caps, sliding layers) on two norms a layer
+    "vaultgemma": (
+        "VaultGemmaConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 10.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
     # OLMo (v1): parameter-free LayerNorms; q / k / v clamped (tests also leave clip_qkv unset)
     "olmo": ("OlmoConfig", {**_LLAMA_LIKE, "clip_qkv": 0.5, "tie_word_embeddings": False}),
     # Cohere: per-head q / k LayerNorms, q / k / v / o biases, logits scaled by 0.5

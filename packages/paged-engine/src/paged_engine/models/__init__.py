@@ -22,7 +22,7 @@ from paged_engine.models.exaone4 import Exaone4ForCausalLM
 from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM
 from paged_engine.models.falcon import FalconForCausalLM
 from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
-from paged_engine.models.gemma import GemmaForCausalLM
+from paged_engine.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
@@ -114,6 +114,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": GlmForCausalLM,
     "HeliumForCausalLM": GlmForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
+    "MinistralForCausalLM": MistralForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -1,4 +1,5 @@
-"""Gemma 1 (gemma-2b / 7b, CodeGemma): Gemma 2's decoder (models/gemma2.py) without its extras.
+"""Gemma 1 (gemma-2b / 7b, CodeGemma): Gemma 2's decoder (models/gemma2.py) without its extras;
+VaultGemma: Gemma 2 with Gemma 1's two norms a layer.
 
 Two norms a layer (Llama's pre-norm layer with GemmaRMSNorm), attention scaled by head_dim^-0.5,
 every layer global, no soft-caps; the embedding scaled by sqrt(hidden_size) and the GeGLU MLP as
@@ -25,3 +26,13 @@ class GemmaForCausalLM(Gemma2ForCausalLM):
     @classmethod
     def attn_soft_cap(cls, config) -> float | None:
         return None
+
+
+class VaultGemmaForCausalLM(Gemma2ForCausalLM):
+    """VaultGemma (google/vaultgemma-1b): Gemma 2's attention, layer types and soft-caps on two
+    norms a layer; its norm before the MLP is HF's `pre_feedforward_layernorm`."""
+
+    post_norms = False
+
+    def rename_weight(self, name: str) -> str:
+        return name.replace(".pre_feedforward_layernorm.", ".post_attention_layernorm.")

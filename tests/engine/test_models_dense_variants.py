@@ -1,10 +1,12 @@
-"""OLMo (v1), GLM and Helium against HF transformers.
+"""OLMo (v1), GLM, Helium, Ministral and VaultGemma against HF transformers.
 
 `LLM.generate` on tiny random models, saved as HF saves them, must give HF `generate`'s greedy
 tokens and the same top-5 logprobs (1e-3, float32): OLMo's parameter-free LayerNorms with q / k /
 v clamped to a small `clip_qkv` (0.5: most entries of random projections are clamped) and
 without it; GLM's interleaved partial rope (half of each head), q / k / v biases and fused
-`gate_up_proj` on Llama's two norms a layer; Helium's interleaved rope over the whole head.
+`gate_up_proj` on Llama's two norms a layer; Helium's interleaved rope over the whole head;
+Ministral's sliding and full layers (window 8, shorter than every prompt); VaultGemma's Gemma 2
+attention (soft-caps that bite, sliding layers) on two norms a layer.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ CASES = {
     "olmo": ("olmo", {"clip_qkv": None}),
     "glm": ("glm", {}),
     "helium": ("helium", {}),
+    "ministral": ("ministral", {}),
+    "vaultgemma": ("vaultgemma", {}),
 }
 
 

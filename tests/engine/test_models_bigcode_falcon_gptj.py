@@ -1,4 +1,4 @@
-"""GPT-BigCode, Falcon, GPT-J and BLOOM against HF transformers.
+"""GPT-BigCode, Falcon, GPT-J, BLOOM and MPT against HF transformers.
 
 `LLM.generate` on tiny random models, saved as HF saves them, must give HF `generate`'s greedy
 tokens and the same top-5 logprobs (1e-3, float32), per variant: GPT-BigCode with multi-query
@@ -7,8 +7,9 @@ architecture (grouped KV rows per group, ln_attn / ln_mlp), 7B's layout (multi-q
 LayerNorm, parallel attention), Falcon-11B's (new architecture, one LayerNorm) and RW's (ALiBi,
 biases, sequential layer, multi-head); GPT-J (parallel layer, interleaved rotary on part of each
 head, LM-head bias); BLOOM (ALiBi with 6 heads, two past the largest power of two, and the
-embedding LayerNorm). Multi-query GPT-BigCode and grouped-KV Falcon also at TP=2, where the lone KV
-head is replicated and the KV groups split.
+embedding LayerNorm); MPT (its own ALiBi slope order for 6 heads, bias-free layers; also with
+q / k / v clamped and a softmax scale of its own). Multi-query GPT-BigCode and grouped-KV Falcon
+also at TP=2, where the lone KV head is replicated and the KV groups split.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ CASES = {
     "falcon_rw": ("falcon", FALCON_RW),
     "gptj": ("gptj", {}),
     "bloom": ("bloom", {}),
+    "mpt": ("mpt", {}),
+    "mpt_clip_scale": ("mpt", {"attn_config": {"clip_qkv": 0.5, "softmax_scale": 0.2}}),
 }
 
 
@@ -116,3 +119,16 @@ def test_bloom_bare_model_checkpoint_names(tmp_path):
     assert ours.keys() == theirs.keys()
     for name, p in ours.items():
         assert torch.equal(p, theirs[name]), name
+
+
+def test_mpt_context_length_and_refusals(tmp_path):
+    """MPT's context length is its `max_seq_len` (StoryWriter's 65536, not the 2048 default);
+    configs transformers would run differently from what they ask are refused by name."""
+    from paged_engine.engine.llm_engine import _max_positions
+    from paged_engine.models.mpt import MptForCausalLM
+    from paged_engine.testing import tiny_config
+
+    assert _max_positions(tiny_config("mpt", max_seq_len=65536)) == 65536
+    for key, value in (("attn_type", "multiquery_attention"), ("qk_ln", True), ("alibi", False)):
+        with pytest.raises(ValueError, match=f"attn_config.{key}"):
+            MptForCausalLM(tiny_config("mpt", attn_config={key: value}))

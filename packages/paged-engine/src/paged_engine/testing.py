@@ -74,6 +74,7 @@ MORE_TINY_ARCHS: list[str] = [
     "falcon",
     "gptj",
     "bloom",
+    "mpt",
     "olmo",
     "glm",
     "helium",
@@ -1074,6 +1075,9 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         "BloomConfig",
         {"hidden_size": 96, "n_layer": 2, "n_head": 6, "layer_norm_epsilon": 1e-5},
     ),
+    # MPT: ALiBi with MPT's slope order (6 heads: not a power of two), fused Wqkv [q | k | v],
+    # bias-free LayerNorms and linears (tests also clamp q / k / v and scale the softmax)
+    "mpt": ("MptConfig", {"d_model": 96, "n_layers": 2, "n_heads": 6, "max_seq_len": 1024}),
     # GPT-J-6B's layout: parallel attention and MLP on one LayerNorm, interleaved rotary on the
     # first half of each head, LM head with a bias
     "gptj": (

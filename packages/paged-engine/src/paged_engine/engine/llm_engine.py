@@ -40,6 +40,7 @@ from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, r
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
+from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, to_sampling_params
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -454,7 +455,7 @@ def _max_positions(hf_config) -> int | None:
     positions: Mamba), whose max_model_len is the user's choice (default 2048)."""
     if is_hybrid(hf_config) and num_kv_layers(hf_config) == 0:
         return None
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+    for key in CONTEXT_LENGTH_KEYS:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:
             return value

@@ -52,6 +52,7 @@ from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
+from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.nemotron import NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo import OlmoForCausalLM
@@ -144,6 +145,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
+    "MptForCausalLM": MptForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "DbrxForCausalLM": DbrxForCausalLM,

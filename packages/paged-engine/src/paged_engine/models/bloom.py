@@ -52,32 +52,36 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float32)
 
 
-def use_alibi(attn: LlamaAttention, slopes: torch.Tensor) -> LlamaAttention:
+def use_alibi(
+    attn: LlamaAttention, slopes: torch.Tensor, scale: float | None = None
+) -> LlamaAttention:
     """`attn` with ALiBi in place of positions: its inner attention biased by this rank's heads'
-    `slopes` (of all heads, [num_heads]); scores scaled by 1 / sqrt(head_dim)."""
+    `slopes` (of all heads, [num_heads]); scores scaled by `scale` (1 / sqrt(head_dim))."""
     proj, head_dim = attn.qkv_proj, attn.head_dim
     first = proj.tp_rank * proj.num_heads
     attn.attn = Attention(
         proj.num_heads,
         head_dim,
         proj.num_kv_heads,
-        head_dim**-0.5,
+        head_dim**-0.5 if scale is None else scale,
         alibi_slopes=slopes[first : first + proj.num_heads],
     )
     return attn
 
 
 class BloomModel(LayerNormLlamaModel):
-    """The LayerNorm stack with BLOOM's embedding LayerNorm and no positions (its rotary
-    instance is never used)."""
+    """The LayerNorm stack without positions (its rotary instance is never used), with BLOOM's
+    LayerNorm on the token embedding when `embed_norm` (MPT has none)."""
 
-    def __init__(self, config, eps: float, build_layer):
+    def __init__(self, config, eps: float, build_layer, embed_norm: bool = True):
         super().__init__(config, eps, build_layer)
-        self.embed_layernorm = LayerNorm(config.hidden_size, eps=eps)
+        self.embed_layernorm = LayerNorm(config.hidden_size, eps=eps) if embed_norm else None
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         if hidden is None:  # first pipeline stage
-            hidden = self.embed_layernorm(self.embed_tokens(input_ids))  # [T, D]
+            hidden = self.embed_tokens(input_ids)  # [T, D]
+            if self.embed_layernorm is not None:
+                hidden = self.embed_layernorm(hidden)
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None
         return run_layers(layers, self.stream_apart, positions, hidden, kv_caches, md, norm)

@@ -38,7 +38,7 @@ from paged_engine.models.llama import LlamaAttention, llama_head_dim
 from paged_engine.models.mixtral import expert_rules
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.starcoder2 import LayerNormDecoderLayer, LayerNormLlamaModel
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, sub_cfg_get
 
 _EPS = 1e-5  # nn.LayerNorm's default, which DBRX's norms keep
 
@@ -59,15 +59,9 @@ _RENAMES = (
 _NO_BIAS = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "sliding": False}
 
 
-def _sub(config, name: str, key: str, default=None):
-    """A field of a DBRX sub-config (attn_config / ffn_config: a config object or a dict)."""
-    sub = getattr(config, name, None)
-    value = sub.get(key) if isinstance(sub, dict) else getattr(sub, key, None)
-    return default if value is None else value
-
-
 class ClipQKVAttention(LlamaAttention):
-    """Llama's attention clamping q / k / v to +-clip before RoPE (DBRX, OLMo; None: Llama's)."""
+    """Llama's attention clamping q / k / v to +-clip before RoPE (DBRX, OLMo; before ALiBi,
+    MPT; clip None: Llama's)."""
 
     def __init__(
         self, config, layer_idx: int, flags: dict, rope: RotaryEmbedding, clip: float | None
@@ -80,7 +74,8 @@ class ClipQKVAttention(LlamaAttention):
             return super().forward(positions, x, kv_cache, md)
         qkv = self.qkv_proj(x).clamp(-self.clip, self.clip)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, md))
 
 
@@ -90,13 +85,13 @@ class DbrxMoe(SparseMoeBlock):
 
     def __init__(self, config) -> None:
         super().__init__(
-            int(_sub(config, "ffn_config", "moe_num_experts")),
-            int(_sub(config, "ffn_config", "moe_top_k")),
+            int(sub_cfg_get(config, "ffn_config", "moe_num_experts")),
+            int(sub_cfg_get(config, "ffn_config", "moe_top_k")),
             config.hidden_size,
-            int(_sub(config, "ffn_config", "ffn_hidden_size")),
+            int(sub_cfg_get(config, "ffn_config", "ffn_hidden_size")),
             renormalize=False,
         )
-        p = _sub(config, "ffn_config", "moe_normalize_expert_weights")
+        p = sub_cfg_get(config, "ffn_config", "moe_normalize_expert_weights")
         self.p = None if p is None else float(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
@@ -112,7 +107,7 @@ class DbrxForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config) -> None:
-        act = _sub(config, "ffn_config", "ffn_act_fn", {}) or {}
+        act = sub_cfg_get(config, "ffn_config", "ffn_act_fn", {}) or {}
         act = act.get("name", "silu") if isinstance(act, dict) else act
         if act not in ("silu", "swish"):
             raise ValueError(f"DbrxForCausalLM supports ffn_act_fn silu only, got {act!r}")
@@ -120,13 +115,13 @@ class DbrxForCausalLM(CausalLMBase):
             raise ValueError("DBRX does not tie its head (config.tie_word_embeddings=True)")
         d = config.hidden_size
         head_dim = llama_head_dim(config)
-        theta = _sub(config, "attn_config", "rope_theta")
+        theta = sub_cfg_get(config, "attn_config", "rope_theta")
         if theta is None:
             theta = rope_config(config)[0]
         rope = RotaryEmbedding(head_dim, head_dim, int(config.max_position_embeddings), theta)
 
         def build(i: int, _: RotaryEmbedding) -> nn.Module:
-            clip = _sub(config, "attn_config", "clip_qkv")
+            clip = sub_cfg_get(config, "attn_config", "clip_qkv")
             attn = ClipQKVAttention(config, i, _NO_BIAS, rope, clip)
             layer = LayerNormDecoderLayer(d, _EPS, attn, DbrxMoe(config), parallel=False)
             layer.input_layernorm = LayerNorm(d, eps=_EPS, bias=False)
@@ -137,7 +132,7 @@ class DbrxForCausalLM(CausalLMBase):
         inner.rotary_emb = rope  # the layers' rope (attn_config's base), set up per forward
         inner.norm = LayerNorm(d, eps=_EPS, bias=False)
         super().__init__(config, inner)
-        self.num_experts = int(_sub(config, "ffn_config", "moe_num_experts"))
+        self.num_experts = int(sub_cfg_get(config, "ffn_config", "moe_num_experts"))
         rules = expert_rules(self.num_experts, "w1", "v1", "w2")
         self.stacked_params = (*rules, *QKV_PROJ_RULES)
 

@@ -133,9 +133,27 @@ def make_layers(
     return stack, StageLayers(start, end, state.is_last_stage)
 
 
+# config fields that name a model's context length, in the order they are read (MPT: max_seq_len)
+CONTEXT_LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+)
+
+
 def cfg_get(config, name: str, default):
     """getattr with a default that also replaces an explicit None."""
     value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def sub_cfg_get(config, name: str, key: str, default=None):
+    """A field of a sub-config (DBRX's attn_config / ffn_config, MPT's attn_config: a config
+    object or a dict), `default` when it is missing or None."""
+    sub = getattr(config, name, None)
+    value = sub.get(key) if isinstance(sub, dict) else getattr(sub, key, None)
     return default if value is None else value
 
 

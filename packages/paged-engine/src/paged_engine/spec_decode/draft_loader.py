@@ -12,13 +12,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from paged_engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model
+from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def _vocab_size(hf_config) -> int:
@@ -48,10 +47,8 @@ def check_draft_model(
             f"{where}: the draft's vocab_size {draft_vocab} differs from the target's "
             f"{target_vocab}; a draft model must share the target's tokenizer and vocabulary"
         )
-    limit = next(
-        (v for k in _LENGTH_KEYS if isinstance(v := getattr(draft_config, k, None), int) and v > 0),
-        None,
-    )
+    lengths = (getattr(draft_config, k, None) for k in CONTEXT_LENGTH_KEYS)
+    limit = next((v for v in lengths if isinstance(v, int) and v > 0), None)
     if limit is not None and limit < max_model_len:
         raise ValueError(
             f"{where}: the draft's maximum context length {limit} is below max_model_len="

@@ -80,6 +80,7 @@ MORE_TINY_ARCHS: list[str] = [
     "helium",
     "ministral",
     "vaultgemma",
+    "phimoe",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -723,6 +724,21 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 8,
             "attn_logit_softcapping": 10.0,
             "final_logit_softcapping": 30.0,
+        },
+    ),
+    # Phi-3.5-MoE: Mixtral with LayerNorms, biases (attention, LM head) and SparseMixer top-2
+    # routing; a router jitter of 0.1 so the near-top masks bite on random logits
+    "phimoe": (
+        "PhimoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_jitter_noise": 0.1,
+            "attention_bias": True,
+            "lm_head_bias": True,
+            "tie_word_embeddings": False,
         },
     ),
     # OLMo (v1): parameter-free LayerNorms; q / k / v clamped (tests also leave clip_qkv unset)

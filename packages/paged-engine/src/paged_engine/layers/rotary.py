@@ -36,6 +36,12 @@ def rope_context_len(max_model_len: int | None) -> Iterator[None]:
         _CONTEXT_LEN.reset(token)
 
 
+def context_len_or(default: int) -> int:
+    """The longest sequence ropes built now serve (`rope_context_len`), else `default`."""
+    value = _CONTEXT_LEN.get()
+    return default if value is None else value
+
+
 # rope_type -> the scaling-dict keys it cannot do without
 _REQUIRED_KEYS = {
     "linear": ("factor",),

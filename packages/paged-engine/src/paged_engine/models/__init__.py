@@ -62,6 +62,7 @@ from paged_engine.models.olmoe import OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
+from paged_engine.models.phimoe import PhimoeForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
@@ -116,6 +117,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HeliumForCausalLM": GlmForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
     "MinistralForCausalLM": MistralForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,

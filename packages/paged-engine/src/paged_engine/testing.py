@@ -81,6 +81,7 @@ MORE_TINY_ARCHS: list[str] = [
     "ministral",
     "vaultgemma",
     "phimoe",
+    "nanochat",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -741,6 +742,8 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # nanochat: weightless norms (q / k after a reversed rope), relu^2 MLP, soft-capped logits
+    "nanochat": ("NanoChatConfig", {**_LLAMA_LIKE, "final_logit_softcapping": 5.0}),
     # OLMo (v1): parameter-free LayerNorms; q / k / v clamped (tests also leave clip_qkv unset)
     "olmo": ("OlmoConfig", {**_LLAMA_LIKE, "clip_qkv": 0.5, "tie_word_embeddings": False}),
     # Cohere: per-head q / k LayerNorms, q / k / v / o biases, logits scaled by 0.5

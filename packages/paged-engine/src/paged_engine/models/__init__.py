@@ -53,6 +53,7 @@ from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.mpt import MptForCausalLM
+from paged_engine.models.nanochat import NanoChatForCausalLM
 from paged_engine.models.nemotron import NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo import OlmoForCausalLM
@@ -118,6 +119,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OlmoForCausalLM": OlmoForCausalLM,
     "MinistralForCausalLM": MistralForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
+    "NanoChatForCausalLM": NanoChatForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,

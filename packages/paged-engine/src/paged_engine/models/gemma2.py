@@ -23,7 +23,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import GemmaRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, make_layers
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, make_layers, soft_cap
 
 
 def gemma_layer_types(config, every: int) -> list[str]:
@@ -250,8 +250,4 @@ class Gemma2ForCausalLM(CausalLMBase):
         return cfg_get(config, "attn_logit_softcapping", None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        logits = super().compute_logits(hidden)
-        cap = self.final_soft_cap
-        if cap:  # cap * tanh(logits / cap), HF's op order
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return soft_cap(super().compute_logits(hidden), self.final_soft_cap)

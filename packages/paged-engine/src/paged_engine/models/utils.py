@@ -149,6 +149,12 @@ def cfg_get(config, name: str, default):
     return default if value is None else value
 
 
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap) in HF's op order (Gemma 2 / 3's and nanochat's final logits);
+    `cap` None or 0: the logits as they are."""
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def sub_cfg_get(config, name: str, key: str, default=None):
     """A field of a sub-config (DBRX's attn_config / ffn_config, MPT's attn_config: a config
     object or a dict), `default` when it is missing or None."""

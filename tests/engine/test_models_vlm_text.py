@@ -3,7 +3,8 @@
 Tiny random wrapper models (`*ForConditionalGeneration`, a small vision tower included) saved
 by transformers: `LLM.generate` on them must give the wrapper's HF `generate` greedy tokens and
 top-5 logprobs (1e-3, float32) on text prompts. The cases make the mapping's details bite:
-Gemma 3's text config sets a final soft-cap that its wrapper does not apply; Mistral 3 ties by
+Gemma 3's text config sets a final soft-cap that its wrapper does not apply (Gemma 4's does,
+and its per-layer inputs come from the token ids as in the text model); Mistral 3 ties by
 its top-level flag (not text_config's), and a Mistral-Small-style config that omits the flag
 (transformers 5 then defaults to tied) still loads the checkpoint's own head; Qwen's M-RoPE
 sections (contiguous for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL) are the plain rope on
@@ -85,6 +86,23 @@ def _gemma3(**top) -> tuple[type, object]:
         **top,
     )
     return transformers.Gemma3ForConditionalGeneration, config
+
+
+def _gemma4(**top) -> tuple[type, object]:
+    """Gemma 4's wrapper around the E2B-style text model (per-layer inputs, KV sharing), with
+    a vision tower and its embedder (no audio tower)."""
+    vision = transformers.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
+    config = transformers.Gemma4Config(
+        text_config=_text("gemma4"), vision_config=vision.to_dict(), audio_config=None, **top
+    )
+    return transformers.Gemma4ForConditionalGeneration, config
 
 
 def _mistral3(text: dict, **top) -> tuple[type, object]:
@@ -194,6 +212,8 @@ def _qwen3_5(moe: bool, **top) -> tuple[type, object]:
 # name -> (builder of (wrapper class, config), the text class we serve it with)
 CASES = {
     "gemma3": (lambda: _gemma3(), "Gemma3ForCausalLM"),
+    # the wrapper soft-caps its logits and computes the per-layer inputs as the text model does
+    "gemma4": (lambda: _gemma4(), "Gemma4ForCausalLM"),
     # top-level tie False beats text_config's True (the tiny ministral3 ties)
     "mistral3-ministral3": (
         lambda: _mistral3(_text("ministral3"), tie_word_embeddings=False),

@@ -166,6 +166,26 @@ def test_biases_and_swigluoai_match_reference(seed, device, dtype, tokens, biase
     _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), got, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_gelu_tanh_matches_reference(seed, device, dtype, tokens):
+    """Gemma 4's experts: gelu(gate) * up with GELU's tanh approximation, against ref_fused_moe
+    (itself torch's gelu(approximate="tanh")), over small tiles too."""
+    experts, top_k = 8, 2
+    act = MoeActivation("gelu_tanh")
+    assert act.gated
+    x = (torch.randn(tokens, HID, device=device) * 2).to(dtype)  # gates reach GELU's bend
+    gate_up, down = _weights(experts, dtype, device)
+    weights, ids = _route(tokens, experts, top_k, device)
+    got = fused_moe(x, gate_up, down, weights, ids, activation=act)
+    _close(got, ref_fused_moe(x, gate_up, down, weights, ids, activation=act), dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)
+    _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, activation=act), got, dtype)
+    g, u = torch.randn(5, 7), torch.randn(5, 7)
+    want = 0.5 * g * (1 + torch.tanh(0.7978845608028654 * (g + 0.044715 * g**3))) * u
+    torch.testing.assert_close(moe_activation(g, u, act), want, rtol=1e-6, atol=1e-6)
+
+
 def _mxfp4_weights(experts: int, hid: int, inter: int, device, seed: int = 0, gated: bool = True):
     """Random MXFP4 gate_up [E, 2I, H] (up [E, I, H] if not gated) and down [E, H, I]: every
     code, scales 2^-10 to 2^-5."""

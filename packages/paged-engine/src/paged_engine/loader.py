@@ -116,6 +116,11 @@ def with_kv_head_count(config):
     count = counts.get(getattr(config, "model_type", None))
     if count is not None:
         config.num_key_value_heads = count(config)
+    if getattr(config, "per_layer_config", None) is not None:
+        # A config whose layers differ (Gemma 4's head sizes): transformers raises on reading a
+        # per-layer field globally. Models that differ read each layer's values themselves (and
+        # `kv_cache_layout` sizes the cache); elsewhere the global value is the default layer's.
+        config.allow_global_per_layer_attribute_access = True
     return config
 
 

@@ -82,6 +82,8 @@ MORE_TINY_ARCHS: list[str] = [
     "vaultgemma",
     "phimoe",
     "nanochat",
+    "gemma4",
+    "gemma4_moe",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -742,6 +744,48 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Gemma 4 (E2B / E4B layout): sliding layers of head size 16, full layers of 32 (proportional
+    # rope on a quarter of it), per-layer inputs of 8, the last two layers reading earlier
+    # layers' KV with double-wide MLPs (global KV heads apply with attention_k_eq_v only)
+    "gemma4": (
+        "Gemma4TextConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": False,
+            "sliding_window": 8,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": 512,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    # Gemma 4 MoE (26B-A4B layout): experts beside the dense MLP, full layers' values from their
+    # key projection (attention_k_eq_v), one global KV head, no per-layer inputs or KV sharing
+    "gemma4_moe": (
+        "Gemma4TextConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 8,
+            "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
     # nanochat: weightless norms (q / k after a reversed rope), relu^2 MLP, soft-capped logits
     "nanochat": ("NanoChatConfig", {**_LLAMA_LIKE, "final_logit_softcapping": 5.0}),
     # OLMo (v1): parameter-free LayerNorms; q / k / v clamped (tests also leave clip_qkv unset)
@@ -1262,6 +1306,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         # routing balance biases: DeepSeek-V3's, LFM2-MoE's (buffers)
         if name.endswith(("e_score_correction_bias", "expert_bias")):
             b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+        elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (saved)
+            b.copy_(1.0 + torch.randn(b.shape, generator=gen) * 0.3)
 
 
 class _quiet_progress:

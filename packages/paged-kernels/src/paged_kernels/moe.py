@@ -3,6 +3,7 @@
     y_t = sum over the k choices j of w_tj * down_e (act(gate_e x_t, up_e x_t)),  e = e_tj
 
     act   silu       silu(g) * u                                     (Llama-style experts)
+          gelu_tanh  gelu(g) * u, tanh approximation                 (Gemma 4)
           swigluoai  (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, L)  (gpt-oss)
           relu2      relu(u)^2, not gated: no gate_e, gate_up is up alone  (Nemotron-H)
 
@@ -128,7 +129,7 @@ def choose_moe_tiles(num_slots: int, num_experts: int, dtype: torch.dtype) -> Mo
 
 
 # MoeActivation.name -> the kernel's ACTIVATION code.
-ACTIVATIONS = {"silu": 0, "swigluoai": 1, "relu2": 2}
+ACTIVATIONS = {"silu": 0, "swigluoai": 1, "relu2": 2, "gelu_tanh": 3}
 
 
 @triton.jit
@@ -263,6 +264,9 @@ def _moe_gemm_kernel(
             gate = tl.minimum(acc, swiglu_limit)
             up = tl.minimum(tl.maximum(acc_up, -swiglu_limit), swiglu_limit)
             acc = (up + 1.0) * gate * tl.sigmoid(gate * swiglu_alpha)
+        elif ACTIVATION == 3:  # gelu_tanh
+            inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+            acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp2(inner * 2.8853900817779268) + 1.0)) * acc_up
         else:  # relu2 (not gated: acc is the up projection)
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc

@@ -341,6 +341,7 @@ class MoeActivation(NamedTuple):
     gate_up weight [E, 2I, H] (gate rows, then up rows):
 
     silu       silu(g) * u
+    gelu_tanh  gelu(g) * u, GELU's tanh approximation (Gemma 4's experts)
     swigluoai  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
                (gpt-oss; alpha and limit from its config's swiglu_alpha / swiglu_limit)
 
@@ -359,7 +360,7 @@ class MoeActivation(NamedTuple):
         return self.name in GATED_MOE_ACTIVATIONS
 
 
-GATED_MOE_ACTIVATIONS = ("silu", "swigluoai")
+GATED_MOE_ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh")
 MOE_ACTIVATIONS = (*GATED_MOE_ACTIVATIONS, "relu2")
 SILU = MoeActivation()
 
@@ -376,6 +377,8 @@ def moe_activation(gate: torch.Tensor, up: torch.Tensor | None, act: MoeActivati
         return torch.relu(gate).square()
     if act.name == "silu":
         return torch.nn.functional.silu(gate) * up
+    if act.name == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=act.limit)
     up = up.clamp(-act.limit, act.limit)
     return (up + 1) * gate * torch.sigmoid(gate * act.alpha)

@@ -53,6 +53,9 @@ class Attention(nn.Module):
         # may be updated in place). Set past nn.Module.__setattr__, so it is not registered a
         # second time under this module's name (a duplicate in state_dict / the loader's map).
         self.__dict__["sinks"] = sinks
+        # A layer that reads another layer's cache and writes none (Gemma 4's KV-shared
+        # layers): `set_kv_source`; its k / v arguments are ignored.
+        self.__dict__["kv_source"] = None
         # Set by a compiled forward (worker/cpu_compile.py): this layer's handle for the
         # paged_engine::attention operator and the index of its cache in the model's kv_caches.
         self.op_handle: int | None = None
@@ -60,6 +63,13 @@ class Attention(nn.Module):
         # Set by a compiled forward: a decode step's attention is traced into the graph
         # (`backend.attend_decode`) instead of calling the operator.
         self.trace_decode = False
+
+    def set_kv_source(self, source: Attention) -> None:
+        """Attend over `source`'s cache (the model hands this layer that cache) and never write
+        it: the keys and values there, written with `source`'s fp8 scales, are this layer's."""
+        if (source.num_kv_heads, source.head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError("a KV-sharing layer needs its source's KV head count and size")
+        self.__dict__["kv_source"] = source
 
     def forward(
         self,
@@ -98,12 +108,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         backend = attn_metadata.backend
-        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping, **scales)
+        source = self.kv_source
+        if source is not None:  # the cache holds the source layer's K / V of these tokens
+            scales = {"k_scale": source.k_scale, "v_scale": source.v_scale}
+        else:
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+            backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping, **scales)
         out = backend.attend(
             q,
             key_cache,

@@ -25,6 +25,7 @@ from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
+from paged_engine.models.gemma4 import Gemma4ForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
@@ -120,6 +121,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MinistralForCausalLM": MistralForCausalLM,
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
@@ -169,4 +171,15 @@ def get_model_class(hf_config) -> type[nn.Module]:
     raise ValueError(f"unsupported model architecture: {got}. Supported: {supported}")
 
 
-__all__ = ["MODEL_REGISTRY", "get_model_class"]
+def kv_cache_layout(hf_config) -> list[tuple[int, int]] | None:
+    """(num_kv_heads, head_dim) of each KV-cached layer, for a model whose layers cache
+    differently (its class's `kv_cache_layout`: Gemma 4); None where one shape serves all."""
+    try:
+        cls = get_model_class(hf_config)
+    except ValueError:
+        return None
+    layout = getattr(cls, "kv_cache_layout", None)
+    return None if layout is None else layout(hf_config)
+
+
+__all__ = ["MODEL_REGISTRY", "get_model_class", "kv_cache_layout"]

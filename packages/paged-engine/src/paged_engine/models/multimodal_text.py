@@ -5,6 +5,7 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
 
     wrapper (config.architectures)       text_config.model_type -> our class
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
+    Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -52,9 +53,9 @@ tokens get the same id in all three sections (their 1-D position, rope_deltas 0 
 images), so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style
 RoPE over head_dim with the same inv_freq.
 
-Not handled: images (the server refuses image content parts; there is no vision encoder here),
-LoRA adapters trained on the wrapper's module names, wrappers whose decoder is not one of ours
-as it stands (Gemma 3n, Llama 4).
+Not handled: images and audio (the server refuses image content parts; there is no vision or
+audio encoder here), LoRA adapters trained on the wrapper's module names, wrappers whose decoder
+is not one of ours as it stands (Gemma 3n, Llama 4).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ _LLAVA_STYLE = (
     "model.multi_modal_projector.",
 )
 _QWEN_VISUAL = ("visual.", "model.visual.")
+# Gemma 4: vision and audio towers and their embedders into the text space
+_GEMMA4_TOWERS = tuple(
+    f"{prefix}{part}."
+    for prefix in ("", "model.")
+    for part in ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,9 @@ WRAPPERS: dict[str, Wrapper] = {
     "Gemma3ForConditionalGeneration": Wrapper(
         {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True
     ),
+    # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
+    # per-layer inputs from the token ids as the text model does.
+    "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
     "Mistral3ForConditionalGeneration": Wrapper(
         {
             "mistral": "MistralForCausalLM",

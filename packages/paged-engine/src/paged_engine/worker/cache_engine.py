@@ -8,6 +8,7 @@ import torch
 import paged_kernels
 from paged_engine.attention import AttentionBackend
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
+from paged_engine.models import kv_cache_layout
 from paged_engine.models.hybrid import is_hybrid, num_kv_layers
 
 _FP8 = {
@@ -52,25 +53,40 @@ def _model_kv_shape(hf_config) -> tuple[int, int, int]:
     return num_layers, num_kv_heads, head_dim
 
 
-def kv_shape(hf_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) this rank caches, for any supported architecture:
+def _model_kv_layers(hf_config) -> list[tuple[int, int]]:
+    """(num_kv_heads, head_dim) of each KV-cached layer of the whole model, in layer order:
+    the model's own `kv_cache_layout` where its layers differ (Gemma 4), else one shape."""
+    layout = kv_cache_layout(hf_config)
+    if layout is not None:
+        return list(layout)
+    num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
+    return [(num_kv_heads, head_dim)] * num_layers
+
+
+def kv_layers(hf_config) -> list[tuple[int, int]]:
+    """(num_kv_heads, head_dim) of each layer this rank caches, for any supported architecture:
     its pipeline stage's layers and its tensor-parallel share of the KV heads (one replicated
     head when there are more TP ranks than KV heads)."""
-    num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
-    if num_layers == 0:
-        return 0, num_kv_heads, head_dim
+    layers = _model_kv_layers(hf_config)
+    if not layers:
+        return []
     state = get_parallel_state()
-    start, end = stage_layers(num_layers, state.pp_rank, state.pp_size)
-    return end - start, max(1, num_kv_heads // state.tp_size), head_dim
+    start, end = stage_layers(len(layers), state.pp_rank, state.pp_size)
+    return [(max(1, heads // state.tp_size), dim) for heads, dim in layers[start:end]]
+
+
+def kv_head_dim(hf_config) -> int:
+    """The widest KV head any layer caches (what the attention kernels must support)."""
+    return max((dim for _, dim in _model_kv_layers(hf_config)), default=1)
 
 
 def num_cpu_blocks(hf_config, block_size: int, dtype: torch.dtype, gib: float) -> int:
     """Blocks of the CPU pool (swap_space + cpu_offload_gib GiB): sized from the whole model's
     KV, so every rank (and the engine, which manages the pool) gets the same count; each rank
     holds its shard of those blocks. 0 = no CPU pool."""
-    num_layers, num_kv_heads, head_dim = _model_kv_shape(hf_config)
     elem = torch.empty((), dtype=dtype).element_size()
-    per_block = _kv_copies(hf_config) * num_layers * block_size * num_kv_heads * head_dim * elem
+    width = sum(heads * dim for heads, dim in _model_kv_layers(hf_config))
+    per_block = _kv_copies(hf_config) * block_size * width * elem
     return int(gib * (1 << 30)) // per_block if per_block else 0
 
 
@@ -96,23 +112,27 @@ class CacheEngine:
         backend: AttentionBackend,
         num_cpu_blocks: int = 0,
     ) -> None:
-        num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
-        shape = backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+        layers = kv_layers(hf_config)
         # The block axis of the backend's layout: the one dimension that follows num_blocks.
-        two, three = (backend.kv_cache_shape(n, block_size, num_kv_heads, head_dim) for n in (2, 3))
+        two, three = (backend.kv_cache_shape(n, block_size, 1, 1) for n in (2, 3))
         self._block_dim = next(i for i, (a, b) in enumerate(zip(two, three)) if a != b)
         self.num_blocks = num_blocks
         self.shared_kv = latent_kv(hf_config)
-        self.kv_caches = [self._pair(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.kv_caches = [
+            self._pair(backend.kv_cache_shape(num_blocks, block_size, *layer), dtype=dtype,
+                       device=device)
+            for layer in layers
+        ]  # fmt: skip
         self.device = device
         self.backend = backend
         self.cpu_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_cpu_blocks:
-            cpu_shape = backend.kv_cache_shape(num_cpu_blocks, block_size, num_kv_heads, head_dim)
             pin = device.type == "cuda"
             self.cpu_caches = [
-                self._pair(cpu_shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
-            ]
+                self._pair(backend.kv_cache_shape(num_cpu_blocks, block_size, *layer),
+                           dtype=dtype, pin_memory=pin)
+                for layer in layers
+            ]  # fmt: skip
 
     def _pair(self, shape, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's (key, value) caches: two tensors, or one latent tensor twice."""
@@ -124,21 +144,25 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-        num_layers, num_kv_heads, head_dim = kv_shape(hf_config)
         elem = torch.empty((), dtype=dtype).element_size()
-        copies = _kv_copies(hf_config)
-        return copies * num_layers * block_size * num_kv_heads * head_dim * elem
+        width = sum(heads * dim for heads, dim in kv_layers(hf_config))
+        return _kv_copies(hf_config) * block_size * width * elem
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """All (src, dst) copies of one step, over every layer's K and V, in one launch."""
         if not self.kv_caches:  # a model without KV layers: blocks hold nothing to copy
             return
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)
-        keys = [k for k, _ in self.kv_caches]
-        # A latent cache's values are its keys: copy each tensor once (the key and value
-        # lists of a launch must not hold one tensor twice, or two programs write one block).
-        values = [] if self.shared_kv else [v for _, v in self.kv_caches]
-        self.backend.copy_blocks(keys, values, mapping)
+        # One launch per cache shape (layers of one shape in most models; Gemma 4 has two).
+        by_shape: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for pair in self.kv_caches:
+            by_shape.setdefault(tuple(pair[0].shape), []).append(pair)
+        for group in by_shape.values():
+            keys = [k for k, _ in group]
+            # A latent cache's values are its keys: copy each tensor once (the key and value
+            # lists of a launch must not hold one tensor twice, or two programs write one block).
+            values = [] if self.shared_kv else [v for _, v in group]
+            self.backend.copy_blocks(keys, values, mapping)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, CPU block) copies of every layer's K and V; run before this step's

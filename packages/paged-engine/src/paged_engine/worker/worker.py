@@ -31,7 +31,7 @@ from paged_engine.lora.model import LoRAModel
 from paged_engine.models.multimodal_text import text_model_weights
 from paged_engine.quantized_checkpoint import fp8_checkpoint
 from paged_engine.spec_decode.draft_loader import attach_draft_model
-from paged_engine.worker.cache_engine import kv_shape, latent_kv
+from paged_engine.worker.cache_engine import kv_head_dim, latent_kv
 from paged_engine.worker.cpu_threads import set_cpu_threads
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
@@ -122,7 +122,7 @@ class Worker:
             self.device,
             batch_invariant=config.batch_invariant,
             # A latent cache has its own kernel (mla_attention) whatever its width.
-            head_dim=None if latent_kv(hf_config) else kv_shape(hf_config)[2],
+            head_dim=None if latent_kv(hf_config) else kv_head_dim(hf_config),
         )
         self.model_runner = ModelRunner(config, model, hf_config, self.device, backend)
         if config.enable_lora:  # slots allocated before the KV cache is sized

@@ -1,4 +1,4 @@
-"""GPT-BigCode, Falcon, GPT-J, BLOOM and MPT against HF transformers.
+"""GPT-BigCode, Falcon, GPT-J, GPT-Neo, BLOOM and MPT against HF transformers.
 
 `LLM.generate` on tiny random models, saved as HF saves them, must give HF `generate`'s greedy
 tokens and the same top-5 logprobs (1e-3, float32), per variant: GPT-BigCode with multi-query
@@ -8,7 +8,8 @@ LayerNorm, parallel attention), Falcon-11B's (new architecture, one LayerNorm) a
 biases, sequential layer, multi-head); GPT-J (parallel layer, interleaved rotary on part of each
 head, LM-head bias); BLOOM (ALiBi with 6 heads, two past the largest power of two, and the
 embedding LayerNorm); MPT (its own ALiBi slope order for 6 heads, bias-free layers; also with
-q / k / v clamped and a softmax scale of its own). Multi-query GPT-BigCode and grouped-KV Falcon
+q / k / v clamped and a softmax scale of its own); GPT-Neo (unscaled scores, a global and a
+local layer, window 8 < every prompt). Multi-query GPT-BigCode and grouped-KV Falcon
 also at TP=2, where the lone KV head is replicated and the KV groups split.
 """
 
@@ -47,6 +48,7 @@ CASES = {
     "bloom": ("bloom", {}),
     "mpt": ("mpt", {}),
     "mpt_clip_scale": ("mpt", {"attn_config": {"clip_qkv": 0.5, "softmax_scale": 0.2}}),
+    "gpt_neo": ("gpt_neo", {}),
 }
 
 

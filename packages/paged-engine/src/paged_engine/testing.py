@@ -75,6 +75,7 @@ MORE_TINY_ARCHS: list[str] = [
     "gptj",
     "bloom",
     "mpt",
+    "gpt_neo",
     "olmo",
     "glm",
     "helium",
@@ -1141,6 +1142,20 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     # MPT: ALiBi with MPT's slope order (6 heads: not a power of two), fused Wqkv [q | k | v],
     # bias-free LayerNorms and linears (tests also clamp q / k / v and scale the softmax)
     "mpt": ("MptConfig", {"d_model": 96, "n_layers": 2, "n_heads": 6, "max_seq_len": 1024}),
+    # GPT-Neo: unscaled attention, global and local layers (window 8 < prompts), learned
+    # positions, an MLP width of its own
+    "gpt_neo": (
+        "GPTNeoConfig",
+        {
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": 8,
+            "intermediate_size": 96,
+            "max_position_embeddings": 1024,
+        },
+    ),
     # GPT-J-6B's layout: parallel attention and MLP on one LayerNorm, interleaved rotary on the
     # first half of each head, LM head with a bias
     "gptj": (

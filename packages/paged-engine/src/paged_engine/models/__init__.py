@@ -30,6 +30,7 @@ from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_bigcode import GPTBigCodeForCausalLM
+from paged_engine.models.gpt_neo import GPTNeoForCausalLM
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.gptj import GPTJForCausalLM
@@ -122,6 +123,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,

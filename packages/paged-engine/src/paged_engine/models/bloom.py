@@ -69,6 +69,13 @@ def use_alibi(
     return attn
 
 
+def per_head_qkv(w: torch.Tensor, heads: int) -> tuple[torch.Tensor, ...]:
+    """A fused multi-head query_key_value weight or bias, rows [H, q|k|v, D] (BLOOM's,
+    Falcon-RW's), as (q, k, v), each [H * D, ...]."""
+    rows = w.reshape(heads, 3, -1, *w.shape[1:])
+    return tuple(rows[:, i].reshape(-1, *w.shape[1:]) for i in range(3))
+
+
 class BloomModel(LayerNormLlamaModel):
     """The LayerNorm stack without positions (its rotary instance is never used), with BLOOM's
     LayerNorm on the token embedding when `embed_norm` (MPT has none)."""
@@ -124,10 +131,6 @@ class BloomForCausalLM(CausalLMBase):
         if ".self_attn.query_key_value." not in name:
             yield name, w
             return
-        heads = self.config.num_attention_heads
-        rows = w.reshape(heads, 3, -1, *w.shape[1:])  # [H, q|k|v, D, ...]
-        for k, shard in enumerate("qkv"):
-            yield (
-                name.replace(".query_key_value.", f".{shard}_proj."),
-                rows[:, k].reshape(-1, *w.shape[1:]),
-            )
+        q, k, v = per_head_qkv(w, self.config.num_attention_heads)
+        for shard, part in zip("qkv", (q, k, v), strict=True):
+            yield name.replace(".query_key_value.", f".{shard}_proj."), part

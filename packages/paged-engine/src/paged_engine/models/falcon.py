@@ -29,7 +29,7 @@ from torch import nn
 
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.bloom import alibi_slopes, use_alibi
+from paged_engine.models.bloom import alibi_slopes, per_head_qkv, use_alibi
 from paged_engine.models.llama import LlamaAttention
 from paged_engine.models.starcoder2 import (
     LayerNormDecoderLayer,
@@ -132,8 +132,7 @@ class FalconForCausalLM(CausalLMBase):
             rows = w.reshape(kv_heads, group + 2, d, *rest)
             q, k, v = rows[:, :group], rows[:, group], rows[:, group + 1]
         elif kv_heads == heads:  # rows [H, q|k|v, D]
-            rows = w.reshape(heads, 3, d, *rest)
-            q, k, v = rows[:, 0], rows[:, 1], rows[:, 2]
+            q, k, v = per_head_qkv(w, heads)
         else:  # multi-query: q heads, then the one k and v head
             q, k, v = w.split([heads * d, d, d])
         for shard, part in zip("qkv", (q, k, v), strict=True):

@@ -6,7 +6,7 @@ HF stores GPT-2's projections as Conv1D with weight [in, out], the transpose of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -68,12 +68,16 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config):
+    """Token and learned position embeddings, the blocks (`build_block(i)`, GPT2Block by
+    default; GPT-Neo's its own), the final LayerNorm."""
+
+    def __init__(self, config, build_block: Callable[[int], nn.Module] | None = None):
         super().__init__()
         d = config.hidden_size
         self.wte = VocabParallelEmbedding(config.vocab_size, d)
         self.wpe = nn.Embedding(config.max_position_embeddings, d)
-        self.h, self.stage = make_layers(config.num_hidden_layers, lambda i: GPT2Block(config, i))
+        build = build_block or (lambda i: GPT2Block(config, i))
+        self.h, self.stage = make_layers(config.num_hidden_layers, build)
         self.ln_f = LayerNorm(d, eps=cfg_get(config, "layer_norm_epsilon", 1e-5))
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:

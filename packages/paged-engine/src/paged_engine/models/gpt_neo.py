@@ -17,11 +17,10 @@ import torch
 from torch import nn
 
 from paged_engine.layers.attention import Attention
-from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.gpt2 import GPT2MLP
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, make_layers
+from paged_engine.models.gpt2 import GPT2MLP, GPT2Model
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
 
 
 class GPTNeoSelfAttention(nn.Module):
@@ -66,32 +65,17 @@ class GPTNeoBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPTNeoModel(nn.Module):
-    def __init__(self, config) -> None:
-        super().__init__()
-        d = config.hidden_size
-        kinds = list(config.attention_layers)
-        bad = sorted(set(kinds) - {"global", "local"})
-        if bad or len(kinds) != config.num_hidden_layers:
-            raise ValueError(
-                f"GPT-Neo attention_types must give 'global' / 'local' for each of the "
-                f"{config.num_hidden_layers} layers, got {kinds}"
-            )
-        window = int(config.window_size)
-        self.wte = VocabParallelEmbedding(config.vocab_size, d)
-        self.wpe = nn.Embedding(config.max_position_embeddings, d)
-        self.h, self.stage = make_layers(
-            config.num_hidden_layers,
-            lambda i: GPTNeoBlock(config, window if kinds[i] == "local" else None),
+def gpt_neo_model(config) -> GPT2Model:
+    """GPT-2's stack around GPT-Neo's blocks, each global or local by `attention_layers`."""
+    kinds = list(config.attention_layers)
+    bad = sorted(set(kinds) - {"global", "local"})
+    if bad or len(kinds) != config.num_hidden_layers:
+        raise ValueError(
+            f"GPT-Neo attention_types must give 'global' / 'local' for each of the "
+            f"{config.num_hidden_layers} layers, got {kinds}"
         )
-        self.ln_f = LayerNorm(d, eps=cfg_get(config, "layer_norm_epsilon", 1e-5))
-
-    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        # hidden: the previous pipeline stage's output (None on the first stage)
-        x = self.wte(input_ids) + self.wpe(positions) if hidden is None else hidden  # [T, D]
-        for block, kv_cache in zip(self.stage.layers(self.h), kv_caches, strict=True):
-            x = block(x, kv_cache, md)
-        return self.ln_f(x) if self.stage.is_last else x
+    window = int(config.window_size)
+    return GPT2Model(config, lambda i: GPTNeoBlock(config, window if kinds[i] == "local" else None))
 
 
 class GPTNeoForCausalLM(CausalLMBase):
@@ -102,4 +86,4 @@ class GPTNeoForCausalLM(CausalLMBase):
     ignored_weights = (".attn.attention.bias", ".attn.attention.masked_bias")  # HF's masks
 
     def __init__(self, config) -> None:
-        super().__init__(config, GPTNeoModel(config))
+        super().__init__(config, gpt_neo_model(config))

@@ -149,7 +149,8 @@ class CacheEngine:
         return _kv_copies(hf_config) * block_size * width * elem
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """All (src, dst) copies of one step, over every layer's K and V, in one launch."""
+        """All (src, dst) copies of one step, over every layer's K and V: one launch per cache
+        shape."""
         if not self.kv_caches:  # a model without KV layers: blocks hold nothing to copy
             return
         mapping = torch.tensor(pairs, dtype=torch.int64).to(self.device)

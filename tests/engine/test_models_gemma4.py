@@ -11,14 +11,19 @@ logprobs (1e-3, float32), in the two layouts the family ships:
   per-expert scales, and full layers with one global KV head whose values are their key
   projection (k_eq_v).
 
-Also: TP=2 gives the one-process results; the KV cache holds one tensor per layer that computes
-KV, each of its own shape; what the engine does not do is refused by name.
+Also: TP=2 gives the one-process results; a LoRA adapter on the attention projections gives
+HF's merged model; the KV cache holds one tensor per layer that computes KV, each of its own
+shape; what the engine does not do is refused by name.
 """
 
 from __future__ import annotations
 
 import pytest
-from hf_reference import assert_tiny_case_matches_hf, assert_tp_matches_one_process
+from hf_reference import (
+    assert_lora_matches_hf_merged,
+    assert_tiny_case_matches_hf,
+    assert_tp_matches_one_process,
+)
 
 from paged_engine import LLM
 from paged_engine.testing import write_tiny_model
@@ -40,6 +45,14 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     split as every FusedMoE's do: tests/engine/test_models_moe.py)."""
     path = write_tiny_model(tmp_path, "gemma4", seed=3)
     assert_tp_matches_one_process(path, PROMPTS, 8, max_model_len=64)
+
+
+def test_lora_on_attention_matches_hf_merged(tmp_path):
+    """An adapter on q / k / o: on k_eq_v full layers the k_proj delta reaches the values too
+    (they are the key projection), as in HF's merged model."""
+    path = write_tiny_model(tmp_path / "model", "gemma4_moe", seed=1)
+    targets = ("q_proj", "k_proj", "o_proj")
+    assert_lora_matches_hf_merged(path, tmp_path, list(range(5, 30)), 6, 3, targets=targets)
 
 
 @pytest.mark.parametrize(

@@ -426,7 +426,12 @@ class SparseMoeBlock(nn.Module):
             mxfp4=mxfp4,
         )
 
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k], expert ids [T, k]) of x [T, H]: softmax top-k, renormalized when
+        `renormalize`; a family with its own routing (DBRX, Phi-MoE) overrides this alone."""
+        return route(self.gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.select_experts(x)
         out = self.experts(x, weights, ids)
         return tp_all_reduce(out) if self.experts.tp_size > 1 else out

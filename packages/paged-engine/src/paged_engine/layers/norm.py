@@ -71,6 +71,17 @@ class RMSNorm(nn.Module):
     _consts: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class UnitRMSNorm(nn.Module):
+    """x / rms(x) in float32, rounded to x's dtype: an RMSNorm without a weight."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
+        return torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
+
+
 def rms_norm_kernel(norm: RMSNorm) -> Callable[..., torch.Tensor]:
     """paged_kernels.rms_norm rounding as `norm` does (`round_before_weight`): the kernel the
     Triton backend and batch-invariant mode give a norm of this kind."""

@@ -30,7 +30,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
@@ -94,13 +93,12 @@ class DbrxMoe(SparseMoeBlock):
         p = sub_cfg_get(config, "ffn_config", "moe_normalize_expert_weights")
         self.p = None if p is None else float(p)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.p is not None:
             weights = weights / torch.norm(weights, p=self.p, dim=-1, keepdim=True)
-        out = self.experts(x, weights, ids)
-        return tp_all_reduce(out) if self.experts.tp_size > 1 else out
+        return weights, ids
 
 
 class DbrxForCausalLM(CausalLMBase):
@@ -120,8 +118,9 @@ class DbrxForCausalLM(CausalLMBase):
             theta = rope_config(config)[0]
         rope = RotaryEmbedding(head_dim, head_dim, int(config.max_position_embeddings), theta)
 
+        clip = sub_cfg_get(config, "attn_config", "clip_qkv")
+
         def build(i: int, _: RotaryEmbedding) -> nn.Module:
-            clip = sub_cfg_get(config, "attn_config", "clip_qkv")
             attn = ClipQKVAttention(config, i, _NO_BIAS, rope, clip)
             layer = LayerNormDecoderLayer(d, _EPS, attn, DbrxMoe(config), parallel=False)
             layer.input_layernorm = LayerNorm(d, eps=_EPS, bias=False)

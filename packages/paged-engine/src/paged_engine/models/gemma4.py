@@ -48,11 +48,18 @@ from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.fused_moe import FusedMoE
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
 from paged_engine.models.gemma2 import GemmaMLP, gemma_layer_types
-from paged_engine.models.nanochat import UnitRMSNorm
 from paged_engine.models.olmo2 import Olmo2RMSNorm
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, make_layers, soft_cap
+from paged_engine.models.utils import (
+    QKV_PROJ_RULES,
+    CausalLMBase,
+    cfg_get,
+    layer_index,
+    make_layers,
+    soft_cap,
+)
 from paged_kernels import MoeActivation
 
 GELU_TANH = MoeActivation("gelu_tanh")
@@ -127,7 +134,6 @@ class Gemma4Attention(nn.Module):
         rope: RotaryEmbedding,
         sliding_window: int | None,
         kv_shared: bool,
-        k_eq_v: bool,
     ) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
@@ -141,12 +147,11 @@ class Gemma4Attention(nn.Module):
             local_heads = self.q_heads.weight.shape[0] // head_dim
             local_kv = max(1, kv_heads // self.q_heads.tp_size)  # as QKVParallelLinear splits
         else:
-            # k_eq_v: v_proj is absent; the checkpoint's k_proj loads into both k and v
+            # k_eq_v layers: no v_proj; the checkpoint's k_proj loads into k and v
             self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=bias)
             local_heads, local_kv = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
             self.k_norm = Olmo2RMSNorm(head_dim, eps)
             self.v_norm = UnitRMSNorm(eps)
-        self.k_eq_v = k_eq_v
         self.q_size, self.kv_size = local_heads * head_dim, local_kv * head_dim
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=bias)
         self.attn = Attention(local_heads, head_dim, local_kv, 1.0, sliding_window=sliding_window)
@@ -187,7 +192,7 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4Layer(nn.Module):
-    def __init__(self, config, layer_idx: int, attn: Gemma4Attention, double_mlp: bool) -> None:
+    def __init__(self, config, attn: Gemma4Attention, double_mlp: bool) -> None:
         super().__init__()
         d, eps = config.hidden_size, float(cfg_get(config, "rms_norm_eps", 1e-6))
         self.self_attn = attn
@@ -253,7 +258,6 @@ class Gemma4Model(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(d**0.5), persistent=False)
         ropes: dict[tuple[str, int], RotaryEmbedding] = {}
         window = cfg_get(config, "sliding_window", None)
-        k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
         double = bool(getattr(config, "use_double_wide_mlp", False))
 
         def build(i: int) -> Gemma4Layer:
@@ -269,9 +273,8 @@ class Gemma4Model(nn.Module):
                 ropes[key],
                 window if kind == "sliding_attention" else None,
                 kv_shared=shared,
-                k_eq_v=k_eq_v and kind == "full_attention",
             )
-            return Gemma4Layer(config, i, attn, double and shared)
+            return Gemma4Layer(config, attn, double and shared)
 
         self.layers, self.stage = make_layers(n, build)
         self.ropes = nn.ModuleList(ropes.values())  # registered once; the layers share them
@@ -300,18 +303,18 @@ class Gemma4Model(nn.Module):
         return (proj + tok) * 2**-0.5
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        # One pipeline stage (KV-shared models refuse more), so kv_caches holds every layer
-        # that computes its own KV, in layer order.
-        x = self.embed_tokens(input_ids)
-        x = x * self.embed_scale.to(x.dtype)  # [T, D]
-        ple = self._ple_inputs(input_ids, x) if self.ple_dim else None
-        if hidden is not None:  # a later pipeline stage (models without KV sharing)
-            x = hidden
-        stage = range(self.stage.start, self.stage.end)
-        cache_of = {layer: k for k, layer in enumerate(stage)}
-        for i in stage:
+        # kv_caches: this stage's layers that compute their own KV, in layer order. A KV-shared
+        # model has one stage (it refuses more), so a layer's source indexes it from 0.
+        ple, x = None, hidden
+        if hidden is None or self.ple_dim:  # every stage needs the per-layer inputs
+            embedded = self.embed_tokens(input_ids)
+            embedded = embedded * self.embed_scale.to(embedded.dtype)  # [T, D]
+            ple = self._ple_inputs(input_ids, embedded) if self.ple_dim else None
+            x = embedded if hidden is None else hidden
+        start = self.stage.start
+        for i in range(start, self.stage.end):
             layer_ple = None if ple is None else ple[:, i]
-            kv = kv_caches[cache_of[self.sources[i]]]
+            kv = kv_caches[self.sources[i] - start]
             x = self.layers[i](positions, x, kv, md, layer_ple)
         return self.norm(x) if self.stage.is_last else x
 
@@ -332,9 +335,10 @@ class Gemma4ForCausalLM(CausalLMBase):
             )
         super().__init__(config, Gemma4Model(config))
         self.final_soft_cap = cfg_get(config, "final_logit_softcapping", None)
-        self.sources = self.model.sources
-        self.k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
-        self.types = gemma_layer_types(config, 6)
+        # layers whose values are their key projection: k_eq_v's full layers
+        k_eq_v = bool(getattr(config, "attention_k_eq_v", False))
+        types = gemma_layer_types(config, 6)
+        self.values_from_keys = {i for i, t in enumerate(types) if k_eq_v and t == "full_attention"}
 
     @classmethod
     def kv_cache_layout(cls, config) -> list[tuple[int, int]]:
@@ -346,24 +350,16 @@ class Gemma4ForCausalLM(CausalLMBase):
         return soft_cap(super().compute_logits(hidden), self.final_soft_cap)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        layer = _layer_of(name)
+        layer = layer_index(name)
         if layer is None or ".self_attn." not in name:
             yield name, w
             return
-        if self.sources[layer] != layer:  # KV-shared: queries only (HF ignores the rest too)
+        if self.model.sources[layer] != layer:  # KV-shared: queries only (HF ignores the rest)
             if ".self_attn.q_proj." in name:
                 yield name.replace(".q_proj.", ".q_heads."), w
             elif ".self_attn.q_norm." in name or ".self_attn.o_proj." in name:
                 yield name, w
             return
         yield name, w
-        if self.k_eq_v and self.types[layer] == "full_attention" and ".k_proj." in name:
+        if layer in self.values_from_keys and ".k_proj." in name:
             yield name.replace(".k_proj.", ".v_proj."), w  # values are the key projection
-
-
-def _layer_of(name: str) -> int | None:
-    parts = name.split(".layers.", 1)
-    if len(parts) != 2:
-        return None
-    head = parts[1].split(".", 1)[0]
-    return int(head) if head.isdigit() else None

@@ -15,23 +15,12 @@ No biases unless `attention_bias`; the head is untied by default.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaAttention, LlamaModel, PreNormDecoderLayer
 from paged_engine.models.nemotron_h import Relu2MLP
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, soft_cap
-
-
-class UnitRMSNorm(nn.Module):
-    """x / rms(x) in float32, rounded to x's dtype: an RMSNorm without a weight."""
-
-    def __init__(self, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., D]
-        return torch.rms_norm(x.float(), (x.shape[-1],), None, self.eps).to(x.dtype)
 
 
 class NanoChatAttention(LlamaAttention):

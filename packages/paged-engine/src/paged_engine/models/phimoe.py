@@ -23,7 +23,6 @@ import copy
 
 import torch
 
-from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, context_len_or, rope_config
@@ -65,10 +64,8 @@ class PhimoeMoe(SparseMoeBlock):
         )
         self.eps = float(cfg_get(config, "router_jitter_noise", 0.01))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, ids = sparsemixer_top2(self.gate(x).float(), self.eps)
-        out = self.experts(x, weights, ids)
-        return tp_all_reduce(out) if self.experts.tp_size > 1 else out
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return sparsemixer_top2(self.gate(x).float(), self.eps)
 
 
 def _rope_view(config):

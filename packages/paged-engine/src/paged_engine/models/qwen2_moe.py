@@ -21,7 +21,7 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.deepseek_moe import SharedExpertsMLP
-from paged_engine.layers.fused_moe import MoeRouter, SparseMoeBlock, route
+from paged_engine.layers.fused_moe import MoeRouter, SparseMoeBlock
 from paged_engine.models.mixtral import num_experts
 from paged_engine.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -47,7 +47,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = MoeRouter(1, hidden_size) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = self.select_experts(x)
         shared = self.shared_expert(x)  # this rank's partial sum, like the experts'
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared

@@ -104,6 +104,12 @@ def _short(names: list[str], limit: int = 12) -> str:
 _LAYER_INDEX = re.compile(r"\.(?:layers|h)\.(\d+)\.")
 
 
+def layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name belongs to, None for one outside the layers."""
+    match = _LAYER_INDEX.search(name)
+    return None if match is None else int(match.group(1))
+
+
 class PPMissingLayer(nn.Identity):
     """A decoder layer that another pipeline stage holds: no parameters, never called."""
 
@@ -254,8 +260,8 @@ class CausalLMBase(nn.Module):
         def skip(name: str) -> bool:
             if name == tied_head or name.endswith(ignored):
                 return True
-            layer = _LAYER_INDEX.search(name)  # another pipeline stage's layer
-            return layer is not None and not start <= int(layer.group(1)) < end
+            layer = layer_index(name)  # another pipeline stage's layer
+            return layer is not None and not start <= layer < end
 
         return load_named_weights(
             self,

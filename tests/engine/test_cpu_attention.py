@@ -16,7 +16,7 @@ import torch
 
 from paged_engine.attention import AttentionMetadata, get_attention_backend
 from paged_engine.attention.cpu_backend import CpuBackend, DecodeRows
-from paged_engine.attention.cpu_plan import length_bands
+from paged_engine.attention.cpu_plan import FULL, LocalRange, length_bands
 from paged_kernels import alibi_slopes, ref_paged_attention, ref_write_kv_cache
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -122,6 +122,7 @@ def test_random_mixed_batches(dtype, num_heads, num_kv_heads, block_size):
     [
         {},
         {"sliding_window": 5},
+        {"attention_chunk_size": 6},  # Llama 4's chunked local attention
         {"soft_cap": 3.0},
         {"alibi": True},
         {"soft_cap": 2.0, "sliding_window": 9, "alibi": True},
@@ -178,7 +179,7 @@ def test_triton_backend_off_cuda_needs_the_interpreter(monkeypatch):
 
 def test_mask_dropped_only_when_every_key_is_visible():
     """A decode group whose rows all see all keys runs SDPA without a mask; padding keys, a
-    window shorter than the context, or batch invariance keep it."""
+    window or chunk shorter than the context, or batch invariance keep it."""
 
     def group(q_lens, ctx, batch_invariant=False):
         *_, md = make_batch(
@@ -189,12 +190,14 @@ def test_mask_dropped_only_when_every_key_is_visible():
         (g,) = backend._plan(md).groups(4)
         return g
 
-    assert group([1], [30]).sdpa_mask(None, 2) is None
-    assert group([1, 1], [9, 9]).sdpa_mask(None, 2) is None
-    assert group([1, 1], [9, 9]).sdpa_mask(20, 2) is None  # window longer than the context
-    assert group([1, 1], [9, 9]).sdpa_mask(4, 2) is not None
-    assert group([1, 1], [9, 7]).sdpa_mask(None, 2) is not None  # the shorter row has padding
-    assert group([1], [30], batch_invariant=True).sdpa_mask(None, 2) is not None  # keys to 512
+    assert group([1], [30]).sdpa_mask(FULL, 2) is None
+    assert group([1, 1], [9, 9]).sdpa_mask(FULL, 2) is None
+    assert group([1, 1], [9, 9]).sdpa_mask(LocalRange(window=20), 2) is None  # past the context
+    assert group([1, 1], [9, 9]).sdpa_mask(LocalRange(window=4), 2) is not None
+    assert group([1, 1], [9, 9]).sdpa_mask(LocalRange(chunk=16), 2) is None  # one chunk
+    assert group([1, 1], [9, 9]).sdpa_mask(LocalRange(chunk=8), 2) is not None
+    assert group([1, 1], [9, 7]).sdpa_mask(FULL, 2) is not None  # the shorter row has padding
+    assert group([1], [30], batch_invariant=True).sdpa_mask(FULL, 2) is not None  # keys to 512
 
 
 def test_head_kv_index_gathers_the_same_rows_as_the_planes():
@@ -284,7 +287,13 @@ def _attend_decode(q, key, value, kc, vc, md, **options):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (8, 1)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(
-    "options", [{}, {"sliding_window": 5}, {"soft_cap": 3.0, "sliding_window": 20}]
+    "options",
+    [
+        {},
+        {"sliding_window": 5},
+        {"soft_cap": 3.0, "sliding_window": 20},
+        {"attention_chunk_size": 6},
+    ],
 )
 def test_attend_decode_matches_the_reference(dtype, num_heads, num_kv_heads, block_size, options):
     """The traced decode step (compiled forward) writes the reference's cache bytes and attends

@@ -149,6 +149,7 @@ def test_long_prefill_rows(seed, device):
 
 FEATURES = {
     "window": {"sliding_window": 37},
+    "chunk": {"attention_chunk_size": 48},  # not a multiple of the block size or a tile
     "soft_cap": {"soft_cap": 3.0},
     "alibi": {"alibi_slopes": alibi_slopes(4)},
     "all": {"sliding_window": 100, "soft_cap": 5.0, "alibi_slopes": alibi_slopes(4)},

@@ -5,11 +5,15 @@ of one sequence and one KV head; the GROUP query heads sharing that KV head are 
 M dimension (row m = query token m // GROUP_P2, head m % GROUP_P2), so each K/V tile is read
 once per GROUP heads. K/V are gathered through the block table a BLOCK_N-key tile at a time,
 with an fp32 online softmax (base 2) and tl.dot for QK^T and PV. Key tiles outside the causal /
-sliding-window range of the query tile are never visited.
+sliding-window / attention-chunk range of the query tile are never visited.
 
-Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
-each sequence is cut into NUM_SPLITS chunks handled by separate programs; each writes a normalised
-partial output and its log-sum-exp, and a small second kernel merges them.
+Chunked local attention (Llama 4's rope layers, `attention_chunk_size` C): a query at position p
+sees the keys of its own chunk, positions floor(p / C) * C .. p.
+
+Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the keys a query
+tile sees (its window or attention chunk, else all) are cut into NUM_SPLITS shares handled by
+separate programs; each writes a normalised partial output and its log-sum-exp, and a small
+second kernel merges them.
 
 An fp8 cache is dequantized on load: each K/V tile is cast to q's dtype (exact: every fp8 value
 is representable there) and the per-tensor scales are folded into the math, k_scale into the
@@ -70,7 +74,7 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 # Batch-shape scalars change every step: no specialisation on them (one compile per config).
-@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "window"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "window", "chunk"])
 def _paged_attention_kernel(
     q_ptr,  # [num_q_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -89,6 +93,7 @@ def _paged_attention_kernel(
     v_scale,  # an fp8 cache's value scale; 1 otherwise
     soft_cap,
     window,
+    chunk,  # attention_chunk_size, read only if USE_CHUNK
     stride_qt,
     stride_qh,
     stride_ot,
@@ -110,6 +115,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P2
     BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_CHUNK: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr,
@@ -154,10 +160,14 @@ def _paged_attention_kernel(
         # however its query rows were tiled (leading fully masked tiles are exact no-ops).
         lo = tl.maximum(lo, ctx + local * BLOCK_Q - window + 1)
         lo -= lo % BLOCK_N
-    if SPLIT:
-        split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        lo = tl.maximum(lo, split * split_len)
-        hi = tl.minimum(hi, (split + 1) * split_len)
+    if USE_CHUNK:  # the first row's chunk starts first (aligned down likewise)
+        first = ctx + local * BLOCK_Q
+        lo = tl.maximum(lo, first - first % chunk)
+        lo -= lo % BLOCK_N
+    if SPLIT:  # equal BLOCK_N-aligned shares of the visible range [lo, hi) (lo is aligned)
+        split_len = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = lo + split * split_len
+        hi = tl.minimum(hi, lo + split_len)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
@@ -198,6 +208,8 @@ def _paged_attention_kernel(
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+        if USE_CHUNK:
+            visible = visible & (offs_n[None, :] >= (q_pos - q_pos % chunk)[:, None])
         s = tl.where(visible, s * 1.4426950408889634, float("-inf"))  # log2(e): base-2 softmax
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -290,6 +302,7 @@ def paged_attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
@@ -370,8 +383,12 @@ def paged_attention(
     if num_splits is None:
         if max_seqlen_q == 1 and max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())
+        keys = max_seqlen_k or 0  # the most keys a decode row sees
+        for limit in (sliding_window, attention_chunk_size):
+            if limit and limit > 0:
+                keys = min(keys, limit)
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0, device_sms(q.device)
+            num_seqs, num_kv_heads, max_seqlen_q, keys, device_sms(q.device)
         )
     check(num_splits >= 1, "num_splits must be >= 1")
     split = num_splits > 1
@@ -405,6 +422,7 @@ def paged_attention(
         float(v_scale),
         float(soft_cap or 0.0),
         int(sliding_window or 0),
+        int(attention_chunk_size or 1),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -426,6 +444,7 @@ def paged_attention(
         BLOCK_M=block_q * group_p2,
         BLOCK_N=block_n,
         USE_WINDOW=bool(sliding_window and sliding_window > 0),
+        USE_CHUNK=bool(attention_chunk_size and attention_chunk_size > 0),
         USE_SOFT_CAP=bool(soft_cap and soft_cap > 0),
         USE_ALIBI=alibi_slopes is not None,
         USE_SINKS=sinks is not None,

@@ -133,6 +133,7 @@ def ref_paged_attention(
     scale: float,
     *,
     sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,  # [num_heads] fp32
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, head_dim]
@@ -145,7 +146,8 @@ def ref_paged_attention(
 
     Invariant: the K/V of every position < seq_lens[i] (this step's tokens included) is already
     in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
-    key positions k with k <= pos and, with a sliding window W, pos - k < W.
+    key positions k with k <= pos and, with a sliding window W, pos - k < W; with an attention
+    chunk size C (chunked local attention), floor(k / C) == floor(pos / C).
 
     `sinks` (gpt-oss): each row's softmax of head h also runs over one extra logit sinks[h]
     (not scaled, capped, biased or windowed), whose probability multiplies no value:
@@ -181,6 +183,8 @@ def ref_paged_attention(
         mask = k_pos <= q_pos
         if sliding_window is not None and sliding_window > 0:
             mask = mask & (q_pos - k_pos < sliding_window)
+        if attention_chunk_size is not None and attention_chunk_size > 0:
+            mask = mask & (k_pos >= q_pos - q_pos % attention_chunk_size)
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is not None:  # one more column holding the sink; its probability is dropped
             sink = sinks.to(q.device).float()[:, None, None].expand(num_heads, q_len, 1)

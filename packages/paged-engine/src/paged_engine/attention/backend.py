@@ -73,6 +73,9 @@ class AttentionBackend(ABC):
     layer's per-tensor scales, fixed before the first write); `attend` dequantizes what it
     reads. Any other cache dtype takes scales of exactly 1.0.
 
+    `sliding_window` W: a query at position p sees keys p - W < k <= p. `attention_chunk_size` C
+    (Llama 4's chunked local attention): keys p - p % C <= k <= p. None = the whole context.
+
     `sinks` (gpt-oss): [H] float raw logits, one per query head, that join every row's softmax
     denominator and add nothing to its output (`ref_paged_attention`); None = none. A backend
     that cannot honour them raises, never drops them."""
@@ -134,6 +137,7 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        attention_chunk_size: int | None = None,
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
@@ -274,6 +278,7 @@ class KernelBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        attention_chunk_size: int | None = None,
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
@@ -293,6 +298,7 @@ class KernelBackend(AttentionBackend):
             md.seq_lens,
             scale,
             sliding_window=sliding_window,
+            attention_chunk_size=attention_chunk_size,
             soft_cap=soft_cap,
             alibi_slopes=alibi_slopes,
             k_scale=k_scale,

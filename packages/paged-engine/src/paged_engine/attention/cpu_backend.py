@@ -38,7 +38,14 @@ import torch
 import torch.nn.functional as F
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata, HostLengths
-from paged_engine.attention.cpu_plan import CpuPlan, RowGroup, build_plan, write_index
+from paged_engine.attention.cpu_plan import (
+    FULL,
+    CpuPlan,
+    LocalRange,
+    RowGroup,
+    build_plan,
+    write_index,
+)
 from paged_kernels import FP8_DTYPES, check_kv_scales, fp8_to_float, ref_quantize
 
 BATCH_INVARIANT_KV_MULTIPLE = 512
@@ -131,6 +138,7 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        attention_chunk_size: int | None = None,
         alibi_slopes: torch.Tensor | None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
@@ -143,12 +151,13 @@ class CpuBackend(AttentionBackend):
         num_kv_heads, head_dim = key_cache.shape[0], key_cache.shape[-1]
         group = query.shape[1] // num_kv_heads
         groups = plan.groups(key_cache.shape[2])
+        local = LocalRange(sliding_window or 0, attention_chunk_size or 0)
         if (
             len(groups) == 1
             and groups[0].q_len == 1
             and groups[0].dst is None
             and key_cache.dtype == query.dtype
-            and not (sliding_window or soft_cap or self.kv_multiple > 1)
+            and not (sliding_window or attention_chunk_size or soft_cap or self.kv_multiple > 1)
             and alibi_slopes is None
         ):
             return self._decode(query, key_cache, value_cache, groups[0], scale, sinks)
@@ -163,13 +172,13 @@ class CpuBackend(AttentionBackend):
             k = _read(k_rows.index_select(0, rows).view(shape), k_scale, query.dtype)
             v = _read(v_rows.index_select(0, rows).view(shape), v_scale, query.dtype)
             if soft_cap or alibi_slopes is not None:
-                mask = g.mask(sliding_window, group)  # [1, S, Q*G or 1, L] bool
+                mask = g.mask(local, group)  # [1, S, Q*G or 1, L] bool
                 o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group, sinks)
             else:
                 # Batch invariance keeps the mask always: one row, one code path in SDPA.
                 exact = self.kv_multiple > 1
                 masked = g.mask if exact else g.sdpa_mask
-                mask = masked(sliding_window, group)
+                mask = masked(local, group)
                 o = _sdpa(q, k, v, mask, scale, sinks)
             outs.append(g.unfold_rows(o, group))  # [rows, H, D]
         return plan.scatter(outs, query)
@@ -194,7 +203,7 @@ class CpuBackend(AttentionBackend):
         k = key_cache.view(-1, head_dim).index_select(0, rows).view(shape)
         v = value_cache.view(-1, head_dim).index_select(0, rows).view(shape)
         q = query.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)
-        mask = g.sdpa_mask(None, group)
+        mask = g.sdpa_mask(FULL, group)
         o = _sdpa(q, k, v, mask, scale, sinks)
         return o.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
@@ -210,12 +219,13 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         soft_cap: float | None,
+        attention_chunk_size: int | None = None,
         sinks: torch.Tensor | None = None,  # [H] float
     ) -> torch.Tensor:  # [S, H*D]
         """`write_kv` + `attend` of a decode step (one token per row), in ops `torch.compile`
         traces: row s (position seq_lens[s] - 1) attends to its keys 0 .. seq_lens[s] - 1
-        (within the window), gathered by whole blocks; scores and softmax in fp32 as
-        `_attend_math`, sinks too. No fp8 cache, no ALiBi (the compiled forward keeps those
+        (within the window or attention chunk), gathered by whole blocks; scores and softmax in
+        fp32 as `_attend_math`, sinks too. No fp8 cache, no ALiBi (the compiled forward keeps those
         layers on the opaque operator)."""
         num_kv_heads, num_blocks, block_size, head_dim = key_cache.shape
         num_rows = query.shape[0]
@@ -236,6 +246,8 @@ class CpuBackend(AttentionBackend):
         visible = key_pos <= last
         if sliding_window:
             visible = visible & (last - key_pos < sliding_window)
+        if attention_chunk_size:
+            visible = visible & (key_pos >= last - last % attention_chunk_size)
         probs = _softmax(scores.masked_fill(~visible, float("-inf")), sinks)
         out = torch.matmul(probs, v.float()).to(query.dtype)  # [Hkv, S, G, D]
         return out.transpose(0, 1).reshape(num_rows, num_kv_heads * group * head_dim)

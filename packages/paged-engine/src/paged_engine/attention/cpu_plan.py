@@ -10,12 +10,13 @@ and each kind into length bands (`length_bands`), so padding stays within a fixe
 the real work whatever the mix of lengths; the number of groups is bounded, not per sequence.
 
 Padding keys point at slot 0 (the null block) and are masked; padding query rows are computed
-and dropped. Masks are built per (sliding window, GQA group size) on first use.
+and dropped. Masks are built per (local range, GQA group size) on first use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +51,18 @@ def write_index(slot_mapping: np.ndarray) -> tuple[torch.Tensor, torch.Tensor | 
     )
 
 
+class LocalRange(NamedTuple):
+    """Which earlier keys a query at position p sees besides causality; 0 = no limit.
+    `window` W: p - k < W (sliding window). `chunk` C: k >= p - p % C (chunked local
+    attention, Llama 4: a query sees its own C-aligned chunk only)."""
+
+    window: int = 0
+    chunk: int = 0
+
+
+FULL = LocalRange()
+
+
 @dataclass(slots=True, eq=False)
 class RowGroup:
     """Sequences attended in one SDPA call: S sequences, Q query rows and L keys each."""
@@ -63,8 +76,8 @@ class RowGroup:
     q_index: torch.Tensor | None  # [S*Q] query tensor row of each padded row; None = identity
     keep: torch.Tensor | None  # [R] padded rows that are real; None = all
     dst: torch.Tensor | None  # [R] output rows of the real rows; None = [0, R) in order
-    _masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
-    _all_visible: dict[tuple[int, int], bool] = field(default_factory=dict)
+    _masks: dict[tuple[LocalRange, int], torch.Tensor] = field(default_factory=dict)
+    _all_visible: dict[tuple[LocalRange, int], bool] = field(default_factory=dict)
     _head_index: tuple[int, int, torch.Tensor] | None = None
 
     def head_kv_index(self, num_kv_heads: int, slots_per_head: int) -> torch.Tensor:
@@ -93,29 +106,31 @@ class RowGroup:
         out = out.reshape(self.num_seqs * self.q_len, num_kv_heads * group, d)
         return out if self.keep is None else out.index_select(0, self.keep)
 
-    def mask(self, window: int | None, group: int) -> torch.Tensor:
+    def mask(self, local: LocalRange, group: int) -> torch.Tensor:
         """Visible keys, [1, S, 1, L] for decode rows, else [1, S, Q*G, L] bool."""
-        key = (window or 0, group)
+        key = (local, group)
         m = self._masks.get(key)
         if m is None:
-            m = self._masks[key] = self._build_mask(window, group)
+            m = self._masks[key] = self._build_mask(local, group)
         return m
 
-    def sdpa_mask(self, window: int | None, group: int) -> torch.Tensor | None:
+    def sdpa_mask(self, local: LocalRange, group: int) -> torch.Tensor | None:
         """`mask`, or None when every row sees every key (one decode sequence, or several of
-        one length, outside a window): SDPA then skips its additive bias."""
-        key = (window or 0, group)
-        m = self.mask(window, group)
+        one length, outside a window or chunk): SDPA then skips its additive bias."""
+        key = (local, group)
+        m = self.mask(local, group)
         if key not in self._all_visible:
             self._all_visible[key] = bool(m.all())
         return None if self._all_visible[key] else m
 
-    def _build_mask(self, window: int | None, group: int) -> torch.Tensor:
+    def _build_mask(self, local: LocalRange, group: int) -> torch.Tensor:
         k_pos = torch.arange(self.kv_len)
         q_pos = self.q_pos[:, :, None]  # [S, Q, 1]
         visible = k_pos <= q_pos  # causal; a padding row (-1) sees nothing
-        if window:
-            visible &= q_pos - k_pos < window
+        if local.window:
+            visible &= q_pos - k_pos < local.window
+        if local.chunk:  # (a padding row's -1 stays -1: it still sees nothing)
+            visible &= k_pos >= q_pos - q_pos % local.chunk
         if self.q_len == 1:
             return visible.unsqueeze(0)  # every folded head row shares the one position
         s, q, L = visible.shape

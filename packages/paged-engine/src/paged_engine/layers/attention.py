@@ -29,6 +29,7 @@ class Attention(nn.Module):
         soft_cap: float | None = None,
         alibi_slopes: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,  # [num_heads] float: this rank's heads' sinks
+        attention_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -38,6 +39,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.sliding_window = sliding_window
+        # Chunked local attention (Llama 4): a query at position p sees keys from p - p % C on.
+        self.attention_chunk_size = attention_chunk_size
         self.soft_cap = soft_cap
         # An fp8 KV cache's per-tensor scales (stored = key / k_scale); 1.0 for any other cache.
         # Set once before the first cache write (worker/kv_scales.py), never changed after.
@@ -93,6 +96,7 @@ class Attention(nn.Module):
                     scale=self.scale,
                     sliding_window=self.sliding_window,
                     soft_cap=self.soft_cap,
+                    attention_chunk_size=self.attention_chunk_size,
                     sinks=self.sinks,
                 )
             return compiled_ops.attention(q, k, v, self.op_handle)  # runs `run` below
@@ -126,6 +130,7 @@ class Attention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
+            attention_chunk_size=self.attention_chunk_size,
             alibi_slopes=self.alibi_slopes,
             sinks=self.sinks,
             **scales,

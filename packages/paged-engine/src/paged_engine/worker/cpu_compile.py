@@ -163,9 +163,9 @@ class CompiledForward:
         for m in attention:
             m.kv_index = seen[id(m)]
             m.op_handle = compiled_ops.register(m)
-            # attend_decode covers windows, soft caps and sinks, not an fp8 cache, ALiBi or a
-            # layer reading another's cache (those run `Attention.run` in the operator, which
-            # passes everything on).
+            # attend_decode covers windows, attention chunks, soft caps and sinks, not an fp8
+            # cache, ALiBi or a layer reading another's cache (those run `Attention.run` in the
+            # operator, which passes everything on).
             key_cache = r.cache.kv_caches[m.kv_index][0]
             m.trace_decode = (
                 self.single is not None

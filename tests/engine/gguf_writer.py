@@ -114,6 +114,7 @@ GGUF_ARCH = {
     "starcoder2": ("starcoder2", "STARCODER2"),  # StarCoder2Model: TextModel's keys and tensors
     "ernie4_5": ("ernie4_5", "ERNIE4_5"),  # Ernie4_5Model: likewise (HF's split projections)
     "gpt_oss": ("gpt-oss", "GPT_OSS"),
+    "llama4": ("llama4", "LLAMA4"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -129,7 +130,7 @@ OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
 GRANITES = ("granite", "granitemoe", "granitemoeshared")
 MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "smollm3", "olmoe", "minimax_m2",
-              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "gpt_oss")  # fmt: skip
+              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "gpt_oss", "llama4")  # fmt: skip
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
@@ -386,9 +387,9 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
     if head_dim:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if tiny_arch in ("exaone4", "apertus", "arcee", *GRANITES, "smollm3"):
+    if tiny_arch in ("exaone4", "apertus", "arcee", *GRANITES, "smollm3", "llama4"):
         w.add_vocab_size(cfg["vocab_size"])
-    if tiny_arch in ("apertus", "arcee", *GRANITES, "smollm3"):  # LlamaModel
+    if tiny_arch in ("apertus", "arcee", *GRANITES, "smollm3", "llama4"):  # LlamaModel
         w.add_rope_dimension_count(head_dim or hidden // heads)
     if tiny_arch in GRANITES:
         _write_granite_keys(w, cfg)
@@ -405,6 +406,10 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
+    if tiny_arch == "llama4":  # Llama4Model: the dense width as feed_forward_length
+        w.add_feed_forward_length(cfg["intermediate_size_mlp"])
+        w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
     if tiny_arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func sigmoid
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -449,6 +454,15 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
             ]
         if name.endswith("experts.down_proj_bias"):
             return [(("gguf", f"{stem}_down_exps.bias"), arr)]
+    if tiny_arch == "llama4" and ".experts." in name:  # Llama4Model.modify_tensors
+        stem = f"blk.{name.split('.')[2]}.ffn"
+        if name.endswith("gate_up_proj"):  # [E, H, 2I] -> the halves of its transpose
+            gate, up = np.split(arr.transpose(0, 2, 1), 2, axis=1)
+            return [(("gguf", f"{stem}_gate_exps.weight"), np.ascontiguousarray(gate)),
+                    (("gguf", f"{stem}_up_exps.weight"), np.ascontiguousarray(up))]  # fmt: skip
+        return [
+            (("gguf", f"{stem}_down_exps.weight"), np.ascontiguousarray(arr.transpose(0, 2, 1)))
+        ]
     if tiny_arch in ("granitemoe", "granitemoeshared") and "input_linear" in name:
         # GraniteMoeModel.modify_tensors: HF's fused [gate; up] rows in two
         bid = int(name.split(".")[2])

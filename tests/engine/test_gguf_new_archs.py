@@ -1,5 +1,5 @@
-"""GGUF files of EXAONE 4, Apertus, Arcee, Granite 3.x, OLMoE, MiniMax-M2, Hunyuan (dense and
-MoE) and dots.llm1, written from tiny HF models as llama.cpp's converter lays them out
+"""GGUF files of EXAONE 4, Apertus, Arcee, Granite 3.x, gpt-oss, SmolLM3, OLMoE, Llama 4,
+MiniMax-M2, Hunyuan (dense and MoE) and dots.llm1, written from tiny HF models as llama.cpp's converter lays them out
 (gguf_writer.py): our loader must give back HF's weights (after undoing the converter's
 transforms) and the config fields the model reads, and the model HF's logits and greedy tokens."""
 
@@ -51,6 +51,12 @@ CASES = {
     # llama.cpp's NoPE layers are every 4th, HF's default (the tiny model's own is every 2nd)
     "smollm3": ("smollm3", {"num_hidden_layers": 4, "no_rope_layer_interval": 4}),
     "olmoe": ("olmoe", {}),
+    # llama.cpp's Llama 4 graph: chunks of 8192, NoPE every 4th layer with the temperature of
+    # floor 8192 (the tiny model's 12 / 4 / 0.5 are not recorded); dense and MoE layers
+    "llama4": (
+        "llama4",
+        {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1},
+    ),
     "minimax_m2": ("minimax_m2", {}),
     # HunYuanModel asserts the released context (32k or 256k) for its NTK-alpha rope
     "hunyuan_v1_dense": ("hunyuan_v1_dense", {"max_position_embeddings": 32768}),
@@ -89,6 +95,9 @@ CONFIG_KEYS = {
         "logits_scaling", "attention_bias", "num_local_experts", "num_experts_per_tok",
     )),
     "olmoe": ("num_experts", "num_experts_per_tok", "norm_topk_prob", "clip_qkv"),
+    "llama4": ("head_dim", "num_local_experts", "num_experts_per_tok", "intermediate_size_mlp",
+               "moe_layers", "no_rope_layers", "layer_types", "attention_chunk_size",
+               "attn_temperature_tuning", "floor_scale", "attn_scale", "use_qk_norm"),
     "minimax_m2": ("head_dim", "num_local_experts", "num_experts_per_tok", "rotary_dim"),
     "hunyuan_v1_dense": ("head_dim", "attention_bias"),
     "hunyuan_v1_moe": ("head_dim", "num_experts", "attention_bias"),

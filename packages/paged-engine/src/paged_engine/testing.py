@@ -85,6 +85,7 @@ MORE_TINY_ARCHS: list[str] = [
     "nanochat",
     "gemma4",
     "gemma4_moe",
+    "llama4",
     "nemotron",
     "dbrx",
     "internlm3",
@@ -785,6 +786,28 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "top_k_experts": 2,
             "moe_intermediate_size": 32,
             "final_logit_softcapping": 30.0,
+        },
+    ),
+    # Llama 4 (Maverick's layout at 4 layers): rope layers 0-2 attend within chunks of 12 keys
+    # (not a multiple of the block size) with unit-RMS q / k, NoPE layer 3 scales its queries
+    # from position 3 on (floor_scale 4); MoE layers 1 and 3 (router-scaled expert inputs plus
+    # a shared expert), dense MLPs of another size elsewhere; experts not square (H != 2I, I)
+    "llama4": (
+        "Llama4TextConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "intermediate_size": 48,
+            "intermediate_size_mlp": 80,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layer_interval": 4,
+            "attention_chunk_size": 12,
+            "floor_scale": 4,
+            "attn_scale": 0.5,
+            "tie_word_embeddings": False,
         },
     ),
     # nanochat: weightless norms (q / k after a reversed rope), relu^2 MLP, soft-capped logits

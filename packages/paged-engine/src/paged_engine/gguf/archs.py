@@ -90,6 +90,15 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   experts repacked as ggml MXFP4 blocks (dequantized here). No key records the sliding-window
   pattern or the SwiGLU limit: llama.cpp's graph slides every even layer and clamps at 7, and
   computes YaRN's correction range truncated to whole dims.
+- Llama 4 ("llama4", Llama4Model): q/k as HF has them (its rope already rotates interleaved
+  pairs); feed_forward_length is the dense MLPs' width (intermediate_size_mlp),
+  expert_feed_forward_length the experts' (intermediate_size); HF's gate_up_proj [E, H, 2I]
+  stored as ffn_gate_exps / ffn_up_exps [E, I, H] (its transpose's halves), down_proj transposed
+  to [E, H, I]; the router `ffn_gate_inp`, the shared expert `ffn_*_shexp`. No key records the
+  chunked attention, the NoPE layers or the query temperature: llama.cpp's graph chunks by 8192
+  with NoPE on every 4th layer and a temperature of floor 8192, scale 0.1, unless
+  attention.sliding_window is 0 (MobileLLM: every layer full, and rope on all but the last);
+  q/k norms on all models but the 128-expert one (Maverick).
 - StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
   attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
   does not apply.
@@ -174,6 +183,23 @@ _GPT_OSS_PARAMS = {
     "ffn_gate_exps.bias": "mlp.experts.gate_up_proj_bias",
     "ffn_down_exps.weight": "mlp.experts.down_proj",
     "ffn_down_exps.bias": "mlp.experts.down_proj_bias",
+}
+# Llama 4: HF's `feed_forward` names; the experts' up half loads into gate_up_proj with the
+# gate half (convert.py)
+_LLAMA4_NAMES = {
+    **LAYER_NAMES,
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+    "ffn_up_exps": None,
+}
+_LLAMA4_PARAMS = {
+    "ffn_gate_inp.weight": "feed_forward.router.weight",
+    "ffn_gate_exps.weight": "feed_forward.experts.gate_up_proj",
+    "ffn_down_exps.weight": "feed_forward.experts.down_proj",
 }
 # Seed-OSS: llama.cpp names HF's pre-MLP `post_attention_layernorm` an attention post-norm
 _SEED_OSS_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
@@ -407,7 +433,7 @@ class GGUFArch:
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmo2", "granite",
     # "granitemoe", "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe",
     # "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx",
-    # "gpt_oss"
+    # "gpt_oss", "llama4"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -576,6 +602,13 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         layer_names=_GPT_OSS_NAMES,
         params=_GPT_OSS_PARAMS,
         family="gpt_oss",
+    ),
+    "llama4": GGUFArch(
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        layer_names=_LLAMA4_NAMES,
+        params=_LLAMA4_PARAMS,
+        family="llama4",
     ),
     "starcoder2": GGUFArch(
         "Starcoder2ForCausalLM",

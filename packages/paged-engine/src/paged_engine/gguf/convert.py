@@ -7,7 +7,8 @@ gate / up projections; Mamba's / Mamba2's (the same as their hybrids'), and so F
 (Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts); Apertus's
 xIELU scalars, which the converter moved into metadata arrays, come back as HF's tensors;
 Falcon's fused query_key_value goes back to its per-KV-group layout, DBRX's experts to HF's
-stacked [E x ff, d] parameters; Nemotron's +1 on norm weights as Gemma's."""
+stacked [E x ff, d] parameters, Llama 4's and gpt-oss's to HF's fused x @ W tensors;
+Nemotron's +1 on norm weights as Gemma's."""
 
 from __future__ import annotations
 
@@ -219,6 +220,20 @@ def _gpt_oss_experts(f: GGUFFile, layer: str, part: str, kind: str, w: torch.Ten
     return pair.reshape(w.shape[0], -1, w.shape[2]).transpose(1, 2).contiguous()
 
 
+def _llama4_experts(f: GGUFFile, layer: str, part: str, w: torch.Tensor) -> torch.Tensor:
+    """Llama 4's experts as HF holds them (x @ W): ffn_gate_exps and ffn_up_exps [E, I, H]
+    back into gate_up_proj [E, H, 2I] (gate columns first), ffn_down_exps [E, H, I] into
+    down_proj [E, I, H] (Llama4Model.modify_tensors' split and transposes)."""
+    if part == "ffn_down_exps":
+        return w.transpose(1, 2).contiguous()
+    up_name = f"blk.{layer}.ffn_up_exps.weight"
+    if up_name not in f.tensors:
+        raise ValueError(f"GGUF file has blk.{layer}.{part}.weight but lacks {up_name}")
+    up = f.tensor(up_name)
+    dtype = torch.promote_types(w.dtype, up.dtype)
+    return torch.cat([w.to(dtype), up.to(dtype)], dim=1).transpose(1, 2).contiguous()
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
@@ -252,6 +267,8 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             w = _dbrx_experts(part, w)
         elif spec.family == "gpt_oss" and part in ("ffn_gate_exps", "ffn_down_exps"):
             w = _gpt_oss_experts(f, groups[0], part, groups[3], w)
+        elif spec.family == "llama4" and part in ("ffn_gate_exps", "ffn_down_exps"):
+            w = _llama4_experts(f, groups[0], part, w)
         if spec.family == "qwen3next" and part == "attn_qkv":
             assert linear is not None
             gate = f"blk.{groups[0]}.attn_gate.weight"

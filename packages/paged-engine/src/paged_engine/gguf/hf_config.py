@@ -884,6 +884,45 @@ def _gpt_oss(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> N
     )
 
 
+# what llama.cpp's llama4 graph hard-codes (no key): the attention chunk, the NoPE step, the
+# NoPE layers' query temperature, and q/k norms off for the 128-expert model alone
+_LLAMA4_CHUNK = 8192
+_LLAMA4_NOPE_STEP = 4
+_LLAMA4_FLOOR_SCALE, _LLAMA4_ATTN_SCALE = 8192, 0.1
+_LLAMA4_NO_QK_NORM_EXPERTS = 128
+
+
+def _llama4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """Llama 4 (Llama4Model): dense MLPs of feed_forward_length, experts of
+    expert_feed_forward_length on the layers holding a router; chunked rope layers, NoPE every
+    4th with the query temperature, as llama.cpp runs them; attention.sliding_window 0
+    (MobileLLM): no chunks and no temperature, rope on every layer but the last (llama.cpp's
+    NoPE step becomes the layer count)."""
+    experts = meta.get_int("expert_count", 0)
+    dense = kwargs["intermediate_size"]
+    chunked = meta.get_int("attention.sliding_window", None) != 0
+    step = _LLAMA4_NOPE_STEP if chunked else layers
+    rope = [int((i + 1) % step != 0) for i in range(layers)]
+    kwargs.update(
+        num_local_experts=experts,
+        num_experts_per_tok=meta.get_int("expert_used_count", 1),
+        intermediate_size=_experts_width(meta, f, _sparse(f, layers), "expert_feed_forward_length")
+        if experts
+        else dense,
+        intermediate_size_mlp=dense,
+        interleave_moe_layer_step=meta.get_int("interleave_moe_layer_step", 1),
+        moe_layers=_sparse(f, layers),
+        no_rope_layers=rope,
+        attention_chunk_size=_LLAMA4_CHUNK if chunked else None,
+        layer_types=["chunked_attention" if chunked and r else "full_attention" for r in rope],
+        attn_temperature_tuning=chunked,
+        floor_scale=_LLAMA4_FLOOR_SCALE,
+        attn_scale=_LLAMA4_ATTN_SCALE,
+        use_qk_norm=experts != _LLAMA4_NO_QK_NORM_EXPERTS,
+        attention_bias=_has_bias(f, "attn_q"),
+    )
+
+
 def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """StarCoder2 (StarCoder2Model): LayerNorms of attention.layer_norm_epsilon, biases from the
     tensors, no sliding window (none recorded; llama.cpp attends to the whole context)."""
@@ -908,6 +947,7 @@ _MORE = {
     "starcoder2": _starcoder2,
     "ernie4_5": _ernie4_5,
     "gpt_oss": _gpt_oss,
+    "llama4": _llama4,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

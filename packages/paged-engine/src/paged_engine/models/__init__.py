@@ -44,6 +44,7 @@ from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
+from paged_engine.models.llama4 import Llama4ForCausalLM
 from paged_engine.models.mamba import (
     FalconMambaForCausalLM,
     Mamba2ForCausalLM,
@@ -123,6 +124,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,

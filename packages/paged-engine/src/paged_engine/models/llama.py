@@ -108,12 +108,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, bias: bool):
+    def __init__(self, config, bias: bool, intermediate_size: int | None = None):
         super().__init__()
         act = cfg_get(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"{type(self).__name__} supports hidden_act='silu' only, got {act!r}")
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
         self.act_fn = SiluAndMul()

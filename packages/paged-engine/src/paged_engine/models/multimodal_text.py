@@ -6,6 +6,7 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     wrapper (config.architectures)       text_config.model_type -> our class
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
+    Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -30,7 +31,8 @@ Weights (`text_model_weights`): the language model's names map to ours whichever
 checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
 (older Gemma 3 / Mistral 3 saves) -> `model.X`; `language_model.lm_head.X` -> `lm_head.X`;
 `model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay. The vision tower and projector
-(`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`) are dropped by
+(`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`, Llama 4's
+`[model.]vision_model.`) are dropped by
 name before their bytes are touched (tensors are views of memory-mapped files until copied).
 
 Qwen3-VL-MoE's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; per-expert
@@ -55,7 +57,7 @@ RoPE over head_dim with the same inv_freq.
 
 Not handled: images and audio (the server refuses image content parts; there is no vision or
 audio encoder here), LoRA adapters trained on the wrapper's module names, wrappers whose decoder
-is not one of ours as it stands (Gemma 3n, Llama 4).
+is not one of ours as it stands (Gemma 3n).
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ _GEMMA4_TOWERS = tuple(
 )
 
 
+_LLAMA4_VISION = (
+    "vision_model.",
+    "multi_modal_projector.",
+    "model.vision_model.",
+    "model.multi_modal_projector.",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Wrapper:
     text_archs: dict[str, str]  # text_config.model_type -> our text *ForCausalLM
@@ -103,6 +113,7 @@ WRAPPERS: dict[str, Wrapper] = {
     # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
+    "Llama4ForConditionalGeneration": Wrapper({"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION),
     "Mistral3ForConditionalGeneration": Wrapper(
         {
             "mistral": "MistralForCausalLM",

@@ -1,7 +1,8 @@
 """GGUF files of EXAONE 4, Apertus, Arcee, Granite 3.x, gpt-oss, SmolLM3, OLMoE, Llama 4,
-MiniMax-M2, Hunyuan (dense and MoE) and dots.llm1, written from tiny HF models as llama.cpp's converter lays them out
-(gguf_writer.py): our loader must give back HF's weights (after undoing the converter's
-transforms) and the config fields the model reads, and the model HF's logits and greedy tokens."""
+MiniMax-M2, Hunyuan (dense and MoE) and dots.llm1, written from tiny HF models as llama.cpp's
+converter lays them out (gguf_writer.py): our loader must give back HF's weights (after undoing
+the converter's transforms) and the config fields the model reads, and the model HF's logits and
+greedy tokens."""
 
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
 MAX_TOKENS = 10
+TRITON_MAX_TOKENS = 4  # the interpreted Triton kernels' runs: every step costs seconds
 TOP = 5
 # Nemotron 3's MoE blocks on a tiny Nemotron-H: DeepSeek-V3's router over 2 groups, non-gated
 # relu^2 experts and shared experts (write_tiny_model overrides)
@@ -52,16 +53,19 @@ def tiny_dirs(tmp_path_factory, cases: dict[str, tuple[str, dict]]):
 
 def assert_greedy_matches_hf(name, path, backend: str, budget: int | None) -> LLM:
     """HF generate's greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70
-    tokens (shorter on the interpreted Triton kernels, which walk tokens one by one), whole or
-    in prefill chunks of `budget`. Returns the engine."""
-    prompts = random_prompts(7, (5, 23, 1) if backend == "triton" else (5, 23, 70, 1))
+    tokens, MAX_TOKENS each (on the interpreted Triton kernels, which walk tokens one by one:
+    prompts of up to 23 and 4 tokens, still chunked prefills and decode steps), whole or in
+    prefill chunks of `budget`. Returns the engine."""
+    triton = backend == "triton"
+    prompts = random_prompts(7, (5, 23, 1) if triton else (5, 23, 70, 1))
+    max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
     hf = load_hf_model(path)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
+    refs = [hf_greedy(hf, p, max_tokens, TOP) for p in prompts]
     kw = {} if budget is None else {"max_num_batched_tokens": budget}
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw)
     config = llm.llm_engine.config
     assert config.enable_prefix_caching and config.prefix_state_snapshots == config.max_num_seqs
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
     outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert_matches(f"{name}-{i}", out, ref)

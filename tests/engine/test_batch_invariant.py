@@ -32,6 +32,7 @@ def default_model() -> str:
 
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+TRITON_PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
 
 
 def run_inside(
@@ -41,6 +42,7 @@ def run_inside(
     rng: random.Random,
     vocab: int = 10000,
     longest: int = 120,
+    params: SamplingParams = PARAMS,
 ):
     """(token ids, logprobs as (id, logprob) lists) of `target` among `num_others` prompts of
     5 to `longest` random tokens."""
@@ -50,7 +52,7 @@ def run_inside(
     ]
     half = num_others // 2
     prompts = [*others[:half], {"prompt_token_ids": target}, *others[half:]]
-    out = llm.generate(prompts, PARAMS, use_tqdm=False)[half].outputs[0]
+    out = llm.generate(prompts, params, use_tqdm=False)[half].outputs[0]
     logprobs = [sorted((k, v.logprob) for k, v in step.items()) for step in out.logprobs]
     return out.token_ids, logprobs
 
@@ -92,7 +94,8 @@ def triton_variation(model_dir, batch_invariant: bool, sizes, longest: int = 30,
     )
     rng = random.Random(1)
     target = [rng.randrange(3, 512) for _ in range(40)]
-    kw = {"vocab": 512, "longest": longest}
+    # 3 tokens: the target's chunked prompt and two decode steps, each slow in the interpreter
+    kw = {"vocab": 512, "longest": longest, "params": TRITON_PARAMS}
     alone = run_inside(llm, target, 0, rng, **kw)
     return alone, [n for n in sizes if run_inside(llm, target, n, rng, **kw) != alone]
 

@@ -121,10 +121,12 @@ def test_fp8_backends_match_reference(tiny_model_factory, backend):
     reference's tokens and logprobs (the same calibrated scales everywhere)."""
     path = tiny_model_factory("llama")
     prompts = _prompts()[:3]
+    # every step of the interpreter is slow: a prefill and 3 decode steps read and write it
+    max_tokens = 4 if backend == "triton" else 8
     runs = []
     for name in ("torch", backend):
         llm = _llm(path, "fp8", attention_backend=name)
-        runs.append((_scales(llm), _greedy(llm, prompts, max_tokens=8)))
+        runs.append((_scales(llm), _greedy(llm, prompts, max_tokens=max_tokens)))
         llm.llm_engine.shutdown()
     (ref_scales, ref), (got_scales, got) = runs
     assert got_scales == ref_scales

@@ -42,6 +42,7 @@ class ApertusMLP(Relu2MLP):
 
 
 class ApertusForCausalLM(LlamaForCausalLM):
+    renames = _RENAMES
     stacked_params = QKV_PROJ_RULES  # no gate: Llama's ".up_proj" rule would stack it
 
     def __init__(self, config) -> None:
@@ -55,8 +56,3 @@ class ApertusForCausalLM(LlamaForCausalLM):
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
         return {**LlamaForCausalLM.layer_flags(config), "qk_norm": True}
-
-    def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name

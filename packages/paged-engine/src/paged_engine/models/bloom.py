@@ -95,6 +95,7 @@ class BloomModel(LayerNormLlamaModel):
 
 
 class BloomForCausalLM(CausalLMBase):
+    renames = _RENAMES
     tie_default = True
     stacked_params = QKV_PROJ_RULES
 
@@ -123,9 +124,7 @@ class BloomForCausalLM(CausalLMBase):
     def rename_weight(self, name: str) -> str:
         if not name.startswith(("transformer.", "lm_head.")):
             name = "transformer." + name
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name
+        return super().rename_weight(name)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".self_attn.query_key_value." not in name:

@@ -102,6 +102,7 @@ class DbrxMoe(SparseMoeBlock):
 
 
 class DbrxForCausalLM(CausalLMBase):
+    renames = _RENAMES
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config) -> None:
@@ -134,11 +135,6 @@ class DbrxForCausalLM(CausalLMBase):
         self.num_experts = int(sub_cfg_get(config, "ffn_config", "moe_num_experts"))
         rules = expert_rules(self.num_experts, "w1", "v1", "w2")
         self.stacked_params = (*rules, *QKV_PROJ_RULES)
-
-    def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".qkv_proj." in name:  # Wqkv rows [q | k | v]: split like Phi-3's qkv_proj

@@ -88,6 +88,7 @@ class FalconParallelLayer(nn.Module):
 
 
 class FalconForCausalLM(CausalLMBase):
+    renames = _RENAMES
     tie_default = True
     stacked_params = QKV_PROJ_RULES
     ignored_weights = ("rotary_emb.inv_freq",)
@@ -113,11 +114,6 @@ class FalconForCausalLM(CausalLMBase):
             return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel)
 
         super().__init__(config, LayerNormLlamaModel(view, eps, build))
-
-    def rename_weight(self, name: str) -> str:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".self_attn.query_key_value." not in name:

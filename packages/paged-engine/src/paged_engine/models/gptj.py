@@ -52,6 +52,7 @@ def llama_view(config):
 
 
 class GPTJForCausalLM(CausalLMBase):
+    renames = _RENAMES
     head_bias = True
     stacked_params = QKV_PROJ_RULES
     # HF's causal-mask buffers (old checkpoints carry them), its sin / cos table
@@ -70,8 +71,3 @@ class GPTJForCausalLM(CausalLMBase):
         inner = LlamaModel(view, {}, build, is_neox_style=False)
         inner.norm = LayerNorm(config.hidden_size, eps=eps)  # replaces Llama's RMSNorm
         super().__init__(config, inner)
-
-    def rename_weight(self, name: str) -> str:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name

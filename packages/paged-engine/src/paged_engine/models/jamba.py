@@ -97,6 +97,7 @@ class JambaDecoderLayer(nn.Module):
 
 
 class JambaForCausalLM(CausalLMBase):
+    renames = _RENAMES
     # q/k/v into qkv_proj, the dense MLPs' gate/up into gate_up_proj
     stacked_params = LlamaForCausalLM.stacked_params
 
@@ -115,8 +116,3 @@ class JambaForCausalLM(CausalLMBase):
         if count > 1:  # expert rules first: the dense rules' ".gate_proj" is in experts' names
             rules = expert_rules(count, "gate_proj", "up_proj", "down_proj")
             self.stacked_params = (*rules, *type(self).stacked_params)
-
-    def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name

@@ -148,6 +148,7 @@ class Lfm2DecoderLayer(nn.Module):
 
 
 class Lfm2ForCausalLM(CausalLMBase):
+    renames = _RENAMES
     stacked_params = (*QKV_PROJ_RULES, *_MLP_RULES)
     ignored_weights = ("rotary_emb.inv_freq", "pos_emb.inv_freq")
     tie_default = True
@@ -171,11 +172,6 @@ class Lfm2ForCausalLM(CausalLMBase):
     @classmethod
     def build_feed_forward(cls, config, layer_idx: int) -> nn.Module:
         return Lfm2MLP(config.hidden_size, lfm2_intermediate_size(config))
-
-    def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
 
 
 class Lfm2MoeForCausalLM(Lfm2ForCausalLM):

@@ -158,6 +158,7 @@ class Llama4MoeBlock(SparseMoeBlock):
 
 
 class Llama4ForCausalLM(CausalLMBase):
+    renames = _RENAMES
     stacked_params = LlamaForCausalLM.stacked_params
     ignored_weights = ("rotary_emb.inv_freq",)
 
@@ -176,11 +177,6 @@ class Llama4ForCausalLM(CausalLMBase):
 
         inner = LlamaModel(config, {}, build_layer, is_neox_style=False)
         super().__init__(config, inner)
-
-    def rename_weight(self, name: str) -> str:
-        for old, new in _RENAMES:
-            name = name.replace(old, new)
-        return name
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         # fused experts as x @ W: [E, H, 2I] / [E, I, H] -> ours, [E, 2I, H] / [E, H, I]

@@ -70,6 +70,7 @@ def _check(config) -> None:
 
 
 class MptForCausalLM(CausalLMBase):
+    renames = _RENAMES
     tie_default = True
     stacked_params = QKV_PROJ_RULES
 
@@ -99,11 +100,6 @@ class MptForCausalLM(CausalLMBase):
         inner = BloomModel(view, eps, build, embed_norm=False)
         inner.norm = LayerNorm(d, eps=eps, bias=False)
         super().__init__(config, inner)
-
-    def rename_weight(self, name: str) -> str:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         if ".self_attn.qkv." not in name:

@@ -41,6 +41,7 @@ _RENAMES = (
 
 
 class PhiForCausalLM(CausalLMBase):
+    renames = _RENAMES
     head_bias = True
     stacked_params = QKV_PROJ_RULES
     ignored_weights = ("rotary_emb.inv_freq",)
@@ -62,8 +63,3 @@ class PhiForCausalLM(CausalLMBase):
             return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel=True)
 
         super().__init__(config, LayerNormLlamaModel(config, eps, build))
-
-    def rename_weight(self, name: str) -> str:
-        for theirs, ours in _RENAMES:
-            name = name.replace(theirs, ours)
-        return name

@@ -196,6 +196,8 @@ class CausalLMBase(nn.Module):
     head_bias: ClassVar[bool] = False  # the LM head adds a bias of its own (Phi), tied or not
     tie_default: ClassVar[bool] = False  # HF's default when the config omits tie_word_embeddings
     stacked_params: ClassVar[tuple[StackedRule, ...]] = ()
+    # (checkpoint substring, ours): replaced in every weight name, in this order
+    renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # suffixes of HF buffers we recompute
     # The checkpoint quantizations (quantization_config.quant_method) this model loads: by
     # default the weight-quantized ones the loader dequantizes (quantized_checkpoint.py).
@@ -233,7 +235,10 @@ class CausalLMBase(nn.Module):
         return getattr(self, self.head_name)(hidden)
 
     def rename_weight(self, name: str) -> str:
-        """A checkpoint name -> our parameter's name (or a shard of it, for `convert_weight`)."""
+        """A checkpoint name -> our parameter's name (or a shard of it, for `convert_weight`):
+        `renames` applied in order."""
+        for theirs, ours in self.renames:
+            name = name.replace(theirs, ours)
         return name
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:

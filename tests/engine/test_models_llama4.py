@@ -5,11 +5,14 @@ logprobs (1e-3, float32). The tiny model (paged_engine.testing "llama4") has chu
 (chunks of 12 keys: prompts of 12-40 tokens and their continuations cross several), a NoPE layer
 whose query temperature grows from position 3 on, MoE layers whose router scales the experts'
 inputs, and dense MLPs of their own size; the second case routes each token to two experts
-under Scout's llama3 rope scaling. Also: TP=2 equals one process, and the layer kinds follow
-HF's config defaults when a config.json omits them.
+under Scout's llama3 rope scaling. Also: a checkpoint with one matrix per expert loads as the
+fused one, TP=2 equals one process, and the layer kinds follow HF's config defaults when a
+config.json omits them.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 from hf_reference import (
@@ -18,10 +21,12 @@ from hf_reference import (
     random_token_prompts,
 )
 
+from paged_engine import LLM, SamplingParams
 from paged_engine.models.llama4 import Llama4ForCausalLM, chunked_layers, moe_layers, rope_layers
 from paged_engine.testing import tiny_config, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SCOUT_ROPE = {
     "rope_type": "llama3",
@@ -40,6 +45,38 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_tokens_and_logprobs_match_hf(case, tmp_path):
     assert_tiny_case_matches_hf(case, "llama4", CASES[case], tmp_path)
+
+
+def test_per_expert_checkpoint_loads_like_the_fused_one(tmp_path):
+    """The fused experts rewritten as one HF Linear matrix per expert and projection (the
+    layout of quantized checkpoints): the same tokens and logprobs."""
+    path = write_tiny_model(tmp_path / "fused", "llama4", seed=3)
+    split = tmp_path / "split"
+    shutil.copytree(path, split)
+    state = safetensors_torch.load_file(str(path / "model.safetensors"))
+    out = {}
+    for name, w in state.items():
+        if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I]: x @ W
+            stem, half = name.removesuffix("gate_up_proj"), w.shape[-1] // 2
+            for e in range(w.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = w[e, :, :half].T.contiguous()
+                out[f"{stem}{e}.up_proj.weight"] = w[e, :, half:].T.contiguous()
+        elif name.endswith(".experts.down_proj"):  # [E, I, H]
+            stem = name.removesuffix("down_proj")
+            for e in range(w.shape[0]):
+                out[f"{stem}{e}.down_proj.weight"] = w[e].T.contiguous()
+        else:
+            out[name] = w
+    safetensors_torch.save_file(out, str(split / "model.safetensors"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(3, 2)]
+    runs = []
+    for model in (path, split):
+        llm = LLM(model=str(model), dtype="float32", max_model_len=64)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+    for fused, per_expert in zip(*runs, strict=True):
+        assert per_expert.token_ids == fused.token_ids
+        assert per_expert.cumulative_logprob == pytest.approx(fused.cumulative_logprob, abs=1e-5)
 
 
 def test_tensor_parallel_matches_one_process(tmp_path):

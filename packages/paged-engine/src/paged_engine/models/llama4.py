@@ -25,7 +25,9 @@ rope layers when attention_chunk_size is set.
 
 Checkpoints hold the experts as x @ W: `feed_forward.experts.gate_up_proj` [E, H, 2I] (gate
 columns, then up) and `down_proj` [E, I, H], transposed here into FusedMoE's [E, 2I, H] and
-[E, H, I]; `feed_forward.router` is the router, `feed_forward.shared_expert` the shared expert.
+[E, H, I]; or one matrix each, `feed_forward.experts.M.{gate,up,down}_proj.weight` (HF Linear
+layout, as quantized checkpoints hold them with their scales); `feed_forward.router` is the
+router, `feed_forward.shared_expert` the shared expert.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from paged_engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, llama_head_dim
-from paged_engine.models.mixtral import MoeDecoderLayer, check_silu, num_experts
+from paged_engine.models.mixtral import MoeDecoderLayer, check_silu, expert_rules, num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 _RENAMES = ((".feed_forward.", ".mlp."), (".mlp.router.", ".mlp.gate."))
@@ -177,6 +179,10 @@ class Llama4ForCausalLM(CausalLMBase):
 
         inner = LlamaModel(config, {}, build_layer, is_neox_style=False)
         super().__init__(config, inner)
+        # Per-expert matrices (`experts.M.{gate,up,down}_proj.weight`, as quantized checkpoints
+        # hold them) first: the dense rules' ".gate_proj" is in their names too.
+        rules = expert_rules(num_experts(config), "gate_proj", "up_proj", "down_proj")
+        self.stacked_params = (*rules, *type(self).stacked_params)
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         # fused experts as x @ W: [E, H, 2I] / [E, I, H] -> ours, [E, 2I, H] / [E, H, I]

@@ -11,7 +11,9 @@ sections (contiguous for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL) are the pl
 text; Qwen3-VL-MoE's router renormalizes although its config says norm_topk_prob False, and its
 fused experts load in transformers 5's layout and in the Hub's transpose (where
 hidden_size == 2 * moe_intermediate_size both have one shape: config.json's
-transformers_version decides). Also: either weight naming loads (transformers 5's
+transformers_version decides); LLaVA-NeXT's image_newline and Idefics3 / SmolVLM's connector
+are dropped, their decoder (under `model.text_model` for Idefics3) loaded. Also: either weight
+naming loads (transformers 5's
 `model.language_model.` and the older `language_model.model.` / Qwen's `model.`), weight
 updates take the wrapper's names, an unsupported text model is a clear error, and images are
 refused (an image content part in a chat request: a 400; vLLM's multi_modal_data in an
@@ -122,6 +124,54 @@ def _llama4(**top) -> tuple[type, object]:
         text_config=_text("llama4"), vision_config=vision.to_dict(), **top
     )
     return transformers.Llama4ForConditionalGeneration, config
+
+
+# a one-layer vision encoder of two 14-pixel patches a side: CLIP / SigLIP-style fields
+_SMALL_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+
+
+def _llava(name: str, text: dict, **top) -> tuple[type, object]:
+    """LLaVA 1.5 (`Llava`) or NeXT (`LlavaNext`, an image_newline parameter beside the
+    projector) around a text model with a CLIP vision tower."""
+    vision = transformers.CLIPVisionConfig(**_SMALL_VISION, projection_dim=32).to_dict()
+    config = getattr(transformers, f"{name}Config")(
+        text_config=text, vision_config=vision, image_token_index=500, **top
+    )
+    return getattr(transformers, f"{name}ForConditionalGeneration"), config
+
+
+def _idefics3(name: str, **top) -> tuple[type, object]:
+    """Idefics3 / SmolVLM: a Llama decoder under model.text_model, a SigLIP-style encoder and
+    a pixel-shuffle connector."""
+    vision = {**_SMALL_VISION, "model_type": f"{name.lower()}_vision"}
+    config = getattr(transformers, f"{name}Config")(
+        text_config=_text("llama"), vision_config=vision, image_token_id=500, scale_factor=2, **top
+    )
+    return getattr(transformers, f"{name}ForConditionalGeneration"), config
+
+
+def _internvl(**top) -> tuple[type, object]:
+    vision = {**_SMALL_VISION, "image_size": [28, 28], "patch_size": [14, 14]}
+    config = transformers.InternVLConfig(
+        text_config=_text("qwen3"), vision_config=vision, image_token_id=500, **top
+    )
+    return transformers.InternVLForConditionalGeneration, config
+
+
+def _lfm2_vl(**top) -> tuple[type, object]:
+    vision = {**_SMALL_VISION, "model_type": "siglip2_vision_model"}
+    del vision["image_size"]
+    config = transformers.Lfm2VlConfig(
+        text_config=_text("lfm2"), vision_config=vision, image_token_id=500, **top
+    )
+    return transformers.Lfm2VlForConditionalGeneration, config
 
 
 def _mistral3(text: dict, **top) -> tuple[type, object]:
@@ -235,6 +285,16 @@ CASES = {
     "gemma4": (lambda: _gemma4(), "Gemma4ForCausalLM"),
     # chunked / NoPE attention and router-scaled experts behind `language_model.`
     "llama4": (lambda: _llama4(), "Llama4ForCausalLM"),
+    # Pixtral-12B's HF form: LLaVA around a Mistral decoder (sliding window 32)
+    "llava-mistral": (
+        lambda: _llava("Llava", _text("mistral"), tie_word_embeddings=False),
+        "MistralForCausalLM",
+    ),
+    "llava_next": (lambda: _llava("LlavaNext", _text("llama")), "LlamaForCausalLM"),
+    "idefics3": (lambda: _idefics3("Idefics3"), "LlamaForCausalLM"),
+    "smolvlm": (lambda: _idefics3("SmolVLM"), "LlamaForCausalLM"),
+    "internvl": (lambda: _internvl(tie_word_embeddings=False), "Qwen3ForCausalLM"),
+    "lfm2_vl": (lambda: _lfm2_vl(), "Lfm2ForCausalLM"),
     # top-level tie False beats text_config's True (the tiny ministral3 ties)
     "mistral3-ministral3": (
         lambda: _mistral3(_text("ministral3"), tie_word_embeddings=False),

@@ -6,7 +6,14 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     wrapper (config.architectures)       text_config.model_type -> our class
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
+    Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
+      SmolVLMForConditionalGeneration
+    InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
+                                         qwen3_moe              -> Qwen3MoeForCausalLM
+    Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
+    LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
+      LlavaNextForConditionalGeneration
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -30,9 +37,11 @@ Qwen3-VL-MoE's router always renormalizes its top-k weights (transformers 5's co
 Weights (`text_model_weights`): the language model's names map to ours whichever way the
 checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
 (older Gemma 3 / Mistral 3 saves) -> `model.X`; `language_model.lm_head.X` -> `lm_head.X`;
-`model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay. The vision tower and projector
-(`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`, Llama 4's
-`[model.]vision_model.`) are dropped by
+`model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay; Idefics3 / SmolVLM's
+`model.text_model.X` -> `model.X`. The vision tower and projector (`[model.]vision_tower.`,
+`[model.]multi_modal_projector.`, `[model.]visual.`, LLaVA-NeXT's `image_newline`, Llama 4's
+`[model.]vision_model.`, Idefics3's `[model.]vision_model.` / `[model.]connector.`) are
+dropped by
 name before their bytes are touched (tensors are views of memory-mapped files until copied).
 
 Qwen3-VL-MoE's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; per-expert
@@ -80,6 +89,8 @@ _LLAVA_STYLE = (
     "model.multi_modal_projector.",
 )
 _QWEN_VISUAL = ("visual.", "model.visual.")
+_LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
+_IDEFICS3 = ("vision_model.", "connector.", "model.vision_model.", "model.connector.")
 # Gemma 4: vision and audio towers and their embedders into the text space
 _GEMMA4_TOWERS = tuple(
     f"{prefix}{part}."
@@ -94,6 +105,13 @@ _LLAMA4_VISION = (
     "model.vision_model.",
     "model.multi_modal_projector.",
 )
+
+
+_LLAVA_TEXT = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +132,22 @@ WRAPPERS: dict[str, Wrapper] = {
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
     "Llama4ForConditionalGeneration": Wrapper({"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION),
+    # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
+    "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
+    "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # Idefics3, SmolVLM / SmolVLM2: a Llama decoder under `model.text_model`
+    "Idefics3ForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
+    "SmolVLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
+    "InternVLForConditionalGeneration": Wrapper(
+        {
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "llama": "LlamaForCausalLM",
+        },
+        _LLAVA_STYLE,
+    ),
+    "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
     "Mistral3ForConditionalGeneration": Wrapper(
         {
             "mistral": "MistralForCausalLM",
@@ -161,6 +195,7 @@ _RENAMES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
     ("language_model.lm_head.", "lm_head."),
+    ("model.text_model.", "model."),  # Idefics3 / SmolVLM
 )
 _HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -11,7 +11,8 @@ logprobs (1e-3, float32), in the two layouts the family ships:
   per-expert scales, and full layers with one global KV head whose values are their key
   projection (k_eq_v).
 
-Also: TP=2 gives the one-process results; a LoRA adapter on the attention projections gives
+Also: the released models' 512-wide full-layer heads run in the Triton kernel as on the CPU
+backend; TP=2 gives the one-process results; a LoRA adapter on the attention projections gives
 HF's merged model; the KV cache holds one tensor per layer that computes KV, each of its own
 shape; what the engine does not do is refused by name.
 """
@@ -23,9 +24,10 @@ from hf_reference import (
     assert_lora_matches_hf_merged,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
+    random_token_prompts,
 )
 
-from paged_engine import LLM
+from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +47,27 @@ def test_tensor_parallel_matches_one_process(tmp_path):
     split as every FusedMoE's do: tests/engine/test_models_moe.py)."""
     path = write_tiny_model(tmp_path, "gemma4", seed=3)
     assert_tp_matches_one_process(path, PROMPTS, 8, max_model_len=64)
+
+
+def test_head_size_512_runs_in_the_triton_kernel(tmp_path):
+    """The released models' full layers hold 512-wide heads: the Triton backend (interpreted
+    here) takes them and gives the CPU backend's tokens and logprobs, prompts in chunks."""
+    path = write_tiny_model(tmp_path, "gemma4", seed=1, global_head_dim=512)
+    prompts = [{"prompt_token_ids": p[:20]} for p in random_token_prompts(5, 2)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    runs = []
+    for backend in ("cpu", "triton"):
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            max_model_len=64,
+            attention_backend=backend,
+            max_num_batched_tokens=16,
+        )
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+    for cpu, triton in zip(*runs, strict=True):
+        assert triton.token_ids == cpu.token_ids
+        assert triton.cumulative_logprob == pytest.approx(cpu.cumulative_logprob, abs=1e-4)
 
 
 def test_lora_on_attention_matches_hf_merged(tmp_path):

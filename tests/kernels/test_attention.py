@@ -116,7 +116,8 @@ def test_mixed_batch_dtypes_and_gqa(seed, device, dtype, num_heads, num_kv_heads
 
 
 @pytest.mark.parametrize(
-    ("head_dim", "block_size"), [(64, 32), (80, 16), (96, 8), (128, 64), (256, 16)]
+    ("head_dim", "block_size"),
+    [(64, 32), (80, 16), (96, 8), (128, 64), (256, 16), (288, 32), (512, 16)],
 )
 def test_head_dims_and_block_sizes(seed, device, head_dim, block_size):
     b = make_batch(

@@ -80,5 +80,6 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
-# The largest head size paged_attention takes (its tiles hold whole heads in registers).
-MAX_HEAD_DIM = 256
+# The largest head size paged_attention takes (its tiles hold whole heads in registers; 512:
+# Gemma 4's full-attention layers).
+MAX_HEAD_DIM = 512

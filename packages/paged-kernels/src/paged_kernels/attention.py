@@ -10,10 +10,10 @@ sliding-window / attention-chunk range of the query tile are never visited.
 Chunked local attention (Llama 4's rope layers, `attention_chunk_size` C): a query at position p
 sees the keys of its own chunk, positions floor(p / C) * C .. p.
 
-Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the keys a query
-tile sees (its window or attention chunk, else all) are cut into NUM_SPLITS shares handled by
-separate programs; each writes a normalised partial output and its log-sum-exp, and a small
-second kernel merges them.
+Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
+each sequence is cut into NUM_SPLITS chunks handled by separate programs (splits wholly before a
+window or attention chunk find no keys); each writes a normalised partial output and its
+log-sum-exp, and a small second kernel merges them.
 
 An fp8 cache is dequantized on load: each K/V tile is cast to q's dtype (exact: every fp8 value
 is representable there) and the per-tensor scales are folded into the math, k_scale into the
@@ -164,10 +164,10 @@ def _paged_attention_kernel(
         first = ctx + local * BLOCK_Q
         lo = tl.maximum(lo, first - first % chunk)
         lo -= lo % BLOCK_N
-    if SPLIT:  # equal BLOCK_N-aligned shares of the visible range [lo, hi) (lo is aligned)
-        split_len = tl.cdiv(tl.cdiv(hi - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        lo = lo + split * split_len
-        hi = tl.minimum(hi, lo + split_len)
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = tl.maximum(lo, split * split_len)
+        hi = tl.minimum(hi, (split + 1) * split_len)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0)
 
@@ -277,8 +277,11 @@ def _tile_config(group_p2: int, head_dim_p2: int, decode: bool, fp32: bool = Fal
     Decode at head size 128 (16-bit) takes the tile the H100 sweep timed fastest
     (`kernel_bench --tile-sweep`, docs/benchmarks/h100): BLOCK_N 128 with 4 warps, 4.6-6.2%
     faster than (64, 8 warps) at batch 32-256 over 2k-8k keys, within 1% of the best of 18 in
-    every case. The other head sizes keep the spill-free tiles, untimed."""
-    if fp32:
+    every case. The other head sizes keep the spill-free tiles, untimed (512 included: 16 rows
+    of 16 keys, which spill nothing on sm_80 or sm_90)."""
+    if head_dim_p2 > 256:  # 512 (Gemma 4's full layers): 16 rows of 16 keys, any dtype
+        block_m, block_n, num_warps = 16, 16, 8
+    elif fp32:
         block_m, block_n = (16 if decode else 32), 16
         num_warps = 8 if head_dim_p2 > 128 else 4
     elif decode and head_dim_p2 == 128:
@@ -383,12 +386,8 @@ def paged_attention(
     if num_splits is None:
         if max_seqlen_q == 1 and max_seqlen_k is None:
             max_seqlen_k = int(seq_lens.max())
-        keys = max_seqlen_k or 0  # the most keys a decode row sees
-        for limit in (sliding_window, attention_chunk_size):
-            if limit and limit > 0:
-                keys = min(keys, limit)
         num_splits = choose_num_splits(
-            num_seqs, num_kv_heads, max_seqlen_q, keys, device_sms(q.device)
+            num_seqs, num_kv_heads, max_seqlen_q, max_seqlen_k or 0, device_sms(q.device)
         )
     check(num_splits >= 1, "num_splits must be >= 1")
     split = num_splits > 1

@@ -22,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import FLOAT_DTYPES, MAX_HEAD_DIM, check, is_interpreter, next_pow2
+from paged_kernels._utils import FLOAT_DTYPES, check, is_interpreter, next_pow2
+
+MAX_ROPE_HEAD_DIM = 256  # the largest head a program rotates (and normalises)
 
 
 @triton.jit
@@ -119,7 +121,7 @@ def rope_qk_(
     `weight_offset` and `round_before_weight` does (False: Gemma's q/k norms)."""
     check(qkv.dtype in FLOAT_DTYPES, f"unsupported qkv dtype {qkv.dtype}")
     check(qkv.dim() == 2 and qkv.stride(1) == 1, "qkv must be [T, W] with contiguous rows")
-    check(0 < head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} not in 1..{MAX_HEAD_DIM}")
+    check(0 < head_dim <= MAX_ROPE_HEAD_DIM, f"head_dim {head_dim} not in 1..{MAX_ROPE_HEAD_DIM}")
     num_heads = num_q_heads + num_kv_heads
     check(num_q_heads > 0 and num_kv_heads > 0, "num_q_heads and num_kv_heads must be positive")
     check(

@@ -106,6 +106,14 @@ def test_layer_kinds_follow_hf_defaults(fields):
         assert chunked_layers(config) == [t == "chunked_attention" for t in hf.layer_types]
 
 
-def test_bad_layer_types_are_refused():
-    with pytest.raises(ValueError, match="layer_types"):
-        Llama4ForCausalLM(tiny_config("llama4", layer_types=["sliding_attention"] * 4))
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"layer_types": ["sliding_attention"] * 4}, "layer_types"),
+        ({"attention_chunk_size": 0}, "attention_chunk_size"),
+        ({"attention_chunk_size": -8}, "attention_chunk_size"),
+    ],
+)
+def test_bad_layer_configs_are_refused(fields, match):
+    with pytest.raises(ValueError, match=match):
+        Llama4ForCausalLM(tiny_config("llama4", **fields))

@@ -34,6 +34,12 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads={num_heads} not divisible by num_kv_heads={num_kv_heads}")
+        if attention_chunk_size is not None and (
+            not isinstance(attention_chunk_size, int) or attention_chunk_size < 1
+        ):
+            raise ValueError(
+                f"attention_chunk_size must be a positive integer, got {attention_chunk_size!r}"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads

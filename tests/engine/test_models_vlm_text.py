@@ -67,15 +67,19 @@ def _text(arch: str, **overrides) -> dict:
     return tiny_config(arch, **overrides).to_dict()
 
 
+# a one-layer vision encoder of two 14-pixel patches a side: CLIP / SigLIP-style fields
+_SMALL_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+
+
 def _gemma3(**top) -> tuple[type, object]:
-    vision = transformers.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
+    vision = transformers.SiglipVisionConfig(**_SMALL_VISION)
     # final_logit_softcapping: Gemma3ForCausalLM applies it, the wrapper does not
     text = _text("gemma3", final_logit_softcapping=3.0)
     config = transformers.Gemma3Config(
@@ -109,32 +113,12 @@ def _gemma4(**top) -> tuple[type, object]:
 
 def _llama4(**top) -> tuple[type, object]:
     """Llama 4's wrapper (Scout / Maverick) around the tiny Llama 4 text model."""
-    vision = transformers.Llama4VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-        vision_output_dim=32,
-        projector_input_dim=32,
-        projector_output_dim=32,
-    )
+    widths = {"vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 32}
+    vision = transformers.Llama4VisionConfig(**_SMALL_VISION, **widths)
     config = transformers.Llama4Config(
         text_config=_text("llama4"), vision_config=vision.to_dict(), **top
     )
     return transformers.Llama4ForConditionalGeneration, config
-
-
-# a one-layer vision encoder of two 14-pixel patches a side: CLIP / SigLIP-style fields
-_SMALL_VISION = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "image_size": 28,
-    "patch_size": 14,
-}
 
 
 def _llava(name: str, text: dict, **top) -> tuple[type, object]:

@@ -86,6 +86,7 @@ GGUF_ARCH = {
     "qwen3": ("qwen3", "QWEN3"),
     "qwen2_moe": ("qwen2moe", "QWEN2MOE"),
     "qwen3_moe": ("qwen3moe", "QWEN3MOE"),
+    "gemma": ("gemma", "GEMMA"),
     "gemma2": ("gemma2", "GEMMA2"),
     "gemma3": ("gemma3", "GEMMA3"),
     "phi3": ("phi3", "PHI3"),
@@ -923,7 +924,7 @@ def _converted(src: Path, tiny_arch: str, cfg: dict, merged_experts: bool):
             arr = llama_cpp_permute(arr, heads)
         elif tiny_arch in LLAMAS and name.endswith("k_proj.weight"):
             arr = llama_cpp_permute(arr, kv_heads)
-        elif tiny_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        elif tiny_arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             arr = arr + np.float32(1)
         m = _EXPERT.match(name)
         if m is not None:
@@ -1406,7 +1407,7 @@ def write_gguf(
         else:
             w.add_tensor(gguf_name, arr)
             want = hf
-        if tiny_arch in ("gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
+        if tiny_arch in ("gemma", "gemma2", "gemma3") and gguf_name.endswith("norm.weight"):
             want = arr - np.float32(1)  # the stored float32(1 + w), less the 1 we add back
         if not hf_names:  # the second half of a split tensor (Qwen3-Next's attn_gate)
             continue

@@ -1,4 +1,4 @@
-"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4,
+"""GGUF files of Qwen3, Qwen3-MoE, Qwen2-MoE, Gemma 1 / 2 / 3, Phi-3, OLMo 2, Seed-OSS, GLM-4,
 StarCoder2, ERNIE 4.5 and Mixtral (arch "llama" with experts), written from tiny HF models as
 llama.cpp's converter lays them out (gguf_writer.py): our loader must give back HF's weights and
 config, and the model HF's logits and greedy tokens."""
@@ -26,6 +26,7 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {}, {}, None),
     # every layer sparse (llama.cpp's qwen2moe has no dense layers), a gated shared expert
     "qwen2_moe": ("qwen2_moe", {"mlp_only_layers": []}, {}, None),
+    "gemma": ("gemma", {}, {}, None),  # Gemma 1: (1 + w) norms, embeddings scaled, tied
     "gemma2": ("gemma2", {}, {}, None),
     # six layers: llama.cpp's fixed Gemma 3 pattern (five sliding, one global)
     "gemma3": ("gemma3", {"num_hidden_layers": 6, "layer_types": None}, {}, None),
@@ -57,6 +58,7 @@ CONFIG_KEYS = {
     "qwen3": ("head_dim",),
     "qwen3_moe": ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "norm_topk_prob"),
+    "gemma": ("head_dim",),
     "gemma2": ("head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",
                "attn_logit_softcapping", "final_logit_softcapping"),
     "gemma3": ("head_dim", "query_pre_attn_scalar", "sliding_window", "layer_types",

@@ -4,7 +4,7 @@ converter (convert_hf_to_gguf.py) changed the checkpoint on the way in, which lo
 - q/k rows: permuted for the Llama family only (llama.cpp's "normal" rope rotates interleaved
   pairs); Qwen2/3, Phi-3 and Gemma use NeoX rope there too and are stored as HF has them.
 - Gemma's RMSNorm scales by (1 + w); llama.cpp's is plain, so every `*norm.weight` is stored
-  as 1 + w and loads back as stored - 1.
+  as 1 + w and loads back as stored - 1 (Gemma 1, 2 and 3).
 - Phi-3: fused `attn_qkv` and `ffn_up` = HF's fused qkv_proj / gate_up_proj (split by the model).
 - MoE: the router is `ffn_gate_inp`; experts are merged into `ffn_{gate,up,down}_exps`
   ([E, I, H] / [E, H, I]), or in older Mixtral files one tensor each, `ffn_gate.M`.
@@ -456,6 +456,8 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         "Qwen3MoeConfig",
         experts=("mlp", "gate_proj", "up_proj", "down_proj"),
     ),
+    # Gemma 1 (gemma-2b / 7b, CodeGemma): Llama's two norms a layer
+    "gemma": GGUFArch("GemmaForCausalLM", "GemmaConfig", norm_offset=1.0),
     "gemma2": GGUFArch(
         "Gemma2ForCausalLM", "Gemma2Config", norm_offset=1.0, layer_names=_GEMMA_NAMES
     ),

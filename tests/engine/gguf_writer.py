@@ -116,6 +116,8 @@ GGUF_ARCH = {
     "ernie4_5": ("ernie4_5", "ERNIE4_5"),  # Ernie4_5Model: likewise (HF's split projections)
     "gpt_oss": ("gpt-oss", "GPT_OSS"),
     "llama4": ("llama4", "LLAMA4"),
+    "deepseek_v2": ("deepseek2", "DEEPSEEK2"),
+    "deepseek_v3": ("deepseek2", "DEEPSEEK2"),
     "olmoe": ("olmoe", "OLMOE"),
     "minimax_m2": ("minimax-m2", "MINIMAXM2"),
     "hunyuan_v1_dense": ("hunyuan-dense", "HUNYUAN_DENSE"),
@@ -131,7 +133,9 @@ OLD_ARCHS = ("falcon", "gpt_bigcode", "nemotron", "dbrx")
 LLAMAS = ("llama", "mixtral", "internlm3")  # q/k permuted
 GRANITES = ("granite", "granitemoe", "granitemoeshared")
 MORE_ARCHS = ("exaone4", "apertus", "arcee", *GRANITES, "smollm3", "olmoe", "minimax_m2",
-              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "gpt_oss", "llama4")  # fmt: skip
+              "hunyuan_v1_dense", "hunyuan_v1_moe", "dots1", "gpt_oss", "llama4",
+              "deepseek_v2", "deepseek_v3")  # fmt: skip
+DEEPSEEKS = ("deepseek_v2", "deepseek_v3")
 QWEN_HYBRIDS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 LFM2S = ("lfm2", "lfm2_moe")
 MAMBA_HYBRIDS = ("granitemoehybrid", "nemotron_h")
@@ -411,6 +415,8 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
         w.add_feed_forward_length(cfg["intermediate_size_mlp"])
         w.add_interleave_moe_layer_step(cfg["interleave_moe_layer_step"])
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    if tiny_arch in DEEPSEEKS:  # DeepseekV2Model: MLA as MQA, its real sizes as *_mla
+        _write_deepseek2_keys(w, tiny_arch, cfg)
     if tiny_arch == "minimax_m2":
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func sigmoid
         w.add_expert_feed_forward_length(cfg["intermediate_size"])
@@ -428,6 +434,39 @@ def _write_more_metadata(w, tiny_arch: str, cfg: dict) -> None:
         w.add_expert_weights_scale(cfg["routed_scaling_factor"])
         w.add_expert_weights_norm(cfg["norm_topk_prob"])
         w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # scoring_func noaux_tc
+
+
+def _write_deepseek2_keys(w, tiny_arch: str, cfg: dict) -> None:
+    import gguf
+
+    kv, rope_dims = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    w.add_head_count_kv(1)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(kv)
+    w.add_key_length(kv + rope_dims)
+    w.add_value_length(kv)
+    w.add_key_length_mla(cfg["qk_nope_head_dim"] + rope_dims)
+    w.add_value_length_mla(cfg["v_head_dim"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope_dims)
+    if tiny_arch == "deepseek_v3":  # TextModel: scoring_func sigmoid; V2 files leave it out
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if cfg.get("n_group"):
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+    rope = _rope_params(cfg)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
@@ -463,6 +502,17 @@ def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
                     (("gguf", f"{stem}_up_exps.weight"), np.ascontiguousarray(up))]  # fmt: skip
         return [
             (("gguf", f"{stem}_down_exps.weight"), np.ascontiguousarray(arr.transpose(0, 2, 1)))
+        ]
+    if tiny_arch in DEEPSEEKS and name.endswith("kv_b_proj.weight"):
+        # per head: key rows (transposed, [H, kv_lora, nope]) and value rows ([H, v, kv_lora])
+        nope, heads = cfg["qk_nope_head_dim"], cfg["num_attention_heads"]
+        kv_b = arr.reshape(heads, nope + cfg["v_head_dim"], arr.shape[-1])
+        stem = f"blk.{name.split('.')[2]}"
+        k_b = np.ascontiguousarray(kv_b[:, :nope].transpose(0, 2, 1))
+        v_b = np.ascontiguousarray(kv_b[:, nope:])
+        return [
+            (("gguf", f"{stem}.attn_k_b.weight"), k_b),
+            (("gguf", f"{stem}.attn_v_b.weight"), v_b),
         ]
     if tiny_arch in ("granitemoe", "granitemoeshared") and "input_linear" in name:
         # GraniteMoeModel.modify_tensors: HF's fused [gate; up] rows in two

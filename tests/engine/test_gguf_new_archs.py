@@ -1,8 +1,8 @@
 """GGUF files of EXAONE 4, Apertus, Arcee, Granite 3.x, gpt-oss, SmolLM3, OLMoE, Llama 4,
-MiniMax-M2, Hunyuan (dense and MoE) and dots.llm1, written from tiny HF models as llama.cpp's
-converter lays them out (gguf_writer.py): our loader must give back HF's weights (after undoing
-the converter's transforms) and the config fields the model reads, and the model HF's logits and
-greedy tokens."""
+DeepSeek-V2 / V3, MiniMax-M2, Hunyuan (dense and MoE) and dots.llm1, written from tiny HF models
+as llama.cpp's converter lays them out (gguf_writer.py): our loader must give back HF's weights
+(after undoing the converter's transforms) and the config fields the model reads, and the model
+HF's logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -58,6 +58,21 @@ CASES = {
         "llama4",
         {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1},
     ),
+    # MLA as llama.cpp writes it (kv_b split per head into k_b / v_b), expert groups; V3 with a
+    # low-rank q, sigmoid routing and yarn, V2 (no q LoRA) with softmax routing
+    "deepseek_v3": (
+        "deepseek_v3",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+            },
+        },
+    ),
+    "deepseek_v2": ("deepseek_v2", {}),
     "minimax_m2": ("minimax_m2", {}),
     # HunYuanModel asserts the released context (32k or 256k) for its NTK-alpha rope
     "hunyuan_v1_dense": ("hunyuan_v1_dense", {"max_position_embeddings": 32768}),
@@ -100,6 +115,12 @@ CONFIG_KEYS = {
                "moe_layers", "no_rope_layers", "layer_types", "attention_chunk_size",
                "attn_temperature_tuning", "floor_scale", "attn_scale", "use_qk_norm"),
     "minimax_m2": ("head_dim", "num_local_experts", "num_experts_per_tok", "rotary_dim"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3"), (
+        "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size",
+        "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob", "n_group",
+        "topk_group",
+    )),
     "hunyuan_v1_dense": ("head_dim", "attention_bias"),
     "hunyuan_v1_moe": ("head_dim", "num_experts", "attention_bias"),
     "dots1": ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",

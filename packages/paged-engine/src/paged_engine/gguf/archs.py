@@ -99,6 +99,13 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   with NoPE on every 4th layer and a temperature of floor 8192, scale 0.1, unless
   attention.sliding_window is 0 (MobileLLM: every layer full, and rope on all but the last);
   q/k norms on all models but the 128-expert one (Maverick).
+- DeepSeek-V2 / V3 ("deepseek2", DeepseekV2Model; V3, R1, Kimi K2, GLM-4.7-Flash alike): MLA
+  written as MQA (head_count_kv 1, key_length kv_lora_rank + rope dims, value_length
+  kv_lora_rank) with the real head sizes in key_length_mla / value_length_mla; kv_b_proj split
+  per head into attn_k_b (its key rows, transposed: [H, kv_lora, nope]) and attn_v_b
+  ([H, v, kv_lora]), or whole as attn_kv_b in older files; merged experts, the shared ones as
+  `ffn_*_shexp`, the router bias `exp_probs_b.bias`; expert_gating_func 2 (sigmoid) for V3,
+  softmax when absent (V2); yarn's mscale_all_dim as rope.scaling.yarn_log_multiplier / 0.1.
 - StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
   attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
   does not apply.
@@ -364,6 +371,22 @@ _DOTS1_NAMES = {
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
 _HF_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
+# DeepSeek-V2 / V3 (multi-head latent attention): kv_b_proj stored whole (`attn_kv_b`, older
+# files) or split into `attn_k_b` / `attn_v_b`, joined back by convert.py
+_DEEPSEEK2_NAMES: dict[str, str | None] = {
+    **_DOTS1_NAMES,
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_v_b": None,
+}
+_DEEPSEEK2_PARAMS = {
+    "attn_k_b.weight": "self_attn.kv_b_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+}
 # Falcon: `transformer.h.N`; 7B's one norm (`attn_norm`), 40B's two (FALCON_40B below)
 _FALCON_NAMES: dict[str, str | None] = {
     "attn_norm": "input_layernorm",
@@ -433,7 +456,7 @@ class GGUFArch:
     # hf_config.py rebuilds its own way: "exaone4", "apertus", "arcee", "olmo2", "granite",
     # "granitemoe", "smollm3", "seed_oss", "glm4", "ernie4_5", "starcoder2", "olmoe",
     # "minimax_m2", "hunyuan", "dots1", "nemotron"; or both: "falcon", "starcoder", "dbrx",
-    # "gpt_oss", "llama4"
+    # "gpt_oss", "llama4", "deepseek2"
     family: str = ""
     # HF path of the decoder layers (`<prefix>.<N>.<module>`)
     prefix: str = "model.layers"
@@ -662,6 +685,15 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
         params={"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
         family="dots1",
     ),
+    # DeepSeek-V2 / V2-Lite (softmax routing); gguf_arch picks DEEPSEEK_V3 for sigmoid files
+    "deepseek2": GGUFArch(
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        layer_names=_DEEPSEEK2_NAMES,
+        experts=_HF_EXPERTS,
+        params=_DEEPSEEK2_PARAMS,
+        family="deepseek2",
+    ),
     "falcon": GGUFArch(
         "FalconForCausalLM",
         "FalconConfig",
@@ -702,6 +734,11 @@ MIXTRAL = GGUFArch(
     permute_qk=True,
     experts=("block_sparse_moe", "w1", "w3", "w2"),
 )
+# arch "deepseek2" with sigmoid expert gating (DeepSeek-V3 / R1, Kimi K2, Moonlight,
+# GLM-4.7-Flash): llama.cpp's expert_gating_func 2
+DEEPSEEK_V3 = replace(
+    GGUF_ARCHS["deepseek2"], hf_arch="DeepseekV3ForCausalLM", config_cls="DeepseekV3Config"
+)
 # arch "mamba" whose mixer normalizes dt, B and C (MambaModel's dt_b_c_rms: model_type
 # falcon_mamba)
 FALCON_MAMBA = replace(
@@ -729,4 +766,6 @@ def gguf_arch(f: GGUFFile) -> tuple[str, GGUFArch]:
         return arch, FALCON_40B
     if arch == "mamba" and f.get("mamba.ssm.dt_b_c_rms"):
         return arch, FALCON_MAMBA
+    if arch == "deepseek2" and int(f.get("deepseek2.expert_gating_func") or 0) == 2:
+        return arch, DEEPSEEK_V3
     return arch, GGUF_ARCHS[arch]

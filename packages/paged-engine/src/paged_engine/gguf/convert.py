@@ -7,7 +7,8 @@ gate / up projections; Mamba's / Mamba2's (the same as their hybrids'), and so F
 (Mamba2's; its folded multipliers stay folded) and Jamba's (Mamba's, merged experts); Apertus's
 xIELU scalars, which the converter moved into metadata arrays, come back as HF's tensors;
 Falcon's fused query_key_value goes back to its per-KV-group layout, DBRX's experts to HF's
-stacked [E x ff, d] parameters, Llama 4's and gpt-oss's to HF's fused x @ W tensors;
+stacked [E x ff, d] parameters, Llama 4's and gpt-oss's to HF's fused x @ W tensors, DeepSeek's
+split kv_b (attn_k_b / attn_v_b) to its kv_b_proj;
 Nemotron's +1 on norm weights as Gemma's."""
 
 from __future__ import annotations
@@ -234,6 +235,19 @@ def _llama4_experts(f: GGUFFile, layer: str, part: str, w: torch.Tensor) -> torc
     return torch.cat([w.to(dtype), up.to(dtype)], dim=1).transpose(1, 2).contiguous()
 
 
+def _deepseek2_kv_b(f: GGUFFile, layer: str, k_b: torch.Tensor) -> torch.Tensor:
+    """kv_b_proj [H * (nope + v), kv_lora] from attn_k_b [H, kv_lora, nope] and attn_v_b
+    [H, v, kv_lora] (DeepseekV2Model.modify_tensors' split, undone): per head its key rows,
+    then its value rows."""
+    v_name = f"blk.{layer}.attn_v_b.weight"
+    if v_name not in f.tensors:
+        raise ValueError(f"GGUF file has blk.{layer}.attn_k_b.weight but lacks {v_name}")
+    v_b = f.tensor(v_name)
+    dtype = torch.promote_types(k_b.dtype, v_b.dtype)
+    kv_b = torch.cat([k_b.to(dtype).transpose(1, 2), v_b.to(dtype)], dim=1)
+    return kv_b.reshape(-1, kv_b.shape[-1])
+
+
 def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF checkpoint name, dequantized CPU tensor) for every tensor of a supported GGUF model;
     merged expert tensors come out one expert at a time (views, no copy)."""
@@ -269,6 +283,8 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             w = _gpt_oss_experts(f, groups[0], part, groups[3], w)
         elif spec.family == "llama4" and part in ("ffn_gate_exps", "ffn_down_exps"):
             w = _llama4_experts(f, groups[0], part, w)
+        elif spec.family == "deepseek2" and part == "attn_k_b":
+            w = _deepseek2_kv_b(f, groups[0], w)
         if spec.family == "qwen3next" and part == "attn_qkv":
             assert linear is not None
             gate = f"blk.{groups[0]}.attn_gate.weight"

@@ -53,7 +53,8 @@ def gguf_to_hf_config(f: GGUFFile):
     heads = meta.get_int("attention.head_count")
     layers = meta.get_int("block_count")
     head_dim = meta.get_int("attention.key_length", hidden // heads)
-    if meta.get_int("attention.value_length", head_dim) != head_dim:
+    # (DeepSeek's MLA: the MQA form's lengths differ by design; _deepseek2 reads the real ones)
+    if spec.family != "deepseek2" and meta.get_int("attention.value_length", head_dim) != head_dim:
         raise ValueError(f"GGUF metadata {arch}.attention.value_length differs from key_length")
     if "token_embd.weight" not in f.tensors:
         raise ValueError("GGUF file lacks the tensor token_embd.weight")
@@ -97,6 +98,12 @@ def gguf_to_hf_config(f: GGUFFile):
         rope = None  # no positional encoding at all
     if spec.family in _MORE:
         _MORE[spec.family](meta, f, kwargs, layers)
+    if spec.family == "deepseek2" and rope is not None:
+        rope.pop("partial_rotary_factor", None)  # rope.dimension_count is qk_rope_head_dim
+        # DeepseekV2Model writes 0.1 * mscale_all_dim (the released configs' mscale equals it)
+        log_mul = meta.get_float("rope.scaling.yarn_log_multiplier", 0.0)
+        if rope["rope_type"] == "yarn" and log_mul:
+            rope["mscale"] = rope["mscale_all_dim"] = round(log_mul / 0.1, 6)
     if arch in ("gemma2", "gemma3"):
         rope = _gemma(meta, arch, kwargs, rope)
     if arch == "phi3":
@@ -923,6 +930,38 @@ def _llama4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> No
     )
 
 
+def _deepseek2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
+    """DeepSeek-V2 / V3 (DeepseekV2Model): MLA sizes from kv_lora_rank, key_length_mla,
+    value_length_mla and rope.dimension_count (the file's head_count_kv 1 and key / value
+    lengths are the MQA form llama.cpp runs); a low-rank q only where the tensors hold one;
+    leading dense layers, then MoE layers with shared experts; expert groups and their top-k
+    when the file has them (else 1, no group limit); the gating (V2 softmax, V3 sigmoid) chose
+    the class (archs.gguf_arch)."""
+    heads = kwargs["num_attention_heads"]
+    rope_dims = meta.get_int("rope.dimension_count")
+    groups = meta.get_int("expert_group_count", 1)
+    kwargs.update(
+        num_key_value_heads=heads,
+        head_dim=rope_dims,
+        kv_lora_rank=meta.get_int("attention.kv_lora_rank"),
+        q_lora_rank=meta.get_int("attention.q_lora_rank") if _has(f, 0, "attn_q_a") else None,
+        qk_rope_head_dim=rope_dims,
+        qk_nope_head_dim=meta.get_int("attention.key_length_mla") - rope_dims,
+        v_head_dim=meta.get_int("attention.value_length_mla"),
+        n_routed_experts=meta.get_int("expert_count"),
+        num_experts_per_tok=meta.get_int("expert_used_count"),
+        n_shared_experts=meta.get_int("expert_shared_count", 0),
+        moe_intermediate_size=meta.get_int("expert_feed_forward_length"),
+        first_k_dense_replace=meta.get_int("leading_dense_block_count", 0),
+        routed_scaling_factor=meta.get_float("expert_weights_scale", 1.0),
+        norm_topk_prob=bool(meta.get("expert_weights_norm", False)),
+        n_group=groups,
+        topk_group=meta.get_int("expert_group_used_count", groups),
+    )
+    if kwargs["architectures"] == ["DeepseekV2ForCausalLM"]:
+        kwargs["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+
+
 def _starcoder2(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> None:
     """StarCoder2 (StarCoder2Model): LayerNorms of attention.layer_norm_epsilon, biases from the
     tensors, no sliding window (none recorded; llama.cpp attends to the whole context)."""
@@ -948,6 +987,7 @@ _MORE = {
     "ernie4_5": _ernie4_5,
     "gpt_oss": _gpt_oss,
     "llama4": _llama4,
+    "deepseek2": _deepseek2,
     "olmoe": _olmoe,
     "minimax_m2": _minimax_m2,
     "hunyuan": _hunyuan,

@@ -99,7 +99,7 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   with NoPE on every 4th layer and a temperature of floor 8192, scale 0.1, unless
   attention.sliding_window is 0 (MobileLLM: every layer full, and rope on all but the last);
   q/k norms on all models but the 128-expert one (Maverick).
-- DeepSeek-V2 / V3 ("deepseek2", DeepseekV2Model; V3, R1, Kimi K2, GLM-4.7-Flash alike): MLA
+- DeepSeek-V2 / V3 ("deepseek2", DeepseekV2Model; V3, R1, Kimi K2, Moonlight alike): MLA
   written as MQA (head_count_kv 1, key_length kv_lora_rank + rope dims, value_length
   kv_lora_rank) with the real head sizes in key_length_mla / value_length_mla; kv_b_proj split
   per head into attn_k_b (its key rows, transposed: [H, kv_lora, nope]) and attn_v_b
@@ -734,8 +734,8 @@ MIXTRAL = GGUFArch(
     permute_qk=True,
     experts=("block_sparse_moe", "w1", "w3", "w2"),
 )
-# arch "deepseek2" with sigmoid expert gating (DeepSeek-V3 / R1, Kimi K2, Moonlight,
-# GLM-4.7-Flash): llama.cpp's expert_gating_func 2
+# arch "deepseek2" with sigmoid expert gating (DeepSeek-V3 / R1, Kimi K2, Moonlight):
+# llama.cpp's expert_gating_func 2
 DEEPSEEK_V3 = replace(
     GGUF_ARCHS["deepseek2"], hf_arch="DeepseekV3ForCausalLM", config_cls="DeepseekV3Config"
 )

@@ -469,6 +469,19 @@ def _write_deepseek2_keys(w, tiny_arch: str, cfg: dict) -> None:
         w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
+def _write_mtp_layer(w, cfg: dict) -> None:
+    """One multi-token-prediction layer after the decoder's: block_count + 1,
+    nextn_predict_layers 1, its nextn.* tensors and a layer norm of its own (the loader skips
+    them all)."""
+    layer, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    w.add_block_count(layer + 1)
+    w.add_nextn_predict_layers(1)
+    rng = np.random.default_rng(0)
+    for part, shape in (("nextn.eh_proj", (hidden, 2 * hidden)), ("nextn.enorm", (hidden,)),
+                        ("nextn.hnorm", (hidden,)), ("attn_norm", (hidden,))):  # fmt: skip
+        w.add_tensor(f"blk.{layer}.{part}.weight", rng.standard_normal(shape).astype(np.float32))
+
+
 def _more(tiny_arch: str, cfg: dict, name: str, arr: np.ndarray):
     """The arch class's modify_tensors before the name map: [(HF-side name, array)]."""
     if tiny_arch == "apertus" and ".act_fn." in name:
@@ -1476,6 +1489,8 @@ def write_gguf(
             names = [f"model.layers.{i}.mlp.act_fn.{key}" for i in range(cfg["num_hidden_layers"])]
             add([weights[n].float().item() for n in names])
             expected.update({n: weights[n].float() for n in names})
+    if tiny_arch == "deepseek_v3":  # as Glm4MoeLiteModel exports one: an MTP layer appended
+        _write_mtp_layer(w, cfg)
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     rope = _rope_params(cfg)

@@ -59,7 +59,8 @@ CASES = {
         {"attention_chunk_size": 8192, "floor_scale": 8192, "attn_scale": 0.1},
     ),
     # MLA as llama.cpp writes it (kv_b split per head into k_b / v_b), expert groups; V3 with a
-    # low-rank q, sigmoid routing and yarn, V2 (no q LoRA) with softmax routing
+    # low-rank q, sigmoid routing, yarn and an MTP layer appended (not loaded), V2 (no q LoRA)
+    # with softmax routing
     "deepseek_v3": (
         "deepseek_v3",
         {

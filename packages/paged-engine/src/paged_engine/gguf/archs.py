@@ -106,6 +106,8 @@ More transformer archs (conversion/{exaone,apertus,arcee,olmo,minimax,hunyuan,do
   ([H, v, kv_lora]), or whole as attn_kv_b in older files; merged experts, the shared ones as
   `ffn_*_shexp`, the router bias `exp_probs_b.bias`; expert_gating_func 2 (sigmoid) for V3,
   softmax when absent (V2); yarn's mscale_all_dim as rope.scaling.yarn_log_multiplier / 0.1.
+  Multi-token-prediction layers a file appends (nextn_predict_layers, counted in block_count:
+  GLM-4.7-Flash's converter exports one) are skipped (hf_config.main_layers), for any arch.
 - StarCoder2 ("starcoder2", StarCoder2Model): TextModel's keys (its norm_epsilon as
   attention.layer_norm_epsilon) and HF's tensors; no key for its sliding window, which llama.cpp
   does not apply.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_engine.gguf.archs import GGUF_ARCHS, MAMBA2_FAMILIES, GGUFArch, gguf_arch
-from paged_engine.gguf.hf_config import gguf_to_hf_config
+from paged_engine.gguf.hf_config import gguf_to_hf_config, main_layers
 from paged_engine.gguf.reader import GGUFFile
 
 __all__ = ["GGUF_ARCHS", "gguf_to_hf_config", "gguf_weights", "hf_tensor_name", "unpermute_qk"]
@@ -258,7 +258,10 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         kv_heads = max(kv_heads)
     kv_heads = int(kv_heads)
     linear = _LinearAttn.read(f, arch) if spec.family in ("qwen3next", "qwen35") else None
+    layers = main_layers(f, arch) if f.get(f"{arch}.nextn_predict_layers") else None
     for name in f.tensors:
+        if layers is not None and (g := _split(name)) is not None and int(g[0]) >= layers:
+            continue  # a multi-token-prediction layer's tensor (blk.N.nextn.* and the rest)
         hf_name = hf_tensor_name(name, spec)
         if hf_name is None:
             continue

@@ -51,7 +51,7 @@ def gguf_to_hf_config(f: GGUFFile):
         return _OWN_CONFIGS[spec.family](meta, f, spec)
     hidden = meta.get_int("embedding_length")
     heads = meta.get_int("attention.head_count")
-    layers = meta.get_int("block_count")
+    layers = main_layers(f, arch)
     head_dim = meta.get_int("attention.key_length", hidden // heads)
     # (DeepSeek's MLA: the MQA form's lengths differ by design; _deepseek2 reads the real ones)
     if spec.family != "deepseek2" and meta.get_int("attention.value_length", head_dim) != head_dim:
@@ -125,6 +125,14 @@ def gguf_to_hf_config(f: GGUFFile):
         if "sliding_attention" in rope:
             config.rope_local_base_freq = rope["sliding_attention"]["rope_theta"]
     return config
+
+
+def main_layers(f: GGUFFile, arch: str) -> int:
+    """The decoder layers the model runs: block_count less the multi-token-prediction layers
+    a file may append (`nextn_predict_layers`: GLM-4.7-Flash's converter exports its MTP
+    layer), which are not loaded."""
+    meta = _Meta(f, arch)
+    return meta.get_int("block_count") - meta.get_int("nextn_predict_layers", 0)
 
 
 def _kv_heads(meta: _Meta, heads: int) -> int:

@@ -204,20 +204,30 @@ def _xielu_weights(f: GGUFFile, arch: str, spec: GGUFArch) -> Iterator[tuple[str
             yield f"{spec.prefix}.{i}.mlp.act_fn.{name}", t
 
 
+def _with_partner(
+    f: GGUFFile, name: str, partner: str, w: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` (the file's tensor `name`) and the tensor `partner` the converter split from the same
+    HF tensor, both in the wider of their dtypes: the halves may be stored as different types
+    (llama-quantize --tensor-type, say an F16 gate and a Q8_0 up), and the wider holds both
+    exactly. A file without `partner` is a ValueError naming both."""
+    if partner not in f.tensors:
+        raise ValueError(f"GGUF file has {name} but lacks {partner}")
+    other = f.tensor(partner)
+    dtype = torch.promote_types(w.dtype, other.dtype)
+    return w.to(dtype), other.to(dtype)
+
+
 def _gpt_oss_experts(f: GGUFFile, layer: str, part: str, kind: str, w: torch.Tensor):
     """gpt-oss's experts as HF holds them: the converter split gate_up_proj's interleaved
     columns (gate, up, gate, up, ...) into ffn_gate_exps / ffn_up_exps [E, I, H] and stored
     down_proj [E, I, H] transposed; biases alike ([E, 2I] -> two [E, I]; down's [E, H] as is)."""
     if part == "ffn_down_exps":
         return w.transpose(1, 2).contiguous() if kind == "weight" else w
-    up_name = f"blk.{layer}.ffn_up_exps.{kind}"
-    if up_name not in f.tensors:
-        raise ValueError(f"GGUF file has blk.{layer}.{part}.{kind} but lacks {up_name}")
-    up = f.tensor(up_name)
-    dtype = torch.promote_types(w.dtype, up.dtype)
+    w, up = _with_partner(f, f"blk.{layer}.{part}.{kind}", f"blk.{layer}.ffn_up_exps.{kind}", w)
     if kind == "bias":  # [E, I] x 2 -> [E, 2I]
-        return torch.stack([w.to(dtype), up.to(dtype)], dim=-1).reshape(w.shape[0], -1)
-    pair = torch.stack([w.to(dtype), up.to(dtype)], dim=2)  # [E, I, 2, H]
+        return torch.stack([w, up], dim=-1).reshape(w.shape[0], -1)
+    pair = torch.stack([w, up], dim=2)  # [E, I, 2, H]
     return pair.reshape(w.shape[0], -1, w.shape[2]).transpose(1, 2).contiguous()
 
 
@@ -227,24 +237,17 @@ def _llama4_experts(f: GGUFFile, layer: str, part: str, w: torch.Tensor) -> torc
     down_proj [E, I, H] (Llama4Model.modify_tensors' split and transposes)."""
     if part == "ffn_down_exps":
         return w.transpose(1, 2).contiguous()
-    up_name = f"blk.{layer}.ffn_up_exps.weight"
-    if up_name not in f.tensors:
-        raise ValueError(f"GGUF file has blk.{layer}.{part}.weight but lacks {up_name}")
-    up = f.tensor(up_name)
-    dtype = torch.promote_types(w.dtype, up.dtype)
-    return torch.cat([w.to(dtype), up.to(dtype)], dim=1).transpose(1, 2).contiguous()
+    w, up = _with_partner(f, f"blk.{layer}.{part}.weight", f"blk.{layer}.ffn_up_exps.weight", w)
+    return torch.cat([w, up], dim=1).transpose(1, 2).contiguous()
 
 
 def _deepseek2_kv_b(f: GGUFFile, layer: str, k_b: torch.Tensor) -> torch.Tensor:
     """kv_b_proj [H * (nope + v), kv_lora] from attn_k_b [H, kv_lora, nope] and attn_v_b
     [H, v, kv_lora] (DeepseekV2Model.modify_tensors' split, undone): per head its key rows,
     then its value rows."""
-    v_name = f"blk.{layer}.attn_v_b.weight"
-    if v_name not in f.tensors:
-        raise ValueError(f"GGUF file has blk.{layer}.attn_k_b.weight but lacks {v_name}")
-    v_b = f.tensor(v_name)
-    dtype = torch.promote_types(k_b.dtype, v_b.dtype)
-    kv_b = torch.cat([k_b.to(dtype).transpose(1, 2), v_b.to(dtype)], dim=1)
+    stem = f"blk.{layer}"
+    k_b, v_b = _with_partner(f, f"{stem}.attn_k_b.weight", f"{stem}.attn_v_b.weight", k_b)
+    kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
     return kv_b.reshape(-1, kv_b.shape[-1])
 
 
@@ -260,13 +263,13 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     linear = _LinearAttn.read(f, arch) if spec.family in ("qwen3next", "qwen35") else None
     layers = main_layers(f, arch) if f.get(f"{arch}.nextn_predict_layers") else None
     for name in f.tensors:
-        if layers is not None and (g := _split(name)) is not None and int(g[0]) >= layers:
+        groups = _split(name)
+        if layers is not None and groups is not None and int(groups[0]) >= layers:
             continue  # a multi-token-prediction layer's tensor (blk.N.nextn.* and the rest)
         hf_name = hf_tensor_name(name, spec)
         if hf_name is None:
             continue
         w = f.tensor(name)
-        groups = _split(name)
         part = "" if groups is None else groups[1]
         if spec.permute_qk and name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_qk(w, heads)
@@ -296,14 +299,8 @@ def gguf_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             w = _qwen3next_qkvz(w, f.tensor(gate), linear)
         if part in spec.fold:  # HF's fused tensor, stored as two (Granite's [gate; up])
             other, dim = spec.fold[part]
-            rest = f"blk.{groups[0]}.{other}.{groups[3]}"
-            if rest not in f.tensors:
-                raise ValueError(f"GGUF file has {name} but lacks {rest}")
-            # the halves may be stored as different types (llama-quantize --tensor-type, say an
-            # F16 gate and a Q8_0 up): the wider dtype holds both exactly
-            rest_w = f.tensor(rest)
-            dtype = torch.promote_types(w.dtype, rest_w.dtype)
-            w = torch.cat([w.to(dtype), rest_w.to(dtype)], dim=dim)
+            w, rest = _with_partner(f, name, f"blk.{groups[0]}.{other}.{groups[3]}", w)
+            w = torch.cat([w, rest], dim=dim)
         if EXPERT_SLOT in hf_name:
             for e in range(w.shape[0]):
                 yield hf_name.format(e), w[e]

@@ -913,7 +913,7 @@ def _llama4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> No
     4th with the query temperature, as llama.cpp runs them; attention.sliding_window 0
     (MobileLLM): no chunks and no temperature, rope on every layer but the last (llama.cpp's
     NoPE step becomes the layer count)."""
-    experts = meta.get_int("expert_count", 0)
+    experts, sparse = meta.get_int("expert_count", 0), _sparse(f, layers)
     dense = kwargs["intermediate_size"]
     chunked = meta.get_int("attention.sliding_window", None) != 0
     step = _LLAMA4_NOPE_STEP if chunked else layers
@@ -921,12 +921,12 @@ def _llama4(meta: _Meta, f: GGUFFile, kwargs: dict[str, Any], layers: int) -> No
     kwargs.update(
         num_local_experts=experts,
         num_experts_per_tok=meta.get_int("expert_used_count", 1),
-        intermediate_size=_experts_width(meta, f, _sparse(f, layers), "expert_feed_forward_length")
+        intermediate_size=_experts_width(meta, f, sparse, "expert_feed_forward_length")
         if experts
         else dense,
         intermediate_size_mlp=dense,
         interleave_moe_layer_step=meta.get_int("interleave_moe_layer_step", 1),
-        moe_layers=_sparse(f, layers),
+        moe_layers=sparse,
         no_rope_layers=rope,
         attention_chunk_size=_LLAMA4_CHUNK if chunked else None,
         layer_types=["chunked_attention" if chunked and r else "full_attention" for r in rope],

@@ -89,9 +89,10 @@ def chunked_layers(config) -> list[bool]:
 
 
 class Llama4Attention(nn.Module):
-    """`rope` None: a NoPE layer."""
+    """`rope` None: a NoPE layer; `chunk`: its attention chunk size, None for the whole
+    context."""
 
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding | None) -> None:
+    def __init__(self, config, rope: RotaryEmbedding | None, chunk: int | None) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
@@ -112,7 +113,6 @@ class Llama4Attention(nn.Module):
         if rope is None and cfg_get(config, "attn_temperature_tuning", True):
             floor_scale = float(cfg_get(config, "floor_scale", 8192))
             self.temperature = (floor_scale, float(cfg_get(config, "attn_scale", 0.1)))
-        chunk = config.attention_chunk_size if chunked_layers(config)[layer_idx] else None
         self.attn = Attention(
             local_heads, head_dim, local_kv_heads, head_dim**-0.5, attention_chunk_size=chunk
         )
@@ -166,11 +166,12 @@ class Llama4ForCausalLM(CausalLMBase):
 
     def __init__(self, config) -> None:
         check_silu(config, type(self).__name__)
-        uses_rope, sparse = rope_layers(config), moe_layers(config)
+        uses_rope, chunked, sparse = rope_layers(config), chunked_layers(config), moe_layers(config)
         dense_inter = int(cfg_get(config, "intermediate_size_mlp", config.intermediate_size))
 
         def build_layer(i: int, rope: RotaryEmbedding) -> nn.Module:
-            attention = Llama4Attention(config, i, rope if uses_rope[i] else None)
+            chunk = config.attention_chunk_size if chunked[i] else None
+            attention = Llama4Attention(config, rope if uses_rope[i] else None, chunk)
             if i in sparse:
                 mlp: nn.Module = Llama4MoeBlock(config)
             else:

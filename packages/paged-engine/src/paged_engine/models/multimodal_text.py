@@ -82,30 +82,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_LLAVA_STYLE = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "model.vision_tower.",
-    "model.multi_modal_projector.",
-)
-_QWEN_VISUAL = ("visual.", "model.visual.")
+
+def _modules(*names: str) -> tuple[str, ...]:
+    """Weight-name prefixes of a wrapper's non-text modules, at the top level and under
+    `model.` (transformers 5 and older saves differ)."""
+    return tuple(f"{prefix}{name}." for prefix in ("", "model.") for name in names)
+
+
+_LLAVA_STYLE = _modules("vision_tower", "multi_modal_projector")
+_QWEN_VISUAL = _modules("visual")
+# LLaVA-NeXT: also its image_newline parameter (a name of its own, no dot after it)
 _LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
-_IDEFICS3 = ("vision_model.", "connector.", "model.vision_model.", "model.connector.")
+_IDEFICS3 = _modules("vision_model", "connector")
 # Gemma 4: vision and audio towers and their embedders into the text space
-_GEMMA4_TOWERS = tuple(
-    f"{prefix}{part}."
-    for prefix in ("", "model.")
-    for part in ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
-)
-
-
-_LLAMA4_VISION = (
-    "vision_model.",
-    "multi_modal_projector.",
-    "model.vision_model.",
-    "model.multi_modal_projector.",
-)
-
+_GEMMA4_TOWERS = _modules("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+_LLAMA4_VISION = _modules("vision_model", "multi_modal_projector")
 
 _LLAVA_TEXT = {
     "llama": "LlamaForCausalLM",

@@ -21,6 +21,7 @@ blocks free but cached, evicted LRU).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -43,13 +44,23 @@ class BlockPool:
         assert num_blocks >= 2, "need the null block and at least one allocatable block"
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._head = Block(-1)  # sentinel: _head.next_free = LRU end, _head.prev_free = MRU end
+        # A pool holds up to ~10^6 blocks: built with the cyclic collector paused (each young
+        # collection would otherwise walk the whole heap of a loaded model), linked in one pass.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.blocks = [Block(i) for i in range(num_blocks)]
+            prev = self._head
+            for block in self.blocks[1:]:
+                block.prev_free, prev.next_free = prev, block
+                prev = block
+            prev.next_free, self._head.prev_free = self._head, prev
+        finally:
+            if collecting:
+                gc.enable()
         self.null_block = self.blocks[NULL_BLOCK_ID]
         self.null_block.ref_cnt = 1  # pinned: never free, never allocated
-        self._head = Block(-1)  # sentinel: _head.next_free = LRU end, _head.prev_free = MRU end
-        self._head.prev_free = self._head.next_free = self._head
-        for block in self.blocks[1:]:
-            self._link_tail(block)
         self.num_free_blocks = num_blocks - 1
         self._cached: dict[int, Block] = {}
         self.on_evict: Callable[[Block], None] | None = None

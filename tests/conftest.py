@@ -18,6 +18,10 @@ if not HAS_CUDA:
     # starts: one intra-op thread avoids OpenMP threads spinning against each other.
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # engines (and server subprocesses) keep it
+    # Engines of tiny models on CPU: a 1 GiB pool (the default) is ~10^5 blocks, whose zeroing
+    # and bookkeeping were most of an engine's start. 1/4 GiB still holds the default model's
+    # 8k-token context in float32 with room to spare.
+    os.environ.setdefault("PAGED_CPU_KVCACHE_SPACE", "0.25")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -654,6 +654,26 @@ def test_bad_engine_options(llama_dir, kwargs, name):
         LLM(model=str(llama_dir), **{"dtype": "float32", "max_model_len": 64, **kwargs})
 
 
+def test_cpu_kv_cache_space_comes_from_the_environment(llama_dir, monkeypatch):
+    """cpu_kv_cache_gib's default is PAGED_CPU_KVCACHE_SPACE, else vLLM's VLLM_CPU_KVCACHE_SPACE,
+    else 1 GiB; an explicit option wins, and a bad value is an error naming the variable."""
+    monkeypatch.delenv("PAGED_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert EngineConfig().cpu_kv_cache_gib == 1.0
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
+    assert EngineConfig().cpu_kv_cache_gib == 0.5
+    monkeypatch.setenv("PAGED_CPU_KVCACHE_SPACE", "0.125")
+    assert EngineConfig().cpu_kv_cache_gib == 0.125
+    assert EngineConfig(cpu_kv_cache_gib=2.0).cpu_kv_cache_gib == 2.0
+    small = _engine(llama_dir).get_stats().num_total_blocks
+    monkeypatch.setenv("PAGED_CPU_KVCACHE_SPACE", "0.25")
+    assert _engine(llama_dir).get_stats().num_total_blocks == 2 * small + 1  # block 0 is null
+    for bad in ("0", "-1", "inf", "nan", "lots"):
+        monkeypatch.setenv("PAGED_CPU_KVCACHE_SPACE", bad)
+        with pytest.raises(ValueError, match="PAGED_CPU_KVCACHE_SPACE"):
+            EngineConfig()
+
+
 # ---- detokenization ------------------------------------------------------------------------------
 def test_streamed_text_only_grows_and_matches_decode(llama_dir, llm):
     tok = llm.get_tokenizer()

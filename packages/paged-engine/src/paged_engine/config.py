@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,13 +19,32 @@ _SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
+def _cpu_kv_cache_gib_default() -> float:
+    """GiB of CPU KV cache per rank: `PAGED_CPU_KVCACHE_SPACE`, else vLLM's
+    `VLLM_CPU_KVCACHE_SPACE`, else 1.0."""
+    for name in ("PAGED_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE"):
+        raw = os.environ.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            gib = float(raw)
+        except ValueError:
+            gib = math.nan
+        if not 0 < gib < math.inf:
+            raise ValueError(f"{name}={raw!r} is invalid: expected GiB, a positive finite number")
+        return gib
+    return 1.0
+
+
 @dataclass
 class EngineConfig:
     """Everything `LLM(...)`, `LLMEngine(...)` and `paged-server` accept.
 
     `max_model_len=None` takes the model's own limit. `max_num_batched_tokens` is the per-step
     token budget shared by prefill chunks and decodes. On CUDA the KV pool is sized from
-    `gpu_memory_utilization` after profiling a forward pass; on CPU from `cpu_kv_cache_gib`.
+    `gpu_memory_utilization` after profiling a forward pass; on CPU from `cpu_kv_cache_gib`
+    (default: `PAGED_CPU_KVCACHE_SPACE` or vLLM's `VLLM_CPU_KVCACHE_SPACE` from the
+    environment, in GiB, else 1 GiB).
     `num_gpu_blocks_override` fixes the pool size (tests use tiny pools to force preemption).
     """
 
@@ -41,7 +61,7 @@ class EngineConfig:
     dtype: str = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 1.0
+    cpu_kv_cache_gib: float = dataclasses.field(default_factory=_cpu_kv_cache_gib_default)
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None

@@ -5,6 +5,7 @@ step's other features (n > 1, beams, seeds, preemption, prefix caching, prompt l
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -202,3 +203,43 @@ def test_a_second_parallel_engine_in_one_process_is_refused_until_the_first_stop
         first.llm_engine.shutdown()
     second = LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
     second.llm_engine.shutdown()
+
+
+def _rank_view(worker, name: str) -> tuple[int, int, str | None]:
+    """(pid, parent pid, os.environ[name]) of the rank that runs it (through collective_rpc)."""
+    return os.getpid(), os.getppid(), os.environ.get(name)
+
+
+@pytest.mark.parametrize("method", [None, "spawn", "forkserver"])
+def test_ranks_start_by_the_chosen_method_with_the_engines_environment(
+    tmp_path, monkeypatch, method
+):
+    """On the CPU rank 1 forks from this process's forkserver unless PAGED_WORKER_MULTIPROC_METHOD
+    says spawn; either way it sees rank 0's environment as it was when its engine started (the
+    forkserver's own is from the first engine)."""
+    path = write_tiny_model(tmp_path, "llama")
+    if method is None:
+        monkeypatch.delenv("PAGED_WORKER_MULTIPROC_METHOD", raising=False)
+    else:
+        monkeypatch.setenv("PAGED_WORKER_MULTIPROC_METHOD", method)
+    monkeypatch.delenv("PAGED_TEST_MARK", raising=False)
+    for mark in ("first", "second"):
+        os.environ["PAGED_TEST_MARK"] = mark
+        llm = LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
+        try:
+            ranks = llm.collective_rpc(_rank_view, args=("PAGED_TEST_MARK",))
+        finally:
+            llm.llm_engine.shutdown()
+        (pid0, _, mark0), (pid1, parent1, mark1) = ranks
+        assert pid0 == os.getpid() and pid1 != pid0
+        assert mark0 == mark1 == mark
+        assert (parent1 == pid0) == (method == "spawn")  # a forkserver's child otherwise
+
+
+def test_an_unknown_start_method_fails_before_any_process_starts(tmp_path, monkeypatch):
+    path = write_tiny_model(tmp_path, "llama")
+    monkeypatch.setenv("PAGED_WORKER_MULTIPROC_METHOD", "fork")
+    with pytest.raises(ValueError, match="PAGED_WORKER_MULTIPROC_METHOD='fork' is invalid"):
+        LLM(model=str(path), max_model_len=64, tensor_parallel_size=2)
+    monkeypatch.delenv("PAGED_WORKER_MULTIPROC_METHOD")
+    LLM(model=str(path), max_model_len=64, tensor_parallel_size=2).llm_engine.shutdown()

@@ -1,6 +1,6 @@
-"""Worker ranks die with their engine: after a normal exit, `del llm`, SIGINT, SIGTERM or
-SIGKILL of the engine's process; and a rank killed mid-run fails the engine's calls with a
-clear `EngineDeadError` instead of hanging."""
+"""Worker ranks die with their engine: after a normal exit, `del llm`, SIGINT, SIGTERM or SIGKILL
+of the engine's process (and the forkserver they forked from dies with the process); and a rank
+killed mid-run fails the engine's calls with a clear `EngineDeadError` instead of hanging."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class Owner:
         )
         self.lines: list[str] = []
         self.pids = json.loads(self.wait_for("PIDS").split(" ", 1)[1])
-        assert self.pids and all(pid_running(p) for p in self.pids)
+        self.forkserver = int(self.wait_for("FORKSERVER").split()[1])
+        assert self.pids and all(pid_running(p) for p in [*self.pids, self.forkserver])
 
     def wait_for(self, prefix: str) -> str:
         for line in self.proc.stdout:
@@ -63,7 +64,7 @@ class Owner:
 def test_normal_exit_without_shutdown_stops_the_workers(model):
     owner = Owner(model, "exit")
     assert owner.finish() == 0, "".join(owner.lines[-40:])
-    assert wait_gone(owner.pids) == []
+    assert wait_gone([*owner.pids, owner.forkserver]) == []
 
 
 def test_del_llm_stops_the_workers(model):
@@ -84,7 +85,7 @@ def test_workers_die_with_a_signalled_engine(model, sig):
     time.sleep(0.5)  # mid-generate
     owner.proc.send_signal(sig)
     owner.finish()
-    assert wait_gone(owner.pids) == [], "".join(owner.lines[-40:])
+    assert wait_gone([*owner.pids, owner.forkserver]) == [], "".join(owner.lines[-40:])
 
 
 def test_a_killed_worker_fails_the_engine_instead_of_hanging(model):

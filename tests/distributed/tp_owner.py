@@ -2,10 +2,10 @@
 
     python tp_owner.py MODEL MODE
 
-Prints `PIDS [..]` (its worker ranks) once the engine is up, then MODE: `exit` (return without
-shutdown), `del` (drop the LLM, then idle), `loop` (generate until a signal ends it),
-`kill-worker` (SIGKILL rank 1, then report how the next two calls fail), `worker-error` (an
-exception inside a call on every rank, then the same report).
+Prints `PIDS [..]` (its worker ranks) and `FORKSERVER pid` once the engine is up, then MODE:
+`exit` (return without shutdown), `del` (drop the LLM, then idle), `loop` (generate until a
+signal ends it), `kill-worker` (SIGKILL rank 1, then report how the next two calls fail),
+`worker-error` (an exception inside a call on every rank, then the same report).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from multiprocessing import forkserver
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.executor.base import EngineDeadError
@@ -32,6 +33,8 @@ def main() -> None:
     llm = LLM(model=model, dtype="float32", max_model_len=128, tensor_parallel_size=2)
     pids = [p.pid for p in llm.llm_engine.executor._procs]
     print("PIDS", json.dumps(pids), flush=True)
+    # The forkserver the ranks were forked from lives as long as this process.
+    print("FORKSERVER", forkserver._forkserver._forkserver_pid, flush=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm.generate(["hello"], params, use_tqdm=False)
     if mode == "exit":

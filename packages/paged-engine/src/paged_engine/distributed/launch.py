@@ -1,6 +1,7 @@
 """How the ranks of one engine come to exist: spawned by rank 0, or launched by torchrun.
 
-    paged-server --model M -tp 2                 rank 0 spawns rank 1 (torch.multiprocessing)
+    paged-server --model M -tp 2                 rank 0 starts rank 1 (torch.multiprocessing;
+                                                 `start_method` says how)
     torchrun --nnodes 2 --nproc-per-node 8 ...   every rank runs the same command; rank 0 runs
                                                  the engine, the others serve it (`is_worker_rank`)
 
@@ -43,6 +44,35 @@ def is_worker_rank(world_size: int) -> bool:
     """True in a torchrun-launched process that is not rank 0 of a multi-rank engine."""
     env = torchrun_env()
     return world_size > 1 and env is not None and env.rank != 0
+
+
+START_METHODS = ("spawn", "forkserver")
+
+
+def forkserver_preload(hf_config) -> list[str]:
+    """What a forkserver imports once for every rank it forks: torch, the module of the model's
+    config class, whose import pulls in the transformers machinery a rank needs to unpickle the
+    config, and a rank's own code (~4.5 s of imports together on a 2-core machine). No paged
+    module reads the environment or touches a device at import."""
+    return ["torch", type(hf_config).__module__, "paged_engine.worker.worker_loop"]
+
+
+def start_method(device_type: str) -> str:
+    """How rank 0 starts ranks 1..: `PAGED_WORKER_MULTIPROC_METHOD` (spawn | forkserver), else
+    forkserver on the CPU and spawn on CUDA.
+
+    forkserver: the first parallel engine of a process starts a server process that imports
+    `forkserver_preload`, and every rank after is a fork of it, so later engines' ranks start
+    without those imports (the test suite starts ~90). Spawn on CUDA: a fork of a process that
+    has asked the CUDA driver anything cannot use CUDA, and an import may ask."""
+    method = os.environ.get("PAGED_WORKER_MULTIPROC_METHOD", "").strip()
+    if not method:
+        return "spawn" if device_type == "cuda" else "forkserver"
+    if method not in START_METHODS:
+        raise ValueError(
+            f"PAGED_WORKER_MULTIPROC_METHOD={method!r} is invalid: expected one of {START_METHODS}"
+        )
+    return method
 
 
 def free_port() -> int:

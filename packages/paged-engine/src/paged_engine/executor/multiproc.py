@@ -6,10 +6,11 @@ each rank applies the same step to its own persistent batch and its shard of the
 cache, and the collectives inside the forward keep them in lockstep. Rank 0's result is the
 engine's (under pipeline parallelism the last stage sends it to rank 0).
 
-Ranks 1.. are spawned here (torch.multiprocessing, spawn) unless torchrun started them. They
-die with the engine: `shutdown()` (also run by a finalizer at garbage collection and at exit)
-stops them, they exit when this process disappears, and a rank that dies makes the next call
-raise `EngineDeadError` naming it, never hang (gloo reports the closed connection).
+Ranks 1.. are started here (torch.multiprocessing: forkserver on the CPU, spawn on CUDA;
+`launch.start_method`) unless torchrun started them. They die with the engine: `shutdown()`
+(also run by a finalizer at garbage collection and at exit) stops them, they exit when this
+process disappears, and a rank that dies makes the next call raise `EngineDeadError` naming it,
+never hang (gloo reports the closed connection).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
+import os
 import pickle
 import time
 import weakref
@@ -27,12 +29,17 @@ import torch.multiprocessing as mp
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import broadcast_object
-from paged_engine.distributed.launch import free_port, torchrun_env
+from paged_engine.distributed.launch import (
+    forkserver_preload,
+    free_port,
+    start_method,
+    torchrun_env,
+)
 from paged_engine.distributed.parallel_state import check_not_in_world, destroy_parallel_state
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.runner_output import ModelRunnerOutput
-from paged_engine.worker.worker import RpcError, Worker
+from paged_engine.worker.worker import RpcError, Worker, pick_device
 from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
 
 logger = logging.getLogger(__name__)
@@ -90,13 +97,19 @@ class MultiprocExecutor(Executor):
     def _spawn(self, config: EngineConfig, resolved: ResolvedModel, hf_config, init: str) -> None:
         """Start ranks 1.. and wait until each is alive and about to join the rendezvous, so a
         rank that fails on import is reported now instead of stalling the rendezvous."""
-        ctx = mp.get_context("spawn")
+        method = start_method(pick_device(config.device).type)
+        ctx = mp.get_context(method)
+        if method == "forkserver":  # read once, when this process's forkserver starts
+            ctx.set_forkserver_preload(forkserver_preload(hf_config))
+        # A forkserver's children inherit its environment, from when it started: each rank
+        # gets this process's as it is now, as a spawned one would.
+        environ = dict(os.environ)
         waiting = {}
         for rank in range(1, self.world_size):
             recv, send = ctx.Pipe(duplex=False)
             proc = ctx.Process(
                 target=spawned_worker_main,
-                args=(send, config, resolved, hf_config, rank, init),
+                args=(send, environ, config, resolved, hf_config, rank, init),
                 name=f"paged-worker-{rank}",
                 daemon=True,
             )

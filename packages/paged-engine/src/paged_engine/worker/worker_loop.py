@@ -8,6 +8,7 @@ so every rank executes every step; only rank 0's results reach the engine core.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import traceback
@@ -83,9 +84,19 @@ def run_worker(
 
 
 def spawned_worker_main(
-    ready, config: EngineConfig, resolved: ResolvedModel, hf_config, rank: int, init_method: str
+    ready,
+    environ: dict[str, str],
+    config: EngineConfig,
+    resolved: ResolvedModel,
+    hf_config,
+    rank: int,
+    init_method: str,
 ) -> None:
-    """Entry point of a rank spawned by rank 0 on this node (torch.multiprocessing, spawn)."""
+    """Entry point of a rank started by rank 0 on this node (torch.multiprocessing); `environ`
+    is rank 0's environment, which replaces the one this process inherited."""
+    for name in set(os.environ) - set(environ):
+        del os.environ[name]
+    os.environ.update(environ)
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     exit_with_parent()

@@ -346,6 +346,12 @@ def test_pre_tokenizer_names_split_as_llama_cpp(caplog):
     # multi-regex families: each regex splits the pieces the one before it left
     assert words("deepseek-v3", "你好world 1234") == ["ä½łå¥½", "world", "Ġ", "123", "4"]
     assert words("deepseek-coder", "你好world 12") == ["ä½łå¥½", "world", "Ġ", "1", "2"]
+    assert words("deepseek-llm", "你好world 1234") == ["ä½łå¥½", "world", "Ġ", "1234"]
+    # Greek capitals are one cased run; the ASCII letters after Ω are re-split by the
+    # punctuation class, which spans them; fullwidth "！" runs; trailing spaces are a piece
+    assert words("deepseek-llm", " ΑΒΓ Ωmega！！\nend  ") == [
+        "ĠÎĳÎĴÎĵ", "ĠÎ©", "mega", "ï¼ģï¼ģ", "Ċ", "end", "ĠĠ"
+    ]  # fmt: skip
     assert words("falcon", "x$=1234") == ["x", "$=", "123", "4"]
     assert words("llama-bpe", "你好world 1234") == ["ä½łå¥½world", "Ġ", "123", "4"]
     with caplog.at_level(logging.WARNING):

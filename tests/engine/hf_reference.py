@@ -136,28 +136,37 @@ def assert_file_greedy_matches_hf(path, hf, seed: int, lengths: tuple[int, ...])
     assert [r.outputs[0].token_ids for r in results] == want
 
 
+def engine_greedy(prompts: list[list[int]], max_tokens: int, **engine_kwargs) -> list:
+    """The CompletionOutput of each prompt, greedy (EOS ignored, each chosen token's logprob),
+    from an `LLM(dtype="float32", **engine_kwargs)` that is shut down afterwards."""
+    from paged_engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    llm = LLM(**{"dtype": "float32", **engine_kwargs})
+    try:
+        requests = [{"prompt_token_ids": p} for p in prompts]
+        return [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def assert_same_greedy(want: list, got: list, abs_tol: float = 1e-4) -> None:
+    """Two engines' greedy CompletionOutputs of the same requests: identical tokens, each
+    token's logprob within `abs_tol`."""
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids
+        lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (w, g)]
+        assert lps[1] == pytest.approx(lps[0], abs=abs_tol)
+
+
 def assert_tp_matches_one_process(
     path, prompts: list[list[int]], max_tokens: int, max_model_len: int
 ) -> None:
     """tensor_parallel_size=2 (gloo on the CPU) gives the one-process engine's greedy tokens,
     logprobs within 1e-4."""
-    from paged_engine import LLM, SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(
-            model=str(path), dtype="float32", max_model_len=max_model_len, tensor_parallel_size=tp
-        )
-        try:
-            runs.append([o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
-        finally:
-            llm.llm_engine.shutdown()
-    for one, two in zip(*runs, strict=True):
-        assert two.token_ids == one.token_ids
-        lps = [[e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (one, two)]
-        assert lps[1] == pytest.approx(lps[0], abs=1e-4)
+    kw = {"model": str(path), "max_model_len": max_model_len}
+    one, two = (engine_greedy(prompts, max_tokens, tensor_parallel_size=tp, **kw) for tp in (1, 2))
+    assert_same_greedy(one, two)
 
 
 def assert_lora_matches_hf_merged(

@@ -22,12 +22,14 @@ from __future__ import annotations
 import pytest
 from hf_reference import (
     assert_lora_matches_hf_merged,
+    assert_same_greedy,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
+    engine_greedy,
     random_token_prompts,
 )
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -53,21 +55,10 @@ def test_head_size_512_runs_in_the_triton_kernel(tmp_path):
     """The released models' full layers hold 512-wide heads: the Triton backend (interpreted
     here) takes them and gives the CPU backend's tokens and logprobs, prompts in chunks."""
     path = write_tiny_model(tmp_path, "gemma4", seed=1, global_head_dim=512)
-    prompts = [{"prompt_token_ids": p[:20]} for p in random_token_prompts(5, 2)]
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
-    runs = []
-    for backend in ("cpu", "triton"):
-        llm = LLM(
-            model=str(path),
-            dtype="float32",
-            max_model_len=64,
-            attention_backend=backend,
-            max_num_batched_tokens=16,
-        )
-        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
-    for cpu, triton in zip(*runs, strict=True):
-        assert triton.token_ids == cpu.token_ids
-        assert triton.cumulative_logprob == pytest.approx(cpu.cumulative_logprob, abs=1e-4)
+    prompts = [p[:20] for p in random_token_prompts(5, 2)]
+    kw = {"model": str(path), "max_model_len": 64, "max_num_batched_tokens": 16}
+    cpu, triton = (engine_greedy(prompts, 3, attention_backend=b, **kw) for b in ("cpu", "triton"))
+    assert_same_greedy(cpu, triton)
 
 
 def test_lora_on_attention_matches_hf_merged(tmp_path):

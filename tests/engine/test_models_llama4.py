@@ -16,12 +16,13 @@ import shutil
 
 import pytest
 from hf_reference import (
+    assert_same_greedy,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
+    engine_greedy,
     random_token_prompts,
 )
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.models.llama4 import Llama4ForCausalLM, chunked_layers, moe_layers, rope_layers
 from paged_engine.testing import tiny_config, write_tiny_model
 
@@ -68,15 +69,11 @@ def test_per_expert_checkpoint_loads_like_the_fused_one(tmp_path):
         else:
             out[name] = w
     safetensors_torch.save_file(out, str(split / "model.safetensors"))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in random_token_prompts(3, 2)]
-    runs = []
-    for model in (path, split):
-        llm = LLM(model=str(model), dtype="float32", max_model_len=64)
-        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
-    for fused, per_expert in zip(*runs, strict=True):
-        assert per_expert.token_ids == fused.token_ids
-        assert per_expert.cumulative_logprob == pytest.approx(fused.cumulative_logprob, abs=1e-5)
+    prompts = random_token_prompts(3, 2)
+    fused, per_expert = (
+        engine_greedy(prompts, 6, model=str(m), max_model_len=64) for m in (path, split)
+    )
+    assert_same_greedy(fused, per_expert, abs_tol=1e-5)
 
 
 def test_tensor_parallel_matches_one_process(tmp_path):

@@ -15,7 +15,13 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_matches,
+    assert_same_greedy,
+    assert_tp_matches_one_process,
+    hf_greedy,
+    load_hf_model,
+)
 
 import paged_kernels
 from paged_engine import LLM, SamplingParams
@@ -250,9 +256,4 @@ def test_triton_experts_give_the_torch_paths_tokens(monkeypatch, tmp_path):
         runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
         ran = {name: calls[name] - before[name] for name in calls}
         assert ran[path_name] > 0 and sum(ran.values()) == ran[path_name], ran
-    for torch_out, triton_out in zip(*runs):
-        assert triton_out.token_ids == torch_out.token_ids
-        lps = [
-            [e[t].logprob for e, t in zip(c.logprobs, c.token_ids)] for c in (torch_out, triton_out)
-        ]
-        assert lps[1] == pytest.approx(lps[0], abs=1e-4)
+    assert_same_greedy(*runs)

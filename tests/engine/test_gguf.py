@@ -347,6 +347,9 @@ def test_pre_tokenizer_names_split_as_llama_cpp(caplog):
     assert words("deepseek-v3", "你好world 1234") == ["ä½łå¥½", "world", "Ġ", "123", "4"]
     assert words("deepseek-coder", "你好world 12") == ["ä½łå¥½", "world", "Ġ", "1", "2"]
     assert words("deepseek-llm", "你好world 1234") == ["ä½łå¥½", "world", "Ġ", "1234"]
+    assert words("kimi-k2") == o200k
+    # Han runs apart from kana and Latin letters (o200k keeps them in one word)
+    assert words("kimi-k2", "日本語とカナabc你们") == ["æĹ¥æľ¬èªŀ", "ãģ¨ãĤ«ãĥĬabc", "ä½łä»¬"]
     # Greek capitals are one cased run; the ASCII letters after Ω are re-split by the
     # punctuation class, which spans them; fullwidth "！" runs; trailing spaces are a piece
     assert words("deepseek-llm", " ΑΒΓ Ωmega！！\nend  ") == [

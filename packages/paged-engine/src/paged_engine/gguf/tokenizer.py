@@ -45,6 +45,17 @@ _O200K_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Kimi K2 (tiktoken's pattern): Han runs first, then o200k's case split with Han taken out of
+# its letter classes (a class intersection), punctuation runs keeping trailing newlines
+_KIMI_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_KIMI_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_KIMI_K2_SPLIT = (
+    r"\p{Han}+"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_UPPER}*{_KIMI_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_KIMI_UPPER}+{_KIMI_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # Seed-Coder / Seed-OSS: single digits, punctuation runs that stop at a newline
 _SEED_CODER_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -170,6 +181,7 @@ _PRE_TOKENIZERS: dict[str, _Pre] = {
     ),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), _Pre((_O200K_SPLIT,))),
     "seed-coder": _Pre((_SEED_CODER_SPLIT,)),
+    "kimi-k2": _Pre((_KIMI_K2_SPLIT,)),
     "tekken": _Pre((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
     **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), _Pre((_BAILING_SPLIT,))),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _Pre(_DEEPSEEK3_SPLITS)),

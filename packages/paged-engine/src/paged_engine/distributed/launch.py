@@ -11,6 +11,7 @@ localhost, or torchrun's MASTER_ADDR / MASTER_PORT): nothing of our own.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import threading
@@ -59,7 +60,7 @@ def forkserver_preload(hf_config) -> list[str]:
 
 def start_method(device_type: str) -> str:
     """How rank 0 starts ranks 1..: `PAGED_WORKER_MULTIPROC_METHOD` (spawn | forkserver), else
-    forkserver on the CPU and spawn on CUDA.
+    forkserver on the CPU and spawn on CUDA (and where there is no forkserver: Windows).
 
     forkserver: the first parallel engine of a process starts a server process that imports
     `forkserver_preload`, and every rank after is a fork of it, so later engines' ranks start
@@ -67,7 +68,8 @@ def start_method(device_type: str) -> str:
     has asked the CUDA driver anything cannot use CUDA, and an import may ask."""
     method = os.environ.get("PAGED_WORKER_MULTIPROC_METHOD", "").strip()
     if not method:
-        return "spawn" if device_type == "cuda" else "forkserver"
+        forkserver = "forkserver" in multiprocessing.get_all_start_methods()
+        return "spawn" if device_type == "cuda" or not forkserver else "forkserver"
     if method not in START_METHODS:
         raise ValueError(
             f"PAGED_WORKER_MULTIPROC_METHOD={method!r} is invalid: expected one of {START_METHODS}"

@@ -176,7 +176,7 @@ def _without(items: list, index: int) -> list:
     return items[:index] + items[index + 1 :]
 
 
-def test_sizes_the_model_cannot_take_fail_before_any_process_starts(tmp_path):
+def test_sizes_the_model_cannot_take_fail_before_any_rank_starts(tmp_path):
     path = write_tiny_model(tmp_path, "llama")  # 4 heads, 2 KV heads, 2 layers
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(model=str(path), tensor_parallel_size=3)
@@ -236,7 +236,7 @@ def test_ranks_start_by_the_chosen_method_with_the_engines_environment(
         assert (parent1 == pid0) == (method == "spawn")  # a forkserver's child otherwise
 
 
-def test_an_unknown_start_method_fails_before_any_process_starts(tmp_path, monkeypatch):
+def test_an_unknown_start_method_fails_before_any_rank_starts(tmp_path, monkeypatch):
     path = write_tiny_model(tmp_path, "llama")
     monkeypatch.setenv("PAGED_WORKER_MULTIPROC_METHOD", "fork")
     with pytest.raises(ValueError, match="PAGED_WORKER_MULTIPROC_METHOD='fork' is invalid"):

@@ -50,12 +50,30 @@ def is_worker_rank(world_size: int) -> bool:
 START_METHODS = ("spawn", "forkserver")
 
 
-def forkserver_preload(hf_config) -> list[str]:
-    """What a forkserver imports once for every rank it forks: torch, the module of the model's
-    config class, whose import pulls in the transformers machinery a rank needs to unpickle the
-    config, and a rank's own code (~4.5 s of imports together on a 2-core machine). No paged
-    module reads the environment or touches a device at import."""
-    return ["torch", type(hf_config).__module__, "paged_engine.worker.worker_loop"]
+# What a forkserver imports once for every rank it forks: torch; the Llama config's module,
+# whose import pulls in the machinery every transformers config class needs to unpickle (a
+# rank imports its model's own config module on top: tens of ms); and a rank's own code. ~4.5 s
+# of imports together on a 2-core machine. No paged module reads the environment or touches a
+# device at import.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "transformers.models.llama.configuration_llama",
+    "paged_engine.worker.worker_loop",
+]
+
+
+def forkserver_context():
+    """The forkserver context, its server started (once per process) with `FORKSERVER_PRELOAD`.
+    Called as an engine starts, so the server imports while the engine loads its config and
+    tokenizer, and again when the ranks start."""
+    from multiprocessing import forkserver
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the server starts
+    forkserver.ensure_running()
+    return ctx
 
 
 def start_method(device_type: str) -> str:
@@ -63,7 +81,7 @@ def start_method(device_type: str) -> str:
     forkserver on the CPU and spawn on CUDA (and where there is no forkserver: Windows).
 
     forkserver: the first parallel engine of a process starts a server process that imports
-    `forkserver_preload`, and every rank after is a fork of it, so later engines' ranks start
+    `FORKSERVER_PRELOAD`, and every rank after is a fork of it, so later engines' ranks start
     without those imports (the test suite starts ~90). Spawn on CUDA: a fork of a process that
     has asked the CUDA driver anything cannot use CUDA, and an import may ask."""
     method = os.environ.get("PAGED_WORKER_MULTIPROC_METHOD", "").strip()

@@ -27,7 +27,12 @@ from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.core.state_slots import StateSlots
 from paged_engine.default_model import default_model_path
-from paged_engine.distributed.launch import is_worker_rank
+from paged_engine.distributed.launch import (
+    forkserver_context,
+    is_worker_rank,
+    start_method,
+    torchrun_env,
+)
 from paged_engine.distributed.parallel_state import check_model_parallelism
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
@@ -56,6 +61,7 @@ from paged_engine.worker.recurrent_state import (
     is_hybrid,
     states_depend_on_prompt,
 )
+from paged_engine.worker.worker import pick_device
 from paged_engine.worker.worker_loop import run_torchrun_worker
 
 logger = logging.getLogger(__name__)
@@ -68,6 +74,14 @@ class LLMEngine:
             config.model = str(default_model_path())
         self.config = config
         t0 = time.perf_counter()
+        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        # Ranks 1.. will be forked here: the forkserver imports what they need meanwhile.
+        if (
+            world_size > 1
+            and torchrun_env() is None
+            and start_method(pick_device(config.device).type) == "forkserver"
+        ):
+            forkserver_context()
         logger.info("resolving model %s", config.model)
         self.resolved = resolve_model(
             config.model, config.revision, config.download_dir, token=config.hf_token
@@ -111,7 +125,6 @@ class LLMEngine:
             ", ".join(getattr(self.hf_config, "architectures", None) or ["?"]),
             config.max_model_len,
         )
-        world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.executor: Executor
         if is_worker_rank(world_size):  # torchrun rank > 0: serve rank 0's engine, then leave
             run_torchrun_worker(config, self.resolved, self.hf_config)

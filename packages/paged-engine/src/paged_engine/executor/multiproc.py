@@ -30,7 +30,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import broadcast_object
 from paged_engine.distributed.launch import (
-    forkserver_preload,
+    forkserver_context,
     free_port,
     start_method,
     torchrun_env,
@@ -98,9 +98,7 @@ class MultiprocExecutor(Executor):
         """Start ranks 1.. and wait until each is alive and about to join the rendezvous, so a
         rank that fails on import is reported now instead of stalling the rendezvous."""
         method = start_method(pick_device(config.device).type)
-        ctx = mp.get_context(method)
-        if method == "forkserver":  # read once, when this process's forkserver starts
-            ctx.set_forkserver_preload(forkserver_preload(hf_config))
+        ctx = forkserver_context() if method == "forkserver" else mp.get_context(method)
         # A forkserver's children inherit its environment, from when it started: each rank
         # gets this process's as it is now, as a spawned one would.
         environ = dict(os.environ)

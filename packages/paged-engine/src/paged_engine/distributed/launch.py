@@ -82,7 +82,7 @@ def start_method(device_type: str) -> str:
 
     forkserver: the first parallel engine of a process starts a server process that imports
     `FORKSERVER_PRELOAD`, and every rank after is a fork of it, so later engines' ranks start
-    without those imports (the test suite starts ~90). Spawn on CUDA: a fork of a process that
+    without those imports (the test suite starts dozens). Spawn on CUDA: a fork of a process that
     has asked the CUDA driver anything cannot use CUDA, and an import may ask."""
     method = os.environ.get("PAGED_WORKER_MULTIPROC_METHOD", "").strip()
     if not method:

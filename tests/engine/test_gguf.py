@@ -82,6 +82,38 @@ def test_dequantize_float_types_keep_dtype():
             dequantize(np.zeros(nbytes, np.uint8), t, (block,))
 
 
+def test_dequantize_asks_numpy_for_no_huge_pages_and_restores_its_setting(monkeypatch):
+    """numpy's huge-page requests are off while a block type dequantizes, from any number of
+    threads at once, and the process's setting (on or off) is back afterwards."""
+    import threading
+
+    from paged_engine.gguf import dequant
+
+    if dequant._set_madvise_hugepage is None:
+        pytest.skip("this numpy has no huge-page switch")
+    seen = []
+    q8 = dequant._BLOCK_DEQUANT[8]
+
+    def probe(blocks):
+        seen.append(dequant._set_madvise_hugepage(False))  # the setting inside: returned
+        return q8(blocks)
+
+    monkeypatch.setitem(dequant._BLOCK_DEQUANT, 8, probe)
+    raw = np.zeros(34 * 64, np.uint8)
+    initial = dequant._set_madvise_hugepage(True)
+    for setting in (True, False):
+        dequant._set_madvise_hugepage(setting)
+        threads = [threading.Thread(target=dequantize, args=(raw, 8, (64, 32))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert seen == [False] * 4
+        assert dequant._set_madvise_hugepage(True) is setting
+        seen.clear()
+    dequant._set_madvise_hugepage(initial)
+
+
 # -- a synthetic GGUF written from a tiny HF llama -------------------------------------------
 @pytest.fixture(scope="module")
 def synthetic_gguf(tiny_llama_dir, tmp_path_factory):

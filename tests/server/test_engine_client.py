@@ -70,6 +70,31 @@ def test_engine_client_generates_aborts_and_reports_errors() -> None:
     assert not client.alive
 
 
+def test_a_client_whose_caller_runs_the_loop_is_alive_before_the_loop_starts() -> None:
+    """paged-server announces itself between start(False) and run_engine_loop(): a /health
+    in that window must not say the engine is down, and requests sent then are served."""
+    import threading
+
+    client = EngineClient(FakeEngine(step_time=0.0))
+    client.start(engine_thread=False)
+    loop = threading.Thread(target=client.run_engine_loop)
+    try:
+        assert client.alive  # /health answers 200
+        params = client.make_params({"max_tokens": 2}, beam=False, stream=False)
+        group = client.add(["early"], [{"prompt_token_ids": [5]}], params)
+        loop.start()
+        group.wait_added(5.0)
+        out = []
+        deadline = time.monotonic() + 10
+        while not group.done and time.monotonic() < deadline:
+            out += [o for _, o in group.next(0.1)]
+        assert out and out[-1].finished and len(out[-1].outputs[0].token_ids) == 2
+    finally:
+        client.stop()
+        loop.join(10)
+    assert not client.alive and not loop.is_alive()
+
+
 def test_streams_ask_for_deltas_and_the_rest_for_the_final_output_only() -> None:
     for stream, kind in [(True, RequestOutputKind.DELTA), (False, RequestOutputKind.FINAL_ONLY)]:
         params = EngineClient.make_params({"n": 2}, beam=False, stream=stream)

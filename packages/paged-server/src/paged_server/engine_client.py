@@ -146,14 +146,18 @@ class EngineClient:
     # ---- HTTP-thread API -------------------------------------------------------------------
     def start(self, engine_thread: bool = True) -> None:
         """Start the output thread, and the engine loop on a thread of its own unless the
-        caller runs it (`run_engine_loop`, on the thread that loaded the engine)."""
+        caller runs it (`run_engine_loop`, on the thread that loaded the engine).
+
+        The client is `alive` from here on either way: a caller that runs the loop itself
+        announces the server before it enters the loop, and a /health in between is not a
+        dead engine. Commands sent before the loop runs wait in its queue."""
+        self._loop_running = True
         self._output_thread.start()
         if engine_thread:
-            self._loop_running = True
             self._thread.start()
 
     def run_engine_loop(self) -> None:
-        """Run the engine loop on the calling thread until stop()."""
+        """Run the engine loop on the calling thread until stop(); after start(False)."""
         self._loop_running = True
         self._loop()
 

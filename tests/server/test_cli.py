@@ -76,7 +76,8 @@ def test_a_busy_port_fails_before_the_model_loads(
     assert r.returncode == 2, r.stderr
     assert f"cannot listen on 127.0.0.1:{busy_port}" in r.stderr
     assert "resolving model" not in r.stderr  # the engine never started
-    assert elapsed < 1.0, f"{elapsed:.2f}s"
+    # ~0.25 s (no torch import); the bound leaves room for a loaded CI machine
+    assert elapsed < 3.0, f"{elapsed:.2f}s"
 
 
 @pytest.fixture(scope="module")

@@ -90,6 +90,8 @@ def test_workers_die_with_a_signalled_engine(model, sig):
 
 def test_a_killed_worker_fails_the_engine_instead_of_hanging(model):
     owner = Owner(model, "kill-worker")
+    health = owner.wait_for("HEALTH")
+    assert "paged-worker-1" in health and "exited with -9" in health, health
     first = owner.wait_for("DEAD1")
     second = owner.wait_for("DEAD2")
     assert "paged-worker-1" in first and "exited with -9" in first, first

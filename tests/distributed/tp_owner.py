@@ -4,8 +4,9 @@
 
 Prints `PIDS [..]` (its worker ranks) and `FORKSERVER pid` once the engine is up, then MODE:
 `exit` (return without shutdown), `del` (drop the LLM, then idle), `loop` (generate until a
-signal ends it), `kill-worker` (SIGKILL rank 1, then report how the next two calls fail),
-`worker-error` (an exception inside a call on every rank, then the same report).
+signal ends it), `kill-worker` (SIGKILL rank 1, then report what check_health and the next two
+calls raise), `worker-error` (an exception inside a call on every rank, then how the next two
+calls fail).
 """
 
 from __future__ import annotations
@@ -57,8 +58,17 @@ def main() -> None:
             llm.generate(["hello"], params, use_tqdm=False)
         except EngineDeadError as e:
             print(f"DEAD2 {e}", flush=True)
-    elif mode == "kill-worker":
+    elif mode == "kill-worker":  # check_health finds it without a step, then two calls fail
+        llm.llm_engine.check_health()
         os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                llm.llm_engine.check_health()
+            except EngineDeadError as e:
+                print(f"HEALTH {e}", flush=True)
+                break
+            time.sleep(0.05)
         for attempt in (1, 2):
             try:
                 llm.generate(["hello"], params, use_tqdm=False)

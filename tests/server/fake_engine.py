@@ -13,6 +13,9 @@ LoRA (`enable_lora=True`): `add_lora` / `remove_lora` / `list_loras` as the engi
 `add_request(lora_request=...)`. An adapter is valid when its directory holds an
 `adapter_config.json`; a request with one writes the adapter's name over and over ("sqlsql...")
 instead of the base model's letters, so a test sees which adapter ran.
+
+A lost rank: from `die_at` (a time.monotonic() value) on, `check_health` and `step_core` raise
+the EngineDeadError a multi-process engine raises when a worker rank exits.
 """
 
 from __future__ import annotations
@@ -157,6 +160,17 @@ class FakeEngine:
         self.enable_lora = enable_lora
         self.lora_requests: dict[str, Any] = {}  # every request's LoRARequest (or None), by id
         self.loras: dict[int, Any] = {}  # loaded adapters by lora_int_id
+        self.die_at: float | None = None  # see the module docstring: a rank lost then
+
+    def check_health(self) -> None:
+        self._called("check_health")
+        if self.die_at is not None and time.monotonic() >= self.die_at:
+            from paged_engine.executor.base import EngineDeadError
+
+            raise EngineDeadError(
+                "a worker rank failed, the engine cannot continue: "
+                "paged-worker-1 (pid 4242) exited with -9"
+            )
 
     def _called(self, method: str) -> None:
         self.threads.setdefault(method, set()).add(threading.current_thread().name)
@@ -256,6 +270,7 @@ class FakeEngine:
     def step_core(self) -> list[EngineCoreOutput]:
         """One token for every running sequence: token ids and length limits only."""
         self._called("step_core")
+        self.check_health()
         time.sleep(self.step_time)
         now = time.monotonic()
         while self.waiting and len(self.running) < self.max_num_seqs:

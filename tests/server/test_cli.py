@@ -43,6 +43,24 @@ def test_two_different_models_are_refused(capsys: pytest.CaptureFixture) -> None
     assert "two models given" in capsys.readouterr().err
 
 
+def test_keep_alive_on_engine_death_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    from paged_server.cli_args import keep_alive_on_engine_death
+
+    assert keep_alive_on_engine_death({}) is False  # vLLM's default: a dead engine ends it
+    assert keep_alive_on_engine_death({"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}) is True
+    both = {"PAGED_KEEP_ALIVE_ON_ENGINE_DEATH": "0", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH": "1"}
+    assert keep_alive_on_engine_death(both) is False  # ours first
+    assert keep_alive_on_engine_death({"PAGED_KEEP_ALIVE_ON_ENGINE_DEATH": " True "}) is True
+    monkeypatch.setenv("PAGED_KEEP_ALIVE_ON_ENGINE_DEATH", "1")
+    assert parse_args(["m"]).keep_alive_on_engine_death is True
+    monkeypatch.setenv("PAGED_KEEP_ALIVE_ON_ENGINE_DEATH", "maybe")
+    with pytest.raises(SystemExit):
+        parse_args(["m"])
+    assert "PAGED_KEEP_ALIVE_ON_ENGINE_DEATH='maybe' is invalid" in capsys.readouterr().err
+
+
 def test_startup_logs_each_stage_before_serving(real_server: ServerProc) -> None:
     lines = real_server.lines[
         : next(i for i, x in enumerate(real_server.lines) if "serving on" in x)

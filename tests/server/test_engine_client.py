@@ -167,17 +167,41 @@ def test_a_dead_engine_fails_what_is_in_flight_then_refuses_with_503() -> None:
             raise EngineDeadError("rank 1 exited with code -9")
 
     client = EngineClient(Dying(step_time=0.0))
+    deaths = []
+    client.on_engine_death = lambda: deaths.append(client.failure)
     client.start()
     try:
+        assert client.failure is None
         with pytest.raises(APIError) as e:
             _run(client, [{"prompt_token_ids": [5]}], 2)
         assert e.value.status == 500 and "rank 1 exited" in e.value.message
         assert not client.alive  # /health answers 503
+        assert "rank 1 exited" in client.failure and deaths == [client.failure]
         params = client.make_params({"max_tokens": 2}, beam=False, stream=False)
         group = client.add(["later"], [{"prompt_token_ids": [6]}], params)
         with pytest.raises(APIError) as e:  # refused when added, as the route sees it
             group.wait_added(5.0)
         assert e.value.status == 503 and "rank 1 exited" in e.value.message
+        assert len(deaths) == 1  # told once, however often the engine fails after
+    finally:
+        client.stop()
+
+
+def test_a_rank_lost_while_idle_is_found_without_a_request() -> None:
+    """The idle loop asks the engine's check_health about once a second: /health turns 503
+    and paged-server is told, with nothing in flight."""
+    engine = FakeEngine(step_time=0.0)
+    client = EngineClient(engine)
+    deaths = []
+    client.on_engine_death = lambda: deaths.append(client.failure)
+    client.start()
+    try:
+        time.sleep(0.2)
+        assert client.alive and not deaths
+        engine.die_at = time.monotonic()
+        assert _wait_for(lambda: bool(deaths), 5.0)
+        assert not client.alive and "exited with -9" in deaths[0]
+        assert "step_core" not in engine.threads  # no step ran: the health check found it
     finally:
         client.stop()
 

@@ -152,3 +152,42 @@ def test_signal_finishes_in_flight_requests_and_exits_0(sig: int) -> None:
     assert result["resp"][2]["usage"]["completion_tokens"] == 60
     assert server.proc.wait(20) == 0
     assert any("shutting down" in line for line in server.lines)
+
+
+LOST_RANK = "paged-worker-1 (pid 4242) exited with -9"
+
+
+def _wait_health(server: ServerProc, status: int, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        got, _, body = server.request("GET", "/health")
+        if got == status or time.monotonic() > deadline:
+            assert got == status, body
+            return body
+        time.sleep(0.1)
+
+
+def test_a_lost_rank_while_idle_shuts_the_server_down_with_exit_code_1() -> None:
+    """As vLLM's server: a dead engine ends the process, for a supervisor to restart. The loss
+    is found while idle (the engine loop's health check), not at the next request."""
+    server = launch(COMMON_ARGS, fake=True, env={"FAKE_DEAD_AFTER": "1.5"})
+    assert server.request("GET", "/health")[0] == 200
+    assert server.proc.wait(20) == 1, "".join(server.lines[-20:])
+    log = "".join(server.lines)
+    assert "shutting down" in log and "exiting with code 1: " in log and LOST_RANK in log
+
+
+def test_keep_alive_on_engine_death_answers_503_naming_the_lost_rank() -> None:
+    server = launch(
+        COMMON_ARGS,
+        fake=True,
+        env={"FAKE_DEAD_AFTER": "1.5", "PAGED_KEEP_ALIVE_ON_ENGINE_DEATH": "1"},
+    )
+    try:
+        body = _wait_health(server, 503)
+        assert LOST_RANK in body["error"]["message"]
+        status, _, body = server.request("POST", "/v1/completions", {"prompt": "x"})
+        assert status == 503 and LOST_RANK in body["error"]["message"], body
+        assert server.request("GET", "/v1/models")[0] == 200  # the HTTP side still answers
+    finally:
+        assert server.stop() == 1, "".join(server.lines[-20:])

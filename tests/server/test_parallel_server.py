@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 from procs import wait_gone
 from server_proc import REAL_ARGS, ServerProc, greedy_answers, launch
@@ -10,14 +13,33 @@ from server_proc import REAL_ARGS, ServerProc, greedy_answers, launch
 openai = pytest.importorskip("openai")
 
 
-def _worker_pids(server: ServerProc) -> list[int]:
-    """The server's child processes (its worker ranks)."""
-    with open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children") as f:
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]
+
+
+def _worker_pids(server: ServerProc) -> list[int]:
+    """The server's child processes (the forkserver, or the ranks it spawned) and theirs."""
+    children = _children(server.proc.pid)
+    return children + [g for c in children for g in _children(c)]
+
+
+def _rank_pids(server: ServerProc) -> list[int]:
+    """Worker ranks: processes running paged's worker main (forked or spawned)."""
+    ranks = []
+    for pid in _worker_pids(server):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+        # a forked rank shares the forkserver's command line: its parent is the forkserver
+        if b"spawn_main" in cmdline or pid not in _children(server.proc.pid):
+            ranks.append(pid)
+    return ranks
 
 
 @pytest.mark.parametrize("flag", ["-tp", "-pp"])
 def test_parallel_server_answers_like_one_process(real_server, tiny_model, flag):
+    """-pp also loses rank 1 while idle: the server finds it within a second or two, shuts
+    down and exits with 1 (vLLM's behaviour; PAGED_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps it)."""
     want = greedy_answers(real_server)
     server = launch(["--model", tiny_model, flag, "2", *REAL_ARGS], fake=False)
     try:
@@ -26,6 +48,14 @@ def test_parallel_server_answers_like_one_process(real_server, tiny_model, flag)
         assert greedy_answers(server) == want
         status, _, body = server.request("GET", "/health")
         assert status == 200, body
+        if flag == "-pp":
+            ranks = _rank_pids(server)
+            assert len(ranks) == 1, ranks
+            os.kill(ranks[0], signal.SIGKILL)
+            assert server.proc.wait(30) == 1, "".join(server.lines[-30:])
+            log = "".join(server.lines)
+            assert f"exited with {-signal.SIGKILL}" in log and "exiting with code 1" in log
     finally:
-        assert server.stop() == 0, "".join(server.lines[-30:])
+        code = server.stop()
+        assert code == (1 if flag == "-pp" else 0), "".join(server.lines[-30:])
     assert wait_gone(workers, timeout=10) == []

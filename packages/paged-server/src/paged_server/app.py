@@ -195,7 +195,7 @@ class OpenAIApp:
     # ---- simple routes ---------------------------------------------------------------------
     def health(self, h: Handler) -> None:
         if not self.client.alive:
-            raise APIError(503, "the engine loop is not running")
+            raise APIError(503, self.client.failure or "the engine loop is not running")
         h.send_json(200, {"status": "ok"})
 
     def version(self, h: Handler) -> None:

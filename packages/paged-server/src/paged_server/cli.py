@@ -211,8 +211,20 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
     server.app = app
     _freeze_startup_heap(engine)
     server.server_activate()  # listen: connections queue from here on
-    client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop
     stop = threading.Event()
+
+    def on_engine_death() -> None:  # the engine thread, once: requests in flight have failed
+        if getattr(args, "keep_alive_on_engine_death", False):
+            log.error("the engine failed; answering 503 until stopped (keep-alive on death)")
+        else:
+            log.error(
+                "the engine failed; shutting down (PAGED_KEEP_ALIVE_ON_ENGINE_DEATH=1 keeps the "
+                "server up, answering 503)"
+            )
+            stop.set()
+
+    client.on_engine_death = on_engine_death
+    client.start(engine_thread=False)  # this thread loaded the engine: it runs the loop
 
     def on_signal(signum: int, _frame: Any) -> None:
         if stop.is_set():  # a second signal: stop waiting for requests
@@ -260,6 +272,9 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
     shutdown = getattr(engine, "shutdown", None)
     if shutdown is not None:  # stops worker ranks (tensor / pipeline parallelism)
         shutdown()
+    if client.failure is not None:  # a supervisor sees the failure in the exit code
+        log.error("exiting with code 1: %s", client.failure)
+        return 1
     log.info("bye")
     return 0
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Any
 
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
@@ -370,7 +372,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     why = lora_names_error(args.lora_modules or [], served_names(args))
     if why is not None:
         parser.error(f"--lora-modules: {why}")
+    try:
+        args.keep_alive_on_engine_death = keep_alive_on_engine_death()
+    except ValueError as e:
+        parser.error(str(e))
     return args
+
+
+KEEP_ALIVE_ENV = ("PAGED_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")
+
+
+def keep_alive_on_engine_death(environ: Any = None) -> bool:
+    """Whether the server stays up, answering 503, once its engine has failed (a rank died).
+    Off by default, as in vLLM: the server shuts down and exits with 1, for a supervisor to
+    restart it. The first of the two variables that is set decides."""
+    env = os.environ if environ is None else environ
+    for name in KEEP_ALIVE_ENV:
+        raw = env.get(name, "").strip().lower()
+        if not raw:
+            continue
+        if raw in ("1", "true", "yes", "on"):
+            return True
+        if raw in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
+    return False
 
 
 def served_names(args: argparse.Namespace) -> list[str]:

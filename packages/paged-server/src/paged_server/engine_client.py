@@ -123,6 +123,8 @@ class EngineClient:
         self._pending_adds = 0
         self._stopping = False
         self._dead: str | None = None  # why the engine can run no more steps (a rank died)
+        # Called once, on the engine thread, when `_dead` is set (paged-server shuts down).
+        self.on_engine_death: Callable[[], None] | None = None
         # Engine thread only. Adapters unloaded by id: a request for one still queued when it
         # was unloaded fails with a 404 instead of loading it again. `_lora_removals`: those
         # the engine refused to remove while requests used them, retried after each step.
@@ -136,6 +138,7 @@ class EngineClient:
         self._dead_error: type[Exception] = EngineDeadError
         self._stuck_error: type[SchedulerStuckError] = SchedulerStuckError
         self.stats = engine.get_stats()
+        self._check_health: Callable[[], None] | None = getattr(engine, "check_health", None)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._loop_done = threading.Event()
         self._loop_running = False
@@ -169,6 +172,11 @@ class EngineClient:
             and not self._stopping
             and self._dead is None
         )
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine can serve no more requests (a rank died), or None."""
+        return self._dead
 
     def num_in_flight(self) -> int:
         return len(self._streams) + self._pending_adds
@@ -277,8 +285,11 @@ class EngineClient:
                     self._iterate()
                 except self._dead_error as e:  # a worker rank died: no step can run again
                     log.error("the engine failed: %s", e)
+                    first = self._dead is None
                     self._dead = f"the engine failed and cannot serve requests: {e}"
                     self._fail_all(APIError(500, self._dead))
+                    if first and self.on_engine_death is not None:
+                        self.on_engine_death()
                 except self._stuck_error as e:
                     self._fail_stuck(e)
                 except Exception:  # the engine's state is unknown: fail what is in flight
@@ -305,6 +316,8 @@ class EngineClient:
         else:
             if handled:
                 self._refresh_stats()
+            if self._dead is None and self._check_health is not None:
+                self._check_health()  # a rank lost while idle: EngineDeadError, as in a step
             self._wake.wait(0.1 if self._lora_removals else 1.0)
             self._wake.clear()
         if self._lora_removals:

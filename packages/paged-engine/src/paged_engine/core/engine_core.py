@@ -107,6 +107,10 @@ class EngineCore:
         """Requests held while their grammar compiles (they count as waiting)."""
         return len(self._compiling)
 
+    def check_health(self) -> None:
+        """EngineDeadError if a worker rank is gone (`Executor.check_health`)."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         self._in_flight.clear()
         if self.structured is not None:

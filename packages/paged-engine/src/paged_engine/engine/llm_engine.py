@@ -406,6 +406,11 @@ class LLMEngine:
         """Free sequences the output stage ended with a stop string."""
         self.engine_core.finish_seqs(stopped)
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker rank has died, without running a step (vLLM's
+        `check_health`; paged-server calls it while idle, so /health sees a lost rank)."""
+        self.engine_core.check_health()
+
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 

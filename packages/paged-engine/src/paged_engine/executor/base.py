@@ -52,6 +52,11 @@ class Executor(ABC):
         """Unload an adapter from every worker (a no-op for one never loaded)."""
         raise ValueError(f"{type(self).__name__} cannot unload LoRA adapters")
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError if a worker is known to be gone, without running a step (the
+        server calls it while idle). Workers in this process cannot vanish alone."""
+        return None
+
     @abstractmethod
     def shutdown(self) -> None:
         """Release workers and threads; idempotent."""

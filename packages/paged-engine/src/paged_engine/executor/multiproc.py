@@ -187,6 +187,14 @@ class MultiprocExecutor(Executor):
     def remove_lora(self, lora_id: int) -> None:
         self._call("remove_lora", lora_id)
 
+    def check_health(self) -> None:
+        """A rank this executor started that has exited kills the engine now, not at the next
+        step (torchrun's ranks are not ours to watch: their loss shows at the next step)."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self._closed and any(p.exitcode is not None for p in self._procs):
+            raise self._died(RuntimeError("a worker rank exited"))
+
     def shutdown(self) -> None:
         if self._closed:
             return

@@ -61,7 +61,7 @@ def test_chat_matches_hf(llm, hf):
     _check(out, model, out.prompt_token_ids)
 
 
-def test_auto_dtype_runs_gguf_linears_with_fp16_weights():
+def test_auto_dtype_runs_gguf_linears_with_fp16_weights(llm):
     """With no dtype or quantization chosen, a GGUF checkpoint on an x86 CPU runs its linear
     layers with float16 weights (fbgemm) and float32 arithmetic; dtype="float32" keeps float32
     weights. Both give the same greedy tokens here."""
@@ -77,7 +77,7 @@ def test_auto_dtype_runs_gguf_linears_with_fp16_weights():
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     auto = LLM(max_model_len=512)
-    fp32 = LLM(dtype="float32", max_model_len=512)
+    fp32 = llm  # dtype="float32"
     assert all(m is None for m in methods(fp32))
     if fp16_gemm_available():
         assert methods(auto) and all(isinstance(m, Fp16Linear) for m in methods(auto))

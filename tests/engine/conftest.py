@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,14 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_default_model():
+def hf_default_model(tmp_path_factory: pytest.TempPathFactory):
     """(HF model in float32, HF tokenizer) from transformers' own GGUF loading of the default
-    model (~10 s: loaded once for every test that compares against it); generate() stops at
-    max_new_tokens only."""
+    model (~25 s, most of it gguf-py reading the file: loaded once for every test that compares
+    against it); generate() stops at max_new_tokens only. Under xdist the first worker to get
+    here saves what it loaded (weights, config, tokenizer files) for the others, which rebuild
+    the same model from it in a second or two."""
     pytest.importorskip("gguf")  # transformers needs it to read GGUF; paged does not
-    import torch
-    import transformers
+    from filelock import FileLock
 
     from paged_engine.default_model import default_model_path
 
@@ -44,13 +46,50 @@ def hf_default_model():
         gguf = default_model_path()
     except (FileNotFoundError, RuntimeError) as exc:
         pytest.skip(f"default model missing: {exc}")
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        model, tok = _hf_from_gguf(gguf)
+    else:  # the workers of one run share the parent of their base temp dirs
+        shared = tmp_path_factory.getbasetemp().parent / "hf-default-model"
+        with FileLock(f"{shared}.lock"):
+            if (shared / "complete").exists():
+                model, tok = _hf_from_saved(shared)
+            else:
+                model, tok = _hf_from_gguf(gguf)
+                _hf_save(model, tok, shared)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = tok.eos_token_id
+    return model.eval(), tok
+
+
+def _hf_from_gguf(gguf: Path):
+    import torch
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
     )
     tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = tok.eos_token_id
-    return model.eval(), tok
+    return model, tok
+
+
+def _hf_save(model, tok, path: Path) -> None:
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)  # a GGUF-loaded model refuses save_pretrained
+    torch.save(model.state_dict(), path / "state_dict.pt")
+    tok.save_pretrained(path)
+    (path / "complete").touch()
+
+
+def _hf_from_saved(path: Path):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(torch.load(path / "state_dict.pt", weights_only=True))
+    return model, transformers.AutoTokenizer.from_pretrained(path)
 
 
 # Modules whose every test runs twice: synchronous and async scheduling must give the same

@@ -85,52 +85,32 @@ def test_write_kv_cache_fp8(seed, device, cache_dtype, dtype, scales):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_paged_attention_fp8_cache(seed, device, cache_dtype, dtype, num_splits):
-    b = make_batch(
-        *MIXED,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-        dtype=dtype,
-        device=device,
-    )
+    """num_splits=1: a mixed prefill + decode batch; 3: a decode batch cut into splits (splits
+    cut only pure decode batches)."""
     k_scale, v_scale = 0.25, 0.5
+    scale = 64**-0.5
+    tol = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
+    shape = {"num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
+    if num_splits == 1:
+        b = make_batch(*MIXED, **shape, dtype=dtype, device=device)
+    else:
+        b = make_batch([1, 1, 1], [900, 40, 1500], **shape, dtype=dtype, device=device)
     key_cache = ref_quantize(b.key_cache, cache_dtype, k_scale)
     value_cache = ref_quantize(b.value_cache, cache_dtype, v_scale)
-    scale = 64**-0.5
     args = (b.q, key_cache, value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)
     out = torch.full_like(b.q, float("nan"))
-    # Splits cut only pure decode batches: run the decode rows alone for num_splits > 1.
     got = paged_attention(
         *args,
         max_seqlen_q=b.max_seqlen_q,
         max_seqlen_k=b.max_seqlen_k,
         out=out,
-        num_splits=1,
+        num_splits=num_splits,
         k_scale=k_scale,
         v_scale=v_scale,
     )
     want = ref_paged_attention(*args, k_scale=k_scale, v_scale=v_scale)
     assert not got.isnan().any()
-    tol = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    if num_splits > 1:
-        d = make_batch(
-            [1, 1, 1],
-            [900, 40, 1500],
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=64,
-            block_size=16,
-            dtype=dtype,
-            device=device,
-        )
-        kc = ref_quantize(d.key_cache, cache_dtype, k_scale)
-        vc = ref_quantize(d.value_cache, cache_dtype, v_scale)
-        dargs = (d.q, kc, vc, d.block_tables, d.cu_seqlens_q, d.seq_lens, scale)
-        split = paged_attention(*dargs, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
-        ref = ref_paged_attention(*dargs, k_scale=k_scale, v_scale=v_scale)
-        torch.testing.assert_close(split.float(), ref.float(), atol=tol, rtol=tol)
 
 
 def test_fp8_attention_close_to_unquantized(seed, device):

@@ -17,7 +17,8 @@ cache). A follow-up costs at most K loopback requests; replicas are the one sour
 
 Why child servers and not K engines inside this process: each replica keeps its own GIL, its
 own engine loop on its main thread and its own failure domain (a replica whose worker dies
-fails alone, and `/health` reports it); the router adds one loopback hop.
+fails alone: it exits, the front routes around it and `/health` reports it); the router adds
+one loopback hop.
 
     /health   200 when every replica is healthy, else 503 naming the unhealthy ones
     /metrics  every replica's metrics, each sample labelled replica="i"

@@ -281,3 +281,43 @@ def test_stop_holdback():
     assert stop_holdback("x\n", ["\n\n", "xyz"]) == 1
     assert stop_holdback("any", []) == 0
     assert StopChecker(["END"]).holdback("the EN") == 2
+
+
+@pytest.mark.parametrize("kind", ["FINAL_ONLY", "DELTA"])
+def test_a_request_ends_when_its_last_sequence_does_after_a_stop_string(kind):
+    """n=2: a stop string ends sequence 1 here, and the core, not yet told (the server's output
+    thread, or a step in flight), ends sequence 0 in its next step without finishing the
+    request; told afterwards, it finishes the request with no further output. This stage must
+    report the request finished on that step (paged-server's request used to hang forever)."""
+    from paged_engine.core.core_output import EngineCoreOutput, SeqUpdate
+    from paged_engine.engine.output_processor import OutputProcessor
+    from paged_engine.sampling_params import RequestOutputKind, SamplingParams
+    from paged_engine.testing import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    a, b, space, c = (tok.encode(s, add_special_tokens=False)[0] for s in ("a", "b", " ", "c"))
+    processor = OutputProcessor(tok)
+    params = SamplingParams(n=2, stop=[" "], max_tokens=3)
+    processor.add_request(
+        "r", None, [a], params, 0.0, num_returned=2, kind=getattr(RequestOutputKind, kind)
+    )
+    steps = [
+        [SeqUpdate(0, [a]), SeqUpdate(1, [b], fork_of=0)],
+        [SeqUpdate(0, [b]), SeqUpdate(1, [space])],  # the stop string ends sequence 1
+        [SeqUpdate(0, [c], finish_reason="length"), SeqUpdate(1, [c])],  # 1's token: dropped
+    ]
+    outputs, stopped = [], []
+    for updates in steps:
+        result = processor.process([EngineCoreOutput("r", updates, finished=False)])
+        outputs += result.request_outputs
+        stopped += result.stopped
+    assert stopped == [("r", 1, " ")]  # what the caller hands EngineCore.finish_seqs
+    assert outputs[-1].finished and "r" not in processor.states
+    if kind == "FINAL_ONLY":
+        assert len(outputs) == 1
+    whole, reasons = {i: "" for i in range(2)}, {}
+    for out in outputs:
+        for comp in out.outputs:
+            whole[comp.index] = whole[comp.index] + comp.text if kind == "DELTA" else comp.text
+            reasons[comp.index] = comp.finish_reason or reasons.get(comp.index)
+    assert whole == {0: "abc", 1: "b"} and reasons == {0: "length", 1: "stop"}

@@ -87,6 +87,11 @@ class RequestState:
     num_cached_tokens: int = 0
     pooled: PooledChunks | None = None  # embedding requests (pooling.py)
     lora_request: Any = None  # echoed on its RequestOutputs
+    # A stop string ended one of its sequences here. The core learns of it only when the
+    # caller runs `finish_seqs`, which may come after the core ended the last other sequence
+    # (a step in flight, or the server's output thread): the core then finishes the request
+    # without another output, so this stage must see the end itself.
+    text_stopped: bool = False
 
 
 @dataclass(slots=True)
@@ -179,13 +184,14 @@ class OutputProcessor:
                 seq = state.seqs[upd.index]
                 if seq.finish_reason is None and self._apply(state, seq, upd):
                     result.stopped.append((state.request_id, seq.index, seq.stop_reason))
+                    state.text_stopped = True
             if not co.seqs and co.beams is None and not co.finished:
                 continue  # a prompt-logprobs chunk alone: nothing to report yet
             if state.first_token_time is None:
                 state.first_token_time = now
             state.last_token_time = now
             finished = co.finished or (
-                bool(result.stopped)
+                state.text_stopped
                 and len(state.seqs) == state.num_samples
                 and all(s.finish_reason is not None for s in state.seqs.values())
             )

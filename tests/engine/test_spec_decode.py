@@ -256,10 +256,27 @@ def test_tensor_parallel_speculation_matches(llama):
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
 
 
+def test_beam_search_runs_without_drafts_beside_speculating_requests(llama):
+    """Beams (either spelling) in the same steps as drafted rows: the plain engine's beams."""
+    repetitive = _prompts()[:2]
+    beam = SamplingParams(n=3, use_beam_search=True, max_tokens=12, temperature=0)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [*repetitive, *repetitive, {"prompt_token_ids": [11, 12, 13]}]
+    params = [beam, BeamSearchParams(beam_width=2, max_tokens=10), greedy, greedy, beam]
+    plain, _ = _run(llama, prompts, params)
+    spec, stats = _run(llama, prompts, params, speculative_config=_spec(3))
+    assert stats.spec_decode_num_drafts > 0
+    for s, p in zip(spec, plain):
+        assert [c.token_ids for c in s.outputs] == [c.token_ids for c in p.outputs]
+        for a, b in zip(s.outputs, p.outputs):
+            if b.cumulative_logprob is None:  # greedy without logprobs
+                assert a.cumulative_logprob is None
+            else:
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
 def test_what_speculation_refuses(llama):
     llm = LLM(model=str(llama), max_model_len=64, speculative_config=_spec(2))
-    with pytest.raises(ValueError, match="beam search"):
-        llm.generate(["hi"], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
     # penalties run without drafts (their next token depends on every earlier one)
     params = SamplingParams(n=2, max_tokens=3, seed=1, presence_penalty=0.5)
     out = llm.generate(["hi"], params, use_tqdm=False)

@@ -289,11 +289,6 @@ class LLMEngine:
         check_priority(priority, self.config.scheduling_policy)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if self.draft_planner is not None and isinstance(params, BeamSearchParams):
-            raise ValueError(
-                "beam search cannot run on an engine with speculative_config: build one "
-                "without speculative decoding for beam search"
-            )
         if isinstance(params, PoolingParams):  # an embedding (pooling.py): ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
             params = to_sampling_params(params, self.config.pooler_config, hidden_size)

@@ -315,8 +315,24 @@ def test_draft_model_refusals(llama, tmp_path):
         LLM(model=str(target), speculative_config=_spec(tmp_path / "missing", 2))
     with pytest.raises(ValueError, match="tensor_parallel_size > 1"):
         LLM(model=str(target), speculative_config=_spec(noisy, 2), tensor_parallel_size=2)
-    llm = LLM(model=str(target), max_model_len=64, speculative_config=_spec(noisy, 2))
-    with pytest.raises(ValueError, match="beam search"):
-        llm.generate(["hi"], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
-    out = llm.generate(["hi"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) == 3  # the engine keeps serving
+
+
+def test_beam_search_runs_without_drafts_beside_drafted_requests(llama):
+    """Beams (either spelling) in the same steps as rows the draft model drafts for: the plain
+    engine's beams and scores; every block back in the pool."""
+    target, noisy = llama
+    repetitive = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [40, 41] * 9}]
+    beam = SamplingParams(n=3, use_beam_search=True, max_tokens=12, temperature=0)
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [*repetitive, *repetitive, {"prompt_token_ids": [11, 12, 13]}]
+    params = [beam, BeamSearchParams(beam_width=2, max_tokens=10), greedy, greedy, beam]
+    plain, _ = _run(target, prompts, params)
+    spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 2))
+    assert stats.spec_decode_num_drafts > 0
+    for s, p in zip(spec, plain):
+        assert [c.token_ids for c in s.outputs] == [c.token_ids for c in p.outputs]
+        for a, b in zip(s.outputs, p.outputs):
+            if b.cumulative_logprob is None:  # greedy without logprobs
+                assert a.cumulative_logprob is None
+            else:
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)

@@ -159,6 +159,18 @@ def assert_same_greedy(want: list, got: list, abs_tol: float = 1e-4) -> None:
         assert lps[1] == pytest.approx(lps[0], abs=abs_tol)
 
 
+def assert_same_tokens_and_scores(want: list, got: list, abs_tol: float = 1e-4) -> None:
+    """Two engines' RequestOutputs of the same requests (beams included): each completion's
+    tokens identical, its cumulative logprob within `abs_tol` (None on both without one)."""
+    for w, g in zip(want, got, strict=True):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        for a, b in zip(g.outputs, w.outputs):
+            if b.cumulative_logprob is None:  # sampled without logprobs
+                assert a.cumulative_logprob is None
+            else:
+                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=abs_tol)
+
+
 def assert_tp_matches_one_process(
     path, prompts: list[list[int]], max_tokens: int, max_model_len: int
 ) -> None:

@@ -15,6 +15,7 @@ import re
 from collections import Counter
 
 import pytest
+from hf_reference import assert_same_tokens_and_scores
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.spec_decode.ngram_proposer import propose_ngram
@@ -266,13 +267,7 @@ def test_beam_search_runs_without_drafts_beside_speculating_requests(llama):
     plain, _ = _run(llama, prompts, params)
     spec, stats = _run(llama, prompts, params, speculative_config=_spec(3))
     assert stats.spec_decode_num_drafts > 0
-    for s, p in zip(spec, plain):
-        assert [c.token_ids for c in s.outputs] == [c.token_ids for c in p.outputs]
-        for a, b in zip(s.outputs, p.outputs):
-            if b.cumulative_logprob is None:  # greedy without logprobs
-                assert a.cumulative_logprob is None
-            else:
-                assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+    assert_same_tokens_and_scores(plain, spec)
 
 
 def test_what_speculation_refuses(llama):

@@ -25,14 +25,13 @@ def _worker_pids(server: ServerProc) -> list[int]:
 
 
 def _rank_pids(server: ServerProc) -> list[int]:
-    """Worker ranks: processes running paged's worker main (forked or spawned)."""
+    """Worker ranks: the forkserver's children (a forked rank shares its command line), or
+    the server's own children running multiprocessing's spawn main."""
     ranks = []
-    for pid in _worker_pids(server):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read()
-        # a forked rank shares the forkserver's command line: its parent is the forkserver
-        if b"spawn_main" in cmdline or pid not in _children(server.proc.pid):
-            ranks.append(pid)
+    for child in _children(server.proc.pid):
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            spawned = b"spawn_main" in f.read()
+        ranks += [child] if spawned else _children(child)
     return ranks
 
 

@@ -31,6 +31,7 @@ _EXPORTS = {
     "PoolingParams": "paged_engine.pooling",
     "PoolingRequestOutput": "paged_engine.pooling",
     "EmbeddingRequestOutput": "paged_engine.pooling",
+    "ScoringRequestOutput": "paged_engine.scoring",
     "LoRARequest": "paged_engine.lora.request",
 }
 
@@ -53,6 +54,7 @@ __all__ = [
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
+    "ScoringRequestOutput",
     "StructuredOutputsParams",
 ]
 
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
     from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+    from paged_engine.scoring import ScoringRequestOutput
     from paged_engine.structured_output.params import (
         GuidedDecodingParams,
         StructuredOutputsParams,

@@ -7,6 +7,7 @@ for out in llm.generate(["Hello, my name is"], SamplingParams(temperature=0.8)):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.scoring import ScoringRequestOutput, cosine_scores, pair_indices
 
 PromptType = str | list[int] | dict
 
@@ -162,14 +164,21 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: one embedding per prompt (`out.outputs.embedding`), pooled from
         the model's final hidden states as `pooler_config` says (last token by default,
-        L2-normalized), in input order. The requests batch like any others (pooling.py)."""
-        return [
-            EmbeddingRequestOutput.from_base(o)
-            for o in self.encode(prompts, pooling_params, use_tqdm, lora_request)
-        ]
+        L2-normalized), in input order. The requests batch like any others (pooling.py).
+        `truncate_prompt_tokens=k` embeds each prompt's last k tokens (-1: the most that fit)."""
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm,
+            lora_request,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def encode(
         self,
@@ -177,6 +186,8 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
         (`outputs.data`: a float32 tensor), in input order."""
@@ -190,8 +201,43 @@ class LLM:
                     f"got {len(prompt_list)} prompts but {len(params_list)} pooling_params: "
                     "pass one, or one per prompt"
                 )
+        if truncate_prompt_tokens is not None:  # over each params' own (validated there)
+            params_list = [
+                dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                for p in params_list
+            ]
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras)
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model: one score per pair (`out.outputs.score`),
+        the cosine similarity of the two texts' embeddings, pairing data_1 with data_2 1:1,
+        1:N (one query against each document) or N:N (scoring.py)."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = pair_indices(len(first), len(second), ("data_1", "data_2"))
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise ValueError(f"pooling_params must be a PoolingParams, got {pooling_params!r}")
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
+        outs = self.encode(
+            first + second,
+            pooling_params,
+            use_tqdm,
+            lora_request,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        pad = getattr(self.get_tokenizer(), "pad_token_id", None)
+        return cosine_scores(outs[: len(first)], outs[len(first) :], pairs, pad)
 
     def collective_rpc(
         self,

@@ -28,10 +28,13 @@ POOLING_TYPES = ("LAST", "MEAN")
 class PoolingParams:
     """Per-request pooling options (vLLM's names). `dimensions` (Matryoshka truncation) is
     accepted only as None or the model's hidden size; `normalize=None` takes the engine's
-    `pooler_config` (normalized by default, as vLLM does for embedding models)."""
+    `pooler_config` (normalized by default, as vLLM does for embedding models);
+    `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: as many as
+    max_model_len allows)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
@@ -39,6 +42,9 @@ class PoolingParams:
         v = self.dimensions
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"dimensions must be a positive int or None, got {v!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r}")
 
 
 @dataclass(slots=True)
@@ -48,6 +54,7 @@ class PoolingSamplingParams(SamplingParams):
 
     pooling_type: str = "LAST"
     normalize: bool = True
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the most)
 
 
 def to_sampling_params(
@@ -67,6 +74,7 @@ def to_sampling_params(
         detokenize=False,
         pooling_type=cfg["pooling_type"],
         normalize=normalize,
+        truncate_prompt_tokens=params.truncate_prompt_tokens,
     )
 
 

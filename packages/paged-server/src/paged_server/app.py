@@ -47,11 +47,14 @@ from paged_server.responses_api import (
     serve_delete_response,
     serve_get_response,
 )
+from paged_server.scores import serve_rerank, serve_score
 from paged_server.structured_request import check_structured
 from paged_server.tool_parsers import TOOL_PARSERS
 
 _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
+# Routes outside /v1 that run the model: --api-key guards them as it guards /v1.
+_KEYED = frozenset({"/score", "/rerank", "/v2/rerank"})
 
 
 log = logging.getLogger("paged_server")
@@ -118,6 +121,12 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/embeddings": {"POST": self.embeddings},
+            # vLLM's score / rerank APIs (scores.py), under each path vLLM serves them on
+            "/score": {"POST": self.score},
+            "/v1/score": {"POST": self.score},
+            "/rerank": {"POST": self.rerank},
+            "/v1/rerank": {"POST": self.rerank},
+            "/v2/rerank": {"POST": self.rerank},
             "/v1/responses": {"POST": self.create_response},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
@@ -130,7 +139,7 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
-        if self.api_key is not None and route.startswith("/v1"):
+        if self.api_key is not None and (route.startswith("/v1") or route in _KEYED):
             self._check_key(h)
         methods = self.routes.get(route)
         if methods is None and route.startswith(_MODEL_ROUTE):
@@ -328,6 +337,12 @@ class OpenAIApp:
 
     def embeddings(self, h: Handler) -> None:
         serve_embeddings(self, h)  # embeddings.py
+
+    def score(self, h: Handler) -> None:
+        serve_score(self, h)  # scores.py: cosine similarity of embeddings
+
+    def rerank(self, h: Handler) -> None:
+        serve_rerank(self, h)  # scores.py: documents by their score against a query
 
     def create_response(self, h: Handler) -> None:
         serve_create_response(self, h)  # responses_api.py: OpenAI's Responses API

@@ -5,10 +5,10 @@
     -> {"object": "list", "data": [{"object": "embedding", "index": i, "embedding": [...]}],
         "model": M, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
-vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens), `add_special_tokens` (default
-true), `normalize`. The pooling itself (last token or mean, `--pooler-config`) is the engine's:
-paged_engine/pooling.py. base64 is the little-endian float32 bytes, as OpenAI encodes them (the
-official Python client asks for it by default).
+vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
+`add_special_tokens` (default true), `normalize`. The pooling itself (last token or mean,
+`--pooler-config`) is the engine's: paged_engine/pooling.py. base64 is the little-endian float32
+bytes, as OpenAI encodes them (the official Python client asks for it by default).
 """
 
 from __future__ import annotations
@@ -72,11 +72,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         raise bad_request(
             f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format"
         )
-    truncate = body.get("truncate_prompt_tokens")
-    if truncate is not None and (
-        isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1
-    ):
-        raise bad_request("'truncate_prompt_tokens' must be an int >= 1", "truncate_prompt_tokens")
+    truncate = parse_truncate(body)
     special = body.get("add_special_tokens", True)
     if not isinstance(special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
@@ -85,12 +81,33 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     except ValueError as e:
         param = "dimensions" if "dimensions" in str(e) else "normalize"
         raise bad_request(str(e), param) from None
+    return EmbeddingRequest(model, inputs, fmt, params, truncate, special, parse_priority(body))
+
+
+def parse_truncate(body: dict) -> int | None:
+    """`truncate_prompt_tokens`: keep the last k tokens; -1 keeps as many as fit."""
+    truncate = body.get("truncate_prompt_tokens")
+    if truncate is not None and (
+        isinstance(truncate, bool)
+        or not isinstance(truncate, int)
+        or truncate < -1
+        or truncate == 0
+        or truncate >= 1 << 31
+    ):
+        raise bad_request(
+            "'truncate_prompt_tokens' must be an int >= 1 (or -1: as many as fit)",
+            "truncate_prompt_tokens",
+        )
+    return truncate
+
+
+def parse_priority(body: dict) -> int:
     priority = body.get("priority", 0)
     if priority is None:
         priority = 0
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) >= 1 << 63:
         raise bad_request("'priority' must be a 64-bit integer", "priority")
-    return EmbeddingRequest(model, inputs, fmt, params, truncate, special, priority)
+    return priority
 
 
 def _inputs(value: Any) -> list[str | list[int]]:
@@ -123,31 +140,49 @@ def encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
-def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
-    req = parse_embedding(h.read_json())
-    model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
-    ids = []
-    for i, item in enumerate(req.inputs):
-        if isinstance(item, str):
-            with app.tok_lock:
-                tokens = app.tokenizer.encode(item, add_special_tokens=req.add_special_tokens)
-        else:
-            app._check_ids(item, "input")
-            tokens = list(item)
-        if req.truncate_prompt_tokens is not None:
-            tokens = tokens[-req.truncate_prompt_tokens :]
-        if len(tokens) >= app.max_model_len:
-            raise bad_request(
-                f"input[{i}] has {len(tokens)} tokens; this model's maximum context length is "
-                f"{app.max_model_len} (set truncate_prompt_tokens to keep the last tokens)",
-                "input",
-            )
-        ids.append(tokens)
+def prompt_tokens(
+    app: OpenAIApp,
+    item: str | list[int],
+    where: str,
+    truncate: int | None,
+    add_special_tokens: bool = True,
+) -> list[int]:
+    """One pooled input's token ids: text tokenized, ids checked, the last `truncate` kept
+    (-1: as many as a prompt may hold); a 400 when it does not fit. `where` names the input
+    ("input[2]"); the error's `param` is its field ("input")."""
+    param = where.partition("[")[0]
+    if isinstance(item, str):
+        with app.tok_lock:
+            tokens = app.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+    else:
+        app._check_ids(item, param)
+        tokens = list(item)
+    if truncate is not None:
+        tokens = tokens[-(app.max_model_len - 1 if truncate == -1 else truncate) :]
+    if len(tokens) >= app.max_model_len:
+        raise bad_request(
+            f"{where} has {len(tokens)} tokens; this model's maximum context length is "
+            f"{app.max_model_len} (set truncate_prompt_tokens to keep the last tokens)",
+            param,
+        )
+    return tokens
+
+
+def run_pooling(
+    app: OpenAIApp,
+    h: Handler,
+    rid: str,
+    ids: list[list[int]],
+    params: PoolingParams,
+    lora: Any,
+    priority: int,
+) -> list[Any]:
+    """Pool each token list as one engine request; the `PoolingRequestOutput`s in order. A
+    client that leaves aborts every request of the call."""
     app.client.check_queue()
-    rid = f"embd-{uuid.uuid4().hex}"
     rids = [f"{rid}-{i}" for i in range(len(ids))]
     prompts = [{"prompt_token_ids": t} for t in ids]
-    group = app.client.add(rids, prompts, req.params, lora, req.priority)
+    group = app.client.add(rids, prompts, params, lora, priority)
     try:
         while not group.wait_added(app.poll_interval):
             if h.client_gone():
@@ -157,13 +192,25 @@ def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
         if not group.done:
             app.client.abort(rids)
             h.log_extra += " aborted"
+    return list(group.latest)
+
+
+def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
+    req = parse_embedding(h.read_json())
+    model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
+    ids = [
+        prompt_tokens(app, item, f"input[{i}]", req.truncate_prompt_tokens, req.add_special_tokens)
+        for i, item in enumerate(req.inputs)
+    ]
+    rid = f"embd-{uuid.uuid4().hex}"
+    outs = run_pooling(app, h, rid, ids, req.params, lora, req.priority)
     data = [
         {
             "object": "embedding",
             "index": i,
             "embedding": encode(out.outputs.data.tolist(), req.encoding_format),
         }
-        for i, out in enumerate(group.latest)
+        for i, out in enumerate(outs)
     ]
     num_tokens = sum(len(t) for t in ids)
     h.log_extra += f" prompt_tokens={num_tokens}"

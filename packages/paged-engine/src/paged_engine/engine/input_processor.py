@@ -57,11 +57,16 @@ class InputProcessor:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
         text, token_ids = self._tokenize_prompt(prompt)
+        max_len = self.config.max_model_len
+        assert max_len is not None
+        keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
+        if keep is not None:
+            keep = max_len - 1 if keep == -1 else keep  # -1: the most a prompt may hold
+            if len(token_ids) > keep:
+                text, token_ids = None, token_ids[-keep:]  # the end, where pooling looks
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
-        max_len = self.config.max_model_len
-        assert max_len is not None
         if len(token_ids) >= max_len:
             raise ValueError(
                 f"prompt is too long: {len(token_ids)} tokens, but max_model_len is {max_len} "

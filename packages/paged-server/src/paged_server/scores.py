@@ -1,0 +1,213 @@
+"""vLLM's score and rerank APIs for an embedding model: the cosine similarity of two texts'
+embeddings (paged_engine/scoring.py), pooled as `/v1/embeddings` pools them.
+
+    POST /score, /v1/score
+        {"model", "queries": str | [str], "documents": str | [str]}   (or "queries" + "items",
+        "data_1" + "data_2", "text_1" + "text_2": vLLM's older names), paired 1:1, 1:N or N:N
+    -> {"id", "object": "list", "created", "model",
+        "data": [{"index": i, "object": "score", "score": s}], "usage": {...}}
+
+    POST /rerank, /v1/rerank, /v2/rerank      (Jina's and Cohere's shape)
+        {"model", "query": str, "documents": str | [str], "top_n": k, "return_documents": bool}
+    -> {"id", "model", "usage": {"prompt_tokens", "total_tokens"},
+        "results": [{"index": i, "document": {"text"}, "relevance_score": s}]}   best first
+
+Every distinct text is one pooling request (a query scored against N documents runs once).
+Common extras: `truncate_prompt_tokens` (the last k tokens of each text; -1: as many as fit),
+`priority`, `user` (ignored), `use_activation` (no effect on a cosine: accepted for vLLM's
+clients). Token usage counts each pair as vLLM does: both texts and the pad token between them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from paged_engine.pooling import PoolingParams
+from paged_engine.scoring import cosine_scores, pair_indices
+from paged_server.embeddings import parse_priority, parse_truncate, prompt_tokens, run_pooling
+from paged_server.errors import bad_request
+
+if TYPE_CHECKING:
+    from paged_server.app import OpenAIApp
+    from paged_server.http import Handler
+
+# The names a score request may give its two sides, newest first (vLLM accepts each pair).
+_SIDES = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+_COMMON = frozenset({"model", "user", "truncate_prompt_tokens", "priority", "use_activation"})
+_SCORE_FIELDS = _COMMON | {name for pair in _SIDES for name in pair}
+_RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
+
+
+@dataclass(slots=True)
+class ScoreRequest:
+    model: str | None
+    first: list[str]
+    second: list[str]
+    names: tuple[str, str]  # what the client called the two sides (for errors)
+    truncate_prompt_tokens: int | None
+    priority: int
+    top_n: int = 0  # rerank: the best k results; 0 = all
+    return_documents: bool = True
+
+
+def _check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    activation = body.get("use_activation")
+    if activation is not None and not isinstance(activation, bool):
+        raise bad_request("'use_activation' must be a boolean", "use_activation")
+    return body
+
+
+def _texts(value: Any, name: str, *, single: bool = False) -> list[str]:
+    """A side of the pairs: one string, or (unless `single`) a non-empty list of strings."""
+    if isinstance(value, str):
+        return [value]
+    what = "a string" if single else "a string or a non-empty list of strings"
+    if single or not isinstance(value, list) or not value:
+        raise bad_request(f"'{name}' must be {what} (text only: this server has no images)", name)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise bad_request(f"{name}[{i}] must be a string", name)
+    return value
+
+
+def parse_score(body: Any) -> ScoreRequest:
+    body = _check_fields(body, _SCORE_FIELDS, "/score")
+    given = [pair for pair in _SIDES if pair[0] in body and pair[1] in body]
+    if not given:
+        raise bad_request(
+            "give the two sides to score as 'queries' and 'documents' (or 'queries' and "
+            "'items', 'data_1' and 'data_2', 'text_1' and 'text_2')",
+            "queries" if "queries" not in body else "documents",
+        )
+    names = given[0]
+    stray = sorted(n for pair in _SIDES for n in pair if n in body and n not in names)
+    if stray:
+        raise bad_request(
+            f"'{stray[0]}' cannot be given with '{names[0]}' and '{names[1]}': name the two "
+            "sides one way",
+            stray[0],
+        )
+    first, second = _texts(body[names[0]], names[0]), _texts(body[names[1]], names[1])
+    _pairs(len(first), len(second), names)
+    return ScoreRequest(
+        body.get("model"), first, second, names, parse_truncate(body), parse_priority(body)
+    )
+
+
+def parse_rerank(body: Any) -> ScoreRequest:
+    body = _check_fields(body, _RERANK_FIELDS, "/rerank")
+    if "query" not in body:
+        raise bad_request("'query' is required", "query")
+    if "documents" not in body:
+        raise bad_request("'documents' is required", "documents")
+    query = _texts(body["query"], "query", single=True)
+    documents = _texts(body["documents"], "documents")
+    top_n = body.get("top_n", 0)
+    if top_n is None:
+        top_n = 0
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
+        raise bad_request("'top_n' must be an int >= 0 (0: every document)", "top_n")
+    keep = body.get("return_documents", True)
+    if keep is None:
+        keep = True
+    if not isinstance(keep, bool):
+        raise bad_request("'return_documents' must be a boolean", "return_documents")
+    return ScoreRequest(
+        body.get("model"),
+        query,
+        documents,
+        ("query", "documents"),
+        parse_truncate(body),
+        parse_priority(body),
+        top_n,
+        keep,
+    )
+
+
+def _pairs(num_1: int, num_2: int, names: tuple[str, str]) -> list[tuple[int, int]]:
+    try:
+        return pair_indices(num_1, num_2, names)
+    except ValueError as e:
+        raise bad_request(str(e), names[1]) from None  # (empty sides were refused before)
+
+
+def _scores(app: OpenAIApp, h: Handler, req: ScoreRequest, rid: str) -> tuple[str, list, int]:
+    """(the served name, one ScoringRequestOutput per pair, prompt tokens by vLLM's count)."""
+    model, lora = app._resolve(req.model)
+    pairs = _pairs(len(req.first), len(req.second), req.names)
+    ids = [
+        prompt_tokens(app, text, f"{name}[{i}]", req.truncate_prompt_tokens)
+        for texts, name in ((req.first, req.names[0]), (req.second, req.names[1]))
+        for i, text in enumerate(texts)
+    ]
+    outs = run_pooling(app, h, rid, ids, PoolingParams(), lora, req.priority)
+    split = len(req.first)
+    pad = getattr(app.tokenizer, "pad_token_id", None)
+    scored = cosine_scores(outs[:split], outs[split:], pairs, pad)
+    num_tokens = sum(len(s.prompt_token_ids) for s in scored)
+    h.log_extra += f" prompt_tokens={num_tokens}"
+    return model, scored, num_tokens
+
+
+def serve_score(app: OpenAIApp, h: Handler) -> None:
+    req = parse_score(h.read_json())
+    rid = f"score-{uuid.uuid4().hex}"
+    model, scored, num_tokens = _scores(app, h, req, rid)
+    h.send_json(
+        200,
+        {
+            "id": rid,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": [
+                {"index": i, "object": "score", "score": s.outputs.score}
+                for i, s in enumerate(scored)
+            ],
+            "usage": {
+                "prompt_tokens": num_tokens,
+                "total_tokens": num_tokens,
+                "completion_tokens": 0,
+            },
+        },
+    )
+
+
+def serve_rerank(app: OpenAIApp, h: Handler) -> None:
+    req = parse_rerank(h.read_json())
+    rid = f"rerank-{uuid.uuid4().hex}"
+    model, scored, num_tokens = _scores(app, h, req, rid)
+    results = []
+    for i, s in enumerate(scored):
+        result: dict[str, Any] = {"index": i, "relevance_score": s.outputs.score}
+        if req.return_documents:
+            result["document"] = {"text": req.second[i]}
+        results.append(result)
+    results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep order
+    if req.top_n:
+        results = results[: req.top_n]
+    h.send_json(
+        200,
+        {
+            "id": rid,
+            "model": model,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+            "results": results,
+        },
+    )

@@ -217,6 +217,33 @@ def test_tool_choice_named_streaming(client) -> None:
     jsonschema.validate(json.loads(args), CITY)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_calls_cut_short_by_max_tokens_never_come_back_as_text(client, stream) -> None:
+    """As OpenAI and vLLM answer: a named call keeps its partial arguments; "required" keeps
+    only the calls it completed (here none); the forced JSON is never `content`."""
+    named = {"type": "function", "function": {"name": "forecast"}}
+    for choice in ("required", named):
+        kw = {"model": "tiny", "messages": MSGS, "max_tokens": 4, "temperature": 0}
+        r = client.chat.completions.create(**kw, tools=TOOLS, tool_choice=choice, stream=stream)
+        content, calls, finish = "", {}, None
+        for c in [ch for chunk in r for ch in chunk.choices] if stream else r.choices:
+            delta = c.delta if stream else c.message
+            content += delta.content or ""
+            for k, tc in enumerate(delta.tool_calls or []):
+                name, args = calls.get(tc.index if stream else k, ("", ""))
+                calls[tc.index if stream else k] = (
+                    name + (tc.function.name or ""),
+                    args + (tc.function.arguments or ""),
+                )
+            finish = c.finish_reason or finish
+        assert finish == "length" and content == "", (choice, content)
+        if choice == "required":
+            assert calls == {}
+        else:
+            ((name, args),) = calls.values()
+            assert name == "forecast" and args and not args.rstrip().endswith("}"), args
+
+
 HERMES = r'<tool_call>\n\{"name": "clock", "arguments": \{"tz": "(utc|cet)"\}\}\n</tool_call>'
 
 

@@ -290,3 +290,32 @@ def test_json_list_parsers_refuse_what_is_not_a_list_of_calls() -> None:
     _, calls = TOOL_PARSERS["granite"]().parse('<tool_call>[{"name": "a", "arguments": {}}]')
     assert [c.name for c in calls] == ["a"]  # the marker spelled out, not the special token
     assert TOOL_PARSERS["granite"].keeps_special_tokens
+
+
+def test_forced_outputs_cut_short_keep_what_is_complete() -> None:
+    """max_tokens ended a forced output: "required" keeps the calls its array completed, a named
+    call its partial arguments; the JSON never becomes content, whole or streamed."""
+    from paged_server.tools import ToolOutput, ToolRequest
+
+    required = ToolRequest(tools=[], choice="required")
+    text = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parame'
+    msg, reason = ToolOutput(required, None).message(text, "length")
+    assert msg["content"] is None and reason == "length"
+    assert [c["function"] for c in msg["tool_calls"]] == [{"name": "a", "arguments": '{"x": 1}'}]
+    msg, _ = ToolOutput(required, None).message('[{"name": "a", "param', "length")
+    assert msg == {"role": "assistant", "content": None}
+    named = ToolRequest(tools=[], choice="named", named="f")
+    msg, reason = ToolOutput(named, None).message('{"city": "Pa', "length")
+    assert msg["content"] is None and reason == "length"
+    assert [c["function"] for c in msg["tool_calls"]] == [
+        {"name": "f", "arguments": '{"city": "Pa'}
+    ]
+    out = ToolOutput(required, None)
+    chunks = [out.rewrite({"index": 0, "delta": {"content": p}, "finish_reason": None}) for p in (
+        '[{"name": "a", "par', 'ameters": {}}, {"na')]  # fmt: skip
+    assert chunks == [None, None]
+    last = out.rewrite({"index": 0, "delta": {"content": "me"}, "finish_reason": "length"})
+    assert last is not None and "content" not in last["delta"] and last["finish_reason"] == "length"
+    assert [c["function"] for c in last["delta"]["tool_calls"]] == [
+        {"name": "a", "arguments": "{}"}
+    ]

@@ -9,7 +9,9 @@
                             (exactly one when parallel_tool_calls is false)
     {"type": "function", "function": {"name": N}}   forced to N's parameters schema
 
-Forced outputs are valid JSON for the functions' parameters by construction.
+Forced outputs are valid JSON for the functions' parameters by construction, unless max_tokens
+cuts them short: then a named call carries the partial arguments text and "required" the calls
+completed before the cut, never the forced JSON as content (finish_reason "length").
 """
 
 from __future__ import annotations
@@ -53,16 +55,37 @@ class ToolRequest:
         return {"json": array}
 
     def calls_from_forced(self, text: str) -> list[ParsedCall]:
-        """The tool calls of a forced output ([] when it was cut short by max_tokens)."""
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return []
+        """The tool calls of a forced output. Cut short by max_tokens: a named call keeps its
+        partial arguments text (as OpenAI and vLLM answer it), "required" the calls its array
+        completed (none: vLLM's answer)."""
         if self.choice == "named":
             assert self.named is not None
-            return [ParsedCall(self.named, json.dumps(value, ensure_ascii=False))]
-        calls = [ToolParser.call_from(item, "parameters") for item in value]
+            try:
+                args = json.dumps(json.loads(text), ensure_ascii=False)
+            except ValueError:
+                args = text
+            return [ParsedCall(self.named, args)]
+        calls = [ToolParser.call_from(item, "parameters") for item in _complete_items(text)]
         return [c for c in calls if c is not None]
+
+
+def _complete_items(text: str) -> list[Any]:
+    """The elements of a JSON array that are complete in `text`, which may end anywhere."""
+    decoder = json.JSONDecoder()
+    i = text.find("[") + 1
+    if i == 0:
+        return []
+    items = []
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            value, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(value)
 
 
 def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | None:
@@ -153,9 +176,8 @@ class ToolOutput:
         self.new_id = call_id_maker(parser)  # forced calls too
 
     def _calls(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        if self.req.choice in ("required", "named"):
-            calls = self.req.calls_from_forced(text)
-            return (None if calls else text), calls
+        if self.req.choice in ("required", "named"):  # the text is the calls' JSON, not content
+            return None, self.req.calls_from_forced(text)
         if self.parser is not None:
             return self.parser.parse(text)
         return text, []

@@ -441,6 +441,67 @@ def test_store_retrieve_continue_and_delete(srv: SimpleNamespace) -> None:
     assert srv.http.request("GET", f"/v1/responses/{unstored['id']}")[0] == 404
 
 
+def test_input_items_cancel_and_input_tokens(srv: SimpleNamespace) -> None:
+    """OpenAI's sub-routes, answers validated with the `openai` package's types."""
+    from openai.pagination import SyncCursorPage
+    from openai.types.responses import ResponseItem
+    from openai.types.responses.input_token_count_response import InputTokenCountResponse
+
+    first = _create(srv, "Blue.", input="Favourite colour?")
+    items = [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "user", "content": [{"type": "input_text", "text": "So?"}]},
+    ]
+    second = _create(srv, "Go out.", input=items, previous_response_id=first["id"])
+    status, _, page = srv.http.request("GET", f"/v1/responses/{second['id']}/input_items")
+    assert status == 200, page
+    SyncCursorPage[ResponseItem].model_validate(page)
+    data = page["data"]  # this request's input alone, newest first
+    assert [d["type"] for d in data] == [
+        "message",
+        "function_call_output",
+        "function_call",
+        "message",
+    ]
+    assert data[0]["content"] == [{"type": "input_text", "text": "So?"}]
+    assert data[1]["output"] == "sunny" and data[2]["name"] == "get_weather"
+    assert (page["first_id"], page["last_id"], page["has_more"]) == (
+        data[0]["id"],
+        data[-1]["id"],
+        False,
+    )
+    path = f"/v1/responses/{second['id']}/input_items?order=asc&limit=2"
+    status, _, asc = srv.http.request("GET", path)
+    assert status == 200 and [d["id"] for d in asc["data"]] == [d["id"] for d in data[::-1][:2]]
+    assert asc["has_more"] is True
+    status, _, rest = srv.http.request("GET", f"{path}&after={asc['last_id']}")
+    assert [d["id"] for d in rest["data"]] == [d["id"] for d in data[::-1][2:]]
+    assert rest["has_more"] is False
+    for query, param in (("limit=0", "limit"), ("order=up", "order"), ("after=x", "after")):
+        status, _, err = srv.http.request(
+            "GET", f"/v1/responses/{second['id']}/input_items?{query}"
+        )
+        assert status == 400 and err["error"]["param"] == param, err
+    assert srv.http.request("GET", "/v1/responses/resp_nope/input_items")[0] == 404
+    assert srv.http.request("GET", f"/v1/responses/{second['id']}/other")[0] == 404
+
+    status, _, err = srv.http.request("POST", f"/v1/responses/{second['id']}/cancel")
+    assert status == 400 and "synchronous" in err["error"]["message"], err
+    assert srv.http.request("POST", "/v1/responses/resp_nope/cancel")[0] == 404
+
+    body = {"model": "tiny", "input": "And yours?", "previous_response_id": first["id"]}
+    status, _, count = srv.http.request("POST", "/v1/responses/input_tokens", body)
+    assert status == 200, count
+    InputTokenCountResponse.model_validate(count)
+    want = (("user", "Favourite colour?"), ("assistant", "Blue."), ("user", "And yours?"))
+    assert count == {"object": "response.input_tokens", "input_tokens": _prompt_len(*want)}
+    assert _create(srv, "x", **body)["usage"]["input_tokens"] == count["input_tokens"]
+    status, _, err = srv.http.request("POST", "/v1/responses/input_tokens", {"input": 3})
+    assert status == 400 and err["error"]["param"] == "input", err
+
+
 def test_the_store_is_a_bounded_lru() -> None:
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
@@ -466,6 +527,10 @@ def test_openai_client_on_a_real_model_matches_chat_completions(real_server: Ser
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     assert client.responses.retrieve(r.id).output_text == want
+    (item,) = client.responses.input_items.list(r.id)
+    assert item.type == "message" and item.content[0].text == prompt
+    count = client.responses.input_tokens.count(model="tiny", input=prompt)
+    assert count.input_tokens == chat.usage.prompt_tokens
 
     with client.responses.stream(
         model="tiny", input=prompt, max_output_tokens=8, temperature=0

@@ -43,9 +43,12 @@ from paged_server.reasoning import ReasoningRequest
 from paged_server.request_group import RequestGroup
 from paged_server.responses_api import (
     ResponseStore,
+    serve_cancel_response,
     serve_create_response,
     serve_delete_response,
     serve_get_response,
+    serve_input_items,
+    serve_input_tokens,
 )
 from paged_server.scores import serve_rerank, serve_score
 from paged_server.structured_request import check_structured
@@ -128,6 +131,7 @@ class OpenAIApp:
             "/v1/rerank": {"POST": self.rerank},
             "/v2/rerank": {"POST": self.rerank},
             "/v1/responses": {"POST": self.create_response},
+            "/v1/responses/input_tokens": {"POST": lambda h: serve_input_tokens(self, h)},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
         }
@@ -147,11 +151,15 @@ class OpenAIApp:
             name = unquote(route[len(_MODEL_ROUTE) :])
             methods = {"GET": lambda h: self.model(h, name)}
         if methods is None and route.startswith(_RESPONSE_ROUTE):
-            rid = route[len(_RESPONSE_ROUTE) :]
+            rid, _, sub = route[len(_RESPONSE_ROUTE) :].partition("/")
             methods = {
-                "GET": lambda h: serve_get_response(self, h, rid),
-                "DELETE": lambda h: serve_delete_response(self, h, rid),
-            }
+                "": {
+                    "GET": lambda h: serve_get_response(self, h, rid),
+                    "DELETE": lambda h: serve_delete_response(self, h, rid),
+                },
+                "input_items": {"GET": lambda h: serve_input_items(self, h, rid)},
+                "cancel": {"POST": lambda h: serve_cancel_response(self, h, rid)},
+            }.get(sub)
         if methods is None:
             raise APIError(404, f"route {path} not found", code="not_found")
         fn = methods.get("GET" if method == "HEAD" else method)
@@ -167,11 +175,17 @@ class OpenAIApp:
 
     def record(self, path: str, status: int) -> None:
         route = path.rstrip("/") or "/"
-        if route.startswith(_MODEL_ROUTE):
+        if route in self.routes:
+            pass
+        elif route.startswith(_MODEL_ROUTE):
             route = _MODEL_ROUTE + "{model}"
         elif route.startswith(_RESPONSE_ROUTE):
-            route = _RESPONSE_ROUTE + "{response_id}"
-        elif route not in self.routes:
+            sub = route[len(_RESPONSE_ROUTE) :].partition("/")[2]
+            known = sub in ("", "input_items", "cancel")  # a label per route, not per path
+            route = (
+                _RESPONSE_ROUTE + "{response_id}" + (f"/{sub}" if sub else "") if known else "other"
+            )
+        else:
             route = "other"
         self.client.metrics.count_http(route, status)
 

@@ -10,10 +10,11 @@ off mid-stream: an in-band 502); a client that disconnects closes its replica co
 aborts the request there.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
-state of its own: `GET` / `DELETE /v1/responses/{id}` ask the replicas in turn until one holds
-it, and a `POST /v1/responses` with `previous_response_id` first asks them (`GET`) which holds
-that response and runs there, load or not (a conversation stays on its replica, with its prefix
-cache). A follow-up costs at most K loopback requests; replicas are the one source of truth.
+state of its own: `GET` / `DELETE /v1/responses/{id}` (and its `input_items` and `cancel`) ask
+the replicas in turn until one holds it, and a `POST /v1/responses` (or `/input_tokens`) with
+`previous_response_id` first asks them (`GET`) which holds that response and runs there, load
+or not (a conversation stays on its replica, with its prefix cache). A follow-up costs at most K
+loopback requests; replicas are the one source of truth.
 
 Why child servers and not K engines inside this process: each replica keeps its own GIL, its
 own engine loop on its main thread and its own failure domain (a replica whose worker dies
@@ -56,6 +57,8 @@ _SKIP_HEADERS = frozenset({"host", "content-length", "connection", "transfer-enc
 _PASS_RESPONSE_HEADERS = ("Retry-After", "WWW-Authenticate")
 _LOAD_LORA, _UNLOAD_LORA = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
 _RESPONSES, _RESPONSE_ROUTE = "/v1/responses", "/v1/responses/"
+# Bodies that may continue a stored response (`previous_response_id`): sent to its holder.
+_NEW_RESPONSE = (_RESPONSES, _RESPONSES + "/input_tokens")
 _RESPONSE_ID = re.compile(r"[A-Za-z0-9_-]+")  # what a replica's response ids are made of
 
 
@@ -100,7 +103,9 @@ class ReplicaRouter:
         if path == "/metrics":
             return self._metrics(handler)
         route = path.rstrip("/")
-        if route.startswith(_RESPONSE_ROUTE) and method in ("GET", "HEAD", "DELETE"):
+        if route.startswith(_RESPONSE_ROUTE) and (
+            method in ("GET", "HEAD", "DELETE") or route.endswith("/cancel")
+        ):
             return self._stored_response(handler, method)
         if method == "POST" and route in (profiling.START, profiling.STOP):  # no body, as vLLM's
             return self._profile(handler, route)
@@ -111,7 +116,7 @@ class ReplicaRouter:
             cost = _estimate_tokens(parsed, len(body))
             if method == "POST" and route in (_LOAD_LORA, _UNLOAD_LORA):
                 return self._update_loras(handler, route, body, parsed)
-            if method == "POST" and route == _RESPONSES and isinstance(parsed, dict):
+            if method == "POST" and route in _NEW_RESPONSE and isinstance(parsed, dict):
                 holder = self._holder(handler, parsed.get("previous_response_id"))
         replica = self._pick(cost, holder)
         try:
@@ -156,9 +161,10 @@ class ReplicaRouter:
 
     # ---- stored responses (the Responses API) ----------------------------------------------
     def _stored_response(self, h: Handler, method: str) -> None:
-        """GET / DELETE /v1/responses/{id}: asked of each replica in turn. The holder's answer
-        (2xx) or any answer every replica would give (401, 405, ...) ends the search; else a
-        replica that did not answer (502: it may hold it) is reported before the 404."""
+        """GET / DELETE /v1/responses/{id} (and its input_items, cancel): asked of each replica
+        in turn. The holder's answer (2xx, or 400 to a cancel) or any answer every replica would
+        give (401, 405, ...) ends the search; else a replica that did not answer (502: it may
+        hold it) is reported before the 404."""
         answers = []
         for r in self._live():
             a = self._request(r, method, h.path, None, _headers(h))

@@ -1,5 +1,6 @@
 """OpenAI's Responses API over the chat path: `POST /v1/responses`, `GET` / `DELETE
-/v1/responses/{id}`.
+/v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, `POST /v1/responses/{id}/cancel`
+and `POST /v1/responses/input_tokens`.
 
     request    responses_request.py: input items -> a chat request (parse_chat) -> the chat
                template
@@ -22,8 +23,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from paged_server.errors import APIError
 from paged_server.openai_protocol import GenerationRequest
@@ -49,6 +51,7 @@ def _new_id(prefix: str) -> str:
 class StoredResponse:
     body: dict[str, Any]  # the response object, as it was answered
     context: list[dict[str, Any]]  # normalized items: every input so far and this output
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them
 
 
 class ResponseStore:
@@ -346,7 +349,24 @@ def _store(app: OpenAIApp, req: ResponsesRequest, body: dict[str, Any]) -> None:
     """Keep a finished response (store=true) for retrieval and previous_response_id: before the
     client sees it end, so a next turn sent right away finds it."""
     if req.store:
-        app.response_store.put(StoredResponse(body, req.context + _context_items(body["output"])))
+        context = req.context + _context_items(body["output"])
+        app.response_store.put(StoredResponse(body, context, _listed_items(req.input_items)))
+
+
+def _listed_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Normalized input items in the shape `GET .../input_items` lists them, each with an id."""
+    listed = []
+    for it in items:
+        if it["type"] == "message":
+            part = "output_text" if it["role"] == "assistant" else "input_text"
+            content = [{"type": part, "text": it["content"]}]
+            item = {"id": _new_id("msg"), "type": "message", "role": it["role"], "content": content}
+        elif it["type"] == "function_call":
+            item = {"id": _new_id("fc"), **it}
+        else:
+            item = {"id": _new_id("fco"), **it}
+        listed.append({**item, "status": "completed"})
+    return listed
 
 
 def _stream(
@@ -405,6 +425,58 @@ def serve_delete_response(app: OpenAIApp, h: Handler, rid: str) -> None:
     if not app.response_store.delete(rid):
         raise _not_found(rid)
     h.send_json(200, {"id": rid, "object": "response", "deleted": True})
+
+
+def serve_input_items(app: OpenAIApp, h: Handler, rid: str) -> None:
+    """OpenAI's `GET /v1/responses/{id}/input_items`: the items of the request's `input`
+    (not the earlier turns of `previous_response_id`), newest first unless `order=asc`, `limit`
+    (1-100, default 20) at a time after the item id `after`."""
+    stored = app.response_store.get(rid)
+    if stored is None:
+        raise _not_found(rid)
+    query = parse_qs(urlsplit(h.path).query)
+    order = query.get("order", ["desc"])[-1]
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    raw_limit = query.get("limit", ["20"])[-1]
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {raw_limit!r}", "limit")
+    items = stored.input_items if order == "asc" else stored.input_items[::-1]
+    after = query.get("after", [None])[-1]
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise APIError(400, f"no input item {after!r} in response {rid!r}", "after")
+        items = items[ids.index(after) + 1 :]
+    page = items[: int(raw_limit)]
+    h.send_json(
+        200,
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        },
+    )
+
+
+def serve_cancel_response(app: OpenAIApp, h: Handler, rid: str) -> None:
+    """`POST /v1/responses/{id}/cancel`: only background responses can be cancelled, and this
+    server answers every response before it stores it (vLLM's answer)."""
+    if app.response_store.get(rid) is None:
+        raise _not_found(rid)
+    raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+
+
+def serve_input_tokens(app: OpenAIApp, h: Handler) -> None:
+    """OpenAI's `POST /v1/responses/input_tokens`: the prompt tokens a `POST /v1/responses`
+    with this body would take (its chat template rendered, nothing generated)."""
+    req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store)
+    with responses_params():
+        app._resolve(req.chat.model)
+        _, ids, _ = app._chat_prompt(req.chat)
+    h.send_json(200, {"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
 def _not_found(rid: str) -> APIError:

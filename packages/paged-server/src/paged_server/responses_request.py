@@ -72,6 +72,7 @@ class ResponsesRequest:
     context: list[dict[str, Any]]  # normalized items: the previous context + this input
     echo: dict[str, Any]  # request fields the response object repeats
     store: bool
+    input_items: list[dict[str, Any]]  # normalized items of this request's `input` alone
 
 
 def _text(param: str, content: Any, kinds: tuple[str, ...]) -> str:
@@ -322,7 +323,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
     _check_off(body)
     if "input" not in body:
         raise bad_request("'input' is required", "input")
-    items = _input_items(body["input"])
+    items = own = _input_items(body["input"])
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "instructions")
@@ -387,4 +388,4 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
         "truncation": "disabled",
         "user": user,
     }
-    return ResponsesRequest(chat=chat, context=items, echo=echo, store=do_store)
+    return ResponsesRequest(chat=chat, context=items, echo=echo, store=do_store, input_items=own)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 
 import pytest
 import torch
@@ -106,6 +107,17 @@ def test_bad_requests_name_the_field(real_server: ServerProc, body, param) -> No
     assert r["error"]["param"] == param, r
     status, _, r = real_server.request("POST", "/v1/embeddings", {"input": "still serving"})
     assert status == 200 and len(r["data"]) == 1
+
+
+def test_a_request_the_engine_refuses_is_not_logged_as_aborted(real_server: ServerProc) -> None:
+    """dimensions is checked where the engine takes the request: its 400 aborted nothing."""
+    status, _, r = real_server.request("POST", "/v1/embeddings", {"input": "hi", "dimensions": 3})
+    assert status == 400 and r["error"]["param"] == "dimensions", r
+    deadline = time.monotonic() + 10
+    while not (logged := [x for x in real_server.lines if "POST /v1/embeddings 400" in x]):
+        assert time.monotonic() < deadline, "no request log line"
+        time.sleep(0.05)
+    assert "aborted" not in logged[-1], logged[-1]
 
 
 def test_dimensions_equal_to_the_hidden_size_is_accepted(real_server: ServerProc) -> None:

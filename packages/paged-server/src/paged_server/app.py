@@ -524,7 +524,8 @@ class OpenAIApp:
         finally:
             if not group.done:
                 self.client.abort(rids)
-                h.log_extra += " aborted"
+                if group.add_error is None:  # a refusal (a 4xx) took nothing to abort
+                    h.log_extra += " aborted"
 
     def arrivals(self, h: Handler, group: RequestGroup) -> Iterator[list]:
         """Each batch of (prompt index, output) pairs as it arrives until the group is done;

@@ -183,15 +183,8 @@ def run_pooling(
     rids = [f"{rid}-{i}" for i in range(len(ids))]
     prompts = [{"prompt_token_ids": t} for t in ids]
     group = app.client.add(rids, prompts, params, lora, priority)
-    try:
-        while not group.wait_added(app.poll_interval):
-            if h.client_gone():
-                raise ConnectionResetError("client disconnected")
+    with app._in_flight(h, group, rids):
         app._wait(h, group)
-    finally:
-        if not group.done:
-            app.client.abort(rids)
-            h.log_extra += " aborted"
     return list(group.latest)
 
 

@@ -184,8 +184,11 @@ def test_forks_and_prefix_cache_keep_outputs(zamba2_dirs, oneblock_dir):
 
 @pytest.mark.parametrize("name", ["zamba2", "zamba2-plain"])
 def test_tensor_parallel_matches_one_process(name, zamba2_dirs):
-    # attention heads (and the adapters' B rows), MLP halves and mixer heads over 2 ranks
-    assert_tp_matches_one_process(zamba2_dirs(name), random_prompts(5, (5, 23, 40)), 8, 128)
+    # attention heads (and the adapters' B rows), MLP halves and mixer heads over 2 ranks. The
+    # all-reduces sum in another order and the recurrent state carries that through 48 tokens:
+    # up to 1.9e-4 apart on an AVX-512 EPYC (within 1e-4 on other CPUs); tokens identical.
+    prompts = random_prompts(5, (5, 23, 40))
+    assert_tp_matches_one_process(zamba2_dirs(name), prompts, 8, 128, abs_tol=5e-4)
 
 
 def test_lora_matches_hf_merged_and_shared_blocks_refuse_it(zamba2_dirs, tmp_path):

@@ -148,6 +148,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             "hidden_act": "gelu",
         },
     ),
+    # DeepSeek-V3 / GLM-4.7-Flash configs with rope_interleave false: HF rotates NeoX halves
+    "deepseek_v3-rope_not_interleaved": ("deepseek_v3", {"rope_interleave": False}),
+    "glm4_moe_lite-rope_not_interleaved": ("glm4_moe_lite", {"rope_interleave": False}),
+    # a dynamic rope's `alpha` is Hunyuan's alone: Llama's dynamic NTK ignores it (as HF's)
+    "llama-dynamic-alpha-ignored": (
+        "llama",
+        {"rope_scaling": {"rope_type": "dynamic", "factor": 1.0, "alpha": 2.0}},
+    ),
 }
 # HF's generate keeps only the last sliding_window keys of every layer whose config carries one,
 # also for Llama, whose forward attends to everything; compare with the forward there.

@@ -385,11 +385,13 @@ def get_rope(
 ) -> RotaryEmbedding:
     """The rope of `config` (of its `layer_type` layers where ropes differ by layer type).
 
-    A "dynamic" scaling with an `alpha` (Hunyuan's checkpoints) is NTK by a fixed alpha, a
-    static table: base = rope_theta * alpha ** (d / (d - 2)), d the rotary dims."""
+    A "dynamic" scaling with an `alpha` in Hunyuan's checkpoints is NTK by a fixed alpha, a
+    static table: base = rope_theta * alpha ** (d / (d - 2)), d the rotary dims (other models'
+    dynamic rope ignores an `alpha`, as transformers does)."""
     theta, scaling, partial = rope_config(config, layer_type)
     kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
-    if kind == "dynamic" and scaling.get("alpha"):  # type: ignore[union-attr]
+    hunyuan = str(getattr(config, "model_type", "")).startswith("hunyuan")
+    if kind == "dynamic" and hunyuan and scaling.get("alpha"):  # type: ignore[union-attr]
         dims = int(head_dim * partial)
         theta, scaling = theta * float(scaling["alpha"]) ** (dims / (dims - 2)), None
     max_position = int(config.max_position_embeddings)

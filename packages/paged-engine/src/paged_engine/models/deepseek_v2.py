@@ -18,7 +18,8 @@ head size kv_lora_rank + qk_rope_head_dim, values read from the key cache): on C
 paged_kernels.mla_attention, which holds the 512 latent and 64 rope columns as two tiles.
 
 RoPE rotates (even, odd) pairs (GPT-J style): HF's V3 `rope_interleave` permutes the rotated
-dims of q and k alike, and V2's complex rotation is pair-wise, so the scores equal ours. YaRN's
+dims of q and k alike, and V2's complex rotation is pair-wise, so the scores equal ours; a V3
+config with `rope_interleave: false` rotates NeoX halves, as HF does then. YaRN's
 `mscale_all_dim` scales the softmax by mscale^2 on top of qk_head_dim^-0.5.
 """
 
@@ -177,8 +178,9 @@ class DeepseekModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        if rope is None:
-            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=False)
+        if rope is None:  # V3's `rope_interleave=False` (HF's option) rotates NeoX halves
+            interleave = bool(getattr(config, "rope_interleave", True))
+            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
         self.rotary_emb = rope
         self.layers, self.stage = make_layers(
             config.num_hidden_layers,

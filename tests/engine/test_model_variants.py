@@ -148,6 +148,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
             "hidden_act": "gelu",
         },
     ),
+    # gated MLPs with other activations than SiLU (HF's LlamaMLP gates with any of them)
+    "llama-gelu": ("llama", {"hidden_act": "gelu"}),
+    "qwen2-relu2": ("qwen2", {"hidden_act": "relu2"}),
+    "olmo2-quick_gelu": ("olmo2", {"hidden_act": "quick_gelu"}),
+    "gpt_neox-quick_gelu": ("gpt_neox", {"hidden_act": "quick_gelu"}),
     # DeepSeek-V3 / GLM-4.7-Flash configs with rope_interleave false: HF rotates NeoX halves
     "deepseek_v3-rope_not_interleaved": ("deepseek_v3", {"rope_interleave": False}),
     "glm4_moe_lite-rope_not_interleaved": ("glm4_moe_lite", {"rope_interleave": False}),
@@ -179,11 +184,11 @@ def test_config_variant_matches_hf(name, tmp_path):
 
 # (arch, its HF class, the config field, a value HF runs and we refuse)
 UNSUPPORTED = [
-    ("llama", "LlamaForCausalLM", "hidden_act", "gelu"),  # HF's Llama gates with any ACT2FN entry
-    ("mixtral", "MixtralForCausalLM", "hidden_act", "gelu"),
-    ("gpt2", "GPT2LMHeadModel", "activation_function", "quick_gelu"),
-    ("gpt_neox", "GPTNeoXForCausalLM", "hidden_act", "quick_gelu"),
-    ("gemma2", "Gemma2ForCausalLM", "hidden_activation", "quick_gelu"),
+    ("llama", "LlamaForCausalLM", "hidden_act", "mish"),  # HF's Llama gates with any ACT2FN entry
+    ("mixtral", "MixtralForCausalLM", "hidden_act", "gelu"),  # the fused experts gate SiLU only
+    ("gpt2", "GPT2LMHeadModel", "activation_function", "mish"),
+    ("gpt_neox", "GPTNeoXForCausalLM", "hidden_act", "mish"),
+    ("gemma2", "Gemma2ForCausalLM", "hidden_activation", "mish"),
 ]
 
 

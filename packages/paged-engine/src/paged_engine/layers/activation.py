@@ -1,5 +1,5 @@
-"""Activations: gated SiLU for Llama-style MLPs, the GELU / ReLU variants of older models and
-Apertus's learned xIELU."""
+"""Activations: gated SiLU for Llama-style MLPs (any other activation gated alike), the GELU /
+ReLU variants of older models and Apertus's learned xIELU."""
 
 from __future__ import annotations
 
@@ -24,6 +24,19 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class ActAndMul(nn.Module):
+    """x: [T, 2*I] holding (gate | up) -> act(gate) * up: [T, I], for a gated MLP whose config
+    names another activation than SiLU (SiluAndMul keeps SiLU's fused kernel)."""
+
+    def __init__(self, act: nn.Module) -> None:
+        super().__init__()
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+
 class GELU(nn.Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
@@ -38,6 +51,20 @@ class FastGELU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return 0.5 * x * (1.0 + torch.tanh(x * 0.7978845608 * (1.0 + 0.044715 * x * x)))
+
+
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): CLIP's and some GPT-NeoX configs' `quick_gelu`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+class ReLUSquared(nn.Module):
+    """relu(x)^2: `relu2` (Nemotron, Primer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.square(F.relu(x))
 
 
 class XIELU(nn.Module):
@@ -90,7 +117,9 @@ _ACTIVATIONS: dict[str, type[nn.Module] | tuple[type[nn.Module], dict]] = {
     "gelu_new": (GELU, {"approximate": "tanh"}),
     "gelu_pytorch_tanh": (GELU, {"approximate": "tanh"}),
     "gelu_fast": FastGELU,
+    "quick_gelu": QuickGELU,
     "relu": nn.ReLU,
+    "relu2": ReLUSquared,
     "silu": nn.SiLU,
     "swish": nn.SiLU,
     "xielu": XIELU,

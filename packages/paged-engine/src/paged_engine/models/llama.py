@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from paged_engine.layers.activation import SiluAndMul
+from paged_engine.layers.activation import ActAndMul, SiluAndMul, get_act_fn
 from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import (
@@ -111,12 +111,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, bias: bool, intermediate_size: int | None = None):
         super().__init__()
         act = cfg_get(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"{type(self).__name__} supports hidden_act='silu' only, got {act!r}")
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
-        self.act_fn = SiluAndMul()
+        # down(act(gate) * up) with the config's activation, as HF's LlamaMLP gates any of them
+        silu = act in ("silu", "swish")
+        self.act_fn = SiluAndMul() if silu else ActAndMul(get_act_fn(act, "hidden_act"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, D]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

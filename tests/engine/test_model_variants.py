@@ -192,6 +192,18 @@ UNSUPPORTED = [
 ]
 
 
+def test_an_odd_rotary_dimension_is_refused_naming_the_fields(model_dir, tmp_path):
+    """head_dim 16 x partial_rotary_factor 0.6: 9 rotary dims (HF rotates 10 with 9's
+    frequencies); refused with the fields that gave it."""
+    path = tmp_path / "model"
+    shutil.copytree(model_dir, path)
+    config = tiny_config("phi3", partial_rotary_factor=0.6)
+    config.architectures = ["Phi3ForCausalLM"]
+    config.save_pretrained(path)
+    with pytest.raises(ValueError, match=r"rotary dims 9 .*partial_rotary_factor"):
+        LLM(model=str(path), dtype="float32", max_model_len=128)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """Tokenizer and weights for the refusals: each fails building the model, before weights."""

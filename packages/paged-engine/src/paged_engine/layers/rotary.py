@@ -194,7 +194,10 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         if rotary_dim % 2 or rotary_dim > head_dim:
-            raise ValueError(f"bad rotary_dim={rotary_dim} for head_dim={head_dim}")
+            raise ValueError(
+                f"rotary dims {rotary_dim} (head_dim {head_dim} x the config's "
+                "partial_rotary_factor / rotary_pct) must be even and at most head_dim"
+            )
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         self.is_neox_style = is_neox_style
         # float32 like the HF reference, so angles agree bit-for-bit at long positions

@@ -222,3 +222,36 @@ def test_unsupported_config_value_fails_at_load_naming_the_field(
     config.save_pretrained(path)  # replaces the llama config.json
     with pytest.raises(ValueError, match=rf"{field}\b.*{value}"):
         LLM(model=str(path), dtype="float32", max_model_len=128)
+
+
+@pytest.mark.parametrize(
+    ("arch", "scaling", "stretched"),
+    [
+        # Qwen's YaRN recipe scaled down: 64 positions x 4 from original_max_position_embeddings
+        (
+            "qwen2",
+            {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+            256,
+        ),
+        ("llama", {"rope_type": "linear", "factor": 2.0}, 128),
+    ],
+)
+def test_a_static_rope_scaling_stretches_the_context_as_vllm_does(
+    arch, scaling, stretched, tmp_path
+):
+    """max_position_embeddings 64: the default max_model_len stays 64, an explicit one may reach
+    the scaled context, and sequences past 64 positions keep HF's greedy tokens and logprobs."""
+    path = write_tiny_model(
+        tmp_path, arch, seed=1, max_position_embeddings=64, rope_scaling=scaling
+    )
+    assert LLM(model=str(path), dtype="float32").llm_engine.config.max_model_len == 64
+    with pytest.raises(ValueError, match=rf"context length {stretched} \(rope scaling"):
+        LLM(model=str(path), dtype="float32", max_model_len=stretched + 1)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=stretched, block_size=16)
+    rng = random.Random(arch)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (stretched - 20, 70, 9)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = load_hf_model(path)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches(f"{arch}-stretched", out, hf_greedy(hf, prompt, 12))

@@ -41,6 +41,7 @@ from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
+from paged_engine.layers.rotary import scaled_context_limit
 from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
@@ -436,12 +437,16 @@ class LLMEngine:
     def _resolve_lengths(self) -> None:
         cfg = self.config
         limit = _max_positions(self.hf_config)
+        # A yarn / linear rope scaling stretches the context past max_position_embeddings (as
+        # vLLM allows, e.g. Qwen's YaRN recipe); the default stays the config's own length.
+        stretched = max(limit or 0, scaled_context_limit(self.hf_config) or 0) or None
         if cfg.max_model_len is None:
             cfg.max_model_len = limit or _DEFAULT_MAX_MODEL_LEN
-        elif limit is not None and cfg.max_model_len > limit:
+        elif stretched is not None and cfg.max_model_len > stretched:
+            scaled = f" (rope scaling stretches {limit} to it)" if stretched != limit else ""
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
-                f"context length {limit}"
+                f"context length {stretched}{scaled}"
             )
         if cfg.max_num_batched_tokens is None:
             cfg.max_num_batched_tokens = max(8192, cfg.max_num_seqs)

@@ -191,6 +191,7 @@ class RotaryEmbedding(nn.Module):
         rope_scaling: dict[str, Any] | None = None,
         freq_factors: list[float] | None = None,
         context_len: int | None = None,
+        num_positions: int | None = None,
     ) -> None:
         super().__init__()
         if rotary_dim % 2 or rotary_dim > head_dim:
@@ -209,7 +210,8 @@ class RotaryEmbedding(nn.Module):
             if len(freq_factors) != len(inv_freq):
                 raise ValueError(f"{len(freq_factors)} rope freq factors for {len(inv_freq)} freqs")
             inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
-        positions = torch.arange(max_position, dtype=torch.float32)
+        # the table's rows: max_position, or more where a static scaling extends the context
+        positions = torch.arange(num_positions or max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [P, rotary_dim/2]
         cos, sin = freqs.cos(), freqs.sin()
         if attention_factor != 1.0:  # yarn / longrope scale q and k through cos and sin
@@ -399,6 +401,8 @@ def get_rope(
         theta, scaling = theta * float(scaling["alpha"]) ** (dims / (dims - 2)), None
     max_position = int(config.max_position_embeddings)
     context_len = _CONTEXT_LEN.get()
+    # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
+    rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
     return RotaryEmbedding(
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
@@ -408,4 +412,30 @@ def get_rope(
         rope_scaling=scaling,
         freq_factors=getattr(config, "rope_freq_factors", None),
         context_len=None if context_len is None else min(context_len, max_position),
+        num_positions=rows,
     )
+
+
+# Scalings whose angles do not depend on the sequence's length: a table serves any position.
+_STATIC_SCALINGS = ("yarn", "linear")
+
+
+def scaled_context_limit(config: Any) -> int | None:
+    """The context a yarn or linear rope scaling stretches the model to, as vLLM derives it:
+    yarn original_max_position_embeddings x factor, linear max_position_embeddings x factor;
+    None for other ropes (llama3 and longrope configs state their whole context already;
+    dynamic NTK changes its angles with the length) and for per-layer-type ropes."""
+    try:
+        _, scaling, _ = rope_config(config)
+    except ValueError:  # rope_parameters per layer type (Gemma 3)
+        return None
+    kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
+    max_position = getattr(config, "max_position_embeddings", None)
+    if kind not in _STATIC_SCALINGS or not isinstance(max_position, int):
+        return None
+    assert scaling is not None
+    factor = scaling.get("factor")
+    if kind == "linear":
+        return int(max_position * float(factor)) if factor else None
+    old_ctx = scaling.get("original_max_position_embeddings") or max_position
+    return int(old_ctx * float(factor)) if factor else None

@@ -207,14 +207,17 @@ def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
     ]
     num_tokens = sum(len(t) for t in ids)
     h.log_extra += f" prompt_tokens={num_tokens}"
-    h.send_json(
-        200,
-        {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": data,
-            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-        },
-    )
+    h.send_json(200, list_answer(rid, model, data, num_tokens))
+
+
+def list_answer(rid: str, model: str, data: list, num_tokens: int, **usage: int) -> dict:
+    """A pooling answer: `{"id", "object": "list", "created", "model", "data", "usage"}`, the
+    usage counting `num_tokens` prompt tokens (plus any other `usage` fields)."""
+    return {
+        "id": rid,
+        "object": "list",
+        "created": int(time.time()),
+        "model": model,
+        "data": data,
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, **usage},
+    }

@@ -20,14 +20,19 @@ clients). Token usage counts each pair as vLLM does: both texts and the pad toke
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged_engine.pooling import PoolingParams
 from paged_engine.scoring import cosine_scores, pair_indices
-from paged_server.embeddings import parse_priority, parse_truncate, prompt_tokens, run_pooling
+from paged_server.embeddings import (
+    list_answer,
+    parse_priority,
+    parse_truncate,
+    prompt_tokens,
+    run_pooling,
+)
 from paged_server.errors import bad_request
 
 if TYPE_CHECKING:
@@ -169,24 +174,8 @@ def serve_score(app: OpenAIApp, h: Handler) -> None:
     req = parse_score(h.read_json())
     rid = f"score-{uuid.uuid4().hex}"
     model, scored, num_tokens = _scores(app, h, req, rid)
-    h.send_json(
-        200,
-        {
-            "id": rid,
-            "object": "list",
-            "created": int(time.time()),
-            "model": model,
-            "data": [
-                {"index": i, "object": "score", "score": s.outputs.score}
-                for i, s in enumerate(scored)
-            ],
-            "usage": {
-                "prompt_tokens": num_tokens,
-                "total_tokens": num_tokens,
-                "completion_tokens": 0,
-            },
-        },
-    )
+    data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scored)]
+    h.send_json(200, list_answer(rid, model, data, num_tokens, completion_tokens=0))
 
 
 def serve_rerank(app: OpenAIApp, h: Handler) -> None:

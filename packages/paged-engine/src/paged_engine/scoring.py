@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from paged_engine.pooling import PoolingRequestOutput
+if TYPE_CHECKING:
+    from paged_engine.pooling import PoolingRequestOutput
 
 
 @dataclass(slots=True)
@@ -58,6 +58,8 @@ def cosine_scores(
 ) -> list[ScoringRequestOutput]:
     """One `ScoringRequestOutput` per pair: the cosine similarity of the pooled vectors (float32,
     as torch's `cosine_similarity` with eps 1e-8: vLLM's scorer)."""
+    import torch  # here: paged-server imports this module and must not load torch at start
+
     sep = [] if pad_token_id is None else [pad_token_id]
     out = []
     for i, j in pairs:

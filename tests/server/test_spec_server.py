@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 from server_proc import REAL_ARGS, ServerProc, launch
@@ -32,7 +33,12 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
     server = launch(args, fake=False)
     try:
         assert _texts(server) == want
-        m = server.metrics()
+        text = _settled_metrics(server)  # every figure below from this one snapshot
+        m = {
+            line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line and not line.startswith("#")
+        }
         drafts = m["paged:spec_decode_num_drafts_total"]
         drafted = m["paged:spec_decode_num_draft_tokens_total"]
         accepted = m["paged:spec_decode_num_accepted_tokens_total"]
@@ -40,7 +46,6 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
         assert m["paged:spec_decode_draft_acceptance_rate"] == pytest.approx(accepted / drafted)
         assert m["paged:spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
         # vLLM's labelled counter: one sample per draft position, summing to the accepted total
-        _, _, text = server.request("GET", "/metrics")
         per_pos = {
             int(pos): float(value)
             for pos, value in re.findall(
@@ -54,6 +59,21 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
         assert sum(per_pos.values()) == accepted and per_pos[0] <= drafts
     finally:
         assert server.stop() == 0, "".join(server.lines[-30:])
+
+
+def _settled_metrics(server) -> str:
+    """/metrics once the last step's counters landed: a client can have its answer before the
+    engine records that step's speculation counters, so wait for two equal reads."""
+    deadline = time.monotonic() + 10
+    _, _, last = server.request("GET", "/metrics")
+    while True:
+        time.sleep(0.2)
+        _, _, text = server.request("GET", "/metrics")
+        spec = [line for line in text.splitlines() if "spec_decode" in line]
+        if spec == [line for line in last.splitlines() if "spec_decode" in line]:
+            return text
+        assert time.monotonic() < deadline, "speculation counters kept changing"
+        last = text
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):

@@ -23,6 +23,7 @@ from typing import Any
 
 from paged_server.errors import bad_request
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
+from paged_server.tool_parsers.json_list import scan_call_list
 
 
 @dataclass(slots=True)
@@ -65,27 +66,12 @@ class ToolRequest:
             except ValueError:
                 args = text
             return [ParsedCall(self.named, args)]
-        calls = [ToolParser.call_from(item, "parameters") for item in _complete_items(text)]
-        return [c for c in calls if c is not None]
-
-
-def _complete_items(text: str) -> list[Any]:
-    """The elements of a JSON array that are complete in `text`, which may end anywhere."""
-    decoder = json.JSONDecoder()
-    i = text.find("[") + 1
-    if i == 0:
-        return []
-    items = []
-    while True:
-        while i < len(text) and text[i] in " \t\r\n,":
-            i += 1
-        if i >= len(text) or text[i] == "]":
-            return items
-        try:
-            value, i = decoder.raw_decode(text, i)
-        except ValueError:
-            return items
-        items.append(value)
+        calls = scan_call_list(text, 0, ("parameters",))  # the last may be cut short
+        return [
+            ParsedCall(c.name, json.dumps(json.loads(c.args), ensure_ascii=False))
+            for c in calls
+            if c.end is not None and c.name is not None and c.args_done
+        ]
 
 
 def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | None:

@@ -48,25 +48,29 @@ class JsonListToolParser(ToolParser):
         return content or None, [c for c in calls if c is not None]
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        calls: list[PartialCall] = []
         _, pos = self._marker(text)
-        if pos < 0:
-            return calls
-        while pos < len(text) and text[pos] in " \n\t\r":
-            pos += 1
-        if not text.startswith("[", pos):
-            return calls
+        return [] if pos < 0 else scan_call_list(text, pos, _ARGS_KEYS)
+
+
+def scan_call_list(text: str, pos: int, args_keys: tuple[str, ...]) -> list[PartialCall]:
+    """The call objects of the JSON list at text[pos] (after whitespace), as far as the text has
+    arrived: every complete one, then the one being written (its `end` None)."""
+    calls: list[PartialCall] = []
+    while pos < len(text) and text[pos] in " \n\t\r":
         pos += 1
-        while True:
-            while pos < len(text) and text[pos] in _SEPARATORS:
-                pos += 1
-            if pos >= len(text) or text[pos] != "{":
-                return calls
-            call = scan_call(text, pos, _ARGS_KEYS)
-            calls.append(call)
-            if call.end is None:
-                return calls
-            pos = call.end
+    if not text.startswith("[", pos):
+        return calls
+    pos += 1
+    while True:
+        while pos < len(text) and text[pos] in _SEPARATORS:
+            pos += 1
+        if pos >= len(text) or text[pos] != "{":
+            return calls
+        call = scan_call(text, pos, args_keys)
+        calls.append(call)
+        if call.end is None:
+            return calls
+        pos = call.end
 
 
 class MistralToolParser(JsonListToolParser):

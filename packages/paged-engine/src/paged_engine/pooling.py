@@ -47,6 +47,15 @@ class PoolingParams:
             raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r}")
 
 
+def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as a prompt may
+    hold, max_model_len - 1); `token_ids` itself when nothing is cut."""
+    if keep is None:
+        return token_ids
+    keep = max_model_len - 1 if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 @dataclass(slots=True)
 class PoolingSamplingParams(SamplingParams):
     """What the engine runs for a pooling request: one greedy token, never detokenized, plus

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paged_engine.pooling import PoolingParams
+from paged_engine.pooling import PoolingParams, truncated
 from paged_server.errors import bad_request
 
 if TYPE_CHECKING:
@@ -157,8 +157,7 @@ def prompt_tokens(
     else:
         app._check_ids(item, param)
         tokens = list(item)
-    if truncate is not None:
-        tokens = tokens[-(app.max_model_len - 1 if truncate == -1 else truncate) :]
+    tokens = truncated(tokens, truncate, app.max_model_len)
     if len(tokens) >= app.max_model_len:
         raise bad_request(
             f"{where} has {len(tokens)} tokens; this model's maximum context length is "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
+from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
 from paged_engine.structured_output.manager import StructuredOutputManager
@@ -60,10 +61,9 @@ class InputProcessor:
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
-        if keep is not None:
-            keep = max_len - 1 if keep == -1 else keep  # -1: the most a prompt may hold
-            if len(token_ids) > keep:
-                text, token_ids = None, token_ids[-keep:]  # the end, where pooling looks
+        cut = truncated(token_ids, keep, max_len)
+        if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
+            text, token_ids = None, cut
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")

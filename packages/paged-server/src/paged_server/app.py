@@ -56,6 +56,7 @@ from paged_server.tool_parsers import TOOL_PARSERS
 
 _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
+_RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
 # Routes outside /v1 that run the model: --api-key guards them as it guards /v1.
 _KEYED = frozenset({"/score", "/rerank", "/v2/rerank"})
 
@@ -181,10 +182,9 @@ class OpenAIApp:
             route = _MODEL_ROUTE + "{model}"
         elif route.startswith(_RESPONSE_ROUTE):
             sub = route[len(_RESPONSE_ROUTE) :].partition("/")[2]
-            known = sub in ("", "input_items", "cancel")  # a label per route, not per path
-            route = (
-                _RESPONSE_ROUTE + "{response_id}" + (f"/{sub}" if sub else "") if known else "other"
-            )
+            # a label per route, not per path
+            known = _RESPONSE_ROUTE + "{response_id}" + (f"/{sub}" if sub else "")
+            route = known if sub in _RESPONSE_SUBROUTES else "other"
         else:
             route = "other"
         self.client.metrics.count_http(route, status)

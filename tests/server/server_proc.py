@@ -90,12 +90,7 @@ class ServerProc:
 
     def metrics(self) -> dict[str, float]:
         _, _, text = self.request("GET", "/metrics")
-        out = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                out[name.split("{")[0]] = float(value)
-        return out
+        return parse_metrics(text)
 
     def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Wait until nothing runs or waits and no KV block is used; returns the last metrics."""
@@ -247,4 +242,14 @@ def chat_stream(server, script: str, **extra) -> dict:
             c["name"] = tc["function"].get("name", c.get("name"))
             c["arguments"] += tc["function"].get("arguments", "")
         out["finish"] = choice["finish_reason"] or out.get("finish")
+    return out
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name (labels dropped): value}."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0]] = float(value)
     return out

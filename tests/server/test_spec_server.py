@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from server_proc import REAL_ARGS, ServerProc, launch
+from server_proc import REAL_ARGS, ServerProc, launch, parse_metrics
 
 openai = pytest.importorskip("openai")
 
@@ -34,11 +34,7 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
     try:
         assert _texts(server) == want
         text = _settled_metrics(server)  # every figure below from this one snapshot
-        m = {
-            line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line and not line.startswith("#")
-        }
+        m = parse_metrics(text)
         drafts = m["paged:spec_decode_num_drafts_total"]
         drafted = m["paged:spec_decode_num_draft_tokens_total"]
         accepted = m["paged:spec_decode_num_accepted_tokens_total"]

@@ -31,6 +31,7 @@ _EXPORTS = {
     "PoolingParams": "paged_engine.pooling",
     "PoolingRequestOutput": "paged_engine.pooling",
     "EmbeddingRequestOutput": "paged_engine.pooling",
+    "ClassificationRequestOutput": "paged_engine.classification",
     "ScoringRequestOutput": "paged_engine.scoring",
     "LoRARequest": "paged_engine.lora.request",
 }
@@ -40,6 +41,7 @@ __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
     "EngineConfig",

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
+from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.stats import EngineStats
@@ -21,7 +22,13 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
-from paged_engine.scoring import ScoringRequestOutput, cosine_scores, pair_indices
+from paged_engine.scoring import (
+    ScoringRequestOutput,
+    cosine_scores,
+    cross_encoder_scores,
+    pair_indices,
+    pair_prompt,
+)
 
 PromptType = str | list[int] | dict
 
@@ -173,12 +180,35 @@ class LLM:
         `truncate_prompt_tokens=k` embeds each prompt's last k tokens (-1: the most that fit)."""
         outs = self.encode(
             prompts,
-            pooling_params,
+            _with_task(pooling_params if pooling_params is not None else PoolingParams(), "embed"),
             use_tqdm,
             lora_request,
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """vLLM's `LLM.classify` for a `*ForSequenceClassification` model: the label
+        probabilities of each prompt (`out.outputs.probs`, one per label, in config.id2label's
+        order; `PoolingParams(use_activation=False)`: the raw logits), in input order
+        (classification.py). ValueError for a model that is not a classifier."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        outs = self.encode(
+            prompts,
+            _with_task(params, "classify"),
+            use_tqdm,
+            lora_request,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
 
     def encode(
         self,
@@ -190,7 +220,8 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
-        (`outputs.data`: a float32 tensor), in input order."""
+        (`outputs.data`: a float32 tensor), in input order: what the model pools by default (an
+        embedding; a classifier's label probabilities) unless `PoolingParams.task` says."""
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -220,15 +251,30 @@ class LLM:
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
     ) -> list[ScoringRequestOutput]:
-        """vLLM's `LLM.score` for an embedding model: one score per pair (`out.outputs.score`),
-        the cosine similarity of the two texts' embeddings, pairing data_1 with data_2 1:1,
-        1:N (one query against each document) or N:N (scoring.py)."""
+        """vLLM's `LLM.score`: one score per pair (`out.outputs.score`), pairing data_1 with
+        data_2 1:1, 1:N (one query against each document) or N:N (scoring.py). An embedding
+        model scores the cosine similarity of the two texts' embeddings; a single-label
+        classifier (a cross-encoder / reranker) reads each pair as one prompt and scores its
+        activated logit."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
         pairs = pair_indices(len(first), len(second), ("data_1", "data_2"))
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise ValueError(f"pooling_params must be a PoolingParams, got {pooling_params!r}")
         if lora_request is not None and not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
+        if self.llm_engine.classifier is not None:
+            tokenizer = self.get_tokenizer()
+            ids = [
+                pair_prompt(tokenizer, first[i], second[j], ("data_1", "data_2")) for i, j in pairs
+            ]
+            outs = self.encode(
+                [{"prompt_token_ids": t} for t in ids],
+                _with_task(pooling_params or PoolingParams(), "score"),
+                use_tqdm,
+                lora_request,
+                truncate_prompt_tokens=truncate_prompt_tokens,
+            )
+            return cross_encoder_scores(outs, [o.prompt_token_ids for o in outs])
         outs = self.encode(
             first + second,
             pooling_params,
@@ -325,6 +371,19 @@ def _per_prompt_loras(
             "or one per prompt"
         )
     return list(lora_request)
+
+
+def _with_task(params: PoolingParams | Sequence[PoolingParams], task: str) -> Any:
+    """`params` (one, or one per prompt) set to run `task`."""
+    if isinstance(params, PoolingParams):
+        return dataclasses.replace(params, task=task)
+    if not isinstance(params, (list, tuple)) or not all(
+        isinstance(p, PoolingParams) for p in params
+    ):
+        raise ValueError(
+            f"pooling_params must be a PoolingParams or a list of them, got {params!r}"
+        )
+    return [dataclasses.replace(p, task=task) for p in params]
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -11,17 +11,26 @@ its prompt, the worker pools the final (normed) hidden states of those positions
           positions never run through the model)
 
 then L2-normalizes (unless `normalize=False`) into `EmbeddingRequestOutput.outputs.embedding`.
+A sequence-classification model pools its head's logits instead and puts them through its
+activation (classification.py): `LLM.classify`, and `LLM.score` for a cross-encoder.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from paged_engine.classification import activate
 from paged_engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from paged_engine.classification import ClassifierInfo
+
 POOLING_TYPES = ("LAST", "MEAN")
+# What a pooling request computes: an embedding; a classifier's label probabilities; a
+# single-label classifier's (cross-encoder's) score of a text pair.
+POOLING_TASKS = ("embed", "classify", "score")
 
 
 @dataclass(slots=True)
@@ -30,11 +39,15 @@ class PoolingParams:
     accepted only as None or the model's hidden size; `normalize=None` takes the engine's
     `pooler_config` (normalized by default, as vLLM does for embedding models);
     `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: as many as
-    max_model_len allows)."""
+    max_model_len allows). For a classifier: `use_activation=False` returns the head's raw
+    logits instead of probabilities (None: on). `task` is set by the `LLM` method that runs it
+    (None: the model's own, "classify" for a classifier, else "embed")."""
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         if self.normalize is not None and not isinstance(self.normalize, bool):
@@ -45,6 +58,10 @@ class PoolingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
             raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be a bool or None, got {self.use_activation!r}")
+        if self.task is not None and self.task not in POOLING_TASKS:
+            raise ValueError(f"task must be one of {POOLING_TASKS} or None, got {self.task!r}")
 
 
 def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -64,26 +81,59 @@ class PoolingSamplingParams(SamplingParams):
     pooling_type: str = "LAST"
     normalize: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the most)
+    classify: bool = False  # pool the classifier head's logits, not the hidden states
+    activation: str = "identity"  # of the pooled logits (classification.ACTIVATIONS)
 
 
 def to_sampling_params(
-    params: PoolingParams, pooler_config: dict | None, hidden_size: int
+    params: PoolingParams,
+    pooler_config: dict | None,
+    hidden_size: int,
+    classifier: ClassifierInfo | None = None,
 ) -> PoolingSamplingParams:
-    if params.dimensions is not None and params.dimensions != hidden_size:
-        raise ValueError(
-            f"dimensions={params.dimensions} is not supported: this model's embeddings have "
-            f"{hidden_size} dimensions and it was not trained for truncated (Matryoshka) ones"
-        )
+    """The engine's form of a pooling request; ValueError naming the parameter when the model
+    cannot run it (a classifier does not embed, an embedding model does not classify, only a
+    single-label classifier scores)."""
     cfg = check_pooler_config(pooler_config)
-    normalize = cfg["normalize"] if params.normalize is None else params.normalize
+    task = params.task or ("classify" if classifier is not None else "embed")
+    if classifier is None:
+        if task != "embed":
+            raise ValueError(
+                f"task={task!r} needs a sequence-classification model "
+                "(*ForSequenceClassification); this one embeds"
+            )
+        if params.dimensions is not None and params.dimensions != hidden_size:
+            raise ValueError(
+                f"dimensions={params.dimensions} is not supported: this model's embeddings have "
+                f"{hidden_size} dimensions and it was not trained for truncated (Matryoshka) ones"
+            )
+        normalize = cfg["normalize"] if params.normalize is None else params.normalize
+        head: dict[str, Any] = {"normalize": normalize}
+    else:
+        if task == "embed":
+            raise ValueError(
+                f"task='embed' is not supported: this model ({classifier.architecture}) is a "
+                "classifier; use LLM.classify (or LLM.score for a single-label one)"
+            )
+        if task == "score" and not classifier.scores:
+            raise ValueError(
+                f"task='score' needs a single-label classifier (a cross-encoder); this one has "
+                f"{classifier.num_labels} labels: use LLM.classify"
+            )
+        for name in ("normalize", "dimensions"):
+            if getattr(params, name) is not None:
+                raise ValueError(f"{name} applies to embeddings, not to a classifier's output")
+        act = classifier.activation if task == "classify" else classifier.score_activation
+        act = act if params.use_activation is not False else "identity"
+        head = {"normalize": False, "classify": True, "activation": act}
     return PoolingSamplingParams(
         temperature=0.0,
         max_tokens=1,
         ignore_eos=True,
         detokenize=False,
         pooling_type=cfg["pooling_type"],
-        normalize=normalize,
         truncate_prompt_tokens=params.truncate_prompt_tokens,
+        **head,
     )
 
 
@@ -128,6 +178,8 @@ class PooledChunks:
                 pos += count
             assert total is not None
             pooled = [v / num_prompt_tokens for v in total]
+        if params.classify:
+            return activate(pooled, params.activation)
         if params.normalize:
             norm = math.sqrt(sum(v * v for v in pooled))
             pooled = [v / max(norm, 1e-12) for v in pooled]

@@ -1,19 +1,23 @@
-"""Scores of text pairs from embeddings (vLLM's `LLM.score` and score / rerank APIs for an
-embedding model): the cosine similarity of the two texts' pooled embeddings.
+"""Scores of text pairs (vLLM's `LLM.score` and score / rerank APIs). An embedding model scores
+a pair by the cosine similarity of the two texts' pooled embeddings; a single-label sequence
+classifier (a cross-encoder, classification.py) reads the pair as one prompt and scores it by
+its head's activated logit.
 
     pairs: 1:1 (one pair), 1:N (one query against N documents), N:N (pair i with pair i)
 
 Each distinct side is embedded once (a 1:N query runs once, not N times), as ordinary pooling
 requests (pooling.py), so scoring batches, chunks and prefix-caches like embedding. A pair's
 `prompt_token_ids` are the first text's, the tokenizer's pad token when it has one, then the
-second's: what vLLM reports for an embedding model's pair (its token usage counts them so).
+second's: what vLLM reports for an embedding model's pair (its token usage counts them so). A
+cross-encoder's pair prompt is the tokenizer's encoding of the text pair (`text_pair`: its own
+special tokens between and around them), or two token-id lists joined.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paged_engine.pooling import PoolingRequestOutput
@@ -75,3 +79,40 @@ def cosine_scores(
             )
         )
     return out
+
+
+def pair_prompt(tokenizer: Any, first: Any, second: Any, names: tuple[str, str]) -> list[int]:
+    """A cross-encoder's prompt for one pair: two texts encoded as a text pair, or two token-id
+    lists (or {"prompt_token_ids": ...} dicts) joined; ValueError naming the second side when
+    the two are given differently."""
+    a, b = _pair_side(first), _pair_side(second)
+    if isinstance(a, str) and isinstance(b, str):
+        return list(tokenizer(a, text_pair=b)["input_ids"])
+    if isinstance(a, list) and isinstance(b, list):
+        return a + b
+    raise ValueError(
+        f"{names[1]}: a cross-encoder scores a pair of texts or a pair of token-id lists, not "
+        "one of each"
+    )
+
+
+def _pair_side(prompt: Any) -> str | list[int] | None:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    return None
+
+
+def cross_encoder_scores(
+    outs: Sequence[PoolingRequestOutput], pair_ids: Sequence[list[int]]
+) -> list[ScoringRequestOutput]:
+    """One `ScoringRequestOutput` per pair prompt: its single (activated) logit."""
+    return [
+        ScoringRequestOutput(o.request_id, ScoringOutput(float(o.outputs.data[0])), list(ids))
+        for o, ids in zip(outs, pair_ids, strict=True)
+    ]

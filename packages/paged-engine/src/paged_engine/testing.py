@@ -1405,6 +1405,30 @@ def write_tiny_model(
     return path
 
 
+def write_tiny_classifier(
+    path: str | Path, arch: str, *, num_labels: int = 3, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write a tiny HF `*ForSequenceClassification` model directory (transformers' class for
+    `arch`'s config, random weights including the `score` head) and return its path."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = tiny_config(arch, num_labels=num_labels, **config_overrides)
+    stem = type(config).__name__.removesuffix("Config")
+    cls = getattr(transformers, stem + "ForSequenceClassification", None)
+    if cls is None:
+        raise ValueError(f"transformers has no {stem}ForSequenceClassification")
+    config.architectures = [cls.__name__]
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    build_tiny_tokenizer(config.vocab_size, seed).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

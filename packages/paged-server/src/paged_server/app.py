@@ -21,7 +21,9 @@ from contextlib import contextmanager
 from typing import Any
 from urllib.parse import unquote
 
+from paged_engine.classification import ClassifierInfo
 from paged_server import __version__, answers
+from paged_server.classify import serve_classify
 from paged_server.embeddings import serve_embeddings
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
@@ -58,7 +60,7 @@ _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 _RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
 # Routes outside /v1 that run the model: --api-key guards them as it guards /v1.
-_KEYED = frozenset({"/score", "/rerank", "/v2/rerank"})
+_KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify"})
 
 
 log = logging.getLogger("paged_server")
@@ -87,6 +89,7 @@ class OpenAIApp:
         tokens_as_ids: bool = False,
         response_role: str = "assistant",
         log_requests: int | None = None,
+        classifier: ClassifierInfo | None = None,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -100,6 +103,9 @@ class OpenAIApp:
         self.sampling_defaults = dict(sampling_defaults or {})
         self.tool_call_parser = tool_call_parser  # --tool-call-parser: tool_choice "auto"
         self.reasoning_parser = reasoning_parser  # --reasoning-parser: reasoning.py
+        # A *ForSequenceClassification model's labels and activations (it serves /classify and,
+        # with one label, cross-encoder /score and /rerank; no generation)
+        self.classifier = classifier
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -125,6 +131,8 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/embeddings": {"POST": self.embeddings},
+            "/classify": {"POST": self.classify},  # vLLM's classification API (classify.py)
+            "/v1/classify": {"POST": self.classify},
             # vLLM's score / rerank APIs (scores.py), under each path vLLM serves them on
             "/score": {"POST": self.score},
             "/v1/score": {"POST": self.score},
@@ -352,8 +360,11 @@ class OpenAIApp:
     def embeddings(self, h: Handler) -> None:
         serve_embeddings(self, h)  # embeddings.py
 
+    def classify(self, h: Handler) -> None:
+        serve_classify(self, h)  # classify.py: a classifier's label probabilities
+
     def score(self, h: Handler) -> None:
-        serve_score(self, h)  # scores.py: cosine similarity of embeddings
+        serve_score(self, h)  # scores.py: embeddings' cosine, or a cross-encoder's score
 
     def rerank(self, h: Handler) -> None:
         serve_rerank(self, h)  # scores.py: documents by their score against a query

@@ -132,6 +132,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         tokens_as_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
         log_requests=_log_requests(args),
+        classifier=getattr(engine, "classifier", None),
     )
     return client, app
 

@@ -64,7 +64,7 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    inputs = _inputs(body.get("input"))
+    items = inputs(body.get("input"))
     fmt = body.get("encoding_format", "float")
     if fmt is None:
         fmt = "float"
@@ -77,11 +77,13 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
     if not isinstance(special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     try:
-        params = PoolingParams(normalize=body.get("normalize"), dimensions=body.get("dimensions"))
+        params = PoolingParams(
+            normalize=body.get("normalize"), dimensions=body.get("dimensions"), task="embed"
+        )
     except ValueError as e:
         param = "dimensions" if "dimensions" in str(e) else "normalize"
         raise bad_request(str(e), param) from None
-    return EmbeddingRequest(model, inputs, fmt, params, truncate, special, parse_priority(body))
+    return EmbeddingRequest(model, items, fmt, params, truncate, special, parse_priority(body))
 
 
 def parse_truncate(body: dict) -> int | None:
@@ -110,8 +112,8 @@ def parse_priority(body: dict) -> int:
     return priority
 
 
-def _inputs(value: Any) -> list[str | list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> one entry per embedding."""
+def inputs(value: Any) -> list[str | list[int]]:
+    """`input`: str | list[str] | list[int] | list[list[int]] -> one entry per pooled input."""
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not value:

@@ -1,5 +1,7 @@
-"""vLLM's score and rerank APIs for an embedding model: the cosine similarity of two texts'
-embeddings (paged_engine/scoring.py), pooled as `/v1/embeddings` pools them.
+"""vLLM's score and rerank APIs (paged_engine/scoring.py): for an embedding model the cosine
+similarity of two texts' embeddings, pooled as `/v1/embeddings` pools them; for a single-label
+sequence classifier (a cross-encoder / reranker) its activated logit for the pair read as one
+prompt (the tokenizer's text-pair encoding).
 
     POST /score, /v1/score
         {"model", "queries": str | [str], "documents": str | [str]}   (or "queries" + "items",
@@ -12,10 +14,12 @@ embeddings (paged_engine/scoring.py), pooled as `/v1/embeddings` pools them.
     -> {"id", "model", "usage": {"prompt_tokens", "total_tokens"},
         "results": [{"index": i, "document": {"text"}, "relevance_score": s}]}   best first
 
-Every distinct text is one pooling request (a query scored against N documents runs once).
-Common extras: `truncate_prompt_tokens` (the last k tokens of each text; -1: as many as fit),
-`priority`, `user` (ignored), `use_activation` (no effect on a cosine: accepted for vLLM's
-clients). Token usage counts each pair as vLLM does: both texts and the pad token between them.
+An embedding model pools every distinct text once (a query scored against N documents runs
+once); a cross-encoder runs one request per pair. Common extras: `truncate_prompt_tokens` (the
+last k tokens of each text, or of each pair for a cross-encoder; -1: as many as fit),
+`priority`, `user` (ignored), `use_activation` (false: a cross-encoder's raw logit; no effect on
+a cosine). Token usage counts each pair as vLLM does: an embedding model's both texts and the pad
+token between them, a cross-encoder's pair prompt.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from paged_engine.pooling import PoolingParams
-from paged_engine.scoring import cosine_scores, pair_indices
+from paged_engine.pooling import PoolingParams, truncated
+from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
     list_answer,
     parse_priority,
@@ -61,6 +65,7 @@ class ScoreRequest:
     priority: int
     top_n: int = 0  # rerank: the best k results; 0 = all
     return_documents: bool = True
+    use_activation: bool | None = None
 
 
 def _check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
@@ -111,7 +116,13 @@ def parse_score(body: Any) -> ScoreRequest:
     first, second = _texts(body[names[0]], names[0]), _texts(body[names[1]], names[1])
     _pairs(len(first), len(second), names)
     return ScoreRequest(
-        body.get("model"), first, second, names, parse_truncate(body), parse_priority(body)
+        body.get("model"),
+        first,
+        second,
+        names,
+        parse_truncate(body),
+        parse_priority(body),
+        use_activation=body.get("use_activation"),
     )
 
 
@@ -142,6 +153,7 @@ def parse_rerank(body: Any) -> ScoreRequest:
         parse_priority(body),
         top_n,
         keep,
+        body.get("use_activation"),
     )
 
 
@@ -156,6 +168,8 @@ def _scores(app: OpenAIApp, h: Handler, req: ScoreRequest, rid: str) -> tuple[st
     """(the served name, one ScoringRequestOutput per pair, prompt tokens by vLLM's count)."""
     model, lora = app._resolve(req.model)
     pairs = _pairs(len(req.first), len(req.second), req.names)
+    if app.classifier is not None:
+        return model, *_cross_encoder(app, h, req, rid, pairs, lora)
     ids = [
         prompt_tokens(app, text, f"{name}[{i}]", req.truncate_prompt_tokens)
         for texts, name in ((req.first, req.names[0]), (req.second, req.names[1]))
@@ -168,6 +182,39 @@ def _scores(app: OpenAIApp, h: Handler, req: ScoreRequest, rid: str) -> tuple[st
     num_tokens = sum(len(s.prompt_token_ids) for s in scored)
     h.log_extra += f" prompt_tokens={num_tokens}"
     return model, scored, num_tokens
+
+
+def _cross_encoder(
+    app: OpenAIApp, h: Handler, req: ScoreRequest, rid: str, pairs: list, lora: Any
+) -> tuple[list, int]:
+    """A single-label classifier's scores: one pooling request per pair prompt."""
+    info = app.classifier
+    assert info is not None
+    if not info.scores:
+        raise bad_request(
+            f"this model classifies into {info.num_labels} labels: scoring pairs needs a "
+            "single-label classifier (a cross-encoder); use /classify",
+            "model",
+        )
+    ids = []
+    for k, (i, j) in enumerate(pairs):
+        with app.tok_lock:
+            tokens = pair_prompt(app.tokenizer, req.first[i], req.second[j], req.names)
+        tokens = truncated(tokens, req.truncate_prompt_tokens, app.max_model_len)
+        if len(tokens) >= app.max_model_len:
+            raise bad_request(
+                f"pair {k} ({req.names[0]}[{i}], {req.names[1]}[{j}]) has {len(tokens)} tokens; "
+                f"this model's maximum context length is {app.max_model_len} (set "
+                "truncate_prompt_tokens to keep the last tokens)",
+                req.names[1],
+            )
+        ids.append(tokens)
+    params = PoolingParams(use_activation=req.use_activation, task="score")
+    outs = run_pooling(app, h, rid, ids, params, lora, req.priority)
+    scored = cross_encoder_scores(outs, ids)
+    num_tokens = sum(len(t) for t in ids)
+    h.log_extra += f" prompt_tokens={num_tokens}"
+    return scored, num_tokens
 
 
 def serve_score(app: OpenAIApp, h: Handler) -> None:

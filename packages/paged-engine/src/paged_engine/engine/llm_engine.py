@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from paged_engine.classification import classifier_info
 from paged_engine.config import EngineConfig
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.core_output import EngineCoreOutput
@@ -89,6 +90,13 @@ class LLMEngine:
         )
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
+        # A *ForSequenceClassification model: it classifies and scores, never generates.
+        self.classifier = classifier_info(self.hf_config)
+        if self.classifier is not None and config.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: a sequence-classification model generates no tokens to "
+                "speculate on"
+            )
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -290,9 +298,17 @@ class LLMEngine:
         check_priority(priority, self.config.scheduling_policy)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if isinstance(params, PoolingParams):  # an embedding (pooling.py): ends at its prefill
+        if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
-            params = to_sampling_params(params, self.config.pooler_config, hidden_size)
+            params = to_sampling_params(
+                params, self.config.pooler_config, hidden_size, self.classifier
+            )
+        elif self.classifier is not None:
+            raise ValueError(
+                f"params: this model ({self.classifier.architecture}) is a sequence classifier: "
+                "it classifies (LLM.classify) and scores text pairs (LLM.score), it does not "
+                "generate; pass PoolingParams"
+            )
         if lora_request is not None:
             if self.lora_registry is None:
                 raise ValueError("lora_request needs an engine started with enable_lora=True")

@@ -1,9 +1,12 @@
-"""Model registry: HF `architectures[0]` -> our implementation."""
+"""Model registry: HF `architectures[0]` -> our implementation. A `*ForSequenceClassification`
+of a registered `*ForCausalLM` is that model with a classification head
+(models/sequence_classifier.py)."""
 
 from __future__ import annotations
 
 from torch import nn
 
+from paged_engine.classification import causal_names
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
@@ -77,6 +80,7 @@ from paged_engine.models.qwen3_next import (
     Qwen3NextForCausalLM,
 )
 from paged_engine.models.seed_oss import SeedOssForCausalLM
+from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
@@ -170,9 +174,15 @@ def get_model_class(hf_config) -> type[nn.Module]:
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
+        for name in causal_names(arch):
+            if name in MODEL_REGISTRY:
+                return sequence_classifier(MODEL_REGISTRY[name])
     supported = ", ".join(sorted(MODEL_REGISTRY))
     got = ", ".join(archs) if archs else "none (config.architectures is empty)"
-    raise ValueError(f"unsupported model architecture: {got}. Supported: {supported}")
+    raise ValueError(
+        f"unsupported model architecture: {got}. Supported: {supported}, and the "
+        "*ForSequenceClassification of each *ForCausalLM among them"
+    )
 
 
 def kv_cache_layout(hf_config) -> list[tuple[int, int]] | None:

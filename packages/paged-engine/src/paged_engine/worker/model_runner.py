@@ -391,7 +391,11 @@ class ModelRunner:
             lps, ids = log_softmax_topk(beam_logits, max(ks), self.sampler.logsumexp)
             beam = ([cached[i].seq_id for i in beam_idx], ks, lps, ids)
         prompt = self._prompt_logprobs(sched, cached, inputs, hidden)
-        pooled = pool_hidden(batch, sched, cached, inputs, hidden) if batch.pooling.any() else []
+        pooled = (
+            pool_hidden(batch, sched, cached, inputs, hidden, getattr(self.model, "classify", None))
+            if batch.pooling.any()
+            else []
+        )
         handle = AsyncRunnerOutput(
             sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt, pooled
         )

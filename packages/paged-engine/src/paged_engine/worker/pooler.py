@@ -4,10 +4,13 @@
 
 LAST sends the hidden state of position num_prompt - 1 when the step computes it; MEAN sends
 the sum over [start, end) and its length, so chunked prefills add up on the host. Vectors are
-float32 whatever the model dtype.
+float32 whatever the model dtype. A classification request (params.classify) pools the logits of
+the model's head (`classify`: [n, D] -> [n, num_labels], in the model dtype) at those positions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -16,7 +19,15 @@ import torch
 PooledChunk = tuple[int, int, int, torch.Tensor]
 
 
-def pool_hidden(batch, sched, cached, inputs, hidden: torch.Tensor) -> list[PooledChunk]:
+def pool_hidden(
+    batch,
+    sched,
+    cached,
+    inputs,
+    hidden: torch.Tensor,
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> list[PooledChunk]:
+    """`head`: the model's classifier head, for the requests that classify."""
     out: list[PooledChunk] = []
     for i in np.flatnonzero(batch.pooling[inputs.rows]).tolist():
         c = cached[i]
@@ -25,10 +36,13 @@ def pool_hidden(batch, sched, cached, inputs, hidden: torch.Tensor) -> list[Pool
         if end <= start:  # a decode step (the throwaway token): nothing to pool
             continue
         lo = int(inputs.cu[i])
-        if c.params.pooling_type == "LAST":
-            if end == c.num_prompt_tokens:
-                out.append((c.seq_id, end - 1, 1, hidden[lo + end - 1 - start].float()))
-        else:
-            rows = hidden[lo : lo + end - start]
-            out.append((c.seq_id, start, end - start, rows.float().sum(0)))
+        last = c.params.pooling_type == "LAST"
+        if last and end < c.num_prompt_tokens:
+            continue  # the last prompt position comes in a later chunk
+        first, count = (end - 1, 1) if last else (start, end - start)
+        rows = hidden[lo + first - start : lo + end - start]  # positions [first, end)
+        if c.params.classify:
+            assert head is not None, "a classification request on a model without a classifier"
+            rows = head(rows)
+        out.append((c.seq_id, first, count, rows.float().sum(0)))
     return out

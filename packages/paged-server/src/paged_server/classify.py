@@ -1,0 +1,97 @@
+"""vLLM's classification API for a `*ForSequenceClassification` model
+(paged_engine/classification.py).
+
+    POST /classify, /v1/classify
+        {"model", "input": "text" | ["text", ...] | [ids] | [[ids], ...],
+         "truncate_prompt_tokens", "use_activation", "add_special_tokens", "priority", "user"}
+    -> {"id", "object": "list", "created", "model",
+        "data": [{"index": i, "label": name, "probs": [...], "num_classes": n}],
+        "usage": {"prompt_tokens", "total_tokens", "completion_tokens": 0}}
+
+`label` is config.id2label's name of the most probable class; `use_activation: false` returns the
+head's raw logits in `probs` (the label is still their argmax). Every input is one pooling
+request, batched with whatever else the engine runs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from paged_engine.pooling import PoolingParams
+from paged_server.embeddings import (
+    inputs,
+    list_answer,
+    parse_priority,
+    parse_truncate,
+    prompt_tokens,
+    run_pooling,
+)
+from paged_server.errors import bad_request
+
+if TYPE_CHECKING:
+    from paged_server.app import OpenAIApp
+    from paged_server.http import Handler
+
+_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "user",
+        "truncate_prompt_tokens",
+        "use_activation",
+        "add_special_tokens",
+        "priority",
+    }
+)
+
+
+def parse_classify(body: Any) -> dict[str, Any]:
+    """The checked fields of a classify body (400 naming the first bad one)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise bad_request(f"parameter '{unknown[0]}' is not supported by /classify", unknown[0])
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    for name in ("use_activation", "add_special_tokens"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad_request(f"'{name}' must be a boolean", name)
+    return {
+        "model": model,
+        "inputs": inputs(body.get("input")),
+        "truncate": parse_truncate(body),
+        "use_activation": body.get("use_activation"),
+        "add_special_tokens": body.get("add_special_tokens") is not False,
+        "priority": parse_priority(body),
+    }
+
+
+def serve_classify(app: OpenAIApp, h: Handler) -> None:
+    req = parse_classify(h.read_json())
+    info = app.classifier
+    if info is None:
+        raise bad_request(
+            "this model does not classify: /classify needs a *ForSequenceClassification model",
+            "model",
+        )
+    model, lora = app._resolve(req["model"])
+    ids = [
+        prompt_tokens(app, item, f"input[{i}]", req["truncate"], req["add_special_tokens"])
+        for i, item in enumerate(req["inputs"])
+    ]
+    rid = f"classify-{uuid.uuid4().hex}"
+    params = PoolingParams(use_activation=req["use_activation"], task="classify")
+    outs = run_pooling(app, h, rid, ids, params, lora, req["priority"])
+    data = []
+    for i, out in enumerate(outs):
+        probs = out.outputs.data.tolist()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        data.append(
+            {"index": i, "label": info.labels[best], "probs": probs, "num_classes": len(probs)}
+        )
+    num_tokens = sum(len(t) for t in ids)
+    h.log_extra += f" prompt_tokens={num_tokens}"
+    h.send_json(200, list_answer(rid, model, data, num_tokens, completion_tokens=0))

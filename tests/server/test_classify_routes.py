@@ -1,0 +1,172 @@
+"""/classify (classify.py) and cross-encoder /score and /rerank (scores.py) on tiny
+`*ForSequenceClassification` models served in this process by a real engine; references are HF
+transformers' classifiers on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from server_proc import API_KEY, COMMON_ARGS, MAX_MODEL_LEN, ServerProc, serve_in_process
+
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+TEXTS = ["the capital of France", "one two three", "bananas"]
+
+
+def _served(path) -> Iterator[SimpleNamespace]:
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from paged_engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(
+        EngineConfig.from_kwargs(
+            model=str(path),
+            dtype="float32",
+            device="cpu",
+            num_gpu_blocks_override=128,
+            max_model_len=MAX_MODEL_LEN,
+        )
+    )
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+        yield SimpleNamespace(http=http, hf=hf, tok=AutoTokenizer.from_pretrained(path))
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    from paged_engine.testing import write_tiny_classifier
+
+    path = tmp_path_factory.mktemp("cls")
+    yield from _served(write_tiny_classifier(path, "qwen3", num_labels=3, id2label=LABELS))
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory) -> Iterator[SimpleNamespace]:
+    from paged_engine.testing import write_tiny_classifier
+
+    yield from _served(write_tiny_classifier(tmp_path_factory.mktemp("ce"), "llama", num_labels=1))
+
+
+def logits(s: SimpleNamespace, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return s.hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("path", ["/classify", "/v1/classify"])
+def test_classify_texts_and_token_ids_match_hf(classifier, path) -> None:
+    ids = [classifier.tok.encode(t) for t in TEXTS]
+    for inp, want_ids in ((TEXTS, ids), (TEXTS[0], ids[:1]), (ids[1], ids[1:2]), (ids, ids)):
+        status, _, r = classifier.http.request("POST", path, {"model": "tiny", "input": inp})
+        assert status == 200, r
+        assert r["object"] == "list" and r["model"] == "tiny" and r["id"].startswith("classify-")
+        assert [d["index"] for d in r["data"]] == list(range(len(want_ids)))
+        for d, t in zip(r["data"], want_ids):
+            want = logits(classifier, t).softmax(-1)
+            assert d["probs"] == pytest.approx(want.tolist(), abs=1e-5)
+            assert d["num_classes"] == 3
+            assert d["label"] == LABELS[int(want.argmax())]
+        n = sum(len(t) for t in want_ids)
+        assert r["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+
+def test_classify_raw_logits_and_truncation(classifier) -> None:
+    ids = classifier.tok.encode(TEXTS[0])
+    body = {"input": TEXTS[0], "use_activation": False, "truncate_prompt_tokens": 2}
+    status, _, r = classifier.http.request("POST", "/classify", body)
+    assert status == 200, r
+    assert r["data"][0]["probs"] == pytest.approx(logits(classifier, ids[-2:]).tolist(), abs=1e-5)
+    assert r["usage"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": []}, "input"),
+        ({"input": [[1, 2], "x", 3]}, "input"),
+        ({"input": "x", "use_activation": "yes"}, "use_activation"),
+        ({"input": "x", "add_special_tokens": 1}, "add_special_tokens"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"input": "x", "normalize": True}, "normalize"),
+        ({"input": "x", "model": 7}, "model"),
+        ({"input": "x", "model": "other"}, "model"),
+        ({"input": "x", "priority": 1.5}, "priority"),
+        ({"input": [1 << 40]}, "input"),
+        ({"input": "word " * (2 * MAX_MODEL_LEN)}, "input"),
+    ],
+)
+def test_classify_bad_bodies_name_their_param(classifier, body, param) -> None:
+    status, _, r = classifier.http.request("POST", "/classify", body)
+    assert status in (400, 404), r
+    assert r["error"]["param"] == param, r
+
+
+def test_a_classifier_refuses_generation_embeddings_and_multi_label_scores(classifier) -> None:
+    status, _, r = classifier.http.request("POST", "/v1/completions", {"prompt": "hi"})
+    assert status == 400 and "sequence classifier" in r["error"]["message"], r
+    status, _, r = classifier.http.request(
+        "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert status == 400 and "sequence classifier" in r["error"]["message"], r
+    status, _, r = classifier.http.request("POST", "/v1/embeddings", {"input": "hi"})
+    assert status == 400 and "classifier" in r["error"]["message"], r
+    status, _, r = classifier.http.request("POST", "/score", {"queries": "a", "documents": "b"})
+    assert status == 400 and r["error"]["param"] == "model", r
+    assert "single-label" in r["error"]["message"]
+    # and goes on serving
+    status, _, r = classifier.http.request("POST", "/classify", {"input": "a"})
+    assert status == 200, r
+
+
+def test_cross_encoder_score_and_rerank_match_hf(cross_encoder) -> None:
+    s = cross_encoder
+    pairs = [s.tok(TEXTS[0], text_pair=d)["input_ids"] for d in TEXTS]
+    want = [logits(s, ids).sigmoid().item() for ids in pairs]
+    status, _, r = s.http.request("POST", "/v1/score", {"queries": TEXTS[0], "documents": TEXTS})
+    assert status == 200, r
+    assert [d["score"] for d in r["data"]] == pytest.approx(want, abs=1e-5)
+    n = sum(len(p) for p in pairs)
+    assert r["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}
+
+    body = {"query": TEXTS[0], "documents": TEXTS, "top_n": 2}
+    status, _, r = s.http.request("POST", "/rerank", body)
+    assert status == 200, r
+    order = sorted(range(len(TEXTS)), key=lambda i: -want[i])[:2]
+    assert [x["index"] for x in r["results"]] == order
+    for x in r["results"]:
+        assert x["relevance_score"] == pytest.approx(want[x["index"]], abs=1e-5)
+        assert x["document"] == {"text": TEXTS[x["index"]]}
+
+    body = {"text_1": TEXTS[1], "text_2": TEXTS[2], "use_activation": False}
+    status, _, r = s.http.request("POST", "/score", body)
+    assert status == 200, r
+    raw = logits(s, s.tok(TEXTS[1], text_pair=TEXTS[2])["input_ids"]).item()
+    assert r["data"][0]["score"] == pytest.approx(raw, abs=1e-5)
+
+    # a single-label classifier classifies too: sigmoid of its one logit
+    status, _, r = s.http.request("POST", "/classify", {"input": TEXTS[2]})
+    assert status == 200, r
+    ids = s.tok.encode(TEXTS[2])
+    assert r["data"][0]["probs"] == pytest.approx([logits(s, ids).sigmoid().item()], abs=1e-5)
+
+
+def test_cross_encoder_pair_too_long_names_the_documents(cross_encoder) -> None:
+    body = {"query": "a", "documents": ["b", "word " * (2 * MAX_MODEL_LEN)]}
+    status, _, r = cross_encoder.http.request("POST", "/rerank", body)
+    assert status == 400 and r["error"]["param"] == "documents", r
+    assert "pair 1" in r["error"]["message"]
+
+
+def test_an_embedding_model_has_no_classify(real_server: ServerProc) -> None:
+    status, _, r = real_server.request("POST", "/classify", {"input": "hello"})
+    assert status == 400 and r["error"]["param"] == "model", r
+
+
+def test_the_api_key_guards_classify(guarded_server: ServerProc) -> None:
+    status, _, r = guarded_server.request("POST", "/classify", {"input": "hello"})
+    assert status == 401, r
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    status, _, r = guarded_server.request("POST", "/classify", {"input": "x"}, headers=headers)
+    assert status == 400 and r["error"]["param"] == "model", r

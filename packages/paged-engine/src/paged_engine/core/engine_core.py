@@ -173,7 +173,7 @@ class EngineCore:
         live = scheduler.seqs
         outputs: dict[str, EngineCoreOutput] = {}
         ids, tokens, lp = out.sampled_seq_ids, out.sampled_token_ids, out.logprobs
-        max_len, free_seq = self.max_model_len, scheduler.free_seq
+        max_len = self.max_model_len
         num_appended = 0
         bm = scheduler.block_manager
         # Blocks this step filled, registered before the token loop can finish (and free) their
@@ -197,8 +197,8 @@ class EngineCore:
                 (outputs.get(req.request_id) or self._new_output(req, outputs)).pooled = pooled
         spec = sched.spec_token_ids
         i, n = 0, len(ids)
-        # One iteration per sampled sequence: append, then eos / stop ids (from min_tokens on),
-        # max_tokens and max_model_len. Inlined: this is the hot loop of the step.
+        # One iteration per sampled sequence. The common one (one token, no grammar) is inlined:
+        # this is the hot loop of the step.
         while i < n:
             seq_id = ids[i]
             j = i + 1
@@ -210,55 +210,40 @@ class EngineCore:
                 continue
             seq.num_pending -= 1
             req = seq.request
-            o = outputs.get(req.request_id) or self._new_output(req, outputs)
+            rid = req.request_id
+            o = outputs.get(rid)
+            if o is None:  # _new_output, inlined
+                o = outputs[rid] = EngineCoreOutput(rid, [])
+                o.first_scheduled_time = req.first_scheduled_time
+                o.num_cached_tokens = req.seqs[0].num_cached_tokens
             if spec and seq_id in spec:  # speculative: tokens i..j-1 follow one another
                 num_appended += self._apply_verified(seq, spec[seq_id], out, i, j, o)
-                i = j
-                continue
-            constraint = req.constraint
-            if j - i == 1:
-                targets: tuple | list = ((seq, i, None),)
-            else:  # the first sample stays with the prompt sequence; the others fork from it
-                forks = [self.scheduler.fork_seq(seq, index=k) for k in range(1, j - i)]
-                targets = [(seq, i, None)] + [
-                    (c, i + 1 + k, seq.index) for k, c in enumerate(forks)
-                ]
-                if constraint is not None:
-                    constraint.fork(seq.seq_id, [c.seq_id for c in forks])
-            for s, k, parent in targets:
-                token = tokens[k]
+            elif j - i > 1 or req.constraint is not None:
+                num_appended += self._apply_samples(seq, out, i, j, o)
+            else:
+                token = tokens[i]
                 # positional: keyword arguments cost half as much again, per sequence and step
                 if lp is None:
-                    update = SeqUpdate(s.index, [token])
+                    update = SeqUpdate(seq.index, [token])
                 else:
                     update = SeqUpdate(
-                        s.index, [token], [lp.logprobs[k]], [lp.ranks[k]], [lp.top[k]]
+                        seq.index, [token], [lp.logprobs[i]], [lp.ranks[i]], [lp.top[i]]
                     )
-                if parent is not None:
-                    update.fork_of = parent
                 o.seqs.append(update)
-                token_ids = s.token_ids
+                token_ids = seq.token_ids
                 token_ids.append(token)
                 num_appended += 1
-                num_out = len(token_ids) - s.num_prompt_tokens
-                complete = constraint is not None and constraint.accept(s.seq_id, token)
-                if num_out >= req.min_tokens and (
-                    token in req.stop_token_ids or token in req.eos_token_ids
+                num_out = len(token_ids) - seq.num_prompt_tokens
+                # _finish_on_token's tests, inlined: most tokens end nothing
+                if (
+                    (
+                        num_out >= req.min_tokens
+                        and (token in req.stop_token_ids or token in req.eos_token_ids)
+                    )
+                    or (req.max_tokens is not None and num_out >= req.max_tokens)
+                    or len(token_ids) >= max_len
                 ):
-                    reason = token if token in req.stop_token_ids else None
-                    update.finish_reason, update.stop_reason = "stop", reason
-                    free_seq(s, _STOPPED, reason)
-                    o.finished = req.status >= _STOPPED
-                elif (req.max_tokens is not None and num_out >= req.max_tokens) or len(
-                    token_ids
-                ) >= max_len:
-                    update.finish_reason = "length"
-                    free_seq(s, _LENGTH)
-                    o.finished = req.status >= _STOPPED
-                elif complete:  # the grammar allows nothing more (or rejected the token)
-                    update.finish_reason, update.grammar_end = "stop", True
-                    free_seq(s, _STOPPED)
-                    o.finished = req.status >= _STOPPED
+                    self._finish_on_token(seq, token, update, o)
             i = j
         self.generation_tokens_total += num_appended
         if out.beam_topk:
@@ -280,6 +265,66 @@ class EngineCore:
             self.peak_used_blocks = used
         return list(outputs.values())
 
+    def _apply_samples(
+        self, seq: Sequence, out: ModelRunnerOutput, first: int, end: int, o: EngineCoreOutput
+    ) -> int:
+        """Tokens [first, end) of the flat output, each a sample from the sequence's logits: the
+        first stays with `seq`, the others fork from it (n > 1); a grammar advances with each.
+        Returns the tokens appended."""
+        req, tokens, lp = seq.request, out.sampled_token_ids, out.logprobs
+        constraint = req.constraint
+        targets = [(seq, first, None)]
+        if end - first > 1:
+            forks = [self.scheduler.fork_seq(seq, index=k) for k in range(1, end - first)]
+            targets += [(c, first + 1 + k, seq.index) for k, c in enumerate(forks)]
+            if constraint is not None:
+                constraint.fork(seq.seq_id, [c.seq_id for c in forks])
+        for s, k, parent in targets:
+            token = tokens[k]
+            if lp is None:
+                update = SeqUpdate(s.index, [token])
+            else:
+                update = SeqUpdate(s.index, [token], [lp.logprobs[k]], [lp.ranks[k]], [lp.top[k]])
+            if parent is not None:
+                update.fork_of = parent
+            o.seqs.append(update)
+            s.token_ids.append(token)
+            complete = constraint is not None and constraint.accept(s.seq_id, token)
+            self._finish_on_token(s, token, update, o, complete)
+        return len(targets)
+
+    def _finish_on_token(
+        self,
+        seq: Sequence,
+        token: int,
+        update: SeqUpdate,
+        o: EngineCoreOutput,
+        complete: bool = False,
+    ) -> bool:
+        """After `token` was appended: finish the sequence on eos or a stop id (from min_tokens
+        on), max_tokens, max_model_len or a `complete` grammar (the grammar allows nothing more,
+        or rejected the token), in that order. True when it finished."""
+        req = seq.request
+        num_out = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_out >= req.min_tokens and (
+            token in req.stop_token_ids or token in req.eos_token_ids
+        ):
+            reason = token if token in req.stop_token_ids else None
+            update.finish_reason, update.stop_reason = "stop", reason
+            self.scheduler.free_seq(seq, _STOPPED, reason)
+        elif (req.max_tokens is not None and num_out >= req.max_tokens) or len(
+            seq.token_ids
+        ) >= self.max_model_len:
+            update.finish_reason = "length"
+            self.scheduler.free_seq(seq, _LENGTH)
+        elif complete:
+            update.finish_reason, update.grammar_end = "stop", True
+            self.scheduler.free_seq(seq, _STOPPED)
+        else:
+            return False
+        o.finished = req.status >= _STOPPED
+        return True
+
     def _apply_verified(
         self,
         seq: Sequence,
@@ -294,7 +339,7 @@ class EngineCore:
         sequence; give back the positions of rejected drafts (their KV is overwritten later,
         and no block holding them was registered in the prefix cache: that happens after this,
         from computed tokens only). Returns the tokens appended."""
-        req, lp, tokens = seq.request, out.logprobs, out.sampled_token_ids
+        lp, tokens = out.logprobs, out.sampled_token_ids
         self.scheduler.draft_planner.feedback(seq, len(drafts), end - first - 1)
         update = SeqUpdate(seq.index, [])
         if lp is not None:
@@ -310,22 +355,8 @@ class EngineCore:
                 update.ranks.append(lp.ranks[k])
                 update.top.append(lp.top[k])
             appended += 1
-            num_out = len(seq.token_ids) - seq.num_prompt_tokens
-            if num_out >= req.min_tokens and (
-                token in req.stop_token_ids or token in req.eos_token_ids
-            ):
-                reason = token if token in req.stop_token_ids else None
-                update.finish_reason, update.stop_reason = "stop", reason
-                self.scheduler.free_seq(seq, _STOPPED, reason)
-            elif (req.max_tokens is not None and num_out >= req.max_tokens) or len(
-                seq.token_ids
-            ) >= self.max_model_len:
-                update.finish_reason = "length"
-                self.scheduler.free_seq(seq, _LENGTH)
-            else:
-                continue
-            o.finished = req.status >= _STOPPED
-            return appended
+            if self._finish_on_token(seq, token, update, o):
+                return appended
         # Still running: computed = every token but the last (the next step's input); blocks
         # only past the drafts' positions go back (the worker's table is re-sent from there).
         seq.num_computed_tokens = len(seq.token_ids) - 1

@@ -342,7 +342,7 @@ class Scheduler:
         bm = self.block_manager
         allocate = bm.allocate_slots
         planned: list[tuple[Sequence, int]] = []
-        scheduled_reqs: list[Request] = []
+        admitted: list[Request] = []  # from the waiting queue (running ones ran before)
         preempted: list[Request] = []
         num_seqs = 0  # live sequences of the requests still running after this pass
         planner = self.draft_planner
@@ -384,7 +384,6 @@ class Scheduler:
                         continue  # req preempted itself
                     planned.append((seq, n))
                     budget -= n
-                    scheduled_reqs.append(req)
                 continue
             seqs = req.live_seqs()
             num_seqs += len(seqs)
@@ -407,7 +406,6 @@ class Scheduler:
                 if planner is not None:
                     plan, budget = self._with_drafts(req, plan, budget)
                 planned += plan
-                scheduled_reqs.append(req)
 
         # 2) Waiting requests, FCFS; none after a preemption (they would only thrash), and none
         #    past a preempted request whose pending token has not landed yet. A request whose
@@ -441,7 +439,7 @@ class Scheduler:
                 num_seqs += slots
                 planned += plan
                 budget -= sum(n for _, n in plan)
-                scheduled_reqs.append(req)
+                admitted.append(req)
                 continue
             counted = req.use_prefix_cache and self._computed_blocks(seqs)
             plan = self._reshare_plan(req, seqs, budget)
@@ -464,7 +462,7 @@ class Scheduler:
             num_seqs += slots
             planned += plan
             budget -= sum(n for _, n in plan)
-            scheduled_reqs.append(req)
+            admitted.append(req)
         if passed:
             self.waiting.extendleft(reversed(passed))
 
@@ -477,7 +475,7 @@ class Scheduler:
                 f"max_num_seqs allow ({len(self.running)} running, {len(self.waiting)} waiting)",
                 culprits,
             )
-        return self._emit(planned, scheduled_reqs)
+        return self._emit(planned, admitted)
 
     def _computed_blocks(self, seqs: list[Sequence]) -> bool:
         """Admission's prefix-cache hit for each sequence (blocks taken, num_computed_tokens
@@ -554,33 +552,34 @@ class Scheduler:
         return any(req.num_pending for req in self.requests.values())
 
     def _emit(
-        self, planned: list[tuple[Sequence, int]], scheduled_reqs: list[Request]
+        self, planned: list[tuple[Sequence, int]], admitted: list[Request]
     ) -> SchedulerOutput:
-        """The plain-data step: advances num_computed_tokens and marks sampled tokens pending."""
+        """The plain-data step: advances num_computed_tokens and marks sampled tokens pending.
+        `admitted`: the requests this step admitted (their first schedule time, if unset)."""
         out = SchedulerOutput(step_id=self._next_step_id)
         self._next_step_id += 1
         out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         now = None
-        for req in scheduled_reqs:
+        for req in admitted:
             if req.first_scheduled_time is None:
                 now = self.clock() if now is None else now
                 req.first_scheduled_time = now
-        seq_ids, num_new, starts = out.seq_ids, out.num_new_tokens, out.start_positions
-        sample_rows, updates = out.sample_rows, out.block_updates
+        out.seq_ids = [seq.seq_id for seq, _ in planned]
+        out.num_new_tokens = num_new = [n for _, n in planned]
+        out.start_positions = [seq.num_computed_tokens for seq, _ in planned]
+        sample_rows, updates, new_seqs = out.sample_rows, out.block_updates, out.new_seqs
         bs = self.block_manager.block_size
-        if self.state_slots is not None:  # first: the snapshots this step takes run with the next
-            out.state_copies = self.state_slots.take_copies(self._known_block_key)
+        slots, drafts_of = self.state_slots, self._drafts
+        if slots is not None:  # first: the snapshots this step takes run with the next
+            out.state_copies = slots.take_copies(self._known_block_key)
         for row, (seq, n) in enumerate(planned):
             start = seq.num_computed_tokens
-            seq_ids.append(seq.seq_id)
-            num_new.append(n)
-            starts.append(start)
             end = seq.num_computed_tokens = start + n
             if seq.replay_end:  # a rolled-back verify step's tokens run again
                 out.known_token_ids[seq.seq_id] = seq.token_ids[start : min(end, seq.replay_end)]
                 if end >= seq.replay_end:
                     seq.replay_end = 0
-            drafts = self._drafts.pop(seq.seq_id, None) if self._drafts else None
+            drafts = drafts_of.pop(seq.seq_id, None) if drafts_of else None
             if drafts:  # the row runs its last token and the drafts, and samples from all
                 out.spec_token_ids[seq.seq_id] = drafts
                 end -= len(drafts)
@@ -591,25 +590,25 @@ class Scheduler:
                     out.num_samples[seq.seq_id] = req.max_live_seqs
                 seq.num_pending += 1
             table = seq.block_ids
-            if self.state_slots is not None:
+            if slots is not None:
                 if seq.state_slot < 0:
                     assert start == 0, "a sequence with computed tokens and no recurrent state"
-                    seq.state_slot = self.state_slots.allocate()
+                    seq.state_slot = slots.allocate()
                 marks, end = seq.state_checkpoints, seq.num_computed_tokens
                 if marks and marks[0] <= end:
                     if marks[0] == end:
-                        self.state_slots.snapshot(seq.state_slot, seq, end // bs - 1)
+                        slots.snapshot(seq.state_slot, seq, end // bs - 1)
                     seq.state_checkpoints = [m for m in marks if m > end]
                 elif (  # a block of generated tokens ends here: the decode snapshot
-                    self.state_slots.max_held
+                    slots.max_held
                     and end % bs == 0
                     and end > seq.num_prompt_tokens
                     and not drafts
                     and seq.request.max_live_seqs == 1
                 ):
-                    self.state_slots.snapshot(seq.state_slot, seq, end // bs - 1, decode=True)
+                    slots.snapshot(seq.state_slot, seq, end // bs - 1, decode=True)
             if not seq.in_worker:
-                out.new_seqs.append(self._new_seq_data(seq))
+                new_seqs.append(self._new_seq_data(seq))
                 seq.in_worker = True
                 seq.num_synced_blocks = len(table)
             elif seq.num_synced_blocks < len(table):

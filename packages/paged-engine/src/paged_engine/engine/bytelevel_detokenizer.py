@@ -94,8 +94,11 @@ class ByteLevelDetokenizer:
             t = new_token_ids[0]
             delta = "" if t in self._skip else self._vocab.text.get(t)
             if delta is not None:
-                if delta:
-                    self.output_text = append_text(self, delta)
+                if delta:  # append_text, inlined
+                    text = self.output_text
+                    self.output_text = ""
+                    text += delta
+                    self.output_text = text
                 return delta
         table, skip = self._vocab.bytes, self._skip
         data = b"".join(table.get(t, b"") for t in new_token_ids if t not in skip)

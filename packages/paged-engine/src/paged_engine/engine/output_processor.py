@@ -78,6 +78,11 @@ class RequestState:
     # gets its outputs once, whole, when it finishes.
     whole_at_end: bool
     text_at_end: bool  # FINAL_ONLY without stop strings: detokenize once, at the end
+    # Derived once from the fields above (and params), read per step:
+    streams: bool  # outputs before the end (not FINAL_ONLY, not whole_at_end DELTA)
+    delta: bool  # each output holds only what is new (DELTA and not whole_at_end)
+    plain: bool  # sampled, no stop strings, not text_at_end: a token is text, nothing to check
+    single: bool  # sampled, one sequence (n = best_of = 1)
     seqs: dict[int, SeqText] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     beams: list | None = None
@@ -127,6 +132,8 @@ class OutputProcessor:
     ) -> None:
         beam = isinstance(params, BeamSearchParams)
         num_samples = params.beam_width if beam else params.num_sequences
+        whole_at_end = beam or num_samples > num_returned
+        text_at_end = kind == _FINAL_ONLY and not beam and not params.stop
         state = RequestState(
             request_id=request_id,
             prompt=prompt,
@@ -137,8 +144,12 @@ class OutputProcessor:
             num_returned=num_returned,
             arrival_time=arrival_time,
             is_beam=beam,
-            whole_at_end=beam or num_samples > num_returned,
-            text_at_end=kind == _FINAL_ONLY and not beam and not params.stop,
+            whole_at_end=whole_at_end,
+            text_at_end=text_at_end,
+            streams=kind == _CUMULATIVE or (kind == _DELTA and not whole_at_end),
+            delta=kind == _DELTA and not whole_at_end,
+            plain=not beam and not text_at_end and not params.stop,
+            single=not beam and num_samples == 1 and not isinstance(params, PoolingSamplingParams),
             lora_request=lora_request,
         )
         detok = None
@@ -163,8 +174,9 @@ class OutputProcessor:
     def process(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         now = time.monotonic()
         result = ProcessedOutputs([], [])
+        states, outputs = self.states, result.request_outputs
         for co in core_outputs:
-            state = self.states.get(co.request_id)
+            state = states.get(co.request_id)
             if state is None:  # aborted, or finished by a stop string earlier
                 continue
             if state.first_scheduled_time is None:
@@ -176,45 +188,54 @@ class OutputProcessor:
                 state.pooled.add(*co.pooled)
             if co.beams is not None:
                 state.beams = co.beams
-            if len(co.seqs) > 1:  # forks copy their parent as it was before this step
-                for upd in co.seqs:
-                    if upd.fork_of is not None and upd.index not in state.seqs:
-                        state.seqs[upd.index] = state.seqs[upd.fork_of].fork(upd.index)
-            for upd in co.seqs:
-                seq = state.seqs[upd.index]
-                if seq.finish_reason is None and self._apply(state, seq, upd):
+            updates, seqs = co.seqs, state.seqs
+            if len(updates) > 1:  # forks copy their parent as it was before this step
+                for upd in updates:
+                    if upd.fork_of is not None and upd.index not in seqs:
+                        seqs[upd.index] = seqs[upd.fork_of].fork(upd.index)
+            for upd in updates:
+                seq = seqs[upd.index]
+                if seq.finish_reason is not None:
+                    continue
+                if state.plain and upd.finish_reason is None and upd.logprobs is None:
+                    # The common step: text only, nothing to check.
+                    seq.token_ids += upd.new_token_ids
+                    detok = seq.detokenizer
+                    if detok is not None:
+                        seq.text = ""  # the detokenizer appends in place only to an unshared text
+                        detok.add_tokens(upd.new_token_ids)
+                        seq.text = detok.output_text
+                elif self._apply(state, seq, upd):
                     result.stopped.append((state.request_id, seq.index, seq.stop_reason))
                     state.text_stopped = True
-            if not co.seqs and co.beams is None and not co.finished:
+            if not updates and co.beams is None and not co.finished:
                 continue  # a prompt-logprobs chunk alone: nothing to report yet
             if state.first_token_time is None:
                 state.first_token_time = now
             state.last_token_time = now
             finished = co.finished or (
                 state.text_stopped
-                and len(state.seqs) == state.num_samples
-                and all(s.finish_reason is not None for s in state.seqs.values())
+                and len(seqs) == state.num_samples
+                and all(s.finish_reason is not None for s in seqs.values())
             )
             if finished:  # pop: an abort from another thread may have dropped it already
-                self.states.pop(state.request_id, None)
-            out = self._make_output(state, finished, now)
-            if out is not None:
-                result.request_outputs.append(out)
+                states.pop(state.request_id, None)
+            elif not state.streams:
+                continue  # nothing to report before the end
+            if state.single:  # _make_output's common case, without its branches
+                completion = self._completion(state.params, seqs[0], 0, state.delta)
+                outputs.append(self._request_output(state, [completion], finished, now))
+            elif (out := self._make_output(state, finished, now)) is not None:
+                outputs.append(out)
         return result
 
     def _apply(self, state: RequestState, seq: SeqText, upd: SeqUpdate) -> bool:
-        """Append the update's tokens to `seq`; True when a stop string ended it."""
+        """Append the update's tokens to `seq` (all but `process`'s common step); True when a
+        stop string ended it."""
         params: SamplingParams = state.params  # beams send no SeqUpdates
         detok = seq.detokenizer
         if state.text_at_end:
             return self._apply_deferred(params, seq, upd)
-        if upd.finish_reason is None and upd.logprobs is None and not params.stop:
-            seq.token_ids += upd.new_token_ids  # the common step: text only, nothing to check
-            if detok is not None:
-                seq.text = ""  # the detokenizer appends in place only to an unshared text
-                detok.add_tokens(upd.new_token_ids)
-                seq.text = detok.output_text
-            return False
         last = len(upd.new_token_ids) - 1
         for k, token in enumerate(upd.new_token_ids):
             seq.token_ids.append(token)
@@ -306,10 +327,9 @@ class OutputProcessor:
             return PoolingRequestOutput(
                 state.request_id, data, state.prompt_token_ids, True, state.prompt
             )
-        kind = state.kind
-        if not finished and (kind == _FINAL_ONLY or (kind == _DELTA and state.whole_at_end)):
+        if not finished and not state.streams:
             return None
-        delta = kind == _DELTA and not state.whole_at_end
+        delta = state.delta
         if state.is_beam:
             completions = self._beam_outputs(state, finished)
         elif len(state.seqs) == 1:
@@ -331,6 +351,12 @@ class OutputProcessor:
                 self._completion(state.params, s, i if ranked else s.index, delta)
                 for i, s in enumerate(seqs)
             ]
+        return self._request_output(state, completions, finished, now)
+
+    @staticmethod
+    def _request_output(
+        state: RequestState, completions: list[CompletionOutput], finished: bool, now: float
+    ) -> RequestOutput:
         metrics = RequestMetrics(
             state.arrival_time,
             state.first_scheduled_time,

@@ -216,3 +216,78 @@ def test_tensor_parallel_classify_matches_one_process(tmp_path) -> None:
         two_llm.llm_engine.shutdown()
     for a, b in zip(one, two):
         assert b.outputs.probs == pytest.approx(a.outputs.probs, abs=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("qwen3", False), ("llama", True)])
+def test_a_causal_lm_served_as_a_reranker_from_token_rows(tmp_path, arch, tied) -> None:
+    """vLLM's hf_overrides for Qwen3-Reranker: the classifier built from the LM head's rows of
+    the "no" / "yes" tokens scores sigmoid(l_yes - l_no), the probability of "yes" between the
+    two in the causal model's next-token distribution."""
+    from transformers import AutoModelForCausalLM
+
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "lm", arch, tie_word_embeddings=tied)
+    no_tok, yes_tok = 10, 11
+    llm0 = make_llm(path)
+    tokens = llm0.get_tokenizer().convert_ids_to_tokens([no_tok, yes_tok])
+    del llm0
+    stem = {"qwen3": "Qwen3", "llama": "Llama"}[arch]
+    overrides = {
+        "architectures": [f"{stem}ForSequenceClassification"],
+        "classifier_from_token": tokens,
+        "is_original_qwen3_reranker": True,
+    }
+    llm = make_llm(path, hf_overrides=overrides)
+    assert llm.llm_engine.classifier.num_labels == 1
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outs = llm.score([[5, 6, 7], [20, 21]], [[8, 9], [22, 23, 24]], use_tqdm=False)
+    for out, ids in zip(outs, ([5, 6, 7, 8, 9], [20, 21, 22, 23, 24])):
+        with torch.no_grad():
+            logits = lm(torch.tensor([ids])).logits[0, -1]
+        want = logits[[no_tok, yes_tok]].softmax(-1)[1].item()
+        assert out.outputs.score == pytest.approx(want, abs=1e-5)
+
+    # no_post_processing (bge-reranker-v2-gemma's): one label per token, the head's own logit
+    one = make_llm(
+        path,
+        hf_overrides={
+            "architectures": [f"{stem}ForSequenceClassification"],
+            "classifier_from_token": tokens[1:],
+            "method": "no_post_processing",
+        },
+    )
+    got = one.classify(
+        [[5, 6, 7]], use_tqdm=False, pooling_params=PoolingParams(use_activation=False)
+    )
+    with torch.no_grad():
+        want = lm(torch.tensor([[5, 6, 7]])).logits[0, -1, yes_tok].item()
+    assert got[0].outputs.probs == pytest.approx([want], abs=1e-5)
+
+
+def test_from_token_overrides_are_checked(tmp_path) -> None:
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "lm", "qwen3")
+    arch = ["Qwen3ForSequenceClassification"]
+    bad = [
+        ({"architectures": arch, "classifier_from_token": ["a", "b"]}, "needs a method"),
+        ({"architectures": arch, "method": "nope", "classifier_from_token": ["a"]}, "method="),
+        (
+            {"architectures": arch, "method": "from_2_way_softmax", "classifier_from_token": ["a"]},
+            "false, true",
+        ),
+        (
+            {
+                "architectures": arch,
+                "is_original_qwen3_reranker": True,
+                "classifier_from_token": ["no-such-token", "x"],
+            },
+            "not a token",
+        ),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ValueError, match=message):
+            make_llm(path, hf_overrides=overrides)
+    with pytest.raises(ValueError, match="hf_overrides"):
+        make_llm(path, hf_overrides=["architectures"])

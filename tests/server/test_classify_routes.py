@@ -170,3 +170,38 @@ def test_the_api_key_guards_classify(guarded_server: ServerProc) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
     status, _, r = guarded_server.request("POST", "/classify", {"input": "x"}, headers=headers)
     assert status == 400 and r["error"]["param"] == "model", r
+
+
+def test_hf_overrides_serve_a_causal_lm_as_a_reranker(tmp_path) -> None:
+    """`paged-server MODEL --hf-overrides '{...Qwen3-Reranker's...}'`: /rerank scores the
+    probability of "yes" between "no" and "yes" as the causal model's next token."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paged_engine.testing import write_tiny_model
+    from paged_server.cli import build_engine, parse_args
+
+    path = write_tiny_model(tmp_path / "lm", "qwen3")
+    tok = AutoTokenizer.from_pretrained(path)
+    no_tok, yes_tok = 10, 11
+    overrides = {
+        "architectures": ["Qwen3ForSequenceClassification"],
+        "classifier_from_token": tok.convert_ids_to_tokens([no_tok, yes_tok]),
+        "is_original_qwen3_reranker": True,
+    }
+    argv = [str(path), "--hf-overrides", json.dumps(overrides), *COMMON_ARGS]
+    engine = build_engine(parse_args([*argv, "--dtype", "float32"]))
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            status, _, r = http.request("POST", "/rerank", {"query": "a b", "documents": TEXTS})
+    finally:
+        engine.shutdown()
+    assert status == 200, r
+    for x in r["results"]:
+        ids = tok("a b", text_pair=TEXTS[x["index"]])["input_ids"]
+        with torch.no_grad():
+            last = lm(torch.tensor([ids])).logits[0, -1]
+        want = last[[no_tok, yes_tok]].softmax(-1)[1].item()
+        assert x["relevance_score"] == pytest.approx(want, abs=1e-5)

@@ -46,6 +46,50 @@ def causal_names(arch: str) -> tuple[str, ...]:
     return names + (stem.removesuffix("Text") + "ForCausalLM",) if stem.endswith("Text") else names
 
 
+# A causal LM served as a classifier from its LM head's rows (vLLM's names): the config names the
+# tokens (`classifier_from_token`) and the method (`method`; Qwen3-Reranker's
+# `is_original_qwen3_reranker` means "from_2_way_softmax").
+#   from_2_way_softmax  tokens [false, true]: one label, score = head[true] - head[false] (so its
+#                       sigmoid is the softmax probability of `true` between the two)
+#   no_post_processing  one label per token, score = head[token]
+FROM_TOKEN_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def resolve_from_token(hf_config: Any, tokenizer: Any) -> None:
+    """For a config that builds its classifier from LM-head rows: `num_labels` set by the method
+    and `classifier_from_token_ids` (the tokens' ids, what the loader reads) added. ValueError
+    naming the field when the method or a token is unknown."""
+    method = getattr(hf_config, "method", None)
+    if method is None and getattr(hf_config, "is_original_qwen3_reranker", False):
+        method = "from_2_way_softmax"
+    tokens = getattr(hf_config, "classifier_from_token", None)
+    if method is None:
+        if tokens is not None:
+            raise ValueError(
+                f"classifier_from_token needs a method: {FROM_TOKEN_METHODS} (set 'method')"
+            )
+        return
+    if method not in FROM_TOKEN_METHODS:
+        raise ValueError(f"method={method!r} is not supported: use one of {FROM_TOKEN_METHODS}")
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(
+            f"classifier_from_token must be a non-empty list of tokens, got {tokens!r}"
+        )
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(
+            f"classifier_from_token: from_2_way_softmax takes [false, true] tokens, got {tokens!r}"
+        )
+    ids = []
+    for token in tokens:
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(tid, int) or tid == getattr(tokenizer, "unk_token_id", None):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this tokenizer")
+        ids.append(tid)
+    hf_config.method = method
+    hf_config.num_labels = 1 if method == "from_2_way_softmax" else len(ids)
+    hf_config.classifier_from_token_ids = ids
+
+
 @dataclass(frozen=True, slots=True)
 class ClassifierInfo:
     """What the engine and paged-server need to know of a classification model."""

@@ -80,6 +80,9 @@ class EngineConfig:
     speculative_config: dict | None = None
     # Embeddings (pooling.py): {"pooling_type": "LAST" | "MEAN", "normalize": bool}
     pooler_config: dict | None = None
+    # Fields set on the model's HF config after it loads (vLLM's hf_overrides), e.g. the
+    # architectures and classifier_from_token that serve a causal LM as a reranker.
+    hf_overrides: dict | None = None
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
@@ -266,6 +269,13 @@ class EngineConfig:
             self.pipeline_parallel_size,
             "an int >= 1",
         )
+        _check(
+            self.hf_overrides is None
+            or (isinstance(self.hf_overrides, dict) and all(map(_is_str, self.hf_overrides))),
+            "hf_overrides",
+            self.hf_overrides,
+            "a dict of config field names to values",
+        )
         if self.pooler_config is not None:
             from paged_engine.pooling import check_pooler_config
 
@@ -369,6 +379,10 @@ class EngineConfig:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_str(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 def _is_number(value: object) -> bool:

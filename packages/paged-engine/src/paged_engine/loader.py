@@ -105,6 +105,18 @@ def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
     return with_kv_head_count(text_only_config(config, resolved.path))
 
 
+def apply_hf_overrides(config, overrides: dict | None):
+    """vLLM's `hf_overrides`: each field set on the loaded config; a dict given for a field
+    that holds a sub-config (text_config, rope_parameters as a config) updates its fields."""
+    for key, value in (overrides or {}).items():
+        current = getattr(config, key, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):
+            apply_hf_overrides(current, value)
+        else:
+            setattr(config, key, value)
+    return config
+
+
 def with_kv_head_count(config):
     """`num_key_value_heads` set where a family names it otherwise (Falcon's `num_kv_heads` /
     `multi_query`, GPT-BigCode's `multi_query`): the KV cache, the TP checks and the models all

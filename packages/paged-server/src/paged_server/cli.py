@@ -61,6 +61,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
         pooler_config=args.pooler_config,
+        hf_overrides=args.hf_overrides,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -109,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         "first), then arrival; preemption takes the request that sorts last",
     )
     p.add_argument(
+        "--hf-overrides",
+        "--hf_overrides",
+        type=_json_object,
+        default=None,
+        help="fields set on the model's HF config, e.g. '{\"architectures\": "
+        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
+        "\"yes\"], \"is_original_qwen3_reranker\": true}' (Qwen3-Reranker as a reranker)",
+    )
+    p.add_argument(
         "--pooler-config",
         type=_json_object,
         default=None,

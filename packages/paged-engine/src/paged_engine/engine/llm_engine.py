@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from paged_engine.classification import classifier_info
+from paged_engine.classification import classifier_info, resolve_from_token
 from paged_engine.config import EngineConfig
 from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.core_output import EngineCoreOutput
@@ -43,7 +43,13 @@ from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
 from paged_engine.layers.rotary import scaled_context_limit
-from paged_engine.loader import ResolvedModel, load_hf_config, load_tokenizer, resolve_model
+from paged_engine.loader import (
+    ResolvedModel,
+    apply_hf_overrides,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model,
+)
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
@@ -89,14 +95,8 @@ class LLMEngine:
             config.model, config.revision, config.download_dir, token=config.hf_token
         )
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
+        apply_hf_overrides(self.hf_config, config.hf_overrides)
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
-        # A *ForSequenceClassification model: it classifies and scores, never generates.
-        self.classifier = classifier_info(self.hf_config)
-        if self.classifier is not None and config.speculative_config is not None:
-            raise ValueError(
-                "speculative_config: a sequence-classification model generates no tokens to "
-                "speculate on"
-            )
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -111,6 +111,14 @@ class LLMEngine:
         )
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
+        # A *ForSequenceClassification model: it classifies and scores, never generates.
+        resolve_from_token(self.hf_config, self.tokenizer)  # a head built from LM-head rows
+        self.classifier = classifier_info(self.hf_config)
+        if self.classifier is not None and config.speculative_config is not None:
+            raise ValueError(
+                "speculative_config: a sequence-classification model generates no tokens to "
+                "speculate on"
+            )
         # SamplingParams keywords replacing its defaults where a request leaves them unset
         self.generation_defaults = generation_defaults(
             None if self.resolved.is_gguf else self.resolved.path,

@@ -205,3 +205,12 @@ def test_hf_overrides_serve_a_causal_lm_as_a_reranker(tmp_path) -> None:
             last = lm(torch.tensor([ids])).logits[0, -1]
         want = last[[no_tok, yes_tok]].softmax(-1)[1].item()
         assert x["relevance_score"] == pytest.approx(want, abs=1e-5)
+
+
+def test_invocations_classify_an_input_on_a_classifier(classifier) -> None:
+    body = {"input": TEXTS[:2]}
+    status, _, got = classifier.http.request("POST", "/invocations", body)
+    assert status == 200, got
+    status, _, want = classifier.http.request("POST", "/classify", body)
+    assert status == 200, want
+    assert got["data"] == want["data"] and got["usage"] == want["usage"]

@@ -52,7 +52,7 @@ from paged_server.responses_api import (
     serve_input_items,
     serve_input_tokens,
 )
-from paged_server.scores import serve_rerank, serve_score
+from paged_server.scores import SCORE_SIDES, serve_rerank, serve_score
 from paged_server.structured_request import check_structured
 from paged_server.tool_parsers import TOOL_PARSERS
 
@@ -60,7 +60,7 @@ _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 _RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
 # Routes outside /v1 that run the model: --api-key guards them as it guards /v1.
-_KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify"})
+_KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify", "/invocations"})
 
 
 log = logging.getLogger("paged_server")
@@ -131,6 +131,8 @@ class OpenAIApp:
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat},
             "/v1/embeddings": {"POST": self.embeddings},
+            # SageMaker's inference route (vLLM's): the API the body's fields name
+            "/invocations": {"POST": self.invocations},
             "/classify": {"POST": self.classify},  # vLLM's classification API (classify.py)
             "/v1/classify": {"POST": self.classify},
             # vLLM's score / rerank APIs (scores.py), under each path vLLM serves them on
@@ -356,6 +358,30 @@ class OpenAIApp:
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+
+    def invocations(self, h: Handler) -> None:
+        """SageMaker's `POST /invocations`: the body is one of the other APIs', told by its
+        fields: `messages` chat, `prompt` completions, `query` + `documents` rerank, score's
+        sides score, `input` classify (a classifier) or embeddings."""
+        body = h.read_json()  # the route chosen reads it again (Handler caches it)
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        if "messages" in body:
+            route = self.chat
+        elif "prompt" in body:
+            route = self.completions
+        elif "query" in body and "documents" in body:
+            route = self.rerank
+        elif any(a in body and b in body for a, b in SCORE_SIDES):
+            route = self.score
+        elif "input" in body:
+            route = self.classify if self.classifier is not None else self.embeddings
+        else:
+            raise bad_request(
+                "/invocations takes a chat ('messages'), completion ('prompt'), embedding or "
+                "classification ('input'), score or rerank ('query' and 'documents') body"
+            )
+        route(h)
 
     def embeddings(self, h: Handler) -> None:
         serve_embeddings(self, h)  # embeddings.py

@@ -157,6 +157,9 @@ class Server(ThreadingHTTPServer):
                     socket.socket.shutdown(h.connection, socket.SHUT_RDWR)
 
 
+_UNREAD = object()  # Handler._json before the body is read
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     default_request_version = "HTTP/1.0"  # answer garbage with a status line, not HTTP/0.9
@@ -219,6 +222,7 @@ class Handler(BaseHTTPRequestHandler):
         self.streaming = False
         self.log_extra = ""
         self.body_read = False
+        self._json: Any = _UNREAD  # the parsed body, once read_json has read it
         path = urlsplit(self.path).path
         self.server.track(1)
         cors, origin = self.server.cors, self.headers.get("Origin")
@@ -275,6 +279,10 @@ class Handler(BaseHTTPRequestHandler):
         ).strip() not in ("", "0")
 
     def read_json(self) -> Any:
+        """The request's JSON body, parsed and checked once (a second call returns it again:
+        /invocations reads it to choose the route that reads it)."""
+        if self._json is not _UNREAD:
+            return self._json
         data = self._read_body()
         self.body_read = True
         try:
@@ -289,6 +297,7 @@ class Handler(BaseHTTPRequestHandler):
         if found is not None:
             path, at, char = found
             raise bad_request(surrogate_message(path or "the body", at, char), path or None)
+        self._json = body
         return body
 
     def _read_body(self) -> bytes:

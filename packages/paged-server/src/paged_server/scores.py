@@ -44,14 +44,14 @@ if TYPE_CHECKING:
     from paged_server.http import Handler
 
 # The names a score request may give its two sides, newest first (vLLM accepts each pair).
-_SIDES = (
+SCORE_SIDES = (
     ("queries", "documents"),
     ("queries", "items"),
     ("data_1", "data_2"),
     ("text_1", "text_2"),
 )
 _COMMON = frozenset({"model", "user", "truncate_prompt_tokens", "priority", "use_activation"})
-_SCORE_FIELDS = _COMMON | {name for pair in _SIDES for name in pair}
+_SCORE_FIELDS = _COMMON | {name for pair in SCORE_SIDES for name in pair}
 _RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
 
 
@@ -98,7 +98,7 @@ def _texts(value: Any, name: str, *, single: bool = False) -> list[str]:
 
 def parse_score(body: Any) -> ScoreRequest:
     body = _check_fields(body, _SCORE_FIELDS, "/score")
-    given = [pair for pair in _SIDES if pair[0] in body and pair[1] in body]
+    given = [pair for pair in SCORE_SIDES if pair[0] in body and pair[1] in body]
     if not given:
         raise bad_request(
             "give the two sides to score as 'queries' and 'documents' (or 'queries' and "
@@ -106,7 +106,7 @@ def parse_score(body: Any) -> ScoreRequest:
             "queries" if "queries" not in body else "documents",
         )
     names = given[0]
-    stray = sorted(n for pair in _SIDES for n in pair if n in body and n not in names)
+    stray = sorted(n for pair in SCORE_SIDES for n in pair if n in body and n not in names)
     if stray:
         raise bad_request(
             f"'{stray[0]}' cannot be given with '{names[0]}' and '{names[1]}': name the two "

@@ -568,13 +568,17 @@ class Scheduler:
         out.num_new_tokens = num_new = [n for _, n in planned]
         out.start_positions = [seq.num_computed_tokens for seq, _ in planned]
         sample_rows, updates, new_seqs = out.sample_rows, out.block_updates, out.new_seqs
-        bs = self.block_manager.block_size
+        bm = self.block_manager
+        bs, caching = bm.block_size, bm.enable_prefix_caching
         slots, drafts_of = self.state_slots, self._drafts
         if slots is not None:  # first: the snapshots this step takes run with the next
             out.state_copies = slots.take_copies(self._known_block_key)
+        filled: list[Sequence] = []  # may fill a block this step (for the prefix cache)
         for row, (seq, n) in enumerate(planned):
             start = seq.num_computed_tokens
             end = seq.num_computed_tokens = start + n
+            if caching and end // bs > seq.num_registered_blocks:
+                filled.append(seq)
             if seq.replay_end:  # a rolled-back verify step's tokens run again
                 out.known_token_ids[seq.seq_id] = seq.token_ids[start : min(end, seq.replay_end)]
                 if end >= seq.replay_end:
@@ -616,14 +620,9 @@ class Scheduler:
                 updates.append((seq.seq_id, first, table[first:]))
                 seq.num_synced_blocks = len(table)
         out.num_batched_tokens = sum(num_new)
-        bm = self.block_manager
         out.blocks_to_copy = bm.take_blocks_to_copy()
         out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
-        self.step_seqs[out.step_id] = (
-            [seq for seq, _ in planned if seq.num_computed_tokens // bs > seq.num_registered_blocks]
-            if bm.enable_prefix_caching
-            else []
-        )
+        self.step_seqs[out.step_id] = filled
         return out
 
     def _known_block_key(self, seq: Sequence, i: int) -> BlockKey | None:

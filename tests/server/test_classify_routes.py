@@ -214,3 +214,21 @@ def test_invocations_classify_an_input_on_a_classifier(classifier) -> None:
     status, _, want = classifier.http.request("POST", "/classify", body)
     assert status == 200, want
     assert got["data"] == want["data"] and got["usage"] == want["usage"]
+
+
+@pytest.mark.parametrize("flags", [["--task", "embed"], ["--runner", "pooling"]])
+def test_a_pooling_server_embeds_and_refuses_generation(tmp_path, flags) -> None:
+    """vLLM's `--task embed` / `--runner pooling` command lines start paged-server too."""
+    from paged_engine.testing import write_tiny_model
+    from paged_server.cli import build_engine, parse_args
+
+    path = write_tiny_model(tmp_path / "lm", "qwen3")
+    engine = build_engine(parse_args([str(path), *flags, "--dtype", "float32", *COMMON_ARGS]))
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            status, _, r = http.request("POST", "/v1/embeddings", {"input": "a b"})
+            assert status == 200 and len(r["data"]) == 1, r
+            status, _, r = http.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})
+            assert status == 400 and "runner='pooling'" in r["error"]["message"], r
+    finally:
+        engine.shutdown()

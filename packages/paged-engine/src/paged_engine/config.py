@@ -83,6 +83,12 @@ class EngineConfig:
     # Fields set on the model's HF config after it loads (vLLM's hf_overrides), e.g. the
     # architectures and classifier_from_token that serve a causal LM as a reranker.
     hf_overrides: dict | None = None
+    # What the engine serves (runner.py, vLLM's names): "auto" / "generate" / "pooling"; convert
+    # "classify" serves a *ForCausalLM as its *ForSequenceClassification; task: vLLM's older
+    # spelling of both ("generate", "embed", "classify", "score").
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str | None = None
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
     device: str = "auto"
@@ -269,6 +275,12 @@ class EngineConfig:
             self.pipeline_parallel_size,
             "an int >= 1",
         )
+        from paged_engine.runner import CONVERTS, RUNNERS, TASKS, runner_and_convert
+
+        _check(self.runner in RUNNERS, "runner", self.runner, f"one of {RUNNERS}")
+        _check(self.convert in CONVERTS, "convert", self.convert, f"one of {CONVERTS}")
+        _check(self.task is None or self.task in TASKS, "task", self.task, f"one of {TASKS}")
+        self.runner, self.convert = runner_and_convert(self.runner, self.convert, self.task)
         _check(
             self.hf_overrides is None
             or (isinstance(self.hf_overrides, dict) and all(map(_is_str, self.hf_overrides))),

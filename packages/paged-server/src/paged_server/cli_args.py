@@ -109,6 +109,26 @@ def build_parser() -> argparse.ArgumentParser:
         "first), then arrival; preemption takes the request that sorts last",
     )
     p.add_argument(
+        "--runner",
+        choices=["auto", "generate", "pooling"],
+        default="auto",
+        help="what the server runs (vLLM's): generate, pooling (embeddings, classify, score, "
+        "rerank) or auto (a classifier pools; other models do both)",
+    )
+    p.add_argument(
+        "--convert",
+        choices=["auto", "none", "embed", "classify"],
+        default="auto",
+        help="classify: serve a *ForCausalLM as its *ForSequenceClassification (with "
+        "--hf-overrides classifier_from_token for a reranker); embed: embeddings only",
+    )
+    p.add_argument(
+        "--task",
+        choices=["auto", "generate", "embed", "embedding", "classify", "score"],
+        default=None,
+        help="vLLM's older spelling of --runner / --convert",
+    )
+    p.add_argument(
         "--hf-overrides",
         "--hf_overrides",
         type=_json_object,

@@ -56,6 +56,7 @@ from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, to_sampling_params
+from paged_engine.runner import convert_architectures, serves
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_loader import check_draft_model
@@ -96,6 +97,7 @@ class LLMEngine:
         )
         self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
         apply_hf_overrides(self.hf_config, config.hf_overrides)
+        convert_architectures(self.hf_config, config.convert)  # convert="classify"
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
         self.tokenizer = load_tokenizer(
             self.resolved
@@ -114,6 +116,8 @@ class LLMEngine:
         # A *ForSequenceClassification model: it classifies and scores, never generates.
         resolve_from_token(self.hf_config, self.tokenizer)  # a head built from LM-head rows
         self.classifier = classifier_info(self.hf_config)
+        # "generate", "pooling" or "both": the requests add_request takes (runner.py)
+        self.serves = serves(config.runner, config.convert, self.classifier is not None)
         if self.classifier is not None and config.speculative_config is not None:
             raise ValueError(
                 "speculative_config: a sequence-classification model generates no tokens to "
@@ -306,16 +310,14 @@ class LLMEngine:
         check_priority(priority, self.config.scheduling_policy)
         if request_id in self.output_processor.states:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.serves != "both" and isinstance(params, PoolingParams) != (
+            self.serves == "pooling"
+        ):
+            self._refuse(params)
         if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
             params = to_sampling_params(
                 params, self.config.pooler_config, hidden_size, self.classifier
-            )
-        elif self.classifier is not None:
-            raise ValueError(
-                f"params: this model ({self.classifier.architecture}) is a sequence classifier: "
-                "it classifies (LLM.classify) and scores text pairs (LLM.score), it does not "
-                "generate; pass PoolingParams"
             )
         if lora_request is not None:
             if self.lora_registry is None:
@@ -337,6 +339,24 @@ class LLMEngine:
             num_returned=p.num_returned,
             kind=kind,
             lora_request=lora_request,
+        )
+
+    def _refuse(self, params: Any) -> None:
+        """ValueError naming `params` for a request this engine does not serve."""
+        if self.classifier is not None:
+            raise ValueError(
+                f"params: this model ({self.classifier.architecture}) is a sequence classifier: "
+                "it classifies (LLM.classify) and scores text pairs (LLM.score), it does not "
+                "generate; pass PoolingParams"
+            )
+        if self.serves == "pooling":
+            raise ValueError(
+                "params: this engine runs pooling requests only (runner='pooling'); pass "
+                "PoolingParams (LLM.embed)"
+            )
+        raise ValueError(
+            "params: this engine generates only (runner='generate'); start it with "
+            "runner='pooling' or 'auto' to embed"
         )
 
     # ---- workers, weights and the prefix cache (what RL rollout loops call) ------------------

@@ -81,7 +81,7 @@ class RequestState:
     # Derived once from the fields above (and params), read per step:
     streams: bool  # outputs before the end (not FINAL_ONLY, not whole_at_end DELTA)
     delta: bool  # each output holds only what is new (DELTA and not whole_at_end)
-    plain: bool  # sampled, no stop strings, not text_at_end: a token is text, nothing to check
+    plain: bool  # sampled without stop strings: a step's tokens end nothing here
     single: bool  # sampled, one sequence (n = best_of = 1)
     seqs: dict[int, SeqText] = field(default_factory=dict)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
@@ -148,7 +148,7 @@ class OutputProcessor:
             text_at_end=text_at_end,
             streams=kind == _CUMULATIVE or (kind == _DELTA and not whole_at_end),
             delta=kind == _DELTA and not whole_at_end,
-            plain=not beam and not text_at_end and not params.stop,
+            plain=not beam and not params.stop,
             single=not beam and num_samples == 1 and not isinstance(params, PoolingSamplingParams),
             lora_request=lora_request,
         )
@@ -198,10 +198,10 @@ class OutputProcessor:
                 if seq.finish_reason is not None:
                     continue
                 if state.plain and upd.finish_reason is None and upd.logprobs is None:
-                    # The common step: text only, nothing to check.
+                    # The common step: tokens, and their text unless that comes at the end.
                     seq.token_ids += upd.new_token_ids
                     detok = seq.detokenizer
-                    if detok is not None:
+                    if detok is not None and not state.text_at_end:
                         seq.text = ""  # the detokenizer appends in place only to an unshared text
                         detok.add_tokens(upd.new_token_ids)
                         seq.text = detok.output_text

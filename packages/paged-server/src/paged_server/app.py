@@ -90,6 +90,7 @@ class OpenAIApp:
         response_role: str = "assistant",
         log_requests: int | None = None,
         classifier: ClassifierInfo | None = None,
+        force_include_usage: bool = False,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -106,6 +107,7 @@ class OpenAIApp:
         # A *ForSequenceClassification model's labels and activations (it serves /classify and,
         # with one label, cross-encoder /score and /rerank; no generation)
         self.classifier = classifier
+        self.force_include_usage = force_include_usage  # streams end with usage, always
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -465,6 +467,8 @@ class OpenAIApp:
     ) -> None:
         """`texts[i]` is prompt i as the client wrote it (None for token ids), `ids[i]` its ids;
         `lora` the adapter `model` named (every prompt runs with it)."""
+        if self.force_include_usage and req.stream:
+            req.include_usage = True  # vLLM's --enable-force-include-usage
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         scoring_stream = req.stream and req.max_tokens == 0  # answered whole, then as one event
         group, rids = self._submit(

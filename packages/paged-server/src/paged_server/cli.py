@@ -17,6 +17,7 @@ from paged_server.cli_args import cors_policy, parse_args, served_names, tls_con
 from paged_server.http import Server
 from paged_server.lora import load_lora_modules, runtime_updates_allowed
 from paged_server.tls import TLS
+from paged_server.vllm_flags import warn_ignored
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -63,6 +64,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         pooler_config=args.pooler_config,
         hf_overrides=args.hf_overrides,
         runner=args.runner,
+        async_scheduling=args.async_scheduling,
         convert=args.convert,
         task=args.task,
         chat_template=args.chat_template,
@@ -137,6 +139,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         response_role=args.response_role,
         log_requests=_log_requests(args),
         classifier=getattr(engine, "classifier", None),
+        force_include_usage=args.enable_force_include_usage,
     )
     return client, app
 
@@ -178,6 +181,8 @@ def bind(args: argparse.Namespace) -> Server | None:
             listen=False,
             cors=cors_policy(args),
             tls=tls,
+            access_log=not args.disable_uvicorn_access_log,
+            request_id_headers=args.enable_request_id_headers,
         )
     except OSError as e:
         print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
@@ -334,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    warn_ignored(args)  # vLLM flags that change nothing here, named once
+    backend = args.guided_decoding_backend or (args.structured_outputs_config or {}).get("backend")
+    if backend not in (None, "auto", "guidance", "llguidance"):
+        log.warning(
+            "structured outputs compile with llguidance, not %s (the same constraints)", backend
+        )
     if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and _torchrun_rank() > 0:
         # torchrun started every rank with this command: rank 0 serves HTTP, the others serve
         # rank 0's engine (build_engine returns by SystemExit when rank 0 shuts down).

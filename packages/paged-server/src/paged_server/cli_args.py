@@ -17,6 +17,7 @@ from paged_server.lora import lora_names_error, parse_lora_module
 from paged_server.reasoning import REASONING_PARSERS
 from paged_server.tls import CERT_REQS, TLSConfig
 from paged_server.tool_parsers import TOOL_PARSERS
+from paged_server.vllm_flags import add_ignored_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,11 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_object,
         default=None,
         help="fields set on the model's HF config, e.g. '{\"architectures\": "
-        "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", "
-        "\"yes\"], \"is_original_qwen3_reranker\": true}' (Qwen3-Reranker as a reranker)",
+        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", '
+        '"yes"], "is_original_qwen3_reranker": true}\' (Qwen3-Reranker as a reranker)',
     )
     p.add_argument(
         "--pooler-config",
+        "--override-pooler-config",
         type=_json_object,
         default=None,
         help='/v1/embeddings pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
@@ -284,7 +286,52 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="on SIGINT/SIGTERM, seconds to let requests finish before aborting them",
     )
-    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",
+        type=_log_level,
+        default="info",
+        help="debug, info, warning, error or critical (vLLM's trace: debug)",
+    )
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no INFO line per request (it is logged at DEBUG)",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="answer with an X-Request-Id header: the request's own, else a new id",
+    )
+    p.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every streamed completion / chat answer ends with its usage chunk",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while step N runs (default: on for CUDA, off on CPU)",
+    )
+    p.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        help="accepted for vLLM scripts: structured outputs always compile with llguidance",
+    )
+    p.add_argument(
+        "--structured-outputs-config",
+        type=_json_object,
+        default=None,
+        help="accepted for vLLM scripts ('backend' as above); other keys are refused",
+    )
+    p.add_argument(
+        "--logprobs-mode",
+        choices=["raw_logprobs"],
+        default="raw_logprobs",
+        help="logprobs are the model's raw distribution (vLLM's default mode, the only one)",
+    )
+    add_ignored_flags(p)
     p.add_argument(
         "--enable-log-requests",
         action="store_true",
@@ -348,6 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log_level(text: str) -> str:
+    level = text.strip().lower()
+    level = "debug" if level == "trace" else level
+    if level not in ("debug", "info", "warning", "error", "critical"):
+        raise argparse.ArgumentTypeError("expected debug, info, warning, error or critical")
+    return level
+
+
 def _json_list(text: str) -> list[str]:
     """vLLM's JSON list (`'["http://a.com"]'`), or plain comma-separated values."""
     stripped = text.strip()
@@ -405,7 +460,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.keep_alive_on_engine_death = keep_alive_on_engine_death()
     except ValueError as e:
         parser.error(str(e))
+    _check_structured_backend(parser, args)
     return args
+
+
+# vLLM's structured-output backends: paged compiles every grammar with llguidance, which takes
+# the same requests (a script naming another backend gets the same constraints).
+_STRUCTURED_BACKENDS = (
+    "auto",
+    "xgrammar",
+    "guidance",
+    "llguidance",
+    "outlines",
+    "lm-format-enforcer",
+)
+
+
+def _check_structured_backend(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    config = args.structured_outputs_config or {}
+    unknown = sorted(set(config) - {"backend"})
+    if unknown:
+        parser.error(
+            f"--structured-outputs-config: {unknown[0]!r} is not supported (only 'backend')"
+        )
+    for flag, backend in (
+        ("--guided-decoding-backend", args.guided_decoding_backend),
+        ("--structured-outputs-config", config.get("backend")),
+    ):
+        if backend is not None and backend not in _STRUCTURED_BACKENDS:
+            parser.error(f"{flag}: unknown backend {backend!r}; vLLM's: {_STRUCTURED_BACKENDS}")
 
 
 KEEP_ALIVE_ENV = ("PAGED_KEEP_ALIVE_ON_ENGINE_DEATH", "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH")

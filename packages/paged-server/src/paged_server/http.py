@@ -24,6 +24,7 @@ import socket
 import ssl
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -67,11 +68,17 @@ class Server(ThreadingHTTPServer):
         listen: bool = True,
         cors: CorsPolicy | None = None,
         tls: TLS | None = None,
+        access_log: bool = True,
+        request_id_headers: bool = False,
     ):
         """`listen=False` only binds (the port is taken, connections are refused): set `app`,
         then call `server_activate()` before serving. `cors` None: no CORS headers at all.
-        `tls`: every connection speaks HTTPS."""
+        `tls`: every connection speaks HTTPS. `access_log`: one INFO line per request (else
+        DEBUG). `request_id_headers`: every answer carries X-Request-Id (the request's, else
+        a new one)."""
         self.app = app
+        self.access_log = access_log
+        self.request_id_headers = request_id_headers
         self.cors = cors
         self.tls = tls
         self.max_body_bytes = max_body_bytes
@@ -177,6 +184,11 @@ class Handler(BaseHTTPRequestHandler):
     def end_headers(self) -> None:
         for k, v in self.cors_headers.items():
             self.send_header(k, v)
+        if self.server.request_id_headers:
+            headers = getattr(self, "headers", None)  # absent when the request line was bad
+            rid = headers.get("X-Request-Id", "") if headers is not None else ""
+            ok = 0 < len(rid) <= 256 and rid.isprintable()
+            self.send_header("X-Request-Id", rid if ok else uuid.uuid4().hex)
         super().end_headers()
 
     # ---- request loop ----------------------------------------------------------------------
@@ -247,7 +259,8 @@ class Handler(BaseHTTPRequestHandler):
             self.server.track(-1)
             self.server.app.record(path, self.status)
             dt = time.monotonic() - self.t_start
-            log.info(
+            log.log(
+                logging.INFO if self.server.access_log else logging.DEBUG,
                 "%s %s %s %d %.3fs%s",
                 self.client_address[0],
                 method,

@@ -68,12 +68,14 @@ def test_bad_values_are_refused_naming_the_flag(capsys, argv) -> None:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServerProc]:
-    """A server built from the flags: request ids, no access log, usage always streamed."""
+    """A server built from the flags: request ids, no access log, usage always streamed, load
+    tracked."""
     from paged_server.cli import build_app
     from paged_server.http import Server
 
     flags = ["--enable-request-id-headers", "--disable-uvicorn-access-log"]
-    args = parse_args(["m", *flags, "--enable-force-include-usage", *COMMON_ARGS])
+    flags += ["--enable-force-include-usage", "--enable-server-load-tracking"]
+    args = parse_args(["m", *flags, *COMMON_ARGS])
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
     client, app = build_app(args, engine)
     server = Server(
@@ -118,3 +120,33 @@ def test_no_access_log_lines_at_info(served: ServerProc, caplog) -> None:
                 break
             time.sleep(0.01)
     assert lines and all(r.levelno == logging.DEBUG for r in lines)
+
+
+def test_load_counts_the_requests_being_answered(served: ServerProc) -> None:
+    assert served.request("GET", "/load")[2] == {"server_load": 0}
+    done = threading.Event()
+    body = {"prompt": "hello", "max_tokens": MAX_MODEL_LEN - 8, "stream": True}
+
+    statuses = []
+
+    def slow() -> None:
+        statuses.append(served.request("POST", "/v1/completions", body, timeout=60)[0])
+        done.set()
+
+    threading.Thread(target=slow, daemon=True).start()
+    seen = set()
+    while not done.is_set():
+        seen.add(served.request("GET", "/load")[2]["server_load"])
+    assert statuses == [200] and 1 in seen
+    deadline = time.monotonic() + 5
+    while served.request("GET", "/load")[2]["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.request("GET", "/load")[2] == {"server_load": 0}
+
+
+def test_load_is_zero_without_tracking(real_server: ServerProc) -> None:
+    assert real_server.request("GET", "/load")[2] == {"server_load": 0}
+    for argv in (["--chat-template-content-format", "openai"], ["--config-format", "mistral"]):
+        with pytest.raises(SystemExit):
+            parse_args(["m", *argv])
+    parse_args(["m", "--chat-template-content-format", "string", "--config-format", "hf"])

@@ -91,6 +91,7 @@ class OpenAIApp:
         log_requests: int | None = None,
         classifier: ClassifierInfo | None = None,
         force_include_usage: bool = False,
+        load_tracking: bool = False,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -108,6 +109,10 @@ class OpenAIApp:
         # with one label, cross-encoder /score and /rerank; no generation)
         self.classifier = classifier
         self.force_include_usage = force_include_usage  # streams end with usage, always
+        # vLLM's --enable-server-load-tracking: GET /load counts the POSTs being answered
+        self.load_tracking = load_tracking
+        self.server_load = 0
+        self._load_lock = threading.Lock()
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -128,6 +133,7 @@ class OpenAIApp:
             "/health": {"GET": self.health},
             "/ping": {"GET": self.health, "POST": self.health},  # vLLM's (SageMaker's) probe
             "/version": {"GET": self.version},
+            "/load": {"GET": self.load},
             "/metrics": {"GET": self.metrics},
             "/v1/models": {"GET": self.models},
             "/v1/completions": {"POST": self.completions},
@@ -184,7 +190,16 @@ class OpenAIApp:
                 code="method_not_allowed",
                 headers={"Allow": allow},
             )
-        fn(h)
+        if not (self.load_tracking and method == "POST"):
+            fn(h)
+            return
+        with self._load_lock:
+            self.server_load += 1
+        try:
+            fn(h)  # a streamed answer is written inside: counted until its end
+        finally:
+            with self._load_lock:
+                self.server_load -= 1
 
     def record(self, path: str, status: int) -> None:
         route = path.rstrip("/") or "/"
@@ -232,6 +247,9 @@ class OpenAIApp:
         if not self.client.alive:
             raise APIError(503, self.client.failure or "the engine loop is not running")
         h.send_json(200, {"status": "ok"})
+
+    def load(self, h: Handler) -> None:
+        h.send_json(200, {"server_load": self.server_load})
 
     def version(self, h: Handler) -> None:
         h.send_json(200, {"version": __version__, "engine_version": self.engine_version})

@@ -140,6 +140,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         log_requests=_log_requests(args),
         classifier=getattr(engine, "classifier", None),
         force_include_usage=args.enable_force_include_usage,
+        load_tracking=args.enable_server_load_tracking,
     )
     return client, app
 

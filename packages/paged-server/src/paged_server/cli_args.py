@@ -326,6 +326,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for vLLM scripts ('backend' as above); other keys are refused",
     )
     p.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='GET /load answers {"server_load": n}, the POST requests being answered (else 0)',
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=["auto", "string"],
+        default="auto",
+        help="chat templates get each message's text parts joined into one string ('openai' "
+        "parts lists are not passed: the server is text-only)",
+    )
+    p.add_argument(
+        "--config-format",
+        choices=["auto", "hf"],
+        default="auto",
+        help="the model's config is transformers' config.json (or a GGUF file's metadata)",
+    )
+    p.add_argument(
         "--logprobs-mode",
         choices=["raw_logprobs"],
         default="raw_logprobs",

@@ -27,6 +27,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--limit-mm-per-prompt": (True, "the server is text-only: requests with images get a 400"),
     "--max-num-partial-prefills": (True, "chunked prefill shares one token budget"),
     "--long-prefill-token-threshold": (True, "chunked prefill shares one token budget"),
+    "--api-server-count": (True, "one HTTP front, a thread per connection"),
 }
 
 

@@ -232,3 +232,27 @@ def test_a_pooling_server_embeds_and_refuses_generation(tmp_path, flags) -> None
             assert status == 400 and "runner='pooling'" in r["error"]["message"], r
     finally:
         engine.shutdown()
+
+
+def test_pooling_answers_the_models_own_output(classifier, real_server: ServerProc) -> None:
+    """vLLM's /pooling: a classifier's probabilities, an embedding model's embedding."""
+    body = {"input": TEXTS[:2]}
+    status, _, r = classifier.http.request("POST", "/pooling", body)
+    assert status == 200 and r["id"].startswith("pool-"), r
+    status, _, want = classifier.http.request("POST", "/classify", body)
+    assert [d["data"] for d in r["data"]] == [d["probs"] for d in want["data"]]
+    assert {d["object"] for d in r["data"]} == {"pooling"}
+    assert r["usage"] == want["usage"]
+
+    status, _, r = real_server.request("POST", "/pooling", {"input": "hello", "task": "embed"})
+    assert status == 200, r
+    status, _, want = real_server.request("POST", "/v1/embeddings", {"input": "hello"})
+    assert r["data"][0]["data"] == want["data"][0]["embedding"]
+    for bad, param in (
+        ({"input": "x", "task": "classify"}, "task"),
+        ({"input": "x", "task": "reward"}, "task"),
+        ({"input": "x", "use_activation": 1}, "use_activation"),
+        ({"input": "x", "messages": []}, "messages"),
+    ):
+        status, _, r = real_server.request("POST", "/pooling", bad)
+        assert status == 400 and r["error"]["param"] == param, (bad, r)

@@ -60,7 +60,7 @@ _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 _RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
 # Routes outside /v1 that run the model: --api-key guards them as it guards /v1.
-_KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify", "/invocations"})
+_KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify", "/invocations", "/pooling"})
 
 
 log = logging.getLogger("paged_server")
@@ -142,6 +142,7 @@ class OpenAIApp:
             # SageMaker's inference route (vLLM's): the API the body's fields name
             "/invocations": {"POST": self.invocations},
             "/classify": {"POST": self.classify},  # vLLM's classification API (classify.py)
+            "/pooling": {"POST": self.pooling},  # vLLM's: the model's pooled output
             "/v1/classify": {"POST": self.classify},
             # vLLM's score / rerank APIs (scores.py), under each path vLLM serves them on
             "/score": {"POST": self.score},
@@ -405,6 +406,9 @@ class OpenAIApp:
 
     def embeddings(self, h: Handler) -> None:
         serve_embeddings(self, h)  # embeddings.py
+
+    def pooling(self, h: Handler) -> None:
+        serve_embeddings(self, h, "/pooling")  # embeddings.py: the model's pooled output
 
     def classify(self, h: Handler) -> None:
         serve_classify(self, h)  # classify.py: a classifier's label probabilities

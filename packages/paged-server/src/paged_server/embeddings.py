@@ -1,4 +1,6 @@
-"""`POST /v1/embeddings`: OpenAI's embeddings API over the engine's pooling requests.
+"""`POST /v1/embeddings`: OpenAI's embeddings API over the engine's pooling requests; and
+vLLM's `POST /pooling`, the same body answering the model's own pooled output (an embedding, a
+classifier's probabilities) as `{"object": "pooling", "data": [...]}` items.
 
     {"model": M, "input": "text" | ["text", ...] | [ids] | [[ids], ...],
      "encoding_format": "float" | "base64", "dimensions": N, "user": ...}
@@ -53,14 +55,17 @@ class EmbeddingRequest:
     priority: int = 0  # --scheduling-policy priority: lower runs first
 
 
-def parse_embedding(body: Any) -> EmbeddingRequest:
+# /pooling's extras: what to pool (the model's own when absent) and a classifier's activation.
+_POOLING_FIELDS = _FIELDS | {"task", "use_activation"}
+_POOLING_TASKS = ("embed", "classify")
+
+
+def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
+    unknown = sorted(set(body) - (_POOLING_FIELDS if route == "/pooling" else _FIELDS))
     if unknown:
-        raise bad_request(
-            f"parameter '{unknown[0]}' is not supported by /v1/embeddings", unknown[0]
-        )
+        raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
@@ -78,12 +83,25 @@ def parse_embedding(body: Any) -> EmbeddingRequest:
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     try:
         params = PoolingParams(
-            normalize=body.get("normalize"), dimensions=body.get("dimensions"), task="embed"
+            normalize=body.get("normalize"),
+            dimensions=body.get("dimensions"),
+            use_activation=body.get("use_activation"),
+            task=_pooling_task(body) if route == "/pooling" else "embed",
         )
     except ValueError as e:
-        param = "dimensions" if "dimensions" in str(e) else "normalize"
-        raise bad_request(str(e), param) from None
+        text = str(e)
+        param = next((f for f in ("dimensions", "use_activation") if f in text), "normalize")
+        raise bad_request(text, param) from None
     return EmbeddingRequest(model, items, fmt, params, truncate, special, parse_priority(body))
+
+
+def _pooling_task(body: dict) -> str | None:
+    task = body.get("task")
+    if task is not None and task not in _POOLING_TASKS:
+        raise bad_request(
+            f"'task' must be one of {_POOLING_TASKS} (or absent), got {task!r}", "task"
+        )
+    return task
 
 
 def parse_truncate(body: dict) -> int | None:
@@ -189,26 +207,30 @@ def run_pooling(
     return list(group.latest)
 
 
-def serve_embeddings(app: OpenAIApp, h: Handler) -> None:
-    req = parse_embedding(h.read_json())
+def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") -> None:
+    """`/v1/embeddings`; with `route="/pooling"` vLLM's pooling API over the same inputs."""
+    req = parse_embedding(h.read_json(), route)
     model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
     ids = [
         prompt_tokens(app, item, f"input[{i}]", req.truncate_prompt_tokens, req.add_special_tokens)
         for i, item in enumerate(req.inputs)
     ]
-    rid = f"embd-{uuid.uuid4().hex}"
+    pooling = route == "/pooling"
+    rid = f"{'pool' if pooling else 'embd'}-{uuid.uuid4().hex}"
     outs = run_pooling(app, h, rid, ids, req.params, lora, req.priority)
+    key = "data" if pooling else "embedding"
     data = [
         {
-            "object": "embedding",
+            "object": "pooling" if pooling else "embedding",
             "index": i,
-            "embedding": encode(out.outputs.data.tolist(), req.encoding_format),
+            key: encode(out.outputs.data.tolist(), req.encoding_format),
         }
         for i, out in enumerate(outs)
     ]
     num_tokens = sum(len(t) for t in ids)
     h.log_extra += f" prompt_tokens={num_tokens}"
-    h.send_json(200, list_answer(rid, model, data, num_tokens))
+    usage = {"completion_tokens": 0} if pooling else {}
+    h.send_json(200, list_answer(rid, model, data, num_tokens, **usage))
 
 
 def list_answer(rid: str, model: str, data: list, num_tokens: int, **usage: int) -> dict:

@@ -66,6 +66,10 @@ from paged_server.request_group import RequestGroup
 log = logging.getLogger("paged_server")
 
 _SP_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
+# what else an engine ValueError may name: PoolingParams' fields, and the request's priority
+_POOLING_FIELDS = frozenset(
+    {"dimensions", "normalize", "use_activation", "task", "truncate_prompt_tokens", "priority"}
+)
 
 
 @dataclass(slots=True, eq=False)
@@ -392,7 +396,7 @@ class EngineClient:
             # The client named the adapter by `model`: an adapter the engine refuses is that.
             param = "model" if lora is not None and "lora" in str(e).lower() else None
             group.add_error = group.add_error or bad_request(
-                str(e), param or _guess_param(str(e), _SP_FIELDS | {"dimensions", "priority"})
+                str(e), param or _guess_param(str(e), _SP_FIELDS | _POOLING_FIELDS)
             )
         except Exception as e:
             log.exception("add_request(%s) failed", rid)

@@ -156,7 +156,7 @@ def test_pooled_chunks_restart_after_a_recompute():
 
 def test_bad_pooling_options_name_the_parameter(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"pooler_config\.pooling_type"):
-        make_llm(tiny_llama_dir, pooler_config={"pooling_type": "CLS"})
+        make_llm(tiny_llama_dir, pooler_config={"pooling_type": "MAX"})
     with pytest.raises(ValueError, match="pooler_config has unknown keys"):
         make_llm(tiny_llama_dir, pooler_config={"pooling": "MEAN"})
     llm = make_llm(tiny_llama_dir)

@@ -256,3 +256,30 @@ def test_pooling_answers_the_models_own_output(classifier, real_server: ServerPr
     ):
         status, _, r = real_server.request("POST", "/pooling", bad)
         assert status == 400 and r["error"]["param"] == param, (bad, r)
+
+
+def test_an_encoder_cross_encoder_serves_rerank_and_embeddings(tmp_path) -> None:
+    """An XLM-RoBERTa cross-encoder (bge-reranker's architecture) behind paged-server."""
+    from transformers import AutoTokenizer, XLMRobertaForSequenceClassification
+
+    from paged_engine.testing import write_tiny_encoder
+    from paged_server.cli import build_engine, parse_args
+
+    arch = "XLMRobertaForSequenceClassification"
+    path = write_tiny_encoder(tmp_path / "xlmr", arch, num_labels=1, max_position_embeddings=200)
+    engine = build_engine(parse_args([str(path), "--dtype", "float32", *COMMON_ARGS]))
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = XLMRobertaForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            status, _, r = http.request("POST", "/rerank", {"query": "a b", "documents": TEXTS})
+            assert status == 200, r
+            for x in r["results"]:
+                ids = tok("a b", text_pair=TEXTS[x["index"]])["input_ids"]
+                with torch.no_grad():
+                    want = hf(torch.tensor([ids])).logits[0, 0].sigmoid().item()
+                assert x["relevance_score"] == pytest.approx(want, abs=1e-5)
+            status, _, r = http.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})
+            assert status == 400 and "sequence classifier" in r["error"]["message"], r
+    finally:
+        engine.shutdown()

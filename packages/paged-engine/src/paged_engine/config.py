@@ -78,7 +78,7 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     # {"method": "ngram", "num_speculative_tokens": k, ...} (spec_decode/config.py)
     speculative_config: dict | None = None
-    # Embeddings (pooling.py): {"pooling_type": "LAST" | "MEAN", "normalize": bool}
+    # Embeddings (pooling.py): {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}
     pooler_config: dict | None = None
     # Fields set on the model's HF config after it loads (vLLM's hf_overrides), e.g. the
     # architectures and classifier_from_token that serve a causal LM as a reranker.

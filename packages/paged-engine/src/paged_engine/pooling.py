@@ -7,6 +7,7 @@ its prompt, the worker pools the final (normed) hidden states of those positions
 (worker/pooler.py) and the output processor adds the chunks up:
 
     LAST: the hidden state of the last prompt token (what vLLM uses for decoder embed models)
+    CLS:  the hidden state of the first prompt token (BERT's [CLS]: encoder models)
     MEAN: the mean over every prompt token (prefix caching is off for such requests: cached
           positions never run through the model)
 
@@ -27,7 +28,7 @@ from paged_engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from paged_engine.classification import ClassifierInfo
 
-POOLING_TYPES = ("LAST", "MEAN")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # What a pooling request computes: an embedding; a classifier's label probabilities; a
 # single-label classifier's (cross-encoder's) score of a text pair.
 POOLING_TASKS = ("embed", "classify", "score")
@@ -138,7 +139,7 @@ def to_sampling_params(
 
 
 def check_pooler_config(pooler_config: dict | None) -> dict:
-    """{"pooling_type": "LAST" | "MEAN", "normalize": bool} with defaults filled in."""
+    """{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool} with defaults filled in."""
     cfg = {"pooling_type": "LAST", "normalize": True}
     unknown = set(pooler_config or {}) - set(cfg)
     if unknown:
@@ -170,6 +171,8 @@ class PooledChunks:
     def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list[float]:
         if params.pooling_type == "LAST":  # the worker sends the last position alone
             pooled = list(self.chunks[num_prompt_tokens - 1][1])
+        elif params.pooling_type == "CLS":  # and the first alone
+            pooled = list(self.chunks[0][1])
         else:
             pos, total = 0, None
             while pos < num_prompt_tokens:  # the chunks tile [0, num_prompt_tokens)

@@ -64,13 +64,14 @@ def convert_architectures(hf_config: Any, convert: str) -> None:
     hf_config.architectures = renamed
 
 
-def serves(runner: str, convert: str, is_classifier: bool) -> str:
-    """ "generate", "pooling" or "both": what the engine accepts."""
-    if is_classifier:
+def serves(runner: str, convert: str, is_classifier: bool, is_encoder: bool = False) -> str:
+    """What the engine accepts: "generate", "pooling" or "both"."""
+    if is_classifier or is_encoder:
         if runner == "generate":
+            what = "a sequence classifier" if is_classifier else "an encoder-only model"
             raise ValueError(
-                "runner='generate': this model is a sequence classifier, which only pools "
-                "(use runner='pooling' or 'auto')"
+                f"runner='generate': this model is {what}, which only pools (use "
+                "runner='pooling' or 'auto')"
             )
         return "pooling"
     if runner == "auto":

@@ -1429,6 +1429,46 @@ def write_tiny_classifier(
     return path
 
 
+# Encoder-only architectures (models/bert.py) -> their transformers config class.
+ENCODER_CONFIGS = {
+    "BertModel": "BertConfig",
+    "BertForSequenceClassification": "BertConfig",
+    "XLMRobertaModel": "XLMRobertaConfig",
+    "XLMRobertaForSequenceClassification": "XLMRobertaConfig",
+}
+
+
+def write_tiny_encoder(
+    path: str | Path, arch: str, *, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Write a tiny BERT / XLM-RoBERTa model directory (`arch`: an ENCODER_CONFIGS key; random
+    weights, the tiny tokenizer, [CLS] = BOS and [SEP] = EOS ids) and return its path."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    kwargs = {
+        "vocab_size": TINY_VOCAB_SIZE,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": 130,
+        **_COMMON,
+        "sep_token_id": EOS_ID,
+        **config_overrides,
+    }
+    config = getattr(transformers, ENCODER_CONFIGS[arch])(**kwargs)
+    config.architectures = [arch]
+    torch.manual_seed(seed)
+    model = getattr(transformers, arch)(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    build_tiny_tokenizer(config.vocab_size, seed).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

@@ -35,6 +35,7 @@ from paged_engine.distributed.launch import (
     torchrun_env,
 )
 from paged_engine.distributed.parallel_state import check_model_parallelism
+from paged_engine.engine.encoder import encoder_class, encoder_engine_config, encoder_sep_token
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
@@ -99,6 +100,10 @@ class LLMEngine:
         apply_hf_overrides(self.hf_config, config.hf_overrides)
         convert_architectures(self.hf_config, config.convert)  # convert="classify"
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
+        # BERT / RoBERTa (engine/encoder.py): whole sequences in one step, pooling only
+        self.is_encoder = encoder_engine_config(
+            config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path
+        )
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -115,9 +120,13 @@ class LLMEngine:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         # A *ForSequenceClassification model: it classifies and scores, never generates.
         resolve_from_token(self.hf_config, self.tokenizer)  # a head built from LM-head rows
+        if self.is_encoder:
+            encoder_sep_token(self.hf_config, self.tokenizer)
         self.classifier = classifier_info(self.hf_config)
         # "generate", "pooling" or "both": the requests add_request takes (runner.py)
-        self.serves = serves(config.runner, config.convert, self.classifier is not None)
+        self.serves = serves(
+            config.runner, config.convert, self.classifier is not None, self.is_encoder
+        )
         if self.classifier is not None and config.speculative_config is not None:
             raise ValueError(
                 "speculative_config: a sequence-classification model generates no tokens to "
@@ -349,6 +358,12 @@ class LLMEngine:
                 "it classifies (LLM.classify) and scores text pairs (LLM.score), it does not "
                 "generate; pass PoolingParams"
             )
+        if self.is_encoder:
+            arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+            raise ValueError(
+                f"params: this model ({arch}) is encoder-only: it embeds (LLM.embed) and, with a "
+                "classification head, classifies and scores; it does not generate"
+            )
         if self.serves == "pooling":
             raise ValueError(
                 "params: this engine runs pooling requests only (runner='pooling'); pass "
@@ -517,6 +532,9 @@ def _max_positions(hf_config) -> int | None:
     positions: Mamba), whose max_model_len is the user's choice (default 2048)."""
     if is_hybrid(hf_config) and num_kv_layers(hf_config) == 0:
         return None
+    encoder = encoder_class(hf_config)
+    if encoder is not None:  # RoBERTa's positions start past the padding id
+        return encoder.max_positions(hf_config)
     for key in CONTEXT_LENGTH_KEYS:
         value = getattr(hf_config, key, None)
         if isinstance(value, int) and value > 0:

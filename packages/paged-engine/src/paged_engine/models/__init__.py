@@ -10,6 +10,7 @@ from paged_engine.classification import causal_names
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
+from paged_engine.models.bert import ENCODERS
 from paged_engine.models.bloom import BloomForCausalLM
 from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
@@ -165,6 +166,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DbrxForCausalLM": DbrxForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
 }
 
 

@@ -2,7 +2,8 @@
 
     batch row i computes prompt positions [start, end) at hidden rows [cu[i], cu[i] + end - start)
 
-LAST sends the hidden state of position num_prompt - 1 when the step computes it; MEAN sends
+LAST sends the hidden state of position num_prompt - 1 when the step computes it (CLS: of
+position 0); MEAN sends
 the sum over [start, end) and its length, so chunked prefills add up on the host. Vectors are
 float32 whatever the model dtype. A classification request (params.classify) pools the logits of
 the model's head (`classify`: [n, D] -> [n, num_labels], in the model dtype) at those positions.
@@ -36,11 +37,14 @@ def pool_hidden(
         if end <= start:  # a decode step (the throwaway token): nothing to pool
             continue
         lo = int(inputs.cu[i])
-        last = c.params.pooling_type == "LAST"
-        if last and end < c.num_prompt_tokens:
-            continue  # the last prompt position comes in a later chunk
-        first, count = (end - 1, 1) if last else (start, end - start)
-        rows = hidden[lo + first - start : lo + end - start]  # positions [first, end)
+        kind = c.params.pooling_type
+        if (kind == "LAST" and end < c.num_prompt_tokens) or (kind == "CLS" and start > 0):
+            continue  # the pooled position comes in another chunk
+        if kind == "MEAN":
+            first, count = start, end - start
+        else:
+            first, count = (end - 1 if kind == "LAST" else 0), 1
+        rows = hidden[lo + first - start : lo + first - start + count]  # [first, first + count)
         if c.params.classify:
             assert head is not None, "a classification request on a model without a classifier"
             rows = head(rows)

@@ -1,0 +1,282 @@
+"""Encoder-only models for embeddings and cross-encoder scores: BERT (`BertModel`,
+`BertForSequenceClassification`) and RoBERTa / XLM-RoBERTa (`RobertaModel`, `XLMRobertaModel`
+and their `*ForSequenceClassification`): bge, e5, gte, MiniLM sentence embedders, bge-m3,
+bge-reranker, ms-marco cross-encoders.
+
+Every token attends to every token of its own sequence (bidirectional), so a sequence runs
+whole in one step: the engine turns chunked prefill and prefix caching off for these models
+(engine/encoder.py) and they never decode. They keep no KV cache: attention runs per sequence
+over this step's keys and values (torch SDPA), the paged cache the engine allocates stays
+unused. The names of every module are transformers', so checkpoints load by name (with or
+without the `bert.` / `roberta.` prefix a task head adds).
+
+    h = LayerNorm(word[ids] + position[pos] + token_type[types])
+    per layer: h = LN(h + Wo attn(h)); h = LN(h + W2 act(W1 h))          (post-norm)
+
+BERT positions are 0..n-1; RoBERTa's count non-padding tokens from `pad_token_id + 1` (as
+transformers' `create_position_ids_from_input_ids`). A BERT token's type is 1 after the first
+`[SEP]` of its sequence, else 0: what the tokenizer gives `[CLS] a [SEP] b [SEP]` (a text pair)
+and `[CLS] a [SEP]` (one text).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.models.sequence_classifier import ZeroLogits
+from paged_engine.models.utils import load_named_weights
+
+_ACTS = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def _act(config):
+    name = getattr(config, "hidden_act", "gelu")
+    if name not in _ACTS:
+        raise ValueError(f"hidden_act={name!r} is not supported for encoder models: {list(_ACTS)}")
+    return _ACTS[name]
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.LayerNorm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(ids) + self.token_type_embeddings(types)
+        return self.LayerNorm(x + self.position_embeddings(pos))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.query, self.key, self.value = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        t, h = x.shape
+        q, k, v = (
+            p(x).view(t, self.num_heads, -1).transpose(0, 1)
+            for p in (self.query, self.key, self.value)
+        )
+        out = torch.zeros_like(q)
+        for lo, hi in bounds:  # each sequence attends to itself only, in both directions
+            out[:, lo:hi] = F.scaled_dot_product_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])
+        return out.transpose(0, 1).reshape(t, h)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        return self.output.LayerNorm(x + self.output.dense(self.self(x, bounds)))
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+
+class BertOutput(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+        self.act = _act(config)
+
+    def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        x = self.attention(x, bounds)
+        y = self.output.dense(self.act(self.intermediate.dense(x)))
+        return self.output.LayerNorm(x + y)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertPooler(nn.Module):
+    """The [CLS] token's hidden state through dense + tanh (BERT's classification input)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+
+class EncoderBase(nn.Module):
+    """The shell every encoder class shares: the stack under `prefix` (transformers' attribute of
+    a task model), zero logits for the pooling request's throwaway token, loading by name."""
+
+    is_encoder: ClassVar[bool] = True
+    prefix: ClassVar[str] = "bert"
+    roberta_positions: ClassVar[bool] = False
+    pooler: ClassVar[bool] = False  # the stack keeps BERT's pooler (a task head reads it)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        for name in ("position_embedding_type",):
+            value = getattr(config, name, "absolute")
+            if value not in (None, "absolute"):
+                raise ValueError(f"{name}={value!r} is not supported (absolute positions only)")
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        if self.pooler:
+            self.pooler_head = BertPooler(config)
+        self.logits = ZeroLogits(config.vocab_size)
+        self.pad_id = getattr(config, "pad_token_id", None)
+        self.sep_id = getattr(config, "sep_token_id", None)  # set by the engine for BERT pairs
+
+    @staticmethod
+    def max_positions(config) -> int:
+        """The longest sequence the position table covers."""
+        return int(config.max_position_embeddings)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list,
+        attn_metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        cu = attn_metadata.cu_seqlens_q.tolist()
+        bounds = [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
+        types = torch.zeros_like(input_ids)
+        pos = positions
+        if self.roberta_positions:
+            pos = torch.zeros_like(input_ids)
+        for lo, hi in bounds:
+            ids = input_ids[lo:hi]
+            if self.roberta_positions:  # count real tokens from pad_token_id + 1
+                real = (ids != self.pad_id).long()
+                pos[lo:hi] = torch.cumsum(real, 0) * real + self.pad_id
+            elif self.sep_id is not None and self.config.type_vocab_size > 1:
+                sep = (ids == self.sep_id).long()
+                types[lo:hi] = ((torch.cumsum(sep, 0) - sep) > 0).long()
+        x = self.embeddings(input_ids, pos, types)
+        for layer in self.encoder.layer:
+            x = layer(x, bounds)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def rename_weight(self, name: str) -> str:
+        name = name.removeprefix(f"{self.prefix}.")
+        return "pooler_head." + name.removeprefix("pooler.") if name.startswith("pooler.") else name
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        ignored = ("embeddings.position_ids", "embeddings.token_type_ids")
+        # a checkpoint's pooler this class has no use for (an embedding model of RoBERTa's)
+        drop = () if self.pooler else ("pooler_head.",)
+        return load_named_weights(
+            self,
+            weights,
+            rename=self.rename_weight,
+            skip=lambda n: n.startswith(ignored + drop) or n.startswith(("cls.", "lm_head.")),
+            strict=strict,
+        )
+
+
+class BertModel(EncoderBase):
+    """BERT's encoder: embeddings pooled from its final hidden states."""
+
+
+class RobertaModel(EncoderBase):
+    """RoBERTa / XLM-RoBERTa's encoder (bge-m3, e5-multilingual)."""
+
+    prefix = "roberta"
+    roberta_positions = True
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return int(config.max_position_embeddings) - int(config.pad_token_id) - 1
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT with transformers' head: classifier(tanh(pooler(h[CLS])))."""
+
+    pooler = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    def rename_weight(self, name: str) -> str:
+        return name if name.startswith("classifier.") else super().rename_weight(name)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, labels]
+        return self.classifier(torch.tanh(self.pooler_head.dense(cls_rows)))
+
+
+class RobertaClassificationHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.out_proj = nn.Linear(config.hidden_size, int(config.num_labels))
+
+
+class RobertaForSequenceClassification(RobertaModel):
+    """RoBERTa with transformers' head: out_proj(tanh(dense(h[CLS]))) (bge-reranker)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = RobertaClassificationHead(config)
+
+    def rename_weight(self, name: str) -> str:
+        return name if name.startswith("classifier.") else super().rename_weight(name)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        head = self.classifier
+        return head.out_proj(torch.tanh(head.dense(cls_rows)))
+
+
+ENCODERS: dict[str, type[nn.Module]] = {
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaModel": RobertaModel,
+    "XLMRobertaModel": RobertaModel,
+    "RobertaForSequenceClassification": RobertaForSequenceClassification,
+    "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+}

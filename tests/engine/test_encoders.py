@@ -34,6 +34,7 @@ def test_embeddings_match_hf(tmp_path, arch) -> None:
     # small token budget: several steps, each sequence whole in one of them
     llm = LLM(model=str(path), max_num_batched_tokens=64, max_model_len=64, **KW)
     assert llm.llm_engine.config.enable_chunked_prefill is False
+    assert llm.llm_engine.model_runner.cache.kv_caches == []  # no KV memory at all
     outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
     with torch.no_grad():
         hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]

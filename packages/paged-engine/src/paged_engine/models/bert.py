@@ -6,9 +6,10 @@ bge-reranker, ms-marco cross-encoders.
 Every token attends to every token of its own sequence (bidirectional), so a sequence runs
 whole in one step: the engine turns chunked prefill and prefix caching off for these models
 (engine/encoder.py) and they never decode. They keep no KV cache: attention runs per sequence
-over this step's keys and values (torch SDPA), the paged cache the engine allocates stays
-unused. The names of every module are transformers', so checkpoints load by name (with or
-without the `bert.` / `roberta.` prefix a task head adds).
+over this step's keys and values (torch SDPA), and the engine allocates no KV memory for
+them (`kv_cache_layout` is empty: its blocks only count tokens). The names of every module
+are transformers', so checkpoints load by name (with or without the `bert.` / `roberta.`
+prefix a task head adds).
 
     h = LayerNorm(word[ids] + position[pos] + token_type[types])
     per layer: h = LN(h + Wo attn(h)); h = LN(h + W2 act(W1 h))          (post-norm)
@@ -169,6 +170,11 @@ class EncoderBase(nn.Module):
     def max_positions(config) -> int:
         """The longest sequence the position table covers."""
         return int(config.max_position_embeddings)
+
+    @staticmethod
+    def kv_cache_layout(config) -> list[tuple[int, int]]:
+        """No layer caches keys or values: the engine's blocks only count tokens."""
+        return []
 
     def forward(
         self,

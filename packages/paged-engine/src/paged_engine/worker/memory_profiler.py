@@ -53,6 +53,13 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
     )
     if runner.draft is not None:  # a draft model's cache: the same blocks, a second set
         bytes_per_block += runner.draft.bytes_per_block(runner.block_size)
+    if bytes_per_block == 0 and runner.states is None:
+        # Nothing cached at all (an encoder, models/bert.py): blocks only count tokens and
+        # cost no memory, enough for max_num_seqs sequences of max_model_len.
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        assert cfg.max_model_len is not None
+        return 1 + cfg.max_num_seqs * -(-cfg.max_model_len // runner.block_size)
     if bytes_per_block == 0:
         # No KV layers (a pure state-space model): the budget is counted in recurrent-state
         # rows instead, which the prefix cache's snapshots take (fit_state_snapshots).

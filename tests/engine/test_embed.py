@@ -196,3 +196,20 @@ def test_default_model_embeds_like_hf(hf_default_model):
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-3, msg=pooling)
         v = [torch.tensor(o.outputs.embedding) for o in outs]
         assert v[0].shape == (576,) and v[0] @ v[1] > v[0] @ v[2], pooling
+
+
+def test_matryoshka_dimensions_truncate_before_normalizing(tiny_llama_dir):
+    """A model trained for truncated embeddings (`is_matryoshka`, or `matryoshka_dimensions`
+    listing the sizes: vLLM's config fields) takes `dimensions`: the first k values of the
+    pooled vector, then L2-normalized."""
+    (ref,) = hf_embeddings(tiny_llama_dir, [PROMPTS[0]], "LAST", normalize=False)
+    any_size = make_llm(tiny_llama_dir, hf_overrides={"is_matryoshka": True})
+    (out,) = any_size.embed(PROMPTS[0], PoolingParams(dimensions=8), use_tqdm=False)
+    want = torch.nn.functional.normalize(ref[:8], dim=-1)
+    assert out.outputs.embedding == pytest.approx(want.tolist(), abs=1e-5)
+    listed = make_llm(tiny_llama_dir, hf_overrides={"matryoshka_dimensions": [8, 16]})
+    (out,) = listed.embed(PROMPTS[0], PoolingParams(dimensions=16, normalize=False), use_tqdm=False)
+    assert out.outputs.embedding == pytest.approx(ref[:16].tolist(), abs=1e-5)
+    for bad in (12, 10_000):
+        with pytest.raises(ValueError, match=f"dimensions={bad} is not supported"):
+            listed.embed(PROMPTS[0], PoolingParams(dimensions=bad), use_tqdm=False)

@@ -36,8 +36,10 @@ POOLING_TASKS = ("embed", "classify", "score")
 
 @dataclass(slots=True)
 class PoolingParams:
-    """Per-request pooling options (vLLM's names). `dimensions` (Matryoshka truncation) is
-    accepted only as None or the model's hidden size; `normalize=None` takes the engine's
+    """Per-request pooling options (vLLM's names). `dimensions` keeps an embedding's first
+    `dimensions` values before it is normalized (Matryoshka truncation): only for a model whose
+    config says it was trained for it (`is_matryoshka`, or `matryoshka_dimensions` listing the
+    sizes allowed), else only the hidden size itself; `normalize=None` takes the engine's
     `pooler_config` (normalized by default, as vLLM does for embedding models);
     `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: as many as
     max_model_len allows). For a classifier: `use_activation=False` returns the head's raw
@@ -82,6 +84,7 @@ class PoolingSamplingParams(SamplingParams):
     pooling_type: str = "LAST"
     normalize: bool = True
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the most)
+    dimensions: int | None = None  # keep the first k values before normalizing (Matryoshka)
     classify: bool = False  # pool the classifier head's logits, not the hidden states
     activation: str = "identity"  # of the pooled logits (classification.ACTIVATIONS)
 
@@ -91,10 +94,12 @@ def to_sampling_params(
     pooler_config: dict | None,
     hidden_size: int,
     classifier: ClassifierInfo | None = None,
+    matryoshka: tuple[int, ...] | None = None,
 ) -> PoolingSamplingParams:
     """The engine's form of a pooling request; ValueError naming the parameter when the model
     cannot run it (a classifier does not embed, an embedding model does not classify, only a
-    single-label classifier scores)."""
+    single-label classifier scores). `matryoshka`: the embedding sizes the model was trained
+    for (() = any up to its hidden size; None: it was not)."""
     cfg = check_pooler_config(pooler_config)
     task = params.task or ("classify" if classifier is not None else "embed")
     if classifier is None:
@@ -103,13 +108,20 @@ def to_sampling_params(
                 f"task={task!r} needs a sequence-classification model "
                 "(*ForSequenceClassification); this one embeds"
             )
-        if params.dimensions is not None and params.dimensions != hidden_size:
-            raise ValueError(
-                f"dimensions={params.dimensions} is not supported: this model's embeddings have "
-                f"{hidden_size} dimensions and it was not trained for truncated (Matryoshka) ones"
-            )
+        dims = params.dimensions
+        if dims is not None and dims != hidden_size:
+            if matryoshka is None:
+                raise ValueError(
+                    f"dimensions={dims} is not supported: this model's embeddings have "
+                    f"{hidden_size} dimensions and it was not trained for truncated "
+                    "(Matryoshka) ones"
+                )
+            if dims > hidden_size or (matryoshka and dims not in matryoshka):
+                sizes = list(matryoshka) if matryoshka else f"1..{hidden_size}"
+                raise ValueError(f"dimensions={dims} is not supported: this model's are {sizes}")
         normalize = cfg["normalize"] if params.normalize is None else params.normalize
-        head: dict[str, Any] = {"normalize": normalize}
+        truncate = dims if dims is not None and dims < hidden_size else None
+        head: dict[str, Any] = {"normalize": normalize, "dimensions": truncate}
     else:
         if task == "embed":
             raise ValueError(
@@ -183,6 +195,8 @@ class PooledChunks:
             pooled = [v / num_prompt_tokens for v in total]
         if params.classify:
             return activate(pooled, params.activation)
+        if params.dimensions is not None:
+            pooled = pooled[: params.dimensions]
         if params.normalize:
             norm = math.sqrt(sum(v * v for v in pooled))
             pooled = [v / max(norm, 1e-12) for v in pooled]
@@ -228,3 +242,12 @@ class EmbeddingRequestOutput:
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
         embedding = EmbeddingOutput(out.outputs.data.tolist())
         return cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.prompt)
+
+
+def matryoshka_sizes(hf_config: Any) -> tuple[int, ...] | None:
+    """The truncated embedding sizes a model was trained for (vLLM's reading of its config):
+    `matryoshka_dimensions` listed; () for `is_matryoshka` without a list (any size); None."""
+    sizes = getattr(hf_config, "matryoshka_dimensions", None)
+    if sizes:
+        return tuple(int(d) for d in sizes)
+    return () if getattr(hf_config, "is_matryoshka", False) else None

@@ -56,7 +56,7 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.outputs import RequestOutput
-from paged_engine.pooling import PoolingParams, to_sampling_params
+from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
@@ -326,7 +326,11 @@ class LLMEngine:
         if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
             params = to_sampling_params(
-                params, self.config.pooler_config, hidden_size, self.classifier
+                params,
+                self.config.pooler_config,
+                hidden_size,
+                self.classifier,
+                matryoshka_sizes(self.hf_config),
             )
         if lora_request is not None:
             if self.lora_registry is None:

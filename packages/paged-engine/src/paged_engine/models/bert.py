@@ -153,10 +153,13 @@ class EncoderBase(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        for name in ("position_embedding_type",):
-            value = getattr(config, name, "absolute")
-            if value not in (None, "absolute"):
-                raise ValueError(f"{name}={value!r} is not supported (absolute positions only)")
+        kind = getattr(config, "position_embedding_type", "absolute")
+        if kind not in (None, "absolute"):
+            raise ValueError(
+                f"position_embedding_type={kind!r} is not supported (absolute positions only)"
+            )
+        if self.roberta_positions and getattr(config, "pad_token_id", None) is None:
+            raise ValueError("pad_token_id is required: RoBERTa's positions count from it")
         self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
@@ -214,7 +217,7 @@ class EncoderBase(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> set[str]:
         ignored = ("embeddings.position_ids", "embeddings.token_type_ids")
-        # a checkpoint's pooler this class has no use for (an embedding model of RoBERTa's)
+        # a checkpoint's pooler that no head of this class reads (an embedding model's)
         drop = () if self.pooler else ("pooler_head.",)
         return load_named_weights(
             self,

@@ -27,9 +27,14 @@ def hf(path, arch: str):
     return getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel"])
+# ModernBERT with a window (4 each side) shorter than the long prompt, and 3 layers: a global
+# one, then two windowed ones, each type with its own rope theta
+MODERNBERT = {"local_attention": 8, "num_hidden_layers": 3}
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "XLMRobertaModel", "ModernBertModel"])
 def test_embeddings_match_hf(tmp_path, arch) -> None:
-    path = write_tiny_encoder(tmp_path / arch, arch)
+    path = write_tiny_encoder(tmp_path / arch, arch, **(MODERNBERT if "Modern" in arch else {}))
     model = hf(path, arch)
     # small token budget: several steps, each sequence whole in one of them
     llm = LLM(model=str(path), max_num_batched_tokens=64, max_model_len=64, **KW)
@@ -88,10 +93,15 @@ def test_sentence_transformers_files_choose_the_pooling(tmp_path) -> None:
 
 @pytest.mark.parametrize(
     ("arch", "num_labels"),
-    [("BertForSequenceClassification", 3), ("XLMRobertaForSequenceClassification", 1)],
+    [
+        ("BertForSequenceClassification", 3),
+        ("XLMRobertaForSequenceClassification", 1),
+        ("ModernBertForSequenceClassification", 1),
+    ],
 )
 def test_classifiers_and_cross_encoders_match_hf(tmp_path, arch, num_labels) -> None:
-    path = write_tiny_encoder(tmp_path / arch, arch, num_labels=num_labels)
+    extra = MODERNBERT if "Modern" in arch else {}
+    path = write_tiny_encoder(tmp_path / arch, arch, num_labels=num_labels, **extra)
     model = hf(path, arch)
     llm = LLM(model=str(path), **KW)
     off = PoolingParams(use_activation=False)
@@ -133,6 +143,11 @@ def test_encoders_refuse_what_they_cannot_run(tmp_path) -> None:
     cls = write_tiny_encoder(tmp_path / "c", "BertForSequenceClassification", num_labels=2)
     with pytest.raises(ValueError, match="pooler_config"):
         LLM(model=str(cls), pooler_config={"pooling_type": "MEAN"}, **KW)
+    mean = write_tiny_encoder(
+        tmp_path / "m", "ModernBertForSequenceClassification", classifier_pooling="mean"
+    )
+    with pytest.raises(ValueError, match="classifier_pooling"):
+        LLM(model=str(mean), **KW)
 
 
 def test_cls_pooling_on_a_decoder_pools_its_first_token(tmp_path) -> None:

@@ -1435,6 +1435,8 @@ ENCODER_CONFIGS = {
     "BertForSequenceClassification": "BertConfig",
     "XLMRobertaModel": "XLMRobertaConfig",
     "XLMRobertaForSequenceClassification": "XLMRobertaConfig",
+    "ModernBertModel": "ModernBertConfig",
+    "ModernBertForSequenceClassification": "ModernBertConfig",
 }
 
 
@@ -1456,6 +1458,7 @@ def write_tiny_encoder(
         "max_position_embeddings": 130,
         **_COMMON,
         "sep_token_id": EOS_ID,
+        "cls_token_id": BOS_ID,
         **config_overrides,
     }
     config = getattr(transformers, ENCODER_CONFIGS[arch])(**kwargs)

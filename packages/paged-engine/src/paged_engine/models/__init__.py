@@ -59,6 +59,7 @@ from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
+from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
 from paged_engine.models.nemotron import NemotronForCausalLM
@@ -167,6 +168,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
+    **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }
 
 

@@ -44,10 +44,10 @@ _ACTS = {
 }
 
 
-def _act(config):
-    name = getattr(config, "hidden_act", "gelu")
+def activation(name: str, field: str = "hidden_act"):
+    """An encoder's activation by its transformers name; ValueError naming `field`."""
     if name not in _ACTS:
-        raise ValueError(f"hidden_act={name!r} is not supported for encoder models: {list(_ACTS)}")
+        raise ValueError(f"{field}={name!r} is not supported for encoder models: {list(_ACTS)}")
     return _ACTS[name]
 
 
@@ -120,7 +120,7 @@ class BertLayer(nn.Module):
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
         self.output = BertOutput(config)
-        self.act = _act(config)
+        self.act = activation(getattr(config, "hidden_act", "gelu"))
 
     def forward(self, x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
         x = self.attention(x, bounds)

@@ -1,0 +1,231 @@
+"""ModernBERT (`ModernBertModel`, `ModernBertForSequenceClassification`): the encoder behind
+gte-modernbert, nomic-embed ModernBERT and ModernBERT rerankers. An encoder as models/bert.py's
+(whole sequences in one step, no KV cache, pooling only), with a pre-norm stack:
+
+    h = LN(embed[ids])
+    per layer: h += Wo attn(LN(h))         (layer 0: no norm before its attention)
+               h += Wo (act(a) * g)        [a | g] = Wi LN(h)
+    out = LN(h)
+
+Attention is bidirectional with NeoX rotary embeddings; `layer_types` says which layers attend
+globally and which within a window (|i - j| <= sliding_window = local_attention / 2), each type
+with its own rope theta. Older configs (global_attn_every_n_layers, global / local_rope_theta)
+are read the same way. The classifier reads the [CLS] token through `head` (dense, act, norm);
+`classifier_pooling="mean"` is refused by name.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.models.bert import activation
+from paged_engine.models.sequence_classifier import ZeroLogits
+from paged_engine.models.utils import load_named_weights
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    every = int(getattr(config, "global_attn_every_n_layers", 1) or 1)
+    return [
+        "full_attention" if i % every == 0 else "sliding_attention"
+        for i in range(config.num_hidden_layers)
+    ]
+
+
+def _rope_theta(config, kind: str) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get(kind):
+        return float(params[kind]["rope_theta"])
+    key = "global_rope_theta" if kind == "full_attention" else "local_rope_theta"
+    return float(getattr(config, key))
+
+
+def _ln(config) -> nn.LayerNorm:
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.norm = _ln(config)
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, config, window: int | None) -> None:
+        super().__init__()
+        h, bias = config.hidden_size, config.attention_bias
+        self.num_heads = config.num_attention_heads
+        self.window = window
+        self.Wqkv = nn.Linear(h, 3 * h, bias=bias)
+        self.Wo = nn.Linear(h, h, bias=bias)
+
+    def forward(self, x, cos, sin, bounds: list[tuple[int, int]]) -> torch.Tensor:
+        t, h = x.shape
+        q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # [T, heads, d]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = (y.transpose(0, 1) for y in (q, k, v))  # [heads, T, d]
+        out = torch.zeros_like(q)
+        for lo, hi in bounds:  # each sequence attends to itself (within the window)
+            mask = None
+            if self.window is not None:
+                idx = torch.arange(hi - lo, device=x.device)
+                mask = (idx[:, None] - idx[None, :]).abs() <= self.window
+            out[:, lo:hi] = F.scaled_dot_product_attention(
+                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], attn_mask=mask
+            )
+        return self.Wo(out.transpose(0, 1).reshape(t, h))
+
+
+class ModernBertMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, inner = config.hidden_size, int(config.intermediate_size)
+        self.Wi = nn.Linear(h, 2 * inner, bias=config.mlp_bias)
+        self.Wo = nn.Linear(inner, h, bias=config.mlp_bias)
+        self.act = activation(config.hidden_activation, "hidden_activation")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, g = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.act(a) * g)
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, config, i: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.attn_norm = nn.Identity() if i == 0 else _ln(config)
+        window = int(config.local_attention) // 2 if kind == "sliding_attention" else None
+        self.attn = ModernBertAttention(config, window)
+        self.mlp_norm = _ln(config)
+        self.mlp = ModernBertMLP(config)
+
+    def forward(self, x, cos, sin, bounds) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, bounds)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertModel(nn.Module):
+    """The ModernBERT stack, named as transformers' (`model.` under a task head)."""
+
+    is_encoder: ClassVar[bool] = True
+    prefix: ClassVar[str] = "model"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.kinds = _layer_types(config)
+        self.embeddings = ModernBertEmbeddings(config)
+        self.layers = nn.ModuleList(
+            ModernBertLayer(config, i, kind) for i, kind in enumerate(self.kinds)
+        )
+        self.final_norm = _ln(config)
+        self.logits = ZeroLogits(config.vocab_size)
+        head_dim = config.hidden_size // config.num_attention_heads
+        exps = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        for kind in sorted(set(self.kinds)):
+            inv = 1.0 / (_rope_theta(config, kind) ** exps)
+            self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return int(config.max_position_embeddings)
+
+    @staticmethod
+    def kv_cache_layout(config) -> list[tuple[int, int]]:
+        """No layer caches keys or values: the engine's blocks only count tokens."""
+        return []
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list,
+        attn_metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        cu = attn_metadata.cu_seqlens_q.tolist()
+        bounds = [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
+        x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
+        rope = {}
+        for kind in set(self.kinds):  # cos / sin [T, 1, d] per layer type, float32 then cast
+            freqs = positions[:, None].float() * getattr(self, f"inv_freq_{kind}")
+            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+            rope[kind] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        for layer in self.layers:
+            x = layer(x, *rope[layer.kind], bounds)
+        return self.final_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def rename_weight(self, name: str) -> str:
+        return name.removeprefix(f"{self.prefix}.")
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        return load_named_weights(
+            self,
+            weights,
+            rename=self.rename_weight,
+            skip=lambda n: n.startswith(("head.", "decoder.")),  # an MLM checkpoint's head
+            strict=strict,
+        )
+
+
+class ModernBertPredictionHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
+        self.act = activation(config.classifier_activation, "classifier_activation")
+        self.norm = _ln(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act(self.dense(x)))
+
+
+class ModernBertForSequenceClassification(ModernBertModel):
+    """ModernBERT with transformers' head: classifier(head(h[CLS]))."""
+
+    def __init__(self, config) -> None:
+        pooling = getattr(config, "classifier_pooling", "cls")
+        if pooling != "cls":
+            raise ValueError(
+                f"classifier_pooling={pooling!r} is not supported: the head reads the [CLS] token"
+            )
+        super().__init__(config)
+        self.head = ModernBertPredictionHead(config)
+        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    def rename_weight(self, name: str) -> str:
+        return name if name.startswith(("head.", "classifier.")) else super().rename_weight(name)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        return load_named_weights(self, weights, rename=self.rename_weight, strict=strict)
+
+    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.head(cls_rows))
+
+
+MODERNBERT: dict[str, type[nn.Module]] = {
+    "ModernBertModel": ModernBertModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
+}

@@ -143,11 +143,30 @@ def test_encoders_refuse_what_they_cannot_run(tmp_path) -> None:
     cls = write_tiny_encoder(tmp_path / "c", "BertForSequenceClassification", num_labels=2)
     with pytest.raises(ValueError, match="pooler_config"):
         LLM(model=str(cls), pooler_config={"pooling_type": "MEAN"}, **KW)
-    mean = write_tiny_encoder(
-        tmp_path / "m", "ModernBertForSequenceClassification", classifier_pooling="mean"
+    from types import SimpleNamespace
+
+    from paged_engine.models.modernbert import ModernBertForSequenceClassification
+
+    with pytest.raises(ValueError, match="classifier_pooling"):  # transformers' own check too
+        ModernBertForSequenceClassification.classifier_pooling_type(
+            SimpleNamespace(classifier_pooling="max")
+        )
+
+
+def test_a_mean_pooled_modernbert_classifier_matches_hf(tmp_path) -> None:
+    """ModernBERT's classifier_pooling="mean" (its base config's default): the non-linear head
+    runs on the sequence's mean, which the worker pools first."""
+    arch = "ModernBertForSequenceClassification"
+    path = write_tiny_encoder(
+        tmp_path / "mean", arch, num_labels=3, classifier_pooling="mean", **MODERNBERT
     )
-    with pytest.raises(ValueError, match="classifier_pooling"):
-        LLM(model=str(mean), **KW)
+    model = hf(path, arch)
+    llm = LLM(model=str(path), max_num_batched_tokens=64, max_model_len=64, **KW)
+    assert llm.llm_engine.config.pooler_config["pooling_type"] == "MEAN"
+    for out, p in zip(llm.classify(PROMPTS, use_tqdm=False), PROMPTS):
+        with torch.no_grad():
+            want = model(torch.tensor([p])).logits[0].softmax(-1)
+        assert out.outputs.probs == pytest.approx(want.tolist(), abs=1e-5)
 
 
 def test_cls_pooling_on_a_decoder_pools_its_first_token(tmp_path) -> None:

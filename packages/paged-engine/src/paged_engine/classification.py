@@ -99,6 +99,10 @@ class ClassifierInfo:
     labels: tuple[str, ...]  # label names in index order (config.id2label)
     activation: str  # LLM.classify's, one of ACTIVATIONS
     score_activation: str  # LLM.score's (a single-label cross-encoder)
+    # The head is not linear and reads the mean over the prompt (ModernBERT's mean-pooled
+    # classifiers): the worker pools first, then runs the head (an encoder's sequences are
+    # whole in their step), instead of pooling the head's per-position logits.
+    head_after_pooling: bool = False
 
     @property
     def scores(self) -> bool:

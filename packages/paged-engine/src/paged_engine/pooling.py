@@ -87,6 +87,7 @@ class PoolingSamplingParams(SamplingParams):
     dimensions: int | None = None  # keep the first k values before normalizing (Matryoshka)
     classify: bool = False  # pool the classifier head's logits, not the hidden states
     activation: str = "identity"  # of the pooled logits (classification.ACTIVATIONS)
+    head_after_pooling: bool = False  # the worker's MEAN chunk is the head's final logits
 
 
 def to_sampling_params(
@@ -138,7 +139,12 @@ def to_sampling_params(
                 raise ValueError(f"{name} applies to embeddings, not to a classifier's output")
         act = classifier.activation if task == "classify" else classifier.score_activation
         act = act if params.use_activation is not False else "identity"
-        head = {"normalize": False, "classify": True, "activation": act}
+        head = {
+            "normalize": False,
+            "classify": True,
+            "activation": act,
+            "head_after_pooling": classifier.head_after_pooling,
+        }
     return PoolingSamplingParams(
         temperature=0.0,
         max_tokens=1,
@@ -183,7 +189,7 @@ class PooledChunks:
     def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list[float]:
         if params.pooling_type == "LAST":  # the worker sends the last position alone
             pooled = list(self.chunks[num_prompt_tokens - 1][1])
-        elif params.pooling_type == "CLS":  # and the first alone
+        elif params.pooling_type == "CLS" or params.head_after_pooling:  # and the first alone
             pooled = list(self.chunks[0][1])
         else:
             pos, total = 0, None

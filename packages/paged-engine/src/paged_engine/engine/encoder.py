@@ -5,7 +5,8 @@ position: chunked prefill and prefix caching are off (CUDA graphs too: nothing d
 Encoders only pool (embeddings, classification, cross-encoder scores). Their pooling comes from
 sentence-transformers' files when the model directory has them (`modules.json`, the Pooling
 module's `config.json`: CLS, mean or last token; a Normalize module), else the [CLS] token,
-normalized, as vLLM pools BERT; a classifier's head reads the [CLS] token, so it pools that.
+normalized, as vLLM pools BERT; a classifier pools what its head reads (the [CLS] token, or
+ModernBERT's `classifier_pooling="mean"`).
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
     config.enforce_eager = True  # it never decodes: no decode graphs to capture
     classifier = arch.endswith("ForSequenceClassification")
     if classifier:
-        given = (config.pooler_config or {}).get("pooling_type", "CLS")
-        if str(given).upper() != "CLS":
+        cls = encoder_class(hf_config)
+        reads = getattr(cls, "classifier_pooling_type", lambda c: "CLS")(hf_config)
+        given = (config.pooler_config or {}).get("pooling_type", reads)
+        if str(given).upper() != reads:
             raise ValueError(
-                f"pooler_config: {arch}'s classification head reads the [CLS] token; "
-                f"pooling_type {given!r} is not supported"
+                f"pooler_config: {arch}'s classification head reads the {reads} pooling of "
+                f"the sequence; pooling_type {given!r} is not supported"
             )
-        config.pooler_config = {**(config.pooler_config or {}), "pooling_type": "CLS"}
+        config.pooler_config = {**(config.pooler_config or {}), "pooling_type": reads}
     elif config.pooler_config is None:
         config.pooler_config = sentence_transformers_pooling(model_dir) or {
             "pooling_type": "CLS",

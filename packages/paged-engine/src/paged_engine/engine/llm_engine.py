@@ -12,6 +12,7 @@ thread). The tokenizer is the engine thread's: other threads use their own copy.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -123,6 +124,10 @@ class LLMEngine:
         if self.is_encoder:
             encoder_sep_token(self.hf_config, self.tokenizer)
         self.classifier = classifier_info(self.hf_config)
+        encoder = encoder_class(self.hf_config) if self.is_encoder else None
+        if self.classifier is not None and encoder is not None:
+            after = getattr(encoder, "head_after_pooling", lambda c: False)(self.hf_config)
+            self.classifier = dataclasses.replace(self.classifier, head_after_pooling=after)
         # "generate", "pooling" or "both": the requests add_request takes (runner.py)
         self.serves = serves(
             config.runner, config.convert, self.classifier is not None, self.is_encoder

@@ -10,8 +10,8 @@ gte-modernbert, nomic-embed ModernBERT and ModernBERT rerankers. An encoder as m
 Attention is bidirectional with NeoX rotary embeddings; `layer_types` says which layers attend
 globally and which within a window (|i - j| <= sliding_window = local_attention / 2), each type
 with its own rope theta. Older configs (global_attn_every_n_layers, global / local_rope_theta)
-are read the same way. The classifier reads the [CLS] token through `head` (dense, act, norm);
-`classifier_pooling="mean"` is refused by name.
+are read the same way. The classifier reads the [CLS] token or the sequence's mean
+(`classifier_pooling`) through `head` (dense, act, norm).
 """
 
 from __future__ import annotations
@@ -201,17 +201,27 @@ class ModernBertPredictionHead(nn.Module):
 
 
 class ModernBertForSequenceClassification(ModernBertModel):
-    """ModernBERT with transformers' head: classifier(head(h[CLS]))."""
+    """ModernBERT with transformers' head: classifier(head(pooled)), pooled the [CLS] token or
+    the mean over the sequence (`classifier_pooling`)."""
 
     def __init__(self, config) -> None:
-        pooling = getattr(config, "classifier_pooling", "cls")
-        if pooling != "cls":
-            raise ValueError(
-                f"classifier_pooling={pooling!r} is not supported: the head reads the [CLS] token"
-            )
+        self.classifier_pooling_type(config)  # raises naming classifier_pooling
         super().__init__(config)
         self.head = ModernBertPredictionHead(config)
         self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    @staticmethod
+    def classifier_pooling_type(config) -> str:
+        """What the head reads: the [CLS] token, or the mean over the sequence."""
+        pooling = getattr(config, "classifier_pooling", "cls")
+        if pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling={pooling!r} is not supported: 'cls' or 'mean'")
+        return pooling.upper()
+
+    @classmethod
+    def head_after_pooling(cls, config) -> bool:
+        """The (non-linear) head runs on the pooled mean, not per position."""
+        return cls.classifier_pooling_type(config) == "MEAN"
 
     def rename_weight(self, name: str) -> str:
         return name if name.startswith(("head.", "classifier.")) else super().rename_weight(name)
@@ -221,8 +231,8 @@ class ModernBertForSequenceClassification(ModernBertModel):
     ) -> set[str]:
         return load_named_weights(self, weights, rename=self.rename_weight, strict=strict)
 
-    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.head(cls_rows))
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, D]: [CLS] rows or means
+        return self.classifier(self.head(pooled))
 
 
 MODERNBERT: dict[str, type[nn.Module]] = {

@@ -47,6 +47,8 @@ def pool_hidden(
         rows = hidden[lo + first - start : lo + first - start + count]  # [first, first + count)
         if c.params.classify:
             assert head is not None, "a classification request on a model without a classifier"
+            if c.params.head_after_pooling:  # a whole encoder sequence: its mean, then the head
+                rows = rows.mean(0, keepdim=True)
             rows = head(rows)
         out.append((c.seq_id, first, count, rows.float().sum(0)))
     return out

@@ -65,6 +65,63 @@ class BertEmbeddings(nn.Module):
         return self.LayerNorm(x + self.position_embeddings(pos))
 
 
+def sequence_bounds(attn_metadata: AttentionMetadata) -> list[tuple[int, int]]:
+    """[lo, hi) token rows of each non-empty sequence of the step (rows past the last: padding)."""
+    cu = attn_metadata.cu_seqlens_q.tolist()
+    return [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
+
+
+def encoder_attention(
+    q: torch.Tensor,  # [heads, T, d], as k and v
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    window: int | None = None,
+) -> torch.Tensor:
+    """Bidirectional attention of each sequence over itself (within `window` positions either
+    side when given): [heads, T, d], padding rows zero."""
+    out = torch.zeros_like(q)
+    for lo, hi in bounds:
+        mask = None
+        if window is not None:
+            idx = torch.arange(hi - lo, device=q.device)
+            mask = (idx[:, None] - idx[None, :]).abs() <= window
+        out[:, lo:hi] = F.scaled_dot_product_attention(
+            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], attn_mask=mask
+        )
+    return out
+
+
+class EncoderShell(nn.Module):
+    """What every encoder-only model class shares: the engine's view of it (`is_encoder`, no
+    cached layers, its position limit), zero logits for a pooling request's throwaway token,
+    and checkpoint names under `prefix` (transformers' attribute of a task model)."""
+
+    is_encoder: ClassVar[bool] = True
+    prefix: ClassVar[str] = "bert"
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.logits = ZeroLogits(config.vocab_size)
+
+    @staticmethod
+    def max_positions(config) -> int:
+        """The longest sequence the model takes."""
+        return int(config.max_position_embeddings)
+
+    @staticmethod
+    def kv_cache_layout(config) -> list[tuple[int, int]]:
+        """No layer caches keys or values: the engine's blocks only count tokens."""
+        return []
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits(hidden)
+
+    def rename_weight(self, name: str) -> str:
+        return name.removeprefix(f"{self.prefix}.")
+
+
 class BertSelfAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -78,10 +135,7 @@ class BertSelfAttention(nn.Module):
             p(x).view(t, self.num_heads, -1).transpose(0, 1)
             for p in (self.query, self.key, self.value)
         )
-        out = torch.zeros_like(q)
-        for lo, hi in bounds:  # each sequence attends to itself only, in both directions
-            out[:, lo:hi] = F.scaled_dot_product_attention(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])
-        return out.transpose(0, 1).reshape(t, h)
+        return encoder_attention(q, k, v, bounds).transpose(0, 1).reshape(t, h)
 
 
 class BertSelfOutput(nn.Module):
@@ -142,17 +196,14 @@ class BertPooler(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
 
-class EncoderBase(nn.Module):
-    """The shell every encoder class shares: the stack under `prefix` (transformers' attribute of
-    a task model), zero logits for the pooling request's throwaway token, loading by name."""
+class EncoderBase(EncoderShell):
+    """BERT's and RoBERTa's stack, loading by transformers' names."""
 
-    is_encoder: ClassVar[bool] = True
-    prefix: ClassVar[str] = "bert"
     roberta_positions: ClassVar[bool] = False
     pooler: ClassVar[bool] = False  # the stack keeps BERT's pooler (a task head reads it)
 
     def __init__(self, config) -> None:
-        super().__init__()
+        super().__init__(config)
         kind = getattr(config, "position_embedding_type", "absolute")
         if kind not in (None, "absolute"):
             raise ValueError(
@@ -160,24 +211,12 @@ class EncoderBase(nn.Module):
             )
         if self.roberta_positions and getattr(config, "pad_token_id", None) is None:
             raise ValueError("pad_token_id is required: RoBERTa's positions count from it")
-        self.config = config
         self.embeddings = BertEmbeddings(config)
         self.encoder = BertEncoder(config)
         if self.pooler:
             self.pooler_head = BertPooler(config)
-        self.logits = ZeroLogits(config.vocab_size)
         self.pad_id = getattr(config, "pad_token_id", None)
         self.sep_id = getattr(config, "sep_token_id", None)  # set by the engine for BERT pairs
-
-    @staticmethod
-    def max_positions(config) -> int:
-        """The longest sequence the position table covers."""
-        return int(config.max_position_embeddings)
-
-    @staticmethod
-    def kv_cache_layout(config) -> list[tuple[int, int]]:
-        """No layer caches keys or values: the engine's blocks only count tokens."""
-        return []
 
     def forward(
         self,
@@ -187,8 +226,7 @@ class EncoderBase(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cu = attn_metadata.cu_seqlens_q.tolist()
-        bounds = [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
+        bounds = sequence_bounds(attn_metadata)
         types = torch.zeros_like(input_ids)
         pos = positions
         if self.roberta_positions:
@@ -206,11 +244,8 @@ class EncoderBase(nn.Module):
             x = layer(x, bounds)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
-
     def rename_weight(self, name: str) -> str:
-        name = name.removeprefix(f"{self.prefix}.")
+        name = super().rename_weight(name)
         return "pooler_head." + name.removeprefix("pooler.") if name.startswith("pooler.") else name
 
     def load_weights(

@@ -16,17 +16,18 @@ are read the same way. The classifier reads the [CLS] token or the sequence's me
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
-from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.models.bert import activation
-from paged_engine.models.sequence_classifier import ZeroLogits
+from paged_engine.models.bert import (
+    EncoderShell,
+    activation,
+    encoder_attention,
+    sequence_bounds,
+)
 from paged_engine.models.utils import load_named_weights
 
 
@@ -80,15 +81,7 @@ class ModernBertAttention(nn.Module):
         q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # [T, heads, d]
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         q, k, v = (y.transpose(0, 1) for y in (q, k, v))  # [heads, T, d]
-        out = torch.zeros_like(q)
-        for lo, hi in bounds:  # each sequence attends to itself (within the window)
-            mask = None
-            if self.window is not None:
-                idx = torch.arange(hi - lo, device=x.device)
-                mask = (idx[:, None] - idx[None, :]).abs() <= self.window
-            out[:, lo:hi] = F.scaled_dot_product_attention(
-                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], attn_mask=mask
-            )
+        out = encoder_attention(q, k, v, bounds, self.window)
         return self.Wo(out.transpose(0, 1).reshape(t, h))
 
 
@@ -120,36 +113,24 @@ class ModernBertLayer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class ModernBertModel(nn.Module):
+class ModernBertModel(EncoderShell):
     """The ModernBERT stack, named as transformers' (`model.` under a task head)."""
 
-    is_encoder: ClassVar[bool] = True
-    prefix: ClassVar[str] = "model"
+    prefix = "model"
 
     def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.kinds = _layer_types(config)
         self.embeddings = ModernBertEmbeddings(config)
         self.layers = nn.ModuleList(
             ModernBertLayer(config, i, kind) for i, kind in enumerate(self.kinds)
         )
         self.final_norm = _ln(config)
-        self.logits = ZeroLogits(config.vocab_size)
         head_dim = config.hidden_size // config.num_attention_heads
         exps = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
         for kind in sorted(set(self.kinds)):
             inv = 1.0 / (_rope_theta(config, kind) ** exps)
             self.register_buffer(f"inv_freq_{kind}", inv, persistent=False)
-
-    @staticmethod
-    def max_positions(config) -> int:
-        return int(config.max_position_embeddings)
-
-    @staticmethod
-    def kv_cache_layout(config) -> list[tuple[int, int]]:
-        """No layer caches keys or values: the engine's blocks only count tokens."""
-        return []
 
     def forward(
         self,
@@ -159,8 +140,7 @@ class ModernBertModel(nn.Module):
         attn_metadata: AttentionMetadata,
         hidden: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        cu = attn_metadata.cu_seqlens_q.tolist()
-        bounds = [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
+        bounds = sequence_bounds(attn_metadata)
         x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
         rope = {}
         for kind in set(self.kinds):  # cos / sin [T, 1, d] per layer type, float32 then cast
@@ -170,12 +150,6 @@ class ModernBertModel(nn.Module):
         for layer in self.layers:
             x = layer(x, *rope[layer.kind], bounds)
         return self.final_norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.logits(hidden)
-
-    def rename_weight(self, name: str) -> str:
-        return name.removeprefix(f"{self.prefix}.")
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True

@@ -28,6 +28,7 @@ from paged_server.embeddings import (
     run_pooling,
 )
 from paged_server.errors import bad_request
+from paged_server.scores import check_fields
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -48,19 +49,12 @@ _FIELDS = frozenset(
 
 def parse_classify(body: Any) -> dict[str, Any]:
     """The checked fields of a classify body (400 naming the first bad one)."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise bad_request(f"parameter '{unknown[0]}' is not supported by /classify", unknown[0])
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", "model")
-    for name in ("use_activation", "add_special_tokens"):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise bad_request(f"'{name}' must be a boolean", name)
+    body = check_fields(body, _FIELDS, "/classify")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     return {
-        "model": model,
+        "model": body.get("model"),
         "inputs": inputs(body.get("input")),
         "truncate": parse_truncate(body),
         "use_activation": body.get("use_activation"),

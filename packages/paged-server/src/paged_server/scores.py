@@ -68,7 +68,9 @@ class ScoreRequest:
     use_activation: bool | None = None
 
 
-def _check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
+def check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
+    """A pooling route's body: an object of `allowed` fields, `model` a string and
+    `use_activation` a boolean when given (400 naming the first bad one)."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
@@ -97,7 +99,7 @@ def _texts(value: Any, name: str, *, single: bool = False) -> list[str]:
 
 
 def parse_score(body: Any) -> ScoreRequest:
-    body = _check_fields(body, _SCORE_FIELDS, "/score")
+    body = check_fields(body, _SCORE_FIELDS, "/score")
     given = [pair for pair in SCORE_SIDES if pair[0] in body and pair[1] in body]
     if not given:
         raise bad_request(
@@ -127,7 +129,7 @@ def parse_score(body: Any) -> ScoreRequest:
 
 
 def parse_rerank(body: Any) -> ScoreRequest:
-    body = _check_fields(body, _RERANK_FIELDS, "/rerank")
+    body = check_fields(body, _RERANK_FIELDS, "/rerank")
     if "query" not in body:
         raise bad_request("'query' is required", "query")
     if "documents" not in body:

@@ -30,11 +30,12 @@ def encoder_class(hf_config: Any) -> type | None:
     return cls if getattr(cls, "is_encoder", False) else None
 
 
-def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -> bool:
+def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -> type | None:
     """Refuse (ValueError naming the option) or turn off what an encoder cannot run with, and
-    pick its pooling; returns whether the model is an encoder."""
-    if encoder_class(hf_config) is None:
-        return False
+    pick its pooling; returns the encoder's model class, None for any other model."""
+    cls = encoder_class(hf_config)
+    if cls is None:
+        return None
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
     unsupported = {
         "tensor_parallel_size > 1": config.tensor_parallel_size > 1,
@@ -51,7 +52,6 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
     config.enforce_eager = True  # it never decodes: no decode graphs to capture
     classifier = arch.endswith("ForSequenceClassification")
     if classifier:
-        cls = encoder_class(hf_config)
         reads = getattr(cls, "classifier_pooling_type", lambda c: "CLS")(hf_config)
         given = (config.pooler_config or {}).get("pooling_type", reads)
         if str(given).upper() != reads:
@@ -66,7 +66,7 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
             "normalize": True,
         }
         logger.info("%s: pooling %s", arch, config.pooler_config)
-    return True
+    return cls
 
 
 def encoder_sep_token(hf_config: Any, tokenizer: Any) -> None:

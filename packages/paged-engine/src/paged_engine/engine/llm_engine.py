@@ -102,9 +102,10 @@ class LLMEngine:
         convert_architectures(self.hf_config, config.convert)  # convert="classify"
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
         # BERT / RoBERTa (engine/encoder.py): whole sequences in one step, pooling only
-        self.is_encoder = encoder_engine_config(
+        self.encoder = encoder_engine_config(
             config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path
         )
+        self.is_encoder = self.encoder is not None
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -124,9 +125,8 @@ class LLMEngine:
         if self.is_encoder:
             encoder_sep_token(self.hf_config, self.tokenizer)
         self.classifier = classifier_info(self.hf_config)
-        encoder = encoder_class(self.hf_config) if self.is_encoder else None
-        if self.classifier is not None and encoder is not None:
-            after = getattr(encoder, "head_after_pooling", lambda c: False)(self.hf_config)
+        if self.classifier is not None and self.encoder is not None:
+            after = getattr(self.encoder, "head_after_pooling", lambda c: False)(self.hf_config)
             self.classifier = dataclasses.replace(self.classifier, head_after_pooling=after)
         # "generate", "pooling" or "both": the requests add_request takes (runner.py)
         self.serves = serves(

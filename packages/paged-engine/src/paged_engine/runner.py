@@ -20,8 +20,7 @@ from typing import Any
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
-_TASK_TO = {  # task -> (runner, convert)
-    "auto": ("auto", "auto"),
+_TASK_TO = {  # task -> (runner, convert); "auto" changes neither
     "generate": ("generate", "auto"),
     "embed": ("pooling", "embed"),
     "embedding": ("pooling", "embed"),

@@ -133,6 +133,8 @@ class EngineConfig:
     # "fcfs": requests run in arrival order; "priority": by (priority, arrival), lower first,
     # and preemption takes the running request that sorts last (core/scheduler.py).
     scheduling_policy: str = "fcfs"
+    # LLM.sleep / wake_up (engine/sleep_mode.py): give back device memory between rollouts.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -199,6 +201,7 @@ class EngineConfig:
             "trust_remote_code",
             "disable_log_stats",
             "enable_lora",
+            "enable_sleep_mode",
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")

@@ -300,6 +300,21 @@ class LLM:
         """Forget the prefix cache (after a weight update); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
 
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> None:
+        """vLLM's sleep mode (needs enable_sleep_mode=True): level 1 moves the weights to host
+        memory and discards the KV cache; level 2 discards both (then reload_weights or
+        update_weights through collective_rpc); `tags` ("weights", "kv_cache") name what
+        sleeps instead. Generating raises until wake_up()."""
+        self.llm_engine.sleep(level, tags, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back (`tags`: some of it, e.g. ["weights"] before a weight update
+        and ["kv_cache"] after it)."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     def start_profile(self) -> None:
         """Start torch.profiler on every rank (needs PAGED_TORCH_PROFILER_DIR or
         VLLM_TORCH_PROFILER_DIR set before the engine starts; docs/engine.md "Profiling")."""
@@ -320,6 +335,8 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[Any]:
         engine = self.llm_engine
+        if engine.is_sleeping():  # nothing would be scheduled: the call would never return
+            raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() first")
         ids: list[str] = []
         try:
             for k, (prompt, params) in enumerate(items):

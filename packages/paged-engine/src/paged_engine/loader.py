@@ -215,15 +215,11 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        total = count_weights(resolved, load_format)
-        weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
-        weights = text_model_weights(weights, hf_config)  # a VLM's vision weights: dropped
-        # FP8 / INT8 weights with their scales (also where only hf_quant_config.json named the
-        # scheme: the tensors' dtypes tell); other tensors pass through.
-        weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
         # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
         kv_scales: dict[int, dict[str, float]] = {}
-        model.load_weights(split_kv_scales(weights, kv_scales))
+        model.load_weights(
+            checkpoint_weights(resolved, hf_config, dtype, device, load_format, kv_scales)
+        )
         model.checkpoint_kv_scales = kv_scales
     if quantization is not None:
         from paged_engine.layers.quantization import quantize_model
@@ -232,6 +228,25 @@ def load_model(
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # the dense weights' blocks, before the KV cache is sized
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_weights(
+    resolved: ResolvedModel,
+    hf_config,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    kv_scales: dict[int, dict[str, float]] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
+    vision weights dropped, FP8 / INT8 weights dequantized with their scales (also where only
+    hf_quant_config.json named the scheme: the tensors' dtypes tell); KV-cache scales go into
+    `kv_scales` instead."""
+    total = count_weights(resolved, load_format)
+    weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
+    weights = text_model_weights(weights, hf_config)
+    weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
+    return split_kv_scales(weights, {} if kv_scales is None else kv_scales)
 
 
 def iter_weights(

@@ -69,6 +69,11 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used_blocks = 0
+        # Sleep mode / pause_generation: nothing is scheduled (requests wait). `held`: outputs
+        # made outside a step (the steps a pause drained, requests it aborted), which the next
+        # step() returns first.
+        self.paused = False
+        self.held: list[EngineCoreOutput] = []
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -101,6 +106,43 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+
+    def can_step(self) -> bool:
+        """Whether step() has anything to do: held outputs, or requests while not paused."""
+        return bool(self.held) or (not self.paused and self.has_unfinished_requests())
+
+    # ---- pausing (sleep mode) -------------------------------------------------------------------
+    def drain(self) -> None:
+        """Apply every step in flight; their outputs are held for the next step()."""
+        while self._in_flight:
+            sched, handle = self._in_flight.popleft()
+            self.held += self._apply(sched, handle.get())
+
+    def abort_all(self) -> None:
+        """Finish every unfinished request with "abort" (its tokens so far stay its output);
+        the outputs saying so are held for the next step(). Drain first."""
+        assert not self._in_flight, "drain() before abort_all()"
+        reqs = list(self.scheduler.requests.values()) + self._compiling
+        for req in reqs:
+            o = EngineCoreOutput(req.request_id, [], True)
+            if req.beam is not None:  # the finished hypotheses, then the live beams
+                o.beams = [
+                    BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason)
+                    for h in req.beam.finished
+                ] + [
+                    BeamHypothesis(s.output_token_ids, s.cumulative_logprob, "abort")
+                    for s in req.live_seqs()
+                ]
+            else:
+                o.seqs = [SeqUpdate(s.index, [], finish_reason="abort") for s in req.live_seqs()]
+            self.held.append(o)
+        self.abort_requests([req.request_id for req in reqs])
+
+    def preempt_all(self) -> None:
+        """Every running request back to the waiting queue, its KV blocks freed (recomputed
+        when it runs again). Drain first."""
+        assert not self._in_flight, "drain() before preempt_all()"
+        self.scheduler.preempt_all()
 
     @property
     def num_compiling(self) -> int:
@@ -141,7 +183,10 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return what the oldest finished step produced ([] while the first of
-        two async steps is still in flight, or when there is nothing to do)."""
+        two async steps is still in flight, or when there is nothing to do or paused)."""
+        if self.held or self.paused:
+            held, self.held = self.held, []
+            return held
         depth = 2 if self.async_scheduling else 1
         submitted = False
         if self._compiling and (failed := self._admit_compiled()):

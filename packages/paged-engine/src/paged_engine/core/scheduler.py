@@ -311,6 +311,13 @@ class Scheduler:
         if len(req.seqs) > 1 and not swapped:
             self._reshare.add(req)
 
+    def preempt_all(self) -> None:
+        """Preempt every running request for recompute (sleep mode discards the KV cache);
+        they keep their order at the head of the waiting queue. No step may be in flight."""
+        preempted: list[Request] = []
+        for req in reversed(list(self.running)):
+            self._preempt(req, preempted, allow_swap=False)
+
     def _reshare_plan(
         self, req: Request, seqs: list[Sequence], budget: int
     ) -> list[tuple[Sequence, int]] | None:

@@ -40,6 +40,7 @@ from paged_engine.engine.encoder import encoder_class, encoder_engine_config, en
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
+from paged_engine.engine.sleep_mode import SleepMode
 from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
@@ -280,6 +281,7 @@ class LLMEngine:
             default_params=self.generation_defaults,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens, async scheduling %s",
             time.perf_counter() - t0,
@@ -409,15 +411,55 @@ class LLMEngine:
         """Stop every rank's profiler; returns the trace files written, one per rank."""
         return self.collective_rpc("stop_profile")
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached block (after a weight update its KV is stale). False, and
-        nothing changes, while requests are unfinished (their blocks stay registered)."""
+        nothing changes, while requests are unfinished (their blocks stay registered), unless
+        `reset_running_requests` (vLLM's): those are preempted first and recomputed."""
         if self.scheduler.has_unfinished_requests():
-            return False
+            if not reset_running_requests:
+                return False
+            self.engine_core.drain()
+            self.engine_core.preempt_all()
+        self.forget_prefix_cache()
+        return True
+
+    def forget_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry (blocks in use keep their data) and state snapshot."""
         self.block_manager.reset_prefix_cache()
         if self.scheduler.state_slots is not None:
             self.scheduler.state_slots.reset_snapshots()
-        return True
+
+    # ---- sleep mode and pausing (engine/sleep_mode.py) --------------------------------------
+    def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort") -> None:
+        """vLLM's: give back device memory. level 1: weights to host memory, KV cache
+        discarded; 2: both discarded (reload_weights / update_weights before generating);
+        0: pause only; `tags` ("weights", "kv_cache") name what sleeps instead. `mode` settles
+        the requests in flight ("abort", "wait", "keep"). Needs enable_sleep_mode=True."""
+        self.sleep_mode.sleep(level, tags, mode)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of `tags` (None: all); scheduling resumes once all is awake."""
+        self.sleep_mode.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while any memory is asleep or scheduling is paused."""
+        return self.sleep_mode.is_sleeping()
+
+    def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's: stop scheduling (e.g. for a weight update) after settling the requests in
+        flight by `mode`; `clear_cache` resets the prefix cache (not with "keep")."""
+        self.sleep_mode.pause(mode, clear_cache=clear_cache)
+
+    def resume_generation(self) -> None:
+        """Schedule again; RuntimeError while memory is asleep (wake_up resumes then)."""
+        self.sleep_mode.resume()
+
+    def is_paused(self) -> bool:
+        return self.sleep_mode.paused
+
+    def can_step(self) -> bool:
+        """Whether step() has work: unfinished requests while not paused, or held outputs."""
+        return bool(self.sleep_mode.held) or self.engine_core.can_step()
 
     # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -447,13 +489,14 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        held = self.sleep_mode.take_held() if self.sleep_mode.held else []
         core_outputs = self.step_core()
         if not core_outputs:
-            return []
+            return held
         processed = self.process_outputs(core_outputs)
         if processed.stopped:
             self.finish_seqs(processed.stopped)
-        return processed.request_outputs
+        return held + processed.request_outputs if held else processed.request_outputs
 
     # The two halves of step(), for a caller that runs the output stage on a thread of its own
     # (the server): step_core and finish_seqs on the engine thread, process_outputs anywhere.

@@ -104,6 +104,8 @@ class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     # (request id, sequence index, stop string): sequences a stop string ended this step
     stopped: list[tuple[str, int, str]]
+    # pooling requests aborted before their prefill ended (a pause): they have no output
+    aborted: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -186,6 +188,10 @@ class OutputProcessor:
                 self._add_prompt_logprobs(state, co.prompt_logprobs)
             if co.pooled is not None and state.pooled is not None:
                 state.pooled.add(*co.pooled)
+            elif state.pooled is not None and co.finished and _aborted(co):  # by a pause
+                states.pop(co.request_id, None)
+                result.aborted.append(co.request_id)
+                continue
             if co.beams is not None:
                 state.beams = co.beams
             updates, seqs = co.seqs, state.seqs
@@ -418,3 +424,7 @@ class OutputProcessor:
             )
             for i, b in enumerate(beams)
         ]
+
+
+def _aborted(co: EngineCoreOutput) -> bool:
+    return any(u.finish_reason == "abort" for u in co.seqs)

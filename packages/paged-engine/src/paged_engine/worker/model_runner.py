@@ -16,6 +16,7 @@ Results leave as an `AsyncRunnerOutput`: copies to pinned host memory that `get(
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,12 @@ from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.pooler import pool_hidden
-from paged_engine.worker.recurrent_state import RecurrentStatePool, is_hybrid, resolve_ssm_dtype
+from paged_engine.worker.recurrent_state import (
+    RecurrentStatePool,
+    is_hybrid,
+    resolve_ssm_dtype,
+    state_pools,
+)
 from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
 from paged_engine.worker.sampling_inputs import SamplingInputs
 
@@ -140,6 +146,20 @@ class ModelRunner:
         )
         if self.draft is not None:  # the same blocks, a second set of tensors
             self.draft.init_cache(num_blocks, cpu_blocks)
+        self.capture_graphs()
+        # the sampler's race kernel, built now rather than on the first step that samples
+        self.sampler.warm_up(self.vocab_size, self.device)
+        if self.device.type == "cpu" and self.config.compilation_level:
+            self.compiled = CompiledForward(self)
+            try:
+                self.compiled.compile()
+            except Exception as e:  # e.g. no C++ compiler for inductor's CPU code
+                logger.warning("torch.compile failed, the model runs eagerly: %r", e)
+                self.compiled = None
+
+    def capture_graphs(self) -> None:
+        """CUDA graphs of decode (and verification) steps where they can run: once the KV
+        cache exists, and again after sleep mode gave back the memory they point at."""
         if (
             self.device.type == "cuda"
             and self.backend.cuda_graph_capturable
@@ -153,15 +173,16 @@ class ModelRunner:
                 self, self.config.max_num_seqs, verify_len=k + 1 if k else None
             )
             self.graphs.capture()
-        # the sampler's race kernel, built now rather than on the first step that samples
-        self.sampler.warm_up(self.vocab_size, self.device)
-        if self.device.type == "cpu" and self.config.compilation_level:
-            self.compiled = CompiledForward(self)
-            try:
-                self.compiled.compile()
-            except Exception as e:  # e.g. no C++ compiler for inductor's CPU code
-                logger.warning("torch.compile failed, the model runs eagerly: %r", e)
-                self.compiled = None
+
+    def kv_tensors(self) -> Iterator[torch.Tensor]:
+        """What sleep mode's "kv_cache" tag frees: every layer's KV cache (the draft model's
+        too) and the recurrent-state pools."""
+        caches = [self.cache] + ([self.draft.cache] if self.draft is not None else [])
+        for cache in caches:
+            if cache is not None:
+                yield from (t for pair in cache.kv_caches for t in pair)
+        if self.states is not None:
+            yield from (t for layer in self.states.layers for t in state_pools(layer))
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()

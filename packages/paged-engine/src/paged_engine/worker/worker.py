@@ -7,6 +7,7 @@ The engine core reaches it only through an executor with plain data (`SchedulerO
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,7 +26,13 @@ from paged_engine.layers.triton_layers import (
     use_triton_norms,
     use_triton_rope,
 )
-from paged_engine.loader import ResolvedModel, load_model, resolve_dtype
+from paged_engine.loader import (
+    ResolvedModel,
+    checkpoint_weights,
+    init_dummy_weights,
+    load_model,
+    resolve_dtype,
+)
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
 from paged_engine.models.multimodal_text import text_model_weights
@@ -38,6 +45,7 @@ from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
 from paged_engine.worker.profiler import DIR_ENV, WorkerProfiler
 from paged_engine.worker.runner_output import AsyncRunnerOutput
+from paged_engine.worker.sleep import SleepingMemory, copy_weights, module_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +65,7 @@ def pick_device(name: str) -> torch.device:
 class Worker:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self.config = config
+        self.resolved, self.hf_config = resolved, hf_config  # reload_weights reads them again
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         if config.dtype == "auto" and resolved.is_gguf and self.device.type == "cuda":
@@ -141,6 +150,7 @@ class Worker:
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
         # start_profile / stop_profile: on when the environment names a trace directory.
         self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)
+        self.memory = SleepingMemory(self.device)  # sleep mode's freed storages
 
     def _default_quantization(
         self, config: EngineConfig, resolved: ResolvedModel, hf_config
@@ -215,12 +225,92 @@ class Worker:
                 f"update_weights cannot run on quantization={self.quantization!r} weights (the "
                 "dense weights were dropped at load)"
             )
+        self._check_weights_awake("update_weights")
         model = self.model_runner.model
         weights = text_model_weights(weights, getattr(model, "config", None))  # VLM names -> ours
         loaded = model.load_weights(
             ((name, w.to(self.device)) for name, w in weights), strict=False
         )
         return len(loaded)
+
+    @torch.no_grad()
+    def reload_weights(self) -> int:
+        """vLLM's: the checkpoint's weights again, in place (after a level-2 sleep, or to undo
+        update_weights); returns the tensors written. Quantized weights are rebuilt in a
+        second model and copied over (the dense ones they came from were dropped at load), so
+        this rank briefly holds its weights twice."""
+        self._check_weights_awake("reload_weights")
+        model, cfg = self.model_runner.model, self.config
+        if self.quantization is None and cfg.load_format == "dummy":
+            init_dummy_weights(model, cfg.seed)
+            return sum(1 for _ in model.parameters())
+        if self.quantization is None:
+            weights = checkpoint_weights(
+                self.resolved, self.hf_config, self.dtype, self.device, cfg.load_format
+            )
+            return len(model.load_weights(weights))
+        fresh = load_model(
+            self.resolved,
+            self.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=cfg.load_format,
+            seed=cfg.seed,
+            quantization=self.quantization,
+            max_model_len=cfg.max_model_len,
+        )
+        count = copy_weights(model, fresh)
+        del fresh
+        self._release_cached_memory()
+        return count
+
+    # ---- sleep mode (vLLM's sleep / wake_up; worker/sleep.py) --------------------------------
+    def sleep(self, tags: list[str], offload: bool = True) -> int:
+        """Give back this rank's device memory of `tags` ("weights", "kv_cache"); `offload`
+        keeps a host copy of the weights (level 1), else only the buffers are kept (level 2).
+        Returns the bytes freed. The engine has run every step it submitted."""
+        runner = self.model_runner
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        runner.graphs = None  # they point at memory freed here: captured again on wake-up
+        kv = list(runner.kv_tensors())
+        freed = 0
+        if "kv_cache" in tags and "kv_cache" not in self.memory.asleep:
+            freed += self.memory.sleep("kv_cache", ((t, False) for t in kv), offload=False)
+        if "weights" in tags and "weights" not in self.memory.asleep:
+            kv_ptrs = {t.untyped_storage().data_ptr() for t in kv}
+            freed += self.memory.sleep(
+                "weights", self._weight_tensors(), offload=offload, exclude=kv_ptrs
+            )
+        self._release_cached_memory()
+        logger.info("sleep (%s) freed %.2f GiB", ", ".join(tags), freed / 2**30)
+        return freed
+
+    def wake_up(self, tags: list[str]) -> None:
+        """Take the memory of `tags` back (see SleepingMemory.wake_up); with nothing left
+        asleep, capture the CUDA graphs again."""
+        for tag in tags:
+            self.memory.wake_up(tag)
+        if not self.memory.asleep:
+            self.model_runner.capture_graphs()
+
+    def _weight_tensors(self):
+        """The "weights" tag: the model's tensors, and a draft model's as buffers (kept at
+        every level: reload_weights reads the target's checkpoint only)."""
+        yield from module_tensors(self.model_runner.model)
+        draft = self.model_runner.draft
+        if draft is not None:
+            yield from ((t, False) for t, _ in module_tensors(draft.model))
+
+    def _check_weights_awake(self, what: str) -> None:
+        if "weights" in self.memory.asleep:
+            raise RuntimeError(f"{what}: the weights are asleep; wake_up(tags=['weights']) first")
+
+    def _release_cached_memory(self) -> None:
+        """Hand the caching allocator's free blocks back to the driver (CUDA)."""
+        if self.device.type == "cuda":
+            gc.collect()  # CUDA graphs just dropped hold their memory pool until collected
+            torch.cuda.empty_cache()
 
     def start_profile(self) -> None:
         self._profiler().start()

@@ -260,6 +260,9 @@ class FakeEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def can_step(self) -> bool:  # no sleep mode here: the real engine's when never paused
+        return self.has_unfinished_requests()
+
     # ---- the step: step() = step_core -> process_outputs -> finish_seqs, as in the engine ----
     def step(self) -> list[RequestOutput]:
         processed = self.process_outputs(self.step_core())

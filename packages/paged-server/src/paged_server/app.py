@@ -24,6 +24,8 @@ from urllib.parse import unquote
 from paged_engine.classification import ClassifierInfo
 from paged_server import __version__, answers
 from paged_server.classify import serve_classify
+from paged_server.dev_routes import ROUTES as DEV_ROUTES
+from paged_server.dev_routes import dev_routes
 from paged_server.embeddings import serve_embeddings
 from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
@@ -156,6 +158,7 @@ class OpenAIApp:
             "/detokenize": {"POST": self.detokenize},
         }
         self.routes.update(profile_routes(client))  # with the profiler variable set
+        self.routes.update(dev_routes(client))  # with PAGED_SERVER_DEV_MODE=1 (sleep mode)
         if runtime_lora_updates:  # else these are unknown routes (404), as in vLLM
             self.routes["/v1/load_lora_adapter"] = {"POST": self.load_lora_adapter}
             self.routes["/v1/unload_lora_adapter"] = {"POST": self.unload_lora_adapter}
@@ -163,7 +166,9 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
-        if self.api_key is not None and (route.startswith("/v1") or route in _KEYED):
+        if self.api_key is not None and (
+            route.startswith("/v1") or route in _KEYED or route in DEV_ROUTES
+        ):
             self._check_key(h)
         methods = self.routes.get(route)
         if methods is None and route.startswith(_MODEL_ROUTE):

@@ -81,6 +81,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
         scheduling_policy=args.scheduling_policy,
+        enable_sleep_mode=args.enable_sleep_mode,
         **_lora_config(args),
     )
     return LLMEngine(config)

@@ -175,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="adapters kept loaded in host memory (default: --max-loras)",
     )
+    p.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="vLLM's sleep mode: POST /sleep gives back device memory between rollouts (its "
+        "routes need PAGED_SERVER_DEV_MODE=1 or VLLM_SERVER_DEV_MODE=1; docs/server.md)",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -26,6 +26,8 @@ one loopback hop.
     /v1/load_lora_adapter, /v1/unload_lora_adapter   to every replica (they serve one set)
     /start_profile, /stop_profile   to every replica (each writes its own traces); the stop
                                     answers every replica's trace files
+    /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, /collective_rpc (dev mode)
+                                    to every replica; /is_sleeping, /is_paused: any replica's
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from paged_server import profiling
+from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.errors import APIError
 from paged_server.http import Handler
 
@@ -109,6 +112,8 @@ class ReplicaRouter:
             return self._stored_response(handler, method)
         if method == "POST" and route in (profiling.START, profiling.STOP):  # no body, as vLLM's
             return self._profile(handler, route)
+        if route in DEV_ROUTES:
+            return self._dev(handler, method, route)
         body, cost, holder = None, 1, None
         if method in ("POST", "PUT", "PATCH"):
             parsed = handler.read_json()  # size limit, JSON and Unicode checks, as a replica
@@ -216,6 +221,24 @@ class ReplicaRouter:
             return h.send_bytes(a.status, a.body, a.content_type, a.headers)
         traces = [path for a in answers for path in json.loads(a.body)["traces"]]
         h.send_json(200, {"traces": traces})
+
+    # ---- sleep mode (dev_routes.py) ----------------------------------------------------------
+    def _dev(self, h: Handler, method: str, route: str) -> None:
+        """To every live replica in turn (they sleep, pause and wake together); the first
+        failure answers, else: /is_sleeping and /is_paused true when any replica's is,
+        /collective_rpc every replica's results in replica order, the rest the first answer."""
+        body = json.dumps(h.read_json()).encode() if route == "/collective_rpc" else None
+        headers = _headers(h)
+        answers = [self._request(r, method, h.path, body, headers) for r in self._live()]
+        failed = [a for a in answers if a.status != 200]
+        if failed or route not in ("/is_sleeping", "/is_paused", "/collective_rpc"):
+            a = (failed or answers)[0]
+            return h.send_bytes(a.status, a.body, a.content_type, a.headers)
+        bodies = [json.loads(a.body) for a in answers]
+        if route == "/collective_rpc":
+            return h.send_json(200, {"results": [x for b in bodies for x in b["results"]]})
+        key = route[1:]
+        h.send_json(200, {key: any(b[key] for b in bodies)})
 
     def _request(
         self,

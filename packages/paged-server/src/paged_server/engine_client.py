@@ -8,7 +8,9 @@ Invariants:
   finish_seqs / abort_request / get_stats / add_lora / remove_lora / list_loras /
   start_profile / stop_profile: its loop is
   commands + step_core(), nothing else. An HTTP thread that needs an engine answer (loading a
-  LoRA adapter) sends a `_Call` command and waits on its Future.
+  LoRA adapter) sends a `_Call` command and waits on its Future. An "idle" call (sleep mode's
+  "wait") runs once the engine has nothing left to step; requests that arrive meanwhile are
+  held back here and added right after it.
   Exactly one other thread (the output thread) calls process_outputs (detokenize, stop strings,
   logprob dicts, RequestOutputs) and hands the RequestOutputs to the groups and the metrics; a
   stop string it sees goes back to the engine thread as a command. HTTP threads only push
@@ -70,6 +72,9 @@ _SP_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 _POOLING_FIELDS = frozenset(
     {"dimensions", "normalize", "use_activation", "task", "truncate_prompt_tokens", "priority"}
 )
+
+
+_PAUSED = APIError(503, "the request was aborted: the engine was paused (POST /pause or /sleep)")
 
 
 @dataclass(slots=True, eq=False)
@@ -134,6 +139,10 @@ class EngineClient:
         # the engine refused to remove while requests used them, retried after each step.
         self._unloaded_loras: set[int] = set()
         self._lora_removals: set[int] = set()
+        # Engine thread only. Calls that run once the engine has nothing left to step (a
+        # "wait" pause); while one is queued, new requests are held back here, not added.
+        self._idle_calls: list[_Call] = []
+        self._held_adds: list[_Add] = []
         # Imported here, with the engine built: its module imports torch, and the server's
         # modules never do (paged-server binds its port before anything imports torch).
         from paged_engine.core.scheduler import SchedulerStuckError
@@ -249,11 +258,17 @@ class EngineClient:
         """The trace files written, one per rank."""
         return self._call(self.engine.stop_profile, timeout)
 
-    def _call(self, fn: Callable[[], Any], timeout: float) -> Any:
+    def call(self, fn: Callable[[], Any], timeout: float, *, when_idle: bool = False) -> Any:
+        """Run `fn` on the engine thread between steps and return its result (its exception
+        is raised here); `when_idle`: once every request in the engine has finished, with new
+        ones held back until then (sleep mode's "wait")."""
+        return self._call(fn, timeout, when_idle)
+
+    def _call(self, fn: Callable[[], Any], timeout: float, when_idle: bool = False) -> Any:
         if not self.alive:
             raise APIError(503, "the engine loop is not running")
         future: Future = Future()
-        self._send(("call", _Call(fn, future)))
+        self._send(("idle_call" if when_idle else "call", _Call(fn, future)))
         if not self._loop_running:  # the loop ended after the check: nobody will run it
             self._fail_calls()
         try:
@@ -307,7 +322,7 @@ class EngineClient:
 
     def _iterate(self) -> None:
         handled = self._drain()
-        if self.engine.has_unfinished_requests():
+        if self.engine.can_step():  # requests while not paused (sleep mode), or held outputs
             # Registration before outputs: `_drain` ran engine.add_request and filled `_streams`
             # for a request before the first step_core that can schedule it (the scheduler sees
             # only added requests), and that step's outputs are queued after it returns. The
@@ -317,6 +332,8 @@ class EngineClient:
             if core_outputs:
                 self._core_outputs.put(core_outputs)
             self._refresh_stats()
+        elif self._idle_calls:
+            self._run_idle_calls()
         else:
             if handled:
                 self._refresh_stats()
@@ -336,6 +353,9 @@ class EngineClient:
                 break
             handled += 1
             if isinstance(cmd, _Add):
+                if self._idle_calls:  # behind a "wait" pause: added once it ran
+                    self._held_adds.append(cmd)
+                    continue
                 self._do_add(cmd)
                 adds += 1
             elif cmd[0] == "finish":  # stop strings the output stage saw
@@ -348,6 +368,8 @@ class EngineClient:
                 self._fail_all(APIError(503, "the server is shutting down"))
             elif cmd[0] == "call":
                 self._do_call(cmd[1])
+            elif cmd[0] == "idle_call":
+                self._idle_calls.append(cmd[1])
         if adds:
             # Refresh before un-counting, so waiting requests are always counted in one of
             # `stats.num_waiting` and `_pending_adds` (the queue limit never under-counts).
@@ -355,6 +377,20 @@ class EngineClient:
             with self._pending_lock:
                 self._pending_adds -= adds
         return handled
+
+    def _run_idle_calls(self) -> None:
+        """The engine has nothing left to step: run the calls that waited for it, then add
+        the requests held back meanwhile."""
+        calls, self._idle_calls = self._idle_calls, []
+        for call in calls:
+            self._do_call(call)
+        held, self._held_adds = self._held_adds, []
+        for cmd in held:
+            self._do_add(cmd)
+        self._refresh_stats()
+        if held:
+            with self._pending_lock:
+                self._pending_adds -= len(held)
 
     def _fail_stuck(self, e: Any) -> None:
         """A request that cannot fit the KV pool even alone (n sequences grown past it) fails
@@ -425,8 +461,12 @@ class EngineClient:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            call = None if isinstance(cmd, _Add) or cmd[0] != "call" else cmd[1]
+            call = None if isinstance(cmd, _Add) or cmd[0] not in ("call", "idle_call") else cmd[1]
             if call is not None and call.future.set_running_or_notify_cancel():
+                call.future.set_exception(APIError(503, "the server is shutting down"))
+        calls, self._idle_calls = self._idle_calls, []
+        for call in calls:
+            if call.future.set_running_or_notify_cancel():
                 call.future.set_exception(APIError(503, "the server is shutting down"))
 
     def _remove_lora(self, lora_int_id: int) -> None:
@@ -474,6 +514,8 @@ class EngineClient:
                 processed = self.engine.process_outputs(core_outputs)
                 if processed.stopped:
                     self._send(("finish", processed.stopped))
+                if processed.aborted:  # embeddings a pause aborted: they have no answer
+                    self._fail(processed.aborted, _PAUSED)
                 self._dispatch(processed.request_outputs)
             except Exception:  # this step's output state is unknown: fail its requests, go on
                 log.exception("output stage error; failing the requests of this step")

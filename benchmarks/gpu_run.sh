@@ -40,7 +40,8 @@
 #         built; the prefill's Python functions); the sampler's race kernel against torch's
 #         (gpu_profile --torch-sampler, kernel_bench's sampler_race); the split sweep under
 #         the new decode tile; nano-vllm on the warm cache; the sampler and engine tests with
-#         transformers 5.21 (engines start ~8 s sooner).
+#         transformers 5.21 (engines start ~8 s sooner), sleep mode's among them (CUDA graphs
+#         captured again after a wake-up, pinned host copies).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -300,12 +301,14 @@ case "$PHASE" in
     step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report \
       --note "issue 14 next4: warm Triton cache, gumbel_race"
+    # sleep mode: what level 1 / level 2 / the KV cache free on the GPU, and how long a trip takes
+    step 60 sleep-mode $PY -m benchmarks.sleep_mode --device cuda --out "$OUT/sleep_mode.json"
     # with transformers 5.21 (.whl-tf) each engine starts ~8 s sooner (next3's start probe);
     # the sampler's tests first (its race natively), then the engines one at a time
     step 150 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v -p no:cacheprovider \
       --timeout 60 -rfE tests/kernels/test_sampling.py tests/engine/test_sampler.py \
       tests/engine/test_async_scheduling.py tests/engine/test_llm_vs_hf.py \
-      tests/engine/test_cuda_graph_logic.py
+      tests/engine/test_cuda_graph_logic.py tests/engine/test_sleep_mode.py
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

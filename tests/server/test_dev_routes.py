@@ -103,10 +103,24 @@ class _Stream:
         return "".join(c["text"] for c in choices), choices[-1]["finish_reason"]
 
 
+def _sleep_state(http: ServerProc) -> str:
+    """The state paged:engine_sleep_state marks with 1, or "" when none is."""
+    text = _call(http, "GET", "/metrics")
+    on = [
+        line.split('sleep_state="')[1].split('"')[0]
+        for line in text.splitlines()
+        if line.startswith("paged:engine_sleep_state{") and line.endswith(" 1")
+    ]
+    assert len(on) <= 1, on
+    return on[0] if on else ""
+
+
 def test_sleep_and_wake_up_answer_the_same(dev: ServerProc, want: dict[str, str]) -> None:
     assert _call(dev, "GET", "/is_sleeping") == {"is_sleeping": False}
+    assert _sleep_state(dev) == "awake"
     _call(dev, "POST", "/sleep?level=1")
     assert _call(dev, "GET", "/is_sleeping") == {"is_sleeping": True}
+    assert _sleep_state(dev) == "weights_offloaded"
     assert _call(dev, "GET", "/health") is not None  # the server stays up
     late = _Stream(dev, SHORT)  # waits in the queue for the wake-up
     assert not late.started.wait(0.3)
@@ -114,11 +128,14 @@ def test_sleep_and_wake_up_answer_the_same(dev: ServerProc, want: dict[str, str]
     assert late.result() == (want["short"], "length")
     # Level 2: the weights come back empty; reload them, then the KV cache.
     _call(dev, "POST", "/sleep?level=2")
+    assert _sleep_state(dev) == "discard_all"
     _call(dev, "POST", "/wake_up?tags=weights")
+    assert _sleep_state(dev) == ""  # the KV cache still sleeps
     assert _call(dev, "GET", "/is_sleeping") == {"is_sleeping": True}
     rpc = _call(dev, "POST", "/collective_rpc", {"method": "reload_weights"})
     assert len(rpc["results"]) == 1 and rpc["results"][0] > 0
     _call(dev, "POST", "/wake_up?tags=kv_cache")
+    assert _sleep_state(dev) == "awake"
     assert _text(dev, LONG) == want["long"]
     assert _call(dev, "POST", "/reset_prefix_cache") == {"reset": True}
 

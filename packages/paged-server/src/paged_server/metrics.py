@@ -258,6 +258,18 @@ class Metrics:
                 f'running_lora_adapters="{_esc(running)}",'
                 f'waiting_lora_adapters="{_esc(waiting)}"}} {_num(time.time())}',
             ]
+        state = getattr(stats, "sleep_state", None)
+        if state is not None:  # vLLM's: one sample per state, 1 for the current one
+            lines += [
+                "# HELP paged:engine_sleep_state Sleep mode: awake = 1 while nothing sleeps and "
+                "scheduling runs; weights_offloaded = 1 after level 1; discard_all = 1 after "
+                "level 2.",
+                "# TYPE paged:engine_sleep_state gauge",
+            ]
+            lines += [
+                f'paged:engine_sleep_state{{{lab},sleep_state="{s}"}} {int(s == state)}'
+                for s in ("awake", "weights_offloaded", "discard_all")
+            ]
         for h in (self.ttft, self.itl, self.e2e, self.queue_time):
             lines += h.render(lab)
         lines += [

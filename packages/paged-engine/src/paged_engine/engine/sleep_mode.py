@@ -61,6 +61,7 @@ class SleepMode:
         self.engine: LLMEngine = weakref.proxy(engine)
         self.asleep: list[str] = []  # tags whose memory is given back, in TAGS order
         self.held: list[RequestOutput] = []  # what a "wait" pause's steps produced
+        self.weights_offloaded = False  # the sleeping weights have a host copy (level 1)
 
     @property
     def paused(self) -> bool:
@@ -110,6 +111,8 @@ class SleepMode:
         engine.forget_prefix_cache()
         offload = named is None and level == 1
         freed = engine.executor.collective_rpc("sleep", args=(new, offload))
+        if "weights" in new:
+            self.weights_offloaded = offload
         self.asleep = [t for t in TAGS if t in self.asleep or t in new]
         logger.info(
             "asleep (%s): %.2f GiB of device memory freed on %d rank(s)",
@@ -130,6 +133,13 @@ class SleepMode:
 
     def is_sleeping(self) -> bool:
         return bool(self.asleep) or self.paused
+
+    def state(self) -> str:
+        """vLLM's engine_sleep_state: "awake", "weights_offloaded" (level 1), "discard_all"
+        (level 2, or the weights slept by name), or "" (paused, or only the KV cache sleeps)."""
+        if "weights" in self.asleep:
+            return "weights_offloaded" if self.weights_offloaded else "discard_all"
+        return "" if self.is_sleeping() else "awake"
 
     def take_held(self) -> list[RequestOutput]:
         held, self.held = self.held, []

@@ -63,6 +63,9 @@ class EngineStats:
     max_loras: int = 0
     running_lora_adapters: list[str] = field(default_factory=list)
     waiting_lora_adapters: list[str] = field(default_factory=list)
+    # Sleep mode (engine/sleep_mode.py): "awake", "weights_offloaded", "discard_all", or ""
+    # (paused, or only the KV cache sleeps).
+    sleep_state: str = "awake"
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
@@ -92,6 +95,7 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         num_free_cpu_blocks=bm.num_free_cpu_blocks,
         num_swap_preemptions=sched.num_swap_preemptions,
         prefix_cache_cpu_hits=bm.prefix_cache_cpu_hits,
+        sleep_state=engine.sleep_mode.state(),
         **_spec_stats(engine.draft_planner),
         **_lora_stats(engine),
         **_state_stats(engine),

@@ -81,9 +81,20 @@ def test_level_1_gives_memory_back_and_wakes_to_the_same_tokens(model, want):
     assert _tokens(llm) == want
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_level_2_discards_the_weights_and_reload_weights_restores_them(model, want, quantization):
-    llm = LLM(str(model), enable_sleep_mode=True, quantization=quantization, **SMALL)
+@pytest.mark.parametrize(
+    "quantization, compilation_config",
+    [(None, 0), ("int8", 0), ("int8", 3)],  # compiled: int8 weights reordered (use_words)
+)
+def test_level_2_discards_the_weights_and_reload_weights_restores_them(
+    model, want, quantization, compilation_config
+):
+    llm = LLM(
+        str(model),
+        enable_sleep_mode=True,
+        quantization=quantization,
+        compilation_config=compilation_config,
+        **SMALL,
+    )
     want_q = _tokens(llm)
     if quantization is None:
         assert want_q == want

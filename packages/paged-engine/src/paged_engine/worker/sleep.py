@@ -139,7 +139,12 @@ class SleepingMemory:
 
 def copy_weights(dst: nn.Module, src: nn.Module) -> int:
     """Copy every weight storage of `src` into the matching one of `dst` (two models built
-    alike: the same storages in the same order); returns the storages copied."""
+    alike: the same storages in the same order); returns the storages copied. An int8 weight
+    `dst` reordered for its compiled forward (`Int8Linear.use_words`) is reordered in `src`
+    first, so the bytes match."""
+    for d, s in zip(_quantized(dst), _quantized(src), strict=True):
+        if getattr(d, "words", None) is not None:
+            s.use_words()
     pairs = list(_weight_storages(dst)), list(_weight_storages(src))
     if len(pairs[0]) != len(pairs[1]):
         raise RuntimeError(
@@ -163,3 +168,11 @@ def _weight_storages(model: nn.Module) -> Iterator[torch.UntypedStorage]:
         if storage.nbytes() and ptr not in seen:
             seen.add(ptr)
             yield storage
+
+
+def _quantized(model: nn.Module) -> Iterator[Method]:
+    """The quantized weights of the model's linear layers (and a tied head), in module order."""
+    for module in model.modules():
+        method = getattr(getattr(module, "linear_method", None), "method", None)
+        if isinstance(method, Method):
+            yield method

@@ -85,6 +85,26 @@ def test_raw_http_shape_base64_and_truncation(real_server: ServerProc, hf) -> No
     )
 
 
+def test_pooling_token_embed_gives_a_row_per_token(real_server: ServerProc, hf) -> None:
+    ids = hf[1].encode("one two three four")
+    with torch.no_grad():
+        ref = hf[0].base_model(torch.tensor([ids])).last_hidden_state[0]
+    ref = torch.nn.functional.normalize(ref, dim=-1)
+    for fmt in ("float", "base64"):
+        body = {"input": ids, "task": "token_embed", "encoding_format": fmt}
+        status, _, r = real_server.request("POST", "/pooling", body)
+        assert status == 200, r
+        data = r["data"][0]["data"]
+        if fmt == "base64":
+            raw = base64.b64decode(data)
+            got = torch.tensor(struct.unpack(f"<{len(raw) // 4}f", raw)).view(len(ids), -1)
+        else:
+            got = torch.tensor(data)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    status, _, r = real_server.request("POST", "/pooling", {"input": ids, "task": "token_classify"})
+    assert status == 400 and r["error"]["param"] == "task", r
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

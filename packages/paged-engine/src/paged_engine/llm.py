@@ -218,10 +218,17 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         *,
         truncate_prompt_tokens: int | None = None,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: the pooled vectors as `PoolingRequestOutput`s
         (`outputs.data`: a float32 tensor), in input order: what the model pools by default (an
-        embedding; a classifier's label probabilities) unless `PoolingParams.task` says."""
+        embedding; a classifier's label probabilities) unless `pooling_task` (or
+        `PoolingParams.task`) says: "token_embed" / "token_classify" give one row per prompt
+        token ([num_prompt_tokens, size])."""
+        if pooling_task is not None:
+            pooling_params = _with_task(
+                pooling_params if pooling_params is not None else PoolingParams(), pooling_task
+            )
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompt_list)

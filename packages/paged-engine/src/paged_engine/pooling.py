@@ -10,6 +10,8 @@ its prompt, the worker pools the final (normed) hidden states of those positions
     CLS:  the hidden state of the first prompt token (BERT's [CLS]: encoder models)
     MEAN: the mean over every prompt token (prefix caching is off for such requests: cached
           positions never run through the model)
+    ALL:  every prompt token's own row (vLLM's token tasks, `LLM.encode(pooling_task=
+          "token_embed" | "token_classify")`: [num_prompt_tokens, size]; no prefix caching)
 
 then L2-normalizes (unless `normalize=False`) into `EmbeddingRequestOutput.outputs.embedding`.
 A sequence-classification model pools its head's logits instead and puts them through its
@@ -30,8 +32,10 @@ if TYPE_CHECKING:
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # What a pooling request computes: an embedding; a classifier's label probabilities; a
-# single-label classifier's (cross-encoder's) score of a text pair.
-POOLING_TASKS = ("embed", "classify", "score")
+# single-label classifier's (cross-encoder's) score of a text pair; and vLLM's token tasks, one
+# row per prompt token: its embedding (token_embed), its label probabilities (token_classify).
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
 
 
 @dataclass(slots=True)
@@ -104,7 +108,7 @@ def to_sampling_params(
     cfg = check_pooler_config(pooler_config)
     task = params.task or ("classify" if classifier is not None else "embed")
     if classifier is None:
-        if task != "embed":
+        if task not in ("embed", "token_embed"):
             raise ValueError(
                 f"task={task!r} needs a sequence-classification model "
                 "(*ForSequenceClassification); this one embeds"
@@ -124,10 +128,15 @@ def to_sampling_params(
         truncate = dims if dims is not None and dims < hidden_size else None
         head: dict[str, Any] = {"normalize": normalize, "dimensions": truncate}
     else:
-        if task == "embed":
+        if task in ("embed", "token_embed"):
             raise ValueError(
-                f"task='embed' is not supported: this model ({classifier.architecture}) is a "
+                f"task={task!r} is not supported: this model ({classifier.architecture}) is a "
                 "classifier; use LLM.classify (or LLM.score for a single-label one)"
+            )
+        if task == "token_classify" and classifier.head_after_pooling:
+            raise ValueError(
+                f"task='token_classify' is not supported: this model "
+                f"({classifier.architecture}) pools its tokens before its head"
             )
         if task == "score" and not classifier.scores:
             raise ValueError(
@@ -137,7 +146,7 @@ def to_sampling_params(
         for name in ("normalize", "dimensions"):
             if getattr(params, name) is not None:
                 raise ValueError(f"{name} applies to embeddings, not to a classifier's output")
-        act = classifier.activation if task == "classify" else classifier.score_activation
+        act = classifier.score_activation if task == "score" else classifier.activation
         act = act if params.use_activation is not False else "identity"
         head = {
             "normalize": False,
@@ -150,7 +159,7 @@ def to_sampling_params(
         max_tokens=1,
         ignore_eos=True,
         detokenize=False,
-        pooling_type=cfg["pooling_type"],
+        pooling_type="ALL" if task in TOKEN_TASKS else cfg["pooling_type"],
         truncate_prompt_tokens=params.truncate_prompt_tokens,
         **head,
     )
@@ -186,7 +195,14 @@ class PooledChunks:
             self.chunks.clear()
         self.chunks[start] = (count, vector)
 
-    def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list[float]:
+    def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list:
+        """The pooled vector, or for ALL one row per prompt token (each normalized, cut to
+        `dimensions` or put through the activation as a whole vector would be)."""
+        if params.pooling_type == "ALL":  # the chunks' rows tile [0, num_prompt_tokens)
+            rows: list[list[float]] = []
+            while len(rows) < num_prompt_tokens:
+                rows += self.chunks[len(rows)][1]
+            return [_finish_vector(params, row) for row in rows]
         if params.pooling_type == "LAST":  # the worker sends the last position alone
             pooled = list(self.chunks[num_prompt_tokens - 1][1])
         elif params.pooling_type == "CLS" or params.head_after_pooling:  # and the first alone
@@ -199,19 +215,24 @@ class PooledChunks:
                 pos += count
             assert total is not None
             pooled = [v / num_prompt_tokens for v in total]
-        if params.classify:
-            return activate(pooled, params.activation)
-        if params.dimensions is not None:
-            pooled = pooled[: params.dimensions]
-        if params.normalize:
-            norm = math.sqrt(sum(v * v for v in pooled))
-            pooled = [v / max(norm, 1e-12) for v in pooled]
-        return pooled
+        return _finish_vector(params, pooled)
+
+
+def _finish_vector(params: PoolingSamplingParams, pooled: list[float]) -> list[float]:
+    """A classifier's activation, or an embedding's Matryoshka cut and normalization."""
+    if params.classify:
+        return activate(pooled, params.activation)
+    if params.dimensions is not None:
+        pooled = pooled[: params.dimensions]
+    if params.normalize:
+        norm = math.sqrt(sum(v * v for v in pooled))
+        pooled = [v / max(norm, 1e-12) for v in pooled]
+    return pooled
 
 
 @dataclass(slots=True)
 class PoolingOutput:
-    data: Any  # torch.Tensor [hidden_size], float32
+    data: Any  # torch.Tensor [hidden_size] float32; [num_prompt_tokens, size] for token tasks
 
 
 @dataclass(slots=True)

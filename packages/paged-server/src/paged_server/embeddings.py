@@ -57,7 +57,7 @@ class EmbeddingRequest:
 
 # /pooling's extras: what to pool (the model's own when absent) and a classifier's activation.
 _POOLING_FIELDS = _FIELDS | {"task", "use_activation"}
-_POOLING_TASKS = ("embed", "classify")
+_POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 
 
 def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingRequest:
@@ -154,10 +154,13 @@ def inputs(value: Any) -> list[str | list[int]]:
     return value
 
 
-def encode(vector: list[float], fmt: str) -> list[float] | str:
+def encode(vector: list, fmt: str) -> list | str:
+    """A vector (or a token task's rows) as JSON floats, or as base64 of its little-endian
+    float32 values (rows one after the other)."""
     if fmt == "float":
         return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    flat = [v for row in vector for v in row] if vector and isinstance(vector[0], list) else vector
+    return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")
 
 
 def prompt_tokens(

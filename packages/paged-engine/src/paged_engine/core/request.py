@@ -177,7 +177,7 @@ class Request:
         params = self.params
         if getattr(params, "prompt_logprobs", None) is not None:
             self.use_prefix_cache = False
-        if getattr(params, "pooling_type", None) == "MEAN":  # pools every prompt position
+        if getattr(params, "pooling_type", None) in ("MEAN", "ALL"):  # every prompt position
             self.use_prefix_cache = False
         if self.max_live_seqs <= 0:
             width = getattr(params, "beam_width", None) or max(

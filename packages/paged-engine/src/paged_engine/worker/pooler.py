@@ -3,8 +3,8 @@
     batch row i computes prompt positions [start, end) at hidden rows [cu[i], cu[i] + end - start)
 
 LAST sends the hidden state of position num_prompt - 1 when the step computes it (CLS: of
-position 0); MEAN sends
-the sum over [start, end) and its length, so chunked prefills add up on the host. Vectors are
+position 0); MEAN sends the sum over [start, end) and its length, so chunked prefills add up
+on the host; ALL (the token tasks) sends the rows of [start, end) themselves. Vectors are
 float32 whatever the model dtype. A classification request (params.classify) pools the logits of
 the model's head (`classify`: [n, D] -> [n, num_labels], in the model dtype) at those positions.
 """
@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-# (seq_id, first prompt position, number of positions, vector [hidden_size] float32)
+# (seq_id, first prompt position, number of positions, vector [hidden_size] float32; ALL:
+# the rows [positions, hidden_size])
 PooledChunk = tuple[int, int, int, torch.Tensor]
 
 
@@ -40,7 +41,7 @@ def pool_hidden(
         kind = c.params.pooling_type
         if (kind == "LAST" and end < c.num_prompt_tokens) or (kind == "CLS" and start > 0):
             continue  # the pooled position comes in another chunk
-        if kind == "MEAN":
+        if kind in ("MEAN", "ALL"):
             first, count = start, end - start
         else:
             first, count = (end - 1 if kind == "LAST" else 0), 1
@@ -50,5 +51,5 @@ def pool_hidden(
             if c.params.head_after_pooling:  # a whole encoder sequence: its mean, then the head
                 rows = rows.mean(0, keepdim=True)
             rows = head(rows)
-        out.append((c.seq_id, first, count, rows.float().sum(0)))
+        out.append((c.seq_id, first, count, rows.float() if kind == "ALL" else rows.float().sum(0)))
     return out

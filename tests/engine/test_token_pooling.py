@@ -1,8 +1,9 @@
 """vLLM's token tasks (pooling.py, worker/pooler.py): `LLM.encode(pooling_task="token_embed")`
 gives one embedding row per prompt token, `"token_classify"` one row of label probabilities per
-token of a sequence classifier. References: HF transformers' `last_hidden_state` on the same
-weights (normalized per token), and its classifier's `score` head applied to every position
-(softmax per token); over chunked prefills, and again with the rows cached nowhere."""
+token of a sequence classifier, and what a `*ForTokenClassification` checkpoint gives by
+default. References: HF transformers' `last_hidden_state` on the same weights (normalized per
+token), its classifier's `score` head applied to every position (softmax per token), and its
+token classifier's logits; over chunked prefills, and again with the rows cached nowhere."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def test_token_classify_matches_the_head_on_every_token(tmp_path):
     # the last token's row is what LLM.classify pools
     probs = llm.classify(PROMPTS[:1], use_tqdm=False)[0].outputs.probs
     torch.testing.assert_close(outs[0].outputs.data[-1], torch.tensor(probs))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_token_classification_checkpoints_label_every_token(tmp_path, arch):
+    from transformers import AutoModelForTokenClassification
+
+    path = write_tiny_classifier(tmp_path / arch, arch, num_labels=4, kind="Token")
+    llm = LLM(str(path), **KW)
+    hf = AutoModelForTokenClassification.from_pretrained(path, dtype=torch.float32).eval()
+    outs = llm.encode(PROMPTS, use_tqdm=False)  # its own task: token_classify
+    for out, p in zip(outs, PROMPTS):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0].softmax(-1)  # [T, 4]
+        torch.testing.assert_close(out.outputs.data, ref)
+    raw = llm.encode(PROMPTS[1], PoolingParams(use_activation=False), use_tqdm=False)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(raw.outputs.data, hf(torch.tensor([PROMPTS[1]])).logits[0])
+    with pytest.raises(ValueError, match="labels each token"):
+        llm.classify(PROMPTS)
+    with pytest.raises(ValueError, match="labels each token"):
+        llm.score("a", "b")
 
 
 def test_token_tasks_name_the_model_they_need(tmp_path):

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from paged_engine.pooling import PoolingRequestOutput
 
 SUFFIX = "ForSequenceClassification"
+TOKEN_SUFFIX = "ForTokenClassification"  # the same head on every token (task token_classify)
 ACTIVATIONS = ("softmax", "sigmoid", "identity")
 
 
@@ -37,9 +38,10 @@ def causal_names(arch: str) -> tuple[str, ...]:
     (the same checkpoint names below the head), in the order to try; () for any other
     architecture. A text-only classifier of a multimodal family (Gemma3TextFor...,
     Qwen3_5TextFor...) shares its text model's."""
-    if not arch.endswith(SUFFIX):
+    suffix = next((s for s in (SUFFIX, TOKEN_SUFFIX) if arch.endswith(s)), None)
+    if suffix is None:
         return ()
-    stem = arch.removesuffix(SUFFIX)
+    stem = arch.removesuffix(suffix)
     if stem == "GPT2":
         return ("GPT2LMHeadModel",)
     names = (stem + "ForCausalLM",)
@@ -103,6 +105,8 @@ class ClassifierInfo:
     # classifiers): the worker pools first, then runs the head (an encoder's sequences are
     # whole in their step), instead of pooling the head's per-position logits.
     head_after_pooling: bool = False
+    # A *ForTokenClassification: it labels every token (task "token_classify") and nothing else.
+    per_token: bool = False
 
     @property
     def scores(self) -> bool:
@@ -129,7 +133,12 @@ def classifier_info(hf_config: Any) -> ClassifierInfo | None:
         problem, default
     )
     return ClassifierInfo(
-        arch, num_labels, labels, activation, _score_activation(hf_config, default)
+        arch,
+        num_labels,
+        labels,
+        activation,
+        _score_activation(hf_config, default),
+        per_token=arch.endswith(TOKEN_SUFFIX),
     )
 
 

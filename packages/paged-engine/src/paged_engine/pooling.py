@@ -106,7 +106,9 @@ def to_sampling_params(
     single-label classifier scores). `matryoshka`: the embedding sizes the model was trained
     for (() = any up to its hidden size; None: it was not)."""
     cfg = check_pooler_config(pooler_config)
-    task = params.task or ("classify" if classifier is not None else "embed")
+    task = params.task or (
+        "embed" if classifier is None else "token_classify" if classifier.per_token else "classify"
+    )
     if classifier is None:
         if task not in ("embed", "token_embed"):
             raise ValueError(
@@ -132,6 +134,11 @@ def to_sampling_params(
             raise ValueError(
                 f"task={task!r} is not supported: this model ({classifier.architecture}) is a "
                 "classifier; use LLM.classify (or LLM.score for a single-label one)"
+            )
+        if classifier.per_token and task != "token_classify":
+            raise ValueError(
+                f"task={task!r} is not supported: this model ({classifier.architecture}) labels "
+                "each token; use LLM.encode(..., pooling_task='token_classify')"
             )
         if task == "token_classify" and classifier.head_after_pooling:
             raise ValueError(

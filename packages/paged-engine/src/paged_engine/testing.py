@@ -1406,19 +1406,26 @@ def write_tiny_model(
 
 
 def write_tiny_classifier(
-    path: str | Path, arch: str, *, num_labels: int = 3, seed: int = 0, **config_overrides: Any
+    path: str | Path,
+    arch: str,
+    *,
+    num_labels: int = 3,
+    seed: int = 0,
+    kind: str = "Sequence",
+    **config_overrides: Any,
 ) -> Path:
     """Write a tiny HF `*ForSequenceClassification` model directory (transformers' class for
-    `arch`'s config, random weights including the `score` head) and return its path."""
+    `arch`'s config, random weights including the `score` head) and return its path;
+    `kind="Token"`: its `*ForTokenClassification` (the same head, on every token)."""
     import transformers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_config(arch, num_labels=num_labels, **config_overrides)
     stem = type(config).__name__.removesuffix("Config")
-    cls = getattr(transformers, stem + "ForSequenceClassification", None)
+    cls = getattr(transformers, f"{stem}For{kind}Classification", None)
     if cls is None:
-        raise ValueError(f"transformers has no {stem}ForSequenceClassification")
+        raise ValueError(f"transformers has no {stem}For{kind}Classification")
     config.architectures = [cls.__name__]
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32)

@@ -1,6 +1,6 @@
 """Model registry: HF `architectures[0]` -> our implementation. A `*ForSequenceClassification`
-of a registered `*ForCausalLM` is that model with a classification head
-(models/sequence_classifier.py)."""
+(or `*ForTokenClassification`: the same head, on every token) of a registered `*ForCausalLM` is
+that model with a classification head (models/sequence_classifier.py)."""
 
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def get_model_class(hf_config) -> type[nn.Module]:
     got = ", ".join(archs) if archs else "none (config.architectures is empty)"
     raise ValueError(
         f"unsupported model architecture: {got}. Supported: {supported}, and the "
-        "*ForSequenceClassification of each *ForCausalLM among them"
+        "*ForSequenceClassification and *ForTokenClassification of each *ForCausalLM among them"
     )
 
 

@@ -75,6 +75,8 @@ def test_token_classification_checkpoints_label_every_token(tmp_path, arch):
         llm.classify(PROMPTS)
     with pytest.raises(ValueError, match="labels each token"):
         llm.score("a", "b")
+    with pytest.raises(ValueError, match="token classifier"):
+        llm.generate(PROMPTS)
 
 
 def test_token_tasks_name_the_model_they_need(tmp_path):

@@ -138,7 +138,7 @@ def to_sampling_params(
         if classifier.per_token and task != "token_classify":
             raise ValueError(
                 f"task={task!r} is not supported: this model ({classifier.architecture}) labels "
-                "each token; use LLM.encode(..., pooling_task='token_classify')"
+                "each token; use LLM.encode(..., pooling_task='token_classify') (HTTP: /pooling)"
             )
         if task == "token_classify" and classifier.head_after_pooling:
             raise ValueError(

@@ -363,6 +363,12 @@ class LLMEngine:
 
     def _refuse(self, params: Any) -> None:
         """ValueError naming `params` for a request this engine does not serve."""
+        if self.classifier is not None and self.classifier.per_token:
+            raise ValueError(
+                f"params: this model ({self.classifier.architecture}) is a token classifier: it "
+                "labels each token (LLM.encode, task 'token_classify' on /pooling), it does not "
+                "generate; pass PoolingParams"
+            )
         if self.classifier is not None:
             raise ValueError(
                 f"params: this model ({self.classifier.architecture}) is a sequence classifier: "

@@ -489,6 +489,17 @@ class EngineClient:
         if live:
             self._abort_in_engine(live)
             self.metrics.requests_aborted += len(live)
+        if self._held_adds:  # held back by a "wait" pause: never added now
+            ids = set(request_ids)
+            dropped = [c for c in self._held_adds if c.group.request_ids[c.index] in ids]
+            self._held_adds = [c for c in self._held_adds if c not in dropped]
+            for c in dropped:  # counted as handed over, so nothing waits on them
+                c.group._num_added += 1
+                if c.group._num_added == len(c.group.request_ids):
+                    c.group._added.set()
+            if dropped:
+                with self._pending_lock:
+                    self._pending_adds -= len(dropped)
 
     def _fail_all(self, err: APIError) -> None:
         rids = self._fail(None, err)

@@ -50,10 +50,6 @@ ROUTES = frozenset(
         "/collective_rpc",
     }
 )
-# The engine's names (paged_engine/engine/sleep_mode.py), repeated: server modules never
-# import the engine at start (it imports torch).
-_MODES = ("abort", "wait", "keep")
-_TAGS = ("weights", "kv_cache")
 # Offloading a large model's weights to host memory (and back) takes a while.
 _TIMEOUT = 1800.0
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -74,6 +70,9 @@ def dev_routes(client: EngineClient) -> dict[str, dict[str, Callable[[Handler], 
         level = _int(q, "level", 1)
         tags = _tags(q)
         mode = _mode(q)
+        from paged_engine.engine.sleep_mode import check_sleep_args  # torch is imported by now
+
+        check_sleep_args(level, tags, mode)  # before a "wait" holds requests back for it
         client.call(lambda: engine.sleep(level, tags, mode), _TIMEOUT, when_idle=mode == "wait")
         h.send_json(200, {"is_sleeping": True})
 
@@ -88,8 +87,9 @@ def dev_routes(client: EngineClient) -> dict[str, dict[str, Callable[[Handler], 
         clear = _bool(q, "clear_cache", True)
         if _bool(q, "wait_for_inflight_requests", False):  # vLLM's older spelling of "wait"
             mode = "wait"
-        call = lambda: engine.pause_generation(mode, clear)
-        client.call(call, _TIMEOUT, when_idle=mode == "wait")
+        client.call(
+            lambda: engine.pause_generation(mode, clear), _TIMEOUT, when_idle=mode == "wait"
+        )
         h.send_json(200, {"status": "paused"})
 
     def resume(h: Handler) -> None:
@@ -179,21 +179,15 @@ def _bool(q: dict[str, list[str]], name: str, default: bool) -> bool:
 
 
 def _mode(q: dict[str, list[str]]) -> str:
-    mode = _one(q, "mode") or "abort"
-    if mode not in _MODES:
-        raise bad_request(f"'mode' must be one of {list(_MODES)}, got {mode!r}", "mode")
-    return mode
+    """The engine checks the value (a 400 naming `mode` through `_engine_errors`)."""
+    return _one(q, "mode") or "abort"
 
 
 def _tags(q: dict[str, list[str]]) -> list[str] | None:
-    """`?tags=a&tags=b` (vLLM's) or `?tags=a,b`; None when absent."""
+    """`?tags=a&tags=b` (vLLM's) or `?tags=a,b`; None when absent. The engine checks them."""
     if "tags" not in q:
         return None
-    tags = [t.strip() for value in q["tags"] for t in value.split(",") if t.strip()]
-    unknown = [t for t in tags if t not in _TAGS]
-    if unknown:
-        raise bad_request(f"unknown memory tag {unknown[0]!r}; expected {list(_TAGS)}", "tags")
-    return tags
+    return [t.strip() for value in q["tags"] for t in value.split(",") if t.strip()]
 
 
 def _rpc_body(body: Any) -> tuple[str, tuple, dict[str, Any], float]:

@@ -244,27 +244,24 @@ class EngineClient:
 
     def add_lora(self, lora_request: Any, timeout: float = 300.0) -> bool:
         """engine.add_lora on the engine thread; its ValueError (a bad adapter) is raised here."""
-        return self._call(lambda: self.engine.add_lora(lora_request), timeout)
+        return self.call(lambda: self.engine.add_lora(lora_request), timeout)
 
     def remove_lora(self, lora_int_id: int, timeout: float = 60.0) -> None:
         """Unload an adapter: requests for it not yet in the engine fail with a 404; if
         requests in the engine use it, it is removed once the engine lets go of it."""
-        self._call(lambda: self._remove_lora(lora_int_id), timeout)
+        self.call(lambda: self._remove_lora(lora_int_id), timeout)
 
     def start_profile(self, timeout: float = 60.0) -> None:
-        self._call(self.engine.start_profile, timeout)
+        self.call(self.engine.start_profile, timeout)
 
     def stop_profile(self, timeout: float = 60.0) -> list[str]:
         """The trace files written, one per rank."""
-        return self._call(self.engine.stop_profile, timeout)
+        return self.call(self.engine.stop_profile, timeout)
 
     def call(self, fn: Callable[[], Any], timeout: float, *, when_idle: bool = False) -> Any:
         """Run `fn` on the engine thread between steps and return its result (its exception
         is raised here); `when_idle`: once every request in the engine has finished, with new
         ones held back until then (sleep mode's "wait")."""
-        return self._call(fn, timeout, when_idle)
-
-    def _call(self, fn: Callable[[], Any], timeout: float, when_idle: bool = False) -> Any:
         if not self.alive:
             raise APIError(503, "the engine loop is not running")
         future: Future = Future()

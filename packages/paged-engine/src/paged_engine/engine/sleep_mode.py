@@ -53,6 +53,15 @@ def check_tags(tags: object) -> list[str] | None:
     return [t for t in TAGS if t in tags]
 
 
+def check_sleep_args(level: object, tags: object, mode: object) -> list[str] | None:
+    """`sleep`'s arguments checked (ValueError naming the bad one); returns check_tags'."""
+    if isinstance(level, bool) or level not in (0, 1, 2):
+        raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
+    named = check_tags(tags)
+    check_mode(mode)
+    return named
+
+
 class SleepMode:
     """The engine's pause and sleep state; the engine delegates to it."""
 
@@ -89,10 +98,7 @@ class SleepMode:
         self.engine.engine_core.paused = False
 
     def sleep(self, level: int = 1, tags: Sequence[str] | None = None, mode: str = "abort") -> None:
-        if isinstance(level, bool) or level not in (0, 1, 2):
-            raise ValueError(f"level must be 0, 1 or 2, got {level!r}")
-        named = check_tags(tags)
-        check_mode(mode)
+        named = check_sleep_args(level, tags, mode)
         wanted = named if named is not None else ([] if level == 0 else list(TAGS))
         new = [t for t in wanted if t not in self.asleep]
         if new and not self.engine.config.enable_sleep_mode:

@@ -65,7 +65,7 @@ def pick_device(name: str) -> torch.device:
 class Worker:
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self.config = config
-        self.resolved, self.hf_config = resolved, hf_config  # reload_weights reads them again
+        self.resolved, self.hf_config = resolved, hf_config  # _load_model reads them
         self.device = pick_device(config.device)
         self.dtype = resolve_dtype(config.dtype, hf_config)
         if config.dtype == "auto" and resolved.is_gguf and self.device.type == "cuda":
@@ -107,16 +107,7 @@ class Worker:
         self._baseline = None
         if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
             self._baseline = gpu_baseline(self.device, config.gpu_memory_utilization)
-        model = load_model(
-            resolved,
-            hf_config,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=config.load_format,
-            seed=config.seed,
-            quantization=self.quantization,
-            max_model_len=config.max_model_len,
-        )
+        model = self._load_model()
         model.eval()
         if invariant is not None:
             make_batch_invariant(model, invariant)
@@ -151,6 +142,20 @@ class Worker:
         # start_profile / stop_profile: on when the environment names a trace directory.
         self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)
         self.memory = SleepingMemory(self.device)  # sleep mode's freed storages
+
+    def _load_model(self) -> torch.nn.Module:
+        """The checkpoint's model on this rank's device, dtype and quantization."""
+        cfg = self.config
+        return load_model(
+            self.resolved,
+            self.hf_config,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=cfg.load_format,
+            seed=cfg.seed,
+            quantization=self.quantization,
+            max_model_len=cfg.max_model_len,
+        )
 
     def _default_quantization(
         self, config: EngineConfig, resolved: ResolvedModel, hf_config
@@ -249,16 +254,7 @@ class Worker:
                 self.resolved, self.hf_config, self.dtype, self.device, cfg.load_format
             )
             return len(model.load_weights(weights))
-        fresh = load_model(
-            self.resolved,
-            self.hf_config,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=cfg.load_format,
-            seed=cfg.seed,
-            quantization=self.quantization,
-            max_model_len=cfg.max_model_len,
-        )
+        fresh = self._load_model()
         count = copy_weights(model, fresh)
         del fresh
         self._release_cached_memory()

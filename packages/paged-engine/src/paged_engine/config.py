@@ -17,6 +17,7 @@ _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
+_MODALITIES = ("image",)  # what limit_mm_per_prompt may name
 
 
 def _cpu_kv_cache_gib_default() -> float:
@@ -135,6 +136,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # LLM.sleep / wake_up (engine/sleep_mode.py): give back device memory between rollouts.
     enable_sleep_mode: bool = False
+    # Items per prompt by modality ({"image": n}) for checkpoints whose images paged runs
+    # (multimodal/): None or a missing key means any number; {"image": 0} serves the text
+    # model alone (the vision tower is not loaded).
+    limit_mm_per_prompt: dict | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -205,6 +210,17 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")
+        _check(
+            self.limit_mm_per_prompt is None
+            or (
+                isinstance(self.limit_mm_per_prompt, dict)
+                and all(k in _MODALITIES for k in self.limit_mm_per_prompt)
+                and all(_is_int(v) and v >= 0 for v in self.limit_mm_per_prompt.values())
+            ),
+            "limit_mm_per_prompt",
+            self.limit_mm_per_prompt,
+            f"None or a dict of modalities {_MODALITIES} to ints >= 0",
+        )
         _check(
             self.prefix_state_snapshots is None
             or (_is_int(self.prefix_state_snapshots) and self.prefix_state_snapshots >= 0),
@@ -358,6 +374,11 @@ class EngineConfig:
         for what, on in unsupported.items():
             if on:
                 raise ValueError(f"enable_lora=True does not combine with {what} yet")
+
+    @property
+    def image_limit(self) -> int | None:
+        """Images per prompt (limit_mm_per_prompt["image"]); None: any number."""
+        return (self.limit_mm_per_prompt or {}).get("image")
 
     @property
     def compilation_level(self) -> int:

@@ -27,6 +27,7 @@ from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
 from paged_engine.models.multimodal_text import (
+    MARKER,
     processor_chat_template,
     text_model_weights,
     text_only_config,
@@ -228,6 +229,39 @@ def load_model(
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()  # the dense weights' blocks, before the KV cache is sized
     return model.eval().requires_grad_(False)
+
+
+def load_image_encoder(
+    resolved: ResolvedModel,
+    hf_config,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> nn.Module | None:
+    """The vision tower and projector of a checkpoint whose images paged runs
+    (multimodal/llava.py), on `device` in `dtype`; None for any other checkpoint."""
+    from paged_engine.multimodal.llava import IMAGE_ARCHS, LlavaImageEncoder
+    from paged_engine.multimodal.processor import wrapper_config
+
+    if getattr(hf_config, MARKER, None) not in IMAGE_ARCHS or resolved.is_gguf:
+        return None
+    config = wrapper_config(resolved.path, trust_remote_code)
+    assert config is not None
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            encoder = LlavaImageEncoder(config)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    if load_format == "dummy":
+        init_dummy_weights(encoder, seed)
+    else:
+        encoder.load_weights(iter_weights(resolved, load_format))
+    return encoder.eval().requires_grad_(False)
 
 
 def checkpoint_weights(

@@ -1479,6 +1479,88 @@ def write_tiny_encoder(
     return path
 
 
+# LLaVA's chat form: "USER: <image>\nWhat is this?\nASSISTANT:"; content may be a string or
+# OpenAI-style parts ({"type": "image"} / {"type": "text", "text": ...}), as HF's templates take.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+def write_tiny_llava(
+    path: str | Path,
+    *,
+    text: str = "llama",
+    vision: str = "clip",
+    seed: int = 0,
+    image_size: int = 30,
+    patch_size: int = 6,
+    **config_overrides: Any,
+) -> Path:
+    """A tiny random `LlavaForConditionalGeneration` checkpoint with its processor (image
+    processor, tokenizer with an `<image>` token, chat template) and return its path. `text`:
+    a tiny arch with a Llama-style decoder ("llama", "mistral", "qwen2"); `vision`: "clip" or
+    "siglip"; `config_overrides` go to LlavaConfig (vision_feature_layer, ...)."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    text_config = tiny_config(text, vocab_size=len(tokenizer)).to_dict()
+    vision_fields = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    if vision == "clip":
+        vision_config = transformers.CLIPVisionConfig(**vision_fields, projection_dim=32)
+        image_processor = transformers.CLIPImageProcessor(
+            size={"shortest_edge": image_size},
+            crop_size={"height": image_size, "width": image_size},
+        )
+    elif vision == "siglip":
+        vision_config = transformers.SiglipVisionConfig(**vision_fields)
+        image_processor = transformers.SiglipImageProcessor(
+            size={"height": image_size, "width": image_size}
+        )
+    else:
+        raise ValueError(f"vision must be 'clip' or 'siglip', got {vision!r}")
+    config = transformers.LlavaConfig(
+        text_config=text_config,
+        vision_config=vision_config.to_dict(),
+        image_token_id=image_id,
+        **{**_COMMON, **config_overrides},
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    strategy = config.vision_feature_select_strategy
+    processor = transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        vision_feature_select_strategy=strategy,
+        num_additional_image_tokens=1 if vision == "clip" else 0,
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+    processor.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from paged_engine.core.block_pool import BlockPool
 from paged_engine.core.cpu_pool import CpuPool
+from paged_engine.multimodal.inputs import block_mm_keys
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -136,6 +137,8 @@ class BlockManager:
         """(hash, parent_hash, tokens) of full block i; extends seq.block_hashes by one at most."""
         bs = self.block_size
         tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+        if seq.request.mm_inputs:  # placeholders stand for their image: its hash is in the key
+            tokens += block_mm_keys(seq.request.mm_inputs, i * bs, (i + 1) * bs)
         hashes = seq.block_hashes
         if i:
             parent = hashes[i - 1]

@@ -172,6 +172,9 @@ class Request:
     cache_salt: str | None = None
     # scheduling_policy="priority": lower runs first; ties go by arrival_time
     priority: int = 0
+    # Images of the prompt (multimodal/inputs.py ImageInput), in placeholder order: the worker
+    # embeds them at their placeholders; a block covering one is keyed by its hash too.
+    mm_inputs: tuple = ()
 
     def __post_init__(self) -> None:
         params = self.params

@@ -32,6 +32,8 @@ class NewSeqData:
     lora_id: int = 0  # the adapter it runs with (lora/), 0 for none
     lora_path: str | None = None
     state_slot: int = -1  # hybrid models: its recurrent-state row (core/state_slots.py)
+    # images (multimodal/inputs.py) whose placeholders it has yet to run
+    mm_inputs: tuple = ()
 
 
 @dataclass(slots=True)

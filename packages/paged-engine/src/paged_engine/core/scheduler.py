@@ -619,7 +619,7 @@ class Scheduler:
                 ):
                     slots.snapshot(seq.state_slot, seq, end // bs - 1, decode=True)
             if not seq.in_worker:
-                new_seqs.append(self._new_seq_data(seq))
+                new_seqs.append(self._new_seq_data(seq, start))
                 seq.in_worker = True
                 seq.num_synced_blocks = len(table)
             elif seq.num_synced_blocks < len(table):
@@ -639,7 +639,8 @@ class Scheduler:
         return self.block_manager.block_key(seq, i)
 
     @staticmethod
-    def _new_seq_data(seq: Sequence) -> NewSeqData:
+    def _new_seq_data(seq: Sequence, start: int) -> NewSeqData:
+        """`start`: its first position this step; images placed before it are not sent."""
         req = seq.request
         return NewSeqData(
             seq_id=seq.seq_id,
@@ -653,6 +654,7 @@ class Scheduler:
             lora_id=req.lora_id,
             lora_path=req.lora_path,
             state_slot=seq.state_slot,
+            mm_inputs=tuple(m for m in req.mm_inputs if m.end > start),
         )
 
 

@@ -7,9 +7,12 @@ Everything that can be wrong with a request is caught here, before the scheduler
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
+from paged_engine.multimodal.llava import IMAGE_ARCHS
+from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -35,6 +38,7 @@ class InputProcessor:
         eos_token_ids: set[int],
         structured: StructuredOutputManager | None = None,
         default_params: dict | None = None,
+        images: ImageProcessor | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.default_params = default_params or {}  # params=None: SamplingParams(**these)
@@ -42,6 +46,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.structured = structured
+        self.images = images  # a checkpoint whose images run (multimodal/), else None
 
     def make_request(
         self,
@@ -58,11 +63,20 @@ class InputProcessor:
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
         text, token_ids = self._tokenize_prompt(prompt)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        mm_inputs: tuple = ()
+        if mm_data:
+            token_ids, mm_inputs = self._images(token_ids, mm_data)
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
         cut = truncated(token_ids, keep, max_len)
         if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
+            if mm_inputs:
+                raise ValueError(
+                    "truncate_prompt_tokens would cut a prompt with images (their placeholders "
+                    "are whole or absent): give a shorter text or no truncation"
+                )
             text, token_ids = None, cut
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -84,7 +98,7 @@ class InputProcessor:
             )
             num_returned = min(num_returned or params.beam_width, params.beam_width)
             # Beams finish through the search itself: no token-level stop rule applies.
-            req = Request(request_id, token_ids, params, beam=beam)
+            req = Request(request_id, token_ids, params, beam=beam, mm_inputs=mm_inputs)
         else:
             num_returned = params.n
             req = Request(
@@ -95,6 +109,7 @@ class InputProcessor:
                 stop_token_ids=frozenset(params.stop_token_ids),
                 min_tokens=params.min_tokens,
                 constraint=self._constraint(params),
+                mm_inputs=mm_inputs,
             )
         if arrival_time is not None:
             req.arrival_time = arrival_time
@@ -103,11 +118,6 @@ class InputProcessor:
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if prompt.get("multi_modal_data"):  # vLLM's images / audio: a VLM's text model only
-                raise ValueError(
-                    "multi_modal_data is not supported: this engine serves text only (a "
-                    "vision-language checkpoint's language model, without its vision encoder)"
-                )
             # As in vLLM: token ids win when both are given; the text is kept for the output.
             text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
@@ -145,6 +155,29 @@ class InputProcessor:
         raise ValueError(
             f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
         )
+
+    def _images(self, token_ids: list[int], mm_data: Any) -> tuple[list[int], tuple]:
+        """vLLM's multi_modal_data: the prompt with each image's placeholder run, and the
+        images (multimodal/processor.py)."""
+        if not isinstance(mm_data, dict):
+            raise ValueError(
+                f"multi_modal_data must be a dict such as {{'image': image}}, got "
+                f"{type(mm_data).__name__}"
+            )
+        other = sorted(str(k) for k in mm_data if k != "image")
+        if other:
+            raise ValueError(f"multi_modal_data[{other[0]!r}] is not supported (only 'image')")
+        if self.images is None:
+            limit = self.config.image_limit
+            why = (
+                "limit_mm_per_prompt={'image': 0} serves the text model only"
+                if limit == 0
+                else "this model runs text only: images run on "
+                f"{', '.join(IMAGE_ARCHS)} checkpoints (other vision-language checkpoints serve "
+                "their language model)"
+            )
+            raise ValueError(f"multi_modal_data is not supported: {why}")
+        return self.images.process(token_ids, mm_data["image"])
 
     def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
         """The request's grammar (compiling from now on) and bad words, if it has either."""

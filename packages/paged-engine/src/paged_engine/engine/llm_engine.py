@@ -56,7 +56,10 @@ from paged_engine.loader import (
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
+from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
+from paged_engine.multimodal.llava import IMAGE_ARCHS
+from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -279,6 +282,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             structured=structured,
             default_params=self.generation_defaults,
+            images=self._image_processor(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
@@ -550,6 +554,19 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return engine_stats(self)
+
+    def _image_processor(self) -> ImageProcessor | None:
+        """The host side of image prompts where the checkpoint's images run (multimodal/);
+        None for text-only models and with limit_mm_per_prompt={"image": 0}."""
+        cfg = self.config
+        if (
+            getattr(self.hf_config, MARKER, None) not in IMAGE_ARCHS
+            or self.resolved.is_gguf
+            or cfg.image_limit == 0
+        ):
+            return None
+        config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
+        return ImageProcessor(self.resolved.path, config, cfg.image_limit)
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

@@ -45,6 +45,7 @@ from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
+from paged_engine.worker.image_embeds import ImageEmbedder
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.pooler import pool_hidden
 from paged_engine.worker.recurrent_state import (
@@ -67,6 +68,9 @@ class StepInputs:
     rows: np.ndarray  # [S] InputBatch row of each sequence
     cu: np.ndarray  # [S+1] host copy of cu_seqlens_q
     seq_lens: np.ndarray  # [S] host copy
+    # [T, D] input embeddings when image placeholders run this step (the model then skips its
+    # token embedding); None: the model embeds input_ids itself
+    embeds: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -108,6 +112,9 @@ class ModelRunner:
         self.draft: DraftModelRunner | None = None
         # enable_lora: adapter slots and each row's slot (set by the worker; lora/manager.py).
         self.lora: LoRAManager | None = None
+        # A checkpoint whose images run (multimodal/): their features at their placeholders
+        # (set by the worker on the first pipeline stage; worker/image_embeds.py).
+        self.images: ImageEmbedder | None = None
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -197,8 +204,12 @@ class ModelRunner:
                 c = batch.seqs[seq_id]
                 lora.release(c.row, c.lora_id)
             batch.remove(seq_id)
+            if self.images is not None:
+                self.images.remove(seq_id)
         for data in sched.new_seqs:
             c = batch.add(data)
+            if self.images is not None:
+                self.images.add(data.seq_id, data.mm_inputs)
             if lora is not None:
                 lora.acquire(c.row, data.lora_id, data.lora_path)
         batch.update_blocks(sched.block_updates)
@@ -232,7 +243,7 @@ class ModelRunner:
         hands the output to the engine core). Middle stages return an empty output."""
         assert self.cache is not None
         state = self.parallel
-        hidden_in = None
+        hidden_in = inputs.embeds  # the first stage's input embeddings when images run
         if not state.is_first_stage:
             shape = (inputs.input_ids.shape[0], self.stage_width)
             prev = state.stage_rank(state.pp_rank - 1)
@@ -337,13 +348,16 @@ class ModelRunner:
                 state_rows, (starts > 0).astype(np.int64), batch.num_prompt[rows].astype(np.int64)
             )
             meta.has_initial_state = has_state.bool()
-        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens)
+        embeds = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
+        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens, embeds)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, D]; a view of a graph's static output when a graph ran (valid until
         the next replay)."""
         assert self.cache is not None
         ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        if inputs.embeds is not None:  # image features at their placeholders: eager
+            return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
             return self.graphs.run(ids, pos, meta)
         if self.compiled is not None:

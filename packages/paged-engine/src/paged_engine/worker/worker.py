@@ -30,6 +30,7 @@ from paged_engine.loader import (
     ResolvedModel,
     checkpoint_weights,
     init_dummy_weights,
+    load_image_encoder,
     load_model,
     resolve_dtype,
 )
@@ -40,6 +41,7 @@ from paged_engine.quantized_checkpoint import fp8_checkpoint
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cache_engine import kv_head_dim, latent_kv
 from paged_engine.worker.cpu_threads import set_cpu_threads
+from paged_engine.worker.image_embeds import ImageEmbedder
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
 from paged_engine.worker.model_runner import ModelRunner
@@ -137,6 +139,19 @@ class Worker:
                 ),
                 config.max_num_seqs,
             )
+        if config.image_limit != 0 and get_parallel_state().is_first_stage:
+            encoder = load_image_encoder(
+                resolved,
+                hf_config,
+                dtype=self.dtype,
+                device=self.device,
+                load_format=config.load_format,
+                seed=config.seed,
+                trust_remote_code=config.trust_remote_code,
+            )
+            if encoder is not None:  # LLaVA: images embedded at their placeholders
+                embed = model.model.embed_tokens
+                self.model_runner.images = ImageEmbedder(encoder, embed, self.device)
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
         # start_profile / stop_profile: on when the environment names a trace directory.

@@ -1,0 +1,38 @@
+"""`ImageInput`: one image of a prompt, as plain data (picklable: it travels to every rank).
+
+    prompt token ids:  ... <image> x length ...
+                           ^ offset
+    the model's input embedding at positions [offset, offset + length) is the image's feature
+    rows (the vision encoder's output, one row per placeholder), not the placeholder token's.
+
+`mm_hash` identifies the pixels: the prefix cache keys a block that covers any placeholder of
+an image by the image's hash too, so two prompts with the same text and other images share no
+KV (core/block_manager.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageInput:
+    pixel_values: torch.Tensor  # [3, H, W] float32, preprocessed for the vision tower
+    offset: int  # first placeholder position in the prompt
+    length: int  # placeholders = feature rows
+    mm_hash: str  # blake2b of the pixel values
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        """Whether positions [start, end) include one of its placeholders."""
+        return self.offset < end and start < self.end
+
+
+def block_mm_keys(images: tuple[ImageInput, ...], start: int, end: int) -> tuple[str, ...]:
+    """Hashes of the images with a placeholder in positions [start, end), in prompt order."""
+    return tuple(m.mm_hash for m in images if m.overlaps(start, end))

@@ -1,0 +1,152 @@
+"""Image prompts on the host: images -> pixel values, one placeholder -> a run of placeholders.
+
+vLLM's prompt form: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:",
+"multi_modal_data": {"image": image_or_list}}` (or `prompt_token_ids`). Each image token in the
+prompt stands for one image, in order; it becomes `tokens_per_image` copies of itself, and the
+image becomes an `ImageInput` at that run. A prompt whose runs are expanded already (token ids
+of an earlier output, or a client's HF processor) is taken as it is. Images go through the
+checkpoint's own image processor (preprocessor_config.json: resize, crop, normalize), as HF's
+LlavaProcessor runs them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.llava import IMAGE_ARCHS, image_token_id, tokens_per_image
+
+logger = logging.getLogger(__name__)
+
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def require_pillow():
+    try:
+        import PIL.Image
+    except ImportError as e:
+        raise ImportError("image inputs need Pillow: pip install 'paged-engine[vision]'") from e
+    return PIL.Image
+
+
+def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
+    """The checkpoint's own config when it is a wrapper whose images paged runs, else None."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    archs = getattr(config, "architectures", None) or []
+    return config if any(a in IMAGE_ARCHS for a in archs) else None
+
+
+def _digest(pixels: torch.Tensor) -> str:
+    return hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+class ImageProcessor:
+    """Turns a prompt's images into `ImageInput`s placed in its token ids."""
+
+    def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
+        self.path = Path(path)
+        self.image_token_id = image_token_id(config)
+        self.tokens_per_image = tokens_per_image(config)
+        self.image_size = int(config.vision_config.image_size)
+        self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
+        # transformers 5 saves the image processor inside processor_config.json
+        if not any((self.path / f).exists() for f in _PROCESSOR_FILES):
+            raise ValueError(
+                f"{path} has neither preprocessor_config.json nor processor_config.json: the "
+                "image processor of "
+                f"{config.architectures[0]} is needed to run its images (pass "
+                "limit_mm_per_prompt={'image': 0} to serve its text model only)"
+            )
+        self._hf = None  # transformers' image processor, loaded with the first image
+
+    @property
+    def hf(self):
+        if self._hf is None:
+            from transformers import AutoImageProcessor
+
+            self._hf = AutoImageProcessor.from_pretrained(self.path)
+        return self._hf
+
+    def process(
+        self, token_ids: list[int], images: Any
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """(token ids with each image's placeholder run, the images); ValueError naming
+        multi_modal_data for anything wrong with the images or their placeholders."""
+        images = self._image_list(images)
+        pixels = self._pixels(images)
+        token_ids = self._expand(token_ids, len(images))
+        n, tid = self.tokens_per_image, self.image_token_id
+        offsets = [
+            i for i, t in enumerate(token_ids) if t == tid and (i == 0 or token_ids[i - 1] != tid)
+        ]
+        out = tuple(
+            ImageInput(p, offset, n, _digest(p)) for p, offset in zip(pixels, offsets, strict=True)
+        )
+        return token_ids, out
+
+    def _image_list(self, images: Any) -> list[Any]:
+        PIL_Image = require_pillow()
+        items = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not items:
+            raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
+        for i, item in enumerate(items):
+            if not isinstance(item, PIL_Image.Image):
+                raise ValueError(
+                    f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
+                    f"{type(item).__name__}"
+                )
+        if self.limit is not None and len(items) > self.limit:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(items)} images, over "
+                f"limit_mm_per_prompt={{'image': {self.limit}}}"
+            )
+        return items
+
+    def _pixels(self, images: list[Any]) -> torch.Tensor:
+        try:
+            rgb = [im.convert("RGB") for im in images]
+            pixels = self.hf(images=rgb, return_tensors="pt")["pixel_values"]
+        except Exception as e:  # a corrupt or truncated image, a size the processor refuses
+            raise ValueError(
+                f"multi_modal_data['image']: the image could not be processed: {e}"
+            ) from e
+        expected = (len(images), 3, self.image_size, self.image_size)
+        if tuple(pixels.shape) != expected:
+            raise ValueError(
+                f"the image processor gave pixel values of shape {tuple(pixels.shape)}, not "
+                f"{expected} (the vision tower's image_size): check preprocessor_config.json"
+            )
+        return pixels.float()
+
+    def _expand(self, ids: list[int], num_images: int) -> list[int]:
+        """Each lone placeholder -> tokens_per_image of them; runs already that long stay."""
+        tid, n = self.image_token_id, self.tokens_per_image
+        runs: list[tuple[int, int]] = []  # (start, length)
+        for i, t in enumerate(ids):
+            if t != tid:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+        if len(runs) != num_images or any(length not in (1, n) for _, length in runs):
+            found = ", ".join(str(length) for _, length in runs) or "none"
+            raise ValueError(
+                f"multi_modal_data['image'] has {num_images} image(s) but the prompt has "
+                f"{len(runs)} image placeholder(s) (token id {tid}; runs of {found} tokens): "
+                f"put one image token per image where it belongs (or a run of {n})"
+            )
+        out: list[int] = []
+        last = 0
+        for start, length in runs:
+            out += ids[last:start]
+            out += [tid] * n
+            last = start + length
+        return out + ids[last:]

@@ -1,0 +1,95 @@
+"""A step's input embeddings with images in them: token embeddings, image features spliced in.
+
+    step rows of sequence i: positions [start, start + n)  ->  flat rows [cu[i], cu[i + 1])
+    an image at prompt positions [offset, offset + length) that overlaps them puts its feature
+    rows [max(start, offset) - offset, min(start + n, offset + length) - offset) there
+
+An image is encoded the first time a step runs one of its placeholders (images of one step in
+one call of the vision encoder); its features stay until a step has run its last placeholder
+(a prompt chunked through an image needs them again), then go. A sequence the scheduler drops
+(finished, preempted) drops its images; one that comes back brings those it has yet to run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.multimodal.inputs import ImageInput
+
+
+class ImageEmbedder:
+    def __init__(self, encoder: nn.Module, embed_tokens: nn.Module, device: torch.device) -> None:
+        self.encoder = encoder  # LlavaImageEncoder: pixels [N, 3, H, W] -> [N, L, D]
+        self.embed_tokens = embed_tokens  # the text model's token embedding
+        self.device = device
+        self.images: dict[int, list[ImageInput]] = {}  # seq id -> images it has yet to run
+        self.features: dict[tuple[int, int], torch.Tensor] = {}  # (seq id, offset) -> [L, D]
+
+    def add(self, seq_id: int, images: tuple[ImageInput, ...]) -> None:
+        if images:
+            self.images[seq_id] = list(images)
+
+    def remove(self, seq_id: int) -> None:
+        for m in self.images.pop(seq_id, ()):
+            self.features.pop((seq_id, m.offset), None)
+
+    def inputs_embeds(
+        self, sched: SchedulerOutput, cu: np.ndarray, input_ids: torch.Tensor
+    ) -> torch.Tensor | None:
+        """[T, D] embeddings of the step's tokens with image rows in place, or None when no
+        placeholder of an image runs this step."""
+        if not self.images:
+            return None
+        pieces: list[tuple[int, tuple[int, int], int, int]] = []  # (flat row, key, lo, hi)
+        todo: list[tuple[int, ImageInput]] = []
+        for i, seq_id in enumerate(sched.seq_ids):
+            start = sched.start_positions[i]
+            end = start + sched.num_new_tokens[i]
+            for m in self.images.get(seq_id, ()):
+                if m.overlaps(start, end):
+                    lo, hi = max(start, m.offset), min(end, m.end)
+                    key = (seq_id, m.offset)
+                    pieces.append((int(cu[i]) + lo - start, key, lo - m.offset, hi - m.offset))
+                    todo.append((seq_id, m))
+        if not pieces:
+            return None
+        self._encode(todo)
+        x = self.embed_tokens(input_ids)
+        rows = torch.cat([self.features[key][lo:hi] for _, key, lo, hi in pieces]).to(x.dtype)
+        index = np.concatenate([np.arange(a, a + hi - lo) for a, _, lo, hi in pieces])
+        x[torch.from_numpy(index).to(x.device)] = rows
+        self._retire(sched)
+        return x
+
+    def _encode(self, todo: list[tuple[int, ImageInput]]) -> None:
+        todo = [(s, m) for s, m in todo if (s, m.offset) not in self.features]
+        if not todo:
+            return
+        dtype = next(self.encoder.parameters()).dtype
+        pixels = torch.stack([m.pixel_values for _, m in todo]).to(self.device, dtype)
+        features = self.encoder(pixels)
+        for (seq_id, m), f in zip(todo, features, strict=True):
+            if f.shape[0] != m.length:
+                raise RuntimeError(
+                    f"an image gave {f.shape[0]} feature rows for {m.length} placeholders"
+                )
+            self.features[(seq_id, m.offset)] = f
+
+    def _retire(self, sched: SchedulerOutput) -> None:
+        """Images whose last placeholder ran this step: no later step needs them."""
+        for i, seq_id in enumerate(sched.seq_ids):
+            images = self.images.get(seq_id)
+            if not images:
+                continue
+            end = sched.start_positions[i] + sched.num_new_tokens[i]
+            done = [m for m in images if m.end <= end]
+            for m in done:
+                self.features.pop((seq_id, m.offset), None)
+            left = [m for m in images if m.end > end]
+            if left:
+                self.images[seq_id] = left
+            else:
+                del self.images[seq_id]

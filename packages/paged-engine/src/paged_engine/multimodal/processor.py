@@ -81,7 +81,7 @@ class ImageProcessor:
         multi_modal_data for anything wrong with the images or their placeholders."""
         images = self._image_list(images)
         pixels = self._pixels(images)
-        token_ids = self._expand(token_ids, len(images))
+        token_ids = self.expand(token_ids, len(images))
         n, tid = self.tokens_per_image, self.image_token_id
         offsets = [
             i for i, t in enumerate(token_ids) if t == tid and (i == 0 or token_ids[i - 1] != tid)
@@ -125,8 +125,10 @@ class ImageProcessor:
             )
         return pixels.float()
 
-    def _expand(self, ids: list[int], num_images: int) -> list[int]:
-        """Each lone placeholder -> tokens_per_image of them; runs already that long stay."""
+    def expand(self, ids: list[int], num_images: int) -> list[int]:
+        """Each lone placeholder -> tokens_per_image of them; runs already that long stay
+        (ValueError unless there is one placeholder or run per image). A server calls it to
+        know the prompt's length before the engine takes the images."""
         tid, n = self.image_token_id, self.tokens_per_image
         runs: list[tuple[int, int]] = []  # (start, length)
         for i, t in enumerate(ids):

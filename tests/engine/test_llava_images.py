@@ -1,0 +1,208 @@
+"""Images through LLaVA checkpoints (multimodal/) against HF transformers on the same weights.
+
+Tiny random `LlavaForConditionalGeneration` checkpoints (CLIP and SigLIP towers, processor
+saved with them): `LLM.generate` with `multi_modal_data` must give HF `generate`'s greedy tokens
+and top-5 logprobs (1e-3, float32) with HF's own processor's pixel values, in a batch that mixes
+image and text prompts. Then the engine's own paths against the plain run: prompts chunked
+through an image, prefix-cache hits (same image: hit and same output; another image: no hit
+past the text before it), n > 1 forks, preemption by recompute, tensor and pipeline
+parallelism, and bad input (a ValueError naming the parameter, nothing lost).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_llava
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+PROMPT = "USER: <image>\nWhat is in it? Tell me about the colors.\nASSISTANT:"
+TWO = "USER: <image>\nand <image>\nWhich one is brighter?\nASSISTANT:"
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 52)):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def llava_dirs(tmp_path_factory):
+    cache = {}
+
+    def make(vision: str = "clip", **overrides):
+        key = (vision, repr(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = write_tiny_llava(
+                tmp_path_factory.mktemp(f"llava-{vision}"), vision=vision, seed=3, **overrides
+            )
+        return cache[key]
+
+    return make
+
+
+def _greedy(top: int = 5) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=top)
+
+
+def _llm(path, **kw) -> LLM:
+    kw = {"max_model_len": 256, **kw}
+    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
+
+
+def _hf_refs(path, cases):
+    """HF's greedy continuation of each (prompt text, images) through its own processor."""
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model.eval().generation_config.eos_token_id = None
+    refs = []
+    for text, images in cases:
+        if images:
+            inputs = processor(text=text, images=images, return_tensors="pt")
+            ids = inputs["input_ids"][0].tolist()
+            refs.append(
+                (ids, hf_greedy(model, ids, MAX_TOKENS, 5, pixel_values=inputs["pixel_values"]))
+            )
+        else:
+            ids = processor.tokenizer(text)["input_ids"]
+            refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5)))
+    return refs
+
+
+@pytest.mark.parametrize(
+    ("vision", "overrides"),
+    [
+        ("clip", {}),
+        ("siglip", {"vision_feature_select_strategy": "full"}),
+        # two feature layers concatenated, CLS kept
+        ("clip", {"vision_feature_layer": [-3, -1], "vision_feature_select_strategy": "full"}),
+    ],
+    ids=["clip", "siglip-full", "clip-two-layers"],
+)
+def test_images_match_hf(llava_dirs, vision, overrides):
+    path = llava_dirs(vision, **overrides)
+    cases = [
+        (PROMPT, [_image(1)]),
+        ("USER: Say something about the sea.\nASSISTANT:", []),  # text beside images
+        (TWO, [_image(2, (64, 30)), _image(3)]),
+    ]
+    refs = _hf_refs(path, cases)
+    llm = _llm(path)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for (text, _), (ids, ref), out in zip(cases, refs, outs, strict=True):
+        assert out.prompt_token_ids == ids  # placeholders expanded as HF's processor does
+        assert out.prompt == text
+        assert_matches(f"llava-{vision}", out, ref)
+    assert llm.llm_engine.scheduler.block_manager.num_free_blocks == (
+        llm.llm_engine.scheduler.block_manager.num_total_blocks
+    )
+
+
+def test_the_image_changes_the_answer_and_the_prefix_cache_keys_it(llava_dirs):
+    """Same text, other pixels: other logprobs, and no cache hit past the text before the
+    image; the same image again: a hit over its blocks and the same output."""
+    path = llava_dirs()
+    llm = _llm(path, enable_prefix_caching=True)
+    params = _greedy(0)
+
+    def run(img):
+        out = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": img}}], params)[0]
+        lps = [e[t].logprob for e, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        return out, lps
+
+    first, lps1 = run(_image(1))
+    other, lps2 = run(_image(9))
+    assert lps1 != pytest.approx(lps2, abs=1e-4)
+    image_start = next(i for i, t in enumerate(first.prompt_token_ids) if t == _image_token(path))
+    assert other.num_cached_tokens <= image_start // 16 * 16  # text blocks before it only
+    again, lps3 = run(_image(1))
+    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert lps3 == pytest.approx(lps1, abs=1e-4)
+
+
+def _image_token(path) -> int:
+    return transformers.AutoConfig.from_pretrained(path).image_token_id
+
+
+def test_chunked_prefill_preemption_and_forks_match_the_plain_run(llava_dirs):
+    """Prompts cut into 8-token chunks (through each image's 25 placeholders), a pool too
+    small for every request at once (preempted and recomputed: the images come back), and
+    n = 2 samples forked after the prompt: the same greedy tokens as one plain run."""
+    path = llava_dirs()
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": _image(i)}} for i in range(4)] + [
+        {"prompt": TWO, "multi_modal_data": {"image": [_image(5), _image(6)]}}
+    ]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+
+    def run(llm):
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    plain = run(_llm(path))
+    chunked = _llm(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
+    assert_same_greedy(plain, run(chunked))
+    tight = _llm(
+        path,
+        max_model_len=128,
+        num_gpu_blocks_override=9,
+        max_num_batched_tokens=16,
+        enable_chunked_prefill=True,
+    )
+    assert_same_greedy(plain, run(tight))
+    assert tight.llm_engine.get_stats().num_preemptions > 0
+    fork = SamplingParams(temperature=0, n=2, max_tokens=40, ignore_eos=True)
+    out = _llm(path).generate(prompts[:1], fork, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [plain[0].token_ids] * 2
+
+
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_parallel_matches_one_process(llava_dirs, parallel):
+    """TP: the tower runs on both ranks; PP: on the first stage, whose embeddings go on."""
+    path = llava_dirs()
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": [_image(7), _image(8)]}}]
+    one = [o.outputs[0] for o in _llm(path).generate(prompts, _greedy(0), use_tqdm=False)]
+    llm = _llm(path, **{parallel: 2})
+    try:
+        two = [o.outputs[0] for o in llm.generate(prompts, _greedy(0), use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert_same_greedy(one, two)
+
+
+def test_bad_image_input_is_a_clear_error_and_nothing_is_lost(llava_dirs):
+    path = llava_dirs()
+    llm = _llm(path, limit_mm_per_prompt={"image": 1})
+    bad = [
+        ({"prompt": TWO, "multi_modal_data": {"image": _image(1)}}, "2 image placeholder"),
+        ({"prompt": TWO, "multi_modal_data": {"image": [_image(1), _image(2)]}}, "limit_mm_per"),
+        (
+            {"prompt": "USER: no image here", "multi_modal_data": {"image": _image(1)}},
+            "0 image placeholder",
+        ),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": "cat.png"}}, r"\['image'\]\[0\]"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": []}}, "empty"),
+        ({"prompt": PROMPT, "multi_modal_data": {"audio": b"x"}}, r"\['audio'\]"),
+        ({"prompt": PROMPT, "multi_modal_data": [_image(1)]}, "must be a dict"),
+    ]
+    for prompt, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([prompt], _greedy(0), use_tqdm=False)
+    good = {"prompt": PROMPT, "multi_modal_data": {"image": _image(1)}}
+    out = llm.generate([good], _greedy(0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == MAX_TOKENS
+    text_only = _llm(path, limit_mm_per_prompt={"image": 0})
+    assert text_only.llm_engine.model_runner.images is None  # the tower is not loaded
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        text_only.generate([good], _greedy(0), use_tqdm=False)
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        _llm(path, limit_mm_per_prompt={"video": 1})

@@ -31,6 +31,7 @@ TEST_DEPS = [
     "matplotlib",  # the benchmark tests draw their plots
     "llguidance>=1.0",  # paged-engine[structured]: structured outputs
     "jsonschema",  # structured-output tests validate what the engine generates
+    "pillow",  # paged-engine[vision]: image inputs (LLaVA)
 ]
 
 nox.options.sessions = ["lint", "tests"]

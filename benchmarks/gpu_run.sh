@@ -308,7 +308,8 @@ case "$PHASE" in
     step 150 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -v -p no:cacheprovider \
       --timeout 60 -rfE tests/kernels/test_sampling.py tests/engine/test_sampler.py \
       tests/engine/test_async_scheduling.py tests/engine/test_llm_vs_hf.py \
-      tests/engine/test_cuda_graph_logic.py tests/engine/test_sleep_mode.py
+      tests/engine/test_cuda_graph_logic.py tests/engine/test_sleep_mode.py \
+      tests/engine/test_llava_images.py
     ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \

@@ -206,3 +206,22 @@ def test_bad_image_input_is_a_clear_error_and_nothing_is_lost(llava_dirs):
         text_only.generate([good], _greedy(0), use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         _llm(path, limit_mm_per_prompt={"video": 1})
+
+
+def test_images_processed_ahead_are_taken_as_they_are(llava_dirs):
+    """A server processes images on its request thread (`ImageProcessor.process`) and hands
+    the engine the expanded ids with the `ImageInput`s: the same output as raw images; inputs
+    that do not fit the prompt are refused."""
+    path = llava_dirs()
+    llm = _llm(path)
+    images = llm.llm_engine.input_processor.images
+    ids = llm.get_tokenizer().encode(TWO)
+    expanded, done = images.process(ids, [_image(1), _image(2)])
+    raw = {"prompt": TWO, "multi_modal_data": {"image": [_image(1), _image(2)]}}
+    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
+    want, got = llm.generate([raw, ahead], _greedy(0), use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids == expanded
+    assert_same_greedy([want.outputs[0]], [got.outputs[0]])
+    moved = {"prompt_token_ids": [5, *expanded], "multi_modal_data": {"image": list(done)}}
+    with pytest.raises(ValueError, match="do not fit"):
+        llm.generate([moved], _greedy(0), use_tqdm=False)

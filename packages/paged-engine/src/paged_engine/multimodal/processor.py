@@ -78,35 +78,50 @@ class ImageProcessor:
         self, token_ids: list[int], images: Any
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """(token ids with each image's placeholder run, the images); ValueError naming
-        multi_modal_data for anything wrong with the images or their placeholders."""
-        images = self._image_list(images)
-        pixels = self._pixels(images)
-        token_ids = self.expand(token_ids, len(images))
-        n, tid = self.tokens_per_image, self.image_token_id
-        offsets = [
-            i for i, t in enumerate(token_ids) if t == tid and (i == 0 or token_ids[i - 1] != tid)
-        ]
-        out = tuple(
-            ImageInput(p, offset, n, _digest(p)) for p, offset in zip(pixels, offsets, strict=True)
-        )
-        return token_ids, out
-
-    def _image_list(self, images: Any) -> list[Any]:
-        PIL_Image = require_pillow()
+        multi_modal_data for anything wrong with the images or their placeholders. Items that
+        are `ImageInput`s already (this method's output, e.g. from a server that processed the
+        images on its request thread) are taken as they are once their runs check out."""
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
+        if self.limit is not None and len(items) > self.limit:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(items)} images, over "
+                f"limit_mm_per_prompt={{'image': {self.limit}}}"
+            )
+        if all(isinstance(m, ImageInput) for m in items):
+            token_ids = self.expand(token_ids, len(items))
+            shape = (3, self.image_size, self.image_size)
+            if [m.offset for m in items] != self._run_starts(token_ids) or any(
+                m.length != self.tokens_per_image or tuple(m.pixel_values.shape) != shape
+                for m in items
+            ):
+                raise ValueError(
+                    "multi_modal_data['image']: these processed images do not fit this prompt "
+                    "and model (their placeholder runs or pixel shapes differ)"
+                )
+            return token_ids, tuple(items)
+        items = self._image_list(items)
+        pixels = self._pixels(items)
+        token_ids = self.expand(token_ids, len(items))
+        n, starts = self.tokens_per_image, self._run_starts(token_ids)
+        out = tuple(
+            ImageInput(p, offset, n, _digest(p)) for p, offset in zip(pixels, starts, strict=True)
+        )
+        return token_ids, out
+
+    def _run_starts(self, ids: list[int]) -> list[int]:
+        tid = self.image_token_id
+        return [i for i, t in enumerate(ids) if t == tid and (i == 0 or ids[i - 1] != tid)]
+
+    def _image_list(self, items: list[Any]) -> list[Any]:
+        PIL_Image = require_pillow()
         for i, item in enumerate(items):
             if not isinstance(item, PIL_Image.Image):
                 raise ValueError(
                     f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
                     f"{type(item).__name__}"
                 )
-        if self.limit is not None and len(items) > self.limit:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(items)} images, over "
-                f"limit_mm_per_prompt={{'image': {self.limit}}}"
-            )
         return items
 
     def _pixels(self, images: list[Any]) -> torch.Tensor:

@@ -31,6 +31,7 @@ from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
 from paged_server.lora import LoRARegistry, serve_load_adapter, serve_unload_adapter
+from paged_server.media import ImageLoader
 from paged_server.metrics import CONTENT_TYPE
 from paged_server.openai_protocol import (
     GenerationRequest,
@@ -94,6 +95,8 @@ class OpenAIApp:
         classifier: ClassifierInfo | None = None,
         force_include_usage: bool = False,
         load_tracking: bool = False,
+        images: Any = None,
+        media: ImageLoader | None = None,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -115,6 +118,11 @@ class OpenAIApp:
         self.load_tracking = load_tracking
         self.server_load = 0
         self._load_lock = threading.Lock()
+        # The engine's ImageProcessor when the model takes images (chat image parts: their
+        # placeholders expanded here, so lengths and usage count the image tokens), else None;
+        # `media` loads what the parts point at.
+        self.images = images
+        self.media = media or ImageLoader()
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -301,8 +309,9 @@ class OpenAIApp:
         if special is not None and not isinstance(special, bool):
             raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
         if "messages" in body:
-            req = parse_chat({k: v for k, v in body.items() if k != "add_special_tokens"})
-            ids = self._encode(self._render_chat(req), bool(special))
+            chat = {k: v for k, v in body.items() if k != "add_special_tokens"}
+            req = parse_chat(chat, images=self.images is not None)
+            ids = self._expand_images(req, self._encode(self._render_chat(req), bool(special)))
         elif isinstance(body.get("prompt"), str):
             ids = self._encode(body["prompt"], True if special is None else special)
         else:
@@ -455,7 +464,7 @@ class OpenAIApp:
                 ids[i], texts[i] = t[-k:], None
 
     def chat(self, h: Handler) -> None:
-        req = parse_chat(h.read_json(), self.tool_call_parser)
+        req = parse_chat(h.read_json(), self.tool_call_parser, self.images is not None)
         model, lora = self._resolve(req.model)
         text, ids, reasoning = self._chat_prompt(req)
         self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning, lora=lora)
@@ -463,10 +472,11 @@ class OpenAIApp:
     def _chat_prompt(
         self, req: GenerationRequest
     ) -> tuple[str, list[int], ReasoningRequest | None]:
-        """A chat request's rendered prompt, its ids and its reasoning handling (chat
-        completions and the Responses API)."""
+        """A chat request's rendered prompt, its ids (each image's placeholder run expanded)
+        and its reasoning handling (chat completions and the Responses API)."""
         text = self._render_chat(req)
         ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
+        ids = self._expand_images(req, ids)
         auto = req.tools is not None and req.tools.choice == "auto"
         parser = TOOL_PARSERS.get(self.tool_call_parser or "") if auto else None
         if parser is not None and parser.keeps_special_tokens:
@@ -480,6 +490,29 @@ class OpenAIApp:
             if reasoning.keeps_special_tokens:  # Harmony's markers
                 req.sampling.setdefault("skip_special_tokens", False)
         return text, ids, reasoning
+
+    def _expand_images(self, req: GenerationRequest, ids: list[int]) -> list[int]:
+        """The prompt with each image's placeholder as the run of tokens the engine fills with
+        its features; a 400 for more images than --limit-mm-per-prompt, or a rendered prompt
+        without one placeholder per image. Nothing is fetched yet: only the images' count."""
+        n = len(req.image_refs)
+        if not n:
+            return ids
+        limit = self.images.limit
+        if limit is not None and n > limit:
+            raise bad_request(
+                f"the messages hold {n} images, over this server's limit of {limit} per "
+                f"prompt (--limit-mm-per-prompt '{{\"image\": {limit}}}')",
+                "messages",
+            )
+        try:
+            return self.images.expand(ids, n)
+        except ValueError as e:  # the template dropped an image, or the text holds its token
+            raise bad_request(
+                f"the chat template's prompt does not hold one image placeholder per image "
+                f"part: {e}",
+                "messages",
+            ) from None
 
     def _generate(
         self,
@@ -526,7 +559,15 @@ class OpenAIApp:
         stream: bool,
     ) -> tuple[RequestGroup, list[str]]:
         """Check the prompts against the context, build the SamplingParams (DELTA outputs for
-        a stream) and hand one engine request per prompt (`rid-i`) to the engine loop."""
+        a stream), load a chat request's images and hand one engine request per prompt
+        (`rid-i`) to the engine loop."""
+        k = req.truncate_prompt_tokens
+        if req.image_refs and k is not None and any(len(i) > k for i in ids):
+            raise bad_request(
+                "'truncate_prompt_tokens' would cut a prompt with images (an image's tokens "
+                "are kept whole): send a shorter conversation or no truncation",
+                "truncate_prompt_tokens",
+            )
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
         max_tokens = min(
@@ -566,6 +607,14 @@ class OpenAIApp:
         if req.cache_salt is not None:
             for p in prompts:
                 p["cache_salt"] = req.cache_salt
+        if req.image_refs:  # one chat prompt; its images fetched, decoded and processed
+            (prompt,) = prompts  # on this thread: the engine's thread only checks them
+            images = self.media.load_all(req.image_refs)
+            try:
+                _, processed = self.images.process(prompt["prompt_token_ids"], images)
+            except ValueError as e:  # an image the processor cannot read
+                raise bad_request(str(e), "messages") from None
+            prompt["multi_modal_data"] = {"image": list(processed)}
         return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     def _log_request(

@@ -1,6 +1,7 @@
 """Chat request parts checked as OpenAI checks them, into what a chat template takes: messages
-(text content, assistant tool calls with their arguments as objects and the reasoning sent
-back with them, tool results), documents, and the template variables a client may set.
+(text content, image parts when the model takes images, assistant tool calls with their
+arguments as objects and the reasoning sent back with them, tool results), documents, and the
+template variables a client may set.
 
 Every check raises `APIError(400)` naming the offending parameter (`messages[2].content`).
 """
@@ -11,15 +12,21 @@ import json
 from typing import Any
 
 from paged_server.errors import bad_request
+from paged_server.media import ImageRef
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def chat_message(i: int, m: Any) -> dict[str, Any]:
+def chat_message(i: int, m: Any, images: list[ImageRef] | None = None) -> dict[str, Any]:
     """One chat message, checked as OpenAI checks it: a known role; content a string or a list
-    of text parts, required except on an assistant message that makes tool calls; assistant
+    of parts, required except on an assistant message that makes tool calls; assistant
     `tool_calls` well formed (their JSON arguments become objects for the chat template, as
-    templates index them); a tool message names its `tool_call_id`."""
+    templates index them); a tool message names its `tool_call_id`.
+
+    `images` is None when the model takes no images (an image part is a 400); else a user
+    message's image parts are appended to it, in order, and the message's content becomes
+    Hugging Face's list of parts (`{"type": "image"}`, `{"type": "text", "text": ...}`) where
+    the chat template puts each image's placeholder."""
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"{param} must be an object with a string 'role'", param)
@@ -33,22 +40,7 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
             raise bad_request(f"{param}.content is required for role '{role}'", f"{param}.content")
         content = ""
     elif isinstance(content, list):
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
-                # Text-only serving (a VLM's language model included): no image / audio input.
-                raise bad_request(
-                    f"{param}.content: content part type {kind!r} is not supported; this "
-                    "server takes text only (no image, audio or file input): send 'text' parts",
-                    f"{param}.content",
-                )
-            if not isinstance(part.get("text"), str):
-                raise bad_request(
-                    f"{param}.content: a text part needs a string 'text'", f"{param}.content"
-                )
-            parts.append(part["text"])
-        content = "\n".join(parts)
+        content = _content_parts(param, role, content, images)
     elif not isinstance(content, str):
         raise bad_request(
             f"{param}.content must be a string or a list of parts", f"{param}.content"
@@ -82,6 +74,71 @@ def chat_message(i: int, m: Any) -> dict[str, Any]:
             raise bad_request(f"{param}.name must be a string", f"{param}.name")
         out["name"] = name
     return out
+
+
+def _content_parts(
+    param: str, role: str, content: list, images: list[ImageRef] | None
+) -> str | list[dict[str, str]]:
+    """A list of content parts: its texts joined by newlines, or, with an image among them,
+    the parts in order as a template takes them (each image's ref appended to `images`)."""
+    parts: list[dict[str, str]] = []
+    found: list[ImageRef] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request(
+                    f"{param}.content: a text part needs a string 'text'", f"{param}.content"
+                )
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url" and images is not None:
+            p = f"{param}.content[{j}].image_url"
+            if role != "user":
+                raise bad_request(
+                    f"{p}: images are taken in user messages only, not in role '{role}'", p
+                )
+            found.append(ImageRef(_image_url(p, part.get("image_url")), p))
+            parts.append({"type": "image"})
+        elif images is None:
+            # A text model (or a VLM served text-only): no image / audio input.
+            raise bad_request(
+                f"{param}.content: content part type {kind!r} is not supported; this "
+                "server takes text only (no image, audio or file input): send 'text' parts",
+                f"{param}.content",
+            )
+        else:
+            raise bad_request(
+                f"{param}.content: content part type {kind!r} is not supported (no audio, "
+                "video or file input): send 'text' and 'image_url' parts",
+                f"{param}.content",
+            )
+    if not found:
+        return "\n".join(p["text"] for p in parts)
+    images.extend(found)
+    return parts
+
+
+_DETAILS = ("auto", "low", "high")
+
+
+def _image_url(param: str, value: Any) -> str:
+    """OpenAI's `{"url": ..., "detail": ...}`, or vLLM's bare URL string. `detail` is checked
+    and changes nothing: the checkpoint's image processor sets the resolution."""
+    if isinstance(value, dict):
+        detail = value.get("detail")
+        if detail is not None and detail not in _DETAILS:
+            raise bad_request(
+                f"{param}.detail must be one of {', '.join(_DETAILS)}, got {detail!r}",
+                f"{param}.detail",
+            )
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise bad_request(
+            f"{param} must be {{'url': URL}} (or a URL string): a data:image/...;base64 URL "
+            "or an http(s) URL",
+            param,
+        )
+    return value
 
 
 def _reasoning(param: str, m: dict[str, Any]) -> str | None:

@@ -82,6 +82,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         override_generation_config=args.override_generation_config,
         scheduling_policy=args.scheduling_policy,
         enable_sleep_mode=args.enable_sleep_mode,
+        limit_mm_per_prompt=args.limit_mm_per_prompt,
         **_lora_config(args),
     )
     return LLMEngine(config)
@@ -106,12 +107,14 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     engine's is the engine and output threads' alone, which only read it (HF fast tokenizers fail
     with "Already borrowed" when two threads use one while either changes its settings, e.g.
     truncation or padding). The --lora-modules adapters are loaded into the engine here, on the
-    thread that owns it, before its loop starts; ValueError naming one the engine refuses.
+    thread that owns it, before its loop starts; ValueError naming one the engine refuses (or
+    a bad --allowed-local-media-path / image fetch timeout).
     """
     # Imported here, not at the top: `main` binds the port before anything heavier than the
     # HTTP server is imported (the engine client pulls in the engine's modules).
     from paged_server.app import OpenAIApp
     from paged_server.engine_client import EngineClient
+    from paged_server.media import ImageLoader, fetch_timeout
     from paged_server.metrics import Metrics
 
     model_path = str(getattr(engine.config, "model", args.model))
@@ -119,6 +122,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     lora = load_lora_modules(engine, args.lora_modules or [], names, enabled=args.enable_lora)
+    media = ImageLoader(args.allowed_local_media_path, fetch_timeout())
     metrics = Metrics(names[0])
     client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
     app = OpenAIApp(
@@ -142,6 +146,9 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         classifier=getattr(engine, "classifier", None),
         force_include_usage=args.enable_force_include_usage,
         load_tracking=args.enable_server_load_tracking,
+        # the model's image processor (None: a text model, or served text-only)
+        images=getattr(getattr(engine, "input_processor", None), "images", None),
+        media=media,
     )
     return client, app
 
@@ -213,7 +220,7 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
         return 2
     try:
         client, app = build_app(args, engine)
-    except ValueError as e:  # an invalid --lora-modules adapter
+    except ValueError as e:  # an invalid --lora-modules adapter, a media setting
         server.server_close()
         shutdown = getattr(engine, "shutdown", None)
         if shutdown is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
+from paged_server.media import fetch_timeout, local_media_dir
 from paged_server.reasoning import REASONING_PARSERS
 from paged_server.tls import CERT_REQS, TLSConfig
 from paged_server.tool_parsers import TOOL_PARSERS
@@ -340,8 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template-content-format",
         choices=["auto", "string"],
         default="auto",
-        help="chat templates get each message's text parts joined into one string ('openai' "
-        "parts lists are not passed: the server is text-only)",
+        help="chat templates get each message's text parts joined into one string; a message "
+        "with images gets Hugging Face's parts list ({'type': 'image'} / 'text')",
     )
     p.add_argument(
         "--config-format",
@@ -354,6 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["raw_logprobs"],
         default="raw_logprobs",
         help="logprobs are the model's raw distribution (vLLM's default mode, the only one)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        type=_limit_mm,
+        default=None,
+        help="images per prompt, vLLM's '{\"image\": 2}' (or image=2); 0 serves a LLaVA "
+        "checkpoint's text model only (default: any number)",
+    )
+    p.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="let requests name images by file:// URLs inside DIR (default: refused; a "
+        "security risk, for trusted clients)",
     )
     add_ignored_flags(p)
     p.add_argument(
@@ -441,6 +456,50 @@ def _json_list(text: str) -> list[str]:
     return [v.strip() for v in stripped.split(",") if v.strip()]
 
 
+_MODALITIES = ("image", "video", "audio")  # what vLLM's limit may name; paged runs images
+
+
+def _limit_mm(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: vLLM's JSON object (`'{"image": 2, "video": 0}'`, a count or
+    `{"count": n, ...}` per modality) or the older `image=2,video=0`. A zero for another
+    modality asks for nothing: dropped; a non-zero one is refused (paged runs images only)."""
+    stripped = text.strip()
+    if stripped.startswith("{"):
+        try:
+            value = json.loads(stripped)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError("expected a JSON object such as '{\"image\": 2}'")
+    else:
+        value = {}
+        for item in filter(None, (s.strip() for s in stripped.split(","))):
+            key, eq, count = item.partition("=")
+            if not eq or not count.strip().isdigit():
+                raise argparse.ArgumentTypeError(
+                    f"{item!r} is not MODALITY=COUNT: expected '{{\"image\": 2}}' or image=2"
+                )
+            value[key.strip()] = int(count)
+    limits = {}
+    for key, count in value.items():
+        if isinstance(count, dict):  # vLLM's {"count": n, "width": ..., "height": ...}
+            count = count.get("count")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise argparse.ArgumentTypeError(f"{key!r}: the limit must be an integer >= 0")
+        if key not in _MODALITIES:
+            raise argparse.ArgumentTypeError(
+                f"unknown modality {key!r} (expected one of {', '.join(_MODALITIES)})"
+            )
+        if key != "image" and count:
+            raise argparse.ArgumentTypeError(
+                f"{key!r} inputs are not supported (paged runs images): give {key} 0 or leave "
+                "it out"
+            )
+        if key == "image":
+            limits[key] = count
+    return limits
+
+
 def cors_policy(args: argparse.Namespace) -> CorsPolicy:
     """The CORS flags' policy; ValueError on an empty or malformed list."""
     return CorsPolicy.from_lists(
@@ -482,6 +541,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--lora-modules: {why}")
     try:
         args.keep_alive_on_engine_death = keep_alive_on_engine_death()
+        local_media_dir(args.allowed_local_media_path)
+        fetch_timeout()
     except ValueError as e:
         parser.error(str(e))
     _check_structured_backend(parser, args)

@@ -327,8 +327,9 @@ def _label(sample: str, label: str) -> str:
 
 
 def _estimate_tokens(body: Any, body_bytes: int) -> int:
-    """What a request will cost its replica, in tokens: about 4 bytes of prompt per token plus
-    every token it may generate."""
+    """What a request will cost its replica, in tokens: about 4 bytes of prompt per token, a
+    nominal count per image (whose URL's bytes are no prompt text), plus every token it may
+    generate."""
     if not isinstance(body, dict):
         return 1
     max_tokens = next(
@@ -341,7 +342,32 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
     )
     n = body.get("n")
     gen = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 256
-    return body_bytes // 4 + gen * (n if isinstance(n, int) and n > 0 else 1)
+    images, url_bytes = _image_parts(body)
+    prompt = max(body_bytes - url_bytes, 0) // 4 + images * _IMAGE_TOKENS
+    return prompt + gen * (n if isinstance(n, int) and n > 0 else 1)
+
+
+_IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
+
+
+def _image_parts(body: dict[str, Any]) -> tuple[int, int]:
+    """(image parts, bytes of their URLs) of a chat or Responses body."""
+    count = size = 0
+    for key in ("messages", "input"):
+        items = body.get(key)
+        for item in items if isinstance(items, list) else ():
+            content = item.get("content") if isinstance(item, dict) else None
+            for part in content if isinstance(content, list) else ():
+                if not isinstance(part, dict) or part.get("type") not in (
+                    "image_url",
+                    "input_image",
+                ):
+                    continue
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                count += 1
+                size += len(url) if isinstance(url, str) else 0
+    return count, size
 
 
 # ---- replica processes ---------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 from paged_server.chat_messages import chat_documents, chat_message, template_kwargs
 from paged_server.errors import APIError, bad_request
+from paged_server.media import ImageRef
 from paged_server.structured_request import FIELDS as STRUCTURED_FIELDS
 from paged_server.structured_request import parse_structured
 from paged_server.tools import ToolRequest, parse_tools
@@ -149,6 +150,7 @@ class GenerationRequest:
     priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
+    image_refs: list[ImageRef] = field(default_factory=list)  # chat: its images, in order
 
     @property
     def n(self) -> int:
@@ -415,11 +417,15 @@ def parse_completion(body: Any) -> GenerationRequest:
     return req
 
 
-def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
+def parse_chat(
+    body: Any, tool_parser: str | None = None, images: bool = False
+) -> GenerationRequest:
+    """A chat request; `images`: the model takes images (else an image part is a 400)."""
     b = _Body(body, _CHAT_KEYS)
     messages = b.d.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
+    refs: list[ImageRef] | None = [] if images else None
     stream, usage = _stream_flags(b)
     max_tokens = b.int("max_completion_tokens", None, 1, 1 << 31)
     if max_tokens is None:
@@ -437,7 +443,7 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
         include_usage=usage,
         use_beam_search=b.bool("use_beam_search"),
         logprobs=(top or 0) if logprobs else None,
-        messages=[chat_message(i, m) for i, m in enumerate(messages)],
+        messages=[chat_message(i, m, refs) for i, m in enumerate(messages)],
         chat_template=b.str("chat_template"),
         chat_template_kwargs=template_kwargs(b.d.get("chat_template_kwargs")),
         add_generation_prompt=b.bool("add_generation_prompt", True),
@@ -445,6 +451,7 @@ def parse_chat(body: Any, tool_parser: str | None = None) -> GenerationRequest:
         continue_final_message=b.bool("continue_final_message"),
         documents=chat_documents(b.d.get("documents")),
         add_special_tokens=False,
+        image_refs=refs or [],
     )
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(

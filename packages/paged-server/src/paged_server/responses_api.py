@@ -314,7 +314,8 @@ class _EventStream:
 
 # ---- routes ---------------------------------------------------------------------------------
 def serve_create_response(app: OpenAIApp, h: Handler) -> None:
-    req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store)
+    images = app.images is not None
+    req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store, images)
     chat = req.chat
     for name in ("temperature", "top_p"):  # echo what runs: the model's default if unset
         if name not in chat.sampling and name in app.sampling_defaults:
@@ -359,7 +360,9 @@ def _listed_items(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for it in items:
         if it["type"] == "message":
             part = "output_text" if it["role"] == "assistant" else "input_text"
-            content = [{"type": part, "text": it["content"]}]
+            content = it["content"]  # a string, or a user message's parts with its images
+            if isinstance(content, str):
+                content = [{"type": part, "text": content}]
             item = {"id": _new_id("msg"), "type": "message", "role": it["role"], "content": content}
         elif it["type"] == "function_call":
             item = {"id": _new_id("fc"), **it}
@@ -472,7 +475,8 @@ def serve_cancel_response(app: OpenAIApp, h: Handler, rid: str) -> None:
 def serve_input_tokens(app: OpenAIApp, h: Handler) -> None:
     """OpenAI's `POST /v1/responses/input_tokens`: the prompt tokens a `POST /v1/responses`
     with this body would take (its chat template rendered, nothing generated)."""
-    req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store)
+    images = app.images is not None
+    req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store, images)
     with responses_params():
         app._resolve(req.chat.model)
         _, ids, _ = app._chat_prompt(req.chat)

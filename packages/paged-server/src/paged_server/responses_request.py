@@ -7,8 +7,9 @@
 Input items (normalized to `message` / `function_call` / `function_call_output` dicts; a past
 turn's `reasoning` items are dropped, as chat templates drop past thinking) become chat
 messages: a `function_call` joins the assistant message before it as one of its `tool_calls`,
-a `function_call_output` is a `tool` message. Errors name the Responses field
-(`max_output_tokens`, `text.format`, `input[2].content`), never the chat one.
+a `function_call_output` is a `tool` message; a user message's `input_image` parts become chat
+`image_url` parts. Errors name the Responses field (`max_output_tokens`, `text.format`,
+`input[2].content`, `input[0].content[1].image_url`), never the chat one.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged_server.errors import APIError, bad_request
+from paged_server.media import ImageRef
 from paged_server.openai_protocol import GenerationRequest, parse_chat
 
 if TYPE_CHECKING:
@@ -95,6 +97,78 @@ def _text(param: str, content: Any, kinds: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
+_IMAGE_DETAILS = ("auto", "low", "high")
+
+
+def _message_content(param: str, role: str, content: Any, images: bool) -> str | list:
+    """A message's content: its text; or, when it holds `input_image` parts (a user message,
+    a model that takes images), its parts in order, normalized: `input_text` and
+    `input_image` (`image_url` a data: or http(s) URL; `file_id` is not supported)."""
+    has_image = isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    )
+    if not (images and has_image):
+        return _text(param, content, _TEXT_PARTS)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "input_image":
+            if role != "user":
+                raise bad_request(f"{p}: images are taken in user messages only", p)
+            url, detail = part.get("image_url"), part.get("detail", "auto")
+            if not isinstance(url, str) or not url:
+                why = "file_id is not supported: " if part.get("file_id") is not None else ""
+                raise bad_request(
+                    f"{p}.image_url: {why}give the image as a data:image/...;base64 URL or an "
+                    "http(s) URL",
+                    f"{p}.image_url",
+                )
+            if detail not in _IMAGE_DETAILS:
+                raise bad_request(
+                    f"{p}.detail must be one of {', '.join(_IMAGE_DETAILS)}", f"{p}.detail"
+                )
+            parts.append({"type": "input_image", "image_url": url, "detail": detail})
+        elif kind not in _TEXT_PARTS:
+            raise bad_request(
+                f"{p}: content part {kind!r} is not supported (only input_text, output_text, "
+                "input_image)",
+                p,
+            )
+        elif not isinstance(part.get("text"), str):
+            raise bad_request(f"{p}.text must be a string", f"{p}.text")
+        else:
+            parts.append({"type": "input_text", "text": part["text"]})
+    return parts
+
+
+def _chat_content(content: str | list) -> str | list:
+    """Normalized message content -> chat-completions content (image parts as `image_url`)."""
+    if isinstance(content, str):
+        return content
+    return [
+        {"type": "text", "text": part["text"]}
+        if part["type"] == "input_text"
+        else {"type": "image_url", "image_url": {"url": part["image_url"]}}
+        for part in content
+    ]
+
+
+def _image_params(items: list[dict[str, Any]], earlier: int) -> list[str]:
+    """Where each image of the conversation came from, in order: an earlier turn
+    (`previous_response_id`; the first `earlier` items), or `input[i].content[j].image_url`."""
+    names = []
+    for k, it in enumerate(items):
+        content = it.get("content") if it["type"] == "message" else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if part["type"] == "input_image":
+                i = k - earlier
+                names.append(
+                    f"input[{i}].content[{j}].image_url" if i >= 0 else "previous_response_id"
+                )
+    return names
+
+
 def _string(item: dict[str, Any], key: str, param: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:
@@ -102,8 +176,9 @@ def _string(item: dict[str, Any], key: str, param: str) -> str:
     return value
 
 
-def _input_items(value: Any) -> list[dict[str, Any]]:
-    """`input` -> normalized items; a string is one user message."""
+def _input_items(value: Any, images: bool = False) -> list[dict[str, Any]]:
+    """`input` -> normalized items; a string is one user message. `images`: the model takes
+    images (else an `input_image` part is a 400)."""
     if isinstance(value, str):
         return [{"type": "message", "role": "user", "content": value}]
     if not isinstance(value, list):
@@ -118,7 +193,7 @@ def _input_items(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise bad_request(f"{p}.role must be one of {list(_ROLES)}, got {role!r}", p)
-            content = _text(f"{p}.content", item.get("content"), _TEXT_PARTS)
+            content = _message_content(f"{p}.content", role, item.get("content"), images)
             items.append({"type": "message", "role": role, "content": content})
         elif kind == "function_call":
             args = item.get("arguments")
@@ -150,7 +225,7 @@ def _messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dic
         messages.append({"role": "system", "content": instructions})
     for it in items:
         if it["type"] == "message":
-            messages.append({"role": it["role"], "content": it["content"]})
+            messages.append({"role": it["role"], "content": _chat_content(it["content"])})
         elif it["type"] == "function_call":
             fn = {"name": it["name"], "arguments": it["arguments"]}
             call = {"id": it["call_id"], "type": "function", "function": fn}
@@ -312,7 +387,10 @@ def _check_off(body: dict[str, Any]) -> None:
         raise bad_request("'max_tool_calls' must be a positive integer", "max_tool_calls")
 
 
-def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) -> ResponsesRequest:
+def parse_responses(
+    body: Any, tool_parser: str | None, store: ResponseStore, images: bool = False
+) -> ResponsesRequest:
+    """The request; `images`: the model takes images (`input_image` parts)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     for key in body:
@@ -323,7 +401,7 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
     _check_off(body)
     if "input" not in body:
         raise bad_request("'input' is required", "input")
-    items = own = _input_items(body["input"])
+    items = own = _input_items(body["input"], images)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", "instructions")
@@ -368,7 +446,10 @@ def parse_responses(body: Any, tool_parser: str | None, store: ResponseStore) ->
         "reasoning_effort": effort,
     }
     with responses_params():
-        chat = parse_chat(chat_body, tool_parser)
+        chat = parse_chat(chat_body, tool_parser, images)
+    if chat.image_refs:  # a URL that cannot be loaded is named as the client sent it
+        names = _image_params(items, len(items) - len(own))
+        chat.image_refs = [ImageRef(r.url, n) for r, n in zip(chat.image_refs, names, strict=True)]
     echo = {
         "instructions": instructions,
         "max_output_tokens": chat.max_tokens,

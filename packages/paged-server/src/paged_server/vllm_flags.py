@@ -24,7 +24,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--max-seq-len-to-capture": (True, "CUDA graphs are captured at fixed batch-size buckets"),
     "--max-cudagraph-capture-size": (True, "CUDA graphs are captured up to --max-num-seqs"),
     "--enable-expert-parallel": (False, "MoE experts are split by tensor parallelism"),
-    "--limit-mm-per-prompt": (True, "the server is text-only: requests with images get a 400"),
     "--max-num-partial-prefills": (True, "chunked prefill shares one token budget"),
     "--long-prefill-token-threshold": (True, "chunked prefill shares one token budget"),
     "--api-server-count": (True, "one HTTP front, a thread per connection"),

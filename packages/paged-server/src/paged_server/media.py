@@ -1,0 +1,210 @@
+"""Images a chat request points at, loaded on its HTTP thread (never the engine's).
+
+    data:image/png;base64,iVBOR...    decoded in place
+    http://... / https://...          fetched with urllib: PAGED_IMAGE_FETCH_TIMEOUT (or vLLM's
+                                      VLLM_IMAGE_FETCH_TIMEOUT) seconds per read, 5 by default;
+                                      a body over `max_bytes` is refused before it is all read
+    file:///dir/cat.jpg               only under --allowed-local-media-path DIR (the path
+                                      resolved, links followed, must stay inside DIR)
+
+Every failure is a 400 naming where the URL was (`messages[0].content[1].image_url`): the
+client sent something this server cannot read as an image. Pillow is imported with the first
+image, so a text-only server never needs it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from paged_server.errors import APIError, bad_request
+
+FETCH_TIMEOUT_ENV = ("PAGED_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT")
+DEFAULT_FETCH_TIMEOUT = 5.0  # seconds, vLLM's default
+MAX_IMAGE_BYTES = 20 << 20  # an encoded image, fetched or read; a data URL is bounded by the body
+_READ_CHUNK = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    """An image part of a request: its URL and the parameter that named it (for errors)."""
+
+    url: str
+    param: str
+
+
+def fetch_timeout(environ: Any = None) -> float:
+    """Seconds an image fetch may wait on its server: the first of FETCH_TIMEOUT_ENV that is
+    set, else 5; ValueError naming the variable for anything but a positive number."""
+    env = os.environ if environ is None else environ
+    for name in FETCH_TIMEOUT_ENV:
+        raw = env.get(name, "").strip()
+        if not raw:
+            continue
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"{name}={raw!r} is invalid: expected seconds, a positive number")
+        return seconds
+    return DEFAULT_FETCH_TIMEOUT
+
+
+def local_media_dir(path: str | None) -> Path | None:
+    """--allowed-local-media-path resolved; ValueError unless it is an existing directory."""
+    if path is None:
+        return None
+    resolved = Path(path).expanduser().resolve()
+    if not resolved.is_dir():
+        raise ValueError(f"--allowed-local-media-path {path!r} is not an existing directory")
+    return resolved
+
+
+def _pillow() -> Any:
+    try:
+        import PIL.Image
+    except ImportError:
+        raise APIError(
+            500, "image inputs need Pillow on the server: pip install 'paged-engine[vision]'"
+        ) from None
+    return PIL.Image
+
+
+class ImageLoader:
+    """Turns an `ImageRef` into an RGB `PIL.Image.Image`, or a 400 naming its parameter."""
+
+    def __init__(
+        self,
+        local_dir: str | Path | None = None,
+        timeout: float = DEFAULT_FETCH_TIMEOUT,
+        max_bytes: int = MAX_IMAGE_BYTES,
+    ) -> None:
+        self.local_dir = local_media_dir(str(local_dir)) if local_dir is not None else None
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+
+    def load_all(self, refs: list[ImageRef]) -> list[Any]:
+        return [self.load(ref) for ref in refs]
+
+    def load(self, ref: ImageRef) -> Any:
+        scheme = urlsplit(ref.url).scheme.lower()
+        if scheme == "data":
+            data = self._data_url(ref)
+        elif scheme in ("http", "https"):
+            data = self._fetch(ref)
+        elif scheme == "file":
+            data = self._local_file(ref)
+        else:
+            shown = f"'{scheme}:'" if scheme else "no scheme"
+            raise bad_request(
+                f"{ref.param}: an image URL with {shown} is not supported: send a "
+                "data:image/...;base64 URL or an http(s) URL",
+                ref.param,
+            )
+        return self._decode(ref, data)
+
+    def _data_url(self, ref: ImageRef) -> bytes:
+        """`data:image/<format>;base64,<payload>` (whitespace in the payload is skipped)."""
+        header, comma, payload = ref.url.partition(",")
+        media_type, *flags = header[len("data:") :].split(";")
+        if not comma or "base64" not in (f.strip().lower() for f in flags):
+            raise bad_request(
+                f"{ref.param}: a data URL must be base64: data:image/<format>;base64,<data>",
+                ref.param,
+            )
+        if media_type and not media_type.strip().lower().startswith("image/"):
+            raise bad_request(
+                f"{ref.param}: the data URL holds {media_type.strip()!r}, not an image",
+                ref.param,
+            )
+        text = "".join(payload.split())
+        text += "=" * (-len(text) % 4)  # some encoders drop the padding
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request(f"{ref.param}: the data URL is not valid base64", ref.param) from None
+
+    def _fetch(self, ref: ImageRef) -> bytes:
+        request = urllib.request.Request(ref.url, headers={"User-Agent": "paged-server"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+                if resp.status != 200:
+                    raise bad_request(
+                        f"{ref.param}: fetching the image answered HTTP {resp.status}", ref.param
+                    )
+                size = resp.headers.get("Content-Length")
+                if size is not None and size.isdigit() and int(size) > self.max_bytes:
+                    raise self._too_large(ref)
+                return self._read_capped(ref, resp)
+        except urllib.error.HTTPError as e:
+            raise bad_request(
+                f"{ref.param}: fetching the image answered HTTP {e.code} {e.reason}", ref.param
+            ) from None
+        except (urllib.error.URLError, OSError, ValueError) as e:  # DNS, refused, timeout
+            why = getattr(e, "reason", None) or e
+            raise bad_request(
+                f"{ref.param}: the image could not be fetched: {why}", ref.param
+            ) from None
+
+    def _local_file(self, ref: ImageRef) -> bytes:
+        if self.local_dir is None:
+            raise bad_request(
+                f"{ref.param}: file:// image URLs are refused: the server reads local files "
+                "only when started with --allowed-local-media-path DIR",
+                ref.param,
+            )
+        parts = urlsplit(ref.url)
+        if parts.netloc not in ("", "localhost"):
+            raise bad_request(f"{ref.param}: a file:// URL names no host (file:///path)", ref.param)
+        path = Path(unquote(parts.path)).resolve()  # links followed: the target must be inside
+        if not path.is_relative_to(self.local_dir):
+            raise bad_request(
+                f"{ref.param}: {parts.path!r} is outside --allowed-local-media-path", ref.param
+            )
+        try:
+            with path.open("rb") as f:
+                return self._read_capped(ref, f)
+        except OSError as e:
+            raise bad_request(
+                f"{ref.param}: cannot read {parts.path!r}: {e.strerror or e}", ref.param
+            ) from None
+
+    def _read_capped(self, ref: ImageRef, stream: Any) -> bytes:
+        chunks, total = [], 0
+        while chunk := stream.read(_READ_CHUNK):
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise self._too_large(ref)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, ref: ImageRef) -> APIError:
+        return bad_request(f"{ref.param}: the image is over {self.max_bytes >> 20} MiB", ref.param)
+
+    @staticmethod
+    def _decode(ref: ImageRef, data: bytes) -> Any:
+        """The image, fully decoded, in RGB; a transparent one over white (as vLLM does)."""
+        pil = _pillow()
+        try:
+            image = pil.open(io.BytesIO(data))
+            image.load()
+            if image.mode in ("RGBA", "LA") or "transparency" in image.info:
+                rgba = image.convert("RGBA")
+                image = pil.new("RGB", rgba.size, (255, 255, 255))
+                image.paste(rgba, mask=rgba.getchannel("A"))
+            elif image.mode != "RGB":
+                image = image.convert("RGB")
+        except Exception as e:  # not an image, truncated, a decompression bomb
+            raise bad_request(
+                f"{ref.param}: the data is not an image Pillow can read ({e})", ref.param
+            ) from None
+        return image

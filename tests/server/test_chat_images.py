@@ -1,0 +1,436 @@
+"""Images in the OpenAI server (a tiny random LLaVA, CLIP tower): a chat request's image parts
+(data: / http(s): / file: URLs, OpenAI's `{"url": ...}` or vLLM's bare string) give exactly the
+greedy tokens of offline `LLM.generate` over the same rendered prompt and PIL images; usage,
+/tokenize and the Responses API count the expanded placeholders; every unreadable image, refused
+URL or part, and too many images is a 400 naming the parameter, and the server keeps serving;
+a text-only model refuses image parts; the flags (--limit-mm-per-prompt,
+--allowed-local-media-path, the fetch timeout variable) and the loader's limits."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from server_proc import COMMON_ARGS, ServerProc, data_parallel_front, serve_in_process
+
+np = pytest.importorskip("numpy")
+Image = pytest.importorskip("PIL.Image")
+
+from paged_server.errors import APIError  # noqa: E402
+from paged_server.media import ImageLoader, ImageRef, fetch_timeout  # noqa: E402
+
+MAX_TOKENS = 6
+QUESTION = "What is it?"
+GREEDY = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+PLAIN = {**GREEDY, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _png(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+
+
+def _image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _ask(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}]
+
+
+def _two_turns(first_url: str, second_url: str) -> list[dict]:
+    """A conversation with an image in each user turn: the first before its text, the second
+    after."""
+    return [
+        {"role": "user", "content": [_image_part(first_url), {"type": "text", "text": "first"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [{"type": "text", "text": "and"}, _image_part(second_url)]},
+    ]
+
+
+def _hf(messages: list[dict]) -> list[dict]:
+    """The same conversation in Hugging Face's parts form, as the chat template takes it."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, list):
+            content = [p if p["type"] == "text" else {"type": "image"} for p in content]
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+@pytest.fixture(scope="module")
+def pictures() -> list:
+    rng = np.random.default_rng(0)
+    noise = [Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)) for _ in range(2)]
+    return [*noise, Image.new("RGB", (30, 30), (255, 0, 0))]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory, pictures: list) -> Path:
+    d = tmp_path_factory.mktemp("media")
+    (d / "first.png").write_bytes(_png(pictures[0]))
+    return d
+
+
+@pytest.fixture(scope="module")
+def image_host(pictures: list) -> Iterator[str]:
+    """A local HTTP server: /first.png, /text (not an image), /slow.png (half a second late),
+    anything else a 404."""
+    files = {"/first.png": _png(pictures[0]), "/text": b"hello, not an image"}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/slow.png":
+                time.sleep(0.5)
+            body = files.get(self.path.replace("/slow.png", "/first.png"))
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            with contextlib.suppress(ConnectionError):  # /slow.png: the client gave up
+                self.wfile.write(body or b"")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    yield "http://127.0.0.1:{}".format(*server.server_address[1:])
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def llava(
+    tmp_path_factory: pytest.TempPathFactory, pictures: list, media_dir: Path
+) -> Iterator[SimpleNamespace]:
+    """A tiny LLaVA (at most 2 images a prompt) behind a server in this process, with the
+    offline answers to compare with computed first on the same engine."""
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.testing import write_tiny_llava
+
+    path = write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), vision="clip", seed=0)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        max_model_len=256,
+        num_gpu_blocks_override=128,
+        limit_mm_per_prompt={"image": 2},
+    )
+    tok = llm.llm_engine.tokenizer
+
+    def offline(messages: list[dict], images: list) -> SimpleNamespace:
+        text = tok.apply_chat_template(_hf(messages), tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+        (out,) = llm.generate(
+            [prompt],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False,
+        )
+        return SimpleNamespace(
+            ids=list(out.outputs[0].token_ids), prompt_ids=list(out.prompt_token_ids), text=text
+        )
+
+    want = {
+        "first": offline(_ask(_image_part("A")), [pictures[0]]),
+        "second": offline(_ask(_image_part("A")), [pictures[1]]),
+        "two": offline(_two_turns("A", "B"), [pictures[0], pictures[1]]),
+    }
+    args = [*COMMON_ARGS, "--allowed-local-media-path", str(media_dir)]
+    try:
+        with serve_in_process(args, llm.llm_engine) as (http, app):
+            yield SimpleNamespace(http=http, app=app, want=want)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def _chat(server: ServerProc, messages: list[dict], **extra) -> dict:
+    status, _, body = server.request(
+        "POST", "/v1/chat/completions", {**GREEDY, "messages": messages, **extra}
+    )
+    assert status == 200, body
+    return body
+
+
+def _refused(server: ServerProc, path: str, body: dict) -> dict:
+    """The 400's error object; the server then still answers a plain chat request."""
+    status, _, payload = server.request("POST", path, body)
+    assert status == 400, payload
+    ok, _, after = server.request("POST", "/v1/chat/completions", PLAIN)
+    assert ok == 200, after
+    return payload["error"]
+
+
+# ---- answers ---------------------------------------------------------------------------------
+def test_a_data_url_image_gives_the_offline_greedy_tokens(llava, pictures) -> None:
+    want = llava.want["first"]
+    body = _chat(llava.http, _ask(_image_part(_data_url(pictures[0]))), return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == want.ids
+    assert body["prompt_token_ids"] == want.prompt_ids
+    # the one placeholder became the image's run of tokens, and usage counts them
+    images = llava.app.images
+    n_text = len(want.prompt_ids) - images.tokens_per_image + 1
+    assert want.prompt_ids.count(images.image_token_id) == images.tokens_per_image
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_ids) > n_text
+    # the image reaches the model: another picture, another answer
+    other = _chat(llava.http, _ask(_image_part(_data_url(pictures[1]))), return_token_ids=True)
+    assert other["choices"][0]["token_ids"] == llava.want["second"].ids != want.ids
+
+
+def test_http_and_bare_string_urls_and_a_stream(llava, image_host) -> None:
+    want = llava.want["first"]
+    body = _chat(llava.http, _ask(_image_part(image_host + "/first.png")), return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == want.ids
+    bare = {"type": "image_url", "image_url": image_host + "/first.png"}  # vLLM's form
+    events = llava.http.stream(
+        {**GREEDY, "messages": _ask(bare), "stream_options": {"include_usage": True}},
+        "/v1/chat/completions",
+    )
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == body["choices"][0]["message"]["content"]
+    assert events[-1]["usage"]["prompt_tokens"] == len(want.prompt_ids)
+
+
+def test_images_across_messages_keep_their_order(llava, pictures) -> None:
+    messages = _two_turns(_data_url(pictures[0]), _data_url(pictures[1]))
+    body = _chat(llava.http, messages, return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == llava.want["two"].ids
+    assert body["usage"]["prompt_tokens"] == len(llava.want["two"].prompt_ids)
+
+
+def test_a_file_url_inside_the_allowed_dir(llava, media_dir, monkeypatch) -> None:
+    url = (media_dir / "first.png").as_uri()
+    body = _chat(llava.http, _ask(_image_part(url)), return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == llava.want["first"].ids
+    outside = _refused(
+        llava.http,
+        "/v1/chat/completions",
+        {**GREEDY, "messages": _ask(_image_part(f"file://{media_dir}/../first.png"))},
+    )
+    assert "outside --allowed-local-media-path" in outside["message"]
+    monkeypatch.setattr(llava.app, "media", ImageLoader())  # a server without the flag
+    err = _refused(
+        llava.http, "/v1/chat/completions", {**GREEDY, "messages": _ask(_image_part(url))}
+    )
+    assert err["param"] == "messages[0].content[0].image_url"
+    assert "--allowed-local-media-path" in err["message"]
+
+
+def test_tokenize_counts_the_image_tokens(llava, pictures) -> None:
+    body = {"model": "tiny", "messages": _ask(_image_part(_data_url(pictures[0])))}
+    status, _, out = llava.http.request("POST", "/tokenize", body)
+    assert status == 200, out
+    assert out["tokens"] == llava.want["first"].prompt_ids
+
+
+def test_responses_api_input_image(llava, pictures) -> None:
+    url = _data_url(pictures[0])
+    content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": QUESTION}]
+    body = {"model": "tiny", "input": [{"role": "user", "content": content}], "temperature": 0}
+    status, _, resp = llava.http.request("POST", "/v1/responses", {**body, "max_output_tokens": 4})
+    assert status == 200, resp
+    n_prompt = len(llava.want["first"].prompt_ids)
+    assert resp["usage"]["input_tokens"] == n_prompt
+    chat = _chat(llava.http, _ask(_image_part(url)), max_tokens=4, ignore_eos=False)
+    assert resp["output"][-1]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    status, _, count = llava.http.request("POST", "/v1/responses/input_tokens", body)
+    assert (status, count["input_tokens"]) == (200, n_prompt)
+    status, _, items = llava.http.request("GET", f"/v1/responses/{resp['id']}/input_items")
+    assert status == 200, items
+    assert items["data"][0]["content"][0] == {
+        "type": "input_image",
+        "image_url": url,
+        "detail": "auto",
+    }
+    follow = {"model": "tiny", "input": "And now?", "previous_response_id": resp["id"]}
+    status, _, again = llava.http.request(
+        "POST", "/v1/responses", {**follow, "max_output_tokens": 2}
+    )
+    assert status == 200, again  # the earlier turn's image runs again
+    assert again["usage"]["input_tokens"] > n_prompt
+    ftp = [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "ftp://a/b"}]
+    err = _refused(
+        llava.http, "/v1/responses", {**body, "input": [{"role": "user", "content": ftp}]}
+    )
+    assert err["param"] == "input[0].content[1].image_url", err
+    assert err["message"].startswith("input[0].content[1].image_url: ")
+    file_id = [{"type": "input_image", "file_id": "file-1"}]
+    err = _refused(
+        llava.http, "/v1/responses", {**body, "input": [{"role": "user", "content": file_id}]}
+    )
+    assert err["param"] == "input[0].content[0].image_url"
+
+
+def test_through_the_data_parallel_front(llava, pictures) -> None:
+    with data_parallel_front([llava.http]) as front:
+        body = _chat(front, _ask(_image_part(_data_url(pictures[0]))), return_token_ids=True)
+    assert body["choices"][0]["token_ids"] == llava.want["first"].ids
+
+
+def test_the_front_counts_an_image_as_tokens_not_bytes() -> None:
+    from paged_server.data_parallel import _estimate_tokens
+
+    url = "data:image/png;base64," + "A" * 400_000
+    chat = {"max_tokens": 10, "messages": _ask({"type": "image_url", "image_url": url})}
+    size = len(json.dumps(chat))
+    assert _estimate_tokens(chat, size) == (size - len(url)) // 4 + 576 + 10
+    part = {"type": "input_image", "image_url": url}
+    responses = {"max_output_tokens": 10, "input": [{"role": "user", "content": [part]}]}
+    size = len(json.dumps(responses))
+    assert _estimate_tokens(responses, size) == (size - len(url)) // 4 + 576 + 10
+
+
+# ---- errors ----------------------------------------------------------------------------------
+IMAGE = "messages[0].content[0].image_url"
+NOT_AN_IMAGE = "data:image/png;base64," + base64.b64encode(b"hello, not an image").decode()
+BAD = [
+    (_ask(_image_part("data:image/png;base64,@@not base64@@")), IMAGE, "not valid base64"),
+    (_ask(_image_part(NOT_AN_IMAGE)), IMAGE, "not an image"),
+    (_ask(_image_part("data:text/plain;base64,aGk=")), IMAGE, "not an image"),
+    (_ask(_image_part("ftp://example.com/a.png")), IMAGE, "'ftp:' is not supported"),
+    (_ask(_image_part("a.png")), IMAGE, "no scheme"),
+    (_ask(_image_part("file:///etc/hostname")), IMAGE, "outside"),
+    (_ask(_image_part("{host}/missing.png")), IMAGE, "HTTP 404"),
+    (_ask(_image_part("{host}/text")), IMAGE, "not an image"),
+    (_ask(_image_part("http://127.0.0.1:1/a.png")), IMAGE, "could not be fetched"),
+    (_ask({"type": "image_url", "image_url": {}}), IMAGE, "must be {'url': URL}"),
+    (
+        _ask({"type": "image_url", "image_url": {"url": "x", "detail": "max"}}),
+        IMAGE + ".detail",
+        "detail",
+    ),
+    (_ask({"type": "input_audio", "input_audio": {}}), "messages[0].content", "'input_audio'"),
+    (
+        [{"role": "system", "content": [_image_part("data:,")]}],
+        IMAGE,
+        "user messages only",
+    ),
+    (  # the text holds the image token itself: two placeholders for one image
+        [{"role": "user", "content": [_image_part("x"), {"type": "text", "text": "<image>"}]}],
+        "messages",
+        "one image placeholder per image",
+    ),
+    (_ask(*[_image_part("x")] * 3), "messages", "limit of 2"),
+]
+
+
+@pytest.mark.parametrize(("messages", "param", "says"), BAD)
+def test_bad_images_are_400s_naming_the_param(llava, image_host, messages, param, says) -> None:
+    for m in messages:
+        for part in m["content"]:
+            url = part.get("image_url", {}).get("url")
+            if url:
+                part["image_url"]["url"] = url.replace("{host}", image_host)
+    err = _refused(llava.http, "/v1/chat/completions", {**GREEDY, "messages": messages})
+    assert err["param"] == param, err
+    assert says in err["message"], err
+
+
+def test_a_text_only_model_refuses_images(tiny_model: str, pictures) -> None:
+    from paged_engine import LLMEngine
+
+    engine = LLMEngine(model=tiny_model, dtype="float32", max_model_len=128)
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, app):
+            assert app.images is None
+            body = {**GREEDY, "messages": _ask(_image_part(_data_url(pictures[0])))}
+            err = _refused(http, "/v1/chat/completions", body)
+            assert err["param"] == "messages[0].content"
+            assert "text only" in err["message"]
+            content = [{"type": "input_image", "image_url": "data:,"}]
+            resp = {"input": [{"role": "user", "content": content}]}
+            assert _refused(http, "/v1/responses", resp)["param"] == "input[0].content[0]"
+    finally:
+        engine.shutdown()
+
+
+# ---- the loader ------------------------------------------------------------------------------
+def test_loader_limits_timeout_and_transparency(image_host, pictures) -> None:
+    ref = ImageRef(image_host + "/first.png", "p")
+    assert ImageLoader().load(ref).size == pictures[0].size
+    with pytest.raises(APIError, match="over 0 MiB") as e:
+        ImageLoader(max_bytes=100).load(ref)
+    assert (e.value.status, e.value.param) == (400, "p")
+    with pytest.raises(APIError, match="timed out"):
+        ImageLoader(timeout=0.1).load(ImageRef(image_host + "/slow.png", "p"))
+    clear = Image.new("RGBA", (4, 4), (10, 20, 30, 0))  # fully transparent: white, as vLLM
+    loaded = ImageLoader().load(ImageRef(_data_url(clear), "p"))
+    assert loaded.mode == "RGB" and loaded.getpixel((0, 0)) == (255, 255, 255)
+    gray = ImageLoader().load(ImageRef(_data_url(Image.new("L", (4, 4), 7)), "p"))
+    assert (gray.mode, gray.getpixel((0, 0))) == ("RGB", (7, 7, 7))
+
+
+def test_fetch_timeout_variables() -> None:
+    assert fetch_timeout({}) == 5.0
+    assert fetch_timeout({"VLLM_IMAGE_FETCH_TIMEOUT": "2.5"}) == 2.5
+    both = {"PAGED_IMAGE_FETCH_TIMEOUT": "1", "VLLM_IMAGE_FETCH_TIMEOUT": "9"}
+    assert fetch_timeout(both) == 1.0
+    for bad in ("0", "-1", "soon", "inf"):
+        with pytest.raises(ValueError, match="VLLM_IMAGE_FETCH_TIMEOUT"):
+            fetch_timeout({"VLLM_IMAGE_FETCH_TIMEOUT": bad})
+
+
+# ---- flags -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("value", "limit"),
+    [
+        ('{"image": 2}', {"image": 2}),
+        ('{"image": 1, "video": 0}', {"image": 1}),
+        ('{"image": {"count": 3, "width": 512, "height": 512}}', {"image": 3}),
+        ("image=0", {"image": 0}),
+        ("image=4,audio=0", {"image": 4}),
+    ],
+)
+def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> None:
+    import paged_engine
+    from paged_server.cli import build_engine, parse_args
+
+    seen = {}
+    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.setdefault("c", config))
+    build_engine(parse_args(["m", "--limit-mm-per-prompt", value]))
+    assert seen["c"].limit_mm_per_prompt == limit
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--limit-mm-per-prompt", '{"image": -1}'], "integer >= 0"),
+        (["--limit-mm-per-prompt", '{"video": 1}'], "not supported"),
+        (["--limit-mm-per-prompt", '{"pictures": 1}'], "unknown modality"),
+        (["--limit-mm-per-prompt", "image"], "MODALITY=COUNT"),
+        (["--limit-mm-per-prompt", "{image: 2}"], "not JSON"),
+        (["--allowed-local-media-path", "/no/such/dir"], "not an existing directory"),
+    ],
+)
+def test_bad_media_flags_stop_at_startup(capsys, argv, says) -> None:
+    from paged_server.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["m", *argv])
+    assert says in capsys.readouterr().err
+
+
+def test_a_bad_fetch_timeout_stops_at_startup(capsys, monkeypatch) -> None:
+    from paged_server.cli import parse_args
+    from paged_server.vllm_flags import IGNORED
+
+    assert "--limit-mm-per-prompt" not in IGNORED
+    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "soon")
+    with pytest.raises(SystemExit):
+        parse_args(["m"])
+    assert "VLLM_IMAGE_FETCH_TIMEOUT" in capsys.readouterr().err

@@ -122,6 +122,9 @@ class LLMEngine:
             ),
             trust_remote_code=config.trust_remote_code,
         )
+        # LLaVA: the host side of image prompts; before the workers, which load the vision
+        # tower only where images can run
+        images = self._image_processor()
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         # A *ForSequenceClassification model: it classifies and scores, never generates.
@@ -282,7 +285,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             structured=structured,
             default_params=self.generation_defaults,
-            images=self._image_processor(),
+            images=images,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
@@ -566,7 +569,12 @@ class LLMEngine:
         ):
             return None
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
-        return ImageProcessor(self.resolved.path, config, cfg.image_limit)
+        try:
+            return ImageProcessor(self.resolved.path, config, cfg.image_limit)
+        except ValueError as e:  # no image processor saved: the text model alone
+            logger.warning("%s; serving the text model only", e)
+            cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
+            return None
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

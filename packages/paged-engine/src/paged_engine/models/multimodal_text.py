@@ -64,9 +64,9 @@ tokens get the same id in all three sections (their 1-D position, rope_deltas 0 
 images), so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style
 RoPE over head_dim with the same inv_freq.
 
-Not handled: images and audio (the server refuses image content parts; there is no vision or
-audio encoder here), LoRA adapters trained on the wrapper's module names, wrappers whose decoder
-is not one of ours as it stands (Gemma 3n).
+Not handled here: images (LLaVA's run through multimodal/, which loads the vision tower and
+projector apart; other wrappers' images are refused) and audio, LoRA adapters trained on the
+wrapper's module names, wrappers whose decoder is not one of ours as it stands (Gemma 3n).
 """
 
 from __future__ import annotations
@@ -245,11 +245,16 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     if spec.hub_experts:
         setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
     setattr(text, MARKER, arch)
-    logger.info(
-        "%s: serving its language model (%s) text-only; the vision weights are not loaded",
-        arch,
-        target,
-    )
+    from paged_engine.multimodal.llava import IMAGE_ARCHS
+
+    if arch in IMAGE_ARCHS:
+        logger.info("%s: its language model (%s), images through multimodal/", arch, target)
+    else:
+        logger.info(
+            "%s: serving its language model (%s) text-only; the vision weights are not loaded",
+            arch,
+            target,
+        )
     return text
 
 

@@ -225,3 +225,34 @@ def test_images_processed_ahead_are_taken_as_they_are(llava_dirs):
     moved = {"prompt_token_ids": [5, *expanded], "multi_modal_data": {"image": list(done)}}
     with pytest.raises(ValueError, match="do not fit"):
         llm.generate([moved], _greedy(0), use_tqdm=False)
+
+
+def test_llm_chat_reads_image_parts(llava_dirs):
+    """LLM.chat: an image_url part (data: URL) and vLLM's image_pil part give the same answer
+    as generate on the rendered prompt with the image; an unreadable part names itself."""
+    import base64
+    import io
+
+    path = llava_dirs()
+    llm = _llm(path)
+    image = _image(4)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    text = {"type": "text", "text": "What is in it?"}
+    by_url = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, text]}]
+    by_pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}, text]}]
+    params = _greedy(0)
+    a, b = (llm.chat(m, params, use_tqdm=False)[0] for m in (by_url, by_pil))
+    rendered = "USER: <image>\nWhat is in it?\nASSISTANT:"
+    assert a.prompt == b.prompt == rendered
+    want = llm.generate([{"prompt": rendered, "multi_modal_data": {"image": image}}], params)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == want.outputs[0].token_ids
+    bad = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": "data:image/png;base64,@@"}],
+        }
+    ]
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.image_url"):
+        llm.chat(bad, params, use_tqdm=False)

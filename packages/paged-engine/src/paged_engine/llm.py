@@ -19,6 +19,7 @@ from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
+from paged_engine.multimodal.chat_images import split_images
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -142,22 +143,28 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate.
-        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False})."""
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}).
+        A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
+        vLLM's `image_pil` parts (multimodal/chat_images.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.llm_engine.apply_chat_template(
+        prompts, token_prompts = [], []
+        tok = self.llm_engine.tokenizer
+        for conv in conversations:
+            conv, images = split_images(conv)
+            text = self.llm_engine.apply_chat_template(
                 conv,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **(chat_template_kwargs or {}),
             )
-            for conv in conversations
-        ]
-        # The template already holds any BOS token: encode without adding another.
-        tok = self.llm_engine.tokenizer
-        token_prompts = [
-            {"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts
-        ]
+            prompts.append(text)
+            # The template already holds any BOS token: encode without adding another.
+            prompt: dict[str, Any] = {
+                "prompt_token_ids": tok.encode(text, add_special_tokens=False)
+            }
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            token_prompts.append(prompt)
         outputs = self.generate(
             token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
         )

@@ -10,6 +10,7 @@ unless HF_HUB_OFFLINE=1.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import mmap
@@ -189,6 +190,18 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+@contextlib.contextmanager
+def building_in(dtype: torch.dtype, device: torch.device | str) -> Iterator[None]:
+    """Modules built inside are created directly on `device` in `dtype`."""
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+
+
 def load_model(
     resolved: ResolvedModel,
     hf_config,
@@ -206,13 +219,8 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     cls = get_model_class(hf_config)
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device), rope_context_len(max_model_len):
-            model = cls(hf_config)
-    finally:
-        torch.set_default_dtype(old_dtype)
+    with building_in(dtype, device), rope_context_len(max_model_len):
+        model = cls(hf_config)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -250,13 +258,8 @@ def load_image_encoder(
         return None
     config = wrapper_config(resolved.path, trust_remote_code)
     assert config is not None
-    old_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            encoder = LlavaImageEncoder(config)
-    finally:
-        torch.set_default_dtype(old_dtype)
+    with building_in(dtype, device):
+        encoder = LlavaImageEncoder(config)
     if load_format == "dummy":
         init_dummy_weights(encoder, seed)
     else:

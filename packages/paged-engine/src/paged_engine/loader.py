@@ -239,6 +239,13 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
+def takes_images(resolved: ResolvedModel, hf_config) -> bool:
+    """Whether the checkpoint is a wrapper whose images paged runs (multimodal/llava.py)."""
+    from paged_engine.multimodal.llava import IMAGE_ARCHS
+
+    return getattr(hf_config, MARKER, None) in IMAGE_ARCHS and not resolved.is_gguf
+
+
 def load_image_encoder(
     resolved: ResolvedModel,
     hf_config,
@@ -251,10 +258,10 @@ def load_image_encoder(
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
     (multimodal/llava.py), on `device` in `dtype`; None for any other checkpoint."""
-    from paged_engine.multimodal.llava import IMAGE_ARCHS, LlavaImageEncoder
+    from paged_engine.multimodal.llava import LlavaImageEncoder
     from paged_engine.multimodal.processor import wrapper_config
 
-    if getattr(hf_config, MARKER, None) not in IMAGE_ARCHS or resolved.is_gguf:
+    if not takes_images(resolved, hf_config):
         return None
     config = wrapper_config(resolved.path, trust_remote_code)
     assert config is not None

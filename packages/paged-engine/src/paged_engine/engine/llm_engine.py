@@ -52,13 +52,12 @@ from paged_engine.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model,
+    takes_images,
 )
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
-from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
-from paged_engine.multimodal.llava import IMAGE_ARCHS
 from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
@@ -562,11 +561,7 @@ class LLMEngine:
         """The host side of image prompts where the checkpoint's images run (multimodal/);
         None for text-only models and with limit_mm_per_prompt={"image": 0}."""
         cfg = self.config
-        if (
-            getattr(self.hf_config, MARKER, None) not in IMAGE_ARCHS
-            or self.resolved.is_gguf
-            or cfg.image_limit == 0
-        ):
+        if not takes_images(self.resolved, self.hf_config) or cfg.image_limit == 0:
             return None
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
         try:

@@ -434,3 +434,61 @@ def test_a_bad_fetch_timeout_stops_at_startup(capsys, monkeypatch) -> None:
     with pytest.raises(SystemExit):
         parse_args(["m"])
     assert "VLLM_IMAGE_FETCH_TIMEOUT" in capsys.readouterr().err
+
+
+# ---- LLaVA-NeXT: an image's size decides its run -------------------------------------------
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    """A tiny LLaVA-NeXT (anyres tiles) behind a server in this process."""
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.testing import write_tiny_llava
+
+    path = write_tiny_llava(
+        tmp_path_factory.mktemp("tiny-llava-next"),
+        seed=1,
+        grid_pinpoints=[[30, 60], [60, 30], [60, 60]],
+    )
+    llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=128)
+    tok = llm.llm_engine.tokenizer
+
+    def offline(image) -> SimpleNamespace:
+        text = tok.apply_chat_template(
+            _hf(_ask(_image_part("A"))), tokenize=False, add_generation_prompt=True
+        )
+        ids = tok.encode(text, add_special_tokens=False)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        (out,) = llm.generate(
+            [{"prompt_token_ids": ids, "multi_modal_data": {"image": image}}], params
+        )
+        return SimpleNamespace(ids=list(out.outputs[0].token_ids), prompt_ids=out.prompt_token_ids)
+
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, app):
+            yield SimpleNamespace(http=http, app=app, offline=offline)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
+    """A wide, a tall and a square picture: each the offline tokens and prompt (a run as long
+    as its size gives, counted in usage and by /tokenize); an unreadable one a 400."""
+    rng = np.random.default_rng(3)
+    shapes = [(24, 70, 3), (64, 30, 3), (50, 50, 3)]
+    pictures = [Image.fromarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in shapes]
+    lengths = set()
+    for picture in pictures:
+        want = llava_next.offline(picture)
+        messages = _ask(_image_part(_data_url(picture)))
+        body = _chat(llava_next.http, messages, return_token_ids=True)
+        assert body["choices"][0]["token_ids"] == want.ids
+        assert body["prompt_token_ids"] == want.prompt_ids
+        assert body["usage"]["prompt_tokens"] == len(want.prompt_ids)
+        status, _, out = llava_next.http.request(
+            "POST", "/tokenize", {"model": "tiny", "messages": messages}
+        )
+        assert status == 200 and out["tokens"] == want.prompt_ids
+        lengths.add(len(want.prompt_ids))
+    assert len(lengths) == len(pictures)
+    bad = {**GREEDY, "messages": _ask(_image_part("data:image/png;base64,aGVsbG8="))}
+    error = _refused(llava_next.http, "/v1/chat/completions", bad)
+    assert error["param"] == "messages[0].content[0].image_url"

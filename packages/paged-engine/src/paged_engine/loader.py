@@ -257,16 +257,19 @@ def load_image_encoder(
     trust_remote_code: bool = False,
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
-    (multimodal/llava.py), on `device` in `dtype`; None for any other checkpoint."""
+    (multimodal/llava.py, llava_next.py), on `device` in `dtype`; None for any other checkpoint."""
     from paged_engine.multimodal.llava import LlavaImageEncoder
+    from paged_engine.multimodal.llava_next import ARCH as NEXT_ARCH
+    from paged_engine.multimodal.llava_next import LlavaNextImageEncoder
     from paged_engine.multimodal.processor import wrapper_config
 
     if not takes_images(resolved, hf_config):
         return None
     config = wrapper_config(resolved.path, trust_remote_code)
     assert config is not None
+    cls = LlavaNextImageEncoder if NEXT_ARCH in config.architectures else LlavaImageEncoder
     with building_in(dtype, device):
-        encoder = LlavaImageEncoder(config)
+        encoder = cls(config)
     if load_format == "dummy":
         init_dummy_weights(encoder, seed)
     else:

@@ -1500,12 +1500,15 @@ def write_tiny_llava(
     seed: int = 0,
     image_size: int = 30,
     patch_size: int = 6,
+    grid_pinpoints: list[list[int]] | None = None,
     **config_overrides: Any,
 ) -> Path:
     """A tiny random `LlavaForConditionalGeneration` checkpoint with its processor (image
     processor, tokenizer with an `<image>` token, chat template) and return its path. `text`:
     a tiny arch with a Llama-style decoder ("llama", "mistral", "qwen2"); `vision`: "clip" or
-    "siglip"; `config_overrides` go to LlavaConfig (vision_feature_layer, ...)."""
+    "siglip"; `grid_pinpoints` ([height, width] pairs, multiples of image_size) makes it a
+    `LlavaNextForConditionalGeneration` (anyres tiles, image_newline) instead;
+    `config_overrides` go to the wrapper's config (vision_feature_layer, ...)."""
     import transformers
 
     path = Path(path)
@@ -1522,32 +1525,51 @@ def write_tiny_llava(
         "image_size": image_size,
         "patch_size": patch_size,
     }
+    square = {"height": image_size, "width": image_size}
     if vision == "clip":
         vision_config = transformers.CLIPVisionConfig(**vision_fields, projection_dim=32)
-        image_processor = transformers.CLIPImageProcessor(
-            size={"shortest_edge": image_size},
-            crop_size={"height": image_size, "width": image_size},
-        )
+        sizes = {"size": {"shortest_edge": image_size}, "crop_size": square}
+        image_processor = transformers.CLIPImageProcessor(**sizes)
     elif vision == "siglip":
         vision_config = transformers.SiglipVisionConfig(**vision_fields)
-        image_processor = transformers.SiglipImageProcessor(
-            size={"height": image_size, "width": image_size}
-        )
+        sizes = {"size": square}
+        image_processor = transformers.SiglipImageProcessor(**sizes)
     else:
         raise ValueError(f"vision must be 'clip' or 'siglip', got {vision!r}")
-    config = transformers.LlavaConfig(
-        text_config=text_config,
-        vision_config=vision_config.to_dict(),
-        image_token_id=image_id,
-        **{**_COMMON, **config_overrides},
-    )
+    fields = {
+        "text_config": text_config,
+        "vision_config": vision_config.to_dict(),
+        "image_token_id": image_id,
+        **_COMMON,
+        **config_overrides,
+    }
+    if grid_pinpoints is None:
+        config = transformers.LlavaConfig(**fields)
+        model_cls, processor_cls = (
+            transformers.LlavaForConditionalGeneration,
+            transformers.LlavaProcessor,
+        )
+    else:
+        if vision == "siglip":  # SigLIP's processor has no crop: square views by resizing
+            sizes["crop_size"] = square
+        image_processor = transformers.LlavaNextImageProcessor(
+            **sizes,
+            image_grid_pinpoints=grid_pinpoints,
+            image_mean=image_processor.image_mean,
+            image_std=image_processor.image_std,
+        )
+        config = transformers.LlavaNextConfig(**fields, image_grid_pinpoints=grid_pinpoints)
+        model_cls, processor_cls = (
+            transformers.LlavaNextForConditionalGeneration,
+            transformers.LlavaNextProcessor,
+        )
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config).to(torch.float32)
+    model = model_cls(config).to(torch.float32)
     _randomize(model, seed)
     with _quiet_progress():
         model.save_pretrained(path)
     strategy = config.vision_feature_select_strategy
-    processor = transformers.LlavaProcessor(
+    processor = processor_cls(
         image_processor=image_processor,
         tokenizer=tokenizer,
         patch_size=patch_size,

@@ -494,7 +494,9 @@ class OpenAIApp:
     def _expand_images(self, req: GenerationRequest, ids: list[int]) -> list[int]:
         """The prompt with each image's placeholder as the run of tokens the engine fills with
         its features; a 400 for more images than --limit-mm-per-prompt, or a rendered prompt
-        without one placeholder per image. Nothing is fetched yet: only the images' count."""
+        without one placeholder per image. Where every image takes the same run (LLaVA) only
+        the images' count is needed: nothing is fetched yet. Where an image's size decides its
+        run (LLaVA-NeXT) the images are loaded and processed here."""
         n = len(req.image_refs)
         if not n:
             return ids
@@ -505,14 +507,29 @@ class OpenAIApp:
                 f"prompt (--limit-mm-per-prompt '{{\"image\": {limit}}}')",
                 "messages",
             )
+        each = self.images.tokens_per_image
         try:
-            return self.images.expand(ids, n)
+            expanded = self.images.expand(ids, [each or 1] * n)
         except ValueError as e:  # the template dropped an image, or the text holds its token
             raise bad_request(
                 f"the chat template's prompt does not hold one image placeholder per image "
                 f"part: {e}",
                 "messages",
             ) from None
+        if each is not None:
+            return expanded
+        expanded, req.processed_images = self._process_images(req, ids)
+        return expanded
+
+    def _process_images(self, req: GenerationRequest, ids: list[int]) -> tuple[list[int], list]:
+        """Fetch, decode and process a chat request's images on this (the request's) thread:
+        (the ids with each image's run, the `ImageInput`s); a 400 naming what cannot be read."""
+        images = self.media.load_all(req.image_refs)
+        try:
+            expanded, processed = self.images.process(ids, images)
+        except ValueError as e:  # an image the processor cannot read
+            raise bad_request(str(e), "messages") from None
+        return expanded, list(processed)
 
     def _generate(
         self,
@@ -609,12 +626,10 @@ class OpenAIApp:
                 p["cache_salt"] = req.cache_salt
         if req.image_refs:  # one chat prompt; its images fetched, decoded and processed
             (prompt,) = prompts  # on this thread: the engine's thread only checks them
-            images = self.media.load_all(req.image_refs)
-            try:
-                _, processed = self.images.process(prompt["prompt_token_ids"], images)
-            except ValueError as e:  # an image the processor cannot read
-                raise bad_request(str(e), "messages") from None
-            prompt["multi_modal_data"] = {"image": list(processed)}
+            processed = req.processed_images
+            if processed is None:
+                _, processed = self._process_images(req, prompt["prompt_token_ids"])
+            prompt["multi_modal_data"] = {"image": processed}
         return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     def _log_request(

@@ -151,6 +151,8 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
     image_refs: list[ImageRef] = field(default_factory=list)  # chat: its images, in order
+    # chat: the images processed already (ImageInputs), where their runs' lengths needed them
+    processed_images: list[Any] | None = None
 
     @property
     def n(self) -> int:

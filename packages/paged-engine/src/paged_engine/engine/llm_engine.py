@@ -58,7 +58,7 @@ from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
-from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
+from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -564,12 +564,15 @@ class LLMEngine:
         if not takes_images(self.resolved, self.hf_config) or cfg.image_limit == 0:
             return None
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
-        try:
-            return ImageProcessor(self.resolved.path, config, cfg.image_limit)
-        except ValueError as e:  # no image processor saved: the text model alone
-            logger.warning("%s; serving the text model only", e)
+        if not processor_saved(self.resolved.path):
+            logger.warning(
+                "%s has no image processor (preprocessor_config.json or processor_config.json);"
+                " serving the text model only",
+                self.resolved.path,
+            )
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
             return None
+        return ImageProcessor(self.resolved.path, config, cfg.image_limit)
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

@@ -19,10 +19,13 @@ import torch
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ImageInput:
-    pixel_values: torch.Tensor  # [3, H, W] float32, preprocessed for the vision tower
+    # float32, preprocessed for the vision tower: [3, H, W] (LLaVA) or [views, 3, H, W]
+    # (LLaVA-NeXT: the base view and the tiles)
+    pixel_values: torch.Tensor
     offset: int  # first placeholder position in the prompt
     length: int  # placeholders = feature rows
-    mm_hash: str  # blake2b of the pixel values
+    mm_hash: str  # blake2b of the pixel values (and image_size)
+    image_size: tuple[int, int] | None = None  # (h, w) as loaded, where the features depend on it
 
     @property
     def end(self) -> int:

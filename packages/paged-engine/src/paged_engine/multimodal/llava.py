@@ -16,17 +16,18 @@ to the decoder and runs once per image.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
+from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.vision_transformer import TOWERS, VisionTransformer
 
 # Wrappers whose images paged runs (other VLM wrappers serve their text model only).
-IMAGE_ARCHS = ("LlavaForConditionalGeneration",)
+IMAGE_ARCHS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 _STRATEGIES = ("default", "full")
 _TOWER = "vision_tower.vision_model."  # older saves; transformers 5 writes vision_tower.X
 
@@ -82,6 +83,8 @@ class Projector(nn.Module):
 class LlavaImageEncoder(nn.Module):
     """Images -> rows of the text model's input embedding (one row per placeholder)."""
 
+    own_weights: tuple[str, ...] = ()  # the wrapper's tensors outside tower and projector
+
     def __init__(self, config) -> None:
         super().__init__()
         self.tokens_per_image = tokens_per_image(config)
@@ -106,13 +109,22 @@ class LlavaImageEncoder(nn.Module):
         features = states[0] if len(states) == 1 else torch.cat(states, dim=-1)
         return self.multi_modal_projector(features)
 
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's feature rows [length, D] (its pixel values [3, H, W])."""
+        weight = self.multi_modal_projector.linear_1.weight
+        pixels = torch.stack([m.pixel_values for m in images]).to(weight.device, weight.dtype)
+        return list(self(pixels))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's vision tower and projector tensors (any other name is passed over);
+        """The checkpoint's vision tower and projector tensors and `own_weights` (any other name
+        is passed over);
         raises ValueError naming a missing or unexpected one."""
         built = len(self.vision_tower.vision_model.encoder.layers)
 
         def ours(name: str) -> str | None:
             name = name.removeprefix("model.")
+            if name in self.own_weights:
+                return name
             if not name.startswith(("vision_tower.", "multi_modal_projector.")):
                 return None
             if name.startswith("vision_tower.") and not name.startswith(_TOWER):

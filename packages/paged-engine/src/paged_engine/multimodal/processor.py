@@ -2,11 +2,13 @@
 
 vLLM's prompt form: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:",
 "multi_modal_data": {"image": image_or_list}}` (or `prompt_token_ids`). Each image token in the
-prompt stands for one image, in order; it becomes `tokens_per_image` copies of itself, and the
-image becomes an `ImageInput` at that run. A prompt whose runs are expanded already (token ids
-of an earlier output, or a client's HF processor) is taken as it is. Images go through the
-checkpoint's own image processor (preprocessor_config.json: resize, crop, normalize), as HF's
-LlavaProcessor runs them.
+prompt stands for one image, in order; it becomes a run of as many copies of itself as the
+image has feature rows (LLaVA: `tokens_per_image`, the same for every image; LLaVA-NeXT: by the
+image's size, multimodal/llava_next.py), and the image becomes an `ImageInput` at that run. A
+prompt whose runs are expanded already (token ids of an earlier output, or a client's HF
+processor) is taken as it is. Images go through the checkpoint's own image processor
+(preprocessor_config.json: resize, crop / tile, normalize), as HF's LlavaProcessor and
+LlavaNextProcessor run them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.llava import IMAGE_ARCHS, image_token_id, tokens_per_image
+from paged_engine.multimodal.llava_next import ARCH as NEXT_ARCH
+from paged_engine.multimodal.llava_next import AnyRes
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +47,16 @@ def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
     return config if any(a in IMAGE_ARCHS for a in archs) else None
 
 
-def _digest(pixels: torch.Tensor) -> str:
-    return hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16).hexdigest()
+def processor_saved(path: Path) -> bool:
+    """Whether the checkpoint holds its image processor (transformers 5 saves it inside
+    processor_config.json)."""
+    return any((Path(path) / f).exists() for f in _PROCESSOR_FILES)
+
+
+def _digest(pixels: torch.Tensor, size: tuple[int, int] | None) -> str:
+    h = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16)
+    h.update(repr(size).encode())
+    return h.hexdigest()
 
 
 class ImageProcessor:
@@ -53,11 +65,12 @@ class ImageProcessor:
     def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
         self.path = Path(path)
         self.image_token_id = image_token_id(config)
-        self.tokens_per_image = tokens_per_image(config)
         self.image_size = int(config.vision_config.image_size)
+        self.anyres = AnyRes.from_config(config) if NEXT_ARCH in config.architectures else None
+        # placeholders an image takes; None where its size decides (LLaVA-NeXT)
+        self.tokens_per_image = None if self.anyres else tokens_per_image(config)
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
-        # transformers 5 saves the image processor inside processor_config.json
-        if not any((self.path / f).exists() for f in _PROCESSOR_FILES):
+        if not processor_saved(self.path):
             raise ValueError(
                 f"{path} has neither preprocessor_config.json nor processor_config.json: the "
                 "image processor of "
@@ -90,10 +103,10 @@ class ImageProcessor:
                 f"limit_mm_per_prompt={{'image': {self.limit}}}"
             )
         if all(isinstance(m, ImageInput) for m in items):
-            token_ids = self.expand(token_ids, len(items))
-            shape = (3, self.image_size, self.image_size)
+            token_ids = self.expand(token_ids, [self.length(m.image_size) for m in items])
             if [m.offset for m in items] != self._run_starts(token_ids) or any(
-                m.length != self.tokens_per_image or tuple(m.pixel_values.shape) != shape
+                m.length != self.length(m.image_size)
+                or tuple(m.pixel_values.shape) != self.pixel_shape(m.image_size)
                 for m in items
             ):
                 raise ValueError(
@@ -102,13 +115,31 @@ class ImageProcessor:
                 )
             return token_ids, tuple(items)
         items = self._image_list(items)
-        pixels = self._pixels(items)
-        token_ids = self.expand(token_ids, len(items))
-        n, starts = self.tokens_per_image, self._run_starts(token_ids)
+        pixels, sizes = self._pixels(items)
+        lengths = [self.length(size) for size in sizes]
+        token_ids = self.expand(token_ids, lengths)
+        starts = self._run_starts(token_ids)
         out = tuple(
-            ImageInput(p, offset, n, _digest(p)) for p, offset in zip(pixels, starts, strict=True)
+            ImageInput(p, offset, n, _digest(p, size), size)
+            for p, offset, n, size in zip(pixels, starts, lengths, sizes, strict=True)
         )
         return token_ids, out
+
+    def length(self, size: tuple[int, int] | None) -> int:
+        """Placeholders of an image of `size` (h, w; LLaVA-NeXT's depend on it)."""
+        if self.anyres is None:
+            assert self.tokens_per_image is not None
+            return self.tokens_per_image
+        if size is None:
+            raise ValueError("multi_modal_data['image']: a processed image lacks its image_size")
+        return self.anyres.tokens(size)
+
+    def pixel_shape(self, size: tuple[int, int] | None) -> tuple[int, ...]:
+        side = (self.image_size, self.image_size)
+        if self.anyres is None:
+            return (3, *side)
+        assert size is not None  # length() checked it
+        return (self.anyres.views(size), 3, *side)
 
     def _run_starts(self, ids: list[int]) -> list[int]:
         tid = self.image_token_id
@@ -124,27 +155,36 @@ class ImageProcessor:
                 )
         return items
 
-    def _pixels(self, images: list[Any]) -> torch.Tensor:
+    def _pixels(self, images: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int] | None]]:
+        """Each image's pixel values and, for LLaVA-NeXT, its (h, w) as the processor saw it."""
         try:
             rgb = [im.convert("RGB") for im in images]
-            pixels = self.hf(images=rgb, return_tensors="pt")["pixel_values"]
+            out = self.hf(images=rgb, return_tensors="pt")
         except Exception as e:  # a corrupt or truncated image, a size the processor refuses
             raise ValueError(
                 f"multi_modal_data['image']: the image could not be processed: {e}"
             ) from e
-        expected = (len(images), 3, self.image_size, self.image_size)
-        if tuple(pixels.shape) != expected:
-            raise ValueError(
-                f"the image processor gave pixel values of shape {tuple(pixels.shape)}, not "
-                f"{expected} (the vision tower's image_size): check preprocessor_config.json"
-            )
-        return pixels.float()
+        pixels = out["pixel_values"].float()
+        sizes: list[tuple[int, int] | None] = [None] * len(images)
+        if self.anyres is not None:  # [N, most views, 3, S, S], zero views after each's own
+            sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]
+            views = [p[: self.anyres.views(size)] for p, size in zip(pixels, sizes, strict=True)]
+        else:
+            views = list(pixels)
+        for p, size in zip(views, sizes, strict=True):
+            if tuple(p.shape) != self.pixel_shape(size):
+                raise ValueError(
+                    f"the image processor gave pixel values of shape {tuple(p.shape)}, not "
+                    f"{self.pixel_shape(size)} (the vision tower's image_size): check "
+                    "preprocessor_config.json"
+                )
+        return views, sizes
 
-    def expand(self, ids: list[int], num_images: int) -> list[int]:
-        """Each lone placeholder -> tokens_per_image of them; runs already that long stay
+    def expand(self, ids: list[int], lengths: list[int]) -> list[int]:
+        """Each lone placeholder -> a run of its image's length; runs already that long stay
         (ValueError unless there is one placeholder or run per image). A server calls it to
         know the prompt's length before the engine takes the images."""
-        tid, n = self.image_token_id, self.tokens_per_image
+        tid = self.image_token_id
         runs: list[tuple[int, int]] = []  # (start, length)
         for i, t in enumerate(ids):
             if t != tid:
@@ -153,16 +193,19 @@ class ImageProcessor:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((i, 1))
-        if len(runs) != num_images or any(length not in (1, n) for _, length in runs):
+        if len(runs) != len(lengths) or any(
+            length not in (1, n) for (_, length), n in zip(runs, lengths)
+        ):
             found = ", ".join(str(length) for _, length in runs) or "none"
+            want = ", ".join(str(n) for n in lengths)
             raise ValueError(
-                f"multi_modal_data['image'] has {num_images} image(s) but the prompt has "
+                f"multi_modal_data['image'] has {len(lengths)} image(s) but the prompt has "
                 f"{len(runs)} image placeholder(s) (token id {tid}; runs of {found} tokens): "
-                f"put one image token per image where it belongs (or a run of {n})"
+                f"put one image token per image where it belongs (or runs of {want})"
             )
         out: list[int] = []
         last = 0
-        for start, length in runs:
+        for (start, length), n in zip(runs, lengths):
             out += ids[last:start]
             out += [tid] * n
             last = start + length

@@ -22,7 +22,7 @@ from paged_engine.multimodal.inputs import ImageInput
 
 class ImageEmbedder:
     def __init__(self, encoder: nn.Module, embed_tokens: nn.Module, device: torch.device) -> None:
-        self.encoder = encoder  # LlavaImageEncoder: pixels [N, 3, H, W] -> [N, L, D]
+        self.encoder = encoder  # multimodal/llava*.py: .encode(images) -> [[length, D], ...]
         self.embed_tokens = embed_tokens  # the text model's token embedding
         self.device = device
         self.images: dict[int, list[ImageInput]] = {}  # seq id -> images it has yet to run
@@ -68,9 +68,7 @@ class ImageEmbedder:
         todo = [(s, m) for s, m in todo if (s, m.offset) not in self.features]
         if not todo:
             return
-        dtype = next(self.encoder.parameters()).dtype
-        pixels = torch.stack([m.pixel_values for _, m in todo]).to(self.device, dtype)
-        features = self.encoder(pixels)
+        features = self.encoder.encode([m for _, m in todo])
         for (seq_id, m), f in zip(todo, features, strict=True):
             if f.shape[0] != m.length:
                 raise RuntimeError(

@@ -59,6 +59,7 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
+from paged_engine.multimodal.vision_transformer import TOWERS
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -564,12 +565,14 @@ class LLMEngine:
         if not takes_images(self.resolved, self.hf_config) or cfg.image_limit == 0:
             return None
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
-        if not processor_saved(self.resolved.path):
-            logger.warning(
-                "%s has no image processor (preprocessor_config.json or processor_config.json);"
-                " serving the text model only",
-                self.resolved.path,
-            )
+        tower = getattr(config.vision_config, "model_type", None)
+        why = None
+        if tower not in TOWERS:  # e.g. Pixtral-12B's HF form: LLaVA around a Pixtral tower
+            why = f"its vision tower ({tower}) is not one paged runs (supported: {sorted(TOWERS)})"
+        elif not processor_saved(self.resolved.path):
+            why = "it has no image processor (preprocessor_config.json or processor_config.json)"
+        if why is not None:
+            logger.warning("%s: %s; serving the text model only", self.resolved.path, why)
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
             return None
         return ImageProcessor(self.resolved.path, config, cfg.image_limit)

@@ -492,3 +492,36 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
     bad = {**GREEDY, "messages": _ask(_image_part("data:image/png;base64,aGVsbG8="))}
     error = _refused(llava_next.http, "/v1/chat/completions", bad)
     assert error["param"] == "messages[0].content[0].image_url"
+
+
+# ---- Qwen2-VL: runs by image size, M-RoPE positions ----------------------------------------
+def test_qwen2_vl_chat_images_give_the_offline_tokens(tmp_path: Path) -> None:
+    """A chat request's image on Qwen2-VL: the offline tokens and prompt; usage and /tokenize
+    count the image's run (by its size)."""
+    from paged_engine import LLM, SamplingParams
+    from paged_engine.testing import write_tiny_qwen2_vl
+
+    path = write_tiny_qwen2_vl(tmp_path, seed=4)
+    llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=64)
+    tok = llm.llm_engine.tokenizer
+    rng = np.random.default_rng(5)
+    picture = Image.fromarray(rng.integers(0, 255, (40, 72, 3), dtype=np.uint8))
+    text = tok.apply_chat_template(
+        _hf(_ask(_image_part("A"))), tokenize=False, add_generation_prompt=True
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    (want,) = llm.generate([{**prompt, "multi_modal_data": {"image": picture}}], params)
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            messages = _ask(_image_part(_data_url(picture)))
+            body = _chat(http, messages, return_token_ids=True)
+            assert body["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+            assert body["prompt_token_ids"] == want.prompt_token_ids
+            assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+            status, _, out = http.request(
+                "POST", "/tokenize", {"model": "tiny", "messages": messages}
+            )
+            assert status == 200 and out["tokens"] == want.prompt_token_ids
+    finally:
+        llm.llm_engine.shutdown()

@@ -241,7 +241,7 @@ def load_model(
 
 def takes_images(resolved: ResolvedModel, hf_config) -> bool:
     """Whether the checkpoint is a wrapper whose images paged runs (multimodal/llava.py)."""
-    from paged_engine.multimodal.llava import IMAGE_ARCHS
+    from paged_engine.multimodal.archs import IMAGE_ARCHS
 
     return getattr(hf_config, MARKER, None) in IMAGE_ARCHS and not resolved.is_gguf
 
@@ -257,19 +257,16 @@ def load_image_encoder(
     trust_remote_code: bool = False,
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
-    (multimodal/llava.py, llava_next.py), on `device` in `dtype`; None for any other checkpoint."""
-    from paged_engine.multimodal.llava import LlavaImageEncoder
-    from paged_engine.multimodal.llava_next import ARCH as NEXT_ARCH
-    from paged_engine.multimodal.llava_next import LlavaNextImageEncoder
+    (multimodal/archs.py), on `device` in `dtype`; None for any other checkpoint."""
+    from paged_engine.multimodal.archs import build_encoder
     from paged_engine.multimodal.processor import wrapper_config
 
     if not takes_images(resolved, hf_config):
         return None
     config = wrapper_config(resolved.path, trust_remote_code)
     assert config is not None
-    cls = LlavaNextImageEncoder if NEXT_ARCH in config.architectures else LlavaImageEncoder
     with building_in(dtype, device):
-        encoder = cls(config)
+        encoder = build_encoder(config)
     if load_format == "dummy":
         init_dummy_weights(encoder, seed)
     else:

@@ -1583,6 +1583,87 @@ def write_tiny_llava(
     return path
 
 
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_qwen2_vl(
+    path: str | Path,
+    *,
+    version: str = "2",
+    seed: int = 0,
+    patch_size: int = 4,
+    **vision_overrides: Any,
+) -> Path:
+    """A tiny random `Qwen2VLForConditionalGeneration` (version "2") or
+    `Qwen2_5_VLForConditionalGeneration` ("2.5") checkpoint with its image processor
+    (`patch_size`-pixel patches merged 2 x 2) and tokenizer (Qwen's vision tokens, a chat
+    template) and return its path; `vision_overrides` go to the vision config."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    vision_tokens = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": vision_tokens})
+    ids = dict(zip(vision_tokens, tokenizer.convert_tokens_to_ids(vision_tokens), strict=True))
+    # head_dim 16: M-RoPE sections of 2, 3, 3 frequencies (temporal, height, width)
+    rope = {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]}
+    text = {**_LLAMA_LIKE, "vocab_size": len(tokenizer), "rope_parameters": rope, **_COMMON}
+    vision: dict[str, Any] = {"patch_size": patch_size, "spatial_merge_size": 2}
+    vision |= {"temporal_patch_size": 2, "depth": 3, "num_heads": 4}
+    if version == "2":
+        vision |= {"embed_dim": 32, "hidden_size": text["hidden_size"], "mlp_ratio": 2}
+        config_cls, model_cls = (
+            transformers.Qwen2VLConfig,
+            transformers.Qwen2VLForConditionalGeneration,
+        )
+    elif version == "2.5":
+        vision |= {"hidden_size": 32, "intermediate_size": 48}
+        vision |= {"out_hidden_size": text["hidden_size"], "fullatt_block_indexes": [1]}
+        vision |= {"window_size": 4 * patch_size}  # windows of 2 x 2 merged patches
+        config_cls = transformers.Qwen2_5_VLConfig
+        model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        raise ValueError(f"version must be '2' or '2.5', got {version!r}")
+    config = config_cls(
+        text_config=text,
+        vision_config={**vision, **vision_overrides},
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        **_COMMON,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    factor = patch_size * 2
+    image_processor = transformers.Qwen2VLImageProcessor(
+        patch_size=patch_size,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor},
+    )
+    # the image processor and tokenizer apart: Qwen2VLProcessor needs its video processor,
+    # which needs torchvision
+    image_processor.save_pretrained(path)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

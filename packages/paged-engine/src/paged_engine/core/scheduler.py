@@ -655,6 +655,7 @@ class Scheduler:
             lora_path=req.lora_path,
             state_slot=seq.state_slot,
             mm_inputs=tuple(m for m in req.mm_inputs if m.end > start),
+            mrope=req.mrope,
         )
 
 

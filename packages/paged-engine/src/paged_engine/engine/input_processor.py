@@ -11,7 +11,7 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
-from paged_engine.multimodal.llava import IMAGE_ARCHS
+from paged_engine.multimodal.archs import IMAGE_ARCHS
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
@@ -114,6 +114,9 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.cache_salt = salt
+        if mm_inputs:
+            assert self.images is not None
+            req.mrope = self.images.positions(len(token_ids), mm_inputs)
         return ProcessedRequest(req, text, num_returned)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

@@ -58,8 +58,8 @@ from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
+from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
-from paged_engine.multimodal.vision_transformer import TOWERS
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -565,10 +565,9 @@ class LLMEngine:
         if not takes_images(self.resolved, self.hf_config) or cfg.image_limit == 0:
             return None
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
-        tower = getattr(config.vision_config, "model_type", None)
         why = None
-        if tower not in TOWERS:  # e.g. Pixtral-12B's HF form: LLaVA around a Pixtral tower
-            why = f"its vision tower ({tower}) is not one paged runs (supported: {sorted(TOWERS)})"
+        if not supported_tower(config):  # e.g. Pixtral-12B's HF form: LLaVA, a Pixtral tower
+            why = f"its vision tower ({vision_tower_type(config)}) is not one paged runs"
         elif not processor_saved(self.resolved.path):
             why = "it has no image processor (preprocessor_config.json or processor_config.json)"
         if why is not None:

@@ -332,6 +332,76 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's M-RoPE: each token has three positions (temporal, height, width), and the
+    rotary frequencies come in three contiguous blocks of `mrope_section` sizes, block i turned
+    by position row i:
+
+        positions [3, T]  ->  cos / sin [T, rotary_dim/2]: frequency f reads row section(f)
+
+    Text tokens have one position in all three rows, so a [T] tensor of positions means that
+    position everywhere: the plain rope, every fast path of RotaryEmbedding included (the
+    runner passes [3, T] only for steps that run an image's positions, and runs those eagerly).
+    """
+
+    def __init__(self, *args: Any, mrope_section: list[int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if len(mrope_section) != 3 or sum(mrope_section) != self.rotary_dim // 2:
+            raise ValueError(
+                f"mrope_section={mrope_section} must be three sizes summing to "
+                f"{self.rotary_dim // 2} (half the rotary dims)"
+            )
+        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+        self.register_buffer("section_row", rows, persistent=False)  # [rotary_dim/2]
+
+    def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        index = positions[self.section_row].T  # [T, rotary_dim/2]: frequency f's position
+        return self.cos.gather(0, index), self.sin.gather(0, index)
+
+    def begin_forward(self, positions: torch.Tensor) -> None:
+        if positions.dim() == 1:
+            super().begin_forward(positions)
+            return
+        cos, sin = self._gather(positions)
+        full_neox = self.is_neox_style and self.rotary_dim == self.head_dim
+        self._positions = positions if full_neox else None
+        self._tables = (
+            (
+                torch.cat((cos, cos), dim=-1).unsqueeze(1),
+                torch.cat((-sin, sin), dim=-1).unsqueeze(1),
+            )
+            if full_neox
+            else None
+        )
+
+    def rotate_qkv_(self, positions: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        return positions.dim() == 1 and super().rotate_qkv_(positions, *args, **kwargs)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        cos, sin = self._gather(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        t = q.shape[0]
+        q = self._rotate(q.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
+        k = self._rotate(k.view(t, -1, self.head_dim), cos, sin).reshape(t, -1)
+        return q, k
+
+
+def mrope_section(config: Any) -> list[int] | None:
+    """Qwen2-VL / 2.5-VL's contiguous M-RoPE sections, None for any other rope (Qwen3-VL's
+    interleaved sections are served as text only, where M-RoPE is the plain rope)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, key, None)
+        if isinstance(params, dict) and params.get("mrope_section"):
+            if params.get("mrope_interleaved"):
+                return None
+            return [int(n) for n in params["mrope_section"]]
+    return None
+
+
 def _head_norm(norm: RMSNorm, head_dim: int) -> bool:
     """An RMSNorm the rope kernel can run: RMSNorm's or Gemma's forward (their roundings are
     `round_before_weight`'s), one weight row of head_dim."""
@@ -403,7 +473,9 @@ def get_rope(
     context_len = _CONTEXT_LEN.get()
     # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
     rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
-    return RotaryEmbedding(
+    section = mrope_section(config)
+    extra: dict[str, Any] = {} if section is None else {"mrope_section": section}
+    return (RotaryEmbedding if section is None else MRotaryEmbedding)(
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),
         max_position=max_position,
@@ -413,6 +485,7 @@ def get_rope(
         freq_factors=getattr(config, "rope_freq_factors", None),
         context_len=None if context_len is None else min(context_len, max_position),
         num_positions=rows,
+        **extra,
     )
 
 

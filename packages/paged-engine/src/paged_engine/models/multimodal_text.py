@@ -64,8 +64,9 @@ tokens get the same id in all three sections (their 1-D position, rope_deltas 0 
 images), so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style
 RoPE over head_dim with the same inv_freq.
 
-Not handled here: images (LLaVA's run through multimodal/, which loads the vision tower and
-projector apart; other wrappers' images are refused) and audio, LoRA adapters trained on the
+Not handled here: images (LLaVA's, LLaVA-NeXT's, Qwen2-VL's and Qwen2.5-VL's run through
+multimodal/, which loads the vision encoder apart, with M-RoPE positions for Qwen's images;
+other wrappers' images are refused) and audio, LoRA adapters trained on the
 wrapper's module names, wrappers whose decoder is not one of ours as it stands (Gemma 3n).
 """
 
@@ -245,7 +246,7 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     if spec.hub_experts:
         setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
     setattr(text, MARKER, arch)
-    from paged_engine.multimodal.llava import IMAGE_ARCHS
+    from paged_engine.multimodal.archs import IMAGE_ARCHS
 
     if arch in IMAGE_ARCHS:
         logger.info("%s: its language model (%s), images through multimodal/", arch, target)

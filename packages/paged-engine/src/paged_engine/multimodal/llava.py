@@ -26,8 +26,6 @@ from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.vision_transformer import TOWERS, VisionTransformer
 
-# Wrappers whose images paged runs (other VLM wrappers serve their text model only).
-IMAGE_ARCHS = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 _STRATEGIES = ("default", "full")
 _TOWER = "vision_tower.vision_model."  # older saves; transformers 5 writes vision_tower.X
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
+from paged_engine.multimodal import qwen2_vl
+from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.llava import IMAGE_ARCHS, image_token_id, tokens_per_image
-from paged_engine.multimodal.llava_next import ARCH as NEXT_ARCH
+from paged_engine.multimodal.llava import image_token_id, tokens_per_image
 from paged_engine.multimodal.llava_next import AnyRes
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def processor_saved(path: Path) -> bool:
     return any((Path(path) / f).exists() for f in _PROCESSOR_FILES)
 
 
-def _digest(pixels: torch.Tensor, size: tuple[int, int] | None) -> str:
+def _digest(pixels: torch.Tensor, size: tuple[int, ...] | None) -> str:
     h = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16)
     h.update(repr(size).encode())
     return h.hexdigest()
@@ -64,11 +65,16 @@ class ImageProcessor:
 
     def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
         self.path = Path(path)
+        self.config = config
+        self.kind = image_kind(config)
         self.image_token_id = image_token_id(config)
-        self.image_size = int(config.vision_config.image_size)
-        self.anyres = AnyRes.from_config(config) if NEXT_ARCH in config.architectures else None
-        # placeholders an image takes; None where its size decides (LLaVA-NeXT)
-        self.tokens_per_image = None if self.anyres else tokens_per_image(config)
+        self.anyres = AnyRes.from_config(config) if self.kind == "llava_next" else None
+        # placeholders an image takes; None where its size decides (LLaVA-NeXT, Qwen2-VL)
+        self.tokens_per_image = tokens_per_image(config) if self.kind == "llava" else None
+        # Qwen2-VL: each prompt's M-RoPE positions (`positions`)
+        self.mrope = self.kind == "qwen2_vl"
+        if self.mrope:
+            qwen2_vl.check_config(config)
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
         if not processor_saved(self.path):
             raise ValueError(
@@ -125,21 +131,43 @@ class ImageProcessor:
         )
         return token_ids, out
 
-    def length(self, size: tuple[int, int] | None) -> int:
-        """Placeholders of an image of `size` (h, w; LLaVA-NeXT's depend on it)."""
-        if self.anyres is None:
-            assert self.tokens_per_image is not None
-            return self.tokens_per_image
-        if size is None:
-            raise ValueError("multi_modal_data['image']: a processed image lacks its image_size")
-        return self.anyres.tokens(size)
+    def positions(
+        self, num_tokens: int, images: tuple[ImageInput, ...]
+    ) -> qwen2_vl.MropePositions | None:
+        """The prompt's M-RoPE positions where the model has them (Qwen2-VL), else None."""
+        if not self.mrope:
+            return None
+        return qwen2_vl.mrope_positions(num_tokens, images, qwen2_vl.merge_size(self.config))
 
-    def pixel_shape(self, size: tuple[int, int] | None) -> tuple[int, ...]:
+    def length(self, size: tuple[int, ...] | None) -> int:
+        """Placeholders of an image of `size` (LLaVA-NeXT: its (h, w); Qwen2-VL: its patch
+        grid (t, h, w)); LLaVA's are the same for every image."""
+        if self.tokens_per_image is not None:
+            return self.tokens_per_image
+        n = 3 if self.mrope else 2
+        if size is None or len(size) != n or min(size) <= 0:
+            raise ValueError(
+                f"multi_modal_data['image']: a processed image's image_size {size} is not "
+                f"{'a patch grid (t, h, w)' if self.mrope else 'its (h, w)'}"
+            )
+        if self.mrope:
+            return qwen2_vl.tokens(self.config, size)
+        assert self.anyres is not None
+        return self.anyres.tokens(size)  # type: ignore[arg-type]
+
+    def pixel_shape(self, size: tuple[int, ...] | None) -> tuple[int, ...]:
+        if self.mrope:
+            assert size is not None  # length() checked it
+            return (size[0] * size[1] * size[2], qwen2_vl.patch_dim(self.config))
         side = (self.image_size, self.image_size)
         if self.anyres is None:
             return (3, *side)
         assert size is not None  # length() checked it
-        return (self.anyres.views(size), 3, *side)
+        return (self.anyres.views(size), 3, *side)  # type: ignore[arg-type]
+
+    @property
+    def image_size(self) -> int:
+        return int(self.config.vision_config.image_size)
 
     def _run_starts(self, ids: list[int]) -> list[int]:
         tid = self.image_token_id
@@ -155,8 +183,9 @@ class ImageProcessor:
                 )
         return items
 
-    def _pixels(self, images: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, int] | None]]:
-        """Each image's pixel values and, for LLaVA-NeXT, its (h, w) as the processor saw it."""
+    def _pixels(self, images: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, ...] | None]]:
+        """Each image's pixel values and, for LLaVA-NeXT, its (h, w) as the processor saw it
+        (Qwen2-VL: its patch grid (t, h, w))."""
         try:
             rgb = [im.convert("RGB") for im in images]
             out = self.hf(images=rgb, return_tensors="pt")
@@ -165,8 +194,11 @@ class ImageProcessor:
                 f"multi_modal_data['image']: the image could not be processed: {e}"
             ) from e
         pixels = out["pixel_values"].float()
-        sizes: list[tuple[int, int] | None] = [None] * len(images)
-        if self.anyres is not None:  # [N, most views, 3, S, S], zero views after each's own
+        sizes: list[tuple[int, ...] | None] = [None] * len(images)
+        if self.mrope:  # [all images' patches, patch_dim], each image's grid
+            sizes = [(int(t), int(h), int(w)) for t, h, w in out["image_grid_thw"].tolist()]
+            views = list(pixels.split([t * h * w for t, h, w in sizes]))  # type: ignore[misc]
+        elif self.anyres is not None:  # [N, most views, 3, S, S], zero views after each's own
             sizes = [(int(h), int(w)) for h, w in out["image_sizes"].tolist()]
             views = [p[: self.anyres.views(size)] for p, size in zip(pixels, sizes, strict=True)]
         else:

@@ -34,6 +34,7 @@ from paged_engine.distributed.communication import (
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.lora.manager import LoRAManager
+from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
     with_token_bitmask,
@@ -54,6 +55,7 @@ from paged_engine.worker.recurrent_state import (
     resolve_ssm_dtype,
     state_pools,
 )
+from paged_engine.worker.rope_positions import rope_positions
 from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
 from paged_engine.worker.sampling_inputs import SamplingInputs
 
@@ -63,7 +65,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64 (the rope's; [3, T] over an image's M-RoPE run)
     attn_metadata: AttentionMetadata
     rows: np.ndarray  # [S] InputBatch row of each sequence
     cu: np.ndarray  # [S+1] host copy of cu_seqlens_q
@@ -115,6 +117,8 @@ class ModelRunner:
         # A checkpoint whose images run (multimodal/): their features at their placeholders
         # (set by the worker on the first pipeline stage; worker/image_embeds.py).
         self.images: ImageEmbedder | None = None
+        # seq id -> its prompt's M-RoPE positions (Qwen2-VL with images; every rank and stage)
+        self.rope_tables: dict[int, MropePositions] = {}
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -204,10 +208,13 @@ class ModelRunner:
                 c = batch.seqs[seq_id]
                 lora.release(c.row, c.lora_id)
             batch.remove(seq_id)
+            self.rope_tables.pop(seq_id, None)
             if self.images is not None:
                 self.images.remove(seq_id)
         for data in sched.new_seqs:
             c = batch.add(data)
+            if data.mrope is not None:
+                self.rope_tables[data.seq_id] = data.mrope
             if self.images is not None:
                 self.images.add(data.seq_id, data.mm_inputs)
             if lora is not None:
@@ -313,9 +320,15 @@ class ModelRunner:
         slots += positions % bs
         max_seqlen_k = int(seq_lens.max())
         width = -(-max_seqlen_k // bs)
+        rope = None
+        if self.rope_tables:
+            rope = rope_positions(self.rope_tables, sched.seq_ids, starts, cu, positions)
+        model_pos = positions if rope is None else rope.reshape(-1)
         slots_d, positions_d, ids_d, tok_rows_d, mask_d = self._upload(
-            slots, positions, ids, tok_rows, from_device.astype(np.int64)
+            slots, model_pos, ids, tok_rows, from_device.astype(np.int64)
         )
+        if rope is not None and rope.ndim == 2:
+            positions_d = positions_d.view(3, num_tokens)
         seq_lens_d, cu_d = self._upload(seq_lens.astype(np.int32), cu.astype(np.int32))
         if from_device.all():
             input_ids = batch.last_token.index_select(0, tok_rows_d)
@@ -358,6 +371,8 @@ class ModelRunner:
         ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
         if inputs.embeds is not None:  # image features at their placeholders: eager
             return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
+        if pos.dim() == 2:  # M-RoPE positions of an image's run: eager
+            return self.model(ids, pos, self.cache.kv_caches, meta)
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
             return self.graphs.run(ids, pos, meta)
         if self.compiled is not None:

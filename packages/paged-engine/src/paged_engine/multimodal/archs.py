@@ -1,0 +1,61 @@
+"""The vision-language wrappers whose images paged runs, and which image path each takes.
+
+    LlavaForConditionalGeneration                 "llava"       multimodal/llava.py
+    LlavaNextForConditionalGeneration             "llava_next"  multimodal/llava_next.py
+    Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
+      Qwen2_5_VLForConditionalGeneration
+
+Other wrappers serve their text model only (models/multimodal_text.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+LLAVA = "LlavaForConditionalGeneration"
+LLAVA_NEXT = "LlavaNextForConditionalGeneration"
+QWEN2_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL)
+
+
+def image_kind(config: Any) -> str:
+    """ "llava", "llava_next" or "qwen2_vl" for a wrapper config of IMAGE_ARCHS."""
+    archs = getattr(config, "architectures", None) or []
+    if LLAVA_NEXT in archs:
+        return "llava_next"
+    if any(a in QWEN2_VL for a in archs):
+        return "qwen2_vl"
+    assert LLAVA in archs, archs
+    return "llava"
+
+
+def vision_tower_type(config: Any) -> str | None:
+    return getattr(config.vision_config, "model_type", None)
+
+
+def supported_tower(config: Any) -> bool:
+    """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
+    if image_kind(config) == "qwen2_vl":
+        return True
+    from paged_engine.multimodal.vision_transformer import TOWERS
+
+    return vision_tower_type(config) in TOWERS
+
+
+def build_encoder(config: Any) -> nn.Module:
+    """The wrapper's image encoder (tower and projector), with `encode(images)` and
+    `load_weights(weights)`; built in the current default dtype and device."""
+    kind = image_kind(config)
+    if kind == "qwen2_vl":
+        from paged_engine.multimodal.qwen2_vl import QwenImageEncoder
+
+        return QwenImageEncoder(config)
+    if kind == "llava_next":
+        from paged_engine.multimodal.llava_next import LlavaNextImageEncoder
+
+        return LlavaNextImageEncoder(config)
+    from paged_engine.multimodal.llava import LlavaImageEncoder
+
+    return LlavaImageEncoder(config)

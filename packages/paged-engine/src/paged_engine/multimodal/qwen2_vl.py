@@ -1,0 +1,82 @@
+"""Qwen2-VL / Qwen2.5-VL's image path: variable-size images, and M-RoPE positions.
+
+    image -> the checkpoint's image processor: resized to multiples of patch * merge pixels,
+        cut into t x h x w patches (t = 1 for an image), pixel rows [t*h*w, 3 * tp * p * p]
+    -> the vision encoder ("visual", multimodal/qwen2_vl_vision.py): the patches, each
+        merge x merge block of them merged into one row -> [t*h*w / merge^2, text hidden]
+    prompt: <|vision_start|> <|image_pad|> x (t*h*w / merge^2) <|vision_end|>
+
+M-RoPE (layers/rotary.py MRotaryEmbedding): every prompt token has a (temporal, height, width)
+position. Text runs on from the position after the last one, the same in all three rows; an
+image's rows are its start position plus each feature's (t, h, w) index in the merged grid, and
+the text after it starts at that start + max(h, w) / merge. A token generated at sequence
+position p has rope position p + delta in all rows (delta = the prompt's largest position + 1
+- its length, <= 0). `MropePositions` (multimodal/mrope.py) holds a prompt's table; the
+runner reads rope positions from it (worker/rope_positions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.mrope import MropePositions, mrope_positions
+from paged_engine.multimodal.qwen2_vl_vision import QwenVisionEncoder
+
+__all__ = ["ARCHS", "MropePositions", "QwenImageEncoder", "mrope_positions"]
+
+ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
+def check_config(config) -> None:
+    """ValueError naming the field where the checkpoint's images could not run as HF runs them:
+    the text rope must be M-RoPE with contiguous sections over half the head."""
+    from paged_engine.layers.rotary import mrope_section
+
+    text = config.text_config
+    section = mrope_section(text)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if section is None or sum(section) != head_dim // 2:
+        raise ValueError(
+            f"text_config.rope_parameters mrope_section={section} must be three sizes summing "
+            f"to half the head ({head_dim // 2}) for {config.architectures[0]}'s images"
+        )
+    if merge_size(config) < 1:
+        raise ValueError("vision_config.spatial_merge_size must be at least 1")
+
+
+def merge_size(config) -> int:
+    return int(config.vision_config.spatial_merge_size)
+
+
+def patch_dim(config) -> int:
+    """Width of a pixel row: channels x temporal patch x patch x patch."""
+    v = config.vision_config
+    channels = getattr(v, "in_channels", None) or getattr(v, "in_chans", 3)
+    return int(channels) * int(v.temporal_patch_size) * int(v.patch_size) ** 2
+
+
+def tokens(config, grid: tuple[int, ...]) -> int:
+    t, h, w = grid
+    return t * h * w // merge_size(config) ** 2
+
+
+class QwenImageEncoder(nn.Module):
+    """Images -> rows of the text model's input embedding, one per placeholder."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.visual = QwenVisionEncoder(config.vision_config)
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        param = next(self.visual.parameters())
+        pixels = torch.cat([m.pixel_values for m in images]).to(param.device, param.dtype)
+        grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
+        rows = self.visual(pixels, grids)
+        return list(rows.split([m.length for m in images]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.visual.load_weights(weights)

@@ -196,3 +196,33 @@ def test_parallel_matches_one_process(qwen_dirs, parallel):
     finally:
         llm.llm_engine.shutdown()
     assert_same_greedy(one, two)
+
+
+def test_mm_processor_kwargs_bound_the_image_size(qwen_dirs):
+    """vLLM's mm_processor_kwargs: the engine's max_pixels shrinks every image's run (HF's
+    processor given the same size agrees, tokens and all); a prompt's own override wins; a
+    name the processor does not take, or one that changes the patch layout, is a ValueError
+    naming mm_processor_kwargs, and the engine serves on."""
+    path = qwen_dirs()
+    big = _image(11, (64, 96))
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": big}}
+    plain = _llm(path).generate([prompt], _greedy(0), use_tqdm=False)[0]
+    bounded = _llm(path, mm_processor_kwargs={"max_pixels": 32 * 64})
+    small = bounded.generate([prompt], _greedy(0), use_tqdm=False)[0]
+    hf = _HF(path, "2")
+    hf.images.size = {"shortest_edge": hf.images.size.shortest_edge, "longest_edge": 32 * 64}
+    ids, ref = hf.greedy(PROMPT, [big])
+    assert small.prompt_token_ids == ids
+    assert len(ids) < len(plain.prompt_token_ids)
+    assert small.outputs[0].token_ids == ref.tokens
+    own = {**prompt, "mm_processor_kwargs": {"max_pixels": 64 * 8 * 8}}  # the default
+    again = bounded.generate([own], _greedy(0), use_tqdm=False)[0]
+    assert again.prompt_token_ids == plain.prompt_token_ids
+    for bad, match in [({"merge_size": 1}, "merge_size"), ({"bogus": 1}, "bogus")]:
+        with pytest.raises(ValueError, match=rf"mm_processor_kwargs\['{match}'\]"):
+            bounded.generate([{**prompt, "mm_processor_kwargs": bad}], _greedy(0))
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs\['max_pixels'\]"):
+        bounded.generate([{**prompt, "mm_processor_kwargs": {"max_pixels": "x"}}], _greedy(0))
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        _llm(path, mm_processor_kwargs={"patch_size": 8})
+    assert bounded.generate([prompt], _greedy(0), use_tqdm=False)[0].prompt_token_ids == ids

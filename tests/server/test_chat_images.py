@@ -401,9 +401,11 @@ def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> No
     from paged_server.cli import build_engine, parse_args
 
     seen = {}
-    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.setdefault("c", config))
+    monkeypatch.setattr(paged_engine, "LLMEngine", lambda config: seen.update(c=config))
     build_engine(parse_args(["m", "--limit-mm-per-prompt", value]))
     assert seen["c"].limit_mm_per_prompt == limit
+    build_engine(parse_args(["m", "--mm-processor-kwargs", '{"max_pixels": 1003520}']))
+    assert seen["c"].mm_processor_kwargs == {"max_pixels": 1003520}
 
 
 @pytest.mark.parametrize(
@@ -415,6 +417,7 @@ def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> No
         (["--limit-mm-per-prompt", "image"], "MODALITY=COUNT"),
         (["--limit-mm-per-prompt", "{image: 2}"], "not JSON"),
         (["--allowed-local-media-path", "/no/such/dir"], "not an existing directory"),
+        (["--mm-processor-kwargs", "max_pixels=3"], "JSON"),
     ],
 )
 def test_bad_media_flags_stop_at_startup(capsys, argv, says) -> None:
@@ -523,5 +526,12 @@ def test_qwen2_vl_chat_images_give_the_offline_tokens(tmp_path: Path) -> None:
                 "POST", "/tokenize", {"model": "tiny", "messages": messages}
             )
             assert status == 200 and out["tokens"] == want.prompt_token_ids
+            # vLLM's mm_processor_kwargs: a smaller image, fewer tokens; a bad name a 400
+            small = _chat(http, messages, mm_processor_kwargs={"max_pixels": 16 * 64})
+            assert small["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
+            for bad in ({"merge_size": 1}, [1]):
+                err = _refused(http, "/v1/chat/completions", {**GREEDY, "messages": messages,
+                               "mm_processor_kwargs": bad})  # fmt: skip
+                assert err["param"] == "mm_processor_kwargs"
     finally:
         llm.llm_engine.shutdown()

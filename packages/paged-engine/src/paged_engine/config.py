@@ -140,6 +140,9 @@ class EngineConfig:
     # (multimodal/): None or a missing key means any number; {"image": 0} serves the text
     # model alone (the vision tower is not loaded).
     limit_mm_per_prompt: dict | None = None
+    # Arguments for the checkpoint's image processor on every image (vLLM's; e.g. Qwen2-VL's
+    # {"max_pixels": 1280 * 28 * 28}); a prompt's own "mm_processor_kwargs" go on top.
+    mm_processor_kwargs: dict | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -220,6 +223,16 @@ class EngineConfig:
             "limit_mm_per_prompt",
             self.limit_mm_per_prompt,
             f"None or a dict of modalities {_MODALITIES} to ints >= 0",
+        )
+        _check(
+            self.mm_processor_kwargs is None
+            or (
+                isinstance(self.mm_processor_kwargs, dict)
+                and all(isinstance(k, str) for k in self.mm_processor_kwargs)
+            ),
+            "mm_processor_kwargs",
+            self.mm_processor_kwargs,
+            "None or a dict of the image processor's argument names to values",
         )
         _check(
             self.prefix_state_snapshots is None

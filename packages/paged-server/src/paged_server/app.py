@@ -526,9 +526,10 @@ class OpenAIApp:
         (the ids with each image's run, the `ImageInput`s); a 400 naming what cannot be read."""
         images = self.media.load_all(req.image_refs)
         try:
-            expanded, processed = self.images.process(ids, images)
-        except ValueError as e:  # an image the processor cannot read
-            raise bad_request(str(e), "messages") from None
+            expanded, processed = self.images.process(ids, images, req.mm_processor_kwargs)
+        except ValueError as e:  # an image the processor cannot read, a bad kwarg
+            param = "mm_processor_kwargs" if "mm_processor_kwargs" in str(e) else "messages"
+            raise bad_request(str(e), param) from None
         return expanded, list(processed)
 
     def _generate(

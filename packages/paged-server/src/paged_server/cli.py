@@ -83,6 +83,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         scheduling_policy=args.scheduling_policy,
         enable_sleep_mode=args.enable_sleep_mode,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
         **_lora_config(args),
     )
     return LLMEngine(config)

@@ -364,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint's text model only (default: any number)",
     )
     p.add_argument(
+        "--mm-processor-kwargs",
+        type=_json_object,
+        default=None,
+        help="arguments for the checkpoint's image processor, vLLM's JSON, e.g. Qwen2-VL's "
+        "'{\"max_pixels\": 1003520}' (a request's own mm_processor_kwargs go on top)",
+    )
+    p.add_argument(
         "--allowed-local-media-path",
         default=None,
         metavar="DIR",

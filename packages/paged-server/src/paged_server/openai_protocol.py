@@ -107,6 +107,7 @@ _CHAT_KEYS = _COMMON | {
     "top_logprobs",
     "chat_template",
     "chat_template_kwargs",
+    "mm_processor_kwargs",
     "add_generation_prompt",
     "tools",
     "tool_choice",
@@ -151,6 +152,8 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
     image_refs: list[ImageRef] = field(default_factory=list)  # chat: its images, in order
+    # chat: vLLM's mm_processor_kwargs, for the image processor on this request's images
+    mm_processor_kwargs: dict[str, Any] | None = None
     # chat: the images processed already (ImageInputs), where their runs' lengths needed them
     processed_images: list[Any] | None = None
 
@@ -419,6 +422,13 @@ def parse_completion(body: Any) -> GenerationRequest:
     return req
 
 
+def _object_or_none(b: _Body, key: str) -> dict[str, Any] | None:
+    value = b.d.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise bad_request(f"'{key}' must be an object", key)
+    return value
+
+
 def parse_chat(
     body: Any, tool_parser: str | None = None, images: bool = False
 ) -> GenerationRequest:
@@ -454,6 +464,7 @@ def parse_chat(
         documents=chat_documents(b.d.get("documents")),
         add_special_tokens=False,
         image_refs=refs or [],
+        mm_processor_kwargs=_object_or_none(b, "mm_processor_kwargs"),
     )
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(

@@ -66,7 +66,8 @@ class InputProcessor:
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if mm_data:
-            token_ids, mm_inputs = self._images(token_ids, mm_data)
+            kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
+            token_ids, mm_inputs = self._images(token_ids, mm_data, kwargs)
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
@@ -159,9 +160,11 @@ class InputProcessor:
             f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
         )
 
-    def _images(self, token_ids: list[int], mm_data: Any) -> tuple[list[int], tuple]:
+    def _images(
+        self, token_ids: list[int], mm_data: Any, kwargs: Any = None
+    ) -> tuple[list[int], tuple]:
         """vLLM's multi_modal_data: the prompt with each image's placeholder run, and the
-        images (multimodal/processor.py)."""
+        images (multimodal/processor.py); `kwargs`: the prompt's mm_processor_kwargs."""
         if not isinstance(mm_data, dict):
             raise ValueError(
                 f"multi_modal_data must be a dict such as {{'image': image}}, got "
@@ -180,7 +183,7 @@ class InputProcessor:
                 "their language model)"
             )
             raise ValueError(f"multi_modal_data is not supported: {why}")
-        return self.images.process(token_ids, mm_data["image"])
+        return self.images.process(token_ids, mm_data["image"], kwargs)
 
     def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
         """The request's grammar (compiling from now on) and bad words, if it has either."""

@@ -29,6 +29,19 @@ from paged_engine.multimodal.llava_next import AnyRes
 logger = logging.getLogger(__name__)
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+# mm_processor_kwargs that would change what the vision encoder reads: refused
+_LAYOUT_KWARGS = {
+    "patch_size",
+    "merge_size",
+    "temporal_patch_size",
+    "return_tensors",
+    "data_format",
+    "input_data_format",
+    "device",
+    "image_seq_length",
+    "disable_grouping",
+}
+_PIXEL_BOUNDS = {"min_pixels": "shortest_edge", "max_pixels": "longest_edge"}  # Qwen2-VL
 
 
 def require_pillow():
@@ -76,6 +89,7 @@ class ImageProcessor:
         if self.mrope:
             qwen2_vl.check_config(config)
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
+        self.kwargs: dict[str, Any] = {}  # the engine's mm_processor_kwargs, checked
         if not processor_saved(self.path):
             raise ValueError(
                 f"{path} has neither preprocessor_config.json nor processor_config.json: the "
@@ -94,12 +108,13 @@ class ImageProcessor:
         return self._hf
 
     def process(
-        self, token_ids: list[int], images: Any
+        self, token_ids: list[int], images: Any, kwargs: Any = None
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """(token ids with each image's placeholder run, the images); ValueError naming
         multi_modal_data for anything wrong with the images or their placeholders. Items that
         are `ImageInput`s already (this method's output, e.g. from a server that processed the
-        images on its request thread) are taken as they are once their runs check out."""
+        images on its request thread) are taken as they are once their runs check out.
+        `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's."""
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
@@ -121,7 +136,8 @@ class ImageProcessor:
                 )
             return token_ids, tuple(items)
         items = self._image_list(items)
-        pixels, sizes = self._pixels(items)
+        call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
+        pixels, sizes = self._pixels(items, call)
         lengths = [self.length(size) for size in sizes]
         token_ids = self.expand(token_ids, lengths)
         starts = self._run_starts(token_ids)
@@ -183,12 +199,41 @@ class ImageProcessor:
                 )
         return items
 
-    def _pixels(self, images: list[Any]) -> tuple[list[torch.Tensor], list[tuple[int, ...] | None]]:
+    def processor_kwargs(self, kwargs: Any) -> dict[str, Any]:
+        """vLLM's mm_processor_kwargs as the image processor takes them; ValueError naming
+        mm_processor_kwargs for a name it does not take or one that would change the layout
+        the vision encoder reads (patch and merge sizes, tensor formats). Qwen2-VL's
+        min_pixels / max_pixels become its size's shortest_edge / longest_edge."""
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise ValueError(
+                f"mm_processor_kwargs must be a dict of argument names, got {type(kwargs).__name__}"
+            )
+        known = set(getattr(self.hf, "valid_kwargs", dict).__annotations__) - _LAYOUT_KWARGS
+        bad = sorted(k for k in kwargs if k not in known)
+        if bad:
+            raise ValueError(
+                f"mm_processor_kwargs[{bad[0]!r}] is not an argument this model's image "
+                f"processor takes; it takes {sorted(known) or 'none'}"
+            )
+        out = {k: v for k, v in kwargs.items() if k not in _PIXEL_BOUNDS}
+        bounds = {k: kwargs[k] for k in _PIXEL_BOUNDS if k in kwargs}
+        if bounds:  # the size dict transformers 5 reads (min_pixels / max_pixels: deprecated)
+            for name, value in bounds.items():
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"mm_processor_kwargs[{name!r}] must be an int > 0")
+            size = dict(out.get("size") or self.hf.size)
+            size.update({_PIXEL_BOUNDS[k]: v for k, v in bounds.items()})
+            out["size"] = size
+        return out
+
+    def _pixels(
+        self, images: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[list[torch.Tensor], list[tuple[int, ...] | None]]:
         """Each image's pixel values and, for LLaVA-NeXT, its (h, w) as the processor saw it
         (Qwen2-VL: its patch grid (t, h, w))."""
         try:
             rgb = [im.convert("RGB") for im in images]
-            out = self.hf(images=rgb, return_tensors="pt")
+            out = self.hf(images=rgb, return_tensors="pt", **kwargs)
         except Exception as e:  # a corrupt or truncated image, a size the processor refuses
             raise ValueError(
                 f"multi_modal_data['image']: the image could not be processed: {e}"

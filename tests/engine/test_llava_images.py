@@ -256,3 +256,25 @@ def test_llm_chat_reads_image_parts(llava_dirs):
     ]
     with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.image_url"):
         llm.chat(bad, params, use_tqdm=False)
+
+
+def test_image_embeds_give_the_image_answer(llava_dirs):
+    """vLLM's embedding input for LLaVA: a tensor [images, rows, hidden] of HF's own features
+    gives the images' prompt and tokens (processed ahead, they are taken as they are)."""
+    path = llava_dirs()
+    images = [_image(5), _image(6, (64, 30))]
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    pixels = processor(text=TWO, images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        feats = model.get_image_features(pixels).pooler_output
+    feats = torch.stack(list(feats)) if isinstance(feats, (list, tuple)) else feats
+    llm = _llm(path)
+    raw = {"prompt": TWO, "multi_modal_data": {"image": images}}
+    embedded = {"prompt": TWO, "multi_modal_data": {"image": feats}}
+    images_in = llm.llm_engine.input_processor.images
+    ids, done = images_in.process(llm.get_tokenizer().encode(TWO), feats)
+    ahead = {"prompt_token_ids": ids, "multi_modal_data": {"image": list(done)}}
+    want, got, again = llm.generate([raw, embedded, ahead], _greedy(0), use_tqdm=False)
+    assert got.prompt_token_ids == again.prompt_token_ids == want.prompt_token_ids
+    assert_same_greedy([want.outputs[0]] * 2, [got.outputs[0], again.outputs[0]])

@@ -205,3 +205,27 @@ def test_an_unsupported_tower_with_its_processor_serves_the_text_model(tmp_path,
     image = {"prompt": PROMPT, "multi_modal_data": {"image": _image(1, (30, 30))}}
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate([image], _greedy(0))
+
+
+def test_image_embeds_give_the_image_answer(next_dirs):
+    """vLLM's embedding input for LLaVA-NeXT: a list of [rows, hidden] features (HF's own, so
+    runs of each image's length) gives the images' prompt and tokens; a tensor of another
+    hidden size is a ValueError naming multi_modal_data."""
+    path = next_dirs()
+    images = [_image(7, (40, 52)), _image(8, (64, 30))]
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    model = transformers.LlavaNextForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    )
+    inputs = processor(text=TWO, images=images, return_tensors="pt")
+    with torch.no_grad():
+        feats = model.get_image_features(inputs["pixel_values"], inputs["image_sizes"])
+    llm = _llm(path)
+    raw = {"prompt": TWO, "multi_modal_data": {"image": images}}
+    embedded = {"prompt": TWO, "multi_modal_data": {"image": list(feats.pooler_output)}}
+    want, got = llm.generate([raw, embedded], _greedy(0), use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert_same_greedy([want.outputs[0]], [got.outputs[0]])
+    wrong = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(1, 5, 7)}}
+    with pytest.raises(ValueError, match=r"multi_modal_data\['image'\].*hidden size"):
+        llm.generate([wrong], _greedy(0))

@@ -226,3 +226,32 @@ def test_mm_processor_kwargs_bound_the_image_size(qwen_dirs):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         _llm(path, mm_processor_kwargs={"patch_size": 8})
     assert bounded.generate([prompt], _greedy(0), use_tqdm=False)[0].prompt_token_ids == ids
+
+
+def test_image_embeds_give_the_image_answer(qwen_dirs):
+    """vLLM's embedding input, {"image_embeds": rows of all images, "image_grid_thw": grids}
+    with HF's own features: the same prompt and tokens as the images; without the grid, or with
+    rows that do not fit it, a ValueError naming multi_modal_data."""
+    path = qwen_dirs()
+    hf = _HF(path, "2")
+    images = [_image(12, (40, 56)), _image(13, (24, 64))]
+    pixels = hf.images(images=images, return_tensors="pt")
+    with torch.no_grad():
+        feats = hf.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+    rows = torch.cat(feats.pooler_output)
+    llm = _llm(path)
+    raw = {"prompt": TWO, "multi_modal_data": {"image": images}}
+    data = {"image_embeds": rows, "image_grid_thw": pixels["image_grid_thw"]}
+    embedded = {"prompt": TWO, "multi_modal_data": {"image": data}}
+    want, got = llm.generate([raw, embedded], _greedy(0), use_tqdm=False)
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert_same_greedy([want.outputs[0]], [got.outputs[0]])
+    bad = [
+        ({"image_embeds": rows}, "image_grid_thw"),
+        ({**data, "image_embeds": rows[:-1]}, "rows"),
+        ({**data, "image_embeds": rows[:, :-1]}, "hidden size"),
+        ({**data, "pixel_values": rows}, "keys"),
+    ]
+    for value, match in bad:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([{"prompt": TWO, "multi_modal_data": {"image": value}}], _greedy(0))

@@ -19,13 +19,16 @@ import torch
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ImageInput:
-    # float32, preprocessed for the vision tower: [3, H, W] (LLaVA) or [views, 3, H, W]
-    # (LLaVA-NeXT: the base view and the tiles)
-    pixel_values: torch.Tensor
+    # float32, preprocessed for the vision encoder: [3, H, W] (LLaVA), [views, 3, H, W]
+    # (LLaVA-NeXT: the base view and the tiles) or [patches, 3 * tp * p * p] (Qwen2-VL); None
+    # where the client gave the features themselves (`embeds`)
+    pixel_values: torch.Tensor | None
     offset: int  # first placeholder position in the prompt
     length: int  # placeholders = feature rows
-    mm_hash: str  # blake2b of the pixel values (and image_size)
-    image_size: tuple[int, int] | None = None  # (h, w) as loaded, where the features depend on it
+    mm_hash: str  # blake2b of the pixel values or embeddings (and image_size)
+    # LLaVA-NeXT: (h, w) as loaded; Qwen2-VL: the patch grid (t, h, w); else None
+    image_size: tuple[int, ...] | None = None
+    embeds: torch.Tensor | None = None  # [length, text hidden]: vLLM's image_embeds input
 
     @property
     def end(self) -> int:

@@ -67,10 +67,22 @@ def processor_saved(path: Path) -> bool:
     return any((Path(path) / f).exists() for f in _PROCESSOR_FILES)
 
 
-def _digest(pixels: torch.Tensor, size: tuple[int, ...] | None) -> str:
-    h = hashlib.blake2b(pixels.numpy().tobytes(), digest_size=16)
-    h.update(repr(size).encode())
+def _digest(values: torch.Tensor, size: tuple[int, ...] | None) -> str:
+    data = values.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    h = hashlib.blake2b(data, digest_size=16)
+    h.update(repr((size, values.dtype, tuple(values.shape))).encode())
     return h.hexdigest()
+
+
+def _is_embeds(data: Any) -> bool:
+    """Whether multi_modal_data['image'] holds features rather than images."""
+    if isinstance(data, (torch.Tensor, dict)):
+        return True
+    return (
+        isinstance(data, (list, tuple))
+        and bool(data)
+        and all(isinstance(d, torch.Tensor) for d in data)
+    )
 
 
 class ImageProcessor:
@@ -114,7 +126,10 @@ class ImageProcessor:
         multi_modal_data for anything wrong with the images or their placeholders. Items that
         are `ImageInput`s already (this method's output, e.g. from a server that processed the
         images on its request thread) are taken as they are once their runs check out.
-        `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's."""
+        `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's. Features instead of
+        images (vLLM's embedding input: `embedding_inputs`) become images with `embeds`."""
+        if _is_embeds(images):
+            return self._embedded(token_ids, images)
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
@@ -124,12 +139,8 @@ class ImageProcessor:
                 f"limit_mm_per_prompt={{'image': {self.limit}}}"
             )
         if all(isinstance(m, ImageInput) for m in items):
-            token_ids = self.expand(token_ids, [self.length(m.image_size) for m in items])
-            if [m.offset for m in items] != self._run_starts(token_ids) or any(
-                m.length != self.length(m.image_size)
-                or tuple(m.pixel_values.shape) != self.pixel_shape(m.image_size)
-                for m in items
-            ):
+            token_ids = self.expand(token_ids, [self._fits(m) for m in items])
+            if [m.offset for m in items] != self._run_starts(token_ids):
                 raise ValueError(
                     "multi_modal_data['image']: these processed images do not fit this prompt "
                     "and model (their placeholder runs or pixel shapes differ)"
@@ -146,6 +157,106 @@ class ImageProcessor:
             for p, offset, n, size in zip(pixels, starts, lengths, sizes, strict=True)
         )
         return token_ids, out
+
+    def _fits(self, m: ImageInput) -> int:
+        """The run of a processed image: ValueError unless its pixels (or features) are what
+        this model reads for an image of its size."""
+        if m.embeds is not None:
+            self._check_embeds(m.embeds, "an image's embeds")
+            if self.mrope and m.length != self.length(m.image_size):
+                raise ValueError("multi_modal_data['image']: embeds do not fit their grid")
+            if m.length != m.embeds.shape[0]:
+                raise ValueError("multi_modal_data['image']: embeds do not fit their run")
+            return m.length
+        if (
+            m.pixel_values is None
+            or m.length != self.length(m.image_size)
+            or tuple(m.pixel_values.shape) != self.pixel_shape(m.image_size)
+        ):
+            raise ValueError(
+                "multi_modal_data['image']: these processed images do not fit this prompt and "
+                "model (their placeholder runs or pixel shapes differ)"
+            )
+        return m.length
+
+    def _embedded(
+        self, token_ids: list[int], data: Any
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """vLLM's image embeddings: a tensor [images, rows, hidden] or [rows, hidden], a list
+        of [rows, hidden] tensors, or {"image_embeds": ..., "image_grid_thw": [images, 3]}
+        (Qwen2-VL: the grid places the rows' M-RoPE positions; its rows are all images' rows
+        concatenated)."""
+        grids: list[tuple[int, ...] | None] | None = None
+        if isinstance(data, dict):
+            extra = sorted(set(data) - {"image_embeds", "image_grid_thw"})
+            if extra or "image_embeds" not in data:
+                raise ValueError(
+                    "multi_modal_data['image'] as a dict takes 'image_embeds' (and Qwen2-VL's "
+                    f"'image_grid_thw'); got keys {sorted(data)}"
+                )
+            grid = data.get("image_grid_thw")
+            if grid is not None:
+                grids = [tuple(int(x) for x in g) for g in torch.as_tensor(grid).tolist()]
+                if any(len(g) != 3 for g in grids):
+                    raise ValueError("multi_modal_data['image']['image_grid_thw'] must be [N, 3]")
+            data = data["image_embeds"]
+        if self.mrope and grids is None:
+            raise ValueError(
+                "multi_modal_data['image']: Qwen2-VL image embeddings need their "
+                "'image_grid_thw' beside 'image_embeds' (the M-RoPE positions follow the grid)"
+            )
+        if isinstance(data, torch.Tensor) and data.dim() == 3:
+            embeds = list(data.unbind(0))
+        elif isinstance(data, torch.Tensor) and grids is not None:  # rows of all images
+            lengths = [self.length(g) for g in grids]
+            if data.dim() != 2 or data.shape[0] != sum(lengths):
+                raise ValueError(
+                    f"multi_modal_data['image']['image_embeds'] has shape {tuple(data.shape)}; "
+                    f"its image_grid_thw gives {sum(lengths)} rows"
+                )
+            embeds = list(data.split(lengths))
+        elif isinstance(data, torch.Tensor):
+            embeds = [data]
+        else:
+            embeds = list(data)
+        for e in embeds:
+            self._check_embeds(e, "image embeds")
+        if grids is None:
+            grids = [None] * len(embeds)
+        elif len(grids) != len(embeds):
+            raise ValueError(
+                f"multi_modal_data['image']: {len(embeds)} embeddings for {len(grids)} grids"
+            )
+        if self.limit is not None and len(embeds) > self.limit:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(embeds)} images, over "
+                f"limit_mm_per_prompt={{'image': {self.limit}}}"
+            )
+        lengths = [e.shape[0] for e in embeds]
+        if self.mrope and lengths != [self.length(g) for g in grids]:
+            raise ValueError("multi_modal_data['image']: image embeds do not fit their grids")
+        token_ids = self.expand(token_ids, lengths)
+        starts = self._run_starts(token_ids)
+        out = tuple(
+            ImageInput(None, offset, n, _digest(e, g), g, embeds=e.detach().cpu())
+            for e, offset, n, g in zip(embeds, starts, lengths, grids, strict=True)
+        )
+        return token_ids, out
+
+    def _check_embeds(self, e: Any, what: str) -> None:
+        hidden = int(self.config.text_config.hidden_size)
+        if (
+            not isinstance(e, torch.Tensor)
+            or e.dim() != 2
+            or e.shape[0] < 1
+            or e.shape[1] != hidden
+            or not e.is_floating_point()
+        ):
+            shape = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            raise ValueError(
+                f"multi_modal_data['image']: {what} must be float tensors [rows, {hidden}] "
+                f"(the text model's hidden size), got {shape}"
+            )
 
     def positions(
         self, num_tokens: int, images: tuple[ImageInput, ...]

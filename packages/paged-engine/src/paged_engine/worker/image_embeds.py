@@ -8,6 +8,7 @@ An image is encoded the first time a step runs one of its placeholders (images o
 one call of the vision encoder); its features stay until a step has run its last placeholder
 (a prompt chunked through an image needs them again), then go. A sequence the scheduler drops
 (finished, preempted) drops its images; one that comes back brings those it has yet to run.
+An image given as its features (vLLM's image_embeds, `ImageInput.embeds`) is not encoded.
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class ImageEmbedder:
 
     def _encode(self, todo: list[tuple[int, ImageInput]]) -> None:
         todo = [(s, m) for s, m in todo if (s, m.offset) not in self.features]
+        for seq_id, m in todo:
+            if m.embeds is not None:  # the client's own features: no encoder run
+                self.features[(seq_id, m.offset)] = m.embeds.to(self.device)
+        todo = [(s, m) for s, m in todo if m.embeds is None]
         if not todo:
             return
         features = self.encoder.encode([m for _, m in todo])

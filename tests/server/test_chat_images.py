@@ -497,14 +497,21 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
     assert error["param"] == "messages[0].content[0].image_url"
 
 
-# ---- Qwen2-VL: runs by image size, M-RoPE positions ----------------------------------------
-def test_qwen2_vl_chat_images_give_the_offline_tokens(tmp_path: Path) -> None:
-    """A chat request's image on Qwen2-VL: the offline tokens and prompt; usage and /tokenize
-    count the image's run (by its size)."""
+# ---- Qwen2-VL (runs by image size, M-RoPE), Idefics3 (tiles between text) -------------------
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) -> None:
+    """A chat request's image on Qwen2-VL and Idefics3: the offline tokens and prompt; usage
+    and /tokenize count the image's tokens (by its size); mm_processor_kwargs reach the
+    image processor."""
     from paged_engine import LLM, SamplingParams
-    from paged_engine.testing import write_tiny_qwen2_vl
+    from paged_engine.testing import write_tiny_idefics3, write_tiny_qwen2_vl
 
-    path = write_tiny_qwen2_vl(tmp_path, seed=4)
+    if arch == "qwen2_vl":
+        path = write_tiny_qwen2_vl(tmp_path, seed=4)
+        smaller = {"max_pixels": 16 * 64}
+    else:
+        path = write_tiny_idefics3(tmp_path, seed=4)
+        smaller = {"do_image_splitting": False}
     llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=64)
     tok = llm.llm_engine.tokenizer
     rng = np.random.default_rng(5)
@@ -527,7 +534,7 @@ def test_qwen2_vl_chat_images_give_the_offline_tokens(tmp_path: Path) -> None:
             )
             assert status == 200 and out["tokens"] == want.prompt_token_ids
             # vLLM's mm_processor_kwargs: a smaller image, fewer tokens; a bad name a 400
-            small = _chat(http, messages, mm_processor_kwargs={"max_pixels": 16 * 64})
+            small = _chat(http, messages, mm_processor_kwargs=smaller)
             assert small["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
             for bad in ({"merge_size": 1}, [1]):
                 err = _refused(http, "/v1/chat/completions", {**GREEDY, "messages": messages,

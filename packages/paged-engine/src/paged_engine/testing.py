@@ -1664,6 +1664,86 @@ def write_tiny_qwen2_vl(
     return path
 
 
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}:"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def write_tiny_idefics3(
+    path: str | Path,
+    *,
+    arch: str = "idefics3",
+    seed: int = 0,
+    image_size: int = 32,
+    patch_size: int = 8,
+    scale_factor: int = 2,
+    longest_edge: int = 96,
+) -> Path:
+    """A tiny random `Idefics3ForConditionalGeneration` (arch "idefics3") or
+    `SmolVLMForConditionalGeneration` ("smolvlm") checkpoint with its image processor (tiles of
+    `image_size` pixels, images resized to at most `longest_edge`) and tokenizer (the image,
+    tile and row / column tokens, a chat template) and return its path. Idefics3 also gets
+    its processor (SmolVLM's needs torchvision for its video processor)."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    grid = [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+    specials = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>", *grid]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    text = tiny_config("llama", vocab_size=len(tokenizer)).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    vision |= {"num_attention_heads": 4, "image_size": image_size, "patch_size": patch_size}
+    fields = {
+        "text_config": text,
+        "vision_config": vision,
+        "scale_factor": scale_factor,
+        "image_token_id": tokenizer.convert_tokens_to_ids("<image>"),
+        **_COMMON,
+    }
+    processor_kwargs = {
+        "do_image_splitting": True,
+        "max_image_size": {"longest_edge": image_size},
+        "size": {"longest_edge": longest_edge},
+    }
+    if arch == "idefics3":
+        config = transformers.Idefics3Config(**fields)
+        model_cls = transformers.Idefics3ForConditionalGeneration
+        image_processor = transformers.Idefics3ImageProcessor(**processor_kwargs)
+    elif arch == "smolvlm":
+        config = transformers.SmolVLMConfig(**fields)
+        model_cls = transformers.SmolVLMForConditionalGeneration
+        image_processor = transformers.SmolVLMImageProcessor(**processor_kwargs)
+    else:
+        raise ValueError(f"arch must be 'idefics3' or 'smolvlm', got {arch!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
+    if arch == "idefics3":
+        seq_len = (image_size // patch_size) ** 2 // scale_factor**2
+        transformers.Idefics3Processor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            image_seq_len=seq_len,
+            chat_template=IDEFICS3_CHAT_TEMPLATE,
+        ).save_pretrained(path)
+    else:
+        image_processor.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

@@ -574,7 +574,7 @@ class LLMEngine:
             logger.warning("%s: %s; serving the text model only", self.resolved.path, why)
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
             return None
-        images = ImageProcessor(self.resolved.path, config, cfg.image_limit)
+        images = ImageProcessor(self.resolved.path, config, cfg.image_limit, self.tokenizer)
         if cfg.mm_processor_kwargs:
             images.kwargs = images.processor_kwargs(cfg.mm_processor_kwargs)
         return images

@@ -4,6 +4,8 @@
     LlavaNextForConditionalGeneration             "llava_next"  multimodal/llava_next.py
     Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
       Qwen2_5_VLForConditionalGeneration
+    Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
+      SmolVLMForConditionalGeneration
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -17,16 +19,20 @@ from torch import nn
 LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 QWEN2_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL)
+IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
+IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3)
 
 
 def image_kind(config: Any) -> str:
-    """ "llava", "llava_next" or "qwen2_vl" for a wrapper config of IMAGE_ARCHS."""
+    """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl"
+    or "idefics3"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs:
         return "llava_next"
     if any(a in QWEN2_VL for a in archs):
         return "qwen2_vl"
+    if any(a in IDEFICS3 for a in archs):
+        return "idefics3"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -37,7 +43,7 @@ def vision_tower_type(config: Any) -> str | None:
 
 def supported_tower(config: Any) -> bool:
     """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
-    if image_kind(config) == "qwen2_vl":
+    if image_kind(config) in ("qwen2_vl", "idefics3"):
         return True
     from paged_engine.multimodal.vision_transformer import TOWERS
 
@@ -48,6 +54,10 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "idefics3":
+        from paged_engine.multimodal.idefics3 import Idefics3ImageEncoder
+
+        return Idefics3ImageEncoder(config)
     if kind == "qwen2_vl":
         from paged_engine.multimodal.qwen2_vl import QwenImageEncoder
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from paged_engine.multimodal import qwen2_vl
+from paged_engine.multimodal import idefics3, qwen2_vl
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.llava import image_token_id, tokens_per_image
@@ -88,7 +88,9 @@ def _is_embeds(data: Any) -> bool:
 class ImageProcessor:
     """Turns a prompt's images into `ImageInput`s placed in its token ids."""
 
-    def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
+    def __init__(
+        self, path: Path, config: Any, limit: int | None = None, tokenizer: Any = None
+    ) -> None:
         self.path = Path(path)
         self.config = config
         self.kind = image_kind(config)
@@ -96,6 +98,10 @@ class ImageProcessor:
         self.anyres = AnyRes.from_config(config) if self.kind == "llava_next" else None
         # placeholders an image takes; None where its size decides (LLaVA-NeXT, Qwen2-VL)
         self.tokens_per_image = tokens_per_image(config) if self.kind == "llava" else None
+        # Idefics3 / SmolVLM: placeholders of a tile; an image's text around its tiles is
+        # tokenized with the model's tokenizer
+        self.tile = idefics3.tile_tokens(config) if self.kind == "idefics3" else None
+        self.tokenizer = tokenizer
         # Qwen2-VL: each prompt's M-RoPE positions (`positions`)
         self.mrope = self.kind == "qwen2_vl"
         if self.mrope:
@@ -129,16 +135,16 @@ class ImageProcessor:
         `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's. Features instead of
         images (vLLM's embedding input: `embedding_inputs`) become images with `embeds`."""
         if _is_embeds(images):
+            if self.tile is not None:
+                raise ValueError(
+                    "multi_modal_data['image']: image embeddings are not supported for "
+                    f"{self.config.architectures[0]} (give the images)"
+                )
             return self._embedded(token_ids, images)
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
-        if self.limit is not None and len(items) > self.limit:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(items)} images, over "
-                f"limit_mm_per_prompt={{'image': {self.limit}}}"
-            )
-        if all(isinstance(m, ImageInput) for m in items):
+        if all(isinstance(m, ImageInput) for m in items):  # checked where they were made
             token_ids = self.expand(token_ids, [self._fits(m) for m in items])
             if [m.offset for m in items] != self._run_starts(token_ids):
                 raise ValueError(
@@ -146,8 +152,15 @@ class ImageProcessor:
                     "and model (their placeholder runs or pixel shapes differ)"
                 )
             return token_ids, tuple(items)
+        if self.limit is not None and len(items) > self.limit:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(items)} images, over "
+                f"limit_mm_per_prompt={{'image': {self.limit}}}"
+            )
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
+        if self.tile is not None:
+            return self._tiles(token_ids, items, call)
         pixels, sizes = self._pixels(items, call)
         lengths = [self.length(size) for size in sizes]
         token_ids = self.expand(token_ids, lengths)
@@ -157,6 +170,69 @@ class ImageProcessor:
             for p, offset, n, size in zip(pixels, starts, lengths, sizes, strict=True)
         )
         return token_ids, out
+
+    def _tiles(
+        self, token_ids: list[int], images: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Idefics3 / SmolVLM: each image's tiles (the processor's rows x cols, then the whole
+        image), its <image> token replaced by HF's text around the tiles' runs."""
+        assert self.tile is not None and self.tokenizer is not None
+        side = (3, self.image_size, self.image_size)
+        segments: list[list[int]] = []
+        tiles: list[torch.Tensor] = []
+        for image in images:
+            try:
+                out = self.hf(
+                    images=[[image.convert("RGB")]],
+                    return_tensors="pt",
+                    return_row_col_info=True,
+                    **kwargs,
+                )
+            except Exception as e:  # a corrupt image, a size the processor refuses
+                raise ValueError(
+                    f"multi_modal_data['image']: the image could not be processed: {e}"
+                ) from e
+            rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+            pixels = out["pixel_values"][0].float()
+            count = rows * cols + 1 if rows or cols else 1
+            if tuple(pixels.shape) != (count, *side):
+                raise ValueError(
+                    f"the image processor gave pixel values of shape {tuple(pixels.shape)}, not "
+                    f"{(count, *side)} ({rows} x {cols} tiles and the whole image)"
+                )
+            text = idefics3.image_prompt(rows, cols, self.tile)
+            segments.append(self.tokenizer.encode(text, add_special_tokens=False))
+            tiles.extend(pixels.unbind(0))
+        token_ids = self._splice(token_ids, segments)
+        starts = self._run_starts(token_ids)
+        if len(starts) != len(tiles):  # the tokenizer did not keep <image> whole
+            raise ValueError(
+                f"the expanded prompt holds {len(starts)} image runs for {len(tiles)} tiles: "
+                "check the tokenizer's image tokens"
+            )
+        return token_ids, tuple(
+            ImageInput(p, offset, self.tile, _digest(p, None))
+            for p, offset in zip(tiles, starts, strict=True)
+        )
+
+    def _splice(self, ids: list[int], segments: list[list[int]]) -> list[int]:
+        """Each lone image token -> its image's segment (ValueError naming multi_modal_data
+        unless there is one per image)."""
+        tid = self.image_token_id
+        lone = [i for i, t in enumerate(ids) if t == tid]
+        runs = self._run_starts(ids)
+        if len(lone) != len(segments) or len(runs) != len(lone):
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{len(runs)} image placeholder(s) (token id {tid}): put one image token per "
+                "image where it belongs"
+            )
+        out: list[int] = []
+        last = 0
+        for i, segment in zip(lone, segments, strict=True):
+            out += ids[last:i] + segment
+            last = i + 1
+        return out + ids[last:]
 
     def _fits(self, m: ImageInput) -> int:
         """The run of a processed image: ValueError unless its pixels (or features) are what
@@ -268,9 +344,11 @@ class ImageProcessor:
 
     def length(self, size: tuple[int, ...] | None) -> int:
         """Placeholders of an image of `size` (LLaVA-NeXT: its (h, w); Qwen2-VL: its patch
-        grid (t, h, w)); LLaVA's are the same for every image."""
+        grid (t, h, w)); LLaVA's are the same for every image, Idefics3's for every tile."""
         if self.tokens_per_image is not None:
             return self.tokens_per_image
+        if self.tile is not None:
+            return self.tile
         n = 3 if self.mrope else 2
         if size is None or len(size) != n or min(size) <= 0:
             raise ValueError(

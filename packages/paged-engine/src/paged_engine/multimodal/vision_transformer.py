@@ -1,4 +1,5 @@
-"""The vision towers of LLaVA-style checkpoints: CLIP's and SigLIP's ViT, in HF's weight names.
+"""The vision towers of LLaVA-style checkpoints: CLIP's and SigLIP's ViT, in HF's weight names
+(and Idefics3 / SmolVLM's, SigLIP's with transformers' bucketed position ids).
 
     pixels [N, 3, H, W] -> patch conv (+ CLS for CLIP) + position embedding
         -> pre_layrnorm (CLIP) -> encoder layers -> hidden_states[k] for the layers asked for
@@ -22,7 +23,24 @@ from torch import nn
 from paged_engine.layers.activation import get_act_fn
 
 # vision_config.model_type -> whether the tower has a CLS token and a pre-layernorm
-TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
+TOWERS = {
+    "clip_vision_model": True,
+    "siglip_vision_model": False,
+    "idefics3_vision": False,
+    "smolvlm_vision": False,
+}
+# towers whose position ids are bucketed fractions of the patch grid (transformers' Idefics3)
+_BUCKETED = ("idefics3_vision", "smolvlm_vision")
+
+
+def _bucketed_position_ids(side: int) -> torch.Tensor:
+    """Idefics3's ids for a full side x side grid, computed as transformers does (float32
+    fractions bucketed by an arange of boundaries: equal to row * side + col up to rounding)."""
+    boundaries = torch.arange(1 / side, 1.0, 1 / side, dtype=torch.float32)
+    step = 1.0 / torch.tensor([side], dtype=torch.float32)
+    coords = (torch.arange(side, dtype=torch.float32)[None, :] * step[:, None])[0]
+    bucket = torch.bucketize(coords.clamp(max=1.0 - 1e-6), boundaries, right=True)
+    return (bucket[:, None] * side + bucket[None, :]).flatten()
 
 
 class VisionAttention(nn.Module):
@@ -78,10 +96,14 @@ class VisionEmbeddings(nn.Module):
     def __init__(self, config, has_cls: bool) -> None:
         super().__init__()
         d, p = config.hidden_size, config.patch_size
-        self.num_patches = (config.image_size // p) ** 2
+        side = config.image_size // p
+        self.num_patches = side**2
         self.patch_embedding = nn.Conv2d(config.num_channels, d, p, stride=p, bias=not has_cls)
         self.class_embedding = nn.Parameter(torch.empty(d)) if has_cls else None
         self.position_embedding = nn.Embedding(self.num_patches + int(has_cls), d)
+        bucketed = getattr(config, "model_type", None) in _BUCKETED
+        ids = _bucketed_position_ids(side) if bucketed else None
+        self.register_buffer("position_ids", ids, persistent=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, C, H, W] -> [N, L, D]
         x = self.patch_embedding(pixels.to(self.patch_embedding.weight.dtype))
@@ -89,7 +111,9 @@ class VisionEmbeddings(nn.Module):
         if self.class_embedding is not None:
             cls = self.class_embedding.expand(x.shape[0], 1, -1)
             x = torch.cat([cls, x], dim=1)
-        return x + self.position_embedding.weight
+        if self.position_ids is None:
+            return x + self.position_embedding.weight
+        return x + self.position_embedding(self.position_ids)
 
 
 class VisionEncoder(nn.Module):

@@ -1,0 +1,175 @@
+"""Images through Idefics3 / SmolVLM checkpoints (multimodal/idefics3.py) against HF.
+
+Tiny random checkpoints (32-pixel tiles of 8-pixel patches, pixel shuffle by 2: 4 rows a
+tile): `LLM.generate` with `multi_modal_data` must give HF's prompt (each image's tiles with
+their row / column tokens, then the whole image) and HF `generate`'s greedy tokens and top-5
+logprobs (1e-3, float32) for tiled, untiled and several images. Then the engine's own paths
+against the plain run (chunks through tiles, prefix-cache hits, images processed ahead), the
+tower's position ids against transformers' bucketing, and bad input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_idefics3
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+PROMPT = "<|im_start|>User:<image>What is in it?<end_of_utterance>\nAssistant:"
+TWO = "<|im_start|>User:<image>and<image>Which is brighter?<end_of_utterance>\nAssistant:"
+TEXT = "<|im_start|>User:Say something about the sea.<end_of_utterance>\nAssistant:"
+
+
+def _image(seed: int, size: tuple[int, int]):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    cache = {}
+
+    def make(arch: str = "idefics3"):
+        if arch not in cache:
+            cache[arch] = write_tiny_idefics3(tmp_path_factory.mktemp(arch), arch=arch, seed=3)
+        return cache[arch]
+
+    return make
+
+
+def _greedy(top: int = 5, n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
+
+
+def _llm(path, **kw) -> LLM:
+    kw = {"max_model_len": 512, **kw}
+    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
+
+
+def _hf_inputs(path, arch: str, text: str, images: list) -> tuple[list[int], dict]:
+    """HF's prompt ids and pixel inputs: Idefics3's own processor; SmolVLM's layout function
+    (its processor needs torchvision for its video processor)."""
+    if arch == "idefics3":
+        processor = transformers.AutoProcessor.from_pretrained(path)
+        if not images:
+            return processor.tokenizer.encode(text, add_special_tokens=False), {}
+        out = processor(text=text, images=[images], return_tensors="pt")
+        keys = ("pixel_values", "pixel_attention_mask")
+        return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if not images:
+        return tok.encode(text, add_special_tokens=False), {}
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    out = image_processor(images=[images], return_tensors="pt", return_row_col_info=True)
+    parts = text.split("<image>")
+    for i, (rows, cols) in enumerate(zip(out["rows"][0], out["cols"][0], strict=True)):
+        seg = get_image_prompt_string(
+            rows, cols, 4, "<fake_token_around_image>", "<image>", "<global-img>"
+        )
+        parts[i] += seg
+    ids = tok.encode("".join(parts), add_special_tokens=False)
+    return ids, {
+        "pixel_values": out["pixel_values"],
+        "pixel_attention_mask": out["pixel_attention_mask"],
+    }
+
+
+@pytest.mark.parametrize("arch", ["idefics3", "smolvlm"])
+def test_images_match_hf(dirs, arch):
+    path = dirs(arch)
+    cls = getattr(
+        transformers, f"{'Idefics3' if arch == 'idefics3' else 'SmolVLM'}ForConditionalGeneration"
+    )
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    cases = [
+        (PROMPT, [_image(1, (50, 90))]),  # 2 x 3 tiles
+        (TEXT, []),
+        (TWO, [_image(2, (96, 40)), _image(3, (20, 24))]),  # tall; small
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(path, arch, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    llm = _llm(path)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for (ids, ref), out in zip(refs, outs, strict=True):
+        assert out.prompt_token_ids == ids
+        assert_matches(arch, out, ref)
+
+
+def test_tower_position_ids_are_transformers_buckets():
+    """A full grid's bucketed ids, as transformers' embeddings compute them for an all-ones
+    patch mask, for grid sides where float rounding could move a bucket."""
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+
+    from paged_engine.multimodal.vision_transformer import _bucketed_position_ids
+
+    seen: list[torch.Tensor] = []
+    for side in (3, 7, 24, 27, 32, 35, 48, 64):
+        config = transformers.Idefics3VisionConfig(
+            hidden_size=8, image_size=side * 2, patch_size=2, num_attention_heads=2
+        )
+        emb = Idefics3VisionEmbeddings(config)
+        seen.clear()
+        emb.position_embedding.register_forward_hook(lambda m, args, out: seen.append(args[0]))
+        mask = torch.ones(1, side, side, dtype=torch.bool)
+        emb(torch.zeros(1, 3, side * 2, side * 2), mask)
+        assert torch.equal(seen[0][0], _bucketed_position_ids(side)), side
+
+
+def test_engine_paths_match_the_plain_run(dirs):
+    """8-token chunks through the tiles, a prefix-cache hit on the same image (none past the
+    text for another), images processed ahead; one placeholder short, or features instead of
+    images, a ValueError naming multi_modal_data."""
+    path = dirs()
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (30 + 20 * i, 80 - 15 * i))}}
+        for i in range(3)
+    ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(7, (16, 90)), _image(8, (64, 64))]}}]
+    params = _greedy(0, 24)
+
+    def run(llm, batch=prompts):
+        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+    plain = run(_llm(path))
+    chunked = _llm(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
+    assert_same_greedy(plain, run(chunked))
+
+    cached = _llm(path, enable_prefix_caching=True)
+    run(cached, prompts[:1])
+    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert_same_greedy(plain[:1], [again.outputs[0]])
+    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
+    image_id = cached.llm_engine.input_processor.images.image_token_id
+    first = other.prompt_token_ids.index(image_id)
+    assert other.num_cached_tokens <= first // 16 * 16
+
+    images = cached.llm_engine.input_processor.images
+    pics = prompts[-1]["multi_modal_data"]["image"]
+    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
+    assert len(done) > 2  # tiles, each its own run
+    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
+    assert_same_greedy(plain[-1:], run(cached, [ahead]))
+
+    for bad, match in [
+        ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cached.generate([bad], params, use_tqdm=False)
+    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost

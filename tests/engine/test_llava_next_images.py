@@ -190,16 +190,16 @@ def test_configs_hf_cannot_run_are_a_clear_error(tmp_path, vision, overrides, ma
 
 
 def test_an_unsupported_tower_with_its_processor_serves_the_text_model(tmp_path, caplog):
-    """Pixtral-12B's HF form is LLaVA around a Pixtral tower (saved with its processor): the
+    """LLaVA around a tower paged does not run (here DINOv2; saved with its processor): the
     engine starts, says why in a warning, serves text, and refuses images clearly."""
     path = write_tiny_llava(tmp_path, vision="clip")
     config = transformers.AutoConfig.from_pretrained(path)
-    config.vision_config = transformers.PixtralVisionConfig(
+    config.vision_config = transformers.Dinov2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
     )
     config.save_pretrained(path)
     llm = _llm(path)
-    assert "vision tower (pixtral) is not one paged runs" in caplog.text
+    assert "vision tower (dinov2) is not one paged runs" in caplog.text
     assert llm.llm_engine.model_runner.images is None  # no tower loaded
     assert len(llm.generate(["hello"], _greedy(0))[0].outputs[0].token_ids) == MAX_TOKENS
     image = {"prompt": PROMPT, "multi_modal_data": {"image": _image(1, (30, 30))}}

@@ -497,21 +497,28 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
     assert error["param"] == "messages[0].content[0].image_url"
 
 
-# ---- Qwen2-VL (runs by image size, M-RoPE), Idefics3 (tiles between text) -------------------
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+# ---- Qwen2-VL (M-RoPE), Idefics3 (tiles between text), Mistral 3 (lines): sizes decide ------
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "mistral3"])
 def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) -> None:
-    """A chat request's image on Qwen2-VL and Idefics3: the offline tokens and prompt; usage
-    and /tokenize count the image's tokens (by its size); mm_processor_kwargs reach the
-    image processor."""
+    """A chat request's image on Qwen2-VL, Idefics3 and Mistral 3: the offline tokens and
+    prompt; usage and /tokenize count the image's tokens (by its size); mm_processor_kwargs
+    reach the image processor."""
     from paged_engine import LLM, SamplingParams
-    from paged_engine.testing import write_tiny_idefics3, write_tiny_qwen2_vl
+    from paged_engine.testing import (
+        write_tiny_idefics3,
+        write_tiny_mistral3,
+        write_tiny_qwen2_vl,
+    )
 
     if arch == "qwen2_vl":
         path = write_tiny_qwen2_vl(tmp_path, seed=4)
         smaller = {"max_pixels": 16 * 64}
-    else:
+    elif arch == "idefics3":
         path = write_tiny_idefics3(tmp_path, seed=4)
         smaller = {"do_image_splitting": False}
+    else:
+        path = write_tiny_mistral3(tmp_path, seed=4)
+        smaller = {"size": {"longest_edge": 32}}
     llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=64)
     tok = llm.llm_engine.tokenizer
     rng = np.random.default_rng(5)

@@ -1744,6 +1744,83 @@ def write_tiny_idefics3(
     return path
 
 
+MISTRAL3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}[/INST]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}{% endfor %}"
+)
+
+
+def write_tiny_mistral3(
+    path: str | Path,
+    *,
+    arch: str = "mistral3",
+    seed: int = 0,
+    patch_size: int = 4,
+    longest_edge: int = 64,
+) -> Path:
+    """A tiny random `Mistral3ForConditionalGeneration` (arch "mistral3": a Pixtral tower,
+    patches merged 2 x 2) or Pixtral-12B-style `LlavaForConditionalGeneration` ("llava": a
+    Pixtral tower, no merge) checkpoint with its processor (Pixtral's image processor: images
+    resized to at most `longest_edge` pixels; a tokenizer with [IMG], [IMG_BREAK], [IMG_END]
+    and a chat template; PixtralProcessor itself needs torchvision) and return its path."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]}
+    )
+    text = tiny_config("mistral", vocab_size=len(tokenizer)).to_dict()
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48}
+    vision |= {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}
+    vision |= {"patch_size": patch_size, "image_size": longest_edge}
+    image_id = tokenizer.convert_tokens_to_ids("[IMG]")
+    if arch == "mistral3":
+        merge = 2
+        config = transformers.Mistral3Config(
+            text_config=text,
+            vision_config=vision,
+            image_token_index=image_id,
+            spatial_merge_size=merge,
+            **_COMMON,
+        )
+        model_cls = transformers.Mistral3ForConditionalGeneration
+    elif arch == "llava":
+        merge = 1
+        config = transformers.LlavaConfig(
+            text_config=text,
+            vision_config=vision,
+            image_token_id=image_id,
+            vision_feature_select_strategy="full",
+            vision_feature_layer=-1,
+            **_COMMON,
+        )
+        model_cls = transformers.LlavaForConditionalGeneration
+    else:
+        raise ValueError(f"arch must be 'mistral3' or 'llava', got {arch!r}")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    image_processor = transformers.PixtralImageProcessor(
+        patch_size={"height": patch_size, "width": patch_size},
+        size={"longest_edge": longest_edge},
+    )
+    # the image processor and tokenizer apart: PixtralProcessor needs torchvision
+    image_processor.save_pretrained(path)
+    tokenizer.chat_template = MISTRAL3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

@@ -6,6 +6,8 @@
       Qwen2_5_VLForConditionalGeneration
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
+    Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
+      LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -20,12 +22,13 @@ LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
 QWEN2_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
-IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3)
+MISTRAL3 = "Mistral3ForConditionalGeneration"
+IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3, MISTRAL3)
 
 
 def image_kind(config: Any) -> str:
-    """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl"
-    or "idefics3"."""
+    """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
+    "idefics3" or "pixtral"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs:
         return "llava_next"
@@ -33,6 +36,8 @@ def image_kind(config: Any) -> str:
         return "qwen2_vl"
     if any(a in IDEFICS3 for a in archs):
         return "idefics3"
+    if MISTRAL3 in archs or vision_tower_type(config) == "pixtral":
+        return "pixtral"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -43,7 +48,7 @@ def vision_tower_type(config: Any) -> str | None:
 
 def supported_tower(config: Any) -> bool:
     """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
-    if image_kind(config) in ("qwen2_vl", "idefics3"):
+    if image_kind(config) in ("qwen2_vl", "idefics3", "pixtral"):
         return True
     from paged_engine.multimodal.vision_transformer import TOWERS
 
@@ -54,6 +59,10 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "pixtral":
+        from paged_engine.multimodal.pixtral import PixtralImageEncoder
+
+        return PixtralImageEncoder(config)
     if kind == "idefics3":
         from paged_engine.multimodal.idefics3 import Idefics3ImageEncoder
 

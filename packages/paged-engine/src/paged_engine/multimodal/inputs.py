@@ -5,6 +5,10 @@
     the model's input embedding at positions [offset, offset + length) is the image's feature
     rows (the vision encoder's output, one row per placeholder), not the placeholder token's.
 
+    Pixtral / Mistral 3 (`break_every` = w + 1): the span is h lines of w placeholders and one
+    line-break token ([IMG_BREAK], the last one [IMG_END]); the break tokens keep their own
+    embedding and feature row r * w + c goes to span position r * (w + 1) + c.
+
 `mm_hash` identifies the pixels: the prefix cache keys a block that covers any placeholder of
 an image by the image's hash too, so two prompts with the same text and other images share no
 KV (core/block_manager.py).
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,6 +34,21 @@ class ImageInput:
     # LLaVA-NeXT: (h, w) as loaded; Qwen2-VL: the patch grid (t, h, w); else None
     image_size: tuple[int, ...] | None = None
     embeds: torch.Tensor | None = None  # [length, text hidden]: vLLM's image_embeds input
+    break_every: int = 0  # 0: every span position takes a feature row; else see the module
+
+    @property
+    def num_features(self) -> int:
+        """Feature rows the image has: its span less its line-break tokens."""
+        return self.length - self.length // self.break_every if self.break_every else self.length
+
+    def feature_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(span offsets in [lo, hi) that take a feature row, those rows' indices)."""
+        rel = np.arange(lo, hi)
+        if not self.break_every:
+            return rel, rel
+        line, col = np.divmod(rel, self.break_every)
+        keep = col != self.break_every - 1
+        return rel[keep], (line * (self.break_every - 1) + col)[keep]
 
     @property
     def end(self) -> int:

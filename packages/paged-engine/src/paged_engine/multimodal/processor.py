@@ -74,6 +74,17 @@ def _digest(values: torch.Tensor, size: tuple[int, ...] | None) -> str:
     return h.hexdigest()
 
 
+def _token_ids(tokenizer: Any, *tokens: str) -> tuple[int, ...]:
+    """The ids of special tokens the tokenizer must hold (ValueError naming the missing)."""
+    if tokenizer is None:
+        raise ValueError(f"the tokenizer is needed for the image tokens {tokens}")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"the tokenizer has no {missing[0]} token, which images need")
+    return tuple(vocab[t] for t in tokens)
+
+
 def _is_embeds(data: Any) -> bool:
     """Whether multi_modal_data['image'] holds features rather than images."""
     if isinstance(data, (torch.Tensor, dict)):
@@ -102,6 +113,13 @@ class ImageProcessor:
         # tokenized with the model's tokenizer
         self.tile = idefics3.tile_tokens(config) if self.kind == "idefics3" else None
         self.tokenizer = tokenizer
+        # Pixtral / Mistral 3: an image's side in pixels per placeholder, its line-break tokens
+        self.unit = 0
+        if self.kind == "pixtral":
+            from paged_engine.multimodal import pixtral
+
+            self.unit = pixtral.patch_size(config) * pixtral.merge_size(config)
+            self.breaks = _token_ids(tokenizer, "[IMG_BREAK]", "[IMG_END]")
         # Qwen2-VL: each prompt's M-RoPE positions (`positions`)
         self.mrope = self.kind == "qwen2_vl"
         if self.mrope:
@@ -135,7 +153,7 @@ class ImageProcessor:
         `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's. Features instead of
         images (vLLM's embedding input: `embedding_inputs`) become images with `embeds`."""
         if _is_embeds(images):
-            if self.tile is not None:
+            if self.tile is not None or self.unit:
                 raise ValueError(
                     "multi_modal_data['image']: image embeddings are not supported for "
                     f"{self.config.architectures[0]} (give the images)"
@@ -144,6 +162,8 @@ class ImageProcessor:
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
+        if self.unit and all(isinstance(m, ImageInput) for m in items):
+            return self._spans_in_place(token_ids, items)
         if all(isinstance(m, ImageInput) for m in items):  # checked where they were made
             token_ids = self.expand(token_ids, [self._fits(m) for m in items])
             if [m.offset for m in items] != self._run_starts(token_ids):
@@ -161,6 +181,8 @@ class ImageProcessor:
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
         if self.tile is not None:
             return self._tiles(token_ids, items, call)
+        if self.unit:
+            return self._spans(token_ids, items, call)
         pixels, sizes = self._pixels(items, call)
         lengths = [self.length(size) for size in sizes]
         token_ids = self.expand(token_ids, lengths)
@@ -214,6 +236,69 @@ class ImageProcessor:
             ImageInput(p, offset, self.tile, _digest(p, None))
             for p, offset in zip(tiles, starts, strict=True)
         )
+
+    def _span(self, size: tuple[int, ...]) -> list[int]:
+        """Pixtral: an image of `size` (h, w) pixels as h / u lines of w / u placeholders,
+        each line ended by [IMG_BREAK], the last by [IMG_END] (u: patch x merge)."""
+        lines, cols = size[0] // self.unit, size[1] // self.unit
+        brk, end = self.breaks
+        span = ([self.image_token_id] * cols + [brk]) * lines
+        span[-1] = end
+        return span
+
+    def _spans(
+        self, token_ids: list[int], images: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Pixtral / Mistral 3: each image resized (longest edge, multiples of u pixels) and
+        its [IMG] token replaced by its span of lines."""
+        unit = {"height": self.unit, "width": self.unit}
+        pixels, sizes = [], []
+        for image in images:
+            try:
+                out = self.hf(
+                    images=[image.convert("RGB")], return_tensors="pt", patch_size=unit, **kwargs
+                )
+            except Exception as e:  # a corrupt image, a size the processor refuses
+                raise ValueError(
+                    f"multi_modal_data['image']: the image could not be processed: {e}"
+                ) from e
+            h, w = (int(v) for v in out["image_sizes"][0])
+            if h % self.unit or w % self.unit or min(h, w) < self.unit:
+                raise ValueError(
+                    f"the image processor gave a {h} x {w} image, not multiples of {self.unit}"
+                )
+            pixels.append(out["pixel_values"][0][:, :h, :w].float().contiguous())
+            sizes.append((h, w))
+        token_ids = self._splice(token_ids, [self._span(s) for s in sizes])
+        out_images: list[ImageInput] = []
+        at = 0
+        for p, size in zip(pixels, sizes, strict=True):
+            at = token_ids.index(self.image_token_id, at)
+            n = len(self._span(size))
+            cols = size[1] // self.unit
+            out_images.append(ImageInput(p, at, n, _digest(p, size), size, break_every=cols + 1))
+            at += n
+        return token_ids, tuple(out_images)
+
+    def _spans_in_place(
+        self, token_ids: list[int], images: list[ImageInput]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Pixtral images processed ahead: each span must be in the prompt where it says."""
+        for m in images:
+            size = m.image_size
+            if (
+                size is None
+                or len(size) != 2
+                or m.pixel_values is None
+                or tuple(m.pixel_values.shape) != (3, *size)
+                or token_ids[m.offset : m.end] != self._span(size)
+                or m.break_every != size[1] // self.unit + 1
+            ):
+                raise ValueError(
+                    "multi_modal_data['image']: these processed images do not fit this prompt "
+                    "and model (their spans or pixel shapes differ)"
+                )
+        return token_ids, tuple(images)
 
     def _splice(self, ids: list[int], segments: list[list[int]]) -> list[int]:
         """Each lone image token -> its image's segment (ValueError naming multi_modal_data
@@ -349,6 +434,8 @@ class ImageProcessor:
             return self.tokens_per_image
         if self.tile is not None:
             return self.tile
+        if self.unit and size is not None and len(size) == 2:
+            return len(self._span(size))
         n = 3 if self.mrope else 2
         if size is None or len(size) != n or min(size) <= 0:
             raise ValueError(

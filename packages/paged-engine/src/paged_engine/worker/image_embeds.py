@@ -44,7 +44,8 @@ class ImageEmbedder:
         placeholder of an image runs this step."""
         if not self.images:
             return None
-        pieces: list[tuple[int, tuple[int, int], int, int]] = []  # (flat row, key, lo, hi)
+        # (flat rows of the step, the image's key, its feature rows there)
+        pieces: list[tuple[np.ndarray, tuple[int, int], np.ndarray]] = []
         todo: list[tuple[int, ImageInput]] = []
         for i, seq_id in enumerate(sched.seq_ids):
             start = sched.start_positions[i]
@@ -52,15 +53,18 @@ class ImageEmbedder:
             for m in self.images.get(seq_id, ()):
                 if m.overlaps(start, end):
                     lo, hi = max(start, m.offset), min(end, m.end)
-                    key = (seq_id, m.offset)
-                    pieces.append((int(cu[i]) + lo - start, key, lo - m.offset, hi - m.offset))
+                    span, feats = m.feature_rows(lo - m.offset, hi - m.offset)
+                    flat = int(cu[i]) + span + m.offset - start
+                    pieces.append((flat, (seq_id, m.offset), feats))
                     todo.append((seq_id, m))
         if not pieces:
             return None
         self._encode(todo)
         x = self.embed_tokens(input_ids)
-        rows = torch.cat([self.features[key][lo:hi] for _, key, lo, hi in pieces]).to(x.dtype)
-        index = np.concatenate([np.arange(a, a + hi - lo) for a, _, lo, hi in pieces])
+        rows = torch.cat(
+            [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size] or [x[:0]]
+        ).to(x.dtype)
+        index = np.concatenate([flat for flat, _, _ in pieces])
         x[torch.from_numpy(index).to(x.device)] = rows
         self._retire(sched)
         return x
@@ -75,9 +79,9 @@ class ImageEmbedder:
             return
         features = self.encoder.encode([m for _, m in todo])
         for (seq_id, m), f in zip(todo, features, strict=True):
-            if f.shape[0] != m.length:
+            if f.shape[0] != m.num_features:
                 raise RuntimeError(
-                    f"an image gave {f.shape[0]} feature rows for {m.length} placeholders"
+                    f"an image gave {f.shape[0]} feature rows for {m.num_features} placeholders"
                 )
             self.features[(seq_id, m.offset)] = f
 

@@ -1,0 +1,143 @@
+"""Images through Mistral 3 and Pixtral-12B-style LLaVA checkpoints (multimodal/pixtral.py).
+
+Tiny random checkpoints (Pixtral towers with 4-pixel patches; Mistral 3 merges 2 x 2):
+`LLM.generate` with `multi_modal_data` must give HF's prompt (each image as lines of [IMG]
+ended by [IMG_BREAK], the last by [IMG_END]: transformers' PixtralProcessor rule, written out
+here because that class needs torchvision) and HF `generate`'s greedy tokens and top-5
+logprobs (1e-3, float32). Then the engine's own paths against the plain run: chunks through
+an image's lines, prefix-cache hits, images processed ahead, and bad input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_mistral3
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+PROMPT = "[INST][IMG]What is in it? Tell me.[/INST]"
+TWO = "[INST][IMG] and [IMG]Which is brighter?[/INST]"
+TEXT = "[INST]Say something about the sea.[/INST]"
+
+
+def _image(seed: int, size: tuple[int, int]):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    cache = {}
+
+    def make(arch: str = "mistral3"):
+        if arch not in cache:
+            cache[arch] = write_tiny_mistral3(tmp_path_factory.mktemp(arch), arch=arch, seed=2)
+        return cache[arch]
+
+    return make
+
+
+def _greedy(top: int = 5, n: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
+
+
+def _llm(path, **kw) -> LLM:
+    kw = {"max_model_len": 512, **kw}
+    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
+
+
+def _hf_inputs(path, merge: int, text: str, images: list) -> tuple[list[int], dict]:
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if not images:
+        return tok.encode(text, add_special_tokens=False), {}
+    unit = 4 * merge  # what PixtralProcessor hands its image processor as the patch size
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    out = image_processor(
+        images=images, return_tensors="pt", patch_size={"height": unit, "width": unit}
+    )
+    pieces = text.split("[IMG]")
+    for i, (h, w) in enumerate(out["image_sizes"].tolist()):
+        lines = ["[IMG]" * (w // unit) + "[IMG_BREAK]" for _ in range(h // unit)]
+        lines[-1] = lines[-1].removesuffix("[IMG_BREAK]") + "[IMG_END]"
+        pieces[i] += "".join(lines)
+    ids = tok.encode("".join(pieces), add_special_tokens=False)
+    return ids, {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
+
+
+@pytest.mark.parametrize("arch", ["mistral3", "llava"])
+def test_images_match_hf(dirs, arch):
+    path = dirs(arch)
+    name = "Mistral3" if arch == "mistral3" else "Llava"
+    model = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(
+        path, dtype=torch.float32
+    )
+    model.eval().generation_config.eos_token_id = None
+    merge = 2 if arch == "mistral3" else 1
+    cases = [
+        (PROMPT, [_image(1, (40, 56))]),
+        (TEXT, []),
+        (TWO, [_image(2, (90, 30)), _image(3, (17, 33))]),  # resized to fit, units of the patch
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(path, merge, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    llm = _llm(path)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for (ids, ref), out in zip(refs, outs, strict=True):
+        assert out.prompt_token_ids == ids
+        assert_matches(arch, out, ref)
+
+
+def test_engine_paths_match_the_plain_run(dirs):
+    """5-token chunks through an image's lines (cut inside lines and at breaks), a
+    prefix-cache hit on the same image (none past the text for another), images processed
+    ahead; bad input a ValueError naming multi_modal_data, nothing lost."""
+    path = dirs()
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (24 + 12 * i, 64 - 10 * i))}}
+        for i in range(3)
+    ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(7, (16, 64)), _image(8, (40, 40))]}}]
+    params = _greedy(0, 24)
+
+    def run(llm, batch=prompts):
+        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+    plain = run(_llm(path))
+    chunked = _llm(path, max_num_batched_tokens=5, enable_chunked_prefill=True, max_num_seqs=3)
+    assert_same_greedy(plain, run(chunked))
+
+    cached = _llm(path, enable_prefix_caching=True)
+    run(cached, prompts[:1])
+    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert_same_greedy(plain[:1], [again.outputs[0]])
+    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
+    first = other.prompt_token_ids.index(cached.llm_engine.input_processor.images.image_token_id)
+    assert other.num_cached_tokens <= first // 16 * 16
+
+    images = cached.llm_engine.input_processor.images
+    pics = prompts[-1]["multi_modal_data"]["image"]
+    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
+    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
+    assert_same_greedy(plain[-1:], run(cached, [ahead]))
+    moved = {"prompt_token_ids": [5, *expanded], "multi_modal_data": {"image": list(done)}}
+    for bad, match in [
+        (moved, "do not fit"),
+        ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cached.generate([bad], params, use_tqdm=False)
+    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost

@@ -1,6 +1,7 @@
-"""Images through Qwen2-VL / Qwen2.5-VL checkpoints (multimodal/qwen2_vl.py) against HF.
+"""Images through Qwen2-VL / 2.5-VL / 3-VL checkpoints (multimodal/qwen2_vl.py) against HF.
 
-Tiny random checkpoints (4-pixel patches merged 2 x 2; Qwen2.5-VL with window attention):
+Tiny random checkpoints (4-pixel patches merged 2 x 2; Qwen2.5-VL with window attention;
+Qwen3-VL and Qwen3-VL-MoE with interleaved M-RoPE and deepstack rows after 2 layers):
 `LLM.generate` with `multi_modal_data` must give HF's placeholder runs (one per merged patch,
 so by image size) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32), with
 HF's M-RoPE positions (3-D over images, shifted after them). The M-RoPE table equals HF's
@@ -65,7 +66,7 @@ class _HF:
     patch of its image, pixel values and grids from the checkpoint's image processor."""
 
     def __init__(self, path, version: str) -> None:
-        name = "Qwen2VL" if version == "2" else "Qwen2_5_VL"
+        name = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL", "3": "Qwen3VL", "3-moe": "Qwen3VLMoe"}[version]
         cls = getattr(transformers, f"{name}ForConditionalGeneration")
         self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None
@@ -95,7 +96,7 @@ class _HF:
         return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5, **extra)
 
 
-@pytest.mark.parametrize("version", ["2", "2.5"])
+@pytest.mark.parametrize("version", ["2", "2.5", "3", "3-moe"])
 def test_images_match_hf(qwen_dirs, version):
     path = qwen_dirs(version)
     hf = _HF(path, version)
@@ -134,11 +135,13 @@ def test_mrope_table_equals_hf_rope_index(qwen_dirs):
     assert table.first == ids.index(hf.pad)
 
 
-def test_engine_paths_match_the_plain_run(qwen_dirs):
+@pytest.mark.parametrize("version", ["2.5", "3"])
+def test_engine_paths_match_the_plain_run(qwen_dirs, version):
     """8-token chunks through images, a pool too small for all (preempted and recomputed),
     n = 2 forks after the prompt, n-gram drafts at shifted positions, a prefix-cache hit on
-    the same image (none past the text for another), and images processed ahead."""
-    path = qwen_dirs("2.5")
+    the same image (none past the text for another), and images processed ahead (Qwen3-VL:
+    each chunk's deepstack rows at its own image rows)."""
+    path = qwen_dirs(version)
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (24 + 8 * i, 64 - 8 * i))}}
         for i in range(3)
@@ -255,3 +258,18 @@ def test_image_embeds_give_the_image_answer(qwen_dirs):
     for value, match in bad:
         with pytest.raises(ValueError, match=match):
             llm.generate([{"prompt": TWO, "multi_modal_data": {"image": value}}], _greedy(0))
+
+
+def test_deepstack_layers_must_be_on_the_first_stage():
+    """Qwen3-VL's deepstack rows go into the first k layers, where the encoder runs: a first
+    pipeline stage with fewer layers is a ValueError naming pipeline_parallel_size."""
+    from types import SimpleNamespace
+
+    from paged_engine.worker.worker import check_deepstack
+
+    stage = SimpleNamespace(layers=lambda layers: layers[:1])
+    model = SimpleNamespace(model=SimpleNamespace(stage=stage, layers=[0, 1, 2, 3]))
+    check_deepstack(SimpleNamespace(num_deepstack=0), model, 2)
+    check_deepstack(SimpleNamespace(num_deepstack=1), model, 2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=4"):
+        check_deepstack(SimpleNamespace(num_deepstack=3), model, 4)

@@ -1602,8 +1602,10 @@ def write_tiny_qwen2_vl(
     patch_size: int = 4,
     **vision_overrides: Any,
 ) -> Path:
-    """A tiny random `Qwen2VLForConditionalGeneration` (version "2") or
-    `Qwen2_5_VLForConditionalGeneration` ("2.5") checkpoint with its image processor
+    """A tiny random `Qwen2VLForConditionalGeneration` (version "2"),
+    `Qwen2_5_VLForConditionalGeneration` ("2.5"), `Qwen3VLForConditionalGeneration` ("3":
+    interleaved M-RoPE, deepstack after the first 2 layers) or
+    `Qwen3VLMoeForConditionalGeneration` ("3-moe") checkpoint with its image processor
     (`patch_size`-pixel patches merged 2 x 2) and tokenizer (Qwen's vision tokens, a chat
     template) and return its path; `vision_overrides` go to the vision config."""
     import transformers
@@ -1631,8 +1633,21 @@ def write_tiny_qwen2_vl(
         vision |= {"window_size": 4 * patch_size}  # windows of 2 x 2 merged patches
         config_cls = transformers.Qwen2_5_VLConfig
         model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+    elif version in ("3", "3-moe"):
+        rope["mrope_interleaved"] = True
+        vision |= {"hidden_size": 32, "intermediate_size": 48, "num_position_embeddings": 16}
+        vision |= {"out_hidden_size": text["hidden_size"], "deepstack_visual_indexes": [0, 2]}
+        text["head_dim"] = 16
+        if version == "3":
+            config_cls = transformers.Qwen3VLConfig
+            model_cls = transformers.Qwen3VLForConditionalGeneration
+        else:
+            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+            text["decoder_sparse_step"] = 1
+            config_cls = transformers.Qwen3VLMoeConfig
+            model_cls = transformers.Qwen3VLMoeForConditionalGeneration
     else:
-        raise ValueError(f"version must be '2' or '2.5', got {version!r}")
+        raise ValueError(f"version must be '2', '2.5', '3' or '3-moe', got {version!r}")
     config = config_cls(
         text_config=text,
         vision_config={**vision, **vision_overrides},

@@ -333,26 +333,26 @@ class RotaryEmbedding(nn.Module):
 
 
 class MRotaryEmbedding(RotaryEmbedding):
-    """Qwen2-VL's M-RoPE: each token has three positions (temporal, height, width), and the
-    rotary frequencies come in three contiguous blocks of `mrope_section` sizes, block i turned
-    by position row i:
+    """Qwen-VL's M-RoPE: each token has three positions (temporal, height, width), and each
+    rotary frequency is turned by one of them:
 
         positions [3, T]  ->  cos / sin [T, rotary_dim/2]: frequency f reads row section(f)
+
+    Qwen2-VL / 2.5-VL: three contiguous blocks of `mrope_section` sizes, block i row i.
+    Qwen3-VL (`interleaved`): f % 3 == 1 reads height for f < 3 * sections[1], f % 3 == 2
+    width for f < 3 * sections[2], every other frequency the temporal row.
 
     Text tokens have one position in all three rows, so a [T] tensor of positions means that
     position everywhere: the plain rope, every fast path of RotaryEmbedding included (the
     runner passes [3, T] only for steps that run an image's positions, and runs those eagerly).
     """
 
-    def __init__(self, *args: Any, mrope_section: list[int], **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, mrope_section: list[int], interleaved: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
-        if len(mrope_section) != 3 or sum(mrope_section) != self.rotary_dim // 2:
-            raise ValueError(
-                f"mrope_section={mrope_section} must be three sizes summing to "
-                f"{self.rotary_dim // 2} (half the rotary dims)"
-            )
-        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
-        self.register_buffer("section_row", rows, persistent=False)  # [rotary_dim/2]
+        rows = section_rows(mrope_section, interleaved, self.rotary_dim)  # [rotary_dim/2]
+        self.register_buffer("section_row", rows, persistent=False)
 
     def _gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         index = positions[self.section_row].T  # [T, rotary_dim/2]: frequency f's position
@@ -390,15 +390,30 @@ class MRotaryEmbedding(RotaryEmbedding):
         return q, k
 
 
-def mrope_section(config: Any) -> list[int] | None:
-    """Qwen2-VL / 2.5-VL's contiguous M-RoPE sections, None for any other rope (Qwen3-VL's
-    interleaved sections are served as text only, where M-RoPE is the plain rope)."""
+def section_rows(sections: list[int], interleaved: bool, rotary_dim: int) -> torch.Tensor:
+    """The position row (0 temporal, 1 height, 2 width) of each of the rotary_dim / 2
+    frequencies; ValueError unless the sections cover them."""
+    half = rotary_dim // 2
+    if len(sections) != 3 or sum(sections) != half:
+        raise ValueError(
+            f"mrope_section={sections} must be three sizes summing to {half} (half the rotary dims)"
+        )
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    f = torch.arange(half)
+    rows = torch.zeros(half, dtype=torch.int64)
+    rows[(f % 3 == 1) & (f < 3 * sections[1])] = 1
+    rows[(f % 3 == 2) & (f < 3 * sections[2])] = 2
+    return rows
+
+
+def mrope_section(config: Any) -> tuple[list[int], bool] | None:
+    """Qwen-VL's M-RoPE (sections, interleaved), None for any other rope."""
     for key in ("rope_parameters", "rope_scaling"):
         params = getattr(config, key, None)
         if isinstance(params, dict) and params.get("mrope_section"):
-            if params.get("mrope_interleaved"):
-                return None
-            return [int(n) for n in params["mrope_section"]]
+            sections = [int(n) for n in params["mrope_section"]]
+            return sections, bool(params.get("mrope_interleaved"))
     return None
 
 
@@ -474,7 +489,11 @@ def get_rope(
     # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
     rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
     section = mrope_section(config)
-    extra: dict[str, Any] = {} if section is None else {"mrope_section": section}
+    if section is not None and sum(section[0]) * 2 != int(head_dim * partial):
+        section = None  # sections that do not cover the rotary dims: text only, a plain rope
+    extra: dict[str, Any] = {}
+    if section is not None:
+        extra = {"mrope_section": section[0], "interleaved": section[1]}
     return (RotaryEmbedding if section is None else MRotaryEmbedding)(
         head_dim=head_dim,
         rotary_dim=int(head_dim * partial),

@@ -8,6 +8,7 @@ windows through the class attributes below.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -177,20 +178,44 @@ def keeps_stream_apart(layers: Iterable[nn.Module]) -> bool:
 
 
 def run_layers(
-    layers: list[nn.Module], apart: bool, positions, x, kv_caches, md, norm: nn.Module | None
+    layers: list[nn.Module],
+    apart: bool,
+    positions,
+    x,
+    kv_caches,
+    md,
+    norm: nn.Module | None,
+    additions: LayerAdditions | None = None,
 ) -> torch.Tensor:
     """The decoder stack over x, then `norm` (None: a pipeline stage that is not the last).
     `apart` (keeps_stream_apart): the stream kept apart from each layer's output, every
-    residual add fused into the norm after it, the final norm's included."""
+    residual add fused into the norm after it, the final norm's included. `additions`: rows
+    added to the stream after the first layers (Qwen3-VL's deepstack)."""
     if apart and layers:
         h, residual = x, None
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             h, residual = layer.forward_residual(positions, h, residual, kv_cache, md)
+            if additions is not None and i < len(additions.rows):
+                h = additions.add(i, h)  # the stream is h + residual
         assert residual is not None
         return h + residual if norm is None else add_norm(norm, h, residual)[0]
-    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+    for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
         x = layer(positions, x, kv_cache, md)
+        if additions is not None and i < len(additions.rows):
+            x = additions.add(i, x)
     return x if norm is None else norm(x)
+
+
+@dataclass(frozen=True, eq=False)
+class LayerAdditions:
+    """Rows added to the residual stream after the first len(rows) decoder layers, at token
+    rows `index` of the step: Qwen3-VL's deepstack image features (worker/image_embeds.py)."""
+
+    index: torch.Tensor  # [N] int64 token rows
+    rows: list[torch.Tensor]  # per layer [N, D]
+
+    def add(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        return x.index_add(0, self.index, self.rows[layer].to(x.dtype))
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -237,6 +262,9 @@ class LlamaModel(nn.Module):
         # plain pre-norm layers keep the residual stream apart (run_layers); others add it
         self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
 
+    # Set by the runner for one forward that runs Qwen3-VL image rows (worker/model_runner.py)
+    layer_additions: LayerAdditions | None = None
+
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # hidden: the previous pipeline stage's output (None on the first stage)
         if hidden is None:
@@ -248,7 +276,8 @@ class LlamaModel(nn.Module):
         self.rotary_emb.begin_forward(positions)
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None
-        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm)
+        additions = self.layer_additions
+        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm, additions)
 
 
 class LlamaForCausalLM(CausalLMBase):

@@ -3,7 +3,8 @@
     LlavaForConditionalGeneration                 "llava"       multimodal/llava.py
     LlavaNextForConditionalGeneration             "llava_next"  multimodal/llava_next.py
     Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
-      Qwen2_5_VLForConditionalGeneration
+      Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
+      Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack)
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
@@ -20,7 +21,12 @@ from torch import nn
 
 LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
-QWEN2_VL = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QWEN2_VL = (
+    "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+)
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3, MISTRAL3)
@@ -67,6 +73,10 @@ def build_encoder(config: Any) -> nn.Module:
         from paged_engine.multimodal.idefics3 import Idefics3ImageEncoder
 
         return Idefics3ImageEncoder(config)
+    if kind == "qwen2_vl" and any(a.startswith("Qwen3VL") for a in config.architectures):
+        from paged_engine.multimodal.qwen2_vl import Qwen3ImageEncoder
+
+        return Qwen3ImageEncoder(config)
     if kind == "qwen2_vl":
         from paged_engine.multimodal.qwen2_vl import QwenImageEncoder
 

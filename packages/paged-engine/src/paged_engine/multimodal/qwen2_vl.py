@@ -29,6 +29,8 @@ from paged_engine.multimodal.qwen2_vl_vision import QwenVisionEncoder
 __all__ = ["ARCHS", "MropePositions", "QwenImageEncoder", "mrope_positions"]
 
 ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+# the same host side (grids, placeholders, M-RoPE, interleaved), their own tower and deepstack
+QWEN3_ARCHS = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 
 
 def check_config(config) -> None:
@@ -37,12 +39,15 @@ def check_config(config) -> None:
     from paged_engine.layers.rotary import mrope_section
 
     text = config.text_config
-    section = mrope_section(text)
+    found = mrope_section(text)
+    section = None if found is None else found[0]
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    if section is None or sum(section) != head_dim // 2:
+    partial = float(getattr(text, "partial_rotary_factor", None) or 1.0)
+    if section is None or sum(section) * 2 != int(head_dim * partial):
         raise ValueError(
             f"text_config.rope_parameters mrope_section={section} must be three sizes summing "
-            f"to half the head ({head_dim // 2}) for {config.architectures[0]}'s images"
+            f"to half the rotary dims ({int(head_dim * partial) // 2}) for "
+            f"{config.architectures[0]}'s images"
         )
     if merge_size(config) < 1:
         raise ValueError("vision_config.spatial_merge_size must be at least 1")
@@ -77,6 +82,29 @@ class QwenImageEncoder(nn.Module):
         grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
         rows = self.visual(pixels, grids)
         return list(rows.split([m.length for m in images]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self.visual.load_weights(weights)
+
+
+class Qwen3ImageEncoder(nn.Module):
+    """Qwen3-VL: images -> [rows, 1 + k, D] per image: the input rows, then one row per
+    deepstack layer (the decoder adds row j + 1 to the stream after its layer j)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from paged_engine.multimodal.qwen3_vl_vision import Qwen3VisionEncoder
+
+        self.visual = Qwen3VisionEncoder(config.vision_config)
+        self.num_deepstack = self.visual.num_deepstack
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        param = next(self.visual.parameters())
+        pixels = torch.cat([m.pixel_values for m in images]).to(param.device, param.dtype)
+        grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
+        rows, deep = self.visual(pixels, grids)
+        stacked = torch.stack([rows, *deep], dim=1)
+        return list(stacked.split([m.length for m in images]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.visual.load_weights(weights)

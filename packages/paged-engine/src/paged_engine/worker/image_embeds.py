@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.models.llama import LayerAdditions
 from paged_engine.multimodal.inputs import ImageInput
 
 
@@ -39,9 +40,11 @@ class ImageEmbedder:
 
     def inputs_embeds(
         self, sched: SchedulerOutput, cu: np.ndarray, input_ids: torch.Tensor
-    ) -> torch.Tensor | None:
-        """[T, D] embeddings of the step's tokens with image rows in place, or None when no
-        placeholder of an image runs this step."""
+    ) -> tuple[torch.Tensor, LayerAdditions | None] | None:
+        """([T, D] embeddings of the step's tokens with image rows in place, the rows the
+        decoder adds after its first layers where the encoder gives them (Qwen3-VL's
+        deepstack: features [rows, 1 + k, D]) or None), or None when no placeholder of an
+        image runs this step."""
         if not self.images:
             return None
         # (flat rows of the step, the image's key, its feature rows there)
@@ -62,12 +65,16 @@ class ImageEmbedder:
         self._encode(todo)
         x = self.embed_tokens(input_ids)
         rows = torch.cat(
-            [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size] or [x[:0]]
+            [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size]
         ).to(x.dtype)
-        index = np.concatenate([flat for flat, _, _ in pieces])
-        x[torch.from_numpy(index).to(x.device)] = rows
+        index = torch.from_numpy(np.concatenate([flat for flat, _, _ in pieces])).to(x.device)
+        additions = None
+        if rows.dim() == 3:  # [N, 1 + k, D]: the input rows, then one per deepstack layer
+            additions = LayerAdditions(index, list(rows[:, 1:].unbind(1)))
+            rows = rows[:, 0]
+        x[index] = rows
         self._retire(sched)
-        return x
+        return x, additions
 
     def _encode(self, todo: list[tuple[int, ImageInput]]) -> None:
         todo = [(s, m) for s, m in todo if (s, m.offset) not in self.features]
@@ -79,7 +86,7 @@ class ImageEmbedder:
             return
         features = self.encoder.encode([m for _, m in todo])
         for (seq_id, m), f in zip(todo, features, strict=True):
-            if f.shape[0] != m.num_features:
+            if f.shape[0] != m.num_features:  # (any extra dims: deepstack layers)
                 raise RuntimeError(
                     f"an image gave {f.shape[0]} feature rows for {m.num_features} placeholders"
                 )

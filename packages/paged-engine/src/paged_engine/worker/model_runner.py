@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
 from paged_engine.attention import AttentionBackend, AttentionMetadata, HostLengths
 from paged_engine.config import EngineConfig
@@ -34,6 +36,7 @@ from paged_engine.distributed.communication import (
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.lora.manager import LoRAManager
+from paged_engine.models.llama import LayerAdditions
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import (
@@ -73,6 +76,23 @@ class StepInputs:
     # [T, D] input embeddings when image placeholders run this step (the model then skips its
     # token embedding); None: the model embeds input_ids itself
     embeds: torch.Tensor | None = None
+    # rows the decoder adds after its first layers (Qwen3-VL's deepstack), with `embeds`
+    additions: LayerAdditions | None = None
+
+
+@contextmanager
+def layer_additions(model: nn.Module, additions: LayerAdditions | None) -> Iterator[None]:
+    """The decoder adds `additions` after its first layers for one forward (its LlamaModel
+    reads `layer_additions`)."""
+    if additions is None:
+        yield
+        return
+    inner = model.model  # type: ignore[union-attr]
+    inner.layer_additions = additions
+    try:
+        yield
+    finally:
+        inner.layer_additions = None
 
 
 class ModelRunner:
@@ -255,13 +275,14 @@ class ModelRunner:
             shape = (inputs.input_ids.shape[0], self.stage_width)
             prev = state.stage_rank(state.pp_rank - 1)
             hidden_in = recv_tensor(shape, _model_dtype(self.model), self.device, prev)
-        hidden = self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.cache.kv_caches,
-            inputs.attn_metadata,
-            hidden_in,
-        )
+        with layer_additions(self.model, inputs.additions):
+            hidden = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.cache.kv_caches,
+                inputs.attn_metadata,
+                hidden_in,
+            )
         if state.is_last_stage:
             out = self._sample(sched, cached, inputs, hidden)
             send_object(out.get(), state.stage_rank(0))
@@ -361,8 +382,9 @@ class ModelRunner:
                 state_rows, (starts > 0).astype(np.int64), batch.num_prompt[rows].astype(np.int64)
             )
             meta.has_initial_state = has_state.bool()
-        embeds = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
-        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens, embeds)
+        spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
+        embeds, additions = spliced if spliced is not None else (None, None)
+        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, D]; a view of a graph's static output when a graph ran (valid until
@@ -370,7 +392,8 @@ class ModelRunner:
         assert self.cache is not None
         ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
         if inputs.embeds is not None:  # image features at their placeholders: eager
-            return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
+            with layer_additions(self.model, inputs.additions):
+                return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
         if pos.dim() == 2:  # M-RoPE positions of an image's run: eager
             return self.model(ids, pos, self.cache.kv_caches, meta)
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from paged_engine.attention import get_attention_backend, resolve_backend_name
 from paged_engine.config import EngineConfig
@@ -149,7 +150,8 @@ class Worker:
                 seed=config.seed,
                 trust_remote_code=config.trust_remote_code,
             )
-            if encoder is not None:  # LLaVA: images embedded at their placeholders
+            if encoder is not None:  # images embedded at their placeholders
+                check_deepstack(encoder, model, config.pipeline_parallel_size)
                 embed = model.model.embed_tokens
                 self.model_runner.images = ImageEmbedder(encoder, embed, self.device)
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
@@ -356,3 +358,17 @@ class RpcError(RuntimeError):
 
 def _rpc_name(method: str | Callable[..., Any]) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+
+
+def check_deepstack(encoder: nn.Module, model: nn.Module, stages: int) -> None:
+    """Qwen3-VL's deepstack rows are added after the first k decoder layers, which must all be
+    on the first pipeline stage (where the image encoder runs)."""
+    deepstack = getattr(encoder, "num_deepstack", 0)
+    if not deepstack:
+        return
+    built = len(list(model.model.stage.layers(model.model.layers)))
+    if deepstack > built:
+        raise ValueError(
+            f"pipeline_parallel_size={stages}: the first stage holds {built} layers, fewer than "
+            f"the {deepstack} that take Qwen3-VL's deepstack image features; use fewer stages"
+        )

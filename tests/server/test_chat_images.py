@@ -498,14 +498,15 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
 
 
 # ---- Qwen2-VL (M-RoPE), Idefics3 (tiles between text), Mistral 3 (lines): sizes decide ------
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "mistral3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "mistral3", "internvl"])
 def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) -> None:
-    """A chat request's image on Qwen2-VL, Idefics3 and Mistral 3: the offline tokens and
+    """A chat request's image on Qwen2-VL, Idefics3, Mistral 3 and InternVL: the offline tokens and
     prompt; usage and /tokenize count the image's tokens (by its size); mm_processor_kwargs
     reach the image processor."""
     from paged_engine import LLM, SamplingParams
     from paged_engine.testing import (
         write_tiny_idefics3,
+        write_tiny_internvl,
         write_tiny_mistral3,
         write_tiny_qwen2_vl,
     )
@@ -516,9 +517,12 @@ def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) ->
     elif arch == "idefics3":
         path = write_tiny_idefics3(tmp_path, seed=4)
         smaller = {"do_image_splitting": False}
-    else:
+    elif arch == "mistral3":
         path = write_tiny_mistral3(tmp_path, seed=4)
         smaller = {"size": {"longest_edge": 32}}
+    else:
+        path = write_tiny_internvl(tmp_path, seed=4)
+        smaller = {"crop_to_patches": False}
     llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=64)
     tok = llm.llm_engine.tokenizer
     rng = np.random.default_rng(5)

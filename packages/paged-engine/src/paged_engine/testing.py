@@ -1836,6 +1836,57 @@ def write_tiny_mistral3(
     return path
 
 
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_internvl(
+    path: str | Path, *, seed: int = 0, image_size: int = 32, patch_size: int = 4
+) -> Path:
+    """A tiny random `InternVLForConditionalGeneration` checkpoint (a Qwen2 decoder, tiles of
+    `image_size` pixels, pixel shuffle by 0.5: (image_size / patch_size)^2 / 4 rows a tile)
+    with its image processor (up to 4 tiles and a thumbnail) and tokenizer (<img>, </img>,
+    <IMG_CONTEXT>, a chat template; InternVLProcessor itself needs torchvision) and return
+    its path."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    specials = ["<img>", "</img>", "<IMG_CONTEXT>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    text = tiny_config("qwen2", vocab_size=len(tokenizer)).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2}
+    vision |= {"num_attention_heads": 4, "image_size": [image_size] * 2}
+    vision |= {"patch_size": [patch_size] * 2}
+    config = transformers.InternVLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<IMG_CONTEXT>"),
+        downsample_ratio=0.5,
+        **_COMMON,
+    )
+    torch.manual_seed(seed)
+    model = transformers.InternVLForConditionalGeneration(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    transformers.GotOcr2ImageProcessor(
+        size={"height": image_size, "width": image_size}, min_patches=1, max_patches=4
+    ).save_pretrained(path)
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 def tiny_model_info(path: str | Path) -> dict[str, Any]:
     """config.json of a tiny model dir (handy in benchmarks)."""
     return json.loads((Path(path) / "config.json").read_text())

@@ -7,6 +7,7 @@
       Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack)
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
+    InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
 
@@ -29,12 +30,13 @@ QWEN2_VL = (
 )
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MISTRAL3 = "Mistral3ForConditionalGeneration"
-IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3, MISTRAL3)
+INTERNVL = "InternVLForConditionalGeneration"
+IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3, MISTRAL3, INTERNVL)
 
 
 def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
-    "idefics3" or "pixtral"."""
+    "idefics3", "pixtral" or "internvl"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs:
         return "llava_next"
@@ -44,6 +46,8 @@ def image_kind(config: Any) -> str:
         return "idefics3"
     if MISTRAL3 in archs or vision_tower_type(config) == "pixtral":
         return "pixtral"
+    if INTERNVL in archs:
+        return "internvl"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -54,7 +58,7 @@ def vision_tower_type(config: Any) -> str | None:
 
 def supported_tower(config: Any) -> bool:
     """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
-    if image_kind(config) in ("qwen2_vl", "idefics3", "pixtral"):
+    if image_kind(config) in ("qwen2_vl", "idefics3", "pixtral", "internvl"):
         return True
     from paged_engine.multimodal.vision_transformer import TOWERS
 
@@ -65,6 +69,10 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "internvl":
+        from paged_engine.multimodal.internvl import InternVLImageEncoder
+
+        return InternVLImageEncoder(config)
     if kind == "pixtral":
         from paged_engine.multimodal.pixtral import PixtralImageEncoder
 

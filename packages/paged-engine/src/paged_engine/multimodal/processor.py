@@ -113,6 +113,17 @@ class ImageProcessor:
         # tokenized with the model's tokenizer
         self.tile = idefics3.tile_tokens(config) if self.kind == "idefics3" else None
         self.tokenizer = tokenizer
+        # InternVL: placeholders of a tile; an image's run sits between <img> and </img>
+        self.tile_rows = 0
+        if self.kind == "internvl":
+            from paged_engine.multimodal import internvl
+
+            self.tile_rows = internvl.patch_tokens(config)
+            self.bounds = _token_ids(
+                tokenizer,
+                getattr(tokenizer, "start_image_token", None) or "<img>",
+                getattr(tokenizer, "end_image_token", None) or "</img>",
+            )
         # Pixtral / Mistral 3: an image's side in pixels per placeholder, its line-break tokens
         self.unit = 0
         if self.kind == "pixtral":
@@ -153,7 +164,7 @@ class ImageProcessor:
         `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's. Features instead of
         images (vLLM's embedding input: `embedding_inputs`) become images with `embeds`."""
         if _is_embeds(images):
-            if self.tile is not None or self.unit:
+            if self.tile is not None or self.unit or self.tile_rows:
                 raise ValueError(
                     "multi_modal_data['image']: image embeddings are not supported for "
                     f"{self.config.architectures[0]} (give the images)"
@@ -183,6 +194,8 @@ class ImageProcessor:
             return self._tiles(token_ids, items, call)
         if self.unit:
             return self._spans(token_ids, items, call)
+        if self.tile_rows:
+            return self._internvl(token_ids, items, call)
         pixels, sizes = self._pixels(items, call)
         lengths = [self.length(size) for size in sizes]
         token_ids = self.expand(token_ids, lengths)
@@ -235,6 +248,40 @@ class ImageProcessor:
         return token_ids, tuple(
             ImageInput(p, offset, self.tile, _digest(p, None))
             for p, offset in zip(tiles, starts, strict=True)
+        )
+
+    def _internvl(
+        self, token_ids: list[int], images: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """InternVL: each image's tiles (the processor's crop to patches: a grid of tiles and,
+        for more than one, a thumbnail), its placeholder replaced by <img>, a run of tile_rows
+        per tile, </img>."""
+        kwargs = {"crop_to_patches": True, **kwargs}  # what InternVLProcessor asks for
+        start, end = self.bounds
+        side = self.image_size
+        pixels: list[torch.Tensor] = []
+        segments: list[list[int]] = []
+        for image in images:
+            try:
+                out = self.hf(images=[image.convert("RGB")], return_tensors="pt", **kwargs)
+            except Exception as e:  # a corrupt image, a size the processor refuses
+                raise ValueError(
+                    f"multi_modal_data['image']: the image could not be processed: {e}"
+                ) from e
+            tiles = out["pixel_values"].float()
+            if tiles.dim() != 4 or tuple(tiles.shape[1:]) != (3, side, side):
+                raise ValueError(
+                    f"the image processor gave pixel values of shape {tuple(tiles.shape)}, not "
+                    f"[tiles, 3, {side}, {side}]"
+                )
+            pixels.append(tiles)
+            run = [self.image_token_id] * (tiles.shape[0] * self.tile_rows)
+            segments.append([start, *run, end])
+        token_ids = self._splice(token_ids, segments)
+        starts = self._run_starts(token_ids)
+        return token_ids, tuple(
+            ImageInput(p, offset, p.shape[0] * self.tile_rows, _digest(p, None), (p.shape[0],))
+            for p, offset in zip(pixels, starts, strict=True)
         )
 
     def _span(self, size: tuple[int, ...]) -> list[int]:
@@ -434,6 +481,8 @@ class ImageProcessor:
             return self.tokens_per_image
         if self.tile is not None:
             return self.tile
+        if self.tile_rows and size is not None and len(size) == 1 and size[0] > 0:
+            return size[0] * self.tile_rows  # InternVL: size = (tiles,)
         if self.unit and size is not None and len(size) == 2:
             return len(self._span(size))
         n = 3 if self.mrope else 2
@@ -452,6 +501,9 @@ class ImageProcessor:
             assert size is not None  # length() checked it
             return (size[0] * size[1] * size[2], qwen2_vl.patch_dim(self.config))
         side = (self.image_size, self.image_size)
+        if self.tile_rows:
+            assert size is not None  # length() checked it
+            return (size[0], 3, *side)
         if self.anyres is None:
             return (3, *side)
         assert size is not None  # length() checked it
@@ -459,7 +511,8 @@ class ImageProcessor:
 
     @property
     def image_size(self) -> int:
-        return int(self.config.vision_config.image_size)
+        size = self.config.vision_config.image_size
+        return int(size[0] if isinstance(size, (list, tuple)) else size)
 
     def _run_starts(self, ids: list[int]) -> list[int]:
         tid = self.image_token_id

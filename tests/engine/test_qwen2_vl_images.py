@@ -66,7 +66,8 @@ class _HF:
     patch of its image, pixel values and grids from the checkpoint's image processor."""
 
     def __init__(self, path, version: str) -> None:
-        name = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL", "3": "Qwen3VL", "3-moe": "Qwen3VLMoe"}[version]
+        names = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL", "3": "Qwen3VL", "3-moe": "Qwen3VLMoe"}
+        name = {**names, "3.5": "Qwen3_5", "3.5-moe": "Qwen3_5Moe"}[version]
         cls = getattr(transformers, f"{name}ForConditionalGeneration")
         self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
         self.model.generation_config.eos_token_id = None
@@ -96,7 +97,7 @@ class _HF:
         return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5, **extra)
 
 
-@pytest.mark.parametrize("version", ["2", "2.5", "3", "3-moe"])
+@pytest.mark.parametrize("version", ["2", "2.5", "3", "3-moe", "3.5", "3.5-moe"])
 def test_images_match_hf(qwen_dirs, version):
     path = qwen_dirs(version)
     hf = _HF(path, version)

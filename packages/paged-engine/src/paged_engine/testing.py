@@ -1605,7 +1605,8 @@ def write_tiny_qwen2_vl(
     """A tiny random `Qwen2VLForConditionalGeneration` (version "2"),
     `Qwen2_5_VLForConditionalGeneration` ("2.5"), `Qwen3VLForConditionalGeneration` ("3":
     interleaved M-RoPE, deepstack after the first 2 layers) or
-    `Qwen3VLMoeForConditionalGeneration` ("3-moe") checkpoint with its image processor
+    `Qwen3VLMoeForConditionalGeneration` ("3-moe"), `Qwen3_5ForConditionalGeneration` ("3.5")
+    or `Qwen3_5MoeForConditionalGeneration` ("3.5-moe") checkpoint with its image processor
     (`patch_size`-pixel patches merged 2 x 2) and tokenizer (Qwen's vision tokens, a chat
     template) and return its path; `vision_overrides` go to the vision config."""
     import transformers
@@ -1633,6 +1634,22 @@ def write_tiny_qwen2_vl(
         vision |= {"window_size": 4 * patch_size}  # windows of 2 x 2 merged patches
         config_cls = transformers.Qwen2_5_VLConfig
         model_cls = transformers.Qwen2_5_VLForConditionalGeneration
+    elif version in ("3.5", "3.5-moe"):  # a hybrid decoder, Qwen3-VL's tower, no deepstack
+        moe = version == "3.5-moe"
+        text = tiny_config("qwen3_5_moe" if moe else "qwen3_5", vocab_size=len(tokenizer))
+        text = {**text.to_dict(), **_COMMON}
+        text["rope_parameters"] = {  # 4 rotary frequencies, interleaved sections
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+        vision |= {"hidden_size": 32, "intermediate_size": 48, "num_position_embeddings": 16}
+        vision |= {"out_hidden_size": text["hidden_size"]}
+        name = "Qwen3_5Moe" if moe else "Qwen3_5"
+        config_cls = getattr(transformers, f"{name}Config")
+        model_cls = getattr(transformers, f"{name}ForConditionalGeneration")
     elif version in ("3", "3-moe"):
         rope["mrope_interleaved"] = True
         vision |= {"hidden_size": 32, "intermediate_size": 48, "num_position_embeddings": 16}
@@ -1647,7 +1664,9 @@ def write_tiny_qwen2_vl(
             config_cls = transformers.Qwen3VLMoeConfig
             model_cls = transformers.Qwen3VLMoeForConditionalGeneration
     else:
-        raise ValueError(f"version must be '2', '2.5', '3' or '3-moe', got {version!r}")
+        raise ValueError(
+            f"version must be '2', '2.5', '3', '3-moe', '3.5' or '3.5-moe', got {version!r}"
+        )
     config = config_cls(
         text_config=text,
         vision_config={**vision, **vision_overrides},

@@ -392,9 +392,10 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 def section_rows(sections: list[int], interleaved: bool, rotary_dim: int) -> torch.Tensor:
     """The position row (0 temporal, 1 height, 2 width) of each of the rotary_dim / 2
-    frequencies; ValueError unless the sections cover them."""
+    frequencies; ValueError unless contiguous sections cover them exactly (interleaved ones
+    are read as transformers reads them, whatever their sum)."""
     half = rotary_dim // 2
-    if len(sections) != 3 or sum(sections) != half:
+    if len(sections) != 3 or (not interleaved and sum(sections) != half):
         raise ValueError(
             f"mrope_section={sections} must be three sizes summing to {half} (half the rotary dims)"
         )
@@ -489,7 +490,7 @@ def get_rope(
     # a yarn / linear table runs as far as the engine's max_model_len (scaled_context_limit)
     rows = max(max_position, context_len or 0) if kind in _STATIC_SCALINGS else max_position
     section = mrope_section(config)
-    if section is not None and sum(section[0]) * 2 != int(head_dim * partial):
+    if section is not None and not section[1] and sum(section[0]) * 2 != int(head_dim * partial):
         section = None  # sections that do not cover the rotary dims: text only, a plain rope
     extra: dict[str, Any] = {}
     if section is not None:

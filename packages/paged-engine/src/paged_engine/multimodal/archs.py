@@ -4,7 +4,8 @@
     LlavaNextForConditionalGeneration             "llava_next"  multimodal/llava_next.py
     Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
       Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
-      Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack)
+      Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack),
+      Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration (its tower)
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
@@ -27,6 +28,8 @@ QWEN2_VL = (
     "Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MISTRAL3 = "Mistral3ForConditionalGeneration"
@@ -81,13 +84,15 @@ def build_encoder(config: Any) -> nn.Module:
         from paged_engine.multimodal.idefics3 import Idefics3ImageEncoder
 
         return Idefics3ImageEncoder(config)
-    if kind == "qwen2_vl" and any(a.startswith("Qwen3VL") for a in config.architectures):
-        from paged_engine.multimodal.qwen2_vl import Qwen3ImageEncoder
-
-        return Qwen3ImageEncoder(config)
     if kind == "qwen2_vl":
-        from paged_engine.multimodal.qwen2_vl import QwenImageEncoder
+        from paged_engine.multimodal.qwen2_vl import (
+            QWEN3_ARCHS,
+            Qwen3ImageEncoder,
+            QwenImageEncoder,
+        )
 
+        if any(a in QWEN3_ARCHS for a in config.architectures):  # Qwen3-VL's tower
+            return Qwen3ImageEncoder(config)
         return QwenImageEncoder(config)
     if kind == "llava_next":
         from paged_engine.multimodal.llava_next import LlavaNextImageEncoder

@@ -30,20 +30,27 @@ __all__ = ["ARCHS", "MropePositions", "QwenImageEncoder", "mrope_positions"]
 
 ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 # the same host side (grids, placeholders, M-RoPE, interleaved), their own tower and deepstack
-QWEN3_ARCHS = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+QWEN3_ARCHS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",  # Qwen3-VL's tower without deepstack, a hybrid decoder
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def check_config(config) -> None:
     """ValueError naming the field where the checkpoint's images could not run as HF runs them:
-    the text rope must be M-RoPE with contiguous sections over half the head."""
-    from paged_engine.layers.rotary import mrope_section
+    the text rope must be M-RoPE (contiguous sections over half the rotary dims)."""
+    from paged_engine.layers.rotary import mrope_section, rope_config
 
     text = config.text_config
     found = mrope_section(text)
     section = None if found is None else found[0]
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    partial = float(getattr(text, "partial_rotary_factor", None) or 1.0)
-    if section is None or sum(section) * 2 != int(head_dim * partial):
+    partial = rope_config(text)[2]  # transformers 5 keeps it in rope_parameters
+    # interleaved sections (Qwen3-VL, Qwen3.5): transformers reads any sum
+    covers = found is not None and (found[1] or sum(found[0]) * 2 == int(head_dim * partial))
+    if not covers:
         raise ValueError(
             f"text_config.rope_parameters mrope_section={section} must be three sizes summing "
             f"to half the rotary dims ({int(head_dim * partial) // 2}) for "
@@ -89,7 +96,8 @@ class QwenImageEncoder(nn.Module):
 
 class Qwen3ImageEncoder(nn.Module):
     """Qwen3-VL: images -> [rows, 1 + k, D] per image: the input rows, then one row per
-    deepstack layer (the decoder adds row j + 1 to the stream after its layer j)."""
+    deepstack layer (the decoder adds row j + 1 to the stream after its layer j); Qwen3.5:
+    [rows, D]."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -103,8 +111,9 @@ class Qwen3ImageEncoder(nn.Module):
         pixels = torch.cat([m.pixel_values for m in images]).to(param.device, param.dtype)
         grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
         rows, deep = self.visual(pixels, grids)
-        stacked = torch.stack([rows, *deep], dim=1)
-        return list(stacked.split([m.length for m in images]))
+        if deep:  # [rows, 1 + k, D]: the ImageEmbedder splits the deepstack rows off
+            rows = torch.stack([rows, *deep], dim=1)
+        return list(rows.split([m.length for m in images]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.visual.load_weights(weights)

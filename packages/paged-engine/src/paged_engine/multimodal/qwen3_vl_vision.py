@@ -46,6 +46,8 @@ from paged_engine.multimodal.qwen2_vl_vision import (
 
 # vision_config.model_type values (transformers 5 names the sub-config "*_vision")
 MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision"})
+# Qwen3.5 / Qwen3.5-MoE: the same tower without deepstack (their configs have no indexes)
+NO_DEEPSTACK = frozenset({"qwen3_5_vision", "qwen3_5_moe_vision"})
 _NORM_EPS = 1e-6  # HF hard-codes it for every norm of the tower
 
 
@@ -113,7 +115,7 @@ class Qwen3VisionEncoder(nn.Module):
         super().__init__()
         config = vision_config
         model_type = getattr(config, "model_type", None)
-        if model_type not in MODEL_TYPES:
+        if model_type not in MODEL_TYPES | NO_DEEPSTACK:
             raise ValueError(
                 f"vision_config.model_type={model_type!r} is not supported; supported: "
                 f"{sorted(MODEL_TYPES)}"
@@ -144,6 +146,8 @@ class Qwen3VisionEncoder(nn.Module):
         if not isinstance(act, str):
             raise ValueError(f"vision_config.hidden_act={act!r} is not supported")
         deepstack = getattr(config, "deepstack_visual_indexes", None)
+        if model_type in NO_DEEPSTACK and deepstack is None:
+            deepstack = []
         if (
             not isinstance(deepstack, list | tuple)
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in deepstack)

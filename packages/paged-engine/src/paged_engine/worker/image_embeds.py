@@ -64,16 +64,17 @@ class ImageEmbedder:
             return None
         self._encode(todo)
         x = self.embed_tokens(input_ids)
-        rows = torch.cat(
-            [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size]
-        ).to(x.dtype)
+        taken = [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size]
+        self._retire(sched)
+        if not taken:  # the step runs only line-break tokens of its images (Pixtral)
+            return x, None
+        rows = torch.cat(taken).to(x.dtype)
         index = torch.from_numpy(np.concatenate([flat for flat, _, _ in pieces])).to(x.device)
         additions = None
         if rows.dim() == 3:  # [N, 1 + k, D]: the input rows, then one per deepstack layer
             additions = LayerAdditions(index, list(rows[:, 1:].unbind(1)))
             rows = rows[:, 0]
         x[index] = rows
-        self._retire(sched)
         return x, additions
 
     def _encode(self, todo: list[tuple[int, ImageInput]]) -> None:

@@ -1,0 +1,338 @@
+"""How each wrapper's images enter its prompt (the host side of an image; processor.py runs it).
+
+    layout          an image's <image> token becomes                       ImageInputs
+    RunLayout       a run of placeholders: LLaVA 1.5 (fixed), LLaVA-NeXT   one per image
+                    (by size), Qwen-VL (by patch grid; M-RoPE positions)
+    TileLayout      HF's text around one run per tile (Idefics3, SmolVLM)  one per tile
+    LineLayout      lines of [IMG], [IMG_BREAK] between, [IMG_END] last     one per image, its
+                    (Pixtral, Mistral 3)                                    breaks skipped
+    BoundedLayout   <img>, one run for all tiles, </img> (InternVL)         one per image
+
+`load` runs the checkpoint's image processor on one image (`run(images, **extra)`: the
+processor with the request's kwargs, errors as ValueErrors naming multi_modal_data) and gives
+its pixel values and size; `segment` the tokens that replace the image's token; `place` the
+`ImageInput`s of a segment that starts at a prompt offset. `span` is what a placed image's
+positions must hold (images processed ahead are checked against it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from paged_engine.multimodal import idefics3, qwen2_vl
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.llava import tokens_per_image
+from paged_engine.multimodal.llava_next import AnyRes
+
+Size = tuple[int, ...] | None
+Loaded = tuple[torch.Tensor, Size]  # an image's pixel values and its size (layout-specific)
+Run = Callable[..., Any]  # run(images, **extra) -> the image processor's output
+
+
+def digest(values: torch.Tensor, size: Size) -> str:
+    """blake2b of the values' bytes, dtype, shape and the image's size."""
+    data = values.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    h = hashlib.blake2b(data, digest_size=16)
+    h.update(repr((size, values.dtype, tuple(values.shape))).encode())
+    return h.hexdigest()
+
+
+def token_ids(tokenizer: Any, *tokens: str) -> tuple[int, ...]:
+    """The ids of special tokens the tokenizer must hold (ValueError naming the missing)."""
+    if tokenizer is None:
+        raise ValueError(f"the tokenizer is needed for the image tokens {tokens}")
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"the tokenizer has no {missing[0]} token, which images need")
+    return tuple(vocab[t] for t in tokens)
+
+
+def _side(config: Any) -> int:
+    size = config.vision_config.image_size
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def _shape_error(got: torch.Tensor, want: Any) -> ValueError:
+    return ValueError(
+        f"the image processor gave pixel values of shape {tuple(got.shape)}, not {want}: check "
+        "preprocessor_config.json"
+    )
+
+
+class Layout:
+    """LLaVA 1.5: every image a run of `tokens_per_image` placeholders, pixels [3, S, S]."""
+
+    takes_embeds = True  # vLLM's image features input (a run of the features' rows)
+    mrope = False  # the decoder's positions follow the images (Qwen-VL)
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed: int | None = tokens_per_image(config)  # None: each image's own length
+
+    def length(self, size: Size) -> int:
+        assert self.fixed is not None
+        return self.fixed
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        return (3, _side(self.config), _side(self.config))
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        pixels = run([image])["pixel_values"][0].float()
+        if tuple(pixels.shape) != self.pixel_shape(None):
+            raise _shape_error(pixels, self.pixel_shape(None))
+        return pixels, None
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        return [self.placeholder] * self.length(loaded[1])
+
+    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+        pixels, size = loaded
+        return [ImageInput(pixels, at, self.length(size), digest(pixels, size), size)]
+
+    def span(self, m: ImageInput) -> list[int]:
+        return [self.placeholder] * m.length
+
+    def fits(self, m: ImageInput) -> bool:
+        """Whether a processed image's pixels and run are what this model reads for its size."""
+        try:
+            length, shape = self.length(m.image_size), self.pixel_shape(m.image_size)
+        except (AssertionError, TypeError, ValueError, IndexError):
+            return False
+        pixels = m.pixel_values
+        return pixels is not None and m.length == length and tuple(pixels.shape) == shape
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        return None
+
+
+class AnyResLayout(Layout):
+    """LLaVA-NeXT: views [1 + rows * cols, 3, S, S], a run by the image's (h, w)."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        super().__init__(config, placeholder, tokenizer)
+        self.anyres = AnyRes.from_config(config)
+        self.fixed = None
+
+    def length(self, size: Size) -> int:
+        if size is None or len(size) != 2 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not its (h, w)")
+        return self.anyres.tokens((size[0], size[1]))
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 2
+        side = _side(self.config)
+        return (self.anyres.views((size[0], size[1])), 3, side, side)
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        out = run([image])
+        h, w = (int(v) for v in out["image_sizes"][0])
+        views = out["pixel_values"][0][: self.anyres.views((h, w))].float()
+        if tuple(views.shape) != self.pixel_shape((h, w)):
+            raise _shape_error(views, self.pixel_shape((h, w)))
+        return views, (h, w)
+
+
+class QwenLayout(Layout):
+    """Qwen2-VL / 2.5-VL / 3-VL / 3.5: patch rows [t*h*w, 3 * tp * p * p], a run of one
+    placeholder per merged patch; the prompt's M-RoPE positions (multimodal/mrope.py)."""
+
+    mrope = True
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        qwen2_vl.check_config(config)
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+
+    def length(self, size: Size) -> int:
+        if size is None or len(size) != 3 or min(size) <= 0:
+            raise ValueError(
+                f"multi_modal_data['image']: image_size {size} is not a patch grid (t, h, w)"
+            )
+        return qwen2_vl.tokens(self.config, size)
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 3
+        return (size[0] * size[1] * size[2], qwen2_vl.patch_dim(self.config))
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        out = run([image])
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        pixels = out["pixel_values"].float()
+        if tuple(pixels.shape) != self.pixel_shape((t, h, w)):
+            raise _shape_error(pixels, self.pixel_shape((t, h, w)))
+        return pixels, (t, h, w)
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        return qwen2_vl.mrope_positions(num_tokens, images, qwen2_vl.merge_size(self.config))
+
+
+class TileLayout(Layout):
+    """Idefics3 / SmolVLM: tiles [3, S, S] (rows x cols, then the whole image), each its own
+    run, HF's row / column text around them (tokenized by the model's tokenizer)."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        if tokenizer is None:
+            raise ValueError("the tokenizer is needed for Idefics3's image prompts")
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None
+        self.tile = idefics3.tile_tokens(config)
+
+    def length(self, size: Size) -> int:
+        return self.tile
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        out = run([[image]], return_row_col_info=True)
+        rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
+        pixels = out["pixel_values"][0].float()
+        count = rows * cols + 1 if rows or cols else 1
+        side = _side(self.config)
+        if tuple(pixels.shape) != (count, 3, side, side):
+            raise _shape_error(pixels, f"{(count, 3, side, side)} ({rows} x {cols} tiles + 1)")
+        return pixels, (rows, cols)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        rows, cols = loaded[1]  # type: ignore[misc]
+        text = idefics3.image_prompt(rows, cols, self.tile)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+        tiles, segment = loaded[0].unbind(0), self.segment(loaded)
+        starts = [
+            at + i
+            for i, t in enumerate(segment)
+            if t == self.placeholder and (i == 0 or segment[i - 1] != self.placeholder)
+        ]
+        if len(starts) != len(tiles):  # the tokenizer did not keep <image> whole
+            raise ValueError(
+                f"an image's prompt holds {len(starts)} image runs for {len(tiles)} tiles: "
+                "check the tokenizer's image tokens"
+            )
+        return [
+            ImageInput(p, s, self.tile, digest(p, None)) for p, s in zip(tiles, starts, strict=True)
+        ]
+
+
+class LineLayout(Layout):
+    """Pixtral / Mistral 3: pixels [3, H, W] (sides in units u = patch x merge), h / u lines
+    of w / u [IMG], each line ended by [IMG_BREAK], the last by [IMG_END]."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import pixtral
+
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+        self.unit = pixtral.patch_size(config) * pixtral.merge_size(config)
+        self.breaks = token_ids(tokenizer, "[IMG_BREAK]", "[IMG_END]")
+
+    def _lines(self, size: Size) -> list[int]:
+        assert size is not None and len(size) == 2
+        lines, cols = size[0] // self.unit, size[1] // self.unit
+        brk, end = self.breaks
+        span = ([self.placeholder] * cols + [brk]) * lines
+        span[-1] = end
+        return span
+
+    def length(self, size: Size) -> int:
+        return len(self._lines(size))
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None
+        return (3, size[0], size[1])
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        out = run([image], patch_size={"height": self.unit, "width": self.unit})
+        h, w = (int(v) for v in out["image_sizes"][0])
+        if h % self.unit or w % self.unit or min(h, w) < self.unit:
+            raise ValueError(
+                f"the image processor gave a {h} x {w} image, not multiples of {self.unit}"
+            )
+        return out["pixel_values"][0][:, :h, :w].float().contiguous(), (h, w)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        return self._lines(loaded[1])
+
+    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+        pixels, size = loaded
+        assert size is not None
+        n, cols = self.length(size), size[1] // self.unit
+        return [ImageInput(pixels, at, n, digest(pixels, size), size, break_every=cols + 1)]
+
+    def span(self, m: ImageInput) -> list[int]:
+        return self._lines(m.image_size)
+
+    def fits(self, m: ImageInput) -> bool:
+        size = m.image_size
+        return (
+            size is not None
+            and len(size) == 2
+            and super().fits(m)
+            and m.break_every == size[1] // self.unit + 1
+        )
+
+
+class BoundedLayout(Layout):
+    """InternVL: tiles [n, 3, S, S] (a grid and, for more than one, a thumbnail), one run of
+    `tile_rows` per tile between <img> and </img>; size = (n,)."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import internvl
+
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+        self.tile_rows = internvl.patch_tokens(config)
+        self.bounds = token_ids(
+            tokenizer,
+            getattr(tokenizer, "start_image_token", None) or "<img>",
+            getattr(tokenizer, "end_image_token", None) or "</img>",
+        )
+
+    def length(self, size: Size) -> int:
+        if size is None or len(size) != 1 or size[0] <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (tiles,)")
+        return size[0] * self.tile_rows
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None
+        return (size[0], 3, _side(self.config), _side(self.config))
+
+    def load(self, run: Run, image: Any) -> Loaded:
+        out = run([image], crop_to_patches=True)  # what InternVLProcessor asks for
+        tiles = out["pixel_values"].float()
+        if tiles.dim() != 4 or tuple(tiles.shape) != self.pixel_shape((tiles.shape[0],)):
+            side = _side(self.config)
+            raise _shape_error(tiles, f"[tiles, 3, {side}, {side}]")
+        return tiles, (tiles.shape[0],)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        start, end = self.bounds
+        return [start, *([self.placeholder] * self.length(loaded[1])), end]
+
+    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+        return super().place(loaded, at + 1)  # after <img>
+
+
+LAYOUTS: dict[str, type[Layout]] = {
+    "llava": Layout,
+    "llava_next": AnyResLayout,
+    "qwen2_vl": QwenLayout,
+    "idefics3": TileLayout,
+    "pixtral": LineLayout,
+    "internvl": BoundedLayout,
+}

@@ -274,3 +274,41 @@ def test_deepstack_layers_must_be_on_the_first_stage():
     check_deepstack(SimpleNamespace(num_deepstack=1), model, 2)
     with pytest.raises(ValueError, match="pipeline_parallel_size=4"):
         check_deepstack(SimpleNamespace(num_deepstack=3), model, 4)
+
+
+def test_processor_cache_processes_an_image_once(qwen_dirs, monkeypatch):
+    """mm_processor_cache_gb (vLLM's): the same image in two prompts (a chat resending it)
+    runs the image processor once and gives the same answer; other processor arguments, or
+    the cache off, process it again."""
+    path = qwen_dirs()
+    image = _image(21, (40, 56))
+    llm = _llm(path)
+    images = llm.llm_engine.input_processor.images
+    assert images.cache is not None  # on by default, as in vLLM
+    calls = []
+
+    class Counting:  # the image processor, its calls counted
+        def __init__(self, hf) -> None:
+            self.hf = hf
+
+        def __call__(self, **kw):
+            calls.append(kw)
+            return self.hf(**kw)
+
+        def __getattr__(self, name):
+            return getattr(self.hf, name)
+
+    monkeypatch.setattr(images, "_hf", Counting(images.hf))
+    first = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+    turn = {"prompt": TEXT + PROMPT, "multi_modal_data": {"image": image}}
+    a, b = llm.generate([first, turn], _greedy(0), use_tqdm=False)
+    assert len(calls) == 1 and images.cache.hits == 1
+    plain = _llm(path, mm_processor_cache_gb=0)
+    assert plain.llm_engine.input_processor.images.cache is None
+    want = plain.generate([first, turn], _greedy(0), use_tqdm=False)
+    assert_same_greedy([w.outputs[0] for w in want], [a.outputs[0], b.outputs[0]])
+    other = {**first, "mm_processor_kwargs": {"max_pixels": 32 * 64}}
+    llm.generate([other], _greedy(0), use_tqdm=False)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="mm_processor_cache_gb"):
+        _llm(path, mm_processor_cache_gb=-1)

@@ -406,6 +406,9 @@ def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> No
     assert seen["c"].limit_mm_per_prompt == limit
     build_engine(parse_args(["m", "--mm-processor-kwargs", '{"max_pixels": 1003520}']))
     assert seen["c"].mm_processor_kwargs == {"max_pixels": 1003520}
+    assert seen["c"].mm_processor_cache_gb == 4.0
+    build_engine(parse_args(["m", "--mm-processor-cache-gb", "0"]))
+    assert seen["c"].mm_processor_cache_gb == 0
 
 
 @pytest.mark.parametrize(

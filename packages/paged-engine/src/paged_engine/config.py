@@ -143,6 +143,9 @@ class EngineConfig:
     # Arguments for the checkpoint's image processor on every image (vLLM's; e.g. Qwen2-VL's
     # {"max_pixels": 1280 * 28 * 28}); a prompt's own "mm_processor_kwargs" go on top.
     mm_processor_kwargs: dict | None = None
+    # vLLM's processor cache: images processed once are not processed again (a chat resends
+    # its images every turn), up to this many GiB of pixel values; 0 turns it off.
+    mm_processor_cache_gb: float = 4.0
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -223,6 +226,12 @@ class EngineConfig:
             "limit_mm_per_prompt",
             self.limit_mm_per_prompt,
             f"None or a dict of modalities {_MODALITIES} to ints >= 0",
+        )
+        _check(
+            _is_number(self.mm_processor_cache_gb) and self.mm_processor_cache_gb >= 0,
+            "mm_processor_cache_gb",
+            self.mm_processor_cache_gb,
+            "a number of GiB >= 0",
         )
         _check(
             self.mm_processor_kwargs is None

@@ -84,6 +84,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_sleep_mode=args.enable_sleep_mode,
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_kwargs=args.mm_processor_kwargs,
+        mm_processor_cache_gb=args.mm_processor_cache_gb,
         **_lora_config(args),
     )
     return LLMEngine(config)

@@ -371,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         "'{\"max_pixels\": 1003520}' (a request's own mm_processor_kwargs go on top)",
     )
     p.add_argument(
+        "--mm-processor-cache-gb",
+        type=float,
+        default=4.0,
+        metavar="GIB",
+        help="keep images' processed pixel values for reuse (a chat resends its images every "
+        "turn) up to this many GiB; 0 turns it off (default: 4)",
+    )
+    p.add_argument(
         "--allowed-local-media-path",
         default=None,
         metavar="DIR",

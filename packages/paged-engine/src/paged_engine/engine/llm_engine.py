@@ -60,6 +60,7 @@ from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
+from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -577,6 +578,8 @@ class LLMEngine:
         images = ImageProcessor(self.resolved.path, config, cfg.image_limit, self.tokenizer)
         if cfg.mm_processor_kwargs:
             images.kwargs = images.processor_kwargs(cfg.mm_processor_kwargs)
+        if cfg.mm_processor_cache_gb > 0:
+            images.cache = ProcessorCache(int(cfg.mm_processor_cache_gb * 2**30))
         return images
 
     def _resolve_lengths(self) -> None:

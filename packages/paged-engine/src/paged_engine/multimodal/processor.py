@@ -23,9 +23,10 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import LAYOUTS, Layout, digest
+from paged_engine.multimodal.layouts import LAYOUTS, Layout, Loaded, digest
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
+from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class ImageProcessor:
         self.tokens_per_image = self.layout.fixed
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
         self.kwargs: dict[str, Any] = {}  # the engine's mm_processor_kwargs, checked
+        self.cache: ProcessorCache | None = None  # mm_processor_cache_gb (set by the engine)
         if not processor_saved(self.path):
             raise ValueError(
                 f"{path} has neither preprocessor_config.json nor processor_config.json: the "
@@ -143,7 +145,8 @@ class ImageProcessor:
             )
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
-        loaded = [self.layout.load(self._runner(call), image) for image in items]
+        run = self._runner(call)
+        loaded = [self._load(run, image, call) for image in items]
         if self._runs_only:
             token_ids = self.expand(token_ids, [self.layout.length(s) for _, s in loaded])
             starts = self._run_starts(token_ids)
@@ -153,6 +156,17 @@ class ImageProcessor:
         for x, at in zip(loaded, starts, strict=True):
             out += self.layout.place(x, at)
         return token_ids, tuple(out)
+
+    def _load(self, run: Any, image: Any, kwargs: dict[str, Any]) -> Loaded:
+        """The layout's load of one image, or what the processor cache holds for it."""
+        if self.cache is None:
+            return self.layout.load(run, image)
+        key = image_key(image, kwargs)
+        loaded = self.cache.get(key)
+        if loaded is None:
+            loaded = self.layout.load(run, image)
+            self.cache.put(key, loaded)
+        return loaded
 
     def _runner(self, kwargs: dict[str, Any]):
         """The image processor on a list of images (as HF's processor nests them), the
@@ -340,7 +354,8 @@ class ImageProcessor:
             raise ValueError(
                 f"mm_processor_kwargs must be a dict of argument names, got {type(kwargs).__name__}"
             )
-        known = set(getattr(self.hf, "valid_kwargs", dict).__annotations__) - _LAYOUT_KWARGS
+        valid = getattr(getattr(self.hf, "valid_kwargs", None), "__annotations__", {})
+        known = set(valid) - _LAYOUT_KWARGS
         bad = sorted(k for k in kwargs if k not in known)
         if bad:
             raise ValueError(

@@ -10,12 +10,11 @@ tower's position ids against transformers' bucketing, and bad input.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import assert_matches, hf_greedy
+from image_checks import check_engine_paths, engine, greedy, noise_image
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
@@ -25,11 +24,6 @@ MAX_TOKENS = 8
 PROMPT = "<|im_start|>User:<image>What is in it?<end_of_utterance>\nAssistant:"
 TWO = "<|im_start|>User:<image>and<image>Which is brighter?<end_of_utterance>\nAssistant:"
 TEXT = "<|im_start|>User:Say something about the sea.<end_of_utterance>\nAssistant:"
-
-
-def _image(seed: int, size: tuple[int, int]):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +36,6 @@ def dirs(tmp_path_factory):
         return cache[arch]
 
     return make
-
-
-def _greedy(top: int = 5, n: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
-
-
-def _llm(path, **kw) -> LLM:
-    kw = {"max_model_len": 512, **kw}
-    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
 
 
 def _hf_inputs(path, arch: str, text: str, images: list) -> tuple[list[int], dict]:
@@ -92,20 +77,20 @@ def test_images_match_hf(dirs, arch):
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     cases = [
-        (PROMPT, [_image(1, (50, 90))]),  # 2 x 3 tiles
+        (PROMPT, [noise_image(1, (50, 90))]),  # 2 x 3 tiles
         (TEXT, []),
-        (TWO, [_image(2, (96, 40)), _image(3, (20, 24))]),  # tall; small
+        (TWO, [noise_image(2, (96, 40)), noise_image(3, (20, 24))]),  # tall; small
     ]
     refs = []
     for text, images in cases:
         ids, extra = _hf_inputs(path, arch, text, images)
         refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    llm = _llm(path)
+    llm = engine(path)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
         for text, imgs in cases
     ]
-    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
     for (ids, ref), out in zip(refs, outs, strict=True):
         assert out.prompt_token_ids == ids
         assert_matches(arch, out, ref)
@@ -132,44 +117,28 @@ def test_tower_position_ids_are_transformers_buckets():
 
 
 def test_engine_paths_match_the_plain_run(dirs):
-    """8-token chunks through the tiles, a prefix-cache hit on the same image (none past the
-    text for another), images processed ahead; one placeholder short, or features instead of
-    images, a ValueError naming multi_modal_data."""
-    path = dirs()
+    """The engine's paths through tiles against its plain run (image_checks); one placeholder
+    short, or features instead of images, a ValueError naming multi_modal_data."""
     prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (30 + 20 * i, 80 - 15 * i))}}
+        {
+            "prompt": PROMPT,
+            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
+        }
         for i in range(3)
-    ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(7, (16, 90)), _image(8, (64, 64))]}}]
-    params = _greedy(0, 24)
-
-    def run(llm, batch=prompts):
-        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-    plain = run(_llm(path))
-    chunked = _llm(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
-    assert_same_greedy(plain, run(chunked))
-
-    cached = _llm(path, enable_prefix_caching=True)
-    run(cached, prompts[:1])
-    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
-    assert_same_greedy(plain[:1], [again.outputs[0]])
-    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
-    image_id = cached.llm_engine.input_processor.images.image_token_id
-    first = other.prompt_token_ids.index(image_id)
-    assert other.num_cached_tokens <= first // 16 * 16
-
-    images = cached.llm_engine.input_processor.images
+    ] + [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+    cached = check_engine_paths(dirs(), prompts, TWO)
     pics = prompts[-1]["multi_modal_data"]["image"]
-    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
-    assert len(done) > 2  # tiles, each its own run
-    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
-    assert_same_greedy(plain[-1:], run(cached, [ahead]))
-
     for bad, match in [
         ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
     ]:
         with pytest.raises(ValueError, match=match):
-            cached.generate([bad], params, use_tqdm=False)
-    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    assert (
+        len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
+    )

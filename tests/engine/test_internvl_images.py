@@ -10,12 +10,11 @@ against the plain run and bad input.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import assert_matches, hf_greedy
+from image_checks import check_engine_paths, engine, greedy, noise_image
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_internvl
 
 transformers = pytest.importorskip("transformers")
@@ -28,23 +27,9 @@ TWO = f"<|im_start|>user\n{CTX}\nand {CTX}\nWhich is brighter?<|im_end|>\n<|im_s
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def _image(seed: int, size: tuple[int, int]):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
-
-
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return write_tiny_internvl(tmp_path_factory.mktemp("internvl"), seed=2)
-
-
-def _greedy(top: int = 5, n: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
-
-
-def _llm(path, **kw) -> LLM:
-    kw = {"max_model_len": 512, **kw}
-    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
 
 
 def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
@@ -65,60 +50,53 @@ def test_images_match_hf(path):
     model = transformers.InternVLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
     model.eval().generation_config.eos_token_id = None
     cases = [
-        (PROMPT, [_image(1, (40, 90))]),  # 2 tiles and the thumbnail
+        (PROMPT, [noise_image(1, (40, 90))]),  # 2 tiles and the thumbnail
         (TEXT, []),
-        (TWO, [_image(2, (100, 30)), _image(3, (20, 24))]),  # tall; one tile
+        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # tall; one tile
     ]
     refs = []
     for text, images in cases:
         ids, extra = _hf_inputs(path, text, images)
         refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    llm = _llm(path)
+    llm = engine(path)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
         for text, imgs in cases
     ]
-    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
     for (ids, ref), out in zip(refs, outs, strict=True):
         assert out.prompt_token_ids == ids
         assert_matches("internvl", out, ref)
 
 
 def test_engine_paths_match_the_plain_run(path):
-    """8-token chunks through the tiles, a prefix-cache hit on the same image, images
-    processed ahead, mm_processor_kwargs (one tile an image); bad input a ValueError naming
-    multi_modal_data, nothing lost."""
+    """The engine's paths through the tiles against its plain run (image_checks);
+    mm_processor_kwargs (one tile an image); bad input a ValueError naming multi_modal_data,
+    nothing lost."""
     prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (30 + 20 * i, 80 - 15 * i))}}
+        {
+            "prompt": PROMPT,
+            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
+        }
         for i in range(3)
-    ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(7, (16, 90)), _image(8, (64, 64))]}}]
-    params = _greedy(0, 24)
-
-    def run(llm, batch=prompts):
-        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-    plain = run(_llm(path))
-    chunked = _llm(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
-    assert_same_greedy(plain, run(chunked))
-
-    cached = _llm(path, enable_prefix_caching=True)
-    run(cached, prompts[:1])
-    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
-    assert_same_greedy(plain[:1], [again.outputs[0]])
-
+    ] + [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+    cached = check_engine_paths(path, prompts, TWO)
     images = cached.llm_engine.input_processor.images
-    pics = prompts[-1]["multi_modal_data"]["image"]
-    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
-    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
-    assert_same_greedy(plain[-1:], run(cached, [ahead]))
     one_tile = {**prompts[0], "mm_processor_kwargs": {"crop_to_patches": False}}
-    out = cached.generate([one_tile], params, use_tqdm=False)[0]
+    out = cached.generate([one_tile], greedy(0), use_tqdm=False)[0]
     assert out.prompt_token_ids.count(images.image_token_id) == 16
+    pics = prompts[-1]["multi_modal_data"]["image"]
     for bad, match in [
         ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
     ]:
         with pytest.raises(ValueError, match=match):
-            cached.generate([bad], params, use_tqdm=False)
-    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    assert (
+        len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
+    )

@@ -10,12 +10,11 @@ an image's lines, prefix-cache hits, images processed ahead, and bad input.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import assert_matches, hf_greedy
+from image_checks import check_engine_paths, engine, greedy, noise_image
 
-from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_mistral3
 
 transformers = pytest.importorskip("transformers")
@@ -25,11 +24,6 @@ MAX_TOKENS = 8
 PROMPT = "[INST][IMG]What is in it? Tell me.[/INST]"
 TWO = "[INST][IMG] and [IMG]Which is brighter?[/INST]"
 TEXT = "[INST]Say something about the sea.[/INST]"
-
-
-def _image(seed: int, size: tuple[int, int]):
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +36,6 @@ def dirs(tmp_path_factory):
         return cache[arch]
 
     return make
-
-
-def _greedy(top: int = 5, n: int = MAX_TOKENS) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=top)
-
-
-def _llm(path, **kw) -> LLM:
-    kw = {"max_model_len": 512, **kw}
-    return LLM(model=str(path), dtype="float32", block_size=16, **kw)
 
 
 def _hf_inputs(path, merge: int, text: str, images: list) -> tuple[list[int], dict]:
@@ -81,63 +66,52 @@ def test_images_match_hf(dirs, arch):
     model.eval().generation_config.eos_token_id = None
     merge = 2 if arch == "mistral3" else 1
     cases = [
-        (PROMPT, [_image(1, (40, 56))]),
+        (PROMPT, [noise_image(1, (40, 56))]),
         (TEXT, []),
-        (TWO, [_image(2, (90, 30)), _image(3, (17, 33))]),  # resized to fit, units of the patch
+        (
+            TWO,
+            [noise_image(2, (90, 30)), noise_image(3, (17, 33))],
+        ),  # resized to fit, units of the patch
     ]
     refs = []
     for text, images in cases:
         ids, extra = _hf_inputs(path, merge, text, images)
         refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    llm = _llm(path)
+    llm = engine(path)
     prompts = [
         {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
         for text, imgs in cases
     ]
-    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
     for (ids, ref), out in zip(refs, outs, strict=True):
         assert out.prompt_token_ids == ids
         assert_matches(arch, out, ref)
 
 
 def test_engine_paths_match_the_plain_run(dirs):
-    """5-token chunks through an image's lines (cut inside lines and at breaks), a
-    prefix-cache hit on the same image (none past the text for another), images processed
-    ahead; bad input a ValueError naming multi_modal_data, nothing lost."""
-    path = dirs()
+    """The engine's paths through an image's lines against its plain run (image_checks;
+    5-token chunks: cut inside lines and at breaks); bad input a ValueError naming
+    multi_modal_data, nothing lost."""
     prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (24 + 12 * i, 64 - 10 * i))}}
+        {
+            "prompt": PROMPT,
+            "multi_modal_data": {"image": noise_image(i, (24 + 12 * i, 64 - 10 * i))},
+        }
         for i in range(3)
-    ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(7, (16, 64)), _image(8, (40, 40))]}}]
-    params = _greedy(0, 24)
-
-    def run(llm, batch=prompts):
-        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-    plain = run(_llm(path))
-    chunked = _llm(path, max_num_batched_tokens=5, enable_chunked_prefill=True, max_num_seqs=3)
-    assert_same_greedy(plain, run(chunked))
-
-    cached = _llm(path, enable_prefix_caching=True)
-    run(cached, prompts[:1])
-    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
-    assert_same_greedy(plain[:1], [again.outputs[0]])
-    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
-    first = other.prompt_token_ids.index(cached.llm_engine.input_processor.images.image_token_id)
-    assert other.num_cached_tokens <= first // 16 * 16
-
-    images = cached.llm_engine.input_processor.images
+    ] + [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(7, (16, 64)), noise_image(8, (40, 40))]},
+        }
+    ]
+    cached = check_engine_paths(dirs(), prompts, TWO, chunk=5)
     pics = prompts[-1]["multi_modal_data"]["image"]
-    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
-    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
-    assert_same_greedy(plain[-1:], run(cached, [ahead]))
-    moved = {"prompt_token_ids": [5, *expanded], "multi_modal_data": {"image": list(done)}}
     for bad, match in [
-        (moved, "do not fit"),
         ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
     ]:
         with pytest.raises(ValueError, match=match):
-            cached.generate([bad], params, use_tqdm=False)
-    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    assert (
+        len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
+    )

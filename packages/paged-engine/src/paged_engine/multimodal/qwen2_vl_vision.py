@@ -155,14 +155,70 @@ class _Block(nn.Module):
 
 
 class _PatchEmbed(nn.Module):
-    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int) -> None:
+    """A Conv3d whose kernel is the whole patch, run as one matmul on flattened patches."""
+
+    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int, bias: bool) -> None:
         super().__init__()
         kernel = (temporal, patch, patch)
-        self.proj = nn.Conv3d(in_channels, dim, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(in_channels, dim, kernel, stride=kernel, bias=bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [P, C*tp*p*p] -> [P, D]
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.device, weight.dtype), weight.flatten(1))
+        return F.linear(pixels.to(weight.device, weight.dtype), weight.flatten(1), self.proj.bias)
+
+
+def _head_dim(config, width: int, num_heads: int) -> int:
+    """The tower's head size (ValueError unless it splits into row and column halves)."""
+    if width % num_heads or (width // num_heads) % 4:
+        raise ValueError(
+            f"vision_config: width {width} / num_heads {num_heads} must be a head_dim "
+            "divisible by 4 (half of it rotates by row, half by column)"
+        )
+    head_dim = width // num_heads
+    if getattr(config, "head_dim", None) not in (None, head_dim):
+        raise ValueError(f"vision_config.head_dim={config.head_dim} is not {head_dim}")
+    return head_dim
+
+
+def _check_grids(
+    pixel_values: torch.Tensor, grid_thw, merge: int, row_width: int
+) -> list[tuple[int, int, int]]:
+    """Each image's (t, h, w), checked against the merge size and the pixel rows."""
+    grids = [tuple(int(v) for v in g) for g in grid_thw]
+    for grid in grids:
+        if len(grid) != 3 or min(grid) < 1 or grid[1] % merge or grid[2] % merge:
+            raise ValueError(
+                f"grid_thw {grid}: (t, h, w) with h and w positive multiples of "
+                f"spatial_merge_size {merge}"
+            )
+    rows = sum(t * h * w for t, h, w in grids)
+    if pixel_values.shape != (rows, row_width):
+        raise ValueError(
+            f"pixel_values: shape {tuple(pixel_values.shape)}, expected ({rows}, {row_width}) "
+            f"for grid_thw {grids}"
+        )
+    return grids  # type: ignore[return-value]
+
+
+def _frame_segments(grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+    """Each frame's patch rows (attention stays within a frame), grouped by length."""
+    segments, start = [], 0
+    for t, h, w in grids:
+        for _ in range(t):
+            segments.append(torch.arange(start, start + h * w))
+            start += h * w
+    return _group_by_length(segments)
+
+
+def _load_visual(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """The checkpoint's `visual.*` / `model.visual.*` tensors into `module` (any other name is
+    passed over); ValueError naming a missing or unexpected one."""
+
+    def inner(name: str) -> str:
+        return name.removeprefix("model.").removeprefix("visual.")
+
+    picked = ((n, t) for n, t in weights if n.removeprefix("model.").startswith("visual."))
+    return load_named_weights(module, picked, rename=inner)
 
 
 class _PatchMerger(nn.Module):
@@ -198,15 +254,7 @@ class QwenVisionEncoder(nn.Module):
         self.in_channels = _int_field(config, "in_channels", 3)
         self.merge = _int_field(config, "spatial_merge_size")
         self.out_dim = _int_field(config, "out_hidden_size" if qwen2_5 else "hidden_size")
-        if width % num_heads or (width // num_heads) % 4:
-            raise ValueError(
-                f"vision_config: width {width} / num_heads {num_heads} must be a head_dim "
-                "divisible by 4 (half of it rotates by row, half by column)"
-            )
-        head_dim = width // num_heads
-        if getattr(config, "head_dim", None) not in (None, head_dim):
-            raise ValueError(f"vision_config.head_dim={config.head_dim} is not {head_dim}")
-        self.head_dim = head_dim
+        self.head_dim = _head_dim(config, width, num_heads)
         self.rope_theta = _rope_theta(config)
 
         act = getattr(config, "hidden_act", None)
@@ -236,7 +284,7 @@ class QwenVisionEncoder(nn.Module):
             self.full_blocks = frozenset(range(depth))
 
         self.patch_embed = _PatchEmbed(
-            self.in_channels, self.temporal_patch_size, self.patch_size, width
+            self.in_channels, self.temporal_patch_size, self.patch_size, width, bias=False
         )
         self.blocks = nn.ModuleList(
             _Block(width, num_heads, mlp(width, hidden, act), qwen2_5) for _ in range(depth)
@@ -244,22 +292,8 @@ class QwenVisionEncoder(nn.Module):
         self.merger = _PatchMerger(width, self.out_dim, self.merge, qwen2_5)
 
     def _grids(self, pixel_values: torch.Tensor, grid_thw) -> list[tuple[int, int, int]]:
-        grids = [tuple(int(v) for v in g) for g in grid_thw]
-        m = self.merge
-        for t, h, w in grids:
-            if t < 1 or h < 1 or w < 1 or h % m or w % m:
-                raise ValueError(
-                    f"grid_thw ({t}, {h}, {w}): h and w must be positive multiples of "
-                    f"spatial_merge_size {m}"
-                )
         width = self.in_channels * self.temporal_patch_size * self.patch_size**2
-        rows = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (rows, width):
-            raise ValueError(
-                f"pixel_values: shape {tuple(pixel_values.shape)}, expected ({rows}, {width}) "
-                f"for grid_thw {grids}"
-            )
-        return grids
+        return _check_grids(pixel_values, grid_thw, self.merge, width)
 
     # The index tensors below are built on the CPU (small, and no device sync per window).
 
@@ -274,12 +308,7 @@ class QwenVisionEncoder(nn.Module):
         return torch.cat(out)
 
     def _frames(self, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        segments, start = [], 0
-        for t, h, w in grids:
-            for _ in range(t):
-                segments.append(torch.arange(start, start + h * w))
-                start += h * w
-        return _group_by_length(segments)
+        return _frame_segments(grids)
 
     def _windows(self, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Per frame, the windows (row-major) of window x window merged tokens, edges partial."""
@@ -320,9 +349,4 @@ class QwenVisionEncoder(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's `visual.*` / `model.visual.*` tensors (any other name is passed
         over); raises ValueError naming a missing or unexpected one."""
-
-        def inner(name: str) -> str:
-            return name.removeprefix("model.").removeprefix("visual.")
-
-        picked = ((n, t) for n, t in weights if n.removeprefix("model.").startswith("visual."))
-        return load_named_weights(self, picked, rename=inner)
+        return _load_visual(self, weights)

@@ -36,11 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
-from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.qwen2_vl_vision import (
     _Block,
-    _group_by_length,
+    _check_grids,
+    _frame_segments,
+    _head_dim,
     _int_field,
+    _load_visual,
+    _PatchEmbed,
     _rope_theta,
 )
 
@@ -60,17 +63,6 @@ class _MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
-
-
-class _PatchEmbed(nn.Module):
-    def __init__(self, in_channels: int, temporal: int, patch: int, dim: int) -> None:
-        super().__init__()
-        kernel = (temporal, patch, patch)
-        self.proj = nn.Conv3d(in_channels, dim, kernel, stride=kernel, bias=True)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [P, C*tp*p*p] -> [P, D]
-        weight = self.proj.weight
-        return F.linear(pixels.to(weight.device, weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class _PatchMerger(nn.Module):
@@ -132,15 +124,7 @@ class Qwen3VisionEncoder(nn.Module):
         num_positions = _int_field(config, "num_position_embeddings")
         # HF: int(n ** 0.5); rows past side**2 (n not a square) are loaded but never read
         self.grid_side = math.isqrt(num_positions)
-        if width % num_heads or (width // num_heads) % 4:
-            raise ValueError(
-                f"vision_config: hidden_size {width} / num_heads {num_heads} must be a head_dim "
-                "divisible by 4 (half of it rotates by row, half by column)"
-            )
-        head_dim = width // num_heads
-        if getattr(config, "head_dim", None) not in (None, head_dim):
-            raise ValueError(f"vision_config.head_dim={config.head_dim} is not {head_dim}")
-        self.head_dim = head_dim
+        self.head_dim = _head_dim(config, width, num_heads)
         self.rope_theta = _rope_theta(config)
         act = getattr(config, "hidden_act", None)
         if not isinstance(act, str):
@@ -164,7 +148,7 @@ class Qwen3VisionEncoder(nn.Module):
         self.num_deepstack = len(deepstack)
 
         self.patch_embed = _PatchEmbed(
-            self.in_channels, self.temporal_patch_size, self.patch_size, width
+            self.in_channels, self.temporal_patch_size, self.patch_size, width, bias=True
         )
         self.pos_embed = nn.Embedding(num_positions, width)
         self.blocks = nn.ModuleList(
@@ -176,22 +160,8 @@ class Qwen3VisionEncoder(nn.Module):
         )
 
     def _grids(self, pixel_values: torch.Tensor, grid_thw) -> list[tuple[int, int, int]]:
-        grids = [tuple(int(v) for v in g) for g in grid_thw]
-        m = self.merge
-        for grid in grids:
-            if len(grid) != 3 or min(grid) < 1 or grid[1] % m or grid[2] % m:
-                raise ValueError(
-                    f"grid_thw {grid}: (t, h, w) with h and w positive multiples of "
-                    f"spatial_merge_size {m}"
-                )
         width = self.in_channels * self.temporal_patch_size * self.patch_size**2
-        rows = sum(t * h * w for t, h, w in grids)
-        if pixel_values.shape != (rows, width):
-            raise ValueError(
-                f"pixel_values: shape {tuple(pixel_values.shape)}, expected ({rows}, {width}) "
-                f"for grid_thw {grids}"
-            )
-        return grids
+        return _check_grids(pixel_values, grid_thw, self.merge, width)
 
     # The index tensors below are built on the CPU (small, and no device sync per image).
 
@@ -234,15 +204,6 @@ class Qwen3VisionEncoder(nn.Module):
         angles = freqs.flatten(1).repeat(1, 2)[:, None].to(device)  # [P, 1, D]: (row | col) x2
         return angles.cos(), angles.sin()
 
-    @staticmethod
-    def _frames(grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        segments, start = [], 0
-        for t, h, w in grids:
-            for _ in range(t):
-                segments.append(torch.arange(start, start + h * w))
-                start += h * w
-        return _group_by_length(segments)
-
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -254,7 +215,7 @@ class Qwen3VisionEncoder(nn.Module):
         x = self.patch_embed(pixel_values)
         x = x + self._position_embeddings(grids, positions, x.dtype)
         cos, sin = self._rotary(grids, positions, x.device)
-        frames = [g.to(x.device) for g in self._frames(grids)]
+        frames = [g.to(x.device) for g in _frame_segments(grids)]
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames)
@@ -266,9 +227,4 @@ class Qwen3VisionEncoder(nn.Module):
         """The checkpoint's `model.visual.*` (transformers 5's save_pretrained) / `visual.*`
         tensors (any other name is passed over); raises ValueError naming a missing or
         unexpected one."""
-
-        def inner(name: str) -> str:
-            return name.removeprefix("model.").removeprefix("visual.")
-
-        picked = ((n, t) for n, t in weights if n.removeprefix("model.").startswith("visual."))
-        return load_named_weights(self, picked, rename=inner)
+        return _load_visual(self, weights)

@@ -86,6 +86,17 @@ def test_images_match_hf(dirs, arch):
     for (ids, ref), out in zip(refs, outs, strict=True):
         assert out.prompt_token_ids == ids
         assert_matches(arch, out, ref)
+    # HF's expanded ids with the images: taken as they are
+    ahead = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+        for (ids, _), (_, imgs) in zip(refs, cases, strict=True)
+        if imgs
+    ]
+    for out, (ids, ref) in zip(
+        llm.generate(ahead, greedy(), use_tqdm=False), [r for r, c in zip(refs, cases) if c[1]]
+    ):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == ref.tokens
 
 
 def test_engine_paths_match_the_plain_run(dirs):

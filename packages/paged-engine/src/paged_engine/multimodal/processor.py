@@ -151,7 +151,12 @@ class ImageProcessor:
             token_ids = self.expand(token_ids, [self.layout.length(s) for _, s in loaded])
             starts = self._run_starts(token_ids)
         else:
-            token_ids, starts = self._splice(token_ids, [self.layout.segment(x) for x in loaded])
+            segments = [self.layout.segment(x) for x in loaded]
+            found = self._find(token_ids, segments)  # expanded already (an HF processor's ids)
+            if found is None:
+                token_ids, starts = self._splice(token_ids, segments)
+            else:
+                starts = found
         out: list[ImageInput] = []
         for x, at in zip(loaded, starts, strict=True):
             out += self.layout.place(x, at)
@@ -208,6 +213,27 @@ class ImageProcessor:
                 "model (their placeholder runs or pixel shapes differ)"
             )
         return token_ids, tuple(images)
+
+    def _find(self, ids: list[int], segments: list[list[int]]) -> list[int] | None:
+        """Where each segment starts, in order, when the prompt holds them all already and no
+        other placeholder; else None."""
+        tid = self.image_token_id
+        if sum(s.count(tid) for s in segments) != ids.count(tid):
+            return None
+        starts, at = [], 0
+        for segment in segments:
+            first = segment[0]
+            while True:
+                try:
+                    at = ids.index(first, at)
+                except ValueError:
+                    return None
+                if ids[at : at + len(segment)] == segment:
+                    break
+                at += 1
+            starts.append(at)
+            at += len(segment)
+        return starts
 
     def _splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
         """(each lone image token replaced by its image's segment, where the segments start);

@@ -175,7 +175,7 @@ class Request:
     # Images of the prompt (multimodal/inputs.py ImageInput), in placeholder order: the worker
     # embeds them at their placeholders; a block covering one is keyed by its hash too.
     mm_inputs: tuple = ()
-    # Qwen2-VL: the prompt's M-RoPE positions (multimodal/qwen2_vl.py MropePositions)
+    # Qwen-VL with images: the prompt's M-RoPE positions (multimodal/mrope.py MropePositions)
     mrope: Any = None
 
     def __post_init__(self) -> None:

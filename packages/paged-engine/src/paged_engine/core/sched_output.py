@@ -34,7 +34,7 @@ class NewSeqData:
     state_slot: int = -1  # hybrid models: its recurrent-state row (core/state_slots.py)
     # images (multimodal/inputs.py) whose placeholders it has yet to run
     mm_inputs: tuple = ()
-    mrope: Any = None  # its prompt's M-RoPE positions (Qwen2-VL with images), else None
+    mrope: Any = None  # its prompt's M-RoPE positions (Qwen-VL with images), else None
 
 
 @dataclass(slots=True)

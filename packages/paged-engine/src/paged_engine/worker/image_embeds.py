@@ -24,7 +24,7 @@ from paged_engine.multimodal.inputs import ImageInput
 
 class ImageEmbedder:
     def __init__(self, encoder: nn.Module, embed_tokens: nn.Module, device: torch.device) -> None:
-        self.encoder = encoder  # multimodal/llava*.py: .encode(images) -> [[length, D], ...]
+        self.encoder = encoder  # multimodal/archs.py build_encoder: .encode(images) -> [rows]
         self.embed_tokens = embed_tokens  # the text model's token embedding
         self.device = device
         self.images: dict[int, list[ImageInput]] = {}  # seq id -> images it has yet to run

@@ -137,7 +137,7 @@ class ModelRunner:
         # A checkpoint whose images run (multimodal/): their features at their placeholders
         # (set by the worker on the first pipeline stage; worker/image_embeds.py).
         self.images: ImageEmbedder | None = None
-        # seq id -> its prompt's M-RoPE positions (Qwen2-VL with images; every rank and stage)
+        # seq id -> its prompt's M-RoPE positions (Qwen-VL with images; every rank and stage)
         self.rope_tables: dict[int, MropePositions] = {}
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from image_checks import check_engine_paths
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.multimodal.llava_next import AnyRes
@@ -122,44 +123,31 @@ def test_placeholder_counts_match_hf_processor(next_dirs):
 
 
 def test_chunks_prefix_cache_and_images_processed_ahead_match_the_plain_run(next_dirs):
-    """8-token chunks through images of different lengths, a prefix-cache hit on the same
-    image (and none past the text for another size of the same picture), and images processed
-    ahead (`ImageProcessor.process`): the plain run's greedy tokens; an ImageInput whose
-    image_size does not fit its run is refused."""
+    """The engine's paths through images of different lengths against its plain run
+    (image_checks); the same picture at another size shares no block past the text; an
+    ImageInput whose image_size does not fit its run is refused, nothing lost."""
     path = next_dirs()
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": _image(i, (30 + 9 * i, 70 - 9 * i))}}
         for i in range(4)
     ] + [{"prompt": TWO, "multi_modal_data": {"image": [_image(5, (20, 80)), _image(6, (60, 60))]}}]
+    cached = check_engine_paths(path, prompts, TWO)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-
-    def run(llm, batch=prompts):
-        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-    plain = run(_llm(path))
-    chunked = _llm(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
-    assert_same_greedy(plain, run(chunked))
-
-    cached = _llm(path, enable_prefix_caching=True)
-    run(cached, prompts[:1])
-    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
-    assert_same_greedy(plain[:1], [again.outputs[0]])
     resized = {"prompt": PROMPT, "multi_modal_data": {"image": _image(0, (31, 70))}}
     other = cached.generate([resized], params, use_tqdm=False)[0]
     image_start = other.prompt_token_ids.index(_image_token(path))
     assert other.num_cached_tokens <= image_start // 16 * 16
 
     images = cached.llm_engine.input_processor.images
-    pics = prompts[-1]["multi_modal_data"]["image"]
-    expanded, done = images.process(cached.get_tokenizer().encode(TWO), pics)
-    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
-    assert_same_greedy(plain[-1:], run(cached, [ahead]))
+    expanded, done = images.process(
+        cached.get_tokenizer().encode(TWO), prompts[-1]["multi_modal_data"]["image"]
+    )
     swapped = [dataclasses.replace(done[0], image_size=(60, 60)), done[1]]
     bad = {"prompt_token_ids": expanded, "multi_modal_data": {"image": swapped}}
     with pytest.raises(ValueError, match="placeholder"):
         cached.generate([bad], params, use_tqdm=False)
-    assert len(run(cached, prompts[:1])[0].token_ids) == 24  # nothing lost
+    out = cached.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 24  # nothing lost
 
 
 def _image_token(path) -> int:

@@ -217,3 +217,55 @@ def test_image_embeds_give_the_image_answer(next_dirs):
     wrong = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(1, 5, 7)}}
     with pytest.raises(ValueError, match=r"multi_modal_data\['image'\].*hidden size"):
         llm.generate([wrong], _greedy(0))
+
+
+def test_onevision_matches_hf(tmp_path):
+    """LLaVA-OneVision ("anyres_max_1" here, so a 2 x 2 or 3 x 3 tile map is scaled down, as
+    HF's bilinear interpolate does): HF's placeholder counts (its processor's own rule) and
+    greedy tokens for one image of several sizes; a prompt with two images gives each a single
+    padded view (its rows and a newline), as HF's processor does for several."""
+    from types import SimpleNamespace
+
+    from transformers.models.llava_onevision.processing_llava_onevision import (
+        LlavaOnevisionProcessor,
+    )
+
+    path = write_tiny_llava(
+        tmp_path,
+        vision="siglip",
+        seed=3,
+        grid_pinpoints=[[30, 60], [60, 30], [60, 60], [90, 90]],
+        onevision="anyres_max_1",
+        vision_feature_select_strategy="full",
+    )
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.LlavaOnevisionForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32
+    )
+    model.eval().generation_config.eos_token_id = None
+    rule = SimpleNamespace(  # HF's processor counting, without its torchvision video half
+        image_processor=image_processor, num_image_tokens=25, vision_aspect_ratio="anyres_max_1"
+    )
+    rule._get_unpadded_features = lambda *a: LlavaOnevisionProcessor._get_unpadded_features(
+        rule, *a
+    )
+    llm = _llm(path)
+    for size in [(40, 52), (90, 90), (20, 90)]:
+        image = _image(1, size)
+        out = image_processor(images=[image], return_tensors="pt")
+        n = LlavaOnevisionProcessor._get_number_of_features(rule, *size, 30, 30)
+        ids = tok.encode(PROMPT.replace("<image>", "<image>" * n))
+        extra = {"pixel_values": out["pixel_values"], "image_sizes": out["image_sizes"]}
+        ref = hf_greedy(model, ids, MAX_TOKENS, 5, **extra)
+        got = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}], _greedy())
+        assert got[0].prompt_token_ids == ids
+        assert_matches(f"onevision {size}", got[0], ref)
+    images = [_image(2, (40, 52)), _image(3, (64, 30))]
+    out = image_processor(images=[images], return_tensors="pt")
+    ids = tok.encode(TWO.replace("<image>", "<image>" * 26))  # 25 rows and a newline each
+    extra = {k: out[k] for k in ("pixel_values", "image_sizes", "batch_num_images")}
+    ref = hf_greedy(model, ids, MAX_TOKENS, 5, **extra)
+    got = llm.generate([{"prompt": TWO, "multi_modal_data": {"image": images}}], _greedy())
+    assert got[0].prompt_token_ids == ids
+    assert_matches("onevision two images", got[0], ref)

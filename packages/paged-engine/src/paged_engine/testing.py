@@ -1501,13 +1501,17 @@ def write_tiny_llava(
     image_size: int = 30,
     patch_size: int = 6,
     grid_pinpoints: list[list[int]] | None = None,
+    onevision: str | None = None,
     **config_overrides: Any,
 ) -> Path:
     """A tiny random `LlavaForConditionalGeneration` checkpoint with its processor (image
     processor, tokenizer with an `<image>` token, chat template) and return its path. `text`:
     a tiny arch with a Llama-style decoder ("llama", "mistral", "qwen2"); `vision`: "clip" or
     "siglip"; `grid_pinpoints` ([height, width] pairs, multiples of image_size) makes it a
-    `LlavaNextForConditionalGeneration` (anyres tiles, image_newline) instead;
+    `LlavaNextForConditionalGeneration` (anyres tiles, image_newline) instead, and with
+    `onevision` (a vision_aspect_ratio such as "anyres_max_1") a
+    `LlavaOnevisionForConditionalGeneration` (its processor saved as image processor and
+    tokenizer: LlavaOnevisionProcessor needs torchvision);
     `config_overrides` go to the wrapper's config (vision_feature_layer, ...)."""
     import transformers
 
@@ -1543,6 +1547,27 @@ def write_tiny_llava(
         **_COMMON,
         **config_overrides,
     }
+    if onevision is not None:
+        assert grid_pinpoints is not None, "OneVision tiles by grid_pinpoints"
+        image_processor = transformers.LlavaOnevisionImageProcessor(
+            size=square,
+            image_grid_pinpoints=grid_pinpoints,
+            image_mean=image_processor.image_mean,
+            image_std=image_processor.image_std,
+        )
+        config = transformers.LlavaOnevisionConfig(
+            **fields, image_grid_pinpoints=grid_pinpoints, vision_aspect_ratio=onevision
+        )
+        model = transformers.LlavaOnevisionForConditionalGeneration(config).to(torch.float32)
+        torch.manual_seed(seed)
+        _randomize(model, seed)
+        with _quiet_progress():
+            model.save_pretrained(path)
+        image_processor.save_pretrained(path)
+        tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
+        tokenizer.save_pretrained(path)
+        transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+        return path
     if grid_pinpoints is None:
         config = transformers.LlavaConfig(**fields)
         model_cls, processor_cls = (

@@ -13,7 +13,8 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
-      LlavaNextForConditionalGeneration
+      LlavaNextForConditionalGeneration,
+      LlavaOnevisionForConditionalGeneration
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -128,6 +129,7 @@ WRAPPERS: dict[str, Wrapper] = {
     # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
     # Idefics3, SmolVLM / SmolVLM2: a Llama decoder under `model.text_model`
     "Idefics3ForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
     "SmolVLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),

@@ -1,7 +1,8 @@
 """The vision-language wrappers whose images paged runs, and which image path each takes.
 
     LlavaForConditionalGeneration                 "llava"       multimodal/llava.py
-    LlavaNextForConditionalGeneration             "llava_next"  multimodal/llava_next.py
+    LlavaNextForConditionalGeneration,            "llava_next"  multimodal/llava_next.py
+      LlavaOnevisionForConditionalGeneration (anyres_max)
     Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
       Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
       Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack),
@@ -23,6 +24,7 @@ from torch import nn
 
 LLAVA = "LlavaForConditionalGeneration"
 LLAVA_NEXT = "LlavaNextForConditionalGeneration"
+LLAVA_ONEVISION = "LlavaOnevisionForConditionalGeneration"
 QWEN2_VL = (
     "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration",
@@ -34,14 +36,14 @@ QWEN2_VL = (
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 INTERNVL = "InternVLForConditionalGeneration"
-IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, *QWEN2_VL, *IDEFICS3, MISTRAL3, INTERNVL)
+IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, *QWEN2_VL, *IDEFICS3, MISTRAL3, INTERNVL)
 
 
 def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
     "idefics3", "pixtral" or "internvl"."""
     archs = getattr(config, "architectures", None) or []
-    if LLAVA_NEXT in archs:
+    if LLAVA_NEXT in archs or LLAVA_ONEVISION in archs:
         return "llava_next"
     if any(a in QWEN2_VL for a in archs):
         return "qwen2_vl"

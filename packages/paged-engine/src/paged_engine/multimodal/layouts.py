@@ -8,10 +8,11 @@
                     (Pixtral, Mistral 3)                                    breaks skipped
     BoundedLayout   <img>, one run for all tiles, </img> (InternVL)         one per image
 
-`load` runs the checkpoint's image processor on one image (`run(images, **extra)`: the
-processor with the request's kwargs, errors as ValueErrors naming multi_modal_data) and gives
-its pixel values and size; `segment` the tokens that replace the image's token; `place` the
-`ImageInput`s of a segment that starts at a prompt offset. `span` is what a placed image's
+`load` runs the checkpoint's image processor on one image of a prompt holding `count`
+(`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
+naming multi_modal_data) and gives its pixel values and size; `segment` the tokens that
+replace the image's token; `place` the `ImageInput`s of a segment that starts at a prompt
+offset. `span` is what a placed image's
 positions must hold (images processed ahead are checked against it).
 """
 
@@ -69,6 +70,7 @@ class Layout:
 
     takes_embeds = True  # vLLM's image features input (a run of the features' rows)
     mrope = False  # the decoder's positions follow the images (Qwen-VL)
+    by_count = False  # an image's pixels depend on how many the prompt holds (OneVision)
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         self.config = config
@@ -82,7 +84,7 @@ class Layout:
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         return (3, _side(self.config), _side(self.config))
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
         pixels = run([image])["pixel_values"][0].float()
         if tuple(pixels.shape) != self.pixel_shape(None):
             raise _shape_error(pixels, self.pixel_shape(None))
@@ -112,24 +114,37 @@ class Layout:
 
 
 class AnyResLayout(Layout):
-    """LLaVA-NeXT: views [1 + rows * cols, 3, S, S], a run by the image's (h, w)."""
+    """LLaVA-NeXT / OneVision: views [1 + rows * cols, 3, S, S], a run by the image's (h, w).
+    OneVision gives each image of a prompt with several one padded view, size None: its
+    base rows and a newline."""
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         super().__init__(config, placeholder, tokenizer)
         self.anyres = AnyRes.from_config(config)
         self.fixed = None
+        self.by_count = self.anyres.max_views is not None
 
     def length(self, size: Size) -> int:
+        if size is None and self.by_count:
+            return self.anyres.base_tokens + 1
         if size is None or len(size) != 2 or min(size) <= 0:
             raise ValueError(f"multi_modal_data['image']: image_size {size} is not its (h, w)")
         return self.anyres.tokens((size[0], size[1]))
 
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
-        assert size is not None and len(size) == 2
         side = _side(self.config)
+        if size is None:
+            return (1, 3, side, side)
+        assert len(size) == 2
         return (self.anyres.views((size[0], size[1])), 3, side, side)
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        if self.by_count and count > 1:  # HF's processor: one padded view when several
+            out = run([[image, image]])
+            view = out["pixel_values"][0][:1].float()
+            if tuple(view.shape) != self.pixel_shape(None):
+                raise _shape_error(view, self.pixel_shape(None))
+            return view, None
         out = run([image])
         h, w = (int(v) for v in out["image_sizes"][0])
         views = out["pixel_values"][0][: self.anyres.views((h, w))].float()
@@ -161,7 +176,7 @@ class QwenLayout(Layout):
         assert size is not None and len(size) == 3
         return (size[0] * size[1] * size[2], qwen2_vl.patch_dim(self.config))
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image])
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         pixels = out["pixel_values"].float()
@@ -191,7 +206,7 @@ class TileLayout(Layout):
     def length(self, size: Size) -> int:
         return self.tile
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([[image]], return_row_col_info=True)
         rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
         pixels = out["pixel_values"][0].float()
@@ -253,7 +268,7 @@ class LineLayout(Layout):
         assert size is not None
         return (3, size[0], size[1])
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image], patch_size={"height": self.unit, "width": self.unit})
         h, w = (int(v) for v in out["image_sizes"][0])
         if h % self.unit or w % self.unit or min(h, w) < self.unit:
@@ -312,7 +327,7 @@ class BoundedLayout(Layout):
         assert size is not None
         return (size[0], 3, _side(self.config), _side(self.config))
 
-    def load(self, run: Run, image: Any) -> Loaded:
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image], crop_to_patches=True)  # what InternVLProcessor asks for
         tiles = out["pixel_values"].float()
         if tiles.dim() != 4 or tuple(tiles.shape) != self.pixel_shape((tiles.shape[0],)):

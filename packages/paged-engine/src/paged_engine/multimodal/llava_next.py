@@ -12,16 +12,20 @@
     image features = base rows, then the map row by row: p * p + H' * (W' + 1) rows
 
 Where HF's processor counts an image's placeholders, `AnyRes.tokens` computes the same number
-from the same rule, so a prompt's runs and the features always agree. Only the "spatial_unpad"
-merge (LLaVA-NeXT's, the only one transformers runs) is built.
+from the same rule, so a prompt's runs and the features always agree. LLaVA-OneVision
+("anyres_max_N") scales a tile map over N views' worth of patches down (bilinear, as HF) and
+gives each image of a prompt holding several one padded view: its rows and a newline. Only
+the "spatial_unpad" merge (LLaVA-NeXT's, the only one transformers runs) is built.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.multimodal.inputs import ImageInput
@@ -29,6 +33,7 @@ from paged_engine.multimodal.llava import LlavaImageEncoder
 from paged_engine.multimodal.vision_transformer import TOWERS
 
 ARCH = "LlavaNextForConditionalGeneration"
+ONEVISION = "LlavaOnevisionForConditionalGeneration"
 
 
 def best_resolution(size: tuple[int, int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -65,6 +70,9 @@ class AnyRes:
     side: int  # p: patches along a view's side
     base_tokens: int  # feature rows of the base view
     pinpoints: tuple[tuple[int, int], ...]
+    # LLaVA-OneVision ("anyres_max_N"): a tile map over N views' worth of patches is scaled
+    # down (bilinear) by ratio = sqrt(h * w / (N * p * p)) where ratio > 1.1; None: never
+    max_views: int | None = None
 
     @classmethod
     def from_config(cls, config) -> AnyRes:
@@ -89,7 +97,21 @@ class AnyRes:
                 f"image_grid_pinpoints={pinpoints!r}: each height and width must be a positive "
                 f"multiple of the vision tower's image_size {size}"
             )
-        return cls(size, side, tokens, tuple((int(h), int(w)) for h, w in pinpoints))
+        max_views = None
+        if ONEVISION in (getattr(config, "architectures", None) or []):
+            aspect = str(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
+            if not aspect.startswith("anyres_max_") or not aspect[11:].isdigit():
+                raise ValueError(f"vision_aspect_ratio={aspect!r} is not anyres_max_<N>")
+            max_views = int(aspect[11:])
+        pairs = tuple((int(h), int(w)) for h, w in pinpoints)
+        return cls(size, side, tokens, pairs, max_views)
+
+    def scaled(self, h: int, w: int) -> tuple[int, int] | None:
+        """OneVision's scaled-down map of an unpadded h x w map, None where it stays."""
+        if self.max_views is None:
+            return None
+        ratio = math.sqrt(h * w / (self.max_views * self.side**2))
+        return (int(h // ratio), int(w // ratio)) if ratio > 1.1 else None
 
     def grid(self, size: tuple[int, int]) -> tuple[int, int]:
         """(rows, cols) of tiles for an image of `size` (h, w)."""
@@ -104,6 +126,7 @@ class AnyRes:
         """Placeholders (= feature rows) of an image of `size` (h, w)."""
         rows, cols = self.grid(size)
         h, w = unpadded(size, rows * self.side, cols * self.side)
+        h, w = self.scaled(h, w) or (h, w)
         return self.base_tokens + h * (w + 1)
 
 
@@ -125,6 +148,8 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
         return [self._pack(v, m.image_size) for v, m in zip(views, images, strict=True)]
 
     def _pack(self, views: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor:
+        if views.shape[0] == 1:  # OneVision, an image among several: its one view, a newline
+            return torch.cat([views[0], self.image_newline.to(views.dtype)[None]])
         if size is None:
             raise ValueError("a LLaVA-NeXT image needs its image_size (h, w)")
         base, tiles = views[0], views[1:]
@@ -137,5 +162,10 @@ class LlavaNextImageEncoder(LlavaImageEncoder):
         h, w = unpadded(size, rows * p, cols * p)
         top, left = (rows * p - h) // 2, (cols * p - w) // 2
         grid = grid[top : top + h, left : left + w]
+        scaled = self.anyres.scaled(h, w)
+        if scaled is not None:  # OneVision: [h, w, D] -> [h', w', D], bilinear as HF
+            grid = F.interpolate(grid.permute(2, 0, 1)[None], list(scaled), mode="bilinear")
+            grid = grid[0].permute(1, 2, 0)
+            h, w = scaled
         newline = self.image_newline.to(grid.dtype).expand(h, 1, dim)
         return torch.cat([base, torch.cat([grid, newline], dim=1).reshape(-1, dim)])

@@ -146,7 +146,7 @@ class ImageProcessor:
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
         run = self._runner(call)
-        loaded = [self._load(run, image, call) for image in items]
+        loaded = [self._load(run, image, call, len(items)) for image in items]
         if self._runs_only:
             token_ids = self.expand(token_ids, [self.layout.length(s) for _, s in loaded])
             starts = self._run_starts(token_ids)
@@ -162,14 +162,16 @@ class ImageProcessor:
             out += self.layout.place(x, at)
         return token_ids, tuple(out)
 
-    def _load(self, run: Any, image: Any, kwargs: dict[str, Any]) -> Loaded:
-        """The layout's load of one image, or what the processor cache holds for it."""
+    def _load(self, run: Any, image: Any, kwargs: dict[str, Any], count: int) -> Loaded:
+        """The layout's load of one image of `count`, or what the processor cache holds."""
         if self.cache is None:
-            return self.layout.load(run, image)
-        key = image_key(image, kwargs)
+            return self.layout.load(run, image, count)
+        key = image_key(
+            image, {**kwargs, "(images)": min(count, 2)} if self.layout.by_count else kwargs
+        )
         loaded = self.cache.get(key)
         if loaded is None:
-            loaded = self.layout.load(run, image)
+            loaded = self.layout.load(run, image, count)
             self.cache.put(key, loaded)
         return loaded
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hf_reference import assert_same_greedy
+from hf_reference import assert_matches, assert_same_greedy
 
 from paged_engine import LLM, SamplingParams
 
@@ -25,6 +25,29 @@ def greedy(top: int = 5, n: int = 8) -> SamplingParams:
 def engine(path, **kw) -> LLM:
     kw = {"max_model_len": 512, **kw}
     return LLM(model=str(path), dtype="float32", block_size=16, **kw)
+
+
+def check_matches_hf(path, cases: list[tuple[str, list]], refs: list, name: str) -> None:
+    """Each case (prompt text, its images) through the engine gives HF's prompt ids and its
+    reference (`refs[i]`: (HF's ids, hf_greedy's result)); the same images with HF's expanded
+    ids as `prompt_token_ids` are taken as they are and give the same tokens."""
+    llm = engine(path)
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
+        assert out.prompt_token_ids == ids
+        assert_matches(name, out, ref)
+    with_images = [(r, imgs) for r, (_, imgs) in zip(refs, cases, strict=True) if imgs]
+    ahead = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+        for (ids, _), imgs in with_images
+    ]
+    outs = llm.generate(ahead, greedy(), use_tqdm=False)
+    for out, ((ids, ref), _) in zip(outs, with_images, strict=True):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == ref.tokens
 
 
 def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -> LLM:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy
-from image_checks import check_engine_paths, engine, greedy, noise_image
+from hf_reference import hf_greedy
+from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image
 
 from paged_engine.testing import write_tiny_idefics3
 
@@ -85,26 +85,7 @@ def test_images_match_hf(dirs, arch):
     for text, images in cases:
         ids, extra = _hf_inputs(path, arch, text, images)
         refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    llm = engine(path)
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
-        for text, imgs in cases
-    ]
-    outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    for (ids, ref), out in zip(refs, outs, strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches(arch, out, ref)
-    # HF's expanded ids with the images: taken as they are
-    ahead = [
-        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
-        for (ids, _), (_, imgs) in zip(refs, cases, strict=True)
-        if imgs
-    ]
-    for out, (ids, ref) in zip(
-        llm.generate(ahead, greedy(), use_tqdm=False), [r for r, c in zip(refs, cases) if c[1]]
-    ):
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == ref.tokens
+    check_matches_hf(path, cases, refs, arch)
 
 
 def test_tower_position_ids_are_transformers_buckets():

@@ -11,8 +11,8 @@
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
 naming multi_modal_data) and gives its pixel values and size; `segment` the tokens that
-replace the image's token; `place` the `ImageInput`s of a segment that starts at a prompt
-offset. `span` is what a placed image's
+replace the image's token; `place` the `ImageInput`s of that segment, given where it starts
+in the prompt. `span` is what a placed image's
 positions must hold (images processed ahead are checked against it).
 """
 
@@ -51,6 +51,13 @@ def token_ids(tokenizer: Any, *tokens: str) -> tuple[int, ...]:
     if missing:
         raise ValueError(f"the tokenizer has no {missing[0]} token, which images need")
     return tuple(vocab[t] for t in tokens)
+
+
+def run_starts(ids: list[int], placeholder: int) -> list[int]:
+    """Where each run of `placeholder` tokens starts in `ids`."""
+    return [
+        i for i, t in enumerate(ids) if t == placeholder and (i == 0 or ids[i - 1] != placeholder)
+    ]
 
 
 def _side(config: Any) -> int:
@@ -93,7 +100,7 @@ class Layout:
     def segment(self, loaded: Loaded) -> list[int]:
         return [self.placeholder] * self.length(loaded[1])
 
-    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         pixels, size = loaded
         return [ImageInput(pixels, at, self.length(size), digest(pixels, size), size)]
 
@@ -210,10 +217,10 @@ class TileLayout(Layout):
         out = run([[image]], return_row_col_info=True)
         rows, cols = int(out["rows"][0][0]), int(out["cols"][0][0])
         pixels = out["pixel_values"][0].float()
-        count = rows * cols + 1 if rows or cols else 1
+        views = rows * cols + 1 if rows or cols else 1
         side = _side(self.config)
-        if tuple(pixels.shape) != (count, 3, side, side):
-            raise _shape_error(pixels, f"{(count, 3, side, side)} ({rows} x {cols} tiles + 1)")
+        if tuple(pixels.shape) != (views, 3, side, side):
+            raise _shape_error(pixels, f"{(views, 3, side, side)} ({rows} x {cols} tiles + 1)")
         return pixels, (rows, cols)
 
     def segment(self, loaded: Loaded) -> list[int]:
@@ -221,13 +228,9 @@ class TileLayout(Layout):
         text = idefics3.image_prompt(rows, cols, self.tile)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
-        tiles, segment = loaded[0].unbind(0), self.segment(loaded)
-        starts = [
-            at + i
-            for i, t in enumerate(segment)
-            if t == self.placeholder and (i == 0 or segment[i - 1] != self.placeholder)
-        ]
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        tiles = loaded[0].unbind(0)
+        starts = [at + i for i in run_starts(segment, self.placeholder)]
         if len(starts) != len(tiles):  # the tokenizer did not keep <image> whole
             raise ValueError(
                 f"an image's prompt holds {len(starts)} image runs for {len(tiles)} tiles: "
@@ -280,10 +283,10 @@ class LineLayout(Layout):
     def segment(self, loaded: Loaded) -> list[int]:
         return self._lines(loaded[1])
 
-    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         pixels, size = loaded
         assert size is not None
-        n, cols = self.length(size), size[1] // self.unit
+        n, cols = len(segment), size[1] // self.unit
         return [ImageInput(pixels, at, n, digest(pixels, size), size, break_every=cols + 1)]
 
     def span(self, m: ImageInput) -> list[int]:
@@ -339,8 +342,8 @@ class BoundedLayout(Layout):
         start, end = self.bounds
         return [start, *([self.placeholder] * self.length(loaded[1])), end]
 
-    def place(self, loaded: Loaded, at: int) -> list[ImageInput]:
-        return super().place(loaded, at + 1)  # after <img>
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        return super().place(loaded, at + 1, segment)  # after <img>
 
 
 LAYOUTS: dict[str, type[Layout]] = {

@@ -23,7 +23,7 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import LAYOUTS, Layout, Loaded, digest
+from paged_engine.multimodal.layouts import LAYOUTS, Layout, Loaded, digest, run_starts
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
@@ -138,28 +138,24 @@ class ImageProcessor:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
         if all(isinstance(m, ImageInput) for m in items):  # checked where they were made
             return self._placed(token_ids, items)
-        if self.limit is not None and len(items) > self.limit:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(items)} images, over "
-                f"limit_mm_per_prompt={{'image': {self.limit}}}"
-            )
+        self._check_limit(len(items))
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
         run = self._runner(call)
         loaded = [self._load(run, image, call, len(items)) for image in items]
+        segments = [self.layout.segment(x) for x in loaded]
         if self._runs_only:
-            token_ids = self.expand(token_ids, [self.layout.length(s) for _, s in loaded])
+            token_ids = self.expand(token_ids, [len(s) for s in segments])
             starts = self._run_starts(token_ids)
         else:
-            segments = [self.layout.segment(x) for x in loaded]
             found = self._find(token_ids, segments)  # expanded already (an HF processor's ids)
             if found is None:
                 token_ids, starts = self._splice(token_ids, segments)
             else:
                 starts = found
         out: list[ImageInput] = []
-        for x, at in zip(loaded, starts, strict=True):
-            out += self.layout.place(x, at)
+        for x, at, segment in zip(loaded, starts, segments, strict=True):
+            out += self.layout.place(x, at, segment)
         return token_ids, tuple(out)
 
     def _load(self, run: Any, image: Any, kwargs: dict[str, Any], count: int) -> Loaded:
@@ -324,11 +320,7 @@ class ImageProcessor:
             raise ValueError(
                 f"multi_modal_data['image']: {len(embeds)} embeddings for {len(grids)} grids"
             )
-        if self.limit is not None and len(embeds) > self.limit:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(embeds)} images, over "
-                f"limit_mm_per_prompt={{'image': {self.limit}}}"
-            )
+        self._check_limit(len(embeds))
         lengths = [e.shape[0] for e in embeds]
         if self.layout.mrope and lengths != [self.layout.length(g) for g in grids]:
             raise ValueError("multi_modal_data['image']: image embeds do not fit their grids")
@@ -360,8 +352,14 @@ class ImageProcessor:
         return self.layout.positions(num_tokens, images)
 
     def _run_starts(self, ids: list[int]) -> list[int]:
-        tid = self.image_token_id
-        return [i for i, t in enumerate(ids) if t == tid and (i == 0 or ids[i - 1] != tid)]
+        return run_starts(ids, self.image_token_id)
+
+    def _check_limit(self, count: int) -> None:
+        if self.limit is not None and count > self.limit:
+            raise ValueError(
+                f"multi_modal_data['image'] has {count} images, over "
+                f"limit_mm_per_prompt={{'image': {self.limit}}}"
+            )
 
     def _image_list(self, items: list[Any]) -> list[Any]:
         PIL_Image = require_pillow()

@@ -1348,6 +1348,15 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             b.copy_(1.0 + torch.randn(b.shape, generator=gen) * 0.3)
 
 
+def _save_random(model_cls: Any, config: Any, seed: int, path: Path) -> None:
+    """A `model_cls(config)` in float32 with `_randomize`'s weights, saved to `path`."""
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+
+
 class _quiet_progress:
     """Silence transformers' "Writing model shards" progress bar for one save."""
 
@@ -1427,11 +1436,7 @@ def write_tiny_classifier(
     if cls is None:
         raise ValueError(f"transformers has no {stem}For{kind}Classification")
     config.architectures = [cls.__name__]
-    torch.manual_seed(seed)
-    model = cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(cls, config, seed, path)
     build_tiny_tokenizer(config.vocab_size, seed).save_pretrained(path)
     return path
 
@@ -1470,11 +1475,7 @@ def write_tiny_encoder(
     }
     config = getattr(transformers, ENCODER_CONFIGS[arch])(**kwargs)
     config.architectures = [arch]
-    torch.manual_seed(seed)
-    model = getattr(transformers, arch)(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(getattr(transformers, arch), config, seed, path)
     build_tiny_tokenizer(config.vocab_size, seed).save_pretrained(path)
     return path
 
@@ -1558,11 +1559,7 @@ def write_tiny_llava(
         config = transformers.LlavaOnevisionConfig(
             **fields, image_grid_pinpoints=grid_pinpoints, vision_aspect_ratio=onevision
         )
-        model = transformers.LlavaOnevisionForConditionalGeneration(config).to(torch.float32)
-        torch.manual_seed(seed)
-        _randomize(model, seed)
-        with _quiet_progress():
-            model.save_pretrained(path)
+        _save_random(transformers.LlavaOnevisionForConditionalGeneration, config, seed, path)
         image_processor.save_pretrained(path)
         tokenizer.chat_template = LLAVA_CHAT_TEMPLATE
         tokenizer.save_pretrained(path)
@@ -1588,11 +1585,7 @@ def write_tiny_llava(
             transformers.LlavaNextForConditionalGeneration,
             transformers.LlavaNextProcessor,
         )
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(model_cls, config, seed, path)
     strategy = config.vision_feature_select_strategy
     processor = processor_cls(
         image_processor=image_processor,
@@ -1702,11 +1695,7 @@ def write_tiny_qwen2_vl(
         tie_word_embeddings=True,
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(model_cls, config, seed, path)
     factor = patch_size * 2
     image_processor = transformers.Qwen2VLImageProcessor(
         patch_size=patch_size,
@@ -1782,11 +1771,7 @@ def write_tiny_idefics3(
         image_processor = transformers.SmolVLMImageProcessor(**processor_kwargs)
     else:
         raise ValueError(f"arch must be 'idefics3' or 'smolvlm', got {arch!r}")
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(model_cls, config, seed, path)
     tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
     if arch == "idefics3":
         seq_len = (image_size // patch_size) ** 2 // scale_factor**2
@@ -1863,11 +1848,7 @@ def write_tiny_mistral3(
         model_cls = transformers.LlavaForConditionalGeneration
     else:
         raise ValueError(f"arch must be 'mistral3' or 'llava', got {arch!r}")
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(model_cls, config, seed, path)
     image_processor = transformers.PixtralImageProcessor(
         patch_size={"height": patch_size, "width": patch_size},
         size={"longest_edge": longest_edge},
@@ -1917,11 +1898,7 @@ def write_tiny_internvl(
         downsample_ratio=0.5,
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.InternVLForConditionalGeneration(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(transformers.InternVLForConditionalGeneration, config, seed, path)
     transformers.GotOcr2ImageProcessor(
         size={"height": image_size, "width": image_size}, min_patches=1, max_patches=4
     ).save_pretrained(path)

@@ -18,6 +18,7 @@ runner reads rope positions from it (worker/rope_positions.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,37 +84,34 @@ class QwenImageEncoder(nn.Module):
         super().__init__()
         self.visual = QwenVisionEncoder(config.vision_config)
 
-    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+    def _tower(self, images: Sequence[ImageInput]) -> Any:
+        """The tower on the images' patch rows, concatenated, with their grids."""
         param = next(self.visual.parameters())
         pixels = torch.cat([m.pixel_values for m in images]).to(param.device, param.dtype)
         grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
-        rows = self.visual(pixels, grids)
-        return list(rows.split([m.length for m in images]))
+        return self.visual(pixels, grids)
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        return list(self._tower(images).split([m.length for m in images]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return self.visual.load_weights(weights)
 
 
-class Qwen3ImageEncoder(nn.Module):
+class Qwen3ImageEncoder(QwenImageEncoder):
     """Qwen3-VL: images -> [rows, 1 + k, D] per image: the input rows, then one row per
     deepstack layer (the decoder adds row j + 1 to the stream after its layer j); Qwen3.5:
     [rows, D]."""
 
     def __init__(self, config) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         from paged_engine.multimodal.qwen3_vl_vision import Qwen3VisionEncoder
 
         self.visual = Qwen3VisionEncoder(config.vision_config)
         self.num_deepstack = self.visual.num_deepstack
 
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        param = next(self.visual.parameters())
-        pixels = torch.cat([m.pixel_values for m in images]).to(param.device, param.dtype)
-        grids = [tuple(int(x) for x in m.image_size) for m in images]  # type: ignore[union-attr]
-        rows, deep = self.visual(pixels, grids)
+        rows, deep = self._tower(images)
         if deep:  # [rows, 1 + k, D]: the ImageEmbedder splits the deepstack rows off
             rows = torch.stack([rows, *deep], dim=1)
         return list(rows.split([m.length for m in images]))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self.visual.load_weights(weights)

@@ -288,6 +288,16 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
             decode,
             {"num_splits": 4, "sliding_window": 128, "sinks": torch.zeros(64)},
         ),
+        (  # Gemma 3's image prefill: two-way spans (key_ends), on a sliding layer
+            "mixed bf16 GQA 2, D=256, window + key_ends",
+            torch.bfloat16,
+            torch.bfloat16,
+            8,
+            4,
+            256,
+            mixed,
+            {"sliding_window": 1024, "key_ends": torch.zeros(sum(mixed[0]), dtype=torch.int32)},
+        ),
     ]
     for label, dtype, cache_dtype, h, hk, d, (q_lens, ctx), kw in attn_cases:
         q, kc, vc, tables, cu, lens = batch(dtype, cache_dtype, h, hk, d, q_lens, ctx)

@@ -271,6 +271,286 @@ def test_rejects_bad_arguments(device):
         paged_attention(b.q.transpose(1, 2).contiguous().transpose(1, 2), *args)
 
 
+# ---- key_ends: Gemma 3's images attend both ways at prefill ----------------------------------
+
+
+def make_key_ends(
+    q_lens: list[int], ctx_lens: list[int], device: torch.device, dtype=torch.int32
+) -> torch.Tensor:
+    """Key ends as the engine builds them: up to two random spans [s, e) of each sequence's new
+    tokens (the first at least 2 tokens where there is room) get e, the other tokens p + 1, some
+    of them a random value <= p + 1 instead (which must change nothing)."""
+    ends = []
+    for q_len, ctx in zip(q_lens, ctx_lens):
+        pos = torch.arange(ctx, ctx + q_len)
+        e = pos + 1
+        noisy = torch.rand(q_len) < 0.3
+        e[noisy] = (torch.rand(q_len)[noisy] * (pos[noisy] + 5)).long() - 3  # in [-3, p + 1]
+        if q_len >= 3:
+            a = int(torch.randint(0, q_len - 1, ()))
+            z = int(torch.randint(a + 2, q_len + 1, ()))
+            e[a:z] = ctx + z
+            if z < q_len:  # a second span after the first
+                a2 = int(torch.randint(z, q_len, ()))
+                z2 = int(torch.randint(a2 + 1, q_len + 1, ()))
+                e[a2:z2] = ctx + z2
+        ends.append(e)
+    return torch.cat(ends).to(device=device, dtype=dtype)
+
+
+# Decode rows, a fresh prefill longer than a query tile, chunked prefills with context.
+KEY_ENDS_BATCH = ([1, 70, 1, 40, 6], [50, 0, 30, 25, 3])
+
+KEY_ENDS_FEATURES = {
+    "plain": {},
+    "window_small": {"sliding_window": 9},  # smaller than most spans
+    "window_large": {"sliding_window": 45},
+    "chunk": {"attention_chunk_size": 48},
+    "sinks": {"sinks": "random"},
+    "alibi_soft_cap": {"alibi_slopes": "alibi", "soft_cap": 5.0},
+}
+
+
+def compare_key_ends(
+    b: Batch, key_ends: torch.Tensor, *, num_splits: int | None = 1, **kw
+) -> torch.Tensor:
+    """paged_attention == the reference with key_ends, which differs from plain causal (so a
+    kernel ignoring key_ends would fail)."""
+    want = run_and_compare(b, num_splits=num_splits, key_ends=key_ends, **kw)
+    scale = b.q.shape[-1] ** -0.5
+    args = (b.q, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)
+    plain = ref_paged_attention(*args, **kw).float()
+    tol = TOL[b.q.dtype]
+    assert not torch.allclose(plain, want.float(), atol=tol, rtol=tol), "key_ends change nothing"
+    return want
+
+
+@pytest.mark.parametrize(
+    ("dtype", "num_heads", "num_kv_heads", "block_size", "ends_dtype"),
+    [
+        (torch.float32, 2, 2, 16, torch.int32),
+        (torch.float32, 8, 2, 8, torch.int64),
+        (torch.bfloat16, 4, 1, 16, torch.int32),
+        (torch.float16, 6, 2, 32, torch.int64),  # GROUP 3: padded head rows
+    ],
+)
+def test_key_ends_mixed_batch(seed, device, dtype, num_heads, num_kv_heads, block_size, ends_dtype):
+    b = make_batch(
+        *KEY_ENDS_BATCH,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        dtype=dtype,
+        device=device,
+    )
+    compare_key_ends(b, make_key_ends(*KEY_ENDS_BATCH, device, ends_dtype))
+
+
+@pytest.mark.parametrize(
+    ("feature", "num_splits"),
+    [(f, 1) for f in KEY_ENDS_FEATURES]
+    + [(f, 2) for f in ("plain", "window_small", "chunk", "sinks")],  # forced split-KV
+)
+def test_key_ends_window_chunk_sinks_splits(seed, device, feature, num_splits):
+    b = make_batch(
+        *KEY_ENDS_BATCH,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+    )
+    kw = dict(KEY_ENDS_FEATURES[feature])
+    if kw.get("sinks") == "random":
+        kw["sinks"] = torch.randn(4, device=device) + 2.0
+    if kw.get("alibi_slopes") == "alibi":
+        kw["alibi_slopes"] = alibi_slopes(4).to(device)
+    compare_key_ends(b, make_key_ends(*KEY_ENDS_BATCH, device), num_splits=num_splits, **kw)
+
+
+def test_key_ends_batch_invariant(seed, device):
+    """batch_invariant=True with key_ends: a 40-token prompt with an image span [10, 30) gives
+    the same bits prefilled whole, in two chunks split at the span's start, and among others."""
+    num_heads, num_kv_heads, head_dim, block_size, length = 4, 2, 32, 16, 40
+    other_q, other_ctx = [1, 9], [33, 0]
+    b = make_batch(
+        [length, *other_q],
+        [0, *other_ctx],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    ends = torch.arange(1, length + 1, dtype=torch.int32, device=device)
+    ends[10:30] = 30
+    others = make_key_ends(other_q, other_ctx, device)
+    scale = head_dim**-0.5
+    cache = (b.key_cache, b.value_cache)
+    kw = {"batch_invariant": True}
+
+    def attend(rows: slice, seqs: list[int], q_lens: list[int], key_ends: torch.Tensor):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(seqs, dtype=torch.int32, device=device)
+        args = (*cache, b.block_tables[: len(seqs)], cu.to(device), lens, scale)
+        q = b.q[rows]
+        got = paged_attention(q, *args, key_ends=key_ends, **kw)
+        want = ref_paged_attention(q, *args, key_ends=key_ends)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        return got
+
+    alone = attend(slice(0, length), [length], [length], ends)
+    first = attend(slice(0, 10), [10], [10], ends[:10])
+    second = attend(slice(10, length), [length], [length - 10], ends[10:])
+    assert torch.equal(torch.cat([first, second]), alone)
+    # The batch's own tables: the 40-token prompt then the others, all prefilled together.
+    mixed = attend(
+        slice(None),
+        [length, *[c + q for c, q in zip(other_ctx, other_q)]],
+        [length, *other_q],
+        torch.cat([ends, others]),
+    )
+    assert torch.equal(mixed[:length], alone)
+
+
+def dense_key_ends_attention(
+    q: torch.Tensor,  # [T, H, D]
+    keys: list[torch.Tensor],  # per sequence [seq_len, Hkv, D]
+    values: list[torch.Tensor],
+    q_lens: list[int],
+    key_ends: list[int],
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    attention_chunk_size: int | None = None,
+    soft_cap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Brute force in float64: one dense [q, k] mask per sequence from the rule
+    k <= max(p, key_end - 1), p - k < W, k >= p - p % C."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    t = 0
+    for k_seq, v_seq, q_len in zip(keys, values, q_lens):
+        seq_len = k_seq.shape[0]
+        group = q.shape[1] // k_seq.shape[1]
+        k_all = k_seq.double().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v_all = v_seq.double().repeat_interleave(group, dim=1)
+        for j in range(q_len):
+            p = seq_len - q_len + j
+            mask = torch.zeros(seq_len, dtype=torch.bool)
+            for k in range(seq_len):
+                ok = k <= max(p, key_ends[t] - 1)
+                if sliding_window:
+                    ok = ok and p - k < sliding_window
+                if attention_chunk_size:
+                    ok = ok and k >= p - p % attention_chunk_size
+                mask[k] = ok
+            s = torch.einsum("hd,khd->hk", q[t].double(), k_all) * scale  # [H, seq_len]
+            if soft_cap:
+                s = soft_cap * torch.tanh(s / soft_cap)
+            if alibi_slopes is not None:
+                s = s + alibi_slopes.double()[:, None] * (torch.arange(seq_len) - p).double()
+            s = s.masked_fill(~mask, float("-inf"))
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None]], dim=1)
+            probs = s.softmax(-1)[:, :seq_len]
+            out[t] = torch.einsum("hk,khd->hd", probs, v_all)
+            t += 1
+    return out
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"sliding_window": 4},
+        {"attention_chunk_size": 6},
+        {"soft_cap": 2.0, "alibi_slopes": "alibi"},
+        {"sinks": "random", "sliding_window": 7},
+    ],
+    ids=["plain", "window", "chunk", "alibi_soft_cap", "sinks_window"],
+)
+def test_ref_key_ends_matches_dense_mask(seed, kw):
+    """ref_paged_attention with key_ends against a dense brute force on contiguous K/V."""
+    q_lens, ctx_lens = [1, 12, 9], [10, 0, 7]
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 8, 4
+    b = make_batch(
+        q_lens,
+        ctx_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    kw = dict(kw)
+    if kw.get("alibi_slopes") == "alibi":
+        kw["alibi_slopes"] = alibi_slopes(num_heads)
+    if kw.get("sinks") == "random":
+        kw["sinks"] = torch.randn(num_heads) + 1.0
+    key_ends = make_key_ends(q_lens, ctx_lens, torch.device("cpu"))
+    keys, values = [], []
+    for i, seq_len in enumerate(b.seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        slots = b.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        keys.append(b.key_cache.flatten(0, 1)[slots])
+        values.append(b.value_cache.flatten(0, 1)[slots])
+    scale = head_dim**-0.5
+    want = dense_key_ends_attention(b.q, keys, values, q_lens, key_ends.tolist(), scale, **kw)
+    args = (b.q, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)
+    got = ref_paged_attention(*args, key_ends=key_ends, **kw)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # Without key_ends (all ends 0: nothing past p) both are plain causal attention.
+    plain = dense_key_ends_attention(b.q, keys, values, q_lens, [0] * len(key_ends), scale, **kw)
+    assert not torch.allclose(plain, want, atol=1e-3, rtol=1e-3), "key_ends change nothing"
+    torch.testing.assert_close(
+        ref_paged_attention(*args, **kw).double(), plain, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_key_ends_none_is_the_default(seed, device):
+    b = make_batch(
+        [1, 20],
+        [30, 5],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=device,
+    )
+    scale = 32**-0.5
+    args = (b.q, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, scale)
+    assert torch.equal(paged_attention(*args, key_ends=None), paged_attention(*args))
+    assert torch.equal(ref_paged_attention(*args, key_ends=None), ref_paged_attention(*args))
+
+
+def test_key_ends_rejects_bad_arguments(device):
+    b = make_batch(
+        [2, 3],
+        [3, 0],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        block_size=16,
+        dtype=torch.float32,
+        device=device,
+    )
+    args = (b.q, b.key_cache, b.value_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 1.0)
+    good = torch.tensor([4, 5, 1, 2, 3], dtype=torch.int32, device=device)
+    for fn in (paged_attention, ref_paged_attention):
+        for key_ends in (good[:4], good[None], good.float()):  # shape, 2-D, dtype
+            with pytest.raises(ValueError, match="key_ends"):
+                fn(*args, key_ends=key_ends)
+    with pytest.raises(ValueError, match="key_ends"):  # past seq_len: the reference checks
+        ref_paged_attention(*args, key_ends=torch.tensor([4, 6, 1, 2, 3], device=device))
+
+
 # ---- GPU only: realistic and large shapes ----------------------------------------------------
 
 

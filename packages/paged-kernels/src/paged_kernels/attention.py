@@ -10,6 +10,9 @@ sliding-window / attention-chunk range of the query tile are never visited.
 Chunked local attention (Llama 4's rope layers, `attention_chunk_size` C): a query at position p
 sees the keys of its own chunk, positions floor(p / C) * C .. p.
 
+Key ends (Gemma 3's images attend both ways at prefill): query token t may also see keys up to
+key_ends[t] - 1; a tile's key range then ends at the largest key end of its rows.
+
 Split-KV (flash decoding): with few (sequence, KV head) pairs and long contexts, the key range of
 each sequence is cut into NUM_SPLITS chunks handled by separate programs (splits wholly before a
 window or attention chunk find no keys); each writes a normalised partial output and its
@@ -84,6 +87,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32, context incl. this step's query tokens
     alibi_ptr,  # [num_heads] fp32, read only if USE_ALIBI
     sinks_ptr,  # [num_heads] fp32 raw logits, read only if USE_SINKS
+    key_ends_ptr,  # [num_q_tokens] int32/int64 exclusive key ends, read only if USE_KEY_ENDS
     out_ptr,  # [num_q_tokens, num_heads, head_dim], written unless SPLIT
     part_out_ptr,  # [num_splits, num_q_tokens, num_heads, head_dim] fp32, written if SPLIT
     part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32 (log2 domain), written if SPLIT
@@ -119,6 +123,7 @@ def _paged_attention_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_ALIBI: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_KEY_ENDS: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
@@ -152,9 +157,16 @@ def _paged_attention_kernel(
     if DOT_UPCAST:
         q = q.to(tl.float32)
 
-    # Keys any row of this tile can see: [lo, hi).
+    # Keys any row of this tile can see: [lo, hi). Row m's last key is `last`.
     hi = ctx + tl.minimum(q_len, (local + 1) * BLOCK_Q)
     lo = hi * 0
+    last = q_pos
+    if USE_KEY_ENDS:
+        # The lower bounds below still come from q_pos. hi: clamped to seq_len, so a bad key
+        # end never reads past the sequence's blocks (padded rows load 0, which changes nothing).
+        key_end = tl.load(key_ends_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        last = tl.maximum(last, key_end - 1)
+        hi = tl.minimum(tl.maximum(hi, tl.max(key_end, 0)), seq_len)
     if USE_WINDOW:
         # Aligned down to a key tile: every row then meets the same tiles at the same offsets
         # however its query rows were tiled (leading fully masked tiles are exact no-ops).
@@ -205,7 +217,7 @@ def _paged_attention_kernel(
             s = soft_cap * _tanh(s / soft_cap)
         if USE_ALIBI:
             s += slope[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        visible = (offs_n[None, :] <= last[:, None]) & n_ok[None, :]
         if USE_WINDOW:
             visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
         if USE_CHUNK:
@@ -314,11 +326,15 @@ def paged_attention(
     v_scale: float = 1.0,
     batch_invariant: bool = False,
     sinks: torch.Tensor | None = None,  # [num_heads] raw logits (gpt-oss), any float dtype
+    key_ends: torch.Tensor | None = None,  # [num_q_tokens] int32/int64 exclusive key ends
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its paged K/V.
 
     Same semantics as `ref_paged_attention` (an fp8 cache is dequantized on load; `sinks` add
-    one raw logit per head to each row's softmax denominator and nothing to its values). Pass
+    one raw logit per head to each row's softmax denominator and nothing to its values;
+    `key_ends` (Gemma 3's two-way image spans): query token t at position p sees keys
+    k <= max(p, key_ends[t] - 1), lower bounds (window, chunk) still from p; the caller keeps
+    key_ends[t] <= its sequence's seq_len (unchecked here: no host sync; the kernel clamps). Pass
     max_seqlen_q / max_seqlen_k to avoid a host sync (they only steer tile sizes and the split
     heuristic). Output rows past cu_seqlens_q[-1] are not written.
 
@@ -366,6 +382,17 @@ def paged_attention(
         check(sinks.is_floating_point(), f"sinks must be floating point, got {sinks.dtype}")
         sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     tensors = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
+    if key_ends is not None:
+        check(
+            key_ends.shape == (num_tokens,),
+            f"key_ends must be [num_q_tokens={num_tokens}], got {tuple(key_ends.shape)}",
+        )
+        check(
+            key_ends.dtype in (torch.int32, torch.int64),
+            f"key_ends must be int32/int64, got {key_ends.dtype}",
+        )
+        check(key_ends.is_contiguous(), "key_ends must be contiguous")
+        tensors += (key_ends,)
     devices = {t.device for t in tensors}
     check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
     if num_tokens == 0 or num_seqs == 0:
@@ -412,6 +439,7 @@ def paged_attention(
         seq_lens,
         alibi_slopes if alibi_slopes is not None else q,
         sinks if sinks is not None else q,
+        key_ends if key_ends is not None else cu_seqlens_q,
         out,
         part_out,
         part_lse,
@@ -447,6 +475,7 @@ def paged_attention(
         USE_SOFT_CAP=bool(soft_cap and soft_cap > 0),
         USE_ALIBI=alibi_slopes is not None,
         USE_SINKS=sinks is not None,
+        USE_KEY_ENDS=key_ends is not None,
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,

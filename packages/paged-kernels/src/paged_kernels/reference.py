@@ -140,6 +140,7 @@ def ref_paged_attention(
     k_scale: float = 1.0,  # fp8 caches: key = stored * k_scale
     v_scale: float = 1.0,
     sinks: torch.Tensor | None = None,  # [num_heads] float, one raw logit per query head
+    key_ends: torch.Tensor | None = None,  # [num_q_tokens] int32/int64, exclusive key ends
 ) -> torch.Tensor:
     """Causal attention of each sequence's new query tokens over its paged K/V (an fp8 cache
     is dequantized on load).
@@ -148,6 +149,11 @@ def ref_paged_attention(
     in the cache. Query row j of sequence i sits at position seq_len - q_len + j and attends to
     key positions k with k <= pos and, with a sliding window W, pos - k < W; with an attention
     chunk size C (chunked local attention), floor(k / C) == floor(pos / C).
+
+    `key_ends` (Gemma 3: the tokens of one image attend both ways at prefill): query token t
+    sees keys k <= max(pos, key_ends[t] - 1) instead of k <= pos; ends <= pos + 1 change
+    nothing. The lower bounds (window, chunk: k >= pos - pos % C) and ALiBi's k - pos still use
+    pos. Each key_ends[t] must be <= its sequence's seq_len.
 
     `sinks` (gpt-oss): each row's softmax of head h also runs over one extra logit sinks[h]
     (not scaled, capped, biased or windowed), whose probability multiplies no value:
@@ -159,6 +165,16 @@ def ref_paged_attention(
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(q)
+    if key_ends is not None:
+        check(
+            key_ends.shape == (q.shape[0],),
+            f"key_ends must be [num_q_tokens={q.shape[0]}], got {tuple(key_ends.shape)}",
+        )
+        check(
+            key_ends.dtype in (torch.int32, torch.int64),
+            f"key_ends must be int32/int64, got {key_ends.dtype}",
+        )
+        key_ends = key_ends.to(q.device, torch.int64)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     for i, seq_len in enumerate(lens):
@@ -178,9 +194,14 @@ def ref_paged_attention(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         if alibi_slopes is not None:
-            dist = (k_pos - q_pos).float()  # <= 0 for visible keys
+            dist = (k_pos - q_pos).float()  # <= 0 for visible keys but those past pos (key_ends)
             scores = scores + alibi_slopes.to(q.device).float()[:, None, None] * dist
-        mask = k_pos <= q_pos
+        if key_ends is None:
+            mask = k_pos <= q_pos
+        else:
+            ends = key_ends[q_start:q_end, None]
+            check(bool((ends <= seq_len).all()), f"key_ends of sequence {i} exceed {seq_len}")
+            mask = k_pos <= torch.maximum(q_pos, ends - 1)
         if sliding_window is not None and sliding_window > 0:
             mask = mask & (q_pos - k_pos < sliding_window)
         if attention_chunk_size is not None and attention_chunk_size > 0:

@@ -501,13 +501,14 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
 
 
 # ---- Qwen2-VL (M-RoPE), Idefics3 (tiles between text), Mistral 3 (lines): sizes decide ------
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "mistral3", "internvl"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "mistral3", "internvl", "gemma3"])
 def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) -> None:
-    """A chat request's image on Qwen2-VL, Idefics3, Mistral 3 and InternVL: the offline tokens and
-    prompt; usage and /tokenize count the image's tokens (by its size); mm_processor_kwargs
-    reach the image processor."""
+    """A chat request's image on Qwen2-VL, Idefics3, Mistral 3, InternVL and Gemma 3: the
+    offline tokens and prompt; usage and /tokenize count the image's tokens (by its size);
+    mm_processor_kwargs reach the image processor (Gemma 3's images have one size)."""
     from paged_engine import LLM, SamplingParams
     from paged_engine.testing import (
+        write_tiny_gemma3,
         write_tiny_idefics3,
         write_tiny_internvl,
         write_tiny_mistral3,
@@ -523,9 +524,12 @@ def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) ->
     elif arch == "mistral3":
         path = write_tiny_mistral3(tmp_path, seed=4)
         smaller = {"size": {"longest_edge": 32}}
-    else:
+    elif arch == "internvl":
         path = write_tiny_internvl(tmp_path, seed=4)
         smaller = {"crop_to_patches": False}
+    else:
+        path = write_tiny_gemma3(tmp_path, seed=4)
+        smaller = None
     llm = LLM(str(path), dtype="float32", max_model_len=512, num_gpu_blocks_override=64)
     tok = llm.llm_engine.tokenizer
     rng = np.random.default_rng(5)
@@ -548,8 +552,9 @@ def test_sized_chat_images_give_the_offline_tokens(tmp_path: Path, arch: str) ->
             )
             assert status == 200 and out["tokens"] == want.prompt_token_ids
             # vLLM's mm_processor_kwargs: a smaller image, fewer tokens; a bad name a 400
-            small = _chat(http, messages, mm_processor_kwargs=smaller)
-            assert small["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
+            if smaller is not None:
+                small = _chat(http, messages, mm_processor_kwargs=smaller)
+                assert small["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
             for bad in ({"merge_size": 1}, [1]):
                 err = _refused(http, "/v1/chat/completions", {**GREEDY, "messages": messages,
                                "mm_processor_kwargs": bad})  # fmt: skip

@@ -1788,6 +1788,77 @@ def write_tiny_idefics3(
     return path
 
 
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA3_IMAGE_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+
+
+def write_tiny_gemma3(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    image_size: int = 32,
+    patch_size: int = 4,
+    mm_tokens_per_image: int = 16,
+    **text_overrides: Any,
+) -> Path:
+    """A tiny random `Gemma3ForConditionalGeneration` checkpoint (the tiny Gemma 3 text model,
+    sliding window 8, so an image's run is longer than the window; a SigLIP tower of
+    `image_size` pixels in `patch_size` patches pooled to `mm_tokens_per_image` rows) with its
+    processor (image processor, tokenizer with Gemma 3's image tokens, chat template) and
+    return its path."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    specials = [*GEMMA3_IMAGE_TOKENS.values(), "<start_of_turn>", "<end_of_turn>"]
+    base.add_special_tokens({"additional_special_tokens": specials})
+    base.save_pretrained(path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, extra_special_tokens=GEMMA3_IMAGE_TOKENS
+    )
+    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in GEMMA3_IMAGE_TOKENS.items()}
+    text = tiny_config("gemma3", vocab_size=len(tokenizer), **text_overrides).to_dict()
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    vision |= {"num_attention_heads": 4, "image_size": image_size, "patch_size": patch_size}
+    vision |= {"model_type": "siglip_vision_model", "vision_use_head": False}
+    config = transformers.Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=mm_tokens_per_image,
+        boi_token_index=ids["boi_token"],
+        eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"],
+        **_COMMON,
+    )
+    _save_random(transformers.Gemma3ForConditionalGeneration, config, seed, path)
+    pil = getattr(transformers, "Gemma3ImageProcessorPil", transformers.Gemma3ImageProcessor)
+    image_processor = pil(size={"height": image_size, "width": image_size})
+    transformers.Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=mm_tokens_per_image,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    ).save_pretrained(path)
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
 MISTRAL3_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
     "{% if message['content'] is string %}{{ message['content'] }}"

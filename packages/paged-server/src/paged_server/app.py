@@ -507,6 +507,9 @@ class OpenAIApp:
                 f"prompt (--limit-mm-per-prompt '{{\"image\": {limit}}}')",
                 "messages",
             )
+        if self.images.layout.marker != self.images.image_token_id:  # Gemma 3's <start_of_image>
+            expanded, req.processed_images = self._process_images(req, ids)
+            return expanded
         each = self.images.tokens_per_image
         try:
             expanded = self.images.expand(ids, [each or 1] * n)

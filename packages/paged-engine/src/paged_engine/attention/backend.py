@@ -25,6 +25,7 @@ class HostLengths:
     seq_lens: np.ndarray  # [S]
     block_tables: np.ndarray  # [S, max_blocks]
     slot_mapping: np.ndarray  # [T], -1 = padding
+    key_ends: np.ndarray | None = None  # [T]: AttentionMetadata.key_ends on the host
 
 
 @dataclass(slots=True)
@@ -39,6 +40,10 @@ class AttentionMetadata:
     max_seqlen_k: int
     backend: AttentionBackend
     plan: Any = None  # a backend's per-step precomputation (index tensors, masks), or None
+    # [T] int32: token t at position p sees keys k <= max(p, key_ends[t] - 1), the whole of its
+    # image (Gemma 3's bidirectional image attention at prefill); None = causal. A step that has
+    # it runs eagerly.
+    key_ends: torch.Tensor | None = None
     # A decode step under the CPU's compiled forward: its rows' inputs for
     # `CpuBackend.attend_decode`, which the graph traces (worker/cpu_compile.py); else None.
     decode: Any = None
@@ -76,6 +81,9 @@ class AttentionBackend(ABC):
     `sliding_window` W: a query at position p sees keys p - W < k <= p. `attention_chunk_size` C
     (Llama 4's chunked local attention): keys p - p % C <= k <= p. None = the whole context.
 
+    `md.key_ends` (Gemma 3's images): a query at position p sees keys up to
+    max(p, key_ends[t] - 1), the window and chunk lower bounds unchanged.
+
     `sinks` (gpt-oss): [H] float raw logits, one per query head, that join every row's softmax
     denominator and add nothing to its output (`ref_paged_attention`); None = none. A backend
     that cannot honour them raises, never drops them."""
@@ -100,6 +108,7 @@ class AttentionBackend(ABC):
         max_seqlen_q: int,
         max_seqlen_k: int,
         host: HostLengths | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> AttentionMetadata:
         """`host`: the same layout as numpy arrays, when the caller has it (backends that plan
         on the host use it; the kernels read the tensors)."""
@@ -111,6 +120,7 @@ class AttentionBackend(ABC):
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
             backend=self,
+            key_ends=key_ends,
         )
 
     @abstractmethod
@@ -284,11 +294,13 @@ class KernelBackend(AttentionBackend):
         v_scale: float = 1.0,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        lengths = (
+        extra: dict[str, Any] = (
             {"max_seqlen_q": md.max_seqlen_q, "max_seqlen_k": md.max_seqlen_k}
             if self._max_seqlens
             else {}
         )
+        if md.key_ends is not None:
+            extra["key_ends"] = md.key_ends
         return self._attention(
             query,
             key_cache,
@@ -304,7 +316,7 @@ class KernelBackend(AttentionBackend):
             k_scale=k_scale,
             v_scale=v_scale,
             sinks=sinks,
-            **lengths,
+            **extra,
         )
 
     def copy_blocks(self, key_caches, value_caches, mapping) -> None:

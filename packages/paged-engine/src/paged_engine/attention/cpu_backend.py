@@ -156,6 +156,7 @@ class CpuBackend(AttentionBackend):
             len(groups) == 1
             and groups[0].q_len == 1
             and groups[0].dst is None
+            and groups[0].q_last is None
             and key_cache.dtype == query.dtype
             and not (sliding_window or attention_chunk_size or soft_cap or self.kv_multiple > 1)
             and alibi_slopes is None

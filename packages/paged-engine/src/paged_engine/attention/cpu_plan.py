@@ -71,6 +71,9 @@ class RowGroup:
     q_len: int
     kv_len: int
     q_pos: torch.Tensor  # [S, Q] int64 position of each query row; -1 = padding row
+    # [S, Q] int64: the last key each row sees where that is past its own position (Gemma 3's
+    # image rows; CpuPlan.key_ends), -1 on padding rows; None = q_pos (causal)
+    q_last: torch.Tensor | None
     seq_lens: torch.Tensor  # [S] int64
     kv_index: torch.Tensor  # [S*L] int64 slot of key l of sequence s (padding -> slot 0)
     q_index: torch.Tensor | None  # [S*Q] query tensor row of each padded row; None = identity
@@ -126,7 +129,8 @@ class RowGroup:
     def _build_mask(self, local: LocalRange, group: int) -> torch.Tensor:
         k_pos = torch.arange(self.kv_len)
         q_pos = self.q_pos[:, :, None]  # [S, Q, 1]
-        visible = k_pos <= q_pos  # causal; a padding row (-1) sees nothing
+        last = q_pos if self.q_last is None else self.q_last[:, :, None]
+        visible = k_pos <= last  # causal (or to an image's end); a padding row (-1) sees nothing
         if local.window:
             visible &= q_pos - k_pos < local.window
         if local.chunk:  # (a padding row's -1 stays -1: it still sees nothing)
@@ -150,6 +154,7 @@ class CpuPlan:
     cu: np.ndarray  # [S+1] int64
     seq_lens: np.ndarray  # [S] int64
     block_tables: np.ndarray  # [S, width] int32
+    key_ends: np.ndarray | None = None  # [T]: AttentionMetadata.key_ends
     kv_multiple: int = 1  # keys per group padded to a multiple of this (batch invariance)
     _groups: tuple[int, list[RowGroup]] | None = None  # (block_size, groups), built on first use
 
@@ -194,11 +199,16 @@ class CpuPlan:
         rows = self.cu[seqs][:, None] + j  # [S, Q] query tensor row of each padded row
         all_real = bool(real.all())
         identity = in_order and all_real
+        q_last = None
+        if self.key_ends is not None:
+            ends = self.key_ends[np.where(real, rows, 0)] - 1
+            q_last = torch.from_numpy(np.where(real, np.maximum(q_pos, ends), -1))
         return RowGroup(
             num_seqs=len(seqs),
             q_len=q_len,
             kv_len=kv_len,
             q_pos=torch.from_numpy(q_pos),
+            q_last=q_last,
             seq_lens=torch.from_numpy(lens),
             kv_index=torch.from_numpy(slots.reshape(-1)),
             q_index=None if identity else torch.from_numpy(np.where(real, rows, 0).reshape(-1)),
@@ -225,6 +235,7 @@ def build_plan(md: AttentionMetadata, host: HostLengths | None, kv_multiple: int
             seq_lens=md.seq_lens.numpy(),
             block_tables=md.block_tables.numpy(),
             slot_mapping=md.slot_mapping.numpy(),
+            key_ends=None if md.key_ends is None else md.key_ends.numpy(),
         )
     write_slots, write_rows = write_index(host.slot_mapping)
     return CpuPlan(
@@ -234,5 +245,6 @@ def build_plan(md: AttentionMetadata, host: HostLengths | None, kv_multiple: int
         cu=host.cu_seqlens_q.astype(np.int64, copy=False),
         seq_lens=host.seq_lens.astype(np.int64, copy=False),
         block_tables=host.block_tables,
+        key_ends=None if host.key_ends is None else host.key_ends.astype(np.int64, copy=False),
         kv_multiple=kv_multiple,
     )

@@ -49,7 +49,12 @@ from paged_engine.core.block_manager import BlockManager
 from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
 from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
 from paged_engine.core.state_slots import BlockKey, StateSlots
-from paged_engine.core.token_plan import plan_tokens, reshare_plan
+from paged_engine.core.token_plan import (
+    plan_tokens,
+    reshare_plan,
+    whole_image_plan,
+    whole_images,
+)
 from paged_engine.spec_decode.planner import DraftPlanner
 
 _RUNNING = SequenceStatus.RUNNING
@@ -376,6 +381,8 @@ class Scheduler:
                 n = num_tokens - seq.num_computed_tokens
                 if n > budget:
                     n = budget if self._may_split(n) else 0
+                    if n and req.mm_inputs:  # a chunk: never ending inside a Gemma 3 image
+                        n = whole_images(seq, n, budget)
                 if seq.state_checkpoints:  # end this step where a state snapshot is due
                     n = min(n, seq.state_checkpoints[0] - seq.num_computed_tokens)
                 if n > 0:
@@ -403,6 +410,7 @@ class Scheduler:
             if plan is None:
                 self._reshare.discard(req)  # running with its blocks: sharing is settled
                 plan = plan_tokens(seqs, budget, self._may_split) if budget else []
+            plan = whole_image_plan(plan, budget)
             if not all(
                 allocate(seq, n) or self._make_room(req, seq, n, preempted) for seq, n in plan
             ):
@@ -437,7 +445,7 @@ class Scheduler:
             if num_seqs + slots > self.max_num_seqs:
                 break
             if bm.is_swapped(seqs[0]):  # its KV waits in the CPU pool
-                plan = plan_tokens(seqs, budget, self._may_split)
+                plan = whole_image_plan(plan_tokens(seqs, budget, self._may_split), budget)
                 if not plan or not bm.swap_in(seqs, plan):
                     break
                 self._admit(req, seqs)
@@ -455,6 +463,7 @@ class Scheduler:
                 if plan and seqs[0].state_checkpoints:  # one sequence (_computed_blocks)
                     seq, n = plan[0]
                     plan = [(seq, min(n, seq.state_checkpoints[0] - seq.num_computed_tokens))]
+            plan = whole_image_plan(plan, budget)
             if not plan or not all(allocate(seq, n) for seq, n in plan):
                 for seq in seqs:  # roll back: blocks taken and prefix-cache stats counted
                     if counted:

@@ -4,6 +4,7 @@
 tokens in the same step, or none does (each then runs at most `remaining - 1`).
 `reshare_plan`: a forked request recomputed after preemption computes its common prefix once and
 shares it again, as the fork did.
+`whole_images`: a step never ends inside an image whose tokens attend to each other (Gemma 3).
 """
 
 from __future__ import annotations
@@ -92,3 +93,31 @@ def reshare_plan(
         return None
     n = min(target - first.num_computed_tokens, budget)
     return [(first, n)] if n > 0 else []
+
+
+def whole_images(seq: Sequence, n: int, budget: int) -> int:
+    """`n` new tokens of `seq` moved so the step does not end inside an image whose tokens attend
+    to each other (`ImageInput.bidirectional`: every one must run with all the others, or its
+    KV would miss them): to the image's end where `budget` allows, else to its start, else 0
+    (the sequence waits for a step with room; the engine keeps max_num_batched_tokens at least
+    an image's length)."""
+    start = seq.num_computed_tokens
+    end = start + n
+    for m in seq.request.mm_inputs:
+        if m.bidirectional and m.offset < end < m.end:
+            if m.end - start <= budget:
+                return m.end - start
+            return max(m.offset - start, 0)
+    return n
+
+
+def whole_image_plan(plan: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
+    """`whole_images` over a request's plan: a lone sequence may grow within `budget`, lockstep
+    ones only shrink (they share the budget)."""
+    if not plan or not plan[0][0].request.mm_inputs:
+        return plan
+    if len(plan) == 1:
+        cut = [(plan[0][0], whole_images(plan[0][0], plan[0][1], budget))]
+    else:
+        cut = [(seq, whole_images(seq, n, n)) for seq, n in plan]
+    return [(seq, n) for seq, n in cut if n > 0]

@@ -195,12 +195,14 @@ class GemmaModel(nn.Module):
         self.layers, self.stage = make_layers(config.num_hidden_layers, build)
         self.norm = GemmaRMSNorm(d, cfg_get(config, "rms_norm_eps", 1e-6))
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        """The scaled token embedding (image rows spliced after it stay unscaled, as in HF)."""
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale.to(x.dtype)
+
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        if hidden is None:  # the first pipeline stage embeds
-            x = self.embed_tokens(input_ids)
-            x = x * self.embed_scale.to(x.dtype)  # [T, D]
-        else:
-            x = hidden
+        # hidden: the previous stage's output or the input embeddings with images spliced in
+        x = self.embed_input_ids(input_ids) if hidden is None else hidden
         for layer, kv_cache in zip(self.stage.layers(self.layers), kv_caches, strict=True):
             x = layer(positions, x, kv_cache, md)
         return self.norm(x) if self.stage.is_last else x

@@ -12,6 +12,7 @@
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
+    Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -36,12 +37,22 @@ QWEN2_VL = (
 IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 INTERNVL = "InternVLForConditionalGeneration"
-IMAGE_ARCHS = (LLAVA, LLAVA_NEXT, LLAVA_ONEVISION, *QWEN2_VL, *IDEFICS3, MISTRAL3, INTERNVL)
+GEMMA3 = "Gemma3ForConditionalGeneration"
+IMAGE_ARCHS = (
+    LLAVA,
+    LLAVA_NEXT,
+    LLAVA_ONEVISION,
+    *QWEN2_VL,
+    *IDEFICS3,
+    MISTRAL3,
+    INTERNVL,
+    GEMMA3,
+)
 
 
 def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
-    "idefics3", "pixtral" or "internvl"."""
+    "idefics3", "pixtral", "internvl" or "gemma3"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs or LLAVA_ONEVISION in archs:
         return "llava_next"
@@ -53,6 +64,8 @@ def image_kind(config: Any) -> str:
         return "pixtral"
     if INTERNVL in archs:
         return "internvl"
+    if GEMMA3 in archs:
+        return "gemma3"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -63,7 +76,10 @@ def vision_tower_type(config: Any) -> str | None:
 
 def supported_tower(config: Any) -> bool:
     """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
-    if image_kind(config) in ("qwen2_vl", "idefics3", "pixtral", "internvl"):
+    kind = image_kind(config)
+    if kind == "gemma3":
+        return vision_tower_type(config) == "siglip_vision_model"
+    if kind in ("qwen2_vl", "idefics3", "pixtral", "internvl"):
         return True
     from paged_engine.multimodal.vision_transformer import TOWERS
 
@@ -74,6 +90,10 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "gemma3":
+        from paged_engine.multimodal.gemma3 import Gemma3ImageEncoder
+
+        return Gemma3ImageEncoder(config)
     if kind == "internvl":
         from paged_engine.multimodal.internvl import InternVLImageEncoder
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.vision_transformer import VisionTransformer
+from paged_engine.multimodal.vision_transformer import FinalNormTower
 
 ARCHS = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 FAKE, GLOBAL, IMAGE = "<fake_token_around_image>", "<global-img>", "<image>"
@@ -51,19 +51,6 @@ def image_prompt(rows: int, cols: int, n: int) -> str:
         for r in range(rows)
     ]
     return "".join(lines) + "\n" + whole
-
-
-class _Tower(VisionTransformer):
-    """`vision_model`: every layer, then post_layernorm (transformers' last_hidden_state)."""
-
-    def __init__(self, vision_config) -> None:
-        super().__init__(vision_config, int(vision_config.num_hidden_layers))
-        eps = vision_config.layer_norm_eps
-        self.post_layernorm = nn.LayerNorm(vision_config.hidden_size, eps=eps)
-        self.depth = int(vision_config.num_hidden_layers)
-
-    def last(self, pixels: torch.Tensor) -> torch.Tensor:
-        return self.post_layernorm(self(pixels, [self.depth])[0])
 
 
 class _Projection(nn.Module):
@@ -95,7 +82,7 @@ class Idefics3ImageEncoder(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.tile_tokens = tile_tokens(config)
-        self.vision_model = _Tower(config.vision_config)
+        self.vision_model = FinalNormTower(config.vision_config)
         self.connector = _Connector(config)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, n, D]

@@ -9,6 +9,9 @@
     line-break token ([IMG_BREAK], the last one [IMG_END]); the break tokens keep their own
     embedding and feature row r * w + c goes to span position r * (w + 1) + c.
 
+Gemma 3 (`bidirectional`): each placeholder also sees the image's later placeholders, as HF's
+mask lets it at prefill; the scheduler keeps each such image within one step.
+
 `mm_hash` identifies the pixels: the prefix cache keys a block that covers any placeholder of
 an image by the image's hash too, so two prompts with the same text and other images share no
 KV (core/block_manager.py).
@@ -35,6 +38,9 @@ class ImageInput:
     image_size: tuple[int, ...] | None = None
     embeds: torch.Tensor | None = None  # [length, text hidden]: vLLM's image_embeds input
     break_every: int = 0  # 0: every span position takes a feature row; else see the module
+    # Gemma 3: the span's tokens attend to each other (all of it, both ways) at prefill, so a
+    # step never ends inside it (core/token_plan.py whole_images) and its rows see its end
+    bidirectional: bool = False
 
     @property
     def num_features(self) -> int:

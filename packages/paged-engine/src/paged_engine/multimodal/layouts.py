@@ -7,12 +7,15 @@
     LineLayout      lines of [IMG], [IMG_BREAK] between, [IMG_END] last     one per image, its
                     (Pixtral, Mistral 3)                                    breaks skipped
     BoundedLayout   <img>, one run for all tiles, </img> (InternVL)         one per image
+    Gemma3Layout    a user's <start_of_image> becomes HF's text around a    one per image,
+                    run (Gemma 3; spliced as text, then tokenized)          bidirectional
 
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
 naming multi_modal_data) and gives its pixel values and size; `segment` the tokens that
 replace the image's token; `place` the `ImageInput`s of that segment, given where it starts
-in the prompt. `span` is what a placed image's
+in the prompt; `splice` puts the segments where the prompt's image tokens are. `span` is what
+a placed image's
 positions must hold (images processed ahead are checked against it).
 """
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -78,6 +81,8 @@ class Layout:
     takes_embeds = True  # vLLM's image features input (a run of the features' rows)
     mrope = False  # the decoder's positions follow the images (Qwen-VL)
     by_count = False  # an image's pixels depend on how many the prompt holds (OneVision)
+    bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
+    pinned: ClassVar[dict[str, Any]] = {}  # image processor arguments a request may not change
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         self.config = config
@@ -103,6 +108,33 @@ class Layout:
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         pixels, size = loaded
         return [ImageInput(pixels, at, self.length(size), digest(pixels, size), size)]
+
+    @property
+    def marker(self) -> int:
+        """The token a prompt writes for an image (before `splice`)."""
+        return self.placeholder
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(each lone image token replaced by its image's segment, where the segments start);
+        ValueError naming multi_modal_data unless there is one such token per image."""
+        tid = self.placeholder
+        lone = [i for i, t in enumerate(ids) if t == tid]
+        runs = run_starts(ids, tid)
+        if len(lone) != len(segments) or len(runs) != len(lone):
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{len(runs)} image placeholder(s) (token id {tid}): put one image token per "
+                "image where it belongs"
+            )
+        out: list[int] = []
+        starts: list[int] = []
+        last = 0
+        for i, segment in zip(lone, segments, strict=True):
+            out += ids[last:i]
+            starts.append(len(out))
+            out += segment
+            last = i + 1
+        return out + ids[last:], starts
 
     def span(self, m: ImageInput) -> list[int]:
         return [self.placeholder] * m.length
@@ -346,6 +378,82 @@ class BoundedLayout(Layout):
         return super().place(loaded, at + 1, segment)  # after <img>
 
 
+class Gemma3Layout(Layout):
+    """Gemma 3: pixels [3, S, S]; a user's <start_of_image> (boi) becomes, as text (HF's
+    processor replaces it in the string, so newlines merge with their neighbours'),
+    "\n\n<start_of_image>" + <image_soft_token> x n + "<end_of_image>\n\n"; the run's
+    tokens attend to each other both ways (`ImageInput.bidirectional`)."""
+
+    takes_embeds = False
+    bidirectional = True
+    pinned: ClassVar[dict[str, Any]] = {"do_pan_and_scan": False}  # no pan-and-scan crops
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal.gemma3 import image_tokens
+
+        if tokenizer is None:
+            raise ValueError("the tokenizer is needed for Gemma 3's image prompts")
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = image_tokens(config)
+        self.boi = int(config.boi_token_index)
+        self.eoi = int(config.eoi_token_index)
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        out = run([image], do_pan_and_scan=False)
+        pixels = out["pixel_values"][0].float()
+        if tuple(pixels.shape) != self.pixel_shape(None):
+            raise _shape_error(pixels, self.pixel_shape(None))
+        return pixels, None
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        return [self.boi, *([self.placeholder] * self.length(None)), self.eoi]
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        pixels = loaded[0]
+        n = self.length(None)
+        return [ImageInput(pixels, at + 1, n, digest(pixels, None), bidirectional=True)]
+
+    def fits(self, m: ImageInput) -> bool:
+        return m.bidirectional and super().fits(m)
+
+    @property
+    def marker(self) -> int:
+        return self.boi
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Each <start_of_image> not followed by its run replaced in the prompt's text (decoded
+        with its special tokens, then tokenized again: HF's ids for a text prompt)."""
+        boi, tid = self.boi, self.placeholder
+        marks = [i for i, t in enumerate(ids) if t == boi and ids[i + 1 : i + 2] != [tid]]
+        if len(marks) != len(segments) or tid in ids:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{len(marks)} <start_of_image> token(s) (id {boi}) of its own: put one per "
+                "image where it belongs"
+            )
+        tok = self.tokenizer
+
+        def text(part: list[int]) -> str:
+            return tok.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        pieces, last = [], 0
+        for i, segment in zip(marks, segments, strict=True):
+            pieces += [text(ids[last:i]), "\n\n", text(segment), "\n\n"]
+            last = i + 1
+        pieces.append(text(ids[last:]))
+        out = tok.encode("".join(pieces), add_special_tokens=False)
+        starts = [i - 1 for i in run_starts(out, tid)]
+        n = len(segments[0])
+        if len(starts) != len(segments) or any(out[s : s + n] != segments[0] for s in starts):
+            raise ValueError(
+                "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
+                "<image_soft_token>, <end_of_image> must be special tokens)"
+            )
+        return out, starts
+
+
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
     "llava_next": AnyResLayout,
@@ -353,4 +461,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,
+    "gemma3": Gemma3Layout,
 }

@@ -150,7 +150,7 @@ class ImageProcessor:
         else:
             found = self._find(token_ids, segments)  # expanded already (an HF processor's ids)
             if found is None:
-                token_ids, starts = self._splice(token_ids, segments)
+                token_ids, starts = self.layout.splice(token_ids, segments)
             else:
                 starts = found
         out: list[ImageInput] = []
@@ -232,28 +232,6 @@ class ImageProcessor:
             starts.append(at)
             at += len(segment)
         return starts
-
-    def _splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(each lone image token replaced by its image's segment, where the segments start);
-        ValueError naming multi_modal_data unless there is one such token per image."""
-        tid = self.image_token_id
-        lone = [i for i, t in enumerate(ids) if t == tid]
-        runs = self._run_starts(ids)
-        if len(lone) != len(segments) or len(runs) != len(lone):
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
-                f"{len(runs)} image placeholder(s) (token id {tid}): put one image token per "
-                "image where it belongs"
-            )
-        out: list[int] = []
-        starts: list[int] = []
-        last = 0
-        for i, segment in zip(lone, segments, strict=True):
-            out += ids[last:i]
-            starts.append(len(out))
-            out += segment
-            last = i + 1
-        return out + ids[last:], starts
 
     def _fits(self, m: ImageInput) -> int:
         """The run of a processed image: ValueError unless its pixels (or features) are what
@@ -388,6 +366,12 @@ class ImageProcessor:
                 f"mm_processor_kwargs[{bad[0]!r}] is not an argument this model's image "
                 f"processor takes; it takes {sorted(known) or 'none'}"
             )
+        for name, value in self.layout.pinned.items():
+            if name in kwargs and kwargs[name] != value:
+                raise ValueError(
+                    f"mm_processor_kwargs[{name!r}]={kwargs[name]!r} is not supported for "
+                    f"{self.config.architectures[0]} (only {value!r})"
+                )
         out = {k: v for k, v in kwargs.items() if k not in _PIXEL_BOUNDS}
         bounds = {k: kwargs[k] for k in _PIXEL_BOUNDS if k in kwargs}
         if bounds:  # the size dict transformers 5 reads (min_pixels / max_pixels: deprecated)

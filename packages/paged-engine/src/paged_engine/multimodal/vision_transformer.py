@@ -156,3 +156,17 @@ class VisionTransformer(nn.Module):
             x = layer(x)
             states[i] = x
         return [states[i] for i in layers]
+
+
+class FinalNormTower(VisionTransformer):
+    """`vision_model` with every layer, then post_layernorm (transformers' last_hidden_state):
+    SigLIP as Idefics3 / SmolVLM and Gemma 3 read it."""
+
+    def __init__(self, vision_config) -> None:
+        super().__init__(vision_config, int(vision_config.num_hidden_layers))
+        eps = vision_config.layer_norm_eps
+        self.post_layernorm = nn.LayerNorm(vision_config.hidden_size, eps=eps)
+        self.depth = int(vision_config.num_hidden_layers)
+
+    def last(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.post_layernorm(self(pixels, [self.depth])[0])

@@ -51,6 +51,7 @@ from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.image_embeds import ImageEmbedder
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
+from paged_engine.worker.key_ends import ImageSpans
 from paged_engine.worker.pooler import pool_hidden
 from paged_engine.worker.recurrent_state import (
     RecurrentStatePool,
@@ -139,6 +140,8 @@ class ModelRunner:
         self.images: ImageEmbedder | None = None
         # seq id -> its prompt's M-RoPE positions (Qwen-VL with images; every rank and stage)
         self.rope_tables: dict[int, MropePositions] = {}
+        # Gemma 3: spans of images whose tokens attend both ways (every rank and stage)
+        self.image_spans = ImageSpans()
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -229,12 +232,15 @@ class ModelRunner:
                 lora.release(c.row, c.lora_id)
             batch.remove(seq_id)
             self.rope_tables.pop(seq_id, None)
+            self.image_spans.remove(seq_id)
             if self.images is not None:
                 self.images.remove(seq_id)
         for data in sched.new_seqs:
             c = batch.add(data)
             if data.mrope is not None:
                 self.rope_tables[data.seq_id] = data.mrope
+            if data.mm_inputs:
+                self.image_spans.add(data.seq_id, data.mm_inputs)
             if self.images is not None:
                 self.images.add(data.seq_id, data.mm_inputs)
             if lora is not None:
@@ -351,6 +357,8 @@ class ModelRunner:
         if rope is not None and rope.ndim == 2:
             positions_d = positions_d.view(3, num_tokens)
         seq_lens_d, cu_d = self._upload(seq_lens.astype(np.int32), cu.astype(np.int32))
+        key_ends = self.image_spans.key_ends(sched.seq_ids, starts, num_new, cu, positions)
+        key_ends_d = None if key_ends is None else self._upload(key_ends)[0]
         if from_device.all():
             input_ids = batch.last_token.index_select(0, tok_rows_d)
         elif from_device.any():
@@ -370,7 +378,8 @@ class ModelRunner:
             seq_lens=seq_lens_d,
             max_seqlen_q=int(num_new.max()),
             max_seqlen_k=max_seqlen_k,
-            host=HostLengths(cu, seq_lens, tables_np, slots),
+            host=HostLengths(cu, seq_lens, tables_np, slots, key_ends),
+            key_ends=key_ends_d,
         )
         if self.states is not None:
             state_rows = batch.state_slot[rows]
@@ -394,7 +403,7 @@ class ModelRunner:
         if inputs.embeds is not None:  # image features at their placeholders: eager
             with layer_additions(self.model, inputs.additions):
                 return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
-        if pos.dim() == 2:  # M-RoPE positions of an image's run: eager
+        if pos.dim() == 2 or meta.key_ends is not None:  # an image's M-RoPE / two-way rows: eager
             return self.model(ids, pos, self.cache.kv_caches, meta)
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
             return self.graphs.run(ids, pos, meta)

@@ -152,7 +152,8 @@ class Worker:
             )
             if encoder is not None:  # images embedded at their placeholders
                 check_deepstack(encoder, model, config.pipeline_parallel_size)
-                embed = model.model.embed_tokens
+                # the token embedding as the model's first stage computes it (Gemma scales it)
+                embed = getattr(model.model, "embed_input_ids", model.model.embed_tokens)
                 self.model_runner.images = ImageEmbedder(encoder, embed, self.device)
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one

@@ -146,6 +146,10 @@ class EngineConfig:
     # vLLM's processor cache: images processed once are not processed again (a chat resends
     # its images every turn), up to this many GiB of pixel values; 0 turns it off.
     mm_processor_cache_gb: float = 4.0
+    # vLLM's switch for image features as input (multi_modal_data={"image": tensor}). The
+    # engine takes them either way (their shapes are checked); paged-server takes `image_embeds`
+    # chat parts only with it on (--enable-mm-embeds).
+    enable_mm_embeds: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")

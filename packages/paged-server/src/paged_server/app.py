@@ -97,6 +97,7 @@ class OpenAIApp:
         load_tracking: bool = False,
         images: Any = None,
         media: ImageLoader | None = None,
+        mm_embeds: bool = False,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -123,6 +124,7 @@ class OpenAIApp:
         # `media` loads what the parts point at.
         self.images = images
         self.media = media or ImageLoader()
+        self.mm_embeds = mm_embeds  # --enable-mm-embeds: `image_embeds` parts are taken
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -500,6 +502,20 @@ class OpenAIApp:
         n = len(req.image_refs)
         if not n:
             return ids
+        embeds = [r for r in req.image_refs if r.embeds is not None]
+        if embeds and not self.mm_embeds:
+            raise bad_request(
+                f"{embeds[0].param}: image embeddings input is off: start paged-server with "
+                "--enable-mm-embeds (vLLM's flag; for trusted clients)",
+                embeds[0].param,
+            )
+        if embeds and len(embeds) != n:
+            param = next(r.param for r in req.image_refs if r.embeds is None)
+            raise bad_request(
+                f"{param}: a request gives its images either as image_url or as image_embeds "
+                "parts, not both",
+                param,
+            )
         limit = self.images.limit
         if limit is not None and n > limit:
             raise bad_request(
@@ -507,7 +523,8 @@ class OpenAIApp:
                 f"prompt (--limit-mm-per-prompt '{{\"image\": {limit}}}')",
                 "messages",
             )
-        if self.images.layout.marker != self.images.image_token_id:  # Gemma 3's <start_of_image>
+        if embeds or self.images.layout.marker != self.images.image_token_id:
+            # features decide their runs; Gemma 3's <start_of_image> becomes the image's text
             expanded, req.processed_images = self._process_images(req, ids)
             return expanded
         each = self.images.tokens_per_image
@@ -527,7 +544,9 @@ class OpenAIApp:
     def _process_images(self, req: GenerationRequest, ids: list[int]) -> tuple[list[int], list]:
         """Fetch, decode and process a chat request's images on this (the request's) thread:
         (the ids with each image's run, the `ImageInput`s); a 400 naming what cannot be read."""
-        images = self.media.load_all(req.image_refs)
+        images: Any = self.media.load_all(req.image_refs)
+        if images and all(isinstance(m, dict) for m in images):  # Qwen2-VL's: one dict
+            images = _qwen_embeds(images)
         try:
             expanded, processed = self.images.process(ids, images, req.mm_processor_kwargs)
         except ValueError as e:  # an image the processor cannot read, a bad kwarg
@@ -695,3 +714,21 @@ class OpenAIApp:
             return text
         with self.tok_lock:
             return self.tokenizer.decode(prompt_ids)
+
+
+def _qwen_embeds(parts: list[dict]) -> dict:
+    """Qwen2-VL `image_embeds` parts (each {"image_embeds": rows, "image_grid_thw": grid})
+    as the one dict the engine takes: every part's rows, then every part's grid."""
+    import torch
+
+    rows = [p["image_embeds"] for p in parts]
+    grids = [p.get("image_grid_thw") for p in parts]
+    if any(g is None for g in grids):
+        return {"image_embeds": rows[0] if len(rows) == 1 else torch.cat(rows)}
+    try:
+        grid = torch.cat([g.reshape(-1, 3) for g in grids])
+        return {"image_embeds": torch.cat(rows), "image_grid_thw": grid}
+    except (RuntimeError, TypeError) as e:  # rows of other widths, grids of other shapes
+        raise bad_request(
+            f"the messages' image_embeds do not fit together: {e}", "messages"
+        ) from None

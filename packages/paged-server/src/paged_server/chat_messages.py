@@ -99,6 +99,19 @@ def _content_parts(
                 )
             found.append(ImageRef(_image_url(p, part.get("image_url")), p))
             parts.append({"type": "image"})
+        elif kind == "image_embeds" and images is not None:  # vLLM's, --enable-mm-embeds
+            p = f"{param}.content[{j}].image_embeds"
+            if role != "user":
+                raise bad_request(
+                    f"{p}: images are taken in user messages only, not in role '{role}'", p
+                )
+            value = part.get("image_embeds")
+            if not isinstance(value, (str, dict)):
+                raise bad_request(
+                    f"{p} must be a base64 tensor string (or Qwen2-VL's object of them)", p
+                )
+            found.append(ImageRef("", p, embeds=value))
+            parts.append({"type": "image"})
         elif images is None:
             # A text model (or a VLM served text-only): no image / audio input.
             raise bad_request(
@@ -109,7 +122,7 @@ def _content_parts(
         else:
             raise bad_request(
                 f"{param}.content: content part type {kind!r} is not supported (no audio, "
-                "video or file input): send 'text' and 'image_url' parts",
+                "video or file input): send 'text', 'image_url' or 'image_embeds' parts",
                 f"{param}.content",
             )
     if not found:

@@ -85,6 +85,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         limit_mm_per_prompt=args.limit_mm_per_prompt,
         mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
+        enable_mm_embeds=args.enable_mm_embeds,
         **_lora_config(args),
     )
     return LLMEngine(config)
@@ -151,6 +152,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         # the model's image processor (None: a text model, or served text-only)
         images=getattr(getattr(engine, "input_processor", None), "images", None),
         media=media,
+        mm_embeds=args.enable_mm_embeds,
     )
     return client, app
 

@@ -379,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
         "turn) up to this many GiB; 0 turns it off (default: 4)",
     )
     p.add_argument(
+        "--enable-mm-embeds",
+        action="store_true",
+        help="take image features as chat `image_embeds` parts (vLLM's flag: base64 of a "
+        "torch.save tensor or .npy array; for trusted clients)",
+    )
+    p.add_argument(
         "--allowed-local-media-path",
         default=None,
         metavar="DIR",

@@ -351,22 +351,24 @@ _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the 
 
 
 def _image_parts(body: dict[str, Any]) -> tuple[int, int]:
-    """(image parts, bytes of their URLs) of a chat or Responses body."""
+    """(image parts, bytes of their URLs or base64 features) of a chat or Responses body."""
     count = size = 0
     for key in ("messages", "input"):
         items = body.get(key)
         for item in items if isinstance(items, list) else ():
             content = item.get("content") if isinstance(item, dict) else None
             for part in content if isinstance(content, list) else ():
-                if not isinstance(part, dict) or part.get("type") not in (
-                    "image_url",
-                    "input_image",
-                ):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in ("image_url", "input_image", "image_embeds"):
                     continue
-                url = part.get("image_url")
-                url = url.get("url") if isinstance(url, dict) else url
+                if kind == "image_embeds":
+                    data = part.get("image_embeds")
+                    texts = list(data.values()) if isinstance(data, dict) else [data]
+                else:
+                    url = part.get("image_url")
+                    texts = [url.get("url") if isinstance(url, dict) else url]
                 count += 1
-                size += len(url) if isinstance(url, str) else 0
+                size += sum(len(t) for t in texts if isinstance(t, str))
     return count, size
 
 

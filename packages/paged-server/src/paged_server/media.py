@@ -7,6 +7,11 @@
     file:///dir/cat.jpg               only under --allowed-local-media-path DIR (the path
                                       resolved, links followed, must stay inside DIR)
 
+An `image_embeds` part (vLLM's, with --enable-mm-embeds) holds the image's features instead:
+base64 of a tensor saved by torch.save (loaded with weights_only=True, sparse tensors checked,
+then made dense) or of a numpy .npy array (no pickles); Qwen2-VL's form is a dict of such
+strings, {"image_embeds": ..., "image_grid_thw": ...}.
+
 Every failure is a 400 naming where the URL was (`messages[0].content[1].image_url`): the
 client sent something this server cannot read as an image. Pillow is imported with the first
 image, so a text-only server never needs it.
@@ -20,6 +25,7 @@ import io
 import os
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +41,12 @@ _READ_CHUNK = 1 << 16
 
 @dataclass(frozen=True, slots=True)
 class ImageRef:
-    """An image part of a request: its URL and the parameter that named it (for errors)."""
+    """An image part of a request: its URL and the parameter that named it (for errors);
+    an `image_embeds` part has its payload in `embeds` instead (and no URL)."""
 
     url: str
     param: str
+    embeds: str | dict | None = None
 
 
 def fetch_timeout(environ: Any = None) -> float:
@@ -96,6 +104,8 @@ class ImageLoader:
         return [self.load(ref) for ref in refs]
 
     def load(self, ref: ImageRef) -> Any:
+        if ref.embeds is not None:
+            return load_embeds(ref)
         scheme = urlsplit(ref.url).scheme.lower()
         if scheme == "data":
             data = self._data_url(ref)
@@ -208,3 +218,49 @@ class ImageLoader:
                 f"{ref.param}: the data is not an image Pillow can read ({e})", ref.param
             ) from None
         return image
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+_EMBEDS_KEYS = ("image_embeds", "image_grid_thw")
+
+
+def load_embeds(ref: ImageRef) -> Any:
+    """An `image_embeds` part's tensor, or Qwen2-VL's dict of tensors; a 400 naming the part
+    for anything else."""
+    value = ref.embeds
+    if isinstance(value, dict):
+        if "image_embeds" not in value or set(value) - set(_EMBEDS_KEYS):
+            raise bad_request(
+                f"{ref.param} as an object takes 'image_embeds' (and Qwen2-VL's "
+                f"'image_grid_thw'), got keys {sorted(value)}",
+                ref.param,
+            )
+        return {k: _tensor(f"{ref.param}.{k}", v) for k, v in value.items()}
+    return _tensor(ref.param, value)
+
+
+def _tensor(param: str, data: Any) -> Any:
+    import numpy as np
+    import torch
+
+    if not isinstance(data, str) or not data:
+        raise bad_request(
+            f"{param} must be a base64 string of a tensor (torch.save, or numpy's .npy)", param
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"{param} is not valid base64", param) from None
+    try:
+        if raw[: len(_NPY_MAGIC)] == _NPY_MAGIC:
+            tensor = torch.from_numpy(np.load(io.BytesIO(raw), allow_pickle=False))
+        else:
+            with torch.sparse.check_sparse_tensor_invariants(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (a client's odd pickle protocol: not ours)
+                tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+                if not isinstance(tensor, torch.Tensor):
+                    raise ValueError(f"it holds a {type(tensor).__name__}, not one tensor")
+                tensor = tensor.to_dense()
+    except Exception as e:  # a corrupt file, pickled objects, a bad sparse tensor
+        raise bad_request(f"{param} could not be read as a tensor: {e}", param) from None
+    return tensor

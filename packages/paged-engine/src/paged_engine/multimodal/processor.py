@@ -324,6 +324,8 @@ class ImageProcessor:
                 f"multi_modal_data['image']: {what} must be float tensors [rows, {hidden}] "
                 f"(the text model's hidden size), got {shape}"
             )
+        if not bool(torch.isfinite(e).all()):
+            raise ValueError(f"multi_modal_data['image']: {what} hold NaN or infinite values")
 
     def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> MropePositions | None:
         """The prompt's M-RoPE positions where the model has them (Qwen-VL), else None."""

@@ -292,3 +292,31 @@ def test_sleep_under_tensor_parallelism(model, want):
         assert _tokens(llm) == want
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_vision_tower_sleeps_with_the_weights(tmp_path, level):
+    """A LLaVA's tower and projector give their memory back with the weights (kept on the host
+    at both levels: reload_weights reads the text model only) and answer the same after."""
+    pytest.importorskip("PIL")
+    from image_checks import noise_image
+
+    from paged_engine.testing import write_tiny_llava
+
+    path = write_tiny_llava(tmp_path, vision="clip", seed=0)
+    llm = LLM(str(path), enable_sleep_mode=True, dtype="float32", max_model_len=256)
+    prompt = {
+        "prompt": "USER: <image>\nWhat? ASSISTANT:",
+        "multi_modal_data": {"image": noise_image(0, (30, 40))},
+    }
+    want = [o.outputs[0].token_ids for o in llm.generate([prompt], GREEDY, use_tqdm=False)]
+    tower = llm.llm_engine.model_runner.images.encoder
+    held = sum(p.untyped_storage().nbytes() for p in tower.parameters())
+    llm.sleep(level=level)
+    assert sum(p.untyped_storage().nbytes() for p in tower.parameters()) == 0 < held
+    llm.wake_up(tags=["weights"])
+    if level == 2:
+        _scramble_weights(llm)
+        llm.collective_rpc("reload_weights")
+    llm.wake_up(tags=["kv_cache"])
+    assert [o.outputs[0].token_ids for o in llm.generate([prompt], GREEDY, use_tqdm=False)] == want

@@ -8,7 +8,7 @@ a wake-up; CUDA graphs, which baked in the old addresses, are captured again by 
 
     tag "weights":   the model's parameters and quantized weights ("weights" below), its buffers
                      and other tensor attributes (rope tables, LoRA slots: "buffers"), and the
-                     same of a draft model
+                     tensors of a draft model and of the vision tower (as buffers)
     tag "kv_cache":  every layer's KV cache (a draft model's too) and the recurrent-state pools
 
 `offload=True` (level 1) copies weights and buffers to host memory (pinned on CUDA) and back on

@@ -309,12 +309,15 @@ class Worker:
             self.model_runner.capture_graphs()
 
     def _weight_tensors(self):
-        """The "weights" tag: the model's tensors, and a draft model's as buffers (kept at
-        every level: reload_weights reads the target's checkpoint only)."""
-        yield from module_tensors(self.model_runner.model)
-        draft = self.model_runner.draft
-        if draft is not None:
-            yield from ((t, False) for t, _ in module_tensors(draft.model))
+        """The "weights" tag: the model's tensors, and a draft model's and the vision tower's
+        as buffers (kept at every level: reload_weights reads the text model's weights only)."""
+        runner = self.model_runner
+        yield from module_tensors(runner.model)
+        kept = [runner.draft.model] if runner.draft is not None else []
+        if runner.images is not None:
+            kept.append(runner.images.encoder)
+        for module in kept:
+            yield from ((t, False) for t, _ in module_tensors(module))
 
     def _check_weights_awake(self, what: str) -> None:
         if "weights" in self.memory.asleep:

@@ -278,3 +278,42 @@ def test_image_embeds_give_the_image_answer(llava_dirs):
     want, got, again = llm.generate([raw, embedded, ahead], _greedy(0), use_tqdm=False)
     assert got.prompt_token_ids == again.prompt_token_ids == want.prompt_token_ids
     assert_same_greedy([want.outputs[0]] * 2, [got.outputs[0], again.outputs[0]])
+
+
+def test_encoder_cache_reuses_features_by_image_hash(llava_dirs):
+    """vLLM's encoder cache: the same image in several prompts of a batch, twice in one prompt,
+    or again in a later request is encoded once; the answers equal an engine whose cache holds
+    nothing; a full pool lets its oldest features go; sleep empties it."""
+    path = llava_dirs("clip")
+    a, b, c = _image(1), _image(2), _image(3)
+    two = "USER: <image>\nand <image>\nWhich? ASSISTANT:"
+    prompts = [
+        {"prompt": "USER: <image>\nWhat is it? ASSISTANT:", "multi_modal_data": {"image": a}},
+        {"prompt": "USER: <image>\nWhat else? ASSISTANT:", "multi_modal_data": {"image": a}},
+        {"prompt": two, "multi_modal_data": {"image": [b, b]}},
+    ]
+
+    def answers(llm, batch):
+        return [o.outputs[0].token_ids for o in llm.generate(batch, _greedy(0), use_tqdm=False)]
+
+    # (no prefix caching: a prompt seen before would skip its placeholders altogether)
+    nothing_kept = _llm(path, enable_prefix_caching=False)
+    nothing_kept.llm_engine.model_runner.images.cache_elems = 0
+    want = answers(nothing_kept, prompts)
+    assert nothing_kept.llm_engine.model_runner.images.encoded == 2  # a and b: once each
+
+    llm = _llm(path, enable_sleep_mode=True, enable_prefix_caching=False)
+    images = llm.llm_engine.model_runner.images
+    assert images.cache_elems >= 2 * 576 * 64  # a step's rows of the text hidden size
+    assert answers(llm, prompts) == want and images.encoded == 2
+    assert answers(llm, prompts[::-1]) == want[::-1] and images.encoded == 2  # all kept
+    assert not images.features and not images.users and len(images.idle) == 2
+    # room for what it holds: c pushes out b, let go of first in the last batch (oldest)
+    images.cache_elems = images.idle_elems
+    answers(llm, [{**prompts[0], "multi_modal_data": {"image": c}}])
+    assert images.encoded == 3 and len(images.idle) == 2
+    assert answers(llm, prompts[:1]) == want[:1] and images.encoded == 3  # a stayed
+    assert answers(llm, prompts[2:]) == want[2:] and images.encoded == 4  # b went
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert not images.idle and images.idle_elems == 0

@@ -154,7 +154,11 @@ class Worker:
                 check_deepstack(encoder, model, config.pipeline_parallel_size)
                 # the token embedding as the model's first stage computes it (Gemma scales it)
                 embed = getattr(model.model, "embed_input_ids", model.model.embed_tokens)
-                self.model_runner.images = ImageEmbedder(encoder, embed, self.device)
+                # idle features kept for reuse: one full step's rows of the text hidden size
+                rows = config.max_num_batched_tokens or 0
+                self.model_runner.images = ImageEmbedder(
+                    encoder, embed, self.device, cache_elems=rows * int(hf_config.hidden_size)
+                )
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
         # start_profile / stop_profile: on when the environment names a trace directory.
@@ -288,6 +292,8 @@ class Worker:
             torch.cuda.synchronize(self.device)
         runner.graphs = None  # they point at memory freed here: captured again on wake-up
         kv = list(runner.kv_tensors())
+        if runner.images is not None:  # the encoder cache's idle features
+            runner.images.clear_idle()
         freed = 0
         if "kv_cache" in tags and "kv_cache" not in self.memory.asleep:
             freed += self.memory.sleep("kv_cache", ((t, False) for t in kv), offload=False)

@@ -24,6 +24,7 @@ MODELS = {
     "idefics3": (tiny.write_tiny_idefics3, {}, "User:<image>hi"),
     "mistral3": (tiny.write_tiny_mistral3, {}, "[INST][IMG]hi[/INST]"),
     "internvl": (tiny.write_tiny_internvl, {}, "<IMG_CONTEXT>\nhi"),
+    "gemma3": (tiny.write_tiny_gemma3, {}, "<start_of_turn>user\n<start_of_image>hi"),
 }
 
 
@@ -51,6 +52,8 @@ def test_awkward_images_answer_or_refuse_cleanly(tmp_path, kind):
     answered = 0
     for name, image in _images().items():
         request = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        if kind == "gemma3":  # its crops too (pan-and-scan of the strip and the huge one)
+            request["mm_processor_kwargs"] = {"do_pan_and_scan": True}
         try:
             out = llm.generate([request], params, use_tqdm=False)[0]
         except ValueError as e:

@@ -1846,7 +1846,13 @@ def write_tiny_gemma3(
     )
     _save_random(transformers.Gemma3ForConditionalGeneration, config, seed, path)
     pil = getattr(transformers, "Gemma3ImageProcessorPil", transformers.Gemma3ImageProcessor)
-    image_processor = pil(size={"height": image_size, "width": image_size})
+    image_processor = pil(  # pan-and-scan off, its settings scaled down as a real config has them
+        size={"height": image_size, "width": image_size},
+        do_pan_and_scan=False,
+        pan_and_scan_min_crop_size=image_size // 4,
+        pan_and_scan_max_num_crops=3,
+        pan_and_scan_min_ratio_to_activate=1.2,
+    )
     transformers.Gemma3Processor(
         image_processor=image_processor,
         tokenizer=tokenizer,

@@ -11,7 +11,9 @@
     attention: an image's soft tokens see each other both ways at prefill (the text stays
         causal), so the image is `ImageInput.bidirectional` (worker/key_ends.py)
 
-Pan-and-scan crops (do_pan_and_scan, off in Gemma 3's processors) are not supported.
+Pan-and-scan (mm_processor_kwargs do_pan_and_scan, off by default): the processor also cuts a
+long image into crops; each view (the image, then its crops) is its own run of placeholders,
+HF's text around them (multimodal/layouts.py Gemma3Layout).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -82,7 +82,6 @@ class Layout:
     mrope = False  # the decoder's positions follow the images (Qwen-VL)
     by_count = False  # an image's pixels depend on how many the prompt holds (OneVision)
     bidirectional = False  # an image's tokens attend to each other both ways (Gemma 3)
-    pinned: ClassVar[dict[str, Any]] = {}  # image processor arguments a request may not change
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         self.config = config
@@ -379,14 +378,17 @@ class BoundedLayout(Layout):
 
 
 class Gemma3Layout(Layout):
-    """Gemma 3: pixels [3, S, S]; a user's <start_of_image> (boi) becomes, as text (HF's
-    processor replaces it in the string, so newlines merge with their neighbours'),
-    "\n\n<start_of_image>" + <image_soft_token> x n + "<end_of_image>\n\n"; the run's
-    tokens attend to each other both ways (`ImageInput.bidirectional`)."""
+    """Gemma 3: pixels [1 + crops, 3, S, S] (the image, then its pan-and-scan crops when the
+    processor makes any); a user's <start_of_image> (boi) becomes, as text (HF's processor
+    replaces it in the string, so newlines merge with their neighbours'), one run
+    "\n\n<start_of_image>" + <image_soft_token> x n + "<end_of_image>\n\n" per view (with
+    crops, HF's "Here is the original image ... and here are some crops ..." around them).
+    Each view is one `ImageInput` whose tokens attend to each other both ways. Between a
+    segment's first <start_of_image> and its end everything sits between special tokens, so
+    its tokens from there to its last <end_of_image> are the same wherever the segment lands."""
 
     takes_embeds = False
     bidirectional = True
-    pinned: ClassVar[dict[str, Any]] = {"do_pan_and_scan": False}  # no pan-and-scan crops
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         from paged_engine.multimodal.gemma3 import image_tokens
@@ -399,21 +401,46 @@ class Gemma3Layout(Layout):
         self.fixed = image_tokens(config)
         self.boi = int(config.boi_token_index)
         self.eoi = int(config.eoi_token_index)
+        boi, soft, eoi = tokenizer.convert_ids_to_tokens([self.boi, placeholder, self.eoi])
+        self.view_text = f"\n\n{boi}{soft * self.fixed}{eoi}\n\n"
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:
-        out = run([image], do_pan_and_scan=False)
-        pixels = out["pixel_values"][0].float()
-        if tuple(pixels.shape) != self.pixel_shape(None):
-            raise _shape_error(pixels, self.pixel_shape(None))
-        return pixels, None
+        out = run([image])
+        crops = int(out["num_crops"][0]) if "num_crops" in out else 0
+        views = out["pixel_values"].float()
+        side = _side(self.config)
+        if tuple(views.shape) != (1 + crops, 3, side, side):
+            raise _shape_error(views, f"[{1 + crops}, 3, {side}, {side}] ({crops} crops)")
+        return views, (crops,)
+
+    def _text(self, crops: int) -> str:
+        if not crops:
+            return self.view_text
+        return (  # Gemma3Processor's wording
+            f"Here is the original image {self.view_text} and here are some crops to help you "
+            "see better " + " ".join([self.view_text] * crops)
+        )
 
     def segment(self, loaded: Loaded) -> list[int]:
-        return [self.boi, *([self.placeholder] * self.length(None)), self.eoi]
+        crops = loaded[1][0] if loaded[1] else 0  # type: ignore[index]
+        return self.tokenizer.encode(self._text(crops), add_special_tokens=False)
 
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
-        pixels = loaded[0]
+        views = loaded[0]
+        runs = run_starts(segment, self.placeholder)
+        if len(runs) != views.shape[0]:
+            raise ValueError(
+                "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
+                "<image_soft_token>, <end_of_image> must be special tokens)"
+            )
         n = self.length(None)
-        return [ImageInput(pixels, at + 1, n, digest(pixels, None), bidirectional=True)]
+        return [
+            ImageInput(v, at + r, n, digest(v, None), bidirectional=True)
+            for v, r in zip(views.unbind(0), runs, strict=True)
+        ]
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        return (3, _side(self.config), _side(self.config))  # one view
 
     def fits(self, m: ImageInput) -> bool:
         return m.bidirectional and super().fits(m)
@@ -424,7 +451,8 @@ class Gemma3Layout(Layout):
 
     def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
         """Each <start_of_image> not followed by its run replaced in the prompt's text (decoded
-        with its special tokens, then tokenized again: HF's ids for a text prompt)."""
+        with its special tokens, then tokenized again: HF's ids for a text prompt). A segment's
+        start is placed by its first <start_of_image>."""
         boi, tid = self.boi, self.placeholder
         marks = [i for i, t in enumerate(ids) if t == boi and ids[i + 1 : i + 2] != [tid]]
         if len(marks) != len(segments) or tid in ids:
@@ -440,17 +468,25 @@ class Gemma3Layout(Layout):
 
         pieces, last = [], 0
         for i, segment in zip(marks, segments, strict=True):
-            pieces += [text(ids[last:i]), "\n\n", text(segment), "\n\n"]
+            pieces += [text(ids[last:i]), text(segment)]
             last = i + 1
         pieces.append(text(ids[last:]))
         out = tok.encode("".join(pieces), add_special_tokens=False)
-        starts = [i - 1 for i in run_starts(out, tid)]
-        n = len(segments[0])
-        if len(starts) != len(segments) or any(out[s : s + n] != segments[0] for s in starts):
-            raise ValueError(
-                "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
-                "<image_soft_token>, <end_of_image> must be special tokens)"
-            )
+        runs = run_starts(out, tid)
+        starts, k = [], 0
+        for segment in segments:  # its first run in `out`, less where it sits in the segment
+            first = segment.index(boi)
+            tail = segment[first : len(segment) - segment[::-1].index(self.eoi)]
+            at = runs[k] - 1 if k < len(runs) else -1
+            if at < 0 or out[at : at + len(tail)] != tail:
+                raise ValueError(
+                    "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
+                    "<image_soft_token>, <end_of_image> must be special tokens)"
+                )
+            starts.append(at - first)
+            k += len(run_starts(segment, tid))
+        if k != len(runs):
+            raise ValueError("the prompt's text holds image tokens of its own")
         return out, starts
 
 

@@ -368,12 +368,6 @@ class ImageProcessor:
                 f"mm_processor_kwargs[{bad[0]!r}] is not an argument this model's image "
                 f"processor takes; it takes {sorted(known) or 'none'}"
             )
-        for name, value in self.layout.pinned.items():
-            if name in kwargs and kwargs[name] != value:
-                raise ValueError(
-                    f"mm_processor_kwargs[{name!r}]={kwargs[name]!r} is not supported for "
-                    f"{self.config.architectures[0]} (only {value!r})"
-                )
         out = {k: v for k, v in kwargs.items() if k not in _PIXEL_BOUNDS}
         bounds = {k: kwargs[k] for k in _PIXEL_BOUNDS if k in kwargs}
         if bounds:  # the size dict transformers 5 reads (min_pixels / max_pixels: deprecated)

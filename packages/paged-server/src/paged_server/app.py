@@ -488,7 +488,9 @@ class OpenAIApp:
         # first token: it holds no reasoning.
         if self.reasoning_parser is not None and req.structured is None:
             markup = parser is not None and parser.reads_harmony
-            reasoning = ReasoningRequest(self.reasoning_parser, req.include_reasoning, markup)
+            reasoning = ReasoningRequest(
+                self.reasoning_parser, req.include_reasoning, markup, req.chat_template_kwargs
+            )
             if reasoning.keeps_special_tokens:  # Harmony's markers
                 req.sampling.setdefault("skip_special_tokens", False)
         return text, ids, reasoning

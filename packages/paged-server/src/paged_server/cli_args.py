@@ -444,8 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="chat: the model's reasoning goes to message.reasoning_content: deepseek_r1 / "
         "qwen3 / glm45 / kimi_k2 (<think>...</think>; deepseek_r1 and kimi_k2 from the first "
-        "token, qwen3 and glm45 from the model's own <think>), openai_gptoss (gpt-oss's Harmony "
-        "analysis channel; the final channel is the content; with --tool-call-parser openai)",
+        "token, qwen3 and glm45 from the model's own <think>), seed_oss (<seed:think>), mistral "
+        "([THINK]...[/THINK]), minimax_m2 (minimax_m2_append_think: no split, <think> put "
+        "first), olmo3, ernie45 (<response> unwrapped), granite ('Here is my thought "
+        "process:'), hunyuan_a13b (<answer> unwrapped), deepseek_v3 (as deepseek_r1 when "
+        "chat_template_kwargs turn thinking on), openai_gptoss (gpt-oss's Harmony analysis "
+        "channel; the final channel is the content; with --tool-call-parser openai)",
     )
     p.add_argument(
         "--enable-auto-tool-choice",

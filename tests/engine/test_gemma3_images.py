@@ -226,3 +226,26 @@ def test_parallel_matches_one_process(path, parallel):
     finally:
         llm.llm_engine.shutdown()
     _same_logprobs(one.outputs[0], two.outputs[0])
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        {"async_scheduling": True, "max_num_batched_tokens": 20, "enable_chunked_prefill": True},
+        {"num_gpu_blocks_override": 14, "max_num_seqs": 3, "max_model_len": 128},  # preempts
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+    ids=["async-chunked", "preemption", "ngram"],
+)
+def test_engine_modes_match_the_plain_run(path, mode):
+    prompts = [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(i, (30, 40)), noise_image(i + 9, (50, 20))]},
+        }
+        for i in range(3)
+    ]
+    params = greedy(0, 10)
+    plain = [o.outputs[0] for o in engine(path).generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0] for o in engine(path, **mode).generate(prompts, params, use_tqdm=False)]
+    assert_same_greedy(plain, got)

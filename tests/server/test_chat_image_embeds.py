@@ -42,12 +42,15 @@ def _part(value) -> dict:
     return {"type": "image_embeds", "image_embeds": value}
 
 
-def _offline(llm, embeds) -> list[int]:
+def _offline(llm, embeds, images: int = 1) -> list[int]:
+    """Offline greedy tokens of the chat prompt with `images` image parts and `embeds`."""
     from paged_engine import SamplingParams
 
     tok = llm.llm_engine.tokenizer
-    hf = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
-    text = tok.apply_chat_template(hf, tokenize=False, add_generation_prompt=True)
+    parts = [{"type": "image"}] * images + [{"type": "text", "text": "What is it?"}]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
     prompt = {
         "prompt_token_ids": tok.encode(text, add_special_tokens=False),
         "multi_modal_data": {"image": embeds},
@@ -135,7 +138,7 @@ def test_qwen2_vl_image_embeds_objects(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(1)
     grids = torch.tensor([[1, 4, 6], [1, 2, 4]])  # 6 and 2 merged rows (2 x 2 merge)
     rows = [torch.randn(6, hidden, generator=gen), torch.randn(2, hidden, generator=gen)]
-    want = _offline_two(llm, {"image_embeds": torch.cat(rows), "image_grid_thw": grids})
+    want = _offline(llm, {"image_embeds": torch.cat(rows), "image_grid_thw": grids}, images=2)
     parts = [
         _part({"image_embeds": _saved(r), "image_grid_thw": _saved(g[None])})
         for r, g in zip(rows, grids, strict=True)
@@ -153,19 +156,3 @@ def test_qwen2_vl_image_embeds_objects(tmp_path: Path) -> None:
             assert "image_grid_thw" in _refused(http, _ask(*bad), "messages")
     finally:
         llm.llm_engine.shutdown()
-
-
-def _offline_two(llm, embeds) -> list[int]:
-    from paged_engine import SamplingParams
-
-    tok = llm.llm_engine.tokenizer
-    image = {"type": "image"}
-    hf = [{"role": "user", "content": [image, image, {"type": "text", "text": "What is it?"}]}]
-    text = tok.apply_chat_template(hf, tokenize=False, add_generation_prompt=True)
-    prompt = {
-        "prompt_token_ids": tok.encode(text, add_special_tokens=False),
-        "multi_modal_data": {"image": embeds},
-    }
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (out,) = llm.generate([prompt], params, use_tqdm=False)
-    return list(out.outputs[0].token_ids)

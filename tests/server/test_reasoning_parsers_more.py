@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 from fake_engine import ScriptedEngine
 from server_proc import chat_stream, serve_in_process
+from test_reasoning_and_parsers import _streamed
 
 from paged_server.reasoning import (
     REASONING_PARSERS,
@@ -115,16 +116,6 @@ CASES = [
     ("deepseek_v3", "plan</think>Answer", None, "plan</think>Answer"),
     ("deepseek_v3", "<think>x</think>y", None, "<think>x</think>y"),
 ]
-
-
-def _streamed(parser: str, pieces: list[str]) -> tuple[str, str]:
-    s = ThinkSplitter(parser)
-    reasoning = content = ""
-    for piece in pieces:
-        r, c = s.feed(piece)
-        reasoning, content = reasoning + r, content + c
-    r, c = s.finish()
-    return reasoning + r, content + c
 
 
 @pytest.mark.parametrize(("parser", "text", "reasoning", "content"), CASES)

@@ -436,7 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(= qwen3_xml, Qwen3-Coder's <function=f>), granite (<|tool_call|>), phi4_mini_json "
         "(functools[...]), openai (gpt-oss: Harmony messages to=functions.NAME), deepseek_v3 / "
         "deepseek_v31 (DeepSeek-V3 / R1 / V3.1 tool-call tokens), kimi_k2, glm45 (= glm47: "
-        "GLM-4.5-4.7's <tool_call>NAME<arg_key>...)",
+        "GLM-4.5-4.7's <tool_call>NAME<arg_key>...), seed_oss (<seed:tool_call><function=f>), "
+        "minimax_m2 (<minimax:tool_call><invoke name=f>), hunyuan_a13b / jamba "
+        "(<tool_calls>[json]</tool_calls>), ernie45 (= hermes), internlm (<|action_start|>"
+        "<|plugin|>{json}), olmo3 (pythonic lines in <function_calls>), xlam (a JSON list of "
+        "calls), llama4_pythonic (= pythonic), llama4_json (= llama3_json)",
     )
     p.add_argument(
         "--reasoning-parser",

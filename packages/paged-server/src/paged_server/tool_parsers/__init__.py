@@ -19,6 +19,22 @@
                     {...}; the model's ids are the calls' ids
     glm45.py        GLM-4.5 / 4.6 / 4.7: <tool_call>NAME<arg_key>k</arg_key><arg_value>v
                     </arg_value>, values typed as vLLM does (schema "string": text; else JSON)
+    xml_calls.py    XML-style call and parameter elements, values typed by the tool schemas:
+                    seed_oss.py   Seed-OSS: <seed:tool_call><function=f><parameter=x>1
+                                  </parameter></function></seed:tool_call>
+                    minimax_m2.py MiniMax-M2: <minimax:tool_call><invoke name="f"><parameter
+                                  name="x">1</parameter></invoke></minimax:tool_call>
+    tool_calls_block.py  Hunyuan-A13B, Jamba: <tool_calls>[{"name": ..., "arguments": ...}]
+                    </tool_calls>
+    internlm.py     InternLM2 / 3: <|action_start|><|plugin|>{"name": ..., "parameters": ...}
+                    <|action_end|>
+    olmo3.py        Olmo 3: pythonic calls one per line in <function_calls> ... </function_calls>
+                    (or bare), JSON's null / true / false accepted
+    xlam.py         xLAM: a JSON list of calls, the whole answer or in ```json / [TOOL_CALLS] /
+                    <tool_call>
+    bare_calls.py   streaming for calls that may open the answer with no marker (olmo3, xlam)
+    ERNIE 4.5 (ernie45) writes Hermes' format; Llama 4 reads as pythonic (llama4_pythonic) or
+    llama3_json (llama4_json), the names vLLM registers for them.
 """
 
 from __future__ import annotations
@@ -28,6 +44,7 @@ from paged_server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31
 from paged_server.tool_parsers.glm45 import Glm45ToolParser
 from paged_server.tool_parsers.gpt_oss import OpenAIToolParser
 from paged_server.tool_parsers.hermes import HermesToolParser
+from paged_server.tool_parsers.internlm import InternLMToolParser
 from paged_server.tool_parsers.json_list import (
     GraniteToolParser,
     MistralToolParser,
@@ -36,8 +53,13 @@ from paged_server.tool_parsers.json_list import (
 from paged_server.tool_parsers.kimi_k2 import KimiK2ToolParser
 from paged_server.tool_parsers.lfm2 import Lfm2ToolParser
 from paged_server.tool_parsers.llama3_json import Llama3JsonToolParser
+from paged_server.tool_parsers.minimax_m2 import MinimaxM2ToolParser
+from paged_server.tool_parsers.olmo3 import Olmo3ToolParser
 from paged_server.tool_parsers.pythonic import PythonicToolParser
 from paged_server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
+from paged_server.tool_parsers.seed_oss import SeedOssToolParser
+from paged_server.tool_parsers.tool_calls_block import HunyuanA13BToolParser, JambaToolParser
+from paged_server.tool_parsers.xlam import XlamToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
@@ -55,6 +77,16 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "kimi_k2": KimiK2ToolParser,
     "glm45": Glm45ToolParser,
     "glm47": Glm45ToolParser,  # vLLM's name for GLM-4.7 (no newline after the name)
+    "seed_oss": SeedOssToolParser,
+    "minimax_m2": MinimaxM2ToolParser,
+    "hunyuan_a13b": HunyuanA13BToolParser,
+    "jamba": JambaToolParser,
+    "ernie45": HermesToolParser,  # ERNIE 4.5 writes Hermes' <tool_call>{...}</tool_call>
+    "olmo3": Olmo3ToolParser,
+    "internlm": InternLMToolParser,
+    "xlam": XlamToolParser,
+    "llama4_pythonic": PythonicToolParser,  # vLLM's names for Llama 4's two formats
+    "llama4_json": Llama3JsonToolParser,
 }
 
 __all__ = ["TOOL_PARSERS", "ParsedCall", "ToolParser"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image
+from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
 
 from paged_engine.testing import write_tiny_internvl
 
@@ -85,10 +85,37 @@ def test_engine_paths_match_the_plain_run(path):
     pics = prompts[-1]["multi_modal_data"]["image"]
     for bad, match in [
         ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 63)}}, "hidden size"),
     ]:
         with pytest.raises(ValueError, match=match):
             cached.generate([bad], greedy(0), use_tqdm=False)
     assert (
         len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
     )
+
+
+def test_image_features_give_the_image_answer(path):
+    """vLLM's image_embeds for InternVL: the encoder's own features of an image, given as a
+    tensor, become <img>, a run of their rows, </img>: the image's prompt and tokens; so do
+    HF's expanded ids, and the features processed ahead."""
+    llm = engine(path)
+    image = noise_image(1, (40, 90))
+    params = greedy(0)
+    (want,) = llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": image}}], params)
+    images = llm.llm_engine.input_processor.images
+    ids = llm.get_tokenizer().encode(PROMPT, add_special_tokens=False)
+    _, done = images.process(ids, [image])
+    with torch.no_grad():
+        (feats,) = llm.llm_engine.model_runner.images.encoder.encode(list(done))
+    for prompt in (
+        {"prompt": PROMPT, "multi_modal_data": {"image": feats}},
+        {"prompt_token_ids": want.prompt_token_ids, "multi_modal_data": {"image": [feats]}},
+    ):
+        (got,) = llm.generate([prompt], params)
+        assert got.prompt_token_ids == want.prompt_token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    expanded, ahead = images.process(ids, feats)
+    (got,) = llm.generate(
+        [{"prompt_token_ids": expanded, "multi_modal_data": {"image": list(ahead)}}], params
+    )
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

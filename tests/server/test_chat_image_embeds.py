@@ -156,3 +156,30 @@ def test_qwen2_vl_image_embeds_objects(tmp_path: Path) -> None:
             assert "image_grid_thw" in _refused(http, _ask(*bad), "messages")
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_internvl_image_embeds_parts(tmp_path: Path) -> None:
+    """InternVL: a part's rows become <img>, a run of them, </img> (the offline tokens)."""
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_internvl
+
+    path = write_tiny_internvl(tmp_path, seed=3)
+    llm = LLM(str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
+    hidden = llm.llm_engine.hf_config.hidden_size
+    rows = torch.randn(5, hidden, generator=torch.Generator().manual_seed(2))
+    want = _offline(llm, rows)
+    try:
+        with serve_in_process([*COMMON_ARGS, "--enable-mm-embeds"], llm.llm_engine) as (http, _):
+            status, _, body = http.request(
+                "POST",
+                "/v1/chat/completions",
+                {**GREEDY, "messages": _ask(_part(_saved(rows))), "return_token_ids": True},
+            )
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == want
+            ids = body["prompt_token_ids"]
+            image = llm.llm_engine.input_processor.images.image_token_id
+            first = ids.index(image)
+            assert ids[first : first + 5] == [image] * 5 and ids[first + 5] != image
+    finally:
+        llm.llm_engine.shutdown()

@@ -113,6 +113,11 @@ class Layout:
         """The token a prompt writes for an image (before `splice`)."""
         return self.placeholder
 
+    def features_segment(self, rows: int) -> tuple[list[int], int]:
+        """(the tokens an image given as `rows` feature rows becomes, where its run starts in
+        them), for layouts that take features (`takes_embeds`)."""
+        return [self.placeholder] * rows, 0
+
     def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
         """(each lone image token replaced by its image's segment, where the segments start);
         ValueError naming multi_modal_data unless there is one such token per image."""
@@ -335,9 +340,8 @@ class LineLayout(Layout):
 
 class BoundedLayout(Layout):
     """InternVL: tiles [n, 3, S, S] (a grid and, for more than one, a thumbnail), one run of
-    `tile_rows` per tile between <img> and </img>; size = (n,)."""
-
-    takes_embeds = False
+    `tile_rows` per tile between <img> and </img>; size = (n,). Features (vLLM's
+    image_embeds) take a run of their rows between the same bounds."""
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         from paged_engine.multimodal import internvl
@@ -375,6 +379,10 @@ class BoundedLayout(Layout):
 
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         return super().place(loaded, at + 1, segment)  # after <img>
+
+    def features_segment(self, rows: int) -> tuple[list[int], int]:
+        start, end = self.bounds
+        return [start, *([self.placeholder] * rows), end], 1
 
 
 class Gemma3Layout(Layout):

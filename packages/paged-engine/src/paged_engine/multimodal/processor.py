@@ -197,7 +197,11 @@ class ImageProcessor:
             token_ids = self.expand(token_ids, [self._fits(m) for m in images])
             ok = [m.offset for m in images] == self._run_starts(token_ids)
         else:
-            spans = [self.layout.span(m) for m in images if self.layout.fits(m)]
+            spans = [
+                self.layout.span(m)
+                for m in images
+                if self.layout.fits(m) or (m.embeds is not None and self._fits(m))
+            ]
             ok = (
                 len(spans) == len(images)
                 and all(token_ids[m.offset : m.end] == s for m, s in zip(images, spans))
@@ -237,6 +241,11 @@ class ImageProcessor:
         """The run of a processed image: ValueError unless its pixels (or features) are what
         this model reads for an image of its size."""
         if m.embeds is not None:
+            if not self.layout.takes_embeds:
+                raise ValueError(
+                    "multi_modal_data['image']: image embeddings are not supported for "
+                    f"{self.config.architectures[0]} (give the images)"
+                )
             self._check_embeds(m.embeds, "an image's embeds")
             if self.layout.mrope and m.length != self.layout.length(m.image_size):
                 raise ValueError("multi_modal_data['image']: embeds do not fit their grid")
@@ -302,8 +311,16 @@ class ImageProcessor:
         lengths = [e.shape[0] for e in embeds]
         if self.layout.mrope and lengths != [self.layout.length(g) for g in grids]:
             raise ValueError("multi_modal_data['image']: image embeds do not fit their grids")
-        token_ids = self.expand(token_ids, lengths)
-        starts = self._run_starts(token_ids)
+        if self._runs_only:
+            token_ids = self.expand(token_ids, lengths)
+            starts = self._run_starts(token_ids)
+        else:  # a run between other tokens (InternVL's <img> ... </img>)
+            spans = [self.layout.features_segment(n) for n in lengths]
+            segments = [segment for segment, _ in spans]
+            found = self._find(token_ids, segments)
+            if found is None:
+                token_ids, found = self.layout.splice(token_ids, segments)
+            starts = [at + skip for at, (_, skip) in zip(found, spans, strict=True)]
         out = tuple(
             ImageInput(None, offset, n, digest(e, g), g, embeds=e.detach().cpu())
             for e, offset, n, g in zip(embeds, starts, lengths, grids, strict=True)

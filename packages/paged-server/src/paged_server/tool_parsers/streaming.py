@@ -14,6 +14,7 @@ model wrote it (the non-streamed answer re-serializes the same value).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,31 +30,44 @@ class PartialCall:
     end: int | None = None  # index just past the call object's closing brace, once complete
 
 
+_IN_STRING = re.compile(r'["\\]')  # what ends or escapes inside a JSON string
+_STRUCTURE = re.compile(r'["{}\[\]:,]')  # what the scan acts on outside strings
+
+
 def scan_call(s: str, start: int, args_keys: tuple[str, ...]) -> PartialCall:
     """The call object starting at s[start] == "{" (JSON strings, escapes and nesting aware).
     Keys and values are tracked at depth 1 only: "name" (a string) and the first of
-    `args_keys` whose value is an object."""
+    `args_keys` whose value is an object. The scan jumps between the characters it acts on
+    (regex searches), so rescanning a growing call on every streamed piece stays cheap."""
     call = PartialCall()
-    depth, in_str, esc, str_start = 0, False, False, 0
+    depth, in_str, str_start = 0, False, 0
     last_key: str | None = None  # the last depth-1 string that can still become a key
     key: str | None = None  # the key whose value is being read (None: expecting a key)
     args_start = -1
-    for i in range(start, len(s)):
-        c = s[i]
+    i, n = start, len(s)
+    while i < n:
         if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-                if depth == 1:
-                    text = _loads(s[str_start : i + 1])
-                    if key is None:
-                        last_key = text
-                    elif key == "name" and isinstance(text, str):
-                        call.name = text
+            m = _IN_STRING.search(s, i)
+            if m is None:
+                break  # the string goes on past what has arrived
+            i = m.start()
+            if s[i] == "\\":
+                i += 2  # the escaped character is never a quote that ends the string
+                continue
+            in_str = False
+            if depth == 1:
+                text = _loads(s[str_start : i + 1])
+                if key is None:
+                    last_key = text
+                elif key == "name" and isinstance(text, str):
+                    call.name = text
+            i += 1
             continue
+        m = _STRUCTURE.search(s, i)
+        if m is None:
+            break
+        i = m.start()
+        c = s[i]
         if c == '"':
             in_str, str_start = True, i
         elif c in "{[":
@@ -71,6 +85,7 @@ def scan_call(s: str, start: int, args_keys: tuple[str, ...]) -> PartialCall:
             key = last_key if isinstance(last_key, str) else None
         elif depth == 1 and c == ",":
             key = last_key = None
+        i += 1
     if args_start >= 0 and not call.args_done:
         call.args = s[args_start:]
     return call

@@ -33,7 +33,7 @@ class ImageInput:
     pixel_values: torch.Tensor | None
     offset: int  # first placeholder position in the prompt
     length: int  # placeholders = feature rows
-    mm_hash: str  # blake2b of the pixel values or embeddings (and image_size)
+    mm_hash: str  # SHA-256 of the pixel values or embeddings (and image_size), 32 hex digits
     # LLaVA-NeXT: (h, w) as loaded; Qwen2-VL: the patch grid (t, h, w); else None
     image_size: tuple[int, ...] | None = None
     embeds: torch.Tensor | None = None  # [length, text hidden]: vLLM's image_embeds input

@@ -38,11 +38,12 @@ Run = Callable[..., Any]  # run(images, **extra) -> the image processor's output
 
 
 def digest(values: torch.Tensor, size: Size) -> str:
-    """blake2b of the values' bytes, dtype, shape and the image's size."""
-    data = values.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-    h = hashlib.blake2b(data, digest_size=16)
+    """SHA-256 of the values' bytes, dtype, shape and the image's size (128 bits of it; SHA-256
+    runs ~2.5x faster than blake2b on CPUs with SHA instructions)."""
+    data = values.detach().cpu().contiguous().view(torch.uint8).numpy()
+    h = hashlib.sha256(data)  # (read in place: the array's buffer, no copy)
     h.update(repr((size, values.dtype, tuple(values.shape))).encode())
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 def token_ids(tokenizer: Any, *tokens: str) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
 """vLLM's multi-modal processor cache: an image processed once is not processed again.
 
-    key:   blake2b of the image's pixels as loaded (mode, size, bytes) and the processor
+    key:   SHA-256 of the image's pixels as loaded (mode, size, bytes) and the processor
            arguments it ran with
     value: the layout's `Loaded` (pixel values, size), shared read-only by every prompt that
            holds the image (a chat resends its images with every turn)
@@ -22,9 +22,9 @@ from paged_engine.multimodal.layouts import Loaded
 
 def image_key(image: Any, kwargs: dict[str, Any]) -> str:
     """The cache key of a PIL image processed with `kwargs`."""
-    h = hashlib.blake2b(image.tobytes(), digest_size=16)
+    h = hashlib.sha256(image.tobytes())  # (faster than blake2b where the CPU has SHA-NI)
     h.update(repr((image.mode, image.size, sorted(kwargs.items(), key=str))).encode())
-    return h.hexdigest()
+    return h.hexdigest()[:32]
 
 
 class ProcessorCache:

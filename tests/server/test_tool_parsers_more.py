@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -85,7 +86,7 @@ def make(name: str) -> ToolParser:
 
 def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[list[dict]], list]:
     """(content shown, tool_calls entries per feed and the finish's, the finish's calls)."""
-    s = StreamingToolText(parser)
+    s = parser.streamer()
     shown, per_feed = "", []
     for piece in pieces:
         out, entries = s.feed(piece)
@@ -213,11 +214,17 @@ MALFORMED = {
 def test_malformed_output_stays_content(name: str) -> None:
     """Not well-formed calls: the whole text is the content, whole or streamed (a call whose
     name was streamed stays announced, as with the other parsers)."""
-    for text in MALFORMED[name]:
+    assert_stays_content(lambda: make(name), MALFORMED[name])
+
+
+def assert_stays_content(parser: Callable[[], ToolParser], texts: list[str]) -> None:
+    """Each text (and with content before it) is all content and no call, whole and streamed
+    whole or a character at a time; `parser()` makes a fresh parser."""
+    for text in texts:
         for bad in (text, "Before. " + text):
-            assert make(name).parse(bad) == (bad, []), bad
+            assert parser().parse(bad) == (bad, []), bad
             for pieces in ([bad], list(bad)):
-                shown, _, calls = stream(make(name), pieces)
+                shown, _, calls = stream(parser(), pieces)
                 assert shown == bad and calls == [], bad
 
 

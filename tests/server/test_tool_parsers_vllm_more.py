@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fake_engine import ScriptedEngine
 from server_proc import chat_stream, serve_in_process
-from test_tool_parsers_more import accumulate
+from test_tool_parsers_more import accumulate, assert_stays_content, stream
 
 from paged_server.tool_parsers import TOOL_PARSERS, ToolParser
 from paged_server.tool_parsers.minimax_m2 import minimax_value, schema_types
@@ -112,19 +112,6 @@ def make(name: str) -> ToolParser:
     parser = TOOL_PARSERS[name]()
     parser.schemas = SCHEMAS
     return parser
-
-
-def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[list[dict]], list]:
-    """(content shown, tool_calls entries per feed and the finish's, the finish's calls)."""
-    s = parser.streamer()
-    shown, per_feed = "", []
-    for piece in pieces:
-        out, entries = s.feed(piece)
-        shown += out
-        per_feed.append(entries)
-    rest, entries, calls = s.finish()
-    per_feed.append(entries)
-    return shown + rest, per_feed, calls
 
 
 def chunkings(text: str) -> list[list[str]]:
@@ -284,12 +271,7 @@ MALFORMED["jamba"] = MALFORMED["hunyuan_a13b"]
 def test_malformed_output_stays_content(name: str) -> None:
     """Not well-formed calls: the whole text is the content, whole or streamed (a call whose
     name was streamed stays announced, as with the other parsers)."""
-    for text in MALFORMED[name]:
-        for bad in (text, "Before. " + text):
-            assert make(name).parse(bad) == (bad, []), bad
-            for pieces in ([bad], list(bad)):
-                shown, _, calls = stream(make(name), pieces)
-                assert shown == bad and calls == [], bad
+    assert_stays_content(lambda: make(name), MALFORMED[name])
 
 
 # ---- values typed by the tool schemas -----------------------------------------------------

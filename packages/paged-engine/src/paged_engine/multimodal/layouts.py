@@ -386,6 +386,13 @@ class BoundedLayout(Layout):
         return [start, *([self.placeholder] * rows), end], 1
 
 
+def _split_tokens() -> ValueError:
+    return ValueError(
+        "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
+        "<image_soft_token>, <end_of_image> must be special tokens)"
+    )
+
+
 class Gemma3Layout(Layout):
     """Gemma 3: pixels [1 + crops, 3, S, S] (the image, then its pan-and-scan crops when the
     processor makes any); a user's <start_of_image> (boi) becomes, as text (HF's processor
@@ -438,10 +445,7 @@ class Gemma3Layout(Layout):
         views = loaded[0]
         runs = run_starts(segment, self.placeholder)
         if len(runs) != views.shape[0]:
-            raise ValueError(
-                "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
-                "<image_soft_token>, <end_of_image> must be special tokens)"
-            )
+            raise _split_tokens()
         n = self.length(None)
         return [
             ImageInput(v, at + r, n, digest(v, None), bidirectional=True)
@@ -488,10 +492,7 @@ class Gemma3Layout(Layout):
             tail = segment[first : len(segment) - segment[::-1].index(self.eoi)]
             at = runs[k] - 1 if k < len(runs) else -1
             if at < 0 or out[at : at + len(tail)] != tail:
-                raise ValueError(
-                    "the tokenizer did not keep Gemma 3's image tokens whole (<start_of_image>, "
-                    "<image_soft_token>, <end_of_image> must be special tokens)"
-                )
+                raise _split_tokens()
             starts.append(at - first)
             k += len(run_starts(segment, tid))
         if k != len(runs):

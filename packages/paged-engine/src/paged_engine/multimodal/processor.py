@@ -127,11 +127,7 @@ class ImageProcessor:
         prompt. `kwargs`: the prompt's mm_processor_kwargs, on top of the engine's. Features
         instead of images (vLLM's embedding input) become images with `embeds`."""
         if _is_embeds(images):
-            if not self.layout.takes_embeds:
-                raise ValueError(
-                    "multi_modal_data['image']: image embeddings are not supported for "
-                    f"{self.config.architectures[0]} (give the images)"
-                )
+            self._check_takes_embeds()
             return self._embedded(token_ids, images)
         items = list(images) if isinstance(images, (list, tuple)) else [images]
         if not items:
@@ -148,11 +144,7 @@ class ImageProcessor:
             token_ids = self.expand(token_ids, [len(s) for s in segments])
             starts = self._run_starts(token_ids)
         else:
-            found = self._find(token_ids, segments)  # expanded already (an HF processor's ids)
-            if found is None:
-                token_ids, starts = self.layout.splice(token_ids, segments)
-            else:
-                starts = found
+            token_ids, starts = self._locate(token_ids, segments)
         out: list[ImageInput] = []
         for x, at, segment in zip(loaded, starts, segments, strict=True):
             out += self.layout.place(x, at, segment)
@@ -237,15 +229,24 @@ class ImageProcessor:
             at += len(segment)
         return starts
 
+    def _locate(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """(the prompt holding the segments, where each starts): as it is when it holds them
+        already (an HF processor's ids), else with the layout's splice."""
+        found = self._find(ids, segments)
+        return (ids, found) if found is not None else self.layout.splice(ids, segments)
+
+    def _check_takes_embeds(self) -> None:
+        if not self.layout.takes_embeds:
+            raise ValueError(
+                "multi_modal_data['image']: image embeddings are not supported for "
+                f"{self.config.architectures[0]} (give the images)"
+            )
+
     def _fits(self, m: ImageInput) -> int:
         """The run of a processed image: ValueError unless its pixels (or features) are what
         this model reads for an image of its size."""
         if m.embeds is not None:
-            if not self.layout.takes_embeds:
-                raise ValueError(
-                    "multi_modal_data['image']: image embeddings are not supported for "
-                    f"{self.config.architectures[0]} (give the images)"
-                )
+            self._check_takes_embeds()
             self._check_embeds(m.embeds, "an image's embeds")
             if self.layout.mrope and m.length != self.layout.length(m.image_size):
                 raise ValueError("multi_modal_data['image']: embeds do not fit their grid")
@@ -316,10 +317,7 @@ class ImageProcessor:
             starts = self._run_starts(token_ids)
         else:  # a run between other tokens (InternVL's <img> ... </img>)
             spans = [self.layout.features_segment(n) for n in lengths]
-            segments = [segment for segment, _ in spans]
-            found = self._find(token_ids, segments)
-            if found is None:
-                token_ids, found = self.layout.splice(token_ids, segments)
+            token_ids, found = self._locate(token_ids, [segment for segment, _ in spans])
             starts = [at + skip for at, (_, skip) in zip(found, spans, strict=True)]
         out = tuple(
             ImageInput(None, offset, n, digest(e, g), g, embeds=e.detach().cpu())

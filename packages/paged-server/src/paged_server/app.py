@@ -718,15 +718,16 @@ class OpenAIApp:
             return self.tokenizer.decode(prompt_ids)
 
 
-def _qwen_embeds(parts: list[dict]) -> dict:
+def _qwen_embeds(parts: list[dict]) -> dict | list:
     """Qwen2-VL `image_embeds` parts (each {"image_embeds": rows, "image_grid_thw": grid})
-    as the one dict the engine takes: every part's rows, then every part's grid."""
+    as the one dict the engine takes: every part's rows, then every part's grid. Parts
+    without a grid are each one image's rows (the engine asks Qwen2-VL for its grids)."""
     import torch
 
     rows = [p["image_embeds"] for p in parts]
     grids = [p.get("image_grid_thw") for p in parts]
     if any(g is None for g in grids):
-        return {"image_embeds": rows[0] if len(rows) == 1 else torch.cat(rows)}
+        return rows
     try:
         grid = torch.cat([g.reshape(-1, 3) for g in grids])
         return {"image_embeds": torch.cat(rows), "image_grid_thw": grid}

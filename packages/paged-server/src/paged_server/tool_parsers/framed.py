@@ -24,31 +24,28 @@ import json
 from typing import Any
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
-from paged_server.tool_parsers.streaming import PartialCall
+from paged_server.tool_parsers.streaming import PartialCall, scan_call
 
 
 def object_end(s: str, start: int) -> int | None:
     """Index just past the JSON object (or array) opening at s[start]; None while it is still
-    open (strings and escapes aware)."""
-    depth, in_str, esc = 0, False, False
-    for i in range(start, len(s)):
-        c = s[i]
-        if in_str:
-            if esc:
-                esc = False
-            elif c == "\\":
-                esc = True
-            elif c == '"':
-                in_str = False
-        elif c == '"':
-            in_str = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+    open (strings and escapes aware: streaming.py's scanner)."""
+    return scan_call(s, start, ()).end
+
+
+def blocks(text: str, open_tag: str, close_tag: str) -> list[tuple[int, int | None]]:
+    """(where each open_tag ... close_tag block's body starts, where its close tag starts or
+    None while it is open), in order; a block left open ends the list."""
+    out: list[tuple[int, int | None]] = []
+    pos = text.find(open_tag)
+    while pos >= 0:
+        body = pos + len(open_tag)
+        end = text.find(close_tag, body)
+        out.append((body, end if end >= 0 else None))
+        if end < 0:
+            break
+        pos = text.find(open_tag, end + len(close_tag))
+    return out
 
 
 def plain_name(name: str) -> bool:

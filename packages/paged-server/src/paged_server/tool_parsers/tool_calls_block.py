@@ -25,35 +25,22 @@ from __future__ import annotations
 import json
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.framed import blocks
 from paged_server.tool_parsers.json_list import scan_call_list
 from paged_server.tool_parsers.streaming import PartialCall
 
 OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
 
 
-def _blocks(text: str) -> list[tuple[int, int | None]]:
-    """(where each block's body starts, where its closing tag starts or None), in order."""
-    out: list[tuple[int, int | None]] = []
-    pos = text.find(OPEN)
-    while pos >= 0:
-        body = pos + len(OPEN)
-        end = text.find(CLOSE, body)
-        out.append((body, end if end >= 0 else None))
-        if end < 0:
-            break
-        pos = text.find(OPEN, end + len(CLOSE))
-    return out
-
-
 class ToolCallsBlockToolParser(ToolParser):
     start_markers = (OPEN,)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        blocks = _blocks(text)
-        if not blocks:
+        found = blocks(text, OPEN, CLOSE)
+        if not found:
             return text, []
         calls: list[ParsedCall] = []
-        for body, end in blocks:
+        for body, end in found:
             if end is None:  # left open
                 return text, []
             try:
@@ -69,7 +56,7 @@ class ToolCallsBlockToolParser(ToolParser):
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []
-        for body, end in _blocks(text):
+        for body, end in blocks(text, OPEN, CLOSE):
             calls += scan_call_list(text if end is None else text[:end], body, ("arguments",))
         return calls
 

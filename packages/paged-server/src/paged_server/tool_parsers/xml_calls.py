@@ -21,7 +21,7 @@ import json
 from typing import Any
 
 from paged_server.tool_parsers.base import ParsedCall, ToolParser
-from paged_server.tool_parsers.framed import plain_name
+from paged_server.tool_parsers.framed import blocks, plain_name
 from paged_server.tool_parsers.streaming import PartialCall
 
 
@@ -80,17 +80,10 @@ class XmlCallsToolParser(ToolParser):
         order (the last one maybe still open), or everything from `start` on."""
         if not self.blocks_required:
             return [(start, len(text), True)]
-        out = []
-        pos = start
-        while pos >= 0:
-            body = pos + len(self.block_open)
-            end = text.find(self.block_close, body)
-            if end < 0:
-                out.append((body, len(text), False))
-                break
-            out.append((body, end, True))
-            pos = text.find(self.block_open, end + len(self.block_close))
-        return out
+        return [  # (start is the first block's: _start)
+            (body, len(text) if end is None else end, end is not None)
+            for body, end in blocks(text, self.block_open, self.block_close)
+        ]
 
     def _scan(self, text: str, start: int) -> tuple[list[PartialCall], bool]:
         """Every call begun in `text`, the last one as far as it has arrived, and whether the

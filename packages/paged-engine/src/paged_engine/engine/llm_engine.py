@@ -152,10 +152,10 @@ class LLMEngine:
             config.override_generation_config,
         )
         self._resolve_lengths()
-        per_image = images.tokens_per_image if images is not None else None
-        if images is not None and images.layout.bidirectional and per_image is not None:
-            assert config.max_num_batched_tokens is not None
-            if config.max_num_batched_tokens < per_image:  # Gemma 3: an image runs in one step
+        if images is not None and images.layout.bidirectional:  # Gemma 3: one step an image
+            per_image = images.tokens_per_image
+            assert per_image is not None and config.max_num_batched_tokens is not None
+            if config.max_num_batched_tokens < per_image:
                 raise ValueError(
                     f"max_num_batched_tokens={config.max_num_batched_tokens} is below the "
                     f"{per_image} tokens of one image, which must run in one step (they attend "

@@ -2,7 +2,8 @@
 llm-compressor's per-channel / per-tensor fp8 and int8, fbgemm's fp8. Each tiny checkpoint is
 quantized here; its weights must load as exactly their dequantized values, and the engine must
 give HF's greedy tokens (logprobs within 1e-3) on a copy holding those values unquantized.
-Quantizations we cannot load fail before any weight is read, naming the method.
+Quantizations we cannot load fail before any weight is read, naming the method. GPTQ, AWQ and
+packed integers: test_packed_checkpoints.py.
 """
 
 from __future__ import annotations
@@ -174,8 +175,8 @@ def _with_quant(tiny, dst, quant: dict):
 
 def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
     cases = [
-        ({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
-        ({"quant_method": "awq"}, "'awq' is not supported"),
+        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+        ({"quant_method": "gptq", "bits": 3}, "3-bit"),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),
         (

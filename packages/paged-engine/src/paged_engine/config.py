@@ -12,7 +12,16 @@ _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
-_QUANTIZATIONS = (None, "fp16", "int8", "int4", "fp8")
+# vLLM's names for running a checkpoint as it is quantized (its quant_method; the weights
+# load dequantized, packed_checkpoint.py): accepted, and checked against the checkpoint.
+CHECKPOINT_QUANTIZATIONS = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
+}
+_QUANTIZATIONS = (None, "fp16", "int8", "int4", "fp8", *CHECKPOINT_QUANTIZATIONS)
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -102,7 +111,8 @@ class EngineConfig:
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
     # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" / "int4" on the CPU,
-    # "fp8" on CUDA (a Triton kernel; on the CPU it runs, slowly, for checks). batch_invariant:
+    # "fp8" on CUDA (a Triton kernel; on the CPU it runs, slowly, for checks); or a checkpoint's
+    # own method (CHECKPOINT_QUANTIZATIONS: "gptq", "awq", ...). batch_invariant:
     # logits of a sequence bit-identical whatever else is in the batch (CPU backend in float32,
     # or the Triton kernels; layers/batch_invariant.py).
     quantization: str | None = None
@@ -279,7 +289,7 @@ class EngineConfig:
             self.batch_invariant,
             "a bool",
         )
-        if self.batch_invariant and self.quantization is not None:
+        if self.batch_invariant and self.quantization not in (None, *CHECKPOINT_QUANTIZATIONS):
             raise ValueError(
                 f"batch_invariant=True does not combine with quantization={self.quantization!r}"
             )

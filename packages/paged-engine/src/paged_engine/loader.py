@@ -33,6 +33,7 @@ from paged_engine.models.multimodal_text import (
     text_model_weights,
     text_only_config,
 )
+from paged_engine.packed_checkpoint import packed_scheme, unpack_weights
 from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
 from paged_engine.worker.kv_scales import split_kv_scales
 
@@ -283,12 +284,14 @@ def checkpoint_weights(
     kv_scales: dict[int, dict[str, float]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
-    vision weights dropped, FP8 / INT8 weights dequantized with their scales (also where only
+    vision weights dropped, GPTQ / AWQ / packed integer weights unpacked and FP8 / INT8 weights
+    dequantized with their scales (also where only
     hf_quant_config.json named the scheme: the tensors' dtypes tell); KV-cache scales go into
     `kv_scales` instead."""
     total = count_weights(resolved, load_format)
     weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
     weights = text_model_weights(weights, hf_config)
+    weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device)
     weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
     return split_kv_scales(weights, {} if kv_scales is None else kv_scales)
 

@@ -9,8 +9,9 @@ they load, so any architecture runs them with its unquantized layers.
     fbgemm_fp8          fp8 `weight`, one scale per output channel (`weight_scale` [N, 1])
     compressed-tensors  llm-compressor's "float-quantized" / "int-quantized" formats: fp8 or
                         int8 `weight`, `weight_scale` per tensor, per channel or per block
-                        (`block_structure`); a zero point (asymmetric) or packed formats are
-                        refused
+                        (`block_structure`); asymmetric 8-bit weights are refused, packed
+                        ones ("pack-quantized": W4A16, W8A16) load through
+                        packed_checkpoint.py
     modelopt            NVIDIA ModelOpt's FP8 (`quant_algo` "FP8"): fp8 `weight`, one
                         `weight_scale`; its NVFP4 / INT4 algorithms are refused
 
@@ -20,7 +21,7 @@ with quantization="fp8" (`fp8_checkpoint`; not in batch-invariant mode): its wei
 FP8 with a scale per output row (the checkpoint's own codes where it had per-row scales with
 each row's largest code at 448; a block-scaled checkpoint is rounded again per row). A
 model class names what it loads (`checkpoint_quantizations`: these by default; gpt-oss: its own
-mxfp4 only).
+mxfp4 only). GPTQ, AWQ and packed integer weights: packed_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt")
+from paged_engine.packed_checkpoint import packed_scheme
+
+DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt", "gptq", "awq")
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale", ".input_scale_ub")
@@ -55,8 +58,8 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
 
 
 def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZED) -> None:
-    """Refuse, naming it, a quantization the model cannot load (GPTQ, AWQ, packed int4,
-    asymmetric schemes), before any weight is read."""
+    """Refuse, naming it, a quantization the model cannot load (bitsandbytes, NVFP4, 3-bit
+    GPTQ, asymmetric 8-bit schemes, ...), before any weight is read."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         return
@@ -66,6 +69,8 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
             f"checkpoint quantization {method!r} is not supported; supported: "
             f"{', '.join(supported)} (or an unquantized checkpoint)"
         )
+    if packed_scheme(config) is not None:  # GPTQ, AWQ, pack-quantized: checked there
+        return
     if method == "modelopt":
         algo = _get(quant, "quant_algo")
         if algo not in (None, "FP8"):
@@ -76,7 +81,7 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
         if fmt not in (None, "dense", "float-quantized", "int-quantized", "naive-quantized"):
             raise ValueError(
                 f"compressed-tensors format {fmt!r} is not supported: only 8-bit weights "
-                "(float-quantized, int-quantized)"
+                "(float-quantized, int-quantized) and packed integers (pack-quantized)"
             )
         for name, group in (_get(quant, "config_groups") or {}).items():
             weights = _get(group, "weights") or {}

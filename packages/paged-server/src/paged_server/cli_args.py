@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-q",
         default=None,
         help="weight-only: fp8 (CUDA: per-channel FP8 weights, a Triton GEMM), or on the CPU "
-        "fp16 (fbgemm, x86), int8 or int4",
+        "fp16 (fbgemm, x86), int8 or int4; gptq / awq / compressed-tensors (and vLLM's "
+        "*_marlin names) check the checkpoint's own scheme (it loads without this too)",
     )
     p.add_argument(
         "--batch-invariant",

@@ -70,7 +70,9 @@ def load_named_weights(
                 pname, shard_id = name.replace(rule[1], rule[0]), rule[2]
             param = params.get(pname)
             if param is None:
-                unexpected.append(hf_name)
+                # A bias of zeros adds nothing: GPTQ writers keep one on layers without a bias.
+                if not (pname.endswith(".bias") and not torch.any(w)):
+                    unexpected.append(hf_name)
                 continue
             loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from paged_engine.attention import get_attention_backend, resolve_backend_name
-from paged_engine.config import EngineConfig
+from paged_engine.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import all_reduce_min, gather_object
 from paged_engine.distributed.parallel_state import get_parallel_state
@@ -38,7 +38,7 @@ from paged_engine.loader import (
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
 from paged_engine.models.multimodal_text import text_model_weights
-from paged_engine.quantized_checkpoint import fp8_checkpoint
+from paged_engine.quantized_checkpoint import fp8_checkpoint, quant_method
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cache_engine import kv_head_dim, latent_kv
 from paged_engine.worker.cpu_threads import set_cpu_threads
@@ -187,6 +187,15 @@ class Worker:
         dtype nor quantization was chosen: its weights are 4-8 bit already, float16 holds each
         of them to 2**-11 of itself, and matmuls that read half of float32's bytes decode about
         1.85x faster (docs/engine.md). dtype="float32" keeps float32 weights."""
+        if config.quantization in CHECKPOINT_QUANTIZATIONS:
+            # vLLM's name for the checkpoint's own scheme: it must be the checkpoint's
+            wanted, method = CHECKPOINT_QUANTIZATIONS[config.quantization], quant_method(hf_config)
+            if method != wanted:
+                raise ValueError(
+                    f"quantization={config.quantization!r} but the checkpoint's quant_method is "
+                    f"{method!r}: leave quantization unset to load the checkpoint as it is"
+                )
+            return None
         if (
             config.quantization is None
             and self.device.type == "cuda"

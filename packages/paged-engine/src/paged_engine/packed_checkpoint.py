@@ -1,0 +1,264 @@
+"""Integer weights packed into int32 words (GPTQ, AWQ, llm-compressor's W4A16 / W8A16),
+unpacked and dequantized to the model dtype as they load, so any architecture runs them with
+its unquantized layers.
+
+Each quantized linear layer `X` arrives as several tensors (in any order, maybe split across
+files); once a layer's set is complete it leaves the stream as one `X.weight` [N, K]:
+
+    gptq    X.qweight int32 [K * b / 32, N]  (input rows packed: row k is bits
+                                              b * (k % (32 / b)) of word k // (32 / b))
+            X.qzeros  int32 [G, N * b / 32]  (output columns packed the same way)
+            X.scales  [G, N],  X.g_idx int32 [K] (group of each input row; read with desc_act)
+            W[n, k] = (q[k, n] - z[g, n]) * s[g, n],  g = g_idx[k] with desc_act, else k // (K / G);
+            checkpoint_format "gptq" (v1, the usual) stores z - 1, "gptq_v2" stores z
+    awq     X.qweight int32 [K, N / 8],  X.qzeros int32 [G, N / 8],  X.scales [G, N]
+            (4 bits; the eight columns of a word in AWQ's order: nibble i holds column
+            8 j + (0, 2, 4, 6, 1, 3, 5, 7)[i] of word j)
+            W[n, k] = (q[k, n] - z[k // (K / G), n]) * s[k // (K / G), n]
+    compressed-tensors, format "pack-quantized" (llm-compressor's W4A16 / W8A16):
+            X.weight_packed int32 [N, K * b / 32] (value + 2**(b-1), input columns packed),
+            X.weight_shape [2], X.weight_scale [N, G] (or [N, 1]: per channel),
+            X.weight_zero_point int32 [N * b / 32, G] (asymmetric schemes; packed along rows,
+            offset alike), X.weight_g_idx [K] (actorder "group")
+            W[n, k] = (q[n, k] - z[n, g]) * s[n, g]
+
+b is 2, 4 or 8. The dequantized weights take the model dtype's memory (no 4-bit kernel keeps
+them packed yet). Layers left unquantized (the LM head, `modules_to_not_convert`, GPTQModel's
+`dynamic` exclusions) arrive as plain `X.weight` and pass through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+PACKED_METHODS = ("gptq", "awq")
+_BITS = (2, 4, 8)
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds this column of its 8
+
+
+def _get(obj, key: str, default=None):
+    return obj.get(key, default) if isinstance(obj, dict) else getattr(obj, key, default)
+
+
+@dataclass(frozen=True)
+class PackedScheme:
+    """How one checkpoint packs its quantized layers."""
+
+    method: str  # "gptq", "awq" or "compressed-tensors"
+    bits: int
+    required: tuple[str, ...]  # the suffixes of one layer's tensors ("qweight", ...)
+    dropped: tuple[str, ...] = ()  # suffixes read and ignored (g_idx without desc_act)
+    zero_offset: int = 0  # added to a stored zero point (GPTQ v1: 1)
+
+
+def packed_scheme(config) -> PackedScheme | None:
+    """The checkpoint's packed-integer scheme, or None when its weights are not packed ints.
+    Raises ValueError naming what is unsupported (3-bit, AWQ's GEMV layout, ...)."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    method = _get(quant, "quant_method")
+    if method == "gptq":
+        bits = _bits(_get(quant, "bits", 4), "gptq")
+        fmt = _get(quant, "checkpoint_format") or "gptq"
+        if fmt not in ("gptq", "gptq_v2"):
+            raise ValueError(
+                f"gptq checkpoint_format {fmt!r} is not supported: only 'gptq' and 'gptq_v2'"
+            )
+        for pattern, override in (_get(quant, "dynamic") or {}).items():
+            # "-:pattern" leaves those modules unquantized (their plain weights load as they
+            # are); "+:pattern" / "pattern" would give them other bits or groups.
+            if not str(pattern).startswith("-:") and override:
+                raise ValueError(
+                    f"gptq `dynamic` overrides ({pattern!r}: {override}) are not supported"
+                )
+        desc_act = bool(_get(quant, "desc_act", False))
+        return PackedScheme(
+            "gptq",
+            bits,
+            ("qweight", "qzeros", "scales") + (("g_idx",) if desc_act else ()),
+            () if desc_act else ("g_idx",),
+            zero_offset=1 if fmt == "gptq" else 0,
+        )
+    if method == "awq":
+        bits = _get(quant, "bits", _get(quant, "w_bit", 4))
+        if bits != 4:
+            raise ValueError(f"awq with {bits}-bit weights is not supported: only 4-bit")
+        version = str(_get(quant, "version", "gemm") or "gemm").lower()
+        if version != "gemm":
+            raise ValueError(
+                f"awq version {version!r} is not supported: only the GEMM layout ('gemm')"
+            )
+        if _get(quant, "zero_point", True) is False:
+            raise ValueError("awq without zero points (zero_point=false) is not supported")
+        return PackedScheme("awq", 4, ("qweight", "qzeros", "scales"))
+    if method == "compressed-tensors" and _get(quant, "format") == "pack-quantized":
+        groups = list((_get(quant, "config_groups") or {}).items())
+        schemes = set()
+        for name, group in groups:
+            weights = _get(group, "weights") or {}
+            if _get(weights, "type", "int") != "int":
+                raise ValueError(
+                    f"compressed-tensors group {name!r}: pack-quantized "
+                    f"{_get(weights, 'type')!r} weights are not supported, only int"
+                )
+            schemes.add(
+                (
+                    _bits(_get(weights, "num_bits", 4), f"compressed-tensors group {name!r}"),
+                    _get(weights, "symmetric", True) is not False,
+                    _get(weights, "actorder") == "group",
+                )
+            )
+        if len(schemes) != 1:
+            raise ValueError(
+                "compressed-tensors pack-quantized: config groups with different bits, "
+                "symmetry or activation order are not supported"
+                if schemes
+                else "compressed-tensors pack-quantized: no config group names its weights"
+            )
+        ((bits, symmetric, g_idx),) = schemes
+        required = ("weight_packed", "weight_scale", "weight_shape")
+        required += (() if symmetric else ("weight_zero_point",)) + (
+            ("weight_g_idx",) if g_idx else ()
+        )
+        dropped = () if g_idx else ("weight_g_idx",)
+        # a symmetric scheme's zero points, where a writer kept them, are all zero
+        return PackedScheme(
+            "compressed-tensors",
+            bits,
+            required,
+            dropped + (("weight_zero_point",) if symmetric else ()),
+        )
+    return None
+
+
+def _bits(bits, what: str) -> int:
+    if bits not in _BITS:
+        raise ValueError(f"{what}: {bits}-bit weights are not supported: only {_BITS}")
+    return int(bits)
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int32 [ceil(rows * bits / 32), C] whose word r holds rows r * (32 / bits) + i in bits
+    [bits * i, bits * (i + 1)) -> int32 [rows, C] of values in [0, 2**bits)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, device=packed.device, dtype=torch.int32)
+    values = (packed.to(torch.int32).unsqueeze(1) >> shifts.view(1, per, 1)) & ((1 << bits) - 1)
+    return values.reshape(-1, packed.shape[-1])[:rows]
+
+
+def unpack_cols(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
+    """The same packing along columns: int32 [R, ceil(cols * bits / 32)] -> int32 [R, cols]."""
+    return unpack_rows(packed.t(), bits, cols).t()
+
+
+def _groups(k: int, num_groups: int, g_idx: torch.Tensor | None, name: str) -> torch.Tensor:
+    """The group of each of the k input rows: g_idx, else contiguous groups of k / num_groups."""
+    if g_idx is not None:
+        g = g_idx.to(torch.long).reshape(-1)
+        if g.numel() != k or (k and (int(g.min()) < 0 or int(g.max()) >= num_groups)):
+            raise ValueError(
+                f"{name}: g_idx does not give each of {k} inputs one of {num_groups} groups"
+            )
+        return g
+    if num_groups < 1 or k % num_groups:
+        raise ValueError(f"{name}: {num_groups} scale groups do not divide {k} inputs")
+    return torch.arange(k, device="cpu").div_(k // num_groups, rounding_mode="floor")
+
+
+def dequantize_packed(
+    scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str
+) -> torch.Tensor:
+    """One layer's tensors (by suffix, on one device) -> its float32 weight [N, K]."""
+    bits = scheme.bits
+    if scheme.method in ("gptq", "awq"):
+        scales = parts["scales"].to(torch.float32)  # [G, N]
+        n = scales.shape[1]
+        qweight, qzeros = parts["qweight"], parts["qzeros"]
+        if scheme.method == "gptq":
+            k = qweight.shape[0] * 32 // bits
+            q = unpack_rows(qweight, bits, k)  # [K, N]
+            zeros = unpack_cols(qzeros, bits, n)  # [G, N]
+        else:
+            k = qweight.shape[0]
+            order = torch.tensor(_AWQ_ORDER, device=qweight.device)
+            # unpack_cols gives nibble i of word j at column 8 j + i: put it at its column
+            inverse = torch.argsort(order)
+            cols = (torch.arange(qweight.shape[1] * 8, device=qweight.device) // 8) * 8
+            take = cols + inverse.repeat(qweight.shape[1])
+            q = unpack_cols(qweight, 4, qweight.shape[1] * 8)[:, take][:, :n]
+            zeros = unpack_cols(qzeros, 4, qzeros.shape[1] * 8)[:, take][:, :n]
+        if q.shape[1] != n or zeros.shape != scales.shape:
+            raise ValueError(
+                f"{name}: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)} and "
+                f"scales {tuple(scales.shape)} do not describe one {bits}-bit weight"
+            )
+        groups = _groups(k, scales.shape[0], parts.get("g_idx"), name).to(q.device)
+        zeros = zeros + scheme.zero_offset
+        w = (q - zeros[groups]).to(torch.float32) * scales[groups]  # [K, N]
+        return w.t()
+    # compressed-tensors pack-quantized
+    shape = [int(v) for v in parts["weight_shape"].reshape(-1).tolist()]
+    if len(shape) != 2:
+        raise ValueError(f"{name}: weight_shape {shape} is not [out, in]")
+    n, k = shape
+    offset = 1 << (bits - 1)
+    packed = parts["weight_packed"]
+    if packed.shape[0] != n or packed.shape[1] * 32 // bits < k:
+        raise ValueError(f"{name}: weight_packed {tuple(packed.shape)} does not hold [{n}, {k}]")
+    q = unpack_cols(packed, bits, k) - offset  # [N, K]
+    scale = parts["weight_scale"].to(torch.float32)
+    if scale.dim() == 1:
+        scale = scale.reshape(-1, 1)
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)
+    if scale.shape[0] != n:
+        raise ValueError(f"{name}: weight_scale {tuple(scale.shape)} for [{n}, {k}]")
+    num_groups = scale.shape[1]
+    if "weight_zero_point" in parts:
+        zp = unpack_rows(parts["weight_zero_point"], bits, n) - offset  # [N, G]
+        if zp.shape != scale.shape:
+            raise ValueError(f"{name}: weight_zero_point does not match weight_scale")
+    else:
+        zp = torch.zeros((), dtype=torch.int32, device=q.device)
+    groups = _groups(k, num_groups, parts.get("weight_g_idx"), name).to(q.device)
+    if zp.dim():
+        zp = zp[:, groups]
+    return (q - zp).to(torch.float32) * scale[:, groups]
+
+
+def unpack_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    scheme: PackedScheme | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weight stream with every packed layer's tensors (in any order) joined and yielded
+    as `X.weight` in `dtype`, dequantized on `device`; everything else passed on. A layer
+    missing one of its tensors is an error naming it."""
+    if scheme is None:
+        yield from weights
+        return
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in weights:
+        prefix, _, suffix = name.rpartition(".")
+        if suffix in scheme.dropped:
+            continue
+        if suffix not in scheme.required:
+            yield name, t
+            continue
+        parts = waiting.setdefault(prefix, {})
+        parts[suffix] = t
+        if len(parts) == len(scheme.required):
+            del waiting[prefix]
+            on_device = {s: v.to(device) for s, v in parts.items()}
+            yield prefix + ".weight", dequantize_packed(scheme, on_device, prefix).to(dtype)
+    if waiting:
+        lost = [
+            f"{p} (has {', '.join(sorted(parts))}; needs {', '.join(scheme.required)})"
+            for p, parts in sorted(waiting.items())
+        ]
+        raise ValueError(f"{scheme.method} checkpoint: incomplete layers: {'; '.join(lost)}")

@@ -1,0 +1,327 @@
+"""GPTQ, AWQ and llm-compressor's pack-quantized (W4A16 / W8A16) checkpoints
+(packed_checkpoint.py). Each tiny checkpoint is quantized and packed here, the way those tools
+lay out their tensors; its weights must load as exactly their dequantized values, and the
+engine must give HF's greedy tokens (logprobs within 1e-3) on a copy holding those values
+unquantized. What we cannot load fails before any weight is read, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from hf_reference import assert_matches, hf_greedy, load_hf_model
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.loader import load_hf_config, load_model, resolve_model
+from paged_engine.testing import write_tiny_model
+
+pytest.importorskip("transformers")
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8 j + AWQ_ORDER[i]
+
+
+def _quantize(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor | None):
+    """w [N, K] -> (q [N, K] in [0, 2**bits), zero [N, G], scale [N, G] float16, g [K]): the
+    inputs taken in `perm` order (GPTQ's act-order) fall into groups of `group`; zeros kept in
+    [1, 2**bits - 1] (GPTQ v1 stores zero - 1)."""
+    n, k = w.shape
+    order = torch.arange(k) if perm is None else perm
+    g = torch.empty(k, dtype=torch.long)
+    g[order] = torch.arange(k) // group
+    num_groups = k // group
+    top = (1 << bits) - 1
+    scale = torch.empty(n, num_groups)
+    zero = torch.empty(n, num_groups, dtype=torch.int32)
+    for j in range(num_groups):
+        cols = w[:, g == j]
+        if sym:
+            scale[:, j] = cols.abs().amax(1) / ((top + 1) // 2 - 1)
+            zero[:, j] = (top + 1) // 2
+        else:
+            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
+            scale[:, j] = (hi - lo) / (top - 1)
+            zero[:, j] = (torch.round(-lo / scale[:, j]) + 1).clamp(1, top).to(torch.int32)
+    scale = scale.clamp(min=1e-4).half()
+    q = torch.round(w / scale.float()[:, g]) + zero[:, g]
+    return q.clamp(0, top).to(torch.int32), zero, scale, g
+
+
+def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Pack int values along `dim`: word j holds entries j * (32 / bits) + i at bit bits * i."""
+    per = 32 // bits
+    v = values.to(torch.int64).movedim(dim, 0)
+    out = torch.zeros((v.shape[0] // per, *v.shape[1:]), dtype=torch.int64)
+    for i in range(per):
+        out |= (v[i::per] & ((1 << bits) - 1)) << (bits * i)
+    out = torch.where(out >= 2**31, out - 2**32, out)  # the same 32 bits as int32
+    return out.to(torch.int32).movedim(0, dim).contiguous()
+
+
+def _gptq(w, bits, group, sym, desc_act, fmt):
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))
+    q, zero, scale, g = _quantize(w, bits, group, sym, perm if desc_act else None)
+    stored_zero = zero - (1 if fmt == "gptq" else 0)
+    tensors = {
+        "qweight": _pack(q.t(), bits, 0),  # [K / per, N]
+        "qzeros": _pack(stored_zero.t(), bits, 1),  # [G, N / per]
+        "scales": scale.t().contiguous(),  # [G, N]
+        "g_idx": g.to(torch.int32),
+    }
+    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
+
+
+def _awq(w, group):
+    q, zero, scale, g = _quantize(w, 4, group, False, None)
+
+    def pack_awq(v):  # v [R, N] -> [R, N / 8]
+        out = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64)
+        for i, col in enumerate(AWQ_ORDER):
+            out |= v[:, col::8].to(torch.int64) << (4 * i)
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+    tensors = {
+        "qweight": pack_awq(q.t()),
+        "qzeros": pack_awq(zero.t()),
+        "scales": scale.t().contiguous(),
+    }
+    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
+
+
+def _compressed(w, bits, group, sym, actorder):
+    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(1))
+    q, zero, scale, g = _quantize(w, bits, group, sym, perm if actorder else None)
+    # pack-quantized stores each signed value plus 2**(bits-1): q and zero as _quantize has
+    # them (a symmetric scheme's zero, 2**(bits-1), is the signed 0 and is not stored)
+    tensors = {
+        "weight_packed": _pack(q, bits, 1),  # [N, K / per]
+        "weight_shape": torch.tensor(list(w.shape)),
+        "weight_scale": scale,  # [N, G]
+    }
+    if not sym:
+        tensors["weight_zero_point"] = _pack(zero, bits, 0)  # [N / per, G]
+    if actorder:
+        tensors["weight_g_idx"] = g.to(torch.int32)
+    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
+
+
+SCHEMES = {
+    "gptq-4bit": dict(method="gptq", bits=4, group=16, sym=True, desc_act=False, fmt="gptq"),
+    "gptq-4bit-act-order": dict(
+        method="gptq", bits=4, group=16, sym=False, desc_act=True, fmt="gptq"
+    ),
+    "gptq-8bit-v2": dict(method="gptq", bits=8, group=32, sym=False, desc_act=False, fmt="gptq_v2"),
+    "gptq-2bit-one-group": dict(
+        method="gptq", bits=2, group=None, sym=True, desc_act=False, fmt="gptq"
+    ),
+    "awq": dict(method="awq", group=16),
+    "w4a16": dict(method="compressed", bits=4, group=16, sym=True, actorder=False),
+    "w4a16-asym-act-order": dict(method="compressed", bits=4, group=16, sym=False, actorder=True),
+    "w8a16-channel": dict(method="compressed", bits=8, group=None, sym=True, actorder=False),
+}
+
+
+def _config(s: dict) -> dict:
+    group = -1 if s.get("group") is None else s["group"]
+    if s["method"] == "gptq":
+        return {
+            "quant_method": "gptq",
+            "bits": s["bits"],
+            "group_size": group,
+            "desc_act": s["desc_act"],
+            "sym": s["sym"],
+            "checkpoint_format": s["fmt"],
+        }
+    if s["method"] == "awq":
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": group,
+            "zero_point": True,
+            "version": "gemm",
+            "modules_to_not_convert": None,
+        }
+    weights = {
+        "num_bits": s["bits"],
+        "type": "int",
+        "symmetric": s["sym"],
+        "strategy": "channel" if s["group"] is None else "group",
+        "group_size": s["group"],
+        "actorder": "group" if s["actorder"] else None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+
+
+def _is_linear(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith("_proj.weight")
+
+
+def _packed_copy(src, scheme: str, dst):
+    """`src` with its linear weights packed by `scheme` (and, for GPTQ, the zero bias its
+    writers keep on every layer), and beside it `dst/dense`: the dequantized values."""
+    from safetensors.torch import load_file, save_file
+
+    s = SCHEMES[scheme]
+    shutil.copytree(src, dst)
+    shutil.copytree(src, dst / "dense")
+    state = load_file(str(src / "model.safetensors"))
+    packed, dense = {}, {}
+    for name, w in state.items():
+        if not _is_linear(name, w):
+            packed[name] = dense[name] = w
+            continue
+        group = w.shape[1] if s.get("group") is None else s["group"]
+        if s["method"] == "gptq":
+            tensors, deq = _gptq(w, s["bits"], group, s["sym"], s["desc_act"], s["fmt"])
+        elif s["method"] == "awq":
+            tensors, deq = _awq(w, group)
+        else:
+            tensors, deq = _compressed(w, s["bits"], group, s["sym"], s["actorder"])
+        prefix = name.removesuffix(".weight")
+        packed.update({f"{prefix}.{k}": v for k, v in tensors.items()})
+        if s["method"] == "gptq":
+            packed[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+        dense[name] = deq
+    # shuffled: a layer's tensors arrive in any order, apart from each other
+    names = list(packed)
+    random.Random(scheme).shuffle(names)
+    save_file({n: packed[n] for n in names}, str(dst / "model.safetensors"))
+    save_file(dense, str(dst / "dense" / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    quant = _config(s)
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return dst, dst / "dense"
+
+
+def _load(path):
+    resolved = resolve_model(str(path))
+    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=2)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
+    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+    unquantized = dict(_load(tiny).named_parameters())
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(got[name], unquantized[name])  # really quantized
+    # near the original (2-bit weights with one group a row are coarse)
+    size = unquantized[name].abs().mean()
+    error = (got[name] - unquantized[name]).abs().mean()
+    assert error < size * (1.5 if SCHEMES[scheme].get("bits") == 2 else 0.3)
+
+
+@pytest.mark.parametrize("scheme", ["gptq-4bit-act-order", "awq", "w4a16-asym-act-order"])
+def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme):
+    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    hf = load_hf_model(dense)
+    rng = random.Random(scheme)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
+
+
+def test_per_expert_moe_weights_unpack(tmp_path):
+    """Qwen3-30B-A3B-GPTQ-Int4's layout: every expert's matrices packed."""
+    src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
+    path, dense = _packed_copy(src, "gptq-4bit", tmp_path / "q")
+    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+
+
+def test_vllm_quantization_names_are_checked_against_the_checkpoint(tiny, tmp_path):
+    path, _ = _packed_copy(tiny, "awq", tmp_path / "q")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [5, 6, 7]}]
+    auto = LLM(model=str(path), dtype="float32", max_model_len=64)
+    want = auto.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    named = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="awq_marlin")
+    assert named.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="quantization='gptq' but the checkpoint's quant_method"):
+        LLM(model=str(path), dtype="float32", max_model_len=64, quantization="gptq")
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=str(path), quantization="bitsandbytes")
+
+
+def _with_quant(tiny, dst, quant: dict):
+    shutil.copytree(tiny, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return dst
+
+
+def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
+    pack = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+
+    def group(**weights):
+        return {**pack, "config_groups": {"g": {"weights": {"num_bits": 4, **weights}}}}
+
+    cases = [
+        ({"quant_method": "gptq", "bits": 3}, "3-bit"),
+        ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "'marlin'"),
+        ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down": {"bits": 8}}}, "dynamic"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "'gemv'"),
+        ({"quant_method": "awq", "bits": 3}, "3-bit"),
+        ({"quant_method": "awq", "zero_point": False}, "zero_point"),
+        (group(type="float"), "'float'"),
+        (group(num_bits=5), "5-bit"),
+        (pack, "no config group"),
+        (
+            {
+                **pack,
+                "config_groups": {
+                    "a": {"weights": {"num_bits": 4}},
+                    "b": {"weights": {"num_bits": 8}},
+                },
+            },
+            "different bits",
+        ),
+        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+    ]
+    for i, (quant, match) in enumerate(cases):
+        with pytest.raises(ValueError, match=match):
+            _load(_with_quant(tiny, tmp_path / str(i), quant))
+
+
+def test_an_incomplete_layer_is_named(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = _packed_copy(tiny, "gptq-4bit-act-order", tmp_path / "q")
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.self_attn.o_proj.g_idx"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"layers.1.self_attn.o_proj \(has qweight, qzeros"):
+        _load(path)
+
+
+def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = _packed_copy(tiny, "gptq-4bit", tmp_path / "q")
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.0.mlp.up_proj.bias"][3] = 1.0
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(
+        ValueError, match=r"unexpected weights model\.layers\.0\.mlp\.up_proj\.bias$"
+    ):
+        _load(path)

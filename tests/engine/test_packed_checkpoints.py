@@ -1,8 +1,10 @@
 """GPTQ, AWQ and llm-compressor's pack-quantized (W4A16 / W8A16) checkpoints
-(packed_checkpoint.py). Each tiny checkpoint is quantized and packed here, the way those tools
-lay out their tensors; its weights must load as exactly their dequantized values, and the
-engine must give HF's greedy tokens (logprobs within 1e-3) on a copy holding those values
-unquantized. What we cannot load fails before any weight is read, naming it.
+(packed_checkpoint.py, packed_codes.py). Each tiny checkpoint is quantized and packed here, the
+way those tools lay out their tensors; its weights must load as exactly their dequantized
+values, and the engine must give HF's greedy tokens (logprobs within 1e-3) on a copy holding
+those values unquantized. Kept as 4-bit codes (CUDA's default, quantization="int4" on the
+CPU) the engine must give the dense engine's tokens, through torch's CPU kernels and the Triton
+kernel (interpreter), also under TP=2. What we cannot load fails before any weight is read.
 """
 
 from __future__ import annotations
@@ -121,6 +123,10 @@ SCHEMES = {
     "w4a16": dict(method="compressed", bits=4, group=16, sym=True, actorder=False),
     "w4a16-asym-act-order": dict(method="compressed", bits=4, group=16, sym=False, actorder=True),
     "w8a16-channel": dict(method="compressed", bits=8, group=None, sym=True, actorder=False),
+    # groups of a multiple of 32 inputs: their codes can run as they are (packed_codes.py)
+    "gptq-4bit-g32": dict(method="gptq", bits=4, group=32, sym=False, desc_act=False, fmt="gptq"),
+    "awq-g64": dict(method="awq", group=64),
+    "w4a16-channel": dict(method="compressed", bits=4, group=None, sym=True, actorder=False),
 }
 
 
@@ -325,3 +331,100 @@ def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
         ValueError, match=r"unexpected weights model\.layers\.0\.mlp\.up_proj\.bias$"
     ):
         _load(path)
+
+
+def _int4_layers(llm) -> tuple[int, int]:
+    """(linear layers running a checkpoint's codes or int4, linear layers)."""
+    from paged_engine.layers.linear import LinearBase
+    from paged_engine.layers.quantization import Int4Linear
+
+    layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+    int4 = [
+        m
+        for m in layers
+        if m.weight is None and isinstance(getattr(m.linear_method, "method", None), Int4Linear)
+    ]
+    return len(int4), len(layers)
+
+
+def _same_outputs(got, want, tol: float) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for tok, lp in la.items():
+                assert abs(lp.logprob - lb[tok].logprob) < tol
+
+
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 9, 11, 40, 41]}, {"prompt_token_ids": [100, 3, 4]}]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+@pytest.mark.parametrize("scheme", ["gptq-4bit-g32", "awq-g64", "w4a16-channel"])
+def test_int4_runs_the_checkpoints_own_codes(tiny, tmp_path, scheme):
+    """quantization="int4" on a 4-bit checkpoint keeps its codes (not a second rounding): the
+    dense engine's tokens, logprobs within 1e-4 (float32; w = code * scale + low instead of
+    (code - zero) * scale)."""
+    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
+    assert _int4_layers(llm) == (8, 8)
+    _same_outputs(
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+        want.generate(PROMPTS, GREEDY, use_tqdm=False),
+        1e-4,
+    )
+
+
+def test_layers_the_codes_cannot_serve_are_quantized_again(tiny, tmp_path):
+    """Groups of 16 inputs are not Int4Linear's 32: with int4 those layers are rounded again
+    from their dense values (as for any checkpoint), and the engine still runs."""
+    path, _ = _packed_copy(tiny, "gptq-4bit", tmp_path / "q")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
+    assert _int4_layers(llm) == (8, 8)
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+
+
+def test_codes_run_through_the_triton_kernel(tiny, tmp_path, monkeypatch):
+    """The CUDA path (paged_kernels.int4_linear) on CPU tensors in Triton's interpreter: the
+    dense engine's tokens."""
+    import paged_kernels
+    from paged_engine.layers import quantization
+
+    if not paged_kernels.triton_available():
+        pytest.skip("needs triton")
+    path, dense = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+    calls = []
+    kernel = paged_kernels.int4_linear
+
+    def counted(*args):
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(quantization, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(paged_kernels, "int4_linear", counted)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
+    got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert calls
+    _same_outputs(got, want.generate(PROMPTS, GREEDY, use_tqdm=False), 1e-4)
+
+
+def test_codes_under_tensor_parallelism_match_one_process(tiny, tmp_path):
+    """TP=2 splits each layer's codes by output rows (q, k, v, gate, up) or by whole groups of
+    inputs (o, down), in two processes: the single process's tokens."""
+    path, _ = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    one = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
+    want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
+    del one
+    two = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=64,
+        quantization="int4",
+        tensor_parallel_size=2,
+    )
+    try:
+        _same_outputs(two.generate(PROMPTS, GREEDY, use_tqdm=False), want, 1e-4)
+    finally:
+        two.llm_engine.shutdown()

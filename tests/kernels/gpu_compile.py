@@ -3,19 +3,18 @@
     python tests/kernels/gpu_compile.py [--arch 90]     (TRITON_INTERPRET must be unset)
 
 Each wrapper (paged_attention in its modes, mla_attention, write_kv_cache, copy_blocks, matmul,
-fp8_linear, rms_norm, add_rms_norm, layer_norm, logsumexp, rope_qk_, silu_and_mul, gumbel_race,
-uniform_noise, fused_moe, lora_shrink, lora_expand, causal_conv1d, gated_delta_rule (a gate per
-head or per key channel), ssd_scan, selective_scan) is called on CPU tensors with its Triton
-kernels swapped for recorders: a launch records its arguments instead of running. Every recorded
-launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas), with
-the wrapper's own constexprs, warps, stages and fp-fusion switch and the launcher's run-time
-specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type
-errors, unsupported ops and shared-memory overflows show here rather than on a rented GPU;
-`ptxas -v` then reports the registers each thread spills (`--no-spills` makes a spill an error).
-A launch that turns fp fusion off (to round each product as torch does) must hold no fp32 fused
-multiply-add in its PTX. Prints one line per launch, "ok" or the error, and exits 1 on any
-error. What it cannot check: numerics (the
-interpreter tests do) and runtime behaviour."""
+fp8_linear, int4_linear, rms_norm, add_rms_norm, layer_norm, logsumexp, rope_qk_, silu_and_mul,
+gumbel_race, uniform_noise, fused_moe, lora_shrink, lora_expand, causal_conv1d, gated_delta_rule (a
+gate per head or per key channel), ssd_scan, selective_scan) is called on CPU tensors with its
+Triton kernels swapped for recorders: a launch records its arguments instead of running. Every
+recorded launch is then compiled by Triton for `cuda:<arch>` down to a cubin (Triton bundles ptxas),
+with the wrapper's own constexprs, warps, stages and fp-fusion switch and the launcher's run-time
+specialisation of the arguments (16-divisible pointers and ints, ints equal to 1), so type errors,
+unsupported ops and shared-memory overflows show here rather than on a rented GPU; `ptxas -v` then
+reports the registers each thread spills (`--no-spills` makes a spill an error). A launch that turns
+fp fusion off (to round each product as torch does) must hold no fp32 fused multiply-add in its PTX.
+Prints one line per launch, "ok" or the error, and exits 1 on any error. What it cannot check:
+numerics (the interpreter tests do) and runtime behaviour."""
 
 from __future__ import annotations
 
@@ -485,6 +484,13 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         for tokens in token_counts:
             x = torch.zeros(tokens, 14336, dtype=dtype)
             call(f"fp8_linear {dtype} T={tokens}", gemm.fp8_linear, x, w8, torch.ones(4096))
+    # 4-bit group-quantized weights (W4A16, a scale and low per 32 inputs) at the same shape,
+    # bf16 scales: decode and prefill tiles.
+    w4 = torch.zeros(4096, 14336 // 2, dtype=torch.uint8)
+    groups = torch.zeros(4096, 14336 // 32, dtype=torch.bfloat16)
+    for tokens in (1, 512):
+        x = torch.zeros(tokens, 14336, dtype=torch.bfloat16)
+        call(f"int4_linear bf16 T={tokens}", gemm.int4_linear, x, w4, groups, groups.clone())
     # Multi-LoRA at a 4096 hidden size, rank 48 (q/k/v rank 16 stacked), 4 adapter slots: decode,
     # mid-size and prefill batches pick different tiles (and shrink's split-K).
     slots, rank, hidden = 4, 48, 4096

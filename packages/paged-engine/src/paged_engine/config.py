@@ -110,9 +110,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
-    # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" / "int4" on the CPU,
-    # "fp8" on CUDA (a Triton kernel; on the CPU it runs, slowly, for checks); or a checkpoint's
-    # own method (CHECKPOINT_QUANTIZATIONS: "gptq", "awq", ...). batch_invariant:
+    # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" on the CPU, "int4"
+    # (torch's CPU kernels, or a Triton kernel on CUDA), "fp8" on CUDA (a Triton kernel; on
+    # the CPU it runs, slowly, for checks); or a checkpoint's own method
+    # (CHECKPOINT_QUANTIZATIONS: "gptq", "awq", ...). batch_invariant:
     # logits of a sequence bit-identical whatever else is in the batch (CPU backend in float32,
     # or the Triton kernels; layers/batch_invariant.py).
     quantization: str | None = None

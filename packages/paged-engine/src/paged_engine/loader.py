@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import mmap
 import re
 import struct
@@ -33,9 +34,12 @@ from paged_engine.models.multimodal_text import (
     text_model_weights,
     text_only_config,
 )
-from paged_engine.packed_checkpoint import packed_scheme, unpack_weights
+from paged_engine.packed_checkpoint import keeps_codes, packed_scheme, unpack_weights
+from paged_engine.packed_codes import KEEP_CODES, keep_codes, recording
 from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
 from paged_engine.worker.kv_scales import split_kv_scales
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
@@ -215,28 +219,41 @@ def load_model(
     max_model_len: int | None = None,
 ) -> nn.Module:
     """Build the model directly on `device` in `dtype` and fill its weights; `quantization`
-    ("int8" / "int4", CPU) then quantizes its linear layers (layers/quantization.py);
+    ("int8" / "int4", CPU) then quantizes its linear layers (layers/quantization.py), or
+    KEEP_CODES keeps a 4-bit checkpoint's codes (packed_codes.py);
     `max_model_len` (the engine's) picks length-dependent rope scalings (longrope)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     cls = get_model_class(hf_config)
     with building_in(dtype, device), rope_context_len(max_model_len):
         model = cls(hf_config)
+    # A 4-bit checkpoint's codes: kept on CUDA by default, and where int4 is asked for (the
+    # layers they cannot serve are quantized by quantize_model below).
+    codes = load_format != "dummy" and (
+        quantization == KEEP_CODES
+        or (quantization == "int4" and keeps_codes(packed_scheme(hf_config)))
+    )
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
         kv_scales: dict[int, dict[str, float]] = {}
-        model.load_weights(
-            checkpoint_weights(resolved, hf_config, dtype, device, load_format, kv_scales)
-        )
+        with recording() as record:
+            model.load_weights(
+                checkpoint_weights(
+                    resolved, hf_config, dtype, device, load_format, kv_scales, keep_codes=codes
+                )
+            )
         model.checkpoint_kv_scales = kv_scales
-    if quantization is not None:
+        if codes:
+            kept, total = keep_codes(model, record)
+            logger.info("4-bit checkpoint: %d of %d linear layers keep its codes", kept, total)
+    if quantization is not None and quantization != KEEP_CODES:
         from paged_engine.layers.quantization import quantize_model
 
         quantize_model(model, quantization)
-        if torch.device(device).type == "cuda":
-            torch.cuda.empty_cache()  # the dense weights' blocks, before the KV cache is sized
+    if quantization is not None and torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the dense weights' blocks, before the KV cache is sized
     return model.eval().requires_grad_(False)
 
 
@@ -282,16 +299,17 @@ def checkpoint_weights(
     device: torch.device | str,
     load_format: str = "auto",
     kv_scales: dict[int, dict[str, float]] | None = None,
+    keep_codes: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
     vision weights dropped, GPTQ / AWQ / packed integer weights unpacked and FP8 / INT8 weights
     dequantized with their scales (also where only
     hf_quant_config.json named the scheme: the tensors' dtypes tell); KV-cache scales go into
-    `kv_scales` instead."""
+    `kv_scales` instead; `keep_codes`: 4-bit layers as packed_codes.CodesWeight."""
     total = count_weights(resolved, load_format)
     weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
     weights = text_model_weights(weights, hf_config)
-    weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device)
+    weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device, keep_codes)
     weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
     return split_kv_scales(weights, {} if kv_scales is None else kv_scales)
 

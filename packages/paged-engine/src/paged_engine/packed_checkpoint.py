@@ -169,10 +169,23 @@ def _groups(k: int, num_groups: int, g_idx: torch.Tensor | None, name: str) -> t
     return torch.arange(k, device="cpu").div_(k // num_groups, rounding_mode="floor")
 
 
-def dequantize_packed(
-    scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str
-) -> torch.Tensor:
-    """One layer's tensors (by suffix, on one device) -> its float32 weight [N, K]."""
+@dataclass(frozen=True)
+class LayerCodes:
+    """One layer's integers: W[n, k] = (q[n, k] - zero[n, g]) * scale[n, g], g = groups[k]."""
+
+    q: torch.Tensor  # int32 [N, K], in [0, 2**bits)
+    zero: torch.Tensor  # int32 [N, G]
+    scale: torch.Tensor  # float32 [N, G]
+    groups: torch.Tensor  # long [K]
+
+    def dense(self) -> torch.Tensor:
+        """The float32 weight [N, K]."""
+        g = self.groups
+        return (self.q - self.zero[:, g]).to(torch.float32) * self.scale[:, g]
+
+
+def layer_codes(scheme: PackedScheme, parts: dict[str, torch.Tensor], name: str) -> LayerCodes:
+    """One layer's tensors (by suffix, on one device) -> its codes, zero points and scales."""
     bits = scheme.bits
     if scheme.method in ("gptq", "awq"):
         scales = parts["scales"].to(torch.float32)  # [G, N]
@@ -197,10 +210,9 @@ def dequantize_packed(
                 f"scales {tuple(scales.shape)} do not describe one {bits}-bit weight"
             )
         groups = _groups(k, scales.shape[0], parts.get("g_idx"), name).to(q.device)
-        zeros = zeros + scheme.zero_offset
-        w = (q - zeros[groups]).to(torch.float32) * scales[groups]  # [K, N]
-        return w.t()
-    # compressed-tensors pack-quantized
+        return LayerCodes(q.t(), (zeros + scheme.zero_offset).t(), scales.t(), groups)
+    # compressed-tensors pack-quantized: signed values stored plus 2**(bits-1); q and the zero
+    # point are kept as stored (their difference is the signed one's)
     shape = [int(v) for v in parts["weight_shape"].reshape(-1).tolist()]
     if len(shape) != 2:
         raise ValueError(f"{name}: weight_shape {shape} is not [out, in]")
@@ -209,7 +221,7 @@ def dequantize_packed(
     packed = parts["weight_packed"]
     if packed.shape[0] != n or packed.shape[1] * 32 // bits < k:
         raise ValueError(f"{name}: weight_packed {tuple(packed.shape)} does not hold [{n}, {k}]")
-    q = unpack_cols(packed, bits, k) - offset  # [N, K]
+    q = unpack_cols(packed, bits, k)  # [N, K]
     scale = parts["weight_scale"].to(torch.float32)
     if scale.dim() == 1:
         scale = scale.reshape(-1, 1)
@@ -217,17 +229,42 @@ def dequantize_packed(
         scale = scale.reshape(1, 1).expand(n, 1)
     if scale.shape[0] != n:
         raise ValueError(f"{name}: weight_scale {tuple(scale.shape)} for [{n}, {k}]")
-    num_groups = scale.shape[1]
     if "weight_zero_point" in parts:
-        zp = unpack_rows(parts["weight_zero_point"], bits, n) - offset  # [N, G]
-        if zp.shape != scale.shape:
+        zero = unpack_rows(parts["weight_zero_point"], bits, n)  # [N, G]
+        if zero.shape != scale.shape:
             raise ValueError(f"{name}: weight_zero_point does not match weight_scale")
-    else:
-        zp = torch.zeros((), dtype=torch.int32, device=q.device)
-    groups = _groups(k, num_groups, parts.get("weight_g_idx"), name).to(q.device)
-    if zp.dim():
-        zp = zp[:, groups]
-    return (q - zp).to(torch.float32) * scale[:, groups]
+    else:  # symmetric: the signed zero
+        zero = torch.full(scale.shape, offset, dtype=torch.int32, device=q.device)
+    groups = _groups(k, scale.shape[1], parts.get("weight_g_idx"), name).to(q.device)
+    return LayerCodes(q, zero, scale.contiguous(), groups)
+
+
+def keeps_codes(scheme: PackedScheme | None) -> bool:
+    """Whether the scheme's layers can run from their codes (packed_codes.py): 4-bit without
+    activation order (a layer whose groups are not runs of a multiple of 32 inputs still
+    loads dense)."""
+    return (
+        scheme is not None
+        and scheme.bits == 4
+        and "g_idx" not in scheme.required
+        and "weight_g_idx" not in scheme.required
+    )
+
+
+def _codes_weight(codes: LayerCodes, dtype: torch.dtype):
+    """The layer as a CodesWeight when its groups are contiguous runs of a multiple of 32
+    inputs (what Int4Linear can hold exactly), else None."""
+    from paged_engine.packed_codes import GROUP, CodesWeight
+
+    k = codes.q.shape[1]
+    num_groups = codes.scale.shape[1]
+    group = k // num_groups
+    if k % num_groups or group % GROUP:
+        return None
+    contiguous = torch.arange(k, device=codes.groups.device) // group
+    if not torch.equal(codes.groups, contiguous):  # act-order
+        return None
+    return CodesWeight(codes.q.to(torch.uint8), codes.zero, codes.scale, group, dtype)
 
 
 def unpack_weights(
@@ -235,10 +272,12 @@ def unpack_weights(
     scheme: PackedScheme | None,
     dtype: torch.dtype,
     device: torch.device | str,
+    keep_codes: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weight stream with every packed layer's tensors (in any order) joined and yielded
     as `X.weight` in `dtype`, dequantized on `device`; everything else passed on. A layer
-    missing one of its tensors is an error naming it."""
+    missing one of its tensors is an error naming it. With `keep_codes`, a 4-bit layer in
+    contiguous groups of a multiple of 32 inputs comes as a packed_codes.CodesWeight."""
     if scheme is None:
         yield from weights
         return
@@ -255,7 +294,9 @@ def unpack_weights(
         if len(parts) == len(scheme.required):
             del waiting[prefix]
             on_device = {s: v.to(device) for s, v in parts.items()}
-            yield prefix + ".weight", dequantize_packed(scheme, on_device, prefix).to(dtype)
+            codes = layer_codes(scheme, on_device, prefix)
+            kept = _codes_weight(codes, dtype) if keep_codes and scheme.bits == 4 else None
+            yield prefix + ".weight", codes.dense().to(dtype) if kept is None else kept
     if waiting:
         lost = [
             f"{p} (has {', '.join(sorted(parts))}; needs {', '.join(scheme.required)})"

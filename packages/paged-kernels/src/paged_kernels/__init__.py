@@ -28,6 +28,7 @@ from paged_kernels.reference import (
     ref_fused_moe,
     ref_gated_delta_rule,
     ref_gumbel_race,
+    ref_int4_linear,
     ref_layer_norm,
     ref_logsumexp,
     ref_lora_expand,
@@ -58,6 +59,7 @@ _KERNELS = {
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
     "fp8_linear": "paged_kernels.gemm",
+    "int4_linear": "paged_kernels.gemm",
     "mla_attention": "paged_kernels.mla",
     "layer_norm": "paged_kernels.norm",
     "logsumexp": "paged_kernels.softmax",
@@ -93,6 +95,7 @@ __all__ = [
     "fused_moe",
     "gated_delta_rule",
     "gumbel_race",
+    "int4_linear",
     "layer_norm",
     "logsumexp",
     "lora_expand",
@@ -109,6 +112,7 @@ __all__ = [
     "ref_fused_moe",
     "ref_gated_delta_rule",
     "ref_gumbel_race",
+    "ref_int4_linear",
     "ref_layer_norm",
     "ref_logsumexp",
     "ref_lora_expand",
@@ -138,7 +142,7 @@ __all__ = [
 if TYPE_CHECKING:
     from paged_kernels.activation import silu_and_mul
     from paged_kernels.attention import choose_num_splits, paged_attention
-    from paged_kernels.gemm import fp8_linear, matmul
+    from paged_kernels.gemm import fp8_linear, int4_linear, matmul
     from paged_kernels.kv_cache import copy_blocks, swap_blocks, write_kv_cache
     from paged_kernels.linear_attention import causal_conv1d, gated_delta_rule
     from paged_kernels.lora import lora_expand, lora_shrink

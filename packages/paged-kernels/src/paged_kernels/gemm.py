@@ -1,4 +1,4 @@
-"""Two matrix multiplies over one GEMM kernel:
+"""Three matrix multiplies, two over one GEMM kernel:
 
 - `matmul`: batch-invariant, out = x @ weight.T (+ bias), every row computed the same way
   whatever the other rows are.
@@ -9,6 +9,13 @@
   along K, so it multiplies the finished sum once. The weights are read at one byte each, half of
   bf16's (decode steps are bound by reading weights). Tiles by M, not batch-invariant.
 
+and one over its own kernel:
+
+- `int4_linear`: 4-bit group-quantized weights ("W4A16"), w = code * scale + low with one
+  (scale, low) pair per 32 inputs of an output channel. Each tile of packed bytes is split into
+  its nibbles and dequantized in fp32 in registers as it loads, cast to x's dtype and multiplied
+  with an fp32 accumulator; the weights are read at half a byte each. Tiles by M.
+
 Batch invariance (`matmul`): cuBLAS picks its algorithm (tile shape, split-K, stream-K) from
 the problem's shape, so the order in which a row's K products are summed changes with the
 number of rows M. This kernel's tile config is a constant: each BLOCK_M x BLOCK_N output tile
@@ -16,7 +23,7 @@ walks K from 0 in BLOCK_K steps, one tl.dot per step into an fp32 accumulator, a
 A row's result is then a function of that row and the weight alone, whatever M is and wherever
 the row sits in a tile (all rows of a tile run the same instructions). M is not specialised on,
 so every M runs the same binary.
-`matmul`'s tile config is fixed; `fp8_linear` picks its tiles by M.
+`matmul`'s tile config is fixed; `fp8_linear` and `int4_linear` pick theirs by M.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import triton.language as tl
 
 from paged_kernels._dot import tile_dot
 from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous, is_interpreter
+from paged_kernels.reference import INT4_GROUP, check_int4
 
 # The fixed config. Rows per tile only pad the tensor-core work of small batches (weights are
 # read once per tile row either way); 64 output columns per tile keep enough programs for
@@ -185,4 +193,130 @@ def fp8_linear(
     if m == 0 or n == 0:
         return out
     _launch(x, weight, scale.contiguous(), bias, out, _fp8_tiles(m, x.dtype))
+    return out
+
+
+# int4_linear: inputs per (scale, low) pair. BLOCK_K is a multiple of it, so a K step spans
+# whole groups (K is one too: a tile's tail past K is whole masked groups).
+GROUP = INT4_GROUP
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_linear_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [N, K // 2] uint8: (n, k)'s code in byte k // 2, the low nibble for even k
+    scale_ptr,  # [N, K // GROUP]
+    low_ptr,  # [N, K // GROUP]
+    out_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_ln,
+    stride_om,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # a multiple of GROUP
+    DOT_PRECISION: tl.constexpr,
+    EXPLICIT_DOT: tl.constexpr,  # interpreter only (_dot.py)
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)  # a tile row's bytes
+    offs_g = tl.arange(0, BLOCK_K // GROUP)  # a tile row's groups
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    rows = offs_n[:, None].to(tl.int64)
+    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    q_tile = q_ptr + rows * stride_qn + offs_b[None, :]  # [BLOCK_N, BLOCK_K // 2]
+    s_tile = scale_ptr + rows * stride_sn + offs_g[None, :]  # [BLOCK_N, BLOCK_K // GROUP]
+    l_tile = low_ptr + rows * stride_ln + offs_g[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k < K - k0
+        a = tl.load(x_tile + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b_mask = n_ok[:, None] & (offs_b < (K - k0) // 2)[None, :]
+        q = tl.load(q_tile + k0 // 2, mask=b_mask, other=0)
+        g_mask = n_ok[:, None] & (offs_g < (K - k0) // GROUP)[None, :]
+        # masked groups read scale = low = 0: their weights are 0, never NaN
+        scale = tl.load(s_tile + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+        low = tl.load(l_tile + k0 // GROUP, mask=g_mask, other=0.0).to(tl.float32)
+        codes = tl.interleave(q & 15, q >> 4).to(tl.float32)  # [BLOCK_N, BLOCK_K]: k = 2b, 2b + 1
+        w = codes.reshape(BLOCK_N, BLOCK_K // GROUP, GROUP) * scale[:, :, None] + low[:, :, None]
+        w = w.reshape(BLOCK_N, BLOCK_K).to(x_ptr.dtype.element_ty)
+        acc = tile_dot(a, tl.trans(w), acc, DOT_PRECISION, EXPLICIT_DOT)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _int4_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by rows (not yet timed on a GPU), as `_fp8_tiles`:
+    decode-size M streams the weights in long K steps over 16-row tiles (tl.dot's minimum);
+    prefill-size M reuses each decoded weight tile over 64 rows. BLOCK_K spans whole groups."""
+    if dtype == torch.float32:
+        return 16 if m <= 16 else 32, 32, 32, 4
+    if m <= 16:
+        return 16, 64, 128, 4
+    if m <= 64:
+        return 32, 64, 64, 4
+    return 64, 128, 64, 8
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32, K a multiple of 32
+    packed: torch.Tensor,  # [N, K // 2] uint8, two 4-bit codes a byte along K
+    scale: torch.Tensor,  # [N, K // 32] float16 / bfloat16 / float32, read as float32
+    low: torch.Tensor,  # [N, K // 32] likewise
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """out = x @ w^T with 4-bit group-quantized weights, accumulated in fp32:
+
+        code(n, k) = (packed[n, k // 2] >> (4 * (k % 2))) & 15   (even k in the low nibble)
+        w[n, k]    = code(n, k) * scale[n, k // 32] + low[n, k // 32]
+
+    The weights are dequantized in registers (fp32, then x's dtype) tile by tile; no host read.
+    `ref_int4_linear` is the semantics (its w stays fp32: bf16 / fp16 x see w rounded once).
+    ValueError on shapes or dtypes off that contract (K not a multiple of 32 among them)."""
+    check_int4(x, packed, scale, low)
+    tensors = (x, packed, scale, low)
+    check(len({t.device for t in tensors}) == 1, "all tensors must be on one device")
+    for name, t in (("packed", packed), ("scale", scale), ("low", low)):
+        check_last_dim_contiguous(name, t)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    (m, k), n = x.shape, packed.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_m, block_n, block_k, num_warps = _int4_tiles(m, x.dtype)
+    _int4_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x,
+        packed,
+        scale,
+        low,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        packed.stride(0),
+        scale.stride(0),
+        low.stride(0),
+        out.stride(0),
+        GROUP=GROUP,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        EXPLICIT_DOT=is_interpreter(),
+        num_warps=1 if is_interpreter() else num_warps,
+        num_stages=3,
+    )
     return out

@@ -533,6 +533,55 @@ def ref_fp8_linear(
     return out.to(x.dtype)
 
 
+# ---- 4-bit group-quantized weights (int4_linear): codes 0-15, one (scale, low) pair a group.
+
+INT4_GROUP = 32  # inputs (along K) per scale / low pair
+
+
+def check_int4(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+) -> None:
+    """int4_linear's argument shapes and dtypes (ValueError naming them)."""
+    check(x.dim() == 2, f"x must be [M, K], got {tuple(x.shape)}")
+    k = x.shape[1]
+    check(k % INT4_GROUP == 0, f"x {tuple(x.shape)}: K={k} is not a multiple of {INT4_GROUP}")
+    check(packed.dim() == 2, f"packed must be [N, K // 2], got {tuple(packed.shape)}")
+    n = packed.shape[0]
+    groups = (n, k // INT4_GROUP)
+    check(
+        packed.shape[1] == k // 2,
+        f"packed {tuple(packed.shape)} must be [N, K // 2] = [{n}, {k // 2}] "
+        f"for x {tuple(x.shape)}",
+    )
+    check(
+        scale.shape == groups and low.shape == groups,
+        f"scale {tuple(scale.shape)} and low {tuple(low.shape)} must be [N, K // {INT4_GROUP}] "
+        f"= {list(groups)} for x {tuple(x.shape)} and packed {tuple(packed.shape)}",
+    )
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    check(x.dtype in floats, f"x must be float16 / bfloat16 / float32, got {x.dtype}")
+    check(packed.dtype == torch.uint8, f"packed must be uint8, got {packed.dtype}")
+    check(
+        scale.dtype in floats and low.dtype in floats,
+        f"scale / low must be float16 / bfloat16 / float32, got {scale.dtype} / {low.dtype}",
+    )
+
+
+def ref_int4_linear(
+    x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32
+    packed: torch.Tensor,  # [N, K // 2] uint8: k's code in byte k // 2, even k in the low nibble
+    scale: torch.Tensor,  # [N, K // 32]
+    low: torch.Tensor,  # [N, K // 32]
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """x @ w^T in fp32, rounded once to x's dtype, where w[n, k] = code(n, k) * scale[n, k // 32]
+    + low[n, k // 32] (fp32) and code(n, k) = (packed[n, k // 2] >> 4 * (k % 2)) & 15."""
+    check_int4(x, packed, scale, low)
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2).float()  # [N, K]
+    groups = codes.unflatten(-1, (-1, INT4_GROUP))  # [N, K // 32, 32]
+    w = (groups * scale.float()[..., None] + low.float()[..., None]).flatten(-2)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
 # ---- Multi-LoRA (lora.py): slots [T] hold each token's adapter slot, -1 for none.
 
 

@@ -188,7 +188,9 @@ class Int8Linear(_QuantizedWeight):
 
 
 class Int4Linear(_QuantizedWeight):
-    """Groupwise asymmetric int4 weights (groups of INT4_GROUP inputs)."""
+    """Groupwise asymmetric int4 weights (groups of INT4_GROUP inputs): w = q * scale + low.
+    On CUDA (or with TRITON_ON_CPU) `paged_kernels.int4_linear` decodes them in the GEMM; on
+    the CPU torch's fused kernel runs few rows and a dequantized matmul many."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         w = weight.detach().float()
@@ -199,21 +201,40 @@ class Int4Linear(_QuantizedWeight):
         lo, hi = groups.amin(-1), groups.amax(-1)
         scale = ((hi - lo) / 15.0).clamp(min=1e-12)  # [N, K/G]
         q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
-        q = q.view(n, k)
+        self._pack(q.view(n, k), scale, lo, dtype)
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor, dtype: torch.dtype
+    ) -> Int4Linear:
+        """A checkpoint's own codes (uint8 [N, K] in [0, 16)) with scale and low [N, K/G]
+        (packed_codes.py)."""
+        n, k = codes.shape
+        if k % INT4_GROUP or scale.shape != (n, k // INT4_GROUP) or low.shape != scale.shape:
+            raise ValueError(
+                f"int4 codes {tuple(codes.shape)} need scales and lows of [{n}, {k // 32}]"
+            )
+        self = cls.__new__(cls)
+        self._pack(codes, scale.float(), low.float(), dtype)
+        return self
+
+    def _pack(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype) -> None:
+        n, k = q.shape
         self.packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]: two weights per byte
         self.scale = scale.to(dtype)
         self.low = lo.to(dtype)
-        # The fused kernel's layout (it needs N % 16 == 0; other layers always dequantize);
-        # its zero point is the value of q = 8: w = (q - 8) * scale + zero.
-        self.kernel_weight = None
-        if n % 16 == 0:
-            self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                q.to(torch.int32), 2
-            )
-        zero = lo + 8 * scale
         self.shape = (n, k)
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = self.scales_and_zeros.to(dtype)  # [K/G, N, 2]
+        # torch's fused CPU kernel's layout (it needs N % 16 == 0; other layers always
+        # dequantize); its zero point is the value of q = 8: w = (q - 8) * scale + zero.
+        self.kernel_weight = self.scales_and_zeros = None
+        if q.device.type == "cpu":
+            if n % 16 == 0:
+                self.kernel_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    q.to(torch.int32), 2
+                )
+            zero = lo + 8 * scale
+            sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+            self.scales_and_zeros = sz.to(dtype)  # [K/G, N, 2]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
         n = self.packed.shape[0]
@@ -222,6 +243,10 @@ class Int4Linear(_QuantizedWeight):
         return w.view(n, -1)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:  # x @ W^T, eager
+        import paged_kernels
+
+        if (x.is_cuda or TRITON_ON_CPU) and paged_kernels.triton_available():
+            return paged_kernels.int4_linear(x, self.packed, self.scale, self.low)
         if x.shape[0] <= FUSED_MAX_ROWS and self.kernel_weight is not None:
             sz = self.scales_and_zeros.to(x.dtype)
             return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -314,6 +339,8 @@ def quantize_model(model: nn.Module, kind: str) -> int:
     for module in model.modules():
         if kind == "fp8" and isinstance(module, FusedMoE) and not module.mxfp4:
             total += module.to_fp8()  # the experts too: most of a MoE model's weights
+        elif isinstance(module, LinearBase) and module.weight is None:
+            continue  # quantized already (a 4-bit checkpoint's codes, packed_codes.py)
         elif isinstance(module, LinearBase) or (
             isinstance(module, ParallelLMHead)
             and getattr(model, "tie_word_embeddings", False)

@@ -38,6 +38,8 @@ from paged_engine.loader import (
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.lora.model import LoRAModel
 from paged_engine.models.multimodal_text import text_model_weights
+from paged_engine.packed_checkpoint import keeps_codes, packed_scheme
+from paged_engine.packed_codes import KEEP_CODES
 from paged_engine.quantized_checkpoint import fp8_checkpoint, quant_method
 from paged_engine.spec_decode.draft_loader import attach_draft_model
 from paged_engine.worker.cache_engine import kv_head_dim, latent_kv
@@ -87,11 +89,12 @@ class Worker:
                 "kernel is CUDA's): for speed there use 'int8', 'int4' or 'fp16'",
                 self.device.type,
             )
-        elif config.quantization is not None:
-            if self.device.type != "cpu":
+        elif config.quantization not in (None, *CHECKPOINT_QUANTIZATIONS):
+            if self.device.type != "cpu" and config.quantization != "int4":
                 raise ValueError(
                     f"quantization={config.quantization!r} runs on the CPU only (torch's CPU "
-                    f"weight-only kernels), not on {self.device.type}: on CUDA use 'fp8'"
+                    f"weight-only kernels), not on {self.device.type}: on CUDA use 'fp8' "
+                    "or 'int4'"
                 )
             if config.quantization == "fp16":  # float32 activations: fail before loading
                 require_fp16_gemm()
@@ -182,11 +185,13 @@ class Worker:
     def _default_quantization(
         self, config: EngineConfig, resolved: ResolvedModel, hf_config
     ) -> str | None:
-        """`config.quantization`; else "fp8" for an FP8 checkpoint on CUDA (its weights stay
-        8-bit, as vLLM runs them); else "fp16" for a GGUF checkpoint on an x86 CPU when neither
-        dtype nor quantization was chosen: its weights are 4-8 bit already, float16 holds each
-        of them to 2**-11 of itself, and matmuls that read half of float32's bytes decode about
-        1.85x faster (docs/engine.md). dtype="float32" keeps float32 weights."""
+        """`config.quantization`; KEEP_CODES for a 4-bit GPTQ / AWQ / W4A16 checkpoint on CUDA
+        (its own codes, packed_codes.py); else "fp8" for an FP8
+        checkpoint on CUDA (its weights stay 8-bit, as vLLM runs them); else "fp16" for a GGUF
+        checkpoint on an x86 CPU when neither dtype nor quantization was chosen: its weights
+        are 4-8 bit already, float16 holds each of them to 2**-11 of itself, and matmuls that
+        read half of float32's bytes decode about 1.85x faster (docs/engine.md).
+        dtype="float32" keeps float32 weights."""
         if config.quantization in CHECKPOINT_QUANTIZATIONS:
             # vLLM's name for the checkpoint's own scheme: it must be the checkpoint's
             wanted, method = CHECKPOINT_QUANTIZATIONS[config.quantization], quant_method(hf_config)
@@ -195,6 +200,18 @@ class Worker:
                     f"quantization={config.quantization!r} but the checkpoint's quant_method is "
                     f"{method!r}: leave quantization unset to load the checkpoint as it is"
                 )
+        # A 4-bit checkpoint's codes run as they are on CUDA (the int4 Triton kernel); on the
+        # CPU its dense weights are faster without AMX, and quantization="int4" keeps the codes
+        # there (loader.load_model; docs/engine.md).
+        codes = keeps_codes(packed_scheme(hf_config)) and not config.batch_invariant
+        if (
+            codes
+            and config.quantization in (None, *CHECKPOINT_QUANTIZATIONS)
+            and self.device.type == "cuda"
+        ):
+            logger.info("4-bit checkpoint: linear layers keep its codes (int4 kernels)")
+            return KEEP_CODES
+        if config.quantization in CHECKPOINT_QUANTIZATIONS:
             return None
         if (
             config.quantization is None

@@ -13,6 +13,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase7
 #   device run:                   bash benchmarks/gpu_run.sh phase8
 #   device run:                   bash benchmarks/gpu_run.sh phase9
+#   device run:                   bash benchmarks/gpu_run.sh int4
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; every kernel test natively; decode-kernel benchmark (vs copy bandwidth and
@@ -76,6 +77,10 @@
 #         16 layers, 64 chats sharing a system prompt) on or off, its answers compared; the
 #         same for the state-space models (Mamba, Mamba2 without KV; Jamba) and the
 #         selective_scan kernel's GPU-marked tests.
+# int4:   4-bit weights (quantization="int4"; 4-bit GPTQ / AWQ / W4A16 checkpoints keep their
+#         codes in the same layout): int4_linear's GPU-marked tests (and fp8's), then
+#         gpu_profile on Llama-3.1-8B's config at batch 1 and 64, bf16 weights against int4
+#         (phase6 has the fp8 side).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -362,6 +367,19 @@ case "$PHASE" in
     step 200 fp8-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
       --batch 64 --quantization fp8 --out "$OUT/llama-8b-fp8"
     ;;
+  int4)  # 4-bit weights against bf16 ones, Llama-3.1-8B's config (fp8: phase6)
+    step 30 versions versions
+    step 100 int4-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_int4_gemm.py \
+      tests/kernels/test_fp8_gemm.py
+    step 100 bf16-profile-b1 $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 1 --out "$OUT/llama-8b-bf16-b1"
+    step 100 int4-profile-b1 $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 1 --quantization int4 --out "$OUT/llama-8b-int4-b1"
+    step 110 bf16-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 64 --out "$OUT/llama-8b-bf16"
+    step 110 int4-profile $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
+      --batch 64 --quantization int4 --out "$OUT/llama-8b-int4"
+    ;;
   phase7)  # FP8 experts, Qwen3-30B-A3B's config (compare with phase4's bf16 run)
     step 30 versions versions
     step 120 moe-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_moe.py
@@ -429,6 +447,8 @@ case "$PHASE" in
       --quantization fp8 --out "$OUT/fp8"
     step 300 moe-fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config qwen3-30b-a3b \
       --quantization fp8 --out "$OUT/moe-fp8"
+    step 300 int4-profile $PY -m benchmarks.gpu_profile --smoke --model-config llama-3.2-1b \
+      --batch 1 --quantization int4 --out "$OUT/int4"
     step 300 mla-profile $PY -m benchmarks.gpu_profile --smoke --model-config deepseek-v2-lite \
       --out "$OUT/mla"
     # 4 layers (3 linear, 1 full), narrower, a small vocabulary: the 27B's embeddings alone
@@ -443,7 +463,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|int4|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -428,3 +428,29 @@ def test_codes_under_tensor_parallelism_match_one_process(tiny, tmp_path):
         _same_outputs(two.generate(PROMPTS, GREEDY, use_tqdm=False), want, 1e-4)
     finally:
         two.llm_engine.shutdown()
+
+
+def test_kept_codes_come_back_after_a_level_2_sleep(tiny, tmp_path):
+    """Sleep level 2 discards the weights; reload_weights rebuilds the codes from the
+    checkpoint: the same tokens and logprobs as before."""
+    path, _ = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        max_model_len=64,
+        quantization="int4",
+        enable_sleep_mode=True,
+    )
+    want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    for module in llm.llm_engine.model_runner.model.modules():  # whatever came back: scrambled
+        method = getattr(getattr(module, "linear_method", None), "method", None)
+        if method is not None:
+            method.packed.fill_(0x5A)
+            if method.kernel_weight is not None:  # torch's CPU kernel's copy
+                method.kernel_weight.fill_(0x5A)
+    assert llm.collective_rpc("reload_weights")[0] > 0
+    llm.wake_up(tags=["kv_cache"])
+    assert _int4_layers(llm) == (8, 8)
+    _same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want, 1e-6)

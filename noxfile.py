@@ -31,6 +31,7 @@ TEST_DEPS = [
     "matplotlib",  # the benchmark tests draw their plots
     "llguidance>=1.0",  # paged-engine[structured]: structured outputs
     "jsonschema",  # structured-output tests validate what the engine generates
+    "bitsandbytes",  # bitsandbytes checkpoints' tests quantize with it (CPU backend)
     "pillow",  # paged-engine[vision]: image inputs (LLaVA)
 ]
 

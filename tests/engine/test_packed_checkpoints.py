@@ -266,7 +266,7 @@ def test_vllm_quantization_names_are_checked_against_the_checkpoint(tiny, tmp_pa
     with pytest.raises(ValueError, match="quantization='gptq' but the checkpoint's quant_method"):
         LLM(model=str(path), dtype="float32", max_model_len=64, quantization="gptq")
     with pytest.raises(ValueError, match="quantization"):
-        LLM(model=str(path), quantization="bitsandbytes")
+        LLM(model=str(path), quantization="hqq")
 
 
 def _with_quant(tiny, dst, quant: dict):
@@ -302,7 +302,7 @@ def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
             },
             "different bits",
         ),
-        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+        ({"quant_method": "hqq"}, "'hqq' is not supported"),
     ]
     for i, (quant, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):

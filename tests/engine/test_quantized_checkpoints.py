@@ -175,7 +175,7 @@ def _with_quant(tiny, dst, quant: dict):
 
 def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
     cases = [
-        ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not supported"),
+        ({"quant_method": "hqq"}, "'hqq' is not supported"),
         ({"quant_method": "gptq", "bits": 3}, "3-bit"),
         ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "NVFP4"),
         ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "pack-quantized"),

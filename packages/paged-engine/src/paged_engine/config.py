@@ -20,6 +20,7 @@ CHECKPOINT_QUANTIZATIONS = {
     "awq": "awq",
     "awq_marlin": "awq",
     "compressed-tensors": "compressed-tensors",
+    "bitsandbytes": "bitsandbytes",
 }
 _QUANTIZATIONS = (None, "fp16", "int8", "int4", "fp8", *CHECKPOINT_QUANTIZATIONS)
 _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
+from paged_engine.bnb_checkpoint import bnb_scheme, unpack_bnb_weights
 from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
@@ -302,13 +303,15 @@ def checkpoint_weights(
     keep_codes: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
-    vision weights dropped, GPTQ / AWQ / packed integer weights unpacked and FP8 / INT8 weights
+    vision weights dropped, GPTQ / AWQ / packed integer / bitsandbytes weights unpacked and
+    FP8 / INT8 weights
     dequantized with their scales (also where only
     hf_quant_config.json named the scheme: the tensors' dtypes tell); KV-cache scales go into
     `kv_scales` instead; `keep_codes`: 4-bit layers as packed_codes.CodesWeight."""
     total = count_weights(resolved, load_format)
     weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
     weights = text_model_weights(weights, hf_config)
+    weights = unpack_bnb_weights(weights, bnb_scheme(hf_config), dtype, device)
     weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device, keep_codes)
     weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
     return split_kv_scales(weights, {} if kv_scales is None else kv_scales)

@@ -21,7 +21,8 @@ with quantization="fp8" (`fp8_checkpoint`; not in batch-invariant mode): its wei
 FP8 with a scale per output row (the checkpoint's own codes where it had per-row scales with
 each row's largest code at 448; a block-scaled checkpoint is rounded again per row). A
 model class names what it loads (`checkpoint_quantizations`: these by default; gpt-oss: its own
-mxfp4 only). GPTQ, AWQ and packed integer weights: packed_checkpoint.py.
+mxfp4 only). GPTQ, AWQ and packed integer weights: packed_checkpoint.py; bitsandbytes:
+bnb_checkpoint.py.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from paged_engine.bnb_checkpoint import bnb_scheme
 from paged_engine.packed_checkpoint import packed_scheme
 
-DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt", "gptq", "awq")
+DEQUANTIZED = ("fp8", "fbgemm_fp8", "compressed-tensors", "modelopt", "gptq", "awq", "bitsandbytes")
 _QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 _SCALES = (".weight_scale_inv", ".weight_scale")
 _DROPPED = (".input_scale", ".input_scale_ub")
@@ -58,8 +60,8 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
 
 
 def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZED) -> None:
-    """Refuse, naming it, a quantization the model cannot load (bitsandbytes, NVFP4, 3-bit
-    GPTQ, asymmetric 8-bit schemes, ...), before any weight is read."""
+    """Refuse, naming it, a quantization the model cannot load (NVFP4, 3-bit GPTQ, asymmetric
+    8-bit schemes, ...), before any weight is read."""
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         return
@@ -69,8 +71,8 @@ def check_checkpoint_quantization(config, supported: tuple[str, ...] = DEQUANTIZ
             f"checkpoint quantization {method!r} is not supported; supported: "
             f"{', '.join(supported)} (or an unquantized checkpoint)"
         )
-    if packed_scheme(config) is not None:  # GPTQ, AWQ, pack-quantized: checked there
-        return
+    if packed_scheme(config) is not None or bnb_scheme(config) is not None:
+        return  # GPTQ, AWQ, pack-quantized, bitsandbytes: checked there
     if method == "modelopt":
         algo = _get(quant, "quant_algo")
         if algo not in (None, "FP8"):

@@ -266,8 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="weight-only: fp8 or int4 (CUDA: Triton GEMMs; a 4-bit GPTQ / AWQ checkpoint "
         "keeps its codes there by default), or on the CPU fp16 (fbgemm, x86), int8 or int4; "
-        "gptq / awq / compressed-tensors (and vLLM's *_marlin names) check the checkpoint's "
-        "own scheme (it loads without this too)",
+        "gptq / awq / compressed-tensors / bitsandbytes (and vLLM's *_marlin names) check the "
+        "checkpoint's own scheme (it loads without this too)",
     )
     p.add_argument(
         "--batch-invariant",

@@ -170,9 +170,10 @@ def _is_linear(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith("_proj.weight")
 
 
-def _packed_copy(src, scheme: str, dst):
-    """`src` with its linear weights packed by `scheme` (and, for GPTQ, the zero bias its
-    writers keep on every layer), and beside it `dst/dense`: the dequantized values."""
+def _packed_copy(src, scheme: str, dst, packs=_is_linear):
+    """`src` with its linear weights (those `packs` picks) packed by `scheme` (and, for GPTQ,
+    the zero bias its writers keep on layers without one), and beside it `dst/dense`: the
+    dequantized values."""
     from safetensors.torch import load_file, save_file
 
     s = SCHEMES[scheme]
@@ -181,7 +182,7 @@ def _packed_copy(src, scheme: str, dst):
     state = load_file(str(src / "model.safetensors"))
     packed, dense = {}, {}
     for name, w in state.items():
-        if not _is_linear(name, w):
+        if not packs(name, w):
             packed[name] = dense[name] = w
             continue
         group = w.shape[1] if s.get("group") is None else s["group"]
@@ -193,7 +194,7 @@ def _packed_copy(src, scheme: str, dst):
             tensors, deq = _compressed(w, s["bits"], group, s["sym"], s["actorder"])
         prefix = name.removesuffix(".weight")
         packed.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-        if s["method"] == "gptq":
+        if s["method"] == "gptq" and f"{prefix}.bias" not in state:
             packed[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
         dense[name] = deq
     # shuffled: a layer's tensors arrive in any order, apart from each other
@@ -454,3 +455,49 @@ def test_kept_codes_come_back_after_a_level_2_sleep(tiny, tmp_path):
     llm.wake_up(tags=["kv_cache"])
     assert _int4_layers(llm) == (8, 8)
     _same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want, 1e-6)
+
+
+def _every_linear(name: str, t: torch.Tensor) -> bool:
+    """Every 2-D weight but embeddings, heads and norms, where 32-input groups fit."""
+    skip = ("embed", "lm_head", "wte", "wpe", "norm")
+    return (
+        t.dim() == 2
+        and name.endswith(".weight")
+        and not any(s in name for s in skip)
+        and t.shape[1] % 32 == 0
+        and t.shape[0] % 8 == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "arch, kept",
+    [
+        ("qwen2", (8, 8)),  # q / k / v biases
+        ("phi3", (8, 8)),  # fused qkv and gate_up in the checkpoint, split by rows
+        ("opt", (8, 8)),  # biases everywhere, fc1 / fc2
+        ("falcon", (6, 8)),  # query_key_value interleaved by head: reshaped, so dense
+        ("gpt2", (0, 8)),  # Conv1D weights stored transposed: dense
+        ("mixtral", (4, 4)),  # attention kept; the experts load dense
+        ("deepseek_v2", (15, 15)),  # latent attention's projections
+    ],
+)
+def test_codes_through_each_models_loaders(tmp_path, monkeypatch, arch, kept):
+    """Every linear weight of the checkpoint packed: the layers a model's loader slices by rows
+    or whole groups keep their codes (the count), the rest load dense, and the engine gives
+    the dense checkpoint's tokens with logprobs within 1e-5 (float32)."""
+    from paged_engine.packed_codes import KEEP_CODES
+    from paged_engine.worker.worker import Worker
+
+    # CUDA's default on this CPU: the codes, nothing else quantized
+    monkeypatch.setattr(Worker, "_default_quantization", lambda *a: KEEP_CODES)
+    src = write_tiny_model(tmp_path / arch, arch, seed=2)
+    path, dense = _packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64)
+    assert _int4_layers(llm) == kept
+    monkeypatch.undo()
+    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+    _same_outputs(
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+        want.generate(PROMPTS, GREEDY, use_tqdm=False),
+        1e-5,
+    )

@@ -335,15 +335,23 @@ def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
 
 
 def _int4_layers(llm) -> tuple[int, int]:
-    """(linear layers running a checkpoint's codes or int4, linear layers)."""
+    """(linear layers running a checkpoint's codes or int4, and MoE layers running int4
+    experts; linear and MoE layers)."""
+    from paged_engine.layers.fused_moe import FusedMoE
     from paged_engine.layers.linear import LinearBase
     from paged_engine.layers.quantization import Int4Linear
 
-    layers = [m for m in llm.llm_engine.model_runner.model.modules() if isinstance(m, LinearBase)]
+    modules = list(llm.llm_engine.model_runner.model.modules())
+    layers = [m for m in modules if isinstance(m, (LinearBase, FusedMoE))]
     int4 = [
         m
         for m in layers
-        if m.weight is None and isinstance(getattr(m.linear_method, "method", None), Int4Linear)
+        if (isinstance(m, FusedMoE) and m.int4 is not None)
+        or (
+            isinstance(m, LinearBase)
+            and m.weight is None
+            and isinstance(getattr(m.linear_method, "method", None), Int4Linear)
+        )
     ]
     return len(int4), len(layers)
 
@@ -477,8 +485,8 @@ def _every_linear(name: str, t: torch.Tensor) -> bool:
         ("opt", (8, 8)),  # biases everywhere, fc1 / fc2
         ("falcon", (6, 8)),  # query_key_value interleaved by head: reshaped, so dense
         ("gpt2", (0, 8)),  # Conv1D weights stored transposed: dense
-        ("mixtral", (4, 4)),  # attention kept; the experts load dense
-        ("deepseek_v2", (15, 15)),  # latent attention's projections
+        ("mixtral", (6, 6)),  # the experts too (int4 pairs for the MoE kernel)
+        ("deepseek_v2", (17, 17)),  # latent attention's projections, shared and routed experts
     ],
 )
 def test_codes_through_each_models_loaders(tmp_path, monkeypatch, arch, kept):

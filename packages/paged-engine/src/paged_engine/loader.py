@@ -248,7 +248,9 @@ def load_model(
         model.checkpoint_kv_scales = kv_scales
         if codes:
             kept, total = keep_codes(model, record)
-            logger.info("4-bit checkpoint: %d of %d linear layers keep its codes", kept, total)
+            logger.info(
+                "4-bit checkpoint: %d of %d linear and MoE layers keep its codes", kept, total
+            )
     if quantization is not None and quantization != KEEP_CODES:
         from paged_engine.layers.quantization import quantize_model
 

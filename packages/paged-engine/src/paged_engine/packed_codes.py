@@ -12,8 +12,9 @@ parameter (`param.copy_(codes)`) the dense values are written and, inside `recor
 where they landed is remembered. `keep_codes(model, record)` then gives each linear layer whose
 whole weight arrived as codes an Int4Linear (layers/quantization.py) built from them,
 exactly (w = code * scale + low, one scale and low per 32 inputs), and drops its dense weight;
-every other layer keeps its dense weight. The dense weights exist while loading (the peak is
-the dense model's), not after.
+a MoE layer (layers/fused_moe.py) whose experts all arrived as codes gets an Int4Weight pair,
+run by the MoE kernel; every other layer keeps its dense weight. The dense weights exist while
+loading (the peak is the dense model's), not after.
 """
 
 from __future__ import annotations
@@ -122,9 +123,19 @@ class CodesWeight:
         return self.split(-(-n // chunks), dim)
 
     def __getitem__(self, index):
-        if isinstance(index, slice) and index.step in (None, 1):
-            start, stop, _ = index.indices(self.shape[0])
-            return self.narrow(0, start, max(stop - start, 0))
+        if isinstance(index, slice):
+            index = (index,)
+        if (
+            isinstance(index, tuple)
+            and len(index) <= 2
+            and all(isinstance(i, slice) and i.step in (None, 1) for i in index)
+        ):
+            out = self
+            for dim, i in enumerate(index):  # rows, then columns (whole groups stay codes)
+                start, stop, _ = i.indices(self.shape[dim])
+                if (start, stop) != (0, self.shape[dim]):
+                    out = out.narrow(dim, start, max(stop - start, 0))
+            return out
         return self.dense()[index]
 
     def __len__(self) -> int:
@@ -200,55 +211,89 @@ def _dense(value):
 
 
 def _assemble(weight: torch.Tensor, pieces: list[_Piece]) -> CodesWeight | None:
-    """The codes of the whole of `weight` [N, K] when its pieces cover it in whole groups of
-    one size, else None."""
-    n, k = weight.shape
+    """The codes of the whole of `weight` ([N, K], or experts' [E, N, K]: each expert's pieces
+    in its own [N, K]) when its pieces cover it in whole groups of one size, else None. The
+    result is [E * N, K] for experts."""
+    n, k = weight.shape[-2:]
     group = pieces[0].codes.group
-    if weight.stride() != (k, 1) or any(p.codes.group != group for p in pieces):
+    contiguous = weight.stride() == tuple(torch.empty(weight.shape, device="meta").stride())
+    if not contiguous or any(p.codes.group != group for p in pieces):
         return None
-    codes = torch.empty(n, k, dtype=torch.uint8, device=weight.device)
-    zero = torch.empty(n, k // group, dtype=torch.int32, device=weight.device)
-    scale = torch.empty(n, k // group, dtype=torch.float32, device=weight.device)
+    rows_all = weight.numel() // k
+    codes = torch.empty(rows_all, k, dtype=torch.uint8, device=weight.device)
+    zero = torch.empty(rows_all, k // group, dtype=torch.int32, device=weight.device)
+    scale = torch.empty(rows_all, k // group, dtype=torch.float32, device=weight.device)
     covered = 0
     base = weight.storage_offset()
     for p in pieces:
         rows, cols = p.shape
-        row, col = divmod(p.offset - base, k)
-        if p.stride != (k, 1) or col % group or cols % group or row + rows > n:
+        first, col = divmod(p.offset - base, k)  # first: the row in [E * N, K]
+        if p.stride != (k, 1) or col % group or cols % group or first % n + rows > n:
             return None
-        codes[row : row + rows, col : col + cols] = p.codes.codes
+        codes[first : first + rows, col : col + cols] = p.codes.codes
         g = slice(col // group, (col + cols) // group)
-        zero[row : row + rows, g] = p.codes.zero
-        scale[row : row + rows, g] = p.codes.scale
+        zero[first : first + rows, g] = p.codes.zero
+        scale[first : first + rows, g] = p.codes.scale
         covered += rows * cols
-    if covered != n * k:  # a part came as dense values (or twice)
+    if covered != weight.numel():  # a part came as dense values (or twice)
         return None
     return CodesWeight(codes, zero, scale, group, weight.dtype)
+
+
+def _int4_parts(codes: CodesWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [R, K/2], scale, low [R, K/32] float32) of Int4Linear's layout."""
+    repeat = codes.group // GROUP
+    scale = codes.scale.repeat_interleave(repeat, dim=1)
+    low = -(codes.zero.repeat_interleave(repeat, dim=1) * scale)
+    q = codes.codes
+    return q[:, 0::2] | (q[:, 1::2] << 4), scale, low
 
 
 @torch.no_grad()
 def keep_codes(model: nn.Module, record: dict[int, list[_Piece]]) -> tuple[int, int]:
     """Give every linear layer whose whole weight was copied from codes an Int4Linear of
-    them, its dense weight dropped; returns (layers converted, linear layers in all)."""
+    them, and every MoE layer whose experts all were an Int4Weight pair, their dense weights
+    dropped; returns (layers converted, linear and MoE layers in all)."""
+    from paged_engine.layers.fused_moe import FusedMoE
     from paged_engine.layers.linear import LinearBase
     from paged_engine.layers.quantization import Int4Linear, QuantizedLinearMethod
+    from paged_kernels import Int4Weight
+
+    def codes_of(weight: torch.Tensor) -> CodesWeight | None:
+        pieces = record.get(weight.untyped_storage().data_ptr())
+        return _assemble(weight, pieces) if pieces else None
 
     converted = total = 0
     for module in model.modules():
-        if not isinstance(module, LinearBase) or module.weight is None:
-            continue
-        total += 1
-        weight = module.weight
-        pieces = record.get(weight.untyped_storage().data_ptr())
-        codes = _assemble(weight, pieces) if pieces else None
-        if codes is None:
-            continue
-        repeat = codes.group // GROUP
-        scale = codes.scale.repeat_interleave(repeat, dim=1)
-        low = -(codes.zero.repeat_interleave(repeat, dim=1) * scale)
-        method = Int4Linear.from_codes(codes.codes, scale, low, weight.dtype)
-        del module.weight  # the method holds the codes
-        module.weight = None
-        module.linear_method = QuantizedLinearMethod(method)
-        converted += 1
+        if isinstance(module, LinearBase) and module.weight is not None:
+            total += 1
+            codes = codes_of(module.weight)
+            if codes is None:
+                continue
+            _, scale, low = _int4_parts(codes)
+            method = Int4Linear.from_codes(codes.codes, scale, low, module.weight.dtype)
+            del module.weight  # the method holds the codes
+            module.weight = None
+            module.linear_method = QuantizedLinearMethod(method)
+            converted += 1
+        elif isinstance(module, FusedMoE) and getattr(module, "gate_up_proj", None) is not None:
+            total += 1
+            pair = [codes_of(module.gate_up_proj), codes_of(module.down_proj)]
+            if None in pair:
+                continue
+            weights = []
+            for codes, dense in zip(pair, (module.gate_up_proj, module.down_proj)):
+                packed, scale, low = _int4_parts(codes)
+                e, n, k = dense.shape
+                weights.append(
+                    Int4Weight(
+                        packed.view(e, n, k // 2),
+                        scale.to(dense.dtype).view(e, n, -1),
+                        low.to(dense.dtype).view(e, n, -1),
+                    )
+                )
+            module.int4 = (weights[0], weights[1])
+            del module.gate_up_proj, module.down_proj  # the dense experts are freed
+            module.gate_up_proj = module.down_proj = None
+            converted += 1
     return converted, total

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from paged_kernels._utils import FP8_DTYPES, MAX_HEAD_DIM, check_kv_scales
 from paged_kernels.reference import (
     Fp8Weight,
+    Int4Weight,
     MoeActivation,
     Mxfp4Weight,
     alibi_slopes,
@@ -80,6 +81,7 @@ __all__ = [
     "FP8_DTYPES",
     "MAX_HEAD_DIM",
     "Fp8Weight",
+    "Int4Weight",
     "MoeActivation",
     "Mxfp4Weight",
     "add_rms_norm",

@@ -466,12 +466,12 @@ def ref_fused_moe(
     """sum_j w_tj * (down_e(act(gate_e x_t, up_e x_t)) + b_e), e = topk_ids[t, j] (a non-gated
     act: down_e(act(up_e x_t)), gate_up the up weight alone): each used expert over its (token,
     choice) pairs, in fp32; the activation rounds to x's dtype before the down projection, and
-    the sum over a token's k choices rounds once. MXFP4 or FP8 weights (both projections)
+    the sum over a token's k choices rounds once. MXFP4, FP8 or int4 weights (both projections)
     multiply as their exact values."""
     check_moe_activation(activation)
     if isinstance(gate_up, Mxfp4Weight):
         gate_up, down = dequantize_mxfp4(gate_up), dequantize_mxfp4(down)
-    if isinstance(gate_up, Fp8Weight):
+    if isinstance(gate_up, (Fp8Weight, Int4Weight)):
         gate_up, down = gate_up.dequantize(), down.dequantize()
     rows = (2 if activation.gated else 1) * down.shape[-1]
     check(
@@ -520,6 +520,25 @@ class Fp8Weight(NamedTuple):
         return (self.weight.float() * self.scale.float()[..., None]).to(dtype)
 
 
+INT4_GROUP = 32  # inputs (along K) per scale / low pair
+
+
+class Int4Weight(NamedTuple):
+    """Stacked experts' weights in 4 bits (a GPTQ / AWQ checkpoint's codes, kept): `packed`
+    uint8 [E, N, K/2] (k's code in byte k // 2, even k in the low nibble), `scale` and `low`
+    [E, N, K/32]: W[e, n, k] = code * scale[e, n, k // 32] + low[e, n, k // 32]."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        codes = torch.stack((self.packed & 15, self.packed >> 4), dim=-1).flatten(-2).float()
+        groups = codes.unflatten(-1, (-1, INT4_GROUP))
+        w = groups * self.scale.float()[..., None] + self.low.float()[..., None]
+        return w.flatten(-2).to(dtype)
+
+
 def ref_fp8_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -534,8 +553,6 @@ def ref_fp8_linear(
 
 
 # ---- 4-bit group-quantized weights (int4_linear): codes 0-15, one (scale, low) pair a group.
-
-INT4_GROUP = 32  # inputs (along K) per scale / low pair
 
 
 def check_int4(

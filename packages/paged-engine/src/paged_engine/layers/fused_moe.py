@@ -28,7 +28,7 @@ and the block all-reduces once (the down bias is added on rank 0 only, so it cou
 router is replicated, so all ranks route alike. Expert
 weights and the router are plain parameters, not linear layers: the CPU's weight-only
 quantizations leave them in the model dtype (quantization="fp8" converts the experts,
-`FusedMoE.to_fp8`), and batch_invariant=True does not reach them (an expert's group size,
+`FusedMoE.to_fp8`; a 4-bit checkpoint's expert codes become `int4`, packed_codes.py), and batch_invariant=True does not reach them (an expert's group size,
 hence its matmul's shape, depends on the rest of the batch).
 """
 
@@ -42,7 +42,7 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
-from paged_kernels import Fp8Weight, MoeActivation, Mxfp4Weight, dequantize_mxfp4
+from paged_kernels import Fp8Weight, Int4Weight, MoeActivation, Mxfp4Weight, dequantize_mxfp4
 from paged_kernels.reference import SILU, check_moe_activation, moe_activation
 
 Weight = torch.Tensor | Mxfp4Weight | Fp8Weight  # stacked [E, rows, cols]
@@ -74,11 +74,13 @@ def _expert_mlp(
 
 
 def _expert(w: Weight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e's matrix in `dtype` (an MXFP4 or FP8 one decoded now)."""
+    """Expert e's matrix in `dtype` (an MXFP4, FP8 or int4 one decoded now)."""
     if isinstance(w, Mxfp4Weight):
         return dequantize_mxfp4(Mxfp4Weight(w.blocks[e], w.scales[e]), dtype)
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.weight[e], w.scale[e]).dequantize(dtype)
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.packed[e], w.scale[e], w.low[e]).dequantize(dtype)
     return w[e]
 
 
@@ -231,6 +233,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"MXFP4 experts need a gated activation, not {activation.name!r}")
         self.mxfp4 = mxfp4
         self.fp8: tuple[Fp8Weight, Fp8Weight] | None = None  # set by to_fp8()
+        # set by packed_codes.keep_codes: a 4-bit checkpoint's expert codes
+        self.int4: tuple[Int4Weight, Int4Weight] | None = None
         if mxfp4:
             self._make_mxfp4(num_experts, hidden_size, i)
         else:
@@ -270,8 +274,8 @@ class FusedMoE(nn.Module):
         (`quantization="fp8"`), run by the MoE kernel; returns the bytes they now take."""
         from paged_kernels import quantize_fp8_per_channel
 
-        if self.mxfp4:
-            raise ValueError("MXFP4 experts are not converted to FP8")
+        if self.mxfp4 or self.int4 is not None:
+            raise ValueError("MXFP4 or int4 experts are not converted to FP8")
         self.fp8 = (
             Fp8Weight(*quantize_fp8_per_channel(self.gate_up_proj)),
             Fp8Weight(*quantize_fp8_per_channel(self.down_proj)),
@@ -344,14 +348,14 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         """x [T, H], weights / ids [T, k] -> this rank's partial sum [T, H] (not all-reduced)."""
         down_bias = self.down_proj_bias if self.tp_rank == 0 else None  # counted once in the sum
-        if self.mxfp4 or self.fp8 is not None:
+        if self.mxfp4 or self.fp8 is not None or self.int4 is not None:
             if torch.compiler.is_compiling():
                 raise NotImplementedError(
-                    "MXFP4 / FP8 experts do not run under a compiled CPU forward "
+                    "MXFP4 / FP8 / int4 experts do not run under a compiled CPU forward "
                     "(compilation_config=0)"
                 )
-            if self.fp8 is not None:
-                gate_up, down = self.fp8
+            if self.fp8 is not None or self.int4 is not None:
+                gate_up, down = self.fp8 or self.int4
             else:
                 gate_up = Mxfp4Weight(self.gate_up_proj_blocks, self.gate_up_proj_scales)
                 down = Mxfp4Weight(self.down_proj_blocks, self.down_proj_scales)

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from paged_engine.layers.quantization import Method
-from paged_kernels import Fp8Weight
+from paged_kernels import Fp8Weight, Int4Weight
 
 TAGS = ("weights", "kv_cache")
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
@@ -51,7 +51,7 @@ def module_tensors(model: nn.Module) -> Iterator[tuple[torch.Tensor, bool]]:
 def _tensors_in(value: object, *, weight: bool, depth: int) -> Iterator[tuple[torch.Tensor, bool]]:
     if isinstance(value, torch.Tensor):
         yield value, weight
-    elif isinstance(value, Fp8Weight):  # a MoE layer's FP8 experts
+    elif isinstance(value, (Fp8Weight, Int4Weight)):  # a MoE layer's FP8 or int4 experts
         yield from ((t, True) for t in value)
     elif isinstance(value, (list, tuple)):
         for item in value:

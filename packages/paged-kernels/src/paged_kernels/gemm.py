@@ -155,10 +155,12 @@ def matmul(
     return out.view(*lead, n)
 
 
-def _fp8_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by rows (not yet timed on a GPU): decode-size M
-    streams the weights in long K steps over 16-row tiles (tl.dot's minimum); prefill-size M
-    reuses each weight tile over 64 rows. fp32 multiplies without tensor-core tiles: smaller."""
+def _tiles_by_rows(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of fp8_linear and int4_linear by rows (not yet
+    timed on a GPU): decode-size M streams the weights in long K steps over 16-row tiles
+    (tl.dot's minimum); prefill-size M reuses each (decoded) weight tile over 64 rows. fp32
+    multiplies without tensor-core tiles: smaller. BLOCK_K is a multiple of int4's 32-input
+    groups."""
     if dtype == torch.float32:
         return 16 if m <= 16 else 32, 32, 32, 4
     if m <= 16:
@@ -192,7 +194,7 @@ def fp8_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    _launch(x, weight, scale.contiguous(), bias, out, _fp8_tiles(m, x.dtype))
+    _launch(x, weight, scale.contiguous(), bias, out, _tiles_by_rows(m, x.dtype))
     return out
 
 
@@ -255,19 +257,6 @@ def _int4_linear_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _int4_tiles(m: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) by rows (not yet timed on a GPU), as `_fp8_tiles`:
-    decode-size M streams the weights in long K steps over 16-row tiles (tl.dot's minimum);
-    prefill-size M reuses each decoded weight tile over 64 rows. BLOCK_K spans whole groups."""
-    if dtype == torch.float32:
-        return 16 if m <= 16 else 32, 32, 32, 4
-    if m <= 16:
-        return 16, 64, 128, 4
-    if m <= 64:
-        return 32, 64, 64, 4
-    return 64, 128, 64, 8
-
-
 def int4_linear(
     x: torch.Tensor,  # [M, K] float16 / bfloat16 / float32, K a multiple of 32
     packed: torch.Tensor,  # [N, K // 2] uint8, two 4-bit codes a byte along K
@@ -295,7 +284,7 @@ def int4_linear(
         return out
     if k == 0:
         return out.zero_()
-    block_m, block_n, block_k, num_warps = _int4_tiles(m, x.dtype)
+    block_m, block_n, block_k, num_warps = _tiles_by_rows(m, x.dtype)
     _int4_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x,
         packed,

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
+from checkpoint_copies import (
+    assert_loads_as_dense,
+    copy_with_quant_config,
+    load_cpu,
+    quantized_copy,
+)
 from hf_reference import assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
@@ -74,35 +78,15 @@ def _is_linear(name: str, t: torch.Tensor) -> bool:
 
 def _quantized_copy(src, scheme: str, dst, layer=None):
     """`src` with its linear weights quantized by `layer(weight, scheme)` (bitsandbytes by
-    default), and beside it `dst/dense`: the dequantized values."""
-    from safetensors.torch import load_file, save_file
-
+    default), and beside it `dst/dense`: the dequantized values; tensors shuffled."""
     s = SCHEMES[scheme]
-    shutil.copytree(src, dst)
-    shutil.copytree(src, dst / "dense")
-    state = load_file(str(src / "model.safetensors"))
-    quantized, dense = {}, {}
-    for name, w in state.items():
-        if not _is_linear(name, w):
-            quantized[name] = dense[name] = w
-            continue
+
+    def quantize(name: str, w: torch.Tensor):
         tensors, deq = (layer or _bnb_layer)(w, s)
         prefix = name.removesuffix(".weight")
-        quantized.update({f"{prefix}.{k}": v.contiguous() for k, v in tensors.items()})
-        dense[name] = deq
-    names = list(quantized)
-    random.Random(scheme).shuffle(names)  # a layer's tensors apart from each other
-    save_file({n: quantized[n] for n in names}, str(dst / "model.safetensors"))
-    save_file(dense, str(dst / "dense" / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    quant = _config(s)
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    return dst, dst / "dense"
+        return {f"{prefix}.{k}": v for k, v in tensors.items()}, deq
 
-
-def _load(path):
-    resolved = resolve_model(str(path))
-    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+    return quantized_copy(src, dst, _config(s), quantize, _is_linear, shuffle=scheme)
 
 
 @pytest.fixture(scope="module")
@@ -110,23 +94,11 @@ def tiny(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("llama"), "llama", seed=2)
 
 
-def _assert_loads_as(path, dense, original):
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
-    assert got.keys() == want.keys()
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
-    unquantized = dict(_load(original).named_parameters())
-    name = "model.layers.0.mlp.down_proj.weight"
-    assert not torch.equal(got[name], unquantized[name])  # really quantized
-    error = (got[name] - unquantized[name]).abs().mean()
-    assert error < 0.3 * unquantized[name].abs().mean()
-
-
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_weights_load_as_bitsandbytes_dequantizes_them(tiny, tmp_path, scheme):
     pytest.importorskip("bitsandbytes")
     path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
-    _assert_loads_as(path, dense, tiny)
+    assert_loads_as_dense(path, dense, tiny)
 
 
 NF4_BOOK = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
@@ -154,9 +126,9 @@ def _hand_packed(w: torch.Tensor, s: dict) -> tuple[dict[str, torch.Tensor], tor
     return tensors, (book[codes] * absmax.repeat_interleave(block)).view(w.shape)
 
 
-def test_hand_packed_4bit_weights_load(tiny, tmp_path):
+def test_hand_packed_4bit_weightsload_cpu(tiny, tmp_path):
     path, dense = _quantized_copy(tiny, "nf4", tmp_path / "q", layer=_hand_packed)
-    _assert_loads_as(path, dense, tiny)
+    assert_loads_as_dense(path, dense, tiny)
 
 
 @pytest.mark.parametrize("scheme", ["nf4-double", "int8"])
@@ -173,13 +145,6 @@ def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme
         assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
 
 
-def _with_quant(tiny, dst, quant: dict):
-    shutil.copytree(tiny, dst)
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    return dst
-
-
 def test_unsupported_settings_fail_naming_them(tiny, tmp_path):
     bnb = {"quant_method": "bitsandbytes"}
     cases = [
@@ -189,7 +154,7 @@ def test_unsupported_settings_fail_naming_them(tiny, tmp_path):
     ]
     for i, (quant, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
-            _load(_with_quant(tiny, tmp_path / str(i), quant))
+            load_cpu(copy_with_quant_config(tiny, tmp_path / str(i), quant))
 
 
 def test_a_layer_missing_its_scales_is_named(tiny, tmp_path):
@@ -200,4 +165,4 @@ def test_a_layer_missing_its_scales_is_named(tiny, tmp_path):
     del state["model.layers.1.mlp.up_proj.weight.absmax"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.up_proj \(has weight, weight\.quant"):
-        _load(path)
+        load_cpu(path)

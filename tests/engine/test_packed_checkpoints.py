@@ -9,16 +9,19 @@ kernel (interpreter), also under TP=2. What we cannot load fails before any weig
 
 from __future__ import annotations
 
-import json
 import random
-import shutil
 
 import pytest
 import torch
+from checkpoint_copies import (
+    assert_loads_as_dense,
+    copy_with_quant_config,
+    load_cpu,
+    quantized_copy,
+)
 from hf_reference import assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
@@ -173,18 +176,14 @@ def _is_linear(name: str, t: torch.Tensor) -> bool:
 def _packed_copy(src, scheme: str, dst, packs=_is_linear):
     """`src` with its linear weights (those `packs` picks) packed by `scheme` (and, for GPTQ,
     the zero bias its writers keep on layers without one), and beside it `dst/dense`: the
-    dequantized values."""
-    from safetensors.torch import load_file, save_file
+    dequantized values; its tensors stored in a shuffled order (a layer's pieces apart)."""
+    from safetensors import safe_open
 
     s = SCHEMES[scheme]
-    shutil.copytree(src, dst)
-    shutil.copytree(src, dst / "dense")
-    state = load_file(str(src / "model.safetensors"))
-    packed, dense = {}, {}
-    for name, w in state.items():
-        if not packs(name, w):
-            packed[name] = dense[name] = w
-            continue
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+
+    def quantize(name: str, w: torch.Tensor):
         group = w.shape[1] if s.get("group") is None else s["group"]
         if s["method"] == "gptq":
             tensors, deq = _gptq(w, s["bits"], group, s["sym"], s["desc_act"], s["fmt"])
@@ -193,24 +192,12 @@ def _packed_copy(src, scheme: str, dst, packs=_is_linear):
         else:
             tensors, deq = _compressed(w, s["bits"], group, s["sym"], s["actorder"])
         prefix = name.removesuffix(".weight")
-        packed.update({f"{prefix}.{k}": v for k, v in tensors.items()})
-        if s["method"] == "gptq" and f"{prefix}.bias" not in state:
-            packed[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
-        dense[name] = deq
-    # shuffled: a layer's tensors arrive in any order, apart from each other
-    names = list(packed)
-    random.Random(scheme).shuffle(names)
-    save_file({n: packed[n] for n in names}, str(dst / "model.safetensors"))
-    save_file(dense, str(dst / "dense" / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    quant = _config(s)
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    return dst, dst / "dense"
+        tensors = {f"{prefix}.{k}": v for k, v in tensors.items()}
+        if s["method"] == "gptq" and f"{prefix}.bias" not in names:
+            tensors[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
+        return tensors, deq
 
-
-def _load(path):
-    resolved = resolve_model(str(path))
-    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+    return quantized_copy(src, dst, _config(s), quantize, packs, shuffle=scheme)
 
 
 @pytest.fixture(scope="module")
@@ -221,17 +208,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
     path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
-    assert got.keys() == want.keys()
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
-    unquantized = dict(_load(tiny).named_parameters())
-    name = "model.layers.0.mlp.down_proj.weight"
-    assert not torch.equal(got[name], unquantized[name])  # really quantized
     # near the original (2-bit weights with one group a row are coarse)
-    size = unquantized[name].abs().mean()
-    error = (got[name] - unquantized[name]).abs().mean()
-    assert error < size * (1.5 if SCHEMES[scheme].get("bits") == 2 else 0.3)
+    assert_loads_as_dense(path, dense, tiny, 1.5 if SCHEMES[scheme].get("bits") == 2 else 0.3)
 
 
 @pytest.mark.parametrize("scheme", ["gptq-4bit-act-order", "awq", "w4a16-asym-act-order"])
@@ -251,7 +229,7 @@ def test_per_expert_moe_weights_unpack(tmp_path):
     """Qwen3-30B-A3B-GPTQ-Int4's layout: every expert's matrices packed."""
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
     path, dense = _packed_copy(src, "gptq-4bit", tmp_path / "q")
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
     for name, p in got.items():
         assert torch.equal(p, want[name]), name
 
@@ -268,13 +246,6 @@ def test_vllm_quantization_names_are_checked_against_the_checkpoint(tiny, tmp_pa
         LLM(model=str(path), dtype="float32", max_model_len=64, quantization="gptq")
     with pytest.raises(ValueError, match="quantization"):
         LLM(model=str(path), quantization="hqq")
-
-
-def _with_quant(tiny, dst, quant: dict):
-    shutil.copytree(tiny, dst)
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    return dst
 
 
 def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
@@ -307,7 +278,7 @@ def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
     ]
     for i, (quant, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
-            _load(_with_quant(tiny, tmp_path / str(i), quant))
+            load_cpu(copy_with_quant_config(tiny, tmp_path / str(i), quant))
 
 
 def test_an_incomplete_layer_is_named(tiny, tmp_path):
@@ -318,7 +289,7 @@ def test_an_incomplete_layer_is_named(tiny, tmp_path):
     del state["model.layers.1.self_attn.o_proj.g_idx"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers.1.self_attn.o_proj \(has qweight, qzeros"):
-        _load(path)
+        load_cpu(path)
 
 
 def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
@@ -331,7 +302,7 @@ def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
     with pytest.raises(
         ValueError, match=r"unexpected weights model\.layers\.0\.mlp\.up_proj\.bias$"
     ):
-        _load(path)
+        load_cpu(path)
 
 
 def _int4_layers(llm) -> tuple[int, int]:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 
 import pytest
 import torch
+from checkpoint_copies import copy_with_quant_config, load_cpu, quantized_copy
 from hf_reference import assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
@@ -98,32 +98,15 @@ def _is_linear(name: str, t: torch.Tensor) -> bool:
 def _quantized_copy(src, scheme: str, dst):
     """`src` with its linear weights quantized by `scheme` (plus an activation scale the loader
     must drop), and beside it `dst/dense`: the same model holding the dequantized values."""
-    from safetensors.torch import load_file, save_file
-
     config_quant, dtype, kind, scale_name = SCHEMES[scheme]
-    shutil.copytree(src, dst)
-    shutil.copytree(src, dst / "dense")
-    state = load_file(str(src / "model.safetensors"))
-    quantized, dense = {}, {}
-    for name, t in state.items():
-        if not _is_linear(name, t):
-            quantized[name] = dense[name] = t
-            continue
-        q, scale = _quantize(t, dtype, kind)
+
+    def quantize(name: str, w: torch.Tensor):
+        q, scale = _quantize(w, dtype, kind)
         prefix = name.removesuffix(".weight")
-        quantized[name], quantized[f"{prefix}.{scale_name}"] = q, scale
-        quantized[f"{prefix}.input_scale"] = torch.ones(1)
-        dense[name] = dequantize(q, scale, BLOCK if kind == "block" else None)
-    save_file(quantized, str(dst / "model.safetensors"))
-    save_file(dense, str(dst / "dense" / "model.safetensors"))
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": config_quant}))
-    return dst, dst / "dense"
+        tensors = {name: q, f"{prefix}.{scale_name}": scale, f"{prefix}.input_scale": torch.ones(1)}
+        return tensors, dequantize(q, scale, BLOCK if kind == "block" else None)
 
-
-def _load(path):
-    resolved = resolve_model(str(path))
-    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+    return quantized_copy(src, dst, config_quant, quantize, _is_linear)
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +117,11 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
     path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
     assert got.keys() == want.keys()
     for name, p in got.items():
         assert torch.equal(p, want[name]), name
-    unquantized = dict(_load(tiny).named_parameters())
+    unquantized = dict(load_cpu(tiny).named_parameters())
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(got[name], unquantized[name])  # really quantized
     torch.testing.assert_close(got[name], unquantized[name], atol=0.1, rtol=0.1)
@@ -161,16 +144,9 @@ def test_per_expert_moe_weights_dequantize(tmp_path):
     """Qwen3-30B-A3B-FP8's layout: every expert's matrices quantized by block."""
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
     path, dense = _quantized_copy(src, "fp8-block", tmp_path / "q")
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
     for name, p in got.items():
         assert torch.equal(p, want[name]), name
-
-
-def _with_quant(tiny, dst, quant: dict):
-    shutil.copytree(tiny, dst)
-    config = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    return dst
 
 
 def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
@@ -189,7 +165,7 @@ def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
     ]
     for i, (quant, match) in enumerate(cases):
         with pytest.raises(ValueError, match=match):
-            _load(_with_quant(tiny, tmp_path / str(i), quant))
+            load_cpu(copy_with_quant_config(tiny, tmp_path / str(i), quant))
 
 
 def test_a_quantized_weight_without_its_scale_is_named(tiny, tmp_path):
@@ -200,7 +176,7 @@ def test_a_quantized_weight_without_its_scale_is_named(tiny, tmp_path):
     del state["model.layers.1.self_attn.o_proj.weight_scale_inv"]
     save_file(state, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"layers\.1\.self_attn\.o_proj\.weight \(no scale\)"):
-        _load(path)
+        load_cpu(path)
 
 
 def test_fp8_checkpoints_are_told_apart_for_cuda():
@@ -239,9 +215,9 @@ def test_a_kv_scales_only_checkpoint_still_loads(tiny, tmp_path):
         "format": "dense",
         "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"},
     }
-    path = _with_quant(tiny, tmp_path / "kv", quant)
-    got = dict(_load(path).named_parameters())
-    for name, p in _load(tiny).named_parameters():
+    path = copy_with_quant_config(tiny, tmp_path / "kv", quant)
+    got = dict(load_cpu(path).named_parameters())
+    for name, p in load_cpu(tiny).named_parameters():
         assert torch.equal(p, got[name]), name
 
 
@@ -252,6 +228,6 @@ def test_fp8_tensors_without_a_quantization_config_are_dequantized(tiny, tmp_pat
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
     (path / "config.json").write_text(json.dumps(config))
-    got, want = dict(_load(path).named_parameters()), dict(_load(dense).named_parameters())
+    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
     for name, p in got.items():
         assert torch.equal(p, want[name]), name

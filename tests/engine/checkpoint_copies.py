@@ -72,12 +72,34 @@ def load_cpu(path: Path) -> torch.nn.Module:
 def assert_loads_as_dense(path: Path, dense: Path, original: Path, tolerance: float = 0.3):
     """The quantized checkpoint's parameters equal the dense copy's exactly, and its down
     projection is really quantized: off the original, by a mean under `tolerance` of its size."""
-    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
-    assert got.keys() == want.keys()
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
+    assert_same_params(path, dense)
+    got = dict(load_cpu(path).named_parameters())
     unquantized = dict(load_cpu(original).named_parameters())
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(got[name], unquantized[name])  # really quantized
     error = (got[name] - unquantized[name]).abs().mean()
     assert error < tolerance * unquantized[name].abs().mean()
+
+
+def assert_same_params(path: Path, dense: Path) -> None:
+    """The checkpoint's parameters equal the dense copy's exactly."""
+    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert torch.equal(p, want[name]), name
+
+
+def assert_generates_like_hf(llm, dense: Path, seed: str) -> None:
+    """The engine's greedy tokens and logprobs on two random prompts equal HF transformers'
+    on the dense copy (hf_reference.assert_matches)."""
+    from hf_reference import assert_matches, hf_greedy, load_hf_model
+
+    from paged_engine import SamplingParams
+
+    hf = load_hf_model(dense)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert_matches(seed, out, hf_greedy(hf, prompt, 8))

@@ -10,19 +10,18 @@ checkpoint checks the format without bitsandbytes installed.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 from checkpoint_copies import (
+    assert_generates_like_hf,
     assert_loads_as_dense,
     copy_with_quant_config,
     load_cpu,
     quantized_copy,
 )
-from hf_reference import assert_matches, hf_greedy, load_hf_model
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
@@ -136,13 +135,7 @@ def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme
     pytest.importorskip("bitsandbytes")
     path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, quantization="bitsandbytes")
-    hf = load_hf_model(dense)
-    rng = random.Random(scheme)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
+    assert_generates_like_hf(llm, dense, scheme)
 
 
 def test_unsupported_settings_fail_naming_them(tiny, tmp_path):

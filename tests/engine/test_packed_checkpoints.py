@@ -9,17 +9,16 @@ kernel (interpreter), also under TP=2. What we cannot load fails before any weig
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from checkpoint_copies import (
+    assert_generates_like_hf,
     assert_loads_as_dense,
+    assert_same_params,
     copy_with_quant_config,
     load_cpu,
     quantized_copy,
 )
-from hf_reference import assert_matches, hf_greedy, load_hf_model
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
@@ -216,22 +215,14 @@ def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
 def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme):
     path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    hf = load_hf_model(dense)
-    rng = random.Random(scheme)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
+    assert_generates_like_hf(llm, dense, scheme)
 
 
 def test_per_expert_moe_weights_unpack(tmp_path):
     """Qwen3-30B-A3B-GPTQ-Int4's layout: every expert's matrices packed."""
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
     path, dense = _packed_copy(src, "gptq-4bit", tmp_path / "q")
-    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
+    assert_same_params(path, dense)
 
 
 def test_vllm_quantization_names_are_checked_against_the_checkpoint(tiny, tmp_path):

@@ -9,14 +9,18 @@ packed integers: test_packed_checkpoints.py.
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
-from checkpoint_copies import copy_with_quant_config, load_cpu, quantized_copy
-from hf_reference import assert_matches, hf_greedy, load_hf_model
+from checkpoint_copies import (
+    assert_generates_like_hf,
+    assert_same_params,
+    copy_with_quant_config,
+    load_cpu,
+    quantized_copy,
+)
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.quantized_checkpoint import dequantize, fp8_checkpoint
 from paged_engine.testing import write_tiny_model
@@ -131,22 +135,14 @@ def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
 def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme):
     path, dense = _quantized_copy(tiny, scheme, tmp_path / scheme)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
-    hf = load_hf_model(dense)
-    rng = random.Random(scheme)
-    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (5, 27)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert_matches(scheme, out, hf_greedy(hf, prompt, 8))
+    assert_generates_like_hf(llm, dense, scheme)
 
 
 def test_per_expert_moe_weights_dequantize(tmp_path):
     """Qwen3-30B-A3B-FP8's layout: every expert's matrices quantized by block."""
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
     path, dense = _quantized_copy(src, "fp8-block", tmp_path / "q")
-    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
+    assert_same_params(path, dense)
 
 
 def test_unsupported_quantizations_fail_naming_them(tiny, tmp_path):
@@ -228,6 +224,4 @@ def test_fp8_tensors_without_a_quantization_config_are_dequantized(tiny, tmp_pat
     config = json.loads((path / "config.json").read_text())
     del config["quantization_config"]
     (path / "config.json").write_text(json.dumps(config))
-    got, want = dict(load_cpu(path).named_parameters()), dict(load_cpu(dense).named_parameters())
-    for name, p in got.items():
-        assert torch.equal(p, want[name]), name
+    assert_same_params(path, dense)

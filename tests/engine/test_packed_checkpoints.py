@@ -471,3 +471,26 @@ def test_codes_through_each_models_loaders(tmp_path, monkeypatch, arch, kept):
         want.generate(PROMPTS, GREEDY, use_tqdm=False),
         1e-5,
     )
+
+
+def test_moe_codes_run_through_the_triton_kernels(tmp_path, monkeypatch):
+    """CUDA's path for a 4-bit MoE checkpoint on CPU tensors in Triton's interpreter: the
+    linear layers through int4_linear, the experts through fused_moe's int4 decode; the dense
+    checkpoint's tokens."""
+    import paged_kernels
+    from paged_engine.layers import fused_moe, quantization
+    from paged_engine.packed_codes import KEEP_CODES
+    from paged_engine.worker.worker import Worker
+
+    if not paged_kernels.triton_available():
+        pytest.skip("needs triton")
+    src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
+    path, dense = _packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
+    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+    want_out = want.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(Worker, "_default_quantization", lambda *a: KEEP_CODES)
+    monkeypatch.setattr(quantization, "TRITON_ON_CPU", True)
+    monkeypatch.setattr(fused_moe, "TRITON_ON_CPU", True)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64)
+    assert _int4_layers(llm) == (6, 6)
+    _same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want_out, 1e-4)

@@ -448,6 +448,18 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
         ids = torch.arange(2 * tokens).remainder(8).view(tokens, 2)
         call(f"fused_moe fp8 T={tokens}", moe.fused_moe, x, fp8_gate_up, fp8_down,
              torch.zeros(tokens, 2), ids)  # fmt: skip
+
+    # int4 experts (a GPTQ / AWQ checkpoint's codes, kept): Qwen3-30B-A3B's sizes, bf16 scale
+    # and low per 32 inputs, decoded in the GEMMs.
+    def int4(n: int, k: int) -> moe.Int4Weight:
+        groups = torch.zeros(8, n, k // 32, dtype=torch.bfloat16)
+        return moe.Int4Weight(torch.zeros(8, n, k // 2, dtype=torch.uint8), groups, groups.clone())
+
+    for tokens in (4, 512):
+        x = torch.zeros(tokens, 2048, dtype=torch.bfloat16)
+        ids = torch.arange(2 * tokens).remainder(8).view(tokens, 2)
+        call(f"fused_moe int4 T={tokens}", moe.fused_moe, x, int4(2 * 768, 2048),
+             int4(2048, 768), torch.zeros(tokens, 2), ids)  # fmt: skip
     # Nemotron 3 Nano's non-gated relu2 experts (H 2688, I 1856; 8 of its 128 experts, top-6):
     # the first GEMM over up [E, I, H] alone, one accumulator; bf16, FP8 and MXFP4 weights.
     relu2, nh, ni = moe.MoeActivation("relu2"), 2688, 1856

@@ -14,6 +14,7 @@ from host_reads import spy_host_reads
 import paged_kernels.moe as moe
 from paged_kernels import (
     Fp8Weight,
+    Int4Weight,
     MoeActivation,
     Mxfp4Weight,
     align_moe_blocks,
@@ -266,7 +267,7 @@ def test_fp8_experts_match_reference(seed, device, dtype, tokens, biases):
     _close(fused_moe(x, gate_up, down, weights, ids, **kwargs), want, dtype)
     tiles = MoeTiles(16, 16, 16, 4, 2)
     _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
-    with pytest.raises(ValueError, match="both dense, both MXFP4 or both FP8"):
+    with pytest.raises(ValueError, match="both dense, or both MXFP4, FP8 or int4"):
         fused_moe(x, gate_up, down.dequantize(dtype), weights, ids)
 
 
@@ -354,7 +355,7 @@ def test_mxfp4_rejects_bad_arguments(device):
     gate_up, down = _mxfp4_weights(4, 64, 32, device)
     x = torch.randn(3, 64, device=device)
     weights, ids = _route(3, 4, 2, device)
-    with pytest.raises(ValueError, match="both dense, both MXFP4 or both FP8"):
+    with pytest.raises(ValueError, match="both dense, or both MXFP4, FP8 or int4"):
         fused_moe(x, gate_up, dequantize_mxfp4(down), weights, ids)
     with pytest.raises(ValueError, match="block_k >= 32"):
         fused_moe(x, gate_up, down, weights, ids, tiles=MoeTiles(16, 16, 16, 4, 2))
@@ -362,6 +363,129 @@ def test_mxfp4_rejects_bad_arguments(device):
         fused_moe(x, gate_up._replace(scales=gate_up.scales[..., :1]), down, weights, ids)
     with pytest.raises(ValueError, match="down"):
         fused_moe(x[:, :32], gate_up, down, weights, ids)
+
+
+def _int4_weights(
+    experts: int, hid: int, inter: int, device, seed: int = 0, gated: bool = True, dtype=None
+):
+    """Random int4 gate_up [E, 2I, H] (up [E, I, H] if not gated) and down [E, H, I]: every
+    code, each group's scale in [0.5, 1.5] / (6 sqrt(K)) and low about -7.5 scales (a GPTQ
+    zero point), so the weights spread about 0 at ~K^-0.5; scale / low in `dtype` (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(n: int, k: int) -> Int4Weight:
+        packed = torch.randint(0, 256, (experts, n, k // 2), generator=gen, dtype=torch.uint8)
+        scale = (torch.rand(experts, n, k // 32, generator=gen) + 0.5) / (6 * k**0.5)
+        low = -(7.5 + torch.randn(experts, n, k // 32, generator=gen)) * scale
+        to = dict(device=device, dtype=dtype or torch.float32)
+        return Int4Weight(packed.to(device), scale.to(**to), low.to(**to))
+
+    return weight(2 * inter if gated else inter, hid), weight(hid, inter)
+
+
+def test_int4_dequantize_is_the_hand_built_weight():
+    """Int4Weight's layout, built by hand: k's code in byte k // 2 (even k in the low nibble),
+    W[e, n, k] = code * scale[e, n, k // 32] + low[e, n, k // 32]."""
+    one = Int4Weight(
+        torch.tensor([[[0x21] + [0xF0] * 15 + [0x0E] * 16]], dtype=torch.uint8),  # K = 64
+        torch.tensor([[[0.5, 2.0]]]),
+        torch.tensor([[[-1.0, 3.0]]]),
+    )
+    want = torch.tensor([1, 2] + [0, 15] * 15 + [14, 0] * 16).float()
+    want = want * torch.tensor([0.5] * 32 + [2.0] * 32) + torch.tensor([-1.0] * 32 + [3.0] * 32)
+    assert torch.equal(one.dequantize(), want.view(1, 1, 64))
+    experts, n, k = 3, 5, 96
+    codes = torch.randint(0, 16, (experts, n, k))
+    scale, low = torch.randn(experts, n, k // 32), torch.randn(experts, n, k // 32)
+    packed = (codes[..., 0::2] + 16 * codes[..., 1::2]).to(torch.uint8)
+    dense = torch.empty(experts, n, k)
+    for e in range(experts):
+        for r in range(n):
+            for c in range(k):
+                dense[e, r, c] = codes[e, r, c] * scale[e, r, c // 32] + low[e, r, c // 32]
+    w = Int4Weight(packed, scale, low)
+    torch.testing.assert_close(w.dequantize(), dense, rtol=0, atol=1e-6)
+    assert torch.equal(w.dequantize(torch.bfloat16), w.dequantize().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (5, 8, 2), (19, 4, 3)])
+def test_int4_experts_match_reference(seed, device, dtype, tokens, experts, top_k):
+    """int4 weights decoded in the GEMMs (code * scale + low in fp32, rounded to x's dtype) give
+    the reference on their fp32 values, and on those values rounded to x's dtype: with and
+    without gpt-oss's biases and clamped SwiGLU; H = 96, I = 64 (K not a multiple of the tile),
+    scale / low in x's dtype; in bf16 also 32-wide K tiles and wide ones, and the dense kernel
+    on the rounded values."""
+    hid, inter = 96, 64
+    gate_up, down = _int4_weights(experts, hid, inter, device, seed=tokens, dtype=dtype)
+    x = torch.randn(tokens, hid, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    kwargs: dict = {}
+    if tokens > 1:
+        act = MoeActivation("swigluoai", alpha=1.702, limit=0.5)
+        gb = torch.randn(experts, 2 * inter, device=device).to(dtype)
+        kwargs = dict(
+            gate_up_bias=gb, down_bias=torch.randn(experts, hid, device=device), activation=act
+        )
+    want = ref_fused_moe(x, gate_up, down, weights, ids, **kwargs)
+    got = fused_moe(x, gate_up, down, weights, ids, **kwargs)
+    _close(got, want, dtype)
+    rounded = [w.dequantize(dtype) for w in (gate_up, down)]  # the weights the kernel multiplies
+    _close(got, ref_fused_moe(x, *rounded, weights, ids, **kwargs), dtype)
+    if dtype != torch.bfloat16:  # the tile walks below once (the interpreter is slow)
+        return
+    for tiles in (MoeTiles(16, 16, 32, 4, 2), MoeTiles(16, 32, 128, 4, 2)):
+        _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, **kwargs), want, dtype)
+    _close(fused_moe(x, *rounded, weights, ids, **kwargs), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu2_int4_experts_match_reference(seed, device, dtype):
+    """Non-gated experts in int4 (up [E, I, H] alone, float32 scale / low under bf16 x, up's
+    low a view with strides of its own), with an up bias: the reference on the weights rounded
+    to x's dtype as the kernel rounds them (relu2 squares: bf16's rounding of the weights alone
+    moves its sums past bf16's TOL)."""
+    experts, top_k, tokens, hid, inter = 6, 2, 17, 64, 32
+    relu2 = MoeActivation("relu2")
+    up, down = _int4_weights(experts, hid, inter, device, seed=2, gated=False)
+    wide = up.low.new_zeros(experts + 1, inter, hid // 32 + 3)
+    wide[1:, :, : hid // 32] = up.low
+    up = up._replace(low=wide[1:, :, : hid // 32])
+    assert up.low.stride() != up.scale.stride()
+    x = torch.randn(tokens, hid, device=device).to(dtype)
+    weights, ids = _route(tokens, experts, top_k, device)
+    bias = (torch.randn(experts, inter, device=device) * 0.1).to(dtype)
+    kwargs = dict(gate_up_bias=bias, activation=relu2)
+    rounded = [w.dequantize(dtype) for w in (up, down)]
+    want = ref_fused_moe(x, *rounded, weights, ids, **kwargs)
+    assert want.abs().max() > 0.1
+    _close(fused_moe(x, up, down, weights, ids, **kwargs), want, dtype)
+
+
+def test_int4_rejects_bad_arguments(device):
+    gate_up, down = _int4_weights(4, 64, 32, device)
+    x = torch.randn(3, 64, device=device)
+    weights, ids = _route(3, 4, 2, device)
+    kinds = "both dense, or both MXFP4, FP8 or int4"
+    with pytest.raises(ValueError, match=kinds):
+        fused_moe(x, gate_up, down.dequantize(), weights, ids)
+    with pytest.raises(ValueError, match=kinds):
+        fused_moe(x, gate_up, _mxfp4_weights(4, 64, 32, device)[1], weights, ids)
+    with pytest.raises(ValueError, match="block_k >= 32"):
+        fused_moe(x, gate_up, down, weights, ids, tiles=MoeTiles(16, 16, 16, 4, 2))
+    with pytest.raises(ValueError, match=r"gate_up: int4 packed .* must be"):
+        fused_moe(x, gate_up._replace(scale=gate_up.scale[..., :1]), down, weights, ids)
+    with pytest.raises(ValueError, match=r"down: int4 packed .* must be"):
+        fused_moe(x, gate_up, down._replace(low=down.low[:, :-1]), weights, ids)
+    with pytest.raises(ValueError, match="K a multiple of 32"):  # K = 48: 24 bytes, 1 group
+        bad = Int4Weight(down.packed[..., :8].repeat(1, 1, 3), down.scale, down.low)
+        fused_moe(x, gate_up, bad, weights, ids)
+    with pytest.raises(ValueError, match="uint8"):
+        fused_moe(x, gate_up._replace(packed=gate_up.packed.int()), down, weights, ids)
+    with pytest.raises(ValueError, match="scale / low float"):
+        fused_moe(x, gate_up, down._replace(low=down.low.int()), weights, ids)
+    with pytest.raises(ValueError, match=r"down \(4, 32, 32\) != \[E, H, I\]"):
+        fused_moe(x, gate_up, _int4_weights(4, 32, 32, device)[1], weights, ids)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -33,6 +33,15 @@ output. Launched twice:
 
 and y = ys.view(T, k, H).sum(1) in float32, rounded once to x's dtype: no atomics, so the
 result is deterministic.
+
+Weights are in x's dtype, or both projections in one quantized format, decoded as the GEMMs load
+them: FP8 (cast, a scale per row on the finished sums); MXFP4 or int4, whose bytes [E, N, K/2]
+hold two 4-bit codes (even k in the low nibble) with a per-32 group scale [E, N, K/32] (int4
+also a low [E, N, K/32]): each loaded tile of bytes [BLOCK_K/2, BLOCK_N] decodes into the
+weights at its even and at its odd K positions, multiplied by the even and the odd columns of a.
+
+    MXFP4  w = E2M1(code) * 2^(scale - 127)          exact in x's dtype
+    int4   w = code * scale + low, code in 0..15     in fp32, then rounded to x's dtype
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from paged_kernels._utils import FLOAT_DTYPES, check, check_last_dim_contiguous,
 from paged_kernels.reference import (
     SILU,
     Fp8Weight,
+    Int4Weight,
     MoeActivation,
     Mxfp4Weight,
     check_moe_activation,
@@ -152,10 +162,53 @@ def _mxfp4_tiles(q_ptrs, s_ptrs, mask, dtype: tl.constexpr):
 
 
 @triton.jit
+def _int4_tiles(
+    q_ptrs,
+    s_ptrs,
+    l_ptrs,
+    mask,
+    x_dtype: tl.constexpr,
+    dtype: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    # A tile of packed bytes [BLOCK_K / 2, BLOCK_N] -> the weights at its even and at its odd K
+    # positions: code * scale + low of the byte's group in fp32, rounded to x's dtype (as the
+    # GPU's cast does), in `dtype`. Masked bytes read code = scale = low = 0: weight 0, not NaN.
+    q = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
+    low = tl.load(l_ptrs, mask=mask, other=0.0).to(tl.float32)
+    w0 = (q & 15).to(tl.float32) * scale + low
+    w1 = (q >> 4).to(tl.float32) * scale + low
+    if ROUND_BF16:  # interpreter only: its fp32 -> bf16 cast below truncates
+        w0, w1 = round_bf16(w0), round_bf16(w1)
+    return w0.to(x_dtype).to(dtype), w1.to(x_dtype).to(dtype)
+
+
+@triton.jit
+def _4bit_tiles(
+    q_ptrs,
+    s_ptrs,
+    l_ptrs,
+    mask,
+    x_dtype: tl.constexpr,
+    dtype: tl.constexpr,
+    INT4: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    # The even- and odd-K weights of a byte tile, MXFP4 or (INT4) int4; l_ptrs read with INT4.
+    if INT4:
+        w0, w1 = _int4_tiles(q_ptrs, s_ptrs, l_ptrs, mask, x_dtype, dtype, ROUND_BF16)
+    else:
+        w0, w1 = _mxfp4_tiles(q_ptrs, s_ptrs, mask, dtype)
+    return w0, w1
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr,  # [rows, K]: slot s reads row s // a_row_div (x's token rows, or act's slot rows)
-    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows); MXFP4: [.., K / 2]
-    w_scales_ptr,  # MXFP4: [E, N or 2N, K / 32] uint8; FP8: [E, N or 2N] float32 (a row's)
+    w_ptr,  # [E, N, K], or [E, 2N, K] with GATED (gate rows, then up rows); 4-bit: [.., K / 2]
+    w_scales_ptr,  # MXFP4: [E, N or 2N, K / 32] uint8; int4: likewise, float; FP8: [E, N or 2N]
+    w_lows_ptr,  # int4: [E, N or 2N, K / 32] float, read only with W_INT4
     bias_ptr,  # [E, N] or [E, 2N] like w's rows, read only with HAS_BIAS
     topk_weights_ptr,  # [S] float32, read only with MUL_ROUTED_WEIGHT
     sorted_slot_ids_ptr,  # [max_blocks * BLOCK_M] int32, num_slots = padding
@@ -173,6 +226,8 @@ def _moe_gemm_kernel(
     stride_be,
     stride_se,
     stride_sn,
+    stride_le,
+    stride_ln,
     swiglu_alpha,
     swiglu_limit,
     FUSE_ACT: tl.constexpr,
@@ -182,12 +237,14 @@ def _moe_gemm_kernel(
     MUL_ROUTED_WEIGHT: tl.constexpr,
     W_MXFP4: tl.constexpr,  # w is MXFP4 bytes + scales (BLOCK_K a multiple of 32, K of 32)
     W_FP8: tl.constexpr,  # w is float8_e4m3fn with a float32 scale per row
+    W_INT4: tl.constexpr,  # w is int4 bytes + scales + lows (BLOCK_K a multiple of 32, K of 32)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
     ROUND_OUT_BITS: tl.constexpr,  # interpreter only, bf16 out: its fp32 -> bf16 cast truncates
+    ROUND_W_BITS: tl.constexpr,  # interpreter only, int4 w and bf16 a: the same, for the weights
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -204,29 +261,34 @@ def _moe_gemm_kernel(
     w_tile = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GATED only; folded away otherwise
-    if W_MXFP4:
-        # Byte j of a tile holds K positions 2j (low nibble) and 2j + 1 (high): two dots of
-        # BLOCK_K / 2, over the even and the odd columns of a.
+    if W_MXFP4 or W_INT4:
+        # Byte j of a tile holds K positions 2j (low nibble) and 2j + 1 (high), both in group
+        # j // 16 (BLOCK_K and K multiples of 32: a K step spans whole groups, its tail past K
+        # whole masked ones): two dots of BLOCK_K / 2, over the even and the odd columns of a.
         offs_j = tl.arange(0, BLOCK_K // 2)
         a_even = a_ptr + rows[:, None] * stride_am + 2 * offs_j[None, :]
         n_off = offs_n[None, :].to(tl.int64)
+        group = (offs_j // 16)[:, None]
         q_tile = w_ptr + expert * stride_we + n_off * stride_wn + offs_j[:, None]
-        s_tile = w_scales_ptr + expert * stride_se + n_off * stride_sn + (offs_j // 16)[:, None]
+        s_tile = w_scales_ptr + expert * stride_se + n_off * stride_sn + group
+        l_tile = w_lows_ptr + expert * stride_le + n_off * stride_ln + group  # W_INT4 only
+        x_dtype = a_ptr.dtype.element_ty
+        dtype = tl.float32 if DOT_UPCAST else x_dtype
         for k0 in range(0, K, BLOCK_K):
             j_ok = offs_j < (K - k0) // 2
             a_mask = m_ok[:, None] & j_ok[None, :]
             a0 = tl.load(a_even + k0, mask=a_mask, other=0.0)
             a1 = tl.load(a_even + k0 + 1, mask=a_mask, other=0.0)
             w_mask = j_ok[:, None] & n_ok[None, :]
-            dtype = tl.float32 if DOT_UPCAST else a_ptr.dtype.element_ty
             if DOT_UPCAST:
                 a0, a1 = a0.to(tl.float32), a1.to(tl.float32)
-            w0, w1 = _mxfp4_tiles(q_tile + k0 // 2, s_tile + k0 // 32, w_mask, dtype)
+            q, s, lo = q_tile + k0 // 2, s_tile + k0 // 32, l_tile + k0 // 32
+            w0, w1 = _4bit_tiles(q, s, lo, w_mask, x_dtype, dtype, W_INT4, ROUND_W_BITS)
             acc = tl.dot(a0, w0, acc, input_precision=DOT_PRECISION)
             acc = tl.dot(a1, w1, acc, input_precision=DOT_PRECISION)
             if GATED:
-                up_q, up_s = q_tile + N * stride_wn + k0 // 2, s_tile + N * stride_sn + k0 // 32
-                w0, w1 = _mxfp4_tiles(up_q, up_s, w_mask, dtype)
+                q, s, lo = q + N * stride_wn, s + N * stride_sn, lo + N * stride_ln
+                w0, w1 = _4bit_tiles(q, s, lo, w_mask, x_dtype, dtype, W_INT4, ROUND_W_BITS)
                 acc_up = tl.dot(a0, w0, acc_up, input_precision=DOT_PRECISION)
                 acc_up = tl.dot(a1, w1, acc_up, input_precision=DOT_PRECISION)
     else:
@@ -278,9 +340,13 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+# A projection's weights: dense in x's dtype, or one of the quantized formats.
+MoeWeight = torch.Tensor | Mxfp4Weight | Fp8Weight | Int4Weight
+
+
 def _launch(
     a: torch.Tensor,
-    w: torch.Tensor | Mxfp4Weight | Fp8Weight,
+    w: MoeWeight,
     bias: torch.Tensor | None,
     topk_weights: torch.Tensor | None,
     blocks: MoeBlocks,
@@ -294,12 +360,17 @@ def _launch(
     n, k = out.shape[1], a.shape[1]
     grid = (blocks.block_expert_ids.shape[0], triton.cdiv(n, tiles.block_n))
     upcast = is_interpreter() and a.dtype != torch.float32
-    mxfp4, fp8 = isinstance(w, Mxfp4Weight), isinstance(w, Fp8Weight)
-    w, scales = tuple(w) if mxfp4 or fp8 else (w, None)
+    mxfp4, fp8, int4 = (isinstance(w, kind) for kind in (Mxfp4Weight, Fp8Weight, Int4Weight))
+    scales = lows = None
+    if mxfp4 or fp8:
+        w, scales = w
+    elif int4:
+        w, scales, lows = w
     _moe_gemm_kernel[grid](
         a,
         w,
         scales if scales is not None else w,
+        lows if lows is not None else w,
         bias if bias is not None else out,
         topk_weights if topk_weights is not None else out,
         blocks.sorted_slot_ids,
@@ -317,6 +388,8 @@ def _launch(
         bias.stride(0) if bias is not None else 0,
         scales.stride(0) if scales is not None else 0,
         scales.stride(1) if scales is not None else 0,
+        lows.stride(0) if lows is not None else 0,
+        lows.stride(1) if lows is not None else 0,
         float(act.alpha) if act is not None else 0.0,
         float(act.limit) if act is not None else 0.0,
         FUSE_ACT=act is not None,
@@ -326,21 +399,40 @@ def _launch(
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         W_MXFP4=mxfp4,
         W_FP8=fp8,
+        W_INT4=int4,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
         ROUND_OUT_BITS=is_interpreter() and out.dtype == torch.bfloat16,
+        ROUND_W_BITS=is_interpreter() and int4 and a.dtype == torch.bfloat16,
         num_warps=1 if is_interpreter() else tiles.num_warps,
         num_stages=tiles.num_stages,
     )
 
 
+def _check_int4_weight(w: Int4Weight, name: str) -> None:
+    """packed uint8 [E, N, K/2], scale and low float [E, N, K/32] (so K is a multiple of 32)."""
+    packed, scale, low = w
+    check(
+        packed.dtype == torch.uint8 and scale.dtype in FLOAT_DTYPES and low.dtype in FLOAT_DTYPES,
+        f"{name}: int4 packed must be uint8 and scale / low float, got {packed.dtype} / "
+        f"{scale.dtype} / {low.dtype}",
+    )
+    check(
+        packed.dim() == 3
+        and scale.shape == low.shape == (*packed.shape[:-1], packed.shape[-1] // 16)
+        and packed.shape[-1] % 16 == 0,
+        f"{name}: int4 packed {tuple(packed.shape)} must be [E, N, K/2] and scale "
+        f"{tuple(scale.shape)} / low {tuple(low.shape)} [E, N, K/32] (K a multiple of 32)",
+    )
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    gate_up: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, 2I, H]: gate rows, then up; [E, I, H]
-    down: torch.Tensor | Mxfp4Weight | Fp8Weight,  # [E, H, I]
+    gate_up: MoeWeight,  # [E, 2I, H]: gate rows, then up; [E, I, H] when not gated
+    down: MoeWeight,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float
     topk_ids: torch.Tensor,  # [T, k] int, each in [0, E)
     *,
@@ -356,18 +448,21 @@ def fused_moe(
     capturable in a CUDA graph. Ids are not range-checked (that would read them on the host).
 
     Weights in x's dtype; or both projections in MXFP4 (`Mxfp4Weight`: H and I multiples of
-    32) or in FP8 (`Fp8Weight`: float8_e4m3fn with a float32 scale per output row), decoded
-    tile by tile into x's dtype (exactly) as the GEMMs load them, FP8's row scales multiplying
-    the finished sums."""
+    32), in FP8 (`Fp8Weight`: float8_e4m3fn with a float32 scale per output row) or in int4
+    (`Int4Weight`: codes * scale + low per 32 inputs; H and I multiples of 32), decoded tile by
+    tile into x's dtype as the GEMMs load them (MXFP4 and FP8 exactly; int4 in fp32, then
+    rounded), FP8's row scales multiplying the finished sums."""
     check(x.dim() == 2, f"x must be [T, H], got {tuple(x.shape)}")
     kinds = {type(gate_up), type(down)}
-    check(len(kinds) == 1, "gate_up and down: both dense, both MXFP4 or both FP8")
+    check(len(kinds) == 1, "gate_up and down: both dense, or both MXFP4, FP8 or int4")
     mxfp4, fp8 = isinstance(gate_up, Mxfp4Weight), isinstance(gate_up, Fp8Weight)
-    if mxfp4:
-        check_mxfp4(gate_up, "gate_up")
-        check_mxfp4(down, "down")
-        g_shape = (*gate_up.blocks.shape[:-1], 2 * gate_up.blocks.shape[-1])
-        d_shape = (*down.blocks.shape[:-1], 2 * down.blocks.shape[-1])
+    int4 = isinstance(gate_up, Int4Weight)
+    if mxfp4 or int4:
+        check_4bit = check_mxfp4 if mxfp4 else _check_int4_weight
+        check_4bit(gate_up, "gate_up")
+        check_4bit(down, "down")
+        g_shape = (*gate_up[0].shape[:-1], 2 * gate_up[0].shape[-1])  # K = 2 * bytes
+        d_shape = (*down[0].shape[:-1], 2 * down[0].shape[-1])
         weights: tuple[torch.Tensor, ...] = (*gate_up, *down)
     elif fp8:
         for name, w in (("gate_up", gate_up), ("down", down)):
@@ -395,7 +490,7 @@ def fused_moe(
     )
     check(d_shape == (e, h, i), f"down {d_shape} != [E, H, I] = [{e}, {h}, {i}]")
     check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
-    if not (mxfp4 or fp8):
+    if not (mxfp4 or fp8 or int4):
         check(
             gate_up.dtype == down.dtype == x.dtype,
             f"gate_up / down dtype {gate_up.dtype} / {down.dtype} != x's dtype {x.dtype}",
@@ -435,7 +530,10 @@ def fused_moe(
         all(b >= 16 and b & (b - 1) == 0 for b in sizes),
         f"tiles: block sizes {sizes} must be powers of two >= 16 (tl.dot's minimum)",
     )
-    check(not mxfp4 or tiles.block_k >= 32, f"tiles: MXFP4 needs block_k >= 32, got {sizes}")
+    check(
+        not (mxfp4 or int4) or tiles.block_k >= 32,
+        f"tiles: MXFP4 / int4 need block_k >= 32, got {sizes}",
+    )
     blocks = align_moe_blocks(topk_ids, e, tiles.block_m)
     act = torch.empty(s, i, dtype=x.dtype, device=x.device)
     _launch(x, gate_up, gate_up_bias, None, blocks, act, k, activation, tiles)

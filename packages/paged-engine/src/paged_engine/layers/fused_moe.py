@@ -25,11 +25,11 @@ tensors through the Triton kernels too, which needs Triton's interpreter (TRITON
 Tensor parallelism splits each expert's intermediate dim I like a dense MLP (gate / up rows and
 down columns [r*I/tp, (r+1)*I/tp) on rank r): every rank computes a partial sum for every token
 and the block all-reduces once (the down bias is added on rank 0 only, so it counts once). The
-router is replicated, so all ranks route alike. Expert
-weights and the router are plain parameters, not linear layers: the CPU's weight-only
-quantizations leave them in the model dtype (quantization="fp8" converts the experts,
-`FusedMoE.to_fp8`; a 4-bit checkpoint's expert codes become `int4`, packed_codes.py), and batch_invariant=True does not reach them (an expert's group size,
-hence its matmul's shape, depends on the rest of the batch).
+router is replicated, so all ranks route alike. Expert weights and the router are plain
+parameters, not linear layers: the CPU's weight-only quantizations leave them in the model dtype
+(quantization="fp8" converts the experts, `FusedMoE.to_fp8`; a 4-bit checkpoint's expert codes
+become `int4`, packed_codes.py), and batch_invariant=True does not reach them (an expert's group
+size, hence its matmul's shape, depends on the rest of the batch).
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@
 #         same for the state-space models (Mamba, Mamba2 without KV; Jamba) and the
 #         selective_scan kernel's GPU-marked tests.
 # int4:   4-bit weights (quantization="int4"; 4-bit GPTQ / AWQ / W4A16 checkpoints keep their
-#         codes in the same layout): int4_linear's GPU-marked tests (and fp8's), then
+#         codes in the same layout): int4_linear's and the MoE kernel's GPU-marked tests, the
+#         packed-checkpoint engine tests natively, then
 #         gpu_profile on Llama-3.1-8B's config at batch 1 and 64, bf16 weights against int4
 #         (phase6 has the fp8 side).
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
@@ -370,7 +371,10 @@ case "$PHASE" in
   int4)  # 4-bit weights against bf16 ones, Llama-3.1-8B's config (fp8: phase6)
     step 30 versions versions
     step 100 int4-tests $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_int4_gemm.py \
-      tests/kernels/test_fp8_gemm.py
+      tests/kernels/test_fp8_gemm.py tests/kernels/test_fused_moe.py
+    # 4-bit checkpoints end to end on CUDA (their codes kept by default; one GPU: no TP=2)
+    step 120 int4-engine $PY -m pytest -q -p no:cacheprovider tests/engine/test_packed_checkpoints.py \
+      -k "not tensor_parallelism"
     step 100 bf16-profile-b1 $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \
       --batch 1 --out "$OUT/llama-8b-bf16-b1"
     step 100 int4-profile-b1 $PY -m benchmarks.gpu_profile --model-config llama-3.1-8b \

@@ -494,3 +494,43 @@ def test_moe_codes_run_through_the_triton_kernels(tmp_path, monkeypatch):
     llm = LLM(model=str(path), dtype="float32", max_model_len=64)
     assert _int4_layers(llm) == (6, 6)
     _same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want_out, 1e-4)
+
+
+@pytest.mark.parametrize(
+    "scheme, deferred, second_pass", [("gptq-4bit-g32", 8, False), ("gptq-4bit", 8, True)]
+)
+def test_dense_weights_are_deferred_while_codes_load(
+    tiny, tmp_path, monkeypatch, scheme, deferred, second_pass
+):
+    """The linear layers are built without dense weights (meta) and become their codes as
+    they load; only when some layer's codes cannot serve it (groups of 16 here) does a second,
+    dense pass over the checkpoint fill the leftovers."""
+    from paged_engine.packed_codes import CodesLoad
+
+    loads: list[CodesLoad] = []
+    passes: list[int] = []
+    init, materialize = CodesLoad.__init__, CodesLoad.materialize
+
+    def watch(self, model):
+        init(self, model)
+        assert all(getattr(m, n).is_meta for m, n in self.targets.values())
+        loads.append(self)
+
+    def second(self, device):
+        passes.append(len(self.leftovers()))
+        materialize(self, device)
+
+    monkeypatch.setattr(CodesLoad, "__init__", watch)
+    monkeypatch.setattr(CodesLoad, "materialize", second)
+    path, dense = _packed_copy(tiny, scheme, tmp_path / "q")
+    llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
+    assert len(loads) == 1 and len(loads[0].converted) + sum(passes) == deferred
+    assert bool(passes) == second_pass
+    assert _int4_layers(llm) == (8, 8)
+    if not second_pass:
+        want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+        _same_outputs(
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+            want.generate(PROMPTS, GREEDY, use_tqdm=False),
+            1e-4,
+        )

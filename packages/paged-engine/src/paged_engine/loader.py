@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from paged_engine.bnb_checkpoint import bnb_scheme, unpack_bnb_weights
+from paged_engine.layers.linear import deferred_weights
 from paged_engine.layers.rotary import rope_context_len
 from paged_engine.load_progress import count_weights, track_weights
 from paged_engine.models import get_model_class
@@ -36,7 +37,7 @@ from paged_engine.models.multimodal_text import (
     text_only_config,
 )
 from paged_engine.packed_checkpoint import keeps_codes, packed_scheme, unpack_weights
-from paged_engine.packed_codes import KEEP_CODES, keep_codes, recording
+from paged_engine.packed_codes import KEEP_CODES, CodesLoad
 from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
 from paged_engine.worker.kv_scales import split_kv_scales
 
@@ -226,31 +227,40 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose from {LOAD_FORMATS}")
     cls = get_model_class(hf_config)
-    with building_in(dtype, device), rope_context_len(max_model_len):
-        model = cls(hf_config)
     # A 4-bit checkpoint's codes: kept on CUDA by default, and where int4 is asked for (the
-    # layers they cannot serve are quantized by quantize_model below).
+    # layers they cannot serve are quantized by quantize_model below). Linear layers and
+    # experts are then built without dense weights; each becomes its codes as they load.
     codes = load_format != "dummy" and (
         quantization == KEEP_CODES
         or (quantization == "int4" and keeps_codes(packed_scheme(hf_config)))
     )
+    with building_in(dtype, device), rope_context_len(max_model_len), deferred_weights(codes):
+        model = cls(hf_config)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
         # An fp8 KV cache's scales, when the checkpoint has them (worker/kv_scales.py).
         kv_scales: dict[int, dict[str, float]] = {}
-        with recording() as record:
+        load = CodesLoad(model) if codes else None
+        with load.watching() if load is not None else contextlib.nullcontext():
             model.load_weights(
                 checkpoint_weights(
                     resolved, hf_config, dtype, device, load_format, kv_scales, keep_codes=codes
                 )
             )
         model.checkpoint_kv_scales = kv_scales
-        if codes:
-            kept, total = keep_codes(model, record)
+        if load is not None:
+            kept = len(load.converted)
+            left = len({id(module) for module, _ in load.leftovers()})
             logger.info(
-                "4-bit checkpoint: %d of %d linear and MoE layers keep its codes", kept, total
+                "4-bit checkpoint: %d of %d linear and MoE layers keep its codes", kept, kept + left
             )
+            if left:  # a second pass, dense, for the layers the codes could not serve
+                load.materialize(device)
+                model.load_weights(
+                    checkpoint_weights(resolved, hf_config, dtype, device, load_format, {})
+                )
+                load.drop_placeholders()
     if quantization is not None and quantization != KEEP_CODES:
         from paged_engine.layers.quantization import quantize_model
 

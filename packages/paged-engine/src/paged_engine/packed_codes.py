@@ -1,5 +1,5 @@
-"""A 4-bit checkpoint's codes kept as they are (GPTQ, AWQ, W4A16): its linear layers run from
-the checkpoint's own integers at half a byte a weight, as vLLM runs them.
+"""A 4-bit checkpoint's codes kept as they are (GPTQ, AWQ, W4A16): its linear layers and MoE
+experts run from the checkpoint's own integers at half a byte a weight, as vLLM runs them.
 
 With `keep_codes`, the checkpoint stream (packed_checkpoint.unpack_weights) yields each
 eligible layer (4-bit, contiguous groups of a multiple of 32 inputs) as a `CodesWeight`
@@ -7,14 +7,17 @@ instead of a dense tensor. It stands in for the dense weight in every model's lo
 slices of rows or of whole groups of columns (`narrow`, `split`, `chunk`, `[a:b]`, `torch.cat`
 of such slices: fused projections, tensor-parallel shards) stay codes; any other use sees the
 dense weight (`__torch_function__`, attribute access), so a loader that transposes or
-reshapes, or a MoE layer's experts, simply get dense values. When a loader copies it into a
-parameter (`param.copy_(codes)`) the dense values are written and, inside `recording()`,
-where they landed is remembered. `keep_codes(model, record)` then gives each linear layer whose
-whole weight arrived as codes an Int4Linear (layers/quantization.py) built from them,
-exactly (w = code * scale + low, one scale and low per 32 inputs), and drops its dense weight;
-a MoE layer (layers/fused_moe.py) whose experts all arrived as codes gets an Int4Weight pair,
-run by the MoE kernel; every other layer keeps its dense weight. The dense weights exist while
-loading (the peak is the dense model's), not after.
+reshapes simply gets dense values.
+
+The model is built with its linear layers' and experts' dense weights deferred (on "meta": no
+memory, layers/linear.py `deferred_weights`). While it loads, `CodesLoad` watches every copy of
+codes into one of them (`param.copy_(codes)`, by storage and offset) and, the moment a layer's
+whole weight has arrived, gives it an Int4Linear built from them exactly (w = code * scale +
+low, one scale and low per 32 inputs; layers/quantization.py), or an MoE layer an Int4Weight
+pair for the MoE kernel. So the memory peak is the codes plus a few layers in flight, never the
+dense model. Layers whose weight did not arrive wholly as codes (dense pieces from a transposing
+loader, act-order, a shard cutting a group) get real weights afterwards and a second, dense
+pass over the checkpoint fills them.
 """
 
 from __future__ import annotations
@@ -38,18 +41,12 @@ class _Piece:
     codes: CodesWeight
 
 
-_record: dict[int, list[_Piece]] | None = None  # storage data_ptr -> pieces, while recording
+_active: CodesLoad | None = None  # the load whose copies are being watched
 
 
-@contextmanager
-def recording() -> Iterator[dict[int, list[_Piece]]]:
-    """Remember, while it lasts, every copy of a CodesWeight into a tensor."""
-    global _record
-    outer, _record = _record, {}
-    try:
-        yield _record
-    finally:
-        _record = outer
+def _key(t: torch.Tensor) -> int:
+    """One tensor storage's identity (its StorageImpl; meta storages have no data pointer)."""
+    return t.untyped_storage()._cdata
 
 
 class CodesWeight:
@@ -149,9 +146,8 @@ class CodesWeight:
         kwargs = kwargs or {}
         if func is torch.Tensor.copy_ and isinstance(args[1], CodesWeight):
             dst, src = args[0], args[1]
-            if _record is not None and dst.dim() == 2:
-                piece = _Piece(dst.storage_offset(), tuple(dst.shape), dst.stride(), src)
-                _record.setdefault(dst.untyped_storage().data_ptr(), []).append(piece)
+            if _active is not None and dst.dim() == 2 and _active.add(dst, src):
+                return dst  # a deferred (meta) weight: its codes were taken instead
             return dst.copy_(src.dense(), *args[2:], **kwargs)
         if func is torch.cat and _rows_of_codes(args, kwargs):
             parts = args[0]
@@ -220,9 +216,10 @@ def _assemble(weight: torch.Tensor, pieces: list[_Piece]) -> CodesWeight | None:
     if not contiguous or any(p.codes.group != group for p in pieces):
         return None
     rows_all = weight.numel() // k
-    codes = torch.empty(rows_all, k, dtype=torch.uint8, device=weight.device)
-    zero = torch.empty(rows_all, k // group, dtype=torch.int32, device=weight.device)
-    scale = torch.empty(rows_all, k // group, dtype=torch.float32, device=weight.device)
+    device = pieces[0].codes.device  # the weight itself may be a deferred (meta) one
+    codes = torch.empty(rows_all, k, dtype=torch.uint8, device=device)
+    zero = torch.empty(rows_all, k // group, dtype=torch.int32, device=device)
+    scale = torch.empty(rows_all, k // group, dtype=torch.float32, device=device)
     covered = 0
     base = weight.storage_offset()
     for p in pieces:
@@ -249,51 +246,144 @@ def _int4_parts(codes: CodesWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q[:, 0::2] | (q[:, 1::2] << 4), scale, low
 
 
-@torch.no_grad()
-def keep_codes(model: nn.Module, record: dict[int, list[_Piece]]) -> tuple[int, int]:
-    """Give every linear layer whose whole weight was copied from codes an Int4Linear of
-    them, and every MoE layer whose experts all were an Int4Weight pair, their dense weights
-    dropped; returns (layers converted, linear and MoE layers in all)."""
-    from paged_engine.layers.fused_moe import FusedMoE
-    from paged_engine.layers.linear import LinearBase
-    from paged_engine.layers.quantization import Int4Linear, QuantizedLinearMethod
-    from paged_kernels import Int4Weight
+class CodesLoad:
+    """Watches one checkpoint load into `model`, built with its linear layers' and experts'
+    dense weights deferred (layers/linear.py `deferred_weights`: on "meta", no memory): a
+    layer becomes its Int4Linear (an MoE layer its Int4Weight pair) the moment all of its
+    weight has arrived as codes, so the codes of a few layers at most are held at once.
+    `leftovers()` are the layers that did not (dense pieces, act-order, ...): `materialize`
+    gives them real weights for a second, dense pass over the checkpoint, placeholders
+    standing in for the converted ones meanwhile (`drop_placeholders` after)."""
 
-    def codes_of(weight: torch.Tensor) -> CodesWeight | None:
-        pieces = record.get(weight.untyped_storage().data_ptr())
-        return _assemble(weight, pieces) if pieces else None
+    def __init__(self, model: nn.Module) -> None:
+        from paged_engine.layers.fused_moe import FusedMoE
+        from paged_engine.layers.linear import LinearBase
 
-    converted = total = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.weight is not None:
-            total += 1
-            codes = codes_of(module.weight)
-            if codes is None:
-                continue
+        # storage -> (module, attribute) of every deferred weight
+        self.targets: dict[int, tuple[nn.Module, str]] = {}
+        for module in model.modules():
+            names = ()
+            if isinstance(module, LinearBase):
+                names = ("weight",)
+            elif isinstance(module, FusedMoE) and not module.mxfp4:
+                names = ("gate_up_proj", "down_proj")
+            for name in names:
+                weight = getattr(module, name, None)
+                if weight is not None and weight.is_meta:
+                    self.targets[_key(weight)] = (module, name)
+        self.pieces: dict[int, list[_Piece]] = {}
+        self.covered: dict[int, int] = {}
+        self.ready: dict[nn.Module, dict[str, CodesWeight]] = {}  # MoE: waiting for its pair
+        self.converted: list[nn.Module] = []
+        self._placeholders: list[tuple[nn.Module, str]] = []
+
+    @contextmanager
+    def watching(self) -> Iterator[CodesLoad]:
+        global _active
+        outer, _active = _active, self
+        try:
+            yield self
+        finally:
+            _active = outer
+
+    def add(self, dst: torch.Tensor, src: CodesWeight) -> bool:
+        """A copy of codes into `dst`: True when dst belongs to a deferred weight (taken)."""
+        key = _key(dst)
+        target = self.targets.get(key)
+        if target is None:
+            return False
+        module, name = target
+        weight = getattr(module, name)
+        piece = _Piece(dst.storage_offset(), tuple(dst.shape), dst.stride(), src)
+        self.pieces.setdefault(key, []).append(piece)
+        self.covered[key] = self.covered.get(key, 0) + piece.shape[0] * piece.shape[1]
+        if self.covered[key] >= weight.numel():
+            codes = _assemble(weight, self.pieces.pop(key))
+            if codes is not None:
+                self._convert(module, name, codes)
+        return True
+
+    def _convert(self, module: nn.Module, name: str, codes: CodesWeight) -> None:
+        from paged_engine.layers.linear import LinearBase
+        from paged_engine.layers.quantization import Int4Linear, QuantizedLinearMethod
+        from paged_kernels import Int4Weight
+
+        weight = getattr(module, name)
+        if isinstance(module, LinearBase):
             _, scale, low = _int4_parts(codes)
-            method = Int4Linear.from_codes(codes.codes, scale, low, module.weight.dtype)
-            del module.weight  # the method holds the codes
-            module.weight = None
+            method = Int4Linear.from_codes(codes.codes, scale, low, weight.dtype)
             module.linear_method = QuantizedLinearMethod(method)
-            converted += 1
-        elif isinstance(module, FusedMoE) and getattr(module, "gate_up_proj", None) is not None:
-            total += 1
-            pair = [codes_of(module.gate_up_proj), codes_of(module.down_proj)]
-            if None in pair:
-                continue
-            weights = []
-            for codes, dense in zip(pair, (module.gate_up_proj, module.down_proj)):
-                packed, scale, low = _int4_parts(codes)
-                e, n, k = dense.shape
-                weights.append(
-                    Int4Weight(
-                        packed.view(e, n, k // 2),
-                        scale.to(dense.dtype).view(e, n, -1),
-                        low.to(dense.dtype).view(e, n, -1),
-                    )
+            self._detach(module, "weight")
+            self.converted.append(module)
+            return
+        ready = self.ready.setdefault(module, {})
+        ready[name] = codes
+        if len(ready) < 2:
+            return
+        pair = []
+        for attr in ("gate_up_proj", "down_proj"):
+            packed, scale, low = _int4_parts(ready[attr])
+            e, n, k = getattr(module, attr).shape
+            dtype = getattr(module, attr).dtype
+            pair.append(
+                Int4Weight(
+                    packed.view(e, n, k // 2),
+                    scale.to(dtype).view(e, n, -1),
+                    low.to(dtype).view(e, n, -1),
                 )
-            module.int4 = (weights[0], weights[1])
-            del module.gate_up_proj, module.down_proj  # the dense experts are freed
-            module.gate_up_proj = module.down_proj = None
-            converted += 1
-    return converted, total
+            )
+        module.int4 = (pair[0], pair[1])
+        for attr in ("gate_up_proj", "down_proj"):
+            self._detach(module, attr)
+        del self.ready[module]
+        self.converted.append(module)
+
+    def _detach(self, module: nn.Module, name: str) -> None:
+        weight = getattr(module, name)
+        self.targets.pop(_key(weight), None)
+        delattr(module, name)
+        setattr(module, name, None)
+
+    def leftovers(self) -> list[tuple[nn.Module, str]]:
+        """The deferred weights that did not become codes (still on meta)."""
+        return list(self.targets.values())
+
+    def materialize(self, device: torch.device | str) -> None:
+        """Real storage for every leftover (its loader kept), and for the converted layers'
+        weights a meta placeholder whose loader takes nothing: a second pass over the
+        checkpoint loads the leftovers dense and routes the rest as before."""
+        for module, name in self.leftovers():
+            meta = getattr(module, name)
+            real = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device))
+            real.weight_loader = meta.weight_loader
+            setattr(module, name, real)
+        for module in self.converted:
+            for name, shape in _shapes(module):
+                holder = nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+                holder.weight_loader = _ignore
+                setattr(module, name, holder)
+                self._placeholders.append((module, name))
+        self.targets.clear()
+
+    def drop_placeholders(self) -> None:
+        for module, name in self._placeholders:
+            delattr(module, name)
+            setattr(module, name, None)
+        self._placeholders.clear()
+
+
+def _shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """A converted layer's dense weight shapes, by attribute."""
+    from paged_engine.layers.linear import LinearBase
+
+    if isinstance(module, LinearBase):
+        return [("weight", tuple(module.linear_method.method.shape))]
+    gate_up, down = module.int4
+    return [
+        ("gate_up_proj", (*gate_up.packed.shape[:-1], gate_up.packed.shape[-1] * 2)),
+        ("down_proj", (*down.packed.shape[:-1], down.packed.shape[-1] * 2)),
+    ]
+
+
+def _ignore(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """The loader of a converted layer's placeholder: its weight is the codes already."""

@@ -42,6 +42,7 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+from paged_engine.layers.linear import weight_device
 from paged_kernels import Fp8Weight, Int4Weight, MoeActivation, Mxfp4Weight, dequantize_mxfp4
 from paged_kernels.reference import SILU, check_moe_activation, moe_activation
 
@@ -239,8 +240,11 @@ class FusedMoE(nn.Module):
             self._make_mxfp4(num_experts, hidden_size, i)
         else:
             rows = self.halves * i
-            self.gate_up_proj = nn.Parameter(torch.empty(num_experts, rows, hidden_size))
-            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i))
+            device = weight_device()  # "meta" while a 4-bit checkpoint's codes load
+            self.gate_up_proj = nn.Parameter(
+                torch.empty(num_experts, rows, hidden_size, device=device)
+            )
+            self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i, device=device))
             self.gate_up_proj.weight_loader = self._load_gate_up
             self.down_proj.weight_loader = self._load_down
         self.gate_up_proj_bias = self.down_proj_bias = None

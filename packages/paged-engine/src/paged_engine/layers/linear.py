@@ -10,12 +10,34 @@ partial sums, so its output is whole and identical on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
+
+_deferred = False  # inside deferred_weights()
+
+
+@contextmanager
+def deferred_weights(on: bool = True) -> Iterator[None]:
+    """Linear layers and MoE experts built inside keep their dense weights on "meta" (no
+    memory): a 4-bit checkpoint's codes replace them as they load (packed_codes.CodesLoad)."""
+    global _deferred
+    outer, _deferred = _deferred, on
+    try:
+        yield
+    finally:
+        _deferred = outer
+
+
+def weight_device() -> str | None:
+    """Where a dense weight is built: "meta" inside deferred_weights(), else the default."""
+    return "meta" if _deferred else None
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -56,7 +78,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.in_local, self.out_local = in_local, out_local  # the weight may be dropped later
-        self.weight = nn.Parameter(torch.empty(out_local, in_local))
+        self.weight = nn.Parameter(torch.empty(out_local, in_local, device=weight_device()))
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local))

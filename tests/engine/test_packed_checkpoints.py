@@ -1,10 +1,11 @@
 """GPTQ, AWQ and llm-compressor's pack-quantized (W4A16 / W8A16) checkpoints
-(packed_checkpoint.py, packed_codes.py). Each tiny checkpoint is quantized and packed here, the
-way those tools lay out their tensors; its weights must load as exactly their dequantized
-values, and the engine must give HF's greedy tokens (logprobs within 1e-3) on a copy holding
-those values unquantized. Kept as 4-bit codes (CUDA's default, quantization="int4" on the
-CPU) the engine must give the dense engine's tokens, through torch's CPU kernels and the Triton
-kernel (interpreter), also under TP=2. What we cannot load fails before any weight is read.
+(packed_checkpoint.py, packed_codes.py). Each tiny checkpoint is quantized and packed the way
+those tools lay out their tensors (tests/int_packers.py); its weights must load as exactly
+their dequantized values, and the engine must give HF's greedy tokens (logprobs within 1e-3)
+on a copy holding those values unquantized. Kept as 4-bit codes (CUDA's default,
+quantization="int4" on the CPU) the engine must give the dense engine's tokens, through torch's
+CPU kernels and the Triton kernels (interpreter), also under TP=2. What we cannot load fails
+before any weight is read.
 """
 
 from __future__ import annotations
@@ -17,186 +18,13 @@ from checkpoint_copies import (
     assert_same_params,
     copy_with_quant_config,
     load_cpu,
-    quantized_copy,
 )
+from int_packers import SCHEMES, packed_copy
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8 j + AWQ_ORDER[i]
-
-
-def _quantize(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor | None):
-    """w [N, K] -> (q [N, K] in [0, 2**bits), zero [N, G], scale [N, G] float16, g [K]): the
-    inputs taken in `perm` order (GPTQ's act-order) fall into groups of `group`; zeros kept in
-    [1, 2**bits - 1] (GPTQ v1 stores zero - 1)."""
-    n, k = w.shape
-    order = torch.arange(k) if perm is None else perm
-    g = torch.empty(k, dtype=torch.long)
-    g[order] = torch.arange(k) // group
-    num_groups = k // group
-    top = (1 << bits) - 1
-    scale = torch.empty(n, num_groups)
-    zero = torch.empty(n, num_groups, dtype=torch.int32)
-    for j in range(num_groups):
-        cols = w[:, g == j]
-        if sym:
-            scale[:, j] = cols.abs().amax(1) / ((top + 1) // 2 - 1)
-            zero[:, j] = (top + 1) // 2
-        else:
-            lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
-            scale[:, j] = (hi - lo) / (top - 1)
-            zero[:, j] = (torch.round(-lo / scale[:, j]) + 1).clamp(1, top).to(torch.int32)
-    scale = scale.clamp(min=1e-4).half()
-    q = torch.round(w / scale.float()[:, g]) + zero[:, g]
-    return q.clamp(0, top).to(torch.int32), zero, scale, g
-
-
-def _pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Pack int values along `dim`: word j holds entries j * (32 / bits) + i at bit bits * i."""
-    per = 32 // bits
-    v = values.to(torch.int64).movedim(dim, 0)
-    out = torch.zeros((v.shape[0] // per, *v.shape[1:]), dtype=torch.int64)
-    for i in range(per):
-        out |= (v[i::per] & ((1 << bits) - 1)) << (bits * i)
-    out = torch.where(out >= 2**31, out - 2**32, out)  # the same 32 bits as int32
-    return out.to(torch.int32).movedim(0, dim).contiguous()
-
-
-def _gptq(w, bits, group, sym, desc_act, fmt):
-    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))
-    q, zero, scale, g = _quantize(w, bits, group, sym, perm if desc_act else None)
-    stored_zero = zero - (1 if fmt == "gptq" else 0)
-    tensors = {
-        "qweight": _pack(q.t(), bits, 0),  # [K / per, N]
-        "qzeros": _pack(stored_zero.t(), bits, 1),  # [G, N / per]
-        "scales": scale.t().contiguous(),  # [G, N]
-        "g_idx": g.to(torch.int32),
-    }
-    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
-
-
-def _awq(w, group):
-    q, zero, scale, g = _quantize(w, 4, group, False, None)
-
-    def pack_awq(v):  # v [R, N] -> [R, N / 8]
-        out = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64)
-        for i, col in enumerate(AWQ_ORDER):
-            out |= v[:, col::8].to(torch.int64) << (4 * i)
-        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
-
-    tensors = {
-        "qweight": pack_awq(q.t()),
-        "qzeros": pack_awq(zero.t()),
-        "scales": scale.t().contiguous(),
-    }
-    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
-
-
-def _compressed(w, bits, group, sym, actorder):
-    perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(1))
-    q, zero, scale, g = _quantize(w, bits, group, sym, perm if actorder else None)
-    # pack-quantized stores each signed value plus 2**(bits-1): q and zero as _quantize has
-    # them (a symmetric scheme's zero, 2**(bits-1), is the signed 0 and is not stored)
-    tensors = {
-        "weight_packed": _pack(q, bits, 1),  # [N, K / per]
-        "weight_shape": torch.tensor(list(w.shape)),
-        "weight_scale": scale,  # [N, G]
-    }
-    if not sym:
-        tensors["weight_zero_point"] = _pack(zero, bits, 0)  # [N / per, G]
-    if actorder:
-        tensors["weight_g_idx"] = g.to(torch.int32)
-    return tensors, (q - zero[:, g]).float() * scale.float()[:, g]
-
-
-SCHEMES = {
-    "gptq-4bit": dict(method="gptq", bits=4, group=16, sym=True, desc_act=False, fmt="gptq"),
-    "gptq-4bit-act-order": dict(
-        method="gptq", bits=4, group=16, sym=False, desc_act=True, fmt="gptq"
-    ),
-    "gptq-8bit-v2": dict(method="gptq", bits=8, group=32, sym=False, desc_act=False, fmt="gptq_v2"),
-    "gptq-2bit-one-group": dict(
-        method="gptq", bits=2, group=None, sym=True, desc_act=False, fmt="gptq"
-    ),
-    "awq": dict(method="awq", group=16),
-    "w4a16": dict(method="compressed", bits=4, group=16, sym=True, actorder=False),
-    "w4a16-asym-act-order": dict(method="compressed", bits=4, group=16, sym=False, actorder=True),
-    "w8a16-channel": dict(method="compressed", bits=8, group=None, sym=True, actorder=False),
-    # groups of a multiple of 32 inputs: their codes can run as they are (packed_codes.py)
-    "gptq-4bit-g32": dict(method="gptq", bits=4, group=32, sym=False, desc_act=False, fmt="gptq"),
-    "awq-g64": dict(method="awq", group=64),
-    "w4a16-channel": dict(method="compressed", bits=4, group=None, sym=True, actorder=False),
-}
-
-
-def _config(s: dict) -> dict:
-    group = -1 if s.get("group") is None else s["group"]
-    if s["method"] == "gptq":
-        return {
-            "quant_method": "gptq",
-            "bits": s["bits"],
-            "group_size": group,
-            "desc_act": s["desc_act"],
-            "sym": s["sym"],
-            "checkpoint_format": s["fmt"],
-        }
-    if s["method"] == "awq":
-        return {
-            "quant_method": "awq",
-            "bits": 4,
-            "group_size": group,
-            "zero_point": True,
-            "version": "gemm",
-            "modules_to_not_convert": None,
-        }
-    weights = {
-        "num_bits": s["bits"],
-        "type": "int",
-        "symmetric": s["sym"],
-        "strategy": "channel" if s["group"] is None else "group",
-        "group_size": s["group"],
-        "actorder": "group" if s["actorder"] else None,
-    }
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-        "ignore": ["lm_head"],
-    }
-
-
-def _is_linear(name: str, t: torch.Tensor) -> bool:
-    return t.dim() == 2 and name.endswith("_proj.weight")
-
-
-def _packed_copy(src, scheme: str, dst, packs=_is_linear):
-    """`src` with its linear weights (those `packs` picks) packed by `scheme` (and, for GPTQ,
-    the zero bias its writers keep on layers without one), and beside it `dst/dense`: the
-    dequantized values; its tensors stored in a shuffled order (a layer's pieces apart)."""
-    from safetensors import safe_open
-
-    s = SCHEMES[scheme]
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-
-    def quantize(name: str, w: torch.Tensor):
-        group = w.shape[1] if s.get("group") is None else s["group"]
-        if s["method"] == "gptq":
-            tensors, deq = _gptq(w, s["bits"], group, s["sym"], s["desc_act"], s["fmt"])
-        elif s["method"] == "awq":
-            tensors, deq = _awq(w, group)
-        else:
-            tensors, deq = _compressed(w, s["bits"], group, s["sym"], s["actorder"])
-        prefix = name.removesuffix(".weight")
-        tensors = {f"{prefix}.{k}": v for k, v in tensors.items()}
-        if s["method"] == "gptq" and f"{prefix}.bias" not in names:
-            tensors[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
-        return tensors, deq
-
-    return quantized_copy(src, dst, _config(s), quantize, packs, shuffle=scheme)
 
 
 @pytest.fixture(scope="module")
@@ -206,14 +34,14 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_weights_load_as_their_dequantized_values(tiny, tmp_path, scheme):
-    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    path, dense = packed_copy(tiny, scheme, tmp_path / scheme)
     # near the original (2-bit weights with one group a row are coarse)
     assert_loads_as_dense(path, dense, tiny, 1.5 if SCHEMES[scheme].get("bits") == 2 else 0.3)
 
 
 @pytest.mark.parametrize("scheme", ["gptq-4bit-act-order", "awq", "w4a16-asym-act-order"])
 def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme):
-    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    path, dense = packed_copy(tiny, scheme, tmp_path / scheme)
     llm = LLM(model=str(path), dtype="float32", max_model_len=128)
     assert_generates_like_hf(llm, dense, scheme)
 
@@ -221,12 +49,12 @@ def test_generation_matches_hf_on_the_dequantized_weights(tiny, tmp_path, scheme
 def test_per_expert_moe_weights_unpack(tmp_path):
     """Qwen3-30B-A3B-GPTQ-Int4's layout: every expert's matrices packed."""
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
-    path, dense = _packed_copy(src, "gptq-4bit", tmp_path / "q")
+    path, dense = packed_copy(src, "gptq-4bit", tmp_path / "q")
     assert_same_params(path, dense)
 
 
 def test_vllm_quantization_names_are_checked_against_the_checkpoint(tiny, tmp_path):
-    path, _ = _packed_copy(tiny, "awq", tmp_path / "q")
+    path, _ = packed_copy(tiny, "awq", tmp_path / "q")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompt = [{"prompt_token_ids": [5, 6, 7]}]
     auto = LLM(model=str(path), dtype="float32", max_model_len=64)
@@ -275,7 +103,7 @@ def test_unsupported_schemes_fail_naming_them(tiny, tmp_path):
 def test_an_incomplete_layer_is_named(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    path, _ = _packed_copy(tiny, "gptq-4bit-act-order", tmp_path / "q")
+    path, _ = packed_copy(tiny, "gptq-4bit-act-order", tmp_path / "q")
     state = load_file(str(path / "model.safetensors"))
     del state["model.layers.1.self_attn.o_proj.g_idx"]
     save_file(state, str(path / "model.safetensors"))
@@ -286,7 +114,7 @@ def test_an_incomplete_layer_is_named(tiny, tmp_path):
 def test_a_nonzero_bias_the_model_lacks_is_still_unexpected(tiny, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    path, _ = _packed_copy(tiny, "gptq-4bit", tmp_path / "q")
+    path, _ = packed_copy(tiny, "gptq-4bit", tmp_path / "q")
     state = load_file(str(path / "model.safetensors"))
     state["model.layers.0.mlp.up_proj.bias"][3] = 1.0
     save_file(state, str(path / "model.safetensors"))
@@ -335,7 +163,7 @@ def test_int4_runs_the_checkpoints_own_codes(tiny, tmp_path, scheme):
     """quantization="int4" on a 4-bit checkpoint keeps its codes (not a second rounding): the
     dense engine's tokens, logprobs within 1e-4 (float32; w = code * scale + low instead of
     (code - zero) * scale)."""
-    path, dense = _packed_copy(tiny, scheme, tmp_path / scheme)
+    path, dense = packed_copy(tiny, scheme, tmp_path / scheme)
     want = LLM(model=str(dense), dtype="float32", max_model_len=64)
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
     assert _int4_layers(llm) == (8, 8)
@@ -349,7 +177,7 @@ def test_int4_runs_the_checkpoints_own_codes(tiny, tmp_path, scheme):
 def test_layers_the_codes_cannot_serve_are_quantized_again(tiny, tmp_path):
     """Groups of 16 inputs are not Int4Linear's 32: with int4 those layers are rounded again
     from their dense values (as for any checkpoint), and the engine still runs."""
-    path, _ = _packed_copy(tiny, "gptq-4bit", tmp_path / "q")
+    path, _ = packed_copy(tiny, "gptq-4bit", tmp_path / "q")
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
     assert _int4_layers(llm) == (8, 8)
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -364,7 +192,7 @@ def test_codes_run_through_the_triton_kernel(tiny, tmp_path, monkeypatch):
 
     if not paged_kernels.triton_available():
         pytest.skip("needs triton")
-    path, dense = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    path, dense = packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
     want = LLM(model=str(dense), dtype="float32", max_model_len=64)
     calls = []
     kernel = paged_kernels.int4_linear
@@ -384,7 +212,7 @@ def test_codes_run_through_the_triton_kernel(tiny, tmp_path, monkeypatch):
 def test_codes_under_tensor_parallelism_match_one_process(tiny, tmp_path):
     """TP=2 splits each layer's codes by output rows (q, k, v, gate, up) or by whole groups of
     inputs (o, down), in two processes: the single process's tokens."""
-    path, _ = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    path, _ = packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
     one = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
     want = one.generate(PROMPTS, GREEDY, use_tqdm=False)
     del one
@@ -404,7 +232,7 @@ def test_codes_under_tensor_parallelism_match_one_process(tiny, tmp_path):
 def test_kept_codes_come_back_after_a_level_2_sleep(tiny, tmp_path):
     """Sleep level 2 discards the weights; reload_weights rebuilds the codes from the
     checkpoint: the same tokens and logprobs as before."""
-    path, _ = _packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    path, _ = packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -461,7 +289,7 @@ def test_codes_through_each_models_loaders(tmp_path, monkeypatch, arch, kept):
     # CUDA's default on this CPU: the codes, nothing else quantized
     monkeypatch.setattr(Worker, "_default_quantization", lambda *a: KEEP_CODES)
     src = write_tiny_model(tmp_path / arch, arch, seed=2)
-    path, dense = _packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
+    path, dense = packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
     llm = LLM(model=str(path), dtype="float32", max_model_len=64)
     assert _int4_layers(llm) == kept
     monkeypatch.undo()
@@ -485,7 +313,7 @@ def test_moe_codes_run_through_the_triton_kernels(tmp_path, monkeypatch):
     if not paged_kernels.triton_available():
         pytest.skip("needs triton")
     src = write_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
-    path, dense = _packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
+    path, dense = packed_copy(src, "gptq-4bit-g32", tmp_path / "q", packs=_every_linear)
     want = LLM(model=str(dense), dtype="float32", max_model_len=64)
     want_out = want.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(Worker, "_default_quantization", lambda *a: KEEP_CODES)
@@ -522,7 +350,7 @@ def test_dense_weights_are_deferred_while_codes_load(
 
     monkeypatch.setattr(CodesLoad, "__init__", watch)
     monkeypatch.setattr(CodesLoad, "materialize", second)
-    path, dense = _packed_copy(tiny, scheme, tmp_path / "q")
+    path, dense = packed_copy(tiny, scheme, tmp_path / "q")
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
     assert len(loads) == 1 and len(loads[0].converted) + sum(passes) == deferred
     assert bool(passes) == second_pass

@@ -362,3 +362,22 @@ def test_dense_weights_are_deferred_while_codes_load(
             want.generate(PROMPTS, GREEDY, use_tqdm=False),
             1e-4,
         )
+
+
+def test_cpu_default_keeps_the_codes_with_bf16_activations(tiny, tmp_path):
+    """On a CPU with bf16 support and dtype="auto" a 4-bit checkpoint runs as int4 over its
+    own codes in bfloat16 (torch's fused int4 kernel; the fast CPU path); dtype="float32"
+    keeps it dense."""
+    import torch
+
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 support in oneDNN")
+    path, _ = packed_copy(tiny, "gptq-4bit-g32", tmp_path / "q")
+    llm = LLM(model=str(path), max_model_len=64)
+    assert _int4_layers(llm) == (8, 8)
+    model = llm.llm_engine.model_runner.model
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    dense = LLM(model=str(path), dtype="float32", max_model_len=64)
+    assert _int4_layers(dense) == (0, 8)

@@ -186,7 +186,8 @@ class Worker:
         self, config: EngineConfig, resolved: ResolvedModel, hf_config
     ) -> str | None:
         """`config.quantization`; KEEP_CODES for a 4-bit GPTQ / AWQ / W4A16 checkpoint on CUDA
-        (its own codes, packed_codes.py); else "fp8" for an FP8
+        (its own codes, packed_codes.py), "int4" (the codes, bf16 activations: sets self.dtype)
+        for one on a CPU with bf16 support and dtype="auto"; else "fp8" for an FP8
         checkpoint on CUDA (its weights stay 8-bit, as vLLM runs them); else "fp16" for a GGUF
         checkpoint on an x86 CPU when neither dtype nor quantization was chosen: its weights
         are 4-8 bit already, float16 holds each of them to 2**-11 of itself, and matmuls that
@@ -200,17 +201,29 @@ class Worker:
                     f"quantization={config.quantization!r} but the checkpoint's quant_method is "
                     f"{method!r}: leave quantization unset to load the checkpoint as it is"
                 )
-        # A 4-bit checkpoint's codes run as they are on CUDA (the int4 Triton kernel); on the
-        # CPU its dense weights are faster without AMX, and quantization="int4" keeps the codes
-        # there (loader.load_model; docs/engine.md).
+        # A 4-bit checkpoint's codes run as they are: on CUDA through the int4 Triton kernel;
+        # on a CPU with bf16 support, with dtype="auto", as quantization="int4" (torch's fused
+        # int4 kernel over bf16 activations: 3x a dense float32 model's one-stream decode on the
+        # project's CPU; the layers the codes cannot serve rounded to int4 too). dtype="float32"
+        # keeps it dense and float32 (docs/engine.md).
         codes = keeps_codes(packed_scheme(hf_config)) and not config.batch_invariant
-        if (
-            codes
-            and config.quantization in (None, *CHECKPOINT_QUANTIZATIONS)
-            and self.device.type == "cuda"
-        ):
+        checkpoint_scheme = config.quantization in (None, *CHECKPOINT_QUANTIZATIONS)
+        if codes and checkpoint_scheme and self.device.type == "cuda":
             logger.info("4-bit checkpoint: linear layers keep its codes (int4 kernels)")
             return KEEP_CODES
+        if (
+            codes
+            and checkpoint_scheme
+            and self.device.type == "cpu"
+            and config.dtype == "auto"
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        ):
+            logger.info(
+                "4-bit checkpoint on CPU: its codes kept as int4 with bfloat16 activations "
+                "(dtype='float32' loads it dense)"
+            )
+            self.dtype = torch.bfloat16
+            return "int4"
         if config.quantization in CHECKPOINT_QUANTIZATIONS:
             return None
         if (

@@ -41,6 +41,10 @@ def test_add_rms_norm_matches_reference(seed, device, dtype, n):
     assert out.dtype == total.dtype == dtype and out.shape == total.shape == x.shape
     if dtype == torch.bfloat16:
         close(total, want_total, dtype)
+        # The interpreter truncates the sum where torch rounds: a last-place step of `total`
+        # then moves `out` by more than one rounding (1 of ~38k elements past 1.6e-2 on one
+        # seed), so `out` is held to the norm of the kernel's own sum.
+        want_out = ref_rms_norm(total, w, 1e-6)
     else:  # one rounding of an fp32 sum, as torch's +
         assert torch.equal(total, want_total)
     close(out, want_out, dtype)

@@ -1,5 +1,6 @@
-"""Weight-only linear layers: fp16 / int8 / int4 on CPU through torch's own CPU kernels, fp8 on
-CUDA through a Triton kernel.
+"""Weight-only linear layers: fp16 / int8 / int4 on CPU through torch's own CPU kernels, fp8 and
+int4 on CUDA through Triton kernels (int4 also holds a 4-bit checkpoint's own codes,
+`Int4Linear.from_codes`, packed_codes.py).
 
 `quantize_model(model, "fp16" | "int8" | "int4" | "fp8")` replaces, after loading, the weight of
 every linear layer (and, but for fp8, of a tied LM head) with:
@@ -8,7 +9,7 @@ every linear layer (and, but for fp8, of a tied LM head) with:
           activations and accumulation, half the bytes of float32 read per token  (2 bytes)
     int8  per output channel, symmetric: w = q * scale, q in [-127, 127]     (1 byte / weight)
     int4  per group of 32 inputs, asymmetric (GGUF Q4_1's blocks): w = q * scale + min,
-          q in [0, 15], nibble-packed                                        (0.5 byte / weight)
+          q in [0, 15], nibble-packed; paged_kernels.int4_linear on CUDA   (0.5 byte / weight)
     fp8   float8_e4m3fn per output channel, w = q * scale (the row's largest |w| -> 448):
           paged_kernels.fp8_linear decodes it in the GEMM on CUDA (vLLM's `quantization="fp8"`
           with weight-only FP8); MoE experts too (`FusedMoE.to_fp8`, the MoE kernel); on the

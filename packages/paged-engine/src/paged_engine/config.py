@@ -12,8 +12,9 @@ _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
 _LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
-# vLLM's names for running a checkpoint as it is quantized (its quant_method; the weights
-# load dequantized, packed_checkpoint.py): accepted, and checked against the checkpoint.
+# vLLM's names for running a checkpoint as it is quantized (its quant_method: GPTQ / AWQ /
+# W4A16 / bitsandbytes, packed_checkpoint.py, bnb_checkpoint.py): accepted, and checked
+# against the checkpoint.
 CHECKPOINT_QUANTIZATIONS = {
     "gptq": "gptq",
     "gptq_marlin": "gptq",

@@ -315,11 +315,10 @@ def checkpoint_weights(
     keep_codes: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
-    vision weights dropped, GPTQ / AWQ / packed integer / bitsandbytes weights unpacked and
-    FP8 / INT8 weights
-    dequantized with their scales (also where only
-    hf_quant_config.json named the scheme: the tensors' dtypes tell); KV-cache scales go into
-    `kv_scales` instead; `keep_codes`: 4-bit layers as packed_codes.CodesWeight."""
+    vision weights dropped, bitsandbytes / GPTQ / AWQ / packed integer weights unpacked
+    (`keep_codes`: 4-bit layers as packed_codes.CodesWeight) and FP8 / INT8 weights
+    dequantized with their scales (also where only hf_quant_config.json named the scheme: the
+    tensors' dtypes tell); KV-cache scales go into `kv_scales` instead."""
     total = count_weights(resolved, load_format)
     weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
     weights = text_model_weights(weights, hf_config)

@@ -254,12 +254,13 @@ def keeps_codes(scheme: PackedScheme | None) -> bool:
 def _codes_weight(codes: LayerCodes, dtype: torch.dtype):
     """The layer as a CodesWeight when its groups are contiguous runs of a multiple of 32
     inputs (what Int4Linear can hold exactly), else None."""
-    from paged_engine.packed_codes import GROUP, CodesWeight
+    from paged_engine.layers.quantization import INT4_GROUP
+    from paged_engine.packed_codes import CodesWeight
 
     k = codes.q.shape[1]
     num_groups = codes.scale.shape[1]
     group = k // num_groups
-    if k % num_groups or group % GROUP:
+    if k % num_groups or group % INT4_GROUP:
         return None
     contiguous = torch.arange(k, device=codes.groups.device) // group
     if not torch.equal(codes.groups, contiguous):  # act-order

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-GROUP = 32  # Int4Linear's group: a checkpoint's group must be a multiple of it
 KEEP_CODES = "checkpoint-int4"  # the worker's quantization kind for this (loader.load_model)
 
 
@@ -237,13 +236,13 @@ def _assemble(weight: torch.Tensor, pieces: list[_Piece]) -> CodesWeight | None:
     return CodesWeight(codes, zero, scale, group, weight.dtype)
 
 
-def _int4_parts(codes: CodesWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(packed uint8 [R, K/2], scale, low [R, K/32] float32) of Int4Linear's layout."""
-    repeat = codes.group // GROUP
+def _scale_low(codes: CodesWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, low) float32 [R, K/32] of Int4Linear's layout: w = code * scale + low."""
+    from paged_engine.layers.quantization import INT4_GROUP
+
+    repeat = codes.group // INT4_GROUP
     scale = codes.scale.repeat_interleave(repeat, dim=1)
-    low = -(codes.zero.repeat_interleave(repeat, dim=1) * scale)
-    q = codes.codes
-    return q[:, 0::2] | (q[:, 1::2] << 4), scale, low
+    return scale, -(codes.zero.repeat_interleave(repeat, dim=1) * scale)
 
 
 class CodesLoad:
@@ -305,12 +304,16 @@ class CodesLoad:
 
     def _convert(self, module: nn.Module, name: str, codes: CodesWeight) -> None:
         from paged_engine.layers.linear import LinearBase
-        from paged_engine.layers.quantization import Int4Linear, QuantizedLinearMethod
+        from paged_engine.layers.quantization import (
+            Int4Linear,
+            QuantizedLinearMethod,
+            pack_nibbles,
+        )
         from paged_kernels import Int4Weight
 
         weight = getattr(module, name)
         if isinstance(module, LinearBase):
-            _, scale, low = _int4_parts(codes)
+            scale, low = _scale_low(codes)
             method = Int4Linear.from_codes(codes.codes, scale, low, weight.dtype)
             module.linear_method = QuantizedLinearMethod(method)
             self._detach(module, "weight")
@@ -322,7 +325,8 @@ class CodesLoad:
             return
         pair = []
         for attr in ("gate_up_proj", "down_proj"):
-            packed, scale, low = _int4_parts(ready[attr])
+            scale, low = _scale_low(ready[attr])
+            packed = pack_nibbles(ready[attr].codes)
             e, n, k = getattr(module, attr).shape
             dtype = getattr(module, attr).dtype
             pair.append(

@@ -50,6 +50,12 @@ INT4_GROUP = 32
 FUSED_MAX_ROWS = 8
 
 
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., K] in [0, 16) -> [..., K/2], two a byte: even k in the low nibble
+    (Int4Linear's and paged_kernels.Int4Weight's layout)."""
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
 def fp16_gemm_available() -> bool:
     """Whether this torch build has fbgemm's fp16-weight GEMM (x86 CPUs with AVX2)."""
     engines = torch.backends.quantized.supported_engines
@@ -221,7 +227,7 @@ class Int4Linear(_QuantizedWeight):
 
     def _pack(self, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype) -> None:
         n, k = q.shape
-        self.packed = q[:, 0::2] | (q[:, 1::2] << 4)  # [N, K/2]: two weights per byte
+        self.packed = pack_nibbles(q)
         self.scale = scale.to(dtype)
         self.low = lo.to(dtype)
         self.shape = (n, k)

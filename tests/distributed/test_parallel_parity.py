@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism (2 gloo ranks on the CPU) give the single-process engine's
 outputs: identical greedy tokens, logprobs within 1e-4, for every tiny architecture (pipeline
 stages: one per model shell); and the
-step's other features (n > 1, beams, seeds, preemption, prefix caching, prompt logprobs)."""
+step's other features (n > 1, beams, seeds, preemption, prefix caching, prompt logprobs,
+prompt_embeds)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import random
 
 import pytest
+from safetensors import safe_open
 
 from paged_engine import LLM, BeamSearchParams, SamplingParams
 from paged_engine.testing import SUPPORTED_TINY_ARCHS, write_tiny_model
@@ -99,7 +101,7 @@ def test_every_architecture_matches_one_process(tiny, arch, tp, pp):
     _assert_same(got, want)
 
 
-def _feature_requests():
+def _feature_requests(embedding):
     rng = random.Random(3)
     system = [rng.randrange(3, 200) for _ in range(40)]  # a shared prefix: prefix-cache hits
     reqs = []
@@ -118,6 +120,10 @@ def _feature_requests():
         (prompt, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)),
         (prompt, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)),
     ]
+    # prompts given as embedding rows (two sharing leading blocks of rows)
+    for tail in ([5, 6, 7], [8, 9]):
+        rows = embedding[system[:20] + tail]
+        reqs.append(({"prompt_embeds": rows}, SamplingParams(temperature=0, max_tokens=8)))
     return reqs
 
 
@@ -130,8 +136,14 @@ def feature_model(tmp_path_factory):
     )
     # A pool of 12 blocks of 16 tokens: the batch does not fit at once, so some sequences are
     # preempted and recomputed.
-    kwargs = {"num_gpu_blocks_override": 12, "block_size": 16, "max_model_len": 128}
-    requests = _feature_requests()
+    kwargs = {
+        "num_gpu_blocks_override": 12,
+        "block_size": 16,
+        "max_model_len": 128,
+        "enable_prompt_embeds": True,
+    }
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        requests = _feature_requests(f.get_tensor("model.embed_tokens.weight"))
     return path, requests, kwargs, _run(path, requests, **kwargs)
 
 
@@ -142,8 +154,8 @@ def feature_model(tmp_path_factory):
 )
 def test_features_under_parallelism(feature_model, tp, pp, overlap):
     """n > 1 (seeded), unseeded sampling (the ranks' own generator, seeded by the engine seed),
-    beams, prompt logprobs, prefix caching and preemption: the same outputs; with async
-    scheduling too (two steps in flight across the ranks)."""
+    beams, prompt logprobs, prompt_embeds, prefix caching and preemption: the same outputs;
+    with async scheduling too (two steps in flight across the ranks)."""
     path, requests, kwargs, want = feature_model
     llm = LLM(
         model=str(path),

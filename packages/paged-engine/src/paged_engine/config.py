@@ -163,6 +163,9 @@ class EngineConfig:
     # engine takes them either way (their shapes are checked); paged-server takes `image_embeds`
     # chat parts only with it on (--enable-mm-embeds).
     enable_mm_embeds: bool = False
+    # vLLM's prompt embeddings input ({"prompt_embeds": tensor [L, D]}, engine/prompt_embeds.py):
+    # off by default, as in vLLM; paged-server takes them on /v1/completions with it on.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -230,6 +233,7 @@ class EngineConfig:
             "disable_log_stats",
             "enable_lora",
             "enable_sleep_mode",
+            "enable_prompt_embeds",
         ):
             value = getattr(self, name)
             _check(isinstance(value, bool), name, value, "a bool")

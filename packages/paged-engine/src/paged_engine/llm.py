@@ -117,7 +117,7 @@ class LLM:
         for out in outputs:
             beams = []
             for c in out.outputs:
-                tokens = out.prompt_token_ids + list(c.token_ids)
+                tokens = (out.prompt_token_ids or []) + list(c.token_ids)  # (prompt_embeds: none)
                 beams.append(
                     BeamSearchSequence(
                         tokens=tokens,

@@ -89,16 +89,22 @@ class RequestOutput:
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None for a prompt given as prompt_embeds (as vLLM)
     prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     lora_request: Any = field(default=None, repr=False)  # the LoRARequest it ran with
+    # the prompt's length, tokens or prompt_embeds rows (-1: that of prompt_token_ids)
+    num_prompt_tokens: int = field(default=-1, repr=False)
     # vLLM fields kept for ported code; always None here.
     encoder_prompt: None = field(default=None, repr=False)
     encoder_prompt_token_ids: None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.prompt_token_ids or ())
 
     def __repr__(self) -> str:
         return (

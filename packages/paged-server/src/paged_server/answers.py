@@ -33,7 +33,7 @@ def final_body(
     rid: str,
     group: RequestGroup,
     texts: list[str | None],
-    ids: list[list[int]],
+    ids: list[list[int] | None],
     chat: bool,
     reasoning: ReasoningRequest | None = None,
 ) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def final_body(
     choices, n_prompt = [], 0
     scoring = req.max_tokens == 0  # the prompt only: what the engine generated is dropped
     for pi, out in enumerate(group.latest):
-        n_prompt += len(out.prompt_token_ids)
+        n_prompt += out.num_prompt_tokens
         for seq in out.outputs:
             choice: dict[str, Any] = {"index": len(choices)}
             lp = reason = None
@@ -127,7 +127,7 @@ def stream(
     rid: str,
     group: RequestGroup,
     texts: list[str | None],
-    ids: list[list[int]],
+    ids: list[list[int] | None],
     chat: bool,
     reasoning: ReasoningRequest | None = None,
 ) -> None:
@@ -143,7 +143,8 @@ def stream(
     thinks = None if reasoning is None else [ReasoningOutput(reasoning) for _ in choices]
     h.start_stream()
 
-    num_prompt = sum(len(i) for i in ids)
+    rows = [int(t.shape[0]) for t in req.prompt_embeds]  # prompt_embeds come first
+    num_prompt = sum(rows) + sum(len(i) for i in ids[len(rows) :] if i is not None)
 
     def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
         body = envelope(rid, obj, model, created)
@@ -200,7 +201,7 @@ def stream(
                 entries.append(entry)
         if entries:
             h.send_event(chunk(entries))
-    n_prompt = sum(len(out.prompt_token_ids) for out in group.latest)
+    n_prompt = sum(out.num_prompt_tokens for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
     if req.include_usage:

@@ -31,7 +31,7 @@ from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
 from paged_server.lora import LoRARegistry, serve_load_adapter, serve_unload_adapter
-from paged_server.media import ImageLoader
+from paged_server.media import ImageLoader, decode_tensor
 from paged_server.metrics import CONTENT_TYPE
 from paged_server.openai_protocol import (
     GenerationRequest,
@@ -98,6 +98,7 @@ class OpenAIApp:
         images: Any = None,
         media: ImageLoader | None = None,
         mm_embeds: bool = False,
+        prompt_embeds_width: int | None = None,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -125,6 +126,9 @@ class OpenAIApp:
         self.images = images
         self.media = media or ImageLoader()
         self.mm_embeds = mm_embeds  # --enable-mm-embeds: `image_embeds` parts are taken
+        # --enable-prompt-embeds: the token embedding's width (completions' prompt_embeds are
+        # taken), else None
+        self.prompt_embeds_width = prompt_embeds_width
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -442,7 +446,11 @@ class OpenAIApp:
     def completions(self, h: Handler) -> None:
         req = parse_completion(h.read_json())
         model, lora = self._resolve(req.model)
-        texts, ids = [], []
+        texts: list[str | None] = []
+        ids: list[list[int] | None] = []
+        if req.prompt_embeds:  # first, as in vLLM; no ids
+            req.prompt_embeds = self._decode_prompt_embeds(req.prompt_embeds)
+            texts, ids = [None] * len(req.prompt_embeds), [None] * len(req.prompt_embeds)
         for p in req.prompts:
             if isinstance(p, str):
                 texts.append(p)
@@ -453,16 +461,34 @@ class OpenAIApp:
                 ids.append(p)
         self._generate(h, req, model, texts, ids, chat=False, lora=lora)
 
+    def _decode_prompt_embeds(self, values: list[str]) -> list[Any]:
+        """completions' prompt_embeds as tensors: only with --enable-prompt-embeds, each at
+        most max_model_len rows of the embedding's width before it is expanded (the engine
+        checks the rest: shape, dtype, finite values)."""
+        width = self.prompt_embeds_width
+        if width is None:
+            raise bad_request(
+                "'prompt_embeds' is off: start paged-server with --enable-prompt-embeds "
+                "(vLLM's flag; for trusted clients)",
+                "prompt_embeds",
+            )
+        cap = self.max_model_len * width
+        tensors = [decode_tensor(f"prompt_embeds[{i}]", v, cap) for i, v in enumerate(values)]
+        return [t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in tensors]  # HF's [1, L, D]
+
     @staticmethod
-    def _truncate(req: GenerationRequest, texts: list[str | None], ids: list[list[int]]) -> None:
+    def _truncate(
+        req: GenerationRequest, texts: list[str | None], ids: list[list[int] | None]
+    ) -> None:
         """truncate_prompt_tokens (vLLM): keep each prompt's last k tokens (from the left, so
         the end of the prompt, next to what is generated, stays); a cut prompt's text is
-        re-derived from its ids."""
+        re-derived from its ids. Prompt embeddings keep their last k rows."""
         k = req.truncate_prompt_tokens
         if k is None:
             return
+        req.prompt_embeds = [t[-k:] for t in req.prompt_embeds]
         for i, t in enumerate(ids):
-            if len(t) > k:
+            if t is not None and len(t) > k:
                 ids[i], texts[i] = t[-k:], None
 
     def chat(self, h: Handler) -> None:
@@ -562,7 +588,7 @@ class OpenAIApp:
         req: GenerationRequest,
         model: str,
         texts: list[str | None],
-        ids: list[list[int]],
+        ids: list[list[int] | None],
         chat: bool,
         reasoning: ReasoningRequest | None = None,
         lora: Any = None,
@@ -593,7 +619,7 @@ class OpenAIApp:
         self,
         req: GenerationRequest,
         texts: list[str | None],
-        ids: list[list[int]],
+        ids: list[list[int] | None],
         rid: str,
         *,
         chat: bool,
@@ -612,8 +638,10 @@ class OpenAIApp:
             )
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
+        rows = [int(t.shape[0]) if t.dim() else 0 for t in req.prompt_embeds]
+        lengths = rows + [len(i) for i in ids[len(rows) :] if i is not None]
         max_tokens = min(
-            check_context(len(i), req.max_tokens, self.max_model_len, param) for i in ids
+            check_context(n, req.max_tokens, self.max_model_len, param) for n in lengths
         )
         self.client.check_queue()
         defaults = self.sampling_defaults
@@ -642,9 +670,10 @@ class OpenAIApp:
         rids = [f"{rid}-{i}" for i in range(len(ids))]
         if self.log_requests is not None:
             self._log_request(rids, texts, ids, params)
-        prompts: list[dict[str, Any]] = [
+        prompts: list[dict[str, Any]] = [{"prompt_embeds": e} for e in req.prompt_embeds]
+        prompts += [
             {"prompt_token_ids": i} if t is None else {"prompt": t, "prompt_token_ids": i}
-            for t, i in zip(texts, ids)
+            for t, i in zip(texts[len(prompts) :], ids[len(prompts) :])
         ]
         if req.cache_salt is not None:
             for p in prompts:
@@ -658,11 +687,14 @@ class OpenAIApp:
         return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     def _log_request(
-        self, rids: list[str], texts: list[str | None], ids: list[list[int]], params: Any
+        self, rids: list[str], texts: list[str | None], ids: list[list[int] | None], params: Any
     ) -> None:
         """--enable-log-requests: one INFO line per engine request, its prompt cut short."""
         cut = self.log_requests
         for rid, text, tids in zip(rids, texts, ids):
+            if tids is None:
+                log.info("request %s: prompt_embeds, params %s", rid, params)
+                continue
             shown = text[:cut] if text is not None else tids[:cut]
             log.info(
                 "request %s: %d prompt tokens, prompt %r, params %s", rid, len(tids), shown, params

@@ -86,6 +86,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         mm_processor_kwargs=args.mm_processor_kwargs,
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         enable_mm_embeds=args.enable_mm_embeds,
+        enable_prompt_embeds=args.enable_prompt_embeds,
         **_lora_config(args),
     )
     return LLMEngine(config)
@@ -153,6 +154,8 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         images=getattr(getattr(engine, "input_processor", None), "images", None),
         media=media,
         mm_embeds=args.enable_mm_embeds,
+        # --enable-prompt-embeds: the width the engine checks rows against
+        prompt_embeds_width=getattr(getattr(engine, "input_processor", None), "embeds_width", None),
     )
     return client, app
 

@@ -387,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
         "torch.save tensor or .npy array; for trusted clients)",
     )
     p.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="take /v1/completions `prompt_embeds` (vLLM's flag: base64 of a torch.save "
+        "tensor [tokens, hidden size] of the model's token embeddings; for trusted clients)",
+    )
+    p.add_argument(
         "--allowed-local-media-path",
         default=None,
         metavar="DIR",

@@ -224,6 +224,9 @@ _NPY_MAGIC = b"\x93NUMPY"
 _EMBEDS_KEYS = ("image_embeds", "image_grid_thw")
 
 
+MAX_TENSOR_ELEMS = 1 << 27  # 512 MiB of float32: far above any image's or prompt's features
+
+
 def load_embeds(ref: ImageRef) -> Any:
     """An `image_embeds` part's tensor, or Qwen2-VL's dict of tensors; a 400 naming the part
     for anything else."""
@@ -235,11 +238,14 @@ def load_embeds(ref: ImageRef) -> Any:
                 f"'image_grid_thw'), got keys {sorted(value)}",
                 ref.param,
             )
-        return {k: _tensor(f"{ref.param}.{k}", v) for k, v in value.items()}
-    return _tensor(ref.param, value)
+        return {k: decode_tensor(f"{ref.param}.{k}", v) for k, v in value.items()}
+    return decode_tensor(ref.param, value)
 
 
-def _tensor(param: str, data: Any) -> Any:
+def decode_tensor(param: str, data: Any, max_elems: int = MAX_TENSOR_ELEMS) -> Any:
+    """A base64 torch.save'd (or .npy) tensor from a client, dense, at most `max_elems`
+    elements (its shape is checked before anything is expanded: a sparse tensor or a stride-0
+    view can claim far more than its bytes); a 400 naming `param` for anything else."""
     import numpy as np
     import torch
 
@@ -260,6 +266,8 @@ def _tensor(param: str, data: Any) -> Any:
                 tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
                 if not isinstance(tensor, torch.Tensor):
                     raise ValueError(f"it holds a {type(tensor).__name__}, not one tensor")
+                if tensor.numel() > max_elems:
+                    raise ValueError(f"{list(tensor.shape)} is over {max_elems} elements")
                 tensor = tensor.to_dense()
     except Exception as e:  # a corrupt file, pickled objects, a bad sparse tensor
         raise bad_request(f"{param} could not be read as a tensor: {e}", param) from None

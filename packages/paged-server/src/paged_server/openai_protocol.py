@@ -47,7 +47,7 @@ _UNSUPPORTED_UNLESS = {
     # vLLM extras left out (docs/server.md lists why)
     "logits_processors": (None, []),
     "mm_processor_kwargs": (None, {}),
-    "prompt_embeds": (None,),
+    "prompt_embeds": (None,),  # completions only (_COMPLETION_KEYS)
     "kv_transfer_params": (None,),
     "vllm_xargs": (None, {}),
     "structural_tag": (None,),  # older vLLM's top-level spelling
@@ -96,7 +96,7 @@ _COMMON = {
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
-_COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo"}
+_COMPLETION_KEYS = _COMMON | {"prompt", "logprobs", "echo", "prompt_embeds"}
 _CHAT_KEYS = _COMMON | {
     "messages",
     "echo",
@@ -152,6 +152,9 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
     image_refs: list[ImageRef] = field(default_factory=list)  # chat: its images, in order
+    # completions: base64 torch.save'd [L, D] tensors, as vLLM takes them; they run before
+    # the `prompts` (choice indexes count them first), decoded by the app (prompt_embeds.py)
+    prompt_embeds: list[str] = field(default_factory=list)
     # chat: vLLM's mm_processor_kwargs, for the image processor on this request's images
     mm_processor_kwargs: dict[str, Any] | None = None
     # chat: the images processed already (ImageInputs), where their runs' lengths needed them
@@ -395,14 +398,32 @@ def _prompts(value: Any) -> list[str | list[int]]:
     return prompts
 
 
+def _prompt_embeds(value: Any) -> list[str]:
+    """prompt_embeds: a base64 string (a torch.save'd tensor) or a list of them; [] for null."""
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, str) and v for v in items):
+        raise bad_request(
+            "'prompt_embeds' must be a base64 string of a torch.save'd tensor, or a non-empty "
+            "list of them",
+            "prompt_embeds",
+        )
+    return items
+
+
 def parse_completion(body: Any) -> GenerationRequest:
     b = _Body(body, _COMPLETION_KEYS)
-    if "prompt" not in b.d:
-        raise bad_request("'prompt' is required", "prompt")
+    embeds = _prompt_embeds(b.d.get("prompt_embeds"))
+    prompt = b.d.get("prompt")
+    if embeds and prompt in ("", []):  # the openai client's stand-in for "no text prompt"
+        prompt = None
+    if prompt is None and not embeds:
+        raise bad_request("'prompt' (or 'prompt_embeds') is required", "prompt")
     stream, usage = _stream_flags(b)
     req = GenerationRequest(
         model=None,
-        prompts=_prompts(b.d["prompt"]),
+        prompts=[] if prompt is None else _prompts(prompt),
         sampling=_sampling(b),
         # 16 when absent (OpenAI's default); an explicit null fills the context, as in vLLM
         max_tokens=b.int("max_tokens", None if "max_tokens" in b.d else 16, 0, 1 << 31),
@@ -415,6 +436,9 @@ def parse_completion(body: Any) -> GenerationRequest:
     _common(b, req)
     req.structured, req.structured_param = parse_structured(b.d)
     _check_beam_constraint(req)
+    req.prompt_embeds = embeds
+    if embeds and req.echo:
+        raise bad_request("'echo' is not supported with 'prompt_embeds' (no prompt text)", "echo")
     if req.max_tokens == 0 and not req.echo:
         # Prompt scoring (legacy OpenAI, lm-eval-harness): the prompt and its logprobs, nothing
         # generated. Without echo there is nothing to return.

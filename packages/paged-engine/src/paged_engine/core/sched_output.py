@@ -35,6 +35,7 @@ class NewSeqData:
     # images (multimodal/inputs.py) whose placeholders it has yet to run
     mm_inputs: tuple = ()
     mrope: Any = None  # its prompt's M-RoPE positions (Qwen-VL with images), else None
+    embeds_prompt: bool = False  # prompt_embeds: its prompt ids are placeholders, not tokens
 
 
 @dataclass(slots=True)

@@ -665,6 +665,7 @@ class Scheduler:
             state_slot=seq.state_slot,
             mm_inputs=tuple(m for m in req.mm_inputs if m.end > start),
             mrope=req.mrope,
+            embeds_prompt=bool(req.mm_inputs) and req.mm_inputs[0].token_rows,
         )
 
 

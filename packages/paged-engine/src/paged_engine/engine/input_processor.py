@@ -11,6 +11,7 @@ from typing import Any
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
+from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.pooling import truncated
@@ -39,6 +40,7 @@ class InputProcessor:
         structured: StructuredOutputManager | None = None,
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
+        embeds_width: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.default_params = default_params or {}  # params=None: SamplingParams(**these)
@@ -47,6 +49,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
         self.images = images  # a checkpoint whose images run (multimodal/), else None
+        # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
+        self.embeds_width = embeds_width
 
     def make_request(
         self,
@@ -62,10 +66,13 @@ class InputProcessor:
             params = params.to_beam_search_params()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
-        text, token_ids = self._tokenize_prompt(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
-        if mm_data:
+        if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+            text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
+        else:
+            text, token_ids = self._tokenize_prompt(prompt)
+        if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             token_ids, mm_inputs = self._images(token_ids, mm_data, kwargs)
         max_len = self.config.max_model_len
@@ -73,6 +80,11 @@ class InputProcessor:
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
         cut = truncated(token_ids, keep, max_len)
         if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
+            if mm_inputs and mm_inputs[0].token_rows:
+                raise ValueError(
+                    "truncate_prompt_tokens would cut a prompt given as prompt_embeds: send "
+                    "the rows to keep"
+                )
             if mm_inputs:
                 raise ValueError(
                     "truncate_prompt_tokens would cut a prompt with images (their placeholders "
@@ -115,7 +127,7 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.cache_salt = salt
-        if mm_inputs:
+        if mm_inputs and not mm_inputs[0].token_rows:
             assert self.images is not None
             req.mrope = self.images.positions(len(token_ids), mm_inputs)
         return ProcessedRequest(req, text, num_returned)
@@ -158,6 +170,26 @@ class InputProcessor:
             return None, ids
         raise ValueError(
             f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
+        )
+
+    def _prompt_embeds(self, prompt: dict, params: Any) -> tuple[list[int], tuple]:
+        """vLLM's EmbedsPrompt: the placeholder ids and the rows (engine/prompt_embeds.py)."""
+        if self.embeds_width is None:
+            raise ValueError(
+                "prompt_embeds needs an engine started with enable_prompt_embeds=True "
+                "(paged-server --enable-prompt-embeds)"
+            )
+        both = sorted({"prompt", "prompt_token_ids", "multi_modal_data"} & set(prompt))
+        if both:
+            raise ValueError(f"prompt_embeds comes alone: drop {both} from the prompt dict")
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise ValueError("prompt_logprobs: a prompt given as prompt_embeds has no tokens")
+        assert self.config.max_model_len is not None
+        return prompt_embeds_inputs(
+            prompt["prompt_embeds"],
+            width=self.embeds_width,
+            max_len=self.config.max_model_len,
+            block_size=self.config.block_size,
         )
 
     def _images(

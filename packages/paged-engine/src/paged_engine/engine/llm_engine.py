@@ -40,6 +40,11 @@ from paged_engine.engine.encoder import encoder_class, encoder_engine_config, en
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
+from paged_engine.engine.prompt_embeds import (
+    check_prompt_embeds,
+    embedding_width,
+    is_embeds_prompt,
+)
 from paged_engine.engine.sleep_mode import SleepMode
 from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor
@@ -111,6 +116,7 @@ class LLMEngine:
             config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path
         )
         self.is_encoder = self.encoder is not None
+        check_prompt_embeds(config, self.hf_config, self.is_encoder)
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -296,6 +302,7 @@ class LLMEngine:
             structured=structured,
             default_params=self.generation_defaults,
             images=images,
+            embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
@@ -367,12 +374,14 @@ class LLMEngine:
             req.lora_id, req.lora_path = lora_request.lora_int_id, lora_request.lora_path
         kind = RequestOutputKind.FINAL_ONLY if final_only else req.params.output_kind
         self.engine_core.add_request(req)
+        embeds = is_embeds_prompt(req.mm_inputs)  # placeholders, not tokens
         self.output_processor.add_request(
             request_id,
             p.prompt_text,
-            req.prompt_token_ids,
+            None if embeds else req.prompt_token_ids,
             req.params,
             req.arrival_time,
+            num_prompt_tokens=len(req.prompt_token_ids),
             num_returned=p.num_returned,
             kind=kind,
             lora_request=lora_request,

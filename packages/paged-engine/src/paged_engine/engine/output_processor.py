@@ -67,7 +67,8 @@ class SeqText:
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int] | None  # None: the prompt came as prompt_embeds
+    num_prompt_tokens: int
     params: SamplingParams | BeamSearchParams
     kind: RequestOutputKind
     num_samples: int  # sequences generated (best_of, or the beam width)
@@ -124,10 +125,11 @@ class OutputProcessor:
         self,
         request_id: str,
         prompt: str | None,
-        prompt_token_ids: list[int],
+        prompt_token_ids: list[int] | None,
         params: SamplingParams | BeamSearchParams,
         arrival_time: float,
         *,
+        num_prompt_tokens: int | None = None,
         num_returned: int,
         kind: RequestOutputKind,
         lora_request: Any = None,
@@ -140,6 +142,9 @@ class OutputProcessor:
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=prompt_token_ids,
+            num_prompt_tokens=(
+                len(prompt_token_ids) if num_prompt_tokens is None else num_prompt_tokens
+            ),
             params=params,
             kind=kind,
             num_samples=num_samples,
@@ -158,7 +163,7 @@ class OutputProcessor:
         if not beam and params.detokenize:
             detok = make_detokenizer(
                 self.tokenizer,
-                prompt_token_ids,
+                prompt_token_ids or [],
                 skip_special_tokens=params.skip_special_tokens,
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
                 vocab=self._byte_vocab,
@@ -328,7 +333,7 @@ class OutputProcessor:
                 return None
             params = state.params
             assert isinstance(params, PoolingSamplingParams)
-            vec = state.pooled.finish(params, len(state.prompt_token_ids))
+            vec = state.pooled.finish(params, state.num_prompt_tokens)
             data = PoolingOutput(torch.tensor(vec, dtype=torch.float32))
             return PoolingRequestOutput(
                 state.request_id, data, state.prompt_token_ids, True, state.prompt
@@ -380,6 +385,7 @@ class OutputProcessor:
             metrics,
             state.num_cached_tokens,
             state.lora_request,
+            state.num_prompt_tokens,
         )
 
     @staticmethod

@@ -302,13 +302,17 @@ class Gemma4Model(nn.Module):
         proj = self.per_layer_projection_norm(proj.view(t, -1, p))
         return (proj + tok) * 2**-0.5
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        """The scaled token embedding (HF's input embedding: prompt_embeds rows go after it)."""
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scale.to(x.dtype)
+
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # kv_caches: this stage's layers that compute their own KV, in layer order. A KV-shared
         # model has one stage (it refuses more), so a layer's source indexes it from 0.
         ple, x = None, hidden
         if hidden is None or self.ple_dim:  # every stage needs the per-layer inputs
-            embedded = self.embed_tokens(input_ids)
-            embedded = embedded * self.embed_scale.to(embedded.dtype)  # [T, D]
+            embedded = self.embed_input_ids(input_ids)
             ple = self._ple_inputs(input_ids, embedded) if self.ple_dim else None
             x = embedded if hidden is None else hidden
         start = self.stage.start

@@ -12,6 +12,10 @@
 Gemma 3 (`bidirectional`): each placeholder also sees the image's later placeholders, as HF's
 mask lets it at prefill; the scheduler keeps each such image within one step.
 
+`token_rows` (vLLM's prompt_embeds, engine/prompt_embeds.py): the span is a block of a prompt
+given as embeddings, each row standing for the token embedding lookup's output (a model's own
+scaling, position embeddings or projection still follow), not for features put after it.
+
 `mm_hash` identifies the pixels: the prefix cache keys a block that covers any placeholder of
 an image by the image's hash too, so two prompts with the same text and other images share no
 KV (core/block_manager.py).
@@ -41,6 +45,7 @@ class ImageInput:
     # Gemma 3: the span's tokens attend to each other (all of it, both ways) at prefill, so a
     # step never ends inside it (core/token_plan.py whole_images) and its rows see its end
     bidirectional: bool = False
+    token_rows: bool = False  # prompt_embeds rows (see the module)
 
     @property
     def num_features(self) -> int:

@@ -13,12 +13,22 @@ least-recently-used pool of at most `cache_elems` elements (max_num_batched_toke
 text hidden size: a chat that resends its images skips the encoder when the prefix cache does
 not cover all of them). A sequence the scheduler drops (finished, preempted) lets go of its
 images; one that comes back brings those it has yet to run. An image given as its features
-(vLLM's image_embeds, `ImageInput.embeds`) is not encoded.
+(vLLM's image_embeds, `ImageInput.embeds`) is not encoded, nor kept once used (it comes with
+its request).
+
+prompt_embeds rows (`ImageInput.token_rows`, engine/prompt_embeds.py) stand for the token
+embedding lookup's output, not for features put after the model's own scaling: they go into the
+lookup's output (a forward hook on the embedding module, `spliced_lookup`), so whatever a model
+does to its token embeddings (Gemma's scale, GPT-2's position embeddings, OPT's projection) is
+done to them too.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -29,16 +39,48 @@ from paged_engine.models.llama import LayerAdditions
 from paged_engine.multimodal.inputs import ImageInput
 
 
+@dataclass(frozen=True, slots=True)
+class LookupRows:
+    """prompt_embeds rows of a step: the token embedding's output gets out[index] = rows."""
+
+    index: torch.Tensor  # [N] flat step rows
+    rows: torch.Tensor  # [N, D]
+
+
+@contextmanager
+def spliced_lookup(embedding: nn.Module, lookup: LookupRows | None) -> Iterator[None]:
+    """While open, `embedding`'s output carries `lookup`'s rows (nothing when None)."""
+    if lookup is None:
+        yield
+        return
+
+    def splice(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+        out[lookup.index] = lookup.rows.to(out.dtype)
+        return out
+
+    handle = embedding.register_forward_hook(splice)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 class ImageEmbedder:
     def __init__(
         self,
-        encoder: nn.Module,
-        embed_tokens: nn.Module,
+        encoder: nn.Module | None,
+        embed_tokens: Callable[[torch.Tensor], torch.Tensor],
+        lookup: nn.Module | None,
         device: torch.device,
         cache_elems: int = 0,
     ) -> None:
-        self.encoder = encoder  # multimodal/archs.py build_encoder: .encode(images) -> [rows]
-        self.embed_tokens = embed_tokens  # the text model's token embedding
+        # multimodal/archs.py build_encoder: .encode(images) -> [rows]; None for a model that
+        # only takes prompt_embeds
+        self.encoder = encoder
+        self.embed_tokens = embed_tokens  # the token embedding as the model's first stage has it
+        # the embedding module whose output prompt_embeds rows replace; None where they go
+        # with the images, after `embed_tokens` (Gemma: HF's input embedding is scaled)
+        self.lookup = lookup
         self.device = device
         self.images: dict[int, list[ImageInput]] = {}  # seq id -> images it has yet to run
         # mm_hash -> feature rows [L, D] (or [L, 1 + k, D]) while an image in `images` has it
@@ -58,21 +100,22 @@ class ImageEmbedder:
 
     def remove(self, seq_id: int) -> None:
         for m in self.images.pop(seq_id, ()):
-            self._release(m.mm_hash)
+            self._release(m)
 
     def clear_idle(self) -> None:
         """Drop the features no sequence needs (sleep mode gives their memory back)."""
         self.idle.clear()
         self.idle_elems = 0
 
-    def _release(self, key: str) -> None:
+    def _release(self, m: ImageInput) -> None:
+        key = m.mm_hash
         left = self.users[key] - 1
         if left:
             self.users[key] = left
             return
         del self.users[key]
         f = self.features.pop(key, None)
-        if f is None or f.numel() > self.cache_elems:
+        if f is None or f.numel() > self.cache_elems or m.embeds is not None:
             return
         self.idle[key] = f
         self.idle_elems += f.numel()
@@ -81,15 +124,20 @@ class ImageEmbedder:
 
     def inputs_embeds(
         self, sched: SchedulerOutput, cu: np.ndarray, input_ids: torch.Tensor
-    ) -> tuple[torch.Tensor, LayerAdditions | None] | None:
-        """([T, D] embeddings of the step's tokens with image rows in place, the rows the
-        decoder adds after its first layers where the encoder gives them (Qwen3-VL's
-        deepstack: features [rows, 1 + k, D]) or None), or None when no placeholder of an
-        image runs this step."""
+    ) -> tuple[torch.Tensor | None, LayerAdditions | None, LookupRows | None] | None:
+        """(embeds, additions, lookup), or None when no placeholder runs this step:
+        embeds: [T, D] embeddings of the step's tokens with image rows in place (None when only
+        prompt_embeds rows run: the model embeds its tokens itself); additions: the rows the
+        decoder adds after its first layers where the encoder gives them (Qwen3-VL's deepstack:
+        features [rows, 1 + k, D]) or None; lookup: the step's prompt_embeds rows, for
+        `spliced_lookup` while the model embeds its tokens (here, for `embeds`, and then not
+        returned)."""
         if not self.images:
             return None
-        # (flat rows of the step, the image's hash, its feature rows there)
+        # (flat rows of the step, the image's hash, its feature rows there): rows put after the
+        # token embedding (images), rows put into its output (prompt_embeds, `lookup`)
         pieces: list[tuple[np.ndarray, str, np.ndarray]] = []
+        rows_of_prompts: list[tuple[np.ndarray, str, np.ndarray]] = []
         todo: list[ImageInput] = []
         for i, seq_id in enumerate(sched.seq_ids):
             start = sched.start_positions[i]
@@ -99,24 +147,45 @@ class ImageEmbedder:
                     lo, hi = max(start, m.offset), min(end, m.end)
                     span, feats = m.feature_rows(lo - m.offset, hi - m.offset)
                     flat = int(cu[i]) + span + m.offset - start
-                    pieces.append((flat, m.mm_hash, feats))
+                    before = m.token_rows and self.lookup is not None
+                    (rows_of_prompts if before else pieces).append((flat, m.mm_hash, feats))
                     todo.append(m)
-        if not pieces:
+        if not todo:
             return None
         self._encode(todo)
-        x = self.embed_tokens(input_ids)
-        taken = [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size]
+        lookup = self._gather(rows_of_prompts)
+        if not pieces:
+            self._retire(sched)
+            assert lookup is not None
+            return None, None, LookupRows(*lookup)
+        if lookup is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            assert self.lookup is not None
+            with spliced_lookup(self.lookup, LookupRows(*lookup)):
+                x = self.embed_tokens(input_ids)
+        gathered = self._gather(pieces)
         self._retire(sched)
-        if not taken:  # the step runs only line-break tokens of its images (Pixtral)
-            return x, None
-        rows = torch.cat(taken).to(x.dtype)
-        index = torch.from_numpy(np.concatenate([flat for flat, _, _ in pieces])).to(x.device)
+        if gathered is None:  # the step runs only line-break tokens of its images (Pixtral)
+            return x, None, None
+        index, rows = gathered
+        rows = rows.to(x.dtype)
         additions = None
         if rows.dim() == 3:  # [N, 1 + k, D]: the input rows, then one per deepstack layer
             additions = LayerAdditions(index, list(rows[:, 1:].unbind(1)))
             rows = rows[:, 0]
         x[index] = rows
-        return x, additions
+        return x, additions, None
+
+    def _gather(
+        self, pieces: list[tuple[np.ndarray, str, np.ndarray]]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(flat step rows, their feature rows) of `pieces`, None when they take none."""
+        taken = [self.features[key][torch.from_numpy(f)] for _, key, f in pieces if f.size]
+        if not taken:
+            return None
+        index = np.concatenate([flat for flat, _, f in pieces if f.size])
+        return torch.from_numpy(index).to(self.device), torch.cat(taken)
 
     def _encode(self, todo: list[ImageInput]) -> None:
         """Features for every image of `todo`: at hand, back from the idle pool, the client's
@@ -137,6 +206,7 @@ class ImageEmbedder:
         if not run:
             return
         images = list(run.values())
+        assert self.encoder is not None, "images reach a worker without a vision encoder"
         self.encoded += len(images)
         for m, f in zip(images, self.encoder.encode(images), strict=True):
             if f.shape[0] != m.num_features:  # (any extra dims: deepstack layers)
@@ -154,7 +224,7 @@ class ImageEmbedder:
             end = sched.start_positions[i] + sched.num_new_tokens[i]
             done = [m for m in images if m.end <= end]
             for m in done:
-                self._release(m.mm_hash)
+                self._release(m)
             left = [m for m in images if m.end > end]
             if left:
                 self.images[seq_id] = left

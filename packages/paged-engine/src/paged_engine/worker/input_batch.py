@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from paged_engine.core.sched_output import NewSeqData
+from paged_engine.sample.metadata import PAD
 
 
 @dataclass(slots=True, eq=False)
@@ -139,6 +140,9 @@ class InputBatch:
         self.history[row] = history
         if history:
             self.mirror_tokens(row, data.token_ids)
+            if data.embeds_prompt:  # placeholders: no token a penalty counts
+                assert self.tokens_np is not None
+                self.tokens_np[row, : data.num_prompt_tokens] = PAD
         self.seeded[row] = seq.seed is not None and not p.is_greedy
         self.logprobs[row] = not beam and (p.logprobs is not None or (p.best_of or 0) > p.n)
         self.beam[row] = beam

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +49,7 @@ from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cpu_compile import CompiledForward
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
-from paged_engine.worker.image_embeds import ImageEmbedder
+from paged_engine.worker.image_embeds import ImageEmbedder, LookupRows, spliced_lookup
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.key_ends import ImageSpans
 from paged_engine.worker.pooler import pool_hidden
@@ -79,6 +79,8 @@ class StepInputs:
     embeds: torch.Tensor | None = None
     # rows the decoder adds after its first layers (Qwen3-VL's deepstack), with `embeds`
     additions: LayerAdditions | None = None
+    # prompt_embeds rows for the token embedding's output (with `embeds` None)
+    lookup: LookupRows | None = None
 
 
 @contextmanager
@@ -281,7 +283,7 @@ class ModelRunner:
             shape = (inputs.input_ids.shape[0], self.stage_width)
             prev = state.stage_rank(state.pp_rank - 1)
             hidden_in = recv_tensor(shape, _model_dtype(self.model), self.device, prev)
-        with layer_additions(self.model, inputs.additions):
+        with layer_additions(self.model, inputs.additions), self._spliced_lookup(inputs):
             hidden = self.model(
                 inputs.input_ids,
                 inputs.positions,
@@ -392,8 +394,10 @@ class ModelRunner:
             )
             meta.has_initial_state = has_state.bool()
         spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
-        embeds, additions = spliced if spliced is not None else (None, None)
-        return StepInputs(input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions)
+        embeds, additions, lookup = spliced if spliced is not None else (None, None, None)
+        return StepInputs(
+            input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup
+        )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, D]; a view of a graph's static output when a graph ran (valid until
@@ -403,6 +407,9 @@ class ModelRunner:
         if inputs.embeds is not None:  # image features at their placeholders: eager
             with layer_additions(self.model, inputs.additions):
                 return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
+        if inputs.lookup is not None:  # prompt_embeds rows: eager
+            with self._spliced_lookup(inputs):
+                return self.model(ids, pos, self.cache.kv_caches, meta)
         if pos.dim() == 2 or meta.key_ends is not None:  # an image's M-RoPE / two-way rows: eager
             return self.model(ids, pos, self.cache.kv_caches, meta)
         if self.graphs is not None and self.graphs.can_run(meta, ids.shape[0]):
@@ -410,6 +417,13 @@ class ModelRunner:
         if self.compiled is not None:
             return self.compiled.run(ids, pos, meta)
         return self.model(ids, pos, self.cache.kv_caches, meta)
+
+    def _spliced_lookup(self, inputs: StepInputs) -> AbstractContextManager[None]:
+        """The step's prompt_embeds rows in the token embedding's output while open."""
+        if inputs.lookup is None:
+            return nullcontext()
+        assert self.images is not None and self.images.lookup is not None
+        return spliced_lookup(self.images.lookup, inputs.lookup)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         if self.compiled is not None:

@@ -143,7 +143,9 @@ class Worker:
                 ),
                 config.max_num_seqs,
             )
-        if config.image_limit != 0 and get_parallel_state().is_first_stage:
+        encoder = None
+        first = get_parallel_state().is_first_stage
+        if config.image_limit != 0 and first:
             encoder = load_image_encoder(
                 resolved,
                 hf_config,
@@ -153,15 +155,24 @@ class Worker:
                 seed=config.seed,
                 trust_remote_code=config.trust_remote_code,
             )
-            if encoder is not None:  # images embedded at their placeholders
+            if encoder is not None:
                 check_deepstack(encoder, model, config.pipeline_parallel_size)
-                # the token embedding as the model's first stage computes it (Gemma scales it)
-                embed = getattr(model.model, "embed_input_ids", model.model.embed_tokens)
-                # idle features kept for reuse: one full step's rows of the text hidden size
-                rows = config.max_num_batched_tokens or 0
-                self.model_runner.images = ImageEmbedder(
-                    encoder, embed, self.device, cache_elems=rows * int(hf_config.hidden_size)
-                )
+        if first and (encoder is not None or config.enable_prompt_embeds):
+            # images embedded at their placeholders, prompt_embeds rows at theirs; the token
+            # embedding as the model's first stage computes it (Gemma scales it, and so does
+            # HF's input embedding there: prompt_embeds rows go after the scale, as images do)
+            lookup = model.get_submodule(model.embed_path)
+            owner = model.get_submodule(model.embed_path.rpartition(".")[0])
+            embed = getattr(owner, "embed_input_ids", None)
+            # idle features kept for reuse: one full step's rows of the text hidden size
+            elems = (config.max_num_batched_tokens or 0) * int(hf_config.hidden_size)
+            self.model_runner.images = ImageEmbedder(
+                encoder,
+                lookup if embed is None else embed,
+                lookup if embed is None else None,
+                self.device,
+                cache_elems=elems,
+            )
         attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
         # start_profile / stop_profile: on when the environment names a trace directory.
@@ -359,7 +370,7 @@ class Worker:
         runner = self.model_runner
         yield from module_tensors(runner.model)
         kept = [runner.draft.model] if runner.draft is not None else []
-        if runner.images is not None:
+        if runner.images is not None and runner.images.encoder is not None:
             kept.append(runner.images.encoder)
         for module in kept:
             yield from ((t, False) for t, _ in module_tensors(module))

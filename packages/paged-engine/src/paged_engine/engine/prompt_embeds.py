@@ -1,0 +1,102 @@
+"""vLLM's prompt embeddings input: `{"prompt_embeds": tensor}` in place of a prompt's tokens.
+
+    prompt_embeds [L, D]  ->  L placeholder token ids (0) and one `ImageInput` per KV block:
+    rows [i * bs, (i + 1) * bs) with `token_rows` set, keyed by the SHA-256 of those rows
+
+The rows are what the model's token embedding gives for tokens (HF's
+`model.get_input_embeddings()(ids)`): the worker puts them where the embedding lookup's output
+would be (worker/image_embeds.py), so a model's own scaling (Gemma, Granite), position
+embeddings (GPT-2) or projection (OPT) still apply, and the embeddings of a prompt's tokens give
+that prompt's outputs. A hash per block lets prompts that share leading rows share KV blocks
+through the prefix cache as tokens do (core/block_manager.py puts the hash in a block's key).
+The placeholders are not tokens: penalties skip them and the request's output has
+`prompt_token_ids=None`, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from paged_engine.multimodal.inputs import ImageInput
+
+PLACEHOLDER = 0  # the token id under each row: a valid lookup whose output is replaced
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def embedding_width(hf_config: Any) -> int:
+    """Columns of the token embedding's output: the hidden size, or OPT's projection width."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return int(getattr(text, "word_embed_proj_dim", None) or text.hidden_size)
+
+
+def check_prompt_embeds(config: Any, hf_config: Any, is_encoder: bool) -> None:
+    """A ValueError naming enable_prompt_embeds for a model whose layers read the token ids
+    themselves, where rows have none."""
+    if not config.enable_prompt_embeds:
+        return
+    if is_encoder:
+        raise ValueError("enable_prompt_embeds: an encoder model (BERT family) reads token ids")
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    if getattr(text, "hidden_size_per_layer_input", None):
+        raise ValueError(
+            "enable_prompt_embeds: this model's layers each embed the token ids again (Gemma "
+            "4's per-layer embeddings), which a prompt given as embeddings does not have"
+        )
+
+
+def prompt_embeds_inputs(
+    embeds: Any, *, width: int, max_len: int, block_size: int
+) -> tuple[list[int], tuple[ImageInput, ...]]:
+    """(placeholder token ids, the rows as one ImageInput per block), or a ValueError naming
+    `prompt_embeds`. Shapes are checked before anything is copied: a tensor of the right shape
+    holds at most max_model_len rows."""
+    if not isinstance(embeds, torch.Tensor):
+        raise ValueError(
+            f"prompt_embeds must be a torch.Tensor [num_tokens, {width}], got "
+            f"{type(embeds).__name__}"
+        )
+    if embeds.layout != torch.strided:
+        raise ValueError(f"prompt_embeds must be a dense tensor, got layout {embeds.layout}")
+    if embeds.dtype not in _DTYPES:
+        raise ValueError(f"prompt_embeds must be float32, bfloat16 or float16, got {embeds.dtype}")
+    if embeds.dim() == 3 and embeds.shape[0] == 1:  # a batch of one, as HF returns it
+        embeds = embeds[0]
+    if embeds.dim() != 2 or embeds.shape[1] != width or embeds.shape[0] == 0:
+        raise ValueError(
+            f"prompt_embeds must have shape [num_tokens, {width}] (the model's token embedding "
+            f"width), got {list(embeds.shape)}"
+        )
+    num = int(embeds.shape[0])
+    if num >= max_len:
+        raise ValueError(
+            f"prompt is too long: {num} prompt_embeds rows, but max_model_len is {max_len} "
+            "(the prompt must leave room for at least one generated token)"
+        )
+    # a copy on the host: the caller may change its tensor later, the hashes must not go stale
+    rows = embeds.detach().to("cpu", copy=True).contiguous()
+    if not bool(torch.isfinite(rows).all()):
+        raise ValueError("prompt_embeds must be finite (found NaN or infinity)")
+    head = f"{rows.dtype}:{width}:".encode()
+    inputs = []
+    for i, chunk in enumerate(rows.split(block_size)):
+        chunk = chunk.clone()  # its own storage: a pickled view would carry all the rows
+        digest = hashlib.sha256(head + chunk.view(torch.uint8).numpy().tobytes()).hexdigest()
+        inputs.append(
+            ImageInput(
+                pixel_values=None,
+                offset=i * block_size,
+                length=int(chunk.shape[0]),
+                mm_hash=digest[:32],
+                embeds=chunk,
+                token_rows=True,
+            )
+        )
+    return [PLACEHOLDER] * num, tuple(inputs)
+
+
+def is_embeds_prompt(mm_inputs: tuple) -> bool:
+    """Whether a request's prompt came as prompt_embeds (its first input is a block of rows)."""
+    return bool(mm_inputs) and mm_inputs[0].token_rows

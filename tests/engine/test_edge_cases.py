@@ -536,7 +536,7 @@ def test_penalties_match_naive_reference(llm, hf_llama):
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": -2}, "logprobs"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
         ({"early_stopping": 1}, "early_stopping"),
         ({"top_k": -2}, "top_k"),

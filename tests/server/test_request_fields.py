@@ -111,8 +111,16 @@ def test_chat_echo_repeats_the_final_assistant_message(fake) -> None:
         ({"include_reasoning": "yes"}, "include_reasoning"),
         ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
         ({"structural_tag": "{}"}, "structural_tag"),
-        ({"max_repetition_pattern_size": 8}, "max_repetition_pattern_size"),
-        ({"repetition_min_count": 3}, "repetition_min_count"),
+        # values repetition_detection refuses, in its older top-level spelling
+        ({"max_repetition_pattern_size": 8}, "repetition_detection"),  # min_count 0
+        (
+            {
+                "max_repetition_pattern_size": 2,
+                "min_repetition_pattern_size": 3,
+                "repetition_min_count": 3,
+            },
+            "repetition_detection",
+        ),
     ],
 )
 def test_refused_fields_are_named(fake, extra, param) -> None:

@@ -106,7 +106,7 @@ class EngineConfig:
     device: str = "auto"
     attention_backend: str = "auto"
     trust_remote_code: bool = False
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: the vocabulary size (what logprobs=-1 asks for)
     disable_log_stats: bool = True
     # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
     async_scheduling: bool | None = None
@@ -163,6 +163,9 @@ class EngineConfig:
     # engine takes them either way (their shapes are checked); paged-server takes `image_embeds`
     # chat parts only with it on (--enable-mm-embeds).
     enable_mm_embeds: bool = False
+    # vLLM's --stream-interval: streaming outputs carry at least this many new tokens each (the
+    # first and the last come at once); SamplingParams.stream_interval may raise it
+    stream_interval: int = 1
     # vLLM's prompt embeddings input ({"prompt_embeds": tensor [L, D]}, engine/prompt_embeds.py):
     # off by default, as in vLLM; paged-server takes them on /v1/completions with it on.
     enable_prompt_embeds: bool = False
@@ -320,10 +323,16 @@ class EngineConfig:
             )
         _check(_is_int(self.seed), "seed", self.seed, "an int")
         _check(
-            _is_int(self.max_logprobs) and self.max_logprobs >= 0,
+            _is_int(self.stream_interval) and self.stream_interval >= 1,
+            "stream_interval",
+            self.stream_interval,
+            "an int >= 1",
+        )
+        _check(
+            _is_int(self.max_logprobs) and self.max_logprobs >= -1,
             "max_logprobs",
             self.max_logprobs,
-            "an int >= 0",
+            "an int >= 0, or -1 (the whole vocabulary)",
         )
         _check(
             _is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,

@@ -7,6 +7,7 @@ message names the parameter and the value, so the server can return it as a 400 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import math
 import operator
@@ -92,7 +93,64 @@ _BOOL_FIELDS = (
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "use_beam_search",
+    "skip_clone",
 )
+
+
+@dataclass(slots=True)
+class RepetitionDetectionParams:
+    """vLLM's early stop on a loop: a sequence ends (finish_reason "repetition", stop_reason
+    "repetition_detected") once its output ends with a pattern of `min_pattern_size` to
+    `max_pattern_size` tokens repeated `min_count` times back to back. max_pattern_size 0 is off."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0  # 0: 1
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            setattr(self, name, _as_int(f"repetition_detection.{name}", getattr(self, name)))
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size:
+            raise ValueError(
+                "repetition_detection: max_pattern_size and min_pattern_size must be >= 0 with "
+                f"min_pattern_size <= max_pattern_size, got {self.min_pattern_size} and "
+                f"{self.max_pattern_size}."
+            )
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(
+                f"repetition_detection.min_count must be >= 2 to detect a repetition, got "
+                f"{self.min_count} (max_pattern_size 0 turns detection off)."
+            )
+
+    @classmethod
+    def of(cls, value: object) -> RepetitionDetectionParams | None:
+        """From an instance, a dict of its fields (a JSON request's) or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"max_pattern_size", "min_pattern_size", "min_count"})
+            if unknown:
+                raise ValueError(f"repetition_detection has unknown fields {unknown}.")
+            return cls(**value)
+        raise ValueError(
+            f"repetition_detection must be a RepetitionDetectionParams or a dict, got {value!r}."
+        )
+
+    def found(self, tokens: list[int], num_out: int) -> bool:
+        """Whether the last `num_out` of `tokens` (the output) end with a pattern repeated
+        min_count times. O(max_pattern_size * min_count) a token: the tail is all it reads."""
+        if self.max_pattern_size <= 0:
+            return False
+        count, end = self.min_count, len(tokens)
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * count > num_out:
+                return False
+            if tokens[end - 1] != tokens[end - 1 - size]:  # the cheap test first
+                continue
+            tail = tokens[end - size :]
+            if all(tokens[end - size * (k + 1) : end - size * k] == tail for k in range(1, count)):
+                return True
+        return False
 
 
 @dataclass(slots=True)
@@ -137,6 +195,15 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: arguments for custom sampling code and plugins (carried, not read by paged)
+    extra_args: dict[str, Any] | None = None
+    skip_clone: bool = False  # clone() copies shallowly
+    # streaming outputs carry at least this many new tokens each (the first and the last
+    # come at once); the engine's stream_interval is the floor
+    stream_interval: int | None = None
+    # True: the request takes nothing from the prefix cache (None: only with prompt_logprobs)
+    skip_reading_prefix_cache: bool | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -150,6 +217,8 @@ class SamplingParams:
             setattr(self, name, _as_float(name, getattr(self, name)))
         self.top_k = _as_int("top_k", self.top_k)
         self.seed = _as_int("seed", self.seed, optional=True)
+        if self.seed == -1:  # vLLM: -1 is no seed
+            self.seed = None
         self.max_tokens = _as_int("max_tokens", self.max_tokens, optional=True)
         self.min_tokens = _as_int("min_tokens", self.min_tokens)
         self.logprobs = _as_int("logprobs", self.logprobs, optional=True)
@@ -166,7 +235,14 @@ class SamplingParams:
             raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}.")
         if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
             raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
-        self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
+        ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
+        self.stop_token_ids = list(dict.fromkeys(ids))  # (vLLM drops repeats)
+        self.stream_interval = _as_int("stream_interval", self.stream_interval, optional=True)
+        self.repetition_detection = RepetitionDetectionParams.of(self.repetition_detection)
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}.")
+        if self.skip_reading_prefix_cache is not None:
+            _check_bools(self, ("skip_reading_prefix_cache",))
         if self.top_k == -1:
             self.top_k = 0
         _check_token_rules(self)
@@ -198,6 +274,7 @@ class SamplingParams:
             "logit_bias": bool(self.logit_bias),
             "allowed_token_ids": self.allowed_token_ids is not None,
             "bad_words": bool(self.bad_words),
+            "repetition_detection": self.repetition_detection is not None,
         }
         for name, used in unsupported.items():
             if used:
@@ -237,10 +314,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}."
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", "non-negative")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad("prompt_logprobs", "non-negative")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise bad("logprobs", "non-negative or -1 (the whole vocabulary)")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < -1:
+            raise bad("prompt_logprobs", "non-negative or -1 (the whole vocabulary)")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise bad("stream_interval", "at least 1")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
@@ -283,8 +362,21 @@ class SamplingParams:
         )
 
     def clone(self) -> SamplingParams:
-        """A copy that shares nothing mutable with self (stop lists, all_stop_token_ids)."""
-        return copy.deepcopy(self)
+        """A copy that shares nothing mutable with self (stop lists, all_stop_token_ids); a
+        shallow one with skip_clone (vLLM's)."""
+        return copy.copy(self) if self.skip_clone else copy.deepcopy(self)
+
+
+def whole_vocabulary(params: SamplingParams, vocab_size: int) -> SamplingParams:
+    """A copy of `params` with logprobs / prompt_logprobs -1 (vLLM: every token) as the count
+    (the caller's object keeps its -1)."""
+
+    def count(k: int | None) -> int | None:
+        return vocab_size if k == -1 else k
+
+    return dataclasses.replace(
+        params, logprobs=count(params.logprobs), prompt_logprobs=count(params.prompt_logprobs)
+    )
 
 
 def _check_token_rules(p: SamplingParams) -> None:
@@ -309,7 +401,7 @@ def _check_token_rules(p: SamplingParams) -> None:
         words = p.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
             raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
-        p.bad_words = list(words)
+        p.bad_words = list(dict.fromkeys(words))
 
 
 def _token_id(name: str, value: Any) -> int:

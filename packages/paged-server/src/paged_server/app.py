@@ -69,6 +69,9 @@ _KEYED = frozenset({"/score", "/rerank", "/v2/rerank", "/classify", "/invocation
 log = logging.getLogger("paged_server")
 
 
+ALL_LOGPROBS = 1 << 30  # a top-k no vocabulary reaches: logprobs=-1 as the answers count it
+
+
 class OpenAIApp:
     def __init__(
         self,
@@ -660,11 +663,17 @@ class OpenAIApp:
             if req.echo and not chat:  # an echoed prompt's tokens lead the logprobs
                 kwargs["prompt_logprobs"] = req.logprobs
         if req.prompt_logprobs is not None:
-            kwargs["prompt_logprobs"] = max(req.prompt_logprobs, kwargs.get("prompt_logprobs", 0))
+            wanted = (req.prompt_logprobs, kwargs.get("prompt_logprobs", 0))
+            kwargs["prompt_logprobs"] = -1 if -1 in wanted else max(wanted)  # -1: every token
         if req.structured is not None:
             kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
         params = self.client.make_params(kwargs, beam=beam, stream=stream)
+        # -1 (every token, as the engine took it): the answers keep whatever came back
+        if req.logprobs == -1:
+            req.logprobs = ALL_LOGPROBS
+        if req.prompt_logprobs == -1:
+            req.prompt_logprobs = ALL_LOGPROBS
         if req.structured is not None:
             check_structured(params, req.structured_param)
         rids = [f"{rid}-{i}" for i in range(len(ids))]

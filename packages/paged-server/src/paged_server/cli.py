@@ -53,6 +53,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_logprobs=args.max_logprobs,
+        stream_interval=args.stream_interval,
         seed=args.seed,
         load_format=args.load_format,
         trust_remote_code=args.trust_remote_code,

@@ -212,7 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-logprobs",
         type=int,
         default=20,
-        help="the most logprobs / prompt_logprobs a request may ask for (the API caps at 20)",
+        help="the most logprobs / prompt_logprobs a request may ask for (the API caps at 20; "
+        "-1 lets logprobs=-1 ask for every token)",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="streamed chunks carry at least this many new tokens each (vLLM's; the first and "
+        "last come at once)",
     )
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)

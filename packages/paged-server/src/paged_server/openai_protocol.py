@@ -49,11 +49,7 @@ _UNSUPPORTED_UNLESS = {
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),  # completions only (_COMPLETION_KEYS)
     "kv_transfer_params": (None,),
-    "vllm_xargs": (None, {}),
     "structural_tag": (None,),  # older vLLM's top-level spelling
-    "max_repetition_pattern_size": (None, 0),  # repetition detection, 0: off
-    "min_repetition_pattern_size": (None, 0),
-    "repetition_min_count": (None, 0),
 }
 
 _SAMPLING = (
@@ -93,6 +89,12 @@ _COMMON = {
     "request_id",
     "priority",
     "cache_salt",
+    "repetition_detection",
+    "max_repetition_pattern_size",  # older vLLM's spelling of repetition_detection
+    "min_repetition_pattern_size",
+    "repetition_min_count",
+    "vllm_xargs",
+    "skip_reading_prefix_cache",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
@@ -271,6 +273,11 @@ def _sampling(b: _Body) -> dict[str, Any]:
         "allowed_token_ids": lambda: b.int_list("allowed_token_ids"),
         "logit_bias": lambda: _logit_bias(b.d.get("logit_bias")),
         "bad_words": lambda: _bad_words(b.d.get("bad_words")),
+        "repetition_detection": lambda: _repetition_detection(b),
+        "extra_args": lambda: _xargs(b.d.get("vllm_xargs")),
+        "skip_reading_prefix_cache": lambda: (
+            b.bool("skip_reading_prefix_cache") if b.has("skip_reading_prefix_cache") else None
+        ),
     }
     for name, check in checks.items():
         value = check()
@@ -301,6 +308,38 @@ def _logit_bias(value: Any) -> dict[str, float] | None:
         return None
     if not isinstance(value, dict) or not all(_is_num(v) for v in value.values()):
         raise bad_request("'logit_bias' must map token ids to numbers", "logit_bias")
+    return value
+
+
+def _repetition_detection(b: _Body) -> dict[str, int] | None:
+    """vLLM's `repetition_detection` object, or its older top-level fields (0: off); its
+    values are checked by SamplingParams (a 400 naming repetition_detection)."""
+    value = b.d.get("repetition_detection")
+    legacy = {
+        "max_pattern_size": b.int("max_repetition_pattern_size", 0, 0, 1 << 16),
+        "min_pattern_size": b.int("min_repetition_pattern_size", 0, 0, 1 << 16),
+        "min_count": b.int("repetition_min_count", 0, 0, 1 << 16),
+    }
+    if value is None:
+        return legacy if legacy["max_pattern_size"] else None
+    if not isinstance(value, dict):
+        raise bad_request("'repetition_detection' must be an object", "repetition_detection")
+    return value
+
+
+def _xargs(value: Any) -> dict[str, Any] | None:
+    """vLLM's `vllm_xargs`: SamplingParams.extra_args, for custom sampling code and plugins."""
+    if value is None or value == {}:
+        return None
+    ok = isinstance(value, dict) and all(
+        isinstance(v, (str, int, float))
+        or (isinstance(v, list) and all(isinstance(x, (str, int, float)) for x in v))
+        for v in value.values()
+    )
+    if not ok:
+        raise bad_request(
+            "'vllm_xargs' must map names to strings, numbers or lists of them", "vllm_xargs"
+        )
     return value
 
 
@@ -366,7 +405,7 @@ def _common(b: _Body, req: GenerationRequest) -> None:
     req.continuous_usage = _continuous_usage(b, req.include_usage)
     req.return_token_ids = b.bool("return_token_ids")
     req.tokens_as_ids = b.bool("return_tokens_as_token_ids")
-    req.prompt_logprobs = b.int("prompt_logprobs", None, 0, MAX_LOGPROBS)
+    req.prompt_logprobs = b.int("prompt_logprobs", None, -1, MAX_LOGPROBS)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("'prompt_logprobs' is not available with 'stream'", "prompt_logprobs")
     if req.use_beam_search and req.stream:
@@ -430,7 +469,7 @@ def parse_completion(body: Any) -> GenerationRequest:
         stream=stream,
         include_usage=usage,
         use_beam_search=b.bool("use_beam_search"),
-        logprobs=b.int("logprobs", None, 0, MAX_LOGPROBS),
+        logprobs=b.int("logprobs", None, -1, MAX_LOGPROBS),  # -1: every token (max_logprobs)
         echo=b.bool("echo"),
     )
     _common(b, req)
@@ -467,7 +506,7 @@ def parse_chat(
     if max_tokens is None:
         max_tokens = b.int("max_tokens", None, 1, 1 << 31)
     logprobs = b.bool("logprobs")
-    top = b.int("top_logprobs", None, 0, MAX_LOGPROBS)
+    top = b.int("top_logprobs", None, -1, MAX_LOGPROBS)
     if top is not None and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs': true", "top_logprobs")
     req = GenerationRequest(

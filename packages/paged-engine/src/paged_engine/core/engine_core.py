@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 _RUNNING = SequenceStatus.RUNNING
 _STOPPED = SequenceStatus.FINISHED_STOPPED
 _LENGTH = SequenceStatus.FINISHED_LENGTH
+_REPETITION = SequenceStatus.FINISHED_REPETITION
 
 
 class EngineCore:
@@ -287,6 +288,7 @@ class EngineCore:
                     )
                     or (req.max_tokens is not None and num_out >= req.max_tokens)
                     or len(token_ids) >= max_len
+                    or (req.repetition is not None and req.repetition.found(token_ids, num_out))
                 ):
                     self._finish_on_token(seq, token, update, o)
             i = j
@@ -347,8 +349,9 @@ class EngineCore:
         complete: bool = False,
     ) -> bool:
         """After `token` was appended: finish the sequence on eos or a stop id (from min_tokens
-        on), max_tokens, max_model_len or a `complete` grammar (the grammar allows nothing more,
-        or rejected the token), in that order. True when it finished."""
+        on), max_tokens, max_model_len, a `complete` grammar (the grammar allows nothing more,
+        or rejected the token) or a loop repetition_detection finds, in that order. True when
+        it finished."""
         req = seq.request
         num_out = len(seq.token_ids) - seq.num_prompt_tokens
         if num_out >= req.min_tokens and (
@@ -365,6 +368,9 @@ class EngineCore:
         elif complete:
             update.finish_reason, update.grammar_end = "stop", True
             self.scheduler.free_seq(seq, _STOPPED)
+        elif req.repetition is not None and req.repetition.found(seq.token_ids, num_out):
+            update.finish_reason, update.stop_reason = "repetition", "repetition_detected"
+            self.scheduler.free_seq(seq, _REPETITION, "repetition_detected")
         else:
             return False
         o.finished = req.status >= _STOPPED

@@ -38,6 +38,7 @@ class SequenceStatus(enum.IntEnum):
     FINISHED_STOPPED = 2  # EOS, stop token or stop string
     FINISHED_LENGTH = 3  # max_tokens or max_model_len
     FINISHED_ABORTED = 4  # client abort
+    FINISHED_REPETITION = 5  # repetition_detection found a loop
 
     @property
     def is_finished(self) -> bool:
@@ -56,6 +57,7 @@ _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_REPETITION: "repetition",
 }
 
 _seq_ids = itertools.count()
@@ -170,6 +172,8 @@ class Request:
     # vLLM's cache_salt: prefix-cache hits only between requests with the same salt (tenants
     # that must not learn, from timing, which prompts others sent). Part of the hash root.
     cache_salt: str | None = None
+    # SamplingParams.repetition_detection (a RepetitionDetectionParams), checked per token
+    repetition: Any = None
     # scheduling_policy="priority": lower runs first; ties go by arrival_time
     priority: int = 0
     # Images of the prompt (multimodal/inputs.py ImageInput), in placeholder order: the worker
@@ -182,6 +186,9 @@ class Request:
         params = self.params
         if getattr(params, "prompt_logprobs", None) is not None:
             self.use_prefix_cache = False
+        if getattr(params, "skip_reading_prefix_cache", None):  # vLLM's per-request switch
+            self.use_prefix_cache = False
+        self.repetition = getattr(params, "repetition_detection", None)
         if getattr(params, "pooling_type", None) in ("MEAN", "ALL"):  # every prompt position
             self.use_prefix_cache = False
         if self.max_live_seqs <= 0:

@@ -16,7 +16,7 @@ from paged_engine.multimodal.archs import IMAGE_ARCHS
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
-from paged_engine.sampling_params import BeamSearchParams, SamplingParams
+from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.structured_output.request_constraint import RequestConstraint
 from paged_engine.unicode_text import check_text
@@ -100,6 +100,8 @@ class InputProcessor:
                 "(the prompt must leave room for at least one generated token)"
             )
         self._check_params(params)
+        if isinstance(params, SamplingParams) and -1 in (params.logprobs, params.prompt_logprobs):
+            params = whole_vocabulary(params, self.vocab_size)
         eos = frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)
         if isinstance(params, BeamSearchParams):
             beam = BeamSearchState(
@@ -240,10 +242,16 @@ class InputProcessor:
 
     def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
         if isinstance(params, SamplingParams):
+            cap = self.config.max_logprobs
+            cap = self.vocab_size if cap == -1 else cap
             for name in ("logprobs", "prompt_logprobs"):
                 k = getattr(params, name)
-                if k is not None and k > self.config.max_logprobs:
-                    raise ValueError(f"{name}={k} exceeds max_logprobs={self.config.max_logprobs}")
+                k = self.vocab_size if k == -1 else k
+                if k is not None and k > cap:
+                    raise ValueError(
+                        f"{name}={getattr(params, name)} asks for {k} logprobs, over "
+                        f"max_logprobs={self.config.max_logprobs} (-1 allows the vocabulary)"
+                    )
             for name in ("logit_bias", "allowed_token_ids"):
                 bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
                 if bad:

@@ -304,7 +304,7 @@ class LLMEngine:
             images=images,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens, async scheduling %s",

@@ -98,6 +98,11 @@ class RequestState:
     # (a step in flight, or the server's output thread): the core then finishes the request
     # without another output, so this stage must see the end itself.
     text_stopped: bool = False
+    # Streaming outputs every `interval` new tokens (stream_interval; 1: every step): tokens
+    # generated since the last output sent, and whether one was sent
+    interval: int = 1
+    held: int = 0
+    sent: bool = False
 
 
 @dataclass(slots=True)
@@ -110,8 +115,9 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval  # EngineConfig.stream_interval
         self.states: dict[str, RequestState] = {}  # every request not finished here yet
         self._byte_vocab = byte_level_vocab(tokenizer)  # None: not byte-level, general path
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -158,6 +164,7 @@ class OutputProcessor:
             plain=not beam and not params.stop,
             single=not beam and num_samples == 1 and not isinstance(params, PoolingSamplingParams),
             lora_request=lora_request,
+            interval=1 if beam else max(self.stream_interval, params.stream_interval or 1),
         )
         detok = None
         if not beam and params.detokenize:
@@ -233,6 +240,11 @@ class OutputProcessor:
                 states.pop(state.request_id, None)
             elif not state.streams:
                 continue  # nothing to report before the end
+            elif state.interval > 1:  # stream_interval: hold outputs until enough tokens came
+                state.held += sum(len(u.new_token_ids) for u in updates)
+                if state.sent and state.held < state.interval:
+                    continue
+                state.held, state.sent = 0, True
             if state.single:  # _make_output's common case, without its branches
                 completion = self._completion(state.params, seqs[0], 0, state.delta)
                 outputs.append(self._request_output(state, [completion], finished, now))

@@ -1,0 +1,184 @@
+"""SamplingParams fields of newer vLLM: repetition_detection (a loop ends the sequence),
+logprobs / prompt_logprobs -1 (every token), stream_interval (fewer, larger streamed outputs),
+skip_reading_prefix_cache, extra_args, skip_clone, seed -1. Each against the plain engine or an
+independent reference on the same inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_engine import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from paged_engine.sampling_params import RepetitionDetectionParams
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43], [100, 3], [9] * 6, [250, 17, 33, 2, 8]]
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(model=str(path), dtype="float32", max_model_len=128, block_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def _loop_end(tokens: list[int], lo: int, hi: int, count: int) -> int | None:
+    """The length of the shortest prefix of `tokens` that ends with a pattern of lo..hi
+    tokens repeated `count` times back to back (brute force), or None."""
+    for end in range(1, len(tokens) + 1):
+        for size in range(lo, hi + 1):
+            if size * count <= end:
+                tail = tokens[end - size * count : end]
+                if tail == tail[:size] * count:
+                    return end
+    return None
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"async_scheduling": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+    ids=["sync", "async", "ngram-drafts"],
+)
+def test_repetition_detection_ends_a_loop_where_it_starts_repeating(llama, engine):
+    llm = _llm(llama, **engine)
+    plain = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    rule = RepetitionDetectionParams(max_pattern_size=4, min_pattern_size=1, min_count=3)
+    cut = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, repetition_detection=rule)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    full = llm.generate(prompts, plain, use_tqdm=False)
+    short = llm.generate(prompts, cut, use_tqdm=False)
+    looped = 0
+    for f, s in zip(full, short):
+        tokens = list(f.outputs[0].token_ids)
+        end = _loop_end(tokens, 1, 4, 3)
+        got = s.outputs[0]
+        if end is None:
+            assert list(got.token_ids) == tokens and got.finish_reason == "length"
+        else:
+            looped += 1
+            assert list(got.token_ids) == tokens[:end]
+            assert (got.finish_reason, got.stop_reason) == ("repetition", "repetition_detected")
+    assert looped >= 2  # the tiny model loops on most prompts: the rule is exercised
+    assert llm.get_stats().num_used_blocks == 0
+    llm.llm_engine.shutdown()
+
+
+def test_repetition_detection_values_are_checked():
+    assert SamplingParams(repetition_detection={"max_pattern_size": 2, "min_count": 2})
+    for bad, says in [
+        ({"max_pattern_size": 2, "min_count": 1}, "min_count"),
+        ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size"),
+        ({"max_pattern_size": -1}, "max_pattern_size"),
+        ({"max_pattern": 2}, "unknown"),
+        ([2, 2], "dict"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(repetition_detection=bad)
+    with pytest.raises(ValueError, match="repetition_detection is not supported with use_beam"):
+        SamplingParams(
+            use_beam_search=True,
+            n=2,
+            temperature=0,
+            repetition_detection={"max_pattern_size": 2, "min_count": 2},
+        )
+    off = RepetitionDetectionParams()  # max_pattern_size 0: off
+    assert not off.found([1, 1, 1, 1], 4)
+
+
+def test_logprobs_minus_one_is_every_token(llama):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    vocab = hf.config.vocab_size
+    with pytest.raises(ValueError, match="max_logprobs=20"):
+        _llm(llama).generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(logprobs=-1))
+    llm = _llm(llama, max_logprobs=-1)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=-1)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[1]}, params, use_tqdm=False)
+    assert params.logprobs == -1 and params.prompt_logprobs == -1  # the caller's object
+    ids = PROMPTS[1] + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    n = len(PROMPTS[1])
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        assert len(entry) == vocab
+        ranks = sorted(lp.rank for lp in entry.values())
+        assert ranks == list(range(1, vocab + 1))
+        for tid in (0, ids[n + step], vocab - 1):
+            assert entry[tid].logprob == pytest.approx(ref[n - 1 + step, tid].item(), abs=1e-4)
+    for pos in range(1, n):
+        assert len(out.prompt_logprobs[pos]) == vocab
+    llm.llm_engine.shutdown()
+
+
+def _streamed(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
+    engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, params)
+    chunks = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            chunks.append(list(out.outputs[0].token_ids))
+    return chunks
+
+
+@pytest.mark.parametrize(
+    ("engine_interval", "request_interval", "want"), [(1, None, 1), (1, 4, 4), (3, 2, 3)]
+)
+def test_stream_interval_batches_streamed_tokens(llama, engine_interval, request_interval, want):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(llama), dtype="float32", max_model_len=64, stream_interval=engine_interval
+        )
+    )
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=14,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.DELTA,
+        stream_interval=request_interval,
+    )
+    chunks = _streamed(engine, params)
+    sizes = [len(c) for c in chunks]
+    # the first at once, then every `want` tokens, the rest with the last
+    assert sizes[0] == 1 and all(s >= want for s in sizes[1:-1]) and sum(sizes) == 14
+    assert len(sizes) == 1 + -(-13 // want)
+    whole = _streamed(engine, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
+    assert [t for c in chunks for t in c] == whole[-1]
+    engine.shutdown()
+
+
+def test_skip_reading_prefix_cache(llama):
+    llm = _llm(llama, enable_prefix_caching=True)
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = llm.generate(prompt, sp, use_tqdm=False)[0]
+    hit = llm.generate(prompt, sp, use_tqdm=False)[0]
+    skip = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, skip_reading_prefix_cache=True
+    )
+    miss = llm.generate(prompt, skip, use_tqdm=False)[0]
+    assert hit.num_cached_tokens > 0 and miss.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == hit.outputs[0].token_ids == miss.outputs[0].token_ids
+    llm.llm_engine.shutdown()
+
+
+def test_small_fields():
+    p = SamplingParams(seed=-1, stop_token_ids=[5, 7, 5], bad_words=["a", "b", "a"])
+    assert p.seed is None and p.stop_token_ids == [5, 7] and p.bad_words == ["a", "b"]
+    extra = {"my_plugin": {"k": 1}}
+    p = SamplingParams(extra_args=extra, skip_clone=True, stop=["x"])
+    assert p.clone().extra_args is extra and p.clone().stop is p.stop  # shallow
+    q = SamplingParams(extra_args=extra, stop=["x"])
+    assert q.clone().stop is not q.stop and q.clone().extra_args == extra  # deep
+    for kw, says in [
+        ({"extra_args": [1]}, "extra_args"),
+        ({"stream_interval": 0}, "stream_interval"),
+        ({"logprobs": -2}, "logprobs"),
+        ({"skip_clone": 1}, "skip_clone"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            SamplingParams(**kw)

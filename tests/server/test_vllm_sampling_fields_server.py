@@ -1,0 +1,117 @@
+"""Newer vLLM request fields over HTTP: `repetition_detection` (and its older top-level
+spelling) ends a looping answer with finish_reason "repetition"; `logprobs` / `top_logprobs`
+-1 give every token under --max-logprobs -1 and a 400 naming the limit without;
+--stream-interval batches streamed tokens; `vllm_xargs` and `skip_reading_prefix_cache` are
+taken; bad values are 400s naming the field."""
+
+from __future__ import annotations
+
+import pytest
+from server_proc import COMMON_ARGS, MAX_MODEL_LEN, serve_in_process
+
+pytest.importorskip("transformers")
+
+PROMPT = [5, 6, 7]
+BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+RULE = {"max_pattern_size": 4, "min_pattern_size": 1, "min_count": 3}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_logprobs=-1)
+    yield llm.llm_engine
+    llm.llm_engine.shutdown()
+
+
+def _ask(http, path="/v1/completions", **body):
+    status, _, answer = http.request("POST", path, {**BODY, **body})
+    return status, answer
+
+
+def test_fields(engine):
+    vocab = engine.vocab_size
+    with serve_in_process(COMMON_ARGS, engine) as (http, _):
+        status, plain = _ask(http, return_token_ids=True)
+        assert status == 200, plain
+        _, cut = _ask(http, repetition_detection=RULE, return_token_ids=True)
+        (choice,) = cut["choices"]
+        # the tiny model loops on this prompt: the answer stops early, a prefix of the plain one
+        assert choice["finish_reason"] == "repetition"
+        assert choice["token_ids"] == plain["choices"][0]["token_ids"][: len(choice["token_ids"])]
+        assert len(choice["token_ids"]) < 40
+        legacy = {
+            "max_repetition_pattern_size": 4,
+            "min_repetition_pattern_size": 1,
+            "repetition_min_count": 3,
+        }
+        _, old = _ask(http, return_token_ids=True, **legacy)
+        assert old["choices"][0]["token_ids"] == choice["token_ids"]
+        status, bad = _ask(http, repetition_detection={"max_pattern_size": 4, "min_count": 1})
+        assert status == 400 and bad["error"]["param"] == "repetition_detection", bad
+        status, bad = _ask(http, repetition_detection=[4])
+        assert status == 400 and bad["error"]["param"] == "repetition_detection", bad
+        # every token's logprob (keyed by id: tokens whose text is alike would merge)
+        status, body = _ask(http, max_tokens=2, logprobs=-1, return_tokens_as_token_ids=True)
+        assert status == 200, body
+        top = body["choices"][0]["logprobs"]["top_logprobs"]
+        assert len(top) == 2 and all(len(t) == vocab for t in top)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, _, body = http.request(
+            "POST", "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}
+        )
+        assert status == 200, body
+        assert all(
+            len(c["top_logprobs"]) == vocab for c in body["choices"][0]["logprobs"]["content"]
+        )
+        status, body = _ask(
+            http,
+            vllm_xargs={"plugin": "x", "k": [1, 2]},
+            skip_reading_prefix_cache=True,
+            max_tokens=2,
+        )
+        assert status == 200, body
+        status, bad = _ask(http, vllm_xargs={"plugin": {"nested": 1}})
+        assert status == 400 and bad["error"]["param"] == "vllm_xargs", bad
+
+
+def test_logprobs_minus_one_needs_the_limit_off(tmp_path):
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m", "llama")
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            status, bad = _ask(http, max_tokens=2, logprobs=-1)
+            assert status == 400 and "max_logprobs" in bad["error"]["message"], bad
+            status, _ = _ask(http, max_tokens=2, logprobs=2)
+            assert status == 200
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_stream_interval_flag(tmp_path):
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "m", "llama")
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, stream_interval=5)
+    try:
+        with serve_in_process([*COMMON_ARGS, "--stream-interval", "5"], llm.llm_engine) as (
+            http,
+            _,
+        ):
+            events = http.stream({**BODY, "max_tokens": 21, "return_token_ids": True})
+            sizes = [
+                len(c["token_ids"])
+                for e in events
+                for c in e.get("choices", [])
+                if c.get("token_ids")
+            ]
+            assert sizes[0] == 1 and sum(sizes) == 21 and len(sizes) == 1 + 4
+    finally:
+        llm.llm_engine.shutdown()

@@ -73,8 +73,12 @@ def test_engine_flags(monkeypatch) -> None:
     assert (config.enable_chunked_prefill, config.max_logprobs) == (True, 20)
     config = engine_config(monkeypatch, ["--no-enable-chunked-prefill", "--max-logprobs", "5"])
     assert (config.enable_chunked_prefill, config.max_logprobs) == (False, 5)
+    assert engine_config(monkeypatch, ["--max-logprobs", "-1"]).max_logprobs == -1  # vocabulary
     with pytest.raises(ValueError, match="max_logprobs"):
-        engine_config(monkeypatch, ["--max-logprobs", "-1"])
+        engine_config(monkeypatch, ["--max-logprobs", "-2"])
+    config = engine_config(monkeypatch, ["--reasoning-parser", "qwen3", "--stream-interval", "4"])
+    assert config.reasoning_config == {"think_start_str": "<think>", "think_end_str": "</think>"}
+    assert config.stream_interval == 4
     # accepted as what paged does; refused where paged cannot
     engine_config(monkeypatch, ["--distributed-executor-backend", "mp", "--tokenizer-mode", "auto"])
     engine_config(monkeypatch, ["--distributed-executor-backend", "uni"])

@@ -115,3 +115,34 @@ def test_stream_interval_flag(tmp_path):
             assert sizes[0] == 1 and sum(sizes) == 21 and len(sizes) == 1 + 4
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_thinking_token_budget(tmp_path):
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_model
+    from paged_server.cli import reasoning_config
+
+    assert reasoning_config(None, "qwen3") == {
+        "think_start_str": "<think>",
+        "think_end_str": "</think>",
+    }
+    assert reasoning_config(None, "granite") is None  # two openers: no one marker
+    mine = {"think_start_str": "<a>", "think_end_str": "</a>"}
+    assert reasoning_config(mine, "qwen3") is mine
+    path = write_tiny_model(tmp_path / "m", "llama")
+    markers = {"think_start_str": "<|im_start|>", "think_end_str": " the end"}
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, reasoning_config=markers)
+    tok = llm.get_tokenizer()
+    close = tok.encode(" the end", add_special_tokens=False)
+    prompt = [*PROMPT, *tok.encode("<|im_start|>", add_special_tokens=False)]
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            status, body = _ask(
+                http, prompt=prompt, thinking_token_budget=0, max_tokens=4, return_token_ids=True
+            )
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"][: len(close)] == close
+            status, bad = _ask(http, prompt=prompt, thinking_token_budget="x")
+            assert status == 400 and bad["error"]["param"] == "thinking_token_budget", bad
+    finally:
+        llm.llm_engine.shutdown()

@@ -166,6 +166,9 @@ class EngineConfig:
     # vLLM's --stream-interval: streaming outputs carry at least this many new tokens each (the
     # first and the last come at once); SamplingParams.stream_interval may raise it
     stream_interval: int = 1
+    # vLLM's reasoning_config: the reasoning block's markers, {"think_start_str": "<think>",
+    # "think_end_str": "</think>"}, which SamplingParams.thinking_token_budget counts within
+    reasoning_config: dict | None = None
     # vLLM's prompt embeddings input ({"prompt_embeds": tensor [L, D]}, engine/prompt_embeds.py):
     # off by default, as in vLLM; paged-server takes them on /v1/completions with it on.
     enable_prompt_embeds: bool = False
@@ -322,6 +325,17 @@ class EngineConfig:
                 value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1"
             )
         _check(_is_int(self.seed), "seed", self.seed, "an int")
+        _check(
+            self.reasoning_config is None
+            or (
+                isinstance(self.reasoning_config, dict)
+                and set(self.reasoning_config) == {"think_start_str", "think_end_str"}
+                and all(isinstance(v, str) and v for v in self.reasoning_config.values())
+            ),
+            "reasoning_config",
+            self.reasoning_config,
+            "None or {'think_start_str': str, 'think_end_str': str} (non-empty)",
+        )
         _check(
             _is_int(self.stream_interval) and self.stream_interval >= 1,
             "stream_interval",

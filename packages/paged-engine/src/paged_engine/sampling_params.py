@@ -204,6 +204,9 @@ class SamplingParams:
     # True: the request takes nothing from the prefix cache (None: only with prompt_logprobs)
     skip_reading_prefix_cache: bool | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    # at most this many tokens inside the reasoning block, then its closer is forced (the
+    # engine's reasoning_config names the markers); None (or -1): no limit
+    thinking_token_budget: int | None = None
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -238,6 +241,8 @@ class SamplingParams:
         ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
         self.stop_token_ids = list(dict.fromkeys(ids))  # (vLLM drops repeats)
         self.stream_interval = _as_int("stream_interval", self.stream_interval, optional=True)
+        budget = _as_int("thinking_token_budget", self.thinking_token_budget, optional=True)
+        self.thinking_token_budget = None if budget == -1 else budget
         self.repetition_detection = RepetitionDetectionParams.of(self.repetition_detection)
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}.")
@@ -275,6 +280,7 @@ class SamplingParams:
             "allowed_token_ids": self.allowed_token_ids is not None,
             "bad_words": bool(self.bad_words),
             "repetition_detection": self.repetition_detection is not None,
+            "thinking_token_budget": self.thinking_token_budget is not None,
         }
         for name, used in unsupported.items():
             if used:
@@ -320,6 +326,8 @@ class SamplingParams:
             raise bad("prompt_logprobs", "non-negative or -1 (the whole vocabulary)")
         if self.stream_interval is not None and self.stream_interval < 1:
             raise bad("stream_interval", "at least 1")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise bad("thinking_token_budget", "non-negative, or -1 / None for no limit")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")

@@ -26,6 +26,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("paged_server")
 
 
+def reasoning_config(given: dict | None, parser: str | None) -> dict | None:
+    """--reasoning-config, or the markers of a --reasoning-parser that has one opener and one
+    closer (thinking_token_budget counts between them)."""
+    if given is not None or parser is None:
+        return given
+    from paged_server.reasoning import THINK_FORMATS
+
+    fmt = THINK_FORMATS.get(parser)
+    if fmt is None or len(fmt.opens) != 1 or len(fmt.closes) != 1:
+        return None
+    return {"think_start_str": fmt.opens[0], "think_end_str": fmt.closes[0]}
+
+
 def build_engine(args: argparse.Namespace) -> Any:
     """The engine (it imports torch; we never do)."""
     from paged_engine import EngineConfig, LLMEngine
@@ -88,6 +101,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         mm_processor_cache_gb=args.mm_processor_cache_gb,
         enable_mm_embeds=args.enable_mm_embeds,
         enable_prompt_embeds=args.enable_prompt_embeds,
+        reasoning_config=reasoning_config(args.reasoning_config, args.reasoning_parser),
         **_lora_config(args),
     )
     return LLMEngine(config)

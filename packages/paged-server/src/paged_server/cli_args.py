@@ -472,6 +472,14 @@ def build_parser() -> argparse.ArgumentParser:
         "channel; the final channel is the content; with --tool-call-parser openai)",
     )
     p.add_argument(
+        "--reasoning-config",
+        type=_json_object,
+        default=None,
+        help="vLLM's: the reasoning block's markers for thinking_token_budget, e.g. "
+        '\'{"think_start_str": "<think>", "think_end_str": "</think>"}\' (default: the '
+        "--reasoning-parser's markers)",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help="accepted for vLLM compatibility: --tool-call-parser enables tool_choice 'auto'",

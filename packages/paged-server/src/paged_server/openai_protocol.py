@@ -95,6 +95,7 @@ _COMMON = {
     "repetition_min_count",
     "vllm_xargs",
     "skip_reading_prefix_cache",
+    "thinking_token_budget",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
@@ -275,6 +276,7 @@ def _sampling(b: _Body) -> dict[str, Any]:
         "bad_words": lambda: _bad_words(b.d.get("bad_words")),
         "repetition_detection": lambda: _repetition_detection(b),
         "extra_args": lambda: _xargs(b.d.get("vllm_xargs")),
+        "thinking_token_budget": lambda: b.int("thinking_token_budget", None, -1, 1 << 31),
         "skip_reading_prefix_cache": lambda: (
             b.bool("skip_reading_prefix_cache") if b.has("skip_reading_prefix_cache") else None
         ),

@@ -19,6 +19,7 @@ from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.structured_output.request_constraint import RequestConstraint
+from paged_engine.structured_output.thinking_budget import ThinkingBudget
 from paged_engine.unicode_text import check_text
 
 
@@ -41,6 +42,7 @@ class InputProcessor:
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
         embeds_width: int | None = None,
+        think_ids: tuple[list[int], list[int]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.default_params = default_params or {}  # params=None: SamplingParams(**these)
@@ -51,6 +53,8 @@ class InputProcessor:
         self.images = images  # a checkpoint whose images run (multimodal/), else None
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width
+        # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
+        self.think_ids = think_ids
 
     def make_request(
         self,
@@ -123,7 +127,7 @@ class InputProcessor:
                 eos_token_ids=eos,
                 stop_token_ids=frozenset(params.stop_token_ids),
                 min_tokens=params.min_tokens,
-                constraint=self._constraint(params),
+                constraint=self._constraint(params, token_ids),
                 mm_inputs=mm_inputs,
             )
         if arrival_time is not None:
@@ -219,14 +223,27 @@ class InputProcessor:
             raise ValueError(f"multi_modal_data is not supported: {why}")
         return self.images.process(token_ids, mm_data["image"], kwargs)
 
-    def _constraint(self, params: SamplingParams) -> RequestConstraint | None:
-        """The request's grammar (compiling from now on) and bad words, if it has either."""
-        if params.structured_outputs is None and not params.bad_words:
+    def _constraint(
+        self, params: SamplingParams, prompt_ids: list[int]
+    ) -> RequestConstraint | None:
+        """The request's grammar (compiling from now on), bad words and thinking budget, if it
+        has any."""
+        budget = params.thinking_token_budget
+        if params.structured_outputs is None and not params.bad_words and budget is None:
             return None
         if self.structured is None:
             raise ValueError("structured_outputs / bad_words are not available in this engine")
+        thinking = None
+        if budget is not None:
+            if self.think_ids is None:
+                raise ValueError(
+                    "thinking_token_budget needs the reasoning markers: start the engine with "
+                    "reasoning_config={'think_start_str': '<think>', 'think_end_str': "
+                    "'</think>'} (paged-server --reasoning-config, or a --reasoning-parser)"
+                )
+            thinking = ThinkingBudget(*self.think_ids, budget, prompt_ids)
         return self.structured.new_constraint(
-            params.structured_outputs, self._bad_words_ids(params.bad_words or [])
+            params.structured_outputs, self._bad_words_ids(params.bad_words or []), thinking
         )
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:

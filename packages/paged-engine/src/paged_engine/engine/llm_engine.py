@@ -303,6 +303,7 @@ class LLMEngine:
             default_params=self.generation_defaults,
             images=images,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
+            think_ids=_think_ids(config.reasoning_config, self.tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
@@ -647,6 +648,19 @@ def _max_positions(hf_config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return _DEFAULT_MAX_MODEL_LEN
+
+
+def _think_ids(reasoning_config: dict | None, tokenizer: Any) -> tuple[list[int], list[int]] | None:
+    """reasoning_config's markers as token ids (thinking_token_budget), None without one."""
+    if reasoning_config is None:
+        return None
+    ids = [
+        tokenizer.encode(reasoning_config[k], add_special_tokens=False)
+        for k in ("think_start_str", "think_end_str")
+    ]
+    if not all(ids):
+        raise ValueError(f"reasoning_config: a marker tokenizes to nothing: {reasoning_config}")
+    return ids[0], ids[1]
 
 
 def _eos_ids(hf_config, tokenizer, resolved: ResolvedModel) -> set[int]:

@@ -25,6 +25,7 @@ from paged_engine.structured_output.bitmask import allocate_bitmask
 from paged_engine.structured_output.grammar import grammar_text
 from paged_engine.structured_output.params import StructuredOutputsParams
 from paged_engine.structured_output.request_constraint import RequestConstraint
+from paged_engine.structured_output.thinking_budget import ThinkingBudget
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,15 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Future[GrammarMatcher]] = OrderedDict()
 
     def new_constraint(
-        self, params: StructuredOutputsParams | None, bad_words: list[list[int]]
+        self,
+        params: StructuredOutputsParams | None,
+        bad_words: list[list[int]],
+        thinking: ThinkingBudget | None = None,
     ) -> RequestConstraint | None:
-        if params is None and not bad_words:
+        if params is None and not bad_words and thinking is None:
             return None
         grammar = None if params is None else self._compile(params)
-        return RequestConstraint(grammar, bad_words)
+        return RequestConstraint(grammar, bad_words, thinking)
 
     def _compile(self, params: StructuredOutputsParams) -> Future[GrammarMatcher]:
         key = params.key()
@@ -94,6 +98,7 @@ class StructuredOutputManager:
         for row, (c, seq) in enumerate(seqs):
             if c.bad_words:
                 c.ban_bad_words(seq.output_token_ids, bitmask[row])
+            c.force(seq.seq_id, bitmask[row])  # after the rest: a forced id wins
         sched.token_bitmask = ([seq.seq_id for _, seq in seqs], bitmask)
 
     def shutdown(self) -> None:

@@ -1,10 +1,11 @@
 """`RequestConstraint`: what limits one request's next tokens beyond its sampling settings.
 
-A grammar (structured outputs) and / or bad words (vLLM's `bad_words`: token sequences that must
-not appear in the output). Both depend on every output token so far, so a constrained request
-waits for its sampled token before it is scheduled again (`Request.needs_host_result`, as beams
-and the n > 1 fan-out do): its next mask is computed on the host, by the engine core, from
-tokens the core has applied.
+A grammar (structured outputs), bad words (vLLM's `bad_words`: token sequences that must not
+appear in the output) and / or a thinking budget (vLLM's `thinking_token_budget`:
+structured_output/thinking_budget.py). Each depends on every output token so far, so a
+constrained request waits for its sampled token before it is scheduled again
+(`Request.needs_host_result`, as beams and the n > 1 fan-out do): its next mask is computed on
+the host, by the engine core, from tokens the core has applied.
 
 Owned by the engine core: `EngineCore._apply` is the only caller of `accept` and `fork`, in the
 order tokens are appended, so each matcher holds exactly the tokens its sequence holds. A
@@ -18,15 +19,22 @@ from concurrent.futures import Future
 import numpy as np
 
 from paged_engine.structured_output.backend import GrammarMatcher
+from paged_engine.structured_output.thinking_budget import ThinkingBudget
 
 
 class RequestConstraint:
-    __slots__ = ("bad_words", "grammar", "matchers")
+    __slots__ = ("bad_words", "grammar", "matchers", "thinking")
 
-    def __init__(self, grammar: Future[GrammarMatcher] | None, bad_words: list[list[int]]) -> None:
+    def __init__(
+        self,
+        grammar: Future[GrammarMatcher] | None,
+        bad_words: list[list[int]],
+        thinking: ThinkingBudget | None = None,
+    ) -> None:
         self.grammar = grammar  # resolves to a matcher at the grammar's start (the template)
         self.bad_words = bad_words  # token id sequences, never empty
         self.matchers: dict[int, GrammarMatcher] = {}  # seq_id -> that sequence's matcher
+        self.thinking = thinking
 
     @property
     def ready(self) -> bool:
@@ -54,10 +62,14 @@ class RequestConstraint:
         if m is not None:
             for child in child_ids:
                 self.matchers[child] = m.copy()
+        if self.thinking is not None:
+            self.thinking.fork(parent_id, child_ids)
 
     def accept(self, seq_id: int, token_id: int) -> bool:
         """Advance the sequence's matcher; True when its output must end here (the grammar is
         complete, or it rejected the token)."""
+        if self.thinking is not None:
+            self.thinking.accept(seq_id, token_id)
         m = self.matcher(seq_id)
         if m is None:
             return False
@@ -65,6 +77,15 @@ class RequestConstraint:
 
     def drop(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
+        if self.thinking is not None:
+            self.thinking.drop(seq_id)
+
+    def force(self, seq_id: int, row: np.ndarray) -> None:
+        """A thinking budget spent: the row allows only the closer's next id."""
+        t = self.thinking.forced(seq_id) if self.thinking is not None else None
+        if t is not None:
+            row[:] = 0
+            row.view(np.uint8)[t >> 3] = np.uint8(1 << (t & 7))
 
     def ban_bad_words(self, output_ids: list[int], row: np.ndarray) -> None:
         """Clear the bits of tokens that would complete a bad word after `output_ids` (row:

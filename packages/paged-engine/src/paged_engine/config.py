@@ -28,7 +28,7 @@ _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
-_MODALITIES = ("image",)  # what limit_mm_per_prompt may name
+_MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name
 
 
 def _cpu_kv_cache_gib_default() -> float:
@@ -445,6 +445,11 @@ class EngineConfig:
     def image_limit(self) -> int | None:
         """Images per prompt (limit_mm_per_prompt["image"]); None: any number."""
         return (self.limit_mm_per_prompt or {}).get("image")
+
+    @property
+    def video_limit(self) -> int | None:
+        """Videos per prompt (limit_mm_per_prompt["video"]); None: any number."""
+        return (self.limit_mm_per_prompt or {}).get("video")
 
     @property
     def compilation_level(self) -> int:

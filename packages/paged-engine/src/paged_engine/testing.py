@@ -1704,8 +1704,18 @@ def write_tiny_qwen2_vl(
         size={"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor},
     )
     # the image processor and tokenizer apart: Qwen2VLProcessor needs its video processor,
-    # which needs torchvision
+    # which needs torchvision (its settings are written as it saves them)
     image_processor.save_pretrained(path)
+    video = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "patch_size": patch_size,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor},
+        "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std),
+    }
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     transformers.GenerationConfig(**_COMMON).save_pretrained(path)

@@ -6,6 +6,7 @@ Everything that can be wrong with a request is caught here, before the scheduler
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,7 @@ from paged_engine.core.request import Request
 from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS
 from paged_engine.multimodal.processor import ImageProcessor
+from paged_engine.multimodal.qwen_video import VIDEO_KWARGS, QwenVideoProcessor, check_kwargs
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
@@ -41,6 +43,7 @@ class InputProcessor:
         structured: StructuredOutputManager | None = None,
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
+        videos: QwenVideoProcessor | None = None,
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
     ) -> None:
@@ -51,6 +54,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
         self.images = images  # a checkpoint whose images run (multimodal/), else None
+        self.videos = videos  # Qwen2-VL / Qwen2.5-VL: videos (multimodal/qwen_video.py)
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width
         # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
@@ -78,7 +82,7 @@ class InputProcessor:
             text, token_ids = self._tokenize_prompt(prompt)
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-            token_ids, mm_inputs = self._images(token_ids, mm_data, kwargs)
+            token_ids, mm_inputs = self._multimodal(token_ids, mm_data, kwargs)
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
@@ -134,8 +138,9 @@ class InputProcessor:
             req.arrival_time = arrival_time
         req.cache_salt = salt
         if mm_inputs and not mm_inputs[0].token_rows:
-            assert self.images is not None
-            req.mrope = self.images.positions(len(token_ids), mm_inputs)
+            positions = self.videos if self.images is None else self.images
+            assert positions is not None
+            req.mrope = positions.positions(len(token_ids), mm_inputs)
         return ProcessedRequest(req, text, num_returned)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
@@ -198,19 +203,57 @@ class InputProcessor:
             block_size=self.config.block_size,
         )
 
-    def _images(
+    def _multimodal(
         self, token_ids: list[int], mm_data: Any, kwargs: Any = None
     ) -> tuple[list[int], tuple]:
-        """vLLM's multi_modal_data: the prompt with each image's placeholder run, and the
-        images (multimodal/processor.py); `kwargs`: the prompt's mm_processor_kwargs."""
+        """vLLM's multi_modal_data: the prompt with each image's and video's placeholder run,
+        and the items in prompt order; `kwargs`: the prompt's mm_processor_kwargs (a video
+        takes fps, min_pixels and max_pixels of them)."""
         if not isinstance(mm_data, dict):
             raise ValueError(
                 f"multi_modal_data must be a dict such as {{'image': image}}, got "
                 f"{type(mm_data).__name__}"
             )
-        other = sorted(str(k) for k in mm_data if k != "image")
+        other = sorted(str(k) for k in mm_data if k not in ("image", "video"))
         if other:
-            raise ValueError(f"multi_modal_data[{other[0]!r}] is not supported (only 'image')")
+            raise ValueError(
+                f"multi_modal_data[{other[0]!r}] is not supported (only 'image' and 'video')"
+            )
+        kw = kwargs if isinstance(kwargs, dict) else {}
+        images: tuple = ()
+        if "image" in mm_data:  # (a bad mm_processor_kwargs: the image processor names it)
+            image_kw = {k: v for k, v in kw.items() if k != "fps"} if kw else kwargs
+            token_ids, images = self._images(token_ids, mm_data["image"], image_kw)
+        if "video" not in mm_data:
+            return token_ids, images
+        if self.videos is None:
+            why = (
+                "limit_mm_per_prompt={'video': 0}"
+                if self.config.video_limit == 0
+                else "videos run on Qwen2-VL and Qwen2.5-VL checkpoints"
+            )
+            raise ValueError(f"multi_modal_data['video']: this model takes no videos ({why})")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
+        video_kw = {k: v for k, v in kw.items() if k in VIDEO_KWARGS}
+        rest = {k: v for k, v in kw.items() if k not in VIDEO_KWARGS}
+        if rest and self.images is not None:
+            self.images.processor_kwargs(rest)  # a name neither processor takes: ValueError
+        elif rest:
+            check_kwargs(rest)
+        expanded, videos, added = self.videos.process(token_ids, mm_data["video"], video_kw)
+        # an image after a video's placeholder moves by the tokens its run added
+        moved = [
+            dataclasses.replace(m, offset=m.offset + sum(n for at, n in added if at < m.offset))
+            for m in images
+        ]
+        return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))
+
+    def _images(
+        self, token_ids: list[int], mm_data: Any, kwargs: Any = None
+    ) -> tuple[list[int], tuple]:
+        """The prompt with each image's placeholder run, and the images
+        (multimodal/processor.py)."""
         if self.images is None:
             limit = self.config.image_limit
             why = (
@@ -221,7 +264,7 @@ class InputProcessor:
                 "their language model)"
             )
             raise ValueError(f"multi_modal_data is not supported: {why}")
-        return self.images.process(token_ids, mm_data["image"], kwargs)
+        return self.images.process(token_ids, mm_data, kwargs)
 
     def _constraint(
         self, params: SamplingParams, prompt_ids: list[int]

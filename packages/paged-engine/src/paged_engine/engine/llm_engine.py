@@ -63,9 +63,11 @@ from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
+from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
+from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -132,6 +134,7 @@ class LLMEngine:
         # LLaVA: the host side of image prompts; before the workers, which load the vision
         # tower only where images can run
         images = self._image_processor()
+        videos = self._video_processor()
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         # A *ForSequenceClassification model: it classifies and scores, never generates.
@@ -302,6 +305,7 @@ class LLMEngine:
             structured=structured,
             default_params=self.generation_defaults,
             images=images,
+            videos=videos,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
         )
@@ -600,6 +604,17 @@ class LLMEngine:
         if cfg.mm_processor_cache_gb > 0:
             images.cache = ProcessorCache(int(cfg.mm_processor_cache_gb * 2**30))
         return images
+
+    def _video_processor(self) -> QwenVideoProcessor | None:
+        """Qwen2-VL / Qwen2.5-VL checkpoints: the host side of video prompts; None for other
+        models and with limit_mm_per_prompt={"video": 0}."""
+        cfg = self.config
+        if cfg.video_limit == 0 or not takes_images(self.resolved, self.hf_config):
+            return None
+        config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
+        if config is None or not set(config.architectures or ()) & set(qwen2_vl.ARCHS):
+            return None
+        return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

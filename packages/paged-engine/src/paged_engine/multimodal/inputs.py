@@ -46,6 +46,9 @@ class ImageInput:
     # step never ends inside it (core/token_plan.py whole_images) and its rows see its end
     bidirectional: bool = False
     token_rows: bool = False  # prompt_embeds rows (see the module)
+    # a Qwen video's M-RoPE temporal step: frame group k has temporal index floor(k * t_step)
+    # (Qwen2.5-VL: tokens_per_second * seconds per group; 1 for Qwen2-VL and images)
+    t_step: float = 1.0
 
     @property
     def num_features(self) -> int:

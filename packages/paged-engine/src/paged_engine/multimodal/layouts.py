@@ -64,6 +64,42 @@ def run_starts(ids: list[int], placeholder: int) -> list[int]:
     ]
 
 
+def expand_runs(
+    ids: list[int], token: int, lengths: list[int], what: str
+) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """Each lone `token` -> a run of its item's length (a run already that long stays): (the
+    ids, each run's start in them, (where in `ids`, tokens added) of each run); ValueError
+    unless there is one placeholder or run per item."""
+    runs: list[tuple[int, int]] = []  # (start, length)
+    for i, t in enumerate(ids):
+        if t != token:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    if len(runs) != len(lengths) or any(
+        length not in (1, n) for (_, length), n in zip(runs, lengths)
+    ):
+        found = ", ".join(str(length) for _, length in runs) or "none"
+        want = ", ".join(str(n) for n in lengths)
+        raise ValueError(
+            f"multi_modal_data['{what}'] has {len(lengths)} {what}(s) but the prompt has "
+            f"{len(runs)} {what} placeholder(s) (token id {token}; runs of {found} tokens): put "
+            f"one {what} token per {what} where it belongs (or runs of {want})"
+        )
+    out: list[int] = []
+    starts: list[int] = []
+    last = 0
+    for (start, length), n in zip(runs, lengths):
+        out += ids[last:start]
+        starts.append(len(out))
+        out += [token] * n
+        last = start + length
+    added = [(start, n - length) for (start, length), n in zip(runs, lengths)]
+    return out + ids[last:], starts, added
+
+
 def _side(config: Any) -> int:
     size = config.vision_config.image_size
     return int(size[0] if isinstance(size, (list, tuple)) else size)

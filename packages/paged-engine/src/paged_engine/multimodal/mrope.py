@@ -3,6 +3,8 @@
     prompt:  text ... | image run (t x h x w merged features) | text ...
     rows:    p, p, p  | start + (t_i, h_i, w_i)                | start + max(h, w) + k, all rows
 
+A video's temporal index t_i is floor(i * t_step) (multimodal/qwen_video.py).
+
 Plain data with numpy only: it is built on the host and travels to every rank with its sequence.
 """
 
@@ -42,7 +44,9 @@ def mrope_positions(num_tokens: int, images: Sequence[ImageInput], merge: int) -
             raise ValueError(f"an image's grid {m.image_size} does not give its {m.length} rows")
         table[:, last : m.offset] = np.arange(pos, pos + m.offset - last)
         pos += m.offset - last
-        grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij"))
+        # (float32, as transformers scales a video's temporal index before flooring it)
+        temporal = (np.arange(t, dtype=np.float32) * np.float32(m.t_step)).astype(np.int64)
+        grid = np.stack(np.meshgrid(temporal, np.arange(h), np.arange(w), indexing="ij"))
         table[:, m.offset : m.end] = grid.reshape(3, -1) + pos
         pos += max(h, w)
         last = m.end

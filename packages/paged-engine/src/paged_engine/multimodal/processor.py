@@ -23,7 +23,14 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import LAYOUTS, Layout, Loaded, digest, run_starts
+from paged_engine.multimodal.layouts import (
+    LAYOUTS,
+    Layout,
+    Loaded,
+    digest,
+    expand_runs,
+    run_starts,
+)
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
@@ -398,29 +405,4 @@ class ImageProcessor:
         """Each lone placeholder -> a run of its image's length; runs already that long stay
         (ValueError unless there is one placeholder or run per image). A server calls it to
         know the prompt's length before the engine takes the images."""
-        tid = self.image_token_id
-        runs: list[tuple[int, int]] = []  # (start, length)
-        for i, t in enumerate(ids):
-            if t != tid:
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
-        if len(runs) != len(lengths) or any(
-            length not in (1, n) for (_, length), n in zip(runs, lengths)
-        ):
-            found = ", ".join(str(length) for _, length in runs) or "none"
-            want = ", ".join(str(n) for n in lengths)
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(lengths)} image(s) but the prompt has "
-                f"{len(runs)} image placeholder(s) (token id {tid}; runs of {found} tokens): "
-                f"put one image token per image where it belongs (or runs of {want})"
-            )
-        out: list[int] = []
-        last = 0
-        for (start, length), n in zip(runs, lengths):
-            out += ids[last:start]
-            out += [tid] * n
-            last = start + length
-        return out + ids[last:]
+        return expand_runs(ids, self.image_token_id, lengths, "image")[0]

@@ -1,0 +1,223 @@
+"""Videos through Qwen2-VL / Qwen2.5-VL checkpoints against HF transformers on the same weights.
+
+`multi_modal_data={"video": frames}` (uint8 [T, H, W, 3], a list of frames, or (frames,
+{"fps": ...})): HF `generate` with the same patch rows, grid and (Qwen2.5-VL) seconds per frame
+group gives the same greedy tokens and top-5 logprobs, also beside an image in one prompt; the
+M-RoPE table equals HF's get_rope_index; the preprocessing matches HF's image processor on a
+still video (transformers' own video processor needs torchvision); the encoder and prefix
+caches key a video by its pixels; bad input is a ValueError naming the parameter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_qwen2_vl
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def _chat(body: str) -> str:
+    return f"<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _frames(seed: int, count: int = 5, size: tuple[int, int] = (40, 56)) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (count, *size, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    cache = {}
+
+    def make(version: str):
+        if version not in cache:
+            path = tmp_path_factory.mktemp(f"qwen{version}")
+            cache[version] = write_tiny_qwen2_vl(path, version=version, seed=2)
+        return cache[version]
+
+    return make
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(model=str(path), dtype="float32", max_model_len=512, block_size=16, **kw)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
+
+
+class _HF:
+    def __init__(self, path, version: str) -> None:
+        name = {"2": "Qwen2VL", "2.5": "Qwen2_5_VL"}[version]
+        cls = getattr(transformers, f"{name}ForConditionalGeneration")
+        self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+        self.images = transformers.AutoImageProcessor.from_pretrained(path)
+        self.version = version
+
+    def inputs(self, out, items, fps: list[float] | None = None) -> dict:
+        """HF's arguments for a prompt the engine expanded (`out`), its images and videos
+        (`fps`: each video's frame rate, as transformers' processor takes it; 24 unknown)."""
+        cfg = self.model.config
+        ids = out.prompt_token_ids
+        kinds = [1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id else 0 for t in ids]
+        extra = {"mm_token_type_ids": torch.tensor([kinds])}
+        videos = [m for m in items if m.t_step != 1.0 or m.image_size[0] > 1]
+        images = [m for m in items if m not in videos]
+        if images:
+            extra["pixel_values"] = torch.cat([m.pixel_values for m in images])
+            extra["image_grid_thw"] = torch.tensor([m.image_size for m in images])
+        if videos:
+            extra["pixel_values_videos"] = torch.cat([m.pixel_values for m in videos])
+            extra["video_grid_thw"] = torch.tensor([m.image_size for m in videos])
+            if self.version == "2.5":
+                rates = fps or [24.0] * len(videos)
+                extra["second_per_grid_ts"] = torch.tensor([2 / r for r in rates])
+        return extra
+
+
+def _items(llm: LLM, prompt: dict) -> tuple:
+    """The engine's own processing of a prompt's images and videos."""
+    req = llm.llm_engine.input_processor.make_request("probe", prompt, SamplingParams(), None)
+    return req.request.mm_inputs
+
+
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_videos_match_hf(qwen, version):
+    path = qwen(version)
+    hf = _HF(path, version)
+    llm = _llm(path)
+    still = Image.fromarray(_frames(9, 1, (48, 40))[0])
+    prompts = [
+        {"prompt": _chat(VIDEO + "What happens?"), "multi_modal_data": {"video": _frames(1)}},
+        {  # 3 fps: Qwen2.5-VL's temporal positions step by 2 * 2 / 3
+            "prompt": _chat(f"{IMAGE} then {VIDEO} and what now?"),
+            "multi_modal_data": {"image": still, "video": (_frames(2, 4, (33, 61)), {"fps": 3.0})},
+        },
+        _chat("No video here."),
+    ]
+    outs = llm.generate(prompts, _greedy(), use_tqdm=False)
+    for prompt, out, fps in zip(prompts, outs, [None, [3.0], None]):
+        items = _items(llm, prompt) if isinstance(prompt, dict) else ()
+        extra = hf.inputs(out, items, fps) if items else {}
+        ref = hf_greedy(hf.model, out.prompt_token_ids, 6, 5, **extra)
+        assert_matches(f"qwen{version}-vl video", out, ref)
+    assert outs[0].prompt_token_ids.count(hf.model.config.video_token_id) == 3 * 5 * 7
+    llm.llm_engine.shutdown()
+
+
+def test_mrope_table_equals_hf_rope_index(qwen):
+    path = qwen("2.5")
+    hf = _HF(path, "2.5")
+    llm = _llm(path)
+    prompt = {
+        "prompt": _chat(f"{VIDEO} and {IMAGE} and {VIDEO}"),
+        "multi_modal_data": {
+            "video": [(_frames(3, 6), {"fps": 3.0}), _frames(4, 3, (24, 80))],
+            "image": Image.fromarray(_frames(5, 1)[0]),
+        },
+    }
+    req = llm.llm_engine.input_processor.make_request("r", prompt, SamplingParams(), None).request
+    ids = list(req.prompt_token_ids)
+
+    class _Out:
+        prompt_token_ids = ids
+
+    extra = hf.inputs(_Out, req.mm_inputs, [3.0, 24.0])
+    want, delta = hf.model.model.get_rope_index(
+        torch.tensor([ids]),
+        extra["mm_token_type_ids"],
+        extra["image_grid_thw"],
+        extra["video_grid_thw"],
+        extra["second_per_grid_ts"],
+    )
+    assert np.array_equal(req.mrope.table, want[:, 0].numpy())
+    assert req.mrope.delta == int(delta)
+    tps = hf.model.config.vision_config.tokens_per_second
+    steps = [m.t_step for m in req.mm_inputs if m.image_size[0] > 1]
+    assert steps == [pytest.approx(tps * 2 / 3.0), pytest.approx(tps * 2 / 24)]  # 24: no fps
+    llm.llm_engine.shutdown()
+
+
+def test_preprocessing_matches_hf_on_a_still_video(qwen):
+    """Two copies of one frame are what HF's image processor makes of that image (it repeats
+    an image to the temporal patch): the same grid, and pixels within the two resizers'
+    difference (PIL against torch's antialiased bicubic)."""
+    path = qwen("2")
+    llm = _llm(path)
+    frame = _frames(6, 1, (44, 60))[0]
+    videos = llm.llm_engine.input_processor.videos
+    _, (video,), _ = videos.process([videos.video_token_id], [np.stack([frame, frame])])
+    hf = transformers.AutoImageProcessor.from_pretrained(path)(
+        images=[Image.fromarray(frame)], return_tensors="pt"
+    )
+    assert tuple(video.image_size) == tuple(hf["image_grid_thw"][0].tolist())
+    diff = (video.pixel_values - hf["pixel_values"]).abs()
+    assert video.pixel_values.shape == hf["pixel_values"].shape
+    assert float(diff.mean()) < 0.05 and float(diff.max()) < 0.6  # (a layout error: ~1)
+    # the forms a video comes in give the same rows; an odd frame count pads with the last
+    as_list = videos.process([videos.video_token_id], [[Image.fromarray(f) for f in _frames(7)]])
+    as_tensor = videos.process([videos.video_token_id], [torch.from_numpy(_frames(7))])
+    assert torch.equal(as_list[1][0].pixel_values, as_tensor[1][0].pixel_values)
+    assert as_tensor[1][0].image_size[0] == 3  # 5 frames -> 3 groups of 2
+    llm.llm_engine.shutdown()
+
+
+def test_caches_key_a_video_by_its_pixels(qwen):
+    path = qwen("2")
+    llm = _llm(path, enable_prefix_caching=True)
+    text = _chat(VIDEO + "Describe the video in detail, please.")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(frames):
+        return llm.generate({"prompt": text, "multi_modal_data": {"video": frames}}, sp)[0]
+
+    first = run(_frames(1))
+    again = run(_frames(1))
+    other = run(_frames(2))
+    n = len(first.prompt_token_ids)
+    assert again.num_cached_tokens == n // 16 * 16 - (16 if n % 16 == 0 else 0)
+    assert other.num_cached_tokens < 16  # only the text before the video
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    llm.llm_engine.shutdown()
+
+
+def test_bad_videos_name_the_parameter(qwen):
+    path = qwen("2")
+    llm = _llm(path, limit_mm_per_prompt={"image": 1, "video": 1})
+    text = _chat(VIDEO + "Go.")
+    cases = [
+        (_frames(1).astype(np.float32), "uint8 frames"),
+        (_frames(1)[0], "uint8 frames"),
+        ([], "empty"),
+        ([_frames(1), _frames(2)], "limit_mm_per_prompt"),
+        ((_frames(1), "fast"), "metadata must be a dict"),
+        ([np.zeros((8, 8, 3), np.uint8), np.zeros((9, 8, 3), np.uint8)], "frames differ"),
+    ]
+    for video, says in cases:
+        with pytest.raises(ValueError, match=says):
+            llm.generate({"prompt": text, "multi_modal_data": {"video": video}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.generate({"prompt": "no video token", "multi_modal_data": {"video": _frames(1)}})
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs\['speed'\]"):
+        llm.generate(
+            {
+                "prompt": text,
+                "multi_modal_data": {"video": _frames(1)},
+                "mm_processor_kwargs": {"speed": 2},
+            }
+        )
+    ok = llm.generate({"prompt": text, "multi_modal_data": {"video": _frames(1)}}, use_tqdm=False)
+    assert ok[0].outputs[0].token_ids
+    llm.llm_engine.shutdown()
+    none = _llm(qwen("3"))  # Qwen3-VL's videos carry timestamps: not run here
+    with pytest.raises(ValueError, match="takes no videos"):
+        none.generate({"prompt": text, "multi_modal_data": {"video": _frames(1)}})
+    none.llm_engine.shutdown()

@@ -221,3 +221,22 @@ def test_bad_videos_name_the_parameter(qwen):
     with pytest.raises(ValueError, match="takes no videos"):
         none.generate({"prompt": text, "multi_modal_data": {"video": _frames(1)}})
     none.llm_engine.shutdown()
+
+
+def test_the_video_settings_come_from_the_checkpoint(tmp_path):
+    """video_preprocessor_config.json, else transformers 5's processor_config.json, else the
+    image processor's patches with HF's video bounds."""
+    import json
+
+    from paged_engine.multimodal.qwen_video import _settings
+
+    image = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(image))
+    got = _settings(tmp_path)
+    assert got["size"] == {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
+    assert got["image_mean"] == [0.5] * 3
+    video = {**image, "size": {"shortest_edge": 3136, "longest_edge": 9408}}
+    (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": video}))
+    assert _settings(tmp_path)["size"] == video["size"]
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({**image, "max_pixels": 5}))
+    assert _settings(tmp_path)["size"]["longest_edge"] == 5

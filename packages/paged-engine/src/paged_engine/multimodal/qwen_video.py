@@ -62,30 +62,40 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 
 def _settings(path: Path) -> dict[str, Any]:
-    """The video processor's settings: its own file, else the image processor's."""
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        f = path / name
-        if f.exists():
-            raw = json.loads(f.read_text())
-            raw = raw.get("video_processor", raw) if name == "processor_config.json" else raw
-            own = name.startswith("video")
-            size = dict(raw.get("size") or {}) if own else {}
-            if not size.get("shortest_edge") or not size.get("longest_edge"):
-                size = dict(_DEFAULT_SIZE)
-            if own and raw.get("min_pixels"):
-                size["shortest_edge"] = raw["min_pixels"]
-            if own and raw.get("max_pixels"):
-                size["longest_edge"] = raw["max_pixels"]
-            return {
-                "patch_size": int(raw.get("patch_size", 14)),
-                "merge_size": int(raw.get("merge_size", 2)),
-                "temporal_patch_size": int(raw.get("temporal_patch_size", 2)),
-                "image_mean": list(raw.get("image_mean", [0.48145466, 0.4578275, 0.40821073])),
-                "image_std": list(raw.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
-                "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
-                "size": size,
-            }
-    raise ValueError(f"{path} has no video or image processor config for its videos")
+    """The video processor's settings: its own (video_preprocessor_config.json, or
+    transformers 5's processor_config.json), else the image processor's with HF's video size
+    bounds."""
+    candidates: list[tuple[dict, bool]] = []  # (settings, the video processor's own)
+    for name, own in (
+        ("video_preprocessor_config.json", True),
+        ("preprocessor_config.json", False),
+    ):
+        if (path / name).exists():
+            candidates.append((json.loads((path / name).read_text()), own))
+    if (path / "processor_config.json").exists():
+        both = json.loads((path / "processor_config.json").read_text())
+        for key, own in (("video_processor", True), ("image_processor", False)):
+            if isinstance(both.get(key), dict):
+                candidates.append((both[key], own))
+    if not candidates:
+        raise ValueError(f"{path} has no video or image processor config for its videos")
+    raw, own = max(candidates, key=lambda c: c[1])  # the video processor's own first
+    size = dict(raw.get("size") or {}) if own else {}
+    if not size.get("shortest_edge") or not size.get("longest_edge"):
+        size = dict(_DEFAULT_SIZE)
+    if own and raw.get("min_pixels"):
+        size["shortest_edge"] = raw["min_pixels"]
+    if own and raw.get("max_pixels"):
+        size["longest_edge"] = raw["max_pixels"]
+    return {
+        "patch_size": int(raw.get("patch_size", 14)),
+        "merge_size": int(raw.get("merge_size", 2)),
+        "temporal_patch_size": int(raw.get("temporal_patch_size", 2)),
+        "image_mean": list(raw.get("image_mean", [0.48145466, 0.4578275, 0.40821073])),
+        "image_std": list(raw.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
+        "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
+        "size": size,
+    }
 
 
 class QwenVideoProcessor:

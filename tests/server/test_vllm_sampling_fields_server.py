@@ -54,6 +54,9 @@ def test_fields(engine):
         assert status == 400 and bad["error"]["param"] == "repetition_detection", bad
         status, bad = _ask(http, repetition_detection=[4])
         assert status == 400 and bad["error"]["param"] == "repetition_detection", bad
+        huge = {"max_pattern_size": 1 << 20, "min_count": 2}  # the per-token check stays small
+        status, bad = _ask(http, repetition_detection=huge)
+        assert status == 400 and bad["error"]["param"] == "repetition_detection", bad
         # every token's logprob (keyed by id: tokens whose text is alike would merge)
         status, body = _ask(http, max_tokens=2, logprobs=-1, return_tokens_as_token_ids=True)
         assert status == 200, body

@@ -313,19 +313,30 @@ def _logit_bias(value: Any) -> dict[str, float] | None:
     return value
 
 
+_MAX_PATTERN = 1024  # the check reads up to max_pattern_size * min_count tokens a step
+
+
 def _repetition_detection(b: _Body) -> dict[str, int] | None:
-    """vLLM's `repetition_detection` object, or its older top-level fields (0: off); its
-    values are checked by SamplingParams (a 400 naming repetition_detection)."""
+    """vLLM's `repetition_detection` object, or its older top-level fields (0: off); sizes and
+    counts over 1024 are refused here (a client must not make the engine's per-token check
+    slow for everyone), the rest is checked by SamplingParams (a 400 naming
+    repetition_detection)."""
     value = b.d.get("repetition_detection")
     legacy = {
-        "max_pattern_size": b.int("max_repetition_pattern_size", 0, 0, 1 << 16),
-        "min_pattern_size": b.int("min_repetition_pattern_size", 0, 0, 1 << 16),
-        "min_count": b.int("repetition_min_count", 0, 0, 1 << 16),
+        "max_pattern_size": b.int("max_repetition_pattern_size", 0, 0, _MAX_PATTERN),
+        "min_pattern_size": b.int("min_repetition_pattern_size", 0, 0, _MAX_PATTERN),
+        "min_count": b.int("repetition_min_count", 0, 0, _MAX_PATTERN),
     }
     if value is None:
         return legacy if legacy["max_pattern_size"] else None
     if not isinstance(value, dict):
         raise bad_request("'repetition_detection' must be an object", "repetition_detection")
+    for k, v in value.items():
+        if _is_int(v) and v > _MAX_PATTERN:
+            raise bad_request(
+                f"'repetition_detection.{k}' must be at most {_MAX_PATTERN}, got {v}",
+                "repetition_detection",
+            )
     return value
 
 

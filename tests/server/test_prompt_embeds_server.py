@@ -111,6 +111,7 @@ def test_bad_prompt_embeds_are_400s_and_the_server_serves_on(model):
         (evil, "could not be read", "prompt_embeds[0]"),
         (_saved({"a": embed[IDS]}), "not one tensor", "prompt_embeds[0]"),
         (_saved(huge), "elements", "prompt_embeds[0]"),
+        (_saved(embed[IDS[:1]].expand(40, width)), "a view of", "prompt_embeds[0]"),
         (12, "base64 string", "prompt_embeds"),
         ([], "base64 string", "prompt_embeds"),
         # read, then refused by the engine's checks

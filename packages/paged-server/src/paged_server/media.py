@@ -244,8 +244,9 @@ def load_embeds(ref: ImageRef) -> Any:
 
 def decode_tensor(param: str, data: Any, max_elems: int = MAX_TENSOR_ELEMS) -> Any:
     """A base64 torch.save'd (or .npy) tensor from a client, dense, at most `max_elems`
-    elements (its shape is checked before anything is expanded: a sparse tensor or a stride-0
-    view can claim far more than its bytes); a 400 naming `param` for anything else."""
+    elements, a strided one no larger than the bytes it came with (its shape is checked
+    before anything is expanded: a sparse tensor or a stride-0 view can claim far more than
+    its bytes); a 400 naming `param` for anything else."""
     import numpy as np
     import torch
 
@@ -268,6 +269,10 @@ def decode_tensor(param: str, data: Any, max_elems: int = MAX_TENSOR_ELEMS) -> A
                     raise ValueError(f"it holds a {type(tensor).__name__}, not one tensor")
                 if tensor.numel() > max_elems:
                     raise ValueError(f"{list(tensor.shape)} is over {max_elems} elements")
+                held = tensor.untyped_storage().nbytes() if tensor.layout == torch.strided else 0
+                if tensor.layout == torch.strided and tensor.numel() * tensor.element_size() > held:
+                    # a view repeating its bytes (stride 0): a few bytes sent, far more made
+                    raise ValueError(f"a view of {list(tensor.shape)} over {held} bytes")
                 tensor = tensor.to_dense()
     except Exception as e:  # a corrupt file, pickled objects, a bad sparse tensor
         raise bad_request(f"{param} could not be read as a tensor: {e}", param) from None

@@ -168,9 +168,13 @@ def test_chat_checks_name_and_names_messages_for_a_long_prompt(fake) -> None:
     assert str(MAX_MODEL_LEN) in body["error"]["message"]
 
 
-def test_echoed_stream_offsets_continue_after_the_prompt(fake) -> None:
+def test_echoed_stream_offsets_continue_after_the_prompt() -> None:
+    # steps of 20 ms: the stream has its chunks even on a loaded machine (1 ms steps could
+    # all land in one chunk before the HTTP thread wrote the first)
+    engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.02)
     req = {"prompt": "Hello", "max_tokens": 4, "echo": True, "logprobs": 1}
-    events = fake.stream(req)
+    with serve_in_process(ARGS, engine) as (http, _app):
+        events = http.stream(req)
     chunks = [e["choices"][0] for e in events]
     assert "".join(c["text"] for c in chunks).startswith("Hello")
     offsets = [o for c in chunks for o in c["logprobs"]["text_offset"]]

@@ -25,7 +25,7 @@ from fake_engine import FakeEngine
         ({"prompt": "x", "temperature": -1}, "temperature"),
         ({"prompt": "x", "top_p": 0}, "top_p"),
         ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
-        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -2}, "logprobs"),
         ({"prompt": "x", "stop": [1]}, "stop"),
         ({"prompt": "x", "logit_bias": [1, 5]}, "logit_bias"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),

@@ -81,18 +81,27 @@ def test_fields(engine):
         assert status == 400 and bad["error"]["param"] == "vllm_xargs", bad
 
 
-def test_logprobs_minus_one_needs_the_limit_off(tmp_path):
+def test_logprobs_are_held_to_max_logprobs(tmp_path):
+    """--max-logprobs (the engine's max_logprobs) is the limit, not a fixed 20; -1 asks for
+    the vocabulary, which only --max-logprobs -1 allows."""
     from paged_engine import LLM
     from paged_engine.testing import write_tiny_model
 
     path = write_tiny_model(tmp_path / "m", "llama")
-    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    llm = LLM(str(path), dtype="float32", max_model_len=MAX_MODEL_LEN, max_logprobs=30)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
     try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, bad = _ask(http, max_tokens=2, logprobs=-1)
-            assert status == 400 and "max_logprobs" in bad["error"]["message"], bad
-            status, _ = _ask(http, max_tokens=2, logprobs=2)
-            assert status == 200
+        with serve_in_process([*COMMON_ARGS, "--max-logprobs", "30"], llm.llm_engine) as (http, _):
+            ids = {"return_tokens_as_token_ids": True}  # (texts alike would merge)
+            status, body = _ask(http, max_tokens=1, logprobs=25, **ids)
+            assert status == 200 and len(body["choices"][0]["logprobs"]["top_logprobs"][0]) >= 25
+            for field, value in (("logprobs", -1), ("logprobs", 31), ("prompt_logprobs", 31)):
+                status, bad = _ask(http, max_tokens=1, **{field: value})
+                assert status == 400 and bad["error"]["param"] == field, bad
+                assert "--max-logprobs 30" in bad["error"]["message"], bad
+            body = {**chat, "logprobs": True, "top_logprobs": 31}
+            status, _, bad = http.request("POST", "/v1/chat/completions", body)
+            assert status == 400 and bad["error"]["param"] == "top_logprobs", bad
     finally:
         llm.llm_engine.shutdown()
 

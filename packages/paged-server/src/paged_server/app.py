@@ -102,6 +102,7 @@ class OpenAIApp:
         media: ImageLoader | None = None,
         mm_embeds: bool = False,
         prompt_embeds_width: int | None = None,
+        max_logprobs: int = 20,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -132,6 +133,7 @@ class OpenAIApp:
         # --enable-prompt-embeds: the token embedding's width (completions' prompt_embeds are
         # taken), else None
         self.prompt_embeds_width = prompt_embeds_width
+        self.max_logprobs = max_logprobs  # the engine's (-1: the vocabulary)
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -464,6 +466,21 @@ class OpenAIApp:
                 ids.append(p)
         self._generate(h, req, model, texts, ids, chat=False, lora=lora)
 
+    def _check_logprobs(self, req: GenerationRequest, chat: bool) -> None:
+        """A 400 naming the field for more logprobs than --max-logprobs allows (-1 asks for
+        the vocabulary, which only --max-logprobs -1 allows)."""
+        cap = self.max_logprobs
+        fields = (("top_logprobs" if chat else "logprobs", req.logprobs),)
+        for name, k in (*fields, ("prompt_logprobs", req.prompt_logprobs)):
+            if k is None or cap == -1 or (k != -1 and k <= cap):
+                continue
+            asked = "every token (-1)" if k == -1 else k
+            raise bad_request(
+                f"'{name}' asks for {asked} logprobs, over this server's --max-logprobs {cap} "
+                "(vLLM's limit; -1 allows the vocabulary)",
+                name,
+            )
+
     def _decode_prompt_embeds(self, values: list[str]) -> list[Any]:
         """completions' prompt_embeds as tensors: only with --enable-prompt-embeds, each at
         most max_model_len rows of the embedding's width before it is expanded (the engine
@@ -639,6 +656,7 @@ class OpenAIApp:
                 "are kept whole): send a shorter conversation or no truncation",
                 "truncate_prompt_tokens",
             )
+        self._check_logprobs(req, chat)
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
         rows = [int(t.shape[0]) if t.dim() else 0 for t in req.prompt_embeds]

@@ -171,6 +171,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         mm_embeds=args.enable_mm_embeds,
         # --enable-prompt-embeds: the width the engine checks rows against
         prompt_embeds_width=getattr(getattr(engine, "input_processor", None), "embeds_width", None),
+        max_logprobs=int(getattr(engine.config, "max_logprobs", 20)),
     )
     return client, app
 

@@ -19,7 +19,9 @@ from paged_server.structured_request import parse_structured
 from paged_server.tools import ToolRequest, parse_tools
 
 MAX_N = 128
-MAX_LOGPROBS = 20
+# logprobs / top_logprobs / prompt_logprobs: a sanity bound; the app holds each request to the
+# engine's max_logprobs (--max-logprobs, 20 by default, as in vLLM)
+MAX_LOGPROBS = 1 << 20
 
 # Accepted and ignored: they change nothing about generation.
 _IGNORED = {

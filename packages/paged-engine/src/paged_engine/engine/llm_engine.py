@@ -614,7 +614,13 @@ class LLMEngine:
         config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
         if config is None or not set(config.architectures or ()) & set(qwen2_vl.ARCHS):
             return None
-        return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
+        if not processor_saved(self.resolved.path):  # served as its text model (logged above)
+            return None
+        try:
+            return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
+        except ValueError as e:  # no processor settings a video can use: images only
+            logger.warning("%s: videos are not taken: %s", self.resolved.path, e)
+            return None
 
     def _resolve_lengths(self) -> None:
         cfg = self.config

@@ -158,20 +158,25 @@ PROMPTS = [{"prompt_token_ids": [5, 6, 7, 9, 11, 40, 41]}, {"prompt_token_ids": 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 
 
+def _like_dense(llm: LLM, dense, tol: float) -> None:
+    """`llm` gives the outputs of the engine on the dense copy `dense` (float32)."""
+    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
+    _same_outputs(
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False),
+        want.generate(PROMPTS, GREEDY, use_tqdm=False),
+        tol,
+    )
+
+
 @pytest.mark.parametrize("scheme", ["gptq-4bit-g32", "awq-g64", "w4a16-channel"])
 def test_int4_runs_the_checkpoints_own_codes(tiny, tmp_path, scheme):
     """quantization="int4" on a 4-bit checkpoint keeps its codes (not a second rounding): the
     dense engine's tokens, logprobs within 1e-4 (float32; w = code * scale + low instead of
     (code - zero) * scale)."""
     path, dense = packed_copy(tiny, scheme, tmp_path / scheme)
-    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, quantization="int4")
     assert _int4_layers(llm) == (8, 8)
-    _same_outputs(
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-        want.generate(PROMPTS, GREEDY, use_tqdm=False),
-        1e-4,
-    )
+    _like_dense(llm, dense, 1e-4)
 
 
 def test_layers_the_codes_cannot_serve_are_quantized_again(tiny, tmp_path):
@@ -293,12 +298,7 @@ def test_codes_through_each_models_loaders(tmp_path, monkeypatch, arch, kept):
     llm = LLM(model=str(path), dtype="float32", max_model_len=64)
     assert _int4_layers(llm) == kept
     monkeypatch.undo()
-    want = LLM(model=str(dense), dtype="float32", max_model_len=64)
-    _same_outputs(
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-        want.generate(PROMPTS, GREEDY, use_tqdm=False),
-        1e-5,
-    )
+    _like_dense(llm, dense, 1e-5)
 
 
 def test_moe_codes_run_through_the_triton_kernels(tmp_path, monkeypatch):
@@ -356,12 +356,7 @@ def test_dense_weights_are_deferred_while_codes_load(
     assert bool(passes) == second_pass
     assert _int4_layers(llm) == (8, 8)
     if not second_pass:
-        want = LLM(model=str(dense), dtype="float32", max_model_len=64)
-        _same_outputs(
-            llm.generate(PROMPTS, GREEDY, use_tqdm=False),
-            want.generate(PROMPTS, GREEDY, use_tqdm=False),
-            1e-4,
-        )
+        _like_dense(llm, dense, 1e-4)
 
 
 def test_cpu_default_keeps_the_codes_with_bf16_activations(tiny, tmp_path):

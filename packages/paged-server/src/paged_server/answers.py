@@ -25,6 +25,12 @@ if TYPE_CHECKING:
     from paged_server.http import Handler
 
 
+def prompt_lengths(req: GenerationRequest, ids: list[list[int] | None]) -> list[int]:
+    """Each prompt's length: its prompt_embeds rows (those come first), then its ids."""
+    rows = [int(t.shape[0]) if t.dim() else 0 for t in req.prompt_embeds]
+    return rows + [len(i) for i in ids[len(rows) :] if i is not None]
+
+
 def final_body(
     app: OpenAIApp,
     h: Handler,
@@ -143,8 +149,7 @@ def stream(
     thinks = None if reasoning is None else [ReasoningOutput(reasoning) for _ in choices]
     h.start_stream()
 
-    rows = [int(t.shape[0]) for t in req.prompt_embeds]  # prompt_embeds come first
-    num_prompt = sum(rows) + sum(len(i) for i in ids[len(rows) :] if i is not None)
+    num_prompt = sum(prompt_lengths(req, ids))
 
     def chunk(entries: list[dict[str, Any]]) -> dict[str, Any]:
         body = envelope(rid, obj, model, created)

@@ -659,10 +659,9 @@ class OpenAIApp:
         self._check_logprobs(req, chat)
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
-        rows = [int(t.shape[0]) if t.dim() else 0 for t in req.prompt_embeds]
-        lengths = rows + [len(i) for i in ids[len(rows) :] if i is not None]
         max_tokens = min(
-            check_context(n, req.max_tokens, self.max_model_len, param) for n in lengths
+            check_context(n, req.max_tokens, self.max_model_len, param)
+            for n in answers.prompt_lengths(req, ids)
         )
         self.client.check_queue()
         defaults = self.sampling_defaults

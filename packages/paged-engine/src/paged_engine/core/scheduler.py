@@ -55,6 +55,7 @@ from paged_engine.core.token_plan import (
     whole_image_plan,
     whole_images,
 )
+from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.spec_decode.planner import DraftPlanner
 
 _RUNNING = SequenceStatus.RUNNING
@@ -665,7 +666,7 @@ class Scheduler:
             state_slot=seq.state_slot,
             mm_inputs=tuple(m for m in req.mm_inputs if m.end > start),
             mrope=req.mrope,
-            embeds_prompt=bool(req.mm_inputs) and req.mm_inputs[0].token_rows,
+            embeds_prompt=is_embeds_prompt(req.mm_inputs),
         )
 
 

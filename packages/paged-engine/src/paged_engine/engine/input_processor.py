@@ -14,6 +14,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS
+from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen_video import VIDEO_KWARGS, QwenVideoProcessor, check_kwargs
 from paged_engine.pooling import truncated
@@ -88,7 +89,7 @@ class InputProcessor:
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
         cut = truncated(token_ids, keep, max_len)
         if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
-            if mm_inputs and mm_inputs[0].token_rows:
+            if is_embeds_prompt(mm_inputs):
                 raise ValueError(
                     "truncate_prompt_tokens would cut a prompt given as prompt_embeds: send "
                     "the rows to keep"
@@ -137,7 +138,7 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.cache_salt = salt
-        if mm_inputs and not mm_inputs[0].token_rows:
+        if mm_inputs and not is_embeds_prompt(mm_inputs):
             positions = self.videos if self.images is None else self.images
             assert positions is not None
             req.mrope = positions.positions(len(token_ids), mm_inputs)

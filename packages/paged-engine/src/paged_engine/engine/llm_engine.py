@@ -43,7 +43,6 @@ from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutpu
 from paged_engine.engine.prompt_embeds import (
     check_prompt_embeds,
     embedding_width,
-    is_embeds_prompt,
 )
 from paged_engine.engine.sleep_mode import SleepMode
 from paged_engine.engine.stats import EngineStats, engine_stats
@@ -65,6 +64,7 @@ from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
+from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor
@@ -134,7 +134,7 @@ class LLMEngine:
         # LLaVA: the host side of image prompts; before the workers, which load the vision
         # tower only where images can run
         images = self._image_processor()
-        videos = self._video_processor()
+        videos = self._video_processor(images)
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         # A *ForSequenceClassification model: it classifies and scores, never generates.
@@ -605,13 +605,18 @@ class LLMEngine:
             images.cache = ProcessorCache(int(cfg.mm_processor_cache_gb * 2**30))
         return images
 
-    def _video_processor(self) -> QwenVideoProcessor | None:
+    def _video_processor(self, images: ImageProcessor | None) -> QwenVideoProcessor | None:
         """Qwen2-VL / Qwen2.5-VL checkpoints: the host side of video prompts; None for other
-        models and with limit_mm_per_prompt={"video": 0}."""
+        models and with limit_mm_per_prompt={"video": 0}. `images`: the image side, whose
+        wrapper config it shares when there is one."""
         cfg = self.config
         if cfg.video_limit == 0 or not takes_images(self.resolved, self.hf_config):
             return None
-        config = wrapper_config(self.resolved.path, cfg.trust_remote_code)
+        config = (
+            images.config
+            if images is not None
+            else wrapper_config(self.resolved.path, cfg.trust_remote_code)
+        )
         if config is None or not set(config.architectures or ()) & set(qwen2_vl.ARCHS):
             return None
         if not processor_saved(self.resolved.path):  # served as its text model (logged above)

@@ -75,14 +75,15 @@ def prompt_embeds_inputs(
             f"prompt is too long: {num} prompt_embeds rows, but max_model_len is {max_len} "
             "(the prompt must leave room for at least one generated token)"
         )
-    # a copy on the host: the caller may change its tensor later, the hashes must not go stale
-    rows = embeds.detach().to("cpu", copy=True).contiguous()
+    rows = embeds.detach().to("cpu")
     if not bool(torch.isfinite(rows).all()):
         raise ValueError("prompt_embeds must be finite (found NaN or infinity)")
     head = f"{rows.dtype}:{width}:".encode()
     inputs = []
     for i, chunk in enumerate(rows.split(block_size)):
-        chunk = chunk.clone()  # its own storage: a pickled view would carry all the rows
+        # a contiguous copy of its own: the caller may change its tensor later (the hash must
+        # not go stale), and a pickled view would carry all the rows to every rank
+        chunk = chunk.clone(memory_format=torch.contiguous_format)
         digest = hashlib.sha256(head + chunk.view(torch.uint8).numpy().tobytes()).hexdigest()
         inputs.append(
             ImageInput(
@@ -95,8 +96,3 @@ def prompt_embeds_inputs(
             )
         )
     return [PLACEHOLDER] * num, tuple(inputs)
-
-
-def is_embeds_prompt(mm_inputs: tuple) -> bool:
-    """Whether a request's prompt came as prompt_embeds (its first input is a block of rows)."""
-    return bool(mm_inputs) and mm_inputs[0].token_rows

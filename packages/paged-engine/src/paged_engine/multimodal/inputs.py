@@ -73,6 +73,11 @@ class ImageInput:
         return self.offset < end and start < self.end
 
 
+def is_embeds_prompt(mm_inputs: tuple) -> bool:
+    """Whether a prompt came as prompt_embeds (its first input is a block of rows)."""
+    return bool(mm_inputs) and mm_inputs[0].token_rows
+
+
 def block_mm_keys(images: tuple[ImageInput, ...], start: int, end: int) -> tuple[str, ...]:
     """Hashes of the images with a placeholder in positions [start, end), in prompt order."""
     return tuple(m.mm_hash for m in images if m.overlaps(start, end))

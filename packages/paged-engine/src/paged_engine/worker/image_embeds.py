@@ -48,11 +48,12 @@ class LookupRows:
 
 
 @contextmanager
-def spliced_lookup(embedding: nn.Module, lookup: LookupRows | None) -> Iterator[None]:
+def spliced_lookup(embedding: nn.Module | None, lookup: LookupRows | None) -> Iterator[None]:
     """While open, `embedding`'s output carries `lookup`'s rows (nothing when None)."""
     if lookup is None:
         yield
         return
+    assert embedding is not None, "prompt_embeds rows reach a model without their lookup"
 
     def splice(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
         out[lookup.index] = lookup.rows.to(out.dtype)
@@ -153,17 +154,13 @@ class ImageEmbedder:
         if not todo:
             return None
         self._encode(todo)
-        lookup = self._gather(rows_of_prompts)
+        found = self._gather(rows_of_prompts)
+        lookup = None if found is None else LookupRows(*found)
         if not pieces:
             self._retire(sched)
-            assert lookup is not None
-            return None, None, LookupRows(*lookup)
-        if lookup is None:
+            return None, None, lookup
+        with spliced_lookup(self.lookup, lookup):
             x = self.embed_tokens(input_ids)
-        else:
-            assert self.lookup is not None
-            with spliced_lookup(self.lookup, LookupRows(*lookup)):
-                x = self.embed_tokens(input_ids)
         gathered = self._gather(pieces)
         self._retire(sched)
         if gathered is None:  # the step runs only line-break tokens of its images (Pixtral)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -420,10 +420,7 @@ class ModelRunner:
 
     def _spliced_lookup(self, inputs: StepInputs) -> AbstractContextManager[None]:
         """The step's prompt_embeds rows in the token embedding's output while open."""
-        if inputs.lookup is None:
-            return nullcontext()
-        assert self.images is not None and self.images.lookup is not None
-        return spliced_lookup(self.images.lookup, inputs.lookup)
+        return spliced_lookup(None if self.images is None else self.images.lookup, inputs.lookup)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         if self.compiled is not None:

@@ -5,8 +5,8 @@ LLM(model=<file>.gguf) HF's greedy tokens.
 
 What the format cannot carry is left at what the file implies (llama.cpp's reading), so the tiny
 models here use it: rope on Granite's attention layers (the converter writes use_rope False for
-every GraniteMoeHybrid), Granite's time_step_limit, Nemotron-H's time_step_min (the config class
-default, 0.001, loads back)."""
+every GraniteMoeHybrid), Granite's and Nemotron-H's time_step_limit and Nemotron-H's
+time_step_min (the config class defaults, (0, inf) and 0.001, load back)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ from hf_reference import assert_file_greedy_matches_hf  # noqa: E402
 from hybrid_checks import NEMOTRON_MOE  # noqa: E402
 from test_models import load_hf  # noqa: E402
 
-# the converter stores no time_step_min: the file loads the config class default
-NEMOTRON_MOE_GGUF = {**NEMOTRON_MOE, "time_step_min": 0.001}
+# the converter stores no dt clamp: the file loads the config class defaults (no clamp; older
+# transformers clamp at time_step_min, 0.001 never bites in these models)
+NEMOTRON_GGUF = {"time_step_min": 0.001, "time_step_limit": (0.0, float("inf"))}
+NEMOTRON_MOE_GGUF = {**NEMOTRON_MOE, **NEMOTRON_GGUF}
 
 # name -> (tiny arch, config overrides)
 CASES = {
@@ -33,7 +35,7 @@ CASES = {
     # dense: the shared MLP alone (stored as ffn_gate / ffn_up / ffn_down), one group
     "granitemoehybrid-dense": ("granitemoehybrid", {"num_local_experts": 0, "mamba_n_groups": 1}),
     # Mamba2, relu^2 MLP and attention blocks
-    "nemotron_h": ("nemotron_h", {"time_step_min": 0.001}),
+    "nemotron_h": ("nemotron_h", NEMOTRON_GGUF),
     # Nemotron 3 (Nano): MoE blocks (DeepSeek-V3's router over 2 groups, relu^2 experts, shared
     # ones); (Super) the experts in a latent space
     "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE_GGUF),
@@ -76,6 +78,7 @@ NEMOTRON_KEYS = (
     "use_conv_bias",
     "use_bias",
     "time_step_min",
+    "time_step_limit",
 )
 _MOE_KEYS = (*NEMOTRON_KEYS, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
              "moe_shared_expert_intermediate_size", "n_shared_experts", "norm_topk_prob",
@@ -133,9 +136,11 @@ def test_weights_and_config_match_hf(case):
     ref = load_hf(src).config
     assert config.architectures == ref.architectures
     for key in (*COMMON_KEYS, *CONFIG_KEYS[name]):
-        want = getattr(ref, key)  # floats went through float32 metadata
-        want = pytest.approx(want, rel=1e-6) if isinstance(want, float) else want
-        assert getattr(config, key) == want, key
+        want, got = getattr(ref, key), getattr(config, key)
+        if isinstance(want, tuple | list):  # a pair written as a JSON list or a default tuple
+            want, got = list(want), list(got)
+        want = pytest.approx(want, rel=1e-6) if isinstance(want, float) else want  # float32 meta
+        assert got == want, key
     eps = "rms_norm_eps" if name.startswith("granite") else "layer_norm_epsilon"
     assert getattr(config, eps) == pytest.approx(getattr(ref, eps), rel=1e-6)
     assert config.max_position_embeddings == 2**20  # what the converter writes without rope

@@ -68,8 +68,10 @@ CASES: dict[str, tuple[str, dict]] = {
             "time_step_limit": [0.1, 3.0],
         },
     ),
-    # Nemotron-H (dense): Mamba2, relu^2 MLP and attention blocks, a time_step_min clamp
+    # Nemotron-H (dense): Mamba2, relu^2 MLP and attention blocks, a time-step clamp from below
     "nemotron_h": ("nemotron_h", {}),
+    # its time_step_limit bites at both ends and time_step_min (not a clamp) would not
+    "nemotron_h-limit": ("nemotron_h", {"time_step_min": 0.001, "time_step_limit": [0.4, 0.9]}),
     # Nemotron 3: MoE blocks (DeepSeek-V3's router over 2 groups, non-gated relu^2 experts and
     # shared experts), also with the experts in a latent space
     "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE),
@@ -101,6 +103,14 @@ def hybrid_dirs(tmp_path_factory):
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, backend, budget, hybrid_dirs):
     assert_greedy_matches_hf(name, hybrid_dirs(name), backend, budget)
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 25),
+    reason="transformers < 5.25 clamps Nemotron-H's dt at time_step_min, not time_step_limit",
+)
+def test_nemotron_h_clamps_dt_to_time_step_limit(hybrid_dirs):
+    assert_greedy_matches_hf("nemotron_h-limit", hybrid_dirs("nemotron_h-limit"), "cpu", 16)
 
 
 def test_forks_continue_their_parents_state(hybrid_dirs):
@@ -346,7 +356,7 @@ def test_decode_snapshots_only_where_prompt_tokens_update_the_state_alike(
     name, past_prompt, hybrid_dirs
 ):
     """Nemotron-H's Mamba2 layers clamp dt for prompt tokens only (its tiny config's
-    time_step_min bites), so its prefix cache, KV blocks and snapshots, stays within prompts."""
+    time_step_limit bites), so its prefix cache, KV blocks and snapshots, stays within prompts."""
     llm = LLM(model=str(hybrid_dirs(name)), dtype="float32", max_model_len=128)
     scheduler = llm.llm_engine.scheduler
     slots = scheduler.state_slots

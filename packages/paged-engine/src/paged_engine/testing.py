@@ -366,7 +366,10 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "conv_kernel": 4,
             "chunk_size": 16,
             "layer_norm_epsilon": 1e-5,
-            "time_step_min": 0.5,  # a clamp that bites in prefill scans (softplus(dt) ~ 0.3-1.3)
+            # a clamp that bites in prefill scans (softplus(dt) ~ 0.3-1.3); transformers < 5.25
+            # clamps at time_step_min whatever time_step_limit says, so the two agree
+            "time_step_min": 0.5,
+            "time_step_limit": (0.5, float("inf")),
             "tie_word_embeddings": False,
         },
     ),

@@ -8,8 +8,9 @@ Nano 2 9B / 12B, Nemotron 3 Nano / Super): a stack of single-mixer blocks, each 
 
 as `config.layer_types` (or the older `hybrid_override_pattern`, "M" / "*" / "-") lists them,
 every block x += mixer(rmsnorm(x)), a final RMSNorm (`norm_f`). Only the attention blocks hold
-paged KV (models/hybrid.py); the Mamba blocks a recurrent state per sequence. As transformers
-does, the Mamba blocks clamp dt from below at `time_step_min` for prompt tokens.
+paged KV (models/hybrid.py); the Mamba blocks a recurrent state per sequence. Their prompt
+tokens' dt is clamped to `time_step_limit` ((0, inf) unless the config says otherwise: as
+mamba_ssm and transformers >= 5.25; older transformers clamped at `time_step_min` instead).
 
 Checkpoints name the stack `backbone.` (the Hub's) or `model.` (transformers 5), the embedding
 `embeddings` and the final norm `norm_f`; multi-token-prediction weights (`mtp.*`) are skipped.
@@ -60,7 +61,7 @@ def nemotron_mamba2(config) -> Mamba2Spec:
         conv_bias=bool(getattr(config, "use_conv_bias", True)),
         proj_bias=bool(getattr(config, "use_bias", False)),
         eps=float(cfg_get(config, "layer_norm_epsilon", 1e-5)),
-        dt_limit=(float(cfg_get(config, "time_step_min", 0.0)), float("inf")),
+        dt_limit=tuple(cfg_get(config, "time_step_limit", None) or (0.0, float("inf"))),
     )
 
 

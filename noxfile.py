@@ -33,6 +33,7 @@ TEST_DEPS = [
     "jsonschema",  # structured-output tests validate what the engine generates
     "bitsandbytes",  # bitsandbytes checkpoints' tests quantize with it (CPU backend)
     "pillow",  # paged-engine[vision]: image inputs (LLaVA)
+    "av",  # paged-engine[video]: encoded videos (video_url parts)
 ]
 
 nox.options.sessions = ["lint", "tests"]

@@ -223,6 +223,66 @@ def test_bad_videos_name_the_parameter(qwen):
     none.llm_engine.shutdown()
 
 
+def test_videos_processed_ahead_are_checked_and_taken(qwen):
+    """A server processes a prompt's media on its request thread (InputProcessor.multimodal)
+    and hands the engine the items, split by kind: the same outputs as the raw media; items
+    that do not fit the prompt or the tower are refused."""
+    import dataclasses
+
+    llm = _llm(qwen("2.5"))
+    proc = llm.llm_engine.input_processor
+    still = Image.fromarray(_frames(9, 1, (48, 40))[0])
+    ids = llm.get_tokenizer().encode(_chat(f"{VIDEO} and {IMAGE} then {VIDEO}"))
+    raw = {"video": [(_frames(1), {"fps": 3.0}), _frames(2, 3)], "image": still}
+    expanded, items = proc.multimodal(ids, raw)
+    vid = proc.videos.video_token_id
+    videos = [m for m in items if expanded[m.offset] == vid]
+    images = [m for m in items if expanded[m.offset] != vid]
+    sp = _greedy()
+    (want,) = llm.generate({"prompt_token_ids": ids, "multi_modal_data": raw}, sp, use_tqdm=False)
+    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"video": videos, "image": images}}
+    (got,) = llm.generate(ahead, sp, use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_token_ids == want.prompt_token_ids
+    assert [m.t_step for m in _items(llm, ahead)] == [m.t_step for m in items]
+    bad = [
+        [videos[1], videos[0]],  # in the wrong runs
+        [dataclasses.replace(videos[0], image_size=(1, 2, 2)), videos[1]],
+        [dataclasses.replace(videos[0], t_step=0.0), videos[1]],
+        [videos[0]],
+    ]
+    for vids in bad:
+        with pytest.raises(ValueError, match=r"multi_modal_data\['video'\]"):
+            mm = {"video": vids, "image": images}
+            llm.generate({"prompt_token_ids": expanded, "multi_modal_data": mm}, use_tqdm=False)
+    llm.llm_engine.shutdown()
+
+
+def test_llm_chat_reads_video_url_parts(qwen):
+    """LLM.chat's video_url parts (data: URLs) are decoded and sampled as the server does."""
+    pytest.importorskip("av")
+    import base64
+
+    from paged_engine.multimodal.video_io import decode_video
+    from paged_engine.testing import encode_video
+
+    data = encode_video(_frames(4, 40, (16, 24)), fps=10)
+    llm = _llm(qwen("2"))
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "Go"}]
+    (got,) = llm.chat([{"role": "user", "content": content}], _greedy(), use_tqdm=False)
+    frames, meta = decode_video(data)  # 32 of its 40 frames
+    assert len(meta["frames_indices"]) == 32
+    prompt = {"prompt": _chat(VIDEO + "Go"), "multi_modal_data": {"video": (frames, meta)}}
+    (want,) = llm.generate(prompt, _greedy(), use_tqdm=False)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.prompt_token_ids == want.prompt_token_ids
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.video_url"):
+        bad = [{"type": "video_url", "video_url": {"url": "file:///a.mp4"}}]
+        llm.chat([{"role": "user", "content": bad}], _greedy())
+    llm.llm_engine.shutdown()
+
+
 def test_the_video_settings_come_from_the_checkpoint(tmp_path):
     """video_preprocessor_config.json, else transformers 5's processor_config.json, else the
     image processor's patches with HF's video bounds."""

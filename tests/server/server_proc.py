@@ -253,3 +253,36 @@ def parse_metrics(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name.split("{")[0]] = float(value)
     return out
+
+
+def offline_chat(llm: object, messages: list[dict], mm: dict, max_tokens: int) -> object:
+    """Offline greedy answer to a conversation (Hugging Face's parts form) rendered by the
+    model's chat template, with `mm` as its multi_modal_data: what a chat request carrying the
+    same media must give. (ids, prompt_ids, text); call it before a server's loop runs the
+    engine (two threads stepping one engine would race)."""
+    from types import SimpleNamespace
+
+    from paged_engine import SamplingParams
+
+    tok = llm.llm_engine.tokenizer
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    (out,) = llm.generate(
+        [{**prompt, "multi_modal_data": mm}],
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        use_tqdm=False,
+    )
+    ids, prompt_ids = list(out.outputs[0].token_ids), list(out.prompt_token_ids)
+    return SimpleNamespace(ids=ids, prompt_ids=prompt_ids, text=text)
+
+
+def fill_host(messages: list[dict], host: str) -> list[dict]:
+    """`messages` with "{host}" in their image / video URLs replaced by `host` (a local HTTP
+    server's address, known only once the test runs)."""
+    for m in messages:
+        for part in m["content"] if isinstance(m["content"], list) else ():
+            for key in ("image_url", "video_url"):
+                value = part.get(key)
+                if isinstance(value, dict) and isinstance(value.get("url"), str):
+                    value["url"] = value["url"].replace("{host}", host)
+    return messages

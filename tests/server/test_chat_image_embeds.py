@@ -84,6 +84,9 @@ def test_llava_image_embeds_parts(tmp_path: Path) -> None:
     hidden = llm.llm_engine.hf_config.hidden_size
     rows = torch.randn(7, hidden, generator=torch.Generator().manual_seed(0))
     want = _offline(llm, rows)
+    # answered offline before the server's loop runs the engine (two threads would race)
+    other = torch.randn(3, hidden, generator=torch.Generator().manual_seed(5))
+    want_two = _offline(llm, [rows, other], images=2)
     param = "messages[0].content[0].image_embeds"
     try:
         with serve_in_process([*COMMON_ARGS, "--enable-mm-embeds"], llm.llm_engine) as (http, _):
@@ -119,14 +122,13 @@ def test_llava_image_embeds_parts(tmp_path: Path) -> None:
             ]:
                 assert says in _refused(http, _ask(_part(value)), where)
             # the object form without a grid: each part one image's rows
-            other = torch.randn(3, hidden, generator=torch.Generator().manual_seed(5))
             two = [_part({"image_embeds": _saved(r)}) for r in (rows, other)]
             body = http.request(
                 "POST",
                 "/v1/chat/completions",
                 {**GREEDY, "messages": _ask(*two), "return_token_ids": True},
             )[2]
-            assert body["choices"][0]["token_ids"] == _offline(llm, [rows, other], images=2)
+            assert body["choices"][0]["token_ids"] == want_two
             mixed = _ask(_part(_saved(rows)), {"type": "image_url", "image_url": {"url": "x"}})
             assert "not both" in _refused(http, mixed, "messages[0].content[1].image_url")
         with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):

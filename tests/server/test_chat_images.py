@@ -20,13 +20,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from server_proc import COMMON_ARGS, ServerProc, data_parallel_front, serve_in_process
+from server_proc import (
+    COMMON_ARGS,
+    ServerProc,
+    data_parallel_front,
+    fill_host,
+    offline_chat,
+    serve_in_process,
+)
 
 np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 
 from paged_server.errors import APIError  # noqa: E402
-from paged_server.media import ImageLoader, ImageRef, fetch_timeout  # noqa: E402
+from paged_server.media import MediaLoader, MediaRef, fetch_timeout  # noqa: E402
 
 MAX_TOKENS = 6
 QUESTION = "What is it?"
@@ -120,7 +127,7 @@ def llava(
 ) -> Iterator[SimpleNamespace]:
     """A tiny LLaVA (at most 2 images a prompt) behind a server in this process, with the
     offline answers to compare with computed first on the same engine."""
-    from paged_engine import LLM, SamplingParams
+    from paged_engine import LLM
     from paged_engine.testing import write_tiny_llava
 
     path = write_tiny_llava(tmp_path_factory.mktemp("tiny-llava"), vision="clip", seed=0)
@@ -131,20 +138,9 @@ def llava(
         num_gpu_blocks_override=128,
         limit_mm_per_prompt={"image": 2},
     )
-    tok = llm.llm_engine.tokenizer
 
     def offline(messages: list[dict], images: list) -> SimpleNamespace:
-        text = tok.apply_chat_template(_hf(messages), tokenize=False, add_generation_prompt=True)
-        ids = tok.encode(text, add_special_tokens=False)
-        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": images}}
-        (out,) = llm.generate(
-            [prompt],
-            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-            use_tqdm=False,
-        )
-        return SimpleNamespace(
-            ids=list(out.outputs[0].token_ids), prompt_ids=list(out.prompt_token_ids), text=text
-        )
+        return offline_chat(llm, _hf(messages), {"image": images}, MAX_TOKENS)
 
     want = {
         "first": offline(_ask(_image_part("A")), [pictures[0]]),
@@ -223,7 +219,7 @@ def test_a_file_url_inside_the_allowed_dir(llava, media_dir, monkeypatch) -> Non
         {**GREEDY, "messages": _ask(_image_part(f"file://{media_dir}/../first.png"))},
     )
     assert "outside --allowed-local-media-path" in outside["message"]
-    monkeypatch.setattr(llava.app, "media", ImageLoader())  # a server without the flag
+    monkeypatch.setattr(llava.app, "media", MediaLoader())  # a server without the flag
     err = _refused(
         llava.http, "/v1/chat/completions", {**GREEDY, "messages": _ask(_image_part(url))}
     )
@@ -331,11 +327,7 @@ BAD = [
 
 @pytest.mark.parametrize(("messages", "param", "says"), BAD)
 def test_bad_images_are_400s_naming_the_param(llava, image_host, messages, param, says) -> None:
-    for m in messages:
-        for part in m["content"]:
-            url = part.get("image_url", {}).get("url")
-            if url:
-                part["image_url"]["url"] = url.replace("{host}", image_host)
+    fill_host(messages, image_host)
     err = _refused(llava.http, "/v1/chat/completions", {**GREEDY, "messages": messages})
     assert err["param"] == param, err
     assert says in err["message"], err
@@ -361,17 +353,17 @@ def test_a_text_only_model_refuses_images(tiny_model: str, pictures) -> None:
 
 # ---- the loader ------------------------------------------------------------------------------
 def test_loader_limits_timeout_and_transparency(image_host, pictures) -> None:
-    ref = ImageRef(image_host + "/first.png", "p")
-    assert ImageLoader().load(ref).size == pictures[0].size
+    ref = MediaRef(image_host + "/first.png", "p")
+    assert MediaLoader().load(ref).size == pictures[0].size
     with pytest.raises(APIError, match="over 0 MiB") as e:
-        ImageLoader(max_bytes=100).load(ref)
+        MediaLoader(max_bytes={"image": 100}).load(ref)
     assert (e.value.status, e.value.param) == (400, "p")
     with pytest.raises(APIError, match="timed out"):
-        ImageLoader(timeout=0.1).load(ImageRef(image_host + "/slow.png", "p"))
+        MediaLoader(timeout={"image": 0.1}).load(MediaRef(image_host + "/slow.png", "p"))
     clear = Image.new("RGBA", (4, 4), (10, 20, 30, 0))  # fully transparent: white, as vLLM
-    loaded = ImageLoader().load(ImageRef(_data_url(clear), "p"))
+    loaded = MediaLoader().load(MediaRef(_data_url(clear), "p"))
     assert loaded.mode == "RGB" and loaded.getpixel((0, 0)) == (255, 255, 255)
-    gray = ImageLoader().load(ImageRef(_data_url(Image.new("L", (4, 4), 7)), "p"))
+    gray = MediaLoader().load(MediaRef(_data_url(Image.new("L", (4, 4), 7)), "p"))
     assert (gray.mode, gray.getpixel((0, 0))) == ("RGB", (7, 7, 7))
 
 
@@ -390,7 +382,7 @@ def test_fetch_timeout_variables() -> None:
     ("value", "limit"),
     [
         ('{"image": 2}', {"image": 2}),
-        ('{"image": 1, "video": 0}', {"image": 1}),
+        ('{"image": 1, "video": 0}', {"image": 1, "video": 0}),
         ('{"image": {"count": 3, "width": 512, "height": 512}}', {"image": 3}),
         ("image=0", {"image": 0}),
         ("image=4,audio=0", {"image": 4}),
@@ -415,12 +407,14 @@ def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> No
     ("argv", "says"),
     [
         (["--limit-mm-per-prompt", '{"image": -1}'], "integer >= 0"),
-        (["--limit-mm-per-prompt", '{"video": 1}'], "not supported"),
+        (["--limit-mm-per-prompt", '{"audio": 1}'], "not supported"),
         (["--limit-mm-per-prompt", '{"pictures": 1}'], "unknown modality"),
         (["--limit-mm-per-prompt", "image"], "MODALITY=COUNT"),
         (["--limit-mm-per-prompt", "{image: 2}"], "not JSON"),
         (["--allowed-local-media-path", "/no/such/dir"], "not an existing directory"),
         (["--mm-processor-kwargs", "max_pixels=3"], "JSON"),
+        (["--media-io-kwargs", '{"video": {"num_frames": 0}}'], "num_frames"),
+        (["--media-io-kwargs", '{"video": {"frames": 3}}'], "num_frames"),
     ],
 )
 def test_bad_media_flags_stop_at_startup(capsys, argv, says) -> None:
@@ -431,15 +425,16 @@ def test_bad_media_flags_stop_at_startup(capsys, argv, says) -> None:
     assert says in capsys.readouterr().err
 
 
-def test_a_bad_fetch_timeout_stops_at_startup(capsys, monkeypatch) -> None:
+@pytest.mark.parametrize("variable", ["VLLM_IMAGE_FETCH_TIMEOUT", "VLLM_VIDEO_FETCH_TIMEOUT"])
+def test_a_bad_fetch_timeout_stops_at_startup(capsys, monkeypatch, variable) -> None:
     from paged_server.cli import parse_args
     from paged_server.vllm_flags import IGNORED
 
-    assert "--limit-mm-per-prompt" not in IGNORED
-    monkeypatch.setenv("VLLM_IMAGE_FETCH_TIMEOUT", "soon")
+    assert "--limit-mm-per-prompt" not in IGNORED and "--media-io-kwargs" not in IGNORED
+    monkeypatch.setenv(variable, "soon")
     with pytest.raises(SystemExit):
         parse_args(["m"])
-    assert "VLLM_IMAGE_FETCH_TIMEOUT" in capsys.readouterr().err
+    assert variable in capsys.readouterr().err
 
 
 # ---- LLaVA-NeXT: an image's size decides its run -------------------------------------------
@@ -468,9 +463,15 @@ def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNames
         )
         return SimpleNamespace(ids=list(out.outputs[0].token_ids), prompt_ids=out.prompt_token_ids)
 
+    # a wide, a tall and a square picture; answered offline before the server's loop runs
+    # the engine (two threads stepping one engine would race)
+    rng = np.random.default_rng(3)
+    shapes = [(24, 70, 3), (64, 30, 3), (50, 50, 3)]
+    pictures = [Image.fromarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in shapes]
+    wants = [offline(p) for p in pictures]
     try:
         with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, app):
-            yield SimpleNamespace(http=http, app=app, offline=offline)
+            yield SimpleNamespace(http=http, app=app, pictures=pictures, wants=wants)
     finally:
         llm.llm_engine.shutdown()
 
@@ -478,12 +479,8 @@ def llava_next(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNames
 def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
     """A wide, a tall and a square picture: each the offline tokens and prompt (a run as long
     as its size gives, counted in usage and by /tokenize); an unreadable one a 400."""
-    rng = np.random.default_rng(3)
-    shapes = [(24, 70, 3), (64, 30, 3), (50, 50, 3)]
-    pictures = [Image.fromarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in shapes]
     lengths = set()
-    for picture in pictures:
-        want = llava_next.offline(picture)
+    for picture, want in zip(llava_next.pictures, llava_next.wants):
         messages = _ask(_image_part(_data_url(picture)))
         body = _chat(llava_next.http, messages, return_token_ids=True)
         assert body["choices"][0]["token_ids"] == want.ids
@@ -494,7 +491,7 @@ def test_llava_next_runs_follow_each_images_size(llava_next) -> None:
         )
         assert status == 200 and out["tokens"] == want.prompt_ids
         lengths.add(len(want.prompt_ids))
-    assert len(lengths) == len(pictures)
+    assert len(lengths) == len(llava_next.pictures)
     bad = {**GREEDY, "messages": _ask(_image_part("data:image/png;base64,aGVsbG8="))}
     error = _refused(llava_next.http, "/v1/chat/completions", bad)
     assert error["param"] == "messages[0].content[0].image_url"

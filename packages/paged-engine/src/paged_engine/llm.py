@@ -19,7 +19,7 @@ from paged_engine.engine.llm_engine import LLMEngine
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
-from paged_engine.multimodal.chat_images import split_images
+from paged_engine.multimodal.chat_media import split_media
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -145,12 +145,13 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate.
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}).
         A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
-        vLLM's `image_pil` parts (multimodal/chat_images.py)."""
+        vLLM's `image_pil` parts; Qwen2-VL / 2.5-VL also `video_url` parts
+        (multimodal/chat_media.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
         for conv in conversations:
-            conv, images = split_images(conv)
+            conv, media = split_media(conv)
             text = self.llm_engine.apply_chat_template(
                 conv,
                 chat_template=chat_template,
@@ -162,8 +163,8 @@ class LLM:
             prompt: dict[str, Any] = {
                 "prompt_token_ids": tok.encode(text, add_special_tokens=False)
             }
-            if images:
-                prompt["multi_modal_data"] = {"image": images}
+            if media:
+                prompt["multi_modal_data"] = media
             token_prompts.append(prompt)
         outputs = self.generate(
             token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request

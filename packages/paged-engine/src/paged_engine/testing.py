@@ -1609,6 +1609,7 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -2096,3 +2097,21 @@ def merge_lora_adapter(model: torch.nn.Module, adapter_dir: str | Path) -> torch
             delta = delta.t()
         layer.weight += delta.to(layer.weight.dtype)
     return model
+
+
+def encode_video(frames: Any, fps: int = 6, container: str = "mp4", codec: str = "mpeg4") -> bytes:
+    """uint8 frames [T, H, W, 3] (even H and W) encoded with PyAV as `container` bytes, the
+    frame rate `fps` (matroska states no frame count: readers count its packets)."""
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.height, stream.width = int(frames.shape[1]), int(frames.shape[2])
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()

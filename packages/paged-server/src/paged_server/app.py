@@ -31,7 +31,7 @@ from paged_server.engine_client import EngineClient
 from paged_server.errors import APIError, bad_request
 from paged_server.http import Handler
 from paged_server.lora import LoRARegistry, serve_load_adapter, serve_unload_adapter
-from paged_server.media import ImageLoader, decode_tensor
+from paged_server.media import MediaLoader, MediaRef, decode_tensor
 from paged_server.metrics import CONTENT_TYPE
 from paged_server.openai_protocol import (
     GenerationRequest,
@@ -99,7 +99,10 @@ class OpenAIApp:
         force_include_usage: bool = False,
         load_tracking: bool = False,
         images: Any = None,
-        media: ImageLoader | None = None,
+        videos: Any = None,
+        multimodal: Any = None,
+        mm_limits: dict[str, int] | None = None,
+        media: MediaLoader | None = None,
         mm_embeds: bool = False,
         prompt_embeds_width: int | None = None,
         max_logprobs: int = 20,
@@ -128,7 +131,13 @@ class OpenAIApp:
         # placeholders expanded here, so lengths and usage count the image tokens), else None;
         # `media` loads what the parts point at.
         self.images = images
-        self.media = media or ImageLoader()
+        # Qwen2-VL / 2.5-VL's video processor (chat video parts), else None; `multimodal`
+        # places a prompt's loaded images and videos (the engine's
+        # InputProcessor.multimodal); `mm_limits`: --limit-mm-per-prompt
+        self.videos = videos
+        self.multimodal = multimodal
+        self.mm_limits = mm_limits
+        self.media = media or MediaLoader()
         self.mm_embeds = mm_embeds  # --enable-mm-embeds: `image_embeds` parts are taken
         # --enable-prompt-embeds: the token embedding's width (completions' prompt_embeds are
         # taken), else None
@@ -311,6 +320,12 @@ class OpenAIApp:
     def unload_lora_adapter(self, h: Handler) -> None:
         serve_unload_adapter(self, h)
 
+    @property
+    def takes_media(self) -> bool:
+        """Whether chat image / video parts are taken at all (else they are a 400 naming the
+        server as text-only)."""
+        return self.images is not None or self.videos is not None
+
     def tokenize(self, h: Handler) -> None:
         body = h.read_json()
         if not isinstance(body, dict):
@@ -321,8 +336,8 @@ class OpenAIApp:
             raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
         if "messages" in body:
             chat = {k: v for k, v in body.items() if k != "add_special_tokens"}
-            req = parse_chat(chat, images=self.images is not None)
-            ids = self._expand_images(req, self._encode(self._render_chat(req), bool(special)))
+            req = parse_chat(chat, images=self.takes_media)
+            ids = self._expand_media(req, self._encode(self._render_chat(req), bool(special)))
         elif isinstance(body.get("prompt"), str):
             ids = self._encode(body["prompt"], True if special is None else special)
         else:
@@ -512,7 +527,7 @@ class OpenAIApp:
                 ids[i], texts[i] = t[-k:], None
 
     def chat(self, h: Handler) -> None:
-        req = parse_chat(h.read_json(), self.tool_call_parser, self.images is not None)
+        req = parse_chat(h.read_json(), self.tool_call_parser, self.takes_media)
         model, lora = self._resolve(req.model)
         text, ids, reasoning = self._chat_prompt(req)
         self._generate(h, req, model, [text], [ids], chat=True, reasoning=reasoning, lora=lora)
@@ -524,7 +539,7 @@ class OpenAIApp:
         and its reasoning handling (chat completions and the Responses API)."""
         text = self._render_chat(req)
         ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
-        ids = self._expand_images(req, ids)
+        ids = self._expand_media(req, ids)
         auto = req.tools is not None and req.tools.choice == "auto"
         parser = TOOL_PARSERS.get(self.tool_call_parser or "") if auto else None
         if parser is not None and parser.keeps_special_tokens:
@@ -541,66 +556,98 @@ class OpenAIApp:
                 req.sampling.setdefault("skip_special_tokens", False)
         return text, ids, reasoning
 
-    def _expand_images(self, req: GenerationRequest, ids: list[int]) -> list[int]:
-        """The prompt with each image's placeholder as the run of tokens the engine fills with
-        its features; a 400 for more images than --limit-mm-per-prompt, or a rendered prompt
-        without one placeholder per image. Where every image takes the same run (LLaVA) only
-        the images' count is needed: nothing is fetched yet. Where an image's size decides its
-        run (LLaVA-NeXT) the images are loaded and processed here."""
-        n = len(req.image_refs)
+    def _expand_media(self, req: GenerationRequest, ids: list[int]) -> list[int]:
+        """The prompt with each image's (and video's) placeholder as the run of tokens the
+        engine fills with its features; a 400 for more than --limit-mm-per-prompt, a kind the
+        model does not take, or a rendered prompt without one placeholder per part. Where every
+        image takes the same run (LLaVA) only the images' count is needed: nothing is fetched
+        yet. Where an image's size decides its run (LLaVA-NeXT), and for videos, the media are
+        loaded and processed here."""
+        n = len(req.media_refs)
         if not n:
             return ids
-        embeds = [r for r in req.image_refs if r.embeds is not None]
+        self._check_media_kinds(req.media_refs)
+        embeds = [r for r in req.media_refs if r.embeds is not None]
         if embeds and not self.mm_embeds:
             raise bad_request(
                 f"{embeds[0].param}: image embeddings input is off: start paged-server with "
                 "--enable-mm-embeds (vLLM's flag; for trusted clients)",
                 embeds[0].param,
             )
-        if embeds and len(embeds) != n:
-            param = next(r.param for r in req.image_refs if r.embeds is None)
+        image_refs = [r for r in req.media_refs if r.kind == "image"]
+        if embeds and len(embeds) != len(image_refs):
+            param = next(r.param for r in image_refs if r.embeds is None)
             raise bad_request(
                 f"{param}: a request gives its images either as image_url or as image_embeds "
                 "parts, not both",
                 param,
             )
-        limit = self.images.limit
-        if limit is not None and n > limit:
-            raise bad_request(
-                f"the messages hold {n} images, over this server's limit of {limit} per "
-                f"prompt (--limit-mm-per-prompt '{{\"image\": {limit}}}')",
-                "messages",
-            )
-        if embeds or self.images.layout.marker != self.images.image_token_id:
-            # features decide their runs; Gemma 3's <start_of_image> becomes the image's text
-            expanded, req.processed_images = self._process_images(req, ids)
-            return expanded
-        each = self.images.tokens_per_image
-        try:
-            expanded = self.images.expand(ids, [each or 1] * n)
-        except ValueError as e:  # the template dropped an image, or the text holds its token
-            raise bad_request(
-                f"the chat template's prompt does not hold one image placeholder per image "
-                f"part: {e}",
-                "messages",
-            ) from None
-        if each is not None:
-            return expanded
-        expanded, req.processed_images = self._process_images(req, ids)
+        plain = image_refs and len(image_refs) == n and not embeds
+        if plain and self.images.layout.marker == self.images.image_token_id:
+            each = self.images.tokens_per_image
+            try:
+                expanded = self.images.expand(ids, [each or 1] * n)
+            except ValueError as e:  # the template dropped an image, or the text holds its token
+                raise bad_request(
+                    f"the chat template's prompt does not hold one image placeholder per image "
+                    f"part: {e}",
+                    "messages",
+                ) from None
+            if each is not None:
+                return expanded
+        # videos, features, Gemma 3's <start_of_image> (the image's text), runs sized by the
+        # image: processed now
+        expanded, req.processed_media = self._process_media(req, ids)
         return expanded
 
-    def _process_images(self, req: GenerationRequest, ids: list[int]) -> tuple[list[int], list]:
-        """Fetch, decode and process a chat request's images on this (the request's) thread:
-        (the ids with each image's run, the `ImageInput`s); a 400 naming what cannot be read."""
-        images: Any = self.media.load_all(req.image_refs)
+    def _check_media_kinds(self, refs: list[MediaRef]) -> None:
+        """A 400 naming the first part of a kind this model does not take, or the prompt's
+        parts over --limit-mm-per-prompt."""
+        for kind, side in (("image", self.images), ("video", self.videos)):
+            mine = [r for r in refs if r.kind == kind]
+            if mine and side is None:
+                why = (
+                    "--limit-mm-per-prompt gives it 0"
+                    if (self.mm_limits or {}).get(kind) == 0
+                    else "videos run on Qwen2-VL and Qwen2.5-VL checkpoints"
+                    if kind == "video"
+                    else "the server takes videos only"
+                )
+                raise bad_request(
+                    f"{mine[0].param}: this model takes no {kind}s ({why})", mine[0].param
+                )
+            limit = side.limit if side is not None else None
+            if limit is not None and len(mine) > limit:
+                raise bad_request(
+                    f"the messages hold {len(mine)} {kind}s, over this server's limit of "
+                    f"{limit} per prompt (--limit-mm-per-prompt '{{\"{kind}\": {limit}}}')",
+                    "messages",
+                )
+
+    def _process_media(
+        self, req: GenerationRequest, ids: list[int]
+    ) -> tuple[list[int], dict[str, list]]:
+        """Fetch, decode and process a chat request's images and videos on this (the
+        request's) thread: (the ids with each one's run, the multi_modal_data of processed
+        items the engine only checks); a 400 naming what cannot be read."""
+        images: Any = self.media.load_all([r for r in req.media_refs if r.kind == "image"])
         if images and all(isinstance(m, dict) for m in images):  # Qwen2-VL's: one dict
             images = _qwen_embeds(images)
+        video_refs = [r for r in req.media_refs if r.kind == "video"]
+        videos = self.media.load_all(video_refs, req.num_frames)
+        mm = {k: v for k, v in (("image", images), ("video", videos)) if len(v)}
         try:
-            expanded, processed = self.images.process(ids, images, req.mm_processor_kwargs)
+            expanded, items = self.multimodal(ids, mm, req.mm_processor_kwargs)
         except ValueError as e:  # an image the processor cannot read, a bad kwarg
             param = "mm_processor_kwargs" if "mm_processor_kwargs" in str(e) else "messages"
             raise bad_request(str(e), param) from None
-        return expanded, list(processed)
+        if not video_refs:
+            return expanded, {"image": list(items)}
+        video_id = self.videos.video_token_id
+        kinds: dict[str, list] = {"image": [], "video": []}
+        for m in items:
+            kinds["video" if expanded[m.offset] == video_id else "image"].append(m)
+        return expanded, {k: v for k, v in kinds.items() if v}
 
     def _generate(
         self,
@@ -650,7 +697,7 @@ class OpenAIApp:
         a stream), load a chat request's images and hand one engine request per prompt
         (`rid-i`) to the engine loop."""
         k = req.truncate_prompt_tokens
-        if req.image_refs and k is not None and any(len(i) > k for i in ids):
+        if req.media_refs and k is not None and any(len(i) > k for i in ids):
             raise bad_request(
                 "'truncate_prompt_tokens' would cut a prompt with images (an image's tokens "
                 "are kept whole): send a shorter conversation or no truncation",
@@ -704,12 +751,12 @@ class OpenAIApp:
         if req.cache_salt is not None:
             for p in prompts:
                 p["cache_salt"] = req.cache_salt
-        if req.image_refs:  # one chat prompt; its images fetched, decoded and processed
-            (prompt,) = prompts  # on this thread: the engine's thread only checks them
-            processed = req.processed_images
+        if req.media_refs:  # one chat prompt; its media fetched, decoded and processed on
+            (prompt,) = prompts  # this thread: the engine's thread only checks them
+            processed = req.processed_media
             if processed is None:
-                _, processed = self._process_images(req, prompt["prompt_token_ids"])
-            prompt["multi_modal_data"] = {"image": processed}
+                _, processed = self._process_media(req, prompt["prompt_token_ids"])
+            prompt["multi_modal_data"] = processed
         return self.client.add(rids, prompts, params, lora, req.priority), rids
 
     def _log_request(

@@ -1,5 +1,5 @@
 """Chat request parts checked as OpenAI checks them, into what a chat template takes: messages
-(text content, image parts when the model takes images, assistant tool calls with their
+(text content, image and video parts when the model takes them, assistant tool calls with their
 arguments as objects and the reasoning sent back with them, tool results), documents, and the
 template variables a client may set.
 
@@ -12,21 +12,21 @@ import json
 from typing import Any
 
 from paged_server.errors import bad_request
-from paged_server.media import ImageRef
+from paged_server.media import MediaRef
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
-def chat_message(i: int, m: Any, images: list[ImageRef] | None = None) -> dict[str, Any]:
+def chat_message(i: int, m: Any, images: list[MediaRef] | None = None) -> dict[str, Any]:
     """One chat message, checked as OpenAI checks it: a known role; content a string or a list
     of parts, required except on an assistant message that makes tool calls; assistant
     `tool_calls` well formed (their JSON arguments become objects for the chat template, as
     templates index them); a tool message names its `tool_call_id`.
 
-    `images` is None when the model takes no images (an image part is a 400); else a user
-    message's image parts are appended to it, in order, and the message's content becomes
-    Hugging Face's list of parts (`{"type": "image"}`, `{"type": "text", "text": ...}`) where
-    the chat template puts each image's placeholder."""
+    `images` is None when the model takes no images or videos (such a part is a 400); else a
+    user message's image and video parts are appended to it, in order, and the message's
+    content becomes Hugging Face's list of parts (`{"type": "image"}`, `{"type": "video"}`,
+    `{"type": "text", "text": ...}`) where the chat template puts each one's placeholder."""
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise bad_request(f"{param} must be an object with a string 'role'", param)
@@ -77,12 +77,12 @@ def chat_message(i: int, m: Any, images: list[ImageRef] | None = None) -> dict[s
 
 
 def _content_parts(
-    param: str, role: str, content: list, images: list[ImageRef] | None
+    param: str, role: str, content: list, images: list[MediaRef] | None
 ) -> str | list[dict[str, str]]:
-    """A list of content parts: its texts joined by newlines, or, with an image among them,
-    the parts in order as a template takes them (each image's ref appended to `images`)."""
+    """A list of content parts: its texts joined by newlines, or, with an image or video among
+    them, the parts in order as a template takes them (each one's ref appended to `images`)."""
     parts: list[dict[str, str]] = []
-    found: list[ImageRef] = []
+    found: list[MediaRef] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
@@ -97,8 +97,17 @@ def _content_parts(
                 raise bad_request(
                     f"{p}: images are taken in user messages only, not in role '{role}'", p
                 )
-            found.append(ImageRef(_image_url(p, part.get("image_url")), p))
+            found.append(MediaRef(_image_url(p, part.get("image_url")), p))
             parts.append({"type": "image"})
+        elif kind == "video_url" and images is not None:  # vLLM's (Qwen2-VL / 2.5-VL)
+            p = f"{param}.content[{j}].video_url"
+            if role != "user":
+                raise bad_request(
+                    f"{p}: videos are taken in user messages only, not in role '{role}'", p
+                )
+            url = _image_url(p, part.get("video_url"), "video")
+            found.append(MediaRef(url, p, kind="video"))
+            parts.append({"type": "video"})
         elif kind == "image_embeds" and images is not None:  # vLLM's, --enable-mm-embeds
             p = f"{param}.content[{j}].image_embeds"
             if role != "user":
@@ -110,19 +119,19 @@ def _content_parts(
                 raise bad_request(
                     f"{p} must be a base64 tensor string (or Qwen2-VL's object of them)", p
                 )
-            found.append(ImageRef("", p, embeds=value))
+            found.append(MediaRef("", p, embeds=value))
             parts.append({"type": "image"})
         elif images is None:
             # A text model (or a VLM served text-only): no image / audio input.
             raise bad_request(
                 f"{param}.content: content part type {kind!r} is not supported; this "
-                "server takes text only (no image, audio or file input): send 'text' parts",
+                "server takes text only (no image, video, audio or file input): send 'text' parts",
                 f"{param}.content",
             )
         else:
             raise bad_request(
-                f"{param}.content: content part type {kind!r} is not supported (no audio, "
-                "video or file input): send 'text', 'image_url' or 'image_embeds' parts",
+                f"{param}.content: content part type {kind!r} is not supported (no audio "
+                "or file input): send 'text', 'image_url', 'video_url' or 'image_embeds' parts",
                 f"{param}.content",
             )
     if not found:
@@ -134,7 +143,7 @@ def _content_parts(
 _DETAILS = ("auto", "low", "high")
 
 
-def _image_url(param: str, value: Any) -> str:
+def _image_url(param: str, value: Any, kind: str = "image") -> str:
     """OpenAI's `{"url": ..., "detail": ...}`, or vLLM's bare URL string. `detail` is checked
     and changes nothing: the checkpoint's image processor sets the resolution."""
     if isinstance(value, dict):
@@ -147,7 +156,7 @@ def _image_url(param: str, value: Any) -> str:
         value = value.get("url")
     if not isinstance(value, str) or not value:
         raise bad_request(
-            f"{param} must be {{'url': URL}} (or a URL string): a data:image/...;base64 URL "
+            f"{param} must be {{'url': URL}} (or a URL string): a data:{kind}/...;base64 URL "
             "or an http(s) URL",
             param,
         )

@@ -133,7 +133,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     # HTTP server is imported (the engine client pulls in the engine's modules).
     from paged_server.app import OpenAIApp
     from paged_server.engine_client import EngineClient
-    from paged_server.media import ImageLoader, fetch_timeout
+    from paged_server.media import DEFAULT_NUM_FRAMES, MediaLoader, fetch_timeout, media_io_kwargs
     from paged_server.metrics import Metrics
 
     model_path = str(getattr(engine.config, "model", args.model))
@@ -141,7 +141,11 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     lora = load_lora_modules(engine, args.lora_modules or [], names, enabled=args.enable_lora)
-    media = ImageLoader(args.allowed_local_media_path, fetch_timeout())
+    media = MediaLoader(
+        args.allowed_local_media_path,
+        {kind: fetch_timeout(kind=kind) for kind in ("image", "video")},
+        num_frames=media_io_kwargs(args.media_io_kwargs) or DEFAULT_NUM_FRAMES,
+    )
     metrics = Metrics(names[0])
     client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
     app = OpenAIApp(
@@ -167,6 +171,10 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         load_tracking=args.enable_server_load_tracking,
         # the model's image processor (None: a text model, or served text-only)
         images=getattr(getattr(engine, "input_processor", None), "images", None),
+        # Qwen2-VL / 2.5-VL's video processor (None: the model takes no videos)
+        videos=getattr(getattr(engine, "input_processor", None), "videos", None),
+        multimodal=getattr(getattr(engine, "input_processor", None), "multimodal", None),
+        mm_limits=args.limit_mm_per_prompt,
         media=media,
         mm_embeds=args.enable_mm_embeds,
         # --enable-prompt-embeds: the width the engine checks rows against

@@ -14,7 +14,7 @@ from typing import Any
 
 from paged_server.cors import CorsPolicy
 from paged_server.lora import lora_names_error, parse_lora_module
-from paged_server.media import fetch_timeout, local_media_dir
+from paged_server.media import fetch_timeout, local_media_dir, media_io_kwargs
 from paged_server.reasoning import REASONING_PARSERS
 from paged_server.tls import CERT_REQS, TLSConfig
 from paged_server.tool_parsers import TOOL_PARSERS
@@ -370,8 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit-mm-per-prompt",
         type=_limit_mm,
         default=None,
-        help="images per prompt, vLLM's '{\"image\": 2}' (or image=2); 0 serves a LLaVA "
-        "checkpoint's text model only (default: any number)",
+        help='images and videos per prompt, vLLM\'s \'{"image": 2, "video": 1}\' (or '
+        "image=2,video=1); image 0 serves a LLaVA checkpoint's text model only, video 0 turns "
+        "videos off (default: any number)",
+    )
+    p.add_argument(
+        "--media-io-kwargs",
+        type=_media_io,
+        default=None,
+        help='how media are loaded, vLLM\'s JSON: \'{"video": {"num_frames": 16}}\' samples '
+        "16 frames of each video (-1: every frame; default 32); a request's own "
+        "media_io_kwargs go on top",
     )
     p.add_argument(
         "--mm-processor-kwargs",
@@ -509,13 +518,25 @@ def _json_list(text: str) -> list[str]:
     return [v.strip() for v in stripped.split(",") if v.strip()]
 
 
-_MODALITIES = ("image", "video", "audio")  # what vLLM's limit may name; paged runs images
+_MODALITIES = ("image", "video", "audio")  # what vLLM's limit may name; paged runs two
+_RUNS = ("image", "video")
+
+
+def _media_io(text: str) -> dict[str, Any]:
+    """--media-io-kwargs: vLLM's JSON object, checked as a request's media_io_kwargs is."""
+    value = _json_object(text)
+    try:
+        media_io_kwargs(value, "--media-io-kwargs")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _limit_mm(text: str) -> dict[str, int]:
     """--limit-mm-per-prompt: vLLM's JSON object (`'{"image": 2, "video": 0}'`, a count or
     `{"count": n, ...}` per modality) or the older `image=2,video=0`. A zero for another
-    modality asks for nothing: dropped; a non-zero one is refused (paged runs images only)."""
+    modality asks for nothing: dropped; a non-zero one is refused (paged runs images and
+    videos)."""
     stripped = text.strip()
     if stripped.startswith("{"):
         try:
@@ -543,12 +564,12 @@ def _limit_mm(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(
                 f"unknown modality {key!r} (expected one of {', '.join(_MODALITIES)})"
             )
-        if key != "image" and count:
+        if key not in _RUNS and count:
             raise argparse.ArgumentTypeError(
-                f"{key!r} inputs are not supported (paged runs images): give {key} 0 or leave "
-                "it out"
+                f"{key!r} inputs are not supported (paged runs images and videos): give {key} "
+                "0 or leave it out"
             )
-        if key == "image":
+        if key in _RUNS:
             limits[key] = count
     return limits
 
@@ -596,6 +617,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.keep_alive_on_engine_death = keep_alive_on_engine_death()
         local_media_dir(args.allowed_local_media_path)
         fetch_timeout()
+        fetch_timeout(kind="video")
     except ValueError as e:
         parser.error(str(e))
     _check_structured_backend(parser, args)

@@ -328,8 +328,8 @@ def _label(sample: str, label: str) -> str:
 
 def _estimate_tokens(body: Any, body_bytes: int) -> int:
     """What a request will cost its replica, in tokens: about 4 bytes of prompt per token, a
-    nominal count per image (whose URL's bytes are no prompt text), plus every token it may
-    generate."""
+    nominal count per image or video (whose URL's bytes are no prompt text), plus every token
+    it may generate."""
     if not isinstance(body, dict):
         return 1
     max_tokens = next(
@@ -342,34 +342,36 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
     )
     n = body.get("n")
     gen = max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else 256
-    images, url_bytes = _image_parts(body)
-    prompt = max(body_bytes - url_bytes, 0) // 4 + images * _IMAGE_TOKENS
+    media, url_bytes = _media_parts(body)
+    prompt = max(body_bytes - url_bytes, 0) // 4 + media
     return prompt + gen * (n if isinstance(n, int) and n > 0 else 1)
 
 
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
+_VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
 
 
-def _image_parts(body: dict[str, Any]) -> tuple[int, int]:
-    """(image parts, bytes of their URLs or base64 features) of a chat or Responses body."""
-    count = size = 0
+def _media_parts(body: dict[str, Any]) -> tuple[int, int]:
+    """(nominal tokens of the image and video parts, bytes of their URLs or base64 features)
+    of a chat or Responses body."""
+    tokens = size = 0
     for key in ("messages", "input"):
         items = body.get(key)
         for item in items if isinstance(items, list) else ():
             content = item.get("content") if isinstance(item, dict) else None
             for part in content if isinstance(content, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("image_url", "input_image", "image_embeds"):
+                if kind not in ("image_url", "input_image", "image_embeds", "video_url"):
                     continue
                 if kind == "image_embeds":
                     data = part.get("image_embeds")
                     texts = list(data.values()) if isinstance(data, dict) else [data]
                 else:
-                    url = part.get("image_url")
+                    url = part.get("video_url" if kind == "video_url" else "image_url")
                     texts = [url.get("url") if isinstance(url, dict) else url]
-                count += 1
+                tokens += _VIDEO_TOKENS if kind == "video_url" else _IMAGE_TOKENS
                 size += sum(len(t) for t in texts if isinstance(t, str))
-    return count, size
+    return tokens, size
 
 
 # ---- replica processes ---------------------------------------------------------------------

@@ -1,11 +1,16 @@
-"""Images a chat request points at, loaded on its HTTP thread (never the engine's).
+"""Images and videos a chat request points at, loaded on its HTTP thread (never the engine's).
 
-    data:image/png;base64,iVBOR...    decoded in place
+    data:image/png;base64,iVBOR...    decoded in place (data:video/mp4;base64,... for a video)
     http://... / https://...          fetched with urllib: PAGED_IMAGE_FETCH_TIMEOUT (or vLLM's
-                                      VLLM_IMAGE_FETCH_TIMEOUT) seconds per read, 5 by default;
-                                      a body over `max_bytes` is refused before it is all read
+                                      VLLM_IMAGE_FETCH_TIMEOUT) seconds per read, 5 by default
+                                      (videos: *_VIDEO_FETCH_TIMEOUT, 30); a body over the cap
+                                      (20 MiB an image, 256 MiB a video) is refused before it
+                                      is all read
     file:///dir/cat.jpg               only under --allowed-local-media-path DIR (the path
                                       resolved, links followed, must stay inside DIR)
+
+An image becomes an RGB PIL image; a video (a `video_url` part) its frames and metadata,
+`num_frames` of them sampled uniformly (paged_engine/multimodal/video_io.py, PyAV).
 
 An `image_embeds` part (vLLM's, with --enable-mm-embeds) holds the image's features instead:
 base64 of a tensor saved by torch.save (loaded with weights_only=True, sparse tensors checked,
@@ -13,8 +18,8 @@ then made dense) or of a numpy .npy array (no pickles); Qwen2-VL's form is a dic
 strings, {"image_embeds": ..., "image_grid_thw": ...}.
 
 Every failure is a 400 naming where the URL was (`messages[0].content[1].image_url`): the
-client sent something this server cannot read as an image. Pillow is imported with the first
-image, so a text-only server never needs it.
+client sent something this server cannot read as an image (or video). Pillow is imported with
+the first image and PyAV with the first video, so a text-only server needs neither.
 """
 
 from __future__ import annotations
@@ -33,27 +38,35 @@ from urllib.parse import unquote, urlsplit
 
 from paged_server.errors import APIError, bad_request
 
-FETCH_TIMEOUT_ENV = ("PAGED_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT")
-DEFAULT_FETCH_TIMEOUT = 5.0  # seconds, vLLM's default
-MAX_IMAGE_BYTES = 20 << 20  # an encoded image, fetched or read; a data URL is bounded by the body
+# (our variable, vLLM's) per kind of media, and vLLM's defaults in seconds
+FETCH_TIMEOUT_ENV = {
+    "image": ("PAGED_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT"),
+    "video": ("PAGED_VIDEO_FETCH_TIMEOUT", "VLLM_VIDEO_FETCH_TIMEOUT"),
+}
+DEFAULT_FETCH_TIMEOUT = {"image": 5.0, "video": 30.0}
+# an encoded image or video, fetched or read; a data URL is bounded by the request body
+MAX_BYTES = {"image": 20 << 20, "video": 256 << 20}
+DEFAULT_NUM_FRAMES = 32  # frames sampled from a video (vLLM's default)
 _READ_CHUNK = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
-class ImageRef:
-    """An image part of a request: its URL and the parameter that named it (for errors);
-    an `image_embeds` part has its payload in `embeds` instead (and no URL)."""
+class MediaRef:
+    """An image or video part of a request: its URL and the parameter that named it (for
+    errors); an `image_embeds` part has its payload in `embeds` instead (and no URL)."""
 
     url: str
     param: str
     embeds: str | dict | None = None
+    kind: str = "image"  # or "video"
 
 
-def fetch_timeout(environ: Any = None) -> float:
-    """Seconds an image fetch may wait on its server: the first of FETCH_TIMEOUT_ENV that is
-    set, else 5; ValueError naming the variable for anything but a positive number."""
+def fetch_timeout(environ: Any = None, kind: str = "image") -> float:
+    """Seconds a fetch of an image (or video) may wait on its server: the first of
+    FETCH_TIMEOUT_ENV[kind] that is set, else vLLM's default; ValueError naming the variable
+    for anything but a positive number."""
     env = os.environ if environ is None else environ
-    for name in FETCH_TIMEOUT_ENV:
+    for name in FETCH_TIMEOUT_ENV[kind]:
         raw = env.get(name, "").strip()
         if not raw:
             continue
@@ -64,7 +77,7 @@ def fetch_timeout(environ: Any = None) -> float:
         if not 0 < seconds < float("inf"):
             raise ValueError(f"{name}={raw!r} is invalid: expected seconds, a positive number")
         return seconds
-    return DEFAULT_FETCH_TIMEOUT
+    return DEFAULT_FETCH_TIMEOUT[kind]
 
 
 def local_media_dir(path: str | None) -> Path | None:
@@ -87,25 +100,59 @@ def _pillow() -> Any:
     return PIL.Image
 
 
-class ImageLoader:
-    """Turns an `ImageRef` into an RGB `PIL.Image.Image`, or a 400 naming its parameter."""
+def media_io_kwargs(value: Any, param: str = "media_io_kwargs") -> int | None:
+    """vLLM's media_io_kwargs, `{"video": {"num_frames": N}}` (N > 0, or -1: every frame):
+    the frames to sample, or None where it sets none; ValueError naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"video", "image"}:
+        raise ValueError(f"{param} must be an object such as {{'video': {{'num_frames': 32}}}}")
+    video = value.get("video") or {}
+    if not isinstance(video, dict) or set(video) - {"num_frames"}:
+        raise ValueError(f"{param}.video takes 'num_frames' only (frames sampled per video)")
+    if value.get("image"):
+        raise ValueError(f"{param}.image: images take no loading arguments")
+    n = video.get("num_frames")
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not (n > 0 or n == -1):
+        raise ValueError(
+            f"{param}.video.num_frames must be an int > 0 or -1 (every frame), got {n!r}"
+        )
+    return n
+
+
+class MediaLoader:
+    """Turns a `MediaRef` into an RGB `PIL.Image.Image` (a video: its frames and metadata),
+    or a 400 naming its parameter. `timeout` and `max_bytes` are per kind of media (missing
+    kinds take the defaults); `num_frames`: frames sampled per video (-1: all)."""
 
     def __init__(
         self,
         local_dir: str | Path | None = None,
-        timeout: float = DEFAULT_FETCH_TIMEOUT,
-        max_bytes: int = MAX_IMAGE_BYTES,
+        timeout: dict[str, float] | None = None,
+        max_bytes: dict[str, int] | None = None,
+        num_frames: int = DEFAULT_NUM_FRAMES,
     ) -> None:
         self.local_dir = local_media_dir(str(local_dir)) if local_dir is not None else None
-        self.timeout = timeout
-        self.max_bytes = max_bytes
+        self.timeout = {**DEFAULT_FETCH_TIMEOUT, **(timeout or {})}
+        self.max_bytes = {**MAX_BYTES, **(max_bytes or {})}
+        self.num_frames = num_frames
 
-    def load_all(self, refs: list[ImageRef]) -> list[Any]:
-        return [self.load(ref) for ref in refs]
+    def load_all(self, refs: list[MediaRef], num_frames: int | None = None) -> list[Any]:
+        return [self.load(ref, num_frames) for ref in refs]
 
-    def load(self, ref: ImageRef) -> Any:
+    def load(self, ref: MediaRef, num_frames: int | None = None) -> Any:
+        """The image, or a video's (frames, metadata) with `num_frames` of its frames (None:
+        the loader's)."""
         if ref.embeds is not None:
             return load_embeds(ref)
+        data = self._bytes(ref)
+        if ref.kind == "video":
+            return self._decode_video(ref, data, num_frames or self.num_frames)
+        return self._decode(ref, data)
+
+    def _bytes(self, ref: MediaRef) -> bytes:
         scheme = urlsplit(ref.url).scheme.lower()
         if scheme == "data":
             data = self._data_url(ref)
@@ -116,24 +163,27 @@ class ImageLoader:
         else:
             shown = f"'{scheme}:'" if scheme else "no scheme"
             raise bad_request(
-                f"{ref.param}: an image URL with {shown} is not supported: send a "
-                "data:image/...;base64 URL or an http(s) URL",
+                f"{ref.param}: {'an' if ref.kind == 'image' else 'a'} {ref.kind} URL with {shown} "
+                "is not supported: send a "
+                f"data:{ref.kind}/...;base64 URL or an http(s) URL",
                 ref.param,
             )
-        return self._decode(ref, data)
+        return data
 
-    def _data_url(self, ref: ImageRef) -> bytes:
-        """`data:image/<format>;base64,<payload>` (whitespace in the payload is skipped)."""
+    def _data_url(self, ref: MediaRef) -> bytes:
+        """`data:image/<format>;base64,<payload>` (`video/` for a video; whitespace in the
+        payload is skipped)."""
         header, comma, payload = ref.url.partition(",")
         media_type, *flags = header[len("data:") :].split(";")
         if not comma or "base64" not in (f.strip().lower() for f in flags):
             raise bad_request(
-                f"{ref.param}: a data URL must be base64: data:image/<format>;base64,<data>",
+                f"{ref.param}: a data URL must be base64: data:{ref.kind}/<format>;base64,<data>",
                 ref.param,
             )
-        if media_type and not media_type.strip().lower().startswith("image/"):
+        if media_type and not media_type.strip().lower().startswith(f"{ref.kind}/"):
             raise bad_request(
-                f"{ref.param}: the data URL holds {media_type.strip()!r}, not an image",
+                f"{ref.param}: the data URL holds {media_type.strip()!r}, not "
+                f"{'an' if ref.kind == 'image' else 'a'} {ref.kind}",
                 ref.param,
             )
         text = "".join(payload.split())
@@ -143,32 +193,34 @@ class ImageLoader:
         except (binascii.Error, ValueError):
             raise bad_request(f"{ref.param}: the data URL is not valid base64", ref.param) from None
 
-    def _fetch(self, ref: ImageRef) -> bytes:
+    def _fetch(self, ref: MediaRef) -> bytes:
         request = urllib.request.Request(ref.url, headers={"User-Agent": "paged-server"})
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(request, timeout=self.timeout[ref.kind]) as resp:
                 if resp.status != 200:
                     raise bad_request(
-                        f"{ref.param}: fetching the image answered HTTP {resp.status}", ref.param
+                        f"{ref.param}: fetching the {ref.kind} answered HTTP {resp.status}",
+                        ref.param,
                     )
                 size = resp.headers.get("Content-Length")
-                if size is not None and size.isdigit() and int(size) > self.max_bytes:
+                if size is not None and size.isdigit() and int(size) > self.max_bytes[ref.kind]:
                     raise self._too_large(ref)
                 return self._read_capped(ref, resp)
         except urllib.error.HTTPError as e:
             raise bad_request(
-                f"{ref.param}: fetching the image answered HTTP {e.code} {e.reason}", ref.param
+                f"{ref.param}: fetching the {ref.kind} answered HTTP {e.code} {e.reason}",
+                ref.param,
             ) from None
         except (urllib.error.URLError, OSError, ValueError) as e:  # DNS, refused, timeout
             why = getattr(e, "reason", None) or e
             raise bad_request(
-                f"{ref.param}: the image could not be fetched: {why}", ref.param
+                f"{ref.param}: the {ref.kind} could not be fetched: {why}", ref.param
             ) from None
 
-    def _local_file(self, ref: ImageRef) -> bytes:
+    def _local_file(self, ref: MediaRef) -> bytes:
         if self.local_dir is None:
             raise bad_request(
-                f"{ref.param}: file:// image URLs are refused: the server reads local files "
+                f"{ref.param}: file:// {ref.kind} URLs are refused: the server reads local files "
                 "only when started with --allowed-local-media-path DIR",
                 ref.param,
             )
@@ -188,20 +240,35 @@ class ImageLoader:
                 f"{ref.param}: cannot read {parts.path!r}: {e.strerror or e}", ref.param
             ) from None
 
-    def _read_capped(self, ref: ImageRef, stream: Any) -> bytes:
+    def _read_capped(self, ref: MediaRef, stream: Any) -> bytes:
         chunks, total = [], 0
         while chunk := stream.read(_READ_CHUNK):
             total += len(chunk)
-            if total > self.max_bytes:
+            if total > self.max_bytes[ref.kind]:
                 raise self._too_large(ref)
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _too_large(self, ref: ImageRef) -> APIError:
-        return bad_request(f"{ref.param}: the image is over {self.max_bytes >> 20} MiB", ref.param)
+    def _too_large(self, ref: MediaRef) -> APIError:
+        cap = self.max_bytes[ref.kind] >> 20
+        return bad_request(f"{ref.param}: the {ref.kind} is over {cap} MiB", ref.param)
 
     @staticmethod
-    def _decode(ref: ImageRef, data: bytes) -> Any:
+    def _decode_video(ref: MediaRef, data: bytes, num_frames: int) -> Any:
+        """(frames uint8 [T, H, W, 3], metadata): `num_frames` frames sampled uniformly."""
+        try:
+            from paged_engine.multimodal.video_io import decode_video
+
+            return decode_video(data, num_frames, what=ref.param)
+        except ImportError:
+            raise APIError(
+                500, "video inputs need PyAV on the server: pip install 'paged-engine[video]'"
+            ) from None
+        except ValueError as e:
+            raise bad_request(str(e), ref.param) from None
+
+    @staticmethod
+    def _decode(ref: MediaRef, data: bytes) -> Any:
         """The image, fully decoded, in RGB; a transparent one over white (as vLLM does)."""
         pil = _pillow()
         try:
@@ -227,7 +294,7 @@ _EMBEDS_KEYS = ("image_embeds", "image_grid_thw")
 MAX_TENSOR_ELEMS = 1 << 27  # 512 MiB of float32: far above any image's or prompt's features
 
 
-def load_embeds(ref: ImageRef) -> Any:
+def load_embeds(ref: MediaRef) -> Any:
     """An `image_embeds` part's tensor, or Qwen2-VL's dict of tensors; a 400 naming the part
     for anything else."""
     value = ref.embeds

@@ -13,7 +13,7 @@ from typing import Any
 
 from paged_server.chat_messages import chat_documents, chat_message, template_kwargs
 from paged_server.errors import APIError, bad_request
-from paged_server.media import ImageRef
+from paged_server.media import MediaRef, media_io_kwargs
 from paged_server.structured_request import FIELDS as STRUCTURED_FIELDS
 from paged_server.structured_request import parse_structured
 from paged_server.tools import ToolRequest, parse_tools
@@ -113,6 +113,7 @@ _CHAT_KEYS = _COMMON | {
     "chat_template",
     "chat_template_kwargs",
     "mm_processor_kwargs",
+    "media_io_kwargs",
     "add_generation_prompt",
     "tools",
     "tool_choice",
@@ -156,14 +157,17 @@ class GenerationRequest:
     priority: int = 0  # vLLM: lower runs first under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM: prefix-cache hits only among the same salt
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:{id}" in logprobs
-    image_refs: list[ImageRef] = field(default_factory=list)  # chat: its images, in order
+    media_refs: list[MediaRef] = field(default_factory=list)  # chat: images, videos, in order
     # completions: base64 torch.save'd [L, D] tensors, as vLLM takes them; they run before
     # the `prompts` (choice indexes count them first), decoded by the app (prompt_embeds.py)
     prompt_embeds: list[str] = field(default_factory=list)
     # chat: vLLM's mm_processor_kwargs, for the image processor on this request's images
     mm_processor_kwargs: dict[str, Any] | None = None
-    # chat: the images processed already (ImageInputs), where their runs' lengths needed them
-    processed_images: list[Any] | None = None
+    # chat: vLLM's media_io_kwargs {"video": {"num_frames": N}}: frames sampled per video
+    num_frames: int | None = None
+    # chat: the multi_modal_data of its media processed already ({"image": [ImageInput, ...],
+    # "video": [...]}), where their runs' lengths needed them
+    processed_media: dict[str, list] | None = None
 
     @property
     def n(self) -> int:
@@ -510,12 +514,13 @@ def _object_or_none(b: _Body, key: str) -> dict[str, Any] | None:
 def parse_chat(
     body: Any, tool_parser: str | None = None, images: bool = False
 ) -> GenerationRequest:
-    """A chat request; `images`: the model takes images (else an image part is a 400)."""
+    """A chat request; `images`: the model takes images or videos (else such a part is a
+    400)."""
     b = _Body(body, _CHAT_KEYS)
     messages = b.d.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    refs: list[ImageRef] | None = [] if images else None
+    refs: list[MediaRef] | None = [] if images else None
     stream, usage = _stream_flags(b)
     max_tokens = b.int("max_completion_tokens", None, 1, 1 << 31)
     if max_tokens is None:
@@ -541,9 +546,13 @@ def parse_chat(
         continue_final_message=b.bool("continue_final_message"),
         documents=chat_documents(b.d.get("documents")),
         add_special_tokens=False,
-        image_refs=refs or [],
+        media_refs=refs or [],
         mm_processor_kwargs=_object_or_none(b, "mm_processor_kwargs"),
     )
+    try:
+        req.num_frames = media_io_kwargs(b.d.get("media_io_kwargs"))
+    except ValueError as e:
+        raise bad_request(str(e), "media_io_kwargs") from None
     if req.continue_final_message and req.add_generation_prompt:
         raise bad_request(
             "'continue_final_message' and 'add_generation_prompt' cannot both be true: send "

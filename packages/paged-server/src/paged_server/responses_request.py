@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from paged_server.errors import APIError, bad_request
-from paged_server.media import ImageRef
 from paged_server.openai_protocol import GenerationRequest, parse_chat
 
 if TYPE_CHECKING:
@@ -447,9 +446,9 @@ def parse_responses(
     }
     with responses_params():
         chat = parse_chat(chat_body, tool_parser, images)
-    if chat.image_refs:  # a URL that cannot be loaded is named as the client sent it
+    if chat.media_refs:  # a URL that cannot be loaded is named as the client sent it
         names = _image_params(items, len(items) - len(own))
-        chat.image_refs = [ImageRef(r.url, n) for r, n in zip(chat.image_refs, names, strict=True)]
+        chat.media_refs = [replace(r, param=n) for r, n in zip(chat.media_refs, names, strict=True)]
     echo = {
         "instructions": instructions,
         "max_output_tokens": chat.max_tokens,

@@ -6,7 +6,6 @@ Everything that can be wrong with a request is caught here, before the scheduler
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,7 +13,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS
-from paged_engine.multimodal.inputs import is_embeds_prompt
+from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen_video import VIDEO_KWARGS, QwenVideoProcessor, check_kwargs
 from paged_engine.pooling import truncated
@@ -83,7 +82,7 @@ class InputProcessor:
             text, token_ids = self._tokenize_prompt(prompt)
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
-            token_ids, mm_inputs = self._multimodal(token_ids, mm_data, kwargs)
+            token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
@@ -204,7 +203,7 @@ class InputProcessor:
             block_size=self.config.block_size,
         )
 
-    def _multimodal(
+    def multimodal(
         self, token_ids: list[int], mm_data: Any, kwargs: Any = None
     ) -> tuple[list[int], tuple]:
         """vLLM's multi_modal_data: the prompt with each image's and video's placeholder run,
@@ -243,11 +242,7 @@ class InputProcessor:
         elif rest:
             check_kwargs(rest)
         expanded, videos, added = self.videos.process(token_ids, mm_data["video"], video_kw)
-        # an image after a video's placeholder moves by the tokens its run added
-        moved = [
-            dataclasses.replace(m, offset=m.offset + sum(n for at, n in added if at < m.offset))
-            for m in images
-        ]
+        moved = shift_offsets(images, added)  # an image after a video's run moves with it
         return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))
 
     def _images(

@@ -23,6 +23,7 @@ KV (core/block_manager.py).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,6 +77,15 @@ class ImageInput:
 def is_embeds_prompt(mm_inputs: tuple) -> bool:
     """Whether a prompt came as prompt_embeds (its first input is a block of rows)."""
     return bool(mm_inputs) and mm_inputs[0].token_rows
+
+
+def shift_offsets(items: tuple | list, added: list[tuple[int, int]]) -> list[ImageInput]:
+    """`items` moved by the tokens a later expansion added before them (`added`: (where in the
+    prompt before it, tokens added) of each run it expanded)."""
+    return [
+        dataclasses.replace(m, offset=m.offset + sum(n for at, n in added if at < m.offset))
+        for m in items
+    ]
 
 
 def block_mm_keys(images: tuple[ImageInput, ...], start: int, end: int) -> tuple[str, ...]:

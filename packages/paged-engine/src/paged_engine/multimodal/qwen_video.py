@@ -7,7 +7,9 @@
          patch -> rows [t*h*w, 3 * tp * p * p], grid (t, h, w) in patches
     prompt: <|vision_start|> <|video_pad|> x (t*h*w / merge^2) <|vision_end|>
 
-A video is an `ImageInput` (multimodal/inputs.py) like an image: the vision tower reads its grid
+Videos processed ahead (`ImageInput`s from `process`, e.g. on a server's request thread) are
+checked against the prompt and taken as they are. A video is an `ImageInput`
+(multimodal/inputs.py) like an image: the vision tower reads its grid
 (attention within each frame; multimodal/qwen2_vl_vision.py), the encoder cache and prefix cache
 key it by its pixels' hash. Its M-RoPE temporal index of frame group k is k (Qwen2-VL) or
 floor(k * tokens_per_second * second_per_grid_t) (Qwen2.5-VL, `t_step`), second_per_grid_t =
@@ -133,6 +135,8 @@ class QwenVideoProcessor:
                 f"multi_modal_data['video'] has {len(items)} videos, over "
                 f"limit_mm_per_prompt={{'video': {self.limit}}}"
             )
+        if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
+            return self._placed(token_ids, items)
         loaded = [self._load(i, item, kwargs) for i, item in enumerate(items)]
         merge = self.settings["merge_size"]
         lengths = [t * h * w // merge**2 for _, (t, h, w), _ in loaded]
@@ -142,6 +146,41 @@ class QwenVideoProcessor:
             key = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + rows.numpy().tobytes())
             out.append(ImageInput(rows, start, n, key.hexdigest()[:32], grid, t_step=step))
         return token_ids, out, added
+
+    def _placed(
+        self, token_ids: list[int], items: list[ImageInput]
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """Videos processed ahead (this method's output): each must be patch rows this tower
+        reads, its run where the prompt (expanded, or with one placeholder each) holds it."""
+        s, merge = self.settings, self.settings["merge_size"]
+        width = 3 * s["temporal_patch_size"] * s["patch_size"] ** 2
+        for m in items:
+            grid, rows = m.image_size, m.pixel_values
+            if (
+                rows is None
+                or m.embeds is not None
+                or m.token_rows
+                or grid is None
+                or len(grid) != 3
+                or grid[1] % merge
+                or grid[2] % merge
+                or tuple(rows.shape) != (grid[0] * grid[1] * grid[2], width)
+                or m.length != rows.shape[0] // merge**2
+                or not 0 < m.t_step < math.inf
+            ):
+                raise ValueError(
+                    "multi_modal_data['video']: these processed videos are not patch rows this "
+                    "model reads (their grids, rows or runs differ)"
+                )
+        token_ids, starts, added = expand_runs(
+            token_ids, self.video_token_id, [m.length for m in items], "video"
+        )
+        if starts != [m.offset for m in items]:
+            raise ValueError(
+                "multi_modal_data['video']: these processed videos do not fit this prompt "
+                "(their runs start elsewhere)"
+            )
+        return token_ids, list(items), added
 
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
         """The prompt's M-RoPE table (its images and videos in prompt order)."""

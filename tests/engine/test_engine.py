@@ -239,6 +239,36 @@ def test_bad_input_raises_and_engine_keeps_serving(model_dir):
     assert llm.get_stats().num_used_blocks == 0
 
 
+def test_a_step_from_a_second_thread_is_refused(model_dir):
+    """Two threads stepping one engine (LLM.generate beside a server's loop) would corrupt the
+    scheduler and the free-block list: the second step is a RuntimeError, and the engine
+    serves once the first is done."""
+    import threading
+
+    llm = LLM(model=str(model_dir), dtype="float32", max_model_len=64)
+    core = llm.llm_engine.engine_core
+    inside, release = threading.Event(), threading.Event()
+    step = core._step
+
+    def slow_step():
+        inside.set()
+        release.wait(10)
+        return step()
+
+    core._step = slow_step
+    first = threading.Thread(target=core.step)
+    first.start()
+    assert inside.wait(10)
+    with pytest.raises(RuntimeError, match="another thread"):
+        llm.llm_engine.step()
+    release.set()
+    first.join()
+    core._step = step
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.llm_engine.shutdown()
+
+
 def test_triton_path_matches_torch_reference(model_dir):
     """The GPU code path, run by the Triton interpreter: slot mappings, block tables, kernels.
 

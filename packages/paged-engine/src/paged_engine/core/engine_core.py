@@ -25,6 +25,7 @@ scheduled again (`Request.needs_host_result`), so a mask always sees every earli
 from __future__ import annotations
 
 import logging
+import threading
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
@@ -60,6 +61,7 @@ class EngineCore:
         structured: StructuredOutputManager | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self._stepping = threading.Lock()  # held through step(): one stepping thread at a time
         self.structured = structured
         self._compiling: list[Request] = []  # constrained, grammar not compiled yet (FCFS)
         self._constrained: dict[str, Request] = {}  # unfinished requests with a constraint
@@ -184,7 +186,20 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one step; return what the oldest finished step produced ([] while the first of
-        two async steps is still in flight, or when there is nothing to do or paused)."""
+        two async steps is still in flight, or when there is nothing to do or paused).
+        RuntimeError when another thread is inside a step of this engine: the scheduler and
+        block pool are one thread's at a time (a server's loop, or LLM.generate; not both)."""
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError(
+                "this engine is already running a step on another thread: one caller steps an "
+                "engine at a time (a server's engine loop, or LLM.generate, not both at once)"
+            )
+        try:
+            return self._step()
+        finally:
+            self._stepping.release()
+
+    def _step(self) -> list[EngineCoreOutput]:
         if self.held or self.paused:
             held, self.held = self.held, []
             return held

@@ -59,6 +59,19 @@ def test_every_schema_validates(llm):
         _valid(c.text, SCHEMAS[name][0])
 
 
+def test_properties_come_in_the_schemas_order(llm):
+    """An object's keys are written in its schema's `properties` order (as vLLM writes them),
+    not sorted: {"zeta", "alpha"} stays zeta first."""
+    schema = {
+        "type": "object",
+        "properties": {"zeta": {"enum": [1, 2]}, "alpha": {"enum": ["x", "y"]}},
+        "required": ["zeta", "alpha"],
+        "additionalProperties": False,
+    }
+    (out,) = llm.generate(["x"], _json_params(schema), use_tqdm=False)
+    assert list(json.loads(out.outputs[0].text)) == ["zeta", "alpha"], out.outputs[0].text
+
+
 def test_sampled_n_and_seeds_validate(llm):
     schema = SCHEMAS["array_of_objects"][0]
     params = _json_params(schema, temperature=1.0, seed=3, n=3)
@@ -179,7 +192,8 @@ def test_invalid_constraint_is_a_value_error_and_engine_serves_on(llm, so, field
         ({"choice": ["a", 3]}, "structured_outputs.choice"),
         ({"regex": ""}, "structured_outputs.regex"),
         ({"json_object": "yes"}, "structured_outputs.json_object"),
-        ({"regex": "a", "structural_tag": "{}"}, "structural_tag is not supported"),
+        ({"regex": "a", "structural_tag": "{}"}, "exactly one of"),
+        ({"structural_tag": 3}, "structured_outputs.structural_tag must be JSON text or an object"),
     ],
 )
 def test_params_shape_errors(kwargs, message):

@@ -103,9 +103,56 @@ def test_streamed_constrained_output_validates(client) -> None:
     jsonschema.validate(json.loads(text), CITY)
 
 
+def _call_tag(schema: dict) -> dict:
+    content = {"type": "json_schema", "json_schema": schema}
+    return {"type": "tag", "begin": "<call>", "content": content, "end": "</call>"}
+
+
+def test_structural_tags(client) -> None:
+    """vLLM's response_format {"type": "structural_tag", "format": ...}, its older
+    "structures" / "triggers" form, structured_outputs.structural_tag and the top-level
+    field: the outputs are what the format describes."""
+    one_call = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tags_with_separator",
+            "tags": [_call_tag(CITY)],
+            "separator": ",",
+            "at_least_one": True,
+            "stop_after_first": True,
+        },
+    }
+    kw = {"model": "tiny", "messages": MSGS, "max_tokens": 60, "temperature": 0.8, "seed": 1}
+    for extra in (
+        {"response_format": one_call},
+        {"extra_body": {"structured_outputs": {"structural_tag": json.dumps(one_call)}}},
+        {"extra_body": {"structural_tag": json.dumps(one_call)}},
+    ):
+        r = client.chat.completions.create(**kw, n=2, **extra)
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            m = re.fullmatch(r"<call>(.*)</call>", choice.message.content)
+            assert m is not None, choice.message.content
+            jsonschema.validate(json.loads(m.group(1)), CITY)
+    legacy = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<call=f>", "schema": CITY, "end": "</call>"}],
+        "triggers": ["<call="],
+    }
+    r = client.chat.completions.create(**{**kw, "max_tokens": 20}, response_format=legacy)
+    text = r.choices[0].message.content
+    for part in text.split("<call=")[1:]:  # any call the free text made is whole
+        assert part.startswith("f>{"), text
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
+        (
+            {"response_format": {"type": "structural_tag", "format": {"type": "nope"}}},
+            "response_format",
+        ),
+        ({"extra_body": {"structural_tag": "{not json"}}, "structural_tag"),
         (
             {
                 "response_format": {

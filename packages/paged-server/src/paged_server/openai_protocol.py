@@ -51,7 +51,6 @@ _UNSUPPORTED_UNLESS = {
     "mm_processor_kwargs": (None, {}),
     "prompt_embeds": (None,),  # completions only (_COMPLETION_KEYS)
     "kv_transfer_params": (None,),
-    "structural_tag": (None,),  # older vLLM's top-level spelling
 }
 
 _SAMPLING = (

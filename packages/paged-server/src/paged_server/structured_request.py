@@ -3,12 +3,15 @@
 Three spellings of one feature, at most one per request:
 
     response_format      OpenAI: {"type": "text" | "json_object" | "json_schema",
-                                  "json_schema": {"name", "schema", "strict", "description"}}
+                                  "json_schema": {"name", "schema", "strict", "description"}};
+                         vLLM's {"type": "structural_tag", "format": {...}} (or the older
+                         "structures" and "triggers")
     guided_json / guided_regex / guided_choice / guided_grammar   vLLM's extra parameters
                          (with guided_whitespace_pattern; guided_decoding_backend is accepted
                          and ignored: one grammar engine serves them all)
     structured_outputs   vLLM's newer object: {"json" | "regex" | "choice" | "grammar" |
-                         "json_object": ..., options}
+                         "json_object" | "structural_tag": ..., options}
+    structural_tag       older vLLM's top-level spelling (JSON text)
 
 Returns the dict for `SamplingParams(structured_outputs=...)` and the request field it came from,
 so the engine's verdict on the grammar itself (an invalid schema or regex) names that field.
@@ -21,13 +24,14 @@ from typing import Any
 from paged_server.errors import bad_request
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+TOP_LEVEL = (*GUIDED, "structural_tag")  # each a constraint of its own name (less guided_)
 FIELDS = frozenset(
     {
         "response_format",
         "structured_outputs",
         "guided_whitespace_pattern",
         "guided_decoding_backend",
-        *GUIDED,
+        *TOP_LEVEL,
     }
 )
 
@@ -38,7 +42,7 @@ def parse_structured(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str |
     rf = _response_format(body.get("response_format"))
     if rf is not None:
         found.append((rf, "response_format"))
-    for name in GUIDED:
+    for name in TOP_LEVEL:
         if body.get(name) is not None:
             found.append(({name.removeprefix("guided_"): body[name]}, name))
     so = body.get("structured_outputs")
@@ -79,9 +83,12 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
         return None
     if kind == "json_object":
         return {"json_object": True}
+    if kind == "structural_tag":  # the grammar's checks name its paths (structural_tag.py)
+        return {"structural_tag": rf}
     if kind != "json_schema":
         raise bad_request(
-            f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "'response_format.type' must be 'text', 'json_object', 'json_schema' or "
+            f"'structural_tag', got {kind!r}",
             "response_format",
         )
     js = rf.get("json_schema")

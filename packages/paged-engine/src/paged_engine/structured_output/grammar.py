@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from paged_engine.structured_output.params import StructuredOutputsParams
+from paged_engine.structured_output.structural_tag import structural_tag_lark
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
 
@@ -49,34 +50,34 @@ def _grammar_text(key: str) -> str:
         if kind in ("json", "json_object"):
             if no_extra_props and isinstance(spec, dict):
                 spec = _close_objects(spec)
-            options: dict[str, Any]
-            if whitespace is not None:  # whitespace where JSON allows it, matching the pattern
-                options = {"whitespace_flexible": True, "whitespace_pattern": whitespace}
-            elif no_whitespace:  # no whitespace at all: {"a":1,"b":[2,3]}
-                options = {
-                    "whitespace_flexible": False,
-                    "item_separator": ",",
-                    "key_separator": ":",
-                }
-            else:  # json.dumps spacing: {"a": 1, "b": [2, 3]}
-                options = {
-                    "whitespace_flexible": False,
-                    "item_separator": ", ",
-                    "key_separator": ": ",
-                }
+            options = _json_options(no_whitespace, whitespace)
             grammar = matcher.grammar_from_json_schema(spec, overrides=options)
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(spec)
         elif kind == "choice":
             grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        elif kind == "structural_tag":
+            options = _json_options(no_whitespace, whitespace)
+            grammar = matcher.grammar_from_lark(structural_tag_lark(spec, field, options))
         else:  # GBNF / EBNF or Lark
             grammar = llg.grammar_from("grammar", spec)
     except (ValueError, TypeError, RuntimeError) as e:
-        raise ValueError(f"{field} is invalid: {e}") from None
+        why = str(e)  # (a structural tag's errors name their path already)
+        raise ValueError(why if why.startswith(field) else f"{field} is invalid: {why}") from None
     error = matcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{field} is invalid: {error.strip()}")
     return grammar
+
+
+def _json_options(no_whitespace: bool, whitespace: str | None) -> dict[str, Any]:
+    """llguidance's JSON options for the spacing the parameters ask for."""
+    if whitespace is not None:  # whitespace where JSON allows it, matching the pattern
+        return {"whitespace_flexible": True, "whitespace_pattern": whitespace}
+    if no_whitespace:  # no whitespace at all: {"a":1,"b":[2,3]}
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    # json.dumps spacing: {"a": 1, "b": [2, 3]}
+    return {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _close_objects(schema: Any) -> Any:

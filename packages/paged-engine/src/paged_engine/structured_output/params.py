@@ -8,13 +8,15 @@ Exactly one constraint per request:
     grammar      a context-free grammar: GBNF / EBNF (`root ::= ...`, as llama.cpp and xgrammar
                  write it) or Lark (`start: ...`)
     json_object  True: the output is any JSON object
+    structural_tag  xgrammar's structural tag (JSON text or an object): free text with tagged
+                 parts, e.g. tool calls whose arguments match a schema (structural_tag.py)
 
 JSON is written with `json.dumps` spacing (", " and ": ") unless `whitespace_pattern` allows
 free whitespace matching it (vLLM's default; small models then pad with newlines) or
 `disable_any_whitespace` removes the spaces; `disable_additional_properties`: objects in the
 schema take no keys beyond `properties`.
 `disable_fallback` is accepted for vLLM compatibility: there is one backend, nothing to fall
-back to. `structural_tag` is not supported (a ValueError says so).
+back to.
 
 Checked here: the shape (types, exactly one constraint). Whether the schema / regex / grammar
 itself is valid is checked when the engine accepts the request (`grammar.py`), with a ValueError
@@ -27,7 +29,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
-CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(slots=True)
@@ -41,18 +43,16 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
-    structural_tag: str | None = None
+    structural_tag: str | dict | None = None
 
     def __post_init__(self) -> None:
-        if self.structural_tag is not None:
-            raise ValueError("structured_outputs.structural_tag is not supported")
         if self.json_object is False:
             self.json_object = None
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(
                 "structured_outputs must set exactly one of json, regex, choice, grammar, "
-                f"json_object; got {given or 'none'}"
+                f"json_object, structural_tag; got {given or 'none'}"
             )
         if self.json is not None:
             if isinstance(self.json, str):
@@ -67,6 +67,11 @@ class StructuredOutputsParams:
                     "structured_outputs.json must be a JSON schema (an object), got "
                     f"{type(parsed).__name__}"
                 )
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(
+                "structured_outputs.structural_tag must be JSON text or an object, got "
+                f"{type(self.structural_tag).__name__}"
+            )
         for name in ("regex", "grammar", "whitespace_pattern"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -92,7 +97,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one constraint set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        """The one constraint set: 'json', 'regex', 'choice', 'grammar', 'json_object' or
+        'structural_tag'."""
         return next(name for name in CONSTRAINTS if getattr(self, name) is not None)
 
     @property
@@ -103,12 +109,12 @@ class StructuredOutputsParams:
         return _json.loads(self.json) if isinstance(self.json, str) else self.json
 
     def key(self) -> str:
-        """A canonical text of everything that shapes the grammar: the compile-cache key."""
+        """A text of everything that shapes the grammar: the compile-cache key. Keys keep their
+        order: a schema's `properties` order is the order the output writes them in."""
         spec = self.schema if self.kind in ("json", "json_object") else getattr(self, self.kind)
         return _json.dumps(
             [self.kind, spec, self.disable_any_whitespace, self.disable_additional_properties,
              self.whitespace_pattern],
-            sort_keys=True,
         )  # fmt: skip
 
     @classmethod

@@ -784,6 +784,49 @@ def test_chat_and_prompt_shapes(llm):
     _assert_idle(llm)
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') "
+    "| join(',') }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_chat_takes_vllms_arguments(llm):
+    """tools reach the template, continue_final_message leaves the last message open, text
+    parts join into one string (as the server joins them), and the arguments are checked."""
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+    hi = [{"role": "user", "content": "hi"}]
+    (out,) = llm.chat(hi, params, use_tqdm=False, chat_template=TOOLS_TEMPLATE, tools=tools)
+    assert out.prompt == "tools: weather\nuser: hi\nassistant:"
+    (out,) = llm.chat(hi, params, use_tqdm=False, chat_template=TOOLS_TEMPLATE)
+    assert out.prompt == "user: hi\nassistant:"
+    started = [*hi, {"role": "assistant", "content": "The answer is"}]
+    (out,) = llm.chat(
+        started, params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert out.prompt.endswith("<|im_start|>assistant\nThe answer is"), out.prompt
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    for fmt in ("auto", "string"):
+        (out,) = llm.chat(parts, params, use_tqdm=False, chat_template=TOOLS_TEMPLATE,
+                          chat_template_content_format=fmt)  # fmt: skip
+        assert out.prompt == "user: a\nb\nassistant:"
+    (out,) = llm.chat(parts, params, use_tqdm=False, chat_template=TOOLS_TEMPLATE,
+                      chat_template_content_format="openai")  # fmt: skip
+    assert out.prompt.startswith("user: [{")  # the parts as the template got them
+    for kwargs, says in [
+        ({"continue_final_message": True}, "cannot both be True"),
+        ({"continue_final_message": True, "add_generation_prompt": False}, "assistant's"),
+        ({"chat_template_content_format": "xml"}, "chat_template_content_format"),
+        ({"tools": {"name": "x"}}, "tools must be a list"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            llm.chat(hi, params, use_tqdm=False, **kwargs)
+    _assert_idle(llm)
+
+
 def test_streamed_outputs_are_snapshots(llama_dir):
     """A RequestOutput from step() does not change after later steps (logprobs included)."""
     engine = _engine(llama_dir)

@@ -137,25 +137,54 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate.
-        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False}).
+        """Apply the model's chat template to one conversation or a list of them, then generate
+        (vLLM's arguments, in vLLM's order). `tools` (OpenAI's function definitions) reach the
+        template as transformers passes them; `continue_final_message` renders the last
+        (assistant) message open for the model to go on with, instead of a generation prompt;
+        `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
+        `chat_template_content_format` "string" joins a message's text parts into one string,
+        "openai" keeps the parts, "auto" keeps them where there is an image or video among them.
         A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
         vLLM's `image_pil` parts; Qwen2-VL / 2.5-VL also `video_url` parts
-        (multimodal/chat_media.py)."""
+        (multimodal/chat_media.py), processed with `mm_processor_kwargs`."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be True: pass "
+                "add_generation_prompt=False to continue the last message"
+            )
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(
+                "chat_template_content_format must be 'auto', 'string' or 'openai', got "
+                f"{chat_template_content_format!r}"
+            )
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        ):
+            raise ValueError("tools must be a list of tool definitions (dicts)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
         for conv in conversations:
             conv, media = split_media(conv)
+            if continue_final_message and (not conv or conv[-1].get("role") != "assistant"):
+                raise ValueError(
+                    "continue_final_message needs the last message to be the assistant's"
+                )
             text = self.llm_engine.apply_chat_template(
-                conv,
+                _content_format(conv, chat_template_content_format),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **({"tools": tools} if tools is not None else {}),
                 **(chat_template_kwargs or {}),
             )
             prompts.append(text)
@@ -165,6 +194,8 @@ class LLM:
             }
             if media:
                 prompt["multi_modal_data"] = media
+                if mm_processor_kwargs is not None:
+                    prompt["mm_processor_kwargs"] = mm_processor_kwargs
             token_prompts.append(prompt)
         outputs = self.generate(
             token_prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request
@@ -436,3 +467,25 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _content_format(conversation: list[dict], fmt: str) -> list[dict]:
+    """Messages as the template takes them: "string" (and "auto" without media) joins a
+    message's text parts with newlines into one string (as vLLM's "string" format does);
+    "openai" keeps every list of parts."""
+    if fmt == "openai":
+        return conversation
+    out = []
+    for m in conversation:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in content
+        ):
+            m = {**m, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        elif fmt == "string" and isinstance(content, list):
+            raise ValueError(
+                "chat_template_content_format='string' takes text parts only; this message "
+                "has images or videos: use 'auto' or 'openai'"
+            )
+        out.append(m)
+    return out

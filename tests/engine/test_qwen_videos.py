@@ -118,9 +118,14 @@ def test_mrope_table_equals_hf_rope_index(qwen):
     hf = _HF(path, "2.5")
     llm = _llm(path)
     prompt = {
-        "prompt": _chat(f"{VIDEO} and {IMAGE} and {VIDEO}"),
+        "prompt": _chat(f"{VIDEO} and {IMAGE} and {VIDEO} then {VIDEO} end"),
         "multi_modal_data": {
-            "video": [(_frames(3, 6), {"fps": 3.0}), _frames(4, 3, (24, 80))],
+            "video": [
+                (_frames(3, 6), {"fps": 3.0}),
+                _frames(4, 3, (24, 80)),
+                # many small frames, slow: temporal positions run past the grid's h and w
+                (_frames(6, 24, (16, 16)), {"fps": 1.0}),
+            ],
             "image": Image.fromarray(_frames(5, 1)[0]),
         },
     }
@@ -130,7 +135,7 @@ def test_mrope_table_equals_hf_rope_index(qwen):
     class _Out:
         prompt_token_ids = ids
 
-    extra = hf.inputs(_Out, req.mm_inputs, [3.0, 24.0])
+    extra = hf.inputs(_Out, req.mm_inputs, [3.0, 24.0, 1.0])
     want, delta = hf.model.model.get_rope_index(
         torch.tensor([ids]),
         extra["mm_token_type_ids"],
@@ -142,7 +147,8 @@ def test_mrope_table_equals_hf_rope_index(qwen):
     assert req.mrope.delta == int(delta)
     tps = hf.model.config.vision_config.tokens_per_second
     steps = [m.t_step for m in req.mm_inputs if m.image_size[0] > 1]
-    assert steps == [pytest.approx(tps * 2 / 3.0), pytest.approx(tps * 2 / 24)]  # 24: no fps
+    want_steps = [tps * 2 / 3.0, tps * 2 / 24, tps * 2 / 1.0]  # 24: no fps
+    assert steps == [pytest.approx(x) for x in want_steps]
     llm.llm_engine.shutdown()
 
 

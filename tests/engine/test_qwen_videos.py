@@ -223,7 +223,7 @@ def test_bad_videos_name_the_parameter(qwen):
     ok = llm.generate({"prompt": text, "multi_modal_data": {"video": _frames(1)}}, use_tqdm=False)
     assert ok[0].outputs[0].token_ids
     llm.llm_engine.shutdown()
-    none = _llm(qwen("3"))  # Qwen3-VL's videos carry timestamps: not run here
+    none = _llm(qwen("2"), limit_mm_per_prompt={"video": 0})
     with pytest.raises(ValueError, match="takes no videos"):
         none.generate({"prompt": text, "multi_modal_data": {"video": _frames(1)}})
     none.llm_engine.shutdown()
@@ -287,6 +287,104 @@ def test_llm_chat_reads_video_url_parts(qwen):
         bad = [{"type": "video_url", "video_url": {"url": "file:///a.mp4"}}]
         llm.chat([{"role": "user", "content": bad}], _greedy())
     llm.llm_engine.shutdown()
+
+
+def test_qwen3_vl_videos_match_hf(qwen):
+    """Qwen3-VL: frames sampled at 2 fps, each pair of frames a group after its timestamp
+    text; HF generate on the same patch rows and prompt gives the same greedy tokens and top-5
+    logprobs (a video beside an image), and its M-RoPE table."""
+    path = qwen("3")
+    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model = model.eval()
+    model.generation_config.eos_token_id = None
+    llm = _llm(path)
+    still = Image.fromarray(_frames(9, 1, (48, 40))[0])
+    # 20 frames at 10 fps (2 s): 4 sampled (indices 0, 6, 13, 19), 2 groups
+    video = (_frames(1, 20, (40, 56)), {"fps": 10.0})
+    prompt = {
+        "prompt": _chat(f"{IMAGE} then {VIDEO} what now?"),
+        "multi_modal_data": {"image": still, "video": video},
+    }
+    (out,) = llm.generate(prompt, _greedy(), use_tqdm=False)
+    items = _items(llm, prompt)
+    cfg = model.config
+    ids = out.prompt_token_ids
+    text = llm.get_tokenizer().decode(ids)
+    assert "<0.3 seconds><|vision_start|><|video_pad|>" in text, text  # (0 + 6) / 2 / 10
+    assert "<1.6 seconds><|vision_start|><|video_pad|>" in text, text  # (13 + 19) / 2 / 10
+    videos = [m for m in items if ids[m.offset] == cfg.video_token_id]
+    images = [m for m in items if ids[m.offset] == cfg.image_token_id]
+    assert len(videos) == 2 and len(images) == 1
+    kinds = [1 if t == cfg.image_token_id else 2 if t == cfg.video_token_id else 0 for t in ids]
+    (_, h, w) = videos[0].image_size
+    extra = {
+        "mm_token_type_ids": torch.tensor([kinds]),
+        "pixel_values": images[0].pixel_values,
+        "image_grid_thw": torch.tensor([images[0].image_size]),
+        "pixel_values_videos": torch.cat([m.pixel_values for m in videos]),
+        "video_grid_thw": torch.tensor([[len(videos), h, w]]),
+    }
+    ref = hf_greedy(model, ids, 6, 5, **extra)
+    assert_matches("qwen3-vl video", out, ref)
+    want, delta = model.model.get_rope_index(
+        torch.tensor([ids]),
+        extra["mm_token_type_ids"],
+        extra["image_grid_thw"],
+        extra["video_grid_thw"],
+    )
+    req = llm.llm_engine.input_processor.make_request("r", prompt, SamplingParams(), None).request
+    assert np.array_equal(req.mrope.table, want[:, 0].numpy())
+    assert req.mrope.delta == int(delta)
+    llm.llm_engine.shutdown()
+
+
+def _hf_function(module: str, name: str, cls: str | None = None):
+    """A function (or `cls`'s method) of a transformers module, compiled from its source:
+    transformers' Qwen3-VL video module needs torchvision to import, its resize and sampling
+    rules do not."""
+    import ast
+    import importlib.util
+    import math
+    import types
+    from pathlib import Path
+
+    path = importlib.util.find_spec("transformers").submodule_search_locations[0]
+    source = Path(path, "models", *module.split(".")).with_suffix(".py").read_text()
+    tree = ast.parse(source)
+    scope = tree.body
+    if cls is not None:
+        scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls).body
+    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
+    node.decorator_list = []
+    code = compile(ast.Module(body=[node], type_ignores=[]), f"<{name}>", "exec")
+    namespace = {"math": math, "np": np, "logger": types.SimpleNamespace(warning_once=print)}
+    exec(code, namespace)
+    return namespace[name]
+
+
+def test_qwen3_vl_sampling_resize_and_timestamps_follow_transformers():
+    """The frame sampling, the resize rule and the timestamps are transformers' Qwen3-VL ones."""
+    from types import SimpleNamespace
+
+    from paged_engine.multimodal.qwen3_video import sample_indices, smart_resize, timestamps
+
+    hf_resize = _hf_function("qwen3_vl.video_processing_qwen3_vl", "smart_resize")
+    hf_sample = _hf_function(
+        "qwen3_vl.video_processing_qwen3_vl", "sample_frames", "Qwen3VLVideoProcessor"
+    )
+    hf_times = _hf_function(
+        "qwen3_vl.processing_qwen3_vl", "_calculate_timestamps", "Qwen3VLProcessor"
+    )
+    for t, h, w in [(4, 40, 56), (32, 480, 640), (6, 20, 900), (2, 1080, 1920), (64, 96, 96)]:
+        for lo, hi in [(4096, 16 * 64 * 64), (128 * 32 * 32, 32 * 32 * 768 * 32)]:
+            want = hf_resize(t, h, w, 2, 32, lo, hi)
+            assert smart_resize(t, h, w, 32, 2, lo, hi) == want, (t, h, w, lo, hi)
+    fake = SimpleNamespace(fps=2, min_frames=4, max_frames=768)
+    for total, fps in [(20, 10.0), (300, 30.0), (7, 24.0), (3, 1.0)]:
+        meta = SimpleNamespace(total_num_frames=total, fps=fps)
+        want = hf_sample(fake, meta).tolist()
+        assert sample_indices(total, fps, 2.0, 4, 768) == want
+        assert timestamps(want, fps, 2) == pytest.approx(hf_times(None, list(want), fps, 2))
 
 
 def test_the_video_settings_come_from_the_checkpoint(tmp_path):

@@ -221,6 +221,31 @@ def test_tokenize_counts_the_video_tokens(qwen, clips) -> None:
     assert body["tokens"] == qwen.want["four"].prompt_ids
 
 
+def test_qwen3_vl_video_parts(tmp_path: Path, clips) -> None:
+    """Qwen3-VL: a video_url part gives the offline tokens and prompt (its frames' timestamps
+    between the groups), processed on the request thread and checked by the engine."""
+    from paged_engine import LLM
+    from paged_engine.testing import write_tiny_qwen2_vl
+
+    llm = LLM(
+        str(write_tiny_qwen2_vl(tmp_path / "q3", version="3", seed=2)),
+        dtype="float32",
+        max_model_len=1024,
+        block_size=16,
+    )
+    messages = _ask(_video_part(_video_url(clips.a)))
+    want = offline_chat(llm, _hf(messages), {"video": decode_video(clips.a)}, MAX_TOKENS)
+    text = llm.get_tokenizer().decode(want.prompt_ids)  # 10 frames at 5 fps: pairs at 0.1 s, ...
+    assert "<0.1 seconds><|vision_start|>" in text and "<1.7 seconds><|vision_start|>" in text
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            body = _chat(http, messages)
+    finally:
+        llm.llm_engine.shutdown()
+    assert body["choices"][0]["token_ids"] == want.ids
+    assert body["prompt_token_ids"] == want.prompt_ids
+
+
 def test_the_data_parallel_front_counts_a_video_as_tokens_not_bytes() -> None:
     from paged_server.data_parallel import _VIDEO_TOKENS, _estimate_tokens
 

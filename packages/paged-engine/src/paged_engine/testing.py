@@ -1719,6 +1719,15 @@ def write_tiny_qwen2_vl(
         "image_mean": list(image_processor.image_mean),
         "image_std": list(image_processor.image_std),
     }
+    if version in ("3", "3-moe"):  # Qwen3-VL's: the size bounds a whole video, frames sampled
+        video |= {
+            "video_processor_type": "Qwen3VLVideoProcessor",
+            "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 16 * 64 * factor**2},
+            "fps": 2,
+            "min_frames": 4,
+            "max_frames": 32,
+            "do_sample_frames": True,
+        }
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
     tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)

@@ -131,7 +131,7 @@ class OpenAIApp:
         # placeholders expanded here, so lengths and usage count the image tokens), else None;
         # `media` loads what the parts point at.
         self.images = images
-        # Qwen2-VL / 2.5-VL's video processor (chat video parts), else None; `multimodal`
+        # Qwen2-VL / 2.5-VL / Qwen3-VL's video processor (chat video parts), else None; `multimodal`
         # places a prompt's loaded images and videos (the engine's
         # InputProcessor.multimodal); `mm_limits`: --limit-mm-per-prompt
         self.videos = videos
@@ -609,7 +609,7 @@ class OpenAIApp:
                 why = (
                     "--limit-mm-per-prompt gives it 0"
                     if (self.mm_limits or {}).get(kind) == 0
-                    else "videos run on Qwen2-VL and Qwen2.5-VL checkpoints"
+                    else "videos run on Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints"
                     if kind == "video"
                     else "the server takes videos only"
                 )

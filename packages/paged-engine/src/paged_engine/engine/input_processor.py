@@ -15,7 +15,8 @@ from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
-from paged_engine.multimodal.qwen_video import VIDEO_KWARGS, QwenVideoProcessor, check_kwargs
+from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
+from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
@@ -23,6 +24,9 @@ from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.structured_output.request_constraint import RequestConstraint
 from paged_engine.structured_output.thinking_budget import ThinkingBudget
 from paged_engine.unicode_text import check_text
+
+# mm_processor_kwargs only videos take (the image processor is not handed them)
+VIDEO_ONLY = ("fps", "do_sample_frames")
 
 
 @dataclass(slots=True)
@@ -43,7 +47,7 @@ class InputProcessor:
         structured: StructuredOutputManager | None = None,
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
-        videos: QwenVideoProcessor | None = None,
+        videos: QwenVideoProcessor | Qwen3VideoProcessor | None = None,
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
     ) -> None:
@@ -54,7 +58,8 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
         self.images = images  # a checkpoint whose images run (multimodal/), else None
-        self.videos = videos  # Qwen2-VL / Qwen2.5-VL: videos (multimodal/qwen_video.py)
+        # Qwen2-VL / 2.5-VL (multimodal/qwen_video.py) and Qwen3-VL (qwen3_video.py) videos
+        self.videos = videos
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width
         # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
@@ -222,7 +227,7 @@ class InputProcessor:
         kw = kwargs if isinstance(kwargs, dict) else {}
         images: tuple = ()
         if "image" in mm_data:  # (a bad mm_processor_kwargs: the image processor names it)
-            image_kw = {k: v for k, v in kw.items() if k != "fps"} if kw else kwargs
+            image_kw = {k: v for k, v in kw.items() if k not in VIDEO_ONLY} if kw else kwargs
             token_ids, images = self._images(token_ids, mm_data["image"], image_kw)
         if "video" not in mm_data:
             return token_ids, images
@@ -230,17 +235,21 @@ class InputProcessor:
             why = (
                 "limit_mm_per_prompt={'video': 0}"
                 if self.config.video_limit == 0
-                else "videos run on Qwen2-VL and Qwen2.5-VL checkpoints"
+                else "videos run on Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints"
             )
             raise ValueError(f"multi_modal_data['video']: this model takes no videos ({why})")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}")
-        video_kw = {k: v for k, v in kw.items() if k in VIDEO_KWARGS}
-        rest = {k: v for k, v in kw.items() if k not in VIDEO_KWARGS}
+        names = self.videos.kwargs_names
+        video_kw = {k: v for k, v in kw.items() if k in names}
+        rest = {k: v for k, v in kw.items() if k not in names}
         if rest and self.images is not None:
             self.images.processor_kwargs(rest)  # a name neither processor takes: ValueError
         elif rest:
-            check_kwargs(rest)
+            raise ValueError(
+                f"mm_processor_kwargs[{sorted(rest)[0]!r}] is not an argument videos take; they "
+                f"take {list(names)}"
+            )
         expanded, videos, added = self.videos.process(token_ids, mm_data["video"], video_kw)
         moved = shift_offsets(images, added)  # an image after a video's run moves with it
         return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))

@@ -67,6 +67,8 @@ from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
+from paged_engine.multimodal.qwen3_video import ARCHS as QWEN3_VIDEO_ARCHS
+from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
@@ -605,10 +607,12 @@ class LLMEngine:
             images.cache = ProcessorCache(int(cfg.mm_processor_cache_gb * 2**30))
         return images
 
-    def _video_processor(self, images: ImageProcessor | None) -> QwenVideoProcessor | None:
-        """Qwen2-VL / Qwen2.5-VL checkpoints: the host side of video prompts; None for other
-        models and with limit_mm_per_prompt={"video": 0}. `images`: the image side, whose
-        wrapper config it shares when there is one."""
+    def _video_processor(
+        self, images: ImageProcessor | None
+    ) -> QwenVideoProcessor | Qwen3VideoProcessor | None:
+        """Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints: the host side of video prompts; None
+        for other models and with limit_mm_per_prompt={"video": 0}. `images`: the image side,
+        whose wrapper config it shares when there is one."""
         cfg = self.config
         if cfg.video_limit == 0 or not takes_images(self.resolved, self.hf_config):
             return None
@@ -617,11 +621,17 @@ class LLMEngine:
             if images is not None
             else wrapper_config(self.resolved.path, cfg.trust_remote_code)
         )
-        if config is None or not set(config.architectures or ()) & set(qwen2_vl.ARCHS):
+        archs = set(config.architectures or ()) if config is not None else set()
+        qwen3 = bool(archs & set(QWEN3_VIDEO_ARCHS))
+        if not qwen3 and not archs & set(qwen2_vl.ARCHS):
             return None
         if not processor_saved(self.resolved.path):  # served as its text model (logged above)
             return None
         try:
+            if qwen3:
+                return Qwen3VideoProcessor(
+                    self.resolved.path, config, self.tokenizer, cfg.video_limit
+                )
             return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
         except ValueError as e:  # no processor settings a video can use: images only
             logger.warning("%s: videos are not taken: %s", self.resolved.path, e)

@@ -63,10 +63,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h, w
 
 
-def _settings(path: Path) -> dict[str, Any]:
-    """The video processor's settings: its own (video_preprocessor_config.json, or
-    transformers 5's processor_config.json), else the image processor's with HF's video size
-    bounds."""
+def raw_settings(path: Path) -> tuple[dict[str, Any], bool]:
+    """(the checkpoint's video processor settings, True), from video_preprocessor_config.json
+    or transformers 5's processor_config.json, else (its image processor's, False)."""
     candidates: list[tuple[dict, bool]] = []  # (settings, the video processor's own)
     for name, own in (
         ("video_preprocessor_config.json", True),
@@ -81,7 +80,13 @@ def _settings(path: Path) -> dict[str, Any]:
                 candidates.append((both[key], own))
     if not candidates:
         raise ValueError(f"{path} has no video or image processor config for its videos")
-    raw, own = max(candidates, key=lambda c: c[1])  # the video processor's own first
+    return max(candidates, key=lambda c: c[1])  # the video processor's own first
+
+
+def _settings(path: Path) -> dict[str, Any]:
+    """The video processor's settings: its own, else the image processor's with HF's video
+    size bounds."""
+    raw, own = raw_settings(path)
     size = dict(raw.get("size") or {}) if own else {}
     if not size.get("shortest_edge") or not size.get("longest_edge"):
         size = dict(_DEFAULT_SIZE)
@@ -102,6 +107,8 @@ def _settings(path: Path) -> dict[str, Any]:
 
 class QwenVideoProcessor:
     """Turns a prompt's videos into `ImageInput`s placed at its video tokens."""
+
+    kwargs_names = VIDEO_KWARGS
 
     def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
         self.config = config
@@ -127,14 +134,7 @@ class QwenVideoProcessor:
         `token_ids`, tokens added) of each run); ValueError naming multi_modal_data['video']
         (or mm_processor_kwargs) for anything wrong."""
         kwargs = check_kwargs(kwargs or {})
-        items = list(videos) if _several(videos) else [videos]
-        if not items:
-            raise ValueError("multi_modal_data['video'] is empty: give a video or leave it out")
-        if self.limit is not None and len(items) > self.limit:
-            raise ValueError(
-                f"multi_modal_data['video'] has {len(items)} videos, over "
-                f"limit_mm_per_prompt={{'video': {self.limit}}}"
-            )
+        items = video_list(videos, self.limit)
         if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
             return self._placed(token_ids, items)
         loaded = [self._load(i, item, kwargs) for i, item in enumerate(items)]
@@ -199,14 +199,7 @@ class QwenVideoProcessor:
         factor = s["patch_size"] * s["merge_size"]
         height, width = video.shape[-2:]
         h, w = smart_resize(height, width, factor, size["shortest_edge"], size["longest_edge"])
-        x = video.float()
-        if (h, w) != (height, width):
-            x = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
-            x = x.round_().clamp_(0, 255)  # torchvision resizes uint8 frames to uint8
-        mean = torch.tensor(s["image_mean"]).view(1, 3, 1, 1)
-        std = torch.tensor(s["image_std"]).view(1, 3, 1, 1)
-        x = (x * s["rescale_factor"] - mean) / std
-        rows, grid = _patchify(x, s["patch_size"], s["merge_size"], s["temporal_patch_size"])
+        rows, grid = patch_rows(video, h, w, s)
         step = 1.0
         fps = _sampled_fps(i, meta, kwargs.get("fps"))  # (checked on every model)
         if self.tokens_per_second is not None:  # Qwen2.5-VL
@@ -215,6 +208,35 @@ class QwenVideoProcessor:
                 np.float32(self.tokens_per_second) * np.float32(s["temporal_patch_size"] / fps)
             )
         return rows, grid, step
+
+
+def video_list(videos: Any, limit: int | None) -> list:
+    """multi_modal_data['video'] as a list of videos; ValueError when empty or over `limit`."""
+    items = list(videos) if _several(videos) else [videos]
+    if not items:
+        raise ValueError("multi_modal_data['video'] is empty: give a video or leave it out")
+    if limit is not None and len(items) > limit:
+        raise ValueError(
+            f"multi_modal_data['video'] has {len(items)} videos, over "
+            f"limit_mm_per_prompt={{'video': {limit}}}"
+        )
+    return items
+
+
+def patch_rows(
+    video: torch.Tensor, h: int, w: int, s: dict[str, Any]
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """uint8 frames [T, 3, H, W] resized to h x w (bicubic, antialiased, back to uint8 values
+    as torchvision resizes uint8 frames), rescaled, normalized and cut into patch rows (the
+    settings `s`): (rows, grid (t, h, w) in patches)."""
+    x = video.float()
+    if (h, w) != tuple(video.shape[-2:]):
+        x = F.interpolate(x, size=(h, w), mode="bicubic", align_corners=False, antialias=True)
+        x = x.round_().clamp_(0, 255)
+    mean = torch.tensor(s["image_mean"]).view(1, 3, 1, 1)
+    std = torch.tensor(s["image_std"]).view(1, 3, 1, 1)
+    x = (x * s["rescale_factor"] - mean) / std
+    return _patchify(x, s["patch_size"], s["merge_size"], s["temporal_patch_size"])
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,274 @@
+"""Videos for Qwen3-VL (and Qwen3-VL-MoE): frames -> timestamped frame groups, each like an image.
+
+    frames [T, H, W, 3] uint8 (with vLLM's metadata: fps, frames_indices)
+      -> sampled at `fps` frames a second (2 by default; min_frames..max_frames of them) unless
+         already sampled (metadata with frames_indices, or do_sample_frames=False)
+      -> resized together: multiples of patch * merge pixels with the whole video's pixels
+         within the size bounds (transformers' Qwen3-VL rule), normalized, padded with the last
+         frame to pairs, cut into temporal x spatial patches: T/2 groups of h x w patches
+    prompt: each <|vision_start|><|video_pad|><|vision_end|> (or a lone <|video_pad|>) becomes
+         per group: "<{t:.1f} seconds>" <|vision_start|> <|video_pad|> x (h*w/merge^2)
+         <|vision_end|>, t the mean time of the group's two frames (frame index / fps)
+
+Each group is an `ImageInput` of grid (1, h, w): the vision tower attends within each frame and
+M-RoPE places each group as an image (the timestamp text between them), as transformers'
+Qwen3-VL splits a video's grid into frames. Settings come from the checkpoint's
+video_preprocessor_config.json, else transformers' Qwen3-VL video defaults with the image
+processor's patches and normalization.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.mrope import MropePositions, mrope_positions
+from paged_engine.multimodal.qwen_video import (
+    _DEFAULT_FPS,
+    _frames,
+    patch_rows,
+    raw_settings,
+    video_list,
+)
+
+# transformers' Qwen3VLVideoProcessor defaults
+_DEFAULTS = {
+    "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768},
+    "fps": 2.0,
+    "min_frames": 4,
+    "max_frames": 768,
+    "do_sample_frames": True,
+    "cap_pixels_per_frame": False,
+    "max_video_tokens": 768,
+}
+KWARGS = ("fps", "do_sample_frames")  # the mm_processor_kwargs Qwen3-VL's videos take
+ARCHS = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+
+
+def smart_resize(
+    frames: int, height: int, width: int, factor: int, temporal: int, lo: int, hi: int
+):
+    """transformers' Qwen3-VL rule: multiples of `factor`, the video's pixels (frames rounded
+    to pairs) within [lo, hi]; frames smaller than `factor` scaled up first."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"multi_modal_data['video']: frames of {height} x {width}: the aspect ratio must be "
+            "under 200"
+        )
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    t = round(frames / temporal) * temporal
+    if t * h * w > hi:
+        beta = math.sqrt(frames * height * width / hi)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < lo:
+        beta = math.sqrt(lo / (frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def sample_indices(total: int, fps: float, target: float, lo: int, hi: int) -> list[int]:
+    """Which of `total` frames at `fps` to keep for `target` frames a second: at least `lo`,
+    at most `hi` (and `total`), evenly spread, as transformers' Qwen3-VL samples them."""
+    n = min(max(int(total / fps * target), lo), hi, total)
+    return np.linspace(0, total - 1, n).round().astype(int).tolist()
+
+
+def timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
+    """Each frame group's time in seconds: the mean of its first and last frame's (frame
+    index / fps), the last group padded with its last frame."""
+    idx = list(indices) + [indices[-1]] * (-len(indices) % temporal)
+    t = [i / fps for i in idx]
+    return [(t[i] + t[i + temporal - 1]) / 2 for i in range(0, len(t), temporal)]
+
+
+class Qwen3VideoProcessor:
+    """Turns a prompt's videos into timestamped frame groups (`ImageInput`s) in its tokens."""
+
+    kwargs_names = KWARGS
+
+    def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.video_token_id = int(config.video_token_id)
+        self.start_id = int(config.vision_start_token_id)
+        self.end_id = int(config.vision_end_token_id)
+        self.limit = limit
+        raw, own = raw_settings(Path(path))
+        vision = config.vision_config
+        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
+        size = dict(s["size"] or {})
+        if not size.get("shortest_edge") or not size.get("longest_edge"):
+            size = dict(_DEFAULTS["size"])
+        self.settings = {
+            **s,
+            "size": size,
+            "patch_size": int(raw.get("patch_size", vision.patch_size)),
+            "merge_size": int(raw.get("merge_size", vision.spatial_merge_size)),
+            "temporal_patch_size": int(raw.get("temporal_patch_size", vision.temporal_patch_size)),
+            "image_mean": list(raw.get("image_mean", [0.5, 0.5, 0.5])),
+            "image_std": list(raw.get("image_std", [0.5, 0.5, 0.5])),
+            "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
+        }
+        if self.settings["patch_size"] != int(vision.patch_size) or self.settings[
+            "temporal_patch_size"
+        ] != int(vision.temporal_patch_size):
+            raise ValueError(f"{path}: the video processor's patches are not the vision tower's")
+
+    def process(
+        self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """(token ids with each video's timestamped groups, the groups in prompt order,
+        (where in `token_ids`, tokens added) of each video); ValueError naming
+        multi_modal_data['video'] (or mm_processor_kwargs) for anything wrong."""
+        kwargs = check_kwargs(kwargs or {})
+        items = video_list(videos, self.limit)
+        if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
+            return self._placed(token_ids, items)
+        spans = self._spans(token_ids)
+        if len(spans) != len(items):
+            raise ValueError(
+                f"multi_modal_data['video'] has {len(items)} video(s) but the prompt has "
+                f"{len(spans)} <|video_pad|> placeholder(s): put one per video"
+            )
+        out_ids: list[int] = []
+        groups: list[ImageInput] = []
+        added: list[tuple[int, int]] = []
+        last = 0
+        for i, (item, (start, stop)) in enumerate(zip(items, spans, strict=True)):
+            out_ids += token_ids[last:start]
+            before = len(out_ids)
+            for rows, grid, at in self._load(i, item, kwargs):
+                out_ids += self.tokenizer.encode(at, add_special_tokens=False)
+                out_ids.append(self.start_id)
+                n = rows.shape[0] // self.settings["merge_size"] ** 2
+                key = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + rows.numpy().tobytes())
+                groups.append(ImageInput(rows, len(out_ids), n, key.hexdigest()[:32], grid))
+                out_ids += [self.video_token_id] * n
+                out_ids.append(self.end_id)
+            added.append((start, len(out_ids) - before - (stop - start)))
+            last = stop
+        return out_ids + token_ids[last:], groups, added
+
+    def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
+        return mrope_positions(num_tokens, items, self.settings["merge_size"])
+
+    def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
+        """[start, stop) of each video placeholder: the template's start / pad / end wrapper,
+        or a lone pad token."""
+        spans = []
+        for i, t in enumerate(ids):
+            if t != self.video_token_id:
+                continue
+            wrapped = (
+                0 < i < len(ids) - 1 and ids[i - 1] == self.start_id and ids[i + 1] == self.end_id
+            )
+            spans.append((i - 1, i + 2) if wrapped else (i, i + 1))
+        return spans
+
+    def _placed(
+        self, token_ids: list[int], items: list[ImageInput]
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """Groups processed ahead: patch rows of one frame pair each, at runs of video tokens
+        that cover every video token of the prompt."""
+        s, merge = self.settings, self.settings["merge_size"]
+        width = 3 * s["temporal_patch_size"] * s["patch_size"] ** 2
+        covered = 0
+        for m in items:
+            grid, rows = m.image_size, m.pixel_values
+            ok = (
+                rows is not None
+                and grid is not None
+                and len(grid) == 3
+                and grid[0] == 1
+                and tuple(rows.shape) == (grid[1] * grid[2], width)
+                and m.length == rows.shape[0] // merge**2
+                and token_ids[m.offset : m.end] == [self.video_token_id] * m.length
+            )
+            if not ok:
+                raise ValueError(
+                    "multi_modal_data['video']: these processed videos do not fit this prompt "
+                    "and model (their grids, rows or runs differ)"
+                )
+            covered += m.length
+        if covered != token_ids.count(self.video_token_id):
+            raise ValueError(
+                "multi_modal_data['video']: these processed videos do not cover the prompt's "
+                "video tokens"
+            )
+        return token_ids, list(items), []
+
+    def _load(self, i: int, item: Any, kwargs: dict[str, Any]):
+        """Video i's groups: (patch rows [h*w, C*tp*p*p], grid (1, h, w), timestamp text)."""
+        frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+        if meta is not None and not isinstance(meta, dict):
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: metadata must be a dict such as {{'fps': 2.0}}, "
+                f"got {type(meta).__name__}"
+            )
+        meta = meta or {}
+        video = _frames(i, frames)  # [T, 3, H, W] uint8
+        fps = meta.get("fps") or _DEFAULT_FPS
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+            raise ValueError(f"multi_modal_data['video'][{i}]: fps must be a number > 0")
+        indices = list(meta.get("frames_indices") or range(video.shape[0]))
+        if len(indices) != video.shape[0]:
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
+                f"{video.shape[0]} frames"
+            )
+        s = self.settings
+        sample = kwargs.get("do_sample_frames", meta.get("do_sample_frames"))
+        if sample is None:  # frames a loader sampled already keep their indices
+            sample = s["do_sample_frames"] and "frames_indices" not in meta
+        if sample:
+            target = float(kwargs.get("fps", s["fps"]))
+            keep = sample_indices(video.shape[0], fps, target, s["min_frames"], s["max_frames"])
+            video, indices = video[torch.tensor(keep)], [indices[k] for k in keep]
+        tp = s["temporal_patch_size"]
+        if video.shape[0] < tp:
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: {video.shape[0]} frame(s); Qwen3-VL's videos "
+                f"need at least {tp}"
+            )
+        size, frames_n = s["size"], video.shape[0]
+        hi = size["longest_edge"]
+        factor = s["patch_size"] * s["merge_size"]
+        if s["cap_pixels_per_frame"]:  # qwen-vl-utils' per-frame cap (transformers' option)
+            cap = s["max_video_tokens"] * factor * factor
+            hi = max(min(cap, hi // frames_n), int(size["shortest_edge"] * 1.05)) * frames_n
+        height, width = video.shape[-2:]
+        h, w = smart_resize(frames_n, height, width, factor, tp, size["shortest_edge"], hi)
+        rows, (t, gh, gw) = patch_rows(video, h, w, s)
+        per = gh * gw
+        times = timestamps(indices, float(fps), tp)
+        return [
+            (rows[k * per : (k + 1) * per].contiguous(), (1, gh, gw), f"<{times[k]:.1f} seconds>")
+            for k in range(t)
+        ]
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    bad = sorted(k for k in kwargs if k not in KWARGS)
+    if bad:
+        raise ValueError(
+            f"mm_processor_kwargs[{bad[0]!r}] is not an argument Qwen3-VL's videos take; they "
+            f"take {list(KWARGS)}"
+        )
+    fps = kwargs.get("fps")
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
+        raise ValueError(f"mm_processor_kwargs['fps'] must be a number > 0, got {fps!r}")
+    sample = kwargs.get("do_sample_frames")
+    if sample is not None and not isinstance(sample, bool):
+        raise ValueError(f"mm_processor_kwargs['do_sample_frames'] must be a bool, got {sample!r}")
+    return kwargs

@@ -289,12 +289,14 @@ def test_llm_chat_reads_video_url_parts(qwen):
     llm.llm_engine.shutdown()
 
 
-def test_qwen3_vl_videos_match_hf(qwen):
-    """Qwen3-VL: frames sampled at 2 fps, each pair of frames a group after its timestamp
-    text; HF generate on the same patch rows and prompt gives the same greedy tokens and top-5
-    logprobs (a video beside an image), and its M-RoPE table."""
-    path = qwen("3")
-    model = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+@pytest.mark.parametrize("version", ["3", "3.5"])
+def test_qwen3_vl_videos_match_hf(qwen, version):
+    """Qwen3-VL and Qwen3.5: frames sampled at 2 fps, each pair of frames a group after its
+    timestamp text; HF generate on the same patch rows and prompt gives the same greedy tokens
+    and top-5 logprobs (a video beside an image), and its M-RoPE table."""
+    path = qwen(version)
+    name = {"3": "Qwen3VLForConditionalGeneration", "3.5": "Qwen3_5ForConditionalGeneration"}
+    model = getattr(transformers, name[version]).from_pretrained(path, dtype=torch.float32)
     model = model.eval()
     model.generation_config.eos_token_id = None
     llm = _llm(path)

@@ -1719,7 +1719,7 @@ def write_tiny_qwen2_vl(
         "image_mean": list(image_processor.image_mean),
         "image_std": list(image_processor.image_std),
     }
-    if version in ("3", "3-moe"):  # Qwen3-VL's: the size bounds a whole video, frames sampled
+    if version.startswith("3"):  # Qwen3-VL's: the size bounds a whole video, frames sampled
         video |= {
             "video_processor_type": "Qwen3VLVideoProcessor",
             "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 16 * 64 * factor**2},

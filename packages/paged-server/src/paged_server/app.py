@@ -609,7 +609,7 @@ class OpenAIApp:
                 why = (
                     "--limit-mm-per-prompt gives it 0"
                     if (self.mm_limits or {}).get(kind) == 0
-                    else "videos run on Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints"
+                    else "videos run on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints"
                     if kind == "video"
                     else "the server takes videos only"
                 )

@@ -235,7 +235,7 @@ class InputProcessor:
             why = (
                 "limit_mm_per_prompt={'video': 0}"
                 if self.config.video_limit == 0
-                else "videos run on Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints"
+                else "videos run on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints"
             )
             raise ValueError(f"multi_modal_data['video']: this model takes no videos ({why})")
         if kwargs is not None and not isinstance(kwargs, dict):

@@ -1,4 +1,4 @@
-"""Videos for Qwen3-VL (and Qwen3-VL-MoE): frames -> timestamped frame groups, each like an image.
+"""Videos for Qwen3-VL and Qwen3.5 (and their MoE): frames -> timestamped frame groups.
 
     frames [T, H, W, 3] uint8 (with vLLM's metadata: fps, frames_indices)
       -> sampled at `fps` frames a second (2 by default; min_frames..max_frames of them) unless
@@ -48,7 +48,12 @@ _DEFAULTS = {
     "max_video_tokens": 768,
 }
 KWARGS = ("fps", "do_sample_frames")  # the mm_processor_kwargs Qwen3-VL's videos take
-ARCHS = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+ARCHS = (
+    "Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",  # Qwen3-VL's processor and video scheme
+    "Qwen3_5MoeForConditionalGeneration",
+)
 
 
 def smart_resize(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,9 @@ class Qwen3VideoProcessor:
     def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        # timestamp text -> ids; a server's request threads share the engine's tokenizer
+        self._ids: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
         self.video_token_id = int(config.video_token_id)
         self.start_id = int(config.vision_start_token_id)
         self.end_id = int(config.vision_end_token_id)
@@ -154,7 +158,7 @@ class Qwen3VideoProcessor:
             out_ids += token_ids[last:start]
             before = len(out_ids)
             for rows, grid, at in self._load(i, item, kwargs):
-                out_ids += self.tokenizer.encode(at, add_special_tokens=False)
+                out_ids += self._encode(at)
                 out_ids.append(self.start_id)
                 n = rows.shape[0] // self.settings["merge_size"] ** 2
                 key = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + rows.numpy().tobytes())
@@ -167,6 +171,15 @@ class Qwen3VideoProcessor:
 
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
         return mrope_positions(num_tokens, items, self.settings["merge_size"])
+
+    def _encode(self, text: str) -> list[int]:
+        """A timestamp's ids, tokenized once (one thread at a time in the tokenizer)."""
+        with self._lock:
+            if text not in self._ids:
+                if len(self._ids) >= 4096:  # (a bound: an hour of groups is ~3600 texts)
+                    self._ids.clear()
+                self._ids[text] = self.tokenizer.encode(text, add_special_tokens=False)
+            return self._ids[text]
 
     def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
         """[start, stop) of each video placeholder: the template's start / pad / end wrapper,

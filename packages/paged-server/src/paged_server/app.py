@@ -606,10 +606,12 @@ class OpenAIApp:
         for kind, side in (("image", self.images), ("video", self.videos)):
             mine = [r for r in refs if r.kind == kind]
             if mine and side is None:
+                from paged_engine.multimodal.archs import VIDEO_MODELS  # (torch: on errors only)
+
                 why = (
                     "--limit-mm-per-prompt gives it 0"
                     if (self.mm_limits or {}).get(kind) == 0
-                    else "videos run on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints"
+                    else f"videos run on {VIDEO_MODELS} checkpoints"
                     if kind == "video"
                     else "the server takes videos only"
                 )

@@ -12,7 +12,7 @@ from typing import Any
 from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
-from paged_engine.multimodal.archs import IMAGE_ARCHS
+from paged_engine.multimodal.archs import IMAGE_ARCHS, VIDEO_MODELS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
@@ -235,7 +235,7 @@ class InputProcessor:
             why = (
                 "limit_mm_per_prompt={'video': 0}"
                 if self.config.video_limit == 0
-                else "videos run on Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 checkpoints"
+                else f"videos run on {VIDEO_MODELS} checkpoints"
             )
             raise ValueError(f"multi_modal_data['video']: this model takes no videos ({why})")
         if kwargs is not None and not isinstance(kwargs, dict):
@@ -246,10 +246,7 @@ class InputProcessor:
         if rest and self.images is not None:
             self.images.processor_kwargs(rest)  # a name neither processor takes: ValueError
         elif rest:
-            raise ValueError(
-                f"mm_processor_kwargs[{sorted(rest)[0]!r}] is not an argument videos take; they "
-                f"take {list(names)}"
-            )
+            self.videos.check_kwargs(rest)  # names the first it does not take
         expanded, videos, added = self.videos.process(token_ids, mm_data["video"], video_kw)
         moved = shift_offsets(images, added)  # an image after a video's run moves with it
         return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))

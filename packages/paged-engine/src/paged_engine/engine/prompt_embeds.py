@@ -15,12 +15,12 @@ The placeholders are not tokens: penalties skip them and the request's output ha
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
 
 PLACEHOLDER = 0  # the token id under each row: a valid lookup whose output is replaced
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,19 +78,17 @@ def prompt_embeds_inputs(
     rows = embeds.detach().to("cpu")
     if not bool(torch.isfinite(rows).all()):
         raise ValueError("prompt_embeds must be finite (found NaN or infinity)")
-    head = f"{rows.dtype}:{width}:".encode()
     inputs = []
     for i, chunk in enumerate(rows.split(block_size)):
         # a contiguous copy of its own: the caller may change its tensor later (the hash must
         # not go stale), and a pickled view would carry all the rows to every rank
         chunk = chunk.clone(memory_format=torch.contiguous_format)
-        digest = hashlib.sha256(head + chunk.view(torch.uint8).numpy().tobytes()).hexdigest()
         inputs.append(
             ImageInput(
                 pixel_values=None,
                 offset=i * block_size,
                 length=int(chunk.shape[0]),
-                mm_hash=digest[:32],
+                mm_hash=digest(chunk, None),  # (its dtype and shape, the width, with it)
                 embeds=chunk,
                 token_rows=True,
             )

@@ -48,6 +48,8 @@ IMAGE_ARCHS = (
     INTERNVL,
     GEMMA3,
 )
+# the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py), for messages
+VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
 
 
 def image_kind(config: Any) -> str:

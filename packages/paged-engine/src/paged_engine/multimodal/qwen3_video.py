@@ -19,7 +19,6 @@ processor's patches and normalization.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from pathlib import Path
@@ -29,13 +28,17 @@ import numpy as np
 import torch
 
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
     _frames,
+    known_kwargs,
     patch_rows,
     raw_settings,
+    video_fps,
     video_list,
+    video_meta,
 )
 
 # transformers' Qwen3VLVideoProcessor defaults
@@ -103,6 +106,10 @@ class Qwen3VideoProcessor:
 
     kwargs_names = KWARGS
 
+    def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` (mm_processor_kwargs for videos); ValueError naming a bad one."""
+        return check_kwargs(kwargs)
+
     def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -161,8 +168,7 @@ class Qwen3VideoProcessor:
                 out_ids += self._encode(at)
                 out_ids.append(self.start_id)
                 n = rows.shape[0] // self.settings["merge_size"] ** 2
-                key = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + rows.numpy().tobytes())
-                groups.append(ImageInput(rows, len(out_ids), n, key.hexdigest()[:32], grid))
+                groups.append(ImageInput(rows, len(out_ids), n, digest(rows, grid), grid))
                 out_ids += [self.video_token_id] * n
                 out_ids.append(self.end_id)
             added.append((start, len(out_ids) - before - (stop - start)))
@@ -229,16 +235,9 @@ class Qwen3VideoProcessor:
     def _load(self, i: int, item: Any, kwargs: dict[str, Any]):
         """Video i's groups: (patch rows [h*w, C*tp*p*p], grid (1, h, w), timestamp text)."""
         frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-        if meta is not None and not isinstance(meta, dict):
-            raise ValueError(
-                f"multi_modal_data['video'][{i}]: metadata must be a dict such as {{'fps': 2.0}}, "
-                f"got {type(meta).__name__}"
-            )
-        meta = meta or {}
+        meta = video_meta(i, meta)
         video = _frames(i, frames)  # [T, 3, H, W] uint8
-        fps = meta.get("fps") or _DEFAULT_FPS
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
-            raise ValueError(f"multi_modal_data['video'][{i}]: fps must be a number > 0")
+        fps = video_fps(i, meta.get("fps") or _DEFAULT_FPS)
         indices = list(meta.get("frames_indices") or range(video.shape[0]))
         if len(indices) != video.shape[0]:
             raise ValueError(
@@ -269,7 +268,7 @@ class Qwen3VideoProcessor:
         h, w = smart_resize(frames_n, height, width, factor, tp, size["shortest_edge"], hi)
         rows, (t, gh, gw) = patch_rows(video, h, w, s)
         per = gh * gw
-        times = timestamps(indices, float(fps), tp)
+        times = timestamps(indices, fps, tp)
         return [
             (rows[k * per : (k + 1) * per].contiguous(), (1, gh, gw), f"<{times[k]:.1f} seconds>")
             for k in range(t)
@@ -277,12 +276,7 @@ class Qwen3VideoProcessor:
 
 
 def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    bad = sorted(k for k in kwargs if k not in KWARGS)
-    if bad:
-        raise ValueError(
-            f"mm_processor_kwargs[{bad[0]!r}] is not an argument Qwen3-VL's videos take; they "
-            f"take {list(KWARGS)}"
-        )
+    known_kwargs(kwargs, KWARGS)
     fps = kwargs.get("fps")
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0):
         raise ValueError(f"mm_processor_kwargs['fps'] must be a number > 0, got {fps!r}")

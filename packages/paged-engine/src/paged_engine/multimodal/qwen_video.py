@@ -24,7 +24,6 @@ torchvision; this one needs only torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import expand_runs
+from paged_engine.multimodal.layouts import digest, expand_runs
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
 
 _DEFAULT_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28}
@@ -110,6 +109,10 @@ class QwenVideoProcessor:
 
     kwargs_names = VIDEO_KWARGS
 
+    def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` (mm_processor_kwargs for videos); ValueError naming a bad one."""
+        return check_kwargs(kwargs)
+
     def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
         self.config = config
         self.video_token_id = int(config.video_token_id)
@@ -143,8 +146,7 @@ class QwenVideoProcessor:
         token_ids, starts, added = expand_runs(token_ids, self.video_token_id, lengths, "video")
         out = []
         for (rows, grid, step), start, n in zip(loaded, starts, lengths, strict=True):
-            key = hashlib.sha256(np.asarray(grid, np.int64).tobytes() + rows.numpy().tobytes())
-            out.append(ImageInput(rows, start, n, key.hexdigest()[:32], grid, t_step=step))
+            out.append(ImageInput(rows, start, n, digest(rows, grid), grid, t_step=step))
         return token_ids, out, added
 
     def _placed(
@@ -239,13 +241,18 @@ def patch_rows(
     return _patchify(x, s["patch_size"], s["merge_size"], s["temporal_patch_size"])
 
 
-def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    bad = sorted(k for k in kwargs if k not in VIDEO_KWARGS)
+def known_kwargs(kwargs: dict[str, Any], names: tuple[str, ...]) -> None:
+    """ValueError naming the first of `kwargs` that is not one of `names`."""
+    bad = sorted(k for k in kwargs if k not in names)
     if bad:
         raise ValueError(
-            f"mm_processor_kwargs[{bad[0]!r}] is not an argument videos take; they take "
-            f"{list(VIDEO_KWARGS)}"
+            f"mm_processor_kwargs[{bad[0]!r}] is not an argument this model's videos take; "
+            f"they take {list(names)}"
         )
+
+
+def check_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    known_kwargs(kwargs, VIDEO_KWARGS)
     for k, v in kwargs.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise ValueError(f"mm_processor_kwargs[{k!r}] must be a number > 0, got {v!r}")
@@ -266,19 +273,30 @@ def _sampled_fps(i: int, meta: Any, fps: float | None) -> float:
     """The frames' rate: mm_processor_kwargs' fps, the metadata's (sampled) fps, else 24."""
     if fps is not None:
         return float(fps)
-    if meta is None:
-        return _DEFAULT_FPS
-    if not isinstance(meta, dict):
-        raise ValueError(
-            f"multi_modal_data['video'][{i}]: metadata must be a dict such as {{'fps': 2.0}}, "
-            f"got {type(meta).__name__}"
-        )
+    meta = video_meta(i, meta)
     rate = meta.get("fps")
     if rate is None:
         return _DEFAULT_FPS
     indices, total = meta.get("frames_indices"), meta.get("total_num_frames")
     if indices is not None and total:
         rate = len(indices) / total * rate
+    return video_fps(i, rate)
+
+
+def video_meta(i: int, meta: Any) -> dict[str, Any]:
+    """Video i's metadata ({} for none); ValueError for anything but a dict."""
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise ValueError(
+            f"multi_modal_data['video'][{i}]: metadata must be a dict such as {{'fps': 2.0}}, "
+            f"got {type(meta).__name__}"
+        )
+    return meta
+
+
+def video_fps(i: int, rate: Any) -> float:
+    """Video i's frame rate as a float; ValueError unless a number > 0."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
         raise ValueError(f"multi_modal_data['video'][{i}]: fps must be a number > 0")
     return float(rate)

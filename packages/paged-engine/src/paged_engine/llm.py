@@ -154,7 +154,7 @@ class LLM:
         `chat_template_content_format` "string" joins a message's text parts into one string,
         "openai" keeps the parts, "auto" keeps them where there is an image or video among them.
         A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
-        vLLM's `image_pil` parts; Qwen2-VL / 2.5-VL also `video_url` parts
+        vLLM's `image_pil` parts; the Qwen-VL family (VIDEO_MODELS) also `video_url` parts
         (multimodal/chat_media.py), processed with `mm_processor_kwargs`."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(

@@ -131,7 +131,7 @@ class OpenAIApp:
         # placeholders expanded here, so lengths and usage count the image tokens), else None;
         # `media` loads what the parts point at.
         self.images = images
-        # Qwen2-VL / 2.5-VL / Qwen3-VL's video processor (chat video parts), else None; `multimodal`
+        # a VIDEO_MODELS checkpoint's video processor (chat video parts), else None; `multimodal`
         # places a prompt's loaded images and videos (the engine's
         # InputProcessor.multimodal); `mm_limits`: --limit-mm-per-prompt
         self.videos = videos

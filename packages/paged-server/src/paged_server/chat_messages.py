@@ -99,7 +99,7 @@ def _content_parts(
                 )
             found.append(MediaRef(_image_url(p, part.get("image_url")), p))
             parts.append({"type": "image"})
-        elif kind == "video_url" and images is not None:  # vLLM's (Qwen2-VL / 2.5-VL)
+        elif kind == "video_url" and images is not None:  # vLLM's (the Qwen-VL family)
             p = f"{param}.content[{j}].video_url"
             if role != "user":
                 raise bad_request(

@@ -171,7 +171,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         load_tracking=args.enable_server_load_tracking,
         # the model's image processor (None: a text model, or served text-only)
         images=getattr(getattr(engine, "input_processor", None), "images", None),
-        # Qwen2-VL / 2.5-VL / Qwen3-VL's video processor (None: the model takes no videos)
+        # the video processor of a VIDEO_MODELS checkpoint (None: the model takes no videos)
         videos=getattr(getattr(engine, "input_processor", None), "videos", None),
         multimodal=getattr(getattr(engine, "input_processor", None), "multimodal", None),
         mm_limits=args.limit_mm_per_prompt,

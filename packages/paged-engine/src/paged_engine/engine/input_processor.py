@@ -58,7 +58,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
         self.images = images  # a checkpoint whose images run (multimodal/), else None
-        # Qwen2-VL / 2.5-VL (multimodal/qwen_video.py) and Qwen3-VL (qwen3_video.py) videos
+        # Qwen2-VL / 2.5-VL (multimodal/qwen_video.py) and Qwen3-VL / 3.5 (qwen3_video.py) videos
         self.videos = videos
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width

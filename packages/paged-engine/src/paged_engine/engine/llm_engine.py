@@ -610,8 +610,8 @@ class LLMEngine:
     def _video_processor(
         self, images: ImageProcessor | None
     ) -> QwenVideoProcessor | Qwen3VideoProcessor | None:
-        """Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints: the host side of video prompts; None
-        for other models and with limit_mm_per_prompt={"video": 0}. `images`: the image side,
+        """The host side of video prompts on VIDEO_MODELS checkpoints (multimodal/archs.py);
+        None for other models and with limit_mm_per_prompt={"video": 0}. `images`: the image side,
         whose wrapper config it shares when there is one."""
         cfg = self.config
         if cfg.video_limit == 0 or not takes_images(self.resolved, self.hf_config):

@@ -23,6 +23,7 @@ TEST_DEPS = [
     "pytest-xdist",  # the suite runs on 2 workers (tests keep to 1 torch thread each)
     "hypothesis",
     "openai",
+    "anthropic",  # the official client against /v1/messages
     "gguf",
     "accelerate",
     "transformers",

@@ -46,6 +46,7 @@ class FakeTokenizer:
         self.threads: set[str] = set()
         self.num_encodes = 0
         self.template_vars: dict[str, Any] = {}  # the last render's extra template variables
+        self.messages: list[dict[str, Any]] = []  # the last render's messages
 
     def __len__(self) -> int:
         return 259
@@ -73,7 +74,7 @@ class FakeTokenizer:
         **template_vars,
     ):
         self._used()
-        self.template_vars = template_vars
+        self.template_vars, self.messages = template_vars, messages
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
         text += "<assistant>" if add_generation_prompt else ""
         return text if not tokenize else self.encode(text, add_special_tokens=False)

@@ -286,3 +286,29 @@ def fill_host(messages: list[dict], host: str) -> list[dict]:
                 if isinstance(value, dict) and isinstance(value.get("url"), str):
                     value["url"] = value["url"].replace("{host}", host)
     return messages
+
+
+def typed_events(server: ServerProc, path: str, body: dict) -> list[dict]:
+    """Every event of a stream of typed events (`event: <type>` then `data: <json>` whose
+    `type` is that name: the Responses and Messages APIs'), checking the framing."""
+    conn = server.conn(30)
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}), HEADERS)
+        r = conn.getresponse()
+        assert r.status == 200, r.read()
+        assert r.getheader("Content-Type") == "text/event-stream"
+        events, name = [], None
+        for raw in r:
+            line = raw.rstrip(b"\r\n")
+            if line.startswith(b"event: "):
+                name = line[7:].decode()
+            elif line.startswith(b"data: "):
+                event = json.loads(line[6:])
+                assert event["type"] == name, (name, event)
+                events.append(event)
+                name = None
+            else:
+                assert line == b"", line
+    finally:
+        conn.close()
+    return events

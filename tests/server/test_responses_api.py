@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from fake_engine import ScriptedEngine
-from server_proc import HEADERS, ServerProc, serve_in_process
+from server_proc import HEADERS, ServerProc, serve_in_process, typed_events
 
 from paged_server.responses_api import ResponseStore, StoredResponse
 
@@ -57,30 +57,12 @@ def _create(srv: SimpleNamespace, script: str, **body) -> dict:
 
 
 def _events(srv: SimpleNamespace, script: str, **body) -> list[dict]:
-    """Every event of a stream; checks each against the SDK's types, its `event:` name and the
-    sequence numbers 0, 1, 2, ..."""
+    """Every event of a stream; checks each against the SDK's types and the sequence numbers
+    0, 1, 2, ..."""
     srv.engine.script = script
-    conn = srv.http.conn(30)
-    try:
-        conn.request("POST", "/v1/responses", json.dumps({**body, "stream": True}), HEADERS)
-        r = conn.getresponse()
-        assert r.status == 200, r.read()
-        assert r.getheader("Content-Type") == "text/event-stream"
-        events, name = [], None
-        for raw in r:
-            line = raw.rstrip(b"\r\n")
-            if line.startswith(b"event: "):
-                name = line[7:].decode()
-            elif line.startswith(b"data: "):
-                event = json.loads(line[6:])
-                assert event["type"] == name, (name, event)
-                STREAM_EVENT.validate_python(event)
-                events.append(event)
-                name = None
-            else:
-                assert line == b"", line
-    finally:
-        conn.close()
+    events = typed_events(srv.http, "/v1/responses", body)
+    for event in events:
+        STREAM_EVENT.validate_python(event)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 

@@ -23,6 +23,7 @@ from urllib.parse import unquote
 
 from paged_engine.classification import ClassifierInfo
 from paged_server import __version__, answers
+from paged_server.anthropic_api import anthropic_errors, serve_count_tokens, serve_messages
 from paged_server.classify import serve_classify
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.dev_routes import dev_routes
@@ -181,6 +182,9 @@ class OpenAIApp:
             "/v1/rerank": {"POST": self.rerank},
             "/v2/rerank": {"POST": self.rerank},
             "/v1/responses": {"POST": self.create_response},
+            # Anthropic's Messages API (anthropic_api.py)
+            "/v1/messages": {"POST": lambda h: serve_messages(self, h)},
+            "/v1/messages/count_tokens": {"POST": lambda h: serve_count_tokens(self, h)},
             "/v1/responses/input_tokens": {"POST": lambda h: serve_input_tokens(self, h)},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
@@ -194,6 +198,13 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
+        if route == "/v1/messages" or route.startswith("/v1/messages/"):
+            with anthropic_errors():  # Anthropic's error shape, 401s and 404s included
+                self._dispatch(h, method, path, route)
+        else:
+            self._dispatch(h, method, path, route)
+
+    def _dispatch(self, h: Handler, method: str, path: str, route: str) -> None:
         if self.api_key is not None and (
             route.startswith("/v1") or route in _KEYED or route in DEV_ROUTES
         ):
@@ -251,11 +262,12 @@ class OpenAIApp:
         self.client.metrics.count_http(route, status)
 
     def _check_key(self, h: Handler) -> None:
+        """`Authorization: Bearer KEY` (OpenAI's clients), or `x-api-key: KEY` (Anthropic's)."""
         auth = h.headers.get("Authorization", "")
         scheme, _, given = auth.partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode(), self.api_key.encode()
-        )
+        if scheme.lower() != "bearer":
+            given = h.headers.get("x-api-key", "")
+        ok = bool(given) and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
         if not ok:
             raise APIError(
                 401,

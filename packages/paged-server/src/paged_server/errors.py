@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 _TYPES = {
@@ -43,3 +46,20 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+@contextmanager
+def renamed_params(renamed: Mapping[str, str], messages: str) -> Iterator[None]:
+    """Errors of the chat path, in the terms of an API built on it: a parameter of `renamed`
+    under its name there (in `param` and the message), one inside the chat messages as the
+    field they came from (`messages`)."""
+    try:
+        yield
+    except APIError as e:
+        if e.param in renamed:
+            old, new = e.param, renamed[e.param]
+            e.param = new
+            e.message = re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, e.message)
+        elif e.param is not None and e.param.startswith("messages"):
+            e.param = messages
+        raise

@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from paged_server.chat_output import ChatDeltas, split_output, tool_output
 from paged_server.errors import APIError
 from paged_server.openai_protocol import GenerationRequest
-from paged_server.openai_responses import StreamChoice
-from paged_server.reasoning import ReasoningOutput, ReasoningRequest, split_reasoning
+from paged_server.reasoning import ReasoningRequest
 from paged_server.responses_request import ResponsesRequest, parse_responses, responses_params
-from paged_server.tools import ToolOutput, make_parser
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -175,12 +174,6 @@ def _finish(
     }
 
 
-def _tool_output(app: OpenAIApp, req: GenerationRequest) -> ToolOutput | None:
-    if req.tools is None or req.tools.choice == "none":
-        return None
-    return ToolOutput(req.tools, make_parser(app.tool_call_parser))
-
-
 def _whole_output(
     app: OpenAIApp,
     req: GenerationRequest,
@@ -190,14 +183,8 @@ def _whole_output(
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A finished output's items: [reasoning] [message] [function_call ...]; and its reasoning
     text. A message is there when it has text, or when nothing else is."""
-    thought, answer = None, text
-    if reasoning is not None:
-        thought, answer = split_reasoning(reasoning.parser, text, reasoning.tool_markup)
-    content, calls = answer, []
-    tool_out = _tool_output(app, req)
-    if tool_out is not None:
-        msg, _ = tool_out.message(answer, reason)
-        content, calls = msg["content"], msg.get("tool_calls", [])
+    tools = tool_output(req.tools, app.tool_call_parser)
+    thought, content, calls = split_output(text, reason, reasoning, tools)
     items = []
     if thought is not None:
         items.append(_reasoning_item(_new_id("rs"), thought, "completed"))
@@ -386,21 +373,13 @@ def _stream(
     events = _EventStream(h, body)
     events.send("response.created", response=body)
     events.send("response.in_progress", response=body)
-    choice = StreamChoice()
-    think = None if reasoning is None else ReasoningOutput(reasoning)
-    tools = _tool_output(app, req.chat)
+    tools = tool_output(req.chat.tools, app.tool_call_parser)
+    deltas = ChatDeltas(reasoning, tools, app._decode_one)
     try:
         for arrived in app.arrivals(h, group):
-            for _, out in arrived:
-                for seq in out.outputs:
-                    choice.add(seq, out.finished)
-            entry = choice.chunk(0, "", None, app._decode_one, True)
-            if entry is not None and think is not None:
-                entry = think.rewrite(entry)
-            if entry is not None and tools is not None:
-                entry = tools.rewrite(entry)
-            if entry is not None:
-                events.delta(entry["delta"])
+            delta = deltas.feed(arrived)
+            if delta is not None:
+                events.delta(delta)
     except APIError as e:
         events.close("incomplete")
         body["status"] = "failed"

@@ -15,12 +15,11 @@ a `function_call_output` is a `tool` message; a user message's `input_image` par
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from paged_server.errors import APIError, bad_request
+from paged_server.errors import APIError, bad_request, renamed_params
 from paged_server.openai_protocol import GenerationRequest, parse_chat
 
 if TYPE_CHECKING:
@@ -52,18 +51,9 @@ _RENAMED = {
 }
 
 
-@contextmanager
-def responses_params() -> Iterator[None]:
+def responses_params() -> AbstractContextManager[None]:
     """Errors of the chat path, renamed to the Responses fields the client sent."""
-    try:
-        yield
-    except APIError as e:
-        if e.param in _RENAMED:
-            old, new = e.param, _RENAMED[e.param]
-            e.param, e.message = new, e.message.replace(old, new)
-        elif e.param is not None and e.param.startswith("messages"):
-            e.param = "input"
-        raise
+    return renamed_params(_RENAMED, "input")
 
 
 # ---- the request ----------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""One chat answer as the APIs built on the chat path read it (the Responses API, Anthropic's
+Messages API): its reasoning split off (--reasoning-parser), then its tool calls parsed
+(--tool-call-parser, or the forced calls of tool_choice), whole or as a stream of chat-style
+deltas ({"reasoning_content", "content", "tool_calls"})."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from paged_server.openai_responses import StreamChoice
+from paged_server.reasoning import ReasoningOutput, ReasoningRequest, split_reasoning
+from paged_server.tools import ToolOutput, ToolRequest, make_parser
+
+
+def tool_output(tools: ToolRequest | None, parser: str | None) -> ToolOutput | None:
+    """The request's tool-call logic; None when the output is plain text."""
+    if tools is None or tools.choice == "none":
+        return None
+    return ToolOutput(tools, make_parser(parser))
+
+
+def split_output(
+    text: str,
+    finish_reason: str | None,
+    reasoning: ReasoningRequest | None,
+    tools: ToolOutput | None,
+) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """A finished output -> (its reasoning or None, its content, OpenAI's tool_calls)."""
+    thought, answer = None, text
+    if reasoning is not None:
+        thought, answer = split_reasoning(reasoning.parser, text, reasoning.tool_markup)
+    if tools is None:
+        return thought, answer, []
+    msg, _ = tools.message(answer, finish_reason)
+    return thought, msg["content"], msg.get("tool_calls", [])
+
+
+class ChatDeltas:
+    """One choice's DELTA outputs as chat-style deltas, through the reasoning split and the
+    tool-call logic (in that order: the tool parser sees the content only)."""
+
+    def __init__(
+        self,
+        reasoning: ReasoningRequest | None,
+        tools: ToolOutput | None,
+        decode: Callable[[int], str],
+    ) -> None:
+        self.choice = StreamChoice()
+        self.think = None if reasoning is None else ReasoningOutput(reasoning)
+        self.tools = tools
+        self.decode = decode
+
+    def feed(self, arrived: list[tuple[int, Any]]) -> dict[str, Any] | None:
+        """The delta of one batch of (prompt index, output) pairs; None when nothing shows."""
+        for _, out in arrived:
+            for seq in out.outputs:
+                self.choice.add(seq, out.finished)
+        entry = self.choice.chunk(0, "", None, self.decode, True)
+        if entry is not None and self.think is not None:
+            entry = self.think.rewrite(entry)
+        if entry is not None and self.tools is not None:
+            entry = self.tools.rewrite(entry)
+        return None if entry is None else entry["delta"]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choice.finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.choice.stop_reason

@@ -445,3 +445,41 @@ def test_anthropic_client_on_a_real_model_matches_chat_completions(
     assert payload["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(**{**kwargs, "model": "claude-opus-4-1"})
+
+
+def test_hostile_bodies_are_4xx_never_500(srv: SimpleNamespace) -> None:
+    """Any JSON in any field (lone surrogates too) is answered 200 or an Anthropic 4xx; the
+    server goes on serving."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    scalars = st.none() | st.booleans() | st.integers(-3, 3) | st.floats() | st.text(max_size=6)
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+        max_leaves=8,
+    )
+    block_types = st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "x"])
+    blocks = st.fixed_dictionaries({"type": block_types}, optional={
+        "text": values, "source": values, "id": values, "name": values, "input": values,
+        "tool_use_id": values, "content": values, "is_error": values, "thinking": values,
+    })  # fmt: skip
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool"])},
+        optional={"content": st.text(max_size=5) | st.lists(blocks, max_size=3) | values},
+    )
+    fields = st.fixed_dictionaries({}, optional={
+        "messages": st.lists(message, max_size=3) | values, "system": values, "tools": values,
+        "tool_choice": values, "thinking": values, "stop_sequences": values, "metadata": values,
+        "output_config": values, "max_tokens": values, "stream": values, "top_k": values,
+    })  # fmt: skip
+
+    @hypothesis.settings(max_examples=80, deadline=None, database=None)
+    @hypothesis.given(fields)
+    def check(body: dict) -> None:
+        body = {"model": "tiny", "max_tokens": 4, "messages": HI, **body}
+        status, _, payload = srv.http.request("POST", "/v1/messages", body)
+        assert status == 200 or (400 <= status < 500 and payload["type"] == "error"), payload
+
+    srv.engine.script = "ok"
+    check()
+    assert _create(srv, "fine")["content"][0]["text"] == "fine"

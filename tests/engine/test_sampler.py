@@ -40,7 +40,8 @@ def sample(x: torch.Tensor, rows, race=None) -> SimpleNamespace:
     out = Sampler(race=race)(x, metadata(rows, x.device, x.shape[1]))
     lp = None
     if out.logprobs is not None:
-        lp = unpack(out.logprobs.cpu().tolist(), [r.params.logprobs for r in rows])
+        ks = [len(r.params.logprob_token_ids or ()) or r.params.logprobs for r in rows]
+        lp = unpack(out.logprobs, ks)
     return SimpleNamespace(tokens=out.token_ids.cpu().tolist(), lp=lp)
 
 
@@ -272,9 +273,31 @@ def test_logprobs_ranks_and_topk(device):
     assert [len(t) for t in lp.top] == [3, 0, 0, 5]
     for i in (0, 3):
         vals, ids = raw[i].topk(len(lp.top[i]))
-        assert [t for t, _ in lp.top[i]] == ids.tolist()
-        assert [v for _, v in lp.top[i]] == pytest.approx(vals.tolist(), abs=1e-5)
+        assert [t for t, _, _ in lp.top[i]] == ids.tolist()
+        assert [v for _, v, _ in lp.top[i]] == pytest.approx(vals.tolist(), abs=1e-5)
+        assert [r for _, _, r in lp.top[i]] == list(range(1, len(lp.top[i]) + 1))
     assert sample(x, [row() for _ in range(4)]).lp is None
+
+
+def test_explicit_logprob_ids_come_with_their_ranks(device):
+    """logprob_token_ids rows report those ids (their order, raw logprobs, vocabulary ranks)
+    where top-k rows beside them report their top-k."""
+    x = logits_for(4, device, seed=9)
+    rows = [
+        row(logprobs=2),
+        row(logprob_token_ids=[4, 0, 9], temperature=0.0),
+        row(logprob_token_ids=[7]),
+        row(temperature=0.5),
+    ]
+    out = sample(x, rows)
+    raw = torch.log_softmax(x.cpu().double(), -1)
+    assert [len(t) for t in out.lp.top] == [2, 3, 1, 0]
+    assert [t for t, _, _ in out.lp.top[0]] == raw[0].topk(2).indices.tolist()
+    for i, ids in ((1, [4, 0, 9]), (2, [7])):
+        assert [t for t, _, _ in out.lp.top[i]] == ids
+        for t, v, r in out.lp.top[i]:
+            assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
+            assert r == int((raw[i] > raw[i, t]).sum()) + 1
 
 
 def test_mixed_batch(device):
@@ -299,14 +322,14 @@ def test_mixed_batch(device):
 def test_prompt_logprobs_and_beam_topk(device):
     x = logits_for(5, device, seed=7)
     targets = torch.tensor([3, 1, 4, 1, 5])
-    res = unpack(prompt_logprobs(x, targets, k=2).cpu().tolist())
+    res = unpack(prompt_logprobs(x, targets, k=2))
     raw = torch.log_softmax(x.cpu().double(), -1)
     for i in range(5):
         t = targets[i].item()
         assert res.token_ids[i] == t
         assert res.logprobs[i] == pytest.approx(raw[i, t].item(), abs=1e-5)
         assert res.ranks[i] == int((raw[i] > raw[i, t]).sum()) + 1
-        assert [tok for tok, _ in res.top[i]] == raw[i].topk(2).indices.tolist()
+        assert [tok for tok, _, _ in res.top[i]] == raw[i].topk(2).indices.tolist()
     vals, ids = log_softmax_topk(x, 4)
     ref_v, ref_i = raw.topk(4, -1)
     assert torch.equal(ids.cpu(), ref_i)

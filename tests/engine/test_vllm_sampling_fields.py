@@ -116,6 +116,63 @@ def test_logprobs_minus_one_is_every_token(llama):
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    "engine",
+    [
+        {},
+        {"async_scheduling": True},
+        {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+    ],
+    ids=["sync", "async", "ngram-drafts"],
+)
+def test_logprob_token_ids_report_those_tokens(llama, engine):
+    """Each generated position reports the sampled token and every asked id, with the logprob
+    and rank the whole distribution gives them; the batch's other rows are untouched."""
+    llm = _llm(llama, max_logprobs=-1, **engine)
+    wanted = [7, 250, 3]
+    kw = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    explicit = SamplingParams(**kw, logprob_token_ids=wanted)
+    assert explicit.logprobs == 0  # turned on
+    top2 = SamplingParams(**kw, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    mixed = llm.generate(prompts, [explicit, top2, SamplingParams(**kw)], use_tqdm=False)
+    every = llm.generate(prompts[0], SamplingParams(**kw, logprobs=-1), use_tqdm=False)[0]
+    alone = llm.generate(prompts[1], top2, use_tqdm=False)[0].outputs[0]
+    got = mixed[0].outputs[0]
+    assert got.token_ids == every.outputs[0].token_ids
+    for step, entry in enumerate(got.logprobs):
+        assert set(entry) == {got.token_ids[step], *wanted}
+        ref = every.outputs[0].logprobs[step]
+        for tid, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[tid].logprob, abs=1e-5), (step, tid)
+            assert lp.rank == ref[tid].rank and lp.decoded_token == ref[tid].decoded_token
+    top = mixed[1].outputs[0]
+    assert top.token_ids == alone.token_ids
+    for entry, ref in zip(top.logprobs, alone.logprobs, strict=True):
+        assert {t: lp.rank for t, lp in entry.items()} == {t: lp.rank for t, lp in ref.items()}
+        for t, lp in entry.items():
+            assert lp.logprob == pytest.approx(ref[t].logprob, abs=1e-5)
+    assert mixed[2].outputs[0].logprobs is None
+    llm.llm_engine.shutdown()
+
+
+def test_logprob_token_ids_are_checked(llama):
+    assert SamplingParams(logprob_token_ids=[]).logprob_token_ids is None
+    assert SamplingParams(logprob_token_ids=["5", 5, 9]).logprob_token_ids == [5, 9]
+    for bad in ([-1], "5", [1.5]):
+        with pytest.raises(ValueError, match="logprob_token_ids"):
+            SamplingParams(logprob_token_ids=bad)
+    with pytest.raises(ValueError, match="logprob_token_ids"):
+        SamplingParams(logprob_token_ids=[5], use_beam_search=True, n=2, temperature=0)
+    llm = _llm(llama, max_logprobs=2)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompt, SamplingParams(logprob_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs=2"):
+        llm.generate(prompt, SamplingParams(logprob_token_ids=[1, 2, 3]), use_tqdm=False)
+    llm.llm_engine.shutdown()
+
+
 def _streamed(engine: LLMEngine, params: SamplingParams) -> list[list[int]]:
     engine.add_request("r", {"prompt_token_ids": PROMPTS[0]}, params)
     chunks = []

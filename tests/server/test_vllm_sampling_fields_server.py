@@ -81,6 +81,54 @@ def test_fields(engine):
         assert status == 400 and bad["error"]["param"] == "vllm_xargs", bad
 
 
+def test_logprob_token_ids(engine):
+    """vLLM's `logprob_token_ids`: each generated position's logprobs are the sampled token's
+    and the asked ids', equal to the whole distribution's, in completions and chat, whole and
+    streamed; without the logprobs switch, with beams or with nothing generated: 400s."""
+    wanted = [7, 250, 3]
+    keys = {"return_tokens_as_token_ids": True}  # (texts alike would merge)
+    with serve_in_process(COMMON_ARGS, engine) as (http, _):
+        _, every = _ask(http, max_tokens=3, logprobs=-1, **keys)
+        ref = every["choices"][0]["logprobs"]
+        status, body = _ask(http, max_tokens=3, logprobs=0, logprob_token_ids=wanted, **keys)
+        assert status == 200, body
+        got = body["choices"][0]["logprobs"]
+        assert got["tokens"] == ref["tokens"]
+        for token, top, full in zip(got["tokens"], got["top_logprobs"], ref["top_logprobs"]):
+            assert set(top) == {token, *(f"token_id:{t}" for t in wanted)}
+            for key, value in top.items():
+                assert value == pytest.approx(full[key], abs=1e-5)
+        streamed = http.stream({**BODY, "max_tokens": 3, "logprobs": 0, **keys,
+                                "logprob_token_ids": wanted})  # fmt: skip
+        tops = [t for e in streamed for t in e["choices"][0]["logprobs"]["top_logprobs"]]
+        assert tops == got["top_logprobs"]
+
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        status, _, body = http.request(
+            "POST",
+            "/v1/chat/completions",
+            {**chat, **keys, "logprobs": True, "logprob_token_ids": wanted},
+        )
+        assert status == 200, body
+        for entry in body["choices"][0]["logprobs"]["content"]:
+            shown = {t["token"] for t in entry["top_logprobs"]}
+            assert shown == {entry["token"], *(f"token_id:{t}" for t in wanted)}
+
+        for extra in (
+            {},  # no logprobs switch
+            {"logprobs": 0, "use_beam_search": True, "n": 2},
+            {"logprobs": 0, "max_tokens": 0, "echo": True},
+            {"logprobs": 0, "logprob_token_ids": [engine.vocab_size]},
+            {"logprobs": 0, "logprob_token_ids": "7"},
+        ):
+            status, bad = _ask(http, **{"logprob_token_ids": wanted, **extra})
+            assert status == 400 and bad["error"]["param"] == "logprob_token_ids", (extra, bad)
+        status, _, bad = http.request(
+            "POST", "/v1/chat/completions", {**chat, "logprob_token_ids": wanted}
+        )
+        assert status == 400 and "'logprobs': true" in bad["error"]["message"], bad
+
+
 def test_logprobs_are_held_to_max_logprobs(tmp_path):
     """--max-logprobs (the engine's max_logprobs) is the limit, not a fixed 20; -1 asks for
     the vocabulary, which only --max-logprobs -1 allows."""
@@ -99,6 +147,9 @@ def test_logprobs_are_held_to_max_logprobs(tmp_path):
                 status, bad = _ask(http, max_tokens=1, **{field: value})
                 assert status == 400 and bad["error"]["param"] == field, bad
                 assert "--max-logprobs 30" in bad["error"]["message"], bad
+            status, bad = _ask(http, max_tokens=1, logprobs=0, logprob_token_ids=list(range(31)))
+            assert status == 400 and bad["error"]["param"] == "logprob_token_ids", bad
+            assert "--max-logprobs 30" in bad["error"]["message"], bad
             body = {**chat, "logprobs": True, "top_logprobs": 31}
             status, _, bad = http.request("POST", "/v1/chat/completions", body)
             assert status == 400 and bad["error"]["param"] == "top_logprobs", bad

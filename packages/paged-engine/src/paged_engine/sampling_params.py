@@ -207,6 +207,9 @@ class SamplingParams:
     # at most this many tokens inside the reasoning block, then its closer is forced (the
     # engine's reasoning_config names the markers); None (or -1): no limit
     thinking_token_budget: int | None = None
+    # vLLM's: the logprobs of these token ids at each generated position, in place of the
+    # top-`logprobs` (the sampled token's too); turns logprobs on. None or []: top-k as usual.
+    logprob_token_ids: list[int] | None = None
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
@@ -251,6 +254,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check_token_rules(self)
+        self._explicit_logprobs()
         self._verify()
         if self.temperature < SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -269,6 +273,7 @@ class SamplingParams:
         unsupported = {
             "stop": bool(self.stop),
             "stop_token_ids": bool(self.stop_token_ids),
+            "logprob_token_ids": self.logprob_token_ids is not None,  # (before: it sets logprobs)
             "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
             "min_tokens": self.min_tokens > 0,
@@ -287,6 +292,21 @@ class SamplingParams:
                 raise ValueError(
                     f"{name} is not supported with use_beam_search, got {getattr(self, name)!r}."
                 )
+
+    def _explicit_logprobs(self) -> None:
+        """logprob_token_ids: distinct non-negative ids (vocabulary: the engine checks), or
+        None; they turn logprobs on (0: no top-k of its own)."""
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r}.")
+        if not ids:
+            self.logprob_token_ids = None
+            return
+        self.logprob_token_ids = list(dict.fromkeys(_token_id("logprob_token_ids", t) for t in ids))
+        if self.logprobs is None:
+            self.logprobs = 0
 
     def _verify(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

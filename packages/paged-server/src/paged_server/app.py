@@ -497,6 +497,15 @@ class OpenAIApp:
         """A 400 naming the field for more logprobs than --max-logprobs allows (-1 asks for
         the vocabulary, which only --max-logprobs -1 allows)."""
         cap = self.max_logprobs
+        explicit = req.sampling.get("logprob_token_ids")
+        if explicit is not None:
+            self._check_ids(explicit, "logprob_token_ids")
+            if cap != -1 and len(explicit) > cap:
+                raise bad_request(
+                    f"'logprob_token_ids' asks for {len(explicit)} logprobs, over this server's "
+                    f"--max-logprobs {cap}",
+                    "logprob_token_ids",
+                )
         fields = (("top_logprobs" if chat else "logprobs", req.logprobs),)
         for name, k in (*fields, ("prompt_logprobs", req.prompt_logprobs)):
             if k is None or cap == -1 or (k != -1 and k <= cap):
@@ -747,8 +756,9 @@ class OpenAIApp:
             kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
         params = self.client.make_params(kwargs, beam=beam, stream=stream)
-        # -1 (every token, as the engine took it): the answers keep whatever came back
-        if req.logprobs == -1:
+        # -1 (every token, as the engine took it), or explicit ids (the sampled token and each
+        # of them): the answers keep whatever came back
+        if req.logprobs == -1 or params.logprob_token_ids:
             req.logprobs = ALL_LOGPROBS
         if req.prompt_logprobs == -1:
             req.prompt_logprobs = ALL_LOGPROBS

@@ -97,6 +97,7 @@ _COMMON = {
     "vllm_xargs",
     "skip_reading_prefix_cache",
     "thinking_token_budget",
+    "logprob_token_ids",
     *_SAMPLING,
     *STRUCTURED_FIELDS,
 }
@@ -277,6 +278,7 @@ def _sampling(b: _Body) -> dict[str, Any]:
             else None
         ),
         "allowed_token_ids": lambda: b.int_list("allowed_token_ids"),
+        "logprob_token_ids": lambda: b.int_list("logprob_token_ids") or None,
         "logit_bias": lambda: _logit_bias(b.d.get("logit_bias")),
         "bad_words": lambda: _bad_words(b.d.get("bad_words")),
         "repetition_detection": lambda: _repetition_detection(b),
@@ -496,6 +498,13 @@ def parse_completion(body: Any) -> GenerationRequest:
     req.prompt_embeds = embeds
     if embeds and req.echo:
         raise bad_request("'echo' is not supported with 'prompt_embeds' (no prompt text)", "echo")
+    _check_explicit_logprobs(req, "'logprobs'")
+    if req.max_tokens == 0 and "logprob_token_ids" in req.sampling:
+        raise bad_request(
+            "'logprob_token_ids' reports generated positions: 'max_tokens' 0 generates none "
+            "(the echoed prompt's logprobs are 'logprobs' / 'prompt_logprobs')",
+            "logprob_token_ids",
+        )
     if req.max_tokens == 0 and not req.echo:
         # Prompt scoring (legacy OpenAI, lm-eval-harness): the prompt and its logprobs, nothing
         # generated. Without echo there is nothing to return.
@@ -573,6 +582,7 @@ def parse_chat(
             "reasoning_effort",
         )
     req.reasoning_effort = effort
+    _check_explicit_logprobs(req, "'logprobs': true")
     req.structured, req.structured_param = parse_structured(b.d)
     req.tools = parse_tools(b.d, tool_parser)
     forced = req.tools.constraint() if req.tools is not None else None
@@ -585,6 +595,19 @@ def parse_chat(
         req.structured, req.structured_param = forced, "tools"
     _check_beam_constraint(req)
     return req
+
+
+def _check_explicit_logprobs(req: GenerationRequest, switch: str) -> None:
+    """vLLM's `logprob_token_ids`: the logprobs of those ids in place of the top-k, which
+    the logprobs switch still turns on; beam search has no per-token logprobs."""
+    if "logprob_token_ids" not in req.sampling:
+        return
+    if req.logprobs is None:
+        raise bad_request(f"'logprob_token_ids' requires {switch}", "logprob_token_ids")
+    if req.use_beam_search:
+        raise bad_request(
+            "'logprob_token_ids' is not supported with 'use_beam_search'", "logprob_token_ids"
+        )
 
 
 def _check_beam_constraint(req: GenerationRequest) -> None:

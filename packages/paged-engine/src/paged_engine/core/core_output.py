@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class LogprobsLists:
     """Raw logprobs as host lists, one row per scored token: its id, logprob and rank (1 =
-    most likely), and the top-k (token id, logprob) pairs, best first."""
+    most likely), and the top-k (token id, logprob, rank) triples, best first (or the
+    request's logprob_token_ids, in their order)."""
 
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int]
-    top: list[list[tuple[int, float]]]  # [] where k = 0
+    top: list[list[tuple[int, float, int]]]  # [] where k = 0
 
 
 @dataclass(slots=True)
@@ -39,7 +40,7 @@ class SeqUpdate:
     # Raw logprob / rank / top-k of each new token; None unless the request reads them.
     logprobs: list[float] | None = None
     ranks: list[int] | None = None
-    top: list[list[tuple[int, float]]] | None = None
+    top: list[list[tuple[int, float, int]]] | None = None
     finish_reason: str | None = None  # "stop" here means a stop token or eos
     stop_reason: int | None = None  # the stop token id, None for eos or length
     fork_of: int | None = None  # starts as a copy of this index's state (before its tokens)

@@ -314,7 +314,13 @@ class InputProcessor:
                         f"{name}={getattr(params, name)} asks for {k} logprobs, over "
                         f"max_logprobs={self.config.max_logprobs} (-1 allows the vocabulary)"
                     )
-            for name in ("logit_bias", "allowed_token_ids"):
+            explicit = params.logprob_token_ids or ()
+            if len(explicit) > cap:
+                raise ValueError(
+                    f"logprob_token_ids asks for {len(explicit)} logprobs, over max_logprobs="
+                    f"{self.config.max_logprobs} (-1 allows the vocabulary)"
+                )
+            for name in ("logit_bias", "allowed_token_ids", "logprob_token_ids"):
                 bad = [t for t in getattr(params, name) or () if t >= self.vocab_size]
                 if bad:
                     raise ValueError(

@@ -265,7 +265,7 @@ class OutputProcessor:
             if upd.logprobs is not None:
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, params.logprobs, token, upd, k)
+                    self._add_logprobs(seq, _top_count(params), token, upd, k)
             stop_token = k == last and upd.finish_reason == "stop" and not upd.grammar_end
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
@@ -297,7 +297,7 @@ class OutputProcessor:
             for k, token in enumerate(upd.new_token_ids):
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, params.logprobs, token, upd, k)
+                    self._add_logprobs(seq, _top_count(params), token, upd, k)
         if upd.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             detok = seq.detokenizer
@@ -312,14 +312,15 @@ class OutputProcessor:
         return False
 
     def _add_logprobs(self, seq: SeqText, k: int, token: int, upd: SeqUpdate, i: int) -> None:
+        """The sampled token's entry, then the top-k's (or the explicit ids')."""
         decode = self._decode_one_fn
         top = upd.top[i][:k] if upd.top is not None else []
         entry = {token: Logprob(upd.logprobs[i], upd.ranks[i], decode(token))}
-        for tid, lp in top:
+        for tid, lp, rank in top:
             if tid not in entry:
-                entry[tid] = Logprob(lp, None, decode(tid))
-        for r, (tid, _) in enumerate(top, start=1):
-            entry[tid].rank = r
+                entry[tid] = Logprob(lp, rank, decode(tid))
+            else:
+                entry[tid].rank = rank  # (a tie: the top-k's order decides)
         if seq.logprobs is None:
             seq.logprobs = []
         seq.logprobs.append(entry)
@@ -332,7 +333,7 @@ class OutputProcessor:
         lists, decode = chunk.lists, self._decode_one_fn
         for j in range(len(state.prompt_logprobs) - 1 - chunk.start, len(lists.token_ids)):
             d = {lists.token_ids[j]: Logprob(lists.logprobs[j], lists.ranks[j])}
-            for rank, (t, lp) in enumerate(lists.top[j], 1):
+            for t, lp, rank in lists.top[j]:
                 d.setdefault(t, Logprob(lp, rank))
             for tid, lp in d.items():
                 lp.decoded_token = decode(tid)
@@ -446,3 +447,8 @@ class OutputProcessor:
 
 def _aborted(co: EngineCoreOutput) -> bool:
     return any(u.finish_reason == "abort" for u in co.seqs)
+
+
+def _top_count(params: SamplingParams) -> int:
+    """Entries reported beside the sampled token: its explicit ids, or the top-k."""
+    return len(params.logprob_token_ids or ()) or params.logprobs or 0

@@ -2,9 +2,10 @@
 
 A packed row is float64 (exact for token ids):
 
-    | token id | logprob | rank | top-k ids (k) | top-k logprobs (k) |
+    | token id | logprob | rank | top ids (k) | top logprobs (k) | top ranks (k) |
 
-`rank` is 1 for the most likely token. The top-k columns are best first.
+`rank` is 1 for the most likely token. The top columns are the k most likely tokens, best
+first (ranks 1..k), or a row's logprob_token_ids in their order (their own ranks).
 """
 
 from __future__ import annotations
@@ -25,23 +26,52 @@ def torch_logsumexp(raw: Tensor) -> Tensor:
     return raw.logsumexp(dim=-1, keepdim=True)
 
 
-def _pack(raw: Tensor, tokens: Tensor, k: int, logsumexp: LogSumExp) -> Tensor:
-    """raw: [N, V] float32 logits; tokens: [N] int64 -> [N, 3 + 2k] float64."""
+def _rank(raw: Tensor, logit: Tensor) -> Tensor:
+    """[N, 1] rank of each row's `logit` [N, 1] among the row's logits (1: the largest)."""
+    return (raw > logit).sum(dim=-1, keepdim=True) + 1
+
+
+def _pack(
+    raw: Tensor,
+    tokens: Tensor,
+    k: int,
+    logsumexp: LogSumExp,
+    explicit: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """raw: [N, V] float32 logits; tokens: [N] int64 -> [N, 3 + 3k] float64. `explicit`:
+    (rows, ids [E, M]) whose top columns are those ids (M <= k)."""
     lse = logsumexp(raw)
     tok_logit = raw.gather(1, tokens.unsqueeze(1))
-    cols = [tokens.unsqueeze(1).double(), (tok_logit - lse).double()]
-    cols.append(((raw > tok_logit).sum(dim=-1, keepdim=True) + 1).double())
+    cols = [
+        tokens.unsqueeze(1).double(),
+        (tok_logit - lse).double(),
+        _rank(raw, tok_logit).double(),
+    ]
     if k > 0:
         top_v, top_i = raw.topk(k, dim=-1)
-        cols += [top_i.double(), (top_v - lse).double()]
+        ranks = torch.arange(1, k + 1, device=raw.device).expand(raw.shape[0], k)
+        if explicit is not None:
+            rows, ids = explicit
+            sub = raw.index_select(0, rows)
+            v = sub.gather(1, ids)
+            m = ids.shape[1]
+            ranks = ranks.clone()
+            top_i[rows, :m], top_v[rows, :m] = ids, v
+            ranks[rows, :m] = torch.cat([_rank(sub, v[:, j : j + 1]) for j in range(m)], dim=1)
+        cols += [top_i.double(), (top_v - lse).double(), ranks.double()]
     return torch.cat(cols, dim=1)
 
 
 def gather_logprobs(
-    raw: Tensor, tokens: Tensor, max_k: int, logsumexp: LogSumExp = torch_logsumexp
+    raw: Tensor,
+    tokens: Tensor,
+    max_k: int,
+    logsumexp: LogSumExp = torch_logsumexp,
+    explicit: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
-    """Logprob, rank and top-`max_k` of each row's sampled token, packed."""
-    return _pack(raw, tokens, min(max_k, raw.shape[1]), logsumexp)
+    """Logprob, rank and top-`max_k` (or a row's explicit ids) of each row's sampled token,
+    packed."""
+    return _pack(raw, tokens, min(max_k, raw.shape[1]), logsumexp, explicit)
 
 
 def prompt_logprobs(
@@ -54,19 +84,23 @@ def prompt_logprobs(
     return _pack(raw, targets, min(k, raw.shape[1]), logsumexp)
 
 
-def unpack(rows: list[list[float]], ks: list[int | None] | None = None) -> LogprobsLists:
-    """Host lists from packed rows; `ks[i]` trims row i's top-k (None or 0: none)."""
-    width = len(rows[0]) if rows else 3
-    k_max = (width - 3) // 2
-    out = LogprobsLists([], [], [], [])
-    for i, row in enumerate(rows):
-        out.token_ids.append(int(row[0]))
-        out.logprobs.append(row[1])
-        out.ranks.append(int(row[2]))
+def unpack(packed: Tensor, ks: list[int | None] | None = None) -> LogprobsLists:
+    """Host lists from packed rows (on any device); `ks[i]` trims row i's top (None or 0:
+    none). Each block becomes Python lists in one conversion, each row's triples in one zip."""
+    packed = packed.cpu()
+    k_max = (packed.shape[1] - 3) // 3 if packed.dim() == 2 else 0
+    out = LogprobsLists(
+        packed[:, 0].long().tolist(), packed[:, 1].tolist(), packed[:, 2].long().tolist(), []
+    )
+    if k_max == 0:
+        out.top = [[] for _ in range(packed.shape[0])]
+        return out
+    ids = packed[:, 3 : 3 + k_max].long().tolist()
+    lps = packed[:, 3 + k_max : 3 + 2 * k_max].tolist()
+    ranks = packed[:, 3 + 2 * k_max :].long().tolist()
+    for i in range(packed.shape[0]):
         k = k_max if ks is None else min(ks[i] or 0, k_max)
-        out.top.append(
-            [(int(t), lp) for t, lp in zip(row[3 : 3 + k], row[3 + k_max : 3 + k_max + k])]
-        )
+        out.top.append(list(zip(ids[i][:k], lps[i][:k], ranks[i][:k])))
     return out
 
 

@@ -54,6 +54,8 @@ class SamplingMetadata:
     allowed: tuple[Tensor, Tensor] | None = None  # (rows [A], bitmask [A, W] int32)
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None  # (rows, token ids, biases) [B]
     token_bitmask: tuple[Tensor, Tensor] | None = None  # this step's grammar masks (rows, bitmask)
+    # logprob_token_ids rows: (rows [E], ids [E, M]), each row's ids padded with its first
+    logprob_ids: tuple[Tensor, Tensor] | None = None
 
     @property
     def max_num_logprobs(self) -> int:
@@ -95,6 +97,7 @@ def build_sampling_metadata(
     output_history: Tensor | None = None,  # [P, Lo] int64 on device, overrides history outputs
     prompt_history: Tensor | None = None,  # [P, Lp] int64 on device, overrides history prompts
     token_rules: Sequence[tuple[int, SamplingParams]] = (),  # rows with allowed ids / logit bias
+    logprob_ids: Sequence[tuple[int, Sequence[int]]] = (),  # (row, logprob_token_ids)
 ) -> SamplingMetadata:
     """Everything host-side is numpy over the N rows: no per-row Python except for the rare
     rows that use penalties or min_tokens."""
@@ -168,8 +171,21 @@ def build_sampling_metadata(
         seeds=seeds,
         num_logprobs=num_logprobs,
         need_logprobs=need_logprobs,
+        logprob_ids=_explicit_ids(logprob_ids, device),
         **_token_rules(token_rules, vocab_size, device),
     )
+
+
+def _explicit_ids(
+    rows: Sequence[tuple[int, Sequence[int]]], device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(rows, ids [E, M]) of the logprob_token_ids rows; a shorter row repeats its first id
+    (the host keeps only its own count of columns)."""
+    if not rows:
+        return None
+    width = max(len(ids) for _, ids in rows)
+    ids = np.array([[*ids, *[ids[0]] * (width - len(ids))] for _, ids in rows], dtype=np.int64)
+    return _dev([r for r, _ in rows], torch.long, device), _dev(ids, torch.long, device)
 
 
 def _token_rules(
@@ -287,7 +303,10 @@ def metadata_from_params(
             for i, p in enumerate(params)
             if p.seed is not None and not p.is_greedy
         ],
-        num_logprobs=[p.logprobs for p in params],
+        num_logprobs=[
+            len(p.logprob_token_ids) if p.logprob_token_ids else p.logprobs for p in params
+        ],
         need_logprobs=any(p.logprobs is not None or (p.best_of or 0) > p.n for p in params),
         token_rules=[(i, p) for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids],
+        logprob_ids=[(i, p.logprob_token_ids) for i, p in enumerate(params) if p.logprob_token_ids],
     )

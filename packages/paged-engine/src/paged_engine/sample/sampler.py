@@ -190,7 +190,9 @@ class Sampler:
         tokens = self.sample(self.process_logits(raw, md), md)
         packed = None
         if md.need_logprobs:
-            packed = gather_logprobs(raw, tokens, md.max_num_logprobs, self.logsumexp)
+            packed = gather_logprobs(
+                raw, tokens, md.max_num_logprobs, self.logsumexp, md.logprob_ids
+            )
         return SamplerOutput(tokens, packed)
 
     def process_logits(self, raw: Tensor, md: SamplingMetadata) -> Tensor:

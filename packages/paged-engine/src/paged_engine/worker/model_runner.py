@@ -558,7 +558,7 @@ class ModelRunner:
         packed = None
         if md.need_logprobs:
             packed = gather_logprobs(
-                raw, result.tokens, md.max_num_logprobs, self.sampler.logsumexp
+                raw, result.tokens, md.max_num_logprobs, self.sampler.logsumexp, md.logprob_ids
             ).index_select(0, emit_d)
         num_logprobs = [md.num_logprobs[r] for r in emit_rows.tolist()] if md.num_logprobs else []
         last = result.tokens.index_select(0, self._to_dev(first_row + result.num_accepted))

@@ -106,14 +106,14 @@ class AsyncRunnerOutput:
         if self._tokens is not None:
             out.sampled_token_ids = self._tokens.tolist()
         if self._logprobs is not None:
-            out.logprobs = unpack(self._logprobs.tolist(), self._num_logprobs)
+            out.logprobs = unpack(self._logprobs, self._num_logprobs)
         if self._beam is not None:
             beam_ids, ks, lps, ids = self._beam
             for i, (sid, k) in enumerate(zip(beam_ids, ks)):
                 out.beam_topk[sid] = (lps[i, :k].tolist(), ids[i, :k].tolist())
         for sid, start, k, packed in self._prompt:
             out.prompt_logprobs[sid] = PromptLogprobsChunk(
-                start, unpack(packed.tolist(), [k] * packed.shape[0])
+                start, unpack(packed, [k] * packed.shape[0])
             )
         for sid, start, n, vec in self._pooled:
             out.pooled[sid] = (start, n, vec.tolist())

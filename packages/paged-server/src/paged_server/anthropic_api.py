@@ -13,10 +13,12 @@ room left after the prompt is cut to that room, as Anthropic does, instead of a 
 "end_turn". `usage.input_tokens` counts the prompt tokens the prefix cache did not serve,
 `cache_read_input_tokens` those it did (Anthropic's split: their sum is the prompt).
 
-A stream is Anthropic's typed events (`event: <type>` + `data: <json>`): message_start (once
-the prompt ran, so its usage is known), ping, then per content block content_block_start, its
-deltas (thinking_delta + signature_delta, text_delta, input_json_delta), content_block_stop;
-last message_delta (stop_reason, usage) and message_stop. No `[DONE]`. A failure mid-stream is
+A stream is Anthropic's typed events (`event: <type>` + `data: <json>`): message_start (at
+once: its usage counts the whole prompt as input, the prefix cache's share being known only
+once the prompt ran), ping, then per content block content_block_start, its deltas
+(thinking_delta + signature_delta, text_delta, input_json_delta), content_block_stop; last
+message_delta (stop_reason, the final usage: the SDKs take its input and cache counts too) and
+message_stop. No `[DONE]`. A failure mid-stream is
 an `error` event. Errors are Anthropic's shape: {"type": "error", "error": {"type", "message"}}.
 Thinking blocks carry a random `signature`: nothing here signs or checks them.
 """
@@ -141,7 +143,7 @@ def serve_messages(app: OpenAIApp, h: Handler) -> None:
         )
     with app._in_flight(h, group, rids):
         if chat.stream:
-            _stream(app, h, req, mid, model, group, reasoning, window)
+            _stream(app, h, req, (mid, model, len(ids)), group, reasoning, window)
         else:
             app._wait(h, group)
             body = _whole(app, req, mid, model, group, reasoning, window)
@@ -264,23 +266,20 @@ def _stream(
     app: OpenAIApp,
     h: Handler,
     req: MessagesRequest,
-    mid: str,
-    model: str,
+    message: tuple[str, str, int],
     group: RequestGroup,
     reasoning: ReasoningRequest | None,
     window: bool,
 ) -> None:
+    """`message`: (its id, the model name, the prompt's length)."""
     h.start_stream()
     events = _EventStream(h, req.show_thinking)
+    _message_start(events, *message)
     tools = tool_output(req.chat.tools, app.tool_call_parser)
     deltas = ChatDeltas(reasoning, tools, app._decode_one)
-    started = False
     try:
         for arrived in app.arrivals(h, group):
             delta = deltas.feed(arrived)
-            if not started:  # the prompt ran: its cached tokens are known
-                started = True
-                _message_start(events, mid, model, group)
             if delta is not None:
                 events.delta(delta)
     except APIError as e:
@@ -288,7 +287,7 @@ def _stream(
         h.end_stream(done=False)
         h.log_extra = f" failed: {e.message}"
         return
-    events.close()  # (the group finished: at least one output arrived, message_start is out)
+    events.close()
     stop_reason, stop_seq = _stop(
         req, deltas.finish_reason, deltas.stop_reason, events.tool_use, window
     )
@@ -301,8 +300,13 @@ def _stream(
     h.end_stream(done=False)
 
 
-def _message_start(events: _EventStream, mid: str, model: str, group: RequestGroup) -> None:
-    usage = {**_usage(group), "output_tokens": 0}
+def _message_start(events: _EventStream, mid: str, model: str, n_prompt: int) -> None:
+    usage = {
+        "input_tokens": n_prompt,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
     message = {
         "id": mid,
         "type": "message",

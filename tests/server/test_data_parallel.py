@@ -24,6 +24,7 @@ from server_proc import (
     greedy_answers,
     launch,
     serve_in_process,
+    typed_events,
 )
 
 from paged_server.data_parallel import (
@@ -176,6 +177,24 @@ def test_a_streamed_response_passes_through_the_front_whole(front: SimpleNamespa
     chunks = front.http.stream(chat, "/v1/chat/completions")
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == "Hello there."
+    _assert_load_released(front)
+
+
+def test_anthropic_messages_pass_through_the_front(front: SimpleNamespace) -> None:
+    """A Messages API stream passes whole (Anthropic's typed events, no [DONE]); the front's
+    own errors on those routes are in Anthropic's shape, as the replicas' are."""
+    _script(front, "Hello there.")
+    body = {"model": "tiny", "max_tokens": 32, "messages": [{"role": "user", "content": "Hi"}]}
+    events = typed_events(front.http, "/v1/messages", body)
+    assert [e["type"] for e in events][:2] == ["message_start", "ping"]
+    assert events[-1]["type"] == "message_stop"
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == "Hello there."
+    status, _, whole = front.http.request("POST", "/v1/messages", body)
+    assert status == 200 and whole["content"] == [{"type": "text", "text": "Hello there."}]
+    status, _, bad = front.http.request("POST", "/v1/messages", b"{oops")  # the front refuses it
+    assert status == 400 and bad["type"] == "error", bad
+    assert bad["error"]["type"] == "invalid_request_error", bad
     _assert_load_released(front)
 
 

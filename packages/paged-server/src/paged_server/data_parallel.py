@@ -49,6 +49,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from paged_server import profiling
+from paged_server.anthropic_api import anthropic_errors
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.errors import APIError
 from paged_server.http import Handler
@@ -101,6 +102,12 @@ class ReplicaRouter:
         pass  # each replica counts its own requests
 
     def dispatch(self, handler: Handler, method: str, path: str) -> None:
+        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+            with anthropic_errors():  # the front's own errors in the replicas' shape there
+                return self._dispatch(handler, method, path)
+        return self._dispatch(handler, method, path)
+
+    def _dispatch(self, handler: Handler, method: str, path: str) -> None:
         if path == "/health":
             return self._health(handler)
         if path == "/metrics":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -85,20 +86,24 @@ def prompt_logprobs(
 
 
 def unpack(packed: Tensor, ks: list[int | None] | None = None) -> LogprobsLists:
-    """Host lists from packed rows (on any device); `ks[i]` trims row i's top (None or 0:
-    none). Each block becomes Python lists in one conversion, each row's triples in one zip."""
-    packed = packed.cpu()
-    k_max = (packed.shape[1] - 3) // 3 if packed.dim() == 2 else 0
+    """Host lists from packed rows (the worker's host copy: read once); `ks[i]` trims row i's
+    top (None or 0: none). Each block becomes Python lists in one conversion, each row's top in
+    one zip."""
+    rows = (packed if packed.device.type == "cpu" else packed.cpu()).numpy()
+    k_max = (rows.shape[1] - 3) // 3 if rows.ndim == 2 else 0
     out = LogprobsLists(
-        packed[:, 0].long().tolist(), packed[:, 1].tolist(), packed[:, 2].long().tolist(), []
+        rows[:, 0].astype(np.int64).tolist(),
+        rows[:, 1].tolist(),
+        rows[:, 2].astype(np.int64).tolist(),
+        [],
     )
     if k_max == 0:
-        out.top = [[] for _ in range(packed.shape[0])]
+        out.top = [[] for _ in range(rows.shape[0])]
         return out
-    ids = packed[:, 3 : 3 + k_max].long().tolist()
-    lps = packed[:, 3 + k_max : 3 + 2 * k_max].tolist()
-    ranks = packed[:, 3 + 2 * k_max :].long().tolist()
-    for i in range(packed.shape[0]):
+    ids = rows[:, 3 : 3 + k_max].astype(np.int64).tolist()
+    lps = rows[:, 3 + k_max : 3 + 2 * k_max].tolist()
+    ranks = rows[:, 3 + 2 * k_max :].astype(np.int64).tolist()
+    for i in range(rows.shape[0]):
         k = k_max if ks is None else min(ks[i] or 0, k_max)
         out.top.append(list(zip(ids[i][:k], lps[i][:k], ranks[i][:k])))
     return out

@@ -41,7 +41,7 @@ class SamplerOutput:
     for its packed layout)."""
 
     token_ids: Tensor  # [N] int64
-    logprobs: Tensor | None  # [N, 3 + 2k] float64
+    logprobs: Tensor | None  # [N, 3 + 3k] float64
 
 
 def apply_penalties(x: Tensor, pen: Penalties, tally: Tensor | None = None) -> None:

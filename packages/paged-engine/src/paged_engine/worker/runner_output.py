@@ -62,7 +62,7 @@ class AsyncRunnerOutput:
         step_id: int,
         seq_ids: list[int],
         token_ids: torch.Tensor | None,  # [N] int64
-        logprobs: torch.Tensor | None,  # [N, 3 + 2k] float64 packed
+        logprobs: torch.Tensor | None,  # [N, 3 + 3k] float64 packed (sample/logprobs.py)
         num_logprobs: list[int | None],
         beam: tuple[list[int], list[int], torch.Tensor, torch.Tensor] | None,
         prompt: list[tuple[int, int, int, torch.Tensor]],  # (seq_id, start, k, packed)

@@ -390,6 +390,34 @@ def test_images_on_a_text_model_are_400s_naming_the_block(srv: SimpleNamespace) 
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}}
     messages = [{"role": "user", "content": [{"type": "text", "text": "What?"}, image]}]
     assert "messages[0].content[1]" in _error(srv, 400, messages=messages)
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
+    messages = [{"role": "user", "content": [result]}]
+    assert "messages[0].content[0].content[0]" in _error(srv, 400, messages=messages)
+
+
+def test_images_become_image_parts_in_order() -> None:
+    """On a model that takes images: a tool result's images open the user message after the
+    tool messages (a tool message holds text only); each image keeps its block's name."""
+    from paged_server.anthropic_request import parse_messages
+
+    def image(url: str) -> dict:
+        return {"type": "image", "source": {"type": "url", "url": url}}
+
+    turn = [
+        {"type": "tool_result", "tool_use_id": "a", "content": [image("https://x/1.png")]},
+        {"type": "tool_result", "tool_use_id": "b", "content": "no picture"},
+        image("https://x/2.png"),
+        {"type": "text", "text": "Compare them."},
+    ]
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": turn}]}
+    req, names = parse_messages(body, None, images=True, budget_ok=False)
+    chat = req.chat.messages
+    assert [m["role"] for m in chat] == ["tool", "tool", "user"]
+    assert chat[0]["content"] == "" and chat[1]["content"] == "no picture"
+    assert [p["type"] for p in chat[2]["content"]] == ["image", "image", "text"]
+    want = ["messages[0].content[0].content[0]", "messages[0].content[2]"]
+    assert names == want == [r.param for r in req.chat.media_refs]
+    assert [r.url for r in req.chat.media_refs] == ["https://x/1.png", "https://x/2.png"]
 
 
 # ---- the official client on a real model ---------------------------------------------------

@@ -6,7 +6,8 @@
 Blocks become chat message parts: `text` and `image` (base64 or URL source) parts of a user
 message; an assistant turn's `thinking` its reasoning (`redacted_thinking` is dropped: its
 text is opaque), its `tool_use` blocks its `tool_calls`; a user turn's `tool_result` blocks
-one `tool` message each, where they stand among the turn's other blocks. A conversation that
+one `tool` message each, where they stand among the turn's other blocks (their images, which a
+tool message cannot hold, open the user message after them). A conversation that
 ends with the assistant's turn is continued (Anthropic's prefill), as `continue_final_message`.
 
 `thinking` ({"type": "enabled", "budget_tokens": N} / "disabled" / "adaptive") sets the chat
@@ -113,25 +114,40 @@ def _image_url(block: dict[str, Any], param: str) -> str:
     )
 
 
-def _tool_result(block: dict[str, Any], param: str) -> dict[str, Any]:
-    """A `tool_result` block -> a chat `tool` message (its text; an error result is marked)."""
+def _tool_result(
+    block: dict[str, Any], param: str, images: bool, image_params: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A `tool_result` block -> (a chat `tool` message with its text, an error result marked;
+    its images as user image parts: a tool message holds text only)."""
     call_id = _string(block.get("tool_use_id"), f"{param}.tool_use_id", empty=False)
     content = block.get("content", "")
+    pictures: list[dict[str, Any]] = []
     if isinstance(content, list):
-        kinds = {b.get("type") for b in content if isinstance(b, dict)}
-        if "image" in kinds:
-            raise bad_request(
-                f"{param}.content: images in tool results are not supported (put them in the "
-                "user turn's own blocks)",
-                f"{param}.content",
-            )
+        texts = []
+        for k, b in enumerate(content):
+            if isinstance(b, dict) and b.get("type") == "image":
+                p = f"{param}.content[{k}]"
+                pictures.append(_image_part(b, p, images, image_params))
+            else:
+                texts.append(b)
+        content = texts
     text = "\n".join(p["text"] for p in _text_blocks(content, f"{param}.content"))
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise bad_request(f"{param}.is_error must be a boolean", f"{param}.is_error")
     if is_error:
         text = f"Error: {text}"
-    return {"role": "tool", "tool_call_id": call_id, "content": text}
+    return {"role": "tool", "tool_call_id": call_id, "content": text}, pictures
+
+
+def _image_part(
+    block: dict[str, Any], param: str, images: bool, image_params: list[str]
+) -> dict[str, Any]:
+    url = _image_url(block, param)
+    if not images:
+        raise bad_request(f"{param}: this model takes no images", param)
+    image_params.append(param)
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict[str, Any]]:
@@ -153,6 +169,7 @@ def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict
     parts: list[dict[str, Any]] = []  # the turn's text and image parts not yet emitted
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
+    shown: list[dict[str, Any]] = []  # the tool results' images: a user message after them
     for j, block in enumerate(content):
         p = f"{param}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -169,16 +186,14 @@ def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict
         if kind == "text":
             parts.append({"type": "text", "text": _string(block.get("text"), f"{p}.text")})
         elif kind == "image":
-            url = _image_url(block, p)
-            if not images:
-                raise bad_request(f"{p}: this model takes no images", p)
-            image_params.append(p)
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append(_image_part(block, p, images, image_params))
         elif kind == "tool_result":
             if parts:  # the blocks before it, in their place
                 out.append({"role": "user", "content": parts})
                 parts = []
-            out.append(_tool_result(block, p))
+            tool, pictures = _tool_result(block, p, images, image_params)
+            out.append(tool)
+            shown += pictures
         elif kind == "tool_use":
             args = block.get("input", {})
             if not isinstance(args, dict):
@@ -189,8 +204,8 @@ def _message(i: int, m: Any, images: bool, image_params: list[str]) -> list[dict
         elif kind == "thinking":
             thinking.append(_string(block.get("thinking"), f"{p}.thinking"))
     if role == "user":
-        if parts or not out:
-            out.append({"role": "user", "content": parts})
+        if shown or parts or not out:
+            out.append({"role": "user", "content": shown + parts})
         return out
     msg: dict[str, Any] = {"role": "assistant", "content": parts or ""}
     if calls:

@@ -463,6 +463,8 @@ def test_anthropic_client_on_a_real_model_matches_chat_completions(
     with pytest.raises(anthropic.AuthenticationError) as err:
         bad.messages.create(**kwargs)
     assert err.value.body["error"]["type"] == "authentication_error"
+    assert [model.id for model in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").max_input_tokens > 0
     # Anthropic's own header for the key (older SDKs and other clients send it)
     body = {"model": "tiny", "messages": kwargs["messages"]}
     for key, status in ((API_KEY, 200), ("wrong", 401)):
@@ -511,3 +513,27 @@ def test_hostile_bodies_are_4xx_never_500(srv: SimpleNamespace) -> None:
     srv.engine.script = "ok"
     check()
     assert _create(srv, "fine")["content"][0]["text"] == "fine"
+
+
+def test_models_in_anthropics_shape_for_anthropic_clients(srv: SimpleNamespace) -> None:
+    """With the `anthropic-version` header (Anthropic's SDKs send it) the model routes answer
+    Anthropic's shape, validated against the SDK's types; without it, OpenAI's."""
+    from anthropic.types import ModelInfo
+
+    version = {"anthropic-version": "2023-06-01"}
+    status, _, page = srv.http.request("GET", "/v1/models", headers=version)
+    assert status == 200 and page["has_more"] is False, page
+    (model,) = page["data"]
+    ModelInfo.model_validate(model)
+    assert model["id"] == page["first_id"] == page["last_id"] == "tiny"
+    assert model["max_input_tokens"] == 512
+    status, _, one = srv.http.request("GET", "/v1/models/tiny", headers=version)
+    assert status == 200 and one == model
+    status, _, missing = srv.http.request("GET", "/v1/models/claude-x", headers=version)
+    assert status == 404 and missing["error"]["type"] == "not_found_error", missing
+    for query in ("?limit=0", "?after_id=nope"):
+        status, _, bad = srv.http.request("GET", "/v1/models" + query, headers=version)
+        assert status == 400 and bad["type"] == "error", bad
+    status, _, page = srv.http.request("GET", "/v1/models?after_id=tiny", headers=version)
+    assert page == {"data": [], "has_more": False, "first_id": None, "last_id": None}
+    assert srv.http.request("GET", "/v1/models")[2]["object"] == "list"  # OpenAI's

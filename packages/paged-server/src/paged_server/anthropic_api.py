@@ -12,6 +12,8 @@
 room left after the prompt is cut to that room, as Anthropic does, instead of a 400), else
 "end_turn". `usage.input_tokens` counts the prompt tokens the prefix cache did not serve,
 `cache_read_input_tokens` those it did (Anthropic's split: their sum is the prompt).
+`GET /v1/models` (and `/v1/models/{id}`) answer in Anthropic's shape to a request that
+carries the `anthropic-version` header (as Anthropic's SDKs send it).
 
 A stream is Anthropic's typed events (`event: <type>` + `data: <json>`): message_start (at
 once: its usage counts the whole prompt as input, the prefix cache's share being known only
@@ -26,10 +28,12 @@ Thinking blocks carry a random `signature`: nothing here signs or checks them.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
 
 from paged_server.anthropic_request import MessagesRequest, messages_params, parse_messages
 from paged_server.anthropic_request import tool_input as _input
@@ -319,3 +323,49 @@ def _message_start(events: _EventStream, mid: str, model: str, n_prompt: int) ->
     }
     events.send("message_start", message=message)
     events.send("ping")
+
+
+# ---- models ---------------------------------------------------------------------------------
+def anthropic_model(card: dict[str, Any]) -> dict[str, Any]:
+    """A served model's card as Anthropic's model object."""
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(card["created"]))
+    return {
+        "type": "model",
+        "id": card["id"],
+        "display_name": card["id"],
+        "created_at": created,
+        "lifecycle": "active",
+        "max_input_tokens": card["max_model_len"],
+        "max_tokens": card["max_model_len"],
+    }
+
+
+def anthropic_model_list(h: Handler, cards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Anthropic's model list page: `limit` (1-1000, default 20) after `after_id` or before
+    `before_id`."""
+    query = parse_qs(urlsplit(h.path).query)
+    raw_limit = query.get("limit", ["20"])[-1]
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
+        raise bad_request(f"limit must be an integer from 1 to 1000, got {raw_limit!r}", "limit")
+    limit = int(raw_limit)
+    models = [anthropic_model(c) for c in cards]
+    ids = [m["id"] for m in models]
+    for key in ("after_id", "before_id"):
+        cursor = query.get(key, [None])[-1]
+        if cursor is not None and cursor not in ids:
+            raise bad_request(f"{key} {cursor!r} is not a served model", key)
+    after, before = query.get("after_id", [None])[-1], query.get("before_id", [None])[-1]
+    if after is not None:
+        rest = models[ids.index(after) + 1 :]
+        page, more = rest[:limit], len(rest) > limit
+    elif before is not None:
+        rest = models[: ids.index(before)]
+        page, more = rest[-limit:], len(rest) > limit
+    else:
+        page, more = models[:limit], len(models) > limit
+    return {
+        "data": page,
+        "has_more": more,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+    }

@@ -23,7 +23,13 @@ from urllib.parse import unquote
 
 from paged_engine.classification import ClassifierInfo
 from paged_server import __version__, answers
-from paged_server.anthropic_api import anthropic_errors, serve_count_tokens, serve_messages
+from paged_server.anthropic_api import (
+    anthropic_errors,
+    anthropic_model,
+    anthropic_model_list,
+    serve_count_tokens,
+    serve_messages,
+)
 from paged_server.classify import serve_classify
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.dev_routes import dev_routes
@@ -319,9 +325,18 @@ class OpenAIApp:
     def models(self, h: Handler) -> None:
         cards = [self._card(n) for n in self.names]
         cards += [self._card(a.lora_name, a) for a in self.lora.adapters()]
+        if h.headers.get("anthropic-version") is not None:  # an Anthropic SDK asks
+            with anthropic_errors():
+                h.send_json(200, anthropic_model_list(h, cards))
+            return
         h.send_json(200, {"object": "list", "data": cards})
 
     def model(self, h: Handler, name: str) -> None:
+        if h.headers.get("anthropic-version") is not None:
+            with anthropic_errors():
+                _, lora = self._resolve(name)
+                h.send_json(200, anthropic_model(self._card(name, lora)))
+            return
         _, lora = self._resolve(name)
         h.send_json(200, self._card(name, lora))
 

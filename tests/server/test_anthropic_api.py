@@ -118,6 +118,9 @@ def test_text_message_shape_and_usage(srv: SimpleNamespace) -> None:
     assert (params.temperature, params.top_k, params.top_p, params.max_tokens) == (0.5, 4, 0.9, 100)
     count = _post(srv, "", "/v1/messages/count_tokens", system="Be brief.", max_tokens=None)
     assert count == (200, {"input_tokens": n})
+    # the SDKs' beta clients add a query string
+    status, beta = _post(srv, "Hi.", "/v1/messages?beta=true")
+    assert status == 200 and beta["content"] == [{"type": "text", "text": "Hi."}], beta
 
 
 def test_blocks_become_the_chat_messages(srv: SimpleNamespace) -> None:

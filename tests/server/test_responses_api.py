@@ -159,7 +159,9 @@ BAD = [
     ({"input": "x", "bogus": 1}, "bogus"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include"),
+    ({"input": "x", "include": ["message.output_text.bogus"]}, "include"),
+    ({"input": "x", "include": "reasoning.encrypted_content"}, "include"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),  # low | medium | high
     ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning"),
@@ -380,6 +382,43 @@ def test_reasoning_is_its_own_output_item(srv: SimpleNamespace) -> None:
     assert final["output"][1]["content"][0]["text"] == "The answer."
 
 
+def test_logprobs_of_the_message_text(srv: SimpleNamespace) -> None:
+    """include "message.output_text.logprobs" (+ top_logprobs): the message's tokens' logprobs
+    (the reasoning's not among them), whole and streamed alike; the other include values
+    clients send (encrypted reasoning, built-in tools' extras) are taken and add nothing."""
+    include = ["message.output_text.logprobs", "reasoning.encrypted_content"]
+    r = _create(srv, "<think>plan</think>Yes.", input="x", include=include, top_logprobs=1)
+    assert srv.engine.params[r["id"] + "-0"].logprobs == 1
+    assert r["top_logprobs"] == 1
+    text = r["output"][1]["content"][0]
+    assert text["text"] == "Yes." and [e["token"] for e in text["logprobs"]] == list("Yes.")
+    assert all(len(e["top_logprobs"]) == 1 for e in text["logprobs"])
+    assert r["output"][0]["type"] == "reasoning"
+    events = _events(srv, "<think>plan</think>Yes.", input="x", include=include, top_logprobs=1)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [lp for d in deltas for lp in d["logprobs"]] == text["logprobs"]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == text["logprobs"]
+    assert events[-1]["response"]["output"][1]["content"][0]["logprobs"] == text["logprobs"]
+    # without the include value: no logprobs asked of the engine
+    r = _create(srv, "Yes.", input="x", top_logprobs=2)
+    assert r["output"][0]["content"][0]["logprobs"] == []
+    assert srv.engine.params[r["id"] + "-0"].logprobs is None
+
+
+def test_span_logprobs_takes_the_answers_own_tokens() -> None:
+    """The message's tokens are found after the reasoning, even when the reasoning holds the
+    same text."""
+    from paged_server.chat_output import span_logprobs
+
+    pieces = ["<think>", "Yes", ".", "</think>", "Ye", "s."]
+    entries = [{"i": i} for i in range(6)]
+    assert span_logprobs(entries, pieces, "Yes.", after="Yes.") == [{"i": 4}, {"i": 5}]
+    assert span_logprobs(entries, pieces, "Yes.") == [{"i": 1}, {"i": 2}]  # no anchor: first
+    assert span_logprobs(entries, pieces, "es") == [{"i": 1}]
+    assert span_logprobs(entries, pieces, "nope") == span_logprobs(entries, pieces, "") == []
+
+
 # ---- store, retrieve, previous_response_id -------------------------------------------------
 def test_a_next_turn_sent_at_once_finds_the_response(srv: SimpleNamespace, monkeypatch) -> None:
     """A response is stored before the client sees it end: a client that sends the next turn
@@ -511,6 +550,26 @@ def test_openai_client_on_a_real_model_matches_chat_completions(real_server: Ser
     assert client.responses.retrieve(r.id).output_text == want
     (item,) = client.responses.input_items.list(r.id)
     assert item.type == "message" and item.content[0].text == prompt
+    lp_chat = (
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        .choices[0]
+        .logprobs.content
+    )
+    include = ["message.output_text.logprobs"]
+    lp = client.responses.create(
+        model="tiny", input=prompt, max_output_tokens=8, temperature=0, include=include,
+        top_logprobs=2,
+    ).output[0].content[0].logprobs  # fmt: skip
+    assert [e.token for e in lp] == [e.token for e in lp_chat]
+    assert [e.logprob for e in lp] == pytest.approx([e.logprob for e in lp_chat], abs=1e-5)
+    assert [len(e.top_logprobs) for e in lp] == [2] * len(lp)
     count = client.responses.input_tokens.count(model="tiny", input=prompt)
     assert count.input_tokens == chat.usage.prompt_tokens
 

@@ -45,23 +45,29 @@ class ChatDeltas:
         reasoning: ReasoningRequest | None,
         tools: ToolOutput | None,
         decode: Callable[[int], str],
+        top_logprobs: int | None = None,
     ) -> None:
         self.choice = StreamChoice()
         self.think = None if reasoning is None else ReasoningOutput(reasoning)
         self.tools = tools
         self.decode = decode
+        self.top_logprobs = top_logprobs  # None: no logprobs
 
     def feed(self, arrived: list[tuple[int, Any]]) -> dict[str, Any] | None:
-        """The delta of one batch of (prompt index, output) pairs; None when nothing shows."""
+        """The delta of one batch of (prompt index, output) pairs; None when nothing shows.
+        With logprobs, `delta["logprobs"]` holds chat's entries of the batch's tokens."""
         for _, out in arrived:
             for seq in out.outputs:
                 self.choice.add(seq, out.finished)
-        entry = self.choice.chunk(0, "", None, self.decode, True)
+        entry = self.choice.chunk(0, "", self.top_logprobs, self.decode, True)
         if entry is not None and self.think is not None:
             entry = self.think.rewrite(entry)
         if entry is not None and self.tools is not None:
             entry = self.tools.rewrite(entry)
-        return None if entry is None else entry["delta"]
+        if entry is None:
+            return None
+        lp = entry.get("logprobs")
+        return {**entry["delta"], "logprobs": lp["content"]} if lp else entry["delta"]
 
     @property
     def finish_reason(self) -> str | None:
@@ -70,3 +76,26 @@ class ChatDeltas:
     @property
     def stop_reason(self) -> int | str | None:
         return self.choice.stop_reason
+
+
+def span_logprobs(
+    entries: list[dict[str, Any]], pieces: list[str], text: str, after: str | None = None
+) -> list[dict[str, Any]]:
+    """Chat's logprob entries of the tokens that wrote `text` (`pieces`: each token's text),
+    a part of their joined text (the answer after its reasoning `after`, or before its tool
+    calls); none when it is not found there (a character split across tokens)."""
+    joined = "".join(pieces)
+    begin = 0
+    if after:  # the answer follows the reasoning: not a copy of it inside the reasoning
+        at = joined.find(after)
+        begin = at + len(after) if at >= 0 else 0
+    start = joined.find(text, begin) if text else -1
+    if start < 0:
+        return []
+    out, pos = [], 0
+    for e, piece in zip(entries, pieces, strict=True):
+        end = pos + len(piece)
+        if end > start and pos < start + len(text):
+            out.append(e)
+        pos = end
+    return out

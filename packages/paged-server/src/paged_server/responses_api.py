@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from paged_server.chat_output import ChatDeltas, split_output, tool_output
+from paged_server.chat_output import ChatDeltas, span_logprobs, split_output, tool_output
 from paged_server.errors import APIError
 from paged_server.openai_protocol import GenerationRequest
+from paged_server.openai_responses import chat_logprobs
 from paged_server.reasoning import ReasoningRequest
 from paged_server.responses_request import ResponsesRequest, parse_responses, responses_params
 
@@ -96,12 +97,14 @@ def _context_items(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # ---- output items and the response object ---------------------------------------------------
-def _output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_output_text(text)]
+def _message_item(
+    item_id: str, text: str | None, status: str, logprobs: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    content = [] if text is None else [_output_text(text, logprobs)]
     return {
         "type": "message",
         "id": item_id,
@@ -175,21 +178,29 @@ def _finish(
 
 
 def _whole_output(
-    app: OpenAIApp,
-    req: GenerationRequest,
-    text: str,
-    reason: str | None,
-    reasoning: ReasoningRequest | None,
+    app: OpenAIApp, req: GenerationRequest, seq: Any, reasoning: ReasoningRequest | None
 ) -> tuple[list[dict[str, Any]], str | None]:
     """A finished output's items: [reasoning] [message] [function_call ...]; and its reasoning
-    text. A message is there when it has text, or when nothing else is."""
+    text. A message is there when it has text, or when nothing else is; with logprobs asked
+    for (include "message.output_text.logprobs"), its text's tokens' logprobs (a stream sends
+    each delta with the logprobs of the tokens that arrived with it)."""
     tools = tool_output(req.tools, app.tool_call_parser)
-    thought, content, calls = split_output(text, reason, reasoning, tools)
+    thought, content, calls = split_output(seq.text, seq.finish_reason, reasoning, tools)
+    lps = None
+    if req.logprobs is not None and content:
+        entries = chat_logprobs(seq.token_ids, seq.logprobs or [], req.logprobs, app._decoder(req))[
+            "content"
+        ]
+        if thought is None and not calls:  # the whole output is the message
+            lps = entries
+        else:
+            pieces = [app._decode_one(t) for t in seq.token_ids]
+            lps = span_logprobs(entries, pieces, content, thought)
     items = []
     if thought is not None:
         items.append(_reasoning_item(_new_id("rs"), thought, "completed"))
     if content or not (calls or items):
-        items.append(_message_item(_new_id("msg"), content or "", "completed"))
+        items.append(_message_item(_new_id("msg"), content or "", "completed", lps))
     for c in calls:
         fn = c["function"]
         items.append(_call_item(_new_id("fc"), c["id"], fn["name"], fn["arguments"], "completed"))
@@ -209,6 +220,7 @@ class _EventStream:
         self.pieces: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}  # the tool-call stream's index -> its item
         self.reasoning_pieces: list[str] = []  # all of it: its token count goes into the usage
+        self.logprobs: list[dict[str, Any]] = []  # the open message's, as its deltas brought them
 
     def send(self, kind: str, **fields: Any) -> None:
         self.h.send_event({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
@@ -246,11 +258,12 @@ class _EventStream:
             done = _call_item(item["id"], item["call_id"], item["name"], text, status)
         else:
             if item["type"] == "message":
-                part = _output_text(text)
+                lps, self.logprobs = self.logprobs, []
+                part = _output_text(text, lps)
                 self.send(
-                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done", **where, content_index=0, text=text, logprobs=lps
                 )
-                done = _message_item(item["id"], text, status)
+                done = _message_item(item["id"], text, status, lps)
             else:
                 part = {"type": "reasoning_text", "text": text}
                 self.send("response.reasoning_text.done", **where, content_index=0, text=text)
@@ -260,8 +273,9 @@ class _EventStream:
         self.send("response.output_item.done", output_index=where["output_index"], item=done)
         self.open = None
 
-    def _piece(self, kind: str, piece: str) -> None:
-        """Text for the open item of `kind` (opened first when another kind is open)."""
+    def _piece(self, kind: str, piece: str, logprobs: list[dict[str, Any]] | None = None) -> None:
+        """Text for the open item of `kind` (opened first when another kind is open), with a
+        message's the logprobs of the tokens that brought it."""
         if self.open is None or self.open["type"] != kind:
             make = _message_item if kind == "message" else _reasoning_item
             self._add(make(_new_id("msg" if kind == "message" else "rs"), None, "in_progress"))
@@ -269,7 +283,8 @@ class _EventStream:
         event = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {"logprobs": logprobs or []} if kind == "message" else {}
+        self.logprobs += logprobs or []
         self.send(event, **self._where(), content_index=0, delta=piece, **extra)
 
     def delta(self, delta: dict[str, Any]) -> None:
@@ -278,7 +293,7 @@ class _EventStream:
             self.reasoning_pieces.append(delta["reasoning_content"])
             self._piece("reasoning", delta["reasoning_content"])
         if delta.get("content"):
-            self._piece("message", delta["content"])
+            self._piece("message", delta["content"], delta.get("logprobs"))
         for entry in delta.get("tool_calls", []):
             fn = entry.get("function", {})
             item = self.calls.get(entry["index"])
@@ -322,9 +337,7 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
         else:
             app._wait(h, group)
             seq = group.latest[0].outputs[0]
-            body["output"], thought = _whole_output(
-                app, chat, seq.text, seq.finish_reason, reasoning
-            )
+            body["output"], thought = _whole_output(app, chat, seq, reasoning)
             _finish(app, body, group, thought)
             _store(app, req, body)
             h.send_json(200, body)
@@ -374,7 +387,7 @@ def _stream(
     events.send("response.created", response=body)
     events.send("response.in_progress", response=body)
     tools = tool_output(req.chat.tools, app.tool_call_parser)
-    deltas = ChatDeltas(reasoning, tools, app._decode_one)
+    deltas = ChatDeltas(reasoning, tools, app._decoder(req.chat), req.chat.logprobs)
     try:
         for arrived in app.arrivals(h, group):
             delta = deltas.feed(arrived)

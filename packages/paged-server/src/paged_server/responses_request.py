@@ -39,6 +39,14 @@ _IGNORED = frozenset({
 })
 # fmt: on
 _NOT_SUPPORTED = frozenset({"conversation", "prompt", "context_management"})
+# `include` values: the message's logprobs are returned; the others name what built-in tools
+# (none here) or encrypted reasoning (none here: reasoning items are plain) would add.
+LOGPROBS = "message.output_text.logprobs"
+_INCLUDES = frozenset({
+    LOGPROBS, "reasoning.encrypted_content", "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url", "file_search_call.results",
+    "message.input_image.image_url", "web_search_call.action.sources", "web_search_call.results",
+})  # fmt: skip
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
@@ -347,13 +355,17 @@ def _check_off(body: dict[str, Any]) -> None:
         raise bad_request("background responses are not supported by this server", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request("'truncation' must be 'disabled': input is never dropped", "truncation")
-    include = body.get("include")
-    if include not in (None, []):
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(v in _INCLUDES for v in include):
         raise bad_request(
-            f"'include' values are not supported by this server: {include!r}", "include"
+            f"'include' must be a list of {', '.join(sorted(_INCLUDES))}; got {include!r}",
+            "include",
         )
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad_request("'top_logprobs' is not supported by this server", "top_logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and (
+        isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20
+    ):
+        raise bad_request("'top_logprobs' must be an integer from 0 to 20", "top_logprobs")
     reasoning = body.get("reasoning")
     if reasoning is not None and (
         not isinstance(reasoning, dict)
@@ -434,6 +446,8 @@ def parse_responses(
         "response_format": response_format,
         "reasoning_effort": effort,
     }
+    if LOGPROBS in (body.get("include") or []):
+        chat_body.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
     with responses_params():
         chat = parse_chat(chat_body, tool_parser, images)
     if chat.media_refs:  # a URL that cannot be loaded is named as the client sent it
@@ -453,7 +467,7 @@ def parse_responses(
         "text": text_echo,
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": tools_echo,
-        "top_logprobs": 0,
+        "top_logprobs": body.get("top_logprobs") or 0,
         "top_p": chat.sampling.get("top_p", 1.0),
         "truncation": "disabled",
         "user": user,

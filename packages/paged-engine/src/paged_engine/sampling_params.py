@@ -357,6 +357,12 @@ class SamplingParams:
         _check_bools(self, _BOOL_FIELDS)
 
     @property
+    def num_top_logprobs(self) -> int | None:
+        """Entries reported beside each sampled token: the explicit ids' count, or the top-k
+        (None: no logprobs)."""
+        return len(self.logprob_token_ids) if self.logprob_token_ids else self.logprobs
+
+    @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
 

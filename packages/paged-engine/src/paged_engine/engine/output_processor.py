@@ -265,7 +265,7 @@ class OutputProcessor:
             if upd.logprobs is not None:
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, _top_count(params), token, upd, k)
+                    self._add_logprobs(seq, params.num_top_logprobs, token, upd, k)
             stop_token = k == last and upd.finish_reason == "stop" and not upd.grammar_end
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
@@ -297,7 +297,7 @@ class OutputProcessor:
             for k, token in enumerate(upd.new_token_ids):
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, _top_count(params), token, upd, k)
+                    self._add_logprobs(seq, params.num_top_logprobs, token, upd, k)
         if upd.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             detok = seq.detokenizer
@@ -447,8 +447,3 @@ class OutputProcessor:
 
 def _aborted(co: EngineCoreOutput) -> bool:
     return any(u.finish_reason == "abort" for u in co.seqs)
-
-
-def _top_count(params: SamplingParams) -> int:
-    """Entries reported beside the sampled token: its explicit ids, or the top-k."""
-    return len(params.logprob_token_ids or ()) or params.logprobs or 0

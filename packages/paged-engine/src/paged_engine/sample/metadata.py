@@ -303,9 +303,7 @@ def metadata_from_params(
             for i, p in enumerate(params)
             if p.seed is not None and not p.is_greedy
         ],
-        num_logprobs=[
-            len(p.logprob_token_ids) if p.logprob_token_ids else p.logprobs for p in params
-        ],
+        num_logprobs=[p.num_top_logprobs for p in params],
         need_logprobs=any(p.logprobs is not None or (p.best_of or 0) > p.n for p in params),
         token_rules=[(i, p) for i, p in enumerate(params) if p.logit_bias or p.allowed_token_ids],
         logprob_ids=[(i, p.logprob_token_ids) for i, p in enumerate(params) if p.logprob_token_ids],

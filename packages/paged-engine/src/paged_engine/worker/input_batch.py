@@ -37,11 +37,10 @@ class CachedSeq:
     beam_candidates: int
     eos_token_ids: tuple[int, ...]
     seed: int | None
-    num_logprobs: int | None  # top-k columns its logprobs take (its explicit ids' count)
+    num_logprobs: int | None  # top columns its logprobs take (SamplingParams.num_top_logprobs)
     prompt_logprobs: int | None
     needs_history: bool  # penalties read every output token
     lora_id: int = 0  # its LoRA adapter (0: none)
-    logprob_ids: list[int] | None = None  # logprob_token_ids: reported instead of the top-k
     num_tokens: int = 0  # host tokens + tokens sampled since (tracked for history rows)
 
 
@@ -115,7 +114,6 @@ class InputBatch:
         history = not beam and (
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         )
-        explicit = None if beam else getattr(p, "logprob_token_ids", None)
         seq = CachedSeq(
             seq_id=data.seq_id,
             row=row,
@@ -126,12 +124,11 @@ class InputBatch:
             beam_candidates=data.beam_candidates,
             eos_token_ids=data.eos_token_ids,
             seed=None if beam else p.seed,
-            num_logprobs=None if beam else len(explicit) if explicit else p.logprobs,
+            num_logprobs=None if beam else p.num_top_logprobs,
             prompt_logprobs=None if beam else p.prompt_logprobs,
             needs_history=history,
             num_tokens=len(data.token_ids),
             lora_id=data.lora_id,
-            logprob_ids=explicit,
         )
         self.seqs[data.seq_id] = seq
         self.row_of[data.seq_id] = row

@@ -122,7 +122,7 @@ class SamplingInputs:
             output_history=output_history,
             prompt_history=prompt_history,
             token_rules=[(k, cached[src[k]].params) for k in np.flatnonzero(rules)],
-            logprob_ids=_explicit(cached, src) if wants_lp.any() else (),
+            logprob_ids=_explicit(cached, src, wants_lp),
         )
         reusable = not (seeds or hist_rows.size or (batch.min_tokens[rows] > 0).any())
         self._md_cache = ((batch.version, rows.copy()), md if reusable else None)
@@ -185,6 +185,12 @@ class SamplingInputs:
                     batch.mirror_tokens(c.row, [ids[k]], len(c.token_ids) - 1)
 
 
-def _explicit(cached: list[CachedSeq], src: np.ndarray) -> list[tuple[int, list[int]]]:
-    """(sampled row, its logprob_token_ids) of the rows that report explicit ids."""
-    return [(k, ids) for k, i in enumerate(src.tolist()) if (ids := cached[i].logprob_ids)]
+def _explicit(
+    cached: list[CachedSeq], src: np.ndarray, wants_lp: np.ndarray
+) -> list[tuple[int, list[int]]]:
+    """(sampled row, its logprob_token_ids) of the logprob rows that report explicit ids."""
+    return [
+        (k, ids)
+        for k in np.flatnonzero(wants_lp).tolist()
+        if (ids := cached[src[k]].params.logprob_token_ids)
+    ]

@@ -413,13 +413,13 @@ def test_images_become_image_parts_in_order() -> None:
         {"type": "text", "text": "Compare them."},
     ]
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": turn}]}
-    req, names = parse_messages(body, None, images=True, budget_ok=False)
+    req = parse_messages(body, None, images=True, budget_ok=False)
     chat = req.chat.messages
     assert [m["role"] for m in chat] == ["tool", "tool", "user"]
     assert chat[0]["content"] == "" and chat[1]["content"] == "no picture"
     assert [p["type"] for p in chat[2]["content"]] == ["image", "image", "text"]
     want = ["messages[0].content[0].content[0]", "messages[0].content[2]"]
-    assert names == want == [r.param for r in req.chat.media_refs]
+    assert [r.param for r in req.chat.media_refs] == want
     assert [r.url for r in req.chat.media_refs] == ["https://x/1.png", "https://x/2.png"]
 
 

@@ -35,8 +35,12 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
-from paged_server.anthropic_request import MessagesRequest, messages_params, parse_messages
-from paged_server.anthropic_request import tool_input as _input
+from paged_server.anthropic_request import (
+    MessagesRequest,
+    messages_params,
+    parse_messages,
+    tool_input,
+)
 from paged_server.chat_output import ChatDeltas, split_output, tool_output
 from paged_server.errors import APIError, bad_request
 from paged_server.reasoning import ReasoningRequest
@@ -67,6 +71,11 @@ class AnthropicError(APIError):
         return json.dumps({"type": "error", "error": err}).encode()
 
 
+def is_messages_route(path: str) -> bool:
+    """`/v1/messages` and the routes under it: their errors are Anthropic's shape."""
+    return path.rstrip("/") == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 @contextmanager
 def anthropic_errors() -> Iterator[None]:
     """Every error of the Messages API routes, in Anthropic's shape."""
@@ -84,10 +93,9 @@ def _new_id(prefix: str) -> str:
 
 def _parse(app: OpenAIApp, h: Handler, count_only: bool = False) -> MessagesRequest:
     budget_ok = app.reasoning_parser is not None
-    req, _ = parse_messages(
+    return parse_messages(
         h.read_json(), app.tool_call_parser, app.takes_media, budget_ok, not count_only
     )
-    return req
 
 
 def _thinking_block(text: str) -> dict[str, Any]:
@@ -184,7 +192,7 @@ def _whole(
     if content:
         blocks.append({"type": "text", "text": content})
     for c in calls:
-        args = _input(c["function"]["arguments"])
+        args = tool_input(c["function"]["arguments"])
         if args is not None:  # a call max_tokens cut short is dropped
             blocks.append(
                 {"type": "tool_use", "id": c["id"], "name": c["function"]["name"], "input": args}
@@ -282,10 +290,8 @@ def _stream(
     tools = tool_output(req.chat.tools, app.tool_call_parser)
     deltas = ChatDeltas(reasoning, tools, app._decode_one)
     try:
-        for arrived in app.arrivals(h, group):
-            delta = deltas.feed(arrived)
-            if delta is not None:
-                events.delta(delta)
+        for delta in deltas.stream(app.arrivals(h, group)):
+            events.delta(delta)
     except APIError as e:
         events.send("error", error={"type": "api_error", "message": e.message})
         h.end_stream(done=False)

@@ -322,8 +322,8 @@ def _output_format(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | N
 
 def parse_messages(
     body: Any, tool_parser: str | None, images: bool, budget_ok: bool, need_max_tokens: bool = True
-) -> tuple[MessagesRequest, list[str]]:
-    """The request, and where each image came from (`messages[i].content[j]`, in order).
+) -> MessagesRequest:
+    """The request, its images' refs named by their blocks (`messages[i].content[j]`).
     `images`: the model takes images; `budget_ok`: thinking budgets can be enforced;
     `need_max_tokens`: false for count_tokens."""
     if not isinstance(body, dict):
@@ -396,7 +396,7 @@ def parse_messages(
         chat.media_refs = [
             replace(r, param=n) for r, n in zip(chat.media_refs, image_params, strict=True)
         ]
-    return MessagesRequest(chat=chat, stop_sequences=stops, show_thinking=show), image_params
+    return MessagesRequest(chat=chat, stop_sequences=stops, show_thinking=show)
 
 
 def tool_input(arguments: str) -> dict[str, Any] | None:

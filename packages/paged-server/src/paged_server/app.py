@@ -27,6 +27,7 @@ from paged_server.anthropic_api import (
     anthropic_errors,
     anthropic_model,
     anthropic_model_list,
+    is_messages_route,
     serve_count_tokens,
     serve_messages,
 )
@@ -204,7 +205,7 @@ class OpenAIApp:
     # ---- routing ---------------------------------------------------------------------------
     def dispatch(self, h: Handler, method: str, path: str) -> None:
         route = path.rstrip("/") or "/"
-        if route == "/v1/messages" or route.startswith("/v1/messages/"):
+        if is_messages_route(route):
             with anthropic_errors():  # Anthropic's error shape, 401s and 404s included
                 self._dispatch(h, method, path, route)
         else:

@@ -5,7 +5,7 @@ deltas ({"reasoning_content", "content", "tool_calls"})."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from paged_server.openai_responses import StreamChoice
@@ -68,6 +68,13 @@ class ChatDeltas:
             return None
         lp = entry.get("logprobs")
         return {**entry["delta"], "logprobs": lp["content"]} if lp else entry["delta"]
+
+    def stream(self, arrivals: Iterable[list[tuple[int, Any]]]) -> Iterator[dict[str, Any]]:
+        """The deltas of the batches as they arrive (those that show something)."""
+        for arrived in arrivals:
+            delta = self.feed(arrived)
+            if delta is not None:
+                yield delta
 
     @property
     def finish_reason(self) -> str | None:

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from paged_server import profiling
-from paged_server.anthropic_api import anthropic_errors
+from paged_server.anthropic_api import anthropic_errors, is_messages_route
 from paged_server.dev_routes import ROUTES as DEV_ROUTES
 from paged_server.errors import APIError
 from paged_server.http import Handler
@@ -102,7 +102,7 @@ class ReplicaRouter:
         pass  # each replica counts its own requests
 
     def dispatch(self, handler: Handler, method: str, path: str) -> None:
-        if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        if is_messages_route(path):
             with anthropic_errors():  # the front's own errors in the replicas' shape there
                 return self._dispatch(handler, method, path)
         return self._dispatch(handler, method, path)

@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, urlsplit
 from paged_server.chat_output import ChatDeltas, span_logprobs, split_output, tool_output
 from paged_server.errors import APIError
 from paged_server.openai_protocol import GenerationRequest
-from paged_server.openai_responses import chat_logprobs
+from paged_server.openai_responses import chat_logprobs, token_id_text
 from paged_server.reasoning import ReasoningRequest
 from paged_server.responses_request import ResponsesRequest, parse_responses, responses_params
 
@@ -188,13 +188,15 @@ def _whole_output(
     thought, content, calls = split_output(seq.text, seq.finish_reason, reasoning, tools)
     lps = None
     if req.logprobs is not None and content:
-        entries = chat_logprobs(seq.token_ids, seq.logprobs or [], req.logprobs, app._decoder(req))[
-            "content"
-        ]
+        decode = app._decoder(req)
+        entries = chat_logprobs(seq.token_ids, seq.logprobs or [], req.logprobs, decode)
+        entries = entries["content"]
         if thought is None and not calls:  # the whole output is the message
             lps = entries
-        else:
-            pieces = [app._decode_one(t) for t in seq.token_ids]
+        else:  # its tokens located by their text (entries that show ids are decoded for it)
+            pieces = [e["token"] for e in entries]
+            if decode is token_id_text:
+                pieces = [app._decode_one(t) for t in seq.token_ids]
             lps = span_logprobs(entries, pieces, content, thought)
     items = []
     if thought is not None:
@@ -389,10 +391,8 @@ def _stream(
     tools = tool_output(req.chat.tools, app.tool_call_parser)
     deltas = ChatDeltas(reasoning, tools, app._decoder(req.chat), req.chat.logprobs)
     try:
-        for arrived in app.arrivals(h, group):
-            delta = deltas.feed(arrived)
-            if delta is not None:
-                events.delta(delta)
+        for delta in deltas.stream(app.arrivals(h, group)):
+            events.delta(delta)
     except APIError as e:
         events.close("incomplete")
         body["status"] = "failed"

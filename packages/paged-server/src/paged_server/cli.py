@@ -367,7 +367,7 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     return 0
 
 
-def _torchrun_rank() -> int:
+def torchrun_rank() -> int:
     """This process's global rank when torchrun (or a launcher setting its variables) started
     it, else 0 (as paged_engine.distributed.launch decides)."""
     launched = "TORCHELASTIC_RUN_ID" in os.environ or "MASTER_ADDR" in os.environ
@@ -375,6 +375,11 @@ def _torchrun_rank() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run-batch"]:  # vLLM's `vllm run-batch`: a batch file offline
+        from paged_server.run_batch import main as run_batch
+
+        return run_batch(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -385,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning(
             "structured outputs compile with llguidance, not %s (the same constraints)", backend
         )
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and _torchrun_rank() > 0:
+    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and torchrun_rank() > 0:
         # torchrun started every rank with this command: rank 0 serves HTTP, the others serve
         # rank 0's engine (build_engine returns by SystemExit when rank 0 shuts down).
         build_engine(args)
@@ -397,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     if server is None:
         return 2
     if args.data_parallel_size > 1:
-        argv = list(sys.argv[1:] if argv is None else argv)
         return serve_replicas(args, argv, server)
     try:
         engine = build_engine(args)

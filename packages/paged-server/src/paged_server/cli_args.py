@@ -584,13 +584,16 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(
+    argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """`paged-server [serve] [MODEL] [options]`: the model positionally (vLLM's `vllm serve
-    MODEL`, the `serve` word optional) or as --model."""
+    MODEL`, the `serve` word optional) or as --model; `parser`: build_parser()'s, extended
+    (run-batch's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         argv = argv[1:]
-    parser = build_parser()
+    parser = parser or build_parser()
     args = parser.parse_args(argv)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

@@ -46,6 +46,22 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def parse_json_body(data: bytes | str) -> Any:
+    """A request body as every route takes it: JSON (RFC 8259: NaN / Infinity are Python's
+    extensions, refused like any other malformed body, so no non-finite number reaches a schema
+    or a response) without lone surrogates (valid JSON, invalid Unicode: every route's text
+    reaches a tokenizer, a template or a log, and none takes one); else a 400."""
+    try:
+        body = json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"Invalid JSON body: {e}") from None
+    found = find_lone_surrogate(body, "")
+    if found is not None:
+        path, at, char = found
+        raise bad_request(surrogate_message(path or "the body", at, char), path or None)
+    return body
+
+
 class App(Protocol):
     def dispatch(self, handler: Handler, method: str, path: str) -> None: ...
 
@@ -298,20 +314,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._json
         data = self._read_body()
         self.body_read = True
-        try:
-            # NaN / Infinity are Python's extensions, not JSON (RFC 8259): refused like any
-            # other malformed body, so no non-finite number reaches a schema or a response.
-            body = json.loads(data, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise bad_request(f"Invalid JSON body: {e}") from None
-        # Every route's text reaches a tokenizer, a template or a log: none takes a lone
-        # surrogate (valid JSON, invalid Unicode), so it is refused here, naming the field.
-        found = find_lone_surrogate(body, "")
-        if found is not None:
-            path, at, char = found
-            raise bad_request(surrogate_message(path or "the body", at, char), path or None)
-        self._json = body
-        return body
+        self._json = parse_json_body(data)
+        return self._json
 
     def _read_body(self) -> bytes:
         """The body framed by Transfer-Encoding: chunked (RFC 9112: it wins over a

@@ -116,14 +116,19 @@ def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba2_dirs, request):
     refs = {}
     for backend, budget in runs:
         triton = backend == "triton"  # interpreted: shorter prompts, fewer tokens
-        prompts = random_prompts(7, (5, 23, 1) if triton else (5, 23, 70, 1))
+        prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
         max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
         for p in prompts:
             if (tuple(p), max_tokens) not in refs:
                 refs[tuple(p), max_tokens] = hf_greedy(hf, p, max_tokens, TOP)
         kw = {} if budget is None else {"max_num_batched_tokens": budget}
         llm = LLM(
-            model=str(path), dtype="float32", max_model_len=128, attention_backend=backend, **kw
+            model=str(path),
+            dtype="float32",
+            max_model_len=128,
+            attention_backend=backend,
+            num_gpu_blocks_override=64,
+            **kw,
         )
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
         outs = llm.generate(token_requests(prompts), params, use_tqdm=False)

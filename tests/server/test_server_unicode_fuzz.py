@@ -63,3 +63,24 @@ def test_tokenize_detokenize_round_trip(real_server: ServerProc, text: str) -> N
     body = {"messages": [{"role": "user", "content": text}]}
     status, _, r = real_server.request("POST", "/tokenize", body)
     _expect(status, r, text, "messages[0].content")
+
+
+def test_tokenize_returns_the_token_strings_when_asked(
+    real_server: ServerProc, tiny_model: str
+) -> None:
+    """vLLM's `return_token_strs`: each id's vocabulary entry (`token_strs`, else null)."""
+    from transformers import AutoTokenizer
+
+    status, _, r = real_server.request("POST", "/tokenize", {"prompt": "Hello wide world"})
+    assert status == 200 and r["token_strs"] is None, r
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    for body in (
+        {"prompt": "Hello wide world", "return_token_strs": True},
+        {"messages": [{"role": "user", "content": "hi there"}], "return_token_strs": True},
+    ):
+        status, _, r = real_server.request("POST", "/tokenize", body)
+        assert status == 200, r
+        assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"]), r
+        assert len(r["token_strs"]) == r["count"] > 1
+    status, _, r = real_server.request("POST", "/tokenize", {"prompt": "x", "return_token_strs": 1})
+    assert status == 400 and r["error"]["param"] == "return_token_strs", r

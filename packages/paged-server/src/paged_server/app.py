@@ -362,15 +362,35 @@ class OpenAIApp:
         special = body.get("add_special_tokens")
         if special is not None and not isinstance(special, bool):
             raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
+        strs = body.get("return_token_strs", False)
+        if not isinstance(strs, bool | None):
+            raise bad_request("'return_token_strs' must be a boolean", "return_token_strs")
         if "messages" in body:
-            chat = {k: v for k, v in body.items() if k != "add_special_tokens"}
+            own = ("add_special_tokens", "return_token_strs")  # /tokenize's, not chat's
+            chat = {k: v for k, v in body.items() if k not in own}
             req = parse_chat(chat, images=self.takes_media)
             ids = self._expand_media(req, self._encode(self._render_chat(req), bool(special)))
         elif isinstance(body.get("prompt"), str):
             ids = self._encode(body["prompt"], True if special is None else special)
         else:
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
-        h.send_json(200, {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids})
+        token_strs = None
+        if strs:  # vLLM's: each id's vocabulary entry (byte-level pieces, as the tokenizer has it)
+            with self.tok_lock:
+                convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
+                if convert is not None:
+                    token_strs = list(convert(ids))
+                else:  # a tokenizer without a vocabulary table: each id's own text
+                    token_strs = [self.tokenizer.decode([i]) for i in ids]
+        h.send_json(
+            200,
+            {
+                "count": len(ids),
+                "max_model_len": self.max_model_len,
+                "tokens": ids,
+                "token_strs": token_strs,
+            },
+        )
 
     def detokenize(self, h: Handler) -> None:
         body = h.read_json()

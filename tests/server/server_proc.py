@@ -312,3 +312,18 @@ def typed_events(server: ServerProc, path: str, body: dict) -> list[dict]:
     finally:
         conn.close()
     return events
+
+
+@contextlib.contextmanager
+def local_http(handler: type) -> Iterator[str]:
+    """A standard-library HTTP server answering with `handler` (a test's stand-in for another
+    service: an object store, an OpenAI API) on a free port: its base URL."""
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -10,12 +10,19 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, REAL_ARGS, ServerProc, serve_in_process
+from server_proc import (
+    COMMON_ARGS,
+    MAX_MODEL_LEN,
+    REAL_ARGS,
+    ServerProc,
+    local_http,
+    serve_in_process,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 CHAT = {"model": "tiny", "messages": HI, "max_tokens": 4, "temperature": 0.0}
@@ -149,13 +156,8 @@ class _Store(BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def _store() -> Iterator[str]:
     _Store.files, _Store.fail_puts = {}, 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Store)
-    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with local_http(_Store) as url:
+        yield url
 
 
 def test_input_and_output_urls_under_vllms_module_path(tiny_model: str, tmp_path: Path) -> None:

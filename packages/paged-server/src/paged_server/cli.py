@@ -380,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         from paged_server.run_batch import main as run_batch
 
         return run_batch(argv[1:])
+    if argv[:1] in (["chat"], ["complete"]):  # vLLM's `vllm chat` / `vllm complete` clients
+        from paged_server.client_cli import main as client
+
+        return client(argv[0], argv[1:])
     args = parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

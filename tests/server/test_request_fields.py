@@ -337,3 +337,42 @@ def test_return_tokens_as_token_ids(fake) -> None:
         t for e in events if e.get("choices") for t in e["choices"][0]["logprobs"]["tokens"]
     ]
     assert len(streamed) == 3 and all(as_id.fullmatch(t) for t in streamed)
+
+
+def test_default_template_kwargs_and_tools_left_out_under_tool_choice_none(
+    tiny_model, capsys
+) -> None:
+    """--default-chat-template-kwargs: every render's variables, the request's own winning (and
+    seen by the reasoning split afterwards); --exclude-tools-when-tool-choice-none."""
+    from transformers import AutoTokenizer
+
+    from paged_server.cli_args import parse_args
+
+    template = (
+        "[think={{ enable_thinking }} mood={{ mood }}]{% for t in tools or [] %}"
+        "[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    )
+    app = real_app(AutoTokenizer.from_pretrained(tiny_model), template)
+    args = parse_args(["--default-chat-template-kwargs", '{"enable_thinking": false, "mood": 1}'])
+    app.default_template_kwargs = args.default_chat_template_kwargs
+    hi = [{"role": "user", "content": "hi"}]
+    req = parse_chat({"messages": hi})
+    assert app._render_chat(req) == "[think=False mood=1]<user>hi"
+    assert req.chat_template_kwargs == {"enable_thinking": False, "mood": 1}
+    own = parse_chat({"messages": hi, "chat_template_kwargs": {"enable_thinking": True}})
+    assert app._render_chat(own) == "[think=True mood=1]<user>hi"
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": hi, "tools": [tool], "tool_choice": "none"}
+    assert "[tool f]" in app._render_chat(parse_chat(body))  # vLLM's default: shown
+    app.exclude_tools_when_none = True
+    assert "[tool f]" not in app._render_chat(parse_chat(body))
+    assert "[tool f]" in app._render_chat(parse_chat({**body, "tool_choice": "required"}))
+    for bad, why in (
+        ("[1]", "expected a JSON object"),
+        ('{"tools": []}', "may not set 'tools'"),
+        ('{"chat_template": "x"}', "use --chat-template"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--default-chat-template-kwargs", bad])
+        assert why in capsys.readouterr().err

@@ -92,6 +92,8 @@ class OpenAIApp:
         api_key: str | None = None,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        default_template_kwargs: dict[str, Any] | None = None,
+        exclude_tools_when_none: bool = False,
         engine_version: str | None = None,
         poll_interval: float = 0.25,
         tool_call_parser: str | None = None,
@@ -161,6 +163,10 @@ class OpenAIApp:
         self.api_key = api_key
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        # --default-chat-template-kwargs: every chat render's variables, under the request's
+        self.default_template_kwargs = dict(default_template_kwargs or {})
+        # --exclude-tools-when-tool-choice-none: tool_choice "none" renders without the tools
+        self.exclude_tools_when_none = exclude_tools_when_none
         self.engine_version = engine_version
         self.poll_interval = poll_interval
         self.vocab_size = len(tokenizer)
@@ -433,7 +439,10 @@ class OpenAIApp:
     def _render_chat(self, req: GenerationRequest) -> str:
         """The conversation through the chat template. A template sent by the client is code
         it chose: refused unless the server trusts request templates (vLLM's rule); either way
-        transformers renders it in Jinja's sandbox."""
+        transformers renders it in Jinja's sandbox. The request's chat_template_kwargs take the
+        server's defaults first (what the reasoning split reads afterwards sees them too)."""
+        if self.default_template_kwargs:
+            req.chat_template_kwargs = {**self.default_template_kwargs, **req.chat_template_kwargs}
         variables = dict(req.chat_template_kwargs)
         request_template = req.chat_template
         if variables.get("chat_template") is not None:
@@ -451,7 +460,10 @@ class OpenAIApp:
             raise bad_request("this model has no chat template", "messages")
         try:
             with self.tok_lock:
-                if req.tools is not None:  # the template shows the model its tools
+                shown = req.tools is not None and not (
+                    self.exclude_tools_when_none and req.tools.choice == "none"
+                )
+                if shown:  # the template shows the model its tools
                     variables["tools"] = req.tools.tools
                 if req.documents is not None:
                     variables["documents"] = req.documents

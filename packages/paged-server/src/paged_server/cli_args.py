@@ -231,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="render a chat_template sent in a request (default: refuse it with a 400)",
     )
     p.add_argument(
+        "--default-chat-template-kwargs",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="chat template variables for every request, under its own chat_template_kwargs "
+        """(e.g. '{"enable_thinking": false}')""",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help="a request with tool_choice 'none' renders its prompt without the tools",
+    )
+    p.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -624,7 +637,23 @@ def parse_args(
     except ValueError as e:
         parser.error(str(e))
     _check_structured_backend(parser, args)
+    _check_default_template_kwargs(parser, args.default_chat_template_kwargs)
     return args
+
+
+def _check_default_template_kwargs(parser: argparse.ArgumentParser, value: dict | None) -> None:
+    """The variables a request's chat_template_kwargs could hold; not a template (that is
+    --chat-template's)."""
+    from paged_server.chat_messages import template_kwargs
+    from paged_server.errors import APIError
+
+    flag = "--default-chat-template-kwargs"
+    if value is not None and "chat_template" in value:
+        parser.error(f"{flag} may not hold a chat_template: use --chat-template")
+    try:
+        template_kwargs(value)
+    except APIError as e:
+        parser.error(f"{flag}: {e.message}")
 
 
 # vLLM's structured-output backends: paged compiles every grammar with llguidance, which takes

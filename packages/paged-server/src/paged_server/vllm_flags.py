@@ -27,6 +27,8 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--max-num-partial-prefills": (True, "chunked prefill shares one token budget"),
     "--long-prefill-token-threshold": (True, "chunked prefill shares one token budget"),
     "--api-server-count": (True, "one HTTP front, a thread per connection"),
+    "--h11-max-incomplete-event-size": (True, "the request line and headers: http.server's limits"),
+    "--h11-max-header-count": (True, "http.server takes up to 100 headers a request"),
 }
 
 

@@ -1,7 +1,8 @@
 """vLLM's server flags that launch scripts carry: --enable-prompt-tokens-details (usage's cached
 prompt tokens, from the prefix cache), --return-tokens-as-token-ids, --response-role,
---enable-log-requests / --max-log-len, and the engine ones (--no-enable-chunked-prefill,
---max-logprobs); accepted as the defaults they are: --disable-log-requests, --disable-log-stats."""
+--enable-log-requests / --enable-log-outputs / --max-log-len, and the engine ones
+(--no-enable-chunked-prefill, --max-logprobs); accepted as the defaults they are:
+--disable-log-requests, --disable-log-stats."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ FLAGS = [
     "--response-role",
     "bot",
     "--enable-log-requests",
+    "--enable-log-outputs",
     "--max-log-len",
     "6",
     "--disable-log-requests",
@@ -94,3 +96,18 @@ def test_what_paged_cannot_do_is_refused_naming_the_flag(argv, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["m", *argv])
     assert argv[0] in capsys.readouterr().err
+
+
+def test_log_outputs_logs_each_answer_once_whole_or_streamed(flagged, caplog) -> None:
+    """--enable-log-outputs: one line per completion when it finishes, its text and ids cut to
+    --max-log-len (6), for whole answers (n = 2) and streams alike."""
+    body = {"prompt": "hello there", "max_tokens": 5, "n": 2, "ignore_eos": True}
+    with caplog.at_level(logging.INFO, logger="paged_server"):
+        whole = post(flagged, "/v1/completions", {**body, "temperature": 0.0})
+        events = flagged.stream({**body, "n": 1, "seed": 3})
+    lines = [r.getMessage() for r in caplog.records if ": output " in r.getMessage()]
+    assert len(lines) == 3, lines
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    for line, text in zip(lines, [c["text"] for c in whole["choices"]] + [streamed]):
+        assert f"{text[:6]!r}, output_token_ids [" in line and line.endswith("length"), line
+        assert len(line.split("output_token_ids [")[1].split("]")[0].split(",")) == 5

@@ -105,6 +105,7 @@ class OpenAIApp:
         tokens_as_ids: bool = False,
         response_role: str = "assistant",
         log_requests: int | None = None,
+        log_outputs: int | None = None,
         classifier: ClassifierInfo | None = None,
         force_include_usage: bool = False,
         load_tracking: bool = False,
@@ -124,6 +125,7 @@ class OpenAIApp:
         self.tokens_as_ids = tokens_as_ids
         self.response_role = response_role
         self.log_requests = log_requests
+        self.log_outputs = log_outputs  # --enable-log-outputs: each answer, cut to this
         # The model's generation-config sampling defaults (SamplingParams keywords): a request
         # field left unset takes them; "max_tokens" caps every request (vLLM's behaviour).
         self.sampling_defaults = dict(sampling_defaults or {})
@@ -829,7 +831,9 @@ class OpenAIApp:
             if processed is None:
                 _, processed = self._process_media(req, prompt["prompt_token_ids"])
             prompt["multi_modal_data"] = processed
-        return self.client.add(rids, prompts, params, lora, req.priority), rids
+        group = self.client.add(rids, prompts, params, lora, req.priority)
+        group.log_outputs = self.log_outputs  # read where the outputs arrive, on this thread
+        return group, rids
 
     def _log_request(
         self, rids: list[str], texts: list[str | None], ids: list[list[int] | None], params: Any

@@ -168,6 +168,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         tokens_as_ids=args.return_tokens_as_token_ids,
         response_role=args.response_role,
         log_requests=_log_requests(args),
+        log_outputs=_log_cut(args) if args.enable_log_outputs else None,
         classifier=getattr(engine, "classifier", None),
         force_include_usage=args.enable_force_include_usage,
         load_tracking=args.enable_server_load_tracking,
@@ -197,10 +198,14 @@ def _check_executor(args: argparse.Namespace) -> None:
 
 def _log_requests(args: argparse.Namespace) -> int | None:
     """How much of each prompt --enable-log-requests logs (None: requests are not logged)."""
+    cut = _log_cut(args)  # checked whether or not requests are logged
+    return cut if args.enable_log_requests else None
+
+
+def _log_cut(args: argparse.Namespace) -> int:
+    """--max-log-len: how much of a logged prompt or answer is shown (default: all)."""
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
-    if not args.enable_log_requests:
-        return None
     return args.max_log_len if args.max_log_len is not None else 1 << 62
 
 

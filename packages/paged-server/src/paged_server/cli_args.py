@@ -441,6 +441,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's older spelling of the default (requests are not logged)",
     )
     p.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="log each answer once it is complete (streamed ones too): its text and token ids "
+        "(cut to --max-log-len) and finish reason",
+    )
+    p.add_argument(
         "--max-log-len",
         type=int,
         default=None,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any
 
 from paged_server.errors import APIError
+
+log = logging.getLogger("paged_server")
 
 
 class RequestGroup:
@@ -27,6 +30,10 @@ class RequestGroup:
         self.add_error: APIError | None = None  # set by the engine thread before `_added`
         self._num_added = 0  # engine thread only
         self._added = threading.Event()
+        # --enable-log-outputs: how much of each answer to log (None: nothing); each (member,
+        # completion)'s text pieces, token ids and finish reason so far, logged as it finishes
+        self.log_outputs: int | None = None
+        self._answers: dict[tuple[int, int], tuple[list[str], list[int], list[Any]]] = {}
 
     def wait_added(self, timeout: float) -> bool:
         """True once the engine took (or refused) every member; then raises a refusal."""
@@ -59,8 +66,32 @@ class RequestGroup:
             self.num_finished += out.finished
             if isinstance(out.outputs, list):  # an embedding's output has no tokens
                 self.num_generated_tokens += sum(len(o.token_ids) for o in out.outputs)
+                if self.log_outputs is not None:
+                    self._log_output(index, out)
             arrived.append(item)
             try:
                 item = self.queue.get_nowait()
             except queue.Empty:
                 return arrived
+
+    def _log_output(self, index: int, out: Any) -> None:
+        """Gather a member's answers (whole, or the deltas of a stream); log each once the
+        member finished: one INFO line per completion."""
+        for c in out.outputs:
+            pieces, ids, reason = self._answers.setdefault((index, c.index), ([], [], [None]))
+            pieces.append(c.text)
+            ids.extend(c.token_ids)
+            reason[0] = c.finish_reason
+        if not out.finished:
+            return
+        cut = self.log_outputs
+        for key in sorted(k for k in self._answers if k[0] == index):
+            pieces, ids, reason = self._answers.pop(key)
+            log.info(
+                "request %s: output %d %r, output_token_ids %s, finish_reason %s",
+                self.request_ids[index],
+                key[1],
+                "".join(pieces)[:cut],
+                ids[:cut],
+                reason[0],
+            )

@@ -6,6 +6,7 @@ prompt tokens, from the prefix cache), --return-tokens-as-token-ids, --response-
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 
@@ -22,6 +23,7 @@ FLAGS = [
     "bot",
     "--enable-log-requests",
     "--enable-log-outputs",
+    "--enable-tokenizer-info-endpoint",
     "--max-log-len",
     "6",
     "--disable-log-requests",
@@ -111,3 +113,16 @@ def test_log_outputs_logs_each_answer_once_whole_or_streamed(flagged, caplog) ->
     for line, text in zip(lines, [c["text"] for c in whole["choices"]] + [streamed]):
         assert f"{text[:6]!r}, output_token_ids [" in line and line.endswith("length"), line
         assert len(line.split("output_token_ids [")[1].split("]")[0].split(",")) == 5
+
+
+def test_tokenizer_info_only_when_enabled(flagged, real_server, tiny_model) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    status, _, info = flagged.request("GET", "/tokenizer_info")
+    assert status == 200, info
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["chat_template"] == tok.chat_template
+    assert info["eos_token"] == str(tok.eos_token) and "vocab_file" not in info
+    json.dumps(info)  # every value is JSON's
+    assert real_server.request("GET", "/tokenizer_info")[0] == 404  # without the flag

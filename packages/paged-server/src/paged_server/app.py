@@ -103,6 +103,7 @@ class OpenAIApp:
         sampling_defaults: dict[str, Any] | None = None,
         prompt_tokens_details: bool = False,
         tokens_as_ids: bool = False,
+        tokenizer_info: bool = False,
         response_role: str = "assistant",
         log_requests: int | None = None,
         log_outputs: int | None = None,
@@ -206,6 +207,8 @@ class OpenAIApp:
         }
         self.routes.update(profile_routes(client))  # with the profiler variable set
         self.routes.update(dev_routes(client))  # with PAGED_SERVER_DEV_MODE=1 (sleep mode)
+        if tokenizer_info:  # --enable-tokenizer-info-endpoint (vLLM's; off: a 404)
+            self.routes["/tokenizer_info"] = {"GET": self.tokenizer_info}
         if runtime_lora_updates:  # else these are unknown routes (404), as in vLLM
             self.routes["/v1/load_lora_adapter"] = {"POST": self.load_lora_adapter}
             self.routes["/v1/unload_lora_adapter"] = {"POST": self.unload_lora_adapter}
@@ -399,6 +402,20 @@ class OpenAIApp:
                 "token_strs": token_strs,
             },
         )
+
+    def tokenizer_info(self, h: Handler) -> None:
+        """vLLM's `GET /tokenizer_info`: the tokenizer's settings (its init kwargs, file paths
+        left out, special tokens as their text), its class and the chat template in effect."""
+        with self.tok_lock:
+            settings = dict(getattr(self.tokenizer, "init_kwargs", None) or {})
+            template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        for path in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+            settings.pop(path, None)
+        info = _json_safe(settings)
+        info["tokenizer_class"] = type(self.tokenizer).__name__
+        if template:
+            info["chat_template"] = template
+        h.send_json(200, info)
 
     def detokenize(self, h: Handler) -> None:
         body = h.read_json()
@@ -897,6 +914,19 @@ class OpenAIApp:
             return text
         with self.tok_lock:
             return self.tokenizer.decode(prompt_ids)
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` as JSON holds it: a special token (AddedToken) as its text, other objects as
+    their str."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    content = getattr(value, "content", None)
+    return content if isinstance(content, str) else str(value)
 
 
 def _qwen_embeds(parts: list[dict]) -> dict | list:

@@ -166,6 +166,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         sampling_defaults=getattr(engine, "generation_defaults", None),
         prompt_tokens_details=args.enable_prompt_tokens_details,
         tokens_as_ids=args.return_tokens_as_token_ids,
+        tokenizer_info=args.enable_tokenizer_info_endpoint,
         response_role=args.response_role,
         log_requests=_log_requests(args),
         log_outputs=_log_cut(args) if args.enable_log_outputs else None,

@@ -441,6 +441,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's older spelling of the default (requests are not logged)",
     )
     p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info: the tokenizer's settings, class and chat template",
+    )
+    p.add_argument(
         "--enable-log-outputs",
         action="store_true",
         help="log each answer once it is complete (streamed ones too): its text and token ids "

@@ -213,6 +213,7 @@ def test_records_keep_the_input_order_and_a_stop_ends_the_reading(batch_app, tmp
         for i in range(10)
     ]
     lines = [x.encode() for x in lines]
+    lines[0] = b"\xef\xbb\xbf" + lines[0]  # a byte order mark (Windows editors write one)
     sink = io.StringIO()
     summary = run_batch(batch_app, iter(lines), sink, window=4)
     got = [json.loads(x) for x in sink.getvalue().splitlines()]

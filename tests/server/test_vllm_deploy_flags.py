@@ -69,12 +69,12 @@ def test_bad_values_are_refused_naming_the_flag(capsys, argv) -> None:
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServerProc]:
     """A server built from the flags: request ids, no access log, usage always streamed, load
-    tracked."""
+    tracked, error answers logged with their stacks."""
     from paged_server.cli import build_app
     from paged_server.http import Server
 
     flags = ["--enable-request-id-headers", "--disable-uvicorn-access-log"]
-    flags += ["--enable-force-include-usage", "--enable-server-load-tracking"]
+    flags += ["--enable-force-include-usage", "--enable-server-load-tracking", "--log-error-stack"]
     args = parse_args(["m", *flags, *COMMON_ARGS])
     engine = FakeEngine(max_model_len=MAX_MODEL_LEN, step_time=0.001)
     client, app = build_app(args, engine)
@@ -83,6 +83,7 @@ def served() -> Iterator[ServerProc]:
         app,
         access_log=not args.disable_uvicorn_access_log,
         request_id_headers=args.enable_request_id_headers,
+        log_error_stack=args.log_error_stack,
     )
     client.start()
     threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
@@ -150,3 +151,12 @@ def test_load_is_zero_without_tracking(real_server: ServerProc) -> None:
         with pytest.raises(SystemExit):
             parse_args(["m", *argv])
     parse_args(["m", "--chat-template-content-format", "string", "--config-format", "hf"])
+
+
+def test_log_error_stack_logs_each_error_answer_with_its_stack(served: ServerProc, caplog):
+    with caplog.at_level(logging.WARNING, logger="paged_server"):
+        status, _, r = served.request("POST", "/v1/completions", {"prompt": "x", "n": 0})
+        assert status == 400, r
+    (record,) = [x for x in caplog.records if "answered 400" in x.getMessage()]
+    assert "POST /v1/completions answered 400" in record.getMessage()
+    assert record.exc_info is not None and record.exc_info[0].__name__ == "APIError"

@@ -231,6 +231,7 @@ def bind(args: argparse.Namespace) -> Server | None:
             tls=tls,
             access_log=not args.disable_uvicorn_access_log,
             request_id_headers=args.enable_request_id_headers,
+            log_error_stack=args.log_error_stack,
         )
     except OSError as e:
         print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)

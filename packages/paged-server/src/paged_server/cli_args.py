@@ -446,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve GET /tokenizer_info: the tokenizer's settings, class and chat template",
     )
     p.add_argument(
+        "--log-error-stack",
+        action="store_true",
+        help="log each error answer (4xx included) with the stack where it was raised",
+    )
+    p.add_argument(
         "--enable-log-outputs",
         action="store_true",
         help="log each answer once it is complete (streamed ones too): its text and token ids "

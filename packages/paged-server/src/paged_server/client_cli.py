@@ -68,7 +68,10 @@ class Client:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                event = json.loads(data)
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise ClientError(f"not a JSON event from {self.url}: {data[:200]!r}") from None
                 if "error" in event:  # a failure after the stream began
                     raise ClientError(_error_message(data.encode()))
                 yield event

@@ -86,13 +86,15 @@ class Server(ThreadingHTTPServer):
         tls: TLS | None = None,
         access_log: bool = True,
         request_id_headers: bool = False,
+        log_error_stack: bool = False,
     ):
         """`listen=False` only binds (the port is taken, connections are refused): set `app`,
         then call `server_activate()` before serving. `cors` None: no CORS headers at all.
         `tls`: every connection speaks HTTPS. `access_log`: one INFO line per request (else
         DEBUG). `request_id_headers`: every answer carries X-Request-Id (the request's, else
-        a new one)."""
+        a new one). `log_error_stack`: every error answer (4xx too) logs where it was raised."""
         self.app = app
+        self.log_error_stack = log_error_stack
         self.access_log = access_log
         self.request_id_headers = request_id_headers
         self.cors = cors
@@ -265,6 +267,8 @@ class Handler(BaseHTTPRequestHandler):
                 raise APIError(503, "the server is shutting down", headers={"Retry-After": "1"})
             self.server.app.dispatch(self, method, path)
         except APIError as e:
+            if self.server.log_error_stack:  # vLLM's --log-error-stack
+                log.warning("%s %s answered %d: %s", method, path, e.status, e.message, exc_info=e)
             self._send_error(e)
         except (TimeoutError, ConnectionError, ssl.SSLError):  # the client went away
             self.close_connection = True

@@ -226,6 +226,8 @@ def run_batch(
 
     with ThreadPoolExecutor(window, thread_name_prefix="run-batch") as pool:
         for lineno, raw in enumerate(source, 1):
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                raw = raw[3:]
             if not raw.strip():
                 continue
             if not take_slot():

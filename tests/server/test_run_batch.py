@@ -202,10 +202,16 @@ def batch_app(tiny_model: str) -> Iterator[object]:
         yield app
 
 
-def test_records_keep_the_input_order_and_a_stop_ends_the_reading(batch_app, tmp_path) -> None:
+def test_records_keep_the_input_order_and_a_stop_ends_the_reading(
+    batch_app, monkeypatch, caplog
+) -> None:
     import io
+    import logging
 
+    from paged_server import run_batch as module
     from paged_server.run_batch import run_batch
+
+    monkeypatch.setattr(module, "PROGRESS_EVERY", 0.01)
 
     # long answers first: later lines finish first, and wait for them to be written
     lines = [
@@ -215,7 +221,9 @@ def test_records_keep_the_input_order_and_a_stop_ends_the_reading(batch_app, tmp
     lines = [x.encode() for x in lines]
     lines[0] = b"\xef\xbb\xbf" + lines[0]  # a byte order mark (Windows editors write one)
     sink = io.StringIO()
-    summary = run_batch(batch_app, iter(lines), sink, window=4)
+    with caplog.at_level(logging.INFO, logger="paged_server"):
+        summary = run_batch(batch_app, iter(lines), sink, window=4)
+    assert any("lines read so far done" in r.getMessage() for r in caplog.records)  # progress
     got = [json.loads(x) for x in sink.getvalue().splitlines()]
     assert [r["custom_id"] for r in got] == [f"r{i}" for i in range(10)]
     assert [r["response"]["body"]["usage"]["completion_tokens"] for r in got] == [

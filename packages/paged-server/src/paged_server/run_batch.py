@@ -210,7 +210,11 @@ def run_batch(
     slots = threading.Semaphore(window)
     t0 = time.monotonic()
     submitted = 0
-    last_report = t0
+    ended = threading.Event()
+
+    def report() -> None:  # every PROGRESS_EVERY seconds until the batch ends
+        while not ended.wait(PROGRESS_EVERY):
+            log.info("run-batch: %d of %d lines read so far done", writer.written, submitted)
 
     def finish(index: int, fut: Future) -> None:
         try:
@@ -224,22 +228,22 @@ def run_batch(
                 return True
         return False
 
-    with ThreadPoolExecutor(window, thread_name_prefix="run-batch") as pool:
-        for lineno, raw in enumerate(source, 1):
-            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
-                raw = raw[3:]
-            if not raw.strip():
-                continue
-            if not take_slot():
-                break
-            pool.submit(run_line, app, raw, lineno).add_done_callback(
-                lambda f, i=submitted: finish(i, f)
-            )
-            submitted += 1
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_EVERY:
-                last_report = now
-                log.info("run-batch: %d of %d lines read so far done", writer.written, submitted)
+    threading.Thread(target=report, name="run-batch-progress", daemon=True).start()
+    try:
+        with ThreadPoolExecutor(window, thread_name_prefix="run-batch") as pool:
+            for lineno, raw in enumerate(source, 1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark
+                    raw = raw[3:]
+                if not raw.strip():
+                    continue
+                if not take_slot():
+                    break
+                pool.submit(run_line, app, raw, lineno).add_done_callback(
+                    lambda f, i=submitted: finish(i, f)
+                )
+                submitted += 1
+    finally:
+        ended.set()
     seconds = time.monotonic() - t0
     stopped = stop.is_set() or not app.client.alive
     return BatchSummary(writer.written, writer.failed, seconds, stopped)

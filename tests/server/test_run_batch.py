@@ -274,3 +274,41 @@ def test_upload_retries_then_names_the_url(monkeypatch, tmp_path: Path) -> None:
         _Store.fail_puts = run_batch.UPLOAD_ATTEMPTS
         with pytest.raises(OSError, match=f"{url}/o2.jsonl"):
             run_batch.upload(f"{url}/o2.jsonl", str(path), timeout=10)
+
+
+def test_hostile_lines_are_4xx_records_never_500(batch_app) -> None:
+    """Any JSON in any of a line's fields, or bytes that are not JSON, gives one well-formed
+    record with a 200 or a 4xx; the batch goes on."""
+    hypothesis = pytest.importorskip("hypothesis")
+    from paged_server.run_batch import BATCH_URLS, run_line
+
+    st = hypothesis.strategies
+    scalars = st.none() | st.booleans() | st.integers(-3, 3) | st.floats() | st.text(max_size=6)
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+        max_leaves=8,
+    )
+    body = st.fixed_dictionaries({}, optional={
+        "model": st.just("tiny") | values, "prompt": values, "messages": values, "input": values,
+        "max_tokens": st.integers(-1, 3) | values, "stream": values, "n": values,
+        "queries": values, "documents": values, "query": values,
+    })  # fmt: skip
+    line = st.fixed_dictionaries({}, optional={
+        "custom_id": st.text(max_size=4) | values, "method": st.just("POST") | values,
+        "url": st.sampled_from(BATCH_URLS) | values, "body": body | values,
+    })  # fmt: skip
+    raw = line.map(lambda d: json.dumps(d).encode()) | st.binary(max_size=20)
+
+    @hypothesis.settings(max_examples=60, deadline=None, database=None)
+    @hypothesis.given(raw)
+    def check(data: bytes) -> None:
+        rec = run_line(batch_app, data, 7)
+        status = rec["response"]["status_code"]
+        assert status == 200 or 400 <= status < 500, rec
+        assert (rec["error"] is None) == (status == 200), rec
+        assert rec["id"].startswith("batch_req_") and json.dumps(rec)
+
+    check()
+    ok = _line("ok", "/v1/completions", {"prompt": "a", "max_tokens": 2, **EXACT}).encode()
+    assert run_line(batch_app, ok)["response"]["body"]["usage"]["completion_tokens"] == 2

@@ -43,3 +43,13 @@ def through_json(text: str) -> str:
     """`text` as a server reads it: JSON joins an escaped high+low surrogate pair into one code
     point, so only surrogates left alone after that are invalid."""
     return json.loads(json.dumps(text))
+
+
+def any_json(max_leaves: int = 8) -> st.SearchStrategy:
+    """Any JSON value (small): what a hostile client puts in a field."""
+    scalars = st.none() | st.booleans() | st.integers(-3, 3) | st.floats() | st.text(max_size=6)
+    return st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
+        max_leaves=max_leaves,
+    )

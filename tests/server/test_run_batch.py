@@ -280,15 +280,12 @@ def test_hostile_lines_are_4xx_records_never_500(batch_app) -> None:
     """Any JSON in any of a line's fields, or bytes that are not JSON, gives one well-formed
     record with a 200 or a 4xx; the batch goes on."""
     hypothesis = pytest.importorskip("hypothesis")
+    from fuzz_text import any_json
+
     from paged_server.run_batch import BATCH_URLS, run_line
 
     st = hypothesis.strategies
-    scalars = st.none() | st.booleans() | st.integers(-3, 3) | st.floats() | st.text(max_size=6)
-    values = st.recursive(
-        scalars,
-        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner),
-        max_leaves=8,
-    )
+    values = any_json()
     body = st.fixed_dictionaries({}, optional={
         "model": st.just("tiny") | values, "prompt": values, "messages": values, "input": values,
         "max_tokens": st.integers(-1, 3) | values, "stream": values, "n": values,

@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="paged-server",
         description="OpenAI-compatible HTTP server for paged-engine.",
         usage="paged-server [serve] [MODEL] [options]  (or --model MODEL)",
+        epilog="other commands: `paged-server run-batch -i IN -o OUT [MODEL] [options]` (a file "
+        "of OpenAI batch requests, offline), `paged-server chat` / `paged-server complete` "
+        "(a terminal client of a running server); each takes --help",
     )
     p.add_argument(
         "model_tag",

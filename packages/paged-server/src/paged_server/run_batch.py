@@ -391,6 +391,11 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     parser.prog = "paged-server run-batch"
     parser.usage = "paged-server run-batch -i INPUT -o OUTPUT [MODEL] [options]"
+    parser.description = (
+        "Run a file of OpenAI batch requests offline (vLLM's `vllm run-batch`): one record per "
+        "line, in order. Every paged-server flag applies."
+    )
+    parser.epilog = None
     add_batch_args(parser)
     args = parse_args(argv, parser)
     logging.basicConfig(

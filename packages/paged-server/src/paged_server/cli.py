@@ -383,6 +383,40 @@ def torchrun_rank() -> int:
     return int(os.environ.get("RANK", "0")) if launched else 0
 
 
+def configure(args: argparse.Namespace) -> None:
+    """Logging at --log-level, then the warnings the flags call for (once, at start)."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    warn_ignored(args)  # vLLM flags that change nothing here, named once
+    backend = args.guided_decoding_backend or (args.structured_outputs_config or {}).get("backend")
+    if backend not in (None, "auto", "guidance", "llguidance"):
+        log.warning(
+            "structured outputs compile with llguidance, not %s (the same constraints)", backend
+        )
+
+
+def serves_rank0(args: argparse.Namespace) -> bool:
+    """True on the torchrun ranks > 0 of a tensor / pipeline parallel engine: torchrun started
+    every rank with the same command, and these serve rank 0's engine (build_engine returns by
+    SystemExit when rank 0 shuts down) instead of running the command's front."""
+    return args.tensor_parallel_size * args.pipeline_parallel_size > 1 and torchrun_rank() > 0
+
+
+def start_engine(args: argparse.Namespace, prog: str) -> Any | None:
+    """The engine, or None after printing why it did not start (with the flag to pass when
+    the model's own code needs --trust-remote-code)."""
+    try:
+        return build_engine(args)
+    except (ValueError, NotImplementedError, FileNotFoundError, OSError, RuntimeError) as e:
+        log.debug("the engine did not start", exc_info=True)
+        hint = ""
+        if "trust_remote_code" in str(e) and not args.trust_remote_code:
+            hint = f" ({prog}: pass --trust-remote-code to run it)"
+        print(f"{prog}: cannot start the engine: {e}{hint}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run-batch"]:  # vLLM's `vllm run-batch`: a batch file offline
@@ -394,18 +428,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return client(argv[0], argv[1:])
     args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    warn_ignored(args)  # vLLM flags that change nothing here, named once
-    backend = args.guided_decoding_backend or (args.structured_outputs_config or {}).get("backend")
-    if backend not in (None, "auto", "guidance", "llguidance"):
-        log.warning(
-            "structured outputs compile with llguidance, not %s (the same constraints)", backend
-        )
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and torchrun_rank() > 0:
-        # torchrun started every rank with this command: rank 0 serves HTTP, the others serve
-        # rank 0's engine (build_engine returns by SystemExit when rank 0 shuts down).
+    configure(args)
+    if serves_rank0(args):  # rank 0 serves HTTP
         build_engine(args)
         return 0
     if args.data_parallel_size < 1:
@@ -416,15 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.data_parallel_size > 1:
         return serve_replicas(args, argv, server)
-    try:
-        engine = build_engine(args)
-    except (ValueError, NotImplementedError, FileNotFoundError, OSError, RuntimeError) as e:
+    engine = start_engine(args, "paged-server")
+    if engine is None:
         server.server_close()
-        log.debug("the engine did not start", exc_info=True)
-        hint = ""
-        if "trust_remote_code" in str(e) and not args.trust_remote_code:
-            hint = " (paged-server: pass --trust-remote-code to run it)"
-        print(f"paged-server: cannot start the engine: {e}{hint}", file=sys.stderr)
         return 2
     return serve(args, engine, server)
 

@@ -186,8 +186,10 @@ def main(command: str, argv: list[str]) -> int:
             return 130
         return 0
     interactive = sys.stdin.isatty()
-    prompt = "Please enter a message for the chat model:" if command == "chat" else None
-    print(prompt or "Please enter prompt to complete:", flush=True)
+    if command == "chat":
+        print("Please enter a message for the chat model:", flush=True)
+    else:
+        print("Please enter prompt to complete:", flush=True)
     while True:
         try:
             line = input("> " if interactive else "")

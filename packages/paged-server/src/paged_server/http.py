@@ -46,15 +46,16 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_body(data: bytes | str) -> Any:
+def parse_json_body(data: bytes | str, invalid: str = "Invalid JSON body") -> Any:
     """A request body as every route takes it: JSON (RFC 8259: NaN / Infinity are Python's
     extensions, refused like any other malformed body, so no non-finite number reaches a schema
     or a response) without lone surrogates (valid JSON, invalid Unicode: every route's text
-    reaches a tokenizer, a template or a log, and none takes one); else a 400."""
+    reaches a tokenizer, a template or a log, and none takes one); else a 400 (`invalid`: how
+    its message starts when the text is not JSON)."""
     try:
         body = json.loads(data, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise bad_request(f"Invalid JSON body: {e}") from None
+        raise bad_request(f"{invalid}: {e}") from None
     found = find_lone_surrogate(body, "")
     if found is not None:
         path, at, char = found

@@ -5,11 +5,21 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 from paged_server.errors import APIError
 
 log = logging.getLogger("paged_server")
+
+
+@dataclass(slots=True)
+class _Answer:
+    """One completion's output so far, for --enable-log-outputs."""
+
+    pieces: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
 
 
 class RequestGroup:
@@ -33,7 +43,7 @@ class RequestGroup:
         # --enable-log-outputs: how much of each answer to log (None: nothing); each (member,
         # completion)'s text pieces, token ids and finish reason so far, logged as it finishes
         self.log_outputs: int | None = None
-        self._answers: dict[tuple[int, int], tuple[list[str], list[int], list[Any]]] = {}
+        self._answers: dict[tuple[int, int], _Answer] = {}
 
     def wait_added(self, timeout: float) -> bool:
         """True once the engine took (or refused) every member; then raises a refusal."""
@@ -78,20 +88,20 @@ class RequestGroup:
         """Gather a member's answers (whole, or the deltas of a stream); log each once the
         member finished: one INFO line per completion."""
         for c in out.outputs:
-            pieces, ids, reason = self._answers.setdefault((index, c.index), ([], [], [None]))
-            pieces.append(c.text)
-            ids.extend(c.token_ids)
-            reason[0] = c.finish_reason
+            answer = self._answers.setdefault((index, c.index), _Answer())
+            answer.pieces.append(c.text)
+            answer.token_ids.extend(c.token_ids)
+            answer.finish_reason = c.finish_reason
         if not out.finished:
             return
         cut = self.log_outputs
         for key in sorted(k for k in self._answers if k[0] == index):
-            pieces, ids, reason = self._answers.pop(key)
+            answer = self._answers.pop(key)
             log.info(
                 "request %s: output %d %r, output_token_ids %s, finish_reason %s",
                 self.request_ids[index],
                 key[1],
-                "".join(pieces)[:cut],
-                ids[:cut],
-                reason[0],
+                "".join(answer.pieces)[:cut],
+                answer.token_ids[:cut],
+                answer.finish_reason,
             )

@@ -34,7 +34,6 @@ from urllib.parse import urlsplit
 
 from paged_server.errors import APIError, bad_request
 from paged_server.http import parse_json_body
-from paged_server.vllm_flags import warn_ignored
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -103,11 +102,7 @@ def _no_stream() -> APIError:
 
 
 def _parse_line(raw: bytes | str, lineno: int) -> dict[str, Any]:
-    try:
-        line = parse_json_body(raw)
-    except APIError as e:
-        message = e.message.replace("Invalid JSON body", f"line {lineno} is not JSON")
-        raise bad_request(message) from None
+    line = parse_json_body(raw, f"line {lineno} is not JSON")
     if not isinstance(line, dict):
         raise bad_request(f"line {lineno} must be a JSON object")
     return line
@@ -179,6 +174,8 @@ class OrderedWriter:
     def put(self, index: int, record: dict[str, Any]) -> None:
         with self._lock:
             self._held[index] = record
+            if self.written not in self._held:  # an earlier line is still running
+                return
             while self.written in self._held:
                 out = self._held.pop(self.written)
                 self._sink.write(json.dumps(out) + "\n")
@@ -385,7 +382,14 @@ def _path_problem(source: str, sink: str, tmp_dir: str | None) -> str | None:
 def main(argv: list[str]) -> int:
     """`paged-server run-batch ...`; 0 once every line has its record (some may be errors), 1
     when the engine failed or the run was interrupted, 2 when it could not start."""
-    from paged_server.cli import bind, build_app, build_engine, torchrun_rank
+    from paged_server.cli import (
+        bind,
+        build_app,
+        build_engine,
+        configure,
+        serves_rank0,
+        start_engine,
+    )
     from paged_server.cli_args import build_parser, parse_args
 
     parser = build_parser()
@@ -398,12 +402,9 @@ def main(argv: list[str]) -> int:
     parser.epilog = None
     add_batch_args(parser)
     args = parse_args(argv, parser)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    warn_ignored(args)
-    if args.tensor_parallel_size * args.pipeline_parallel_size > 1 and torchrun_rank() > 0:
-        build_engine(args)  # a torchrun rank > 0 serves rank 0's engine (as paged-server's)
+    configure(args)
+    if serves_rank0(args):  # rank 0 runs the batch
+        build_engine(args)
         return 0
     if args.data_parallel_size != 1:
         print("paged-server run-batch: runs one engine (no --data-parallel-size)", file=sys.stderr)
@@ -418,11 +419,17 @@ def main(argv: list[str]) -> int:
         server = bind(args)
         if server is None:
             return 2
-    try:
-        engine = build_engine(args)
-        client, app = build_app(args, engine)
-    except (ValueError, NotImplementedError, OSError, RuntimeError) as e:
-        print(f"paged-server run-batch: cannot start the engine: {e}", file=sys.stderr)
+    engine = start_engine(args, "paged-server run-batch")  # None: it said why
+    app = None
+    if engine is not None:
+        try:
+            client, app = build_app(args, engine)
+        except ValueError as e:  # an invalid --lora-modules adapter, a media setting
+            print(f"paged-server run-batch: cannot start: {e}", file=sys.stderr)
+            engine.shutdown()
+    if app is None:
+        if server is not None:
+            server.server_close()
         return 2
     app.api_key = None  # lines are not HTTP requests: nothing to authenticate
     if server is not None:
@@ -460,9 +467,7 @@ def main(argv: list[str]) -> int:
     if server is not None:
         server.shutdown()
         server.server_close()
-    shutdown = getattr(engine, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+    engine.shutdown()  # stops worker ranks (tensor / pipeline parallelism)
     result = outcome[0] if outcome else RuntimeError("the batch did not run")
     if isinstance(result, BaseException):
         print(f"paged-server run-batch: {result}", file=sys.stderr)

@@ -388,11 +388,7 @@ class OpenAIApp:
         token_strs = None
         if strs:  # vLLM's: each id's vocabulary entry (byte-level pieces, as the tokenizer has it)
             with self.tok_lock:
-                convert = getattr(self.tokenizer, "convert_ids_to_tokens", None)
-                if convert is not None:
-                    token_strs = list(convert(ids))
-                else:  # a tokenizer without a vocabulary table: each id's own text
-                    token_strs = [self.tokenizer.decode([i]) for i in ids]
+                token_strs = list(self.tokenizer.convert_ids_to_tokens(ids))
         h.send_json(
             200,
             {

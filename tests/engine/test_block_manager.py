@@ -59,7 +59,8 @@ def check_invariants(bm: BlockManager, seqs: list[Sequence]) -> None:
             assert pool.lookup(block.block_hash, block.parent_hash, block.token_ids) is block
     free = pool.free_block_ids()
     assert len(free) == len(set(free)) == pool.num_free_blocks
-    assert set(free) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0}
+    never_used = set(range(len(pool.blocks), pool.num_blocks))  # created on first allocation
+    assert set(free) == {b.block_id for b in pool.blocks[1:] if b.ref_cnt == 0} | never_used
     assert bm.stats().num_table_blocks == sum(len(s.block_ids) for s in seqs)
     for s in seqs:
         assert len(s.block_ids) * bm.block_size >= s.num_computed_tokens

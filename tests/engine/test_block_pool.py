@@ -95,3 +95,23 @@ def test_caching_disabled_and_reset() -> None:
     assert pool.num_cached_blocks == 0 and b1.block_hash is None and b2.block_hash is None
     assert pool.lookup(1, None, (1,)) is None
     assert pool.num_free_blocks == 2
+
+
+def test_blocks_are_created_on_first_allocation() -> None:
+    """A tiny model on a large GPU gets ~10^8 blocks: the pool costs what is allocated, never
+    allocated ids come after freed uncached blocks and before freed cached ones."""
+    pool = BlockPool(10**9)
+    assert pool.num_free_blocks == 10**9 - 1 and len(pool.blocks) == 1
+    a, b, c = pool.get_new_blocks(3)
+    assert [a.block_id, b.block_id, c.block_id] == [1, 2, 3] and len(pool.blocks) == 4
+    assert pool.cache_block(a, 1, None, (1,))
+    pool.free_block(a)  # cached: behind every never-used id
+    pool.free_block(b)  # uncached: before them
+    assert [x.block_id for x in pool.get_new_blocks(2)] == [2, 4]
+    small = BlockPool(4)
+    x, y, _ = small.get_new_blocks(3)
+    assert small.free_block_ids() == [] and small.num_free_blocks == 0
+    small.cache_block(x, 9, None, (9,))
+    for blk in (x, y):
+        small.free_block(blk)
+    assert small.free_block_ids() == [2, 1]

@@ -6,6 +6,11 @@
 - A block is free iff `ref_cnt == 0` iff it is linked into the free list.
 - The free list is an intrusive doubly linked list (sentinel `_head`, circular), so popping the
   head, appending, prepending and unlinking a block from the middle are all O(1).
+- Blocks are created on first allocation, in id order: `blocks[i]` exists iff
+  `i < len(blocks)`. The never-allocated ids `len(blocks) .. num_blocks-1` sit in the free list
+  as one marker node (`_fresh`, unlinked once they run out), so a pool costs what its sequences
+  use: a tiny model on a large GPU gets ~10^8 blocks, which as objects took minutes to build and
+  stalled every full collection of the cyclic GC.
 - Eviction order: allocation pops from the head. A freed block that holds a cached hash goes to
   the tail (least recently used first); a freed block without one goes to the head, since its
   content is worthless. The hash of a cached block is dropped lazily, when the block is reused.
@@ -21,7 +26,6 @@ blocks free but cached, evicted LRU).
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -45,21 +49,11 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self._head = Block(-1)  # sentinel: _head.next_free = LRU end, _head.prev_free = MRU end
-        # A pool holds up to ~10^6 blocks: built with the cyclic collector paused (each young
-        # collection would otherwise walk the whole heap of a loaded model), linked in one pass.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            self.blocks = [Block(i) for i in range(num_blocks)]
-            prev = self._head
-            for block in self.blocks[1:]:
-                block.prev_free, prev.next_free = prev, block
-                prev = block
-            prev.next_free, self._head.prev_free = self._head, prev
-        finally:
-            if collecting:
-                gc.enable()
-        self.null_block = self.blocks[NULL_BLOCK_ID]
+        self._head.prev_free = self._head.next_free = self._head
+        self.null_block = Block(NULL_BLOCK_ID)
+        self.blocks = [self.null_block]
+        self._fresh = Block(-2)  # ids never allocated yet, in order, where the list holds it
+        self._link_tail(self._fresh)
         self.null_block.ref_cnt = 1  # pinned: never free, never allocated
         self.num_free_blocks = num_blocks - 1
         self._cached: dict[int, Block] = {}
@@ -87,7 +81,10 @@ class BlockPool:
         """Free list from head (next to be allocated) to tail; O(num_free), for tests/debug."""
         out, b = [], self._head.next_free
         while b is not self._head:
-            out.append(b.block_id)
+            if b is self._fresh:
+                out.extend(range(len(self.blocks), self.num_blocks))
+            else:
+                out.append(b.block_id)
             b = b.next_free
         return out
 
@@ -98,9 +95,15 @@ class BlockPool:
         out = []
         for _ in range(n):
             block = self._head.next_free
-            self._unlink(block)
-            if block.block_hash is not None:
-                self._evict(block)
+            if block is self._fresh:
+                block = Block(len(self.blocks))
+                self.blocks.append(block)
+                if len(self.blocks) == self.num_blocks:
+                    self._unlink(self._fresh)
+            else:
+                self._unlink(block)
+                if block.block_hash is not None:
+                    self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         self.num_free_blocks -= n

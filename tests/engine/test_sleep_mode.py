@@ -254,8 +254,7 @@ def test_abort_ends_every_sample_and_beam_with_its_tokens_so_far(model, async_sc
     for rid in ("beam", "n3"):
         assert outs[rid].finished and len(outs[rid].outputs) == 3 and seen[rid] >= 2
         assert all(
-            c.finish_reason == "abort" and len(c.token_ids) == seen[rid]
-            for c in outs[rid].outputs
+            c.finish_reason == "abort" and len(c.token_ids) == seen[rid] for c in outs[rid].outputs
         )
 
 

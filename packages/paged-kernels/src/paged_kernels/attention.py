@@ -77,7 +77,7 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 # Batch-shape scalars change every step: no specialisation on them (one compile per config).
-@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "window", "chunk"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "window", "chunk", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr,  # [num_q_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

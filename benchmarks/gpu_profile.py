@@ -356,17 +356,21 @@ class JitBuilds:
         return False  # True would tell Triton to skip the compile
 
     def after(self, **kw) -> None:
-        name = str(kw.get("repr", "?")).split("[", 1)[0]  # "kernel[num_warps=...](args)"
-        self.builds[self.phase].append((name, time.perf_counter() - self._began))
+        full = str(kw.get("repr", "?"))  # "kernel[num_warps=...](specialization)"
+        self.builds[self.phase].append((full, time.perf_counter() - self._began))
 
     def summary(self) -> dict:
+        """Per phase: builds, seconds, builds per kernel; after the start, each build's full
+        repr too (its constexprs and argument specialization: what a step changed)."""
         out = {}
         for phase, builds in self.builds.items():
             kernels: dict[str, int] = defaultdict(int)
-            for name, _ in builds:
-                kernels[name] += 1
+            for full, _ in builds:
+                kernels[full.split("[", 1)[0]] += 1
             seconds = round(sum(t for _, t in builds), 3)
             out[phase] = {"builds": len(builds), "seconds": seconds, "kernels": dict(kernels)}
+            if phase != "start":
+                out[phase]["variants"] = [full[:1500] for full, _ in builds]
         return out
 
 

@@ -115,6 +115,9 @@ def test_jit_builds_by_phase():
     assert got["start"]["builds"] == 1 and got["start"]["kernels"] == {"_rope_qk_kernel": 1}
     assert got["prefill"]["kernels"] == {"_paged_attention_kernel": 2}
     assert got["prefill"]["seconds"] >= 0 and "decode" not in got
+    # after the start each build keeps its specialization: what a step changed
+    assert "variants" not in got["start"]
+    assert got["prefill"]["variants"] == ["_paged_attention_kernel[num_warps=4](q_ptr: *bf16)"] * 2
 
 
 def test_cpu_run_with_final_outputs_only(tmp_path):

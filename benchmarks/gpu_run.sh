@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_wheels.sh          # here, once: the packages the GPU image lacks -> .whl/
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase1
 #   device run:                   bash benchmarks/gpu_run.sh diag | final | next | next3
-#   device run (carry [".whl-tf"]): bash benchmarks/gpu_run.sh next2 | next4
+#   device run (carry [".whl-tf"]): bash benchmarks/gpu_run.sh next2 | next4 | next5
 #   device run (carry [".whl"]):  bash benchmarks/gpu_run.sh phase2
 #   device run:                   bash benchmarks/gpu_run.sh phase3
 #   device run:                   bash benchmarks/gpu_run.sh phase4
@@ -43,6 +43,9 @@
 #         the new decode tile; nano-vllm on the warm cache; the sampler and engine tests with
 #         transformers 5.21 (engines start ~8 s sooner), sleep mode's among them (CUDA graphs
 #         captured again after a wake-up, pinned host copies).
+# next5:  after the H200 session: the cold prefill's kernel builds (none expected now), the engine
+#         tests natively (lazy block pool, the tests' GPU mends), kernel_bench and the split
+#         sweep timed by CUDA-graph replay, nano-vllm on the warm cache.
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -317,6 +320,29 @@ case "$PHASE" in
       tests/engine/test_cuda_graph_logic.py tests/engine/test_sleep_mode.py \
       tests/engine/test_llava_images.py
     ;;
+  next5)  # carry [".whl-tf"]: what the H200 session (docs/benchmarks/h200) fixed, checked natively
+    step 20 versions versions
+    # aligned upload views (ef5e371): the cold prefill should build no kernel the start did not
+    export TRITON_CACHE_DIR=/tmp/triton-cache-next5
+    rm -rf "$TRITON_CACHE_DIR"
+    step 75 profile-cold $PY -m benchmarks.gpu_profile --model-config qwen3-0.6b --final-only \
+      --profile-prefill --out "$OUT/cold"
+    TF=""
+    if tf_new; then TF="/tmp/tf-new:"; fi
+    # the lazy block pool (7bf08e8) and the tests' GPU mends (6d15470); the thread method
+    # prints every thread's stack if a test hangs again
+    step 200 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -q -p no:cacheprovider \
+      --timeout 45 --timeout-method thread -rfE tests/engine/test_async_scheduling.py \
+      tests/engine/test_sleep_mode.py tests/engine/test_llava_images.py \
+      tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
+      tests/engine/test_block_pool.py tests/engine/test_step_uploads.py
+    # decode attention and the race by CUDA-graph replay (326ede2): the device's time alone
+    step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
+    step 30 split-sweep $PY -m benchmarks.kernel_bench --split-sweep --out "$OUT/kernels"
+    step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
+      --workloads nano-vllm --systems paged --out "$OUT" --no-report \
+      --note "issue 14 next5: aligned uploads, lazy block pool"
+    ;;
   phase2)
     step 150 engine-tests $PY -m pytest -q -p no:cacheprovider tests/engine/test_llm_vs_hf.py \
       tests/engine/test_engine.py tests/engine/test_async_scheduling.py \
@@ -467,7 +493,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|int4|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|next5|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|int4|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

@@ -24,6 +24,13 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Whether this process's kernels run in the interpreter: Triton reads TRITON_INTERPRET when a
+# @triton.jit function is decorated, and the kernel modules decorate when they are imported,
+# after this one. The wrappers' launch options read this (is_interpreter() reads the variable
+# now: ~0.5 us a call on their hot path).
+INTERPRETED = is_interpreter()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -64,10 +71,16 @@ def check_kv_scales(cache_dtype: torch.dtype, k_scale: float, v_scale: float) ->
     """Scales are an fp8 cache's alone: positive and finite there, exactly 1.0 elsewhere."""
     if cache_dtype in FP8_DTYPES:
         ok = all(0.0 < s < float("inf") for s in (k_scale, v_scale))
-        check(ok, f"k_scale / v_scale must be positive and finite, got {k_scale}, {v_scale}")
+        if not ok:
+            raise ValueError(
+                f"k_scale / v_scale must be positive and finite, got {k_scale}, {v_scale}"
+            )
     else:
         ok = k_scale == 1.0 and v_scale == 1.0
-        check(ok, f"k_scale / v_scale apply to fp8 caches only (cache dtype {cache_dtype})")
+        if not ok:
+            raise ValueError(
+                f"k_scale / v_scale apply to fp8 caches only (cache dtype {cache_dtype})"
+            )
 
 
 def check(cond: bool, msg: str) -> None:
@@ -77,7 +90,8 @@ def check(cond: bool, msg: str) -> None:
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
-    check(t.stride(-1) == 1, f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
 
 
 # The largest head size paged_attention takes (its tiles hold whole heads in registers; 512:

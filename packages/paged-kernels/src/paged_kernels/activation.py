@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import FLOAT_DTYPES, check, is_interpreter, next_pow2
+from paged_kernels._utils import FLOAT_DTYPES, INTERPRETED, check, next_pow2
 
 
 @triton.jit
@@ -40,7 +40,8 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [..., 2I] holding (gate | up) -> silu(gate) * up [..., I]."""
-    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
     check(x.dim() >= 1 and x.shape[-1] % 2 == 0, "x's last dim must be even: gate | up")
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
@@ -49,7 +50,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     if x2.shape[0] and inter:
         # one program a row under the interpreter (it runs programs one by one)
-        block = next_pow2(inter) if is_interpreter() else min(1024, next_pow2(inter))
+        block = next_pow2(inter) if INTERPRETED else min(1024, next_pow2(inter))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
             x2,
             out,
@@ -58,6 +59,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
             inter,
             BLOCK=block,
             ROUND_SILU=x.dtype != torch.float32,
-            num_warps=1 if is_interpreter() else 4,
+            num_warps=1 if INTERPRETED else 4,
         )
     return out.view(*x.shape[:-1], inter)

@@ -40,13 +40,13 @@ from paged_kernels._dot import tile_dot
 from paged_kernels._utils import (
     FLOAT_DTYPES,
     FP8_DTYPES,
+    INTERPRETED,
     MAX_HEAD_DIM,
     check,
     check_fp8_readable,
     check_kv_scales,
     check_last_dim_contiguous,
     device_sms,
-    is_interpreter,
     next_pow2,
 )
 
@@ -343,20 +343,25 @@ def paged_attention(
     prefill one, whatever max_seqlen_q) and never splits the keys (num_splits must be None or
     1): each row walks its keys in BLOCK_N tiles from key 0, the same tiles in the same order.
     """
-    check(q.dim() == 3, f"q must be [num_q_tokens, num_heads, head_dim], got {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [num_q_tokens, num_heads, head_dim], got {tuple(q.shape)}")
     check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
     check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    check(cache_head_dim == head_dim, f"cache head_dim {cache_head_dim} != q's {head_dim}")
-    check(head_dim <= MAX_HEAD_DIM, f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
-    check(num_heads % num_kv_heads == 0, f"{num_heads} heads not a multiple of {num_kv_heads}")
-    check(q.dtype in FLOAT_DTYPES, f"unsupported dtype {q.dtype}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"cache head_dim {cache_head_dim} != q's {head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} heads not a multiple of {num_kv_heads}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {q.dtype}")
     check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")
-    check(
-        key_cache.dtype == q.dtype or key_cache.dtype in FP8_DTYPES,
-        f"the caches ({key_cache.dtype}) must have q's dtype ({q.dtype}) or be fp8",
-    )
+    if not (key_cache.dtype == q.dtype or key_cache.dtype in FP8_DTYPES):
+        raise ValueError(
+            f"the caches ({key_cache.dtype}) must have q's dtype ({q.dtype}) or be fp8"
+        )
     check_kv_scales(key_cache.dtype, k_scale, v_scale)
     check_fp8_readable(key_cache.dtype, q.device)
     num_seqs = seq_lens.shape[0]
@@ -364,7 +369,8 @@ def paged_attention(
     check(cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [num_seqs + 1]")
     check(block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, "block_tables: [S, B]")
     for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q)):
-        check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32/int64")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32/int64")
     check(seq_lens.dtype in (torch.int32, torch.int64), "seq_lens must be int32/int64")
     check(cu_seqlens_q.is_contiguous() and seq_lens.is_contiguous(), "metadata must be contiguous")
     check(block_tables.stride(1) == 1, "block_tables must be contiguous in its last dim")
@@ -378,30 +384,30 @@ def paged_attention(
         check(alibi_slopes.shape == (num_heads,), "alibi_slopes must be [num_heads]")
         alibi_slopes = alibi_slopes.to(device=q.device, dtype=torch.float32).contiguous()
     if sinks is not None:
-        check(sinks.shape == (num_heads,), f"sinks must be [num_heads={num_heads}]")
-        check(sinks.is_floating_point(), f"sinks must be floating point, got {sinks.dtype}")
+        if sinks.shape != (num_heads,):
+            raise ValueError(f"sinks must be [num_heads={num_heads}]")
+        if not sinks.is_floating_point():
+            raise ValueError(f"sinks must be floating point, got {sinks.dtype}")
         sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     tensors = (q, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, out)
     if key_ends is not None:
-        check(
-            key_ends.shape == (num_tokens,),
-            f"key_ends must be [num_q_tokens={num_tokens}], got {tuple(key_ends.shape)}",
-        )
-        check(
-            key_ends.dtype in (torch.int32, torch.int64),
-            f"key_ends must be int32/int64, got {key_ends.dtype}",
-        )
+        if key_ends.shape != (num_tokens,):
+            raise ValueError(
+                f"key_ends must be [num_q_tokens={num_tokens}], got {tuple(key_ends.shape)}"
+            )
+        if key_ends.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"key_ends must be int32/int64, got {key_ends.dtype}")
         check(key_ends.is_contiguous(), "key_ends must be contiguous")
         tensors += (key_ends,)
     devices = {t.device for t in tensors}
-    check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
     if num_tokens == 0 or num_seqs == 0:
         return out
 
     if batch_invariant:
-        check(
-            num_splits in (None, 1), f"batch_invariant=True never splits (num_splits={num_splits})"
-        )
+        if num_splits not in (None, 1):
+            raise ValueError(f"batch_invariant=True never splits (num_splits={num_splits})")
         num_splits = 1
     if max_seqlen_q is None and not batch_invariant:  # (batch_invariant: prefill tiles always)
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
@@ -429,7 +435,7 @@ def paged_attention(
         part_out = part_lse = out  # unused placeholders
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
-    upcast = is_interpreter() and q.dtype == torch.bfloat16
+    upcast = INTERPRETED and q.dtype == torch.bfloat16
     _paged_attention_kernel[grid](
         q,
         key_cache,
@@ -479,8 +485,8 @@ def paged_attention(
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
-        EXPLICIT_DOT=is_interpreter() and batch_invariant,
-        num_warps=1 if is_interpreter() else num_warps,
+        EXPLICIT_DOT=INTERPRETED and batch_invariant,
+        num_warps=1 if INTERPRETED else num_warps,
         num_stages=num_stages,
     )
     if split:
@@ -538,5 +544,5 @@ def _merge_splits(
         HEAD_DIM=head_dim,
         HEAD_DIM_P2=next_pow2(head_dim),
         SPLITS_P2=max(2, next_pow2(num_splits)),
-        num_warps=1 if is_interpreter() else 4,
+        num_warps=1 if INTERPRETED else 4,
     )

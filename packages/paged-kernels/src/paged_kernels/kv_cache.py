@@ -113,17 +113,18 @@ def write_kv_cache(
     check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
     check(key_cache.stride() == value_cache.stride(), "key_cache and value_cache strides differ")
     num_tokens, num_kv_heads, head_dim = key.shape
-    check(
-        key_cache.shape[2:] == (num_kv_heads, head_dim),
-        f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}",
-    )
+    if key_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}"
+        )
     check(slot_mapping.shape == (num_tokens,), "slot_mapping must be [num_tokens]")
     check(slot_mapping.dtype in (torch.int32, torch.int64), "slot_mapping must be int32/int64")
     check(key.dtype in FLOAT_DTYPES and key_cache.dtype in KV_CACHE_DTYPES, "unsupported dtype")
     check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")
     check_kv_scales(key_cache.dtype, k_scale, v_scale)
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
-    check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {devices}")
     for name, t in (("key", key), ("value", value), ("key_cache", key_cache)):
         check_last_dim_contiguous(name, t)
     check(value.stride(-1) == 1 and value_cache.stride(-1) == 1, "value tensors need stride 1")

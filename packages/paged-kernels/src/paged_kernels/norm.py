@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import FLOAT_DTYPES, check, is_interpreter, next_pow2
+from paged_kernels._utils import FLOAT_DTYPES, INTERPRETED, check, next_pow2
 
 MAX_ROW = 65536
 
@@ -110,15 +110,18 @@ def _layer_norm_kernel(
 
 
 def _rows(x: torch.Tensor, n: int, name: str) -> torch.Tensor:
-    check(x.dtype in FLOAT_DTYPES, f"unsupported dtype {x.dtype}")
-    check(x.dim() >= 1 and x.shape[-1] == n, f"x's last dim must be {name}'s size {n}")
-    check(0 < n <= MAX_ROW, f"rows of {n} elements are not supported (1..{MAX_ROW})")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unsupported dtype {x.dtype}")
+    if not (x.dim() >= 1 and x.shape[-1] == n):
+        raise ValueError(f"x's last dim must be {name}'s size {n}")
+    if not (0 < n <= MAX_ROW):
+        raise ValueError(f"rows of {n} elements are not supported (1..{MAX_ROW})")
     x2 = x.reshape(-1, n)
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _warps(block: int) -> int:
-    return 1 if is_interpreter() else min(16, max(1, block // 256))
+    return 1 if INTERPRETED else min(16, max(1, block // 256))
 
 
 def rms_norm(
@@ -136,7 +139,8 @@ def rms_norm(
     offset too) and one rounding to x's dtype at the end (None: round before, unless fp32)."""
     check(weight.dim() == 1, "weight must be [N]")
     x2 = _rows(x, weight.shape[0], "weight")
-    check(weight.device == x.device, f"weight on {weight.device}, x on {x.device}")
+    if weight.device != x.device:
+        raise ValueError(f"weight on {weight.device}, x on {x.device}")
     out = torch.empty_like(x2)
     if x2.shape[0]:
         block = next_pow2(x2.shape[1])
@@ -153,7 +157,7 @@ def rms_norm(
             ROUND_BEFORE_WEIGHT=x.dtype != torch.float32 and round_before_weight is not False,
             num_warps=_warps(block),
         )
-    return out.view(x.shape)
+    return out if x.dim() == 2 else out.view(x.shape)
 
 
 def add_rms_norm(
@@ -166,12 +170,15 @@ def add_rms_norm(
     x's dtype as torch's `+` rounds it, then normalised as `rms_norm` does (a pre-norm
     decoder's residual add and the next norm). Both outputs are new tensors."""
     check(weight.dim() == 1, "weight must be [N]")
-    check(residual.shape == x.shape, f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
-    check(residual.dtype == x.dtype, f"residual is {residual.dtype}, x {x.dtype}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} vs x {tuple(x.shape)}")
+    if residual.dtype != x.dtype:
+        raise ValueError(f"residual is {residual.dtype}, x {x.dtype}")
     x2 = _rows(x, weight.shape[0], "weight")
     r2 = _rows(residual, weight.shape[0], "weight")
     for name, t in (("weight", weight), ("residual", residual)):
-        check(t.device == x.device, f"{name} on {t.device}, x on {x.device}")
+        if t.device != x.device:
+            raise ValueError(f"{name} on {t.device}, x on {x.device}")
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # dense rows of N
     total = torch.empty_like(out)
     if x2.shape[0]:
@@ -190,6 +197,8 @@ def add_rms_norm(
             ROUND_BEFORE_WEIGHT=x.dtype != torch.float32,
             num_warps=_warps(block),
         )
+    if x.dim() == 2:  # rows already: no views to make
+        return out, total
     return out.view(x.shape), total.view(x.shape)
 
 

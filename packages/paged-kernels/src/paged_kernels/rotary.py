@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import FLOAT_DTYPES, check, is_interpreter, next_pow2
+from paged_kernels._utils import FLOAT_DTYPES, INTERPRETED, check, next_pow2
 
 MAX_ROPE_HEAD_DIM = 256  # the largest head a program rotates (and normalises)
 
@@ -119,40 +119,46 @@ def rope_qk_(
     qkv. Positions index the cos/sin tables (R = 2 * cos.shape[1] rotary dims, R <= head_dim);
     the caller keeps them inside the tables. The norms round as `rms_norm` with the same
     `weight_offset` and `round_before_weight` does (False: Gemma's q/k norms)."""
-    check(qkv.dtype in FLOAT_DTYPES, f"unsupported qkv dtype {qkv.dtype}")
+    if qkv.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"unsupported qkv dtype {qkv.dtype}")
     check(qkv.dim() == 2 and qkv.stride(1) == 1, "qkv must be [T, W] with contiguous rows")
-    check(0 < head_dim <= MAX_ROPE_HEAD_DIM, f"head_dim {head_dim} not in 1..{MAX_ROPE_HEAD_DIM}")
+    if not (0 < head_dim <= MAX_ROPE_HEAD_DIM):
+        raise ValueError(f"head_dim {head_dim} not in 1..{MAX_ROPE_HEAD_DIM}")
     num_heads = num_q_heads + num_kv_heads
     check(num_q_heads > 0 and num_kv_heads > 0, "num_q_heads and num_kv_heads must be positive")
-    check(
-        qkv.shape[1] >= (num_heads + num_kv_heads) * head_dim,
-        f"qkv rows of {qkv.shape[1]} cannot hold {num_q_heads} + 2 x {num_kv_heads} heads "
-        f"of {head_dim}",
-    )
+    if qkv.shape[1] < (num_heads + num_kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv rows of {qkv.shape[1]} cannot hold {num_q_heads} + 2 x {num_kv_heads} heads "
+            f"of {head_dim}"
+        )
     check(positions.shape == (qkv.shape[0],), "positions must be [T]")
     check(not positions.dtype.is_floating_point, "positions must be integers")
     check(cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos / sin must be fp32")
     check(cos.dim() == 2 and cos.shape == sin.shape, "cos and sin must be [P, R/2] alike")
     check(cos.stride(1) == 1 and sin.stride() == cos.stride(), "cos / sin rows must be dense")
     rot_half = cos.shape[1]
-    check(0 < 2 * rot_half <= head_dim, f"{2 * rot_half} rotary dims for head_dim {head_dim}")
+    if not (0 < 2 * rot_half <= head_dim):
+        raise ValueError(f"{2 * rot_half} rotary dims for head_dim {head_dim}")
     norm = q_weight is not None or k_weight is not None
     weights = []
     if norm:
         check(q_weight is not None and k_weight is not None, "pass both q_weight and k_weight")
         for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
             assert w is not None
-            check(w.shape == (head_dim,), f"{name} must be [{head_dim}]")
-            check(w.device == qkv.device, f"{name} on {w.device}, qkv on {qkv.device}")
+            if w.shape != (head_dim,):
+                raise ValueError(f"{name} must be [{head_dim}]")
+            if w.device != qkv.device:
+                raise ValueError(f"{name} on {w.device}, qkv on {qkv.device}")
             weights.append(w.contiguous())
     for name, t in (("positions", positions), ("cos", cos), ("sin", sin)):
-        check(t.device == qkv.device, f"{name} on {t.device}, qkv on {qkv.device}")
+        if t.device != qkv.device:
+            raise ValueError(f"{name} on {t.device}, qkv on {qkv.device}")
     if qkv.shape[0] == 0:
         return qkv
     block_d = next_pow2(head_dim)
     # A few heads a program on a GPU; the interpreter runs programs one by one: one a token.
     block_h = next_pow2(num_heads)
-    if not is_interpreter():
+    if not INTERPRETED:
         block_h = min(block_h, max(1, 2048 // block_d))
     _rope_qk_kernel[(qkv.shape[0], triton.cdiv(num_heads, block_h))](
         qkv,
@@ -174,7 +180,7 @@ def rope_qk_(
         NEOX=is_neox_style,
         NORM=norm,
         ROUND_BEFORE_WEIGHT=qkv.dtype != torch.float32 and round_before_weight is not False,
-        num_warps=1 if is_interpreter() else 4,
+        num_warps=1 if INTERPRETED else 4,
         enable_fp_fusion=False,  # torch rounds each product: no fused multiply-add
     )
     return qkv

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_kernels._utils import FLOAT_DTYPES, check, device_sms, is_interpreter
+from paged_kernels._utils import FLOAT_DTYPES, INTERPRETED, check, device_sms
 
 # Columns a block covers. Part of the noise's layout (a column's Philox counter and lane), so
 # fixed: changing it changes every seeded draw.
@@ -113,7 +113,7 @@ def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
 
 def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
     """About two programs per SM, each over at least 8 blocks of columns."""
-    if is_interpreter():
+    if INTERPRETED:
         return 1
     return max(1, min(triton.cdiv(2 * device_sms(device), rows), vocab // (8 * NOISE_BLOCK)))
 

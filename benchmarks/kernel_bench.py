@@ -394,7 +394,8 @@ def _bench_mla(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict
             cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
             lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
             args = (q, cache, tables, cu, lens, width**-0.5)
-            ms = _time_ms(lambda args=args: mla_attention(*args, latent_dim=latent, max_seqlen_q=1))
+            kw = dict(latent_dim=latent, max_seqlen_q=1, max_seqlen_k=ctx)
+            ms = _time_ms(lambda args=args, kw=kw: mla_attention(*args, **kw))
             read = batch * ctx * width * 2
             gbps = read / ms / 1e6
             out.append(

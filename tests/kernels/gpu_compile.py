@@ -317,6 +317,7 @@ def record_launches() -> list[tuple[str, object, tuple, dict]]:
     # (DeepSeek-V2-Lite, Moonlight; V3's 128 in eight head groups), bf16 and an fp8 cache.
     for label, heads, cache_dtype, (q_lens, ctx), scales in (
         ("decode bf16 16 heads", 16, torch.bfloat16, decode, {}),
+        ("decode bf16 16 heads, split keys", 16, torch.bfloat16, decode, {"num_splits": 4}),
         ("mixed bf16 16 heads", 16, torch.bfloat16, mixed, {}),
         ("decode bf16 128 heads", 128, torch.bfloat16, decode, {}),
         ("mixed bf16 128 heads, fp8 e4m3 cache", 128, torch.float8_e4m3fn, mixed, {"k_scale": 0.5}),

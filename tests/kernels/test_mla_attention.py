@@ -90,6 +90,26 @@ def test_fp8_latent_cache(seed, device, cache_dtype):
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_split_kv_decode_matches_reference(seed, device, num_splits):
+    """Decode rows whose keys are split over programs and merged: the reference's output; a
+    split may hold no key (4 keys over 7 splits of 32-key tiles) and must not count."""
+    b = make_batch(
+        [1, 1, 1], [90, 3, 200], num_heads=20, num_kv_heads=1, head_dim=48 + 16,
+        block_size=16, dtype=torch.float32, device=device,
+    )  # fmt: skip
+    args = (b.q, b.key_cache, b.block_tables, b.cu_seqlens_q, b.seq_lens, 64**-0.5)
+    out = torch.full_like(b.q, float("nan"))
+    got = mla_attention(
+        *args, latent_dim=48, max_seqlen_q=1, max_seqlen_k=201, num_splits=num_splits, out=out
+    )
+    want = ref_mla_attention(*args, latent_dim=48)
+    assert got[..., 48:].isnan().all()  # the merge writes the latent columns alone
+    torch.testing.assert_close(got[..., :48], want, atol=2e-3, rtol=0)
+    with pytest.raises(ValueError, match="never splits"):
+        mla_attention(*args, latent_dim=48, batch_invariant=True, num_splits=num_splits)
+
+
 def test_bad_arguments(device):
     b = make_batch(
         [1], [4], num_heads=2, num_kv_heads=2, head_dim=40, block_size=16,

@@ -13,6 +13,10 @@ power-of-two tile and the rope part a second one, instead of one padded 1024-wid
 masking, the fp32 base-2 online softmax and fp8 caches (the key scale folded into the softmax
 scale, the value scale, equal to it, into the normalisation) follow paged_attention. No split-KV,
 windows, soft-caps, ALiBi or sinks: MLA models use none of them.
+
+Decode can split each sequence's keys over programs (split-KV, as paged_attention; the partial
+results merged by its merge kernel): with 16 heads a sequence is one program, so a batch of 32
+fills a quarter of an H200's SMs (9% of its copy bandwidth at 2k keys, unsplit).
 """
 
 from __future__ import annotations
@@ -29,24 +33,28 @@ from paged_kernels._utils import (
     check_fp8_readable,
     check_kv_scales,
     check_last_dim_contiguous,
+    device_sms,
     is_interpreter,
     next_pow2,
 )
-from paged_kernels.attention import _find_seq
+from paged_kernels.attention import _find_seq, _merge_splits, choose_num_splits
 
 # Query heads a program holds: 16 rows is the smallest tile tl.dot takes on tensor cores.
 MAX_HEADS_PER_PROGRAM = 16
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_q_tokens", "stride_bt"])
 def _mla_attention_kernel(
     q_ptr,  # [num_q_tokens, num_heads, LATENT + ROPE]
     cache_ptr,  # [num_blocks, block_size, 1, LATENT + ROPE]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32, context incl. this step's query tokens
-    out_ptr,  # [num_q_tokens, num_heads, >= LATENT]
+    out_ptr,  # [num_q_tokens, num_heads, >= LATENT], written unless SPLIT
+    part_out_ptr,  # [num_splits, num_q_tokens, num_heads, LATENT] fp32, written if SPLIT
+    part_lse_ptr,  # [num_splits, num_q_tokens, num_heads] fp32 (log2 domain), written if SPLIT
     num_seqs,
+    num_q_tokens,
     scale,  # softmax scale times the cache's key scale
     v_scale,
     stride_qt,
@@ -66,12 +74,14 @@ def _mla_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,  # BLOCK_Q * HEADS
     BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,  # interpreter only: its tl.dot multiplies raw bf16 bits
     EXPLICIT_DOT: tl.constexpr,  # interpreter and batch_invariant only (_dot.py)
 ):
     tile = tl.program_id(0)
     head_group = tl.program_id(1)
+    split = tl.program_id(2)
     seq = _find_seq(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -98,13 +108,18 @@ def _mla_attention_kernel(
         q_c, q_r = q_c.to(tl.float32), q_r.to(tl.float32)
 
     hi = ctx + tl.minimum(q_len, (local + 1) * BLOCK_Q)  # keys any row of the tile can see
+    lo = 0
+    if SPLIT:
+        split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * split_len
+        hi = tl.minimum(hi, (split + 1) * split_len)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, LATENT_P2], tl.float32)
     zero_s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     zero_o = tl.zeros([BLOCK_M, LATENT_P2], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for start in range(0, hi, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         block = tl.load(table + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -133,9 +148,17 @@ def _mla_attention_kernel(
         acc = acc * alpha[:, None] + tile_dot(p, c, zero_o, DOT_PRECISION, EXPLICIT_DOT)
         m_i = m_new
 
-    o = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
-    out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
-    tl.store(out, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+    has_keys = l_i > 0.0  # false only for padded rows or an empty split
+    o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
+    mask = row_ok[:, None] & c_ok[None, :]
+    if SPLIT:
+        idx = (split * num_q_tokens + tok) * NUM_HEADS + head  # int64 via tok
+        tl.store(part_out_ptr + idx[:, None] * LATENT + offs_c[None, :], o, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + idx, lse, mask=row_ok)
+    else:
+        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
+        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _tiles(num_heads: int, decode: bool) -> tuple[int, int, int, int]:
@@ -157,16 +180,20 @@ def mla_attention(
     *,
     latent_dim: int,
     max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     k_scale: float = 1.0,
     out: torch.Tensor | None = None,  # [num_q_tokens, num_heads, >= latent_dim]
     batch_invariant: bool = False,
+    num_splits: int | None = None,  # None: heuristic (decode with max_seqlen_k); 1: never split
 ) -> torch.Tensor:
     """Causal attention of absorbed MLA queries over a latent paged cache; returns `out`, whose
     first `latent_dim` columns hold softmax(q K^T * scale) @ cache[..., :latent_dim] per head
     (the rest untouched). `max_seqlen_q` (1: every row decodes) picks the tiles without reading
     lengths on the host; an fp8 cache's `k_scale` also scales its values (they are the keys).
-    `batch_invariant`: one tile shape for every batch, so a row's result never depends on what
-    else is in the batch (no split-KV exists to turn off)."""
+    Decode steps given `max_seqlen_k` split each sequence's keys over several programs when
+    too few (sequence, head group) pairs would fill the device (`choose_num_splits`, as
+    paged_attention); `num_splits` forces a count. `batch_invariant`: one tile shape for every
+    batch and never split, so a row's result never depends on what else is in the batch."""
     check(q.dim() == 3, f"q must be [num_q_tokens, num_heads, D], got {tuple(q.shape)}")
     check(cache.dim() == 4 and cache.shape[2] == 1, "cache must be [num_blocks, block_size, 1, D]")
     num_tokens, num_heads, width = q.shape
@@ -190,9 +217,30 @@ def mla_attention(
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     decode = not batch_invariant and max_seqlen_q == 1
     heads, block_q, block_n, num_warps = _tiles(num_heads, decode)
+    groups = triton.cdiv(num_heads, heads)
+    if batch_invariant:
+        if num_splits not in (None, 1):
+            raise ValueError(f"batch_invariant=True never splits (num_splits={num_splits})")
+        num_splits = 1
+    if num_splits is None:  # without max_seqlen_k: no split (its heuristic would read lengths)
+        num_splits = 1
+        if decode and max_seqlen_k is not None:
+            num_splits = choose_num_splits(
+                num_seqs, groups, max_seqlen_q, max_seqlen_k, device_sms(q.device)
+            )
+    check(num_splits >= 1, "num_splits must be >= 1")
+    split = num_splits > 1
+    part_out = part_lse = out  # placeholders, unread unless split
+    if split:
+        part_out = torch.empty(
+            (num_splits, num_tokens, num_heads, latent_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty(
+            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
+        )
     rope = width - latent_dim
     upcast = is_interpreter() and q.dtype == torch.bfloat16
-    grid = (num_tokens // block_q + num_seqs, triton.cdiv(num_heads, heads))
+    grid = (num_tokens // block_q + num_seqs, groups, num_splits)
     _mla_attention_kernel[grid](
         q,
         cache,
@@ -200,7 +248,10 @@ def mla_attention(
         cu_seqlens_q,
         seq_lens,
         out,
+        part_out,
+        part_lse,
         num_seqs,
+        num_tokens,
         float(scale) * float(k_scale),
         float(k_scale),
         q.stride(0),
@@ -220,10 +271,13 @@ def mla_attention(
         BLOCK_Q=block_q,
         BLOCK_M=block_q * heads,
         BLOCK_N=block_n,
+        SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
         EXPLICIT_DOT=is_interpreter() and batch_invariant,
         num_warps=1 if is_interpreter() else num_warps,
         num_stages=2,
     )
+    if split:
+        _merge_splits(part_out, part_lse, out)
     return out

@@ -51,6 +51,7 @@ class TritonBackend(KernelBackend):
             scale,
             latent_dim=latent_dim,
             max_seqlen_q=md.max_seqlen_q,
+            max_seqlen_k=md.max_seqlen_k,  # decode may split the keys (no host read)
             k_scale=k_scale,
             out=torch.empty_like(query),
             batch_invariant=self.batch_invariant,

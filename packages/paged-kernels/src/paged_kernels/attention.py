@@ -236,7 +236,22 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tile_dot(p, v, zero_o, DOT_PRECISION, EXPLICIT_DOT)
         m_i = m_new
 
-    has_keys = l_i > 0.0  # false only for padded rows or an empty split (sinks: not split 0)
+    # with sinks only split 0 holds one: another split may end without a key (lse -inf)
+    _store_rows(
+        acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, tok, head, split,
+        num_q_tokens, stride_ot, stride_oh, offs_d, row_ok, d_ok, NUM_HEADS, HEAD_DIM, SPLIT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_rows(
+    acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, tok, head, split,
+    num_q_tokens, stride_ot, stride_oh, offs_d, row_ok, d_ok,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr,
+):  # fmt: skip
+    """A tile's rows after its last key: normalised into `out`, or under split-KV this split's
+    fp32 part and its base-2 log-sum-exp (-inf where the split held no key) for the merge."""
+    has_keys = l_i > 0.0  # false only for padded rows or an empty split
     o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     mask = row_ok[:, None] & d_ok[None, :]
     if SPLIT:

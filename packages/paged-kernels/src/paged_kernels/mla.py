@@ -37,7 +37,7 @@ from paged_kernels._utils import (
     is_interpreter,
     next_pow2,
 )
-from paged_kernels.attention import _find_seq, _merge_splits, choose_num_splits
+from paged_kernels.attention import _find_seq, _merge_splits, _store_rows, choose_num_splits
 
 # Query heads a program holds: 16 rows is the smallest tile tl.dot takes on tensor cores.
 MAX_HEADS_PER_PROGRAM = 16
@@ -148,17 +148,10 @@ def _mla_attention_kernel(
         acc = acc * alpha[:, None] + tile_dot(p, c, zero_o, DOT_PRECISION, EXPLICIT_DOT)
         m_i = m_new
 
-    has_keys = l_i > 0.0  # false only for padded rows or an empty split
-    o = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
-    mask = row_ok[:, None] & c_ok[None, :]
-    if SPLIT:
-        idx = (split * num_q_tokens + tok) * NUM_HEADS + head  # int64 via tok
-        tl.store(part_out_ptr + idx[:, None] * LATENT + offs_c[None, :], o, mask=mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + idx, lse, mask=row_ok)
-    else:
-        out = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_c[None, :]
-        tl.store(out, o.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_rows(
+        acc, m_i, l_i, v_scale, out_ptr, part_out_ptr, part_lse_ptr, tok, head, split,
+        num_q_tokens, stride_ot, stride_oh, offs_c, row_ok, c_ok, NUM_HEADS, LATENT, SPLIT,
+    )  # fmt: skip
 
 
 def _tiles(num_heads: int, decode: bool) -> tuple[int, int, int, int]:

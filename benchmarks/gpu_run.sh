@@ -335,8 +335,10 @@ case "$PHASE" in
       --timeout 45 --timeout-method thread -rfE tests/engine/test_async_scheduling.py \
       tests/engine/test_sleep_mode.py tests/engine/test_llava_images.py \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
-      tests/engine/test_block_pool.py tests/engine/test_step_uploads.py
-    # decode attention and the race by CUDA-graph replay (326ede2): the device's time alone
+      tests/engine/test_block_pool.py tests/engine/test_step_uploads.py \
+      tests/kernels/test_mla_attention.py tests/kernels/test_attention.py
+    # decode attention and the race by CUDA-graph replay (326ede2): the device's time alone;
+    # mla_decode with split keys (b600f93) against the H200's unsplit 9-50%
     step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
     step 30 split-sweep $PY -m benchmarks.kernel_bench --split-sweep --out "$OUT/kernels"
     step 60 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \

@@ -236,6 +236,68 @@ def tile_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> l
     return out
 
 
+def _mla_inputs(batch: int, ctx: int, heads: int, device: torch.device) -> tuple[tuple, int]:
+    """mla_attention's decode args over DeepSeek's 512 + 64 latent cache (bf16, 16-token blocks
+    in a random order) and the latent bytes a call reads."""
+    block, width = 16, 576
+    blocks = batch * ctx // block
+    cache = torch.randn(blocks + 1, block, 1, width, device=device, dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device=device).view(batch, -1).int() + 1
+    q = torch.randn(batch, heads, width, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    return (q, cache, tables, cu, lens, width**-0.5), batch * ctx * width * 2
+
+
+def mla_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> list[dict]:
+    """MLA decode under (query heads a program, BLOCK_N, warps) and forced split counts, at
+    128 heads (DeepSeek-V3 at TP=1: eight 16-head programs each read a sequence's whole latent
+    cache) and 16 (V2-Lite): time and latent bytes read against the copy bandwidth, beside the
+    default (`mla._tiles`, the split heuristic). Each config replaces `mla._tiles` for the call.
+    Real shapes on CUDA; a tiny one and two configs in the interpreter."""
+    from paged_kernels import mla
+
+    real = HAS_CUDA and not smoke
+    grid = [(128, 64, 4096), (128, 256, 1024), (16, 32, 2048)] if real else [(4, 2, 64)]
+    tiles = [(h, n, w) for h in (16, 32, 64) for n in (16, 32) for w in (4, 8)]
+    tiles = tiles if real else [(16, 16, 4), (32, 16, 4)]
+    default = mla._tiles
+    out = []
+    try:
+        for heads, batch, ctx in grid:
+            args, nbytes = _mla_inputs(batch, ctx, heads, device)
+            row: dict = {"heads": heads, "batch": batch, "context": ctx, "configs": []}
+            for per, block_n, warps, splits in [
+                (None, None, None, None),  # the defaults
+                *((h, n, w, 1) for h, n, w in tiles),
+                *((None, None, None, s) for s in (2, 4, 8)),
+            ]:
+                entry: dict = {"heads_per_program": per, "block_n": block_n}
+                entry |= {"num_warps": warps, "num_splits": splits}
+                if per is not None:
+                    tile = (per, 1, block_n, warps)
+                    mla._tiles = lambda *a, t=tile, **k: t
+                kw = {"latent_dim": 512, "max_seqlen_q": 1, "max_seqlen_k": ctx}
+                try:
+                    ms = _time_ms(
+                        lambda a=args, k=kw, s=splits: mla.mla_attention(*a, **k, num_splits=s)
+                    )
+                    entry["ms"] = round(ms, 5)
+                    entry["of_copy_bw"] = round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
+                except Exception as exc:  # e.g. out of shared memory at launch
+                    entry["error"] = str(exc)[:200]
+                finally:
+                    mla._tiles = default
+                row["configs"].append(entry)
+            timed = [c for c in row["configs"] if "ms" in c]
+            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
+            out.append(row)
+            del args
+    finally:
+        mla._tiles = default
+    return out
+
+
 def _plot(results: list[dict], out_dir: Path, title: str) -> str | None:
     try:
         import matplotlib
@@ -485,8 +547,14 @@ def main(argv: list[str] | None = None) -> None:
         help="only the decode tile sweep (BLOCK_N x warps x stages at batch 32..256): "
         "tile_sweep.json",
     )
+    p.add_argument(
+        "--mla-sweep",
+        action="store_true",
+        help="only MLA decode's sweep (heads a program x BLOCK_N x warps, split counts; 16 and "
+        "128 heads): mla_sweep.json",
+    )
     args = p.parse_args(argv)
-    sweeps = {"tile_sweep": tile_sweep, "split_sweep": split_sweep}
+    sweeps = {"tile_sweep": tile_sweep, "split_sweep": split_sweep, "mla_sweep": mla_sweep}
     for name, sweep in sweeps.items():
         if getattr(args, name):  # one sweep alone: its rows to <name>.json
             device = torch.device("cuda" if HAS_CUDA else "cpu")

@@ -46,3 +46,19 @@ def test_tile_sweep_smoke(tmp_path):
         assert set(row["default"]) == {"block_n", "num_warps", "num_stages"}
         assert all(c["ms"] > 0 and c["of_copy_bw"] >= 0 for c in row["configs"])  # (tiny here)
         assert row["best"] in row["configs"]
+
+
+def test_mla_sweep_smoke(tmp_path):
+    """--mla-sweep: the defaults, each (heads a program, BLOCK_N, warps) unsplit and forced
+    split counts, timed at each shape; `mla._tiles` is back in place afterwards."""
+    from paged_kernels import mla
+
+    default = mla._tiles
+    kernel_bench.main(["--mla-sweep", "--smoke", "--out", str(tmp_path)])
+    assert mla._tiles is default
+    rows = json.loads((tmp_path / "mla_sweep.json").read_text())
+    assert rows and all(len(r["configs"]) == 1 + 2 + 3 for r in rows)
+    for row in rows:
+        assert all(c["ms"] > 0 for c in row["configs"]), row["configs"]
+        assert row["configs"][0]["heads_per_program"] is None  # the defaults first
+        assert row["best"] in row["configs"]

@@ -106,9 +106,12 @@ def _uniform_noise_kernel(seeds_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
 
 
 def _check_seeds(seeds: torch.Tensor, rows: int, device: torch.device) -> None:
-    check(seeds.dtype == torch.int64, f"seeds must be int64, got {seeds.dtype}")
-    check(seeds.shape == (rows,), f"seeds must be [{rows}], got {tuple(seeds.shape)}")
-    check(seeds.device == device, f"seeds on {seeds.device}, logits on {device}")
+    if seeds.dtype != torch.int64:
+        raise ValueError(f"seeds must be int64, got {seeds.dtype}")
+    if seeds.shape != (rows,):
+        raise ValueError(f"seeds must be [{rows}], got {tuple(seeds.shape)}")
+    if seeds.device != device:
+        raise ValueError(f"seeds on {seeds.device}, logits on {device}")
 
 
 def _num_splits(rows: int, vocab: int, device: torch.device) -> int:
@@ -133,7 +136,8 @@ def gumbel_race(
     _check_seeds(seeds, rows, x.device)
     if temperature is not None:
         temperature = temperature.reshape(-1)
-        check(temperature.shape == (rows,), f"temperature must hold {rows} values")
+        if temperature.shape != (rows,):
+            raise ValueError(f"temperature must hold {rows} values")
         check(temperature.dtype == torch.float32, "temperature must be float32")
         check(temperature.device == x.device, "temperature must be on x's device")
     if rows == 0:

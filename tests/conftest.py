@@ -33,6 +33,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+# Engine tests keep several engines alive at once (a mode against the plain engine, HF beside
+# them): on a GPU each test engine takes this share of the device unless the test says
+# otherwise, not vLLM's 0.9, which leaves no room for a second. Their models are tiny.
+TEST_GPU_SHARE = 0.1
+
+
+@pytest.fixture(autouse=True)
+def _test_gpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not HAS_CUDA:
+        return
+    from paged_engine.config import EngineConfig
+
+    build = EngineConfig.from_kwargs.__func__
+
+    def from_kwargs(cls, **kwargs):
+        kwargs.setdefault("gpu_memory_utilization", TEST_GPU_SHARE)
+        return build(cls, **kwargs)
+
+    monkeypatch.setattr(EngineConfig, "from_kwargs", classmethod(from_kwargs))
+
+
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")

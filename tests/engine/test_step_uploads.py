@@ -20,3 +20,11 @@ def test_uploads_start_16_byte_aligned(dtype):
         for start, a in zip(starts, arrays, strict=True):
             assert start * buf.itemsize % 16 == 0
             assert np.array_equal(buf[start : start + a.size], a)
+
+
+def test_mixed_dtypes_take_the_common_one():
+    """As np.concatenate: an int32 array beside int64 ones is widened, never truncated."""
+    big = np.array([2**40, 3], dtype=np.int64)
+    buf, starts = pack_aligned([np.array([1, 2, 3], dtype=np.int32), big])
+    assert buf.dtype == np.int64 and starts == [0, 4]
+    assert buf[starts[1] : starts[1] + 2].tolist() == [2**40, 3]

@@ -99,17 +99,18 @@ def layer_additions(model: nn.Module, additions: LayerAdditions | None) -> Itera
 
 
 def pack_aligned(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
-    """1-D arrays of one dtype in one buffer, each starting at a multiple of 16 bytes: (buffer,
-    each array's first index). Triton specializes a kernel on whether each pointer argument is
-    16-byte aligned, so views at unaligned offsets (which moved with the step's token and
-    sequence counts) built kernel variants on the first steps that happened to hit them (the
-    H200's first prefill: 1.7 s of builds)."""
-    step = max(1, 16 // arrays[0].dtype.itemsize)
+    """1-D arrays in one buffer of their common dtype, each starting at a multiple of 16 bytes:
+    (buffer, each array's first index). Triton specializes a kernel on whether each pointer
+    argument is 16-byte aligned, so views at unaligned offsets (which moved with the step's
+    token and sequence counts) built kernel variants on the first steps that happened to hit
+    them (the H200's first prefill: 1.7 s of builds)."""
+    dtype = np.result_type(*arrays)  # as np.concatenate would promote them
+    step = max(1, 16 // dtype.itemsize)
     starts, end = [], 0
     for a in arrays:
         starts.append(end)
         end += -(-a.size // step) * step
-    buf = np.empty(end, dtype=arrays[0].dtype)  # the gaps are never read
+    buf = np.empty(end, dtype=dtype)  # the gaps are never read
     for start, a in zip(starts, arrays):
         buf[start : start + a.size] = a
     return buf, starts

@@ -73,8 +73,8 @@ def test_level_1_gives_memory_back_and_wakes_to_the_same_tokens(model, want):
         llm.generate(PROMPTS, GREEDY)
     llm.wake_up()
     assert not llm.is_sleeping() and _held_bytes(llm)[1] == kv
-    # Every tensor is back: the weights byte for byte; the attributes the last forward left may
-    # differ (on CUDA the graphs were captured again: the rotary keeps a view of their inputs).
+    # Every tensor is back: the weights byte for byte; tensors a forward leaves on modules may
+    # differ a little (on the H200, 848 of 625,072 bytes once the CUDA graphs were captured again).
     assert _held_bytes(llm, weights_only=True)[0] == params
     assert weights <= _held_bytes(llm)[0] < weights + weights // 100
     hits = llm.get_stats().prefix_cache_hits

@@ -16,12 +16,14 @@ path works, and the JSON says its numbers are not meaningful.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -205,35 +207,51 @@ def tile_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> l
     grid = [(32, 2048), (64, 8192), (256, 2048), (256, 8192)] if real else [(2, 64)]
     configs = [(n, w, st) for n in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
     configs = configs if real else [(16, 4, 2), (32, 4, 3)]
-    default = attention._tile_config
     out = []
-    try:
-        for batch, ctx in grid:
-            args, kw, kv_bytes = _decode_inputs(batch, ctx, cfg, device)
-            row: dict = {"batch": batch, "context": ctx, "configs": []}
-            group_p2 = 1 << (cfg["heads"] // cfg["kv_heads"] - 1).bit_length()
-            block_q, *rest = default(group_p2, max(16, cfg["head_dim"]), True)
-            row["default"] = dict(zip(("block_n", "num_warps", "num_stages"), rest))
-            for block_n, warps, stages in configs:
-                tile = attention.TileConfig(block_q, block_n, warps, stages)
-                entry: dict = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
-                attention._tile_config = lambda *a, t=tile, **k: t
-                try:
-                    ms = _time_ms(lambda a=args, k=kw: attention.paged_attention(*a, **k))
-                    entry["ms"] = round(ms, 5)
-                    entry["of_copy_bw"] = round(kv_bytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
-                except Exception as exc:  # e.g. out of shared memory at launch
-                    entry["error"] = str(exc)[:200]
-                finally:
-                    attention._tile_config = default
-                row["configs"].append(entry)
-            timed = [c for c in row["configs"] if "ms" in c]
-            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
-            out.append(row)
-            del args, kw  # the pool, before the next shape's
-    finally:
-        attention._tile_config = default
+    for batch, ctx in grid:
+        args, kw, kv_bytes = _decode_inputs(batch, ctx, cfg, device)
+        row: dict = {"batch": batch, "context": ctx, "configs": []}
+        group_p2 = 1 << (cfg["heads"] // cfg["kv_heads"] - 1).bit_length()
+        block_q, *rest = attention._tile_config(group_p2, max(16, cfg["head_dim"]), True)
+        row["default"] = dict(zip(("block_n", "num_warps", "num_stages"), rest))
+        for block_n, warps, stages in configs:
+            tile = attention.TileConfig(block_q, block_n, warps, stages)
+            entry: dict = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+            with _replaced(attention, "_tile_config", lambda *a, t=tile, **k: t):
+                call = lambda a=args, k=kw: attention.paged_attention(*a, **k)
+                row["configs"].append(_timed(entry, call, kv_bytes, copy_gbps))
+        row["best"] = _best(row["configs"])
+        out.append(row)
+        del args, kw  # the pool, before the next shape's
     return out
+
+
+@contextlib.contextmanager
+def _replaced(module: object, name: str, value: object) -> Iterator[None]:
+    """`module.name` is `value` inside the block (a sweep's config), the original after it."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+def _timed(entry: dict, fn: Callable[[], object], nbytes: int, copy_gbps: float) -> dict:
+    """A sweep entry with fn's time and `nbytes` read against the copy bandwidth, or the error
+    that stopped it (e.g. out of shared memory at launch)."""
+    try:
+        ms = _time_ms(fn)
+        entry["ms"] = round(ms, 5)
+        entry["of_copy_bw"] = round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
+    except Exception as exc:
+        entry["error"] = str(exc)[:200]
+    return entry
+
+
+def _best(configs: list[dict]) -> dict | None:
+    timed = [c for c in configs if "ms" in c]
+    return min(timed, key=lambda c: c["ms"]) if timed else None
 
 
 def _mla_inputs(batch: int, ctx: int, heads: int, device: torch.device) -> tuple[tuple, int]:
@@ -261,40 +279,27 @@ def mla_sweep(device: torch.device, copy_gbps: float, smoke: bool = False) -> li
     grid = [(128, 64, 4096), (128, 256, 1024), (16, 32, 2048)] if real else [(4, 2, 64)]
     tiles = [(h, n, w) for h in (16, 32, 64) for n in (16, 32) for w in (4, 8)]
     tiles = tiles if real else [(16, 16, 4), (32, 16, 4)]
-    default = mla._tiles
     out = []
-    try:
-        for heads, batch, ctx in grid:
-            args, nbytes = _mla_inputs(batch, ctx, heads, device)
-            row: dict = {"heads": heads, "batch": batch, "context": ctx, "configs": []}
-            for per, block_n, warps, splits in [
-                (None, None, None, None),  # the defaults
-                *((h, n, w, 1) for h, n, w in tiles),
-                *((None, None, None, s) for s in (2, 4, 8)),
-            ]:
-                entry: dict = {"heads_per_program": per, "block_n": block_n}
-                entry |= {"num_warps": warps, "num_splits": splits}
-                if per is not None:
-                    tile = (per, 1, block_n, warps)
-                    mla._tiles = lambda *a, t=tile, **k: t
-                kw = {"latent_dim": 512, "max_seqlen_q": 1, "max_seqlen_k": ctx}
-                try:
-                    ms = _time_ms(
-                        lambda a=args, k=kw, s=splits: mla.mla_attention(*a, **k, num_splits=s)
-                    )
-                    entry["ms"] = round(ms, 5)
-                    entry["of_copy_bw"] = round(nbytes / (ms * 1e-3) / 1e9 / copy_gbps, 3)
-                except Exception as exc:  # e.g. out of shared memory at launch
-                    entry["error"] = str(exc)[:200]
-                finally:
-                    mla._tiles = default
-                row["configs"].append(entry)
-            timed = [c for c in row["configs"] if "ms" in c]
-            row["best"] = min(timed, key=lambda c: c["ms"]) if timed else None
-            out.append(row)
-            del args
-    finally:
-        mla._tiles = default
+    for heads, batch, ctx in grid:
+        args, nbytes = _mla_inputs(batch, ctx, heads, device)
+        row: dict = {"heads": heads, "batch": batch, "context": ctx, "configs": []}
+        for per, block_n, warps, splits in [
+            (None, None, None, None),  # the defaults
+            *((h, n, w, 1) for h, n, w in tiles),
+            *((None, None, None, s) for s in (2, 4, 8)),
+        ]:
+            entry: dict = {"heads_per_program": per, "block_n": block_n}
+            entry |= {"num_warps": warps, "num_splits": splits}
+            tiles_of = mla._tiles
+            if per is not None:
+                tiles_of = lambda *a, t=(per, 1, block_n, warps), **k: t
+            kw = {"latent_dim": 512, "max_seqlen_q": 1, "max_seqlen_k": ctx, "num_splits": splits}
+            with _replaced(mla, "_tiles", tiles_of):
+                call = lambda a=args, k=kw: mla.mla_attention(*a, **k)
+                row["configs"].append(_timed(entry, call, nbytes, copy_gbps))
+        row["best"] = _best(row["configs"])
+        out.append(row)
+        del args
     return out
 
 
@@ -446,19 +451,11 @@ def _bench_mla(smoke: bool, device: torch.device, copy_gbps: float) -> list[dict
     from paged_kernels import mla_attention
 
     out = []
-    block, width, latent = 16, 576, 512
     for heads in (16, 128):
         for batch, ctx in [(32, 2048)] if smoke else [(32, 2048), (64, 4096), (256, 1024)]:
-            blocks = batch * ctx // block
-            cache = torch.randn(blocks + 1, block, 1, width, device=device, dtype=torch.bfloat16)
-            tables = torch.randperm(blocks, device=device).view(batch, -1).int() + 1
-            q = torch.randn(batch, heads, width, device=device, dtype=torch.bfloat16)
-            cu = torch.arange(batch + 1, device=device, dtype=torch.int32)
-            lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
-            args = (q, cache, tables, cu, lens, width**-0.5)
-            kw = dict(latent_dim=latent, max_seqlen_q=1, max_seqlen_k=ctx)
+            args, read = _mla_inputs(batch, ctx, heads, device)
+            kw = dict(latent_dim=512, max_seqlen_q=1, max_seqlen_k=ctx)
             ms = _time_ms(lambda args=args, kw=kw: mla_attention(*args, **kw))
-            read = batch * ctx * width * 2
             gbps = read / ms / 1e6
             out.append(
                 {

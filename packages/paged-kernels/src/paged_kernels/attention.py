@@ -420,10 +420,7 @@ def paged_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    if batch_invariant:
-        if num_splits not in (None, 1):
-            raise ValueError(f"batch_invariant=True never splits (num_splits={num_splits})")
-        num_splits = 1
+    num_splits = _invariant_splits(num_splits, batch_invariant)
     if max_seqlen_q is None and not batch_invariant:  # (batch_invariant: prefill tiles always)
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     group = num_heads // num_kv_heads
@@ -439,15 +436,7 @@ def paged_attention(
         )
     check(num_splits >= 1, "num_splits must be >= 1")
     split = num_splits > 1
-    if split:
-        part_out = torch.empty(
-            (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
-        )
-    else:
-        part_out = part_lse = out  # unused placeholders
+    part_out, part_lse = _split_parts(num_splits, num_tokens, num_heads, head_dim, out)
 
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     upcast = INTERPRETED and q.dtype == torch.bfloat16
@@ -507,6 +496,32 @@ def paged_attention(
     if split:
         _merge_splits(part_out, part_lse, out)
     return out
+
+
+def _invariant_splits(num_splits: int | None, batch_invariant: bool) -> int | None:
+    """`num_splits` as asked; 1 under batch_invariant, which never splits (a count > 1 there is
+    an error)."""
+    if not batch_invariant:
+        return num_splits
+    if num_splits not in (None, 1):
+        raise ValueError(f"batch_invariant=True never splits (num_splits={num_splits})")
+    return 1
+
+
+def _split_parts(
+    num_splits: int, num_tokens: int, num_heads: int, head_dim: int, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV's partial outputs [S, T, H, D] and base-2 log-sum-exps [S, T, H], fp32, for
+    `_merge_splits`; unsplit, `out` twice (placeholders the kernel never reads)."""
+    if num_splits == 1:
+        return out, out
+    part_out = torch.empty(
+        (num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=out.device
+    )
+    part_lse = torch.empty(
+        (num_splits, num_tokens, num_heads), dtype=torch.float32, device=out.device
+    )
+    return part_out, part_lse
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_q_tokens"])

@@ -11,7 +11,7 @@ m = token m // HEADS, head m % HEADS). Each key tile is loaded once as [BLOCK_N,
 wider than the Triton paged_attention kernel's MAX_HEAD_DIM fit because the latent part is one
 power-of-two tile and the rope part a second one, instead of one padded 1024-wide tile. Causal
 masking, the fp32 base-2 online softmax and fp8 caches (the key scale folded into the softmax
-scale, the value scale, equal to it, into the normalisation) follow paged_attention. No split-KV,
+scale, the value scale, equal to it, into the normalisation) follow paged_attention. No
 windows, soft-caps, ALiBi or sinks: MLA models use none of them.
 
 Decode can split each sequence's keys over programs (split-KV, as paged_attention; the partial
@@ -29,15 +29,22 @@ from paged_kernels._dot import tile_dot
 from paged_kernels._utils import (
     FLOAT_DTYPES,
     FP8_DTYPES,
+    INTERPRETED,
     check,
     check_fp8_readable,
     check_kv_scales,
     check_last_dim_contiguous,
     device_sms,
-    is_interpreter,
     next_pow2,
 )
-from paged_kernels.attention import _find_seq, _merge_splits, _store_rows, choose_num_splits
+from paged_kernels.attention import (
+    _find_seq,
+    _invariant_splits,
+    _merge_splits,
+    _split_parts,
+    _store_rows,
+    choose_num_splits,
+)
 
 # Query heads a program holds: 16 rows is the smallest tile tl.dot takes on tensor cores.
 MAX_HEADS_PER_PROGRAM = 16
@@ -211,10 +218,7 @@ def mla_attention(
     decode = not batch_invariant and max_seqlen_q == 1
     heads, block_q, block_n, num_warps = _tiles(num_heads, decode)
     groups = triton.cdiv(num_heads, heads)
-    if batch_invariant:
-        if num_splits not in (None, 1):
-            raise ValueError(f"batch_invariant=True never splits (num_splits={num_splits})")
-        num_splits = 1
+    num_splits = _invariant_splits(num_splits, batch_invariant)
     if num_splits is None:  # without max_seqlen_k: no split (its heuristic would read lengths)
         num_splits = 1
         if decode and max_seqlen_k is not None:
@@ -223,16 +227,9 @@ def mla_attention(
             )
     check(num_splits >= 1, "num_splits must be >= 1")
     split = num_splits > 1
-    part_out = part_lse = out  # placeholders, unread unless split
-    if split:
-        part_out = torch.empty(
-            (num_splits, num_tokens, num_heads, latent_dim), dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            (num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device
-        )
+    part_out, part_lse = _split_parts(num_splits, num_tokens, num_heads, latent_dim, out)
     rope = width - latent_dim
-    upcast = is_interpreter() and q.dtype == torch.bfloat16
+    upcast = INTERPRETED and q.dtype == torch.bfloat16
     grid = (num_tokens // block_q + num_seqs, groups, num_splits)
     _mla_attention_kernel[grid](
         q,
@@ -267,8 +264,8 @@ def mla_attention(
         SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 or upcast else "tf32",
         DOT_UPCAST=upcast,
-        EXPLICIT_DOT=is_interpreter() and batch_invariant,
-        num_warps=1 if is_interpreter() else num_warps,
+        EXPLICIT_DOT=INTERPRETED and batch_invariant,
+        num_warps=1 if INTERPRETED else num_warps,
         num_stages=2,
     )
     if split:

@@ -1,7 +1,7 @@
 """SamplingParams fields of newer vLLM: repetition_detection (a loop ends the sequence),
 logprobs / prompt_logprobs -1 (every token), stream_interval (fewer, larger streamed outputs),
-skip_reading_prefix_cache, extra_args, skip_clone, seed -1. Each against the plain engine or an
-independent reference on the same inputs."""
+skip_reading_prefix_cache, flat_logprobs, extra_args, skip_clone, seed -1. Each against the
+plain engine or an independent reference on the same inputs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paged_engine import LLM, EngineConfig, LLMEngine, RequestOutputKind, SamplingParams
+from paged_engine.logprobs import FlatLogprobs, Logprob
 from paged_engine.sampling_params import RepetitionDetectionParams
 
 transformers = pytest.importorskip("transformers")
@@ -236,6 +237,74 @@ def test_small_fields():
         ({"stream_interval": 0}, "stream_interval"),
         ({"logprobs": -2}, "logprobs"),
         ({"skip_clone": 1}, "skip_clone"),
+        ({"flat_logprobs": "yes"}, "flat_logprobs"),
     ]:
         with pytest.raises(ValueError, match=says):
             SamplingParams(**kw)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"logprobs": 3, "prompt_logprobs": 2, "n": 2, "seed": 7},
+        {"logprob_token_ids": [1, 9, 40], "prompt_logprobs": 0, "temperature": 0},
+    ],
+    ids=["top-k", "token-ids"],
+)
+def test_flat_logprobs_read_as_the_lists(llama, extra):
+    """flat_logprobs=True: FlatLogprobs containers whose positions equal the default lists'
+    (the prompt's first position reads back empty, as in vLLM), whole and streamed."""
+    base = {"max_tokens": 9, "ignore_eos": True} | extra
+    llm = _llm(llama)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    lists = llm.generate(prompts, SamplingParams(**base), use_tqdm=False)
+    flats = llm.generate(prompts, SamplingParams(**base, flat_logprobs=True), use_tqdm=False)
+    for a, b in zip(lists, flats):
+        assert isinstance(b.prompt_logprobs, FlatLogprobs) and len(b.prompt_logprobs) > 1
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] == {}
+        assert list(b.prompt_logprobs)[1:] == a.prompt_logprobs[1:]
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids and isinstance(y.logprobs, FlatLogprobs)
+            assert len(y.logprobs) == len(x.logprobs) == 9
+            assert list(y.logprobs) == x.logprobs and y.logprobs[-1] == x.logprobs[-1]
+            assert y.cumulative_logprob == x.cumulative_logprob
+    (alone,) = llm.generate(prompts[0], SamplingParams(**base), use_tqdm=False)  # same batch
+    engine = llm.llm_engine
+    delta = SamplingParams(**base, flat_logprobs=True, output_kind=RequestOutputKind.DELTA)
+    engine.add_request("s", prompts[0], delta)
+    got: dict[int, FlatLogprobs] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for o in out.outputs:
+                assert isinstance(o.logprobs, FlatLogprobs)
+                got.setdefault(o.index, FlatLogprobs()).extend(o.logprobs)
+    assert [list(got[o.index]) for o in alone.outputs] == [o.logprobs for o in alone.outputs]
+    engine.shutdown()
+
+
+def test_flat_logprobs_container():
+    rows = [{3: Logprob(-0.5, 1, "a"), 7: Logprob(-1.5, 2, "b")}, None, {9: Logprob(-2.0, 4)}]
+    flat = FlatLogprobs()
+    flat.extend(rows)
+    want = [rows[0], {}, rows[2]]
+    assert len(flat) == 3 and list(flat) == want and flat[-1] == rows[2]
+    assert flat.token_ids == [3, 7, 9] and flat.end_indices == [2, 2, 3]
+    for cut in (slice(1, None), slice(None, None, 2), slice(None, None, -1), slice(5, 9)):
+        part = flat[cut]
+        assert isinstance(part, FlatLogprobs) and list(part) == want[cut]
+    tail = flat[1:]
+    assert tail.start_indices == [0, 0] and tail.token_ids == [9]  # offsets from 0
+    joined = flat[:1]
+    joined.extend(tail)
+    joined += [rows[0]]
+    assert list(joined) == want + [rows[0]] and list(flat) == want  # the source kept
+    copy = flat.copy()
+    copy.append(rows[0])
+    assert len(copy) == 4 and len(flat) == 3
+    assert rows[2] in flat and flat.index({}) == 1
+    with pytest.raises(IndexError):
+        flat[3]
+    for change in (lambda: flat.__setitem__(0, {}), lambda: flat.insert(0, {}), flat.pop):
+        with pytest.raises(TypeError):
+            change()
+    assert list(flat) == want

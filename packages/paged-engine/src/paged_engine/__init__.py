@@ -27,7 +27,7 @@ _EXPORTS = {
     "RequestOutput": "paged_engine.outputs",
     "CompletionOutput": "paged_engine.outputs",
     "RequestMetrics": "paged_engine.outputs",
-    "Logprob": "paged_engine.outputs",
+    "Logprob": "paged_engine.logprobs",
     "PoolingParams": "paged_engine.pooling",
     "PoolingRequestOutput": "paged_engine.pooling",
     "EmbeddingRequestOutput": "paged_engine.pooling",
@@ -66,8 +66,9 @@ if TYPE_CHECKING:
     from paged_engine.engine.llm_engine import LLMEngine
     from paged_engine.engine.stats import EngineStats
     from paged_engine.llm import LLM
+    from paged_engine.logprobs import Logprob
     from paged_engine.lora.request import LoRARequest
-    from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+    from paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
     from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
     from paged_engine.scoring import ScoringRequestOutput

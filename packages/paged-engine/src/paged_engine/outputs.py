@@ -5,19 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Per position: token id -> Logprob. Holds the top-k tokens plus the sampled (or actual) one.
-SampleLogprobs = list[dict[int, "Logprob"]]
-# The first prompt token has no logprob: its entry is None.
-PromptLogprobs = list[dict[int, "Logprob"] | None]
+from paged_engine.logprobs import Logprob, PromptLogprobs, SampleLogprobs
 
-
-@dataclass(slots=True)
-class Logprob:
-    """Raw model logprob of one token; `rank` is 1 for the most likely token."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "PromptLogprobs",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleLogprobs",
+]
 
 
 @dataclass(slots=True)

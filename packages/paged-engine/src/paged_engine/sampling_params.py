@@ -94,6 +94,7 @@ _BOOL_FIELDS = (
     "include_stop_str_in_output",
     "use_beam_search",
     "skip_clone",
+    "flat_logprobs",
 )
 
 
@@ -210,6 +211,9 @@ class SamplingParams:
     # vLLM's: the logprobs of these token ids at each generated position, in place of the
     # top-`logprobs` (the sampled token's too); turns logprobs on. None or []: top-k as usual.
     logprob_token_ids: list[int] | None = None
+    # vLLM's: logprobs and prompt_logprobs come as `FlatLogprobs` (paged_engine.logprobs): the
+    # same positions as the lists of dicts, in flat columns (a few objects, whatever the length)
+    flat_logprobs: bool = False
     # Token ids that end the sequence: stop_token_ids here, plus the model's eos id(s), which
     # the engine adds when it accepts the request unless ignore_eos. Not a constructor argument.
     all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)

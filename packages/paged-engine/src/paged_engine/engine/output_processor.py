@@ -21,7 +21,8 @@ import torch
 from paged_engine.core.core_output import EngineCoreOutput, PromptLogprobsChunk, SeqUpdate
 from paged_engine.engine.bytelevel_detokenizer import byte_level_vocab, make_detokenizer
 from paged_engine.engine.detokenizer import find_stop, stop_holdback
-from paged_engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged_engine.logprobs import FlatLogprobs, Logprob, PromptLogprobs, SampleLogprobs
+from paged_engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_engine.pooling import (
     PooledChunks,
     PoolingOutput,
@@ -43,7 +44,7 @@ class SeqText:
     detokenizer: Any
     token_ids: list[int] = field(default_factory=list)  # outputs
     text: str = ""
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: SampleLogprobs | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -85,7 +86,7 @@ class RequestState:
     plain: bool  # sampled without stop strings: a step's tokens end nothing here
     single: bool  # sampled, one sequence (n = best_of = 1)
     seqs: dict[int, SeqText] = field(default_factory=dict)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     beams: list | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -265,7 +266,7 @@ class OutputProcessor:
             if upd.logprobs is not None:
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, params.num_top_logprobs, token, upd, k)
+                    self._add_logprobs(seq, params, token, upd, k)
             stop_token = k == last and upd.finish_reason == "stop" and not upd.grammar_end
             if detok is None or (stop_token and not params.include_stop_str_in_output):
                 continue
@@ -297,7 +298,7 @@ class OutputProcessor:
             for k, token in enumerate(upd.new_token_ids):
                 seq.cumulative_logprob += upd.logprobs[k]
                 if params.logprobs is not None:
-                    self._add_logprobs(seq, params.num_top_logprobs, token, upd, k)
+                    self._add_logprobs(seq, params, token, upd, k)
         if upd.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = upd.finish_reason, upd.stop_reason
             detok = seq.detokenizer
@@ -311,33 +312,50 @@ class OutputProcessor:
                 seq.text = detok.output_text
         return False
 
-    def _add_logprobs(self, seq: SeqText, k: int, token: int, upd: SeqUpdate, i: int) -> None:
-        """The sampled token's entry, then the top-k's (or the explicit ids')."""
-        decode = self._decode_one_fn
-        top = upd.top[i][:k] if upd.top is not None else []
-        entry = {token: Logprob(upd.logprobs[i], upd.ranks[i], decode(token))}
+    def _add_logprobs(
+        self, seq: SeqText, params: SamplingParams, token: int, upd: SeqUpdate, i: int
+    ) -> None:
+        """The sampled token's entry, then the top-k's (or the explicit ids'); a top-k entry of
+        the sampled token keeps the top-k's rank (a tie: the top-k's order decides)."""
+        top = upd.top[i][: params.num_top_logprobs] if upd.top is not None else []
+        ids, lps, ranks = [token], [upd.logprobs[i]], [upd.ranks[i]]
         for tid, lp, rank in top:
-            if tid not in entry:
-                entry[tid] = Logprob(lp, rank, decode(tid))
+            if tid == token:
+                ranks[0] = rank
             else:
-                entry[tid].rank = rank  # (a tie: the top-k's order decides)
+                ids.append(tid)
+                lps.append(lp)
+                ranks.append(rank)
+        texts = [self._decode_one_fn(t) for t in ids]
         if seq.logprobs is None:
-            seq.logprobs = []
-        seq.logprobs.append(entry)
+            seq.logprobs = FlatLogprobs() if params.flat_logprobs else []
+        if isinstance(seq.logprobs, FlatLogprobs):
+            seq.logprobs.append_position(ids, lps, ranks, texts)
+        else:
+            seq.logprobs.append({t: Logprob(*row) for t, *row in zip(ids, lps, ranks, texts)})
 
     def _add_prompt_logprobs(self, state: RequestState, chunk: PromptLogprobsChunk) -> None:
-        """Row j of the chunk scores prompt token chunk.start + j + 1. After a preemption the
-        prompt is recomputed: positions already covered are not added twice."""
+        """Row j of the chunk scores prompt token chunk.start + j + 1 (the actual token first,
+        with its own rank, then the top-k's others). After a preemption the prompt is
+        recomputed: positions already covered are not added twice."""
         if state.prompt_logprobs is None:
-            state.prompt_logprobs = [None]  # position 0 has no predecessor
-        lists, decode = chunk.lists, self._decode_one_fn
-        for j in range(len(state.prompt_logprobs) - 1 - chunk.start, len(lists.token_ids)):
-            d = {lists.token_ids[j]: Logprob(lists.logprobs[j], lists.ranks[j])}
+            flat = getattr(state.params, "flat_logprobs", False)
+            state.prompt_logprobs = FlatLogprobs() if flat else []
+            state.prompt_logprobs.append(None)  # position 0 has no predecessor
+        out, lists, decode = state.prompt_logprobs, chunk.lists, self._decode_one_fn
+        for j in range(len(out) - 1 - chunk.start, len(lists.token_ids)):
+            actual = lists.token_ids[j]
+            ids, lps, ranks = [actual], [lists.logprobs[j]], [lists.ranks[j]]
             for t, lp, rank in lists.top[j]:
-                d.setdefault(t, Logprob(lp, rank))
-            for tid, lp in d.items():
-                lp.decoded_token = decode(tid)
-            state.prompt_logprobs.append(d)
+                if t != actual:
+                    ids.append(t)
+                    lps.append(lp)
+                    ranks.append(rank)
+            texts = [decode(t) for t in ids]
+            if isinstance(out, FlatLogprobs):
+                out.append_position(ids, lps, ranks, texts)
+            else:
+                out.append({t: Logprob(*row) for t, *row in zip(ids, lps, ranks, texts)})
 
     # ---- outputs --------------------------------------------------------------------------------
     def _make_output(self, state: RequestState, finished: bool, now: float) -> RequestOutput | None:

@@ -122,11 +122,22 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}  # every request not finished here yet
         self._byte_vocab = byte_level_vocab(tokenizer)  # None: not byte-level, general path
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        self._decode_one_fn = (
+        decode = (
             (lambda t: backend.decode([t], skip_special_tokens=False))
             if backend is not None
             else (lambda t: tokenizer.decode([t]))
         )
+        # A token's text alone never changes: logprobs name k + 1 tokens a position, mostly
+        # the same few thousand, so each is decoded once (at most the vocabulary's strings).
+        texts: dict[int, str] = {}
+
+        def decode_one(t: int) -> str:
+            text = texts.get(t)
+            if text is None:
+                text = texts[t] = decode(t)
+            return text
+
+        self._decode_one_fn = decode_one
 
     def add_request(
         self,

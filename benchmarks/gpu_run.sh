@@ -46,7 +46,7 @@
 # next5:  after the H200 session: the cold prefill's kernel builds (none expected now), the engine
 #         tests natively (lazy block pool, the tests' GPU mends), kernel_bench and the split
 #         sweep timed by CUDA-graph replay, MLA decode's tile / split sweep, nano-vllm on the
-#         warm cache (~535 s of step limits).
+#         warm cache; the rope kernel's fused KV write natively (~570 s of step limits).
 # phase2: engine tests natively; the fixed-length workload (1000 x 1024 in / 128 out); serving
 #         under Poisson load; the nano-vllm workload on Llama-3.1-8B (paged vs HF static).
 # phase3: issue 13's KV memory (benchmarks/kv_memory.py) in bf16 on a random llama: a bf16 vs
@@ -332,18 +332,23 @@ case "$PHASE" in
     if tf_new; then TF="/tmp/tf-new:"; fi
     # the lazy block pool (7bf08e8) and the tests' GPU mends (6d15470); the thread method
     # prints every thread's stack if a test hangs again
-    step 170 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -q -p no:cacheprovider \
+    step 165 native-tests env PYTHONPATH="$TF$PYTHONPATH" $PY -m pytest -q -p no:cacheprovider \
       --timeout 45 --timeout-method thread -rfE tests/engine/test_async_scheduling.py \
       tests/engine/test_sleep_mode.py tests/engine/test_llava_images.py \
       tests/engine/test_llm_vs_hf.py tests/engine/test_cuda_graph_logic.py \
       tests/engine/test_block_pool.py tests/engine/test_step_uploads.py \
       tests/kernels/test_mla_attention.py tests/kernels/test_attention.py
+    # the rope kernel storing K/V (one launch a layer fewer): its bits against rope + write
+    # natively, and the engine fused against the write kernel apart
+    step 45 fused-kv-write $PY -m pytest -q -p no:cacheprovider -rfE \
+      tests/engine/test_fused_kv_write.py tests/kernels/test_rotary.py \
+      -k "(test_rope_kernel_writes and qwen3) or (fused_kv_write and shape1 and 16)"
     # decode attention and the race by CUDA-graph replay (326ede2): the device's time alone;
     # mla_decode with split keys (b600f93) against the H200's unsplit 9-50%
     step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"
     step 30 split-sweep $PY -m benchmarks.kernel_bench --split-sweep --out "$OUT/kernels"
     # MLA decode: more heads a program (V3's 128 heads read each latent cache 8 times) x tiles
-    step 100 mla-sweep $PY -m benchmarks.kernel_bench --mla-sweep --out "$OUT/kernels"
+    step 95 mla-sweep $PY -m benchmarks.kernel_bench --mla-sweep --out "$OUT/kernels"
     step 50 nano-vllm-warm $PY -m benchmarks.run_all --only throughput --model-config qwen3-0.6b \
       --workloads nano-vllm --systems paged --out "$OUT" --no-report \
       --note "issue 14 next5: aligned uploads, lazy block pool"

@@ -9,7 +9,8 @@ allocator hands back a cached block, so more tokens time the CPU allocator, not 
 
 Measured on the 2-core development machine (best of 5 x 2000 calls, two runs): a layer's calls
 (attention, two add + norm, rope, KV write, gated SiLU) 104-105 us before the wrappers' trim
-(0fa5c02) and 56-58 us after it (9d8ccb7).
+(0fa5c02) and 56-58 us after it (9d8ccb7); with the rope kernel storing K/V itself (one call
+and one launch fewer a layer) 54.5-54.9 us against 57.8-58.2 us for the two calls apart.
 
 The H200's profile (docs/benchmarks/h200) put a prefill step's host time at 39 ms against
 22.5 ms of GPU time; these five wrappers run 28 times a step on Qwen3-0.6B.
@@ -89,13 +90,28 @@ def calls(tokens: int) -> dict[str, Callable[[], object]]:
         "add_rms_norm": lambda: add_rms_norm(x, res, w, 1e-6),
         "rope_qk_": lambda: rope_qk_(qkv, pos, cos, sin, h, hk, d, q_weight=nw, k_weight=nw),
         "write_kv_cache": lambda: write_kv_cache(k, v, kc, vc, slots),
+        "rope_qk_+kv": lambda: rope_qk_(
+            qkv,
+            pos,
+            cos,
+            sin,
+            h,
+            hk,
+            d,
+            q_weight=nw,
+            k_weight=nw,
+            key_cache=kc,
+            value_cache=vc,
+            slot_mapping=slots,
+        ),
         "silu_and_mul": lambda: silu_and_mul(gate_up),
     }
 
 
 def run(tokens: int = 512, reps: int = 2000) -> dict:
     """Best of five rounds of `reps` calls each: microseconds a call, and a layer's total (two
-    add_rms_norm calls, one of each other)."""
+    add_rms_norm calls, one of each other): the rope kernel storing K/V as the engine runs it
+    (rope_qk_+kv), and the rope and the write kernel called apart, as before that fusion."""
     out: dict[str, float] = {}
     with launches_stubbed():
         for name, fn in calls(tokens).items():
@@ -107,8 +123,14 @@ def run(tokens: int = 512, reps: int = 2000) -> dict:
                     fn()
                 best = min(best, (time.perf_counter() - t0) / reps)
             out[name] = round(best * 1e6, 2)
-    layer = sum(out.values()) + out["add_rms_norm"]
-    return {"tokens": tokens, "us_per_call": out, "us_per_layer": round(layer, 1)}
+    common = out["paged_attention"] + 2 * out["add_rms_norm"] + out["silu_and_mul"]
+    apart = common + out["rope_qk_"] + out["write_kv_cache"]
+    return {
+        "tokens": tokens,
+        "us_per_call": out,
+        "us_per_layer": round(common + out["rope_qk_+kv"], 1),
+        "us_per_layer_write_apart": round(apart, 1),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,5 +1,6 @@
 """rope_qk_: the q and k heads of a qkv row (normalised, then) rotated in place, against the
-torch reference, on random shapes, dtypes, GQA ratios, partial rotary and both pair styles.
+torch reference, on random shapes, dtypes, GQA ratios, partial rotary and both pair styles; its
+fused KV write against rope_qk_ then write_kv_cache, bit for bit.
 
 Triton's interpreter casts float32 to bfloat16 by truncation (a GPU rounds to nearest even), so
 under the interpreter bfloat16 results may sit one unit in the last place from torch's; float32
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_kernels import ref_rope_qk, rope_qk_
+from paged_kernels import ref_rope_qk, rope_qk_, write_kv_cache
 
 # (q heads, kv heads, head_dim, rotary dims): MHA, GQA 4:1 and 8:1, odd sizes, partial rotary
 SHAPES = [(4, 4, 64, 64), (8, 2, 128, 128), (16, 2, 64, 64), (3, 1, 80, 32), (2, 1, 96, 48)]
@@ -102,6 +103,72 @@ def test_rope_qk_rejects_bad_arguments(device):
         rope_qk_(qkv, positions, cos, sin, hq, hk, d, q_weight=w[:8], k_weight=w)
     with pytest.raises(ValueError, match="dtype"):
         rope_qk_(qkv.int(), positions, cos, sin, hq, hk, d)
+
+
+def _caches(hk, d, cache_dtype, device, blocks=7, block_size=5):
+    """A pair of caches filled with a pattern (what the write leaves must stay)."""
+    base = torch.randn(blocks, block_size, hk, d, device=device)
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        base = base.clamp(-50, 50)
+    return base.to(cache_dtype), (base * 2).to(cache_dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("cache", ["auto", torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_rope_qk_fused_kv_write(seed, device, dtype, shape, cache, block_size):
+    """The rotation and, in the same launch, every token's rotated k heads and its v heads in
+    its slot (-1: none): the bits of rope_qk_ then write_kv_cache; the rest of the caches and
+    of qkv untouched."""
+    hq, hk, d, r = shape
+    tokens = 9
+    qkv, positions, cos, sin = _inputs(dtype, device, hq, hk, d, r, tokens=tokens)
+    cache_dtype = dtype if cache == "auto" else cache
+    blocks = -(-(tokens + 4) // block_size)
+    kc, vc = _caches(hk, d, cache_dtype, device, blocks, block_size)
+    slots = torch.randperm(blocks * block_size, device=device)[:tokens]
+    slots[[2, 5]] = -1  # padding
+    fp8 = cache != "auto"
+    scales = {"k_scale": 0.5, "v_scale": 3.0} if fp8 else {}
+    norms = dict(q_weight=torch.rand(d, device=device).to(dtype), k_weight=torch.rand(d).to(dtype))
+    norms = norms if shape[0] % 2 == 0 else {}  # normalised heads on some shapes
+    want_qkv, want_k, want_v = qkv.clone(), kc.clone(), vc.clone()
+    rope_qk_(want_qkv, positions, cos, sin, hq, hk, d, is_neox_style=r == d, **norms)
+    k = want_qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+    v = want_qkv[:, (hq + hk) * d : (hq + 2 * hk) * d].view(tokens, hk, d)
+    write_kv_cache(k, v, want_k, want_v, slots.to(torch.int32), **scales)
+    got = rope_qk_(
+        qkv, positions, cos, sin, hq, hk, d, is_neox_style=r == d, **norms,
+        key_cache=kc, value_cache=vc, slot_mapping=slots, **scales,
+    )  # fmt: skip
+    assert got is qkv and torch.equal(qkv, want_qkv)
+    bits = (lambda t: t.view(torch.uint8)) if fp8 else (lambda t: t)
+    assert torch.equal(bits(kc), bits(want_k)) and torch.equal(bits(vc), bits(want_v))
+
+
+def test_rope_qk_fused_kv_write_checks(device):
+    hq, hk, d = 2, 1, 64
+    qkv, positions, cos, sin = _inputs(torch.float32, device, hq, hk, d, d, tokens=3)
+    kc, vc = _caches(hk, d, torch.float32, device)
+    slots = torch.arange(3, device=device)
+    with pytest.raises(ValueError, match="key_cache, value_cache and slot_mapping"):
+        rope_qk_(qkv, positions, cos, sin, hq, hk, d, key_cache=kc, value_cache=vc)
+    with pytest.raises(ValueError, match="slot_mapping must be"):
+        rope_qk_(qkv, positions, cos, sin, hq, hk, d, key_cache=kc, value_cache=vc,
+                 slot_mapping=slots[:2])  # fmt: skip
+    wide_k, wide_v = _caches(2, d, torch.float32, device)  # two kv heads a slot, not one
+    with pytest.raises(ValueError, match="cache heads"):
+        rope_qk_(qkv, positions, cos, sin, hq, hk, d, key_cache=wide_k, value_cache=wide_v,
+                 slot_mapping=slots)  # fmt: skip
+    with pytest.raises(ValueError, match="fp8 caches only"):
+        rope_qk_(qkv, positions, cos, sin, hq, hk, d, key_cache=kc, value_cache=vc,
+                 slot_mapping=slots, k_scale=2.0)  # fmt: skip
+    before = kc.clone()
+    empty = torch.empty(0, qkv.shape[1], device=device)
+    rope_qk_(empty, positions[:0], cos, sin, hq, hk, d, key_cache=kc, value_cache=vc,
+             slot_mapping=slots[:0])  # fmt: skip
+    assert torch.equal(kc, before)
 
 
 @pytest.mark.gpu

@@ -96,6 +96,31 @@ def _write_kv_cache_kernel(
     tl.store(value_cache_ptr + cache_off, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_kv_write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """The caches and slots a write of `num_tokens` tokens' K/V heads goes to (write_kv_cache,
+    rope_qk_'s fused write): shapes, strides and dtypes."""
+    check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
+    check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
+    check(key_cache.stride() == value_cache.stride(), "key_cache and value_cache strides differ")
+    if key_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(
+            f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}"
+        )
+    check(slot_mapping.shape == (num_tokens,), "slot_mapping must be [num_tokens]")
+    check(slot_mapping.dtype in (torch.int32, torch.int64), "slot_mapping must be int32/int64")
+    check(key_cache.dtype in KV_CACHE_DTYPES, "unsupported dtype")
+    check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")
+    check_last_dim_contiguous("key_cache", key_cache)
+    check(value_cache.stride(-1) == 1, "value tensors need stride 1")
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -109,25 +134,15 @@ def write_kv_cache(
     """Scatter each token's K/V into its cache slot; slots of -1 are left untouched. An fp8
     cache gets the values quantized (see the module docstring)."""
     check(key.dim() == 3 and key.shape == value.shape, "key/value must be equal [T, H_kv, D]")
-    check(key_cache.dim() == 4, "key_cache must be [num_blocks, block_size, num_kv_heads, D]")
-    check(key_cache.shape == value_cache.shape, "key_cache and value_cache shapes differ")
-    check(key_cache.stride() == value_cache.stride(), "key_cache and value_cache strides differ")
     num_tokens, num_kv_heads, head_dim = key.shape
-    if key_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(
-            f"cache heads/head_dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}"
-        )
-    check(slot_mapping.shape == (num_tokens,), "slot_mapping must be [num_tokens]")
-    check(slot_mapping.dtype in (torch.int32, torch.int64), "slot_mapping must be int32/int64")
-    check(key.dtype in FLOAT_DTYPES and key_cache.dtype in KV_CACHE_DTYPES, "unsupported dtype")
-    check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache dtypes differ")
+    check_kv_write(key_cache, value_cache, slot_mapping, num_tokens, num_kv_heads, head_dim)
+    check(key.dtype in FLOAT_DTYPES, "unsupported dtype")
     check_kv_scales(key_cache.dtype, k_scale, v_scale)
     devices = {t.device for t in (key, value, key_cache, value_cache, slot_mapping)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {devices}")
-    for name, t in (("key", key), ("value", value), ("key_cache", key_cache)):
+    for name, t in (("key", key), ("value", value)):
         check_last_dim_contiguous(name, t)
-    check(value.stride(-1) == 1 and value_cache.stride(-1) == 1, "value tensors need stride 1")
     if num_tokens == 0:
         return
     fp8 = FP8_FORMATS.get(key_cache.dtype)

@@ -90,6 +90,9 @@ class AttentionBackend(ABC):
 
     name: str
     cuda_graph_capturable: bool = False
+    # `write_kv` is paged_kernels.write_kv_cache: a layer whose rope runs paged_kernels.rope_qk_
+    # may have that kernel store its K/V instead, in the same launch (Attention.fused_kv_write).
+    rope_writes_kv: bool = False
 
     @staticmethod
     def kv_cache_shape(

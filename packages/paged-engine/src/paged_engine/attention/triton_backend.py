@@ -17,6 +17,7 @@ from paged_engine.attention.backend import AttentionMetadata, KernelBackend
 class TritonBackend(KernelBackend):
     name = "triton"
     cuda_graph_capturable = True
+    rope_writes_kv = True
 
     def __init__(self, batch_invariant: bool = False) -> None:
         # Imported here: triton is optional where only the torch backend runs.

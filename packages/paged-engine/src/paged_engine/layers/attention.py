@@ -7,6 +7,8 @@ reads at every call and never registers or copies.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -80,6 +82,28 @@ class Attention(nn.Module):
             raise ValueError("a KV-sharing layer needs its source's KV head count and size")
         self.__dict__["kv_source"] = source
 
+    def fused_kv_write(
+        self, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> dict[str, Any] | None:
+        """What paged_kernels.rope_qk_ needs to store this step's K/V in the layer's cache in
+        its own launch (caches, slots, scales), where the backend's write is that kernel's and
+        the layer writes its cache eagerly; the layer is then called with `kv_written=True`.
+        None: the layer writes them itself."""
+        if (
+            not attn_metadata.backend.rope_writes_kv
+            or self.kv_source is not None
+            or self.op_handle is not None  # a compiled forward's operator writes them
+        ):
+            return None
+        key_cache, value_cache = kv_cache
+        return {
+            "key_cache": key_cache,
+            "value_cache": value_cache,
+            "slot_mapping": attn_metadata.slot_mapping,
+            "k_scale": self.k_scale,
+            "v_scale": self.v_scale,
+        }
+
     def forward(
         self,
         q: torch.Tensor,  # [T, H*D]
@@ -87,7 +111,10 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [T, Hkv*D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
         attn_metadata: AttentionMetadata,
+        kv_written: bool = False,  # the rope kernel stored k and v (fused_kv_write)
     ) -> torch.Tensor:  # [T, H*D]
+        if kv_written:
+            return self.run(q, k, v, kv_cache, attn_metadata, kv_written=True)
         if self.op_handle is not None and torch.compiler.is_compiling():
             rows = attn_metadata.decode
             if rows is not None and self.trace_decode:
@@ -115,6 +142,7 @@ class Attention(nn.Module):
         v: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn_metadata: AttentionMetadata,
+        kv_written: bool = False,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -124,9 +152,10 @@ class Attention(nn.Module):
         if source is not None:  # the cache holds the source layer's K / V of these tokens
             scales = {"k_scale": source.k_scale, "v_scale": source.v_scale}
         else:
+            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        if source is None and not kv_written:
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-            scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
             backend.write_kv(k, v, key_cache, value_cache, attn_metadata.slot_mapping, **scales)
         out = backend.attend(
             q,
@@ -155,6 +184,9 @@ class LatentAttention(Attention):
     def __init__(self, num_heads: int, head_dim: int, latent_dim: int, scale: float) -> None:
         super().__init__(num_heads, head_dim, 1, scale)
         self.latent_dim = latent_dim
+
+    def fused_kv_write(self, kv_cache, attn_metadata) -> None:
+        return None  # one latent vector a slot, written by `run`
 
     # The value is the key: its fp8 scale is the key's (both writes of a slot store one vector).
     @property

@@ -281,12 +281,15 @@ class RotaryEmbedding(nn.Module):
         num_kv_heads: int,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        kv_write: dict[str, Any] | None = None,
     ) -> bool:
         """With the kernel set, in one kernel: (q_norm / k_norm on each head, then) rotate the
         q and k heads of qkv [T, (Hq + 2 Hkv) * D] in place, the same values as the norms and
-        `forward`. False, qkv untouched, without the kernel, where the rows are not dense, or
-        where the norms are not a pair of RMSNorms of one kind (eps, weight offset, rounding:
-        Llama's / Qwen3's, or Gemma 3's) over one head each."""
+        `forward`; with `kv_write` (Attention.fused_kv_write) the same launch stores the rotated
+        k heads and the v heads in the paged cache. False, qkv and cache untouched, without the
+        kernel, where the rows are not dense, or where the norms are not a pair of RMSNorms of
+        one kind (eps, weight offset, rounding: Llama's / Qwen3's, or Gemma 3's) over one head
+        each."""
         if self.kernel is None or qkv.dim() != 2 or qkv.stride(1) != 1:
             return False
         weights: dict = {}
@@ -315,6 +318,7 @@ class RotaryEmbedding(nn.Module):
             self.head_dim,
             is_neox_style=self.is_neox_style,
             **weights,
+            **(kv_write or {}),
         )
         return True
 

@@ -98,15 +98,17 @@ class GemmaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        rotated = self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms)
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        write = self.attn.fused_kv_write(kv_cache, md)  # (None: the attention writes K/V)
+        rotated = self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms, write)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if not rotated:  # (else one kernel normed and rotated q and k in place)
+        if not rotated:  # (else one kernel normed and rotated q and k in place, and wrote K/V)
             if self.qk_norm:
                 q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1)
                 k = self.k_norm(k.reshape(t, -1, self.head_dim)).reshape(t, -1)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        written = rotated and write is not None
+        return self.o_proj(self.attn(q, k, v, kv_cache, md, kv_written=written))
 
 
 class GemmaMLP(nn.Module):

@@ -82,10 +82,11 @@ class LlamaAttention(nn.Module):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             return self.o_proj(self.attn(q, k, v, kv_cache, md))
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else ()
-        if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms):  # one kernel
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        write = self.attn.fused_kv_write(kv_cache, md)  # (None: the attention writes K/V)
+        if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms, write):
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # one kernel
+            return self.o_proj(self.attn(q, k, v, kv_cache, md, kv_written=write is not None))
         if not self.qk_norm:  # q and k heads rotated in one go from the model's tables
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             rotated = self.rotary_emb.rotate_heads(positions, qk)

@@ -1,0 +1,56 @@
+"""The rope kernel's fused KV write (paged_kernels.rope_qk_ with the layer's caches and slots)
+inside the engine on the Triton backend (Triton's interpreter on a CPU), against the same engine
+with the separate write kernel (TritonBackend.rope_writes_kv off)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paged_engine import LLM, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_cache_dtype"), [("llama", "auto"), ("qwen3", "fp8"), ("gemma3", "fp8_e5m2")]
+)
+def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, kv_cache_dtype):
+    """On the Triton backend each attention layer's rope kernel also stores the step's K/V in
+    the paged cache (no write launch of its own); the engine with the separate write kernel
+    gives the same greedy tokens and bit-identical logprobs, over prefills, a chunked prefill,
+    a prefix hit and decode steps (Qwen3's q/k norms, Gemma 3's sliding layers, fp8 caches)."""
+    from paged_engine.attention.triton_backend import TritonBackend
+
+    writes = []
+    plain_write = TritonBackend.write_kv
+
+    def counted(self, *args, **kwargs):
+        writes.append(1)
+        return plain_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, "write_kv", counted)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(10, 40))] for _ in range(3)]
+    prompts.append(prompts[0][:24] + [7, 8, 9])  # a prefix hit on prompt 0's blocks
+    kw = dict(
+        model=str(tiny_model_factory(arch)),
+        dtype="float32",
+        attention_backend="triton",
+        kv_cache_dtype=kv_cache_dtype,
+        max_model_len=96,
+        max_num_batched_tokens=32,  # prompts of up to 40 tokens: chunked
+        block_size=8,
+        enable_prefix_caching=True,
+    )
+    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(TritonBackend, "rope_writes_kv", fused)
+        writes.clear()
+        llm = LLM(**kw)
+        outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+        runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert outs[-1].num_cached_tokens > 0
+        assert bool(writes) != fused, f"{len(writes)} write launches (fused={fused})"
+        llm.llm_engine.shutdown()
+    assert runs[True] == runs[False]

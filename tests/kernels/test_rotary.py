@@ -114,9 +114,8 @@ def _caches(hk, d, cache_dtype, device, blocks=7, block_size=5):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("shape", "block_size"), zip(SHAPES, [16, 1, 5, 16, 5]))
 @pytest.mark.parametrize("cache", ["auto", torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("block_size", [1, 5, 16])
 def test_rope_qk_fused_kv_write(seed, device, dtype, shape, cache, block_size):
     """The rotation and, in the same launch, every token's rotated k heads and its v heads in
     its slot (-1: none): the bits of rope_qk_ then write_kv_cache; the rest of the caches and

@@ -320,6 +320,26 @@ def test_prompt_logprobs_match_hf(llama_dir, hf_llama, options):
     _assert_idle(llm)
 
 
+def test_prompt_logprobs_in_bounded_slices(llama_dir, hf_llama, monkeypatch):
+    """A step's prompt rows get their logits a slice at a time (3 rows here: model_runner's
+    PROMPT_LOGPROBS_ELEMENTS), so a long prompt's [rows, V] logits never exist at once: the
+    logprobs are still HF's, and no logits call holds more rows."""
+    import paged_engine.worker.model_runner as model_runner
+
+    llm = _llm(llama_dir)
+    runner = llm.llm_engine.engine_core.executor.worker.model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ELEMENTS", 3 * runner.vocab_size + 1)
+    rows: list[int] = []
+    whole = runner.compute_logits
+    monkeypatch.setattr(runner, "compute_logits", lambda h: rows.append(len(h)) or whole(h))
+    params = SamplingParams(prompt_logprobs=2, max_tokens=2)
+    for p in _prompts(3, seed=4, lo=8, hi=30):  # one at a time: sampling takes one row
+        (out,) = llm.generate(_tp(p), params, use_tqdm=False)
+        _check_prompt_logprobs(out, hf_llama, 2)
+    assert max(rows) == 3 and rows.count(3) >= 6
+    _assert_idle(llm)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "opt", "qwen3", "gpt_neox"])
 def test_prompt_logprobs_other_archs(tiny_model_factory, arch):
     path = tiny_model_factory(arch)

@@ -604,12 +604,28 @@ class ModelRunner:
             last = min(start + sched.num_new_tokens[i], c.num_prompt_tokens - 1)
             if last <= start:
                 continue
-            lo = int(inputs.cu[i])
-            logits = self.compute_logits(hidden[lo : lo + last - start])
+            lo, n = int(inputs.cu[i]), last - start
             targets = torch.tensor(c.token_ids[start + 1 : last + 1], dtype=torch.long)
-            packed = prompt_logprobs(logits, targets, c.prompt_logprobs, self.sampler.logsumexp)
+            # A step may hold thousands of this prompt's rows: their logits ([rows, V] fp32, and
+            # the packing's temporaries as large) are made a bounded slice at a time.
+            rows = max(1, PROMPT_LOGPROBS_ELEMENTS // self.vocab_size)
+            parts = [
+                prompt_logprobs(
+                    self.compute_logits(hidden[lo + a : lo + min(n, a + rows)]),
+                    targets[a : a + rows],
+                    c.prompt_logprobs,
+                    self.sampler.logsumexp,
+                )
+                for a in range(0, n, rows)
+            ]
+            packed = parts[0] if len(parts) == 1 else torch.cat(parts)
             out.append((c.seq_id, start, c.prompt_logprobs, packed))
         return out
+
+
+# Logits computed at once for prompt logprobs: 2^25 fp32 values (128 MiB; 220 rows of a
+# 151,936-token vocabulary) whatever the step's token count.
+PROMPT_LOGPROBS_ELEMENTS = 1 << 25
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:

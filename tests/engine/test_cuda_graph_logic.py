@@ -730,6 +730,27 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
     assert scratch == (1024 // BLOCK + 1) * _bytes_per_block(engine)
 
 
+@pytest.mark.parametrize("max_logprobs", [20, -1])
+def test_profile_forward_makes_a_prompt_logprobs_slice(tiny_llama_dir, monkeypatch, max_logprobs):
+    """The profile's peak includes the largest logits a step makes besides the sampled rows':
+    one prompt-logprobs slice (model_runner.PROMPT_LOGPROBS_ELEMENTS, 5 rows here) packed with
+    max_logprobs entries a row (-1: the vocabulary)."""
+    import paged_engine.sample.logprobs as logprobs
+    import paged_engine.worker.model_runner as model_runner
+
+    engine = _engine(tiny_llama_dir, max_num_seqs=2, max_logprobs=max_logprobs)
+    runner = engine.model_runner
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ELEMENTS", 5 * runner.vocab_size)
+    rows, packed = [], []
+    whole, pack = runner.compute_logits, logprobs.prompt_logprobs
+    monkeypatch.setattr(runner, "compute_logits", lambda h: rows.append(len(h)) or whole(h))
+    monkeypatch.setattr(logprobs, "prompt_logprobs", lambda *a: packed.append(pack(*a)))
+    mp.profile_forward(runner)
+    assert rows == [5]
+    k = runner.vocab_size if max_logprobs == -1 else max_logprobs
+    assert [p.shape for p in packed] == [(5, 3 + 3 * k)]
+
+
 # ---- devices and block copies -------------------------------------------------------------------
 def test_cuda_device_gets_an_index(monkeypatch):
     """Tensors report cuda:N; a seeded generator made on the engine's device must compare equal

@@ -134,9 +134,25 @@ def profile_forward(runner: ModelRunner) -> int:
     hidden = runner.model(ids, positions, scratch.kv_caches, meta, hidden_in)
     if state.is_last_stage:
         runner.model.compute_logits(hidden[:num_seqs])
+        _profile_prompt_logprobs(runner, hidden)
     del scratch, hidden
     return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, kv_dtype)
 
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
+
+
+def _profile_prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor) -> None:
+    """The largest logits a step makes besides the sampled rows': one slice of a prompt's rows
+    for prompt logprobs (model_runner.PROMPT_LOGPROBS_ELEMENTS), packed with max_logprobs
+    entries each, beside the forward's hidden states, as the step holds them."""
+    from paged_engine.sample.logprobs import prompt_logprobs
+    from paged_engine.worker.model_runner import PROMPT_LOGPROBS_ELEMENTS
+
+    rows = min(len(hidden), max(1, PROMPT_LOGPROBS_ELEMENTS // runner.vocab_size))
+    k = runner.config.max_logprobs
+    k = runner.vocab_size if k == -1 else k
+    targets = torch.zeros(rows, dtype=torch.long, device=hidden.device)
+    logits = runner.compute_logits(hidden[:rows])
+    prompt_logprobs(logits, targets, k, runner.sampler.logsumexp)

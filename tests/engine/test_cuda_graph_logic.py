@@ -731,24 +731,38 @@ def test_profile_forward_stays_within_max_model_len(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("max_logprobs", [20, -1])
-def test_profile_forward_makes_a_prompt_logprobs_slice(tiny_llama_dir, monkeypatch, max_logprobs):
-    """The profile's peak includes the largest logits a step makes besides the sampled rows':
-    one prompt-logprobs slice (model_runner.PROMPT_LOGPROBS_ELEMENTS, 5 rows here) packed with
-    max_logprobs entries a row (-1: the vocabulary)."""
+def test_profile_forward_samples_and_makes_a_prompt_logprobs_slice(
+    tiny_llama_dir, monkeypatch, max_logprobs
+):
+    """The profile's peak includes the sampler's costliest path over a step's sampled rows
+    (every filter and penalty, max_logprobs logprobs: -1 the vocabulary) and the largest other
+    logits a step makes: one prompt-logprobs slice (model_runner.PROMPT_LOGPROBS_ELEMENTS, 5
+    rows here), packed alike. It leaves the engine's random draws alone."""
     import paged_engine.sample.logprobs as logprobs
+    import paged_engine.sample.sampler as sampler_module
     import paged_engine.worker.model_runner as model_runner
 
     engine = _engine(tiny_llama_dir, max_num_seqs=2, max_logprobs=max_logprobs)
     runner = engine.model_runner
     monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ELEMENTS", 5 * runner.vocab_size)
-    rows, packed = [], []
-    whole, pack = runner.compute_logits, logprobs.prompt_logprobs
+    rows, packed, mds = [], [], []
+    whole, pack, gather = runner.compute_logits, logprobs.prompt_logprobs, logprobs.gather_logprobs
     monkeypatch.setattr(runner, "compute_logits", lambda h: rows.append(len(h)) or whole(h))
     monkeypatch.setattr(logprobs, "prompt_logprobs", lambda *a: packed.append(pack(*a)))
+    monkeypatch.setattr(sampler_module, "gather_logprobs", lambda *a: packed.append(gather(*a)))
+    sample = runner.sampler.sample
+    monkeypatch.setattr(
+        runner.sampler, "sample", lambda x, md, *a: mds.append(md) or sample(x, md, *a)
+    )
+    seeds_before = runner.sampler._race_seeds.bit_generator.state
     mp.profile_forward(runner)
-    assert rows == [5]
+    assert runner.sampler._race_seeds.bit_generator.state == seeds_before
+    assert rows == [2, 5]  # the sampled rows (max_num_seqs), then the slice
     k = runner.vocab_size if max_logprobs == -1 else max_logprobs
-    assert [p.shape for p in packed] == [(5, 3 + 3 * k)]
+    assert [p.shape for p in packed] == [(2, 3 + 3 * k), (5, 3 + 3 * k)]
+    (md,) = mds
+    assert md.top_k_top_p is not None and not md.top_k_only and md.min_p is not None
+    assert md.penalties is not None and not md.all_greedy
 
 
 # ---- devices and block copies -------------------------------------------------------------------

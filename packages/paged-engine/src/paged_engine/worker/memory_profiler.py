@@ -133,7 +133,7 @@ def profile_forward(runner: ModelRunner) -> int:
         hidden_in = torch.zeros(num_tokens, runner.stage_width, dtype=dtype, device=dev)
     hidden = runner.model(ids, positions, scratch.kv_caches, meta, hidden_in)
     if state.is_last_stage:
-        runner.model.compute_logits(hidden[:num_seqs])
+        _profile_sampler(runner, hidden[:num_seqs])
         _profile_prompt_logprobs(runner, hidden)
     del scratch, hidden
     return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, kv_dtype)
@@ -141,6 +141,41 @@ def profile_forward(runner: ModelRunner) -> int:
 
 def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
+
+
+def _profile_sampler(runner: ModelRunner, hidden: torch.Tensor) -> None:
+    """The sampled rows' logits through the sampler's costliest path: every row with
+    temperature, top-k and top-p (a full sort), min-p, the three penalties, and max_logprobs
+    logprobs (the vocabulary for -1). Every row is seeded and the host seed generator put back,
+    so the engine's draws are those it would make without this."""
+    from paged_engine.sample.metadata import build_sampling_metadata
+
+    n, sampler = len(hidden), runner.sampler
+    k = runner.config.max_logprobs
+    k = runner.vocab_size if k == -1 else k
+
+    def full(value: float) -> np.ndarray:
+        return np.full(n, value)
+
+    md = build_sampling_metadata(
+        device=hidden.device,
+        vocab_size=runner.vocab_size,
+        temperature=full(0.8),
+        top_k=full(50).astype(np.int64),
+        top_p=full(0.9),
+        min_p=full(0.05),
+        repetition=full(1.1),
+        frequency=full(0.1),
+        presence=full(0.1),
+        history=[([1, 2], [3])] * n,
+        banned=[()] * n,
+        seeds=[(row, row) for row in range(n)],
+        num_logprobs=[k] * n,
+        need_logprobs=True,
+    )
+    host_seeds = sampler._race_seeds.bit_generator.state
+    sampler(runner.compute_logits(hidden), md)
+    sampler._race_seeds.bit_generator.state = host_seeds
 
 
 def _profile_prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor) -> None:

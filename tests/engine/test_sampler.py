@@ -11,7 +11,14 @@ import torch
 
 from paged_engine.sample.logprobs import log_softmax_topk, prompt_logprobs, unpack
 from paged_engine.sample.metadata import Penalties, metadata_from_params
-from paged_engine.sample.sampler import Sampler, apply_penalties, sampling_race
+from paged_engine.sample.sampler import (
+    NUCLEUS_CANDIDATES,
+    Sampler,
+    _nucleus,
+    _nucleus_of,
+    apply_penalties,
+    sampling_race,
+)
 from paged_engine.sampling_params import SamplingParams
 from paged_kernels import gumbel_race, ref_gumbel_race, uniform_noise
 
@@ -95,6 +102,44 @@ def test_temperature_top_k_top_p_min_p_distributions(device):
     minp = torch.where(p >= 0.1 * p.max(), p, 0)
     got = empirical(x, {"temperature": 0.7, "min_p": 0.1})
     assert (got - minp / minp.sum()).abs().max() < tol
+
+
+def test_cpu_nucleus_from_candidates_is_the_whole_row_sorts():
+    """On a CPU top-p is decided on a row's 128, then 1,024 most likely tokens where they hold
+    top_p of the mass, else on the whole row sorted: the same bits as the whole row sorted, a
+    row's result the same alone as in a batch, and the kept set the nucleus a float64
+    reference finds (the most likely tokens while the mass before them is below top_p, ties at
+    the last one kept; top-k first, its ties kept)."""
+    vocab, n = 5000, 48
+    g = torch.Generator().manual_seed(7)
+    scale = torch.tensor([0.3, 2.0, 6.0, 12.0]).repeat(n // 4)[:, None]  # flat .. peaked rows
+    x = (torch.randn(n, vocab, generator=g) * scale).bfloat16().float()  # bf16: many ties
+    ks = torch.tensor([vocab, 20, 300, 3000] * (n // 4))[torch.randperm(n, generator=g)]
+    top_k = ks[:, None]
+    top_p = torch.tensor([0.3, 0.9, 0.999])[torch.arange(n) % 3][:, None]
+    got = _nucleus(x, top_k, top_p, vocab)
+    whole = _nucleus_of(x, top_k, top_p, vocab)[0]
+    assert torch.equal(got, whole)
+    first = _nucleus_of(x, top_k, top_p, NUCLEUS_CANDIDATES[0])[1]
+    assert 0 < int(first.sum()) < n  # some rows decided on 128 tokens, some not
+    for i in (0, 5, n - 1):
+        alone = _nucleus(x[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], int(ks[i]))
+        assert torch.equal(alone[0], got[i])
+    checked = 0
+    for i in range(n):
+        row = x[i].double()
+        k = int(ks[i])
+        if k < vocab:
+            row = row.masked_fill(row < row.topk(k).values[-1], float("-inf"))
+        probs = row.softmax(-1)
+        desc = probs.sort(descending=True).values
+        before = desc.cumsum(0) - desc
+        if ((before - top_p[i]).abs() < 1e-5).any():
+            continue  # a boundary within float32's rounding of top_p
+        last = desc[int((before < top_p[i]).sum()) - 1]
+        assert torch.equal(got[i] > float("-inf"), probs >= last), i
+        checked += 1
+    assert checked > n // 2
 
 
 def naive_penalties(x: torch.Tensor, r: SimpleNamespace) -> torch.Tensor:

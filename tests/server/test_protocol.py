@@ -141,6 +141,31 @@ def test_metrics_render_prometheus_text() -> None:
     assert "# TYPE paged:prompt_tokens_total counter" in text
 
 
+def test_metrics_prefix_renames_every_metric() -> None:
+    """--metrics-prefix vllm: vLLM's own names (dashboards and autoscalers written for vLLM),
+    the same exposition otherwise; label values keep what they hold; a prefix that is no
+    Prometheus name is refused."""
+    from paged_server.cli_args import build_parser
+
+    prefix = build_parser().parse_args(["--metrics-prefix", "vllm"]).metrics_prefix
+
+    def render(model: str, *args: str) -> str:
+        m = Metrics(model, *args)
+        m.ttft.observe(0.03)
+        m.count_http("/v1/completions", 200)
+        return m.render(FakeEngine().get_stats())
+
+    text = render("tiny", prefix)
+    samples = [line for line in text.splitlines() if not line.startswith("#")]
+    assert len(samples) > 20 and all(line.startswith("vllm:") for line in samples)
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert text == render("tiny").replace("paged:", "vllm:")
+    assert 'vllm:num_requests_waiting{model_name="paged:m"} 0' in render("paged:m", prefix)
+    for bad in ("vllm:", "1x", "a-b", ""):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--metrics-prefix", bad])
+
+
 def test_cli_takes_vllm_flag_names() -> None:
     from paged_server.cli_args import build_parser
 

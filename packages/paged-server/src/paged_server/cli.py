@@ -146,7 +146,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         {kind: fetch_timeout(kind=kind) for kind in ("image", "video")},
         num_frames=media_io_kwargs(args.media_io_kwargs) or DEFAULT_NUM_FRAMES,
     )
-    metrics = Metrics(names[0])
+    metrics = Metrics(names[0], args.metrics_prefix)
     client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
     app = OpenAIApp(
         client,

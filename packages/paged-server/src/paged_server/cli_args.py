@@ -59,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--metrics-prefix",
+        type=_metrics_prefix,
+        default="paged",
+        help="/metrics names are PREFIX:name (default paged; 'vllm' gives vLLM's own names, "
+        "for dashboards and autoscalers written for vLLM)",
+    )
     for flag, what in (("origins", "origins"), ("methods", "methods"), ("headers", "headers")):
         p.add_argument(
             f"--allowed-{flag}",
@@ -534,6 +541,15 @@ def _log_level(text: str) -> str:
     if level not in ("debug", "info", "warning", "error", "critical"):
         raise argparse.ArgumentTypeError("expected debug, info, warning, error or critical")
     return level
+
+
+def _metrics_prefix(text: str) -> str:
+    from paged_server.metrics import check_prefix
+
+    try:
+        return check_prefix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json_list(text: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix.
+"""Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix
+(`--metrics-prefix vllm`: under vLLM's own, for dashboards and autoscalers written for it).
 
 Histograms are observed on the output thread and rendered on HTTP threads; a lock per histogram
 keeps each rendering consistent (bucket counts never exceed `_count`).
@@ -7,6 +8,7 @@ keeps each rendering consistent (bucket counts never exceed `_count`).
 from __future__ import annotations
 
 import bisect
+import re
 import threading
 import time
 from collections import Counter
@@ -209,8 +211,9 @@ def _num(v: Any) -> str:
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix: str = "paged"):
         self.labels = f'model_name="{_esc(model_name)}"'
+        self.prefix = prefix  # each metric's name is `prefix:...` (check_prefix)
         self.ttft = Histogram(
             "paged:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
         )
@@ -294,4 +297,22 @@ class Metrics:
             lines.append(
                 f'paged:http_requests_total{{route="{_esc(route)}",status="{status}"}} {n}'
             )
+        if self.prefix != "paged":
+            lines = [_renamed(line, self.prefix) for line in lines]
         return "\n".join(lines) + "\n"
+
+
+def check_prefix(prefix: str) -> str:
+    """A metric-name prefix: a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*), `:` added after it."""
+    if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", prefix):
+        raise ValueError(f"metrics prefix must match [a-zA-Z_][a-zA-Z0-9_]*, got {prefix!r}")
+    return prefix
+
+
+def _renamed(line: str, prefix: str) -> str:
+    """One exposition line (a sample, or its # HELP / # TYPE) with `paged:` -> `prefix:` in the
+    metric's name; label values keep theirs."""
+    for head in ("", "# HELP ", "# TYPE "):
+        if line.startswith(head + "paged:"):
+            return head + prefix + line[len(head) + len("paged") :]
+    return line

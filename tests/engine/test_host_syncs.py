@@ -5,7 +5,8 @@ Every tensor method that reads device memory on the host (`.tolist()`, `.item()`
 is spied on, as in the CUDA-graph tests. On a GPU each would be a host-device sync that stalls
 async scheduling; on the CPU they are counted all the same. The model forward is excluded: the
 torch reference attention reads lengths on the host by design (the Triton backend does not; the
-CUDA-graph tests check that with the same spy).
+CUDA-graph tests check that with the same spy). Top-p runs a GPU's way here (a whole-row sort):
+the CPU's own (`sampler._nucleus`) reads on the host, which costs a CPU nothing.
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ class _Model:
 
     def __getattr__(self, name: str):
         return getattr(self._model, name)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
+    import paged_engine.sample.sampler as sampler
+
+    gpu_way = sampler._sorted_top_k_top_p
+    monkeypatch.setattr(sampler, "_nucleus", lambda sub, k, p, _max_k: gpu_way(sub, k, p))
 
 
 def _run(model_dir, params: list[SamplingParams], async_scheduling: bool) -> tuple[list, list]:

@@ -16,6 +16,7 @@ from paged_engine.sample.sampler import (
     Sampler,
     _nucleus,
     _nucleus_of,
+    _sorted_top_k_top_p,
     apply_penalties,
     sampling_race,
 )
@@ -125,6 +126,7 @@ def test_cpu_nucleus_from_candidates_is_the_whole_row_sorts():
     for i in (0, 5, n - 1):
         alone = _nucleus(x[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], int(ks[i]))
         assert torch.equal(alone[0], got[i])
+    gpu = _sorted_top_k_top_p(x, top_k, top_p)  # a GPU's way: ties at the boundary by order
     checked = 0
     for i in range(n):
         row = x[i].double()
@@ -138,6 +140,8 @@ def test_cpu_nucleus_from_candidates_is_the_whole_row_sorts():
             continue  # a boundary within float32's rounding of top_p
         last = desc[int((before < top_p[i]).sum()) - 1]
         assert torch.equal(got[i] > float("-inf"), probs >= last), i
+        kept = gpu[i] > float("-inf")  # the same nucleus, but for some ties with `last`
+        assert not (kept & (probs < last)).any() and (probs[(probs > last) & ~kept]).numel() == 0
         checked += 1
     assert checked > n // 2
 

@@ -97,16 +97,22 @@ def apply_top_k_top_p(x: Tensor, md: SamplingMetadata) -> None:
         kth = sub.topk(min(md.max_top_k, vocab), dim=-1).values.gather(1, top_k - 1)
         x[rows] = sub.masked_fill(sub < kth, float("-inf"))
         return
-    if x.device.type == "cpu":
+    if x.device.type == "cpu":  # (host reads: free on a CPU)
         x[rows] = _nucleus(sub, top_k, top_p, md.max_top_k)
-        return
+    else:
+        x[rows] = _sorted_top_k_top_p(sub, top_k, top_p)
+
+
+def _sorted_top_k_top_p(sub: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Top-k then top-p over each row sorted whole: no host read (a GPU's path)."""
+    vocab = sub.shape[1]
     sorted_x, order = sub.sort(dim=-1)
     sorted_x.masked_fill_(sorted_x < sorted_x.gather(1, vocab - top_k), float("-inf"))
     cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= 1.0 - top_p
     drop[:, -1] = False  # always keep the most likely token
     sorted_x.masked_fill_(drop, float("-inf"))
-    x[rows] = torch.empty_like(sorted_x).scatter_(1, order, sorted_x)
+    return torch.empty_like(sorted_x).scatter_(1, order, sorted_x)
 
 
 # A CPU row's top-p is decided on its most likely tokens (this many, then more; at least the

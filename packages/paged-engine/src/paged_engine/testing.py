@@ -1417,6 +1417,90 @@ def write_tiny_model(
     return path
 
 
+def write_tiny_eagle3_head(
+    path: str | Path,
+    target: str | Path,
+    *,
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+    embed: bool = False,
+    weights: dict[str, torch.Tensor] | None = None,
+    **config_overrides: Any,
+) -> Path:
+    """Write an EAGLE-3 head for the tiny model at `target` in the EAGLE authors' layout
+    (models/llama_eagle3.py): config.json (LlamaForCausalLMEagle3) and model.safetensors with
+    `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` / `t2d`, and `embed_tokens` if `embed`.
+    Random weights; `draft_vocab_size` < the target's keeps a random sorted subset of its ids.
+    `weights` replace the random ones by name."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path, target = Path(path), Path(target)
+    path.mkdir(parents=True, exist_ok=True)
+    tc = json.loads((target / "config.json").read_text())
+    d, vocab = int(tc["hidden_size"]), int(tc["vocab_size"])
+    heads = int(tc["num_attention_heads"])
+    kv_heads = int(tc.get("num_key_value_heads") or heads)
+    head_dim = int(tc.get("head_dim") or d // heads)
+    inter = int(tc.get("intermediate_size") or 2 * d)
+    dv = draft_vocab_size or vocab
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": d,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(tc.get("max_position_embeddings") or 1024),
+        "rms_norm_eps": float(tc.get("rms_norm_eps") or 1e-6),
+        "rope_theta": float(tc.get("rope_theta") or 10000.0),
+        "vocab_size": vocab,
+        "draft_vocab_size": dv,
+        "tie_word_embeddings": False,
+        **config_overrides,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn((rows, cols), generator=gen) * cols**-0.5
+
+    def norm() -> torch.Tensor:
+        return 1.0 + torch.randn(d, generator=gen) * 0.1
+
+    out = {
+        "midlayer.self_attn.q_proj.weight": mat(heads * head_dim, 2 * d),
+        "midlayer.self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * d),
+        "midlayer.self_attn.o_proj.weight": mat(d, heads * head_dim),
+        "midlayer.mlp.gate_proj.weight": mat(inter, d),
+        "midlayer.mlp.up_proj.weight": mat(inter, d),
+        "midlayer.mlp.down_proj.weight": mat(d, inter),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "fc.weight": mat(d, 3 * d),
+        "norm.weight": norm(),
+        "lm_head.weight": mat(dv, d) * 4.0,
+    }
+    ids = (
+        torch.arange(vocab) if dv == vocab else torch.randperm(vocab, generator=gen)[:dv].sort()[0]
+    )
+    out["d2t"] = ids - torch.arange(dv)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    out["t2d"] = t2d
+    if embed:
+        out["embed_tokens.weight"] = torch.randn((vocab, d), generator=gen) * 0.5
+    out.update(weights or {})
+    save_file({k: v.contiguous() for k, v in out.items()}, path / "model.safetensors")
+    return path
+
+
 def write_tiny_classifier(
     path: str | Path,
     arch: str,

@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculative-config",
         type=_json_object,
         default=None,
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+        '\'{"model": DRAFT, ...}\' (a draft model) or \'{"method": "eagle3", "model": HEAD, '
+        "...}' (an EAGLE-3 head)",
     )
     p.add_argument(
         "--generation-config",

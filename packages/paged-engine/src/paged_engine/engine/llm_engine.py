@@ -75,7 +75,7 @@ from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_pa
 from paged_engine.runner import convert_architectures, serves
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
-from paged_engine.spec_decode.draft_loader import check_draft_model
+from paged_engine.spec_decode.draft_loader import check_draft_model, check_eagle3_head
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
@@ -174,7 +174,10 @@ class LLMEngine:
                 )
         spec = config.speculative_config
         spec = None if spec is None else SpeculativeConfig.from_dict(spec)
-        if spec is not None and spec.model is not None:
+        if spec is not None and spec.is_eagle3:
+            assert spec.model is not None
+            check_eagle3_head(spec.model, self.hf_config, config.trust_remote_code)
+        elif spec is not None and spec.model is not None:
             check_draft_model(
                 spec.model,
                 self.hf_config,

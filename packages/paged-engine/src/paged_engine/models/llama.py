@@ -187,20 +187,26 @@ def run_layers(
     md,
     norm: nn.Module | None,
     additions: LayerAdditions | None = None,
+    capture: StreamCapture | None = None,
 ) -> torch.Tensor:
     """The decoder stack over x, then `norm` (None: a pipeline stage that is not the last).
     `apart` (keeps_stream_apart): the stream kept apart from each layer's output, every
     residual add fused into the norm after it, the final norm's included. `additions`: rows
-    added to the stream after the first layers (Qwen3-VL's deepstack)."""
+    added to the stream after the first layers (Qwen3-VL's deepstack). `capture`: keeps the
+    stream entering the layers it names."""
     if apart and layers:
         h, residual = x, None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if capture is not None and i in capture.layer_ids:
+                capture.keep(i, h if residual is None else h + residual)
             h, residual = layer.forward_residual(positions, h, residual, kv_cache, md)
             if additions is not None and i < len(additions.rows):
                 h = additions.add(i, h)  # the stream is h + residual
         assert residual is not None
         return h + residual if norm is None else add_norm(norm, h, residual)[0]
     for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+        if capture is not None and i in capture.layer_ids:
+            capture.keep(i, x)
         x = layer(positions, x, kv_cache, md)
         if additions is not None and i < len(additions.rows):
             x = additions.add(i, x)
@@ -217,6 +223,25 @@ class LayerAdditions:
 
     def add(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         return x.index_add(0, self.index, self.rows[layer].to(x.dtype))
+
+
+class StreamCapture:
+    """The residual stream [T, D] entering chosen decoder layers during one forward (an EAGLE-3
+    draft head reads the target's, spec_decode/eagle.py). `features()`: those streams side by
+    side in the order of `layer_ids` as given."""
+
+    def __init__(self, layer_ids: tuple[int, ...]) -> None:
+        self.order = layer_ids
+        self.layer_ids = frozenset(layer_ids)
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def keep(self, layer: int, stream: torch.Tensor) -> None:
+        self.kept[layer] = stream
+
+    def features(self) -> torch.Tensor:
+        missing = [i for i in self.order if i not in self.kept]
+        assert not missing, f"the forward never entered layers {missing}"
+        return torch.cat([self.kept[i] for i in self.order], dim=-1)
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -265,6 +290,8 @@ class LlamaModel(nn.Module):
 
     # Set by the runner for one forward that runs Qwen3-VL image rows (worker/model_runner.py)
     layer_additions: LayerAdditions | None = None
+    # Set by an EAGLE-3 draft runner for each target forward (spec_decode/eagle.py)
+    stream_capture: StreamCapture | None = None
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         # hidden: the previous pipeline stage's output (None on the first stage)
@@ -277,8 +304,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb.begin_forward(positions)
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None
-        additions = self.layer_additions
-        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm, additions)
+        additions, capture = self.layer_additions, self.stream_capture
+        return run_layers(
+            layers, self.stream_apart, positions, x, kv_caches, md, norm, additions, capture
+        )
 
 
 class LlamaForCausalLM(CausalLMBase):

@@ -2,8 +2,9 @@
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
+    {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
 
-A "model" key implies method "draft_model"; without one the method defaults to "ngram"."""
+A "model" key without a method implies "draft_model"; without either the method is "ngram"."""
 
 from __future__ import annotations
 
@@ -11,20 +12,26 @@ from dataclasses import dataclass
 from typing import Any
 
 _KNOWN = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
+_WITH_MODEL = ("draft_model", "eagle3")
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model"
+    method: str  # "ngram" | "draft_model" | "eagle3"
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    model: str | None = None  # the draft model (method "draft_model")
+    model: str | None = None  # the draft model or EAGLE-3 head
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """A model of its own proposes (a draft model, or an EAGLE-3 head)."""
+        return self.method in _WITH_MODEL
+
+    @property
+    def is_eagle3(self) -> bool:
+        return self.method == "eagle3"
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
@@ -44,10 +51,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config.method {method!r} is not supported; choose from {METHODS}"
             )
-        if method == "draft_model" and (not isinstance(model, str) or not model):
+        if method in _WITH_MODEL and (not isinstance(model, str) or not model):
             raise ValueError(
                 "speculative_config.model must name the draft model (a path or hub id) for "
-                f"method 'draft_model', got {model!r}"
+                f"method {method!r}, got {model!r}"
             )
         if method == "ngram" and model is not None:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Checking and loading the draft model of speculative_config={"model": ...}.
+"""Checking and loading the draft model of speculative_config={"model": ...}, or the EAGLE-3
+head of {"method": "eagle3", "model": ...}.
 
 The draft proposes token ids that the target verifies, so both must speak the same vocabulary:
 the same vocab_size and, where the draft ships a tokenizer, the same token -> id map. It runs
@@ -66,6 +67,85 @@ def check_draft_model(
         )
 
 
+def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> None:
+    """Raise ValueError unless `name` is an EAGLE-3 head for this target: an EAGLE-3 config,
+    the target's vocab_size, features as wide as the target's hidden size, aux layer ids the
+    target has."""
+    from paged_engine.models.llama_eagle3 import (
+        EAGLE3_ARCHITECTURES,
+        aux_layer_ids,
+        is_eagle3_config,
+        reads_aux_streams,
+    )
+
+    where = f"speculative_config.model={name!r}"
+    try:
+        head_config = load_hf_config(resolve_model(name), trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: cannot load the EAGLE-3 head ({e})") from None
+    if not is_eagle3_config(head_config):
+        archs = getattr(head_config, "architectures", None)
+        raise ValueError(
+            f"{where}: method 'eagle3' needs an EAGLE-3 head (architectures "
+            f"{list(EAGLE3_ARCHITECTURES)}), got {archs}"
+        )
+    if not reads_aux_streams(head_config):
+        raise ValueError(
+            f"{where}: eagle_config.use_aux_hidden_state is false (a head reading only the "
+            "target's last hidden state): not supported; EAGLE-3 heads read three layers"
+        )
+    head_vocab, target_vocab = _vocab_size(head_config), _vocab_size(target_hf_config)
+    if head_vocab != target_vocab:
+        raise ValueError(
+            f"{where}: the head's vocab_size {head_vocab} differs from the target's "
+            f"{target_vocab}; an EAGLE-3 head is trained for one target"
+        )
+    width = getattr(head_config, "target_hidden_size", None) or head_config.hidden_size
+    if int(width) != int(target_hf_config.hidden_size):
+        raise ValueError(
+            f"{where}: the head reads features of width {width}, the target's hidden size is "
+            f"{target_hf_config.hidden_size}; an EAGLE-3 head is trained for one target"
+        )
+    try:
+        aux_layer_ids(head_config, int(target_hf_config.num_hidden_layers))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
+    """Load the EAGLE-3 head `name` on the runner's device in the target's dtype as
+    `runner.draft`, sharing the target's token embedding where the head has none."""
+    from paged_engine.layers.rotary import rope_context_len
+    from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
+    from paged_engine.models.llama_eagle3 import Eagle3LlamaForCausalLM, aux_layer_ids
+    from paged_engine.spec_decode.eagle import Eagle3Runner
+
+    config = runner.config
+    resolved = resolve_model(name)
+    hf_config = load_hf_config(resolved, config.trust_remote_code)
+    dtype = next(runner.model.parameters()).dtype
+    # The head runs at every position the target does (its rope tables must reach them);
+    # heads ship with their training length (often 2,048).
+    max_len = int(config.max_model_len or 0)
+    if int(getattr(hf_config, "max_position_embeddings", 0) or 0) < max_len:
+        hf_config.max_position_embeddings = max_len
+    logger.info("loading the EAGLE-3 head %s", name)
+    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+        head = Eagle3LlamaForCausalLM(hf_config)
+    if config.load_format == "dummy":
+        init_dummy_weights(head, config.seed)
+        head.shares_target_embedding = True
+        head.finish_loading()
+    else:
+        head.load_weights(
+            checkpoint_weights(resolved, hf_config, dtype, runner.device, config.load_format, {})
+        )
+    if head.shares_target_embedding:
+        head.embed_tokens = runner.model.get_submodule(runner.model.embed_path)
+    layers = aux_layer_ids(hf_config, int(runner.hf_config.num_hidden_layers))
+    runner.draft = Eagle3Runner(head.eval().requires_grad_(False), hf_config, runner, layers)
+
+
 def attach_draft_model(runner: ModelRunner, quantization: str | None) -> None:
     """Load the draft of the runner's speculative_config, if it names one, built like the
     target (same dtype, device, load format, and `quantization`: the target's as the worker
@@ -80,6 +160,9 @@ def attach_draft_model(runner: ModelRunner, quantization: str | None) -> None:
     if not spec.uses_draft_model:
         return
     assert spec.model is not None
+    if spec.is_eagle3:
+        attach_eagle3_head(runner, spec.model)
+        return
     resolved = resolve_model(spec.model)
     hf_config = load_hf_config(resolved, config.trust_remote_code)
     logger.info("loading the draft model %s", spec.model)

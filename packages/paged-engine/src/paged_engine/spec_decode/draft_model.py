@@ -35,6 +35,7 @@ verification's (seeded rows use a salted seed): the rejection sampler needs q an
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,10 @@ class DraftProposal:
 
 
 class DraftModelRunner:
+    # Whether the proposer reads the target's layer streams (an EAGLE-3 head): then every
+    # target forward runs eagerly inside `capturing()`, and `after_step` follows each step.
+    reads_target_features = False
+
     def __init__(self, model: torch.nn.Module, hf_config, runner: ModelRunner) -> None:
         self.model = model
         self.hf_config = hf_config
@@ -154,26 +159,7 @@ class DraftModelRunner:
                     probs = q.new_zeros((drafting.size, k, q.shape[1]))
                 probs[:, j - 1].index_copy_(0, live_d, q)
 
-        # Row-major over (drafting row, draft j): the target's layout of draft rows.
-        mask = np.arange(k)[None, :] < nd[:, None]
-        flat = r._to_dev(np.flatnonzero(mask.ravel()))
-        drafts = tokens.view(-1).index_select(0, flat)
-        # Draft j of batch row i runs at cu[i] + base[i] + j - 1 of the target's step.
-        dst = np.concatenate(
-            [inputs.cu[i] + base[i] + np.arange(d) for i, d in zip(drafting.tolist(), nd.tolist())]
-        )
-        inputs.input_ids.index_copy_(0, r._to_dev(dst), drafts)
-        host = drafts.tolist()
-        out: dict[int, list[int]] = {}
-        offsets: dict[int, int] = {}
-        at = 0
-        for i, d in zip(drafting.tolist(), nd.tolist()):
-            seq_id = sched.seq_ids[i]
-            out[seq_id], offsets[seq_id] = host[at : at + d], at
-            at += d
-        if probs is not None:
-            probs = probs.view(-1, probs.shape[2]).index_select(0, flat)
-        return DraftProposal(out, probs, offsets)
+        return self._finish(sched, inputs, drafting, nd, base, tokens, probs)
 
     def after_verify(
         self,
@@ -195,12 +181,50 @@ class DraftModelRunner:
             for seq_id in [s for s in lag if s not in live][: len(lag) // 2]:
                 del lag[seq_id]
 
+    def capturing(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def after_step(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
+        """Called after each step's sampling (a draft model keeps nothing of the target's)."""
+
     # ---- helpers --------------------------------------------------------------------------------
+    def _finish(self, sched, inputs, drafting, nd, base, tokens, probs) -> DraftProposal:
+        """Write the drafts [D, k] of the drafting rows into the step's input ids (draft j of
+        batch row i at cu[i] + base[i] + j - 1) and return them row-major over (drafting row,
+        draft j): the target's layout of draft rows."""
+        r = self.runner
+        k = tokens.shape[1]
+        mask = np.arange(k)[None, :] < nd[:, None]
+        flat = r._to_dev(np.flatnonzero(mask.ravel()))
+        drafts = tokens.reshape(-1).index_select(0, flat)
+        dst = np.concatenate(
+            [inputs.cu[i] + base[i] + np.arange(d) for i, d in zip(drafting.tolist(), nd.tolist())]
+        )
+        inputs.input_ids.index_copy_(0, r._to_dev(dst), drafts)
+        host = drafts.tolist()
+        out: dict[int, list[int]] = {}
+        offsets: dict[int, int] = {}
+        at = 0
+        for i, d in zip(drafting.tolist(), nd.tolist()):
+            seq_id = sched.seq_ids[i]
+            out[seq_id], offsets[seq_id] = host[at : at + d], at
+            at += d
+        if probs is not None:
+            probs = probs.reshape(-1, probs.shape[2]).index_select(0, flat)
+        return DraftProposal(out, probs, offsets)
+
     def _forward(self, ids: Tensor, rows: np.ndarray, q_lens: np.ndarray, ends: np.ndarray):
         """The draft over `q_lens[i]` tokens of batch row rows[i] ending at position ends[i] - 1
         (through the target's block tables, into the draft's cache). Returns hidden [T, D]."""
-        r, bs = self.runner, self.runner.block_size
+        meta, positions = self._metadata(rows, q_lens, ends)
         assert self.cache is not None
+        return self.model(ids, positions, self.cache.kv_caches, meta)
+
+    def _metadata(
+        self, rows: np.ndarray, q_lens: np.ndarray, ends: np.ndarray
+    ) -> tuple[AttentionMetadata, Tensor]:
+        """Attention metadata and positions of `_forward`'s tokens."""
+        r, bs = self.runner, self.runner.block_size
         batch = r.batch
         cu = np.zeros(rows.size + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
@@ -227,7 +251,7 @@ class DraftModelRunner:
             max_seqlen_k=max_k,
             host=HostLengths(cu, ends, tables_np, slots),
         )
-        return self.model(ids, positions_d, self.cache.kv_caches, meta)
+        return meta, positions_d
 
     def _sample(self, raw: Tensor, cached, src: np.ndarray, inputs, positions: np.ndarray):
         """Draft tokens [R] and, unless every row is greedy, q [R, V] (the processed draft

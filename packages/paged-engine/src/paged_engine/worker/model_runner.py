@@ -203,7 +203,11 @@ class ModelRunner:
         self.capture_graphs()
         # the sampler's race kernel, built now rather than on the first step that samples
         self.sampler.warm_up(self.vocab_size, self.device)
-        if self.device.type == "cpu" and self.config.compilation_level:
+        if (
+            self.device.type == "cpu"
+            and self.config.compilation_level
+            and not self._keeps_target_streams()
+        ):
             self.compiled = CompiledForward(self)
             try:
                 self.compiled.compile()
@@ -219,6 +223,7 @@ class ModelRunner:
             and self.backend.cuda_graph_capturable
             and not self.config.enforce_eager
             and self.parallel.pp_size == 1  # a graph's input is token ids, not a stage's hidden
+            and not self._keeps_target_streams()
         ):
             # Speculation adds graphs for verification steps: k + 1 query tokens in every row.
             spec = self.config.speculative_config
@@ -227,6 +232,16 @@ class ModelRunner:
                 self, self.config.max_num_seqs, verify_len=k + 1 if k else None
             )
             self.graphs.capture()
+
+    def _keeps_target_streams(self) -> bool:
+        """An EAGLE-3 head reads streams inside every target forward: those run eagerly."""
+        if self.draft is not None and self.draft.reads_target_features:
+            logger.info(
+                "speculative_config eagle3: the target runs eagerly (no CUDA graphs or "
+                "torch.compile), so that its layers' streams can be kept"
+            )
+            return True
+        return False
 
     def kv_tensors(self) -> Iterator[torch.Tensor]:
         """What sleep mode's "kv_cache" tag frees: every layer's KV cache (the draft model's
@@ -284,8 +299,14 @@ class ModelRunner:
         if self.parallel.pp_size > 1:
             return self._execute_stage(sched, cached, inputs)
         proposal = None if draft is None else draft.propose(sched, cached, inputs)
-        hidden = self.forward(inputs)
-        return self._sample(sched, cached, inputs, hidden, proposal)
+        if draft is None or not draft.reads_target_features:
+            hidden = self.forward(inputs)
+            return self._sample(sched, cached, inputs, hidden, proposal)
+        with draft.capturing():  # an EAGLE-3 head keeps the target's layer streams
+            hidden = self.forward(inputs)
+        out = self._sample(sched, cached, inputs, hidden, proposal)
+        draft.after_step(sched, inputs)
+        return out
 
     def _execute_stage(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs

@@ -1,0 +1,318 @@
+"""Speculative decoding with an EAGLE-3 head: exact, and the head drafts what it should.
+
+- Greedy with a random head (drafts almost always rejected, a draft vocabulary smaller than
+  the target's through d2t): token-identical to plain decoding, logprobs within 1e-4.
+- The drafts are the head's: every step's drafts 1 and 2 equal a plain-torch EAGLE-3 forward
+  over transformers' hidden states of the target (the features of layers 2, L // 2, L - 3),
+  teacher-forced on the sequence so far.
+- A target that repeats its last token and a head that reads it back: every draft accepted,
+  the plain engine's tokens.
+- Sampled, n > 1, preemption: each emitted token's logprob is the target's on the sequence
+  recomputed from scratch; blocks all free.
+- What is refused, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.spec_decode.eagle import Eagle3Runner
+from paged_engine.testing import write_tiny_eagle3_head, write_tiny_model
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file
+
+LAYERS = 7  # default aux ids (2, 3, 4)
+PROMPTS = [
+    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
+    {"prompt_token_ids": [40, 41] * 9},
+    {"prompt_token_ids": list(range(100, 137))},
+    {"prompt_token_ids": [7]},
+]
+
+
+def _spec(head, k: int) -> dict:
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def pair(request, tmp_path_factory):
+    d = tmp_path_factory.mktemp(f"eagle3-{request.param}")
+    target = write_tiny_model(d / "target", request.param, num_hidden_layers=LAYERS)
+    # trained on 32 positions: the engine's head still runs at every position the target does
+    head = write_tiny_eagle3_head(
+        d / "head", target, draft_vocab_size=256, seed=1, max_position_embeddings=32
+    )
+    return target, head
+
+
+def _run(path, prompts, params, **kwargs):
+    llm = LLM(str(path), seed=0, **{"max_model_len": 256, **kwargs})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, outs
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_is_token_identical(pair, k):
+    target, head = pair
+    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
+    _, plain = _run(target, PROMPTS, params)
+    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, k))
+    assert _tokens(spec) == _tokens(plain)
+    for a, b in zip(spec, plain):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in y.items():
+                assert x[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_used_blocks == 0
+
+
+# ---- the reference: transformers' target features, a plain-torch head -------------------------
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, positions, theta):  # x [T, H, hd], NeoX halves
+    hd = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    ang = positions.double()[:, None] * inv[None, :]
+    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    a, b = x[..., : hd // 2], x[..., hd // 2 :]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class ReferenceHead:
+    def __init__(self, head_dir, target_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.w = load_file(head_dir / "model.safetensors")
+        self.cfg = json.loads((head_dir / "config.json").read_text())
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.embed = self.target.get_input_embeddings().weight.detach()
+        layers = self.target.config.num_hidden_layers
+        self.ids = (2, layers // 2, layers - 3)
+
+    @torch.no_grad()
+    def features(self, tokens: list[int]) -> torch.Tensor:
+        out = self.target(torch.tensor([tokens]), output_hidden_states=True)
+        return torch.cat([out.hidden_states[i][0] for i in self.ids], dim=-1)
+
+    @torch.no_grad()
+    def run(self, next_tokens: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over entries p = 0..n-1 (token p + 1, feature p) at positions p: (logits
+        over the target vocabulary, pre-norm outputs)."""
+        w, c = self.w, self.cfg
+        eps, n = c["rms_norm_eps"], len(next_tokens)
+        heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        emb = self.embed[torch.tensor(next_tokens)]
+        x = torch.cat(
+            [
+                _rms(emb, w["midlayer.input_layernorm.weight"], eps),
+                _rms(feats, w["midlayer.hidden_norm.weight"], eps),
+            ],
+            dim=-1,
+        )
+        pos = torch.arange(n)
+        q = _rope(
+            (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, hd), pos, c["rope_theta"]
+        )
+        k = _rope(
+            (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kvh, hd), pos, c["rope_theta"]
+        )
+        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kvh, hd)
+        k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
+        att = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + feats
+        y = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+        gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
+        pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
+        small = _rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T
+        logits = torch.full((n, self.embed.shape[0]), -math.inf)
+        logits[:, torch.arange(small.shape[1]) + w["d2t"]] = small
+        return logits, pre
+
+    def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
+        """Drafts 1 and 2 of a step whose row runs its own token seq[c] at position c."""
+        feats = self.features(seq[:c]) @ self.w["fc.weight"].T  # target features at [0, c)
+        logits, pre = self.run(seq[1 : c + 1], feats)
+        d1 = int(logits[-1].argmax())
+        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([feats, pre[-1:]]))
+        return d1, int(logits2[-1].argmax())
+
+
+def test_drafts_are_the_heads_teacher_forced_predictions(pair, monkeypatch):
+    target, head = pair
+    seen: list[tuple[int, int, list[int]]] = []  # (seq id, own position, drafts)
+    propose = Eagle3Runner.propose
+
+    def recording(self, sched, cached, inputs):
+        proposal = propose(self, sched, cached, inputs)
+        for seq_id, start in zip(sched.seq_ids, sched.start_positions):
+            if seq_id in proposal.tokens:
+                seen.append((seq_id, start, list(proposal.tokens[seq_id])))
+        return proposal
+
+    monkeypatch.setattr(Eagle3Runner, "propose", recording)
+    prompts = PROMPTS[:3]
+    _, outs = _run(
+        target,
+        prompts,
+        SamplingParams(temperature=0.0, max_tokens=12),
+        speculative_config=_spec(head, 2),
+    )
+    # map seq ids to their full token lists: seq ids are assigned in prompt order, one each
+    full = [p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+    first_id = min(s for s, _, _ in seen)
+    ref = ReferenceHead(head, target)
+    checked = 0
+    for seq_id, c, drafts in seen:
+        seq = full[seq_id - first_id]
+        if c + 1 >= len(seq):
+            continue
+        d1, d2 = ref.drafts(seq, c)
+        assert drafts[0] == d1, (seq_id, c)
+        if len(drafts) > 1:
+            assert drafts[1] == d2, (seq_id, c)
+        checked += 1
+    assert checked >= 6
+
+
+# ---- a head that is always right ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory):
+    """A target whose layers add nothing (o_proj, down_proj zero) and whose head is its
+    embedding: it repeats its last token. The head reads the stream entering layer 2 (the
+    embedding of token p) and answers it: position p's guess for token p + 2 is token p."""
+    d = tmp_path_factory.mktemp("eagle3-repeat")
+    target = write_tiny_model(d / "target", "llama", num_hidden_layers=LAYERS)
+    w = load_file(target / "model.safetensors")
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] = torch.zeros_like(w[name])
+    w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+    save_file(w, target / "model.safetensors", metadata={"format": "pt"})
+    dim = w["model.embed_tokens.weight"].shape[1]
+    fc = torch.zeros(dim, 3 * dim)
+    fc[:, :dim] = torch.eye(dim)
+    exact = {
+        "fc.weight": fc,
+        "midlayer.self_attn.o_proj.weight": torch.zeros(dim, dim),
+        "midlayer.mlp.down_proj.weight": torch.zeros(dim, 128),
+        "norm.weight": torch.ones(dim),
+        "lm_head.weight": w["model.embed_tokens.weight"].clone(),
+    }
+    head = write_tiny_eagle3_head(d / "head", target, weights=exact)
+    return target, head
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_an_exact_head_has_every_draft_accepted(repeating, k):
+    target, head = repeating
+    params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+    _, plain = _run(target, PROMPTS, params)
+    assert all(
+        set(o.outputs[0].token_ids) == {p["prompt_token_ids"][-1]} for o, p in zip(plain, PROMPTS)
+    )
+    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, k))
+    assert _tokens(spec) == _tokens(plain)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_acceptance_rate == 1.0
+    # after the prompt's token, each of the 16 left: steps of k drafts + 1, the last one plain
+    assert stats.spec_decode_num_drafts == len(PROMPTS) * math.ceil(15 / (k + 1))
+    assert stats.spec_decode_mean_acceptance_length > k
+    assert stats.num_used_blocks == 0
+
+
+# ---- sampling, n > 1, preemption ------------------------------------------------------------
+def _assert_logprobs_recomputed(path, outs) -> None:
+    """Each emitted token's logprob equals its prompt logprob when the sequence is run again
+    from scratch: no step read a rejected draft's KV or another sequence's."""
+    prompts, recorded = [], []
+    for o in outs:
+        for c in o.outputs:
+            prompts.append({"prompt_token_ids": list(o.prompt_token_ids) + list(c.token_ids)})
+            recorded.append([lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    _, again = _run(path, prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    for r, got in zip(again, recorded):
+        ids, plp = r.prompt_token_ids, r.prompt_logprobs
+        start = len(ids) - len(got)
+        want = [plp[i][ids[i]].logprob for i in range(start, len(ids))]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sampled_n_and_preemption(repeating, mode):
+    """Seeded sampled requests (n = 1 and n = 3; the fan-out's siblings start with nothing
+    kept and propose point masses) and greedy ones on a pool too small for them: preempted
+    mid-speculation. Greedy outputs are plain decoding's, every sampled token's logprob is the
+    target's, drafts are both accepted and rejected, and no block leaks."""
+    target, head = repeating
+    prompts = [{"prompt_token_ids": [i + 3, 2 * i + 50, 400 - i] * (1 + i % 3)} for i in range(8)]
+    params = []
+    for i in range(len(prompts)):
+        common = {"max_tokens": 14 + i, "logprobs": 0, "ignore_eos": True}
+        if i % 2:
+            params.append(
+                SamplingParams(temperature=12.0, n=1 + 2 * (i % 4 == 1), seed=i, **common)
+            )
+        else:
+            params.append(SamplingParams(temperature=0, **common))
+    kwargs = {"num_gpu_blocks_override": 14, "max_num_seqs": 10, "max_model_len": 96}
+    kwargs |= {"preemption_mode": mode, "swap_space": 0.05}
+    llm, spec = _run(target, prompts, params, speculative_config=_spec(head, 3), **kwargs)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.num_used_blocks == 0
+    greedy = [i for i in range(len(prompts)) if i % 2 == 0]
+    _, plain = _run(target, [prompts[i] for i in greedy], [params[i] for i in greedy])
+    assert [_tokens([spec[i]]) for i in greedy] == [_tokens([o]) for o in plain]
+    sampled = [spec[i] for i in range(len(prompts)) if i % 2]
+    assert all(
+        len(c.token_ids) == params[2 * j + 1].max_tokens
+        for j, o in enumerate(sampled)
+        for c in o.outputs
+    )
+    _assert_logprobs_recomputed(target, sampled)
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+def test_what_eagle3_refuses(pair, tmp_path):
+    target, head = pair
+    with pytest.raises(ValueError, match=r"speculative_config\.model=.*EAGLE-3 head"):
+        LLM(str(target), speculative_config=_spec(target, 2))  # a plain model is no head
+    wide = write_tiny_model(tmp_path / "wide", "llama", num_hidden_layers=LAYERS, hidden_size=96)
+    with pytest.raises(ValueError, match=r"features of width 64, the target's hidden size is 96"):
+        LLM(str(wide), speculative_config=_spec(head, 2))
+    other_vocab = write_tiny_model(
+        tmp_path / "vocab", "llama", num_hidden_layers=LAYERS, vocab_size=600
+    )
+    with pytest.raises(ValueError, match="vocab_size 512 differs from the target's 600"):
+        LLM(str(other_vocab), speculative_config=_spec(head, 2))
+    shallow = write_tiny_model(tmp_path / "shallow", "llama")  # 2 layers: no (2, 1, -1)
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        LLM(str(shallow), speculative_config=_spec(head, 2))
+    gpt2 = write_tiny_model(tmp_path / "gpt2", "gpt2", n_layer=LAYERS, n_embd=64)
+    with pytest.raises(ValueError, match="Llama decoder stack"):
+        LLM(str(gpt2), speculative_config=_spec(head, 2))
+    with pytest.raises(ValueError, match=r"speculative_config\.model must name"):
+        LLM(str(target), speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+    last_only = write_tiny_eagle3_head(
+        tmp_path / "last-only", target, eagle_config={"use_aux_hidden_state": False}
+    )
+    with pytest.raises(ValueError, match="use_aux_hidden_state is false"):
+        LLM(str(target), speculative_config=_spec(last_only, 2))

@@ -134,7 +134,10 @@ class ReferenceHead:
         att = torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
         )
-        h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + feats
+        residual = feats
+        if c.get("norm_before_residual"):
+            residual = _rms(feats, w["midlayer.hidden_norm.weight"], eps)
+        h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + residual
         y = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
         gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
         pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
@@ -153,7 +156,41 @@ class ReferenceHead:
 
 
 def test_drafts_are_the_heads_teacher_forced_predictions(pair, monkeypatch):
-    target, head = pair
+    _check_drafts(*pair, monkeypatch)
+
+
+def test_norm_before_residual(pair, monkeypatch, tmp_path):
+    """A head whose stream starts at the normed feature (speculators' default)."""
+    target, _ = pair
+    head = write_tiny_eagle3_head(tmp_path / "head", target, seed=2, norm_before_residual=True)
+    _check_drafts(target, head, monkeypatch)
+
+
+def test_speculators_layout(pair, tmp_path):
+    """The same head in the speculators layout, named without a method: the same drafts (the
+    engine tells an EAGLE-3 head by its config, as vLLM does)."""
+    target, _ = pair
+    kw = {"draft_vocab_size": 256, "seed": 3}
+    authors = write_tiny_eagle3_head(tmp_path / "a", target, **kw)
+    spec_layout = write_tiny_eagle3_head(tmp_path / "s", target, speculators=True, **kw)
+    assert "speculators_model_type" in json.loads((spec_layout / "config.json").read_text())
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    runs = []
+    for cfg in (_spec(authors, 2), {"model": str(spec_layout), "num_speculative_tokens": 2}):
+        llm, outs = _run(target, PROMPTS, params, speculative_config=cfg)
+        stats = llm.get_stats()
+        runs.append(
+            (_tokens(outs), stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens)
+        )
+    assert runs[0] == runs[1]
+    unknown = tmp_path / "s" / "config.json"
+    raw = json.loads(unknown.read_text())
+    unknown.write_text(json.dumps({**raw, "speculators_model_type": "mlp"}))
+    with pytest.raises(ValueError, match="speculators checkpoint of type 'mlp'"):
+        LLM(str(target), speculative_config=_spec(spec_layout, 2))
+
+
+def _check_drafts(target, head, monkeypatch) -> None:
     seen: list[tuple[int, int, list[int]]] = []  # (seq id, own position, drafts)
     propose = Eagle3Runner.propose
 

@@ -1425,13 +1425,16 @@ def write_tiny_eagle3_head(
     seed: int = 0,
     embed: bool = False,
     weights: dict[str, torch.Tensor] | None = None,
+    speculators: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Write an EAGLE-3 head for the tiny model at `target` in the EAGLE authors' layout
     (models/llama_eagle3.py): config.json (LlamaForCausalLMEagle3) and model.safetensors with
     `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` / `t2d`, and `embed_tokens` if `embed`.
     Random weights; `draft_vocab_size` < the target's keeps a random sorted subset of its ids.
-    `weights` replace the random ones by name."""
+    `weights` replace the random ones by name (the authors' names). `speculators`: the same
+    head in the speculators layout (the layer's config under `transformer_layer_config`, the
+    head's fields beside it, `layers.0.*` for `midlayer.*`)."""
     import json
 
     from safetensors.torch import save_file
@@ -1463,6 +1466,22 @@ def write_tiny_eagle3_head(
         "tie_word_embeddings": False,
         **config_overrides,
     }
+    if speculators:
+        head_keys = ("draft_vocab_size", "target_hidden_size", "norm_before_residual")
+        head_keys += ("eagle_aux_hidden_state_layer_ids",)
+        layer = {k: v for k, v in config.items() if k not in head_keys and k != "architectures"}
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer,
+            "norm_before_residual": False,
+            **{k: config[k] for k in head_keys if k in config},
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "verifier": {"name_or_path": str(target), "architectures": tc["architectures"]},
+            },
+        }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(seed)
 
@@ -1497,6 +1516,8 @@ def write_tiny_eagle3_head(
     if embed:
         out["embed_tokens.weight"] = torch.randn((vocab, d), generator=gen) * 0.5
     out.update(weights or {})
+    if speculators:
+        out = {k.replace("midlayer.", "layers.0."): v for k, v in out.items()}
     save_file({k: v.contiguous() for k, v in out.items()}, path / "model.safetensors")
     return path
 

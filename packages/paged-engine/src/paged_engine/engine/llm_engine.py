@@ -75,7 +75,11 @@ from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_pa
 from paged_engine.runner import convert_architectures, serves
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
-from paged_engine.spec_decode.draft_loader import check_draft_model, check_eagle3_head
+from paged_engine.spec_decode.draft_loader import (
+    check_draft_model,
+    check_eagle3_head,
+    is_eagle3_head,
+)
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
@@ -174,6 +178,15 @@ class LLMEngine:
                 )
         spec = config.speculative_config
         spec = None if spec is None else SpeculativeConfig.from_dict(spec)
+        if (
+            spec is not None
+            and spec.model is not None
+            and isinstance(config.speculative_config, dict)
+            and "method" not in config.speculative_config
+            and is_eagle3_head(spec.model, config.trust_remote_code)
+        ):  # {"model": HEAD} without a method: an EAGLE-3 head says what it is (as in vLLM)
+            config.speculative_config = {**config.speculative_config, "method": "eagle3"}
+            spec = SpeculativeConfig.from_dict(config.speculative_config)
         if spec is not None and spec.is_eagle3:
             assert spec.model is not None
             check_eagle3_head(spec.model, self.hf_config, config.trust_remote_code)

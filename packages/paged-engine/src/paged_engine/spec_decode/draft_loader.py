@@ -9,10 +9,17 @@ naming speculative_config.model.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import TYPE_CHECKING
 
-from paged_engine.loader import load_hf_config, load_model, load_tokenizer, resolve_model
+from paged_engine.loader import (
+    ResolvedModel,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 
 if TYPE_CHECKING:
@@ -67,6 +74,48 @@ def check_draft_model(
         )
 
 
+def load_eagle3_config(resolved: ResolvedModel, trust_remote_code: bool):
+    """The head's config: transformers' for the EAGLE authors' layout, or for a checkpoint in
+    the `speculators` layout (config.json with `speculators_model_type` "eagle3", the layer's
+    Llama config under `transformer_layer_config`) a LlamaConfig built from it as vLLM reads
+    it (`norm_before_residual` defaults to true there). ValueError for another speculators
+    algorithm."""
+    raw = None
+    config_file = resolved.path / "config.json"
+    if not resolved.is_gguf and config_file.is_file():
+        raw = json.loads(config_file.read_text())
+    if not isinstance(raw, dict) or "speculators_model_type" not in raw:
+        return load_hf_config(resolved, trust_remote_code)
+    kind = raw.get("speculators_model_type")
+    layer = raw.get("transformer_layer_config")
+    if kind != "eagle3" or not isinstance(layer, dict):
+        raise ValueError(
+            f"a speculators checkpoint of type {kind!r} (paged runs 'eagle3' ones, with a "
+            "transformer_layer_config)"
+        )
+    if raw.get("norm_before_fc"):
+        raise ValueError("norm_before_fc (an RMSNorm before the head's fc) is not supported")
+    from transformers import LlamaConfig
+
+    fields = {k: v for k, v in layer.items() if k != "model_type"}
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if raw.get(key) is not None:
+            fields[key] = raw[key]
+    fields["norm_before_residual"] = bool(raw.get("norm_before_residual", True))
+    fields["architectures"] = ["Eagle3LlamaForCausalLM"]
+    return LlamaConfig(**fields)
+
+
+def is_eagle3_head(name: str, trust_remote_code: bool) -> bool:
+    """Whether `name` holds an EAGLE-3 head (either layout); False where it cannot be read."""
+    from paged_engine.models.llama_eagle3 import is_eagle3_config
+
+    try:
+        return is_eagle3_config(load_eagle3_config(resolve_model(name), trust_remote_code))
+    except (OSError, ValueError):
+        return False
+
+
 def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> None:
     """Raise ValueError unless `name` is an EAGLE-3 head for this target: an EAGLE-3 config,
     the target's vocab_size, features as wide as the target's hidden size, aux layer ids the
@@ -80,7 +129,7 @@ def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> N
 
     where = f"speculative_config.model={name!r}"
     try:
-        head_config = load_hf_config(resolve_model(name), trust_remote_code)
+        head_config = load_eagle3_config(resolve_model(name), trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the EAGLE-3 head ({e})") from None
     if not is_eagle3_config(head_config):
@@ -122,7 +171,7 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
 
     config = runner.config
     resolved = resolve_model(name)
-    hf_config = load_hf_config(resolved, config.trust_remote_code)
+    hf_config = load_eagle3_config(resolved, config.trust_remote_code)
     dtype = next(runner.model.parameters()).dtype
     # The head runs at every position the target does (its rope tables must reach them);
     # heads ship with their training length (often 2,048).

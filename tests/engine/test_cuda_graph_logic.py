@@ -409,6 +409,46 @@ def test_graph_verify_matches_eager(tiny_llama_dir, fake_cuda_graphs, monkeypatc
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
+def test_graph_steps_with_an_eagle3_head_match_eager(
+    tiny_llama_dir, fake_cuda_graphs, monkeypatch, tmp_path
+):
+    """An EAGLE-3 head (random; aux ids [1, 1, 1] of the 2-layer target) drafts k in every
+    decoding row (backoff off): decode and uniform verification steps replay graphs, the
+    target's streams reach the head through the capture's buffer on replays too, and every
+    proposal and greedy token equals an eager engine's."""
+    from paged_engine.spec_decode.eagle import Eagle3Runner
+    from paged_engine.testing import write_tiny_eagle3_head
+
+    monkeypatch.setattr(planner_mod, "MAX_PAUSE", 0)
+    head = write_tiny_eagle3_head(
+        tmp_path / "head", tiny_llama_dir, seed=5, eagle_aux_hidden_state_layer_ids=[1, 1, 1]
+    )
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": SPEC_K}
+    proposals: list[list] = []
+    propose = Eagle3Runner.propose
+
+    def recording(self, sched, cached, inputs):
+        proposal = propose(self, sched, cached, inputs)
+        proposals[-1].append([d for _, d in sorted(proposal.tokens.items())])
+        return proposal
+
+    monkeypatch.setattr(Eagle3Runner, "propose", recording)
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 200) for _ in range(rng.randint(2, 20))] for _ in range(5)]
+    max_tokens = [9, 12, 16, 20, 24]
+    runs = []
+    for graphed in (False, True):
+        proposals.append([])
+        engine = _engine(tiny_llama_dir, speculative_config=spec)
+        graphs = _attach_graphs(engine, verify_len=SPEC_K + 1) if graphed else None
+        runs.append(_greedy(engine, prompts, max_tokens))
+    assert graphs is not None
+    assert [t for t, _ in runs[1]] == [t for t, _ in runs[0]]
+    assert proposals[1] == proposals[0] and any(proposals[0])
+    replays = {q: sum(g.replays for (p, _), g in graphs.graphs.items() if p == q) for q in (1, 3)}
+    assert replays[3] >= 5
+
+
 def test_graph_verify_matches_eager_triton(tiny_llama_dir, monkeypatch, request):
     """The Triton backend's q = 3 graphs (the multi-token tile shape, no split-KV) give the eager
     results, padding rows (3 rows in bucket 4) included. Without CUDA: fake graphs and the

@@ -226,22 +226,32 @@ class LayerAdditions:
 
 
 class StreamCapture:
-    """The residual stream [T, D] entering chosen decoder layers during one forward (an EAGLE-3
-    draft head reads the target's, spec_decode/eagle.py). `features()`: those streams side by
-    side in the order of `layer_ids` as given."""
+    """The residual stream [T, D] entering chosen decoder layers, side by side in the order of
+    `layer_ids` (an id may repeat), copied into one buffer [rows, len(layer_ids) * D] that
+    lives as long as the capture: a CUDA graph captured with it replays its copies into the
+    same storage. An EAGLE-3 head reads it after each target forward (spec_decode/eagle.py).
+    Invariant: rows >= the tokens of any forward (the buffer is never reallocated)."""
 
-    def __init__(self, layer_ids: tuple[int, ...]) -> None:
-        self.order = layer_ids
+    def __init__(self, layer_ids: tuple[int, ...], rows: int) -> None:
         self.layer_ids = frozenset(layer_ids)
-        self.kept: dict[int, torch.Tensor] = {}
+        self.columns = {i: [j for j, k in enumerate(layer_ids) if k == i] for i in layer_ids}
+        self.width = len(layer_ids)
+        self.rows = rows
+        self.buffer: torch.Tensor | None = None  # allocated by the first forward
 
     def keep(self, layer: int, stream: torch.Tensor) -> None:
-        self.kept[layer] = stream
+        t, d = stream.shape
+        if self.buffer is None:
+            self.buffer = stream.new_empty((self.rows, self.width * d))
+        if t > self.rows:
+            raise RuntimeError(f"a forward of {t} tokens exceeds the stream buffer's {self.rows}")
+        for j in self.columns[layer]:
+            self.buffer[:t, j * d : (j + 1) * d].copy_(stream)
 
-    def features(self) -> torch.Tensor:
-        missing = [i for i in self.order if i not in self.kept]
-        assert not missing, f"the forward never entered layers {missing}"
-        return torch.cat([self.kept[i] for i in self.order], dim=-1)
+    def features(self, num_tokens: int) -> torch.Tensor:
+        """The last forward's streams, [num_tokens, len(layer_ids) * D]."""
+        assert self.buffer is not None, "no forward has run"
+        return self.buffer[:num_tokens]
 
 
 class LlamaDecoderLayer(PreNormDecoderLayer):
@@ -290,7 +300,7 @@ class LlamaModel(nn.Module):
 
     # Set by the runner for one forward that runs Qwen3-VL image rows (worker/model_runner.py)
     layer_additions: LayerAdditions | None = None
-    # Set by an EAGLE-3 draft runner for each target forward (spec_decode/eagle.py)
+    # Set by an EAGLE-3 draft runner for the engine's life (spec_decode/eagle.py)
     stream_capture: StreamCapture | None = None
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:

@@ -35,7 +35,6 @@ verification's (seeded rows use a salted seed): the rejection sampler needs q an
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,8 +63,8 @@ class DraftProposal:
 
 
 class DraftModelRunner:
-    # Whether the proposer reads the target's layer streams (an EAGLE-3 head): then every
-    # target forward runs eagerly inside `capturing()`, and `after_step` follows each step.
+    # Whether the proposer reads the target's layer streams (an EAGLE-3 head): then
+    # `after_step` follows each step's sampling.
     reads_target_features = False
 
     def __init__(self, model: torch.nn.Module, hf_config, runner: ModelRunner) -> None:
@@ -180,9 +179,6 @@ class DraftModelRunner:
             live = self.runner.batch.seqs
             for seq_id in [s for s in lag if s not in live][: len(lag) // 2]:
                 del lag[seq_id]
-
-    def capturing(self) -> AbstractContextManager[None]:
-        return nullcontext()
 
     def after_step(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
         """Called after each step's sampling (a draft model keeps nothing of the target's)."""

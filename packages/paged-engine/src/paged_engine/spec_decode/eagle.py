@@ -29,13 +29,12 @@ leave holes that later steps do not fill: drafts read stale entries there, which
 acceptance, never correctness. A drafting row with nothing kept proposes its own token again
 (a point mass: the verifier accepts it with the target's probability of that token).
 
-Every target forward runs eagerly (no CUDA graphs or torch.compile) so that its layers'
-streams can be kept.
+The target's streams land in one buffer that lives as long as the engine (`StreamCapture`),
+so CUDA graphs captured with it keep writing them on replay; the CPU's torch.compile is off.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,11 +42,10 @@ import torch
 from torch import Tensor
 
 from paged_engine.models.llama import LlamaModel, StreamCapture
+from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
-
     from paged_engine.core.sched_output import SchedulerOutput
     from paged_engine.worker.input_batch import CachedSeq
     from paged_engine.worker.model_runner import ModelRunner, StepInputs
@@ -74,7 +72,17 @@ class Eagle3Runner(DraftModelRunner):
             )
         self.target_inner = inner
         self.layer_ids = layer_ids
-        self._capture: StreamCapture | None = None
+        # Every target forward (eager or a CUDA graph's replay) leaves its streams here.
+        cfg = runner.config
+        assert cfg.speculative_config is not None
+        k = SpeculativeConfig.from_dict(cfg.speculative_config).num_speculative_tokens
+        rows = max(
+            int(cfg.max_num_batched_tokens or 0),
+            int(cfg.max_model_len or 0),
+            cfg.max_num_seqs * (k + 1),
+        )
+        self.capture = StreamCapture(layer_ids, rows)
+        inner.stream_capture = self.capture
         # seq id -> (p0, n, first row in _ids / _feat): the target's tokens and features at
         # [p0, p0 + n) that the head has not run
         self._kept: dict[int, tuple[int, int, int]] = {}
@@ -82,17 +90,7 @@ class Eagle3Runner(DraftModelRunner):
         self._feat: Tensor | None = None  # [S, 3 * D_target]
         self._accepted: dict[int, int] = {}  # this step's accepted drafts per drafting seq
 
-    # ---- the target's forward -------------------------------------------------------------------
-    @contextmanager
-    def capturing(self) -> Iterator[None]:
-        """Keep the target's streams at `layer_ids` during the forward run inside."""
-        self._capture = StreamCapture(self.layer_ids)
-        self.target_inner.stream_capture = self._capture
-        try:
-            yield
-        finally:
-            self.target_inner.stream_capture = None
-
+    # ---- after the target's forward ------------------------------------------------------------
     def after_verify(self, seq_ids, num_drafts, num_accepted, drafts, positions) -> None:
         self._accepted = {
             s: a for s, d, a in zip(seq_ids, num_drafts.tolist(), num_accepted.tolist()) if d
@@ -101,11 +99,8 @@ class Eagle3Runner(DraftModelRunner):
     def after_step(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
         """Keep each row's verified positions of this step (and, for sequences not in it,
         what they had); called after the step's sampling."""
-        capture, self._capture = self._capture, None
         accepted, self._accepted = self._accepted, {}
-        if capture is None:
-            return
-        feat = capture.features()
+        feat = self.capture.features(int(inputs.input_ids.shape[0]))
         r = self.runner
         spec = sched.spec_token_ids
         seq_ids = sched.seq_ids

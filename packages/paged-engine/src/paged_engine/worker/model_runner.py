@@ -223,7 +223,6 @@ class ModelRunner:
             and self.backend.cuda_graph_capturable
             and not self.config.enforce_eager
             and self.parallel.pp_size == 1  # a graph's input is token ids, not a stage's hidden
-            and not self._keeps_target_streams()
         ):
             # Speculation adds graphs for verification steps: k + 1 query tokens in every row.
             spec = self.config.speculative_config
@@ -234,11 +233,11 @@ class ModelRunner:
             self.graphs.capture()
 
     def _keeps_target_streams(self) -> bool:
-        """An EAGLE-3 head reads streams inside every target forward: those run eagerly."""
+        """An EAGLE-3 head reads streams the target's layers copy out: no CPU torch.compile."""
         if self.draft is not None and self.draft.reads_target_features:
             logger.info(
-                "speculative_config eagle3: the target runs eagerly (no CUDA graphs or "
-                "torch.compile), so that its layers' streams can be kept"
+                "speculative_config eagle3: torch.compile is off (the target's layers copy "
+                "their streams out for the head)"
             )
             return True
         return False
@@ -299,13 +298,10 @@ class ModelRunner:
         if self.parallel.pp_size > 1:
             return self._execute_stage(sched, cached, inputs)
         proposal = None if draft is None else draft.propose(sched, cached, inputs)
-        if draft is None or not draft.reads_target_features:
-            hidden = self.forward(inputs)
-            return self._sample(sched, cached, inputs, hidden, proposal)
-        with draft.capturing():  # an EAGLE-3 head keeps the target's layer streams
-            hidden = self.forward(inputs)
+        hidden = self.forward(inputs)
         out = self._sample(sched, cached, inputs, hidden, proposal)
-        draft.after_step(sched, inputs)
+        if draft is not None and draft.reads_target_features:
+            draft.after_step(sched, inputs)  # an EAGLE-3 head keeps the forward's streams
         return out
 
     def _execute_stage(

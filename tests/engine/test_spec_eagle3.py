@@ -40,15 +40,25 @@ def _spec(head, k: int) -> dict:
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def pair(request, tmp_path_factory):
-    d = tmp_path_factory.mktemp(f"eagle3-{request.param}")
-    target = write_tiny_model(d / "target", request.param, num_hidden_layers=LAYERS)
+def _make_pair(tmp_path_factory, arch: str):
+    d = tmp_path_factory.mktemp(f"eagle3-{arch}")
+    target = write_tiny_model(d / "target", arch, num_hidden_layers=LAYERS)
     # trained on 32 positions: the engine's head still runs at every position the target does
     head = write_tiny_eagle3_head(
         d / "head", target, draft_vocab_size=256, seed=1, max_position_embeddings=32
     )
     return target, head
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "deepseek_v3"])
+def pair(request, tmp_path_factory):
+    """A 7-layer target and a random head (a 256-token draft vocabulary)."""
+    return _make_pair(tmp_path_factory, request.param)
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    return _make_pair(tmp_path_factory, "llama")
 
 
 def _run(path, prompts, params, **kwargs):
@@ -63,6 +73,7 @@ def _tokens(outs):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_is_token_identical(pair, k):
+    """Llama, Qwen3 and DeepSeek-V3 (MLA, MoE) targets."""
     target, head = pair
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
     _, plain = _run(target, PROMPTS, params)
@@ -159,17 +170,17 @@ def test_drafts_are_the_heads_teacher_forced_predictions(pair, monkeypatch):
     _check_drafts(*pair, monkeypatch)
 
 
-def test_norm_before_residual(pair, monkeypatch, tmp_path):
+def test_norm_before_residual(llama_pair, monkeypatch, tmp_path):
     """A head whose stream starts at the normed feature (speculators' default)."""
-    target, _ = pair
+    target, _ = llama_pair
     head = write_tiny_eagle3_head(tmp_path / "head", target, seed=2, norm_before_residual=True)
     _check_drafts(target, head, monkeypatch)
 
 
-def test_speculators_layout(pair, tmp_path):
+def test_speculators_layout(llama_pair, tmp_path):
     """The same head in the speculators layout, named without a method: the same drafts (the
     engine tells an EAGLE-3 head by its config, as vLLM does)."""
-    target, _ = pair
+    target, _ = llama_pair
     kw = {"draft_vocab_size": 256, "seed": 3}
     authors = write_tiny_eagle3_head(tmp_path / "a", target, **kw)
     spec_layout = write_tiny_eagle3_head(tmp_path / "s", target, speculators=True, **kw)
@@ -328,8 +339,8 @@ def test_sampled_n_and_preemption(repeating, mode):
 
 
 # ---- refusals ---------------------------------------------------------------------------------
-def test_what_eagle3_refuses(pair, tmp_path):
-    target, head = pair
+def test_what_eagle3_refuses(llama_pair, tmp_path):
+    target, head = llama_pair
     with pytest.raises(ValueError, match=r"speculative_config\.model=.*EAGLE-3 head"):
         LLM(str(target), speculative_config=_spec(target, 2))  # a plain model is no head
     wide = write_tiny_model(tmp_path / "wide", "llama", num_hidden_layers=LAYERS, hidden_size=96)

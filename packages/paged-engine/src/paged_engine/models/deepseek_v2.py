@@ -40,6 +40,7 @@ from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from paged_engine.models.llama import (
     LlamaMLP,
     PreNormDecoderLayer,
+    StreamCapture,
     keeps_stream_apart,
     run_layers,
 )
@@ -189,11 +190,16 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
         self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
 
+    # Set by an EAGLE-3 draft runner for the engine's life (spec_decode/eagle.py)
+    stream_capture: StreamCapture | None = None
+
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
         x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None
-        return run_layers(layers, self.stream_apart, positions, x, kv_caches, md, norm)
+        return run_layers(
+            layers, self.stream_apart, positions, x, kv_caches, md, norm, None, self.stream_capture
+        )
 
 
 class DeepseekV2ForCausalLM(CausalLMBase):

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from paged_engine.models.llama import LlamaModel, StreamCapture
+from paged_engine.models.llama import StreamCapture
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 
@@ -64,11 +64,12 @@ class Eagle3Runner(DraftModelRunner):
     def __init__(self, model, hf_config, runner: ModelRunner, layer_ids: tuple[int, ...]) -> None:
         super().__init__(model, hf_config, runner)
         inner = getattr(runner.model, "model", None)
-        if not isinstance(inner, LlamaModel):
+        if not hasattr(type(inner), "stream_capture"):  # a stack run by run_layers that keeps it
             arch = ", ".join(getattr(runner.hf_config, "architectures", None) or ["?"])
             raise ValueError(
                 f"speculative_config.method 'eagle3' needs a target built on the Llama decoder "
-                f"stack (Llama, Qwen2/3, Mistral and kin); {arch} is not"
+                f"stack (Llama, Qwen2/3, Mistral, Mixtral, gpt-oss, Llama 4 and kin) or "
+                f"DeepSeek's; {arch} is not"
             )
         self.target_inner = inner
         self.layer_ids = layer_ids

@@ -338,6 +338,44 @@ def test_sampled_n_and_preemption(repeating, mode):
     _assert_logprobs_recomputed(target, sampled)
 
 
+def test_tensor_parallel_matches(repeating, tmp_path):
+    """TP = 2 (two processes, gloo): the head runs sharded on both ranks over the replicated
+    streams. A head that reads the right feature but whose attention and MLP add noise
+    (drafts partly accepted, every part of it counting): greedy tokens and acceptance equal
+    one process's."""
+    target, _ = repeating
+    w = load_file(target / "model.safetensors")
+    dim = w["model.embed_tokens.weight"].shape[1]
+    fc = torch.zeros(dim, 3 * dim)
+    fc[:, :dim] = torch.eye(dim)
+    gen = torch.Generator().manual_seed(9)
+    noisy = {
+        "fc.weight": fc,
+        "midlayer.self_attn.o_proj.weight": torch.randn(dim, dim, generator=gen) * 0.12,
+        "midlayer.mlp.down_proj.weight": torch.randn(dim, 128, generator=gen) * 0.08,
+        "lm_head.weight": w["model.embed_tokens.weight"].clone(),
+    }
+    head = write_tiny_eagle3_head(tmp_path / "head", target, weights=noisy)
+    prompts = [{"prompt_token_ids": [i + 3, 7 * i + 20, 300 - i]} for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        llm, outs = _run(
+            target, prompts, params, speculative_config=_spec(head, 3), tensor_parallel_size=tp
+        )
+        stats = llm.get_stats()
+        runs.append(
+            (
+                _tokens(outs),
+                stats.spec_decode_num_draft_tokens,
+                stats.spec_decode_num_accepted_tokens,
+            )
+        )
+        llm.llm_engine.shutdown()
+    assert runs[0] == runs[1]
+    assert 0 < runs[0][2] < runs[0][1]
+
+
 # ---- refusals ---------------------------------------------------------------------------------
 def test_what_eagle3_refuses(llama_pair, tmp_path):
     target, head = llama_pair

@@ -380,12 +380,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             from paged_engine.spec_decode.config import SpeculativeConfig
 
-            spec = SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
-            if spec.uses_draft_model and self.tensor_parallel_size > 1:
-                raise ValueError(
-                    "speculative_config.model (a draft model) is not supported with "
-                    "tensor_parallel_size > 1 yet: use method 'ngram' or a single device"
-                )
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
             if self.async_scheduling:
                 raise ValueError(
                     "async_scheduling=True is not supported with speculative_config: drafts "

@@ -129,7 +129,7 @@ class Eagle3LlamaForCausalLM(nn.Module):
         self.rotary_emb = get_rope(config, llama_head_dim(config), is_neox_style=True)
         self.layers = nn.ModuleList([Eagle3DecoderLayer(config, self.rotary_emb)])
         self.norm = RMSNorm(hidden, cfg_get(config, "rms_norm_eps", 1e-6))
-        self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden, tp_rank=0, tp_size=1)
+        self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden)  # vocab-parallel
         # target id of draft id i = i + d2t[i]; zeros (identity) until a checkpoint's d2t loads
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.shares_target_embedding = False  # set by the loader

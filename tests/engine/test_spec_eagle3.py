@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -170,6 +171,15 @@ def test_drafts_are_the_heads_teacher_forced_predictions(pair, monkeypatch):
     _check_drafts(*pair, monkeypatch)
 
 
+def test_chunked_prefill_drafts_are_teacher_forced(llama_pair, monkeypatch):
+    """Prompts prefilled 16 tokens a step (chunks beside other rows' decode steps): each step's
+    first pass runs the head over the chunk the target ran the step before, so the drafts
+    still equal the reference teacher-forced on the whole sequence."""
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]} for n in (61, 5, 40)]
+    _check_drafts(*llama_pair, monkeypatch, prompts, max_num_batched_tokens=16, max_num_seqs=4)
+
+
 def test_norm_before_residual(llama_pair, monkeypatch, tmp_path):
     """A head whose stream starts at the normed feature (speculators' default)."""
     target, _ = llama_pair
@@ -201,38 +211,40 @@ def test_speculators_layout(llama_pair, tmp_path):
         LLM(str(target), speculative_config=_spec(spec_layout, 2))
 
 
-def _check_drafts(target, head, monkeypatch) -> None:
-    seen: list[tuple[int, int, list[int]]] = []  # (seq id, own position, drafts)
+def _check_drafts(target, head, monkeypatch, prompts=PROMPTS[:3], **engine) -> None:
+    seen: list[tuple[tuple, int, list[int]]] = []  # (prompt, own position, drafts)
     propose = Eagle3Runner.propose
 
     def recording(self, sched, cached, inputs):
         proposal = propose(self, sched, cached, inputs)
-        for seq_id, start in zip(sched.seq_ids, sched.start_positions):
-            if seq_id in proposal.tokens:
-                seen.append((seq_id, start, list(proposal.tokens[seq_id])))
+        for c, start in zip(cached, sched.start_positions):
+            if c.seq_id in proposal.tokens:
+                prompt = tuple(c.token_ids[: c.num_prompt_tokens])
+                seen.append((prompt, start, list(proposal.tokens[c.seq_id])))
         return proposal
 
     monkeypatch.setattr(Eagle3Runner, "propose", recording)
-    prompts = PROMPTS[:3]
     _, outs = _run(
         target,
         prompts,
         SamplingParams(temperature=0.0, max_tokens=12),
         speculative_config=_spec(head, 2),
+        **engine,
     )
-    # map seq ids to their full token lists: seq ids are assigned in prompt order, one each
-    full = [p["prompt_token_ids"] + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-    first_id = min(s for s, _, _ in seen)
+    full = {
+        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+        for p, o in zip(prompts, outs)
+    }
     ref = ReferenceHead(head, target)
     checked = 0
-    for seq_id, c, drafts in seen:
-        seq = full[seq_id - first_id]
+    for prompt, c, drafts in seen:
+        seq = full[prompt]
         if c + 1 >= len(seq):
             continue
         d1, d2 = ref.drafts(seq, c)
-        assert drafts[0] == d1, (seq_id, c)
+        assert drafts[0] == d1, (len(prompt), c)
         if len(drafts) > 1:
-            assert drafts[1] == d2, (seq_id, c)
+            assert drafts[1] == d2, (len(prompt), c)
         checked += 1
     assert checked >= 6
 

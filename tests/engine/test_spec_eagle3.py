@@ -204,6 +204,15 @@ def test_speculators_layout(llama_pair, tmp_path):
             (_tokens(outs), stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens)
         )
     assert runs[0] == runs[1]
+    # without a count: the speculators checkpoint's own (3), as vLLM reads it
+    llm3, outs3 = _run(target, PROMPTS, params, speculative_config=_spec(authors, 3))
+    llm, outs = _run(target, PROMPTS, params, speculative_config={"model": str(spec_layout)})
+    assert _tokens(outs) == _tokens(outs3)
+    assert llm.get_stats().spec_decode_num_draft_tokens == (
+        llm3.get_stats().spec_decode_num_draft_tokens
+    )
+    with pytest.raises(ValueError, match=r"num_speculative_tokens is required"):
+        LLM(str(target), speculative_config={"method": "eagle3", "model": str(authors)})
     unknown = tmp_path / "s" / "config.json"
     raw = json.loads(unknown.read_text())
     unknown.write_text(json.dumps({**raw, "speculators_model_type": "mlp"}))

@@ -78,6 +78,7 @@ from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_loader import (
     check_draft_model,
     check_eagle3_head,
+    configured_num_tokens,
     is_eagle3_head,
 )
 from paged_engine.spec_decode.planner import DraftPlanner
@@ -186,6 +187,17 @@ class LLMEngine:
             and is_eagle3_head(spec.model, config.trust_remote_code)
         ):  # {"model": HEAD} without a method: an EAGLE-3 head says what it is (as in vLLM)
             config.speculative_config = {**config.speculative_config, "method": "eagle3"}
+            spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec is not None and spec.num_speculative_tokens == 0:  # left to the model's config
+            assert spec.model is not None and isinstance(config.speculative_config, dict)
+            k = configured_num_tokens(spec.model)
+            if k is None:
+                raise ValueError(
+                    "speculative_config.num_speculative_tokens is required: "
+                    f"speculative_config.model={spec.model!r} does not propose a count of its "
+                    "own (speculators_config.proposal_methods)"
+                )
+            config.speculative_config = {**config.speculative_config, "num_speculative_tokens": k}
             spec = SpeculativeConfig.from_dict(config.speculative_config)
         if spec is not None and spec.is_eagle3:
             assert spec.model is not None

@@ -19,7 +19,7 @@ _WITH_MODEL = ("draft_model", "eagle3")
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     method: str  # "ngram" | "draft_model" | "eagle3"
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # 0 only before the engine read it from a model's config
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model or EAGLE-3 head
@@ -63,6 +63,10 @@ class SpeculativeConfig:
             )
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", 4)
+        if k is None and model is not None:
+            # 0: the engine takes it from the model's own config (a speculators checkpoint's
+            # proposal method) before anything else reads it, or refuses naming this key
+            return cls(method, 0, hi, lo, model)
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be an int >= 1, got {v!r}")

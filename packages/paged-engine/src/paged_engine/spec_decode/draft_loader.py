@@ -106,6 +106,18 @@ def load_eagle3_config(resolved: ResolvedModel, trust_remote_code: bool):
     return LlamaConfig(**fields)
 
 
+def configured_num_tokens(name: str) -> int | None:
+    """The draft count a speculators checkpoint proposes (`speculators_config.proposal_methods
+    [0].speculative_tokens`), None where it names none or cannot be read."""
+    try:
+        resolved = resolve_model(name)
+        raw = json.loads((resolved.path / "config.json").read_text())
+        k = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16 else None
+
+
 def is_eagle3_head(name: str, trust_remote_code: bool) -> bool:
     """Whether `name` holds an EAGLE-3 head (either layout); False where it cannot be read."""
     from paged_engine.models.llama_eagle3 import is_eagle3_config

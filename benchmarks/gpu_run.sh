@@ -343,10 +343,10 @@ case "$PHASE" in
     step 45 fused-kv-write $PY -m pytest -q -p no:cacheprovider -rfE \
       tests/engine/test_fused_kv_write.py tests/kernels/test_rotary.py \
       -k "(test_rope_kernel_writes and qwen3) or (fused_kv_write and shape1)"
-    # EAGLE-3 (15d6a61): greedy identical and the head's drafts against transformers' features,
-    # with the Triton kernels (the target runs eagerly)
-    step 40 eagle3 $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_spec_eagle3.py \
-      -k "llama and (identical or teacher)"
+    # EAGLE-3 and MTP heads: greedy identical and their drafts against transformers', with the
+    # Triton kernels (and MLA's for MTP)
+    step 50 eagle3-mtp $PY -m pytest -q -p no:cacheprovider -rfE tests/engine/test_spec_eagle3.py \
+      tests/engine/test_spec_mtp.py -k "(llama and (identical or teacher)) or (own and not tensor)"
     # decode attention and the race by CUDA-graph replay (326ede2): the device's time alone;
     # mla_decode with split keys (b600f93) against the H200's unsplit 9-50%
     step 90 kernel-bench $PY -m benchmarks.kernel_bench --out "$OUT/kernels"

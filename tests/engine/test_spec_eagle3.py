@@ -20,6 +20,7 @@ import random
 
 import pytest
 import torch
+from draft_heads import assert_drafts_teacher_forced, assert_same_greedy, record_drafts, rms
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.spec_decode.eagle import Eagle3Runner
@@ -79,21 +80,13 @@ def test_greedy_is_token_identical(pair, k):
     params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
     _, plain = _run(target, PROMPTS, params)
     llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, k))
-    assert _tokens(spec) == _tokens(plain)
-    for a, b in zip(spec, plain):
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for tok, lp in y.items():
-                assert x[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    assert_same_greedy(spec, plain)
     stats = llm.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.num_used_blocks == 0
 
 
 # ---- the reference: transformers' target features, a plain-torch head -------------------------
-def _rms(x, w, eps):
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def _rope(x, positions, theta):  # x [T, H, hd], NeoX halves
     hd = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
@@ -129,8 +122,8 @@ class ReferenceHead:
         emb = self.embed[torch.tensor(next_tokens)]
         x = torch.cat(
             [
-                _rms(emb, w["midlayer.input_layernorm.weight"], eps),
-                _rms(feats, w["midlayer.hidden_norm.weight"], eps),
+                rms(emb, w["midlayer.input_layernorm.weight"], eps),
+                rms(feats, w["midlayer.hidden_norm.weight"], eps),
             ],
             dim=-1,
         )
@@ -148,12 +141,12 @@ class ReferenceHead:
         )
         residual = feats
         if c.get("norm_before_residual"):
-            residual = _rms(feats, w["midlayer.hidden_norm.weight"], eps)
+            residual = rms(feats, w["midlayer.hidden_norm.weight"], eps)
         h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + residual
-        y = _rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+        y = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
         gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
         pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
-        small = _rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T
+        small = rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T
         logits = torch.full((n, self.embed.shape[0]), -math.inf)
         logits[:, torch.arange(small.shape[1]) + w["d2t"]] = small
         return logits, pre
@@ -221,41 +214,10 @@ def test_speculators_layout(llama_pair, tmp_path):
 
 
 def _check_drafts(target, head, monkeypatch, prompts=PROMPTS[:3], **engine) -> None:
-    seen: list[tuple[tuple, int, list[int]]] = []  # (prompt, own position, drafts)
-    propose = Eagle3Runner.propose
-
-    def recording(self, sched, cached, inputs):
-        proposal = propose(self, sched, cached, inputs)
-        for c, start in zip(cached, sched.start_positions):
-            if c.seq_id in proposal.tokens:
-                prompt = tuple(c.token_ids[: c.num_prompt_tokens])
-                seen.append((prompt, start, list(proposal.tokens[c.seq_id])))
-        return proposal
-
-    monkeypatch.setattr(Eagle3Runner, "propose", recording)
-    _, outs = _run(
-        target,
-        prompts,
-        SamplingParams(temperature=0.0, max_tokens=12),
-        speculative_config=_spec(head, 2),
-        **engine,
-    )
-    full = {
-        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
-        for p, o in zip(prompts, outs)
-    }
-    ref = ReferenceHead(head, target)
-    checked = 0
-    for prompt, c, drafts in seen:
-        seq = full[prompt]
-        if c + 1 >= len(seq):
-            continue
-        d1, d2 = ref.drafts(seq, c)
-        assert drafts[0] == d1, (len(prompt), c)
-        if len(drafts) > 1:
-            assert drafts[1] == d2, (len(prompt), c)
-        checked += 1
-    assert checked >= 6
+    seen = record_drafts(monkeypatch, Eagle3Runner)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    _, outs = _run(target, prompts, params, speculative_config=_spec(head, 2), **engine)
+    assert_drafts_teacher_forced(seen, prompts, outs, ReferenceHead(head, target).drafts, 6)
 
 
 # ---- a head that is always right ------------------------------------------------------------

@@ -17,7 +17,7 @@ import logging
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -313,14 +313,19 @@ def checkpoint_weights(
     load_format: str = "auto",
     kv_scales: dict[int, dict[str, float]] | None = None,
     keep_codes: bool = False,
+    names: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as a model's `load_weights` takes them: HF names, a VLM's
     vision weights dropped, bitsandbytes / GPTQ / AWQ / packed integer weights unpacked
     (`keep_codes`: 4-bit layers as packed_codes.CodesWeight) and FP8 / INT8 weights
     dequantized with their scales (also where only hf_quant_config.json named the scheme: the
-    tensors' dtypes tell); KV-cache scales go into `kv_scales` instead."""
-    total = count_weights(resolved, load_format)
-    weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
+    tensors' dtypes tell); KV-cache scales go into `kv_scales` instead. `names`: only the
+    tensors whose checkpoint name it accepts are read at all (an MTP layer's, say)."""
+    if names is not None:  # a few tensors of a large checkpoint: no progress bar
+        weights = (w for w in iter_weights(resolved, load_format) if names(w[0]))
+    else:
+        total = count_weights(resolved, load_format)
+        weights = track_weights(iter_weights(resolved, load_format), total, source=resolved.name)
     weights = text_model_weights(weights, hf_config)
     weights = unpack_bnb_weights(weights, bnb_scheme(hf_config), dtype, device)
     weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device, keep_codes)

@@ -75,12 +75,7 @@ from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_pa
 from paged_engine.runner import convert_architectures, serves
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from paged_engine.spec_decode.config import SpeculativeConfig
-from paged_engine.spec_decode.draft_loader import (
-    check_draft_model,
-    check_eagle3_head,
-    configured_num_tokens,
-    is_eagle3_head,
-)
+from paged_engine.spec_decode.draft_loader import resolve_speculative_config
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
@@ -177,39 +172,8 @@ class LLMEngine:
                     f"{per_image} tokens of one image, which must run in one step (they attend "
                     "to each other both ways)"
                 )
-        spec = config.speculative_config
-        spec = None if spec is None else SpeculativeConfig.from_dict(spec)
-        if (
-            spec is not None
-            and spec.model is not None
-            and isinstance(config.speculative_config, dict)
-            and "method" not in config.speculative_config
-            and is_eagle3_head(spec.model, config.trust_remote_code)
-        ):  # {"model": HEAD} without a method: an EAGLE-3 head says what it is (as in vLLM)
-            config.speculative_config = {**config.speculative_config, "method": "eagle3"}
-            spec = SpeculativeConfig.from_dict(config.speculative_config)
-        if spec is not None and spec.num_speculative_tokens == 0:  # left to the model's config
-            assert spec.model is not None and isinstance(config.speculative_config, dict)
-            k = configured_num_tokens(spec.model)
-            if k is None:
-                raise ValueError(
-                    "speculative_config.num_speculative_tokens is required: "
-                    f"speculative_config.model={spec.model!r} does not propose a count of its "
-                    "own (speculators_config.proposal_methods)"
-                )
-            config.speculative_config = {**config.speculative_config, "num_speculative_tokens": k}
-            spec = SpeculativeConfig.from_dict(config.speculative_config)
-        if spec is not None and spec.is_eagle3:
-            assert spec.model is not None
-            check_eagle3_head(spec.model, self.hf_config, config.trust_remote_code)
-        elif spec is not None and spec.model is not None:
-            check_draft_model(
-                spec.model,
-                self.hf_config,
-                self.tokenizer,
-                config.max_model_len,
-                config.trust_remote_code,
-            )
+        if config.speculative_config is not None:  # completed from the model, checked
+            resolve_speculative_config(config, self.hf_config, self.tokenizer)
         logger.info(
             "model %s: %s, config and tokenizer loaded; max_model_len %d",
             self.resolved.gguf_file or self.resolved.path,

@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
     {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
+    {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
 
 A "model" key without a method implies "draft_model"; without either the method is "ngram"."""
 
@@ -12,13 +13,14 @@ from dataclasses import dataclass
 from typing import Any
 
 _KNOWN = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
-METHODS = ("ngram", "draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle3", "mtp")
 _WITH_MODEL = ("draft_model", "eagle3")
+_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's earlier name
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "eagle3"
+    method: str  # "ngram" | "draft_model" | "eagle3" | "mtp"
     num_speculative_tokens: int  # 0 only before the engine read it from a model's config
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -26,8 +28,12 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """A model of its own proposes (a draft model, or an EAGLE-3 head)."""
-        return self.method in _WITH_MODEL
+        """A model proposes on the worker (a draft model, an EAGLE-3 head, an MTP layer)."""
+        return self.method in (*_WITH_MODEL, "mtp")
+
+    @property
+    def is_mtp(self) -> bool:
+        return self.method == "mtp"
 
     @property
     def is_eagle3(self) -> bool:
@@ -47,6 +53,8 @@ class SpeculativeConfig:
             )
         model = value.get("model")
         method = value.get("method", "ngram" if model is None else "draft_model")
+        if isinstance(method, str):
+            method = _ALIASES.get(method, method)
         if method not in METHODS:
             raise ValueError(
                 f"speculative_config.method {method!r} is not supported; choose from {METHODS}"
@@ -56,6 +64,11 @@ class SpeculativeConfig:
                 "speculative_config.model must name the draft model (a path or hub id) for "
                 f"method {method!r}, got {model!r}"
             )
+        if method == "mtp" and model is not None:
+            raise ValueError(
+                "speculative_config.model is given with method 'mtp': the target's own MTP "
+                "layer drafts; drop the model"
+            )
         if method == "ngram" and model is not None:
             raise ValueError(
                 "speculative_config.model is given with method 'ngram': drop the method (or "
@@ -63,9 +76,10 @@ class SpeculativeConfig:
             )
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", 4)
-        if k is None and model is not None:
+        if k is None and (model is not None or method == "mtp"):
             # 0: the engine takes it from the model's own config (a speculators checkpoint's
-            # proposal method) before anything else reads it, or refuses naming this key
+            # proposal method, the MTP layer count) before anything else reads it, or refuses
+            # naming this key
             return cls(method, 0, hi, lo, model)
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -32,6 +32,52 @@ def _vocab_size(hf_config) -> int:
     return int(getattr(hf_config, "vocab_size", 0) or 0)
 
 
+def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> None:
+    """Complete `config.speculative_config` from the models where the user left it to them
+    ({"model": HEAD} without a method: an EAGLE-3 head says so; no num_speculative_tokens: a
+    speculators checkpoint's own count, or the MTP layer count), then check the draft, head or
+    MTP layer against the target. ValueErrors name speculative_config."""
+    from paged_engine.models.deepseek_mtp import num_mtp_layers
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict(config.speculative_config)
+    given = config.speculative_config if isinstance(config.speculative_config, dict) else {}
+    if (
+        spec.model is not None
+        and "method" not in given
+        and is_eagle3_head(spec.model, config.trust_remote_code)
+    ):
+        config.speculative_config = {**given, "method": "eagle3"}
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.is_mtp:
+        check_mtp(target_hf_config)
+    if spec.num_speculative_tokens == 0:  # left to the model's config
+        if spec.is_mtp:
+            k = num_mtp_layers(target_hf_config)
+        else:
+            assert spec.model is not None
+            k = configured_num_tokens(spec.model)
+        if k is None:
+            raise ValueError(
+                "speculative_config.num_speculative_tokens is required: "
+                f"speculative_config.model={spec.model!r} does not propose a count of its "
+                "own (speculators_config.proposal_methods)"
+            )
+        config.speculative_config = {**config.speculative_config, "num_speculative_tokens": k}
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.is_eagle3:
+        assert spec.model is not None
+        check_eagle3_head(spec.model, target_hf_config, config.trust_remote_code)
+    elif spec.model is not None:
+        check_draft_model(
+            spec.model,
+            target_hf_config,
+            target_tokenizer,
+            config.max_model_len,
+            config.trust_remote_code,
+        )
+
+
 def check_draft_model(
     name: str, target_hf_config, target_tokenizer, max_model_len: int, trust_remote_code: bool
 ) -> None:
@@ -207,7 +253,78 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     runner.draft = Eagle3Runner(head.eval().requires_grad_(False), hf_config, runner, layers)
 
 
-def attach_draft_model(runner: ModelRunner, quantization: str | None) -> None:
+def check_mtp(target_hf_config) -> None:
+    """Raise ValueError (naming speculative_config) unless the target has an MTP layer paged
+    runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1) with num_nextn_predict_layers
+    >= 1."""
+    from paged_engine.models import get_model_class
+    from paged_engine.models.deepseek_mtp import num_mtp_layers
+    from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
+    try:
+        cls = get_model_class(target_hf_config)
+    except ValueError:
+        cls = None
+    if cls is None or not issubclass(cls, DeepseekV2ForCausalLM):
+        raise ValueError(
+            f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-style models "
+            f"(DeepSeek-V3 / R1 and their kin); {arch} is not one"
+        )
+    if num_mtp_layers(target_hf_config) < 1:
+        raise ValueError(
+            f"speculative_config method 'mtp': {arch} has no MTP layer "
+            "(num_nextn_predict_layers is 0 or absent in its config)"
+        )
+
+
+def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: str | None):
+    """Build the target's first MTP layer on the runner's device and dtype, load it from the
+    target's own checkpoint (its tensors only) and set `runner.draft`; the target's embedding
+    and LM head serve where the checkpoint has no copies of its own."""
+    from paged_engine.layers.rotary import rope_context_len
+    from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
+    from paged_engine.models.deepseek_mtp import (
+        DeepseekMtpHead,
+        mtp_cache_config,
+        mtp_weight_name,
+    )
+    from paged_engine.packed_codes import KEEP_CODES
+    from paged_engine.spec_decode.eagle import MtpRunner
+
+    config, hf_config, target = runner.config, runner.hf_config, runner.model
+    dtype = next(target.parameters()).dtype
+    logger.info("loading the MTP layer model.layers.%d", hf_config.num_hidden_layers)
+    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
+        head = DeepseekMtpHead(hf_config, type(target))
+    if config.load_format == "dummy":
+        init_dummy_weights(head, config.seed)
+        head.shares_target_embedding = head.shares_target_head = True
+    else:
+        weights = checkpoint_weights(
+            resolved,
+            hf_config,
+            dtype,
+            runner.device,
+            config.load_format,
+            {},
+            names=lambda name: mtp_weight_name(hf_config, name) is not None,
+        )
+        head.load_weights((mtp_weight_name(hf_config, n) or n, w) for n, w in weights)
+    if head.shares_target_embedding:
+        head.embed_tokens = target.get_submodule(target.embed_path)
+    if head.shares_target_head:
+        head.shared_head.head = target.get_submodule(target.head_name)
+    if quantization is not None and quantization != KEEP_CODES:
+        from paged_engine.layers.quantization import quantize_model
+
+        quantize_model(head, quantization)  # as the target's layers are
+    runner.draft = MtpRunner(head.eval().requires_grad_(False), mtp_cache_config(hf_config), runner)
+
+
+def attach_draft_model(
+    runner: ModelRunner, quantization: str | None, resolved: ResolvedModel
+) -> None:
     """Load the draft of the runner's speculative_config, if it names one, built like the
     target (same dtype, device, load format, and `quantization`: the target's as the worker
     resolved it), as `runner.draft`."""
@@ -219,6 +336,9 @@ def attach_draft_model(runner: ModelRunner, quantization: str | None) -> None:
         return
     spec = SpeculativeConfig.from_dict(config.speculative_config)
     if not spec.uses_draft_model:
+        return
+    if spec.is_mtp:
+        attach_mtp_head(runner, resolved, quantization)
         return
     assert spec.model is not None
     if spec.is_eagle3:

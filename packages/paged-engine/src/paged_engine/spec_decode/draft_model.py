@@ -180,7 +180,7 @@ class DraftModelRunner:
             for seq_id in [s for s in lag if s not in live][: len(lag) // 2]:
                 del lag[seq_id]
 
-    def after_step(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
+    def after_step(self, sched: SchedulerOutput, inputs: StepInputs, hidden: Tensor) -> None:
         """Called after each step's sampling (a draft model keeps nothing of the target's)."""
 
     # ---- helpers --------------------------------------------------------------------------------

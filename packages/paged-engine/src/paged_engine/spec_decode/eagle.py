@@ -1,9 +1,11 @@
-"""`Eagle3Runner`: an EAGLE-3 head proposes a step's drafts from the target's own features
-(speculative_config={"method": "eagle3", "model": ..., "num_speculative_tokens": k}).
+"""Heads that draft from the target's own features: `Eagle3Runner` (an EAGLE-3 head,
+speculative_config={"method": "eagle3", "model": ..., "num_speculative_tokens": k}) and
+`MtpRunner` (the target's multi-token-prediction layer, {"method": "mtp", ...}).
 
-The head (models/llama_eagle3.py) runs at position p on token p + 1 and a feature of position
-p: the target's residual streams entering three of its layers, which the target forward keeps
-(`StreamCapture`), or at its own later passes the head's previous output. Its paged KV cache
+A head (models/llama_eagle3.py, models/deepseek_mtp.py) runs at position p on token p + 1 and
+a feature of position p: the target's (for EAGLE-3 the residual streams entering three of its
+layers, which the target forward keeps in a `StreamCapture`; for MTP its final hidden state),
+or at its own later passes the head's previous output. Its paged KV cache
 is a second set of tensors indexed by the target's block tables, like a draft model's
 (spec_decode/draft_model.py), so the scheduler and block manager never know it exists.
 
@@ -29,8 +31,9 @@ leave holes that later steps do not fill: drafts read stale entries there, which
 acceptance, never correctness. A drafting row with nothing kept proposes its own token again
 (a point mass: the verifier accepts it with the target's probability of that token).
 
-The target's streams land in one buffer that lives as long as the engine (`StreamCapture`),
-so CUDA graphs captured with it keep writing them on replay; the CPU's torch.compile is off.
+EAGLE-3: the target's streams land in one buffer that lives as long as the engine
+(`StreamCapture`), so CUDA graphs captured with it keep writing them on replay; the CPU's
+torch.compile is off. MTP reads the forward's output, graphs or not.
 """
 
 from __future__ import annotations
@@ -58,38 +61,24 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - firsts, lens) + np.arange(lens.sum())
 
 
-class Eagle3Runner(DraftModelRunner):
+class FeatureHeadRunner(DraftModelRunner):
+    """The proposals of a head that reads the target's features (see the module docstring);
+    a subclass says where a forward's features are (`target_features`)."""
+
     reads_target_features = True
 
-    def __init__(self, model, hf_config, runner: ModelRunner, layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, model, hf_config, runner: ModelRunner) -> None:
         super().__init__(model, hf_config, runner)
-        inner = getattr(runner.model, "model", None)
-        if not hasattr(type(inner), "stream_capture"):  # a stack run by run_layers that keeps it
-            arch = ", ".join(getattr(runner.hf_config, "architectures", None) or ["?"])
-            raise ValueError(
-                f"speculative_config.method 'eagle3' needs a target built on the Llama decoder "
-                f"stack (Llama, Qwen2/3, Mistral, Mixtral, gpt-oss, Llama 4 and kin) or "
-                f"DeepSeek's; {arch} is not"
-            )
-        self.target_inner = inner
-        self.layer_ids = layer_ids
-        # Every target forward (eager or a CUDA graph's replay) leaves its streams here.
-        cfg = runner.config
-        assert cfg.speculative_config is not None
-        k = SpeculativeConfig.from_dict(cfg.speculative_config).num_speculative_tokens
-        rows = max(
-            int(cfg.max_num_batched_tokens or 0),
-            int(cfg.max_model_len or 0),
-            cfg.max_num_seqs * (k + 1),
-        )
-        self.capture = StreamCapture(layer_ids, rows)
-        inner.stream_capture = self.capture
         # seq id -> (p0, n, first row in _ids / _feat): the target's tokens and features at
         # [p0, p0 + n) that the head has not run
         self._kept: dict[int, tuple[int, int, int]] = {}
         self._ids: Tensor | None = None  # [S] int64
-        self._feat: Tensor | None = None  # [S, 3 * D_target]
+        self._feat: Tensor | None = None  # [S, F]
         self._accepted: dict[int, int] = {}  # this step's accepted drafts per drafting seq
+
+    def target_features(self, num_tokens: int, hidden: Tensor) -> Tensor:
+        """[num_tokens, F] of the forward that returned `hidden` (valid until the next one)."""
+        raise NotImplementedError
 
     # ---- after the target's forward ------------------------------------------------------------
     def after_verify(self, seq_ids, num_drafts, num_accepted, drafts, positions) -> None:
@@ -97,11 +86,11 @@ class Eagle3Runner(DraftModelRunner):
             s: a for s, d, a in zip(seq_ids, num_drafts.tolist(), num_accepted.tolist()) if d
         }
 
-    def after_step(self, sched: SchedulerOutput, inputs: StepInputs) -> None:
+    def after_step(self, sched: SchedulerOutput, inputs: StepInputs, hidden: Tensor) -> None:
         """Keep each row's verified positions of this step (and, for sequences not in it,
-        what they had); called after the step's sampling."""
+        what they had); called after the step's sampling, before the next forward."""
         accepted, self._accepted = self._accepted, {}
-        feat = self.capture.features(int(inputs.input_ids.shape[0]))
+        feat = self.target_features(int(inputs.input_ids.shape[0]), hidden)
         r = self.runner
         spec = sched.spec_token_ids
         seq_ids = sched.seq_ids
@@ -218,3 +207,40 @@ class Eagle3Runner(DraftModelRunner):
         meta, positions = self._metadata(rows, q_lens, ends)
         assert self.cache is not None
         return self.model(ids, positions, self.cache.kv_caches, meta, feature)
+
+
+class Eagle3Runner(FeatureHeadRunner):
+    """An EAGLE-3 head over the streams entering the target's layers `layer_ids`."""
+
+    def __init__(self, model, hf_config, runner: ModelRunner, layer_ids: tuple[int, ...]) -> None:
+        super().__init__(model, hf_config, runner)
+        inner = getattr(runner.model, "model", None)
+        if not hasattr(type(inner), "stream_capture"):  # a stack run by run_layers that keeps it
+            arch = ", ".join(getattr(runner.hf_config, "architectures", None) or ["?"])
+            raise ValueError(
+                f"speculative_config.method 'eagle3' needs a target built on the Llama decoder "
+                f"stack (Llama, Qwen2/3, Mistral, Mixtral, gpt-oss, Llama 4 and kin) or "
+                f"DeepSeek's; {arch} is not"
+            )
+        self.layer_ids = layer_ids
+        # Every target forward (eager or a CUDA graph's replay) leaves its streams here.
+        cfg = runner.config
+        assert cfg.speculative_config is not None
+        k = SpeculativeConfig.from_dict(cfg.speculative_config).num_speculative_tokens
+        rows = max(
+            int(cfg.max_num_batched_tokens or 0),
+            int(cfg.max_model_len or 0),
+            cfg.max_num_seqs * (k + 1),
+        )
+        self.capture = StreamCapture(layer_ids, rows)
+        inner.stream_capture = self.capture
+
+    def target_features(self, num_tokens: int, hidden: Tensor) -> Tensor:
+        return self.capture.features(num_tokens)
+
+
+class MtpRunner(FeatureHeadRunner):
+    """The target's MTP layer over its final hidden states (the forward's output)."""
+
+    def target_features(self, num_tokens: int, hidden: Tensor) -> Tensor:
+        return hidden[:num_tokens]

@@ -301,7 +301,7 @@ class ModelRunner:
         hidden = self.forward(inputs)
         out = self._sample(sched, cached, inputs, hidden, proposal)
         if draft is not None and draft.reads_target_features:
-            draft.after_step(sched, inputs)  # an EAGLE-3 head keeps the forward's streams
+            draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features
         return out
 
     def _execute_stage(

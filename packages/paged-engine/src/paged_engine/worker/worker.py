@@ -173,7 +173,7 @@ class Worker:
                 self.device,
                 cache_elems=elems,
             )
-        attach_draft_model(self.model_runner, self.quantization)  # {"model": ...} drafts
+        attach_draft_model(self.model_runner, self.quantization, resolved)  # drafts, heads
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one
         # start_profile / stop_profile: on when the environment names a trace directory.
         self.profiler = WorkerProfiler.from_env(get_parallel_state().rank, self.device)

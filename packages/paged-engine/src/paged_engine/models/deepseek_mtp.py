@@ -1,0 +1,138 @@
+"""DeepSeek's multi-token prediction (MTP) layer as a draft head
+(speculative_config={"method": "mtp", "num_speculative_tokens": k}).
+
+DeepSeek-V3 / R1 checkpoints carry `num_nextn_predict_layers` (1) layers past the decoder
+stack, `model.layers.{L}.*` for L = num_hidden_layers, trained to predict one token further.
+At position p the layer reads the embedding of token p + 1 and a feature of position p: the
+target's final (normed) hidden state there, or on later passes the layer's own previous
+output. With both RMS-normed (`enorm`, `hnorm`), `eh_proj` maps [embedding, feature] to the
+model width, one full decoder layer (MLA and the MoE) runs over it, and `shared_head` (a norm
+and an LM head) gives the logits; the layer's pre-norm output is the next pass's feature. The
+embedding of position 0 is zeroed (as vLLM runs it: no token precedes it). Embedding and head
+are the layer's own copies in the checkpoint, else the target's.
+
+The weights load from the target's own checkpoint (`mtp_weight_name` keeps only layer L's);
+the target's load skips them (they lie past its layers).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.layers.deepseek_moe import DeepseekMoe
+from paged_engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from paged_engine.layers.linear import ColumnParallelLinear
+from paged_engine.layers.norm import RMSNorm
+from paged_engine.layers.rotary import get_rope
+from paged_engine.models.deepseek_v2 import DeepseekDecoderLayer, DeepseekV2ForCausalLM
+from paged_engine.models.llama import LlamaMLP
+from paged_engine.models.mixtral import expert_rules
+from paged_engine.models.utils import cfg_get, load_named_weights
+
+# Checkpoint names of the layer's own parts (not its decoder block's)
+_OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+def num_mtp_layers(hf_config) -> int:
+    return int(cfg_get(hf_config, "num_nextn_predict_layers", 0) or 0)
+
+
+def mtp_cache_config(hf_config):
+    """The target's config for a cache of one layer (the MTP layer's latent cache)."""
+    one = copy.deepcopy(hf_config)
+    one.num_hidden_layers = 1
+    return one
+
+
+def mtp_weight_name(hf_config, name: str) -> str | None:
+    """Our name for a checkpoint tensor of the first MTP layer, None for any other tensor."""
+    prefix = f"model.layers.{int(hf_config.num_hidden_layers)}."
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    return rest if rest.startswith(_OWN) else "block." + rest
+
+
+class _SharedHead(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
+        self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
+
+
+class DeepseekMtpHead(nn.Module):
+    """The first MTP layer of a DeepSeek-style target (`target_cls`: its model class, whose
+    attention and rope the layer shares). `forward` returns (normed, pre-norm) [T, D]: the
+    logits' input and the next pass's feature."""
+
+    def __init__(self, config, target_cls: type[DeepseekV2ForCausalLM]) -> None:
+        super().__init__()
+        self.config = config
+        d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
+        layer = int(config.num_hidden_layers)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)
+        self.enorm = RMSNorm(d, eps)
+        self.hnorm = RMSNorm(d, eps)
+        self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
+        rope = target_cls.build_rope(config)
+        if rope is None:  # DeepseekModel's own (GPT-J style unless rope_interleave is false)
+            interleave = bool(getattr(config, "rope_interleave", True))
+            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+        # The MTP layers of V3 and its kin are MoE layers (past first_k_dense_replace).
+        self.num_experts = int(getattr(config, "n_routed_experts", None) or 0)
+        mlp = DeepseekMoe.from_config(config) if self.num_experts else LlamaMLP(config, bias=False)
+        self.block = DeepseekDecoderLayer(config, layer, rope, mlp, target_cls.attention_cls)
+        self.shared_head = _SharedHead(config)
+        self.shares_target_embedding = False  # set by load_weights
+        self.shares_target_head = False
+
+    def combine(self, feature: torch.Tensor) -> torch.Tensor:
+        """The target's final hidden states are the first pass's feature as they are."""
+        return feature
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+        feature: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        embeds = self.embed_tokens(input_ids).to(feature.dtype)
+        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+        h, residual = self.block.forward_residual(positions, x, None, kv_caches[0], md)
+        pre = h + residual
+        return self.shared_head.norm(pre), pre
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        return self.shared_head.head(normed)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Layer L's tensors, named as `mtp_weight_name` gives them; ValueError naming what
+        is missing (embedding and head may be absent: the target's are shared)."""
+        rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
+        stacked = (*rules, *DeepseekV2ForCausalLM.stacked_params)
+        loaded = load_named_weights(
+            self,
+            weights,
+            stacked=stacked,
+            skip=lambda name: name.endswith("rotary_emb.inv_freq"),
+            strict=False,
+        )
+        optional = {"embed_tokens.weight", "shared_head.head.weight"}
+        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded | optional)
+        if missing:
+            raise ValueError(
+                f"speculative_config method 'mtp': the checkpoint's MTP layer "
+                f"model.layers.{self.config.num_hidden_layers} lacks {missing[:8]}"
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
+        self.shares_target_embedding = "embed_tokens.weight" not in loaded
+        self.shares_target_head = "shared_head.head.weight" not in loaded
+        return loaded

@@ -1,0 +1,74 @@
+"""Checking a feature-reading draft head (EAGLE-3, MTP) against a reference, teacher-forced.
+
+`assert_drafts_teacher_forced` runs greedy requests through an engine whose head runner's
+`propose` is recorded, then compares every step's drafts 1 and 2 with what the reference
+predicts for the finished sequence cut at that step: the head's first pass must have run over
+the target's features of exactly the positions before it, and its second pass on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in plain torch (the references' norm)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def assert_same_greedy(spec, plain) -> None:
+    """Speculative outputs carry the plain engine's tokens and (within 1e-4) logprobs."""
+    assert [[c.token_ids for c in o.outputs] for o in spec] == [
+        [c.token_ids for c in o.outputs] for o in plain
+    ]
+    for a, b in zip(spec, plain):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok, lp in y.items():
+                assert x[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+def record_drafts(monkeypatch, runner_cls) -> list[tuple[tuple, int, list[int]]]:
+    """(prompt, the row's own token position, its drafts) of every drafting row of every step
+    of engines built after this call in this process."""
+    seen: list[tuple[tuple, int, list[int]]] = []
+    propose = runner_cls.propose
+
+    def recording(self, sched, cached, inputs):
+        proposal = propose(self, sched, cached, inputs)
+        for c, start in zip(cached, sched.start_positions):
+            if c.seq_id in proposal.tokens:
+                prompt = tuple(c.token_ids[: c.num_prompt_tokens])
+                seen.append((prompt, start, list(proposal.tokens[c.seq_id])))
+        return proposal
+
+    monkeypatch.setattr(runner_cls, "propose", recording)
+    return seen
+
+
+def assert_drafts_teacher_forced(
+    seen: list[tuple[tuple, int, list[int]]],
+    prompts: list[dict],
+    outs,
+    reference: Callable[[list[int], int], tuple[int, int]],
+    min_checked: int,
+) -> None:
+    """Every recorded step's drafts 1 and 2 equal `reference(sequence, c)` (drafts 1 and 2 of
+    a step whose row runs its own token sequence[c] at position c)."""
+    full = {
+        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+        for p, o in zip(prompts, outs)
+    }
+    checked = 0
+    for prompt, c, drafts in seen:
+        seq = full[prompt]
+        if c + 1 >= len(seq):
+            continue
+        d1, d2 = reference(seq, c)
+        assert drafts[0] == d1, (len(prompt), c)
+        if len(drafts) > 1:
+            assert drafts[1] == d2, (len(prompt), c)
+        checked += 1
+    assert checked >= min_checked

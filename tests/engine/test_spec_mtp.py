@@ -1,0 +1,153 @@
+"""Speculative decoding with the target's own MTP layer (DeepSeek-V3 style): exact, and the
+layer drafts what it should.
+
+- Greedy: token-identical to plain decoding (logprobs within 1e-4), k in {1, 2}, with the
+  layer's own embedding and head or the target's.
+- The drafts are the layer's: every step's drafts 1 and 2 equal transformers' own DeepSeek-V3
+  decoder layer (the checkpoint's layer L loaded as the last layer of an (L + 1)-layer model)
+  run over eh_proj([enorm(embedding), hnorm(target hidden)]) with the final hidden states
+  transformers gives for the sequence, teacher-forced.
+- Tensor parallelism (TP = 2): the plain engine's greedy tokens.
+- Without num_speculative_tokens the layer count serves; what is refused, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from draft_heads import assert_drafts_teacher_forced, assert_same_greedy, record_drafts, rms
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.spec_decode.eagle import MtpRunner
+from paged_engine.testing import write_tiny_model, write_tiny_mtp_target
+
+pytest.importorskip("transformers")
+from safetensors.torch import load_file
+
+PROMPTS = [
+    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
+    {"prompt_token_ids": list(range(100, 137))},
+    {"prompt_token_ids": [7]},
+]
+
+
+def _spec(k: int | None) -> dict:
+    return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module", params=["own", "shared"])
+def target(request, tmp_path_factory):
+    """own: the MTP layer carries its embedding and head; shared: the target's serve."""
+    own = request.param == "own"
+    path = tmp_path_factory.mktemp(f"mtp-{request.param}") / "target"
+    return write_tiny_mtp_target(path, own_embed=own, own_head=own)
+
+
+def _run(path, prompts, params, **kwargs):
+    llm = LLM(str(path), seed=0, **{"max_model_len": 256, **kwargs})
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def _tokens(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_greedy_is_token_identical(target, k):
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
+    _, plain = _run(target, PROMPTS, params)
+    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(k))
+    assert_same_greedy(spec, plain)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_used_blocks == 0
+
+
+# ---- the reference: transformers' DeepSeek-V3 layer --------------------------------------------
+class ReferenceMtp:
+    def __init__(self, target_dir, tmp_path):
+        from transformers import AutoModelForCausalLM
+
+        config = json.loads((target_dir / "config.json").read_text())
+        self.layer = layer = config["num_hidden_layers"]
+        self.eps = config["rms_norm_eps"]
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        # transformers' own module for layer L: the checkpoint as a model of L + 1 layers
+        longer = tmp_path / "longer"
+        longer.mkdir()
+        (longer / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layer + 1}))
+        shutil.copy(target_dir / "model.safetensors", longer / "model.safetensors")
+        full = AutoModelForCausalLM.from_pretrained(longer, dtype=torch.float32).eval()
+        self.block, self.rotary = full.model.layers[layer], full.model.rotary_emb
+        w = load_file(target_dir / "model.safetensors")
+        own = {k[len(f"model.layers.{layer}.") :]: v for k, v in w.items()}
+        self.w = own
+        self.embed = own.get("embed_tokens.weight", w["model.embed_tokens.weight"])
+        self.head = own.get("shared_head.head.weight", w["lm_head.weight"])
+
+    @torch.no_grad()
+    def run(self, next_tokens: list[int], feats: torch.Tensor):
+        w, n = self.w, len(next_tokens)
+        pos = torch.arange(n)
+        e = self.embed[torch.tensor(next_tokens)].clone()
+        e[pos == 0] = 0
+        x = torch.cat(
+            [rms(e, w["enorm.weight"], self.eps), rms(feats, w["hnorm.weight"], self.eps)], -1
+        )
+        x = (x @ w["eh_proj.weight"].T)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        cos_sin = self.rotary(x, pos[None])
+        out = self.block(
+            x, attention_mask=mask, position_ids=pos[None], position_embeddings=cos_sin
+        )
+        pre = (out[0] if isinstance(out, tuple) else out)[0]
+        return rms(pre, w["shared_head.norm.weight"], self.eps) @ self.head.T, pre
+
+    @torch.no_grad()
+    def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
+        """Drafts 1 and 2 of a step whose row runs its own token seq[c] at position c."""
+        hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
+        logits, pre = self.run(seq[1 : c + 1], hidden)
+        d1 = int(logits[-1].argmax())
+        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, pre[-1:]]))
+        return d1, int(logits2[-1].argmax())
+
+
+def test_drafts_are_the_layers_teacher_forced_predictions(target, monkeypatch, tmp_path):
+    seen = record_drafts(monkeypatch, MtpRunner)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    _, outs = _run(target, PROMPTS, params, speculative_config=_spec(2))
+    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceMtp(target, tmp_path).drafts, 5)
+
+
+def test_tensor_parallel_matches(target):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _, plain = _run(target, PROMPTS, params)
+    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(1), tensor_parallel_size=2)
+    assert _tokens(spec) == _tokens(plain)
+    assert llm.get_stats().spec_decode_num_draft_tokens > 0
+    llm.llm_engine.shutdown()
+
+
+def test_count_defaults_and_refusals(target, tmp_path):
+    llm, _ = _run(target, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(None))
+    assert llm.llm_engine.config.speculative_config["num_speculative_tokens"] == 1
+    llm = LLM(
+        str(target), speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}
+    )
+    assert llm.llm_engine.config.speculative_config["method"] == "deepseek_mtp"
+    with pytest.raises(ValueError, match=r"speculative_config\.model is given with method 'mtp'"):
+        LLM(str(target), speculative_config={**_spec(1), "model": str(target)})
+    llama = write_tiny_model(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match=r"method 'mtp' runs the MTP layers of DeepSeek-style"):
+        LLM(str(llama), speculative_config=_spec(1))
+    plain = write_tiny_model(tmp_path / "ds", "deepseek_v3", num_nextn_predict_layers=0)
+    with pytest.raises(ValueError, match=r"has no MTP layer"):
+        LLM(str(plain), speculative_config=_spec(1))
+    config = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    with pytest.raises(ValueError, match=r"model\.layers\.3 lacks"):
+        LLM(str(plain), speculative_config=_spec(1))

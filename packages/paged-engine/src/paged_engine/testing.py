@@ -1523,33 +1523,52 @@ def write_tiny_eagle3_head(
 
 
 def write_tiny_mtp_target(
-    path: str | Path, *, seed: int = 0, own_embed: bool = True, own_head: bool = True
+    path: str | Path,
+    arch: str = "deepseek_v3",
+    *,
+    seed: int = 0,
+    own_embed: bool = True,
+    own_head: bool = True,
 ) -> Path:
-    """A tiny DeepSeek-V3 target (3 layers) with one multi-token-prediction layer in its
-    checkpoint, as DeepSeek ships it (models/deepseek_mtp.py): `num_nextn_predict_layers: 1`
+    """A tiny target with one multi-token-prediction layer in its checkpoint, laid out as its
+    family ships it (models/mtp.py). `deepseek_v3` (3 layers): `num_nextn_predict_layers: 1`
     and `model.layers.3.*`: a MoE decoder block (layer 1's tensors plus noise), `enorm`,
     `hnorm`, `eh_proj`, `shared_head.norm` and, if asked, copies of the embedding and head of
-    its own (`embed_tokens`, `shared_head.head`). Random weights."""
+    its own (`embed_tokens`, `shared_head.head`). `qwen3_next` (4 hybrid layers):
+    `mtp_num_hidden_layers: 1` and `mtp.*`: `layers.0` (full-attention layer 2's tensors plus
+    noise), `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm`. Random weights."""
     from safetensors.torch import load_file, save_file
 
-    path = write_tiny_model(path, "deepseek_v3", seed=seed, num_nextn_predict_layers=1)
+    deepseek = arch == "deepseek_v3"
+    if not deepseek and arch != "qwen3_next":
+        raise ValueError(f"no tiny MTP layout for {arch!r}: deepseek_v3 or qwen3_next")
+    extra_config = {"num_nextn_predict_layers" if deepseek else "mtp_num_hidden_layers": 1}
+    path = write_tiny_model(path, arch, seed=seed, **extra_config)
     weights = load_file(path / "model.safetensors")
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     gen = torch.Generator().manual_seed(seed + 1)
-    src, dst = "model.layers.1.", f"model.layers.{layers}."
+    src = "model.layers.1." if deepseek else "model.layers.2."
+    dst = f"model.layers.{layers}." if deepseek else "mtp."
+    block = dst if deepseek else "mtp.layers.0."
     extra = {}
     for name, w in weights.items():
         if name.startswith(src):
             noise = torch.randn(w.shape, generator=gen) * (0.3 * float(w.float().std() or 0.1))
-            extra[dst + name[len(src) :]] = (w + noise.to(w.dtype)).contiguous()
+            extra[block + name[len(src) :]] = (w + noise.to(w.dtype)).contiguous()
     d = weights["model.embed_tokens.weight"].shape[1]
     vocab = weights["model.embed_tokens.weight"].shape[0]
-    for norm in ("enorm", "hnorm", "shared_head.norm"):
-        extra[f"{dst}{norm}.weight"] = 1.0 + torch.randn(d, generator=gen) * 0.1
-    extra[f"{dst}eh_proj.weight"] = torch.randn((d, 2 * d), generator=gen) * (2 * d) ** -0.5
-    if own_embed:
+    if deepseek:
+        norms, fc = ("enorm", "hnorm", "shared_head.norm"), "eh_proj"
+    else:  # (1 + w) norms
+        norms, fc = ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"), "fc"
+    for norm in norms:
+        extra[f"{dst}{norm}.weight"] = torch.randn(d, generator=gen) * 0.1 + (
+            1.0 if deepseek else 0.0
+        )
+    extra[f"{dst}{fc}.weight"] = torch.randn((d, 2 * d), generator=gen) * (2 * d) ** -0.5
+    if deepseek and own_embed:
         extra[f"{dst}embed_tokens.weight"] = torch.randn((vocab, d), generator=gen) * 0.5
-    if own_head:
+    if deepseek and own_head:
         extra[f"{dst}shared_head.head.weight"] = torch.randn((vocab, d), generator=gen) * d**-0.5
     save_file({**weights, **extra}, path / "model.safetensors", metadata={"format": "pt"})
     return path

@@ -37,7 +37,7 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
     ({"model": HEAD} without a method: an EAGLE-3 head says so; no num_speculative_tokens: a
     speculators checkpoint's own count, or the MTP layer count), then check the draft, head or
     MTP layer against the target. ValueErrors name speculative_config."""
-    from paged_engine.models.deepseek_mtp import num_mtp_layers
+    from paged_engine.models.mtp import num_mtp_layers
     from paged_engine.spec_decode.config import SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -255,26 +255,27 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
 
 def check_mtp(target_hf_config) -> None:
     """Raise ValueError (naming speculative_config) unless the target has an MTP layer paged
-    runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1) with num_nextn_predict_layers
-    >= 1."""
+    runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1) and Qwen3-Next / Qwen3.5
+    (models/qwen3_next.py) whose config declares one."""
     from paged_engine.models import get_model_class
-    from paged_engine.models.deepseek_mtp import num_mtp_layers
     from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from paged_engine.models.mtp import num_mtp_layers
+    from paged_engine.models.qwen3_next import Qwen3_5ForCausalLM
 
     arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
     try:
         cls = get_model_class(target_hf_config)
     except ValueError:
         cls = None
-    if cls is None or not issubclass(cls, DeepseekV2ForCausalLM):
+    if cls is None or not issubclass(cls, (DeepseekV2ForCausalLM, Qwen3_5ForCausalLM)):
         raise ValueError(
-            f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-style models "
-            f"(DeepSeek-V3 / R1 and their kin); {arch} is not one"
+            f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style and "
+            f"Qwen3-Next / Qwen3.5 models; {arch} is not one"
         )
     if num_mtp_layers(target_hf_config) < 1:
         raise ValueError(
-            f"speculative_config method 'mtp': {arch} has no MTP layer "
-            "(num_nextn_predict_layers is 0 or absent in its config)"
+            f"speculative_config method 'mtp': {arch} has no MTP layer (its config declares "
+            "none: num_nextn_predict_layers / mtp_num_hidden_layers 0 or absent)"
         )
 
 
@@ -284,8 +285,10 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
     and LM head serve where the checkpoint has no copies of its own."""
     from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
-    from paged_engine.models.deepseek_mtp import (
+    from paged_engine.models.mtp import (
         DeepseekMtpHead,
+        Qwen3NextMtpHead,
+        is_qwen_mtp,
         mtp_cache_config,
         mtp_weight_name,
     )
@@ -294,12 +297,15 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
 
     config, hf_config, target = runner.config, runner.hf_config, runner.model
     dtype = next(target.parameters()).dtype
-    logger.info("loading the MTP layer model.layers.%d", hf_config.num_hidden_layers)
+    logger.info("loading the target's MTP layer")
+    qwen = is_qwen_mtp(hf_config)
+    head_cls = Qwen3NextMtpHead if qwen else DeepseekMtpHead
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
-        head = DeepseekMtpHead(hf_config, type(target))
+        head = head_cls(hf_config, type(target))
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)
-        head.shares_target_embedding = head.shares_target_head = True
+        if not qwen:
+            head.shares_target_embedding = head.shares_target_head = True
     else:
         weights = checkpoint_weights(
             resolved,
@@ -311,14 +317,19 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
             names=lambda name: mtp_weight_name(hf_config, name) is not None,
         )
         head.load_weights((mtp_weight_name(hf_config, n) or n, w) for n, w in weights)
-    if head.shares_target_embedding:
-        head.embed_tokens = target.get_submodule(target.embed_path)
-    if head.shares_target_head:
-        head.shared_head.head = target.get_submodule(target.head_name)
     if quantization is not None and quantization != KEEP_CODES:
         from paged_engine.layers.quantization import quantize_model
 
-        quantize_model(head, quantization)  # as the target's layers are
+        quantize_model(head, quantization)  # as the target's are, before sharing any of them
+    # The target's embedding and LM head where the layer has none of its own (Qwen's never).
+    embed, lm_head = target.get_submodule(target.embed_path), target.get_submodule(target.head_name)
+    if qwen:
+        head.embed_tokens, head.lm_head = embed, lm_head
+    else:
+        if head.shares_target_embedding:
+            head.embed_tokens = embed
+        if head.shares_target_head:
+            head.shared_head.head = lm_head
     runner.draft = MtpRunner(head.eval().requires_grad_(False), mtp_cache_config(hf_config), runner)
 
 

@@ -2,7 +2,7 @@
 speculative_config={"method": "eagle3", "model": ..., "num_speculative_tokens": k}) and
 `MtpRunner` (the target's multi-token-prediction layer, {"method": "mtp", ...}).
 
-A head (models/llama_eagle3.py, models/deepseek_mtp.py) runs at position p on token p + 1 and
+A head (models/llama_eagle3.py, models/mtp.py) runs at position p on token p + 1 and
 a feature of position p: the target's (for EAGLE-3 the residual streams entering three of its
 layers, which the target forward keeps in a `StreamCapture`; for MTP its final hidden state),
 or at its own later passes the head's previous output. Its paged KV cache

@@ -1,5 +1,6 @@
-"""DeepSeek's multi-token prediction (MTP) layer as a draft head
-(speculative_config={"method": "mtp", "num_speculative_tokens": k}).
+"""A model's own multi-token prediction (MTP) layer as a draft head
+(speculative_config={"method": "mtp", "num_speculative_tokens": k}): DeepSeek-V3's
+(`DeepseekMtpHead`, below) and Qwen3-Next / Qwen3.5's (`Qwen3NextMtpHead`, at the end).
 
 DeepSeek-V3 / R1 checkpoints carry `num_nextn_predict_layers` (1) layers past the decoder
 stack, `model.layers.{L}.*` for L = num_hidden_layers, trained to predict one token further.
@@ -39,18 +40,41 @@ _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 
 def num_mtp_layers(hf_config) -> int:
-    return int(cfg_get(hf_config, "num_nextn_predict_layers", 0) or 0)
+    """MTP layers the config declares (DeepSeek's num_nextn_predict_layers, Qwen3-Next's
+    mtp_num_hidden_layers); 0 for none."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        value = cfg_get(hf_config, key, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def is_qwen_mtp(hf_config) -> bool:
+    """Qwen3-Next / Qwen3.5 (`mtp.*` weights) rather than DeepSeek (`model.layers.{L}.*`)."""
+    return cfg_get(hf_config, "layer_types", None) is not None and not hasattr(
+        hf_config, "kv_lora_rank"
+    )
 
 
 def mtp_cache_config(hf_config):
-    """The target's config for a cache of one layer (the MTP layer's latent cache)."""
+    """The target's config for a cache of one (full-attention) layer: the MTP layer's."""
     one = copy.deepcopy(hf_config)
     one.num_hidden_layers = 1
+    if cfg_get(hf_config, "layer_types", None) is not None:
+        one.layer_types = ["full_attention"]
+        one.full_attention_interval = 1
     return one
 
 
 def mtp_weight_name(hf_config, name: str) -> str | None:
     """Our name for a checkpoint tensor of the first MTP layer, None for any other tensor."""
+    if is_qwen_mtp(hf_config):
+        if not name.startswith("mtp."):
+            return None
+        rest = name[len("mtp.") :]
+        if rest.startswith("layers.0."):
+            return "layer." + rest[len("layers.0.") :]
+        return None if rest.startswith("layers.") else rest
     prefix = f"model.layers.{int(hf_config.num_hidden_layers)}."
     if not name.startswith(prefix):
         return None
@@ -135,4 +159,69 @@ class DeepseekMtpHead(nn.Module):
             )
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         self.shares_target_head = "shared_head.head.weight" not in loaded
+        return loaded
+
+
+class Qwen3NextMtpHead(nn.Module):
+    """The MTP layer of Qwen3-Next / Qwen3.5 (`mtp.*`): GemmaRMSNorm-ed embedding (token p + 1)
+    and feature, side by side through `fc`, one full-attention hybrid layer (the target's
+    gated attention and its MLP for layer 0), then `norm`. Its output is both the logits'
+    input (through the target's LM head) and the next pass's feature, as vLLM runs it; the
+    embedding and head are the target's (set by the loader)."""
+
+    def __init__(self, config, target_cls) -> None:
+        super().__init__()
+        from paged_engine.layers.norm import GemmaRMSNorm
+        from paged_engine.models.llama import llama_head_dim
+        from paged_engine.models.qwen3_next import HybridDecoderLayer
+
+        self.config = config
+        d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
+        self.pre_fc_norm_embedding = GemmaRMSNorm(d, eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(d, eps)
+        self.fc = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
+        self.rotary_emb = get_rope(config, llama_head_dim(config))
+        self.layer = HybridDecoderLayer(
+            mtp_cache_config(config), 0, self.rotary_emb, target_cls.build_mlp(config, 0)
+        )
+        self.norm = GemmaRMSNorm(d, eps)
+        self.num_experts = int(getattr(config, "num_experts", None) or 0)
+        # the target's, shared by the loader
+        self.embed_tokens: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+
+    def combine(self, feature: torch.Tensor) -> torch.Tensor:
+        return feature
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        md: AttentionMetadata,
+        feature: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.embed_tokens is not None
+        self.rotary_emb.begin_forward(positions)
+        embeds = self.embed_tokens(input_ids).to(feature.dtype)
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(feature)], -1)
+        out = self.norm(self.layer(positions, self.fc(x), kv_caches[0], md))
+        return out, out
+
+    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None
+        return self.lm_head(normed)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from paged_engine.models.qwen3_next import Qwen3_5ForCausalLM
+
+        rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
+        stacked = (*rules, *Qwen3_5ForCausalLM.stacked_params)
+        loaded = load_named_weights(self, weights, stacked=stacked, strict=False)
+        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
+        if missing:
+            raise ValueError(
+                "speculative_config method 'mtp': the checkpoint's MTP layer (mtp.*) lacks "
+                f"{missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
         return loaded

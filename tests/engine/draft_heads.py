@@ -14,6 +14,14 @@ import pytest
 import torch
 
 
+def run_llm(path, prompts, params, **kwargs):
+    """(LLM, outputs) of a fresh engine (seed 0, max_model_len 256 unless given) over prompts."""
+    from paged_engine import LLM
+
+    llm = LLM(str(path), seed=0, **{"max_model_len": 256, **kwargs})
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in plain torch (the references' norm)."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w

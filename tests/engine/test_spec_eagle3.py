@@ -20,7 +20,13 @@ import random
 
 import pytest
 import torch
-from draft_heads import assert_drafts_teacher_forced, assert_same_greedy, record_drafts, rms
+from draft_heads import (
+    assert_drafts_teacher_forced,
+    assert_same_greedy,
+    record_drafts,
+    rms,
+    run_llm,
+)
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.spec_decode.eagle import Eagle3Runner
@@ -63,10 +69,7 @@ def llama_pair(tmp_path_factory):
     return _make_pair(tmp_path_factory, "llama")
 
 
-def _run(path, prompts, params, **kwargs):
-    llm = LLM(str(path), seed=0, **{"max_model_len": 256, **kwargs})
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return llm, outs
+_run = run_llm
 
 
 def _tokens(outs):

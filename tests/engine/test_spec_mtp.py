@@ -18,10 +18,16 @@ import shutil
 
 import pytest
 import torch
-from draft_heads import assert_drafts_teacher_forced, assert_same_greedy, record_drafts, rms
+from draft_heads import (
+    assert_drafts_teacher_forced,
+    assert_same_greedy,
+    record_drafts,
+    rms,
+    run_llm,
+)
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.spec_decode.eagle import MtpRunner
+from paged_engine.spec_decode.eagle import FinalHiddenRunner
 from paged_engine.testing import write_tiny_model, write_tiny_mtp_target
 
 pytest.importorskip("transformers")
@@ -49,9 +55,7 @@ def target(request, tmp_path_factory):
     return write_tiny_mtp_target(path, own_embed=own, own_head=own)
 
 
-def _run(path, prompts, params, **kwargs):
-    llm = LLM(str(path), seed=0, **{"max_model_len": 256, **kwargs})
-    return llm, llm.generate(prompts, params, use_tqdm=False)
+_run = run_llm
 
 
 def _tokens(outs):
@@ -154,7 +158,7 @@ class ReferenceMtp:
 
 
 def test_drafts_are_the_layers_teacher_forced_predictions(target, monkeypatch, tmp_path):
-    seen = record_drafts(monkeypatch, MtpRunner)
+    seen = record_drafts(monkeypatch, FinalHiddenRunner)
     params = SamplingParams(temperature=0.0, max_tokens=10)
     _, outs = _run(target, PROMPTS, params, speculative_config=_spec(2))
     assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceMtp(target, tmp_path).drafts, 5)

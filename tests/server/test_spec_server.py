@@ -73,7 +73,12 @@ def _settled_metrics(server) -> str:
 
 
 def test_bad_speculative_config_fails_at_start(tiny_model):
-    for bad, needle in (("{not json", "not JSON"), ('{"method": "eagle"}', "not supported")):
+    cases = (
+        ("{not json", "not JSON"),
+        ('{"method": "medusa", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "eagle"}', "speculative_config.model must name"),  # a head to run
+    )
+    for bad, needle in cases:
         r = subprocess.run(
             [sys.executable, "-m", "paged_server", "--model", tiny_model, "--port", "0",
              "--speculative-config", bad],

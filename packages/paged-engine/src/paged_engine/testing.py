@@ -1522,6 +1522,64 @@ def write_tiny_eagle3_head(
     return path
 
 
+def write_tiny_eagle_head(
+    path: str | Path,
+    target: str | Path,
+    *,
+    seed: int = 0,
+    bias: bool = True,
+    para_norm: bool = False,
+    num_layers: int = 1,
+) -> Path:
+    """Write an EAGLE-1 head for the tiny model at `target` in the EAGLE authors' layout
+    (models/llama_eagle.py): a Llama config of the target's width and vocabulary, and
+    model.safetensors with `fc.weight` (+ `fc.bias`), `layers.{i}.*` without
+    `layers.0.input_layernorm`, and (HASS, `para_norm`) `embedding_layernorm` /
+    `hidden_states_layernorm`. Random weights."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    path, target = Path(path), Path(target)
+    path.mkdir(parents=True, exist_ok=True)
+    tc = json.loads((target / "config.json").read_text())
+    d = int(tc.get("hidden_size") or tc.get("n_embd"))
+    config = LlamaConfig(
+        vocab_size=int(tc["vocab_size"]),
+        hidden_size=d,
+        intermediate_size=2 * d,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        add_para_norm=para_norm,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(path)
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {
+        "fc.weight": torch.randn((d, 2 * d), generator=gen) * (2 * d) ** -0.5,
+    }
+    if bias:
+        out["fc.bias"] = torch.randn(d, generator=gen) * 0.1
+    if para_norm:
+        for name in ("embedding_layernorm", "hidden_states_layernorm"):
+            out[f"{name}.weight"] = 1.0 + torch.randn(d, generator=gen) * 0.1
+    for i in range(num_layers):
+        layer = LlamaDecoderLayer(config, i)
+        for name, t in sorted(layer.state_dict().items()):
+            if i == 0 and name.startswith("input_layernorm."):
+                continue  # EAGLE's first layer has no input norm
+            if t.dim() >= 2:
+                w = torch.randn(t.shape, generator=gen) * t.shape[-1] ** -0.5
+            else:
+                w = 1.0 + torch.randn(t.shape, generator=gen) * 0.1
+            out[f"layers.{i}.{name}"] = w
+    save_file({k: v.contiguous() for k, v in out.items()}, path / "model.safetensors")
+    return path
+
+
 def write_tiny_mtp_target(
     path: str | Path,
     arch: str = "deepseek_v3",

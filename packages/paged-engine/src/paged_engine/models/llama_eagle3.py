@@ -37,7 +37,7 @@ from paged_engine.models.llama import (
     add_norm,
     llama_head_dim,
 )
-from paged_engine.models.utils import QKV_PROJ_RULES, cfg_get, load_named_weights
+from paged_engine.models.utils import QKV_PROJ_RULES, FeatureHead, cfg_get, load_named_weights
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Names of the weights; the head's layer is `layers.0` whatever the checkpoint calls it.
@@ -111,7 +111,7 @@ class Eagle3DecoderLayer(nn.Module):
         return self.mlp(y), residual
 
 
-class Eagle3LlamaForCausalLM(nn.Module):
+class Eagle3LlamaForCausalLM(FeatureHead):
     """The head. `forward` returns (normed, pre-norm) hidden states [T, D]: the logits' input
     and the next pass's feature."""
 

@@ -33,7 +33,7 @@ from paged_engine.layers.rotary import get_rope
 from paged_engine.models.deepseek_v2 import DeepseekDecoderLayer, DeepseekV2ForCausalLM
 from paged_engine.models.llama import LlamaMLP
 from paged_engine.models.mixtral import expert_rules
-from paged_engine.models.utils import cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
 
 # Checkpoint names of the layer's own parts (not its decoder block's)
 _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
@@ -89,7 +89,7 @@ class _SharedHead(nn.Module):
         self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
 
-class DeepseekMtpHead(nn.Module):
+class DeepseekMtpHead(FeatureHead):
     """The first MTP layer of a DeepSeek-style target (`target_cls`: its model class, whose
     attention and rope the layer shares). `forward` returns (normed, pre-norm) [T, D]: the
     logits' input and the next pass's feature."""
@@ -114,10 +114,6 @@ class DeepseekMtpHead(nn.Module):
         self.shared_head = _SharedHead(config)
         self.shares_target_embedding = False  # set by load_weights
         self.shares_target_head = False
-
-    def combine(self, feature: torch.Tensor) -> torch.Tensor:
-        """The target's final hidden states are the first pass's feature as they are."""
-        return feature
 
     def forward(
         self,
@@ -162,7 +158,7 @@ class DeepseekMtpHead(nn.Module):
         return loaded
 
 
-class Qwen3NextMtpHead(nn.Module):
+class Qwen3NextMtpHead(FeatureHead):
     """The MTP layer of Qwen3-Next / Qwen3.5 (`mtp.*`): GemmaRMSNorm-ed embedding (token p + 1)
     and feature, side by side through `fc`, one full-attention hybrid layer (the target's
     gated attention and its MLP for layer 0), then `norm`. Its output is both the logits'
@@ -189,9 +185,6 @@ class Qwen3NextMtpHead(nn.Module):
         # the target's, shared by the loader
         self.embed_tokens: nn.Module | None = None
         self.lm_head: nn.Module | None = None
-
-    def combine(self, feature: torch.Tensor) -> torch.Tensor:
-        return feature
 
     def forward(
         self,

@@ -184,6 +184,17 @@ def layer_sliding_window(config, layer_idx: int) -> int | None:
     return int(window)
 
 
+class FeatureHead(nn.Module):
+    """A draft head that reads the target's features (EAGLE-1 / EAGLE-3 heads, MTP layers;
+    spec_decode/eagle.py runs them). `forward(input_ids, positions, kv_caches, md, feature)`
+    gives (the logits' input, the next pass's feature), each [T, D]; `compute_logits` maps the
+    first to [T, V] float32; `combine` maps what the target gave to the first pass's feature
+    (as it is, unless a head projects it)."""
+
+    def combine(self, feature: torch.Tensor) -> torch.Tensor:
+        return feature
+
+
 class CausalLMBase(nn.Module):
     """The shell of an HF `*ForCausalLM`: a decoder stack and an LM head, maybe tied.
 

@@ -3,6 +3,7 @@
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
     {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
+    {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
     {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
 
 A "model" key without a method implies "draft_model"; without either the method is "ngram"."""
@@ -13,14 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 _KNOWN = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
-METHODS = ("ngram", "draft_model", "eagle3", "mtp")
-_WITH_MODEL = ("draft_model", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+_WITH_MODEL = ("draft_model", "eagle", "eagle3")
 _ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's earlier name
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "eagle3" | "mtp"
+    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3" | "mtp"
     num_speculative_tokens: int  # 0 only before the engine read it from a model's config
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -30,6 +31,10 @@ class SpeculativeConfig:
     def uses_draft_model(self) -> bool:
         """A model proposes on the worker (a draft model, an EAGLE-3 head, an MTP layer)."""
         return self.method in (*_WITH_MODEL, "mtp")
+
+    @property
+    def is_eagle(self) -> bool:  # EAGLE-1 / EAGLE-2 heads
+        return self.method == "eagle"
 
     @property
     def is_mtp(self) -> bool:

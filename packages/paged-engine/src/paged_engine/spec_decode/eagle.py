@@ -1,10 +1,12 @@
 """Heads that draft from the target's own features: `Eagle3Runner` (an EAGLE-3 head,
 speculative_config={"method": "eagle3", "model": ..., "num_speculative_tokens": k}) and
-`MtpRunner` (the target's multi-token-prediction layer, {"method": "mtp", ...}).
+`FinalHiddenRunner` (the target's multi-token-prediction layer, {"method": "mtp", ...}, or an
+EAGLE-1 head, {"method": "eagle", "model": ...}).
 
-A head (models/llama_eagle3.py, models/mtp.py) runs at position p on token p + 1 and
-a feature of position p: the target's (for EAGLE-3 the residual streams entering three of its
-layers, which the target forward keeps in a `StreamCapture`; for MTP its final hidden state),
+A head (models/llama_eagle3.py, models/mtp.py, models/llama_eagle.py) runs at position p on
+token p + 1 and a feature of position p: the target's (for EAGLE-3 the residual streams
+entering three of its layers, which the target forward keeps in a `StreamCapture`; for MTP and
+EAGLE-1 its final hidden state),
 or at its own later passes the head's previous output. Its paged KV cache
 is a second set of tensors indexed by the target's block tables, like a draft model's
 (spec_decode/draft_model.py), so the scheduler and block manager never know it exists.
@@ -33,7 +35,7 @@ acceptance, never correctness. A drafting row with nothing kept proposes its own
 
 EAGLE-3: the target's streams land in one buffer that lives as long as the engine
 (`StreamCapture`), so CUDA graphs captured with it keep writing them on replay; the CPU's
-torch.compile is off. MTP reads the forward's output, graphs or not.
+torch.compile is off. MTP and EAGLE-1 read the forward's output, graphs or not.
 """
 
 from __future__ import annotations
@@ -239,8 +241,9 @@ class Eagle3Runner(FeatureHeadRunner):
         return self.capture.features(num_tokens)
 
 
-class MtpRunner(FeatureHeadRunner):
-    """The target's MTP layer over its final hidden states (the forward's output)."""
+class FinalHiddenRunner(FeatureHeadRunner):
+    """A head over the target's final hidden states (the forward's output): the target's own
+    MTP layer, or an EAGLE-1 head."""
 
     def target_features(self, num_tokens: int, hidden: Tensor) -> Tensor:
         return hidden[:num_tokens]

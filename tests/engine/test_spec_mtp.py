@@ -44,13 +44,16 @@ def _spec(k: int | None) -> dict:
     return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
 
 
-@pytest.fixture(scope="module", params=["deepseek-own", "deepseek-shared", "qwen3_next"])
+@pytest.fixture(
+    scope="module", params=["deepseek-own", "deepseek-shared", "glm4_moe", "qwen3_next"]
+)
 def target(request, tmp_path_factory):
     """DeepSeek-V3 whose MTP layer carries its embedding and head (own) or uses the target's
-    (shared); Qwen3-Next (4 hybrid layers: Gated DeltaNet and gated attention; `mtp.*`)."""
+    (shared); GLM-4.5 (GQA with partial rope and q/k norms over DeepSeek's MoE); Qwen3-Next (4
+    hybrid layers: Gated DeltaNet and gated attention; `mtp.*`)."""
     path = tmp_path_factory.mktemp(f"mtp-{request.param}") / "target"
-    if request.param == "qwen3_next":
-        return write_tiny_mtp_target(path, "qwen3_next")
+    if request.param in ("glm4_moe", "qwen3_next"):
+        return write_tiny_mtp_target(path, request.param)
     own = request.param == "deepseek-own"
     return write_tiny_mtp_target(path, own_embed=own, own_head=own)
 
@@ -190,7 +193,7 @@ def test_count_defaults_and_refusals(deepseek, tmp_path):
         LLM(str(target), speculative_config={**_spec(1), "model": str(target)})
     llama = write_tiny_model(tmp_path / "llama", "llama")
     with pytest.raises(
-        ValueError, match=r"method 'mtp' runs the MTP layers of DeepSeek-V3-style and Qwen3-Next"
+        ValueError, match=r"method 'mtp' runs the MTP layers of DeepSeek-V3-style, GLM-4.5"
     ):
         LLM(str(llama), speculative_config=_spec(1))
     plain = write_tiny_model(tmp_path / "ds", "deepseek_v3", num_nextn_predict_layers=0)

@@ -1597,9 +1597,9 @@ def write_tiny_mtp_target(
     noise), `fc`, `pre_fc_norm_embedding`, `pre_fc_norm_hidden`, `norm`. Random weights."""
     from safetensors.torch import load_file, save_file
 
-    deepseek = arch == "deepseek_v3"
+    deepseek = arch in ("deepseek_v3", "glm4_moe")  # model.layers.{L}.* (both: layer 1 MoE)
     if not deepseek and arch != "qwen3_next":
-        raise ValueError(f"no tiny MTP layout for {arch!r}: deepseek_v3 or qwen3_next")
+        raise ValueError(f"no tiny MTP layout for {arch!r}: deepseek_v3, glm4_moe or qwen3_next")
     extra_config = {"num_nextn_predict_layers" if deepseek else "mtp_num_hidden_layers": 1}
     path = write_tiny_model(path, arch, seed=seed, **extra_config)
     weights = load_file(path / "model.safetensors")

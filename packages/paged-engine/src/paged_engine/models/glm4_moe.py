@@ -10,7 +10,8 @@ DeepSeek-V3's MoE MLP (layers/deepseek_moe.py).
 
 Checkpoints may carry `num_nextn_predict_layers` multi-token-prediction layers after the
 decoder (`model.layers.{num_hidden_layers + j}.*`); no pipeline stage holds a layer past
-num_hidden_layers, so loading skips them (CausalLMBase.load_weights).
+num_hidden_layers, so loading skips them (CausalLMBase.load_weights), and speculative_config
+{"method": "mtp"} runs the first one as a draft head (models/mtp.py).
 """
 
 from __future__ import annotations

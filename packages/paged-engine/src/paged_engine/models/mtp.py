@@ -1,6 +1,7 @@
 """A model's own multi-token prediction (MTP) layer as a draft head
-(speculative_config={"method": "mtp", "num_speculative_tokens": k}): DeepSeek-V3's
-(`DeepseekMtpHead`, below) and Qwen3-Next / Qwen3.5's (`Qwen3NextMtpHead`, at the end).
+(speculative_config={"method": "mtp", "num_speculative_tokens": k}): DeepSeek-V3's and
+GLM-4.5's (`DeepseekMtpHead`, below) and Qwen3-Next / Qwen3.5's (`Qwen3NextMtpHead`, at the
+end).
 
 DeepSeek-V3 / R1 checkpoints carry `num_nextn_predict_layers` (1) layers past the decoder
 stack, `model.layers.{L}.*` for L = num_hidden_layers, trained to predict one token further.
@@ -31,7 +32,7 @@ from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.deepseek_v2 import DeepseekDecoderLayer, DeepseekV2ForCausalLM
-from paged_engine.models.llama import LlamaMLP
+from paged_engine.models.llama import LlamaMLP, llama_head_dim
 from paged_engine.models.mixtral import expert_rules
 from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
 
@@ -50,10 +51,36 @@ def num_mtp_layers(hf_config) -> int:
 
 
 def is_qwen_mtp(hf_config) -> bool:
-    """Qwen3-Next / Qwen3.5 (`mtp.*` weights) rather than DeepSeek (`model.layers.{L}.*`)."""
-    return cfg_get(hf_config, "layer_types", None) is not None and not hasattr(
-        hf_config, "kv_lora_rank"
-    )
+    """Qwen3-Next / Qwen3.5 (`mtp.*` weights) rather than DeepSeek / GLM-4.5
+    (`model.layers.{L}.*`)."""
+    return str(getattr(hf_config, "model_type", "")).startswith(("qwen3_next", "qwen3_5"))
+
+
+def _decoder_block(config, layer: int, target_cls) -> tuple[nn.Module, nn.Module, tuple]:
+    """(the target's decoder layer for index `layer`, its rope, the stacked weight rules):
+    DeepSeek's (MLA) or GLM-4.5's (Llama attention over DeepSeek's MoE)."""
+    from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
+    from paged_engine.models.llama import LlamaForCausalLM
+    from paged_engine.models.mixtral import MoeDecoderLayer
+
+    if issubclass(target_cls, Glm4MoeForCausalLM):
+        rope = get_rope(config, llama_head_dim(config))
+        flags = target_cls.layer_flags(config)
+        mlp = target_cls.build_mlp(config, layer)
+        return (
+            MoeDecoderLayer(config, layer, flags, rope, mlp),
+            rope,
+            LlamaForCausalLM.stacked_params,
+        )
+    rope = target_cls.build_rope(config)
+    if rope is None:  # DeepseekModel's own (GPT-J style unless rope_interleave is false)
+        interleave = bool(getattr(config, "rope_interleave", True))
+        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+    # The MTP layers of V3 and its kin are MoE layers (past first_k_dense_replace).
+    experts = int(getattr(config, "n_routed_experts", None) or 0)
+    mlp = DeepseekMoe.from_config(config) if experts else LlamaMLP(config, bias=False)
+    block = DeepseekDecoderLayer(config, layer, rope, mlp, target_cls.attention_cls)
+    return block, rope, DeepseekV2ForCausalLM.stacked_params
 
 
 def mtp_cache_config(hf_config):
@@ -90,11 +117,11 @@ class _SharedHead(nn.Module):
 
 
 class DeepseekMtpHead(FeatureHead):
-    """The first MTP layer of a DeepSeek-style target (`target_cls`: its model class, whose
-    attention and rope the layer shares). `forward` returns (normed, pre-norm) [T, D]: the
-    logits' input and the next pass's feature."""
+    """The first MTP layer of a DeepSeek-V3 or GLM-4.5 target (`target_cls`: its model class,
+    whose decoder layer, attention and rope the layer shares). `forward` returns (normed,
+    pre-norm) [T, D]: the logits' input and the next pass's feature."""
 
-    def __init__(self, config, target_cls: type[DeepseekV2ForCausalLM]) -> None:
+    def __init__(self, config, target_cls) -> None:
         super().__init__()
         self.config = config
         d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
@@ -103,14 +130,8 @@ class DeepseekMtpHead(FeatureHead):
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
-        rope = target_cls.build_rope(config)
-        if rope is None:  # DeepseekModel's own (GPT-J style unless rope_interleave is false)
-            interleave = bool(getattr(config, "rope_interleave", True))
-            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
-        # The MTP layers of V3 and its kin are MoE layers (past first_k_dense_replace).
+        self.block, self.rope, self.stacked = _decoder_block(config, layer, target_cls)
         self.num_experts = int(getattr(config, "n_routed_experts", None) or 0)
-        mlp = DeepseekMoe.from_config(config) if self.num_experts else LlamaMLP(config, bias=False)
-        self.block = DeepseekDecoderLayer(config, layer, rope, mlp, target_cls.attention_cls)
         self.shared_head = _SharedHead(config)
         self.shares_target_embedding = False  # set by load_weights
         self.shares_target_head = False
@@ -123,6 +144,7 @@ class DeepseekMtpHead(FeatureHead):
         md: AttentionMetadata,
         feature: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.rope.begin_forward(positions)
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
         embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
@@ -137,7 +159,7 @@ class DeepseekMtpHead(FeatureHead):
         """Layer L's tensors, named as `mtp_weight_name` gives them; ValueError naming what
         is missing (embedding and head may be absent: the target's are shared)."""
         rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
-        stacked = (*rules, *DeepseekV2ForCausalLM.stacked_params)
+        stacked = (*rules, *self.stacked)
         loaded = load_named_weights(
             self,
             weights,

@@ -207,22 +207,26 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
 
 def check_mtp(target_hf_config) -> None:
     """Raise ValueError (naming speculative_config) unless the target has an MTP layer paged
-    runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1) and Qwen3-Next / Qwen3.5
-    (models/qwen3_next.py) whose config declares one."""
+    runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1), GLM-4.5 / 4.6
+    (models/glm4_moe.py) and Qwen3-Next / Qwen3.5 (models/qwen3_next.py) whose config declares
+    one."""
     from paged_engine.models import get_model_class
     from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
     from paged_engine.models.mtp import num_mtp_layers
     from paged_engine.models.qwen3_next import Qwen3_5ForCausalLM
+
+    families = (DeepseekV2ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM)
 
     arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
     try:
         cls = get_model_class(target_hf_config)
     except ValueError:
         cls = None
-    if cls is None or not issubclass(cls, (DeepseekV2ForCausalLM, Qwen3_5ForCausalLM)):
+    if cls is None or not issubclass(cls, families):
         raise ValueError(
-            f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style and "
-            f"Qwen3-Next / Qwen3.5 models; {arch} is not one"
+            f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style, "
+            f"GLM-4.5 and Qwen3-Next / Qwen3.5 models; {arch} is not one"
         )
     if num_mtp_layers(target_hf_config) < 1:
         raise ValueError(

@@ -13,7 +13,8 @@ order); the linear ones carry a recurrent state per sequence instead (worker/rec
 MLPs: Qwen3-Next and Qwen3.5-MoE use Qwen2-MoE's block (softmax top-k experts plus a sigmoid-gated
 shared expert; Qwen3-MoE's rule for which layers are sparse), Qwen3.5 a dense gated SiLU MLP.
 Qwen3.5's M-RoPE equals plain RoPE for text positions (the three position ids coincide).
-Multi-token-prediction weights (`mtp.*`) are skipped. Qwen3.5 checkpoints are vision-language
+Multi-token-prediction weights (`mtp.*`) are skipped here; speculative_config {"method": "mtp"}
+loads the layer as a draft head (models/mtp.py). Qwen3.5 checkpoints are vision-language
 wrappers; their language model loads through models/multimodal_text.py.
 """
 
@@ -133,7 +134,7 @@ class Qwen3_5ForCausalLM(CausalLMBase):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> set[str]:
-        # Multi-token-prediction modules (`mtp.*`) serve speculation we do not run.
+        # Multi-token-prediction modules (`mtp.*`): the MTP draft head's (models/mtp.py).
         return super().load_weights(
             ((n, w) for n, w in weights if not n.startswith("mtp.")), strict
         )

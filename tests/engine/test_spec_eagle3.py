@@ -388,3 +388,25 @@ def test_what_eagle3_refuses(llama_pair, tmp_path):
     )
     with pytest.raises(ValueError, match="use_aux_hidden_state is false"):
         LLM(str(target), speculative_config=_spec(last_only, 2))
+
+
+def test_rows_that_never_draft_keep_nothing(llama_pair, monkeypatch):
+    """Penalized and beam-search rows never draft: the head never runs over them, and they
+    decode as without speculation."""
+    target, head = llama_pair
+    runs: list[int] = []
+    forward = Eagle3Runner._forward_head
+
+    def counting(self, ids, *args):
+        runs.append(int(ids.shape[0]))
+        return forward(self, ids, *args)
+
+    monkeypatch.setattr(Eagle3Runner, "_forward_head", counting)
+    penalized = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3)
+    _, plain = _run(target, PROMPTS[:2], penalized)
+    llm, spec = _run(target, PROMPTS[:2], penalized, speculative_config=_spec(head, 2))
+    assert _tokens(spec) == _tokens(plain)
+    assert runs == [] and llm.get_stats().spec_decode_num_drafts == 0
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    _run(target, PROMPTS[:1], greedy, speculative_config=_spec(head, 2))
+    assert runs  # the same head runs for rows that draft

@@ -63,6 +63,10 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - firsts, lens) + np.arange(lens.sum())
 
 
+def _never_drafts(seq: CachedSeq) -> bool:
+    return seq.beam_candidates > 0 or seq.needs_history
+
+
 class FeatureHeadRunner(DraftModelRunner):
     """The proposals of a head that reads the target's features (see the module docstring);
     a subclass says where a forward's features are (`target_features`)."""
@@ -99,10 +103,22 @@ class FeatureHeadRunner(DraftModelRunner):
         num_drafts = np.asarray([len(spec.get(q, ())) for q in seq_ids], dtype=np.int64)
         n = np.asarray(sched.num_new_tokens, dtype=np.int64) - num_drafts
         n += np.asarray([accepted.get(q, 0) for q in seq_ids], dtype=np.int64)
+        live = r.batch.seqs
+        # Rows that never draft keep nothing (the head would run over them for nothing):
+        # beam search and penalized rows (spec_decode/planner.py: their tokens depend on every
+        # earlier one).
+        never = np.asarray([_never_drafts(live[q]) for q in seq_ids], dtype=bool)
+        n[never] = 0
         offsets = np.cumsum(n) - n
         src = _ranges(inputs.cu[:-1], n)
-        kept = dict(zip(seq_ids, zip(sched.start_positions, n.tolist(), offsets.tolist())))
-        in_step, live = kept.keys(), r.batch.seqs
+        in_step = set(seq_ids)
+        kept = {
+            q: (start, m, off)
+            for q, start, m, off in zip(
+                seq_ids, sched.start_positions, n.tolist(), offsets.tolist()
+            )
+            if m
+        }
         carried = [(q, e) for q, e in self._kept.items() if q not in in_step and q in live]
         ids = inputs.input_ids.index_select(0, r._to_dev(src))
         feat = feat.index_select(0, r._to_dev(src))

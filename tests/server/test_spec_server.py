@@ -1,5 +1,6 @@
-"""`paged-server --speculative-config '{...}'`: n-gram speculation behind the OpenAI API gives
-the plain server's greedy text, and its spec_decode counters show up in /metrics."""
+"""`paged-server --speculative-config '{...}'`: n-gram speculation and an EAGLE-3 head behind the
+OpenAI API give the plain server's greedy text, and the spec_decode counters show up in
+/metrics."""
 
 from __future__ import annotations
 
@@ -53,6 +54,26 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
         }
         assert sorted(per_pos) == [0, 1, 2]
         assert sum(per_pos.values()) == accepted and per_pos[0] <= drafts
+    finally:
+        assert server.stop() == 0, "".join(server.lines[-30:])
+
+
+def test_eagle3_head_behind_the_server(real_server, tiny_model, tmp_path):
+    """`--speculative-config '{"model": HEAD}'` with an EAGLE-3 head in the speculators layout
+    (aux layers [1, 1, 1] of the 2-layer model): the server tells the method and the draft
+    count from the head's config, and gives the plain server's greedy text."""
+    from paged_engine.testing import write_tiny_eagle3_head
+
+    want = _texts(real_server)
+    head = write_tiny_eagle3_head(
+        tmp_path / "head", tiny_model, speculators=True, eagle_aux_hidden_state_layer_ids=[1, 1, 1]
+    )
+    args = ["--model", tiny_model, "--speculative-config", json.dumps({"model": str(head)})]
+    server = launch([*args, *REAL_ARGS], fake=False)
+    try:
+        assert _texts(server) == want
+        m = parse_metrics(_settled_metrics(server))
+        assert m["paged:spec_decode_num_draft_tokens_total"] > 0
     finally:
         assert server.stop() == 0, "".join(server.lines[-30:])
 

@@ -37,7 +37,7 @@ from paged_engine.models.llama import (
     add_norm,
     llama_head_dim,
 )
-from paged_engine.models.utils import QKV_PROJ_RULES, FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Names of the weights; the head's layer is `layers.0` whatever the checkpoint calls it.
@@ -182,11 +182,7 @@ class Eagle3LlamaForCausalLM(FeatureHead):
             for theirs, ours in _RENAMES:
                 name = name.replace(theirs, ours)
             rest.append((name, w))
-        stacked = (
-            *QKV_PROJ_RULES,
-            (".gate_up_proj", ".gate_proj", 0),
-            (".gate_up_proj", ".up_proj", 1),
-        )
+        stacked = LlamaForCausalLM.stacked_params  # q/k/v -> qkv, gate/up -> gate_up
         loaded = load_named_weights(self, rest, stacked=stacked, strict=False)
         missing = sorted(
             n for n, _ in self.named_parameters() if n not in loaded and n != "embed_tokens.weight"

@@ -190,7 +190,6 @@ class Qwen3NextMtpHead(FeatureHead):
     def __init__(self, config, target_cls) -> None:
         super().__init__()
         from paged_engine.layers.norm import GemmaRMSNorm
-        from paged_engine.models.llama import llama_head_dim
         from paged_engine.models.qwen3_next import HybridDecoderLayer
 
         self.config = config

@@ -30,16 +30,13 @@ from paged_engine.spec_decode.head_loader import (
     check_mtp,
     configured_num_tokens,
     is_eagle3_head,
+    vocab_size,
 )
 
 if TYPE_CHECKING:
     from paged_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-def _vocab_size(hf_config) -> int:
-    return int(getattr(hf_config, "vocab_size", 0) or 0)
 
 
 def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> None:
@@ -112,7 +109,7 @@ def check_draft_model(
             f"{where}: a draft model with a recurrent state (hybrid or state-space) is not "
             "supported; pick a transformer draft"
         )
-    draft_vocab, target_vocab = _vocab_size(draft_config), _vocab_size(target_hf_config)
+    draft_vocab, target_vocab = vocab_size(draft_config), vocab_size(target_hf_config)
     if draft_vocab != target_vocab:
         raise ValueError(
             f"{where}: the draft's vocab_size {draft_vocab} differs from the target's "

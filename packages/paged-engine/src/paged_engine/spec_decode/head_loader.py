@@ -18,8 +18,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _vocab_size(hf_config) -> int:
+def vocab_size(hf_config) -> int:
     return int(getattr(hf_config, "vocab_size", 0) or 0)
+
+
+def reach_max_model_len(hf_config, max_model_len: int | None) -> None:
+    """A head runs at every position the target does, so its rope tables must reach them;
+    heads ship with their training length (often 2,048)."""
+    max_len = int(max_model_len or 0)
+    if int(getattr(hf_config, "max_position_embeddings", 0) or 0) < max_len:
+        hf_config.max_position_embeddings = max_len
 
 
 def load_eagle3_config(resolved: ResolvedModel, trust_remote_code: bool):
@@ -103,7 +111,7 @@ def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> N
             f"{where}: eagle_config.use_aux_hidden_state is false (a head reading only the "
             "target's last hidden state): not supported; EAGLE-3 heads read three layers"
         )
-    head_vocab, target_vocab = _vocab_size(head_config), _vocab_size(target_hf_config)
+    head_vocab, target_vocab = vocab_size(head_config), vocab_size(target_hf_config)
     if head_vocab != target_vocab:
         raise ValueError(
             f"{where}: the head's vocab_size {head_vocab} differs from the target's "
@@ -133,11 +141,7 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     resolved = resolve_model(name)
     hf_config = load_eagle3_config(resolved, config.trust_remote_code)
     dtype = next(runner.model.parameters()).dtype
-    # The head runs at every position the target does (its rope tables must reach them);
-    # heads ship with their training length (often 2,048).
-    max_len = int(config.max_model_len or 0)
-    if int(getattr(hf_config, "max_position_embeddings", 0) or 0) < max_len:
-        hf_config.max_position_embeddings = max_len
+    reach_max_model_len(hf_config, config.max_model_len)
     logger.info("loading the EAGLE-3 head %s", name)
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
         head = Eagle3LlamaForCausalLM(hf_config)
@@ -187,9 +191,7 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     config, target = runner.config, runner.model
     resolved = resolve_model(name)
     hf_config = load_hf_config(resolved, config.trust_remote_code)
-    max_len = int(config.max_model_len or 0)  # its rope tables reach every target position
-    if int(getattr(hf_config, "max_position_embeddings", 0) or 0) < max_len:
-        hf_config.max_position_embeddings = max_len
+    reach_max_model_len(hf_config, config.max_model_len)
     dtype = next(target.parameters()).dtype
     logger.info("loading the EAGLE head %s", name)
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):

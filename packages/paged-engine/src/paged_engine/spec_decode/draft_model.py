@@ -63,8 +63,8 @@ class DraftProposal:
 
 
 class DraftModelRunner:
-    # Whether the proposer reads the target's layer streams (an EAGLE-3 head): then
-    # `after_step` follows each step's sampling.
+    # Whether the proposer reads the target's features (spec_decode/eagle.py's heads): their
+    # forward then runs uncompiled on CPU.
     reads_target_features = False
 
     def __init__(self, model: torch.nn.Module, hf_config, runner: ModelRunner) -> None:

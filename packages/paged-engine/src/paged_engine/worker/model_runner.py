@@ -233,11 +233,12 @@ class ModelRunner:
             self.graphs.capture()
 
     def _keeps_target_streams(self) -> bool:
-        """An EAGLE-3 head reads streams the target's layers copy out: no CPU torch.compile."""
+        """A draft head that reads the target's features (EAGLE-3's layer streams, EAGLE-1's
+        and MTP's final hidden states) takes them from an eager forward: no CPU torch.compile."""
         if self.draft is not None and self.draft.reads_target_features:
             logger.info(
-                "speculative_config eagle3: torch.compile is off (the target's layers copy "
-                "their streams out for the head)"
+                "speculative_config: torch.compile is off (the draft head reads the target's "
+                "features from each forward)"
             )
             return True
         return False
@@ -300,7 +301,7 @@ class ModelRunner:
         proposal = None if draft is None else draft.propose(sched, cached, inputs)
         hidden = self.forward(inputs)
         out = self._sample(sched, cached, inputs, hidden, proposal)
-        if draft is not None and draft.reads_target_features:
+        if draft is not None:
             draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features
         return out
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.spec_decode               # the default model (SmolLM2-135M GGUF), CPU
     python -m benchmarks.spec_decode --k 3 5 --batch 1 8
+    python -m benchmarks.spec_decode --k 3 --penalties '{"repetition_penalty": 1.05}'
 
 Two workloads on the default chat model:
   repetitive  "copy / edit this text" chat prompts, greedy: the answer repeats most of the
@@ -9,7 +10,9 @@ Two workloads on the default chat model:
   random      random token prompts, temperature 1.0 (seeded), ignore_eos: text no n-gram
               predicts, where speculation must switch itself off
 
-For each (workload, batch size, k): wall time, output tokens/s, target forwards (engine steps
+`--penalties` adds repetition / frequency / presence penalties to every request (a chat
+client's settings; written to spec_decode-penalties.json). For each (workload, batch size, k):
+wall time, output tokens/s, target forwards (engine steps
 that ran the model) per output token, acceptance rate, and the speedup over plain decoding
 measured in the same run. Requests go in groups of `batch` (one group at a time).
 """
@@ -17,7 +20,10 @@ measured in the same run. Requests go in groups of `batch` (one group at a time)
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -56,13 +62,15 @@ def workloads(tokenizer, vocab: int, n: int) -> dict[str, list]:
     return {"repetitive": rep, "random": rnd}
 
 
-def run(llm, prompts: list, max_tokens: int, batch: int, sampled: bool) -> dict:
+def run(llm, prompts: list, max_tokens: int, batch: int, sampled: bool, penalties: dict) -> dict:
     from paged_engine import SamplingParams
 
     if sampled:
-        params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(
+            temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, **penalties
+        )
     else:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, **penalties)
     engine = llm.llm_engine
     steps0 = engine.scheduler._next_step_id
     stats0 = engine.get_stats()
@@ -98,8 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--out", type=Path, default=ROOT / "docs/benchmarks/cpu/spec_decode.json")
+    p.add_argument(
+        "--penalties", type=json.loads, default={}, help="e.g. '{\"repetition_penalty\": 1.05}'"
+    )
+    p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    given = argv if argv is not None else sys.argv[1:]
+    name = "spec_decode-penalties.json" if args.penalties else "spec_decode.json"
+    out = args.out or ROOT / "docs/benchmarks/cpu" / name
     engines = {"plain": LLM(model=args.model, max_model_len=1024)}
     for k in args.k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
@@ -112,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch in args.batch:
             base = None
             for system, llm in engines.items():
-                r = run(llm, prompts, args.max_tokens, batch, sampled=name == "random")
+                sampled = name == "random"
+                r = run(llm, prompts, args.max_tokens, batch, sampled, args.penalties)
                 if base is None:
                     base = r
                 else:
@@ -128,14 +143,15 @@ def main(argv: list[str] | None = None) -> None:
                 print(rec, flush=True)
     result = {
         "benchmark": "spec_decode",
-        "command": "python -m benchmarks.spec_decode",
+        "command": " ".join(["python -m benchmarks.spec_decode", *map(shlex.quote, given)]),
         "model": args.model or "SmolLM2-135M-Instruct (GGUF, built-in default)",
-        "workload": f"{args.num_requests} greedy requests per workload, max_tokens "
-        f"{args.max_tokens}, in groups of `batch`",
+        "workload": f"{args.num_requests} requests per workload (repetitive: greedy; random: "
+        f"temperature 1), max_tokens {args.max_tokens}, in groups of `batch`"
+        + (f", every request with {args.penalties}" if args.penalties else ""),
         "environment": environment(str(plain.llm_engine.device.type)),
         "records": records,
     }
-    write_result(args.out, result)
+    write_result(out, result)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,14 @@ def record_drafts(monkeypatch, runner_cls) -> list[tuple[tuple, int, list[int]]]
     return seen
 
 
+def full_sequences(prompts: list[dict], outs) -> dict[tuple, list[int]]:
+    """Prompt ids -> prompt + first completion's tokens, of each request."""
+    return {
+        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
+        for p, o in zip(prompts, outs)
+    }
+
+
 def assert_drafts_teacher_forced(
     seen: list[tuple[tuple, int, list[int]]],
     prompts: list[dict],
@@ -65,10 +73,7 @@ def assert_drafts_teacher_forced(
 ) -> None:
     """Every recorded step's drafts 1 and 2 equal `reference(sequence, c)` (drafts 1 and 2 of
     a step whose row runs its own token sequence[c] at position c)."""
-    full = {
-        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
-        for p, o in zip(prompts, outs)
-    }
+    full = full_sequences(prompts, outs)
     checked = 0
     for prompt, c, drafts in seen:
         seq = full[prompt]

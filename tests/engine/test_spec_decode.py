@@ -272,7 +272,7 @@ def test_beam_search_runs_without_drafts_beside_speculating_requests(llama):
 
 def test_what_speculation_refuses(llama):
     llm = LLM(model=str(llama), max_model_len=64, speculative_config=_spec(2))
-    # penalties run without drafts (their next token depends on every earlier one)
+    # n = 2 with a penalty: the fan-out row drafts nothing, each sequence drafts after it
     params = SamplingParams(n=2, max_tokens=3, seed=1, presence_penalty=0.5)
     out = llm.generate(["hi"], params, use_tqdm=False)
     assert len(out[0].outputs) == 2

@@ -51,6 +51,16 @@ def _chi_square_same(a: Counter, b: Counter) -> tuple[float, float]:
     return stat, critical
 
 
+def assert_same_marginals(plain, spec, positions: int) -> None:
+    """Each of the first `positions` output tokens has the same marginal in both runs (the
+    two-sample chi-square at 0.1%)."""
+    for pos in range(positions):
+        a = Counter(o.outputs[0].token_ids[pos] for o in plain)
+        b = Counter(o.outputs[0].token_ids[pos] for o in spec)
+        stat, critical = _chi_square_same(a, b)
+        assert stat < critical, (pos, stat, critical, a.most_common(5), b.most_common(5))
+
+
 def _spec(draft: Path, k: int) -> dict:
     return {"model": str(draft), "num_speculative_tokens": k}
 
@@ -209,11 +219,7 @@ def test_sampling_distribution_matches_plain_decoding(llama):
     spec, stats = _run(target, [prompt] * num, params, speculative_config=_spec(noisy, 3))
     accepted, drafted = stats.spec_decode_num_accepted_tokens, stats.spec_decode_num_draft_tokens
     assert 0 < accepted < drafted
-    for pos in range(4):
-        a = Counter(o.outputs[0].token_ids[pos] for o in plain)
-        b = Counter(o.outputs[0].token_ids[pos] for o in spec)
-        stat, critical = _chi_square_same(a, b)
-        assert stat < critical, (pos, stat, critical, a.most_common(5), b.most_common(5))
+    assert_same_marginals(plain, spec, 4)
     # Seeded rows are reproducible under speculation too.
     again, _ = _run(target, [prompt] * 8, params[:8], speculative_config=_spec(noisy, 3))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in spec[:8]]
@@ -221,8 +227,9 @@ def test_sampling_distribution_matches_plain_decoding(llama):
 
 def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
     """A pool too small for the batch (preemption mid-speculation: both caches recomputed),
-    chunked prefill of long prompts next to speculating rows (n > 1 too), rows that never
-    speculate (penalties), stop tokens inside accepted drafts, max_tokens: plain's outputs."""
+    chunked prefill of long prompts next to speculating rows (n > 1 too), penalized rows (their
+    histories dropped and rebuilt with their drafts), stop tokens inside accepted drafts,
+    max_tokens: plain's outputs."""
     target, noisy = llama
     rng = random.Random(5)
     prompts = _prompts(3) * 2 + [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(90)]}]
@@ -237,6 +244,9 @@ def test_preemption_chunked_prefill_mixed_batch_and_limits(llama):
     ]
     params[1] = SamplingParams(temperature=0, n=2, max_tokens=12, logprobs=1)
     params[2] = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=12, logprobs=1)
+    params[4] = SamplingParams(
+        temperature=0, n=2, frequency_penalty=0.4, presence_penalty=0.2, max_tokens=16, logprobs=1
+    )
     kwargs = {
         "num_gpu_blocks_override": 20,
         "max_num_seqs": 8,

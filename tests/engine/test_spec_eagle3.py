@@ -23,6 +23,7 @@ import torch
 from draft_heads import (
     assert_drafts_teacher_forced,
     assert_same_greedy,
+    full_sequences,
     record_drafts,
     rms,
     run_llm,
@@ -224,19 +225,18 @@ def _check_drafts(target, head, monkeypatch, prompts=PROMPTS[:3], **engine) -> N
 
 
 # ---- a head that is always right ------------------------------------------------------------
-@pytest.fixture(scope="module")
-def repeating(tmp_path_factory):
-    """A target whose layers add nothing (o_proj, down_proj zero) and whose head is its
-    embedding: it repeats its last token. The head reads the stream entering layer 2 (the
-    embedding of token p) and answers it: position p's guess for token p + 2 is token p."""
-    d = tmp_path_factory.mktemp("eagle3-repeat")
+def _repeating_pair(d, scale: float):
+    """A target whose layers add nothing (o_proj, down_proj zero) and whose head is `scale`
+    times its embedding: it repeats its last token. The head reads the stream entering layer 2
+    (the embedding of token p) and answers it through the same head: position p's guess for
+    token p + 2 is token p, with the target's own logits."""
     target = write_tiny_model(d / "target", "llama", num_hidden_layers=LAYERS)
     w = load_file(target / "model.safetensors")
     for name in w:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             w[name] = torch.zeros_like(w[name])
     w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
-    w["lm_head.weight"] = w["model.embed_tokens.weight"].clone()
+    w["lm_head.weight"] = scale * w["model.embed_tokens.weight"]
     save_file(w, target / "model.safetensors", metadata={"format": "pt"})
     dim = w["model.embed_tokens.weight"].shape[1]
     fc = torch.zeros(dim, 3 * dim)
@@ -246,10 +246,15 @@ def repeating(tmp_path_factory):
         "midlayer.self_attn.o_proj.weight": torch.zeros(dim, dim),
         "midlayer.mlp.down_proj.weight": torch.zeros(dim, 128),
         "norm.weight": torch.ones(dim),
-        "lm_head.weight": w["model.embed_tokens.weight"].clone(),
+        "lm_head.weight": w["lm_head.weight"].clone(),
     }
     head = write_tiny_eagle3_head(d / "head", target, weights=exact)
     return target, head
+
+
+@pytest.fixture(scope="module")
+def repeating(tmp_path_factory):
+    return _repeating_pair(tmp_path_factory.mktemp("eagle3-repeat"), 1.0)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -390,9 +395,9 @@ def test_what_eagle3_refuses(llama_pair, tmp_path):
         LLM(str(target), speculative_config=_spec(last_only, 2))
 
 
-def test_rows_that_never_draft_keep_nothing(llama_pair, monkeypatch):
-    """Penalized and beam-search rows never draft: the head never runs over them, and they
-    decode as without speculation."""
+def test_beam_rows_keep_nothing(llama_pair, monkeypatch):
+    """Beam-search rows never draft: the head never runs over them, and they decode as
+    without speculation."""
     target, head = llama_pair
     runs: list[int] = []
     forward = Eagle3Runner._forward_head
@@ -402,11 +407,38 @@ def test_rows_that_never_draft_keep_nothing(llama_pair, monkeypatch):
         return forward(self, ids, *args)
 
     monkeypatch.setattr(Eagle3Runner, "_forward_head", counting)
-    penalized = SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3)
-    _, plain = _run(target, PROMPTS[:2], penalized)
-    llm, spec = _run(target, PROMPTS[:2], penalized, speculative_config=_spec(head, 2))
+    beams = SamplingParams(n=2, use_beam_search=True, temperature=0, max_tokens=10)
+    _, plain = _run(target, PROMPTS[:2], beams)
+    llm, spec = _run(target, PROMPTS[:2], beams, speculative_config=_spec(head, 2))
     assert _tokens(spec) == _tokens(plain)
     assert runs == [] and llm.get_stats().spec_decode_num_drafts == 0
     greedy = SamplingParams(temperature=0, max_tokens=10)
     _run(target, PROMPTS[:1], greedy, speculative_config=_spec(head, 2))
     assert runs  # the same head runs for rows that draft
+
+
+def test_penalized_drafts_count_the_drafts_before_them(tmp_path_factory, monkeypatch):
+    """Frequency-penalized greedy rows on the repeating target with a lead of 1-3 logits (a
+    tenth of the embedding as both heads): the target repeats a token until the penalty moves
+    it on. The exact head reads the token it was run at, so its drafts can be wrong only
+    after the sequence has left that token: at the switch itself its penalties, counting the
+    drafts before it as outputs, move it to the target's next token. Tokens as plain."""
+    target, head = _repeating_pair(tmp_path_factory.mktemp("eagle3-soft"), 0.1)
+    seen = record_drafts(monkeypatch, Eagle3Runner)
+    params = SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, frequency_penalty=0.6, logprobs=1
+    )
+    _, plain = _run(target, PROMPTS, params)
+    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, 4))
+    assert_same_greedy(spec, plain)
+    full = full_sequences(PROMPTS, plain)
+    switches = 0
+    for prompt, c, drafts in seen:
+        seq = full[prompt]
+        for j, d in enumerate(drafts[: len(seq) - c - 1]):
+            moved = any(t != seq[c] for t in seq[c + 1 : c + 1 + j])
+            assert moved or d == seq[c + 1 + j], (prompt[-1], c, j, drafts, seq[c : c + 6])
+            switches += not moved and d != seq[c]
+    assert switches >= 3  # drafts that moved on with the target
+    stats = llm.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

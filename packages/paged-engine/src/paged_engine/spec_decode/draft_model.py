@@ -28,8 +28,9 @@ that hits that block sees a stale draft KV entry at that one position: its draft
 never its outputs (verification uses the draft's real q).
 
 Draft tokens are drawn with the sampling settings of the row (temperature, top-k / top-p /
-min-p, min_tokens), from the processed draft distribution q, with noise independent of the
-verification's (seeded rows use a salted seed): the rejection sampler needs q and the draft.
+min-p, min_tokens; penalties count the row's earlier drafts as outputs), from the processed
+draft distribution q, with noise independent of the verification's (seeded rows use a salted
+seed): the rejection sampler needs q and the draft.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ class DraftModelRunner:
                 logits = self.model.compute_logits(hidden)
             else:
                 live_d = r._to_dev(live)
-            tok, q = self._sample(logits.float(), cached, drafting[live], inputs, c[live] + j)
+            prior = tokens[:, : j - 1].index_select(0, live_d)
+            positions = c[live] + j
+            tok, q = self._sample(logits.float(), cached, drafting[live], inputs, positions, prior)
             tokens[:, j - 1].index_copy_(0, live_d, tok)
             if q is not None:
                 if probs is None:
@@ -249,13 +252,17 @@ class DraftModelRunner:
         )
         return meta, positions_d
 
-    def _sample(self, raw: Tensor, cached, src: np.ndarray, inputs, positions: np.ndarray):
+    def _sample(
+        self, raw: Tensor, cached, src: np.ndarray, inputs, positions: np.ndarray, prior: Tensor
+    ):
         """Draft tokens [R] and, unless every row is greedy, q [R, V] (the processed draft
-        distribution they were drawn from) for batch indices `src` at `positions`."""
+        distribution they were drawn from) for batch indices `src` at `positions`; `prior`
+        [R, j - 1]: the drafts before these, which penalties count as outputs."""
         r = self.runner
         rows = inputs.rows[src]
         out_pos = positions - r.batch.num_prompt[rows]
-        md = r.sampling.metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos)
+        drafted = prior if r.batch.history[rows].any() else None
+        md = r.sampling.metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos, drafted)
         x = r.sampler.process_logits(raw, md)
         if md.all_greedy:
             return x.max(dim=-1).indices, None

@@ -64,7 +64,7 @@ def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 def _never_drafts(seq: CachedSeq) -> bool:
-    return seq.beam_candidates > 0 or seq.needs_history
+    return seq.beam_candidates > 0
 
 
 class FeatureHeadRunner(DraftModelRunner):
@@ -104,9 +104,8 @@ class FeatureHeadRunner(DraftModelRunner):
         n = np.asarray(sched.num_new_tokens, dtype=np.int64) - num_drafts
         n += np.asarray([accepted.get(q, 0) for q in seq_ids], dtype=np.int64)
         live = r.batch.seqs
-        # Rows that never draft keep nothing (the head would run over them for nothing):
-        # beam search and penalized rows (spec_decode/planner.py: their tokens depend on every
-        # earlier one).
+        # Rows that never draft keep nothing (the head would run over them for nothing): beam
+        # search (spec_decode/planner.py).
         never = np.asarray([_never_drafts(live[q]) for q in seq_ids], dtype=bool)
         n[never] = 0
         offsets = np.cumsum(n) - n
@@ -201,8 +200,9 @@ class FeatureHeadRunner(DraftModelRunner):
                         c[live] + j - 1,
                     )
                 logits = self.model.compute_logits(normed)
-                tok, q = self._sample(logits, cached, drafting[live], inputs, c[live] + j)
                 live_d = r._to_dev(live)
+                prior = tokens[:, : j - 1].index_select(0, live_d)
+                tok, q = self._sample(logits, cached, drafting[live], inputs, c[live] + j, prior)
                 tokens[:, j - 1].index_copy_(0, live_d, tok)
                 if q is not None:
                     if probs is None:

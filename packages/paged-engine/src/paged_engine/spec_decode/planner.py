@@ -4,9 +4,9 @@ The scheduler asks it for a decoding sequence's drafts; the engine core reports 
 target accepted. With n-gram lookup the drafts are real tokens; with a draft model they are
 `DRAFT_PLACEHOLDER` slots that the worker's draft model fills in the same step.
 
-A sequence speculates when its next token depends on nothing the drafts would change: no
-beams, no grammar, no repetition / frequency / presence penalties (they would need the drafts in
-their history), and not the row whose sample fans out into n > 1 sequences. After that fan-out
+A sequence speculates unless it has beams or a grammar, or its sample fans out into n > 1
+sequences. Repetition / frequency / presence penalties speculate: the worker judges draft j with
+drafts 0..j-1 among the outputs, so every position sees plain decoding's history. After that fan-out
 each sequence of an n > 1 request drafts (over its own tokens) and is verified on its own. Drafts
 never run past max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
 
@@ -95,11 +95,5 @@ def _eligible(req: Request) -> bool:
     # A grammar (`constraint`) masks by every output token: its requests do not draft.
     if req.beam is not None or getattr(req, "constraint", None) is not None:
         return False
-    if req.fans_out:  # this row's sample becomes the first token of every one of n sequences
-        return False
-    p = req.params
-    return (
-        getattr(p, "repetition_penalty", 1.0) == 1.0
-        and not getattr(p, "frequency_penalty", 0.0)
-        and not getattr(p, "presence_penalty", 0.0)
-    )
+    # this row's sample becomes the first token of every one of n sequences
+    return not req.fans_out

@@ -39,9 +39,7 @@ from paged_engine.lora.manager import LoRAManager
 from paged_engine.models.llama import LayerAdditions
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
-from paged_engine.sample.metadata import (
-    with_token_bitmask,
-)
+from paged_engine.sample.metadata import PAD, with_token_bitmask
 from paged_engine.sample.sampler import Sampler, sampling_race
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
@@ -492,11 +490,12 @@ class ModelRunner:
         tokens = packed_lp = None
         num_logprobs: list[int | None] = []
         track_history = False
-        flat = None  # each entry's first index in the flat output (drafted rows emit several)
+        # each entry's first index in the flat output and its count (drafted rows emit several)
+        flat = emitted = None
         if src.size and sched.spec_token_ids:
             rows = inputs.rows[src]
             track_history = bool(batch.history[rows].any())
-            seq_ids, tokens, packed_lp, num_logprobs, flat = self._sample_drafts(
+            seq_ids, tokens, packed_lp, num_logprobs, flat, emitted = self._sample_drafts(
                 sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal
             )
         elif src.size:
@@ -531,15 +530,16 @@ class ModelRunner:
             sched.step_id, seq_ids, tokens, packed_lp, num_logprobs, beam, prompt, pooled
         )
         if track_history:
-            self.sampling.track_history(handle, cached, src, sample_no, flat)
+            self.sampling.track_history(handle, cached, src, sample_no, flat, emitted)
         return handle
 
     def _sample_drafts(self, sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal):
         """Sampling in a step where some rows carry drafts: each entry samples at its last
         1 + d positions (d its drafts, 0 for rows without) and the rejection sampler keeps what
         the target's distribution allows (q: the draft model's `proposal`, else point masses).
-        Returns the flat output (a drafted row's emitted tokens in order) and each entry's
-        first index in it."""
+        Penalties judge draft j with drafts 0..j-1 among the outputs, as plain decoding would.
+        Returns the flat output (a drafted row's emitted tokens in order), each entry's first
+        index in it and its count."""
         batch = self.batch
         spec = sched.spec_token_ids if proposal is None else proposal.tokens
         num_drafts = np.asarray(
@@ -556,12 +556,18 @@ class ModelRunner:
         out_pos_x = np.repeat(out_pos, reps) + step
         seq_ids_x = [s for s, r in zip(seq_ids, reps.tolist()) for _ in range(r)]
         raw = self.compute_logits(hidden.index_select(0, self._to_dev(hidden_rows))).float()
-        md = self.sampling.metadata(cached, src_x, rows_x, sample_no_x, out_pos_x)
-        if sched.token_bitmask is not None:
-            md = with_token_bitmask(md, sched.token_bitmask, seq_ids_x, self.device)
         drafts_x = np.full(raw.shape[0], -1, dtype=np.int64)
         for e in np.flatnonzero(num_drafts).tolist():
             drafts_x[first_row[e] : first_row[e] + num_drafts[e]] = spec[seq_ids[e]]
+        drafted = None
+        if batch.history[rows_x].any():  # row `step` of an entry counts its drafts before it
+            width = int(num_drafts.max())
+            before = np.arange(width)[None, :] < step[:, None]
+            cols = np.minimum(np.repeat(first_row, reps)[:, None] + np.arange(width), len(step) - 1)
+            drafted = self._to_dev(np.where(before, drafts_x[cols], PAD))
+        md = self.sampling.metadata(cached, src_x, rows_x, sample_no_x, out_pos_x, drafted)
+        if sched.token_bitmask is not None:
+            md = with_token_bitmask(md, sched.token_bitmask, seq_ids_x, self.device)
         processed = self.sampler.process_logits(raw, md)
         noise = None if md.all_greedy else self.sampler.noise(raw.shape, md, raw.device)
         greedy = None if md.all_greedy else md.greedy
@@ -602,7 +608,7 @@ class ModelRunner:
         last = result.tokens.index_select(0, self._to_dev(first_row + result.num_accepted))
         self._set_last_token(inputs.rows[src], last, sample_no)
         out_ids = [s for s, m in zip(seq_ids, emitted.tolist()) for _ in range(m)]
-        return out_ids, tokens, packed, num_logprobs, flat
+        return out_ids, tokens, packed, num_logprobs, flat, emitted
 
     def _set_last_token(self, rows: np.ndarray, tokens: torch.Tensor, sample_no: np.ndarray):
         """Each sampling row's next input token; a fan-out sequence keeps its first sample."""

@@ -8,6 +8,10 @@
   mirror (`InputBatch.tokens_np`); a token sampled last step that the host has not seen yet is
   read from `InputBatch.last_token` on the device. `track_history` records which entries of a
   step's output are such tokens and `apply_history` appends them once they have landed.
+- Speculative rows judge draft j with drafts 0..j-1 counted as outputs (`drafted`): the
+  penalties then see the history plain decoding would have at that position. A verified step
+  emits several tokens a row; the next step waits for them (it waited for the acceptance
+  counts already), so a history is never more than one token behind.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ class SamplingInputs:
         self.device = device
         self.vocab_size = vocab_size
         self._to_dev = to_dev  # int64 host values on the device (pinned, non-blocking on CUDA)
-        # Steps whose sampled ids the host-side histories (penalty rows) still need.
-        self._history: deque[tuple[AsyncRunnerOutput, list[tuple[int, int]]]] = deque()
+        # Steps whose sampled ids the host-side histories (penalty rows) still need: (output,
+        # [(seq id, first index, count)], whether the next step waits for them).
+        self._history: deque[tuple[AsyncRunnerOutput, list[tuple[int, int, int]], bool]] = deque()
         self._md_cache: tuple[tuple[int, np.ndarray | None], SamplingMetadata | None] = (
             (-1, None),
             None,
@@ -86,7 +91,11 @@ class SamplingInputs:
             return md
         return None
 
-    def metadata(self, cached, src, rows, sample_no, out_pos) -> SamplingMetadata:
+    def metadata(
+        self, cached, src, rows, sample_no, out_pos, drafted: torch.Tensor | None = None
+    ) -> SamplingMetadata:
+        """`drafted`: [len(src), E] int64 on the device, tokens each sampled row counts as
+        outputs after its history (drafts before the position it judges), PAD-padded."""
         batch = self.batch
         seeds: list[tuple[int, int]] = []
         for k in np.flatnonzero(batch.seeded[rows]).tolist():
@@ -102,6 +111,9 @@ class SamplingInputs:
         hist_rows = np.flatnonzero(batch.history[rows])
         if hist_rows.size:
             prompt_history, output_history = self._histories(cached, src, rows, hist_rows)
+            if drafted is not None and drafted.shape[1]:  # PAD may sit anywhere in a row
+                picked = drafted.index_select(0, self._to_dev(hist_rows))
+                output_history = torch.cat([output_history, picked], dim=1)
         wants_lp = batch.logprobs[rows]
         rules = batch.token_rules[rows]  # allowed_token_ids / logit_bias rows
         md = build_sampling_metadata(
@@ -158,31 +170,41 @@ class SamplingInputs:
             out[idx[0], idx[1]] = self.batch.last_token[idx[2]]
         return self._to_dev(prompt), out
 
-    def track_history(self, handle, cached, src, sample_no, flat=None) -> None:
+    def track_history(self, handle, cached, src, sample_no, flat=None, emitted=None) -> None:
         """Penalty rows keep every output token on the host: apply this step's ids once they
-        have landed (`_apply_history`), and count them now."""
+        have landed (`apply_history`), and count them now. `flat`, `emitted`: each entry's
+        first index in the step's output and how many tokens it emitted (speculative steps;
+        else one each, at its own index)."""
         entries = []
         for k, i in enumerate(src.tolist()):
             c = cached[i]
             if c.needs_history and sample_no[k] == 0:
-                c.num_tokens += 1
-                entries.append((c.seq_id, k if flat is None else int(flat[k])))
+                m = 1 if emitted is None else int(emitted[k])
+                c.num_tokens += m
+                entries.append((c.seq_id, k if flat is None else int(flat[k]), m))
         if entries:
-            self._history.append((handle, entries))
+            wait = emitted is not None  # the next step reads them whole (see the docstring)
+            self._history.append((handle, entries, wait))
 
     def apply_history(self) -> None:
         """Append landed sampled ids to their penalty rows' host tokens. Only the newest step
-        may still be in flight (its token is read from the device meanwhile)."""
+        may still be in flight, and only when it emitted one token a row (read from the device
+        meanwhile); a speculative step's are waited for."""
         batch = self.batch
-        while self._history and (len(self._history) > 1 or self._history[0][0].ready()):
-            handle, entries = self._history.popleft()
+        pending = self._history
+        while pending and (len(pending) > 1 or pending[0][2] or pending[0][0].ready()):
+            handle, entries, _ = pending.popleft()
             ids = handle.token_ids()
-            for seq_id, k in entries:
+            for seq_id, k, m in entries:
                 c = batch.seqs.get(seq_id)
-                if c is not None and len(c.token_ids) < c.num_tokens:
-                    c.token_ids.append(ids[k])
+                if c is None:
+                    continue
+                new = ids[k : k + m][: c.num_tokens - len(c.token_ids)]
+                if new:
+                    start = len(c.token_ids)
+                    c.token_ids.extend(new)
                     batch.num_host_tokens[c.row] = len(c.token_ids)
-                    batch.mirror_tokens(c.row, [ids[k]], len(c.token_ids) - 1)
+                    batch.mirror_tokens(c.row, new, start)
 
 
 def _explicit(

@@ -364,9 +364,9 @@ def test_stop_strings_inside_accepted_drafts(llama):
 
 
 def test_constrained_rows_run_beside_speculating_ones(llama):
-    """Structured-output requests never draft (a draft would bypass their grammar) but share the
-    speculative engine's steps: their text matches the plain engine's and its constraint, while
-    the unconstrained rows beside them keep speculating."""
+    """Structured-output requests beside unconstrained ones in the speculative engine's steps
+    (they draft only what their grammar allows: test_spec_structured.py): their text matches
+    the plain engine's and its constraint, while the unconstrained rows keep speculating."""
     pytest.importorskip("llguidance")
     from paged_engine import StructuredOutputsParams
 

@@ -19,7 +19,10 @@ core fills the token bitmask of the constrained sequences it scheduled to sample
 (`SchedulerOutput.token_bitmask`), and `_apply` advances their matchers with exactly the tokens
 it appends (a fork copies its parent's matcher first). A matcher that says the output is
 complete finishes its sequence with "stop". Such requests wait for their token before they are
-scheduled again (`Request.needs_host_result`), so a mask always sees every earlier token.
+scheduled again (`Request.needs_host_result`), so a mask always sees every earlier token. With
+n-gram speculation they draft only tokens their constraint allows, and each draft position's
+mask is filled with the drafts before it accepted (then rolled back); `_apply_verified`
+advances the matcher with the tokens the verification kept.
 """
 
 from __future__ import annotations
@@ -412,6 +415,7 @@ class EngineCore:
             update.logprobs, update.ranks, update.top = [], [], []
         o.seqs.append(update)
         appended = 0
+        constraint = seq.request.constraint
         for k in range(first, end):
             token = tokens[k]
             seq.token_ids.append(token)
@@ -421,7 +425,8 @@ class EngineCore:
                 update.ranks.append(lp.ranks[k])
                 update.top.append(lp.top[k])
             appended += 1
-            if self._finish_on_token(seq, token, update, o):
+            complete = constraint is not None and constraint.accept(seq.seq_id, token)
+            if self._finish_on_token(seq, token, update, o, complete):
                 return appended
         # Still running: computed = every token but the last (the next step's input); blocks
         # only past the drafts' positions go back (the worker's table is re-sent from there).

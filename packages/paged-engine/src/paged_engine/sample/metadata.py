@@ -227,14 +227,22 @@ def with_token_bitmask(
     device: torch.device,
 ) -> SamplingMetadata:
     """`md` plus this step's grammar masks: (seq ids, [R, W] bitmask) from the engine core,
-    matched to the logits rows by sequence (a fan-out's samples share their sequence's row)."""
-    index = {seq_id: i for i, seq_id in enumerate(token_bitmask[0])}
+    matched to the logits rows by sequence: a sequence's rows in order take its masks in order
+    (a speculative row's d + 1 positions), and a sequence with one mask gives it to each of its
+    rows (a fan-out's samples)."""
+    index: dict[int, tuple[int, int]] = {}  # seq id -> (first mask row, masks)
+    for i, seq_id in enumerate(token_bitmask[0]):
+        first, count = index.get(seq_id, (i, 0))
+        index[seq_id] = (first, count + 1)
+    seen: dict[int, int] = {}
     rows, picks = [], []
     for k, seq_id in enumerate(row_seq_ids):
-        i = index.get(seq_id)
-        if i is not None:
+        entry = index.get(seq_id)
+        if entry is not None:
+            nth = seen.get(seq_id, 0)
+            seen[seq_id] = nth + 1
             rows.append(k)
-            picks.append(i)
+            picks.append(entry[0] + min(nth, entry[1] - 1))
     if not rows:
         return md
     bitmask = _dev(token_bitmask[1][picks], torch.int32, device)

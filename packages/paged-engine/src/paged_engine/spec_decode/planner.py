@@ -4,9 +4,12 @@ The scheduler asks it for a decoding sequence's drafts; the engine core reports 
 target accepted. With n-gram lookup the drafts are real tokens; with a draft model they are
 `DRAFT_PLACEHOLDER` slots that the worker's draft model fills in the same step.
 
-A sequence speculates unless it has beams or a grammar, or its sample fans out into n > 1
-sequences. Repetition / frequency / presence penalties speculate: the worker judges draft j with
-drafts 0..j-1 among the outputs, so every position sees plain decoding's history. After that fan-out
+A sequence speculates unless it has beams, or its sample fans out into n > 1 sequences.
+Repetition / frequency / presence penalties speculate: the worker judges draft j with drafts
+0..j-1 among the outputs, so every position sees plain decoding's history. A constrained
+request (grammar, bad words) drafts n-gram tokens, up to the first its constraint refuses, and
+each draft position gets its own mask; with a draft model or head it does not draft (the
+worker's drafts would need the grammar), nor with a thinking budget. After that fan-out
 each sequence of an n > 1 request drafts (over its own tokens) and is verified on its own. Drafts
 never run past max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
 
@@ -55,7 +58,7 @@ class DraftPlanner:
     def drafts(self, req: Request, seq: Sequence, budget: int) -> list[int]:
         """Drafts for a decode row of `seq` (its one new token is the last, known one) that
         `budget` more tokens can carry; [] when it does not speculate."""
-        if not _eligible(req):
+        if not _eligible(req, self.config.uses_draft_model):
             return []
         state = self._backoff.get(seq.seq_id)
         if state is not None and self._step < state.resume_at:
@@ -69,7 +72,11 @@ class DraftPlanner:
         cfg = self.config
         if cfg.uses_draft_model:  # the worker's draft model fills these in at the step
             return [DRAFT_PLACEHOLDER] * room
-        return propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        constraint = req.constraint
+        if constraint is not None and drafts:
+            drafts = drafts[: constraint.valid_drafts(seq.seq_id, seq.output_token_ids, drafts)]
+        return drafts
 
     def feedback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verified step of `seq`: `num_accepted` of its `num_drafts` drafts were kept."""
@@ -91,9 +98,11 @@ class DraftPlanner:
             self._backoff.pop(seq.seq_id, None)
 
 
-def _eligible(req: Request) -> bool:
-    # A grammar (`constraint`) masks by every output token: its requests do not draft.
-    if req.beam is not None or getattr(req, "constraint", None) is not None:
+def _eligible(req: Request, uses_draft_model: bool) -> bool:
+    if req.beam is not None:
+        return False
+    constraint = req.constraint  # masks by every output token: drafts need their masks here
+    if constraint is not None and (uses_draft_model or constraint.thinking is not None):
         return False
     # this row's sample becomes the first token of every one of n sequences
     return not req.fans_out

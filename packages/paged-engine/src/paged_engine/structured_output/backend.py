@@ -6,7 +6,8 @@ bitmasks at once. A `GrammarMatcher` follows one sequence's output tokens.
 
 Contract: a matcher's state is a function of the tokens it accepted, nothing else; so a copy
 taken at a fork continues independently, and recompute preemption (which keeps every token)
-needs no rollback.
+needs no rollback. Speculative drafts are accepted to fill their positions' masks, then rolled
+back: the matcher again holds exactly its sequence's tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def copy(self) -> GrammarMatcher:
         """An independent matcher in the same state (n > 1 forks)."""
+
+    @abstractmethod
+    def validate(self, token_ids: list[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar allows from here, in order
+        (the state does not change)."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts, never past a
+        token that failed)."""
 
 
 class GrammarBackend(ABC):

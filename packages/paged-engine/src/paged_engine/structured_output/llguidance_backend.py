@@ -29,6 +29,13 @@ class LLGuidanceMatcher(GrammarMatcher):
     def copy(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.m.deep_copy())
 
+    def validate(self, token_ids: list[int]) -> int:
+        return self.m.validate_tokens(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and not self.m.rollback(num_tokens):
+            raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens")
+
 
 class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:

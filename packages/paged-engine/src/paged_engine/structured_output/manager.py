@@ -6,8 +6,8 @@ token bitmask.
   compiled before (same constraint) is reused. The first constrained request also builds the
   backend there (the tokenizer's conversion takes ~0.5-2 s).
 - `fill_bitmask(sched, requests)` (engine core, after scheduling): one [R, W] int32 row per
-  sampled sequence of a constrained request, as plain data in the `SchedulerOutput`; the
-  sampler masks the logits with it in one batched op.
+  sampled sequence of a constrained request (d + 1 rows for one with d speculative drafts), as
+  plain data in the `SchedulerOutput`; the sampler masks the logits with it in one batched op.
 """
 
 from __future__ import annotations
@@ -76,30 +76,53 @@ class StructuredOutputManager:
         return self._backend.compile(text)
 
     def fill_bitmask(self, sched: SchedulerOutput, requests: Iterable[Request]) -> None:
-        """Set `sched.token_bitmask` for the sampled sequences of constrained `requests`."""
+        """Set `sched.token_bitmask` for the sampled sequences of constrained `requests`: one
+        row per sequence, or d + 1 consecutive rows for one with d drafts (the mask at each
+        draft's position and the bonus position), filled with the drafts before it accepted;
+        the matchers are rolled back after."""
         sampled = {sched.seq_ids[r] for r in sched.sample_rows}
+        spec = sched.spec_token_ids
         seqs = [
-            (req.constraint, seq)
+            (req.constraint, seq, spec.get(seq.seq_id, ()))
             for req in requests
             for seq in req.live_seqs()
             if seq.seq_id in sampled
         ]
         if not seqs:
             return
-        bitmask = allocate_bitmask(len(seqs), self.vocab_size)
-        grammar_rows = []
-        for row, (c, seq) in enumerate(seqs):
+        firsts = []
+        num_rows = 0
+        for _, _, drafts in seqs:
+            firsts.append(num_rows)
+            num_rows += 1 + len(drafts)
+        bitmask = allocate_bitmask(num_rows, self.vocab_size)
+        grammar = []
+        for first, (c, seq, drafts) in zip(firsts, seqs):
             m = c.matcher(seq.seq_id)
             if m is not None:
-                grammar_rows.append((m, row))
-        if grammar_rows:
+                grammar.append((m, first, drafts))
+        if grammar:
             assert self._backend is not None  # a ready grammar was compiled by it
-            self._backend.fill_bitmasks(grammar_rows, bitmask)
-        for row, (c, seq) in enumerate(seqs):
+            # Position by position: every matcher's mask at its j-th row in one call, then
+            # those with a draft j accept it (the scheduler drafted only allowed tokens).
+            j, live = 0, grammar
+            while live:
+                self._backend.fill_bitmasks([(m, first + j) for m, first, _ in live], bitmask)
+                live = [g for g in live if j < len(g[2])]
+                for m, _, drafts in live:
+                    accepted = m.accept(drafts[j])
+                    assert accepted, "a draft the grammar does not allow"
+                j += 1
+            for m, _, drafts in grammar:
+                m.rollback(len(drafts))
+        for first, (c, seq, drafts) in zip(firsts, seqs):
             if c.bad_words:
-                c.ban_bad_words(seq.output_token_ids, bitmask[row])
-            c.force(seq.seq_id, bitmask[row])  # after the rest: a forced id wins
-        sched.token_bitmask = ([seq.seq_id for _, seq in seqs], bitmask)
+                history = seq.output_token_ids
+                for j in range(len(drafts) + 1):
+                    c.ban_bad_words([*history, *drafts[:j]] if j else history, bitmask[first + j])
+            c.force(seq.seq_id, bitmask[first])  # after the rest: a forced id wins (no drafts)
+        ids = [seq.seq_id for _, seq, drafts in seqs for _ in range(1 + len(drafts))]
+        sched.token_bitmask = (ids, bitmask)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -10,6 +10,11 @@ the host, by the engine core, from tokens the core has applied.
 Owned by the engine core: `EngineCore._apply` is the only caller of `accept` and `fork`, in the
 order tokens are appended, so each matcher holds exactly the tokens its sequence holds. A
 sequence recomputed after preemption keeps its tokens and its matcher unchanged.
+
+Speculative (n-gram) drafts: `valid_drafts` keeps the leading drafts the constraint allows
+(the scheduler drafts only those), and the step's masks of the draft positions are filled with
+the drafts accepted, then rolled back (`StructuredOutputManager.fill_bitmask`). A thinking
+budget does not draft.
 """
 
 from __future__ import annotations
@@ -74,6 +79,39 @@ class RequestConstraint:
         if m is None:
             return False
         return not m.accept(token_id) or m.is_stopped()
+
+    def valid_drafts(self, seq_id: int, output_ids: list[int], drafts: list[int]) -> int:
+        """How many leading `drafts` may follow `output_ids`: each allowed by the grammar, none
+        completing a bad word, and none after which the grammar allows nothing more (the
+        position after it would have an empty mask; the sequence would end there anyway)."""
+        if self.thinking is not None or not drafts:
+            return 0
+        n = len(drafts)
+        if self.bad_words:
+            history = list(output_ids)
+            for j, t in enumerate(drafts):
+                if self._completes_bad_word(history, t):
+                    n = j
+                    break
+                history.append(t)
+        m = self.matcher(seq_id)
+        if m is None or n == 0:
+            return n
+        n = m.validate(drafts[:n])
+        for j in range(n):  # the state after each: stop before a token that ends the grammar
+            m.accept(drafts[j])
+            if m.is_stopped():
+                m.rollback(j + 1)
+                return j
+        m.rollback(n)
+        return n
+
+    def _completes_bad_word(self, history: list[int], t: int) -> bool:
+        for word in self.bad_words:
+            prefix = word[:-1]
+            if word[-1] == t and (not prefix or history[-len(prefix) :] == prefix):
+                return True
+        return False
 
     def drop(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)

@@ -805,6 +805,40 @@ def test_profile_forward_samples_and_makes_a_prompt_logprobs_slice(
     assert md.penalties is not None and not md.all_greedy
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+def test_profile_forward_includes_a_verification_step(tiny_llama_dir, monkeypatch, drafter):
+    """With speculative_config the profile also samples a verification step's logits: k + 1
+    positions for each of max_num_seqs rows (2 x 4 here), processed by the costliest path, with
+    a draft model's q over its draft rows; the engine's draws are left alone."""
+    import paged_engine.spec_decode.rejection_sampler as rejection
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    if drafter == "draft_model":
+        spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    engine = _engine(tiny_llama_dir, max_num_seqs=2, speculative_config=spec)
+    runner = engine.model_runner
+    rows, calls = [], []
+    whole, verify = runner.compute_logits, rejection.verify
+    monkeypatch.setattr(runner, "compute_logits", lambda h: rows.append(len(h)) or whole(h))
+
+    def recording(processed, drafts, greedy, noise, num_drafts, q=None):
+        calls.append((processed.shape[0], drafts.tolist(), num_drafts.tolist(), q))
+        return verify(processed, drafts, greedy, noise, num_drafts, q)
+
+    monkeypatch.setattr(rejection, "verify", recording)
+    seeds_before = runner.sampler._race_seeds.bit_generator.state
+    mp.profile_forward(runner)
+    assert runner.sampler._race_seeds.bit_generator.state == seeds_before
+    assert rows[:2] == [2, 8]  # the sampled rows, then the verification's
+    ((n, drafts, num_drafts, q),) = calls
+    assert n == 8 and num_drafts == [3, 3] and drafts == [1, 1, 1, -1] * 2
+    if drafter == "draft_model":
+        assert q is not None and q.shape == (8, runner.vocab_size)
+        assert q[3].abs().sum() == 0 and q[0].sum().item() == pytest.approx(1.0, abs=1e-4)
+    else:
+        assert q is None
+
+
 # ---- devices and block copies -------------------------------------------------------------------
 def test_cuda_device_gets_an_index(monkeypatch):
     """Tensors report cuda:N; a seeded generator made on the engine's device must compare equal

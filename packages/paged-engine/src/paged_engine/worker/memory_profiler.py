@@ -134,6 +134,9 @@ def profile_forward(runner: ModelRunner) -> int:
     hidden = runner.model(ids, positions, scratch.kv_caches, meta, hidden_in)
     if state.is_last_stage:
         _profile_sampler(runner, hidden[:num_seqs])
+        k = _num_speculative_tokens(runner)
+        if k:  # a verification step samples k + 1 positions a row
+            _profile_verification(runner, hidden[: min(num_tokens, num_seqs * (k + 1))], k)
         _profile_prompt_logprobs(runner, hidden)
     del scratch, hidden
     return blocks_needed * CacheEngine.bytes_per_block(runner.hf_config, bs, kv_dtype)
@@ -143,22 +146,65 @@ def _model_dtype(model: torch.nn.Module) -> torch.dtype:
     return next(model.parameters()).dtype
 
 
+def _num_speculative_tokens(runner: ModelRunner) -> int:
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    spec = runner.config.speculative_config
+    return 0 if spec is None else SpeculativeConfig.from_dict(spec).num_speculative_tokens
+
+
 def _profile_sampler(runner: ModelRunner, hidden: torch.Tensor) -> None:
     """The sampled rows' logits through the sampler's costliest path: every row with
     temperature, top-k and top-p (a full sort), min-p, the three penalties, and max_logprobs
     logprobs (the vocabulary for -1). Every row is seeded and the host seed generator put back,
     so the engine's draws are those it would make without this."""
-    from paged_engine.sample.metadata import build_sampling_metadata
+    sampler = runner.sampler
+    md = _costliest_metadata(runner, len(hidden), hidden.device)
+    host_seeds = sampler._race_seeds.bit_generator.state
+    sampler(runner.compute_logits(hidden), md)
+    sampler._race_seeds.bit_generator.state = host_seeds
+
+
+def _profile_verification(runner: ModelRunner, hidden: torch.Tensor, k: int) -> None:
+    """A verification step's logits as `ModelRunner._sample_drafts` holds them at once: rows
+    of k drafts and a bonus position, raw and processed by the costliest path, their noise, a
+    draft model's q (its proposal's rows, and q laid out over every row), the rejection
+    sampler's temporaries, then the logprobs. Seeded rows only: no generator moves."""
+    from paged_engine.sample.logprobs import gather_logprobs
+    from paged_engine.spec_decode import rejection_sampler
 
     n, sampler = len(hidden), runner.sampler
+    md = _costliest_metadata(runner, n, hidden.device)
+    raw = runner.compute_logits(hidden).float()
+    processed = sampler.process_logits(raw, md)
+    noise = sampler.noise(raw.shape, md, raw.device)
+    num_drafts = np.full(-(-n // (k + 1)), k, dtype=np.int64)
+    num_drafts[-1] = (n - 1) % (k + 1)  # the last row's drafts (its bonus row is the last)
+    is_bonus = np.zeros(n, dtype=bool)
+    is_bonus[np.cumsum(num_drafts + 1) - 1] = True
+    drafts = torch.where(torch.from_numpy(is_bonus), -1, 1).to(raw.device)
+    q = None
+    if runner.draft is not None:
+        proposal = processed[~torch.from_numpy(is_bonus).to(raw.device)].softmax(dim=-1)
+        q = processed.new_zeros(processed.shape)
+        q[drafts >= 0] = proposal
+    greedy = torch.zeros(n, dtype=torch.bool, device=raw.device)
+    verified = rejection_sampler.verify(processed, drafts, greedy, noise, num_drafts, q)
+    gather_logprobs(raw, verified.tokens, md.max_num_logprobs, sampler.logsumexp, None)
+
+
+def _costliest_metadata(runner: ModelRunner, n: int, device: torch.device):
+    """n seeded rows with every filter and penalty, and max_logprobs logprobs."""
+    from paged_engine.sample.metadata import build_sampling_metadata
+
     k = runner.config.max_logprobs
     k = runner.vocab_size if k == -1 else k
 
     def full(value: float) -> np.ndarray:
         return np.full(n, value)
 
-    md = build_sampling_metadata(
-        device=hidden.device,
+    return build_sampling_metadata(
+        device=device,
         vocab_size=runner.vocab_size,
         temperature=full(0.8),
         top_k=full(50).astype(np.int64),
@@ -173,9 +219,6 @@ def _profile_sampler(runner: ModelRunner, hidden: torch.Tensor) -> None:
         num_logprobs=[k] * n,
         need_logprobs=True,
     )
-    host_seeds = sampler._race_seeds.bit_generator.state
-    sampler(runner.compute_logits(hidden), md)
-    sampler._race_seeds.bit_generator.state = host_seeds
 
 
 def _profile_prompt_logprobs(runner: ModelRunner, hidden: torch.Tensor) -> None:

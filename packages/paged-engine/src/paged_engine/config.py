@@ -110,6 +110,8 @@ class EngineConfig:
     disable_log_stats: bool = True
     # Schedule step N+1 while step N runs (None: on for CUDA devices, off elsewhere).
     async_scheduling: bool | None = None
+    # Custom logits processors (sample/logits_processor.py): classes or "module:Class" names.
+    logits_processors: list | None = None
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
     # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" on the CPU, "int4"
@@ -389,6 +391,23 @@ class EngineConfig:
             if self.pipeline_parallel_size > 1:
                 raise ValueError(
                     "speculative_config is not supported with pipeline_parallel_size > 1"
+                )
+        if self.logits_processors:
+            from paged_engine.sample.logits_processor import load_logits_processors
+
+            _check(
+                isinstance(self.logits_processors, list | tuple),
+                "logits_processors",
+                self.logits_processors,
+                "a list of LogitsProcessor classes or 'module:Class' names",
+            )
+            load_logits_processors(self.logits_processors)  # raises naming the entry
+            if self.speculative_config is not None:
+                raise ValueError("logits_processors is not supported with speculative_config")
+            if self.async_scheduling:
+                raise ValueError(
+                    "async_scheduling=True is not supported with logits_processors: they read "
+                    "every output token on the host before the next step"
                 )
         if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ValueError(

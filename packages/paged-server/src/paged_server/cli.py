@@ -75,6 +75,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
+        logits_processors=args.logits_processors,
         pooler_config=args.pooler_config,
         hf_overrides=args.hf_overrides,
         runner=args.runner,

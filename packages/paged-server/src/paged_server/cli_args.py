@@ -104,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
         "...}' (an EAGLE-3 head)",
     )
     p.add_argument(
+        "--logits-processors",
+        nargs="+",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="custom logits processors (paged_engine.sample.logits_processor.LogitsProcessor "
+        "subclasses), importable where the server runs; requests pass them arguments in "
+        "'vllm_xargs'",
+    )
+    p.add_argument(
         "--generation-config",
         default="auto",
         help="sampling defaults for fields a request leaves unset: 'auto' (the model's "

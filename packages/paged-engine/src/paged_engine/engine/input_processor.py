@@ -19,6 +19,7 @@ from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
+from paged_engine.sample.logits_processor import load_logits_processors
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.structured_output.request_constraint import RequestConstraint
@@ -64,6 +65,8 @@ class InputProcessor:
         self.embeds_width = embeds_width
         # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
         self.think_ids = think_ids
+        # custom logits processors' classes: each checks a request's params when it arrives
+        self.logits_processors = load_logits_processors(config.logits_processors or [])
 
     def make_request(
         self,
@@ -303,6 +306,9 @@ class InputProcessor:
         return out
 
     def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
+        if isinstance(params, SamplingParams) and not hasattr(params, "pooling_type"):
+            for cls in self.logits_processors:
+                cls.validate_params(params)  # ValueError refuses the request
         if isinstance(params, SamplingParams):
             cap = self.config.max_logprobs
             cap = self.vocab_size if cap == -1 else cap

@@ -151,6 +151,8 @@ class LLMEngine:
         self.serves = serves(
             config.runner, config.convert, self.classifier is not None, self.is_encoder
         )
+        if self.serves == "pooling" and config.logits_processors:
+            raise ValueError("logits_processors: a pooling model samples no tokens to process")
         if self.classifier is not None and config.speculative_config is not None:
             raise ValueError(
                 "speculative_config: a sequence-classification model generates no tokens to "
@@ -198,9 +200,10 @@ class LLMEngine:
         if config.async_scheduling is None:
             # Pipeline stages need each step's tokens before the next step: synchronous there.
             # So does speculation: drafts come from the host's tokens.
+            # Custom logits processors read every output token on the host.
             pipelined = config.pipeline_parallel_size > 1
-            sync = pipelined or config.speculative_config is not None
-            config.async_scheduling = auto_async_scheduling(self.device) and not sync
+            sync = pipelined or config.speculative_config is not None or config.logits_processors
+            config.async_scheduling = auto_async_scheduling(self.device) and not bool(sync)
         logger.info("sizing the KV cache on %s", self.device)
         num_blocks = self.executor.determine_num_blocks()
         states = worker.model_runner.states

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,9 @@ class SamplingMetadata:
     token_bitmask: tuple[Tensor, Tensor] | None = None  # this step's grammar masks (rows, bitmask)
     # logprob_token_ids rows: (rows [E], ids [E, M]), each row's ids padded with its first
     logprob_ids: tuple[Tensor, Tensor] | None = None
+    # custom logits processors (LLM(logits_processors=...)) bound to this step's rows:
+    # `.run(x, argmax_invariant)` (worker/logits_processors.py)
+    custom: Any = None
 
     @property
     def max_num_logprobs(self) -> int:

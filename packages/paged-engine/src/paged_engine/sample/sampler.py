@@ -1,7 +1,8 @@
 """Batched sampling over a logits tensor [N, V]: one row per sequence that samples this step.
 
 Processing order (vLLM's): token rules (grammar bitmask, allowed_token_ids, logit_bias) ->
-min_tokens -> repetition / frequency / presence penalties -> temperature -> top-k -> top-p ->
+min_tokens -> custom logits processors (sample/logits_processor.py) -> repetition / frequency /
+presence penalties -> temperature -> argmax-invariant custom processors -> top-k -> top-p ->
 min-p -> sample. Greedy rows take the argmax of the processed
 logits; random rows use the exponential race (argmax of probs / Exp(1) noise), so nothing reads
 the device on the host: the sampled ids stay on the device (the next step's inputs read them
@@ -225,6 +226,7 @@ def _temperature_only(md: SamplingMetadata) -> bool:
         and md.penalties is None
         and md.top_k_top_p is None
         and md.min_p is None
+        and md.custom is None
     )
 
 
@@ -282,10 +284,14 @@ class Sampler:
             x.index_put_((rows, ids), bias, accumulate=True)
         if md.banned is not None:
             x[md.banned] = float("-inf")
+        if md.custom is not None:
+            md.custom.run(x, argmax_invariant=False)
         if md.penalties is not None:
             apply_penalties(x, md.penalties, self._tally(md.penalties.rows.shape[0], x))
         if md.temperature is not None:
             x.div_(md.temperature)
+        if md.custom is not None and not md.all_greedy:  # they cannot change a greedy token
+            md.custom.run(x, argmax_invariant=True)
         if md.top_k_top_p is not None:  # greedy rows never land here: their filters are off
             apply_top_k_top_p(x, md)
         if md.min_p is not None:

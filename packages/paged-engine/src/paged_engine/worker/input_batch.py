@@ -39,9 +39,11 @@ class CachedSeq:
     seed: int | None
     num_logprobs: int | None  # top columns its logprobs take (SamplingParams.num_top_logprobs)
     prompt_logprobs: int | None
-    needs_history: bool  # penalties read every output token
+    needs_history: bool  # its tokens are kept on the host (penalties, custom logits processors)
     lora_id: int = 0  # its LoRA adapter (0: none)
     num_tokens: int = 0  # host tokens + tokens sampled since (tracked for history rows)
+    # its output ids, the live list custom logits processors were given (None without them)
+    output_ids: list[int] | None = None
 
 
 class InputBatch:
@@ -51,8 +53,11 @@ class InputBatch:
         max_blocks_per_seq: int,
         device: torch.device,
         max_model_len: int | None = None,
+        track_outputs: bool = False,
     ) -> None:
         self.capacity = max_num_seqs
+        # custom logits processors read every sampling row's output ids (CachedSeq.output_ids)
+        self.track_outputs = track_outputs
         self.device = device
         # Penalty rows' tokens, mirrored from CachedSeq.token_ids so a step reads its histories
         # as array slices instead of converting Python lists (O(length) of Python a row and
@@ -85,6 +90,7 @@ class InputBatch:
         self.state_slot = np.full(max_num_seqs, -1, dtype=np.int64)  # hybrid models' state row
         # Rare per-row features, as flags so a step finds its few rows without a Python loop.
         self.history = np.zeros(max_num_seqs, dtype=bool)  # penalties read output tokens
+        self.tracks = np.zeros(max_num_seqs, dtype=bool)  # CachedSeq.needs_history
         self.seeded = np.zeros(max_num_seqs, dtype=bool)
         self.logprobs = np.zeros(max_num_seqs, dtype=bool)  # report or rank by logprobs
         self.beam = np.zeros(max_num_seqs, dtype=bool)
@@ -114,6 +120,9 @@ class InputBatch:
         history = not beam and (
             p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         )
+        outputs = None
+        if self.track_outputs and not beam and not hasattr(p, "pooling_type"):
+            outputs = list(data.token_ids[data.num_prompt_tokens :])
         seq = CachedSeq(
             seq_id=data.seq_id,
             row=row,
@@ -126,9 +135,10 @@ class InputBatch:
             seed=None if beam else p.seed,
             num_logprobs=None if beam else p.num_top_logprobs,
             prompt_logprobs=None if beam else p.prompt_logprobs,
-            needs_history=history,
+            needs_history=history or outputs is not None,
             num_tokens=len(data.token_ids),
             lora_id=data.lora_id,
+            output_ids=outputs,
         )
         self.seqs[data.seq_id] = seq
         self.row_of[data.seq_id] = row
@@ -138,6 +148,7 @@ class InputBatch:
         self.num_prompt[row] = data.num_prompt_tokens
         self.state_slot[row] = data.state_slot
         self.history[row] = history
+        self.tracks[row] = seq.needs_history
         if history:
             self.mirror_tokens(row, data.token_ids)
             if data.embeds_prompt:  # placeholders: no token a penalty counts

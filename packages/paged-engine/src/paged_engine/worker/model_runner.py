@@ -38,6 +38,7 @@ from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.models.llama import LayerAdditions
 from paged_engine.multimodal.mrope import MropePositions
+from paged_engine.sample.logits_processor import load_logits_processors
 from paged_engine.sample.logprobs import gather_logprobs, log_softmax_topk, prompt_logprobs
 from paged_engine.sample.metadata import PAD, with_token_bitmask
 from paged_engine.sample.sampler import Sampler, sampling_race
@@ -50,6 +51,7 @@ from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.image_embeds import ImageEmbedder, LookupRows, spliced_lookup
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
 from paged_engine.worker.key_ends import ImageSpans
+from paged_engine.worker.logits_processors import CustomLogitsProcessors
 from paged_engine.worker.pooler import pool_hidden
 from paged_engine.worker.recurrent_state import (
     RecurrentStatePool,
@@ -136,8 +138,17 @@ class ModelRunner:
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, _model_dtype(model))
         self.graphs: CudaGraphRunner | None = None
         self.compiled: CompiledForward | None = None
+        # LLM(logits_processors=...): the processors and their batch indices
+        self.logits_procs: CustomLogitsProcessors | None = None
+        if config.logits_processors:
+            classes = load_logits_processors(config.logits_processors)
+            self.logits_procs = CustomLogitsProcessors(classes, config, device)
         self.batch = InputBatch(
-            config.max_num_seqs, self.max_blocks_per_seq, device, config.max_model_len
+            config.max_num_seqs,
+            self.max_blocks_per_seq,
+            device,
+            config.max_model_len,
+            track_outputs=self.logits_procs is not None,
         )
         invariant = backend.name if config.batch_invariant else None
         # Speculative verification races with the sampler's torch noise (Sampler.noise): an
@@ -255,11 +266,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         assert self.cache is not None, "init_kv_cache() first"
-        self.sampling.apply_history()
+        procs = self.logits_procs
+        self.sampling.apply_history(wait=procs is not None)
         batch = self.batch
         draft = self.draft
         lora = self.lora
         for seq_id in sched.finished_seq_ids:
+            if procs is not None:
+                procs.remove(seq_id)
             if lora is not None and seq_id in batch.seqs:
                 c = batch.seqs[seq_id]
                 lora.release(c.row, c.lora_id)
@@ -278,6 +292,10 @@ class ModelRunner:
                 self.images.add(data.seq_id, data.mm_inputs)
             if lora is not None:
                 lora.acquire(c.row, data.lora_id, data.lora_path)
+            if procs is not None and c.output_ids is not None:
+                procs.add(c.seq_id, c.params, c.token_ids[: c.num_prompt_tokens], c.output_ids)
+        if procs is not None:
+            procs.update()
         batch.update_blocks(sched.block_updates)
         caches = [self.cache] if draft is None else [self.cache, draft.cache]
         for cache in caches:
@@ -494,7 +512,7 @@ class ModelRunner:
         flat = emitted = None
         if src.size and sched.spec_token_ids:
             rows = inputs.rows[src]
-            track_history = bool(batch.history[rows].any())
+            track_history = bool(batch.tracks[rows].any())
             seq_ids, tokens, packed_lp, num_logprobs, flat, emitted = self._sample_drafts(
                 sched, cached, inputs, hidden, src, sample_no, seq_ids, proposal
             )
@@ -502,13 +520,15 @@ class ModelRunner:
             hidden_rows = self._to_dev(inputs.cu[src + 1] - 1)
             logits = self.compute_logits(hidden.index_select(0, hidden_rows))
             rows = inputs.rows[src]
-            track_history = bool(batch.history[rows].any())
+            track_history = bool(batch.tracks[rows].any())
             out_pos = inputs.seq_lens[src] - batch.num_prompt[rows]  # outputs before this one
             md = self.sampling.cached_metadata(rows)
             if md is None:
                 md = self.sampling.metadata(cached, src, rows, sample_no, out_pos)
             if sched.token_bitmask is not None:  # grammar masks change every step: not cached
                 md = with_token_bitmask(md, sched.token_bitmask, seq_ids, self.device)
+            if self.logits_procs is not None:
+                md = self.logits_procs.bind(md, seq_ids)
             num_logprobs = md.num_logprobs
             result = self.sampler(logits, md)
             tokens, packed_lp = result.token_ids, result.logprobs

@@ -186,13 +186,14 @@ class SamplingInputs:
             wait = emitted is not None  # the next step reads them whole (see the docstring)
             self._history.append((handle, entries, wait))
 
-    def apply_history(self) -> None:
-        """Append landed sampled ids to their penalty rows' host tokens. Only the newest step
-        may still be in flight, and only when it emitted one token a row (read from the device
-        meanwhile); a speculative step's are waited for."""
+    def apply_history(self, wait: bool = False) -> None:
+        """Append landed sampled ids to their rows' host tokens (and output ids). Only the
+        newest step may still be in flight, and only when it emitted one token a row (read
+        from the device meanwhile); a speculative step's are waited for, and with `wait` every
+        step's (custom logits processors read them all)."""
         batch = self.batch
         pending = self._history
-        while pending and (len(pending) > 1 or pending[0][2] or pending[0][0].ready()):
+        while pending and (wait or len(pending) > 1 or pending[0][2] or pending[0][0].ready()):
             handle, entries, _ = pending.popleft()
             ids = handle.token_ids()
             for seq_id, k, m in entries:
@@ -204,7 +205,10 @@ class SamplingInputs:
                     start = len(c.token_ids)
                     c.token_ids.extend(new)
                     batch.num_host_tokens[c.row] = len(c.token_ids)
-                    batch.mirror_tokens(c.row, new, start)
+                    if batch.history[c.row]:
+                        batch.mirror_tokens(c.row, new, start)
+                    if c.output_ids is not None:
+                        c.output_ids.extend(new)
 
 
 def _explicit(

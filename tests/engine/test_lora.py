@@ -393,3 +393,21 @@ def test_embeddings_run_with_the_adapter(llama_setup):
         want = torch.nn.functional.normalize(hf.hidden_states[-1][0, -1], dim=-1)
         got = torch.tensor(out.outputs.embedding)
         assert torch.allclose(got, want, atol=1e-4), lora_id
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_with_adapters(llama_setup, method):
+    """Adapters under speculation: the verification forward runs each row's drafts with its
+    adapter (a draft model runs without one: its drafts are only guesses), so every request
+    gives HF's merged-adapter tokens, with drafts accepted."""
+    model, _, loras, refs = llama_setup
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        spec = {"model": str(model), "num_speculative_tokens": 3}
+    llm = _lora_llm(model, max_loras=3, speculative_config=spec)
+    prompts = [[5, 6, 7, 8] * 6, [40, 41] * 9, *_prompts(4, seed=9)]
+    ids = [1, 2, 3, None, 1, 2]
+    outs = llm.generate(prompts, GREEDY, lora_request=[loras.get(i) for i in ids], use_tqdm=False)
+    _check(outs, ids, refs)
+    stats = llm.llm_engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0

@@ -151,6 +151,8 @@ def test_refusals(tiny_llama_dir):
         )
     with pytest.raises(ValueError, match="async_scheduling=True"):
         _llm(tiny_llama_dir, logits_processors=[ForceToken], async_scheduling=True)
+    with pytest.raises(ValueError, match="AdapterLogitsProcessor"):
+        SamplingParams(logits_processors=[lambda ids, row: row])  # vLLM v0's per request
 
 
 def test_tensor_parallel_matches_one_process(tiny_llama_dir):

@@ -196,8 +196,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # vLLM's: arguments for custom sampling code and plugins (carried, not read by paged)
+    # vLLM's: arguments for custom sampling code and plugins (custom logits processors read
+    # them: sample/logits_processor.py)
     extra_args: dict[str, Any] | None = None
+    # vLLM v0's per-request callables: refused with where they go instead (as vLLM v1 does)
+    logits_processors: list[Any] | None = None
     skip_clone: bool = False  # clone() copies shallowly
     # streaming outputs carry at least this many new tokens each (the first and the last
     # come at once); the engine's stream_interval is the floor
@@ -251,6 +254,12 @@ class SamplingParams:
         budget = _as_int("thinking_token_budget", self.thinking_token_budget, optional=True)
         self.thinking_token_budget = None if budget == -1 else budget
         self.repetition_detection = RepetitionDetectionParams.of(self.repetition_detection)
+        if self.logits_processors:
+            raise ValueError(
+                "logits_processors per request (vLLM v0's callables) are not supported: wrap "
+                "them in a paged_engine.sample.logits_processor.AdapterLogitsProcessor and pass "
+                "LLM(logits_processors=[...])"
+            )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}.")
         if self.skip_reading_prefix_cache is not None:

@@ -1,6 +1,6 @@
 """`paged-server --speculative-config '{...}'`: n-gram speculation and an EAGLE-3 head behind the
-OpenAI API give the plain server's greedy text, and the spec_decode counters show up in
-/metrics."""
+OpenAI API give the plain server's greedy text (penalized and schema-constrained requests too),
+and the spec_decode counters show up in /metrics."""
 
 from __future__ import annotations
 
@@ -27,13 +27,37 @@ def _texts(server: ServerProc) -> list[str]:
     return [c.text for c in r.choices] + ["".join(c.choices[0].text for c in stream)]
 
 
+def _penalized_and_constrained(server: ServerProc) -> list[str]:
+    """Rows that draft with their penalties and grammar (test_spec_penalties.py,
+    test_spec_structured.py): a chat client's penalties, a JSON schema, a regex."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS, max_tokens=24, temperature=0, presence_penalty=0.5,
+        frequency_penalty=0.3, extra_body={"repetition_penalty": 1.1},
+    )  # fmt: skip
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "a JSON object"}], max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )  # fmt: skip
+    regex = client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0,
+        extra_body={"structured_outputs": {"regex": "(a b ){3}c"}},
+    )  # fmt: skip
+    return [c.text for c in r.choices] + [chat.choices[0].message.content, regex.choices[0].text]
+
+
 def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
     want = _texts(real_server)
+    want_constrained = _penalized_and_constrained(real_server)
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     args = ["--model", tiny_model, "--speculative-config", config, *REAL_ARGS]
     server = launch(args, fake=False)
     try:
         assert _texts(server) == want
+        assert _penalized_and_constrained(server) == want_constrained
+        assert want_constrained[-1] == "a b a b a b c"
         text = _settled_metrics(server)  # every figure below from this one snapshot
         m = parse_metrics(text)
         drafts = m["paged:spec_decode_num_drafts_total"]

@@ -357,3 +357,95 @@ def test_beam_search_runs_without_drafts_beside_drafted_requests(llama):
     spec, stats = _run(target, prompts, params, speculative_config=_spec(noisy, 2))
     assert stats.spec_decode_num_drafts > 0
     assert_same_tokens_and_scores(plain, spec)
+
+
+def test_vllm_speculative_config_keys(llama, tmp_path, monkeypatch):
+    """vLLM's other keys: the draft resolved at `revision` through the engine's download_dir
+    and hf_token (as the target is), draft_tensor_parallel_size 1 (vLLM's EAGLE example),
+    the knobs that change no token, and what is refused by name."""
+    import paged_engine.spec_decode.head_loader as head_loader
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    target, noisy = llama
+    calls = []
+    resolve = head_loader.resolve_model
+
+    def recording(name, revision=None, download_dir=None, weights=True, token=None):
+        calls.append((str(name), revision, download_dir, token))
+        return resolve(name, revision, download_dir, weights, token)
+
+    monkeypatch.setattr(head_loader, "resolve_model", recording)
+    spec = {
+        **_spec(noisy, 3),
+        "revision": "v1",
+        "code_revision": "v1",
+        "draft_tensor_parallel_size": 1,
+        "max_model_len": 256,
+        "enforce_eager": True,
+        "disable_padded_drafter_batch": False,
+        "rejection_sample_method": "standard",
+    }
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain, _ = _run(target, _prompts()[:3], params)
+    got, stats = _run(
+        target,
+        _prompts()[:3],
+        params,
+        speculative_config=spec,
+        download_dir=str(tmp_path / "hub"),
+        hf_token="hf_x",
+    )
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert stats.spec_decode_num_accepted_tokens > 0
+    drafts = [c for c in calls if c[0] == str(noisy)]
+    assert drafts and all(c[1:] == ("v1", str(tmp_path / "hub"), "hf_x") for c in drafts)
+    refused = [
+        ({"tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
+        ({"revision": "a", "code_revision": "b"}, "code_revision differs"),
+        ({"rejection_sample_method": "block"}, "'standard'"),
+        ({"draft_sample_method": "top"}, "draft_sample_method"),
+        ({"enforce_eager": "yes"}, "enforce_eager must be a bool"),
+    ]
+    for extra, needle in refused:
+        with pytest.raises(ValueError, match=needle):
+            SpeculativeConfig.from_dict({**_spec(noisy, 3), **extra})
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 must be 1 or"):
+        LLM(
+            model=str(target),
+            speculative_config={**_spec(noisy, 2), "draft_tensor_parallel_size": 2},
+        )
+    with pytest.raises(ValueError, match=r"speculative_config.max_model_len=64 is below"):
+        _run(target, [], params, speculative_config={**_spec(noisy, 2), "max_model_len": 64})
+
+
+def test_greedy_draft_sampling_keeps_the_distribution(llama, monkeypatch):
+    """draft_sample_method="greedy" (vLLM's default): the draft's argmax, verified as a point
+    mass (no q); seeded temperature-0.8 marginals match plain sampling, greedy rows plain's
+    tokens."""
+    from paged_engine.spec_decode.draft_model import DraftModelRunner
+
+    target, noisy = llama
+    with_q = []
+    propose = DraftModelRunner.propose
+
+    def recording(self, *args):
+        proposal = propose(self, *args)
+        with_q.append(proposal.probs is not None)
+        return proposal
+
+    monkeypatch.setattr(DraftModelRunner, "propose", recording)
+    num = 1000
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
+    params = [
+        SamplingParams(temperature=0.8, seed=s, max_tokens=4, ignore_eos=True) for s in range(num)
+    ]
+    spec = {**_spec(noisy, 3), "draft_sample_method": "greedy"}
+    plain, _ = _run(target, [prompt] * num, params)
+    got, stats = _run(target, [prompt] * num, params, speculative_config=spec)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert with_q and not any(with_q)
+    assert_same_marginals(plain, got, 4)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, _ = _run(target, _prompts(), greedy)
+    again, _ = _run(target, _prompts(), greedy, speculative_config=spec)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]

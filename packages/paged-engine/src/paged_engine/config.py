@@ -382,7 +382,13 @@ class EngineConfig:
         if self.speculative_config is not None:
             from paged_engine.spec_decode.config import SpeculativeConfig
 
-            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+            spec = SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
+            tp = self.tensor_parallel_size
+            if spec.draft_tensor_parallel_size not in (None, 1, tp):
+                raise ValueError(
+                    f"speculative_config.draft_tensor_parallel_size="
+                    f"{spec.draft_tensor_parallel_size} must be 1 or tensor_parallel_size={tp}"
+                )
             if self.async_scheduling:
                 raise ValueError(
                     "async_scheduling=True is not supported with speculative_config: drafts "

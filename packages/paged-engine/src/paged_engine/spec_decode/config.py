@@ -6,14 +6,39 @@
     {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
     {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
 
-A "model" key without a method implies "draft_model"; without either the method is "ngram"."""
+A "model" key without a method implies "draft_model"; without either the method is "ngram".
+
+Also vLLM's: `revision` (of a hub draft or head; `code_revision` only if the same),
+`draft_tensor_parallel_size` (1 or the target's: a draft always runs sharded like the target,
+so 1 gives the same tokens), `draft_sample_method` ("probabilistic", the default here: drafts
+drawn from the draft's distribution q, which the verification uses; "greedy", vLLM's default:
+the draft's argmax, verified as a point mass), `rejection_sample_method` ("standard" only),
+`max_model_len` (the draft's; at least the engine's), and the knobs that change no token here:
+`enforce_eager` (drafts run eagerly) and `disable_padded_drafter_batch` (drafter batches are
+never padded)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-_KNOWN = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model"}
+_KNOWN = {
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "revision",
+    "code_revision",
+    "draft_tensor_parallel_size",
+    "tensor_parallel_size",
+    "draft_sample_method",
+    "rejection_sample_method",
+    "max_model_len",
+    "enforce_eager",
+    "disable_padded_drafter_batch",
+}
+_DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 _WITH_MODEL = ("draft_model", "eagle", "eagle3")
 _ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's earlier name
@@ -26,6 +51,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     model: str | None = None  # the draft model or EAGLE-3 head
+    revision: str | None = None  # of a hub draft or head
+    draft_tensor_parallel_size: int | None = None  # 1 or the target's (checked by EngineConfig)
+    greedy_drafts: bool = False  # draft_sample_method="greedy"
+    max_model_len: int | None = None  # the draft's (checked against the engine's)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -79,13 +108,14 @@ class SpeculativeConfig:
                 "speculative_config.model is given with method 'ngram': drop the method (or "
                 "pass 'draft_model') to speculate with a draft model"
             )
+        extra = _vllm_options(value)
         k = value.get("num_speculative_tokens")
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", 4)
         if k is None and (model is not None or method == "mtp"):
             # 0: the engine takes it from the model's own config (a speculators checkpoint's
             # proposal method, the MTP layer count) before anything else reads it, or refuses
             # naming this key
-            return cls(method, 0, hi, lo, model)
+            return cls(method, 0, hi, lo, model, **extra)
         for name, v in (("num_speculative_tokens", k), ("prompt_lookup_min", lo)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be an int >= 1, got {v!r}")
@@ -96,4 +126,51 @@ class SpeculativeConfig:
             )
         if k > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got {k}")
-        return cls(method, k, hi, lo, model)
+        return cls(method, k, hi, lo, model, **extra)
+
+
+def _vllm_options(value: dict[str, Any]) -> dict[str, Any]:
+    """The fields of vLLM's other keys (see the module docstring), checked by name."""
+
+    def positive_int(name: str) -> int | None:
+        v = value.get(name)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"speculative_config.{name} must be an int >= 1, got {v!r}")
+        return v
+
+    if "tensor_parallel_size" in value:
+        raise ValueError(
+            "speculative_config.tensor_parallel_size: pass draft_tensor_parallel_size (as vLLM "
+            "says too)"
+        )
+    revision, code_revision = value.get("revision"), value.get("code_revision")
+    for name, v in (("revision", revision), ("code_revision", code_revision)):
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"speculative_config.{name} must be a str, got {v!r}")
+    if code_revision is not None and code_revision != revision:
+        raise ValueError(
+            "speculative_config.code_revision differs from revision: the draft's code is read "
+            "at its revision; drop code_revision or make them equal"
+        )
+    sample = value.get("draft_sample_method", "probabilistic")
+    if sample not in _DRAFT_SAMPLE_METHODS:
+        raise ValueError(
+            f"speculative_config.draft_sample_method must be one of {_DRAFT_SAMPLE_METHODS}, "
+            f"got {sample!r}"
+        )
+    rejection = value.get("rejection_sample_method", "standard")
+    if rejection != "standard":
+        raise ValueError(
+            f"speculative_config.rejection_sample_method {rejection!r} is not supported: "
+            "'standard' (exact rejection sampling) only"
+        )
+    for name in ("enforce_eager", "disable_padded_drafter_batch"):
+        v = value.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise ValueError(f"speculative_config.{name} must be a bool, got {v!r}")
+    return {
+        "revision": revision,
+        "draft_tensor_parallel_size": positive_int("draft_tensor_parallel_size"),
+        "greedy_drafts": sample == "greedy",
+        "max_model_len": positive_int("max_model_len"),
+    }

@@ -18,7 +18,6 @@ from paged_engine.loader import (
     load_hf_config,
     load_model,
     load_tokenizer,
-    resolve_model,
 )
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.spec_decode.head_loader import (
@@ -30,6 +29,7 @@ from paged_engine.spec_decode.head_loader import (
     check_mtp,
     configured_num_tokens,
     is_eagle3_head,
+    resolve_draft,
     vocab_size,
 )
 
@@ -53,7 +53,7 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
     if spec.model is not None and "method" not in given:
         # As vLLM tells them: an EAGLE-3 head by its config, an EAGLE-1 head by its name.
         method = None
-        if is_eagle3_head(spec.model, config.trust_remote_code):
+        if is_eagle3_head(spec.model, config):
             method = "eagle3"
         elif "eagle-" in spec.model.lower():
             method = "eagle"
@@ -67,7 +67,7 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
             k = num_mtp_layers(target_hf_config)
         else:
             assert spec.model is not None
-            k = configured_num_tokens(spec.model)
+            k = configured_num_tokens(spec.model, config)
         if k is None:
             raise ValueError(
                 "speculative_config.num_speculative_tokens is required: "
@@ -78,27 +78,31 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
         spec = SpeculativeConfig.from_dict(config.speculative_config)
     if spec.is_eagle3:
         assert spec.model is not None
-        check_eagle3_head(spec.model, target_hf_config, config.trust_remote_code)
+        check_eagle3_head(spec.model, target_hf_config, config)
     elif spec.is_eagle:
         assert spec.model is not None
-        check_eagle_head(spec.model, target_hf_config, config.trust_remote_code)
+        check_eagle_head(spec.model, target_hf_config, config)
     elif spec.model is not None:
-        check_draft_model(
-            spec.model,
-            target_hf_config,
-            target_tokenizer,
-            config.max_model_len,
-            config.trust_remote_code,
+        check_draft_model(spec.model, target_hf_config, target_tokenizer, config)
+    if spec.max_model_len is not None and spec.max_model_len < config.max_model_len:
+        raise ValueError(
+            f"speculative_config.max_model_len={spec.max_model_len} is below max_model_len="
+            f"{config.max_model_len}: the draft runs over every position the target does"
+        )
+    if spec.draft_tensor_parallel_size == 1 and config.tensor_parallel_size > 1:
+        logger.info(
+            "speculative_config.draft_tensor_parallel_size=1: the draft runs sharded like the "
+            "target (tensor_parallel_size=%d), the same tokens",
+            config.tensor_parallel_size,
         )
 
 
-def check_draft_model(
-    name: str, target_hf_config, target_tokenizer, max_model_len: int, trust_remote_code: bool
-) -> None:
+def check_draft_model(name: str, target_hf_config, target_tokenizer, config) -> None:
     """Raise ValueError unless draft `name` can draft for the target (see the module doc)."""
     where = f"speculative_config.model={name!r}"
+    max_model_len, trust_remote_code = config.max_model_len, config.trust_remote_code
     try:
-        resolved = resolve_model(name)
+        resolved = resolve_draft(name, config)
         draft_config = load_hf_config(resolved, trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the draft model ({e})") from None
@@ -159,7 +163,7 @@ def attach_draft_model(
     if spec.is_eagle:
         attach_eagle_head(runner, spec.model)
         return
-    resolved = resolve_model(spec.model)
+    resolved = resolve_draft(spec.model, config)
     hf_config = load_hf_config(resolved, config.trust_remote_code)
     logger.info("loading the draft model %s", spec.model)
     model = load_model(

@@ -30,7 +30,8 @@ never its outputs (verification uses the draft's real q).
 Draft tokens are drawn with the sampling settings of the row (temperature, top-k / top-p /
 min-p, min_tokens; penalties count the row's earlier drafts as outputs), from the processed
 draft distribution q, with noise independent of the verification's (seeded rows use a salted
-seed): the rejection sampler needs q and the draft.
+seed): the rejection sampler needs q and the draft. With draft_sample_method="greedy" they are
+its argmax instead, and the verification treats them as point masses (no q).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import torch
 from torch import Tensor
 
 from paged_engine.attention import AttentionMetadata, HostLengths
+from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.worker.cache_engine import CacheEngine
 
 if TYPE_CHECKING:
@@ -74,6 +76,10 @@ class DraftModelRunner:
         self.runner = runner  # the target's runner: batch, backend, sampler, device
         self.dtype = next(model.parameters()).dtype
         self.cache: CacheEngine | None = None
+        # draft_sample_method="greedy": drafts are the argmax of the processed draft logits,
+        # verified as point masses (no q)
+        spec = runner.config.speculative_config
+        self.greedy_drafts = spec is not None and SpeculativeConfig.from_dict(spec).greedy_drafts
         # seq id -> (token, position): an accepted token the draft has not run yet.
         self._lag: dict[int, tuple[int, int]] = {}
         self._max_lag_entries = 4 * runner.config.max_num_seqs
@@ -264,7 +270,7 @@ class DraftModelRunner:
         drafted = prior if r.batch.history[rows].any() else None
         md = r.sampling.metadata(cached, src, rows, np.zeros(src.size, np.int64), out_pos, drafted)
         x = r.sampler.process_logits(raw, md)
-        if md.all_greedy:
+        if md.all_greedy or self.greedy_drafts:
             return x.max(dim=-1).indices, None
         if md.seeds:
             md = dataclasses.replace(md, seeds=[(k, s ^ _DRAFT_SEED_SALT) for k, s in md.seeds])

@@ -62,11 +62,22 @@ def load_eagle3_config(resolved: ResolvedModel, trust_remote_code: bool):
     return LlamaConfig(**fields)
 
 
-def configured_num_tokens(name: str) -> int | None:
+def resolve_draft(name: str, config) -> ResolvedModel:
+    """A draft model or head as the target is resolved: at speculative_config.revision, through
+    the engine's download_dir and hf_token."""
+    from paged_engine.spec_decode.config import SpeculativeConfig
+
+    revision = None
+    if config.speculative_config is not None:
+        revision = SpeculativeConfig.from_dict(config.speculative_config).revision
+    return resolve_model(name, revision, config.download_dir, token=config.hf_token)
+
+
+def configured_num_tokens(name: str, config) -> int | None:
     """The draft count a speculators checkpoint proposes (`speculators_config.proposal_methods
     [0].speculative_tokens`), None where it names none or cannot be read."""
     try:
-        resolved = resolve_model(name)
+        resolved = resolve_draft(name, config)
         raw = json.loads((resolved.path / "config.json").read_text())
         k = raw["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     except (OSError, ValueError, KeyError, IndexError, TypeError):
@@ -74,17 +85,18 @@ def configured_num_tokens(name: str) -> int | None:
     return k if isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16 else None
 
 
-def is_eagle3_head(name: str, trust_remote_code: bool) -> bool:
+def is_eagle3_head(name: str, config) -> bool:
     """Whether `name` holds an EAGLE-3 head (either layout); False where it cannot be read."""
     from paged_engine.models.llama_eagle3 import is_eagle3_config
 
     try:
-        return is_eagle3_config(load_eagle3_config(resolve_model(name), trust_remote_code))
+        head = load_eagle3_config(resolve_draft(name, config), config.trust_remote_code)
+        return is_eagle3_config(head)
     except (OSError, ValueError):
         return False
 
 
-def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> None:
+def check_eagle3_head(name: str, target_hf_config, config) -> None:
     """Raise ValueError unless `name` is an EAGLE-3 head for this target: an EAGLE-3 config,
     the target's vocab_size, features as wide as the target's hidden size, aux layer ids the
     target has."""
@@ -97,7 +109,7 @@ def check_eagle3_head(name: str, target_hf_config, trust_remote_code: bool) -> N
 
     where = f"speculative_config.model={name!r}"
     try:
-        head_config = load_eagle3_config(resolve_model(name), trust_remote_code)
+        head_config = load_eagle3_config(resolve_draft(name, config), config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the EAGLE-3 head ({e})") from None
     if not is_eagle3_config(head_config):
@@ -138,7 +150,7 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     from paged_engine.spec_decode.eagle import Eagle3Runner
 
     config = runner.config
-    resolved = resolve_model(name)
+    resolved = resolve_draft(name, runner.config)
     hf_config = load_eagle3_config(resolved, config.trust_remote_code)
     dtype = next(runner.model.parameters()).dtype
     reach_max_model_len(hf_config, config.max_model_len)
@@ -159,14 +171,14 @@ def attach_eagle3_head(runner: ModelRunner, name: str) -> None:
     runner.draft = Eagle3Runner(head.eval().requires_grad_(False), hf_config, runner, layers)
 
 
-def check_eagle_head(name: str, target_hf_config, trust_remote_code: bool) -> None:
+def check_eagle_head(name: str, target_hf_config, config) -> None:
     """Raise ValueError unless `name` is an EAGLE-1 head for this target: a Llama-style config
     (not an EAGLE-3 one) with the target's vocab_size and hidden size."""
     from paged_engine.models.llama_eagle3 import is_eagle3_config
 
     where = f"speculative_config.model={name!r}"
     try:
-        head_config = load_eagle3_config(resolve_model(name), trust_remote_code)
+        head_config = load_eagle3_config(resolve_draft(name, config), config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the EAGLE head ({e})") from None
     if is_eagle3_config(head_config):
@@ -189,7 +201,7 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     from paged_engine.spec_decode.eagle import FinalHiddenRunner
 
     config, target = runner.config, runner.model
-    resolved = resolve_model(name)
+    resolved = resolve_draft(name, runner.config)
     hf_config = load_hf_config(resolved, config.trust_remote_code)
     reach_max_model_len(hf_config, config.max_model_len)
     dtype = next(target.parameters()).dtype

@@ -62,3 +62,43 @@ def test_beam_search_refuses_what_it_cannot_do(llm: LLM, kwargs: dict, match: st
     args = {"params": BeamSearchParams(beam_width=2, max_tokens=2), **kwargs}
     with pytest.raises(ValueError, match=match):
         llm.beam_search(["x"], **args)
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_beam_logprobs_are_the_candidates_each_token_came_from(llm: LLM, ignore_eos) -> None:
+    """vLLM's `BeamSearchSequence.logprobs`: one dict per generated token holding the raw
+    logprobs of the 2 x beam_width candidates its beam chose from, ranked, the chosen token
+    among them; the chosen ones sum to the beam's cumulative logprob, and each equals the
+    token's logprob when the beam's text is scored as a prompt (forks keep their own history)."""
+    width, max_tokens = 3, 7
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [40, 41, 40, 41]}, "abc"]
+    outs = llm.beam_search(prompts, params)
+    tok = llm.get_tokenizer()
+    scored = []
+    for out, prompt in zip(outs, prompts):
+        n = len(prompt["prompt_token_ids"]) if isinstance(prompt, dict) else None
+        for seq in out.sequences:
+            n = n if n is not None else len(seq.tokens) - len(seq.logprobs)
+            generated = seq.tokens[n:]
+            assert len(seq.logprobs) == len(generated) > 0
+            chosen = []
+            for token, entry in zip(generated, seq.logprobs):
+                assert len(entry) == 2 * width and token in entry
+                ranked = sorted(entry.values(), key=lambda lp: lp.rank)
+                assert [lp.rank for lp in ranked] == list(range(1, 2 * width + 1))
+                assert [lp.logprob for lp in ranked] == sorted(
+                    (lp.logprob for lp in ranked), reverse=True
+                )
+                assert entry[token].decoded_token == tok.decode([token])
+                chosen.append(entry[token].logprob)
+            assert sum(chosen) == pytest.approx(seq.cum_logprob, abs=1e-4)
+            scored.append((seq.tokens, n, chosen))
+    again = llm.generate(
+        [{"prompt_token_ids": tokens} for tokens, _, _ in scored],
+        SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    for (tokens, n, chosen), out in zip(scored, again):
+        want = [out.prompt_logprobs[p][tokens[p]].logprob for p in range(n, len(tokens))]
+        assert chosen == pytest.approx(want, abs=1e-4)

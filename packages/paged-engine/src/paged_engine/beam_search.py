@@ -11,8 +11,9 @@ from paged_engine.outputs import Logprob
 @dataclass
 class BeamSearchSequence:
     """One finished beam. `tokens` holds the prompt's ids then the generated ones, and `text`
-    their decoding, both as in vLLM. `logprobs` stays empty: the engine's beam search keeps
-    each beam's cumulative logprob, not every step's candidates."""
+    their decoding, both as in vLLM. `logprobs` has one dict per generated token, as vLLM's:
+    the raw logprobs of the 2 x beam_width candidates the beam chose that token from (ranked
+    1..), the chosen one among them."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)

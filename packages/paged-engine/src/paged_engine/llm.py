@@ -121,7 +121,7 @@ class LLM:
                 beams.append(
                     BeamSearchSequence(
                         tokens=tokens,
-                        logprobs=[],
+                        logprobs=list(c.logprobs or []),
                         cum_logprob=c.cumulative_logprob or 0.0,
                         lora_request=out.lora_request,
                         text=tok.decode(tokens),

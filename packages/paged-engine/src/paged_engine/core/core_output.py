@@ -8,6 +8,7 @@ it can cross a thread or process boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class BeamHypothesis:
     token_ids: list[int]  # generated tokens only
     cumulative_logprob: float
     finish_reason: str | None
+    trace: Any = None  # its candidates at each step (sample/beam_search.py BeamTrace)
 
 
 @dataclass(slots=True)

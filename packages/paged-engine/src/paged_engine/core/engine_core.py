@@ -133,10 +133,10 @@ class EngineCore:
             o = EngineCoreOutput(req.request_id, [], True)
             if req.beam is not None:  # the finished hypotheses, then the live beams
                 o.beams = [
-                    BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason)
+                    BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason, h.trace)
                     for h in req.beam.finished
                 ] + [
-                    BeamHypothesis(s.output_token_ids, s.cumulative_logprob, "abort")
+                    BeamHypothesis(s.output_token_ids, s.cumulative_logprob, "abort", s.beam_trace)
                     for s in req.live_seqs()
                 ]
             else:
@@ -462,12 +462,14 @@ class EngineCore:
         top_ids = torch.tensor([t[1] for t in top], dtype=torch.long)
         room = self.max_model_len - seqs[0].num_tokens
         scores = [s.cumulative_logprob for s in seqs]
-        result = state.step(top_lp, top_ids, scores, [s.output_token_ids for s in seqs], room)
+        traces = [s.beam_trace for s in seqs]
+        generated = [s.output_token_ids for s in seqs]
+        result = state.step(top_lp, top_ids, scores, generated, room, traces)
         if result.done:
             for seq in seqs:
                 self.scheduler.free_seq(seq, _STOPPED)
             o.beams = [
-                BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason)
+                BeamHypothesis(h.token_ids, h.cumulative_logprob, h.finish_reason, h.trace)
                 for h in state.finished
             ]
             return
@@ -487,11 +489,14 @@ class EngineCore:
                 kept.add(cand.parent)
                 child = parent
             children.append((child, cand.token_id, cand.cumulative_logprob))
-        for seq, token_id, score in children:
+        for (seq, token_id, score), cand in zip(children, result.running):
             seq.token_ids.append(token_id)
             seq.cumulative_logprob = score
+            parent = cand.parent  # the candidates it chose from
+            seq.beam_trace = (traces[parent], top[parent])
             self.scheduler.resend(seq)
             self.generation_tokens_total += 1
         o.beams = [
-            BeamHypothesis(s.output_token_ids, s.cumulative_logprob, None) for s in req.live_seqs()
+            BeamHypothesis(s.output_token_ids, s.cumulative_logprob, None, s.beam_trace)
+            for s in req.live_seqs()
         ]

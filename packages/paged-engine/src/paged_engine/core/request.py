@@ -98,6 +98,8 @@ class Sequence:
     # again, their tokens sent to the worker (which knows generated tokens on the device only).
     replay_end: int = 0
     cumulative_logprob: float = 0.0  # beam search score (raw logprobs)
+    # beam search: each step's candidates (`BeamTrace`, sample/beam_search.py), newest last
+    beam_trace: Any = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

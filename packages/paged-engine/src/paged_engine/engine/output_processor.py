@@ -29,6 +29,7 @@ from paged_engine.pooling import (
     PoolingRequestOutput,
     PoolingSamplingParams,
 )
+from paged_engine.sample.beam_search import trace_steps
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 _CUMULATIVE = RequestOutputKind.CUMULATIVE
@@ -457,6 +458,9 @@ class OutputProcessor:
         )
 
     def _beam_outputs(self, state: RequestState, finished: bool) -> list[CompletionOutput]:
+        """The beams, best first; once finished each with its logprobs as vLLM's beam search
+        keeps them: per generated token, the candidates its beam chose from (2 x beam_width
+        raw logprobs, ranked), the chosen one among them."""
         beams = state.beams or []
         if finished:
             beams = beams[: state.num_returned]
@@ -466,11 +470,20 @@ class OutputProcessor:
                 text=self.tokenizer.decode(b.token_ids, skip_special_tokens=True),
                 token_ids=list(b.token_ids),
                 cumulative_logprob=b.cumulative_logprob,
-                logprobs=None,
+                logprobs=self._beam_logprobs(b.trace) if finished else None,
                 finish_reason=b.finish_reason if finished else None,
                 stop_reason=None,
             )
             for i, b in enumerate(beams)
+        ]
+
+    def _beam_logprobs(self, trace) -> list[dict[int, Logprob]] | None:
+        if trace is None:
+            return None
+        decode = self._decode_one_fn
+        return [
+            {t: Logprob(lp, rank, decode(t)) for rank, (lp, t) in enumerate(zip(lps, ids), 1)}
+            for lps, ids in trace_steps(trace)
         ]
 
 

@@ -13,10 +13,25 @@ scored `sum_logprob / generated_len ** length_penalty`; the best `beam_width` ot
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 NEG_INF = -1.0e9
+
+
+# A beam's candidates at each step, newest last, as a chain shared by the beams that forked
+# from it: (the steps before, (the candidates' logprobs, their ids), best first).
+BeamTrace = tuple[Any, tuple[list[float], list[int]]]
+
+
+def trace_steps(trace: BeamTrace | None) -> list[tuple[list[float], list[int]]]:
+    """The steps of `trace`, oldest first."""
+    steps = []
+    while trace is not None:
+        trace, step = trace
+        steps.append(step)
+    return steps[::-1]
 
 
 @dataclass(slots=True)
@@ -27,6 +42,7 @@ class Hypothesis:
     cumulative_logprob: float
     score: float
     finish_reason: str  # "stop" (EOS) or "length"
+    trace: BeamTrace | None = None  # each step's candidates of the beam it came from
 
 
 @dataclass(slots=True)
@@ -64,6 +80,7 @@ class BeamSearchState:
         beam_scores: list[float],  # [num_live] cumulative logprob of each live beam
         generated: list[list[int]],  # [num_live] tokens each live beam generated so far
         max_new_by_context: int,  # tokens still allowed by max_model_len (same for all beams)
+        traces: list[BeamTrace | None] | None = None,  # [num_live] each beam's trace so far
     ) -> BeamStepResult:
         """The global top candidates over all beams equal the top of each beam's own top-k, so
         only [num_live, k] values ever leave the device."""
@@ -82,7 +99,11 @@ class BeamSearchState:
             hits.append(at_length or cand.token_id in self.eos_token_ids)
 
         running = [c for c, hit in zip(candidates, hits) if not hit][: self.beam_width]
-        self._add_finished(candidates, hits, generated, cur_gen_len, at_length)
+        steps = None
+        if traces is not None:  # a finished candidate's trace: its parent's, then this step
+            lps, tids = top_logprobs.tolist(), top_ids.tolist()
+            steps = [(traces[p], (lps[p], tids[p])) for p in range(num_live)]
+        self._add_finished(candidates, hits, generated, cur_gen_len, at_length, steps)
 
         # HF's early-stop heuristic: can the best running beam still beat the worst kept answer?
         if running and self._is_full():
@@ -110,6 +131,7 @@ class BeamSearchState:
         generated: list[list[int]],
         cur_gen_len: int,
         at_length: bool,
+        steps: list[BeamTrace] | None = None,
     ) -> None:
         if not self.improvement_possible or (self._is_full() and self.early_stopping is True):
             return
@@ -126,6 +148,7 @@ class BeamSearchState:
                     cumulative_logprob=cand.cumulative_logprob,
                     score=score,
                     finish_reason="stop" if is_eos else "length",
+                    trace=None if steps is None else steps[cand.parent],
                 )
             )
         # Stable sort: on equal scores the earlier hypothesis stays ahead.

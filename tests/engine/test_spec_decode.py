@@ -389,3 +389,29 @@ def test_constrained_rows_run_beside_speculating_ones(llama):
         if p is regex:
             assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", out.outputs[0].text)
     assert stats.spec_decode_num_draft_tokens > 0
+
+
+def test_draft_count_by_batch_size(llama):
+    """num_speculative_tokens_per_batch_size (vLLM's): rows draft up to 3 while 1-2 requests
+    run and not at all from 3 on; "ngram_gpu" is vLLM's GPU n-gram proposer's name."""
+    prompts = _prompts()[:4]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    config = {
+        **_spec(3),
+        "method": "ngram_gpu",
+        "prompt_lookup_min": 1,
+        "num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 64, 0]],
+    }
+    plain, _ = _run(llama, prompts, params)
+    few, few_stats = _run(llama, prompts[:2], params, speculative_config=config)
+    many, many_stats = _run(llama, prompts, params, speculative_config=config)
+    assert few_stats.spec_decode_num_drafts > 0
+    assert many_stats.spec_decode_num_drafts == 0  # four requests run throughout
+    assert [o.outputs[0].token_ids for o in many] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].token_ids for o in few] == [o.outputs[0].token_ids for o in plain[:2]]
+    for bad in ([[0, 2, 3]], [[3, 2, 1]], [[1, 2, 4]], [[1, 2]], "1-2:3"):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            LLM(
+                model=str(llama),
+                speculative_config={**_spec(3), "num_speculative_tokens_per_batch_size": bad},
+            )

@@ -360,7 +360,7 @@ class Scheduler:
         num_seqs = 0  # live sequences of the requests still running after this pass
         planner = self.draft_planner
         if planner is not None:
-            planner.next_step()
+            planner.next_step(len(self.running))
 
         # 1) Running requests, in admission order (priority order under that policy). Victims
         #    come off the tail, which this loop has not reached yet, so nothing already

@@ -13,7 +13,9 @@ Also vLLM's: `revision` (of a hub draft or head; `code_revision` only if the sam
 so 1 gives the same tokens), `draft_sample_method` ("probabilistic", the default here: drafts
 drawn from the draft's distribution q, which the verification uses; "greedy", vLLM's default:
 the draft's argmax, verified as a point mass), `rejection_sample_method` ("standard" only),
-`max_model_len` (the draft's; at least the engine's), and the knobs that change no token here:
+`max_model_len` (the draft's; at least the engine's), `num_speculative_tokens_per_batch_size`
+([[first, last, k], ...]: a row drafts at most k while first..last requests run; 0 turns
+speculation off there), "ngram_gpu" as "ngram", and the knobs that change no token here:
 `enforce_eager` (drafts run eagerly) and `disable_padded_drafter_batch` (drafter batches are
 never padded)."""
 
@@ -37,11 +39,13 @@ _KNOWN = {
     "max_model_len",
     "enforce_eager",
     "disable_padded_drafter_batch",
+    "num_speculative_tokens_per_batch_size",
 }
 _DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 _WITH_MODEL = ("draft_model", "eagle", "eagle3")
-_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's earlier name
+# vLLM's earlier MTP name, and its GPU n-gram proposer (the same proposals)
+_ALIASES = {"deepseek_mtp": "mtp", "ngram_gpu": "ngram"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,15 @@ class SpeculativeConfig:
     draft_tensor_parallel_size: int | None = None  # 1 or the target's (checked by EngineConfig)
     greedy_drafts: bool = False  # draft_sample_method="greedy"
     max_model_len: int | None = None  # the draft's (checked against the engine's)
+    # (first, last, k): drafts a row runs while the running requests number first..last
+    per_batch_size: tuple[tuple[int, int, int], ...] = ()
+
+    def num_tokens_at(self, batch_size: int) -> int:
+        """The drafts a row may run while `batch_size` requests run."""
+        for first, last, k in self.per_batch_size:
+            if first <= batch_size <= last:
+                return k
+        return self.num_speculative_tokens
 
     @property
     def uses_draft_model(self) -> bool:
@@ -126,7 +139,29 @@ class SpeculativeConfig:
             )
         if k > 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got {k}")
-        return cls(method, k, hi, lo, model, **extra)
+        schedule = _per_batch_size(value.get("num_speculative_tokens_per_batch_size"), k)
+        return cls(method, k, hi, lo, model, **extra, per_batch_size=schedule)
+
+
+def _per_batch_size(value: Any, k: int) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's num_speculative_tokens_per_batch_size: [(first, last, drafts), ...], inclusive
+    ranges of the running requests' count, drafts in 0..num_speculative_tokens (0: none)."""
+    if value is None:
+        return ()
+    name = "speculative_config.num_speculative_tokens_per_batch_size"
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list of [first, last, num_tokens], got {value!r}")
+    out = []
+    for entry in value:
+        ok = isinstance(entry, list | tuple) and len(entry) == 3
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+        if not ok or not 1 <= entry[0] <= entry[1] or not 0 <= entry[2] <= k:
+            raise ValueError(
+                f"{name}: each entry is [first, last, num_tokens] with 1 <= first <= last and "
+                f"0 <= num_tokens <= num_speculative_tokens={k}, got {entry!r}"
+            )
+        out.append(tuple(entry))
+    return tuple(out)
 
 
 def _vllm_options(value: dict[str, Any]) -> dict[str, Any]:

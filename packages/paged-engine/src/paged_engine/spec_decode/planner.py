@@ -44,6 +44,7 @@ class DraftPlanner:
         self.max_model_len = max_model_len
         self._backoff: dict[int, _Backoff] = {}  # seq id -> its pause
         self._step = 0
+        self._k = config.num_speculative_tokens  # drafts a row may run this step
         # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens, and
         # per draft position j the proposals whose drafts 0..j were all accepted (so
         # sum(per_pos) == num_accepted_tokens and per_pos[0] <= num_drafts).
@@ -52,8 +53,11 @@ class DraftPlanner:
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
 
-    def next_step(self) -> None:
+    def next_step(self, batch_size: int = 0) -> None:
+        """A new step, scheduled while `batch_size` requests run (the draft count may depend
+        on it: num_speculative_tokens_per_batch_size)."""
         self._step += 1
+        self._k = self.config.num_tokens_at(batch_size)
 
     def drafts(self, req: Request, seq: Sequence, budget: int) -> list[int]:
         """Drafts for a decode row of `seq` (its one new token is the last, known one) that
@@ -64,7 +68,7 @@ class DraftPlanner:
         if state is not None and self._step < state.resume_at:
             return []
         tokens = seq.token_ids
-        room = min(self.config.num_speculative_tokens, budget, self.max_model_len - len(tokens) - 1)
+        room = min(self._k, budget, self.max_model_len - len(tokens) - 1)
         if req.max_tokens is not None:
             room = min(room, req.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1)
         if room <= 0:

@@ -565,7 +565,6 @@ def test_penalties_match_naive_reference(llm, hf_llama):
         ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"use_beam_search": True, "top_k": 5}, "top_k"),
         ({"use_beam_search": True, "n": 2, "stop": ["x"]}, "stop"),
-        ({"use_beam_search": True, "n": 2, "logprobs": 1}, "logprobs"),
         ({"use_beam_search": True, "n": 2, "prompt_logprobs": 0}, "prompt_logprobs"),
         ({"use_beam_search": True, "n": 2, "min_tokens": 3}, "min_tokens"),
         ({"use_beam_search": True, "n": 2, "repetition_penalty": 1.2}, "repetition_penalty"),

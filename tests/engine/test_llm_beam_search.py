@@ -102,3 +102,24 @@ def test_beam_logprobs_are_the_candidates_each_token_came_from(llm: LLM, ignore_
     for (tokens, n, chosen), out in zip(scored, again):
         want = [out.prompt_logprobs[p][tokens[p]].logprob for p in range(n, len(tokens))]
         assert chosen == pytest.approx(want, abs=1e-4)
+
+
+def test_generate_with_use_beam_search_returns_asked_logprobs(llm: LLM) -> None:
+    """SamplingParams(use_beam_search=True, logprobs=k): each finished beam's tokens with the
+    top k of their candidates and the chosen one (as vLLM's server renders beam search);
+    without logprobs, none. The values are LLM.beam_search's."""
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 9, 9, 9]}]
+    asked = SamplingParams(n=2, use_beam_search=True, max_tokens=5, temperature=0, logprobs=1)
+    outs = llm.generate(prompts, asked, use_tqdm=False)
+    full = llm.beam_search(prompts, BeamSearchParams(beam_width=2, max_tokens=5))
+    for out, ref in zip(outs, full):
+        for c, seq in zip(out.outputs, ref.sequences):
+            assert len(c.logprobs) == len(c.token_ids)
+            for token, entry, whole in zip(c.token_ids, c.logprobs, seq.logprobs):
+                assert token in entry and 1 <= len(entry) <= 2
+                assert min(lp.rank for lp in entry.values()) == 1
+                assert {t: lp.logprob for t, lp in entry.items()} == {
+                    t: whole[t].logprob for t in entry
+                }
+    plain = SamplingParams(n=2, use_beam_search=True, max_tokens=5, temperature=0)
+    assert all(c.logprobs is None for o in llm.generate(prompts, plain) for c in o.outputs)

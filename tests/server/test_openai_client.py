@@ -47,6 +47,23 @@ def test_completions_n_and_logprobs(client) -> None:
     assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
 
 
+def test_beam_search_with_logprobs(client) -> None:
+    """vLLM's `use_beam_search` with `logprobs`: each beam's tokens with their logprobs (the
+    top candidates its beam chose from), best beam first."""
+    r = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, n=2, logprobs=1, temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )  # fmt: skip
+    assert len(r.choices) == 2
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+        assert all(x <= 0 for x in lp.token_logprobs)
+        assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+    sums = [sum(c.logprobs.token_logprobs) for c in r.choices]
+    assert sums[0] >= sums[1] - 1e-6  # ranked by score (length penalty 1, equal lengths)
+
+
 def test_completions_echo(client) -> None:
     r = client.completions.create(
         model="tiny", prompt=PROMPTS[2], max_tokens=2, echo=True, logprobs=1, temperature=0

@@ -287,7 +287,6 @@ class SamplingParams:
             "stop": bool(self.stop),
             "stop_token_ids": bool(self.stop_token_ids),
             "logprob_token_ids": self.logprob_token_ids is not None,  # (before: it sets logprobs)
-            "logprobs": self.logprobs is not None,
             "prompt_logprobs": self.prompt_logprobs is not None,
             "min_tokens": self.min_tokens > 0,
             "presence_penalty": self.presence_penalty != 0.0,

@@ -35,6 +35,9 @@ class ProcessedRequest:
     request: Request  # for the engine core
     prompt_text: str | None  # for the outputs
     num_returned: int  # outputs returned (n)
+    # beam search: logprobs of each finished beam's tokens (None: none; -1: every candidate,
+    # as LLM.beam_search returns them; k: the top k candidates and the chosen token)
+    beam_logprobs: int | None = None
 
 
 class InputProcessor:
@@ -77,8 +80,10 @@ class InputProcessor:
     ) -> ProcessedRequest:
         params = SamplingParams(**self.default_params) if params is None else params
         num_returned = None
+        beam_logprobs = -1 if isinstance(params, BeamSearchParams) else None
         if isinstance(params, SamplingParams) and params.use_beam_search:
             num_returned = params.n  # the n best of beam_width = max(n, best_of) beams
+            beam_logprobs = params.logprobs
             params = params.to_beam_search_params()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
@@ -149,7 +154,7 @@ class InputProcessor:
             positions = self.videos if self.images is None else self.images
             assert positions is not None
             req.mrope = positions.positions(len(token_ids), mm_inputs)
-        return ProcessedRequest(req, text, num_returned)
+        return ProcessedRequest(req, text, num_returned, beam_logprobs)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -385,6 +385,7 @@ class LLMEngine:
             req.arrival_time,
             num_prompt_tokens=len(req.prompt_token_ids),
             num_returned=p.num_returned,
+            beam_logprobs=p.beam_logprobs,
             kind=kind,
             lora_request=lora_request,
         )

@@ -77,6 +77,8 @@ class RequestState:
     num_returned: int  # outputs returned (n)
     arrival_time: float
     is_beam: bool
+    # finished beams' logprobs: None none, -1 every candidate, k the top k and the chosen token
+    beam_logprobs: int | None
     # Beams change wholesale and best_of > n ranks at the end: a DELTA request of either kind
     # gets its outputs once, whole, when it finishes.
     whole_at_end: bool
@@ -152,6 +154,7 @@ class OutputProcessor:
         num_returned: int,
         kind: RequestOutputKind,
         lora_request: Any = None,
+        beam_logprobs: int | None = None,
     ) -> None:
         beam = isinstance(params, BeamSearchParams)
         num_samples = params.beam_width if beam else params.num_sequences
@@ -170,6 +173,7 @@ class OutputProcessor:
             num_returned=num_returned,
             arrival_time=arrival_time,
             is_beam=beam,
+            beam_logprobs=beam_logprobs,
             whole_at_end=whole_at_end,
             text_at_end=text_at_end,
             streams=kind == _CUMULATIVE or (kind == _DELTA and not whole_at_end),
@@ -470,21 +474,27 @@ class OutputProcessor:
                 text=self.tokenizer.decode(b.token_ids, skip_special_tokens=True),
                 token_ids=list(b.token_ids),
                 cumulative_logprob=b.cumulative_logprob,
-                logprobs=self._beam_logprobs(b.trace) if finished else None,
+                logprobs=self._beam_logprobs(b, state.beam_logprobs) if finished else None,
                 finish_reason=b.finish_reason if finished else None,
                 stop_reason=None,
             )
             for i, b in enumerate(beams)
         ]
 
-    def _beam_logprobs(self, trace) -> list[dict[int, Logprob]] | None:
-        if trace is None:
+    def _beam_logprobs(self, beam, k: int | None) -> list[dict[int, Logprob]] | None:
+        """Per token of `beam`, the candidates it was chosen from (`k`: the top k of them and
+        the chosen one; -1 all), ranked."""
+        if k is None or beam.trace is None:
             return None
         decode = self._decode_one_fn
-        return [
-            {t: Logprob(lp, rank, decode(t)) for rank, (lp, t) in enumerate(zip(lps, ids), 1)}
-            for lps, ids in trace_steps(trace)
-        ]
+        out = []
+        for token, (lps, ids) in zip(beam.token_ids, trace_steps(beam.trace)):
+            entry = {}
+            for rank, (lp, t) in enumerate(zip(lps, ids), 1):
+                if k < 0 or rank <= k or t == token:
+                    entry[t] = Logprob(lp, rank, decode(t))
+            out.append(entry)
+        return out
 
 
 def _aborted(co: EngineCoreOutput) -> bool:

@@ -243,3 +243,19 @@ def test_missing_extra_names_it(monkeypatch):
     with pytest.raises(ImportError, match=re.escape("pip install 'paged-engine[structured]'")):
         grammar.grammar_text(StructuredOutputsParams(regex="x+"))
     grammar._grammar_text.cache_clear()
+
+
+def test_a_tokenizer_larger_than_the_vocabulary(tiny_model_factory):
+    """A tokenizer holding added tokens past the model's vocab_size (the tiny Qwen2's has 513
+    ids for 512 rows): masks cover every id the tokenizer has, the sampler reads the model's."""
+    path = tiny_model_factory("qwen2")
+    llm = _llm(path)
+    assert len(llm.get_tokenizer()) > llm.llm_engine.vocab_size
+    regex = SamplingParams(
+        temperature=0,
+        max_tokens=20,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-z]{3}-[0-9]{2}"),
+    )
+    (out,) = llm.generate(["hi"], regex, use_tqdm=False)
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", out.outputs[0].text)
+    assert out.outputs[0].finish_reason == "stop"

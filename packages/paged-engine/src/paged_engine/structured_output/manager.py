@@ -35,7 +35,10 @@ _CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Collection[int]) -> None:
         self._tokenizer = tokenizer  # the engine thread's; the compile thread gets a copy
-        self.vocab_size = vocab_size
+        # The masks cover every id the tokenizer has: one can hold added tokens past the model's
+        # vocab_size (never sampled: the sampler reads the first vocab_size columns), and
+        # llguidance refuses a vocabulary smaller than its tokenizer.
+        self.vocab_size = max(vocab_size, _tokenizer_size(tokenizer))
         self._eos = tuple(eos_token_ids)
         self._backend: GrammarBackend | None = None  # built on the compile thread
         self._pool: ThreadPoolExecutor | None = None
@@ -127,3 +130,11 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _tokenizer_size(tokenizer) -> int:
+    """Ids the tokenizer can produce (added tokens included); 0 where it cannot say."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return 0

@@ -64,6 +64,9 @@ def test_collective_rpc_functions_failures_and_bad_updates(models):
     a, _, b_weights = models
     llm = LLM(str(a), dtype="float32", max_model_len=64)
     assert llm.collective_rpc(getattr, args=("device",)) == [llm.llm_engine.device]
+    # vLLM's apply_model: a function of the model itself (a lambda with one rank)
+    total = sum(p.numel() for p in llm.llm_engine.model_runner.model.parameters())
+    assert llm.apply_model(lambda model: sum(p.numel() for p in model.parameters())) == [total]
     with pytest.raises(RpcError, match="failed on rank 0: ValueError: boom"):
         llm.collective_rpc(_fail, args=("boom",))
     with pytest.raises(RpcError, match="checkpoint does not match"):
@@ -81,6 +84,10 @@ def test_collective_rpc_functions_failures_and_bad_updates(models):
         int8.collective_rpc("update_weights", args=(list(b_weights.items()),))
 
 
+def _num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
 def test_update_weights_under_tensor_parallelism(models):
     a, b, b_weights = models
     llm = LLM(str(a), dtype="float32", max_model_len=64, tensor_parallel_size=2)
@@ -88,6 +95,8 @@ def test_update_weights_under_tensor_parallelism(models):
         assert llm.collective_rpc(getattr, args=("device",)) == [llm.llm_engine.device] * 2
         with pytest.raises(ValueError, match="must pickle"):
             llm.collective_rpc(lambda worker: worker.device)
+        shards = llm.apply_model(_num_parameters)  # each rank's shard of the model
+        assert len(shards) == 2 and shards[0] == shards[1] > 0
         assert len(llm.collective_rpc("update_weights", args=(list(b_weights.items()),))) == 2
         assert llm.reset_prefix_cache()
         got = _tokens(llm)

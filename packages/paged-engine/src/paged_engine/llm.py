@@ -342,6 +342,12 @@ class LLM:
         update: `llm.collective_rpc("update_weights", args=(named_tensors,))`."""
         return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
 
+    def apply_model(self, func: Callable[[Any], Any]) -> list[Any]:
+        """vLLM's: `func(model)` on every worker rank's model (its shard under tensor
+        parallelism), one result per rank; with several ranks `func` must pickle (a
+        module-level function)."""
+        return self.collective_rpc(_apply_to_model, args=(func,))
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (after a weight update); False while requests run."""
         return self.llm_engine.reset_prefix_cache()
@@ -489,3 +495,8 @@ def _content_format(conversation: list[dict], fmt: str) -> list[dict]:
             )
         out.append(m)
     return out
+
+
+def _apply_to_model(worker: Any, func: Callable[[Any], Any]) -> Any:
+    """`LLM.apply_model` on one rank (a collective_rpc function)."""
+    return func(worker.model_runner.model)

@@ -48,7 +48,10 @@ def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, 
         monkeypatch.setattr(TritonBackend, "rope_writes_kv", fused)
         writes.clear()
         llm = LLM(**kw)
-        outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+        # three prompts in one batch, then the one that hits prompt 0's cached blocks
+        first = [{"prompt_token_ids": p} for p in prompts[:3]]
+        outs = llm.generate(first, params, use_tqdm=False)
+        outs += llm.generate({"prompt_token_ids": prompts[3]}, params, use_tqdm=False)
         runs[fused] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert outs[-1].num_cached_tokens > 0
         assert bool(writes) != fused, f"{len(writes)} write launches (fused={fused})"

@@ -103,3 +103,32 @@ def test_update_weights_under_tensor_parallelism(models):
     finally:
         llm.llm_engine.shutdown()
     assert got == _tokens(LLM(str(b), dtype="float32", max_model_len=64))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_worker_extension_methods_run_on_every_rank(models, tp):
+    """worker_extension_cls (vLLM's): the class's methods join each rank's worker, so
+    collective_rpc runs them by name; one that updates weights changes the outputs alike on
+    every rank. A class redefining a worker method, or one that cannot load, is refused."""
+    a, _, _ = models
+    llm = LLM(
+        str(a),
+        dtype="float32",
+        max_model_len=64,
+        tensor_parallel_size=tp,
+        worker_extension_cls="worker_extensions.WeightTools",
+    )
+    try:
+        sums = llm.collective_rpc("param_sum")
+        assert len(sums) == tp and all(s != 0 for s in sums)
+        before = _tokens(llm)
+        counts = llm.collective_rpc("scale_norms", args=(0.0,))
+        assert len(set(counts)) == 1 and counts[0] > 0
+        assert llm.reset_prefix_cache()
+        assert _tokens(llm) != before  # every norm zeroed: another model
+    finally:
+        llm.llm_engine.shutdown()
+    with pytest.raises(ValueError, match=r"redefines the worker's \['execute_model'\]"):
+        LLM(str(a), max_model_len=64, worker_extension_cls="worker_extensions.Clashing")
+    with pytest.raises(ValueError, match=r"worker_extension_cls='nowhere\.X' cannot be loaded"):
+        LLM(str(a), max_model_len=64, worker_extension_cls="nowhere.X")

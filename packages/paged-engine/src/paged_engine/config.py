@@ -112,6 +112,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Custom logits processors (sample/logits_processor.py): classes or "module:Class" names.
     logits_processors: list | None = None
+    # vLLM's worker_extension_cls: a class (or "module.Class") whose methods join every rank's
+    # Worker, for collective_rpc (worker/extension.py)
+    worker_extension_cls: str | type | None = None
     # torch intra-op threads on CPU (None: OMP_NUM_THREADS if set, else the physical cores).
     cpu_num_threads: int | None = None
     # Weight-only linear layers (layers/quantization.py): "fp16" / "int8" on the CPU, "int4"
@@ -398,6 +401,10 @@ class EngineConfig:
                 raise ValueError(
                     "speculative_config is not supported with pipeline_parallel_size > 1"
                 )
+        if self.worker_extension_cls is not None:
+            from paged_engine.worker.extension import load_extension
+
+            load_extension(self.worker_extension_cls)  # raises naming the option
         if self.logits_processors:
             from paged_engine.sample.logits_processor import load_logits_processors
 

@@ -76,6 +76,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
         logits_processors=args.logits_processors,
+        worker_extension_cls=args.worker_extension_cls,
         pooler_config=args.pooler_config,
         hf_overrides=args.hf_overrides,
         runner=args.runner,

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         "...}' (an EAGLE-3 head)",
     )
     p.add_argument(
+        "--worker-extension-cls",
+        default=None,
+        metavar="MODULE.CLASS",
+        help="a class whose methods join every worker rank (for collective_rpc), as vLLM's",
+    )
+    p.add_argument(
         "--logits-processors",
         nargs="+",
         default=None,

@@ -38,8 +38,9 @@ from paged_engine.distributed.launch import (
 from paged_engine.distributed.parallel_state import check_not_in_world, destroy_parallel_state
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
+from paged_engine.worker.extension import worker_class
 from paged_engine.worker.runner_output import ModelRunnerOutput
-from paged_engine.worker.worker import RpcError, Worker, pick_device
+from paged_engine.worker.worker import RpcError, pick_device
 from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class MultiprocExecutor(Executor):
         try:
             join_world(config, 0, local_rank, local_world, init_method)
             self._joined[0] = True
-            self.worker = Worker(config, resolved, hf_config)
+            self.worker = worker_class(config.worker_extension_cls)(config, resolved, hf_config)
         except BaseException:
             self.shutdown()
             raise

@@ -21,6 +21,7 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.executor.base import Executor, RunnerOutputHandle
 from paged_engine.loader import ResolvedModel
+from paged_engine.worker.extension import worker_class
 from paged_engine.worker.runner_output import ModelRunnerOutput
 from paged_engine.worker.worker import Worker, pick_device
 
@@ -44,7 +45,8 @@ class UniprocExecutor(Executor):
         self._thread: ThreadPoolExecutor | None = None
         if overlap and pick_device(config.device).type != "cuda":
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="paged-worker")
-        self.worker: Worker = self._call(Worker, config, resolved, hf_config)
+        cls = worker_class(config.worker_extension_cls)
+        self.worker: Worker = self._call(cls, config, resolved, hf_config)
 
     def _call(self, fn, *args):
         """Run fn on the worker's thread (or inline) and wait for it."""

@@ -21,7 +21,8 @@ from paged_engine.distributed.launch import cpu_threads_per_rank, exit_with_pare
 from paged_engine.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from paged_engine.engine.gc_tuning import freeze_startup_heap
 from paged_engine.loader import ResolvedModel
-from paged_engine.worker.worker import Worker, pick_device
+from paged_engine.worker.extension import worker_class
+from paged_engine.worker.worker import pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def run_worker(
     """Serve rank 0 until it shuts the engine down; raises if the world breaks."""
     join_world(config, rank, local_rank, local_world_size, init_method)
     try:
-        worker = Worker(config, resolved, hf_config)
+        worker = worker_class(config.worker_extension_cls)(config, resolved, hf_config)
         while True:
             method, args = broadcast_object()
             if method == SHUTDOWN:

@@ -974,3 +974,25 @@ def test_hybrid_model_decodes_through_graphs(tmp_path, fake_cuda_graphs):
             assert graphs.state_slots is not None and states is not None
             assert graphs.scratch_row == states.scratch_row == MAX_SEQS
     assert outputs[0] == outputs[1]
+
+
+def test_kv_cache_memory_bytes_sizes_the_pool(tiny_llama_dir, monkeypatch):
+    """kv_cache_memory_bytes (vLLM's) is the pool's size in bytes: no profile, whatever
+    gpu_memory_utilization says; num_gpu_blocks_override still wins; too small is the
+    usual error, naming the option."""
+    mem = _FakeCudaMemory(total=64 * MIB, used=20 * MIB, allocated=15 * MIB, activation=5 * MIB)
+    mem.install(monkeypatch)
+    engine = _engine(
+        tiny_llama_dir,
+        num_gpu_blocks_override=None,
+        kv_cache_memory_bytes=3 * MIB,
+        gpu_memory_utilization=0.1,
+    )
+    assert engine.num_blocks == 3 * MIB // _bytes_per_block(engine)
+    assert "forward" not in mem.calls  # nothing profiled
+    over = _engine(tiny_llama_dir, num_gpu_blocks_override=40, kv_cache_memory_bytes=3 * MIB)
+    assert over.num_blocks == 40
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        _engine(tiny_llama_dir, num_gpu_blocks_override=None, kv_cache_memory_bytes=1024)
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=0 is invalid"):
+        _engine(tiny_llama_dir, kv_cache_memory_bytes=0)

@@ -98,3 +98,21 @@ def test_prefix_state_snapshots(monkeypatch):
     assert engine_config(monkeypatch, ["--prefix-state-snapshots", "8"]).prefix_state_snapshots == 8
     with pytest.raises(ValueError, match="prefix_state_snapshots"):
         engine_config(monkeypatch, ["--prefix-state-snapshots", "-1"])
+
+
+@pytest.mark.parametrize(
+    ("value", "size"),
+    [("1000000", 10**6), ("8Gi", 8 * 2**30), ("8G", 8 * 10**9), ("25.6k", 25600), ("2K", 2048)],
+)
+def test_kv_cache_memory_bytes(monkeypatch, value, size):
+    """vLLM's --kv-cache-memory-bytes with its suffixes (SI decimal, IEC binary)."""
+    assert (
+        engine_config(monkeypatch, ["--kv-cache-memory-bytes", value]).kv_cache_memory_bytes == size
+    )
+
+
+@pytest.mark.parametrize("value", ["1.5Gi", "8 GB", "-1", "x"])
+def test_bad_kv_cache_memory_bytes(monkeypatch, capsys, value):
+    with pytest.raises(SystemExit):
+        engine_config(monkeypatch, ["--kv-cache-memory-bytes", value])
+    assert "--kv-cache-memory-bytes" in capsys.readouterr().err

@@ -103,6 +103,9 @@ class EngineConfig:
     task: str | None = None
     chat_template: str | None = None
     num_gpu_blocks_override: int | None = None
+    # vLLM's: the KV pool's bytes on each device (rank), in place of gpu_memory_utilization's
+    # profile and cpu_kv_cache_gib; num_gpu_blocks_override still wins
+    kv_cache_memory_bytes: int | None = None
     device: str = "auto"
     attention_backend: str = "auto"
     trust_remote_code: bool = False
@@ -324,7 +327,8 @@ class EngineConfig:
             self.max_num_seqs,
             "an int >= 1",
         )
-        for name in ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        names = ("max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override")
+        for name in (*names, "kv_cache_memory_bytes"):
             value = getattr(self, name)
             _check(
                 value is None or (_is_int(value) and value >= 1), name, value, "None or an int >= 1"

@@ -85,6 +85,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         task=args.task,
         chat_template=args.chat_template,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         prefix_state_snapshots=args.prefix_state_snapshots,

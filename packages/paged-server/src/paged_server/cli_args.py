@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -250,6 +251,14 @@ def build_parser() -> argparse.ArgumentParser:
         "last come at once)",
     )
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_readable_int,
+        default=None,
+        metavar="BYTES",
+        help="the KV pool's size per rank (e.g. 8Gi, 8G = 8e9), in place of "
+        "--gpu-memory-utilization's profile (vLLM's flag)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja template or a path to one")
     p.add_argument(
@@ -761,6 +770,28 @@ def served_names(args: argparse.Namespace) -> list[str]:
     from paged_engine.default_model import DEFAULT_MODEL_NAME  # stdlib-only module
 
     return args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+
+
+_SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "M": 10**6, "G": 10**9, "T": 10**12}
+_IEC = {"K": 2**10, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An int with vLLM's suffixes: SI k / M / G / T (decimals allowed, lowercase too) or IEC
+    Ki / Mi / Gi / Ti (and K); "8G" is 8e9 as in current vLLM, "8Gi" 8 x 2**30."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|[kmgtKMGT])?", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not an int (suffixes k/M/G/T, Ki/Mi/Gi/Ti): {text!r}")
+    number, suffix = match.groups()
+    if suffix is None:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}")
+        return int(number)
+    if suffix in _IEC:
+        if "." in number:
+            raise argparse.ArgumentTypeError(f"decimals need an SI suffix (k/M/G/T): {text!r}")
+        return int(number) * _IEC[suffix]
+    return int(float(number) * _SI[suffix])
 
 
 def _json_object(text: str) -> dict:

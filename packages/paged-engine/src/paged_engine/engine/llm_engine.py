@@ -225,7 +225,7 @@ class LLMEngine:
                 f"the KV cache holds {max(usable, 0) * config.block_size} tokens "
                 f"({num_blocks} blocks of {config.block_size}), fewer than max_model_len="
                 f"{config.max_model_len}: raise gpu_memory_utilization (or cpu_kv_cache_gib / "
-                f"num_gpu_blocks_override) or lower max_model_len{seats}"
+                f"kv_cache_memory_bytes / num_gpu_blocks_override) or lower max_model_len{seats}"
             )
         logger.info(
             "allocating the KV cache: %d blocks x %d tokens = %d token slots%s%s",

@@ -67,6 +67,8 @@ def profile_num_blocks(runner: ModelRunner, baseline_used: int | None = None) ->
         bytes_per_block = runner.states.nbytes_per_row
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
+    if cfg.kv_cache_memory_bytes is not None:  # the pool's size, given: nothing to profile
+        return max(cfg.kv_cache_memory_bytes // bytes_per_block, 2)
     if runner.device.type != "cuda":
         return max(int(cfg.cpu_kv_cache_gib * (1 << 30)) // bytes_per_block, 2)
     dev = runner.device

@@ -111,7 +111,8 @@ class Worker:
             )
         torch.manual_seed(config.seed)
         self._baseline = None
-        if self.device.type == "cuda" and config.num_gpu_blocks_override is None:
+        sized = config.num_gpu_blocks_override is not None or config.kv_cache_memory_bytes
+        if self.device.type == "cuda" and not sized:
             self._baseline = gpu_baseline(self.device, config.gpu_memory_utilization)
         model = self._load_model()
         model.eval()

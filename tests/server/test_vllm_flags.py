@@ -88,6 +88,11 @@ def test_engine_flags(monkeypatch) -> None:
     engine_config(monkeypatch, ["--distributed-executor-backend", "uni"])
     with pytest.raises(ValueError, match="uni runs one process"):
         engine_config(monkeypatch, ["--distributed-executor-backend", "uni", "-tp", "2"])
+    # vLLM's older spelling of --mm-processor-cache-gb 0
+    assert (
+        engine_config(monkeypatch, ["--disable-mm-preprocessor-cache"]).mm_processor_cache_gb == 0
+    )
+    assert engine_config(monkeypatch, []).mm_processor_cache_gb == 4.0
 
 
 @pytest.mark.parametrize(

@@ -447,6 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
         "turn) up to this many GiB; 0 turns it off (default: 4)",
     )
     p.add_argument(
+        "--disable-mm-preprocessor-cache",
+        action="store_true",
+        help="vLLM's older spelling of --mm-processor-cache-gb 0",
+    )
+    p.add_argument(
         "--enable-mm-embeds",
         action="store_true",
         help="take image features as chat `image_embeds` parts (vLLM's flag: base64 of a "
@@ -669,6 +674,8 @@ def parse_args(
         argv = argv[1:]
     parser = parser or build_parser()
     args = parser.parse_args(argv)
+    if args.disable_mm_preprocessor_cache:
+        args.mm_processor_cache_gb = 0.0
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             parser.error(f"two models given: {args.model_tag!r} and --model {args.model!r}")

@@ -29,6 +29,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--api-server-count": (True, "one HTTP front, a thread per connection"),
     "--h11-max-incomplete-event-size": (True, "the request line and headers: http.server's limits"),
     "--h11-max-header-count": (True, "http.server takes up to 100 headers a request"),
+    "--show-hidden-metrics-for-version": (True, "every metric is shown; none was hidden"),
 }
 
 

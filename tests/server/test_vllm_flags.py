@@ -88,6 +88,7 @@ def test_engine_flags(monkeypatch) -> None:
     engine_config(monkeypatch, ["--distributed-executor-backend", "uni"])
     with pytest.raises(ValueError, match="uni runs one process"):
         engine_config(monkeypatch, ["--distributed-executor-backend", "uni", "-tp", "2"])
+    assert engine_config(monkeypatch, ["--model-impl", "vllm"]).model_impl == "vllm"
     # vLLM's older spelling of --mm-processor-cache-gb 0
     assert (
         engine_config(monkeypatch, ["--disable-mm-preprocessor-cache"]).mm_processor_cache_gb == 0
@@ -97,7 +98,11 @@ def test_engine_flags(monkeypatch) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"]],
+    [
+        ["--distributed-executor-backend", "ray"],
+        ["--tokenizer-mode", "mistral"],
+        ["--model-impl", "transformers"],
+    ],
 )
 def test_what_paged_cannot_do_is_refused_naming_the_flag(argv, capsys) -> None:
     with pytest.raises(SystemExit):

@@ -77,6 +77,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         speculative_config=args.speculative_config,
         logits_processors=args.logits_processors,
         worker_extension_cls=args.worker_extension_cls,
+        model_impl=args.model_impl,
         pooler_config=args.pooler_config,
         hf_overrides=args.hf_overrides,
         runner=args.runner,

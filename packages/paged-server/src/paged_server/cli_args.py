@@ -105,6 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         "...}' (an EAGLE-3 head)",
     )
     p.add_argument(
+        "--model-impl",
+        choices=("auto", "vllm"),
+        default="auto",
+        help="vLLM's flag: both are this engine's own implementations (transformers' modeling "
+        "code is not run)",
+    )
+    p.add_argument(
         "--worker-extension-cls",
         default=None,
         metavar="MODULE.CLASS",

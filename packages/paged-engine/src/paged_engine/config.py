@@ -517,7 +517,11 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from keyword options, rejecting unknown names with the list of known ones."""
+        """Build from keyword options, rejecting unknown names with the list of known ones
+        (vLLM's options paged has no field for are translated first: vllm_options.py)."""
+        from paged_engine.vllm_options import translate
+
+        kwargs = translate(kwargs)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -308,3 +308,33 @@ def test_flat_logprobs_container():
         with pytest.raises(TypeError):
             change()
     assert list(flat) == want
+
+
+def test_truncate_prompt_tokens_and_guided_decoding(tiny_llama_dir):
+    """vLLM's SamplingParams(truncate_prompt_tokens=k): the prompt's last k tokens (-1: as many
+    as fit); guided_decoding is structured_outputs' older name."""
+    import re
+
+    from paged_engine import LLM, GuidedDecodingParams
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64)
+    prompt = list(range(10, 90))  # 80 tokens: more than max_model_len
+    cut = SamplingParams(temperature=0, max_tokens=5, truncate_prompt_tokens=8)
+    (got,) = llm.generate({"prompt_token_ids": prompt}, cut, use_tqdm=False)
+    plain = SamplingParams(temperature=0, max_tokens=5)
+    (want,) = llm.generate({"prompt_token_ids": prompt[-8:]}, plain, use_tqdm=False)
+    assert got.prompt_token_ids == prompt[-8:]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    most = SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1)
+    (fit,) = llm.generate({"prompt_token_ids": prompt}, most, use_tqdm=False)
+    assert fit.prompt_token_ids == prompt[-63:]
+    pytest.importorskip("llguidance")
+    guided = SamplingParams(
+        temperature=0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex=r"[a-z]{3}")
+    )
+    (out,) = llm.generate(["hi"], guided, use_tqdm=False)
+    assert re.fullmatch(r"[a-z]{3}", out.outputs[0].text)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens is not supported with use_beam"):
+        SamplingParams(use_beam_search=True, n=2, truncate_prompt_tokens=4)

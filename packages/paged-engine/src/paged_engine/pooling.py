@@ -87,7 +87,6 @@ class PoolingSamplingParams(SamplingParams):
 
     pooling_type: str = "LAST"
     normalize: bool = True
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the most)
     dimensions: int | None = None  # keep the first k values before normalizing (Matryoshka)
     classify: bool = False  # pool the classifier head's logits, not the hidden states
     activation: str = "identity"  # of the pooled logits (classification.ACTIVATIONS)

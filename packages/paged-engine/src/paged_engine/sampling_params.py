@@ -193,6 +193,7 @@ class SamplingParams:
     # Token rules (vLLM's names): the output follows a grammar; token id -> bias added to its
     # logit (clamped to [-100, 100]); only these ids may be sampled; these words never appear.
     structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name of the above
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -211,6 +212,8 @@ class SamplingParams:
     # at most this many tokens inside the reasoning block, then its closer is forced (the
     # engine's reasoning_config names the markers); None (or -1): no limit
     thinking_token_budget: int | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as a prompt may hold)
+    truncate_prompt_tokens: int | None = None
     # vLLM's: the logprobs of these token ids at each generated position, in place of the
     # top-`logprobs` (the sampled token's too); turns logprobs on. None or []: top-k as usual.
     logprob_token_ids: list[int] | None = None
@@ -254,6 +257,17 @@ class SamplingParams:
         budget = _as_int("thinking_token_budget", self.thinking_token_budget, optional=True)
         self.thinking_token_budget = None if budget == -1 else budget
         self.repetition_detection = RepetitionDetectionParams.of(self.repetition_detection)
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "guided_decoding and structured_outputs both given: guided_decoding is "
+                    "vLLM's older name of structured_outputs"
+                )
+            self.structured_outputs = self.guided_decoding
+        k = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, optional=True)
+        if k is not None and k != -1 and k < 1:
+            raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r}")
+        self.truncate_prompt_tokens = k
         if self.logits_processors:
             raise ValueError(
                 "logits_processors per request (vLLM v0's callables) are not supported: wrap "
@@ -298,6 +312,7 @@ class SamplingParams:
             "bad_words": bool(self.bad_words),
             "repetition_detection": self.repetition_detection is not None,
             "thinking_token_budget": self.thinking_token_budget is not None,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens is not None,
         }
         for name, used in unsupported.items():
             if used:

@@ -98,7 +98,7 @@ class InputProcessor:
             token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)
         max_len = self.config.max_model_len
         assert max_len is not None
-        keep = getattr(params, "truncate_prompt_tokens", None)  # pooling requests (pooling.py)
+        keep = getattr(params, "truncate_prompt_tokens", None)  # (BeamSearchParams: none)
         cut = truncated(token_ids, keep, max_len)
         if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
             if is_embeds_prompt(mm_inputs):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,9 +17,12 @@ from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
 from paged_engine.engine.llm_engine import LLMEngine
+from paged_engine.engine.request_latency import RequestClock, RequestLatency
 from paged_engine.engine.stats import EngineStats
 from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
+from paged_engine.metrics_reader import Metric
+from paged_engine.metrics_reader import snapshot as metrics_snapshot
 from paged_engine.multimodal.chat_media import split_media
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
@@ -39,6 +43,7 @@ class LLM:
         configure_default_logging()  # startup stages at INFO, unless logging is configured
         self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
         self._counter = itertools.count()
+        self._latency = RequestLatency()  # the requests this LLM's calls ran (get_metrics)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -379,6 +384,13 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.llm_engine.get_stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's metrics as reader records (`paged_engine.metrics_reader`:
+        Counter, Gauge, Histogram, Vector), named `vllm:...` as vLLM names them; the latency
+        histograms and finished-request counts cover the requests this LLM's calls ran."""
+        stats = self.llm_engine.get_stats()
+        return metrics_snapshot(stats, self._latency, str(self.llm_engine.config.model))
+
     def _run(
         self,
         items: list[tuple[PromptType, SamplingParams | BeamSearchParams | PoolingParams]],
@@ -390,6 +402,7 @@ class LLM:
         if engine.is_sleeping():  # nothing would be scheduled: the call would never return
             raise RuntimeError("the engine is asleep (LLM.sleep): call wake_up() first")
         ids: list[str] = []
+        clocks: dict[str, RequestClock] = {}
         try:
             for k, (prompt, params) in enumerate(items):
                 rid = str(next(self._counter))
@@ -403,6 +416,7 @@ class LLM:
                     priority=0 if priority is None else priority[k],
                 )
                 ids.append(rid)
+                clocks[rid] = RequestClock(time.monotonic())
         except Exception:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
@@ -413,6 +427,7 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
+                        self._observe(clocks[out.request_id], out)
                         if bar is not None:
                             bar.update(1)
         except BaseException:
@@ -422,6 +437,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in ids]
+
+    def _observe(self, clock: RequestClock, out: Any) -> None:
+        """A finished output's latencies, from the engine's clock (arrival: its own)."""
+        rm = getattr(out, "metrics", None)
+        if rm is not None:
+            clock.arrival = rm.arrival_time
+        self._latency.observe(clock, out, time.monotonic())
 
 
 def _per_prompt_loras(

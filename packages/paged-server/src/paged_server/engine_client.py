@@ -59,6 +59,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from paged_engine.engine.request_latency import RequestClock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
@@ -83,11 +84,9 @@ class _Stream:
 
     group: RequestGroup
     index: int  # in the group
-    arrival: float  # when the HTTP thread handed it over (monotonic: the engine's clock too)
-    last_token: float | None = None  # output thread only; None until the first token arrived
-    # (sequence index, finish reason) of the lowest-index sequence that finished so far: the
-    # request's reason in `request_success_total`, which counts requests, not sequences.
-    finished_seq: tuple[int, str] | None = None
+    # its latency bookkeeping (output thread only); arrival: when the HTTP thread handed it
+    # over (monotonic: the engine's clock too)
+    clock: RequestClock
 
 
 @dataclass
@@ -436,7 +435,7 @@ class EngineClient:
             group.add_error = group.add_error or APIError(500, f"internal error adding {rid}: {e}")
         else:
             with self._lock:
-                self._streams[rid] = _Stream(group, cmd.index, cmd.arrival)
+                self._streams[rid] = _Stream(group, cmd.index, RequestClock(cmd.arrival))
         group._num_added += 1
         if group._num_added == len(group.request_ids):
             group._added.set()
@@ -551,36 +550,8 @@ class EngineClient:
                 log.exception("metrics of request %s not observed", out.request_id)
 
     def _observe(self, stream: _Stream, out: Any, now: float) -> None:
-        """Latency histograms from the engine's token times (its clock is ours: monotonic).
-
-        One output may cover several steps (FINAL_ONLY, or beams): the span from its first (or
-        the previous output's last) token to its last is observed as that many equal gaps, so
-        the inter-token sum and count are those of per-step observation.
-        """
-        m, rm = self.metrics, getattr(out, "metrics", None)  # a pooling output has none
-        seqs = out.outputs if isinstance(out.outputs, list) else []  # [] for an embedding
-        steps = max((len(o.token_ids) for o in seqs), default=0)
-        if steps:
-            first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
-            if stream.last_token is None:
-                m.ttft.observe(first - stream.arrival)
-                if rm is not None and rm.first_scheduled_time is not None:
-                    m.queue_time.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
-                start, gaps = first, steps - 1
-            else:
-                start, gaps = stream.last_token, steps
-            if gaps:
-                m.itl.observe((last - start) / gaps, count=gaps)
-            stream.last_token = last
-        for s in seqs:  # DELTA outputs may carry a sequence's finish before the end
-            if s.finish_reason is not None and (
-                stream.finished_seq is None or s.index < stream.finished_seq[0]
-            ):
-                stream.finished_seq = (s.index, s.finish_reason)
-        if out.finished:
-            m.e2e.observe(now - stream.arrival)
-            reason = stream.finished_seq[1] if stream.finished_seq else "unknown"
-            m.finished["stop" if out.outputs is not seqs else reason] += 1  # embeddings: stop
+        """Latency histograms from the engine's token times (engine/request_latency.py)."""
+        self.metrics.latency.observe(stream.clock, out, now)
 
     # ---- either thread ---------------------------------------------------------------------
     def _fail(self, request_ids: list[str] | None, err: APIError) -> list[str]:

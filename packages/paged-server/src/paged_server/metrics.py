@@ -1,114 +1,34 @@
 """Prometheus text exposition (format 0.0.4) with vLLM's metric names under the `paged:` prefix
 (`--metrics-prefix vllm`: under vLLM's own, for dashboards and autoscalers written for it).
 
-Histograms are observed on the output thread and rendered on HTTP threads; a lock per histogram
-keeps each rendering consistent (bucket counts never exceed `_count`).
+Histograms (paged_engine.engine.request_latency, shared with `LLM.get_metrics`) are observed on
+the output thread and rendered on HTTP threads, each from a consistent snapshot.
 """
 
 from __future__ import annotations
 
-import bisect
 import re
 import threading
 import time
 from collections import Counter
 from typing import Any
 
+from paged_engine.engine.request_latency import Histogram, RequestLatency
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
 
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self._counts = [0] * (len(buckets) + 1)  # last slot: +Inf
-        self._sum = 0.0
-        self._count = 0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, count: int = 1) -> None:
-        with self._lock:
-            self._counts[bisect.bisect_left(self.buckets, value)] += count
-            self._sum += value * count
-            self._count += count
-
-    def render(self, labels: str) -> list[str]:
-        with self._lock:
-            counts, total, count = list(self._counts), self._sum, self._count
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        cum = 0
-        for bound, c in zip(self.buckets, counts):
-            cum += c
-            lines.append(f'{self.name}_bucket{{{labels},le="{bound}"}} {cum}')
-        lines.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {count}')
-        lines.append(f"{self.name}_sum{{{labels}}} {total}")
-        lines.append(f"{self.name}_count{{{labels}}} {count}")
-        return lines
+def render_histogram(h: Histogram, labels: str) -> list[str]:
+    """`h` as Prometheus text, named `paged:<name>`."""
+    cumulative, total, count = h.snapshot()
+    name = "paged:" + h.name
+    lines = [f"# HELP {name} {h.help}", f"# TYPE {name} histogram"]
+    for bound, c in zip(h.buckets, cumulative):
+        lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {c}')
+    lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {count}')
+    lines.append(f"{name}_sum{{{labels}}} {total}")
+    lines.append(f"{name}_count{{{labels}}} {count}")
+    return lines
 
 
 # (metric name, EngineStats field, type, help); `kv_cache_usage` is 0..1 like vLLM's `_perc`.
@@ -214,19 +134,10 @@ class Metrics:
     def __init__(self, model_name: str, prefix: str = "paged"):
         self.labels = f'model_name="{_esc(model_name)}"'
         self.prefix = prefix  # each metric's name is `prefix:...` (check_prefix)
-        self.ttft = Histogram(
-            "paged:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS
-        )
-        self.itl = Histogram(
-            "paged:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS
-        )
-        self.e2e = Histogram(
-            "paged:e2e_request_latency_seconds", "Arrival to last token.", _E2E_BUCKETS
-        )
-        self.queue_time = Histogram(
-            "paged:request_queue_time_seconds", "Arrival to first scheduling.", _E2E_BUCKETS
-        )
-        self.finished: Counter[str] = Counter()  # output thread
+        self.latency = RequestLatency()  # observed on the output thread
+        lat = self.latency
+        self.ttft, self.itl, self.e2e, self.queue_time = lat.histograms
+        self.finished = lat.finished
         self.requests_aborted = 0  # engine thread
         self.http: Counter[tuple[str, int]] = Counter()  # (route, status)
         self._http_lock = threading.Lock()
@@ -273,8 +184,8 @@ class Metrics:
                 f'paged:engine_sleep_state{{{lab},sleep_state="{s}"}} {int(s == state)}'
                 for s in ("awake", "weights_offloaded", "discard_all")
             ]
-        for h in (self.ttft, self.itl, self.e2e, self.queue_time):
-            lines += h.render(lab)
+        for h in self.latency.histograms:
+            lines += render_histogram(h, lab)
         lines += [
             "# HELP paged:request_success_total Finished requests (one per prompt, whatever its n) "
             "by the finish reason of its first sequence.",

@@ -1,0 +1,111 @@
+"""Request latency histograms (vLLM's buckets): time to first token, between tokens, end to end
+and in the queue, and finished requests by reason. paged-server renders them on /metrics;
+`LLM.get_metrics()` returns them as vLLM's reader records.
+
+`observe` takes the engine's token times (one monotonic clock for the engine and the server).
+One output may cover several steps (FINAL_ONLY, or beams): the span from its first (or the
+previous output's last) token to its last is observed as that many equal gaps, so the
+inter-token sum and count are those of per-step observation. Thread-safe: a lock per histogram
+keeps a snapshot consistent (bucket counts never exceed the count).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.help, self.buckets = name, help_text, buckets  # name without a prefix
+        self._counts = [0] * (len(buckets) + 1)  # last slot: +Inf
+        self._sum = 0.0
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, count: int = 1) -> None:
+        with self._lock:
+            self._counts[bisect.bisect_left(self.buckets, value)] += count
+            self._sum += value * count
+            self._count += count
+
+    def snapshot(self) -> tuple[list[int], float, int]:
+        """(cumulative count per bucket, +Inf last; sum; count), consistent with each other."""
+        with self._lock:
+            counts, total, count = list(self._counts), self._sum, self._count
+        cumulative, running = [], 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return cumulative, total, count
+
+
+@dataclass(slots=True)
+class RequestClock:
+    """One request's latency bookkeeping between its outputs."""
+
+    arrival: float  # monotonic, the engine's clock
+    last_token: float | None = None  # None until the first token arrived
+    # (sequence index, finish reason) of the lowest-index sequence that finished so far: the
+    # request's reason in the finished counter, which counts requests, not sequences.
+    finished_seq: tuple[int, str] | None = None
+
+
+class RequestLatency:
+    def __init__(self) -> None:
+        self.ttft = Histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = Histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        )
+        self.e2e = Histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.queue_time = Histogram(
+            "request_queue_time_seconds", "Arrival to first scheduling.", E2E_BUCKETS
+        )
+        self.finished: Counter[str] = Counter()  # requests by finish reason
+
+    @property
+    def histograms(self) -> tuple[Histogram, ...]:
+        return (self.ttft, self.itl, self.e2e, self.queue_time)
+
+    def observe(self, clock: RequestClock, out: Any, now: float) -> None:
+        """One output of a request (a RequestOutput, or a pooling output) delivered at `now`."""
+        rm = getattr(out, "metrics", None)  # a pooling output has none
+        seqs = out.outputs if isinstance(out.outputs, list) else []  # [] for an embedding
+        steps = max((len(o.token_ids) for o in seqs), default=0)
+        if steps:
+            first, last = (now, now) if rm is None else (rm.first_token_time, rm.last_token_time)
+            if clock.last_token is None:
+                self.ttft.observe(first - clock.arrival)
+                if rm is not None and rm.first_scheduled_time is not None:
+                    self.queue_time.observe(max(0.0, rm.first_scheduled_time - rm.arrival_time))
+                start, gaps = first, steps - 1
+            else:
+                start, gaps = clock.last_token, steps
+            if gaps:
+                self.itl.observe((last - start) / gaps, count=gaps)
+            clock.last_token = last
+        for s in seqs:  # DELTA outputs may carry a sequence's finish before the end
+            if s.finish_reason is not None and (
+                clock.finished_seq is None or s.index < clock.finished_seq[0]
+            ):
+                clock.finished_seq = (s.index, s.finish_reason)
+        if out.finished:
+            self.e2e.observe(now - clock.arrival)
+            reason = clock.finished_seq[1] if clock.finished_seq else "unknown"
+            self.finished["stop" if out.outputs is not seqs else reason] += 1  # embeddings: stop

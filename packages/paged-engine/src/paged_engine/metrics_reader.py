@@ -1,0 +1,88 @@
+"""`LLM.get_metrics()`: the engine's metrics as vLLM's reader records (`vllm.v1.metrics.reader`
+-> `paged_engine.metrics_reader`), named as vLLM names them (`vllm:...`), so a script that
+reads them ports by changing the import.
+
+Counters and gauges come from `EngineStats`; the latency histograms (time to first token,
+between tokens, end to end, in the queue) and the finished-request counter from the requests
+`LLM`'s calls ran (engine/request_latency.py). Every record is labelled with the model name and
+engine "0", as vLLM's one-engine metrics are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from paged_engine.engine.request_latency import RequestLatency
+
+
+@dataclass
+class Metric:
+    name: str
+    labels: dict[str, str]
+
+
+@dataclass
+class Counter(Metric):
+    value: int
+
+
+@dataclass
+class Vector(Metric):
+    """Counters per index (vLLM's spec_decode_num_accepted_tokens_per_pos)."""
+
+    values: list[int]
+
+
+@dataclass
+class Gauge(Metric):
+    value: float
+
+
+@dataclass
+class Histogram(Metric):
+    """`buckets`: upper bound (as text, "+Inf" last) -> observations at or below it."""
+
+    count: int
+    sum: float
+    buckets: dict[str, int]
+
+
+# (vLLM's name, EngineStats field)
+_GAUGES = (
+    ("vllm:num_requests_running", "num_running"),
+    ("vllm:num_requests_waiting", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "kv_cache_usage"),
+)
+_COUNTERS = (
+    ("vllm:num_preemptions", "num_preemptions"),
+    ("vllm:prompt_tokens", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "generation_tokens_total"),
+    ("vllm:prefix_cache_queries", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits"),
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),
+)
+
+
+def snapshot(stats: Any, latency: RequestLatency, model_name: str) -> list[Metric]:
+    labels = {"model_name": model_name, "engine": "0"}
+    out: list[Metric] = [
+        Gauge(name, dict(labels), float(getattr(stats, field))) for name, field in _GAUGES
+    ]
+    out += [Counter(name, dict(labels), int(getattr(stats, field))) for name, field in _COUNTERS]
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    if per_pos:
+        out.append(
+            Vector("vllm:spec_decode_num_accepted_tokens_per_pos", dict(labels), list(per_pos))
+        )
+    for reason, n in sorted(latency.finished.items()):
+        out.append(Counter("vllm:request_success", {**labels, "finished_reason": reason}, int(n)))
+    for h in latency.histograms:
+        cumulative, total, count = h.snapshot()
+        bounds = [str(b) for b in h.buckets] + ["+Inf"]
+        out.append(
+            Histogram("vllm:" + h.name, dict(labels), count, total, dict(zip(bounds, cumulative)))
+        )
+    return out

@@ -1,0 +1,58 @@
+"""`LLM.get_metrics()` (vLLM's): reader records named as vLLM's, counters and gauges from the
+engine's stats, latency histograms over the requests the LLM's calls ran."""
+
+from __future__ import annotations
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.metrics_reader import Counter, Gauge, Histogram, Vector
+
+
+def _by_name(metrics):
+    out = {}
+    for m in metrics:
+        key = m.name if "finished_reason" not in m.labels else (m.name, m.labels["finished_reason"])
+        out[key] = m
+    return out
+
+
+def test_metrics_after_generate(tiny_llama_dir):
+    llm = LLM(
+        str(tiny_llama_dir),
+        max_model_len=64,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1},
+    )
+    lengths = [3, 6, 9]
+    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7]}] * 3
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    params.append(SamplingParams(temperature=0, max_tokens=20, stop_token_ids=list(range(500))))
+    llm.generate([*prompts, {"prompt_token_ids": [9]}], params, use_tqdm=False)
+    m = _by_name(llm.get_metrics())
+    stats = llm.get_stats()
+    assert m["vllm:generation_tokens"].value == stats.generation_tokens_total
+    assert m["vllm:prompt_tokens"].value == stats.prompt_tokens_total
+    assert isinstance(m["vllm:num_requests_running"], Gauge)
+    assert m["vllm:num_requests_running"].value == 0
+    assert m["vllm:kv_cache_usage_perc"].value == stats.kv_cache_usage
+    assert m[("vllm:request_success", "length")].value == 3
+    assert m[("vllm:request_success", "stop")].value == 1
+    assert all(x.labels["engine"] == "0" and x.labels["model_name"] for x in m.values())
+    ttft, itl, e2e = (
+        m[f"vllm:{n}"]
+        for n in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                  "e2e_request_latency_seconds")
+    )  # fmt: skip
+    assert isinstance(ttft, Histogram) and ttft.count == e2e.count == 4
+    assert itl.count == sum(n - 1 for n in lengths)  # the stopped request emitted one token
+    for h in (ttft, itl, e2e, m["vllm:request_queue_time_seconds"]):
+        values = list(h.buckets.values())
+        assert values == sorted(values) and h.buckets["+Inf"] == h.count
+        assert h.sum >= 0
+    drafted = m["vllm:spec_decode_num_draft_tokens"]
+    assert isinstance(drafted, Counter) and drafted.value == stats.spec_decode_num_draft_tokens
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert (
+        isinstance(per_pos, Vector)
+        and per_pos.values == stats.spec_decode_num_accepted_tokens_per_pos
+    )
+    llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert _by_name(llm.get_metrics())["vllm:e2e_request_latency_seconds"].count == 5

@@ -56,3 +56,15 @@ def test_metrics_after_generate(tiny_llama_dir):
     )
     llm.generate(["hi"], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert _by_name(llm.get_metrics())["vllm:e2e_request_latency_seconds"].count == 5
+
+
+def test_a_request_added_to_the_engine_directly(tiny_llama_dir):
+    """A request added through llm.llm_engine finishes inside an LLM call: the call returns its
+    own outputs and observes only them."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=64)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.llm_engine.add_request("direct", {"prompt_token_ids": [5, 6]}, params)
+    (out,) = llm.generate(["hi"], params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 3
+    e2e = _by_name(llm.get_metrics())["vllm:e2e_request_latency_seconds"]
+    assert e2e.count == 1

@@ -427,7 +427,9 @@ class LLM:
                 for out in engine.step():
                     if out.finished:
                         results[out.request_id] = out
-                        self._observe(clocks[out.request_id], out)
+                        clock = clocks.get(out.request_id)  # None: added to the engine directly
+                        if clock is not None:
+                            self._observe(clock, out)
                         if bar is not None:
                             bar.update(1)
         except BaseException:

@@ -32,7 +32,6 @@ vLLM plugins by entry point is not done: name the classes.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -43,6 +42,7 @@ from typing import Any
 
 import torch
 
+from paged_engine.named_class import load_named
 from paged_engine.sampling_params import SamplingParams
 
 
@@ -161,19 +161,7 @@ def load_logits_processors(specs: Sequence[str | type]) -> list[type[LogitsProce
     classes = []
     for i, spec in enumerate(specs):
         where = f"logits_processors[{i}]"
-        cls = spec
-        if isinstance(spec, str):
-            module_name, sep, qualname = spec.partition(":")
-            if not sep:
-                module_name, _, qualname = spec.rpartition(".")
-            if not module_name or not qualname:
-                raise ValueError(f"{where}={spec!r}: expected 'module:Class'")
-            try:
-                cls = importlib.import_module(module_name)
-                for attr in qualname.split("."):
-                    cls = getattr(cls, attr)
-            except (ImportError, AttributeError) as e:
-                raise ValueError(f"{where}={spec!r} cannot be loaded: {e}") from None
+        cls = load_named(spec, where) if isinstance(spec, str) else spec
         if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
             raise ValueError(
                 f"{where}={spec!r} is not a subclass of "

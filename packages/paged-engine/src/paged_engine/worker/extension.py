@@ -9,8 +9,7 @@ arguments: the worker is built as without it.
 
 from __future__ import annotations
 
-import importlib
-
+from paged_engine.named_class import load_named
 from paged_engine.worker.worker import Worker
 
 
@@ -20,15 +19,7 @@ def load_extension(spec: str | type) -> type:
     if isinstance(spec, type):
         cls = spec
     elif isinstance(spec, str) and spec:
-        module_name, sep, qualname = spec.partition(":")
-        if not sep:
-            module_name, _, qualname = spec.rpartition(".")
-        try:
-            cls = importlib.import_module(module_name)
-            for attr in qualname.split("."):
-                cls = getattr(cls, attr)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"worker_extension_cls={spec!r} cannot be loaded: {e}") from None
+        cls = load_named(spec, "worker_extension_cls")
         if not isinstance(cls, type):
             raise ValueError(f"worker_extension_cls={spec!r} is not a class")
     else:

@@ -187,9 +187,10 @@ def _profile_verification(runner: ModelRunner, hidden: torch.Tensor, k: int) -> 
     drafts = torch.where(torch.from_numpy(is_bonus), -1, 1).to(raw.device)
     q = None
     if runner.draft is not None:
-        proposal = processed[~torch.from_numpy(is_bonus).to(raw.device)].softmax(dim=-1)
+        draft_rows = drafts >= 0
+        proposal = processed[draft_rows].softmax(dim=-1)  # held, as the step holds it, with q
         q = processed.new_zeros(processed.shape)
-        q[drafts >= 0] = proposal
+        q[draft_rows] = proposal
     greedy = torch.zeros(n, dtype=torch.bool, device=raw.device)
     verified = rejection_sampler.verify(processed, drafts, greedy, noise, num_drafts, q)
     gather_logprobs(raw, verified.tokens, md.max_num_logprobs, sampler.logsumexp, None)

@@ -38,6 +38,20 @@ def assert_same_greedy(spec, plain) -> None:
                 assert x[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
 
 
+def assert_greedy_identical_with_drafts(target, prompts, spec_config, max_tokens: int) -> None:
+    """Greedy requests under `spec_config` give the plain engine's tokens and logprobs, with
+    drafts proposed and every block back in the pool."""
+    from paged_engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    _, plain = run_llm(target, prompts, params)
+    llm, spec = run_llm(target, prompts, params, speculative_config=spec_config)
+    assert_same_greedy(spec, plain)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_used_blocks == 0
+
+
 def record_drafts(monkeypatch, runner_cls) -> list[tuple[tuple, int, list[int]]]:
     """(prompt, the row's own token position, its drafts) of every drafting row of every step
     of engines built after this call in this process."""

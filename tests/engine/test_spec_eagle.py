@@ -17,7 +17,7 @@ import pytest
 import torch
 from draft_heads import (
     assert_drafts_teacher_forced,
-    assert_same_greedy,
+    assert_greedy_identical_with_drafts,
     record_drafts,
     rms,
     run_llm,
@@ -54,13 +54,7 @@ def pair(request, tmp_path_factory):
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_is_token_identical(pair, k):
     target, head = pair
-    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2)
-    _, plain = _run(target, PROMPTS, params)
-    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, k))
-    assert_same_greedy(spec, plain)
-    stats = llm.get_stats()
-    assert stats.spec_decode_num_draft_tokens > 0
-    assert stats.num_used_blocks == 0
+    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(head, k), 16)
 
 
 class ReferenceEagle:

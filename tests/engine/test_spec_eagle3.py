@@ -22,6 +22,7 @@ import pytest
 import torch
 from draft_heads import (
     assert_drafts_teacher_forced,
+    assert_greedy_identical_with_drafts,
     assert_same_greedy,
     full_sequences,
     record_drafts,
@@ -81,13 +82,7 @@ def _tokens(outs):
 def test_greedy_is_token_identical(pair, k):
     """Llama, Qwen3 and DeepSeek-V3 (MLA, MoE) targets."""
     target, head = pair
-    params = SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)
-    _, plain = _run(target, PROMPTS, params)
-    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(head, k))
-    assert_same_greedy(spec, plain)
-    stats = llm.get_stats()
-    assert stats.spec_decode_num_draft_tokens > 0
-    assert stats.num_used_blocks == 0
+    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(head, k), 20)
 
 
 # ---- the reference: transformers' target features, a plain-torch head -------------------------

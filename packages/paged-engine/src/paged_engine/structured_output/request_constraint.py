@@ -90,7 +90,7 @@ class RequestConstraint:
         if self.bad_words:
             history = list(output_ids)
             for j, t in enumerate(drafts):
-                if self._completes_bad_word(history, t):
+                if t in self._bad_next(history):
                     n = j
                     break
                 history.append(t)
@@ -106,12 +106,14 @@ class RequestConstraint:
         m.rollback(n)
         return n
 
-    def _completes_bad_word(self, history: list[int], t: int) -> bool:
+    def _bad_next(self, output_ids: list[int]) -> list[int]:
+        """The tokens that would complete a bad word after `output_ids`."""
+        out = []
         for word in self.bad_words:
             prefix = word[:-1]
-            if word[-1] == t and (not prefix or history[-len(prefix) :] == prefix):
-                return True
-        return False
+            if not prefix or output_ids[-len(prefix) :] == prefix:
+                out.append(word[-1])
+        return out
 
     def drop(self, seq_id: int) -> None:
         self.matchers.pop(seq_id, None)
@@ -129,9 +131,5 @@ class RequestConstraint:
         """Clear the bits of tokens that would complete a bad word after `output_ids` (row:
         one [W] int32 bitmask row, little-endian words)."""
         as_bytes = row.view(np.uint8)
-        for word in self.bad_words:
-            prefix = word[:-1]
-            if prefix and output_ids[-len(prefix) :] != prefix:
-                continue
-            t = word[-1]
+        for t in self._bad_next(output_ids):
             as_bytes[t >> 3] &= ~np.uint8(1 << (t & 7))

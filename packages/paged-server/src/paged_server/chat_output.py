@@ -46,28 +46,69 @@ class ChatDeltas:
         tools: ToolOutput | None,
         decode: Callable[[int], str],
         top_logprobs: int | None = None,
+        token_text: Callable[[int], str] | None = None,
     ) -> None:
         self.choice = StreamChoice()
         self.think = None if reasoning is None else ReasoningOutput(reasoning)
         self.tools = tools
         self.decode = decode
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.token_text = token_text or decode  # a token's text, to find the content's tokens
+        # Logprob entries (with their token's text) that no delta has accounted for yet: text
+        # the rewrites hold back (a partial end tag, a possible tool call) shows in a later delta.
+        self.pending: list[tuple[dict[str, Any], str]] = []
 
     def feed(self, arrived: list[tuple[int, Any]]) -> dict[str, Any] | None:
         """The delta of one batch of (prompt index, output) pairs; None when nothing shows.
-        With logprobs, `delta["logprobs"]` holds chat's entries of the batch's tokens."""
+        With logprobs, `delta["logprobs"]` holds chat's entries of the tokens that wrote the
+        delta's content (the reasoning's and the tool calls' tokens are not among them)."""
         for _, out in arrived:
             for seq in out.outputs:
                 self.choice.add(seq, out.finished)
+        tids = self.choice.token_ids
         entry = self.choice.chunk(0, "", self.top_logprobs, self.decode, True)
+        lp = None if entry is None or entry.get("logprobs") is None else entry["logprobs"]
+        if lp is not None and self.think is None and self.tools is None:
+            return {**entry["delta"], "logprobs": lp["content"]}  # all of it is content
+        if lp is not None:
+            self.pending += zip(lp["content"], map(self.token_text, tids), strict=True)
         if entry is not None and self.think is not None:
             entry = self.think.rewrite(entry)
         if entry is not None and self.tools is not None:
             entry = self.tools.rewrite(entry)
         if entry is None:
             return None
-        lp = entry.get("logprobs")
-        return {**entry["delta"], "logprobs": lp["content"]} if lp else entry["delta"]
+        delta = entry["delta"]
+        if lp is None:
+            return delta
+        return {**delta, "logprobs": self._content_logprobs(delta)}
+
+    def _content_logprobs(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """The pending entries of the tokens that wrote `delta`'s content, located by text
+        (after the delta's reasoning); entries past the content stay pending, earlier ones go.
+        When the text is not found (a character split across tokens), all of them."""
+        pieces = [p for _, p in self.pending]
+        joined = "".join(pieces)
+        thought, content = delta.get("reasoning_content"), delta.get("content")
+        begin = 0
+        if thought:
+            at = joined.find(thought)
+            begin = at + len(thought) if at >= 0 else len(joined)
+        if not content:  # reasoning or tool calls took the text up to here
+            self.pending = [] if delta.get("tool_calls") else _from(self.pending, begin)
+            return []
+        start = joined.find(content, begin)
+        if start < 0:
+            out, self.pending = [e for e, _ in self.pending], []
+            return out
+        end = start + len(content)
+        out, pos = [], 0
+        for e, piece in self.pending:
+            if pos + len(piece) > start and pos < end:
+                out.append(e)
+            pos += len(piece)
+        self.pending = _from(self.pending, end)
+        return out
 
     def stream(self, arrivals: Iterable[list[tuple[int, Any]]]) -> Iterator[dict[str, Any]]:
         """The deltas of the batches as they arrive (those that show something)."""
@@ -83,6 +124,15 @@ class ChatDeltas:
     @property
     def stop_reason(self) -> int | str | None:
         return self.choice.stop_reason
+
+
+def _from(pending: list[tuple[dict[str, Any], str]], at: int) -> list[tuple[dict[str, Any], str]]:
+    """The entries whose token's text starts at or after character `at` of the joined text."""
+    pos, i = 0, 0
+    while i < len(pending) and pos < at:
+        pos += len(pending[i][1])
+        i += 1
+    return pending[i:]
 
 
 def span_logprobs(

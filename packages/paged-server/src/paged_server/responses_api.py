@@ -389,7 +389,9 @@ def _stream(
     events.send("response.created", response=body)
     events.send("response.in_progress", response=body)
     tools = tool_output(req.chat.tools, app.tool_call_parser)
-    deltas = ChatDeltas(reasoning, tools, app._decoder(req.chat), req.chat.logprobs)
+    deltas = ChatDeltas(
+        reasoning, tools, app._decoder(req.chat), req.chat.logprobs, app._decode_one
+    )
     try:
         for delta in deltas.stream(app.arrivals(h, group)):
             events.delta(delta)

@@ -288,12 +288,16 @@ def fill_host(messages: list[dict], host: str) -> list[dict]:
     return messages
 
 
-def typed_events(server: ServerProc, path: str, body: dict) -> list[dict]:
+def typed_events(server: ServerProc, path: str, body: dict | None) -> list[dict]:
     """Every event of a stream of typed events (`event: <type>` then `data: <json>` whose
-    `type` is that name: the Responses and Messages APIs'), checking the framing."""
+    `type` is that name: the Responses and Messages APIs'), checking the framing. POSTs `body`
+    (with "stream": true); a GET when it is None."""
     conn = server.conn(30)
     try:
-        conn.request("POST", path, json.dumps({**body, "stream": True}), HEADERS)
+        if body is None:
+            conn.request("GET", path, headers=HEADERS)
+        else:
+            conn.request("POST", path, json.dumps({**body, "stream": True}), HEADERS)
         r = conn.getresponse()
         assert r.status == 200, r.read()
         assert r.getheader("Content-Type") == "text/event-stream"

@@ -234,6 +234,38 @@ def test_stored_response_follow_ups_reach_the_replica_holding_it(front: SimpleNa
     _assert_load_released(front)
 
 
+def test_background_responses_through_the_front(front: SimpleNamespace) -> None:
+    """A background response is polled, read again as a stream and cancelled through the
+    front, whichever replica runs it."""
+    _script(front, "Later.")
+    queued = _create(front, input="x", background=True)
+    assert queued["status"] == "queued"
+    deadline = time.monotonic() + 10
+    while (got := front.http.request("GET", f"/v1/responses/{queued['id']}")[2])["status"] != (
+        "completed"
+    ):
+        assert time.monotonic() < deadline, got
+        time.sleep(0.02)
+    assert got["output"][0]["content"][0]["text"] == "Later."
+    events = _stream(front, input="x", background=True)
+    rid = events[0]["response"]["id"]
+    again = typed_events(front.http, f"/v1/responses/{rid}?stream=true&starting_after=1", None)
+    assert again == events[2:] and again[-1]["type"] == "response.completed"
+    _script(front, "z" * 100)
+    for engine in front.engines:
+        engine.step_time = 0.02  # 2 s for the 100 tokens: the cancel comes first
+    try:
+        long = _create(front, input="x", background=True, max_output_tokens=100)
+        status, _, cancelled = front.http.request("POST", f"/v1/responses/{long['id']}/cancel")
+    finally:
+        for engine in front.engines:
+            engine.step_time = 0.0005
+    assert status == 200 and cancelled["status"] == "cancelled", cancelled
+    status, _, err = front.http.request("GET", "/v1/responses/resp_nope?stream=true")
+    assert status == 404, err
+    _assert_load_released(front)
+
+
 def test_a_replica_breaking_off_its_stream_is_an_in_band_502() -> None:
     """A replica that dies mid-stream (no last chunk): the client gets what it sent, then an
     error event, and the stream ends."""

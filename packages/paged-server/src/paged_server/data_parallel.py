@@ -11,7 +11,8 @@ aborts the request there.
 
 Stored Responses API responses live in the replica that answered them, and the front keeps no
 state of its own: `GET` / `DELETE /v1/responses/{id}` (and its `input_items` and `cancel`) ask
-the replicas in turn until one holds it, and a `POST /v1/responses` (or `/input_tokens`) with
+the replicas in turn until one holds it (a background response's events, `?stream=true`, are
+relayed from it as they come), and a `POST /v1/responses` (or `/input_tokens`) with
 `previous_response_id` first asks them (`GET`) which holds that response and runs there, load
 or not (a conversation stays on its replica, with its prefix cache). A follow-up costs at most K
 loopback requests; replicas are the one source of truth.
@@ -46,7 +47,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from paged_server import profiling
 from paged_server.anthropic_api import anthropic_errors, is_messages_route
@@ -113,6 +114,10 @@ class ReplicaRouter:
         if path == "/metrics":
             return self._metrics(handler)
         route = path.rstrip("/")
+        if route.startswith(_RESPONSE_ROUTE) and method == "GET" and _streamed(handler.path):
+            holder = self._holder(handler, route[len(_RESPONSE_ROUTE) :])
+            if holder is not None:  # a background response's events, relayed as they come
+                return self._forward(handler, holder, method, None)
         if route.startswith(_RESPONSE_ROUTE) and (
             method in ("GET", "HEAD", "DELETE") or route.endswith("/cancel")
         ):
@@ -302,6 +307,11 @@ class ReplicaRouter:
                 elif line:
                     out.append(_label(line, f'replica="{r.index}"'))
         h.send_bytes(200, ("\n".join(out) + "\n").encode(), "text/plain; version=0.0.4")
+
+
+def _streamed(path: str) -> bool:
+    """A `GET /v1/responses/{id}` that asks for a background response's events."""
+    return parse_qs(urlsplit(path).query).get("stream", [""])[-1].lower() == "true"
 
 
 def _headers(h: Handler) -> dict[str, str]:

@@ -15,6 +15,7 @@ as vLLM does, so the SDK's `responses.stream(...).get_final_response()` works). 
 
 `store` (OpenAI's default: true) keeps the finished response, with its conversation, in a
 bounded LRU: `GET /v1/responses/{id}` answers it and `previous_response_id` continues it.
+`background` answers at once and runs on (response_background.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
+from paged_server import response_background
 from paged_server.chat_output import ChatDeltas, span_logprobs, split_output, tool_output
 from paged_server.errors import APIError
 from paged_server.openai_protocol import GenerationRequest
@@ -35,6 +37,8 @@ from paged_server.reasoning import ReasoningRequest
 from paged_server.responses_request import ResponsesRequest, parse_responses, responses_params
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from paged_server.app import OpenAIApp
     from paged_server.http import Handler
     from paged_server.request_group import RequestGroup
@@ -52,6 +56,7 @@ class StoredResponse:
     body: dict[str, Any]  # the response object, as it was answered
     context: list[dict[str, Any]]  # normalized items: every input so far and this output
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them
+    run: response_background.BackgroundRun | None = None  # a background response's
 
 
 class ResponseStore:
@@ -139,7 +144,7 @@ def _response(
         "object": "response",
         "created_at": created,
         "status": status,
-        "background": False,
+        "background": req.background,
         "error": None,
         "incomplete_details": None,
         "model": model,
@@ -331,10 +336,14 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
         group, rids = app._submit(
             chat, [text], [ids], rid, chat=True, lora=lora, stream=chat.stream
         )
+    if req.background:
+        body = _response(rid, created, model, req, "queued")
+        _start_background(app, h, req, group, rids, body, reasoning)
+        return
     with app._in_flight(h, group, rids):
         body = _response(rid, created, model, req, "in_progress")
         if chat.stream:
-            if not _stream(app, h, req, body, group, reasoning):
+            if not _stream(app, h, req, body, group, reasoning, lambda b: _store(app, req, b)):
                 return
         else:
             app._wait(h, group)
@@ -346,6 +355,39 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
         usage = body["usage"]
         h.log_extra = f" prompt_tokens={usage['input_tokens']} gen_tokens={usage['output_tokens']}"
         h.log_extra += " stream" if chat.stream else ""
+
+
+def _start_background(
+    app: OpenAIApp,
+    h: Handler,
+    req: ResponsesRequest,
+    group: RequestGroup,
+    rids: list[str],
+    body: dict[str, Any],
+    reasoning: ReasoningRequest | None,
+) -> None:
+    """Store the queued response, run it on its own thread through the stream path (its
+    events kept when the request streams) and answer: the queued response, or its events."""
+    stored = StoredResponse({}, req.context, _listed_items(req.input_items))
+    run = stored.run = response_background.BackgroundRun(stored, keep_events=req.chat.stream)
+    run.publish(body)
+    queued = stored.body
+
+    def work() -> None:
+        run.publish(body, "in_progress")
+        context = req.context  # the finished conversation, for previous_response_id
+        _stream(
+            app, run, req, body, group, reasoning,
+            lambda b: run.settle(b, context + _context_items(b["output"])),
+        )  # fmt: skip
+
+    app.response_store.put(stored)
+    response_background.start(app, h, run, group, rids, body, work)
+    h.log_extra = " background"
+    if req.chat.stream:
+        response_background.serve_events(app, h, stored, {})
+    else:
+        h.send_json(200, queued)
 
 
 def _store(app: OpenAIApp, req: ResponsesRequest, body: dict[str, Any]) -> None:
@@ -381,12 +423,14 @@ def _stream(
     body: dict[str, Any],
     group: RequestGroup,
     reasoning: ReasoningRequest | None,
+    store: Callable[[dict[str, Any]], None],
 ) -> bool:
     """The events of one response; False when the engine failed it (reported in-band as
-    response.failed)."""
+    response.failed). `store` keeps the finished body before the client sees it end."""
     h.start_stream()
     events = _EventStream(h, body)
-    events.send("response.created", response=body)
+    events.send("response.created", response=body)  # "queued" when in the background
+    body["status"] = "in_progress"
     events.send("response.in_progress", response=body)
     tools = tool_output(req.chat.tools, app.tool_call_parser)
     deltas = ChatDeltas(
@@ -405,20 +449,33 @@ def _stream(
         return False
     events.finish(group.latest[0].outputs[0].finish_reason == "length")
     _finish(app, body, group, "".join(events.reasoning_pieces) or None)
-    _store(app, req, body)
+    store(body)
     events.send("response.completed", response=body)
     h.end_stream(done=False)
     return True
 
 
 def serve_get_response(app: OpenAIApp, h: Handler, rid: str) -> None:
+    """The stored response (a background one as it stands); with `stream=true`, a background
+    streamed response's events (`starting_after` a sequence number)."""
     stored = app.response_store.get(rid)
     if stored is None:
         raise _not_found(rid)
-    h.send_json(200, stored.body)
+    query = parse_qs(urlsplit(h.path).query)
+    stream = query.get("stream", ["false"])[-1].lower()
+    if stream not in ("true", "false"):
+        raise APIError(400, f"stream must be 'true' or 'false', got {stream!r}", "stream")
+    if stream == "true":
+        response_background.serve_events(app, h, stored, query)
+    else:
+        h.send_json(200, stored.body)
 
 
 def serve_delete_response(app: OpenAIApp, h: Handler, rid: str) -> None:
+    """Forget a response (a background one still running is cancelled first)."""
+    stored = app.response_store.get(rid)
+    if stored is not None and stored.run is not None:
+        stored.run.cancel()
     if not app.response_store.delete(rid):
         raise _not_found(rid)
     h.send_json(200, {"id": rid, "object": "response", "deleted": True})
@@ -459,11 +516,21 @@ def serve_input_items(app: OpenAIApp, h: Handler, rid: str) -> None:
 
 
 def serve_cancel_response(app: OpenAIApp, h: Handler, rid: str) -> None:
-    """`POST /v1/responses/{id}/cancel`: only background responses can be cancelled, and this
-    server answers every response before it stores it (vLLM's answer)."""
-    if app.response_store.get(rid) is None:
+    """`POST /v1/responses/{id}/cancel`: a background response still queued or in progress
+    stops (its engine requests aborted) and answers "cancelled"; cancelling it again answers
+    the same. Any other response is refused (vLLM's message for one that was not background)."""
+    stored = app.response_store.get(rid)
+    if stored is None:
         raise _not_found(rid)
-    raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    if stored.run is None:
+        raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
+    if not stored.run.cancel():
+        raise APIError(
+            400,
+            f"Cannot cancel response {rid!r}: it is already {stored.body['status']}",
+            "response_id",
+        )
+    h.send_json(200, stored.body)
 
 
 def serve_input_tokens(app: OpenAIApp, h: Handler) -> None:

@@ -72,6 +72,7 @@ class ResponsesRequest:
     echo: dict[str, Any]  # request fields the response object repeats
     store: bool
     input_items: list[dict[str, Any]]  # normalized items of this request's `input` alone
+    background: bool = False  # answered at once, run on (response_background.py)
 
 
 def _text(param: str, content: Any, kinds: tuple[str, ...]) -> str:
@@ -351,8 +352,6 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 def _check_off(body: dict[str, Any]) -> None:
     """Fields accepted only at values that ask for nothing this server lacks."""
-    if body.get("background"):
-        raise bad_request("background responses are not supported by this server", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request("'truncation' must be 'disabled': input is never dropped", "truncation")
     include = body.get("include") or []
@@ -416,6 +415,12 @@ def parse_responses(
                 "previous_response_id",
                 "previous_response_not_found",
             )
+        if prev.body["status"] in ("queued", "in_progress"):  # a background one, still running
+            raise bad_request(
+                f"Previous response {prev_id!r} is still {prev.body['status']}: continue it "
+                "once it finished (poll GET /v1/responses/{id})",
+                "previous_response_id",
+            )
         items = prev.context + items  # its instructions are not carried over (OpenAI's rule)
     messages = _messages(instructions, items)
     if not messages:
@@ -423,6 +428,11 @@ def parse_responses(
     do_store = body.get("store", True)
     if not isinstance(do_store, bool):
         raise bad_request("'store' must be a boolean", "store")
+    background = body.get("background") is True
+    if body.get("background") not in (None, True, False):
+        raise bad_request("'background' must be a boolean", "background")
+    if background and not do_store:
+        raise bad_request("background responses need 'store': true (they are polled)", "background")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise bad_request("'user' must be a string", "user")
@@ -472,4 +482,4 @@ def parse_responses(
         "truncation": "disabled",
         "user": user,
     }
-    return ResponsesRequest(chat=chat, context=items, echo=echo, store=do_store, input_items=own)
+    return ResponsesRequest(chat, items, echo, do_store, own, background)

@@ -97,11 +97,18 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory, pictures: list) -> Path:
 @pytest.fixture(scope="module")
 def image_host(pictures: list) -> Iterator[str]:
     """A local HTTP server: /first.png, /text (not an image), /slow.png (half a second late),
-    anything else a 404."""
+    /to-localhost (a redirect to /first.png at host "localhost"), anything else a 404."""
     files = {"/first.png": _png(pictures[0]), "/text": b"hello, not an image"}
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/to-localhost":
+                self.send_response(302)
+                where = f"http://localhost:{self.server.server_address[1]}/first.png"
+                self.send_header("Location", where)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             if self.path == "/slow.png":
                 time.sleep(0.5)
             body = files.get(self.path.replace("/slow.png", "/first.png"))
@@ -365,6 +372,23 @@ def test_loader_limits_timeout_and_transparency(image_host, pictures) -> None:
     assert loaded.mode == "RGB" and loaded.getpixel((0, 0)) == (255, 255, 255)
     gray = MediaLoader().load(MediaRef(_data_url(Image.new("L", (4, 4), 7)), "p"))
     assert (gray.mode, gray.getpixel((0, 0))) == ("RGB", (7, 7, 7))
+
+
+def test_allowed_media_domains_and_their_redirects(image_host, pictures) -> None:
+    """--allowed-media-domains: URLs from other hosts are 400s naming the part, and so is a
+    redirect from a listed host to one that is not."""
+    ref = MediaRef(image_host + "/first.png", "messages[0].content[1].image_url")
+    assert MediaLoader(domains=["127.0.0.1"]).load(ref).size == pictures[0].size
+    with pytest.raises(APIError, match=r"'127\.0\.0\.1' are refused.*example\.com") as e:
+        MediaLoader(domains=["example.com"]).load(ref)
+    assert (e.value.status, e.value.param) == (400, ref.param)
+    hop = MediaRef(image_host + "/to-localhost", "p")
+    with pytest.raises(APIError, match="'localhost' are refused") as e:
+        MediaLoader(domains=["127.0.0.1"]).load(hop)
+    assert e.value.param == "p"
+    both = MediaLoader(domains=["127.0.0.1", "LocalHost"])
+    assert both.load(hop).size == pictures[0].size
+    assert MediaLoader().load(hop).size == pictures[0].size  # no list: any host
 
 
 def test_fetch_timeout_variables() -> None:

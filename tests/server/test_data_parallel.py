@@ -89,6 +89,7 @@ def test_replica_argv_drops_the_routers_options():
     argv = ["serve", "m", "-dp", "2", "--port", "8000", "--host=0.0.0.0", "-tp", "2"]
     assert replica_argv(argv) == ["serve", "m", "-tp", "2"]
     assert replica_argv(["--data-parallel-size=3", "--model", "x"]) == ["--model", "x"]
+    assert replica_argv(["--uds", "/run/p.sock", "--model", "x", "-dp", "2"]) == ["--model", "x"]
 
 
 def test_metric_labels_and_cost_estimate():

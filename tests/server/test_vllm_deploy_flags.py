@@ -1,18 +1,23 @@
 """vLLM `serve` flags that paged-server accepts: the ones it acts on (--uvicorn-log-level,
 --disable-uvicorn-access-log, --enable-request-id-headers, --enable-force-include-usage,
---async-scheduling, --override-pooler-config, structured-output backends, --logprobs-mode) and
-the ones it ignores with one warning (vllm_flags.py)."""
+--async-scheduling, --override-pooler-config, structured-output backends, --logprobs-mode,
+--uds, --log-config-file, --allowed-media-domains) and the ones it ignores with one warning
+(vllm_flags.py)."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 from fake_engine import FakeEngine
-from server_proc import COMMON_ARGS, MAX_MODEL_LEN, ServerProc
+from server_proc import COMMON_ARGS, HEADERS, MAX_MODEL_LEN, ServerProc, launch
 
 import paged_engine
 from paged_server.cli import build_engine, parse_args
@@ -160,3 +165,83 @@ def test_log_error_stack_logs_each_error_answer_with_its_stack(served: ServerPro
     (record,) = [x for x in caplog.records if "answered 400" in x.getMessage()]
     assert "POST /v1/completions answered 400" in record.getMessage()
     assert record.exc_info is not None and record.exc_info[0].__name__ == "APIError"
+
+
+# ---- --uds, --log-config-file, --allowed-media-domains ----------------------------------------
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix domain socket (what `curl --unix-socket` does)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("localhost", timeout=10)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(10)
+        self.sock.connect(self.path)
+
+
+def test_uds_serves_http_on_a_unix_socket(tmp_path) -> None:
+    """paged-server --uds PATH: the banner names it, requests (a stream too) are served over
+    it, a stale socket file left by an earlier server is replaced, and stopping removes it."""
+    path = str(tmp_path / "paged.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # the file stays, no one listens: a crashed server's leftover
+    server = launch(["--uds", path, *COMMON_ARGS], fake=True)
+    try:
+        assert server.url == f"unix:{path}"
+        conn = _UnixConnection(path)
+        conn.request("GET", "/health")
+        health = conn.getresponse()
+        assert health.status == 200 and json.loads(health.read()) == {"status": "ok"}
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 4, "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), HEADERS)
+        r = conn.getresponse()
+        raw = r.read().decode()
+        assert r.status == 200 and raw.rstrip().endswith("data: [DONE]"), raw
+        conn.close()
+    finally:
+        assert server.stop() == 0
+    assert not os.path.exists(path)
+
+
+def test_log_config_file(tmp_path, capsys) -> None:
+    """--log-config-file: a logging.config dictionary applied at start; a file that is not one
+    stops the server naming the flag."""
+    from paged_server.cli import configure
+
+    log_file = tmp_path / "paged.log"
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "handlers": {"f": {"class": "logging.FileHandler", "filename": str(log_file)}},
+        "loggers": {"paged_server.test": {"handlers": ["f"], "level": "INFO"}},
+    }
+    path = tmp_path / "log.json"
+    path.write_text(json.dumps(config))
+    configure(parse_args(["m", "--log-config-file", str(path)]))
+    logger = logging.getLogger("paged_server.test")
+    logger.info("configured from the file")
+    for h in logger.handlers:
+        h.flush()
+    assert "configured from the file" in log_file.read_text()
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+    for bad in ("[1, 2]", "{oops", '{"version": 7}'):
+        path.write_text(bad)
+        with pytest.raises(SystemExit, match="--log-config-file"):
+            configure(parse_args(["m", "--log-config-file", str(path)]))
+    with pytest.raises(SystemExit, match="--log-config-file"):
+        configure(parse_args(["m", "--log-config-file", str(tmp_path / "missing.json")]))
+
+
+def test_allowed_media_domains_reach_the_loader() -> None:
+    from paged_server.cli import build_app
+
+    args = parse_args(["m", "--allowed-media-domains", "images.example.com", "CDN.example.com"])
+    _, app = build_app(args, FakeEngine(max_model_len=MAX_MODEL_LEN))
+    assert app.media.domains == {"images.example.com", "cdn.example.com"}
+    _, app = build_app(parse_args(["m"]), FakeEngine(max_model_len=MAX_MODEL_LEN))
+    assert app.media.domains is None

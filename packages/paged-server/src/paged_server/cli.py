@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
+import logging.config
 import os
 import signal
 import sys
@@ -149,6 +151,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         args.allowed_local_media_path,
         {kind: fetch_timeout(kind=kind) for kind in ("image", "video")},
         num_frames=media_io_kwargs(args.media_io_kwargs) or DEFAULT_NUM_FRAMES,
+        domains=args.allowed_media_domains,
     )
     metrics = Metrics(names[0], args.metrics_prefix)
     client = EngineClient(engine, metrics=metrics, max_queued_requests=args.max_queued_requests)
@@ -225,7 +228,7 @@ def bind(args: argparse.Namespace) -> Server | None:
         return None
     try:
         return Server(
-            (args.host, args.port),
+            args.uds or (args.host, args.port),
             None,
             max_body_bytes=args.max_request_body_bytes,
             keep_alive_timeout=args.timeout_keep_alive,
@@ -238,13 +241,25 @@ def bind(args: argparse.Namespace) -> Server | None:
             log_error_stack=args.log_error_stack,
         )
     except OSError as e:
-        print(f"paged-server: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
+        print(f"paged-server: cannot listen on {where}: {e}", file=sys.stderr)
         return None
 
 
 def server_url(server: Server) -> str:
+    """Where clients reach it: scheme://host:port, or unix:PATH for a Unix socket (HTTP over
+    it, e.g. `curl --unix-socket PATH http://localhost/v1/models`)."""
+    if server.unix:
+        return f"unix:{server.server_address}"
     host, port = server.server_address[:2]
     return f"{server.scheme}://{host}:{port}"
+
+
+def api_url(server: Server) -> str:
+    """The OpenAI base URL clients use (on a Unix socket: its path, then http://localhost/v1)."""
+    if server.unix:
+        return f"http://localhost/v1 over unix:{server.server_address}"
+    return server_url(server) + "/v1"
 
 
 def _freeze_startup_heap(engine: Any) -> None:
@@ -307,7 +322,7 @@ def serve(args: argparse.Namespace, engine: Any, server: Server | None = None) -
         f"paged-server: model {app.names[0]} ({app.model_path}), max_model_len "
         f"{engine.config.max_model_len}, KV pool {stats.num_total_blocks} blocks x {block_size} "
         f"= {stats.num_total_blocks * block_size} tokens\n"
-        f"paged-server: serving on {url} (OpenAI API at {url}/v1)",
+        f"paged-server: serving on {url} (OpenAI API at {api_url(server)})",
         flush=True,
     )
 
@@ -362,7 +377,7 @@ def serve_replicas(args: argparse.Namespace, argv: list[str], server: Server) ->
     url = server_url(server)
     print(
         f"paged-server: {len(replicas)} engine replicas, requests to the least loaded\n"
-        f"paged-server: serving on {url} (OpenAI API at {url}/v1)",
+        f"paged-server: serving on {url} (OpenAI API at {api_url(server)})",
         flush=True,
     )
     reported: set[int] = set()
@@ -388,16 +403,33 @@ def torchrun_rank() -> int:
 
 
 def configure(args: argparse.Namespace) -> None:
-    """Logging at --log-level, then the warnings the flags call for (once, at start)."""
+    """Logging at --log-level (or as --log-config-file says), then the warnings the flags call
+    for (once, at start)."""
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    path = args.log_config_file or os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+    if path:
+        log_config(path)
     warn_ignored(args)  # vLLM flags that change nothing here, named once
     backend = args.guided_decoding_backend or (args.structured_outputs_config or {}).get("backend")
     if backend not in (None, "auto", "guidance", "llguidance"):
         log.warning(
             "structured outputs compile with llguidance, not %s (the same constraints)", backend
         )
+
+
+def log_config(path: str) -> None:
+    """vLLM's --log-config-file (or VLLM_LOGGING_CONFIG_PATH): a JSON `logging.config`
+    dictionary applied over the default setup; SystemExit naming the flag when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("the file must hold a JSON object (a logging.config dictionary)")
+        logging.config.dictConfig(config)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError) as e:
+        raise SystemExit(f"paged-server: --log-config-file {path}: {e}") from None
 
 
 def serves_rank0(args: argparse.Namespace) -> bool:

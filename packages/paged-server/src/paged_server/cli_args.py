@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument(
+        "--uds",
+        default=None,
+        metavar="PATH",
+        help="serve on this Unix domain socket instead of --host / --port (vLLM's)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument(
         "--metrics-prefix",
@@ -476,6 +482,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="let requests name images by file:// URLs inside DIR (default: refused; a "
         "security risk, for trusted clients)",
+    )
+    p.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) images and videos only from these hosts (redirects too); default: any",
+    )
+    p.add_argument(
+        "--log-config-file",
+        default=None,
+        metavar="PATH",
+        help="a JSON logging.config dictionary applied at start (vLLM's; also "
+        "VLLM_LOGGING_CONFIG_PATH)",
     )
     add_ignored_flags(p)
     p.add_argument(

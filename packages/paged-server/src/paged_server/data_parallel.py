@@ -398,6 +398,7 @@ _ROUTER_FLAGS = {
     "-dp",
     "--host",
     "--port",
+    "--uds",
     "--ssl-keyfile",
     "--ssl-certfile",
     "--ssl-ca-certs",

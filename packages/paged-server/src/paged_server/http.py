@@ -18,10 +18,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import select
 import socket
 import ssl
+import stat
 import threading
 import time
 import uuid
@@ -76,7 +78,7 @@ class Server(ThreadingHTTPServer):
 
     def __init__(
         self,
-        address: tuple[str, int],
+        address: tuple[str, int] | str,
         app: App | None,
         *,
         max_body_bytes: int = 16 << 20,
@@ -89,9 +91,10 @@ class Server(ThreadingHTTPServer):
         request_id_headers: bool = False,
         log_error_stack: bool = False,
     ):
-        """`listen=False` only binds (the port is taken, connections are refused): set `app`,
-        then call `server_activate()` before serving. `cors` None: no CORS headers at all.
-        `tls`: every connection speaks HTTPS. `access_log`: one INFO line per request (else
+        """`address`: (host, port), or a path: a Unix domain socket (a stale socket file there
+        is replaced). `listen=False` only binds (the port is taken, connections are refused):
+        set `app`, then call `server_activate()` before serving. `cors` None: no CORS headers
+        at all. `tls`: every connection speaks HTTPS. `access_log`: one INFO line per request (else
         DEBUG). `request_id_headers`: every answer carries X-Request-Id (the request's, else
         a new one). `log_error_stack`: every error answer (4xx too) logs where it was raised."""
         self.app = app
@@ -110,6 +113,8 @@ class Server(ThreadingHTTPServer):
         # by which they must be done: a client trickling header bytes cannot hold a thread.
         self._reading: dict[Handler, float] = {}
         self._reading_lock = threading.Lock()
+        if isinstance(address, str):
+            self.address_family = socket.AF_UNIX
         super().__init__(address, Handler, bind_and_activate=False)
         try:
             self.server_bind()
@@ -119,6 +124,31 @@ class Server(ThreadingHTTPServer):
             self.server_close()
             raise
         threading.Thread(target=self._reap_slow_headers, name="http-reaper", daemon=True).start()
+
+    @property
+    def unix(self) -> bool:
+        return self.address_family == socket.AF_UNIX
+
+    def server_bind(self) -> None:
+        if not self.unix:
+            return super().server_bind()
+        path = self.server_address
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(path).st_mode):  # a server before this one left it
+                os.unlink(path)
+        self.socket.bind(path)
+        self.server_address = self.socket.getsockname()
+        self.server_name, self.server_port = "localhost", 0
+
+    def get_request(self) -> tuple[Any, Any]:
+        conn, addr = super().get_request()
+        return conn, (("unix", 0) if self.unix else addr)  # handlers log client_address[0]
+
+    def server_close(self) -> None:
+        super().server_close()
+        if self.unix and isinstance(self.server_address, str):
+            with contextlib.suppress(OSError):
+                os.unlink(self.server_address)
 
     @property
     def scheme(self) -> str:

@@ -5,7 +5,8 @@
                                       VLLM_IMAGE_FETCH_TIMEOUT) seconds per read, 5 by default
                                       (videos: *_VIDEO_FETCH_TIMEOUT, 30); a body over the cap
                                       (20 MiB an image, 256 MiB a video) is refused before it
-                                      is all read
+                                      is all read; with --allowed-media-domains only from those
+                                      hosts (redirects included)
     file:///dir/cat.jpg               only under --allowed-local-media-path DIR (the path
                                       resolved, links followed, must stay inside DIR)
 
@@ -133,8 +134,11 @@ class MediaLoader:
         timeout: dict[str, float] | None = None,
         max_bytes: dict[str, int] | None = None,
         num_frames: int = DEFAULT_NUM_FRAMES,
+        domains: list[str] | None = None,
     ) -> None:
         self.local_dir = local_media_dir(str(local_dir)) if local_dir is not None else None
+        # http(s) URLs only from these hosts (None: any); compared as hostnames are, lowercase
+        self.domains = None if domains is None else frozenset(d.lower() for d in domains)
         self.timeout = {**DEFAULT_FETCH_TIMEOUT, **(timeout or {})}
         self.max_bytes = {**MAX_BYTES, **(max_bytes or {})}
         self.num_frames = num_frames
@@ -194,9 +198,13 @@ class MediaLoader:
             raise bad_request(f"{ref.param}: the data URL is not valid base64", ref.param) from None
 
     def _fetch(self, ref: MediaRef) -> bytes:
+        self._check_domain(ref, ref.url)
         request = urllib.request.Request(ref.url, headers={"User-Agent": "paged-server"})
+        open_url = urllib.request.urlopen
+        if self.domains is not None:  # every redirect's target is checked too
+            open_url = urllib.request.build_opener(_DomainRedirects(self, ref)).open
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout[ref.kind]) as resp:
+            with open_url(request, timeout=self.timeout[ref.kind]) as resp:
                 if resp.status != 200:
                     raise bad_request(
                         f"{ref.param}: fetching the {ref.kind} answered HTTP {resp.status}",
@@ -211,11 +219,26 @@ class MediaLoader:
                 f"{ref.param}: fetching the {ref.kind} answered HTTP {e.code} {e.reason}",
                 ref.param,
             ) from None
+        except APIError:
+            raise
         except (urllib.error.URLError, OSError, ValueError) as e:  # DNS, refused, timeout
             why = getattr(e, "reason", None) or e
             raise bad_request(
                 f"{ref.param}: the {ref.kind} could not be fetched: {why}", ref.param
             ) from None
+
+    def _check_domain(self, ref: MediaRef, url: str) -> None:
+        """A 400 naming the part when --allowed-media-domains does not list `url`'s host."""
+        if self.domains is None:
+            return
+        host = (urlsplit(url).hostname or "").lower()
+        if host not in self.domains:
+            raise bad_request(
+                f"{ref.param}: {ref.kind} URLs from {host or 'no host'!r} are refused: the "
+                f"server fetches only from --allowed-media-domains "
+                f"({', '.join(sorted(self.domains))})",
+                ref.param,
+            )
 
     def _local_file(self, ref: MediaRef) -> bytes:
         if self.local_dir is None:
@@ -344,3 +367,14 @@ def decode_tensor(param: str, data: Any, max_elems: int = MAX_TENSOR_ELEMS) -> A
     except Exception as e:  # a corrupt file, pickled objects, a bad sparse tensor
         raise bad_request(f"{param} could not be read as a tensor: {e}", param) from None
     return tensor
+
+
+class _DomainRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to a host --allowed-media-domains lists."""
+
+    def __init__(self, loader: MediaLoader, ref: MediaRef) -> None:
+        self.loader, self.ref = loader, ref
+
+    def redirect_request(self, req: Any, fp: Any, code: int, msg: str, headers: Any, newurl: str):
+        self.loader._check_domain(self.ref, newurl)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)

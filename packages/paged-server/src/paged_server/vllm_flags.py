@@ -30,6 +30,14 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "--h11-max-incomplete-event-size": (True, "the request line and headers: http.server's limits"),
     "--h11-max-header-count": (True, "http.server takes up to 100 headers a request"),
     "--show-hidden-metrics-for-version": (True, "every metric is shown; none was hidden"),
+    "--max-long-partial-prefills": (True, "chunked prefill shares one token budget"),
+    "--disable-cascade-attn": (False, "attention has no cascade (shared-prefix) kernel"),
+    "--attention-backend": (True, "attention runs in paged's own kernels (Triton; CPU: its own)"),
+    "--enable-dbo": (False, "no dual-batch overlap: tensor parallelism all-reduces in line"),
+    "--enable-eplb": (False, "MoE experts are split by tensor parallelism, not rebalanced"),
+    "--mm-encoder-tp-mode": (True, "a vision tower is split like the language model"),
+    "--fully-sharded-loras": (False, "LoRA weights are split like the layers they adapt"),
+    "--num-scheduler-steps": (True, "one scheduling decision a step (vLLM v1's too)"),
 }
 
 

@@ -15,6 +15,13 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "paged_engine.llm",
     "LLMEngine": "paged_engine.engine.llm_engine",
+    "AsyncLLM": "paged_engine.engine.async_llm",
+    "AsyncLLMEngine": "paged_engine.engine.async_llm",
+    "EngineArgs": "paged_engine.engine.async_llm",
+    "AsyncEngineArgs": "paged_engine.engine.async_llm",
+    "TextPrompt": "paged_engine.inputs",
+    "TokensPrompt": "paged_engine.inputs",
+    "EmbedsPrompt": "paged_engine.inputs",
     "EngineStats": "paged_engine.engine.stats",
     "EngineConfig": "paged_engine.config",
     "SamplingParams": "paged_engine.sampling_params",
@@ -38,12 +45,17 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "AsyncEngineArgs",
+    "AsyncLLM",
+    "AsyncLLMEngine",
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
     "ClassificationRequestOutput",
     "CompletionOutput",
     "EmbeddingRequestOutput",
+    "EmbedsPrompt",
+    "EngineArgs",
     "EngineConfig",
     "EngineStats",
     "GuidedDecodingParams",
@@ -58,13 +70,17 @@ __all__ = [
     "SamplingParams",
     "ScoringRequestOutput",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 if TYPE_CHECKING:
     from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
     from paged_engine.config import EngineConfig
+    from paged_engine.engine.async_llm import AsyncEngineArgs, AsyncLLM, AsyncLLMEngine, EngineArgs
     from paged_engine.engine.llm_engine import LLMEngine
     from paged_engine.engine.stats import EngineStats
+    from paged_engine.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
     from paged_engine.llm import LLM
     from paged_engine.logprobs import Logprob
     from paged_engine.lora.request import LoRARequest

@@ -319,6 +319,11 @@ class LLMEngine:
             "on" if config.async_scheduling else "off",
         )
 
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **_: Any) -> LLMEngine:
+        """vLLM's: the engine of an `EngineArgs` (`usage_context` and the like are ignored)."""
+        return cls(engine_args.create_engine_config())
+
     @property
     def model_runner(self):
         """The in-process worker's runner (tests and benchmarks reach the model through it)."""

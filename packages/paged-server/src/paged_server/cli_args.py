@@ -550,8 +550,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tool-call-parser",
-        choices=sorted(TOOL_PARSERS),
         default=None,
+        metavar="{" + ",".join(sorted(TOOL_PARSERS)) + "}",
         help="parse the model's tool calls for tool_choice 'auto': hermes (Hermes / Qwen), "
         "llama3_json, mistral ([TOOL_CALLS]), pythonic (Llama 3.2 / 4 [f(x=1)]), lfm2 (LFM2: "
         "<|tool_call_start|>[f(x=1)]<|tool_call_end|>), qwen3_coder "
@@ -566,8 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--reasoning-parser",
-        choices=list(REASONING_PARSERS),
         default=None,
+        metavar="{" + ",".join(REASONING_PARSERS) + "}",
         help="chat: the model's reasoning goes to message.reasoning_content: deepseek_r1 / "
         "qwen3 / glm45 / kimi_k2 (<think>...</think>; deepseek_r1 and kimi_k2 from the first "
         "token, qwen3 and glm45 from the model's own <think>), seed_oss (<seed:think>), mistral "
@@ -577,6 +577,14 @@ def build_parser() -> argparse.ArgumentParser:
         "chat_template_kwargs turn thinking on), openai_gptoss (gpt-oss's Harmony analysis "
         "channel; the final channel is the content; with --tool-call-parser openai)",
     )
+    for what in ("tool", "reasoning"):
+        p.add_argument(
+            f"--{what}-parser-plugin",
+            default=None,
+            metavar="FILE",
+            help=f"a Python file that registers {what} parsers (paged_server.parser_plugins), "
+            f"run at start: their names join --{'tool-call' if what == 'tool' else what}-parser's",
+        )
     p.add_argument(
         "--reasoning-config",
         type=_json_object,
@@ -690,6 +698,30 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy:
     )
 
 
+def _parser_plugins(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Run --tool-parser-plugin / --reasoning-parser-plugin, then check the parser names against
+    every registered one (built in or a plugin's)."""
+    from paged_server.parser_plugins import load_plugin, reasoning_parsers
+
+    for flag in ("tool_parser_plugin", "reasoning_parser_plugin"):
+        path = getattr(args, flag)
+        if path is not None:
+            try:
+                load_plugin(path)
+            except ValueError as e:
+                parser.error(f"argument --{flag.replace('_', '-')}: {e}")
+    for flag, names in (
+        ("tool_call_parser", sorted(TOOL_PARSERS)),
+        ("reasoning_parser", reasoning_parsers()),
+    ):
+        value = getattr(args, flag)
+        if value is not None and value not in names:
+            parser.error(
+                f"argument --{flag.replace('_', '-')}: invalid choice: {value!r} (choose from "
+                f"{', '.join(names)}; or register one with --{flag.split('_')[0]}-parser-plugin)"
+            )
+
+
 def parse_args(
     argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None
 ) -> argparse.Namespace:
@@ -701,6 +733,7 @@ def parse_args(
         argv = argv[1:]
     parser = parser or build_parser()
     args = parser.parse_args(argv)
+    _parser_plugins(args, parser)
     if args.disable_mm_preprocessor_cache:
         args.mm_processor_cache_gb = 0.0
     if args.model_tag is not None:

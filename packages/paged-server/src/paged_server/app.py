@@ -299,6 +299,8 @@ class OpenAIApp:
 
     def _resolve(self, requested: str | None) -> tuple[str, Any]:
         """(the name responses echo, the adapter's LoRARequest or None for the base model)."""
+        if requested is not None and not isinstance(requested, str):
+            raise bad_request(f"'model' must be a string, got {type(requested).__name__}", "model")
         if requested is None or requested in self.names:
             return requested or self.names[0], None
         lora = self.lora.get(requested)

@@ -27,6 +27,7 @@ def test_normalization():
     p = SamplingParams(stop_token_ids=[7, 9])
     assert p.all_stop_token_ids == {7, 9}
     assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(top_k=2**63).top_k == 0  # past any vocabulary: off, not an overflow
     assert SamplingParams(max_tokens=None).max_tokens is None
     assert SamplingParams(max_tokens=32.0).max_tokens == 32  # integral float from JSON
     assert SamplingParams(temperature=1).temperature == 1.0
@@ -116,3 +117,17 @@ def test_outputs_records_and_repr():
     assert "CompletionOutput(index=0, text='hi', token_ids=[5]" in text
     assert "finish_reason=stop, stop_reason=###" in text and "num_cached_tokens=16" in text
     assert pickle.loads(pickle.dumps(r)).outputs[0].logprobs == [lp]
+
+
+def test_a_top_k_past_any_vocabulary_runs_as_off(tiny_llama_dir) -> None:
+    """top_k = 2**63 (a hostile client's) once overflowed the worker's int64 row and failed
+    the whole step; it samples exactly as top_k off."""
+    from paged_engine import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=64)
+    try:
+        params = [SamplingParams(max_tokens=6, seed=5, top_k=k) for k in (2**63, 0)]
+        huge, off = llm.generate(["Hello", "Hello"], params, use_tqdm=False)
+        assert huge.outputs[0].token_ids == off.outputs[0].token_ids
+    finally:
+        llm.llm_engine.shutdown()

@@ -278,7 +278,7 @@ class SamplingParams:
             raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}.")
         if self.skip_reading_prefix_cache is not None:
             _check_bools(self, ("skip_reading_prefix_cache",))
-        if self.top_k == -1:
+        if self.top_k == -1 or self.top_k >= 2**31:  # no vocabulary is that large: off
             self.top_k = 0
         _check_token_rules(self)
         self._explicit_logprobs()

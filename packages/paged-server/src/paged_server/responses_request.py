@@ -355,7 +355,8 @@ def _check_off(body: dict[str, Any]) -> None:
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request("'truncation' must be 'disabled': input is never dropped", "truncation")
     include = body.get("include") or []
-    if not isinstance(include, list) or not all(isinstance(v, str) and v in _INCLUDES for v in include):
+    known = isinstance(include, list) and all(isinstance(v, str) for v in include)
+    if not known or not set(include) <= _INCLUDES:
         raise bad_request(
             f"'include' must be a list of {', '.join(sorted(_INCLUDES))}; got {include!r}",
             "include",

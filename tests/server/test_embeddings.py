@@ -105,6 +105,56 @@ def test_pooling_token_embed_gives_a_row_per_token(real_server: ServerProc, hf) 
     assert status == 400 and r["error"]["param"] == "task", r
 
 
+def test_chat_messages_are_embedded_as_the_template_renders_them(
+    real_server: ServerProc, hf
+) -> None:
+    """vLLM's chat form: `messages` through the chat template (no generation prompt by default,
+    no extra special tokens), one embedding; /tokenize renders the same ids."""
+    messages = [
+        {"role": "system", "content": "Represent this question for retrieval."},
+        {"role": "user", "content": "Where is the Eiffel tower?"},
+    ]
+    for extra in ({}, {"add_generation_prompt": True}):
+        status, _, r = real_server.request(
+            "POST", "/v1/embeddings", {"messages": messages, "encoding_format": "float", **extra}
+        )
+        assert status == 200, r
+        want = {"add_generation_prompt": False, **extra}
+        _, _, tok = real_server.request("POST", "/tokenize", {"messages": messages, **want})
+        ids = tok["tokens"]
+        assert r["usage"]["prompt_tokens"] == len(ids) and len(r["data"]) == 1
+        ref = reference(hf, ids)
+        torch.testing.assert_close(
+            torch.tensor(r["data"][0]["embedding"]), ref, atol=1e-5, rtol=1e-4
+        )
+    status, _, pooled = real_server.request("POST", "/pooling", {"messages": messages})
+    assert status == 200 and len(pooled["data"]) == 1, pooled
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+        ({"input": "hi", "chat_template_kwargs": {}}, "chat_template_kwargs"),
+        ({"messages": "hi"}, "messages"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:,"}}],
+                    }
+                ]
+            },
+            "messages[0].content",
+        ),
+    ],
+)
+def test_bad_chat_form_names_the_field(real_server: ServerProc, body, param) -> None:
+    status, _, r = real_server.request("POST", "/v1/embeddings", body)
+    assert status == 400 and r["error"]["param"] == param, r
+
+
 @pytest.mark.parametrize(
     "body, param",
     [

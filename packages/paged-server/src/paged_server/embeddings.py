@@ -8,9 +8,14 @@ classifier's probabilities) as `{"object": "pooling", "data": [...]}` items.
         "model": M, "usage": {"prompt_tokens": n, "total_tokens": n}}
 
 vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
-`add_special_tokens` (default true), `normalize`. The pooling itself (last token or mean,
-`--pooler-config`) is the engine's: paged_engine/pooling.py. base64 is the little-endian float32
-bytes, as OpenAI encodes them (the official Python client asks for it by default).
+`add_special_tokens` (default true), `normalize`. Instead of `input`, vLLM's chat form:
+`messages` (text) through the chat template (`chat_template_kwargs`, `add_generation_prompt`
+default false, `continue_final_message`, `chat_template` as chat completions take it), one
+pooled input; `add_special_tokens` then defaults to false (the template holds BOS).
+
+The pooling itself (last token or mean, `--pooler-config`) is the engine's:
+paged_engine/pooling.py. base64 is the little-endian float32 bytes, as OpenAI encodes them (the
+official Python client asks for it by default).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_engine.pooling import PoolingParams, truncated
 from paged_server.errors import bad_request
+from paged_server.openai_protocol import parse_chat
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -42,6 +48,16 @@ _FIELDS = frozenset(
         "priority",
     }
 )
+# vLLM's chat form of the body: `messages` (and what renders them) instead of `input`
+_CHAT_FIELDS = frozenset(
+    {
+        "messages",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
 
 
 @dataclass(slots=True)
@@ -53,6 +69,7 @@ class EmbeddingRequest:
     truncate_prompt_tokens: int | None
     add_special_tokens: bool
     priority: int = 0  # --scheduling-policy priority: lower runs first
+    chat: dict[str, Any] | None = None  # the chat form's fields (then `inputs` is empty)
 
 
 # /pooling's extras: what to pool (the model's own when absent) and a classifier's activation.
@@ -63,13 +80,19 @@ _POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
 def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingRequest:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    unknown = sorted(set(body) - (_POOLING_FIELDS if route == "/pooling" else _FIELDS))
+    known = (_POOLING_FIELDS if route == "/pooling" else _FIELDS) | _CHAT_FIELDS
+    unknown = sorted(set(body) - known)
     if unknown:
         raise bad_request(f"parameter '{unknown[0]}' is not supported by {route}", unknown[0])
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_request("'model' must be a string", "model")
-    items = inputs(body.get("input"))
+    chat = {k: body[k] for k in _CHAT_FIELDS if k in body}
+    if chat and "messages" not in chat:
+        raise bad_request(f"'{next(iter(chat))}' goes with 'messages'", next(iter(chat)))
+    if chat and "input" in body:
+        raise bad_request("send either 'input' or 'messages', not both", "messages")
+    items = [] if chat else inputs(body.get("input"))
     fmt = body.get("encoding_format", "float")
     if fmt is None:
         fmt = "float"
@@ -78,7 +101,7 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
             f"'encoding_format' must be 'float' or 'base64', got {fmt!r}", "encoding_format"
         )
     truncate = parse_truncate(body)
-    special = body.get("add_special_tokens", True)
+    special = body.get("add_special_tokens", not chat)
     if not isinstance(special, bool):
         raise bad_request("'add_special_tokens' must be a boolean", "add_special_tokens")
     try:
@@ -92,7 +115,8 @@ def parse_embedding(body: Any, route: str = "/v1/embeddings") -> EmbeddingReques
         text = str(e)
         param = next((f for f in ("dimensions", "use_activation") if f in text), "normalize")
         raise bad_request(text, param) from None
-    return EmbeddingRequest(model, items, fmt, params, truncate, special, parse_priority(body))
+    priority = parse_priority(body)
+    return EmbeddingRequest(model, items, fmt, params, truncate, special, priority, chat or None)
 
 
 def _pooling_task(body: dict) -> str | None:
@@ -214,10 +238,24 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
     """`/v1/embeddings`; with `route="/pooling"` vLLM's pooling API over the same inputs."""
     req = parse_embedding(h.read_json(), route)
     model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
-    ids = [
-        prompt_tokens(app, item, f"input[{i}]", req.truncate_prompt_tokens, req.add_special_tokens)
-        for i, item in enumerate(req.inputs)
-    ]
+    if req.chat is not None:  # one input: the conversation as the chat template renders it
+        chat = {"add_generation_prompt": False, **req.chat}
+        text = app._render_chat(parse_chat(chat))  # image parts: a 400 naming the part
+        ids = [
+            prompt_tokens(
+                app,
+                app._encode(text, req.add_special_tokens),
+                "messages",
+                req.truncate_prompt_tokens,
+            )
+        ]
+    else:
+        ids = [
+            prompt_tokens(
+                app, item, f"input[{i}]", req.truncate_prompt_tokens, req.add_special_tokens
+            )
+            for i, item in enumerate(req.inputs)
+        ]
     pooling = route == "/pooling"
     rid = f"{'pool' if pooling else 'embd'}-{uuid.uuid4().hex}"
     outs = run_pooling(app, h, rid, ids, req.params, lora, req.priority)

@@ -34,6 +34,7 @@ MORE_TINY_ARCHS: list[str] = [
     "glm4_moe",
     "deepseek_v3",
     "deepseek_v2",
+    "minicpm3",
     "glm4_moe_lite",
     "mistral4",
     "granitemoe",
@@ -127,7 +128,7 @@ _HYBRID_LIKE = {
 }
 # DeepSeek-V3's layout, tiny: MLA with a q bottleneck (latent 32 + rope 8), a dense layer, then
 # MoE layers of 8 routed experts in 4 groups (2 kept), 2 chosen, and a shared expert
-_DEEPSEEK_LIKE = {
+_MLA_LIKE = {  # multi-head latent attention's shape (DeepSeek-V2's attention)
     "num_hidden_layers": 3,
     "num_key_value_heads": 4,
     "max_position_embeddings": 256,
@@ -136,6 +137,9 @@ _DEEPSEEK_LIKE = {
     "qk_nope_head_dim": 16,
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
+}
+_DEEPSEEK_LIKE = {
+    **_MLA_LIKE,
     "first_k_dense_replace": 1,
     "n_routed_experts": 8,
     "n_shared_experts": 1,
@@ -644,6 +648,18 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     # DeepSeek-V2: MLA without the q bottleneck, softmax routing limited to 2 of 4 groups
+    # MiniCPM3: DeepSeek-V2's MLA with dense MLPs and MiniCPM's scalars (embedding x12,
+    # residual x1.4/sqrt(3), hidden / (64 / 16) before the tied head)
+    "minicpm3": (
+        "MiniCPM3Config",
+        {
+            **_LLAMA_LIKE,
+            **_MLA_LIKE,
+            "scale_emb": 12,
+            "scale_depth": 1.4,
+            "dim_model_base": 16,
+        },
+    ),
     "deepseek_v2": (
         "DeepseekV2Config",
         {

@@ -54,6 +54,7 @@ from paged_engine.models.mamba import (
     Mamba2ForCausalLM,
     MambaForCausalLM,
 )
+from paged_engine.models.minicpm3 import MiniCPM3ForCausalLM
 from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -113,6 +114,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,

@@ -43,6 +43,7 @@ from paged_engine.models.llama import (
     StreamCapture,
     keeps_stream_apart,
     run_layers,
+    stage_input,
 )
 from paged_engine.models.mixtral import check_silu, expert_rules
 from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
@@ -176,16 +177,20 @@ class DeepseekModel(nn.Module):
         build_mlp,
         attention_cls: type[MlaAttention] = MlaAttention,
         rope: RotaryEmbedding | None = None,  # None: DeepSeek's, over qk_rope_head_dim
+        layer_cls: type[DeepseekDecoderLayer] | None = None,
+        embedding_multiplier: float | None = None,  # MiniCPM3's scale_emb
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_multiplier = embedding_multiplier
+        layer_cls = layer_cls or DeepseekDecoderLayer
         if rope is None:  # V3's `rope_interleave=False` (HF's option) rotates NeoX halves
             interleave = bool(getattr(config, "rope_interleave", True))
             rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
         self.rotary_emb = rope
         self.layers, self.stage = make_layers(
             config.num_hidden_layers,
-            lambda i: DeepseekDecoderLayer(config, i, rope, build_mlp(config, i), attention_cls),
+            lambda i: layer_cls(config, i, rope, build_mlp(config, i), attention_cls),
         )
         self.norm = RMSNorm(config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6))
         self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
@@ -194,7 +199,7 @@ class DeepseekModel(nn.Module):
     stream_capture: StreamCapture | None = None
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
+        x = stage_input(self, input_ids, hidden)
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None
         return run_layers(

@@ -23,6 +23,7 @@ from torch import nn
 
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.llama import stage_input
 from paged_engine.models.utils import make_layers
 
 LINEAR_LAYER_TYPES = ("linear_attention", "mamba", "conv")
@@ -96,12 +97,7 @@ class HybridModel(nn.Module):
             self.kv_index.append(n if has_kv(t) else -1)
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        if hidden is None:
-            x = self.embed_tokens(input_ids)
-            if self.embedding_multiplier is not None:
-                x = x * self.embedding_multiplier
-        else:
-            x = hidden
+        x = stage_input(self, input_ids, hidden)
         if self.rotary_emb is not None:
             self.rotary_emb.begin_forward(positions)
         for layer, i in zip(self.layers, self.kv_index, strict=True):

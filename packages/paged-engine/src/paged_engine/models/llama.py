@@ -213,6 +213,18 @@ def run_layers(
     return x if norm is None else norm(x)
 
 
+def stage_input(model: nn.Module, input_ids, hidden) -> torch.Tensor:
+    """What a stack's first layer reads: the token embedding (times the model's
+    `embedding_multiplier`, when it has one) on the first pipeline stage, else `hidden`, the
+    previous stage's output."""
+    if hidden is not None:
+        return hidden
+    x = model.embed_tokens(input_ids)  # [T, D]
+    if model.embedding_multiplier is not None:
+        x = x * model.embedding_multiplier
+    return x
+
+
 @dataclass(frozen=True, eq=False)
 class LayerAdditions:
     """Rows added to the residual stream after the first len(rows) decoder layers, at token
@@ -304,13 +316,7 @@ class LlamaModel(nn.Module):
     stream_capture: StreamCapture | None = None
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        # hidden: the previous pipeline stage's output (None on the first stage)
-        if hidden is None:
-            x = self.embed_tokens(input_ids)  # [T, D]
-            if self.embedding_multiplier is not None:
-                x = x * self.embedding_multiplier
-        else:
-            x = hidden
+        x = stage_input(self, input_ids, hidden)
         self.rotary_emb.begin_forward(positions)
         layers = list(self.stage.layers(self.layers))
         norm = self.norm if self.stage.is_last else None

@@ -1,4 +1,5 @@
-"""Nemotron, DBRX, InternLM3 and K-EXAONE (EXAONE-MoE) against HF transformers.
+"""Nemotron (and Jais 2, its decoder with plain LayerNorms), DBRX, InternLM3 and K-EXAONE
+(EXAONE-MoE) against HF transformers.
 
 `LLM.generate` on tiny random models whose special features bite must give HF `generate`'s
 greedy tokens and the same top-5 logprobs (1e-3, float32): Nemotron's LayerNorm1P norms (weight
@@ -42,6 +43,7 @@ CASES: dict[str, tuple[str, dict]] = {
         "nemotron",
         {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
     ),
+    "jais2": ("jais2", {}),
     "dbrx": ("dbrx", {}),
     # 3 of 8 experts a token, their weights divided by their 2-norm (not summing to 1)
     "dbrx-p2": (
@@ -91,6 +93,8 @@ def _generate(llm, prompts):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(name, tmp_path):
+    if name == "jais2" and not hasattr(transformers, "Jais2Config"):
+        pytest.skip("this transformers has no Jais 2")
     path = _write(tmp_path, name, seed=1)
     hf = load_hf_model(path)
     rng = random.Random(name)

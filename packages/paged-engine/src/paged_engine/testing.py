@@ -35,6 +35,8 @@ MORE_TINY_ARCHS: list[str] = [
     "deepseek_v3",
     "deepseek_v2",
     "minicpm3",
+    "jais2",
+    "solar_open",
     "glm4_moe_lite",
     "mistral4",
     "granitemoe",
@@ -128,6 +130,17 @@ _HYBRID_LIKE = {
 }
 # DeepSeek-V3's layout, tiny: MLA with a q bottleneck (latent 32 + rope 8), a dense layer, then
 # MoE layers of 8 routed experts in 4 groups (2 kept), 2 chosen, and a shared expert
+# GLM-4.5's MoE as the tiny models run it: 8 routed experts in 4 groups (2 kept, 3 chosen),
+# 2 shared experts
+_GLM_EXPERTS = {
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "moe_intermediate_size": 16,
+    "num_experts_per_tok": 3,
+    "n_group": 4,
+    "topk_group": 2,
+    "routed_scaling_factor": 2.5,
+}
 _MLA_LIKE = {  # multi-head latent attention's shape (DeepSeek-V2's attention)
     "num_hidden_layers": 3,
     "num_key_value_heads": 4,
@@ -585,6 +598,17 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     # GLM-4.5: a dense layer before MoE layers of 8 routed experts in 4 groups (2 kept, 3
     # chosen: across groups), 2 shared experts, partial rotary, explicit head_dim, q / k norms
     # and q / k / v biases (tests randomize e_score_correction_bias, a buffer)
+    # Solar Open: GLM-4.5's MoE in every layer (8 experts in 4 groups, 2 shared), whole-head
+    # rope, no q / k norms
+    "solar_open": (
+        "SolarOpenConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 16,
+            **_GLM_EXPERTS,
+            "tie_word_embeddings": False,
+        },
+    ),
     "glm4_moe": (
         "Glm4MoeConfig",
         {
@@ -595,13 +619,7 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "attention_bias": True,
             "use_qk_norm": True,
             "first_k_dense_replace": 1,
-            "n_routed_experts": 8,
-            "n_shared_experts": 2,
-            "moe_intermediate_size": 16,
-            "num_experts_per_tok": 3,
-            "n_group": 4,
-            "topk_group": 2,
-            "routed_scaling_factor": 2.5,
+            **_GLM_EXPERTS,
             "norm_topk_prob": True,
             "tie_word_embeddings": False,
         },
@@ -1214,6 +1232,18 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # Nemotron: LayerNorm1P norms (weight stored minus 1, with biases), ungated relu^2 MLP,
     # partial rotary (half of head_dim 32: q wider than hidden)
+    # Jais 2: Nemotron's decoder with plain LayerNorms, whole-head rope, every bias on
+    "jais2": (
+        "Jais2Config",
+        {
+            **_LLAMA_LIKE,
+            "hidden_act": "relu2",
+            "layer_norm_eps": 1e-5,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     "nemotron": (
         "NemotronConfig",
         {

@@ -31,7 +31,7 @@ from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
 from paged_engine.models.gemma4 import Gemma4ForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
-from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
+from paged_engine.models.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_bigcode import GPTBigCodeForCausalLM
 from paged_engine.models.gpt_neo import GPTNeoForCausalLM
@@ -63,7 +63,7 @@ from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
-from paged_engine.models.nemotron import NemotronForCausalLM
+from paged_engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo import OlmoForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
@@ -111,6 +111,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
@@ -166,6 +167,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MptForCausalLM": MptForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
     "DbrxForCausalLM": DbrxForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,

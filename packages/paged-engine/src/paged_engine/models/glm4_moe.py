@@ -44,3 +44,9 @@ class Glm4MoeForCausalLM(MixtralForCausalLM):
         if is_dense_layer(config, layer_idx):
             return LlamaMLP(config, bias=False)
         return DeepseekMoe.from_config(config)
+
+
+class SolarOpenForCausalLM(Glm4MoeForCausalLM):
+    """Upstage Solar Open (`SolarOpenForCausalLM`: Solar-Open-100B): GLM-4.5's MoE in every
+    layer (its config has no first_k_dense_replace), Llama attention without q / k norms, the
+    config's rope over whole heads; GLM-4.5's checkpoint names."""

@@ -12,6 +12,9 @@ Llama's pre-norm decoder (x += attn(norm(x)); x += mlp(norm(x))) and GQA with th
 
 q / k / v / o biases when `attention_bias`. Checkpoints use Llama's names (no gate_proj; the
 norms carry `.bias`); the head is not tied by default.
+
+Jais 2 (`Jais2ForCausalLM`: Jais-2-8B-Chat) is the same decoder with plain LayerNorms
+(`layer_norm_eps`) and the config's rope (whole heads unless `partial_rotary_factor` says).
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
 class NemotronForCausalLM(CausalLMBase):
     stacked_params = QKV_PROJ_RULES
     ignored_weights = ("rotary_emb.inv_freq",)
+    norm_cls: type[nn.Module] = LayerNorm1P  # the layers' and the final norm
+    eps_name = "norm_eps"
 
     def __init__(self, config) -> None:
+        name = type(self).__name__
         act = cfg_get(config, "hidden_act", "relu2")
         if act != "relu2":
-            raise ValueError(f"NemotronForCausalLM supports hidden_act='relu2' only, got {act!r}")
-        eps = float(cfg_get(config, "norm_eps", 1e-5))
+            raise ValueError(f"{name} supports hidden_act='relu2' only, got {act!r}")
+        eps = float(cfg_get(config, type(self).eps_name, 1e-5))
+        norm = type(self).norm_cls
         d = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
         flags = {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "sliding": False}
@@ -45,10 +52,15 @@ class NemotronForCausalLM(CausalLMBase):
             layer = LayerNormDecoderLayer(
                 d, eps, LlamaAttention(config, i, flags, rope), mlp, parallel=False
             )
-            layer.input_layernorm = LayerNorm1P(d, eps=eps)
-            layer.post_attention_layernorm = LayerNorm1P(d, eps=eps)
+            layer.input_layernorm = norm(d, eps=eps)
+            layer.post_attention_layernorm = norm(d, eps=eps)
             return layer
 
         inner = LayerNormLlamaModel(config, eps, build)
-        inner.norm = LayerNorm1P(d, eps=eps)
+        inner.norm = norm(d, eps=eps)
         super().__init__(config, inner)
+
+
+class Jais2ForCausalLM(NemotronForCausalLM):
+    norm_cls = nn.LayerNorm
+    eps_name = "layer_norm_eps"

@@ -36,6 +36,7 @@ MORE_TINY_ARCHS: list[str] = [
     "deepseek_v2",
     "minicpm3",
     "jais2",
+    "flex_olmo",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -1040,6 +1041,17 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # OLMoE: whole-projection q / k norms, 8 experts of 32 in every layer, 2 chosen (softmax, not
     # renormalized: the released checkpoints' norm_topk_prob=False)
+    # FlexOlmo: OLMoE's experts (8, top 2) in OLMo 2's post-norm layers
+    "flex_olmo": (
+        "FlexOlmoConfig",
+        {
+            **_LLAMA_LIKE,
+            "intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "tie_word_embeddings": False,
+        },
+    ),
     "olmoe": (
         "OlmoeConfig",
         {

@@ -68,7 +68,7 @@ from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo import OlmoForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
-from paged_engine.models.olmoe import OlmoeForCausalLM
+from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
@@ -157,6 +157,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ApertusForCausalLM": ApertusForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,

@@ -104,11 +104,12 @@ class Olmo2Attention(nn.Module):
 
 
 class Olmo2DecoderLayer(nn.Module):
-    def __init__(self, config, rope: RotaryEmbedding):
+    def __init__(self, config, rope: RotaryEmbedding, mlp: nn.Module | None = None):
+        """`mlp`: the feed-forward block (FlexOlmo's MoE); default OLMo 2's gated SiLU MLP."""
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
         self.self_attn = Olmo2Attention(config, rope)
-        self.mlp = LlamaMLP(config, bias=False)
+        self.mlp = LlamaMLP(config, bias=False) if mlp is None else mlp
         self.post_attention_layernorm = Olmo2RMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = Olmo2RMSNorm(config.hidden_size, eps)
 

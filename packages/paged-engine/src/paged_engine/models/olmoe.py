@@ -8,6 +8,9 @@ q, k and v are clamped to [-clip_qkv, clip_qkv] (after the norms). The MLP is a 
 `num_experts_per_tok`, renormalized when `norm_topk_prob` (False in the released checkpoints),
 gated SiLU experts of `intermediate_size`.
 
+FlexOlmo (`FlexOlmoForCausalLM`: FlexOlmo-7x7B-1T) puts the same MoE block in OLMo 2's
+post-norm layer (x += norm(attn(x)); x += norm(moe(x))), without `clip_qkv`.
+
 Checkpoints name experts `mlp.experts.M.{gate_proj,up_proj,down_proj}` and the router
 `mlp.gate` (transformers 5 holds them fused in memory, `mlp.experts.gate_up_proj` /
 `down_proj`: both load, as Mixtral's). The q / k norms multiply by their weight in float32 and
@@ -21,8 +24,8 @@ import torch
 from torch import nn
 
 from paged_engine.layers.fused_moe import SparseMoeBlock
-from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaForCausalLM, LlamaModel
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope
+from paged_engine.models.llama import LlamaForCausalLM, LlamaModel, llama_head_dim
 from paged_engine.models.mixtral import (
     MixtralForCausalLM,
     MoeDecoderLayer,
@@ -30,7 +33,7 @@ from paged_engine.models.mixtral import (
     expert_rules,
     num_experts,
 )
-from paged_engine.models.olmo2 import Olmo2Attention
+from paged_engine.models.olmo2 import Olmo2Attention, Olmo2DecoderLayer, Olmo2Model
 from paged_engine.models.utils import CausalLMBase
 
 
@@ -78,3 +81,17 @@ class OlmoeForCausalLM(MixtralForCausalLM):
             config.intermediate_size,
             renormalize=bool(getattr(config, "norm_topk_prob", False)),
         )
+
+
+class FlexOlmoForCausalLM(OlmoeForCausalLM):
+    def __init__(self, config) -> None:
+        check_silu(config, type(self).__name__)
+        cls = type(self)
+        rope = get_rope(config, llama_head_dim(config), is_neox_style=True)
+        inner = Olmo2Model(
+            config, lambda i: Olmo2DecoderLayer(config, rope, cls.build_mlp(config, i))
+        )
+        inner.rotary_emb = rope
+        CausalLMBase.__init__(self, config, inner)
+        rules = expert_rules(num_experts(config), *self.expert_names)
+        self.stacked_params = (*rules, *cls.stacked_params)

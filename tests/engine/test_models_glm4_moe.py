@@ -323,17 +323,28 @@ def test_lora_on_shared_experts_matches_hf_merged(tiny, tmp_path, tp):
     assert_lora_matches_hf_merged(tiny, tmp_path, prompt, MAX_TOKENS, TOP, tp=tp)
 
 
-def test_solar_open_matches_hf(tmp_path):
-    """Solar Open: GLM-4.5's MoE in every layer (its config has no first_k_dense_replace),
-    whole-head rope, no q / k norms; HF's greedy tokens and top-5 logprobs."""
-    if not hasattr(transformers, "SolarOpenConfig"):
-        pytest.skip("this transformers has no Solar Open")
-    path = write_tiny_model(tmp_path, "solar_open", seed=3)
+# Architectures built from GLM-4.5's MoE: (tiny arch, transformers config class, seed)
+GLM_FAMILY = {
+    # the MoE in every layer (its config has no first_k_dense_replace), whole-head rope
+    "solar_open": ("SolarOpenConfig", 3),
+    # gated attention without q / k norms (q_gate_proj), a dense layer, then MoE layers
+    "minicpm5_moe": ("MiniCPM5MoeConfig", 4),
+}
+
+
+@pytest.mark.parametrize("arch", list(GLM_FAMILY))
+def test_glm_family_matches_hf(arch, tmp_path):
+    """HF's greedy tokens and top-5 logprobs for the architectures on GLM-4.5's MoE."""
+    config_cls, seed = GLM_FAMILY[arch]
+    if not hasattr(transformers, config_cls):
+        pytest.skip(f"this transformers has no {config_cls}")
+    path = write_tiny_model(tmp_path, arch, seed=seed)
     hf = load_hf_model(path)
-    rng = random.Random(5)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(4)]
     refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    assert not any(is_dense_layer(llm.llm_engine.hf_config, i) for i in range(2))
+    if arch == "solar_open":
+        assert not any(is_dense_layer(llm.llm_engine.hf_config, i) for i in range(2))
     for out, ref in zip(_generate(llm, prompts), refs, strict=True):
-        assert_matches("solar_open", out, ref)
+        assert_matches(arch, out, ref)

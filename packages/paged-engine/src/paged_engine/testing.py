@@ -37,6 +37,7 @@ MORE_TINY_ARCHS: list[str] = [
     "minicpm3",
     "jais2",
     "flex_olmo",
+    "minicpm5_moe",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -606,6 +607,19 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             **_LLAMA_LIKE,
             "head_dim": 16,
+            **_GLM_EXPERTS,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # MiniCPM5-MoE: gated attention without q / k norms (head_dim 16), a dense layer then
+    # GLM-style MoE layers
+    "minicpm5_moe": (
+        "MiniCPM5MoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
             **_GLM_EXPERTS,
             "tie_word_embeddings": False,
         },

@@ -55,6 +55,7 @@ from paged_engine.models.mamba import (
     MambaForCausalLM,
 )
 from paged_engine.models.minicpm3 import MiniCPM3ForCausalLM
+from paged_engine.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -116,6 +117,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
+    "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
+    "MiniCPM5MoEForCausalLM": MiniCPM5MoeForCausalLM,  # the release's config.json spelling
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,

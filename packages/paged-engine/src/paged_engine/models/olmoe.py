@@ -64,13 +64,18 @@ class OlmoeForCausalLM(MixtralForCausalLM):
             config,
             LlamaForCausalLM.layer_flags(config),  # unused: the layers are built here
             lambda i, rope: MoeDecoderLayer(
-                config, i, {}, None, cls.build_mlp(config, i), OlmoeAttention(config, rope)
+                config, i, {}, None, cls.build_mlp(config, i), cls.build_attention(config, rope)
             ),
         )
         CausalLMBase.__init__(self, config, inner)
         # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.
         rules = expert_rules(num_experts(config), *self.expert_names)
         self.stacked_params = (*rules, *cls.stacked_params)
+
+    @classmethod
+    def build_attention(cls, config, rope: RotaryEmbedding) -> nn.Module:
+        """Each layer's attention (MiniCPM5-MoE's class picks its gated one)."""
+        return OlmoeAttention(config, rope)
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:

@@ -39,9 +39,10 @@ from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
 class GatedAttention(nn.Module):
-    """Full attention with a per-head output gate and (1 + w) q / k norms."""
+    """Full attention with a per-head output gate and (1 + w) q / k norms (`qk_norm`; without
+    them, MiniCPM5-MoE's)."""
 
-    def __init__(self, config, rope: RotaryEmbedding) -> None:
+    def __init__(self, config, rope: RotaryEmbedding, qk_norm: bool = True) -> None:
         super().__init__()
         hidden, num_heads = config.hidden_size, config.num_attention_heads
         num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
@@ -54,8 +55,8 @@ class GatedAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         eps = cfg_get(config, "rms_norm_eps", 1e-6)
-        self.q_norm = GemmaRMSNorm(head_dim, eps)
-        self.k_norm = GemmaRMSNorm(head_dim, eps)
+        self.q_norm = GemmaRMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, eps) if qk_norm else None
         self.rotary_emb = rope
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias)
@@ -70,8 +71,10 @@ class GatedAttention(nn.Module):
         t, h, hkv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * h * d, hkv * d, hkv * d], dim=-1)
         q, gate = qg.view(t, h, 2 * d).split([d, d], dim=-1)
-        q = self.q_norm(q).reshape(t, h * d)
-        k = self.k_norm(k.reshape(t, hkv, d)).reshape(t, hkv * d)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k.reshape(t, hkv, d)).reshape(t, hkv * d)
+        q = q.reshape(t, h * d)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, kv_cache, md) * torch.sigmoid(gate.reshape(t, h * d))
         return self.o_proj(out)

@@ -53,6 +53,8 @@ CASES: dict[str, tuple[str, dict]] = {
     "internlm3": ("internlm3", {}),
     "internlm3-bias": ("internlm3", {"qkv_bias": True, "bias": True}),
     "exaone_moe": ("exaone_moe", {}),
+    # Hy3: Qwen3's attention in K-EXAONE's decoder (testing.py); a random correction bias
+    "hy_v3": ("hy_v3", {}),
     # layer kinds from an explicit layer_types (not the pattern's); dense / sparse layers
     # interleaved by mlp_layer_types; top-3 of all 8 (one group) not renormalized; tied head
     # (HF's config refuses sliding_window=None)
@@ -93,8 +95,9 @@ def _generate(llm, prompts):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(name, tmp_path):
-    if name == "jais2" and not hasattr(transformers, "Jais2Config"):
-        pytest.skip("this transformers has no Jais 2")
+    needs = {"jais2": "Jais2Config", "hy_v3": "HYV3Config"}.get(name)
+    if needs and not hasattr(transformers, needs):
+        pytest.skip(f"this transformers has no {needs}")
     path = _write(tmp_path, name, seed=1)
     hf = load_hf_model(path)
     rng = random.Random(name)

@@ -38,6 +38,7 @@ MORE_TINY_ARCHS: list[str] = [
     "jais2",
     "flex_olmo",
     "minicpm5_moe",
+    "hy_v3",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -1332,6 +1333,22 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "topk_group": 2,
             "routed_scaling_factor": 2.5,
             "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Hy3: Qwen3's attention in K-EXAONE's MoE decoder, a dense layer then sigmoid top-3 of 8
+    # (one group) with a shared expert, scaled by router_scaling_factor
+    "hy_v3": (
+        "HYV3Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "moe_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "num_shared_experts": 1,
+            "router_scaling_factor": 2.5,
             "tie_word_embeddings": False,
         },
     ),

@@ -23,7 +23,7 @@ from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from paged_engine.models.exaone4 import Exaone4ForCausalLM
-from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM
+from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM, HYV3ForCausalLM
 from paged_engine.models.falcon import FalconForCausalLM
 from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
@@ -175,6 +175,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DbrxForCausalLM": DbrxForCausalLM,
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    "HYV3ForCausalLM": HYV3ForCausalLM,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }

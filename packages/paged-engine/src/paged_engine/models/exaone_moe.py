@@ -22,6 +22,11 @@ Checkpoints name experts `mlp.experts.M.{gate,up,down}_proj` (transformers 5's f
 bias `mlp.e_score_correction_bias` (HF holds it as `mlp.gate.e_score_correction_bias`: both
 load), the shared experts `mlp.shared_experts.*`. Multi-token-prediction weights (`mtp.*`) are
 skipped.
+
+Tencent Hy3 (`HYV3ForCausalLM`, model_type "hy_v3": Hy3-preview) is the same MoE decoder with
+Qwen3's attention (per-head q / k RMSNorms before RoPE, every layer global and rotating), one
+expert group, and its scaling named `router_scaling_factor`; its checkpoints name the router
+`mlp.router.gate`, the balance bias `mlp.expert_bias` and the shared experts `mlp.shared_mlp`.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from torch import nn
 from paged_engine.layers.deepseek_moe import DeepseekMoe
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.exaone4 import Exaone4Attention, Exaone4ForCausalLM, exaone4_layers
-from paged_engine.models.llama import LlamaMLP, LlamaModel
+from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import (
     MixtralForCausalLM,
     MoeDecoderLayer,
@@ -57,23 +62,33 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
 
 class ExaoneMoeForCausalLM(MixtralForCausalLM):
     expert_names = ("gate_proj", "up_proj", "down_proj")
+    scaling_name = "routed_scaling_factor"  # the config's name of the MoE weights' scale
 
     def __init__(self, config) -> None:
         check_silu(config, type(self).__name__)
         cls = type(self)
-        flags = Exaone4ForCausalLM.layer_flags(config)
-        layers = exaone4_layers(config)
+        flags = cls.layer_flags(config)
 
         def build(i: int, rope: RotaryEmbedding) -> MoeDecoderLayer:
-            window, rotates = layers[i]
-            attention = Exaone4Attention(config, i, flags, rope if rotates else None)
-            attention.attn.sliding_window = window  # None: the whole context
+            attention = cls.build_attention(config, i, flags, rope)
             return MoeDecoderLayer(config, i, flags, None, cls.build_mlp(config, i), attention)
 
         CausalLMBase.__init__(self, config, LlamaModel(config, flags, build))
         # Expert rules first: the dense rules' ".gate_proj" would also match an expert's name.
         rules = expert_rules(num_experts(config), *self.expert_names)
         self.stacked_params = (*rules, *cls.stacked_params)
+
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        return Exaone4ForCausalLM.layer_flags(config)
+
+    @classmethod
+    def build_attention(cls, config, layer_idx: int, flags, rope: RotaryEmbedding) -> nn.Module:
+        """EXAONE 4.0's: sliding layers rotate, global ones are NoPE (exaone4_layers)."""
+        window, rotates = exaone4_layers(config)[layer_idx]
+        attention = Exaone4Attention(config, layer_idx, flags, rope if rotates else None)
+        attention.attn.sliding_window = window  # None: the whole context
+        return attention
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:
@@ -89,7 +104,7 @@ class ExaoneMoeForCausalLM(MixtralForCausalLM):
             n_group=int(cfg_get(config, "n_group", 1)),
             topk_group=int(cfg_get(config, "topk_group", 1)),
             renormalize=bool(cfg_get(config, "norm_topk_prob", True)),
-            routed_scaling_factor=float(cfg_get(config, "routed_scaling_factor", 1.0)),
+            routed_scaling_factor=float(cfg_get(config, cls.scaling_name, 1.0)),
             group_score="top2_sum",
         )
 
@@ -100,3 +115,21 @@ class ExaoneMoeForCausalLM(MixtralForCausalLM):
         if name.startswith("mtp.") or ".mtp." in name:
             return ()
         return ((name, w),)
+
+
+class HYV3ForCausalLM(ExaoneMoeForCausalLM):
+    scaling_name = "router_scaling_factor"
+
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        return {**LlamaForCausalLM.layer_flags(config), "qk_norm": True}
+
+    @classmethod
+    def build_attention(cls, config, layer_idx: int, flags, rope: RotaryEmbedding) -> nn.Module:
+        return LlamaAttention(config, layer_idx, flags, rope)
+
+    def rename_weight(self, name: str) -> str:
+        # the release's names (transformers 5 maps them at load, and saves them back)
+        name = name.replace(".mlp.router.gate.", ".mlp.gate.")
+        name = name.replace(".mlp.expert_bias", ".mlp.gate.e_score_correction_bias")
+        return super().rename_weight(name.replace(".mlp.shared_mlp.", ".mlp.shared_experts."))

@@ -1,9 +1,10 @@
-"""Gemma 1, Granite, OLMo 2, Qwen2-MoE and SmolLM3 against HF transformers (Qwen2-MoE also with a
-LoRA adapter on its shared expert).
+"""Gemma 1, Granite (and GraniteSWA), OLMo 2, Qwen2-MoE and SmolLM3 against HF transformers
+(Qwen2-MoE also with a LoRA adapter on its shared expert).
 
 `LLM.generate` on tiny random models whose special features bite (Granite's four multipliers
 away from 1; Qwen2-MoE's shared expert, a dense layer among sparse ones, unnormalized top-k;
-OLMo 2's post-norms and whole-projection q/k norms; Gemma 1's explicit head_dim; SmolLM3's
+GraniteSWA's sinks, windows and per-layer rope bases with a NoPE layer; OLMo 2's post-norms and
+whole-projection q/k norms; Gemma 1's explicit head_dim; SmolLM3's
 layers without rope) must give HF
 `generate`'s greedy tokens and the same top-5 logprobs (1e-3, float32); Qwen2-MoE also at TP=2.
 """
@@ -22,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 10
 TOP = 5
-ARCHS = ["gemma", "granite", "olmo2", "qwen2_moe", "smollm3"]
+ARCHS = ["gemma", "granite", "granite_swa", "olmo2", "qwen2_moe", "smollm3"]
 
 
 def _generate(llm, prompts):
@@ -32,6 +33,8 @@ def _generate(llm, prompts):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_tokens_and_logprobs_match_hf(arch, tmp_path):
+    if arch == "granite_swa" and not hasattr(transformers, "GraniteSWAConfig"):
+        pytest.skip("this transformers has no GraniteSWA")
     path = write_tiny_model(tmp_path, arch, seed=1)
     hf = load_hf_model(path)
     rng = random.Random(len(arch))

@@ -39,6 +39,7 @@ MORE_TINY_ARCHS: list[str] = [
     "flex_olmo",
     "minicpm5_moe",
     "hy_v3",
+    "granite_swa",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -245,6 +246,28 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "residual_multiplier": 0.5,
             "attention_multiplier": 0.5,  # not head_dim^-0.5 (0.25 here): a dropped one shows
             "logits_scaling": 2.5,
+            "tie_word_embeddings": True,
+        },
+    ),
+    # GraniteSWA: Granite's scalars, per-head sinks, a window of 8 (shorter than the test
+    # prompts) on 3 of 4 layers, per-layer rope bases with a NoPE layer
+    "granite_swa": (
+        "GraniteSWAConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.5,
+            "logits_scaling": 2.5,
+            "sliding_window": 8,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            "layer_rope_theta": [0, 10000.0, 500.0, 10000.0],
             "tie_word_embeddings": True,
         },
     ),

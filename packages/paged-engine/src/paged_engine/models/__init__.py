@@ -38,7 +38,7 @@ from paged_engine.models.gpt_neo import GPTNeoForCausalLM
 from paged_engine.models.gpt_neox import GPTNeoXForCausalLM
 from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.gptj import GPTJForCausalLM
-from paged_engine.models.granite import GraniteForCausalLM
+from paged_engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
@@ -105,6 +105,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -58,12 +58,14 @@ def layer_flags(config) -> dict[str, bool]:
     return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False, "sliding": True}
 
 
-class GptOssAttention(LlamaAttention):
-    """Llama's attention (biases on, per-layer window) plus this rank's heads' sinks, kept in
-    float32 whatever the model dtype."""
+class SinkAttention(LlamaAttention):
+    """Llama's attention (the window of the layer's type when `flags["sliding"]`) plus this
+    rank's heads' sinks, kept in float32 whatever the model dtype: gpt-oss's, GraniteSWA's."""
 
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__(config, layer_idx, layer_flags(config), rope)
+    def __init__(
+        self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
+    ) -> None:
+        super().__init__(config, layer_idx, flags, rope)
         heads = self.qkv_proj.num_heads
         self.sinks = nn.Parameter(torch.empty(heads, dtype=torch.float32))
         self.sinks.weight_loader = self._load_sinks
@@ -73,7 +75,7 @@ class GptOssAttention(LlamaAttention):
             attn.head_dim,
             attn.num_kv_heads,
             attn.scale,
-            sliding_window=layer_sliding_window(config, layer_idx),
+            sliding_window=layer_sliding_window(config, layer_idx) if flags["sliding"] else None,
             sinks=self.sinks,
         )
 
@@ -89,7 +91,7 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
     def __init__(self, config, layer_idx: int, rope: RotaryEmbedding, mxfp4: bool) -> None:
         super().__init__()
         eps = cfg_get(config, "rms_norm_eps", 1e-5)
-        self.self_attn = GptOssAttention(config, layer_idx, rope)
+        self.self_attn = SinkAttention(config, layer_idx, layer_flags(config), rope)
         self.mlp = SparseMoeBlock(
             num_experts(config),
             config.num_experts_per_tok,

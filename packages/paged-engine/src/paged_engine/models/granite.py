@@ -4,15 +4,30 @@ embedding_multiplier   the token embedding is multiplied by it (first pipeline s
 residual_multiplier    each attention / MLP output is multiplied by it before the residual add
 attention_multiplier   the attention scale itself (in place of head_dim^-0.5)
 logits_scaling         the logits are divided by it
+
+GraniteSWA (`GraniteSWAForCausalLM`) adds, per layer: learnable per-head attention sinks (a
+softmax over the keys and one sink logit, gpt-oss's), the `sliding_window` on the layers
+`layer_types` calls "sliding_attention", and a RoPE base from `layer_rope_theta` (0: no
+positional encoding on that layer).
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.models.gpt_oss import SinkAttention
+from paged_engine.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    llama_head_dim,
+)
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
@@ -25,8 +40,15 @@ def granite_multiplier(config, name: str) -> float:
 
 
 class GraniteDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding):
-        super().__init__(config, layer_idx, flags, rope)
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        flags: dict[str, bool],
+        rope: RotaryEmbedding | None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+    ):
+        super().__init__(config, layer_idx, flags, rope, attention_cls)
         self.self_attn.attn.scale = granite_multiplier(config, "attention_multiplier")
         self.residual_multiplier = granite_multiplier(config, "residual_multiplier")
 
@@ -43,11 +65,16 @@ class GraniteForCausalLM(LlamaForCausalLM):
         inner = LlamaModel(
             config,
             flags,
-            lambda i, rope: cls.build_layer(config, i, flags, rope),
+            cls.layer_builder(config, flags),
             embedding_multiplier=granite_multiplier(config, "embedding_multiplier"),
         )
         CausalLMBase.__init__(self, config, inner)
         self.logits_scaling = granite_multiplier(config, "logits_scaling")
+
+    @classmethod
+    def layer_builder(cls, config, flags: dict[str, bool]) -> Callable[..., nn.Module]:
+        """(layer index, the model's rope) -> that decoder layer."""
+        return lambda i, rope: cls.build_layer(config, i, flags, rope)
 
     @classmethod
     def build_layer(
@@ -58,3 +85,37 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         return super().compute_logits(hidden) / self.logits_scaling
+
+
+class GraniteSWAForCausalLM(GraniteForCausalLM):
+    @classmethod
+    def layer_flags(cls, config) -> dict[str, bool]:
+        return {**super().layer_flags(config), "sliding": True}  # windows by layer_types
+
+    @classmethod
+    def layer_builder(cls, config, flags: dict[str, bool]) -> Callable[..., nn.Module]:
+        base, _, _ = rope_config(config)
+        thetas = getattr(config, "layer_rope_theta", None) or [base] * config.num_hidden_layers
+        if len(thetas) != config.num_hidden_layers:
+            raise ValueError(f"config.layer_rope_theta needs a base a layer, got {thetas}")
+        ropes: dict[float, RotaryEmbedding] = {}  # one per base, shared by its layers
+
+        def build(i: int, rope: RotaryEmbedding) -> nn.Module:
+            theta = float(thetas[i])
+            if theta and theta not in ropes:
+                ropes[theta] = rope if theta == float(base) else _rope_at(config, theta)
+            own = ropes.get(theta) if theta else None  # 0: NoPE
+            return GraniteDecoderLayer(config, i, flags, own, SinkAttention)
+
+        return build
+
+
+def _rope_at(config, theta: float) -> RotaryEmbedding:
+    """The config's rope with base `theta`."""
+    other = copy.deepcopy(config)
+    params = getattr(other, "rope_parameters", None)
+    if isinstance(params, dict):
+        other.rope_parameters = {**params, "rope_theta": theta}
+    else:
+        other.rope_theta = theta
+    return get_rope(other, llama_head_dim(config), is_neox_style=True)

@@ -1,4 +1,4 @@
-"""EXAONE 4.0, Apertus, Arcee AFM, OLMoE and FlexOlmo against HF transformers.
+"""EXAONE 4.0, Apertus, Arcee AFM and AFMoE, OLMoE and FlexOlmo against HF transformers.
 
 `LLM.generate` on tiny random models whose special features bite must give HF `generate`'s
 greedy tokens and the same top-5 logprobs (1e-3, float32): EXAONE 4.0's post-norms and per-head
@@ -50,6 +50,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "apertus": ("apertus", {}),
     "arcee": ("arcee", {}),
     "arcee-bias": ("arcee", {"attention_bias": True, "mlp_bias": True}),
+    # Arcee AFMoE (Trinity): testing.py's tiny model; without muP's scale too
+    "afmoe": ("afmoe", {}),
+    "afmoe-no-mup": ("afmoe", {"mup_enabled": False}),
     "olmoe": ("olmoe", {}),
     # q / k / v clamped (the normalized q and k often pass 1.5), a token's 2 weights renormalized
     "olmoe-clip": ("olmoe", {"clip_qkv": 1.5, "norm_topk_prob": True}),
@@ -66,8 +69,9 @@ def _generate(llm, prompts):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_tokens_and_logprobs_match_hf(name, tmp_path):
-    if name.startswith("flex_olmo") and not hasattr(transformers, "FlexOlmoConfig"):
-        pytest.skip("this transformers has no FlexOlmo")
+    needs = {"flex_olmo": "FlexOlmoConfig", "afmoe": "AfmoeConfig"}.get(name.split("-")[0])
+    if needs and not hasattr(transformers, needs):
+        pytest.skip(f"this transformers has no {needs}")
     assert_tiny_case_matches_hf(name, *CASES[name], tmp_path, seed=name, max_tokens=MAX_TOKENS)
 
 

@@ -40,6 +40,7 @@ MORE_TINY_ARCHS: list[str] = [
     "minicpm5_moe",
     "hy_v3",
     "granite_swa",
+    "afmoe",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -269,6 +270,27 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             ],
             "layer_rope_theta": [0, 10000.0, 500.0, 10000.0],
             "tie_word_embeddings": True,
+        },
+    ),
+    # Arcee AFMoE: sandwich norms, gated attention with q / k norms, windows (8) on rotating
+    # layers and NoPE global ones (every 2nd), a dense layer, then sigmoid top-3 of 8 experts
+    # with a shared one, route_scale 2.5, muP's embedding scale
+    "afmoe": (
+        "AfmoeConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "num_dense_layers": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 16,
+            "route_scale": 2.5,
+            "global_attn_every_n_layers": 2,
+            "sliding_window": 8,
+            "mup_enabled": True,
+            "tie_word_embeddings": False,
         },
     ),
     "olmo2": ("Olmo2Config", {**_LLAMA_LIKE, "tie_word_embeddings": False}),

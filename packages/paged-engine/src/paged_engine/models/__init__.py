@@ -7,6 +7,7 @@ from __future__ import annotations
 from torch import nn
 
 from paged_engine.classification import causal_names
+from paged_engine.models.afmoe import AfmoeForCausalLM
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
@@ -106,6 +107,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -60,6 +60,26 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     return layer_idx >= int(cfg_get(config, "first_k_dense_replace", 1))
 
 
+def shared_expert_moe(config, scaling: float) -> DeepseekMoe:
+    """DeepSeek-V3's MoE as configs name it with `num_experts` / `num_shared_experts`
+    (K-EXAONE, Hy3, AFMoE): experts of moe_intermediate_size, the shared ones
+    num_shared_experts times that, n_group / topk_group (default one group), renormalized
+    unless norm_topk_prob says not, weights times `scaling`."""
+    inter = int(config.moe_intermediate_size)
+    return DeepseekMoe(
+        num_experts(config),
+        int(config.num_experts_per_tok),
+        config.hidden_size,
+        inter,
+        inter * int(cfg_get(config, "num_shared_experts", 0) or 0),
+        n_group=int(cfg_get(config, "n_group", 1)),
+        topk_group=int(cfg_get(config, "topk_group", 1)),
+        renormalize=bool(cfg_get(config, "norm_topk_prob", True)),
+        routed_scaling_factor=scaling,
+        group_score="top2_sum",
+    )
+
+
 class ExaoneMoeForCausalLM(MixtralForCausalLM):
     expert_names = ("gate_proj", "up_proj", "down_proj")
     scaling_name = "routed_scaling_factor"  # the config's name of the MoE weights' scale
@@ -94,19 +114,7 @@ class ExaoneMoeForCausalLM(MixtralForCausalLM):
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
             return LlamaMLP(config, bias=False)
-        inter = int(config.moe_intermediate_size)
-        return DeepseekMoe(
-            num_experts(config),
-            int(config.num_experts_per_tok),
-            config.hidden_size,
-            inter,
-            inter * int(cfg_get(config, "num_shared_experts", 0)),
-            n_group=int(cfg_get(config, "n_group", 1)),
-            topk_group=int(cfg_get(config, "topk_group", 1)),
-            renormalize=bool(cfg_get(config, "norm_topk_prob", True)),
-            routed_scaling_factor=float(cfg_get(config, cls.scaling_name, 1.0)),
-            group_score="top2_sum",
-        )
+        return shared_expert_moe(config, float(cfg_get(config, cls.scaling_name, 1.0) or 1.0))
 
     def rename_weight(self, name: str) -> str:
         return name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")

@@ -41,6 +41,8 @@ MORE_TINY_ARCHS: list[str] = [
     "hy_v3",
     "granite_swa",
     "afmoe",
+    "exaone",
+    "cwm",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -290,6 +292,19 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "global_attn_every_n_layers": 2,
             "sliding_window": 8,
             "mup_enabled": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # EXAONE 3.x: transformers' Llama under the model_type "exaone" (its checkpoints' names)
+    "exaone": ("ExaoneConfig", {**_LLAMA_LIKE, "tie_word_embeddings": False}),
+    # Meta CWM: Llama with a window of 8 on 3 of 4 layers
+    "cwm": (
+        "CwmConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "sliding_window": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
             "tie_word_embeddings": False,
         },
     ),

@@ -50,6 +50,12 @@ from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
+from paged_engine.models.llama_variants import (
+    CwmForCausalLM,
+    ExaoneForCausalLM,
+    InternLMForCausalLM,
+    MiMoForCausalLM,
+)
 from paged_engine.models.mamba import (
     FalconMambaForCausalLM,
     Mamba2ForCausalLM,
@@ -107,6 +113,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+    "ExaoneForCausalLM": ExaoneForCausalLM,
+    "InternLMForCausalLM": InternLMForCausalLM,
+    "CwmForCausalLM": CwmForCausalLM,
+    "MiMoForCausalLM": MiMoForCausalLM,
+    # Llama itself under other names (vLLM's registry maps them to its Llama)
+    "LLaMAForCausalLM": LlamaForCausalLM,
+    "AquilaForCausalLM": LlamaForCausalLM,
+    "AquilaModel": LlamaForCausalLM,
+    "XverseForCausalLM": LlamaForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -1,0 +1,96 @@
+"""Llama's decoder under other names or with one switch (models/llama_variants.py) against HF
+transformers: EXAONE 3.x's checkpoint names, Meta CWM's sliding layers, InternLM's `bias`,
+MiMo's skipped multi-token-prediction layers, and Llama's other architecture names. Greedy
+tokens and top-5 logprobs (1e-3, float32) on tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import (
+    assert_matches,
+    assert_tiny_case_matches_hf,
+    hf_greedy,
+    load_hf_model,
+    random_token_prompts,
+)
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import write_tiny_model
+
+transformers = pytest.importorskip("transformers")
+
+
+def _architectures(path: Path, names: list[str], **config) -> None:
+    """config.json as a release writes it (its own architecture name, extra fields)."""
+    data = json.loads((path / "config.json").read_text())
+    data.update(architectures=names, **config)
+    (path / "config.json").write_text(json.dumps(data))
+
+
+def _matches(path: Path, refs, prompts, case: str) -> LLM:
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches(case, out, ref)
+    return llm
+
+
+def test_exaone_checkpoint_names(tmp_path):
+    """EXAONE 3.x (model_type "exaone"): its release's GPT-2-style tensor names load as
+    transformers' Llama reads them."""
+    path = write_tiny_model(tmp_path, "exaone", seed=1)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith("transformer.h.0.attn.attention.") for n in names), names[:5]
+    hf = load_hf_model(path)
+    _architectures(path, ["ExaoneForCausalLM"])
+    prompts = random_token_prompts(3, 3)
+    llm = _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "exaone")
+    assert type(llm.llm_engine.model_runner.model).__name__ == "ExaoneForCausalLM"
+
+
+def test_cwm_sliding_layers(tmp_path):
+    if not hasattr(transformers, "CwmConfig"):
+        pytest.skip("this transformers has no CWM")
+    assert_tiny_case_matches_hf("cwm", "cwm", {}, tmp_path, seed=4)
+
+
+def test_internlm_bias_switch(tmp_path):
+    """InternLM (v1) names its q / k / v / o biases `bias`: Llama with attention_bias."""
+    path = write_tiny_model(tmp_path, "llama", seed=2, attention_bias=True)
+    hf = load_hf_model(path)
+    _architectures(path, ["InternLMForCausalLM"], bias=True, attention_bias=False)
+    prompts = random_token_prompts(5, 3)
+    _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "internlm")
+
+
+def test_mimo_skips_its_mtp_layers(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_model(tmp_path, "qwen2", seed=3)
+    hf = load_hf_model(path)
+    state = load_file(str(path / "model.safetensors"))
+    state["model.mtp_layers.0.input_layernorm.weight"] = torch.ones(64)
+    state["model.mtp_layers.0.self_attn.q_proj.weight"] = torch.ones(64, 64)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _architectures(path, ["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    prompts = random_token_prompts(6, 3)
+    _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "mimo")
+
+
+@pytest.mark.parametrize(
+    "name", ["LLaMAForCausalLM", "AquilaForCausalLM", "AquilaModel", "XverseForCausalLM"]
+)
+def test_llama_under_other_names(name, tmp_path):
+    path = write_tiny_model(tmp_path, "llama", seed=1)
+    hf = load_hf_model(path)
+    _architectures(path, [name])
+    prompts = random_token_prompts(7, 2)
+    _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, name)

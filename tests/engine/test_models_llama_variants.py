@@ -94,3 +94,64 @@ def test_llama_under_other_names(name, tmp_path):
     _architectures(path, [name])
     prompts = random_token_prompts(7, 2)
     _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, name)
+
+
+def test_internlm2_packed_wqkv(tmp_path):
+    """InternLM2's checkpoint: q, k, v packed per KV head in wqkv ([q, q, k, v] for 4 query heads
+    on 2 KV heads), its own tensor names; the same model as the Llama it was packed from."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_model(tmp_path, "llama", seed=4)
+    hf = load_hf_model(path)
+    state = load_file(str(path / "model.safetensors"))
+    d, heads, kv_heads = 16, 4, 2
+    out = {}
+    for name, w in state.items():
+        if ".self_attn.q_proj." in name:
+            q = w.reshape(kv_heads, heads // kv_heads, d, -1)
+            k = state[name.replace("q_proj", "k_proj")].reshape(kv_heads, 1, d, -1)
+            v = state[name.replace("q_proj", "v_proj")].reshape(kv_heads, 1, d, -1)
+            packed = torch.cat((q, k, v), dim=1).reshape(-1, w.shape[-1])
+            out[name.replace(".self_attn.q_proj.", ".attention.wqkv.")] = packed
+        elif ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        else:
+            for theirs, ours in (
+                ("model.embed_tokens.", "model.tok_embeddings."),
+                (".self_attn.o_proj.", ".attention.wo."),
+                (".mlp.gate_proj.", ".feed_forward.w1."),
+                (".mlp.up_proj.", ".feed_forward.w3."),
+                (".mlp.down_proj.", ".feed_forward.w2."),
+                (".input_layernorm.", ".attention_norm."),
+                (".post_attention_layernorm.", ".ffn_norm."),
+                ("lm_head.", "output."),
+            ):
+                name = name.replace(theirs, ours)
+            out[name] = w
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _architectures(path, ["InternLM2ForCausalLM"], bias=False)
+    prompts = random_token_prompts(8, 3)
+    _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "internlm2")
+
+
+def test_minicpm_scalars(tmp_path):
+    """MiniCPM's scale_emb / scale_depth / dim_model_base equal Granite's multipliers: the
+    checkpoint served as MiniCPM (its config with MiniCPM's names only) gives HF Granite's
+    tokens for the same weights."""
+    layers, hidden, head_dim = 2, 64, 16
+    granite = {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 1.4 / layers**0.5,
+        "attention_multiplier": head_dim**-0.5,
+        "logits_scaling": hidden / 16,
+    }
+    path = write_tiny_model(tmp_path, "granite", seed=5, **granite)
+    hf = load_hf_model(path)
+    data = json.loads((path / "config.json").read_text())
+    for name in granite:
+        data.pop(name, None)
+    data.update(model_type="llama", scale_emb=12, scale_depth=1.4, dim_model_base=16)
+    (path / "config.json").write_text(json.dumps(data))
+    _architectures(path, ["MiniCPMForCausalLM"])
+    prompts = random_token_prompts(9, 3)
+    _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "minicpm")

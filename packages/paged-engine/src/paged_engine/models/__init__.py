@@ -53,8 +53,10 @@ from paged_engine.models.llama4 import Llama4ForCausalLM
 from paged_engine.models.llama_variants import (
     CwmForCausalLM,
     ExaoneForCausalLM,
+    InternLM2ForCausalLM,
     InternLMForCausalLM,
     MiMoForCausalLM,
+    MiniCPMForCausalLM,
 )
 from paged_engine.models.mamba import (
     FalconMambaForCausalLM,
@@ -117,6 +119,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "InternLMForCausalLM": InternLMForCausalLM,
     "CwmForCausalLM": CwmForCausalLM,
     "MiMoForCausalLM": MiMoForCausalLM,
+    "InternLM2ForCausalLM": InternLM2ForCausalLM,
+    "MiniCPMForCausalLM": MiniCPMForCausalLM,
     # Llama itself under other names (vLLM's registry maps them to its Llama)
     "LLaMAForCausalLM": LlamaForCausalLM,
     "AquilaForCausalLM": LlamaForCausalLM,

@@ -42,6 +42,9 @@ CASES: dict[str, tuple[str, dict]] = {
     "lfm2-bias": ("lfm2", {"conv_bias": True}),  # biases on in_proj, the conv and out_proj
     "lfm2_moe": ("lfm2_moe", {}),
     "lfm2_moe-plain": ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False}),
+    "lfm3": ("lfm3", {}),
+    # without the gate and the sandwich norms
+    "lfm3-plain": ("lfm3", {"use_attention_gate": False, "use_sandwich_norm": False}),
 }
 
 
@@ -151,3 +154,12 @@ def test_prefix_cache_resumes_from_state_snapshots(name, lfm2_dirs):
 def test_tensor_parallel_matches_one_process(name, lfm2_dirs):
     # the conv's 64 channels and the MLP / experts split over 2 ranks
     assert_tp_matches_one_process(lfm2_dirs(name), random_prompts(5, (5, 23, 40)), 8, 128)
+
+
+@pytest.mark.parametrize(("name", "budget"), [("lfm3", None), ("lfm3", 16), ("lfm3-plain", None)])
+def test_lfm3_matches_hf(name, budget, lfm2_dirs):
+    """LFM3: sliding (window 8) and full attention layers with their own ropes, per-head output
+    gates and sandwich norms among conv layers; whole and in prefill chunks of 16."""
+    if not hasattr(transformers, "Lfm3Config"):
+        pytest.skip("this transformers has no LFM3")
+    assert_greedy_matches_hf(name, lfm2_dirs(name), "cpu", budget)

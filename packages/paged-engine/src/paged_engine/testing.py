@@ -43,6 +43,7 @@ MORE_TINY_ARCHS: list[str] = [
     "afmoe",
     "exaone",
     "cwm",
+    "lfm3",
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
@@ -466,6 +467,24 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_key_value_heads": 2,
             "max_position_embeddings": 1024,
             "layer_types": ["conv", "conv", "full_attention", "conv"],
+            "conv_L_cache": 3,
+            "norm_eps": 1e-5,
+        },
+    ),
+    # LFM3: conv, sliding (window 8, shorter than the test prompts), full (proportional rope
+    # over half of each head), conv; gated attention, sandwich norms
+    "lfm3": (
+        "Lfm3Config",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 1024,
+            "layer_types": ["conv", "sliding_attention", "full_attention", "conv"],
+            "sliding_window": 8,
             "conv_L_cache": 3,
             "norm_eps": 1e-5,
         },

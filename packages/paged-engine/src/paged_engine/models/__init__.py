@@ -47,7 +47,7 @@ from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1F
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
-from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
+from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
 from paged_engine.models.llama_variants import (
@@ -170,6 +170,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
+    "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,

@@ -14,6 +14,12 @@ s = sigmoid(x @ W_g^T) in the model dtype, the k experts of the largest s + expe
 balance bias, when `use_expert_bias`), weighted by their unbiased s, divided by their sum (+ 1e-6)
 when `norm_topk_prob`, times `routed_scaling_factor`.
 
+LFM3 (`Lfm3ForCausalLM`: LFM3-1.7B) adds "sliding_attention" layers (the last `sliding_window`
+keys, the default rope of their type) beside "full_attention" ones (their own rope: proportional
+RoPE over part of each head, Gemma 4's), a per-head output gate on attention (sigmoid(g_proj x)
+times each head's output, `use_attention_gate`), and norms after each mixer and feed-forward
+(`use_sandwich_norm`); its feed-forward is the plain gated MLP of intermediate_size.
+
 Only the attention layers hold paged KV (models/hybrid.py); the conv layers carry their conv
 window per sequence. Embeddings are tied by default. Checkpoints load under HF's names; experts
 per expert (`feed_forward.experts.M.{w1,w3,w2}`) or fused (transformers 5's `gate_up_proj` /
@@ -29,7 +35,11 @@ from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.activation import SiluAndMul
 from paged_engine.layers.deepseek_moe import DeepseekRouter
 from paged_engine.layers.fused_moe import FusedMoE
-from paged_engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from paged_engine.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.layers.short_conv import ShortConv
@@ -186,3 +196,84 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
         if layer_idx < int(cfg_get(config, "num_dense_layers", 2)):
             return Lfm2MLP(config.hidden_size, lfm2_intermediate_size(config))
         return Lfm2MoeBlock(config)
+
+
+LFM3_LAYER_TYPES = ("conv", "sliding_attention", "full_attention")
+
+
+class Lfm3Attention(LlamaAttention):
+    """LFM2's attention (per-head q / k norms, RoPE) with a window on sliding layers and a
+    per-head sigmoid gate on the output."""
+
+    def __init__(self, config, layer_idx: int, flags, rope: RotaryEmbedding) -> None:
+        super().__init__(config, layer_idx, flags, rope)
+        heads = config.num_attention_heads
+        gated = bool(getattr(config, "use_attention_gate", True))
+        self.g_proj = ColumnParallelLinear(config.hidden_size, heads, bias=False) if gated else None
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(t, -1, d)).reshape(t, -1)
+        k = self.k_norm(k.reshape(t, -1, d)).reshape(t, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, kv_cache, md)
+        if self.g_proj is not None:  # one gate a head
+            out = (out.view(t, -1, d) * torch.sigmoid(self.g_proj(x)).unsqueeze(-1)).view(t, -1)
+        return self.o_proj(out)
+
+
+class Lfm3DecoderLayer(Lfm2DecoderLayer):
+    def __init__(self, config, layer_idx: int, flags, rope, feed_forward: nn.Module) -> None:
+        nn.Module.__init__(self)
+        eps = float(cfg_get(config, "norm_eps", 1e-5))
+        d = config.hidden_size
+        kind = layer_types(config)[layer_idx]
+        self.is_conv = kind == "conv"
+        if self.is_conv:
+            kernel = int(cfg_get(config, "conv_L_cache", 3))
+            self.conv = ShortConv(d, kernel, bool(getattr(config, "conv_bias", False)))
+        else:
+            self.self_attn = Lfm3Attention(config, layer_idx, flags, rope[kind])
+            self.self_attn.q_norm.eps = self.self_attn.k_norm.eps = eps
+        self.feed_forward = feed_forward
+        self.operator_norm = RMSNorm(d, eps)
+        self.ffn_norm = RMSNorm(d, eps)
+        sandwich = bool(getattr(config, "use_sandwich_norm", True))
+        self.post_operator_norm = RMSNorm(d, eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(d, eps) if sandwich else None
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
+        h = self.operator_norm(x)
+        h = self.conv(h, md) if self.is_conv else self.self_attn(positions, h, kv_cache, md)
+        if self.post_operator_norm is not None:
+            h = self.post_operator_norm(h)
+        x = x + h
+        h = self.feed_forward(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h
+
+
+class Lfm3ForCausalLM(Lfm2ForCausalLM):
+    # the release names the head gate `gate_proj` (transformers holds it as g_proj)
+    renames = (*_RENAMES, (".self_attn.gate_proj.", ".self_attn.g_proj."))
+
+    def __init__(self, config) -> None:
+        from paged_engine.models.gemma4 import _rope  # "default" and "proportional" per type
+
+        types = layer_types(config)
+        if any(t not in LFM3_LAYER_TYPES for t in types):
+            raise ValueError(f"LFM3 layer_types must be among {LFM3_LAYER_TYPES}, got {types!r}")
+        flags = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_bias": False}
+        flags["sliding"] = True  # windows on the sliding_attention layers
+        head_dim = llama_head_dim(config)
+        ropes = {t: _rope(config, t, head_dim) for t in set(types) if t != "conv"}
+        d = config.intermediate_size
+        inner = HybridModel(
+            config,
+            lambda i: Lfm3DecoderLayer(config, i, flags, ropes, Lfm2MLP(config.hidden_size, d)),
+            RMSNorm(config.hidden_size, float(cfg_get(config, "norm_eps", 1e-5))),
+            None,  # the ropes are per layer type
+        )
+        CausalLMBase.__init__(self, config, inner)

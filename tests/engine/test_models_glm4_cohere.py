@@ -29,9 +29,27 @@ MAX_TOKENS = 10
 TOP = 5
 
 
-@pytest.mark.parametrize("arch", ["glm4", "cohere", "cohere2"])
-def test_greedy_tokens_and_logprobs_match_hf(arch, tmp_path):
-    path = write_tiny_model(tmp_path, arch, seed=1)
+COHERE2_MOE_SIGMOID = {
+    "expert_selection_fn": "sigmoid",
+    "shared_expert_combination_strategy": "sum",
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "overrides"),
+    [
+        ("glm4", {}),
+        ("cohere", {}),
+        ("cohere2", {}),
+        ("cohere2_moe", {}),
+        # sigmoid routing renormalized, the shared expert summed, LayerNorms
+        ("cohere2_moe", {**COHERE2_MOE_SIGMOID, "rms_norm_eps": None, "layer_norm_eps": 1e-5}),
+    ],
+)
+def test_greedy_tokens_and_logprobs_match_hf(arch, overrides, tmp_path):
+    if arch == "cohere2_moe" and not hasattr(transformers, "Cohere2MoeConfig"):
+        pytest.skip("this transformers has no Cohere 2 MoE")
+    path = write_tiny_model(tmp_path, arch, seed=1, **overrides)
     hf = load_hf_model(path)
     rng = random.Random(arch)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(12, 40))] for _ in range(3)]

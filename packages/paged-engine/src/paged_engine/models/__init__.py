@@ -13,7 +13,11 @@ from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.bert import ENCODERS
 from paged_engine.models.bloom import BloomForCausalLM
-from paged_engine.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from paged_engine.models.cohere import (
+    Cohere2ForCausalLM,
+    Cohere2MoeForCausalLM,
+    CohereForCausalLM,
+)
 from paged_engine.models.dbrx import DbrxForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
@@ -163,6 +167,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,

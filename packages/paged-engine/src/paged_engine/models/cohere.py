@@ -20,6 +20,15 @@ Cohere 2 adds sliding-window layers: `layer_types` (configs of transformers < 4.
 `sliding_window_pattern`-th layer full, 4 by default). Only the sliding layers rotate q and k;
 the full-attention layers use no position embedding at all (NoPE), as HF's Cohere2Attention
 applies rope exactly when the layer has a window. It has no qk norm.
+
+Cohere 2 MoE (`Cohere2MoeForCausalLM`) keeps that parallel block with a feed-forward per
+`mlp_layer_types`: "dense" (a gated SiLU MLP of `prefix_dense_intermediate_size`; those layers
+rotate even when global if `prefix_dense_sliding_window_pattern` is 1, HF's `force_rope`) or
+"sparse": the top `num_experts_per_tok` router logits, softmaxed among themselves ("softmax") or
+each through a sigmoid and renormalized when `norm_topk_prob` ("sigmoid"), experts of
+`intermediate_size`, plus `num_shared_experts` x intermediate_size of shared experts added
+("sum") or averaged with the routed output ("average"). Its norms are RMSNorms when the config
+sets `rms_norm_eps`.
 """
 
 from __future__ import annotations
@@ -27,10 +36,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from paged_engine.layers.norm import HeadLayerNorm, LayerNorm
+from paged_engine.layers.fused_moe import SparseMoeBlock
+from paged_engine.layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.gemma2 import gemma_layer_types
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
@@ -72,11 +83,15 @@ class CohereDecoderLayer(nn.Module):
         flags: dict[str, bool],
         rope: RotaryEmbedding | None,
         sliding_window: int | None = None,
+        mlp: nn.Module | None = None,
+        norm: nn.Module | None = None,
     ):
         super().__init__()
         self.self_attn = CohereAttention(config, layer_idx, flags, rope, sliding_window)
-        self.mlp = LlamaMLP(config, bias=False)
-        self.input_layernorm = cohere_layer_norm(config, config.hidden_size)
+        self.mlp = LlamaMLP(config, bias=False) if mlp is None else mlp
+        self.input_layernorm = (
+            cohere_layer_norm(config, config.hidden_size) if norm is None else norm
+        )
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         h = self.input_layernorm(x)
@@ -90,12 +105,16 @@ class CohereForCausalLM(LlamaForCausalLM):
         flags = self.layer_flags(config)
         specs = self.layer_specs(config)
 
+        cls = type(self)
+
         def build(i: int, rope: RotaryEmbedding) -> CohereDecoderLayer:
             window, rotates = specs[i]
-            return CohereDecoderLayer(config, i, flags, rope if rotates else None, window)
+            rope = rope if rotates else None
+            mlp, norm = cls.build_mlp(config, i), cls.build_norm(config)
+            return CohereDecoderLayer(config, i, flags, rope, window, mlp, norm)
 
         inner = LlamaModel(config, flags, build, is_neox_style=False)
-        inner.norm = cohere_layer_norm(config, config.hidden_size)  # in place of the RMSNorm
+        inner.norm = cls.build_norm(config)  # in place of the RMSNorm
         CausalLMBase.__init__(self, config, inner)
         self.logit_scale = float(config.logit_scale)
 
@@ -111,6 +130,15 @@ class CohereForCausalLM(LlamaForCausalLM):
     def layer_specs(cls, config) -> list[tuple[int | None, bool]]:
         """Per layer: (sliding window or None, whether it rotates q and k)."""
         return [(None, True)] * config.num_hidden_layers
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+        return LlamaMLP(config, bias=False)
+
+    @classmethod
+    def build_norm(cls, config) -> nn.Module:
+        """The layers' and the final norm."""
+        return cohere_layer_norm(config, config.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         return super().compute_logits(hidden) * self.logit_scale
@@ -132,3 +160,79 @@ class Cohere2ForCausalLM(CohereForCausalLM):
             else:  # a full layer, or a sliding one of a config without a window: NoPE (as HF)
                 specs.append((None, False))
         return specs
+
+
+class Cohere2MoeBlock(SparseMoeBlock):
+    """Cohere 2 MoE's feed-forward (the module docstring's routing and shared experts)."""
+
+    def __init__(self, config) -> None:
+        inter = int(config.intermediate_size)
+        super().__init__(
+            num_experts(config), int(config.num_experts_per_tok), config.hidden_size, inter, True
+        )
+        selection = cfg_get(config, "expert_selection_fn", "softmax")
+        combine = cfg_get(config, "shared_expert_combination_strategy", "average")
+        if selection not in ("softmax", "sigmoid") or combine not in ("sum", "average"):
+            raise ValueError(
+                f"Cohere 2 MoE: expert_selection_fn {selection!r} (softmax | sigmoid) or "
+                f"shared_expert_combination_strategy {combine!r} (sum | average) unsupported"
+            )
+        self.sigmoid, self.average = selection == "sigmoid", combine == "average"
+        self.norm_topk = bool(cfg_get(config, "norm_topk_prob", True))
+        shared = int(cfg_get(config, "num_shared_experts", 0) or 0)
+        self.shared_experts = (
+            LlamaMLP(config, bias=False, intermediate_size=inter * shared) if shared else None
+        )
+
+    def select_experts(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.sigmoid:  # softmax over the top-k logits: the renormalized softmax
+            return super().select_experts(x)
+        logits, ids = self.gate(x).float().topk(self.top_k, dim=-1)
+        weights = torch.sigmoid(logits)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.shared_experts is None:
+            return out
+        out = out + self.shared_experts(x)
+        return out / 2 if self.average else out
+
+
+class Cohere2MoeForCausalLM(Cohere2ForCausalLM):
+    def __init__(self, config) -> None:
+        check_silu(config, type(self).__name__)
+        super().__init__(config)
+        rules = expert_rules(num_experts(config), "gate_proj", "up_proj", "down_proj")
+        self.stacked_params = (*rules, *type(self).stacked_params)
+
+    @classmethod
+    def layer_specs(cls, config) -> list[tuple[int | None, bool]]:
+        window = cfg_get(config, "sliding_window", None)
+        force = int(cfg_get(config, "prefix_dense_sliding_window_pattern", 1)) == 1
+        specs: list[tuple[int | None, bool]] = []
+        for kind, mlp in zip(config.layer_types, config.mlp_layer_types, strict=True):
+            if kind == "sliding_attention" and window is not None:
+                specs.append((int(window), True))
+            else:  # global: NoPE, unless a dense prefix layer forced to rotate
+                specs.append((None, force and mlp == "dense"))
+        return specs
+
+    @classmethod
+    def build_mlp(cls, config, layer_idx: int) -> nn.Module:
+        kind = config.mlp_layer_types[layer_idx]
+        if kind not in ("dense", "sparse"):
+            raise ValueError(f"config.mlp_layer_types: unsupported {kind!r}")
+        if kind == "sparse":
+            return Cohere2MoeBlock(config)
+        size = cfg_get(config, "prefix_dense_intermediate_size", None) or config.intermediate_size
+        return LlamaMLP(config, bias=False, intermediate_size=int(size))
+
+    @classmethod
+    def build_norm(cls, config) -> nn.Module:
+        eps = cfg_get(config, "rms_norm_eps", None)
+        if eps is None:
+            return super().build_norm(config)
+        return RMSNorm(config.hidden_size, float(eps))

@@ -43,13 +43,34 @@ def _matches(path: Path, refs, prompts, case: str) -> LLM:
 def test_exaone_checkpoint_names(tmp_path):
     """EXAONE 3.x (model_type "exaone"): its release's GPT-2-style tensor names load as
     transformers' Llama reads them."""
-    path = write_tiny_model(tmp_path, "exaone", seed=1)
-    from safetensors import safe_open
+    if not hasattr(transformers, "ExaoneConfig"):
+        pytest.skip("this transformers has no EXAONE 3 config")
+    from safetensors.torch import load_file, save_file
 
-    with safe_open(str(path / "model.safetensors"), "pt") as f:
-        names = list(f.keys())
-    assert any(n.startswith("transformer.h.0.attn.attention.") for n in names), names[:5]
+    path = write_tiny_model(tmp_path, "exaone", seed=1)
     hf = load_hf_model(path)
+    state = load_file(str(path / "model.safetensors"))
+    if "model.embed_tokens.weight" in state:  # a transformers that saves its own names
+        released = (
+            ("model.embed_tokens.", "transformer.wte."),
+            ("model.layers.", "transformer.h."),
+            ("model.norm.", "transformer.ln_f."),
+            (".self_attn.o_proj.", ".attn.attention.out_proj."),
+            (".self_attn.", ".attn.attention."),
+            (".input_layernorm.", ".ln_1."),
+            (".post_attention_layernorm.", ".ln_2."),
+            (".mlp.gate_proj.", ".mlp.c_fc_0."),
+            (".mlp.up_proj.", ".mlp.c_fc_1."),
+            (".mlp.down_proj.", ".mlp.c_proj."),
+        )
+        renamed = {}
+        for name, w in state.items():
+            for ours, theirs in released:
+                name = name.replace(ours, theirs)
+            renamed[name] = w
+        save_file(renamed, str(path / "model.safetensors"), metadata={"format": "pt"})
+        state = renamed
+    assert any(n.startswith("transformer.h.0.attn.attention.") for n in state)
     _architectures(path, ["ExaoneForCausalLM"])
     prompts = random_token_prompts(3, 3)
     llm = _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "exaone")

@@ -75,6 +75,10 @@ def test_exaone_checkpoint_names(tmp_path):
     prompts = random_token_prompts(3, 3)
     llm = _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "exaone")
     assert type(llm.llm_engine.model_runner.model).__name__ == "ExaoneForCausalLM"
+    # a checkpoint transformers saved names its Llama class: the model type decides
+    _architectures(path, ["LlamaForCausalLM"])
+    llm = _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "exaone-as-llama")
+    assert type(llm.llm_engine.model_runner.model).__name__ == "ExaoneForCausalLM"
 
 
 def test_cwm_sliding_layers(tmp_path):

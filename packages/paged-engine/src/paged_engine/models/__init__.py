@@ -209,9 +209,18 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+# model_type -> the class whatever `architectures` says: transformers serves these types with
+# a class of another family (EXAONE 3's with its Llama) and saves that class's name beside the
+# release's tensor names.
+BY_MODEL_TYPE: dict[str, type[nn.Module]] = {"exaone": ExaoneForCausalLM}
+
+
 def get_model_class(hf_config) -> type[nn.Module]:
     """The class for `hf_config.architectures[0]`; ValueError listing the supported ones."""
     archs = list(getattr(hf_config, "architectures", None) or [])
+    own = BY_MODEL_TYPE.get(getattr(hf_config, "model_type", None))
+    if own is not None and all(arch.endswith("ForCausalLM") for arch in archs):
+        return own
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]

@@ -219,8 +219,6 @@ class MediaLoader:
                 f"{ref.param}: fetching the {ref.kind} answered HTTP {e.code} {e.reason}",
                 ref.param,
             ) from None
-        except APIError:
-            raise
         except (urllib.error.URLError, OSError, ValueError) as e:  # DNS, refused, timeout
             why = getattr(e, "reason", None) or e
             raise bad_request(

@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
-import itertools
 import logging
 import queue
 import threading
@@ -117,7 +116,6 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._dead: BaseException | None = None
         self._stopping = False
-        self._ids = itertools.count()
         self.engine: Any = None
         self.tokenizer: Any = None
         ready = concurrent.futures.Future()
@@ -395,8 +393,6 @@ class AsyncLLM:
                 fut.set_result(rest[0](self.engine))
         except BaseException as e:
             fut.set_exception(e)
-        if self.engine.sleep_mode.held:  # a "wait" pause ran steps: their outputs go out
-            self._dispatch(self.engine.sleep_mode.take_held())
 
     def _add(self, request_id, prompt, params, lora, priority, stream) -> None:
         if request_id in self._streams:

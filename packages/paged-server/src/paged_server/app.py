@@ -870,15 +870,20 @@ class OpenAIApp:
         stream's headers go out), then run the body; every way out but the group's completion
         aborts its requests."""
         try:
-            while not group.wait_added(self.poll_interval):
-                if h.client_gone():
-                    raise ConnectionResetError("client disconnected")
+            self._await_added(h, group)
             yield
         finally:
             if not group.done:
                 self.client.abort(rids)
                 if group.add_error is None:  # a refusal (a 4xx) took nothing to abort
                     h.log_extra += " aborted"
+
+    def _await_added(self, h: Handler, group: RequestGroup) -> None:
+        """Until the engine took (or refused: raised here) every member of `group`;
+        ConnectionResetError when the client left meanwhile."""
+        while not group.wait_added(self.poll_interval):
+            if h.client_gone():
+                raise ConnectionResetError("client disconnected")
 
     def arrivals(self, h: Handler, group: RequestGroup) -> Iterator[list]:
         """Each batch of (prompt index, output) pairs as it arrives until the group is done;

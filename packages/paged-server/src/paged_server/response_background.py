@@ -139,9 +139,7 @@ def start(
     still this request's HTTP error). `work` runs the response through `run`, writing `body`,
     and settles it when it finishes; a cancel or an error settles it here."""
     try:
-        while not group.wait_added(app.poll_interval):
-            if h.client_gone():
-                raise ConnectionResetError("client disconnected")
+        app._await_added(h, group)
     except BaseException:
         if not group.done:
             app.client.abort(rids)

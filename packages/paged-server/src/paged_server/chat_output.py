@@ -102,11 +102,7 @@ class ChatDeltas:
             out, self.pending = [e for e, _ in self.pending], []
             return out
         end = start + len(content)
-        out, pos = [], 0
-        for e, piece in self.pending:
-            if pos + len(piece) > start and pos < end:
-                out.append(e)
-            pos += len(piece)
+        out = _within(self.pending, start, end)
         self.pending = _from(self.pending, end)
         return out
 
@@ -124,6 +120,19 @@ class ChatDeltas:
     @property
     def stop_reason(self) -> int | str | None:
         return self.choice.stop_reason
+
+
+def _within(
+    pairs: Iterable[tuple[dict[str, Any], str]], start: int, end: int
+) -> list[dict[str, Any]]:
+    """The entries of the (entry, token text) pairs whose text overlaps characters
+    [start, end) of the joined text."""
+    out, pos = [], 0
+    for e, piece in pairs:
+        if pos + len(piece) > start and pos < end:
+            out.append(e)
+        pos += len(piece)
+    return out
 
 
 def _from(pending: list[tuple[dict[str, Any], str]], at: int) -> list[tuple[dict[str, Any], str]]:
@@ -149,10 +158,4 @@ def span_logprobs(
     start = joined.find(text, begin) if text else -1
     if start < 0:
         return []
-    out, pos = [], 0
-    for e, piece in zip(entries, pieces, strict=True):
-        end = pos + len(piece)
-        if end > start and pos < start + len(text):
-            out.append(e)
-        pos = end
-    return out
+    return _within(zip(entries, pieces, strict=True), start, start + len(text))

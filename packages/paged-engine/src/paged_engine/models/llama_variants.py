@@ -21,13 +21,13 @@ them (its registry maps the same architectures to its Llama):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 
 from paged_engine.models.granite import GraniteForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM, llama_head_dim
+from paged_engine.models.minicpm3 import minicpm_scalars
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.utils import cfg_get
 
@@ -109,14 +109,9 @@ class InternLM2ForCausalLM(InternLMForCausalLM):
 
 class MiniCPMForCausalLM(GraniteForCausalLM):
     def __init__(self, config) -> None:
-        layers = config.num_hidden_layers
         scalars = {
-            "embedding_multiplier": float(cfg_get(config, "scale_emb", 1.0) or 1.0),
-            "residual_multiplier": float(cfg_get(config, "scale_depth", 1.0) or 1.0)
-            / math.sqrt(layers),
+            **minicpm_scalars(config, scale_depth=1.0),
             "attention_multiplier": llama_head_dim(config) ** -0.5,
-            "logits_scaling": config.hidden_size
-            / float(cfg_get(config, "dim_model_base", config.hidden_size)),
         }
         for name, value in scalars.items():  # Granite's names, read by its layers and stack
             setattr(config, name, value)

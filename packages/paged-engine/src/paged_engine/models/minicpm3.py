@@ -35,11 +35,25 @@ def _scalar(config, name: str, default: float) -> float:
     return float(value)
 
 
+def minicpm_scalars(config, scale_depth: float | None = None) -> dict[str, float]:
+    """MiniCPM's scalars under Granite's names: the embedding times `scale_emb`, each residual
+    add times scale_depth / sqrt(num_hidden_layers) (`scale_depth` the default when the config
+    has none; None: sqrt(num_hidden_layers), a residual scale of 1), the last hidden state
+    divided by hidden_size / dim_model_base."""
+    root = math.sqrt(config.num_hidden_layers)
+    depth = _scalar(config, "scale_depth", root if scale_depth is None else scale_depth)
+    return {
+        "embedding_multiplier": _scalar(config, "scale_emb", 1.0),
+        "residual_multiplier": depth / root,
+        "logits_scaling": config.hidden_size
+        / _scalar(config, "dim_model_base", config.hidden_size),
+    }
+
+
 class MiniCPM3DecoderLayer(DeepseekDecoderLayer):
     def __init__(self, config, layer_idx, rope, mlp, attention_cls) -> None:
         super().__init__(config, layer_idx, rope, mlp, attention_cls)
-        layers = config.num_hidden_layers
-        self.residual_scale = _scalar(config, "scale_depth", math.sqrt(layers)) / math.sqrt(layers)
+        self.residual_scale = minicpm_scalars(config)["residual_multiplier"]
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         m = self.residual_scale
@@ -51,18 +65,18 @@ class MiniCPM3ForCausalLM(DeepseekV2ForCausalLM):
     def __init__(self, config) -> None:
         check_silu(config, type(self).__name__)
         cls = type(self)
+        scalars = minicpm_scalars(config)
         inner = DeepseekModel(
             config,
             cls.build_mlp,
             cls.attention_cls,
             cls.build_rope(config),
             layer_cls=MiniCPM3DecoderLayer,
-            embedding_multiplier=_scalar(config, "scale_emb", 1.0),
+            embedding_multiplier=scalars["embedding_multiplier"],
         )
         CausalLMBase.__init__(self, config, inner)
         self.stacked_params = type(self).stacked_params  # no experts
-        base = _scalar(config, "dim_model_base", config.hidden_size)
-        self.logits_scaling = config.hidden_size / base
+        self.logits_scaling = scalars["logits_scaling"]
 
     @classmethod
     def build_rope(cls, config) -> RotaryEmbedding:

@@ -39,6 +39,7 @@ from torch import nn
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import HeadLayerNorm, LayerNorm, RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.exaone_moe import is_sparse_layer
 from paged_engine.models.gemma2 import gemma_layer_types
 from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
@@ -222,10 +223,7 @@ class Cohere2MoeForCausalLM(Cohere2ForCausalLM):
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:
-        kind = config.mlp_layer_types[layer_idx]
-        if kind not in ("dense", "sparse"):
-            raise ValueError(f"config.mlp_layer_types: unsupported {kind!r}")
-        if kind == "sparse":
+        if is_sparse_layer(config, layer_idx):  # by mlp_layer_types
             return Cohere2MoeBlock(config)
         size = cfg_get(config, "prefix_dense_intermediate_size", None) or config.intermediate_size
         return LlamaMLP(config, bias=False, intermediate_size=int(size))

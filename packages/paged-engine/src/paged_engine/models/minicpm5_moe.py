@@ -19,9 +19,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from paged_engine.layers.deepseek_moe import DeepseekMoe
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaMLP
+from paged_engine.models.deepseek_v2 import Glm4MoeLiteForCausalLM
 from paged_engine.models.olmoe import OlmoeForCausalLM
 from paged_engine.models.qwen3_next import GatedAttention
 
@@ -38,9 +37,4 @@ class MiniCPM5MoeForCausalLM(OlmoeForCausalLM):
 
     @classmethod
     def build_mlp(cls, config, layer_idx: int) -> nn.Module:
-        types = config.mlp_layer_types
-        if len(types) != config.num_hidden_layers or types[layer_idx] not in ("dense", "sparse"):
-            raise ValueError(f"mlp_layer_types must be 'dense' / 'sparse' a layer, got {types}")
-        if types[layer_idx] == "dense":
-            return LlamaMLP(config, bias=False)
-        return DeepseekMoe.from_config(config)
+        return Glm4MoeLiteForCausalLM.build_mlp(config, layer_idx)  # by mlp_layer_types

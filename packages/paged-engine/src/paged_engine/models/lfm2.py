@@ -132,29 +132,41 @@ class Lfm2DecoderLayer(nn.Module):
         config,
         layer_idx: int,
         flags: dict[str, bool],
-        rope: RotaryEmbedding,
+        rope: RotaryEmbedding | None,
         feed_forward: nn.Module,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        sandwich: bool = False,
     ) -> None:
+        """`rope`: the one of this layer's type (None for a conv layer); `sandwich`: norms after
+        the mixer and the feed-forward too (LFM3's)."""
         super().__init__()
         eps = float(cfg_get(config, "norm_eps", 1e-5))
+        d = config.hidden_size
         self.is_conv = layer_types(config)[layer_idx] == "conv"
         if self.is_conv:
             kernel = int(cfg_get(config, "conv_L_cache", 3))
             bias = bool(getattr(config, "conv_bias", False))
-            self.conv = ShortConv(config.hidden_size, kernel, bias)
+            self.conv = ShortConv(d, kernel, bias)
         else:
-            self.self_attn = LlamaAttention(config, layer_idx, flags, rope)
+            self.self_attn = attention_cls(config, layer_idx, flags, rope)
             # the q / k norms take LFM2's norm_eps (LlamaAttention reads rms_norm_eps)
             self.self_attn.q_norm.eps = self.self_attn.k_norm.eps = eps
         self.feed_forward = feed_forward
-        self.operator_norm = RMSNorm(config.hidden_size, eps)
-        self.ffn_norm = RMSNorm(config.hidden_size, eps)
+        self.operator_norm = RMSNorm(d, eps)
+        self.ffn_norm = RMSNorm(d, eps)
+        self.post_operator_norm = RMSNorm(d, eps) if sandwich else None
+        self.post_ffn_norm = RMSNorm(d, eps) if sandwich else None
 
     def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         h = self.operator_norm(x)
         h = self.conv(h, md) if self.is_conv else self.self_attn(positions, h, kv_cache, md)
+        if self.post_operator_norm is not None:
+            h = self.post_operator_norm(h)
         x = x + h
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.feed_forward(self.ffn_norm(x))
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h
 
 
 class Lfm2ForCausalLM(CausalLMBase):
@@ -162,22 +174,40 @@ class Lfm2ForCausalLM(CausalLMBase):
     stacked_params = (*QKV_PROJ_RULES, *_MLP_RULES)
     ignored_weights = ("rotary_emb.inv_freq", "pos_emb.inv_freq")
     tie_default = True
+    family, kinds = "LFM2", LAYER_TYPES  # the layer_types it builds
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config) -> None:
+        cls = type(self)
         types = layer_types(config)
-        if any(t not in LAYER_TYPES for t in types):
-            raise ValueError(f"LFM2 layer_types must be among {LAYER_TYPES}, got {types!r}")
+        if any(t not in cls.kinds for t in types):
+            raise ValueError(f"{cls.family} layer_types must be among {cls.kinds}, got {types!r}")
         flags = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_bias": False}
-        flags["sliding"] = False
-        rope = get_rope(config, llama_head_dim(config))
-        build = type(self).build_feed_forward
+        flags["sliding"] = "sliding_attention" in cls.kinds  # windows by layer_types
+        ropes = cls.build_ropes(config, types)  # attention layer type -> its rope
+        build, sandwich = cls.build_feed_forward, cls.sandwich_norms(config)
+
+        def layer(i: int) -> Lfm2DecoderLayer:
+            rope = ropes.get(types[i])
+            return Lfm2DecoderLayer(
+                config, i, flags, rope, build(config, i), cls.attention_cls, sandwich
+            )
+
         inner = HybridModel(
             config,
-            lambda i: Lfm2DecoderLayer(config, i, flags, rope, build(config, i)),
+            layer,
             RMSNorm(config.hidden_size, float(cfg_get(config, "norm_eps", 1e-5))),
-            rope,
+            next(iter(ropes.values())) if len(ropes) == 1 else None,  # the ropes are per type
         )
         super().__init__(config, inner)
+
+    @classmethod
+    def build_ropes(cls, config, types: list[str]) -> dict[str, RotaryEmbedding]:
+        return {"full_attention": get_rope(config, llama_head_dim(config))}
+
+    @classmethod
+    def sandwich_norms(cls, config) -> bool:
+        return False
 
     @classmethod
     def build_feed_forward(cls, config, layer_idx: int) -> nn.Module:
@@ -223,57 +253,23 @@ class Lfm3Attention(LlamaAttention):
         return self.o_proj(out)
 
 
-class Lfm3DecoderLayer(Lfm2DecoderLayer):
-    def __init__(self, config, layer_idx: int, flags, rope, feed_forward: nn.Module) -> None:
-        nn.Module.__init__(self)
-        eps = float(cfg_get(config, "norm_eps", 1e-5))
-        d = config.hidden_size
-        kind = layer_types(config)[layer_idx]
-        self.is_conv = kind == "conv"
-        if self.is_conv:
-            kernel = int(cfg_get(config, "conv_L_cache", 3))
-            self.conv = ShortConv(d, kernel, bool(getattr(config, "conv_bias", False)))
-        else:
-            self.self_attn = Lfm3Attention(config, layer_idx, flags, rope[kind])
-            self.self_attn.q_norm.eps = self.self_attn.k_norm.eps = eps
-        self.feed_forward = feed_forward
-        self.operator_norm = RMSNorm(d, eps)
-        self.ffn_norm = RMSNorm(d, eps)
-        sandwich = bool(getattr(config, "use_sandwich_norm", True))
-        self.post_operator_norm = RMSNorm(d, eps) if sandwich else None
-        self.post_ffn_norm = RMSNorm(d, eps) if sandwich else None
-
-    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
-        h = self.operator_norm(x)
-        h = self.conv(h, md) if self.is_conv else self.self_attn(positions, h, kv_cache, md)
-        if self.post_operator_norm is not None:
-            h = self.post_operator_norm(h)
-        x = x + h
-        h = self.feed_forward(self.ffn_norm(x))
-        if self.post_ffn_norm is not None:
-            h = self.post_ffn_norm(h)
-        return x + h
-
-
 class Lfm3ForCausalLM(Lfm2ForCausalLM):
     # the release names the head gate `gate_proj` (transformers holds it as g_proj)
     renames = (*_RENAMES, (".self_attn.gate_proj.", ".self_attn.g_proj."))
+    family, kinds = "LFM3", LFM3_LAYER_TYPES
+    attention_cls = Lfm3Attention
 
-    def __init__(self, config) -> None:
+    @classmethod
+    def build_ropes(cls, config, types: list[str]) -> dict[str, RotaryEmbedding]:
         from paged_engine.models.gemma4 import _rope  # "default" and "proportional" per type
 
-        types = layer_types(config)
-        if any(t not in LFM3_LAYER_TYPES for t in types):
-            raise ValueError(f"LFM3 layer_types must be among {LFM3_LAYER_TYPES}, got {types!r}")
-        flags = {"qkv_bias": False, "o_bias": False, "qk_norm": True, "mlp_bias": False}
-        flags["sliding"] = True  # windows on the sliding_attention layers
         head_dim = llama_head_dim(config)
-        ropes = {t: _rope(config, t, head_dim) for t in set(types) if t != "conv"}
-        d = config.intermediate_size
-        inner = HybridModel(
-            config,
-            lambda i: Lfm3DecoderLayer(config, i, flags, ropes, Lfm2MLP(config.hidden_size, d)),
-            RMSNorm(config.hidden_size, float(cfg_get(config, "norm_eps", 1e-5))),
-            None,  # the ropes are per layer type
-        )
-        CausalLMBase.__init__(self, config, inner)
+        return {t: _rope(config, t, head_dim) for t in set(types) if t != "conv"}
+
+    @classmethod
+    def sandwich_norms(cls, config) -> bool:
+        return bool(getattr(config, "use_sandwich_norm", True))
+
+    @classmethod
+    def build_feed_forward(cls, config, layer_idx: int) -> nn.Module:
+        return Lfm2MLP(config.hidden_size, config.intermediate_size)  # not adjusted

@@ -25,48 +25,36 @@ import math
 import torch
 from torch import nn
 
-from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.rotary import RotaryEmbedding
 from paged_engine.models.exaone_moe import shared_expert_moe
-from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, llama_head_dim
+from paged_engine.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import MixtralForCausalLM, check_silu, expert_rules, num_experts
 from paged_engine.models.olmo2 import Olmo2RMSNorm
 from paged_engine.models.utils import CausalLMBase, cfg_get, layer_sliding_window
 
 
-class AfmoeAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        hidden, num_heads = config.hidden_size, config.num_attention_heads
-        num_kv_heads = cfg_get(config, "num_key_value_heads", num_heads)
-        head_dim = llama_head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias)
-        heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        self.head_dim, self.q_size, self.kv_size = head_dim, heads * head_dim, kv_heads * head_dim
-        # the checkpoint's `self_attn.gate_proj` (renamed: the MLPs' ".gate_proj" rule stacks)
-        self.out_gate = ColumnParallelLinear(hidden, num_heads * head_dim, bias=False)
-        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
-        eps = cfg_get(config, "rms_norm_eps", 1e-5)
-        self.q_norm = Olmo2RMSNorm(head_dim, eps)
-        self.k_norm = Olmo2RMSNorm(head_dim, eps)
-        window = layer_sliding_window(config, layer_idx)
-        self.rotary_emb = rope if window is not None else None  # global layers: NoPE
-        self.attn = Attention(heads, head_dim, kv_heads, head_dim**-0.5, sliding_window=window)
+class AfmoeAttention(LlamaAttention):
+    """Llama's attention with OLMo 2's per-head q / k norms, a window on the sliding layers,
+    NoPE on the global ones, and an elementwise sigmoid gate on the attention's output."""
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def __init__(self, config, layer_idx: int, rope: RotaryEmbedding) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        flags = {"qkv_bias": bias, "o_bias": bias, "qk_norm": True, "sliding": True}
+        window = layer_sliding_window(config, layer_idx)
+        super().__init__(config, layer_idx, flags, rope if window is not None else None)
+        eps, d = cfg_get(config, "rms_norm_eps", 1e-5), self.head_dim
+        self.q_norm, self.k_norm = Olmo2RMSNorm(d, eps), Olmo2RMSNorm(d, eps)
+        # the checkpoint's `self_attn.gate_proj` (renamed: the MLPs' ".gate_proj" rule stacks)
+        heads = config.num_attention_heads
+        self.out_gate = ColumnParallelLinear(config.hidden_size, heads * d, bias=False)
+
+    def forward(self, positions, x, kv_cache, md) -> torch.Tensor:  # x: [T, D]
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(t, -1, d)).reshape(t, -1)
         k = self.k_norm(k.reshape(t, -1, d)).reshape(t, -1)
-        if self.rotary_emb is not None:
+        if self.rotary_emb is not None:  # global layers: NoPE
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, kv_cache, md) * torch.sigmoid(self.out_gate(x))
         return self.o_proj(out)

@@ -476,14 +476,20 @@ def rope_config(
 
 
 def get_rope(
-    config: Any, head_dim: int, is_neox_style: bool = True, layer_type: str | None = None
+    config: Any,
+    head_dim: int,
+    is_neox_style: bool = True,
+    layer_type: str | None = None,
+    base: float | None = None,
 ) -> RotaryEmbedding:
-    """The rope of `config` (of its `layer_type` layers where ropes differ by layer type).
+    """The rope of `config` (of its `layer_type` layers where ropes differ by layer type;
+    `base` in place of the config's rope_theta where a layer has its own).
 
     A "dynamic" scaling with an `alpha` in Hunyuan's checkpoints is NTK by a fixed alpha, a
     static table: base = rope_theta * alpha ** (d / (d - 2)), d the rotary dims (other models'
     dynamic rope ignores an `alpha`, as transformers does)."""
     theta, scaling, partial = rope_config(config, layer_type)
+    theta = theta if base is None else float(base)
     kind = scaling and (scaling.get("rope_type") or scaling.get("type"))
     hunyuan = str(getattr(config, "model_type", "")).startswith("hunyuan")
     if kind == "dynamic" and hunyuan and scaling.get("alpha"):  # type: ignore[union-attr]

@@ -13,7 +13,6 @@ positional encoding on that layer).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import torch
@@ -99,23 +98,13 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
         if len(thetas) != config.num_hidden_layers:
             raise ValueError(f"config.layer_rope_theta needs a base a layer, got {thetas}")
         ropes: dict[float, RotaryEmbedding] = {}  # one per base, shared by its layers
+        d = llama_head_dim(config)
 
         def build(i: int, rope: RotaryEmbedding) -> nn.Module:
             theta = float(thetas[i])
             if theta and theta not in ropes:
-                ropes[theta] = rope if theta == float(base) else _rope_at(config, theta)
+                ropes[theta] = rope if theta == float(base) else get_rope(config, d, base=theta)
             own = ropes.get(theta) if theta else None  # 0: NoPE
             return GraniteDecoderLayer(config, i, flags, own, SinkAttention)
 
         return build
-
-
-def _rope_at(config, theta: float) -> RotaryEmbedding:
-    """The config's rope with base `theta`."""
-    other = copy.deepcopy(config)
-    params = getattr(other, "rope_parameters", None)
-    if isinstance(params, dict):
-        other.rope_parameters = {**params, "rope_theta": theta}
-    else:
-        other.rope_theta = theta
-    return get_rope(other, llama_head_dim(config), is_neox_style=True)

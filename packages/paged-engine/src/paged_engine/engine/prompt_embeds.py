@@ -43,7 +43,8 @@ def check_prompt_embeds(config: Any, hf_config: Any, is_encoder: bool) -> None:
     if getattr(text, "hidden_size_per_layer_input", None):
         raise ValueError(
             "enable_prompt_embeds: this model's layers each embed the token ids again (Gemma "
-            "4's per-layer embeddings), which a prompt given as embeddings does not have"
+            "4's and Gemma 3n's per-layer embeddings), which a prompt given as embeddings "
+            "does not have"
         )
 
 

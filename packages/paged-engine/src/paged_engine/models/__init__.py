@@ -34,6 +34,7 @@ from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
+from paged_engine.models.gemma3n import Gemma3nForCausalLM
 from paged_engine.models.gemma4 import Gemma4ForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
@@ -162,6 +163,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,

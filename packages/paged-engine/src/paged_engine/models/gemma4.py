@@ -89,10 +89,11 @@ def layer_geometry(config) -> list[tuple[int, int]]:
     return out
 
 
-def kv_sources(config) -> list[int]:
+def kv_sources(config, every: int = 6) -> list[int]:
     """For every layer, the layer whose KV it attends over: itself, or for the last
-    `num_kv_shared_layers` layers the last earlier non-shared layer of the same type."""
-    types = gemma_layer_types(config, 6)
+    `num_kv_shared_layers` layers the last earlier non-shared layer of the same type (layer
+    types by `gemma_layer_types(config, every)`)."""
+    types = gemma_layer_types(config, every)
     n = config.num_hidden_layers
     first_shared = n - int(cfg_get(config, "num_kv_shared_layers", 0))
     if first_shared <= 0 and n > 0:
@@ -114,7 +115,7 @@ def _rope(config, layer_type: str, head_dim: int) -> RotaryEmbedding:
     if kind == "default":
         return RotaryEmbedding(head_dim, head_dim, max_position, theta, is_neox_style=True)
     if kind != "proportional":
-        raise ValueError(f"Gemma 4 {layer_type} layers: unsupported rope_type {kind!r}")
+        raise ValueError(f"{layer_type} layers: unsupported rope_type {kind!r}")
     assert scaling is not None
     angles = int(partial * head_dim // 2)
     factor = float(scaling.get("factor") or 1.0)
@@ -331,6 +332,7 @@ class Gemma4ForCausalLM(CausalLMBase):
         (".gate_up_proj", ".up_proj", 1),
     )
     ignored_weights = ("rotary_emb.inv_freq",)
+    global_every = 6  # without config.layer_types, every 6th layer is a full one
 
     def __init__(self, config):
         if getattr(config, "use_bidirectional_attention", None) == "all":
@@ -347,7 +349,7 @@ class Gemma4ForCausalLM(CausalLMBase):
     @classmethod
     def kv_cache_layout(cls, config) -> list[tuple[int, int]]:
         """(num_kv_heads, head_dim) of each layer that computes its own KV, in layer order."""
-        sources = kv_sources(config)
+        sources = kv_sources(config, cls.global_every)
         return [(h, d) for i, (d, h) in enumerate(layer_geometry(config)) if sources[i] == i]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32

@@ -5,6 +5,7 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
 
     wrapper (config.architectures)       text_config.model_type -> our class
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
+    Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
     Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
       SmolVLMForConditionalGeneration
@@ -31,7 +32,10 @@ top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by t
 flag, and leaves them untied where the checkpoint carries its own head), `quantization_config`,
 the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
 final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
-`final_logit_softcapping`; a Qwen "mrope" rope type (older configs) becomes "default";
+`final_logit_softcapping`; Gemma 3n's wrapper embeds its vision and audio token ids with the
+towers' token embedders (`embed_vision`, `embed_audio`: kept, the towers dropped), so the copy
+names them with their vocab offsets and sizes (models/gemma3n.py); a Qwen "mrope" rope type
+(older configs) becomes "default";
 Qwen3-VL-MoE's router always renormalizes its top-k weights (transformers 5's config has no
 `norm_topk_prob`, and its router reads none), so the copy sets `norm_topk_prob` True.
 
@@ -68,8 +72,7 @@ RoPE over head_dim with the same inv_freq.
 Not handled here: images (LLaVA's, LLaVA-NeXT's, Pixtral's, Mistral 3's, Qwen2-VL's,
 Qwen2.5-VL's, Idefics3's and SmolVLM's run through multimodal/, which loads the vision encoder
 apart, with M-RoPE positions for Qwen's images; other wrappers' images are refused) and audio,
-LoRA adapters trained on the wrapper's module names, wrappers whose decoder is not one of ours
-as it stands (Gemma 3n).
+LoRA adapters trained on the wrapper's module names.
 """
 
 from __future__ import annotations
@@ -99,6 +102,8 @@ _LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
 _IDEFICS3 = _modules("vision_model", "connector")
 # Gemma 4: vision and audio towers and their embedders into the text space
 _GEMMA4_TOWERS = _modules("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+# Gemma 3n: the towers (their token embedders load: see `media_embedders`)
+_GEMMA3N_TOWERS = _modules("vision_tower", "audio_tower")
 _LLAMA4_VISION = _modules("vision_model", "multi_modal_projector")
 
 _LLAVA_TEXT = {
@@ -116,6 +121,8 @@ class Wrapper:
     mrope: bool = False  # the text rope is M-RoPE: the ordinary rope on text-only input
     renormalized_topk: bool = False  # the router renormalizes whatever norm_topk_prob says
     hub_experts: bool = False  # fused experts may come transposed ([E, H, 2I], [E, I, H])
+    # (sub-config, module): towers whose token ids the wrapper embeds with that module
+    media_embedders: tuple[tuple[str, str], ...] = ()
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -125,6 +132,13 @@ WRAPPERS: dict[str, Wrapper] = {
     # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
+    # Gemma 3n soft-caps as its text model does; ids from the vision / audio offsets embed
+    # through those towers' token embedders
+    "Gemma3nForConditionalGeneration": Wrapper(
+        {"gemma3n_text": "Gemma3nForCausalLM"},
+        _GEMMA3N_TOWERS,
+        media_embedders=(("vision_config", "embed_vision"), ("audio_config", "embed_audio")),
+    ),
     "Llama4ForConditionalGeneration": Wrapper({"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION),
     # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
@@ -248,6 +262,10 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.norm_topk_prob = True
     if spec.hub_experts:
         setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
+    if spec.media_embedders:
+        from paged_engine.models.gemma3n import MEDIA_EMBEDDERS
+
+        setattr(text, MEDIA_EMBEDDERS, _media_embedders(config, spec.media_embedders))
     setattr(text, MARKER, arch)
     from paged_engine.multimodal.archs import IMAGE_ARCHS
 
@@ -306,6 +324,20 @@ def _experts_as_ours(weights: Iterable[tuple[str, Any]], config: Any) -> Iterato
         if suffix is not None and hub_layout(tuple(tensor.shape), ours[suffix], square_is_hub):
             tensor = tensor.transpose(1, 2)
         yield name, tensor
+
+
+def _media_embedders(config: Any, towers: tuple[tuple[str, str], ...]) -> list[tuple]:
+    """(module, vocab_offset, vocab_size, hidden_size, rms_norm_eps) of each tower config the
+    wrapper has (a tower left out of the config embeds no ids)."""
+    out = []
+    for key, module in towers:
+        tower = getattr(config, key, None)
+        if tower is None:
+            continue
+        fields = ("vocab_offset", "vocab_size", "hidden_size")
+        offset, size, width = (int(getattr(tower, f)) for f in fields)
+        out.append((module, offset, size, width, float(getattr(tower, "rms_norm_eps", 1e-6))))
+    return out
 
 
 def _written_before_5(config: Any) -> bool:

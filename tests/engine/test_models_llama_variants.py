@@ -180,3 +180,14 @@ def test_minicpm_scalars(tmp_path):
     _architectures(path, ["MiniCPMForCausalLM"])
     prompts = random_token_prompts(9, 3)
     _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, "minicpm")
+
+
+def test_minicpm_leaves_the_callers_config_alone():
+    """The model reads MiniCPM's scalars under Granite's names on a copy of the config."""
+    from paged_engine.models.llama_variants import MiniCPMForCausalLM
+    from paged_engine.testing import tiny_config
+
+    config = tiny_config("llama", scale_emb=12, scale_depth=1.4, dim_model_base=16)
+    model = MiniCPMForCausalLM(config)
+    assert not hasattr(config, "embedding_multiplier")
+    assert model.config.embedding_multiplier == 12

@@ -46,8 +46,6 @@ from paged_engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_IDLE_WAIT_S = 0.5  # how long the idle loop blocks on its command queue before re-checking
-
 
 class EngineArgs:
     """vLLM's `EngineArgs`: the engine's options by name, the keyword arguments `LLM` takes
@@ -349,9 +347,11 @@ class AsyncLLM:
     def _loop(self) -> None:
         engine = self.engine
         while True:
+            # Idle, it sleeps on the queue: only a command (add, call, abort, stop) run on this
+            # thread can give the engine work.
             busy = engine.can_step()
             try:
-                command = self._commands.get(block=not busy, timeout=_IDLE_WAIT_S)
+                command = self._commands.get(block=not busy)
             except queue.Empty:
                 command = None
             while command is not None:

@@ -21,6 +21,8 @@ them (its registry maps the same architectures to its Llama):
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Iterable
 
 import torch
@@ -113,6 +115,7 @@ class MiniCPMForCausalLM(GraniteForCausalLM):
             **minicpm_scalars(config, scale_depth=1.0),
             "attention_multiplier": llama_head_dim(config) ** -0.5,
         }
+        config = copy.copy(config)  # the caller's config keeps its own fields
         for name, value in scalars.items():  # Granite's names, read by its layers and stack
             setattr(config, name, value)
         super().__init__(config)

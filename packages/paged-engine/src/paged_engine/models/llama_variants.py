@@ -22,7 +22,6 @@ them (its registry maps the same architectures to its Llama):
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Iterable
 
 import torch

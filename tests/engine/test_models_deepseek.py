@@ -41,6 +41,8 @@ VARIANTS = {
     ),
     "v2": ("deepseek_v2", {}),
     "glm4_moe_lite": ("glm4_moe_lite", {}),
+    # a large rms_norm_eps: the layer norms take it, the latent norms keep 1e-6 (as HF builds them)
+    "glm4_moe_lite-eps": ("glm4_moe_lite", {"rms_norm_eps": 0.5}),
     # position-scaled queries, softmax routing over top-2-sum groups, renormalized
     "mistral4": ("mistral4", {}),
     "mistral4-neox-rope": ("mistral4", {"rope_interleave": False}),

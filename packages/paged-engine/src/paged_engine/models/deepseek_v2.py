@@ -98,7 +98,9 @@ class MlaAttention(nn.Module):
         self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
         qk = self.nope + self.rope_dim
         bias = bool(getattr(config, "attention_bias", False))
-        eps = cfg_get(config, "rms_norm_eps", 1e-6)
+        # The latent norms keep RMSNorm's default eps whatever rms_norm_eps says, as every
+        # transformers MLA model (DeepSeek V2 / V3, GLM-4.7-Flash, MiniCPM3, Kimi...) builds them.
+        eps = 1e-6
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, num_heads * qk, bias=False)

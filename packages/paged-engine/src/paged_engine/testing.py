@@ -40,7 +40,10 @@ MORE_TINY_ARCHS: list[str] = [
     "minicpm5_moe",
     "hy_v3",
     "granite_swa",
+    "hyperclovax",
     "afmoe",
+    "laguna",
+    "mellum",
     "exaone",
     "cwm",
     "lfm3",
@@ -48,8 +51,11 @@ MORE_TINY_ARCHS: list[str] = [
     "solar_open",
     "glm4_moe_lite",
     "mistral4",
+    "youtu",
+    "axk1",
     "granitemoe",
     "granitemoeshared",
+    "granitemoe_swa",
     "ernie4_5",
     "ernie4_5_moe",
     "seed_oss",
@@ -72,6 +78,7 @@ MORE_TINY_ARCHS: list[str] = [
     "mamba2",
     "jamba",
     "kimi_linear",
+    "olmo_hybrid",
     "bamba",
     "zamba2",
     "exaone4",
@@ -103,6 +110,10 @@ MORE_TINY_ARCHS: list[str] = [
     "dbrx",
     "internlm3",
     "exaone_moe",
+    "kolibri1",
+    "kolibri1_1",
+    "flint",
+    "mimo_v2_flash",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -277,6 +288,24 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": True,
         },
     ),
+    # HyperCLOVA X: Granite's scalars with the logits multiplied (0.4: divided they would be
+    # 2.5x), an attention scale that is neither 1 nor head_dim^-0.5, head_dim 32 (not 64 / 4),
+    # Peri-LN post norms, q / k / v / o and MLP biases
+    "hyperclovax": (
+        "HyperCLOVAXConfig",
+        {
+            **_LLAMA_LIKE,
+            "head_dim": 32,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 0.4,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "use_post_norm": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     # Arcee AFMoE: sandwich norms, gated attention with q / k norms, windows (8) on rotating
     # layers and NoPE global ones (every 2nd), a dense layer, then sigmoid top-3 of 8 experts
     # with a shared one, route_scale 2.5, muP's embedding scale
@@ -295,6 +324,70 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "global_attn_every_n_layers": 2,
             "sliding_window": 8,
             "mup_enabled": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Poolside Laguna: query heads per layer (4, 8, 6, 4 over 2 KV heads), full layers rotating
+    # half of each head, sliding ones (window 8) all of it with another base, softplus gates
+    # per head; dense / sparse layers interleaved, sigmoid top-3 of 8 experts with soft-capped
+    # logits and a shared expert of its own width, scaled by 2.5
+    "laguna": (
+        "LagunaConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "num_attention_heads_per_layer": [4, 8, 6, 4],
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 8,
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 24,
+            "moe_routed_scaling_factor": 2.5,
+            "moe_router_logit_softcapping": 1.0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # JetBrains Mellum 2: Qwen3-MoE's layers in Laguna's stack: sliding (window 8) and full
+    # layers with their own rope bases, a dense layer, then softmax top-3 of 8 experts
+    "mellum": (
+        "MellumConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 8,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
             "tie_word_embeddings": False,
         },
     ),
@@ -404,6 +497,30 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "topk_group": 2,
             "moe_renormalize": True,
             "routed_scaling_factor": 2.5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # OLMo Hybrid: Gated DeltaNet, GDN, OLMo 3 attention (GQA, rope), GDN; GVA (4 value heads of
+    # 32 on 2 key heads of 16), beta doubled; rms_norm_eps apart from the gated norm's fixed 1e-5
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+            ],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+            "linear_allow_neg_eigval": True,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
             "tie_word_embeddings": False,
         },
     ),
@@ -823,6 +940,59 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Youtu-LLM: V3's MLA (q bottleneck, YaRN x4 over a 64-token original context with
+    # mscale_all_dim) with a dense MLP in every layer; the head tied to the embedding. No
+    # pad_token_id: transformers 5.25's Youtu zeroes that embedding row of a loaded checkpoint
+    # (its _init_weights writes through `.data`, past the guard that spares loaded weights)
+    "youtu": (
+        "YoutuConfig",
+        {
+            **_LLAMA_LIKE,
+            **_MLA_LIKE,
+            "pad_token_id": None,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
+    # A.X K1: V3's MLA (YaRN as Youtu's) and MoE (8 experts in 4 groups, 2 kept, biased sigmoid
+    # top-2, renormalized, x2.5, a shared expert) on layers 0 and 2 by mlp_layer_types (layer 1
+    # dense), each MoE output through its own RMSNorm (post_mlp_layernorm)
+    "axk1": (
+        "AXK1Config",
+        {
+            **_LLAMA_LIKE,
+            **_MLA_LIKE,
+            "mlp_layer_types": ["sparse", "dense", "sparse"],
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
     # GLM-4: head_dim 32 (q wider than hidden), interleaved rope over half of each head, q / k / v
     # biases, the four norms a layer
     "glm4": (
@@ -1086,6 +1256,34 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "residual_multiplier": 0.5,
             "attention_multiplier": 0.5,
             "logits_scaling": 2.5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GraniteMoeSWA: GraniteMoeShared's MoE and shared MLP under GraniteSWA's sinks, a window
+    # of 8 (shorter than the test prompts) on 3 of 4 layers (not the default i % 4 pattern) and
+    # per-layer rope bases (500, NoPE on the full layer, the global 10000); q / k / v / o biases
+    "granitemoe_swa": (
+        "GraniteMoeSWAConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 48,
+            "attention_bias": True,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.5,
+            "logits_scaling": 2.5,
+            "sliding_window": 8,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+            ],
+            "layer_rope_theta": [500.0, 0, 10000.0, 500.0],
             "tie_word_embeddings": False,
         },
     ),
@@ -1464,6 +1662,48 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # MiMo-V2-Flash: full and sliding layers (window 8, twice the KV heads and sinks), q / k heads
+    # of 32 and value heads of 16 scaled by 0.5, a YaRN rope over half of each head on the full
+    # layers and a default one over HF's default 0.334 on the sliding ones, dense and MoE layers
+    # (sigmoid top-2 of 8 in 4 groups, 2 kept, scaled by 2.5, no shared experts)
+    "mimo_v2_flash": (
+        "MiMoV2FlashConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "v_head_dim": 16,
+            "max_position_embeddings": 256,
+            "layer_types": [
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "sliding_window": 8,
+            "attention_value_scale": 0.5,
+            "rope_parameters": {
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1000.0,
+                    "partial_rotary_factor": 0.5,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "moe_intermediate_size": 16,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
     # Hy3: Qwen3's attention in K-EXAONE's MoE decoder, a dense layer then sigmoid top-3 of 8
     # (one group) with a shared expert, scaled by router_scaling_factor
     "hy_v3": (
@@ -1477,6 +1717,83 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "num_experts_per_tok": 3,
             "num_shared_experts": 1,
             "router_scaling_factor": 2.5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Kolibri 1: EXAONE 4.0's attention (sliding layers, window 8 < the test prompts, with rope;
+    # global NoPE layers) in GLM-4's four-norm layers; MoE in every layer: top-3 of 8 experts by
+    # logits + a random balance bias, sigmoid weights renormalized, an ungated shared expert
+    "kolibri1": (
+        "Kolibri1Config",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "sliding_window": 8,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Kolibri 1.1: sliding layers beside indexed NoPE ones on NVFP4 keys / values that keep 2
+    # sink, 3 local and the top 4 keys (a budget of 9 < the test prompts) of a pool of 3 blocks
+    # of 4 (past 12 keys): indexers 1 and 4, reindexer 3 reading layer 1's KV, reindexer 5 with
+    # its own; a dense layer, then Kolibri 1's MoE (not renormalized)
+    "kolibri1_1": (
+        "Kolibri1_1Config",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5,
+            "layer_types": ["sliding_attention", "indexed_attention"] * 2
+            + ["indexed_attention"] * 2,
+            "sliding_window": 8,
+            "index_layers": [1, 4],
+            "kv_source_layers": [0, 1, 2, 1, 4, 5],
+            "index_topk": 4,
+            "index_num_sink_tokens": 2,
+            "index_num_local_tokens": 3,
+            "index_pool_size": 12,
+            "index_compression": 4,
+            "index_num_heads": 2,
+            "mlp_only_layers": [0],
+            "mlp_only_intermediate_size": 48,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Flint: Qwen3-MoE's layers with sinks, sliding layers (window 8) with rope beside global
+    # NoPE ones, a dense layer, then sigmoid top-3 of 8 experts renormalized plus an ungated
+    # shared expert
+    "flint": (
+        "FlintConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "max_position_embeddings": 256,
+            "layer_types": ["full_attention", "sliding_attention"] * 2,
+            "sliding_window": 8,
+            "mlp_only_layers": [0],
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
             "tie_word_embeddings": False,
         },
     ),

@@ -7,7 +7,9 @@ head (q and k L2-normalised, q scaled by Dk^-0.5; value head h reads key head h 
 
     S = exp(g) * S;  S += k (beta * (v - k^T S))^T;  o = q^T S
 
-o goes through an RMSNorm gated by silu(z) and the output projection.
+o goes through an RMSNorm gated by silu(z) and the output projection. A config with
+`linear_allow_neg_eigval` true (OLMo Hybrid's) doubles beta (range [0, 2]: the state's
+transition I - beta k k^T may have negative eigenvalues).
 
 What a sequence carries instead of a KV cache: its conv window ([C, K - 1], the last K - 1 conv
 inputs) and S for every value head. Both live in per-layer pools, `conv_state` and `ssm_state`,
@@ -92,6 +94,7 @@ class GatedDeltaNet(LinearMixer):
         self.key_dim, self.value_dim = self.num_k * self.head_k, self.num_v * self.head_v
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = int(config.linear_conv_kernel_dim)
+        self.allow_neg_eigval = bool(getattr(config, "linear_allow_neg_eigval", False))
         full_key, full_value = num_k * self.head_k, num_v * self.head_v
         # Our merged layouts: q | k | v | z and b | a, each segment split by heads across ranks.
         self.qkvz_sizes = [full_key, full_key, full_value, full_value]
@@ -197,7 +200,7 @@ class GatedDeltaNet(LinearMixer):
         backend = md.backend
         mixed = self.run_conv(self.conv1d, mixed, md, slots, has_state)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = b.sigmoid()
+        beta = b.sigmoid() * 2.0 if self.allow_neg_eigval else b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = backend.gated_delta_rule(
             q.reshape(t, self.num_k, self.head_k),

@@ -10,6 +10,7 @@ from paged_engine.classification import causal_names
 from paged_engine.models.afmoe import AfmoeForCausalLM
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
+from paged_engine.models.axk1 import AXK1ForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.bert import ENCODERS
 from paged_engine.models.bloom import BloomForCausalLM
@@ -31,6 +32,7 @@ from paged_engine.models.exaone4 import Exaone4ForCausalLM
 from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM, HYV3ForCausalLM
 from paged_engine.models.falcon import FalconForCausalLM
 from paged_engine.models.falcon_h1 import FalconH1ForCausalLM
+from paged_engine.models.flint import FlintForCausalLM
 from paged_engine.models.gemma import GemmaForCausalLM, VaultGemmaForCausalLM
 from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
@@ -46,12 +48,16 @@ from paged_engine.models.gpt_oss import GptOssForCausalLM
 from paged_engine.models.gptj import GPTJForCausalLM
 from paged_engine.models.granite import GraniteForCausalLM, GraniteSWAForCausalLM
 from paged_engine.models.granitemoe import GraniteMoeForCausalLM
+from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
+from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
+from paged_engine.models.kolibri import Kolibri1_1ForCausalLM, Kolibri1ForCausalLM
+from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
@@ -68,6 +74,7 @@ from paged_engine.models.mamba import (
     Mamba2ForCausalLM,
     MambaForCausalLM,
 )
+from paged_engine.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from paged_engine.models.minicpm3 import MiniCPM3ForCausalLM
 from paged_engine.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -83,6 +90,7 @@ from paged_engine.models.nemotron_h import NemotronHForCausalLM
 from paged_engine.models.olmo import OlmoForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
+from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
@@ -102,6 +110,7 @@ from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
+from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -120,10 +129,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GemmaForCausalLM": GemmaForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "GraniteSWAForCausalLM": GraniteSWAForCausalLM,
+    "HyperCLOVAXForCausalLM": HyperCLOVAXForCausalLM,
     "ExaoneForCausalLM": ExaoneForCausalLM,
     "InternLMForCausalLM": InternLMForCausalLM,
     "CwmForCausalLM": CwmForCausalLM,
     "MiMoForCausalLM": MiMoForCausalLM,
+    "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
     "MiniCPMForCausalLM": MiniCPMForCausalLM,
     # Llama itself under other names (vLLM's registry maps them to its Llama)
@@ -132,6 +143,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AquilaModel": LlamaForCausalLM,
     "XverseForCausalLM": LlamaForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
+    "MellumForCausalLM": MellumForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
@@ -144,11 +157,14 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
+    "AXK1ForCausalLM": AXK1ForCausalLM,
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "MiniCPM5MoEForCausalLM": MiniCPM5MoeForCausalLM,  # the release's config.json spelling
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
+    "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
@@ -180,6 +196,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
@@ -206,6 +223,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "InternLM3ForCausalLM": InternLM3ForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "HYV3ForCausalLM": HYV3ForCausalLM,
+    "Kolibri1ForCausalLM": Kolibri1ForCausalLM,
+    "Kolibri1_1ForCausalLM": Kolibri1_1ForCausalLM,
+    "FlintForCausalLM": FlintForCausalLM,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }

@@ -8,7 +8,8 @@ logits_scaling         the logits are divided by it
 GraniteSWA (`GraniteSWAForCausalLM`) adds, per layer: learnable per-head attention sinks (a
 softmax over the keys and one sink logit, gpt-oss's), the `sliding_window` on the layers
 `layer_types` calls "sliding_attention", and a RoPE base from `layer_rope_theta` (0: no
-positional encoding on that layer).
+positional encoding on that layer). GraniteMoeSWA (models/granitemoe_swa.py) puts
+GraniteMoeShared's MLP in these layers through the `build_layer` hook.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from paged_engine.models.llama import (
 from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
-def granite_multiplier(config, name: str) -> float:
-    """One of the four scalars (1.0 when the config omits it); ValueError naming a bad one."""
-    value = cfg_get(config, name, 1.0)
+def granite_multiplier(config, name: str, default: float = 1.0) -> float:
+    """One of the four scalars (`default` when the config omits it); ValueError naming a bad
+    one."""
+    value = cfg_get(config, name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ValueError(f"config.{name} must be a positive number, got {value!r}")
     return float(value)
@@ -77,9 +79,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def build_layer(
-        cls, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding
+        cls, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
     ) -> nn.Module:
-        """Decoder layer `layer_idx` (the MoE variants swap the MLP)."""
+        """Decoder layer `layer_idx` (the MoE variants swap the MLP; `rope` None: NoPE)."""
         return GraniteDecoderLayer(config, layer_idx, flags, rope)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
@@ -105,6 +107,13 @@ class GraniteSWAForCausalLM(GraniteForCausalLM):
             if theta and theta not in ropes:
                 ropes[theta] = rope if theta == float(base) else get_rope(config, d, base=theta)
             own = ropes.get(theta) if theta else None  # 0: NoPE
-            return GraniteDecoderLayer(config, i, flags, own, SinkAttention)
+            return cls.build_layer(config, i, flags, own)
 
         return build
+
+    @classmethod
+    def build_layer(
+        cls, config, layer_idx: int, flags: dict[str, bool], rope: RotaryEmbedding | None
+    ) -> nn.Module:
+        """Granite's layer with sink attention (GraniteMoeSWA swaps the MLP)."""
+        return GraniteDecoderLayer(config, layer_idx, flags, rope, SinkAttention)

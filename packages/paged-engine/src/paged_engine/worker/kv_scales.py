@@ -110,7 +110,8 @@ def init_kv_scales(runner: ModelRunner) -> None:
     if any(attn.kv_source is not None for attn in layers.values()):
         raise ValueError(
             f"kv_cache_dtype {cache_dtype}: an fp8 KV cache is not supported "
-            "for models whose layers share KV caches (Gemma 4, Gemma 3n); use kv_cache_dtype='auto'"
+            "for models whose layers share KV caches (Gemma 4, Gemma 3n, Kolibri 1.1); "
+            "use kv_cache_dtype='auto'"
         )
     stored: dict[int, dict[str, float]] = getattr(runner.model, "checkpoint_kv_scales", {})
     missing = sorted(i for i in layers if set(stored.get(i, ())) != {"k", "v"})

@@ -8,6 +8,7 @@ generation_config.json. Everything is deterministic given `seed`.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -1862,7 +1863,9 @@ def tiny_config(arch: str, **config_overrides: Any):
         raise ValueError(f"unknown tiny arch {arch!r}; supported: {known}")
     cls_name, defaults = _ARCH_DEFAULTS[arch]
     kwargs = {"vocab_size": TINY_VOCAB_SIZE, **_COMMON, **defaults, **config_overrides}
-    return getattr(transformers, cls_name)(**kwargs)
+    # a copy: configs may edit nested dicts (rope_parameters) in place, and the defaults serve
+    # every later call
+    return getattr(transformers, cls_name)(**copy.deepcopy(kwargs))
 
 
 @torch.no_grad()

@@ -63,6 +63,8 @@ MORE_TINY_ARCHS: list[str] = [
     "starcoder2",
     "stablelm",
     "phi",
+    "persimmon",
+    "jetmoe",
     "glm4",
     "cohere",
     "cohere2",
@@ -115,6 +117,7 @@ MORE_TINY_ARCHS: list[str] = [
     "kolibri1_1",
     "flint",
     "mimo_v2_flash",
+    "longcat_flash",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -905,6 +908,36 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # LongCat-Flash: 2 layers of two MLA sublayers each (4 latent caches), LoRA scalings
+    # sqrt(64/32) and sqrt(64/16), YaRN x4 with mscale_all_dim, a shortcut MoE of 4 experts
+    # and 2 zero (identity) experts (3 chosen) scaled by 1.7
+    "longcat_flash": (
+        "LongcatFlashConfig",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "num_hidden_layers"},
+            **{k: v for k, v in _MLA_LIKE.items() if k != "num_hidden_layers"},
+            "num_layers": 2,
+            "kv_lora_rank": 16,
+            "head_dim": 8,
+            "ffn_hidden_size": 96,
+            "n_routed_experts": 4,
+            "zero_expert_num": 2,
+            "moe_topk": 3,
+            "expert_ffn_hidden_size": 32,
+            "routed_scaling_factor": 1.7,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.707,
+                "original_max_position_embeddings": 64,
+            },
+            "tie_word_embeddings": False,
+        },
+    ),
     # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE, its MLPs named by mlp_layer_types
     "glm4_moe_lite": (
         "Glm4MoeLiteConfig",
@@ -1225,6 +1258,37 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "qk_layernorm": True,
             "hidden_act": "gelu_new",
             "tie_word_embeddings": False,
+        },
+    ),
+    # Persimmon-8B's layout: fused per-head qkv, one q and one k LayerNorm shared by all heads,
+    # rope over half of each head, relu^2 MLP, biases everywhere but the untied LM head
+    "persimmon": (
+        "PersimmonConfig",
+        {
+            **{
+                k: v
+                for k, v in _LLAMA_LIKE.items()
+                if k not in ("rms_norm_eps", "num_key_value_heads")
+            },
+            "layer_norm_eps": 1e-5,
+            "partial_rotary_factor": 0.5,
+            "qk_layernorm": True,
+            "hidden_act": "relu2",
+            "tie_word_embeddings": False,
+        },
+    ),
+    # JetMoE-8B's layout: 4 attention experts (2 chosen: 4 query heads of 16 over 2 kv heads)
+    # and 4 MLP experts (2 chosen), biases on both blocks, a tied LM head; rms_norm_eps large
+    # (only the final norm reads it: the layers' norms keep 1e-6)
+    "jetmoe": (
+        "JetMoeConfig",
+        {
+            **{k: v for k, v in _LLAMA_LIKE.items() if k != "num_attention_heads"},
+            "rms_norm_eps": 0.05,
+            "kv_channels": 16,
+            "intermediate_size": 32,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
         },
     ),
     # Granite MoE: Granite's four multipliers away from 1 (the attention scale 0.5, not

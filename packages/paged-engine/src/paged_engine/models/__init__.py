@@ -55,6 +55,7 @@ from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1F
 from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
+from paged_engine.models.jetmoe import JetMoeForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.kolibri import Kolibri1_1ForCausalLM, Kolibri1ForCausalLM
 from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
@@ -69,6 +70,7 @@ from paged_engine.models.llama_variants import (
     MiMoForCausalLM,
     MiniCPMForCausalLM,
 )
+from paged_engine.models.longcat_flash import LongcatFlashForCausalLM
 from paged_engine.models.mamba import (
     FalconMambaForCausalLM,
     Mamba2ForCausalLM,
@@ -93,6 +95,7 @@ from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
+from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.phimoe import PhimoeForCausalLM
@@ -156,6 +159,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
     "AXK1ForCausalLM": AXK1ForCausalLM,
@@ -171,6 +175,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "StableLmForCausalLM": StableLmForCausalLM,
     "PhiForCausalLM": PhiForCausalLM,
+    "PersimmonForCausalLM": PersimmonForCausalLM,
+    "JetMoeForCausalLM": JetMoeForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "HeliumForCausalLM": GlmForCausalLM,

@@ -1,0 +1,87 @@
+"""Persimmon (`PersimmonForCausalLM`: Adept Persimmon-8B base / chat).
+
+Phi's attention (models/phi.py: biased q / k / v and output projection `dense`, partial NeoX RoPE,
+half of each head by default, and with `qk_layernorm`, the default, one LayerNorm with weight and
+bias shared by all q heads and one by all k heads, applied per head before RoPE) in a sequential
+pre-LayerNorm layer as transformers runs it: x += attn(ln1(x)); x += mlp(ln2(x)) (StarCoder2's
+layer, models/starcoder2.py). The MLP is the non-gated dense_4h_to_h(relu2(dense_h_to_4h(x))) with
+biases (relu(x)^2, the config's `hidden_act`); a final LayerNorm (`final_layernorm`); an untied LM
+head without bias by default.
+
+HF's fused `query_key_value` interleaves per head like GPT-NeoX's (rows [H, q|k|v, D]); it is split
+at load into q / k / v rows of our QKV projection. All heads attend (no grouped-query attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_engine.layers.linear import QKVParallelLinear
+from paged_engine.layers.norm import LayerNorm
+from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.models.llama import LlamaAttention
+from paged_engine.models.stablelm import QKNormAttention
+from paged_engine.models.starcoder2 import (
+    LayerNormDecoderLayer,
+    LayerNormLlamaModel,
+    Starcoder2MLP,
+)
+from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
+
+# (HF's name fragment, ours)
+_RENAMES = (
+    (".self_attn.dense.", ".self_attn.o_proj."),
+    (".mlp.dense_h_to_4h.", ".mlp.c_fc."),
+    (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
+    ("model.final_layernorm.", "model.norm."),
+    (".self_attn.q_layernorm.", ".self_attn.q_norm."),  # QKNormAttention's names
+    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
+)
+
+
+class PersimmonForCausalLM(CausalLMBase):
+    renames = _RENAMES
+    stacked_params = QKV_PROJ_RULES
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config):
+        heads = config.num_attention_heads
+        kv_heads = cfg_get(config, "num_key_value_heads", heads)
+        if kv_heads != heads:  # HF's fused projection holds as many k / v heads as q heads
+            raise ValueError(
+                f"PersimmonForCausalLM needs num_key_value_heads == num_attention_heads "
+                f"({heads}), got {kv_heads}"
+            )
+        eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
+        flags = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "sliding": False}
+        head_dim = config.hidden_size // heads
+
+        def shared_norms(proj: QKVParallelLinear) -> tuple[nn.Module, nn.Module]:
+            return LayerNorm(head_dim, eps=eps), LayerNorm(head_dim, eps=eps)
+
+        def build(i: int, rope: RotaryEmbedding) -> nn.Module:
+            if cfg_get(config, "qk_layernorm", True):
+                attn = QKNormAttention(config, i, flags, rope, shared_norms)
+            else:
+                attn = LlamaAttention(config, i, flags, rope)
+            mlp = Starcoder2MLP(config, bias=True)  # c_fc / c_proj: HF's dense_h_to_4h / 4h_to_h
+            return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel=False)
+
+        super().__init__(config, LayerNormLlamaModel(config, eps, build))
+
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        """`query_key_value` rows [H, q|k|v, D] (weight or bias) -> q_proj / k_proj / v_proj."""
+        if ".query_key_value." not in name:
+            yield name, w
+            return
+        h = self.config.num_attention_heads
+        d = self.config.hidden_size // h
+        parts = w.reshape(h, 3, d, *w.shape[1:])
+        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+            yield (
+                name.replace(".query_key_value.", f".{proj}."),
+                parts[:, i].reshape(h * d, *w.shape[1:]),
+            )

@@ -48,8 +48,6 @@ from paged_engine.models.mixtral import check_silu, expert_rules
 from paged_engine.models.utils import (
     CausalLMBase,
     cfg_get,
-    layer_index,
-    load_named_weights,
     make_layers,
 )
 
@@ -208,29 +206,11 @@ class LongcatFlashForCausalLM(CausalLMBase):
         rules = expert_rules(int(config.n_routed_experts), "gate_proj", "up_proj", "down_proj")
         self.stacked_params = (*rules, *type(self).stacked_params)
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        """CausalLMBase's, with stages split over `num_layers` decoder layers (not HF's
-        num_hidden_layers, the attention count) and the MTP weights skipped."""
-        tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
-        state = get_parallel_state()
-        start, end = stage_layers(self.config.num_layers, state.pp_rank, state.pp_size)
+    def num_decoder_layers(self) -> int:
+        """`num_layers`: HF's num_hidden_layers counts the attention sublayers (two a layer)."""
+        return int(self.config.num_layers)
 
-        def skip(name: str) -> bool:
-            if name == tied_head or name.endswith(self.ignored_weights):
-                return True
-            if name.startswith("model.mtp."):
-                return True
-            layer = layer_index(name)
-            return layer is not None and not start <= layer < end
-
-        return load_named_weights(
-            self,
-            weights,
-            stacked=self.stacked_params,
-            rename=self.rename_weight,
-            convert=self.convert_weight,
-            skip=skip,
-            strict=strict,
-        )
+    def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
+        if name.startswith("model.mtp."):  # multi-token prediction: unused, as in HF
+            return ()
+        return ((name, w),)

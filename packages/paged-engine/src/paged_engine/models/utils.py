@@ -264,6 +264,10 @@ class CausalLMBase(nn.Module):
         which is right for B too unless a model stores weights transposed."""
         return self.convert_weight(name, b)
 
+    def num_decoder_layers(self) -> int:
+        """The decoder layers pipeline stages split, which weight names index."""
+        return self.config.num_hidden_layers
+
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> set[str]:
@@ -273,7 +277,7 @@ class CausalLMBase(nn.Module):
         tied_head = f"{self.head_name}.weight" if self.tie_word_embeddings else None
         ignored = self.ignored_weights
         state = get_parallel_state()
-        start, end = stage_layers(self.config.num_hidden_layers, state.pp_rank, state.pp_size)
+        start, end = stage_layers(self.num_decoder_layers(), state.pp_rank, state.pp_size)
 
         def skip(name: str) -> bool:
             if name == tied_head or name.endswith(ignored):

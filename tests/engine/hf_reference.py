@@ -218,3 +218,24 @@ def assert_lora_matches_hf_merged(
     finally:
         llm.llm_engine.shutdown()
     assert_matches(f"{Path(path).name} lora tp={tp}", out, ref)
+
+
+def assert_hf_names_load_like_checkpoint(path, *hf_suffixes: str) -> None:
+    """Our model of the tiny checkpoint `path`, its parameters zeroed and reloaded from HF's
+    in-memory state dict (transformers 5's names: fused experts and the like), holds the values
+    the checkpoint's own names gave. The state dict must hold a name ending in each of
+    `hf_suffixes` (so the renames under test are exercised)."""
+    from paged_engine.loader import load_hf_config, load_model, resolve_model
+
+    resolved = resolve_model(str(path))
+    model = load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
+    want = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = load_hf_model(path).state_dict()
+    for suffix in hf_suffixes:
+        assert any(name.endswith(suffix) for name in state), suffix
+    model.load_weights(state.items())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, want[name]), name

@@ -19,6 +19,7 @@ import random
 import pytest
 import torch
 from hf_reference import (
+    assert_hf_names_load_like_checkpoint,
     assert_matches,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
@@ -28,7 +29,6 @@ from hf_reference import (
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.layers.activation import XIELU
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -111,17 +111,7 @@ def test_olmoe_transformers5_names_load_like_the_checkpoint(tmp_path):
     """HF's in-memory state dict (experts fused as `experts.gate_up_proj` / `down_proj`) loads
     the values the checkpoint's per-expert names gave."""
     path = write_tiny_model(tmp_path, "olmoe", seed=2)
-    resolved = resolve_model(str(path))
-    model = load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
-    want = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = load_hf_model(path).state_dict()
-    assert any(name.endswith(".experts.gate_up_proj") for name in state)
-    model.load_weights(state.items())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, want[name]), name
+    assert_hf_names_load_like_checkpoint(path, ".experts.gate_up_proj")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from hf_reference import (
+    assert_hf_names_load_like_checkpoint,
     assert_matches,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
@@ -38,7 +39,6 @@ from hf_reference import (
 )
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import tiny_config, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -71,11 +71,6 @@ PROMPTS = [list(range(20, 58)), [5, 9, 33, 71, 2, 8, 100, 41, 77, 3, 12, 90, 4, 
 def _needs(arch: str) -> None:
     if not hasattr(transformers, CONFIGS[arch]):
         pytest.skip(f"this transformers has no {CONFIGS[arch]}")
-
-
-def _load(path):
-    resolved = resolve_model(str(path))
-    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -133,16 +128,7 @@ def test_transformers_names_load_like_the_checkpoint(arch, tmp_path):
     `post_ffn_norm`, `self_attn.softmax_offset`: the release's) gave."""
     _needs(arch)
     path = write_tiny_model(tmp_path, arch, seed=2)
-    model = _load(path)
-    want = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = load_hf_model(path).state_dict()
-    assert any(name.endswith(".experts.gate_up_proj") for name in state)
-    model.load_weights(state.items())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, want[name]), name
+    assert_hf_names_load_like_checkpoint(path, ".experts.gate_up_proj")
 
 
 @pytest.mark.parametrize("arch", ["kolibri1", "kolibri1_1", "flint"])

@@ -23,6 +23,7 @@ import random
 import pytest
 import torch
 from hf_reference import (
+    assert_hf_names_load_like_checkpoint,
     assert_matches,
     assert_tp_matches_one_process,
     hf_greedy,
@@ -30,7 +31,6 @@ from hf_reference import (
 )
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
 from paged_engine.testing import tiny_config, write_tiny_model
 
@@ -130,11 +130,6 @@ def test_tensor_parallel_matches_one_process(name, tmp_path):
     assert_tp_matches_one_process(path, prompts, max_tokens=MAX_TOKENS, max_model_len=128)
 
 
-def _load(path):
-    resolved = resolve_model(str(path))
-    return load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
-
-
 def test_laguna_transformers5_names_load_like_the_checkpoint(tmp_path):
     """HF's in-memory state dict (experts fused, `mlp.gate.e_score_correction_bias`,
     `mlp.shared_experts.*`) loads the values the release's names gave."""
@@ -142,17 +137,9 @@ def test_laguna_transformers5_names_load_like_the_checkpoint(tmp_path):
     saved = safetensors_torch.load_file(str(path / "model.safetensors"))
     assert any(n.endswith(".mlp.experts.e_score_correction_bias") for n in saved)
     assert any(".mlp.shared_expert." in n for n in saved)
-    model = _load(path)
-    want = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = load_hf_model(path).state_dict()
-    assert any(name.endswith(".experts.gate_up_proj") for name in state)
-    assert any(name.endswith(".mlp.gate.e_score_correction_bias") for name in state)
-    model.load_weights(state.items())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, want[name]), name
+    assert_hf_names_load_like_checkpoint(
+        path, ".experts.gate_up_proj", ".mlp.gate.e_score_correction_bias"
+    )
 
 
 def test_mellum_skips_the_mtp_layer_and_refuses_mtp_speculation(tmp_path):

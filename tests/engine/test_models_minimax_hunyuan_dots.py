@@ -16,15 +16,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from hf_reference import (
+    assert_hf_names_load_like_checkpoint,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
-    load_hf_model,
 )
 from safetensors import safe_open
 
-from paged_engine.loader import load_hf_config, load_model, resolve_model
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -95,14 +93,4 @@ def test_transformers5_names_load_like_the_checkpoint(arch, tmp_path):
     with safe_open(path / "model.safetensors", "pt") as f:
         saved = set(f.keys())
     assert SAVED_NAMES[arch] in saved
-    resolved = resolve_model(str(path))
-    model = load_model(resolved, load_hf_config(resolved), dtype=torch.float32, device="cpu")
-    want = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = load_hf_model(path).state_dict()
-    assert any(name.endswith(".experts.gate_up_proj") for name in state)
-    model.load_weights(state.items())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, want[name]), name
+    assert_hf_names_load_like_checkpoint(path, ".experts.gate_up_proj")

@@ -24,7 +24,13 @@ import random
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import (
+    assert_hf_names_load_like_checkpoint,
+    assert_matches,
+    assert_tp_matches_one_process,
+    hf_greedy,
+    load_hf_model,
+)
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.layers.rotary import RotaryEmbedding
@@ -133,17 +139,9 @@ def test_exaone_moe_transformers5_names_load_like_the_checkpoint(tmp_path):
     balance bias as `mlp.gate.e_score_correction_bias`) loads the values the checkpoint's names
     (per expert, `mlp.e_score_correction_bias`) gave."""
     path = _write(tmp_path, "exaone_moe", seed=2)
-    model = _load(path)
-    want = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-    state = load_hf_model(path).state_dict()
-    assert any(name.endswith(".experts.gate_up_proj") for name in state)
-    assert any(name.endswith(".mlp.gate.e_score_correction_bias") for name in state)
-    model.load_weights(state.items())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, want[name]), name
+    assert_hf_names_load_like_checkpoint(
+        path, ".experts.gate_up_proj", ".mlp.gate.e_score_correction_bias"
+    )
 
 
 def test_dbrx_rope_base_comes_from_attn_config(tmp_path):

@@ -82,17 +82,6 @@ class FlintForCausalLM(Qwen3MoeForCausalLM):
         self.stacked_params = (*rules, *cls.stacked_params)
 
     @classmethod
-    def layer_flags(cls, config) -> dict[str, bool]:
-        bias = bool(getattr(config, "attention_bias", False))
-        return {
-            "qkv_bias": bias,
-            "o_bias": bias,
-            "qk_norm": True,
-            "mlp_bias": False,
-            "sliding": True,
-        }
-
-    @classmethod
     def sparse_block(cls, config) -> nn.Module:
         return DeepseekMoe(
             num_experts(config),

@@ -17,33 +17,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
-from paged_engine.layers.linear import QKVParallelLinear
-from paged_engine.layers.norm import LayerNorm
-from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.llama import LlamaAttention
-from paged_engine.models.stablelm import QKNormAttention
-from paged_engine.models.starcoder2 import (
-    LayerNormDecoderLayer,
-    LayerNormLlamaModel,
-    Starcoder2MLP,
-)
+from paged_engine.models.phi import PhiForCausalLM, phi_model
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
-
-# (HF's name fragment, ours)
-_RENAMES = (
-    (".self_attn.dense.", ".self_attn.o_proj."),
-    (".mlp.dense_h_to_4h.", ".mlp.c_fc."),
-    (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
-    ("model.final_layernorm.", "model.norm."),
-    (".self_attn.q_layernorm.", ".self_attn.q_norm."),  # QKNormAttention's names
-    (".self_attn.k_layernorm.", ".self_attn.k_norm."),
-)
 
 
 class PersimmonForCausalLM(CausalLMBase):
-    renames = _RENAMES
+    # Phi's names but for the MLP's (HF's fragment, ours)
+    renames = (
+        (".mlp.dense_h_to_4h.", ".mlp.c_fc."),
+        (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
+        *PhiForCausalLM.renames,
+    )
     stacked_params = QKV_PROJ_RULES
     ignored_weights = ("rotary_emb.inv_freq",)
 
@@ -55,22 +40,8 @@ class PersimmonForCausalLM(CausalLMBase):
                 f"PersimmonForCausalLM needs num_key_value_heads == num_attention_heads "
                 f"({heads}), got {kv_heads}"
             )
-        eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
-        flags = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "sliding": False}
-        head_dim = config.hidden_size // heads
-
-        def shared_norms(proj: QKVParallelLinear) -> tuple[nn.Module, nn.Module]:
-            return LayerNorm(head_dim, eps=eps), LayerNorm(head_dim, eps=eps)
-
-        def build(i: int, rope: RotaryEmbedding) -> nn.Module:
-            if cfg_get(config, "qk_layernorm", True):
-                attn = QKNormAttention(config, i, flags, rope, shared_norms)
-            else:
-                attn = LlamaAttention(config, i, flags, rope)
-            mlp = Starcoder2MLP(config, bias=True)  # c_fc / c_proj: HF's dense_h_to_4h / 4h_to_h
-            return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel=False)
-
-        super().__init__(config, LayerNormLlamaModel(config, eps, build))
+        # Phi's stack, its layers sequential; c_fc / c_proj are HF's dense_h_to_4h / 4h_to_h
+        super().__init__(config, phi_model(config, qk_layernorm=True, parallel=False))
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """`query_key_value` rows [H, q|k|v, D] (weight or bias) -> q_proj / k_proj / v_proj."""

@@ -40,6 +40,28 @@ _RENAMES = (
 )
 
 
+def phi_model(config, *, qk_layernorm: bool, parallel: bool) -> LayerNormLlamaModel:
+    """Phi's stack: LayerNorm layers (attention and MLP side by side when `parallel`, else one
+    after the other) of biased attention, with one q and one k LayerNorm shared by all heads
+    where config.qk_layernorm (default `qk_layernorm`) says, and a biased c_fc / c_proj MLP."""
+    eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
+    flags = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "sliding": False}
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def shared_norms(proj: QKVParallelLinear) -> tuple[nn.Module, nn.Module]:
+        return LayerNorm(head_dim, eps=eps), LayerNorm(head_dim, eps=eps)
+
+    def build(i: int, rope: RotaryEmbedding) -> nn.Module:
+        if cfg_get(config, "qk_layernorm", qk_layernorm):
+            attn = QKNormAttention(config, i, flags, rope, shared_norms)
+        else:
+            attn = LlamaAttention(config, i, flags, rope)
+        mlp = Starcoder2MLP(config, bias=True)
+        return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel=parallel)
+
+    return LayerNormLlamaModel(config, eps, build)
+
+
 class PhiForCausalLM(CausalLMBase):
     renames = _RENAMES
     head_bias = True
@@ -47,19 +69,4 @@ class PhiForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
 
     def __init__(self, config):
-        eps = float(cfg_get(config, "layer_norm_eps", 1e-5))
-        flags = {"qkv_bias": True, "o_bias": True, "qk_norm": False, "sliding": False}
-        head_dim = config.hidden_size // config.num_attention_heads
-
-        def shared_norms(proj: QKVParallelLinear) -> tuple[nn.Module, nn.Module]:
-            return LayerNorm(head_dim, eps=eps), LayerNorm(head_dim, eps=eps)
-
-        def build(i: int, rope: RotaryEmbedding) -> nn.Module:
-            if cfg_get(config, "qk_layernorm", False):
-                attn = QKNormAttention(config, i, flags, rope, shared_norms)
-            else:
-                attn = LlamaAttention(config, i, flags, rope)
-            mlp = Starcoder2MLP(config, bias=True)
-            return LayerNormDecoderLayer(config.hidden_size, eps, attn, mlp, parallel=True)
-
-        super().__init__(config, LayerNormLlamaModel(config, eps, build))
+        super().__init__(config, phi_model(config, qk_layernorm=False, parallel=True))

@@ -16,6 +16,7 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
+from paged_engine.models.bloom import per_head_qkv
 from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
 
 
@@ -105,11 +106,6 @@ class GPTNeoXForCausalLM(CausalLMBase):
         if ".query_key_value." not in name:
             yield name, w
             return
-        h = self.config.num_attention_heads
-        d = self.config.hidden_size // h
-        parts = w.reshape(h, 3, d, *w.shape[1:])  # rows [H, q|k|v, D]
-        for i, shard in enumerate("qkv"):
-            yield (
-                name.replace(".query_key_value.", f".qkv_{shard}."),
-                parts[:, i].reshape(h * d, *w.shape[1:]),
-            )
+        q, k, v = per_head_qkv(w, self.config.num_attention_heads)  # rows [H, q|k|v, D]
+        for shard, part in zip("qkv", (q, k, v), strict=True):
+            yield name.replace(".query_key_value.", f".qkv_{shard}."), part

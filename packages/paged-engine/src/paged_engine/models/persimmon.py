@@ -18,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
+from paged_engine.models.bloom import per_head_qkv
 from paged_engine.models.phi import PhiForCausalLM, phi_model
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
 
@@ -48,11 +49,6 @@ class PersimmonForCausalLM(CausalLMBase):
         if ".query_key_value." not in name:
             yield name, w
             return
-        h = self.config.num_attention_heads
-        d = self.config.hidden_size // h
-        parts = w.reshape(h, 3, d, *w.shape[1:])
-        for i, proj in enumerate(("q_proj", "k_proj", "v_proj")):
-            yield (
-                name.replace(".query_key_value.", f".{proj}."),
-                parts[:, i].reshape(h * d, *w.shape[1:]),
-            )
+        q, k, v = per_head_qkv(w, self.config.num_attention_heads)
+        for shard, part in zip("qkv", (q, k, v), strict=True):
+            yield name.replace(".query_key_value.", f".{shard}_proj."), part

@@ -203,9 +203,12 @@ class Gemma3nMediaEmbedder(nn.Module):
         self.post_norm = UnitRMSNorm(eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D] (every row)
-        rows = (input_ids - self.offset).clamp(0, self.size - 1)
-        x = self.hard_embedding_norm(self.embedding(rows))
-        return self.post_norm(self.embedding_projection(x))
+        # the tower's `size` rows embedded once (128 in the release), then looked up: cheaper
+        # than projecting every token's row when a step holds more tokens than that
+        table = self.post_norm(
+            self.embedding_projection(self.hard_embedding_norm(self.embedding.weight))
+        )
+        return table[(input_ids - self.offset).clamp(0, self.size - 1)]
 
 
 class Gemma3nModel(nn.Module):
@@ -263,10 +266,10 @@ class Gemma3nModel(nn.Module):
         self.register_buffer("ple_input_scale", torch.rsqrt(torch.tensor(2.0)), persistent=False)
         self.per_layer_model_projection = nn.Linear(d, n * p, bias=False)
         self.per_layer_projection_norm = Olmo2RMSNorm(p, eps)
-        self.media = [name for name, *_ in getattr(config, MEDIA_EMBEDDERS, None) or ()]
+        self.media: list[str] = []  # the embedders' attribute names, in the wrapper's order
         for name, offset, size, width, media_eps in getattr(config, MEDIA_EMBEDDERS, None) or ():
-            embedder = Gemma3nMediaEmbedder(offset, size, width, media_eps, d)
-            setattr(self, name, embedder)
+            setattr(self, name, Gemma3nMediaEmbedder(offset, size, width, media_eps, d))
+            self.media.append(name)
         self.norm = Olmo2RMSNorm(d, eps)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]

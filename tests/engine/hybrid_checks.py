@@ -72,9 +72,10 @@ def assert_greedy_matches_hf(name, path, backend: str, budget: int | None) -> LL
     return llm
 
 
-def assert_beam_search_matches_hf(path) -> None:
+def assert_beam_search_matches_hf(path, **generate_kw) -> None:
     """Beam search (width 3, 6 tokens) gives HF's beams on prompts of 5 and 23 tokens: each
-    beam carries its own recurrent state (a new beam copies its parent's row)."""
+    beam carries its own recurrent state (a new beam copies its parent's row). `generate_kw`:
+    more arguments of HF's generate."""
     import torch
 
     from paged_engine import BeamSearchParams
@@ -94,6 +95,7 @@ def assert_beam_search_matches_hf(path) -> None:
                 do_sample=False,
                 length_penalty=1.0,
                 early_stopping=False,
+                **generate_kw,
             )
         assert [s.tokens[len(prompt) :] for s in out.sequences] == [
             r[len(prompt) :].tolist() for r in ref

@@ -46,9 +46,10 @@ def layer_types(config) -> list[str]:
         return [PARALLEL_LAYER_TYPES[0]] * int(config.num_hidden_layers)
     if model_type in _STATE_SPACE_MODEL_TYPES:
         return ["mamba"] * int(config.num_hidden_layers)
-    return list(
-        getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None) or ()
-    )
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if not types and getattr(config, "attn_type_list", None):  # MiniMax-01's releases' configs
+        types = ["linear_attention" if t == 0 else "full_attention" for t in config.attn_type_list]
+    return list(types or ())
 
 
 def is_hybrid(config) -> bool:

@@ -40,7 +40,7 @@ class Olmo2RMSNorm(RMSNorm):
         return (self.weight.float() * y).to(x.dtype)
 
 
-class _ShardedNorm(Olmo2RMSNorm):
+class ShardedNorm(Olmo2RMSNorm):
     """This rank's slice [shard*n, (shard+1)*n) of a norm weight over a whole projection."""
 
     def __init__(self, local_size: int, eps: float, shard: int) -> None:
@@ -71,8 +71,8 @@ class Olmo2Attention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=bias)
         self.rotary_emb = rope  # shared by all layers
         self.tp_size = proj.tp_size
-        self.q_norm = _ShardedNorm(self.q_size, eps, proj.tp_rank)
-        self.k_norm = _ShardedNorm(self.kv_size, eps, proj.tp_rank // proj.kv_replicas)
+        self.q_norm = ShardedNorm(self.q_size, eps, proj.tp_rank)
+        self.k_norm = ShardedNorm(self.kv_size, eps, proj.tp_rank // proj.kv_replicas)
         # The whole projections' widths, and how many ranks hold each k head (replicated
         # when tp_size > num_kv_heads): the sums of squares over ranks count it that often.
         self.q_full, self.k_full = num_heads * head_dim, num_kv_heads * head_dim

@@ -129,10 +129,7 @@ class MlaAttention(nn.Module):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, q_resid, gate_in = self.project_q(x)
         q_nope, q_pe = q.view(t, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope_dim], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())
@@ -143,10 +140,31 @@ class MlaAttention(nn.Module):
         q_full = torch.cat((q_latent, q_pe.view(t, self.heads, -1)), dim=-1).reshape(t, -1)
         q_full = self.scale_queries(positions, q_full)
         latent = torch.cat((c, k_pe), dim=-1)  # [T, rank + rope]
-        out = self.attn(q_full, latent, latent, kv_cache, md).view(t, self.heads, -1)
+        k, v = self.cache_rows(positions, x, q_resid, latent)
+        out = self.attn(q_full, k, v, kv_cache, md).view(t, self.heads, -1)
         # o' [H, T, rank] @ W_UV^T [H, rank, v] -> each head's output
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))
-        return self.o_proj(o.transpose(0, 1).reshape(t, -1))
+        o = self.gate_heads(gate_in, o.transpose(0, 1))  # [T, H, v]
+        return self.o_proj(o.reshape(t, -1))
+
+    def project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x [T, D] -> (q [T, H_local * (nope + rope)], the normed bottleneck q_resid [T,
+        q_lora_rank] (None without one), what `gate_heads` reads: x here)."""
+        if self.q_lora_rank is None:
+            return self.q_proj(x), None, x
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        return self.q_b_proj(q_resid), q_resid, x
+
+    def cache_rows(
+        self, positions: torch.Tensor, x: torch.Tensor, q_resid, latent: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the attention gets as keys and values: the latent row [T, rank + rope] it
+        caches, twice, here (DeepSeek Sparse Attention widens the row with its indexer key)."""
+        return latent, latent
+
+    def gate_heads(self, gate_in: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Each head's output o [T, H_local, v] before o_proj: unchanged here."""
+        return o
 
     def scale_queries(self, positions: torch.Tensor, q_full: torch.Tensor) -> torch.Tensor:
         """The absorbed queries [T, H_local * (rank + rope)] before attention: unchanged here.

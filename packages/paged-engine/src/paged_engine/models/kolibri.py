@@ -57,22 +57,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_engine.attention.backend import AttentionBackend
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_parallel_state
-from paged_engine.layers import compiled_ops
 from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.deepseek_moe import DeepseekMoe, DeepseekRouter
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
+from paged_engine.layers.torch_attention import (
+    TorchAttention,
+    attend,
+    block_view,
+    gather,
+    read_rows,
+    step_sequences,
+    top_k_mask,
+)
 from paged_engine.models.exaone4 import Exaone4Attention
 from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM
 from paged_engine.models.glm4 import Glm4DecoderLayer
 from paged_engine.models.llama import LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts
 from paged_engine.models.utils import CausalLMBase, cfg_get, layer_index
-from paged_kernels import FP8_DTYPES, fp8_to_float
 
 # Bound on the float32 scores [rows, H, keys] an indexed layer holds at once (64 MiB).
 _MAX_SCORES = 2**24
@@ -134,16 +140,6 @@ def nvfp4_round(x: torch.Tensor) -> torch.Tensor:
     step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
     rounded = torch.round(magnitude / step) * step
     return (rounded.copysign(scaled) * scale).flatten(-2).to(x.dtype)
-
-
-def top_k_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """[R, N] -> the mask of each row's k highest finite scores, ties to the lowest index."""
-    k = min(k, scores.shape[-1])
-    kth = scores.topk(k, dim=-1).values[..., -1:]
-    above = scores > kth
-    tied = (scores == kth) & (kth > float("-inf"))
-    rank = tied.cumsum(-1, dtype=torch.int32)  # 1-based among a row's ties
-    return above | (tied & (rank <= k - above.sum(-1, keepdim=True)))
 
 
 class KeyIndex:
@@ -210,33 +206,7 @@ class KeyIndex:
         return torch.where(n > self.pool_size, chosen, visible)
 
 
-def block_view(cache: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-    """A layer's key or value cache as [num_blocks, block_size, Hkv, D], whatever the
-    backend's layout (its `kv_cache_shape` names the axes)."""
-    probe = backend.kv_cache_shape(2, 3, 5, 7)
-    if sorted(probe) != [2, 3, 5, 7]:
-        raise ValueError(f"indexed attention cannot read the {backend.name} backend's KV cache")
-    return cache.permute([probe.index(n) for n in (2, 3, 5, 7)])
-
-
-def _read(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache entries in the model's dtype (an fp8 cache's times its scale)."""
-    return fp8_to_float(kv, scale).to(dtype) if kv.dtype in FP8_DTYPES else kv
-
-
-def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """q [R, H, D] over keys / values [L, Hkv, D] where keep [R, L], in float32 -> [R, H, D]."""
-    r, h, d = q.shape
-    qg = q.float().view(r, k.shape[1], -1, d)  # [R, Hkv, G, D]
-    scores = torch.einsum("rkgd,lkd->rkgl", qg, k.float()) * scale
-    scores = scores.masked_fill(~keep[:, None, None], float("-inf"))
-    out = torch.einsum("rkgl,lkd->rkgd", torch.softmax(scores, dim=-1), v.float())
-    return out.reshape(r, h, d).to(q.dtype)
-
-
-class IndexedAttention(Attention):
+class IndexedAttention(TorchAttention, Attention):
     """Kolibri 1.1's sparse attention over the paged cache: writes the step's unrounded K/V
     (unless it reads another layer's cache), then per sequence gathers its keys and values
     and attends over their NVFP4 roundings where `index` says. Never traced: a compiled
@@ -247,14 +217,6 @@ class IndexedAttention(Attention):
         self.index = index
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-
-    def fused_kv_write(self, kv_cache, attn_metadata) -> None:
-        return None
-
-    def forward(self, q, k, v, kv_cache, attn_metadata, kv_written=False) -> torch.Tensor:
-        if self.op_handle is not None and torch.compiler.is_compiling():
-            return compiled_ops.attention(q, k, v, self.op_handle)  # runs `run`
-        return self.run(q, k, v, kv_cache, attn_metadata)
 
     def run(
         self,
@@ -279,14 +241,9 @@ class IndexedAttention(Attention):
         out = torch.zeros_like(q)
         if self.index.is_indexer:
             self.index.pools.clear()
-        starts, lens = md.cu_seqlens_q.tolist(), md.seq_lens.tolist()
-        for s, length in enumerate(lens):
-            first, end = starts[s], starts[s + 1]
-            if first == end:
-                continue
-            blocks = md.block_tables[s, : -(-length // keys.shape[1])]
-            seq_k = _read(keys[blocks].flatten(0, 1)[:length], scales["k_scale"], q.dtype)
-            seq_v = _read(values[blocks].flatten(0, 1)[:length], scales["v_scale"], q.dtype)
+        for _, first, end, length, blocks in step_sequences(md, keys.shape[1]):
+            seq_k = read_rows(gather(keys, blocks, length), scales["k_scale"], q.dtype)
+            seq_v = read_rows(gather(values, blocks, length), scales["v_scale"], q.dtype)
             seq_v = nvfp4_round(seq_v)  # [L, Hkv, D]
             rounded_k = nvfp4_round(seq_k)
             step = max(1, _MAX_SCORES // (self.num_heads * length))

@@ -212,6 +212,10 @@ class CausalLMBase(nn.Module):
     # (checkpoint substring, ours): replaced in every weight name, in this order
     renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     ignored_weights: ClassVar[tuple[str, ...]] = ()  # suffixes of HF buffers we recompute
+    # False: the cache holds something an fp8 cache cannot (worker/kv_scales.py refuses it at
+    # start, saying `fp8_kv_refusal`)
+    fp8_kv_cache: ClassVar[bool] = True
+    fp8_kv_refusal: ClassVar[str] = ""
     # The checkpoint quantizations (quantization_config.quant_method) this model loads: by
     # default the weight-quantized ones the loader dequantizes (quantized_checkpoint.py).
     checkpoint_quantizations: ClassVar[tuple[str, ...]] = DEQUANTIZED

@@ -106,6 +106,12 @@ def init_kv_scales(runner: ModelRunner) -> None:
     cache_dtype = runner.kv_cache_dtype
     if cache_dtype not in _FP8_MAX:
         return
+    if not getattr(runner.model, "fp8_kv_cache", True):
+        raise ValueError(
+            f"kv_cache_dtype {cache_dtype}: an fp8 KV cache is not supported for "
+            f"{type(runner.model).__name__} ({runner.model.fp8_kv_refusal}); "
+            "use kv_cache_dtype='auto'"
+        )
     layers = attention_layers(runner.model)
     if any(attn.kv_source is not None for attn in layers.values()):
         raise ValueError(

@@ -40,11 +40,16 @@ def check_prompt_embeds(config: Any, hf_config: Any, is_encoder: bool) -> None:
     if is_encoder:
         raise ValueError("enable_prompt_embeds: an encoder model (BERT family) reads token ids")
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-    if getattr(text, "hidden_size_per_layer_input", None):
+    if getattr(text, "hidden_size_per_layer_input", None) or getattr(text, "ple_layer_ids", None):
         raise ValueError(
-            "enable_prompt_embeds: this model's layers each embed the token ids again (Gemma "
-            "4's and Gemma 3n's per-layer embeddings), which a prompt given as embeddings "
-            "does not have"
+            "enable_prompt_embeds: this model's layers embed the token ids again (Gemma 4's and "
+            "Gemma 3n's per-layer embeddings, Qwen4-Exp's n-gram ones), which a prompt given "
+            "as embeddings does not have"
+        )
+    if "hash_moe" in (getattr(text, "mlp_layer_types", None) or ()):
+        raise ValueError(
+            "enable_prompt_embeds: this model routes tokens to experts by their ids (DeepSeek-V4's "
+            "hash-routed MoE layers), which a prompt given as embeddings does not have"
         )
 
 

@@ -38,7 +38,11 @@ from paged_engine.models.multimodal_text import (
 )
 from paged_engine.packed_checkpoint import keeps_codes, packed_scheme, unpack_weights
 from paged_engine.packed_codes import KEEP_CODES, CodesLoad
-from paged_engine.quantized_checkpoint import checkpoint_block_size, dequantize_weights
+from paged_engine.quantized_checkpoint import (
+    checkpoint_block_size,
+    dequantize_weights,
+    quant_method,
+)
 from paged_engine.worker.kv_scales import split_kv_scales
 
 logger = logging.getLogger(__name__)
@@ -329,7 +333,8 @@ def checkpoint_weights(
     weights = text_model_weights(weights, hf_config)
     weights = unpack_bnb_weights(weights, bnb_scheme(hf_config), dtype, device)
     weights = unpack_weights(weights, packed_scheme(hf_config), dtype, device, keep_codes)
-    weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config))
+    ternary = quant_method(hf_config) == "bitnet"
+    weights = dequantize_weights(weights, dtype, device, checkpoint_block_size(hf_config), ternary)
     return split_kv_scales(weights, {} if kv_scales is None else kv_scales)
 
 

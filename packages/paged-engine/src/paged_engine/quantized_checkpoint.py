@@ -14,6 +14,10 @@ they load, so any architecture runs them with its unquantized layers.
                         packed_checkpoint.py
     modelopt            NVIDIA ModelOpt's FP8 (`quant_algo` "FP8"): fp8 `weight`, one
                         `weight_scale`; its NVFP4 / INT4 algorithms are refused
+    bitnet              BitNet b1.58's packed ternary weights (`ternary=True`; the model class
+                        names it): uint8 `weight` [N / 4, K], row block i of the weight in
+                        bits 2i..2i+1 of each byte as value + 1, and one `weight_scale`;
+                        W = codes / scale (models/bitnet.py)
 
 Activation scales (`input_scale`) are dropped: activations stay in the model dtype. An fp8 KV
 cache's scales (`k_scale`, ...) go on to worker/kv_scales.py. On CUDA an FP8 checkpoint then runs
@@ -133,6 +137,14 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
     return out.mul_(full)
 
 
+def unpack_ternary(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A packed BitNet weight, uint8 [N / 4, K] (rows [i N / 4, (i + 1) N / 4) in bits 2i..2i+1,
+    each code the value + 1), divided by its per-tensor scale -> float32 [N, K]."""
+    blocks = [(packed >> (2 * i)) & 3 for i in range(4)]
+    codes = torch.cat(blocks, dim=0).to(torch.float32) - 1
+    return codes.div_(scale.to(device=packed.device, dtype=torch.float32).reshape(()))
+
+
 class TensorPairs:
     """Joins the two tensors of one weight that a checkpoint streams separately (FP8 codes and
     their scale, MXFP4 blocks and scales), in either order, by the weight's base name."""
@@ -162,11 +174,13 @@ def dequantize_weights(
     dtype: torch.dtype,
     device: torch.device | str,
     block: tuple[int, int] | None = None,
+    ternary: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The weight stream with every quantized `X.weight` joined to its `X.weight_scale(_inv)`
     (either may come first) and yielded as `X.weight` in `dtype`, dequantized on `device`;
     activation scales dropped; everything else passed on. A quantized weight without its scale,
-    or a scale without its weight, is an error naming it."""
+    or a scale without its weight, is an error naming it. `ternary`: uint8 weights are BitNet's
+    packed ternary codes (`unpack_ternary`)."""
     pairs = TensorPairs()  # first: the quantized weight, second: its scale
     for name, t in weights:
         if name.endswith(_DROPPED):
@@ -176,7 +190,9 @@ def dequantize_weights(
         scale_suffix = next((s for s in _SCALES if name.endswith(s)), None)
         if scale_suffix is not None:
             pair = pairs.add(name[: -len(scale_suffix)], t, first=False)
-        elif name.endswith(".weight") and t.dtype in _QUANTIZED_DTYPES:
+        elif name.endswith(".weight") and (
+            t.dtype in _QUANTIZED_DTYPES or (ternary and t.dtype == torch.uint8)
+        ):
             pair = pairs.add(name[: -len(".weight")], t, first=True)
         else:
             yield name, t
@@ -184,7 +200,11 @@ def dequantize_weights(
         if pair is not None:
             prefix = name[: -len(scale_suffix or ".weight")]
             w, scale = pair
-            yield prefix + ".weight", dequantize(w.to(device), scale, block).to(dtype)
+            w = w.to(device)
+            dense = (
+                unpack_ternary(w, scale) if w.dtype == torch.uint8 else dequantize(w, scale, block)
+            )
+            yield prefix + ".weight", dense.to(dtype)
     lost = [
         f"{p}.weight (no scale)" if first else f"{p}.weight_scale (no weight)"
         for p, first in pairs.take_waiting()

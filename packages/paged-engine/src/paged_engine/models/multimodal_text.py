@@ -4,14 +4,27 @@ A VLM wrapper (`*ForConditionalGeneration`) is a vision encoder and projector ar
 decoder that is, on text-only input, exactly a text `*ForCausalLM` we already build:
 
     wrapper (config.architectures)       text_config.model_type -> our class
+    Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
+    AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
+    Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
+    Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
+    Gemma4UnifiedForConditionalGeneration  gemma4_unified_text  -> Gemma4UnifiedForCausalLM
+    Glm5NextForConditionalGeneration     glm5_next_text         -> Glm5NextTextForCausalLM
+    Glm4vForConditionalGeneration,       glm4v_text             -> Glm4ForCausalLM
+      Glm46VForConditionalGeneration
+    Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
+    HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanDenseV1ForCausalLM
+    Idefics2ForConditionalGeneration     mistral                -> MistralForCausalLM
     Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
+    Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
+    Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
       LlavaNextForConditionalGeneration,
@@ -19,12 +32,20 @@ decoder that is, on text-only input, exactly a text `*ForCausalLM` we already bu
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
+    MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
+      MiniCPMV4_7ForConditionalGeneration
+    Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
+      Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
+    Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
+      Qwen3OmniMoeForConditionalGeneration (thinker_config.text_config)
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
     Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
     Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
     Qwen3_5MoeForConditionalGeneration   qwen3_5_moe_text       -> Qwen3_5MoeForCausalLM
+    Qwen4ExpForConditionalGeneration     qwen4_exp_text         -> Qwen4ExpForCausalLM
 
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
@@ -38,16 +59,32 @@ names them with their vocab offsets and sizes (models/gemma3n.py); a Qwen "mrope
 (older configs) becomes "default";
 Qwen3-VL-MoE's router always renormalizes its top-k weights (transformers 5's config has no
 `norm_topk_prob`, and its router reads none), so the copy sets `norm_topk_prob` True.
+Command A Vision's wrapper (Cohere2Vision) returns lm_head's logits unscaled, so the copy's
+`logit_scale` is 1 (Aya Vision's multiplies by it, as Cohere's text models do). GLM-4.1V /
+4.6V's text attention always has q / k / v biases (the copy sets `attention_bias`) and splits
+heads of hidden_size // num_attention_heads (a text_config.head_dim that differs is refused by
+name); GLM-4.5V's never has q / k norms (the copy sets `use_qk_norm` False). HunyuanOCR's
+"xdrope" (transformers reads it as the dynamic-alpha rope) has four M-RoPE axes, one position
+on each for text: the copy drops `mrope_section`. Qwen Omni: the whole model's flags and
+text_config live in its `thinker_config`; Qwen3-Omni's thinker attention ignores
+`sliding_window` while transformers' cache, built from the same config, keeps only that many
+tokens, so a set text_config.sliding_window is refused by name (the Hub's is null).
 
 Weights (`text_model_weights`): the language model's names map to ours whichever way the
 checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
 (older Gemma 3 / Mistral 3 saves) -> `model.X`; `language_model.lm_head.X` -> `lm_head.X`;
-`model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay; Idefics3 / SmolVLM's
-`model.text_model.X` -> `model.X`. The vision tower and projector (`[model.]vision_tower.`,
-`[model.]multi_modal_projector.`, `[model.]visual.`, LLaVA-NeXT's `image_newline`, Llama 4's
-`[model.]vision_model.`, Idefics3's `[model.]vision_model.` / `[model.]connector.`) are
-dropped by
-name before their bytes are touched (tensors are views of memory-mapped files until copied).
+`model.X` and `lm_head.X` (Qwen2-VL / Qwen2.5-VL saves) stay; Idefics2 / Idefics3 / SmolVLM's
+`model.text_model.X` -> `model.X`. Per wrapper, before those: Ovis 2.5's Hub names (what
+transformers 5 saves too) `llm.model.X` / `llm.lm_head.X`; Kimi K2.5's
+`[model.]language_model[.model].blocks.N` (transformers 5 saves its vision tower's `layers` ->
+`blocks` rename on the decoder too) -> `model.layers.N`; the whole Qwen Omni model's
+`thinker.model.[language_model.]X` / `thinker.lm_head.X`. The vision tower and projector
+(`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`, LLaVA-NeXT's
+`image_newline`, Llama 4's `[model.]vision_model.`, Idefics3's `[model.]vision_model.` /
+`[model.]connector.`, Kimi K2.5's `mm_projector.`, MiniCPM-V's `merger.`, Ovis 2.5's
+`visual_tokenizer.` / `vte.`, HunyuanOCR's `vit.`, Qwen Omni's `audio_tower.` and the whole
+model's `talker.` / `token2wav.` / `code2wav.` (speech output, not served)) are dropped by name
+before their bytes are touched (tensors are views of memory-mapped files until copied).
 
 Qwen3-VL-MoE's fused experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`; per-expert
 matrices load as for Qwen3-MoE) come in one of two layouts, with H = hidden_size and
@@ -60,14 +97,15 @@ the writer decides: config.json's `transformers_version` 5 or later means ours (
 itself transposes on a shape mismatch only), an older or missing one the Hub's layout.
 
 Why text-only is exact (checked against transformers' modeling code): with no image, every
-wrapper embeds the tokens with the text model's embedding, runs the text decoder with its own
-causal / sliding masks, and applies lm_head; no vision path runs (Gemma 3's bidirectional image
-mask needs token_type_ids, Qwen3-VL's deepstack needs visual positions). Qwen's M-RoPE gives
-each rotary frequency the position id of one of three sections (temporal, height, width: in
-contiguous blocks of mrope_section for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL); text
-tokens get the same id in all three sections (their 1-D position, rope_deltas 0 without
-images), so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style
-RoPE over head_dim with the same inv_freq.
+wrapper embeds the tokens with the text model's embedding (Kimi K2.5 embeds its image / video
+placeholder ids as id 0; only media prompts, refused, hold them), runs the text decoder with its
+own causal / sliding masks, and applies lm_head; no vision path runs (Gemma 3's bidirectional
+image mask needs token_type_ids, Qwen3-VL's deepstack needs visual positions). Qwen's M-RoPE
+gives each rotary frequency the position id of one of three sections (temporal, height, width:
+in contiguous blocks of mrope_section for Qwen2-VL / 2.5-VL, interleaved for Qwen3-VL); text
+tokens get the same id in all three sections (their 1-D position, rope_deltas 0 without images),
+so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style RoPE over
+head_dim with the same inv_freq.
 
 Not handled here: images (LLaVA's, LLaVA-NeXT's, Pixtral's, Mistral 3's, Qwen2-VL's,
 Qwen2.5-VL's, Idefics3's and SmolVLM's run through multimodal/, which loads the vision encoder
@@ -102,9 +140,49 @@ _LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
 _IDEFICS3 = _modules("vision_model", "connector")
 # Gemma 4: vision and audio towers and their embedders into the text space
 _GEMMA4_TOWERS = _modules("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+# Gemma 4 Unified is encoder-free: transformers saves its vision embedder's patch / position
+# parts as `vision_embedder.` beside `embed_vision.` / `embed_audio.`
+_GEMMA4_UNIFIED_EMBEDDERS = _modules("vision_embedder", "embed_vision", "embed_audio")
 # Gemma 3n: the towers (their token embedders load: see `media_embedders`)
 _GEMMA3N_TOWERS = _modules("vision_tower", "audio_tower")
 _LLAMA4_VISION = _modules("vision_model", "multi_modal_projector")
+_KIMI_K25 = _modules("vision_tower", "mm_projector")
+# transformers 5 saves Kimi K2.5 with its vision tower's `blocks` <- `layers` rename applied
+# to the decoder's layers too (and loads them back through it)
+_KIMI_K25_RENAMES = (
+    ("language_model.model.blocks.", "model.layers."),
+    ("model.language_model.blocks.", "model.layers."),
+)
+_MINICPMV = _modules("vision_tower", "merger")
+_HUNYUAN_VL = _modules("vision_tower", "vit")  # transformers 5's, the Hub's
+# Ovis 2.5: transformers 5's names, and the Hub's visual tokenizer and its embedding table
+_OVIS2_5 = (*_LLAVA_STYLE, "visual_tokenizer.", "vte.", "model.vte.")
+# Ovis 2.5's Hub checkpoints keep the language model under `llm.`
+_OVIS2_5_RENAMES = (("llm.model.", "model."), ("llm.lm_head.", "lm_head."))
+# Apertus 1.5: the image and audio tokenizers (their codes embed with the text table)
+_APERTUS1P5_TOKENIZERS = _modules("vision_tokenizer", "audio_tokenizer")
+
+# GLM-4.1V / 4.5V / 4.6V: a Qwen2-VL-style tower under `visual`
+_GLM4V_TEXT = {"glm4v_text": "Glm4ForCausalLM"}
+# Qwen Omni: the thinker's towers, and the talker / vocoder of the whole model (speech output)
+_OMNI_TOWERS = (
+    *_modules("visual", "audio_tower"),
+    *(f"thinker.{p}" for p in _modules("visual", "audio_tower")),
+    "talker.",
+    "token2wav.",  # Qwen2.5-Omni
+    "code2wav.",  # Qwen3-Omni
+)
+# the whole model's thinker: `thinker.model.[language_model.]X` -> `model.X`
+_OMNI_RENAMES = (
+    ("thinker.model.language_model.", "model."),
+    ("thinker.model.", "model."),
+    ("thinker.lm_head.", "lm_head."),
+)
+_QWEN2_5_OMNI_TEXT = {"qwen2_5_omni_text": "Qwen2ForCausalLM"}
+_QWEN3_OMNI_TEXT = {"qwen3_omni_moe_text": "Qwen3MoeForCausalLM"}
+# Qwen3-Omni's thinker attention drops sliding_window, while transformers' cache, built from
+# the same config, keeps only the window: a set window has no one meaning (the Hub's is null)
+_QWEN3_OMNI_REFUSED = ("sliding_window",)
 
 _LLAVA_TEXT = {
     "llama": "LlamaForCausalLM",
@@ -123,15 +201,94 @@ class Wrapper:
     hub_experts: bool = False  # fused experts may come transposed ([E, H, 2I], [E, I, H])
     # (sub-config, module): towers whose token ids the wrapper embeds with that module
     media_embedders: tuple[tuple[str, str], ...] = ()
+    no_logit_scale: bool = False  # the wrapper's logits are lm_head alone, unscaled
+    # (checkpoint prefix, our prefix) of the wrapper's own naming, tried before `_RENAMES`
+    renames: tuple[tuple[str, str], ...] = ()
+    # (field, value): what the wrapper's text model hard-codes, whatever text_config says
+    fixed: tuple[tuple[str, Any], ...] = ()
+    # text_config fields that must be unset (None) to be served
+    refused: tuple[str, ...] = ()
+    # the text model's attention takes head_dim = hidden_size // num_attention_heads
+    head_dim_from_heads: bool = False
+    # M-RoPE sections of the wrapper's own layout (HunyuanOCR's four axes): dropped, text
+    # positions being one on every axis
+    drop_mrope_section: bool = False
+    # the sub-config that holds text_config and the flags (Qwen Omni's `thinker_config`)
+    sub_config: str | None = None
 
 
 WRAPPERS: dict[str, Wrapper] = {
+    # Apertus 1.5: lm_head(text model) as Apertus1p5TextForCausalLM, pruned alike
+    "Apertus1p5ForConditionalGeneration": Wrapper(
+        {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
+    ),
     "Gemma3ForConditionalGeneration": Wrapper(
         {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True
+    ),
+    # Aya Vision multiplies lm_head's logits by text_config.logit_scale as Cohere's models do;
+    # Command A Vision's wrapper does not (the copy's logit_scale is 1)
+    "AyaVisionForConditionalGeneration": Wrapper(
+        {"cohere2": "Cohere2ForCausalLM", "cohere": "CohereForCausalLM"}, _LLAVA_STYLE
+    ),
+    "Cohere2VisionForConditionalGeneration": Wrapper(
+        {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True
+    ),
+    # EXAONE 4.5: a Qwen2.5-VL-style tower; text positions are the plain 1-D ones
+    "Exaone4_5_ForConditionalGeneration": Wrapper({"exaone4": "Exaone4ForCausalLM"}, _QWEN_VISUAL),
+    # GLM-4.1V / 4.6V's decoder is GLM-4's (interleaved partial rope, four norms a layer) with
+    # q / k / v biases always and head_dim from the heads; GLM-4.5V's is GLM-4.5's (NeoX
+    # partial rope, no q / k norms whatever use_qk_norm says)
+    "Glm4vForConditionalGeneration": Wrapper(
+        _GLM4V_TEXT,
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("attention_bias", True),),
+        head_dim_from_heads=True,
+    ),
+    "Glm46VForConditionalGeneration": Wrapper(
+        _GLM4V_TEXT,
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("attention_bias", True),),
+        head_dim_from_heads=True,
+    ),
+    "Glm4vMoeForConditionalGeneration": Wrapper(
+        {"glm4v_moe_text": "Glm4MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("use_qk_norm", False),),
+    ),
+    # HunyuanOCR: Hunyuan's dense decoder; its "xdrope" rope is the dynamic-alpha one with
+    # M-RoPE axes, one position on all of them for text
+    "HunYuanVLForConditionalGeneration": Wrapper(
+        {"hunyuan_vl_text": "HunYuanDenseV1ForCausalLM"}, _HUNYUAN_VL, drop_mrope_section=True
+    ),
+    "Idefics2ForConditionalGeneration": Wrapper({"mistral": "MistralForCausalLM"}, _IDEFICS3),
+    # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)
+    "Kimi_K25ForConditionalGeneration": Wrapper(
+        {"deepseek_v3": "DeepseekV3ForCausalLM"}, _KIMI_K25, renames=_KIMI_K25_RENAMES
+    ),
+    "Lfm3VlForConditionalGeneration": Wrapper({"lfm3": "Lfm3ForCausalLM"}, _LLAVA_STYLE),
+    # MiniCPM-V 4.6 / 4.7: Qwen3.5's hybrid decoder, M-RoPE plain on text
+    "MiniCPMV4_6ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _MINICPMV, mrope=True
+    ),
+    "MiniCPMV4_7ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _MINICPMV, mrope=True
+    ),
+    "Ovis2_5ForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _OVIS2_5, renames=_OVIS2_5_RENAMES
     ),
     # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
+    "Gemma4UnifiedForConditionalGeneration": Wrapper(
+        {"gemma4_unified_text": "Gemma4UnifiedForCausalLM"}, _GEMMA4_UNIFIED_EMBEDDERS
+    ),
+    # GLM-5.3-Flash: its vision tower under `model.visual.`, as Qwen's
+    "Glm5NextForConditionalGeneration": Wrapper(
+        {"glm5_next_text": "Glm5NextTextForCausalLM"}, _QWEN_VISUAL
+    ),
     # Gemma 3n soft-caps as its text model does; ids from the vision / audio offsets embed
     # through those towers' token embedders
     "Gemma3nForConditionalGeneration": Wrapper(
@@ -165,6 +322,33 @@ WRAPPERS: dict[str, Wrapper] = {
         },
         _LLAVA_STYLE,
     ),
+    # Qwen2.5-Omni / Qwen3-Omni: the thinker's language model, alone or inside the whole model
+    # (the talker and vocoder, which speak the thinker's answer, dropped)
+    "Qwen2_5OmniThinkerForConditionalGeneration": Wrapper(
+        _QWEN2_5_OMNI_TEXT, _OMNI_TOWERS, mrope=True, renames=_OMNI_RENAMES
+    ),
+    "Qwen2_5OmniForConditionalGeneration": Wrapper(
+        _QWEN2_5_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        sub_config="thinker_config",
+    ),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": Wrapper(
+        _QWEN3_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        refused=_QWEN3_OMNI_REFUSED,
+    ),
+    "Qwen3OmniMoeForConditionalGeneration": Wrapper(
+        _QWEN3_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        refused=_QWEN3_OMNI_REFUSED,
+        sub_config="thinker_config",
+    ),
     "Qwen2VLForConditionalGeneration": Wrapper(
         {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),
@@ -192,6 +376,9 @@ WRAPPERS: dict[str, Wrapper] = {
         mrope=True,
         renormalized_topk=True,
     ),
+    "Qwen4ExpForConditionalGeneration": Wrapper(
+        {"qwen4_exp_text": "Qwen4ExpForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
 }
 
 # Set on the text config we return: the wrapper it came from (selects the weight mapping).
@@ -206,7 +393,12 @@ _RENAMES = (
     ("language_model.lm_head.", "lm_head."),
     ("model.text_model.", "model."),  # Idefics3 / SmolVLM
 )
-_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+_HEAD_NAMES = (
+    "lm_head.weight",
+    "language_model.lm_head.weight",
+    "llm.lm_head.weight",  # Ovis 2.5
+    "thinker.lm_head.weight",  # Qwen Omni
+)
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -224,6 +416,11 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     if arch is None:
         return config
     spec = WRAPPERS[arch]
+    outer = config
+    if spec.sub_config is not None:
+        config = getattr(config, spec.sub_config, None)
+        if config is None:
+            raise ValueError(f"{arch}: the config has no {spec.sub_config}")
     text = getattr(config, "text_config", None)
     model_type = getattr(text, "model_type", None)
     target = spec.text_archs.get(model_type) if text is not None else None
@@ -233,6 +430,14 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
             f"{arch} with a text_config of model_type {model_type!r} is not supported "
             f"(text-only serving knows: {known})"
         )
+    if spec.head_dim_from_heads:
+        _check_head_dim(arch, text)
+    for key in spec.refused:
+        if getattr(text, key, None) is not None:
+            raise ValueError(
+                f"{arch}: text_config.{key} is set, which the wrapper's text model reads "
+                "inconsistently (not supported)"
+            )
     text = copy.deepcopy(text)
     text.architectures = [target]
     tie = getattr(config, "tie_word_embeddings", None)
@@ -242,12 +447,16 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         tie = False  # transformers 5 keeps a checkpoint's own head untied
     text.tie_word_embeddings = bool(tie)
     if getattr(text, "quantization_config", None) is None:
-        quant = getattr(config, "quantization_config", None)
+        quant = getattr(config, "quantization_config", None) or getattr(
+            outer, "quantization_config", None
+        )
         if quant is not None:
             text.quantization_config = quant
-    attrs, top = vars(text), vars(config)
+    attrs, top, whole = vars(text), vars(config), vars(outer)
     if attrs.get("dtype") is None and attrs.get("torch_dtype") is None:
-        dtype = top.get("dtype") or top.get("torch_dtype")
+        dtype = next(
+            (c[k] for c in (top, whole) for k in ("dtype", "torch_dtype") if c.get(k)), None
+        )
         if dtype is not None:
             text.dtype = dtype
     for key in _TOKEN_IDS:
@@ -258,8 +467,14 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.final_logit_softcapping = None
     if spec.mrope:
         _mrope_as_default(text)
+    if spec.drop_mrope_section:
+        _drop_mrope_section(text)
     if spec.renormalized_topk:
         text.norm_topk_prob = True
+    if spec.no_logit_scale:
+        text.logit_scale = 1.0
+    for key, value in spec.fixed:
+        setattr(text, key, value)
     if spec.hub_experts:
         setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
     if spec.media_embedders:
@@ -290,17 +505,19 @@ def text_model_weights(
     if arch is None:
         return weights
     spec = WRAPPERS[arch]
-    mapped = _mapped(weights, spec.skipped)
+    mapped = _mapped(weights, spec.skipped, spec.renames + _RENAMES)
     return _experts_as_ours(mapped, config) if spec.hub_experts else mapped
 
 
 def _mapped(
-    weights: Iterable[tuple[str, Any]], skipped: tuple[str, ...]
+    weights: Iterable[tuple[str, Any]],
+    skipped: tuple[str, ...],
+    renames: tuple[tuple[str, str], ...],
 ) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
         if name.startswith(skipped):
             continue  # never read: only the name was looked at
-        for old, new in _RENAMES:
+        for old, new in renames:
             if name.startswith(old):
                 name = new + name[len(old) :]
                 break
@@ -340,6 +557,17 @@ def _media_embedders(config: Any, towers: tuple[tuple[str, str], ...]) -> list[t
     return out
 
 
+def _check_head_dim(arch: str, text: Any) -> None:
+    """GLM-4.1V's attention splits heads of hidden_size // num_attention_heads whatever
+    text_config.head_dim says, while its rope reads head_dim: refused where the two differ."""
+    head_dim = getattr(text, "head_dim", None)
+    if head_dim is not None and head_dim != text.hidden_size // text.num_attention_heads:
+        raise ValueError(
+            f"{arch}: text_config.head_dim {head_dim} differs from hidden_size // "
+            "num_attention_heads, which the wrapper's attention uses (not supported)"
+        )
+
+
 def _written_before_5(config: Any) -> bool:
     """Whether config.json names a transformers older than 5 as its writer, or none."""
     version = str(getattr(config, "transformers_version", None))
@@ -358,6 +586,13 @@ def _mrope_as_default(text: Any) -> None:
             params["rope_type"] = "default"
             params.pop("type", None)
             setattr(text, key, params)
+
+
+def _drop_mrope_section(text: Any) -> None:
+    """The rope parameters without their M-RoPE sections (the plain rope on text)."""
+    params = getattr(text, "rope_parameters", None)
+    if isinstance(params, dict) and "mrope_section" in params:
+        text.rope_parameters = {k: v for k, v in params.items() if k != "mrope_section"}
 
 
 def _has_own_head(path: Path) -> bool:

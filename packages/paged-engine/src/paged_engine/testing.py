@@ -43,6 +43,10 @@ MORE_TINY_ARCHS: list[str] = [
     "granite_swa",
     "hyperclovax",
     "afmoe",
+    "beam",
+    "ergo",
+    "dory",
+    "bitnet",
     "laguna",
     "mellum",
     "exaone",
@@ -54,6 +58,10 @@ MORE_TINY_ARCHS: list[str] = [
     "mistral4",
     "youtu",
     "axk1",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "hy_v4",
+    "axk2",
     "granitemoe",
     "granitemoeshared",
     "granitemoe_swa",
@@ -71,23 +79,29 @@ MORE_TINY_ARCHS: list[str] = [
     "qwen3_next",
     "qwen3_5",
     "qwen3_5_moe",
+    "qwen4_exp",
     "granitemoehybrid",
     "nemotron_h",
     "lfm2",
     "lfm2_moe",
+    "inkling",
     "falcon_h1",
+    "zaya",
     "mamba",
     "falcon_mamba",
     "mamba2",
     "jamba",
     "kimi_linear",
+    "bailing_hybrid",
     "olmo_hybrid",
     "bamba",
     "zamba2",
     "exaone4",
     "apertus",
+    "apertus1p5",
     "arcee",
     "olmoe",
+    "minimax",
     "minimax_m2",
     "hunyuan_v1_dense",
     "hunyuan_v1_moe",
@@ -107,6 +121,7 @@ MORE_TINY_ARCHS: list[str] = [
     "nanochat",
     "gemma4",
     "gemma4_moe",
+    "gemma4_unified",
     "gemma3n",
     "llama4",
     "nemotron",
@@ -116,8 +131,10 @@ MORE_TINY_ARCHS: list[str] = [
     "kolibri1",
     "kolibri1_1",
     "flint",
+    "lara_mini",
     "mimo_v2_flash",
     "longcat_flash",
+    "deepseek_v4",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -342,6 +359,95 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Reflection Beam: AFMoE's sandwich layers with depth-scaled residual adds; sliding layers
+    # (window 8) rotating with their own base beside NoPE full ones with the scalable-softmax
+    # query scale; output gates with a bias per head; a dense layer, then sigmoid top-3 of 8
+    # experts in 4 groups (2 kept) scaled by 2.5, no shared expert; logits soft-capped at 3
+    "beam": (
+        "BeamConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "sliding_window": 8,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                "full_attention": None,
+            },
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 2.5,
+            "final_logit_softcapping": 3.0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Amazon Ergo: sandwich layers with learned residual gates; fused qkv, interleaved rope on
+    # the sliding layers (window 8), NoPE full ones (every 2nd) with logits times 1.5; a relu^2
+    # dense layer, then sigmoid top-3 of 8 relu^2 experts scaled by 2.5, each expert's output
+    # and the shared expert's RMS-normalized
+    "ergo": (
+        "ErgoConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "first_dense_intermediate_size": 128,
+            "num_dense_blocks": 1,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "shared_intermediate_size": 32,
+            "moe_routed_scaling_factor": 2.5,
+            "sliding_window": 8,
+            "global_attention_every_n_layers": 2,
+            "global_attention_scale": 1.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    # NVIDIA Dory: a looped nGPT; 1 input layer, 2 recurrent layers run 3 times (one cache a
+    # loop), 2 output layers; sliding (window 8) and full layers in each section, their own
+    # rope bases; initializer_range 1 keeps the nGPT scales (s / initializer_range) near 1
+    "dory": (
+        "DoryConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 5,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 1024,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+            ],
+            "sliding_window": 8,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+            "n_input_layers": 1,
+            "n_recurrent_layers": 2,
+            "n_output_layers": 2,
+            "n_recurrent_loops": 3,
+            "initializer_range": 1.0,
+            "ngpt_alpha_init": 0.3,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Microsoft BitNet b1.58: Llama with RMSNorms before o_proj and down_proj, squared ReLU
+    # (the released checkpoints' ternary quantization: a quantization_config the tests add)
+    "bitnet": (
+        "BitNetConfig",
+        {**_LLAMA_LIKE, "hidden_act": "relu2", "tie_word_embeddings": False},
+    ),
     # Poolside Laguna: query heads per layer (4, 8, 6, 4 over 2 KV heads), full layers rotating
     # half of each head, sliding ones (window 8) all of it with another base, softplus gates
     # per head; dense / sparse layers interleaved, sigmoid top-3 of 8 experts with soft-capped
@@ -515,6 +621,41 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Ling / Ring 2.5: KDA (one-matrix forget gate bounded below at -3, one-matrix output gate),
+    # MLA with rope (q without LoRA) and a sigmoid gate per head, KDA / MLA alternating; a dense
+    # layer, then MoE (2 groups, 1 kept) whose experts clip silu(gate) and up after the
+    # activation, per layer (0: off) and apart for the shared expert
+    "bailing_hybrid": (
+        "BailingHybridConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 256,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "layer_group_size": 2,
+            "kda_lower_bound": -3.0,
+            "q_lora_rank": None,
+            "kv_lora_rank": 32,
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "rope_theta": 10000.0,
+            "first_k_dense_replace": 1,
+            "num_experts": 8,
+            "num_shared_experts": 1,
+            "moe_intermediate_size": 32,
+            "num_experts_per_token": 2,
+            "num_expert_group": 2,
+            "topk_group": 1,
+            "moe_renormalize": True,
+            "routed_scaling_factor": 2.5,
+            "expert_swiglu_limit_list": [0, 0.5, 0, 1.0],
+            "share_expert_swiglu_limit_list": [0, 0, 0.5, 1.0],
+            "tie_word_embeddings": False,
+        },
+    ),
     # OLMo Hybrid: Gated DeltaNet, GDN, OLMo 3 attention (GQA, rope), GDN; GVA (4 value heads of
     # 32 on 2 key heads of 16), beta doubled; rms_norm_eps apart from the gated norm's fixed 1e-5
     "olmo_hybrid": (
@@ -644,6 +785,36 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "routed_scaling_factor": 1.5,
         },
     ),
+    # Inkling: sliding (window 8, their own head geometry) and full layers (relative bias over
+    # 12 keys, log-scaled logits past position 4), a dense first layer, then MoE layers of 8
+    # routed experts (2 chosen) and 2 shared ones; mup logit divisor 3, head padded past 500
+    "inkling": (
+        "InklingTextConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 3,
+            "head_dim": 16,
+            "layer_types": ["hybrid_sliding", "hybrid", "hybrid_sliding"],
+            "swa_num_attention_heads": 8,
+            "swa_num_key_value_heads": 2,
+            "swa_head_dim": 8,
+            "sliding_window_size": 8,
+            "d_rel": 4,
+            "rel_extent": 12,
+            "log_scaling_n_floor": 4,
+            "log_scaling_alpha": 0.3,
+            "conv_kernel_size": 3,
+            "mlp_layer_types": ["dense", "sparse", "sparse"],
+            "intermediate_size": 96,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 2,
+            "route_scale": 2.5,
+            "logits_mup_width_multiplier": 3.0,
+            "unpadded_vocab_size": 500,
+        },
+    ),
     # Falcon-H1: attention (rope, heads of 24: not hidden / heads) and a Mamba2 mixer in every
     # layer, side by side; the mixer 6 heads of 16 (mamba_d_ssm 96, not expand * hidden) on 2
     # groups, no norm (y * silu(z)); every multiplier != 1
@@ -669,6 +840,42 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "ssm_out_multiplier": 0.6,
             "ssm_multipliers": [0.5, 1.25, 0.8, 1.5, 0.7],
             "mlp_multipliers": [1.5, 0.5],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # ZAYA1: CCA attention in every layer (convs of widths 3 then 2 over q | k, a delayed half
+    # of the values: state carried per sequence), full layers (partial rope, theta 10000) and
+    # sliding ones (window 8, whole-head rope, theta 500), attention biases, a router MLP over
+    # 4 experts + a skip class with the previous layer's router state, an untied LM head with a
+    # bias
+    "zaya": (
+        "ZayaConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "layer_types": ["hybrid", "hybrid_sliding", "hybrid", "hybrid_sliding"],
+            "sliding_window": 8,
+            "rope_parameters": {
+                "hybrid": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "partial_rotary_factor": 0.5,
+                },
+                "hybrid_sliding": {
+                    "rope_type": "default",
+                    "rope_theta": 500.0,
+                    "partial_rotary_factor": 1.0,
+                },
+            },
+            "cca_time0": 3,
+            "cca_time1": 2,
+            "attention_bias": True,
+            "num_experts": 4,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": 32,
+            "router_hidden_size": 16,
+            "lm_head_bias": True,
             "tie_word_embeddings": False,
         },
     ),
@@ -745,6 +952,51 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "shared_expert_intermediate_size": 48,
         },
     ),
+    # Qwen4-Exp (models/qwen4_exp.py): 3 residual streams; linear, linear + PLE, indexed,
+    # linear + PLE layers; QSA keeps the top 2 blocks of 4 keys (the prompts have up to 10);
+    # n-grams up to 3 tokens, 2 heads per order over prime tables from 61, a conv of width 3
+    # dilated by 3; sigmoid-gated DeltaNet output; half of each head rotated (M-RoPE); the
+    # top-2 expert weights not renormalized
+    "qwen4_exp": (
+        "Qwen4ExpTextConfig",
+        {
+            **{k: v for k, v in _HYBRID_LIKE.items() if k != "partial_rotary_factor"},
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "indexed_attention",
+                "linear_attention",
+            ],
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [1, 1, 2],
+                "mrope_interleaved": True,
+            },
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "hc_count": 3,
+            "hc_lowrank": 16,
+            "indexer_n_heads": 2,
+            "indexer_kv_heads": 1,
+            "indexer_head_dim": 16,
+            "indexer_budget": 8,
+            "indexer_compress_ratio": 4,
+            "ple_layer_ids": [2, 4],
+            "ple_embed_dim": 32,
+            "ngram_size": 3,
+            "heads_per_ngram": 2,
+            "ngram_vocab_size_base": 61,
+            "make_ngram_vocab_size_divisible_by": 8,
+            "ple_conv_kernel_size": 3,
+            "seed": 7,
+            "output_gate_type": "sigmoid",
+        },
+    ),
     "qwen2_moe": (
         "Qwen2MoeConfig",
         {
@@ -789,6 +1041,49 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm3": (
         "SmolLM3Config",
         {**_LLAMA_LIKE, "no_rope_layer_interval": 2, "tie_word_embeddings": True},
+    ),
+    # DeepSeek-V4: 3 hyper-connection streams; a sliding layer (window 8), compressed-sparse
+    # layers (windows of 4, the indexer keeping 2) and a heavily compressed one (windows of 8),
+    # their rope YaRN x4; a hash-routed MoE layer, then top-k ones, clamped SwiGLU at 1
+    "deepseek_v4": (
+        "DeepseekV4Config",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "q_lora_rank": 32,
+            "partial_rotary_factor": 0.25,
+            "layer_types": [
+                "sliding_attention",
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "routed_scaling_factor": 1.5,
+            "sliding_window": 8,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "index_n_heads": 8,
+            "index_head_dim": 16,
+            "index_topk": 2,
+            "hc_mult": 3,
+            "swiglu_limit": 1.0,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+            },
+            "tie_word_embeddings": False,
+        },
     ),
     # DeepSeek-V3: MLA with a q bottleneck, YaRN x4 with mscale_all_dim (the softmax scale), a
     # dense layer before MoE layers of 8 routed experts in 4 groups (2 chosen) and a shared one
@@ -1011,6 +1306,89 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # DeepSeek-V3.2: A.X K1's MLA (YaRN) and V3's MoE (layer 0 dense) with DSA on 4 layers: an
+    # indexer of 8 heads of 16 (rope on the first 8 dims, NeoX halves) keeps each query's best
+    # 6 keys, well below the test prompts' lengths
+    "deepseek_v32": (
+        "DeepseekV32Config",
+        {
+            **_LLAMA_LIKE,
+            **_DEEPSEEK_LIKE,
+            "num_hidden_layers": 4,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": _MLA_YARN,
+            "index_topk": 6,
+            "index_head_dim": 16,
+            "index_n_heads": 8,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # GLM-5: V3.2 with the indexer's rope on (even, odd) pairs and shared layers 1 and 3 reusing
+    # the choice of layers 0 and 2; one group of experts, weights not renormalized
+    "glm_moe_dsa": (
+        "GlmMoeDsaConfig",
+        {
+            **_LLAMA_LIKE,
+            **_DEEPSEEK_LIKE,
+            "num_hidden_layers": 4,
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.8,
+            "norm_topk_prob": False,
+            "rope_parameters": _MLA_YARN,
+            "index_topk": 6,
+            "index_head_dim": 16,
+            "index_n_heads": 8,
+            "indexer_types": ["full", "shared", "full", "shared"],
+            "tie_word_embeddings": False,
+        },
+    ),
+    # Hy-V4: GLM-5's DSA (the indexer's rope on its last 8 of 16 dims, keeping 6 keys; layers
+    # 2-3 shared) with 3 hyper-connection streams (post magnitude 1.5), gated attention with
+    # sinks, a dense layer 0, one group of 8 experts with SwiGLU clamped at 1 (x2.5, renormalized)
+    "hy_v4": (
+        "HYV4Config",
+        {
+            **_LLAMA_LIKE,
+            **_DEEPSEEK_LIKE,
+            "num_hidden_layers": 4,
+            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+            "n_group": 1,
+            "topk_group": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": _MLA_YARN,
+            "index_topk": 6,
+            "index_head_dim": 16,
+            "index_n_heads": 8,
+            "indexer_types": ["full", "full", "shared", "shared"],
+            "hc_mult": 3,
+            "hc_magnitude": 1.5,
+            "hc_eps": 1e-3,
+            "swiglu_limit": 1.0,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # A.X K2: V3.2's DSA (keeping 6 keys) with a fused query / output-gate projection, gated
+    # input norms (and post norms on the sparse layers 1 and 3), YaRN, 8 experts in 4 groups
+    "axk2": (
+        "AXK2Config",
+        {
+            **_LLAMA_LIKE,
+            **_DEEPSEEK_LIKE,
+            "num_hidden_layers": 4,
+            "mlp_layer_types": ["dense", "sparse", "dense", "sparse"],
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_parameters": _MLA_YARN,
+            "index_topk": 6,
+            "index_head_dim": 16,
+            "index_n_heads": 8,
+            "gated_norm_rank": 8,
+            "tie_word_embeddings": False,
+        },
+    ),
     # GLM-4: head_dim 32 (q wider than hidden), interleaved rope over half of each head, q / k / v
     # biases, the four norms a layer
     "glm4": (
@@ -1084,6 +1462,26 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": 8,
             "hidden_size_per_layer_input": 8,
             "vocab_size_per_layer_input": 512,
+            "num_kv_shared_layers": 2,
+            "use_double_wide_mlp": True,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    # Gemma 4 Unified: Gemma 4's dense decoder without per-layer inputs; sliding layers of head
+    # size 16 (window 8), full layers of 32 with one KV head whose values are the key projection
+    # (attention_k_eq_v), proportional rope on a quarter of it; the last two layers read earlier
+    # layers' KV with double-wide MLPs
+    "gemma4_unified": (
+        "Gemma4UnifiedTextConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 6,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "sliding_window": 8,
             "num_kv_shared_layers": 2,
             "use_double_wide_mlp": True,
             "final_logit_softcapping": 30.0,
@@ -1412,6 +1810,25 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # Apertus 1.5: Apertus' decoder, the LM head pruned to the first 383 of the 512 ids (an odd
+    # count: TP's last head shard is padded); the ids past it still embed
+    "apertus1p5": (
+        "Apertus1p5TextConfig",
+        {
+            **_LLAMA_LIKE,
+            "max_position_embeddings": 256,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 12_000_000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 64,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+            },
+            "output_vocab_size": 383,
+            "tie_word_embeddings": False,
+        },
+    ),
     # Arcee AFM: ungated relu^2 MLP, head_dim 32 (q wider than hidden), YaRN x4 over a 64-token
     # original context (the released model's rope type)
     "arcee": (
@@ -1455,6 +1872,34 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     # MiniMax-M2: whole-projection q / k norms, partial rotary (rotary_dim 16 of head_dim 32, q
     # wider than hidden), 8 experts of 32 in every layer, 2 chosen by sigmoid + a random
     # e_score_correction_bias, renormalized
+    # MiniMax-01: lightning layers around one attention layer, block_size 4 (transformers'
+    # blocked prefill crosses blocks), residual factors away from 1.
+    "minimax": (
+        "MiniMaxConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "layer_types": [
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+            ],
+            "block_size": 4,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "linear_attn_alpha_factor": 1.5,
+            "linear_attn_beta_factor": 0.75,
+            "full_attn_alpha_factor": 1.25,
+            "full_attn_beta_factor": 0.5,
+            "mlp_alpha_factor": 0.8,
+            "mlp_beta_factor": 1.3,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": False,
+        },
+    ),
     "minimax_m2": (
         "MiniMaxM2Config",
         {
@@ -1846,6 +2291,37 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # LaraMini: the released period-5 layout (linear, sliding window 8 with RoPE of base 1000,
+    # linear, full NoPE, sliding); GVA (4 value heads on 2 key heads); every layer a softmax
+    # top-2 of 8 experts renormalized plus an ungated shared expert; tied embeddings
+    "lara_mini": (
+        "LaraMiniConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 5,
+            "head_dim": 16,
+            "layer_types": [
+                "linear_attention",
+                "sliding_attention",
+                "linear_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
+            "sliding_window": 8,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0},
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "norm_topk_prob": True,
+            "tie_word_embeddings": True,
+        },
+    ),
 }
 
 _CORPUS_TEXT = (
@@ -1930,10 +2406,13 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
     for name, b in sorted(model.named_buffers()):
         # routing balance biases: DeepSeek-V3's, LFM2-MoE's (buffers)
-        if name.endswith(("e_score_correction_bias", "expert_bias")):
+        if name.endswith(("e_score_correction_bias", "expert_bias", "balancing_biases")):
             b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
         elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (saved)
             b.copy_(1.0 + torch.randn(b.shape, generator=gen) * 0.3)
+        elif name.endswith("tid2eid"):  # DeepSeek-V4's hash routing: k distinct experts a token
+            experts = model.get_submodule(name.rsplit(".", 1)[0]).num_experts
+            b.copy_(torch.rand(b.shape[0], experts, generator=gen).argsort(-1)[:, : b.shape[1]])
 
 
 def _save_random(model_cls: Any, config: Any, seed: int, path: Path) -> None:

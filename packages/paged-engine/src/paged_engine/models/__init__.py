@@ -9,10 +9,15 @@ from torch import nn
 from paged_engine.classification import causal_names
 from paged_engine.models.afmoe import AfmoeForCausalLM
 from paged_engine.models.apertus import ApertusForCausalLM
+from paged_engine.models.apertus1p5 import Apertus1p5TextForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.axk1 import AXK1ForCausalLM
+from paged_engine.models.axk2 import AXK2ForCausalLM
+from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
+from paged_engine.models.beam import BeamForCausalLM
 from paged_engine.models.bert import ENCODERS
+from paged_engine.models.bitnet import BitNetForCausalLM
 from paged_engine.models.bloom import BloomForCausalLM
 from paged_engine.models.cohere import (
     Cohere2ForCausalLM,
@@ -25,7 +30,11 @@ from paged_engine.models.deepseek_v2 import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
 )
+from paged_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from paged_engine.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+from paged_engine.models.dory import DoryForCausalLM
 from paged_engine.models.dots1 import Dots1ForCausalLM
+from paged_engine.models.ergo import ErgoForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from paged_engine.models.exaone4 import Exaone4ForCausalLM
@@ -38,8 +47,10 @@ from paged_engine.models.gemma2 import Gemma2ForCausalLM
 from paged_engine.models.gemma3 import Gemma3ForCausalLM
 from paged_engine.models.gemma3n import Gemma3nForCausalLM
 from paged_engine.models.gemma4 import Gemma4ForCausalLM
+from paged_engine.models.gemma4_unified import Gemma4UnifiedForCausalLM
 from paged_engine.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from paged_engine.models.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
+from paged_engine.models.glm5_next import Glm5NextTextForCausalLM
 from paged_engine.models.gpt2 import GPT2LMHeadModel
 from paged_engine.models.gpt_bigcode import GPTBigCodeForCausalLM
 from paged_engine.models.gpt_neo import GPTNeoForCausalLM
@@ -52,13 +63,16 @@ from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
+from paged_engine.models.hy_v4 import HYV4ForCausalLM
 from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
+from paged_engine.models.inkling import InklingForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.jetmoe import JetMoeForCausalLM
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.kolibri import Kolibri1_1ForCausalLM, Kolibri1ForCausalLM
 from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
+from paged_engine.models.lara_mini import LaraMiniForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
@@ -79,6 +93,7 @@ from paged_engine.models.mamba import (
 from paged_engine.models.mimo_v2_flash import MiMoV2FlashForCausalLM
 from paged_engine.models.minicpm3 import MiniCPM3ForCausalLM
 from paged_engine.models.minicpm5_moe import MiniCPM5MoeForCausalLM
+from paged_engine.models.minimax import MiniMaxForCausalLM
 from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
@@ -108,6 +123,7 @@ from paged_engine.models.qwen3_next import (
     Qwen3_5MoeForCausalLM,
     Qwen3NextForCausalLM,
 )
+from paged_engine.models.qwen4_exp import Qwen4ExpForCausalLM
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
@@ -115,6 +131,7 @@ from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
+from paged_engine.models.zaya import ZayaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -146,6 +163,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AquilaModel": LlamaForCausalLM,
     "XverseForCausalLM": LlamaForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "BeamForCausalLM": BeamForCausalLM,
+    "ErgoForCausalLM": ErgoForCausalLM,
+    "DoryForCausalLM": DoryForCausalLM,
+    "BitNetForCausalLM": BitNetForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
     "MellumForCausalLM": MellumForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
@@ -159,10 +180,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
+    "HYV4ForCausalLM": HYV4ForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
     "AXK1ForCausalLM": AXK1ForCausalLM,
+    "AXK2ForCausalLM": AXK2ForCausalLM,
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "MiniCPM5MoEForCausalLM": MiniCPM5MoeForCausalLM,  # the release's config.json spelling
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
@@ -185,6 +211,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PhimoeForCausalLM": PhimoeForCausalLM,
     "NanoChatForCausalLM": NanoChatForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4UnifiedForCausalLM": Gemma4UnifiedForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "GPTNeoForCausalLM": GPTNeoForCausalLM,
@@ -195,6 +222,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
@@ -202,6 +230,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Lfm3ForCausalLM": Lfm3ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
+    "BailingHybridForCausalLM": BailingHybridForCausalLM,
+    "Glm5NextTextForCausalLM": Glm5NextTextForCausalLM,
+    "InklingForCausalLM": InklingForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
@@ -209,11 +240,16 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "ZayaForCausalLM": ZayaForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
+    "Apertus1p5TextForCausalLM": Apertus1p5TextForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+    "MiniMaxForCausalLM": MiniMaxForCausalLM,
+    "MiniMaxText01ForCausalLM": MiniMaxForCausalLM,  # the releases' own model code
+    "MiniMaxM1ForCausalLM": MiniMaxForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
@@ -232,6 +268,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Kolibri1ForCausalLM": Kolibri1ForCausalLM,
     "Kolibri1_1ForCausalLM": Kolibri1_1ForCausalLM,
     "FlintForCausalLM": FlintForCausalLM,
+    "LaraMiniForCausalLM": LaraMiniForCausalLM,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }

@@ -1,0 +1,312 @@
+"""The vision-language wrappers served text-only (models/multimodal_text.py reads this table):
+for each wrapper architecture, the text model class of each text_config.model_type, the name
+prefixes of what is dropped (towers, projectors, speech output) and what its text model does
+differently from our text class (`Wrapper`'s flags; multimodal_text.py's docstring says why
+each is exact).
+
+    wrapper (config.architectures)       text_config.model_type -> our class
+    Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
+    AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
+    Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
+    Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
+    Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
+    Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
+    Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
+    Gemma4UnifiedForConditionalGeneration  gemma4_unified_text  -> Gemma4UnifiedForCausalLM
+    Glm5NextForConditionalGeneration     glm5_next_text         -> Glm5NextTextForCausalLM
+    Glm4vForConditionalGeneration,       glm4v_text             -> Glm4ForCausalLM
+      Glm46VForConditionalGeneration
+    Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
+    HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanDenseV1ForCausalLM
+    Idefics2ForConditionalGeneration     mistral                -> MistralForCausalLM
+    Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
+      SmolVLMForConditionalGeneration
+    InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
+                                         qwen3_moe              -> Qwen3MoeForCausalLM
+    Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
+    Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
+    Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
+    Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
+    LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
+      LlavaNextForConditionalGeneration,
+      LlavaOnevisionForConditionalGeneration
+    Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
+                                         ministral3             -> Ministral3ForCausalLM
+                                         mistral4               -> Mistral4ForCausalLM
+    MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
+      MiniCPMV4_7ForConditionalGeneration
+    Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
+      Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
+    Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
+      Qwen3OmniMoeForConditionalGeneration (thinker_config.text_config)
+    Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
+    Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
+    Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
+    Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
+    Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
+    Qwen3_5MoeForConditionalGeneration   qwen3_5_moe_text       -> Qwen3_5MoeForCausalLM
+    Qwen4ExpForConditionalGeneration     qwen4_exp_text         -> Qwen4ExpForCausalLM
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+def _modules(*names: str) -> tuple[str, ...]:
+    """Weight-name prefixes of a wrapper's non-text modules, at the top level and under
+    `model.` (transformers 5 and older saves differ)."""
+    return tuple(f"{prefix}{name}." for prefix in ("", "model.") for name in names)
+
+
+_LLAVA_STYLE = _modules("vision_tower", "multi_modal_projector")
+_QWEN_VISUAL = _modules("visual")
+# LLaVA-NeXT: also its image_newline parameter (a name of its own, no dot after it)
+_LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
+_IDEFICS3 = _modules("vision_model", "connector")
+# Gemma 4: vision and audio towers and their embedders into the text space
+_GEMMA4_TOWERS = _modules("vision_tower", "audio_tower", "embed_vision", "embed_audio")
+# Gemma 4 Unified is encoder-free: transformers saves its vision embedder's patch / position
+# parts as `vision_embedder.` beside `embed_vision.` / `embed_audio.`
+_GEMMA4_UNIFIED_EMBEDDERS = _modules("vision_embedder", "embed_vision", "embed_audio")
+# Gemma 3n: the towers (their token embedders load: see `media_embedders`)
+_GEMMA3N_TOWERS = _modules("vision_tower", "audio_tower")
+_LLAMA4_VISION = _modules("vision_model", "multi_modal_projector")
+_KIMI_K25 = _modules("vision_tower", "mm_projector")
+# transformers 5 saves Kimi K2.5 with its vision tower's `blocks` <- `layers` rename applied
+# to the decoder's layers too (and loads them back through it)
+_KIMI_K25_RENAMES = (
+    ("language_model.model.blocks.", "model.layers."),
+    ("model.language_model.blocks.", "model.layers."),
+)
+_MINICPMV = _modules("vision_tower", "merger")
+_HUNYUAN_VL = _modules("vision_tower", "vit")  # transformers 5's, the Hub's
+# Ovis 2.5: transformers 5's names, and the Hub's visual tokenizer and its embedding table
+_OVIS2_5 = (*_LLAVA_STYLE, "visual_tokenizer.", "vte.", "model.vte.")
+# Ovis 2.5's Hub checkpoints keep the language model under `llm.`
+_OVIS2_5_RENAMES = (("llm.model.", "model."), ("llm.lm_head.", "lm_head."))
+# Apertus 1.5: the image and audio tokenizers (their codes embed with the text table)
+_APERTUS1P5_TOKENIZERS = _modules("vision_tokenizer", "audio_tokenizer")
+
+# GLM-4.1V / 4.5V / 4.6V: a Qwen2-VL-style tower under `visual`
+_GLM4V_TEXT = {"glm4v_text": "Glm4ForCausalLM"}
+# Qwen Omni: the thinker's towers, and the talker / vocoder of the whole model (speech output)
+_OMNI_TOWERS = (
+    *_modules("visual", "audio_tower"),
+    *(f"thinker.{p}" for p in _modules("visual", "audio_tower")),
+    "talker.",
+    "token2wav.",  # Qwen2.5-Omni
+    "code2wav.",  # Qwen3-Omni
+)
+# the whole model's thinker: `thinker.model.[language_model.]X` -> `model.X`
+_OMNI_RENAMES = (
+    ("thinker.model.language_model.", "model."),
+    ("thinker.model.", "model."),
+    ("thinker.lm_head.", "lm_head."),
+)
+_QWEN2_5_OMNI_TEXT = {"qwen2_5_omni_text": "Qwen2ForCausalLM"}
+_QWEN3_OMNI_TEXT = {"qwen3_omni_moe_text": "Qwen3MoeForCausalLM"}
+# Qwen3-Omni's thinker attention drops sliding_window, while transformers' cache, built from
+# the same config, keeps only the window: a set window has no one meaning (the Hub's is null)
+_QWEN3_OMNI_REFUSED = ("sliding_window",)
+
+_LLAVA_TEXT = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapper:
+    text_archs: dict[str, str]  # text_config.model_type -> our text *ForCausalLM
+    skipped: tuple[str, ...]  # name prefixes of the vision weights
+    no_final_soft_cap: bool = False  # the wrapper's logits are lm_head(hidden) alone
+    mrope: bool = False  # the text rope is M-RoPE: the ordinary rope on text-only input
+    renormalized_topk: bool = False  # the router renormalizes whatever norm_topk_prob says
+    hub_experts: bool = False  # fused experts may come transposed ([E, H, 2I], [E, I, H])
+    # (sub-config, module): towers whose token ids the wrapper embeds with that module
+    media_embedders: tuple[tuple[str, str], ...] = ()
+    no_logit_scale: bool = False  # the wrapper's logits are lm_head alone, unscaled
+    # (checkpoint prefix, our prefix) of the wrapper's own naming, tried before `_RENAMES`
+    renames: tuple[tuple[str, str], ...] = ()
+    # (field, value): what the wrapper's text model hard-codes, whatever text_config says
+    fixed: tuple[tuple[str, Any], ...] = ()
+    # text_config fields that must be unset (None) to be served
+    refused: tuple[str, ...] = ()
+    # the text model's attention takes head_dim = hidden_size // num_attention_heads
+    head_dim_from_heads: bool = False
+    # M-RoPE sections of the wrapper's own layout (HunyuanOCR's four axes): dropped, text
+    # positions being one on every axis
+    drop_mrope_section: bool = False
+    # the sub-config that holds text_config and the flags (Qwen Omni's `thinker_config`)
+    sub_config: str | None = None
+
+
+WRAPPERS: dict[str, Wrapper] = {
+    # Apertus 1.5: lm_head(text model) as Apertus1p5TextForCausalLM, pruned alike
+    "Apertus1p5ForConditionalGeneration": Wrapper(
+        {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
+    ),
+    "Gemma3ForConditionalGeneration": Wrapper(
+        {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True
+    ),
+    # Aya Vision multiplies lm_head's logits by text_config.logit_scale as Cohere's models do;
+    # Command A Vision's wrapper does not (the copy's logit_scale is 1)
+    "AyaVisionForConditionalGeneration": Wrapper(
+        {"cohere2": "Cohere2ForCausalLM", "cohere": "CohereForCausalLM"}, _LLAVA_STYLE
+    ),
+    "Cohere2VisionForConditionalGeneration": Wrapper(
+        {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True
+    ),
+    # EXAONE 4.5: a Qwen2.5-VL-style tower; text positions are the plain 1-D ones
+    "Exaone4_5_ForConditionalGeneration": Wrapper({"exaone4": "Exaone4ForCausalLM"}, _QWEN_VISUAL),
+    # GLM-4.1V / 4.6V's decoder is GLM-4's (interleaved partial rope, four norms a layer) with
+    # q / k / v biases always and head_dim from the heads; GLM-4.5V's is GLM-4.5's (NeoX
+    # partial rope, no q / k norms whatever use_qk_norm says)
+    "Glm4vForConditionalGeneration": Wrapper(
+        _GLM4V_TEXT,
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("attention_bias", True),),
+        head_dim_from_heads=True,
+    ),
+    "Glm46VForConditionalGeneration": Wrapper(
+        _GLM4V_TEXT,
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("attention_bias", True),),
+        head_dim_from_heads=True,
+    ),
+    "Glm4vMoeForConditionalGeneration": Wrapper(
+        {"glm4v_moe_text": "Glm4MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("use_qk_norm", False),),
+    ),
+    # HunyuanOCR: Hunyuan's dense decoder; its "xdrope" rope is the dynamic-alpha one with
+    # M-RoPE axes, one position on all of them for text
+    "HunYuanVLForConditionalGeneration": Wrapper(
+        {"hunyuan_vl_text": "HunYuanDenseV1ForCausalLM"}, _HUNYUAN_VL, drop_mrope_section=True
+    ),
+    "Idefics2ForConditionalGeneration": Wrapper({"mistral": "MistralForCausalLM"}, _IDEFICS3),
+    # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)
+    "Kimi_K25ForConditionalGeneration": Wrapper(
+        {"deepseek_v3": "DeepseekV3ForCausalLM"}, _KIMI_K25, renames=_KIMI_K25_RENAMES
+    ),
+    "Lfm3VlForConditionalGeneration": Wrapper({"lfm3": "Lfm3ForCausalLM"}, _LLAVA_STYLE),
+    # MiniCPM-V 4.6 / 4.7: Qwen3.5's hybrid decoder, M-RoPE plain on text
+    "MiniCPMV4_6ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _MINICPMV, mrope=True
+    ),
+    "MiniCPMV4_7ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _MINICPMV, mrope=True
+    ),
+    "Ovis2_5ForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _OVIS2_5, renames=_OVIS2_5_RENAMES
+    ),
+    # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
+    # per-layer inputs from the token ids as the text model does.
+    "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
+    "Gemma4UnifiedForConditionalGeneration": Wrapper(
+        {"gemma4_unified_text": "Gemma4UnifiedForCausalLM"}, _GEMMA4_UNIFIED_EMBEDDERS
+    ),
+    # GLM-5.3-Flash: its vision tower under `model.visual.`, as Qwen's
+    "Glm5NextForConditionalGeneration": Wrapper(
+        {"glm5_next_text": "Glm5NextTextForCausalLM"}, _QWEN_VISUAL
+    ),
+    # Gemma 3n soft-caps as its text model does; ids from the vision / audio offsets embed
+    # through those towers' token embedders
+    "Gemma3nForConditionalGeneration": Wrapper(
+        {"gemma3n_text": "Gemma3nForCausalLM"},
+        _GEMMA3N_TOWERS,
+        media_embedders=(("vision_config", "embed_vision"), ("audio_config", "embed_audio")),
+    ),
+    "Llama4ForConditionalGeneration": Wrapper({"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION),
+    # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
+    "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
+    "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # Idefics3, SmolVLM / SmolVLM2: a Llama decoder under `model.text_model`
+    "Idefics3ForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
+    "SmolVLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
+    "InternVLForConditionalGeneration": Wrapper(
+        {
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "llama": "LlamaForCausalLM",
+        },
+        _LLAVA_STYLE,
+    ),
+    "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
+    "Mistral3ForConditionalGeneration": Wrapper(
+        {
+            "mistral": "MistralForCausalLM",
+            "ministral3": "Ministral3ForCausalLM",
+            "mistral4": "Mistral4ForCausalLM",  # Mistral Small 4
+        },
+        _LLAVA_STYLE,
+    ),
+    # Qwen2.5-Omni / Qwen3-Omni: the thinker's language model, alone or inside the whole model
+    # (the talker and vocoder, which speak the thinker's answer, dropped)
+    "Qwen2_5OmniThinkerForConditionalGeneration": Wrapper(
+        _QWEN2_5_OMNI_TEXT, _OMNI_TOWERS, mrope=True, renames=_OMNI_RENAMES
+    ),
+    "Qwen2_5OmniForConditionalGeneration": Wrapper(
+        _QWEN2_5_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        sub_config="thinker_config",
+    ),
+    "Qwen3OmniMoeThinkerForConditionalGeneration": Wrapper(
+        _QWEN3_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        refused=_QWEN3_OMNI_REFUSED,
+    ),
+    "Qwen3OmniMoeForConditionalGeneration": Wrapper(
+        _QWEN3_OMNI_TEXT,
+        _OMNI_TOWERS,
+        mrope=True,
+        renames=_OMNI_RENAMES,
+        refused=_QWEN3_OMNI_REFUSED,
+        sub_config="thinker_config",
+    ),
+    "Qwen2VLForConditionalGeneration": Wrapper(
+        {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen2_5_VLForConditionalGeneration": Wrapper(
+        {"qwen2_5_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen3VLForConditionalGeneration": Wrapper(
+        {"qwen3_vl_text": "Qwen3ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen3VLMoeForConditionalGeneration": Wrapper(
+        {"qwen3_vl_moe_text": "Qwen3MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        renormalized_topk=True,
+        hub_experts=True,
+    ),
+    # Hybrid linear-attention decoders (models/qwen3_next.py). Qwen3.5-MoE's Hub checkpoints
+    # hold per-expert matrices, and its router always renormalizes.
+    "Qwen3_5ForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    "Qwen3_5MoeForConditionalGeneration": Wrapper(
+        {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        renormalized_topk=True,
+    ),
+    "Qwen4ExpForConditionalGeneration": Wrapper(
+        {"qwen4_exp_text": "Qwen4ExpForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+}
+
+# Set on the text config we return: the wrapper it came from (selects the weight mapping).

@@ -98,6 +98,7 @@ from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
+from paged_engine.models.mistral_large4 import MistralLarge4TextForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.mpt import MptForCausalLM
@@ -192,6 +193,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniCPM5MoeForCausalLM": MiniCPM5MoeForCausalLM,
     "MiniCPM5MoEForCausalLM": MiniCPM5MoeForCausalLM,  # the release's config.json spelling
     "Mistral4ForCausalLM": Mistral4ForCausalLM,
+    "MistralLarge4TextForCausalLM": MistralLarge4TextForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,

@@ -235,6 +235,9 @@ class DsaAttention(MlaAttention):
     indexer_cls: type[DsaIndexer] = DsaIndexer
     sparse_cls: type[SparseLatentAttention] = SparseLatentAttention
 
+    # the indexer reads the normed q bottleneck (Mistral Large 4's reads x: False there)
+    needs_q_bottleneck = True
+
     def __init__(
         self,
         config,
@@ -243,7 +246,7 @@ class DsaAttention(MlaAttention):
         choices: Choices,
         neox_index_rope: bool,
     ) -> None:
-        if getattr(config, "q_lora_rank", None) is None:
+        if type(self).needs_q_bottleneck and getattr(config, "q_lora_rank", None) is None:
             raise ValueError("q_lora_rank None: DeepSeek sparse attention reads the q bottleneck")
         super().__init__(config, rope)
         cls = type(self)

@@ -33,6 +33,7 @@ each is exact).
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
+    MistralLarge4ForConditionalGeneration  mistral_large4_text  -> MistralLarge4TextForCausalLM
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
@@ -249,6 +250,17 @@ WRAPPERS: dict[str, Wrapper] = {
             "mistral4": "Mistral4ForCausalLM",  # Mistral Small 4
         },
         _LLAVA_STYLE,
+    ),
+    # Mistral Large 4: transformers saves Mistral's native names (the text class maps them)
+    "MistralLarge4ForConditionalGeneration": Wrapper(
+        {"mistral_large4_text": "MistralLarge4TextForCausalLM"},
+        (
+            *_LLAVA_STYLE,
+            "vision_encoder.",
+            "patch_merger.",
+            "pre_mm_projector_norm.",
+            "vision_language_adapter.",
+        ),
     ),
     # Qwen2.5-Omni / Qwen3-Omni: the thinker's language model, alone or inside the whole model
     # (the talker and vocoder, which speak the thinker's answer, dropped)

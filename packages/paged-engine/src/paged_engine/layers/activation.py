@@ -24,6 +24,22 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class ClampedSiluAndMul(nn.Module):
+    """[.., 2I] (gate | up) -> silu(min(gate, L)) * clamp(up, -L, L) [.., I]: the SwiGLU clamped at
+    swiglu_limit L (DeepSeek-V4, Hy-V4, GLM-5.3-Flash); `after_silu`: min(silu(gate), L) instead
+    (Ling's experts)."""
+
+    def __init__(self, limit: float, after_silu: bool = False) -> None:
+        super().__init__()
+        self.limit, self.after_silu = limit, after_silu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        limit = self.limit
+        act = F.silu(gate).clamp(max=limit) if self.after_silu else F.silu(gate.clamp(max=limit))
+        return act * up.clamp(min=-limit, max=limit)
+
+
 class ActAndMul(nn.Module):
     """x: [T, 2*I] holding (gate | up) -> act(gate) * up: [T, I], for a gated MLP whose config
     names another activation than SiLU (SiluAndMul keeps SiLU's fused kernel)."""

@@ -443,3 +443,31 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.select_experts(x)
         out = self.experts(x, weights, ids)
         return tp_all_reduce(out) if self.experts.tp_size > 1 else out
+
+
+class ActExperts(FusedMoE):
+    """Routed experts whose gated activation is `act` ([.., 2I] gate | up -> [.., I]), run
+    grouped in torch (unquantized weights, eager only: the expert ids are read on the host),
+    each used expert once over its tokens."""
+
+    def __init__(self, act: nn.Module, *args: int | None) -> None:
+        super().__init__(*args)  # FusedMoE's (num_experts, hidden, intermediate[, tp rank, size])
+        self.act = act
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if not isinstance(self.gate_up_proj, torch.Tensor):
+            raise ValueError("clamped SwiGLU experts run unquantized weights only")
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop reads ids
+            raise ValueError("clamped SwiGLU experts cannot run in a CUDA graph (enforce_eager)")
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        out = torch.zeros_like(x)
+        for e in flat.unique().tolist():
+            slots = (flat == e).nonzero().squeeze(1)
+            tokens = slots // k
+            h = self.act(F.linear(x[tokens], self.gate_up_proj[e]))
+            y = F.linear(h, self.down_proj[e]) * topk_weights.reshape(-1)[slots, None]
+            out.index_add_(0, tokens, y.to(x.dtype))
+        return out

@@ -30,9 +30,9 @@ other than SiLU.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.layers.activation import ClampedSiluAndMul
 from paged_engine.layers.deepseek_moe import DeepseekMoe, num_routed_experts
 from paged_engine.layers.glm5_next_attention import Glm5NextDeltaAttention
 from paged_engine.layers.kda import KDA_CONV_RULES
@@ -78,22 +78,9 @@ class HeadGatedMlaAttention(MlaAttention):
         return o * gate.unsqueeze(-1)
 
 
-class PostClampSiluAndMul(nn.Module):
-    """[.., 2I] (gate | up) -> min(silu(gate), L) * clamp(up, -L, L) [.., I]."""
-
-    def __init__(self, limit: float) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        limit = self.limit
-        return F.silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
-
-
 def _clip(limits, layer_idx: int) -> nn.Module | None:
     limit = float((limits or [0] * (layer_idx + 1))[layer_idx])
-    return PostClampSiluAndMul(limit) if limit else None
+    return ClampedSiluAndMul(limit, after_silu=True) if limit else None
 
 
 def bailing_mlp(config, layer_idx: int) -> nn.Module:

@@ -56,10 +56,11 @@ from torch import nn
 
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.layers.activation import ClampedSiluAndMul
 from paged_engine.layers.attention import Attention, AttentionMetadata
 from paged_engine.layers.deepseek_moe import PartialRowLinear, num_routed_experts
 from paged_engine.layers.embedding import VocabParallelEmbedding
-from paged_engine.layers.fused_moe import FusedMoE
+from paged_engine.layers.fused_moe import ActExperts
 from paged_engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -338,36 +339,6 @@ class V4Attention(nn.Module):
         return torch.einsum("nhk,kd->nhd", probs, keys.float()).to(q.dtype)
 
 
-class ClampedExperts(FusedMoE):
-    """The routed experts with V4's clamped SwiGLU, silu(min(g, L)) * clamp(u, -L, L), run
-    grouped in torch (unquantized weights only)."""
-
-    def __init__(self, limit: float, *args: int) -> None:
-        super().__init__(*args)
-        self.limit = limit
-
-    def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        if not isinstance(self.gate_up_proj, torch.Tensor):
-            raise ValueError("DeepSeek-V4's clamped experts run unquantized weights only")
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        out = torch.zeros_like(x)
-        for e in flat.unique().tolist():
-            slots = (flat == e).nonzero().squeeze(1)
-            tokens = slots // k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)
-            h = _clamped_swiglu(gate, up, self.limit)
-            y = F.linear(h, self.down_proj[e]) * topk_weights.reshape(-1)[slots, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
-        return out
-
-
-def _clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
 class SharedExpert(nn.Module):
     """`shared_experts` (w1 | w3 stacked as gate_up_proj, w2 as down_proj) with the clamp;
     [T, H] -> this rank's partial sum."""
@@ -376,11 +347,10 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False)
         self.down_proj = PartialRowLinear(inter, hidden, False)
-        self.limit = limit
+        self.act = ClampedSiluAndMul(limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(_clamped_swiglu(gate, up, self.limit))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
@@ -423,7 +393,8 @@ class V4Moe(nn.Module):
         hidden, inter = config.hidden_size, int(config.moe_intermediate_size)
         limit = float(config.swiglu_limit)
         self.gate = Router(config, hashed)
-        self.experts = ClampedExperts(limit, num_routed_experts(config), hidden, inter)
+        experts = num_routed_experts(config)
+        self.experts = ActExperts(ClampedSiluAndMul(limit), experts, hidden, inter)
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

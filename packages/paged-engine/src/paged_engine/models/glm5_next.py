@@ -35,13 +35,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.layers.activation import ClampedSiluAndMul
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.deepseek_moe import DeepseekMoe, num_routed_experts
-from paged_engine.layers.fused_moe import FusedMoE
+from paged_engine.layers.fused_moe import ActExperts
 from paged_engine.layers.glm5_next_attention import Glm5NextDeltaAttention
 from paged_engine.layers.kda import KDA_CONV_RULES
 from paged_engine.layers.norm import RMSNorm
@@ -56,55 +56,15 @@ from paged_engine.models.utils import CausalLMBase
 INDEXER = ".self_attn.indexer."  # the DSA indexer's weights: not needed within index_topk
 
 
-class ClampedSiluAndMul(nn.Module):
-    """[.., 2I] (gate | up) -> silu(min(gate, L)) * clamp(up, -L, L) [.., I]."""
-
-    def __init__(self, limit: float) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        limit = self.limit
-        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
-
-
-class ActExperts(FusedMoE):
-    """Routed experts whose gated activation is `act` ([.., 2I] gate | up -> [.., I]), run
-    grouped in torch (unquantized weights, eager only: the expert ids are read on the host),
-    each used expert once over its tokens."""
-
-    def __init__(self, act: nn.Module, experts: FusedMoE) -> None:
-        e = experts
-        super().__init__(e.num_experts, e.hidden_size, e.intermediate_size, e.tp_rank, e.tp_size)
-        self.act = act
-
-    def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        if not isinstance(self.gate_up_proj, torch.Tensor):
-            raise ValueError("clamped SwiGLU experts run unquantized weights only")
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the loop reads ids
-            raise ValueError("clamped SwiGLU experts cannot run in a CUDA graph (enforce_eager)")
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        out = torch.zeros_like(x)
-        for e in flat.unique().tolist():
-            slots = (flat == e).nonzero().squeeze(1)
-            tokens = slots // k
-            h = self.act(F.linear(x[tokens], self.gate_up_proj[e]))
-            y = F.linear(h, self.down_proj[e]) * topk_weights.reshape(-1)[slots, None]
-            out.index_add_(0, tokens, y.to(x.dtype))
-        return out
-
-
 def with_activation(
     moe: DeepseekMoe, routed: nn.Module | None, shared: nn.Module | None
 ) -> DeepseekMoe:
     """`moe` with its routed experts' and shared experts' activations replaced (None: kept;
     the routed experts then run grouped in torch, `ActExperts`)."""
     if routed is not None:
-        moe.experts = ActExperts(routed, moe.experts)
+        e = moe.experts
+        moe.experts = ActExperts(routed, e.num_experts, e.hidden_size, e.intermediate_size,
+                                 e.tp_rank, e.tp_size)  # fmt: skip
     if shared is not None and moe.shared_experts is not None:
         moe.shared_experts.act_fn = shared
     return moe

@@ -43,13 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.distributed.parallel_state import get_parallel_state, get_tp_rank
+from paged_engine.layers.activation import ClampedSiluAndMul
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.deepseek_moe import DeepseekMoe, num_routed_experts
 from paged_engine.layers.embedding import VocabParallelEmbedding
+from paged_engine.layers.fused_moe import ActExperts
 from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.deepseek_v4 import ClampedExperts
 from paged_engine.models.deepseek_v32 import (
     Choices,
     DsaAttention,
@@ -223,8 +224,8 @@ class HYV4ForCausalLM(GlmMoeDsaForCausalLM):
         mlp = super().build_mlp(config, layer_idx)
         if isinstance(mlp, DeepseekMoe):
             e = mlp.experts
-            limit = float(config.swiglu_limit)
-            mlp.experts = ClampedExperts(limit, e.num_experts, e.hidden_size, e.intermediate_size)
+            act = ClampedSiluAndMul(float(config.swiglu_limit))
+            mlp.experts = ActExperts(act, e.num_experts, e.hidden_size, e.intermediate_size)
         return mlp
 
     def load_weights(

@@ -17,16 +17,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
+from dsa_checks import PROMPTS, assert_choice_bites, assert_stress_matches_plain
 from hf_reference import (
-    assert_same_greedy,
     assert_tiny_case_matches_hf,
     assert_tp_matches_one_process,
-    engine_greedy,
-    random_token_prompts,
 )
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.testing import tiny_config, write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -50,7 +47,6 @@ CASES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-PROMPTS = [list(range(20, 58)), [5, 9, 33, 71, 2, 8, 100, 41, 77, 3, 12, 90, 4, 60, 61, 62]]
 
 
 def _needs(arch: str) -> None:
@@ -69,25 +65,7 @@ def test_the_choice_bites_in_prefill_and_decode(arch, tmp_path, monkeypatch):
     """Queries that see more than index_topk (6) keys keep exactly 6, in prefill rows and in
     single-row decode steps; a shared layer reuses its full layer's choice."""
     _needs(arch)
-    from paged_engine.models import deepseek_v32
-
-    seen: list[tuple[bool, int, torch.Tensor, torch.Tensor]] = []
-    keep = deepseek_v32.SparseLatentAttention._keep
-
-    def record(self, s, row0, index_q, keys, lengths):
-        chosen = keep(self, s, row0, index_q, keys, lengths)
-        seen.append((self.full, lengths.numel(), lengths.clone(), chosen.sum(-1)))
-        return chosen
-
-    monkeypatch.setattr(deepseek_v32.SparseLatentAttention, "_keep", record)
-    llm = LLM(model=str(write_tiny_model(tmp_path, arch)), dtype="float32")
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for _, _, lengths, kept in seen:
-        assert torch.equal(kept, lengths.clamp(max=6))
-    assert any(rows > 1 and (lengths > 6).any() for _, rows, lengths, _ in seen)  # prefill
-    assert any(rows == 1 and (lengths > 6).all() for _, rows, lengths, _ in seen)  # decode
-    assert {full for full, *_ in seen} == ({True, False} if arch == "glm_moe_dsa" else {True})
+    assert_choice_bites(arch, tmp_path, monkeypatch, shared=arch == "glm_moe_dsa")
 
 
 @pytest.mark.parametrize("arch", CONFIGS)
@@ -100,17 +78,8 @@ def test_tensor_parallel_matches_one_process(arch, tmp_path):
 
 
 def test_chunked_prefill_prefix_cache_and_preemption_match_plain(tmp_path):
-    """Prefill in chunks of 8 over cached prefix blocks, preempted in a small pool: the
-    indexer keys come back from the blocks as the plain engine computed them."""
     _needs("glm_moe_dsa")
-    path = str(write_tiny_model(tmp_path, "glm_moe_dsa", seed=4))
-    shared = list(range(7, 26))
-    prompts = [shared + [30, 31], shared + [40, 41, 42], *random_token_prompts("dsa", 2)]
-    kw = {"model": path, "max_model_len": 64}
-    plain = engine_greedy(prompts, 12, enable_prefix_caching=False, **kw)
-    stress = {"max_num_batched_tokens": 8, "max_num_seqs": 3, "num_gpu_blocks_override": 20}
-    got = engine_greedy(prompts + prompts, 12, block_size=4, **stress, **kw)
-    assert_same_greedy(plain + plain, got)
+    assert_stress_matches_plain("glm_moe_dsa", tmp_path, "dsa")
 
 
 def test_cache_rows_hold_the_indexer_key_on_full_layers(tmp_path):

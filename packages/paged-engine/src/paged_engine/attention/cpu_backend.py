@@ -170,8 +170,8 @@ class CpuBackend(AttentionBackend):
             q = g.fold_queries(query, num_kv_heads, group)  # [Hkv, S, Q*G, D]
             shape = (num_kv_heads, g.num_seqs, g.kv_len, head_dim)
             rows = g.head_kv_index(num_kv_heads, slots_per_head)
-            k = _read(k_rows.index_select(0, rows).view(shape), k_scale, query.dtype)
-            v = _read(v_rows.index_select(0, rows).view(shape), v_scale, query.dtype)
+            k = read_rows(k_rows.index_select(0, rows).view(shape), k_scale, query.dtype)
+            v = read_rows(v_rows.index_select(0, rows).view(shape), v_scale, query.dtype)
             if soft_cap or alibi_slopes is not None:
                 mask = g.mask(local, group)  # [1, S, Q*G or 1, L] bool
                 o = _attend_math(q, k, v, mask, g, scale, soft_cap, alibi_slopes, group, sinks)
@@ -267,7 +267,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
-def _read(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def read_rows(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """Gathered cache entries in the query's dtype: an fp8 cache's dequantized (times scale)."""
     if kv.dtype in FP8_DTYPES:
         return fp8_to_float(kv, scale).to(dtype)

@@ -3,12 +3,12 @@ kernel runs yet: Kolibri 1.1's indexed attention (models/kolibri.py), DeepSeek S
 (models/deepseek_v32.py and the models built on it), DeepSeek-V4's compressed attention
 (models/deepseek_v4.py), Qwen4-Exp's QSA (models/qwen4_exp.py).
 
-Such a layer reads its sequences' rows back from the cache (`block_view`, `read_rows`), picks
-keys (`top_k_mask`) and attends over them in float32 (`attend`), one sequence (and block of
-query rows) at a time: a reference path, quadratic in the context as transformers' is. It
-writes its own cache rows, and under a compiled forward it runs as an opaque operator
-(`TorchAttention`). The choice reads the batch's lengths on the host, so CUDA graphs cannot
-capture it: each such model refuses them.
+Such a layer reads its sequences' rows back from the cache (`block_view`, `gather`, and the CPU
+backend's `read_rows`), picks keys (`top_k_mask`) and attends over them in float32 (`attend`),
+one sequence (and block of query rows) at a time: a reference path, quadratic in the context
+as transformers' is. It writes its own cache rows, and under a compiled forward it runs as an
+opaque operator (`TorchAttention`). The choice reads the batch's lengths on the host, so CUDA
+graphs cannot capture it: each such model refuses them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from paged_engine.attention.backend import AttentionBackend
 from paged_engine.layers import compiled_ops
-from paged_kernels import FP8_DTYPES, fp8_to_float
 
 
 class TorchAttention:
@@ -74,11 +73,6 @@ def step_sequences(md, block_size: int) -> Iterator[tuple[int, int, int, int, to
 def gather(view: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """A sequence's first `length` entries of a `block_view` [num_blocks, block_size, ...]."""
     return view[blocks].flatten(0, 1)[:length]
-
-
-def read_rows(kv: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Gathered cache entries in the model's dtype (an fp8 cache's times its scale)."""
-    return fp8_to_float(kv, scale).to(dtype) if kv.dtype in FP8_DTYPES else kv
 
 
 def attend(

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.attention.cpu_backend import read_rows
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.layers.attention import AttentionMetadata, LatentAttention
 from paged_engine.layers.deepseek_moe import num_routed_experts
@@ -51,7 +52,6 @@ from paged_engine.layers.torch_attention import (
     attend,
     block_view,
     gather,
-    read_rows,
     step_sequences,
     top_k_mask,
 )

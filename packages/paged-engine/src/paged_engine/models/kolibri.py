@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.attention.cpu_backend import read_rows
 from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.attention import Attention, AttentionMetadata
@@ -69,7 +70,6 @@ from paged_engine.layers.torch_attention import (
     attend,
     block_view,
     gather,
-    read_rows,
     step_sequences,
     top_k_mask,
 )

@@ -52,17 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_engine.attention.cpu_backend import read_rows
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.gated_delta_net import GatedDeltaNet, GatedRMSNorm
 from paged_engine.layers.norm import GemmaRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.layers.torch_attention import (
-    attend,
-    block_view,
-    gather,
-    read_rows,
-    step_sequences,
-)
+from paged_engine.layers.torch_attention import attend, block_view, gather, step_sequences
 from paged_engine.models.hybrid import LINEAR_LAYER_TYPES, HybridModel, layer_types
 from paged_engine.models.llama import llama_head_dim, stage_input
 from paged_engine.models.mixtral import check_silu, expert_rules, num_experts

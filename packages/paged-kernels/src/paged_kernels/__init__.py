@@ -29,6 +29,7 @@ from paged_kernels.reference import (
     ref_fused_moe,
     ref_gated_delta_rule,
     ref_gumbel_race,
+    ref_index_topk,
     ref_int4_linear,
     ref_layer_norm,
     ref_logsumexp,
@@ -42,6 +43,7 @@ from paged_kernels.reference import (
     ref_rope_qk,
     ref_selective_scan,
     ref_silu_and_mul,
+    ref_sparse_mla_attention,
     ref_ssd_scan,
     ref_swap_blocks,
     ref_write_kv_cache,
@@ -57,6 +59,7 @@ _KERNELS = {
     "causal_conv1d": "paged_kernels.linear_attention",
     "gated_delta_rule": "paged_kernels.linear_attention",
     "gumbel_race": "paged_kernels.sampling",
+    "index_topk": "paged_kernels.sparse_mla",
     "fused_moe": "paged_kernels.moe",
     "copy_blocks": "paged_kernels.kv_cache",
     "fp8_linear": "paged_kernels.gemm",
@@ -71,6 +74,7 @@ _KERNELS = {
     "rope_qk_": "paged_kernels.rotary",
     "selective_scan": "paged_kernels.mamba1",
     "silu_and_mul": "paged_kernels.activation",
+    "sparse_mla_attention": "paged_kernels.sparse_mla",
     "ssd_scan": "paged_kernels.ssd",
     "swap_blocks": "paged_kernels.kv_cache",
     "uniform_noise": "paged_kernels.sampling",
@@ -97,6 +101,7 @@ __all__ = [
     "fused_moe",
     "gated_delta_rule",
     "gumbel_race",
+    "index_topk",
     "int4_linear",
     "layer_norm",
     "logsumexp",
@@ -114,6 +119,7 @@ __all__ = [
     "ref_fused_moe",
     "ref_gated_delta_rule",
     "ref_gumbel_race",
+    "ref_index_topk",
     "ref_int4_linear",
     "ref_layer_norm",
     "ref_logsumexp",
@@ -127,6 +133,7 @@ __all__ = [
     "ref_rope_qk",
     "ref_selective_scan",
     "ref_silu_and_mul",
+    "ref_sparse_mla_attention",
     "ref_ssd_scan",
     "ref_swap_blocks",
     "ref_write_kv_cache",
@@ -134,6 +141,7 @@ __all__ = [
     "rope_qk_",
     "selective_scan",
     "silu_and_mul",
+    "sparse_mla_attention",
     "ssd_scan",
     "swap_blocks",
     "triton_available",
@@ -155,6 +163,7 @@ if TYPE_CHECKING:
     from paged_kernels.rotary import rope_qk_
     from paged_kernels.sampling import gumbel_race, uniform_noise
     from paged_kernels.softmax import logsumexp
+    from paged_kernels.sparse_mla import index_topk, sparse_mla_attention
     from paged_kernels.ssd import ssd_scan
 
 

@@ -252,6 +252,76 @@ def ref_mla_attention(
     return out
 
 
+def ref_index_topk(
+    index_q: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    key_offset: int,
+    index_heads: int,
+    index_dim: int,
+    topk: int,
+    max_seqlen_k: int,
+    k_scale: float = 1.0,
+) -> torch.Tensor:
+    """DeepSeek Sparse Attention's indexer choice (sparse_mla.py's `index_topk`), one sequence
+    at a time: the slots of each query row's `topk` visible keys by score, best first, ties to
+    the earlier key, -1 padding; [num_q_tokens, min(topk, max_seqlen_k)] int32."""
+    num_tokens, block_size = index_q.shape[0], cache.shape[1]
+    k = min(topk, max_seqlen_k)
+    out = torch.full((num_tokens, k), -1, dtype=torch.int32, device=index_q.device)
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for s, length in enumerate(lens):
+        first, end = cu[s], cu[s + 1]
+        if first == end:
+            continue
+        table = block_tables[s, : -(-length // block_size)].long()
+        slots = table[:, None] * block_size + torch.arange(block_size, device=table.device)
+        slots = slots.flatten()[:length]  # [L]
+        keys = ref_dequantize(cache.flatten(0, 1)[slots, 0, key_offset:][:, :index_dim], k_scale)
+        q = index_q[first:end, : index_heads * index_dim].view(-1, index_heads, index_dim)
+        w = index_q[first:end, index_heads * index_dim : index_heads * (index_dim + 1)]
+        scores = torch.einsum("rhd,ld->rhl", q, keys) * index_dim**-0.5
+        scores = torch.einsum("rh,rhl->rl", w, scores.relu())
+        pos = torch.arange(length - (end - first), length, device=q.device)
+        hidden = torch.arange(length, device=q.device) > pos[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+        values, order = scores.sort(dim=-1, descending=True, stable=True)
+        n = min(k, length)
+        chosen = torch.where(values[:, :n] > float("-inf"), slots[order[:, :n]], -1)
+        out[first:end, :n] = chosen.to(torch.int32)
+    return out
+
+
+def ref_sparse_mla_attention(
+    q: torch.Tensor,  # [num_q_tokens, num_heads, latent + rope]
+    cache: torch.Tensor,  # [num_blocks, block_size, 1, >= latent + rope]
+    indices: torch.Tensor,  # [num_q_tokens, K] slots, -1 = padding
+    scale: float,
+    *,
+    latent_dim: int,
+    k_scale: float = 1.0,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`sparse_mla_attention` in float32 torch: each row's softmax over its slots' scores
+    (and its head's sink), a row with neither outputting 0."""
+    t, h, width = q.shape
+    rows = ref_dequantize(cache.flatten(0, 1)[indices.long().clamp(min=0), 0, :width], k_scale)
+    scores = torch.einsum("thd,tkd->thk", q.float(), rows) * scale  # [T, H, K]
+    scores = scores.masked_fill((indices < 0)[:, None], float("-inf"))
+    if sinks is not None:
+        scores = torch.cat((scores, sinks.float()[None, :, None].expand(t, h, 1)), dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., : indices.shape[1]]
+    result = torch.einsum("thk,tkd->thd", probs, rows[..., :latent_dim])
+    if out is None:
+        out = torch.empty(t, h, latent_dim, dtype=q.dtype, device=q.device)
+    out[..., :latent_dim] = result.to(out.dtype)
+    return out
+
+
 def ref_matmul(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

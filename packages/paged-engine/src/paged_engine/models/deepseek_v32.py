@@ -22,16 +22,20 @@ The cache: a layer's MLA row [latent c | rope(k_pe)] widens to [c | rope(k_pe) |
 (`kv_cache_layout`; a shared layer keeps the plain row), one tensor a layer as every latent
 cache. Everything the indexer reads is then per token and per layer in the paged blocks: prefix
 caching, chunked prefill, preemption (recompute or swap: whole blocks move) and copy-on-write
-carry it with the latent; an fp8 cache stores it with the row's scale. The sparse layers read
-their sequences' rows back and choose and attend in float32 torch, one sequence (and block of
-query rows) at a time, as models/kolibri.py's indexed attention does. Under tensor parallelism
+carry it with the latent; an fp8 cache stores it with the row's scale. On a CUDA device the
+sparse layers run paged_kernels' sparse_mla.py: `index_topk` scores the keys and keeps each query
+row's choice for the whole batch (slots into the paged cache), `sparse_mla_attention` attends
+over those slots alone. Elsewhere they read their sequences' rows back and choose and attend in
+float32 torch, one sequence (and block of query rows) at a time, as models/kolibri.py's indexed
+attention does (the reference the kernels are tested against). Under tensor parallelism
 the latent, the indexer and its inputs are whole and alike on every rank (the hidden state is
 all-reduced), so every rank makes the same choice with no collective.
 
 Refused by name: `q_lora_rank` None (the indexer reads the q bottleneck), `index_head_dim`
 below `qk_rope_head_dim`, `indexer_types` entries other than "full" / "shared" or a "shared"
-first layer, pipeline stages that start on a shared layer, CUDA graphs (the choice reads the
-batch's lengths on the host) and speculative_config method "mtp" (the MTP layer's attention).
+first layer, pipeline stages that start on a shared layer, CUDA graphs (the torch path reads the
+batch's lengths on the host; the kernel path reads none, but its capture is not yet enabled) and
+speculative_config method "mtp" (the MTP layer's attention).
 """
 
 from __future__ import annotations
@@ -66,8 +70,10 @@ from paged_engine.models.utils import CausalLMBase
 
 _MAX_SCORES = 2**24  # float32 scores held at once: rows x (index or attention) heads x keys
 
-# (sequence, first query row) -> that block of rows' choice [R, L], set by a full layer
+# (sequence, first query row) -> that block of rows' choice [R, L], set by a full layer; on
+# the kernel path KERNEL_CHOICE -> the batch's chosen slots [T, K] (-1 padding)
 Choices = dict[tuple[int, int], torch.Tensor]
+KERNEL_CHOICE = (-1, -1)
 
 
 def indexer_types(config) -> list[str]:
@@ -144,7 +150,14 @@ class SparseLatentAttention(TorchAttention, LatentAttention):
     layer's indexer (or, for a shared layer, the last full layer's) chose. Called with the
     absorbed queries q [T, H * (rank + rope)], the rows to write k [T, W] and the indexer's
     queries and weights v [T, Hi * Di + Hi] (a shared layer's v is unread). Never traced: a
-    compiled forward runs it as the opaque attention operator."""
+    compiled forward runs it as the opaque attention operator.
+
+    On a CUDA device (or wherever `kernel_path` is True: interpreter tests) the whole batch
+    goes through paged_kernels' `index_topk` and `sparse_mla_attention`; elsewhere through
+    the per-sequence torch reference (`_keep`, `attend_rows`). The kernel path honours
+    `sinks` (Attention's; Hy-V4's subclass sets them and its own `attend_rows`)."""
+
+    kernel_path: bool | None = None  # None: the kernels on CUDA, the torch reference elsewhere
 
     def __init__(
         self,
@@ -180,6 +193,8 @@ class SparseLatentAttention(TorchAttention, LatentAttention):
                             v_scale=self.k_scale)  # fmt: skip
         rows_cache = block_view(cache, md.backend)  # [num_blocks, block_size, 1, W]
         q = q.view(t, self.num_heads, lat)
+        if self.kernel_path or (self.kernel_path is None and q.is_cuda):
+            return self._run_kernels(q, v, rows_cache, md).view(t, -1)
         out = torch.zeros_like(q)
         if self.full:
             self.choices.clear()
@@ -195,6 +210,31 @@ class SparseLatentAttention(TorchAttention, LatentAttention):
                 keep = self._keep(s, row0, v[rows], seq[:, 0, lat:], lengths)
                 out[rows] = self.attend_rows(q[rows], latent, keep)
         return out.view(t, -1)
+
+    def _run_kernels(
+        self,
+        q: torch.Tensor,  # [T, H, rank + rope]
+        index_q: torch.Tensor,  # [T, Hi * Di + Hi] float32 (full layers)
+        rows_cache: torch.Tensor,  # [num_blocks, block_size, 1, W]
+        md: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H, rank + rope], each head's first `rank` columns defined
+        """The batch at once: a full layer's indexer picks each row's slots (kept in `choices`
+        for the shared layers after it), the kernel attends over them. No host read."""
+        # here, not at the top: the Triton kernels import triton (CPU-only hosts have none)
+        from paged_kernels import index_topk, sparse_mla_attention
+
+        if self.full:
+            heads, dim = self.index_shape
+            self.choices.clear()
+            self.choices[KERNEL_CHOICE] = index_topk(
+                index_q, rows_cache, md.block_tables, md.cu_seqlens_q, md.seq_lens,
+                key_offset=self.latent_width, index_heads=heads, index_dim=dim,
+                topk=self.topk, max_seqlen_k=md.max_seqlen_k, k_scale=self.k_scale,
+            )  # fmt: skip
+        return sparse_mla_attention(
+            q, rows_cache, self.choices[KERNEL_CHOICE], self.scale, latent_dim=self.latent_dim,
+            k_scale=self.k_scale, sinks=self.sinks, out=torch.empty_like(q),
+        )  # fmt: skip
 
     def attend_rows(
         self,

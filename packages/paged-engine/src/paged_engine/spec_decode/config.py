@@ -5,6 +5,7 @@
     {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
     {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
     {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
+    {"method": "gemma4_assistant", "model": "<Gemma 4 assistant>", "num_speculative_tokens": k}
 
 A "model" key without a method implies "draft_model"; without either the method is "ngram".
 
@@ -42,15 +43,15 @@ _KNOWN = {
     "num_speculative_tokens_per_batch_size",
 }
 _DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
-_WITH_MODEL = ("draft_model", "eagle", "eagle3")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "gemma4_assistant")
+_WITH_MODEL = ("draft_model", "eagle", "eagle3", "gemma4_assistant")
 # vLLM's earlier MTP name, and its GPU n-gram proposer (the same proposals)
 _ALIASES = {"deepseek_mtp": "mtp", "ngram_gpu": "ngram"}
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str  # "ngram" | "draft_model" | "eagle" | "eagle3" | "mtp"
+    method: str  # one of METHODS
     num_speculative_tokens: int  # 0 only before the engine read it from a model's config
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
@@ -85,6 +86,10 @@ class SpeculativeConfig:
     @property
     def is_eagle3(self) -> bool:
         return self.method == "eagle3"
+
+    @property
+    def is_gemma4_assistant(self) -> bool:
+        return self.method == "gemma4_assistant"
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:

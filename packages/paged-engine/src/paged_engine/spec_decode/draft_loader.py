@@ -57,6 +57,10 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
             method = "eagle3"
         elif "eagle-" in spec.model.lower():
             method = "eagle"
+        else:  # a Gemma 4 assistant by its architecture
+            from paged_engine.spec_decode.gemma4_assistant import is_gemma4_assistant
+
+            method = "gemma4_assistant" if is_gemma4_assistant(spec.model, config) else None
         if method is not None:
             config.speculative_config = {**given, "method": method}
             spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -82,6 +86,11 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
     elif spec.is_eagle:
         assert spec.model is not None
         check_eagle_head(spec.model, target_hf_config, config)
+    elif spec.is_gemma4_assistant:
+        from paged_engine.spec_decode.gemma4_assistant import check_gemma4_assistant
+
+        assert spec.model is not None
+        check_gemma4_assistant(spec.model, target_hf_config, config)
     elif spec.model is not None:
         check_draft_model(spec.model, target_hf_config, target_tokenizer, config)
     if spec.max_model_len is not None and spec.max_model_len < config.max_model_len:
@@ -162,6 +171,11 @@ def attach_draft_model(
         return
     if spec.is_eagle:
         attach_eagle_head(runner, spec.model)
+        return
+    if spec.is_gemma4_assistant:
+        from paged_engine.spec_decode.gemma4_assistant import attach_gemma4_assistant
+
+        attach_gemma4_assistant(runner, spec.model)
         return
     resolved = resolve_draft(spec.model, config)
     hf_config = load_hf_config(resolved, config.trust_remote_code)

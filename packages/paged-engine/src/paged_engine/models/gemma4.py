@@ -27,6 +27,9 @@ with these differences, each as transformers runs it:
                per-expert scale); tanh-GELU gated experts on their own pre-norm; the two outputs
                post-normed and added, then the layer's post-feedforward norm
     scalar     each layer's output times its `layer_scalar`
+    images     (multimodal/gemma4.py) an image's two-way rows (`md.key_ends`, with
+               use_bidirectional_attention="vision") reach the sliding layers only, the full
+               ones stay causal; image rows read the pad token's per-layer embedding
 
 Not supported, refused by name: `use_bidirectional_attention="all"`, pipeline parallelism with
 KV-shared layers (a layer and the layer whose cache it reads must share a stage), an fp8 KV
@@ -36,6 +39,7 @@ cache with KV-shared layers (worker/kv_scales.py).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -293,6 +297,7 @@ class Gemma4Model(nn.Module):
             self.register_buffer("ple_embed_scale", torch.tensor(p**0.5), persistent=False)
             self.per_layer_model_projection = nn.Linear(d, n * p, bias=False)
             self.per_layer_projection_norm = Olmo2RMSNorm(p, eps)
+            self.pad_id = int(cfg_get(config, "pad_token_id", 0) or 0)  # images' per-layer rows
 
     def _ple_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, L, P]: the token's per-layer embedding and the projected embedding x."""
@@ -314,14 +319,31 @@ class Gemma4Model(nn.Module):
         ple, x = None, hidden
         if hidden is None or self.ple_dim:  # every stage needs the per-layer inputs
             embedded = self.embed_input_ids(input_ids)
-            ple = self._ple_inputs(input_ids, embedded) if self.ple_dim else None
+            if self.ple_dim and hidden is not None and self.stage.start == 0:
+                ple = self._media_ple_inputs(input_ids, embedded, hidden)
+            elif self.ple_dim:
+                ple = self._ple_inputs(input_ids, embedded)
             x = embedded if hidden is None else hidden
+        # Images' two-way rows (md.key_ends) apply to the sliding layers only: full ones causal
+        causal = md if md.key_ends is None else dataclasses.replace(md, key_ends=None, plan=None)
         start = self.stage.start
         for i in range(start, self.stage.end):
             layer_ple = None if ple is None else ple[:, i]
             kv = kv_caches[self.sources[i] - start]
-            x = self.layers[i](positions, x, kv, md, layer_ple)
+            layer_md = md if self.layers[i].self_attn.attn.sliding_window else causal
+            x = self.layers[i](positions, x, kv, layer_md, layer_ple)
         return self.norm(x) if self.stage.is_last else x
+
+    def _media_ple_inputs(
+        self, input_ids: torch.Tensor, embedded: torch.Tensor, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """Per-layer inputs of a first stage given its input rows with image features in
+        (multimodal/gemma4.py; prompt_embeds never reach a model with per-layer inputs): as HF,
+        a feature row (one that is not its token's embedding) takes the pad token's per-layer
+        embedding, and every row projects the rows as given."""
+        media = (hidden != embedded).any(-1)
+        ids = torch.where(media, self.pad_id, input_ids)
+        return self._ple_inputs(ids, hidden)
 
 
 class Gemma4ForCausalLM(CausalLMBase):

@@ -7,12 +7,20 @@
       Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
       Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack),
       Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration (its tower)
+    Glm4vForConditionalGeneration,                "glm4v"       multimodal/glm4v.py
+      Glm4vMoeForConditionalGeneration, Glm46VForConditionalGeneration
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
+    Gemma4ForConditionalGeneration                "gemma4"      multimodal/gemma4.py
+    Llama4ForConditionalGeneration                "llama4"      multimodal/llama4.py
+    AyaVisionForConditionalGeneration             "aya_vision"  multimodal/aya_vision.py
+    Cohere2VisionForConditionalGeneration         "cohere2_vision"  multimodal/aya_vision.py
+    Idefics2ForConditionalGeneration              "idefics2"    multimodal/idefics2.py
+    Kimi_K25ForConditionalGeneration              "kimi_k25"    multimodal/kimi_k25.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -38,15 +46,31 @@ IDEFICS3 = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration
 MISTRAL3 = "Mistral3ForConditionalGeneration"
 INTERNVL = "InternVLForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
+GEMMA4 = "Gemma4ForConditionalGeneration"
+LLAMA4 = "Llama4ForConditionalGeneration"
+GLM4V = (
+    "Glm4vForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration",
+    "Glm46VForConditionalGeneration",
+)
+AYA_VISION = ("AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration")
+IDEFICS2 = "Idefics2ForConditionalGeneration"
+KIMI_K25 = "Kimi_K25ForConditionalGeneration"
 IMAGE_ARCHS = (
     LLAVA,
     LLAVA_NEXT,
     LLAVA_ONEVISION,
     *QWEN2_VL,
+    *GLM4V,
     *IDEFICS3,
     MISTRAL3,
     INTERNVL,
     GEMMA3,
+    GEMMA4,
+    LLAMA4,
+    *AYA_VISION,
+    IDEFICS2,
+    KIMI_K25,
 )
 # the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py), for messages
 VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
@@ -54,12 +78,15 @@ VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
 
 def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
-    "idefics3", "pixtral", "internvl" or "gemma3"."""
+    "glm4v", "idefics3", "pixtral", "internvl", "gemma3", "gemma4", "llama4", "aya_vision",
+    "cohere2_vision", "idefics2" or "kimi_k25"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs or LLAVA_ONEVISION in archs:
         return "llava_next"
     if any(a in QWEN2_VL for a in archs):
         return "qwen2_vl"
+    if any(a in GLM4V for a in archs):
+        return "glm4v"
     if any(a in IDEFICS3 for a in archs):
         return "idefics3"
     if MISTRAL3 in archs or vision_tower_type(config) == "pixtral":
@@ -68,6 +95,16 @@ def image_kind(config: Any) -> str:
         return "internvl"
     if GEMMA3 in archs:
         return "gemma3"
+    if GEMMA4 in archs:
+        return "gemma4"
+    if LLAMA4 in archs:
+        return "llama4"
+    if any(a in AYA_VISION for a in archs):
+        return "cohere2_vision" if AYA_VISION[1] in archs else "aya_vision"
+    if IDEFICS2 in archs:
+        return "idefics2"
+    if KIMI_K25 in archs:
+        return "kimi_k25"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -79,10 +116,14 @@ def vision_tower_type(config: Any) -> str | None:
 def supported_tower(config: Any) -> bool:
     """Whether paged runs the wrapper's vision tower (LLaVA's may be a Pixtral one: not yet)."""
     kind = image_kind(config)
-    if kind == "gemma3":
+    if kind == "gemma4":
+        return vision_tower_type(config) == "gemma4_vision"
+    if kind in ("gemma3", "aya_vision", "cohere2_vision"):
         return vision_tower_type(config) == "siglip_vision_model"
-    if kind in ("qwen2_vl", "idefics3", "pixtral", "internvl"):
+    if kind in ("qwen2_vl", "glm4v", "idefics3", "pixtral", "internvl", "llama4"):
         return True
+    if kind == "kimi_k25":
+        return vision_tower_type(config) == "kimi_k25_vision"
     from paged_engine.multimodal.vision_transformer import TOWERS
 
     return vision_tower_type(config) in TOWERS
@@ -92,6 +133,30 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "kimi_k25":
+        from paged_engine.multimodal.kimi_k25 import KimiImageEncoder
+
+        return KimiImageEncoder(config)
+    if kind == "glm4v":
+        from paged_engine.multimodal.glm4v import Glm4vImageEncoder
+
+        return Glm4vImageEncoder(config)
+    if kind == "idefics2":
+        from paged_engine.multimodal.idefics2 import Idefics2ImageEncoder
+
+        return Idefics2ImageEncoder(config)
+    if kind in ("aya_vision", "cohere2_vision"):
+        from paged_engine.multimodal.aya_vision import AyaVisionImageEncoder
+
+        return AyaVisionImageEncoder(config)
+    if kind == "llama4":
+        from paged_engine.multimodal.llama4 import Llama4ImageEncoder
+
+        return Llama4ImageEncoder(config)
+    if kind == "gemma4":
+        from paged_engine.multimodal.gemma4 import Gemma4ImageEncoder
+
+        return Gemma4ImageEncoder(config)
     if kind == "gemma3":
         from paged_engine.multimodal.gemma3 import Gemma3ImageEncoder
 

@@ -9,6 +9,19 @@
     BoundedLayout   <img>, one run for all tiles, </img> (InternVL)         one per image
     Gemma3Layout    a user's <start_of_image> becomes HF's text around a    one per image,
                     run (Gemma 3; spliced as text, then tokenized)          bidirectional
+    Gemma4Layout    <|image>, a run by the patch grid, <image|> (Gemma 4)   one per image,
+                                                                            bidirectional
+    CohereTiles     <|START_OF_IMG|>, a run and <|IMG_LINE_BREAK|> per     one per tile
+                    tile, <|END_OF_IMG|> (Command A Vision)
+    AyaLayout       "<image>" in the text becomes HF's: TILE_i before each  one per tile
+                    tile's run (Aya Vision; spliced as text, tokenized)
+    Idefics2Layout  HF's <fake_token_around_image> around each view's run  one per view
+                    (Idefics2; spliced as text, tokenized)
+    Llama4Layout    <|image_start|>, a run per tile, separators between,   one per tile
+                    <|image|> before the whole image's run,
+                    <|image_end|> (Llama 4; tokens spliced)
+    KimiLayout      a run of <|media_pad|> by the merged patch grid (Kimi   one per image
+                    K2.5; its processor in torch where HF's needs torchvision)
 
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
@@ -536,12 +549,332 @@ class Gemma3Layout(Layout):
         return out, starts
 
 
+class CohereTiles(TileLayout):
+    """Command A Vision: tiles [3, S, S] (the processor's crops, the whole image last when
+    more than one), <|START_OF_IMG|> (run, <|IMG_LINE_BREAK|>) x tiles <|END_OF_IMG|>."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import aya_vision as aya
+
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None
+        self.tile = aya.tile_tokens(config)
+        self.bounds = token_ids(tokenizer, aya.START, aya.END, aya.LINE_BREAK)
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        tiles = run([image], crop_to_patches=True)["pixel_values"].float()
+        side = _side(self.config)
+        if tiles.dim() != 4 or tuple(tiles.shape[1:]) != (3, side, side) or not len(tiles):
+            raise _shape_error(tiles, f"[tiles, 3, {side}, {side}]")
+        return tiles, (tiles.shape[0],)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        start, end, brk = self.bounds
+        tiles = loaded[1][0]  # type: ignore[index]
+        return [start, *([self.placeholder] * self.tile + [brk]) * tiles, end]
+
+
+class AyaLayout(CohereTiles):
+    """Aya Vision: each "<image>" of the prompt's text (a token or not) becomes
+    AyaVisionProcessor's text (aya_vision.aya_prompt), spliced into the decoded prompt and
+    tokenized again, as HF does on the text. A segment lies between special tokens
+    (<|START_OF_IMG|> ... <|END_OF_IMG|>), so its tokens are the same wherever it lands."""
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        from paged_engine.multimodal.aya_vision import aya_prompt
+
+        text = aya_prompt(loaded[1][0], self.tile)  # type: ignore[index]
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    @property
+    def marker(self) -> int:
+        from paged_engine.multimodal.aya_vision import MARKER
+
+        return self.tokenizer.get_vocab().get(MARKER, -1)
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        from paged_engine.multimodal.aya_vision import MARKER
+
+        tok, tid = self.tokenizer, self.placeholder
+
+        def text(part: list[int]) -> str:
+            return tok.decode(part, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        pieces = text(ids).split(MARKER)
+        if len(pieces) != len(segments) + 1 or tid in ids:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{len(pieces) - 1} {MARKER} placeholder(s) of its own: put one per image "
+                "where it belongs"
+            )
+        joined = [p for piece, s in zip(pieces, segments) for p in (piece, text(s))]
+        out = tok.encode("".join([*joined, pieces[-1]]), add_special_tokens=False)
+        starts, at = [], 0
+        for segment in segments:  # in order, each where its first token begins it
+            while at < len(out) and out[at : at + len(segment)] != segment:
+                at += 1
+            if at >= len(out):
+                raise ValueError("the tokenizer did not keep Aya Vision's image tokens whole")
+            starts.append(at)
+            at += len(segment)
+        if out.count(tid) != sum(s.count(tid) for s in segments):
+            raise ValueError("the prompt's text holds image tokens of its own")
+        return out, starts
+
+
+class Idefics2Layout(Layout):
+    """Idefics2: views [3, h, w] (the crops, then the whole image, with do_image_splitting),
+    each its own run of n <image>; a user's <image> becomes Idefics2Processor's text
+    (idefics2.prompt_text), run on the decoded prompt and tokenized again. Loaded: the
+    processor's padded views and each view's (h, w), flattened; a view's image_size (h, w)."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import idefics2
+
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None  # the user's <image> is the placeholder: never a plain run
+        self.n = idefics2.image_tokens(config)
+        self.fake = token_ids(tokenizer, idefics2.FAKE)[0]
+
+    def length(self, size: Size) -> int:
+        return self.n
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        if size is None or len(size) != 2 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not its (h, w)")
+        return (3, size[0], size[1])
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        out = run([[image]])
+        views = out["pixel_values"][0].float()
+        if views.dim() != 4 or views.shape[1] != 3:
+            raise _shape_error(views, "[views, 3, H, W]")
+        masks = out.get("pixel_attention_mask")  # none with do_pad off: views unpadded
+        masks = torch.ones(views.shape[0], *views.shape[2:]) if masks is None else masks[0]
+        if tuple(masks.shape) != (views.shape[0], *views.shape[2:]):
+            raise _shape_error(masks, f"{(views.shape[0], *views.shape[2:])} (the mask)")
+        sizes = [(int(m[:, 0].sum()), int(m[0].sum())) for m in masks]  # padding: bottom, right
+        return views, tuple(x for hw in sizes for x in hw)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        views = loaded[0].shape[0]
+        return [self.fake, *([self.placeholder] * self.n + [self.fake]) * views]
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        views, sizes = loaded
+        assert sizes is not None
+        out = []
+        for i, start in enumerate(run_starts(segment, self.placeholder)):
+            h, w = sizes[2 * i], sizes[2 * i + 1]
+            view = views[i, :, :h, :w].contiguous()
+            out.append(ImageInput(view, at + start, self.n, digest(view, (h, w)), (h, w)))
+        return out
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The decoded prompt with Idefics2Processor's replacement, tokenized again; a
+        segment starts at the <fake_token_around_image> before its first run (one a
+        neighbouring image's may share)."""
+        from paged_engine.multimodal.idefics2 import IMAGE, prompt_text
+
+        tok, tid = self.tokenizer, self.placeholder
+        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        marks = text.count(IMAGE)
+        if marks != len(segments) or ids.count(tid) != len(segments):
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{marks} {IMAGE} placeholder(s): put one per image where it belongs"
+            )
+        views = [s.count(tid) // self.n for s in segments]
+        out = tok.encode(prompt_text(text, marks, views, self.n), add_special_tokens=False)
+        runs = run_starts(out, tid)
+        if len(runs) != sum(views) or any(out[r - 1] != self.fake for r in runs):
+            raise ValueError("the tokenizer did not keep Idefics2's image tokens whole")
+        firsts = [sum(views[:i]) for i in range(len(views))]
+        return out, [runs[k] - 1 for k in firsts]
+
+
+class Llama4Layout(TileLayout):
+    """Llama 4: tiles [3, S, S] (rows x cols, then the whole image when more than one), each
+    its own run of <|patch|>; a user's <|image|> becomes Llama4Processor's special tokens
+    around them (llama4.image_tokens: no text merges across them, so tokens are spliced);
+    size = (rows, cols)."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import llama4
+
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None
+        self.tile = llama4.tile_tokens(config)
+        names = (llama4.START, llama4.END, llama4.IMAGE, llama4.TILE_X, llama4.TILE_Y)
+        self.ids = dict(zip(names, token_ids(tokenizer, *names), strict=True))
+        if placeholder in self.ids.values():
+            raise ValueError(f"image_token_index={placeholder} must be <|patch|>'s id")
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        out = run([image])
+        rows, cols = (int(v) for v in out["aspect_ratios"][0])
+        pixels = out["pixel_values"].float()
+        views = rows * cols + 1 if rows * cols > 1 else 1
+        side = _side(self.config)
+        if tuple(pixels.shape) != (views, 3, side, side):
+            raise _shape_error(pixels, f"{(views, 3, side, side)} ({rows} x {cols} tiles)")
+        return pixels, (rows, cols)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        from paged_engine.multimodal.llama4 import image_tokens
+
+        rows, cols = loaded[1]  # type: ignore[misc]
+        return image_tokens(rows, cols, self.tile, self.placeholder, self.ids)
+
+    @property
+    def marker(self) -> int:
+        from paged_engine.multimodal.llama4 import IMAGE
+
+        return self.ids[IMAGE]
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Each <|image|> replaced by its image's tokens; ValueError unless there is one per
+        image and the prompt holds no <|patch|> of its own."""
+        mark = self.marker
+        marks = [i for i, t in enumerate(ids) if t == mark]
+        if len(marks) != len(segments) or self.placeholder in ids:
+            raise ValueError(
+                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+                f"{len(marks)} <|image|> token(s) (id {mark}) and "
+                f"{ids.count(self.placeholder)} <|patch|> of its own: put one <|image|> per "
+                "image where it belongs"
+            )
+        out: list[int] = []
+        starts: list[int] = []
+        last = 0
+        for i, segment in zip(marks, segments, strict=True):
+            out += ids[last:i]
+            starts.append(len(out))
+            out += segment
+            last = i + 1
+        return out + ids[last:], starts
+
+
+class KimiLayout(Layout):
+    """Kimi K2.5: patches [h * w, 3, p, p] (row-major), a run of one <|media_pad|> per m x m
+    block of them (multimodal/kimi_k25.py); size = the grid (1, h, w). 1-D positions."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import kimi_k25
+
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+        self.patch = int(config.vision_config.patch_size)
+        self.merge = kimi_k25.merge_size(config)
+        self.local = kimi_k25.local_processor(config)  # None: transformers' processor runs
+
+    def length(self, size: Size) -> int:
+        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (1, h, w)")
+        if size[1] % self.merge or size[2] % self.merge:
+            raise ValueError(f"multi_modal_data['image']: grid {size} is not in merge blocks")
+        return size[1] * size[2] // self.merge**2
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 3
+        return (size[1] * size[2], 3, self.patch, self.patch)
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        from paged_engine.multimodal.kimi_k25 import load_image
+
+        pixels, grid = load_image(self.local, run, image)
+        if tuple(pixels.shape) != self.pixel_shape(grid):
+            raise _shape_error(pixels, self.pixel_shape(grid))
+        return pixels, grid
+
+
+class Gemma4Layout(Layout):
+    """Gemma 4: an image's patches [h * w, 3 * p * p] (the processor's aspect-kept resize to an
+    h x w patch grid, its padding rows dropped), size (h, w); its <|image|> becomes <|image> +
+    <|image|> x (h * w / k^2) + <image|> (HF's processor replaces the token in the text; all
+    three are special, so this is the same on the ids). With use_bidirectional_attention
+    "vision" its `ImageInput` is `bidirectional`, so one step must hold the run; runs differ by
+    image, so the layout's own flag (the engine's start-time check of one fixed run against
+    max_num_batched_tokens) stays off and a longer run stops the scheduler, naming the request."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import gemma4
+
+        gemma4.check_config(config)
+        self.config = config
+        self.placeholder = placeholder
+        self.bounds = (int(config.boi_token_id), int(config.eoi_token_id))
+        self.two_way = gemma4.bidirectional(config)  # the ImageInputs' `bidirectional`
+        self.fixed = None
+
+    def length(self, size: Size) -> int:
+        from paged_engine.multimodal import gemma4
+
+        if size is None or len(size) != 2 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not a patch grid")
+        return gemma4.image_tokens(self.config, size)
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        from paged_engine.multimodal import gemma4
+
+        assert size is not None and len(size) == 2
+        return (size[0] * size[1], gemma4.patch_dim(self.config))
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        out = run([image])
+        where = out["image_position_ids"][0]  # [max patches, 2] (column, row); -1: padding
+        real = int((where >= 0).all(-1).sum())
+        w, h = (int(v) + 1 for v in where[:real].amax(0))
+        pixels = out["pixel_values"][0][:real].float()
+        if real != h * w or tuple(pixels.shape) != self.pixel_shape((h, w)):
+            raise _shape_error(pixels, self.pixel_shape((h, w)))
+        n = self.length((h, w))
+        if n != int(out["num_soft_tokens_per_image"][0]):
+            raise ValueError(
+                f"the image processor's pooling_kernel_size gives other soft tokens than the "
+                f"tower's {n}: check preprocessor_config.json"
+            )
+        return pixels.contiguous(), (h, w)
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        start, end = self.bounds
+        return [start, *([self.placeholder] * self.length(loaded[1])), end]
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        pixels, size = loaded
+        n = self.length(size)
+        return [
+            ImageInput(pixels, at + 1, n, digest(pixels, size), size, bidirectional=self.two_way)
+        ]
+
+    def fits(self, m: ImageInput) -> bool:
+        return m.bidirectional == self.two_way and super().fits(m)
+
+
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
     "llava_next": AnyResLayout,
     "qwen2_vl": QwenLayout,
+    "glm4v": QwenLayout,  # GLM-4.1V / 4.5V / 4.6V: Qwen2-VL's runs and M-RoPE table
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,
     "gemma3": Gemma3Layout,
+    "gemma4": Gemma4Layout,
+    "aya_vision": AyaLayout,
+    "cohere2_vision": CohereTiles,
+    "idefics2": Idefics2Layout,
+    "llama4": Llama4Layout,
+    "kimi_k25": KimiLayout,
 }

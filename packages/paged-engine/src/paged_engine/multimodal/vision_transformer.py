@@ -28,6 +28,7 @@ TOWERS = {
     "siglip_vision_model": False,
     "idefics3_vision": False,
     "smolvlm_vision": False,
+    "idefics2_vision": False,  # its ids by each view's grid (multimodal/idefics2.py)
 }
 # towers whose position ids are bucketed fractions of the patch grid (transformers' Idefics3)
 _BUCKETED = ("idefics3_vision", "smolvlm_vision")
@@ -41,6 +42,16 @@ def _bucketed_position_ids(side: int) -> torch.Tensor:
     coords = (torch.arange(side, dtype=torch.float32)[None, :] * step[:, None])[0]
     bucket = torch.bucketize(coords.clamp(max=1.0 - 1e-6), boundaries, right=True)
     return (bucket[:, None] * side + bucket[None, :]).flatten()
+
+
+def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
+    """[N, side^2, D] (patches row-major) -> [N, (side / s)^2, s * s * D]: each s x s block of
+    patches one row, blocks row-major, patch (a, b) of a block at features (a * s + b) * D
+    (Aya Vision's and Command A Vision's projectors; Idefics3's connector computes the same)."""
+    n, length, dim = x.shape
+    side = round(length**0.5)
+    x = x.reshape(n, side // s, s, side // s, s, dim).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, (side // s) ** 2, s * s * dim)
 
 
 class VisionAttention(nn.Module):

@@ -1,0 +1,270 @@
+"""Images through Aya Vision and Command A Vision checkpoints (multimodal/aya_vision.py) against
+HF transformers.
+
+Tiny random wrappers over the tiny Cohere 2 decoder (a sliding layer of window 8, shorter
+than a tile's run, and a NoPE full layer; logit_scale 0.5, which Aya Vision's wrapper applies
+and Command A Vision's drops): 32-pixel tiles of 4-pixel SigLIP patches, pixel shuffle by 2
+(16 rows a tile), up to 4 tiles and the whole image, a SwiGLU projector of width 48 (not the
+text width). Aya Vision reads hidden_states[-2] of a 3-layer tower (no post_layernorm) through
+a LayerNorm; Command A Vision the last layer after post_layernorm, with no LayerNorm.
+`LLM.generate` with `multi_modal_data` must give HF's prompt ids (AyaVisionProcessor's on the
+text; Command A Vision's rule written out: its processor's image processor needs torchvision)
+and HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32). Then the engine's paths
+against the plain run, TP=2, the server's chat path, and bad input.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+
+from paged_engine.multimodal.aya_vision import END, LINE_BREAK, PATCH, START
+from paged_engine.testing import (
+    _COMMON,
+    TINY_VOCAB_SIZE,
+    _save_random,
+    build_tiny_tokenizer,
+    tiny_config,
+)
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.aya_vision")
+pytest.importorskip("transformers.models.cohere2_vision")
+Image = pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+TILE_ROWS = 16  # (32 / 4 / 2)^2
+TURN = "<|START_OF_TURN_TOKEN|>"
+USER, BOT, END_TURN = "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"
+MARK = {"aya": "<image>", "cohere2": PATCH}  # what each prompt writes for an image
+
+
+def _prompt(arch: str, body: str) -> str:
+    return f"<|bos|>{TURN}{USER}{body.format(img=MARK[arch])}{END_TURN}{TURN}{BOT}"
+
+
+def _template(arch: str) -> str:
+    return (
+        "{{ bos_token }}{% for message in messages %}" + TURN + "{% if message['role'] == "
+        f"'user' %}}{USER}{{% else %}}{BOT}{{% endif %}}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' %}}{MARK[arch]}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}{% endif %}" + END_TURN + "{% endfor %}"
+        "{% if add_generation_prompt %}" + TURN + BOT + "{% endif %}"
+    )
+
+
+PROMPT = "{img}What is in it?"
+TWO = "{img} and {img}Which is brighter?"
+TEXT = "Say something about the sea."
+
+
+def write_tiny(path: Path, arch: str, seed: int) -> Path:
+    """A tiny random AyaVisionForConditionalGeneration ("aya": its AyaVisionProcessor saved)
+    or Cohere2VisionForConditionalGeneration ("cohere2": tokenizer and image processor), each
+    with GotOcr2's PIL image processor (crop_to_patches: up to 4 tiles and the whole image)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    specials = [START, END, PATCH, LINE_BREAK, TURN, USER, BOT, END_TURN]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    text = tiny_config("cohere2", vocab_size=len(tokenizer)).to_dict()
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 64}
+    vision |= {"num_hidden_layers": 3, "num_attention_heads": 4, "image_size": 32}
+    vision |= {"patch_size": 4, "vision_use_head": False}
+    fields = {"text_config": text, "vision_config": vision, "downsample_factor": 2, **_COMMON}
+    fields |= {"alignment_intermediate_size": 48}
+    image_id = tokenizer.convert_tokens_to_ids(PATCH)
+    if arch == "aya":
+        config = transformers.AyaVisionConfig(
+            **fields, image_token_index=image_id, vision_feature_layer=-2
+        )
+        model_cls = transformers.AyaVisionForConditionalGeneration
+    else:
+        config = transformers.Cohere2VisionConfig(**fields, image_token_id=image_id)
+        model_cls = transformers.Cohere2VisionForConditionalGeneration
+    _save_random(model_cls, config, seed, path)
+    image_processor = transformers.GotOcr2ImageProcessorPil(
+        size={"height": 32, "width": 32}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    tokenizer.chat_template = _template(arch)
+    if arch == "aya":
+        _aya_processor(image_processor, tokenizer).save_pretrained(path)
+    else:
+        image_processor.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+def _aya_processor(image_processor, tokenizer):
+    # 32-pixel tiles of 8-pixel (4 x pixel shuffle 2) units: 16 placeholders a tile
+    return transformers.AyaVisionProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=8,
+        img_size=32,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(arch: str) -> Path:
+        if arch not in cache:
+            seed = 3 if arch == "aya" else 4
+            cache[arch] = write_tiny(tmp_path_factory.mktemp(arch), arch, seed)
+        return cache[arch]
+
+    return make
+
+
+def _hf_inputs(path: Path, arch: str, text: str, images: list) -> tuple[list[int], dict]:
+    """HF's prompt ids and pixels: AyaVisionProcessor itself; for Command A Vision,
+    Cohere2VisionProcessor's rule (each image token -> <|START_OF_IMG|>, a run and
+    <|IMG_LINE_BREAK|> per tile, <|END_OF_IMG|>) on the image processor's tiles."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if not images:
+        return tok.encode(text, add_special_tokens=False), {}
+    if arch == "aya":
+        processor = transformers.AutoProcessor.from_pretrained(path)
+        out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+        return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"]}
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    out = image_processor(images=images, return_tensors="pt", crop_to_patches=True)
+    pieces = text.split(PATCH)
+    for i, tiles in enumerate(out["num_patches"].tolist()):
+        pieces[i] += START + (PATCH * TILE_ROWS + LINE_BREAK) * tiles + END
+    ids = tok.encode("".join(pieces), add_special_tokens=False)
+    return ids, {"pixel_values": out["pixel_values"]}
+
+
+def _model(path: Path, arch: str):
+    name = "AyaVision" if arch == "aya" else "Cohere2Vision"
+    cls = getattr(transformers, f"{name}ForConditionalGeneration")
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("arch", ["aya", "cohere2"])
+def test_images_match_hf(dirs, arch):
+    path = dirs(arch)
+    model = _model(path, arch)
+    cases = [
+        (_prompt(arch, PROMPT), [noise_image(1, (40, 90))]),  # 2 x 1 tiles and the whole image
+        (_prompt(arch, TEXT), []),
+        (_prompt(arch, TWO), [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # one tile
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(path, arch, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    assert refs[0][0].count(model.config.image_token_id) == 3 * TILE_ROWS
+    check_matches_hf(path, cases, refs, arch)
+
+
+@pytest.mark.parametrize("arch", ["aya", "cohere2"])
+def test_engine_paths_match_the_plain_run(dirs, arch):
+    """The engine's paths through tiles against its plain run (image_checks); one image short,
+    features instead of images, a wrong kind and too many images: ValueErrors naming
+    multi_modal_data, the engine still serving."""
+    path = dirs(arch)
+    prompts = [
+        {
+            "prompt": _prompt(arch, PROMPT),
+            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
+        }
+        for i in range(3)
+    ] + [
+        {
+            "prompt": _prompt(arch, TWO),
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+    cached = check_engine_paths(path, prompts, _prompt(arch, TWO))
+    pics = prompts[-1]["multi_modal_data"]["image"]
+    short = "2 <image> placeholder" if arch == "aya" else "2 image placeholder"
+    for bad, match in [
+        ({"prompt": _prompt(arch, TWO), "multi_modal_data": {"image": pics[:1]}}, short),
+        ({**prompts[0], "multi_modal_data": {"image": torch.zeros(16, 64)}}, "embeddings"),
+        ({**prompts[0], "multi_modal_data": {"image": "a.png"}}, "PIL.Image"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    limited = engine(path, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
+    out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def test_tensor_parallel_matches_one_process(dirs):
+    """TP=2 (the tower replicated, the decoder sharded) gives the one-process tokens and
+    logprobs, with chunks through the tiles."""
+    path = dirs("aya")
+    prompts = [
+        {
+            "prompt": _prompt("aya", TWO),
+            "multi_modal_data": {"image": [noise_image(11, (30, 70)), noise_image(12, (30, 30))]},
+        }
+    ]
+    kw = {"max_num_batched_tokens": 24, "enable_chunked_prefill": True}
+    (one,) = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
+    llm = engine(path, **kw, tensor_parallel_size=2)
+    try:
+        (two,) = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids
+    for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs, strict=True):
+        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
+            {t: p.logprob for t, p in b.items()}, abs=1e-4
+        )
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("arch", ["aya", "cohere2"])
+def test_server_chat_gives_the_offline_tokens(dirs, arch):
+    """A chat request with a data: URL image part: the offline tokens and prompt ids of the
+    chat template's prompt; two images over --limit-mm-per-prompt a 400 naming messages."""
+    pytest.importorskip("paged_server")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
+    server_proc = importlib.import_module("server_proc")
+    llm = engine(dirs(arch), num_gpu_blocks_override=64, limit_mm_per_prompt={"image": 1})
+    picture = noise_image(5, (40, 72))
+
+    def ask(*parts: dict) -> list[dict]:
+        return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
+
+    want = server_proc.offline_chat(llm, ask({"type": "image"}), {"image": picture}, 6)
+    part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    request = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    try:
+        with server_proc.serve_in_process(server_proc.COMMON_ARGS, llm.llm_engine) as (http, _):
+            body = {**request, "messages": ask(part), "return_token_ids": True}
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == want.ids
+            assert out["prompt_token_ids"] == want.prompt_ids
+            body = {**request, "messages": ask(part, part)}
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            assert status == 400 and out["error"]["param"] == "messages", out
+    finally:
+        llm.llm_engine.shutdown()

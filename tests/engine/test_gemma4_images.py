@@ -1,0 +1,298 @@
+"""Images through Gemma 4 checkpoints (multimodal/gemma4.py) against HF transformers.
+
+A tiny random `Gemma4ForConditionalGeneration`: the tiny Gemma 4 text model (sliding window 8,
+shorter than an image's run; per-layer inputs; KV-shared layers) with
+use_bidirectional_attention="vision", and a 2-layer tower of 2-pixel patches pooled 3 x 3 with
+grouped KV heads, clipped projections (bounds that bite), standardized output and a rope base
+of 50; the image processor keeps each image's aspect ratio within 70 soft tokens. `LLM.generate`
+with `multi_modal_data` must give Gemma4Processor's prompt ids and HF `generate`'s greedy tokens
+and top-5 logprobs (1e-3, float32). Then the engine's paths against its plain run, TP=2, the
+server's chat path with a data: URL, and bad input.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import assert_same_greedy, hf_greedy
+from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+
+from paged_engine.core.scheduler import SchedulerStuckError
+from paged_engine.testing import (
+    _COMMON,
+    TINY_VOCAB_SIZE,
+    _quiet_progress,
+    _randomize,
+    build_tiny_tokenizer,
+    tiny_config,
+)
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.gemma4")
+pytest.importorskip("PIL.Image")
+if not hasattr(transformers, "Gemma4ImageProcessorPil"):
+    pytest.skip("transformers lacks Gemma 4's image processor", allow_module_level=True)
+
+MAX_TOKENS = 8
+TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+}
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+PROMPT = "<|bos|><|turn>user\nWhat is in it?<|image|><turn|>\n<|turn>model\n"
+# the image within the last token's sliding window (8): the full layers' causal image rows reach
+# the logits through the sliding layer after them
+NEAR = "<|bos|>Look:<|image|>\n"
+TWO = "<|bos|><|turn>user\n<|image|> and <|image|>\nWhich is brighter?<turn|>\n<|turn>model\n"
+TEXT = "<|bos|><|turn>user\nSay something about the sea.<turn|>\n<|turn>model\n"
+SOFT_TOKENS = 70  # the image processor's max_soft_tokens (its smallest allowed)
+
+
+def write_tiny_gemma4_vlm(path: Path, seed: int = 0) -> Path:
+    """The checkpoint of the module doc, with its image processor and tokenizer (HF's
+    Gemma4Processor needs a video processor, i.e. torchvision: `hf_processor` builds it
+    without one)."""
+    path.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    specials = [*TOKENS.values(), "<|video|>", "<|turn>", "<turn|>"]
+    base.add_special_tokens({"additional_special_tokens": specials})
+    base.save_pretrained(path)
+    tok = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=TOKENS)
+    ids = {k: tok.convert_tokens_to_ids(v) for k, v in TOKENS.items()}
+    vocab = len(tok)  # the per-layer table covers the special tokens too
+    text = tiny_config(
+        "gemma4",
+        vocab_size=vocab,
+        vocab_size_per_layer_input=vocab,
+        use_bidirectional_attention="vision",
+    ).to_dict()
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "patch_size": 2,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 64,
+        "use_clipped_linears": True,
+        "standardize": True,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 50.0},
+    }
+    config = transformers.Gemma4Config(
+        text_config=text,
+        vision_config=vision,
+        audio_config=None,
+        image_token_id=ids["image_token"],
+        boi_token_id=ids["boi_token"],
+        eoi_token_id=ids["eoi_token"],
+        audio_token_id=ids["audio_token"],
+        boa_token_id=ids["boa_token"],
+        eoa_token_index=ids["eoa_token"],
+        video_token_id=tok.convert_tokens_to_ids("<|video|>"),
+        **_COMMON,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma4ForConditionalGeneration(config).to(torch.float32)
+    _randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # buffers HF leaves empty or unbounded: values that change outputs
+        for name, b in model.named_buffers():
+            if name.endswith("std_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen))
+            elif name.endswith("std_scale"):
+                b.copy_(1 + 0.3 * torch.randn(b.shape, generator=gen))
+            elif name.endswith(("_max", "_min")):
+                b.fill_(1.5 if name.endswith("_max") else -1.5)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    pil = transformers.Gemma4ImageProcessorPil
+    pil(patch_size=2, pooling_kernel_size=3, max_soft_tokens=SOFT_TOKENS).save_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+class _NoVideoProcessor(transformers.Gemma4Processor):
+    """Gemma4Processor without its video processor (which needs torchvision)."""
+
+    def check_argument_for_proper_class(self, name, arg):
+        if name == "video_processor" and arg is None:
+            return None
+        return super().check_argument_for_proper_class(name, arg)
+
+
+def hf_processor(path):
+    return _NoVideoProcessor(
+        feature_extractor=transformers.Gemma4AudioFeatureExtractor(),
+        image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+        video_processor=None,
+        image_seq_length=SOFT_TOKENS,
+    )
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_gemma4_vlm(tmp_path_factory.mktemp("gemma4"), seed=3)
+
+
+def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
+    processor = hf_processor(path)
+    if not images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    out = processor(text=[text], images=[images], return_tensors="pt")
+    keys = ("pixel_values", "image_position_ids", "mm_token_type_ids")
+    return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+
+
+def test_images_match_hf(path):
+    """A wide image, text alone, a tall and a small one (each its own grid and run), and an
+    image just before the last token; the prompts given as text and as HF's expanded ids."""
+    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model.eval().generation_config.eos_token_id = None
+    cases = [
+        (PROMPT, [noise_image(1, (40, 90))]),
+        (TEXT, []),
+        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),
+        (NEAR, [noise_image(4, (50, 50))]),
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(path, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    check_matches_hf(path, cases, refs, "gemma4")
+
+
+def test_engine_paths_and_bad_input(path):
+    """Chunks that must move to an image's edges, prefix-cache hits, images processed ahead
+    (image_checks); too many images for the prompt, features instead of an image, audio and
+    video are ValueErrors naming what is wrong, an image longer than a step's budget stops the
+    scheduler; the engine keeps serving."""
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80))}}
+        for i in range(3)
+    ] + [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+    cached = check_engine_paths(path, prompts, TWO, chunk=SOFT_TOKENS + 4)
+    pics = prompts[-1]["multi_modal_data"]["image"]
+    for bad, match in [
+        ({"prompt": PROMPT, "multi_modal_data": {"image": pics}}, "2 image"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(16, 64)}}, "embeddings"),
+        ({"prompt": PROMPT, "multi_modal_data": {"audio": [0.0] * 160}}, "'audio'"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [pics[0]] * 2}}, "video"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    # a step must hold an image's whole run (it attends both ways): a budget below it stops
+    # the scheduler, which names the request; the engine serves on
+    small = engine(path, max_num_batched_tokens=40, enable_chunked_prefill=True)
+    with pytest.raises(SchedulerStuckError, match="max_num_batched_tokens"):
+        small.generate([prompts[2]], greedy(0), use_tqdm=False)
+    assert len(small.generate([TEXT], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_backends_agree(path, backend):
+    """The torch reference and the Triton kernel (in its interpreter) give the CPU backend's
+    tokens and logprobs: the sliding layers read the images' key ends, the full ones not."""
+    prompts = [{"prompt": NEAR, "multi_modal_data": {"image": noise_image(6, (24, 40))}}]
+    want = engine(path).generate(prompts, greedy(5, 3), use_tqdm=False)[0].outputs[0]
+    got = engine(path, attention_backend=backend).generate(prompts, greedy(5, 3), use_tqdm=False)
+    _same_logprobs(want, got[0].outputs[0])
+
+
+def _same_logprobs(want, got) -> None:
+    assert_same_greedy([want], [got])
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
+        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
+            {t: p.logprob for t, p in b.items()}, abs=1e-4
+        )
+
+
+def test_tensor_parallel_matches_one_process(path):
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(11, (30, 50))] * 2}}]
+    kw = {"max_num_batched_tokens": 80, "enable_chunked_prefill": True}
+    (one,) = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
+    llm = engine(path, tensor_parallel_size=2, **kw)
+    try:
+        (two,) = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    _same_logprobs(one.outputs[0], two.outputs[0])
+
+
+def test_chat_data_url_gives_the_offline_tokens(path):
+    """The server's chat path: an image_url part with a data: URL gives the offline tokens and
+    prompt (the chat template's <|image|> expanded by the image's grid)."""
+    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    llm = engine(path)
+    tok = llm.get_tokenizer()
+    picture = noise_image(12, (40, 72))
+    question = [{"type": "text", "text": "What is in it?"}, {"type": "image"}]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == PROMPT
+    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
+    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
+    buf = io.BytesIO()
+    picture.save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    content = [question[0], {"type": "image_url", "image_url": {"url": url}}]
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+    finally:
+        llm.llm_engine.shutdown()
+    assert status == 200, out
+    assert out["prompt_token_ids"] == want.prompt_token_ids
+    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+
+
+def test_config_refusals(path):
+    """What the tower does not run is refused by the config field's name."""
+    from paged_engine.multimodal.gemma4 import Gemma4ImageEncoder
+
+    for field, value, match in [
+        ("rope_parameters", {"rope_type": "default", "rope_theta": 1.0}, "rope_type"),
+        ("head_dim", 18, "head_dim"),
+    ]:
+        config = transformers.AutoConfig.from_pretrained(path)
+        setattr(config.vision_config, field, value)
+        with pytest.raises(ValueError, match=match):
+            Gemma4ImageEncoder(config)

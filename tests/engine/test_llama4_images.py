@@ -1,0 +1,257 @@
+"""Images through Llama 4 checkpoints (multimodal/llama4.py) against HF transformers.
+
+A tiny random `Llama4ForConditionalGeneration`: 32-pixel tiles of 8-pixel patches (a 4 x 4 grid
+with its CLS token last, 2-D rope of theta 100), pixel shuffle by 2 (4 rows a tile), at most 4
+tiles plus the whole image; its text model is the tiny Llama 4 (chunked attention of 12 keys,
+shorter than the prompts; a NoPE layer with query temperature from position 3; MoE and dense
+layers). `LLM.generate` with `multi_modal_data` must give Llama4Processor's prompt ids
+(<|image_start|>, tile runs with their separators, <|image|>, the whole image's run,
+<|image_end|>) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32) for tiled,
+untiled and several images. Then the engine's paths (chunks through tiles, prefix-cache hits,
+images processed ahead, TP=2) against its plain run, the server's chat path, and bad input.
+
+transformers runs Llama 4's image processor on torchvision only: without it these tests skip.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import assert_same_greedy, hf_greedy
+from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from safetensors.torch import load_file
+
+from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.llama4")
+pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
+Image = pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+SIDE, PATCH = 32, 8
+USER = "<|header_start|>user<|header_end|>\n\n"
+ASSISTANT = "<|header_start|>assistant<|header_end|>\n\n"
+PROMPT = f"{USER}<|image|>What is in it?<|eot|>{ASSISTANT}"
+TWO = f"{USER}<|image|>and<|image|>Which is brighter?<|eot|>{ASSISTANT}"
+TEXT = f"{USER}Say something about the sea.<|eot|>{ASSISTANT}"
+IMAGE_TOKENS = [
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|image|>",
+    "<|patch|>",
+    "<|tile_x_separator|>",
+    "<|tile_y_separator|>",
+]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|header_start|>{{ message['role'] }}"
+    "<|header_end|>\n\n{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
+)
+
+
+def write_tiny_llama4_vlm(path: Path, seed: int = 0) -> Path:
+    """The tiny checkpoint of the module docstring, with its processor and chat template."""
+    tokenizer = build_tiny_tokenizer(seed=seed)
+    specials = [*IMAGE_TOKENS, "<|header_start|>", "<|header_end|>", "<|eot|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in IMAGE_TOKENS}
+    vision = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2}
+    vision |= {"intermediate_size": 128, "image_size": SIDE, "patch_size": PATCH}
+    vision |= {"pixel_shuffle_ratio": 0.5, "projector_input_dim": 48}
+    vision |= {"projector_output_dim": 48, "vision_output_dim": 48}
+    vision |= {"rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}
+    config = transformers.Llama4Config(
+        text_config=tiny_config("llama4", vocab_size=len(tokenizer)).to_dict(),
+        vision_config=vision,
+        boi_token_index=ids["<|image_start|>"],
+        eoi_token_index=ids["<|image_end|>"],
+        image_token_index=ids["<|patch|>"],
+        **_COMMON,
+    )
+    _save_random(transformers.Llama4ForConditionalGeneration, config, seed, path)
+    image_processor = transformers.Llama4ImageProcessor(
+        size={"height": SIDE, "width": SIDE}, max_patches=4
+    )
+    transformers.Llama4Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH,
+        pixel_shuffle_ratio=0.5,
+        chat_template=CHAT_TEMPLATE,
+    ).save_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> Path:
+    return write_tiny_llama4_vlm(tmp_path_factory.mktemp("llama4_vlm"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_model(path):
+    model = transformers.Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    model.eval().generation_config.eos_token_id = None
+    return model
+
+
+def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    if not images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
+    # the processor normalizes in bfloat16 (as Meta's code does); the model reads float32
+    return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"].float()}
+
+
+def test_images_match_hf(path, hf_model):
+    cases = [
+        (PROMPT, [noise_image(1, (50, 90))]),  # 2 x 2 tiles + the whole image
+        (TEXT, []),
+        (TWO, [noise_image(2, (96, 40)), noise_image(3, (20, 24))]),  # 3 x 1 tiles; untiled
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(path, text, images)
+        refs.append((ids, hf_greedy(hf_model, ids, MAX_TOKENS, 5, **extra)))
+    names = ("<|tile_x_separator|>", "<|tile_y_separator|>", "<|image_start|>", "<|image|>")
+    x_sep, y_sep, start, image = _ids(path, *names)
+    assert refs[0][0].count(x_sep) == 2 and refs[0][0].count(y_sep) == 2
+    two = refs[2][0]
+    assert two.count(y_sep) == 3 and [start, image] in [two[i : i + 2] for i in range(len(two))]
+    check_matches_hf(path, cases, refs, "llama4")
+
+
+def _ids(path, *tokens: str) -> list[int]:
+    return transformers.AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(list(tokens))
+
+
+def test_tile_features_match_hf(path, hf_model):
+    """The encoder's rows of each tile equal HF's get_image_features (tower, 2-D rope, pixel
+    shuffle, adapter, projector) to float32 rounding."""
+    from paged_engine.multimodal.archs import build_encoder
+    from paged_engine.multimodal.processor import wrapper_config
+
+    encoder = build_encoder(wrapper_config(path)).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    _, extra = _hf_inputs(path, PROMPT, [noise_image(5, (40, 70))])
+    pixels = extra["pixel_values"]
+    with torch.no_grad():
+        want = hf_model.get_image_features(pixel_values=pixels).pooler_output
+        got = encoder(pixels)
+    assert got.shape == want.shape == (pixels.shape[0], 4, 64)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_paths_match_the_plain_run(path):
+    """Chunks of 8 tokens through the tiles, a prefix-cache hit on the same image, images
+    processed ahead (image_checks) against the plain run; bad input a ValueError naming it."""
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80))}}
+        for i in range(3)
+    ] + [
+        {
+            "prompt": TWO,
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+    cached = check_engine_paths(path, prompts, TWO)
+    pics = prompts[-1]["multi_modal_data"]["image"]
+    for bad, match in [
+        ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 <\\|image\\|> token"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": pics}}, "1 <\\|image\\|> token"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": "a.png"}}, "PIL.Image"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
+        ({"prompt": PROMPT + "<|patch|>", "multi_modal_data": {"image": pics[0]}}, "<\\|patch"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            cached.generate([bad], greedy(0), use_tqdm=False)
+    out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+    few = engine(path, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        few.generate([prompts[-1]], greedy(0), use_tqdm=False)
+
+
+def test_tensor_parallel_matches_one_process(path):
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(11, (30, 70))] * 2}}]
+    kw = {"max_num_batched_tokens": 20, "enable_chunked_prefill": True}
+    (one,) = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
+    llm = engine(path, **kw, tensor_parallel_size=2)
+    try:
+        (two,) = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert_same_greedy([one.outputs[0]], [two.outputs[0]])
+    for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs, strict=True):
+        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
+            {t: p.logprob for t, p in b.items()}, abs=1e-4
+        )
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_chat_data_url_gives_the_offline_tokens(path):
+    """The server's chat path: an image_url part with a data: URL gives the offline tokens and
+    prompt (the chat template's <|image|> becomes the image's tiles); mm_processor_kwargs reach
+    the image processor (max_patches 1: untiled, fewer tokens); two images over
+    limit_mm_per_prompt, or a data: URL that is no image, a 400 naming the messages."""
+    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    llm = engine(path, limit_mm_per_prompt={"image": 1})
+    tok = llm.get_tokenizer()
+    picture = noise_image(12, (40, 72))
+    question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
+    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
+    part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [part, question[1]]}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    not_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            small = http.request(
+                "POST", "/v1/chat/completions", {**body, "mm_processor_kwargs": {"max_patches": 1}}
+            )
+            asks = [[part, part, question[1]], [not_image, question[1]]]
+            refused = [
+                http.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    {**body, "messages": [{"role": "user", "content": content}]},
+                )
+                for content in asks
+            ]
+    finally:
+        llm.llm_engine.shutdown()
+    assert status == 200, out
+    assert out["prompt_token_ids"] == want.prompt_token_ids
+    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    assert small[0] == 200 and small[2]["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
+    for code, _, error in refused:
+        assert code == 400 and error["error"]["param"].startswith("messages"), error

@@ -175,9 +175,10 @@ def test_stream_interval_flag(tmp_path):
                 for c in e.get("choices", [])
                 if c.get("token_ids")
             ]
-            # the first token alone, then whole intervals of 5 (a consumer that falls behind
-            # gets what piled up in one event: two intervals, say, under a loaded machine)
-            assert sizes[0] == 1 and sum(sizes) == 21 and 2 <= len(sizes) <= 1 + 4
+            # the first token alone, then whole intervals of 5; a consumer that falls behind
+            # gets what piled up in one event (on a loaded machine the first event once held
+            # the first token and three intervals: 16)
+            assert sizes[0] % 5 == 1 and sum(sizes) == 21 and len(sizes) <= 1 + 4, sizes
             assert all(n % 5 == 0 for n in sizes[1:]), sizes
     finally:
         llm.llm_engine.shutdown()

@@ -7,9 +7,10 @@ must give HF's greedy tokens and top-5 logprobs (1e-3, float32). The tiny config
 piece bite: 3 hyper-connection streams (few Sinkhorn steps), KDA layers with the bounded
 forget gate (and Kimi's unbounded one in a second case), NoPE MLA layers with an indexer that
 shares its choice, a dense MLP before DeepSeek-V3 MoE layers (2 groups, 1 kept; a correction
-bias; scaling 2.5), and swiglu_limit 1 (gate and up clamp). Also: TP=2, prefix caching and
-chunked prefill give the one-process results, and a max_model_len past index_topk is refused
-by name.
+bias; scaling 2.5), and swiglu_limit 1 (gate and up clamp); a second model's indexer keeps
+index_topk 8 of 12-48 keys in pools of 4 (its pooled choice against HF's). Also: TP=2, prefix
+caching and chunked prefill give the one-process results, and a dropped tail is refused by
+name.
 
 Ling / Ring 2.5: tiny `BailingHybridForCausalLM`s (tiny_config "bailing_hybrid", and one with
 Kimi's unbounded forget gate and clipping everywhere) match HF alike; TP=2 gives the
@@ -187,14 +188,48 @@ def test_glm5_next_tp2(glm5) -> None:
     assert_tp_matches_one_process(path, random_token_prompts("glm5_tp", 2), MAX_TOKENS, 128)
 
 
-def test_glm5_next_refuses_context_past_index_topk(glm5, tmp_path) -> None:
-    """Past index_topk tokens the DSA indexer would drop keys: refused by name."""
+# index_topk 8 in pools of 4 over 12-40 token prompts: each query past its 8th token keeps
+# its 2 best whole pools and its tail, in prefill and in decode, on the full layers and (by
+# reuse) the shared one. 16 indexer heads: with 2, whole pools often score exactly 0 (every
+# head's relu), and transformers' topk breaks such ties by no fixed rule.
+SPARSE = {"index_topk": 8, "index_kpool": 4, "index_n_heads": 16}
+
+
+@pytest.fixture(scope="module")
+def glm5_sparse(tmp_path_factory) -> tuple[Path, object]:
+    return write_glm5_next(tmp_path_factory.mktemp("glm5_sparse"), **SPARSE)
+
+
+def test_glm5_next_pooled_choice_matches_hf(glm5_sparse) -> None:
+    _check_against_hf(*glm5_sparse, "glm5_next_sparse")
+
+
+def test_glm5_next_pooled_choice_engine_modes(glm5_sparse) -> None:
+    """The choice reads every key of the sequence from the paged cache: chunks of 5 tokens and
+    prefix caching (prompt 3 shares prompt 0's first block) see what one prefill sees."""
+    path, _ = glm5_sparse
+    prompts = random_token_prompts("glm5_sparse_modes", 3)
+    prompts.append(prompts[0][:20] + [7, 8, 9])  # hits prompt 0's first block
+    kw = dict(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    want = engine_greedy(prompts, MAX_TOKENS, **kw)
+    cached = engine_greedy(prompts, MAX_TOKENS, enable_prefix_caching=True, **kw)
+    assert_same_greedy(want, cached)
+    chunked = engine_greedy(
+        prompts, MAX_TOKENS, enable_chunked_prefill=True, max_num_batched_tokens=5, **kw
+    )
+    assert_same_greedy(want, chunked)
+
+
+def test_glm5_next_pooled_choice_tp2(glm5_sparse) -> None:
+    path, _ = glm5_sparse
+    assert_tp_matches_one_process(path, random_token_prompts("glm5_sp_tp", 2), MAX_TOKENS, 128)
+
+
+def test_glm5_next_refuses_a_dropped_tail(glm5, tmp_path) -> None:
+    """Without the tail a sequence's first tokens would attend to nothing: refused by name."""
     path, _ = glm5
     shutil.copytree(path, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "index_topk": 64}))
-    with pytest.raises(ValueError, match="index_topk=64"):
-        _engine(tmp_path / "m")
     config["index_kpool_always_select_tail"] = False
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="index_kpool_always_select_tail"):

@@ -274,7 +274,16 @@ class InputProcessor:
                 "their language model)"
             )
             raise ValueError(f"multi_modal_data is not supported: {why}")
-        return self.images.process(token_ids, mm_data, kwargs)
+        token_ids, images = self.images.process(token_ids, mm_data, kwargs)
+        budget = self.config.max_num_batched_tokens
+        for m in images:  # a two-way image runs in one step (core/token_plan.py whole_images)
+            if m.bidirectional and budget is not None and m.length > budget:
+                raise ValueError(
+                    f"multi_modal_data['image']: an image of {m.length} tokens is more than "
+                    f"max_num_batched_tokens={budget}, and its tokens attend to each other "
+                    "both ways, so one step must hold them all"
+                )
+        return token_ids, images
 
     def _constraint(
         self, params: SamplingParams, prompt_ids: list[int]

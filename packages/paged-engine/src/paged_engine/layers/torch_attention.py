@@ -1,7 +1,8 @@
 """Attention computed in plain torch over the paged cache, for layers whose choice of keys no
 kernel runs yet: Kolibri 1.1's indexed attention (models/kolibri.py), DeepSeek Sparse Attention
-(models/deepseek_v32.py and the models built on it), DeepSeek-V4's compressed attention
-(models/deepseek_v4.py), Qwen4-Exp's QSA (models/qwen4_exp.py).
+off CUDA (models/deepseek_v32.py and the models built on it; on CUDA paged_kernels'
+sparse_mla.py runs it) and GLM-5.3-Flash's pooled choice everywhere (models/glm5_next.py),
+DeepSeek-V4's compressed attention (models/deepseek_v4.py), Qwen4-Exp's QSA (models/qwen4_exp.py).
 
 Such a layer reads its sequences' rows back from the cache (`block_view`, `gather`, and the CPU
 backend's `read_rows`), picks keys (`top_k_mask`) and attends over them in float32 (`attend`),

@@ -1,7 +1,12 @@
 """Checks shared by the image tests (test_*_images.py): noise images, the engine on a tiny
-checkpoint, and the engine's own paths with images against its plain run."""
+checkpoint, the engine's own paths with images against its plain run, and the server's chat
+path with a data: URL image against the offline answer."""
 
 from __future__ import annotations
+
+import base64
+import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -50,6 +55,23 @@ def check_matches_hf(path, cases: list[tuple[str, list]], refs: list, name: str)
         assert out.outputs[0].token_ids == ref.tokens
 
 
+def path_prompts(one: str, two: str, narrow: int = 15) -> list[dict]:
+    """check_engine_paths' prompts: `one` with a noise image of (30 + 20 i) x (80 - narrow i)
+    pixels for i = 0, 1, 2, then `two` with two (16 x 90 and 64 x 64)."""
+    return [
+        {
+            "prompt": one,
+            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - narrow * i))},
+        }
+        for i in range(3)
+    ] + [
+        {
+            "prompt": two,
+            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
+        }
+    ]
+
+
 def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -> LLM:
     """Against one plain run of `prompts` (the last holding two images for the text `two`,
     the first two one image each): `chunk`-token chunks through the images; a prefix-cache hit
@@ -85,3 +107,65 @@ def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -
     with pytest.raises(ValueError, match="do not fit"):
         cached.generate([moved], params, use_tqdm=False)
     return cached
+
+
+def check_tensor_parallel(path, prompts: list[dict], chunk: int) -> None:
+    """TP=2 (gloo) gives the one-process greedy tokens (4) and top-5 logprobs (1e-4) of
+    `prompts`, both engines chunking prefill at `chunk` tokens (chunks through the images)."""
+    kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
+    one = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
+    llm = engine(path, **kw, tensor_parallel_size=2)
+    try:
+        two = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for want, got in zip(one, two, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+            assert {t: p.logprob for t, p in a.items()} == pytest.approx(
+                {t: p.logprob for t, p in b.items()}, abs=1e-4
+            )
+
+
+def data_url(image) -> str:
+    """`image` as a data: URL of its PNG bytes."""
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def check_chat_data_url(
+    llm: LLM, question: list[dict], picture, *, over_limit: bool = False
+) -> SimpleNamespace:
+    """The server's chat path over `llm` (shut down after): a user turn of `question`'s parts
+    (Hugging Face's form) with its {"type": "image"} part sent as an image_url part holding
+    `picture` as a data: URL gives the offline greedy tokens (6) and prompt ids of the chat
+    template's prompt with `picture`. With `over_limit` (`llm` has limit_mm_per_prompt one
+    image), the image part twice is a 400 naming messages. Returns the offline answer
+    (server_proc.offline_chat: ids, prompt_ids, text)."""
+    pytest.importorskip("paged_server")
+    from server.server_proc import COMMON_ARGS, offline_chat, serve_in_process
+
+    def ask(content: list[dict]) -> list[dict]:
+        return [{"role": "user", "content": content}]
+
+    want = offline_chat(llm, ask(question), {"image": picture}, 6)
+    part = {"type": "image_url", "image_url": {"url": data_url(picture)}}
+    sent = [part if p == {"type": "image"} else p for p in question]
+    request = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            body = {**request, "messages": ask(sent), "return_token_ids": True}
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == want.ids
+            assert out["prompt_token_ids"] == want.prompt_ids
+            if over_limit:
+                twice = [q for p in sent for q in ((p, p) if p is part else (p,))]
+                status, _, out = http.request(
+                    "POST", "/v1/chat/completions", {**request, "messages": ask(twice)}
+                )
+                assert status == 400 and out["error"]["param"] == "messages", out
+    finally:
+        llm.llm_engine.shutdown()
+    return want

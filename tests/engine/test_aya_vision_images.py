@@ -8,9 +8,15 @@ and Command A Vision's drops): 32-pixel tiles of 4-pixel SigLIP patches, pixel s
 text width). Aya Vision reads hidden_states[-2] of a 3-layer tower (no post_layernorm) through
 a LayerNorm; Command A Vision the last layer after post_layernorm, with no LayerNorm.
 `LLM.generate` with `multi_modal_data` must give HF's prompt ids (AyaVisionProcessor's on the
-text; Command A Vision's rule written out: its processor's image processor needs torchvision)
-and HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32). Then the engine's paths
-against the plain run, TP=2, the server's chat path, and bad input.
+text; Command A Vision's rule written out) and HF `generate`'s greedy tokens and top-5 logprobs
+(1e-3, float32). Then the engine's paths against the plain run, TP=2, the server's chat path,
+and bad input.
+
+Aya Vision saves GotOcr2's PIL image processor; Command A Vision its own
+Cohere2VisionImageProcessor, which transformers runs on torchvision only: without it the
+engine's torch copy (multimodal/torch_processors.py) feeds the engine and HF's model; where
+torchvision imports, the copy's tiles and pixels must equal transformers' bit for bit over a
+range of sizes and aspect ratios.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import base64
 import importlib
 import io
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +71,16 @@ def _template(arch: str) -> str:
     )
 
 
+COHERE2_PROCESSOR = {  # Cohere2VisionImageProcessor's settings, scaled down
+    "image_processor_type": "Cohere2VisionImageProcessor",
+    "size": {"height": 32, "width": 32},
+    "crop_to_patches": True,
+    "min_patches": 1,
+    "max_patches": 4,
+    "resample": 3,
+    "image_mean": [0.48, 0.45, 0.4],
+    "image_std": [0.27, 0.26, 0.28],
+}
 PROMPT = "{img}What is in it?"
 TWO = "{img} and {img}Which is brighter?"
 TEXT = "Say something about the sea."
@@ -72,7 +89,8 @@ TEXT = "Say something about the sea."
 def write_tiny(path: Path, arch: str, seed: int) -> Path:
     """A tiny random AyaVisionForConditionalGeneration ("aya": its AyaVisionProcessor saved)
     or Cohere2VisionForConditionalGeneration ("cohere2": tokenizer and image processor), each
-    with GotOcr2's PIL image processor (crop_to_patches: up to 4 tiles and the whole image)."""
+    with its image processor's settings (crop_to_patches: up to 4 tiles and the whole image;
+    GotOcr2's PIL class for Aya Vision, Cohere2VisionImageProcessor for Command A Vision)."""
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
     specials = [START, END, PATCH, LINE_BREAK, TURN, USER, BOT, END_TURN]
@@ -93,14 +111,14 @@ def write_tiny(path: Path, arch: str, seed: int) -> Path:
         config = transformers.Cohere2VisionConfig(**fields, image_token_id=image_id)
         model_cls = transformers.Cohere2VisionForConditionalGeneration
     _save_random(model_cls, config, seed, path)
-    image_processor = transformers.GotOcr2ImageProcessorPil(
-        size={"height": 32, "width": 32}, crop_to_patches=True, min_patches=1, max_patches=4
-    )
     tokenizer.chat_template = _template(arch)
     if arch == "aya":
+        image_processor = transformers.GotOcr2ImageProcessorPil(
+            size={"height": 32, "width": 32}, crop_to_patches=True, min_patches=1, max_patches=4
+        )
         _aya_processor(image_processor, tokenizer).save_pretrained(path)
     else:
-        image_processor.save_pretrained(path)
+        (path / "preprocessor_config.json").write_text(json.dumps(COHERE2_PROCESSOR))
     tokenizer.save_pretrained(path)
     transformers.GenerationConfig(**_COMMON).save_pretrained(path)
     return path
@@ -141,13 +159,19 @@ def _hf_inputs(path: Path, arch: str, text: str, images: list) -> tuple[list[int
         processor = transformers.AutoProcessor.from_pretrained(path)
         out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
         return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"]}
-    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
-    out = image_processor(images=images, return_tensors="pt", crop_to_patches=True)
+    out = _cohere2_image_processor(path)(images=images, return_tensors="pt", crop_to_patches=True)
     pieces = text.split(PATCH)
     for i, tiles in enumerate(out["num_patches"].tolist()):
         pieces[i] += START + (PATCH * TILE_ROWS + LINE_BREAK) * tiles + END
     ids = tok.encode("".join(pieces), add_special_tokens=False)
     return ids, {"pixel_values": out["pixel_values"]}
+
+
+def _cohere2_image_processor(path: Path):
+    """transformers' Cohere2VisionImageProcessor where torchvision imports, else ours."""
+    from paged_engine.multimodal.torch_processors import image_processor
+
+    return image_processor(path, transformers.AutoConfig.from_pretrained(path))
 
 
 def _model(path: Path, arch: str):
@@ -163,7 +187,8 @@ def test_images_match_hf(dirs, arch):
     path = dirs(arch)
     model = _model(path, arch)
     cases = [
-        (_prompt(arch, PROMPT), [noise_image(1, (40, 90))]),  # 2 x 1 tiles and the whole image
+        # tiles and the whole image: 2 x 1 by GotOcr2's rule, 3 x 1 by Cohere2Vision's
+        (_prompt(arch, PROMPT), [noise_image(1, (40, 90))]),
         (_prompt(arch, TEXT), []),
         (_prompt(arch, TWO), [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # one tile
     ]
@@ -171,7 +196,8 @@ def test_images_match_hf(dirs, arch):
     for text, images in cases:
         ids, extra = _hf_inputs(path, arch, text, images)
         refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    assert refs[0][0].count(model.config.image_token_id) == 3 * TILE_ROWS
+    views = 3 if arch == "aya" else 4
+    assert refs[0][0].count(model.config.image_token_id) == views * TILE_ROWS
     check_matches_hf(path, cases, refs, arch)
 
 
@@ -208,6 +234,45 @@ def test_engine_paths_match_the_plain_run(dirs, arch):
         limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
     out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+# (height, width): wide, tall, one tile, upscaled, one pixel thin, a tile exactly
+SIZES = [(40, 90), (100, 30), (20, 24), (32, 32), (33, 31), (1, 200), (200, 1), (7, 5)]
+SIZES += [(64, 64), (100, 300), (300, 100), (63, 129), (16, 90), (129, 63)]
+
+
+def test_cohere2_torch_processor_matches_transformers(dirs, monkeypatch):
+    """Where torchvision imports: for each size and aspect ratio above, with and without
+    mm_processor_kwargs, the engine's processor with torchvision hidden (its torch copy) gives
+    Cohere2VisionImageProcessor's tiles and pixels bit for bit, and the engine's prompt ids
+    hold a run and a line break per tile."""
+    from paged_engine.multimodal import aya_vision, torch_processors
+
+    if not torch_processors.torchvision_available():
+        pytest.skip("transformers' Cohere2VisionImageProcessor needs torchvision")
+    from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
+
+    path = dirs("cohere2")
+    hf = transformers.AutoImageProcessor.from_pretrained(path)
+    assert type(hf).__name__ == "Cohere2VisionImageProcessor"
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    monkeypatch.setattr(torch_processors, "torchvision_available", lambda: False)
+    ours = ImageProcessor(path, wrapper_config(path), tokenizer=tok)
+    assert type(ours.hf) is aya_vision.Cohere2VisionTorchProcessor
+    prompt = tok.encode(_prompt("cohere2", PROMPT), add_special_tokens=False)
+    brk = tok.convert_tokens_to_ids(LINE_BREAK)
+    for i, size in enumerate(SIZES):
+        image = noise_image(20 + i, size)
+        for kw in ({}, {"max_patches": 2}, {"max_patches": 12, "resample": 2}):
+            want = hf(images=[image], return_tensors="pt", crop_to_patches=True, **kw)
+            got = ours.hf(images=[image], crop_to_patches=True, **kw)
+            assert got["num_patches"].tolist() == want["num_patches"].tolist()
+            assert got["pixel_values"].dtype == want["pixel_values"].dtype == torch.float32
+            assert torch.equal(got["pixel_values"], want["pixel_values"]), (size, kw)
+            ids, placed = ours.process(prompt, [image], kw)
+            assert ids.count(brk) == len(placed) == int(want["num_patches"][0])
+            tiles = torch.stack([m.pixel_values for m in placed])
+            assert torch.equal(tiles, want["pixel_values"])
 
 
 def test_tensor_parallel_matches_one_process(dirs):

@@ -16,7 +16,14 @@ import dataclasses
 import pytest
 import torch
 from hf_reference import assert_matches, assert_same_greedy, hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from image_checks import (
+    check_engine_paths,
+    check_matches_hf,
+    engine,
+    greedy,
+    noise_image,
+    path_prompts,
+)
 
 from paged_engine.testing import write_tiny_gemma3
 
@@ -115,15 +122,7 @@ def test_engine_paths_match_the_plain_run(path):
     """The engine's paths through the images against its plain run (image_checks: 5-token
     chunks, which must move to an image's edges; prefix-cache hits ending inside an image);
     the TWO prompt's images processed ahead; bad input a ValueError, nothing lost."""
-    prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80))}}
-        for i in range(3)
-    ] + [
-        {
-            "prompt": TWO,
-            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
-        }
-    ]
+    prompts = path_prompts(PROMPT, TWO, narrow=0)
     cached = check_engine_paths(path, prompts, TWO, chunk=20)
     pics = prompts[-1]["multi_modal_data"]["image"]
     for bad, match in [

@@ -8,6 +8,14 @@ of 50; the image processor keeps each image's aspect ratio within 70 soft tokens
 with `multi_modal_data` must give Gemma4Processor's prompt ids and HF `generate`'s greedy tokens
 and top-5 logprobs (1e-3, float32). Then the engine's paths against its plain run, TP=2, the
 server's chat path with a data: URL, and bad input.
+
+Images: transformers saves Gemma4ImageProcessor whichever class (torchvision or PIL) saved it,
+and loads its torchvision class where torchvision imports, else its PIL class (which resamples
+otherwise, up to 2 / 255 apart). The engine runs transformers' torchvision class where it
+imports, else its torch copy of it (multimodal/torch_processors.py); HF's model reads the
+engine's pixels (Gemma4Processor's ids and positions). The copy is checked within 2 / 255 of
+the PIL class, and where torchvision imports bit for bit against transformers' class over a
+range of sizes and aspect ratios.
 """
 
 from __future__ import annotations
@@ -21,7 +29,6 @@ import torch
 from hf_reference import assert_same_greedy, hf_greedy
 from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
 
-from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.testing import (
     _COMMON,
     TINY_VOCAB_SIZE,
@@ -161,8 +168,19 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
     if not images:
         return processor.tokenizer.encode(text, add_special_tokens=False), {}
     out = processor(text=[text], images=[images], return_tensors="pt")
-    keys = ("pixel_values", "image_position_ids", "mm_token_type_ids")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+    keys = ("image_position_ids", "mm_token_type_ids")
+    return out["input_ids"][0].tolist(), {k: out[k] for k in keys} | _pixels(path, images, out)
+
+
+def _pixels(path, images: list, out) -> dict:
+    """The engine's pixels for `images` (transformers' torchvision class or the torch copy),
+    on the same patch grids as Gemma4Processor's `out`."""
+    from paged_engine.multimodal.torch_processors import image_processor
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    ours = image_processor(path, config)(images=images, return_tensors="pt")
+    assert torch.equal(ours["image_position_ids"], out["image_position_ids"])
+    return {"pixel_values": ours["pixel_values"]}
 
 
 def test_images_match_hf(path):
@@ -186,8 +204,8 @@ def test_images_match_hf(path):
 def test_engine_paths_and_bad_input(path):
     """Chunks that must move to an image's edges, prefix-cache hits, images processed ahead
     (image_checks); too many images for the prompt, features instead of an image, audio and
-    video are ValueErrors naming what is wrong, an image longer than a step's budget stops the
-    scheduler; the engine keeps serving."""
+    video are ValueErrors naming what is wrong, and so is an image longer than a step's budget;
+    the engine keeps serving."""
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80))}}
         for i in range(3)
@@ -209,10 +227,10 @@ def test_engine_paths_and_bad_input(path):
             cached.generate([bad], greedy(0), use_tqdm=False)
     out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 8
-    # a step must hold an image's whole run (it attends both ways): a budget below it stops
-    # the scheduler, which names the request; the engine serves on
+    # a step must hold an image's whole run (it attends both ways): a budget below it is
+    # refused when the request comes in, naming multi_modal_data; the engine serves on
     small = engine(path, max_num_batched_tokens=40, enable_chunked_prefill=True)
-    with pytest.raises(SchedulerStuckError, match="max_num_batched_tokens"):
+    with pytest.raises(ValueError, match=r"multi_modal_data.*max_num_batched_tokens=40"):
         small.generate([prompts[2]], greedy(0), use_tqdm=False)
     assert len(small.generate([TEXT], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
 
@@ -296,3 +314,54 @@ def test_config_refusals(path):
         setattr(config.vision_config, field, value)
         with pytest.raises(ValueError, match=match):
             Gemma4ImageEncoder(config)
+
+
+# (height, width): wide, tall, small, square, one pixel thin, larger than the budget
+SIZES = [(40, 90), (100, 30), (20, 24), (50, 50), (1, 200), (200, 1), (7, 5), (300, 100)]
+SIZES += [(63, 129), (129, 63), (500, 377)]
+
+
+def test_torch_processor_without_torchvision(path, monkeypatch):
+    """With torchvision hidden the checkpoint (its settings name Gemma4ImageProcessor, as
+    transformers saves either class) gets the torch copy: each image's positions and soft
+    tokens equal transformers' PIL class's, its pixels within 2 / 255 (PIL's bicubic is not
+    torchvision's), and the engine's prompt holds its run."""
+    from paged_engine.multimodal import gemma4, torch_processors
+    from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
+
+    monkeypatch.setattr(torch_processors, "torchvision_available", lambda: False)
+    config = wrapper_config(path)
+    ours = ImageProcessor(path, config)
+    assert type(ours.hf) is gemma4.Gemma4TorchProcessor
+    pil = transformers.Gemma4ImageProcessorPil.from_pretrained(path)
+    for i, size in enumerate(SIZES):
+        image = noise_image(30 + i, size)
+        got, want = ours.hf(images=[image]), pil(images=[image], return_tensors="pt")
+        for key in ("image_position_ids", "num_soft_tokens_per_image"):
+            assert got[key].tolist() == want[key].tolist()
+        torch.testing.assert_close(
+            got["pixel_values"], want["pixel_values"], atol=2.01 / 255, rtol=0
+        )
+        ids, (placed,) = ours.process([5, config.image_token_id, 6], [image])
+        n = int(got["num_soft_tokens_per_image"][0])
+        assert ids.count(config.image_token_id) == placed.length == n
+
+
+def test_torch_processor_matches_transformers(path):
+    """Where torchvision imports: the torch copy gives Gemma4ImageProcessor's pixels,
+    positions and soft tokens bit for bit, with and without mm_processor_kwargs."""
+    from paged_engine.multimodal import torch_processors
+
+    if not torch_processors.torchvision_available():
+        pytest.skip("transformers' Gemma4ImageProcessor needs torchvision")
+    hf = transformers.AutoImageProcessor.from_pretrained(path)
+    assert type(hf).__name__ == "Gemma4ImageProcessor"
+    ours = torch_processors.torch_processor(path, transformers.AutoConfig.from_pretrained(path))
+    for i, size in enumerate(SIZES):
+        image = noise_image(30 + i, size)
+        for kw in ({}, {"max_soft_tokens": 140}, {"resample": 2}):
+            got, want = ours(images=[image], **kw), hf(images=[image], return_tensors="pt", **kw)
+            assert got.keys() == want.keys()
+            for key in got:
+                assert got[key].dtype == want[key].dtype
+                assert torch.equal(got[key], want[key]), (size, kw, key)

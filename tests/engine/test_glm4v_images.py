@@ -15,14 +15,19 @@ with a data: URL, bad input and refused configs.
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    engine,
+    greedy,
+    noise_image,
+)
 
 from paged_engine.testing import (
     _COMMON,
@@ -318,36 +323,6 @@ def test_refused_configs(glm_dirs):
 def test_chat_data_url_gives_the_offline_tokens(glm_dirs):
     """The server's chat path: an image_url part with a data: URL gives the offline tokens and
     prompt (the chat template's <|image|> expanded by the image's grid)."""
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    path = glm_dirs("glm46v")
-    llm = engine(path)
-    tok = llm.get_tokenizer()
-    picture = noise_image(12, (40, 72))
     question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    assert text == PROMPT.replace("What is in it? Tell me.", "What is it?")
-    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
-    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
-    buf = io.BytesIO()
-    picture.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, question[1]]
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want.prompt_token_ids
-    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    want = check_chat_data_url(engine(glm_dirs("glm46v")), question, noise_image(12, (40, 72)))
+    assert want.text == PROMPT.replace("What is in it? Tell me.", "What is it?")

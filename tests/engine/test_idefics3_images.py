@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image
+from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image, path_prompts
 
 from paged_engine.testing import write_tiny_idefics3
 
@@ -111,18 +111,7 @@ def test_tower_position_ids_are_transformers_buckets():
 def test_engine_paths_match_the_plain_run(dirs):
     """The engine's paths through tiles against its plain run (image_checks); one placeholder
     short, or features instead of images, a ValueError naming multi_modal_data."""
-    prompts = [
-        {
-            "prompt": PROMPT,
-            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
-        }
-        for i in range(3)
-    ] + [
-        {
-            "prompt": TWO,
-            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
-        }
-    ]
+    prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(dirs(), prompts, TWO)
     pics = prompts[-1]["multi_modal_data"]["image"]
     for bad, match in [

@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from image_checks import (
+    check_engine_paths,
+    check_matches_hf,
+    engine,
+    greedy,
+    noise_image,
+    path_prompts,
+)
 
 from paged_engine.testing import write_tiny_internvl
 
@@ -65,18 +72,7 @@ def test_engine_paths_match_the_plain_run(path):
     """The engine's paths through the tiles against its plain run (image_checks);
     mm_processor_kwargs (one tile an image); bad input a ValueError naming multi_modal_data,
     nothing lost."""
-    prompts = [
-        {
-            "prompt": PROMPT,
-            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
-        }
-        for i in range(3)
-    ] + [
-        {
-            "prompt": TWO,
-            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
-        }
-    ]
+    prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     images = cached.llm_engine.input_processor.images
     one_tile = {**prompts[0], "mm_processor_kwargs": {"crop_to_patches": False}}

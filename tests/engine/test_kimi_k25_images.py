@@ -9,9 +9,10 @@ in the Hub's original names (fused wqkv in pairwise rope order, `blocks`, `norm0
 `LLM.generate` with `multi_modal_data` must give HF's prompt ids (each <|media_pad|> repeated
 once per merge block, as Kimi_K25Processor does) and HF `generate`'s greedy tokens and top-5
 logprobs (1e-3, float32). transformers' Kimi_K25ImageProcessor needs torchvision: where it is
-missing the engine's own processor (torch alone) feeds both, its resize rule checked against
-transformers' navit_resize; where it imports, its pixels must equal ours. Then the engine's
-paths, TP=2, the server's chat path and bad input.
+missing the engine's own processor (torch alone, through multimodal/torch_processors.py)
+feeds both, its resize rule checked against transformers' navit_resize; where it imports, its
+pixels must equal ours bit for bit. Then the engine's paths, TP=2, the server's chat path and
+bad input.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import pytest
 import torch
 from hf_reference import assert_same_greedy, hf_greedy
 from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+
+from paged_engine.multimodal.torch_processors import torchvision_available
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.kimi_k25")
@@ -63,7 +66,8 @@ PROCESSOR = {  # what Kimi_K25ImageProcessor saves, scaled down
     "do_normalize": True,
     "do_convert_rgb": True,
 }
-HF_PROCESSOR = importlib.util.find_spec("torchvision") is not None
+
+HF_PROCESSOR = torchvision_available()
 
 
 def write_tiny_kimi_k25(path: Path, seed: int = 0) -> Path:
@@ -105,10 +109,17 @@ def path(tmp_path_factory):
 
 
 def _processor(path):
-    from paged_engine.multimodal.kimi_k25 import KimiImageProcessor, read_settings
+    from paged_engine.multimodal.kimi_k25 import KimiImageProcessor
+    from paged_engine.multimodal.torch_processors import saved_settings
 
     config = transformers.AutoConfig.from_pretrained(path)
-    return KimiImageProcessor(read_settings(Path(path)), config)
+    return KimiImageProcessor(saved_settings(Path(path)), config)
+
+
+def _one(processor, image) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """One image's (pixel values, grid) by our processor."""
+    out = processor(images=[image], return_tensors="pt")
+    return out["pixel_values"], tuple(out["image_grid_thw"][0].tolist())
 
 
 def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
@@ -120,11 +131,9 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
         return ids, {}
     if HF_PROCESSOR:
         out = transformers.AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")
-        pixels, grids = out["pixel_values"], out["image_grid_thw"]
     else:
-        done = [_processor(path)(image) for image in images]
-        pixels = torch.cat([p for p, _ in done])
-        grids = torch.tensor([g for _, g in done])
+        out = _processor(path)(images=images, return_tensors="pt")
+    pixels, grids = out["pixel_values"], out["image_grid_thw"]
     pad = tok.convert_tokens_to_ids("<|media_pad|>")
     runs = iter(int(g.prod()) // 4 for g in grids)
     expanded: list[int] = []
@@ -174,7 +183,7 @@ def test_encoder_matches_hf_features(path):
     ours = KimiImageEncoder(config)
     ours.load_weights(load_file(Path(path) / "model.safetensors").items())
     proc = _processor(path)
-    done = [proc(noise_image(5, (24, 40))), proc(noise_image(6, (48, 16)))]
+    done = [_one(proc, noise_image(5, (24, 40))), _one(proc, noise_image(6, (48, 16)))]
     assert [g for _, g in done] == [(1, 6, 10), (1, 12, 4)]
     images = [ImageInput(p, 0, g[1] * g[2] // 4, str(i), g) for i, (p, g) in enumerate(done)]
     with torch.no_grad():
@@ -211,10 +220,11 @@ def test_resize_rule_and_pixels_follow_transformers(path):
     if not HF_PROCESSOR:
         pytest.skip("transformers' Kimi_K25ImageProcessor needs torchvision")
     images = [noise_image(7, (40, 56)), noise_image(8, (13, 9)), noise_image(9, (32, 32))]
+    images += [noise_image(10 + i, s) for i, s in enumerate([(1, 90), (90, 1), (200, 60)])]
     out = transformers.AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")
-    ours = [_processor(path)(image) for image in images]
-    assert out["image_grid_thw"].tolist() == [list(g) for _, g in ours]
-    torch.testing.assert_close(out["pixel_values"], torch.cat([p for p, _ in ours]))
+    ours = _processor(path)(images=images, return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == ours["image_grid_thw"].tolist()
+    assert torch.equal(out["pixel_values"], ours["pixel_values"])  # bit for bit
 
 
 def test_padding_and_normalization(path):
@@ -228,7 +238,7 @@ def test_padding_and_normalization(path):
     std = torch.tensor(PROCESSOR["image_std"])[:, None, None]
     for size, padded in [((16, 24), (16, 24)), ((13, 9), (16, 16))]:
         image = noise_image(10, size)
-        pixels, grid = proc(image)
+        pixels, grid = _one(proc, image)
         assert grid == (1, padded[0] // 4, padded[1] // 4)
         x = torch.zeros(3, *padded)
         x[:, : size[0], : size[1]] = torch.from_numpy(np.array(image)).permute(2, 0, 1).float()
@@ -332,6 +342,6 @@ def test_config_refusals(path):
     with pytest.raises(ValueError, match="projection_hidden_size"):
         KimiImageEncoder(bad)
     with pytest.raises(ValueError, match="resample"):
-        KimiImageProcessor({**PROCESSOR, "resample": 2}, config)
+        KimiImageProcessor({**PROCESSOR, "resample": 1}, config)  # LANCZOS
     with pytest.raises(ValueError, match="patch_size"):
         KimiImageProcessor({**PROCESSOR, "patch_size": 8}, config)

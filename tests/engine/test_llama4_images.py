@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,6 @@ from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, ti
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.llama4")
-pytest.importorskip("torchvision")  # Llama4ImageProcessor's backend
 Image = pytest.importorskip("PIL.Image")
 
 MAX_TOKENS = 8
@@ -56,6 +56,26 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|eot|>{% endfor %}"
     "{% if add_generation_prompt %}<|header_start|>assistant<|header_end|>\n\n{% endif %}"
 )
+PROCESSOR = {  # Llama4ImageProcessor's settings, scaled down (normalization by non-default means)
+    "image_processor_type": "Llama4ImageProcessor",
+    "size": {"height": SIDE, "width": SIDE},
+    "max_patches": 4,
+    "resize_to_max_canvas": False,
+    "resample": 2,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.48, 0.45, 0.4],
+    "image_std": [0.27, 0.26, 0.28],
+    "do_convert_rgb": True,
+}
+
+
+def hf_processor_available() -> bool:
+    from paged_engine.multimodal.torch_processors import torchvision_available
+
+    return torchvision_available()
 
 
 def write_tiny_llama4_vlm(path: Path, seed: int = 0) -> Path:
@@ -78,16 +98,7 @@ def write_tiny_llama4_vlm(path: Path, seed: int = 0) -> Path:
         **_COMMON,
     )
     _save_random(transformers.Llama4ForConditionalGeneration, config, seed, path)
-    image_processor = transformers.Llama4ImageProcessor(
-        size={"height": SIDE, "width": SIDE}, max_patches=4
-    )
-    transformers.Llama4Processor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH,
-        pixel_shuffle_ratio=0.5,
-        chat_template=CHAT_TEMPLATE,
-    ).save_pretrained(path)
+    (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     transformers.GenerationConfig(**_COMMON).save_pretrained(path)
@@ -106,13 +117,51 @@ def hf_model(path):
     return model
 
 
+def _hf_processor(path):
+    """Llama4Processor over transformers' image processor (torchvision only)."""
+    return transformers.Llama4Processor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+        patch_size=PATCH,
+        pixel_shuffle_ratio=0.5,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def _ours(path):
+    from paged_engine.multimodal.torch_processors import torch_processor
+
+    return torch_processor(path, transformers.AutoConfig.from_pretrained(path))
+
+
+def _prompt_split_image(rows: int, cols: int, n: int) -> str:
+    """Llama4Processor's text for an image of rows x cols tiles of n <|patch|> each."""
+    text = "<|image_start|>"
+    if rows * cols > 1:
+        for _ in range(rows):
+            text += "<|tile_x_separator|>".join(["<|patch|>" * n] * cols) + "<|tile_y_separator|>"
+    return text + "<|image|>" + "<|patch|>" * n + "<|image_end|>"
+
+
 def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
-    processor = transformers.AutoProcessor.from_pretrained(path)
+    """HF's prompt ids and pixels: Llama4Processor where torchvision imports; else the
+    engine's torch processor's pixels and Llama4Processor's rule on the text."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
     if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=text, images=images, return_tensors="pt", add_special_tokens=False)
-    # the processor normalizes in bfloat16 (as Meta's code does); the model reads float32
-    return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"].float()}
+        return tok.encode(text, add_special_tokens=False), {}
+    if hf_processor_available():
+        out = _hf_processor(path)(
+            text=text, images=images, return_tensors="pt", add_special_tokens=False
+        )
+        # the processor normalizes in bfloat16 (as Meta's code does); the model reads float32
+        return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"].float()}
+    out = _ours(path)(images=images, return_tensors="pt")
+    pieces = text.split("<|image|>")
+    n = (SIDE // PATCH // 2) ** 2
+    for i, (rows, cols) in enumerate(out["aspect_ratios"].tolist()):
+        pieces[i] += _prompt_split_image(rows, cols, n)
+    ids = tok.encode("".join(pieces), add_special_tokens=False)
+    return ids, {"pixel_values": out["pixel_values"].float()}
 
 
 def test_images_match_hf(path, hf_model):
@@ -152,6 +201,44 @@ def test_tile_features_match_hf(path, hf_model):
         got = encoder(pixels)
     assert got.shape == want.shape == (pixels.shape[0], 4, 64)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# (height, width): tiled, untiled, upscaled to a tile, one pixel thin, a tile exactly
+SIZES = [(50, 90), (96, 40), (20, 24), (32, 32), (33, 31), (1, 200), (200, 1), (7, 5), (64, 64)]
+SIZES += [(100, 300), (300, 100), (63, 129), (16, 90), (129, 63)]
+
+
+def test_torch_processor_matches_transformers(path, monkeypatch):
+    """Where torchvision imports: for each size and aspect ratio above, with and without
+    mm_processor_kwargs, the engine's processor with torchvision hidden (its torch copy) gives
+    Llama4Processor's prompt ids and tiles and Llama4ImageProcessor's pixels bit for bit."""
+    if not hf_processor_available():
+        pytest.skip("transformers' Llama4ImageProcessor needs torchvision")
+    from paged_engine.multimodal import llama4, torch_processors
+    from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
+
+    hf = _hf_processor(path)
+    tok = hf.tokenizer
+    monkeypatch.setattr(torch_processors, "torchvision_available", lambda: False)
+    ours = ImageProcessor(path, wrapper_config(path), tokenizer=tok)
+    assert type(ours.hf) is llama4.Llama4TorchProcessor
+    prompt = tok.encode(PROMPT, add_special_tokens=False)
+    for i, size in enumerate(SIZES):
+        image = noise_image(20 + i, size)
+        for kw in ({}, {"max_patches": 1}, {"max_patches": 6, "resize_to_max_canvas": True}):
+            want = hf(
+                text=PROMPT, images=[image], return_tensors="pt", add_special_tokens=False, **kw
+            )
+            tiles = hf.image_processor(images=[image], return_tensors="pt", **kw)
+            got = ours.hf(images=[image], **kw)
+            assert got["aspect_ratios"].tolist() == tiles["aspect_ratios"].tolist()
+            assert got["pixel_values"].dtype == want["pixel_values"].dtype == torch.bfloat16
+            assert torch.equal(tiles["pixel_values"], want["pixel_values"])  # kwargs passed on
+            assert torch.equal(got["pixel_values"], want["pixel_values"]), (size, kw)
+            ids, placed = ours.process(prompt, [image], kw)
+            assert ids == want["input_ids"][0].tolist()
+            tiles = torch.stack([m.pixel_values for m in placed])
+            assert torch.equal(tiles, want["pixel_values"].float())
 
 
 def test_engine_paths_match_the_plain_run(path):

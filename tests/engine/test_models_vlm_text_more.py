@@ -394,7 +394,7 @@ CASES = {
     "glm4v": (lambda: _glm4v("Glm4v"), "Glm4ForCausalLM"),
     "glm46v": (lambda: _glm4v("Glm46V", tie_word_embeddings=True), "Glm4ForCausalLM"),
     "glm4v_moe": (lambda: _glm4v_moe(), "Glm4MoeForCausalLM"),
-    "hunyuan_vl": (lambda: _hunyuan_vl(tie_word_embeddings=True), "HunYuanDenseV1ForCausalLM"),
+    "hunyuan_vl": (lambda: _hunyuan_vl(tie_word_embeddings=True), "HunYuanVLTextForCausalLM"),
     "idefics2": (lambda: _idefics2(), "MistralForCausalLM"),
     # the text config says untied, the wrapper's flag (True) ties lm_head to the embeddings
     "kimi_k25": (lambda: _kimi_k25(tie_word_embeddings=True), "DeepseekV3ForCausalLM"),

@@ -63,6 +63,7 @@ from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
+from paged_engine.models.hunyuan_vl import HunYuanVLTextForCausalLM
 from paged_engine.models.hy_v4 import HYV4ForCausalLM
 from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.inkling import InklingForCausalLM
@@ -254,6 +255,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniMaxM1ForCausalLM": MiniMaxForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "HunYuanVLTextForCausalLM": HunYuanVLTextForCausalLM,  # HunyuanOCR's, multi-axis rope
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,

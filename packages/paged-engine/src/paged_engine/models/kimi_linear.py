@@ -40,7 +40,15 @@ from paged_engine.models.utils import CausalLMBase, cfg_get
 
 
 class NoRope(nn.Module):
-    """The rope of NoPE attention: leaves q and k as they are."""
+    """The rope of NoPE attention: leaves q and k as they are. With `num_positions` it also
+    holds zero-width cos / sin tables [num_positions, 0] for attention that indexes them
+    (Mistral Large 4's NoPE layers: rotating the empty rotary part is a no-op)."""
+
+    def __init__(self, num_positions: int | None = None) -> None:
+        super().__init__()
+        if num_positions is not None:
+            self.register_buffer("cos", torch.zeros(num_positions, 0), persistent=False)
+            self.register_buffer("sin", torch.zeros(num_positions, 0), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

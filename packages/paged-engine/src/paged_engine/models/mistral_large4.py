@@ -54,6 +54,7 @@ from paged_engine.models.deepseek_v32 import (
     GlmMoeDsaForCausalLM,
     indexer_types,
 )
+from paged_engine.models.kimi_linear import NoRope
 from paged_engine.models.llama import LlamaMLP
 from paged_engine.models.utils import soft_cap
 
@@ -138,18 +139,6 @@ def lerope(config) -> RotaryEmbedding:
 
     rope.alpha.weight_loader = load_alpha
     return rope
-
-
-class NoRope(nn.Module):
-    """A NoPE layer's rope: zero-width tables, so rotating its empty rotary part is a no-op."""
-
-    def __init__(self, num_positions: int) -> None:
-        super().__init__()
-        self.register_buffer("cos", torch.zeros(num_positions, 0), persistent=False)
-        self.register_buffer("sin", torch.zeros(num_positions, 0), persistent=False)
-
-    def forward(self, positions, q: torch.Tensor, k: torch.Tensor):
-        return q, k
 
 
 class SoftmaxScaling(nn.Module):

@@ -21,11 +21,11 @@ Command A Vision's wrapper (Cohere2Vision) returns lm_head's logits unscaled, so
 4.6V's text attention always has q / k / v biases (the copy sets `attention_bias`) and splits
 heads of hidden_size // num_attention_heads (a text_config.head_dim that differs is refused by
 name); GLM-4.5V's never has q / k norms (the copy sets `use_qk_norm` False). HunyuanOCR's
-"xdrope" (transformers reads it as the dynamic-alpha rope) has four M-RoPE axes, one position
-on each for text: the copy drops `mrope_section`. Qwen Omni: the whole model's flags and
-text_config live in its `thinker_config`; Qwen3-Omni's thinker attention ignores
-`sliding_window` while transformers' cache, built from the same config, keeps only that many
-tokens, so a set text_config.sliding_window is refused by name (the Hub's is null).
+"xdrope" (four rope axes: models/hunyuan_vl.py) keeps its `mrope_section`. Qwen Omni: the
+whole model's flags and text_config live in its `thinker_config`; Qwen3-Omni's thinker
+attention ignores `sliding_window` while transformers' cache, built from the same config, keeps
+only that many tokens, so a set text_config.sliding_window is refused by name (the Hub's is
+null).
 
 Weights (`text_model_weights`): the language model's names map to ours whichever way the
 checkpoint was saved: `model.language_model.X` (transformers 5) and `language_model.model.X`
@@ -170,8 +170,6 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.final_logit_softcapping = None
     if spec.mrope:
         _mrope_as_default(text)
-    if spec.drop_mrope_section:
-        _drop_mrope_section(text)
     if spec.renormalized_topk:
         text.norm_topk_prob = True
     if spec.no_logit_scale:
@@ -289,13 +287,6 @@ def _mrope_as_default(text: Any) -> None:
             params["rope_type"] = "default"
             params.pop("type", None)
             setattr(text, key, params)
-
-
-def _drop_mrope_section(text: Any) -> None:
-    """The rope parameters without their M-RoPE sections (the plain rope on text)."""
-    params = getattr(text, "rope_parameters", None)
-    if isinstance(params, dict) and "mrope_section" in params:
-        text.rope_parameters = {k: v for k, v in params.items() if k != "mrope_section"}
 
 
 def _has_own_head(path: Path) -> bool:

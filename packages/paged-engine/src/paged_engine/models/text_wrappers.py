@@ -17,7 +17,8 @@ each is exact).
     Glm4vForConditionalGeneration,       glm4v_text             -> Glm4ForCausalLM
       Glm46VForConditionalGeneration
     Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
-    HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanDenseV1ForCausalLM
+    GlmOcrForConditionalGeneration       glm_ocr_text           -> Glm4ForCausalLM
+    HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanVLTextForCausalLM
     Idefics2ForConditionalGeneration     mistral                -> MistralForCausalLM
     Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
       SmolVLMForConditionalGeneration
@@ -139,9 +140,6 @@ class Wrapper:
     refused: tuple[str, ...] = ()
     # the text model's attention takes head_dim = hidden_size // num_attention_heads
     head_dim_from_heads: bool = False
-    # M-RoPE sections of the wrapper's own layout (HunyuanOCR's four axes): dropped, text
-    # positions being one on every axis
-    drop_mrope_section: bool = False
     # the sub-config that holds text_config and the flags (Qwen Omni's `thinker_config`)
     sub_config: str | None = None
 
@@ -181,16 +179,23 @@ WRAPPERS: dict[str, Wrapper] = {
         fixed=(("attention_bias", True),),
         head_dim_from_heads=True,
     ),
+    # GLM-OCR: GLM-4.1V's decoder without q / k / v biases, text_config.head_dim as given
+    "GlmOcrForConditionalGeneration": Wrapper(
+        {"glm_ocr_text": "Glm4ForCausalLM"},
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("attention_bias", False),),
+    ),
     "Glm4vMoeForConditionalGeneration": Wrapper(
         {"glm4v_moe_text": "Glm4MoeForCausalLM"},
         _QWEN_VISUAL,
         mrope=True,
         fixed=(("use_qk_norm", False),),
     ),
-    # HunyuanOCR: Hunyuan's dense decoder; its "xdrope" rope is the dynamic-alpha one with
-    # M-RoPE axes, one position on all of them for text
+    # HunyuanOCR: Hunyuan's dense decoder; its "xdrope" rope is the dynamic-alpha one over
+    # M-RoPE axes (models/hunyuan_vl.py), one position on all of them for text
     "HunYuanVLForConditionalGeneration": Wrapper(
-        {"hunyuan_vl_text": "HunYuanDenseV1ForCausalLM"}, _HUNYUAN_VL, drop_mrope_section=True
+        {"hunyuan_vl_text": "HunYuanVLTextForCausalLM"}, _HUNYUAN_VL
     ),
     "Idefics2ForConditionalGeneration": Wrapper({"mistral": "MistralForCausalLM"}, _IDEFICS3),
     # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)

@@ -9,6 +9,10 @@
       Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration (its tower)
     Glm4vForConditionalGeneration,                "glm4v"       multimodal/glm4v.py
       Glm4vMoeForConditionalGeneration, Glm46VForConditionalGeneration
+    Qwen2_5OmniThinkerForConditionalGeneration,   "qwen_omni"   multimodal/qwen_omni.py
+      Qwen3OmniMoeThinkerForConditionalGeneration (their towers: Qwen2.5-VL's, Qwen3-VL's)
+    GlmOcrForConditionalGeneration                "glm_ocr"     multimodal/glm_ocr.py
+    HunYuanVLForConditionalGeneration             "hunyuan_vl"  multimodal/hunyuan_vl.py
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
@@ -21,6 +25,9 @@
     Cohere2VisionForConditionalGeneration         "cohere2_vision"  multimodal/aya_vision.py
     Idefics2ForConditionalGeneration              "idefics2"    multimodal/idefics2.py
     Kimi_K25ForConditionalGeneration              "kimi_k25"    multimodal/kimi_k25.py
+    MiniCPMV4_6ForConditionalGeneration           "minicpmv"    multimodal/minicpmv.py
+    MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
+    Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -53,15 +60,29 @@ GLM4V = (
     "Glm4vMoeForConditionalGeneration",
     "Glm46VForConditionalGeneration",
 )
+GLM_OCR = "GlmOcrForConditionalGeneration"
+HUNYUAN_VL = "HunYuanVLForConditionalGeneration"
+QWEN_OMNI = (
+    "Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen3OmniMoeThinkerForConditionalGeneration",
+    "Qwen2_5OmniForConditionalGeneration",
+    "Qwen3OmniMoeForConditionalGeneration",
+)
 AYA_VISION = ("AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration")
 IDEFICS2 = "Idefics2ForConditionalGeneration"
 KIMI_K25 = "Kimi_K25ForConditionalGeneration"
+MINICPMV = "MiniCPMV4_6ForConditionalGeneration"
+MINICPMV_CANVAS = "MiniCPMV4_7ForConditionalGeneration"
+LFM2_VL = "Lfm2VlForConditionalGeneration"
 IMAGE_ARCHS = (
     LLAVA,
     LLAVA_NEXT,
     LLAVA_ONEVISION,
     *QWEN2_VL,
     *GLM4V,
+    *QWEN_OMNI,
+    GLM_OCR,
+    HUNYUAN_VL,
     *IDEFICS3,
     MISTRAL3,
     INTERNVL,
@@ -71,6 +92,9 @@ IMAGE_ARCHS = (
     *AYA_VISION,
     IDEFICS2,
     KIMI_K25,
+    MINICPMV,
+    MINICPMV_CANVAS,
+    LFM2_VL,
 )
 # the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py), for messages
 VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
@@ -78,8 +102,9 @@ VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
 
 def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
-    "glm4v", "idefics3", "pixtral", "internvl", "gemma3", "gemma4", "llama4", "aya_vision",
-    "cohere2_vision", "idefics2" or "kimi_k25"."""
+    "glm4v", "glm_ocr", "hunyuan_vl", "idefics3", "pixtral", "internvl", "gemma3", "gemma4",
+    "llama4", "aya_vision", "cohere2_vision", "idefics2", "kimi_k25", "lfm2_vl", "minicpmv",
+    "minicpmv_canvas" or "qwen_omni"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs or LLAVA_ONEVISION in archs:
         return "llava_next"
@@ -87,6 +112,12 @@ def image_kind(config: Any) -> str:
         return "qwen2_vl"
     if any(a in GLM4V for a in archs):
         return "glm4v"
+    if any(a in QWEN_OMNI for a in archs):
+        return "qwen_omni"
+    if GLM_OCR in archs:
+        return "glm_ocr"
+    if HUNYUAN_VL in archs:
+        return "hunyuan_vl"
     if any(a in IDEFICS3 for a in archs):
         return "idefics3"
     if MISTRAL3 in archs or vision_tower_type(config) == "pixtral":
@@ -105,6 +136,12 @@ def image_kind(config: Any) -> str:
         return "idefics2"
     if KIMI_K25 in archs:
         return "kimi_k25"
+    if MINICPMV in archs:
+        return "minicpmv"
+    if MINICPMV_CANVAS in archs:
+        return "minicpmv_canvas"
+    if LFM2_VL in archs:
+        return "lfm2_vl"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -120,10 +157,18 @@ def supported_tower(config: Any) -> bool:
         return vision_tower_type(config) == "gemma4_vision"
     if kind in ("gemma3", "aya_vision", "cohere2_vision"):
         return vision_tower_type(config) == "siglip_vision_model"
-    if kind in ("qwen2_vl", "glm4v", "idefics3", "pixtral", "internvl", "llama4"):
+    if kind in ("qwen2_vl", "glm4v", "glm_ocr", "idefics3", "pixtral", "internvl", "llama4"):
+        return True
+    if kind == "hunyuan_vl":
+        return vision_tower_type(config) == "hunyuan_vl_vision"
+    if kind == "qwen_omni":
         return True
     if kind == "kimi_k25":
         return vision_tower_type(config) == "kimi_k25_vision"
+    if kind in ("minicpmv", "minicpmv_canvas"):
+        return vision_tower_type(config) in ("minicpmv4_6_vision", "minicpmv4_7_vision")
+    if kind == "lfm2_vl":
+        return vision_tower_type(config) == "siglip2_vision_model"
     from paged_engine.multimodal.vision_transformer import TOWERS
 
     return vision_tower_type(config) in TOWERS
@@ -133,6 +178,14 @@ def build_encoder(config: Any) -> nn.Module:
     """The wrapper's image encoder (tower and projector), with `encode(images)` and
     `load_weights(weights)`; built in the current default dtype and device."""
     kind = image_kind(config)
+    if kind == "lfm2_vl":
+        from paged_engine.multimodal.lfm2_vl import Lfm2VlImageEncoder
+
+        return Lfm2VlImageEncoder(config)
+    if kind in ("minicpmv", "minicpmv_canvas"):
+        from paged_engine.multimodal.minicpmv import MiniCPMVImageEncoder
+
+        return MiniCPMVImageEncoder(config)
     if kind == "kimi_k25":
         from paged_engine.multimodal.kimi_k25 import KimiImageEncoder
 
@@ -141,6 +194,18 @@ def build_encoder(config: Any) -> nn.Module:
         from paged_engine.multimodal.glm4v import Glm4vImageEncoder
 
         return Glm4vImageEncoder(config)
+    if kind == "qwen_omni":
+        from paged_engine.multimodal import qwen_omni
+
+        return qwen_omni.build_encoder(config)
+    if kind == "glm_ocr":
+        from paged_engine.multimodal.glm_ocr import GlmOcrImageEncoder
+
+        return GlmOcrImageEncoder(config)
+    if kind == "hunyuan_vl":
+        from paged_engine.multimodal.hunyuan_vl import HunyuanImageEncoder
+
+        return HunyuanImageEncoder(config)
     if kind == "idefics2":
         from paged_engine.multimodal.idefics2 import Idefics2ImageEncoder
 

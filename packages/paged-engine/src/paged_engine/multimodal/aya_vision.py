@@ -20,6 +20,11 @@ a SwiGLU projector into a Cohere / Cohere 2 decoder.
             <|START_OF_IMG|> (<|IMG_PATCH|> x n <|IMG_LINE_BREAK|>) x T <|END_OF_IMG|>
 
 Each tile is one `ImageInput` (its own run of n placeholders, its own hash), as Idefics3's.
+Command A Vision's image processor (Cohere2VisionImageProcessor) is torchvision-only in
+transformers: without torchvision `Cohere2VisionTorchProcessor` here runs its steps (canvas:
+transformers' get_optimal_tiled_canvas, the columns x rows grid of at most max_patches tiles
+needing the least upscaling, else the least downscaling; the image resized onto it bicubic with
+antialias, distorting; tiles row-major, the whole image last; CLIP normalization in float32).
 Refused by name: Aya Vision's vision_feature_select_strategy "default" (it drops a patch, and
 HF's square pixel shuffle then fails) and a list vision_feature_layer (HF's layernorm then
 gets a wider input than it was built for); a tower other than SigLIP; a downsample_factor
@@ -29,14 +34,21 @@ that does not divide the tower's patch grid.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.torch_processors import (
+    TorchImageProcessor,
+    normalize,
+    resize,
+    square_size,
+)
 from paged_engine.multimodal.vision_transformer import (
     FinalNormTower,
     VisionTransformer,
@@ -51,6 +63,8 @@ START, END, PATCH = "<|START_OF_IMG|>", "<|END_OF_IMG|>", "<|IMG_PATCH|>"
 LINE_BREAK, TILE, TILE_GLOBAL = "<|IMG_LINE_BREAK|>", "TILE", "TILE_GLOBAL"
 MARKER = "<image>"  # what an Aya Vision prompt writes for an image (AyaVisionProcessor's)
 _TOWER = "vision_tower.vision_model."
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]  # transformers' OPENAI_CLIP_MEAN / _STD
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def is_cohere2(config: Any) -> bool:
@@ -182,3 +196,80 @@ class AyaVisionImageEncoder(nn.Module):
 
         picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
         return load_named_weights(self, picked)
+
+
+class _Cohere2Kwargs(TypedDict, total=False):
+    do_resize: bool
+    size: dict[str, int]
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: list[float]
+    image_std: list[float]
+    do_convert_rgb: bool
+    crop_to_patches: bool
+    min_patches: int
+    max_patches: int
+
+
+def cohere2_grid(size: tuple[int, int], side: int, max_tiles: int) -> tuple[int, int]:
+    """transformers' get_optimal_tiled_canvas: (columns, rows) of S x S tiles, the canvas that
+    needs the least upscaling, else the least downscaling (min_patches plays no part)."""
+    sides = range(1, max_tiles + 1)
+    grids = sorted(
+        ((w, h) for w in sides for h in sides if w * h <= max_tiles), key=lambda g: g[0] * g[1]
+    )
+    scales = (np.array(grids) * side / np.stack([size[1], size[0]])).min(-1, keepdims=True)
+    if np.all(scales < 1):
+        return grids[int(np.argmax(scales))]
+    return grids[int(np.argmin(np.where(scales < 1.0, 10e9, scales)))]
+
+
+class Cohere2VisionTorchProcessor(TorchImageProcessor):
+    """Cohere2VisionImageProcessor (Command A Vision): with crop_to_patches, each image resized
+    (bicubic, distorting) onto its columns x rows canvas of S x S tiles, cut row-major, then
+    with more than one tile the whole image resized to S x S last; without, the image resized
+    to S x S. Normalized in float32. Out: pixel_values [tiles, 3, S, S], num_patches."""
+
+    name = "Cohere2VisionImageProcessor"
+    defaults: ClassVar[dict[str, Any]] = {
+        "do_resize": True,
+        "size": {"height": 512, "width": 512},
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "do_convert_rgb": True,
+        "crop_to_patches": True,
+        "min_patches": 1,
+        "max_patches": 12,
+    }
+    valid_kwargs = _Cohere2Kwargs
+
+    def check(self, s: dict[str, Any]) -> None:
+        super().check(s)
+        square_size(s, self.name)
+        if not s["do_resize"] and not s["crop_to_patches"]:
+            raise ValueError(f"{self.name}'s do_resize=False without crop_to_patches: unsized")
+
+    def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+        side = square_size(s, self.name)
+        out, counts = [], []
+        for x in images:
+            if s["crop_to_patches"]:
+                cols, rows = cohere2_grid(tuple(x.shape[-2:]), side, int(s["max_patches"]))
+                canvas = resize(x, (rows * side, cols * side), s["resample"])
+                grid = canvas.view(3, rows, side, cols, side).permute(1, 3, 0, 2, 4)
+                views = list(grid.reshape(rows * cols, 3, side, side).unbind(0))
+                if len(views) > 1:
+                    views.append(resize(x, (side, side), s["resample"]))
+            else:
+                views = [x]
+            if s["do_resize"]:  # (tiles are S x S already: as they are)
+                views = [resize(v, (side, side), s["resample"]) for v in views]
+            out += [normalize(v, s) for v in views]
+            counts.append(len(views))
+        return {"pixel_values": torch.stack(out), "num_patches": torch.tensor(counts)}

@@ -27,6 +27,12 @@ it:
     per-layer inputs (E2B / E4B): an image's positions read the pad token's per-layer embedding
         and project the image rows (models/gemma4.py `Gemma4Model`)
 
+The image processor: transformers' Gemma4ImageProcessor where torchvision imports, else
+`Gemma4TorchProcessor` here (multimodal/torch_processors.py's table), its steps in torch alone
+(transformers' own fallback, its PIL class, resamples otherwise: up to 2 / 255 apart): the
+target size by transformers' get_aspect_ratio_preserving_size, bicubic with antialias on the
+uint8 image, rescaled in float32, patches padded to max_soft_tokens * k^2 rows (positions -1).
+
 Refused by name: a vision rope_parameters rope_type other than "axial", a head_dim not a
 multiple of 4, pipeline parallelism with per-layer inputs (hidden_size_per_layer_input).
 Audio and video inputs are refused (only multi_modal_data['image'] runs).
@@ -34,8 +40,9 @@ Audio and video inputs are refused (only multi_modal_data['image'] runs).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +54,7 @@ from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.models.olmo2 import Olmo2RMSNorm
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.torch_processors import TorchImageProcessor, normalize, resize
 
 
 def check_config(config: Any) -> None:
@@ -78,6 +86,12 @@ def image_tokens(config: Any, grid: tuple[int, ...]) -> int:
     h, w = grid
     if h % k or w % k:
         raise ValueError(f"an image's {h} x {w} patch grid is not in blocks of {k}")
+    side = int(config.vision_config.position_embedding_size)
+    if max(h, w) > side:  # a long strip: transformers' table lookup would fail too
+        raise ValueError(
+            f"multi_modal_data['image']: an image of {h} x {w} patches is longer than the "
+            f"tower's position table ({side} a side)"
+        )
     return (h // k) * (w // k)
 
 
@@ -284,3 +298,95 @@ class Gemma4ImageEncoder(nn.Module):
 
         picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
         return load_named_weights(self, picked)
+
+
+class _Gemma4Kwargs(TypedDict, total=False):
+    do_resize: bool
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: list[float]
+    image_std: list[float]
+    do_convert_rgb: bool
+    patch_size: int
+    max_soft_tokens: int
+    pooling_kernel_size: int
+
+
+_GEMMA4_SOFT_TOKENS = (70, 140, 280, 560, 1120)
+
+
+def gemma4_size(height: int, width: int, patch: int, max_patches: int, k: int) -> tuple[int, int]:
+    """transformers' get_aspect_ratio_preserving_size: the largest (height, width) in
+    multiples of k * patch within max_patches patches, the aspect ratio kept."""
+    factor = math.sqrt(max_patches * patch**2 / (height * width))
+    unit = k * patch
+    th = math.floor(factor * height / unit) * unit
+    tw = math.floor(factor * width / unit) * unit
+    if th == 0 and tw == 0:
+        raise ValueError(f"a {height} x {width} image resizes to 0 x 0 patches of {unit}")
+    longest = (max_patches // k**2) * unit
+    if th == 0:
+        th, tw = unit, min(math.floor(width / height) * unit, longest)
+    elif tw == 0:
+        th, tw = min(math.floor(height / width) * unit, longest), unit
+    if th * tw > max_patches * patch**2:
+        raise ValueError(f"a {height} x {width} image resizes past {max_patches} patches")
+    return th, tw
+
+
+class Gemma4TorchProcessor(TorchImageProcessor):
+    """Gemma4ImageProcessor (its torchvision class; transformers' PIL class, which it falls
+    back to, resamples differently, up to 2 / 255 apart): each image resized (bicubic, aspect
+    kept) to the largest multiple of k * p a side within max_soft_tokens * k^2 patches,
+    rescaled, cut into p x p patches row-major, each flattened (row, column, channel), padded
+    to max_patches rows of 0. Out: pixel_values [images, max patches, p * p * 3],
+    image_position_ids [images, max patches, 2] ((column, row); -1 on padding),
+    num_soft_tokens_per_image."""
+
+    name = "Gemma4ImageProcessor"
+    defaults: ClassVar[dict[str, Any]] = {
+        "do_resize": True,
+        "resample": 3,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": False,
+        "image_mean": [0.0, 0.0, 0.0],
+        "image_std": [1.0, 1.0, 1.0],
+        "do_convert_rgb": True,
+        "patch_size": 16,
+        "max_soft_tokens": 280,
+        "pooling_kernel_size": 3,
+    }
+    valid_kwargs = _Gemma4Kwargs
+
+    def check(self, s: dict[str, Any]) -> None:
+        super().check(s)
+        if s["max_soft_tokens"] not in _GEMMA4_SOFT_TOKENS:
+            raise ValueError(
+                f"{self.name}'s max_soft_tokens={s['max_soft_tokens']!r}: one of "
+                f"{_GEMMA4_SOFT_TOKENS}"
+            )
+
+    def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+        p, k = int(s["patch_size"]), int(s["pooling_kernel_size"])
+        most = int(s["max_soft_tokens"]) * k**2
+        pixels, where, soft = [], [], []
+        for x in images:
+            if s["do_resize"]:
+                x = resize(x, gemma4_size(*x.shape[-2:], p, most, k), s["resample"])
+            x = normalize(x, s)
+            c, h, w = x.shape
+            rows = x.reshape(c, h // p, p, w // p, p).permute(1, 3, 2, 4, 0).reshape(-1, p * p * c)
+            cols, lines = torch.meshgrid(torch.arange(w // p), torch.arange(h // p), indexing="xy")
+            grid = torch.stack([cols, lines], dim=-1).reshape(-1, 2)
+            pad = most - rows.shape[0]
+            pixels.append(F.pad(rows, (0, 0, 0, pad)))
+            where.append(F.pad(grid, (0, 0, 0, pad), value=-1))
+            soft.append(rows.shape[0] // k**2)
+        return {
+            "pixel_values": torch.stack(pixels),
+            "image_position_ids": torch.stack(where),
+            "num_soft_tokens_per_image": torch.tensor(soft),
+        }

@@ -130,14 +130,17 @@ class Glm4vVisionEncoder(QwenVisionEncoder):
     Glm46VForConditionalGeneration (QwenVisionEncoder's grid checks, patch positions, frames
     and weight loading)."""
 
+    model_types = MODEL_TYPES
+    position_grid = True  # the learned grid and post_conv_layernorm (GLM-OCR has neither)
+
     def __init__(self, vision_config) -> None:
         nn.Module.__init__(self)
         config = vision_config
         model_type = getattr(config, "model_type", None)
-        if model_type not in MODEL_TYPES:
+        if model_type not in self.model_types:
             raise ValueError(
                 f"vision_config.model_type={model_type!r} is not supported; supported: "
-                f"{sorted(MODEL_TYPES)}"
+                f"{sorted(self.model_types)}"
             )
         width = _int_field(config, "hidden_size")
         num_heads = _int_field(config, "num_heads")
@@ -148,11 +151,6 @@ class Glm4vVisionEncoder(QwenVisionEncoder):
         self.in_channels = _int_field(config, "in_channels", 3)
         self.merge = _int_field(config, "spatial_merge_size")
         self.out_dim = _int_field(config, "out_hidden_size")
-        image_size = _int_field(config, "image_size")
-        if image_size < self.patch_size:
-            raise ValueError(
-                f"vision_config.image_size={image_size} is under one patch ({self.patch_size})"
-            )
         self.head_dim = qwen._head_dim(config, width, num_heads)
         self.rope_theta = qwen._rope_theta(config)
         eps = _float_field(config, "rms_norm_eps")
@@ -168,16 +166,31 @@ class Glm4vVisionEncoder(QwenVisionEncoder):
         self.patch_embed = qwen._PatchEmbed(
             self.in_channels, self.temporal_patch_size, self.patch_size, width, bias=True
         )
-        self.post_conv_layernorm = RMSNorm(width, eps)
-        self.embeddings = _Embeddings((image_size // self.patch_size) ** 2, width)
+        if self.position_grid:
+            image_size = _int_field(config, "image_size")
+            if image_size < self.patch_size:
+                raise ValueError(
+                    f"vision_config.image_size={image_size} is under one patch ({self.patch_size})"
+                )
+            self.post_conv_layernorm = RMSNorm(width, eps)
+            self.embeddings = _Embeddings((image_size // self.patch_size) ** 2, width)
         self.blocks = nn.ModuleList(
-            _Block(width, num_heads, _GatedMLP(width, self.out_dim, act), eps, bias)
-            for _ in range(depth)
+            self._block(config, width, num_heads, eps, bias, act) for _ in range(depth)
         )
         self.post_layernorm = RMSNorm(width, eps)
         m = self.merge
         self.downsample = nn.Conv2d(width, self.out_dim, kernel_size=m, stride=m)
-        self.merger = _PatchMerger(self.out_dim, hidden, act)
+        self.merger = _PatchMerger(self.out_dim, self._merger_width(config, hidden), act)
+
+    def _block(
+        self, config, width: int, num_heads: int, eps: float, bias: bool, act: str
+    ) -> nn.Module:
+        """One tower block (a hook: GLM-OCR's adds q / k norms and MLP biases)."""
+        return _Block(width, num_heads, _GatedMLP(width, self.out_dim, act), eps, bias)
+
+    def _merger_width(self, config, hidden: int) -> int:
+        """The merger's gated width (a hook: GLM-OCR's is out_hidden_size * in_channels)."""
+        return hidden
 
     def _downsample(self, x: torch.Tensor) -> torch.Tensor:
         """[P, D] -> [P / m**2, out_dim]: each m*m consecutive patches (row-major in their
@@ -192,19 +205,16 @@ class Glm4vVisionEncoder(QwenVisionEncoder):
         """pixel_values [sum t*h*w, C*tp*p*p] (HF's image processor's, images concatenated);
         grid_thw: each image's (t, h, w) in patches -> [sum t*h*w / m**2, out_dim]."""
         grids = self._grids(pixel_values, grid_thw)
-        x = self.post_conv_layernorm(self.patch_embed(pixel_values))
+        x = self.patch_embed(pixel_values)
         positions = self._positions(grids)  # [P, 2] (row, column), frames repeated
-        embeds, start = [], 0
-        for t, h, w in grids:  # each image's first frame's positions
-            embeds.append(self.embeddings((t, h, w), positions[start : start + h * w]))
-            start += t * h * w
-        x = x + torch.cat(embeds).to(x.dtype)
-        # [D/4] float32 whatever the module's dtype (no buffer), on the CPU as HF computes it
-        half = self.head_dim // 2
-        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-        freqs = positions[..., None].float() * inv_freq  # [P, 2, D/4]
-        angles = freqs.flatten(1).repeat(1, 2)[:, None].to(x.device)  # [P, 1, D]: (row | col) x2
-        cos, sin = angles.cos(), angles.sin()
+        if self.position_grid:
+            x = self.post_conv_layernorm(x)
+            embeds, start = [], 0
+            for t, h, w in grids:  # each image's first frame's positions
+                embeds.append(self.embeddings((t, h, w), positions[start : start + h * w]))
+                start += t * h * w
+            x = x + torch.cat(embeds).to(x.dtype)
+        cos, sin = qwen._rotary_tables(positions, self.head_dim, self.rope_theta, x.device)
         frames = [g.to(x.device) for g in self._frames(grids)]
         for block in self.blocks:
             x = block(x, cos, sin, frames)

@@ -27,7 +27,7 @@ the view, so nothing is masked here.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,7 @@ from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.models.utils import load_named_weights
+from paged_engine.multimodal.idefics3 import TowerConnectorEncoder
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.vision_transformer import FinalNormTower, VisionEmbeddings
 
@@ -191,16 +191,14 @@ class _Connector(nn.Module):
         return self.perceiver_resampler(self.modality_projection(x))
 
 
-class Idefics2ImageEncoder(nn.Module):
-    """Views -> rows of the text model's input embedding, one per placeholder."""
+class Idefics2ImageEncoder(TowerConnectorEncoder):
+    """Views -> rows of the text model's input embedding, one per placeholder (Idefics3's
+    forward and weight loading)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.vision_model = Tower(config.vision_config)
         self.connector = _Connector(config)
-
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, h, w] -> [N, n, D]
-        return self.connector(self.vision_model.last(pixels))
 
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """Each view's rows; views of one size run as one batch."""
@@ -215,14 +213,3 @@ class Idefics2ImageEncoder(nn.Module):
             for i, rows in zip(group, self(pixels.to(weight.device, weight.dtype)), strict=True):
                 out[i] = rows
         return out  # type: ignore[return-value]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `[model.]vision_model.*` and `[model.]connector.*` tensors (any
-        other name is passed over); ValueError naming a missing or unexpected one."""
-
-        def ours(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            return name if name.startswith(("vision_model.", "connector.")) else None
-
-        picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
-        return load_named_weights(self, picked)

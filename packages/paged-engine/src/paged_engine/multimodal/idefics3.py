@@ -26,7 +26,7 @@ from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.vision_transformer import FinalNormTower
+from paged_engine.multimodal.vision_transformer import FinalNormTower, pixel_shuffle
 
 ARCHS = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 FAKE, GLOBAL, IMAGE = "<fake_token_around_image>", "<global-img>", "<image>"
@@ -69,29 +69,18 @@ class _Connector(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, side * side, D]
         """Pixel shuffle: each scale x scale block of patches (row-major within the block) as
         one row of scale^2 * D features, blocks row-major; then the projection."""
-        n, length, dim = x.shape
-        s, side = self.scale, int(length**0.5)
-        x = x.view(n, side // s, s, side // s, s, dim).permute(0, 1, 3, 2, 4, 5)
-        x = x.reshape(n, (side // s) ** 2, s * s * dim)
-        return self.modality_projection.proj(x)
+        return self.modality_projection.proj(pixel_shuffle(x, self.scale))
 
 
-class Idefics3ImageEncoder(nn.Module):
-    """Tiles -> rows of the text model's input embedding, one per placeholder."""
+class TowerConnectorEncoder(nn.Module):
+    """An image encoder of a SigLIP-style `vision_model` (its final-norm states) then a
+    `connector`, in the checkpoint's names (Idefics3's, and Idefics2's at each view's size)."""
 
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.tile_tokens = tile_tokens(config)
-        self.vision_model = FinalNormTower(config.vision_config)
-        self.connector = _Connector(config)
+    vision_model: FinalNormTower
+    connector: nn.Module
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, S, S] -> [N, n, D]
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, h, w] -> [N, n, D]
         return self.connector(self.vision_model.last(pixels))
-
-    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        weight = self.connector.modality_projection.proj.weight
-        pixels = torch.stack([m.pixel_values for m in images])  # type: ignore[misc]
-        return list(self(pixels.to(weight.device, weight.dtype)))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's `[model.]vision_model.*` and `[model.]connector.*` tensors (any
@@ -103,3 +92,18 @@ class Idefics3ImageEncoder(nn.Module):
 
         picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
         return load_named_weights(self, picked)
+
+
+class Idefics3ImageEncoder(TowerConnectorEncoder):
+    """Tiles -> rows of the text model's input embedding, one per placeholder."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.tile_tokens = tile_tokens(config)
+        self.vision_model = FinalNormTower(config.vision_config)
+        self.connector = _Connector(config)
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        weight = self.connector.modality_projection.proj.weight
+        pixels = torch.stack([m.pixel_values for m in images])  # type: ignore[misc]
+        return list(self(pixels.to(weight.device, weight.dtype)))

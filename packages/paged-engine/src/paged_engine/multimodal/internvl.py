@@ -17,9 +17,10 @@ output of layer i (i <= num_hidden_layers); only the layers up to the one read a
 norm_before / norm_after are LayerNorm or RMSNorm (`norm_type`, eps layer_norm_eps); with
 `use_qk_norm`, q and k pass an RMSNorm (eps 1e-6, over the whole width, before the head split).
 
-Pixel shuffle (HF's view / permute sequence): block (I, J) of the (side / s)^2 grid is row
-I * (side / s) + J, and its features are patch (s * I + a, s * J + b)'s channels at offset
-(a * s + b) * D: the block row-major, each patch's D channels together.
+Pixel shuffle (HF's view / permute sequence; vision_transformer.pixel_shuffle): block (I, J)
+of the (side / s)^2 grid is row I * (side / s) + J, and its features are patch
+(s * I + a, s * J + b)'s channels at offset (a * s + b) * D: the block row-major, each patch's
+D channels together.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.vision_transformer import pixel_shuffle
 
 _QK_NORM_EPS = 1e-6  # HF builds the q / k RMSNorms with their default eps, not layer_norm_eps
 _NORMS = ("layer_norm", "rms_norm")
@@ -240,16 +242,9 @@ class InternVLImageEncoder(nn.Module):
         width = int(vision.hidden_size) * self.scale**2
         self.multi_modal_projector = _Projector(config, width)
 
-    def _pixel_shuffle(self, x: torch.Tensor) -> torch.Tensor:  # [T, side^2, D]
-        """Each s x s block of patches as one row (see the module docstring), blocks row-major."""
-        n, _, dim = x.shape
-        s, blocks = self.scale, self.side // self.scale
-        x = x.view(n, blocks, s, blocks, s, dim).permute(0, 1, 3, 2, 4, 5)
-        return x.reshape(n, blocks * blocks, s * s * dim)
-
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:  # [T, C, S, S] -> [T, n, text D]
         states = self.vision_tower(tiles)[:, 1:]  # "default": the CLS token dropped
-        return self.multi_modal_projector(self._pixel_shuffle(states))
+        return self.multi_modal_projector(pixel_shuffle(states, self.scale))
 
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """Each image's rows [tiles * patch_tokens, text hidden] (its pixel values

@@ -17,23 +17,20 @@ then padded up to multiples of m * p. Never upscaled. The decoder is plain DeepS
 rope), so an image is a run of placeholders and nothing more.
 
 The image processor: transformers' Kimi_K25ImageProcessor when it imports (it needs
-torchvision), honouring mm_processor_kwargs; else `KimiImageProcessor` here, the same steps in
-torch alone, from the checkpoint's preprocessor_config.json (or processor_config.json's
-image_processor). Refused by name: videos (transformers' video path pools frames in time),
-resample other than bicubic, a non-square size, pos_emb_width != pos_emb_height, patch_size or
-merge_size unlike the tower's, projection_hidden_size unlike the tower's width.
+torchvision); else `KimiImageProcessor` here (through multimodal/torch_processors.py's table),
+the same steps in torch alone, from the checkpoint's preprocessor_config.json (or
+processor_config.json's image_processor); both honour mm_processor_kwargs. Refused by name:
+videos (transformers' video path pools frames in time), without torchvision a resample other
+than nearest / bilinear / bicubic, a non-square size, pos_emb_width != pos_emb_height,
+patch_size or merge_size unlike the tower's, projection_hidden_size unlike the tower's width.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, TypedDict
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,12 +38,12 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.moonvit import MoonVisionTower
+from paged_engine.multimodal.torch_processors import TorchImageProcessor, normalize, resize
 
 ARCH = "Kimi_K25ForConditionalGeneration"
-_BICUBIC = 3  # PILImageResampling.BICUBIC
 _DEFAULTS = {  # Kimi_K25ImageProcessor's class attributes
     "do_resize": True,
-    "resample": _BICUBIC,
+    "resample": 3,  # PILImageResampling.BICUBIC
     "size": {"max_height": 512, "max_width": 512},
     "max_patches": 16384,
     "do_rescale": True,
@@ -76,11 +73,6 @@ def tokens(config: Any, grid: tuple[int, ...]) -> int:
     return t * h * w // merge_size(config) ** 2
 
 
-def hf_processor_available() -> bool:
-    """Whether transformers can import Kimi_K25ImageProcessor (it needs torchvision)."""
-    return importlib.util.find_spec("torchvision") is not None
-
-
 def navit_size(
     height: int, width: int, patch: int, merge: int, max_patches: int, side: int
 ) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -99,68 +91,62 @@ def navit_size(
     return (new_h, new_w), (-(-new_h // unit) * unit, -(-new_w // unit) * unit)
 
 
-def read_settings(path: Path) -> dict[str, Any]:
-    """The image processor's settings saved with the checkpoint, over the class defaults."""
-    saved: dict[str, Any] = {}
-    pre, proc = path / "preprocessor_config.json", path / "processor_config.json"
-    if pre.exists():
-        saved = json.loads(pre.read_text())
-    elif proc.exists():
-        saved = json.loads(proc.read_text()).get("image_processor", {})
-    return {**_DEFAULTS, **{k: v for k, v in saved.items() if k in _DEFAULTS}}
+class _KimiKwargs(TypedDict, total=False):
+    do_resize: bool
+    size: dict[str, int]
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: list[float]
+    image_std: list[float]
+    do_convert_rgb: bool
+    max_patches: int
+    patch_size: int
+    merge_size: int
 
 
-class KimiImageProcessor:
-    """Kimi_K25ImageProcessor's steps in torch alone (no torchvision): image -> (pixel values
-    [h * w, 3, p, p] float32, its patch grid (1, h, w))."""
+class KimiImageProcessor(TorchImageProcessor):
+    """Kimi_K25ImageProcessor's steps in torch alone (no torchvision): images -> pixel_values
+    [sum of h * w, 3, p, p] float32 (each image's patches row-major), image_grid_thw
+    [images, 3] of (1, h, w)."""
 
-    def __init__(self, settings: dict[str, Any], config: Any) -> None:
-        s = settings
-        if s["resample"] != _BICUBIC:
-            raise ValueError(f"preprocessor_config.json resample={s['resample']!r}: bicubic (3)")
+    name = "Kimi_K25ImageProcessor"
+    defaults: ClassVar[dict[str, Any]] = _DEFAULTS
+    valid_kwargs = _KimiKwargs
+
+    def check(self, s: dict[str, Any]) -> None:
+        super().check(s)
         size = s["size"]
         if size.get("max_height") is None or size.get("max_height") != size.get("max_width"):
             raise ValueError(f"preprocessor_config.json size={size}: equal max_height, max_width")
-        self.side = int(size["max_height"])
-        self.patch = int(s["patch_size"])
-        self.merge = int(s["merge_size"])
-        if self.patch != config.vision_config.patch_size or self.merge != merge_size(config):
+        config = self.config
+        if config is not None and (
+            s["patch_size"] != config.vision_config.patch_size
+            or s["merge_size"] != merge_size(config)
+        ):
             raise ValueError(
-                f"preprocessor_config.json patch_size={self.patch} / merge_size={self.merge} "
-                f"differ from vision_config's ({config.vision_config.patch_size}, "
-                f"{merge_size(config)})"
+                f"preprocessor_config.json patch_size={s['patch_size']} / merge_size="
+                f"{s['merge_size']} differ from vision_config's "
+                f"({config.vision_config.patch_size}, {merge_size(config)})"
             )
-        self.max_patches = int(s["max_patches"])
-        self.do_resize, self.do_convert_rgb = bool(s["do_resize"]), bool(s["do_convert_rgb"])
-        mean = torch.tensor(s["image_mean"], dtype=torch.float64)[:, None, None]
-        std = torch.tensor(s["image_std"], dtype=torch.float64)[:, None, None]
-        if s["do_normalize"] and s["do_rescale"]:  # transformers fuses the rescale into both
-            mean, std = mean / s["rescale_factor"], std / s["rescale_factor"]
-        self.mean, self.std = mean.float(), std.float()
-        self.do_normalize, self.do_rescale = bool(s["do_normalize"]), bool(s["do_rescale"])
-        self.rescale = float(s["rescale_factor"])
 
-    def __call__(self, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        rgb = image.convert("RGB") if self.do_convert_rgb else image
-        x = torch.from_numpy(np.array(rgb)).permute(2, 0, 1).contiguous()  # [3, H, W] uint8
-        if self.do_resize:
-            h, w = x.shape[-2:]
-            (nh, nw), (ph, pw) = navit_size(
-                h, w, self.patch, self.merge, self.max_patches, self.side
-            )
-            if (nh, nw) != (h, w):  # torchvision's own shortcut; uint8 bicubic runs natively
-                x = F.interpolate(
-                    x[None], size=(nh, nw), mode="bicubic", align_corners=False, antialias=True
-                )[0]
-            x = F.pad(x, (0, pw - nw, 0, ph - nh))
-        if self.do_normalize:
-            x = (x.float() - self.mean) / self.std
-        elif self.do_rescale:
-            x = x.float() * self.rescale
-        c, h, w = x.shape
-        p = self.patch
-        patches = x.float().view(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
-        return patches.reshape(-1, c, p, p).contiguous(), (1, h // p, w // p)
+    def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+        p, merge = int(s["patch_size"]), int(s["merge_size"])
+        out, grids = [], []
+        for x in images:
+            if s["do_resize"]:
+                h, w = x.shape[-2:]
+                side = int(s["size"]["max_height"])
+                (nh, nw), (ph, pw) = navit_size(h, w, p, merge, int(s["max_patches"]), side)
+                x = resize(x, (nh, nw), s["resample"])
+                x = F.pad(x, (0, pw - nw, 0, ph - nh))
+            x = normalize(x, s).float()
+            c, h, w = x.shape
+            patches = x.view(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
+            out.append(patches.reshape(-1, c, p, p))
+            grids.append((1, h // p, w // p))
+        return {"pixel_values": torch.cat(out), "image_grid_thw": torch.tensor(grids)}
 
 
 class _Projector(nn.Module):  # HF's Kimi_K25MultimodalProjection
@@ -231,21 +217,9 @@ class KimiImageEncoder(nn.Module):
         return load_named_weights(self, picked, convert=convert)
 
 
-def load_image(
-    processor: KimiImageProcessor | None, run: Any, image: Any
-) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One image's (pixel values [h * w, 3, p, p], grid (1, h, w)): transformers' processor
-    through `run` when it imports, else `processor`."""
-    if processor is not None:
-        return processor(image)
+def load_image(run: Any, image: Any) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One image's (pixel values [h * w, 3, p, p], grid (1, h, w)) by the checkpoint's image
+    processor (transformers', or ours where it needs the missing torchvision)."""
     out = run([image])
     t, h, w = (int(v) for v in out["image_grid_thw"][0])
     return out["pixel_values"].float(), (t, h, w)
-
-
-def local_processor(config: Any) -> KimiImageProcessor | None:
-    """The torch-only processor where transformers' cannot import, else None."""
-    if hf_processor_available():
-        return None
-    path = Path(getattr(config, "name_or_path", "") or ".")
-    return KimiImageProcessor(read_settings(path), config)

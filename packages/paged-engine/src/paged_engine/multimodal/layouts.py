@@ -22,6 +22,15 @@
                     <|image_end|> (Llama 4; tokens spliced)
     KimiLayout      a run of <|media_pad|> by the merged patch grid (Kimi   one per image
                     K2.5; its processor in torch where HF's needs torchvision)
+    MiniCPMVLayout  <image_id>k</image_id>, the thumbnail's run in <image>  one per view
+                    ... </image>, slice runs in <slice> ... </slice> (rows
+                    joined by "\n"; MiniCPM-V 4.6; tokens spliced)
+    MiniCPMVCanvasLayout  MiniCPM-V 4.7: the same, canvas M-RoPE positions     one per view
+    HunyuanLayout   a run by the merged grid, a break per row, begin / end  one per image
+                    (HunyuanOCR; multi-axis rope positions)
+    Lfm2VlLayout    <|image_start|>, a run per tile after its               one per view
+                    <|img_row_R_col_C|>, <|img_thumbnail|> and the
+                    thumbnail's run, <|image_end|> (LFM2-VL; tokens spliced)
 
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
@@ -40,7 +49,7 @@ from typing import Any
 
 import torch
 
-from paged_engine.multimodal import idefics3, qwen2_vl
+from paged_engine.multimodal import idefics3, qwen2_vl, qwen_omni
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.llava import tokens_per_image
 from paged_engine.multimodal.llava_next import AnyRes
@@ -75,6 +84,22 @@ def run_starts(ids: list[int], placeholder: int) -> list[int]:
     return [
         i for i, t in enumerate(ids) if t == placeholder and (i == 0 or ids[i - 1] != placeholder)
     ]
+
+
+def replace_tokens(
+    ids: list[int], at: list[int], segments: list[list[int]]
+) -> tuple[list[int], list[int]]:
+    """(`ids` with the token at each index of `at` (ascending) replaced by its segment, where
+    each segment starts in them)."""
+    out: list[int] = []
+    starts: list[int] = []
+    last = 0
+    for i, segment in zip(at, segments, strict=True):
+        out += ids[last:i]
+        starts.append(len(out))
+        out += segment
+        last = i + 1
+    return out + ids[last:], starts
 
 
 def expand_runs(
@@ -180,15 +205,7 @@ class Layout:
                 f"{len(runs)} image placeholder(s) (token id {tid}): put one image token per "
                 "image where it belongs"
             )
-        out: list[int] = []
-        starts: list[int] = []
-        last = 0
-        for i, segment in zip(lone, segments, strict=True):
-            out += ids[last:i]
-            starts.append(len(out))
-            out += segment
-            last = i + 1
-        return out + ids[last:], starts
+        return replace_tokens(ids, lone, segments)
 
     def span(self, m: ImageInput) -> list[int]:
         return [self.placeholder] * m.length
@@ -279,6 +296,23 @@ class QwenLayout(Layout):
 
     def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
         return qwen2_vl.mrope_positions(num_tokens, images, qwen2_vl.merge_size(self.config))
+
+
+class OmniLayout(QwenLayout):
+    """The Qwen2.5-Omni / Qwen3-Omni thinkers: Qwen2-VL's runs and M-RoPE table, their rotary
+    checked (multimodal/qwen_omni.py)."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        qwen_omni.check_config(config)
+        super().__init__(config, placeholder, tokenizer)
+
+    def length(self, size: Size) -> int:
+        if size is not None and len(size) == 3 and size[0] != 1:  # (image_embeds' own grids)
+            raise ValueError(
+                f"multi_modal_data['image']: image_size {size}: an image of "
+                f"{self.config.architectures[0]} is one temporal patch (t = 1)"
+            )
+        return super().length(size)
 
 
 class TileLayout(Layout):
@@ -752,15 +786,7 @@ class Llama4Layout(TileLayout):
                 f"{ids.count(self.placeholder)} <|patch|> of its own: put one <|image|> per "
                 "image where it belongs"
             )
-        out: list[int] = []
-        starts: list[int] = []
-        last = 0
-        for i, segment in zip(marks, segments, strict=True):
-            out += ids[last:i]
-            starts.append(len(out))
-            out += segment
-            last = i + 1
-        return out + ids[last:], starts
+        return replace_tokens(ids, marks, segments)
 
 
 class KimiLayout(Layout):
@@ -775,7 +801,6 @@ class KimiLayout(Layout):
         self.fixed = None
         self.patch = int(config.vision_config.patch_size)
         self.merge = kimi_k25.merge_size(config)
-        self.local = kimi_k25.local_processor(config)  # None: transformers' processor runs
 
     def length(self, size: Size) -> int:
         if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
@@ -791,10 +816,38 @@ class KimiLayout(Layout):
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         from paged_engine.multimodal.kimi_k25 import load_image
 
-        pixels, grid = load_image(self.local, run, image)
+        pixels, grid = load_image(run, image)
         if tuple(pixels.shape) != self.pixel_shape(grid):
             raise _shape_error(pixels, self.pixel_shape(grid))
         return pixels, grid
+
+
+class HunyuanLayout(QwenLayout):
+    """HunyuanOCR: patch rows [h * w, C * p * p] (row-major), size the grid (1, h, w); a run
+    of (h/m) * (w/m + 1) + 2 placeholders (a break per merged row, the begin / end rows) and
+    multi-axis rope positions (multimodal/hunyuan_vl.py)."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+
+    def length(self, size: Size) -> int:
+        from paged_engine.multimodal import hunyuan_vl
+
+        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (1, h, w)")
+        return hunyuan_vl.tokens(self.config, size)
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 3
+        v = self.config.vision_config
+        return (size[1] * size[2], int(v.num_channels) * int(v.patch_size) ** 2)
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        from paged_engine.multimodal import hunyuan_vl
+
+        return hunyuan_vl.positions(num_tokens, images, hunyuan_vl.merge_size(self.config))
 
 
 class Gemma4Layout(Layout):
@@ -804,7 +857,8 @@ class Gemma4Layout(Layout):
     three are special, so this is the same on the ids). With use_bidirectional_attention
     "vision" its `ImageInput` is `bidirectional`, so one step must hold the run; runs differ by
     image, so the layout's own flag (the engine's start-time check of one fixed run against
-    max_num_batched_tokens) stays off and a longer run stops the scheduler, naming the request."""
+    max_num_batched_tokens) stays off and a longer run is refused when its request comes in
+    (engine/input_processor.py)."""
 
     takes_embeds = False
 
@@ -862,11 +916,256 @@ class Gemma4Layout(Layout):
         return m.bidirectional == self.two_way and super().fits(m)
 
 
+class MiniCPMVLayout(Layout):
+    """MiniCPM-V 4.6: views [3, p, h * w * p] (the thumbnail, then rows x cols slices), each
+    its own run; the k-th image token becomes MiniCPMV4_6Processor's <image_id>k</image_id>
+    and markers around the runs (minicpmv.image_segment; all special, so spliced as tokens).
+    Loaded: the packed views and (rows, cols, h0, w0, h1, w1, ...); a view's size (h, w)."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import minicpmv
+
+        minicpmv.check_config(config)
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None
+        self.patch = int(config.vision_config.patch_size)
+        names = {k: getattr(tokenizer, k, None) or v for k, v in minicpmv.MARKERS.items()}
+        self.ids = dict(zip(names, token_ids(tokenizer, *names.values()), strict=True))
+        self.newline = tokenizer.encode("\n", add_special_tokens=False)
+        self.use_id: bool | None = None  # the image processor's use_image_id, read at load
+
+    def length(self, size: Size) -> int:
+        from paged_engine.multimodal.minicpmv import view_tokens
+
+        if size is None or len(size) not in (2, 3):  # 3: a 4.7 thumbnail's (h, w, tail)
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (h, w)")
+        return view_tokens(self.config, size[0], size[1])
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) in (2, 3)
+        return (3, self.patch, size[0] * size[1] * self.patch)
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        out = run([image])
+        pixels, grids = out["pixel_values"][0].float(), out["target_sizes"].tolist()
+        rows, cols = (int(v) for v in out["grids"][0])
+        views = 1 + rows * cols
+        width = sum(h * w for h, w in grids) * self.patch
+        if len(grids) != views or tuple(pixels.shape) != (3, self.patch, width):
+            raise _shape_error(pixels, f"(3, {self.patch}, {width}) ({views} views)")
+        for h, w in grids:
+            self.length((h, w))
+        return pixels, (rows, cols, *(int(x) for hw in grids for x in hw))
+
+    def _views(self, loaded: Loaded) -> list[tuple[int, int]]:
+        size = loaded[1]
+        assert size is not None
+        return [(size[i], size[i + 1]) for i in range(2, len(size), 2)]
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        from paged_engine.multimodal.minicpmv import image_segment
+
+        rows, cols = loaded[1][:2]  # type: ignore[index]
+        runs = [self.length(v) for v in self._views(loaded)]
+        return image_segment(runs, rows, cols, self.placeholder, self.ids, self.newline)
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        out, column = [], 0
+        for (h, w), start in zip(
+            self._views(loaded), run_starts(segment, self.placeholder), strict=True
+        ):
+            view = loaded[0][..., column : column + h * w * self.patch].contiguous()
+            column += h * w * self.patch
+            n = self.length((h, w))
+            out.append(ImageInput(view, at + start, n, digest(view, (h, w)), (h, w)))
+        return out
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """Each lone image token -> <image_id>k</image_id> (with use_image_id) + segment."""
+        if self.use_id is None:  # the checkpoint's image processor's (the processor's default)
+            from transformers import AutoImageProcessor
+
+            hf = AutoImageProcessor.from_pretrained(self.config._name_or_path)
+            self.use_id = bool(getattr(hf, "use_image_id", True))
+        heads = [
+            [
+                self.ids["image_id_start_token"],
+                *self.tokenizer.encode(str(k), add_special_tokens=False),
+                self.ids["image_id_end_token"],
+            ]
+            if self.use_id
+            else []
+            for k in range(len(segments))
+        ]
+        out, starts = super().splice(ids, [h + s for h, s in zip(heads, segments, strict=True)])
+        return out, [at + len(h) for at, h in zip(starts, heads, strict=True)]
+
+
+class MiniCPMVCanvasLayout(MiniCPMVLayout):
+    """MiniCPM-V 4.7: 4.6's views and prompt, and canvas M-RoPE positions for the decoder
+    (minicpmv.canvas_positions). Those depend on the marker tokens right after an image (a
+    frame's end runs on over them), so a thumbnail's size is (h, w, tail): the markers after
+    its image's last closing one, counted by `splice`. A segment starts with -1 (no token),
+    so the processor never takes a prompt as expanded already and `splice` sees every one."""
+
+    mrope = True
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        super().__init__(config, placeholder, tokenizer)
+        fields = ("slice_start_id", "slice_end_id", "image_start_id", "image_end_id")
+        marks = [getattr(config, f, None) for f in (*fields, "newline_id")]
+        missing = [f for f, v in zip((*fields, "newline_id"), marks, strict=True) if v is None]
+        if missing:
+            raise ValueError(f"{missing[0]} is not set: MiniCPM-V 4.7's images need it")
+        self.marks = tuple(int(v) for v in marks)  # type: ignore[arg-type]
+        self._tails: dict[int, int] = {}  # id(segment) -> its tail, from splice to place
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        return [-1, *super().segment(loaded)]
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        from paged_engine.multimodal.minicpmv import find_segments
+
+        real = [s[1:] for s in segments]
+        found = find_segments(ids, real, self.placeholder)
+        out, starts = (ids, found) if found is not None else super().splice(ids, real)
+        for segment, body, at in zip(segments, real, starts, strict=True):
+            end = tail = at + len(body)
+            while tail < len(out) and out[tail] in self.marks:
+                tail += 1
+            self._tails[id(segment)] = tail - end
+        return out, starts
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        import dataclasses
+
+        views = super().place(loaded, at, segment[1:])
+        thumb = views[0]
+        assert thumb.image_size is not None
+        size = (*thumb.image_size, self._tails.pop(id(segment)))
+        return [dataclasses.replace(thumb, image_size=size), *views[1:]]
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        """The canvas table over the prompt's ids as far as the views fix them: the crops,
+        their markers, newlines between slice rows, each frame's tail; text elsewhere."""
+        from paged_engine.multimodal.minicpmv import canvas_positions, merge_factor
+        from paged_engine.multimodal.mrope import MropePositions
+
+        slice_start, slice_end, image_start, image_end, newline = self.marks
+        ids = [-1] * num_tokens
+        tail_at, tail = 0, 0
+        prev: ImageInput | None = None
+        for m in images:
+            assert m.image_size is not None
+            if len(m.image_size) == 3:  # a thumbnail opens a frame: the last one's tail first
+                ids[tail_at : tail_at + tail] = [newline] * tail
+                ids[m.offset - 1], ids[m.end], tail = image_start, image_end, m.image_size[2]
+            else:
+                ids[m.offset - 1], ids[m.end] = slice_start, slice_end
+                if prev is not None and len(prev.image_size or ()) == 2:
+                    ids[prev.end + 1 : m.offset - 1] = [newline] * (m.offset - 2 - prev.end)
+            ids[m.offset : m.end] = [self.placeholder] * m.length
+            tail_at, prev = m.end + 1, m
+        ids[tail_at : tail_at + tail] = [newline] * tail
+        grids = [m.image_size[:2] for m in images if m.image_size is not None]
+        merge = merge_factor(self.config)
+        table = canvas_positions(ids, self.placeholder, grids, self.marks, merge)
+        first = images[0].offset - 1 if images else num_tokens
+        return MropePositions(table, first, int(table.max()) + 1 - num_tokens)
+
+
+class Lfm2VlLayout(Layout):
+    """LFM2-VL: views (tiles row-major then the thumbnail, or the one resized image) as patches
+    [h * w, 3 * p * p], each its own run of (h / f) * (w / f) <image>; a user's <image> becomes
+    Lfm2VlProcessor's special tokens around them (lfm2_vl.py; all special, so spliced as
+    tokens). Loaded: the views' patches concatenated, size (rows, cols, h_1, w_1, ...); a
+    view's image_size its grid (h, w)."""
+
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import lfm2_vl
+
+        self.config = config
+        self.placeholder = placeholder
+        self.tokenizer = tokenizer
+        self.fixed = None
+        self.factor = int(config.downsample_factor)
+        channels = int(getattr(config.vision_config, "num_channels", 3))
+        self.patch_dim = channels * lfm2_vl.patch_size(config) ** 2
+        self.bounds = token_ids(tokenizer, lfm2_vl.START, lfm2_vl.END, lfm2_vl.THUMBNAIL)
+        self.local = lfm2_vl.local_processor(config)  # None: transformers' processor runs
+
+    def length(self, size: Size) -> int:
+        f = self.factor
+        if size is None or len(size) != 2 or min(size) <= 0 or size[0] % f or size[1] % f:
+            raise ValueError(
+                f"multi_modal_data['image']: image_size {size} is not a patch grid of "
+                f"{f} x {f} blocks"
+            )
+        return size[0] * size[1] // f**2
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 2
+        return (size[0] * size[1], self.patch_dim)
+
+    def load(self, run: Run, image: Any, count: int) -> Loaded:
+        from paged_engine.multimodal.lfm2_vl import load_image
+
+        views, grids, (rows, cols) = load_image(self.local, run, image)
+        tiles = rows * cols if rows * cols > 1 else 0
+        if len(views) not in (tiles + 1, max(tiles, 1)):
+            raise ValueError(f"the image processor gave {len(views)} views for {rows} x {cols}")
+        for view, grid in zip(views, grids, strict=True):
+            self.length(grid)
+            if tuple(view.shape) != self.pixel_shape(grid):
+                raise _shape_error(view, self.pixel_shape(grid))
+        return torch.cat(views), (rows, cols, *(x for g in grids for x in g))
+
+    def _grids(self, size: Size) -> list[tuple[int, int]]:
+        assert size is not None
+        return list(zip(size[2::2], size[3::2], strict=True))
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        from paged_engine.multimodal.lfm2_vl import tile_token
+
+        rows, cols = loaded[1][:2]  # type: ignore[index]
+        grids = self._grids(loaded[1])
+        start, end, thumbnail = self.bounds
+        runs = [[self.placeholder] * self.length(g) for g in grids]
+        if rows * cols <= 1:
+            return [start, *runs[0], end]
+        names = [tile_token(r + 1, c + 1) for r in range(rows) for c in range(cols)]
+        out = [start]
+        for tid, run in zip(token_ids(self.tokenizer, *names), runs, strict=False):
+            out += [tid, *run]
+        if len(runs) > rows * cols:
+            out += [thumbnail, *runs[-1]]
+        return [*out, end]
+
+    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
+        patches, size = loaded
+        grids = self._grids(size)
+        views = patches.split([h * w for h, w in grids])
+        starts = run_starts(segment, self.placeholder)
+        return [
+            ImageInput(v, at + s, self.length(g), digest(v, g), g)
+            for v, g, s in zip(views, grids, starts, strict=True)
+        ]
+
+
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
     "llava_next": AnyResLayout,
     "qwen2_vl": QwenLayout,
     "glm4v": QwenLayout,  # GLM-4.1V / 4.5V / 4.6V: Qwen2-VL's runs and M-RoPE table
+    "qwen_omni": OmniLayout,
+    "glm_ocr": QwenLayout,  # GLM-OCR: GLM-4.1V's host side
+    "hunyuan_vl": HunyuanLayout,  # HunyuanOCR
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,
@@ -877,4 +1176,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "idefics2": Idefics2Layout,
     "llama4": Llama4Layout,
     "kimi_k25": KimiLayout,
+    "lfm2_vl": Lfm2VlLayout,
+    "minicpmv": MiniCPMVLayout,
+    "minicpmv_canvas": MiniCPMVCanvasLayout,
 }

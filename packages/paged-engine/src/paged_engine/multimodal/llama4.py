@@ -28,6 +28,17 @@ How this tower differs from the ViTs of vision_transformer.py (whose attention i
                       (a * s + b) * D + d for patch (s * I + a, s * J + b)), then
                       vision_adapter.mlp: fc1 (no bias) -> GELU -> fc2 (no bias) -> GELU
 
+The image processor: transformers' Llama4ImageProcessor where torchvision imports, else
+`Llama4TorchProcessor` here (multimodal/torch_processors.py's table), its steps in torch alone:
+    canvas      transformers' find_supported_resolutions / get_best_fit: the canvases of at
+                most max_patches tiles, the least upscaling (float32 scales), else the least
+                downscaling, ties to the smallest area; upscaled at most to one tile's side
+                (unless resize_to_max_canvas)
+    resize      aspect kept (floor of the limiting side's scale), bilinear with antialias on the
+                uint8 image, padded right / bottom with 0 to the canvas
+    normalize   in bfloat16: x * rescale_factor, then (x - mean) / std (Meta's order)
+    tiles       rows x cols row-major, then (more than one) the whole image resized to S x S
+
 Refused by name: vision_config.pixel_shuffle_ratio whose inverse is not an integer dividing the
 patch grid, widths that do not chain (intermediate_size != hidden_size * s^2,
 projector_input_dim != projector_output_dim, projector_output_dim != vision_output_dim), a
@@ -36,8 +47,9 @@ non-square image_size / patch_size. Image features as input (vLLM's image_embeds
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +57,7 @@ from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.torch_processors import TorchImageProcessor, resize, square_size
 from paged_engine.multimodal.vision_transformer import VisionAttention
 
 ARCH = "Llama4ForConditionalGeneration"
@@ -269,3 +282,121 @@ class Llama4ImageEncoder(nn.Module):
 
         picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
         return load_named_weights(self, picked)
+
+
+class _Llama4Kwargs(TypedDict, total=False):
+    do_resize: bool
+    size: dict[str, int]
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: list[float]
+    image_std: list[float]
+    do_convert_rgb: bool
+    max_patches: int
+    resize_to_max_canvas: bool
+
+
+def llama4_canvases(max_patches: int, side: int) -> torch.Tensor:
+    """transformers' find_supported_resolutions: [n, 2] (height, width) canvases of tiles, in
+    its order (tile counts down from max_patches, grouped by aspect ratio)."""
+    by_ratio: dict[float, list[tuple[int, int]]] = {}
+    for chunks in range(max_patches, 0, -1):
+        pairs = [(i, chunks // i) for i in range(1, int(chunks**0.5) + 1) if chunks % i == 0]
+        factors = sorted({f for pair in pairs for f in pair})
+        for h in factors:
+            by_ratio.setdefault(h / (chunks // h), []).append((h, chunks // h))
+    return torch.tensor([(h * side, w * side) for v in by_ratio.values() for h, w in v])
+
+
+def llama4_best_fit(size: tuple[int, int], canvases: torch.Tensor, to_max: bool) -> torch.Tensor:
+    """transformers' get_best_fit (float32 scales, as it computes them): (height, width)."""
+    scale_w = canvases[:, 1] / size[1]
+    scale_h = canvases[:, 0] / size[0]
+    scales = torch.where(scale_h > scale_w, scale_w, scale_h)
+    up = scales[scales >= 1]
+    if len(up) > 0:
+        chosen = torch.max(up) if to_max else torch.min(up)
+    else:
+        chosen = torch.max(scales[scales < 1])
+    fits = canvases[scales == chosen]
+    return fits[torch.argmin(fits[:, 0] * fits[:, 1])] if len(fits) > 1 else fits[0]
+
+
+def _no_distortion(size: tuple[int, int], target: tuple[Any, Any]) -> tuple[int, int]:
+    """transformers' get_max_res_without_distortion; `target` may hold 0-d int64 tensors (as
+    transformers passes them), whose float32 scales it keeps."""
+    (h, w), (th, tw) = size, target
+    scale_w, scale_h = tw / w, th / h
+    if scale_w < scale_h:
+        return int(min(math.floor(h * scale_w), th)), int(tw)
+    return int(th), int(min(math.floor(w * scale_h), tw))
+
+
+class Llama4TorchProcessor(TorchImageProcessor):
+    """Llama4ImageProcessor: each image resized (aspect kept, downscaled as little as possible,
+    upscaled only to one tile side) onto its best canvas of rows x cols tiles of S x S (at most
+    max_patches), padded right / bottom with 0, rescaled and normalized in bfloat16, cut into
+    tiles row-major; with more than one tile the whole image resized to S x S last.
+    Out: pixel_values [tiles of all images, 3, S, S] bfloat16, aspect_ratios [images, 2]."""
+
+    name = "Llama4ImageProcessor"
+    defaults: ClassVar[dict[str, Any]] = {
+        "do_resize": True,
+        "size": {"height": 336, "width": 336},
+        "resample": 2,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_convert_rgb": True,
+        "max_patches": 16,
+        "resize_to_max_canvas": False,
+    }
+    valid_kwargs = _Llama4Kwargs
+
+    def check(self, s: dict[str, Any]) -> None:
+        super().check(s)
+        square_size(s, self.name)
+        if not s["do_resize"]:
+            raise ValueError(f"{self.name}'s do_resize=False is not supported (nor by HF's)")
+
+    def _normalize(self, x: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
+        if s["do_rescale"] and s["do_normalize"]:  # as Meta's code: in bfloat16
+            x = x.to(torch.bfloat16) * s["rescale_factor"]
+            mean = torch.tensor(s["image_mean"], dtype=torch.bfloat16)[:, None, None]
+            std = torch.tensor(s["image_std"], dtype=torch.bfloat16)[:, None, None]
+            return (x - mean) / std
+        if s["do_rescale"]:
+            return x * s["rescale_factor"]
+        if s["do_normalize"]:  # transformers' torchvision normalize refuses the uint8 image
+            raise ValueError(f"{self.name}: do_normalize without do_rescale is not supported")
+        return x
+
+    def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+        side = square_size(s, self.name)
+        canvases = llama4_canvases(int(s["max_patches"]), side)
+        to_max = bool(s["resize_to_max_canvas"])
+        tiles, ratios = [], []
+        for x in images:
+            h, w = x.shape[-2:]
+            target = llama4_best_fit((h, w), canvases, to_max)
+            if to_max:
+                bound: tuple[Any, Any] = (target[0], target[1])
+            else:  # upscaled at most to one tile's side
+                bound = (min(max(h, side), target[0]), min(max(w, side), target[1]))
+            nh, nw = _no_distortion((h, w), bound)
+            out = resize(x, (max(nh, 1), max(nw, 1)), s["resample"])
+            th, tw = int(target[0]), int(target[1])
+            out = F.pad(out, (0, tw - out.shape[-1], 0, th - out.shape[-2]))
+            out = self._normalize(out, s)
+            rows, cols = th // side, tw // side
+            grid = out.view(3, rows, side, cols, side).permute(1, 3, 0, 2, 4)
+            tiles.append(grid.reshape(rows * cols, 3, side, side))
+            if rows * cols > 1:
+                whole = self._normalize(resize(x, (side, side), s["resample"]), s)
+                tiles.append(whole[None])
+            ratios.append((rows, cols))
+        return {"pixel_values": torch.cat(tiles), "aspect_ratios": torch.tensor(ratios)}

@@ -10,7 +10,7 @@
         -> each kh x kw block of patches gathered into one row [kh * kw, D] (block row-major,
              patches within a block row-major): [P / (kh * kw), kh * kw, D]
 
-Differences from Qwen2-VL's tower (qwen2_vl_vision.py, whose attention and rotation this
+Differences from Qwen2-VL's tower (qwen2_vl_vision.py, whose attention, rotation and MLP this
 reuses): patches arrive row-major, not in merge-block order (the merge reorders them after the
 final norm); an additive learned position grid; and the rope angles interleave the axes: with
 head_dim / 4 frequencies f_j (theta ** -(4j / head_dim)), a patch at (row, col) rotates by
@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.qwen2_vl_vision import (
+    _MLP,  # fc1 -> act -> fc2, with biases
     _frame_segments,
     _int_field,
     _rope_theta,
@@ -75,17 +75,6 @@ class _Attention(nn.Module):
         )
         out = _segment_attention(_rotate(q, cos, sin), _rotate(k, cos, sin), v, groups)
         return self.proj(out.reshape(rows, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = get_act_fn(act, "vision_config.hidden_act")
-        self.fc2 = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
 
 
 class _Layer(nn.Module):

@@ -4,12 +4,14 @@ vLLM's prompt form: `{"prompt": "USER: <image>\\nWhat is this? ASSISTANT:",
 "multi_modal_data": {"image": image_or_list}}` (or `prompt_token_ids`). Each image token in the
 prompt stands for one image, in order. The checkpoint's own image processor
 (preprocessor_config.json: resize, crop / tile, normalize, as HF's processors run it) gives the
-image's pixel values; the wrapper's layout (multimodal/layouts.py) says what the image token
-becomes (a run of placeholders, one per feature row; tiles with text between them; lines of
-placeholders with break tokens) and where each `ImageInput` sits. For run layouts a prompt whose
-runs are expanded already (token ids of an earlier output, or a client's HF processor) is taken
-as it is. Also: images processed ahead (`ImageInput`s, from a server's request thread), vLLM's
-image features input (`embeds`), vLLM's mm_processor_kwargs.
+image's pixel values (where transformers builds that processor on torchvision alone and
+torchvision is missing, multimodal/torch_processors.py's torch copy of it); the wrapper's
+layout (multimodal/layouts.py) says what the image token becomes (a run of placeholders, one
+per feature row; tiles with text between them; lines of placeholders with break tokens) and
+where each `ImageInput` sits. For run layouts a prompt whose runs are expanded already (token
+ids of an earlier output, or a client's HF processor) is taken as it is. Also: images processed
+ahead (`ImageInput`s, from a server's request thread), vLLM's image features input (`embeds`),
+vLLM's mm_processor_kwargs.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from paged_engine.multimodal.layouts import (
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
+from paged_engine.multimodal.torch_processors import image_processor
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,11 @@ def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     archs = getattr(config, "architectures", None) or []
-    return config if any(a in IMAGE_ARCHS for a in archs) else None
+    if not any(a in IMAGE_ARCHS for a in archs):
+        return None
+    from paged_engine.multimodal.qwen_omni import thinker_config
+
+    return thinker_config(config)
 
 
 def processor_saved(path: Path) -> bool:
@@ -109,14 +116,14 @@ class ImageProcessor:
                 f"{config.architectures[0]} is needed to run its images (pass "
                 "limit_mm_per_prompt={'image': 0} to serve its text model only)"
             )
-        self._hf = None  # transformers' image processor, loaded with the first image
+        self._hf = None  # the image processor (`hf`), loaded with the first image
 
     @property
     def hf(self):
+        """transformers' image processor, or (where it needs the missing torchvision) our torch
+        copy of it (multimodal/torch_processors.py), called the same way."""
         if self._hf is None:
-            from transformers import AutoImageProcessor
-
-            self._hf = AutoImageProcessor.from_pretrained(self.path)
+            self._hf = image_processor(self.path, self.config)
         return self._hf
 
     @property

@@ -46,6 +46,7 @@ VARIANTS = {
     "qwen2_vl_vision": "qwen2_vl",
     "qwen2_5_vl": "qwen2_5_vl",
     "qwen2_5_vl_vision": "qwen2_5_vl",
+    "qwen2_5_omni_vision_encoder": "qwen2_5_vl",  # Qwen2.5-Omni's thinker (qwen_omni.py)
 }
 _NORM_EPS = 1e-6  # HF hard-codes it for every norm of the tower
 
@@ -92,6 +93,20 @@ def _group_by_length(segments: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _norm(dim: int, rms: bool) -> nn.Module:
     return RMSNorm(dim, _NORM_EPS) if rms else nn.LayerNorm(dim, _NORM_EPS)
+
+
+def _rotary_tables(
+    positions: torch.Tensor, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, 1, head_dim] float32 of the patches' (row, column) `positions` [P, 2]:
+    head_dim / 4 frequencies by the row and as many by the column, repeated over the other
+    half (see the module docstring)."""
+    # [D/4] float32 whatever the module's dtype (no buffer), on the CPU as HF computes it
+    half = head_dim // 2
+    inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
+    freqs = positions[..., None].float() * inv_freq  # [P, 2, D/4]
+    angles = freqs.flatten(1).repeat(1, 2)[:, None].to(device)  # [P, 1, D]: (row | col) x2
+    return angles.cos(), angles.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -334,12 +349,7 @@ class QwenVisionEncoder(nn.Module):
         grids = self._grids(pixel_values, grid_thw)
         x = self.patch_embed(pixel_values)
         device = x.device
-        # [D/4] float32 whatever the module's dtype (no buffer), on the CPU as HF computes it
-        half = self.head_dim // 2
-        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-        freqs = self._positions(grids)[..., None].float() * inv_freq  # [P, 2, D/4]
-        angles = freqs.flatten(1).repeat(1, 2)[:, None].to(device)  # [P, 1, D]: (row | col) x2
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = _rotary_tables(self._positions(grids), self.head_dim, self.rope_theta, device)
         frames = [g.to(device) for g in self._frames(grids)]
         windows = frames if self.window is None else [g.to(device) for g in self._windows(grids)]
         for i, block in enumerate(self.blocks):

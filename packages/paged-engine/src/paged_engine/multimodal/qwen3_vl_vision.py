@@ -45,10 +45,13 @@ from paged_engine.multimodal.qwen2_vl_vision import (
     _load_visual,
     _PatchEmbed,
     _rope_theta,
+    _rotary_tables,
 )
 
 # vision_config.model_type values (transformers 5 names the sub-config "*_vision")
 MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision"})
+# Qwen3-Omni's thinker: the same tower, its mergers named apart (multimodal/qwen_omni.py)
+MODEL_TYPES |= {"qwen3_omni_moe_vision_encoder"}
 # Qwen3.5 / Qwen3.5-MoE: the same tower without deepstack (their configs have no indexes)
 NO_DEEPSTACK = frozenset({"qwen3_5_vision", "qwen3_5_moe_vision"})
 _NORM_EPS = 1e-6  # HF hard-codes it for every norm of the tower
@@ -196,13 +199,8 @@ class Qwen3VisionEncoder(nn.Module):
         device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [P, 1, head_dim] float32."""
-        # [D/4] float32 whatever the module's dtype (no buffer), on the CPU as HF computes it
-        half = self.head_dim // 2
-        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
         pos = torch.cat([p.repeat(t, 1) for (t, _, _), p in zip(grids, positions)])
-        freqs = pos[..., None].float() * inv_freq  # [P, 2, D/4]
-        angles = freqs.flatten(1).repeat(1, 2)[:, None].to(device)  # [P, 1, D]: (row | col) x2
-        return angles.cos(), angles.sin()
+        return _rotary_tables(pos, self.head_dim, self.rope_theta, device)
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]

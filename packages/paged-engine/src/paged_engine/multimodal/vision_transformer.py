@@ -44,14 +44,16 @@ def _bucketed_position_ids(side: int) -> torch.Tensor:
     return (bucket[:, None] * side + bucket[None, :]).flatten()
 
 
-def pixel_shuffle(x: torch.Tensor, s: int) -> torch.Tensor:
+def pixel_shuffle(x: torch.Tensor, s: int, rows: int | None = None) -> torch.Tensor:
     """[N, side^2, D] (patches row-major) -> [N, (side / s)^2, s * s * D]: each s x s block of
     patches one row, blocks row-major, patch (a, b) of a block at features (a * s + b) * D
-    (Aya Vision's and Command A Vision's projectors; Idefics3's connector computes the same)."""
+    (Aya Vision's and Command A Vision's projectors, Idefics3's connector, InternVL's; with
+    `rows`, a rows x (L / rows) grid: LFM2-VL's projector)."""
     n, length, dim = x.shape
-    side = round(length**0.5)
-    x = x.reshape(n, side // s, s, side // s, s, dim).permute(0, 1, 3, 2, 4, 5)
-    return x.reshape(n, (side // s) ** 2, s * s * dim)
+    h = round(length**0.5) if rows is None else rows
+    w = length // h
+    x = x.reshape(n, h // s, s, w // s, s, dim).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, (h // s) * (w // s), s * s * dim)
 
 
 class VisionAttention(nn.Module):

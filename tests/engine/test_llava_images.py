@@ -322,3 +322,26 @@ def test_encoder_cache_reuses_features_by_image_hash(llava_dirs):
     llm.sleep(level=1)
     llm.wake_up()
     assert not images.idle and images.idle_elems == 0
+
+
+def test_transparent_images_go_over_white_as_hf_puts_them(llava_dirs):
+    """An RGBA image (and a palette image with a transparent index) is composited over white
+    before the processor, as transformers' convert_to_rgb does: the engine's pixels equal HF's
+    processor's on the transparent image, and differ from dropping the alpha band."""
+    path = llava_dirs()
+    images = _llm(path).llm_engine.input_processor.images
+    processor = transformers.AutoProcessor.from_pretrained(path).image_processor
+    rng = np.random.default_rng(7)
+    rgba = Image.fromarray(rng.integers(0, 256, (40, 52, 4), dtype=np.uint8), "RGBA")
+    index = rng.integers(1, 256, (40, 52), dtype=np.uint8)
+    index[10:30, 12:40] = 0  # colour index 0, see-through, in the middle
+    palette = Image.fromarray(index, "P")
+    palette.putpalette(rng.integers(0, 256, 768, dtype=np.uint8).tolist())
+    palette.info["transparency"] = 0
+    for image in (rgba, palette):
+        _, (m,) = images.process([_image_token(path)], image)
+        want = processor(images=image, return_tensors="pt")["pixel_values"][0]
+        torch.testing.assert_close(m.pixel_values, want, rtol=0, atol=1e-6)
+        no_alpha = Image.fromarray(np.asarray(image.convert("RGB")))  # (no transparency info)
+        _, (dropped,) = images.process([_image_token(path)], no_alpha)
+        assert not torch.equal(dropped.pixel_values, m.pixel_values)

@@ -291,16 +291,13 @@ class MediaLoader:
     @staticmethod
     def _decode(ref: MediaRef, data: bytes) -> Any:
         """The image, fully decoded, in RGB; a transparent one over white (as vLLM does)."""
+        from paged_engine.multimodal.inputs import to_rgb
+
         pil = _pillow()
         try:
             image = pil.open(io.BytesIO(data))
             image.load()
-            if image.mode in ("RGBA", "LA") or "transparency" in image.info:
-                rgba = image.convert("RGBA")
-                image = pil.new("RGB", rgba.size, (255, 255, 255))
-                image.paste(rgba, mask=rgba.getchannel("A"))
-            elif image.mode != "RGB":
-                image = image.convert("RGB")
+            image = to_rgb(image)  # as the engine converts an offline prompt's images
         except Exception as e:  # not an image, truncated, a decompression bomb
             raise bad_request(
                 f"{ref.param}: the data is not an image Pillow can read ({e})", ref.param

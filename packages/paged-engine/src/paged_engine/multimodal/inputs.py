@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -91,3 +92,15 @@ def shift_offsets(items: tuple | list, added: list[tuple[int, int]]) -> list[Ima
 def block_mm_keys(images: tuple[ImageInput, ...], start: int, end: int) -> tuple[str, ...]:
     """Hashes of the images with a placeholder in positions [start, end), in prompt order."""
     return tuple(m.mm_hash for m in images if m.overlaps(start, end))
+
+
+def to_rgb(image: Any) -> Any:
+    """A PIL image in RGB, a transparent one (alpha band or palette transparency) over white,
+    as transformers' `convert_to_rgb` and vLLM's media loader composite it."""
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")

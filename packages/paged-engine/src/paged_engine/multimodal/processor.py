@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
-from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import (
     LAYOUTS,
     Layout,
@@ -182,8 +182,8 @@ class ImageProcessor:
         layout's arguments under the request's; its failures as ValueErrors."""
 
         def run(images: list[Any], **extra: Any) -> Any:
-            def rgb(x: Any) -> Any:
-                return [rgb(i) for i in x] if isinstance(x, list) else x.convert("RGB")
+            def rgb(x: Any) -> Any:  # transparency over white, as transformers' processors
+                return [rgb(i) for i in x] if isinstance(x, list) else to_rgb(x)
 
             try:
                 return self.hf(images=rgb(images), return_tensors="pt", **{**extra, **kwargs})

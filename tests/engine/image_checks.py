@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -109,14 +110,29 @@ def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -
     return cached
 
 
-def check_tensor_parallel(path, prompts: list[dict], chunk: int) -> None:
-    """TP=2 (gloo) gives the one-process greedy tokens (4) and top-5 logprobs (1e-4) of
-    `prompts`, both engines chunking prefill at `chunk` tokens (chunks through the images)."""
-    kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True}
-    one = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
+def check_refused(path, llm: LLM, cases: list[tuple[dict, str]], prompts: list[dict]) -> None:
+    """Each (prompt, match) of `cases` is a ValueError matching `match` on `llm`; the last of
+    `prompts` (two images) one naming limit_mm_per_prompt on an engine taking one image; `llm`
+    then still serves the first of `prompts` (8 tokens)."""
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([bad], greedy(0), use_tqdm=False)
+    limited = engine(path, limit_mm_per_prompt={"image": 1})
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
+    out = llm.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8
+
+
+def check_tensor_parallel(path, prompts: list[dict], chunk: int | None, n: int = 4) -> None:
+    """TP=2 (gloo) gives the one-process greedy tokens (`n`) and top-5 logprobs (1e-4) of
+    `prompts`, both engines chunking prefill at `chunk` tokens (chunks through the images;
+    None: whole prompts)."""
+    kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
+    one = engine(path, **kw).generate(prompts, greedy(5, n), use_tqdm=False)
     llm = engine(path, **kw, tensor_parallel_size=2)
     try:
-        two = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
+        two = llm.generate(prompts, greedy(5, n), use_tqdm=False)
     finally:
         llm.llm_engine.shutdown()
     for want, got in zip(one, two, strict=True):
@@ -135,14 +151,20 @@ def data_url(image) -> str:
 
 
 def check_chat_data_url(
-    llm: LLM, question: list[dict], picture, *, over_limit: bool = False
+    llm: LLM,
+    question: list[dict],
+    picture,
+    *,
+    over_limit: bool = False,
+    more: Callable[[object, dict, SimpleNamespace], None] | None = None,
 ) -> SimpleNamespace:
     """The server's chat path over `llm` (shut down after): a user turn of `question`'s parts
     (Hugging Face's form) with its {"type": "image"} part sent as an image_url part holding
     `picture` as a data: URL gives the offline greedy tokens (6) and prompt ids of the chat
     template's prompt with `picture`. With `over_limit` (`llm` has limit_mm_per_prompt one
-    image), the image part twice is a 400 naming messages. Returns the offline answer
-    (server_proc.offline_chat: ids, prompt_ids, text)."""
+    image), the image part twice is a 400 naming messages. `more(http, body, want)` runs
+    further requests on the same server (`body`: the request that gave the offline answer).
+    Returns the offline answer (server_proc.offline_chat: ids, prompt_ids, text)."""
     pytest.importorskip("paged_server")
     from server.server_proc import COMMON_ARGS, offline_chat, serve_in_process
 
@@ -166,6 +188,8 @@ def check_chat_data_url(
                     "POST", "/v1/chat/completions", {**request, "messages": ask(twice)}
                 )
                 assert status == 400 and out["error"]["param"] == "messages", out
+            if more is not None:
+                more(http, body, want)
     finally:
         llm.llm_engine.shutdown()
     return want

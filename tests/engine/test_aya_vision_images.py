@@ -21,17 +21,22 @@ range of sizes and aspect ratios.
 
 from __future__ import annotations
 
-import base64
-import importlib
-import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_tensor_parallel,
+    engine,
+    noise_image,
+    path_prompts,
+)
 
 from paged_engine.multimodal.aya_vision import END, LINE_BREAK, PATCH, START
 from paged_engine.testing import (
@@ -207,33 +212,16 @@ def test_engine_paths_match_the_plain_run(dirs, arch):
     features instead of images, a wrong kind and too many images: ValueErrors naming
     multi_modal_data, the engine still serving."""
     path = dirs(arch)
-    prompts = [
-        {
-            "prompt": _prompt(arch, PROMPT),
-            "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80 - 15 * i))},
-        }
-        for i in range(3)
-    ] + [
-        {
-            "prompt": _prompt(arch, TWO),
-            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
-        }
-    ]
+    prompts = path_prompts(_prompt(arch, PROMPT), _prompt(arch, TWO))
     cached = check_engine_paths(path, prompts, _prompt(arch, TWO))
     pics = prompts[-1]["multi_modal_data"]["image"]
     short = "2 <image> placeholder" if arch == "aya" else "2 image placeholder"
-    for bad, match in [
+    refused = [
         ({"prompt": _prompt(arch, TWO), "multi_modal_data": {"image": pics[:1]}}, short),
         ({**prompts[0], "multi_modal_data": {"image": torch.zeros(16, 64)}}, "embeddings"),
         ({**prompts[0], "multi_modal_data": {"image": "a.png"}}, "PIL.Image"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            cached.generate([bad], greedy(0), use_tqdm=False)
-    limited = engine(path, limit_mm_per_prompt={"image": 1})
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
-    out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 8
+    ]
+    check_refused(path, cached, refused, prompts)
 
 
 # (height, width): wide, tall, one tile, upscaled, one pixel thin, a tile exactly
@@ -285,51 +273,13 @@ def test_tensor_parallel_matches_one_process(dirs):
             "multi_modal_data": {"image": [noise_image(11, (30, 70)), noise_image(12, (30, 30))]},
         }
     ]
-    kw = {"max_num_batched_tokens": 24, "enable_chunked_prefill": True}
-    (one,) = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
-    llm = engine(path, **kw, tensor_parallel_size=2)
-    try:
-        (two,) = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    assert two.outputs[0].token_ids == one.outputs[0].token_ids
-    for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs, strict=True):
-        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
-            {t: p.logprob for t, p in b.items()}, abs=1e-4
-        )
-
-
-def _data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    check_tensor_parallel(path, prompts, 24)
 
 
 @pytest.mark.parametrize("arch", ["aya", "cohere2"])
 def test_server_chat_gives_the_offline_tokens(dirs, arch):
     """A chat request with a data: URL image part: the offline tokens and prompt ids of the
     chat template's prompt; two images over --limit-mm-per-prompt a 400 naming messages."""
-    pytest.importorskip("paged_server")
-    sys.path.insert(0, str(Path(__file__).parents[1] / "server"))
-    server_proc = importlib.import_module("server_proc")
     llm = engine(dirs(arch), num_gpu_blocks_override=64, limit_mm_per_prompt={"image": 1})
-    picture = noise_image(5, (40, 72))
-
-    def ask(*parts: dict) -> list[dict]:
-        return [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}]
-
-    want = server_proc.offline_chat(llm, ask({"type": "image"}), {"image": picture}, 6)
-    part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
-    request = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    try:
-        with server_proc.serve_in_process(server_proc.COMMON_ARGS, llm.llm_engine) as (http, _):
-            body = {**request, "messages": ask(part), "return_token_ids": True}
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-            assert status == 200, out
-            assert out["choices"][0]["token_ids"] == want.ids
-            assert out["prompt_token_ids"] == want.prompt_ids
-            body = {**request, "messages": ask(part, part)}
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-            assert status == 400 and out["error"]["param"] == "messages", out
-    finally:
-        llm.llm_engine.shutdown()
+    question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    check_chat_data_url(llm, question, noise_image(5, (40, 72)), over_limit=True)

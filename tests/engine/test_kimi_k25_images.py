@@ -18,17 +18,23 @@ bad input.
 from __future__ import annotations
 
 import ast
-import base64
 import importlib.util
-import io
 import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_same_greedy, hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from hf_reference import hf_greedy
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_tensor_parallel,
+    engine,
+    noise_image,
+)
 
 from paged_engine.multimodal.torch_processors import torchvision_available
 
@@ -261,67 +267,27 @@ def test_engine_paths_match_the_plain_run(path):
     ]
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    for bad, match in [
+    refused = [
         ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
         ({"prompt": PROMPT, "multi_modal_data": {"video": [one, one]}}, "takes no videos"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            cached.generate([bad], greedy(0), use_tqdm=False)
-    limited = engine(path, limit_mm_per_prompt={"image": 1})
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
-    assert len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids)
+    ]
+    check_refused(path, cached, refused, prompts)
 
 
 def test_tensor_parallel_matches_one_process(path):
     """TP=2: the tower on every rank, the decoder's heads and experts split."""
     prompts = [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(11, (32, 48))] * 2}}]
-    one = [o.outputs[0] for o in engine(path).generate(prompts, greedy(5), use_tqdm=False)]
-    llm = engine(path, tensor_parallel_size=2)
-    try:
-        two = [o.outputs[0] for o in llm.generate(prompts, greedy(5), use_tqdm=False)]
-    finally:
-        llm.llm_engine.shutdown()
-    assert_same_greedy(one, two, 1e-4)
+    check_tensor_parallel(path, prompts, None, 8)
 
 
 def test_chat_data_url_gives_the_offline_tokens(path):
     """The server's chat path: an image_url part with a data: URL gives the offline tokens and
     prompt (the chat template's <|media_pad|> expanded by the image's grid)."""
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(path)
-    tok = llm.get_tokenizer()
-    picture = noise_image(12, (40, 72))
     question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    assert text == PROMPT.replace("What is in it?", "What is it?")
-    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
-    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
-    buf = io.BytesIO()
-    picture.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, question[1]]
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want.prompt_token_ids
-    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
+    want = check_chat_data_url(engine(path), question, noise_image(12, (40, 72)))
+    assert want.text == PROMPT.replace("What is in it?", "What is it?")
 
 
 def test_config_refusals(path):

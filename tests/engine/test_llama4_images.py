@@ -15,15 +15,22 @@ transformers runs Llama 4's image processor on torchvision only: without it thes
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_same_greedy, hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from hf_reference import hf_greedy
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_tensor_parallel,
+    engine,
+    noise_image,
+    path_prompts,
+)
 from safetensors.torch import load_file
 
 from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
@@ -244,53 +251,22 @@ def test_torch_processor_matches_transformers(path, monkeypatch):
 def test_engine_paths_match_the_plain_run(path):
     """Chunks of 8 tokens through the tiles, a prefix-cache hit on the same image, images
     processed ahead (image_checks) against the plain run; bad input a ValueError naming it."""
-    prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 80))}}
-        for i in range(3)
-    ] + [
-        {
-            "prompt": TWO,
-            "multi_modal_data": {"image": [noise_image(7, (16, 90)), noise_image(8, (64, 64))]},
-        }
-    ]
+    prompts = path_prompts(PROMPT, TWO, narrow=0)
     cached = check_engine_paths(path, prompts, TWO)
     pics = prompts[-1]["multi_modal_data"]["image"]
-    for bad, match in [
+    refused = [
         ({"prompt": TWO, "multi_modal_data": {"image": pics[:1]}}, "2 <\\|image\\|> token"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": pics}}, "1 <\\|image\\|> token"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": "a.png"}}, "PIL.Image"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(4, 64)}}, "embeddings"),
         ({"prompt": PROMPT + "<|patch|>", "multi_modal_data": {"image": pics[0]}}, "<\\|patch"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            cached.generate([bad], greedy(0), use_tqdm=False)
-    out = cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == 8
-    few = engine(path, limit_mm_per_prompt={"image": 1})
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        few.generate([prompts[-1]], greedy(0), use_tqdm=False)
+    ]
+    check_refused(path, cached, refused, prompts)
 
 
 def test_tensor_parallel_matches_one_process(path):
     prompts = [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(11, (30, 70))] * 2}}]
-    kw = {"max_num_batched_tokens": 20, "enable_chunked_prefill": True}
-    (one,) = engine(path, **kw).generate(prompts, greedy(5, 4), use_tqdm=False)
-    llm = engine(path, **kw, tensor_parallel_size=2)
-    try:
-        (two,) = llm.generate(prompts, greedy(5, 4), use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
-    assert_same_greedy([one.outputs[0]], [two.outputs[0]])
-    for a, b in zip(two.outputs[0].logprobs, one.outputs[0].logprobs, strict=True):
-        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
-            {t: p.logprob for t, p in b.items()}, abs=1e-4
-        )
-
-
-def _data_url(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    check_tensor_parallel(path, prompts, 20)
 
 
 def test_chat_data_url_gives_the_offline_tokens(path):
@@ -298,47 +274,16 @@ def test_chat_data_url_gives_the_offline_tokens(path):
     prompt (the chat template's <|image|> becomes the image's tiles); mm_processor_kwargs reach
     the image processor (max_patches 1: untiled, fewer tokens); two images over
     limit_mm_per_prompt, or a data: URL that is no image, a 400 naming the messages."""
-    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    def more(http, body: dict, want) -> None:
+        small = {**body, "mm_processor_kwargs": {"max_patches": 1}}
+        status, _, out = http.request("POST", "/v1/chat/completions", small)
+        assert status == 200 and out["usage"]["prompt_tokens"] < len(want.prompt_ids), out
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
+        ask = [{"role": "user", "content": [part, body["messages"][0]["content"][1]]}]
+        status, _, error = http.request("POST", "/v1/chat/completions", {**body, "messages": ask})
+        assert status == 400 and error["error"]["param"].startswith("messages"), error
 
     llm = engine(path, limit_mm_per_prompt={"image": 1})
-    tok = llm.get_tokenizer()
-    picture = noise_image(12, (40, 72))
     question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
-    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
-    part = {"type": "image_url", "image_url": {"url": _data_url(picture)}}
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": [part, question[1]]}],
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    not_image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-            small = http.request(
-                "POST", "/v1/chat/completions", {**body, "mm_processor_kwargs": {"max_patches": 1}}
-            )
-            asks = [[part, part, question[1]], [not_image, question[1]]]
-            refused = [
-                http.request(
-                    "POST",
-                    "/v1/chat/completions",
-                    {**body, "messages": [{"role": "user", "content": content}]},
-                )
-                for content in asks
-            ]
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want.prompt_token_ids
-    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
-    assert small[0] == 200 and small[2]["usage"]["prompt_tokens"] < len(want.prompt_token_ids)
-    for code, _, error in refused:
-        assert code == 400 and error["error"]["param"].startswith("messages"), error
+    check_chat_data_url(llm, question, noise_image(12, (40, 72)), over_limit=True, more=more)

@@ -16,14 +16,21 @@ ahead), TP=2, the server's chat path with a data: URL, bad input and refused con
 
 from __future__ import annotations
 
-import base64
-import io
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, engine, greedy, noise_image
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_tensor_parallel,
+    engine,
+    greedy,
+    noise_image,
+)
 
 from paged_engine.testing import (
     _COMMON,
@@ -210,45 +217,11 @@ def test_glm_ocr_refused_configs(glm_ocr_dir):
         build_encoder(config)
 
 
-def _chat_matches_offline(path: Path, question: str, picture, want_text: str) -> None:
-    """The server's chat path with an image_url data: URL gives the offline prompt and tokens."""
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(path)
-    tok = llm.get_tokenizer()
-    parts = [{"type": "image"}, {"type": "text", "text": question}]
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
-    )
-    assert text == want_text
-    prompt = {"prompt_token_ids": tok.encode(text), "multi_modal_data": {"image": picture}}
-    (want,) = llm.generate([prompt], greedy(0, 6), use_tqdm=False)
-    buf = io.BytesIO()
-    picture.save(buf, "PNG")
-    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    content = [{"type": "image_url", "image_url": {"url": url}}, parts[1]]
-    body = {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want.prompt_token_ids
-    assert out["choices"][0]["token_ids"] == list(want.outputs[0].token_ids)
-
-
 def test_glm_ocr_chat_data_url(glm_ocr_dir):
-    glm4v = _glm()
-    want = glm4v.PROMPT.replace("What is in it? Tell me.", "Read it.")
-    _chat_matches_offline(glm_ocr_dir, "Read it.", noise_image(12, (40, 72)), want)
+    """The server's chat path with an image_url data: URL gives the offline prompt and tokens."""
+    question = [{"type": "image"}, {"type": "text", "text": "Read it."}]
+    want = check_chat_data_url(engine(glm_ocr_dir), question, noise_image(12, (40, 72)))
+    assert want.text == _glm().PROMPT.replace("What is in it? Tell me.", "Read it.")
 
 
 # HunyuanOCR (multimodal/hunyuan_vl.py, models/hunyuan_vl.py): head_dim 32 split into four rope
@@ -434,18 +407,13 @@ def test_hunyuan_vl_engine_paths(hunyuan_dir):
     ] + [{"prompt": HY_TWO, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
     cached = check_engine_paths(hunyuan_dir, prompts, HY_TWO)
     one = noise_image(10, (32, 32))
-    for bad, match in [
+    refused = [
         ({"prompt": HY_TWO, "multi_modal_data": {"image": one}}, "2 image placeholder"),
         ({"prompt": HY_PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
         ({"prompt": HY_PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
         ({"prompt": HY_PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            cached.generate([bad], greedy(0), use_tqdm=False)
-    limited = engine(hunyuan_dir, limit_mm_per_prompt={"image": 1})
-    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        limited.generate([prompts[-1]], greedy(0), use_tqdm=False)
-    assert len(cached.generate([prompts[0]], greedy(0), use_tqdm=False)[0].outputs[0].token_ids)
+    ]
+    check_refused(hunyuan_dir, cached, refused, prompts)
 
 
 def test_hunyuan_vl_refused_configs(hunyuan_dir):
@@ -473,23 +441,18 @@ def test_hunyuan_vl_refused_configs(hunyuan_dir):
 
 
 def test_hunyuan_vl_chat_data_url(hunyuan_dir):
-    want = HY_PROMPT.replace("Read the text.", "What does it say?")
-    _chat_matches_offline(hunyuan_dir, "What does it say?", noise_image(12, (40, 72)), want)
+    question = [{"type": "image"}, {"type": "text", "text": "What does it say?"}]
+    want = check_chat_data_url(engine(hunyuan_dir), question, noise_image(12, (40, 72)))
+    assert want.text == HY_PROMPT.replace("Read the text.", "What does it say?")
 
 
 @pytest.mark.parametrize("arch", ["glm_ocr", "hunyuan_vl"])
 def test_tensor_parallel_matches_one_process(request, arch):
     """TP=2 (the tower on every rank, the decoder's heads split, each rank rotating by the
-    prompt's multi-axis positions) gives the one-process tokens."""
+    prompt's multi-axis positions) gives the one-process tokens and top-5 logprobs."""
     if arch == "glm_ocr":
         path, two = request.getfixturevalue("glm_ocr_dir"), _glm().TWO
     else:
         path, two = request.getfixturevalue("hunyuan_dir"), HY_TWO
     prompts = [{"prompt": two, "multi_modal_data": {"image": [noise_image(11, (32, 48))] * 2}}]
-    one = [o.outputs[0] for o in engine(path).generate(prompts, greedy(0), use_tqdm=False)]
-    llm = engine(path, tensor_parallel_size=2)
-    try:
-        two_ranks = [o.outputs[0] for o in llm.generate(prompts, greedy(0), use_tqdm=False)]
-    finally:
-        llm.llm_engine.shutdown()
-    assert [o.token_ids for o in two_ranks] == [o.token_ids for o in one]
+    check_tensor_parallel(path, prompts, None, 8)

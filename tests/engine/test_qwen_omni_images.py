@@ -21,8 +21,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
-from image_checks import check_chat_data_url, check_engine_paths, engine, greedy, noise_image
+from hf_reference import assert_matches, hf_greedy
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_tensor_parallel,
+    engine,
+    greedy,
+    noise_image,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen2_5_omni")
@@ -220,14 +227,7 @@ def test_tensor_parallel_matches_one_process(omni_dirs):
     path = omni_dirs("3")
     _, two, _ = _prompts("3")
     pics = [noise_image(9, (32, 48)), noise_image(10, (56, 24))]
-    prompts = [{"prompt": two, "multi_modal_data": {"image": pics}}]
-    one = [o.outputs[0] for o in engine(path).generate(prompts, greedy(0), use_tqdm=False)]
-    llm = engine(path, tensor_parallel_size=2)
-    try:
-        both = [o.outputs[0] for o in llm.generate(prompts, greedy(0), use_tqdm=False)]
-    finally:
-        llm.llm_engine.shutdown()
-    assert_same_greedy(one, both)
+    check_tensor_parallel(path, [{"prompt": two, "multi_modal_data": {"image": pics}}], None, 8)
 
 
 def test_chat_data_url_gives_the_offline_tokens(omni_dirs):

@@ -336,7 +336,29 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
-class MRotaryEmbedding(RotaryEmbedding):
+class RowsRotaryEmbedding(RotaryEmbedding):
+    """A rope whose tokens may carry several position rows ([n, T], an image's axes): [T]
+    positions are the plain rope, every fast path of RotaryEmbedding included; [n, T] ones
+    decline the fused rotation (the runner runs those steps eagerly) and turn q / k by
+    `forward_rows`."""
+
+    def rotate_qkv_(self, positions: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        return positions.dim() == 1 and super().rotate_qkv_(positions, *args, **kwargs)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        return self.forward_rows(positions, q, k)
+
+    def forward_rows(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class MRotaryEmbedding(RowsRotaryEmbedding):
     """Qwen-VL's M-RoPE: each token has three positions (temporal, height, width), and each
     rotary frequency is turned by one of them:
 
@@ -378,14 +400,9 @@ class MRotaryEmbedding(RotaryEmbedding):
             else None
         )
 
-    def rotate_qkv_(self, positions: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
-        return positions.dim() == 1 and super().rotate_qkv_(positions, *args, **kwargs)
-
-    def forward(
+    def forward_rows(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1:
-            return super().forward(positions, q, k)
         cos, sin = self._gather(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         t = q.shape[0]

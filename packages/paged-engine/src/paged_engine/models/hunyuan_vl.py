@@ -22,7 +22,7 @@ import copy
 
 import torch
 
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope
+from paged_engine.layers.rotary import RotaryEmbedding, RowsRotaryEmbedding, get_rope
 from paged_engine.models.deepseek_v2 import DeepseekModel
 from paged_engine.models.hunyuan import HunYuanAttention, HunYuanDenseV1ForCausalLM
 from paged_engine.models.llama import llama_head_dim
@@ -39,7 +39,7 @@ def xd_sections(config) -> list[int] | None:
     return None if sections is None else [int(s) for s in sections]
 
 
-class XdRotaryEmbedding(RotaryEmbedding):
+class XdRotaryEmbedding(RowsRotaryEmbedding):
     """A plain rope's tables, turned per head dim by the axis its section gives (see above)."""
 
     def __init__(self, plain: RotaryEmbedding, sections: list[int]) -> None:
@@ -80,14 +80,9 @@ class XdRotaryEmbedding(RotaryEmbedding):
         else:  # rotate_heads declines: the layers call forward
             self._positions, self._tables = None, None
 
-    def rotate_qkv_(self, positions: torch.Tensor, *args, **kwargs) -> bool:
-        return positions.dim() == 1 and super().rotate_qkv_(positions, *args, **kwargs)
-
-    def forward(
+    def forward_rows(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1:
-            return super().forward(positions, q, k)
         index = self.axes(positions)[self.dim_axis].T  # [T, D]: dim j's position
         cos = self.cos[index, self.dim_freq].unsqueeze(1)  # [T, 1, D] float32
         sin = self.sin[index, self.dim_freq].unsqueeze(1)

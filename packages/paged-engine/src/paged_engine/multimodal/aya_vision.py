@@ -34,7 +34,7 @@ that does not divide the tower's patch grid.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -43,7 +43,9 @@ from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.internvl import feature_layer
 from paged_engine.multimodal.torch_processors import (
+    ProcessorKwargs,
     TorchImageProcessor,
     normalize,
     resize,
@@ -87,17 +89,6 @@ def aya_prompt(tiles: int, n: int) -> str:
     whole image), as AyaVisionProcessor writes it."""
     body = "".join(f"{TILE}_{i}{PATCH * n}" for i in range(1, tiles))
     return f"{START}{body}{TILE_GLOBAL}{PATCH * n}{END}"
-
-
-def _feature_layer(config: Any) -> int:
-    """Aya Vision's vision_feature_layer as an index into hidden_states (0..layers)."""
-    layer, total = config.vision_feature_layer, int(config.vision_config.num_hidden_layers)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not -total - 1 <= layer <= total:
-        raise ValueError(
-            f"vision_feature_layer={layer!r} is not supported: one int in "
-            f"[{-total - 1}, {total}] (the tower has {total} layers)"
-        )
-    return layer % (total + 1)
 
 
 class Projector(nn.Module):
@@ -161,7 +152,7 @@ class AyaVisionImageEncoder(nn.Module):
                     f"vision_feature_select_strategy={strategy!r} is not supported: 'full' (a "
                     "SigLIP tower has no CLS token to drop)"
                 )
-            layer = _feature_layer(config)
+            layer = feature_layer(config)
         self.vision_tower = _VisionTower(vision, layer)
         self.multi_modal_projector = Projector(config)
 
@@ -198,16 +189,8 @@ class AyaVisionImageEncoder(nn.Module):
         return load_named_weights(self, picked)
 
 
-class _Cohere2Kwargs(TypedDict, total=False):
-    do_resize: bool
+class _Cohere2Kwargs(ProcessorKwargs, total=False):
     size: dict[str, int]
-    resample: int
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: list[float]
-    image_std: list[float]
-    do_convert_rgb: bool
     crop_to_patches: bool
     min_patches: int
     max_patches: int

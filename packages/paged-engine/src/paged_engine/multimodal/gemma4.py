@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,12 @@ from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.models.olmo2 import Olmo2RMSNorm
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.torch_processors import TorchImageProcessor, normalize, resize
+from paged_engine.multimodal.torch_processors import (
+    ProcessorKwargs,
+    TorchImageProcessor,
+    normalize,
+    resize,
+)
 
 
 def check_config(config: Any) -> None:
@@ -300,15 +305,7 @@ class Gemma4ImageEncoder(nn.Module):
         return load_named_weights(self, picked)
 
 
-class _Gemma4Kwargs(TypedDict, total=False):
-    do_resize: bool
-    resample: int
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: list[float]
-    image_std: list[float]
-    do_convert_rgb: bool
+class _Gemma4Kwargs(ProcessorKwargs, total=False):
     patch_size: int
     max_soft_tokens: int
     pooling_kernel_size: int

@@ -76,7 +76,7 @@ def patch_tokens(config) -> int:
     return (side // scale) ** 2
 
 
-def _feature_layer(config) -> int:
+def feature_layer(config) -> int:
     """vision_feature_layer as an index into hidden_states (0..num_hidden_layers)."""
     layer, total = config.vision_feature_layer, int(config.vision_config.num_hidden_layers)
     # HF indexes a tuple with it: a list fails there, so it is refused here
@@ -235,7 +235,7 @@ class InternVLImageEncoder(nn.Module):
         self.side, self.scale = _grid(config)
         self.image_size = _square(vision, "image_size")
         self.num_channels = int(vision.num_channels)
-        layer = _feature_layer(config)
+        layer = feature_layer(config)
         # HF takes last_hidden_state (through `layernorm`) only for the literal -1
         final_norm = config.vision_feature_layer == -1 and not vision.use_mean_pooling
         self.vision_tower = _VisionTower(vision, layer, final_norm, self.side)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,12 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.moonvit import MoonVisionTower
-from paged_engine.multimodal.torch_processors import TorchImageProcessor, normalize, resize
+from paged_engine.multimodal.torch_processors import (
+    ProcessorKwargs,
+    TorchImageProcessor,
+    normalize,
+    resize,
+)
 
 ARCH = "Kimi_K25ForConditionalGeneration"
 _DEFAULTS = {  # Kimi_K25ImageProcessor's class attributes
@@ -91,16 +96,8 @@ def navit_size(
     return (new_h, new_w), (-(-new_h // unit) * unit, -(-new_w // unit) * unit)
 
 
-class _KimiKwargs(TypedDict, total=False):
-    do_resize: bool
+class _KimiKwargs(ProcessorKwargs, total=False):
     size: dict[str, int]
-    resample: int
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: list[float]
-    image_std: list[float]
-    do_convert_rgb: bool
     max_patches: int
     patch_size: int
     merge_size: int

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar, TypedDict
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +57,12 @@ from torch import nn
 
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.torch_processors import TorchImageProcessor, resize, square_size
+from paged_engine.multimodal.torch_processors import (
+    ProcessorKwargs,
+    TorchImageProcessor,
+    resize,
+    square_size,
+)
 from paged_engine.multimodal.vision_transformer import VisionAttention
 
 ARCH = "Llama4ForConditionalGeneration"
@@ -284,16 +289,8 @@ class Llama4ImageEncoder(nn.Module):
         return load_named_weights(self, picked)
 
 
-class _Llama4Kwargs(TypedDict, total=False):
-    do_resize: bool
+class _Llama4Kwargs(ProcessorKwargs, total=False):
     size: dict[str, int]
-    resample: int
-    do_rescale: bool
-    rescale_factor: float
-    do_normalize: bool
-    image_mean: list[float]
-    image_std: list[float]
-    do_convert_rgb: bool
     max_patches: int
     resize_to_max_canvas: bool
 

@@ -31,7 +31,7 @@ import importlib
 import json
 import platform
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypedDict
 
 import numpy as np
 import torch
@@ -118,6 +118,20 @@ def square_size(s: dict[str, Any], name: str) -> int:
     ):
         raise ValueError(f"{name}'s size={size!r} is not supported: equal height and width")
     return int(size["height"])
+
+
+class ProcessorKwargs(TypedDict, total=False):
+    """The call arguments every copy takes (transformers' ImagesKwargs they all use); each
+    copy's valid_kwargs adds its own."""
+
+    do_resize: bool
+    resample: int
+    do_rescale: bool
+    rescale_factor: float
+    do_normalize: bool
+    image_mean: list[float]
+    image_std: list[float]
+    do_convert_rgb: bool
 
 
 class TorchImageProcessor:

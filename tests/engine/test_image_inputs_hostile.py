@@ -59,6 +59,11 @@ def _module(name: str) -> Any:
 Write = Callable[[Any, Any], Any]
 FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
     "gemma4": ("test_gemma4_images", lambda m, p: m.write_tiny_gemma4_vlm(p), lambda m: m.PROMPT),
+    "gemma4_unified": (
+        "test_gemma4_unified_images",
+        lambda m, p: m.write_tiny_gemma4_unified_vlm(p),
+        lambda m: m.PROMPT,
+    ),
     "glm4v": ("test_glm4v_images", lambda m, p: m.write_tiny_glm4v(p, "glm4v"), lambda m: m.PROMPT),
     "glm_ocr": (
         "test_ocr_images",
@@ -83,7 +88,13 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
     ),
     "idefics2": ("test_idefics2_images", lambda m, p: m.write_tiny(p, 0), lambda m: m.PROMPT),
     "kimi_k25": ("test_kimi_k25_images", lambda m, p: m.write_tiny_kimi_k25(p), lambda m: m.PROMPT),
+    "exaone4_5": (
+        "test_exaone4_5_images",
+        lambda m, p: m.write_tiny_exaone4_5(p),
+        lambda m: m.PROMPT,
+    ),
     "lfm2_vl": ("test_lfm2_vl_images", lambda m, p: m.write_tiny_lfm2_vl(p), lambda m: m.PROMPT),
+    "ovis2_5": ("test_ovis2_5_images", lambda m, p: m.write_tiny_ovis2_5(p), lambda m: m.PROMPT),
     "minicpmv4_7": (
         "test_minicpmv_images",
         lambda m, p: m.write_tiny(p, 0, version="4_7"),

@@ -355,13 +355,14 @@ class Gemma4ForCausalLM(CausalLMBase):
     )
     ignored_weights = ("rotary_emb.inv_freq",)
     global_every = 6  # without config.layer_types, every 6th layer is a full one
+    model_cls: type[Gemma4Model] = Gemma4Model  # the decoder stack (Gemma 4 Unified's differs)
 
     def __init__(self, config):
         if getattr(config, "use_bidirectional_attention", None) == "all":
             raise ValueError(
                 "Gemma 4 with use_bidirectional_attention='all' (an encoder) is not supported"
             )
-        super().__init__(config, Gemma4Model(config))
+        super().__init__(config, type(self).model_cls(config))
         self.final_soft_cap = cfg_get(config, "final_logit_softcapping", None)
         # layers whose values are their key projection: k_eq_v's full layers
         k_eq_v = bool(getattr(config, "attention_k_eq_v", False))

@@ -25,6 +25,13 @@ transformers' config deletes those fields. A config that sets them anyway is ref
 reference never runs. Also refused, as for Gemma 4: `use_bidirectional_attention="all"`,
 pipeline parallelism with KV-shared layers, an fp8 KV cache with KV-shared layers.
 
+Images (multimodal/gemma4_unified.py): transformers builds the wrapper's masks with
+`create_masks_for_generate` and the image blocks, so, unlike Gemma 4, an image's soft tokens see
+each other both ways on the full layers too (`md.key_ends` on every layer: `Gemma4UnifiedModel`);
+on the sliding layers its block is OR-ed after the window, which the engine's key ends (the
+window's lower bound kept) give only for a run within the window: a longer run is refused by
+name (text_config.sliding_window, multimodal/gemma4_unified.py `image_tokens`).
+
 Text-only serving of the wrapper is exact: with no image / video / audio ids, its default
 `use_bidirectional_attention="vision"` mask is the causal (and sliding) mask, the embedding is
 the text model's, and its logits are lm_head soft-capped as the text model's.
@@ -32,15 +39,30 @@ the text model's, and its logits are lm_head soft-capped as the text model's.
 
 from __future__ import annotations
 
-from paged_engine.models.gemma4 import Gemma4ForCausalLM
+import torch
+
+from paged_engine.models.gemma4 import Gemma4ForCausalLM, Gemma4Model
 from paged_engine.models.utils import cfg_get
 
 # Gemma 4 fields this architecture's config removes (its transformers config raises on them)
 _ABSENT_FIELDS = ("hidden_size_per_layer_input", "enable_moe_block")
 
 
+class Gemma4UnifiedModel(Gemma4Model):
+    """Gemma 4's decoder without per-layer inputs, images' two-way rows on every layer."""
+
+    def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
+        x = self.embed_input_ids(input_ids) if hidden is None else hidden
+        start = self.stage.start
+        for i in range(start, self.stage.end):
+            x = self.layers[i](positions, x, kv_caches[self.sources[i] - start], md, None)
+        return self.norm(x) if self.stage.is_last else x
+
+
 class Gemma4UnifiedForCausalLM(Gemma4ForCausalLM):
     """Gemma 4's dense decoder, no per-layer inputs, no MoE block."""
+
+    model_cls = Gemma4UnifiedModel
 
     def __init__(self, config) -> None:
         for field in _ABSENT_FIELDS:

@@ -64,10 +64,9 @@ tokens get the same id in all three sections (their 1-D position, rope_deltas 0 
 so every frequency sees the token's position and M-RoPE is the ordinary NeoX-style RoPE over
 head_dim with the same inv_freq.
 
-Not handled here: images (LLaVA's, LLaVA-NeXT's, Pixtral's, Mistral 3's, Qwen2-VL's,
-Qwen2.5-VL's, Idefics3's and SmolVLM's run through multimodal/, which loads the vision encoder
-apart, with M-RoPE positions for Qwen's images; other wrappers' images are refused) and audio,
-LoRA adapters trained on the wrapper's module names.
+Not handled here: images (the wrappers of multimodal/archs.py's IMAGE_ARCHS run them through
+multimodal/, which loads the vision encoder apart; other wrappers' images are refused) and
+audio, LoRA adapters trained on the wrapper's module names.
 """
 
 from __future__ import annotations

@@ -160,8 +160,12 @@ WRAPPERS: dict[str, Wrapper] = {
     "Cohere2VisionForConditionalGeneration": Wrapper(
         {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True
     ),
-    # EXAONE 4.5: a Qwen2.5-VL-style tower; text positions are the plain 1-D ones
-    "Exaone4_5_ForConditionalGeneration": Wrapper({"exaone4": "Exaone4ForCausalLM"}, _QWEN_VISUAL),
+    # EXAONE 4.5: a Qwen2.5-VL-style tower (images: multimodal/exaone4_5.py); text positions
+    # are the plain 1-D ones; its multi-token-prediction head (`mtp.*`, which transformers
+    # ignores at load) is not served
+    "Exaone4_5_ForConditionalGeneration": Wrapper(
+        {"exaone4": "Exaone4ForCausalLM"}, (*_QWEN_VISUAL, *_modules("mtp"))
+    ),
     # GLM-4.1V / 4.6V's decoder is GLM-4's (interleaved partial rope, four norms a layer) with
     # q / k / v biases always and head_dim from the heads; GLM-4.5V's is GLM-4.5's (NeoX
     # partial rope, no q / k norms whatever use_qk_norm says)

@@ -20,6 +20,7 @@
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
     Gemma4ForConditionalGeneration                "gemma4"      multimodal/gemma4.py
+    Gemma4UnifiedForConditionalGeneration  "gemma4_unified"  multimodal/gemma4_unified.py
     Llama4ForConditionalGeneration                "llama4"      multimodal/llama4.py
     AyaVisionForConditionalGeneration             "aya_vision"  multimodal/aya_vision.py
     Cohere2VisionForConditionalGeneration         "cohere2_vision"  multimodal/aya_vision.py
@@ -28,6 +29,8 @@
     MiniCPMV4_6ForConditionalGeneration           "minicpmv"    multimodal/minicpmv.py
     MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
+    Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
+    Exaone4_5_ForConditionalGeneration            "exaone4_5"   multimodal/exaone4_5.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -54,6 +57,7 @@ MISTRAL3 = "Mistral3ForConditionalGeneration"
 INTERNVL = "InternVLForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 GEMMA4 = "Gemma4ForConditionalGeneration"
+GEMMA4_UNIFIED = "Gemma4UnifiedForConditionalGeneration"
 LLAMA4 = "Llama4ForConditionalGeneration"
 GLM4V = (
     "Glm4vForConditionalGeneration",
@@ -74,6 +78,8 @@ KIMI_K25 = "Kimi_K25ForConditionalGeneration"
 MINICPMV = "MiniCPMV4_6ForConditionalGeneration"
 MINICPMV_CANVAS = "MiniCPMV4_7ForConditionalGeneration"
 LFM2_VL = "Lfm2VlForConditionalGeneration"
+OVIS2_5 = "Ovis2_5ForConditionalGeneration"
+EXAONE4_5 = "Exaone4_5_ForConditionalGeneration"
 IMAGE_ARCHS = (
     LLAVA,
     LLAVA_NEXT,
@@ -88,6 +94,7 @@ IMAGE_ARCHS = (
     INTERNVL,
     GEMMA3,
     GEMMA4,
+    GEMMA4_UNIFIED,
     LLAMA4,
     *AYA_VISION,
     IDEFICS2,
@@ -95,6 +102,8 @@ IMAGE_ARCHS = (
     MINICPMV,
     MINICPMV_CANVAS,
     LFM2_VL,
+    OVIS2_5,
+    EXAONE4_5,
 )
 # the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py), for messages
 VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
@@ -104,7 +113,7 @@ def image_kind(config: Any) -> str:
     """The image path of a wrapper config of IMAGE_ARCHS: "llava", "llava_next", "qwen2_vl",
     "glm4v", "glm_ocr", "hunyuan_vl", "idefics3", "pixtral", "internvl", "gemma3", "gemma4",
     "llama4", "aya_vision", "cohere2_vision", "idefics2", "kimi_k25", "lfm2_vl", "minicpmv",
-    "minicpmv_canvas" or "qwen_omni"."""
+    "minicpmv_canvas", "exaone4_5", "ovis2_5", "gemma4_unified" or "qwen_omni"."""
     archs = getattr(config, "architectures", None) or []
     if LLAVA_NEXT in archs or LLAVA_ONEVISION in archs:
         return "llava_next"
@@ -128,6 +137,8 @@ def image_kind(config: Any) -> str:
         return "gemma3"
     if GEMMA4 in archs:
         return "gemma4"
+    if GEMMA4_UNIFIED in archs:
+        return "gemma4_unified"
     if LLAMA4 in archs:
         return "llama4"
     if any(a in AYA_VISION for a in archs):
@@ -142,6 +153,10 @@ def image_kind(config: Any) -> str:
         return "minicpmv_canvas"
     if LFM2_VL in archs:
         return "lfm2_vl"
+    if OVIS2_5 in archs:
+        return "ovis2_5"
+    if EXAONE4_5 in archs:
+        return "exaone4_5"
     assert LLAVA in archs, archs
     return "llava"
 
@@ -155,6 +170,8 @@ def supported_tower(config: Any) -> bool:
     kind = image_kind(config)
     if kind == "gemma4":
         return vision_tower_type(config) == "gemma4_vision"
+    if kind == "gemma4_unified":  # no tower: its encoder-free embedder
+        return vision_tower_type(config) == "gemma4_unified_vision"
     if kind in ("gemma3", "aya_vision", "cohere2_vision"):
         return vision_tower_type(config) == "siglip_vision_model"
     if kind in ("qwen2_vl", "glm4v", "glm_ocr", "idefics3", "pixtral", "internvl", "llama4"):
@@ -169,6 +186,10 @@ def supported_tower(config: Any) -> bool:
         return vision_tower_type(config) in ("minicpmv4_6_vision", "minicpmv4_7_vision")
     if kind == "lfm2_vl":
         return vision_tower_type(config) == "siglip2_vision_model"
+    if kind == "ovis2_5":
+        return vision_tower_type(config) == "ovis2_5_vision"
+    if kind == "exaone4_5":
+        return vision_tower_type(config) == "exaone4_5_vision"
     from paged_engine.multimodal.vision_transformer import TOWERS
 
     return vision_tower_type(config) in TOWERS
@@ -182,6 +203,14 @@ def build_encoder(config: Any) -> nn.Module:
         from paged_engine.multimodal.lfm2_vl import Lfm2VlImageEncoder
 
         return Lfm2VlImageEncoder(config)
+    if kind == "ovis2_5":
+        from paged_engine.multimodal.ovis2_5 import Ovis2_5ImageEncoder
+
+        return Ovis2_5ImageEncoder(config)
+    if kind == "exaone4_5":
+        from paged_engine.multimodal.exaone4_5 import Exaone45ImageEncoder
+
+        return Exaone45ImageEncoder(config)
     if kind in ("minicpmv", "minicpmv_canvas"):
         from paged_engine.multimodal.minicpmv import MiniCPMVImageEncoder
 
@@ -222,6 +251,10 @@ def build_encoder(config: Any) -> nn.Module:
         from paged_engine.multimodal.gemma4 import Gemma4ImageEncoder
 
         return Gemma4ImageEncoder(config)
+    if kind == "gemma4_unified":
+        from paged_engine.multimodal.gemma4_unified import Gemma4UnifiedImageEncoder
+
+        return Gemma4UnifiedImageEncoder(config)
     if kind == "gemma3":
         from paged_engine.multimodal.gemma3 import Gemma3ImageEncoder
 

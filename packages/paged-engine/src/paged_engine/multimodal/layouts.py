@@ -2,7 +2,8 @@
 
     layout          an image's <image> token becomes                       ImageInputs
     RunLayout       a run of placeholders: LLaVA 1.5 (fixed), LLaVA-NeXT   one per image
-                    (by size), Qwen-VL (by patch grid; M-RoPE positions)
+                    (by size), Qwen-VL (by patch grid; M-RoPE positions),
+                    EXAONE 4.5 (Exaone45Layout: by patch grid, 1-D positions)
     TileLayout      HF's text around one run per tile (Idefics3, SmolVLM)  one per tile
     LineLayout      lines of [IMG], [IMG_BREAK] between, [IMG_END] last     one per image, its
                     (Pixtral, Mistral 3)                                    breaks skipped
@@ -10,7 +11,7 @@
     Gemma3Layout    a user's <start_of_image> becomes HF's text around a    one per image,
                     run (Gemma 3; spliced as text, then tokenized)          bidirectional
     Gemma4Layout    <|image>, a run by the patch grid, <image|> (Gemma 4)   one per image,
-                                                                            bidirectional
+                    (Gemma4UnifiedLayout: a token per (k p)-pixel patch)    bidirectional
     CohereTiles     <|START_OF_IMG|>, a run and <|IMG_LINE_BREAK|> per     one per tile
                     tile, <|END_OF_IMG|> (Command A Vision)
     AyaLayout       "<image>" in the text becomes HF's: TILE_i before each  one per tile
@@ -31,6 +32,9 @@
     Lfm2VlLayout    <|image_start|>, a run per tile after its               one per view
                     <|img_row_R_col_C|>, <|img_thumbnail|> and the
                     thumbnail's run, <|image_end|> (LFM2-VL; tokens spliced)
+    Ovis2_5Layout   image_start, a run by the merged grid, image_end;       one per image
+                    the whole segment takes the image's rows (Ovis 2.5;     (with its bounds)
+                    tokens spliced)
 
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors
@@ -313,6 +317,23 @@ class OmniLayout(QwenLayout):
                 f"{self.config.architectures[0]} is one temporal patch (t = 1)"
             )
         return super().length(size)
+
+
+class Exaone45Layout(QwenLayout):
+    """EXAONE 4.5: Qwen2-VL's patch rows and runs; its decoder rotates by plain 1-D sequence
+    positions (Exaone4_5_Model: arange), so no M-RoPE table (multimodal/exaone4_5.py)."""
+
+    mrope = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        if qwen2_vl.merge_size(config) < 1:
+            raise ValueError("vision_config.spatial_merge_size must be at least 1")
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        return None
 
 
 class TileLayout(Layout):
@@ -916,6 +937,35 @@ class Gemma4Layout(Layout):
         return m.bidirectional == self.two_way and super().fits(m)
 
 
+class Gemma4UnifiedLayout(Gemma4Layout):
+    """Gemma 4 Unified: Gemma 4's prompt and two-way runs, one soft token per model patch of
+    (k p)^2 pixels: patches [h * w, 3 (k p)^2], size (h, w) in model patches, h * w tokens
+    (multimodal/gemma4_unified.py)."""
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import gemma4, gemma4_unified
+
+        gemma4_unified.check_config(config)
+        self.config = config
+        self.placeholder = placeholder
+        self.bounds = (int(config.boi_token_id), int(config.eoi_token_id))
+        self.two_way = gemma4.bidirectional(config)
+        self.fixed = None
+
+    def length(self, size: Size) -> int:
+        from paged_engine.multimodal import gemma4_unified
+
+        if size is None or len(size) != 2 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not a patch grid")
+        return gemma4_unified.image_tokens(self.config, size)
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        from paged_engine.multimodal import gemma4_unified
+
+        assert size is not None and len(size) == 2
+        return (size[0] * size[1], gemma4_unified.patch_dim(self.config))
+
+
 class MiniCPMVLayout(Layout):
     """MiniCPM-V 4.6: views [3, p, h * w * p] (the thumbnail, then rows x cols slices), each
     its own run; the k-th image token becomes MiniCPMV4_6Processor's <image_id>k</image_id>
@@ -1158,6 +1208,50 @@ class Lfm2VlLayout(Layout):
         ]
 
 
+class Ovis2_5Layout(QwenLayout):
+    """Ovis 2.5: Qwen2-VL's patch rows, each image token becoming image_start, a run of
+    image tokens by the merged grid and image_end (Ovis2_5Processor; tokens spliced). The
+    placed image spans all three: the start and end tokens take the encoder's indicator rows
+    (multimodal/ovis2_5.py); 1-D positions."""
+
+    mrope = False
+    takes_embeds = False
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        from paged_engine.multimodal import ovis2_5
+
+        ovis2_5.check_config(config)
+        self.config = config
+        self.placeholder = placeholder
+        self.fixed = None
+        self.bounds = (int(config.image_start_token_id), int(config.image_end_token_id))
+
+    def length(self, size: Size) -> int:
+        from paged_engine.multimodal import ovis2_5
+
+        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
+            raise ValueError(
+                f"multi_modal_data['image']: image_size {size} is not a patch grid (1, h, w)"
+            )
+        return ovis2_5.tokens(self.config, size) + 2
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        from paged_engine.multimodal import ovis2_5
+
+        assert size is not None and len(size) == 3
+        return (size[0] * size[1] * size[2], ovis2_5.patch_dim(self.config))
+
+    def segment(self, loaded: Loaded) -> list[int]:
+        start, end = self.bounds
+        return [start, *[self.placeholder] * (self.length(loaded[1]) - 2), end]
+
+    def span(self, m: ImageInput) -> list[int]:
+        return self.segment((m.pixel_values, m.image_size))  # type: ignore[arg-type]
+
+    def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
+        return None
+
+
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
     "llava_next": AnyResLayout,
@@ -1171,12 +1265,15 @@ LAYOUTS: dict[str, type[Layout]] = {
     "internvl": BoundedLayout,
     "gemma3": Gemma3Layout,
     "gemma4": Gemma4Layout,
+    "gemma4_unified": Gemma4UnifiedLayout,  # Gemma 4 Unified: one token per model patch
     "aya_vision": AyaLayout,
     "cohere2_vision": CohereTiles,
     "idefics2": Idefics2Layout,
     "llama4": Llama4Layout,
     "kimi_k25": KimiLayout,
     "lfm2_vl": Lfm2VlLayout,
+    "ovis2_5": Ovis2_5Layout,
+    "exaone4_5": Exaone45Layout,  # EXAONE 4.5: Qwen2-VL's runs, 1-D positions
     "minicpmv": MiniCPMVLayout,
     "minicpmv_canvas": MiniCPMVCanvasLayout,
 }

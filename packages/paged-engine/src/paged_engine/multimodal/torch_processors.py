@@ -183,6 +183,7 @@ PROCESSORS: dict[str, tuple[str, str]] = {
     "Cohere2VisionImageProcessor": ("aya_vision", "Cohere2VisionTorchProcessor"),
     "Kimi_K25ImageProcessor": ("kimi_k25", "KimiImageProcessor"),
     "Gemma4ImageProcessor": ("gemma4", "Gemma4TorchProcessor"),
+    "Gemma4UnifiedImageProcessor": ("gemma4_unified", "Gemma4UnifiedTorchProcessor"),
 }
 # where the saved settings name no processor: transformers' choice by the config's model_type
 _BY_MODEL_TYPE = {
@@ -190,6 +191,7 @@ _BY_MODEL_TYPE = {
     "cohere2_vision": "Cohere2VisionImageProcessor",
     "kimi_k25": "Kimi_K25ImageProcessor",
     "gemma4": "Gemma4ImageProcessor",
+    "gemma4_unified": "Gemma4UnifiedImageProcessor",
 }
 
 

@@ -1,0 +1,245 @@
+"""Images through EXAONE 4.5 checkpoints (multimodal/exaone4_5.py) against HF.
+
+A tiny random `Exaone4_5_ForConditionalGeneration`: EXAONE 4.0's decoder as testing.py's tiny
+exaone4 (post-norms, q / k norms, sliding layers with window 8 < the prompts beside global NoPE
+ones, Llama 3 rope scaling) under plain 1-D positions; Qwen2.5-VL's tower with grouped-query
+attention (4 query heads over 2 key / value heads), 4-pixel patches merged 2 x 2, windows of
+2 x 2 merged tokens in blocks 0 and 2 beside a full-attention block 1 (the images are wider
+than a window, so windows split them, edges partial), rope theta 100. The tower's rows equal
+HF's image features (1e-5); `LLM.generate` with `multi_modal_data` must give Exaone4_5_Processor's
+prompt ids (one <|image_pad|> per merged patch) and HF `generate`'s greedy tokens and top-5
+logprobs (1e-3, float32). Then the engine's paths (chunks through images, prefix-cache hits,
+images processed ahead), bad input, TP=2, the server's chat path with a data: URL, refused
+configs and the Hub's `mtp.*` tensors passed over.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_tensor_parallel,
+    engine,
+    greedy,
+    noise_image,
+    path_prompts,
+)
+
+from paged_engine.testing import (
+    _ARCH_DEFAULTS,
+    _COMMON,
+    TINY_VOCAB_SIZE,
+    _quiet_progress,
+    _randomize,
+    build_tiny_tokenizer,
+)
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.exaone4_5")
+pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+IMAGE = "<vision><|image_pad|></vision>"
+PROMPT = f"[|user|]{IMAGE}What is in it? Tell me.[|endofturn|]\n[|assistant|]"
+TWO = f"[|user|]{IMAGE} and {IMAGE}Which is brighter?[|endofturn|]\n[|assistant|]"
+TEXT = "[|user|]Say something about the sea, then more.[|endofturn|]\n[|assistant|]"
+_SPECIAL = [
+    "[|user|]",
+    "[|assistant|]",
+    "[|endofturn|]",
+    "<vision>",
+    "</vision>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}[|{{ message['role'] }}|]"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<vision><|image_pad|></vision>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}[|endofturn|]\n{% endfor %}"
+    "{% if add_generation_prompt %}[|assistant|]{% endif %}"
+)
+_VISION = {
+    "depth": 3,
+    "hidden_size": 32,
+    "num_heads": 4,
+    "num_key_value_heads": 2,  # grouped-query: two query heads per key / value head
+    "intermediate_size": 48,
+    "out_hidden_size": 64,  # the text hidden size
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 16,  # 2 x 2 merged tokens
+    "fullatt_block_indexes": [1],
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+}
+
+
+def write_tiny_exaone4_5(path: Path, seed: int = 3) -> Path:
+    """A tiny random `Exaone4_5_ForConditionalGeneration` checkpoint with its image processor
+    (Qwen2VLImageProcessorPil: 4-pixel patches merged 2 x 2, 8 to 48 merged patches an image)
+    and tokenizer (the image tokens, a chat template)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
+    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
+    ids = dict(zip(_SPECIAL, tokenizer.convert_tokens_to_ids(_SPECIAL), strict=True))
+    text = {**_ARCH_DEFAULTS["exaone4"][1], "model_type": "exaone4", "vocab_size": len(tokenizer)}
+    text["max_position_embeddings"] = 1024  # the image tests' max_model_len 512
+    config = transformers.Exaone4_5_Config(
+        text_config=text,
+        vision_config=_VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        **_COMMON,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Exaone4_5_ForConditionalGeneration(config).float()
+    _randomize(model, seed)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    factor = 2 * 4 * 4  # frames x (patch x merge) ** 2 pixels a merged patch
+    transformers.Qwen2VLImageProcessorPil(
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": 8 * factor, "longest_edge": 48 * factor},
+    ).save_pretrained(path)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> Path:
+    return write_tiny_exaone4_5(tmp_path_factory.mktemp("exaone4_5"))
+
+
+def _processor(path: Path):
+    """HF's Exaone4_5_Processor, its video processor left out (it needs torchvision, and the
+    processor's class check looks it up)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mixin = transformers.ProcessorMixin
+        mp.setattr(mixin, "check_argument_for_proper_class", lambda *a: None, raising=False)
+        return transformers.Exaone4_5_Processor(
+            image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+            tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+        )
+
+
+def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
+    if not images:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    out = processor(text=[text], images=images, return_tensors="pt")
+    return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw")}
+
+
+def _model(path: Path):
+    cls = transformers.Exaone4_5_ForConditionalGeneration
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_images_match_hf(path):
+    model, processor = _model(path), _processor(path)
+    cases = [
+        (PROMPT, [noise_image(1, (40, 56))]),
+        (TEXT, []),
+        (TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),  # resized to the grid
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(processor, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    check_matches_hf(path, cases, refs, "exaone4_5")
+
+
+def test_tower_matches_hf_features(path):
+    """The encoder's rows equal HF's get_image_features (grouped-query heads, windows)."""
+    from safetensors.torch import load_file
+
+    from paged_engine.multimodal.archs import build_encoder
+
+    model = _model(path)
+    images = [noise_image(20, (40, 56)), noise_image(21, (72, 24))]
+    pixels = _processor(path).image_processor(images=images, return_tensors="pt")
+    encoder = build_encoder(model.config).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    grids = [tuple(g) for g in pixels["image_grid_thw"].tolist()]
+    with torch.no_grad():
+        want = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
+        got = encoder.visual(pixels["pixel_values"], grids)
+    torch.testing.assert_close(got, torch.cat(want.pooler_output), atol=1e-5, rtol=0)
+
+
+def test_engine_paths_match_the_plain_run(path):
+    """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
+    processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
+    on."""
+    prompts = path_prompts(PROMPT, TWO)
+    cached = check_engine_paths(path, prompts, TWO)
+    one = noise_image(9, (20, 20))
+    refused = [
+        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
+    ]
+    check_refused(path, cached, refused, prompts)
+
+
+def test_tensor_parallel_matches_one_process(path):
+    """TP=2: the tower on every rank, the decoder's heads split."""
+    prompts = [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(11, (60, 30))] * 2}}]
+    check_tensor_parallel(path, prompts, None, 8)
+
+
+def test_chat_data_url_gives_the_offline_tokens(path):
+    """The server's chat path: an image_url part with a data: URL gives the offline tokens and
+    prompt (the chat template's <|image_pad|> expanded by the image's grid)."""
+    question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
+    want = check_chat_data_url(engine(path), question, noise_image(12, (40, 72)))
+    assert want.text == PROMPT.replace("What is in it? Tell me.", "What is it?")
+
+
+def test_config_refusals(path):
+    """What the tower does not run as HF runs it is refused by the config field's name."""
+    from paged_engine.multimodal.archs import build_encoder
+
+    for field, value, match in [
+        ("num_key_value_heads", 3, "num_key_value_heads=3"),
+        ("model_type", "qwen2_5_vl_vision", "model_type"),
+        ("window_size", 4, "window_size=4"),
+    ]:
+        config = transformers.AutoConfig.from_pretrained(path)
+        setattr(config.vision_config, field, value)
+        with pytest.raises(ValueError, match=match):
+            build_encoder(config)
+
+
+def test_mtp_head_is_passed_over(path, tmp_path):
+    """The Hub's multi-token-prediction tensors (`mtp.*`, which transformers ignores at load)
+    are not loaded: the checkpoint with them serves the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "with_mtp"
+    shutil.copytree(path, copy)
+    weights = load_file(copy / "model.safetensors")
+    weights["mtp.fc.weight"] = torch.ones(64, 128)
+    weights["mtp.layers.0.input_layernorm.weight"] = torch.ones(64)
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    prompt = {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(13, (40, 56))}}
+    want, got = (engine(p).generate([prompt], greedy(0), use_tqdm=False)[0] for p in (path, copy))
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -292,9 +292,16 @@ class DsaAttention(MlaAttention):
         cls = type(self)
         self.indexer = cls.indexer_cls(config, rope, neox_index_rope) if full else None
         shape = (int(config.index_n_heads), int(config.index_head_dim))
+        self.attn = self.sparse_attention(config, shape, full, choices)
+
+    def sparse_attention(
+        self, config, index_shape: tuple[int, int], full: bool, choices: Choices
+    ) -> SparseLatentAttention:
+        """The layer's attention over its chosen latent rows, built from MLA's plain one (still
+        `self.attn` here: its row width and scale)."""
         base = self.attn
-        self.attn = cls.sparse_cls(
-            self.heads, base.head_dim, self.rank, base.scale, shape,
+        return type(self).sparse_cls(
+            self.heads, base.head_dim, self.rank, base.scale, index_shape,
             int(config.index_topk), full, choices,
         )  # fmt: skip
 

@@ -178,7 +178,7 @@ class Glm5NextMlaAttention(DsaAttention):
         if int(config.qk_rope_head_dim):
             raise ValueError(f"qk_rope_head_dim={config.qk_rope_head_dim}: GLM-5 MLA is NoPE (0)")
         pool, topk = int(config.index_kpool), int(config.index_topk)
-        if pool < 1 or topk % pool:
+        if pool < 1 or topk % pool:  # (sparse_attention builds the pools)
             raise ValueError(f"index_topk={topk} must be a multiple of index_kpool={pool}")
         if not config.index_kpool_always_select_tail:
             raise ValueError(
@@ -186,15 +186,18 @@ class Glm5NextMlaAttention(DsaAttention):
                 "index_kpool - 1 tokens would attend to nothing)"
             )
         super().__init__(config, NoRope(), full, choices, False)  # type: ignore[arg-type]
-        shape = (int(config.index_n_heads), int(config.index_head_dim))
-        scale = int(config.qk_nope_head_dim) ** -0.5
-        self.attn = PooledSparseAttention(
-            self.heads, self.rank, self.rank, scale, shape, topk, full, choices,
-            pool=pool,
-        )  # fmt: skip
         eps = float(config.rms_norm_eps)
         self.q_a_layernorm = RMSNorm(int(config.q_lora_rank), eps)
         self.kv_a_layernorm = RMSNorm(self.rank, eps)
+
+    def sparse_attention(
+        self, config, index_shape: tuple[int, int], full: bool, choices: Choices
+    ) -> PooledSparseAttention:
+        scale = int(config.qk_nope_head_dim) ** -0.5  # NoPE: no rope part in the row
+        return PooledSparseAttention(
+            self.heads, self.rank, self.rank, scale, index_shape, int(config.index_topk), full,
+            choices, pool=int(config.index_kpool),
+        )  # fmt: skip
 
 
 def indexed_types(config) -> list[str]:

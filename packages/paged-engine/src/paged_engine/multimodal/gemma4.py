@@ -91,13 +91,18 @@ def image_tokens(config: Any, grid: tuple[int, ...]) -> int:
     h, w = grid
     if h % k or w % k:
         raise ValueError(f"an image's {h} x {w} patch grid is not in blocks of {k}")
-    side = int(config.vision_config.position_embedding_size)
-    if max(h, w) > side:  # a long strip: transformers' table lookup would fail too
+    check_position_table(h, w, int(config.vision_config.position_embedding_size), "tower's")
+    return (h // k) * (w // k)
+
+
+def check_position_table(h: int, w: int, side: int, whose: str) -> None:
+    """ValueError naming multi_modal_data for an h x w patch grid past a learned position table
+    of `side` a side (a long strip: transformers' table lookup would fail too)."""
+    if max(h, w) > side:
         raise ValueError(
             f"multi_modal_data['image']: an image of {h} x {w} patches is longer than the "
-            f"tower's position table ({side} a side)"
+            f"{whose} position table ({side} a side)"
         )
-    return (h // k) * (w // k)
 
 
 def bidirectional(config: Any) -> bool:

@@ -40,7 +40,12 @@ from torch import nn
 from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.gemma4 import Gemma4TorchProcessor as _Gemma4TorchProcessor
-from paged_engine.multimodal.gemma4 import MultimodalEmbedder, bidirectional, gemma4_size
+from paged_engine.multimodal.gemma4 import (
+    MultimodalEmbedder,
+    bidirectional,
+    check_position_table,
+    gemma4_size,
+)
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.torch_processors import normalize, resize
 
@@ -72,11 +77,7 @@ def image_tokens(config: Any, grid: tuple[int, ...]) -> int:
     """Soft tokens (= feature rows) of an image of an h x w grid of model patches."""
     h, w = grid
     side = int(config.vision_config.mm_posemb_size)
-    if max(h, w) > side:  # transformers' table lookup would fail too
-        raise ValueError(
-            f"multi_modal_data['image']: an image of {h} x {w} patches is longer than the "
-            f"embedder's position table ({side} a side, mm_posemb_size)"
-        )
+    check_position_table(h, w, side, "embedder's (mm_posemb_size)")
     window = getattr(config.text_config, "sliding_window", None)
     if bidirectional(config) and window is not None and h * w > int(window):
         raise ValueError(

@@ -47,7 +47,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +54,7 @@ from torch import nn
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.torch_processors import to_uint8
 from paged_engine.multimodal.vision_transformer import VisionEncoder, pixel_shuffle
 
 ARCH = "Lfm2VlForConditionalGeneration"
@@ -204,7 +204,7 @@ class Lfm2VlImageProcessor:
 
     def __call__(self, image: Any) -> Views:
         """(each view's patches, each view's grid (h, w), the tile grid (rows, cols))."""
-        x = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+        x = to_uint8(image)
         height, width = x.shape[-2:]
         rows, cols = self.grid(height, width)
         h, w = self.smart_size(height, width)

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from paged_engine.multimodal.inputs import to_rgb
+
 _MODES = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}  # PILImageResampling -> interpolate
 
 
@@ -57,9 +59,9 @@ def saved_settings(path: Path) -> dict[str, Any]:
 
 
 def to_uint8(image: Any) -> torch.Tensor:
-    """A PIL image as RGB uint8 [3, H, W], contiguous (transformers' process_image)."""
-    rgb = np.array(image.convert("RGB") if image.mode != "RGB" else image)
-    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+    """A PIL image as RGB uint8 [3, H, W], contiguous (transformers' process_image; a
+    transparent image over white, as its convert_to_rgb puts it)."""
+    return torch.from_numpy(np.array(to_rgb(image))).permute(2, 0, 1).contiguous()
 
 
 def _native_uint8(mode: str) -> bool:

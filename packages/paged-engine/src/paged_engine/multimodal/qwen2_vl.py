@@ -115,3 +115,10 @@ class Qwen3ImageEncoder(QwenImageEncoder):
         if deep:  # [rows, 1 + k, D]: the ImageEmbedder splits the deepstack rows off
             rows = torch.stack([rows, *deep], dim=1)
         return list(rows.split([m.length for m in images]))
+
+
+def build_encoder(config) -> QwenImageEncoder:
+    """Qwen3-VL's tower (and deepstack) for its checkpoints, Qwen2-VL's for the others."""
+    if any(a in QWEN3_ARCHS for a in config.architectures):
+        return Qwen3ImageEncoder(config)
+    return QwenImageEncoder(config)

@@ -210,7 +210,7 @@ def test_bad_image_input_is_a_clear_error_and_nothing_is_lost(llava_dirs):
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         text_only.generate([good], _greedy(0), use_tqdm=False)
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
-        _llm(path, limit_mm_per_prompt={"audio": 1})
+        _llm(path, limit_mm_per_prompt={"audio": -1})
 
 
 def test_images_processed_ahead_are_taken_as_they_are(llava_dirs):

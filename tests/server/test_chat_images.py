@@ -317,7 +317,17 @@ BAD = [
         IMAGE + ".detail",
         "detail",
     ),
-    (_ask({"type": "input_audio", "input_audio": {}}), "messages[0].content", "'input_audio'"),
+    (
+        _ask({"type": "input_audio", "input_audio": {}}),
+        "messages[0].content[0].input_audio",
+        "base64 'data'",
+    ),
+    (  # a well-formed clip to a model without audio
+        _ask({"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}),
+        "messages[0].content[0].input_audio",
+        "takes no audio (audio runs on",
+    ),
+    (_ask({"type": "file", "file": {}}), "messages[0].content", "'file'"),
     (
         [{"role": "system", "content": [_image_part("data:,")]}],
         IMAGE,
@@ -409,7 +419,7 @@ def test_fetch_timeout_variables() -> None:
         ('{"image": 1, "video": 0}', {"image": 1, "video": 0}),
         ('{"image": {"count": 3, "width": 512, "height": 512}}', {"image": 3}),
         ("image=0", {"image": 0}),
-        ("image=4,audio=0", {"image": 4}),
+        ("image=4,audio=0", {"image": 4, "audio": 0}),
     ],
 )
 def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> None:
@@ -431,7 +441,7 @@ def test_limit_mm_per_prompt_reaches_the_engine(monkeypatch, value, limit) -> No
     ("argv", "says"),
     [
         (["--limit-mm-per-prompt", '{"image": -1}'], "integer >= 0"),
-        (["--limit-mm-per-prompt", '{"audio": 1}'], "not supported"),
+        (["--limit-mm-per-prompt", '{"audio": "one"}'], "integer >= 0"),
         (["--limit-mm-per-prompt", '{"pictures": 1}'], "unknown modality"),
         (["--limit-mm-per-prompt", "image"], "MODALITY=COUNT"),
         (["--limit-mm-per-prompt", "{image: 2}"], "not JSON"),

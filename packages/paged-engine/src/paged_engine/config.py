@@ -28,7 +28,7 @@ _KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 _PREEMPTION_MODES = (None, "recompute", "swap")
 _SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _SCHEDULING_POLICIES = ("fcfs", "priority")
-_MODALITIES = ("image", "video")  # what limit_mm_per_prompt may name
+_MODALITIES = ("image", "video", "audio")  # what limit_mm_per_prompt may name
 
 
 def _cpu_kv_cache_gib_default() -> float:
@@ -491,6 +491,11 @@ class EngineConfig:
     def video_limit(self) -> int | None:
         """Videos per prompt (limit_mm_per_prompt["video"]); None: any number."""
         return (self.limit_mm_per_prompt or {}).get("video")
+
+    @property
+    def audio_limit(self) -> int | None:
+        """Audio clips per prompt (limit_mm_per_prompt["audio"]); None: any number."""
+        return (self.limit_mm_per_prompt or {}).get("audio")
 
     @property
     def compilation_level(self) -> int:

@@ -281,6 +281,38 @@ def takes_images(resolved: ResolvedModel, hf_config) -> bool:
     return getattr(hf_config, MARKER, None) in IMAGE_ARCHS and not resolved.is_gguf
 
 
+def takes_audio(resolved: ResolvedModel, hf_config) -> bool:
+    """Whether the checkpoint is a wrapper whose audio paged runs (multimodal/audio_archs.py)."""
+    from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
+
+    return getattr(hf_config, MARKER, None) in AUDIO_ARCHS and not resolved.is_gguf
+
+
+def load_audio_encoder(
+    resolved: ResolvedModel,
+    hf_config,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+    trust_remote_code: bool = False,
+) -> nn.Module | None:
+    """The audio tower and projector of a checkpoint whose audio paged runs, on `device` in
+    `dtype`; None for any other checkpoint."""
+    from transformers import AutoConfig
+
+    from paged_engine.multimodal.audio_archs import build_audio_encoder
+    from paged_engine.multimodal.qwen_omni import thinker_config
+
+    if not takes_audio(resolved, hf_config):
+        return None
+    saved = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    with building_in(dtype, device):
+        encoder = build_audio_encoder(thinker_config(saved))
+    return _loaded_encoder(encoder, resolved, load_format, seed)
+
+
 def load_image_encoder(
     resolved: ResolvedModel,
     hf_config,
@@ -302,6 +334,13 @@ def load_image_encoder(
     assert config is not None
     with building_in(dtype, device):
         encoder = build_encoder(config)
+    return _loaded_encoder(encoder, resolved, load_format, seed)
+
+
+def _loaded_encoder(
+    encoder: nn.Module, resolved: ResolvedModel, load_format: str, seed: int
+) -> nn.Module:
+    """A built media encoder with the checkpoint's weights (random ones for "dummy")."""
     if load_format == "dummy":
         init_dummy_weights(encoder, seed)
     else:

@@ -112,6 +112,7 @@ class OpenAIApp:
         load_tracking: bool = False,
         images: Any = None,
         videos: Any = None,
+        audios: Any = None,
         multimodal: Any = None,
         mm_limits: dict[str, int] | None = None,
         media: MediaLoader | None = None,
@@ -148,6 +149,7 @@ class OpenAIApp:
         # places a prompt's loaded images and videos (the engine's
         # InputProcessor.multimodal); `mm_limits`: --limit-mm-per-prompt
         self.videos = videos
+        self.audios = audios  # the engine's AudioProcessor where the model takes audio, else None
         self.multimodal = multimodal
         self.mm_limits = mm_limits
         self.media = media or MediaLoader()
@@ -363,9 +365,9 @@ class OpenAIApp:
 
     @property
     def takes_media(self) -> bool:
-        """Whether chat image / video parts are taken at all (else they are a 400 naming the
-        server as text-only)."""
-        return self.images is not None or self.videos is not None
+        """Whether chat image / video / audio parts are taken at all (else they are a 400
+        naming the server as text-only)."""
+        return self.images is not None or self.videos is not None or self.audios is not None
 
     def tokenize(self, h: Handler) -> None:
         body = h.read_json()
@@ -689,7 +691,7 @@ class OpenAIApp:
     def _check_media_kinds(self, refs: list[MediaRef]) -> None:
         """A 400 naming the first part of a kind this model does not take, or the prompt's
         parts over --limit-mm-per-prompt."""
-        for kind, side in (("image", self.images), ("video", self.videos)):
+        for kind, side in (("image", self.images), ("video", self.videos), ("audio", self.audios)):
             mine = [r for r in refs if r.kind == kind]
             if mine and side is None:
                 from paged_engine.multimodal.archs import VIDEO_MODELS  # (torch: on errors only)
@@ -699,10 +701,13 @@ class OpenAIApp:
                     if (self.mm_limits or {}).get(kind) == 0
                     else f"videos run on {VIDEO_MODELS} checkpoints"
                     if kind == "video"
-                    else "the server takes videos only"
+                    else f"audio runs on {_audio_archs()} checkpoints"
+                    if kind == "audio"
+                    else "the server takes no images"
                 )
+                noun = kind if kind == "audio" else f"{kind}s"
                 raise bad_request(
-                    f"{mine[0].param}: this model takes no {kind}s ({why})", mine[0].param
+                    f"{mine[0].param}: this model takes no {noun} ({why})", mine[0].param
                 )
             limit = side.limit if side is not None else None
             if limit is not None and len(mine) > limit:
@@ -723,18 +728,18 @@ class OpenAIApp:
             images = _qwen_embeds(images)
         video_refs = [r for r in req.media_refs if r.kind == "video"]
         videos = self.media.load_all(video_refs, req.num_frames)
-        mm = {k: v for k, v in (("image", images), ("video", videos)) if len(v)}
+        clips = self.media.load_all([r for r in req.media_refs if r.kind == "audio"])
+        mm = {k: v for k, v in (("image", images), ("video", videos), ("audio", clips)) if len(v)}
         try:
             expanded, items = self.multimodal(ids, mm, req.mm_processor_kwargs)
         except ValueError as e:  # an image the processor cannot read, a bad kwarg
             param = "mm_processor_kwargs" if "mm_processor_kwargs" in str(e) else "messages"
             raise bad_request(str(e), param) from None
-        if not video_refs:
-            return expanded, {"image": list(items)}
-        video_id = self.videos.video_token_id
-        kinds: dict[str, list] = {"image": [], "video": []}
+        video_id = self.videos.video_token_id if video_refs else None
+        kinds: dict[str, list] = {"image": [], "video": [], "audio": []}
         for m in items:
-            kinds["video" if expanded[m.offset] == video_id else "image"].append(m)
+            kind = "audio" if m.modality == "audio" else "image"
+            kinds["video" if expanded[m.offset] == video_id else kind].append(m)
         return expanded, {k: v for k, v in kinds.items() if v}
 
     def _generate(
@@ -949,3 +954,10 @@ def _qwen_embeds(parts: list[dict]) -> dict | list:
         raise bad_request(
             f"the messages' image_embeds do not fit together: {e}", "messages"
         ) from None
+
+
+def _audio_archs() -> str:
+    """The architectures whose audio runs, for a refusal's message (torch: on errors only)."""
+    from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
+
+    return ", ".join(AUDIO_ARCHS)

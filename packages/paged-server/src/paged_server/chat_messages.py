@@ -1,7 +1,7 @@
 """Chat request parts checked as OpenAI checks them, into what a chat template takes: messages
-(text content, image and video parts when the model takes them, assistant tool calls with their
-arguments as objects and the reasoning sent back with them, tool results), documents, and the
-template variables a client may set.
+(text content, image, video and audio parts when the model takes them, assistant tool calls
+with their arguments as objects and the reasoning sent back with them, tool results),
+documents, and the template variables a client may set.
 
 Every check raises `APIError(400)` naming the offending parameter (`messages[2].content`).
 """
@@ -108,6 +108,14 @@ def _content_parts(
             url = _image_url(p, part.get("video_url"), "video")
             found.append(MediaRef(url, p, kind="video"))
             parts.append({"type": "video"})
+        elif kind in ("input_audio", "audio_url") and images is not None:
+            p = f"{param}.content[{j}].{kind}"
+            if role != "user":
+                raise bad_request(
+                    f"{p}: audio is taken in user messages only, not in role '{role}'", p
+                )
+            found.append(MediaRef(_audio_url(p, kind, part.get(kind)), p, kind="audio"))
+            parts.append({"type": "audio"})
         elif kind == "image_embeds" and images is not None:  # vLLM's, --enable-mm-embeds
             p = f"{param}.content[{j}].image_embeds"
             if role != "user":
@@ -130,8 +138,9 @@ def _content_parts(
             )
         else:
             raise bad_request(
-                f"{param}.content: content part type {kind!r} is not supported (no audio "
-                "or file input): send 'text', 'image_url', 'video_url' or 'image_embeds' parts",
+                f"{param}.content: content part type {kind!r} is not supported (no file "
+                "input): send 'text', 'image_url', 'video_url', 'image_embeds', 'input_audio' "
+                "or 'audio_url' parts",
                 f"{param}.content",
             )
     if not found:
@@ -141,6 +150,23 @@ def _content_parts(
 
 
 _DETAILS = ("auto", "low", "high")
+_AUDIO_FORMATS = {"wav": "wav", "mp3": "mpeg", "flac": "flac", "ogg": "ogg", "m4a": "mp4"}
+
+
+def _audio_url(param: str, kind: str, value: Any) -> str:
+    """OpenAI's input_audio `{"data": base64, "format": "wav" | "mp3"}` as a data: URL, or
+    vLLM's audio_url (`{"url": ...}` or the bare URL)."""
+    if kind == "audio_url":
+        return _image_url(param, value, "audio")
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+        raise bad_request(f"{param} must be an object with base64 'data' and a 'format'", param)
+    fmt = value.get("format")
+    if fmt not in _AUDIO_FORMATS:
+        raise bad_request(
+            f"{param}.format must be one of {sorted(_AUDIO_FORMATS)}, got {fmt!r}",
+            f"{param}.format",
+        )
+    return f"data:audio/{_AUDIO_FORMATS[fmt]};base64,{value['data']}"
 
 
 def _image_url(param: str, value: Any, kind: str = "image") -> str:

@@ -149,7 +149,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
     lora = load_lora_modules(engine, args.lora_modules or [], names, enabled=args.enable_lora)
     media = MediaLoader(
         args.allowed_local_media_path,
-        {kind: fetch_timeout(kind=kind) for kind in ("image", "video")},
+        {kind: fetch_timeout(kind=kind) for kind in ("image", "video", "audio")},
         num_frames=media_io_kwargs(args.media_io_kwargs) or DEFAULT_NUM_FRAMES,
         domains=args.allowed_media_domains,
     )
@@ -184,6 +184,8 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         images=getattr(getattr(engine, "input_processor", None), "images", None),
         # the video processor of a VIDEO_MODELS checkpoint (None: the model takes no videos)
         videos=getattr(getattr(engine, "input_processor", None), "videos", None),
+        # the audio side of a checkpoint whose audio runs (None: the model takes no audio)
+        audios=getattr(getattr(engine, "input_processor", None), "audios", None),
         multimodal=getattr(getattr(engine, "input_processor", None), "multimodal", None),
         mm_limits=args.limit_mm_per_prompt,
         media=media,

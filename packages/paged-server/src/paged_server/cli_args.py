@@ -632,8 +632,7 @@ def _json_list(text: str) -> list[str]:
     return [v.strip() for v in stripped.split(",") if v.strip()]
 
 
-_MODALITIES = ("image", "video", "audio")  # what vLLM's limit may name; paged runs two
-_RUNS = ("image", "video")
+_MODALITIES = ("image", "video", "audio")  # what vLLM's limit may name
 
 
 def _media_io(text: str) -> dict[str, Any]:
@@ -648,9 +647,7 @@ def _media_io(text: str) -> dict[str, Any]:
 
 def _limit_mm(text: str) -> dict[str, int]:
     """--limit-mm-per-prompt: vLLM's JSON object (`'{"image": 2, "video": 0}'`, a count or
-    `{"count": n, ...}` per modality) or the older `image=2,video=0`. A zero for another
-    modality asks for nothing: dropped; a non-zero one is refused (paged runs images and
-    videos)."""
+    `{"count": n, ...}` per modality) or the older `image=2,video=0`."""
     stripped = text.strip()
     if stripped.startswith("{"):
         try:
@@ -678,13 +675,7 @@ def _limit_mm(text: str) -> dict[str, int]:
             raise argparse.ArgumentTypeError(
                 f"unknown modality {key!r} (expected one of {', '.join(_MODALITIES)})"
             )
-        if key not in _RUNS and count:
-            raise argparse.ArgumentTypeError(
-                f"{key!r} inputs are not supported (paged runs images and videos): give {key} "
-                "0 or leave it out"
-            )
-        if key in _RUNS:
-            limits[key] = count
+        limits[key] = count
     return limits
 
 

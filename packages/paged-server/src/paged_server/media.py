@@ -1,4 +1,5 @@
-"""Images and videos a chat request points at, loaded on its HTTP thread (never the engine's).
+"""Images, videos and audio a chat request points at, loaded on its HTTP thread (never the
+engine's).
 
     data:image/png;base64,iVBOR...    decoded in place (data:video/mp4;base64,... for a video)
     http://... / https://...          fetched with urllib: PAGED_IMAGE_FETCH_TIMEOUT (or vLLM's
@@ -11,7 +12,11 @@
                                       resolved, links followed, must stay inside DIR)
 
 An image becomes an RGB PIL image; a video (a `video_url` part) its frames and metadata,
-`num_frames` of them sampled uniformly (paged_engine/multimodal/video_io.py, PyAV).
+`num_frames` of them sampled uniformly (paged_engine/multimodal/video_io.py, PyAV); an audio clip
+(an `input_audio` part, OpenAI's base64 WAV / MP3, or vLLM's `audio_url`) its mono waveform and
+sampling rate (paged_engine/multimodal/audio_io.py: WAV by the standard library, other formats
+by PyAV); audio URLs time out after PAGED_AUDIO_FETCH_TIMEOUT (VLLM_AUDIO_FETCH_TIMEOUT) seconds,
+10 by default, and a clip is at most 64 MiB.
 
 An `image_embeds` part (vLLM's, with --enable-mm-embeds) holds the image's features instead:
 base64 of a tensor saved by torch.save (loaded with weights_only=True, sparse tensors checked,
@@ -43,10 +48,11 @@ from paged_server.errors import APIError, bad_request
 FETCH_TIMEOUT_ENV = {
     "image": ("PAGED_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT"),
     "video": ("PAGED_VIDEO_FETCH_TIMEOUT", "VLLM_VIDEO_FETCH_TIMEOUT"),
+    "audio": ("PAGED_AUDIO_FETCH_TIMEOUT", "VLLM_AUDIO_FETCH_TIMEOUT"),
 }
-DEFAULT_FETCH_TIMEOUT = {"image": 5.0, "video": 30.0}
-# an encoded image or video, fetched or read; a data URL is bounded by the request body
-MAX_BYTES = {"image": 20 << 20, "video": 256 << 20}
+DEFAULT_FETCH_TIMEOUT = {"image": 5.0, "video": 30.0, "audio": 10.0}
+# an encoded image, video or clip, fetched or read; a data URL is bounded by the request body
+MAX_BYTES = {"image": 20 << 20, "video": 256 << 20, "audio": 64 << 20}
 DEFAULT_NUM_FRAMES = 32  # frames sampled from a video (vLLM's default)
 _READ_CHUNK = 1 << 16
 
@@ -59,7 +65,7 @@ class MediaRef:
     url: str
     param: str
     embeds: str | dict | None = None
-    kind: str = "image"  # or "video"
+    kind: str = "image"  # or "video", "audio"
 
 
 def fetch_timeout(environ: Any = None, kind: str = "image") -> float:
@@ -154,6 +160,8 @@ class MediaLoader:
         data = self._bytes(ref)
         if ref.kind == "video":
             return self._decode_video(ref, data, num_frames or self.num_frames)
+        if ref.kind == "audio":
+            return self._decode_audio(ref, data)
         return self._decode(ref, data)
 
     def _bytes(self, ref: MediaRef) -> bytes:
@@ -285,6 +293,16 @@ class MediaLoader:
             raise APIError(
                 500, "video inputs need PyAV on the server: pip install 'paged-engine[video]'"
             ) from None
+        except ValueError as e:
+            raise bad_request(str(e), ref.param) from None
+
+    @staticmethod
+    def _decode_audio(ref: MediaRef, data: bytes) -> Any:
+        """(mono float32 waveform, sampling rate); the engine resamples it to the model's."""
+        from paged_engine.multimodal.audio_io import load_audio
+
+        try:
+            return load_audio(data, what=ref.param)
         except ValueError as e:
             raise bad_request(str(e), ref.param) from None
 

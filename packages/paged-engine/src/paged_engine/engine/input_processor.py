@@ -13,6 +13,8 @@ from paged_engine.config import EngineConfig
 from paged_engine.core.request import Request
 from paged_engine.engine.prompt_embeds import prompt_embeds_inputs
 from paged_engine.multimodal.archs import IMAGE_ARCHS, VIDEO_MODELS
+from paged_engine.multimodal.audio import AudioProcessor
+from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
@@ -52,6 +54,7 @@ class InputProcessor:
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
         videos: QwenVideoProcessor | Qwen3VideoProcessor | None = None,
+        audios: AudioProcessor | None = None,
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
     ) -> None:
@@ -64,6 +67,7 @@ class InputProcessor:
         self.images = images  # a checkpoint whose images run (multimodal/), else None
         # Qwen2-VL / 2.5-VL (multimodal/qwen_video.py) and Qwen3-VL / 3.5 (qwen3_video.py) videos
         self.videos = videos
+        self.audios = audios  # a checkpoint whose audio runs (multimodal/audio_archs.py)
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width
         # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
@@ -151,7 +155,7 @@ class InputProcessor:
             req.arrival_time = arrival_time
         req.cache_salt = salt
         if mm_inputs and not is_embeds_prompt(mm_inputs):
-            positions = self.videos if self.images is None else self.images
+            positions = self.images or self.videos or self.audios
             assert positions is not None
             req.mrope = positions.positions(len(token_ids), mm_inputs)
         return ProcessedRequest(req, text, num_returned, beam_logprobs)
@@ -227,16 +231,20 @@ class InputProcessor:
                 f"multi_modal_data must be a dict such as {{'image': image}}, got "
                 f"{type(mm_data).__name__}"
             )
-        other = sorted(str(k) for k in mm_data if k not in ("image", "video"))
+        other = sorted(str(k) for k in mm_data if k not in ("image", "video", "audio"))
         if other:
             raise ValueError(
-                f"multi_modal_data[{other[0]!r}] is not supported (only 'image' and 'video')"
+                f"multi_modal_data[{other[0]!r}] is not supported (only 'image', 'video' and "
+                "'audio')"
             )
         kw = kwargs if isinstance(kwargs, dict) else {}
         images: tuple = ()
         if "image" in mm_data:  # (a bad mm_processor_kwargs: the image processor names it)
             image_kw = {k: v for k, v in kw.items() if k not in VIDEO_ONLY} if kw else kwargs
             token_ids, images = self._images(token_ids, mm_data["image"], image_kw)
+        if "audio" in mm_data:  # an image after a clip's run moves with it
+            token_ids, clips, added = self._audio(token_ids, mm_data["audio"], kw)
+            images = tuple(sorted([*shift_offsets(images, added), *clips], key=lambda m: m.offset))
         if "video" not in mm_data:
             return token_ids, images
         if self.videos is None:
@@ -258,6 +266,23 @@ class InputProcessor:
         expanded, videos, added = self.videos.process(token_ids, mm_data["video"], video_kw)
         moved = shift_offsets(images, added)  # an image after a video's run moves with it
         return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))
+
+    def _audio(
+        self, token_ids: list[int], data: Any, kwargs: dict[str, Any]
+    ) -> tuple[list[int], tuple, list[tuple[int, int]]]:
+        """The prompt with each clip's placeholder run, the clips and the runs' growth
+        (multimodal/audio.py); audio takes none of mm_processor_kwargs (the image or video
+        processor checks those)."""
+        if self.audios is None:
+            why = (
+                "limit_mm_per_prompt={'audio': 0} serves the text model only"
+                if self.config.audio_limit == 0
+                else f"audio runs on {', '.join(AUDIO_ARCHS)} checkpoints"
+            )
+            raise ValueError(f"multi_modal_data['audio']: this model takes no audio ({why})")
+        if kwargs and self.images is None and self.videos is None:
+            self.audios.process(token_ids, [], kwargs)  # names the kwarg audio does not take
+        return self.audios.process(token_ids, data)
 
     def _images(
         self, token_ids: list[int], mm_data: Any, kwargs: Any = None

@@ -56,6 +56,7 @@ from paged_engine.loader import (
     load_hf_config,
     load_tokenizer,
     resolve_model,
+    takes_audio,
     takes_images,
 )
 from paged_engine.lora.registry import LoRARegistry
@@ -64,11 +65,13 @@ from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
+from paged_engine.multimodal.audio import AudioProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.multimodal.qwen3_video import ARCHS as QWEN3_VIDEO_ARCHS
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
+from paged_engine.multimodal.qwen_omni import thinker_config
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
@@ -137,6 +140,7 @@ class LLMEngine:
         # tower only where images can run
         images = self._image_processor()
         videos = self._video_processor(images)
+        audios = self._audio_processor()
         if config.chat_template is not None:
             self.tokenizer.chat_template = _read_template(config.chat_template)
         # A *ForSequenceClassification model: it classifies and scores, never generates.
@@ -303,6 +307,7 @@ class LLMEngine:
             default_params=self.generation_defaults,
             images=images,
             videos=videos,
+            audios=audios,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
         )
@@ -636,6 +641,27 @@ class LLMEngine:
             return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
         except ValueError as e:  # no processor settings a video can use: images only
             logger.warning("%s: videos are not taken: %s", self.resolved.path, e)
+            return None
+
+    def _audio_processor(self) -> AudioProcessor | None:
+        """The host side of audio prompts where the checkpoint's audio runs
+        (multimodal/audio_archs.py); None for other models and with
+        limit_mm_per_prompt={"audio": 0}."""
+        cfg = self.config
+        if not takes_audio(self.resolved, self.hf_config) or cfg.audio_limit == 0:
+            return None
+        from transformers import AutoConfig
+
+        from paged_engine.multimodal.audio_archs import build_audio_host
+
+        config = thinker_config(
+            AutoConfig.from_pretrained(self.resolved.path, trust_remote_code=cfg.trust_remote_code)
+        )
+        try:
+            return build_audio_host(self.resolved.path, config, self.tokenizer, cfg.audio_limit)
+        except ValueError as e:  # no feature extractor saved: the text model only
+            logger.warning("%s: %s; serving without audio", self.resolved.path, e)
+            cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "audio": 0}
             return None
 
     def _resolve_lengths(self) -> None:

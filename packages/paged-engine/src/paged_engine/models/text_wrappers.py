@@ -1,7 +1,7 @@
-"""The vision-language wrappers served text-only (models/multimodal_text.py reads this table):
-for each wrapper architecture, the text model class of each text_config.model_type, the name
-prefixes of what is dropped (towers, projectors, speech output) and what its text model does
-differently from our text class (`Wrapper`'s flags; multimodal_text.py's docstring says why
+"""The vision- and audio-language wrappers served text-only (models/multimodal_text.py reads
+this table): for each wrapper architecture, the text model class of each text_config.model_type,
+the name prefixes of what is dropped (towers, projectors, speech output) and what its text model
+does differently from our text class (`Wrapper`'s flags; multimodal_text.py's docstring says why
 each is exact).
 
     wrapper (config.architectures)       text_config.model_type -> our class
@@ -42,6 +42,7 @@ each is exact).
       Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
     Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
       Qwen3OmniMoeForConditionalGeneration (thinker_config.text_config)
+    Qwen2AudioForConditionalGeneration   qwen2                  -> Qwen2ForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
@@ -64,6 +65,7 @@ def _modules(*names: str) -> tuple[str, ...]:
 
 
 _LLAVA_STYLE = _modules("vision_tower", "multi_modal_projector")
+_AUDIO_STYLE = _modules("audio_tower", "multi_modal_projector")
 _QWEN_VISUAL = _modules("visual")
 # LLaVA-NeXT: also its image_newline parameter (a name of its own, no dot after it)
 _LLAVA_NEXT = (*_LLAVA_STYLE, "image_newline", "model.image_newline")
@@ -298,6 +300,8 @@ WRAPPERS: dict[str, Wrapper] = {
         refused=_QWEN3_OMNI_REFUSED,
         sub_config="thinker_config",
     ),
+    # Qwen2-Audio: Whisper's encoder into Qwen2 (audio: multimodal/qwen2_audio.py)
+    "Qwen2AudioForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
     "Qwen2VLForConditionalGeneration": Wrapper(
         {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),

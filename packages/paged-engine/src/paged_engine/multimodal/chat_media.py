@@ -1,12 +1,16 @@
-"""`LLM.chat` with images and videos: OpenAI-style parts out of the messages, placeholders in.
+"""`LLM.chat` with images, videos and audio: OpenAI-style parts out of the messages,
+placeholders in.
 
     {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   decoded
     {"type": "image_url", "image_url": "https://..."}                         fetched (urllib)
     {"type": "image_pil", "image_pil": PIL.Image}                              vLLM's offline form
     {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,..."}}  decoded (PyAV),
                                                                                32 frames sampled
+    {"type": "input_audio", "input_audio": {"data": "<base64>", "format": "wav"}}  decoded
+    {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,..."}}      decoded
 
-Each becomes `{"type": "image"}` / `{"type": "video"}` for the chat template (Hugging Face's
+Each becomes `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` for the chat
+template (Hugging Face's
 parts, where the template writes the placeholder), and the media go to `multi_modal_data` in
 order. Messages without media pass unchanged. Local files: open them with PIL and send
 `image_pil`, or pass a video's frames to `LLM.generate`. The server has its own loader
@@ -27,9 +31,16 @@ from paged_engine.multimodal.processor import require_pillow
 _TIMEOUT_ENV = {
     "image": ("PAGED_IMAGE_FETCH_TIMEOUT", "VLLM_IMAGE_FETCH_TIMEOUT"),
     "video": ("PAGED_VIDEO_FETCH_TIMEOUT", "VLLM_VIDEO_FETCH_TIMEOUT"),
+    "audio": ("PAGED_AUDIO_FETCH_TIMEOUT", "VLLM_AUDIO_FETCH_TIMEOUT"),
 }
-_DEFAULT_TIMEOUT = {"image": 5.0, "video": 30.0}
-_KINDS = {"image_url": "image", "image_pil": "image", "video_url": "video"}
+_DEFAULT_TIMEOUT = {"image": 5.0, "video": 30.0, "audio": 10.0}
+_KINDS = {
+    "image_url": "image",
+    "image_pil": "image",
+    "video_url": "video",
+    "input_audio": "audio",
+    "audio_url": "audio",
+}
 
 
 def split_media(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any]]]:
@@ -49,7 +60,7 @@ def split_media(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any]]]
                 parts.append(part)
                 continue
             param = f"messages[{i}].content[{j}]"
-            load = _load_video if kind == "video" else _load_image
+            load = {"video": _load_video, "audio": _load_audio}.get(kind, _load_image)
             media.setdefault(kind, []).append(load(part, param))
             parts.append({"type": kind})
         out.append({**message, "content": parts})
@@ -83,6 +94,23 @@ def _load_video(part: dict, param: str) -> Any:
     return decode_video(_url_bytes(part, "video", param), what=f"{param}.video_url")
 
 
+def _load_audio(part: dict, param: str) -> Any:
+    """(waveform, sampling rate) of an input_audio part's base64 data or an audio_url's."""
+    from paged_engine.multimodal.audio_io import load_audio
+
+    if part["type"] == "input_audio":
+        value = part.get("input_audio")
+        data = value.get("data") if isinstance(value, dict) else None
+        if not isinstance(data, str):
+            raise ValueError(f"{param}.input_audio needs base64 'data' (and a 'format')")
+        try:
+            raw = base64.b64decode("".join(data.split()), validate=True)
+        except binascii.Error:
+            raise ValueError(f"{param}.input_audio: the data is not valid base64") from None
+        return load_audio(raw, what=f"{param}.input_audio")
+    return load_audio(_url_bytes(part, "audio", param), what=f"{param}.audio_url")
+
+
 def _url_bytes(part: dict, kind: str, param: str) -> bytes:
     """The bytes a part's data: or http(s) URL holds."""
     key = f"{kind}_url"
@@ -108,6 +136,8 @@ def _url_bytes(part: dict, kind: str, param: str) -> bytes:
         "pass {'type': 'image_pil', 'image_pil': PIL.Image.open(path)}"
         if kind == "image"
         else "decode it and pass its frames in multi_modal_data={'video': frames}"
+        if kind == "video"
+        else "send its bytes as an input_audio part"
     )
     raise ValueError(
         f"{param}.{key}: only data: and http(s) URLs are read here; for a local file {local}"

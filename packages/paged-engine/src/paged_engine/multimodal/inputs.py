@@ -51,6 +51,9 @@ class ImageInput:
     # a Qwen video's M-RoPE temporal step: frame group k has temporal index floor(k * t_step)
     # (Qwen2.5-VL: tokens_per_second * seconds per group; 1 for Qwen2-VL and images)
     t_step: float = 1.0
+    # "image", "video" or "audio": which encoder reads `pixel_values` (an audio item's are its
+    # features, e.g. a log-mel spectrogram [mels, frames]; multimodal/audio.py)
+    modality: str = "image"
 
     @property
     def num_features(self) -> int:

@@ -1,5 +1,7 @@
 """A step's input embeddings with images in them: token embeddings, image features spliced in.
 
+Audio clips (`ImageInput.modality == "audio"`) take the same path through the audio encoder.
+
     step rows of sequence i: positions [start, start + n)  ->  flat rows [cu[i], cu[i + 1])
     an image at prompt positions [offset, offset + length) that overlaps them puts its feature
     rows [max(start, offset) - offset, min(start + n, offset + length) - offset) there
@@ -74,10 +76,14 @@ class ImageEmbedder:
         lookup: nn.Module | None,
         device: torch.device,
         cache_elems: int = 0,
+        audio_encoder: nn.Module | None = None,
     ) -> None:
         # multimodal/archs.py build_encoder: .encode(images) -> [rows]; None for a model that
-        # only takes prompt_embeds
+        # only takes prompt_embeds (or audio)
         self.encoder = encoder
+        # multimodal/audio_archs.py build_audio_encoder: .encode(clips) -> [rows] (items of
+        # modality "audio"); None where audio does not run
+        self.audio_encoder = audio_encoder
         self.embed_tokens = embed_tokens  # the token embedding as the model's first stage has it
         # the embedding module whose output prompt_embeds rows replace; None where they go
         # with the images, after `embed_tokens` (Gemma: HF's input embedding is scaled)
@@ -202,15 +208,18 @@ class ImageEmbedder:
                 run[key] = m
         if not run:
             return
-        images = list(run.values())
-        assert self.encoder is not None, "images reach a worker without a vision encoder"
-        self.encoded += len(images)
-        for m, f in zip(images, self.encoder.encode(images), strict=True):
-            if f.shape[0] != m.num_features:  # (any extra dims: deepstack layers)
-                raise RuntimeError(
-                    f"an image gave {f.shape[0]} feature rows for {m.num_features} placeholders"
-                )
-            self.features[m.mm_hash] = f
+        for audio, encoder in ((False, self.encoder), (True, self.audio_encoder)):
+            items = [m for m in run.values() if (m.modality == "audio") == audio]
+            if not items:
+                continue
+            assert encoder is not None, f"{items[0].modality} reaches a worker without its encoder"
+            self.encoded += len(items)
+            for m, f in zip(items, encoder.encode(items), strict=True):
+                if f.shape[0] != m.num_features:  # (any extra dims: deepstack layers)
+                    raise RuntimeError(
+                        f"an item gave {f.shape[0]} feature rows for {m.num_features} placeholders"
+                    )
+                self.features[m.mm_hash] = f
 
     def _retire(self, sched: SchedulerOutput) -> None:
         """Images whose last placeholder ran this step: no later step needs them."""

@@ -31,6 +31,7 @@ from paged_engine.loader import (
     ResolvedModel,
     checkpoint_weights,
     init_dummy_weights,
+    load_audio_encoder,
     load_image_encoder,
     load_model,
     resolve_dtype,
@@ -144,21 +145,23 @@ class Worker:
                 ),
                 config.max_num_seqs,
             )
-        encoder = None
         first = get_parallel_state().is_first_stage
+        # the media towers (first pipeline stage only): images', audio's
+        towers = {
+            "dtype": self.dtype,
+            "device": self.device,
+            "load_format": config.load_format,
+            "seed": config.seed,
+            "trust_remote_code": config.trust_remote_code,
+        }
+        encoder = audio = None
         if config.image_limit != 0 and first:
-            encoder = load_image_encoder(
-                resolved,
-                hf_config,
-                dtype=self.dtype,
-                device=self.device,
-                load_format=config.load_format,
-                seed=config.seed,
-                trust_remote_code=config.trust_remote_code,
-            )
+            encoder = load_image_encoder(resolved, hf_config, **towers)
             if encoder is not None:
                 check_deepstack(encoder, model, config.pipeline_parallel_size)
-        if first and (encoder is not None or config.enable_prompt_embeds):
+        if config.audio_limit != 0 and first:
+            audio = load_audio_encoder(resolved, hf_config, **towers)
+        if first and (encoder is not None or audio is not None or config.enable_prompt_embeds):
             # images embedded at their placeholders, prompt_embeds rows at theirs; the token
             # embedding as the model's first stage computes it (Gemma scales it, and so does
             # HF's input embedding there: prompt_embeds rows go after the scale, as images do)
@@ -173,6 +176,7 @@ class Worker:
                 lookup if embed is None else None,
                 self.device,
                 cache_elems=elems,
+                audio_encoder=audio,
             )
         attach_draft_model(self.model_runner, self.quantization, resolved)  # drafts, heads
         init_kv_scales(self.model_runner)  # fp8 caches: before anything is written to one

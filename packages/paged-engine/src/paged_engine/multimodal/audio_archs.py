@@ -1,0 +1,57 @@
+"""The checkpoints whose audio paged runs, and which audio path each takes.
+
+    Qwen2AudioForConditionalGeneration   "qwen2_audio"   multimodal/qwen2_audio.py
+
+A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
+worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
+"module:callable" under paged_engine.multimodal. Other checkpoints refuse
+multi_modal_data['audio'] by name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+# architecture -> audio kind
+KINDS: dict[str, str] = {
+    "Qwen2AudioForConditionalGeneration": "qwen2_audio",
+}
+AUDIO_ARCHS = tuple(KINDS)
+
+HOSTS: dict[str, str] = {
+    "qwen2_audio": "qwen2_audio:Qwen2Audio",
+}
+
+ENCODERS: dict[str, str] = {
+    "qwen2_audio": "qwen2_audio:Qwen2AudioEncoder",
+}
+
+
+def audio_kind(config: Any) -> str | None:
+    """The audio path (a KINDS value) of a wrapper config, None where audio does not run."""
+    archs = getattr(config, "architectures", None) or []
+    return next((KINDS[a] for a in archs if a in KINDS), None)
+
+
+def _load(spec: str) -> Any:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(f"paged_engine.multimodal.{module}"), name)
+
+
+def build_audio_host(
+    path: Path, config: Any, tokenizer: Any, limit: int | None
+) -> Any:  # an AudioProcessor
+    kind = audio_kind(config)
+    assert kind is not None, config.architectures
+    return _load(HOSTS[kind])(path, config, tokenizer, limit)
+
+
+def build_audio_encoder(config: Any) -> nn.Module:
+    """The checkpoint's audio encoder, built in the current default dtype and device."""
+    kind = audio_kind(config)
+    assert kind is not None, config.architectures
+    return _load(ENCODERS[kind])(config)

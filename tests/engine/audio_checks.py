@@ -1,0 +1,75 @@
+"""Checks shared by the audio tests (test_*_audio.py): noise clips, WAV bytes, and the engine's
+own paths with audio against its plain run."""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+
+import numpy as np
+import pytest
+from hf_reference import assert_same_greedy
+from image_checks import engine, greedy
+
+from paged_engine import LLM
+
+
+def noise_clip(seed: int, seconds: float, sr: int = 16_000) -> np.ndarray:
+    """A mono float32 clip: a few random tones in noise, `seconds` long at `sr`."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    tones = sum(np.sin(2 * np.pi * f * t + p) for f, p in rng.uniform(80, 3000, (3, 2)))
+    return (0.2 * tones + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def wav_bytes(clip: np.ndarray, sr: int = 16_000) -> bytes:
+    """`clip` as a 16-bit PCM mono WAV file."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((np.clip(clip, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def wav_base64(clip: np.ndarray, sr: int = 16_000) -> str:
+    return base64.b64encode(wav_bytes(clip, sr)).decode()
+
+
+def check_audio_paths(path, prompts: list[dict], text: str, *, chunk: int = 8) -> LLM:
+    """Against one plain run of `prompts` (each with audio; the last one's text `text`):
+    `chunk`-token chunks through the clips; a prefix-cache hit on the same clip and none past
+    the text for another clip; the last prompt's clips processed ahead
+    (`AudioProcessor.process`) and handed over with the expanded ids, and moved one token
+    (refused). Returns the prefix-caching engine, still serving."""
+    params = greedy(0, 16)
+
+    def run(llm, batch=prompts):
+        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+
+    plain = run(engine(path))
+    chunked = engine(
+        path, max_num_batched_tokens=chunk, enable_chunked_prefill=True, max_num_seqs=3
+    )
+    assert_same_greedy(plain, run(chunked))
+
+    cached = engine(path, enable_prefix_caching=True)
+    run(cached, prompts[:1])
+    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert_same_greedy(plain[:1], [again.outputs[0]])
+    audios = cached.llm_engine.input_processor.audios
+    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
+    first = other.prompt_token_ids.index(audios.placeholder)
+    assert other.num_cached_tokens <= first // 16 * 16
+
+    clips = prompts[-1]["multi_modal_data"]["audio"]
+    expanded, done, _ = audios.process(cached.get_tokenizer().encode(text), clips)
+    ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"audio": list(done)}}
+    assert_same_greedy(plain[-1:], run(cached, [ahead]))
+    moved = {"prompt_token_ids": [5, *expanded], "multi_modal_data": {"audio": list(done)}}
+    with pytest.raises(ValueError, match="does not match"):
+        cached.generate([moved], params, use_tqdm=False)
+    return cached

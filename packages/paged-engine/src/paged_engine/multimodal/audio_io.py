@@ -30,6 +30,7 @@ import torch.nn.functional as F
 MAX_SECONDS = 3600.0  # a clip longer than an hour is refused (memory, not meaning)
 _ZERO_CROSSINGS = 6
 _ROLLOFF = 0.99
+_MAX_PHASES = 4096  # polyphase kernels of a rate ratio; beyond, each output its own kernel
 
 
 def audio_item(item: Any, target_sr: int, what: str) -> np.ndarray:
@@ -99,6 +100,8 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
         return wave
     g = math.gcd(orig_sr, target_sr)
     up, down = target_sr // g, orig_sr // g  # `up` outputs for every `down` inputs
+    if up > _MAX_PHASES:  # (e.g. 16001 -> 16000 Hz): no table of `up` kernels
+        return _resample_direct(wave, orig_sr, target_sr)
     cutoff = min(up, down) * _ROLLOFF
     width = math.ceil(_ZERO_CROSSINGS * down / cutoff)
     # kernel of output phase j over inputs i - width .. i + width + down - 1 (i = block start)
@@ -114,6 +117,30 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     out = F.conv1d(x, kernels, stride=down)  # [1, up, blocks]
     n = math.ceil(up * wave.size / down)
     return out[0].t().reshape(-1)[:n].contiguous().numpy()
+
+
+def _resample_direct(wave: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
+    """The same filter evaluated at each output sample's own offset (any rate ratio), in
+    blocks of outputs."""
+    cutoff = min(orig_sr, target_sr) / orig_sr * _ROLLOFF  # in cycles per input sample * 2
+    width = math.ceil(_ZERO_CROSSINGS / cutoff)
+    x = torch.from_numpy(np.pad(wave, (width, width + 1))).double()
+    taps = torch.arange(-width, width + 1, dtype=torch.float64)
+    n = math.ceil(wave.size * target_sr / orig_sr)
+    out = np.empty(n, dtype=np.float32)
+    step = max(1, 2**22 // taps.numel())
+    for lo in range(0, n, step):
+        pos = torch.arange(lo, min(n, lo + step), dtype=torch.float64) * orig_sr / target_sr
+        base = pos.floor()
+        t = ((base[:, None] + taps[None, :] - pos[:, None]) * cutoff).clamp(
+            -_ZERO_CROSSINGS, _ZERO_CROSSINGS
+        )
+        window = torch.cos(t * math.pi / _ZERO_CROSSINGS / 2) ** 2
+        t = t * math.pi
+        sinc = torch.where(t == 0, torch.ones_like(t), torch.sin(t) / t)
+        rows = x[(base.long() + width)[:, None] + taps.long()[None, :]]
+        out[lo : lo + step] = (rows * sinc * window).sum(1).mul(cutoff).float().numpy()
+    return out
 
 
 def load_audio(data: bytes, what: str) -> tuple[np.ndarray, int]:
@@ -189,9 +216,11 @@ def _read_av(data: bytes, what: str) -> tuple[np.ndarray, int]:
                 if not frame.format.is_planar:
                     arr = arr.reshape(-1, len(frame.layout.channels)).T
                 chunks.append(_waveform_rows(arr))
+    except av.error.FFmpegError as e:  # (some are ValueErrors too): bytes it cannot decode
+        raise ValueError(f"{what}: not an audio file PyAV can decode: {e}") from None
     except ValueError:
         raise
-    except Exception as e:  # PyAV's errors (InvalidDataError, ...): bytes it cannot decode
+    except Exception as e:
         raise ValueError(f"{what}: not an audio file PyAV can decode: {e}") from None
     if not chunks or not rate:
         raise ValueError(f"{what}: the file holds no audio samples")

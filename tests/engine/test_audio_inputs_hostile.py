@@ -1,0 +1,66 @@
+"""Hostile clips against every audio family: each either runs or is a ValueError naming
+multi_modal_data['audio'], and the engine serves the next request either way.
+
+Clips: silence, one sample, a DC offset, samples far outside [-1, 1], a clip one sample short of
+the feature window and one far past it, int8 and uint8 samples, 8 kHz stereo int16, 96 kHz,
+an odd rate (16001 Hz), two channels laid out [samples, 2].
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+from audio_checks import noise_clip
+from image_checks import engine, greedy
+
+pytest.importorskip("transformers")
+
+# family -> (test module, its tiny checkpoint writer, a prompt with one clip's placeholder)
+FAMILIES = {
+    "qwen2_audio": ("test_qwen2_audio", "write_tiny_qwen2_audio", "ONE"),
+}
+
+
+def _clips() -> list[tuple[str, object]]:
+    tone = noise_clip(1, 1.0)
+    return [
+        ("silence", np.zeros(16_000, dtype=np.float32)),
+        ("one sample", np.ones(1, dtype=np.float32)),
+        ("dc", np.full(8_000, 0.7, dtype=np.float32)),
+        ("loud", tone * 1e6),
+        ("window - 1", noise_clip(2, 3.0)[:-1]),
+        ("long", noise_clip(3, 20.0)),
+        ("int8", (tone * 100).astype(np.int8)),
+        ("uint8", (tone * 100 + 128).astype(np.uint8)),
+        ("8 kHz stereo", ((np.stack([tone[::2], -tone[::2]]) * 3e4).astype(np.int16), 8_000)),
+        ("96 kHz", (noise_clip(4, 0.5, sr=96_000), 96_000)),
+        ("16001 Hz", (noise_clip(5, 0.5, sr=16_001), 16_001)),
+        ("[n, 2]", np.stack([tone, tone], 1)),
+    ]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_hostile_clips_run_or_are_refused_by_name(family, tmp_path):
+    module, writer, prompt = FAMILIES[family]
+    mod = importlib.import_module(module)
+    path = getattr(mod, writer)(tmp_path / family)
+    text = getattr(mod, prompt)
+    llm = engine(path)
+    ran = 0
+    for name, clip in _clips():
+        try:
+            out = llm.generate(
+                [{"prompt": text, "multi_modal_data": {"audio": clip}}],
+                greedy(0, 2),
+                use_tqdm=False,
+            )[0]
+        except ValueError as e:
+            assert "multi_modal_data['audio']" in str(e), (name, e)
+            continue
+        assert len(out.outputs[0].token_ids) == 2, name
+        ran += 1
+    assert ran >= 8  # most of them are ordinary clips
+    good = {"prompt": text, "multi_modal_data": {"audio": noise_clip(6, 0.5)}}
+    assert len(llm.generate([good], greedy(0, 4), use_tqdm=False)[0].outputs[0].token_ids) == 4

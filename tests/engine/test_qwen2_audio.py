@@ -231,3 +231,29 @@ def test_bad_input_is_refused_by_name(tiny):
     assert limited.generate([TEXT], greedy(0))[0].outputs[0].token_ids
     out = llm.generate([{"prompt": ONE, "multi_modal_data": {"audio": clip}}], greedy(0))[0]
     assert len(out.outputs[0].token_ids) == 8
+
+
+def test_llm_chat_takes_audio_parts(tiny):
+    """LLM.chat reads input_audio (base64 WAV) and audio_url (data: URL) parts as the server
+    does: the chat template's prompt with the decoded clip, the same tokens as generate."""
+    llm = engine(tiny)
+    clip = noise_clip(18, 0.9)
+    b64 = wav_base64(clip)
+    held = np.clip(clip, -1, 1)
+    held = (held * 32767).astype(np.int16).astype(np.float32) / 32768  # what the WAV holds
+    question = {"type": "text", "text": "What is it?"}
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "audio"}, question]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": held}}], greedy(0))
+    for part in (
+        {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}},
+    ):
+        got = llm.chat([{"role": "user", "content": [part, question]}], greedy(0), use_tqdm=False)
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    bad = {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]\.input_audio"):
+        llm.chat([{"role": "user", "content": [bad, question]}], greedy(0), use_tqdm=False)

@@ -98,6 +98,10 @@ def test_metric_labels_and_cost_estimate():
     assert _estimate_tokens({"max_tokens": 10, "n": 2}, 400) == 100 + 20
     assert _estimate_tokens({"max_output_tokens": 10}, 40) == 10 + 10
     assert _estimate_tokens([1, 2], 10) == 1
+    # an input_audio part's base64 is no prompt text: a clip costs its nominal 750 tokens
+    clip = {"type": "input_audio", "input_audio": {"data": "A" * 4000, "format": "wav"}}
+    body = {"max_tokens": 10, "messages": [{"role": "user", "content": [clip]}]}
+    assert _estimate_tokens(body, 4400) == 100 + 750 + 10
 
 
 # ---- the front over in-process replicas ----------------------------------------------------

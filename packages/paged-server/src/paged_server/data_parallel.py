@@ -345,7 +345,7 @@ def _label(sample: str, label: str) -> str:
 
 def _estimate_tokens(body: Any, body_bytes: int) -> int:
     """What a request will cost its replica, in tokens: about 4 bytes of prompt per token, a
-    nominal count per image or video (whose URL's bytes are no prompt text), plus every token
+    nominal count per image, video or clip (whose URL's bytes are no prompt text), plus every token
     it may generate."""
     if not isinstance(body, dict):
         return 1
@@ -366,11 +366,20 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
 
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
 _VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
+_AUDIO_TOKENS = 750  # a 30-second window of Whisper's encoder, pooled (Qwen2-Audio)
+# part type -> (the key holding its URL or data, nominal tokens)
+_MEDIA = {
+    "image_url": ("image_url", _IMAGE_TOKENS),
+    "input_image": ("image_url", _IMAGE_TOKENS),
+    "video_url": ("video_url", _VIDEO_TOKENS),
+    "input_audio": ("input_audio", _AUDIO_TOKENS),
+    "audio_url": ("audio_url", _AUDIO_TOKENS),
+}
 
 
 def _media_parts(body: dict[str, Any]) -> tuple[int, int]:
-    """(nominal tokens of the image and video parts, bytes of their URLs or base64 features)
-    of a chat or Responses body."""
+    """(nominal tokens of the image, video and audio parts, bytes of their URLs or base64
+    data) of a chat or Responses body."""
     tokens = size = 0
     for key in ("messages", "input"):
         items = body.get(key)
@@ -378,15 +387,18 @@ def _media_parts(body: dict[str, Any]) -> tuple[int, int]:
             content = item.get("content") if isinstance(item, dict) else None
             for part in content if isinstance(content, list) else ():
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in ("image_url", "input_image", "image_embeds", "video_url"):
-                    continue
                 if kind == "image_embeds":
                     data = part.get("image_embeds")
                     texts = list(data.values()) if isinstance(data, dict) else [data]
+                    tokens += _IMAGE_TOKENS
+                elif kind in _MEDIA:
+                    key, nominal = _MEDIA[kind]
+                    url = part.get(key)
+                    field = "data" if kind == "input_audio" else "url"
+                    texts = [url.get(field) if isinstance(url, dict) else url]
+                    tokens += nominal
                 else:
-                    url = part.get("video_url" if kind == "video_url" else "image_url")
-                    texts = [url.get("url") if isinstance(url, dict) else url]
-                tokens += _VIDEO_TOKENS if kind == "video_url" else _IMAGE_TOKENS
+                    continue
                 size += sum(len(t) for t in texts if isinstance(t, str))
     return tokens, size
 

@@ -34,7 +34,7 @@ TEST_DEPS = [
     "jsonschema",  # structured-output tests validate what the engine generates
     "bitsandbytes",  # bitsandbytes checkpoints' tests quantize with it (CPU backend)
     "pillow",  # paged-engine[vision]: image inputs (LLaVA)
-    "av",  # paged-engine[video]: encoded videos (video_url parts)
+    "av",  # paged-engine[video] / [audio]: encoded videos, audio files other than WAV
 ]
 
 nox.options.sessions = ["lint", "tests"]

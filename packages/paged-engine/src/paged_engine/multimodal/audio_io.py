@@ -4,12 +4,13 @@
       (waveform, sampling_rate)   a 1-D array (or [samples, channels] / [channels, samples]
                                   with the channel axis the shorter one), resampled if needed
       waveform                    taken as sampled at the model's rate already
-    waveform: numpy array, torch tensor or list of floats; integer samples are scaled to [-1, 1)
+    waveform: numpy array or torch tensor (in a tuple also a list of floats); integer samples
+    are scaled to [-1, 1); a list of items is several clips
 
 `load_audio` decodes a file's bytes (the server's `input_audio` / `audio_url` parts, LLM.chat's):
 WAV (PCM 8 / 16 / 24 / 32-bit, IEEE float) with the standard library alone, anything else
-(MP3, FLAC, OGG, M4A, ...) through PyAV (`pip install 'paged-engine[video]'`, the extra that
-decodes videos). Channels are averaged, as librosa's `load(mono=True)` does.
+(MP3, FLAC, OGG, M4A, ...) through PyAV (`pip install 'paged-engine[audio]'`). Channels are
+averaged, as librosa's `load(mono=True)` does.
 
 `resample` is band-limited (Hann-windowed sinc, 6 zero crossings, cutoff 0.99 of the lower
 Nyquist rate; the defaults of torchaudio's `resample`): vLLM resamples with librosa, so samples
@@ -202,7 +203,7 @@ def _read_av(data: bytes, what: str) -> tuple[np.ndarray, int]:
         import av
     except ImportError:
         raise ValueError(
-            f"{what}: audio other than WAV is decoded with PyAV: pip install 'paged-engine[video]'"
+            f"{what}: audio other than WAV is decoded with PyAV: pip install 'paged-engine[audio]'"
         ) from None
     try:
         with av.open(io.BytesIO(data)) as container:

@@ -282,10 +282,12 @@ def takes_images(resolved: ResolvedModel, hf_config) -> bool:
 
 
 def takes_audio(resolved: ResolvedModel, hf_config) -> bool:
-    """Whether the checkpoint is a wrapper whose audio paged runs (multimodal/audio_archs.py)."""
+    """Whether the checkpoint's audio runs (multimodal/audio_archs.py): a wrapper served
+    through its text model, or a model of its own (Whisper)."""
     from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 
-    return getattr(hf_config, MARKER, None) in AUDIO_ARCHS and not resolved.is_gguf
+    archs = [getattr(hf_config, MARKER, None), *(getattr(hf_config, "architectures", None) or ())]
+    return any(a in AUDIO_ARCHS for a in archs) and not resolved.is_gguf
 
 
 def load_audio_encoder(
@@ -302,14 +304,18 @@ def load_audio_encoder(
     `dtype`; None for any other checkpoint."""
     from transformers import AutoConfig
 
-    from paged_engine.multimodal.audio_archs import build_audio_encoder
+    from paged_engine.multimodal.audio_archs import ENCODERS, audio_kind, build_audio_encoder
     from paged_engine.multimodal.qwen_omni import thinker_config
 
     if not takes_audio(resolved, hf_config):
         return None
-    saved = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    config = thinker_config(
+        AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    )
+    if audio_kind(config) not in ENCODERS:  # the model encodes its clips itself (Whisper)
+        return None
     with building_in(dtype, device):
-        encoder = build_audio_encoder(thinker_config(saved))
+        encoder = build_audio_encoder(config)
     return _loaded_encoder(encoder, resolved, load_format, seed)
 
 

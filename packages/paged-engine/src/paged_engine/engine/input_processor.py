@@ -91,6 +91,8 @@ class InputProcessor:
             params = params.to_beam_search_params()
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
+        if self.audios is not None:  # Whisper: its encoder / decoder prompt form
+            prompt = self.audios.request_prompt(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:

@@ -83,6 +83,7 @@ from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks
+from paged_engine.worker.cross_attention import encoder_decoder_engine_config
 from paged_engine.worker.recurrent_state import (
     fit_state_snapshots,
     hybrid_engine_config,
@@ -118,6 +119,7 @@ class LLMEngine:
         apply_hf_overrides(self.hf_config, config.hf_overrides)
         convert_architectures(self.hf_config, config.convert)  # convert="classify"
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
+        encoder_decoder_engine_config(config, self.hf_config)  # Whisper: refusals, lengths
         # BERT / RoBERTa (engine/encoder.py): whole sequences in one step, pooling only
         self.encoder = encoder_engine_config(
             config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path

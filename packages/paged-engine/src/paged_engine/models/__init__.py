@@ -131,6 +131,7 @@ from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
+from paged_engine.models.whisper import WhisperForConditionalGeneration
 from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
 from paged_engine.models.zaya import ZayaForCausalLM
@@ -273,6 +274,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Kolibri1_1ForCausalLM": Kolibri1_1ForCausalLM,
     "FlintForCausalLM": FlintForCausalLM,
     "LaraMiniForCausalLM": LaraMiniForCausalLM,
+    # encoder-decoder: audio in, text out (worker/cross_attention.py)
+    "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }

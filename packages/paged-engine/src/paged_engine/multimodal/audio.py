@@ -91,6 +91,11 @@ class AudioProcessor:
             "transcription prompt is defined for it)"
         )
 
+    def request_prompt(self, prompt: Any) -> Any:
+        """A request's prompt as the input processor takes it (Whisper: vLLM's encoder /
+        decoder prompt form into one dict); as it is for a decoder-only model."""
+        return prompt
+
     # ---- shared ---------------------------------------------------------------------------------
     def positions(self, num_tokens: int, items: tuple) -> Any:
         """M-RoPE positions of a prompt (None: the decoder's positions are 1-D)."""

@@ -1,6 +1,8 @@
 """The checkpoints whose audio paged runs, and which audio path each takes.
 
     Qwen2AudioForConditionalGeneration   "qwen2_audio"   multimodal/qwen2_audio.py
+    WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only: the
+                                                         model encodes, models/whisper.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -19,11 +21,14 @@ from torch import nn
 # architecture -> audio kind
 KINDS: dict[str, str] = {
     "Qwen2AudioForConditionalGeneration": "qwen2_audio",
+    # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
+    "WhisperForConditionalGeneration": "whisper",
 }
 AUDIO_ARCHS = tuple(KINDS)
 
 HOSTS: dict[str, str] = {
     "qwen2_audio": "qwen2_audio:Qwen2Audio",
+    "whisper": "whisper:WhisperAudio",
 }
 
 ENCODERS: dict[str, str] = {

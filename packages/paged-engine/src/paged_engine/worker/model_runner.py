@@ -47,6 +47,12 @@ from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
 from paged_engine.spec_decode.rejection_sampler import verify
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks, resolve_kv_cache_dtype
 from paged_engine.worker.cpu_compile import CompiledForward
+from paged_engine.worker.cross_attention import (
+    CrossAttentionState,
+    CrossBatch,
+    bound,
+    is_encoder_decoder,
+)
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
 from paged_engine.worker.image_embeds import ImageEmbedder, LookupRows, spliced_lookup
 from paged_engine.worker.input_batch import CachedSeq, InputBatch
@@ -81,6 +87,8 @@ class StepInputs:
     additions: LayerAdditions | None = None
     # prompt_embeds rows for the token embedding's output (with `embeds` None)
     lookup: LookupRows | None = None
+    # an encoder-decoder model's cross-attention inputs (worker/cross_attention.py)
+    cross: CrossBatch | None = None
 
 
 @contextmanager
@@ -171,6 +179,8 @@ class ModelRunner:
         self.rope_tables: dict[int, MropePositions] = {}
         # Gemma 3: spans of images whose tokens attend both ways (every rank and stage)
         self.image_spans = ImageSpans()
+        # Encoder-decoder models (Whisper): each sequence's cross-attention K / V
+        self.cross = CrossAttentionState(model, device) if is_encoder_decoder(hf_config) else None
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -282,6 +292,8 @@ class ModelRunner:
             self.image_spans.remove(seq_id)
             if self.images is not None:
                 self.images.remove(seq_id)
+            if self.cross is not None:
+                self.cross.remove(seq_id)
         for data in sched.new_seqs:
             c = batch.add(data)
             if data.mrope is not None:
@@ -290,6 +302,8 @@ class ModelRunner:
                 self.image_spans.add(data.seq_id, data.mm_inputs)
             if self.images is not None:
                 self.images.add(data.seq_id, data.mm_inputs)
+            if self.cross is not None:
+                self.cross.add(data.seq_id, data.mm_inputs)
             if lora is not None:
                 lora.acquire(c.row, data.lora_id, data.lora_path)
             if procs is not None and c.output_ids is not None:
@@ -447,8 +461,9 @@ class ModelRunner:
             meta.has_initial_state = has_state.bool()
         spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
         embeds, additions, lookup = spliced if spliced is not None else (None, None, None)
+        cross = None if self.cross is None else self.cross.step(sched.seq_ids, num_new)
         return StepInputs(
-            input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup
+            input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup, cross
         )
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -456,6 +471,9 @@ class ModelRunner:
         the next replay)."""
         assert self.cache is not None
         ids, pos, meta = inputs.input_ids, inputs.positions, inputs.attn_metadata
+        if inputs.cross is not None:  # cross-attention to each sequence's encoder output: eager
+            with bound(self.model, inputs.cross):
+                return self.model(ids, pos, self.cache.kv_caches, meta)
         if inputs.embeds is not None:  # image features at their placeholders: eager
             with layer_additions(self.model, inputs.additions):
                 return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)

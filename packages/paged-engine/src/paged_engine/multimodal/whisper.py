@@ -1,0 +1,175 @@
+"""Whisper's host side: a request's audio clip as log-mel features, its decoder prompt as ids.
+
+Two prompt forms, as vLLM takes them (`request_prompt`):
+
+    {"prompt": "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>",
+     "multi_modal_data": {"audio": (waveform, sample_rate)}}
+    {"encoder_prompt": {"prompt": "", "multi_modal_data": {"audio": ...}},
+     "decoder_prompt": "<|startoftranscript|>..."}   (a str, token ids or a dict of either)
+
+The decoder prompt's text is tokenized without special tokens added (a Whisper tokenizer would
+add its own prefix and <|endoftext|>); a missing, None or empty decoder prompt is
+config.decoder_start_token_id alone. `whisper_prompt` builds the usual prefix from (language,
+task, timestamps); `WhisperAudio.transcription_prompt` (/v1/audio/transcriptions) puts a
+client's context text before it after <|startofprev|>, as Whisper's prompting does.
+
+`WhisperAudio.process` (an AudioProcessor, multimodal/audio.py, without a placeholder token)
+turns the clip (mono float32 at the feature extractor's 16 kHz, multimodal/audio_io.py) into
+transformers' WhisperFeatureExtractor output, padded to its window (chunk_length s:
+[num_mel_bins, 2 * max_source_positions]). There are no placeholders: the
+returned ImageInput (modality "audio") spans every decoder position [0, max_target_positions),
+so it reaches the worker with every sequence that holds it (new, forked, resumed) and its hash
+keys every prefix-cache block (two clips never share decoder KV). The decoder reads it through
+cross-attention (worker/cross_attention.py).
+
+Refused by name: more than one clip a prompt, a clip longer than the window (vLLM's chunking of
+long audio is not done), a prompt without audio, text in encoder_prompt, mm_processor_kwargs, a
+feature extractor whose window or mel count does not match the model's config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paged_engine.multimodal.audio import AudioProcessor
+from paged_engine.multimodal.audio_io import audio_item
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
+
+WHAT = "multi_modal_data['audio']"
+TASKS = ("transcribe", "translate")
+
+
+def whisper_prompt(
+    tokenizer: Any, language: str = "en", task: str = "transcribe", timestamps: bool = False
+) -> list[int]:
+    """<|startoftranscript|> <|language|> <|task|> [<|notimestamps|>] as token ids; `language`
+    a code ("en") or an English name ("english")."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    code = TO_LANGUAGE_CODE.get(language.lower(), language.lower())
+    tokens = ["<|startoftranscript|>", f"<|{code}|>", f"<|{task}|>"]
+    if not timestamps:
+        tokens.append("<|notimestamps|>")
+    vocab = tokenizer.get_vocab()
+    if tokens[1] not in vocab:
+        raise ValueError(f"language={language!r} is not a language of this Whisper tokenizer")
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise ValueError(f"the tokenizer lacks Whisper's special tokens {missing}")
+    return [vocab[t] for t in tokens]
+
+
+def request_prompt(prompt: Any, tokenizer: Any, hf_config: Any) -> dict:
+    """Either prompt form -> {"prompt" (text or None), "prompt_token_ids", "multi_modal_data",
+    and the prompt's other keys} for the input processor."""
+    if not isinstance(prompt, dict):
+        raise ValueError(
+            f"{WHAT}: a Whisper prompt is a dict with the clip, e.g. {{'prompt': "
+            "'<|startoftranscript|>...', 'multi_modal_data': {'audio': (waveform, sr)}}"
+        )
+    if "encoder_prompt" in prompt:
+        enc = prompt["encoder_prompt"]
+        if not isinstance(enc, dict) or "multi_modal_data" not in enc:
+            raise ValueError("encoder_prompt must be a dict holding multi_modal_data['audio']")
+        if enc.get("prompt") or enc.get("prompt_token_ids"):
+            raise ValueError("encoder_prompt: Whisper's encoder takes audio only, not text")
+        extra = {k: v for k, v in prompt.items() if k not in ("encoder_prompt", "decoder_prompt")}
+        dec = prompt.get("decoder_prompt")
+        if isinstance(dec, dict):
+            unknown = sorted(set(dec) - {"prompt", "prompt_token_ids"})
+            if unknown:
+                raise ValueError(
+                    f"decoder_prompt takes 'prompt' or 'prompt_token_ids', got {unknown}"
+                )
+            dec_fields = dict(dec)
+        elif dec is None:
+            dec_fields = {"prompt_token_ids": [int(hf_config.decoder_start_token_id)]}
+        elif isinstance(dec, str):
+            dec_fields = {"prompt": dec}
+        else:
+            dec_fields = {"prompt_token_ids": dec}
+        kw = {k: enc[k] for k in ("mm_processor_kwargs",) if k in enc}
+        prompt = {**extra, **kw, **dec_fields, "multi_modal_data": enc["multi_modal_data"]}
+    mm = prompt.get("multi_modal_data")
+    if not isinstance(mm, dict) or "audio" not in mm:
+        raise ValueError(f"{WHAT}: every Whisper prompt needs an audio clip")
+    text = prompt.get("prompt")
+    if "prompt_token_ids" not in prompt and isinstance(text, str):
+        start = [int(hf_config.decoder_start_token_id)]
+        ids = tokenizer.encode(text, add_special_tokens=False) if text else start
+        prompt = {**prompt, "prompt_token_ids": ids}
+    return prompt
+
+
+class WhisperAudio(AudioProcessor):
+    """The host side of Whisper's audio (audio_archs.py's "whisper" kind): one clip a prompt,
+    no placeholder run (the decoder prompt's ids pass as they are)."""
+
+    def __init__(self, path: Any, config: Any, tokenizer: Any, limit: int | None = None) -> None:
+        super().__init__(path, config, tokenizer, limit)
+        fe = self.extractor
+        frames = 2 * int(config.max_source_positions)  # conv2 halves the frames
+        if fe.nb_max_frames != frames or fe.feature_size != int(config.num_mel_bins):
+            raise ValueError(
+                f"{path}: the feature extractor's chunk_length={fe.chunk_length} s gives "
+                f"{fe.nb_max_frames} frames of {fe.feature_size} mels; the model takes {frames} "
+                f"of {config.num_mel_bins} (config.max_source_positions, config.num_mel_bins)"
+            )
+        self.span = int(config.max_target_positions)  # every decoder position
+
+    def placeholder_id(self) -> int:
+        return -1  # no token stands for the clip: the decoder cross-attends to it
+
+    default_language = "en"  # what transcription_prompt writes for language None
+
+    @property
+    def transcription_window(self) -> int:
+        """Samples of one transcription request (the feature extractor's window): the
+        /v1/audio routes split a longer clip at quiet points and run each window."""
+        return int(self.extractor.n_samples)
+
+    def transcription_prompt(self, language: str | None, task: str, prompt: str) -> dict:
+        """/v1/audio/transcriptions' decoder prompt: [<|startofprev|> context] then
+        `whisper_prompt` (language None: "en", as vLLM defaults it)."""
+        ids = whisper_prompt(self.tokenizer, language or "en", task)
+        if not prompt:
+            return {"prompt_token_ids": ids}
+        prev = self.tokenizer.get_vocab().get("<|startofprev|>")
+        if prev is None:
+            raise ValueError("prompt: this Whisper tokenizer has no <|startofprev|> token")
+        context = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
+        return {"prompt_token_ids": [prev, *context, *ids]}
+
+    def request_prompt(self, prompt: Any) -> dict:
+        return request_prompt(prompt, self.tokenizer, self.config)
+
+    def process(
+        self, token_ids: list[int], data: Any, kwargs: Any = None
+    ) -> tuple[list[int], tuple[ImageInput, ...], list[tuple[int, int]]]:
+        """(the decoder prompt's ids as they are, the clip's item, no run added)."""
+        if kwargs:
+            name = next(iter(kwargs))
+            raise ValueError(f"mm_processor_kwargs[{name!r}]: Whisper's audio takes none")
+        clips = data if isinstance(data, list) else [data]
+        if len(clips) != 1:
+            raise ValueError(f"{WHAT}: Whisper takes one clip a prompt, got {len(clips)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"{WHAT}: limit_mm_per_prompt['audio']={self.limit}")
+        clip = clips[0]
+        if isinstance(clip, ImageInput):  # this method's output (a server's request thread)
+            if clip.modality != "audio" or (clip.offset, clip.length) != (0, self.span):
+                raise ValueError(f"{WHAT}: a processed clip that is not Whisper's")
+            return token_ids, (clip,), []
+        fe = self.extractor
+        wave = audio_item(clip, self.sampling_rate, WHAT)
+        if wave.shape[0] > fe.n_samples:
+            raise ValueError(
+                f"{WHAT}: a clip of {wave.shape[0] / self.sampling_rate:.2f} s is longer than "
+                f"Whisper's {fe.chunk_length} s window (split it into clips of the window)"
+            )
+        features = self.extract(wave, WHAT)["input_features"][0].float().contiguous()
+        item = ImageInput(features, 0, self.span, digest(features, None), modality="audio")
+        return token_ids, (item,), []

@@ -277,7 +277,10 @@ def test_engine_paths_match_the_plain_run(glm_dirs):
     for bad, match in [
         ({"prompt": TWO, "multi_modal_data": {"image": one}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one, one]}}, "takes no videos"),
+        (
+            {"prompt": PROMPT, "multi_modal_data": {"video": [one, one]}},
+            r"0 <\|video\|> placeholder",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             cached.generate([bad], greedy(0), use_tqdm=False)

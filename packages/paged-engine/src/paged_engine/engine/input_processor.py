@@ -158,6 +158,8 @@ class InputProcessor:
         req.cache_salt = salt
         if mm_inputs and not is_embeds_prompt(mm_inputs):
             positions = self.images or self.videos or self.audios
+            if getattr(self.videos, "places_images", False):  # Omni's table (omni_video.py)
+                positions = self.videos
             assert positions is not None
             req.mrope = positions.positions(len(token_ids), mm_inputs)
         return ProcessedRequest(req, text, num_returned, beam_logprobs)

@@ -66,7 +66,11 @@ from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
+from paged_engine.multimodal.glm4v_video import ARCHS as GLM4V_VIDEO_ARCHS
+from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
+from paged_engine.multimodal.omni_video import ARCHS as OMNI_VIDEO_ARCHS
+from paged_engine.multimodal.omni_video import OmniVideoProcessor
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.multimodal.qwen3_video import ARCHS as QWEN3_VIDEO_ARCHS
@@ -631,11 +635,19 @@ class LLMEngine:
         )
         archs = set(config.architectures or ()) if config is not None else set()
         qwen3 = bool(archs & set(QWEN3_VIDEO_ARCHS))
-        if not qwen3 and not archs & set(qwen2_vl.ARCHS):
+        glm = bool(archs & set(GLM4V_VIDEO_ARCHS))
+        omni = bool(archs & set(OMNI_VIDEO_ARCHS))
+        if not qwen3 and not glm and not omni and not archs & set(qwen2_vl.ARCHS):
             return None
         if not processor_saved(self.resolved.path):  # served as its text model (logged above)
             return None
         try:
+            if glm:  # (a Qwen3VideoProcessor: GLM's frame pairs)
+                return Glm4vVideoProcessor(
+                    self.resolved.path, config, self.tokenizer, cfg.video_limit
+                )
+            if omni:  # (a QwenVideoProcessor: Omni's temporal step and M-RoPE table)
+                return OmniVideoProcessor(self.resolved.path, config, cfg.video_limit)
             if qwen3:
                 return Qwen3VideoProcessor(
                     self.resolved.path, config, self.tokenizer, cfg.video_limit

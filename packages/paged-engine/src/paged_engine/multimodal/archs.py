@@ -81,8 +81,12 @@ KINDS: dict[str, str] = {
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
 }
 IMAGE_ARCHS = tuple(KINDS)
-# the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py), for messages
-VIDEO_MODELS = "Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5"
+# the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py,
+# glm4v_video.py, omni_video.py), for messages
+VIDEO_MODELS = (
+    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V and the Qwen2.5-Omni / "
+    "Qwen3-Omni thinkers"
+)
 
 # kind -> the vision_config.model_type(s) we run; LLaVA's, LLaVA-NeXT's and Idefics2's are
 # vision_transformer.py's TOWERS; the other kinds run the tower their encoder builds

@@ -13,8 +13,8 @@ does: GLM-4.1V / 4.6V's decoder (models/glm4.py) pairs interleaved dims, each fr
 mrope_section's contiguous blocks turned by its row; GLM-4.5V's (models/glm4_moe.py) the NeoX
 halves. Refused by name: a text rope without mrope_section (HF falls back to [8, 12, 12]
 silently), sections not covering half the rotary dims (qwen2_vl.check_config), and the
-tower's fields in glm4v_vision.py. Videos (GLM's frames with timestamps between them) are not
-taken: the engine refuses video input for these checkpoints.
+tower's fields in glm4v_vision.py. Videos enter as timestamped frame pairs that this encoder
+reads as images (multimodal/glm4v_video.py).
 """
 
 from __future__ import annotations

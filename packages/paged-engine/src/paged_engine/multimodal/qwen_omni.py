@@ -26,8 +26,9 @@ back to [16, 24, 24] / [24, 20, 20], which a checkpoint's own head size need not
 configs set it); `mrope_interleaved` other than what the thinker's rotary does (Qwen3-Omni:
 interleaved, Qwen2.5-Omni: contiguous); image features given with a grid of t != 1
 (layouts.OmniLayout: the processor's images are one temporal patch). Audio input is refused by
-the input processor (multi_modal_data['audio']); videos are refused (multi_modal_data['video']
-names the checkpoints that take them); the talker's speech output is not served. The whole
+the input processor (multi_modal_data['audio']); videos run as runs of video tokens this
+encoder reads frame by frame, with Omni's temporal step and M-RoPE table (omni_video.py); the
+talker's speech output is not served. The whole
 models' wrappers (Qwen2_5OmniForConditionalGeneration, Qwen3OmniMoeForConditionalGeneration)
 serve their thinker's text only (models/text_wrappers.py).
 """

@@ -304,3 +304,21 @@ def test_a_replica_breaking_off_its_stream_is_an_in_band_502() -> None:
     assert first == "event: response.created\ndata: {}" and (done, tail) == ("data: [DONE]", "")
     message = json.loads(error.removeprefix("data: "))["error"]["message"]
     assert message.startswith("engine replica 0 broke off its stream"), message
+
+
+def test_speech_uploads_pass_through_the_front_as_they_came(front: SimpleNamespace) -> None:
+    """A multipart transcription upload is no JSON: the front forwards its bytes and
+    Content-Type, and the replica (a text model here) answers it, a 400 naming `model`."""
+    boundary = "front-boundary"
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\ntiny\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+        f"Content-Type: audio/wav\r\n\r\nRIFF\r\n--{boundary}--\r\n"
+    ).encode()
+    ctype = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    status, _, out = front.http.request("POST", "/v1/audio/transcriptions", body, ctype)
+    assert status == 400 and out["error"]["param"] == "model", out
+    status, _, out = front.http.request(
+        "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2}
+    )
+    assert status == 200, out

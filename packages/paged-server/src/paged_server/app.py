@@ -66,6 +66,7 @@ from paged_server.responses_api import (
 from paged_server.scores import SCORE_SIDES, serve_rerank, serve_score
 from paged_server.structured_request import check_structured
 from paged_server.tool_parsers import TOOL_PARSERS
+from paged_server.transcriptions import serve_speech
 
 _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
@@ -206,6 +207,9 @@ class OpenAIApp:
             "/v1/responses/input_tokens": {"POST": lambda h: serve_input_tokens(self, h)},
             "/tokenize": {"POST": self.tokenize},
             "/detokenize": {"POST": self.detokenize},
+            # OpenAI's speech-to-text (transcriptions.py): multipart uploads, audio models
+            "/v1/audio/transcriptions": {"POST": lambda h: serve_speech(self, h, "transcribe")},
+            "/v1/audio/translations": {"POST": lambda h: serve_speech(self, h, "translate")},
         }
         self.routes.update(profile_routes(client))  # with the profiler variable set
         self.routes.update(dev_routes(client))  # with PAGED_SERVER_DEV_MODE=1 (sleep mode)

@@ -127,7 +127,9 @@ class ReplicaRouter:
         if route in DEV_ROUTES:
             return self._dev(handler, method, route)
         body, cost, holder = None, 1, None
-        if method in ("POST", "PUT", "PATCH"):
+        if method == "POST" and route in _UPLOAD_ROUTES:  # multipart: forwarded as it came
+            body, cost = handler.read_body(), _AUDIO_TOKENS
+        elif method in ("POST", "PUT", "PATCH"):
             parsed = handler.read_json()  # size limit, JSON and Unicode checks, as a replica
             body = json.dumps(parsed).encode()
             cost = _estimate_tokens(parsed, len(body))
@@ -367,6 +369,8 @@ def _estimate_tokens(body: Any, body_bytes: int) -> int:
 _IMAGE_TOKENS = 576  # LLaVA-1.5's 24 x 24 patches: the front does not know the model's count
 _VIDEO_TOKENS = 4096  # 32 frames in 16 temporal groups of 256 merged patches (Qwen2-VL)
 _AUDIO_TOKENS = 750  # a 30-second window of Whisper's encoder, pooled (Qwen2-Audio)
+# speech-to-text uploads (multipart/form-data): the body goes to a replica byte for byte
+_UPLOAD_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 # part type -> (the key holding its URL or data, nominal tokens)
 _MEDIA = {
     "image_url": ("image_url", _IMAGE_TOKENS),

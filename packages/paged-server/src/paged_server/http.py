@@ -352,6 +352,13 @@ class Handler(BaseHTTPRequestHandler):
         self._json = parse_json_body(data)
         return self._json
 
+    def read_body(self) -> bytes:
+        """The request's raw body (a multipart upload's), read once with read_json's framing
+        and size limit."""
+        data = self._read_body()
+        self.body_read = True
+        return data
+
     def _read_body(self) -> bytes:
         """The body framed by Transfer-Encoding: chunked (RFC 9112: it wins over a
         Content-Length, and a message with both closes the connection) or by one Content-Length

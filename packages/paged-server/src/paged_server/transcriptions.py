@@ -1,0 +1,421 @@
+"""OpenAI's speech-to-text routes, as vLLM serves them: `POST /v1/audio/transcriptions` and
+`POST /v1/audio/translations` (into English).
+
+    multipart/form-data (multipart.py): file (the audio bytes), model, language, prompt,
+    response_format ("json" | "text" | "verbose_json" | "srt" | "vtt"), temperature (0 unless
+    sent), stream, stream_include_usage, stream_continuous_usage_stats,
+    timestamp_granularities[] ("segment"), and vLLM's sampling extras: seed, top_p, top_k,
+    min_p, frequency_penalty, presence_penalty, repetition_penalty, max_completion_tokens;
+    to_language ("en" only, translations)
+    -> json {"text", "usage": {"type": "duration", "seconds"}} (translations: {"text"}),
+       text (the text alone, text/plain, as OpenAI answers it; vLLM answers its json),
+       verbose_json {"task", "language", "duration", "text", "segments", "words": null},
+       srt / vtt (one cue a segment), or an SSE stream of "transcription.chunk" /
+       "translation.chunk" deltas ended by an optional usage chunk and [DONE].
+
+The engine's audio host side (`app.audios`, an AudioProcessor) gives the prompt:
+`transcription_prompt(language, task, prompt)` (an engine prompt without the audio; a model
+that does not transcribe refuses: 400 naming `model`). The file is decoded with the engine's
+`load_audio` and resampled to the model's rate. A clip longer than the host side's
+`transcription_window` (samples; Whisper: its 30 s window) is split as vLLM splits it: each
+window ends at the quietest 0.1 s (least RMS energy; cut in its middle) within the window's
+last second, and the next starts there. Each window is one engine request (run together,
+features extracted on this thread as the chat path does); their texts are joined in order.
+
+Unlike vLLM, verbose_json's segments (and srt / vtt cues) are the windows, with the window's
+times, its tokens, their mean logprob and its text's compression ratio: the decoder prompt
+keeps <|notimestamps|>, so no timestamp tokens are decoded (no segments within a window).
+Refused by name: timestamp_granularities[] "word", streaming with verbose_json / srt / vtt, a
+file over VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25), any field not listed above.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from paged_server.errors import bad_request
+from paged_server.multipart import Part, parse_form
+from paged_server.openai_protocol import check_context
+from paged_server.openai_responses import envelope, usage
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from paged_server.app import OpenAIApp
+    from paged_server.http import Handler
+    from paged_server.request_group import RequestGroup
+
+FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+_GRANULARITIES = "timestamp_granularities[]"
+# (form field, type, low, high, low excluded): vLLM's sampling extras, checked as the JSON
+# routes check them (openai_protocol._sampling)
+_NUMBERS = {
+    "temperature": (float, 0.0, 100.0, False),
+    "top_p": (float, 0.0, 1.0, True),
+    "top_k": (int, -1, 1 << 20, False),
+    "min_p": (float, 0.0, 1.0, False),
+    "seed": (int, -(1 << 63), (1 << 64) - 1, False),
+    "frequency_penalty": (float, -2.0, 2.0, False),
+    "presence_penalty": (float, -2.0, 2.0, False),
+    "repetition_penalty": (float, 0.0, 100.0, True),
+    "max_completion_tokens": (int, 1, 1 << 31, False),
+}
+_FLAGS = ("stream", "stream_include_usage", "stream_continuous_usage_stats")
+_TEXTS = ("model", "language", "prompt", "response_format", "to_language")
+_FIELDS = frozenset({"file", _GRANULARITIES, *_NUMBERS, *_FLAGS, *_TEXTS})
+_PARAM = re.compile(r"(\w+)\s*[:=]")  # a host-side ValueError starts with what it names
+_OVERLAP_S = 1.0  # the split point is sought in each window's last second (vLLM's)
+_QUIET_S = 0.1  # energy is measured over 0.1 s stretches (vLLM's 1600 samples at 16 kHz)
+
+
+@dataclass(slots=True)
+class SpeechRequest:
+    task: str  # "transcribe" | "translate"
+    file: Part
+    model: str | None = None
+    language: str | None = None
+    prompt: str = ""
+    response_format: str = "json"
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keywords
+    max_tokens: int | None = None
+
+
+def parse_speech(form: dict[str, list[Part]], task: str) -> SpeechRequest:
+    """The form's fields, typed and checked; a 400 naming the first bad one."""
+    for name, parts in form.items():
+        if name not in _FIELDS:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", name)
+        if len(parts) > 1 and name != _GRANULARITIES:
+            raise bad_request(f"'{name}' is given {len(parts)} times", name)
+    files = form.get("file")
+    if not files:
+        raise bad_request("'file' (the audio file, a multipart file part) is required", "file")
+    if files[0].filename is None:
+        raise bad_request("'file' must be a file part (with a filename), not a text field", "file")
+    values = {name: parts[0].text() for name, parts in form.items() if name != "file"}
+    req = SpeechRequest(task, files[0])
+    req.model = values.get("model")
+    req.language = values.get("language") or None
+    req.prompt = values.get("prompt", "")
+    req.response_format = values.get("response_format", "json")
+    if req.response_format not in FORMATS:
+        raise bad_request(
+            f"'response_format' must be one of {', '.join(FORMATS)}, got {req.response_format!r}",
+            "response_format",
+        )
+    to_language = values.get("to_language")
+    if to_language is not None and (task != "translate" or to_language != "en"):
+        raise bad_request(
+            "'to_language' is only 'en', on /v1/audio/translations (Whisper translates into "
+            f"English), got {to_language!r}",
+            "to_language",
+        )
+    req.stream, req.include_usage, req.continuous_usage = (_flag(values, f) for f in _FLAGS)
+    for opt in _FLAGS[1:]:
+        if _flag(values, opt) and not req.stream:
+            raise bad_request(f"'{opt}' is only allowed when 'stream' is true", opt)
+    if req.stream and req.response_format not in ("json", "text"):
+        raise bad_request(
+            f"response_format {req.response_format!r} is not streamed: stream json or text",
+            "response_format",
+        )
+    granularities = [p.text() for p in form.get(_GRANULARITIES, [])]
+    for g in granularities:
+        if g not in ("segment", "word"):
+            raise bad_request(
+                f"'{_GRANULARITIES}' takes 'segment' or 'word', got {g!r}", _GRANULARITIES
+            )
+        if g == "word":
+            raise bad_request(
+                f"'{_GRANULARITIES}': word timestamps are not computed (segments are)",
+                _GRANULARITIES,
+            )
+    if granularities and req.response_format != "verbose_json":
+        raise bad_request(
+            f"'{_GRANULARITIES}' needs response_format 'verbose_json'", _GRANULARITIES
+        )
+    numbers = {k: _number(values[k], k, *spec) for k, spec in _NUMBERS.items() if k in values}
+    req.max_tokens = numbers.pop("max_completion_tokens", None)
+    req.sampling = {"temperature": 0.0, **numbers}  # vLLM's default temperature here: 0
+    return req
+
+
+def _flag(values: dict[str, str], name: str) -> bool:
+    v = values.get(name)
+    if v is None:
+        return False
+    if v.lower() not in ("true", "false", "1", "0"):
+        raise bad_request(f"'{name}' must be a boolean (true / false), got {v!r}", name)
+    return v.lower() in ("true", "1")
+
+
+def _number(text: str, name: str, kind: type, lo: float, hi: float, lo_open: bool) -> Any:
+    try:
+        v = kind(text.strip())
+    except ValueError:
+        raise bad_request(
+            f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {text!r}", name
+        ) from None
+    if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+        bracket = "(" if lo_open else "["
+        raise bad_request(f"'{name}' must be in {bracket}{lo}, {hi}], got {text!r}", name)
+    return v
+
+
+def max_file_bytes() -> int:
+    """vLLM's VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (default 25) in bytes."""
+    raw = os.environ.get("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", "25")
+    try:
+        mb = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_MAX_AUDIO_CLIP_FILESIZE_MB must be a number, got {raw!r}") from None
+    return int(mb * (1 << 20))
+
+
+# ---- audio ------------------------------------------------------------------------------------
+def split_windows(wave: np.ndarray, rate: int, window: int | None) -> list[tuple[int, int]]:
+    """(start, end) sample ranges covering `wave`, each at most `window` samples; a range that
+    does not reach the end stops at the middle of the quietest `_QUIET_S` stretch of its last
+    `_OVERLAP_S` seconds (at most half the window)."""
+    import numpy as np
+
+    n = int(wave.shape[0])
+    if window is None or n <= window:
+        return [(0, n)]
+    quiet = max(1, int(rate * _QUIET_S))
+    overlap = min(int(rate * _OVERLAP_S), window // 2)
+    spans, start = [], 0
+    while n - start > window:
+        lo = start + window - overlap
+        count = overlap // quiet  # whole stretches inside [lo, start + window)
+        if count == 0:
+            cut = start + window
+        else:
+            stretches = wave[lo : lo + count * quiet].astype(np.float64).reshape(count, quiet)
+            k = int(np.argmin((stretches**2).mean(axis=1)))  # the first of equal minima
+            cut = lo + k * quiet + quiet // 2
+        spans.append((start, cut))
+        start = cut
+    spans.append((start, n))
+    return spans
+
+
+def _decode(app: OpenAIApp, file: Part) -> tuple[np.ndarray, int, float]:
+    """(the waveform at the model's rate, that rate, the clip's duration in seconds)."""
+    from paged_engine.multimodal.audio_io import audio_item, load_audio
+
+    rate = int(app.audios.sampling_rate)
+    try:
+        wave, sr = load_audio(file.data, "file")
+        duration = wave.shape[0] / sr
+        return audio_item((wave, sr), rate, "file"), rate, duration
+    except ValueError as e:
+        raise bad_request(str(e), "file") from None
+
+
+def _prompt(app: OpenAIApp, req: SpeechRequest) -> tuple[dict[str, Any], list[int], str | None]:
+    """(the host side's prompt, its token ids before any audio run, the language written)."""
+    audios = app.audios
+    if audios is None:
+        raise bad_request(
+            "model: this model takes no audio, so it serves no transcriptions or translations",
+            "model",
+        )
+    language = req.language or getattr(audios, "default_language", None)
+    try:
+        prompt = audios.transcription_prompt(language, req.task, req.prompt)
+    except ValueError as e:
+        m = _PARAM.match(str(e))
+        param = m.group(1) if m and m.group(1) in ("language", "prompt") else "model"
+        raise bad_request(str(e), param) from None
+    if "prompt_token_ids" in prompt:
+        ids = list(prompt["prompt_token_ids"])
+    else:  # as the engine tokenizes a text prompt
+        ids = app._encode(prompt["prompt"], True)
+    return prompt, ids, language
+
+
+# ---- the route --------------------------------------------------------------------------------
+def serve_speech(app: OpenAIApp, h: Handler, task: str) -> None:
+    """One transcription (task "transcribe") or translation request: its windows run as one
+    group of engine requests, answered whole or streamed in window order."""
+    body = h.read_body()
+    form = parse_form(h.headers.get("Content-Type"), body, max_file_bytes=max_file_bytes())
+    req = parse_speech(form, task)
+    model, lora = app._resolve(req.model)
+    prompt, ids, language = _prompt(app, req)
+    wave, rate, duration = _decode(app, req.file)
+    spans = split_windows(wave, rate, getattr(app.audios, "transcription_window", None))
+    prompts, lengths = [], []
+    for start, end in spans:
+        clip = (wave[start:end], rate)
+        try:  # features on this thread: the engine's thread only checks them
+            expanded, items = app.multimodal(
+                ids, {"audio": [clip]}, prompt.get("mm_processor_kwargs")
+            )
+        except ValueError as e:
+            raise bad_request(str(e), "file") from None
+        extra = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids")}
+        prompts.append(
+            {**extra, "prompt_token_ids": expanded, "multi_modal_data": {"audio": list(items)}}
+        )
+        lengths.append(len(expanded))
+    max_tokens = min(check_context(n, None, app.max_model_len, "prompt") for n in lengths)
+    for cap in (req.max_tokens, app.sampling_defaults.get("max_tokens")):
+        if cap is not None:
+            max_tokens = min(max_tokens, cap)
+    app.client.check_queue()
+    kwargs = {**app.sampling_defaults, **req.sampling, "max_tokens": max_tokens}
+    if req.response_format in ("verbose_json", "srt", "vtt"):
+        kwargs["logprobs"] = 0  # the sampled token's: a segment's avg_logprob
+    params = app.client.make_params(kwargs, beam=False, stream=req.stream)
+    rid = f"{task}-{uuid.uuid4().hex}"
+    rids = [f"{rid}-{i}" for i in range(len(prompts))]
+    if app.log_requests is not None:
+        app._log_request(rids, [None] * len(rids), [p["prompt_token_ids"] for p in prompts], params)
+    group = app.client.add(rids, prompts, params, lora, 0)
+    with app._in_flight(h, group, rids):
+        if req.stream:
+            _stream(app, h, req, model, rid, group, sum(lengths))
+            return
+        app._wait(h, group)
+        outs = [out.outputs[0] for out in group.latest]
+        _answer(h, req, language, duration, [(s / rate, e / rate) for s, e in spans], outs)
+
+
+def _answer(
+    h: Handler,
+    req: SpeechRequest,
+    language: str | None,
+    duration: float,
+    times: list[tuple[float, float]],
+    outs: list[Any],
+) -> None:
+    text = "".join(o.text for o in outs)
+    fmt = req.response_format
+    if fmt == "text":
+        h.send_bytes(200, text.encode(), "text/plain; charset=utf-8")
+        return
+    if fmt == "json":
+        body: dict[str, Any] = {"text": text}
+        if req.task == "transcribe":  # OpenAI bills transcriptions by the second
+            body["usage"] = {"type": "duration", "seconds": math.ceil(duration)}
+        h.send_json(200, body)
+        return
+    temperature = req.sampling["temperature"]
+    segments = [_segment(i, t, o, temperature) for i, (t, o) in enumerate(zip(times, outs))]
+    if fmt == "verbose_json":
+        h.send_json(
+            200,
+            {
+                "task": req.task,
+                "language": language,
+                "duration": str(duration),
+                "text": text,
+                "segments": segments,
+                "words": None,
+            },
+        )
+        return
+    cues = [_cue(fmt, i, s) for i, s in enumerate(segments)]
+    if fmt == "vtt":
+        h.send_bytes(200, ("WEBVTT\n\n" + "".join(cues)).encode(), "text/vtt; charset=utf-8")
+    else:
+        h.send_bytes(200, "".join(cues).encode(), "text/plain; charset=utf-8")
+
+
+def _segment(i: int, span: tuple[float, float], out: Any, temperature: float) -> dict[str, Any]:
+    start, end = span
+    raw = out.text.encode()
+    lps = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs or []) if t in lp]
+    return {
+        "id": i,
+        "seek": round(start * 100),  # in 10 ms feature frames, as Whisper counts
+        "start": start,
+        "end": end,
+        "text": out.text,
+        "tokens": list(out.token_ids),
+        "temperature": temperature,
+        "avg_logprob": sum(lps) / len(lps) if lps else 0.0,
+        "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0,
+        "no_speech_prob": None,
+    }
+
+
+def _cue(fmt: str, i: int, seg: dict[str, Any]) -> str:
+    """One SubRip (`1`, `00:00:01,500 --> ...`) or WebVTT (`00:00:01.500 --> ...`) cue."""
+    sep = "," if fmt == "srt" else "."
+    times = f"{_clock(seg['start'], sep)} --> {_clock(seg['end'], sep)}"
+    head = f"{i + 1}\n" if fmt == "srt" else ""
+    return f"{head}{times}\n{seg['text'].strip()}\n\n"
+
+
+def _clock(seconds: float, sep: str) -> str:
+    ms = round(seconds * 1000)
+    return (
+        f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+    )
+
+
+def _stream(
+    app: OpenAIApp,
+    h: Handler,
+    req: SpeechRequest,
+    model: str,
+    rid: str,
+    group: RequestGroup,
+    num_prompt: int,
+) -> None:
+    """vLLM's chunks: {"object": "<task>.chunk", "choices": [{"delta": {"content": ...}}]},
+    the window's last with its finish_reason and stop_reason; window i's deltas wait until
+    window i - 1 finished. Usage: in every chunk (continuous) and / or after the last."""
+    obj = "transcription.chunk" if req.task == "transcribe" else "translation.chunk"
+    created = int(time.time())
+    include_usage = req.include_usage or app.force_include_usage
+    continuous = req.continuous_usage and include_usage  # vLLM: usage in every chunk
+    held: list[list[Any]] = [[] for _ in group.request_ids]  # each window's deltas not sent
+    current, generated = 0, 0
+    h.start_stream()
+
+    def send(delta: Any) -> None:
+        nonlocal generated
+        generated += len(delta.token_ids)
+        choice: dict[str, Any] = {"delta": {"content": delta.text}}
+        if delta.finish_reason is not None:
+            choice.update(finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)
+        chunk = {**envelope(rid, obj, model, created), "choices": [choice]}
+        if continuous:
+            chunk["usage"] = usage(num_prompt, generated)
+        h.send_event(chunk)
+
+    for arrived in app.arrivals(h, group):
+        for index, out in arrived:
+            held[index].append(out.outputs[0])
+        while current < len(held) and held[current]:
+            finished = False
+            for delta in held[current]:
+                send(delta)
+                finished = delta.finish_reason is not None
+            held[current] = []
+            if not finished:
+                break
+            current += 1
+    if include_usage:
+        h.send_event(
+            {
+                **envelope(rid, obj, model, created),
+                "choices": [],
+                "usage": usage(num_prompt, generated),
+            }
+        )
+    h.end_stream()

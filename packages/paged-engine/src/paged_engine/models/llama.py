@@ -214,12 +214,15 @@ def run_layers(
 
 
 def stage_input(model: nn.Module, input_ids, hidden) -> torch.Tensor:
-    """What a stack's first layer reads: the token embedding (times the model's
-    `embedding_multiplier`, when it has one) on the first pipeline stage, else `hidden`, the
-    previous stage's output."""
-    if hidden is not None:
+    """What a stack's first layer reads: on the first pipeline stage the token embedding, or
+    `hidden` there (the embedding with image / audio rows spliced in, worker/image_embeds.py),
+    times the model's `embedding_multiplier` when it has one (HF multiplies its merged input
+    embeddings, media rows too: Granite Speech); on a later stage `hidden`, the previous
+    stage's output."""
+    stage = getattr(model, "stage", None)
+    if hidden is not None and (stage is None or stage.start > 0):
         return hidden
-    x = model.embed_tokens(input_ids)  # [T, D]
+    x = model.embed_tokens(input_ids) if hidden is None else hidden  # [T, D]
     if model.embedding_multiplier is not None:
         x = x * model.embedding_multiplier
     return x

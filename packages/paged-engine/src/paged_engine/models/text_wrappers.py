@@ -18,6 +18,7 @@ each is exact).
       Glm46VForConditionalGeneration
     Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
     GlmOcrForConditionalGeneration       glm_ocr_text           -> Glm4ForCausalLM
+    GraniteSpeechForConditionalGeneration  granite             -> GraniteForCausalLM
     HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanVLTextForCausalLM
     Idefics2ForConditionalGeneration     mistral                -> MistralForCausalLM
     Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
@@ -43,6 +44,10 @@ each is exact).
     Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
       Qwen3OmniMoeForConditionalGeneration (thinker_config.text_config)
     Qwen2AudioForConditionalGeneration   qwen2                  -> Qwen2ForCausalLM
+    AudioFlamingo3ForConditionalGeneration  qwen2               -> Qwen2ForCausalLM
+    GlmAsrForConditionalGeneration       llama                  -> LlamaForCausalLM
+    MusicFlamingoForConditionalGeneration  qwen2                -> Qwen2ForCausalLM
+    VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
@@ -300,8 +305,24 @@ WRAPPERS: dict[str, Wrapper] = {
         refused=_QWEN3_OMNI_REFUSED,
         sub_config="thinker_config",
     ),
+    # Granite Speech: a conformer and a Q-Former into Granite (multimodal/granite_speech.py);
+    # its logits are its own lm_head's, not divided by text_config.logits_scaling
+    "GraniteSpeechForConditionalGeneration": Wrapper(
+        {"granite": "GraniteForCausalLM"},
+        _modules("encoder", "projector"),
+        fixed=(("logits_scaling", 1.0),),
+    ),
     # Qwen2-Audio: Whisper's encoder into Qwen2 (audio: multimodal/qwen2_audio.py)
     "Qwen2AudioForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
+    # Audio / Music Flamingo, GLM-ASR: Whisper-style towers (audio: multimodal/
+    # audioflamingo3.py, musicflamingo.py, glmasr.py) into Qwen2 / Llama
+    "AudioFlamingo3ForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
+    "MusicFlamingoForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
+    "GlmAsrForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),
+    # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py)
+    "VoxtralForConditionalGeneration": Wrapper(
+        {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}, _AUDIO_STYLE
+    ),
     "Qwen2VLForConditionalGeneration": Wrapper(
         {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),

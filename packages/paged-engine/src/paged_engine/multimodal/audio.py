@@ -67,11 +67,16 @@ class AudioProcessor:
         self.config = config
         self.tokenizer = tokenizer
         self.limit = limit  # clips per prompt (limit_mm_per_prompt["audio"]); None: any
-        self.extractor = feature_extractor(self.path)
+        self.extractor = self.load_extractor()
         self.sampling_rate = int(self.extractor.sampling_rate)
         self.placeholder = self.placeholder_id()
 
     # ---- what a family defines --------------------------------------------------------------
+    def load_extractor(self) -> Any:
+        """The checkpoint's feature extractor (has `sampling_rate`); a family whose
+        transformers extractor cannot be built here (torchaudio) reads its settings itself."""
+        return feature_extractor(self.path)
+
     def placeholder_id(self) -> int:
         """The token a prompt writes for a clip (and its run repeats)."""
         raise NotImplementedError

@@ -1,8 +1,13 @@
 """The checkpoints whose audio paged runs, and which audio path each takes.
 
     Qwen2AudioForConditionalGeneration   "qwen2_audio"   multimodal/qwen2_audio.py
-    WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only: the
-                                                         model encodes, models/whisper.py)
+    AudioFlamingo3ForConditionalGeneration  "audioflamingo3"  multimodal/audioflamingo3.py
+    GlmAsrForConditionalGeneration       "glmasr"        multimodal/glmasr.py
+    MusicFlamingoForConditionalGeneration  "musicflamingo"  multimodal/musicflamingo.py
+    VoxtralForConditionalGeneration      "voxtral"       multimodal/voxtral.py
+    GraniteSpeechForConditionalGeneration  "granite_speech"  multimodal/granite_speech.py
+    WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only:
+      an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -21,6 +26,11 @@ from torch import nn
 # architecture -> audio kind
 KINDS: dict[str, str] = {
     "Qwen2AudioForConditionalGeneration": "qwen2_audio",
+    "AudioFlamingo3ForConditionalGeneration": "audioflamingo3",
+    "GlmAsrForConditionalGeneration": "glmasr",
+    "MusicFlamingoForConditionalGeneration": "musicflamingo",
+    "VoxtralForConditionalGeneration": "voxtral",
+    "GraniteSpeechForConditionalGeneration": "granite_speech",
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
 }
@@ -28,11 +38,21 @@ AUDIO_ARCHS = tuple(KINDS)
 
 HOSTS: dict[str, str] = {
     "qwen2_audio": "qwen2_audio:Qwen2Audio",
+    "audioflamingo3": "audioflamingo3:AudioFlamingo3",
+    "glmasr": "glmasr:GlmAsr",
+    "musicflamingo": "musicflamingo:MusicFlamingo",
+    "voxtral": "voxtral:Voxtral",
+    "granite_speech": "granite_speech:GraniteSpeechAudio",
     "whisper": "whisper:WhisperAudio",
 }
 
 ENCODERS: dict[str, str] = {
     "qwen2_audio": "qwen2_audio:Qwen2AudioEncoder",
+    "audioflamingo3": "audioflamingo3:AudioFlamingo3Encoder",
+    "glmasr": "glmasr:GlmAsrEncoder",
+    "musicflamingo": "musicflamingo:MusicFlamingoEncoder",
+    "voxtral": "voxtral:VoxtralEncoder",
+    "granite_speech": "granite_speech:GraniteSpeechEncoder",
 }
 
 

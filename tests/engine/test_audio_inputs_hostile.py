@@ -1,5 +1,6 @@
 """Hostile clips against every audio family: each either runs or is a ValueError naming
-multi_modal_data['audio'], and the engine serves the next request either way.
+multi_modal_data['audio'] (or a prompt too long for the context), and the engine serves the
+next request either way.
 
 Clips: silence, one sample, a DC offset, samples far outside [-1, 1], a clip one sample short of
 the feature window and one far past it, int8 and uint8 samples, 8 kHz stereo int16, 96 kHz,
@@ -8,8 +9,6 @@ an odd rate (16001 Hz), two channels laid out [samples, 2].
 
 from __future__ import annotations
 
-import importlib
-
 import numpy as np
 import pytest
 from audio_checks import noise_clip
@@ -17,9 +16,51 @@ from image_checks import engine, greedy
 
 pytest.importorskip("transformers")
 
-# family -> (test module, its tiny checkpoint writer, a prompt with one clip's placeholder)
+
+def _qwen2_audio(path):
+    from test_qwen2_audio import ONE, write_tiny_qwen2_audio
+
+    return write_tiny_qwen2_audio(path), ONE
+
+
+def _granite_speech(path):
+    from test_granite_speech_audio import ONE, write_tiny_granite_speech
+
+    return write_tiny_granite_speech(path), ONE
+
+
+def _whisper_llm(name: str):
+    def build(path):
+        from test_whisper_llm_audio import FAMILIES as WHISPER_LLMS
+        from test_whisper_llm_audio import prompts, write_tiny
+
+        family = WHISPER_LLMS[name]
+        return write_tiny(family, path), prompts(family)[0]
+
+    return build
+
+
+def _voxtral(path):
+    from test_voxtral_audio import write_tiny_voxtral
+
+    return write_tiny_voxtral(path), "[INST][BEGIN_AUDIO][AUDIO]What is it?[/INST]"
+
+
+def _whisper(path):
+    from test_whisper import write_tiny_whisper
+
+    return write_tiny_whisper(path), "<|startoftranscript|>"
+
+
+# family -> its tiny checkpoint in a directory and a prompt with one clip's placeholder
 FAMILIES = {
-    "qwen2_audio": ("test_qwen2_audio", "write_tiny_qwen2_audio", "ONE"),
+    "qwen2_audio": _qwen2_audio,
+    "granite_speech": _granite_speech,
+    "audioflamingo3": _whisper_llm("audioflamingo3"),
+    "glmasr": _whisper_llm("glmasr"),
+    "musicflamingo": _whisper_llm("musicflamingo"),
+    "voxtral": _voxtral,
+    "whisper": _whisper,
 }
 
 
@@ -43,11 +84,8 @@ def _clips() -> list[tuple[str, object]]:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_hostile_clips_run_or_are_refused_by_name(family, tmp_path):
-    module, writer, prompt = FAMILIES[family]
-    mod = importlib.import_module(module)
-    path = getattr(mod, writer)(tmp_path / family)
-    text = getattr(mod, prompt)
-    llm = engine(path)
+    path, text = FAMILIES[family](tmp_path / family)
+    llm = engine(path, max_model_len=256)
     ran = 0
     for name, clip in _clips():
         try:
@@ -57,7 +95,11 @@ def test_hostile_clips_run_or_are_refused_by_name(family, tmp_path):
                 use_tqdm=False,
             )[0]
         except ValueError as e:
-            assert "multi_modal_data['audio']" in str(e), (name, e)
+            # (a clip of many windows can outgrow the context: refused as any long prompt)
+            assert "multi_modal_data['audio']" in str(e) or "prompt is too long" in str(e), (
+                name,
+                e,
+            )
             continue
         assert len(out.outputs[0].token_ids) == 2, name
         ran += 1

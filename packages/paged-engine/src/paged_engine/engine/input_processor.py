@@ -161,7 +161,10 @@ class InputProcessor:
             if getattr(self.videos, "places_images", False):  # Omni's table (omni_video.py)
                 positions = self.videos
             assert positions is not None
-            req.mrope = positions.positions(len(token_ids), mm_inputs)
+            placed = mm_inputs
+            if positions is not self.audios:  # audio runs: text positions (Qwen Omni)
+                placed = tuple(m for m in mm_inputs if m.modality != "audio")
+            req.mrope = positions.positions(len(token_ids), placed)
         return ProcessedRequest(req, text, num_returned, beam_logprobs)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

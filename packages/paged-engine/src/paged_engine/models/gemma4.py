@@ -337,10 +337,10 @@ class Gemma4Model(nn.Module):
     def _media_ple_inputs(
         self, input_ids: torch.Tensor, embedded: torch.Tensor, hidden: torch.Tensor
     ) -> torch.Tensor:
-        """Per-layer inputs of a first stage given its input rows with image features in
-        (multimodal/gemma4.py; prompt_embeds never reach a model with per-layer inputs): as HF,
-        a feature row (one that is not its token's embedding) takes the pad token's per-layer
-        embedding, and every row projects the rows as given."""
+        """Per-layer inputs of a first stage given its input rows with image or audio features
+        in (multimodal/gemma4.py, gemma4_audio.py; prompt_embeds never reach a model with
+        per-layer inputs): as HF, a feature row (one that is not its token's embedding) takes
+        the pad token's per-layer embedding, and every row projects the rows as given."""
         media = (hidden != embedded).any(-1)
         ids = torch.where(media, self.pad_id, input_ids)
         return self._ple_inputs(ids, hidden)

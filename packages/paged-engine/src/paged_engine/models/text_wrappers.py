@@ -46,6 +46,7 @@ each is exact).
     Qwen2AudioForConditionalGeneration   qwen2                  -> Qwen2ForCausalLM
     AudioFlamingo3ForConditionalGeneration  qwen2               -> Qwen2ForCausalLM
     GlmAsrForConditionalGeneration       llama                  -> LlamaForCausalLM
+    Qwen3ASRForConditionalGeneration     qwen3                  -> Qwen3ForCausalLM
     MusicFlamingoForConditionalGeneration  qwen2                -> Qwen2ForCausalLM
     VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
@@ -319,6 +320,8 @@ WRAPPERS: dict[str, Wrapper] = {
     "AudioFlamingo3ForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
     "MusicFlamingoForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
     "GlmAsrForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),
+    # Qwen3-ASR: Qwen3-Omni's audio tower into Qwen3 (audio: multimodal/qwen3_asr.py)
+    "Qwen3ASRForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _AUDIO_STYLE),
     # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py)
     "VoxtralForConditionalGeneration": Wrapper(
         {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}, _AUDIO_STYLE

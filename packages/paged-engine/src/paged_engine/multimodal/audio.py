@@ -85,6 +85,20 @@ class AudioProcessor:
         """One clip (mono float32 at `sampling_rate`) -> (features, size, placeholders)."""
         raise NotImplementedError
 
+    def load_clips(self, waves: list[np.ndarray], whats: list[str]) -> list[Loaded]:
+        """A prompt's clips, each `load`ed alone; a family whose processor extracts a prompt's
+        clips together (padded to the longest: Qwen3-Omni) overrides this."""
+        return [self.load(w, what) for w, what in zip(waves, whats, strict=True)]
+
+    def place_runs(
+        self, token_ids: list[int], lengths: list[int]
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """(the prompt with each clip's run, each run's start, (where, tokens added) of each):
+        here each lone placeholder becomes a run of its clip's length (a run that long stays);
+        a family whose runs come with more tokens (Gemma's bounds, text around them) overrides
+        this."""
+        return expand_runs(token_ids, self.placeholder, lengths, "audio")
+
     def transcription_prompt(self, language: str | None, task: str, prompt: str) -> dict:
         """The engine prompt (a dict without the audio) that asks this model to transcribe
         (task "transcribe") or translate into English ("translate") one clip in `language`
@@ -136,13 +150,10 @@ class AudioProcessor:
             )
         if all(isinstance(m, ImageInput) for m in items):
             return token_ids, self._placed(token_ids, items), []
-        loaded = []
-        for i, item in enumerate(items):
-            what = f"multi_modal_data['audio'][{i}]"
-            loaded.append(self.load(audio_item(item, self.sampling_rate, what), what))
-        ids, starts, added = expand_runs(
-            token_ids, self.placeholder, [n for *_, n in loaded], "audio"
-        )
+        whats = [f"multi_modal_data['audio'][{i}]" for i in range(len(items))]
+        waves = [audio_item(m, self.sampling_rate, w) for m, w in zip(items, whats, strict=True)]
+        loaded = self.load_clips(waves, whats)
+        ids, starts, added = self.place_runs(token_ids, [n for *_, n in loaded])
         out = tuple(
             ImageInput(f, at, n, digest(f, size), size, modality="audio")
             for (f, size, n), at in zip(loaded, starts, strict=True)

@@ -6,6 +6,13 @@
     MusicFlamingoForConditionalGeneration  "musicflamingo"  multimodal/musicflamingo.py
     VoxtralForConditionalGeneration      "voxtral"       multimodal/voxtral.py
     GraniteSpeechForConditionalGeneration  "granite_speech"  multimodal/granite_speech.py
+    Gemma4ForConditionalGeneration       "gemma4"        multimodal/gemma4_audio.py
+    Gemma3nForConditionalGeneration      "gemma3n"       multimodal/gemma3n_audio.py
+    Qwen2_5OmniThinkerForConditionalGeneration,  "qwen2_5_omni"  multimodal/omni_audio.py
+      Qwen2_5OmniForConditionalGeneration (its thinker_config)
+    Qwen3OmniMoeThinkerForConditionalGeneration,  "qwen3_omni"   multimodal/omni_audio.py
+      Qwen3OmniMoeForConditionalGeneration (its thinker_config)
+    Qwen3ASRForConditionalGeneration     "qwen3_asr"     multimodal/qwen3_asr.py
     WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only:
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
 
@@ -31,6 +38,14 @@ KINDS: dict[str, str] = {
     "MusicFlamingoForConditionalGeneration": "musicflamingo",
     "VoxtralForConditionalGeneration": "voxtral",
     "GraniteSpeechForConditionalGeneration": "granite_speech",
+    "Gemma4ForConditionalGeneration": "gemma4",  # E2B / E4B: the others have no audio_config
+    "Gemma3nForConditionalGeneration": "gemma3n",
+    # the Omni thinkers; the whole models' configs are read as their thinker_config
+    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni",
+    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni",
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni",
+    "Qwen3ASRForConditionalGeneration": "qwen3_asr",
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
 }
@@ -43,6 +58,11 @@ HOSTS: dict[str, str] = {
     "musicflamingo": "musicflamingo:MusicFlamingo",
     "voxtral": "voxtral:Voxtral",
     "granite_speech": "granite_speech:GraniteSpeechAudio",
+    "gemma4": "gemma4_audio:Gemma4Audio",
+    "gemma3n": "gemma3n_audio:Gemma3nAudio",
+    "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudio",
+    "qwen3_omni": "omni_audio:Qwen3OmniAudio",
+    "qwen3_asr": "qwen3_asr:Qwen3Asr",
     "whisper": "whisper:WhisperAudio",
 }
 
@@ -53,6 +73,11 @@ ENCODERS: dict[str, str] = {
     "musicflamingo": "musicflamingo:MusicFlamingoEncoder",
     "voxtral": "voxtral:VoxtralEncoder",
     "granite_speech": "granite_speech:GraniteSpeechEncoder",
+    "gemma4": "gemma4_audio:Gemma4AudioEncoder",
+    "gemma3n": "gemma3n_audio:Gemma3nAudioEncoder",
+    "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudioEncoder",
+    "qwen3_omni": "omni_audio:Qwen3OmniAudioEncoder",
+    "qwen3_asr": "qwen3_asr:Qwen3AsrEncoder",
 }
 
 

@@ -274,6 +274,10 @@ def test_bad_input_is_refused_by_name(tiny):
     for data, match in cases:
         with pytest.raises(ValueError, match=match):
             llm.generate([{"prompt": ONE, "multi_modal_data": data}], greedy(0), use_tqdm=False)
+    # a clip alone with kwargs no processor of the model takes (the image processor checks)
+    with pytest.raises(ValueError, match=r"mm_processor_kwargs.*fps"):
+        prompt = {"prompt": ONE, "multi_modal_data": {"audio": clip}}
+        llm.generate([{**prompt, "mm_processor_kwargs": {"fps": 2}}], greedy(0), use_tqdm=False)
     # a processed clip whose features do not give its run
     audios = llm.llm_engine.input_processor.audios
     ids, (placed,), _ = audios.process(llm.get_tokenizer().encode(ONE), clip)

@@ -250,7 +250,8 @@ class InputProcessor:
             image_kw = {k: v for k, v in kw.items() if k not in VIDEO_ONLY} if kw else kwargs
             token_ids, images = self._images(token_ids, mm_data["image"], image_kw)
         if "audio" in mm_data:  # an image after a clip's run moves with it
-            token_ids, clips, added = self._audio(token_ids, mm_data["audio"], kw)
+            alone = "image" not in mm_data and "video" not in mm_data
+            token_ids, clips, added = self._audio(token_ids, mm_data["audio"], kw, alone)
             images = tuple(sorted([*shift_offsets(images, added), *clips], key=lambda m: m.offset))
         if "video" not in mm_data:
             return token_ids, images
@@ -275,11 +276,12 @@ class InputProcessor:
         return expanded, tuple(sorted([*moved, *videos], key=lambda m: m.offset))
 
     def _audio(
-        self, token_ids: list[int], data: Any, kwargs: dict[str, Any]
+        self, token_ids: list[int], data: Any, kwargs: dict[str, Any], alone: bool
     ) -> tuple[list[int], tuple, list[tuple[int, int]]]:
         """The prompt with each clip's placeholder run, the clips and the runs' growth
-        (multimodal/audio.py); audio takes none of mm_processor_kwargs (the image or video
-        processor checks those)."""
+        (multimodal/audio.py). Audio takes none of mm_processor_kwargs: with images or videos
+        in the prompt their processors check them; with clips `alone`, the model's image or
+        video processor does (a name none of them takes is a ValueError)."""
         if self.audios is None:
             why = (
                 "limit_mm_per_prompt={'audio': 0} serves the text model only"
@@ -287,8 +289,13 @@ class InputProcessor:
                 else f"audio runs on {', '.join(AUDIO_ARCHS)} checkpoints"
             )
             raise ValueError(f"multi_modal_data['audio']: this model takes no audio ({why})")
-        if kwargs and self.images is None and self.videos is None:
-            self.audios.process(token_ids, [], kwargs)  # names the kwarg audio does not take
+        if kwargs and alone:
+            if self.images is not None:
+                self.images.processor_kwargs(kwargs)
+            elif self.videos is not None:
+                self.videos.check_kwargs(kwargs)
+            else:
+                self.audios.process(token_ids, [], kwargs)  # names the kwarg audio does not take
         return self.audios.process(token_ids, data)
 
     def _images(

@@ -1,15 +1,17 @@
-"""Checks shared by the audio tests (test_*_audio.py): noise clips, WAV bytes, and the engine's
-own paths with audio against its plain run."""
+"""Checks shared by the audio tests (test_*_audio.py): noise clips, WAV bytes, the engine
+against HF's references, the engine's own paths with audio against its plain run, and the
+server's chat path with an input_audio part against the offline answer."""
 
 from __future__ import annotations
 
 import base64
 import io
 import wave
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hf_reference import assert_same_greedy
+from hf_reference import assert_matches, assert_same_greedy
 from image_checks import engine, greedy
 
 from paged_engine import LLM
@@ -73,3 +75,71 @@ def check_audio_paths(path, prompts: list[dict], text: str, *, chunk: int = 8) -
     with pytest.raises(ValueError, match="does not match"):
         cached.generate([moved], params, use_tqdm=False)
     return cached
+
+
+def check_matches_hf(llm: LLM, cases: list[tuple[str, list]], refs: list, name: str) -> None:
+    """Each case (prompt text, its clips) through `llm` gives HF's prompt ids and its reference
+    (`refs[i]`: (HF's ids, hf_greedy's result)); the same clips with HF's expanded ids as
+    `prompt_token_ids` are taken as they are and give the same tokens."""
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"audio": clips}} if clips else text
+        for text, clips in cases
+    ]
+    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
+        assert out.prompt_token_ids == ids
+        assert_matches(name, out, ref)
+    with_clips = [(r, clips) for r, (_, clips) in zip(refs, cases, strict=True) if clips]
+    ahead = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"audio": clips}}
+        for (ids, _), clips in with_clips
+    ]
+    outs = llm.generate(ahead, greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [ref.tokens for (_, ref), _ in with_clips]
+
+
+def held(clip: np.ndarray) -> np.ndarray:
+    """`clip` as its 16-bit WAV file holds it (what the server decodes)."""
+    return (np.clip(clip, -1, 1) * 32767).astype(np.int16).astype(np.float32) / 32768
+
+
+def check_chat_input_audio(
+    llm: LLM,
+    clip: np.ndarray,
+    *,
+    more: Callable[[object, dict, object], None] | None = None,
+) -> None:
+    """The server's chat path over `llm` (shut down after): a user turn of an input_audio part
+    (`clip` as a base64 WAV) and a text part gives the offline greedy tokens (6) and prompt ids
+    of the chat template's prompt with the clip. `more(http, body, want)` runs further requests
+    on the same server (`body`: the request that gave the offline answer `want`)."""
+    pytest.importorskip("paged_server")
+    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    question = {"type": "text", "text": "What is it?"}
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": [{"type": "audio"}, question]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    want = llm.generate(
+        [{"prompt": prompt, "multi_modal_data": {"audio": held(clip)}}], greedy(0, 6)
+    )[0]
+    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
+    body = {
+        "model": "tiny",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "messages": [{"role": "user", "content": [part, question]}],
+    }
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            assert status == 200, out
+            assert out["prompt_token_ids"] == want.prompt_token_ids
+            assert out["choices"][0]["token_ids"] == want.outputs[0].token_ids
+            if more is not None:
+                more(http, body, want)
+    finally:
+        llm.llm_engine.shutdown()

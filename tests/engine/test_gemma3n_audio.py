@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, noise_clip
+from audio_checks import check_audio_paths, check_matches_hf, noise_clip
 from hf_reference import Greedy, assert_matches
 from image_checks import check_tensor_parallel, engine, greedy
 
@@ -221,20 +221,9 @@ def test_audio_matches_hf(tiny):
     ]
     refs = [hf.greedy(*case) for case in cases]
     llm = engine(tiny)
-    prompts = [{"prompt": t, "multi_modal_data": {"audio": c}} if c else t for t, c in cases]
-    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches("gemma3n audio", out, ref)
+    check_matches_hf(llm, cases, refs, "gemma3n audio")
     soft = hf.config.audio_token_id
     assert refs[0][0].count(soft) == RUN
-    ahead = [
-        {"prompt_token_ids": ids, "multi_modal_data": {"audio": c}}
-        for (ids, _), (_, c) in zip(refs, cases, strict=True)
-        if c
-    ]
-    outs = llm.generate(ahead, greedy(), use_tqdm=False)
-    want = [ref.tokens for (_, ref), (_, c) in zip(refs, cases, strict=True) if c]
-    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_engine_paths_match_the_plain_run(tiny):

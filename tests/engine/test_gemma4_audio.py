@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, noise_clip, wav_base64
+from audio_checks import check_audio_paths, check_chat_input_audio, noise_clip
 from hf_reference import assert_matches, hf_greedy
 from image_checks import check_tensor_parallel, engine, greedy, noise_image
 
@@ -231,34 +231,7 @@ def test_tensor_parallel_matches_one_process(tiny):
 def test_chat_input_audio_gives_the_offline_tokens(tiny):
     """The server's chat path: an input_audio part (base64 WAV) gives the offline tokens of
     the chat template's prompt."""
-    pytest.importorskip("paged_server")
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(tiny)
-    clip = noise_clip(16, 1.2)
-    clip16 = (np.clip(clip, -1, 1) * 32767).astype(np.int16).astype(np.float32) / 32768
-    question = [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
-    prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip16}}], greedy(0, 6))
-    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
-    body = {
-        "model": "tiny",
-        "max_tokens": 6,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "messages": [{"role": "user", "content": [part, question[1]]}],
-    }
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want[0].prompt_token_ids
-    assert out["choices"][0]["token_ids"] == want[0].outputs[0].token_ids
+    check_chat_input_audio(engine(tiny), noise_clip(16, 1.2))
 
 
 def test_bad_input_is_refused_by_name(tiny):

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, noise_clip, wav_base64
+from audio_checks import check_audio_paths, check_chat_input_audio, check_matches_hf, noise_clip
 from hf_reference import assert_matches, hf_greedy
 from image_checks import check_tensor_parallel, engine, greedy
 
@@ -206,22 +206,9 @@ def test_audio_matches_hf(tiny):
     ]
     refs = [hf.greedy(t, clips) for t, clips in cases]
     llm = engine(tiny)
-    prompts = [
-        {"prompt": t, "multi_modal_data": {"audio": clips}} if clips else t for t, clips in cases
-    ]
-    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches("granite_speech", out, ref)
+    check_matches_hf(llm, cases, refs, "granite_speech")
     # 1 s: 101 frames -> 50 rows -> 9 windows of 6 -> 18 placeholders
     assert refs[0][0].count(llm.get_tokenizer().convert_tokens_to_ids(AUDIO)) == 18
-    ahead = [
-        {"prompt_token_ids": ids, "multi_modal_data": {"audio": clips}}
-        for (ids, _), (_, clips) in zip(refs, cases, strict=True)
-        if clips
-    ]
-    outs = llm.generate(ahead, greedy(), use_tqdm=False)
-    want = [ref.tokens for (_, ref), (_, clips) in zip(refs, cases, strict=True) if clips]
-    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_engine_paths_match_the_plain_run(tiny):
@@ -318,30 +305,7 @@ def test_lora_adapter_with_audio(tiny, tmp_path):
 def test_chat_input_audio_gives_the_offline_tokens(tiny):
     """The server's chat path: an input_audio part (base64 WAV) gives the offline tokens of the
     chat template's prompt."""
-    pytest.importorskip("paged_server")
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(tiny)
-    clip = noise_clip(16, 1.2)
-    clip16 = (np.clip(clip, -1, 1) * 32767).astype(np.int16).astype(np.float32) / 32768
-    question = [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
-    prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip16}}], greedy(0, 6))
-    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
-    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    body |= {"messages": [{"role": "user", "content": [part, question[1]]}]}
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request(
-                "POST", "/v1/chat/completions", {**body, "return_token_ids": True}
-            )
-    finally:
-        llm.llm_engine.shutdown()
-    assert status == 200, out
-    assert out["prompt_token_ids"] == want[0].prompt_token_ids
-    assert out["choices"][0]["token_ids"] == want[0].outputs[0].token_ids
+    check_chat_input_audio(engine(tiny), noise_clip(16, 1.2))
 
 
 def test_bad_input_is_refused_by_name(tiny, tmp_path):

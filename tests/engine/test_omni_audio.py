@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, noise_clip, wav_base64
+from audio_checks import check_audio_paths, check_chat_input_audio, noise_clip
 from hf_reference import assert_matches, hf_greedy
 from image_checks import check_tensor_parallel, engine, greedy, noise_image
 
@@ -231,32 +231,7 @@ def test_tensor_parallel_matches_one_process(dirs):
 def test_chat_input_audio_gives_the_offline_tokens(dirs):
     """The server's chat path: an input_audio part (base64 WAV) gives the offline tokens of
     the chat template's prompt (<|audio_bos|><|AUDIO|><|audio_eos|> expanded)."""
-    pytest.importorskip("paged_server")
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(dirs("2.5"))
-    clip = noise_clip(16, 1.2)
-    clip16 = (np.clip(clip, -1, 1) * 32767).astype(np.int16).astype(np.float32) / 32768
-    question = [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
-    prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    params = greedy(0, 6)
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip16}}], params)[0]
-    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
-    body = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    body |= {
-        "return_token_ids": True,
-        "messages": [{"role": "user", "content": [part, question[1]]}],
-    }
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            status, _, out = http.request("POST", "/v1/chat/completions", body)
-            assert status == 200, out
-            assert out["prompt_token_ids"] == want.prompt_token_ids
-            assert out["choices"][0]["token_ids"] == want.outputs[0].token_ids
-    finally:
-        llm.llm_engine.shutdown()
+    check_chat_input_audio(engine(dirs("2.5")), noise_clip(16, 1.2))
 
 
 WHOLE = {

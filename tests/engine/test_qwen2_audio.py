@@ -16,8 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, noise_clip, wav_base64
-from hf_reference import assert_matches, hf_greedy
+from audio_checks import (
+    check_audio_paths,
+    check_chat_input_audio,
+    check_matches_hf,
+    held,
+    noise_clip,
+    wav_base64,
+)
+from hf_reference import hf_greedy
 from image_checks import check_tensor_parallel, engine, greedy
 
 transformers = pytest.importorskip("transformers")
@@ -106,22 +113,9 @@ def test_audio_matches_hf(tiny):
     ]
     refs = [hf.greedy(t, clips) for t, clips in cases]
     llm = engine(tiny)
-    prompts = [
-        {"prompt": t, "multi_modal_data": {"audio": clips}} if clips else t for t, clips in cases
-    ]
-    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches("qwen2_audio", out, ref)
+    check_matches_hf(llm, cases, refs, "qwen2_audio")
     # 1 s = 100 frames -> 50 after conv2 -> 25 pooled rows
     assert refs[0][0].count(llm.get_tokenizer().convert_tokens_to_ids("<|AUDIO|>")) == 25
-    ahead = [
-        {"prompt_token_ids": ids, "multi_modal_data": {"audio": clips}}
-        for (ids, _), (_, clips) in zip(refs, cases, strict=True)
-        if clips
-    ]
-    outs = llm.generate(ahead, greedy(), use_tqdm=False)
-    want = [ref.tokens for (_, ref), (_, clips) in zip(refs, cases, strict=True) if clips]
-    assert [o.outputs[0].token_ids for o in outs] == want
 
 
 def test_sampling_rates_and_forms(tiny):
@@ -163,48 +157,28 @@ def test_tensor_parallel_matches_one_process(tiny):
 def test_chat_input_audio_gives_the_offline_tokens(tiny):
     """The server's chat path: an input_audio part (base64 WAV) and an audio_url part (a data:
     URL) give the offline tokens of the chat template's prompt; two clips over
-    limit_mm_per_prompt one are a 400 naming messages; an image part is a 400."""
-    pytest.importorskip("paged_server")
-    from server.server_proc import COMMON_ARGS, serve_in_process
-
-    llm = engine(tiny, limit_mm_per_prompt={"audio": 1})
+    limit_mm_per_prompt one are a 400 naming messages; bytes that are no audio a 400 naming
+    the part."""
     clip = noise_clip(16, 1.2)
-    clip16 = np.clip(clip, -1, 1)
-    clip16 = (clip16 * 32767).astype(np.int16).astype(np.float32) / 32768  # what the WAV holds
-    question = [{"type": "audio"}, {"type": "text", "text": "What is it?"}]
-    prompt = llm.get_tokenizer().apply_chat_template(
-        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    params = greedy(0, 6)
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": clip16}}], params)[0]
     b64 = wav_base64(clip)
-    parts = [
-        {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
-        {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}},
-    ]
-    request = {"model": "tiny", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    try:
-        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
-            for part in parts:
-                messages = [{"role": "user", "content": [part, question[1]]}]
-                body = {**request, "messages": messages, "return_token_ids": True}
-                status, _, out = http.request("POST", "/v1/chat/completions", body)
-                assert status == 200, out
-                assert out["prompt_token_ids"] == want.prompt_token_ids
+
+    def more(http, body, want):
+        (part, question) = body["messages"][0]["content"]
+        url = {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}}
+        for content, status, param in [
+            ([url, question], 200, None),
+            ([part, part, question], 400, "messages"),
+            ([{**part, "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}], 400, None),
+        ]:
+            sent = {**body, "messages": [{"role": "user", "content": content}]}
+            got, _, out = http.request("POST", "/v1/chat/completions", sent)
+            assert got == status, out
+            if status == 200:
                 assert out["choices"][0]["token_ids"] == want.outputs[0].token_ids
-            twice = [{"role": "user", "content": [parts[0], parts[0], question[1]]}]
-            status, _, out = http.request(
-                "POST", "/v1/chat/completions", {**request, "messages": twice}
-            )
-            assert status == 400 and out["error"]["param"] == "messages", out
-            bad = {"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}}
-            messages = [{"role": "user", "content": [bad, question[1]]}]
-            status, _, out = http.request(
-                "POST", "/v1/chat/completions", {**request, "messages": messages}
-            )
-            assert status == 400 and "content[0]" in out["error"]["param"], out
-    finally:
-        llm.llm_engine.shutdown()
+            else:
+                assert out["error"]["param"] == (param or "messages[0].content[0].input_audio")
+
+    check_chat_input_audio(engine(tiny, limit_mm_per_prompt={"audio": 1}), clip, more=more)
 
 
 def test_bad_input_is_refused_by_name(tiny):
@@ -239,15 +213,13 @@ def test_llm_chat_takes_audio_parts(tiny):
     llm = engine(tiny)
     clip = noise_clip(18, 0.9)
     b64 = wav_base64(clip)
-    held = np.clip(clip, -1, 1)
-    held = (held * 32767).astype(np.int16).astype(np.float32) / 32768  # what the WAV holds
     question = {"type": "text", "text": "What is it?"}
     prompt = llm.get_tokenizer().apply_chat_template(
         [{"role": "user", "content": [{"type": "audio"}, question]}],
         tokenize=False,
         add_generation_prompt=True,
     )
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": held}}], greedy(0))
+    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": held(clip)}}], greedy(0))
     for part in (
         {"type": "input_audio", "input_audio": {"data": b64, "format": "wav"}},
         {"type": "audio_url", "audio_url": {"url": f"data:audio/wav;base64,{b64}"}},

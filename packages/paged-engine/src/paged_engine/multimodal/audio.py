@@ -60,8 +60,6 @@ def feature_extractor(path: Path) -> Any:
 class AudioProcessor:
     """The host side of a checkpoint's audio: `process` places a prompt's clips."""
 
-    kwargs_names: tuple[str, ...] = ()  # the mm_processor_kwargs audio takes (none)
-
     def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
         self.path = Path(path)
         self.config = config

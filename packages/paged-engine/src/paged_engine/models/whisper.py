@@ -7,22 +7,27 @@
         -> MLP, each pre-LN with a residual -> final LN -> proj_out (tied to the embedding)
 
 What differs from transformers' run: the encoder runs once per audio, when a sequence holding it
-first runs a step (worker/cross_attention.py keeps each decoder layer's cross K / V by the
-audio's hash, shared by forks and beams); the decoder's self-attention K / V live in paged's
-block cache, the cross K / V beside it. The decoder's heads are split over TP ranks; the
-encoder runs whole on every rank. transformers scales decoder queries before the product and
-attends with scale 1; here the attention applies head_dim ** -0.5 itself (the same up to
-rounding). `scale_embedding` is read by neither (transformers 5 computes the scale and never
-applies it). The memory profiler's forward has no audio: the cross-attention is skipped there.
+first runs a step, and writes each decoder layer's cross K / V into a slot of a pool counted in
+the KV cache's memory (worker/cross_attention.py: one slot a clip, shared by forks and beams by
+the audio's hash); the decoder's self-attention K / V live in paged's block cache, and the
+cross-attention reads its slot's blocks in place through the same paged attention (every query
+sees all S frames). The decoder's heads are split over TP ranks; the encoder runs whole on
+every rank. transformers scales decoder queries before the product and attends with scale 1;
+here the attention applies head_dim ** -0.5 itself (the same up to rounding). `scale_embedding`
+is read by neither (transformers 5 computes the scale and never applies it). The memory
+profiler's forward has no audio: the cross-attention is skipped there.
 
 Refused by name (worker/cross_attention.py `encoder_decoder_engine_config`):
 speculative_config, pipeline_parallel_size > 1, enable_prompt_embeds, enable_lora,
 compilation_config, a max_model_len over config.max_target_positions; CUDA graphs are turned
-off (enforce_eager).
+off (enforce_eager). A KV cache too small for one clip's cross K / V and a max_model_len
+sequence is refused naming gpu_memory_utilization / cpu_kv_cache_gib / kv_cache_memory_bytes
+(`fit_cross_slots`); where it holds fewer such seats than max_num_seqs, max_num_seqs is lowered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,11 +61,10 @@ class WhisperProjections(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, S, D] -> (k, v) each [B, H, S, Dh]."""
+        """[B, S, D] -> (k, v) each [B, S, H, Dh] (the cache's token-major rows)."""
         b, s, _ = x.shape
-        k = self.k_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        return k.contiguous(), v.contiguous()
+        k = self.k_proj(x).view(b, s, self.num_heads, self.head_dim)
+        return k, self.v_proj(x).view(b, s, self.num_heads, self.head_dim)
 
 
 class WhisperDecoderLayer(nn.Module):
@@ -141,8 +145,10 @@ class WhisperForConditionalGeneration(CausalLMBase):
         # weight names index encoder and decoder layers; one pipeline stage holds both
         return max(int(self.config.encoder_layers), int(self.config.decoder_layers))
 
-    def encode(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """[B, n_mels, 2S] log-mel -> each decoder layer's cross (k, v), each [B, H, S, Dh]
-        (this rank's heads)."""
+    def encode(self, features: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """[B, n_mels, 2S] log-mel -> each decoder layer's cross (k, v) in turn, each
+        [B, S, H, Dh] (this rank's heads): one layer's at a time is alive while the caller
+        stores them."""
         enc = self.model.encoder(features, [features.shape[-1] // 2] * features.shape[0])
-        return [layer.encoder_attn.kv(enc) for layer in self.model.decoder.layers]
+        for layer in self.model.decoder.layers:
+            yield layer.encoder_attn.kv(enc)

@@ -1,23 +1,36 @@
-"""The worker's cross-attention state of an encoder-decoder model (Whisper, models/whisper.py).
+"""The worker's cross-attention memory of an encoder-decoder model (Whisper, models/whisper.py).
 
-    seq id     -> its audio: an ImageInput whose pixel_values are the log-mel features
-                  (multimodal/whisper.py), sent with the sequence whenever it (re)joins
-    audio hash -> each decoder layer's cross (k, v), each [H, S, Dh] (this rank's heads)
+    pool, per decoder layer: K and V in the attention backend's cache layout, `blocks_per_clip`
+        blocks of block_size frames a slot (a clip's S encoder frames, the last block's tail
+        unused), slot s owning blocks [s * blocks_per_clip, (s + 1) * blocks_per_clip)
+    audio hash -> its slot, while live sequences of the worker hold it (refcounted)
+    seq id     -> (slot, hash)
 
-An audio is encoded (the model's encoder and every layer's k / v projections, one call for the
-step's new audios) the first time a step runs a sequence holding it. Its K / V are shared by
-every live sequence with that hash (n > 1 forks, beams, the same clip in two requests) and freed
-when the last of them leaves (finished or preempted); a sequence that comes back recomputes
-them unless another kept them. Unlike the decoder's self-attention K / V, they are not paged:
-their length is fixed (the encoder's S frames) and they are written once.
+The pool has one slot per seat (max_num_seqs), allocated with the KV cache and carved out of the
+memory the KV cache was sized for (`fit_cross_slots`): where that memory cannot hold max_num_seqs
+seats (a slot and max_model_len tokens of decoder KV each) max_num_seqs is lowered to the seats
+it holds, so the scheduler queues what does not fit. A slot is taken when a sequence with a clip
+no live sequence holds reaches the worker, and encoded (the encoder and each decoder layer's k / v
+projections, a few clips a call) before that step's forward; forks, beams and the same clip in
+two requests share it. The last holder leaving (finished, aborted, preempted) frees it at once,
+for the same step's newcomers: a sequence that comes back is encoded again unless another kept
+its clip. With num_gpu_blocks_override the pool takes max_num_seqs slots beside the fixed blocks.
 
-A step: sequence i of the batch runs rows [cu[i], cu[i + 1]) of the flat batch; its queries are
-padded to the step's longest run, [B, H, q_max, Dh], and one SDPA per layer attends them over
-the batch's K / V stacked [B, H, S, Dh] (no mask: every query sees every frame). The stack is
-kept while the next step runs the same audios in the same order (decode steps).
+A step attends in place: each sequence's block table is its slot's blocks, every query sees all S
+keys (`key_ends` = S for prefill rows; a decode row's causal range is all of them already), and
+the backend's paged attention reads the pool as it reads the KV cache (Triton's kernel straight
+from the slots; the CPU backend gathers one layer's keys at a time, as for self-attention): no
+copy of the batch's K / V outlives a layer. The pool is in the model's dtype (kv_cache_dtype is
+the decoder's self-attention cache's). transformers keeps each layer's encoder K / V per batch in
+an `EncoderDecoderCache`; vLLM in cross-attention blocks each request takes from the KV cache's
+block pool. Fixed slots rather than blocks: a clip's K / V have one length, are written once and
+read whole, so the scheduler keeps no second block table; the split between slots and blocks is
+fixed when the cache is sized instead of following the load.
 
 `encoder_decoder_engine_config` refuses by name (ValueError) the engine options these models
-cannot run with and turns CUDA graphs off.
+cannot run with and turns CUDA graphs off; `fit_cross_slots` refuses (naming
+gpu_memory_utilization / cpu_kv_cache_gib / kv_cache_memory_bytes) a KV cache too small for one
+seat.
 """
 
 from __future__ import annotations
@@ -30,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
-from torch.nn import functional as F
 
+from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
 from paged_engine.models.whisper import ARCHITECTURES
 from paged_engine.multimodal.inputs import ImageInput
 
@@ -84,41 +97,126 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
     config.preemption_mode = "recompute"
 
 
+def fit_cross_slots(config, num_blocks: int, block_bytes: int, slot_bytes: int) -> int:
+    """The KV blocks left once the cross-attention pool's slots (one a seat, `slot_bytes` each)
+    come out of `num_blocks` blocks' memory; lowers `config.max_num_seqs` to the seats that
+    memory holds, each a slot and max_model_len tokens of blocks (beside the null block).
+    num_gpu_blocks_override fixes the blocks: the pool's max_num_seqs slots come beside them."""
+    if config.num_gpu_blocks_override is not None:
+        return num_blocks
+    per_seq = -(-config.max_model_len // config.block_size) * block_bytes
+    seats = (num_blocks - 1) * block_bytes // (slot_bytes + per_seq)
+    if seats < 1:
+        raise ValueError(
+            f"the KV cache's {num_blocks * block_bytes / 2**20:.1f} MiB holds no sequence: one "
+            f"clip's cross-attention K / V ({slot_bytes / 2**20:.1f} MiB) and max_model_len="
+            f"{config.max_model_len} tokens ({per_seq / 2**20:.1f} MiB): raise "
+            "gpu_memory_utilization (or cpu_kv_cache_gib / kv_cache_memory_bytes) or lower "
+            "max_model_len"
+        )
+    if seats < config.max_num_seqs:
+        logger.info(
+            "max_num_seqs=%d lowered to %d: each running sequence holds its clip's "
+            "cross-attention K / V (%.1f MiB) in the KV cache's memory",
+            config.max_num_seqs,
+            seats,
+            slot_bytes / 2**20,
+        )
+        config.max_num_seqs = seats
+    return num_blocks - -(-config.max_num_seqs * slot_bytes // block_bytes)
+
+
 @dataclass(slots=True)
 class CrossBatch:
-    """One step's cross-attention inputs: the batch's K / V and where each flat row sits."""
+    """One step's cross-attention inputs: the pool and each sequence's slot as metadata."""
 
-    keys: list[torch.Tensor]  # per decoder layer [B, H, S, Dh]
+    keys: list[torch.Tensor]  # per decoder layer, the pool in the backend's cache layout
     values: list[torch.Tensor]
-    seq_of_row: torch.Tensor  # [T] the batch index of each flat row
-    pos_of_row: torch.Tensor  # [T] its index within its sequence's run
-    max_q: int  # the longest run of the step
+    md: AttentionMetadata  # block tables: the slots' blocks; seq_lens: S; every key visible
+    num_heads: int  # this rank's
+    head_dim: int
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """[T, H*Dh] queries of the step -> [T, H*Dh] cross-attention outputs."""
-        k, v = self.keys[layer], self.values[layer]
-        b, h, _, dh = k.shape
         t = q.shape[0]
-        if self.max_q == 1:  # one row a sequence (decode): rows are the batch
-            out = F.scaled_dot_product_attention(q.view(b, h, 1, dh), k, v, scale=scale)
-            return out.reshape(t, h * dh)
-        padded = q.new_zeros(b, self.max_q, h, dh)
-        padded[self.seq_of_row, self.pos_of_row] = q.view(t, h, dh)
-        out = F.scaled_dot_product_attention(padded.transpose(1, 2), k, v, scale=scale)
-        return out.transpose(1, 2)[self.seq_of_row, self.pos_of_row].reshape(t, h * dh)
+        out = self.md.backend.attend(
+            q.view(t, self.num_heads, self.head_dim),
+            self.keys[layer],
+            self.values[layer],
+            self.md,
+            scale=scale,
+            sliding_window=None,
+            soft_cap=None,
+            alibi_slopes=None,
+        )
+        return out.reshape(t, self.num_heads * self.head_dim)
+
+
+# Clips one encoder call takes: bounds the encoder's activations and the k / v it hands over.
+ENCODE_BATCH = 8
 
 
 class CrossAttentionState:
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model = model  # .encode(features [B, n_mels, F]) -> per layer (k, v) [B, H, S, Dh]
-        self.device = device
-        self.audio: dict[int, ImageInput] = {}  # seq id -> its audio
-        self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # hash -> per layer
-        self.users: dict[str, int] = {}  # hash -> live sequences holding it
-        # (hashes in batch order, keys, values) of the last step, reused by an equal one
-        self._stacked: tuple[tuple[str, ...], list[torch.Tensor], list[torch.Tensor]] | None
-        self._stacked = None
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        backend: AttentionBackend,
+        block_size: int,
+        frames: int,
+    ) -> None:
+        # .encode(features [B, n_mels, 2S]) -> per layer (k, v) [B, S, H, Dh], lazily
+        self.model = model
+        self.device, self.backend, self.block_size = device, backend, block_size
+        self.frames = frames  # S: the encoder's output frames (config.max_source_positions)
+        self.blocks_per_clip = -(-frames // block_size)
+        attn = [layer.encoder_attn for layer in model.model.decoder.layers]  # type: ignore
+        self.num_layers = len(attn)
+        self.num_heads, self.head_dim = attn[0].num_heads, attn[0].head_dim
+        self.dtype = next(model.parameters()).dtype
+        self.keys: list[torch.Tensor] = []  # per layer, set by allocate()
+        self.values: list[torch.Tensor] = []
+        self.num_slots = 0
+        self.users = np.zeros(0, dtype=np.int64)  # slot -> live sequences holding it
+        self._free: list[int] = []  # popped from the end: the lowest slot first
+        self.kv: dict[str, int] = {}  # audio hash -> the slot holding its K / V
+        self.seqs: dict[int, tuple[int, str]] = {}  # seq id -> (slot, audio hash)
+        self._pending: dict[int, ImageInput] = {}  # slot -> the clip to encode into it
         self.encoded = 0  # audios the encoder ran on (tests)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot's K and V over every layer."""
+        per = self.blocks_per_clip * self.block_size * self.num_heads * self.head_dim
+        return 2 * self.num_layers * per * self.dtype.itemsize
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, num_slots: int) -> None:
+        """The pool, `num_slots` slots; nothing may be held."""
+        assert not self.seqs, "the cross-attention pool is allocated before any step"
+        shape = self.backend.kv_cache_shape(
+            num_slots * self.blocks_per_clip, self.block_size, self.num_heads, self.head_dim
+        )
+
+        def pool() -> list[torch.Tensor]:
+            return [
+                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)
+            ]
+
+        self.keys, self.values = pool(), pool()
+        self.num_slots = num_slots
+        self.users = np.zeros(num_slots, dtype=np.int64)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.kv.clear()
+        self._pending.clear()
+        logger.info("cross-attention pool: %d slots x %.1f MiB", num_slots, self.slot_bytes / 2**20)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys, *self.values]
 
     def add(self, seq_id: int, items: Sequence[ImageInput]) -> None:
         self.remove(seq_id)  # (the worker drops a sequence before it comes back)
@@ -126,61 +224,73 @@ class CrossAttentionState:
         if len(audio) != 1:
             raise RuntimeError(f"sequence {seq_id} reached the worker with {len(audio)} audios")
         m = audio[0]
-        self.audio[seq_id] = m
-        self.users[m.mm_hash] = self.users.get(m.mm_hash, 0) + 1
+        slot = self.kv.get(m.mm_hash)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(
+                    f"all {self.num_slots} cross-attention slots are taken (more live "
+                    "sequences than max_num_seqs)"
+                )
+            slot = self.kv[m.mm_hash] = self._free.pop()
+            self._pending[slot] = m
+        self.users[slot] += 1
+        self.seqs[seq_id] = (slot, m.mm_hash)
 
     def remove(self, seq_id: int) -> None:
-        m = self.audio.pop(seq_id, None)
-        if m is None:
+        held = self.seqs.pop(seq_id, None)
+        if held is None:
             return
-        left = self.users[m.mm_hash] - 1
-        if left:
-            self.users[m.mm_hash] = left
+        slot, mm_hash = held
+        self.users[slot] -= 1
+        if self.users[slot]:
             return
-        del self.users[m.mm_hash]
-        self.kv.pop(m.mm_hash, None)
-        if self._stacked is not None and m.mm_hash in self._stacked[0]:
-            self._stacked = None
+        del self.kv[mm_hash]
+        self._pending.pop(slot, None)
+        self._free.append(slot)
 
-    def step(self, seq_ids: Sequence[int], num_new: np.ndarray) -> CrossBatch:
-        """The step's CrossBatch (`num_new`: each sequence's rows), encoding new audios."""
-        items = [self.audio[s] for s in seq_ids]
-        todo = {m.mm_hash: m for m in items if m.mm_hash not in self.kv}
-        if todo:
-            self._encode(list(todo.values()))
-        hashes = tuple(m.mm_hash for m in items)
-        if self._stacked is None or self._stacked[0] != hashes:
-            per_layer = zip(*(self.kv[h] for h in hashes), strict=True)
-            stacked = [
-                _batch([kv[0] for kv in layer], [kv[1] for kv in layer]) for layer in per_layer
-            ]
-            keys, values = [k for k, _ in stacked], [v for _, v in stacked]
-            self._stacked = (hashes, keys, values)
-        _, keys, values = self._stacked
-        first = np.cumsum(num_new) - num_new
-        rows = np.repeat(np.arange(len(items)), num_new)
-        pos = np.arange(int(num_new.sum())) - np.repeat(first, num_new)
-        both = torch.from_numpy(np.stack([rows, pos])).to(self.device)
-        return CrossBatch(keys, values, both[0], both[1], int(num_new.max()))
+    def step(
+        self, seq_ids: Sequence[int], num_new: np.ndarray, step_md: AttentionMetadata
+    ) -> CrossBatch:
+        """The step's CrossBatch (`num_new`: each sequence's rows; `step_md`: the step's
+        self-attention metadata, whose rows these are), encoding the clips of new slots."""
+        if self._pending:
+            self._encode()
+        slots = np.fromiter((self.seqs[s][0] for s in seq_ids), np.int64, len(seq_ids))
+        nb, s = self.blocks_per_clip, self.frames
+        tables = (slots[:, None] * nb + np.arange(nb)).astype(np.int32)  # [B, nb]
+        num_tokens = int(num_new.sum())
+        max_q = int(num_new.max())
+        dev = self.device
+        md = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            cu_seqlens_q=step_md.cu_seqlens_q,
+            seq_lens=torch.full((len(slots),), s, dtype=torch.int32, device=dev),
+            max_seqlen_q=max_q,
+            max_seqlen_k=s,
+            backend=self.backend,
+            # a prefill row at position S - q + i would see keys up to itself: all S instead
+            key_ends=None
+            if max_q == 1
+            else torch.full((num_tokens,), s, dtype=torch.int32, device=dev),
+        )
+        return CrossBatch(self.keys, self.values, md, self.num_heads, self.head_dim)
 
-    def _encode(self, items: list[ImageInput]) -> None:
-        features = torch.stack([m.pixel_values for m in items]).to(self.device)
-        self.encoded += len(items)
-        per_layer = self.model.encode(features)
-        apart = len(items) > 1  # copies apart: each frees alone
-        for j, m in enumerate(items):
-            self.kv[m.mm_hash] = [
-                (k[j].clone(), v[j].clone()) if apart else (k[0], v[0]) for k, v in per_layer
-            ]
-
-
-def _batch(
-    keys: list[torch.Tensor], values: list[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's K / V of the batch's sequences [B, H, S, Dh] (one sequence: a view)."""
-    if len(keys) == 1:
-        return keys[0][None], values[0][None]
-    return torch.stack(keys), torch.stack(values)
+    def _encode(self) -> None:
+        """Each pending clip's K / V into its slot, ENCODE_BATCH clips an encoder call."""
+        todo, self._pending = list(self._pending.items()), {}
+        span = self.blocks_per_clip * self.block_size
+        frames = torch.arange(self.frames, device=self.device)
+        for i in range(0, len(todo), ENCODE_BATCH):
+            chunk = todo[i : i + ENCODE_BATCH]
+            features = torch.stack([m.pixel_values for _, m in chunk]).to(self.device)
+            slots = torch.tensor([slot for slot, _ in chunk], device=self.device)
+            mapping = (slots[:, None] * span + frames).reshape(-1)  # [n * S] pool positions
+            for layer, (k, v) in enumerate(self.model.encode(features)):
+                assert k.shape[1] == self.frames, "the encoder's frames are max_source_positions"
+                kv = [x.reshape(-1, self.num_heads, self.head_dim) for x in (k, v)]
+                self.backend.write_kv(*kv, self.keys[layer], self.values[layer], mapping)
+            self.encoded += len(chunk)
 
 
 @contextmanager

@@ -179,8 +179,12 @@ class ModelRunner:
         self.rope_tables: dict[int, MropePositions] = {}
         # Gemma 3: spans of images whose tokens attend both ways (every rank and stage)
         self.image_spans = ImageSpans()
-        # Encoder-decoder models (Whisper): each sequence's cross-attention K / V
-        self.cross = CrossAttentionState(model, device) if is_encoder_decoder(hf_config) else None
+        # Encoder-decoder models (Whisper): each sequence's cross-attention K / V, in a pool of
+        # slots allocated with the KV cache (worker/cross_attention.py)
+        self.cross: CrossAttentionState | None = None
+        if is_encoder_decoder(hf_config):
+            frames = int(hf_config.max_source_positions)
+            self.cross = CrossAttentionState(model, device, backend, self.block_size, frames)
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -199,6 +203,8 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------------
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        if self.cross is not None:  # a slot a seat (max_num_seqs: fit_cross_slots)
+            self.cross.allocate(self.config.max_num_seqs)
         if num_state_snapshots:
             assert self.states is not None
             self.states.resize(self.config.max_num_seqs + num_state_snapshots)
@@ -264,13 +270,15 @@ class ModelRunner:
 
     def kv_tensors(self) -> Iterator[torch.Tensor]:
         """What sleep mode's "kv_cache" tag frees: every layer's KV cache (the draft model's
-        too) and the recurrent-state pools."""
+        too), the recurrent-state pools and the cross-attention pool."""
         caches = [self.cache] + ([self.draft.cache] if self.draft is not None else [])
         for cache in caches:
             if cache is not None:
                 yield from (t for pair in cache.kv_caches for t in pair)
         if self.states is not None:
             yield from (t for layer in self.states.layers for t in state_pools(layer))
+        if self.cross is not None:
+            yield from self.cross.tensors()
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -461,7 +469,7 @@ class ModelRunner:
             meta.has_initial_state = has_state.bool()
         spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
         embeds, additions, lookup = spliced if spliced is not None else (None, None, None)
-        cross = None if self.cross is None else self.cross.step(sched.seq_ids, num_new)
+        cross = None if self.cross is None else self.cross.step(sched.seq_ids, num_new, meta)
         return StepInputs(
             input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup, cross
         )

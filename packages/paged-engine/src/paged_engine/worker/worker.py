@@ -43,8 +43,9 @@ from paged_engine.packed_checkpoint import keeps_codes, packed_scheme
 from paged_engine.packed_codes import KEEP_CODES
 from paged_engine.quantized_checkpoint import fp8_checkpoint, quant_method
 from paged_engine.spec_decode.draft_loader import attach_draft_model
-from paged_engine.worker.cache_engine import kv_head_dim, latent_kv
+from paged_engine.worker.cache_engine import CacheEngine, kv_head_dim, latent_kv
 from paged_engine.worker.cpu_threads import set_cpu_threads
+from paged_engine.worker.cross_attention import fit_cross_slots
 from paged_engine.worker.image_embeds import ImageEmbedder
 from paged_engine.worker.kv_scales import init_kv_scales
 from paged_engine.worker.memory_profiler import gpu_baseline, profile_num_blocks
@@ -267,8 +268,18 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """Blocks every rank can hold: the minimum over the world (each rank profiles its own
-        shard and device)."""
-        return all_reduce_min(profile_num_blocks(self.model_runner, baseline_used=self._baseline))
+        shard and device); an encoder-decoder model's cross-attention pool comes out of them
+        (the same on every rank: a slot holds this rank's heads, as a block does)."""
+        runner = self.model_runner
+        num_blocks = all_reduce_min(profile_num_blocks(runner, baseline_used=self._baseline))
+        if runner.cross is not None:
+            block_bytes = CacheEngine.bytes_per_block(
+                self.hf_config, self.config.block_size, runner.kv_cache_dtype
+            )
+            num_blocks = fit_cross_slots(
+                self.config, num_blocks, block_bytes, runner.cross.slot_bytes
+            )
+        return num_blocks
 
     def initialize_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
         self.model_runner.init_kv_cache(num_blocks, num_state_snapshots)

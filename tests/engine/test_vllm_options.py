@@ -39,7 +39,7 @@ def test_a_vllm_scripts_options_start_the_engine(tiny_llama_dir, caplog):
 @pytest.mark.parametrize(
     ("options", "match"),
     [
-        ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported"),
+        ({"tokenizer_mode": "slow"}, "tokenizer_mode='slow' is not supported"),
         ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
         (
             {"distributed_executor_backend": "uni", "tensor_parallel_size": 2},

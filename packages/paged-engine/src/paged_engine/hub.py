@@ -18,8 +18,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# Config, generation config, tokenizer (fast, sentencepiece, tiktoken, BPE vocab/merges), chat
-# templates and the custom code trust_remote_code may run.
+# Config, generation config, tokenizer (fast, sentencepiece, tiktoken, BPE vocab/merges,
+# Mistral's tekken.json), chat templates and the custom code trust_remote_code may run.
 _METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
 _SAFETENSORS_PATTERNS = ["*.safetensors"]
 _TORCH_PATTERNS = ["*.bin", "*.pt"]

@@ -150,11 +150,16 @@ def with_kv_head_count(config):
 
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
-    """A transformers tokenizer (built from GGUF metadata for .gguf models)."""
+    """A transformers tokenizer (built from GGUF metadata for .gguf models, from tekken.json for
+    Mistral repos without HF tokenizer files)."""
     if resolved.is_gguf:
         from paged_engine.gguf import gguf_tokenizer
 
         return gguf_tokenizer(_open_gguf(resolved.gguf_file))
+    from paged_engine.tekken import tekken_only, tekken_tokenizer
+
+    if tekken_only(resolved.path):
+        return tekken_tokenizer(resolved.path)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)

@@ -36,7 +36,11 @@ IGNORED: dict[str, str] = {
 
 # name -> (accepts(value), what is accepted)
 ONLY_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tokenizer_mode": (lambda v: v in ("auto", "hf"), "'auto' or 'hf' (the fast tokenizer)"),
+    # 'mistral': vLLM's mistral_common mode; paged reads a tekken-only repo itself (tekken.py)
+    "tokenizer_mode": (
+        lambda v: v in ("auto", "hf", "mistral"),
+        "'auto', 'hf' or 'mistral' (the fast tokenizer, or tekken.json's)",
+    ),
     "distributed_executor_backend": (
         lambda v: v in (None, "mp", "uni"),
         "None, 'mp' or 'uni' (a process per rank; 'uni' with one rank)",

@@ -239,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer-mode",
-        choices=["auto", "hf"],
+        choices=["auto", "hf", "mistral"],
         default="auto",
-        help="vLLM's: paged loads the Hugging Face (fast) tokenizer in either mode",
+        help="vLLM's: paged loads the Hugging Face (fast) tokenizer in each mode, or a "
+        "Mistral repo's tekken.json where it has no HF tokenizer files",
     )
     p.add_argument(
         "--enable-chunked-prefill",

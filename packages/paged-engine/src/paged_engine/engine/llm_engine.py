@@ -66,6 +66,8 @@ from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
+from paged_engine.multimodal.gemma4_video import ARCHS as GEMMA4_VIDEO_ARCHS
+from paged_engine.multimodal.gemma4_video import Gemma4VideoProcessor
 from paged_engine.multimodal.glm4v_video import ARCHS as GLM4V_VIDEO_ARCHS
 from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
@@ -637,7 +639,8 @@ class LLMEngine:
         qwen3 = bool(archs & set(QWEN3_VIDEO_ARCHS))
         glm = bool(archs & set(GLM4V_VIDEO_ARCHS))
         omni = bool(archs & set(OMNI_VIDEO_ARCHS))
-        if not qwen3 and not glm and not omni and not archs & set(qwen2_vl.ARCHS):
+        gemma4 = bool(archs & set(GEMMA4_VIDEO_ARCHS))
+        if not (qwen3 or glm or omni or gemma4) and not archs & set(qwen2_vl.ARCHS):
             return None
         if not processor_saved(self.resolved.path):  # served as its text model (logged above)
             return None
@@ -645,6 +648,10 @@ class LLMEngine:
             if glm:  # (a Qwen3VideoProcessor: GLM's frame pairs)
                 return Glm4vVideoProcessor(
                     self.resolved.path, config, self.tokenizer, cfg.video_limit
+                )
+            if gemma4:  # (a Qwen3VideoProcessor: timestamped frames as image-like runs)
+                return Gemma4VideoProcessor(
+                    self.resolved.path, config, self.tokenizer, cfg.video_limit, cfg
                 )
             if omni:  # (a QwenVideoProcessor: Omni's temporal step and M-RoPE table)
                 return OmniVideoProcessor(self.resolved.path, config, cfg.video_limit)

@@ -82,10 +82,10 @@ KINDS: dict[str, str] = {
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py,
-# glm4v_video.py, omni_video.py), for messages
+# glm4v_video.py, omni_video.py, gemma4_video.py), for messages
 VIDEO_MODELS = (
-    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V and the Qwen2.5-Omni / "
-    "Qwen3-Omni thinkers"
+    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4 and the "
+    "Qwen2.5-Omni / Qwen3-Omni thinkers"
 )
 
 # kind -> the vision_config.model_type(s) we run; LLaVA's, LLaVA-NeXT's and Idefics2's are

@@ -35,7 +35,8 @@ uint8 image, rescaled in float32, patches padded to max_soft_tokens * k^2 rows (
 
 Refused by name: a vision rope_parameters rope_type other than "axial", a head_dim not a
 multiple of 4, pipeline parallelism with per-layer inputs (hidden_size_per_layer_input).
-Video inputs are refused; audio runs on the E2B / E4B checkpoints (multimodal/gemma4_audio.py).
+A video's frames run as images here (multimodal/gemma4_video.py); audio runs on the E2B / E4B
+checkpoints (multimodal/gemma4_audio.py).
 """
 
 from __future__ import annotations

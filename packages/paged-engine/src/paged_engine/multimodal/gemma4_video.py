@@ -1,0 +1,283 @@
+"""Videos for Gemma 4 (Gemma4ForConditionalGeneration): frames -> timestamped image-like runs.
+
+    frames [T, H, W, 3] uint8 (a list of frames, or (frames, metadata) as vLLM's loader gives)
+      -> sampled to num_frames (32) evenly, frame k * T // num_frames (or, with the saved
+         num_frames null, `fps` a second of the video's metadata fps), unless a loader sampled
+         them already (metadata frames_indices), do_sample_frames=False, or the video has no
+         more frames than that (kept as they are)
+      -> each frame as Gemma 4's image processor takes an image (multimodal/gemma4.py's torch
+         copy: bicubic, antialiased, aspect kept, to the largest h x w patch grid in multiples
+         of k within max_soft_tokens * k^2 patches, with the *video* processor's
+         max_soft_tokens, 70 by default), rescaled to [0, 1], cut into patches [h * w, 3 p p]
+    prompt: each <|video|> becomes, per frame and joined by a space,
+         "mm:ss " <|image> <|video|> x (h * w / k^2) <image|>
+         mm:ss the frame's time (its index / the metadata's fps, 24 without one) in whole
+         minutes and seconds, truncated
+
+How transformers runs it beside an image: get_video_features is the image's tower and
+embedder over each frame on its own, so a frame is an `ImageInput` of patch grid (h, w) that
+Gemma4ImageEncoder reads exactly as an image; only its run is of the video token, after its
+timestamp text. With use_bidirectional_attention="vision" the mask's vision groups are runs of
+image or video tokens (<|image> / <image|> cut them), so each frame's run attends both ways on
+the sliding layers as an image's does: the frame is `bidirectional` and one step holds it
+(core/token_plan.py whole_images). Unlike the Qwen / GLM videos here there is no M-RoPE and no
+temporal patch: frames are not paired. Timestamps are tokenized on their own (Qwen3-VL's
+cache); HF tokenizes the joined text, so a tokenizer merging "00:00" with the text just before
+<|video|> would differ there. transformers refuses sampling a video with fewer frames than
+num_frames; here such a video keeps all its frames unless do_sample_frames=True asks. Frames a
+loader sampled keep their own indices for their times (transformers, asked to sample them
+again, times them by their places in the given array).
+
+Settings: the checkpoint's video processor (video_preprocessor_config.json or
+processor_config.json's "video_processor") over transformers' Gemma4VideoProcessor defaults;
+without one, those defaults with the tower's patch size and pooling kernel. Refused by name:
+saved patch_size / pooling_kernel_size that are not the tower's (videos then not taken),
+max_soft_tokens outside (70, 140, 280, 560, 1120), mm_processor_kwargs['fps'] while num_frames
+is set (transformers would ignore it), sampling asked of too few frames or by fps without the
+metadata's fps, frames_indices that do not fit, a frame run longer than
+max_num_batched_tokens, a frame grid past the tower's position table, and videos processed
+ahead that do not fit the prompt.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from paged_engine.multimodal import gemma4
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
+from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, check_kwargs
+from paged_engine.multimodal.qwen_video import (
+    _DEFAULT_FPS,
+    _frames,
+    raw_settings,
+    video_fps,
+    video_list,
+    video_meta,
+)
+
+ARCHS = ("Gemma4ForConditionalGeneration",)
+KWARGS = ("fps", "do_sample_frames")  # mm_processor_kwargs a video takes (input_processor.py)
+# transformers' Gemma4VideoProcessor class defaults (patch_size / pooling: the tower's)
+_DEFAULTS: dict[str, Any] = {
+    "num_frames": 32,
+    "fps": None,
+    "do_sample_frames": True,
+    "max_soft_tokens": 70,
+    "do_resize": True,
+    "resample": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.0, 0.0, 0.0],
+    "image_std": [1.0, 1.0, 1.0],
+}
+
+
+def sample_indices(total: int, num_frames: int | None, fps: float | None, rate: float | None):
+    """transformers' default_sample_indices_fn: `num_frames` of `total` frames evenly
+    (k * total // num_frames), else `fps` a second of a video at `rate`, else all; None where
+    it wants more frames than there are."""
+    if num_frames is None and fps is not None:
+        assert rate is not None
+        num_frames = max(1, int(total / rate * fps))
+    if num_frames is None:
+        return list(range(total))
+    if num_frames > total:
+        return None
+    return [k * total // num_frames for k in range(num_frames)]
+
+
+def stamp(seconds: float) -> str:
+    """mm:ss, each truncated, as Gemma4Processor writes a frame's time."""
+    return f"{int(seconds // 60):02d}:{int(seconds % 60):02d}"
+
+
+class Gemma4VideoProcessor(Qwen3VideoProcessor):
+    """Turns a prompt's videos into Gemma 4's timestamped frames (`ImageInput`s); Qwen3-VL's
+    kwargs check and timestamp tokenizer cache (`_encode`), none of its M-RoPE."""
+
+    kwargs_names = KWARGS
+
+    def __init__(
+        self,
+        path: Path,
+        config: Any,
+        tokenizer: Any,
+        limit: int | None = None,
+        engine_config: Any = None,
+    ) -> None:
+        gemma4.check_config(config)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.engine_config = engine_config  # its max_num_batched_tokens, read per prompt
+        self._ids: dict[str, list[int]] = {}  # timestamp text -> ids (Qwen3VideoProcessor)
+        self._lock = threading.Lock()
+        self.video_token_id = int(config.video_token_id)
+        self.start_id, self.end_id = int(config.boi_token_id), int(config.eoi_token_id)
+        self.two_way = gemma4.bidirectional(config)
+        vision = config.vision_config
+        raw, own = raw_settings(Path(path))
+        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
+        tower = {"patch_size": int(vision.patch_size), "pooling_kernel_size": gemma4.kernel(config)}
+        for name, value in tower.items():
+            s[name] = int(raw.get(name, value)) if own else value
+            if s[name] != value:
+                raise ValueError(
+                    f"{path}: the video processor's {name}={s[name]} is not the tower's {value}"
+                )
+        # the frames' steps: the image processor's torch copy with the video's settings
+        self.frames = gemma4.Gemma4TorchProcessor(s, config)  # (checks max_soft_tokens)
+        self.settings = {**self.frames.settings, **{k: s[k] for k in ("num_frames", "fps")}}
+        self.settings["do_sample_frames"] = bool(s["do_sample_frames"])
+
+    def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`kwargs` (mm_processor_kwargs for videos); ValueError naming a bad one."""
+        check_kwargs(kwargs)  # fps > 0, do_sample_frames a bool, nothing else
+        if "fps" in kwargs and self.settings["num_frames"] is not None:
+            raise ValueError(
+                "mm_processor_kwargs['fps'] is not taken by Gemma 4: it samples "
+                f"num_frames={self.settings['num_frames']} frames evenly (transformers ignores "
+                "fps then); give do_sample_frames=False and your own frames"
+            )
+        return kwargs
+
+    def process(
+        self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """(token ids with each video's frames, the frames in prompt order, (where in
+        `token_ids`, tokens added) of each video); ValueError naming multi_modal_data['video']
+        (or mm_processor_kwargs) for anything wrong."""
+        kwargs = self.check_kwargs(kwargs or {})
+        items = video_list(videos, self.limit)
+        if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
+            return self._placed(token_ids, items)
+        spans = [i for i, t in enumerate(token_ids) if t == self.video_token_id]
+        if len(spans) != len(items):
+            raise ValueError(
+                f"multi_modal_data['video'] has {len(items)} video(s) but the prompt has "
+                f"{len(spans)} <|video|> placeholder(s): put one per video"
+            )
+        out_ids: list[int] = []
+        frames: list[ImageInput] = []
+        added: list[tuple[int, int]] = []
+        last = 0
+        for i, (item, at) in enumerate(zip(items, spans, strict=True)):
+            out_ids += token_ids[last:at]
+            before = len(out_ids)
+            for k, (rows, size, seconds) in enumerate(self._load(i, item, kwargs)):
+                out_ids += self._encode(f"{' ' if k else ''}{stamp(seconds)} ")
+                out_ids.append(self.start_id)
+                n = gemma4.image_tokens(self.config, size)
+                frames.append(
+                    ImageInput(
+                        rows, len(out_ids), n, digest(rows, size), size, bidirectional=self.two_way
+                    )
+                )
+                out_ids += [self.video_token_id] * n
+                out_ids.append(self.end_id)
+            added.append((at, len(out_ids) - before - 1))
+            last = at + 1
+        return out_ids + token_ids[last:], frames, added
+
+    def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> Any:
+        return None  # plain positions: no M-RoPE table
+
+    def _placed(
+        self, token_ids: list[int], items: list[ImageInput]
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """Frames processed ahead (this class's output): patch rows of a frame each, at runs
+        of video tokens that cover every video token of the prompt."""
+        covered = 0
+        for m in items:
+            size, rows = m.image_size, m.pixel_values
+            ok = (
+                rows is not None
+                and m.embeds is None
+                and size is not None
+                and len(size) == 2
+                and min(size) > 0
+                and m.bidirectional == self.two_way
+                and tuple(rows.shape) == (size[0] * size[1], gemma4.patch_dim(self.config))
+                and token_ids[m.offset : m.end] == [self.video_token_id] * m.length
+            )
+            if ok:
+                try:
+                    ok = m.length == gemma4.image_tokens(self.config, size)
+                except ValueError:
+                    ok = False
+            if not ok:
+                raise ValueError(
+                    "multi_modal_data['video']: these processed videos do not fit this prompt "
+                    "and model (their grids, rows or runs differ)"
+                )
+            covered += m.length
+        if covered != token_ids.count(self.video_token_id):
+            raise ValueError(
+                "multi_modal_data['video']: these processed videos do not cover the prompt's "
+                "video tokens"
+            )
+        return token_ids, list(items), []
+
+    def _load(  # type: ignore[override]
+        self, i: int, item: Any, kwargs: dict[str, Any]
+    ) -> list[tuple[torch.Tensor, tuple[int, int], float]]:
+        """Video i's frames: (patch rows [h * w, 3 p p], grid (h, w), time in seconds)."""
+        frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+        meta = video_meta(i, meta)
+        video = _frames(i, frames)  # [T, 3, H, W] uint8
+        rate = meta.get("fps")
+        fps = _DEFAULT_FPS if rate is None else video_fps(i, rate)
+        indices = list(meta.get("frames_indices") or range(video.shape[0]))
+        if len(indices) != video.shape[0]:
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
+                f"{video.shape[0]} frames"
+            )
+        s = self.settings
+        asked = kwargs.get("do_sample_frames", meta.get("do_sample_frames"))
+        sample = s["do_sample_frames"] and "frames_indices" not in meta if asked is None else asked
+        if sample:
+            target = kwargs.get("fps", s["fps"])
+            if s["num_frames"] is None and target is not None and rate is None:
+                raise ValueError(
+                    f"multi_modal_data['video'][{i}]: sampling {target} frames a second needs "
+                    "the video's fps in its metadata, e.g. (frames, {'fps': 30.0})"
+                )
+            keep = sample_indices(video.shape[0], s["num_frames"], target, fps)
+            if keep is None and asked:
+                raise ValueError(
+                    f"multi_modal_data['video'][{i}]: {video.shape[0]} frame(s), fewer than the "
+                    f"num_frames={s['num_frames']} do_sample_frames asks for"
+                )
+            if keep is not None:
+                video, indices = video[torch.tensor(keep)], [indices[k] for k in keep]
+        p, k = s["patch_size"], s["pooling_kernel_size"]
+        most = int(s["max_soft_tokens"]) * k**2
+        height, width = video.shape[-2:]
+        th, tw = (
+            gemma4.gemma4_size(height, width, p, most, k) if s["do_resize"] else (height, width)
+        )
+        h, w = th // p, tw // p
+        side = int(self.config.vision_config.position_embedding_size)
+        if max(h, w) > side or h % k or w % k or not 0 < h * w <= most:
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: frames of {height} x {width} give a {h} x {w} "
+                f"patch grid the tower does not take (blocks of {k}, at most {side} a side)"
+            )
+        n = (h // k) * (w // k)
+        budget = getattr(self.engine_config, "max_num_batched_tokens", None)
+        if self.two_way and budget is not None and n > budget:
+            raise ValueError(
+                f"multi_modal_data['video'][{i}]: a frame of {n} tokens is more than "
+                f"max_num_batched_tokens={budget}, and its tokens attend to each other both "
+                "ways, so one step must hold them all"
+            )
+        out = self.frames.preprocess(list(video), s)
+        rows = out["pixel_values"][:, : h * w].float()  # padding rows dropped
+        return [(rows[f].contiguous(), (h, w), indices[f] / fps) for f in range(len(indices))]

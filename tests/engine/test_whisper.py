@@ -38,15 +38,20 @@ from paged_engine.testing import (  # noqa: E402
 )
 
 SR = 16000
-SPECIAL = ["<|startoftranscript|>", "<|en|>", "<|fr|>", "<|transcribe|>", "<|translate|>"]
-SPECIAL += ["<|notimestamps|>", "<|startofprev|>"]
+LANGS = ["en", "fr", "de", "es", "ja"]
+SPECIAL = ["<|startoftranscript|>", *(f"<|{c}|>" for c in LANGS), "<|transcribe|>"]
+SPECIAL += ["<|translate|>", "<|startofprev|>", "<|notimestamps|>"]
+# Whisper's layout: <|0.00|> ... <|2.00|> (the 2 s window) right after <|notimestamps|>, added
+# as plain (not special) tokens, as the checkpoints' tokenizers have them
+TIMESTAMPS = [f"<|{i * 0.02:.2f}|>" for i in range(101)]
 PREFIX = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
 
 
-def write_tiny_whisper(path: Path, seed: int = 0) -> Path:
+def write_tiny_whisper(path: Path, seed: int = 2) -> Path:
     """A tiny random Whisper checkpoint, its feature extractor and tokenizer at `path`."""
     tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, 0)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tokenizer.add_tokens(TIMESTAMPS)
     config = transformers.WhisperConfig(
         vocab_size=len(tokenizer),
         num_mel_bins=16,
@@ -266,6 +271,12 @@ def test_refused(tiny):
     prev = tok.convert_tokens_to_ids("<|startofprev|>")
     context = tok.encode(" Hello", add_special_tokens=False)
     assert asked == [prev, *context, *whisper_prompt(tok, "fr", "translate")]
+    # a long context keeps its last max_target_positions // 2 - 1 tokens, as OpenAI's Whisper
+    words = " ".join(f"w{i}" for i in range(300))
+    context = tok.encode(" " + words, add_special_tokens=False)
+    assert len(context) > 448
+    cut = host.transcription_prompt("en", "transcribe", words)["prompt_token_ids"]
+    assert cut == [prev, *context[-223:], *whisper_prompt(tok)]
     with pytest.raises(ValueError, match="task must be"):
         host.transcription_prompt("en", "summarize", "")
     out = llm.generate([{"prompt": PREFIX, "multi_modal_data": {"audio": one}}], greedy(0))[0]
@@ -281,3 +292,75 @@ def test_refused(tiny):
     ]:
         with pytest.raises(ValueError, match=match):
             engine(tiny, **kw)
+
+
+def test_language_detection(tiny, hf):
+    """The host side's detection request (one greedy step over the language tokens) picks
+    transformers' `detect_language` token, not the step's unrestricted argmax."""
+    llm = engine(tiny, max_model_len=128)
+    host = llm.llm_engine.input_processor.audios
+    prompt, languages = host.language_detection()
+    tok = llm.get_tokenizer()
+    assert languages == {tok.convert_tokens_to_ids(f"<|{c}|>"): c for c in LANGS}
+    assert prompt == {"prompt_token_ids": [hf.config.decoder_start_token_id]}
+    hf.generation_config.lang_to_id = {f"<|{c}|>": i for i, c in languages.items()}
+    params = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=sorted(languages))
+    waves = [clip(s, 0.6 + 0.5 * s) for s in range(3)]
+    reqs = [{**prompt, "multi_modal_data": {"audio": (w, SR)}} for w in waves]
+    free = llm.generate(reqs, greedy(0, 1), use_tqdm=False)
+    for w, out, unmasked in zip(waves, llm.generate(reqs, params, use_tqdm=False), free):
+        want = hf.detect_language(features(tiny, w)).item()
+        assert out.outputs[0].token_ids == [want]
+        assert unmasked.outputs[0].token_ids[0] not in languages  # the restriction decides
+
+
+def test_timestamp_segments(tiny):
+    """`timestamp_segments` splits ids as transformers' WhisperTokenizer.decode(...,
+    output_offsets=True) does on [<|0.00|>, *ids]; text after the last timestamp (or with
+    none) is a segment to the window's end, which transformers drops."""
+    wt = transformers.WhisperTokenizer.from_pretrained(tiny)
+    llm = engine(tiny, max_model_len=128)
+    host = llm.llm_engine.input_processor.audios
+    begin = wt.convert_tokens_to_ids("<|0.00|>")
+    assert begin == wt.convert_tokens_to_ids("<|notimestamps|>") + 1
+
+    def t(s: float) -> int:
+        return wt.convert_tokens_to_ids(f"<|{s:.2f}|>")
+
+    a, b, c = (wt.encode(w, add_special_tokens=False) for w in (" hello", " the cat", " ran"))
+    eos = wt.eos_token_id
+    cases = [  # (generated ids, the segments transformers drops after its own)
+        ([*a, t(0.4), t(0.4), *b, t(1.0)], 0),
+        ([*a, t(0.5), t(0.6), *b, *c, t(1.2), t(1.2), *c, t(1.9), eos], 0),
+        ([*a, t(0.3), *b, t(0.5), t(0.5), *c, t(1.0)], 0),  # a lone timestamp inside
+        ([*a, *b], 1),
+        ([*a, t(0.4), t(0.6), *b], 1),
+        ([*a, t(0.4), *b], 1),
+    ]
+    for ids, extra in cases:
+        got = host.timestamp_segments(ids, 1.5)
+        want = wt.decode([begin, *ids], output_offsets=True)["offsets"]
+        assert len(got) == len(want) + extra
+        for g, w in zip(got, want):
+            assert (g.start, g.end) == pytest.approx(w["timestamp"])
+            assert g.text == w["text"]
+        gen = ids[:-1] if ids[-1] == eos else ids
+        for g in got:  # its ids: the sampled ids it names, after the forced <|0.00|> if first
+            n = g.sampled[1] - g.sampled[0]
+            assert g.tokens[len(g.tokens) - n :] == gen[g.sampled[0] : g.sampled[1]]
+            assert g.tokens[: len(g.tokens) - n] in ([], [begin])
+    (bare,) = host.timestamp_segments([*a, *b], 1.5)
+    assert (bare.start, bare.end, bare.text, bare.tokens) == (
+        0.0,
+        1.5,
+        wt.decode(a + b),
+        [begin, *a, *b],
+    )
+    head, tail = host.timestamp_segments([*a, t(0.4), t(0.6), *b, eos], 1.5)
+    assert head.tokens == [begin, *a, t(0.4)] and head.sampled == (0, len(a) + 1)
+    assert (tail.start, tail.end, tail.tokens) == (0.6, 1.5, [t(0.6), *b])
+    assert tail.sampled == (len(a) + 1, len(a) + 2 + len(b))
+    # the prompt: transformers' prefix with timestamps predicted, then <|0.00|> forced
+    wt.set_prefix_tokens(language="en", task="translate", predict_timestamps=True)
+    ts = host.transcription_prompt("en", "translate", "", timestamps=True)["prompt_token_ids"]
+    assert ts == [*wt.prefix_tokens, begin]

@@ -3,12 +3,16 @@ tiny random Whisper (tests/engine/test_whisper.py's checkpoint: 2 s windows, wit
 <|startofprev|> added to its tokenizer) served in this process.
 
 A WAV upload must give exactly what `LLM.generate` gives on the same decoded clip and the
-host side's transcription prompt: json (with its duration usage), text, verbose_json (language,
-duration, the window's tokens and mean logprob), an SSE stream of transcription.chunk deltas
+host side's transcription prompt: without `language`, in the language transformers'
+`detect_language` picks for the (first window of the) clip (not "en": the tiny checkpoint's
+pick); json (with its duration usage), text, verbose_json (the language, duration, and the
+segments `timestamp_segments` parses from the tokens generated after the timestamp prompt:
+times offset by each window's start, their tokens and mean logprobs; sampled at temperature 100
+so that timestamp tokens come out), an SSE stream of transcription.chunk deltas
 (and its usage chunk), the client's `prompt` as <|startofprev|> context, a translation, the
 official openai client's upload; a clip over the window is split at its quiet points (checked
 against `split_windows`' spans) and its text is the windows' texts joined, each run alone by
-`LLM.generate` (srt / vtt cues at the windows' times). Malformed forms and bad fields are 400s
+`LLM.generate` (srt / vtt cues at the segments' times). Malformed forms and bad fields are 400s
 naming the field, a text-only model answers 400 naming `model`, and the server keeps serving.
 """
 
@@ -124,13 +128,45 @@ def events(server, file: bytes, route: str = "transcriptions", **fields) -> list
 
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("whisper-stt")
-    special = test_whisper.SPECIAL
-    test_whisper.SPECIAL = [*special, "<|startofprev|>"]  # the builder reads it when called
-    try:
-        return test_whisper.write_tiny_whisper(path)
-    finally:
-        test_whisper.SPECIAL = special
+    return test_whisper.write_tiny_whisper(tmp_path_factory.mktemp("whisper-stt"))
+
+
+def detect(path: Path, waves: list[np.ndarray]) -> list[str]:
+    """transformers' detect_language on each clip (its language tokens: the tokenizer's)."""
+    hf = transformers.WhisperForConditionalGeneration.from_pretrained(path).float().eval()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    codes = {tok.convert_tokens_to_ids(f"<|{c}|>"): c for c in test_whisper.LANGS}
+    hf.generation_config.lang_to_id = {f"<|{c}|>": i for i, c in codes.items()}
+    return [codes[hf.detect_language(test_whisper.features(path, w)).item()] for w in waves]
+
+
+def timed_segments(host, outs: list, spans: list[tuple[int, int]]) -> list[dict]:
+    """The segments the server must answer for windows `spans` whose generated tokens (after
+    the timestamp prompt) are `outs`: the host side's parse, offset by each window's start."""
+    want = []
+    for (a, b), out in zip(spans, outs, strict=True):
+        lps = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+        for seg in host.timestamp_segments(list(out.token_ids), (b - a) / SR):
+            mine = lps[seg.sampled[0] : seg.sampled[1]]
+            want.append(
+                {
+                    "id": len(want),
+                    "seek": round(a / SR * 100),
+                    "start": pytest.approx(a / SR + seg.start),
+                    "end": pytest.approx(a / SR + seg.end),
+                    "text": seg.text,
+                    "tokens": seg.tokens,
+                    "avg_logprob": pytest.approx(np.mean(mine) if mine else 0.0, abs=1e-5),
+                }
+            )
+    return want
+
+
+def picked(segments: list[dict]) -> list[dict]:
+    return [
+        {k: s[k] for k in ("id", "seek", "start", "end", "text", "tokens", "avg_logprob")}
+        for s in segments
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -144,37 +180,54 @@ def served(whisper):
     clip, sr = load_audio(short, "file")
     prev = tok.get_vocab()["<|startofprev|>"]
     hf_prompt = tok("<|startofprev|>", f" {CONTEXT}", add_special_tokens=False)["input_ids"]
+    long_wave = audio_item(load_audio(long_wav, "file"), SR, "file")
+    spans = split_windows(long_wave, SR, 2 * SR)
+    windows = [long_wave[a:b] for a, b in spans]
+    lang, long_lang = detect(whisper, [audio_item((clip, sr), SR, "file"), windows[0]])
+    timed = [*whisper_prompt(tok, timestamps=True), tok.convert_tokens_to_ids("<|0.00|>")]
     prompts = {
         "en": whisper_prompt(tok),
-        "context": hf_prompt + whisper_prompt(tok),  # HF's get_prompt_ids, then the prefix
+        "auto": whisper_prompt(tok, lang),
+        # HF's get_prompt_ids, then the prefix
+        "context": hf_prompt + whisper_prompt(tok, lang),
         "fr-translate": whisper_prompt(tok, "fr", "translate"),
+        "timed": timed,
+        "timed-auto": [*whisper_prompt(tok, lang, timestamps=True), timed[-1]],
     }
     assert hf_prompt[0] == prev
     params = SamplingParams(temperature=0, max_tokens=TOKENS, logprobs=0)
+    hot = SamplingParams(temperature=100, seed=5, max_tokens=24, logprobs=0)
 
-    def run(ids: list[int], wave: np.ndarray, rate: int) -> object:
+    def run(ids: list[int], wave: np.ndarray, rate: int, p=params) -> object:
         req = {"prompt_token_ids": ids, "multi_modal_data": {"audio": (wave, rate)}}
-        return llm.generate([req], params, use_tqdm=False)[0].outputs[0]
+        return llm.generate([req], p, use_tqdm=False)[0].outputs[0]
 
     refs = {k: run(ids, clip, sr) for k, ids in prompts.items()}
-    long_wave = audio_item(load_audio(long_wav, "file"), SR, "file")
-    spans = split_windows(long_wave, SR, 2 * SR)
-    refs["windows"] = [run(prompts["en"], long_wave[a:b], SR) for a, b in spans]
+    refs["windows"] = [run(whisper_prompt(tok, long_lang), w, SR) for w in windows]
+    refs["timed-windows"] = [run(timed, w, SR) for w in windows]
+    refs["hot-windows"] = [run(timed, w, SR, hot) for w in windows]
     files = {"short": short, "long": long_wav, "duration": clip.size / sr, "spans": spans}
+    files["languages"] = (lang, long_lang)
     with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http_, app):
         yield http_, app, refs, files, prompts
 
 
 def test_transcription_formats_match_generate(served) -> None:
-    server, app, refs, files, _ = served
+    server, app, refs, files, prompts = served
     assert app.audios.transcription_window == 2 * SR
-    ref = refs["en"]
+    ref, lang = refs["auto"], files["languages"][0]
+    assert lang != "en"  # detected: not the default
+    assert ref.cumulative_logprob != pytest.approx(refs["en"].cumulative_logprob, abs=1e-3)
     status, ctype, body = transcribe(server, files["short"])
     assert status == 200, body
     assert body == {"text": ref.text, "usage": {"type": "duration", "seconds": 2}}
     assert ref.text  # the tiny model says something
     status, ctype, body = transcribe(server, files["short"], response_format="text")
     assert (status, body) == (200, ref.text) and ctype.startswith("text/plain")
+    _, _, body = transcribe(server, files["short"], response_format="text", language="en")
+    assert body == refs["en"].text
+    # verbose_json: the detected language; the timestamp prompt's segments (none emitted
+    # greedily: one segment, <|0.00|> to the clip's end)
     _, _, body = transcribe(
         server,
         files["short"],
@@ -182,22 +235,33 @@ def test_transcription_formats_match_generate(served) -> None:
         language="en",
         **{"timestamp_granularities[]": "segment"},
     )
-    assert (body["task"], body["language"], body["text"]) == ("transcribe", "en", ref.text)
+    timed = refs["timed"]
+    assert (body["task"], body["language"]) == ("transcribe", "en")
     assert float(body["duration"]) == pytest.approx(files["duration"])
+    n = int(files["duration"] * SR)
+    assert picked(body["segments"]) == timed_segments(served[1].audios, [timed], [(0, n)])
     (seg,) = body["segments"]
-    assert seg["tokens"] == list(ref.token_ids)
-    assert (seg["start"], seg["end"]) == (0.0, pytest.approx(files["duration"]))
-    want = np.mean([lp[t].logprob for t, lp in zip(ref.token_ids, ref.logprobs)])
-    assert seg["avg_logprob"] == pytest.approx(want, abs=1e-5)
+    assert seg["tokens"] == [prompts["timed"][-1], *timed.token_ids]
+    assert body["text"] == seg["text"] and seg["text"]
+    assert seg["no_speech_prob"] is None and seg["temperature"] == 0.0
+    _, _, body = transcribe(server, files["short"], response_format="verbose_json")
+    assert body["language"] == lang  # and its prompt's logprobs, not English's
+    auto = timed_segments(served[1].audios, [refs["timed-auto"]], [(0, n)])
+    assert picked(body["segments"]) == auto
+    assert auto[0]["avg_logprob"] != seg["avg_logprob"]
     # the client's prompt: <|startofprev|> context before the prefix, as HF's get_prompt_ids
     _, _, body = transcribe(server, files["short"], prompt=CONTEXT)
     assert body["text"] == refs["context"].text
     assert refs["context"].token_ids != ref.token_ids  # the context changes the answer
+    # a context past the decoder's length keeps its last tokens (tests/engine/test_whisper.py)
+    words = " ".join(f"w{i}" for i in range(300))
+    status, _, body = transcribe(server, files["short"], prompt=words, language="en")
+    assert status == 200 and body["text"], body
 
 
 def test_stream_and_usage(served) -> None:
     server, _, refs, files, prompts = served
-    ref = refs["en"]
+    ref = refs["auto"]  # the detected language's
     got = events(server, files["short"], stream_include_usage="true")
     *chunks, last = got
     assert {c["object"] for c in got} == {"transcription.chunk"}
@@ -205,9 +269,9 @@ def test_stream_and_usage(served) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("finish_reason" not in c["choices"][0] for c in chunks[:-1])
     assert last["choices"] == [] and last["usage"] == {
-        "prompt_tokens": len(prompts["en"]),
+        "prompt_tokens": len(prompts["auto"]),
         "completion_tokens": TOKENS,
-        "total_tokens": len(prompts["en"]) + TOKENS,
+        "total_tokens": len(prompts["auto"]) + TOKENS,
     }
     continuous = events(
         server, files["short"], stream_include_usage="true", stream_continuous_usage_stats="1"
@@ -230,26 +294,53 @@ def test_translation(served) -> None:
 
 
 def test_long_clip_split_at_quiet_points(served) -> None:
-    server, _, refs, files, _ = served
+    server, app, refs, files, _ = served
     spans = files["spans"]
     assert spans == [(0, 24800), (24800, 49600), (49600, 73600)]  # each silence's middle
-    texts = [o.text for o in refs["windows"]]
+    texts = [o.text for o in refs["windows"]]  # (the first window's detected language)
     assert len(set(texts)) == 3  # each window's text is its own: their order shows
     _, _, body = transcribe(server, files["long"])
     assert body == {"text": "".join(texts), "usage": {"type": "duration", "seconds": 5}}
-    _, _, body = transcribe(server, files["long"], response_format="verbose_json")
-    assert [s["text"] for s in body["segments"]] == texts
-    assert [(s["start"], s["end"]) for s in body["segments"]] == [
-        (a / SR, b / SR) for a, b in spans
-    ]
-    _, ctype, srt = transcribe(server, files["long"], response_format="srt")
-    assert srt.startswith(f"1\n00:00:00,000 --> 00:00:01,550\n{texts[0].strip()}\n\n2\n")
-    _, ctype, vtt = transcribe(server, files["long"], response_format="vtt")
-    assert ctype.startswith("text/vtt")
-    assert vtt.startswith(f"WEBVTT\n\n00:00:00.000 --> 00:00:01.550\n{texts[0].strip()}\n\n")
     got = events(server, files["long"])  # windows streamed in order
     assert "".join(c["choices"][0]["delta"]["content"] for c in got) == "".join(texts)
     assert sum(c["choices"][0].get("finish_reason") is not None for c in got) == 3
+    # timed formats: each window's segments, offset by its start
+    timed = timed_segments(app.audios, refs["timed-windows"], spans)
+    _, _, body = transcribe(server, files["long"], response_format="verbose_json", language="en")
+    assert picked(body["segments"]) == timed
+    assert body["text"] == "".join(s["text"] for s in body["segments"])
+    cues = [(s["start"], s["end"], s["text"].strip()) for s in body["segments"]]
+    _, ctype, srt = transcribe(server, files["long"], response_format="srt", language="en")
+    assert srt == "".join(
+        f"{i + 1}\n{clock(a, ',')} --> {clock(b, ',')}\n{t}\n\n" for i, (a, b, t) in enumerate(cues)
+    )
+    _, ctype, vtt = transcribe(server, files["long"], response_format="vtt", language="en")
+    assert ctype.startswith("text/vtt")
+    assert vtt == "WEBVTT\n\n" + "".join(
+        f"{clock(a, '.')} --> {clock(b, '.')}\n{t}\n\n" for a, b, t in cues
+    )
+    assert srt.startswith("1\n00:00:00,000 --> ")
+    # sampled hot, the tiny model writes timestamp tokens: segments within windows
+    _, _, body = transcribe(
+        server,
+        files["long"],
+        response_format="verbose_json",
+        language="en",
+        temperature=100,
+        seed=5,
+        max_completion_tokens=24,
+    )
+    hot = timed_segments(app.audios, refs["hot-windows"], spans)
+    assert picked(body["segments"]) == hot
+    assert len(hot) > len(spans)  # some window holds several segments
+    assert any(s["start"] > s["seek"] / 100 for s in body["segments"])  # one starts inside
+
+
+def clock(seconds: float, sep: str) -> str:
+    ms = round(seconds * 1000)
+    return (
+        f"{ms // 3_600_000:02d}:{ms // 60_000 % 60:02d}:{ms // 1000 % 60:02d}{sep}{ms % 1000:03d}"
+    )
 
 
 def test_openai_client(served) -> None:
@@ -262,7 +353,7 @@ def test_openai_client(served) -> None:
         temperature=0,
         extra_body={"max_completion_tokens": TOKENS},
     )
-    assert got.text == refs["en"].text
+    assert got.text == refs["auto"].text
 
 
 BAD_FORMS = [
@@ -303,7 +394,7 @@ def test_file_cap_and_still_serving(served, monkeypatch) -> None:
     assert (status, err["error"]["param"]) == (400, "file")
     assert "over the limit" in err["error"]["message"]
     monkeypatch.delenv("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB")
-    assert transcribe(server, files["short"])[2]["text"] == refs["en"].text
+    assert transcribe(server, files["short"])[2]["text"] == refs["auto"].text
 
 
 def test_a_model_without_audio(tiny_model: str) -> None:

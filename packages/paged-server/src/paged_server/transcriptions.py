@@ -22,9 +22,21 @@ window ends at the quietest 0.1 s (least RMS energy; cut in its middle) within t
 last second, and the next starts there. Each window is one engine request (run together,
 features extracted on this thread as the chat path does); their texts are joined in order.
 
-Unlike vLLM, verbose_json's segments (and srt / vtt cues) are the windows, with the window's
-times, its tokens, their mean logprob and its text's compression ratio: the decoder prompt
-keeps <|notimestamps|>, so no timestamp tokens are decoded (no segments within a window).
+No `language` and a host side with `language_detection()` (Whisper): the language is
+detected first, as transformers' `detect_language` does, by one engine request over the first
+window (the detection prompt, max_tokens=1, greedy over allowed_token_ids = the language
+tokens); the prompt then names it and verbose_json reports it. Other models write their
+`default_language` (or none).
+
+verbose_json, srt and vtt on a host side whose `has_timestamps` (Whisper with timestamp tokens)
+ask for timestamps
+(`transcription_prompt(..., timestamps=True)`: <|0.00|> forced where <|notimestamps|> was, as
+vLLM does) and answer the segments it parses from each window's tokens, their times offset by
+the window's start: id, seek (the window's start in 10 ms frames), start, end, text, tokens
+(timestamp tokens included), temperature, avg_logprob (the mean logprob of the segment's
+sampled tokens), compression_ratio (of its text); no_speech_prob is not computed (null). The
+text is then the segments' texts joined. Other models (and json / text) keep
+<|notimestamps|>-style prompts: a window is one segment with the window's times.
 Refused by name: timestamp_granularities[] "word", streaming with verbose_json / srt / vtt, a
 file over VLLM_MAX_AUDIO_CLIP_FILESIZE_MB (25), any field not listed above.
 """
@@ -73,6 +85,7 @@ _FIELDS = frozenset({"file", _GRANULARITIES, *_NUMBERS, *_FLAGS, *_TEXTS})
 _PARAM = re.compile(r"(\w+)\s*[:=]")  # a host-side ValueError starts with what it names
 _OVERLAP_S = 1.0  # the split point is sought in each window's last second (vLLM's)
 _QUIET_S = 0.1  # energy is measured over 0.1 s stretches (vLLM's 1600 samples at 16 kHz)
+_TIMED = ("verbose_json", "srt", "vtt")  # the formats that carry segment times
 
 
 @dataclass(slots=True)
@@ -223,17 +236,27 @@ def _decode(app: OpenAIApp, file: Part) -> tuple[np.ndarray, int, float]:
         raise bad_request(str(e), "file") from None
 
 
-def _prompt(app: OpenAIApp, req: SpeechRequest) -> tuple[dict[str, Any], list[int], str | None]:
-    """(the host side's prompt, its token ids before any audio run, the language written)."""
-    audios = app.audios
-    if audios is None:
+def _audios(app: OpenAIApp) -> Any:
+    """The engine's audio host side; a 400 naming `model` for a model without audio."""
+    if app.audios is None:
         raise bad_request(
             "model: this model takes no audio, so it serves no transcriptions or translations",
             "model",
         )
-    language = req.language or getattr(audios, "default_language", None)
+    return app.audios
+
+
+def _prompt(
+    app: OpenAIApp, req: SpeechRequest, language: str | None, timed: bool
+) -> tuple[dict[str, Any], list[int]]:
+    """(the host side's prompt, its token ids before any audio run); `timed`: with timestamp
+    tokens."""
+    audios = _audios(app)
     try:
-        prompt = audios.transcription_prompt(language, req.task, req.prompt)
+        if timed:
+            prompt = audios.transcription_prompt(language, req.task, req.prompt, timestamps=True)
+        else:
+            prompt = audios.transcription_prompt(language, req.task, req.prompt)
     except ValueError as e:
         m = _PARAM.match(str(e))
         param = m.group(1) if m and m.group(1) in ("language", "prompt") else "model"
@@ -242,7 +265,39 @@ def _prompt(app: OpenAIApp, req: SpeechRequest) -> tuple[dict[str, Any], list[in
         ids = list(prompt["prompt_token_ids"])
     else:  # as the engine tokenizes a text prompt
         ids = app._encode(prompt["prompt"], True)
-    return prompt, ids, language
+    return prompt, ids
+
+
+def _clip_prompt(
+    app: OpenAIApp, prompt: dict[str, Any], ids: list[int], clip: tuple[np.ndarray, int]
+) -> dict[str, Any]:
+    """The engine prompt of one window: its features extracted on this thread (the engine's
+    thread only checks them)."""
+    try:
+        expanded, items = app.multimodal(ids, {"audio": [clip]}, prompt.get("mm_processor_kwargs"))
+    except ValueError as e:
+        raise bad_request(str(e), "file") from None
+    extra = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids")}
+    return {**extra, "prompt_token_ids": expanded, "multi_modal_data": {"audio": list(items)}}
+
+
+def _detect(app: OpenAIApp, h: Handler, clip: tuple[np.ndarray, int], lora: Any) -> str | None:
+    """The language the host side's detection request picks for `clip` (one greedy step over
+    the language tokens, through the engine); None where the host side detects none."""
+    found = app.audios.language_detection()
+    if found is None:
+        return None
+    prompt, languages = found
+    ids = list(prompt["prompt_token_ids"])
+    request = _clip_prompt(app, prompt, ids, clip)
+    app.client.check_queue()
+    kwargs = {"temperature": 0.0, "max_tokens": 1, "allowed_token_ids": sorted(languages)}
+    params = app.client.make_params(kwargs, beam=False, stream=False)
+    rid = f"language-{uuid.uuid4().hex}"
+    group = app.client.add([rid], [request], params, lora, 0)
+    with app._in_flight(h, group, [rid]):
+        app._wait(h, group)
+    return languages[group.latest[0].outputs[0].token_ids[0]]
 
 
 # ---- the route --------------------------------------------------------------------------------
@@ -253,23 +308,19 @@ def serve_speech(app: OpenAIApp, h: Handler, task: str) -> None:
     form = parse_form(h.headers.get("Content-Type"), body, max_file_bytes=max_file_bytes())
     req = parse_speech(form, task)
     model, lora = app._resolve(req.model)
-    prompt, ids, language = _prompt(app, req)
+    audios = _audios(app)
+    timed = req.response_format in _TIMED and getattr(audios, "has_timestamps", False)
+    language = req.language or getattr(audios, "default_language", None)
+    prompt, ids = _prompt(app, req, language, timed)  # refused before the file is read
     wave, rate, duration = _decode(app, req.file)
-    spans = split_windows(wave, rate, getattr(app.audios, "transcription_window", None))
-    prompts, lengths = [], []
-    for start, end in spans:
-        clip = (wave[start:end], rate)
-        try:  # features on this thread: the engine's thread only checks them
-            expanded, items = app.multimodal(
-                ids, {"audio": [clip]}, prompt.get("mm_processor_kwargs")
-            )
-        except ValueError as e:
-            raise bad_request(str(e), "file") from None
-        extra = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids")}
-        prompts.append(
-            {**extra, "prompt_token_ids": expanded, "multi_modal_data": {"audio": list(items)}}
-        )
-        lengths.append(len(expanded))
+    spans = split_windows(wave, rate, getattr(audios, "transcription_window", None))
+    if req.language is None and hasattr(audios, "language_detection"):
+        detected = _detect(app, h, (wave[spans[0][0] : spans[0][1]], rate), lora)
+        if detected is not None:  # over the first window, as Whisper detects
+            language = detected
+            prompt, ids = _prompt(app, req, language, timed)
+    prompts = [_clip_prompt(app, prompt, ids, (wave[a:b], rate)) for a, b in spans]
+    lengths = [len(p["prompt_token_ids"]) for p in prompts]
     max_tokens = min(check_context(n, None, app.max_model_len, "prompt") for n in lengths)
     for cap in (req.max_tokens, app.sampling_defaults.get("max_tokens")):
         if cap is not None:
@@ -290,7 +341,49 @@ def serve_speech(app: OpenAIApp, h: Handler, task: str) -> None:
             return
         app._wait(h, group)
         outs = [out.outputs[0] for out in group.latest]
-        _answer(h, req, language, duration, [(s / rate, e / rate) for s, e in spans], outs)
+        times = [(s / rate, e / rate) for s, e in spans]
+        segments = _segments(audios if timed else None, times, outs, req.sampling["temperature"])
+        _answer(h, req, language, duration, segments)
+
+
+def _segments(
+    audios: Any, times: list[tuple[float, float]], outs: list[Any], temperature: float
+) -> list[dict[str, Any]]:
+    """Each window's timed segments (`audios.timestamp_segments`, offset by the window's
+    start), or (audios None) each window as one segment."""
+    segments: list[dict[str, Any]] = []
+    for (start, end), out in zip(times, outs, strict=True):
+        ids, lps = list(out.token_ids), _logprobs(out)
+        seek = round(start * 100)  # in 10 ms feature frames, as Whisper counts
+        if audios is None:
+            parts = [(0.0, end - start, out.text, ids, lps)]
+        else:
+            parts = [
+                (s.start, s.end, s.text, s.tokens, lps[s.sampled[0] : s.sampled[1]])
+                for s in audios.timestamp_segments(ids, end - start)
+            ]
+        for a, b, text, tokens, seg_lps in parts:
+            raw = text.encode()
+            segments.append(
+                {
+                    "id": len(segments),
+                    "seek": seek,
+                    "start": start + a,
+                    "end": start + b,
+                    "text": text,
+                    "tokens": tokens,
+                    "temperature": temperature,
+                    "avg_logprob": sum(seg_lps) / len(seg_lps) if seg_lps else 0.0,
+                    "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0,
+                    "no_speech_prob": None,
+                }
+            )
+    return segments
+
+
+def _logprobs(out: Any) -> list[float]:
+    """The sampled tokens' logprobs (the request asked for logprobs=0)."""
+    return [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs or []) if t in lp]
 
 
 def _answer(
@@ -298,11 +391,10 @@ def _answer(
     req: SpeechRequest,
     language: str | None,
     duration: float,
-    times: list[tuple[float, float]],
-    outs: list[Any],
+    segments: list[dict[str, Any]],
 ) -> None:
-    text = "".join(o.text for o in outs)
     fmt = req.response_format
+    text = "".join(s["text"] for s in segments)  # (timed ones' without timestamp tokens)
     if fmt == "text":
         h.send_bytes(200, text.encode(), "text/plain; charset=utf-8")
         return
@@ -312,8 +404,6 @@ def _answer(
             body["usage"] = {"type": "duration", "seconds": math.ceil(duration)}
         h.send_json(200, body)
         return
-    temperature = req.sampling["temperature"]
-    segments = [_segment(i, t, o, temperature) for i, (t, o) in enumerate(zip(times, outs))]
     if fmt == "verbose_json":
         h.send_json(
             200,
@@ -332,24 +422,6 @@ def _answer(
         h.send_bytes(200, ("WEBVTT\n\n" + "".join(cues)).encode(), "text/vtt; charset=utf-8")
     else:
         h.send_bytes(200, "".join(cues).encode(), "text/plain; charset=utf-8")
-
-
-def _segment(i: int, span: tuple[float, float], out: Any, temperature: float) -> dict[str, Any]:
-    start, end = span
-    raw = out.text.encode()
-    lps = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs or []) if t in lp]
-    return {
-        "id": i,
-        "seek": round(start * 100),  # in 10 ms feature frames, as Whisper counts
-        "start": start,
-        "end": end,
-        "text": out.text,
-        "tokens": list(out.token_ids),
-        "temperature": temperature,
-        "avg_logprob": sum(lps) / len(lps) if lps else 0.0,
-        "compression_ratio": len(raw) / len(zlib.compress(raw)) if raw else 0.0,
-        "no_speech_prob": None,
-    }
 
 
 def _cue(fmt: str, i: int, seg: dict[str, Any]) -> str:

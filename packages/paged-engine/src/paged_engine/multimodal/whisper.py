@@ -11,7 +11,25 @@ The decoder prompt's text is tokenized without special tokens added (a Whisper t
 add its own prefix and <|endoftext|>); a missing, None or empty decoder prompt is
 config.decoder_start_token_id alone. `whisper_prompt` builds the usual prefix from (language,
 task, timestamps); `WhisperAudio.transcription_prompt` (/v1/audio/transcriptions) puts a
-client's context text before it after <|startofprev|>, as Whisper's prompting does.
+client's context text before it after <|startofprev|>, cut to its last
+max_target_positions // 2 - 1 tokens as OpenAI's Whisper cuts it (and transformers' long-form
+generate cuts the previous window's tokens).
+
+Speech-to-text helpers for the server (which runs them through the engine, never a second
+model):
+- `language_detection()`: transformers' `detect_language` as one engine request: the decoder
+  start token alone, max_tokens=1, greedy over allowed_token_ids = the tokenizer's language
+  tokens (<|en|>, ...; transformers masks every other logit of that step to -inf and takes
+  the argmax: the same token).
+- `transcription_prompt(..., timestamps=True)`: the prefix without <|notimestamps|> and with
+  <|0.00|> forced after it (as vLLM's verbose_json does: nothing here applies Whisper's
+  timestamp rules to the sampled tokens, so the first timestamp is written, not sampled).
+- `timestamp_segments(tokens)`: the generated ids after that <|0.00|> split at each pair of
+  adjacent timestamp tokens (timestamp i is id <|notimestamps|> + 1 + i, i * 0.02 s: two
+  encoder frames), as transformers' `decode(..., output_offsets=True)` splits them. Unlike
+  it: the prompt's <|0.00|> opens the first segment, times never wrap into a next 30 s
+  window (a decreasing timestamp is taken as it is), and text after the last timestamp (or
+  with none) is kept as a segment that ends with the window.
 
 `WhisperAudio.process` (an AudioProcessor, multimodal/audio.py, without a placeholder token)
 turns the clip (mono float32 at the feature extractor's 16 kHz, multimodal/audio_io.py) into
@@ -22,13 +40,16 @@ so it reaches the worker with every sequence that holds it (new, forked, resumed
 keys every prefix-cache block (two clips never share decoder KV). The decoder reads it through
 cross-attention (worker/cross_attention.py).
 
-Refused by name: more than one clip a prompt, a clip longer than the window (vLLM's chunking of
-long audio is not done), a prompt without audio, text in encoder_prompt, mm_processor_kwargs, a
-feature extractor whose window or mel count does not match the model's config.
+Refused by name: timestamps with a tokenizer whose <|notimestamps|> is not followed by
+<|0.00|> (`timestamps`), more than one clip a prompt, a clip longer than the window (vLLM's
+chunking of long audio is not done), a prompt without audio, text in encoder_prompt,
+mm_processor_kwargs, a feature extractor whose window or mel count does not match the model's
+config.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.multimodal.audio import AudioProcessor
@@ -38,6 +59,17 @@ from paged_engine.multimodal.layouts import digest
 
 WHAT = "multi_modal_data['audio']"
 TASKS = ("transcribe", "translate")
+
+
+@dataclass(slots=True)
+class Segment:
+    """One timed stretch of a window's transcript, in seconds from the window's start."""
+
+    start: float
+    end: float
+    text: str
+    tokens: list[int]  # its ids, bounding timestamp tokens included
+    sampled: tuple[int, int]  # [a, b): where its sampled ids sit in the generated ids
 
 
 def whisper_prompt(
@@ -119,6 +151,13 @@ class WhisperAudio(AudioProcessor):
                 f"of {config.num_mel_bins} (config.max_source_positions, config.num_mel_bins)"
             )
         self.span = int(config.max_target_positions)  # every decoder position
+        from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+        vocab = tokenizer.get_vocab()
+        # {language token id: its code}; <|0.00|> where it follows <|notimestamps|>, else None
+        self.languages = {vocab[f"<|{c}|>"]: c for c in LANGUAGES if f"<|{c}|>" in vocab}
+        first = vocab.get("<|0.00|>")
+        self.first_timestamp = first if first == vocab.get("<|notimestamps|>", -2) + 1 else None
 
     def placeholder_id(self) -> int:
         return -1  # no token stands for the clip: the decoder cross-attends to it
@@ -131,17 +170,88 @@ class WhisperAudio(AudioProcessor):
         /v1/audio routes split a longer clip at quiet points and run each window."""
         return int(self.extractor.n_samples)
 
-    def transcription_prompt(self, language: str | None, task: str, prompt: str) -> dict:
+    def transcription_prompt(
+        self, language: str | None, task: str, prompt: str, timestamps: bool = False
+    ) -> dict:
         """/v1/audio/transcriptions' decoder prompt: [<|startofprev|> context] then
-        `whisper_prompt` (language None: "en", as vLLM defaults it)."""
-        ids = whisper_prompt(self.tokenizer, language or "en", task)
+        `whisper_prompt` (language None: "en", as vLLM defaults it); `timestamps`: ending in
+        <|0.00|> instead of <|notimestamps|>."""
+        ids = whisper_prompt(self.tokenizer, language or "en", task, timestamps)
+        if timestamps:
+            ids.append(self._first_timestamp("timestamps"))
         if not prompt:
             return {"prompt_token_ids": ids}
         prev = self.tokenizer.get_vocab().get("<|startofprev|>")
         if prev is None:
             raise ValueError("prompt: this Whisper tokenizer has no <|startofprev|> token")
         context = self.tokenizer.encode(" " + prompt.strip(), add_special_tokens=False)
-        return {"prompt_token_ids": [prev, *context, *ids]}
+        keep = self.span // 2 - 1  # OpenAI's Whisper: the context's last n_text_ctx // 2 - 1
+        return {"prompt_token_ids": [prev, *context[-keep:], *ids]}
+
+    # ---- language detection and timestamps (the /v1/audio routes) ----------------------------
+    def language_detection(self) -> tuple[dict, dict[int, str]] | None:
+        """(the detection prompt without the audio, {language token id: its code}) for one
+        greedy step restricted to those ids; None for a tokenizer without language tokens
+        (English-only checkpoints)."""
+        if not self.languages:
+            return None
+        return {"prompt_token_ids": [int(self.config.decoder_start_token_id)]}, self.languages
+
+    @property
+    def time_precision(self) -> float:
+        """Seconds between timestamp tokens: two feature frames (conv2's stride)."""
+        return 2 * self.extractor.hop_length / self.sampling_rate
+
+    @property
+    def has_timestamps(self) -> bool:
+        """Whether the tokenizer has Whisper's timestamp tokens (`timestamps` prompts)."""
+        return self.first_timestamp is not None
+
+    def _first_timestamp(self, what: str) -> int:
+        """The id of <|0.00|>: the one after <|notimestamps|> (Whisper's layout)."""
+        if self.first_timestamp is None:
+            raise ValueError(
+                f"{what}: this Whisper tokenizer has no timestamp tokens (<|0.00|> right "
+                "after <|notimestamps|>)"
+            )
+        return self.first_timestamp
+
+    def timestamp_segments(self, generated: list[int], window: float) -> list[Segment]:
+        """The segments of tokens sampled after a `timestamps` prompt over a clip of `window`
+        seconds (see the module docstring); a trailing end-of-text is dropped."""
+        begin = self._first_timestamp("timestamps")
+        eos = self.tokenizer.eos_token_id
+        gen = list(generated[:-1] if generated and generated[-1] == eos else generated)
+        seq = [begin, *gen]  # the prompt's <|0.00|> opens the first segment
+        is_ts = [t >= begin for t in seq]
+        # a segment ends at a timestamp followed by another (the next one's start), or at the
+        # last timestamp
+        cuts = [i for i in range(1, len(seq)) if is_ts[i - 1] and is_ts[i]]
+        last_ts = max(i for i, t in enumerate(is_ts) if t)
+        if last_ts + 1 not in cuts:
+            cuts.append(last_ts + 1)
+        out, first = [], 0
+        for cut in cuts:
+            piece = seq[first:cut]
+            if len(piece) > 1:
+                end = (piece[-1] - begin) * self.time_precision
+                out.append(self._segment(piece, piece[0], end, first))
+            first = cut
+        if first < len(seq):  # text after the last timestamp: to the window's end
+            if cut - 1 == 0 or is_ts[cut - 2]:  # a lone timestamp opens it: its start
+                first -= 1
+            out.append(self._segment(seq[first:], seq[last_ts], window, first))
+        return out
+
+    def _segment(self, piece: list[int], opened: int, end: float, first: int) -> Segment:
+        """`piece` = seq[first : first + len(piece)], seq[0] the forced <|0.00|> (not
+        sampled): its sampled ids are generated[max(first - 1, 0) : first + len - 1]."""
+        begin = self._first_timestamp("timestamps")
+        words = [t for t in piece if t < begin]
+        text = self.tokenizer.decode(words, skip_special_tokens=True)
+        start = (opened - begin) * self.time_precision
+        sampled = (max(first - 1, 0), first + len(piece) - 1)
+        return Segment(start, end, text, piece, sampled)
 
     def request_prompt(self, prompt: Any) -> dict:
         return request_prompt(prompt, self.tokenizer, self.config)

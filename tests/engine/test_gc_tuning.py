@@ -15,7 +15,9 @@ def test_freeze_startup_heap(tiny_model_factory):
     before = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 1000  # modules, tokenizer, engine tables
+        # modules, tokenizer, engine tables; a frozen object another thread drops (xdist's
+        # channel, on a loaded machine) leaves the permanent generation: never more after
+        assert frozen >= gc.get_freeze_count() > 1000
         assert len(gc.get_objects()) < frozen  # what collections still walk
         after = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
         assert after == before

@@ -145,7 +145,7 @@ def test_wrapper_matches_hf_text_only(wrapper_dir):
 
 @pytest.mark.parametrize(
     ("media", "message"),
-    [("image", "multi_modal_data is not supported"), ("audio", "not supported")],
+    [("image", "multi_modal_data is not supported"), ("audio", "takes no audio")],
 )
 def test_wrapper_refuses_media(wrapper_dir, media, message):
     llm = _engine(wrapper_dir)

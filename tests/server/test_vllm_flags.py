@@ -100,7 +100,7 @@ def test_engine_flags(monkeypatch) -> None:
     "argv",
     [
         ["--distributed-executor-backend", "ray"],
-        ["--tokenizer-mode", "mistral"],
+        ["--tokenizer-mode", "slow"],
         ["--model-impl", "transformers"],
     ],
 )

@@ -14,6 +14,7 @@
 #   device run:                   bash benchmarks/gpu_run.sh phase8
 #   device run:                   bash benchmarks/gpu_run.sh phase9
 #   device run:                   bash benchmarks/gpu_run.sh int4
+#   device run:                   bash benchmarks/gpu_run.sh audio
 #   bash benchmarks/gpu_run.sh rehearse    # on the CPU machine: every step, tiny sizes, same code
 #
 # phase1: versions and GPU; every kernel test natively; decode-kernel benchmark (vs copy bandwidth and
@@ -86,6 +87,11 @@
 #         packed-checkpoint engine tests natively, then
 #         gpu_profile on Llama-3.1-8B's config at batch 1 and 64, bf16 weights against int4
 #         (phase6 has the fp8 side).
+# audio:  the audio paths against HF transformers (benchmarks/audio.py, bf16, seeded random
+#         weights): whisper-large-v3's config, 64 clips of 10-30 s transcribed greedily, 100
+#         tokens each, paged vs WhisperForConditionalGeneration.generate batched, and its
+#         encoder alone; then Qwen2-Audio-7B's config (17 GB), 64 clips through LLM.generate vs
+#         HF generate. Not yet run.
 # Results land in $OUT (the device tool brings them back; at most 8 files, 2 folders deep):
 # copy them to docs/benchmarks/<device slug>/ and run `python -m benchmarks.report`.
 # Every step has its own time limit, so a slow or hung step costs only its own budget.
@@ -456,6 +462,12 @@ case "$PHASE" in
     # speculative decoding with state backups on the native kernels and verification graphs
     step 120 hybrid-spec $PY -m pytest -q -p no:cacheprovider tests/engine/test_spec_decode_hybrid.py
     ;;
+  audio)  # Whisper-large-v3 and Qwen2-Audio-7B configs: paged vs HF generate, the encoder alone
+    step 240 audio-whisper $PY -m benchmarks.audio --preset gpu --sections whisper encoder \
+      --out "$OUT/audio-whisper" --note "gpu_run.sh audio"
+    step 330 audio-llm $PY -m benchmarks.audio --preset gpu --sections llm \
+      --out "$OUT/audio-llm" --note "gpu_run.sh audio"
+    ;;
   rehearse-diag)  # CPU: the diag phase's steps on tiny sizes
     export CUDA_VISIBLE_DEVICES=""
     step 300 gpu-profile $PY -m benchmarks.gpu_profile --smoke --out "$OUT"
@@ -485,6 +497,7 @@ case "$PHASE" in
       --out "$OUT/kv_memory.json"
     step 300 invariant-cost $PY -m benchmarks.batch_invariant --smoke --out "$OUT/batch_invariant.json"
     step 120 lora $PY -m benchmarks.lora --smoke --out "$OUT/lora"
+    step 120 audio $PY -m benchmarks.audio --preset tiny --out "$OUT/audio"
     step 300 gpt-oss-profile $PY -m benchmarks.gpu_profile --smoke --model-config gpt-oss-20b \
       --override-config "$MXFP4" --out "$OUT/gpt-oss"
     step 300 fp8-profile $PY -m benchmarks.gpu_profile --smoke --model-config llama-3.2-1b \
@@ -507,7 +520,7 @@ case "$PHASE" in
       --max-tokens 4 --out "$OUT/ssm_prefix_cache.json"
     ;;
   *)
-    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|next5|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|int4|rehearse|rehearse-diag" >&2
+    echo "usage: $0 phase1|diag|final|next|next2|next3|next4|next5|phase2|phase3|phase4|phase5|phase6|phase7|phase8|phase9|int4|audio|rehearse|rehearse-diag" >&2
     exit 2
     ;;
 esac

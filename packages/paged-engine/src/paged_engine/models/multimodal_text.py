@@ -183,12 +183,16 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         setattr(text, MEDIA_EMBEDDERS, _media_embedders(config, spec.media_embedders))
     setattr(text, MARKER, arch)
     from paged_engine.multimodal.archs import IMAGE_ARCHS
+    from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 
-    if arch in IMAGE_ARCHS:
-        logger.info("%s: its language model (%s), images through multimodal/", arch, target)
+    media = [m for m, archs in (("images", IMAGE_ARCHS), ("audio", AUDIO_ARCHS)) if arch in archs]
+    if media:
+        logger.info(
+            "%s: its language model (%s), %s through multimodal/", arch, target, " and ".join(media)
+        )
     else:
         logger.info(
-            "%s: serving its language model (%s) text-only; the vision weights are not loaded",
+            "%s: serving its language model (%s) text-only; the media towers are not loaded",
             arch,
             target,
         )

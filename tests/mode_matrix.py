@@ -52,6 +52,8 @@ MODES: dict[str, tuple[dict, str, str]] = {
     ),
     "async": ({"async_scheduling": True, "max_num_batched_tokens": 16}, "plain", "waves"),
     "spec": ({"speculative_config": NGRAM}, "plain", "waves"),
+    # async scheduling drafts at the rows the synchronous engine drafts at: seeded rows too
+    "spec-async": ({"speculative_config": NGRAM, "async_scheduling": True}, "spec", "waves"),
     "tp2": ({"tensor_parallel_size": 2}, "plain", "waves"),
     "pp2": ({"pipeline_parallel_size": 2}, "plain", "waves"),
     "swap": (

@@ -282,8 +282,6 @@ def test_what_speculation_refuses(llama):
         LLM(model=str(llama), speculative_config={"num_speculative_tokens": 2, "lookahead": 1})
     with pytest.raises(ValueError, match="method 'medusa' is not supported"):
         LLM(model=str(llama), speculative_config={"method": "medusa", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(model=str(llama), speculative_config=_spec(2), async_scheduling=True)
 
 
 def test_ngram_proposals():

@@ -399,11 +399,6 @@ class EngineConfig:
                     f"speculative_config.draft_tensor_parallel_size="
                     f"{spec.draft_tensor_parallel_size} must be 1 or tensor_parallel_size={tp}"
                 )
-            if self.async_scheduling:
-                raise ValueError(
-                    "async_scheduling=True is not supported with speculative_config: drafts "
-                    "come from each step's sampled tokens"
-                )
             if self.pipeline_parallel_size > 1:
                 raise ValueError(
                     "speculative_config is not supported with pipeline_parallel_size > 1"

@@ -11,7 +11,10 @@ step N's result is applied (its sampled tokens count as pending; the worker feed
 N+1 on the device), so the host work of one step hides behind the device work of the other.
 Without it, each step is applied before the next is scheduled. Outputs are identical either way:
 a token sampled for a sequence that finished meanwhile is dropped, and every seeded draw depends
-only on (seed, sample index, position).
+only on (seed, sample index, position). With speculative decoding a row that would draft
+waits for its pending token (n-gram drafts continue the host's tokens; a verify step's length
+is known only once it landed: spec_decode/planner.py), so speculating rows step synchronously
+while the others overlap; a request preempted with a verify step in flight recomputes.
 
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
 grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
@@ -428,6 +431,8 @@ class EngineCore:
             complete = constraint is not None and constraint.accept(seq.seq_id, token)
             if self._finish_on_token(seq, token, update, o, complete):
                 return appended
+        if seq.status != _RUNNING:  # preempted while the step ran (async): recomputes
+            return appended
         # Still running: computed = every token but the last (the next step's input); blocks
         # only past the drafts' positions go back (the worker's table is re-sent from there).
         seq.num_computed_tokens = len(seq.token_ids) - 1

@@ -294,10 +294,16 @@ class Scheduler:
         """Drop the request's device blocks, keep every token, back to the waiting head:
         swapped out to the CPU pool when `_swaps` says so and the pool has room (then its
         computed tokens stay computed), else for recompute. A pending token still arrives (its
-        step was scheduled); the request is not readmitted before it has."""
+        step was scheduled); the request is not readmitted before it has. A verify step in
+        flight (async scheduling) recomputes: its drafts' slots are not known to be KV yet."""
         del self.running[req]
         seqs = req.live_seqs()
-        swapped = allow_swap and self._swaps(seqs) and self.block_manager.swap_out(seqs)
+        swapped = (
+            allow_swap
+            and self._swaps(seqs)
+            and not any(map(_verifying, seqs))
+            and self.block_manager.swap_out(seqs)
+        )
         for seq in seqs:
             if not swapped:
                 self._release(seq)  # also resets num_computed_tokens to 0
@@ -342,6 +348,13 @@ class Scheduler:
                 return False
             if self.block_manager.allocate_slots(seq, n):
                 return True
+
+    def _waits(self, req: Request, seq: Sequence, budget: int) -> bool:
+        """Speculation under async scheduling: a sequence of a multi-sequence request that
+        would draft now (`DraftPlanner.due`) while its token is pending holds its request back
+        a step. (A sibling whose verify step is in flight plans no tokens: plan_tokens.)"""
+        assert self.draft_planner is not None
+        return seq.num_pending > 0 and self.draft_planner.due(req, seq, budget - 1)
 
     def _finishes_when_pending_lands(self, req: Request, seq: Sequence) -> bool:
         """Its pending token ends it for sure: scheduling it again would be wasted work."""
@@ -388,7 +401,9 @@ class Scheduler:
                     n = min(n, seq.state_checkpoints[0] - seq.num_computed_tokens)
                 if n > 0:
                     assert num_tokens <= max_len, "the engine finishes at max_model_len"
-                    if planner is not None and n == 1 and not seq.num_pending:
+                    if planner is not None and n == 1:
+                        if seq.num_pending and planner.due(req, seq, budget - 1):
+                            continue  # it drafts once its token landed (planner.py)
                         # Drafts ride along only where their blocks are free: never preempt.
                         drafts = planner.drafts(req, seq, budget - 1)
                         if drafts and allocate(seq, 1 + len(drafts)):
@@ -405,6 +420,7 @@ class Scheduler:
             if req.num_pending and (
                 req.needs_host_result
                 or all(self._finishes_when_pending_lands(req, s) for s in seqs)
+                or (planner is not None and any(self._waits(req, s, budget) for s in seqs))
             ):
                 continue  # (lengths may differ: each sequence speculates on its own)
             plan = self._reshare_plan(req, seqs, budget)
@@ -540,13 +556,9 @@ class Scheduler:
         assert planner is not None
         out = []
         for seq, n in plan:
-            # Only a row that runs exactly its last token, known to the host: a decode.
-            if (
-                n == 1
-                and budget
-                and not seq.num_pending
-                and seq.num_computed_tokens + 1 == len(seq.token_ids)
-            ):
+            # Only a row that runs exactly its last token: a decode (a pending one never drafts:
+            # the request waited if it was due, `_waits`).
+            if n == 1 and budget and seq.num_computed_tokens + 1 == seq.num_tokens:
                 drafts = planner.drafts(req, seq, budget)
                 if drafts and allocate(seq, 1 + len(drafts)):  # never preempts for drafts
                     self._drafts[seq.seq_id] = drafts
@@ -668,6 +680,12 @@ class Scheduler:
             mrope=req.mrope,
             embeds_prompt=is_embeds_prompt(req.mm_inputs),
         )
+
+
+def _verifying(seq: Sequence) -> bool:
+    """A verify step of `seq` is in flight: it computed past its known and pending tokens (its
+    drafts), and only the step's result tells how many of them count."""
+    return seq.num_pending > 0 and seq.num_computed_tokens >= seq.num_tokens
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

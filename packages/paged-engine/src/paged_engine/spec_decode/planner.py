@@ -13,9 +13,17 @@ worker's drafts would need the grammar), nor with a thinking budget. After that 
 each sequence of an n > 1 request drafts (over its own tokens) and is verified on its own. Drafts
 never run past max_tokens or max_model_len (the step emits at most drafts + 1 tokens).
 
-Switching off: each proposal that gets nothing accepted doubles a sequence's pause (steps
-without proposals, up to 64); an accepted token resets it. On text the n-grams do not predict
-the sequence soon stops paying for verification.
+Switching off: each proposal that gets nothing accepted doubles a sequence's pause (its next
+decode rows without proposals: 1, 2, 4, ... up to 64); an accepted token resets it. On text the
+n-grams do not predict the sequence soon stops paying for verification. The pause counts the
+sequence's own decode rows, not engine steps, so async scheduling (which adds steps where a
+sequence waits) drafts at exactly the rows the synchronous engine drafts at.
+
+Async scheduling: a row may be planned while its last token is still pending (sampled by the
+step in flight, known only on the device). It cannot draft then: n-gram drafts continue the
+host's tokens, and a verify row's position depends on how many drafts the step in flight
+accepts. `due` says whether it would draft now; the scheduler then holds it back a step, until
+its token lands, so it drafts exactly as the synchronous engine would.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ DRAFT_PLACEHOLDER = -1
 @dataclass(slots=True)
 class _Backoff:
     misses: int = 0  # proposals in a row with nothing accepted
-    resume_at: int = 0  # the step from which it proposes again
+    pause: int = 0  # decode rows left without proposals
 
 
 class DraftPlanner:
@@ -43,7 +51,6 @@ class DraftPlanner:
         self.config = config
         self.max_model_len = max_model_len
         self._backoff: dict[int, _Backoff] = {}  # seq id -> its pause
-        self._step = 0
         self._k = config.num_speculative_tokens  # drafts a row may run this step
         # Totals (vLLM's spec_decode_* counters): proposals, drafted and accepted tokens, and
         # per draft position j the proposals whose drafts 0..j were all accepted (so
@@ -56,31 +63,47 @@ class DraftPlanner:
     def next_step(self, batch_size: int = 0) -> None:
         """A new step, scheduled while `batch_size` requests run (the draft count may depend
         on it: num_speculative_tokens_per_batch_size)."""
-        self._step += 1
         self._k = self.config.num_tokens_at(batch_size)
 
+    def due(self, req: Request, seq: Sequence, budget: int) -> bool:
+        """Whether a decode row of `seq` would speculate now (with `budget` more tokens), in
+        which case a pending last token makes it wait (async scheduling). Changes nothing."""
+        if not _eligible(req, self.config.uses_draft_model):
+            return False
+        state = self._backoff.get(seq.seq_id)
+        return (state is None or not state.pause) and self._room(req, seq, budget) > 0
+
     def drafts(self, req: Request, seq: Sequence, budget: int) -> list[int]:
-        """Drafts for a decode row of `seq` (its one new token is the last, known one) that
-        `budget` more tokens can carry; [] when it does not speculate."""
+        """Drafts for a decode row of `seq` (its one new token is the last one) that `budget`
+        more tokens can carry; [] when it does not speculate. Called once per decode row: a
+        paused sequence spends a row of its pause (a pending row too: it is not `due`)."""
         if not _eligible(req, self.config.uses_draft_model):
             return []
         state = self._backoff.get(seq.seq_id)
-        if state is not None and self._step < state.resume_at:
+        if state is not None and state.pause:
+            state.pause -= 1
             return []
-        tokens = seq.token_ids
-        room = min(self._k, budget, self.max_model_len - len(tokens) - 1)
-        if req.max_tokens is not None:
-            room = min(room, req.max_tokens - (len(tokens) - seq.num_prompt_tokens) - 1)
+        room = self._room(req, seq, budget)
         if room <= 0:
             return []
+        assert not seq.num_pending, "a pending row that is due waits for its token (Scheduler)"
         cfg = self.config
         if cfg.uses_draft_model:  # the worker's draft model fills these in at the step
             return [DRAFT_PLACEHOLDER] * room
+        tokens = seq.token_ids
         drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         constraint = req.constraint
         if constraint is not None and drafts:
             drafts = drafts[: constraint.valid_drafts(seq.seq_id, seq.output_token_ids, drafts)]
         return drafts
+
+    def _room(self, req: Request, seq: Sequence, budget: int) -> int:
+        """Drafts the row may run: never past max_tokens or max_model_len (pending included)."""
+        num = seq.num_tokens
+        room = min(self._k, budget, self.max_model_len - num - 1)
+        if req.max_tokens is not None:
+            room = min(room, req.max_tokens - (num - seq.num_prompt_tokens) - 1)
+        return room
 
     def feedback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """A verified step of `seq`: `num_accepted` of its `num_drafts` drafts were kept."""
@@ -92,10 +115,10 @@ class DraftPlanner:
             per_pos[j] += 1
         state = self._backoff.setdefault(seq.seq_id, _Backoff())
         if num_accepted:
-            state.misses, state.resume_at = 0, 0
+            state.misses, state.pause = 0, 0
             return
         state.misses += 1
-        state.resume_at = self._step + min(MAX_PAUSE, 2 ** (state.misses - 1))
+        state.pause = min(MAX_PAUSE, 2 ** (state.misses - 1))
 
     def forget(self, req: Request) -> None:
         for seq in req.seqs:

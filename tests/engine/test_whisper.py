@@ -234,7 +234,7 @@ def test_tensor_parallel(tiny):
     same(two, one)
 
 
-def test_refused(tiny):
+def test_refused(tiny, tmp_path):
     llm = engine(tiny, max_model_len=128)
     tok = llm.get_tokenizer()
     one = (clip(0, 1.0), SR)
@@ -292,6 +292,14 @@ def test_refused(tiny):
     ]:
         with pytest.raises(ValueError, match=match):
             engine(tiny, **kw)
+    # no feature extractor saved: nothing to serve (an audio LLM would serve its text model)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tiny.iterdir():
+        if f.name not in ("preprocessor_config.json", "processor_config.json"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"preprocessor_config\.json"):
+        engine(bare)
 
 
 def test_language_detection(tiny, hf):

@@ -89,7 +89,7 @@ from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.structured_output.manager import StructuredOutputManager
 from paged_engine.unicode_text import check_text
 from paged_engine.worker.cache_engine import CacheEngine, num_cpu_blocks
-from paged_engine.worker.cross_attention import encoder_decoder_engine_config
+from paged_engine.worker.cross_attention import encoder_decoder_engine_config, is_encoder_decoder
 from paged_engine.worker.recurrent_state import (
     fit_state_snapshots,
     hybrid_engine_config,
@@ -681,6 +681,8 @@ class LLMEngine:
         try:
             return build_audio_host(self.resolved.path, config, self.tokenizer, cfg.audio_limit)
         except ValueError as e:  # no feature extractor saved: the text model only
+            if is_encoder_decoder(self.hf_config):  # (Whisper has no text-only model)
+                raise
             logger.warning("%s: %s; serving without audio", self.resolved.path, e)
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "audio": 0}
             return None

@@ -53,11 +53,10 @@ from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, check_kwargs
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
-    _frames,
+    indexed_frames,
     raw_settings,
     video_fps,
     video_list,
-    video_meta,
 )
 
 ARCHS = ("Gemma4ForConditionalGeneration",)
@@ -228,17 +227,9 @@ class Gemma4VideoProcessor(Qwen3VideoProcessor):
         self, i: int, item: Any, kwargs: dict[str, Any]
     ) -> list[tuple[torch.Tensor, tuple[int, int], float]]:
         """Video i's frames: (patch rows [h * w, 3 p p], grid (h, w), time in seconds)."""
-        frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-        meta = video_meta(i, meta)
-        video = _frames(i, frames)  # [T, 3, H, W] uint8
+        video, meta, indices = indexed_frames(i, item)
         rate = meta.get("fps")
         fps = _DEFAULT_FPS if rate is None else video_fps(i, rate)
-        indices = list(meta.get("frames_indices") or range(video.shape[0]))
-        if len(indices) != video.shape[0]:
-            raise ValueError(
-                f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
-                f"{video.shape[0]} frames"
-            )
         s = self.settings
         asked = kwargs.get("do_sample_frames", meta.get("do_sample_frames"))
         sample = s["do_sample_frames"] and "frames_indices" not in meta if asked is None else asked

@@ -48,12 +48,11 @@ from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, smart_resiz
 from paged_engine.multimodal.qwen3_video import check_kwargs as qwen3_check_kwargs
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
-    _frames,
+    indexed_frames,
     patch_rows,
     raw_settings,
     video_fps,
     video_list,
-    video_meta,
 )
 
 ARCHS = (
@@ -261,17 +260,9 @@ class Glm4vVideoProcessor(Qwen3VideoProcessor):
         self, i: int, item: Any, kwargs: dict[str, Any]
     ) -> list[tuple[torch.Tensor, tuple[int, int, int], str]]:
         """Video i's pairs: (patch rows [h*w, C*tp*p*p], grid (1, h, w), timestamp text)."""
-        frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-        meta = video_meta(i, meta)
-        video = _frames(i, frames)  # [T, 3, H, W] uint8
+        video, meta, indices = indexed_frames(i, item)
         rate = meta.get("fps")
         fps = _DEFAULT_FPS if rate is None else video_fps(i, rate)
-        indices = list(meta.get("frames_indices") or range(video.shape[0]))
-        if len(indices) != video.shape[0]:
-            raise ValueError(
-                f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
-                f"{video.shape[0]} frames"
-            )
         s = self.settings
         sample = kwargs.get("do_sample_frames", meta.get("do_sample_frames"))
         if sample is None:  # frames a loader sampled, or without a rate, are kept as they are

@@ -32,13 +32,12 @@ from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
-    _frames,
+    indexed_frames,
     known_kwargs,
     patch_rows,
     raw_settings,
     video_fps,
     video_list,
-    video_meta,
 )
 
 # transformers' Qwen3VLVideoProcessor defaults
@@ -234,16 +233,8 @@ class Qwen3VideoProcessor:
 
     def _load(self, i: int, item: Any, kwargs: dict[str, Any]):
         """Video i's groups: (patch rows [h*w, C*tp*p*p], grid (1, h, w), timestamp text)."""
-        frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
-        meta = video_meta(i, meta)
-        video = _frames(i, frames)  # [T, 3, H, W] uint8
+        video, meta, indices = indexed_frames(i, item)
         fps = video_fps(i, meta.get("fps") or _DEFAULT_FPS)
-        indices = list(meta.get("frames_indices") or range(video.shape[0]))
-        if len(indices) != video.shape[0]:
-            raise ValueError(
-                f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
-                f"{video.shape[0]} frames"
-            )
         s = self.settings
         sample = kwargs.get("do_sample_frames", meta.get("do_sample_frames"))
         if sample is None:  # frames a loader sampled already keep their indices

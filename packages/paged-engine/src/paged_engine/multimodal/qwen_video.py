@@ -295,6 +295,22 @@ def video_meta(i: int, meta: Any) -> dict[str, Any]:
     return meta
 
 
+def indexed_frames(i: int, item: Any) -> tuple[torch.Tensor, dict[str, Any], list[int]]:
+    """Video i of multi_modal_data, (frames, metadata) or frames: its frames [T, 3, H, W] uint8,
+    its checked metadata and each frame's index in the source video (`frames_indices`, else
+    0 .. T - 1); a ValueError naming the video where they disagree."""
+    frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
+    meta = video_meta(i, meta)
+    video = _frames(i, frames)  # [T, 3, H, W] uint8
+    indices = list(meta.get("frames_indices") or range(video.shape[0]))
+    if len(indices) != video.shape[0]:
+        raise ValueError(
+            f"multi_modal_data['video'][{i}]: frames_indices has {len(indices)} entries for "
+            f"{video.shape[0]} frames"
+        )
+    return video, meta, indices
+
+
 def video_fps(i: int, rate: Any) -> float:
     """Video i's frame rate as a float; ValueError unless a number > 0."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:

@@ -305,7 +305,7 @@ def test_sampled_n_and_preemption(repeating, mode):
             )
         else:
             params.append(SamplingParams(temperature=0, **common))
-    kwargs = {"num_gpu_blocks_override": 14, "max_num_seqs": 10, "max_model_len": 96}
+    kwargs = {"num_gpu_blocks_override": 12, "max_num_seqs": 10, "max_model_len": 96}
     kwargs |= {"preemption_mode": mode, "swap_space": 0.05}
     llm, spec = _run(target, prompts, params, speculative_config=_spec(head, 3), **kwargs)
     stats = llm.get_stats()

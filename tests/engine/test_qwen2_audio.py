@@ -11,6 +11,7 @@ the server's chat path with an input_audio part, and bad input refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,13 @@ def test_bad_input_is_refused_by_name(tiny):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         prompt = {"prompt": ONE, "multi_modal_data": {"audio": clip}}
         llm.generate([{**prompt, "mm_processor_kwargs": {"fps": 2}}], greedy(0), use_tqdm=False)
+    # a processed clip whose features were cut after processing: refused, not a failed step
+    ids, (placed,), _ = llm.llm_engine.input_processor.audios.process(
+        llm.get_tokenizer().encode(ONE), clip
+    )
+    cut = dataclasses.replace(placed, pixel_values=placed.pixel_values[:, :-40])
+    with pytest.raises(ValueError, match="hash differs"):
+        llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"audio": cut}}], greedy(0))
     limited = engine(tiny, limit_mm_per_prompt={"audio": 0})
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         limited.generate([{"prompt": ONE, "multi_modal_data": {"audio": clip}}], greedy(0))

@@ -159,8 +159,15 @@ class AudioProcessor:
         return ids, out, added
 
     def _placed(self, token_ids: list[int], items: list[ImageInput]) -> tuple[ImageInput, ...]:
-        """Clips processed ahead: each must sit on a whole run of this model's placeholder."""
+        """Clips processed ahead: each must sit on a whole run of this model's placeholder, with
+        the features it was processed with (their hash: features of another length would reach
+        the encoder and fail the step there, not the request)."""
         for m in items:
+            if m.pixel_values is None or m.mm_hash != digest(m.pixel_values, m.image_size):
+                raise ValueError(
+                    "multi_modal_data['audio']: a processed clip's features are not the ones it "
+                    "was processed with (its hash differs): pass the clip itself"
+                )
             run = token_ids[m.offset : m.end]
             before = token_ids[m.offset - 1] if m.offset else None
             after = token_ids[m.end] if m.end < len(token_ids) else None

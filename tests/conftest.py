@@ -6,6 +6,7 @@ before the test modules import paged_kernels.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -18,9 +19,9 @@ if not HAS_CUDA:
     # starts: one intra-op thread avoids OpenMP threads spinning against each other.
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # engines (and server subprocesses) keep it
-    # Engines of tiny models on CPU: a 1 GiB pool (the default) is ~10^5 blocks, whose zeroing
-    # and bookkeeping were most of an engine's start. 1/4 GiB still holds the default model's
-    # 8k-token context in float32 with room to spare.
+    # Engines of tiny models on CPU: a 1 GiB pool (the default) is ~10^5 blocks, whose
+    # bookkeeping was most of an engine's start. 1/4 GiB still holds the default model's
+    # 8k-token context with room to spare.
     os.environ.setdefault("PAGED_CPU_KVCACHE_SPACE", "0.25")
 
 
@@ -52,6 +53,30 @@ def _test_gpu_share(monkeypatch: pytest.MonkeyPatch) -> None:
         return build(cls, **kwargs)
 
     monkeypatch.setattr(EngineConfig, "from_kwargs", classmethod(from_kwargs))
+
+
+# A finished engine is reference cycles (requests <-> sequences, workers <-> runners) holding
+# its weights and the KV blocks it wrote (and a test's transformers reference beside it); only
+# a full collection frees it, and with the heap of transformers' modules those run seldom: the
+# suite's two workers reached 10-13 GiB each (a CI worker was killed on the 24 GiB machine).
+# After a test that grew the process by GC_AFTER_GROWTH since the last collection, collect.
+GC_AFTER_GROWTH = 1 << 30
+_rss_after_gc = [0]
+
+
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no procfs: collect after every test that might have grown
+        return _rss_after_gc[0] + GC_AFTER_GROWTH
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if _rss() - _rss_after_gc[0] >= GC_AFTER_GROWTH:
+        gc.collect()
+        _rss_after_gc[0] = _rss()
 
 
 @pytest.fixture

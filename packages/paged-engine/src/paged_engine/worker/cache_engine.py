@@ -10,12 +10,23 @@ from paged_engine.attention import AttentionBackend
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.models import kv_cache_layout
 from paged_engine.models.hybrid import is_hybrid, num_kv_layers
+from paged_engine.worker import host_memory
 
 _FP8 = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
+
+
+def _zeros(
+    shape, *, dtype: torch.dtype, device: torch.device | None = None, pin_memory: bool = False
+) -> torch.Tensor:
+    """A zeroed cache tensor; in host memory that is not pinned, one whose pages are committed
+    only as blocks are written (worker/host_memory.py)."""
+    if (device is None or device.type == "cpu") and not pin_memory:
+        return host_memory.zeroed(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -136,8 +147,8 @@ class CacheEngine:
 
     def _pair(self, shape, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's (key, value) caches: two tensors, or one latent tensor twice."""
-        key = torch.zeros(shape, **kwargs)
-        return (key, key) if self.shared_kv else (key, torch.zeros(shape, **kwargs))
+        key = _zeros(shape, **kwargs)
+        return (key, key) if self.shared_kv else (key, _zeros(shape, **kwargs))
 
     def _unique(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return pair[:1] if self.shared_kv else pair

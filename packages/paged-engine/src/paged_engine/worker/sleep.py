@@ -14,9 +14,11 @@ a wake-up; CUDA graphs, which baked in the old addresses, are captured again by 
 `offload=True` (level 1) copies weights and buffers to host memory (pinned on CUDA) and back on
 wake-up. Otherwise (level 2, or sleeping the "weights" tag by name) only the buffers are kept:
 the weights come back holding garbage until `reload_weights` / `update_weights` fills them.
-The KV cache is never kept: it comes back zeroed. A storage several tensors share (a tied LM
-head, views of one fused weight) is handled once; storages torch cannot resize (memory-mapped
-files) and opaque objects (fbgemm's packed fp16 weights) stay where they are.
+The KV cache is never kept: it comes back zeroed (a CPU cache, lazily zeroed host memory
+(worker/host_memory.py), gives its pages back by madvise instead of a resize). A storage
+several tensors share (a tied LM head, views of one fused weight) is handled once; storages
+torch cannot resize (memory-mapped files) and opaque objects (fbgemm's packed fp16 weights)
+stay where they are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from paged_engine.layers.quantization import Method
+from paged_engine.worker import host_memory
 from paged_kernels import Fp8Weight, Int4Weight
 
 TAGS = ("weights", "kv_cache")
@@ -93,7 +96,8 @@ class SleepingMemory:
                 continue
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
-            if not storage.nbytes() or ptr in exclude or not storage.resizable():
+            resizable = storage.resizable() or host_memory.is_lazy(storage)
+            if not storage.nbytes() or ptr in exclude or not resizable:
                 continue
             known = found.get(ptr)
             found[ptr] = (storage, weight and (known is None or known[1]))
@@ -120,7 +124,8 @@ class SleepingMemory:
                 backup.copy_(_bytes(storage))
             slept.append(_Slept(storage, n, backup, zero=tag == "kv_cache"))
         for s in slept:
-            s.storage.resize_(0)
+            if not host_memory.release(s.storage):  # (a lazily zeroed host cache: madvise)
+                s.storage.resize_(0)
         self.asleep[tag] = slept
         return sum(s.nbytes for s in slept)
 
@@ -128,6 +133,8 @@ class SleepingMemory:
         """Grow the tag's storages back: copied from their host backups, zeroed (the KV cache)
         or left uninitialized (discarded weights)."""
         for s in self.asleep.pop(tag, []):
+            if host_memory.is_lazy(s.storage):  # its pages read as zeros since `release`
+                continue
             s.storage.resize_(s.nbytes)
             if s.backup is not None:
                 _bytes(s.storage).copy_(s.backup, non_blocking=True)

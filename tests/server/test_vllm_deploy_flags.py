@@ -152,7 +152,7 @@ def test_load_counts_the_requests_being_answered(served: ServerProc) -> None:
 
 def test_load_is_zero_without_tracking(real_server: ServerProc) -> None:
     assert real_server.request("GET", "/load")[2] == {"server_load": 0}
-    for argv in (["--chat-template-content-format", "openai"], ["--config-format", "mistral"]):
+    for argv in (["--chat-template-content-format", "openai"], ["--config-format", "bogus"]):
         with pytest.raises(SystemExit):
             parse_args(["m", *argv])
     parse_args(["m", "--chat-template-content-format", "string", "--config-format", "hf"])

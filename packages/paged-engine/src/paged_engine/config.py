@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _DTYPES = ("auto", "float16", "half", "bfloat16", "float32", "float")
-_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+_LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy", "mistral")
+_CONFIG_FORMATS = ("auto", "hf", "mistral")
 _BACKENDS = ("auto", "cpu", "triton", "torch")
 _DEVICES = ("auto", "cuda", "cpu")
 # vLLM's names for running a checkpoint as it is quantized (its quant_method: GPTQ / AWQ /
@@ -81,6 +82,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     seed: int = 0
     load_format: str = "auto"
+    # vLLM's: "hf" config.json, "mistral" params.json (mistral_format.py), "auto" config.json
+    # where there is one, else params.json; load_format="mistral" reads consolidated*.safetensors
+    config_format: str = "auto"
     enforce_eager: bool = False
     # vLLM's optimization level, an int or {"level": n} ("mode" too): 0 runs the model eagerly;
     # 1-3 run it through torch.compile (CPU only so far; worker/cpu_compile.py).
@@ -188,6 +192,12 @@ class EngineConfig:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
         _check(
             self.load_format in _LOAD_FORMATS, "load_format", self.load_format, str(_LOAD_FORMATS)
+        )
+        _check(
+            self.config_format in _CONFIG_FORMATS,
+            "config_format",
+            self.config_format,
+            str(_CONFIG_FORMATS),
         )
         _check(
             self.attention_backend in _BACKENDS,

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 # Mistral's tekken.json), chat templates and the custom code trust_remote_code may run.
 _METADATA_PATTERNS = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
 _SAFETENSORS_PATTERNS = ["*.safetensors"]
+# Mistral's native weights (params.json is among the metadata): fetched instead of the HF-named
+# ones for config_format / load_format "mistral", or where a repo has no others; never both.
+_MISTRAL_PATTERNS = ["consolidated*.safetensors"]
 _TORCH_PATTERNS = ["*.bin", "*.pt"]
 _TRUE = ("1", "on", "yes", "true")
 
@@ -39,22 +42,25 @@ def hub_snapshot(
     cache_dir: str | Path | None = None,
     weights: bool = True,
     token: str | bool | None = None,
+    mistral: bool = False,
 ) -> Path:
     """The snapshot directory of `repo_id` at `revision` (default branch if None); with
-    `weights=False` (a tokenizer from another repo) only its config and tokenizer files."""
+    `weights=False` (a tokenizer from another repo) only its config and tokenizer files;
+    `mistral`: Mistral's native weights instead of the HF-named ones."""
     from huggingface_hub import constants, snapshot_download
 
     offline = hub_offline()
     cache = Path(cache_dir) if cache_dir is not None else Path(constants.HF_HUB_CACHE)
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
 
-    def download(patterns: list[str]) -> Path:
+    def download(patterns: list[str], ignore: list[str] | None = _MISTRAL_PATTERNS) -> Path:
         return Path(
             snapshot_download(
                 repo_id=repo_id,
                 revision=revision,
                 cache_dir=cache_dir,
                 allow_patterns=patterns,
+                ignore_patterns=ignore,
                 local_files_only=offline,
                 token=token,
             )
@@ -63,7 +69,12 @@ def hub_snapshot(
     try:
         if not offline:
             logger.info("resolving %s on the Hugging Face Hub (cache %s)", where, cache)
+        if weights and mistral:
+            return download(_METADATA_PATTERNS + _MISTRAL_PATTERNS, ignore=None)
         path = download(_METADATA_PATTERNS + (_SAFETENSORS_PATTERNS if weights else []))
+        if weights and (path / "params.json").is_file() and not any(path.glob("*.safetensors")):
+            # A Mistral-only repo (no HF-named weights): its consolidated ones are the weights.
+            path = download(_METADATA_PATTERNS + _MISTRAL_PATTERNS, ignore=None)
         if weights and not any(path.glob("*.safetensors")) and not any(path.glob("*.gguf")):
             # No safetensors in this repo: its PyTorch pickles are the weights.
             path = download(_METADATA_PATTERNS + _TORCH_PATTERNS)

@@ -47,7 +47,8 @@ from paged_engine.worker.kv_scales import split_kv_scales
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")
+# "mistral": params.json / consolidated*.safetensors (mistral_format.py)
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy", "mistral")
 _HUB_ID = re.compile(r"^[\w.\-]+(/[\w.\-]+)?$")
 
 
@@ -68,11 +69,13 @@ def resolve_model(
     download_dir: str | Path | None = None,
     weights: bool = True,
     token: str | bool | None = None,
+    mistral: bool = False,
 ) -> ResolvedModel:
     """A local HF-format dir, a .gguf file (or a dir holding exactly one), or a hub id
     (`revision`: branch, tag or commit; `download_dir`: a cache other than the standard one;
     `weights=False`: a tokenizer-only use, so a hub download skips the weight files; `token`:
-    a Hub token other than HF_TOKEN's)."""
+    a Hub token other than HF_TOKEN's; `mistral`: a hub download fetches Mistral's native
+    params.json / consolidated weights instead of the HF-named ones)."""
     name = str(model)
     path = Path(name).expanduser()
     if path.is_file():
@@ -90,11 +93,12 @@ def resolve_model(
         raise FileNotFoundError(f"model path {name!r} does not exist")
     from paged_engine.hub import hub_snapshot
 
-    return _resolve_dir(name, hub_snapshot(name, revision, download_dir, weights, token))
+    path = hub_snapshot(name, revision, download_dir, weights, token, mistral=mistral)
+    return _resolve_dir(name, path)
 
 
 def _resolve_dir(name: str, path: Path) -> ResolvedModel:
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() or (path / "params.json").is_file():  # HF / Mistral
         return ResolvedModel(name, path)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
@@ -102,15 +106,22 @@ def _resolve_dir(name: str, path: Path) -> ResolvedModel:
     if len(ggufs) > 1:
         listed = ", ".join(g.name for g in ggufs)
         raise ValueError(f"{path} holds several .gguf files ({listed}); pass one file path")
-    raise FileNotFoundError(f"{path} has neither config.json nor a .gguf file")
+    raise FileNotFoundError(f"{path} has neither config.json, params.json nor a .gguf file")
 
 
-def load_hf_config(resolved: ResolvedModel, trust_remote_code: bool = False):
-    """The transformers PretrainedConfig (built from GGUF metadata for .gguf models)."""
+def load_hf_config(
+    resolved: ResolvedModel, trust_remote_code: bool = False, config_format: str = "auto"
+):
+    """The transformers PretrainedConfig (built from GGUF metadata for .gguf models, from
+    params.json for Mistral's native format: `config_format`, mistral_format.py)."""
     if resolved.is_gguf:
         from paged_engine.gguf import gguf_to_hf_config
 
         return with_kv_head_count(gguf_to_hf_config(_open_gguf(resolved.gguf_file)))
+    from paged_engine.mistral_format import config_format_of, mistral_hf_config
+
+    if config_format_of(resolved.path, config_format) == "mistral":
+        return with_kv_head_count(mistral_hf_config(resolved.path))
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
@@ -400,6 +411,10 @@ def iter_weights(
         from paged_engine.gguf import gguf_weights
 
         return gguf_weights(_open_gguf(resolved.gguf_file))
+    if load_format == "mistral":
+        from paged_engine.mistral_format import mistral_weights
+
+        return mistral_weights(resolved.path)
     files = _weight_files(resolved.path, load_format)
     return _iter_safetensors(files) if load_format == "safetensors" else _iter_pt(files)
 
@@ -407,8 +422,11 @@ def iter_weights(
 def _detect_format(resolved: ResolvedModel) -> str:
     if resolved.is_gguf:
         return "gguf"
-    if any(resolved.path.glob("*.safetensors")):
+    # HF-named weights first where a repo has both them and Mistral's consolidated ones
+    if any(not f.name.startswith("consolidated") for f in resolved.path.glob("*.safetensors")):
         return "safetensors"
+    if any(resolved.path.glob("consolidated*.safetensors")):
+        return "mistral"
     if any(resolved.path.glob("*.bin")):
         return "pt"
     raise FileNotFoundError(f"no *.safetensors or *.bin weights in {resolved.path}")
@@ -424,7 +442,9 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         files = [path / s for s in shards]
     else:
-        files = sorted(f for f in path.glob(pattern) if not f.name.startswith("training_args"))
+        # consolidated*: Mistral's native copy of the same weights (load_format="mistral")
+        skip = ("training_args", "consolidated")
+        files = sorted(f for f in path.glob(pattern) if not f.name.startswith(skip))
     if not files:
         raise FileNotFoundError(f"no {pattern} weight files in {path}")
     return files

@@ -71,6 +71,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         stream_interval=args.stream_interval,
         seed=args.seed,
         load_format=args.load_format,
+        config_format=args.config_format,
         trust_remote_code=args.trust_remote_code,
         enforce_eager=args.enforce_eager,
         compilation_config=args.compilation_config,

@@ -299,7 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="answer 429 while this many requests wait; default: unbounded",
     )
-    p.add_argument("--load-format", default="auto")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        help="auto, safetensors, pt, gguf, dummy, or mistral (consolidated*.safetensors); "
+        "auto prefers HF-named weights where a repo has both",
+    )
     p.add_argument(
         "--trust-remote-code",
         action="store_true",
@@ -419,9 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--config-format",
-        choices=["auto", "hf"],
+        choices=["auto", "hf", "mistral"],
         default="auto",
-        help="the model's config is transformers' config.json (or a GGUF file's metadata)",
+        help="vLLM's: 'hf' config.json (or a GGUF file's metadata), 'mistral' params.json "
+        "(Mistral's native format); 'auto' config.json where there is one, else params.json",
     )
     p.add_argument(
         "--logprobs-mode",

@@ -119,9 +119,15 @@ class LLMEngine:
             forkserver_context()
         logger.info("resolving model %s", config.model)
         self.resolved = resolve_model(
-            config.model, config.revision, config.download_dir, token=config.hf_token
+            config.model,
+            config.revision,
+            config.download_dir,
+            token=config.hf_token,
+            mistral="mistral" in (config.config_format, config.load_format),  # hub files
         )
-        self.hf_config = load_hf_config(self.resolved, config.trust_remote_code)
+        self.hf_config = load_hf_config(
+            self.resolved, config.trust_remote_code, config.config_format
+        )
         apply_hf_overrides(self.hf_config, config.hf_overrides)
         convert_architectures(self.hf_config, config.convert)  # convert="classify"
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config

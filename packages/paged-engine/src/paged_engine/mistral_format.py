@@ -1,0 +1,273 @@
+"""Mistral AI's native checkpoint format (vLLM's `config_format="mistral"` /
+`load_format="mistral"`): `params.json` as the config, `consolidated*.safetensors` as the weights.
+
+    config = mistral_hf_config(path)          # a transformers MistralConfig / MixtralConfig
+    weights = mistral_weights(path)           # (HF name, tensor), as model.safetensors holds them
+
+params.json names the text model's shape Mistral's way (dim, n_layers, n_heads, ...); each field
+is mapped to its transformers name, and a field paged does not map (a vision encoder, audio,
+quantization, MLA, ...) is refused by name rather than ignored. The tensors are renamed
+(`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and wq / wk rows are
+permuted: Mistral's rotary embedding rotates adjacent pairs (rows 2i, 2i+1 of a head), HF's
+rotates the two halves (rows i, i + head_dim/2), so row 2i + j of a head becomes row
+j * head_dim/2 + i (the same permutation transformers' conversion script applies).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PARAMS_FILE = "params.json"
+CONFIG_FORMATS = ("auto", "hf", "mistral")
+_CONSOLIDATED = "consolidated*.safetensors"
+
+# params.json name -> transformers name; the value is taken as it is
+_RENAMED = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "hidden_dim": "intermediate_size",
+    "head_dim": "head_dim",
+    "norm_eps": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+    "tied_embeddings": "tie_word_embeddings",
+}
+# read below with their own rules
+_HANDLED = {
+    "rope_theta",
+    "sliding_window",
+    "max_position_embeddings",
+    "max_seq_len",
+    "moe",
+    "yarn",
+    "dtype",
+    "model_type",
+    "activation",
+    "quantization",
+    "max_batch_size",  # mistral_inference's runtime batch limit: changes no output
+}
+_REFUSED = {  # field -> why; checked before the generic "not mapped" refusal
+    "vision_encoder": "a vision encoder (Pixtral-style image input)",
+    "multimodal": "multimodal (vision / audio) encoders",
+    "llama_4_scaling": "Llama-4 attention scaling (Mistral Large 3)",
+    "qk_nope_head_dim": "multi-head latent attention (Mistral Large 3)",
+}
+_MOE_FIELDS = {"num_experts": "num_local_experts", "num_experts_per_tok": "num_experts_per_tok"}
+# yarn field -> (rope_parameters name, type), as vLLM maps them
+_YARN_FIELDS = {
+    "factor": ("factor", float),
+    "original_max_position_embeddings": ("original_max_position_embeddings", int),
+    "beta": ("beta_fast", float),
+    "alpha": ("beta_slow", float),
+}
+_DEFAULT_MAX_POSITIONS = 128_000  # vLLM's, where params.json names no length
+# Where params.json names none (Mistral 7B v0.1's): its HF config's value and transformers'
+# Mistral default; mistral_inference would take 1e6, so a warning says which is used
+_DEFAULT_ROPE_THETA = 10_000.0
+_ST_FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def config_format_of(path: Path, config_format: str) -> str:
+    """The config format of a checkpoint directory, "hf" or "mistral": "auto" takes config.json
+    where there is one, else params.json (as vLLM does)."""
+    if config_format not in CONFIG_FORMATS:
+        raise ValueError(f"unknown config_format {config_format!r}; choose from {CONFIG_FORMATS}")
+    if config_format != "auto":
+        return config_format
+    if not (path / "config.json").is_file() and (path / PARAMS_FILE).is_file():
+        return "mistral"
+    return "hf"
+
+
+def read_params(path: Path) -> dict[str, Any]:
+    file = path / PARAMS_FILE
+    if not file.is_file():
+        raise FileNotFoundError(f"config_format='mistral' but {path} has no {PARAMS_FILE}")
+    params = json.loads(file.read_text())
+    if not isinstance(params, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return params
+
+
+def mistral_hf_config(path: Path):
+    """The transformers config of the text model params.json describes (MistralForCausalLM, or
+    MixtralForCausalLM with a `moe` section); ValueError naming each field it cannot map."""
+    import transformers
+
+    params = {k: v for k, v in read_params(path).items() if v is not None}
+    for field, why in _REFUSED.items():
+        if field in params:
+            raise ValueError(
+                f"{PARAMS_FILE} field {field!r} ({why}) is not supported in Mistral's native "
+                "format; serve the repo's Hugging Face files (config_format='hf')"
+            )
+    unknown = sorted(set(params) - set(_RENAMED) - _HANDLED)
+    if unknown:
+        raise ValueError(
+            f"{PARAMS_FILE} fields {unknown} are not mapped by paged and may change the model; "
+            "serve the repo's Hugging Face files (config_format='hf')"
+        )
+    if params.get("quantization"):
+        raise ValueError(
+            f"{PARAMS_FILE} field 'quantization' is not supported in Mistral's native format"
+        )
+    if params.get("model_type", "transformer") != "transformer":
+        raise ValueError(f"{PARAMS_FILE} model_type {params['model_type']!r} is not supported")
+    if params.get("activation", "silu") != "silu":
+        raise ValueError(f"{PARAMS_FILE} activation {params['activation']!r} is not supported")
+    kwargs: dict[str, Any] = {new: params[old] for old, new in _RENAMED.items() if old in params}
+    if "head_dim" not in kwargs:
+        kwargs["head_dim"] = params["dim"] // params["n_heads"]
+    kwargs.setdefault("tie_word_embeddings", False)
+    lengths = [params[k] for k in ("max_position_embeddings", "max_seq_len") if k in params]
+    kwargs["max_position_embeddings"] = min(lengths, default=_DEFAULT_MAX_POSITIONS)
+    kwargs["rope_parameters"] = _rope(params)
+    kwargs.update(_sliding(params.get("sliding_window"), params["n_layers"]))
+    kwargs["dtype"] = params.get("dtype") or _checkpoint_dtype(path)
+    moe = params.get("moe")
+    if moe:
+        extra = sorted(set(moe) - set(_MOE_FIELDS))
+        if extra:
+            raise ValueError(f"{PARAMS_FILE} moe fields {extra} are not supported")
+        kwargs.update({new: moe[old] for old, new in _MOE_FIELDS.items() if old in moe})
+        return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **kwargs)
+    return transformers.MistralConfig(architectures=["MistralForCausalLM"], **kwargs)
+
+
+def _rope(params: dict[str, Any]) -> dict[str, Any]:
+    if "rope_theta" not in params:
+        logger.warning("%s names no rope_theta: using %s", PARAMS_FILE, _DEFAULT_ROPE_THETA)
+    theta = float(params.get("rope_theta", _DEFAULT_ROPE_THETA))
+    yarn = dict(params.get("yarn") or {})
+    if not yarn:
+        return {"rope_type": "default", "rope_theta": theta}
+    rope: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta, "mscale_all_dim": 1}
+    for old, (new, cast) in _YARN_FIELDS.items():
+        if old in yarn:
+            rope[new] = cast(yarn.pop(old))
+    if not yarn.pop("apply_scale", True):  # no magnitude correction
+        rope["attention_factor"] = 1.0
+    if yarn:
+        raise ValueError(f"{PARAMS_FILE} yarn fields {sorted(yarn)} are not supported")
+    return rope
+
+
+def _sliding(window: int | list | None, layers: int) -> dict[str, Any]:
+    """sliding_window: an int (every layer), or a per-layer pattern repeated over the layers
+    (None: full attention) -> transformers' int window plus layer_types."""
+    if window is None:
+        return {"sliding_window": None}  # MistralConfig would default to 4096
+    if isinstance(window, int):
+        return {"sliding_window": window}
+    sizes = {w for w in window if w is not None}
+    if not isinstance(window, list) or not window or len(sizes) > 1 or layers % len(window):
+        raise ValueError(
+            f"{PARAMS_FILE} sliding_window {window!r}: expected an int or a pattern of one "
+            "window size (and None) that divides the layer count"
+        )
+    pattern = window * (layers // len(window))
+    types = ["full_attention" if w is None else "sliding_attention" for w in pattern]
+    return {"sliding_window": next(iter(sizes), None), "layer_types": types}
+
+
+def consolidated_files(path: Path) -> list[Path]:
+    files = sorted(path.glob(_CONSOLIDATED))
+    if not files:
+        raise FileNotFoundError(
+            f"load_format='mistral' but {path} has no {_CONSOLIDATED} (Mistral's native weights)"
+        )
+    return files
+
+
+def _checkpoint_dtype(path: Path) -> str | None:
+    """The first floating tensor's dtype in the consolidated weights (what dtype="auto"
+    serves, as a config.json's `dtype` would say); None where there are none."""
+    from paged_engine.loader import safetensors_header
+
+    for file in sorted(path.glob(_CONSOLIDATED)):
+        with open(file, "rb") as f:
+            header, _ = safetensors_header(f)
+        for name, info in header.items():
+            if name != "__metadata__" and info["dtype"] in _ST_FLOAT_DTYPES:
+                return _ST_FLOAT_DTYPES[info["dtype"]]
+    return None
+
+
+# Mistral module name (after `layers.N.`) -> HF's
+_LAYER_NAMES = {
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.gate": "block_sparse_moe.gate",  # Mixtral's router
+}
+_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight)$")
+_EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])$")
+
+
+def hf_name(name: str) -> str:
+    """The HF name of a consolidated tensor; ValueError for one paged does not know."""
+    module, _, kind = name.rpartition(".")
+    if kind == "weight" and module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.weight"
+    match = _LAYER.fullmatch(name)
+    if match is not None:
+        layer, sub = match.group(1), match.group(2)
+        if sub in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[sub]}.weight"
+        expert = _EXPERT.fullmatch(sub)
+        if expert is not None:  # Mixtral's experts keep Mistral's w1 / w2 / w3 names in HF
+            return f"model.layers.{layer}.block_sparse_moe.experts.{expert[1]}.{expert[2]}.weight"
+    raise ValueError(f"load_format='mistral': unknown tensor {name!r} in the consolidated weights")
+
+
+def rotate_half_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """wq / wk [heads * head_dim, dim] from Mistral's interleaved rotary pairs to HF's halves:
+    row 2i + j of each head -> row j * head_dim / 2 + i."""
+    rows, cols = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _head_counts(path: Path) -> tuple[int, int]:
+    """(query heads, KV heads) from params.json, else config.json (load_format='mistral' with
+    an HF config)."""
+    if (path / PARAMS_FILE).is_file():
+        params = read_params(path)
+        return params["n_heads"], params.get("n_kv_heads") or params["n_heads"]
+    config = json.loads((path / "config.json").read_text())
+    config = config.get("text_config", config)
+    heads = config["num_attention_heads"]
+    return heads, config.get("num_key_value_heads") or heads
+
+
+def mistral_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, CPU tensor) of the consolidated weights, wq / wk rows permuted to HF's
+    rotary layout; streamed file by file."""
+    from paged_engine.loader import mmap_safetensors
+
+    files = consolidated_files(path)
+    heads, kv_heads = _head_counts(path)
+    for file in files:
+        for name, tensor in mmap_safetensors(file):
+            new = hf_name(name)
+            if new.endswith("self_attn.q_proj.weight"):
+                tensor = rotate_half_rows(tensor, heads)
+            elif new.endswith("self_attn.k_proj.weight"):
+                tensor = rotate_half_rows(tensor, kv_heads)
+            yield new, tensor

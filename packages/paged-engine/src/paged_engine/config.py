@@ -187,6 +187,10 @@ class EngineConfig:
     # vLLM's prompt embeddings input ({"prompt_embeds": tensor [L, D]}, engine/prompt_embeds.py):
     # off by default, as in vLLM; paged-server takes them on /v1/completions with it on.
     enable_prompt_embeds: bool = False
+    # vLLM's KV transfer between engines through shared storage (disaggregated prefill,
+    # kv_transfer/): {"kv_connector": "ExampleConnector", "kv_role": "kv_producer" |
+    # "kv_consumer" | "kv_both", "kv_connector_extra_config": {"shared_storage_path": dir}}
+    kv_transfer_config: Any = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", self.dtype, f"one of {_DTYPES}")
@@ -441,6 +445,10 @@ class EngineConfig:
                     "async_scheduling=True is not supported with logits_processors: they read "
                     "every output token on the host before the next step"
                 )
+        if self.kv_transfer_config is not None:
+            from paged_engine.kv_transfer.config import check_engine
+
+            check_engine(self)  # raises naming kv_transfer_config and the field
         if self.pipeline_parallel_size > 1 and self.async_scheduling:
             raise ValueError(
                 "async_scheduling=True is not supported with pipeline_parallel_size > 1: the "

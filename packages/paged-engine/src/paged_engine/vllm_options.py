@@ -55,7 +55,6 @@ ONLY_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
         "1 (offline: one LLM per process; paged-server --data-parallel-size serves replicas)",
     ),
     "skip_tokenizer_init": (lambda v: v is False, "False (the engine detokenizes)"),
-    "kv_transfer_config": (lambda v: v is None, "None (no disaggregated prefill)"),
     "calculate_kv_scales": (lambda v: v is False, "False (fp8 caches keep fixed scales)"),
     "cpu_offload_gb": (lambda v: v in (0, 0.0, None), "0 (weights stay on the device)"),
     "enable_return_routed_experts": (lambda v: v is False, "False"),

@@ -78,6 +78,7 @@ def build_engine(args: argparse.Namespace) -> Any:
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         speculative_config=args.speculative_config,
+        kv_transfer_config=args.kv_transfer_config,
         logits_processors=args.logits_processors,
         worker_extension_cls=args.worker_extension_cls,
         model_impl=args.model_impl,

@@ -111,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         "...}' (an EAGLE-3 head)",
     )
     p.add_argument(
+        "--kv-transfer-config",
+        type=_json_object,
+        default=None,
+        help="KV transfer through shared storage (disaggregated prefill), vLLM's form, e.g. "
+        '\'{"kv_connector": "ExampleConnector", "kv_role": "kv_producer", '
+        '"kv_connector_extra_config": {"shared_storage_path": "/shared/kv"}}\'',
+    )
+    p.add_argument(
         "--model-impl",
         choices=("auto", "vllm"),
         default="auto",

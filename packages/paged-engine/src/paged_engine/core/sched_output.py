@@ -69,6 +69,10 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Hybrid models: (src, dst) recurrent-state rows copied before the forward (forks).
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # KV transfer (kv_transfer/): (block id, storage key) filled from storage before the
+    # forward, and saved to it after the forward (only with a kv_transfer_config).
+    kv_loads: list[tuple[int, str]] = field(default_factory=list)
+    kv_saves: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

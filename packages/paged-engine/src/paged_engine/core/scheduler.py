@@ -55,6 +55,7 @@ from paged_engine.core.token_plan import (
     whole_image_plan,
     whole_images,
 )
+from paged_engine.kv_transfer.connector import KVConnector
 from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.spec_decode.planner import DraftPlanner
 
@@ -86,6 +87,7 @@ class Scheduler:
         max_loras: int = 0,
         policy: str = "fcfs",
         state_slots: StateSlots | None = None,
+        kv_connector: KVConnector | None = None,
     ) -> None:
         assert max_num_seqs > 0 and max_num_batched_tokens > 0 and max_model_len > 0
         assert policy in ("fcfs", "priority"), policy
@@ -120,6 +122,8 @@ class Scheduler:
         self.max_loras = max_loras
         # Hybrid models: each live sequence's recurrent-state row (None: no such state).
         self.state_slots = state_slots
+        # KV transfer (kv_transfer/connector.py): stored prompt blocks at admission (None: off)
+        self.kv_connector = kv_connector
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -233,6 +237,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus | None = None) -> None:
         self._reshare.discard(req)
+        if self.kv_connector is not None:
+            self.kv_connector.forget(req)
         if self.draft_planner is not None:
             self.draft_planner.forget(req)
         if req.status == RequestStatus.RUNNING:
@@ -524,6 +530,8 @@ class Scheduler:
         if slots is None:
             for seq in seqs:
                 bm.get_computed_blocks(seq)
+            if self.kv_connector is not None and len(seqs) == 1:  # (a fork reshares instead)
+                self.kv_connector.match(bm, seqs[0])
             return True
         if len(seqs) > 1:
             return False
@@ -649,6 +657,8 @@ class Scheduler:
                 updates.append((seq.seq_id, first, table[first:]))
                 seq.num_synced_blocks = len(table)
         out.num_batched_tokens = sum(num_new)
+        if self.kv_connector is not None:
+            self.kv_connector.build_step(out, planned)
         out.blocks_to_copy = bm.take_blocks_to_copy()
         out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
         self.step_seqs[out.step_id] = filled

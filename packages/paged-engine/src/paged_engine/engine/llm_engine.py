@@ -49,6 +49,8 @@ from paged_engine.engine.stats import EngineStats, engine_stats
 from paged_engine.executor.base import Executor
 from paged_engine.executor.multiproc import MultiprocExecutor
 from paged_engine.executor.uniproc import UniprocExecutor
+from paged_engine.kv_transfer.config import check_model as check_kv_transfer_model
+from paged_engine.kv_transfer.connector import build_connector
 from paged_engine.layers.rotary import scaled_context_limit
 from paged_engine.loader import (
     ResolvedModel,
@@ -138,6 +140,8 @@ class LLMEngine:
         )
         self.is_encoder = self.encoder is not None
         check_prompt_embeds(config, self.hf_config, self.is_encoder)
+        if config.kv_transfer_config is not None:  # models with state outside the KV blocks
+            check_kv_transfer_model(self.hf_config, is_encoder=self.is_encoder)
         self.tokenizer = load_tokenizer(
             self.resolved
             if config.tokenizer is None
@@ -283,6 +287,11 @@ class LLMEngine:
             preemption_mode=config.preemption_mode if config.swap_space else "recompute",
             max_loras=config.max_loras if config.enable_lora else 0,
             policy=config.scheduling_policy,
+            kv_connector=(
+                None
+                if config.kv_transfer_config is None
+                else build_connector(config, self.hf_config, worker)
+            ),
             state_slots=(
                 StateSlots(
                     config.max_num_seqs,

@@ -66,6 +66,10 @@ class EngineStats:
     # Sleep mode (engine/sleep_mode.py): "awake", "weights_offloaded", "discard_all", or ""
     # (paused, or only the KV cache sleeps).
     sleep_state: str = "awake"
+    # kv_transfer_config (vLLM's external prefix cache): prompt tokens of the requests looked up
+    # in storage, and the tokens loaded from it (counted as computed, never run)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
 
 
 def engine_stats(engine: LLMEngine) -> EngineStats:
@@ -99,7 +103,18 @@ def engine_stats(engine: LLMEngine) -> EngineStats:
         **_spec_stats(engine.draft_planner),
         **_lora_stats(engine),
         **_state_stats(engine),
+        **_kv_transfer_stats(engine),
     )
+
+
+def _kv_transfer_stats(engine: LLMEngine) -> dict[str, Any]:
+    connector = engine.scheduler.kv_connector
+    if connector is None:
+        return {}
+    return {
+        "external_prefix_cache_queries": connector.queries,
+        "external_prefix_cache_hits": connector.hits,
+    }
 
 
 def _state_stats(engine: LLMEngine) -> dict[str, Any]:

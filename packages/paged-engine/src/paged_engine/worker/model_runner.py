@@ -34,6 +34,7 @@ from paged_engine.distributed.communication import (
     send_tensor,
 )
 from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.kv_transfer.block_io import KVBlockIO, build_block_io
 from paged_engine.layers.batch_invariant import invariant_logsumexp
 from paged_engine.lora.manager import LoRAManager
 from paged_engine.models.llama import LayerAdditions
@@ -143,6 +144,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)
         self.vocab_size = int(hf_config.vocab_size)
         self.cache: CacheEngine | None = None
+        self.kv_transfer: KVBlockIO | None = None  # kv_transfer_config: loads / saves blocks
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, _model_dtype(model))
         self.graphs: CudaGraphRunner | None = None
         self.compiled: CompiledForward | None = None
@@ -223,6 +225,8 @@ class ModelRunner:
             backend=self.backend,
             num_cpu_blocks=cpu_blocks,
         )
+        if self.config.kv_transfer_config is not None:  # block files <-> this rank's cache
+            self.kv_transfer = build_block_io(self.config, self.cache)
         if self.draft is not None:  # the same blocks, a second set of tensors
             self.draft.init_cache(num_blocks, cpu_blocks)
         self.capture_graphs()
@@ -330,6 +334,8 @@ class ModelRunner:
         if sched.state_copies:
             assert self.states is not None
             self.states.copy_rows(sched.state_copies)
+        if self.kv_transfer is not None:  # stored blocks counted as computed: filled now
+            self.kv_transfer.load(sched)
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
@@ -338,6 +344,8 @@ class ModelRunner:
             return self._execute_stage(sched, cached, inputs)
         proposal = None if draft is None else draft.propose(sched, cached, inputs)
         hidden = self.forward(inputs)
+        if self.kv_transfer is not None:  # the step's full prompt blocks, to storage
+            self.kv_transfer.save(sched)
         out = self._sample(sched, cached, inputs, hidden, proposal)
         if draft is not None:
             draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features

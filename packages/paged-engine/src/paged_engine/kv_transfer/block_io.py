@@ -1,0 +1,97 @@
+"""The worker's side of KV transfer: copies whole blocks between the KV cache and the block
+files (storage.py), each rank its own shard (its KV heads; the rank is in the file name).
+
+Loads run before the step's forward (the scheduler counted those blocks as computed), saves
+after it (the blocks' KV was just written). A block file that fails its check at load time
+(changed since the scheduler's lookup checked it) raises: the step would otherwise run on KV
+that was never written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from paged_engine.kv_transfer.config import KVTransferConfig
+from paged_engine.kv_transfer.storage import Spec, block_path, dtype_name, read_block, write_block
+
+if TYPE_CHECKING:
+    from paged_engine.core.sched_output import SchedulerOutput
+    from paged_engine.worker.cache_engine import CacheEngine
+
+# distinct sizes: where the backend's layout puts each axis
+_N, _BS, _H, _D = 11, 13, 17, 19
+
+
+class KVBlockIO:
+    def __init__(self, cfg: KVTransferConfig, cache: CacheEngine) -> None:
+        from paged_engine.distributed.parallel_state import get_parallel_state
+
+        state = get_parallel_state()
+        self.rank, self.world = state.tp_rank, state.tp_size
+        self.root = cfg.shared_storage_path
+        self.cache = cache
+        shape = cache.backend.kv_cache_shape(_N, _BS, _H, _D)
+        self._block_dim = shape.index(_N)
+        rest = [d for d in shape if d != _N]
+        # a block's slice (layout order) -> [block_size, heads, head_dim], and back
+        self._to_canon = [rest.index(d) for d in (_BS, _H, _D)]
+        self._from_canon = [self._to_canon.index(i) for i in range(3)]
+        self._tensors: list[tuple[str, torch.Tensor]] = []  # (name, [num_blocks, ...] view)
+        for i, (k, v) in enumerate(cache.kv_caches):
+            for name, t in (("k", k),) if cache.shared_kv else (("k", k), ("v", v)):
+                self._tensors.append((f"{name}{i}", t.movedim(self._block_dim, 0)))
+        self.spec: Spec = [
+            (name, dtype_name(t.dtype), tuple(t.shape[1 + j] for j in self._to_canon))
+            for name, t in self._tensors
+        ]
+        if cfg.saves:
+            os.makedirs(self.root, exist_ok=True)
+
+    def path(self, key: str) -> str:
+        return block_path(self.root, key, self.rank, self.world)
+
+    def load(self, sched: SchedulerOutput) -> None:
+        """Fill `sched.kv_loads`' blocks from their files, before the forward."""
+        if not sched.kv_loads:
+            return
+        ids, blocks = [], []
+        for block_id, key in sched.kv_loads:
+            tensors = read_block(self.path(key), key, self.spec)
+            if tensors is None:
+                raise RuntimeError(
+                    f"kv_transfer_config: block file {self.path(key)} is gone or changed since "
+                    "the scheduler's lookup checked it (storage written by another model?)"
+                )
+            ids.append(block_id)
+            blocks.append(tensors)
+        device = self.cache.device
+        index = torch.tensor(ids, dtype=torch.int64, device=device)
+        perm = [0, *(1 + j for j in self._from_canon)]
+        for j, (_, t) in enumerate(self._tensors):
+            src = torch.stack([b[j] for b in blocks]).to(device)  # [n, bs, heads, dim]
+            t[index] = src.permute(perm)
+
+    def save(self, sched: SchedulerOutput) -> None:
+        """Write `sched.kv_saves`' blocks that storage lacks, after the forward."""
+        # one entry a key (requests with one prompt name its blocks in one step)
+        todo = [
+            (b, k)
+            for k, b in dict((k, b) for b, k in sched.kv_saves).items()
+            if not os.path.exists(self.path(k))
+        ]
+        if not todo:
+            return
+        index = torch.tensor([b for b, _ in todo], dtype=torch.int64, device=self.cache.device)
+        perm = [0, *(1 + j for j in self._to_canon)]
+        gathered = [t.index_select(0, index).permute(perm).cpu() for _, t in self._tensors]
+        for i, (_, key) in enumerate(todo):
+            write_block(
+                self.path(key), key, [(n, g[i]) for (n, _), g in zip(self._tensors, gathered)]
+            )
+
+
+def build_block_io(config: Any, cache: CacheEngine) -> KVBlockIO:
+    return KVBlockIO(KVTransferConfig.parse(config.kv_transfer_config), cache)

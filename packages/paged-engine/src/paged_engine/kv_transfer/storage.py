@@ -1,0 +1,115 @@
+"""One file per (block, tensor-parallel rank): the block's K/V of every layer this rank caches.
+
+    MAGIC | header length (8 bytes, little-endian) | header (JSON) | tensor bytes, in order
+
+The header holds the block's key and each tensor's (name, dtype, shape); tensors are in the
+canonical [block_size, num_kv_heads, head_dim] layout whatever the attention backend's. Files
+are written to a temporary name and renamed (`os.replace`), so a reader sees a whole file or
+none. A file is used only if its key, tensor list and size are exactly what the reader expects
+(`check_block`); anything else (missing, truncated, another model's) is a miss.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import threading
+
+import torch
+
+MAGIC = b"PAGEDKV1"
+_LEN = 8
+# (name, dtype name, shape) of each tensor a block file holds, in file order
+Spec = list[tuple[str, str, tuple[int, ...]]]
+
+
+def block_path(root: str, key: str, rank: int, world: int) -> str:
+    return os.path.join(root, f"{key}.tp{rank}of{world}.kv")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _itemsize(name: str) -> int:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(spec: Spec) -> int:
+    total = 0
+    for _, dtype, shape in spec:
+        n = _itemsize(dtype)
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def _read_header(f, key: str, spec: Spec, size: int) -> bool:
+    if f.read(len(MAGIC)) != MAGIC:
+        return False
+    hlen = int.from_bytes(f.read(_LEN), "little")
+    if hlen <= 0 or len(MAGIC) + _LEN + hlen > size:
+        return False
+    header = json.loads(f.read(hlen))
+    tensors = [(n, d, tuple(s)) for n, d, s in header["tensors"]]
+    expected = len(MAGIC) + _LEN + hlen + _nbytes(spec)
+    return header["key"] == key and tensors == list(spec) and size == expected
+
+
+def check_block(path: str, key: str, spec: Spec) -> bool:
+    """Is `path` a whole block file for `key` with exactly `spec`'s tensors? (Header only.)"""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            return _read_header(f, key, spec, size)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def read_block(path: str, key: str, spec: Spec) -> list[torch.Tensor] | None:
+    """The block's tensors (CPU), or None when the file is not `check_block`'s whole file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    try:
+        if not _read_header(io.BytesIO(data), key, spec, len(data)):
+            return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    offset = len(MAGIC) + _LEN + int.from_bytes(data[len(MAGIC) : len(MAGIC) + _LEN], "little")
+    buf = bytearray(data[offset:])  # writable: torch.frombuffer shares it
+    out, pos = [], 0
+    for _, dtype, shape in spec:
+        n = _itemsize(dtype)
+        for d in shape:
+            n *= d
+        raw = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=pos)
+        out.append(raw.view(getattr(torch, dtype)).reshape(shape))
+        pos += n
+    return out
+
+
+def write_block(path: str, key: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Write atomically: a temporary file in the same directory, then `os.replace`."""
+    header = {
+        "key": key,
+        "tensors": [[name, dtype_name(t.dtype), list(t.shape)] for name, t in tensors],
+    }
+    raw = json.dumps(header).encode()
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + len(raw).to_bytes(_LEN, "little") + raw)
+            for _, t in tensors:
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

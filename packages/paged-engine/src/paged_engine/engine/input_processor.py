@@ -17,8 +17,7 @@ from paged_engine.multimodal.audio import AudioProcessor
 from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
-from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
-from paged_engine.multimodal.qwen_video import QwenVideoProcessor
+from paged_engine.multimodal.qwen_video import VideoProcessor
 from paged_engine.pooling import truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sample.logits_processor import load_logits_processors
@@ -53,7 +52,7 @@ class InputProcessor:
         structured: StructuredOutputManager | None = None,
         default_params: dict | None = None,
         images: ImageProcessor | None = None,
-        videos: QwenVideoProcessor | Qwen3VideoProcessor | None = None,
+        videos: VideoProcessor | None = None,
         audios: AudioProcessor | None = None,
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
@@ -65,7 +64,7 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.structured = structured
         self.images = images  # a checkpoint whose images run (multimodal/), else None
-        # Qwen2-VL / 2.5-VL (multimodal/qwen_video.py) and Qwen3-VL / 3.5 (qwen3_video.py) videos
+        # a checkpoint whose videos run (multimodal/video_archs.py), else None
         self.videos = videos
         self.audios = audios  # a checkpoint whose audio runs (multimodal/audio_archs.py)
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None

@@ -65,22 +65,13 @@ from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
-from paged_engine.multimodal import qwen2_vl
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
-from paged_engine.multimodal.gemma4_video import ARCHS as GEMMA4_VIDEO_ARCHS
-from paged_engine.multimodal.gemma4_video import Gemma4VideoProcessor
-from paged_engine.multimodal.glm4v_video import ARCHS as GLM4V_VIDEO_ARCHS
-from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
-from paged_engine.multimodal.omni_video import ARCHS as OMNI_VIDEO_ARCHS
-from paged_engine.multimodal.omni_video import OmniVideoProcessor
 from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
 from paged_engine.multimodal.processor_cache import ProcessorCache
-from paged_engine.multimodal.qwen3_video import ARCHS as QWEN3_VIDEO_ARCHS
-from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_omni import thinker_config
-from paged_engine.multimodal.qwen_video import QwenVideoProcessor
+from paged_engine.multimodal.video_archs import VideoProcessor, video_processor_class
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import PoolingParams, matryoshka_sizes, to_sampling_params
 from paged_engine.runner import convert_architectures, serves
@@ -636,12 +627,11 @@ class LLMEngine:
             images.cache = ProcessorCache(int(cfg.mm_processor_cache_gb * 2**30))
         return images
 
-    def _video_processor(
-        self, images: ImageProcessor | None
-    ) -> QwenVideoProcessor | Qwen3VideoProcessor | None:
-        """The host side of video prompts on VIDEO_MODELS checkpoints (multimodal/archs.py);
-        None for other models and with limit_mm_per_prompt={"video": 0}. `images`: the image side,
-        whose wrapper config it shares when there is one."""
+    def _video_processor(self, images: ImageProcessor | None) -> VideoProcessor | None:
+        """The host side of video prompts on VIDEO_MODELS checkpoints (multimodal/archs.py),
+        built by multimodal/video_archs.py's table; None for other models and with
+        limit_mm_per_prompt={"video": 0}. `images`: the image side, whose wrapper config it
+        shares when there is one."""
         cfg = self.config
         if cfg.video_limit == 0 or not takes_images(self.resolved, self.hf_config):
             return None
@@ -650,31 +640,14 @@ class LLMEngine:
             if images is not None
             else wrapper_config(self.resolved.path, cfg.trust_remote_code)
         )
-        archs = set(config.architectures or ()) if config is not None else set()
-        qwen3 = bool(archs & set(QWEN3_VIDEO_ARCHS))
-        glm = bool(archs & set(GLM4V_VIDEO_ARCHS))
-        omni = bool(archs & set(OMNI_VIDEO_ARCHS))
-        gemma4 = bool(archs & set(GEMMA4_VIDEO_ARCHS))
-        if not (qwen3 or glm or omni or gemma4) and not archs & set(qwen2_vl.ARCHS):
+        archs = (config.architectures or ()) if config is not None else ()
+        build = video_processor_class(archs)
+        if build is None:
             return None
         if not processor_saved(self.resolved.path):  # served as its text model (logged above)
             return None
         try:
-            if glm:  # (a Qwen3VideoProcessor: GLM's frame pairs)
-                return Glm4vVideoProcessor(
-                    self.resolved.path, config, self.tokenizer, cfg.video_limit
-                )
-            if gemma4:  # (a Qwen3VideoProcessor: timestamped frames as image-like runs)
-                return Gemma4VideoProcessor(
-                    self.resolved.path, config, self.tokenizer, cfg.video_limit, cfg
-                )
-            if omni:  # (a QwenVideoProcessor: Omni's temporal step and M-RoPE table)
-                return OmniVideoProcessor(self.resolved.path, config, cfg.video_limit)
-            if qwen3:
-                return Qwen3VideoProcessor(
-                    self.resolved.path, config, self.tokenizer, cfg.video_limit
-                )
-            return QwenVideoProcessor(self.resolved.path, config, cfg.video_limit)
+            return build(self.resolved.path, config, self.tokenizer, cfg.video_limit, cfg)
         except ValueError as e:  # no processor settings a video can use: images only
             logger.warning("%s: videos are not taken: %s", self.resolved.path, e)
             return None

@@ -81,8 +81,8 @@ KINDS: dict[str, str] = {
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
 }
 IMAGE_ARCHS = tuple(KINDS)
-# the checkpoints whose videos run (multimodal/qwen_video.py, qwen3_video.py,
-# glm4v_video.py, omni_video.py, gemma4_video.py), for messages
+# the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
+# for messages
 VIDEO_MODELS = (
     "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4 and the "
     "Qwen2.5-Omni / Qwen3-Omni thinkers"

@@ -18,45 +18,28 @@
         the newlines merge with their neighbours'), "\\n\\n<start_of_audio>" + <audio_soft_token>
         x 188 + "<end_of_audio>\\n\\n"
 
-As transformers runs it: a key k of query q is read when q - (context_left - 1) <= k <= q +
-context_right and k is valid; logits are q * d^-0.5 / softplus(0) * softplus(per_dim_scale)
-against k plus q against a projection of the sinusoid of the distance q - k, soft-capped by tanh
-at conf_attention_logit_cap (transformers does this in blocks of conf_attention_chunk_size with a
-relative shift; here one dense [T, T] product). In the text model (models/gemma3n.py) the audio
-rows are causal, their per-layer token inputs read row 0 (the audio ids lie past
-vocab_size_per_layer_input), and <end_of_audio> (the first audio id) embeds through
-`embed_audio`'s token path, as the text model embeds every id past an embedder's offset.
+The tower (subsampling, conformer, `embed_audio`) is multimodal/gemma3n_audio_tower.py.
 
 A clip is encoded as transformers encodes it alone: its subsampling sees its own frames and
 zeros after them. (transformers' processor pads a prompt's clips to the longest, and the
 subsampling convolutions read a few frames of that padding, so the last valid rows of a shorter
 clip batched with a longer one differ from the clip alone; such padded features handed over
 processed give transformers' batched rows.) Clips are cut to the extractor's max_length (30 s).
-`transcription_prompt` is vLLM's fixed request for Gemma 3n. Weight names are HF's under
-`[model.]audio_tower.` and `[model.]embed_audio.`. Refused by name: a clip with more rows than
-audio_soft_tokens_per_image, subsampling settings other than two convolutions, a transcription
-`prompt` or a task other than "transcribe" / "translate".
+`transcription_prompt` is vLLM's fixed request for Gemma 3n. Refused by name: a clip with more
+rows than audio_soft_tokens_per_image, subsampling settings other than two convolutions, a
+transcription `prompt` or a task other than "transcribe" / "translate".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import nn
 
-from paged_engine.layers.norm import UnitRMSNorm
-from paged_engine.models.olmo2 import Olmo2RMSNorm
-from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
-from paged_engine.multimodal.gemma4_audio import CausalConv1d, sinusoids
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import run_starts
 
-_HF_EPS = 1e-6  # transformers' default eps of the conformer's FFN, attention and output norms
 # the languages OpenAI's transcription API lists (vLLM's table): ISO 639-1 code -> name
 LANGUAGES = {
     "af": "Afrikaans", "ar": "Arabic", "hy": "Armenian", "az": "Azerbaijani",
@@ -74,7 +57,7 @@ LANGUAGES = {
 }  # fmt: skip
 
 
-def _strides(audio: Any) -> list[tuple[int, int]]:
+def strides(audio: Any) -> list[tuple[int, int]]:
     return [(int(t), int(f)) for t, f in audio.sscp_conv_stride_size]
 
 
@@ -90,7 +73,7 @@ def check_config(config: Any) -> None:
 
 def subsampled(frames: int, audio: Any) -> int:
     """Rows of the subsampling over `frames` feature frames (each conv pads kernel - 1 after)."""
-    for s, _ in _strides(audio):  # (frames + kernel - 1 - kernel) // s + 1
+    for s, _ in strides(audio):  # (frames + kernel - 1 - kernel) // s + 1
         frames = (frames - 1) // s + 1
     return frames
 
@@ -98,7 +81,7 @@ def subsampled(frames: int, audio: Any) -> int:
 def valid_rows(frames: int, valid: int, audio: Any, reduction: int) -> int:
     """The clip's rows that reach the text model: row t (of the reduced rows) is valid when
     feature frame t * reduction * (time strides) lies inside the clip."""
-    stride = int(np.prod([s for s, _ in _strides(audio)]))
+    stride = int(np.prod([s for s, _ in strides(audio)]))
     rows = subsampled(frames, audio)
     kept = range(0, rows, reduction)
     return sum(1 for t in kept if min(t * stride, frames - 1) < valid)
@@ -224,253 +207,3 @@ class Gemma3nAudio(AudioProcessor):
                 "multi_modal_data['audio']: a processed clip's features do not match its "
                 "placeholder run for this model"
             )
-
-
-class CumulativeGroupNorm(nn.Module):
-    """x [B, T, F, C]: each row normalized by the mean and variance of the rows up to it (over
-    (F, C), in float32; the variance sums each row's squares about its own running mean), then
-    scaled per channel."""
-
-    def __init__(self, channels: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(channels))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        count = torch.cumsum(torch.full_like(h[:, :, :1, :1], h.shape[2] * h.shape[3]), dim=1)
-        mean = torch.cumsum(h.sum(dim=(2, 3), keepdim=True), dim=1) / count
-        var = torch.cumsum((h - mean).square().sum(dim=(2, 3), keepdim=True), dim=1) / count
-        return ((h - mean) * torch.rsqrt(var + self.eps) * self.weight.float()).to(x.dtype)
-
-
-class ConvBlock(nn.Module):
-    def __init__(self, audio: Any, i: int, mels_in: int) -> None:
-        super().__init__()
-        c_in = 1 if i == 0 else int(audio.sscp_conv_channel_size[i - 1])
-        c_out = int(audio.sscp_conv_channel_size[i])
-        kernel = tuple(int(k) for k in audio.sscp_conv_kernel_size[i])
-        stride = _strides(audio)[i]
-        self.conv = nn.Conv2d(c_in, c_out, kernel, stride=stride, bias=False)
-        self.norm = CumulativeGroupNorm(c_out, float(audio.sscp_conv_group_norm_eps))
-        self.pad = (1, 1, 0, kernel[0] - 1)  # (mel before, after, frames before, after)
-        self.mels_out = (mels_in + 2 - kernel[1]) // stride[1] + 1
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [1, C, T, mels] -> [1, C', T', m']
-        x = self.conv(F.pad(x, self.pad).to(self.conv.weight.dtype))
-        return F.relu(self.norm(x.permute(0, 2, 3, 1))).permute(0, 3, 1, 2)
-
-
-class SubsampleProjection(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        self.conv_0 = ConvBlock(audio, 0, int(audio.input_feat_size))
-        self.conv_1 = ConvBlock(audio, 1, self.conv_0.mels_out)
-        width = int(audio.sscp_conv_channel_size[1]) * self.conv_1.mels_out
-        self.input_proj_linear = nn.Linear(width, int(audio.hidden_size), bias=False)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:  # [F, mels] -> [T, D]
-        x = self.conv_1(self.conv_0(features[None, None]))
-        return self.input_proj_linear(x[0].permute(1, 2, 0).flatten(1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        d = int(audio.hidden_size)
-        self.pre_layer_norm = Olmo2RMSNorm(d, _HF_EPS)
-        self.ffw_layer_1 = nn.Linear(d, 4 * d, bias=False)
-        self.ffw_layer_2 = nn.Linear(4 * d, d, bias=False)
-        self.post_layer_norm = Olmo2RMSNorm(d, _HF_EPS)
-        self.clip = float(audio.gradient_clipping)
-        self.scale = float(audio.conf_residual_weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.pre_layer_norm(x.clamp(-self.clip, self.clip))
-        h = self.ffw_layer_2(F.silu(self.ffw_layer_1(h)))
-        return x + self.post_layer_norm(h.clamp(-self.clip, self.clip)) * self.scale
-
-
-class RelativePosition(nn.Module):  # the checkpoint's `attn.relative_position_embedding`
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.pos_proj = nn.Linear(d, d, bias=False)
-
-
-class LocalAttention(nn.Module):
-    """Local self-attention with a relative-position term (see the module doc)."""
-
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        d = int(audio.hidden_size)
-        self.heads = int(audio.conf_num_attention_heads)
-        self.head_dim = d // self.heads
-        self.per_dim_scale = nn.Parameter(torch.zeros(self.head_dim))
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
-        self.relative_position_embedding = RelativePosition(d)
-        self.back = max(0, int(audio.conf_attention_context_left) - 1)
-        self.ahead = int(audio.conf_attention_context_right)
-        self.cap = float(audio.conf_attention_logit_cap)
-        self.q_scale = self.head_dim**-0.5 / float(F.softplus(torch.tensor(0.0)))
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape  # valid: [B, T]
-        shape = (b, t, self.heads, self.head_dim)
-        scale = self.q_scale * F.softplus(self.per_dim_scale)
-        q = (self.q_proj(x).view(shape) * scale).transpose(1, 2)  # [B, H, T, hd]
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
-        distances = torch.arange(self.back, -self.ahead - 1, -1, device=x.device)  # q - k
-        rel = self.relative_position_embedding.pos_proj(sinusoids(distances, d).to(x.dtype))
-        rel = rel.view(-1, self.heads, self.head_dim).permute(1, 2, 0)  # [H, hd, back+ahead+1]
-        pos = torch.arange(t, device=x.device)
-        behind = pos[:, None] - pos[None, :]  # [T, T]: q - k
-        index = (self.back - behind).clamp(0, self.back + self.ahead)
-        bias = torch.gather(q @ rel, -1, index.expand(b, self.heads, t, t))
-        logits = q @ k.transpose(-1, -2) + bias
-        logits = torch.tanh(logits / self.cap) * self.cap
-        near = (behind <= self.back) & (-behind <= self.ahead)
-        keep = near[None, None] & valid[:, None, None, :]
-        logits = logits.masked_fill(~keep, torch.finfo(logits.dtype).min)
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(v.dtype)
-        return (weights @ v).transpose(1, 2).reshape(b, t, d)
-
-
-class ConformerAttention(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        d = int(audio.hidden_size)
-        self.pre_attn_norm = Olmo2RMSNorm(d, _HF_EPS)
-        self.attn = LocalAttention(audio)
-        self.post = nn.Linear(d, d, bias=False)
-        self.post_norm = Olmo2RMSNorm(d, _HF_EPS)
-        self.clip = float(audio.gradient_clipping)
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        h = self.attn(self.pre_attn_norm(x.clamp(-self.clip, self.clip)), valid)
-        return x + self.post_norm(self.post(h).clamp(-self.clip, self.clip))
-
-
-class LightConv(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        d, eps = int(audio.hidden_size), float(audio.rms_norm_eps)
-        self.pre_layer_norm = Olmo2RMSNorm(d, eps)
-        self.linear_start = nn.Linear(d, 2 * d, bias=False)
-        kernel = int(audio.conf_conv_kernel_size)
-        self.depthwise_conv1d = CausalConv1d(d, d, kernel, groups=d, bias=False)
-        self.conv_norm = Olmo2RMSNorm(d, eps)
-        self.linear_end = nn.Linear(d, d, bias=False)
-        self.clip = float(audio.gradient_clipping)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.glu(self.linear_start(self.pre_layer_norm(x)), dim=-1)
-        h = self.depthwise_conv1d(h.transpose(1, 2)).transpose(1, 2)
-        h = F.silu(self.conv_norm(h.clamp(-self.clip, self.clip)))
-        return x + self.linear_end(h)
-
-
-class ConformerBlock(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        self.ffw_layer_start = FeedForward(audio)
-        self.attention = ConformerAttention(audio)
-        self.lconv1d = LightConv(audio)
-        self.ffw_layer_end = FeedForward(audio)
-        self.norm = Olmo2RMSNorm(int(audio.hidden_size), _HF_EPS)
-        self.clip = float(audio.gradient_clipping)
-
-    def forward(self, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = self.attention(self.ffw_layer_start(x), valid)
-        # (HF zeroes the invalid rows before the light conv: they follow the valid ones and
-        # the conv is causal, so no valid row reads them either way)
-        x = self.lconv1d(x)
-        return self.norm(self.ffw_layer_end(x).clamp(-self.clip, self.clip))
-
-
-class AudioTower(nn.Module):
-    def __init__(self, audio: Any) -> None:
-        super().__init__()
-        self.subsample_conv_projection = SubsampleProjection(audio)
-        self.conformer = nn.ModuleList(
-            ConformerBlock(audio) for _ in range(audio.conf_num_hidden_layers)
-        )
-        self.stride = int(np.prod([s for s, _ in _strides(audio)]))
-        self.reduction = int(audio.conf_reduction_factor)
-
-    def forward(self, clips: Sequence[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-        """Each clip's (frames [F, mels], valid frames V) -> its valid reduced rows [n, D]."""
-        rows = [self.subsample_conv_projection(f) for f, _ in clips]  # each alone: see module
-        longest = max(r.shape[0] for r in rows)
-        x = torch.stack([F.pad(r, (0, 0, 0, longest - r.shape[0])) for r in rows])
-        t = torch.arange(longest, device=x.device)
-        valid = torch.stack(
-            [
-                (t < r.shape[0]) & ((t * self.stride).clamp(max=f.shape[0] - 1) < v)
-                for r, (f, v) in zip(rows, clips, strict=True)
-            ]
-        )
-        for block in self.conformer:
-            x = block(x, valid)
-        x, valid = x[:, :: self.reduction], valid[:, :: self.reduction]
-        return [h[m] for h, m in zip(x, valid, strict=True)]  # (valid rows are a prefix)
-
-
-class AudioEmbedder(nn.Module):
-    """`embed_audio`: soft rows through soft_embedding_norm, hard ids through the table and
-    hard_embedding_norm; both projected and unit-normed."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        audio = config.audio_config
-        d, eps = int(audio.hidden_size), float(audio.rms_norm_eps)
-        self.offset = int(audio.vocab_offset)
-        self.embedding = nn.Embedding(int(audio.vocab_size), d)
-        self.hard_embedding_norm = Olmo2RMSNorm(d, eps)
-        self.soft_embedding_norm = Olmo2RMSNorm(d, eps)
-        self.embedding_projection = nn.Linear(d, int(config.text_config.hidden_size), bias=False)
-        self.post_norm = UnitRMSNorm(eps)
-
-    def soft(self, x: torch.Tensor) -> torch.Tensor:
-        return self.post_norm(self.embedding_projection(self.soft_embedding_norm(x)))
-
-    def hard(self, token: int) -> torch.Tensor:  # [D]
-        row = self.embedding.weight[token - self.offset]
-        return self.post_norm(self.embedding_projection(self.hard_embedding_norm(row)))
-
-
-class Gemma3nAudioEncoder(nn.Module):
-    """Clips -> audio_soft_tokens_per_image rows each of the text model's input embedding."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        check_config(config)
-        self.audio_tower = AudioTower(config.audio_config)
-        self.embed_audio = AudioEmbedder(config)
-        self.pad_token = int(config.text_config.vocab_size) - 1  # HF's filler: the last id
-
-    def encode(self, clips: Sequence[ImageInput]) -> list[torch.Tensor]:
-        device = self.embed_audio.embedding_projection.weight.device
-        inputs = []
-        for m in clips:
-            assert m.pixel_values is not None and m.image_size is not None
-            inputs.append((m.pixel_values.to(device), int(m.image_size[0])))
-        filler = self.embed_audio.hard(self.pad_token)
-        out = []
-        for rows, m in zip(self.audio_tower(inputs), clips, strict=True):
-            rows = self.embed_audio.soft(rows)
-            out.append(torch.cat([rows, filler.expand(m.length - rows.shape[0], -1)]))
-        return out
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `[model.]audio_tower.*` and `[model.]embed_audio.*` tensors;
-        ValueError naming a missing or unexpected one."""
-
-        def ours(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            return name if name.startswith(("audio_tower.", "embed_audio.")) else None
-
-        picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
-        return load_named_weights(self, picked)

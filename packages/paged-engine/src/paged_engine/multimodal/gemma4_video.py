@@ -41,7 +41,6 @@ ahead that do not fit the prompt.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,14 +48,12 @@ import torch
 
 from paged_engine.multimodal import gemma4
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, check_kwargs
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
     indexed_frames,
     raw_settings,
     video_fps,
-    video_list,
 )
 
 ARCHS = ("Gemma4ForConditionalGeneration",)
@@ -97,31 +94,22 @@ def stamp(seconds: float) -> str:
 
 
 class Gemma4VideoProcessor(Qwen3VideoProcessor):
-    """Turns a prompt's videos into Gemma 4's timestamped frames (`ImageInput`s); Qwen3-VL's
-    kwargs check and timestamp tokenizer cache (`_encode`), none of its M-RoPE."""
+    """Turns a prompt's videos into Gemma 4's timestamped frames (`ImageInput`s): Qwen3-VL's
+    template with lone <|video|> placeholders, runs as long as Gemma 4's images' and attending
+    both ways where the config says; its kwargs check and timestamp tokenizer cache, none of
+    its M-RoPE."""
 
     kwargs_names = KWARGS
+    placeholder = "<|video|>"
+    wrapped = False
 
-    def __init__(
-        self,
-        path: Path,
-        config: Any,
-        tokenizer: Any,
-        limit: int | None = None,
-        engine_config: Any = None,
-    ) -> None:
+    def _configure(self, path: Path, config: Any) -> None:
         gemma4.check_config(config)
-        self.config = config
-        self.tokenizer = tokenizer
-        self.limit = limit
-        self.engine_config = engine_config  # its max_num_batched_tokens, read per prompt
-        self._ids: dict[str, list[int]] = {}  # timestamp text -> ids (Qwen3VideoProcessor)
-        self._lock = threading.Lock()
-        self.video_token_id = int(config.video_token_id)
+        self.video_token_id = self.run_token_id = int(config.video_token_id)
         self.start_id, self.end_id = int(config.boi_token_id), int(config.eoi_token_id)
         self.two_way = gemma4.bidirectional(config)
         vision = config.vision_config
-        raw, own = raw_settings(Path(path))
+        raw, own = raw_settings(path)
         s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
         tower = {"patch_size": int(vision.patch_size), "pooling_kernel_size": gemma4.kernel(config)}
         for name, value in tower.items():
@@ -146,87 +134,34 @@ class Gemma4VideoProcessor(Qwen3VideoProcessor):
             )
         return kwargs
 
-    def process(
-        self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
-    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """(token ids with each video's frames, the frames in prompt order, (where in
-        `token_ids`, tokens added) of each video); ValueError naming multi_modal_data['video']
-        (or mm_processor_kwargs) for anything wrong."""
-        kwargs = self.check_kwargs(kwargs or {})
-        items = video_list(videos, self.limit)
-        if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
-            return self._placed(token_ids, items)
-        spans = [i for i, t in enumerate(token_ids) if t == self.video_token_id]
-        if len(spans) != len(items):
-            raise ValueError(
-                f"multi_modal_data['video'] has {len(items)} video(s) but the prompt has "
-                f"{len(spans)} <|video|> placeholder(s): put one per video"
-            )
-        out_ids: list[int] = []
-        frames: list[ImageInput] = []
-        added: list[tuple[int, int]] = []
-        last = 0
-        for i, (item, at) in enumerate(zip(items, spans, strict=True)):
-            out_ids += token_ids[last:at]
-            before = len(out_ids)
-            for k, (rows, size, seconds) in enumerate(self._load(i, item, kwargs)):
-                out_ids += self._encode(f"{' ' if k else ''}{stamp(seconds)} ")
-                out_ids.append(self.start_id)
-                n = gemma4.image_tokens(self.config, size)
-                frames.append(
-                    ImageInput(
-                        rows, len(out_ids), n, digest(rows, size), size, bidirectional=self.two_way
-                    )
-                )
-                out_ids += [self.video_token_id] * n
-                out_ids.append(self.end_id)
-            added.append((at, len(out_ids) - before - 1))
-            last = at + 1
-        return out_ids + token_ids[last:], frames, added
-
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> Any:
         return None  # plain positions: no M-RoPE table
 
-    def _placed(
-        self, token_ids: list[int], items: list[ImageInput]
-    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """Frames processed ahead (this class's output): patch rows of a frame each, at runs
-        of video tokens that cover every video token of the prompt."""
-        covered = 0
-        for m in items:
-            size, rows = m.image_size, m.pixel_values
-            ok = (
-                rows is not None
-                and m.embeds is None
-                and size is not None
-                and len(size) == 2
-                and min(size) > 0
-                and m.bidirectional == self.two_way
-                and tuple(rows.shape) == (size[0] * size[1], gemma4.patch_dim(self.config))
-                and token_ids[m.offset : m.end] == [self.video_token_id] * m.length
-            )
-            if ok:
-                try:
-                    ok = m.length == gemma4.image_tokens(self.config, size)
-                except ValueError:
-                    ok = False
-            if not ok:
-                raise ValueError(
-                    "multi_modal_data['video']: these processed videos do not fit this prompt "
-                    "and model (their grids, rows or runs differ)"
-                )
-            covered += m.length
-        if covered != token_ids.count(self.video_token_id):
-            raise ValueError(
-                "multi_modal_data['video']: these processed videos do not cover the prompt's "
-                "video tokens"
-            )
-        return token_ids, list(items), []
+    def _run_length(self, rows: torch.Tensor, grid: tuple[int, ...]) -> int:
+        return gemma4.image_tokens(self.config, grid)
+
+    def _fits(self, m: ImageInput) -> bool:
+        """Whether a frame processed ahead (this class's output) is patch rows of a frame
+        this tower reads, its run as long as its grid gives."""
+        size, rows = m.image_size, m.pixel_values
+        ok = (
+            rows is not None
+            and m.embeds is None
+            and size is not None
+            and len(size) == 2
+            and min(size) > 0
+            and m.bidirectional == self.two_way
+            and tuple(rows.shape) == (size[0] * size[1], gemma4.patch_dim(self.config))
+        )
+        try:
+            return ok and m.length == gemma4.image_tokens(self.config, size)
+        except ValueError:
+            return False
 
     def _load(  # type: ignore[override]
         self, i: int, item: Any, kwargs: dict[str, Any]
-    ) -> list[tuple[torch.Tensor, tuple[int, int], float]]:
-        """Video i's frames: (patch rows [h * w, 3 p p], grid (h, w), time in seconds)."""
+    ) -> list[tuple[torch.Tensor, tuple[int, int], str]]:
+        """Video i's frames: (patch rows [h * w, 3 p p], grid (h, w), the text before it)."""
         video, meta, indices = indexed_frames(i, item)
         rate = meta.get("fps")
         fps = _DEFAULT_FPS if rate is None else video_fps(i, rate)
@@ -271,4 +206,6 @@ class Gemma4VideoProcessor(Qwen3VideoProcessor):
             )
         out = self.frames.preprocess(list(video), s)
         rows = out["pixel_values"][:, : h * w].float()  # padding rows dropped
-        return [(rows[f].contiguous(), (h, w), indices[f] / fps) for f in range(len(indices))]
+        # each frame's "mm:ss " text; frames after the first joined to it by a space
+        texts = [f"{' ' if f else ''}{stamp(t / fps)} " for f, t in enumerate(indices)]
+        return [(rows[f].contiguous(), (h, w), texts[f]) for f in range(len(indices))]

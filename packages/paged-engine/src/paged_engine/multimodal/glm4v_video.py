@@ -13,14 +13,14 @@
          then the pair's first frame's time: "3" (GLM-4.1V / 4.5V: whole seconds, truncated)
          or "3.5 seconds" (GLM-4.6V)
 
-How this differs from Qwen3-VL's videos (qwen3_video.Qwen3VideoProcessor, whose kwargs check,
-timestamp tokenizer cache and M-RoPE table it reuses), as transformers runs GLM's: a pair's run
-is of the *image* token (HF's placeholder mask for videos is the image one), its time comes
-after it, not before, and is the pair's first frame's (frame index / fps, fps 24 when the
-metadata has none), not the mean of both; the sampling rules are GLM's. Each pair is an
-`ImageInput` of grid (1, h, w): the tower (multimodal/glm4v_vision.py) and the M-RoPE table
-read it exactly as an image, as Glm4vModel's get_video_features and get_rope_index split a
-video's grid into frames. Videos processed ahead are such pairs: a server hands them over
+How this differs from Qwen3-VL's videos (qwen3_video.Qwen3VideoProcessor, whose `process`
+template, kwargs check, timestamp tokenizer cache and M-RoPE table it reuses), as transformers
+runs GLM's: a pair's run is of the *image* token (HF's placeholder mask for videos is the
+image one), its time comes after it, not before, and is the pair's first frame's (frame index
+/ fps, fps 24 when the metadata has none), not the mean of both; the sampling rules are GLM's.
+Each pair is an `ImageInput` of grid (1, h, w): the tower (multimodal/glm4v_vision.py) and the
+M-RoPE table read it exactly as an image, as Glm4vModel's get_video_features and get_rope_index
+split a video's grid into frames. Videos processed ahead are such pairs: a server hands them over
 with the prompt's images (their runs are image runs).
 
 Which rules apply: the checkpoint's video_processor_type (Glm46VVideoProcessor or
@@ -35,7 +35,6 @@ video's length).
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,7 @@ import numpy as np
 import torch
 
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import digest
-from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, smart_resize
+from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, smart_resize, tower_settings
 from paged_engine.multimodal.qwen3_video import check_kwargs as qwen3_check_kwargs
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
@@ -52,7 +50,6 @@ from paged_engine.multimodal.qwen_video import (
     patch_rows,
     raw_settings,
     video_fps,
-    video_list,
 )
 
 ARCHS = (
@@ -142,119 +139,40 @@ def check_kwargs(kwargs: dict[str, Any], v46: bool) -> dict[str, Any]:
 
 
 class Glm4vVideoProcessor(Qwen3VideoProcessor):
-    """Turns a prompt's videos into GLM's timestamped frame pairs (`ImageInput`s)."""
+    """Turns a prompt's videos into GLM's timestamped frame pairs (`ImageInput`s): Qwen3-VL's
+    template with lone <|video|> placeholders, each pair a run of <|image|>, its time after
+    it."""
 
-    def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self._ids: dict[str, list[int]] = {}  # timestamp text -> ids (Qwen3VideoProcessor)
-        self._lock = threading.Lock()
-        self.limit = limit
+    placeholder = "<|video|>"
+    wrapped = False  # (<|begin_of_video|> / <|end_of_video|> stay)
+    stamp_first = False
+    uncovered = (
+        "image-token runs (GLM's frame pairs are image runs: hand a prompt's processed "
+        "images and videos over together as images)"
+    )
+
+    def _configure(self, path: Path, config: Any) -> None:
         # <|video|> is the prompt's placeholder; each frame pair is a run of <|image|>
         self.video_token_id = int(config.video_token_id)
-        self.image_token_id = int(config.image_token_id)
+        self.image_token_id = self.run_token_id = int(config.image_token_id)
         self.start_id = int(config.image_start_token_id)
         self.end_id = int(config.image_end_token_id)
-        raw, own = raw_settings(Path(path))
+        raw, own = raw_settings(path)
         kind = raw.get("video_processor_type") if own else None
         if kind in ("Glm46VVideoProcessor", "Glm4vVideoProcessor"):
             self.v46 = kind == "Glm46VVideoProcessor"
         else:
             self.v46 = GLM46V in (config.architectures or ())
-        vision = config.vision_config
-        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
-        size = dict(s["size"] or {})
-        if not size.get("shortest_edge") or not size.get("longest_edge"):
-            size = dict(_DEFAULTS["size"])
-        self.settings = {
-            **s,
-            "size": size,
-            "fps": float(s["fps"]),
-            "patch_size": int(raw.get("patch_size", vision.patch_size)),
-            "merge_size": int(raw.get("merge_size", vision.spatial_merge_size)),
-            "temporal_patch_size": int(raw.get("temporal_patch_size", vision.temporal_patch_size)),
-            "image_mean": list(raw.get("image_mean", s["image_mean"])),
-            "image_std": list(raw.get("image_std", s["image_std"])),
-            "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
-        }
-        if self.settings["patch_size"] != int(vision.patch_size) or self.settings[
-            "temporal_patch_size"
-        ] != int(vision.temporal_patch_size):
-            raise ValueError(f"{path}: the video processor's patches are not the vision tower's")
+        self.settings = tower_settings(path, config, _DEFAULTS, raw, own)
+        self.settings["fps"] = float(self.settings["fps"])
 
     def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         return check_kwargs(kwargs, self.v46)
 
-    def process(
-        self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
-    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """(token ids with each video's frame pairs, the pairs in prompt order, (where in
-        `token_ids`, tokens added) of each video); ValueError naming multi_modal_data['video']
-        (or mm_processor_kwargs) for anything wrong."""
-        kwargs = self.check_kwargs(kwargs or {})
-        items = video_list(videos, self.limit)
-        if all(isinstance(m, ImageInput) for m in items):  # processed ahead
-            return self._placed(token_ids, items)
-        spans = [i for i, t in enumerate(token_ids) if t == self.video_token_id]
-        if len(spans) != len(items):
-            raise ValueError(
-                f"multi_modal_data['video'] has {len(items)} video(s) but the prompt has "
-                f"{len(spans)} <|video|> placeholder(s): put one per video"
-            )
-        out_ids: list[int] = []
-        pairs: list[ImageInput] = []
-        added: list[tuple[int, int]] = []
-        last = 0
-        merge = self.settings["merge_size"]
-        for i, (item, at) in enumerate(zip(items, spans, strict=True)):
-            out_ids += token_ids[last:at]
-            before = len(out_ids)
-            for rows, grid, stamp in self._load(i, item, kwargs):
-                out_ids.append(self.start_id)
-                n = rows.shape[0] // merge**2
-                pairs.append(ImageInput(rows, len(out_ids), n, digest(rows, grid), grid))
-                out_ids += [self.image_token_id] * n
-                out_ids.append(self.end_id)
-                out_ids += self._encode(stamp)
-            added.append((at, len(out_ids) - before - 1))
-            last = at + 1
-        return out_ids + token_ids[last:], pairs, added
-
-    def _placed(
-        self, token_ids: list[int], items: list[ImageInput]
-    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """Pairs processed ahead: patch rows of one frame pair each at runs of image tokens
-        that cover every image token of the prompt (no images besides: a server hands GLM's
-        pairs over with the images, as images)."""
-        s, merge = self.settings, self.settings["merge_size"]
-        width = 3 * s["temporal_patch_size"] * s["patch_size"] ** 2
-        covered = 0
-        for m in items:
-            grid, rows = m.image_size, m.pixel_values
-            ok = (
-                rows is not None
-                and grid is not None
-                and len(grid) == 3
-                and grid[0] == 1
-                and grid[1] % merge == 0
-                and grid[2] % merge == 0
-                and tuple(rows.shape) == (grid[1] * grid[2], width)
-                and m.length == rows.shape[0] // merge**2
-                and token_ids[m.offset : m.end] == [self.image_token_id] * m.length
-            )
-            if not ok:
-                raise ValueError(
-                    "multi_modal_data['video']: these processed videos do not fit this prompt "
-                    "and model (their grids, rows or runs differ)"
-                )
-            covered += m.length
-        if covered != token_ids.count(self.image_token_id):
-            raise ValueError(
-                "multi_modal_data['video']: these processed videos do not cover the prompt's "
-                "image-token runs (GLM's frame pairs are image runs: hand a prompt's processed "
-                "images and videos over together as images)"
-            )
-        return token_ids, list(items), []
+    def _fits(self, m: ImageInput) -> bool:
+        """Qwen3-VL's pairs, their grids whole merge blocks."""
+        merge, grid = self.settings["merge_size"], m.image_size
+        return super()._fits(m) and not (grid[1] % merge or grid[2] % merge)  # type: ignore[index]
 
     def _load(
         self, i: int, item: Any, kwargs: dict[str, Any]

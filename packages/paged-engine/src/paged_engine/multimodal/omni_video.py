@@ -73,9 +73,9 @@ class OmniVideoProcessor(QwenVideoProcessor):
     places_images = True  # InputProcessor takes this table for prompts with images as well
     kwargs_names = (*VIDEO_KWARGS, "use_audio_in_video")  # (the last refused by name)
 
-    def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
-        config = qwen_omni.thinker_config(config)
-        super().__init__(path, config, limit)
+    def _configure(self, path: Path, config: Any) -> None:
+        self.config = config = qwen_omni.thinker_config(config)
+        super()._configure(path, config)
         self.tokens_per_second = None  # (QwenVideoProcessor's Qwen2.5-VL step: not Omni's)
         arch = next(a for a in config.architectures if a in _DEFAULT_FPS)
         self.default_fps = _DEFAULT_FPS[arch]
@@ -93,11 +93,6 @@ class OmniVideoProcessor(QwenVideoProcessor):
                 "(give the frames alone; the audio track is not read)"
             )
         return check_kwargs({k: v for k, v in kwargs.items() if k != "use_audio_in_video"})
-
-    def process(
-        self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
-    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        return super().process(token_ids, videos, self.check_kwargs(kwargs or {}))
 
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
         return omni_positions(num_tokens, items, self.settings["merge_size"])

@@ -14,7 +14,8 @@ Each group is an `ImageInput` of grid (1, h, w): the vision tower attends within
 M-RoPE places each group as an image (the timestamp text between them), as transformers'
 Qwen3-VL splits a video's grid into frames. Settings come from the checkpoint's
 video_preprocessor_config.json, else transformers' Qwen3-VL video defaults with the image
-processor's patches and normalization.
+processor's patches and normalization. Qwen3VideoProcessor's `process` is the template GLM-4.xV's
+and Gemma 4's video processors (glm4v_video.py, gemma4_video.py) fill in.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
+    VideoProcessor,
     indexed_frames,
     known_kwargs,
     patch_rows,
@@ -100,53 +102,74 @@ def timestamps(indices: list[int], fps: float, temporal: int) -> list[float]:
     return [(t[i] + t[i + temporal - 1]) / 2 for i in range(0, len(t), temporal)]
 
 
-class Qwen3VideoProcessor:
-    """Turns a prompt's videos into timestamped frame groups (`ImageInput`s) in its tokens."""
+def tower_settings(
+    path: Path, config: Any, defaults: dict[str, Any], raw: dict[str, Any], own: bool
+) -> dict[str, Any]:
+    """The video processor's settings: `defaults` overridden by its saved ones (`raw` where
+    `own`), size bounds both set or the defaults', the patches (checked against the vision
+    tower's), merge and normalization as saved, else the tower's and the defaults'."""
+    vision = config.vision_config
+    s = {k: (raw.get(k, v) if own else v) for k, v in defaults.items()}
+    size = dict(s["size"] or {})
+    if not size.get("shortest_edge") or not size.get("longest_edge"):
+        size = dict(defaults["size"])
+    settings = {
+        **s,
+        "size": size,
+        "patch_size": int(raw.get("patch_size", vision.patch_size)),
+        "merge_size": int(raw.get("merge_size", vision.spatial_merge_size)),
+        "temporal_patch_size": int(raw.get("temporal_patch_size", vision.temporal_patch_size)),
+        "image_mean": list(raw.get("image_mean", s.get("image_mean", [0.5, 0.5, 0.5]))),
+        "image_std": list(raw.get("image_std", s.get("image_std", [0.5, 0.5, 0.5]))),
+        "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
+    }
+    tower = (int(vision.patch_size), int(vision.temporal_patch_size))
+    if (settings["patch_size"], settings["temporal_patch_size"]) != tower:
+        raise ValueError(f"{path}: the video processor's patches are not the vision tower's")
+    return settings
+
+
+class Qwen3VideoProcessor(VideoProcessor):
+    """Turns a prompt's videos into timestamped frame groups (`ImageInput`s) in its tokens.
+
+    The template of the timestamped video families (GLM-4.xV's and Gemma 4's subclass it):
+    `process` finds one placeholder a video (`_spans`), replaces it by each of the video's
+    runs from `_load` (rows, grid, timestamp text) as [text] start run x n end [text], and
+    takes runs processed ahead where `_fits` each and they cover every `run_token_id`."""
 
     kwargs_names = KWARGS
+    placeholder = "<|video_pad|>"  # (for messages)
+    wrapped = True  # a placeholder may be start / pad / end: the wrapper is replaced too
+    stamp_first = True  # the timestamp text before its run, else after it
+    two_way = False  # runs attend both ways (ImageInput.bidirectional)
+    uncovered = "video tokens"  # what runs processed ahead must cover (for messages)
 
     def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         """`kwargs` (mm_processor_kwargs for videos); ValueError naming a bad one."""
         return check_kwargs(kwargs)
 
-    def __init__(self, path: Path, config: Any, tokenizer: Any, limit: int | None = None) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # (VideoProcessor's arguments)
         # timestamp text -> ids; a server's request threads share the engine's tokenizer
         self._ids: dict[str, list[int]] = {}
         self._lock = threading.Lock()
-        self.video_token_id = int(config.video_token_id)
+        super().__init__(*args, **kwargs)
+
+    def _configure(self, path: Path, config: Any) -> None:
+        """The family's token ids and settings; ValueError where the checkpoint's settings
+        give no videos this processor runs."""
+        self.video_token_id = self.run_token_id = int(config.video_token_id)
         self.start_id = int(config.vision_start_token_id)
         self.end_id = int(config.vision_end_token_id)
-        self.limit = limit
-        raw, own = raw_settings(Path(path))
-        vision = config.vision_config
-        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
-        size = dict(s["size"] or {})
-        if not size.get("shortest_edge") or not size.get("longest_edge"):
-            size = dict(_DEFAULTS["size"])
-        self.settings = {
-            **s,
-            "size": size,
-            "patch_size": int(raw.get("patch_size", vision.patch_size)),
-            "merge_size": int(raw.get("merge_size", vision.spatial_merge_size)),
-            "temporal_patch_size": int(raw.get("temporal_patch_size", vision.temporal_patch_size)),
-            "image_mean": list(raw.get("image_mean", [0.5, 0.5, 0.5])),
-            "image_std": list(raw.get("image_std", [0.5, 0.5, 0.5])),
-            "rescale_factor": float(raw.get("rescale_factor", 1 / 255)),
-        }
-        if self.settings["patch_size"] != int(vision.patch_size) or self.settings[
-            "temporal_patch_size"
-        ] != int(vision.temporal_patch_size):
-            raise ValueError(f"{path}: the video processor's patches are not the vision tower's")
+        raw, own = raw_settings(path)
+        self.settings = tower_settings(path, config, _DEFAULTS, raw, own)
 
     def process(
         self, token_ids: list[int], videos: Any, kwargs: dict[str, Any] | None = None
     ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """(token ids with each video's timestamped groups, the groups in prompt order,
+        """(token ids with each video's timestamped runs, the runs in prompt order,
         (where in `token_ids`, tokens added) of each video); ValueError naming
         multi_modal_data['video'] (or mm_processor_kwargs) for anything wrong."""
-        kwargs = check_kwargs(kwargs or {})
+        kwargs = self.check_kwargs(kwargs or {})
         items = video_list(videos, self.limit)
         if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
             return self._placed(token_ids, items)
@@ -154,25 +177,32 @@ class Qwen3VideoProcessor:
         if len(spans) != len(items):
             raise ValueError(
                 f"multi_modal_data['video'] has {len(items)} video(s) but the prompt has "
-                f"{len(spans)} <|video_pad|> placeholder(s): put one per video"
+                f"{len(spans)} {self.placeholder} placeholder(s): put one per video"
             )
         out_ids: list[int] = []
-        groups: list[ImageInput] = []
+        runs: list[ImageInput] = []
         added: list[tuple[int, int]] = []
         last = 0
         for i, (item, (start, stop)) in enumerate(zip(items, spans, strict=True)):
             out_ids += token_ids[last:start]
             before = len(out_ids)
-            for rows, grid, at in self._load(i, item, kwargs):
-                out_ids += self._encode(at)
+            for rows, grid, text in self._load(i, item, kwargs):
+                if self.stamp_first:
+                    out_ids += self._encode(text)
                 out_ids.append(self.start_id)
-                n = rows.shape[0] // self.settings["merge_size"] ** 2
-                groups.append(ImageInput(rows, len(out_ids), n, digest(rows, grid), grid))
-                out_ids += [self.video_token_id] * n
+                n = self._run_length(rows, grid)
+                runs.append(
+                    ImageInput(
+                        rows, len(out_ids), n, digest(rows, grid), grid, bidirectional=self.two_way
+                    )
+                )
+                out_ids += [self.run_token_id] * n
                 out_ids.append(self.end_id)
+                if not self.stamp_first:
+                    out_ids += self._encode(text)
             added.append((start, len(out_ids) - before - (stop - start)))
             last = stop
-        return out_ids + token_ids[last:], groups, added
+        return out_ids + token_ids[last:], runs, added
 
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
         return mrope_positions(num_tokens, items, self.settings["merge_size"])
@@ -187,47 +217,59 @@ class Qwen3VideoProcessor:
             return self._ids[text]
 
     def _spans(self, ids: list[int]) -> list[tuple[int, int]]:
-        """[start, stop) of each video placeholder: the template's start / pad / end wrapper,
-        or a lone pad token."""
+        """[start, stop) of each video placeholder: the template's start / pad / end wrapper
+        (where `wrapped`), or a lone pad token."""
         spans = []
         for i, t in enumerate(ids):
             if t != self.video_token_id:
                 continue
             wrapped = (
-                0 < i < len(ids) - 1 and ids[i - 1] == self.start_id and ids[i + 1] == self.end_id
+                self.wrapped
+                and 0 < i < len(ids) - 1
+                and ids[i - 1] == self.start_id
+                and ids[i + 1] == self.end_id
             )
             spans.append((i - 1, i + 2) if wrapped else (i, i + 1))
         return spans
 
+    def _run_length(self, rows: torch.Tensor, grid: tuple[int, ...]) -> int:
+        """Tokens in the run of a group of patch rows: one per merge x merge patches."""
+        return rows.shape[0] // self.settings["merge_size"] ** 2
+
+    def _fits(self, m: ImageInput) -> bool:
+        """Whether a group processed ahead is patch rows of one frame pair this tower reads
+        (its run checked by `_placed`)."""
+        s, merge = self.settings, self.settings["merge_size"]
+        width = 3 * s["temporal_patch_size"] * s["patch_size"] ** 2
+        grid, rows = m.image_size, m.pixel_values
+        return (
+            rows is not None
+            and grid is not None
+            and len(grid) == 3
+            and grid[0] == 1
+            and tuple(rows.shape) == (grid[1] * grid[2], width)
+            and m.length == rows.shape[0] // merge**2
+        )
+
     def _placed(
         self, token_ids: list[int], items: list[ImageInput]
     ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
-        """Groups processed ahead: patch rows of one frame pair each, at runs of video tokens
-        that cover every video token of the prompt."""
-        s, merge = self.settings, self.settings["merge_size"]
-        width = 3 * s["temporal_patch_size"] * s["patch_size"] ** 2
+        """Runs processed ahead: each one `_fits`, at a run of `run_token_id`, together
+        covering every such token of the prompt."""
         covered = 0
         for m in items:
-            grid, rows = m.image_size, m.pixel_values
-            ok = (
-                rows is not None
-                and grid is not None
-                and len(grid) == 3
-                and grid[0] == 1
-                and tuple(rows.shape) == (grid[1] * grid[2], width)
-                and m.length == rows.shape[0] // merge**2
-                and token_ids[m.offset : m.end] == [self.video_token_id] * m.length
-            )
-            if not ok:
+            if not (
+                self._fits(m) and token_ids[m.offset : m.end] == [self.run_token_id] * m.length
+            ):
                 raise ValueError(
                     "multi_modal_data['video']: these processed videos do not fit this prompt "
                     "and model (their grids, rows or runs differ)"
                 )
             covered += m.length
-        if covered != token_ids.count(self.video_token_id):
+        if covered != token_ids.count(self.run_token_id):
             raise ValueError(
                 "multi_modal_data['video']: these processed videos do not cover the prompt's "
-                "video tokens"
+                f"{self.uncovered}"
             )
         return token_ids, list(items), []
 

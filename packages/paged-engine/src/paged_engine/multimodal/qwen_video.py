@@ -104,7 +104,31 @@ def _settings(path: Path) -> dict[str, Any]:
     }
 
 
-class QwenVideoProcessor:
+class VideoProcessor:
+    """A video processor, built as video_archs.VIDEO_PROCESSORS builds each: the checkpoint's
+    directory, its wrapper config, the engine's tokenizer, videos per prompt
+    (limit_mm_per_prompt["video"]; None: any) and the EngineConfig. `_configure` reads the
+    family's token ids and settings; ValueError where they give no videos it runs."""
+
+    def __init__(
+        self,
+        path: Path,
+        config: Any,
+        tokenizer: Any = None,
+        limit: int | None = None,
+        engine_config: Any = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.engine_config = engine_config
+        self._configure(Path(path), config)
+
+    def _configure(self, path: Path, config: Any) -> None:
+        raise NotImplementedError
+
+
+class QwenVideoProcessor(VideoProcessor):
     """Turns a prompt's videos into `ImageInput`s placed at its video tokens."""
 
     kwargs_names = VIDEO_KWARGS
@@ -113,11 +137,9 @@ class QwenVideoProcessor:
         """`kwargs` (mm_processor_kwargs for videos); ValueError naming a bad one."""
         return check_kwargs(kwargs)
 
-    def __init__(self, path: Path, config: Any, limit: int | None = None) -> None:
-        self.config = config
+    def _configure(self, path: Path, config: Any) -> None:
         self.video_token_id = int(config.video_token_id)
-        self.limit = limit  # videos per prompt (limit_mm_per_prompt["video"]); None: any
-        self.settings = _settings(Path(path))
+        self.settings = _settings(path)
         vision = config.vision_config
         # Qwen2.5-VL spaces frame groups' temporal positions by time; Qwen2-VL by 1
         self.tokens_per_second = getattr(vision, "tokens_per_second", None)
@@ -136,7 +158,7 @@ class QwenVideoProcessor:
         """(token ids with each video's run, the videos in prompt order, (where in
         `token_ids`, tokens added) of each run); ValueError naming multi_modal_data['video']
         (or mm_processor_kwargs) for anything wrong."""
-        kwargs = check_kwargs(kwargs or {})
+        kwargs = self.check_kwargs(kwargs or {})
         items = video_list(videos, self.limit)
         if all(isinstance(m, ImageInput) for m in items):  # processed ahead (a server's)
             return self._placed(token_ids, items)

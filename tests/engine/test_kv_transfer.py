@@ -108,9 +108,12 @@ def test_consumer_loads_what_another_process_stored(model_dir, store, want):
     try:
         got = _generate(llm, PROMPTS)
         stats = llm.get_stats()
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     finally:
         llm.llm_engine.shutdown()
     _assert_same(got, want)
+    assert metrics["vllm:external_prefix_cache_hits"] == _loadable(PROMPTS)  # vLLM's names
+    assert metrics["vllm:external_prefix_cache_queries"] == sum(map(len, PROMPTS))
     # tokens run: each prompt's remainder past its loaded blocks, then the decodes
     decodes = len(PROMPTS) * (GREEDY.max_tokens - 1)
     computed = sum(o.num_batched_tokens for o in ran)

@@ -60,6 +60,8 @@ _COUNTERS = (
     ("vllm:generation_tokens", "generation_tokens_total"),
     ("vllm:prefix_cache_queries", "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "prefix_cache_hits"),
+    ("vllm:external_prefix_cache_queries", "external_prefix_cache_queries"),  # kv_transfer
+    ("vllm:external_prefix_cache_hits", "external_prefix_cache_hits"),
     ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts"),
     ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens"),
     ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens"),

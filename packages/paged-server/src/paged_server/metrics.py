@@ -61,6 +61,18 @@ _ENGINE_METRICS = (
         "counter",
         "Prefix-cache hits, in tokens.",
     ),
+    (
+        "paged:external_prefix_cache_queries_total",
+        "external_prefix_cache_queries",
+        "counter",
+        "Prompt tokens of the requests looked up in kv_transfer storage.",
+    ),
+    (
+        "paged:external_prefix_cache_hits_total",
+        "external_prefix_cache_hits",
+        "counter",
+        "Prompt tokens loaded from kv_transfer storage (counted as computed).",
+    ),
     ("paged:num_preemptions_total", "num_preemptions", "counter", "Preemptions (recompute)."),
     (
         "paged:state_snapshots_cached",

@@ -161,7 +161,7 @@ class InputProcessor:
                 positions = self.videos
             assert positions is not None
             placed = mm_inputs
-            if positions is not self.audios:  # audio runs: text positions (Qwen Omni)
+            if positions is not self.audios and not getattr(positions, "places_audio", False):
                 placed = tuple(m for m in mm_inputs if m.modality != "audio")
             req.mrope = positions.positions(len(token_ids), placed)
         return ProcessedRequest(req, text, num_returned, beam_logprobs)
@@ -244,6 +244,8 @@ class InputProcessor:
                 "'audio')"
             )
         kw = kwargs if isinstance(kwargs, dict) else {}
+        if kw.get("use_audio_in_video") and hasattr(self.videos, "audio_in_video"):
+            return self.videos.audio_in_video(self, token_ids, mm_data, kw)  # (Qwen-Omni)
         images: tuple = ()
         if "image" in mm_data:  # (a bad mm_processor_kwargs: the image processor names it)
             image_kw = {k: v for k, v in kw.items() if k not in VIDEO_ONLY} if kw else kwargs

@@ -309,9 +309,24 @@ class Qwen2_5OmniAudioEncoder(nn.Module):
         self.audio_tower = tower(config.audio_config)
 
     def encode(self, clips: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each clip's rows; an item with image_size (frames, lo, hi) (a run of a video's
+        clip, omni_av.py) takes rows [lo, hi) of its whole clip's, each clip run once."""
         device = next(self.audio_tower.parameters()).device
-        features = [m.pixel_values.to(device) for m in clips]  # type: ignore[union-attr]
-        return self.audio_tower(features)
+        whole: dict[str, int] = {}  # a clip's features (by identity and size) -> its index
+        features: list[torch.Tensor] = []
+        for m in clips:
+            f = m.pixel_values
+            assert f is not None and m.image_size is not None
+            key = f"{id(f)}:{m.image_size[0]}"
+            if key not in whole:
+                whole[key] = len(features)
+                features.append(f.to(device))
+        rows = self.audio_tower(features)
+        out = []
+        for m in clips:
+            r = rows[whole[f"{id(m.pixel_values)}:{m.image_size[0]}"]]  # type: ignore[index]
+            out.append(r[m.image_size[1] : m.image_size[2]] if len(m.image_size) == 3 else r)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_into(self, _audio_tower(weights), self.what)

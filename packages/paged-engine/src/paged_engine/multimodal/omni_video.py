@@ -17,8 +17,9 @@ QwenVideoProcessor makes for Qwen2.5-VL. What differs, as transformers runs the 
   position + 1, start + max(last temporal index + 1, h, w), not Qwen2-VL's start + max(h, w);
   so this processor gives the table of every prompt with images and videos (the same rows as
   the image path's for images).
-Refused by name: mm_processor_kwargs['use_audio_in_video'] (audio is not taken from videos:
-the frames carry none), an mm_processor_kwargs['fps'] whose Qwen3-Omni step is a fraction
+mm_processor_kwargs['use_audio_in_video']=True (each video with its clip in
+multi_modal_data['audio']) interleaves a video's runs with its audio's: multimodal/omni_av.py.
+Refused by name: an mm_processor_kwargs['fps'] whose Qwen3-Omni step is a fraction
 (its get_rope_index keeps float positions, the table here is whole numbers), and what
 QwenVideoProcessor refuses.
 """
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from paged_engine.multimodal import qwen_omni
+from paged_engine.multimodal import omni_av, qwen_omni
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.mrope import MropePositions, mrope_positions
 from paged_engine.multimodal.qwen_video import (
@@ -71,7 +72,8 @@ class OmniVideoProcessor(QwenVideoProcessor):
     M-RoPE table of the thinker's prompts (`places_images`: images too)."""
 
     places_images = True  # InputProcessor takes this table for prompts with images as well
-    kwargs_names = (*VIDEO_KWARGS, "use_audio_in_video")  # (the last refused by name)
+    places_audio = True  # ... and hands it the audio items (a video's clip runs: omni_av.py)
+    kwargs_names = (*VIDEO_KWARGS, "use_audio_in_video")
 
     def _configure(self, path: Path, config: Any) -> None:
         self.config = config = qwen_omni.thinker_config(config)
@@ -81,21 +83,32 @@ class OmniVideoProcessor(QwenVideoProcessor):
         self.default_fps = _DEFAULT_FPS[arch]
         # Qwen3-Omni's get_rope_index keeps float positions (Qwen2.5-Omni's floors them)
         self.fractional_refused = arch == qwen_omni.QWEN3_OMNI
+        self.qwen3 = self.fractional_refused  # (omni_av.py: Qwen3-Omni's block layout)
         pps = getattr(config, "position_id_per_seconds", 25)
         if isinstance(pps, bool) or not isinstance(pps, int | float) or pps <= 0:
             raise ValueError(f"position_id_per_seconds={pps!r} is not supported: a number > 0")
         self.position_id_per_seconds = float(pps)
 
     def check_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if kwargs.get("use_audio_in_video"):
+        if kwargs.get("use_audio_in_video"):  # (InputProcessor hands these to audio_in_video)
             raise ValueError(
-                "mm_processor_kwargs['use_audio_in_video']: audio is not taken from videos "
-                "(give the frames alone; the audio track is not read)"
+                "mm_processor_kwargs['use_audio_in_video'] needs the videos and their audio "
+                "in multi_modal_data"
             )
         return check_kwargs({k: v for k, v in kwargs.items() if k != "use_audio_in_video"})
 
+    def audio_in_video(
+        self, inputs: Any, token_ids: list[int], mm_data: dict, kwargs: dict[str, Any]
+    ) -> tuple[list[int], tuple]:
+        """InputProcessor.multimodal with use_audio_in_video=True (omni_av.py)."""
+        return omni_av.process(inputs, token_ids, mm_data, kwargs)
+
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
-        return omni_positions(num_tokens, items, self.settings["merge_size"])
+        merge = self.settings["merge_size"]
+        if any(omni_av.is_cut(m) for m in items):  # a video's block
+            return omni_av.av_positions(num_tokens, items, merge, self.qwen3)
+        visual = tuple(m for m in items if m.modality != "audio")  # (clips: text positions)
+        return omni_positions(num_tokens, visual, merge)
 
     def _load(
         self, i: int, item: Any, kwargs: dict[str, Any]

@@ -202,3 +202,99 @@ def test_engine_paths_and_refusals(dirs):
     assert cached.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids == (
         plain[0].token_ids
     )
+
+
+def _mp4_with_sound(frames: np.ndarray, clip: np.ndarray | None, rate: int = 16000) -> bytes:
+    """An MPEG-4 video (4 fps) with an AAC soundtrack (none for clip None), encoded with PyAV."""
+    import io
+
+    av = pytest.importorskip("av")
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        video = out.add_stream("mpeg4", rate=4)
+        video.height, video.width = frames.shape[1:3]
+        video.pix_fmt = "yuv420p"
+        audio = None if clip is None else out.add_stream("aac", rate=rate, layout="mono")
+        for f in frames:
+            out.mux(video.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        out.mux(video.encode())
+        if audio is not None:
+            pcm = clip[None, :].astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(pcm, format="fltp", layout="mono")
+            frame.sample_rate = rate
+            out.mux(audio.encode(frame))
+            out.mux(audio.encode())
+    return buf.getvalue()
+
+
+def test_chat_video_urls_bring_their_soundtrack(dirs, tmp_path):
+    """LLM.chat and the server's chat route with use_audio_in_video: a video_url part's own
+    audio track joins it (decoded from the same bytes), giving the tokens of generate with the
+    decoded frames and soundtrack passed explicitly."""
+    import base64
+
+    from paged_engine.multimodal.audio_io import load_audio
+    from paged_engine.multimodal.video_io import decode_video
+
+    pytest.importorskip("paged_server")
+    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    bos, eos, _, video_mark = MARKS["2.5"][:4]
+    template = (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'video' %}}{bos}{video_mark}{eos}"
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+        "{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (tmp_path / "t.jinja").write_text(template)
+    data = _mp4_with_sound(_frames(7, 8, (24, 32)), noise_clip(7, 2.0))
+    url = "data:video/mp4;base64," + base64.b64encode(data).decode()
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": url}},
+                {"type": "text", "text": "What happens?"},
+            ],
+        }
+    ]
+    llm = engine(dirs("2.5"), chat_template=str(tmp_path / "t.jinja"))
+    params = greedy(0, 6)
+    want = llm.generate(
+        {
+            "prompt": _text("2.5", False),
+            "multi_modal_data": {"video": decode_video(data), "audio": load_audio(data, "clip")},
+            "mm_processor_kwargs": ON,
+        },
+        params,
+        use_tqdm=False,
+    )[0]
+    got = llm.chat(messages, params, use_tqdm=False, mm_processor_kwargs=ON)
+    assert got[0].prompt_token_ids == want.prompt_token_ids
+    assert got[0].outputs[0].token_ids == want.outputs[0].token_ids
+    without = llm.chat(messages, params, use_tqdm=False)[0]
+    assert len(without.prompt_token_ids) < len(want.prompt_token_ids)  # no audio runs
+    body = {
+        "model": "tiny",
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "messages": messages,
+        "mm_processor_kwargs": ON,
+    }
+    with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+        status, _, out = http.request("POST", "/v1/chat/completions", body)
+        assert status == 200, out
+        assert out["prompt_token_ids"] == want.prompt_token_ids
+        assert out["choices"][0]["token_ids"] == want.outputs[0].token_ids
+        mute = _mp4_with_sound(_frames(7, 8, (24, 32)), None)  # a video without sound
+        part = {
+            "type": "video_url",
+            "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mute).decode()},
+        }
+        bad = body | {"messages": [{"role": "user", "content": [part]}]}
+        status, _, out = http.request("POST", "/v1/chat/completions", bad)
+        assert status == 400 and "messages[0].content[0]" in out["error"]["message"], out

@@ -179,7 +179,8 @@ class LLM:
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
         for conv in conversations:
-            conv, media = split_media(conv)
+            in_video = (mm_processor_kwargs or {}).get("use_audio_in_video") is True
+            conv, media = split_media(conv, audio_in_video=in_video)
             if continue_final_message and (not conv or conv[-1].get("role") != "assistant"):
                 raise ValueError(
                     "continue_final_message needs the last message to be the assistant's"

@@ -731,8 +731,13 @@ class OpenAIApp:
         if images and all(isinstance(m, dict) for m in images):  # Qwen2-VL's: one dict
             images = _qwen_embeds(images)
         video_refs = [r for r in req.media_refs if r.kind == "video"]
-        videos = self.media.load_all(video_refs, req.num_frames)
         clips = self.media.load_all([r for r in req.media_refs if r.kind == "audio"])
+        if (req.mm_processor_kwargs or {}).get("use_audio_in_video") is True and video_refs:
+            # Qwen-Omni: each video's own soundtrack, in video order (the engine pairs them)
+            pairs = [self.media.load_with_soundtrack(r, req.num_frames) for r in video_refs]
+            videos, clips = [v for v, _ in pairs], clips + [a for _, a in pairs]
+        else:
+            videos = self.media.load_all(video_refs, req.num_frames)
         mm = {k: v for k, v in (("image", images), ("video", videos), ("audio", clips)) if len(v)}
         try:
             expanded, items = self.multimodal(ids, mm, req.mm_processor_kwargs)

@@ -164,6 +164,13 @@ class MediaLoader:
             return self._decode_audio(ref, data)
         return self._decode(ref, data)
 
+    def load_with_soundtrack(self, ref: MediaRef, num_frames: int | None = None) -> tuple:
+        """A video part's (frames, metadata) and its audio track's (waveform, rate), from one
+        fetch (Qwen-Omni's use_audio_in_video); a 400 naming the part where it has no audio."""
+        data = self._bytes(ref)
+        video = self._decode_video(ref, data, num_frames or self.num_frames)
+        return video, self._decode_audio(MediaRef(ref.url, f"{ref.param} (its audio)"), data)
+
     def _bytes(self, ref: MediaRef) -> bytes:
         scheme = urlsplit(ref.url).scheme.lower()
         if scheme == "data":

@@ -43,11 +43,16 @@ _KINDS = {
 }
 
 
-def split_media(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any]]]:
+def split_media(
+    messages: list[dict], audio_in_video: bool = False
+) -> tuple[list[dict], dict[str, list[Any]]]:
     """(messages as the chat template takes them, their multi_modal_data: images and videos,
-    each in order); ValueError naming the part for one that cannot be read."""
+    each in order); ValueError naming the part for one that cannot be read. `audio_in_video`
+    (Qwen-Omni's use_audio_in_video): each video's soundtrack is added to the audio, in video
+    order."""
     out: list[dict] = []
     media: dict[str, list[Any]] = {}
+    soundtracks: list[Any] = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if not isinstance(content, list) or not any(_kind(p) for p in content):
@@ -60,10 +65,18 @@ def split_media(messages: list[dict]) -> tuple[list[dict], dict[str, list[Any]]]
                 parts.append(part)
                 continue
             param = f"messages[{i}].content[{j}]"
+            if kind == "video" and audio_in_video:
+                video, clip = _load_video_with_audio(part, param)
+                media.setdefault("video", []).append(video)
+                soundtracks.append(clip)
+                parts.append({"type": kind})
+                continue
             load = {"video": _load_video, "audio": _load_audio}.get(kind, _load_image)
             media.setdefault(kind, []).append(load(part, param))
             parts.append({"type": kind})
         out.append({**message, "content": parts})
+    if soundtracks:
+        media["audio"] = media.get("audio", []) + soundtracks
     return out, media
 
 
@@ -92,6 +105,16 @@ def _load_video(part: dict, param: str) -> Any:
     from paged_engine.multimodal.video_io import decode_video
 
     return decode_video(_url_bytes(part, "video", param), what=f"{param}.video_url")
+
+
+def _load_video_with_audio(part: dict, param: str) -> tuple[Any, Any]:
+    """A video part's (frames, metadata) and its audio track's (waveform, rate)."""
+    from paged_engine.multimodal.audio_io import load_audio
+    from paged_engine.multimodal.video_io import decode_video
+
+    data = _url_bytes(part, "video", param)
+    video = decode_video(data, what=f"{param}.video_url")
+    return video, load_audio(data, what=f"{param}.video_url (its audio)")
 
 
 def _load_audio(part: dict, param: str) -> Any:

@@ -16,6 +16,12 @@ waits for its pending token (n-gram drafts continue the host's tokens; a verify 
 is known only once it landed: spec_decode/planner.py), so speculating rows step synchronously
 while the others overlap; a request preempted with a verify step in flight recomputes.
 
+Pipeline micro-batching (the executor's `max_concurrent_batches` > 1: pipeline parallelism) is
+another reason to keep steps in flight, up to one per stage: while the later stages run step N
+the first runs step N+1. It needs no pending tokens: the steps' requests are disjoint (a request
+with a step in flight is `Scheduler.busy` and sits out until its result is applied), so each
+request steps exactly as it would synchronously; only which requests share a step differs.
+
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
 grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
 core fills the token bitmask of the constrained sequences it scheduled to sample
@@ -75,6 +81,12 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self._in_flight: deque[tuple[SchedulerOutput, RunnerOutputHandle]] = deque()
+        # Pipeline micro-batching: steps in flight at most (1: off; async scheduling keeps its
+        # own two), and each step's requests (busy until it is applied).
+        self.max_concurrent_batches = (
+            1 if async_scheduling else getattr(executor, "max_concurrent_batches", 1)
+        )
+        self._busy_of: dict[int, list[Request]] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used_blocks = 0
@@ -126,6 +138,8 @@ class EngineCore:
         while self._in_flight:
             sched, handle = self._in_flight.popleft()
             self.held += self._apply(sched, handle.get())
+        self.scheduler.busy.clear()  # (every step applied)
+        self._busy_of.clear()
 
     def abort_all(self) -> None:
         """Finish every unfinished request with "abort" (its tokens so far stay its output);
@@ -209,7 +223,7 @@ class EngineCore:
         if self.held or self.paused:
             held, self.held = self.held, []
             return held
-        depth = 2 if self.async_scheduling else 1
+        depth = 2 if self.async_scheduling else self.max_concurrent_batches
         submitted = False
         if self._compiling and (failed := self._admit_compiled()):
             return failed
@@ -222,10 +236,26 @@ class EngineCore:
             else:
                 self._in_flight.append((sched, self.executor.execute_model(sched)))
                 submitted = not sched.is_empty
+                if submitted and self.max_concurrent_batches > 1:
+                    self._mark_busy(sched)
         if not self._in_flight or (submitted and len(self._in_flight) < depth):
             return []
         sched, handle = self._in_flight.popleft()
+        if self._busy_of:
+            self._unmark_busy(sched.step_id)
         return self._apply(sched, handle.get())
+
+    def _mark_busy(self, sched: SchedulerOutput) -> None:
+        """Micro-batching: the step's requests sit out until it is applied."""
+        live = self.scheduler.seqs
+        reqs = list({live[seq_id].request: None for seq_id in sched.seq_ids})
+        self._busy_of[sched.step_id] = reqs
+        self.scheduler.busy.update(reqs)
+
+    def _unmark_busy(self, step_id: int) -> None:
+        reqs = self._busy_of.pop(step_id, None)
+        if reqs:
+            self.scheduler.busy.difference_update(reqs)
 
     def _fill_token_bitmask(self, sched: SchedulerOutput) -> None:
         live = self._constrained

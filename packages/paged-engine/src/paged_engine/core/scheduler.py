@@ -122,6 +122,9 @@ class Scheduler:
         self.max_loras = max_loras
         # Hybrid models: each live sequence's recurrent-state row (None: no such state).
         self.state_slots = state_slots
+        # Pipeline micro-batching (engine_core.py): requests with a step in flight, which sit
+        # out until its result is applied (each step's requests are disjoint).
+        self.busy: set[Request] = set()
         # KV transfer (kv_transfer/connector.py): stored prompt blocks at admission (None: off)
         self.kv_connector = kv_connector
 
@@ -386,7 +389,11 @@ class Scheduler:
         #    scheduled is ever preempted.
         if self._by_priority and len(self.running) > 1:
             self.running = dict.fromkeys(sorted(self.running, key=_priority_key))
-        for req in list(self.running):
+        reqs, busy = list(self.running), self.busy
+        if busy:  # pipeline micro-batching: a step of these is in flight; they keep their seats
+            num_seqs += sum(self._seq_slots(r, r.live_seqs()) for r in reqs if r in busy)
+            reqs = [r for r in reqs if r not in busy]
+        for req in reqs:
             if req.status != _RUNNING:  # preempted as a victim earlier in this loop
                 continue
             seqs = req.seqs
@@ -453,7 +460,7 @@ class Scheduler:
         passed: list[Request] = []
         while self.waiting and budget and not preempted:
             req = self.waiting[0]
-            if req.num_pending:
+            if req.num_pending or (busy and req in busy):  # preempted with a step in flight
                 break
             if (
                 adapters is not None
@@ -505,7 +512,7 @@ class Scheduler:
         if passed:
             self.waiting.extendleft(reversed(passed))
 
-        if not planned and self.requests and not self._any_pending():
+        if not planned and self.requests and not busy and not self._any_pending():
             # Nothing runs: the head of the queue cannot fit even alone, so it alone is named.
             culprits = [] if self.running or not self.waiting else [self.waiting[0].request_id]
             raise SchedulerStuckError(

@@ -6,10 +6,19 @@ tp_all_gather(x, dim)   the TP group's shards of x side by side (vocab-parallel 
 broadcast_object(obj)   rank 0's plain-data message to every rank (cpu group, pickled)
 gather_object(obj)      every rank's object, in rank order, on rank 0 (None elsewhere)
 send_tensor / recv_tensor   hidden states from one pipeline stage to the next
+send_object / recv_object   plain data from one rank to another (the last stage's outputs)
+
+Gloo's point-to-point sends (and a broadcast's root) wait until the peer posts the matching
+receive. Pipeline stages must not wait for one another that way (the first stage runs step N+1
+while the last runs step N: micro-batching), so the `*_async` variants return at once and keep
+their buffers here until the peer took them (`wait_sends` waits for all). Both sides of every
+message go through this module, in the same order per pair of ranks: a length, then the bytes.
 """
 
 from __future__ import annotations
 
+import pickle
+from collections import deque
 from typing import Any
 
 import torch
@@ -50,9 +59,27 @@ def broadcast_object(obj: Any = None) -> Any:
     state = get_parallel_state()
     if state.world_size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=state.cpu_group)
-    return box[0]
+    group = state.cpu_group
+    if state.rank == 0:
+        for t in _packed(obj):
+            dist.broadcast(t, src=0, group=group)
+        return obj
+    size = torch.empty(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast_object_async(obj: Any) -> None:
+    """Rank 0's `broadcast_object` without waiting for the other ranks to receive it (they
+    call `broadcast_object()` as usual): the first stage goes on while later ones still run."""
+    state = get_parallel_state()
+    if state.world_size == 1:
+        return
+    assert state.rank == 0, "only rank 0 broadcasts"
+    for t in _packed(obj):
+        _keep(dist.broadcast(t, src=0, group=state.cpu_group, async_op=True), t)
 
 
 def gather_object(obj: Any) -> list[Any] | None:
@@ -79,6 +106,12 @@ def send_tensor(x: torch.Tensor, dst: int) -> None:
     dist.send(x.contiguous(), dst)
 
 
+def send_tensor_async(x: torch.Tensor, dst: int) -> None:
+    """`send_tensor` that returns before `dst` received it (its buffer is kept until then)."""
+    x = x.contiguous()
+    _keep(dist.isend(x, dst), x)
+
+
 def recv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device, src: int) -> torch.Tensor:
     x = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(x, src)
@@ -87,10 +120,44 @@ def recv_tensor(shape: tuple[int, ...], dtype: torch.dtype, device, src: int) ->
 
 def send_object(obj: Any, dst: int) -> None:
     """A plain-data message to one rank over the cpu group."""
-    dist.send_object_list([obj], dst=dst, group=get_parallel_state().cpu_group)
+    group = get_parallel_state().cpu_group
+    for t in _packed(obj):
+        dist.send(t, dst=dst, group=group)
+
+
+def send_object_async(obj: Any, dst: int) -> None:
+    """`send_object` that returns before `dst` received it."""
+    group = get_parallel_state().cpu_group
+    for t in _packed(obj):
+        _keep(dist.isend(t, dst=dst, group=group), t)
 
 
 def recv_object(src: int) -> Any:
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=get_parallel_state().cpu_group)
-    return box[0]
+    group = get_parallel_state().cpu_group
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
+# Async sends not yet known to be received, oldest first: (work, the buffer it reads).
+_sends: deque[tuple[dist.Work, torch.Tensor]] = deque()
+
+
+def _keep(work: dist.Work, buf: torch.Tensor) -> None:
+    while _sends and _sends[0][0].is_completed():
+        _sends.popleft()
+    _sends.append((work, buf))
+
+
+def wait_sends() -> None:
+    """Wait until every async send of this process was received (before leaving the world)."""
+    while _sends:
+        _sends.popleft()[0].wait()
+
+
+def _packed(obj: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wire form of a plain-data message: its length (int64 [1]), then its pickled bytes."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return torch.tensor([data.numel()], dtype=torch.int64), data

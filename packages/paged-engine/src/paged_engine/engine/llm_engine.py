@@ -211,7 +211,8 @@ class LLMEngine:
         worker = self.executor.worker
         self.device, self.dtype = worker.device, worker.dtype
         if config.async_scheduling is None:
-            # Pipeline stages need each step's tokens before the next step: synchronous there.
+            # Pipeline stages keep steps in flight their own way (micro-batches of disjoint
+            # requests, core/engine_core.py), never with pending tokens: no async scheduling.
             # So does speculation: drafts come from the host's tokens.
             # Custom logits processors read every output token on the host.
             pipelined = config.pipeline_parallel_size > 1

@@ -6,7 +6,8 @@ thread or process they run, is the executor's business (tensor parallelism adds 
     execute_model(SchedulerOutput) -> RunnerOutputHandle;   handle.get() -> ModelRunnerOutput
 
 Steps run in submission order. A handle returned before its step finished lets the core
-schedule the next step meanwhile (async scheduling).
+schedule the next step meanwhile (async scheduling), or run up to `max_concurrent_batches`
+steps at once (pipeline parallelism: one per stage).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class RunnerOutputHandle(Protocol):
 
 
 class Executor(ABC):
+    # Steps over disjoint requests the core may keep in flight (vLLM's name): 1 unless later
+    # pipeline stages can run one step while the first runs the next.
+    max_concurrent_batches: int = 1
+
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """KV blocks every worker can hold (the minimum over workers)."""

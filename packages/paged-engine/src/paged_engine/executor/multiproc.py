@@ -4,7 +4,10 @@ Rank 0 is this process: its worker (the driver) runs inline on the engine's thre
 is first broadcast to the other ranks as plain data over the gloo cpu group, then run here;
 each rank applies the same step to its own persistent batch and its shard of the model and KV
 cache, and the collectives inside the forward keep them in lockstep. Rank 0's result is the
-engine's (under pipeline parallelism the last stage sends it to rank 0).
+engine's (under pipeline parallelism the last stage sends it to rank 0). With pipeline
+parallelism a step is broadcast without waiting for the other ranks to take it, and its handle
+receives the result only when asked (`worker/stage_outputs.py`): rank 0 runs the first stage of
+up to `pipeline_parallel_size` steps while the later stages work through the earlier ones.
 
 Ranks 1.. are started here (torch.multiprocessing: forkserver on the CPU, spawn on CUDA;
 `launch.start_method`) unless torchrun started them. They die with the engine: `shutdown()`
@@ -28,7 +31,11 @@ import torch.multiprocessing as mp
 
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
-from paged_engine.distributed.communication import broadcast_object
+from paged_engine.distributed.communication import (
+    broadcast_object,
+    broadcast_object_async,
+    wait_sends,
+)
 from paged_engine.distributed.launch import (
     forkserver_context,
     free_port,
@@ -40,6 +47,7 @@ from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHa
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.extension import worker_class
 from paged_engine.worker.runner_output import ModelRunnerOutput
+from paged_engine.worker.stage_outputs import drain_stage_outputs
 from paged_engine.worker.worker import RpcError, pick_device
 from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
 
@@ -67,6 +75,7 @@ class _GuardedHandle:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, resolved: ResolvedModel, hf_config) -> None:
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.max_concurrent_batches = config.pipeline_parallel_size
         check_not_in_world()
         self._procs: list[mp.Process] = []
         self._joined: list[bool] = [False]  # this engine's world exists: the finalizer leaves it
@@ -150,7 +159,12 @@ class MultiprocExecutor(Executor):
         self._call("initialize_cache", num_blocks, num_state_snapshots)
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
-        return _GuardedHandle(self._call("execute_model", sched), self)
+        if self.max_concurrent_batches == 1:
+            return _GuardedHandle(self._call("execute_model", sched), self)
+        # Pipeline: the later stages may still run earlier steps; do not wait for them.
+        return _GuardedHandle(
+            self._call("execute_model", sched, bcast=broadcast_object_async), self
+        )
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         # Checked before anything is sent: a message rank 0 cannot pickle would leave the
@@ -202,21 +216,23 @@ class MultiprocExecutor(Executor):
         self._closed = True
         if self._dead is None and hasattr(self, "worker"):
             with contextlib.suppress(Exception):  # a rank already gone: stopped below
+                drain_stage_outputs(self.worker)  # steps the core dropped in flight
                 broadcast_object((SHUTDOWN, ()))
+                wait_sends()
         if self._dead is None and hasattr(self, "worker"):  # a clean stop: let the ranks leave
             for proc in self._procs:
                 proc.join(timeout=10.0)
         self._finalizer()
 
     # ---- internals --------------------------------------------------------------------------
-    def _call(self, method: str, *args: Any) -> Any:
+    def _call(self, method: str, *args: Any, bcast=broadcast_object) -> Any:
         """Run `method` on every rank: broadcast it, then run it on rank 0's worker."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         try:
-            broadcast_object((method, args))
+            bcast((method, args))
             return getattr(self.worker, method)(*args)
         except Exception as e:
             # Any failure leaves the ranks out of step (some may wait in a collective forever):

@@ -28,10 +28,9 @@ from paged_engine.attention import AttentionBackend, AttentionMetadata, HostLeng
 from paged_engine.config import EngineConfig
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import (
-    recv_object,
     recv_tensor,
-    send_object,
-    send_tensor,
+    send_object_async,
+    send_tensor_async,
 )
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.kv_transfer.block_io import KVBlockIO, build_block_io
@@ -67,8 +66,9 @@ from paged_engine.worker.recurrent_state import (
     state_pools,
 )
 from paged_engine.worker.rope_positions import rope_positions
-from paged_engine.worker.runner_output import AsyncRunnerOutput, ReceivedRunnerOutput
+from paged_engine.worker.runner_output import AsyncRunnerOutput
 from paged_engine.worker.sampling_inputs import SamplingInputs
+from paged_engine.worker.stage_outputs import PendingStageOutput, StageOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +168,11 @@ class ModelRunner:
         self.parallel = get_parallel_state()
         # What one pipeline stage hands the next: [T, hidden_size] (OPT projects only at the ends).
         self.stage_width = int(hf_config.hidden_size)
+        # First stage of several: the steps whose sampled ids the last stage still owes.
+        self.stage_outputs: StageOutputs | None = None
+        if self.parallel.pp_size > 1 and self.parallel.is_first_stage:
+            last = self.parallel.stage_rank(self.parallel.pp_size - 1)
+            self.stage_outputs = StageOutputs(self.batch, last, self.parallel.pp_size, device)
         self._pin = device.type == "cuda"
         self.sampling = SamplingInputs(self.batch, device, self.vocab_size, self._to_dev)
         # speculative_config with a draft model: proposes each step's drafts (set by the worker).
@@ -339,6 +344,8 @@ class ModelRunner:
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
+        if self.stage_outputs is not None:  # the sampled ids this step's rows read
+            self.stage_outputs.before_step(sched.seq_ids)
         inputs = self.prepare(sched, cached)
         if self.parallel.pp_size > 1:
             return self._execute_stage(sched, cached, inputs)
@@ -353,11 +360,13 @@ class ModelRunner:
 
     def _execute_stage(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
-    ) -> AsyncRunnerOutput | ReceivedRunnerOutput:
+    ) -> AsyncRunnerOutput | PendingStageOutput:
         """This pipeline stage's share of a step. Hidden states pass from stage to stage
         between ranks of the same TP rank; the last stage samples and sends its output to its
         first-stage peer, which takes the sampled ids as its next input tokens (rank 0 also
-        hands the output to the engine core). Middle stages return an empty output."""
+        hands the output to the engine core) when it receives them: sends never wait for the
+        peer, so the first stage may run the next step meanwhile (`StageOutputs`). Middle
+        stages return an empty output."""
         assert self.cache is not None
         state = self.parallel
         hidden_in = inputs.embeds  # the first stage's input embeddings when images run
@@ -375,17 +384,14 @@ class ModelRunner:
             )
         if state.is_last_stage:
             out = self._sample(sched, cached, inputs, hidden)
-            send_object(out.get(), state.stage_rank(0))
+            send_object_async(out.get(), state.stage_rank(0))
             return out
-        send_tensor(hidden, state.stage_rank(state.pp_rank + 1))
+        send_tensor_async(hidden, state.stage_rank(state.pp_rank + 1))
         if not state.is_first_stage:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
-        result = recv_object(state.stage_rank(state.pp_size - 1))
-        src, sample_no, _, _ = self.sampling.plan(sched, cached)
-        if src.size:
-            tokens = self._to_dev(result.sampled_token_ids)
-            self._set_last_token(inputs.rows[src], tokens, sample_no)
-        return ReceivedRunnerOutput(result)
+        assert self.stage_outputs is not None
+        _, sample_no, sampled_ids, _ = self.sampling.plan(sched, cached)
+        return self.stage_outputs.submit(sched.seq_ids, sampled_ids, sample_no)
 
     def prepare(self, sched: SchedulerOutput, cached: list[CachedSeq]) -> StepInputs:
         """Flat inputs of the batch; host work is numpy over rows, plus a Python slice per

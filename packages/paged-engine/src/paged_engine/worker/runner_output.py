@@ -38,21 +38,6 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-class ReceivedRunnerOutput:
-    """An output that arrived whole from another rank (the last pipeline stage)."""
-
-    __slots__ = ("_result",)
-
-    def __init__(self, result: ModelRunnerOutput) -> None:
-        self._result = result
-
-    def ready(self) -> bool:
-        return True
-
-    def get(self) -> ModelRunnerOutput:
-        return self._result
-
-
 class AsyncRunnerOutput:
     """A step's results on their way to the host. Created right after the step's kernels are
     queued; `get()` waits for the copies (an event on CUDA; nothing on CPU) and unpacks."""

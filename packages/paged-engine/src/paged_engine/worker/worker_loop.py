@@ -16,12 +16,13 @@ import traceback
 import torch
 
 from paged_engine.config import EngineConfig
-from paged_engine.distributed.communication import broadcast_object
+from paged_engine.distributed.communication import broadcast_object, wait_sends
 from paged_engine.distributed.launch import cpu_threads_per_rank, exit_with_parent
 from paged_engine.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from paged_engine.engine.gc_tuning import freeze_startup_heap
 from paged_engine.loader import ResolvedModel
 from paged_engine.worker.extension import worker_class
+from paged_engine.worker.stage_outputs import drain_stage_outputs
 from paged_engine.worker.worker import pick_device
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,10 @@ def run_worker(
         while True:
             method, args = broadcast_object()
             if method == SHUTDOWN:
+                # Pipeline stages: take what the last stage still sends, and let every async
+                # send of this rank land before the world goes.
+                drain_stage_outputs(worker)
+                wait_sends()
                 return
             getattr(worker, method)(*args)
             if method == "initialize_cache":  # the last startup step: the heap is the engine's

@@ -45,13 +45,19 @@ def device_used(device: str) -> int:
 
 
 def held_bytes(llm) -> int:
-    """The bytes the model's and the KV cache's storages hold (sleep mode's own count)."""
+    """The bytes the model's and the KV cache's storages hold (sleep mode's own count); a CPU
+    KV cache's resident pages (lazily zeroed host memory: committed as blocks are written,
+    given back by madvise while asleep)."""
+    from paged_engine.worker import host_memory
     from paged_engine.worker.sleep import module_tensors
 
     runner = llm.llm_engine.model_runner
     tensors = [t for t, _ in module_tensors(runner.model)] + list(runner.kv_tensors())
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    return sum(
+        host_memory.resident_bytes(s) if host_memory.is_lazy(s) else s.nbytes()
+        for s in storages.values()
+    )
 
 
 def _timed(device: str, fn, *args, **kwargs) -> float:

@@ -693,7 +693,8 @@ class Scheduler:
             lora_id=req.lora_id,
             lora_path=req.lora_path,
             state_slot=seq.state_slot,
-            mm_inputs=tuple(m for m in req.mm_inputs if m.end > start),
+            # (PaliGemma's images also while their two-way prefix has tokens to run)
+            mm_inputs=tuple(m for m in req.mm_inputs if max(m.end, m.prefix_end) > start),
             mrope=req.mrope,
             embeds_prompt=is_embeds_prompt(req.mm_inputs),
         )

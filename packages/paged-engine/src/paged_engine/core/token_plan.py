@@ -104,10 +104,11 @@ def whole_images(seq: Sequence, n: int, budget: int) -> int:
     start = seq.num_computed_tokens
     end = start + n
     for m in seq.request.mm_inputs:
-        if m.bidirectional and m.offset < end < m.end:
-            if m.end - start <= budget:
-                return m.end - start
-            return max(m.offset - start, 0)
+        span = m.two_way  # an image, or PaliGemma's whole prefix
+        if span is not None and span[0] < end < span[1]:
+            if span[1] - start <= budget:
+                return span[1] - start
+            return max(span[0] - start, 0)
     return n
 
 

@@ -101,6 +101,11 @@ class InputProcessor:
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)
+        if not mm_inputs and getattr(getattr(self.images, "layout", None), "needs_image", False):
+            raise ValueError(  # PaliGemma (multimodal/paligemma_layout.py)
+                "multi_modal_data: this model's prompts need an image (HF's processor takes "
+                "none without one; a text-only prompt would attend both ways: not supported)"
+            )
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # (BeamSearchParams: none)
@@ -317,6 +322,12 @@ class InputProcessor:
         token_ids, images = self.images.process(token_ids, mm_data, kwargs)
         budget = self.config.max_num_batched_tokens
         for m in images:  # a two-way image runs in one step (core/token_plan.py whole_images)
+            if m.prefix_end and budget is not None and m.prefix_end > budget:
+                raise ValueError(  # PaliGemma: the whole prompt attends both ways
+                    f"multi_modal_data['image']: the prompt's {m.prefix_end} tokens attend to "
+                    f"each other both ways, more than max_num_batched_tokens={budget}: one step "
+                    "must hold them all (raise max_num_batched_tokens)"
+                )
             if m.bidirectional and budget is not None and m.length > budget:
                 raise ValueError(
                     f"multi_modal_data['image']: an image of {m.length} tokens is more than "

@@ -13,6 +13,7 @@ each is exact).
     Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
     Gemma4UnifiedForConditionalGeneration  gemma4_unified_text  -> Gemma4UnifiedForCausalLM
+    PaliGemmaForConditionalGeneration    gemma / gemma2         -> Gemma / Gemma2ForCausalLM
     Glm5NextForConditionalGeneration     glm5_next_text         -> Glm5NextTextForCausalLM
     Glm4vForConditionalGeneration,       glm4v_text             -> Glm4ForCausalLM
       Glm46VForConditionalGeneration
@@ -156,6 +157,13 @@ WRAPPERS: dict[str, Wrapper] = {
     # Apertus 1.5: lm_head(text model) as Apertus1p5TextForCausalLM, pruned alike
     "Apertus1p5ForConditionalGeneration": Wrapper(
         {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
+    ),
+    # PaliGemma / 2: the wrapper sets use_bidirectional_attention for its prompt prefix's mask
+    # (multimodal/paligemma.py); its positions count from 1, a shift RoPE does not see
+    "PaliGemmaForConditionalGeneration": Wrapper(
+        {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM"},
+        _LLAVA_STYLE,
+        fixed=(("use_bidirectional_attention", False),),
     ),
     "Gemma3ForConditionalGeneration": Wrapper(
         {"gemma3_text": "Gemma3ForCausalLM"}, _LLAVA_STYLE, no_final_soft_cap=True

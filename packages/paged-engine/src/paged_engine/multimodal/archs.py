@@ -31,6 +31,7 @@
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
     Exaone4_5_ForConditionalGeneration            "exaone4_5"   multimodal/exaone4_5.py
+    PaliGemmaForConditionalGeneration             "paligemma"   multimodal/paligemma.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -79,6 +80,7 @@ KINDS: dict[str, str] = {
     "Lfm2VlForConditionalGeneration": "lfm2_vl",
     "Ovis2_5ForConditionalGeneration": "ovis2_5",
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
+    "PaliGemmaForConditionalGeneration": "paligemma",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -103,6 +105,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "lfm2_vl": ("siglip2_vision_model",),
     "ovis2_5": ("ovis2_5_vision",),
     "exaone4_5": ("exaone4_5_vision",),
+    "paligemma": ("siglip_vision_model",),
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -131,6 +134,7 @@ ENCODERS: dict[str, str] = {
     "lfm2_vl": "lfm2_vl:Lfm2VlImageEncoder",
     "ovis2_5": "ovis2_5:Ovis2_5ImageEncoder",
     "exaone4_5": "exaone4_5:Exaone45ImageEncoder",
+    "paligemma": "paligemma:PaliGemmaImageEncoder",
 }
 
 

@@ -47,6 +47,9 @@ class ImageInput:
     # Gemma 3: the span's tokens attend to each other (all of it, both ways) at prefill, so a
     # step never ends inside it (core/token_plan.py whole_images) and its rows see its end
     bidirectional: bool = False
+    # PaliGemma: positions [0, prefix_end) (every image and the prompt text) attend to each other
+    # both ways at prefill, as one span that a step never ends inside; 0: no such prefix
+    prefix_end: int = 0
     token_rows: bool = False  # prompt_embeds rows (see the module)
     # a Qwen video's M-RoPE temporal step: frame group k has temporal index floor(k * t_step)
     # (Qwen2.5-VL: tokens_per_second * seconds per group; 1 for Qwen2-VL and images)
@@ -72,6 +75,14 @@ class ImageInput:
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def two_way(self) -> tuple[int, int] | None:
+        """The positions [start, end) whose tokens see each other both ways at prefill (the
+        prompt's prefix, or the image itself when `bidirectional`), or None."""
+        if self.prefix_end:
+            return (0, self.prefix_end)
+        return (self.offset, self.end) if self.bidirectional else None
 
     def overlaps(self, start: int, end: int) -> bool:
         """Whether positions [start, end) include one of its placeholders."""

@@ -35,10 +35,14 @@ from paged_engine.multimodal.layouts import (
 )
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
+from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
 from paged_engine.multimodal.torch_processors import image_processor
 
 logger = logging.getLogger(__name__)
+
+# layouts.py's table and the layouts in modules of their own
+_LAYOUTS: dict[str, type[Layout]] = {**LAYOUTS, "paligemma": PaliGemmaLayout}
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # mm_processor_kwargs that would change what the vision encoder reads: refused
@@ -103,7 +107,8 @@ class ImageProcessor:
         self.path = Path(path)
         self.config = config
         self.image_token_id = image_token_id(config)
-        self.layout: Layout = LAYOUTS[image_kind(config)](config, self.image_token_id, tokenizer)
+        layout = _LAYOUTS[image_kind(config)]
+        self.layout: Layout = layout(config, self.image_token_id, tokenizer)
         # placeholders an image takes; None where each image's size decides
         self.tokens_per_image = self.layout.fixed
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
@@ -147,7 +152,7 @@ class ImageProcessor:
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
         if all(isinstance(m, ImageInput) for m in items):  # checked where they were made
-            return self._placed(token_ids, items)
+            return self._finish(*self._placed(token_ids, items))
         self._check_limit(len(items))
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
@@ -162,7 +167,14 @@ class ImageProcessor:
         out: list[ImageInput] = []
         for x, at, segment in zip(loaded, starts, segments, strict=True):
             out += self.layout.place(x, at, segment)
-        return token_ids, tuple(out)
+        return self._finish(token_ids, tuple(out))
+
+    def _finish(
+        self, token_ids: list[int], images: tuple[ImageInput, ...]
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The layout's last word on the whole prompt's images (PaliGemma: its prefix)."""
+        finish = getattr(self.layout, "finish", None)
+        return token_ids, images if finish is None else finish(token_ids, images)
 
     def _load(self, run: Any, image: Any, kwargs: dict[str, Any], count: int) -> Loaded:
         """The layout's load of one image of `count`, or what the processor cache holds."""

@@ -26,7 +26,7 @@ class ImageSpans:
         self.spans: dict[int, list[tuple[int, int]]] = {}
 
     def add(self, seq_id: int, images: Iterable[ImageInput]) -> None:
-        spans = [(m.offset, m.end) for m in images if m.bidirectional]
+        spans = sorted({m.two_way for m in images if m.two_way is not None})
         if spans:
             self.spans[seq_id] = spans
 

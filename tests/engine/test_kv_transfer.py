@@ -196,7 +196,15 @@ def test_files_are_independent_of_the_attention_backend_layout(model_dir, store,
 
 
 def test_kv_both_after_reset_prefix_cache(model_dir, tmp_path, want):
-    llm = _llm(model_dir, kv_transfer_config=_kv("kv_both", tmp_path))
+    stats = _twice_across_a_reset(
+        _llm(model_dir, kv_transfer_config=_kv("kv_both", tmp_path)), want
+    )
+    assert stats.prefix_cache_hits == 0
+
+
+def _twice_across_a_reset(llm, want):
+    """kv_both: PROMPTS, the local prefix cache cleared, PROMPTS again: both runs give `want`,
+    the second loads every full prompt block from storage; its stats."""
     try:
         first = _generate(llm, PROMPTS)
         assert llm.get_stats().external_prefix_cache_hits == 0  # nothing stored yet
@@ -208,7 +216,7 @@ def test_kv_both_after_reset_prefix_cache(model_dir, tmp_path, want):
     _assert_same(first, want)
     _assert_same(second, want)
     assert stats.external_prefix_cache_hits == _loadable(PROMPTS)
-    assert stats.prefix_cache_hits == 0
+    return stats
 
 
 def test_truncated_or_foreign_files_are_computed(model_dir, store, want, tmp_path):
@@ -319,17 +327,8 @@ def test_vllm_object_form_and_refused_combinations(model_dir, tmp_path, tiny_mod
 def test_tensor_parallel_ranks_save_and_load_their_shards(model_dir, tmp_path, want):
     """TP = 2 (gloo on the CPU), kv_both: each rank writes its own file per block and loads it
     back after the local prefix cache is cleared."""
-    llm = _llm(model_dir, tensor_parallel_size=2, kv_transfer_config=_kv("kv_both", tmp_path))
-    try:
-        first = _generate(llm, PROMPTS)
-        assert llm.llm_engine.reset_prefix_cache()
-        second = _generate(llm, PROMPTS)
-        stats = llm.get_stats()
-    finally:
-        llm.llm_engine.shutdown()
-    _assert_same(first, want)
-    _assert_same(second, want)
-    assert stats.external_prefix_cache_hits == _loadable(PROMPTS)
+    kv = _kv("kv_both", tmp_path)
+    _twice_across_a_reset(_llm(model_dir, tensor_parallel_size=2, kv_transfer_config=kv), want)
     files = os.listdir(tmp_path)
     blocks = sum(len(p) // BS for p in PROMPTS)
     assert sum(f.endswith(".tp0of2.kv") for f in files) == blocks

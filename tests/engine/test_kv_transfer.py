@@ -109,16 +109,21 @@ def test_consumer_loads_what_another_process_stored(model_dir, store, want):
         got = _generate(llm, PROMPTS)
         stats = llm.get_stats()
         metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        steps = list(ran)  # (the steps of the run above)
+        # vLLM's num_cached_tokens counts the loaded tokens too (the local cache cleared)
+        assert llm.llm_engine.reset_prefix_cache()
+        again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)[0]
     finally:
         llm.llm_engine.shutdown()
     _assert_same(got, want)
+    assert again.num_cached_tokens == _loadable(PROMPTS[:1]) > 0
     assert metrics["vllm:external_prefix_cache_hits"] == _loadable(PROMPTS)  # vLLM's names
     assert metrics["vllm:external_prefix_cache_queries"] == sum(map(len, PROMPTS))
     # tokens run: each prompt's remainder past its loaded blocks, then the decodes
     decodes = len(PROMPTS) * (GREEDY.max_tokens - 1)
-    computed = sum(o.num_batched_tokens for o in ran)
+    computed = sum(o.num_batched_tokens for o in steps)
     assert computed == sum(map(len, PROMPTS)) - _loadable(PROMPTS) + decodes
-    assert sum(len(o.kv_loads) for o in ran) * BS == _loadable(PROMPTS)
+    assert sum(len(o.kv_loads) for o in steps) * BS == _loadable(PROMPTS)
     assert not any(o.kv_saves for o in ran)
     assert stats.external_prefix_cache_hits == _loadable(PROMPTS)
     assert stats.external_prefix_cache_queries == sum(map(len, PROMPTS))

@@ -81,7 +81,8 @@ class RequestOutput:
     """The state of one request after an engine step (or at the end of `generate`).
 
     prompt_logprobs: one entry per prompt token, None for the first; None if not requested.
-    num_cached_tokens: prompt tokens served from the prefix cache.
+    num_cached_tokens: prompt tokens served from the prefix cache (and, as vLLM counts them,
+        those a kv_transfer_config connector loaded).
     """
 
     request_id: str

@@ -80,6 +80,7 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)  # block table (block manager owns it)
     status: SequenceStatus = SequenceStatus.WAITING
     num_cached_tokens: int = 0  # prefix-cache hit at the last admission
+    num_external_tokens: int = 0  # prompt tokens a KV connector loaded then (kv_transfer/)
     # Block manager bookkeeping: chained hashes of the full blocks of token_ids (content only,
     # so valid while token_ids grows), and how many table blocks are registered in the cache.
     block_hashes: list[int] = field(default_factory=list, repr=False)
@@ -132,6 +133,7 @@ class Sequence:
             num_computed_tokens=self.num_computed_tokens,
             status=self.status,
             num_cached_tokens=self.num_cached_tokens,
+            num_external_tokens=self.num_external_tokens,
             cumulative_logprob=self.cumulative_logprob,
         )
 

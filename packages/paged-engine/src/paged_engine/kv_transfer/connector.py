@@ -80,6 +80,7 @@ class KVConnector:
         """After the local prefix-cache lookup of a sequence at admission: take blocks for its
         stored prompt blocks past the hit and count them as computed (the worker fills them
         before the forward). Nothing changes when storage has none or the pool lacks room."""
+        seq.num_external_tokens = 0
         if not self.cfg.loads:
             return
         bs = self.block_size
@@ -96,6 +97,7 @@ class KVConnector:
                 table = seq.block_ids
                 loads = [(table[i], keys[i]) for i in range(first, first + n)]
                 seq.num_computed_tokens += n * bs
+                seq.num_external_tokens = n * bs  # (RequestOutput.num_cached_tokens counts them)
         self._loads[seq.seq_id] = (loads, seq.num_prompt_tokens)
 
     def build_step(self, out: SchedulerOutput, planned: list[tuple[Sequence, int]]) -> None:

@@ -308,7 +308,7 @@ def test_parallel_matches_one_process(glm_dirs, parallel):
 def test_refused_configs(glm_dirs):
     """What the image path cannot run as HF runs it is a ValueError naming the field."""
     from paged_engine.multimodal.archs import build_encoder
-    from paged_engine.multimodal.layouts import QwenLayout
+    from paged_engine.multimodal.layouts_qwen import QwenLayout
 
     config = transformers.AutoConfig.from_pretrained(glm_dirs())
     config.text_config.rope_parameters.pop("mrope_section")  # HF: [8, 12, 12] silently

@@ -16,7 +16,7 @@ What differs from Qwen2.5-VL, as transformers runs it:
   axial 2-D rope of head_dim / 4 frequencies per axis, gated MLP, merger) is Qwen2.5-VL's.
 - The decoder is EXAONE 4.0's (models/exaone4.py through models/text_wrappers.py) and rotates
   by the token's sequence position: Exaone4_5_Model builds position_ids as arange, no M-RoPE
-  table (so layouts.Exaone45Layout has none, and no mrope_section is read).
+  table (so layouts_qwen.Exaone45Layout has none, and no mrope_section is read).
 
 Refused by name: vision_config.num_key_value_heads not dividing num_heads, and the tower's
 fields as qwen2_vl_vision.py refuses them. Videos are refused by the input processor

@@ -13,7 +13,7 @@
 
 Pan-and-scan (mm_processor_kwargs do_pan_and_scan, off by default): the processor also cuts a
 long image into crops; each view (the image, then its crops) is its own run of placeholders,
-HF's text around them (multimodal/layouts.py Gemma3Layout).
+HF's text around them (multimodal/layouts_gemma.py Gemma3Layout).
 """
 
 from __future__ import annotations

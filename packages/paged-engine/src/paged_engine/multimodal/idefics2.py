@@ -15,7 +15,7 @@ gated MLP into the text width, then a perceiver resampler to a fixed number of r
     prompt (Idefics2Processor, on the text): each <image> becomes
         <fake_token_around_image> <image> x n <fake_token_around_image>   (x 5 when split)
         then "<fake><fake>" -> "<fake>" and a space after a <fake> followed by a character
-        other than whitespace or "<" (layouts.py Idefics2Layout runs it on the whole prompt)
+        other than whitespace or "<" (layouts_tiles.py Idefics2Layout runs it on the whole prompt)
 
 A view is one `ImageInput` (image_size = its (h, w)), so views of one image are apart as
 Idefics3's tiles are. A view is run alone at its size: transformers pads the views of a batch

@@ -6,7 +6,7 @@ prompt stands for one image, in order. The checkpoint's own image processor
 (preprocessor_config.json: resize, crop / tile, normalize, as HF's processors run it) gives the
 image's pixel values (where transformers builds that processor on torchvision alone and
 torchvision is missing, multimodal/torch_processors.py's torch copy of it); the wrapper's
-layout (multimodal/layouts.py) says what the image token becomes (a run of placeholders, one
+layout (multimodal/layout_table.py) says what the image token becomes (a run of placeholders, one
 per feature row; tiles with text between them; lines of placeholders with break tokens) and
 where each `ImageInput` sits. For run layouts a prompt whose runs are expanded already (token
 ids of an earlier output, or a client's HF processor) is taken as it is. Also: images processed
@@ -25,8 +25,8 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.layout_table import LAYOUTS
 from paged_engine.multimodal.layouts import (
-    LAYOUTS,
     Layout,
     Loaded,
     digest,
@@ -35,14 +35,10 @@ from paged_engine.multimodal.layouts import (
 )
 from paged_engine.multimodal.llava import image_token_id
 from paged_engine.multimodal.mrope import MropePositions
-from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 from paged_engine.multimodal.processor_cache import ProcessorCache, image_key
 from paged_engine.multimodal.torch_processors import image_processor
 
 logger = logging.getLogger(__name__)
-
-# layouts.py's table and the layouts in modules of their own
-_LAYOUTS: dict[str, type[Layout]] = {**LAYOUTS, "paligemma": PaliGemmaLayout}
 
 _PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # mm_processor_kwargs that would change what the vision encoder reads: refused
@@ -107,7 +103,7 @@ class ImageProcessor:
         self.path = Path(path)
         self.config = config
         self.image_token_id = image_token_id(config)
-        layout = _LAYOUTS[image_kind(config)]
+        layout = LAYOUTS[image_kind(config)]
         self.layout: Layout = layout(config, self.image_token_id, tokenizer)
         # placeholders an image takes; None where each image's size decides
         self.tokens_per_image = self.layout.fixed

@@ -25,7 +25,7 @@ Refused by name: a text_config.rope_parameters without `mrope_section` (transfor
 back to [16, 24, 24] / [24, 20, 20], which a checkpoint's own head size need not fit: the Hub's
 configs set it); `mrope_interleaved` other than what the thinker's rotary does (Qwen3-Omni:
 interleaved, Qwen2.5-Omni: contiguous); image features given with a grid of t != 1
-(layouts.OmniLayout: the processor's images are one temporal patch). Audio runs through the
+(layouts_qwen.OmniLayout: the processor's images are one temporal patch). Audio runs through the
 thinker's audio tower (omni_audio.py); videos run as runs of video tokens this encoder reads
 frame by frame, with Omni's temporal step and M-RoPE table (omni_video.py); the talker's speech
 output is not served. The whole models' classes (Qwen2_5OmniForConditionalGeneration,

@@ -1,0 +1,64 @@
+"""Which `Layout` each image wrapper's prompts use, keyed by `archs.image_kind` (processor.py
+looks a model's up). Every family module is imported here, so none imports another."""
+
+from __future__ import annotations
+
+from paged_engine.multimodal.layouts import Layout
+from paged_engine.multimodal.layouts_gemma import (
+    Gemma3Layout,
+    Gemma4Layout,
+    Gemma4UnifiedLayout,
+)
+from paged_engine.multimodal.layouts_qwen import (
+    Exaone45Layout,
+    HunyuanLayout,
+    OmniLayout,
+    Ovis2_5Layout,
+    QwenLayout,
+)
+from paged_engine.multimodal.layouts_single_run import (
+    AnyResLayout,
+    BoundedLayout,
+    KimiLayout,
+    LineLayout,
+)
+from paged_engine.multimodal.layouts_slices import (
+    Lfm2VlLayout,
+    MiniCPMVCanvasLayout,
+    MiniCPMVLayout,
+)
+from paged_engine.multimodal.layouts_tiles import (
+    AyaLayout,
+    CohereTiles,
+    Idefics2Layout,
+    Llama4Layout,
+    TileLayout,
+)
+from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
+
+LAYOUTS: dict[str, type[Layout]] = {
+    "llava": Layout,
+    "llava_next": AnyResLayout,
+    "qwen2_vl": QwenLayout,
+    "glm4v": QwenLayout,  # GLM-4.1V / 4.5V / 4.6V: Qwen2-VL's runs and M-RoPE table
+    "qwen_omni": OmniLayout,
+    "glm_ocr": QwenLayout,  # GLM-OCR: GLM-4.1V's host side
+    "hunyuan_vl": HunyuanLayout,  # HunyuanOCR
+    "idefics3": TileLayout,
+    "pixtral": LineLayout,
+    "internvl": BoundedLayout,
+    "gemma3": Gemma3Layout,
+    "gemma4": Gemma4Layout,
+    "gemma4_unified": Gemma4UnifiedLayout,  # Gemma 4 Unified: one token per model patch
+    "aya_vision": AyaLayout,
+    "cohere2_vision": CohereTiles,
+    "idefics2": Idefics2Layout,
+    "llama4": Llama4Layout,
+    "kimi_k25": KimiLayout,
+    "lfm2_vl": Lfm2VlLayout,
+    "ovis2_5": Ovis2_5Layout,
+    "exaone4_5": Exaone45Layout,  # EXAONE 4.5: Qwen2-VL's runs, 1-D positions
+    "minicpmv": MiniCPMVLayout,
+    "minicpmv_canvas": MiniCPMVCanvasLayout,
+    "paligemma": PaliGemmaLayout,
+}

@@ -73,13 +73,13 @@ def path_prompts(one: str, two: str, narrow: int = 15) -> list[dict]:
     ]
 
 
-def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -> LLM:
-    """Against one plain run of `prompts` (the last holding two images for the text `two`,
-    the first two one image each): `chunk`-token chunks through the images; a prefix-cache hit
-    on the same image (and none past the text for another image); the last prompt's images
-    processed ahead (`ImageProcessor.process`) and handed over with the expanded ids, and
-    moved one token (refused). Returns the prefix-caching engine, still serving."""
-    params = greedy(0, 24)
+def check_chunks_and_prefix_hits(
+    path, prompts: list[dict], params: SamplingParams, chunk: int, marker: Callable
+) -> tuple[list, LLM, Callable]:
+    """Against one plain run of `prompts`: `chunk`-token chunks give the same tokens; a
+    prefix-cache hit on prompt 0's media again, and no hit past prompt 1's first media token
+    (`marker(input_processor)`: its id). Returns (the plain outputs, the prefix-caching engine
+    still serving, `run(llm, batch=prompts)` -> outputs)."""
 
     def run(llm, batch=prompts):
         return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
@@ -96,10 +96,22 @@ def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -
     assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
     assert_same_greedy(plain[:1], [again.outputs[0]])
     other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
-    images = cached.llm_engine.input_processor.images
-    first = other.prompt_token_ids.index(images.image_token_id)
+    first = other.prompt_token_ids.index(marker(cached.llm_engine.input_processor))
     assert other.num_cached_tokens <= first // 16 * 16
+    return plain, cached, run
 
+
+def check_engine_paths(path, prompts: list[dict], two: str, *, chunk: int = 8) -> LLM:
+    """Against one plain run of `prompts` (the last holding two images for the text `two`,
+    the first two one image each): `chunk`-token chunks through the images; a prefix-cache hit
+    on the same image (and none past the text for another image); the last prompt's images
+    processed ahead (`ImageProcessor.process`) and handed over with the expanded ids, and
+    moved one token (refused). Returns the prefix-caching engine, still serving."""
+    params = greedy(0, 24)
+    plain, cached, run = check_chunks_and_prefix_hits(
+        path, prompts, params, chunk, lambda proc: proc.images.image_token_id
+    )
+    images = cached.llm_engine.input_processor.images
     pics = prompts[-1]["multi_modal_data"]["image"]
     expanded, done = images.process(cached.get_tokenizer().encode(two), pics)
     ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}

@@ -21,8 +21,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
-from image_checks import check_tensor_parallel, engine, greedy, noise_image
+from hf_reference import assert_matches, hf_greedy
+from image_checks import (
+    check_chunks_and_prefix_hits,
+    check_tensor_parallel,
+    engine,
+    greedy,
+    noise_image,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.qwen2_5_omni")
@@ -182,21 +188,9 @@ def test_engine_paths(omni_dirs, version):
         }
     ]
     params = greedy(0, 12)
-
-    def run(llm, batch=prompts):
-        return [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
-
-    plain = run(engine(path))
-    chunked = engine(path, max_num_batched_tokens=8, enable_chunked_prefill=True, max_num_seqs=3)
-    assert_same_greedy(plain, run(chunked))
-    cached = engine(path, enable_prefix_caching=True)
-    run(cached, prompts[:1])
-    again = cached.generate(prompts[:1], params, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= (len(again.prompt_token_ids) - 1) // 16 * 16
-    assert_same_greedy(plain[:1], [again.outputs[0]])
-    other = cached.generate(prompts[1:2], params, use_tqdm=False)[0]
-    first = other.prompt_token_ids.index(cached.llm_engine.input_processor.videos.video_token_id)
-    assert other.num_cached_tokens <= first // 16 * 16
+    plain, cached, run = check_chunks_and_prefix_hits(
+        path, prompts, params, 8, lambda proc: proc.videos.video_token_id
+    )
 
     refused = [
         ({"use_audio_in_video": True}, r"mm_processor_kwargs\['use_audio_in_video'\]"),

@@ -34,9 +34,8 @@ from torch import nn
 
 from paged_engine.layers.norm import UnitRMSNorm
 from paged_engine.models.olmo2 import Olmo2RMSNorm
-from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.gemma3n_audio import check_config, strides
-from paged_engine.multimodal.gemma4_audio import CausalConv1d, sinusoids
+from paged_engine.multimodal.gemma4_audio import CausalConv1d, load_audio_weights, sinusoids
 from paged_engine.multimodal.inputs import ImageInput
 
 _HF_EPS = 1e-6  # transformers' default eps of the conformer's FFN, attention and output norms
@@ -281,12 +280,4 @@ class Gemma3nAudioEncoder(nn.Module):
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `[model.]audio_tower.*` and `[model.]embed_audio.*` tensors;
-        ValueError naming a missing or unexpected one."""
-
-        def ours(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            return name if name.startswith(("audio_tower.", "embed_audio.")) else None
-
-        picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
-        return load_named_weights(self, picked)
+        return load_audio_weights(self, weights)  # (Gemma 4's names: the same prefixes)

@@ -383,12 +383,16 @@ class Gemma4AudioEncoder(nn.Module):
         return [r[: m.length] for r, m in zip(rows, clips, strict=True)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `[model.]audio_tower.*` and `[model.]embed_audio.*` tensors;
-        ValueError naming a missing or unexpected one."""
+        return load_audio_weights(self, weights)
 
-        def ours(name: str) -> str | None:
-            name = name.removeprefix("model.")
-            return name if name.startswith(("audio_tower.", "embed_audio.")) else None
 
-        picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
-        return load_named_weights(self, picked)
+def load_audio_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """The checkpoint's `[model.]audio_tower.*` and `[model.]embed_audio.*` tensors into a
+    Gemma 4 / Gemma 3n audio encoder (`module`); ValueError naming a missing or unexpected one."""
+
+    def ours(name: str) -> str | None:
+        name = name.removeprefix("model.")
+        return name if name.startswith(("audio_tower.", "embed_audio.")) else None
+
+    picked = ((n, t) for n, t in ((ours(n), t) for n, t in weights) if n is not None)
+    return load_named_weights(module, picked)

@@ -27,7 +27,6 @@ import torch
 logger = logging.getLogger(__name__)
 
 PARAMS_FILE = "params.json"
-CONFIG_FORMATS = ("auto", "hf", "mistral")
 _CONSOLIDATED = "consolidated*.safetensors"
 
 # params.json name -> transformers name; the value is taken as it is
@@ -79,9 +78,8 @@ _ST_FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 def config_format_of(path: Path, config_format: str) -> str:
     """The config format of a checkpoint directory, "hf" or "mistral": "auto" takes config.json
-    where there is one, else params.json (as vLLM does)."""
-    if config_format not in CONFIG_FORMATS:
-        raise ValueError(f"unknown config_format {config_format!r}; choose from {CONFIG_FORMATS}")
+    where there is one, else params.json (as vLLM does). `config_format`: EngineConfig's,
+    checked there."""
     if config_format != "auto":
         return config_format
     if not (path / "config.json").is_file() and (path / PARAMS_FILE).is_file():

@@ -19,16 +19,6 @@ _FP8 = {
 }
 
 
-def _zeros(
-    shape, *, dtype: torch.dtype, device: torch.device | None = None, pin_memory: bool = False
-) -> torch.Tensor:
-    """A zeroed cache tensor; in host memory that is not pinned, one whose pages are committed
-    only as blocks are written (worker/host_memory.py)."""
-    if (device is None or device.type == "cpu") and not pin_memory:
-        return host_memory.zeroed(tuple(shape), dtype)
-    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
-
-
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """EngineConfig.kv_cache_dtype -> the cache's element type ("auto": the model's)."""
     return model_dtype if name == "auto" else _FP8[name]
@@ -147,8 +137,8 @@ class CacheEngine:
 
     def _pair(self, shape, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's (key, value) caches: two tensors, or one latent tensor twice."""
-        key = _zeros(shape, **kwargs)
-        return (key, key) if self.shared_kv else (key, _zeros(shape, **kwargs))
+        key = host_memory.cache_zeros(shape, **kwargs)
+        return (key, key) if self.shared_kv else (key, host_memory.cache_zeros(shape, **kwargs))
 
     def _unique(self, pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         return pair[:1] if self.shared_kv else pair

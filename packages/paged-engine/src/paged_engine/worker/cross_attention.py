@@ -47,6 +47,7 @@ from torch import nn
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
 from paged_engine.models.whisper import ARCHITECTURES
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.worker import host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ class CrossAttentionState:
 
         def pool() -> list[torch.Tensor]:
             return [
-                torch.zeros(shape, dtype=self.dtype, device=self.device)
+                host_memory.cache_zeros(shape, dtype=self.dtype, device=self.device)
                 for _ in range(self.num_layers)
             ]
 

@@ -35,6 +35,16 @@ def zeroed(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Ten
     return flat.view(dtype).view(shape)
 
 
+def cache_zeros(
+    shape, *, dtype: torch.dtype, device: torch.device | None = None, pin_memory: bool = False
+) -> torch.Tensor:
+    """A zeroed cache tensor (KV blocks, the CPU block pool, cross-attention slots): `zeroed`
+    in host memory that is not pinned, `torch.zeros` elsewhere."""
+    if (device is None or device.type == "cpu") and not pin_memory:
+        return zeroed(tuple(shape), dtype)
+    return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+
 def is_lazy(storage: torch.UntypedStorage) -> bool:
     """Whether `storage` is one `zeroed` made (whole)."""
     mapping = _MAPPINGS.get(storage.data_ptr())

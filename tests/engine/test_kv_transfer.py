@@ -247,6 +247,50 @@ def test_truncated_or_foreign_files_are_computed(model_dir, store, want, tmp_pat
     assert stats.external_prefix_cache_hits == _loadable(PROMPTS[2:])
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_file_gone_after_the_lookup_is_recomputed(
+    model_dir, store, want, tmp_path, async_scheduling
+):
+    """kv_both over a copy of the store: one block file is deleted between the scheduler's
+    lookup and the worker's load. That request is sent back and recomputed (its tokens from the
+    stale step, and from a step already scheduled behind it, are dropped), the others go on;
+    outputs unchanged, nothing stale saved under the deleted key (a fresh consumer of the
+    store still generates `want`), and the key is not looked up again."""
+    import shutil
+
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    kv = _kv("kv_both", copy)
+    llm = _llm(model_dir, kv_transfer_config=kv, async_scheduling=async_scheduling)
+    try:
+        connector = llm.llm_engine.scheduler.kv_connector
+        gone = copy / f"{connector.block_keys(_request(PROMPTS[1], 1))[1]}.tp0of1.kv"
+        match, deleted = connector.match, []
+
+        def match_then_delete(bm, seq):  # once: the first lookup that found the file
+            match(bm, seq)
+            if not deleted and seq.token_ids == PROMPTS[1]:
+                assert seq.num_external_tokens == 2 * BS
+                gone.unlink()
+                deleted.append(seq)
+
+        connector.match = match_then_delete
+        got = _generate(llm, PROMPTS)
+        stats = llm.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    _assert_same(got, want)
+    assert stats.num_preemptions == 1  # the recompute
+    # prompt 1 loaded blocks 0 and 1 (1 failed: un-counted), then block 0 again
+    assert stats.external_prefix_cache_hits == _loadable(PROMPTS)
+    assert not gone.exists()  # its blocks of the stale step were not saved
+    fresh = _llm(model_dir, kv_transfer_config=_kv("kv_consumer", copy))
+    try:
+        _assert_same(_generate(fresh, PROMPTS), want)
+    finally:
+        fresh.llm_engine.shutdown()
+
+
 def _request(prompt: list[int], i: int):
     from paged_engine.core.request import Request
 
@@ -338,6 +382,33 @@ def test_tensor_parallel_ranks_save_and_load_their_shards(model_dir, tmp_path, w
     blocks = sum(len(p) // BS for p in PROMPTS)
     assert sum(f.endswith(".tp0of2.kv") for f in files) == blocks
     assert sum(f.endswith(".tp1of2.kv") for f in files) == blocks
+
+
+def test_one_rank_missing_its_file_recomputes_on_both(model_dir, tmp_path, want):
+    """TP = 2, kv_both: after the local cache is cleared, rank 1's file of one block is deleted
+    after the lookup. Rank 0 loads its shard, rank 1 cannot: both report the block (their
+    outputs agree) and the request is recomputed."""
+    llm = _llm(model_dir, tensor_parallel_size=2, kv_transfer_config=_kv("kv_both", tmp_path))
+    try:
+        _generate(llm, PROMPTS)  # both ranks store every full prompt block
+        assert llm.llm_engine.reset_prefix_cache()
+        connector = llm.llm_engine.scheduler.kv_connector
+        gone = tmp_path / f"{connector.block_keys(_request(PROMPTS[1], 1))[1]}.tp1of2.kv"
+        match, deleted = connector.match, []
+
+        def match_then_delete(bm, seq):
+            match(bm, seq)
+            if not deleted and seq.token_ids == PROMPTS[1]:
+                gone.unlink()
+                deleted.append(seq)
+
+        connector.match = match_then_delete
+        got = _generate(llm, PROMPTS)
+        stats = llm.get_stats()
+    finally:
+        llm.llm_engine.shutdown()
+    _assert_same(got, want)
+    assert deleted and stats.num_preemptions == 1
 
 
 def test_server_flag_builds_the_connector(model_dir, store):

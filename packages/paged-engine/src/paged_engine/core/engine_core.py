@@ -87,6 +87,9 @@ class EngineCore:
             1 if async_scheduling else getattr(executor, "max_concurrent_batches", 1)
         )
         self._busy_of: dict[int, list[Request]] = {}
+        # kv_transfer: sequences sent back to recompute after a failed load, whose tokens from
+        # steps scheduled before it are dropped as they land (`_drop_failed_loads`)
+        self._discard: set[int] = set()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.peak_used_blocks = 0
@@ -277,6 +280,8 @@ class EngineCore:
         # sequence, so that a finished sequence's last full block is cached too. Every token a
         # step fed is known to the host by now (a pending one landed with the step before).
         filled = scheduler.step_seqs.pop(sched.step_id)
+        if out.invalid_block_ids or self._discard:  # (kv_transfer only)
+            live = self._drop_failed_loads(sched, out, filled, live)
         for seq in filled:
             if seq.status == _RUNNING:
                 bm.cache_full_blocks(seq)
@@ -363,6 +368,40 @@ class EngineCore:
         if used > self.peak_used_blocks:
             self.peak_used_blocks = used
         return list(outputs.values())
+
+    def _drop_failed_loads(
+        self,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+        filled: list[Sequence],
+        live: dict[int, Sequence],
+    ) -> dict[int, Sequence]:
+        """kv_transfer: a sequence that read a block the worker could not load from storage
+        ran on stale KV. It goes back to the waiting queue for recompute (before its blocks are
+        registered in the prefix cache; its storage lookup then skips the block's key), and its
+        results in this step, and in any step scheduled before it was sent back, are dropped.
+        Returns `live` without the sequences whose results are dropped."""
+        bad = set(out.invalid_block_ids)
+        if bad:
+            connector = self.scheduler.kv_connector
+            if connector is not None:
+                connector.load_failed([key for block, key in sched.kv_loads if block in bad])
+            for seq in filled:
+                if seq.status == _RUNNING and not bad.isdisjoint(seq.block_ids):
+                    self._discard.add(seq.seq_id)
+                    self.scheduler.recompute(seq.request)
+        dropped = set(self._discard)
+        landed = [sid for sid in out.sampled_seq_ids if sid in dropped]
+        landed += [sid for sid in out.beam_topk if sid in dropped]
+        for sid in landed:
+            seq = live.get(sid)
+            if seq is not None:
+                seq.num_pending -= 1
+        for sid in dropped:
+            seq = live.get(sid)
+            if seq is None or seq.num_pending <= 0:  # nothing more of it in flight
+                self._discard.discard(sid)
+        return {sid: seq for sid, seq in live.items() if sid not in dropped}
 
     def _apply_samples(
         self, seq: Sequence, out: ModelRunnerOutput, first: int, end: int, o: EngineCoreOutput

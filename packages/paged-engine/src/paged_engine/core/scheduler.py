@@ -332,6 +332,12 @@ class Scheduler:
         if len(req.seqs) > 1 and not swapped:
             self._reshare.add(req)
 
+    def recompute(self, req: Request) -> None:
+        """Preempt a running request for recompute between steps (its KV is known to be
+        stale: a KV-transfer load failed); it goes back to the head of the waiting queue."""
+        if req in self.running:
+            self._preempt(req, [], allow_swap=False)
+
     def preempt_all(self) -> None:
         """Preempt every running request for recompute (sleep mode discards the KV cache);
         they keep their order at the head of the waiting queue. No step may be in flight."""

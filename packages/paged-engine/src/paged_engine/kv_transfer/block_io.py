@@ -2,24 +2,31 @@
 files (storage.py), each rank its own shard (its KV heads; the rank is in the file name).
 
 Loads run before the step's forward (the scheduler counted those blocks as computed), saves
-after it (the blocks' KV was just written). A block file that fails its check at load time
-(changed since the scheduler's lookup checked it) raises: the step would otherwise run on KV
-that was never written.
+after it (the blocks' KV was just written). A block file that fails its check at load time (gone
+or changed since the scheduler's lookup checked it, on any tensor-parallel rank) is reported
+back (`ModelRunnerOutput.invalid_block_ids`, vLLM's name): the step's results for its sequence
+are dropped and the engine core recomputes it (core/engine_core.py, `_recompute_failed_loads`),
+so a vanished file costs time, never a request or a wrong token.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from paged_engine.distributed.communication import tp_all_reduce_max
 from paged_engine.kv_transfer.config import KVTransferConfig
 from paged_engine.kv_transfer.storage import Spec, block_path, dtype_name, read_block, write_block
 
 if TYPE_CHECKING:
     from paged_engine.core.sched_output import SchedulerOutput
     from paged_engine.worker.cache_engine import CacheEngine
+
+logger = logging.getLogger(__name__)
 
 # distinct sizes: where the backend's layout puts each axis
 _N, _BS, _H, _D = 11, 13, 17, 19
@@ -53,34 +60,48 @@ class KVBlockIO:
     def path(self, key: str) -> str:
         return block_path(self.root, key, self.rank, self.world)
 
-    def load(self, sched: SchedulerOutput) -> None:
-        """Fill `sched.kv_loads`' blocks from their files, before the forward."""
+    def load(self, sched: SchedulerOutput) -> list[int]:
+        """Fill `sched.kv_loads`' blocks from their files, before the forward. Returns the
+        blocks some rank could not fill (its file gone or changed since the scheduler's lookup):
+        the same list on every rank."""
         if not sched.kv_loads:
-            return
-        ids, blocks = [], []
-        for block_id, key in sched.kv_loads:
+            return []
+        ids, blocks, failed = [], [], []
+        for i, (block_id, key) in enumerate(sched.kv_loads):
             tensors = read_block(self.path(key), key, self.spec)
             if tensors is None:
-                raise RuntimeError(
-                    f"kv_transfer_config: block file {self.path(key)} is gone or changed since "
-                    "the scheduler's lookup checked it (storage written by another model?)"
-                )
+                failed.append(i)
+                continue
             ids.append(block_id)
             blocks.append(tensors)
         device = self.cache.device
-        index = torch.tensor(ids, dtype=torch.int64, device=device)
-        perm = [0, *(1 + j for j in self._from_canon)]
-        for j, (_, t) in enumerate(self._tensors):
-            src = torch.stack([b[j] for b in blocks]).to(device)  # [n, bs, heads, dim]
-            t[index] = src.permute(perm)
+        if self.world > 1:  # one rank's miss spoils the block on all of them
+            mask = torch.zeros(len(sched.kv_loads), dtype=torch.int32, device=device)
+            mask[failed] = 1
+            failed = tp_all_reduce_max(mask).nonzero().flatten().tolist()
+        if failed:
+            logger.warning(
+                "kv_transfer_config: %d stored block(s) could not be loaded (files gone or "
+                "changed since the lookup, e.g. under %s); their requests are recomputed",
+                len(failed),
+                self.root,
+            )
+        if ids:
+            index = torch.tensor(ids, dtype=torch.int64, device=device)
+            perm = [0, *(1 + j for j in self._from_canon)]
+            for j, (_, t) in enumerate(self._tensors):
+                src = torch.stack([b[j] for b in blocks]).to(device)  # [n, bs, heads, dim]
+                t[index] = src.permute(perm)
+        return [sched.kv_loads[i][0] for i in failed]
 
-    def save(self, sched: SchedulerOutput) -> None:
-        """Write `sched.kv_saves`' blocks that storage lacks, after the forward."""
+    def save(self, sched: SchedulerOutput, stale: Collection[int] = ()) -> None:
+        """Write `sched.kv_saves`' blocks that storage lacks, after the forward, except the
+        `stale` ones (blocks of sequences that read a block `load` could not fill)."""
         # one entry a key (requests with one prompt name its blocks in one step)
         todo = [
             (b, k)
             for k, b in dict((k, b) for b, k in sched.kv_saves).items()
-            if not os.path.exists(self.path(k))
+            if b not in stale and not os.path.exists(self.path(k))
         ]
         if not todo:
             return

@@ -50,6 +50,9 @@ class KVConnector:
         # in storage, and tokens loaded from it
         self.queries = 0
         self.hits = 0
+        # keys whose file the worker could not load (gone or changed after `_stored` checked
+        # it): never looked up again, so a request sent back to recompute cannot loop
+        self._failed: set[str] = set()
 
     def block_keys(self, req: Request) -> list[str]:
         """Hex keys of the request's full prompt blocks, chained from its root."""
@@ -71,6 +74,8 @@ class KVConnector:
         return keys
 
     def _stored(self, key: str) -> bool:
+        if key in self._failed:
+            return False
         root, spec = self.cfg.shared_storage_path, self.spec
         return all(
             check_block(block_path(root, key, r, self.world), key, spec) for r in range(self.world)
@@ -121,6 +126,11 @@ class KVConnector:
                 keys, table = self.block_keys(req), seq.block_ids
                 out.kv_saves += [(table[i], keys[i]) for i in range(done, full)]
                 self._saved[req.request_id] = full
+
+    def load_failed(self, keys: list[str]) -> None:
+        """The worker could not load these blocks: un-count them, skip their keys from now on."""
+        self.hits -= len(keys) * self.block_size
+        self._failed.update(keys)
 
     def forget(self, req: Request) -> None:
         """The request finished: drop what was kept for it."""

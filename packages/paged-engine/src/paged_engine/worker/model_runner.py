@@ -339,8 +339,9 @@ class ModelRunner:
         if sched.state_copies:
             assert self.states is not None
             self.states.copy_rows(sched.state_copies)
+        invalid: list[int] = []
         if self.kv_transfer is not None:  # stored blocks counted as computed: filled now
-            self.kv_transfer.load(sched)
+            invalid = self.kv_transfer.load(sched)
         cached = list(map(batch.seqs.__getitem__, sched.seq_ids))
         if not cached:
             return AsyncRunnerOutput(sched.step_id, [], None, None, [], None, [])
@@ -352,8 +353,13 @@ class ModelRunner:
         proposal = None if draft is None else draft.propose(sched, cached, inputs)
         hidden = self.forward(inputs)
         if self.kv_transfer is not None:  # the step's full prompt blocks, to storage
-            self.kv_transfer.save(sched)
+            stale: set[int] = set()
+            if invalid:  # a row that read a block no file filled wrote stale KV: not saved
+                tables = [batch.block_table_np[c.row].tolist() for c in cached]
+                stale = {b for t in tables if not set(invalid).isdisjoint(t) for b in t}
+            self.kv_transfer.save(sched, stale)
         out = self._sample(sched, cached, inputs, hidden, proposal)
+        out.invalid_block_ids = invalid
         if draft is not None:
             draft.after_step(sched, inputs, hidden)  # a head keeps the forward's features
         return out

@@ -27,6 +27,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, PromptLogprobsChunk] = field(default_factory=dict)
     # Embedding requests: seq id -> (first prompt position, positions, pooled vector)
     pooled: dict[int, tuple[int, int, list[float]]] = field(default_factory=dict)
+    # kv_transfer_config: blocks the step should have loaded from storage and could not (their
+    # sequences ran on stale KV: the engine core drops their results and recomputes them)
+    invalid_block_ids: list[int] = field(default_factory=list)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,7 @@ class AsyncRunnerOutput:
             self._event = torch.cuda.Event()
             self._event.record()
         self._result: ModelRunnerOutput | None = None
+        self.invalid_block_ids: list[int] = []  # (ModelRunnerOutput's; set by the runner)
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
@@ -88,6 +92,7 @@ class AsyncRunnerOutput:
         if self._event is not None:
             self._event.synchronize()
         out = ModelRunnerOutput(self.step_id, self._seq_ids)
+        out.invalid_block_ids = self.invalid_block_ids
         if self._tokens is not None:
             out.sampled_token_ids = self._tokens.tolist()
         if self._logprobs is not None:

@@ -93,6 +93,11 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
         lambda m, p: m.write_tiny_exaone4_5(p),
         lambda m: m.PROMPT,
     ),
+    "llava_onevision1_5": (
+        "test_llava_onevision1_5_images",
+        lambda m, p: m.write_tiny_llava_onevision1_5(p),
+        lambda m: m.PROMPT,
+    ),
     "lfm2_vl": ("test_lfm2_vl_images", lambda m, p: m.write_tiny_lfm2_vl(p), lambda m: m.PROMPT),
     "ovis2_5": ("test_ovis2_5_images", lambda m, p: m.write_tiny_ovis2_5(p), lambda m: m.PROMPT),
     "minicpmv4_7": (

@@ -65,8 +65,8 @@ def watch(llm) -> list[dict[int, int]]:
     steps: list[dict[int, int]] = []
     run = cross.step
 
-    def step(seq_ids, num_new, md):
-        out = run(seq_ids, num_new, md)
+    def step(seq_ids, num_new, md, *rest):
+        out = run(seq_ids, num_new, md, *rest)
         steps.append({s: cross.seqs[s][0] for s in seq_ids})
         return out
 

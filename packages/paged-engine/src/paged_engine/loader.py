@@ -292,9 +292,12 @@ def load_model(
 
 def takes_images(resolved: ResolvedModel, hf_config) -> bool:
     """Whether the checkpoint is a wrapper whose images paged runs (multimodal/llava.py)."""
+    from paged_engine.models.mllama import ARCH as MLLAMA
     from paged_engine.multimodal.archs import IMAGE_ARCHS
 
-    return getattr(hf_config, MARKER, None) in IMAGE_ARCHS and not resolved.is_gguf
+    archs = getattr(hf_config, "architectures", None) or ()  # Mllama: the model itself
+    marked = getattr(hf_config, MARKER, None) in IMAGE_ARCHS or MLLAMA in archs
+    return marked and not resolved.is_gguf
 
 
 def takes_audio(resolved: ResolvedModel, hf_config) -> bool:
@@ -347,13 +350,15 @@ def load_image_encoder(
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
     (multimodal/archs.py), on `device` in `dtype`; None for any other checkpoint."""
-    from paged_engine.multimodal.archs import build_encoder
+    from paged_engine.multimodal.archs import ENCODERS, build_encoder, image_kind
     from paged_engine.multimodal.processor import wrapper_config
 
     if not takes_images(resolved, hf_config):
         return None
     config = wrapper_config(resolved.path, trust_remote_code)
     assert config is not None
+    if image_kind(config) not in ENCODERS:  # the model encodes its images itself (Mllama)
+        return None
     with building_in(dtype, device):
         encoder = build_encoder(config)
     return _loaded_encoder(encoder, resolved, load_format, seed)

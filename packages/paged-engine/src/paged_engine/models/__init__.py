@@ -101,6 +101,7 @@ from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mistral_large4 import MistralLarge4TextForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
+from paged_engine.models.mllama import MllamaForConditionalGeneration
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
@@ -112,6 +113,7 @@ from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
+from paged_engine.models.paddleocr_vl import PaddleOCRTextForCausalLM
 from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
@@ -257,6 +259,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanVLTextForCausalLM": HunYuanVLTextForCausalLM,  # HunyuanOCR's, multi-axis rope
+    "PaddleOCRTextForCausalLM": PaddleOCRTextForCausalLM,  # PaddleOCR-VL's, NeoX M-RoPE
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
@@ -276,6 +279,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LaraMiniForCausalLM": LaraMiniForCausalLM,
     # encoder-decoder: audio in, text out (worker/cross_attention.py)
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+    # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
+    "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
 }

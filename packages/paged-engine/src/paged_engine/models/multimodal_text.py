@@ -39,7 +39,8 @@ transformers 5 saves too) `llm.model.X` / `llm.lm_head.X`; Kimi K2.5's
 (`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`, LLaVA-NeXT's
 `image_newline`, Llama 4's `[model.]vision_model.`, Idefics3's `[model.]vision_model.` /
 `[model.]connector.`, Kimi K2.5's `mm_projector.`, MiniCPM-V's `merger.`, Ovis 2.5's
-`visual_tokenizer.` / `vte.`, HunyuanOCR's `vit.`, Qwen Omni's `audio_tower.` and the whole
+`visual_tokenizer.` / `vte.`, HunyuanOCR's `vit.`, PaddleOCR-VL's `[model.]projector.` /
+`mlp_AR.`, Qwen Omni's `audio_tower.` and the whole
 model's `talker.` / `token2wav.` / `code2wav.` (speech output, not served)) are dropped by name
 before their bytes are touched (tensors are views of memory-mapped files until copied).
 

@@ -8,6 +8,8 @@ each is exact).
     Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
     AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
+    DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
+      DeepseekVLHybridForConditionalGeneration
     Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
@@ -27,12 +29,14 @@ each is exact).
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
+    LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
       LlavaNextForConditionalGeneration,
       LlavaOnevisionForConditionalGeneration
+    LlavaOnevision15ForConditionalGeneration  qwen3            -> Qwen3ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -40,6 +44,7 @@ each is exact).
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
     Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
       Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
     Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
@@ -94,6 +99,7 @@ _KIMI_K25_RENAMES = (
 )
 _MINICPMV = _modules("vision_tower", "merger")
 _HUNYUAN_VL = _modules("vision_tower", "vit")  # transformers 5's, the Hub's
+_PADDLEOCR_VL = (*_modules("visual", "projector"), "mlp_AR.")  # the Hub's projector: mlp_AR
 # Ovis 2.5: transformers 5's names, and the Hub's visual tokenizer and its embedding table
 _OVIS2_5 = (*_LLAVA_STYLE, "visual_tokenizer.", "vte.", "model.vte.")
 # Ovis 2.5's Hub checkpoints keep the language model under `llm.`
@@ -218,6 +224,10 @@ WRAPPERS: dict[str, Wrapper] = {
         {"hunyuan_vl_text": "HunYuanVLTextForCausalLM"}, _HUNYUAN_VL
     ),
     "Idefics2ForConditionalGeneration": Wrapper({"mistral": "MistralForCausalLM"}, _IDEFICS3),
+    # PaddleOCR-VL: ERNIE 4.5's decoder with NeoX-halves M-RoPE (models/paddleocr_vl.py)
+    "PaddleOCRVLForConditionalGeneration": Wrapper(
+        {"paddleocr_vl_text": "PaddleOCRTextForCausalLM"}, _PADDLEOCR_VL, mrope=True
+    ),
     # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)
     "Kimi_K25ForConditionalGeneration": Wrapper(
         {"deepseek_v3": "DeepseekV3ForCausalLM"}, _KIMI_K25, renames=_KIMI_K25_RENAMES
@@ -255,6 +265,11 @@ WRAPPERS: dict[str, Wrapper] = {
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
     "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # LLaVA-OneVision-1.5: RICE-ViT under `visual` (images: multimodal/llava_onevision1_5.py),
+    # 1-D text positions; transformers 5.25 saves the decoder as `model.model.X`
+    "LlavaOnevision15ForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _QWEN_VISUAL, renames=(("model.model.", "model."),)
+    ),
     # Idefics3, SmolVLM / SmolVLM2: a Llama decoder under `model.text_model`
     "Idefics3ForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
     "SmolVLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _IDEFICS3),
@@ -268,6 +283,26 @@ WRAPPERS: dict[str, Wrapper] = {
         _LLAVA_STYLE,
     ),
     "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
+    # LightOnOCR: a Pixtral tower and Mistral 3's projector under their own names (images:
+    # multimodal/lighton_ocr.py) into Qwen3
+    "LightOnOcrForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_encoder", "vision_projection")
+    ),
+    # DeepSeek-VL: SigLIP and an MLP aligner (images: multimodal/deepseek_vl.py) into Llama
+    "DeepseekVLForConditionalGeneration": Wrapper(
+        {"llama": "LlamaForCausalLM"}, _modules("vision_model", "aligner")
+    ),
+    # DeepSeek-VL hybrid: also a SAM high-resolution tower, its neck and projection, and the
+    # scalar `high_res_vision_alpha` (a parameter: no dot after its name)
+    "DeepseekVLHybridForConditionalGeneration": Wrapper(
+        {"llama": "LlamaForCausalLM"},
+        (
+            *_modules("vision_model", "aligner", "high_res_vision_model"),
+            *_modules("high_res_vision_neck", "high_res_vision_proj"),
+            "high_res_vision_alpha",
+            "model.high_res_vision_alpha",
+        ),
+    ),
     "Mistral3ForConditionalGeneration": Wrapper(
         {
             "mistral": "MistralForCausalLM",

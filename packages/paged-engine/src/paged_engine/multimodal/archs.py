@@ -13,6 +13,7 @@
       Qwen3OmniMoeThinkerForConditionalGeneration (their towers: Qwen2.5-VL's, Qwen3-VL's)
     GlmOcrForConditionalGeneration                "glm_ocr"     multimodal/glm_ocr.py
     HunYuanVLForConditionalGeneration             "hunyuan_vl"  multimodal/hunyuan_vl.py
+    PaddleOCRVLForConditionalGeneration           "paddleocr_vl"  multimodal/paddleocr_vl.py
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
@@ -31,7 +32,14 @@
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
     Exaone4_5_ForConditionalGeneration            "exaone4_5"   multimodal/exaone4_5.py
+    LlavaOnevision15ForConditionalGeneration  "llava_onevision1_5"  multimodal/llava_onevision1_5.py
+      (LLaVA-OneVision-1.5: RICE-ViT tower, Qwen3 decoder at 1-D positions)
     PaliGemmaForConditionalGeneration             "paligemma"   multimodal/paligemma.py
+    MllamaForConditionalGeneration                "mllama"      multimodal/mllama.py (no
+      placeholders: its decoder cross-attends, models/mllama.py; the model runs its tower)
+    LightOnOcrForConditionalGeneration            "lighton_ocr" multimodal/lighton_ocr.py
+    DeepseekVLForConditionalGeneration            "deepseek_vl" multimodal/deepseek_vl.py
+    DeepseekVLHybridForConditionalGeneration "deepseek_vl_hybrid"  multimodal/deepseek_vl_hybrid.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -63,6 +71,7 @@ KINDS: dict[str, str] = {
     "Qwen3OmniMoeForConditionalGeneration": "qwen_omni",
     "GlmOcrForConditionalGeneration": "glm_ocr",
     "HunYuanVLForConditionalGeneration": "hunyuan_vl",
+    "PaddleOCRVLForConditionalGeneration": "paddleocr_vl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
     "Mistral3ForConditionalGeneration": "pixtral",
@@ -80,7 +89,12 @@ KINDS: dict[str, str] = {
     "Lfm2VlForConditionalGeneration": "lfm2_vl",
     "Ovis2_5ForConditionalGeneration": "ovis2_5",
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
+    "LlavaOnevision15ForConditionalGeneration": "llava_onevision1_5",
     "PaliGemmaForConditionalGeneration": "paligemma",
+    "MllamaForConditionalGeneration": "mllama",
+    "LightOnOcrForConditionalGeneration": "lighton_ocr",
+    "DeepseekVLForConditionalGeneration": "deepseek_vl",
+    "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -99,17 +113,22 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "gemma4": ("gemma4_vision",),
     "gemma4_unified": ("gemma4_unified_vision",),  # no tower: its encoder-free embedder
     "hunyuan_vl": ("hunyuan_vl_vision",),
+    "paddleocr_vl": ("paddleocr_vl_vision",),
     "kimi_k25": ("kimi_k25_vision",),
     "minicpmv": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "minicpmv_canvas": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "lfm2_vl": ("siglip2_vision_model",),
     "ovis2_5": ("ovis2_5_vision",),
     "exaone4_5": ("exaone4_5_vision",),
+    "llava_onevision1_5": ("llava_onevision1_5_vision",),
     "paligemma": ("siglip_vision_model",),
+    "lighton_ocr": ("pixtral",),
+    "deepseek_vl": ("siglip_vision_model",),
+    "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
-# choosing one) called with the wrapper's config
+# choosing one) called with the wrapper's config ("mllama": none, its model encodes)
 ENCODERS: dict[str, str] = {
     "llava": "llava:LlavaImageEncoder",
     "llava_next": "llava_next:LlavaNextImageEncoder",
@@ -118,6 +137,7 @@ ENCODERS: dict[str, str] = {
     "qwen_omni": "qwen_omni:build_encoder",
     "glm_ocr": "glm_ocr:GlmOcrImageEncoder",
     "hunyuan_vl": "hunyuan_vl:HunyuanImageEncoder",
+    "paddleocr_vl": "paddleocr_vl:PaddleOCRImageEncoder",
     "idefics3": "idefics3:Idefics3ImageEncoder",
     "pixtral": "pixtral:PixtralImageEncoder",
     "internvl": "internvl:InternVLImageEncoder",
@@ -134,7 +154,11 @@ ENCODERS: dict[str, str] = {
     "lfm2_vl": "lfm2_vl:Lfm2VlImageEncoder",
     "ovis2_5": "ovis2_5:Ovis2_5ImageEncoder",
     "exaone4_5": "exaone4_5:Exaone45ImageEncoder",
+    "llava_onevision1_5": "llava_onevision1_5:LlavaOnevision15ImageEncoder",
     "paligemma": "paligemma:PaliGemmaImageEncoder",
+    "lighton_ocr": "lighton_ocr:LightOnOcrImageEncoder",
+    "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
+    "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
 }
 
 

@@ -3,6 +3,8 @@ looks a model's up). Every family module is imported here, so none imports anoth
 
 from __future__ import annotations
 
+from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
+from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -34,6 +36,10 @@ from paged_engine.multimodal.layouts_tiles import (
     Llama4Layout,
     TileLayout,
 )
+from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
+from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
+from paged_engine.multimodal.mllama_layout import MllamaLayout
+from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
@@ -44,6 +50,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "qwen_omni": OmniLayout,
     "glm_ocr": QwenLayout,  # GLM-OCR: GLM-4.1V's host side
     "hunyuan_vl": HunyuanLayout,  # HunyuanOCR
+    "paddleocr_vl": PaddleOCRLayout,  # PaddleOCR-VL: Qwen2-VL's runs and M-RoPE table
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,
@@ -58,7 +65,12 @@ LAYOUTS: dict[str, type[Layout]] = {
     "lfm2_vl": Lfm2VlLayout,
     "ovis2_5": Ovis2_5Layout,
     "exaone4_5": Exaone45Layout,  # EXAONE 4.5: Qwen2-VL's runs, 1-D positions
+    "llava_onevision1_5": LlavaOnevision15Layout,  # its runs over one-frame patch rows
     "minicpmv": MiniCPMVLayout,
     "minicpmv_canvas": MiniCPMVCanvasLayout,
     "paligemma": PaliGemmaLayout,
+    "mllama": MllamaLayout,  # Llama 3.2 Vision: one token an image, spanning every position
+    "lighton_ocr": LightOnOcrLayout,  # LightOnOCR: Pixtral's tower, plain runs (no breaks)
+    "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
+    "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
 }

@@ -207,6 +207,9 @@ class ImageProcessor:
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """Images processed ahead: each must be what this model reads, where the prompt (its
         runs expanded, for run layouts) holds its tokens, and they cover every placeholder."""
+        placed = getattr(self.layout, "placed", None)  # Mllama: images span the whole prompt
+        if placed is not None:
+            return placed(token_ids, images)
         if self._runs_only:
             token_ids = self.expand(token_ids, [self._fits(m) for m in images])
             ok = [m.offset for m in images] == self._run_starts(token_ids)

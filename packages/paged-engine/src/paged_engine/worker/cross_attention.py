@@ -1,10 +1,20 @@
-"""The worker's cross-attention memory of an encoder-decoder model (Whisper, models/whisper.py).
+"""The worker's cross-attention memory of an encoder-decoder model (Whisper, models/whisper.py;
+Llama 3.2 Vision, models/mllama.py).
 
-    pool, per decoder layer: K and V in the attention backend's cache layout, `blocks_per_clip`
-        blocks of block_size frames a slot (a clip's S encoder frames, the last block's tail
-        unused), slot s owning blocks [s * blocks_per_clip, (s + 1) * blocks_per_clip)
-    audio hash -> its slot, while live sequences of the worker hold it (refcounted)
-    seq id     -> (slot, hash)
+    pool, per cross-attending layer: K and V in the attention backend's cache layout,
+        `blocks_per_clip` blocks of block_size rows a slot (Whisper: a clip's S encoder frames;
+        Mllama: limit_mm_per_prompt images of max_num_tiles tiles; the tail unused), slot s
+        owning blocks [s * blocks_per_clip, (s + 1) * blocks_per_clip)
+    content key -> its slot, while live sequences of the worker hold it (refcounted)
+    seq id      -> (slot, its CrossPlan)
+
+What a sequence holds is the model's `CrossPlan` (models/mllama.py; Whisper's is built here):
+its content key (the clip's hash; the hash of Mllama's images), the rows it writes, and which
+prefix of the slot each of its rows attends to (a Whisper row: all S frames; a Mllama row at
+its j-th <|image|> or after: the real tiles of images 0..j; a Mllama row before its first
+image: every image row, its MLP branch zeroed by the model through `CrossBatch.row_scale`). A
+model without a plan for a sequence (Mllama's text-only prompts) takes no slot, and its rows
+skip the cross-attention layers (`CrossBatch.rows`).
 
 The pool has one slot per seat (max_num_seqs), allocated with the KV cache and carved out of the
 memory the KV cache was sized for (`fit_cross_slots`): where that memory cannot hold max_num_seqs
@@ -16,8 +26,9 @@ two requests share it. The last holder leaving (finished, aborted, preempted) fr
 for the same step's newcomers: a sequence that comes back is encoded again unless another kept
 its clip. With num_gpu_blocks_override the pool takes max_num_seqs slots beside the fixed blocks.
 
-A step attends in place: each sequence's block table is its slot's blocks, every query sees all S
-keys (`key_ends` = S for prefill rows; a decode row's causal range is all of them already), and
+A step attends in place: each run of a sequence's rows that see one prefix of its slot is an
+entry of the metadata whose block table is the slot's blocks and whose seq_len is that prefix
+(`key_ends` = it for prefill rows; a decode row's causal range is all of it already), and
 the backend's paged attention reads the pool as it reads the KV cache (Triton's kernel straight
 from the slots; the CPU backend gathers one layer's keys at a time, as for self-attention): no
 copy of the batch's K / V outlives a layer. The pool is in the model's dtype (kv_cache_dtype is
@@ -36,7 +47,7 @@ seat.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,6 +56,8 @@ import torch
 from torch import nn
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
+from paged_engine.models.mllama import ARCH as MLLAMA
+from paged_engine.models.mllama import CrossPlan, mllama_engine_config
 from paged_engine.models.whisper import ARCHITECTURES
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.worker import host_memory
@@ -53,8 +66,13 @@ logger = logging.getLogger(__name__)
 
 
 def is_encoder_decoder(hf_config) -> bool:
-    """Whether the checkpoint is an encoder-decoder model paged serves (Whisper)."""
-    return any(a in ARCHITECTURES for a in getattr(hf_config, "architectures", None) or ())
+    """Whether the checkpoint is an encoder-decoder model paged serves (Whisper, Mllama)."""
+    archs = getattr(hf_config, "architectures", None) or ()
+    return any(a in ARCHITECTURES or a == MLLAMA for a in archs)
+
+
+def is_mllama(hf_config) -> bool:
+    return MLLAMA in (getattr(hf_config, "architectures", None) or ())
 
 
 def encoder_decoder_engine_config(config, hf_config) -> None:
@@ -70,7 +88,7 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         "enable_lora": bool(config.enable_lora),
         "compilation_config (torch.compile)": bool(config.compilation_level),
     }
-    if config.audio_limit == 0:
+    if config.audio_limit == 0 and not is_mllama(hf_config):
         unsupported["limit_mm_per_prompt={'audio': 0}"] = True
     for what, on in unsupported.items():
         if on:
@@ -78,6 +96,17 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
                 f"{what} is not supported for encoder-decoder models ({arch}): their decoder "
                 "also reads each sequence's encoder output"
             )
+    if is_mllama(hf_config):
+        mllama_engine_config(config, hf_config)
+    else:
+        _whisper_lengths(config, hf_config)
+    if not config.enforce_eager:
+        logger.info("%s: CUDA graphs are off (enforce_eager): steps read cross-attention", arch)
+        config.enforce_eager = True
+    config.preemption_mode = "recompute"
+
+
+def _whisper_lengths(config, hf_config) -> None:
     limit = int(hf_config.max_target_positions)
     if config.max_model_len is None:
         config.max_model_len = limit
@@ -92,10 +121,15 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
             f"tensor_parallel_size={config.tensor_parallel_size} does not divide the decoder's "
             f"{heads} attention heads (config.decoder_attention_heads)"
         )
-    if not config.enforce_eager:
-        logger.info("%s: CUDA graphs are off (enforce_eager): steps read cross-attention", arch)
-        config.enforce_eager = True
-    config.preemption_mode = "recompute"
+
+
+def cross_slot_rows(config, hf_config) -> int:
+    """Rows of K / V one slot holds: a Whisper clip's encoder frames, Mllama's images."""
+    if is_mllama(hf_config):
+        from paged_engine.models.mllama import image_limit, slot_rows
+
+        return slot_rows(hf_config, image_limit(config))
+    return int(hf_config.max_source_positions)
 
 
 def fit_cross_slots(config, num_blocks: int, block_bytes: int, slot_bytes: int) -> int:
@@ -129,16 +163,23 @@ def fit_cross_slots(config, num_blocks: int, block_bytes: int, slot_bytes: int) 
 
 @dataclass(slots=True)
 class CrossBatch:
-    """One step's cross-attention inputs: the pool and each sequence's slot as metadata."""
+    """One step's cross-attention inputs: the pool and, as metadata, one entry per run of a
+    sequence's rows that see the same keys (a sequence's slot; a prefix of it)."""
 
-    keys: list[torch.Tensor]  # per decoder layer, the pool in the backend's cache layout
+    keys: list[torch.Tensor]  # per cross-attention layer, the pool in the backend's layout
     values: list[torch.Tensor]
-    md: AttentionMetadata  # block tables: the slots' blocks; seq_lens: S; every key visible
-    num_heads: int  # this rank's
+    md: AttentionMetadata  # block tables: the slots' blocks; seq_lens: keys seen; all visible
+    num_heads: int  # this rank's query heads
+    num_kv_heads: int
     head_dim: int
+    # the step's rows that attend (sequences with a slot), None: all of them
+    rows: torch.Tensor | None = None
+    num_rows: int = 0
+    # [R, 1] 0 for rows before the sequence's first image (Mllama), else 1; None: no such row
+    row_scale: torch.Tensor | None = None
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """[T, H*Dh] queries of the step -> [T, H*Dh] cross-attention outputs."""
+        """[R, H*Dh] queries of the attending rows -> [R, H*Dh] cross-attention outputs."""
         t = q.shape[0]
         out = self.md.backend.attend(
             q.view(t, self.num_heads, self.head_dim),
@@ -153,8 +194,21 @@ class CrossBatch:
         return out.reshape(t, self.num_heads * self.head_dim)
 
 
-# Clips one encoder call takes: bounds the encoder's activations and the k / v it hands over.
+# Slots one encoder call fills: bounds the encoder's activations and the k / v it hands over.
 ENCODE_BATCH = 8
+
+
+def _whisper_plan(frames: int) -> Callable[[Sequence[ImageInput]], CrossPlan]:
+    """Whisper's sequences: one clip, every decoder row sees all its S frames."""
+
+    def plan(items: Sequence[ImageInput]) -> CrossPlan:
+        audio = [m for m in items if m.pixel_values is not None]
+        if len(audio) != 1:
+            raise RuntimeError(f"a sequence reached the worker with {len(audio)} audios")
+        m = audio[0]
+        return CrossPlan(m.mm_hash, frames, (frames,), 0, frames, m.pixel_values)
+
+    return plan
 
 
 class CrossAttentionState:
@@ -164,31 +218,40 @@ class CrossAttentionState:
         device: torch.device,
         backend: AttentionBackend,
         block_size: int,
-        frames: int,
+        rows: int,
     ) -> None:
-        # .encode(features [B, n_mels, 2S]) -> per layer (k, v) [B, S, H, Dh], lazily
+        # The model's hooks (Mllama's), else Whisper's: `cross_plan(items) -> CrossPlan | None`
+        # (None: the sequence reads no encoder output), `encode_cross(payloads)` -> per layer
+        # (k, v) [rows of all payloads, Hkv, Dh], lazily; `cross_dims()`.
         self.model = model
         self.device, self.backend, self.block_size = device, backend, block_size
-        self.frames = frames  # S: the encoder's output frames (config.max_source_positions)
-        self.blocks_per_clip = -(-frames // block_size)
-        attn = [layer.encoder_attn for layer in model.model.decoder.layers]  # type: ignore
-        self.num_layers = len(attn)
-        self.num_heads, self.head_dim = attn[0].num_heads, attn[0].head_dim
+        self.rows = rows  # a slot's capacity (Whisper: config.max_source_positions)
+        self.blocks_per_clip = -(-rows // block_size)
+        self._plan = getattr(model, "cross_plan", None) or _whisper_plan(rows)
+        if hasattr(model, "cross_dims"):
+            self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim = model.cross_dims()
+            self._encode_fn = model.encode_cross
+        else:
+            attn = [layer.encoder_attn for layer in model.model.decoder.layers]  # type: ignore
+            self.num_layers = len(attn)
+            self.num_heads, self.head_dim = attn[0].num_heads, attn[0].head_dim
+            self.num_kv_heads = self.num_heads
+            self._encode_fn = self._whisper_encode
         self.dtype = next(model.parameters()).dtype
         self.keys: list[torch.Tensor] = []  # per layer, set by allocate()
         self.values: list[torch.Tensor] = []
         self.num_slots = 0
         self.users = np.zeros(0, dtype=np.int64)  # slot -> live sequences holding it
         self._free: list[int] = []  # popped from the end: the lowest slot first
-        self.kv: dict[str, int] = {}  # audio hash -> the slot holding its K / V
-        self.seqs: dict[int, tuple[int, str]] = {}  # seq id -> (slot, audio hash)
-        self._pending: dict[int, ImageInput] = {}  # slot -> the clip to encode into it
-        self.encoded = 0  # audios the encoder ran on (tests)
+        self.kv: dict[str, int] = {}  # content key -> the slot holding its K / V
+        self.seqs: dict[int, tuple[int, CrossPlan]] = {}  # seq id -> (its slot, its plan)
+        self._pending: dict[int, CrossPlan] = {}  # slot -> the content to encode into it
+        self.encoded = 0  # slots the encoder filled (tests)
 
     @property
     def slot_bytes(self) -> int:
         """One slot's K and V over every layer."""
-        per = self.blocks_per_clip * self.block_size * self.num_heads * self.head_dim
+        per = self.blocks_per_clip * self.block_size * self.num_kv_heads * self.head_dim
         return 2 * self.num_layers * per * self.dtype.itemsize
 
     @property
@@ -199,7 +262,7 @@ class CrossAttentionState:
         """The pool, `num_slots` slots; nothing may be held."""
         assert not self.seqs, "the cross-attention pool is allocated before any step"
         shape = self.backend.kv_cache_shape(
-            num_slots * self.blocks_per_clip, self.block_size, self.num_heads, self.head_dim
+            num_slots * self.blocks_per_clip, self.block_size, self.num_kv_heads, self.head_dim
         )
 
         def pool() -> list[torch.Tensor]:
@@ -221,76 +284,128 @@ class CrossAttentionState:
 
     def add(self, seq_id: int, items: Sequence[ImageInput]) -> None:
         self.remove(seq_id)  # (the worker drops a sequence before it comes back)
-        audio = [m for m in items if m.pixel_values is not None]
-        if len(audio) != 1:
-            raise RuntimeError(f"sequence {seq_id} reached the worker with {len(audio)} audios")
-        m = audio[0]
-        slot = self.kv.get(m.mm_hash)
+        plan = self._plan(items)
+        if plan is None:  # (Mllama's text-only prompts)
+            return
+        assert plan.rows <= self.rows, "a sequence's cross rows exceed its slot"
+        slot = self.kv.get(plan.key)
         if slot is None:
             if not self._free:
                 raise RuntimeError(
                     f"all {self.num_slots} cross-attention slots are taken (more live "
                     "sequences than max_num_seqs)"
                 )
-            slot = self.kv[m.mm_hash] = self._free.pop()
-            self._pending[slot] = m
+            slot = self.kv[plan.key] = self._free.pop()
+            self._pending[slot] = plan
         self.users[slot] += 1
-        self.seqs[seq_id] = (slot, m.mm_hash)
+        self.seqs[seq_id] = (slot, plan)
 
     def remove(self, seq_id: int) -> None:
         held = self.seqs.pop(seq_id, None)
         if held is None:
             return
-        slot, mm_hash = held
+        slot, plan = held
         self.users[slot] -= 1
         if self.users[slot]:
             return
-        del self.kv[mm_hash]
+        del self.kv[plan.key]
         self._pending.pop(slot, None)
         self._free.append(slot)
 
     def step(
-        self, seq_ids: Sequence[int], num_new: np.ndarray, step_md: AttentionMetadata
+        self,
+        seq_ids: Sequence[int],
+        num_new: np.ndarray,
+        step_md: AttentionMetadata,
+        starts: np.ndarray,
     ) -> CrossBatch:
-        """The step's CrossBatch (`num_new`: each sequence's rows; `step_md`: the step's
-        self-attention metadata, whose rows these are), encoding the clips of new slots."""
+        """The step's CrossBatch (`starts` / `num_new`: each sequence's first position and
+        rows; `step_md`: the step's self-attention metadata), encoding new slots' content.
+
+            a sequence's rows:  | before plan.start: masked | start + j ... |
+            each run of rows that see the same prefix of the slot (masked_seen keys, or
+            seen[j]) one entry of the metadata; rows of sequences without a slot are left
+            out (`rows`)"""
         if self._pending:
             self._encode()
-        slots = np.fromiter((self.seqs[s][0] for s in seq_ids), np.int64, len(seq_ids))
-        nb, s = self.blocks_per_clip, self.frames
-        tables = (slots[:, None] * nb + np.arange(nb)).astype(np.int32)  # [B, nb]
-        num_tokens = int(num_new.sum())
-        max_q = int(num_new.max())
-        dev = self.device
+        cu = np.zeros(len(seq_ids) + 1, dtype=np.int64)
+        np.cumsum(num_new, out=cu[1:])
+        slots: list[int] = []
+        lens: list[int] = []
+        counts: list[int] = []
+        rows: list[np.ndarray] = []
+        scale: list[np.ndarray] = []
+        for i, s in enumerate(seq_ids):
+            held = self.seqs.get(s)
+            if held is None:
+                continue
+            (slot, p), n = held, int(num_new[i])
+            pos = np.arange(n) + (int(starts[i]) - p.start)  # relative to the first image
+            seen = np.asarray(p.seen)[np.clip(pos, 0, len(p.seen) - 1)]
+            seen[pos < 0] = p.masked_seen
+            cuts = np.flatnonzero(np.diff(seen)) + 1
+            edges = np.concatenate(([0], cuts, [n]))
+            slots += [slot] * (len(edges) - 1)
+            lens += seen[edges[:-1]].tolist()
+            counts += np.diff(edges).tolist()
+            scale.append((pos >= 0).astype(np.float32))
+            rows.append(np.arange(cu[i], cu[i + 1]))
+        dev, nb = self.device, self.blocks_per_clip
+        num_rows = sum(counts)
+        picked = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        all_rows = num_rows == int(cu[-1])
+        seg_cu = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=seg_cu[1:])
+        tables = (np.asarray(slots, dtype=np.int64)[:, None] * nb + np.arange(nb)).astype(np.int32)
+        max_q = max(counts, default=1)
+        seq_lens = np.asarray(lens, dtype=np.int32)
         md = AttentionMetadata(
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((num_rows,), -1, dtype=torch.int64, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
-            cu_seqlens_q=step_md.cu_seqlens_q,
-            seq_lens=torch.full((len(slots),), s, dtype=torch.int32, device=dev),
+            cu_seqlens_q=step_md.cu_seqlens_q
+            if all_rows and len(counts) == len(seq_ids)
+            else torch.from_numpy(seg_cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
             max_seqlen_q=max_q,
-            max_seqlen_k=s,
+            max_seqlen_k=int(seq_lens.max(initial=1)),
             backend=self.backend,
-            # a prefill row at position S - q + i would see keys up to itself: all S instead
-            key_ends=None
-            if max_q == 1
-            else torch.full((num_tokens,), s, dtype=torch.int32, device=dev),
+            # a prefill row at position L - q + i would see keys up to itself: all L instead
+            key_ends=None if max_q == 1 else torch.from_numpy(np.repeat(seq_lens, counts)).to(dev),
         )
-        return CrossBatch(self.keys, self.values, md, self.num_heads, self.head_dim)
+        masked_any = bool(scale) and not all(bool(x.all()) for x in scale)
+        return CrossBatch(
+            self.keys,
+            self.values,
+            md,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            rows=None if all_rows else torch.from_numpy(picked).to(dev),
+            num_rows=num_rows,
+            row_scale=torch.from_numpy(np.concatenate(scale)).to(dev, self.dtype)[:, None]
+            if masked_any
+            else None,
+        )
+
+    def _whisper_encode(self, payloads: list) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for k, v in self.model.encode(torch.stack(payloads).to(self.device)):  # type: ignore
+            assert k.shape[1] == self.rows, "the encoder's frames are max_source_positions"
+            yield (
+                k.reshape(-1, self.num_heads, self.head_dim),
+                v.reshape(-1, self.num_heads, self.head_dim),
+            )
 
     def _encode(self) -> None:
-        """Each pending clip's K / V into its slot, ENCODE_BATCH clips an encoder call."""
+        """Each pending slot's K / V, ENCODE_BATCH slots an encoder call."""
         todo, self._pending = list(self._pending.items()), {}
         span = self.blocks_per_clip * self.block_size
-        frames = torch.arange(self.frames, device=self.device)
         for i in range(0, len(todo), ENCODE_BATCH):
             chunk = todo[i : i + ENCODE_BATCH]
-            features = torch.stack([m.pixel_values for _, m in chunk]).to(self.device)
-            slots = torch.tensor([slot for slot, _ in chunk], device=self.device)
-            mapping = (slots[:, None] * span + frames).reshape(-1)  # [n * S] pool positions
-            for layer, (k, v) in enumerate(self.model.encode(features)):
-                assert k.shape[1] == self.frames, "the encoder's frames are max_source_positions"
-                kv = [x.reshape(-1, self.num_heads, self.head_dim) for x in (k, v)]
-                self.backend.write_kv(*kv, self.keys[layer], self.values[layer], mapping)
+            mapping = torch.cat(  # each slot's first plan.rows pool positions
+                [slot * span + torch.arange(p.rows, device=self.device) for slot, p in chunk]
+            )
+            for layer, (k, v) in enumerate(self._encode_fn([p.payload for _, p in chunk])):
+                self.backend.write_kv(k, v, self.keys[layer], self.values[layer], mapping)
             self.encoded += len(chunk)
 
 

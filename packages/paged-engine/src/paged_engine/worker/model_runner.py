@@ -51,6 +51,7 @@ from paged_engine.worker.cross_attention import (
     CrossAttentionState,
     CrossBatch,
     bound,
+    cross_slot_rows,
     is_encoder_decoder,
 )
 from paged_engine.worker.cuda_graphs import CudaGraphRunner
@@ -186,12 +187,12 @@ class ModelRunner:
         self.rope_tables: dict[int, MropePositions] = {}
         # Gemma 3: spans of images whose tokens attend both ways (every rank and stage)
         self.image_spans = ImageSpans()
-        # Encoder-decoder models (Whisper): each sequence's cross-attention K / V, in a pool of
-        # slots allocated with the KV cache (worker/cross_attention.py)
+        # Encoder-decoder models (Whisper, Mllama): each sequence's cross-attention K / V, in a
+        # pool of slots allocated with the KV cache (worker/cross_attention.py)
         self.cross: CrossAttentionState | None = None
         if is_encoder_decoder(hf_config):
-            frames = int(hf_config.max_source_positions)
-            self.cross = CrossAttentionState(model, device, backend, self.block_size, frames)
+            rows = cross_slot_rows(config, hf_config)  # a clip's frames, or Mllama's images
+            self.cross = CrossAttentionState(model, device, backend, self.block_size, rows)
         # Hybrid models: the linear-attention layers' state pools, a row per seat allocated before
         # the KV cache is sized, the prefix cache's snapshot rows added with the KV cache
         # (core/state_slots.py has the layout), plus a scratch row.
@@ -489,7 +490,9 @@ class ModelRunner:
             meta.has_initial_state = has_state.bool()
         spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
         embeds, additions, lookup = spliced if spliced is not None else (None, None, None)
-        cross = None if self.cross is None else self.cross.step(sched.seq_ids, num_new, meta)
+        cross = None
+        if self.cross is not None:
+            cross = self.cross.step(sched.seq_ids, num_new, meta, starts)
         return StepInputs(
             input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup, cross
         )

@@ -1,0 +1,181 @@
+"""Images through LightOnOCR checkpoints (multimodal/lighton_ocr.py) against HF.
+
+A tiny random `LightOnOcrForConditionalGeneration`: a Pixtral tower of 4-pixel patches, patches
+merged 2 x 2, a Qwen3 decoder; Pixtral's image processor (longest edge 64). `LLM.generate` with
+`multi_modal_data` must give LightOnOcrProcessor's prompt ids (a plain run of one
+<|image_pad|> per merged patch, no break / end tokens) and HF `generate`'s greedy tokens and
+top-5 logprobs (1e-3, float32); images whose patch grid is odd on a side (HF's merger drops the
+last row / column) included. Then the tower's rows against HF's image features, the engine's
+paths (chunks through images, prefix-cache hits, images processed ahead), bad input and the
+server's chat path with a data: URL.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_greedy
+from image_checks import (
+    check_chat_data_url,
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    engine,
+    noise_image,
+    path_prompts,
+)
+
+from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.lighton_ocr")
+pytest.importorskip("PIL.Image")
+
+MAX_TOKENS = 8
+IMAGE = "<|image_pad|>"
+PROMPT = f"<|im_start|>user\n{IMAGE}Read it.<|im_end|>\n<|im_start|>assistant\n"
+TWO = f"<|im_start|>user\n{IMAGE} and {IMAGE}Which is longer?<|im_end|>\n<|im_start|>assistant\n"
+TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
+_SPECIAL = ["<|im_start|>", "<|im_end|>", IMAGE, "<|vision_pad|>", "<|vision_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image_pad|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_lighton_ocr(path, seed: int = 0):
+    """A tiny random LightOnOCR checkpoint with its processor (LightOnOcrProcessor)."""
+    path.mkdir(parents=True, exist_ok=True)
+    base = build_tiny_tokenizer(seed=seed)
+    base.add_special_tokens({"additional_special_tokens": _SPECIAL})
+    base.chat_template = CHAT_TEMPLATE
+    base.save_pretrained(path)
+    names = {"image_token": IMAGE, "image_break_token": _SPECIAL[3]}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        path, extra_special_tokens={**names, "image_end_token": _SPECIAL[4]}
+    )
+    text = tiny_config("qwen3", vocab_size=len(tokenizer)).to_dict()
+    vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48}
+    vision |= {"num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8}
+    vision |= {"patch_size": 4, "image_size": 64, "hidden_act": "silu"}
+    config = transformers.LightOnOcrConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        spatial_merge_size=2,
+        **_COMMON,
+    )
+    _save_random(transformers.LightOnOcrForConditionalGeneration, config, seed, path)
+    images = transformers.PixtralImageProcessor(
+        patch_size={"height": 4, "width": 4}, size={"longest_edge": 64}
+    )
+    processor = transformers.LightOnOcrProcessor(
+        image_processor=images, tokenizer=tokenizer, patch_size=4, spatial_merge_size=2
+    )
+    processor.save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_lighton_ocr(tmp_path_factory.mktemp("lighton_ocr"), seed=3)
+
+
+def _model(path):
+    cls = transformers.LightOnOcrForConditionalGeneration
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    extra = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
+    return out["input_ids"][0].tolist(), extra
+
+
+def test_images_match_hf(path):
+    """One image (a 10 x 15 patch grid: the odd column dropped by the merger), text alone,
+    two images of different sizes; then HF's expanded ids as prompt_token_ids."""
+    model, processor = _model(path), transformers.AutoProcessor.from_pretrained(path)
+    cases = [
+        (PROMPT, [noise_image(1, (40, 58))]),
+        (TEXT, []),
+        (TWO, [noise_image(2, (90, 30)), noise_image(3, (17, 33))]),  # resized to fit
+    ]
+    refs = []
+    for text, images in cases:
+        ids, extra = _hf_inputs(processor, text, images)
+        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    assert refs[0][0].count(model.config.image_token_id) == 5 * 7
+    check_matches_hf(path, cases, refs, "lighton_ocr")
+
+
+def test_tower_matches_hf_features(path):
+    """The encoder's rows equal HF's get_image_features, odd grids included."""
+    from safetensors.torch import load_file
+
+    from paged_engine.multimodal.archs import build_encoder
+    from paged_engine.multimodal.inputs import ImageInput
+
+    model = _model(path)
+    images = [noise_image(20, (40, 58)), noise_image(21, (64, 24))]
+    out = transformers.AutoProcessor.from_pretrained(path).image_processor(
+        images=images, return_tensors="pt"
+    )
+    encoder = build_encoder(model.config).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    inputs = [
+        ImageInput(x[:, :h, :w], 0, 1, "", (h, w))
+        for x, (h, w) in zip(out["pixel_values"], out["image_sizes"].tolist(), strict=True)
+    ]
+    with torch.no_grad():
+        want = model.model.get_image_features(out["pixel_values"], out["image_sizes"])
+        got = encoder.encode(inputs)
+    assert [g.shape[0] for g in got] == [35, 24]
+    for g, w in zip(got, want.pooler_output, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+def test_engine_paths_match_the_plain_run(path):
+    """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
+    processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
+    on."""
+    prompts = path_prompts(PROMPT, TWO)
+    cached = check_engine_paths(path, prompts, TWO)
+    one = noise_image(9, (20, 20))
+    refused = [
+        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": "a page"}}, "PIL.Image.Image"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": noise_image(4, (2, 60))}}, "at least"),
+    ]
+    check_refused(path, cached, refused, prompts)
+
+
+def test_chat_data_url_gives_the_offline_tokens(path):
+    """The server's chat path: an image_url part with a data: URL gives the offline tokens and
+    prompt (the chat template's <|image_pad|> expanded by the merged grid)."""
+    question = [{"type": "image"}, {"type": "text", "text": "Read it."}]
+    want = check_chat_data_url(engine(path), question, noise_image(12, (40, 72)))
+    assert want.text == PROMPT
+
+
+def test_config_refusals(path):
+    from paged_engine.multimodal.archs import build_encoder
+
+    for owner, field, value, match in [
+        ("vision_config", "model_type", "siglip_vision_model", "model_type"),
+        (None, "spatial_merge_size", 0, "spatial_merge_size=0"),
+    ]:
+        config = transformers.AutoConfig.from_pretrained(path)
+        setattr(getattr(config, owner) if owner else config, field, value)
+        with pytest.raises(ValueError, match=match):
+            build_encoder(config)

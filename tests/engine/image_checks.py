@@ -1,6 +1,8 @@
 """Checks shared by the image tests (test_*_images.py): noise images, the engine on a tiny
 checkpoint, the engine's own paths with images against its plain run, and the server's chat
-path with a data: URL image against the offline answer."""
+path with a data: URL image against the offline answer; the usual cases, HF's references of
+them, the usual bad input and config fields the encoder refuses (vlm_checkpoints.py writes
+and loads the checkpoints)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from hf_reference import assert_matches, assert_same_greedy
+from hf_reference import assert_matches, assert_same_greedy, hf_greedy
 
 from paged_engine import LLM, SamplingParams
 
@@ -205,3 +207,82 @@ def check_chat_data_url(
     finally:
         llm.llm_engine.shutdown()
     return want
+
+
+def hf_refs(model, cases: list[tuple[str, list]], inputs: Callable, n: int = 8) -> list:
+    """check_matches_hf's `refs` of `cases` (prompt text, its images): (HF's prompt ids,
+    hf_greedy's `n` tokens and top-5 logprobs), `inputs(text, images)` giving HF's ids and
+    the model's further inputs."""
+    refs = []
+    for text, images in cases:
+        ids, extra = inputs(text, images)
+        refs.append((ids, hf_greedy(model, ids, n, 5, **extra)))
+    return refs
+
+
+def processor_inputs(
+    processor, text: str, images: list, keys: tuple[str, ...], *, whole: bool = False
+) -> tuple[list[int], dict]:
+    """HF's prompt ids of `text` with `images` and the `keys` of `processor`'s output. Text
+    alone: the tokenizer's ids (no special tokens added), nothing more; with `whole`, the
+    processor's ids and the keys it gives."""
+    if not images and not whole:
+        return processor.tokenizer.encode(text, add_special_tokens=False), {}
+    out = processor(text=[text], images=images or None, return_tensors="pt")
+    extra = {k: out[k] for k in keys if k in out} if whole else {k: out[k] for k in keys}
+    return out["input_ids"][0].tolist(), extra
+
+
+def usual_refusals(
+    prompt: str, two: str, one, *, not_an_image: str = "a cat", bare: bool = False
+) -> list[tuple[dict, str]]:
+    """check_refused's usual cases: `two` (two image placeholders) with the one image `one`
+    (given `bare`, else in a list), `prompt` (one placeholder) with it twice, with the string
+    `not_an_image` as its image and with `one` as a video."""
+    short = one if bare else [one]
+    return [
+        ({"prompt": two, "multi_modal_data": {"image": short}}, "2 image placeholder"),
+        ({"prompt": prompt, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
+        ({"prompt": prompt, "multi_modal_data": {"image": not_an_image}}, "PIL.Image.Image"),
+        ({"prompt": prompt, "multi_modal_data": {"video": [one]}}, "takes no videos"),
+    ]
+
+
+def hf_cases(
+    prompt: str, text: str, two: str, sizes: tuple = ((40, 56), (72, 24), (33, 47))
+) -> list[tuple[str, list]]:
+    """check_matches_hf's usual cases: `prompt` with a noise image (seed 1) of `sizes[0]`,
+    `text` alone, `two` with two (seeds 2 and 3) of `sizes[1]` and `sizes[2]`."""
+    first, second, third = sizes
+    return [
+        (prompt, [noise_image(1, first)]),
+        (text, []),
+        (two, [noise_image(2, second), noise_image(3, third)]),
+    ]
+
+
+def grid_path_prompts(one: str, two: str, narrow: int = 0) -> list[dict]:
+    """check_engine_paths' prompts for towers at the image's own patch grid: `one` with a
+    noise image of (24 + 8 i) x (64 - narrow i) pixels for i = 0, 1, then `two` with one
+    16 x 80 image twice."""
+    sizes = [(24 + 8 * i, 64 - narrow * i) for i in range(2)]
+    return [
+        {"prompt": one, "multi_modal_data": {"image": noise_image(i, size)}}
+        for i, size in enumerate(sizes)
+    ] + [{"prompt": two, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
+
+
+# hf_cases' sizes for processors that tile: a wide image, a tall one and a small one
+WIDE_TALL_SMALL = ((40, 90), (100, 30), (20, 24))
+
+
+def check_vision_fields_refused(path, cases: list[tuple], build: Callable) -> None:
+    """Each (field, value, match) of `cases` set on `path`'s vision_config (a fresh config
+    each) makes `build(config)` a ValueError matching `match`."""
+    import transformers
+
+    for field, value, match in cases:
+        config = transformers.AutoConfig.from_pretrained(path)
+        setattr(config.vision_config, field, value)
+        with pytest.raises(ValueError, match=match):
+            build(config)

@@ -52,10 +52,18 @@ def _whisper(path):
     return write_tiny_whisper(path), "<|startoftranscript|>"
 
 
+def _phi4mm(path):
+    from test_phi4mm_audio import ONE
+    from test_phi4mm_images import write_tiny_phi4mm
+
+    return write_tiny_phi4mm(path), ONE
+
+
 # family -> its tiny checkpoint in a directory and a prompt with one clip's placeholder
 FAMILIES = {
     "qwen2_audio": _qwen2_audio,
     "granite_speech": _granite_speech,
+    "phi4mm": _phi4mm,
     "audioflamingo3": _whisper_llm("audioflamingo3"),
     "glmasr": _whisper_llm("glmasr"),
     "musicflamingo": _whisper_llm("musicflamingo"),

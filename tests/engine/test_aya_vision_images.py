@@ -26,17 +26,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.multimodal.aya_vision import END, LINE_BREAK, PATCH, START
 from paged_engine.testing import (
@@ -52,7 +55,6 @@ pytest.importorskip("transformers.models.aya_vision")
 pytest.importorskip("transformers.models.cohere2_vision")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 TILE_ROWS = 16  # (32 / 4 / 2)^2
 TURN = "<|START_OF_TURN_TOKEN|>"
 USER, BOT, END_TURN = "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|END_OF_TURN_TOKEN|>"
@@ -182,8 +184,7 @@ def _cohere2_image_processor(path: Path):
 def _model(path: Path, arch: str):
     name = "AyaVision" if arch == "aya" else "Cohere2Vision"
     cls = getattr(transformers, f"{name}ForConditionalGeneration")
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = load_hf_vlm(cls, path)
     return model
 
 
@@ -191,16 +192,12 @@ def _model(path: Path, arch: str):
 def test_images_match_hf(dirs, arch):
     path = dirs(arch)
     model = _model(path, arch)
-    cases = [
-        # tiles and the whole image: 2 x 1 by GotOcr2's rule, 3 x 1 by Cohere2Vision's
-        (_prompt(arch, PROMPT), [noise_image(1, (40, 90))]),
-        (_prompt(arch, TEXT), []),
-        (_prompt(arch, TWO), [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # one tile
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, arch, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # wide: tiles and the whole image, 2 x 1 by GotOcr2's rule, 3 x 1 by Cohere2Vision's;
+    # the small one: one tile
+    cases = hf_cases(
+        _prompt(arch, PROMPT), _prompt(arch, TEXT), _prompt(arch, TWO), WIDE_TALL_SMALL
+    )
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, arch, *case))
     views = 3 if arch == "aya" else 4
     assert refs[0][0].count(model.config.image_token_id) == views * TILE_ROWS
     check_matches_hf(path, cases, refs, arch)

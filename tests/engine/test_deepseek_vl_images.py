@@ -15,30 +15,35 @@ import shutil
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
+    check_vision_fields_refused,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
+    processor_inputs,
+    usual_refusals,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
 
-from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
+from paged_engine.testing import _COMMON, _save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.deepseek_vl")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 SIDE, PATCH = 16, 4
 IMAGE = "<image_placeholder>"
 PROMPT = f"User: {IMAGE}Describe it.\n\nAssistant:"
 TWO = f"User: {IMAGE} and {IMAGE}Which is brighter?\n\nAssistant:"
 TEXT = "User: Say something about the sea.\n\nAssistant:"
+SIZES = ((40, 58), (90, 30), (17, 33))  # hf_cases' images: wide and tall, padded square
+ROWS = torch.zeros(5, 48)  # image embeddings of a width other than the text's hidden size
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: "
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -52,13 +57,7 @@ CHAT_TEMPLATE = (
 
 def _tiny_parts(path, seed: int) -> tuple:
     """(the tokenizer saved at `path`, the Llama text config, the SigLIP vision config)."""
-    base = build_tiny_tokenizer(seed=seed)
-    base.add_special_tokens({"additional_special_tokens": [IMAGE]})
-    base.chat_template = CHAT_TEMPLATE
-    base.save_pretrained(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, extra_special_tokens={"image_token": IMAGE}
-    )
+    tokenizer = saved_tokenizer(path, [IMAGE], CHAT_TEMPLATE, seed, image_token=IMAGE)
     text = tiny_config("llama", vocab_size=len(tokenizer)).to_dict()
     vision = {"model_type": "siglip_vision_model", "hidden_size": 32, "intermediate_size": 48}
     vision |= {"num_hidden_layers": 2, "num_attention_heads": 4}
@@ -81,9 +80,7 @@ def write_tiny_deepseek_vl(path, seed: int = 0):
     processor = transformers.DeepseekVLProcessor(
         image_processor=images, tokenizer=tokenizer, num_image_tokens=(SIDE // PATCH) ** 2
     )
-    processor.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, processor)
 
 
 def write_tiny_hybrid(path, seed: int = 0):
@@ -109,9 +106,7 @@ def write_tiny_hybrid(path, seed: int = 0):
     processor = transformers.DeepseekVLHybridProcessor(
         image_processor=images, tokenizer=tokenizer, num_image_tokens=(SIDE // PATCH) ** 2
     )
-    processor.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, processor)
 
 
 @pytest.fixture(scope="module")
@@ -124,31 +119,19 @@ def hybrid(tmp_path_factory):
     return write_tiny_hybrid(tmp_path_factory.mktemp("deepseek_vl_hybrid"), seed=6)
 
 
-def _model(path, cls=transformers.DeepseekVLForConditionalGeneration):
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    out = processor(text=[text], images=images or None, return_tensors="pt")
-    extra = {k: out[k] for k in ("pixel_values", "high_res_pixel_values") if k in out}
-    return out["input_ids"][0].tolist(), extra
+def _hf_refs(model, path, cases: list) -> list:
+    """hf_refs of `cases` through `path`'s processor (text alone too)."""
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    keys = ("pixel_values", "high_res_pixel_values")
+    return hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys, whole=True))
 
 
 def test_images_match_hf(path):
     """One image, text alone, two images (wide and tall: padded square); then HF's expanded
     ids as prompt_token_ids."""
-    model, processor = _model(path), transformers.AutoProcessor.from_pretrained(path)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 58))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (90, 30)), noise_image(3, (17, 33))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(transformers.DeepseekVLForConditionalGeneration, path)
+    cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
+    refs = _hf_refs(model, path, cases)
     assert refs[2][0].count(model.config.image_token_id) == 2 * 16
     check_matches_hf(path, cases, refs, "deepseek_vl")
 
@@ -160,13 +143,8 @@ def test_engine_paths_match_the_plain_run(path):
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(5, 48)}}, "hidden size"),
-    ]
+    refused = usual_refusals(PROMPT, TWO, one)
+    refused.append(({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"))
     check_refused(path, cached, refused, prompts)
 
 
@@ -200,14 +178,8 @@ def test_older_tower_names_load(path, tmp_path):
 def test_config_refusals(path):
     from paged_engine.multimodal.archs import build_encoder
 
-    for field, value, match in [
-        ("model_type", "clip_vision_model", "model_type"),
-        ("image_size", 18, "image_size=18"),
-    ]:
-        config = transformers.AutoConfig.from_pretrained(path)
-        setattr(config.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            build_encoder(config)
+    cases = [("model_type", "clip_vision_model", "model_type"), ("image_size", 18, "image_size=18")]
+    check_vision_fields_refused(path, cases, build_encoder)
 
 
 def test_hybrid_images_match_hf(hybrid):
@@ -218,18 +190,10 @@ def test_hybrid_images_match_hf(hybrid):
     from paged_engine.multimodal.archs import build_encoder
     from paged_engine.multimodal.inputs import ImageInput
 
-    model = _model(hybrid, transformers.DeepseekVLHybridForConditionalGeneration)
+    model = load_hf_vlm(transformers.DeepseekVLHybridForConditionalGeneration, hybrid)
+    cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
+    check_matches_hf(hybrid, cases, _hf_refs(model, hybrid, cases), "deepseek_vl_hybrid")
     processor = transformers.AutoProcessor.from_pretrained(hybrid)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 58))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (90, 30)), noise_image(3, (17, 33))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    check_matches_hf(hybrid, cases, refs, "deepseek_vl_hybrid")
     out = processor.image_processor(images=cases[2][1], return_tensors="pt")
     encoder = build_encoder(model.config).float()
     encoder.load_weights(load_file(hybrid / "model.safetensors").items())
@@ -270,6 +234,6 @@ def test_hybrid_engine_paths_match_the_plain_run(hybrid):
     one = noise_image(9, (20, 20))
     refused = [
         ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(5, 48)}}, "hidden size"),
+        ({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"),
     ]
     check_refused(hybrid, cached, refused, prompts)

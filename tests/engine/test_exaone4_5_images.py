@@ -20,33 +20,35 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
+    processor_inputs,
+    usual_refusals,
+)
+from vlm_checkpoints import (
+    finish_checkpoint,
+    load_hf_vlm,
+    processor_without_video,
+    save_grid_image_processor,
+    tokenizer_with,
 )
 
-from paged_engine.testing import (
-    _ARCH_DEFAULTS,
-    _COMMON,
-    TINY_VOCAB_SIZE,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _ARCH_DEFAULTS, _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.exaone4_5")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 IMAGE = "<vision><|image_pad|></vision>"
 PROMPT = f"[|user|]{IMAGE}What is in it? Tell me.[|endofturn|]\n[|assistant|]"
 TWO = f"[|user|]{IMAGE} and {IMAGE}Which is brighter?[|endofturn|]\n[|assistant|]"
@@ -91,9 +93,7 @@ def write_tiny_exaone4_5(path: Path, seed: int = 3) -> Path:
     (Qwen2VLImageProcessorPil: 4-pixel patches merged 2 x 2, 8 to 48 merged patches an image)
     and tokenizer (the image tokens, a chat template)."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    ids = dict(zip(_SPECIAL, tokenizer.convert_tokens_to_ids(_SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(_SPECIAL, seed)
     text = {**_ARCH_DEFAULTS["exaone4"][1], "model_type": "exaone4", "vocab_size": len(tokenizer)}
     text["max_position_embeddings"] = 1024  # the image tests' max_model_len 512
     config = transformers.Exaone4_5_Config(
@@ -103,22 +103,9 @@ def write_tiny_exaone4_5(path: Path, seed: int = 3) -> Path:
         video_token_id=ids["<|video_pad|>"],
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.Exaone4_5_ForConditionalGeneration(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    factor = 2 * 4 * 4  # frames x (patch x merge) ** 2 pixels a merged patch
-    transformers.Qwen2VLImageProcessorPil(
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * factor, "longest_edge": 48 * factor},
-    ).save_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    _save_random(transformers.Exaone4_5_ForConditionalGeneration, config, seed, path)
+    save_grid_image_processor(transformers.Qwen2VLImageProcessorPil, path, 2, 2 * 4 * 4)
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -127,42 +114,18 @@ def path(tmp_path_factory) -> Path:
 
 
 def _processor(path: Path):
-    """HF's Exaone4_5_Processor, its video processor left out (it needs torchvision, and the
-    processor's class check looks it up)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mixin = transformers.ProcessorMixin
-        mp.setattr(mixin, "check_argument_for_proper_class", lambda *a: None, raising=False)
-        return transformers.Exaone4_5_Processor(
-            image_processor=transformers.AutoImageProcessor.from_pretrained(path),
-            tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-        )
-
-
-def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw")}
+    return processor_without_video(transformers.Exaone4_5_Processor, path)
 
 
 def _model(path: Path):
-    cls = transformers.Exaone4_5_ForConditionalGeneration
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return load_hf_vlm(transformers.Exaone4_5_ForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
     model, processor = _model(path), _processor(path)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 56))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),  # resized to the grid
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(PROMPT, TEXT, TWO)  # the two images resized to the grid
+    keys = ("pixel_values", "image_grid_thw")
+    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys))
     check_matches_hf(path, cases, refs, "exaone4_5")
 
 
@@ -191,13 +154,7 @@ def test_engine_paths_match_the_plain_run(path):
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]
-    check_refused(path, cached, refused, prompts)
+    check_refused(path, cached, usual_refusals(PROMPT, TWO, one), prompts)
 
 
 def test_tensor_parallel_matches_one_process(path):
@@ -218,15 +175,12 @@ def test_config_refusals(path):
     """What the tower does not run as HF runs it is refused by the config field's name."""
     from paged_engine.multimodal.archs import build_encoder
 
-    for field, value, match in [
+    cases = [
         ("num_key_value_heads", 3, "num_key_value_heads=3"),
         ("model_type", "qwen2_5_vl_vision", "model_type"),
         ("window_size", 4, "window_size=4"),
-    ]:
-        config = transformers.AutoConfig.from_pretrained(path)
-        setattr(config.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            build_encoder(config)
+    ]
+    check_vision_fields_refused(path, cases, build_encoder)
 
 
 def test_mtp_head_is_passed_over(path, tmp_path):

@@ -17,13 +17,17 @@ import pytest
 import torch
 from hf_reference import assert_matches, assert_same_greedy, hf_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_engine_paths,
     check_matches_hf,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import write_tiny_gemma3
 
@@ -67,25 +71,17 @@ def _hf_inputs(path, text: str, images: list, **kwargs) -> tuple[list[int], dict
 
 
 def test_images_match_hf(path):
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # newline runs merge
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(transformers.Gemma3ForConditionalGeneration, path)
+    # the tall and the small image: their newline runs merge
+    cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     check_matches_hf(path, cases, refs, "gemma3")
 
 
 def test_pan_and_scan_crops_match_hf(path):
     """do_pan_and_scan: HF's text around the original and its crops, each view a run that
     attends to itself both ways; a square image gets no crops."""
-    model = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
+    model = load_hf_vlm(transformers.Gemma3ForConditionalGeneration, path)
     llm = engine(path)
     for text, images in [
         (TWO, [noise_image(12, (30, 100)), noise_image(13, (40, 40))]),

@@ -24,17 +24,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_same_greedy, hf_greedy
+from hf_reference import assert_same_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import (
     _COMMON,
@@ -51,7 +56,6 @@ pytest.importorskip("PIL.Image")
 if not hasattr(transformers, "Gemma4ImageProcessorPil"):
     pytest.skip("transformers lacks Gemma 4's image processor", allow_module_level=True)
 
-MAX_TOKENS = 8
 TOKENS = {
     "image_token": "<|image|>",
     "boi_token": "<|image>",
@@ -193,18 +197,10 @@ def _pixels(path, images: list, out) -> dict:
 def test_images_match_hf(path):
     """A wide image, text alone, a tall and a small one (each its own grid and run), and an
     image just before the last token; the prompts given as text and as HF's expanded ids."""
-    model = transformers.Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),
-        (NEAR, [noise_image(4, (50, 50))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(transformers.Gemma4ForConditionalGeneration, path)
+    cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
+    cases.append((NEAR, [noise_image(4, (50, 50))]))
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     check_matches_hf(path, cases, refs, "gemma4")
 
 
@@ -268,14 +264,11 @@ def test_config_refusals(path):
     """What the tower does not run is refused by the config field's name."""
     from paged_engine.multimodal.gemma4 import Gemma4ImageEncoder
 
-    for field, value, match in [
+    cases = [
         ("rope_parameters", {"rope_type": "default", "rope_theta": 1.0}, "rope_type"),
         ("head_dim", 18, "head_dim"),
-    ]:
-        config = transformers.AutoConfig.from_pretrained(path)
-        setattr(config.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            Gemma4ImageEncoder(config)
+    ]
+    check_vision_fields_refused(path, cases, Gemma4ImageEncoder)
 
 
 # (height, width): wide, tall, small, square, one pixel thin, larger than the budget

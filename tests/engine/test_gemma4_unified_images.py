@@ -24,17 +24,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_tensor_parallel,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import (
     _COMMON,
@@ -53,7 +56,6 @@ if not hasattr(transformers, "Gemma4UnifiedForConditionalGeneration"):
 
 from test_gemma4_images import CHAT_TEMPLATE, NEAR, PROMPT, TEXT, TOKENS, TWO  # noqa: E402
 
-MAX_TOKENS = 8
 SOFT_TOKENS = 70  # the image processor's max_soft_tokens (its smallest allowed)
 # the sliding window holds an image's run (a longer one is refused) but not the prompts of two
 WINDOW = 72
@@ -163,20 +165,10 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 def test_images_match_hf(path):
     """A wide image, text alone, a tall and a small one (each its own grid and run), and an
     image just before the last token; the prompts given as text and as HF's expanded ids."""
-    model = transformers.Gemma4UnifiedForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    )
-    model.eval().generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),
-        (NEAR, [noise_image(4, (50, 50))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(transformers.Gemma4UnifiedForConditionalGeneration, path)
+    cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
+    cases.append((NEAR, [noise_image(4, (50, 50))]))
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     check_matches_hf(path, cases, refs, "gemma4_unified")
 
 

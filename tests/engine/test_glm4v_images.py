@@ -19,30 +19,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     engine,
     greedy,
+    grid_path_prompts,
+    hf_cases,
+    hf_refs,
     noise_image,
+    processor_inputs,
+)
+from vlm_checkpoints import (
+    finish_checkpoint,
+    load_hf_vlm,
+    processor_without_video,
+    save_grid_image_processor,
+    tokenizer_with,
 )
 
-from paged_engine.testing import (
-    _COMMON,
-    TINY_VOCAB_SIZE,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.glm4v")
 pytest.importorskip("transformers.models.glm4v_moe")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 IMAGE = "<|begin_of_image|><|image|><|end_of_image|>"
 PROMPT = f"[gMASK]<sop><|user|>\n{IMAGE}What is in it? Tell me.<|assistant|>\n"
 TWO = f"[gMASK]<sop><|user|>\n{IMAGE} and {IMAGE}Which is brighter?<|assistant|>\n"
@@ -107,9 +109,7 @@ def write_tiny_glm4v(path: Path, arch: str, seed: int = 0) -> Path:
     processor (4-pixel patches merged 2 x 2, 8 to 48 merged patches an image) and tokenizer
     (GLM's image tokens, a chat template)."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    ids = dict(zip(_SPECIAL, tokenizer.convert_tokens_to_ids(_SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(_SPECIAL, seed)
     text = {**_TEXT, "vocab_size": len(tokenizer), "rope_parameters": _ROPE}
     vision = dict(_VISION)
     if arch == "glm4v_moe":
@@ -131,25 +131,11 @@ def write_tiny_glm4v(path: Path, arch: str, seed: int = 0) -> Path:
         video_end_token_id=ids["<|end_of_video|>"],
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForConditionalGeneration")(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    factor = 2 * 4 * 4  # frames x (patch x merge) ** 2 pixels a merged patch
+    _save_random(getattr(transformers, f"{name}ForConditionalGeneration"), config, seed, path)
     # (the PIL one: transformers' default needs torchvision)
     image_cls = getattr(transformers, "Glm4vImageProcessorPil", transformers.Glm4vImageProcessor)
-    images = image_cls(
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * factor, "longest_edge": 48 * factor},
-    )
-    images.save_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    save_grid_image_processor(image_cls, path, 2, 2 * 4 * 4)  # frames x patch x patch pixels
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -165,45 +151,21 @@ def glm_dirs(tmp_path_factory):
 
 
 def _processor(path: Path):
-    """HF's Glm4vProcessor, its video processor left out (it needs torchvision, and the
-    processor's class check looks it up)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mixin = transformers.ProcessorMixin
-        mp.setattr(mixin, "check_argument_for_proper_class", _any_class, raising=False)
-        return transformers.Glm4vProcessor(
-            image_processor=transformers.AutoImageProcessor.from_pretrained(path),
-            tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-        )
-
-
-def _any_class(self, name: str, value: object) -> None:
-    return None
+    return processor_without_video(transformers.Glm4vProcessor, path)
 
 
 def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt")
     keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+    return processor_inputs(processor, text, images, keys)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_images_match_hf(glm_dirs, arch):
     path = glm_dirs(arch)
-    cls = getattr(transformers, f"{ARCHS[arch]}ForConditionalGeneration")
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model = load_hf_vlm(getattr(transformers, f"{ARCHS[arch]}ForConditionalGeneration"), path)
     processor = _processor(path)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 56))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),  # resized to the grid
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(PROMPT, TEXT, TWO)  # the two images resized to the grid
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(processor, *case))
     check_matches_hf(path, cases, refs, arch)
 
 
@@ -251,10 +213,7 @@ def test_engine_paths_match_the_plain_run(glm_dirs):
     images processed ahead); vLLM's image_embeds with HF's features give the images' answer;
     bad input is a ValueError naming what is wrong, and the engine serves on."""
     path = glm_dirs("glm4v_moe")
-    prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (24 + 8 * i, 64 - 8 * i))}}
-        for i in range(2)
-    ] + [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
+    prompts = grid_path_prompts(PROMPT, TWO, narrow=8)
     cached = check_engine_paths(path, prompts, TWO)
 
     model = transformers.Glm4vMoeForConditionalGeneration.from_pretrained(path)

@@ -20,15 +20,19 @@ import pytest
 import torch
 from hf_reference import assert_matches, hf_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_tensor_parallel,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import (
     _COMMON,
@@ -104,21 +108,13 @@ def _hf_inputs(path: Path, text: str, images: list, split: bool = True):
 
 @pytest.fixture(scope="module")
 def model(path):
-    hf = transformers.Idefics2ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    hf.eval().generation_config.eos_token_id = None
-    return hf
+    return load_hf_vlm(transformers.Idefics2ForConditionalGeneration, path)
 
 
 def test_images_match_hf(path, model):
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),  # wide: views of other shapes than the whole
-        (TEXT, []),
-        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # tall; small
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # wide: views of other shapes than the whole; tall; small
+    cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     assert refs[0][0].count(model.config.image_token_id) == 5 * LATENTS
     check_matches_hf(path, cases, refs, "idefics2")
 

@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image, path_prompts
+from image_checks import (
+    check_engine_paths,
+    check_matches_hf,
+    greedy,
+    hf_cases,
+    hf_refs,
+    path_prompts,
+)
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import write_tiny_idefics3
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 PROMPT = "<|im_start|>User:<image>What is in it?<end_of_utterance>\nAssistant:"
 TWO = "<|im_start|>User:<image>and<image>Which is brighter?<end_of_utterance>\nAssistant:"
 TEXT = "<|im_start|>User:Say something about the sea.<end_of_utterance>\nAssistant:"
@@ -74,17 +80,10 @@ def test_images_match_hf(dirs, arch):
     cls = getattr(
         transformers, f"{'Idefics3' if arch == 'idefics3' else 'SmolVLM'}ForConditionalGeneration"
     )
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (50, 90))]),  # 2 x 3 tiles
-        (TEXT, []),
-        (TWO, [noise_image(2, (96, 40)), noise_image(3, (20, 24))]),  # tall; small
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, arch, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(cls, path)
+    # 2 x 3 tiles; tall; small
+    cases = hf_cases(PROMPT, TEXT, TWO, ((50, 90), (96, 40), (20, 24)))
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, arch, *case))
     check_matches_hf(path, cases, refs, arch)
 
 

@@ -100,6 +100,7 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
     ),
     "lfm2_vl": ("test_lfm2_vl_images", lambda m, p: m.write_tiny_lfm2_vl(p), lambda m: m.PROMPT),
     "ovis2_5": ("test_ovis2_5_images", lambda m, p: m.write_tiny_ovis2_5(p), lambda m: m.PROMPT),
+    "phi4mm": ("test_phi4mm_images", lambda m, p: m.write_tiny_phi4mm(p), lambda m: m.PROMPT),
     "minicpmv4_7": (
         "test_minicpmv_images",
         lambda m, p: m.write_tiny(p, 0, version="4_7"),

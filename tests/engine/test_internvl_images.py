@@ -12,22 +12,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
+    WIDE_TALL_SMALL,
     check_engine_paths,
     check_matches_hf,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import write_tiny_internvl
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 CTX = "<IMG_CONTEXT>"
 PROMPT = f"<|im_start|>user\n{CTX}\nWhat is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{CTX}\nand {CTX}\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
@@ -54,17 +56,10 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 
 
 def test_images_match_hf(path):
-    model = transformers.InternVLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),  # 2 tiles and the thumbnail
-        (TEXT, []),
-        (TWO, [noise_image(2, (100, 30)), noise_image(3, (20, 24))]),  # tall; one tile
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    model = load_hf_vlm(transformers.InternVLForConditionalGeneration, path)
+    # wide: 2 tiles and the thumbnail; tall; small: one tile
+    cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     check_matches_hf(path, cases, refs, "internvl")
 
 

@@ -25,24 +25,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm
 
 from paged_engine.multimodal.torch_processors import torchvision_available
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.kimi_k25")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 IMAGE = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}What is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{IMAGE} and {IMAGE}Which is brighter?<|im_end|>\n<|im_start|>assistant\n"
@@ -103,10 +104,7 @@ def write_tiny_kimi_k25(path: Path, seed: int = 0) -> Path:
     )
     _save_random(transformers.Kimi_K25ForConditionalGeneration, config, seed, path)
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -149,29 +147,14 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 
 
 def _hf_model(path):
-    model = transformers.Kimi_K25ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    return model
-
-
-CASES = [
-    (PROMPT, [(1, (40, 56))]),  # over the patch budget: scaled down, then padded
-    (TEXT, []),
-    (TWO, [(2, (70, 20)), (3, (13, 9))]),  # capped at 12 patches a side; padded up from 3 x 2
-]
-
-
-def _cases():
-    return [(text, [noise_image(s, size) for s, size in imgs]) for text, imgs in CASES]
+    return load_hf_vlm(transformers.Kimi_K25ForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
-    model = _hf_model(path)
-    cases = _cases()
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # 40 x 56: over the patch budget, scaled down, then padded; 70 x 20: capped at 12
+    # patches a side; 13 x 9: padded up from 3 x 2
+    cases = hf_cases(PROMPT, TEXT, TWO, ((40, 56), (70, 20), (13, 9)))
+    refs = hf_refs(_hf_model(path), cases, lambda *case: _hf_inputs(path, *case))
     assert len(refs[0][0]) - len(refs[1][0]) != 0
     check_matches_hf(path, cases, refs, "kimi_k25")
 
@@ -295,14 +278,11 @@ def test_config_refusals(path):
     from paged_engine.multimodal.kimi_k25 import KimiImageEncoder, KimiImageProcessor
 
     config = transformers.AutoConfig.from_pretrained(path)
-    for field, value, match in [
+    cases = [
         ("merge_kernel_size", [2, 1], "merge_kernel_size"),
         ("pos_emb_width", 5, "pos_emb_width"),
-    ]:
-        bad = transformers.AutoConfig.from_pretrained(path)
-        setattr(bad.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            KimiImageEncoder(bad)
+    ]
+    check_vision_fields_refused(path, cases, KimiImageEncoder)
     bad = transformers.AutoConfig.from_pretrained(path)
     bad.projection_hidden_size = 64
     with pytest.raises(ValueError, match="projection_hidden_size"):

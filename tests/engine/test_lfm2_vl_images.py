@@ -26,22 +26,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
+    usual_refusals,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.lfm2_vl")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 PROMPT = "<|im_start|>user\n<image>What is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image> and <image>Which is brighter?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -100,10 +102,7 @@ def write_tiny_lfm2_vl(path: Path, seed: int = 0) -> Path:
     )
     _save_random(transformers.Lfm2VlForConditionalGeneration, config, seed, path)
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -192,32 +191,18 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 
 
 def _hf_model(path):
-    model = transformers.Lfm2VlForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    return model
-
-
-CASES = [
-    (PROMPT, [(1, (20, 28))]),  # one view: 16 x 32 (20 / 8 = 2.5 rounds to 2)
-    (TEXT, []),
-    (TWO, [(2, (60, 30)), (3, (10, 6))]),  # 2 x 1 tiles + an 8 x 4 thumbnail; upscaled to 6 x 4
-]
-
-
-def _cases():
-    return [(text, [noise_image(s, size) for s, size in imgs]) for text, imgs in CASES]
+    return load_hf_vlm(transformers.Lfm2VlForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
-    model = _hf_model(path)
-    refs = []
-    for text, images in _cases():
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # 20 x 28: one view, 16 x 32 (20 / 8 = 2.5 rounds to 2); 60 x 30: 2 x 1 tiles + an
+    # 8 x 4 thumbnail; 10 x 6 upscaled to 6 x 4
+    cases = hf_cases(PROMPT, TEXT, TWO, ((20, 28), (60, 30), (10, 6)))
+    refs = hf_refs(_hf_model(path), cases, lambda *case: _hf_inputs(path, *case))
     assert "<|img_thumbnail|>" in transformers.AutoTokenizer.from_pretrained(path).decode(
         refs[2][0]
     )
-    check_matches_hf(path, _cases(), refs, "lfm2_vl")
+    check_matches_hf(path, cases, refs, "lfm2_vl")
 
 
 def test_encoder_matches_hf_features(path):
@@ -302,13 +287,7 @@ def test_engine_paths_match_the_plain_run(path):
     ]
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]
-    check_refused(path, cached, refused, prompts)
+    check_refused(path, cached, usual_refusals(PROMPT, TWO, one), prompts)
 
 
 def test_tensor_parallel_matches_one_process(path):
@@ -330,14 +309,11 @@ def test_config_refusals(path):
     from paged_engine.multimodal.lfm2_vl import Lfm2VlImageEncoder, Lfm2VlImageProcessor
 
     config = transformers.AutoConfig.from_pretrained(path)
-    for field, value, match in [
+    cases = [
         ("num_patches", 15, "num_patches"),
         ("model_type", "siglip_vision_model", "model_type"),
-    ]:
-        bad = transformers.AutoConfig.from_pretrained(path)
-        setattr(bad.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            Lfm2VlImageEncoder(bad)
+    ]
+    check_vision_fields_refused(path, cases, Lfm2VlImageEncoder)
     for field, value in [
         ("resample", 3),
         ("encoder_patch_size", 8),

@@ -14,24 +14,26 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
+    processor_inputs,
+    usual_refusals,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
 
-from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
+from paged_engine.testing import _COMMON, _save_random, tiny_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.lighton_ocr")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 IMAGE = "<|image_pad|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}Read it.<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{IMAGE} and {IMAGE}Which is longer?<|im_end|>\n<|im_start|>assistant\n"
@@ -51,13 +53,9 @@ CHAT_TEMPLATE = (
 def write_tiny_lighton_ocr(path, seed: int = 0):
     """A tiny random LightOnOCR checkpoint with its processor (LightOnOcrProcessor)."""
     path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(seed=seed)
-    base.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    base.chat_template = CHAT_TEMPLATE
-    base.save_pretrained(path)
     names = {"image_token": IMAGE, "image_break_token": _SPECIAL[3]}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, extra_special_tokens={**names, "image_end_token": _SPECIAL[4]}
+    tokenizer = saved_tokenizer(
+        path, _SPECIAL, CHAT_TEMPLATE, seed, **names, image_end_token=_SPECIAL[4]
     )
     text = tiny_config("qwen3", vocab_size=len(tokenizer)).to_dict()
     vision = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 48}
@@ -77,9 +75,7 @@ def write_tiny_lighton_ocr(path, seed: int = 0):
     processor = transformers.LightOnOcrProcessor(
         image_processor=images, tokenizer=tokenizer, patch_size=4, spatial_merge_size=2
     )
-    processor.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, processor)
 
 
 @pytest.fixture(scope="module")
@@ -88,31 +84,17 @@ def path(tmp_path_factory):
 
 
 def _model(path):
-    cls = transformers.LightOnOcrForConditionalGeneration
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    out = processor(text=[text], images=images or None, return_tensors="pt")
-    extra = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
-    return out["input_ids"][0].tolist(), extra
+    return load_hf_vlm(transformers.LightOnOcrForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
     """One image (a 10 x 15 patch grid: the odd column dropped by the merger), text alone,
-    two images of different sizes; then HF's expanded ids as prompt_token_ids."""
+    two images of different sizes (resized to fit); then HF's expanded ids as
+    prompt_token_ids."""
     model, processor = _model(path), transformers.AutoProcessor.from_pretrained(path)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 58))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (90, 30)), noise_image(3, (17, 33))]),  # resized to fit
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(PROMPT, TEXT, TWO, ((40, 58), (90, 30), (17, 33)))
+    keys = ("pixel_values", "image_sizes")
+    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys, whole=True))
     assert refs[0][0].count(model.config.image_token_id) == 5 * 7
     check_matches_hf(path, cases, refs, "lighton_ocr")
 
@@ -150,13 +132,10 @@ def test_engine_paths_match_the_plain_run(path):
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a page"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": noise_image(4, (2, 60))}}, "at least"),
-    ]
+    refused = usual_refusals(PROMPT, TWO, one, not_an_image="a page")
+    refused.append(
+        ({"prompt": PROMPT, "multi_modal_data": {"image": noise_image(4, (2, 60))}}, "at least")
+    )
     check_refused(path, cached, refused, prompts)
 
 

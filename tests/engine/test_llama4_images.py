@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
@@ -28,10 +27,13 @@ from image_checks import (
     check_refused,
     check_tensor_parallel,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
 from safetensors.torch import load_file
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm
 
 from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
 
@@ -39,7 +41,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.llama4")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 SIDE, PATCH = 32, 8
 USER = "<|header_start|>user<|header_end|>\n\n"
 ASSISTANT = "<|header_start|>assistant<|header_end|>\n\n"
@@ -106,10 +107,7 @@ def write_tiny_llama4_vlm(path: Path, seed: int = 0) -> Path:
     )
     _save_random(transformers.Llama4ForConditionalGeneration, config, seed, path)
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -119,9 +117,7 @@ def path(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(path):
-    model = transformers.Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    return model
+    return load_hf_vlm(transformers.Llama4ForConditionalGeneration, path)
 
 
 def _hf_processor(path):
@@ -172,15 +168,9 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 
 
 def test_images_match_hf(path, hf_model):
-    cases = [
-        (PROMPT, [noise_image(1, (50, 90))]),  # 2 x 2 tiles + the whole image
-        (TEXT, []),
-        (TWO, [noise_image(2, (96, 40)), noise_image(3, (20, 24))]),  # 3 x 1 tiles; untiled
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(hf_model, ids, MAX_TOKENS, 5, **extra)))
+    # 2 x 2 tiles + the whole image; 3 x 1 tiles and untiled
+    cases = hf_cases(PROMPT, TEXT, TWO, ((50, 90), (96, 40), (20, 24)))
+    refs = hf_refs(hf_model, cases, lambda *case: _hf_inputs(path, *case))
     names = ("<|tile_x_separator|>", "<|tile_y_separator|>", "<|image_start|>", "<|image|>")
     x_sep, y_sep, start, image = _ids(path, *names)
     assert refs[0][0].count(x_sep) == 2 and refs[0][0].count(y_sep) == 2

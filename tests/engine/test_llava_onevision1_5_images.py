@@ -19,32 +19,34 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
+    check_vision_fields_refused,
     engine,
     greedy,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
+    processor_inputs,
+    usual_refusals,
+)
+from vlm_checkpoints import (
+    finish_checkpoint,
+    load_hf_vlm,
+    processor_without_video,
+    save_grid_image_processor,
+    tokenizer_with,
 )
 
-from paged_engine.testing import (
-    _ARCH_DEFAULTS,
-    _COMMON,
-    TINY_VOCAB_SIZE,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _ARCH_DEFAULTS, _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.llava_onevision1_5")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = f"<|im_start|>user\n{IMAGE}What is in it? Tell me.<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{IMAGE} and {IMAGE}Which is brighter?<|im_end|>\n<|im_start|>assistant\n"
@@ -87,9 +89,7 @@ def write_tiny_llava_onevision1_5(path: Path, seed: int = 3) -> Path:
     processor (Qwen2VLImageProcessorPil, one frame a patch: 4-pixel patches merged 2 x 2, 8 to
     48 merged patches an image) and tokenizer (the image tokens, a chat template)."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": _SPECIAL})
-    ids = dict(zip(_SPECIAL, tokenizer.convert_tokens_to_ids(_SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(_SPECIAL, seed)
     text = {**_ARCH_DEFAULTS["qwen3"][1], "model_type": "qwen3", "vocab_size": len(tokenizer)}
     text["max_position_embeddings"] = 1024  # the image tests' max_model_len 512
     config = transformers.LlavaOnevision15Config(
@@ -101,22 +101,10 @@ def write_tiny_llava_onevision1_5(path: Path, seed: int = 3) -> Path:
         vision_end_token_id=ids["<|vision_end|>"],
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.LlavaOnevision15ForConditionalGeneration(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    factor = (4 * 2) ** 2  # (patch x merge) ** 2 pixels a merged patch
-    transformers.Qwen2VLImageProcessorPil(
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=1,
-        size={"shortest_edge": 8 * factor, "longest_edge": 48 * factor},
-    ).save_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    _save_random(transformers.LlavaOnevision15ForConditionalGeneration, config, seed, path)
+    # (patch x merge) ** 2 pixels a merged patch
+    save_grid_image_processor(transformers.Qwen2VLImageProcessorPil, path, 1, (4 * 2) ** 2)
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -125,42 +113,19 @@ def path(tmp_path_factory) -> Path:
 
 
 def _processor(path: Path):
-    """HF's processor for llava_onevision1_5 (Exaone4_5_Processor), its video processor left
-    out (it needs torchvision, and the processor's class check looks it up)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mixin = transformers.ProcessorMixin
-        mp.setattr(mixin, "check_argument_for_proper_class", lambda *a: None, raising=False)
-        return transformers.Exaone4_5_Processor(
-            image_processor=transformers.AutoImageProcessor.from_pretrained(path),
-            tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-        )
-
-
-def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw")}
+    """HF's processor for llava_onevision1_5: Exaone4_5_Processor."""
+    return processor_without_video(transformers.Exaone4_5_Processor, path)
 
 
 def _model(path: Path):
-    cls = transformers.LlavaOnevision15ForConditionalGeneration
-    model = cls.from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return load_hf_vlm(transformers.LlavaOnevision15ForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
     model, processor = _model(path), _processor(path)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 56))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),  # resized to the grid
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(PROMPT, TEXT, TWO)  # the two images resized to the grid
+    keys = ("pixel_values", "image_grid_thw")
+    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys))
     check_matches_hf(path, cases, refs, "llava_onevision1_5")
 
 
@@ -208,13 +173,7 @@ def test_engine_paths_match_the_plain_run(path):
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]
-    check_refused(path, cached, refused, prompts)
+    check_refused(path, cached, usual_refusals(PROMPT, TWO, one), prompts)
 
     # vLLM's image features input: the tower's rows with their grid give the image's tokens
     from safetensors.torch import load_file
@@ -250,16 +209,13 @@ def test_config_refusals(path):
     """What the tower does not run as HF runs it is refused by the config field's name."""
     from paged_engine.multimodal.archs import build_encoder
 
-    for field, value, match in [
+    cases = [
         ("model_type", "qwen2_5_vl_vision", "model_type"),
         ("num_heads", 16, "divisible by 4"),  # head_dim 2: no row / column quarters
         ("rope_parameters", {"rope_type": "default", "rope_theta": 1.0}, "rope_type"),
         ("layer_norm_eps", 0.0, "layer_norm_eps"),
-    ]:
-        config = transformers.AutoConfig.from_pretrained(path)
-        setattr(config.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            build_encoder(config)
+    ]
+    check_vision_fields_refused(path, cases, build_encoder)
 
 
 def test_two_frame_patches_are_refused(path, tmp_path):

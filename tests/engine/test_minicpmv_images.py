@@ -22,7 +22,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
@@ -30,9 +29,12 @@ from image_checks import (
     check_refused,
     check_tensor_parallel,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm
 
 from paged_engine.testing import (
     _COMMON,
@@ -47,7 +49,6 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.minicpmv4_6")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 PAD = "<|image_pad|>"
 NAMES = {
     "image_token": PAD,
@@ -63,6 +64,7 @@ CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|v
 PROMPT = f"<|im_start|>user\n{PAD}\nWhat is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{PAD} and {PAD}\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
+SIZES = ((40, 90), (90, 70), (20, 24))  # hf_cases' images
 
 
 def _tokenizer(seed: int):
@@ -108,9 +110,7 @@ def write_tiny(path: Path, seed: int, mode: str = "16x", version: str = "4_6") -
     model_cls = getattr(transformers, f"MiniCPMV{version}ForConditionalGeneration")
     _save_random(model_cls, config, seed, path)
     _image_processor(mode).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer)
 
 
 def _image_processor(mode: str):
@@ -162,9 +162,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(path):
-    hf = transformers.MiniCPMV4_6ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    hf.eval().generation_config.eos_token_id = None
-    return hf
+    return load_hf_vlm(transformers.MiniCPMV4_6ForConditionalGeneration, path)
 
 
 def test_tower_and_merger_match_hf(path, model):
@@ -188,15 +186,9 @@ def test_tower_and_merger_match_hf(path, model):
 
 
 def test_images_match_hf(path, model):
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),  # wide: a 1 x 3 slice grid, a 4 x 12 thumbnail
-        (TEXT, []),
-        (TWO, [noise_image(2, (90, 70)), noise_image(3, (20, 24))]),  # 2 x 2 slices; unsliced
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # wide: a 1 x 3 slice grid, a 4 x 12 thumbnail; 2 x 2 slices; unsliced
+    cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     tok = _hf_processor(path).tokenizer
     slices = [ids.count(tok.convert_tokens_to_ids("<slice>")) for ids, _ in refs]
     assert slices == [3, 0, 4]  # 1 x 3; none; 2 x 2 and none
@@ -207,12 +199,11 @@ def test_images_match_hf(path, model):
 def test_4x_mode_matches_hf(tmp_path):
     """downsample_mode "4x": no vit_merger, a row per 2 x 2 patches (grids in 2s)."""
     path = write_tiny(tmp_path / "4x", seed=4, mode="4x")
-    hf = transformers.MiniCPMV4_6ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    hf.eval().generation_config.eos_token_id = None
+    hf = load_hf_vlm(transformers.MiniCPMV4_6ForConditionalGeneration, path)
     cases = [(TWO, [noise_image(4, (50, 30)), noise_image(5, (18, 22))])]
-    ids, extra = _hf_inputs(path, *cases[0])
+    _, extra = _hf_inputs(path, *cases[0])
     assert extra["target_sizes"].tolist()[0] == [10, 6]  # 4x: not a grid the 16x merges take
-    check_matches_hf(path, cases, [(ids, hf_greedy(hf, ids, MAX_TOKENS, 5, **extra))], "4x")
+    check_matches_hf(path, cases, hf_refs(hf, cases, lambda *c: _hf_inputs(path, *c)), "4x")
 
 
 def test_engine_paths_match_the_plain_run(path):
@@ -275,19 +266,9 @@ def test_canvas_positions_match_hf(path47):
 def test_canvas_images_match_hf(path47):
     """MiniCPM-V 4.7's greedy tokens and top-5 logprobs against HF's, and the engine's paths
     (chunks through the views, prefix hits, images processed ahead) against its plain run."""
-    hf = transformers.MiniCPMV4_7ForConditionalGeneration.from_pretrained(
-        path47, dtype=torch.float32
-    )
-    hf.eval().generation_config.eos_token_id = None
-    cases = [
-        (PROMPT, [noise_image(1, (40, 90))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (90, 70)), noise_image(3, (20, 24))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path47, text, images, "4_7")
-        refs.append((ids, hf_greedy(hf, ids, MAX_TOKENS, 5, **extra)))
+    hf = load_hf_vlm(transformers.MiniCPMV4_7ForConditionalGeneration, path47)
+    cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
+    refs = hf_refs(hf, cases, lambda *case: _hf_inputs(path47, *case, "4_7"))
     check_matches_hf(path47, cases, refs, "minicpmv4_7")
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (30 + 20 * i, 70))}}

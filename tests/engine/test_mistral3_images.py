@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy
-from image_checks import check_engine_paths, check_matches_hf, greedy, noise_image
+from image_checks import (
+    check_engine_paths,
+    check_matches_hf,
+    greedy,
+    hf_cases,
+    hf_refs,
+    noise_image,
+)
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import write_tiny_mistral3
 
 transformers = pytest.importorskip("transformers")
 Image = pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 PROMPT = "[INST][IMG]What is in it? Tell me.[/INST]"
 TWO = "[INST][IMG] and [IMG]Which is brighter?[/INST]"
 TEXT = "[INST]Say something about the sea.[/INST]"
@@ -60,23 +66,11 @@ def _hf_inputs(path, merge: int, text: str, images: list) -> tuple[list[int], di
 def test_images_match_hf(dirs, arch):
     path = dirs(arch)
     name = "Mistral3" if arch == "mistral3" else "Llava"
-    model = getattr(transformers, f"{name}ForConditionalGeneration").from_pretrained(
-        path, dtype=torch.float32
-    )
-    model.eval().generation_config.eos_token_id = None
+    model = load_hf_vlm(getattr(transformers, f"{name}ForConditionalGeneration"), path)
     merge = 2 if arch == "mistral3" else 1
-    cases = [
-        (PROMPT, [noise_image(1, (40, 56))]),
-        (TEXT, []),
-        (
-            TWO,
-            [noise_image(2, (90, 30)), noise_image(3, (17, 33))],
-        ),  # resized to fit, units of the patch
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, merge, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    # the two images resized to fit, in units of the patch
+    cases = hf_cases(PROMPT, TEXT, TWO, ((40, 56), (90, 30), (17, 33)))
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, merge, *case))
     check_matches_hf(path, cases, refs, arch)
 
 

@@ -18,17 +18,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import assert_matches, assert_same_greedy
 from image_checks import (
     check_chat_data_url,
     check_chunks_and_prefix_hits,
     check_matches_hf,
     engine,
     greedy,
+    hf_refs,
     noise_image,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
 
-from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer
+from paged_engine.testing import _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
@@ -47,13 +49,7 @@ TEMPLATE = (
 
 def write_tiny_mllama(path: Path, seed: int = 0) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(seed=seed)
-    base.add_special_tokens({"additional_special_tokens": [IMAGE]})
-    base.chat_template = TEMPLATE
-    base.save_pretrained(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        path, extra_special_tokens={"image_token": IMAGE}
-    )
+    tokenizer = saved_tokenizer(path, [IMAGE], TEMPLATE, seed, image_token=IMAGE)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
     vision |= {"num_global_layers": 1, "attention_heads": 4, "image_size": 16, "patch_size": 8}
     vision |= {"max_num_tiles": 2, "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}
@@ -69,9 +65,8 @@ def write_tiny_mllama(path: Path, seed: int = 0) -> Path:
     )
     _save_random(transformers.MllamaForConditionalGeneration, config, seed, path)
     images = transformers.MllamaImageProcessor(size={"height": 16, "width": 16}, max_image_tiles=2)
-    transformers.MllamaProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    processor = transformers.MllamaProcessor(image_processor=images, tokenizer=tokenizer)
+    return finish_checkpoint(path, processor)
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +80,15 @@ def bos(path) -> str:
 
 
 def _hf_refs(path, cases):
-    model = transformers.MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
+    model = load_hf_vlm(transformers.MllamaForConditionalGeneration, path)
     processor = transformers.AutoProcessor.from_pretrained(path)
-    refs = []
-    for text, images in cases:
+
+    def inputs(text: str, images: list) -> tuple[list[int], dict]:
         out = processor(text=[text], images=[images] if images else None, return_tensors="pt")
         extra = {k: out[k] for k in out if k not in ("input_ids", "attention_mask")}
-        ids = out["input_ids"][0].tolist()
-        refs.append((ids, hf_greedy(model, ids, 8, 5, **extra)))  # greedy(): 8 tokens
-    return refs
+        return out["input_ids"][0].tolist(), extra
+
+    return hf_refs(model, cases, inputs)  # greedy()'s 8 tokens
 
 
 def test_images_match_hf(path, bos):

@@ -20,30 +20,32 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
     greedy,
+    grid_path_prompts,
+    hf_cases,
+    hf_refs,
     noise_image,
+    processor_inputs,
+    usual_refusals,
+)
+from vlm_checkpoints import (
+    finish_checkpoint,
+    load_hf_vlm,
+    save_grid_image_processor,
+    tokenizer_with,
 )
 
-from paged_engine.testing import (
-    _COMMON,
-    TINY_VOCAB_SIZE,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("PIL.Image")
-
-MAX_TOKENS = 8
 
 
 def _glm():
@@ -98,9 +100,7 @@ def write_tiny_glm_ocr(path: Path, seed: int = 0) -> Path:
 
     glm4v = _glm()
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": glm4v._SPECIAL})
-    ids = dict(zip(glm4v._SPECIAL, tokenizer.convert_tokens_to_ids(glm4v._SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(glm4v._SPECIAL, seed)
     config = transformers.GlmOcrConfig(
         text_config={**_GLM_TEXT, "vocab_size": len(tokenizer)},
         vision_config=_GLM_VISION,
@@ -112,27 +112,14 @@ def write_tiny_glm_ocr(path: Path, seed: int = 0) -> Path:
         video_end_token_id=ids["<|end_of_video|>"],
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.GlmOcrForConditionalGeneration(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(transformers.GlmOcrForConditionalGeneration, config, seed, path)
     weights = load_file(path / "model.safetensors")
     mtp = "model.language_model.layers.2."
     weights |= {mtp + "eh_proj.weight": torch.randn(64, 128), mtp + "enorm.weight": torch.ones(64)}
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    factor = 2 * 4 * 4
     image_cls = getattr(transformers, "Glm4vImageProcessorPil", transformers.Glm4vImageProcessor)
-    image_cls(
-        patch_size=4,
-        merge_size=2,
-        temporal_patch_size=2,
-        size={"shortest_edge": 8 * factor, "longest_edge": 48 * factor},
-    ).save_pretrained(path)
-    tokenizer.chat_template = glm4v.CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    save_grid_image_processor(image_cls, path, 2, 2 * 4 * 4)
+    return finish_checkpoint(path, tokenizer, glm4v.CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -141,25 +128,15 @@ def glm_ocr_dir(tmp_path_factory) -> Path:
 
 
 def _glm_model(path: Path):
-    return transformers.GlmOcrForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    ).eval()
+    return load_hf_vlm(transformers.GlmOcrForConditionalGeneration, path)
 
 
 def test_glm_ocr_matches_hf(glm_ocr_dir):
     glm4v = _glm()
     model = _glm_model(glm_ocr_dir)
-    model.generation_config.eos_token_id = None
     processor = glm4v._processor(glm_ocr_dir)
-    cases = [
-        (glm4v.PROMPT, [noise_image(1, (40, 56))]),
-        (glm4v.TEXT, []),
-        (glm4v.TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = glm4v._hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(glm4v.PROMPT, glm4v.TEXT, glm4v.TWO)
+    refs = hf_refs(model, cases, lambda *case: glm4v._hf_inputs(processor, *case))
     check_matches_hf(glm_ocr_dir, cases, refs, "glm_ocr")
 
 
@@ -185,13 +162,7 @@ def test_glm_ocr_engine_paths(glm_ocr_dir):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong."""
     glm4v = _glm()
-    prompts = [
-        {
-            "prompt": glm4v.PROMPT,
-            "multi_modal_data": {"image": noise_image(i, (24 + 8 * i, 64 - 8 * i))},
-        }
-        for i in range(2)
-    ] + [{"prompt": glm4v.TWO, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
+    prompts = grid_path_prompts(glm4v.PROMPT, glm4v.TWO, narrow=8)
     cached = check_engine_paths(glm_ocr_dir, prompts, glm4v.TWO)
     one = noise_image(10, (32, 32))
     for bad, match in [
@@ -284,9 +255,7 @@ def write_tiny_hunyuan_vl(path: Path, seed: int = 0) -> Path:
     (4-pixel patches merged 2 x 2; 256 to 4096 pixels an image) and tokenizer."""
     _hunyuan()
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": HY_SPECIAL})
-    ids = dict(zip(HY_SPECIAL, tokenizer.convert_tokens_to_ids(HY_SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(HY_SPECIAL, seed)
     config = transformers.HunYuanVLConfig(
         text_config={**_HY_TEXT_CONFIG, "vocab_size": len(tokenizer)},
         vision_config=_HY_VISION,
@@ -297,18 +266,11 @@ def write_tiny_hunyuan_vl(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.HunYuanVLForConditionalGeneration(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(transformers.HunYuanVLForConditionalGeneration, config, seed, path)
     transformers.HunYuanVLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=1, min_pixels=256, max_pixels=4096
     ).save_pretrained(path)
-    tokenizer.chat_template = HY_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, HY_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -330,32 +292,19 @@ def _hy_processor(path: Path):
 
 
 def _hy_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt")
     keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+    return processor_inputs(processor, text, images, keys)
 
 
 def _hy_model(path: Path):
-    return transformers.HunYuanVLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    ).eval()
+    return load_hf_vlm(transformers.HunYuanVLForConditionalGeneration, path)
 
 
 def test_hunyuan_vl_matches_hf(hunyuan_dir):
     model = _hy_model(hunyuan_dir)
-    model.generation_config.eos_token_id = None
     processor = _hy_processor(hunyuan_dir)
-    cases = [
-        (HY_PROMPT, [noise_image(1, (40, 56))]),
-        (HY_TEXT, []),
-        (HY_TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hy_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(HY_PROMPT, HY_TEXT, HY_TWO)
+    refs = hf_refs(model, cases, lambda *case: _hy_inputs(processor, *case))
     check_matches_hf(hunyuan_dir, cases, refs, "hunyuan_vl")
 
 
@@ -401,18 +350,10 @@ def test_hunyuan_vl_engine_paths(hunyuan_dir):
     prefix-cache hits, images processed ahead); bad input is a ValueError naming what is
     wrong (more images than placeholders, over limit_mm_per_prompt, not an image, a video),
     and the engine serves on."""
-    prompts = [
-        {"prompt": HY_PROMPT, "multi_modal_data": {"image": noise_image(i, (24 + 8 * i, 64))}}
-        for i in range(2)
-    ] + [{"prompt": HY_TWO, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
+    prompts = grid_path_prompts(HY_PROMPT, HY_TWO)
     cached = check_engine_paths(hunyuan_dir, prompts, HY_TWO)
     one = noise_image(10, (32, 32))
-    refused = [
-        ({"prompt": HY_TWO, "multi_modal_data": {"image": one}}, "2 image placeholder"),
-        ({"prompt": HY_PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": HY_PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": HY_PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]
+    refused = usual_refusals(HY_PROMPT, HY_TWO, one, bare=True)
     check_refused(hunyuan_dir, cached, refused, prompts)
 
 
@@ -421,19 +362,12 @@ def test_hunyuan_vl_refused_configs(hunyuan_dir):
     from paged_engine.models.hunyuan_vl import XdRotaryEmbedding
     from paged_engine.multimodal.archs import build_encoder
 
-    def config():
-        return transformers.AutoConfig.from_pretrained(hunyuan_dir)
-
     cases = [
         ("temporal_patch_size", 2, r"vision_config\.temporal_patch_size=2"),
         ("max_image_size", 30, r"vision_config\.max_image_size=30"),
         ("interpolate_mode", "area", r"vision_config\.interpolate_mode='area'"),
     ]
-    for field, value, match in cases:
-        bad = config()
-        setattr(bad.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            build_encoder(bad)
+    check_vision_fields_refused(hunyuan_dir, cases, build_encoder)
     with pytest.raises(ValueError, match=r"mrope_section=\[8, 8\]"):
         XdRotaryEmbedding(RotaryEmbedding(32, 32, 64, 100.0), [8, 8])
     with pytest.raises(ValueError, match="partial_rotary_factor"):

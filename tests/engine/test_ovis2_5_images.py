@@ -19,23 +19,25 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
+    hf_cases,
+    hf_refs,
     noise_image,
     path_prompts,
+    usual_refusals,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.ovis2_5")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 TOKENS = {
     "image_token": "<image>",
     "image_start_token": "<img>",
@@ -67,15 +69,10 @@ PROCESSOR = {  # Ovis2_5ImageProcessor's settings, scaled down (factor 4 * 2 = 8
 
 
 def write_tiny_ovis2_5(path: Path, seed: int = 0) -> Path:
-    from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
+    from paged_engine.testing import _COMMON, _save_random, tiny_config
 
     path.mkdir(parents=True, exist_ok=True)
-    base = build_tiny_tokenizer(seed=seed)
-    base.add_special_tokens({"additional_special_tokens": list(TOKENS.values())})
-    base.chat_template = CHAT_TEMPLATE
-    base.save_pretrained(path)
-    tok = transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=TOKENS)
-    tok.save_pretrained(path)
+    tok = saved_tokenizer(path, list(TOKENS.values()), CHAT_TEMPLATE, seed, **TOKENS)
     ids = {f"{k}_id": tok.convert_tokens_to_ids(v) for k, v in TOKENS.items()}
     text = tiny_config("qwen3", vocab_size=len(tok), tie_word_embeddings=False).to_dict()
     vision = {
@@ -99,8 +96,7 @@ def write_tiny_ovis2_5(path: Path, seed: int = 0) -> Path:
     config.architectures = ["Ovis2_5ForConditionalGeneration"]
     _save_random(transformers.Ovis2_5ForConditionalGeneration, config, seed, path)
     (path / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tok)  # (its extra special tokens saved)
 
 
 @pytest.fixture(scope="module")
@@ -135,29 +131,15 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 
 
 def _hf_model(path):
-    model = transformers.Ovis2_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    return model
-
-
-CASES = [
-    (PROMPT, [(1, (20, 28))]),  # 24 x 32: 6 x 8 patches, 3 x 4 merged tokens
-    (TEXT, []),
-    (TWO, [(2, (90, 40)), (3, (5, 30))]),  # scaled down; widened from under the factor
-]
-
-
-def _cases():
-    return [(text, [noise_image(s, size) for s, size in imgs]) for text, imgs in CASES]
+    return load_hf_vlm(transformers.Ovis2_5ForConditionalGeneration, path)
 
 
 def test_images_match_hf(path):
-    model = _hf_model(path)
-    refs = []
-    for text, images in _cases():
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, MAX_TOKENS, 5, **extra)))
-    check_matches_hf(path, _cases(), refs, "ovis2_5")
+    # 20 x 28 -> 24 x 32: 6 x 8 patches, 3 x 4 merged tokens; 90 x 40 scaled down; 5 x 30
+    # widened from under the factor
+    cases = hf_cases(PROMPT, TEXT, TWO, ((20, 28), (90, 40), (5, 30)))
+    refs = hf_refs(_hf_model(path), cases, lambda *case: _hf_inputs(path, *case))
+    check_matches_hf(path, cases, refs, "ovis2_5")
 
 
 def test_encoder_matches_hf_features(path):
@@ -205,13 +187,10 @@ def test_engine_paths_match_the_plain_run(path):
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}, "embeddings"),
-    ]
+    refused = usual_refusals(PROMPT, TWO, one)
+    refused.append(
+        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}, "embeddings")
+    )
     check_refused(path, cached, refused, prompts)
 
 
@@ -233,14 +212,12 @@ def test_config_refusals(path):
     """What the path does not run is refused by the config field's name."""
     from paged_engine.multimodal.ovis2_5 import Ovis2_5ImageEncoder
 
-    for field, value in [
+    bad = [
         ("temporal_patch_size", 2),
         ("layer_types", ["sliding_attention"] * 3),
         ("num_visual_indicator_tokens", 1),
         ("image_size", 18),
         ("rope_parameters", {"rope_type": "yarn", "rope_theta": 100.0}),
-    ]:
-        bad = transformers.AutoConfig.from_pretrained(path)
-        setattr(bad.vision_config, field, value)
-        with pytest.raises(ValueError, match=field):
-            Ovis2_5ImageEncoder(bad)
+    ]
+    cases = [(field, value, field) for field, value in bad]  # each named in its error
+    check_vision_fields_refused(path, cases, Ovis2_5ImageEncoder)

@@ -23,31 +23,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_greedy
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
+    check_vision_fields_refused,
     engine,
     greedy,
+    grid_path_prompts,
+    hf_cases,
+    hf_refs,
     noise_image,
+    processor_inputs,
+    usual_refusals,
 )
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
 
-from paged_engine.testing import (
-    _COMMON,
-    TINY_VOCAB_SIZE,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _COMMON, _save_random
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.paddleocr_vl")
-pytest.importorskip("PIL.Image")
 
-MAX_TOKENS = 8
 _START, _IMAGE, _END = "<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"
 SPECIAL = ["<|begin_of_sentence|>", _START, _IMAGE, _END, "<|video_pad|>"]
 IMAGE = f"{_START}{_IMAGE}{_END}"
@@ -95,9 +93,7 @@ def write_tiny_paddleocr_vl(path: Path, seed: int = 0) -> Path:
     """A tiny random PaddleOCRVLForConditionalGeneration checkpoint with its PIL image
     processor (4-pixel patches merged 2 x 2; 256 to 4096 pixels an image) and tokenizer."""
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, seed)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    ids = dict(zip(SPECIAL, tokenizer.convert_tokens_to_ids(SPECIAL), strict=True))
+    tokenizer, ids = tokenizer_with(SPECIAL, seed)
     config = transformers.PaddleOCRVLConfig(
         text_config={**_TEXT_CONFIG, "vocab_size": len(tokenizer)},
         vision_config=_VISION_CONFIG,
@@ -108,18 +104,11 @@ def write_tiny_paddleocr_vl(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.PaddleOCRVLForConditionalGeneration(config).float()
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
+    _save_random(transformers.PaddleOCRVLForConditionalGeneration, config, seed, path)
     transformers.PaddleOCRVLImageProcessorPil(
         patch_size=4, merge_size=2, temporal_patch_size=1, min_pixels=256, max_pixels=4096
     ).save_pretrained(path)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +118,7 @@ def paddle_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_model(paddle_dir):
-    model = transformers.PaddleOCRVLForConditionalGeneration.from_pretrained(
-        paddle_dir, dtype=torch.float32
-    ).eval()
-    model.generation_config.eos_token_id = None
-    return model
+    return load_hf_vlm(transformers.PaddleOCRVLForConditionalGeneration, paddle_dir)
 
 
 def _processor(path: Path):
@@ -145,24 +130,14 @@ def _processor(path: Path):
 
 
 def _hf_inputs(processor, text: str, images: list) -> tuple[list[int], dict]:
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt")
     keys = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-    return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
+    return processor_inputs(processor, text, images, keys)
 
 
 def test_paddleocr_vl_matches_hf(paddle_dir, hf_model):
     processor = _processor(paddle_dir)
-    cases = [
-        (PROMPT, [noise_image(1, (40, 56))]),
-        (TEXT, []),
-        (TWO, [noise_image(2, (72, 24)), noise_image(3, (33, 47))]),
-    ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(processor, text, images)
-        refs.append((ids, hf_greedy(hf_model, ids, MAX_TOKENS, 5, **extra)))
+    cases = hf_cases(PROMPT, TEXT, TWO)
+    refs = hf_refs(hf_model, cases, lambda *case: _hf_inputs(processor, *case))
     check_matches_hf(paddle_dir, cases, refs, "paddleocr_vl")
 
 
@@ -223,18 +198,10 @@ def test_paddleocr_vl_engine_paths(paddle_dir):
     """image_checks' paths (8-token chunks through the images and their M-RoPE rows,
     prefix-cache hits, images processed ahead); bad input is a ValueError naming what is
     wrong, and the engine serves on."""
-    prompts = [
-        {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, (24 + 8 * i, 64))}}
-        for i in range(2)
-    ] + [{"prompt": TWO, "multi_modal_data": {"image": [noise_image(7, (16, 80))] * 2}}]
+    prompts = grid_path_prompts(PROMPT, TWO)
     cached = check_engine_paths(paddle_dir, prompts, TWO)
     one = noise_image(10, (32, 32))
-    refused = [
-        ({"prompt": TWO, "multi_modal_data": {"image": one}}, "2 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
-        ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one]}}, "takes no videos"),
-    ]
+    refused = usual_refusals(PROMPT, TWO, one, bare=True)
     check_refused(paddle_dir, cached, refused, prompts)
 
 
@@ -250,11 +217,7 @@ def test_paddleocr_vl_refused_configs(paddle_dir):
         ("image_size", 30, r"vision_config\.image_size=30"),
         ("rope_parameters", {"rope_type": "yarn"}, r"rope_parameters\.rope_type='yarn'"),
     ]
-    for field, value, match in cases:
-        bad = config()
-        setattr(bad.vision_config, field, value)
-        with pytest.raises(ValueError, match=match):
-            build_encoder(bad)
+    check_vision_fields_refused(paddle_dir, cases, build_encoder)
     bad = config()
     bad.text_config.rope_parameters = {"rope_type": "default", "rope_theta": 100.0}
     with pytest.raises(ValueError, match="mrope_section=None"):

@@ -15,8 +15,9 @@ import dataclasses
 
 import pytest
 import torch
-from hf_reference import assert_same_greedy, hf_greedy
-from image_checks import check_matches_hf, engine, greedy, noise_image
+from hf_reference import assert_same_greedy
+from image_checks import check_matches_hf, engine, greedy, hf_refs, noise_image
+from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.testing import _COMMON, _save_random, build_tiny_tokenizer, tiny_config
 
@@ -77,19 +78,13 @@ def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
 def test_images_match_hf(path):
     """One image, two images (HF's "<image>" form, a prompt ending in "\n"), prompts of
     different lengths in one batch; then HF's expanded ids as prompt_token_ids."""
-    model = transformers.PaliGemmaForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    )
-    model.eval().generation_config.eos_token_id = None
+    model = load_hf_vlm(transformers.PaliGemmaForConditionalGeneration, path)
     cases = [
         (SHORT, [noise_image(1, (40, 90))]),
         (LONG, [noise_image(2, (20, 24))]),
         (f"<image><image>{SHORT}\n", [noise_image(3, (30, 30)), noise_image(4, (50, 20))]),
     ]
-    refs = []
-    for text, images in cases:
-        ids, extra = _hf_inputs(path, text, images)
-        refs.append((ids, hf_greedy(model, ids, 8, 5, **extra)))  # greedy(): 8 tokens
+    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
     check_matches_hf(path, cases, refs, "paligemma")
 
 

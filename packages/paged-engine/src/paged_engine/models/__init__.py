@@ -11,6 +11,7 @@ from paged_engine.models.afmoe import AfmoeForCausalLM
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.apertus1p5 import Apertus1p5TextForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
+from paged_engine.models.aria import AriaTextForCausalLM
 from paged_engine.models.axk1 import AXK1ForCausalLM
 from paged_engine.models.axk2 import AXK2ForCausalLM
 from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
@@ -103,6 +104,7 @@ from paged_engine.models.mistral_large4 import MistralLarge4TextForCausalLM
 from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.mllama import MllamaForConditionalGeneration
 from paged_engine.models.modernbert import MODERNBERT
+from paged_engine.models.molmo2 import Molmo2TextForCausalLM
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
 from paged_engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
@@ -143,6 +145,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Molmo2TextForCausalLM": Molmo2TextForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
@@ -200,6 +203,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralLarge4TextForCausalLM": MistralLarge4TextForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
+    "AriaTextForCausalLM": AriaTextForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,

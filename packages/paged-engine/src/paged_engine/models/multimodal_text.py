@@ -10,7 +10,9 @@ top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by t
 flag, and leaves them untied where the checkpoint carries its own head), `quantization_config`,
 the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
 final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
-`final_logit_softcapping`; Gemma 3n's wrapper embeds its vision and audio token ids with the
+`final_logit_softcapping`; Phi-4-multimodal's config is flat (its decoder's fields at the top
+level), so the copy is of the whole config (`Wrapper.flat`); Gemma 3n's wrapper embeds its
+vision and audio token ids with the
 towers' token embedders (`embed_vision`, `embed_audio`: kept, the towers dropped), so the copy
 names them with their vocab offsets and sizes (models/gemma3n.py); a Qwen "mrope" rope type
 (older configs) becomes "default";
@@ -124,7 +126,7 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         config = getattr(config, spec.sub_config, None)
         if config is None:
             raise ValueError(f"{arch}: the config has no {spec.sub_config}")
-    text = getattr(config, "text_config", None)
+    text = config if spec.flat else getattr(config, "text_config", None)
     model_type = getattr(text, "model_type", None)
     target = spec.text_archs.get(model_type) if text is not None else None
     if target is None:
@@ -176,6 +178,10 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.logit_scale = 1.0
     for key, value in spec.fixed:
         setattr(text, key, value)
+    if spec.extra_vocab:
+        text.head_vocab_size = int(text.vocab_size)
+        extra = int(getattr(text, "additional_vocab_size", 0) or 0)
+        text.vocab_size = int(text.vocab_size) + extra  # the head's rows stay head_vocab_size
     if spec.hub_experts:
         setattr(text, SQUARE_EXPERTS_HUB, _written_before_5(config))
     if spec.media_embedders:

@@ -6,6 +6,7 @@ each is exact).
 
     wrapper (config.architectures)       text_config.model_type -> our class
     Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
+    AriaForConditionalGeneration         aria_text              -> AriaTextForCausalLM
     AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
@@ -43,7 +44,9 @@ each is exact).
     MistralLarge4ForConditionalGeneration  mistral_large4_text  -> MistralLarge4TextForCausalLM
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
+    Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
     PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
     Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
       Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
@@ -157,13 +160,27 @@ class Wrapper:
     head_dim_from_heads: bool = False
     # the sub-config that holds text_config and the flags (Qwen Omni's `thinker_config`)
     sub_config: str | None = None
+    # the token table holds text_config.additional_vocab_size ids past vocab_size that the head
+    # never scores (Molmo2's image tokens): the copy's vocab_size counts them, its
+    # `head_vocab_size` is the head's
+    extra_vocab: bool = False
+    # the wrapper's config is its text model's (no text_config: Phi-4-multimodal)
+    flat: bool = False
 
 
 WRAPPERS: dict[str, Wrapper] = {
     # Apertus 1.5: lm_head(text model) as Apertus1p5TextForCausalLM, pruned alike
+    # Phi-4-multimodal: Phi-3's decoder, its fields at the config's top level; the image and
+    # audio embedders under `model.embed_tokens_extend.` (multimodal/phi4mm.py, phi4mm_audio.py)
+    "Phi4MultimodalForCausalLM": Wrapper(
+        {"phi4_multimodal": "Phi3ForCausalLM"}, _modules("embed_tokens_extend"), flat=True
+    ),
     "Apertus1p5ForConditionalGeneration": Wrapper(
         {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
     ),
+    # Aria: an Idefics3-style tower and a cross-attention projector (images: multimodal/aria.py)
+    # into its MoE decoder (models/aria.py)
+    "AriaForConditionalGeneration": Wrapper({"aria_text": "AriaTextForCausalLM"}, _LLAVA_STYLE),
     # PaliGemma / 2: the wrapper sets use_bidirectional_attention for its prompt prefix's mask
     # (multimodal/paligemma.py); its positions count from 1, a shift RoPE does not see
     "PaliGemmaForConditionalGeneration": Wrapper(
@@ -283,6 +300,12 @@ WRAPPERS: dict[str, Wrapper] = {
         _LLAVA_STYLE,
     ),
     "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
+    # Molmo2: a Qwen3-style decoder with a wider token table (images: multimodal/molmo2.py)
+    "Molmo2ForConditionalGeneration": Wrapper(
+        {"molmo2_text": "Molmo2TextForCausalLM"},
+        (*_LLAVA_STYLE, *_modules("vision_backbone")),
+        extra_vocab=True,
+    ),
     # LightOnOCR: a Pixtral tower and Mistral 3's projector under their own names (images:
     # multimodal/lighton_ocr.py) into Qwen3
     "LightOnOcrForConditionalGeneration": Wrapper(

@@ -38,8 +38,13 @@
     MllamaForConditionalGeneration                "mllama"      multimodal/mllama.py (no
       placeholders: its decoder cross-attends, models/mllama.py; the model runs its tower)
     LightOnOcrForConditionalGeneration            "lighton_ocr" multimodal/lighton_ocr.py
+    Molmo2ForConditionalGeneration                "molmo2"      multimodal/molmo2.py (prompt),
+      molmo2_processor.py (pixels), molmo2_encoder.py (tower, adapter); no videos
     DeepseekVLForConditionalGeneration            "deepseek_vl" multimodal/deepseek_vl.py
     DeepseekVLHybridForConditionalGeneration "deepseek_vl_hybrid"  multimodal/deepseek_vl_hybrid.py
+    Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
+      config: its Phi-3 decoder's fields at the top level)
+    AriaForConditionalGeneration                  "aria"        multimodal/aria.py
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -93,8 +98,11 @@ KINDS: dict[str, str] = {
     "PaliGemmaForConditionalGeneration": "paligemma",
     "MllamaForConditionalGeneration": "mllama",
     "LightOnOcrForConditionalGeneration": "lighton_ocr",
+    "Molmo2ForConditionalGeneration": "molmo2",
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
+    "Phi4MultimodalForCausalLM": "phi4mm",
+    "AriaForConditionalGeneration": "aria",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -123,8 +131,11 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "llava_onevision1_5": ("llava_onevision1_5_vision",),
     "paligemma": ("siglip_vision_model",),
     "lighton_ocr": ("pixtral",),
+    "molmo2": ("molmo2_vision",),
     "deepseek_vl": ("siglip_vision_model",),
     "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
+    "phi4mm": ("phi4_multimodal_vision",),
+    "aria": ("idefics3_vision",),
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -157,8 +168,11 @@ ENCODERS: dict[str, str] = {
     "llava_onevision1_5": "llava_onevision1_5:LlavaOnevision15ImageEncoder",
     "paligemma": "paligemma:PaliGemmaImageEncoder",
     "lighton_ocr": "lighton_ocr:LightOnOcrImageEncoder",
+    "molmo2": "molmo2_encoder:Molmo2ImageEncoder",
     "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
+    "phi4mm": "phi4mm:Phi4MMImageEncoder",
+    "aria": "aria:AriaImageEncoder",
 }
 
 

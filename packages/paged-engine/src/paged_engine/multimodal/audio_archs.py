@@ -13,6 +13,7 @@
     Qwen3OmniMoeThinkerForConditionalGeneration,  "qwen3_omni"   multimodal/omni_audio.py
       Qwen3OmniMoeForConditionalGeneration (its thinker_config)
     Qwen3ASRForConditionalGeneration     "qwen3_asr"     multimodal/qwen3_asr.py
+    Phi4MultimodalForCausalLM            "phi4mm"        multimodal/phi4mm_audio.py
     WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only:
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
 
@@ -46,6 +47,7 @@ KINDS: dict[str, str] = {
     "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni",
     "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni",
     "Qwen3ASRForConditionalGeneration": "qwen3_asr",
+    "Phi4MultimodalForCausalLM": "phi4mm",
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
 }
@@ -63,6 +65,7 @@ HOSTS: dict[str, str] = {
     "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudio",
     "qwen3_omni": "omni_audio:Qwen3OmniAudio",
     "qwen3_asr": "qwen3_asr:Qwen3Asr",
+    "phi4mm": "phi4mm_audio:Phi4MMAudio",
     "whisper": "whisper:WhisperAudio",
 }
 
@@ -78,6 +81,7 @@ ENCODERS: dict[str, str] = {
     "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudioEncoder",
     "qwen3_omni": "omni_audio:Qwen3OmniAudioEncoder",
     "qwen3_asr": "qwen3_asr:Qwen3AsrEncoder",
+    "phi4mm": "phi4mm_audio:Phi4MMAudioEncoder",
 }
 
 

@@ -3,6 +3,7 @@ looks a model's up). Every family module is imported here, so none imports anoth
 
 from __future__ import annotations
 
+from paged_engine.multimodal.aria import AriaLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.layouts import Layout
@@ -39,8 +40,10 @@ from paged_engine.multimodal.layouts_tiles import (
 from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
+from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
+from paged_engine.multimodal.phi4mm import Phi4MMLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
@@ -70,7 +73,10 @@ LAYOUTS: dict[str, type[Layout]] = {
     "minicpmv_canvas": MiniCPMVCanvasLayout,
     "paligemma": PaliGemmaLayout,
     "mllama": MllamaLayout,  # Llama 3.2 Vision: one token an image, spanning every position
+    "molmo2": Molmo2Layout,  # Molmo2: crops pooled into grids of <im_patch>, one span
     "lighton_ocr": LightOnOcrLayout,  # LightOnOCR: Pixtral's tower, plain runs (no breaks)
     "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
+    "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
+    "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput
 }

@@ -37,6 +37,8 @@ def feature_layers(config) -> list[int]:
 
 def image_token_id(config) -> int:
     value = getattr(config, "image_token_id", None)
+    if value is None and not hasattr(config, "image_token_index"):  # Phi-4-multimodal's
+        value = config.vision_config.image_token_id
     return int(value if value is not None else config.image_token_index)
 
 

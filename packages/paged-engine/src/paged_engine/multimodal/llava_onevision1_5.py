@@ -73,18 +73,14 @@ def patch_dim(config: Any) -> int:
     return qwen._int_field(v, "in_channels", 3) * qwen._int_field(v, "patch_size") ** 2
 
 
-class _Block(nn.Module):
+class _Block(qwen._Block):
+    """Qwen2-VL's block (its forward) with LayerNorms of the config's eps."""
+
     def __init__(self, dim: int, num_heads: int, hidden: int, act: str, eps: float) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.norm1, self.norm2 = nn.LayerNorm(dim, eps), nn.LayerNorm(dim, eps)
         self.attn = qwen._Attention(dim, num_heads)
         self.mlp = qwen._MLP(dim, hidden, act)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[torch.Tensor]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, groups)
-        return x + self.mlp(self.norm2(x))
 
 
 class _PatchEmbed(nn.Module):

@@ -351,7 +351,8 @@ class ImageProcessor:
         return token_ids, out
 
     def _check_embeds(self, e: Any, what: str) -> None:
-        hidden = int(self.config.text_config.hidden_size)
+        text = getattr(self.config, "text_config", None) or self.config  # (Phi-4-mm: flat)
+        hidden = int(text.hidden_size)
         if (
             not isinstance(e, torch.Tensor)
             or e.dim() != 2

@@ -1,7 +1,9 @@
 """Image processors transformers runs on torchvision, in torch alone where torchvision is missing.
 
 transformers 5 builds some checkpoints' image processors on torchvision only (no PIL class to
-fall back to): Llama4ImageProcessor, Cohere2VisionImageProcessor, Kimi_K25ImageProcessor.
+fall back to): Llama4ImageProcessor, Cohere2VisionImageProcessor, Kimi_K25ImageProcessor,
+Molmo2ImageProcessor (its copy in multimodal/molmo2_processor.py),
+Phi4MultimodalImageProcessor (its copy in multimodal/phi4mm_processor.py).
 Gemma4ImageProcessor has a PIL class, which transformers takes without torchvision, but it
 resamples otherwise (up to 2 / 255 apart). Where torchvision is missing, `image_processor` gives
 our copy of the torchvision class's steps (`PROCESSORS`: each copy sits beside its model,
@@ -186,6 +188,8 @@ PROCESSORS: dict[str, tuple[str, str]] = {
     "Kimi_K25ImageProcessor": ("kimi_k25", "KimiImageProcessor"),
     "Gemma4ImageProcessor": ("gemma4", "Gemma4TorchProcessor"),
     "Gemma4UnifiedImageProcessor": ("gemma4_unified", "Gemma4UnifiedTorchProcessor"),
+    "Molmo2ImageProcessor": ("molmo2_processor", "Molmo2TorchProcessor"),
+    "Phi4MultimodalImageProcessor": ("phi4mm_processor", "Phi4MMTorchProcessor"),
 }
 # where the saved settings name no processor: transformers' choice by the config's model_type
 _BY_MODEL_TYPE = {
@@ -194,6 +198,8 @@ _BY_MODEL_TYPE = {
     "kimi_k25": "Kimi_K25ImageProcessor",
     "gemma4": "Gemma4ImageProcessor",
     "gemma4_unified": "Gemma4UnifiedImageProcessor",
+    "molmo2": "Molmo2ImageProcessor",
+    "phi4_multimodal": "Phi4MultimodalImageProcessor",
 }
 
 

@@ -66,7 +66,7 @@ class PartTimers:
             "RequestConstraint",
             "accept",
         ),
-        ("pick_rows", "paged_engine.worker.model_runner", None, "with_token_bitmask"),
+        ("pick_rows", "paged_engine.worker.step_sampling", None, "with_token_bitmask"),
         ("apply", "paged_engine.sample.sampler", None, "apply_token_bitmask"),
         # the whole sampler (apply included; unconstrained rows too): what its slower path for
         # masked rows costs shows as the difference between workloads

@@ -160,7 +160,7 @@ class EngineConfig:
     generation_config: str = "auto"
     override_generation_config: dict | None = None
     # "fcfs": requests run in arrival order; "priority": by (priority, arrival), lower first,
-    # and preemption takes the running request that sorts last (core/scheduler.py).
+    # and preemption takes the running request that sorts last (core/preemption.py).
     scheduling_policy: str = "fcfs"
     # LLM.sleep / wake_up (engine/sleep_mode.py): give back device memory between rollouts.
     enable_sleep_mode: bool = False

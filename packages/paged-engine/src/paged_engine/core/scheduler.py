@@ -36,6 +36,12 @@ whose pending token finishes it for sure (max_tokens, max_model_len) is not sche
 Lockstep: the live sequences of one request reach the end of their tokens in the same step
 (they are sampled together). If the budget cannot finish all of them, each gets at most
 `remaining - 1` tokens. A request is (re)admitted with all its live sequences or not at all.
+
+This file holds the queues and the step's plan (`schedule`: running requests, then admissions).
+Its parts are mixins of `Scheduler`, one concept a file (vLLM v1 has them all in its one
+`Scheduler`): seq_lifecycle.py (finishing, aborting, forking), preemption.py (recompute or swap,
+re-sharing a recomputed fork), prefix_lookup.py (admission's prefix-cache / KV-connector hit,
+hybrid snapshot resume) and step_emit.py (the plan -> `SchedulerOutput`).
 """
 
 from __future__ import annotations
@@ -46,21 +52,19 @@ from collections import deque
 from collections.abc import Callable
 
 from paged_engine.core.block_manager import BlockManager
-from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus, next_seq_id
-from paged_engine.core.sched_output import NewSeqData, SchedulerOutput
-from paged_engine.core.state_slots import BlockKey, StateSlots
-from paged_engine.core.token_plan import (
-    plan_tokens,
-    reshare_plan,
-    whole_image_plan,
-    whole_images,
-)
+from paged_engine.core.preemption import Preemption
+from paged_engine.core.preemption import _verifying as _verifying  # (re-exported: tests)
+from paged_engine.core.prefix_lookup import PrefixLookup
+from paged_engine.core.request import Request, RequestStatus, Sequence, SequenceStatus
+from paged_engine.core.sched_output import SchedulerOutput
+from paged_engine.core.seq_lifecycle import SeqLifecycle
+from paged_engine.core.state_slots import StateSlots
+from paged_engine.core.step_emit import StepEmitter
+from paged_engine.core.token_plan import plan_tokens, whole_image_plan, whole_images
 from paged_engine.kv_transfer.connector import KVConnector
-from paged_engine.multimodal.inputs import is_embeds_prompt
 from paged_engine.spec_decode.planner import DraftPlanner
 
 _RUNNING = SequenceStatus.RUNNING
-_WAITING = SequenceStatus.WAITING
 
 
 class SchedulerStuckError(RuntimeError):
@@ -72,7 +76,7 @@ class SchedulerStuckError(RuntimeError):
         self.request_ids = request_ids
 
 
-class Scheduler:
+class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -178,102 +182,6 @@ class Scheduler:
     def running_seqs(self) -> list[Sequence]:
         return [seq for req in self.running for seq in req.live_seqs()]
 
-    # ---- finishing and forking ---------------------------------------------------------------
-    def abort_request(self, request_id: str) -> bool:
-        """Free everything the request holds, wherever it is. False if unknown or finished."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return False
-        self.finish_request(req, SequenceStatus.FINISHED_ABORTED)
-        return True
-
-    def _release(self, seq: Sequence) -> None:
-        """Free the sequence's blocks (and recurrent state); the worker drops it with the next
-        step."""
-        self.block_manager.free(seq)
-        self._release_state(seq)
-        seq.replay_end = 0  # recomputed from position 0 with every token sent
-        if seq.in_worker:
-            seq.in_worker = False
-            self._finished_seq_ids.append(seq.seq_id)
-
-    def _release_state(self, seq: Sequence) -> None:
-        if seq.state_slot >= 0:
-            assert self.state_slots is not None
-            self.state_slots.free(seq.state_slot)
-            self.state_slots.release(seq)
-            seq.state_slot = -1
-        seq.state_checkpoints = []
-
-    def free_seq(
-        self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None
-    ) -> None:
-        """Finish one sequence and free its blocks. The request finishes with its last live
-        sequence."""
-        assert status.is_finished, "free_seq needs a finished status"
-        seq.status = status
-        if seq.finish_reason is None:
-            seq.finish_reason = status.finish_reason
-            seq.stop_reason = stop_reason
-        seq.num_pending = 0  # a token still in flight for it is dropped when it lands
-        self._release(seq)
-        self.seqs.pop(seq.seq_id, None)
-        req = seq.request
-        if not req.is_finished and not req.live_seqs():
-            self._finish(req)
-
-    def finish_request(
-        self, req: Request, status: SequenceStatus = SequenceStatus.FINISHED_STOPPED
-    ) -> None:
-        """Finish every live sequence with `status` and the request with it (beam search end,
-        abort). Idempotent on a finished request."""
-        if req.is_finished:
-            return
-        for seq in req.live_seqs():
-            seq.status = status
-            if seq.finish_reason is None:
-                seq.finish_reason = status.finish_reason
-            seq.num_pending = 0
-            self._release(seq)
-            self.seqs.pop(seq.seq_id, None)
-        self._finish(req, status)
-
-    def _finish(self, req: Request, status: RequestStatus | None = None) -> None:
-        self._reshare.discard(req)
-        if self.kv_connector is not None:
-            self.kv_connector.forget(req)
-        if self.draft_planner is not None:
-            self.draft_planner.forget(req)
-        if req.status == RequestStatus.RUNNING:
-            del self.running[req]
-        elif req in self.waiting:  # O(num_waiting), only for a request finished while waiting
-            self.waiting.remove(req)
-        if status is None:  # derived: LENGTH only if every sequence hit a length limit
-            lengths = all(s.status == SequenceStatus.FINISHED_LENGTH for s in req.seqs)
-            status = SequenceStatus.FINISHED_LENGTH if lengths else SequenceStatus.FINISHED_STOPPED
-        req.status = status
-        req.finished_time = self.clock()
-        del self.requests[req.request_id]
-
-    def fork_seq(self, parent: Sequence, *, index: int, new_seq_id: int | None = None) -> Sequence:
-        """A child sharing all of the parent's blocks; appended to the request's seqs."""
-        child = parent.fork(next_seq_id() if new_seq_id is None else new_seq_id, index)
-        self.block_manager.fork(parent, child)
-        slots = self.state_slots
-        if slots is not None and parent.state_slot >= 0:  # its own row, a copy of the parent's
-            child.state_slot = slots.allocate()
-            slots.copy(parent.state_slot, child.state_slot)
-        parent.request.seqs.append(child)
-        self.seqs[child.seq_id] = child
-        return child
-
-    def resend(self, seq: Sequence) -> None:
-        """The host changed the sequence's tokens behind the worker's back (a beam took another
-        candidate): the worker drops its copy and gets it again in full when next scheduled."""
-        if seq.in_worker:
-            seq.in_worker = False
-            self._finished_seq_ids.append(seq.seq_id)
-
     # ---- one step ----------------------------------------------------------------------------
     @staticmethod
     def _seq_slots(req: Request, live: list[Sequence]) -> int:
@@ -285,84 +193,6 @@ class Scheduler:
         """Without chunked prefill, work that fits one empty step waits for one; work that could
         never fit (a multi-sequence request recomputed after preemption) is still split."""
         return self.enable_chunked_prefill or num_tokens > self.max_num_batched_tokens
-
-    def _swaps(self, seqs: list[Sequence]) -> bool:
-        """Preempt by swap rather than recompute? Only with a CPU pool. By cost when
-        preemption_mode is None: recomputing a request that fits in one step's token budget
-        costs one prefill chunk and no transfer, so it recomputes; a longer one would hold the
-        budget for several steps (and a forked one must rebuild its sharing), so it swaps:
-        two copies of its blocks over the host link, one step to resume."""
-        mode = self.preemption_mode
-        if mode == "recompute" or self.block_manager.cpu is None:
-            return False
-        if mode == "swap" or len(seqs) > 1:
-            return True
-        return seqs[0].num_computed_tokens > self.max_num_batched_tokens
-
-    def _preempt(self, req: Request, preempted: list[Request], *, allow_swap: bool = True) -> None:
-        """Drop the request's device blocks, keep every token, back to the waiting head:
-        swapped out to the CPU pool when `_swaps` says so and the pool has room (then its
-        computed tokens stay computed), else for recompute. A pending token still arrives (its
-        step was scheduled); the request is not readmitted before it has. A verify step in
-        flight (async scheduling) recomputes: its drafts' slots are not known to be KV yet."""
-        del self.running[req]
-        seqs = req.live_seqs()
-        swapped = (
-            allow_swap
-            and self._swaps(seqs)
-            and not any(map(_verifying, seqs))
-            and self.block_manager.swap_out(seqs)
-        )
-        for seq in seqs:
-            if not swapped:
-                self._release(seq)  # also resets num_computed_tokens to 0
-            elif seq.in_worker:  # its row goes; it comes back in full with its new table
-                seq.in_worker = False
-                self._finished_seq_ids.append(seq.seq_id)
-            seq.status = _WAITING
-        req.status = RequestStatus.WAITING
-        req.num_preemptions += 1
-        self.num_preemptions += 1
-        if self._by_priority:
-            self._enqueue(req)
-        else:
-            self.waiting.appendleft(req)
-        preempted.append(req)
-        self.num_swap_preemptions += swapped
-        if len(req.seqs) > 1 and not swapped:
-            self._reshare.add(req)
-
-    def recompute(self, req: Request) -> None:
-        """Preempt a running request for recompute between steps (its KV is known to be
-        stale: a KV-transfer load failed); it goes back to the head of the waiting queue."""
-        if req in self.running:
-            self._preempt(req, [], allow_swap=False)
-
-    def preempt_all(self) -> None:
-        """Preempt every running request for recompute (sleep mode discards the KV cache);
-        they keep their order at the head of the waiting queue. No step may be in flight."""
-        preempted: list[Request] = []
-        for req in reversed(list(self.running)):
-            self._preempt(req, preempted, allow_swap=False)
-
-    def _reshare_plan(
-        self, req: Request, seqs: list[Sequence], budget: int
-    ) -> list[tuple[Sequence, int]] | None:
-        if req not in self._reshare:
-            return None
-        return reshare_plan(self.block_manager, seqs, budget, self.state_slots)
-
-    def _make_room(self, req: Request, seq: Sequence, n: int, preempted: list[Request]) -> bool:
-        """Preempt from the tail of `running` until `seq` gets its blocks. False when `req`
-        itself was the last one left to preempt (then it is preempted)."""
-        while True:
-            victim = next(reversed(self.running))
-            # Itself: it may hold blocks allocated this pass (and copies): recompute.
-            self._preempt(victim, preempted, allow_swap=victim is not req)
-            if victim is req:
-                return False
-            if self.block_manager.allocate_slots(seq, n):
-                return True
 
     def _waits(self, req: Request, seq: Sequence, budget: int) -> bool:
         """Speculation under async scheduling: a sequence of a multi-sequence request that
@@ -529,44 +359,6 @@ class Scheduler:
             )
         return self._emit(planned, admitted)
 
-    def _computed_blocks(self, seqs: list[Sequence]) -> bool:
-        """Admission's prefix-cache hit for each sequence (blocks taken, num_computed_tokens
-        set). Returns whether the lookup counted in the cache's stats.
-
-        A hybrid model resumes only at the deepest hit block with a state snapshot (the rest of
-        the hit is computed again; its state comes from a copy of the snapshot), and sets the
-        block boundaries where snapshots are wanted for the requests to come: where the KV hit
-        ends (a shared prefix, e.g. a system prompt, that has no snapshot yet) and the last full
-        block of its tokens (the next turn of a chat resumes there). A forked request recomputed
-        after preemption takes no hit: `reshare_plan` shares its prefix."""
-        bm, slots = self.block_manager, self.state_slots
-        if slots is None:
-            for seq in seqs:
-                bm.get_computed_blocks(seq)
-            if self.kv_connector is not None and len(seqs) == 1:  # (a fork reshares instead)
-                self.kv_connector.match(bm, seqs[0])
-            return True
-        if len(seqs) > 1:
-            return False
-        seq = seqs[0]
-        bs = bm.block_size
-        num_hit = bm.get_computed_blocks(seq) // bs
-        # (a model whose prompt tokens update the state their own way resumes in the prompt)
-        num = num_hit if slots.past_prompt else min(num_hit, seq.num_prompt_tokens // bs)
-        row = None
-        while num and (row := slots.lookup(bm.block_key(seq, num - 1))) is None:
-            num -= 1
-        if num < num_hit:
-            bm.drop_computed_blocks(seq, num)
-        if row is not None:
-            seq.state_slot = slots.allocate()
-            slots.copy(row, seq.state_slot)
-            slots.snapshot_hits += 1
-        end = seq.num_tokens if slots.past_prompt else seq.num_prompt_tokens
-        marks = {num_hit * bs, end // bs * bs}
-        seq.state_checkpoints = sorted(m for m in marks if num * bs < m <= end)
-        return True
-
     def _with_drafts(
         self, req: Request, plan: list[tuple[Sequence, int]], budget: int
     ) -> tuple[list[tuple[Sequence, int]], int]:
@@ -600,116 +392,6 @@ class Scheduler:
 
     def _any_pending(self) -> bool:
         return any(req.num_pending for req in self.requests.values())
-
-    def _emit(
-        self, planned: list[tuple[Sequence, int]], admitted: list[Request]
-    ) -> SchedulerOutput:
-        """The plain-data step: advances num_computed_tokens and marks sampled tokens pending.
-        `admitted`: the requests this step admitted (their first schedule time, if unset)."""
-        out = SchedulerOutput(step_id=self._next_step_id)
-        self._next_step_id += 1
-        out.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
-        now = None
-        for req in admitted:
-            if req.first_scheduled_time is None:
-                now = self.clock() if now is None else now
-                req.first_scheduled_time = now
-        out.seq_ids = [seq.seq_id for seq, _ in planned]
-        out.num_new_tokens = num_new = [n for _, n in planned]
-        out.start_positions = [seq.num_computed_tokens for seq, _ in planned]
-        sample_rows, updates, new_seqs = out.sample_rows, out.block_updates, out.new_seqs
-        bm = self.block_manager
-        bs, caching = bm.block_size, bm.enable_prefix_caching
-        slots, drafts_of = self.state_slots, self._drafts
-        if slots is not None:  # first: the snapshots this step takes run with the next
-            out.state_copies = slots.take_copies(self._known_block_key)
-        filled: list[Sequence] = []  # may fill a block this step (for the prefix cache)
-        for row, (seq, n) in enumerate(planned):
-            start = seq.num_computed_tokens
-            end = seq.num_computed_tokens = start + n
-            if caching and end // bs > seq.num_registered_blocks:
-                filled.append(seq)
-            if seq.replay_end:  # a rolled-back verify step's tokens run again
-                out.known_token_ids[seq.seq_id] = seq.token_ids[start : min(end, seq.replay_end)]
-                if end >= seq.replay_end:
-                    seq.replay_end = 0
-            drafts = drafts_of.pop(seq.seq_id, None) if drafts_of else None
-            if drafts:  # the row runs its last token and the drafts, and samples from all
-                out.spec_token_ids[seq.seq_id] = drafts
-                end -= len(drafts)
-            if end == len(seq.token_ids) + seq.num_pending:
-                sample_rows.append(row)
-                req = seq.request
-                if req.max_live_seqs > 1 and req.fans_out:
-                    out.num_samples[seq.seq_id] = req.max_live_seqs
-                seq.num_pending += 1
-            table = seq.block_ids
-            if slots is not None:
-                if seq.state_slot < 0:
-                    assert start == 0, "a sequence with computed tokens and no recurrent state"
-                    seq.state_slot = slots.allocate()
-                marks, end = seq.state_checkpoints, seq.num_computed_tokens
-                if marks and marks[0] <= end:
-                    if marks[0] == end:
-                        slots.snapshot(seq.state_slot, seq, end // bs - 1)
-                    seq.state_checkpoints = [m for m in marks if m > end]
-                elif (  # a block of generated tokens ends here: the decode snapshot
-                    slots.max_held
-                    and end % bs == 0
-                    and end > seq.num_prompt_tokens
-                    and not drafts
-                    and seq.request.max_live_seqs == 1
-                ):
-                    slots.snapshot(seq.state_slot, seq, end // bs - 1, decode=True)
-            if not seq.in_worker:
-                new_seqs.append(self._new_seq_data(seq, start))
-                seq.in_worker = True
-                seq.num_synced_blocks = len(table)
-            elif seq.num_synced_blocks < len(table):
-                first = seq.num_synced_blocks
-                updates.append((seq.seq_id, first, table[first:]))
-                seq.num_synced_blocks = len(table)
-        out.num_batched_tokens = sum(num_new)
-        if self.kv_connector is not None:
-            self.kv_connector.build_step(out, planned)
-        out.blocks_to_copy = bm.take_blocks_to_copy()
-        out.blocks_to_swap_out, out.blocks_to_swap_in = bm.take_swaps()
-        self.step_seqs[out.step_id] = filled
-        return out
-
-    def _known_block_key(self, seq: Sequence, i: int) -> BlockKey | None:
-        """The prefix-cache key of full block i, None while one of its tokens is pending."""
-        if len(seq.token_ids) < (i + 1) * self.block_manager.block_size:
-            return None
-        return self.block_manager.block_key(seq, i)
-
-    @staticmethod
-    def _new_seq_data(seq: Sequence, start: int) -> NewSeqData:
-        """`start`: its first position this step; images placed before it are not sent."""
-        req = seq.request
-        return NewSeqData(
-            seq_id=seq.seq_id,
-            index=seq.index,
-            token_ids=list(seq.token_ids),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            block_ids=list(seq.block_ids),
-            params=req.params,
-            beam_candidates=req.beam.num_candidates if req.beam is not None else 0,
-            eos_token_ids=tuple(sorted(req.eos_token_ids)),
-            lora_id=req.lora_id,
-            lora_path=req.lora_path,
-            state_slot=seq.state_slot,
-            # (PaliGemma's images also while their two-way prefix has tokens to run)
-            mm_inputs=tuple(m for m in req.mm_inputs if max(m.end, m.prefix_end) > start),
-            mrope=req.mrope,
-            embeds_prompt=is_embeds_prompt(req.mm_inputs),
-        )
-
-
-def _verifying(seq: Sequence) -> bool:
-    """A verify step of `seq` is in flight: it computed past its known and pending tokens (its
-    drafts), and only the step's result tells how many of them count."""
-    return seq.num_pending > 0 and seq.num_computed_tokens >= seq.num_tokens
 
 
 def _priority_key(req: Request) -> tuple[int, float]:

@@ -5,7 +5,7 @@ Loads run before the step's forward (the scheduler counted those blocks as compu
 after it (the blocks' KV was just written). A block file that fails its check at load time (gone
 or changed since the scheduler's lookup checked it, on any tensor-parallel rank) is reported
 back (`ModelRunnerOutput.invalid_block_ids`, vLLM's name): the step's results for its sequence
-are dropped and the engine core recomputes it (core/engine_core.py, `_recompute_failed_loads`),
+are dropped and the engine core recomputes it (core/step_apply.py, `_drop_failed_loads`),
 so a vanished file costs time, never a request or a wrong token.
 """
 

@@ -313,7 +313,7 @@ class LlamaModel(nn.Module):
         # plain pre-norm layers keep the residual stream apart (run_layers); others add it
         self.stream_apart = keeps_stream_apart(self.stage.layers(self.layers))
 
-    # Set by the runner for one forward that runs Qwen3-VL image rows (worker/model_runner.py)
+    # Set by the runner for one forward that runs Qwen3-VL image rows (worker/step_execution.py)
     layer_additions: LayerAdditions | None = None
     # Set by an EAGLE-3 draft runner for the engine's life (spec_decode/eagle.py)
     stream_capture: StreamCapture | None = None

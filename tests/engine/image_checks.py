@@ -138,11 +138,14 @@ def check_refused(path, llm: LLM, cases: list[tuple[dict, str]], prompts: list[d
     assert len(out.outputs[0].token_ids) == 8
 
 
-def check_tensor_parallel(path, prompts: list[dict], chunk: int | None, n: int = 4) -> None:
+def check_tensor_parallel(
+    path, prompts: list[dict], chunk: int | None, n: int = 4, **engine_kw
+) -> None:
     """TP=2 (gloo) gives the one-process greedy tokens (`n`) and top-5 logprobs (1e-4) of
     `prompts`, both engines chunking prefill at `chunk` tokens (chunks through the images;
-    None: whole prompts)."""
+    None: whole prompts) and built with `engine_kw` besides."""
     kw = {"max_num_batched_tokens": chunk, "enable_chunked_prefill": True} if chunk else {}
+    kw |= engine_kw
     one = engine(path, **kw).generate(prompts, greedy(5, n), use_tqdm=False)
     llm = engine(path, **kw, tensor_parallel_size=2)
     try:

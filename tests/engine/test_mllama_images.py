@@ -8,7 +8,8 @@ tokens and top-5 logprobs (1e-3, float32) for text before the image (HF's fully 
 attention over every image row, no MLP branch), an image first, two adjacent images of
 different tile counts, and a text-only prompt (the cross-attention layers skipped), in one
 batch. Then chunked prefill through the first image token, prefix caching (hits need the same
-images; a text-only prompt's blocks never serve an image prompt), the server's chat path and
+images; a text-only prompt's blocks never serve an image prompt), tensor parallelism (TP=2
+against one process, with two KV heads split and one replicated), the server's chat path and
 the refusals.
 """
 
@@ -23,6 +24,7 @@ from image_checks import (
     check_chat_data_url,
     check_chunks_and_prefix_hits,
     check_matches_hf,
+    check_tensor_parallel,
     engine,
     greedy,
     hf_refs,
@@ -47,7 +49,7 @@ TEMPLATE = (
 )
 
 
-def write_tiny_mllama(path: Path, seed: int = 0) -> Path:
+def write_tiny_mllama(path: Path, seed: int = 0, kv_heads: int = 2) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = saved_tokenizer(path, [IMAGE], TEMPLATE, seed, image_token=IMAGE)
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
@@ -55,7 +57,8 @@ def write_tiny_mllama(path: Path, seed: int = 0) -> Path:
     vision |= {"max_num_tiles": 2, "supported_aspect_ratios": [[1, 1], [1, 2], [2, 1]]}
     vision |= {"intermediate_layers_indices": [0, 1], "vision_output_dim": 96}
     text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3}
-    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "cross_attention_layers": [1]}
+    text |= {"num_attention_heads": 4, "num_key_value_heads": kv_heads}
+    text |= {"cross_attention_layers": [1]}
     text |= {"vocab_size": len(tokenizer), "max_position_embeddings": 512, **_COMMON}
     config = transformers.MllamaConfig(
         text_config=text,
@@ -167,6 +170,24 @@ def test_chat_image_url(path):
     check_chat_data_url(engine(path), question, noise_image(12, (40, 72)))
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_tensor_parallel_matches_one_process(path, bos, kv_heads, tmp_path):
+    """TP=2 (gloo) gives the one-process greedy tokens and logprobs for one image (text before
+    it), two images and a text-only prompt in one batch, prefill chunked at 8 tokens (through
+    the images and the masked rows). Each rank holds two of the four query heads of every
+    layer and, with two KV heads, one of them; with one KV head, that head replicated. The
+    tower runs whole on both ranks."""
+    if kv_heads != 2:
+        path = write_tiny_mllama(tmp_path / "mqa", seed=4, kv_heads=kv_heads)
+    pics = [noise_image(3, (16, 16)), noise_image(4, (40, 20))]
+    prompts = [
+        {"prompt": f"{bos}describe the {IMAGE}picture", "multi_modal_data": {"image": pics[1]}},
+        {"prompt": f"{bos}compare {IMAGE}{IMAGE}these", "multi_modal_data": {"image": pics}},
+        f"{bos}a text-only prompt about the sea",
+    ]
+    check_tensor_parallel(path, prompts, 8, limit_mm_per_prompt={"image": 2})
+
+
 def test_bad_input_refused(path, bos):
     llm = engine(path, limit_mm_per_prompt={"image": 2})
     one, two = noise_image(9, (20, 20)), [noise_image(10, (20, 20))] * 2
@@ -186,7 +207,7 @@ def test_bad_input_refused(path, bos):
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         default.generate([{"prompt": f"{bos}{IMAGE}{IMAGE}b", "multi_modal_data": {"image": two}}])
     for kw, match in [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size=3 does not split"),
         ({"enable_lora": True}, "enable_lora"),
         ({"max_model_len": 1024}, "max_position_embeddings"),
     ]:

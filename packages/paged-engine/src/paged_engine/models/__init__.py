@@ -38,6 +38,7 @@ from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.ergo import ErgoForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from paged_engine.models.ernie4_5_vl_moe import Ernie4_5_VLMoeTextForCausalLM
 from paged_engine.models.exaone4 import Exaone4ForCausalLM
 from paged_engine.models.exaone_moe import ExaoneMoeForCausalLM, HYV3ForCausalLM
 from paged_engine.models.falcon import FalconForCausalLM
@@ -264,6 +265,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanVLTextForCausalLM": HunYuanVLTextForCausalLM,  # HunyuanOCR's, multi-axis rope
     "PaddleOCRTextForCausalLM": PaddleOCRTextForCausalLM,  # PaddleOCR-VL's, NeoX M-RoPE
+    # ERNIE 4.5 VL's: text / vision experts by token, its 3-D rope
+    "Ernie4_5_VLMoeTextForCausalLM": Ernie4_5_VLMoeTextForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,

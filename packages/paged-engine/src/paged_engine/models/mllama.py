@@ -24,10 +24,20 @@ KV cache: only the self-attention layers have one (`kv_cache_layout`). Checkpoin
 `model.vision_model.*` / `model.multi_modal_projector.*`; the embedding has vocab_size + 8 rows
 (the image token's id is past the head's vocab_size in Meta's checkpoints).
 
+Tensor parallelism: the self-attention layers are Llama's; a cross-attention layer splits its
+heads the same way (`MllamaCrossAttention`: q / k / v column-parallel, o row-parallel, q_norm /
+k_norm per head and replicated; with fewer KV heads than ranks a rank holds its query heads' one
+KV head, as `QKVParallelLinear` does), so each rank's slots hold its own KV heads. The vision
+tower and projector run whole on every rank, as every tower here does (Whisper's encoder too):
+each rank projects the same image rows to its KV heads, with no collective in the tower; the
+cost is its weights and compute on every rank (under 1B parameters, run once per new set of
+images). vLLM splits the tower's heads and MLP over the ranks instead (two all-reduces a layer).
+
 Refused by name (`mllama_engine_config`, beside the encoder-decoder refusals of
-worker/cross_attention.py): tensor_parallel_size > 1, a max_model_len over
-text_config.max_position_embeddings. limit_mm_per_prompt's image count sizes the slots (one
-image when unset).
+worker/cross_attention.py): a tensor_parallel_size that does not split the text model's
+attention heads and KV heads (each a multiple of it, or the KV heads a divisor of it), a
+max_model_len over text_config.max_position_embeddings. limit_mm_per_prompt's image count
+sizes the slots (one image when unset).
 """
 
 from __future__ import annotations
@@ -42,7 +52,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from paged_engine.distributed.parallel_state import get_tp_rank, get_tp_size
 from paged_engine.layers.embedding import VocabParallelEmbedding
+from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -83,13 +95,18 @@ def slot_rows(hf_config: Any, limit: int) -> int:
 
 def mllama_engine_config(config: Any, hf_config: Any) -> None:
     """Refuse (ValueError naming the option) or set what Mllama needs beyond the
-    encoder-decoder defaults: TP 1, max_model_len within the text model's positions."""
-    if config.tensor_parallel_size > 1:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} is not supported for {ARCH} "
-            "(its vision tower and cross-attention slots run on one rank)"
-        )
+    encoder-decoder defaults: TP ranks that split the text model's heads, max_model_len within
+    the text model's positions."""
     text = hf_config.text_config
+    tp = config.tensor_parallel_size
+    heads = int(text.num_attention_heads)
+    kv = int(cfg_get(text, "num_key_value_heads", heads))
+    if heads % tp or (kv % tp if tp <= kv else tp % kv):
+        raise ValueError(
+            f"tensor_parallel_size={tp} does not split the text model's {heads} attention heads "
+            f"and {kv} KV heads (text_config.num_attention_heads / num_key_value_heads: each "
+            "a multiple of it, or the KV heads a divisor of it)"
+        )
     for name in _TEXT_FIELDS:  # the engine reads the text model's sizes at the top level
         if not hasattr(hf_config, name) and hasattr(text, name):
             setattr(hf_config, name, getattr(text, name))
@@ -123,17 +140,29 @@ class CrossPlan:
 
 
 class MllamaCrossAttention(nn.Module):
+    """q / k / v / o with the heads split over TP ranks as Llama's self-attention splits them
+    (`QKVParallelLinear`): rank r holds query heads [r * H / tp, (r + 1) * H / tp) and the KV
+    heads they read; with fewer KV heads than ranks each rank holds the one KV head of its query
+    heads (replicated over tp / Hkv ranks). q_norm / k_norm act per head: replicated."""
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         d, eps = int(config.hidden_size), float(config.rms_norm_eps)
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(cfg_get(config, "num_key_value_heads", self.num_heads))
-        self.head_dim = d // self.num_heads
+        heads = int(config.num_attention_heads)
+        kv_heads = int(cfg_get(config, "num_key_value_heads", heads))
+        self.head_dim = d // heads
+        rank, tp = get_tp_rank(), get_tp_size()
         # (checkpoint q_proj / k_proj / v_proj: renamed, so that Llama's qkv fusing skips them)
-        self.to_q = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
-        self.to_k = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.to_v = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.to_q = ColumnParallelLinear(d, heads * self.head_dim, bias=False)
+        # KV shards: Hkv ranks' worth when tp >= Hkv (rank r loads KV head r // (tp / Hkv))
+        kv_rank, kv_tp = (rank * kv_heads // tp, kv_heads) if tp >= kv_heads else (rank, tp)
+        self.to_k, self.to_v = (
+            ColumnParallelLinear(d, kv_heads * self.head_dim, False, kv_rank, kv_tp)
+            for _ in range(2)
+        )
+        self.o_proj = RowParallelLinear(heads * self.head_dim, d, bias=False)
+        self.num_heads = self.to_q.out_local // self.head_dim  # this rank's
+        self.num_kv_heads = self.to_k.out_local // self.head_dim
         self.q_norm, self.k_norm = RMSNorm(self.head_dim, eps), RMSNorm(self.head_dim, eps)
         self.scale = self.head_dim**-0.5
 
@@ -239,7 +268,7 @@ class MllamaForConditionalGeneration(CausalLMBase):
         return [(kv, int(text.hidden_size) // heads)] * n
 
     def cross_dims(self) -> tuple[int, int, int, int]:
-        """(cross-attention layers, query heads, K / V heads, head_dim)."""
+        """(cross-attention layers, this rank's query heads and K / V heads, head_dim)."""
         layers = [m for m in self.model.layers if isinstance(m, MllamaCrossLayer)]
         a = layers[0].cross_attn
         return len(layers), a.num_heads, a.num_kv_heads, a.head_dim

@@ -178,6 +178,9 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
         text.logit_scale = 1.0
     for key, value in spec.fixed:
         setattr(text, key, value)
+    for key in spec.carried:
+        if getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
     if spec.extra_vocab:
         text.head_vocab_size = int(text.vocab_size)
         extra = int(getattr(text, "additional_vocab_size", 0) or 0)

@@ -48,6 +48,7 @@ each is exact).
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
     Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
     PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
+    Ernie4_5_VLMoeForConditionalGeneration  ernie4_5_vl_moe_text -> Ernie4_5_VLMoeTextForCausalLM
     Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
       Qwen2_5OmniForConditionalGeneration (thinker_config.text_config)
     Qwen3OmniMoeThinkerForConditional..., qwen3_omni_moe_text   -> Qwen3MoeForCausalLM
@@ -103,6 +104,7 @@ _KIMI_K25_RENAMES = (
 _MINICPMV = _modules("vision_tower", "merger")
 _HUNYUAN_VL = _modules("vision_tower", "vit")  # transformers 5's, the Hub's
 _PADDLEOCR_VL = (*_modules("visual", "projector"), "mlp_AR.")  # the Hub's projector: mlp_AR
+_ERNIE4_5_VL = _modules("vision_model", "vision_tower", "resampler_model")  # Hub's, transformers'
 # Ovis 2.5: transformers 5's names, and the Hub's visual tokenizer and its embedding table
 _OVIS2_5 = (*_LLAVA_STYLE, "visual_tokenizer.", "vte.", "model.vte.")
 # Ovis 2.5's Hub checkpoints keep the language model under `llm.`
@@ -166,6 +168,8 @@ class Wrapper:
     extra_vocab: bool = False
     # the wrapper's config is its text model's (no text_config: Phi-4-multimodal)
     flat: bool = False
+    # top-level fields the copy keeps (ERNIE 4.5 VL's vision token ids: its expert routing)
+    carried: tuple[str, ...] = ()
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -244,6 +248,20 @@ WRAPPERS: dict[str, Wrapper] = {
     # PaddleOCR-VL: ERNIE 4.5's decoder with NeoX-halves M-RoPE (models/paddleocr_vl.py)
     "PaddleOCRVLForConditionalGeneration": Wrapper(
         {"paddleocr_vl_text": "PaddleOCRTextForCausalLM"}, _PADDLEOCR_VL, mrope=True
+    ),
+    # ERNIE 4.5 VL: ERNIE 4.5 MoE with text / vision experts chosen by token and a 3-D rope
+    # (models/ernie4_5_vl_moe.py); the vision token ids go with the copy for the routing
+    "Ernie4_5_VLMoeForConditionalGeneration": Wrapper(
+        {"ernie4_5_vl_moe_text": "Ernie4_5_VLMoeTextForCausalLM"},
+        _ERNIE4_5_VL,
+        carried=(
+            "image_token_id",
+            "image_start_token_id",
+            "image_end_token_id",
+            "video_token_id",
+            "video_start_token_id",
+            "video_end_token_id",
+        ),
     ),
     # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)
     "Kimi_K25ForConditionalGeneration": Wrapper(

@@ -14,6 +14,7 @@
     GlmOcrForConditionalGeneration                "glm_ocr"     multimodal/glm_ocr.py
     HunYuanVLForConditionalGeneration             "hunyuan_vl"  multimodal/hunyuan_vl.py
     PaddleOCRVLForConditionalGeneration           "paddleocr_vl"  multimodal/paddleocr_vl.py
+    Ernie4_5_VLMoeForConditionalGeneration        "ernie4_5_vl"  multimodal/ernie4_5_vl.py
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
@@ -77,6 +78,7 @@ KINDS: dict[str, str] = {
     "GlmOcrForConditionalGeneration": "glm_ocr",
     "HunYuanVLForConditionalGeneration": "hunyuan_vl",
     "PaddleOCRVLForConditionalGeneration": "paddleocr_vl",
+    "Ernie4_5_VLMoeForConditionalGeneration": "ernie4_5_vl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "idefics3",
     "Mistral3ForConditionalGeneration": "pixtral",
@@ -122,6 +124,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "gemma4_unified": ("gemma4_unified_vision",),  # no tower: its encoder-free embedder
     "hunyuan_vl": ("hunyuan_vl_vision",),
     "paddleocr_vl": ("paddleocr_vl_vision",),
+    "ernie4_5_vl": ("ernie4_5_vl_moe_vision",),
     "kimi_k25": ("kimi_k25_vision",),
     "minicpmv": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "minicpmv_canvas": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
@@ -149,6 +152,7 @@ ENCODERS: dict[str, str] = {
     "glm_ocr": "glm_ocr:GlmOcrImageEncoder",
     "hunyuan_vl": "hunyuan_vl:HunyuanImageEncoder",
     "paddleocr_vl": "paddleocr_vl:PaddleOCRImageEncoder",
+    "ernie4_5_vl": "ernie4_5_vl:ErnieImageEncoder",
     "idefics3": "idefics3:Idefics3ImageEncoder",
     "pixtral": "pixtral:PixtralImageEncoder",
     "internvl": "internvl:InternVLImageEncoder",

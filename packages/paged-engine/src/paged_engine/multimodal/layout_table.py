@@ -6,6 +6,7 @@ from __future__ import annotations
 from paged_engine.multimodal.aria import AriaLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
+from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -54,6 +55,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "glm_ocr": QwenLayout,  # GLM-OCR: GLM-4.1V's host side
     "hunyuan_vl": HunyuanLayout,  # HunyuanOCR
     "paddleocr_vl": PaddleOCRLayout,  # PaddleOCR-VL: Qwen2-VL's runs and M-RoPE table
+    "ernie4_5_vl": ErnieLayout,  # ERNIE 4.5 VL: Qwen2-VL's runs and M-RoPE table
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,

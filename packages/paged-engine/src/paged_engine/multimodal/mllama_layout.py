@@ -14,8 +14,10 @@ holds it (new, forked, resumed). `image_size` is (real tiles, aspect ratio id, t
 the prompt's first <|image|>).
 
 Refused by name (ValueError naming multi_modal_data): a count of <|image|> tokens other than the
-images', <|image|> tokens that are not one run (HF lets each text span read only the images
-just before it; a slot here is read as one prefix: models/mllama.py), image embeddings.
+images', <|image|> tokens that are not one run (MllamaProcessor's mask lets each text span read
+only the images of the run of <|image|> tokens just before it, not an earlier run's: for
+`<|image|> a <|image|> b`, "b" reads image 1 alone, a middle range of the slot, while a slot is
+read by prefixes, models/mllama.py), image embeddings.
 """
 
 from __future__ import annotations

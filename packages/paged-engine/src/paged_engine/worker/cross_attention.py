@@ -16,6 +16,11 @@ image: every image row, its MLP branch zeroed by the model through `CrossBatch.r
 model without a plan for a sequence (Mllama's text-only prompts) takes no slot, and its rows
 skip the cross-attention layers (`CrossBatch.rows`).
 
+With tensor parallelism each rank's pool holds its own KV heads (Whisper's decoder heads split
+evenly; Mllama's `cross_dims` as its self-attention's, one replicated KV head a rank where there
+are fewer than the ranks): every rank takes the same slots, as every rank sees the same
+steps, and encodes its heads of the same content.
+
 The pool has one slot per seat (max_num_seqs), allocated with the KV cache and carved out of the
 memory the KV cache was sized for (`fit_cross_slots`): where that memory cannot hold max_num_seqs
 seats (a slot and max_model_len tokens of decoder KV each) max_num_seqs is lowered to the seats

@@ -71,6 +71,20 @@ def layer_additions(model: nn.Module, additions: LayerAdditions | None) -> Itera
         inner.layer_additions = None
 
 
+@contextmanager
+def vision_rows(model: nn.Module, rows: torch.Tensor | None) -> Iterator[None]:
+    """The model routes `rows` to its vision experts for one forward (ERNIE 4.5 VL reads
+    `vision_rows`)."""
+    if rows is None:
+        yield
+        return
+    model.vision_rows = rows  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        model.vision_rows = None  # type: ignore[assignment]
+
+
 class StepExecution:
     """`execute_model`, the pipeline stage's share, `forward`, `compute_logits` (mixed into
     `ModelRunner`; they call its `prepare` and `_sample`)."""
@@ -186,7 +200,11 @@ class StepExecution:
             shape = (inputs.input_ids.shape[0], self.stage_width)
             prev = state.stage_rank(state.pp_rank - 1)
             hidden_in = recv_tensor(shape, _model_dtype(self.model), self.device, prev)
-        with layer_additions(self.model, inputs.additions), self._spliced_lookup(inputs):
+        with (
+            layer_additions(self.model, inputs.additions),
+            self._spliced_lookup(inputs),
+            vision_rows(self.model, inputs.vision_rows),
+        ):
             hidden = self.model(
                 inputs.input_ids,
                 inputs.positions,
@@ -213,8 +231,10 @@ class StepExecution:
         if inputs.cross is not None:  # cross-attention to each sequence's encoder output: eager
             with bound(self.model, inputs.cross):
                 return self.model(ids, pos, self.cache.kv_caches, meta)
-        if inputs.embeds is not None:  # image features at their placeholders: eager
-            with layer_additions(self.model, inputs.additions):
+        if inputs.embeds is not None or inputs.vision_rows is not None:
+            # image features at their placeholders, rows routed by modality: eager
+            additions = layer_additions(self.model, inputs.additions)
+            with additions, vision_rows(self.model, inputs.vision_rows):
                 return self.model(ids, pos, self.cache.kv_caches, meta, inputs.embeds)
         if inputs.lookup is not None:  # prompt_embeds rows: eager
             with self._spliced_lookup(inputs):

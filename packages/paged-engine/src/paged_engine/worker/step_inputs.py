@@ -61,6 +61,9 @@ class StepInputs:
     lookup: LookupRows | None = None
     # an encoder-decoder model's cross-attention inputs (worker/cross_attention.py)
     cross: CrossBatch | None = None
+    # [T] bool: the prompt rows a modality-routed decoder sends to its vision experts (ERNIE
+    # 4.5 VL's `vision_token_ids`); None: none this step
+    vision_rows: torch.Tensor | None = None
 
 
 def pack_aligned(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, list[int]]:
@@ -86,6 +89,7 @@ class InputPreparer:
 
     # the ModelRunner's state it uses
     batch: InputBatch
+    model: torch.nn.Module
     block_size: int
     device: torch.device
     backend: AttentionBackend
@@ -187,12 +191,19 @@ class InputPreparer:
             meta.has_initial_state = has_state.bool()
         spliced = None if self.images is None else self.images.inputs_embeds(sched, cu, input_ids)
         embeds, additions, lookup = spliced if spliced is not None else (None, None, None)
-        cross = None
+        cross, vision_rows = None, None
         if self.cross is not None:
             cross = self.cross.step(sched.seq_ids, num_new, meta, starts)
-        return StepInputs(
+        routed = getattr(self.model, "vision_token_ids", None)
+        if routed is not None and routed.size:  # prompt tokens of those ids (host-known)
+            mask = (positions < batch.num_prompt[tok_rows]) & np.isin(ids, routed)
+            if mask.any():
+                vision_rows = self._upload(mask.astype(np.int64))[0].bool()
+        inputs = StepInputs(
             input_ids, positions_d, meta, rows, cu, seq_lens, embeds, additions, lookup, cross
         )
+        inputs.vision_rows = vision_rows
+        return inputs
 
     def _to_dev(self, values: np.ndarray | list) -> torch.Tensor:
         t = torch.from_numpy(np.asarray(values, dtype=np.int64))

@@ -2,9 +2,9 @@
 multi_modal_data['audio'] (or a prompt too long for the context), and the engine serves the
 next request either way.
 
-Clips: silence, one sample, a DC offset, samples far outside [-1, 1], a clip one sample short of
-the feature window and one far past it, int8 and uint8 samples, 8 kHz stereo int16, 96 kHz,
-an odd rate (16001 Hz), two channels laid out [samples, 2].
+Clips: an empty one, one holding a NaN, silence, one sample, a DC offset, samples far outside
+[-1, 1], a clip one sample short of the feature window and one far past it, int8 and uint8
+samples, 8 kHz stereo int16, 96 kHz, an odd rate (16001 Hz), two channels laid out [samples, 2].
 """
 
 from __future__ import annotations
@@ -74,7 +74,11 @@ FAMILIES = {
 
 def _clips() -> list[tuple[str, object]]:
     tone = noise_clip(1, 1.0)
+    nan = tone.copy()
+    nan[100] = np.nan
     return [
+        ("empty", np.zeros(0, dtype=np.float32)),
+        ("NaN", nan),
         ("silence", np.zeros(16_000, dtype=np.float32)),
         ("one sample", np.ones(1, dtype=np.float32)),
         ("dc", np.full(8_000, 0.7, dtype=np.float32)),

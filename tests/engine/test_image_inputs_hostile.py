@@ -2,7 +2,10 @@
 transparent and grey images and a huge one give an answer or a ValueError naming
 multi_modal_data (HF's processor refuses some, e.g. Qwen's aspect-ratio bound), never a crash,
 and the engine serves on. The families whose tiny checkpoints live in their own test modules
-(tests/engine/test_*_images.py) are built from there."""
+(tests/engine/test_*_images.py) are built from there; for this session's families also hostile
+mm_processor_kwargs (refused by name before any pixel, offline and over the chat route) and
+processed-ahead images whose image_size a client changed; the crop searches that 10**9 crops
+made hang stay cheap."""
 
 from __future__ import annotations
 
@@ -106,12 +109,94 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
         lambda m, p: m.write_tiny(p, 0, version="4_7"),
         lambda m: m.PROMPT,
     ),
+    "mllama": (
+        "test_mllama_images",
+        lambda m, p: m.write_tiny_mllama(p),
+        lambda m: f"{m.IMAGE}<|bos|>what is it?",
+    ),
+    "paddleocr_vl": (
+        "test_paddleocr_vl_images",
+        lambda m, p: m.write_tiny_paddleocr_vl(p),
+        lambda m: m.PROMPT,
+    ),
+    "lighton_ocr": (
+        "test_lighton_ocr_images",
+        lambda m, p: m.write_tiny_lighton_ocr(p),
+        lambda m: m.PROMPT,
+    ),
+    "deepseek_vl": (
+        "test_deepseek_vl_images",
+        lambda m, p: m.write_tiny_deepseek_vl(p),
+        lambda m: m.PROMPT,
+    ),
+    "deepseek_vl_hybrid": (
+        "test_deepseek_vl_images",
+        lambda m, p: m.write_tiny_hybrid(p),
+        lambda m: m.PROMPT,
+    ),
+    "aria": ("test_aria_images", lambda m, p: m.write_tiny_aria(p), lambda m: m.PROMPT),
+    "molmo2": ("test_molmo2_images", lambda m, p: m.write_tiny_molmo2(p), lambda m: m.PROMPT),
     "qwen3_omni": (
         "test_qwen_omni_images",
         lambda m, p: m.write_tiny_omni(p, "3"),
         lambda m: m._prompts("3")[0],
     ),
 }
+
+
+# kind -> (mm_processor_kwargs, the field its ValueError names): refused before any pixel is
+# made (10**9 tiles or crops allocated or listed, a floor past the image side, a tile under a
+# patch that failed the tower's convolution), the engine serving on
+HOSTILE_KWARGS: dict[str, list[tuple[dict[str, Any], str]]] = {
+    "mllama": [
+        ({"max_image_tiles": 10**9}, "max_image_tiles"),
+        ({"max_image_tiles": "2"}, "max_image_tiles"),
+        ({"size": {"height": 1, "width": 1}}, "size"),
+    ],
+    "molmo2": [
+        ({"max_crops": 10**9}, "max_crops"),
+        ({"max_crops": 0}, "max_crops"),
+        ({"max_crops": "4"}, "max_crops"),
+        ({"overlap_margins": [100, 100]}, "overlap_margins"),
+        ({"pooling_size": [0, 0]}, "pooling_size"),
+    ],
+    "aria": [
+        ({"min_image_size": 10**5}, "min_image_size"),
+        ({"split_image": True, "split_resolutions": [[10**5, 10**5]]}, "split_resolutions"),
+    ],
+    "deepseek_vl": [({"min_size": 10**6}, "min_size"), ({"size": {"height": 1}}, "size")],
+    "deepseek_vl_hybrid": [({"high_res_size": {"height": 10**4, "width": 10**4}}, "high_res_size")],
+    "paddleocr_vl": [({"min_pixels": 10**9}, "min_pixels")],
+    "llava_onevision1_5": [({"min_pixels": 10**9}, "min_pixels")],
+    "phi4mm": [({"dynamic_hd": 0}, "dynamic_hd"), ({"dynamic_hd": "4"}, "dynamic_hd")],
+}
+
+
+def _refuses_kwargs(llm: LLM, prompt: str, cases: list[tuple[dict[str, Any], str]]) -> None:
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    image = _images()["palette"]
+    for kwargs, field in cases:
+        req = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        with pytest.raises(ValueError, match="mm_processor_kwargs") as e:
+            llm.generate([{**req, "mm_processor_kwargs": kwargs}], params, use_tqdm=False)
+        assert field in str(e.value), (kwargs, e.value)
+        assert len(llm.generate([req], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
+def _refuses_tampered(llm: LLM, prompt: str) -> None:
+    """Images processed ahead (a server's ImageInputs) whose image_size a client changed (an
+    aspect-ratio id past Mllama's table, a 10**6-crop Phi-4-multimodal grid) are refused by
+    the same ValueError as any misfit, before the worker reads them."""
+    import dataclasses
+
+    images = llm.llm_engine.input_processor.images
+    ids, done = images.process(llm.get_tokenizer().encode(prompt), _images()["palette"])
+    if done[0].image_size is None:  # a fixed layout (DeepSeek-VL): no size to change
+        return
+    for change in (lambda s: (s[0], 999, *s[2:]), lambda s: tuple(10**6 for _ in s)):
+        bad = [dataclasses.replace(m, image_size=change(m.image_size)) for m in done]
+        with pytest.raises(ValueError, match="multi_modal_data"):
+            llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": bad}}])
 
 
 def _answers_or_refuses(llm: LLM, prompt: str, **request: Any) -> None:
@@ -147,3 +232,59 @@ def test_awkward_images_on_the_newer_families(tmp_path, kind):
     path = write(module, tmp_path / kind)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=4096)
     _answers_or_refuses(llm, prompt(module))
+    _refuses_kwargs(llm, prompt(module), HOSTILE_KWARGS.get(kind, []))
+    if kind in HOSTILE_KWARGS:  # this session's families
+        _refuses_tampered(llm, prompt(module))
+
+
+def test_crop_searches_stay_cheap_for_huge_crop_counts():
+    """Phi-4-multimodal's aspect-ratio search and Molmo2's tiling list their candidates in
+    O(n log n) (transformers': n**3 and n**2 steps): the same choices, in transformers' order."""
+    import itertools
+
+    from paged_engine.multimodal.molmo2_processor import select_tiling
+    from paged_engine.multimodal.phi4mm_processor import _ratios, crop_grid
+
+    for most in (1, 2, 7, 36, 50):
+        steps = itertools.product(range(1, most + 1), repeat=3)
+        hf = {(i, j) for n, i, j in steps if i <= n and j <= n and i * j <= most}
+        assert list(_ratios(most)) == list(hf), most
+    assert crop_grid(15000, 15000, 448, 3000) == (34, 34)  # n**3: minutes
+    assert crop_grid(15000, 15000, 448, 800) == (28, 28)
+    hf_tiling = _module("transformers.models.molmo2.image_processing_molmo2").select_tiling
+    rng = np.random.default_rng(0)
+    for h, w in rng.integers(-300, 3000, (30, 2)).tolist():  # grids of at most 12 x 12
+        for most in (1, 8, 30):
+            assert select_tiling(h, w, 266, most) == hf_tiling(h, w, 266, most), (h, w, most)
+        assert select_tiling(h, w, 266, 10**9) == hf_tiling(h, w, 266, 150), (h, w)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, field",
+    [
+        ("mllama", {"max_image_tiles": 10**9}, "max_image_tiles"),
+        ("deepseek_vl", {"min_size": 10**6}, "min_size"),
+    ],
+)
+def test_chat_refuses_hostile_processor_kwargs(tmp_path, kind, kwargs, field):
+    """Over the server's chat path, with the image as a data: URL: a 400 naming
+    mm_processor_kwargs and the field, then the next request answered."""
+    pytest.importorskip("paged_server")
+    from image_checks import data_url
+    from server.server_proc import COMMON_ARGS, serve_in_process
+
+    name, write, _ = FAMILIES[kind]
+    llm = LLM(model=str(write(_module(name), tmp_path / kind)), dtype="float32")
+    image = {"type": "image_url", "image_url": {"url": data_url(_images()["rgba"])}}
+    content = [image, {"type": "text", "text": "what is it?"}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    try:
+        with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
+            bad = {**body, "mm_processor_kwargs": kwargs}
+            status, _, out = http.request("POST", "/v1/chat/completions", bad)
+            assert status == 400 and out["error"]["param"] == "mm_processor_kwargs", out
+            assert field in out["error"]["message"], out
+            status, _, out = http.request("POST", "/v1/chat/completions", body)
+            assert status == 200, out
+    finally:
+        llm.llm_engine.shutdown()

@@ -23,7 +23,8 @@ the padded patches out of the tower's attention (as keys) and out of the project
 each crop runs alone on its valid patches, which gives the same rows. Weights:
 `[model.]vision_tower.*` and `[model.]multi_modal_projector.*`. Refused by name: a tower other
 than idefics3_vision, a list vision_feature_layer, a crop size whose patch count
-projector_patch_to_query_dict lacks.
+projector_patch_to_query_dict lacks; mm_processor_kwargs min_image_size past the crop side, or
+split_resolutions that are not [h, w] pairs of at most MOST_SPLIT_PIXELS (`check_kwargs`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_er
 ARCH = "AriaForConditionalGeneration"
 # AriaProcessor's image kwargs, which it passes over the image processor's saved settings
 PROCESSOR_DEFAULTS = {"max_image_size": 980, "split_image": False}
+MOST_SPLIT_PIXELS = 64 * 490 * 490  # a request's split resolution: at most 64 of the small crops
 _PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
 
@@ -83,7 +85,10 @@ def _valid_size(mask: torch.Tensor) -> tuple[int, int]:
     """(h, w) of a pixel_mask [S, S] true on its top-left h x w pixels alone."""
     h, w = int(mask.any(1).sum()), int(mask.any(0).sum())
     if h == 0 or not bool(mask[:h, :w].all()) or int(mask.sum()) != h * w:
-        raise ValueError("the image processor gave a pixel_mask that is not a top-left box")
+        raise ValueError(
+            "multi_modal_data['image']: the image processor gave a pixel_mask that is not a "
+            "top-left box"
+        )
     return h, w
 
 
@@ -103,6 +108,38 @@ class AriaLayout(Layout):
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         return (3, size[0], size[0])  # type: ignore[index]
 
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """mm_processor_kwargs refused before any pixel is made: a min_image_size past the
+        crop side (the padding would go negative after a resize to it), split_resolutions the
+        processor cannot tile or that would resize the image past MOST_SPLIT_PIXELS."""
+        side = kwargs.get("max_image_size", PROCESSOR_DEFAULTS["max_image_size"])
+        if side not in (490, 980):
+            return  # the processor refuses it by name
+        low = kwargs.get("min_image_size")
+        if low is not None and (
+            isinstance(low, bool) or not isinstance(low, int) or not 0 <= low <= side
+        ):
+            raise ValueError(
+                f"mm_processor_kwargs['min_image_size'] must be an int in [0, {side}] "
+                f"(max_image_size), got {low!r}"
+            )
+        splits = kwargs.get("split_resolutions")
+        if splits is None:
+            return
+        pairs = isinstance(splits, list) and bool(splits)
+        pairs = pairs and all(
+            isinstance(r, (list, tuple))
+            and len(r) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in r)
+            and r[0] * r[1] <= MOST_SPLIT_PIXELS
+            for r in splits
+        )
+        if not pairs:
+            raise ValueError(
+                "mm_processor_kwargs['split_resolutions'] must be a non-empty list of [height, "
+                f"width] pixel pairs of at most {MOST_SPLIT_PIXELS} pixels, got {splits!r}"
+            )
+
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image], **PROCESSOR_DEFAULTS)
         pixels, masks = out["pixel_values"].float(), torch.as_tensor(out["pixel_mask"])
@@ -110,7 +147,10 @@ class AriaLayout(Layout):
         if pixels.dim() != 4 or tuple(pixels.shape[1:]) != (3, side, side) or not len(pixels):
             raise _shape_error(pixels, "[crops, 3, S, S]")
         if tuple(masks.shape) != (len(pixels), side, side):
-            raise ValueError(f"the image processor gave a pixel_mask of shape {masks.shape}")
+            raise ValueError(
+                f"multi_modal_data['image']: the image processor gave a pixel_mask of shape "
+                f"{tuple(masks.shape)}"
+            )
         try:
             crop_tokens(self.config, side)
         except ValueError as e:

@@ -13,7 +13,8 @@
 
 Weights: `[model.]vision_model.[vision_model.]*` (transformers 5 saves the tower's names
 without SiglipVisionModel's inner `vision_model`, older saves with it) and `[model.]aligner.*`.
-Refused by name: a tower other than SigLIP's (vision_config.model_type). DeepSeek-VL's hybrid
+Refused by name: a tower other than SigLIP's (vision_config.model_type); mm_processor_kwargs
+size other than the tower's side, min_size past it (`check_kwargs`). DeepSeek-VL's hybrid
 form (a SAM high-resolution tower beside SigLIP) builds on this file: deepseek_vl_hybrid.py.
 """
 
@@ -67,6 +68,30 @@ class DeepseekVLLayout(Layout):
         self.config = config
         self.placeholder = placeholder
         self.fixed = image_tokens(config)
+
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """mm_processor_kwargs refused before any pixel is made: a `size` (or the hybrid's
+        `high_res_size`) other than the towers' sides, a `min_size` past them (each side is
+        floored at min_size before the padding: 10**6 would allocate a 10**12-pixel image)."""
+        side = int(self.config.vision_config.image_size)
+        sides = {"size": side, **self._more_sides()}
+        for name, want in sides.items():
+            got = kwargs.get(name)
+            if got is not None and got != {"height": want, "width": want}:
+                raise ValueError(
+                    f"mm_processor_kwargs[{name!r}] must be {{'height': {want}, 'width': "
+                    f"{want}}} (the tower's image side), got {got!r}"
+                )
+        low = kwargs.get("min_size", 1)
+        if isinstance(low, bool) or not isinstance(low, int) or not 0 <= low <= min(sides.values()):
+            raise ValueError(
+                f"mm_processor_kwargs['min_size'] must be an int in [0, {min(sides.values())}], "
+                f"got {low!r}"
+            )
+
+    def _more_sides(self) -> dict[str, int]:
+        """Other sizes the processor takes, by name (the hybrid's SAM side)."""
+        return {}
 
 
 class _Aligner(nn.Module):

@@ -73,6 +73,9 @@ class DeepseekVLHybridLayout(DeepseekVLLayout):
         super().__init__(config, placeholder, tokenizer)
         self.sides = _sides(config)
 
+    def _more_sides(self) -> dict[str, int]:
+        return {"high_res_size": self.sides[1]}
+
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         return (sum(3 * s * s for s in self.sides),)
 
@@ -82,8 +85,8 @@ class DeepseekVLHybridLayout(DeepseekVLLayout):
         for x, s in zip((low, high), self.sides, strict=True):
             if tuple(x.shape) != (3, s, s):
                 raise ValueError(
-                    f"the image processor gave pixel values of shape {tuple(x.shape)}, not "
-                    f"{(3, s, s)}: check preprocessor_config.json"
+                    f"multi_modal_data['image']: the image processor gave pixel values of shape "
+                    f"{tuple(x.shape)}, not {(3, s, s)}: check preprocessor_config.json"
                 )
         return torch.cat([low.flatten(), high.flatten()]).float(), None
 

@@ -150,8 +150,8 @@ def _side(config: Any) -> int:
 
 def _shape_error(got: torch.Tensor, want: Any) -> ValueError:
     return ValueError(
-        f"the image processor gave pixel values of shape {tuple(got.shape)}, not {want}: check "
-        "preprocessor_config.json"
+        f"multi_modal_data['image']: the image processor gave pixel values of shape "
+        f"{tuple(got.shape)}, not {want}: check preprocessor_config.json and mm_processor_kwargs"
     )
 
 

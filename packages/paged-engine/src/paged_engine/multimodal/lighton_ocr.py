@@ -74,11 +74,16 @@ class LightOnOcrLayout(Layout):
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image])  # the saved patch_size, as LightOnOcrProcessor passes none
         h, w = (int(v) for v in out["image_sizes"][0])
-        if h % self.patch or w % self.patch or min(h, w) < self.unit:
+        if not (h % self.patch or w % self.patch) and min(h, w) < self.unit:  # 1 x 1, 1 x 300
+            raise ValueError(
+                f"multi_modal_data['image']: the image is too small or too thin: resized to "
+                f"{h} x {w}, its sides must be at least one merged patch ({self.unit} pixels) "
+                "to give it an image token"
+            )
+        if h % self.patch or w % self.patch:
             raise ValueError(
                 f"multi_modal_data['image']: the image processor gave a {h} x {w} image: sides "
-                f"must be multiples of patch_size {self.patch} and at least {self.unit} (check "
-                "the processor's patch_size and longest_edge)"
+                f"must be multiples of patch_size {self.patch} (check the processor's patch_size)"
             )
         return out["pixel_values"][0][:, :h, :w].float().contiguous(), (h, w)
 

@@ -198,15 +198,16 @@ class MllamaVisionTower(nn.Module):
         return None
 
 
-def host_image(out: Any, tiles: int) -> tuple[torch.Tensor, tuple[int, int]]:
+def host_image(out: Any, tiles: int, side: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """MllamaImageProcessor's output for one image -> (pixels [T, 3, S, S] float32,
-    (real tiles, aspect ratio id)); ValueError where its tile count is not the model's."""
+    (real tiles, aspect ratio id)); ValueError where its tiles are not the model's (their
+    count or side: a tile smaller than a patch would fail the tower's convolution)."""
     pixels = out["pixel_values"][0][0].float()
-    if pixels.dim() != 4 or pixels.shape[0] != tiles:
+    if tuple(pixels.shape) != (tiles, 3, side, side):
         raise ValueError(
-            f"the image processor gave pixel values of shape {tuple(pixels.shape)}, not "
-            f"{tiles} tiles (vision_config.max_num_tiles): check max_image_tiles in "
-            "preprocessor_config.json"
+            f"multi_modal_data['image']: the image processor gave pixel values of shape "
+            f"{tuple(pixels.shape)}, not {(tiles, 3, side, side)} (vision_config.max_num_tiles "
+            "and image_size): check max_image_tiles and size in preprocessor_config.json"
         )
     real = int(torch.as_tensor(out["aspect_ratio_mask"])[0][0].sum())
     return pixels, (real, int(torch.as_tensor(out["aspect_ratio_ids"])[0][0]))

@@ -40,9 +40,28 @@ class MllamaLayout(Layout):
         vision = config.vision_config
         self.tiles, self.side = int(vision.max_num_tiles), int(vision.image_size)
         self.span_len = int(config.text_config.max_position_embeddings)
+        # aspect ratio id -> its real tiles (id 0: padding, no real image)
+        ratios = vision.supported_aspect_ratios
+        self.ratio_tiles = {i + 1: int(h) * int(w) for i, (h, w) in enumerate(ratios)}
+
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """mm_processor_kwargs that would change the tiles the tower reads (their count and
+        side) refused before any pixel is made (max_image_tiles=10**9 would allocate them)."""
+        tiles = kwargs.get("max_image_tiles", self.tiles)
+        if isinstance(tiles, bool) or tiles != self.tiles:
+            raise ValueError(
+                f"mm_processor_kwargs['max_image_tiles'] must be {self.tiles} "
+                f"(vision_config.max_num_tiles), got {tiles!r}"
+            )
+        size = kwargs.get("size")
+        if size is not None and size != {"height": self.side, "width": self.side}:
+            raise ValueError(
+                f"mm_processor_kwargs['size'] must be {{'height': {self.side}, 'width': "
+                f"{self.side}}} (vision_config.image_size), got {size!r}"
+            )
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:
-        pixels, size = host_image(run([image]), self.tiles)
+        pixels, size = host_image(run([image]), self.tiles, self.side)
         return pixels, size
 
     def segment(self, loaded: Loaded) -> list[int]:  # (not Layout's: no run to expand)
@@ -97,4 +116,5 @@ class MllamaLayout(Layout):
             and size is not None
             and len(size) == 3
             and 1 <= size[0] <= self.tiles
+            and self.ratio_tiles.get(size[1]) == size[0]  # (an id past the table: IndexError)
         )

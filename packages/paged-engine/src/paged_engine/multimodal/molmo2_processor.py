@@ -96,6 +96,17 @@ class Geometry:
         return torch.cat([low, torch.where(high >= 0, high + per_crop, -1)])
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _pair(v: Any, least: int) -> bool:
+    """Whether v is two ints >= least (a list or tuple)."""
+    return (
+        isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x) and x >= least for x in v)
+    )
+
+
 def _windows(grid: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
     """A [h, w] index grid padded with -1 to whole ph x pw windows (the odd row or column
     after), windows row-major -> [windows, ph * pw]."""
@@ -109,7 +120,12 @@ def _windows(grid: torch.Tensor, ph: int, pw: int) -> torch.Tensor:
 def select_tiling(height: int, width: int, window: int, max_crops: int) -> tuple[int, int]:
     """(th, tw) of th * tw <= max_crops windows of `window` pixels: the one needing the least
     scale-up to cover (height, width), else (every one shrinks it) the least shrinking; ties to
-    fewer crops, then fewer rows (transformers' float32 arithmetic)."""
+    fewer crops, then fewer rows (transformers' float32 arithmetic). A covering tiling needs
+    th >= ceil(height / window) and tw >= ceil(width / window) and its scale grows with both,
+    so tilings past that grid's crop count never win: max_crops is capped there (the same
+    choice; max_crops=10**9 would enumerate 10**18 pairs)."""
+    need = max(1, -(-height // window)) * max(1, -(-width // window))
+    max_crops = min(max_crops, need)
     tilings = sorted(
         (
             t
@@ -172,6 +188,19 @@ class Molmo2TorchProcessor(TorchImageProcessor):
         size = s["size"]
         if not isinstance(size, dict) or size.get("height") != size.get("width"):
             raise ValueError(f"{self.name}'s size={size!r}: equal height and width")
+        crop, p = size["height"], s["patch_size"]
+        if not (_is_int(crop) and _is_int(p) and 0 < p <= crop):
+            raise ValueError(f"{self.name}'s size={size!r}: at least patch_size={p!r} pixels")
+        if not (_is_int(s["max_crops"]) and s["max_crops"] >= 1):
+            raise ValueError(f"{self.name}'s max_crops={s['max_crops']!r}: an int >= 1")
+        margins, pool = s["overlap_margins"], s["pooling_size"]
+        if not (_pair(margins, 0) and crop // p - sum(margins) > 0):
+            raise ValueError(
+                f"{self.name}'s overlap_margins={margins!r}: two ints >= 0 leaving a crop "
+                f"({crop // p} patches) a window"
+            )
+        if not _pair(pool, 1):
+            raise ValueError(f"{self.name}'s pooling_size={pool!r}: two ints >= 1")
 
     def _resize(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """Bilinear without antialias in float32, rounded back to uint8 (transformers')."""

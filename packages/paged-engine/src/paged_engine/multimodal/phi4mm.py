@@ -110,11 +110,13 @@ def _grid_mask(size: tuple[int, ...], m: int) -> torch.Tensor:
 
 def valid_pooled(size: tuple[int, ...], m: int) -> tuple[int, int]:
     """(u_h, u_w): the crops' pooled rows / cols HF keeps (the mask's even patch rows / cols
-    within each view, summed over the grid's first column / row of views)."""
-    hc, wc = size[0], size[1]
-    even = _grid_mask(size, m).view(hc, m, wc, m)[:, 0::2, :, 0::2]
-    even = even.reshape(hc * even.shape[1], wc * even.shape[3])
-    return int(even[:, 0].sum()), int(even[0, :].sum())
+    within each view, summed over the grid's first column / row of views), counted without
+    building the mask (an image_size of a client's ImageInput may be absurd)."""
+
+    def even(n: int) -> int:  # patches p < n with p % m even
+        return n // m * ((m + 1) // 2) + (n % m + 1) // 2
+
+    return even(size[2]), even(size[3])
 
 
 def image_tokens(size: tuple[int, ...], m: int) -> int:

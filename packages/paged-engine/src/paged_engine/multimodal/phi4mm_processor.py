@@ -41,15 +41,28 @@ class _Phi4Kwargs(ProcessorKwargs, total=False):
     dynamic_hd: int
 
 
+def _ratios(most: int) -> set[tuple[int, int]]:
+    """transformers' target_ratios, {(i, j): i * j <= most}, each pair added in the order its
+    comprehension (n to most, i and j to n: most**3 steps, minutes past a few hundred) first
+    meets it: by n = max(i, j), then i, then j. The same adds give the same set order, which
+    decides exact ties of the search below."""
+    out: set[tuple[int, int]] = set()
+    for n in range(1, most + 1):
+        for i in range(1, min(n, most // n + 1)):  # i < n, j = n
+            out.add((i, n))
+        for j in range(1, min(n, most // n) + 1):  # i = n, j <= n
+            out.add((n, j))
+    return out
+
+
 def crop_grid(h: int, w: int, side: int, most: int) -> tuple[int, int]:
     """(wc, hc): the crop grid of an h x w image (see the module)."""
     wc, hc = math.ceil(w / side), math.ceil(h / side)
     if wc * hc <= most:
         return wc, hc
     aspect, area = w / h, w * h
-    ratios = {(i, j) for n in range(1, most + 1) for i in range(1, n + 1) for j in range(1, n + 1)}
     best, best_diff = (1, 1), float("inf")
-    for i, j in sorted((r for r in ratios if r[0] * r[1] <= most), key=lambda r: r[0] * r[1]):
+    for i, j in sorted(_ratios(most), key=lambda r: r[0] * r[1]):
         diff = abs(aspect - i / j)
         if diff < best_diff:
             best, best_diff = (i, j), diff

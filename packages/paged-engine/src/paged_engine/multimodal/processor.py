@@ -152,7 +152,10 @@ class ImageProcessor:
         self._check_limit(len(items))
         items = self._image_list(items)
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
-        run = self._runner(call)
+        check = getattr(self.layout, "check_kwargs", None)  # a family's bounds, before any pixel
+        if check is not None:
+            check(call)
+        run = self._runner(call, sorted(kwargs or ()))
         loaded = [self._load(run, image, call, len(items)) for image in items]
         segments = [self.layout.segment(x) for x in loaded]
         if self._runs_only:
@@ -185,9 +188,11 @@ class ImageProcessor:
             self.cache.put(key, loaded)
         return loaded
 
-    def _runner(self, kwargs: dict[str, Any]):
+    def _runner(self, kwargs: dict[str, Any], given: list[str] | None = None):
         """The image processor on a list of images (as HF's processor nests them), the
-        layout's arguments under the request's; its failures as ValueErrors."""
+        layout's arguments under the request's; its failures as ValueErrors (naming `given`,
+        the request's own mm_processor_kwargs)."""
+        named = f" with mm_processor_kwargs {given}" if given else ""
 
         def run(images: list[Any], **extra: Any) -> Any:
             def rgb(x: Any) -> Any:  # transparency over white, as transformers' processors
@@ -197,7 +202,8 @@ class ImageProcessor:
                 return self.hf(images=rgb(images), return_tensors="pt", **{**extra, **kwargs})
             except Exception as e:  # a corrupt or truncated image, a size the processor refuses
                 raise ValueError(
-                    f"multi_modal_data['image']: the image could not be processed: {e}"
+                    f"multi_modal_data['image']: the image could not be processed{named}: "
+                    f"{str(e) or type(e).__name__}"
                 ) from e
 
         return run
@@ -417,6 +423,11 @@ class ImageProcessor:
                     raise ValueError(f"mm_processor_kwargs[{name!r}] must be an int > 0")
             size = dict(out.get("size") or self.hf.size)
             size.update({_PIXEL_BOUNDS[k]: v for k, v in bounds.items()})
+            low, high = size.get("shortest_edge"), size.get("longest_edge")
+            if "min_pixels" in bounds and high is not None and low > high:  # else upscaled past
+                raise ValueError(
+                    f"mm_processor_kwargs['min_pixels'] ({low}) exceeds max_pixels ({high})"
+                )
             out["size"] = size
         return out
 

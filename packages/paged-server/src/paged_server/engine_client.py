@@ -30,7 +30,9 @@ Invariants:
 - An aborted request (abort, client gone, failure) leaves `_streams` first, then the engine
   (its blocks are free again); outputs of it still queued are dropped by the output stage (no
   state) and by the dispatch (no stream).
-- Failures fail requests, never a thread: an exception in step_core fails every request in
+- Failures fail requests, never a thread: a step that raises is isolated by the engine core
+  (paged_engine/core/step_isolation.py), and the one request that fails alone again gets a 400
+  (a ValueError) or a 500; any other exception in step_core fails every request in
   flight with a 500 (a scheduler stuck on one request that cannot fit the KV pool even alone
   fails that one with a 400); one in process_outputs or the dispatch fails that step's
   requests with a 500 (the engine thread then aborts them). Both threads go on serving.
@@ -145,10 +147,12 @@ class EngineClient:
         # Imported here, with the engine built: its module imports torch, and the server's
         # modules never do (paged-server binds its port before anything imports torch).
         from paged_engine.core.scheduler import SchedulerStuckError
+        from paged_engine.core.step_isolation import RequestFailedError
         from paged_engine.executor.base import EngineDeadError
 
         self._dead_error: type[Exception] = EngineDeadError
         self._stuck_error: type[SchedulerStuckError] = SchedulerStuckError
+        self._request_failed: type[RequestFailedError] = RequestFailedError
         self.stats = engine.get_stats()
         self._check_health: Callable[[], None] | None = getattr(engine, "check_health", None)
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
@@ -307,6 +311,10 @@ class EngineClient:
                         self.on_engine_death()
                 except self._stuck_error as e:
                     self._fail_stuck(e)
+                except self._request_failed as e:  # a step failed with these alone: only them
+                    log.error("%s", e)
+                    status = 400 if isinstance(e.cause, ValueError) else 500
+                    self._fail(e.request_ids, APIError(status, f"the request failed: {e.cause}"))
                 except Exception:  # the engine's state is unknown: fail what is in flight
                     log.exception("engine loop error; failing the requests in flight")
                     self._fail_all(APIError(500, "internal engine error"))

@@ -25,6 +25,10 @@ the first runs step N+1. It needs no pending tokens: the steps' requests are dis
 with a step in flight is `Scheduler.busy` and sits out until its result is applied), so each
 request steps exactly as it would synchronously; only which requests share a step differs.
 
+A step that raises (not `EngineDeadError`) is isolated (core/step_isolation.py): the steps in
+flight are discarded, their requests recompute, each alone, and only one that fails alone again
+is aborted (step() raises `RequestFailedError` naming it); not under micro-batching.
+
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
 grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
 core fills the token bitmask of the constrained sequences it scheduled to sample
@@ -50,7 +54,8 @@ from paged_engine.core.request import Request, SequenceStatus
 from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.core.step_apply import StepApplier
-from paged_engine.executor.base import Executor, RunnerOutputHandle
+from paged_engine.core.step_isolation import StepIsolation
+from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 
 if TYPE_CHECKING:
     from paged_engine.structured_output.manager import StructuredOutputManager
@@ -60,7 +65,7 @@ logger = logging.getLogger(__name__)
 _STOPPED = SequenceStatus.FINISHED_STOPPED
 
 
-class EngineCore(StepApplier):
+class EngineCore(StepApplier, StepIsolation):
     def __init__(
         self,
         scheduler: Scheduler,
@@ -230,21 +235,34 @@ class EngineCore(StepApplier):
             return failed
         if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
             sched = self.scheduler.schedule()
-            if self._constrained:
-                self._fill_token_bitmask(sched)
-            if sched.is_empty and not sched.has_block_work and not sched.finished_seq_ids:
-                self.scheduler.step_seqs.pop(sched.step_id)
-            else:
-                self._in_flight.append((sched, self.executor.execute_model(sched)))
-                submitted = not sched.is_empty
-                if submitted and self.max_concurrent_batches > 1:
-                    self._mark_busy(sched)
+            try:
+                if self._constrained:
+                    self._fill_token_bitmask(sched)
+                if sched.is_empty and not sched.has_block_work and not sched.finished_seq_ids:
+                    self.scheduler.step_seqs.pop(sched.step_id)
+                else:
+                    self._in_flight.append((sched, self.executor.execute_model(sched)))
+                    submitted = not sched.is_empty
+                    if submitted and self.max_concurrent_batches > 1:
+                        self._mark_busy(sched)
+            except EngineDeadError:
+                raise
+            except Exception as e:  # (no cost on the hot path: 3.11's try is free)
+                return self._step_failed(e, sched)
         if not self._in_flight or (submitted and len(self._in_flight) < depth):
             return []
         sched, handle = self._in_flight.popleft()
         if self._busy_of:
             self._unmark_busy(sched.step_id)
-        return self._apply(sched, handle.get())
+        try:
+            out = handle.get()
+        except EngineDeadError:
+            raise
+        except Exception as e:
+            return self._step_failed(e, sched)
+        if self.scheduler.suspects:  # (one check a step: none but after a failed step)
+            return self._apply_lone(sched, out)
+        return self._apply(sched, out)
 
     def _mark_busy(self, sched: SchedulerOutput) -> None:
         """Micro-batching: the step's requests sit out until it is applied."""

@@ -41,7 +41,8 @@ This file holds the queues and the step's plan (`schedule`: running requests, th
 Its parts are mixins of `Scheduler`, one concept a file (vLLM v1 has them all in its one
 `Scheduler`): seq_lifecycle.py (finishing, aborting, forking), preemption.py (recompute or swap,
 re-sharing a recomputed fork), prefix_lookup.py (admission's prefix-cache / KV-connector hit,
-hybrid snapshot resume) and step_emit.py (the plan -> `SchedulerOutput`).
+hybrid snapshot resume), step_emit.py (the plan -> `SchedulerOutput`) and step_isolation.py
+(after a failed step: its requests back to recompute, each run alone until it succeeds).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.seq_lifecycle import SeqLifecycle
 from paged_engine.core.state_slots import StateSlots
 from paged_engine.core.step_emit import StepEmitter
+from paged_engine.core.step_isolation import LoneSteps
 from paged_engine.core.token_plan import plan_tokens, whole_image_plan, whole_images
 from paged_engine.kv_transfer.connector import KVConnector
 from paged_engine.spec_decode.planner import DraftPlanner
@@ -76,7 +78,7 @@ class SchedulerStuckError(RuntimeError):
         self.request_ids = request_ids
 
 
-class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter):
+class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -131,6 +133,9 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter):
         self.busy: set[Request] = set()
         # KV transfer (kv_transfer/connector.py): stored prompt blocks at admission (None: off)
         self.kv_connector = kv_connector
+        # Requests of a failed step, each run alone until one of its steps succeeds
+        # (core/step_isolation.py); empty but after a failure.
+        self.suspects: set[Request] = set()
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -208,6 +213,8 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter):
         )
 
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:  # after a failed step only (core/step_isolation.py)
+            return self._schedule_lone()
         budget = self.max_num_batched_tokens
         max_len = self.max_model_len
         bm = self.block_manager

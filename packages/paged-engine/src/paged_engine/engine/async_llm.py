@@ -18,10 +18,13 @@ Invariants:
   with mode "abort" finishes the requests instead (finish_reason "abort"), as on `LLMEngine`.
 - A slow consumer merges: cumulative outputs (CUMULATIVE, FINAL_ONLY) keep only the newest of
   those queued; DELTA outputs are all yielded, in order.
-- Failures fail requests, not the loop: an add's ValueError is raised to its caller; an
-  exception in a step fails every request in flight with it (they are aborted) and the loop
-  serves on, unless the engine is dead (a lost worker rank: `errored`, `dead_error`), when
-  every later call raises it.
+- Failures fail requests, not the loop: an add's ValueError is raised to its caller; a
+  step that raises is isolated by the engine core (core/step_isolation.py): its requests
+  recompute, each alone, and only one that fails alone again gets the exception (its
+  generator raises what the step raised); the others go on. Any other exception of a step
+  (pipeline micro-batching, the scheduler) fails every request in flight with it (they are
+  aborted) and the loop serves on, unless the engine is dead (a lost worker rank: `errored`,
+  `dead_error`), when every later call raises it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paged_engine.config import EngineConfig
+from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.executor.base import EngineDeadError
 from paged_engine.lora.request import LoRARequest
 from paged_engine.outputs import RequestOutput
@@ -370,6 +374,12 @@ class AsyncLLM:
                 logger.error("the engine died: %s", e)
                 self._dead = e
                 return
+            except RequestFailedError as e:  # the requests to blame, alone: they fail
+                for rid in e.request_ids:
+                    stream = self._streams.pop(rid, None)
+                    if stream is not None:
+                        stream.put(e.cause)
+                continue
             except Exception as e:  # fail the requests in flight, serve on
                 logger.exception("an engine step failed; failing the requests in flight")
                 self._fail_all(e)

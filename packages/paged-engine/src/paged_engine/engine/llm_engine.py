@@ -28,6 +28,7 @@ from paged_engine.core.core_output import EngineCoreOutput
 from paged_engine.core.engine_core import EngineCore
 from paged_engine.core.scheduler import Scheduler
 from paged_engine.core.state_slots import StateSlots
+from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.default_model import default_model_path
 from paged_engine.distributed.launch import (
     forkserver_context,
@@ -561,8 +562,14 @@ class LLMEngine:
     # The two halves of step(), for a caller that runs the output stage on a thread of its own
     # (the server): step_core and finish_seqs on the engine thread, process_outputs anywhere.
     def step_core(self) -> list[EngineCoreOutput]:
-        """One engine-core step: token-level results as plain data."""
-        return self.engine_core.step()
+        """One engine-core step: token-level results as plain data. RequestFailedError when
+        a step failed with only its requests in it (core/step_isolation.py): they are gone,
+        every other request goes on."""
+        try:
+            return self.engine_core.step()
+        except RequestFailedError as e:
+            self.output_processor.abort(e.request_ids)
+            raise
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         """The output stage: text, stop strings, RequestOutputs. Pass `.stopped` back to

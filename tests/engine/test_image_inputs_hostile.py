@@ -2,10 +2,11 @@
 transparent and grey images and a huge one give an answer or a ValueError naming
 multi_modal_data (HF's processor refuses some, e.g. Qwen's aspect-ratio bound), never a crash,
 and the engine serves on. The families whose tiny checkpoints live in their own test modules
-(tests/engine/test_*_images.py) are built from there; for this session's families also hostile
-mm_processor_kwargs (refused by name before any pixel, offline and over the chat route) and
-processed-ahead images whose image_size a client changed; the crop searches that 10**9 crops
-made hang stay cheap."""
+(tests/engine/test_*_images.py) are built from there. Hostile mm_processor_kwargs (a family's
+own bounds, or the shared pixel / tile budget of multimodal/kwargs_budget.py) are refused by
+name before any pixel is made, offline and over the chat route, while fair ones (a raise within
+the budget, a lowering) are served; processed-ahead images whose image_size a client changed are
+refused; the crop searches that 10**9 crops made hang stay cheap."""
 
 from __future__ import annotations
 
@@ -169,10 +170,56 @@ HOSTILE_KWARGS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "paddleocr_vl": [({"min_pixels": 10**9}, "min_pixels")],
     "llava_onevision1_5": [({"min_pixels": 10**9}, "min_pixels")],
     "phi4mm": [({"dynamic_hd": 0}, "dynamic_hd"), ({"dynamic_hd": "4"}, "dynamic_hd")],
+    # the older families, through the shared budget (multimodal/kwargs_budget.py): a resize
+    # to 30000 x 30000 (10 GB) or a 10**9-tile search, refused from the kwargs and image size
+    "llava": [
+        ({"size": {"height": 30000, "width": 30000}}, "size"),
+        ({"size": {"shortest_edge": 10**6}}, "size"),
+    ],
+    "llava-next": [({"image_grid_pinpoints": [[30000, 30000]]}, "image_grid_pinpoints")],
+    "qwen2-vl": [
+        ({"min_pixels": 10**12, "max_pixels": 10**12}, "min_pixels"),
+        ({"min_pixels": 2**18, "max_pixels": 2**18}, "min_pixels"),  # 4096 tokens: > max_model_len
+    ],
+    "idefics3": [
+        ({"max_image_size": {"longest_edge": 1}}, "max_image_size"),
+        ({"size": {"longest_edge": 10**5}}, "size"),
+    ],
+    "internvl": [
+        ({"size": {"height": 30000, "width": 30000}}, "size"),
+        ({"crop_to_patches": True, "max_patches": 10**9}, "max_patches"),
+    ],
+    "gemma3": [
+        ({"size": {"height": 30000, "width": 30000}}, "size"),
+        (
+            {"do_pan_and_scan": True, "pan_and_scan_max_num_crops": 10**9},
+            "pan_and_scan_max_num_crops",
+        ),
+    ],
+    "glm4v": [({"size": {"shortest_edge": 10**12, "longest_edge": 10**12}}, "size")],
+    "llama4": [
+        ({"max_patches": 10**9}, "max_patches"),
+        ({"size": {"height": 30000, "width": 30000}}, "size"),
+    ],
 }
+# kind -> mm_processor_kwargs within the budget (a raise or a lowering), still answered
+FAIR_KWARGS: dict[str, dict[str, Any]] = {
+    "llava": {"size": {"shortest_edge": 40}},
+    "qwen2-vl": {"min_pixels": 1024, "max_pixels": 8192},
+    "idefics3": {"size": {"longest_edge": 64}},
+    "mistral3": {"size": {"longest_edge": 10**6}},  # Pixtral only shrinks to it: no cost
+}
+# the families whose processed-ahead images are checked against a changed image_size
+TAMPERED = {"mllama", "molmo2", "aria", "deepseek_vl", "deepseek_vl_hybrid", "paddleocr_vl"}
+TAMPERED |= {"llava_onevision1_5", "phi4mm"}
 
 
-def _refuses_kwargs(llm: LLM, prompt: str, cases: list[tuple[dict[str, Any], str]]) -> None:
+def _refuses_kwargs(
+    llm: LLM, prompt: str, cases: list[tuple[dict[str, Any], str]], early: bool = True
+) -> None:
+    """Each case refused naming mm_processor_kwargs and its field (`early`: before the image
+    processor ran, as the budget refuses; this session's torch processors refuse inside), the
+    engine serving on."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     image = _images()["palette"]
     for kwargs, field in cases:
@@ -180,6 +227,8 @@ def _refuses_kwargs(llm: LLM, prompt: str, cases: list[tuple[dict[str, Any], str
         with pytest.raises(ValueError, match="mm_processor_kwargs") as e:
             llm.generate([{**req, "mm_processor_kwargs": kwargs}], params, use_tqdm=False)
         assert field in str(e.value), (kwargs, e.value)
+        made = ("could not be processed", "gave pixel values")  # the processor ran: too late
+        assert not (early and any(m in str(e.value) for m in made)), (kwargs, e.value)
         assert len(llm.generate([req], params, use_tqdm=False)[0].outputs[0].token_ids) == 2
 
 
@@ -223,6 +272,12 @@ def test_awkward_images_answer_or_refuse_cleanly(tmp_path, kind):
     # Gemma 3: its crops too (pan-and-scan of the strips and the huge one)
     extra = {"mm_processor_kwargs": {"do_pan_and_scan": True}} if kind == "gemma3" else {}
     _answers_or_refuses(llm, prompt, **extra)
+    _refuses_kwargs(llm, prompt, HOSTILE_KWARGS.get(kind, []))
+    if kind in FAIR_KWARGS:
+        req = {"prompt": prompt, "multi_modal_data": {"image": _images()["palette"]}}
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        out = llm.generate([{**req, "mm_processor_kwargs": FAIR_KWARGS[kind]}], params)
+        assert len(out[0].outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
@@ -232,8 +287,8 @@ def test_awkward_images_on_the_newer_families(tmp_path, kind):
     path = write(module, tmp_path / kind)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=4096)
     _answers_or_refuses(llm, prompt(module))
-    _refuses_kwargs(llm, prompt(module), HOSTILE_KWARGS.get(kind, []))
-    if kind in HOSTILE_KWARGS:  # this session's families
+    _refuses_kwargs(llm, prompt(module), HOSTILE_KWARGS.get(kind, []), kind not in TAMPERED)
+    if kind in TAMPERED:
         _refuses_tampered(llm, prompt(module))
 
 

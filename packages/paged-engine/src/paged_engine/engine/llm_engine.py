@@ -629,6 +629,7 @@ class LLMEngine:
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
             return None
         images = ImageProcessor(self.resolved.path, config, cfg.image_limit, self.tokenizer)
+        images.max_model_len = cfg.max_model_len
         if cfg.mm_processor_kwargs:
             images.kwargs = images.processor_kwargs(cfg.mm_processor_kwargs)
         if cfg.mm_processor_cache_gb > 0:

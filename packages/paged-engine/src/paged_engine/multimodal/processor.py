@@ -25,6 +25,7 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.kwargs_budget import check_budget, pixels_per_token
 from paged_engine.multimodal.layout_table import LAYOUTS
 from paged_engine.multimodal.layouts import (
     Layout,
@@ -103,13 +104,15 @@ class ImageProcessor:
         self.path = Path(path)
         self.config = config
         self.image_token_id = image_token_id(config)
-        layout = LAYOUTS[image_kind(config)]
+        self.kind = image_kind(config)
+        layout = LAYOUTS[self.kind]
         self.layout: Layout = layout(config, self.image_token_id, tokenizer)
         # placeholders an image takes; None where each image's size decides
         self.tokens_per_image = self.layout.fixed
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
         self.kwargs: dict[str, Any] = {}  # the engine's mm_processor_kwargs, checked
         self.cache: ProcessorCache | None = None  # mm_processor_cache_gb (set by the engine)
+        self.max_model_len: int | None = None  # bounds what kwargs may make (set by the engine)
         if not processor_saved(self.path):
             raise ValueError(
                 f"{path} has neither preprocessor_config.json nor processor_config.json: the "
@@ -155,6 +158,10 @@ class ImageProcessor:
         check = getattr(self.layout, "check_kwargs", None)  # a family's bounds, before any pixel
         if check is not None:
             check(call)
+        ppt = pixels_per_token(self.hf) if call else None
+        size = next((k for k in _PIXEL_BOUNDS if k in (kwargs or {})), "size")  # as given
+        for image in items if call else ():  # what the processor would make of each, unmade
+            check_budget(call, self.hf, image.size, ppt, self.max_model_len, size, self.kind)
         run = self._runner(call, sorted(kwargs or ()))
         loaded = [self._load(run, image, call, len(items)) for image in items]
         segments = [self.layout.segment(x) for x in loaded]

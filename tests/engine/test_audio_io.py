@@ -131,6 +131,7 @@ def test_item_forms():
         ((np.zeros(10), 16_000.5), "whole number"),
         ((np.zeros(10), 16_000, 1), "tuple of 3"),
         (np.zeros(0), "not empty"),
+        (np.zeros((0, 2)), "not empty"),  # an empty stereo clip (was reported as NaN)
         (np.zeros((2, 3, 4)), "1-D"),
         (np.array(["a", "b"]), "numbers"),
         (np.array([np.inf, 0.0]), "NaN or infinite"),

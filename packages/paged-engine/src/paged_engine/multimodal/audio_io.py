@@ -73,7 +73,7 @@ def _waveform(data: Any, what: str) -> np.ndarray:
         data = _int_to_float(data)
     elif data.dtype.kind != "f":
         raise ValueError(f"{what}: audio samples must be numbers, got dtype {data.dtype}")
-    if data.ndim == 2:  # the channel axis is the shorter one
+    if data.ndim == 2 and data.size:  # the channel axis is the shorter one
         data = data.mean(axis=0 if data.shape[0] < data.shape[1] else 1)
     if data.ndim != 1 or data.size == 0:
         raise ValueError(

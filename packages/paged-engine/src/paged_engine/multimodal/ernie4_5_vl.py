@@ -39,18 +39,14 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal import qwen2_vl_vision as qwen
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import Size
-from paged_engine.multimodal.layouts_qwen import QwenLayout
+from paged_engine.multimodal.layouts_qwen import OneFrameLayout
+from paged_engine.multimodal.layouts_qwen import grid_merge_size as merge_size
 
 MODEL_TYPES = frozenset({"ernie4_5_vl_moe_vision"})
 # checkpoint prefix (after an optional `model.`) -> ours
 _PREFIXES = (("vision_model.", "vision_tower."), ("vision_tower.", "vision_tower."))
 _RESAMPLER = "resampler_model."
 _HUB_MLP = {"0": "fc1", "2": "fc2", "3": "ln"}  # the Hub's nn.Sequential indices
-
-
-def merge_size(config: Any) -> int:
-    return qwen._int_field(config.vision_config, "spatial_merge_size")
 
 
 def patch_dim(config: Any) -> int:
@@ -205,7 +201,7 @@ def _ours(item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
     return None
 
 
-class ErnieLayout(QwenLayout):
+class ErnieLayout(OneFrameLayout):
     """Pixel rows [h*w, C*p*p], size the grid (1, h, w); a run of h*w / m^2 placeholders and
     Qwen2-VL's M-RoPE table (the decoder checks its rope: HF defaults a missing
     mrope_section to (22, 22, 20))."""
@@ -216,17 +212,5 @@ class ErnieLayout(QwenLayout):
         self.placeholder = placeholder
         self.fixed = None
 
-    def length(self, size: Size) -> int:
-        m = merge_size(self.config)
-        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
-            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (1, h, w)")
-        if size[1] % m or size[2] % m:
-            raise ValueError(
-                f"multi_modal_data['image']: image_size {size}: h and w must be multiples of "
-                f"vision_config.spatial_merge_size {m}"
-            )
-        return size[1] * size[2] // m**2
-
-    def pixel_shape(self, size: Size) -> tuple[int, ...]:
-        assert size is not None and len(size) == 3
-        return (size[1] * size[2], patch_dim(self.config))
+    def row_width(self) -> int:
+        return patch_dim(self.config)

@@ -2,6 +2,7 @@
 
 QwenLayout      Qwen2-VL / 2.5-VL / 3-VL / 3.5, GLM-4.1V, GLM-OCR: a run by the merged
                 patch grid, M-RoPE positions
+OneFrameLayout  PaddleOCR-VL, ERNIE 4.5 VL: QwenLayout over one-frame grids (1, h, w)
 OmniLayout      the Qwen2.5-Omni / Qwen3-Omni thinkers (one temporal patch per image)
 Exaone45Layout  EXAONE 4.5: Qwen's runs, 1-D positions
 HunyuanLayout   HunyuanOCR: a break per merged row, begin / end rows, multi-axis positions
@@ -15,6 +16,7 @@ from typing import Any
 from paged_engine.multimodal import qwen2_vl, qwen_omni
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_error
+from paged_engine.multimodal.qwen2_vl_vision import _int_field
 
 
 class QwenLayout(Layout):
@@ -50,6 +52,34 @@ class QwenLayout(Layout):
 
     def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
         return qwen2_vl.mrope_positions(num_tokens, images, qwen2_vl.merge_size(self.config))
+
+
+def grid_merge_size(config: Any) -> int:
+    """vision_config.spatial_merge_size (ValueError naming it unless a positive int)."""
+    return _int_field(config.vision_config, "spatial_merge_size")
+
+
+class OneFrameLayout(QwenLayout):
+    """Qwen2-VL's runs and M-RoPE table over one-frame patch grids (1, h, w) whose pixel rows
+    are one patch wide (`row_width`, the family's): PaddleOCR-VL, ERNIE 4.5 VL."""
+
+    def row_width(self) -> int:
+        raise NotImplementedError
+
+    def length(self, size: Size) -> int:
+        m = grid_merge_size(self.config)
+        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
+            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (1, h, w)")
+        if size[1] % m or size[2] % m:
+            raise ValueError(
+                f"multi_modal_data['image']: image_size {size}: h and w must be multiples of "
+                f"vision_config.spatial_merge_size {m}"
+            )
+        return size[1] * size[2] // m**2
+
+    def pixel_shape(self, size: Size) -> tuple[int, ...]:
+        assert size is not None and len(size) == 3
+        return (size[1] * size[2], self.row_width())
 
 
 class OmniLayout(QwenLayout):

@@ -40,8 +40,9 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal import qwen2_vl_vision as qwen
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import Loaded, Run, Size, _shape_error
-from paged_engine.multimodal.layouts_qwen import QwenLayout
+from paged_engine.multimodal.layouts import Loaded, Run, _shape_error
+from paged_engine.multimodal.layouts_qwen import OneFrameLayout
+from paged_engine.multimodal.layouts_qwen import grid_merge_size as merge_size
 from paged_engine.multimodal.vision_transformer import VisionLayer, pixel_shuffle
 
 MODEL_TYPES = frozenset({"paddleocr_vl_vision"})
@@ -55,10 +56,6 @@ _PREFIXES = (
 )
 # the Hub's tower tensors transformers ignores at load (SigLIP's pooling head, a packing table)
 _UNUSED = ("visual.head.", "visual.embeddings.packing_position_embedding.")
-
-
-def merge_size(config: Any) -> int:
-    return qwen._int_field(config.vision_config, "spatial_merge_size")
 
 
 def patch_dim(config: Any) -> int:
@@ -205,24 +202,12 @@ def _ours(item: tuple[str, torch.Tensor]) -> tuple[str, torch.Tensor] | None:
     return None
 
 
-class PaddleOCRLayout(QwenLayout):
+class PaddleOCRLayout(OneFrameLayout):
     """Pixel rows [h*w, C*p*p] (the processor's [h*w, C, p, p] flattened), size the grid
     (1, h, w); a run of h*w / m^2 placeholders and Qwen2-VL's M-RoPE table."""
 
-    def length(self, size: Size) -> int:
-        m = merge_size(self.config)
-        if size is None or len(size) != 3 or size[0] != 1 or min(size) <= 0:
-            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (1, h, w)")
-        if size[1] % m or size[2] % m:
-            raise ValueError(
-                f"multi_modal_data['image']: image_size {size}: h and w must be multiples of "
-                f"vision_config.spatial_merge_size {m}"
-            )
-        return size[1] * size[2] // m**2
-
-    def pixel_shape(self, size: Size) -> tuple[int, ...]:
-        assert size is not None and len(size) == 3
-        return (size[1] * size[2], patch_dim(self.config))
+    def row_width(self) -> int:
+        return patch_dim(self.config)
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image])

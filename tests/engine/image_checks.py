@@ -289,3 +289,42 @@ def check_vision_fields_refused(path, cases: list[tuple], build: Callable) -> No
         setattr(config.vision_config, field, value)
         with pytest.raises(ValueError, match=match):
             build(config)
+
+
+def check_grid_host_side_and_encoder(
+    llm: LLM, hf_model, prompt: str, images: list, ids: list[int], extra: dict, pixels,
+    name_sets: list[dict], build: Callable,
+) -> None:  # fmt: skip
+    """A Qwen2-VL-style family against HF on `prompt` with `images` (HF's processor gave
+    `ids` and `extra`): our processing gives HF's ids, grids, `pixels` (HF's pixel values in
+    our row layout) and get_rope_index's table and delta; the encoder's rows equal HF's image
+    features (1e-5) with its weights from each of `name_sets`; those rows as image_embeds
+    (with image_grid_thw) give the images' tokens."""
+    import torch
+
+    ours = llm.llm_engine.input_processor.images
+    expanded, done = ours.process(llm.get_tokenizer().encode(prompt), images)
+    assert expanded == ids
+    assert [list(m.image_size) for m in done] == extra["image_grid_thw"].tolist()
+    torch.testing.assert_close(torch.cat([m.pixel_values for m in done]), pixels)
+    table = ours.positions(len(ids), done)
+    want, delta = hf_model.model.get_rope_index(
+        torch.tensor([ids]), extra["mm_token_type_ids"], extra["image_grid_thw"]
+    )
+    assert table.table.tolist() == want[:, 0].tolist()
+    assert table.delta == int(delta)
+    with torch.no_grad():
+        features = hf_model.model.get_image_features(extra["pixel_values"], extra["image_grid_thw"])
+        for names in name_sets:
+            encoder = build(hf_model.config).float()
+            encoder.load_weights(names.items())
+            got = torch.cat(encoder.encode(done))
+            torch.testing.assert_close(got, torch.cat(features.pooler_output), atol=1e-5, rtol=0)
+    # vLLM's image features input: the encoder's rows with their grids, as the images
+    embeds = {"image_embeds": got, "image_grid_thw": extra["image_grid_thw"]}
+    outs = llm.generate(
+        [{"prompt": prompt, "multi_modal_data": {"image": x}} for x in (images, embeds)],
+        greedy(0),
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids

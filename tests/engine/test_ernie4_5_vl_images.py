@@ -28,6 +28,7 @@ import torch
 from hf_reference import assert_matches, hf_greedy
 from image_checks import (
     check_engine_paths,
+    check_grid_host_side_and_encoder,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
@@ -195,37 +196,12 @@ def test_ernie4_5_vl_host_side_and_encoder_match_hf(ernie_dir, hf_model):
 
     images = [noise_image(20, (40, 56)), noise_image(21, (72, 24))]
     ids, extra = _hf_inputs(_processor(ernie_dir), TWO, images)
-    llm = engine(ernie_dir)
-    ours = llm.llm_engine.input_processor.images
-    expanded, done = ours.process(llm.get_tokenizer().encode(TWO), images)
-    assert expanded == ids
-    grids = extra["image_grid_thw"].tolist()
-    assert [list(m.image_size) for m in done] == grids
-    torch.testing.assert_close(torch.cat([m.pixel_values for m in done]), extra["pixel_values"])
-    table = ours.positions(len(ids), done)
-    want, delta = hf_model.model.get_rope_index(
-        torch.tensor([ids]), extra["mm_token_type_ids"], extra["image_grid_thw"]
-    )
-    assert table.table.tolist() == want[:, 0].tolist()
-    assert table.delta == int(delta)
-
     hub = load_file(ernie_dir / "model.safetensors")
     memory = {k: v for k, v in hf_model.state_dict().items() if "language_model" not in k}
-    with torch.no_grad():
-        features = hf_model.model.get_image_features(extra["pixel_values"], extra["image_grid_thw"])
-        for names in (hub, memory):
-            encoder = build_encoder(hf_model.config).float()
-            encoder.load_weights(names.items())
-            got = torch.cat(encoder.encode(done))
-            torch.testing.assert_close(got, torch.cat(features.pooler_output), atol=1e-5, rtol=0)
-    # vLLM's image features input: the resampler's rows with their grids, as the images
-    embeds = {"image_embeds": got, "image_grid_thw": extra["image_grid_thw"]}
-    outs = llm.generate(
-        [{"prompt": TWO, "multi_modal_data": {"image": x}} for x in (images, embeds)],
-        greedy(0),
-        use_tqdm=False,
+    pixels = extra["pixel_values"]
+    check_grid_host_side_and_encoder(
+        engine(ernie_dir), hf_model, TWO, images, ids, extra, pixels, [hub, memory], build_encoder
     )
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_ernie4_5_vl_engine_paths(ernie_dir):

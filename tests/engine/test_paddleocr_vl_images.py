@@ -26,12 +26,12 @@ import torch
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
+    check_grid_host_side_and_encoder,
     check_matches_hf,
     check_refused,
     check_tensor_parallel,
     check_vision_fields_refused,
     engine,
-    greedy,
     grid_path_prompts,
     hf_cases,
     hf_refs,
@@ -153,21 +153,6 @@ def test_paddleocr_vl_host_side_and_encoder_match_hf(paddle_dir, hf_model):
 
     images = [noise_image(20, (40, 56)), noise_image(21, (72, 24))]
     ids, extra = _hf_inputs(_processor(paddle_dir), TWO, images)
-    llm = engine(paddle_dir)
-    ours = llm.llm_engine.input_processor.images
-    expanded, done = ours.process(llm.get_tokenizer().encode(TWO), images)
-    assert expanded == ids
-    grids = extra["image_grid_thw"].tolist()
-    assert [list(m.image_size) for m in done] == grids
-    want_pixels = extra["pixel_values"].flatten(1)
-    torch.testing.assert_close(torch.cat([m.pixel_values for m in done]), want_pixels)
-    table = ours.positions(len(ids), done)
-    want, delta = hf_model.model.get_rope_index(
-        torch.tensor([ids]), extra["mm_token_type_ids"], extra["image_grid_thw"]
-    )
-    assert table.table.tolist() == want[:, 0].tolist()
-    assert table.delta == int(delta)
-
     weights = load_file(paddle_dir / "model.safetensors")
     hub = {
         k.replace("model.visual.", "visual.")
@@ -177,21 +162,10 @@ def test_paddleocr_vl_host_side_and_encoder_match_hf(paddle_dir, hf_model):
     }
     hub["visual.vision_model.head.probe"] = torch.zeros(1, 1, 32)
     hub["visual.vision_model.embeddings.packing_position_embedding.weight"] = torch.zeros(4, 32)
-    with torch.no_grad():
-        features = hf_model.model.get_image_features(extra["pixel_values"], extra["image_grid_thw"])
-        for names in (weights, hub):
-            encoder = build_encoder(hf_model.config).float()
-            encoder.load_weights(names.items())
-            got = torch.cat(encoder.encode(done))
-            torch.testing.assert_close(got, torch.cat(features.pooler_output), atol=1e-5, rtol=0)
-    # vLLM's image features input: the projector's rows with their grids, as the images
-    embeds = {"image_embeds": got, "image_grid_thw": extra["image_grid_thw"]}
-    outs = llm.generate(
-        [{"prompt": TWO, "multi_modal_data": {"image": x}} for x in (images, embeds)],
-        greedy(0),
-        use_tqdm=False,
+    pixels = extra["pixel_values"].flatten(1)  # our rows: HF's [h*w, C, p, p] flattened
+    check_grid_host_side_and_encoder(
+        engine(paddle_dir), hf_model, TWO, images, ids, extra, pixels, [weights, hub], build_encoder
     )
-    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 def test_paddleocr_vl_engine_paths(paddle_dir):

@@ -90,6 +90,7 @@ class InputPreparer:
     # the ModelRunner's state it uses
     batch: InputBatch
     model: torch.nn.Module
+    vision_token_ids: np.ndarray | None
     block_size: int
     device: torch.device
     backend: AttentionBackend
@@ -194,7 +195,7 @@ class InputPreparer:
         cross, vision_rows = None, None
         if self.cross is not None:
             cross = self.cross.step(sched.seq_ids, num_new, meta, starts)
-        routed = getattr(self.model, "vision_token_ids", None)
+        routed = self.vision_token_ids
         if routed is not None and routed.size:  # prompt tokens of those ids (host-known)
             mask = (positions < batch.num_prompt[tok_rows]) & np.isin(ids, routed)
             if mask.any():

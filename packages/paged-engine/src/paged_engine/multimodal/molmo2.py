@@ -31,7 +31,7 @@ lets them see each other both ways at prefill (mm_token_type_ids): the image is
 see a later image's across the text between them, which a key end cannot say: a prompt holds at
 most one run of images: one image, or images side by side (`<|image|><|image|>`, no text
 between), which take one `ImageInput` together (their views and geometries concatenated); text
-between two images is refused by name, and so is mm_processor_kwargs' max_crops past MOST_CROPS.
+between two images is refused by name (max_crops past 1024: kwargs_budget.py's count knobs).
 Videos are refused (not run). image_size carries the geometries (`Geometry`) the worker rebuilds
 the pooling windows and the segment from.
 """
@@ -66,7 +66,6 @@ _PROCESSOR_FLAGS = {  # Molmo2Processor's defaults (None: image_use_col_tokens's
     "use_single_crop_col_tokens": None,
     "use_single_crop_start_token": True,
 }
-MOST_CROPS = 1024  # mm_processor_kwargs['max_crops'] at most (far past any prompt)
 
 
 def processor_flags(path: Path) -> dict[str, Any]:
@@ -128,17 +127,6 @@ class Molmo2Layout(Layout):
         if any(g.crop_patches != cp for g in found):
             raise ValueError(f"multi_modal_data['image']: image_size {size} mixes crop sizes")
         return (sum(g.views for g in found), cp * cp, self.patch_dim)
-
-    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
-        """mm_processor_kwargs['max_crops'] refused before any pixel past MOST_CROPS:
-        transformers' select_tiling lists max_crops**2 pairs (10**9: a hang), and that many
-        crops could not fit a prompt anyway."""
-        most = kwargs.get("max_crops", 1)
-        if isinstance(most, bool) or not isinstance(most, int) or not 1 <= most <= MOST_CROPS:
-            raise ValueError(
-                f"mm_processor_kwargs['max_crops'] must be an int in [1, {MOST_CROPS}], "
-                f"got {most!r}"
-            )
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         out = run([image])

@@ -39,7 +39,7 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal import qwen2_vl_vision as qwen
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts_qwen import OneFrameLayout
+from paged_engine.multimodal.layouts_qwen import OneFrameLayout, one_frame_grid
 from paged_engine.multimodal.layouts_qwen import grid_merge_size as merge_size
 
 MODEL_TYPES = frozenset({"ernie4_5_vl_moe_vision"})
@@ -170,13 +170,8 @@ class ErnieImageEncoder(nn.Module):
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         out = []
         for m in images:
-            t, h, w = (int(x) for x in m.image_size)  # type: ignore[union-attr]
-            if t != 1 or h % self.merge or w % self.merge:
-                raise ValueError(
-                    f"image_grid_thw {(t, h, w)}: (1, h, w) with h and w multiples of "
-                    f"spatial_merge_size {self.merge}"
-                )
-            x = self.vision_tower(m.pixel_values, [(t, h, w)])  # type: ignore[arg-type]
+            h, w = one_frame_grid(m.image_size, self.merge)
+            x = self.vision_tower(m.pixel_values, [(1, h, w)])  # type: ignore[arg-type]
             out.append(self.resampler_model(x))
         return out
 

@@ -59,6 +59,18 @@ def grid_merge_size(config: Any) -> int:
     return _int_field(config.vision_config, "spatial_merge_size")
 
 
+def one_frame_grid(image_size: Any, merge: int) -> tuple[int, int]:
+    """(h, w) of an encoder's one-frame patch grid (1, h, w) (ValueError unless h and w are
+    multiples of the merge size)."""
+    t, h, w = (int(x) for x in image_size)
+    if t != 1 or h % merge or w % merge:
+        raise ValueError(
+            f"image_grid_thw {(t, h, w)}: (1, h, w) with h and w multiples of "
+            f"spatial_merge_size {merge}"
+        )
+    return h, w
+
+
 class OneFrameLayout(QwenLayout):
     """Qwen2-VL's runs and M-RoPE table over one-frame patch grids (1, h, w) whose pixel rows
     are one patch wide (`row_width`, the family's): PaddleOCR-VL, ERNIE 4.5 VL."""

@@ -41,7 +41,7 @@ from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal import qwen2_vl_vision as qwen
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import Loaded, Run, _shape_error
-from paged_engine.multimodal.layouts_qwen import OneFrameLayout
+from paged_engine.multimodal.layouts_qwen import OneFrameLayout, one_frame_grid
 from paged_engine.multimodal.layouts_qwen import grid_merge_size as merge_size
 from paged_engine.multimodal.vision_transformer import VisionLayer, pixel_shuffle
 
@@ -175,12 +175,7 @@ class PaddleOCRImageEncoder(nn.Module):
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         out = []
         for m in images:
-            t, h, w = (int(x) for x in m.image_size)  # type: ignore[union-attr]
-            if t != 1 or h % self.merge or w % self.merge:
-                raise ValueError(
-                    f"image_grid_thw {(t, h, w)}: (1, h, w) with h and w multiples of "
-                    f"spatial_merge_size {self.merge}"
-                )
+            h, w = one_frame_grid(m.image_size, self.merge)
             weight = self.visual.embeddings.patch_embedding.weight
             pixels = m.pixel_values.to(weight.device)  # type: ignore[union-attr]
             out.append(self.projector(self.visual(pixels, h, w), h))

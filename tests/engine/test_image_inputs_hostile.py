@@ -104,6 +104,7 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
     ),
     "lfm2_vl": ("test_lfm2_vl_images", lambda m, p: m.write_tiny_lfm2_vl(p), lambda m: m.PROMPT),
     "ovis2_5": ("test_ovis2_5_images", lambda m, p: m.write_tiny_ovis2_5(p), lambda m: m.PROMPT),
+    "ovis2": ("test_ovis2_images", lambda m, p: m.write_tiny_ovis2(p), lambda m: m.PROMPT),
     "phi4mm": ("test_phi4mm_images", lambda m, p: m.write_tiny_phi4mm(p), lambda m: m.PROMPT),
     "minicpmv4_7": (
         "test_minicpmv_images",
@@ -142,6 +143,7 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
         lambda m, p: m.write_tiny_omni(p, "3"),
         lambda m: m._prompts("3")[0],
     ),
+    "fuyu": ("test_fuyu_images", lambda m, p: m.write_tiny_fuyu(p), lambda m: m.PROMPT),
 }
 
 
@@ -170,6 +172,8 @@ HOSTILE_KWARGS: dict[str, list[tuple[dict[str, Any], str]]] = {
     "paddleocr_vl": [({"min_pixels": 10**9}, "min_pixels")],
     "llava_onevision1_5": [({"min_pixels": 10**9}, "min_pixels")],
     "phi4mm": [({"dynamic_hd": 0}, "dynamic_hd"), ({"dynamic_hd": "4"}, "dynamic_hd")],
+    "fuyu": [({"size": {"height": 30000, "width": 30000}}, "size")],  # the canvas it pads to
+    "ovis2": [({"max_patches": 10**9}, "max_patches"), ({"max_patches": 1000}, "max_patches")],
     # the older families, through the shared budget (multimodal/kwargs_budget.py): a resize
     # to 30000 x 30000 (10 GB) or a 10**9-tile search, refused from the kwargs and image size
     "llava": [
@@ -212,6 +216,8 @@ FAIR_KWARGS: dict[str, dict[str, Any]] = {
 # the families whose processed-ahead images are checked against a changed image_size
 TAMPERED = {"mllama", "molmo2", "aria", "deepseek_vl", "deepseek_vl_hybrid", "paddleocr_vl"}
 TAMPERED |= {"llava_onevision1_5", "phi4mm"}
+TAMPERED |= {"ovis2"}
+TAMPERED |= {"fuyu"}
 
 
 def _refuses_kwargs(

@@ -12,6 +12,7 @@ from paged_engine import LLM, SamplingParams
 from paged_engine.multimodal.archs import KINDS
 from paged_engine.multimodal.gemma4_video import Gemma4VideoProcessor
 from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
+from paged_engine.multimodal.llava_next_video import LlavaNextVideoProcessor
 from paged_engine.multimodal.omni_video import OmniVideoProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor
@@ -34,6 +35,8 @@ from paged_engine.testing import write_tiny_qwen2_vl
         ("Gemma4ForConditionalGeneration", Gemma4VideoProcessor),
         ("Qwen2_5OmniThinkerForConditionalGeneration", OmniVideoProcessor),
         ("Qwen3OmniMoeForConditionalGeneration", OmniVideoProcessor),
+        ("LlavaNextVideoForConditionalGeneration", LlavaNextVideoProcessor),
+        ("VipLlavaForConditionalGeneration", None),  # images only
         ("LlavaForConditionalGeneration", None),  # images only
         ("LlamaForCausalLM", None),
     ],

@@ -20,6 +20,7 @@ from paged_engine.models.beam import BeamForCausalLM
 from paged_engine.models.bert import ENCODERS
 from paged_engine.models.bitnet import BitNetForCausalLM
 from paged_engine.models.bloom import BloomForCausalLM
+from paged_engine.models.chameleon import ChameleonForCausalLM
 from paged_engine.models.cohere import (
     Cohere2ForCausalLM,
     Cohere2MoeForCausalLM,
@@ -284,6 +285,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Kolibri1_1ForCausalLM": Kolibri1_1ForCausalLM,
     "FlintForCausalLM": FlintForCausalLM,
     "LaraMiniForCausalLM": LaraMiniForCausalLM,
+    "ChameleonForCausalLM": ChameleonForCausalLM,  # Chameleon's decoder (qk-norm, swin_norm)
     # encoder-decoder: audio in, text out (worker/cross_attention.py)
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)

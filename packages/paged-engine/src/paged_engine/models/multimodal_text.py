@@ -129,6 +129,11 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
     text = config if spec.flat else getattr(config, "text_config", None)
     model_type = getattr(text, "model_type", None)
     target = spec.text_archs.get(model_type) if text is not None else None
+    if target is None and getattr(text, "is_encoder_decoder", False):  # BLIP-2's Flan-T5
+        raise ValueError(
+            f"{arch} with a text_config of model_type {model_type!r} (an encoder-decoder "
+            "text model) is not supported: paged serves decoder-only text models"
+        )
     if target is None:
         known = ", ".join(sorted(spec.text_archs))
         raise ValueError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
@@ -75,10 +76,13 @@ class OPTDecoder(nn.Module):
         self.layers, self.stage = make_layers(
             config.num_hidden_layers, lambda i: OPTDecoderLayer(config)
         )
+        self.first = get_parallel_state().is_first_stage
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
-        if hidden is None:  # first pipeline stage
-            x = self.embed_tokens(input_ids)  # [T, proj]
+        # first stage: the token ids, or their embeddings with image rows in (BLIP-2: HF puts
+        # them into the token embedding's output, before project_in and the positions)
+        if hidden is None or self.first:
+            x = self.embed_tokens(input_ids) if hidden is None else hidden  # [T, proj]
             if self.project_in is not None:
                 x = self.project_in(x)
             hidden = x + self.embed_positions(positions + POSITION_OFFSET)  # [T, D]

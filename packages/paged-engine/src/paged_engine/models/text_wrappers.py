@@ -8,10 +8,14 @@ each is exact).
     Apertus1p5ForConditionalGeneration   apertus1p5_text        -> Apertus1p5TextForCausalLM
     AriaForConditionalGeneration         aria_text              -> AriaTextForCausalLM
     AyaVisionForConditionalGeneration    cohere2 / cohere       -> Cohere2 / CohereForCausalLM
+    Blip2ForConditionalGeneration        opt / llama / mistral  -> OPT / Llama / Mistral
+                                         qwen2                  -> Qwen2ForCausalLM
+    ChameleonForConditionalGeneration    (flat) chameleon       -> ChameleonForCausalLM
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
       DeepseekVLHybridForConditionalGeneration
     Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
+    FuyuForCausalLM                      persimmon              -> PersimmonForCausalLM
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
     Gemma3nForConditionalGeneration      gemma3n_text           -> Gemma3nForCausalLM
     Gemma4ForConditionalGeneration       gemma4_text            -> Gemma4ForCausalLM
@@ -36,7 +40,9 @@ each is exact).
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
     LlavaForConditionalGeneration,       llama / mistral / qwen2 -> Llama / Mistral / Qwen2
       LlavaNextForConditionalGeneration,
-      LlavaOnevisionForConditionalGeneration
+      LlavaOnevisionForConditionalGeneration,
+      VipLlavaForConditionalGeneration,
+      LlavaNextVideoForConditionalGeneration
     LlavaOnevision15ForConditionalGeneration  qwen3            -> Qwen3ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
@@ -46,6 +52,7 @@ each is exact).
       MiniCPMV4_7ForConditionalGeneration
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
     Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
     PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
     Ernie4_5_VLMoeForConditionalGeneration  ernie4_5_vl_moe_text -> Ernie4_5_VLMoeTextForCausalLM
@@ -109,6 +116,8 @@ _ERNIE4_5_VL = _modules("vision_model", "vision_tower", "resampler_model")  # Hu
 _OVIS2_5 = (*_LLAVA_STYLE, "visual_tokenizer.", "vte.", "model.vte.")
 # Ovis 2.5's Hub checkpoints keep the language model under `llm.`
 _OVIS2_5_RENAMES = (("llm.model.", "model."), ("llm.lm_head.", "lm_head."))
+# Ovis2 (transformers' port): the AIMv2 tower and visual tokenizer, the visual embedding table
+_OVIS2 = _modules("vision_tower", "visual_embeddings_table")
 # Apertus 1.5: the image and audio tokenizers (their codes embed with the text table)
 _APERTUS1P5_TOKENIZERS = _modules("vision_tokenizer", "audio_tokenizer")
 
@@ -178,6 +187,11 @@ WRAPPERS: dict[str, Wrapper] = {
     # audio embedders under `model.embed_tokens_extend.` (multimodal/phi4mm.py, phi4mm_audio.py)
     "Phi4MultimodalForCausalLM": Wrapper(
         {"phi4_multimodal": "Phi3ForCausalLM"}, _modules("embed_tokens_extend"), flat=True
+    ),
+    # Chameleon: its decoder's fields at the config's top level, its VQ-VAE under
+    # `model.vqmodel.` (images: multimodal/chameleon.py; the decoder: models/chameleon.py)
+    "ChameleonForConditionalGeneration": Wrapper(
+        {"chameleon": "ChameleonForCausalLM"}, _modules("vqmodel"), flat=True
     ),
     "Apertus1p5ForConditionalGeneration": Wrapper(
         {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
@@ -278,6 +292,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "Ovis2_5ForConditionalGeneration": Wrapper(
         {"qwen3": "Qwen3ForCausalLM"}, _OVIS2_5, renames=_OVIS2_5_RENAMES
     ),
+    "Ovis2ForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _OVIS2),
     # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
@@ -300,6 +315,9 @@ WRAPPERS: dict[str, Wrapper] = {
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
     "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # ViP-LLaVA (a normed projector), LLaVA-NeXT-Video (its pooler has no weights: average / max)
+    "VipLlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
+    "LlavaNextVideoForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
     # LLaVA-OneVision-1.5: RICE-ViT under `visual` (images: multimodal/llava_onevision1_5.py),
     # 1-D text positions; transformers 5.25 saves the decoder as `model.model.X`
     "LlavaOnevision15ForConditionalGeneration": Wrapper(
@@ -439,6 +457,17 @@ WRAPPERS: dict[str, Wrapper] = {
     ),
     "Qwen4ExpForConditionalGeneration": Wrapper(
         {"qwen4_exp_text": "Qwen4ExpForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    # BLIP-2: a ViT, the Q-Former and language_projection (images: multimodal/blip2.py) into
+    # a decoder-only text model (the Flan-T5 variants, encoder-decoders, are refused)
+    "Blip2ForConditionalGeneration": Wrapper(
+        {"opt": "OPTForCausalLM", **_LLAVA_TEXT},
+        (*_modules("vision_model", "qformer", "language_projection"), "query_tokens"),
+    ),
+    # Fuyu: no tower, its patches' linear projection `vision_embed_tokens` (images:
+    # multimodal/fuyu.py) into Persimmon
+    "FuyuForCausalLM": Wrapper(
+        {"persimmon": "PersimmonForCausalLM"}, _modules("vision_embed_tokens")
     ),
 }
 

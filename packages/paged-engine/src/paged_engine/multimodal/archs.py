@@ -32,6 +32,8 @@
     MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
+    Ovis2ForConditionalGeneration                 "ovis2"       multimodal/ovis2.py (tower),
+      ovis2_layout.py (tiles, prompt)
     Exaone4_5_ForConditionalGeneration            "exaone4_5"   multimodal/exaone4_5.py
     LlavaOnevision15ForConditionalGeneration  "llava_onevision1_5"  multimodal/llava_onevision1_5.py
       (LLaVA-OneVision-1.5: RICE-ViT tower, Qwen3 decoder at 1-D positions)
@@ -46,6 +48,15 @@
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     AriaForConditionalGeneration                  "aria"        multimodal/aria.py
+    VipLlavaForConditionalGeneration              "vipllava"    multimodal/vipllava.py
+    LlavaNextVideoForConditionalGeneration  "llava_next_video"  multimodal/llava_next_video.py
+      (LLaVA-NeXT's images; its videos pooled, in the same file)
+    Blip2ForConditionalGeneration                 "blip2"       multimodal/blip2.py (decoder-only
+      text models: OPT, Llama, Mistral, Qwen2; Flan-T5 refused)
+    ChameleonForConditionalGeneration             "chameleon"   multimodal/chameleon.py (a flat
+      config; a VQ-VAE's codes as text-embedding rows: chameleon_vqvae.py; text out only)
+    FuyuForCausalLM                               "fuyu"        multimodal/fuyu.py (no tower:
+      patches linearly projected into Persimmon; no vision_config)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -95,6 +106,7 @@ KINDS: dict[str, str] = {
     "MiniCPMV4_7ForConditionalGeneration": "minicpmv_canvas",
     "Lfm2VlForConditionalGeneration": "lfm2_vl",
     "Ovis2_5ForConditionalGeneration": "ovis2_5",
+    "Ovis2ForConditionalGeneration": "ovis2",
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
     "LlavaOnevision15ForConditionalGeneration": "llava_onevision1_5",
     "PaliGemmaForConditionalGeneration": "paligemma",
@@ -105,13 +117,18 @@ KINDS: dict[str, str] = {
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
     "Phi4MultimodalForCausalLM": "phi4mm",
     "AriaForConditionalGeneration": "aria",
+    "VipLlavaForConditionalGeneration": "vipllava",
+    "LlavaNextVideoForConditionalGeneration": "llava_next_video",
+    "Blip2ForConditionalGeneration": "blip2",
+    "ChameleonForConditionalGeneration": "chameleon",
+    "FuyuForCausalLM": "fuyu",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
 # for messages
 VIDEO_MODELS = (
-    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4 and the "
-    "Qwen2.5-Omni / Qwen3-Omni thinkers"
+    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4, LLaVA-NeXT-Video "
+    "and the Qwen2.5-Omni / Qwen3-Omni thinkers"
 )
 
 # kind -> the vision_config.model_type(s) we run; LLaVA's, LLaVA-NeXT's and Idefics2's are
@@ -130,6 +147,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minicpmv_canvas": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "lfm2_vl": ("siglip2_vision_model",),
     "ovis2_5": ("ovis2_5_vision",),
+    "ovis2": ("ovis2_vision",),
     "exaone4_5": ("exaone4_5_vision",),
     "llava_onevision1_5": ("llava_onevision1_5_vision",),
     "paligemma": ("siglip_vision_model",),
@@ -139,6 +157,8 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
     "phi4mm": ("phi4_multimodal_vision",),
     "aria": ("idefics3_vision",),
+    "blip2": ("blip_2_vision_model",),
+    "chameleon": ("chameleon_vqgan",),  # vq_config.model_type: its VQ-VAE
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -168,6 +188,7 @@ ENCODERS: dict[str, str] = {
     "minicpmv_canvas": "minicpmv:MiniCPMVImageEncoder",
     "lfm2_vl": "lfm2_vl:Lfm2VlImageEncoder",
     "ovis2_5": "ovis2_5:Ovis2_5ImageEncoder",
+    "ovis2": "ovis2:Ovis2ImageEncoder",
     "exaone4_5": "exaone4_5:Exaone45ImageEncoder",
     "llava_onevision1_5": "llava_onevision1_5:LlavaOnevision15ImageEncoder",
     "paligemma": "paligemma:PaliGemmaImageEncoder",
@@ -177,6 +198,11 @@ ENCODERS: dict[str, str] = {
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
     "phi4mm": "phi4mm:Phi4MMImageEncoder",
     "aria": "aria:AriaImageEncoder",
+    "vipllava": "vipllava:VipLlavaImageEncoder",
+    "llava_next_video": "llava_next_video:LlavaNextVideoEncoder",
+    "blip2": "blip2:Blip2ImageEncoder",
+    "chameleon": "chameleon:ChameleonImageEncoder",
+    "fuyu": "fuyu:FuyuImageEncoder",  # no tower: vision_embed_tokens alone
 }
 
 
@@ -191,6 +217,8 @@ def image_kind(config: Any) -> str:
 
 
 def vision_tower_type(config: Any) -> str | None:
+    if getattr(config, "vision_config", None) is None and hasattr(config, "vq_config"):
+        return getattr(config.vq_config, "model_type", None)  # Chameleon: its VQ-VAE
     return getattr(config.vision_config, "model_type", None)
 
 
@@ -199,7 +227,7 @@ def supported_tower(config: Any) -> bool:
     kind = image_kind(config)
     if kind in TOWER_TYPES:
         return vision_tower_type(config) in TOWER_TYPES[kind]
-    if kind in ("llava", "llava_next", "idefics2"):
+    if kind in ("llava", "llava_next", "idefics2", "vipllava", "llava_next_video"):
         from paged_engine.multimodal.vision_transformer import TOWERS
 
         return vision_tower_type(config) in TOWERS

@@ -4,9 +4,12 @@ looks a model's up). Every family module is imported here, so none imports anoth
 from __future__ import annotations
 
 from paged_engine.multimodal.aria import AriaLayout
+from paged_engine.multimodal.blip2 import Blip2Layout
+from paged_engine.multimodal.chameleon import ChameleonLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
+from paged_engine.multimodal.fuyu import FuyuLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -42,6 +45,7 @@ from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
+from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 from paged_engine.multimodal.phi4mm import Phi4MMLayout
@@ -69,6 +73,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "kimi_k25": KimiLayout,
     "lfm2_vl": Lfm2VlLayout,
     "ovis2_5": Ovis2_5Layout,
+    "ovis2": Ovis2Layout,  # Ovis2: tiles, "<image>" (text) -> their indicator segment
     "exaone4_5": Exaone45Layout,  # EXAONE 4.5: Qwen2-VL's runs, 1-D positions
     "llava_onevision1_5": LlavaOnevision15Layout,  # its runs over one-frame patch rows
     "minicpmv": MiniCPMVLayout,
@@ -81,4 +86,9 @@ LAYOUTS: dict[str, type[Layout]] = {
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
     "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput
+    "vipllava": Layout,  # ViP-LLaVA: LLaVA 1.5's fixed run
+    "llava_next_video": AnyResLayout,  # LLaVA-NeXT-Video's images: LLaVA-NeXT's
+    "blip2": Blip2Layout,  # BLIP-2: a run of num_query_tokens, first when unmarked
+    "chameleon": ChameleonLayout,  # Chameleon: boi, a fixed run of VQ codes, eoi
+    "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
 }

@@ -38,6 +38,10 @@ and paligemma_layout.py; layout_table.py maps each model kind to its layout.
     Ovis2_5Layout   image_start, a run by the merged grid, image_end;       one per image
                     the whole segment takes the image's rows (Ovis 2.5;     (with its bounds)
                     tokens spliced)
+    Ovis2Layout     "<image>" text -> <IMG_START>, a run per tile (the      one per image
+                    thumbnail first), <IMG_GRID> / <IMG_COL> / <IMG_ROW>,   (its whole
+                    <IMG_END> (Ovis2; spliced as text, tokenized;           segment)
+                    ovis2_layout.py)
 
 `load` runs the checkpoint's image processor on one image of a prompt holding `count`
 (`run(images, **extra)`: the processor with the request's kwargs, errors as ValueErrors

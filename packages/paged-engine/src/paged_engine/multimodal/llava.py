@@ -42,11 +42,17 @@ def image_token_id(config) -> int:
     return int(value if value is not None else config.image_token_index)
 
 
+def select_strategy(config) -> str:
+    """vision_feature_select_strategy; ViP-LLaVA's config has none: it always drops the first
+    token ("default")."""
+    return getattr(config, "vision_feature_select_strategy", "default")
+
+
 def tokens_per_image(config) -> int:
     """Placeholders an image takes in the prompt: the tower's patches, plus CLIP's CLS token
     under the "full" strategy ("default" drops the first token whatever it is, as HF does)."""
     vision = config.vision_config
-    strategy = config.vision_feature_select_strategy
+    strategy = select_strategy(config)
     if strategy not in _STRATEGIES:
         raise ValueError(
             f"vision_feature_select_strategy={strategy!r} is not supported; supported: "
@@ -84,6 +90,7 @@ class LlavaImageEncoder(nn.Module):
     """Images -> rows of the text model's input embedding (one row per placeholder)."""
 
     own_weights: tuple[str, ...] = ()  # the wrapper's tensors outside tower and projector
+    projector_class: type[nn.Module] = Projector  # built (config, feature layers); a linear_1
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -97,17 +104,20 @@ class LlavaImageEncoder(nn.Module):
                 f"vision_feature_layer={config.vision_feature_layer} is outside the vision "
                 f"tower's {total} layers"
             )
-        self.drop_first = config.vision_feature_select_strategy == "default"
+        self.drop_first = select_strategy(config) == "default"
         self.vision_tower = _VisionTower(config.vision_config, max(self.layers))
-        self.multi_modal_projector = Projector(config, len(layers))
+        self.multi_modal_projector = self.projector_class(config, len(layers))
         self.image_size = self.vision_tower.vision_model.image_size
 
-    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] -> [N, L, D]
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] -> [N, L, k * C]
+        """The selected tower states before the projector (k feature layers concatenated)."""
         states = self.vision_tower.vision_model(pixels, self.layers)
         if self.drop_first:
             states = [s[:, 1:] for s in states]
-        features = states[0] if len(states) == 1 else torch.cat(states, dim=-1)
-        return self.multi_modal_projector(features)
+        return states[0] if len(states) == 1 else torch.cat(states, dim=-1)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:  # [N, 3, H, W] -> [N, L, D]
+        return self.multi_modal_projector(self.features(pixels))
 
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """Each image's feature rows [length, D] (its pixel values [3, H, W])."""

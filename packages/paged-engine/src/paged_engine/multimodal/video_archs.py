@@ -6,6 +6,7 @@
       whole Omni models, read as their thinker_config)      multimodal/omni_video.py
     Qwen3VL..., Qwen3VLMoe..., Qwen3_5..., Qwen3_5Moe...    multimodal/qwen3_video.py
     Qwen2VLForConditionalGeneration, Qwen2_5_VL...          multimodal/qwen_video.py
+    LlavaNextVideoForConditionalGeneration                  multimodal/llava_next_video.py
 
 Every processor is built the same way, cls(path, config, tokenizer, limit, engine_config):
 the checkpoint's directory, its wrapper config, the engine's tokenizer, videos per prompt
@@ -18,9 +19,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paged_engine.multimodal import gemma4_video, glm4v_video, omni_video, qwen2_vl, qwen3_video
+from paged_engine.multimodal import (
+    gemma4_video,
+    glm4v_video,
+    llava_next_video,
+    omni_video,
+    qwen2_vl,
+    qwen3_video,
+)
 from paged_engine.multimodal.gemma4_video import Gemma4VideoProcessor
 from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
+from paged_engine.multimodal.llava_next_video import LlavaNextVideoProcessor
 from paged_engine.multimodal.omni_video import OmniVideoProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor, VideoProcessor
@@ -32,6 +41,7 @@ VIDEO_PROCESSORS: tuple[tuple[tuple[str, ...], type[VideoProcessor]], ...] = (
     (omni_video.ARCHS, OmniVideoProcessor),
     (qwen3_video.ARCHS, Qwen3VideoProcessor),
     (qwen2_vl.ARCHS, QwenVideoProcessor),
+    (llava_next_video.ARCHS, LlavaNextVideoProcessor),
 )
 VIDEO_ARCHS = tuple(a for archs, _ in VIDEO_PROCESSORS for a in archs)
 

@@ -205,6 +205,17 @@ HOSTILE_KWARGS: dict[str, list[tuple[dict[str, Any], str]]] = {
         ({"max_patches": 10**9}, "max_patches"),
         ({"size": {"height": 30000, "width": 30000}}, "size"),
     ],
+    # LFM2-VL: its own bounds (lfm2_vl_processor.check_kwargs): a 10**9-tile ratio search
+    # (cubic in transformers), views past the pixel budget, a patch size unlike the tower's
+    "lfm2_vl": [
+        ({"max_tiles": 10**9, "min_tiles": 10**8}, "max_tiles"),
+        ({"min_image_tokens": 10**9}, "min_image_tokens"),
+        ({"max_image_tokens": 10**9, "min_image_tokens": 10**7}, "max_image_tokens"),
+        ({"tile_size": 10**5}, "tile_size"),
+        ({"encoder_patch_size": 1}, "encoder_patch_size"),
+        ({"max_pixels_tolerance": float("nan")}, "max_pixels_tolerance"),
+        ({"do_image_splitting": "yes"}, "do_image_splitting"),
+    ],
 }
 # kind -> mm_processor_kwargs within the budget (a raise or a lowering), still answered
 FAIR_KWARGS: dict[str, dict[str, Any]] = {
@@ -212,12 +223,11 @@ FAIR_KWARGS: dict[str, dict[str, Any]] = {
     "qwen2-vl": {"min_pixels": 1024, "max_pixels": 8192},
     "idefics3": {"size": {"longest_edge": 64}},
     "mistral3": {"size": {"longest_edge": 10**6}},  # Pixtral only shrinks to it: no cost
+    "lfm2_vl": {"max_image_tokens": 6, "min_image_tokens": 2, "max_tiles": 3},
 }
 # the families whose processed-ahead images are checked against a changed image_size
 TAMPERED = {"mllama", "molmo2", "aria", "deepseek_vl", "deepseek_vl_hybrid", "paddleocr_vl"}
-TAMPERED |= {"llava_onevision1_5", "phi4mm"}
-TAMPERED |= {"ovis2"}
-TAMPERED |= {"fuyu"}
+TAMPERED |= {"llava_onevision1_5", "phi4mm", "ovis2", "fuyu"}
 
 
 def _refuses_kwargs(
@@ -294,6 +304,11 @@ def test_awkward_images_on_the_newer_families(tmp_path, kind):
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=4096)
     _answers_or_refuses(llm, prompt(module))
     _refuses_kwargs(llm, prompt(module), HOSTILE_KWARGS.get(kind, []), kind not in TAMPERED)
+    if kind in FAIR_KWARGS:  # served
+        req = {"prompt": prompt(module), "multi_modal_data": {"image": _images()["palette"]}}
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        out = llm.generate([{**req, "mm_processor_kwargs": FAIR_KWARGS[kind]}], params)
+        assert len(out[0].outputs[0].token_ids) == 2
     if kind in TAMPERED:
         _refuses_tampered(llm, prompt(module))
 

@@ -8,10 +8,13 @@ tiles of 24 pixels plus a thumbnail, normalized by non-default means): `LLM.gene
 `multi_modal_data` must give HF's prompt ids (Lfm2VlProcessor's <|image_start|>, tile and
 thumbnail tokens and runs) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3,
 float32). transformers' Lfm2VlImageProcessor needs torchvision: where it is missing the
-engine's own processor (torch alone) feeds both, its resize / split rules checked against
-transformers' own methods and the prompt against Lfm2VlProcessor's builder. Then the tower
-against get_image_features (padded batch), the engine's paths, TP=2, the server's chat path
-and bad input.
+engine's own copy (multimodal/lfm2_vl_processor.py, torch alone) feeds both, its resize /
+split rules and tile-ratio order checked against transformers' own methods and the prompt
+against Lfm2VlProcessor's builder; where it imports, the copy's output equals the class's.
+Fair mm_processor_kwargs (fewer tokens, no splitting, other tile counts and sizes) give HF's
+prompt and tokens under the same kwargs; hostile ones are refused by name before any pixel.
+Then the tower against get_image_features (padded batch), the engine's paths, TP=2, the
+server's chat path and bad input.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_reference import assert_matches
 from image_checks import (
     check_chat_data_url,
     check_engine_paths,
@@ -34,6 +38,7 @@ from image_checks import (
     check_tensor_parallel,
     check_vision_fields_refused,
     engine,
+    greedy,
     hf_cases,
     hf_refs,
     noise_image,
@@ -77,7 +82,16 @@ PROCESSOR = {  # what Lfm2VlImageProcessor saves, scaled down
     "image_std": [0.27, 0.26, 0.28],
     "do_pad": True,
 }
-MAX_PATCHES = 48  # max(max_image_tokens * 2^2, (24 / 4)^2): HF's padded length
+# mm_processor_kwargs a request may give (within the budget): fewer tokens, no splitting,
+# other tile counts and sizes (3..6 tiles: 1 x 3 and 2 x 3 nearly tie for a 2:1 image), no
+# thumbnail
+FAIR = [
+    {"max_image_tokens": 6, "min_image_tokens": 2},
+    {"do_image_splitting": False},
+    {"min_tiles": 3, "max_tiles": 6, "tile_size": 16},
+    {"max_tiles": 2, "use_thumbnail": False, "max_pixels_tolerance": 1.0},
+    {"max_tiles": 8, "tile_size": 16},  # 1 x 2 and 2 x 4 tie for a 2:1 image: the larger
+]
 HF_PROCESSOR = importlib.util.find_spec("torchvision") is not None
 
 
@@ -111,10 +125,11 @@ def path(tmp_path_factory):
 
 
 def _processor(path):
-    from paged_engine.multimodal.lfm2_vl import Lfm2VlImageProcessor, read_settings
+    from paged_engine.multimodal.lfm2_vl_processor import Lfm2VlTorchProcessor
+    from paged_engine.multimodal.torch_processors import saved_settings
 
     config = transformers.AutoConfig.from_pretrained(path)
-    return Lfm2VlImageProcessor(read_settings(Path(path)), config)
+    return Lfm2VlTorchProcessor(saved_settings(Path(path)), config)
 
 
 def _hf_source(name: str) -> ast.Module:
@@ -142,9 +157,10 @@ def _hf_rules():
     return namespace["Rules"]()
 
 
-def _hf_prompt(text: str, layouts: list[tuple[int, int, tuple[int, int]]]) -> str:
+def _hf_prompt(text: str, layouts: list[tuple[int, int, list[int]]], **kw) -> str:
     """Lfm2VlProcessor's text: each <image> replaced by `_build_image_tokens` of its image's
-    (rows, cols, resized size), the token counts by its own functions."""
+    (rows, cols, resized size), the token counts by its own functions (`kw`: the request's
+    mm_processor_kwargs)."""
     from transformers.models.lfm2_vl.processing_lfm2_vl import Lfm2VlProcessor as P
 
     me = SimpleNamespace(
@@ -156,38 +172,31 @@ def _hf_prompt(text: str, layouts: list[tuple[int, int, tuple[int, int]]]) -> st
     pieces = text.split("<image>")
     out = pieces[0]
     for (rows, cols, size), piece in zip(layouts, pieces[1:], strict=True):
-        per_tile = P._compute_tokens_per_tile(me, PROCESSOR["tile_size"], 4, 2)
+        per_tile = P._compute_tokens_per_tile(me, kw.get("tile_size", PROCESSOR["tile_size"]), 4, 2)
         whole = P._compute_tokens_for_image(me, list(size), 4, 2)
-        out += P._build_image_tokens(me, rows, cols, per_tile, whole, True, True) + piece
+        thumbnail = kw.get("use_thumbnail", True)
+        out += P._build_image_tokens(me, rows, cols, per_tile, whole, thumbnail, True) + piece
     return out
 
 
-def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
-    """HF's prompt ids and pixel inputs (views padded to MAX_PATCHES as HF pads them): from
-    transformers' processor where it imports, else from ours and Lfm2VlProcessor's builder."""
+def _hf_inputs(path, text: str, images: list, **kw) -> tuple[list[int], dict]:
+    """HF's prompt ids and pixel inputs (views padded as HF pads them) under the
+    mm_processor_kwargs `kw`: from transformers' processor where it imports, else from our
+    copy and Lfm2VlProcessor's builder."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
     if not images:
         return tok.encode(text, add_special_tokens=False), {}
+    keys = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
     if HF_PROCESSOR:
         out = transformers.AutoProcessor.from_pretrained(path)(
-            text=text, images=[images], return_tensors="pt"
+            text=text, images=[images], return_tensors="pt", **kw
         )
-        keys = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
         return out["input_ids"][0].tolist(), {k: out[k] for k in keys}
-    proc = _processor(path)
-    layouts, views, grids = [], [], []
-    for image in images:
-        v, g, (rows, cols) = proc(image)
-        layouts.append((rows, cols, (g[-1][0] * 4, g[-1][1] * 4)))
-        views += v
-        grids += g
-    pixels = torch.zeros(len(views), MAX_PATCHES, 48)
-    mask = torch.zeros(len(views), MAX_PATCHES, dtype=torch.long)
-    for i, v in enumerate(views):
-        pixels[i, : len(v)], mask[i, : len(v)] = v, 1
-    ids = tok.encode(_hf_prompt(text, layouts), add_special_tokens=False)
-    extra = {"pixel_values": pixels, "pixel_attention_mask": mask}
-    return ids, {**extra, "spatial_shapes": torch.tensor(grids)}
+    out = _processor(path)(images, return_row_col_info=True, **kw)
+    sizes = out["image_sizes"].tolist()
+    layouts = list(zip(out["image_rows"].tolist(), out["image_cols"].tolist(), sizes, strict=True))
+    ids = tok.encode(_hf_prompt(text, layouts, **kw), add_special_tokens=False)
+    return ids, {k: out[k] for k in keys}
 
 
 def _hf_model(path):
@@ -233,28 +242,152 @@ def test_encoder_matches_hf_features(path):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_resize_and_split_rules_follow_transformers(path):
+def test_resize_and_split_rules_follow_transformers():
     """Our smart resize and tile grid equal transformers' methods over awkward sizes (ties of
-    Python's round, the min / max token bounds, the split threshold, grid ties)."""
+    Python's round, the min / max token bounds, the split threshold, grid ties), under the
+    checkpoint's settings and the fair mm_processor_kwargs."""
+    from paged_engine.multimodal.lfm2_vl_processor import smart_size, tile_grid
+
     hf = _hf_rules()
-    proc = _processor(path)
-    kw = {k: PROCESSOR[k] for k in ("downsample_factor", "min_image_tokens", "max_image_tokens")}
-    kw |= {k: PROCESSOR[k] for k in ("encoder_patch_size", "tile_size", "max_pixels_tolerance")}
+    names = ("downsample_factor", "min_image_tokens", "max_image_tokens", "encoder_patch_size")
+    names += ("tile_size", "max_pixels_tolerance", "min_tiles", "max_tiles")
     sizes = [(20, 28), (60, 30), (10, 6), (50, 50), (12, 100), (100, 12), (36, 44), (1, 1)]
     sizes += [(44, 36), (28, 20), (33, 47), (400, 300), (8, 8), (70, 140), (30, 30), (24, 40)]
-    for h, w in sizes:
-        split, rows, cols, nh, nw = hf._get_split_layout(h, w, min_tiles=2, max_tiles=4, **kw)
-        assert proc.smart_size(h, w) == (nh, nw), (h, w)
-        assert proc.grid(h, w) == ((rows, cols) if split else (1, 1)), (h, w)
+    for kw in [{}, *FAIR]:
+        s = {**PROCESSOR, **kw}
+        rule = {k: s[k] for k in names}
+        if not s["do_image_splitting"]:  # as transformers' _preprocess
+            rule["min_tiles"] = rule["max_tiles"] = 1
+        for h, w in sizes:
+            split, rows, cols, nh, nw = hf._get_split_layout(h, w, **rule)
+            assert smart_size(h, w, s) == (nh, nw), (h, w, kw)
+            assert tile_grid(h, w, s) == ((rows, cols) if split else None), (h, w, kw)
+
+
+def test_tile_ratios_follow_transformers_cheaply():
+    """The tile ratios in transformers' order (its set's, sorted stably by tile count) for
+    every min_tiles / max_tiles pair up to 40, listed in O(n log n): max_tiles=5000 (10**10
+    steps of transformers' comprehension) at once."""
+    import time
+
+    from paged_engine.multimodal.lfm2_vl_processor import target_ratios
+
+    hf = _hf_rules()
+    for low in range(-1, 12):
+        for high in range(0, 41):
+            assert list(target_ratios(low, high)) == hf._target_ratios(low, high), (low, high)
+    start = time.perf_counter()
+    assert len(target_ratios(2, 5000)) > 40000
+    assert time.perf_counter() - start < 2
 
 
 @pytest.mark.skipif(not HF_PROCESSOR, reason="transformers' Lfm2VlImageProcessor: torchvision")
-def test_pixels_equal_transformers(path):
+def test_copy_equals_transformers(path):
+    """Our copy's output (every key, dtype and value) equals transformers' class, with the
+    checkpoint's settings and each fair mm_processor_kwargs."""
     images = [noise_image(7, (60, 30)), noise_image(8, (10, 6)), noise_image(9, (20, 28))]
-    out = transformers.AutoImageProcessor.from_pretrained(path)(images, return_tensors="pt")
-    ours = [v for image in images for v in _processor(path)(image)[0]]
-    for i, v in enumerate(ours):
-        torch.testing.assert_close(out["pixel_values"][i, : len(v)], v)
+    hf = transformers.AutoImageProcessor.from_pretrained(path)
+    for kw in [{}, *FAIR, *({"return_row_col_info": True, **k} for k in [{}, *FAIR])]:
+        want = hf(images, return_tensors="pt", **kw)
+        got = _processor(path)(images, return_tensors="pt", **kw)
+        assert sorted(got) == sorted(want), kw
+        for key, value in want.items():
+            value = torch.as_tensor(value)
+            assert got[key].dtype == value.dtype, (key, kw)
+            torch.testing.assert_close(got[key], value, atol=0, rtol=0, msg=f"{key} {kw}")
+
+
+def test_fair_kwargs_match_hf(path):
+    """Each fair mm_processor_kwargs is served: the engine's prompt ids are HF's under the
+    same kwargs (other views than without them) and its greedy tokens and top-5 logprobs
+    HF's on those inputs."""
+    model = _hf_model(path)
+    image = noise_image(13, (60, 30))
+    base = _hf_inputs(path, PROMPT, [image])[0]
+    llm = engine(path)
+    for kw in FAIR:
+        inputs = functools.partial(_hf_inputs, path, **kw)
+        ((ids, ref),) = hf_refs(model, [(PROMPT, [image])], inputs)
+        assert ids != base, kw
+        req = {"prompt": PROMPT, "multi_modal_data": {"image": image}, "mm_processor_kwargs": kw}
+        out = llm.generate([req], greedy(), use_tqdm=False)[0]
+        assert out.prompt_token_ids == ids, kw
+        assert_matches("lfm2_vl", out, ref)
+
+
+HOSTILE = [  # (mm_processor_kwargs, the key its ValueError names)
+    ({"min_image_tokens": 10**9}, "min_image_tokens"),
+    ({"min_image_tokens": 0}, "min_image_tokens"),
+    ({"max_image_tokens": 10**9, "min_image_tokens": 10**7}, "max_image_tokens"),
+    ({"max_image_tokens": 2.5}, "max_image_tokens"),
+    ({"max_image_tokens": 1}, "max_image_tokens"),  # under the checkpoint's min (4)
+    ({"tile_size": 10**5}, "tile_size"),
+    ({"tile_size": 20}, "tile_size"),  # not whole 8-pixel blocks
+    ({"max_tiles": 10**9, "min_tiles": 10**8}, "max_tiles"),
+    ({"max_tiles": 1024}, "max_tiles"),  # under the shared budget, over the search's
+    ({"min_tiles": 1}, "min_tiles"),
+    ({"min_tiles": 5}, "min_tiles"),  # over the checkpoint's max_tiles (4)
+    ({"min_tiles": True}, "min_tiles"),
+    ({"max_pixels_tolerance": float("inf")}, "max_pixels_tolerance"),
+    ({"max_pixels_tolerance": 0}, "max_pixels_tolerance"),
+    ({"max_pixels_tolerance": 2}, "max_pixels_tolerance"),  # an int: transformers refuses it
+    ({"encoder_patch_size": 1}, "encoder_patch_size"),
+    ({"downsample_factor": 10**6}, "downsample_factor"),
+    ({"do_image_splitting": "yes"}, "do_image_splitting"),
+    ({"use_thumbnail": 1}, "use_thumbnail"),
+    ({"do_pad": False}, "do_pad"),
+    ({"return_row_col_info": False}, "return_row_col_info"),
+]
+
+
+def test_hostile_kwargs_refused_by_name(path):
+    """Each hostile mm_processor_kwargs is refused by check_kwargs naming the key; the fair
+    ones and a do_image_splitting=False beside an otherwise unread max_tiles pass. Through
+    the engine: refused before any pixel, the engine serving on."""
+    from paged_engine.multimodal.lfm2_vl_processor import Lfm2VlTorchProcessor, check_kwargs
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    settings = {**Lfm2VlTorchProcessor.defaults, **PROCESSOR}
+    for kw, key in HOSTILE:
+        with pytest.raises(ValueError, match=rf"mm_processor_kwargs\['{key}'\]"):
+            check_kwargs(kw, settings, config)
+    for kw in [*FAIR, {"do_image_splitting": False, "max_tiles": 500}]:
+        check_kwargs(kw, settings, config)
+    llm = engine(path)
+    image = noise_image(14, (60, 30))
+    for kw, key in HOSTILE[::4]:
+        req = {"prompt": PROMPT, "multi_modal_data": {"image": image}, "mm_processor_kwargs": kw}
+        with pytest.raises(ValueError, match=rf"mm_processor_kwargs\['{key}'\]") as e:
+            llm.generate([req], greedy(0), use_tqdm=False)
+        assert "could not be processed" not in str(e.value)
+    ok = {"prompt": PROMPT, "multi_modal_data": {"image": image}}
+    assert len(llm.generate([ok], greedy(0), use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+def test_torch_copy_serves_without_torchvision(path, monkeypatch, tmp_path):
+    """With torchvision hidden the engine's image processor is our copy, which takes
+    transformers' kwargs (return_row_col_info among them) and refuses others by name."""
+    from paged_engine.multimodal import torch_processors
+    from paged_engine.multimodal.lfm2_vl_processor import Lfm2VlTorchProcessor
+    from paged_engine.multimodal.processor import ImageProcessor, wrapper_config
+
+    monkeypatch.setattr(torch_processors, "torchvision_available", lambda: False)
+    bare = tmp_path / "bare"  # no image_processor_type saved: the config's model_type picks it
+    bare.mkdir()
+    (bare / "preprocessor_config.json").write_text(
+        json.dumps(PROCESSOR | {"image_processor_type": None})
+    )
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert type(torch_processors.image_processor(bare, config)) is Lfm2VlTorchProcessor
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ours = ImageProcessor(path, wrapper_config(path), tokenizer=tok)
+    assert type(ours.hf) is Lfm2VlTorchProcessor
+    assert ours.processor_kwargs(FAIR[2]) == FAIR[2]
+    with pytest.raises(ValueError, match="mm_processor_kwargs\\['max_num_tiles'\\]"):
+        ours.processor_kwargs({"max_num_tiles": 3})
+    out = ours.hf(images=[noise_image(15, (60, 30))], return_row_col_info=True)
+    assert (out["image_rows"].tolist(), out["image_cols"].tolist()) == ([2], [1])
+    assert out["spatial_shapes"].tolist() == [[6, 6], [6, 6], [8, 4]]
 
 
 def test_normalization_and_patch_order(path):
@@ -264,8 +397,10 @@ def test_normalization_and_patch_order(path):
 
     proc = _processor(path)
     image = noise_image(10, (16, 24))
-    (pixels,), grids, tiles = proc(image)
-    assert (grids, tiles) == ([(4, 6)], (1, 1))
+    out = proc([image], return_row_col_info=True)
+    pixels = out["pixel_values"][0][:24]
+    assert out["spatial_shapes"].tolist() == [[4, 6]]
+    assert (out["image_rows"].tolist(), out["image_cols"].tolist()) == ([1], [1])
     mean = torch.tensor(PROCESSOR["image_mean"]) * 255
     std = torch.tensor(PROCESSOR["image_std"]) * 255
     x = (torch.from_numpy(np.array(image)).float() - mean) / std  # [16, 24, 3]
@@ -306,7 +441,8 @@ def test_chat_data_url_gives_the_offline_tokens(path):
 
 def test_config_refusals(path):
     """What the path does not run is refused by the config field's name."""
-    from paged_engine.multimodal.lfm2_vl import Lfm2VlImageEncoder, Lfm2VlImageProcessor
+    from paged_engine.multimodal.lfm2_vl import Lfm2VlImageEncoder
+    from paged_engine.multimodal.lfm2_vl_processor import Lfm2VlTorchProcessor
 
     config = transformers.AutoConfig.from_pretrained(path)
     cases = [
@@ -315,11 +451,11 @@ def test_config_refusals(path):
     ]
     check_vision_fields_refused(path, cases, Lfm2VlImageEncoder)
     for field, value in [
-        ("resample", 3),
+        ("resample", 1),  # LANCZOS
         ("encoder_patch_size", 8),
         ("downsample_factor", 1),
         ("tile_size", 20),
         ("min_tiles", 1),
     ]:
         with pytest.raises(ValueError, match=field):
-            Lfm2VlImageProcessor({**PROCESSOR, field: value}, config)
+            Lfm2VlTorchProcessor({**PROCESSOR, field: value}, config)

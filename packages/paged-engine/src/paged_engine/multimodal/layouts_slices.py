@@ -208,7 +208,18 @@ class Lfm2VlLayout(Layout):
         channels = int(getattr(config.vision_config, "num_channels", 3))
         self.patch_dim = channels * lfm2_vl.patch_size(config) ** 2
         self.bounds = token_ids(tokenizer, lfm2_vl.START, lfm2_vl.END, lfm2_vl.THUMBNAIL)
-        self.local = lfm2_vl.local_processor(config)  # None: transformers' processor runs
+        self.settings: dict[str, Any] | None = None  # the saved processor settings, read once
+
+    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """A request's mm_processor_kwargs refused by name before any pixel is made
+        (lfm2_vl_processor.check_kwargs: pixel and tile bounds, the model's patch sizes)."""
+        from paged_engine.multimodal import lfm2_vl_processor as lp
+        from paged_engine.multimodal.torch_processors import saved_settings
+
+        if kwargs and self.settings is None:
+            path = getattr(self.config, "name_or_path", "") or "."
+            self.settings = {**lp.Lfm2VlTorchProcessor.defaults, **saved_settings(path)}
+        lp.check_kwargs(kwargs, self.settings or {}, self.config)
 
     def length(self, size: Size) -> int:
         f = self.factor
@@ -226,7 +237,7 @@ class Lfm2VlLayout(Layout):
     def load(self, run: Run, image: Any, count: int) -> Loaded:
         from paged_engine.multimodal.lfm2_vl import load_image
 
-        views, grids, (rows, cols) = load_image(self.local, run, image)
+        views, grids, (rows, cols) = load_image(run, image)
         tiles = rows * cols if rows * cols > 1 else 0
         if len(views) not in (tiles + 1, max(tiles, 1)):
             raise ValueError(f"the image processor gave {len(views)} views for {rows} x {cols}")

@@ -2,18 +2,11 @@
 view at its own patch grid, pixel unshuffle and an MLP projector into the LFM2 decoder
 (models/lfm2.py, served through models/text_wrappers.py).
 
-    image -> Lfm2VlImageProcessor's rule (as transformers runs it):
-        smart resize: (H, W) to multiples of u = patch * downsample_factor (Python's round),
-            scaled down (floor) over max_image_tokens * u^2 pixels, up (ceil) under
-            min_image_tokens * u^2
-        too large (rounded H * W over max_image_tokens * u^2 * max_pixels_tolerance) and
-        do_image_splitting: a cols x rows grid of tile_size tiles (the (w, h) ratio of
-        min_tiles..max_tiles tiles closest to W / H; a tie goes to the later ratio when
-        the image covers over half its area), the image resized to the grid and cut
-        row-major, then the smart-resized image as a thumbnail (use_thumbnail)
-        else one view: the smart-resized image
-        resize: bilinear with antialias on the uint8 image; then (x - 255 mean) / (255 std);
-        patches [h * w, p * p * 3] (row-major patches, each (row, col, channel))
+    image -> Lfm2VlImageProcessor (lfm2_vl_processor.py has its steps): views of multiples
+        of u = patch * downsample_factor pixels: the image smart-resized between
+        min_image_tokens and max_image_tokens blocks of u x u, or (too large, splitting) a
+        rows x cols grid of tile_size tiles, row-major, then that as a thumbnail; each view
+        normalized and cut into patches [h * w, p * p * 3] (row-major, each (row, col, channel))
     each view -> tower (SigLIP's layers, post_layernorm, no head): patch_embedding is a
         Linear over the flat patch; the learned side x side position table resized to the
         view's h x w grid (bilinear, align_corners=False, antialias: transformers' weights per
@@ -30,56 +23,31 @@ transformers pads the views of a batch to max_num_patches and masks the padding 
 tower's attention and the projector's gather, which leaves each view's rows as they are alone.
 
 The image processor: transformers' when it imports (it needs torchvision), else
-`Lfm2VlImageProcessor` here, the same steps in torch alone, from the checkpoint's
-preprocessor_config.json (or processor_config.json's image_processor). Refused by name:
-resample other than bilinear, encoder_patch_size / downsample_factor unlike the model's,
-tile_size not a multiple of patch * downsample_factor, min_tiles < 2 with do_image_splitting
-(a 1 x 1 grid's tile would not be the run the prompt counts), a non-square position table
-(vision_config.num_patches), vision_config.model_type other than siglip2_vision_model.
+lfm2_vl_processor.Lfm2VlTorchProcessor (torch_processors.PROCESSORS), called the same way with
+the same mm_processor_kwargs; a request's kwargs are bounded first (Lfm2VlLayout.check_kwargs,
+lfm2_vl_processor.check_kwargs). Refused by name: a non-square position table
+(vision_config.num_patches), vision_config.model_type other than siglip2_vision_model; without
+torchvision, saved settings the model would not read (lfm2_vl_processor's check).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.torch_processors import to_uint8
 from paged_engine.multimodal.vision_transformer import VisionEncoder, pixel_shuffle
 
 ARCH = "Lfm2VlForConditionalGeneration"
 IMAGE, START, END, THUMBNAIL = "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"
-_BILINEAR = 2  # PILImageResampling.BILINEAR
 # an image's views: their patches [h * w, p * p * 3], their grids (h, w), the tiles (rows, cols)
 Views = tuple[list[torch.Tensor], list[tuple[int, int]], tuple[int, int]]
-_DEFAULTS = {  # Lfm2VlImageProcessor's class attributes
-    "downsample_factor": 2,
-    "do_image_splitting": True,
-    "min_tiles": 2,
-    "max_tiles": 10,
-    "use_thumbnail": True,
-    "min_image_tokens": 64,
-    "max_image_tokens": 256,
-    "encoder_patch_size": 16,
-    "tile_size": 512,
-    "max_pixels_tolerance": 2.0,
-    "resample": _BILINEAR,
-    "do_rescale": True,
-    "rescale_factor": 1 / 255,
-    "do_normalize": True,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-}
 
 
 def tile_token(row: int, col: int) -> str:
@@ -87,165 +55,13 @@ def tile_token(row: int, col: int) -> str:
     return f"<|img_row_{row}_col_{col}|>"
 
 
-def read_settings(path: Path) -> dict[str, Any]:
-    """The image processor's settings saved with the checkpoint, over the class defaults."""
-    saved: dict[str, Any] = {}
-    pre, proc = path / "preprocessor_config.json", path / "processor_config.json"
-    if pre.exists():
-        saved = json.loads(pre.read_text())
-    elif proc.exists():
-        saved = json.loads(proc.read_text()).get("image_processor", {})
-    return {**_DEFAULTS, **{k: v for k, v in saved.items() if k in _DEFAULTS}}
-
-
-def _closest_ratio(aspect: float, ratios: list[tuple[int, int]], area: int, tile: int):
-    """transformers' find_closest_aspect_ratio: (w, h) tiles."""
-    best_diff, best = float("inf"), (1, 1)
-    for ratio in ratios:
-        diff = abs(aspect - ratio[0] / ratio[1])
-        if diff < best_diff:
-            best_diff, best = diff, ratio
-        elif diff == best_diff and area > 0.5 * tile * tile * ratio[0] * ratio[1]:
-            best = ratio
-    return best
-
-
-class Lfm2VlImageProcessor:
-    """Lfm2VlImageProcessor's steps in torch alone (no torchvision): image -> its views'
-    patches [h * w, p * p * 3] float32 and patch grids (h, w), tiles first."""
-
-    def __init__(self, settings: dict[str, Any], config: Any) -> None:
-        s = settings
-        if s["resample"] != _BILINEAR:
-            raise ValueError(f"preprocessor_config.json resample={s['resample']!r}: bilinear (2)")
-        self.patch, self.factor = int(s["encoder_patch_size"]), int(s["downsample_factor"])
-        if self.patch != patch_size(config) or self.factor != int(config.downsample_factor):
-            raise ValueError(
-                f"preprocessor_config.json encoder_patch_size={self.patch} / downsample_factor="
-                f"{self.factor} differ from the model's ({patch_size(config)}, "
-                f"{config.downsample_factor})"
-            )
-        self.unit = self.patch * self.factor
-        self.tile = int(s["tile_size"])
-        if self.tile % self.unit:
-            raise ValueError(
-                f"preprocessor_config.json tile_size={self.tile} is not a multiple of "
-                f"encoder_patch_size * downsample_factor ({self.unit})"
-            )
-        split = bool(s["do_image_splitting"])
-        self.min_tiles, self.max_tiles = int(s["min_tiles"]), int(s["max_tiles"])
-        if not split:
-            self.min_tiles = self.max_tiles = 1
-        if split and not 2 <= self.min_tiles <= self.max_tiles:
-            raise ValueError(
-                f"preprocessor_config.json min_tiles={self.min_tiles}, max_tiles="
-                f"{self.max_tiles}: 2 <= min_tiles <= max_tiles with do_image_splitting"
-            )
-        self.ratios = sorted(
-            {
-                (w, h)
-                for n in range(self.min_tiles, self.max_tiles + 1)
-                for w in range(1, n + 1)
-                for h in range(1, n + 1)
-                if self.min_tiles <= w * h <= self.max_tiles
-            },
-            key=lambda r: r[0] * r[1],
-        )
-        self.thumbnail = bool(s["use_thumbnail"])
-        self.min_tokens, self.max_tokens = int(s["min_image_tokens"]), int(s["max_image_tokens"])
-        self.tolerance = float(s["max_pixels_tolerance"])
-        mean = torch.tensor(s["image_mean"])[:, None, None]
-        std = torch.tensor(s["image_std"])[:, None, None]
-        if s["do_normalize"] and s["do_rescale"]:  # transformers fuses the rescale into both
-            mean, std = mean * (1.0 / s["rescale_factor"]), std * (1.0 / s["rescale_factor"])
-        self.mean, self.std = mean, std
-        self.do_normalize, self.do_rescale = bool(s["do_normalize"]), bool(s["do_rescale"])
-        self.rescale = float(s["rescale_factor"])
-
-    def smart_size(self, height: int, width: int) -> tuple[int, int]:
-        """(h, w) of the one view or the thumbnail, multiples of the unit."""
-        u = self.unit
-        lo, hi = self.min_tokens * u * u, self.max_tokens * u * u
-        h, w = max(u, round(height / u) * u), max(u, round(width / u) * u)
-        if h * w > hi:
-            beta = math.sqrt(height * width / hi)
-            h = max(u, math.floor(height / beta / u) * u)
-            w = max(u, math.floor(width / beta / u) * u)
-        elif h * w < lo:
-            beta = math.sqrt(lo / (height * width))
-            h, w = math.ceil(height * beta / u) * u, math.ceil(width * beta / u) * u
-        return h, w
-
-    def grid(self, height: int, width: int) -> tuple[int, int]:
-        """(rows, cols) of tiles: (1, 1) for an image that is not split."""
-        u = self.unit
-        h, w = max(self.patch, round(height / u) * u), max(self.patch, round(width / u) * u)
-        large = h * w > self.max_tokens * u * u * self.tolerance
-        if not large or self.min_tiles == self.max_tiles == 1:
-            return 1, 1
-        cols, rows = _closest_ratio(width / height, self.ratios, height * width, self.tile)
-        return rows, cols
-
-    def _resize(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        if tuple(x.shape[-2:]) == (h, w):  # torchvision's own shortcut
-            return x
-        return F.interpolate(
-            x[None], size=(h, w), mode="bilinear", align_corners=False, antialias=True
-        )[0]
-
-    def _patches(self, x: torch.Tensor) -> torch.Tensor:  # [3, H, W] uint8 -> [h * w, p*p*3]
-        x = (x.float() - self.mean) / self.std if self.do_normalize else x.float()
-        if not self.do_normalize and self.do_rescale:
-            x = x * self.rescale
-        c, height, width = x.shape
-        p = self.patch
-        x = x.view(c, height // p, p, width // p, p).permute(1, 3, 2, 4, 0)
-        return x.reshape((height // p) * (width // p), p * p * c).contiguous()
-
-    def __call__(self, image: Any) -> Views:
-        """(each view's patches, each view's grid (h, w), the tile grid (rows, cols))."""
-        x = to_uint8(image)
-        height, width = x.shape[-2:]
-        rows, cols = self.grid(height, width)
-        h, w = self.smart_size(height, width)
-        views = []
-        if rows * cols > 1:
-            big = self._resize(x, rows * self.tile, cols * self.tile)
-            t = self.tile
-            views = [
-                big[:, r * t : (r + 1) * t, c * t : (c + 1) * t]
-                for r in range(rows)
-                for c in range(cols)
-            ]
-        if rows * cols == 1 or self.thumbnail:
-            views.append(self._resize(x, h, w))
-        grids = [(v.shape[1] // self.patch, v.shape[2] // self.patch) for v in views]
-        return [self._patches(v) for v in views], grids, (rows, cols)
-
-
 def patch_size(config: Any) -> int:
     return int(config.vision_config.patch_size)
 
 
-def hf_processor_available() -> bool:
-    """Whether transformers can import Lfm2VlImageProcessor (it needs torchvision)."""
-    return importlib.util.find_spec("torchvision") is not None
-
-
-def local_processor(config: Any) -> Lfm2VlImageProcessor | None:
-    """The torch-only processor where transformers' cannot import, else None."""
-    if hf_processor_available():
-        return None
-    path = Path(getattr(config, "name_or_path", "") or ".")
-    return Lfm2VlImageProcessor(read_settings(path), config)
-
-
-def load_image(processor: Lfm2VlImageProcessor | None, run: Any, image: Any) -> Views:
-    """One image's views (patches, grids, tile grid; see `Lfm2VlImageProcessor`):
-    transformers' processor through `run` when it imports (its padding cut off), else
-    `processor`."""
-    if processor is not None:
-        return processor(image)
+def load_image(run: Any, image: Any) -> Views:
+    """One image's views through the image processor (`run`: transformers' Lfm2VlImageProcessor,
+    or lfm2_vl_processor's copy without torchvision), each view's padding cut off."""
     out = run([image], return_row_col_info=True)
     grids = [(int(h), int(w)) for h, w in out["spatial_shapes"].tolist()]
     views = [v[: h * w].float() for v, (h, w) in zip(out["pixel_values"], grids, strict=True)]

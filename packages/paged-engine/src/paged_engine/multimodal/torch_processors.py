@@ -3,7 +3,8 @@
 transformers 5 builds some checkpoints' image processors on torchvision only (no PIL class to
 fall back to): Llama4ImageProcessor, Cohere2VisionImageProcessor, Kimi_K25ImageProcessor,
 Molmo2ImageProcessor (its copy in multimodal/molmo2_processor.py),
-Phi4MultimodalImageProcessor (its copy in multimodal/phi4mm_processor.py).
+Phi4MultimodalImageProcessor (its copy in multimodal/phi4mm_processor.py),
+Lfm2VlImageProcessor (its copy in multimodal/lfm2_vl_processor.py).
 Gemma4ImageProcessor has a PIL class, which transformers takes without torchvision, but it
 resamples otherwise (up to 2 / 255 apart). Where torchvision is missing, `image_processor` gives
 our copy of the torchvision class's steps (`PROCESSORS`: each copy sits beside its model,
@@ -190,6 +191,7 @@ PROCESSORS: dict[str, tuple[str, str]] = {
     "Gemma4UnifiedImageProcessor": ("gemma4_unified", "Gemma4UnifiedTorchProcessor"),
     "Molmo2ImageProcessor": ("molmo2_processor", "Molmo2TorchProcessor"),
     "Phi4MultimodalImageProcessor": ("phi4mm_processor", "Phi4MMTorchProcessor"),
+    "Lfm2VlImageProcessor": ("lfm2_vl_processor", "Lfm2VlTorchProcessor"),
 }
 # where the saved settings name no processor: transformers' choice by the config's model_type
 _BY_MODEL_TYPE = {
@@ -200,6 +202,7 @@ _BY_MODEL_TYPE = {
     "gemma4_unified": "Gemma4UnifiedImageProcessor",
     "molmo2": "Molmo2ImageProcessor",
     "phi4_multimodal": "Phi4MultimodalImageProcessor",
+    "lfm2_vl": "Lfm2VlImageProcessor",
 }
 
 

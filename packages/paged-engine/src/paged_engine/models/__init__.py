@@ -26,6 +26,8 @@ from paged_engine.models.cohere import (
     Cohere2MoeForCausalLM,
     CohereForCausalLM,
 )
+from paged_engine.models.cohere_compass import CohereCompassForCausalLM
+from paged_engine.models.cosmos3_edge import Cosmos3EdgeTextForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
@@ -36,6 +38,7 @@ from paged_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from paged_engine.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 from paged_engine.models.dory import DoryForCausalLM
 from paged_engine.models.dots1 import Dots1ForCausalLM
+from paged_engine.models.dots3_note import Dots3NoteForCausalLM
 from paged_engine.models.ergo import ErgoForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -68,8 +71,10 @@ from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from paged_engine.models.hunyuan_vl import HunYuanVLTextForCausalLM
 from paged_engine.models.hy_v4 import HYV4ForCausalLM
+from paged_engine.models.hy_v4_vl import HYV4VLTextForCausalLM
 from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.inkling import InklingForCausalLM
+from paged_engine.models.inkling2 import Inkling2ForCausalLM, Inkling2LoopForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.jetmoe import JetMoeForCausalLM
@@ -99,6 +104,7 @@ from paged_engine.models.minicpm3 import MiniCPM3ForCausalLM
 from paged_engine.models.minicpm5_moe import MiniCPM5MoeForCausalLM
 from paged_engine.models.minimax import MiniMaxForCausalLM
 from paged_engine.models.minimax_m2 import MiniMaxM2ForCausalLM
+from paged_engine.models.minimax_m3 import MiniMaxM3ForCausalLM
 from paged_engine.models.ministral3 import Ministral3ForCausalLM
 from paged_engine.models.mistral import MistralForCausalLM
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
@@ -108,6 +114,7 @@ from paged_engine.models.mllama import MllamaForConditionalGeneration
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.molmo2 import Molmo2TextForCausalLM
 from paged_engine.models.mpt import MptForCausalLM
+from paged_engine.models.muse import MuseGlimmerTextForCausalLM, MuseSparkTextForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
 from paged_engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
@@ -137,6 +144,7 @@ from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
+from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.whisper import WhisperForConditionalGeneration
 from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
@@ -175,6 +183,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "BeamForCausalLM": BeamForCausalLM,
     "ErgoForCausalLM": ErgoForCausalLM,
+    "MuseGlimmerTextForCausalLM": MuseGlimmerTextForCausalLM,
+    "MuseSparkTextForCausalLM": MuseSparkTextForCausalLM,
     "DoryForCausalLM": DoryForCausalLM,
     "BitNetForCausalLM": BitNetForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
@@ -194,6 +204,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
     "HYV4ForCausalLM": HYV4ForCausalLM,
+    "HYV4VLTextForCausalLM": HYV4VLTextForCausalLM,
+    "Cosmos3EdgeTextForCausalLM": Cosmos3EdgeTextForCausalLM,
+    "Step3p7TextForCausalLM": Step3p7TextForCausalLM,
     "LongcatFlashForCausalLM": LongcatFlashForCausalLM,
     "MiniCPM3ForCausalLM": MiniCPM3ForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
@@ -231,6 +244,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "Cohere2MoeForCausalLM": Cohere2MoeForCausalLM,
+    "CohereCompassForCausalLM": CohereCompassForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
@@ -245,6 +259,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BailingHybridForCausalLM": BailingHybridForCausalLM,
     "Glm5NextTextForCausalLM": Glm5NextTextForCausalLM,
     "InklingForCausalLM": InklingForCausalLM,
+    "Inkling2ForCausalLM": Inkling2ForCausalLM,
+    "Inkling2LoopForCausalLM": Inkling2LoopForCausalLM,
     "OlmoHybridForCausalLM": OlmoHybridForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
@@ -263,6 +279,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiniMaxText01ForCausalLM": MiniMaxForCausalLM,  # the releases' own model code
     "MiniMaxM1ForCausalLM": MiniMaxForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "MiniMaxM3VLForCausalLM": MiniMaxM3ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "HunYuanVLTextForCausalLM": HunYuanVLTextForCausalLM,  # HunyuanOCR's, multi-axis rope
     "PaddleOCRTextForCausalLM": PaddleOCRTextForCausalLM,  # PaddleOCR-VL's, NeoX M-RoPE
@@ -270,6 +287,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Ernie4_5_VLMoeTextForCausalLM": Ernie4_5_VLMoeTextForCausalLM,
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "Dots3NoteForCausalLM": Dots3NoteForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,

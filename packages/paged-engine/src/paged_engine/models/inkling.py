@@ -43,7 +43,9 @@ from state snapshots. Refused here by name: a `layer_types` without a "hybrid" (
 (the engine would then make no state pools), other `mlp_layer_types`, hidden_act other than
 SiLU, and head counts or intermediate sizes that tensor parallelism does not split. The
 multi-token-prediction layers (`model.mtp.*`) are not loaded, as in HF; `shared_expert_sink`
-is not read (HF's router always scores the shared experts with the routed ones).
+is not read (HF's router always scores the shared experts with the routed ones). The release's
+names (`model.llm.*`, as transformers saves `InklingForConditionalGeneration`) map to ours by
+models/inkling_names.py.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear, 
 from paged_engine.layers.linear_mixer import DepthwiseConv, LinearMixer, check_mixer
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.models.hybrid import HybridModel
+from paged_engine.models.inkling_names import inkling_weights
 from paged_engine.models.lfm2 import Lfm2MLP
 from paged_engine.models.utils import CausalLMBase, StackedRule, cfg_get
 
@@ -130,9 +133,11 @@ def relative_attention(
     md: AttentionMetadata,
     scale: float,
     window: int | None,
+    sinks: torch.Tensor | None = None,  # [T, H]: a per-token logit with no value (Inkling 2)
 ) -> torch.Tensor:  # [T, H, D]
     """softmax(q.k * scale + bias) v over each token's context in the paged cache; keys at
-    distance d see bias rel[d] for d < R and none beyond; a window W keeps d < W."""
+    distance d see bias rel[d] for d < R and none beyond; a window W keeps d < W. A sink
+    logit joins each softmax and takes its share of the mass to no value."""
     t, h, d = q.shape
     kc, vc = canonical_cache(key_cache, md), canonical_cache(value_cache, md)
     block_size, hkv = kc.shape[1], kc.shape[2]
@@ -155,7 +160,12 @@ def relative_attention(
     bias = rp.permute(0, 2, 1, 3).gather(-1, dist.clamp(0, r - 1).expand(s, h, qm, lk))
     scores = scores + bias.masked_fill((dist < 0) | (dist >= r), 0.0)
     hidden = dist < 0 if window is None else (dist < 0) | (dist >= window)
-    probs = torch.softmax(scores.float().masked_fill(hidden, float("-inf")), dim=-1)
+    scores = scores.float().masked_fill(hidden, float("-inf"))
+    if sinks is not None:  # [S, H, Qm, 1] beside the keys, dropped after the softmax
+        sink = sinks[idx].permute(0, 2, 1)[..., None].float()
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("skgql,slkd->sqkgd", probs.to(v.dtype).view(s, hkv, g, qm, lk), v)
     # back to tokens: token i of sequence n is row (n, i - start_n)
     seq = torch.searchsorted(md.cu_seqlens_q[1:].long(), torch.arange(t, device=dev), right=True)
@@ -378,9 +388,10 @@ class InklingForCausalLM(CausalLMBase):
         return logits
 
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
-        if name.startswith("model.mtp."):  # multi-token prediction: unused, as in HF
-            return ()
-        return ((name, w),)
+        # the release's names (`model.llm.*`, what transformers saves for the Inkling wrapper)
+        pairs = inkling_weights(name, w) if name.startswith("model.llm.") else [(name, w)]
+        # multi-token prediction: unused, as in HF
+        return [(n, t) for n, t in pairs if not n.startswith("model.mtp.")]
 
 
 __all__ = ["InklingForCausalLM"]

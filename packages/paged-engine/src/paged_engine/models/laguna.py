@@ -129,12 +129,16 @@ class LagunaAttention(LlamaAttention):
             k = self.k_norm(k.reshape(t, -1, d)).reshape(t, -1)
             q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, kv_cache, md, kv_written=rotated and write is not None)
-        gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
+        gate = self.output_gate(self.g_proj(x)).to(out.dtype)
         if self.gate_per_head:
             out = (out.view(t, -1, d) * gate.unsqueeze(-1)).view(t, -1)
         else:
             out = out * gate
         return self.o_proj(out)
+
+    def output_gate(self, g: torch.Tensor) -> torch.Tensor:
+        """The gate's activation on g_proj(x): softplus in float32 (Step 3.7's: a sigmoid)."""
+        return F.softplus(g.float())
 
 
 class SoftCappedRouter(DeepseekRouter):

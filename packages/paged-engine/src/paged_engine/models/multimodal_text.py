@@ -37,7 +37,9 @@ checkpoint was saved: `model.language_model.X` (transformers 5) and `language_mo
 transformers 5 saves too) `llm.model.X` / `llm.lm_head.X`; Kimi K2.5's
 `[model.]language_model[.model].blocks.N` (transformers 5 saves its vision tower's `layers` ->
 `blocks` rename on the decoder too) -> `model.layers.N`; the whole Qwen Omni model's
-`thinker.model.[language_model.]X` / `thinker.lm_head.X`. The vision tower and projector
+`thinker.model.[language_model.]X` / `thinker.lm_head.X`; Cosmos3 Edge's release
+(what transformers 5.25 saves) keeps its decoder at the top level: `embed_tokens.` / `layers.` /
+`norm.` -> `model.`. The vision tower and projector
 (`[model.]vision_tower.`, `[model.]multi_modal_projector.`, `[model.]visual.`, LLaVA-NeXT's
 `image_newline`, Llama 4's `[model.]vision_model.`, Idefics3's `[model.]vision_model.` /
 `[model.]connector.`, Kimi K2.5's `mm_projector.`, MiniCPM-V's `merger.`, Ovis 2.5's

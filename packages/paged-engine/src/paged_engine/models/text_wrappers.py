@@ -12,6 +12,7 @@ each is exact).
                                          qwen2                  -> Qwen2ForCausalLM
     ChameleonForConditionalGeneration    (flat) chameleon       -> ChameleonForCausalLM
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
+    CohereCompassForConditionalGeneration  cohere_compass_text  -> CohereCompassForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
       DeepseekVLHybridForConditionalGeneration
     Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
@@ -22,15 +23,23 @@ each is exact).
     Gemma4UnifiedForConditionalGeneration  gemma4_unified_text  -> Gemma4UnifiedForCausalLM
     PaliGemmaForConditionalGeneration    gemma / gemma2         -> Gemma / Gemma2ForCausalLM
     Glm5NextForConditionalGeneration     glm5_next_text         -> Glm5NextTextForCausalLM
+    Dots3NoteForConditionalGeneration    dots3_note_text        -> Dots3NoteForCausalLM
     Glm4vForConditionalGeneration,       glm4v_text             -> Glm4ForCausalLM
       Glm46VForConditionalGeneration
     Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
     GlmOcrForConditionalGeneration       glm_ocr_text           -> Glm4ForCausalLM
     GraniteSpeechForConditionalGeneration  granite             -> GraniteForCausalLM
+    Granite4VisionForConditionalGeneration  granite4_vision_text -> GraniteForCausalLM
+    GraniteDoclingForConditionalGeneration  granite_docling_text -> GraniteForCausalLM
+    MuseSparkForConditionalGeneration    muse_spark_text        -> MuseSparkTextForCausalLM
+    MuseGlimmerForConditionalGeneration  muse_glimmer_text      -> MuseGlimmerTextForCausalLM
     HunYuanVLForConditionalGeneration    hunyuan_vl_text        -> HunYuanVLTextForCausalLM
     Idefics2ForConditionalGeneration     mistral                -> MistralForCausalLM
     Idefics3ForConditionalGeneration,    llama                  -> LlamaForCausalLM
       SmolVLMForConditionalGeneration
+    InklingForConditionalGeneration      inkling_text           -> InklingForCausalLM
+    Inkling2ForConditionalGeneration     inkling2_text          -> Inkling2ForCausalLM
+    Inkling2LoopForConditionalGeneration  inkling2_loop_text    -> Inkling2LoopForCausalLM
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
@@ -73,6 +82,10 @@ each is exact).
     Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
     Qwen3_5MoeForConditionalGeneration   qwen3_5_moe_text       -> Qwen3_5MoeForCausalLM
     Qwen4ExpForConditionalGeneration     qwen4_exp_text         -> Qwen4ExpForCausalLM
+    MiniMaxM3SparseForConditionalGeneration  minimax_m3_vl_text -> MiniMaxM3VLForCausalLM
+    Step3p7ForConditionalGeneration      step3p5                -> Step3p7TextForCausalLM
+    HYV4VLForConditionalGeneration       hy_v4_vl_text          -> HYV4VLTextForCausalLM
+    Cosmos3EdgeForConditionalGeneration  cosmos3_edge_text      -> Cosmos3EdgeTextForCausalLM
 """
 
 from __future__ import annotations
@@ -120,6 +133,9 @@ _OVIS2_5_RENAMES = (("llm.model.", "model."), ("llm.lm_head.", "lm_head."))
 _OVIS2 = _modules("vision_tower", "visual_embeddings_table")
 # Apertus 1.5: the image and audio tokenizers (their codes embed with the text table)
 _APERTUS1P5_TOKENIZERS = _modules("vision_tokenizer", "audio_tokenizer")
+# Muse Spark / Glimmer: the tower, its adapter and projection (`perception_emb_norm` has no
+# weights)
+_MUSE_TOWERS = _modules("vision_tower", "vision_adapter", "vision_projection")
 
 # GLM-4.1V / 4.5V / 4.6V: a Qwen2-VL-style tower under `visual`
 _GLM4V_TEXT = {"glm4v_text": "Glm4ForCausalLM"}
@@ -217,6 +233,12 @@ WRAPPERS: dict[str, Wrapper] = {
     "Cohere2VisionForConditionalGeneration": Wrapper(
         {"cohere2": "Cohere2ForCausalLM"}, _LLAVA_STYLE, no_logit_scale=True
     ),
+    # Cohere Compass (North-Micro-Vision): a Qwen3-VL tower under `visual` (images:
+    # multimodal/qwen2_vl.py) into its Cohere decoder (models/cohere_compass.py); logits
+    # times text_config.logit_scale (None: 1) as the text model's
+    "CohereCompassForConditionalGeneration": Wrapper(
+        {"cohere_compass_text": "CohereCompassForCausalLM"}, _QWEN_VISUAL
+    ),
     # EXAONE 4.5: a Qwen2.5-VL-style tower (images: multimodal/exaone4_5.py); text positions
     # are the plain 1-D ones; its multi-token-prediction head (`mtp.*`, which transformers
     # ignores at load) is not served
@@ -302,6 +324,13 @@ WRAPPERS: dict[str, Wrapper] = {
     # GLM-5.3-Flash: its vision tower under `model.visual.`, as Qwen's
     "Glm5NextForConditionalGeneration": Wrapper(
         {"glm5_next_text": "Glm5NextTextForCausalLM"}, _QWEN_VISUAL
+    ),
+    # dots3 note: vision and audio towers (transformers' names; the Hub's `vision_encoder.`,
+    # `audio_encoder.`, `audio_adapter.` at the top level) into its MLA / DSA decoder
+    # (models/dots3_note.py); the Hub's decoder is `model.layers.*` already
+    "Dots3NoteForConditionalGeneration": Wrapper(
+        {"dots3_note_text": "Dots3NoteForCausalLM"},
+        _modules("vision_tower", "audio_tower", "vision_encoder", "audio_encoder", "audio_adapter"),
     ),
     # Gemma 3n soft-caps as its text model does; ids from the vision / audio offsets embed
     # through those towers' token embedders
@@ -415,6 +444,29 @@ WRAPPERS: dict[str, Wrapper] = {
         _modules("encoder", "projector"),
         fixed=(("logits_scaling", 1.0),),
     ),
+    # Granite 4 Vision: a LLaVA-NeXT tower, deepstack / spatial Q-Former projectors (their
+    # features only reach image positions) into Granite's decoder; logits / logits_scaling
+    "Granite4VisionForConditionalGeneration": Wrapper(
+        {"granite4_vision_text": "GraniteForCausalLM"},
+        (*_LLAVA_NEXT, *_modules("layerwise_projectors", "spatial_projectors")),
+    ),
+    # Granite Docling: a SigLIP-style tower with its connector and density router into
+    # Granite's dense decoder under `model.text_model.`; logits / logits_scaling
+    "GraniteDoclingForConditionalGeneration": Wrapper(
+        {"granite_docling_text": "GraniteForCausalLM"}, _modules("vision_model", "density_router")
+    ),
+    # Muse Spark / Glimmer (models/muse.py): their image / video (/ audio) placeholder ids
+    # embed as id 0 whatever the prompt, so the ids go with the copy
+    "MuseSparkForConditionalGeneration": Wrapper(
+        {"muse_spark_text": "MuseSparkTextForCausalLM"},
+        (*_MUSE_TOWERS, *_modules("audio_tower")),
+        carried=("image_token_id", "video_token_id", "audio_token_id"),
+    ),
+    "MuseGlimmerForConditionalGeneration": Wrapper(
+        {"muse_glimmer_text": "MuseGlimmerTextForCausalLM"},
+        _MUSE_TOWERS,
+        carried=("image_token_id", "video_token_id"),
+    ),
     # Qwen2-Audio: Whisper's encoder into Qwen2 (audio: multimodal/qwen2_audio.py)
     "Qwen2AudioForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _AUDIO_STYLE),
     # Audio / Music Flamingo, GLM-ASR: Whisper-style towers (audio: multimodal/
@@ -458,16 +510,59 @@ WRAPPERS: dict[str, Wrapper] = {
     "Qwen4ExpForConditionalGeneration": Wrapper(
         {"qwen4_exp_text": "Qwen4ExpForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),
+    # MiniMax M3: its tower, projector and the release's patch-merge MLP (images:
+    # multimodal/minimax_m3_vl.py)
+    "MiniMaxM3SparseForConditionalGeneration": Wrapper(
+        {"minimax_m3_vl_text": "MiniMaxM3VLForCausalLM"},
+        (*_LLAVA_STYLE, *_modules("patch_merge_mlp")),
+    ),
     # BLIP-2: a ViT, the Q-Former and language_projection (images: multimodal/blip2.py) into
     # a decoder-only text model (the Flan-T5 variants, encoder-decoders, are refused)
     "Blip2ForConditionalGeneration": Wrapper(
         {"opt": "OPTForCausalLM", **_LLAVA_TEXT},
         (*_modules("vision_model", "qformer", "language_projection"), "query_tokens"),
     ),
+    # Inkling (text: models/inkling.py; its vision and audio towers dropped) and Inkling 2 /
+    # 2 Loop (models/inkling2.py): on text the wrappers run their text model's logits
+    "InklingForConditionalGeneration": Wrapper(
+        {"inkling_text": "InklingForCausalLM"},
+        _modules("vision_tower", "audio_tower", "visual", "audio"),
+    ),
+    "Inkling2ForConditionalGeneration": Wrapper(
+        {"inkling2_text": "Inkling2ForCausalLM"}, _modules("vision_tower", "visual")
+    ),
+    "Inkling2LoopForConditionalGeneration": Wrapper(
+        {"inkling2_loop_text": "Inkling2LoopForCausalLM"}, _modules("vision_tower", "visual")
+    ),
     # Fuyu: no tower, its patches' linear projection `vision_embed_tokens` (images:
     # multimodal/fuyu.py) into Persimmon
     "FuyuForCausalLM": Wrapper(
         {"persimmon": "PersimmonForCausalLM"}, _modules("vision_embed_tokens")
+    ),
+    # Step 3.7: a SigLIP-style tower and its projector (the release's `vit_large_projector`)
+    # into Laguna's stack with Gemma norms and clamped experts (models/step3p7.py)
+    "Step3p7ForConditionalGeneration": Wrapper(
+        {"step3p5": "Step3p7TextForCausalLM"},
+        (*_modules("vision_model", "multi_modal_projector"), "vit_large_projector."),
+    ),
+    # Hy-V4-VL: Hy-V4's decoder, its MLA latent norms at rms_norm_eps (models/hy_v4_vl.py);
+    # M-RoPE plain on text. The release's names: the decoder under `model.`, the tower `vit.`
+    "HYV4VLForConditionalGeneration": Wrapper(
+        {"hy_v4_vl_text": "HYV4VLTextForCausalLM"},
+        _modules("vision_tower", "vit", "perceive", "patch_merger"),
+        mrope=True,
+    ),
+    # Cosmos3 Edge: a SigLIP2 tower and merger into a relu^2 Llama (models/cosmos3_edge.py);
+    # M-RoPE plain on text. The release keeps the decoder at the top level
+    "Cosmos3EdgeForConditionalGeneration": Wrapper(
+        {"cosmos3_edge_text": "Cosmos3EdgeTextForCausalLM"},
+        _modules("visual", "projector"),
+        mrope=True,
+        renames=(
+            ("embed_tokens.", "model.embed_tokens."),
+            ("layers.", "model.layers."),
+            ("norm.", "model.norm."),
+        ),
     ),
 }
 

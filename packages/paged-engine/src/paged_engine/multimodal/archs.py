@@ -57,6 +57,12 @@
       config; a VQ-VAE's codes as text-embedding rows: chameleon_vqvae.py; text out only)
     FuyuForCausalLM                               "fuyu"        multimodal/fuyu.py (no tower:
       patches linearly projected into Persimmon; no vision_config)
+    MiniMaxM3SparseForConditionalGeneration  "minimax_m3_vl"  multimodal/minimax_m3_vl.py
+      (3-D axial rope tower, patch-merge projector; 1-D text positions)
+    Inkling2ForConditionalGeneration,             "inkling2"    multimodal/inkling2_vl.py
+      Inkling2LoopForConditionalGeneration (one token a 40-pixel cell; 1-D positions)
+    CohereCompassForConditionalGeneration         "qwen2_vl"    multimodal/qwen2_vl.py (Qwen3-VL's
+      tower and deepstack; the decoder's M-RoPE a rope per layer type: models/cohere_compass.py)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -122,6 +128,10 @@ KINDS: dict[str, str] = {
     "Blip2ForConditionalGeneration": "blip2",
     "ChameleonForConditionalGeneration": "chameleon",
     "FuyuForCausalLM": "fuyu",
+    "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
+    "Inkling2ForConditionalGeneration": "inkling2",
+    "Inkling2LoopForConditionalGeneration": "inkling2",
+    "CohereCompassForConditionalGeneration": "qwen2_vl",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -159,6 +169,8 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "aria": ("idefics3_vision",),
     "blip2": ("blip_2_vision_model",),
     "chameleon": ("chameleon_vqgan",),  # vq_config.model_type: its VQ-VAE
+    "minimax_m3_vl": ("minimax_m3_vl_vision",),
+    "inkling2": ("inkling2_vision",),
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -203,6 +215,8 @@ ENCODERS: dict[str, str] = {
     "blip2": "blip2:Blip2ImageEncoder",
     "chameleon": "chameleon:ChameleonImageEncoder",
     "fuyu": "fuyu:FuyuImageEncoder",  # no tower: vision_embed_tokens alone
+    "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
+    "inkling2": "inkling2_vl:Inkling2ImageEncoder",
 }
 
 

@@ -10,6 +10,7 @@ from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
+from paged_engine.multimodal.inkling2_vl import Inkling2Layout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -43,6 +44,7 @@ from paged_engine.multimodal.layouts_tiles import (
 )
 from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
+from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
@@ -91,4 +93,6 @@ LAYOUTS: dict[str, type[Layout]] = {
     "blip2": Blip2Layout,  # BLIP-2: a run of num_query_tokens, first when unmarked
     "chameleon": ChameleonLayout,  # Chameleon: boi, a fixed run of VQ codes, eoi
     "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
+    "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
+    "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
 }

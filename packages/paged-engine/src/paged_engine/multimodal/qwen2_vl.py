@@ -36,7 +36,10 @@ QWEN3_ARCHS = (
     "Qwen3VLMoeForConditionalGeneration",
     "Qwen3_5ForConditionalGeneration",  # Qwen3-VL's tower without deepstack, a hybrid decoder
     "Qwen3_5MoeForConditionalGeneration",
+    "CohereCompassForConditionalGeneration",  # Qwen3-VL's tower into a Cohere decoder
 )
+# the text rope is M-RoPE per layer type, always interleaved (models/cohere_compass.py)
+PER_TYPE_MROPE = ("CohereCompassForConditionalGeneration",)
 
 
 def check_config(config) -> None:
@@ -44,6 +47,10 @@ def check_config(config) -> None:
     the text rope must be M-RoPE (contiguous sections over half the rotary dims)."""
     from paged_engine.layers.rotary import mrope_section, rope_config
 
+    if any(a in PER_TYPE_MROPE for a in config.architectures):
+        if merge_size(config) < 1:
+            raise ValueError("vision_config.spatial_merge_size must be at least 1")
+        return
     text = config.text_config
     found = mrope_section(text)
     section = None if found is None else found[0]

@@ -52,6 +52,8 @@ from paged_engine.multimodal.qwen2_vl_vision import (
 MODEL_TYPES = frozenset({"qwen3_vl", "qwen3_vl_vision", "qwen3_vl_moe", "qwen3_vl_moe_vision"})
 # Qwen3-Omni's thinker: the same tower, its mergers named apart (multimodal/qwen_omni.py)
 MODEL_TYPES |= {"qwen3_omni_moe_vision_encoder"}
+# Cohere Compass (North-Micro-Vision): Qwen3-VL's tower, deepstack included
+MODEL_TYPES |= {"cohere_compass_vision"}
 # Qwen3.5 / Qwen3.5-MoE: the same tower without deepstack (their configs have no indexes)
 NO_DEEPSTACK = frozenset({"qwen3_5_vision", "qwen3_5_moe_vision"})
 _NORM_EPS = 1e-6  # HF hard-codes it for every norm of the tower

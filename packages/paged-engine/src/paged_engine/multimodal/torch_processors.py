@@ -4,7 +4,9 @@ transformers 5 builds some checkpoints' image processors on torchvision only (no
 fall back to): Llama4ImageProcessor, Cohere2VisionImageProcessor, Kimi_K25ImageProcessor,
 Molmo2ImageProcessor (its copy in multimodal/molmo2_processor.py),
 Phi4MultimodalImageProcessor (its copy in multimodal/phi4mm_processor.py),
-Lfm2VlImageProcessor (its copy in multimodal/lfm2_vl_processor.py).
+Lfm2VlImageProcessor (its copy in multimodal/lfm2_vl_processor.py),
+MiniMaxM3VLImageProcessor (its copy in multimodal/minimax_m3_vl.py),
+Inkling2ImageProcessor (its copy in multimodal/inkling2_vl.py).
 Gemma4ImageProcessor has a PIL class, which transformers takes without torchvision, but it
 resamples otherwise (up to 2 / 255 apart). Where torchvision is missing, `image_processor` gives
 our copy of the torchvision class's steps (`PROCESSORS`: each copy sits beside its model,
@@ -192,6 +194,8 @@ PROCESSORS: dict[str, tuple[str, str]] = {
     "Molmo2ImageProcessor": ("molmo2_processor", "Molmo2TorchProcessor"),
     "Phi4MultimodalImageProcessor": ("phi4mm_processor", "Phi4MMTorchProcessor"),
     "Lfm2VlImageProcessor": ("lfm2_vl_processor", "Lfm2VlTorchProcessor"),
+    "MiniMaxM3VLImageProcessor": ("minimax_m3_vl", "MiniMaxM3ImageProcessor"),
+    "Inkling2ImageProcessor": ("inkling2_vl", "Inkling2TorchProcessor"),
 }
 # where the saved settings name no processor: transformers' choice by the config's model_type
 _BY_MODEL_TYPE = {
@@ -203,6 +207,9 @@ _BY_MODEL_TYPE = {
     "molmo2": "Molmo2ImageProcessor",
     "phi4_multimodal": "Phi4MultimodalImageProcessor",
     "lfm2_vl": "Lfm2VlImageProcessor",
+    "minimax_m3_vl": "MiniMaxM3VLImageProcessor",
+    "inkling2": "Inkling2ImageProcessor",
+    "inkling2_loop": "Inkling2ImageProcessor",
 }
 
 

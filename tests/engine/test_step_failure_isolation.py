@@ -71,6 +71,16 @@ async def _last(agen):
     return last
 
 
+async def _idle(eng: AsyncLLM, read):
+    """`read(engine)` on the engine thread once it has nothing left to step."""
+    for _ in range(1000):
+        got = await eng._call(lambda e: None if e.can_step() else (read(e),))
+        if got is not None:
+            return got[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine did not go idle")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_async_llm_fails_only_the_culprit(tiny_llama_dir, clean, async_scheduling) -> None:
     eng = AsyncLLM(str(tiny_llama_dir), async_scheduling=async_scheduling, **OPTS)
@@ -97,7 +107,9 @@ def test_async_llm_fails_only_the_culprit(tiny_llama_dir, clean, async_schedulin
         assert len(failures) == 2 and failures[0] > 1 and failures[1] == 1
         assert eng.engine.engine_core.async_scheduling == async_scheduling
         assert not eng.errored
-        scheduler = eng.engine.engine_core.scheduler
+        # read on the engine thread once idle (its last step, freeing the worker's rows, may
+        # still run after the outputs arrived)
+        scheduler = asyncio.run(_idle(eng, lambda e: e.engine_core.scheduler))
         assert not scheduler.suspects and not scheduler.step_seqs  # no failed step left behind
         bm = eng.engine.engine_core.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks  # nothing leaked

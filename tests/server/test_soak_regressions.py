@@ -50,3 +50,67 @@ def test_a_request_too_big_for_the_kv_pool_fails_alone(tiny_model: str) -> None:
             assert m["paged:num_requests_running"] == m["paged:num_requests_waiting"] == 0
     finally:
         engine.shutdown()
+
+
+def test_a_fan_out_landing_on_a_swapped_out_request_swaps_in_with_it(tiny_model: str) -> None:
+    """n > 1 under preemption by swap with async scheduling: a request swapped out while its
+    first sample was in flight forked when the sample landed, and the forks had no CPU table,
+    so the next schedule() raised KeyError and the server failed every request in flight with
+    a 500. Now the forks share the parent's CPU table: every answer is the one an engine with
+    room for all gives, and both pools are empty afterwards."""
+    from paged_engine import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5 + i] * 60 + list(range(10, 10 + i))} for i in range(6)]
+    params = [SamplingParams(n=3, temperature=1.0, seed=i, max_tokens=8) for i in range(6)]
+    kw = {"dtype": "float32", "max_model_len": 128, "async_scheduling": True}
+    kw["max_num_batched_tokens"] = 40
+    tight = LLM(
+        tiny_model, num_gpu_blocks_override=16, preemption_mode="swap", swap_space=0.01, **kw
+    )
+    got = tight.generate(prompts, params, use_tqdm=False)
+    engine = tight.llm_engine
+    assert engine.scheduler.num_swap_preemptions > 0
+    cpu = engine.block_manager.cpu
+    assert not cpu.tables and cpu.num_free_blocks == cpu.num_total_blocks
+    roomy = LLM(tiny_model, num_gpu_blocks_override=200, **kw)
+    want = roomy.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+
+
+def test_a_request_reusing_the_id_of_one_in_flight_leaves_that_one_alone(tiny_model: str) -> None:
+    """A client's `request_id` equal to another request's in flight: the engine refused the
+    second (id in use), and the server's clean-up of that refusal aborted the first by the same
+    id, whose stream then hung without [DONE] until the client timed out. Now only the second
+    is refused (400) and the first streams to its end."""
+    import json
+    from http.client import IncompleteRead
+
+    from paged_engine import LLMEngine
+
+    engine = LLMEngine(
+        model=tiny_model, dtype="float32", max_model_len=128, num_gpu_blocks_override=32
+    )
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            body = {"prompt": [5, 6], "max_tokens": 120, "ignore_eos": True, "request_id": "dup"}
+            usage = {"stream": True, "stream_options": {"include_usage": True}}
+            conn = http.conn(timeout=20)
+            conn.request("POST", "/v1/completions", json.dumps({**body, **usage}))
+            r = conn.getresponse()
+            assert r.status == 200
+            events = [r.readline()]  # the first event: the request is in flight
+            status, _, payload = http.request("POST", "/v1/completions", {**body, "max_tokens": 2})
+            assert status == 400 and "already in use" in payload["error"]["message"], payload
+            try:
+                events += list(r)
+            except (TimeoutError, IncompleteRead) as e:
+                raise AssertionError("the first request's stream was cut") from e
+            finally:
+                conn.close()
+            data = [e for e in events if e.startswith(b"data: ")]
+            assert data[-1].strip() == b"data: [DONE]"
+            assert json.loads(data[-2][6:])["usage"]["completion_tokens"] == 120
+            assert http.wait_idle()["paged:kv_cache_used_blocks"] == 0
+    finally:
+        engine.shutdown()

@@ -888,7 +888,7 @@ class OpenAIApp:
             yield
         finally:
             if not group.done:
-                self.client.abort(rids)
+                self.client.abort(rids, group)
                 if group.add_error is None:  # a refusal (a 4xx) took nothing to abort
                     h.log_extra += " aborted"
 

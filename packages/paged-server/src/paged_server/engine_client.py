@@ -276,8 +276,10 @@ class EngineClient:
         except TimeoutError:
             raise APIError(503, f"the engine did not answer within {timeout:.0f} s") from None
 
-    def abort(self, request_ids: list[str]) -> None:
-        self._send(("abort", list(request_ids)))
+    def abort(self, request_ids: list[str], group: RequestGroup | None = None) -> None:
+        """Abort these requests; with `group`, only while they are its own (a client may reuse
+        the id of another client's request in flight: that one is refused, not this abort's)."""
+        self._send(("abort", list(request_ids), group))
 
     def abort_all(self) -> None:
         self._send(("abort_all", None))
@@ -365,7 +367,7 @@ class EngineClient:
             elif cmd[0] == "finish":  # stop strings the output stage saw
                 self.engine.finish_seqs(cmd[1])
             elif cmd[0] == "abort":
-                self._do_abort(cmd[1])
+                self._do_abort(cmd[1], cmd[2])
             elif cmd[0] == "failed":  # the output stage failed them: free them in the engine
                 self._abort_in_engine(cmd[1])
             elif cmd[0] == "abort_all":
@@ -487,15 +489,22 @@ class EngineClient:
         except Exception:
             log.exception("removing unloaded LoRA adapters failed")
 
-    def _do_abort(self, request_ids: list[str]) -> None:
+    def _do_abort(self, request_ids: list[str], group: RequestGroup | None = None) -> None:
         with self._lock:
-            live = [r for r in request_ids if self._streams.pop(r, None) is not None]
+            streams = self._streams
+            live = [r for r in request_ids if r in streams and group in (None, streams[r].group)]
+            for r in live:
+                del streams[r]
         if live:
             self._abort_in_engine(live)
             self.metrics.requests_aborted += len(live)
         if self._held_adds:  # held back by a "wait" pause: never added now
             ids = set(request_ids)
-            dropped = [c for c in self._held_adds if c.group.request_ids[c.index] in ids]
+            dropped = [
+                c
+                for c in self._held_adds
+                if c.group.request_ids[c.index] in ids and group in (None, c.group)
+            ]
             self._held_adds = [c for c in self._held_adds if c not in dropped]
             for c in dropped:  # counted as handed over, so nothing waits on them
                 c.group._num_added += 1
@@ -538,6 +547,9 @@ class EngineClient:
                 failed = self._fail([co.request_id for co in core_outputs], err)
                 if failed:
                     self._send(("failed", failed))
+            # not held while the queue is empty: the last step's whole answers (their
+            # logprobs and prompt logprobs) would stay alive for as long as the server idles
+            core_outputs = processed = None
 
     def _dispatch(self, outputs: list[Any]) -> None:
         now = time.monotonic()

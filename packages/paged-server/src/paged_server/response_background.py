@@ -142,7 +142,7 @@ def start(
         app._await_added(h, group)
     except BaseException:
         if not group.done:
-            app.client.abort(rids)
+            app.client.abort(rids, group)
         raise
     rid = body["id"]
 

@@ -367,6 +367,10 @@ class BlockManager:
         child.num_registered_blocks = parent.num_registered_blocks
         child.num_computed_tokens = parent.num_computed_tokens
         self._num_table_blocks += len(child.block_ids)
+        if self.cpu is not None and parent.seq_id in self.cpu.tables:
+            # swapped out (a fan-out's pending sample landed after the swap): the child shares
+            # the parent's CPU table, and they swap in together
+            self.cpu.fork(parent.seq_id, child.seq_id)
 
     def share_prefix(self, src: Sequence, dst: Sequence, num_blocks: int) -> None:
         """A forked request recomputed after preemption: `dst` takes `src`'s computed blocks up

@@ -102,6 +102,14 @@ class CpuPool:
             out.append([mapping[c].block_id for c in table])
         return out
 
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """A swapped-out sequence forked: the child's table shares every CPU block (ref +1)."""
+        table = self.tables[parent_id]
+        blocks = self.pool.blocks
+        for c in table:
+            self.pool.touch(blocks[c])
+        self.tables[child_id] = table.copy()
+
     def release(self, cpu_table: list[int]) -> None:
         """Drop a swapped-out table's references (its sequence finished or was aborted)."""
         blocks = self.pool.blocks

@@ -130,13 +130,22 @@ class EngineCore(StepApplier, StepIsolation):
                 if seq.index == index:
                     seq.finish_reason = "stop"
                     self.scheduler.free_seq(seq, _STOPPED, stop)
+        if self._constrained:
+            self._forget_finished()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def can_step(self) -> bool:
-        """Whether step() has anything to do: held outputs, or requests while not paused."""
-        return bool(self.held) or (not self.paused and self.has_unfinished_requests())
+        """Whether step() has anything to do: held outputs, or while not paused requests, a
+        step in flight (async scheduling's last, run past its requests' end) or sequences the
+        worker still holds. The last two make an idle engine let go of every request."""
+        if self.held:
+            return True
+        if self.paused:
+            return False
+        sched = self.scheduler
+        return self.has_unfinished_requests() or bool(self._in_flight) or sched.has_worker_frees()
 
     # ---- pausing (sleep mode) -------------------------------------------------------------------
     def drain(self) -> None:
@@ -233,8 +242,11 @@ class EngineCore(StepApplier, StepIsolation):
         submitted = False
         if self._compiling and (failed := self._admit_compiled()):
             return failed
-        if len(self._in_flight) < depth and self.scheduler.has_unfinished_requests():
-            sched = self.scheduler.schedule()
+        scheduler = self.scheduler
+        if len(self._in_flight) < depth and (
+            scheduler.has_unfinished_requests() or scheduler.has_worker_frees()
+        ):
+            sched = scheduler.schedule()
             try:
                 if self._constrained:
                     self._fill_token_bitmask(sched)
@@ -276,10 +288,16 @@ class EngineCore(StepApplier, StepIsolation):
         if reqs:
             self.scheduler.busy.difference_update(reqs)
 
-    def _fill_token_bitmask(self, sched: SchedulerOutput) -> None:
+    def _forget_finished(self) -> None:
+        """Drop finished requests from `_constrained`, at each step's bitmask (an idle engine
+        still runs the step that frees their sequences) and after stop strings."""
         live = self._constrained
         for rid in [rid for rid, req in live.items() if req.is_finished]:
             del live[rid]
+
+    def _fill_token_bitmask(self, sched: SchedulerOutput) -> None:
+        self._forget_finished()
+        live = self._constrained
         if live and sched.sample_rows:
             assert self.structured is not None
             self.structured.fill_bitmask(sched, live.values())

@@ -171,6 +171,11 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_worker_frees(self) -> bool:
+        """Whether finished sequences wait to be dropped from the worker (their rows, penalty
+        histories, LoRA slots): sent with the next step, an empty one once nothing runs."""
+        return bool(self._finished_seq_ids)
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -102,12 +102,29 @@ class InputBatch:
     def __len__(self) -> int:
         return len(self.seqs)
 
+    def row_flags(self) -> tuple[np.ndarray, ...]:
+        """The per-row feature flags: all False on a free row."""
+        return (
+            self.history,
+            self.tracks,
+            self.seeded,
+            self.logprobs,
+            self.beam,
+            self.prompt_logprobs,
+            self.pooling,
+            self.token_rules,
+        )
+
     def remove(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
         if seq is None:
             return
         del self.row_of[seq_id]
         self._free_rows.append(seq.row)
+        # add() sets every flag again, but a whole-batch test (`pooling.any()`) reads free rows
+        # too: a finished embedding request's flag kept the pooler on every later step
+        for flags in self.row_flags():
+            flags[seq.row] = False
         self.version += 1
         self.num_beam_rows -= seq.beam_candidates > 0
 

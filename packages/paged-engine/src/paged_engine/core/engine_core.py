@@ -27,7 +27,8 @@ request steps exactly as it would synchronously; only which requests share a ste
 
 A step that raises (not `EngineDeadError`) is isolated (core/step_isolation.py): the steps in
 flight are discarded, their requests recompute, each alone, and only one that fails alone again
-is aborted (step() raises `RequestFailedError` naming it); not under micro-batching.
+is aborted (step() raises `RequestFailedError` naming it); not under micro-batching. So is a
+step that raises while `drain()` applies it (pausing).
 
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
 grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
@@ -149,10 +150,19 @@ class EngineCore(StepApplier, StepIsolation):
 
     # ---- pausing (sleep mode) -------------------------------------------------------------------
     def drain(self) -> None:
-        """Apply every step in flight; their outputs are held for the next step()."""
+        """Apply every step in flight; their outputs are held for the next step(). One that
+        raises is isolated like a step's failure, none blamed yet (core/step_isolation.py)."""
         while self._in_flight:
             sched, handle = self._in_flight.popleft()
-            self.held += self._apply(sched, handle.get())
+            try:
+                out = handle.get()
+            except EngineDeadError:
+                raise
+            except Exception as e:  # its requests (and the later steps') recompute as suspects
+                self._step_failed(e, sched, blame=False)
+                break
+            apply = self._apply_lone if self.scheduler.suspects else self._apply
+            self.held += apply(sched, out)
         self.scheduler.busy.clear()  # (every step applied)
         self._busy_of.clear()
 

@@ -61,7 +61,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.core.seq_lifecycle import SeqLifecycle
 from paged_engine.core.state_slots import StateSlots
 from paged_engine.core.step_emit import StepEmitter
-from paged_engine.core.step_isolation import LoneSteps
+from paged_engine.core.step_isolation import BatchCap, LoneSteps
 from paged_engine.core.token_plan import plan_tokens, whole_image_plan, whole_images
 from paged_engine.kv_transfer.connector import KVConnector
 from paged_engine.spec_decode.planner import DraftPlanner
@@ -136,6 +136,8 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         # Requests of a failed step, each run alone until one of its steps succeeds
         # (core/step_isolation.py); empty but after a failure.
         self.suspects: set[Request] = set()
+        # A failure no request is to blame for that recurs lowers max_num_seqs (step_isolation.py)
+        self.batch_cap = BatchCap(max_num_seqs)
 
     # ---- queues ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -143,10 +145,10 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         assert req.status == RequestStatus.WAITING and req.live_seqs()
         for seq in req.live_seqs():
             assert seq.num_tokens <= self.max_model_len, "prompt longer than max_model_len"
-        if req.max_live_seqs > self.max_num_seqs:
+        if req.max_live_seqs > self.batch_cap.configured:
             raise ValueError(
                 f"request {req.request_id!r} needs {req.max_live_seqs} sequences at once, "
-                f"more than max_num_seqs={self.max_num_seqs}"
+                f"more than max_num_seqs={self.batch_cap.configured}"
             )
         self.requests[req.request_id] = req
         for seq in req.live_seqs():
@@ -320,7 +322,12 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
                 continue
             seqs = req.live_seqs()
             slots = self._seq_slots(req, seqs)
-            if num_seqs + slots > self.max_num_seqs:
+            # (under a batch cap, alone it is admitted anyway: it succeeded alone)
+            if (
+                num_seqs + slots > self.max_num_seqs
+                and num_seqs
+                and not self._cap_lifted(num_seqs + slots)
+            ):
                 break
             if bm.is_swapped(seqs[0]):  # its KV waits in the CPU pool
                 plan = whole_image_plan(plan_tokens(seqs, budget, self._may_split), budget)

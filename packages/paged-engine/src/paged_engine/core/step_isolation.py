@@ -15,9 +15,33 @@ the encoder throw, or a model hook rejects its tokens), the engine core
    other request goes on and produces what it would have produced (greedy and seeded draws
    depend only on tokens and positions).
 
-With no suspect the hot path pays one falsy-set check a step. Pipeline micro-batching
-(`max_concurrent_batches` > 1) is refused: there a failure propagates and the caller fails the
-requests in flight, as before. vLLM has no such isolation (an engine-core exception kills the
+A failure that is no request's fault and recurs only in big batches (an out-of-memory whenever
+the batch is full) would cycle: batch fails, each request succeeds alone, the batch re-forms and
+fails again. So a failure with no culprit (every suspect of it succeeded alone) that is followed
+within `RECUR_WINDOW` steps by another fresh failure caps the batch (`BatchCap`):
+`Scheduler.max_num_seqs` drops to half the sequences of the step that failed again (at least
+1), with a warning naming the cap, and each further recurrence halves it again. Admission obeys
+it (one request with more sequences than the cap is still admitted alone: a cap of 1 is the
+lone run that succeeded), and once the suspects are cleared the running requests past it go
+back to wait (`suspects_cleared`: each ran alone and stayed running). Tokens per step are not
+capped (a suspect's lone steps ran the full token budget and succeeded). So such a failure
+costs at most about log2(max_num_seqs) + 2 failed steps and each costs one lone run per
+request; no request is lost, and greedy / seeded outputs stay those of a clean run. The cap
+lifts (back to the configured max_num_seqs, logged) the first time it keeps a request out after
+holding `CAP_HOLD_STEPS << lifts` steps (the hold doubles with each lift, so a failure that
+comes back with the full batch costs a bounded number of failed steps per doubling period).
+
+`drain()` (pause, sleep, resetting the prefix cache) applies the steps in flight; one that
+raises goes through the same isolation (`_step_failed(..., blame=False)`): its requests recompute
+as suspects, but none is blamed while draining (no lone step ran): a culprit fails once
+scheduling resumes and runs it alone. (A "wait" pause steps normally: engine/sleep_mode.py
+raises the culprits' `RequestFailedError` once paused.) With tensor parallelism a step every
+rank failed reaches here as with one process (executor/multiproc.py); others kill the engine.
+
+With no suspect the hot path pays one falsy-set check a step (the cap costs nothing until it
+keeps a request out: then ~0.1 us a step). Pipeline micro-batching (`max_concurrent_batches`
+> 1) is refused: there a failure propagates and the caller fails the requests in flight, as
+before. vLLM has no such isolation (an engine-core exception kills the
 engine); this follows its preemption-by-recompute to put the requests back.
 
 `StepIsolation` is a mixin of `EngineCore` (core/engine_core.py), `LoneSteps` one of
@@ -27,7 +51,9 @@ engine); this follows its preemption-by-recompute to put the requests back.
 from __future__ import annotations
 
 import logging
+import sys
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paged_engine.core.request import Request
@@ -42,6 +68,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+RECUR_WINDOW = 1024  # steps: a fresh failure this soon after a blameless one ended recurs
+CAP_HOLD_STEPS = 1024  # steps a batch cap holds before it may lift (doubled per lift)
+
 
 class RequestFailedError(RuntimeError):
     """A step failed twice with these requests alone in it: they were aborted (every other
@@ -53,6 +82,18 @@ class RequestFailedError(RuntimeError):
         self.cause = cause
 
 
+@dataclass(slots=True)
+class BatchCap:
+    """The batch cap of recurring blameless failures (`Scheduler.batch_cap`); while one is in
+    force `Scheduler.max_num_seqs` is lowered, `configured` keeps the engine's own."""
+
+    configured: int  # max_num_seqs as configured
+    lift_at: int = sys.maxsize  # step id from which the cap may lift (maxsize: no cap)
+    lifts: int = 0
+    cleared_at: int | None = None  # step id where the last failure's suspects all succeeded
+    blamed: bool = False  # the last failure found a culprit
+
+
 class StepIsolation:
     """Recovering from a failed step (mixed into `EngineCore`)."""
 
@@ -61,9 +102,13 @@ class StepIsolation:
     max_concurrent_batches: int
     _in_flight: deque[tuple[SchedulerOutput, RunnerOutputHandle]]
 
-    def _step_failed(self, error: Exception, failed: SchedulerOutput) -> list[EngineCoreOutput]:
+    def _step_failed(
+        self, error: Exception, failed: SchedulerOutput, *, blame: bool = True
+    ) -> list[EngineCoreOutput]:
         """`failed` raised `error`: discard every step in flight, send their requests back to
-        recompute as suspects; raise RequestFailedError if a suspect failed alone again."""
+        recompute as suspects; raise RequestFailedError if a suspect failed alone again (unless
+        not `blame`: drain() runs no lone step, the suspect stays one). A fresh failure soon
+        after a blameless one caps the batch (`LoneSteps.cap_batch`)."""
         if self.max_concurrent_batches > 1:  # pipeline micro-batching: not isolated
             raise error
         from paged_engine.executor.base import EngineDeadError
@@ -94,14 +139,21 @@ class StepIsolation:
             raise error
         for req in involved:
             scheduler.discard_steps(req)
-        suspects = scheduler.suspects
+        suspects, cap = scheduler.suspects, scheduler.batch_cap
         culprits = [req.request_id for req in involved if req in suspects]
-        if culprits:
+        if culprits and blame:
+            cap.blamed = True
             for req in involved:
                 suspects.discard(req)
             self.abort_requests(culprits)  # type: ignore[attr-defined]
             logger.error("a step failed again with request(s) %s alone: failing them", culprits)
             raise RequestFailedError(culprits, error) from error
+        if not suspects:  # a fresh failure (a suspect only ever runs alone)
+            recurs = cap.cleared_at is not None and failed.step_id - cap.cleared_at <= RECUR_WINDOW
+            cap.cleared_at, cap.blamed = None, False
+            if recurs:
+                width = len({seq_id for sched in scheds for seq_id in sched.seq_ids})
+                scheduler.cap_batch(width, error)
         suspects.update(involved)
         logger.warning(
             "a step failed (%r); its %d request(s) recompute, each alone until one of its steps "
@@ -118,7 +170,10 @@ class StepIsolation:
         reqs = {live[s].request for s in sched.seq_ids if s in live}
         outputs = self._apply(sched, out)  # type: ignore[attr-defined]
         if out.sampled_seq_ids or out.beam_topk or out.pooled:
-            self.scheduler.suspects.difference_update(reqs)
+            scheduler = self.scheduler
+            scheduler.suspects.difference_update(reqs)
+            if not scheduler.suspects:
+                scheduler.suspects_cleared(sched.step_id)
         return outputs
 
 
@@ -131,9 +186,64 @@ class LoneSteps:
     waiting: deque[Request]
     requests: dict[str, Request]
     suspects: set[Request]
+    batch_cap: BatchCap
+    max_num_seqs: int
     block_manager: BlockManager
     _reshare: set[Request]
     _by_priority: bool
+    _next_step_id: int
+
+    def cap_batch(self, width: int, error: Exception) -> None:
+        """A blameless failure recurred in a step of `width` sequences: admit at most half as
+        many per step (at least 1) for the next `CAP_HOLD_STEPS << lifts` steps."""
+        cap = self.batch_cap
+        self.max_num_seqs = max(1, min(width, self.max_num_seqs) // 2)
+        hold = CAP_HOLD_STEPS << min(cap.lifts, 16)
+        cap.lift_at = self._next_step_id + hold
+        logger.warning(
+            "a step of %d sequence(s) failed again (%r) though each of its requests succeeded "
+            "alone: capping steps at %d sequence(s) (max_num_seqs=%d) for at least %d steps",
+            width,
+            error,
+            self.max_num_seqs,
+            cap.configured,
+            hold,
+        )
+
+    def suspects_cleared(self, step_id: int) -> None:
+        """The last suspect succeeded alone (in step `step_id`): unless one was blamed, the
+        failure had no culprit. Under a batch cap, the running requests past it (each ran alone
+        and stays running) go back to wait, recompute: the cap binds admission only."""
+        cap = self.batch_cap
+        if not cap.blamed:
+            cap.cleared_at = step_id
+        if self.max_num_seqs == cap.configured:
+            return
+        seats, over = 0, []
+        for req in self.running:  # admission order: the latest go
+            slots = self._seq_slots(req, req.live_seqs())  # type: ignore[attr-defined]
+            if seats and seats + slots > self.max_num_seqs:
+                over.append(req)
+            else:
+                seats += slots
+        for req in reversed(over):  # (each to the head of the queue: FCFS kept)
+            self._preempt(req, [], allow_swap=False)  # type: ignore[attr-defined]
+
+    def _cap_lifted(self, seats: int) -> bool:
+        """Admission is full: lift a batch cap that has held its steps. Whether `seats` (the
+        step's with the next request) now fit (no cap, or one still held: False)."""
+        cap = self.batch_cap
+        if self._next_step_id < cap.lift_at:
+            return False
+        cap.lift_at, cap.lifts = sys.maxsize, cap.lifts + 1
+        logger.warning(
+            "lifting the batch cap of %d sequence(s) after %d steps: max_num_seqs=%d again",
+            self.max_num_seqs,
+            CAP_HOLD_STEPS << min(cap.lifts - 1, 16),
+            cap.configured,
+        )
+        self.max_num_seqs = cap.configured
+        return seats <= self.max_num_seqs
 
     def discard_steps(self, req: Request) -> None:
         """Its steps in flight were discarded: their pending tokens never land, and what they

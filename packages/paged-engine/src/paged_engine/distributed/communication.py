@@ -5,6 +5,7 @@ tp_all_reduce_max(x)    elementwise max of x over the TP group (fp8 KV-cache sca
 tp_all_gather(x, dim)   the TP group's shards of x side by side (vocab-parallel logits)
 broadcast_object(obj)   rank 0's plain-data message to every rank (cpu group, pickled)
 gather_object(obj)      every rank's object, in rank order, on rank 0 (None elsewhere)
+every_rank_failed(t)    after a step raised: whether every rank failed it (fail group)
 send_tensor / recv_tensor   hidden states from one pipeline stage to the next
 send_object / recv_object   plain data from one rank to another (the last stage's outputs)
 
@@ -17,6 +18,7 @@ message go through this module, in the same order per pair of ranks: a length, t
 
 from __future__ import annotations
 
+import datetime
 import pickle
 from collections import deque
 from typing import Any
@@ -100,6 +102,22 @@ def all_reduce_min(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.cpu_group)
     return int(t.item())
+
+
+def every_rank_failed(timeout_s: float) -> bool:
+    """Called by each rank whose step raised: True once every rank has called it (each failed
+    the step and none waits in a collective: the ranks are in step again), False if one has
+    not within `timeout_s` (it succeeded, or waits in a collective for the failed ones)."""
+    state = get_parallel_state()
+    if state.fail_group is None:
+        return False
+    try:
+        dist.monitored_barrier(
+            group=state.fail_group, timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    except RuntimeError:
+        return False
+    return True
 
 
 def send_tensor(x: torch.Tensor, dst: int) -> None:

@@ -9,6 +9,8 @@ for serving, the HTTP server). Groups, all built by `init_parallel_state` on eve
     pp group    the ranks sharing a TP rank across stages: hidden states between stages
     cpu group   the whole world over gloo: rank 0's plain-data messages (the step), so a GPU
                 world never moves pickles through NCCL
+    fail group  the whole world over gloo, used only when a step raised: the ranks agree that
+                every one of them failed it (communication.every_rank_failed)
 
 Before `init_parallel_state` (and in a single-process engine) every getter answers as rank 0 of
 a world of 1, so layers built without a world are plain unsharded layers.
@@ -39,6 +41,7 @@ class ParallelState:
     tp_group: dist.ProcessGroup | None
     pp_group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup | None
+    fail_group: dist.ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -95,6 +98,7 @@ def init_parallel_state(
         backend, init_method=init_method, world_size=world_size, rank=rank, timeout=IDLE_TIMEOUT
     )
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    fail_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     tp_group = pp_group = None
     for stage in range(pp_size):  # every rank creates every group, in the same order
         ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
@@ -106,7 +110,9 @@ def init_parallel_state(
         group = dist.new_group(ranks, backend=backend)
         if rank in ranks:
             pp_group = group
-    _state = ParallelState(rank, world_size, tp_size, pp_size, tp_group, pp_group, cpu_group)
+    _state = ParallelState(
+        rank, world_size, tp_size, pp_size, tp_group, pp_group, cpu_group, fail_group
+    )
     logger.info(
         "rank %d of %d joined (%s): tp rank %d/%d, pp stage %d/%d",
         rank,

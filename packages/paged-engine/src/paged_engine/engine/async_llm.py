@@ -229,7 +229,7 @@ class AsyncLLM:
         return await self._call(lambda e: e.reset_prefix_cache(reset_running_requests))
 
     async def sleep(self, level: int = 1, tags: list[str] | None = None, mode: str = "abort"):
-        await self._call(lambda e: e.sleep(level, tags, mode))
+        await self._call(lambda e: self._settled(lambda: e.sleep(level, tags, mode)))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         await self._call(lambda e: e.wake_up(tags))
@@ -238,7 +238,7 @@ class AsyncLLM:
         return await self._call(lambda e: e.is_sleeping())
 
     async def pause_generation(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        await self._call(lambda e: e.pause_generation(mode, clear_cache))
+        await self._call(lambda e: self._settled(lambda: e.pause_generation(mode, clear_cache)))
 
     async def resume_generation(self) -> None:
         await self._call(lambda e: e.resume_generation())
@@ -375,10 +375,7 @@ class AsyncLLM:
                 self._dead = e
                 return
             except RequestFailedError as e:  # the requests to blame, alone: they fail
-                for rid in e.request_ids:
-                    stream = self._streams.pop(rid, None)
-                    if stream is not None:
-                        stream.put(e.cause)
+                self._fail_culprits(e)
                 continue
             except Exception as e:  # fail the requests in flight, serve on
                 logger.exception("an engine step failed; failing the requests in flight")
@@ -427,6 +424,20 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
             stream.put(out)
+
+    def _fail_culprits(self, e: RequestFailedError) -> None:
+        for rid in e.request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(e.cause)
+
+    def _settled(self, pause: Callable[[], None]) -> None:
+        """Run a pause or sleep; requests a "wait" pause saw fail alone fail their streams (the
+        pause itself succeeded)."""
+        try:
+            pause()
+        except RequestFailedError as e:
+            self._fail_culprits(e)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}

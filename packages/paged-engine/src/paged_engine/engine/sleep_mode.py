@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.worker.sleep import TAGS
 
 if TYPE_CHECKING:
@@ -77,11 +78,21 @@ class SleepMode:
         return self.engine.engine_core.paused
 
     def pause(self, mode: str = "abort", *, clear_cache: bool = True) -> None:
+        """RequestFailedError (raised once paused) names the requests that failed alone while
+        "wait" ran them (core/step_isolation.py); the others went on."""
+        _raise_failed(self._pause(mode, clear_cache=clear_cache))
+
+    def _pause(self, mode: str, *, clear_cache: bool) -> list[RequestFailedError]:
         check_mode(mode)
         engine, core = self.engine, self.engine.engine_core
+        failed: list[RequestFailedError] = []
         if mode == "wait" and not core.paused:
             while core.has_unfinished_requests():
-                outputs = engine.step()  # returns (and clears) what was held before
+                try:
+                    outputs = engine.step()  # returns (and clears) what was held before
+                except RequestFailedError as e:  # a culprit, alone: the others run on
+                    failed.append(e)
+                    continue
                 self.held += outputs
         core.paused = True
         core.drain()
@@ -89,6 +100,7 @@ class SleepMode:
             core.abort_all()
         if clear_cache and mode != "keep":
             engine.forget_prefix_cache()
+        return failed
 
     def resume(self) -> None:
         if self.asleep:
@@ -109,9 +121,9 @@ class SleepMode:
         engine, core = self.engine, self.engine.engine_core
         if not new and core.paused:
             return  # asleep already: a no-op (requests added meanwhile keep waiting)
-        self.pause(mode, clear_cache=False)
+        failed = self._pause(mode, clear_cache=False)
         if not new:
-            return
+            return _raise_failed(failed)
         if "kv_cache" in new:
             core.preempt_all()  # their blocks' contents are about to go
         engine.forget_prefix_cache()
@@ -126,6 +138,7 @@ class SleepMode:
             sum(freed) / 2**30,
             len(freed),
         )
+        _raise_failed(failed)  # (as pause's, once asleep)
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         named = check_tags(tags)
@@ -150,3 +163,12 @@ class SleepMode:
     def take_held(self) -> list[RequestOutput]:
         held, self.held = self.held, []
         return held
+
+
+def _raise_failed(failed: list[RequestFailedError]) -> None:
+    """One error for the requests a "wait" pause saw fail (the first one's cause), if any."""
+    if len(failed) == 1:
+        raise failed[0]
+    if failed:
+        ids = [rid for e in failed for rid in e.request_ids]
+        raise RequestFailedError(ids, failed[0].cause) from failed[0].cause

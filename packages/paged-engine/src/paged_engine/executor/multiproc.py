@@ -14,6 +14,13 @@ Ranks 1.. are started here (torch.multiprocessing: forkserver on the CPU, spawn 
 (also run by a finalizer at garbage collection and at exit) stops them, they exit when this
 process disappears, and a rank that dies makes the next call raise `EngineDeadError` naming it,
 never hang (gloo reports the closed connection).
+
+A step that raises on every rank (the same input fails the same way on each, before any
+collective one of them skipped) leaves the ranks in step: each agrees on it over the fail group
+(`every_rank_failed`, at most `STEP_FAILURE_SYNC_S`) and goes on, so the engine core isolates
+the step as with one process (core/step_isolation.py). A step that raises on some ranks only
+kills the engine, as any other failure of a call does (after that wait), and so does any
+failure under pipeline parallelism.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from paged_engine.core.sched_output import SchedulerOutput
 from paged_engine.distributed.communication import (
     broadcast_object,
     broadcast_object_async,
+    every_rank_failed,
     wait_sends,
 )
 from paged_engine.distributed.launch import (
@@ -49,7 +57,12 @@ from paged_engine.worker.extension import worker_class
 from paged_engine.worker.runner_output import ModelRunnerOutput
 from paged_engine.worker.stage_outputs import drain_stage_outputs
 from paged_engine.worker.worker import RpcError, pick_device
-from paged_engine.worker.worker_loop import SHUTDOWN, join_world, spawned_worker_main
+from paged_engine.worker.worker_loop import (
+    SHUTDOWN,
+    STEP_FAILURE_SYNC_S,
+    join_world,
+    spawned_worker_main,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +173,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> RunnerOutputHandle:
         if self.max_concurrent_batches == 1:
-            return _GuardedHandle(self._call("execute_model", sched), self)
+            return _GuardedHandle(self._call("execute_model", sched, isolate=True), self)
         # Pipeline: the later stages may still run earlier steps; do not wait for them.
         return _GuardedHandle(
             self._call("execute_model", sched, bcast=broadcast_object_async), self
@@ -225,18 +238,26 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
     # ---- internals --------------------------------------------------------------------------
-    def _call(self, method: str, *args: Any, bcast=broadcast_object) -> Any:
-        """Run `method` on every rank: broadcast it, then run it on rank 0's worker."""
+    def _call(self, method: str, *args: Any, bcast=broadcast_object, isolate=False) -> Any:
+        """Run `method` on every rank: broadcast it, then run it on rank 0's worker. `isolate`
+        (a step without pipeline stages): a failure every rank shares leaves the engine up."""
         if self._dead is not None:
             raise EngineDeadError(self._dead)
         if self._closed:
             raise EngineDeadError("the engine was shut down")
         try:
             bcast((method, args))
+        except Exception as e:
+            raise self._died(e) from e
+        try:
             return getattr(self.worker, method)(*args)
         except Exception as e:
-            # Any failure leaves the ranks out of step (some may wait in a collective forever):
-            # the engine cannot go on.
+            # Every rank raised too (the same input fails on each: a poisoned request): they
+            # are in step, and the core isolates the step (core/step_isolation.py).
+            if isolate and every_rank_failed(STEP_FAILURE_SYNC_S):
+                raise
+            # Else the ranks are out of step (some may wait in a collective forever): the
+            # engine cannot go on.
             raise self._died(e) from e
 
     def _died(self, error: BaseException) -> EngineDeadError:

@@ -2,7 +2,9 @@
 what rank 0 broadcasts (`(method, args)` of `Worker`) until it says "shutdown".
 
 Rank 0 runs the same `Worker` methods in the same order in the engine's process (the driver),
-so every rank executes every step; only rank 0's results reach the engine core.
+so every rank executes every step; only rank 0's results reach the engine core. A step that
+raises here ends this rank unless every rank failed it (`every_rank_failed`): then rank 0's
+engine core isolates it (core/step_isolation.py) and this rank serves on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ import traceback
 import torch
 
 from paged_engine.config import EngineConfig
-from paged_engine.distributed.communication import broadcast_object, wait_sends
+from paged_engine.distributed.communication import (
+    broadcast_object,
+    every_rank_failed,
+    wait_sends,
+)
 from paged_engine.distributed.launch import cpu_threads_per_rank, exit_with_parent
 from paged_engine.distributed.parallel_state import destroy_parallel_state, init_parallel_state
 from paged_engine.engine.gc_tuning import freeze_startup_heap
@@ -28,6 +34,8 @@ from paged_engine.worker.worker import pick_device
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+# After a step raised: how long each rank waits for the others to say they failed it too
+STEP_FAILURE_SYNC_S = 10.0
 
 
 def setup_rank_device(config: EngineConfig, local_rank: int, local_world_size: int) -> torch.device:
@@ -82,7 +90,17 @@ def run_worker(
                 drain_stage_outputs(worker)
                 wait_sends()
                 return
-            getattr(worker, method)(*args)
+            try:
+                getattr(worker, method)(*args)
+            except Exception as e:
+                # a step every rank failed leaves the ranks in step: rank 0's engine core
+                # isolates it (executor/multiproc.py); any other failure ends this rank
+                if method != "execute_model" or config.pipeline_parallel_size > 1:
+                    raise
+                if not every_rank_failed(STEP_FAILURE_SYNC_S):
+                    raise
+                logger.warning("rank %d: a step failed on every rank (%r): serving on", rank, e)
+                continue
             if method == "initialize_cache":  # the last startup step: the heap is the engine's
                 freeze_startup_heap()
     finally:

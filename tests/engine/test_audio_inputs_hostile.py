@@ -29,6 +29,18 @@ def _granite_speech(path):
     return write_tiny_granite_speech(path), ONE
 
 
+def _granite_speech_plus(path):
+    from test_granite_speech_plus_audio import ONE, write_tiny_granite_speech_plus
+
+    return write_tiny_granite_speech_plus(path), ONE
+
+
+def _fun_asr_nano(path):
+    from test_fun_asr_nano_audio import ONE, write_tiny_fun_asr_nano
+
+    return write_tiny_fun_asr_nano(path), ONE
+
+
 def _whisper_llm(name: str):
     def build(path):
         from test_whisper_llm_audio import FAMILIES as WHISPER_LLMS
@@ -69,6 +81,8 @@ FAMILIES = {
     "musicflamingo": _whisper_llm("musicflamingo"),
     "voxtral": _voxtral,
     "whisper": _whisper,
+    "granite_speech_plus": _granite_speech_plus,
+    "fun_asr_nano": _fun_asr_nano,
 }
 
 

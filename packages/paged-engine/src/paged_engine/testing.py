@@ -96,6 +96,7 @@ MORE_TINY_ARCHS: list[str] = [
     "olmo_hybrid",
     "bamba",
     "zamba2",
+    "zamba",
     "exaone4",
     "apertus",
     "apertus1p5",
@@ -109,6 +110,9 @@ MORE_TINY_ARCHS: list[str] = [
     "gpt_bigcode",
     "falcon",
     "gptj",
+    "codegen",
+    "biogpt",
+    "xglm",
     "bloom",
     "mpt",
     "gpt_neo",
@@ -135,6 +139,7 @@ MORE_TINY_ARCHS: list[str] = [
     "mimo_v2_flash",
     "longcat_flash",
     "deepseek_v4",
+    "recurrent_gemma",
 ]
 
 TINY_VOCAB_SIZE = 512
@@ -919,6 +924,40 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "mamba_d_conv": 4,
             "mamba_expand": 2,
             "chunk_size": 16,
+        },
+    ),
+    # RecurrentGemma (Griffin): recurrent, recurrent, local attention (window 8, shorter than the
+    # test prompts; 4 heads of 12 on 2 KV heads, rope over half of each head), recurrent; an
+    # RG-LRU of 96 channels (4 gate blocks of 24) after a temporal conv of width 4; soft cap 10
+    "recurrent_gemma": (
+        "RecurrentGemmaConfig",
+        {
+            **_LLAMA_LIKE,
+            "hidden_size": 48,  # sqrt(48) is not a bfloat16: HF's rounded normalizer shows
+            "num_hidden_layers": 4,
+            "lru_width": 96,
+            "attention_window_size": 8,
+            "conv1d_width": 4,
+            "logits_soft_cap": 10.0,
+        },
+    ),
+    # Zamba (v1): five Mamba layers (2 heads of 64 channels, state 16, conv 4, dt rank "auto" =
+    # 4); layers 2 and 4 hybrid (attn_layer_period 2 / offset 1 past HF's fixed first three),
+    # each first running the one shared transformer block over [hidden | embeddings] (4 heads
+    # of 32, no rope) with a GELU MLP; tied embeddings
+    "zamba": (
+        "ZambaConfig",
+        {
+            **_LLAMA_LIKE,
+            "num_hidden_layers": 5,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "num_key_value_heads": 4,
+            "n_mamba_heads": 2,
+            "mamba_d_state": 16,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "hidden_act": "gelu",
         },
     ),
     # Jamba: Mamba (v1) layers (128 channels, state 16, conv 4 with bias, dt rank 8 apart from
@@ -2077,6 +2116,41 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
             "tie_word_embeddings": False,
         },
     ),
+    # CodeGen: GPT-J's decoder, q | v | k rows in 4 model-parallel groups of the fused qkv_proj
+    "codegen": (
+        "CodeGenConfig",
+        {
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "rotary_dim": 8,
+            "n_inner": 128,
+            "n_positions": 1024,
+            "tie_word_embeddings": False,
+        },
+    ),
+    # BioGPT / XGLM: fairseq decoders, sqrt(d)-scaled embeddings, positions 2 rows in (learned /
+    # sinusoidal), OPT's pre-LN layers, tied head
+    "biogpt": (
+        "BioGptConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": 1024,
+        },
+    ),
+    "xglm": (
+        "XGLMConfig",
+        {
+            "d_model": 64,
+            "ffn_dim": 128,
+            "num_layers": 2,
+            "attention_heads": 4,
+            "max_position_embeddings": 1024,
+        },
+    ),
     # Nemotron: LayerNorm1P norms (weight stored minus 1, with biases), ungated relu^2 MLP,
     # partial rotary (half of head_dim 32: q wider than hidden)
     # Jais 2: Nemotron's decoder with plain LayerNorms, whole-head rope, every bias on
@@ -2402,6 +2476,8 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
         elif name.endswith("bias"):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        elif name.endswith("rg_lru.recurrent_param"):  # RG-LRU decays a^(8 r) near 0.8-0.99
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5 - 4.0)
         else:  # norm weights
             p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.1)
     for name, b in sorted(model.named_buffers()):

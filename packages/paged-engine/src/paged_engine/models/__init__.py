@@ -18,9 +18,11 @@ from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.beam import BeamForCausalLM
 from paged_engine.models.bert import ENCODERS
+from paged_engine.models.biogpt import BioGptForCausalLM
 from paged_engine.models.bitnet import BitNetForCausalLM
 from paged_engine.models.bloom import BloomForCausalLM
 from paged_engine.models.chameleon import ChameleonForCausalLM
+from paged_engine.models.codegen import CodeGenForCausalLM
 from paged_engine.models.cohere import (
     Cohere2ForCausalLM,
     Cohere2MoeForCausalLM,
@@ -36,6 +38,8 @@ from paged_engine.models.deepseek_v2 import (
 )
 from paged_engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from paged_engine.models.deepseek_v32 import DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
+from paged_engine.models.diffllama import DiffLlamaForCausalLM
+from paged_engine.models.doge import DogeForCausalLM
 from paged_engine.models.dory import DoryForCausalLM
 from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.dots3_note import Dots3NoteForCausalLM
@@ -139,6 +143,7 @@ from paged_engine.models.qwen3_next import (
     Qwen3NextForCausalLM,
 )
 from paged_engine.models.qwen4_exp import Qwen4ExpForCausalLM
+from paged_engine.models.recurrent_gemma import RecurrentGemmaForCausalLM
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
@@ -146,7 +151,9 @@ from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.whisper import WhisperForConditionalGeneration
+from paged_engine.models.xglm import XGLMForCausalLM
 from paged_engine.models.youtu import YoutuForCausalLM
+from paged_engine.models.zamba import ZambaForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
 from paged_engine.models.zaya import ZayaForCausalLM
 
@@ -180,6 +187,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AquilaForCausalLM": LlamaForCausalLM,
     "AquilaModel": LlamaForCausalLM,
     "XverseForCausalLM": LlamaForCausalLM,
+    "Emu3ForCausalLM": LlamaForCausalLM,  # Emu3's text decoder (emu3_text_model): Llama
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "BeamForCausalLM": BeamForCausalLM,
     "ErgoForCausalLM": ErgoForCausalLM,
@@ -268,6 +276,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "Zamba2ForCausalLM": Zamba2ForCausalLM,
+    "ZambaForCausalLM": ZambaForCausalLM,  # Zamba v1: Mamba (v1) heads, one shared block
+    "RecurrentGemmaForCausalLM": RecurrentGemmaForCausalLM,  # Griffin: RG-LRU + local attn
     "ZayaForCausalLM": ZayaForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
@@ -288,11 +298,16 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "Dots3NoteForCausalLM": Dots3NoteForCausalLM,
+    "DiffLlamaForCausalLM": DiffLlamaForCausalLM,
+    "DogeForCausalLM": DogeForCausalLM,
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
     "BloomForCausalLM": BloomForCausalLM,
     "MptForCausalLM": MptForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
+    "CodeGenForCausalLM": CodeGenForCausalLM,
+    "BioGptForCausalLM": BioGptForCausalLM,
+    "XGLMForCausalLM": XGLMForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "Jais2ForCausalLM": Jais2ForCausalLM,
     "DbrxForCausalLM": DbrxForCausalLM,

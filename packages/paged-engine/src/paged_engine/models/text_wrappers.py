@@ -11,6 +11,7 @@ each is exact).
     Blip2ForConditionalGeneration        opt / llama / mistral  -> OPT / Llama / Mistral
                                          qwen2                  -> Qwen2ForCausalLM
     ChameleonForConditionalGeneration    (flat) chameleon       -> ChameleonForCausalLM
+    Emu3ForConditionalGeneration         emu3_text_model        -> Emu3ForCausalLM (Llama)
     Cohere2VisionForConditionalGeneration  cohere2              -> Cohere2ForCausalLM
     CohereCompassForConditionalGeneration  cohere_compass_text  -> CohereCompassForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
@@ -29,6 +30,7 @@ each is exact).
     Glm4vMoeForConditionalGeneration     glm4v_moe_text         -> Glm4MoeForCausalLM
     GlmOcrForConditionalGeneration       glm_ocr_text           -> Glm4ForCausalLM
     GraniteSpeechForConditionalGeneration  granite             -> GraniteForCausalLM
+    GraniteSpeechPlusForConditionalGeneration  granite         -> GraniteForCausalLM
     Granite4VisionForConditionalGeneration  granite4_vision_text -> GraniteForCausalLM
     GraniteDoclingForConditionalGeneration  granite_docling_text -> GraniteForCausalLM
     MuseSparkForConditionalGeneration    muse_spark_text        -> MuseSparkTextForCausalLM
@@ -73,6 +75,7 @@ each is exact).
     AudioFlamingo3ForConditionalGeneration  qwen2               -> Qwen2ForCausalLM
     GlmAsrForConditionalGeneration       llama                  -> LlamaForCausalLM
     Qwen3ASRForConditionalGeneration     qwen3                  -> Qwen3ForCausalLM
+    FunAsrNanoForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     MusicFlamingoForConditionalGeneration  qwen2                -> Qwen2ForCausalLM
     VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
@@ -86,6 +89,8 @@ each is exact).
     Step3p7ForConditionalGeneration      step3p5                -> Step3p7TextForCausalLM
     HYV4VLForConditionalGeneration       hy_v4_vl_text          -> HYV4VLTextForCausalLM
     Cosmos3EdgeForConditionalGeneration  cosmos3_edge_text      -> Cosmos3EdgeTextForCausalLM
+    PerceptionLMForConditionalGeneration  llama                 -> LlamaForCausalLM
+    FastVlmForConditionalGeneration      qwen2                  -> Qwen2ForCausalLM
 """
 
 from __future__ import annotations
@@ -208,6 +213,14 @@ WRAPPERS: dict[str, Wrapper] = {
     # `model.vqmodel.` (images: multimodal/chameleon.py; the decoder: models/chameleon.py)
     "ChameleonForConditionalGeneration": Wrapper(
         {"chameleon": "ChameleonForCausalLM"}, _modules("vqmodel"), flat=True
+    ),
+    # Emu3: Llama (models/__init__.py's Emu3ForCausalLM) and its VQ-VAE (images:
+    # multimodal/emu3.py); the Hub's and transformers 5's saves name them `text_model.model.`,
+    # `text_model.lm_head.` and `vqmodel.` (loaded as `model.text_model.` ...: _RENAMES)
+    "Emu3ForConditionalGeneration": Wrapper(
+        {"emu3_text_model": "Emu3ForCausalLM"},
+        _modules("vqmodel"),
+        renames=(("text_model.model.", "model."), ("text_model.lm_head.", "lm_head.")),
     ),
     "Apertus1p5ForConditionalGeneration": Wrapper(
         {"apertus1p5_text": "Apertus1p5TextForCausalLM"}, _APERTUS1P5_TOKENIZERS
@@ -444,6 +457,12 @@ WRAPPERS: dict[str, Wrapper] = {
         _modules("encoder", "projector"),
         fixed=(("logits_scaling", 1.0),),
     ),
+    # Granite Speech Plus: the same, its projector reading some conformer blocks' outputs too
+    "GraniteSpeechPlusForConditionalGeneration": Wrapper(
+        {"granite": "GraniteForCausalLM"},
+        _modules("encoder", "projector"),
+        fixed=(("logits_scaling", 1.0),),
+    ),
     # Granite 4 Vision: a LLaVA-NeXT tower, deepstack / spatial Q-Former projectors (their
     # features only reach image positions) into Granite's decoder; logits / logits_scaling
     "Granite4VisionForConditionalGeneration": Wrapper(
@@ -476,6 +495,8 @@ WRAPPERS: dict[str, Wrapper] = {
     "GlmAsrForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),
     # Qwen3-ASR: Qwen3-Omni's audio tower into Qwen3 (audio: multimodal/qwen3_asr.py)
     "Qwen3ASRForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _AUDIO_STYLE),
+    # Fun-ASR-Nano: a SAN-M encoder and an adaptor into Qwen3 (multimodal/fun_asr_nano.py)
+    "FunAsrNanoForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _AUDIO_STYLE),
     # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py)
     "VoxtralForConditionalGeneration": Wrapper(
         {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}, _AUDIO_STYLE
@@ -564,6 +585,10 @@ WRAPPERS: dict[str, Wrapper] = {
             ("norm.", "model.norm."),
         ),
     ),
+    # PerceptionLM and FastVLM: timm towers (PE, FastViTHD: their images are refused) and
+    # LLaVA-style projectors (PerceptionLM's pools 2 x 2) around Llama / Qwen2
+    "PerceptionLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _LLAVA_STYLE),
+    "FastVlmForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _LLAVA_STYLE),
 }
 
 # Set on the text config we return: the wrapper it came from (selects the weight mapping).

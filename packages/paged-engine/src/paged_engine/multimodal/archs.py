@@ -55,6 +55,8 @@
       text models: OPT, Llama, Mistral, Qwen2; Flan-T5 refused)
     ChameleonForConditionalGeneration             "chameleon"   multimodal/chameleon.py (a flat
       config; a VQ-VAE's codes as text-embedding rows: chameleon_vqvae.py; text out only)
+    Emu3ForConditionalGeneration                  "emu3"        multimodal/emu3.py (its VQ-VAE's
+      codes, rows ended by an end-of-line token, as text-embedding rows: emu3_vqvae.py; text out)
     FuyuForCausalLM                               "fuyu"        multimodal/fuyu.py (no tower:
       patches linearly projected into Persimmon; no vision_config)
     MiniMaxM3SparseForConditionalGeneration  "minimax_m3_vl"  multimodal/minimax_m3_vl.py
@@ -127,6 +129,7 @@ KINDS: dict[str, str] = {
     "LlavaNextVideoForConditionalGeneration": "llava_next_video",
     "Blip2ForConditionalGeneration": "blip2",
     "ChameleonForConditionalGeneration": "chameleon",
+    "Emu3ForConditionalGeneration": "emu3",
     "FuyuForCausalLM": "fuyu",
     "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
     "Inkling2ForConditionalGeneration": "inkling2",
@@ -169,6 +172,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "aria": ("idefics3_vision",),
     "blip2": ("blip_2_vision_model",),
     "chameleon": ("chameleon_vqgan",),  # vq_config.model_type: its VQ-VAE
+    "emu3": ("emu3_vqgan",),  # vq_config.model_type: its VQ-VAE
     "minimax_m3_vl": ("minimax_m3_vl_vision",),
     "inkling2": ("inkling2_vision",),
 }
@@ -214,6 +218,7 @@ ENCODERS: dict[str, str] = {
     "llava_next_video": "llava_next_video:LlavaNextVideoEncoder",
     "blip2": "blip2:Blip2ImageEncoder",
     "chameleon": "chameleon:ChameleonImageEncoder",
+    "emu3": "emu3:Emu3ImageEncoder",
     "fuyu": "fuyu:FuyuImageEncoder",  # no tower: vision_embed_tokens alone
     "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
@@ -232,7 +237,7 @@ def image_kind(config: Any) -> str:
 
 def vision_tower_type(config: Any) -> str | None:
     if getattr(config, "vision_config", None) is None and hasattr(config, "vq_config"):
-        return getattr(config.vq_config, "model_type", None)  # Chameleon: its VQ-VAE
+        return getattr(config.vq_config, "model_type", None)  # Chameleon, Emu3: VQ-VAEs
     return getattr(config.vision_config, "model_type", None)
 
 

@@ -6,6 +6,9 @@
     MusicFlamingoForConditionalGeneration  "musicflamingo"  multimodal/musicflamingo.py
     VoxtralForConditionalGeneration      "voxtral"       multimodal/voxtral.py
     GraniteSpeechForConditionalGeneration  "granite_speech"  multimodal/granite_speech.py
+    GraniteSpeechPlusForConditionalGeneration  "granite_speech_plus"
+      multimodal/granite_speech.py (host), multimodal/granite_speech_plus.py (encoder)
+    FunAsrNanoForConditionalGeneration   "fun_asr_nano"  multimodal/fun_asr_nano.py
     Gemma4ForConditionalGeneration       "gemma4"        multimodal/gemma4_audio.py
     Gemma3nForConditionalGeneration      "gemma3n"       multimodal/gemma3n_audio.py
     Qwen2_5OmniThinkerForConditionalGeneration,  "qwen2_5_omni"  multimodal/omni_audio.py
@@ -39,6 +42,8 @@ KINDS: dict[str, str] = {
     "MusicFlamingoForConditionalGeneration": "musicflamingo",
     "VoxtralForConditionalGeneration": "voxtral",
     "GraniteSpeechForConditionalGeneration": "granite_speech",
+    "GraniteSpeechPlusForConditionalGeneration": "granite_speech_plus",
+    "FunAsrNanoForConditionalGeneration": "fun_asr_nano",
     "Gemma4ForConditionalGeneration": "gemma4",  # E2B / E4B: the others have no audio_config
     "Gemma3nForConditionalGeneration": "gemma3n",
     # the Omni thinkers; the whole models' configs are read as their thinker_config
@@ -60,6 +65,8 @@ HOSTS: dict[str, str] = {
     "musicflamingo": "musicflamingo:MusicFlamingo",
     "voxtral": "voxtral:Voxtral",
     "granite_speech": "granite_speech:GraniteSpeechAudio",
+    "granite_speech_plus": "granite_speech:GraniteSpeechAudio",
+    "fun_asr_nano": "fun_asr_nano:FunAsrNanoAudio",
     "gemma4": "gemma4_audio:Gemma4Audio",
     "gemma3n": "gemma3n_audio:Gemma3nAudio",
     "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudio",
@@ -76,6 +83,8 @@ ENCODERS: dict[str, str] = {
     "musicflamingo": "musicflamingo:MusicFlamingoEncoder",
     "voxtral": "voxtral:VoxtralEncoder",
     "granite_speech": "granite_speech_encoder:GraniteSpeechEncoder",
+    "granite_speech_plus": "granite_speech_plus:GraniteSpeechPlusEncoder",
+    "fun_asr_nano": "fun_asr_nano_encoder:FunAsrNanoEncoder",
     "gemma4": "gemma4_audio:Gemma4AudioEncoder",
     "gemma3n": "gemma3n_audio_tower:Gemma3nAudioEncoder",
     "qwen2_5_omni": "omni_audio:Qwen2_5OmniAudioEncoder",

@@ -14,6 +14,8 @@ token-embedding rows.
 GroupNorms have 32 groups (eps 1e-6); swish is x * sigmoid(x) as HF writes it; the attention
 blocks are single-head over the s x s positions with 1x1-conv q / k / v / proj_out. Dropout
 and the decoder half (post_quant_conv) are not needed to read images and are not built.
+Emu3's VQ-VAE (emu3_vqvae.py) is built from the same ResnetBlock, DownSample, group_norm, swish
+and nearest_codes.
 """
 
 from __future__ import annotations
@@ -25,20 +27,20 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def _norm(channels: int) -> nn.GroupNorm:
+def group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
 
 
-def _swish(x: torch.Tensor) -> torch.Tensor:
+def swish(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
 
 
 class ResnetBlock(nn.Module):
     def __init__(self, channels_in: int, channels_out: int) -> None:
         super().__init__()
-        self.norm1 = _norm(channels_in)
+        self.norm1 = group_norm(channels_in)
         self.conv1 = nn.Conv2d(channels_in, channels_out, 3, padding=1)
-        self.norm2 = _norm(channels_out)
+        self.norm2 = group_norm(channels_out)
         self.conv2 = nn.Conv2d(channels_out, channels_out, 3, padding=1)
         # a 1x1 projection of the input where the widths differ (HF's conv_shortcut=False)
         self.nin_shortcut = (
@@ -46,15 +48,15 @@ class ResnetBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C_in, h, w] -> [N, C_out, h, w]
-        h = self.conv1(_swish(self.norm1(x)))
-        h = self.conv2(_swish(self.norm2(h)))
+        h = self.conv1(swish(self.norm1(x)))
+        h = self.conv2(swish(self.norm2(h)))
         return (x if self.nin_shortcut is None else self.nin_shortcut(x)) + h
 
 
 class AttnBlock(nn.Module):
     def __init__(self, channels: int) -> None:
         super().__init__()
-        self.norm = _norm(channels)
+        self.norm = group_norm(channels)
         self.q, self.k, self.v, self.proj_out = (nn.Conv2d(channels, channels, 1) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, C, h, w]
@@ -115,7 +117,7 @@ class VQEncoder(nn.Module):
             res = res if last else res // 2
         self.down = nn.ModuleList(levels)
         self.mid = _Mid(width, vanilla)
-        self.norm_out = _norm(width)
+        self.norm_out = group_norm(width)
         latent = int(vq.latent_channels) * (2 if vq.double_latent else 1)
         self.conv_out = nn.Conv2d(width, latent, 3, padding=1)
 
@@ -129,7 +131,7 @@ class VQEncoder(nn.Module):
             if level.downsample is not None:
                 x = level.downsample(x)
         x = self.mid.block_2(self.mid.attn_1(self.mid.block_1(x)))
-        return self.conv_out(_swish(self.norm_out(x)))
+        return self.conv_out(swish(self.norm_out(x)))
 
 
 class _Quantizer(nn.Module):  # HF's `quantize` (its codebook)
@@ -151,13 +153,14 @@ class ChameleonVQVAE(nn.Module):
         z = self.quant_conv(self.encoder(pixels))  # [N, E, s, s]
         n, e = z.shape[:2]
         flat = z.permute(0, 2, 3, 1).reshape(-1, e)  # [N * s * s, E], row-major positions
-        book = self.quantize.embedding.weight  # [K, E]
-        dist = (
-            flat.pow(2).sum(1, keepdim=True)
-            + book.pow(2).sum(1)
-            - 2 * torch.einsum("bd,dn->bn", flat, book.t())
-        )
-        return dist.argmin(1).view(n, -1)
+        return nearest_codes(flat, self.quantize.embedding.weight).view(n, -1)
+
+
+def nearest_codes(flat: torch.Tensor, book: torch.Tensor) -> torch.Tensor:
+    """[M, E] latents, [K, E] codebook -> [M] index of each latent's nearest code, by
+    |z|^2 + |e|^2 - 2 z.e (Chameleon's and Emu3's expression, so ties break as HF's)."""
+    dist = flat.pow(2).sum(1, keepdim=True) + book.pow(2).sum(1) - 2 * (flat @ book.t())
+    return dist.argmin(1)
 
 
 def tokens_per_image(vq: Any) -> int:

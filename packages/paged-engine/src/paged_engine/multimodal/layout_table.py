@@ -8,6 +8,7 @@ from paged_engine.multimodal.blip2 import Blip2Layout
 from paged_engine.multimodal.chameleon import ChameleonLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
+from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
@@ -92,6 +93,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "llava_next_video": AnyResLayout,  # LLaVA-NeXT-Video's images: LLaVA-NeXT's
     "blip2": Blip2Layout,  # BLIP-2: a run of num_query_tokens, first when unmarked
     "chameleon": ChameleonLayout,  # Chameleon: boi, a fixed run of VQ codes, eoi
+    "emu3": Emu3Layout,  # Emu3: boi, "h*w", its wrapper, rows of VQ codes + end-of-line, eof, eoi
     "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
     "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions

@@ -144,6 +144,11 @@ FAMILIES: dict[str, tuple[str, Write, Callable[[Any], str]]] = {
         lambda m: m._prompts("3")[0],
     ),
     "fuyu": ("test_fuyu_images", lambda m, p: m.write_tiny_fuyu(p), lambda m: m.PROMPT),
+    "qianfan_ocr": (
+        "test_qianfan_ocr_images",
+        lambda m, p: m.write_tiny_qianfan_ocr(p),
+        lambda m: m.PROMPT,
+    ),
 }
 
 
@@ -215,6 +220,11 @@ HOSTILE_KWARGS: dict[str, list[tuple[dict[str, Any], str]]] = {
         ({"encoder_patch_size": 1}, "encoder_patch_size"),
         ({"max_pixels_tolerance": float("nan")}, "max_pixels_tolerance"),
         ({"do_image_splitting": "yes"}, "do_image_splitting"),
+    ],
+    # Qianfan-OCR: InternVL's GotOcr2 tiles, through the shared budget
+    "qianfan_ocr": [
+        ({"size": {"height": 30000, "width": 30000}}, "size"),
+        ({"crop_to_patches": True, "max_patches": 10**9}, "max_patches"),
     ],
 }
 # kind -> mm_processor_kwargs within the budget (a raise or a lowering), still answered

@@ -31,6 +31,7 @@ from paged_engine.models.cohere import (
 from paged_engine.models.cohere_compass import CohereCompassForCausalLM
 from paged_engine.models.cosmos3_edge import Cosmos3EdgeTextForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
+from paged_engine.models.deepseek_ocr2_text import DeepseekOcr2TextForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -117,6 +118,7 @@ from paged_engine.models.mixtral import MixtralForCausalLM
 from paged_engine.models.mllama import MllamaForConditionalGeneration
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.molmo2 import Molmo2TextForCausalLM
+from paged_engine.models.moonshine import MoonshineForConditionalGeneration
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.muse import MuseGlimmerTextForCausalLM, MuseSparkTextForCausalLM
 from paged_engine.models.nanochat import NanoChatForCausalLM
@@ -208,6 +210,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "DeepseekOcr2TextForCausalLM": DeepseekOcr2TextForCausalLM,  # DeepSeek-OCR-2's decoder
     "DeepseekV32ForCausalLM": DeepseekV32ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "GlmMoeDsaForCausalLM": GlmMoeDsaForCausalLM,
@@ -321,6 +324,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "ChameleonForCausalLM": ChameleonForCausalLM,  # Chameleon's decoder (qk-norm, swin_norm)
     # encoder-decoder: audio in, text out (worker/cross_attention.py)
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
+    "MoonshineForConditionalGeneration": MoonshineForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)

@@ -105,6 +105,7 @@ _HEAD_NAMES = (
     "language_model.lm_head.weight",
     "llm.lm_head.weight",  # Ovis 2.5
     "thinker.lm_head.weight",  # Qwen Omni
+    "model.language_model.lm_head.weight",  # HyperCLOVA X Vision V2 (transformers 5, the Hub)
 )
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

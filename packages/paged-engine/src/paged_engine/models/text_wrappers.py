@@ -16,6 +16,8 @@ each is exact).
     CohereCompassForConditionalGeneration  cohere_compass_text  -> CohereCompassForCausalLM
     DeepseekVLForConditionalGeneration,  llama                  -> LlamaForCausalLM
       DeepseekVLHybridForConditionalGeneration
+    JanusForConditionalGeneration        llama                  -> LlamaForCausalLM
+    HyperCLOVAXVisionV2ForConditional... hyperclovax            -> HyperCLOVAXForCausalLM
     Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
     FuyuForCausalLM                      persimmon              -> PersimmonForCausalLM
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
@@ -44,6 +46,8 @@ each is exact).
     Inkling2LoopForConditionalGeneration  inkling2_loop_text    -> Inkling2LoopForCausalLM
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
+    QianfanOCRForConditionalGeneration   qwen3 / qwen2          -> Qwen3 / Qwen2ForCausalLM
+    DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
@@ -377,6 +381,24 @@ WRAPPERS: dict[str, Wrapper] = {
         },
         _LLAVA_STYLE,
     ),
+    # Qianfan-OCR: InternVL's wrapper, a Qwen3 decoder (images: multimodal/qianfan_ocr.py);
+    # the Hub keeps InternVL-Chat's names (vision_model., mlp1., language_model.model.), which
+    # transformers 5.25 saves back with the decoder's layers under `encoder.layers.`
+    "QianfanOCRForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"},
+        (*_LLAVA_STYLE, "vision_model.", "mlp1."),
+        renames=(("language_model.model.encoder.layers.", "model.layers."),),
+    ),
+    # DeepSeek-OCR-2: text only (its SAM + Qwen2 query tower does not run); the Hub's names
+    # (sam_model, qwen2_model, projector, view_seperator) and transformers' both skipped
+    "DeepseekOcr2ForConditionalGeneration": Wrapper(
+        {"deepseek_ocr2_text": "DeepseekOcr2TextForCausalLM"},
+        (
+            *_LLAVA_STYLE,
+            *_modules("sam_model", "qwen2_model", "projector"),
+            *(f"{p}{n}" for p in ("", "model.") for n in ("view_seperator", "view_separator")),
+        ),
+    ),
     "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
     # Molmo2: a Qwen3-style decoder with a wider token table (images: multimodal/molmo2.py)
     "Molmo2ForConditionalGeneration": Wrapper(
@@ -402,6 +424,24 @@ WRAPPERS: dict[str, Wrapper] = {
             *_modules("high_res_vision_neck", "high_res_vision_proj"),
             "high_res_vision_alpha",
             "model.high_res_vision_alpha",
+        ),
+    ),
+    # Janus: SigLIP-style tower and aligner (images: multimodal/janus.py) into Llama; the image
+    # generation half (VQ-VAE, generation embeddings / aligner / head) never loaded
+    "JanusForConditionalGeneration": Wrapper(
+        {"llama": "LlamaForCausalLM"},
+        _modules("vision_model", "aligner", "vqmodel", "generation_embeddings")
+        + _modules("generation_aligner", "generation_head"),
+    ),
+    # HyperCLOVA X Vision V2: Qwen2.5-VL's tower and a linear projector (images:
+    # multimodal/hyperclovax_vision_v2.py); the Hub's release keeps the text model under
+    # `model.language_model.model.` / `model.language_model.lm_head.`
+    "HyperCLOVAXVisionV2ForConditionalGeneration": Wrapper(
+        {"hyperclovax": "HyperCLOVAXForCausalLM"},
+        _modules("vision_model", "vision_projector", "projector"),
+        renames=(
+            ("model.language_model.model.", "model."),
+            ("model.language_model.lm_head.", "lm_head."),
         ),
     ),
     "Mistral3ForConditionalGeneration": Wrapper(

@@ -18,6 +18,8 @@
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
+    QianfanOCRForConditionalGeneration        "qianfan_ocr"  multimodal/qianfan_ocr.py
+      (Qianfan-OCR: InternVL's host side, projector and tower layer; its own layer names)
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
@@ -45,6 +47,10 @@
       molmo2_processor.py (pixels), molmo2_encoder.py (tower, adapter); no videos
     DeepseekVLForConditionalGeneration            "deepseek_vl" multimodal/deepseek_vl.py
     DeepseekVLHybridForConditionalGeneration "deepseek_vl_hybrid"  multimodal/deepseek_vl_hybrid.py
+    JanusForConditionalGeneration                 "janus"       multimodal/janus.py (its image
+      understanding path; image generation, its VQ-VAE and head, not served)
+    HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"
+      multimodal/hyperclovax_vision_v2.py (Qwen2.5-VL's tower, a linear projector; 1-D positions)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     AriaForConditionalGeneration                  "aria"        multimodal/aria.py
@@ -102,6 +108,7 @@ KINDS: dict[str, str] = {
     "SmolVLMForConditionalGeneration": "idefics3",
     "Mistral3ForConditionalGeneration": "pixtral",
     "InternVLForConditionalGeneration": "internvl",
+    "QianfanOCRForConditionalGeneration": "qianfan_ocr",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
     "Gemma4UnifiedForConditionalGeneration": "gemma4_unified",
@@ -123,6 +130,8 @@ KINDS: dict[str, str] = {
     "Molmo2ForConditionalGeneration": "molmo2",
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
+    "JanusForConditionalGeneration": "janus",
+    "HyperCLOVAXVisionV2ForConditionalGeneration": "hyperclovax_vision_v2",
     "Phi4MultimodalForCausalLM": "phi4mm",
     "AriaForConditionalGeneration": "aria",
     "VipLlavaForConditionalGeneration": "vipllava",
@@ -168,6 +177,8 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "molmo2": ("molmo2_vision",),
     "deepseek_vl": ("siglip_vision_model",),
     "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
+    "janus": ("janus_vision_model",),
+    "hyperclovax_vision_v2": ("qwen2_5_vl_vision",),
     "phi4mm": ("phi4_multimodal_vision",),
     "aria": ("idefics3_vision",),
     "blip2": ("blip_2_vision_model",),
@@ -175,6 +186,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "emu3": ("emu3_vqgan",),  # vq_config.model_type: its VQ-VAE
     "minimax_m3_vl": ("minimax_m3_vl_vision",),
     "inkling2": ("inkling2_vision",),
+    "qianfan_ocr": ("qianfan_ocr_vision",),
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -192,6 +204,7 @@ ENCODERS: dict[str, str] = {
     "idefics3": "idefics3:Idefics3ImageEncoder",
     "pixtral": "pixtral:PixtralImageEncoder",
     "internvl": "internvl:InternVLImageEncoder",
+    "qianfan_ocr": "qianfan_ocr:QianfanOCRImageEncoder",
     "gemma3": "gemma3:Gemma3ImageEncoder",
     "gemma4": "gemma4:Gemma4ImageEncoder",
     "gemma4_unified": "gemma4_unified:Gemma4UnifiedImageEncoder",
@@ -212,6 +225,8 @@ ENCODERS: dict[str, str] = {
     "molmo2": "molmo2_encoder:Molmo2ImageEncoder",
     "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
+    "janus": "janus:JanusImageEncoder",
+    "hyperclovax_vision_v2": "hyperclovax_vision_v2:HyperCLOVAXVisionV2ImageEncoder",
     "phi4mm": "phi4mm:Phi4MMImageEncoder",
     "aria": "aria:AriaImageEncoder",
     "vipllava": "vipllava:VipLlavaImageEncoder",

@@ -19,6 +19,8 @@
     Phi4MultimodalForCausalLM            "phi4mm"        multimodal/phi4mm_audio.py
     WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only:
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
+    MoonshineForConditionalGeneration    "moonshine"     multimodal/moonshine.py (host only,
+      as Whisper: models/moonshine.py encodes)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -55,6 +57,7 @@ KINDS: dict[str, str] = {
     "Phi4MultimodalForCausalLM": "phi4mm",
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
+    "MoonshineForConditionalGeneration": "moonshine",
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -74,6 +77,7 @@ HOSTS: dict[str, str] = {
     "qwen3_asr": "qwen3_asr:Qwen3Asr",
     "phi4mm": "phi4mm_audio:Phi4MMAudio",
     "whisper": "whisper:WhisperAudio",
+    "moonshine": "moonshine:MoonshineAudio",
 }
 
 ENCODERS: dict[str, str] = {

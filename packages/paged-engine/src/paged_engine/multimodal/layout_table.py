@@ -12,6 +12,7 @@ from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
+from paged_engine.multimodal.janus import JanusLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -52,6 +53,7 @@ from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 from paged_engine.multimodal.phi4mm import Phi4MMLayout
+from paged_engine.multimodal.qianfan_ocr import QianfanLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
@@ -66,6 +68,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "idefics3": TileLayout,
     "pixtral": LineLayout,
     "internvl": BoundedLayout,
+    "qianfan_ocr": QianfanLayout,  # Qianfan-OCR: InternVL's, <image> markers taken too
     "gemma3": Gemma3Layout,
     "gemma4": Gemma4Layout,
     "gemma4_unified": Gemma4UnifiedLayout,  # Gemma 4 Unified: one token per model patch
@@ -87,6 +90,8 @@ LAYOUTS: dict[str, type[Layout]] = {
     "lighton_ocr": LightOnOcrLayout,  # LightOnOCR: Pixtral's tower, plain runs (no breaks)
     "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
+    "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
+    "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
     "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput
     "vipllava": Layout,  # ViP-LLaVA: LLaVA 1.5's fixed run

@@ -414,6 +414,9 @@ class ImageProcessor:
             raise ValueError(
                 f"mm_processor_kwargs must be a dict of argument names, got {type(kwargs).__name__}"
             )
+        refused = getattr(self.layout, "refused_kwargs", {})  # a family's own word on a name
+        for name in sorted(set(kwargs) & set(refused)):
+            raise ValueError(f"mm_processor_kwargs[{name!r}]: {refused[name]}")
         valid = getattr(getattr(self.hf, "valid_kwargs", None), "__annotations__", {})
         known = set(valid) - _LAYOUT_KWARGS
         bad = sorted(k for k in kwargs if k not in known)

@@ -63,6 +63,8 @@ from torch import nn
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
 from paged_engine.models.mllama import ARCH as MLLAMA
 from paged_engine.models.mllama import CrossPlan, mllama_engine_config
+from paged_engine.models.moonshine import ARCH as MOONSHINE
+from paged_engine.models.moonshine import moonshine_engine_config
 from paged_engine.models.whisper import ARCHITECTURES
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.worker import host_memory
@@ -73,7 +75,11 @@ logger = logging.getLogger(__name__)
 def is_encoder_decoder(hf_config) -> bool:
     """Whether the checkpoint is an encoder-decoder model paged serves (Whisper, Mllama)."""
     archs = getattr(hf_config, "architectures", None) or ()
-    return any(a in ARCHITECTURES or a == MLLAMA for a in archs)
+    return any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE) for a in archs)
+
+
+def is_moonshine(hf_config) -> bool:
+    return MOONSHINE in (getattr(hf_config, "architectures", None) or ())
 
 
 def is_mllama(hf_config) -> bool:
@@ -103,6 +109,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
             )
     if is_mllama(hf_config):
         mllama_engine_config(config, hf_config)
+    elif is_moonshine(hf_config):
+        moonshine_engine_config(config, hf_config)
     else:
         _whisper_lengths(config, hf_config)
     if not config.enforce_eager:
@@ -134,6 +142,10 @@ def cross_slot_rows(config, hf_config) -> int:
         from paged_engine.models.mllama import image_limit, slot_rows
 
         return slot_rows(hf_config, image_limit(config))
+    if is_moonshine(hf_config):  # a WINDOW_SECONDS clip's frames (models/moonshine.py)
+        from paged_engine.models.moonshine import slot_rows as moonshine_rows
+
+        return moonshine_rows(hf_config)
     return int(hf_config.max_source_positions)
 
 

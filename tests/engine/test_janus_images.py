@@ -1,0 +1,179 @@
+"""Images through Janus checkpoints (multimodal/janus.py) against HF.
+
+A tiny random `JanusForConditionalGeneration`: its SigLIP-style tower on 16-pixel images in
+4-pixel patches (16 rows an image), a two-layer aligner, a Llama decoder, and the image
+generation half (a one-level VQ-VAE, generation embeddings / aligner / head) that paged never
+loads. `LLM.generate` with `multi_modal_data` must give JanusProcessor's prompt ids
+(<begin_of_image>, 16 <image_placeholder>, <end_of_image>) and HF `generate`'s greedy tokens and
+top-5 logprobs (1e-3, float32). Then the engine's paths (chunks through images, prefix-cache
+hits, images processed ahead), bad input and image generation refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from image_checks import (
+    check_engine_paths,
+    check_matches_hf,
+    check_refused,
+    check_vision_fields_refused,
+    greedy,
+    hf_cases,
+    hf_refs,
+    noise_image,
+    path_prompts,
+    processor_inputs,
+    usual_refusals,
+)
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+
+from paged_engine.testing import _COMMON, _save_random, tiny_config
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.models.janus")
+
+SIDE, PATCH = 16, 4
+IMAGE, BOI, EOI = "<image_placeholder>", "<begin_of_image>", "<end_of_image>"
+PROMPT = f"User: {IMAGE}Describe it.\n\nAssistant:"
+TWO = f"User: {IMAGE} and {IMAGE}Which is brighter?\n\nAssistant:"
+TEXT = "User: Say something about the sea.\n\nAssistant:"
+SIZES = ((40, 58), (90, 30), (17, 33))  # hf_cases' images: wide and tall, padded square
+ROWS = torch.zeros(5, 48)  # image embeddings of a width other than the text's hidden size
+
+
+def write_tiny_janus(path, seed: int = 0):
+    """A tiny random Janus checkpoint with its processor (JanusProcessor)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = saved_tokenizer(
+        path, [IMAGE, BOI, EOI], "", seed, image_token=IMAGE, boi_token=BOI, eoi_token=EOI
+    )
+    text = tiny_config("llama", vocab_size=len(tokenizer)).to_dict()
+    hidden = text["hidden_size"]
+    vision = {"hidden_size": 32, "mlp_ratio": 1.5, "num_hidden_layers": 2}
+    vision |= {"num_attention_heads": 4, "image_size": SIDE, "patch_size": PATCH}
+    vision |= {"projection_dim": hidden, "depth": 2, "num_image_tokens": (SIDE // PATCH) ** 2}
+    vq = {"base_channels": 32, "channel_multiplier": [1], "num_res_blocks": 1}
+    vq |= {"latent_channels": 32, "num_embeddings": 16, "embed_dim": 8}
+    vq |= {"projection_dim": hidden, "image_token_embed_dim": hidden}
+    config = transformers.JanusConfig(
+        text_config=text,
+        vision_config=vision,
+        vq_config=vq,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        **_COMMON,
+    )
+    _save_random(transformers.JanusForConditionalGeneration, config, seed, path)
+    images = transformers.JanusImageProcessor(size={"height": SIDE, "width": SIDE})
+    processor = transformers.JanusProcessor(
+        image_processor=images, tokenizer=tokenizer, num_image_tokens=(SIDE // PATCH) ** 2
+    )
+    return finish_checkpoint(path, processor)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_janus(tmp_path_factory.mktemp("janus"), seed=5)
+
+
+def test_images_match_hf(path):
+    """One image, text alone, two images (wide and tall: padded square); then HF's expanded
+    ids as prompt_token_ids."""
+    model = load_hf_vlm(transformers.JanusForConditionalGeneration, path)
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
+    refs = hf_refs(
+        model, cases, lambda *c: processor_inputs(processor, *c, ("pixel_values",), whole=True)
+    )
+    boi, eoi = processor.tokenizer.convert_tokens_to_ids([BOI, EOI])
+    assert refs[2][0].count(model.config.image_token_id) == 2 * 16
+    assert refs[2][0].count(boi) == refs[2][0].count(eoi) == 2
+    check_matches_hf(path, cases, refs, "janus")
+
+
+def test_engine_paths_and_refusals(path):
+    """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
+    processed ahead); bad input and image generation are ValueErrors naming what is wrong,
+    and the engine serves on."""
+    prompts = path_prompts(PROMPT, TWO)
+    cached = check_engine_paths(path, prompts, TWO)
+    _check_rows_as_embeds(path, cached)
+    one = noise_image(9, (20, 20))
+    refused = usual_refusals(PROMPT, TWO, one)
+    refused.append(({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"))
+    image_out = {"generation_mode": "image"}
+    refused.append(
+        (
+            {
+                "prompt": PROMPT,
+                "multi_modal_data": {"image": one},
+                "mm_processor_kwargs": image_out,
+            },
+            r"generation_mode'\]: Janus' image generation is not served",
+        )
+    )
+    big = {"size": {"height": 64, "width": 64}}
+    refused.append(
+        (
+            {"prompt": PROMPT, "multi_modal_data": {"image": one}, "mm_processor_kwargs": big},
+            "size",
+        )
+    )
+    check_refused(path, cached, refused, prompts)
+
+
+def _check_rows_as_embeds(path, llm) -> None:
+    """The encoder's rows of an image given as image embeddings (vLLM's features input) give
+    the image's prompt ids (the run between boi and eoi), tokens and top-5 logprobs (1e-4)."""
+    from safetensors.torch import load_file
+
+    from paged_engine.multimodal.archs import build_encoder
+
+    images = llm.llm_engine.input_processor.images
+    picture = noise_image(5, (30, 50))
+    _, (placed,) = images.process(llm.get_tokenizer().encode(PROMPT), [picture])
+    encoder = build_encoder(images.config).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    with torch.no_grad():
+        (rows,) = encoder.encode([placed])
+    as_image, as_rows = (
+        llm.generate(
+            [{"prompt": PROMPT, "multi_modal_data": {"image": x}}], greedy(), use_tqdm=False
+        )[0].outputs[0]
+        for x in (picture, rows)
+    )
+    assert as_rows.token_ids == as_image.token_ids
+    for a, b in zip(as_rows.logprobs, as_image.logprobs, strict=True):
+        assert {t: p.logprob for t, p in a.items()} == pytest.approx(
+            {t: p.logprob for t, p in b.items()}, abs=1e-4
+        )
+    ids = llm.get_tokenizer().encode(PROMPT)
+    assert images.process(ids, rows)[0] == images.process(ids, [picture])[0]
+
+
+def test_encoder_rows_and_config_refusals(path):
+    """The encoder's rows equal HF's image features (the aligner's output); vision_config
+    fields it does not run are refused by name."""
+    from safetensors.torch import load_file
+
+    from paged_engine.multimodal.archs import build_encoder
+    from paged_engine.multimodal.inputs import ImageInput
+
+    model = load_hf_vlm(transformers.JanusForConditionalGeneration, path)
+    pixels = transformers.AutoProcessor.from_pretrained(path).image_processor(
+        images=[noise_image(3, (30, 50)), noise_image(4, (50, 30))], return_tensors="pt"
+    )["pixel_values"]
+    encoder = build_encoder(model.config).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    with torch.no_grad():
+        want = model.model.get_image_features(pixels).pooler_output
+        got = torch.stack(encoder.encode([ImageInput(p, 0, 16, "") for p in pixels]))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    cases = [
+        ("model_type", "siglip_vision_model", "model_type"),
+        ("image_size", 18, "image_size=18"),
+        ("use_qk_norm", True, "use_qk_norm"),
+        ("attention_bias", False, "attention_bias"),
+        ("projection_dim", 48, "projection_dim"),
+    ]
+    check_vision_fields_refused(path, cases, build_encoder)

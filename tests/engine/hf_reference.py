@@ -239,3 +239,18 @@ def assert_hf_names_load_like_checkpoint(path, *hf_suffixes: str) -> None:
     model.load_weights(state.items())
     for name, p in model.named_parameters():
         assert torch.equal(p, want[name]), name
+
+
+def assert_chunks_prefix_hits_and_preemption_match_plain(
+    path, more_prompts: list[list[int]]
+) -> None:
+    """Prefill in chunks of 8 over cached prefix blocks of 4, preempted in a pool of 20 blocks
+    (each request twice, 3 at a time): the plain engine's greedy tokens and logprobs (1e-4),
+    12 a prompt, on two prompts sharing their first 19 tokens and `more_prompts`."""
+    shared = list(range(7, 26))
+    prompts = [shared + [30, 31], shared + [40, 41, 42], *more_prompts]
+    kw = {"model": str(path), "max_model_len": 64}
+    plain = engine_greedy(prompts, 12, enable_prefix_caching=False, **kw)
+    stress = {"max_num_batched_tokens": 8, "max_num_seqs": 3, "num_gpu_blocks_override": 20}
+    got = engine_greedy(prompts + prompts, 12, block_size=4, **stress, **kw)
+    assert_same_greedy(plain + plain, got)

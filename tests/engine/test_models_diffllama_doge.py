@@ -20,27 +20,21 @@ results; too many experts a token and an fp8 KV cache are refused by name.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import (
-    assert_matches,
-    assert_same_greedy,
-    engine_greedy,
-    hf_greedy,
-    random_token_prompts,
-)
+from hf_parity import assert_serves_like_hf, checkpoint_dirs, load_hf_as_saved, write_hf_checkpoint
+from hf_reference import assert_chunks_prefix_hits_and_preemption_match_plain, random_token_prompts
 
-from paged_engine import LLM, SamplingParams
-from paged_engine.testing import _COMMON, _quiet_progress, _randomize, build_tiny_tokenizer
+from paged_engine import LLM
+from paged_engine.testing import _COMMON
 from paged_engine.worker.cache_engine import kv_layers
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.diffllama")
 
-MAX_TOKENS, TOP, VOCAB = 8, 5, 512
+VOCAB = 512
 
 _DIFFLLAMA = {
     "vocab_size": VOCAB,
@@ -108,36 +102,12 @@ def write_model(path: Path, name: str, seed: int = 1) -> Path:
     """A tiny random checkpoint of case `name` as transformers saves it, with a tokenizer and
     generation config."""
     cls, config = CASES[name]()
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = cls(config).to(torch.float32)
-    _randomize(model, seed)
-    _small_lambdas(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
-
-
-def load_hf(path: Path):
-    arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return write_hf_checkpoint(path, cls, config, seed, adjust=lambda m: _small_lambdas(m, seed))
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in cache:
-            cache[name] = write_model(tmp_path_factory.mktemp(name), name)
-        return cache[name]
-
-    return make
+    return checkpoint_dirs(tmp_path_factory, write_model)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -154,15 +124,8 @@ def test_doge_one_query_row_at_a_time_matches_hf(model_dirs, monkeypatch):
 
 
 def _assert_matches_hf(name: str, path: Path) -> None:
-    hf = load_hf(path)
-    prompts = random_token_prompts(name, 3)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
-    assert llm.get_stats().num_used_blocks == 0
+    hf = load_hf_as_saved(path)
+    assert_serves_like_hf(name, path, random_token_prompts(name, 3), hf=hf)
     if name.startswith("diffllama"):  # what the cache engine allocates a layer: 2 * KV heads
         shape = (2 * hf.config.num_key_value_heads, hf.config.head_dim)
         assert kv_layers(hf.config) == [shape] * hf.config.num_hidden_layers
@@ -172,14 +135,8 @@ def _assert_matches_hf(name: str, path: Path) -> None:
 def test_chunked_prefill_prefix_cache_and_preemption_match_plain(name, model_dirs):
     """Prefill in chunks of 8 over cached prefix blocks of 4, preempted in a small pool: the
     plain engine's tokens and logprobs."""
-    path = str(model_dirs(name))
-    shared = list(range(7, 26))
-    prompts = [shared + [30, 31], shared + [40, 41, 42], *random_token_prompts(name, 2)]
-    kw = {"model": path, "max_model_len": 64}
-    plain = engine_greedy(prompts, 12, enable_prefix_caching=False, **kw)
-    stress = {"max_num_batched_tokens": 8, "max_num_seqs": 3, "num_gpu_blocks_override": 20}
-    got = engine_greedy(prompts + prompts, 12, block_size=4, **stress, **kw)
-    assert_same_greedy(plain + plain, got)
+    more = random_token_prompts(name, 2)
+    assert_chunks_prefix_hits_and_preemption_match_plain(model_dirs(name), more)
 
 
 def test_diffllama_refusals():

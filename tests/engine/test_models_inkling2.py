@@ -21,12 +21,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from hf_reference import assert_matches, hf_greedy
+from hf_parity import assert_serves_like_hf, checkpoint_dirs, load_hf_as_saved, write_hf_checkpoint
 from hybrid_checks import assert_greedy_matches_hf, assert_snapshots_keep_outputs, random_prompts
 
-from paged_engine import LLM, SamplingParams
-from paged_engine.testing import _COMMON, _quiet_progress, _randomize, build_tiny_tokenizer
+from paged_engine.testing import _COMMON
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.inkling2_loop")
@@ -121,33 +119,12 @@ CASES = {
 
 def write_tiny(path: Path, name: str, seed: int = 1) -> Path:
     cls_name, make_config = CASES[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(make_config()).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
-
-
-def load_hf(path: Path, name: str):
-    model = getattr(transformers, CASES[name][0]).from_pretrained(path, dtype=torch.float32)
-    model.eval().generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return write_hf_checkpoint(path, getattr(transformers, cls_name), make_config(), seed)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in cache:
-            cache[name] = write_tiny(tmp_path_factory.mktemp(name), name)
-        return cache[name]
-
-    return make
+    return checkpoint_dirs(tmp_path_factory, write_tiny)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +134,7 @@ def dirs(tmp_path_factory):
 def test_greedy_tokens_and_logprobs_match_hf(name, budget, dirs, monkeypatch):
     import hybrid_checks
 
-    monkeypatch.setattr(hybrid_checks, "load_hf_model", lambda path: load_hf(path, name))
+    monkeypatch.setattr(hybrid_checks, "load_hf_model", load_hf_as_saved)
     llm = assert_greedy_matches_hf(name, dirs(name), "cpu", budget)
     runner = llm.llm_engine.model_runner
     # each layer's caches, then (Loop) passes 2 and 3 of layers 1 and 2; four conv windows a
@@ -181,16 +158,8 @@ def test_prefix_cache_snapshots_keep_outputs(dirs):
     ],
 )
 def test_wrappers_serve_their_text_model(name, text_arch, dirs):
-    path = dirs(name)
-    hf = load_hf(path, name)
-    prompts = random_prompts(3, (9, 30))
-    refs = [hf_greedy(hf, p, 6, 5) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128)
+    llm = assert_serves_like_hf(name, dirs(name), random_prompts(3, (9, 30)), max_tokens=6)
     assert type(llm.llm_engine.model_runner.model).__name__ == text_arch
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"{name}-{i}", out, ref)
 
 
 def test_all_sliding_stack_is_refused(tmp_path):

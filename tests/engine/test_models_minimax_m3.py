@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import assert_llm_matches, assert_serves_like_hf, write_hf_checkpoint
 from hf_reference import (
-    assert_matches,
     assert_tp_matches_one_process,
     hf_greedy,
     load_hf_model,
@@ -30,12 +30,7 @@ from hf_reference import (
 )
 
 from paged_engine import LLM, SamplingParams
-from paged_engine.testing import (
-    _COMMON,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _COMMON
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.minimax_m3_vl")
@@ -80,19 +75,9 @@ VISION = {
 }
 
 
-def _save(model, path: Path, seed: int) -> Path:
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
-
-
 def _text_checkpoint(path: Path, **overrides) -> Path:
     config = transformers.MiniMaxM3VLTextConfig(**{**TEXT, **overrides})
-    torch.manual_seed(1)
-    return _save(transformers.MiniMaxM3VLForCausalLM(config).float(), path, 1)
+    return write_hf_checkpoint(path, transformers.MiniMaxM3VLForCausalLM, config, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -104,64 +89,37 @@ def _llm(path: Path, **kw) -> LLM:
     return LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16, **kw)
 
 
-def _check(name: str, llm: LLM, prompts: list[list[int]], refs: list) -> list:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
-    return outs
-
-
 def test_matches_hf_chunked_and_prefix_cached(text_dir):
     hf = load_hf_model(text_dir)
     prompts = random_token_prompts("minimax_m3", 3)
     refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    _check("minimax_m3", _llm(text_dir), prompts, refs)
+    assert_llm_matches("minimax_m3", _llm(text_dir), prompts, refs)
     chunked = _llm(text_dir, max_num_batched_tokens=16, enable_chunked_prefill=True)
-    _check("minimax_m3 chunked", chunked, prompts, refs)
+    assert_llm_matches("minimax_m3 chunked", chunked, prompts, refs)
     # the second round's prompts share their first 32 tokens with the first round's
     rng = random.Random(5)
     first = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (37, 34)]
     second = [p[:32] + [rng.randrange(3, VOCAB) for _ in range(5)] for p in first]
     cached = _llm(text_dir, enable_prefix_caching=True)
-    _check("minimax_m3 cache", cached, first, [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in first])
-    outs = _check(
-        "minimax_m3 cache hit", cached, second, [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in second]
-    )
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in first]
+    assert_llm_matches("minimax_m3 cache", cached, first, refs)
+    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in second]
+    outs = assert_llm_matches("minimax_m3 cache hit", cached, second, refs)
     assert all(o.num_cached_tokens == 32 for o in outs)
 
 
 def test_two_local_blocks_match_hf(tmp_path):
     path = _text_checkpoint(tmp_path, index_local_blocks=2, index_topk_blocks=4)
-    hf = load_hf_model(path)
-    prompts = random_token_prompts("local", 2)
-    _check(
-        "minimax_m3 local 2",
-        _llm(path),
-        prompts,
-        [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts],
-    )
+    assert_serves_like_hf("minimax_m3 local 2", path, random_token_prompts("local", 2))
 
 
 def test_wrapper_served_text_only(tmp_path):
     config = transformers.MiniMaxM3VLConfig(
         text_config=TEXT, vision_config=VISION, projector_hidden_size=32
     )
-    torch.manual_seed(2)
-    model = transformers.MiniMaxM3SparseForConditionalGeneration(config).float()
-    path = _save(model, tmp_path, 2)
-    hf = transformers.MiniMaxM3SparseForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32
-    ).eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    prompts = random_token_prompts("wrapper", 2)
-    _check(
-        "minimax_m3 wrapper",
-        _llm(path),
-        prompts,
-        [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts],
-    )
+    cls = transformers.MiniMaxM3SparseForConditionalGeneration
+    path = write_hf_checkpoint(tmp_path, cls, config, seed=2)
+    assert_serves_like_hf("minimax_m3 wrapper", path, random_token_prompts("wrapper", 2))
 
 
 def _release_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -16,16 +16,16 @@ towers.
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy
+from hf_parity import assert_llm_matches, assert_serves_like_hf, save_hf_checkpoint
+from hf_reference import hf_greedy
 from torch import nn
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.loader import load_hf_config, resolve_model
-from paged_engine.testing import _COMMON, _quiet_progress, _randomize, build_tiny_tokenizer
+from paged_engine.testing import _COMMON, _randomize
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.perception_lm")
@@ -125,15 +125,6 @@ def _hf_wrapper(name: str, monkeypatch, seed: int = 1):
     return model
 
 
-def _save(model, path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, 1).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def wrappers(tmp_path_factory):
     """name -> (HF wrapper, its checkpoint dir), built once per module."""
@@ -143,7 +134,7 @@ def wrappers(tmp_path_factory):
         if name not in cache:
             with pytest.MonkeyPatch.context() as mp:
                 hf = _hf_wrapper(name, mp)
-                cache[name] = (hf, _save(hf, tmp_path_factory.mktemp(name)))
+                cache[name] = (hf, save_hf_checkpoint(hf, tmp_path_factory.mktemp(name), 1))
         return cache[name]
 
     return make
@@ -166,12 +157,7 @@ def test_text_only_generation_matches_hf_wrapper(name, wrappers):
     assert "vision_tower.timm_model.patch_embed.proj.weight" in {
         k.removeprefix("model.") for k in hf.state_dict()
     }  # the stand-in tower is saved and must be dropped by name
-    prompts = _prompts(name)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(), use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
+    llm = assert_serves_like_hf(name, path, _prompts(name), MAX_TOKENS, hf=hf)
     tied = hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
     assert llm.llm_engine.model_runner.model.tie_word_embeddings == tied
 
@@ -194,8 +180,7 @@ def test_chunked_prefill_and_prefix_hits_match_hf(wrappers):
         max_num_seqs=1,
     )
     for prompt, ref in zip(prompts, refs, strict=True):  # one at a time: the second hits
-        out = llm.generate([{"prompt_token_ids": prompt}], _params(), use_tqdm=False)[0]
-        assert_matches("perception_lm chunked", out, ref)
+        out = assert_llm_matches("perception_lm chunked", llm, [prompt], [ref])[0]
     assert out.num_cached_tokens == 32
     image = torch.zeros(3, 28, 28)
     bad = {"prompt_token_ids": [5, IMAGE, 6], "multi_modal_data": {"image": image}}

@@ -29,18 +29,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy
+from hf_parity import assert_serves_like_hf, checkpoint_dirs, write_hf_checkpoint
+from hf_parity import load_hf_as_saved as load_hf_wrapper  # the name test_lora_hybrid imports
+from hf_reference import assert_tp_matches_one_process, hf_greedy
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.loader import load_hf_config, load_tokenizer, resolve_model
 from paged_engine.models.multimodal_text import hub_layout, text_model_weights, text_only_config
-from paged_engine.testing import (
-    _COMMON,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-    tiny_config,
-)
+from paged_engine.testing import _COMMON, build_tiny_tokenizer, tiny_config
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -314,25 +310,7 @@ CASES = {
 def write_tiny_vlm(path: Path, name: str, seed: int = 0) -> Path:
     """A tiny random wrapper checkpoint (as transformers saves it), tokenizer and
     generation config in `path`."""
-    cls, config = CASES[name][0]()
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = cls(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
-
-
-def load_hf_wrapper(path: Path):
-    """The HF wrapper model of `path` in float32, generating exactly max_new_tokens."""
-    arch = json.loads((path / "config.json").read_text())["architectures"][0]
-    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return write_hf_checkpoint(path, *CASES[name][0](), seed)
 
 
 def _prompts(seed: str, n: int = 3) -> list[list[int]]:
@@ -350,14 +328,7 @@ def _generate(path: Path, prompts: list[list[int]]):
 @pytest.fixture(scope="module")
 def vlm_dirs(tmp_path_factory):
     """name -> a tiny wrapper checkpoint, written once per module."""
-    cache: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in cache:
-            cache[name] = write_tiny_vlm(tmp_path_factory.mktemp(name), name, seed=1)
-        return cache[name]
-
-    return make
+    return checkpoint_dirs(tmp_path_factory, lambda path, name: write_tiny_vlm(path, name, 1))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -370,11 +341,7 @@ def test_text_only_generation_matches_hf_wrapper(name, vlm_dirs):
     # `image_outputs` off the language model's output); on text that forward is its
     # language_model's on the token embeddings, so the reference is that model, as loaded.
     ref_model = hf.language_model if name == "llama4" else hf
-    prompts = _prompts(name)
-    refs = [hf_greedy(ref_model, p, MAX_TOKENS, TOP) for p in prompts]
-    llm, outs = _generate(path, prompts)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
+    llm = assert_serves_like_hf(name, path, _prompts(name), MAX_TOKENS, hf=ref_model)
     model = llm.llm_engine.model_runner.model
     assert model.tie_word_embeddings == bool(hf.config.tie_word_embeddings)
 
@@ -506,13 +473,8 @@ def test_head_kept_where_the_config_omits_tie(vlm_dirs, tmp_path):
     assert transformers.AutoConfig.from_pretrained(path).tie_word_embeddings
     names = set(safetensors_torch.load_file(str(path / "model.safetensors")))
     assert "language_model.lm_head.weight" in names
-    hf = load_hf_wrapper(path)
-    prompts = _prompts("small", 2)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm, outs = _generate(path, prompts)
+    llm = assert_serves_like_hf("mistral3 untied head", path, _prompts("small", 2), MAX_TOKENS)
     assert not llm.llm_engine.model_runner.model.tie_word_embeddings
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches("mistral3 untied head", out, ref)
 
 
 def test_update_weights_takes_wrapper_names(vlm_dirs, tmp_path):

@@ -17,23 +17,15 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from hf_reference import assert_matches, hf_greedy
-from test_models_vlm_text import (
-    _LLAMA_LIKE,
-    PROMPT_IDS,
-    VOCAB,
-    _generate,
-    load_hf_wrapper,
-)
+from hf_parity import assert_serves_like_hf, load_hf_as_saved, write_hf_checkpoint
+from test_models_vlm_text import _LLAMA_LIKE, PROMPT_IDS, VOCAB
 
 from paged_engine.loader import load_hf_config, resolve_model
-from paged_engine.testing import _COMMON, _quiet_progress, _randomize, build_tiny_tokenizer
+from paged_engine.testing import _COMMON
 
 transformers = pytest.importorskip("transformers")
 
 MAX_TOKENS = 10
-TOP = 5
 IMAGE, VIDEO, AUDIO = 500, 501, 502  # Muse's placeholder ids: embedded as id 0
 
 # Granite's scalars, none of them 1
@@ -195,15 +187,7 @@ def write_tiny_wrapper(path, name: str, seed: int = 0):
     make, cls_name, _ = CASES[name]
     if not hasattr(transformers, cls_name):
         pytest.skip(f"transformers {transformers.__version__} has no {cls_name}")
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(make()).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, getattr(transformers, cls_name), make(), seed)
 
 
 def _prompts(name: str) -> list[list[int]]:
@@ -220,12 +204,8 @@ def _prompts(name: str) -> list[list[int]]:
 def test_text_only_generation_matches_hf_wrapper(name, tmp_path):
     path = write_tiny_wrapper(tmp_path / name, name, seed=1)
     assert load_hf_config(resolve_model(path)).architectures == [f"{CASES[name][2]}ForCausalLM"]
-    hf = load_hf_wrapper(path)
-    prompts = _prompts(name)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    llm, outs = _generate(path, prompts)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
+    hf = load_hf_as_saved(path)
+    llm = assert_serves_like_hf(name, path, _prompts(name), MAX_TOKENS, hf=hf)
     # tied as HF ties (Muse Spark's wrapper never ties, whatever its config says)
     tied = hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
     assert llm.llm_engine.model_runner.model.tie_word_embeddings == tied

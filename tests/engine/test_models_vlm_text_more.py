@@ -15,27 +15,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy
+from hf_parity import assert_serves_like_hf, checkpoint_dirs, load_hf_as_saved, write_hf_checkpoint
+from hf_reference import assert_tp_matches_one_process
 from test_models_vlm_text import (
     _LLAMA_LIKE,
     _QWEN_VISION,
     _SMALL_VISION,
-    VOCAB,
     _generate,
     _prompts,
     _rename,
     _text,
-    load_hf_wrapper,
 )
 
 from paged_engine.loader import load_hf_config, resolve_model
-from paged_engine.testing import _COMMON, _quiet_progress, _randomize, build_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 MAX_TOKENS = 10
-TOP = 5
 
 
 def _siglip() -> dict:
@@ -415,16 +412,9 @@ def write_tiny_wrapper(path, name: str, seed: int = 0):
     if not hasattr(transformers, _CONFIGS[name]):
         pytest.skip(f"transformers {transformers.__version__} has no {_CONFIGS[name]}")
     cls_name, config = CASES[name][0]()
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    if hasattr(model, "thinker"):  # the whole Omni model loads its talker's speakers
-        torch.save({}, path / "spk_dict.pt")
+    write_hf_checkpoint(path, getattr(transformers, cls_name), config, seed)
+    if config.model_type in ("qwen2_5_omni", "qwen3_omni_moe"):  # the whole Omni model
+        torch.save({}, path / "spk_dict.pt")  # loads its talker's speakers
     return path
 
 
@@ -452,26 +442,15 @@ _CONFIGS = {
 @pytest.fixture(scope="module")
 def wrapper_dirs(tmp_path_factory):
     """name -> a tiny wrapper checkpoint, written once per module."""
-    cache: dict = {}
-
-    def make(name: str):
-        if name not in cache:
-            cache[name] = write_tiny_wrapper(tmp_path_factory.mktemp(name), name, seed=1)
-        return cache[name]
-
-    return make
+    return checkpoint_dirs(tmp_path_factory, lambda path, name: write_tiny_wrapper(path, name, 1))
 
 
 def _assert_matches_hf_wrapper(name: str, path) -> None:
-    hf = load_hf_wrapper(path)
+    hf = load_hf_as_saved(path)
     # the whole Omni model has no forward of its own: its generate, without audio output,
     # is its thinker's
     ref_model = hf.thinker if hasattr(hf, "thinker") else hf
-    prompts = _prompts(name)
-    refs = [hf_greedy(ref_model, p, MAX_TOKENS, TOP) for p in prompts]
-    llm, outs = _generate(path, prompts)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(name, out, ref)
+    llm = assert_serves_like_hf(name, path, _prompts(name), MAX_TOKENS, hf=ref_model)
     model = llm.llm_engine.model_runner.model
     assert model.tie_word_embeddings == bool(ref_model.config.tie_word_embeddings)
 
@@ -505,11 +484,8 @@ def test_ovis_either_naming_loads(wrapper_dirs, tmp_path):
     names = set(safetensors_torch.load_file(str(path / "model.safetensors")))
     assert "lm_head.weight" in names and not any(n.startswith(("llm.", "vte.")) for n in names)
     prompts = _prompts("ovis-naming", 2)
-    hf = load_hf_wrapper(original)
-    refs = [hf_greedy(hf, p, MAX_TOKENS, TOP) for p in prompts]
-    _, outs = _generate(path, prompts)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches("ovis2_5 in-memory naming", out, ref)
+    hf = load_hf_as_saved(original)
+    assert_serves_like_hf("ovis2_5 in-memory naming", path, prompts, MAX_TOKENS, hf=hf)
 
 
 def test_omni_talker_and_vocoder_dropped(wrapper_dirs, tmp_path):

@@ -29,23 +29,11 @@ import shutil
 
 import pytest
 import torch
+from hf_parity import checkpoint_dirs, load_hf_as_saved, write_hf_checkpoint
 from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy
-from test_models_vlm_text import (
-    MAX_TOKENS,
-    VOCAB,
-    _generate,
-    _outputs_equal,
-    _prompts,
-    load_hf_wrapper,
-)
+from test_models_vlm_text import MAX_TOKENS, VOCAB, _generate, _outputs_equal, _prompts
 
-from paged_engine.testing import (
-    _ARCH_DEFAULTS,
-    _COMMON,
-    _quiet_progress,
-    _randomize,
-    build_tiny_tokenizer,
-)
+from paged_engine.testing import _ARCH_DEFAULTS, _COMMON
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -156,28 +144,13 @@ def _write(path, name: str, seed: int = 1):
     if not hasattr(transformers, CASES[name][2]):
         pytest.skip(f"transformers {transformers.__version__} has no {CASES[name][2]}")
     cls_name, config = CASES[name][0]()
-    path.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls_name)(config).to(torch.float32)
-    _randomize(model, seed)
-    with _quiet_progress():
-        model.save_pretrained(path)
-    build_tiny_tokenizer(VOCAB, seed).save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return write_hf_checkpoint(path, getattr(transformers, cls_name), config, seed)
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """name -> a tiny wrapper checkpoint, written once per module."""
-    cache: dict = {}
-
-    def make(name: str):
-        if name not in cache:
-            cache[name] = _write(tmp_path_factory.mktemp(name), name)
-        return cache[name]
-
-    return make
+    return checkpoint_dirs(tmp_path_factory, _write)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +171,7 @@ def outputs(dirs):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_text_only_generation_matches_hf_wrapper(name, dirs, outputs):
-    hf = load_hf_wrapper(dirs(name))
+    hf = load_hf_as_saved(dirs(name))
     prompts, outs = outputs(name)
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches(name, out, hf_greedy(hf, prompt, MAX_TOKENS, TOP))
@@ -247,7 +220,7 @@ def test_dropped_weights_are_skipped(name, dirs, outputs, tmp_path):
 def test_in_memory_naming_loads(name, dirs, outputs, tmp_path):
     """transformers' in-memory names (`model.language_model.`, Step 3.7's fused experts,
     Cosmos3 Edge's `mlp.fc1` / `q_proj`, Hy-V4's `attn_hc` / `sinks`) load to the same model."""
-    hf = load_hf_wrapper(dirs(name))
+    hf = load_hf_as_saved(dirs(name))
     _copy(dirs(name), tmp_path / "m", hf.state_dict(), _MEMORY_EXTRAS[name])
     prompts, want = outputs(name)
     _outputs_equal(_generate(tmp_path / "m", prompts)[1], want)

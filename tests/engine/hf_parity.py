@@ -1,0 +1,120 @@
+"""Tiny random checkpoints of a named HF class, and the check that paged serves them as HF
+generates: the shared steps of the HF-parity tests whose model is not the tiny
+`AutoModelForCausalLM` of `testing.write_tiny_model` (a decoder built from its own config
+class, a `*ForConditionalGeneration` wrapper served text-only, a wrapper built in memory).
+
+A checkpoint here is what transformers' `save_pretrained` writes from `model_cls(config)` in
+float32 with testing.py's random weights, beside the tiny tokenizer (512 ids) and the tiny
+models' generation config; HF's reference is that class loaded back (config.json's
+`architectures[0]`). The comparison itself is hf_reference.py's (`hf_greedy`,
+`assert_matches`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from hf_reference import assert_matches, hf_greedy
+
+from paged_engine import LLM, SamplingParams
+from paged_engine.testing import (
+    _COMMON,
+    TINY_VOCAB_SIZE,
+    _quiet_progress,
+    _randomize,
+    build_tiny_tokenizer,
+)
+
+
+def save_hf_checkpoint(model: torch.nn.Module, path: Path, seed: int) -> Path:
+    """`model` (weights already set) saved by transformers to `path`, with the tiny tokenizer
+    (`seed`) and generation config."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    with _quiet_progress():
+        model.save_pretrained(path)
+    build_tiny_tokenizer(TINY_VOCAB_SIZE, seed).save_pretrained(path)
+    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
+    return path
+
+
+def write_hf_checkpoint(
+    path: Path,
+    model_cls: type,
+    config: object,
+    seed: int = 1,
+    adjust: Callable[[torch.nn.Module], None] | None = None,
+) -> Path:
+    """`model_cls(config)` in float32 (torch seeded with `seed`) with `_randomize`'s weights,
+    then `adjust(model)` where a family wants some weights in another range, saved to `path`
+    by `save_hf_checkpoint`."""
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    if adjust is not None:
+        adjust(model)
+    return save_hf_checkpoint(model, path, seed)
+
+
+def checkpoint_dirs(tmp_path_factory, write: Callable[[Path, str], Path]) -> Callable[[str], Path]:
+    """name -> `write(dir, name)` into a fresh temp dir, written once (a module fixture's
+    value: each case's checkpoint shared by the tests that use it)."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            cache[name] = write(tmp_path_factory.mktemp(name), name)
+        return cache[name]
+
+    return make
+
+
+def load_hf_as_saved(path: Path):
+    """HF's model of `path`, of the class it was saved from (config.json's architectures[0],
+    a wrapper included), in float32 and eval mode, generating exactly max_new_tokens."""
+    import transformers
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    model = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def assert_llm_matches(
+    name: str, llm: LLM, prompts: list[list[int]], refs: list, top: int = 5
+) -> list:
+    """`llm`'s greedy continuations of the token `prompts` (as long as each of HF's `refs`,
+    EOS ignored) are HF's tokens with the top-`top` logprobs (hf_reference.assert_matches).
+    Returns the RequestOutputs."""
+    max_tokens = len(refs[0].tokens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=top)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for out, ref in zip(outs, refs, strict=True):
+        assert_matches(name, out, ref)
+    return outs
+
+
+def assert_serves_like_hf(
+    name: str,
+    path: Path,
+    prompts: list[list[int]],
+    max_tokens: int = 8,
+    hf=None,
+    **engine_kwargs,
+) -> LLM:
+    """`LLM(model=path)` (float32, max_model_len 128, blocks of 16, `engine_kwargs`) gives
+    HF `generate`'s greedy tokens and top-5 logprobs (1e-3) on `prompts`, `max_tokens` each,
+    and frees every block afterwards. `hf`: the reference model (by default
+    `load_hf_as_saved(path)`). Returns the engine for checks of its own."""
+    hf = load_hf_as_saved(path) if hf is None else hf
+    refs = [hf_greedy(hf, p, max_tokens, 5) for p in prompts]
+    kw = {"dtype": "float32", "max_model_len": 128, "block_size": 16, **engine_kwargs}
+    llm = LLM(model=str(path), **kw)
+    assert_llm_matches(name, llm, prompts, refs)
+    assert llm.get_stats().num_used_blocks == 0
+    return llm

@@ -328,3 +328,53 @@ def check_grid_host_side_and_encoder(
         use_tqdm=False,
     )
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def check_grid_encoder_matches_hf(path, model, out: dict, merged: int = 1) -> None:
+    """The encoder of the checkpoint at `path` (its saved weights) on the images of `out` (a
+    processor's pixel_values, each image's t * h * w patch rows in turn, and image_grid_thw)
+    gives HF `model`'s image features, image by image (1e-5); an image holds h * w / `merged`
+    tokens."""
+    import torch
+    from vlm_checkpoints import encoder_from_checkpoint
+
+    from paged_engine.multimodal.inputs import ImageInput
+
+    grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
+    encoder = encoder_from_checkpoint(path, model.config)
+    rows = out["pixel_values"].split([t * h * w for t, h, w in grids])
+    images = [
+        ImageInput(p, 0, g[1] * g[2] // merged, str(i), g)
+        for i, (p, g) in enumerate(zip(rows, grids, strict=True))
+    ]
+    with torch.no_grad():
+        want = model.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
+        got = encoder.encode(images)
+    for a, b in zip(got, want.pooler_output, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def check_paths_and_refusals(
+    path, prompt: str, two: str, more: Callable[[list[dict]], list] | None = None, **usual
+) -> LLM:
+    """check_engine_paths on path_prompts(`prompt`, `two`), then check_refused on its engine
+    with usual_refusals (`usual` passed on) of a 20 x 20 noise image (seed 9) and the (prompt,
+    match) cases `more(prompts)` besides. Returns the prefix-caching engine, still serving."""
+    prompts = path_prompts(prompt, two)
+    cached = check_engine_paths(path, prompts, two)
+    refused = usual_refusals(prompt, two, noise_image(9, (20, 20)), **usual)
+    check_refused(path, cached, refused + (more(prompts) if more else []), prompts)
+    return cached
+
+
+def check_processor_matches_hf(
+    path, model, processor, cases: list[tuple[str, list]], keys: tuple[str, ...], name: str,
+    *, whole: bool = False,
+) -> list:  # fmt: skip
+    """check_matches_hf of `cases` against HF's `model` fed by its `processor`
+    (processor_inputs of `keys`, `whole` passed on). Returns the refs (hf_refs')."""
+    refs = hf_refs(
+        model, cases, lambda *case: processor_inputs(processor, *case, keys, whole=whole)
+    )
+    check_matches_hf(path, cases, refs, name)
+    return refs

@@ -17,15 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 from image_checks import (
-    check_engine_paths,
     check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
     check_tensor_parallel,
     hf_cases,
     hf_refs,
-    noise_image,
     path_prompts,
-    usual_refusals,
 )
 from safetensors.torch import load_file
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
@@ -131,14 +128,16 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    refused = usual_refusals(PROMPT, TWO, noise_image(9, (20, 20)))
-    rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(TOKENS, 64)}}
-    refused.append((rows, "embeddings are not supported"))
-    wide = {"crop_size": {"height": SIDE, "width": 2 * SIDE}}
-    refused.append(({**prompts[0], "mm_processor_kwargs": wide}, r"shape \(3, 16, 32\)"))
-    check_refused(path, cached, refused, prompts)
+
+    def more(prompts: list[dict]) -> list:
+        rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(TOKENS, 64)}}
+        wide = {"crop_size": {"height": SIDE, "width": 2 * SIDE}}
+        return [
+            (rows, "embeddings are not supported"),
+            ({**prompts[0], "mm_processor_kwargs": wide}, r"shape \(3, 16, 32\)"),
+        ]
+
+    check_paths_and_refusals(path, PROMPT, TWO, more)
 
 
 def test_swin_norm_matches_hf(tmp_path):

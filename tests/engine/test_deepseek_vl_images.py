@@ -19,6 +19,7 @@ from image_checks import (
     check_chat_data_url,
     check_engine_paths,
     check_matches_hf,
+    check_paths_and_refusals,
     check_refused,
     check_vision_fields_refused,
     engine,
@@ -28,9 +29,8 @@ from image_checks import (
     noise_image,
     path_prompts,
     processor_inputs,
-    usual_refusals,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+from vlm_checkpoints import encoder_from_checkpoint, finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 from paged_engine.testing import _COMMON, _save_random, tiny_config
 
@@ -140,12 +140,8 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    one = noise_image(9, (20, 20))
-    refused = usual_refusals(PROMPT, TWO, one)
-    refused.append(({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"))
-    check_refused(path, cached, refused, prompts)
+    rows = {"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}
+    check_paths_and_refusals(path, PROMPT, TWO, lambda _: [(rows, "hidden size")])
 
 
 def test_chat_data_url_gives_the_offline_tokens(path):
@@ -211,16 +207,11 @@ def test_hybrid_images_match_hf(hybrid):
 def test_hybrid_engine_paths_match_the_plain_run(hybrid):
     """image_checks' paths on the hybrid; the encoder's rows of an image given as image
     embeddings (vLLM's features input) give the image's tokens; bad input refused."""
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
-
     prompts = path_prompts(PROMPT, TWO)
     cached = check_engine_paths(hybrid, prompts, TWO)
     images = cached.llm_engine.input_processor.images
     _, (placed,) = images.process(cached.get_tokenizer().encode(PROMPT), [noise_image(5, (30, 50))])
-    encoder = build_encoder(images.config).float()
-    encoder.load_weights(load_file(hybrid / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(hybrid, images.config)
     with torch.no_grad():
         (rows,) = encoder.encode([placed])
     as_image, as_rows = (

@@ -20,16 +20,12 @@ import pytest
 import torch
 from hf_reference import assert_matches, hf_greedy, random_token_prompts
 from image_checks import (
-    check_engine_paths,
     check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
     engine,
     greedy,
     hf_cases,
     hf_refs,
-    noise_image,
-    path_prompts,
-    usual_refusals,
 )
 from safetensors.torch import load_file
 from vlm_checkpoints import finish_checkpoint, saved_tokenizer
@@ -186,14 +182,16 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    refused = usual_refusals(PROMPT, TWO, noise_image(9, (20, 20)))
-    rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(20, 64)}}
-    refused.append((rows, "embeddings are not supported"))
-    raw = {**prompts[0], "mm_processor_kwargs": {"do_resize": False}}  # 30 x 80 pixels
-    refused.append((raw, r"\(30, 80\) is not whole 8 x 8-pixel codes"))
-    check_refused(path, cached, refused, prompts)
+
+    def more(prompts: list[dict]) -> list:
+        rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(20, 64)}}
+        raw = {**prompts[0], "mm_processor_kwargs": {"do_resize": False}}  # 30 x 80 pixels
+        return [
+            (rows, "embeddings are not supported"),
+            (raw, r"\(30, 80\) is not whole 8 x 8-pixel codes"),
+        ]
+
+    check_paths_and_refusals(path, PROMPT, TWO, more)
 
 
 def test_text_model_matches_hf(tmp_path):

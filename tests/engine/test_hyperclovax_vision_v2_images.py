@@ -21,20 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 from image_checks import (
-    check_engine_paths,
-    check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
+    check_processor_matches_hf,
     check_vision_fields_refused,
     engine,
     greedy,
     hf_cases,
-    hf_refs,
     noise_image,
-    path_prompts,
-    processor_inputs,
-    usual_refusals,
 )
 from vlm_checkpoints import (
+    encoder_from_checkpoint,
     finish_checkpoint,
     load_hf_vlm,
     processor_without_video,
@@ -111,26 +107,21 @@ def _model(path: Path):
 
 
 def test_images_match_hf(path):
-    model, processor = _model(path), _processor(path)
     cases = hf_cases(PROMPT, TEXT, TWO)  # the two images resized to the grid
     keys = ("pixel_values", "image_grid_thw")
-    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys))
-    check_matches_hf(path, cases, refs, "hyperclovax_vision_v2")
+    check_processor_matches_hf(
+        path, _model(path), _processor(path), cases, keys, "hyperclovax_vision_v2"
+    )
 
 
 def test_encoder_matches_hf_features(path):
     """The encoder's rows (tower, merger, projector) equal HF's get_image_features."""
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
-
     model = _model(path)
     images = [noise_image(20, (40, 56)), noise_image(21, (72, 24))]
     llm = engine(path)
     _, done = llm.llm_engine.input_processor.images.process(llm.get_tokenizer().encode(TWO), images)
     pixels = _processor(path).image_processor(images=images, return_tensors="pt")
-    encoder = build_encoder(model.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(path, model.config)
     with torch.no_grad():
         want = model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"])
         got = torch.cat(encoder.encode(done))
@@ -141,10 +132,7 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    one = noise_image(9, (20, 20))
-    check_refused(path, cached, usual_refusals(PROMPT, TWO, one), prompts)
+    check_paths_and_refusals(path, PROMPT, TWO)
 
 
 def test_config_refusals(path):

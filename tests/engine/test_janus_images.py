@@ -14,19 +14,17 @@ from __future__ import annotations
 import pytest
 import torch
 from image_checks import (
-    check_engine_paths,
-    check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
+    check_processor_matches_hf,
     check_vision_fields_refused,
     greedy,
     hf_cases,
-    hf_refs,
     noise_image,
-    path_prompts,
-    processor_inputs,
-    usual_refusals,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+
+# DeepSeek-VL's prompts and inputs: Janus reads images as it does (SigLIP, padded square)
+from test_deepseek_vl_images import IMAGE, PROMPT, ROWS, SIZES, TEXT, TWO
+from vlm_checkpoints import encoder_from_checkpoint, finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 from paged_engine.testing import _COMMON, _save_random, tiny_config
 
@@ -34,12 +32,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.janus")
 
 SIDE, PATCH = 16, 4
-IMAGE, BOI, EOI = "<image_placeholder>", "<begin_of_image>", "<end_of_image>"
-PROMPT = f"User: {IMAGE}Describe it.\n\nAssistant:"
-TWO = f"User: {IMAGE} and {IMAGE}Which is brighter?\n\nAssistant:"
-TEXT = "User: Say something about the sea.\n\nAssistant:"
-SIZES = ((40, 58), (90, 30), (17, 33))  # hf_cases' images: wide and tall, padded square
-ROWS = torch.zeros(5, 48)  # image embeddings of a width other than the text's hidden size
+BOI, EOI = "<begin_of_image>", "<end_of_image>"
 
 
 def write_tiny_janus(path, seed: int = 0):
@@ -82,58 +75,36 @@ def test_images_match_hf(path):
     model = load_hf_vlm(transformers.JanusForConditionalGeneration, path)
     processor = transformers.AutoProcessor.from_pretrained(path)
     cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
-    refs = hf_refs(
-        model, cases, lambda *c: processor_inputs(processor, *c, ("pixel_values",), whole=True)
-    )
+    keys = ("pixel_values",)
+    refs = check_processor_matches_hf(path, model, processor, cases, keys, "janus", whole=True)
     boi, eoi = processor.tokenizer.convert_tokens_to_ids([BOI, EOI])
     assert refs[2][0].count(model.config.image_token_id) == 2 * 16
     assert refs[2][0].count(boi) == refs[2][0].count(eoi) == 2
-    check_matches_hf(path, cases, refs, "janus")
 
 
 def test_engine_paths_and_refusals(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input and image generation are ValueErrors naming what is wrong,
     and the engine serves on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
+    one = {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(9, (20, 20))}}
+    image_out = {**one, "mm_processor_kwargs": {"generation_mode": "image"}}
+    big = {**one, "mm_processor_kwargs": {"size": {"height": 64, "width": 64}}}
+    refused = [
+        ({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"),
+        (image_out, r"generation_mode'\]: Janus' image generation is not served"),
+        (big, "size"),
+    ]
+    cached = check_paths_and_refusals(path, PROMPT, TWO, lambda _: refused)
     _check_rows_as_embeds(path, cached)
-    one = noise_image(9, (20, 20))
-    refused = usual_refusals(PROMPT, TWO, one)
-    refused.append(({"prompt": PROMPT, "multi_modal_data": {"image": ROWS}}, "hidden size"))
-    image_out = {"generation_mode": "image"}
-    refused.append(
-        (
-            {
-                "prompt": PROMPT,
-                "multi_modal_data": {"image": one},
-                "mm_processor_kwargs": image_out,
-            },
-            r"generation_mode'\]: Janus' image generation is not served",
-        )
-    )
-    big = {"size": {"height": 64, "width": 64}}
-    refused.append(
-        (
-            {"prompt": PROMPT, "multi_modal_data": {"image": one}, "mm_processor_kwargs": big},
-            "size",
-        )
-    )
-    check_refused(path, cached, refused, prompts)
 
 
 def _check_rows_as_embeds(path, llm) -> None:
     """The encoder's rows of an image given as image embeddings (vLLM's features input) give
     the image's prompt ids (the run between boi and eoi), tokens and top-5 logprobs (1e-4)."""
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
-
     images = llm.llm_engine.input_processor.images
     picture = noise_image(5, (30, 50))
     _, (placed,) = images.process(llm.get_tokenizer().encode(PROMPT), [picture])
-    encoder = build_encoder(images.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(path, images.config)
     with torch.no_grad():
         (rows,) = encoder.encode([placed])
     as_image, as_rows = (
@@ -154,8 +125,6 @@ def _check_rows_as_embeds(path, llm) -> None:
 def test_encoder_rows_and_config_refusals(path):
     """The encoder's rows equal HF's image features (the aligner's output); vision_config
     fields it does not run are refused by name."""
-    from safetensors.torch import load_file
-
     from paged_engine.multimodal.archs import build_encoder
     from paged_engine.multimodal.inputs import ImageInput
 
@@ -163,8 +132,7 @@ def test_encoder_rows_and_config_refusals(path):
     pixels = transformers.AutoProcessor.from_pretrained(path).image_processor(
         images=[noise_image(3, (30, 50)), noise_image(4, (50, 30))], return_tensors="pt"
     )["pixel_values"]
-    encoder = build_encoder(model.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(path, model.config)
     with torch.no_grad():
         want = model.model.get_image_features(pixels).pooler_output
         got = torch.stack(encoder.encode([ImageInput(p, 0, 16, "") for p in pixels]))

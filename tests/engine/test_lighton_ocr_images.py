@@ -16,18 +16,19 @@ import pytest
 import torch
 from image_checks import (
     check_chat_data_url,
-    check_engine_paths,
-    check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
+    check_processor_matches_hf,
     engine,
     hf_cases,
-    hf_refs,
     noise_image,
-    path_prompts,
-    processor_inputs,
-    usual_refusals,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+from vlm_checkpoints import (
+    chatml_template,
+    encoder_from_checkpoint,
+    finish_checkpoint,
+    load_hf_vlm,
+    saved_tokenizer,
+)
 
 from paged_engine.testing import _COMMON, _save_random, tiny_config
 
@@ -39,15 +40,7 @@ PROMPT = f"<|im_start|>user\n{IMAGE}Read it.<|im_end|>\n<|im_start|>assistant\n"
 TWO = f"<|im_start|>user\n{IMAGE} and {IMAGE}Which is longer?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
 _SPECIAL = ["<|im_start|>", "<|im_end|>", IMAGE, "<|vision_pad|>", "<|vision_end|>"]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|image_pad|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template("<|image_pad|>")
 
 
 def write_tiny_lighton_ocr(path, seed: int = 0):
@@ -94,16 +87,14 @@ def test_images_match_hf(path):
     model, processor = _model(path), transformers.AutoProcessor.from_pretrained(path)
     cases = hf_cases(PROMPT, TEXT, TWO, ((40, 58), (90, 30), (17, 33)))
     keys = ("pixel_values", "image_sizes")
-    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys, whole=True))
+    refs = check_processor_matches_hf(
+        path, model, processor, cases, keys, "lighton_ocr", whole=True
+    )
     assert refs[0][0].count(model.config.image_token_id) == 5 * 7
-    check_matches_hf(path, cases, refs, "lighton_ocr")
 
 
 def test_tower_matches_hf_features(path):
     """The encoder's rows equal HF's get_image_features, odd grids included."""
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
     from paged_engine.multimodal.inputs import ImageInput
 
     model = _model(path)
@@ -111,8 +102,7 @@ def test_tower_matches_hf_features(path):
     out = transformers.AutoProcessor.from_pretrained(path).image_processor(
         images=images, return_tensors="pt"
     )
-    encoder = build_encoder(model.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(path, model.config)
     inputs = [
         ImageInput(x[:, :h, :w], 0, 1, "", (h, w))
         for x, (h, w) in zip(out["pixel_values"], out["image_sizes"].tolist(), strict=True)
@@ -129,14 +119,9 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    one = noise_image(9, (20, 20))
-    refused = usual_refusals(PROMPT, TWO, one, not_an_image="a page")
-    refused.append(
-        ({"prompt": PROMPT, "multi_modal_data": {"image": noise_image(4, (2, 60))}}, "at least")
-    )
-    check_refused(path, cached, refused, prompts)
+    thin = {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(4, (2, 60))}}
+    more = [(thin, "at least")]
+    check_paths_and_refusals(path, PROMPT, TWO, lambda _: more, not_an_image="a page")
 
 
 def test_chat_data_url_gives_the_offline_tokens(path):

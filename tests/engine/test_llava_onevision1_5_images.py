@@ -21,20 +21,17 @@ import pytest
 import torch
 from image_checks import (
     check_chat_data_url,
-    check_engine_paths,
-    check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
+    check_processor_matches_hf,
     check_vision_fields_refused,
     engine,
     greedy,
     hf_cases,
-    hf_refs,
     noise_image,
-    path_prompts,
-    processor_inputs,
-    usual_refusals,
 )
 from vlm_checkpoints import (
+    chatml_template,
+    encoder_from_checkpoint,
     finish_checkpoint,
     load_hf_vlm,
     processor_without_video,
@@ -61,15 +58,7 @@ _SPECIAL = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template("<|vision_start|><|image_pad|><|vision_end|>")
 _VISION = {
     "depth": 2,
     "hidden_size": 32,
@@ -122,11 +111,11 @@ def _model(path: Path):
 
 
 def test_images_match_hf(path):
-    model, processor = _model(path), _processor(path)
     cases = hf_cases(PROMPT, TEXT, TWO)  # the two images resized to the grid
     keys = ("pixel_values", "image_grid_thw")
-    refs = hf_refs(model, cases, lambda *case: processor_inputs(processor, *case, keys))
-    check_matches_hf(path, cases, refs, "llava_onevision1_5")
+    check_processor_matches_hf(
+        path, _model(path), _processor(path), cases, keys, "llava_onevision1_5"
+    )
 
 
 def test_tower_matches_hf_features(path):
@@ -170,20 +159,13 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images, prefix-cache hits, images
     processed ahead); bad input is a ValueError naming what is wrong, and the engine serves
     on; the image's features (vLLM's image_embeds with its grid) give the image's tokens."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
+    cached = check_paths_and_refusals(path, PROMPT, TWO)
     one = noise_image(9, (20, 20))
-    check_refused(path, cached, usual_refusals(PROMPT, TWO, one), prompts)
 
     # vLLM's image features input: the tower's rows with their grid give the image's tokens
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
-
     processor = cached.llm_engine.input_processor.images
     _, (image,) = processor.process(cached.get_tokenizer().encode(PROMPT), [one])
-    encoder = build_encoder(processor.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
+    encoder = encoder_from_checkpoint(path, processor.config)
     with torch.no_grad():
         (rows,) = encoder.encode([image])
     features = {"image_embeds": rows, "image_grid_thw": torch.tensor([image.image_size])}

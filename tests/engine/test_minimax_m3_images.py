@@ -25,18 +25,16 @@ import numpy as np
 import pytest
 import torch
 from image_checks import (
-    check_engine_paths,
+    check_grid_encoder_matches_hf,
     check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
     check_vision_fields_refused,
     hf_cases,
     hf_refs,
     noise_image,
-    path_prompts,
-    usual_refusals,
 )
 from test_models_minimax_m3 import TEXT
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
+from vlm_checkpoints import expand_image_tokens, finish_checkpoint, load_hf_vlm, tokenizer_with
 
 from paged_engine.testing import _save_random
 
@@ -106,10 +104,8 @@ def _hf_inputs(path: Path, text: str, images: list) -> tuple[list[int], dict]:
         return ids, {}
     out = _processor(path)(images=images, return_tensors="pt")
     image, start, end = tok.convert_tokens_to_ids([IMAGE, START, END])
-    runs = iter(int(g.prod()) // 4 for g in out["image_grid_thw"])
-    expanded: list[int] = []
-    for t in ids:
-        expanded += [start, *[t] * next(runs), end] if t == image else [t]
+    runs = (int(g.prod()) // 4 for g in out["image_grid_thw"])
+    expanded = expand_image_tokens(ids, image, runs, (start,), (end,))
     return expanded, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
@@ -124,25 +120,8 @@ def test_images_match_hf(path):
 
 
 def test_encoder_matches_hf_features(path):
-    from safetensors.torch import load_file
-
-    from paged_engine.multimodal.archs import build_encoder
-    from paged_engine.multimodal.inputs import ImageInput
-
-    model = _model(path)
     out = _processor(path)(images=[noise_image(20, (40, 56)), noise_image(21, (72, 24))])
-    grids = [tuple(g) for g in out["image_grid_thw"].tolist()]
-    encoder = build_encoder(model.config).float()
-    encoder.load_weights(load_file(path / "model.safetensors").items())
-    rows = out["pixel_values"].split([t * h * w for t, h, w in grids])
-    images = [
-        ImageInput(p, 0, g[1] * g[2] // 4, str(i), g) for i, (p, g) in enumerate(zip(rows, grids))
-    ]
-    with torch.no_grad():
-        want = model.model.get_image_features(out["pixel_values"], out["image_grid_thw"])
-        got = encoder.encode(images)
-    for a, b in zip(got, want.pooler_output, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    check_grid_encoder_matches_hf(path, _model(path), out, merged=4)  # 2 x 2 merged
 
 
 def _hf_function(name: str):
@@ -183,9 +162,7 @@ def test_resize_rule_follows_transformers():
 
 
 def test_engine_paths_match_the_plain_run(path):
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    check_refused(path, cached, usual_refusals(PROMPT, TWO, noise_image(9, (20, 20))), prompts)
+    check_paths_and_refusals(path, PROMPT, TWO)
 
 
 def test_config_refusals(path):

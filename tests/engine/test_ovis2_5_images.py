@@ -21,19 +21,16 @@ import pytest
 import torch
 from image_checks import (
     check_chat_data_url,
-    check_engine_paths,
     check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
     check_tensor_parallel,
     check_vision_fields_refused,
     engine,
     hf_cases,
     hf_refs,
     noise_image,
-    path_prompts,
-    usual_refusals,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+from vlm_checkpoints import chatml_template, finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.ovis2_5")
@@ -49,14 +46,7 @@ TOKENS = {
 PROMPT = "<|im_start|>user\n<image>\nWhat is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image> and <image>\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template("<image>\n")
 PROCESSOR = {  # Ovis2_5ImageProcessor's settings, scaled down (factor 4 * 2 = 8 pixels)
     "image_processor_type": "Ovis2_5ImageProcessor",  # the PIL backend without torchvision
     "size": {"shortest_edge": 4 * 64, "longest_edge": 24 * 64},
@@ -184,14 +174,8 @@ def test_encoder_matches_hf_features(path):
 def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images and their bounds, prefix-cache
     hits, images processed ahead); bad input a ValueError naming what is wrong."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
-    one = noise_image(9, (20, 20))
-    refused = usual_refusals(PROMPT, TWO, one)
-    refused.append(
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}, "embeddings")
-    )
-    check_refused(path, cached, refused, prompts)
+    rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}
+    check_paths_and_refusals(path, PROMPT, TWO, lambda _: [(rows, "embeddings")])
 
 
 def test_tensor_parallel_matches_one_process(path):

@@ -22,19 +22,16 @@ import torch
 from image_checks import (
     WIDE_TALL_SMALL,
     check_chat_data_url,
-    check_engine_paths,
     check_matches_hf,
-    check_refused,
+    check_paths_and_refusals,
     check_vision_fields_refused,
     engine,
     greedy,
     hf_cases,
     hf_refs,
     noise_image,
-    path_prompts,
-    usual_refusals,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, saved_tokenizer
+from vlm_checkpoints import chatml_template, finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.ovis2")
@@ -43,14 +40,7 @@ SPECIAL = ["<IMG_ATOM>", "<IMG_START>", "<IMG_GRID>", "<IMG_COL>", "<IMG_ROW>", 
 PROMPT = "<|im_start|>user\n<image>\nWhat is in it?<|im_end|>\n<|im_start|>assistant\n"
 TWO = "<|im_start|>user\n<image> and <image>\nWhich is brighter?<|im_end|>\n<|im_start|>assistant\n"
 TEXT = "<|im_start|>user\nSay something about the sea.<|im_end|>\n<|im_start|>assistant\n"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}"
-    "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = chatml_template("<image>\n")
 SIDE, PER_TILE = 24, 9
 PROCESSOR = {  # the Hub's Ovis2ImageProcessor settings, its tile scaled down
     "image_processor_type": "Ovis2ImageProcessor",  # the PIL backend without torchvision
@@ -181,15 +171,13 @@ def test_engine_paths_match_the_plain_run(path):
     """image_checks' paths (8-token chunks through the images and their indicators,
     prefix-cache hits, images processed ahead); bad input a ValueError naming what is wrong,
     hostile mm_processor_kwargs refused before any pixel."""
-    prompts = path_prompts(PROMPT, TWO)
-    cached = check_engine_paths(path, prompts, TWO)
     one = noise_image(9, (20, 20))
-    refused = usual_refusals(PROMPT, TWO, one)
-    refused.append(
-        ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}, "embeddings")
-    )
+    rows = {"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(12, 64)}}
     own = PROMPT.replace("What", "<IMG_START>What")  # an indicator in the user's text
-    refused.append(({"prompt": own, "multi_modal_data": {"image": one}}, "of its own"))
+    refused = [
+        (rows, "embeddings"),
+        ({"prompt": own, "multi_modal_data": {"image": one}}, "of its own"),
+    ]
     for kwargs, match in [
         ({"max_patches": 10**9}, "max_patches"),
         ({"max_patches": 1000}, "max_patches"),
@@ -200,7 +188,7 @@ def test_engine_paths_match_the_plain_run(path):
     ]:
         bad = {"prompt": PROMPT, "multi_modal_data": {"image": one}}
         refused.append(({**bad, "mm_processor_kwargs": kwargs}, match))
-    check_refused(path, cached, refused, prompts)
+    cached = check_paths_and_refusals(path, PROMPT, TWO, lambda _: refused)
     # a request's own tiling (max_patches=2) gives HF's ids with the same kwargs
     wide = noise_image(4, (30, 90))
     want, _ = _hf_inputs(path, PROMPT, [wide], max_patches=2)

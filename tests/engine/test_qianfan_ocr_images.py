@@ -24,7 +24,7 @@ from image_checks import (
     noise_image,
     path_prompts,
 )
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
+from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tiled_context_inputs, tokenizer_with
 
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.qianfan_ocr import MARKER, QianfanOCRImageEncoder
@@ -68,25 +68,11 @@ def path(tmp_path_factory):
     return write_tiny_qianfan_ocr(tmp_path_factory.mktemp("qianfan_ocr"), seed=3)
 
 
-def _hf_inputs(path, text: str, images: list) -> tuple[list[int], dict]:
-    tok = transformers.AutoTokenizer.from_pretrained(path)
-    if not images:
-        return tok.encode(text, add_special_tokens=False), {}
-    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
-    out = image_processor(images=images, return_tensors="pt", crop_to_patches=True)
-    pieces = text.split(CTX)
-    for i, tiles in enumerate(out["num_patches"].tolist()):
-        pieces[i] += "<img>" + CTX * (16 * tiles) + "</img>"
-    return tok.encode("".join(pieces), add_special_tokens=False), {
-        "pixel_values": out["pixel_values"]
-    }
-
-
 def test_images_match_hf(path):
     model = load_hf_vlm(transformers.QianfanOCRForConditionalGeneration, path)
     # wide: 2 tiles and the thumbnail; tall; small: one tile
     cases = hf_cases(PROMPT, TEXT, TWO, WIDE_TALL_SMALL)
-    refs = hf_refs(model, cases, lambda *case: _hf_inputs(path, *case))
+    refs = hf_refs(model, cases, lambda *case: tiled_context_inputs(path, *case))
     check_matches_hf(path, cases, refs, "qianfan_ocr")
 
 

@@ -1,6 +1,6 @@
 """Pieces the image tests' tiny checkpoints share (test_*_images.py): a tokenizer holding the
 family's special tokens, the files saved beside the random weights, HF's processor without
-its video half and HF's model loaded as the reference."""
+its video half (or its prompt rule written out) and HF's model loaded as the reference."""
 
 from __future__ import annotations
 
@@ -77,3 +77,60 @@ def load_hf_vlm(cls, path: Path):
     model = cls.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def chatml_template(image: str) -> str:
+    """A ChatML chat template (`<|im_start|>role\\n ... <|im_end|>\\n` a message, then the
+    assistant's header when asked) writing each {"type": "image"} part as `image`."""
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' %}" + image + "{% elif part['type'] == 'text' %}"
+        "{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def encoder_from_checkpoint(path: Path, config):
+    """archs.build_encoder's encoder of `config` in float32 with the weights saved at `path`
+    (model.safetensors, the checkpoint's own names)."""
+    from safetensors.torch import load_file
+
+    from paged_engine.multimodal.archs import build_encoder
+
+    encoder = build_encoder(config).float()
+    encoder.load_weights(load_file(path / "model.safetensors").items())
+    return encoder
+
+
+def tiled_context_inputs(
+    path, text: str, images: list, ctx: str = "<IMG_CONTEXT>", per_tile: int = 16
+) -> tuple[list[int], dict]:
+    """HF's prompt ids and pixels of `text` with `images` for an InternVL-style checkpoint at
+    `path`: the i-th `ctx` gets <img>, `per_tile` `ctx` for each of image i's tiles (its image
+    processor's crop_to_patches), </img> after it (the processor's rule, written out because
+    its image half needs torchvision). Text alone: the tokenizer's ids, nothing more."""
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    if not images:
+        return tok.encode(text, add_special_tokens=False), {}
+    image_processor = transformers.AutoImageProcessor.from_pretrained(path)
+    out = image_processor(images=images, return_tensors="pt", crop_to_patches=True)
+    pieces = text.split(ctx)
+    for i, tiles in enumerate(out["num_patches"].tolist()):
+        pieces[i] += "<img>" + ctx * (per_tile * tiles) + "</img>"
+    return tok.encode("".join(pieces), add_special_tokens=False), {
+        "pixel_values": out["pixel_values"]
+    }
+
+
+def expand_image_tokens(
+    ids: list[int], token: int, counts, start: tuple[int, ...] = (), end: tuple[int, ...] = ()
+) -> list[int]:
+    """`ids` with the i-th `token` repeated `counts[i]` times (an iterable, one an image, in
+    order) and wrapped in the ids `start` and `end`: a processor's expanded prompt."""
+    runs = iter(counts)
+    expanded: list[int] = []
+    for t in ids:
+        expanded += [*start, *[t] * next(runs), *end] if t == token else [t]
+    return expanded

@@ -1,6 +1,7 @@
-"""Checks shared by the audio tests (test_*_audio.py): noise clips, WAV bytes, the engine
-against HF's references, the engine's own paths with audio against its plain run, and the
-server's chat path with an input_audio part against the offline answer."""
+"""Checks shared by the audio tests (test_*_audio.py): noise clips, WAV bytes, HF's model as a
+reference (`HFAudio`), the engine against HF's references, the engine's own paths with audio
+against its plain run, and the server's chat path with an input_audio part against the offline
+answer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from hf_reference import assert_matches, assert_same_greedy
+from hf_reference import assert_matches, assert_same_greedy, hf_greedy
 from image_checks import engine, greedy
 
 from paged_engine import LLM
@@ -143,3 +144,74 @@ def check_chat_input_audio(
                 more(http, body, want)
     finally:
         llm.llm_engine.shutdown()
+
+
+class HFAudio:
+    """HF's model of a tiny audio checkpoint, for references: float32, eval, no EOS (greedy runs
+    its whole length), its tokenizer and paged's `features` (HF's extractors need torchaudio).
+    `ids` expands each placeholder of a prompt as HF's processors do; subclasses set
+    `model_class` and `audio` (the placeholder's text) and say how many placeholders a clip
+    takes (`placeholders`) and how HF encodes clips (`greedy(text, clips) -> (ids, ref)`)."""
+
+    model_class: type
+    audio: str
+    max_tokens = 8
+
+    def __init__(self, path, features) -> None:
+        import torch
+        from transformers import AutoTokenizer
+
+        self.model = self.model_class.from_pretrained(path, dtype=torch.float32).eval()
+        self.model.generation_config.eos_token_id = None
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.features = features
+
+    def placeholders(self, clip: np.ndarray) -> int:
+        raise NotImplementedError
+
+    def ids(self, text: str, clips: list) -> list[int]:
+        """The processor's ids: each placeholder in turn repeated per its clip."""
+        pieces = text.split(self.audio)
+        assert len(pieces) == len(clips) + 1
+        runs = [self.audio * self.placeholders(c) for c in clips]
+        expanded = pieces[0] + "".join(r + p for r, p in zip(runs, pieces[1:], strict=True))
+        return self.tokenizer(expanded)["input_ids"]
+
+    def generate(self, ids: list[int], **kw):
+        """hf_greedy's tokens and top-5 logprobs of `ids` (`kw`: more inputs of generate)."""
+        return hf_greedy(self.model, ids, self.max_tokens, 5, **kw)
+
+
+def check_clips_match_hf(llm: LLM, hf: HFAudio, one: str, text: str, two: str, name: str) -> list:
+    """Prompt `one` with one clip (1 s), `text` alone, and `two` with two clips of different
+    lengths (0.7 s and 1.9 s) through `llm` (check_matches_hf against `hf.greedy`). Returns
+    the references: (HF's ids, hf_greedy's result) per case."""
+    cases = [
+        (one, [noise_clip(1, 1.0)]),
+        (text, []),
+        (two, [noise_clip(2, 0.7), noise_clip(3, 1.9)]),
+    ]
+    refs = [hf.greedy(t, clips) for t, clips in cases]
+    check_matches_hf(llm, cases, refs, name)
+    return refs
+
+
+def check_prompt_matches_hf(llm: LLM, hf: HFAudio, prompt: dict, clip: np.ndarray, name: str):
+    """`prompt` ({"prompt": text}, e.g. a transcription_prompt) with `clip` gives HF's prompt
+    ids and reference (`hf.greedy(text, [clip])`)."""
+    ids, ref = hf.greedy(prompt["prompt"], [clip])
+    out = llm.generate([{**prompt, "multi_modal_data": {"audio": clip}}], greedy(), use_tqdm=False)
+    assert out[0].prompt_token_ids == ids
+    assert_matches(name, out[0], ref)
+
+
+def check_one_two_paths(path, one: str, two: str, longest: float = 1.3) -> LLM:
+    """check_audio_paths on `one` (one placeholder) with clips of 0.6 s and 1.1 s, then `two`
+    (two placeholders) with clips of 0.4 s and `longest` s. Returns its engine."""
+    prompts = [
+        {"prompt": one, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
+        for i in range(2)
+    ]
+    clips = [noise_clip(12, 0.4), noise_clip(13, longest)]
+    prompts.append({"prompt": two, "multi_modal_data": {"audio": clips}})
+    return check_audio_paths(path, prompts, two)

@@ -268,3 +268,56 @@ def assert_snapshots_keep_outputs(path, hits: list[int] | str | None = "auto", *
                 assert x[t].logprob == pytest.approx(y[t].logprob, abs=1e-4), i
     assert slots.num_free == slots.num_slots
     return llm
+
+
+def assert_runs_match_hf(name, path, runs, check=None) -> None:
+    """For each (backend, prefill budget or None) in `runs`, an engine with a pool of 64 blocks
+    gives HF generate's greedy tokens and top-5 logprobs (1e-3, float32) on prompts of 1 to 70
+    tokens, MAX_TOKENS each (interpreted Triton: 23 and 1 tokens, TRITON_MAX_TOKENS each); HF
+    runs each prompt once. `check(llm, hf)` then looks at each engine."""
+    hf = load_hf_model(path)
+    refs = {}
+    for backend, budget in runs:
+        triton = backend == "triton"  # interpreted: shorter prompts, fewer tokens
+        prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
+        max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
+        for p in prompts:
+            if (tuple(p), max_tokens) not in refs:
+                refs[tuple(p), max_tokens] = hf_greedy(hf, p, max_tokens, TOP)
+        kw = {} if budget is None else {"max_num_batched_tokens": budget}
+        llm = LLM(
+            model=str(path),
+            dtype="float32",
+            max_model_len=128,
+            attention_backend=backend,
+            num_gpu_blocks_override=64,
+            **kw,
+        )
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
+        outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
+        for i, (out, p) in enumerate(zip(outs, prompts, strict=True)):
+            assert_matches(f"{name}-{backend}-{budget}-{i}", out, refs[tuple(p), max_tokens])
+        if check is not None:
+            check(llm, hf)
+        del llm
+
+
+def copy_with_equal_blocks(src, dst, block: str, first: dict[int, int]):
+    """A copy of the checkpoint directory `src` at `dst` in which every layer i's copy of a
+    shared block (tensors `model.layers.{i}.{block}.*`) is layer first[i]'s. Returns `dst`."""
+    import re
+
+    import safetensors.torch
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    shared = re.compile(rf"model\.layers\.(\d+)\.{re.escape(block)}\.(.*)")
+    tensors = safetensors.torch.load_file(dst / "model.safetensors")
+    for name in tensors:
+        match = shared.fullmatch(name)
+        if match is not None:
+            layer, rest = first[int(match.group(1))], match.group(2)
+            tensors[name] = tensors[f"model.layers.{layer}.{block}.{rest}"].clone()
+    safetensors.torch.save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

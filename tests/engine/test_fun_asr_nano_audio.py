@@ -22,14 +22,15 @@ import numpy as np
 import pytest
 import torch
 from audio_checks import (
-    check_audio_paths,
+    HFAudio,
     check_chat_input_audio,
-    check_matches_hf,
+    check_clips_match_hf,
+    check_one_two_paths,
+    check_prompt_matches_hf,
     held,
     noise_clip,
     wav_bytes,
 )
-from hf_reference import assert_matches, hf_greedy
 from image_checks import engine, greedy
 
 transformers = pytest.importorskip("transformers")
@@ -44,7 +45,6 @@ from paged_engine.testing import (  # noqa: E402
     build_tiny_tokenizer,
 )
 
-MAX_TOKENS = 8
 AUDIO = "<|object_ref_start|>"
 TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -135,37 +135,34 @@ def numpy_lfr(fb: np.ndarray, m=7, s=6) -> np.ndarray:
     return np.stack([padded[r * s : r * s + m].reshape(-1) for r in range(rows)])
 
 
-class _HF:
-    def __init__(self, path: Path) -> None:
-        cls = transformers.FunAsrNanoForConditionalGeneration
-        self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        self.features = KaldiFeatures(SETTINGS)
+class _HF(HFAudio):
+    """FunAsrNanoProcessor's ids (one placeholder per LFR row); one clip through HF's own
+    path, two each encoded alone."""
 
-    def ids(self, text: str, clips: list) -> list[int]:
-        """FunAsrNanoProcessor's ids: each audio token in turn repeated per its LFR rows."""
-        pieces = text.split(AUDIO)
-        assert len(pieces) == len(clips) + 1
-        runs = [AUDIO * self.features(c).shape[0] for c in clips]
-        expanded = pieces[0] + "".join(r + p for r, p in zip(runs, pieces[1:], strict=True))
-        return self.tokenizer(expanded)["input_ids"]
+    model_class = transformers.FunAsrNanoForConditionalGeneration
+    audio = AUDIO
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, KaldiFeatures(SETTINGS))
+
+    def placeholders(self, clip) -> int:
+        return self.features(clip).shape[0]
 
     def greedy(self, text: str, clips: list):
         ids = self.ids(text, clips)
         if not clips:
-            return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5)
+            return ids, self.generate(ids)
         feats = [self.features(c) for c in clips]
         if len(feats) == 1:  # HF's own path: features and mask into generate
             kw = {"input_features": feats[0][None], "input_features_mask": self._ones(feats[0])}
-            return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5, **kw)
+            return ids, self.generate(ids, **kw)
         inner = self.model.model
         with torch.no_grad():  # each clip encoded alone (HF's batch: the adaptor sees padding)
             rows = [inner.get_audio_features(f[None], self._ones(f)).pooler_output for f in feats]
             embeds = inner.get_input_embeddings()(torch.tensor([ids]))
             where = torch.tensor([ids]) == self.model.config.audio_token_id
             embeds[where] = torch.cat(rows)
-        return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5, inputs_embeds=embeds)
+        return ids, self.generate(ids, inputs_embeds=embeds)
 
     @staticmethod
     def _ones(f: torch.Tensor) -> torch.Tensor:
@@ -191,14 +188,8 @@ def test_audio_matches_hf(tiny):
     """One clip, text alone, two clips of different lengths: HF's prompt ids, greedy tokens
     and top-5 logprobs; then the transcription prompt."""
     hf = _HF(tiny)
-    cases = [
-        (ONE, [noise_clip(1, 1.0)]),
-        (TEXT, []),
-        (TWO, [noise_clip(2, 0.7), noise_clip(3, 1.9)]),
-    ]
-    refs = [hf.greedy(t, clips) for t, clips in cases]
     llm = engine(tiny)
-    check_matches_hf(llm, cases, refs, "fun_asr_nano")
+    refs = check_clips_match_hf(llm, hf, ONE, TEXT, TWO, "fun_asr_nano")
     # 1 s: 98 frames -> 17 LFR rows
     assert refs[0][0].count(llm.get_tokenizer().convert_tokens_to_ids(AUDIO)) == 17
 
@@ -214,10 +205,7 @@ def test_audio_matches_hf(tiny):
     clip = noise_clip(20, 0.9)
     want = request(SimpleNamespace(apply_chat_template=render), clip, "en", "a weather report")
     assert prompt == {"prompt": want[0]}
-    ids, ref = hf.greedy(prompt["prompt"], [clip])
-    out = llm.generate([{**prompt, "multi_modal_data": {"audio": clip}}], greedy(), use_tqdm=False)
-    assert out[0].prompt_token_ids == ids
-    assert_matches("fun_asr_nano transcription", out[0], ref)
+    check_prompt_matches_hf(llm, hf, prompt, clip, "fun_asr_nano transcription")
     for args, match in (
         (("xx", "transcribe", ""), "language"),
         (("en", "translate", ""), "task"),
@@ -227,14 +215,7 @@ def test_audio_matches_hf(tiny):
 
 
 def test_chunked_prefill_and_prefix_caching(tiny):
-    prompts = [
-        {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
-        for i in range(2)
-    ]
-    prompts.append(
-        {"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(12, 0.4), noise_clip(13, 1.3)]}}
-    )
-    check_audio_paths(tiny, prompts, TWO)
+    check_one_two_paths(tiny, ONE, TWO)
 
 
 def test_server_chat_and_transcription(tiny):

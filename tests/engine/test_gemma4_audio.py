@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, check_chat_input_audio, noise_clip
+from audio_checks import check_chat_input_audio, check_one_two_paths, noise_clip
 from hf_reference import assert_matches, hf_greedy
 from image_checks import check_tensor_parallel, engine, greedy, noise_image
 
@@ -213,14 +213,7 @@ def test_audio_matches_hf(tiny):
 
 
 def test_engine_paths_match_the_plain_run(tiny):
-    prompts = [
-        {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
-        for i in range(2)
-    ]
-    prompts.append(
-        {"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(12, 0.4), noise_clip(13, 1.6)]}}
-    )
-    check_audio_paths(tiny, prompts, TWO)
+    check_one_two_paths(tiny, ONE, TWO, longest=1.6)
 
 
 def test_tensor_parallel_matches_one_process(tiny):

@@ -20,8 +20,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from audio_checks import check_audio_paths, check_chat_input_audio, check_matches_hf, noise_clip
-from hf_reference import assert_matches, hf_greedy
+from audio_checks import (
+    HFAudio,
+    check_chat_input_audio,
+    check_clips_match_hf,
+    check_one_two_paths,
+    check_prompt_matches_hf,
+    noise_clip,
+)
+from hf_reference import assert_matches
 from image_checks import check_tensor_parallel, engine, greedy
 
 transformers = pytest.importorskip("transformers")
@@ -39,7 +46,6 @@ from paged_engine.testing import (  # noqa: E402
     build_tiny_tokenizer,
 )
 
-MAX_TOKENS = 8
 AUDIO = "<|audio|>"
 TEMPLATE = (
     "{% for message in messages %}<|start_of_role|>{{ message['role'] }}<|end_of_role|>"
@@ -84,17 +90,7 @@ def write_tiny_granite_speech(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,  # (a tied head repeats one token)
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.GraniteSpeechForConditionalGeneration(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        _randomize(model, seed)
-        for name, b in model.named_buffers():  # BatchNorm statistics other than (0, 1)
-            if name.endswith("running_mean"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
-            elif name.endswith("running_var"):
-                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
-    model.save_pretrained(path)
+    save_random(transformers.GraniteSpeechForConditionalGeneration, config, path, seed)
     # what transformers 5 saves for GraniteSpeechProcessor (building one needs torchaudio)
     extractor = {"feature_extractor_type": "GraniteSpeechFeatureExtractor", **SETTINGS}
     extractor |= {"sampling_rate": 16_000, "n_fft": 512, "win_length": 400, "hop_length": 160}
@@ -103,6 +99,22 @@ def write_tiny_granite_speech(path: Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(path)
     transformers.GenerationConfig(**_COMMON).save_pretrained(path)
     return path
+
+
+def save_random(model_class: type, config, path: Path, seed: int) -> None:
+    """`model_class(config)` with random weights (`_randomize`) and BatchNorm statistics other
+    than (0, 1), saved at `path`."""
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        _randomize(model, seed)
+        for name, b in model.named_buffers():
+            if name.endswith("running_mean"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
+            elif name.endswith("running_var"):
+                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
+    model.save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -147,33 +159,30 @@ def hf_tokens(samples: int) -> int:
     return rule(extractor, [samples])[0]
 
 
-class _HF:
-    def __init__(self, path: Path) -> None:
-        cls = transformers.GraniteSpeechForConditionalGeneration
-        self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        self.features = MelFeatures(SETTINGS)
+class _HF(HFAudio):
+    """GraniteSpeechProcessor's ids (HF's rule per clip), each clip encoded as HF encodes it
+    alone."""
 
-    def ids(self, text: str, clips: list) -> list[int]:
-        """GraniteSpeechProcessor's ids: each <|audio|> in turn repeated per its clip."""
-        pieces = text.split(AUDIO)
-        assert len(pieces) == len(clips) + 1
-        runs = [AUDIO * hf_tokens(c.size) for c in clips]
-        expanded = pieces[0] + "".join(r + p for r, p in zip(runs, pieces[1:], strict=True))
-        return self.tokenizer(expanded)["input_ids"]
+    model_class = transformers.GraniteSpeechForConditionalGeneration
+    audio = AUDIO
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, MelFeatures(SETTINGS))
+
+    def placeholders(self, clip) -> int:
+        return hf_tokens(clip.size)
 
     def greedy(self, text: str, clips: list):
         ids = self.ids(text, clips)
         if not clips:
-            return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5)
+            return ids, self.generate(ids)
         inner = self.model.model
         with torch.no_grad():  # each clip encoded alone (HF's batch runs over the padding)
             rows = [
                 inner.get_audio_features(self.features(c)[None]).pooler_output[0] for c in clips
             ]
             embeds = inner.get_merged_audio_embeddings(torch.tensor([ids]), torch.cat(rows))
-        return ids, hf_greedy(self.model, ids, MAX_TOKENS, 5, inputs_embeds=embeds)
+        return ids, self.generate(ids, inputs_embeds=embeds)
 
 
 def test_features_match_the_formulas():
@@ -198,28 +207,14 @@ def test_audio_matches_hf(tiny):
     """One clip, text alone, two clips of different lengths (0.7 s and 1.9 s: more than one
     attention block and window each, one ending mid-block): HF's prompt ids, greedy tokens and
     top-5 logprobs; the expanded ids taken as they are."""
-    hf = _HF(tiny)
-    cases = [
-        (ONE, [noise_clip(1, 1.0)]),
-        (TEXT, []),
-        (TWO, [noise_clip(2, 0.7), noise_clip(3, 1.9)]),
-    ]
-    refs = [hf.greedy(t, clips) for t, clips in cases]
     llm = engine(tiny)
-    check_matches_hf(llm, cases, refs, "granite_speech")
+    refs = check_clips_match_hf(llm, _HF(tiny), ONE, TEXT, TWO, "granite_speech")
     # 1 s: 101 frames -> 50 rows -> 9 windows of 6 -> 18 placeholders
     assert refs[0][0].count(llm.get_tokenizer().convert_tokens_to_ids(AUDIO)) == 18
 
 
 def test_engine_paths_match_the_plain_run(tiny):
-    prompts = [
-        {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
-        for i in range(2)
-    ]
-    prompts.append(
-        {"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(12, 0.4), noise_clip(13, 1.3)]}}
-    )
-    check_audio_paths(tiny, prompts, TWO)
+    check_one_two_paths(tiny, ONE, TWO)
 
 
 def test_tensor_parallel_matches_one_process(tiny):
@@ -239,10 +234,7 @@ def test_transcription_prompt(tiny):
     template = llm.get_tokenizer().apply_chat_template
     text = template([{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True)
     assert prompt == {"prompt": text}
-    ids, ref = _HF(tiny).greedy(text, [clip])
-    out = llm.generate([{**prompt, "multi_modal_data": {"audio": clip}}], greedy(), use_tqdm=False)
-    assert out[0].prompt_token_ids == ids
-    assert_matches("granite_speech transcription", out[0], ref)
+    check_prompt_matches_hf(llm, _HF(tiny), prompt, clip, "granite_speech transcription")
     translate = host.transcription_prompt(None, "translate", "")["prompt"]
     assert f"{AUDIO}translate the speech to English" in translate
     for args, match in (

@@ -17,10 +17,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-from audio_checks import check_audio_paths, check_matches_hf, noise_clip
-from hf_reference import assert_matches
-from image_checks import engine, greedy
+from audio_checks import (
+    check_clips_match_hf,
+    check_one_two_paths,
+    check_prompt_matches_hf,
+    noise_clip,
+)
+from image_checks import engine
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.granite_speech_plus")
@@ -29,15 +32,14 @@ from test_granite_speech_audio import (  # noqa: E402
     _HF,
     AUDIO,
     ONE,
-    SETTINGS,
     TEXT,
     TWO,
-    MelFeatures,
+    save_random,
     write_tiny_granite_speech,
 )
 
 from paged_engine.multimodal.granite_speech_plus import exported_layers  # noqa: E402
-from paged_engine.testing import _COMMON, _randomize  # noqa: E402
+from paged_engine.testing import _COMMON  # noqa: E402
 
 CAT = [1, 0]
 
@@ -58,27 +60,12 @@ def write_tiny_granite_speech_plus(path: Path, seed: int = 0) -> Path:
         tie_word_embeddings=False,
         **_COMMON,
     )
-    torch.manual_seed(seed)
-    model = transformers.GraniteSpeechPlusForConditionalGeneration(config).to(torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        _randomize(model, seed)
-        for name, b in model.named_buffers():  # BatchNorm statistics other than (0, 1)
-            if name.endswith("running_mean"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.3)
-            elif name.endswith("running_var"):
-                b.copy_(torch.rand(b.shape, generator=gen) + 0.5)
-    model.save_pretrained(path)
+    save_random(transformers.GraniteSpeechPlusForConditionalGeneration, config, path, seed)
     return path
 
 
 class _HFPlus(_HF):
-    def __init__(self, path: Path) -> None:
-        cls = transformers.GraniteSpeechPlusForConditionalGeneration
-        self.model = cls.from_pretrained(path, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        self.features = MelFeatures(SETTINGS)
+    model_class = transformers.GraniteSpeechPlusForConditionalGeneration
 
 
 @pytest.fixture(scope="module")
@@ -91,34 +78,18 @@ def test_audio_matches_hf(tiny):
     one ending mid-block); then the transcription prompt through the chat template."""
     hf = _HFPlus(tiny)
     assert hf.model.config.encoder_config.cat_hidden_layers == CAT
-    cases = [
-        (ONE, [noise_clip(1, 1.0)]),
-        (TEXT, []),
-        (TWO, [noise_clip(2, 0.7), noise_clip(3, 1.9)]),
-    ]
-    refs = [hf.greedy(t, clips) for t, clips in cases]
     llm = engine(tiny)
-    check_matches_hf(llm, cases, refs, "granite_speech_plus")
+    refs = check_clips_match_hf(llm, hf, ONE, TEXT, TWO, "granite_speech_plus")
     assert refs[0][0].count(llm.get_tokenizer().convert_tokens_to_ids(AUDIO)) == 18
 
     host = llm.llm_engine.input_processor.audios
     prompt = host.transcription_prompt("en", "transcribe", "")
     clip = noise_clip(20, 0.9)
-    ids, ref = hf.greedy(prompt["prompt"], [clip])
-    out = llm.generate([{**prompt, "multi_modal_data": {"audio": clip}}], greedy(), use_tqdm=False)
-    assert out[0].prompt_token_ids == ids
-    assert_matches("granite_speech_plus transcription", out[0], ref)
+    check_prompt_matches_hf(llm, hf, prompt, clip, "granite_speech_plus transcription")
 
 
 def test_chunked_prefill_and_prefix_caching(tiny):
-    prompts = [
-        {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
-        for i in range(2)
-    ]
-    prompts.append(
-        {"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(12, 0.4), noise_clip(13, 1.3)]}}
-    )
-    check_audio_paths(tiny, prompts, TWO)
+    check_one_two_paths(tiny, ONE, TWO)
 
 
 def test_configs_it_cannot_run_are_refused_by_name(tiny, tmp_path):

@@ -20,29 +20,25 @@ mixer activation other than SiLU.
 
 from __future__ import annotations
 
-import re
-
 import pytest
-from hf_reference import assert_matches, assert_tp_matches_one_process, hf_greedy, load_hf_model
+from hf_reference import assert_tp_matches_one_process
 from hybrid_checks import (
-    MAX_TOKENS,
-    TOP,
-    TRITON_MAX_TOKENS,
     assert_greedy_forks_equal_one,
     assert_preemption_keeps_outputs,
+    assert_runs_match_hf,
     assert_snapshots_keep_outputs,
+    copy_with_equal_blocks,
     random_prompts,
     tiny_dirs,
-    token_requests,
 )
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.models.hybrid import is_hybrid, layer_types, num_kv_layers
 from paged_engine.models.zamba import ZambaForCausalLM
 from paged_engine.testing import tiny_config
 
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 # name -> (tiny arch, config overrides)
 CASES: dict[str, tuple[str, dict]] = {
@@ -58,7 +54,6 @@ CASES: dict[str, tuple[str, dict]] = {
         },
     ),
 }
-_SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transf\.(.*)")
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +66,7 @@ def plain_dir(zamba_dirs, tmp_path_factory):
     """The untied model with layer 4's copy of the block rewritten as layer 2's (HF runs two
     equal blocks; we load them into one)."""
     path = tmp_path_factory.mktemp("zamba-plain-shared")
-    for f in zamba_dirs("zamba-plain").iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    tensors = safetensors_torch.load_file(path / "model.safetensors")
-    for name in tensors:
-        match = _SHARED.fullmatch(name)
-        if match is not None and match.group(1) != "2":
-            tensors[name] = tensors[f"model.layers.2.shared_transf.{match.group(2)}"].clone()
-    safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return copy_with_equal_blocks(zamba_dirs("zamba-plain"), path, "shared_transf", {2: 2, 4: 2})
 
 
 @pytest.mark.parametrize(
@@ -93,30 +80,7 @@ def plain_dir(zamba_dirs, tmp_path_factory):
 )
 def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba_dirs, request):
     path = request.getfixturevalue("plain_dir") if name == "zamba-plain" else zamba_dirs(name)
-    hf = load_hf_model(path)
-    refs = {}
-    for backend, budget in runs:
-        triton = backend == "triton"  # interpreted: shorter prompts, fewer tokens
-        prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
-        max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
-        for p in prompts:
-            if (tuple(p), max_tokens) not in refs:
-                refs[tuple(p), max_tokens] = hf_greedy(hf, p, max_tokens, TOP)
-        kw = {} if budget is None else {"max_num_batched_tokens": budget}
-        llm = LLM(
-            model=str(path),
-            dtype="float32",
-            max_model_len=128,
-            attention_backend=backend,
-            num_gpu_blocks_override=64,
-            **kw,
-        )
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
-        outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
-        for i, (out, p) in enumerate(zip(outs, prompts, strict=True)):
-            assert_matches(f"{name}-{backend}-{budget}-{i}", out, refs[tuple(p), max_tokens])
-        _check_layout(llm, hf)
-        del llm
+    assert_runs_match_hf(name, path, runs, _check_layout)
 
 
 def _check_layout(llm: LLM, hf) -> None:

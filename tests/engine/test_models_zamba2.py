@@ -20,26 +20,17 @@ either), and LoRA on a projection of a block that runs at several layers.
 
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 
 import pytest
-from hf_reference import (
-    assert_lora_matches_hf_merged,
-    assert_matches,
-    assert_tp_matches_one_process,
-    hf_greedy,
-    load_hf_model,
-)
+from hf_reference import assert_lora_matches_hf_merged, assert_tp_matches_one_process
 from hybrid_checks import (
-    MAX_TOKENS,
-    TOP,
-    TRITON_MAX_TOKENS,
     assert_greedy_forks_equal_one,
+    assert_runs_match_hf,
     assert_snapshots_keep_outputs,
+    copy_with_equal_blocks,
     random_prompts,
     tiny_dirs,
-    token_requests,
 )
 
 from paged_engine import LLM, LoRARequest, SamplingParams
@@ -48,7 +39,7 @@ from paged_engine.models.zamba2 import Zamba2ForCausalLM
 from paged_engine.testing import tiny_config, write_lora_adapter
 
 transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("safetensors.torch")
 
 _PLAIN = {
     "use_shared_attention_adapter": False,
@@ -64,7 +55,6 @@ CASES: dict[str, tuple[str, dict]] = {
     "zamba2-plain": ("zamba2", _PLAIN),
     "zamba2-oneblock": ("zamba2", {"num_mem_blocks": 1, "tie_word_embeddings": False}),
 }
-_SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.*)")
 
 
 @pytest.fixture(scope="module")
@@ -76,25 +66,13 @@ def zamba2_dirs(tmp_path_factory):
 def oneblock_dir(zamba2_dirs, tmp_path_factory):
     """The untied one-block model with every layer's copy of the block equal (HF runs three
     equal blocks; we load them into one)."""
-    path = tmp_path_factory.mktemp("zamba2-oneblock-shared")
-    for f in zamba2_dirs("zamba2-oneblock").iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    _same_block_copies(path)
-    return path
-
-
-def _same_block_copies(path) -> None:
-    """Rewrite an untied checkpoint's later copies of each block as its first one's."""
-    config = transformers.AutoConfig.from_pretrained(path)
+    src = zamba2_dirs("zamba2-oneblock")
+    config = transformers.AutoConfig.from_pretrained(src)
     hybrid = [i for i, t in enumerate(config.layers_block_type) if t == "hybrid"]
+    # block j % num_mem_blocks at the j-th hybrid layer: each copy as that block's first one
     first = {layer: hybrid[j % config.num_mem_blocks] for j, layer in enumerate(hybrid)}
-    tensors = safetensors_torch.load_file(path / "model.safetensors")
-    for name in tensors:
-        match = _SHARED.fullmatch(name)
-        if match is not None:
-            src = f"model.layers.{first[int(match.group(1))]}.shared_transformer.{match.group(2)}"
-            tensors[name] = tensors[src].clone()
-    safetensors_torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    path = tmp_path_factory.mktemp("zamba2-oneblock-shared")
+    return copy_with_equal_blocks(src, path, "shared_transformer", first)
 
 
 @pytest.mark.parametrize(
@@ -112,30 +90,7 @@ def test_greedy_tokens_and_logprobs_match_hf(name, runs, zamba2_dirs, request):
     path = (
         request.getfixturevalue("oneblock_dir") if name == "zamba2-oneblock" else zamba2_dirs(name)
     )
-    hf = load_hf_model(path)
-    refs = {}
-    for backend, budget in runs:
-        triton = backend == "triton"  # interpreted: shorter prompts, fewer tokens
-        prompts = random_prompts(7, (23, 1) if triton else (5, 23, 70, 1))
-        max_tokens = TRITON_MAX_TOKENS if triton else MAX_TOKENS
-        for p in prompts:
-            if (tuple(p), max_tokens) not in refs:
-                refs[tuple(p), max_tokens] = hf_greedy(hf, p, max_tokens, TOP)
-        kw = {} if budget is None else {"max_num_batched_tokens": budget}
-        llm = LLM(
-            model=str(path),
-            dtype="float32",
-            max_model_len=128,
-            attention_backend=backend,
-            num_gpu_blocks_override=64,
-            **kw,
-        )
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=TOP)
-        outs = llm.generate(token_requests(prompts), params, use_tqdm=False)
-        for i, (out, p) in enumerate(zip(outs, prompts, strict=True)):
-            assert_matches(f"{name}-{backend}-{budget}-{i}", out, refs[tuple(p), max_tokens])
-        _check_layout(llm, hf)
-        del llm
+    assert_runs_match_hf(name, path, runs, _check_layout)
 
 
 def _check_layout(llm: LLM, hf) -> None:

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 from audio_checks import (
-    check_audio_paths,
     check_chat_input_audio,
     check_matches_hf,
+    check_one_two_paths,
     held,
     noise_clip,
     wav_base64,
@@ -140,14 +140,7 @@ def test_sampling_rates_and_forms(tiny):
 
 
 def test_engine_paths_match_the_plain_run(tiny):
-    prompts = [
-        {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(10 + i, 0.6 + 0.5 * i)}}
-        for i in range(2)
-    ]
-    prompts.append(
-        {"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(12, 0.4), noise_clip(13, 2.0)]}}
-    )
-    check_audio_paths(tiny, prompts, TWO)
+    check_one_two_paths(tiny, ONE, TWO, longest=2.0)
 
 
 def test_tensor_parallel_matches_one_process(tiny):

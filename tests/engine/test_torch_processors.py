@@ -85,7 +85,7 @@ def test_mm_processor_kwargs_checked_against_the_copy():
     from paged_engine.multimodal.processor import ImageProcessor
 
     proc = ImageProcessor.__new__(ImageProcessor)
-    proc._hf = Llama4TorchProcessor({})
+    proc._hf, proc.layout = Llama4TorchProcessor({}), None  # (a layout with no refused_kwargs)
     assert proc.processor_kwargs({"max_patches": 2}) == {"max_patches": 2}
     with pytest.raises(ValueError, match="mm_processor_kwargs\\['crop_to_patches'\\]"):
         proc.processor_kwargs({"crop_to_patches": True})

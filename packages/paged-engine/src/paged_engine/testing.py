@@ -219,6 +219,15 @@ _DEEPSEEK_LIKE = {
     "n_group": 4,
     "topk_group": 2,
 }
+_GPTJ_LIKE = {  # GPT-J's sizes, CodeGen's too (its decoder is GPT-J's)
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "rotary_dim": 8,
+    "n_inner": 128,
+    "n_positions": 1024,
+    "tie_word_embeddings": False,
+}
 _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {**_LLAMA_LIKE, "tie_word_embeddings": False}),
     "mistral": (
@@ -2104,31 +2113,9 @@ _ARCH_DEFAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     # GPT-J-6B's layout: parallel attention and MLP on one LayerNorm, interleaved rotary on the
     # first half of each head, LM head with a bias
-    "gptj": (
-        "GPTJConfig",
-        {
-            "n_embd": 64,
-            "n_layer": 2,
-            "n_head": 4,
-            "rotary_dim": 8,
-            "n_inner": 128,
-            "n_positions": 1024,
-            "tie_word_embeddings": False,
-        },
-    ),
+    "gptj": ("GPTJConfig", {**_GPTJ_LIKE}),
     # CodeGen: GPT-J's decoder, q | v | k rows in 4 model-parallel groups of the fused qkv_proj
-    "codegen": (
-        "CodeGenConfig",
-        {
-            "n_embd": 64,
-            "n_layer": 2,
-            "n_head": 4,
-            "rotary_dim": 8,
-            "n_inner": 128,
-            "n_positions": 1024,
-            "tie_word_embeddings": False,
-        },
-    ),
+    "codegen": ("CodeGenConfig", {**_GPTJ_LIKE}),
     # BioGPT / XGLM: fairseq decoders, sqrt(d)-scaled embeddings, positions 2 rows in (learned /
     # sinusoidal), OPT's pre-LN layers, tied head
     "biogpt": (

@@ -161,7 +161,28 @@ class ErgoExpertNorm(nn.Module):
         return (normed * self.weight[ids]).to(y.dtype)
 
 
-class ErgoExperts(FusedMoE):
+class RouteNormedExperts(FusedMoE):
+    """FusedMoE experts whose each route's output is normed (`route_norm`) before its routing
+    weight scales it (Ergo's per-expert norm, Muse's Spark experts' shared one): the routes run
+    one row each at unit weight, reduced over TP ranks before the norm."""
+
+    def route_norm(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """y [N, H] the routes' whole outputs, ids [N] their experts -> normed [N, H]."""
+        raise NotImplementedError
+
+    def routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], routing weights / ids [T, k] -> sum_j w_j * norm(expert_{e_j}(x)) [T, H]."""
+        t, k = ids.shape
+        rows = x.repeat_interleave(k, dim=0)  # [T*k, H]: one row a route, unit weight
+        flat = ids.reshape(-1, 1)
+        y = super().forward(rows, torch.ones(flat.shape, device=x.device), flat)
+        if self.tp_size > 1:  # each route's whole output before its norm
+            y = tp_all_reduce(y)
+        y = self.route_norm(y, flat.flatten()).view(t, k, -1)
+        return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+class ErgoExperts(RouteNormedExperts):
     """Non-gated relu^2 experts (FusedMoE: up in gate_up_proj [E, I, H], down_proj [E, H, I])
     with `post_expert_norm`."""
 
@@ -175,16 +196,8 @@ class ErgoExperts(FusedMoE):
         eps = float(cfg_get(config, "rms_norm_eps", 1e-12))
         self.post_expert_norm = ErgoExpertNorm(self.num_experts, config.hidden_size, eps)
 
-    def routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], routing weights / ids [T, k] -> sum_j w_j * norm_{e_j}(expert_{e_j}(x))."""
-        t, k = ids.shape
-        rows = x.repeat_interleave(k, dim=0)  # [T*k, H]: one row a route, unit weight
-        flat = ids.reshape(-1, 1)
-        y = super().forward(rows, torch.ones(flat.shape, device=x.device), flat)
-        if self.tp_size > 1:  # each route's whole output before its norm
-            y = tp_all_reduce(y)
-        y = self.post_expert_norm(y, flat.flatten()).view(t, k, -1)
-        return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    def route_norm(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.post_expert_norm(y, ids)  # expert e's own norm weight
 
 
 class ErgoSharedExpert(Relu2MLP):

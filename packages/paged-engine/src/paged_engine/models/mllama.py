@@ -93,6 +93,18 @@ def slot_rows(hf_config: Any, limit: int) -> int:
     return limit * int(vision.max_num_tiles) * num_patches(vision)
 
 
+def fit_decoder_length(config: Any, limit: int, field: str, table: str = "position") -> None:
+    """max_model_len of an encoder-decoder (Mllama, Whisper, Moonshine): the decoder's `limit`
+    positions (config.`field`) when unset, ValueError naming both when over them."""
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the decoder's {table} table "
+            f"({field}={limit})"
+        )
+
+
 def mllama_engine_config(config: Any, hf_config: Any) -> None:
     """Refuse (ValueError naming the option) or set what Mllama needs beyond the
     encoder-decoder defaults: TP ranks that split the text model's heads, max_model_len within
@@ -111,13 +123,7 @@ def mllama_engine_config(config: Any, hf_config: Any) -> None:
         if not hasattr(hf_config, name) and hasattr(text, name):
             setattr(hf_config, name, getattr(text, name))
     limit = int(text.max_position_embeddings)
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the decoder's position table "
-            f"(text_config.max_position_embeddings={limit})"
-        )
+    fit_decoder_length(config, limit, "text_config.max_position_embeddings")
     if config.image_limit is None:  # the slots' size: one image unless told
         logger.info("%s: one image a prompt (limit_mm_per_prompt={'image': n} for more)", ARCH)
         config.limit_mm_per_prompt = {**(config.limit_mm_per_prompt or {}), "image": 1}

@@ -45,7 +45,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
-from paged_engine.models.mllama import CrossPlan
+from paged_engine.models.mllama import CrossPlan, fit_decoder_length
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.moonshine_encoder import MoonshineEncoder, encoder_frames
@@ -66,13 +66,7 @@ def slot_rows(hf_config: Any) -> int:
 def moonshine_engine_config(config: Any, hf_config: Any) -> None:
     """Refuse (ValueError naming the field) what Moonshine cannot run; set max_model_len."""
     limit = int(hf_config.max_position_embeddings)
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the decoder's rotary table "
-            f"(config.max_position_embeddings={limit})"
-        )
+    fit_decoder_length(config, limit, "config.max_position_embeddings", "rotary")
     heads = int(hf_config.decoder_num_attention_heads)
     fields = {
         "encoder_num_attention_heads": int(hf_config.encoder_num_attention_heads),

@@ -44,12 +44,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_engine.distributed.communication import tp_all_reduce
 from paged_engine.layers.activation import ActAndMul, SiluAndMul, get_act_fn
 from paged_engine.layers.attention import Attention
 from paged_engine.layers.deepseek_moe import DeepseekRouter, grouped_topk
 from paged_engine.layers.embedding import VocabParallelEmbedding
-from paged_engine.layers.fused_moe import FusedMoE
 from paged_engine.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -58,6 +56,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import GemmaRMSNorm, RMSNorm, UnitRMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.models.ergo import RouteNormedExperts
 from paged_engine.models.llama import llama_head_dim
 from paged_engine.models.utils import (
     QKV_PROJ_RULES,
@@ -186,7 +185,7 @@ class SparkRouter(DeepseekRouter):
         return grouped_topk(logits, self.top_k, correction_bias=bias, scale=self.scale)
 
 
-class SparkExperts(FusedMoE):
+class SparkExperts(RouteNormedExperts):
     """Gated SiLU experts at moe_hidden_size, each route's output normed before its weight."""
 
     def __init__(self, config) -> None:
@@ -194,16 +193,8 @@ class SparkExperts(FusedMoE):
         super().__init__(int(config.num_local_experts), width, int(config.moe_intermediate_size))
         self.post_expert_norm = InputScaledRMSNorm(width, float(config.post_norm_eps))
 
-    def routes(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, M], weights / ids [T, k] -> sum_j w_j * norm(expert_{e_j}(x)) [T, M]."""
-        t, k = ids.shape
-        rows = x.repeat_interleave(k, dim=0)  # [T*k, M]: one row a route, unit weight
-        flat = ids.reshape(-1, 1)
-        y = super().forward(rows, torch.ones(flat.shape, device=x.device), flat)
-        if self.tp_size > 1:  # each route's whole output before its norm
-            y = tp_all_reduce(y)
-        y = self.post_expert_norm(y).view(t, k, -1)
-        return (y * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+    def route_norm(self, y: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.post_expert_norm(y)  # one norm for every expert ([N, moe_hidden_size])
 
 
 class SparkMoe(nn.Module):

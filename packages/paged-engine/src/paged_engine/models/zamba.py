@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -150,12 +151,62 @@ class ZambaModel(HybridModel):
         return self.norm(x)
 
 
-class ZambaForCausalLM(CausalLMBase):
+class SharedBlockLM(CausalLMBase):
+    """A model whose hybrid layers run shared transformer blocks (Zamba, Zamba2), loaded as
+    HF's: `final_layernorm` named `norm`, each layer's copy of a block's weights (a name
+    `_SHARED` matches) named where the block's one module is (`block_prefix`) and checked equal
+    to the first copy. ValueError naming both where they differ: a checkpoint saved untied
+    (transformers 5 unties the copies along with the embeddings) holds distinct per-layer
+    blocks, which one shared module cannot serve. A family sets `_SHARED`, `family`,
+    `block_why` (which block two copies belong to) and `block_prefix`."""
+
+    _SHARED: ClassVar[re.Pattern[str]]
+    family: ClassVar[str]
+    block_why: ClassVar[str]
+
+    def block_prefix(self, layer: int) -> str | None:
+        """Where the parameters of the block that hybrid layer `layer` runs are named."""
+        raise NotImplementedError
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        first: dict[str, tuple[str, torch.Tensor]] = {}
+
+        def checked(stream: Iterable[tuple[str, torch.Tensor]]):
+            for name, w in stream:
+                if self._SHARED.match(name) is not None:
+                    seen = first.setdefault(self.rename_weight(name), (name, w))
+                    if seen[1] is not w and not torch.equal(seen[1], w):
+                        raise ValueError(
+                            f"{self.family}: checkpoint weights {seen[0]!r} and {name!r} differ, "
+                            f"but both belong to {self.block_why}; per-layer blocks (saved by "
+                            "transformers 5 with tie_word_embeddings=False, which unties them "
+                            "too) are not supported"
+                        )
+                yield name, w
+
+        return super().load_weights(checked(weights), strict)
+
+    def rename_weight(self, name: str) -> str:
+        if name.startswith("model.final_layernorm."):
+            return "model.norm." + name[len("model.final_layernorm.") :]
+        match = self._SHARED.match(name)
+        if match is not None:
+            prefix = self.block_prefix(int(match.group(1)))
+            if prefix is not None:
+                return prefix + name[match.end() :]
+        return name
+
+
+class ZambaForCausalLM(SharedBlockLM):
     # q / k / v into the block's qkv_proj, gate / up into its MLP's gate_up_proj
     stacked_params = LlamaForCausalLM.stacked_params
     tie_default = True
 
     _SHARED = re.compile(r"^model\.layers\.(\d+)\.shared_transf\.")
+    family = "Zamba"
+    block_why = "the shared block (every hybrid layer runs the same one)"
 
     def __init__(self, config) -> None:
         types = layer_types(config)
@@ -180,34 +231,5 @@ class ZambaForCausalLM(CausalLMBase):
         # where the block's parameters are named: the first hybrid layer's
         self._block_prefix = f"model.layers.{hybrid[0]}.shared_transf."
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        """HF's loading, the block's per-layer copies (if the checkpoint holds them) checked
-        equal: a checkpoint saved untied (transformers 5 unties the copies with the
-        embeddings) may hold a distinct block per layer, which one shared module cannot
-        serve."""
-        first: dict[str, tuple[str, torch.Tensor]] = {}
-
-        def checked(stream: Iterable[tuple[str, torch.Tensor]]):
-            for name, w in stream:
-                if self._SHARED.match(name) is not None:
-                    seen = first.setdefault(self.rename_weight(name), (name, w))
-                    if seen[1] is not w and not torch.equal(seen[1], w):
-                        raise ValueError(
-                            f"Zamba: checkpoint weights {seen[0]!r} and {name!r} differ, but "
-                            "both belong to the shared block (every hybrid layer runs the same "
-                            "one); per-layer blocks (saved by transformers 5 with "
-                            "tie_word_embeddings=False, which unties them too) are not supported"
-                        )
-                yield name, w
-
-        return super().load_weights(checked(weights), strict)
-
-    def rename_weight(self, name: str) -> str:
-        if name.startswith("model.final_layernorm."):
-            return "model.norm." + name[len("model.final_layernorm.") :]
-        match = self._SHARED.match(name)
-        if match is not None:
-            return self._block_prefix + name[match.end() :]
-        return name
+    def block_prefix(self, layer: int) -> str:
+        return self._block_prefix  # one block: every hybrid layer's

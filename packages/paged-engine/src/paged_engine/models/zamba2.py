@@ -38,7 +38,6 @@ up, the adapter's B too) and the mixer as the other hybrids do; `linear` is repl
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -58,7 +57,8 @@ from paged_engine.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.hybrid import PARALLEL_LAYER_TYPES, HybridModel, layer_types
-from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get
+from paged_engine.models.utils import QKV_PROJ_RULES, cfg_get
+from paged_engine.models.zamba import SharedBlockLM
 
 HYBRID = PARALLEL_LAYER_TYPES[0]  # "hybrid": a shared block, then the layer's Mamba2
 
@@ -262,7 +262,7 @@ class Zamba2Model(HybridModel):
         return self.norm(x)
 
 
-class Zamba2ForCausalLM(CausalLMBase):
+class Zamba2ForCausalLM(SharedBlockLM):
     stacked_params = QKV_PROJ_RULES
     ignored_weights = ("rotary_emb.inv_freq",)
     tie_default = True
@@ -306,38 +306,10 @@ class Zamba2ForCausalLM(CausalLMBase):
         }
 
     _SHARED = re.compile(r"^model\.layers\.(\d+)\.shared_transformer\.")
+    family = "Zamba2"
+    block_why = (
+        "one shared block (hybrid layers running block j % num_mem_blocks share its weights)"
+    )
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        """HF's loading, each shared block's copies (if the checkpoint holds the later
-        applications' too) checked equal: transformers 5 ties the blocks only along with the
-        embeddings, so a checkpoint saved untied may hold distinct per-layer blocks, which is
-        no longer a shared-block model and is refused rather than served with one copy."""
-        first: dict[str, tuple[str, torch.Tensor]] = {}
-
-        def checked(stream: Iterable[tuple[str, torch.Tensor]]):
-            for name, w in stream:
-                if self._SHARED.match(name) is not None:
-                    seen = first.setdefault(self.rename_weight(name), (name, w))
-                    if seen[1] is not w and not torch.equal(seen[1], w):
-                        raise ValueError(
-                            f"Zamba2: checkpoint weights {seen[0]!r} and {name!r} differ, but "
-                            "both belong to one shared block (hybrid layers running block j % "
-                            "num_mem_blocks share its weights); per-layer blocks (saved by "
-                            "transformers 5 with tie_word_embeddings=False, which unties them "
-                            "too) are not supported"
-                        )
-                yield name, w
-
-        return super().load_weights(checked(weights), strict)
-
-    def rename_weight(self, name: str) -> str:
-        if name.startswith("model.final_layernorm."):
-            return "model.norm." + name[len("model.final_layernorm.") :]
-        match = self._SHARED.match(name)
-        if match is not None:
-            prefix = self._block_prefix.get(int(match.group(1)))
-            if prefix is not None:
-                return prefix + name[match.end() :]
-        return name
+    def block_prefix(self, layer: int) -> str | None:
+        return self._block_prefix.get(layer)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,7 +43,7 @@ from paged_engine.layers.activation import get_act_fn
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.qwen2_audio import output_rows
-from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_into
+from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_audio_weights
 
 
 class AudioFlamingo3(AudioProcessor):
@@ -155,21 +155,6 @@ class MlpProjector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
-
-
-def load_audio_weights(
-    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str
-) -> set[str]:
-    """The checkpoint's `[model.]audio_tower.*` and `[model.]multi_modal_projector.*` into
-    `module` (which holds both under those names)."""
-
-    def mine() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if name.startswith(("audio_tower.", "multi_modal_projector.")):
-                yield name, tensor
-
-    return load_into(module, mine(), what)
 
 
 def clip_rows(clips: Sequence[ImageInput], rows: list[torch.Tensor]) -> list[torch.Tensor]:

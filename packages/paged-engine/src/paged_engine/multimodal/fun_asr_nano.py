@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
-from paged_engine.multimodal.granite_speech import saved_settings
+from paged_engine.multimodal.granite_speech import saved_settings, set_positive_ints
 
 _DEFAULTS = {
     "feature_size": 80,
@@ -69,13 +69,7 @@ class KaldiFeatures:
     """FunAsrNanoFeatureExtractor's settings and its LFR features for one clip."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        for key, default in _DEFAULTS.items():
-            value = settings.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"the feature extractor's {key} must be a positive whole number, got {value!r}"
-                )
-            setattr(self, key, value)
+        set_positive_ints(self, settings, _DEFAULTS)
         window = settings.get("window", "hamming")
         if window != "hamming":
             raise ValueError(

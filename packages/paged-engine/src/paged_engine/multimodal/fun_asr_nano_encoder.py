@@ -22,7 +22,7 @@ heads do not divide.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.whisper_encoder import load_into
+from paged_engine.multimodal.whisper_encoder import load_audio_weights
 
 
 def sinusoids(length: int, channels: int) -> torch.Tensor:
@@ -159,10 +159,4 @@ class FunAsrNanoEncoder(nn.Module):
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def mine() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith(("audio_tower.", "multi_modal_projector.")):
-                    yield name, tensor
-
-        return load_into(self, mine(), "Fun-ASR-Nano's audio encoder")
+        return load_audio_weights(self, weights, "Fun-ASR-Nano's audio encoder")

@@ -72,17 +72,23 @@ def htk_mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor
     return torch.clamp(torch.minimum(rising, falling), min=0.0)
 
 
+def set_positive_ints(target: Any, settings: dict[str, Any], defaults: dict[str, int]) -> None:
+    """Each key of `defaults` set on `target` from the feature extractor's `settings` (the
+    default where unset); ValueError naming one that is not a positive whole number."""
+    for key, default in defaults.items():
+        value = settings.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(
+                f"the feature extractor's {key} must be a positive whole number, got {value!r}"
+            )
+        setattr(target, key, value)
+
+
 class MelFeatures:
     """Granite Speech's feature extractor settings and its features for one clip."""
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        for key, default in _DEFAULTS.items():
-            value = settings.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"the feature extractor's {key} must be a positive whole number, got {value!r}"
-                )
-            setattr(self, key, value)
+        set_positive_ints(self, settings, _DEFAULTS)
         if self.win_length > self.n_fft:
             raise ValueError(
                 f"the feature extractor's win_length {self.win_length} is over n_fft {self.n_fft}"

@@ -37,6 +37,7 @@ from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_error
+from paged_engine.multimodal.minimax_m3_vl import axial_rope_theta
 from paged_engine.multimodal.qwen2_vl_vision import _group_by_length, _int_field
 from paged_engine.multimodal.torch_processors import (
     ProcessorKwargs,
@@ -86,14 +87,8 @@ class Inkling2TorchProcessor(TorchImageProcessor):
     defaults: ClassVar[dict[str, Any]] = dict(_DEFAULTS)
     valid_kwargs = _Kwargs
 
-    def __call__(self, images: Any, return_tensors: str | None = "pt", **kwargs: Any) -> Any:
-        known = set(self.valid_kwargs.__annotations__)
-        bad = sorted(k for k in kwargs if k not in known)
-        if bad:
-            raise ValueError(f"{self.name} (torch copy) takes no argument {bad[0]!r}")
-        s = {**self.settings, **kwargs}
-        flat = [i for x in images for i in x] if isinstance(images[0], list) else list(images)
-        return self.preprocess([_rgb_over_checkerboard(i) for i in flat], s)
+    def load_image(self, image: Any) -> torch.Tensor:
+        return _rgb_over_checkerboard(image)
 
     def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
         side = square_size(s, self.name)
@@ -169,14 +164,7 @@ class Inkling2VisionTower(nn.Module):
 
     def __init__(self, v: Any) -> None:
         super().__init__()
-        if getattr(v, "model_type", None) != MODEL_TYPE:
-            raise ValueError(
-                f"vision_config.model_type={v.model_type!r}; supported: {MODEL_TYPE!r}"
-            )
-        rope = getattr(v, "rope_parameters", None) or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
-        self.theta = float(rope.get("rope_theta", 10000.0))
+        self.theta = axial_rope_theta(v, MODEL_TYPE)
         dim, heads = _int_field(v, "hidden_size"), _int_field(v, "num_attention_heads")
         if dim % heads or (dim // heads) % 4:
             raise ValueError(

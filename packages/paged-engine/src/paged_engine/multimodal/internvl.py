@@ -215,13 +215,15 @@ class _Projector(nn.Module):
 class InternVLImageEncoder(nn.Module):
     """Images (each its tiles) -> rows of the text model's input embedding, one a placeholder."""
 
+    vision_type = "internvl_vision"  # vision_config.model_type
+
     def __init__(self, config) -> None:
         super().__init__()
         vision = config.vision_config
         model_type = getattr(vision, "model_type", None)
-        if model_type != "internvl_vision":
+        if model_type != self.vision_type:
             raise ValueError(
-                f"vision_config.model_type={model_type!r} is not supported: 'internvl_vision'"
+                f"vision_config.model_type={model_type!r} is not supported: {self.vision_type!r}"
             )
         if vision.norm_type not in _NORMS:
             raise ValueError(
@@ -235,12 +237,16 @@ class InternVLImageEncoder(nn.Module):
         self.side, self.scale = _grid(config)
         self.image_size = _square(vision, "image_size")
         self.num_channels = int(vision.num_channels)
-        layer = feature_layer(config)
-        # HF takes last_hidden_state (through `layernorm`) only for the literal -1
-        final_norm = config.vision_feature_layer == -1 and not vision.use_mean_pooling
-        self.vision_tower = _VisionTower(vision, layer, final_norm, self.side)
+        self.vision_tower = self.build_tower(config, feature_layer(config))
         width = int(vision.hidden_size) * self.scale**2
         self.multi_modal_projector = _Projector(config, width)
+
+    def build_tower(self, config, layer: int) -> nn.Module:
+        """The tower up to hidden state `layer`; HF takes last_hidden_state (through
+        `layernorm`) only for the literal -1."""
+        vision = config.vision_config
+        final_norm = config.vision_feature_layer == -1 and not vision.use_mean_pooling
+        return _VisionTower(vision, layer, final_norm, self.side)
 
     def forward(self, tiles: torch.Tensor) -> torch.Tensor:  # [T, C, S, S] -> [T, n, text D]
         states = self.vision_tower(tiles)[:, 1:]  # "default": the CLS token dropped
@@ -267,18 +273,26 @@ class InternVLImageEncoder(nn.Module):
         tensors in HF's names (any other name is passed over; so are the layers after the one
         read, an unused `layernorm` and `mask_token`); ValueError naming a missing or unexpected
         one."""
-        built = len(self.vision_tower.encoder.layer)
+        named = ((n.removeprefix("model."), t) for n, t in weights)
+        return self._load_tower(named, _LAYERS, len(self.vision_tower.encoder.layer))
+
+    def _load_tower(
+        self, weights: Iterable[tuple[str, torch.Tensor]], layers: str, built: int
+    ) -> set[str]:
+        """The tower's and projector's tensors among `weights` (in transformers' names,
+        `model.` dropped), passing over the layers under `layers` from index `built` on (after
+        the one read), an unused `layernorm` and `mask_token`; ValueError naming a missing or
+        unexpected one (shared with Qianfan-OCR, whose layers sit elsewhere)."""
         has_norm = self.vision_tower.layernorm is not None
 
         def ours(name: str) -> str | None:
-            name = name.removeprefix("model.")
             if not name.startswith(("vision_tower.", "multi_modal_projector.")):
                 return None
             if name == "vision_tower.embeddings.mask_token":
                 return None  # masked image modelling only
             if name.startswith("vision_tower.layernorm.") and not has_norm:
                 return None
-            index = name[len(_LAYERS) :].split(".")[0] if name.startswith(_LAYERS) else ""
+            index = name[len(layers) :].split(".")[0] if name.startswith(layers) else ""
             if index.isdigit() and int(index) >= built:
                 return None  # after the layer read
             return name

@@ -197,15 +197,7 @@ class LlavaNextVideoProcessor(VideoProcessor):
                     "multi_modal_data['video']: these processed videos are not frames this "
                     "model reads (their shapes or runs differ)"
                 )
-        token_ids, starts, added = expand_runs(
-            token_ids, self.video_token_id, [m.length for m in items], "video"
-        )
-        if starts != [m.offset for m in items]:
-            raise ValueError(
-                "multi_modal_data['video']: these processed videos do not fit this prompt "
-                "(their runs start elsewhere)"
-            )
-        return token_ids, list(items), added
+        return self._fit_runs(token_ids, items)
 
     def _load(self, i: int, item: Any) -> torch.Tensor:
         """Video i's frames as the tower reads them: [T, 3, S, S] float32."""

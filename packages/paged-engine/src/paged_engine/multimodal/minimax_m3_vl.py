@@ -130,6 +130,18 @@ class MiniMaxM3ImageProcessor(TorchImageProcessor):
         return {"pixel_values": torch.cat(out), "image_grid_thw": torch.tensor(grids)}
 
 
+def axial_rope_theta(v: Any, model_type: str) -> float:
+    """vision_config's rope_theta (10000 unset); ValueError naming the field for a model_type
+    other than `model_type` or a rope_type other than "axial" (MiniMax-M3's and Inkling2's
+    towers)."""
+    if getattr(v, "model_type", None) != model_type:
+        raise ValueError(f"vision_config.model_type={v.model_type!r}; supported: {model_type!r}")
+    rope = getattr(v, "rope_parameters", None) or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
+    return float(rope.get("rope_theta", 10000.0))
+
+
 def rope_tables(grid: tuple[int, int, int], merge: int, dim: int, theta: float):
     """cos, sin [t*h*w, 1, 6F] float32 of one grid's patches in the processor's row order."""
     t, h, w = grid
@@ -201,14 +213,7 @@ class MiniMaxM3VisionTower(nn.Module):
 
     def __init__(self, v: Any) -> None:
         super().__init__()
-        if getattr(v, "model_type", None) != MODEL_TYPE:
-            raise ValueError(
-                f"vision_config.model_type={v.model_type!r}; supported: {MODEL_TYPE!r}"
-            )
-        rope = getattr(v, "rope_parameters", None) or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(f"vision_config.rope_parameters.rope_type={rope['rope_type']!r}")
-        self.theta = float(rope.get("rope_theta", 10000.0))
+        self.theta = axial_rope_theta(v, MODEL_TYPE)
         dim, heads = _int_field(v, "hidden_size"), _int_field(v, "num_attention_heads")
         if dim % heads:
             raise ValueError(f"vision_config.num_attention_heads={heads} must divide {dim}")

@@ -1,14 +1,15 @@
 """Moonshine's host side: a request's clip as its raw samples, its decoder prompt as ids.
 
-The prompt forms are Whisper's (multimodal/whisper.py `request_prompt`: {"prompt",
-"multi_modal_data": {"audio": clip}} or vLLM's encoder / decoder prompts); a missing or empty
-decoder prompt is config.decoder_start_token_id alone, which is what transformers' `generate`
-starts from (Moonshine has no language or task tokens).
+The prompt forms and `process` are Whisper's (multimodal/whisper.py `CrossAttendedAudio`:
+{"prompt", "multi_modal_data": {"audio": clip}} or vLLM's encoder / decoder prompts); a missing
+or empty decoder prompt is config.decoder_start_token_id alone, which is what transformers'
+`generate` starts from (Moonshine has no language or task tokens).
 
-`MoonshineAudio.process` runs the checkpoint's feature extractor (a Wav2Vec2FeatureExtractor:
-the waveform as it is, normalized where the checkpoint's do_normalize says so) on the clip (mono
-float32 at 16 kHz, multimodal/audio_io.py) with no padding: the item's pixel_values are its
-samples [N], and the encoder's frames follow its length (models/moonshine.py). No placeholders:
+`MoonshineAudio.clip_features` runs the checkpoint's feature extractor (a
+Wav2Vec2FeatureExtractor: the waveform as it is, normalized where the checkpoint's do_normalize
+says so) on the clip (mono float32 at 16 kHz, multimodal/audio_io.py) with no padding: the
+item's pixel_values are its samples [N], and the encoder's frames follow its length
+(models/moonshine.py). No placeholders:
 the item spans every decoder position [0, max_position_embeddings), so it reaches the worker
 with every sequence that holds it and its hash keys every prefix-cache block.
 
@@ -25,20 +26,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
+
 from paged_engine.models.moonshine import SAMPLE_RATE, WINDOW_SECONDS
-from paged_engine.multimodal.audio import AudioProcessor
-from paged_engine.multimodal.audio_io import audio_item
-from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import digest
 from paged_engine.multimodal.moonshine_encoder import MIN_SAMPLES
-from paged_engine.multimodal.whisper import request_prompt
-
-WHAT = "multi_modal_data['audio']"
+from paged_engine.multimodal.whisper import WHAT, CrossAttendedAudio
 
 
-class MoonshineAudio(AudioProcessor):
+class MoonshineAudio(CrossAttendedAudio):
     """The host side of Moonshine's audio (audio_archs.py's "moonshine" kind)."""
 
+    family = "Moonshine"
     default_language = None  # no language token: a checkpoint transcribes its own language
 
     def __init__(self, path: Any, config: Any, tokenizer: Any, limit: int | None = None) -> None:
@@ -51,9 +50,6 @@ class MoonshineAudio(AudioProcessor):
                 f"{SAMPLE_RATE} Hz"
             )
         self.span = int(config.max_position_embeddings)  # every decoder position
-
-    def placeholder_id(self) -> int:
-        return -1  # no token stands for the clip: the decoder cross-attends to it
 
     @property
     def transcription_window(self) -> int:
@@ -71,27 +67,9 @@ class MoonshineAudio(AudioProcessor):
             raise ValueError("prompt: Moonshine takes no context text")
         return {"prompt_token_ids": [int(self.config.decoder_start_token_id)]}
 
-    def request_prompt(self, prompt: Any) -> dict:
-        return request_prompt(prompt, self.tokenizer, self.config)
-
-    def process(
-        self, token_ids: list[int], data: Any, kwargs: Any = None
-    ) -> tuple[list[int], tuple[ImageInput, ...], list[tuple[int, int]]]:
-        """(the decoder prompt's ids as they are, the clip's item, no run added)."""
-        if kwargs:
-            name = next(iter(kwargs))
-            raise ValueError(f"mm_processor_kwargs[{name!r}]: Moonshine's audio takes none")
-        clips = data if isinstance(data, list) else [data]
-        if len(clips) != 1:
-            raise ValueError(f"{WHAT}: Moonshine takes one clip a prompt, got {len(clips)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"{WHAT}: limit_mm_per_prompt['audio']={self.limit}")
-        clip = clips[0]
-        if isinstance(clip, ImageInput):  # this method's output (a server's request thread)
-            if clip.modality != "audio" or (clip.offset, clip.length) != (0, self.span):
-                raise ValueError(f"{WHAT}: a processed clip that is not Moonshine's")
-            return token_ids, (clip,), []
-        wave = audio_item(clip, self.sampling_rate, WHAT)
+    def clip_features(self, wave: np.ndarray) -> torch.Tensor:
+        """The clip's samples [N] (normalized where the checkpoint says so); ValueError for a
+        clip outside [MIN_SAMPLES, WINDOW_SECONDS]."""
         n = wave.shape[0]
         if n < MIN_SAMPLES or n > self.transcription_window:
             raise ValueError(
@@ -99,6 +77,4 @@ class MoonshineAudio(AudioProcessor):
                 f"{MIN_SAMPLES / self.sampling_rate:.3f} s to {WINDOW_SECONDS} s (split a "
                 "longer clip)"
             )
-        samples = self.extract(wave, WHAT)["input_values"][0].float().contiguous()
-        item = ImageInput(samples, 0, self.span, digest(samples, None), modality="audio")
-        return token_ids, (item,), []
+        return self.extract(wave, WHAT)["input_values"][0].float().contiguous()

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal import internvl
 from paged_engine.multimodal.internvl import InternVLImageEncoder
 from paged_engine.multimodal.layouts_single_run import BoundedLayout
@@ -96,57 +95,21 @@ class QianfanOCRImageEncoder(InternVLImageEncoder):
     """Images (each its tiles) -> rows of the text model's input embedding, one a placeholder;
     InternVL's forward and encode over Qianfan-OCR's tower."""
 
-    def __init__(self, config) -> None:
-        nn.Module.__init__(self)  # InternVL's __init__ would build (and check for) its own tower
+    vision_type = _VISION_TYPE
+
+    def build_tower(self, config, layer: int) -> nn.Module:
+        """The tower up to hidden state `layer`; hidden_states[num_hidden_layers] is
+        last_hidden_state in HF (tied): after `layernorm`."""
         vision = config.vision_config
-        model_type = getattr(vision, "model_type", None)
-        if model_type != _VISION_TYPE:
-            raise ValueError(
-                f"vision_config.model_type={model_type!r} is not supported: {_VISION_TYPE!r}"
-            )
-        if vision.norm_type not in internvl._NORMS:
-            raise ValueError(
-                f"vision_config.norm_type={vision.norm_type!r} is not supported: {internvl._NORMS}"
-            )
-        strategy = config.vision_feature_select_strategy
-        if strategy != "default":  # HF's square reshape fails with the CLS token kept
-            raise ValueError(
-                f"vision_feature_select_strategy={strategy!r} is not supported: 'default'"
-            )
-        self.side, self.scale = internvl._grid(config)
-        self.image_size = internvl._square(vision, "image_size")
-        self.num_channels = int(vision.num_channels)
-        layer = internvl.feature_layer(config)
-        total = int(vision.num_hidden_layers)
-        # hidden_states[total] is last_hidden_state in HF (tied): after `layernorm`
-        final_norm = layer == total and not vision.use_mean_pooling
-        self.vision_tower = _QianfanTower(vision, layer, final_norm, self.side)
-        width = int(vision.hidden_size) * self.scale**2
-        self.multi_modal_projector = internvl._Projector(config, width)
+        final_norm = layer == int(vision.num_hidden_layers) and not vision.use_mean_pooling
+        return _QianfanTower(vision, layer, final_norm, self.side)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The checkpoint's tower and projector tensors, in the Hub's names (`vision_model.*`,
         `mlp1.*`) or transformers' (`[model.]vision_tower.*`, `[model.]multi_modal_projector.*`;
         the layers after the one read, an unused `layernorm` and
         `mask_token` passed over); ValueError naming a missing or unexpected one."""
-        built = len(self.vision_tower.layers)
-        has_norm = self.vision_tower.layernorm is not None
-
-        def ours(name: str) -> str | None:
-            if not name.startswith(("vision_tower.", "multi_modal_projector.")):
-                return None
-            if name == "vision_tower.embeddings.mask_token":
-                return None  # masked image modelling only
-            if name.startswith("vision_tower.layernorm.") and not has_norm:
-                return None
-            index = name[len(_LAYERS) :].split(".")[0] if name.startswith(_LAYERS) else ""
-            if index.isdigit() and int(index) >= built:
-                return None  # after the layer read
-            return name
-
-        named = ((ours(n), t) for n, t in _hf_names(weights))
-        picked = ((n, t) for n, t in named if n is not None)
-        return load_named_weights(self, picked)
+        return self._load_tower(_hf_names(weights), _LAYERS, len(self.vision_tower.layers))
 
 
 class QianfanLayout(BoundedLayout):

@@ -16,7 +16,7 @@ transformers 5's saves).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from torch import nn
 
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_into
+from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_audio_weights
 
 
 def output_rows(valid_frames: int) -> int:
@@ -65,10 +65,4 @@ class Qwen2AudioEncoder(nn.Module):
         return [r[: m.length] for r, m in zip(rows, clips, strict=True)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def mine() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith(("audio_tower.", "multi_modal_projector.")):
-                    yield name, tensor
-
-        return load_into(self, mine(), "Qwen2-Audio's audio tower")
+        return load_audio_weights(self, weights, "Qwen2-Audio's audio tower")

@@ -28,7 +28,7 @@ processor's table (ISO codes or names), and what omni_audio.check_audio_config r
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,7 +40,7 @@ from paged_engine.layers.activation import get_act_fn
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.omni_audio import Qwen3AudioTower, check_audio_config, qwen3_rows
-from paged_engine.multimodal.whisper_encoder import load_into
+from paged_engine.multimodal.whisper_encoder import load_audio_weights
 
 
 def _languages() -> dict[str, str]:
@@ -144,10 +144,4 @@ class Qwen3AsrEncoder(nn.Module):
         return list(out.split([r.shape[0] for r in rows]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def mine() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith(("audio_tower.", "multi_modal_projector.")):
-                    yield name, tensor
-
-        return load_into(self, mine(), "Qwen3-ASR's audio tower")
+        return load_audio_weights(self, weights, "Qwen3-ASR's audio tower")

@@ -127,6 +127,22 @@ class VideoProcessor:
     def _configure(self, path: Path, config: Any) -> None:
         raise NotImplementedError
 
+    def _fit_runs(
+        self, token_ids: list[int], items: list[ImageInput]
+    ) -> tuple[list[int], list[ImageInput], list[tuple[int, int]]]:
+        """Videos processed ahead (already checked as this tower's): the prompt with each one's
+        run where it (expanded, or with one placeholder each) holds it; ValueError where a run
+        starts elsewhere than its item's offset."""
+        token_ids, starts, added = expand_runs(
+            token_ids, self.video_token_id, [m.length for m in items], "video"
+        )
+        if starts != [m.offset for m in items]:
+            raise ValueError(
+                "multi_modal_data['video']: these processed videos do not fit this prompt "
+                "(their runs start elsewhere)"
+            )
+        return token_ids, list(items), added
+
 
 class QwenVideoProcessor(VideoProcessor):
     """Turns a prompt's videos into `ImageInput`s placed at its video tokens."""
@@ -196,15 +212,7 @@ class QwenVideoProcessor(VideoProcessor):
                     "multi_modal_data['video']: these processed videos are not patch rows this "
                     "model reads (their grids, rows or runs differ)"
                 )
-        token_ids, starts, added = expand_runs(
-            token_ids, self.video_token_id, [m.length for m in items], "video"
-        )
-        if starts != [m.offset for m in items]:
-            raise ValueError(
-                "multi_modal_data['video']: these processed videos do not fit this prompt "
-                "(their runs start elsewhere)"
-            )
-        return token_ids, list(items), added
+        return self._fit_runs(token_ids, items)
 
     def positions(self, num_tokens: int, items: tuple[ImageInput, ...]) -> MropePositions:
         """The prompt's M-RoPE table (its images and videos in prompt order)."""

@@ -178,7 +178,12 @@ class TorchImageProcessor:
         s = {**self.settings, **kwargs}
         self.check(s)
         flat = [i for x in images for i in x] if isinstance(images[0], list) else list(images)
-        return self.preprocess([to_uint8(i) for i in flat], s)
+        return self.preprocess([self.load_image(i) for i in flat], s)
+
+    def load_image(self, image: Any) -> torch.Tensor:
+        """One PIL image as RGB uint8 [3, H, W] (`to_uint8`; a family whose processor puts
+        transparency over another background overrides this)."""
+        return to_uint8(image)
 
     def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
         raise NotImplementedError

@@ -31,7 +31,8 @@ model):
   window (a decreasing timestamp is taken as it is), and text after the last timestamp (or
   with none) is kept as a segment that ends with the window.
 
-`WhisperAudio.process` (an AudioProcessor, multimodal/audio.py, without a placeholder token)
+`WhisperAudio.process` (`CrossAttendedAudio`'s, shared with Moonshine: an AudioProcessor,
+multimodal/audio.py, without a placeholder token)
 turns the clip (mono float32 at the feature extractor's 16 kHz, multimodal/audio_io.py) into
 transformers' WhisperFeatureExtractor output, padded to its window (chunk_length s:
 [num_mel_bins, 2 * max_source_positions]). There are no placeholders: the
@@ -51,6 +52,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+import torch
 
 from paged_engine.multimodal.audio import AudioProcessor
 from paged_engine.multimodal.audio_io import audio_item
@@ -136,7 +140,49 @@ def request_prompt(prompt: Any, tokenizer: Any, hf_config: Any) -> dict:
     return prompt
 
 
-class WhisperAudio(AudioProcessor):
+class CrossAttendedAudio(AudioProcessor):
+    """An encoder-decoder's audio (Whisper, Moonshine): one clip a prompt, no placeholder run
+    (the decoder prompt's ids pass as they are, the decoder cross-attends to the clip), its
+    item spanning every decoder position [0, span), the prompt in vLLM's forms
+    (`request_prompt`). A family sets `family`, `span` and `clip_features`."""
+
+    family: str  # the name refusals give
+    span: int  # the decoder's positions
+
+    def placeholder_id(self) -> int:
+        return -1  # no token stands for the clip: the decoder cross-attends to it
+
+    def clip_features(self, wave: np.ndarray) -> torch.Tensor:
+        """One clip (mono float32 at `sampling_rate`) as the encoder reads it; ValueError
+        naming multi_modal_data['audio'] for a clip the family refuses."""
+        raise NotImplementedError
+
+    def request_prompt(self, prompt: Any) -> dict:
+        return request_prompt(prompt, self.tokenizer, self.config)
+
+    def process(
+        self, token_ids: list[int], data: Any, kwargs: Any = None
+    ) -> tuple[list[int], tuple[ImageInput, ...], list[tuple[int, int]]]:
+        """(the decoder prompt's ids as they are, the clip's item, no run added)."""
+        if kwargs:
+            name = next(iter(kwargs))
+            raise ValueError(f"mm_processor_kwargs[{name!r}]: {self.family}'s audio takes none")
+        clips = data if isinstance(data, list) else [data]
+        if len(clips) != 1:
+            raise ValueError(f"{WHAT}: {self.family} takes one clip a prompt, got {len(clips)}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"{WHAT}: limit_mm_per_prompt['audio']={self.limit}")
+        clip = clips[0]
+        if isinstance(clip, ImageInput):  # this method's output (a server's request thread)
+            if clip.modality != "audio" or (clip.offset, clip.length) != (0, self.span):
+                raise ValueError(f"{WHAT}: a processed clip that is not {self.family}'s")
+            return token_ids, (clip,), []
+        features = self.clip_features(audio_item(clip, self.sampling_rate, WHAT))
+        item = ImageInput(features, 0, self.span, digest(features, None), modality="audio")
+        return token_ids, (item,), []
+
+
+class WhisperAudio(CrossAttendedAudio):
     """The host side of Whisper's audio (audio_archs.py's "whisper" kind): one clip a prompt,
     no placeholder run (the decoder prompt's ids pass as they are)."""
 
@@ -159,9 +205,7 @@ class WhisperAudio(AudioProcessor):
         first = vocab.get("<|0.00|>")
         self.first_timestamp = first if first == vocab.get("<|notimestamps|>", -2) + 1 else None
 
-    def placeholder_id(self) -> int:
-        return -1  # no token stands for the clip: the decoder cross-attends to it
-
+    family = "Whisper"
     default_language = "en"  # what transcription_prompt writes for language None
 
     @property
@@ -253,33 +297,13 @@ class WhisperAudio(AudioProcessor):
         sampled = (max(first - 1, 0), first + len(piece) - 1)
         return Segment(start, end, text, piece, sampled)
 
-    def request_prompt(self, prompt: Any) -> dict:
-        return request_prompt(prompt, self.tokenizer, self.config)
-
-    def process(
-        self, token_ids: list[int], data: Any, kwargs: Any = None
-    ) -> tuple[list[int], tuple[ImageInput, ...], list[tuple[int, int]]]:
-        """(the decoder prompt's ids as they are, the clip's item, no run added)."""
-        if kwargs:
-            name = next(iter(kwargs))
-            raise ValueError(f"mm_processor_kwargs[{name!r}]: Whisper's audio takes none")
-        clips = data if isinstance(data, list) else [data]
-        if len(clips) != 1:
-            raise ValueError(f"{WHAT}: Whisper takes one clip a prompt, got {len(clips)}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"{WHAT}: limit_mm_per_prompt['audio']={self.limit}")
-        clip = clips[0]
-        if isinstance(clip, ImageInput):  # this method's output (a server's request thread)
-            if clip.modality != "audio" or (clip.offset, clip.length) != (0, self.span):
-                raise ValueError(f"{WHAT}: a processed clip that is not Whisper's")
-            return token_ids, (clip,), []
+    def clip_features(self, wave: np.ndarray) -> torch.Tensor:
+        """The log-mel features [num_mel_bins, 2 * max_source_positions], padded to the
+        window; ValueError for a clip longer than it."""
         fe = self.extractor
-        wave = audio_item(clip, self.sampling_rate, WHAT)
         if wave.shape[0] > fe.n_samples:
             raise ValueError(
                 f"{WHAT}: a clip of {wave.shape[0] / self.sampling_rate:.2f} s is longer than "
                 f"Whisper's {fe.chunk_length} s window (split it into clips of the window)"
             )
-        features = self.extract(wave, WHAT)["input_features"][0].float().contiguous()
-        item = ImageInput(features, 0, self.span, digest(features, None), modality="audio")
-        return token_ids, (item,), []
+        return self.extract(wave, WHAT)["input_features"][0].float().contiguous()

@@ -12,12 +12,14 @@ convolutions: the valid rows come out as HF's.
 
 Weight names are HF's (`conv1.*`, `embed_positions.weight`, `layers.i.self_attn.q_proj.*`,
 `layers.i.fc1.*`, `layer_norm.*`); `pool` (Qwen2-Audio's AvgPool1d(2)) runs before the final
-norm where the family has one.
+norm where the family has one. `load_into` copies a checkpoint's tensors into a tower,
+`load_audio_weights` a wrapper's `[model.]audio_tower.*` / `multi_modal_projector.*` ones (the
+audio LLMs').
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -120,3 +122,18 @@ def load_into(
     if missing:
         raise ValueError(f"the checkpoint lacks {what}'s {missing[0]}")
     return loaded
+
+
+def load_audio_weights(
+    module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], what: str
+) -> set[str]:
+    """The checkpoint's `[model.]audio_tower.*` and `[model.]multi_modal_projector.*` into
+    `module` (which holds both under those names)."""
+
+    def mine() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith(("audio_tower.", "multi_modal_projector.")):
+                yield name, tensor
+
+    return load_into(module, mine(), what)

@@ -62,7 +62,7 @@ from torch import nn
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
 from paged_engine.models.mllama import ARCH as MLLAMA
-from paged_engine.models.mllama import CrossPlan, mllama_engine_config
+from paged_engine.models.mllama import CrossPlan, fit_decoder_length, mllama_engine_config
 from paged_engine.models.moonshine import ARCH as MOONSHINE
 from paged_engine.models.moonshine import moonshine_engine_config
 from paged_engine.models.whisper import ARCHITECTURES
@@ -120,14 +120,7 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
 
 
 def _whisper_lengths(config, hf_config) -> None:
-    limit = int(hf_config.max_target_positions)
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the decoder's position table "
-            f"(config.max_target_positions={limit})"
-        )
+    fit_decoder_length(config, int(hf_config.max_target_positions), "config.max_target_positions")
     heads = int(hf_config.decoder_attention_heads)
     if heads % config.tensor_parallel_size:
         raise ValueError(

@@ -42,7 +42,7 @@ def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, 
         block_size=8,
         enable_prefix_caching=True,
     )
-    params = SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=3, ignore_eos=True)
     runs = {}
     for fused in (True, False):
         monkeypatch.setattr(TritonBackend, "rope_writes_kv", fused)

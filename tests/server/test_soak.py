@@ -278,16 +278,23 @@ def leftovers(engine: Any, app: Any) -> dict[str, object]:
     return {k: n for k, n in counts.items() if n}
 
 
-def live_request_objects() -> dict[str, int]:
-    """Request-level objects of any layer still alive (none once idle: whoever holds one holds
-    a finished request's tokens, logprobs and text)."""
+def request_objects() -> list[Any]:
+    """Request-level objects of any layer alive in this process (other tests run in it too)."""
     from paged_engine.core.core_output import EngineCoreOutput
     from paged_engine.core.request import Request, Sequence
     from paged_engine.outputs import RequestOutput
 
     kinds = {Request, Sequence, RequestOutput, EngineCoreOutput}
     gc.collect()  # (type(), not isinstance: that wakes deprecated proxies such as torch's)
-    return dict(Counter(type(o).__name__ for o in gc.get_objects() if type(o) in kinds))
+    return [o for o in gc.get_objects() if type(o) in kinds]
+
+
+def live_request_objects(before: list[Any]) -> dict[str, int]:
+    """Request-level objects still alive that were not alive `before` the round (none once
+    idle: whoever holds one holds a finished request's tokens, logprobs and text). `before`
+    holds its objects, so no new object can take one of their ids."""
+    old = {id(o) for o in before}
+    return dict(Counter(type(o).__name__ for o in request_objects() if id(o) not in old))
 
 
 def wait_idle(engine: Any, server: ServerProc, timeout: float = 30.0) -> None:
@@ -331,11 +338,12 @@ def _num_fds() -> int:
 
 def test_a_long_mixed_run_leaves_the_engine_as_it_found_it(soak: tuple) -> None:
     engine, app, server = soak
+    before = request_objects()  # (an earlier test in this process may still hold some)
     problems = run_round(server, seed=1)
     assert not problems, "\n".join(problems)
     wait_idle(engine, server)
     assert settled(lambda: leftovers(engine, app)) == {}
-    assert settled(live_request_objects) == {}
+    assert settled(lambda: live_request_objects(before)) == {}
     # the run went through what it means to: preemption, prefix hits, disconnects, grammars
     sched = engine.scheduler
     assert sched.num_preemptions > sched.num_swap_preemptions > 0, "pool too large"
@@ -350,7 +358,7 @@ def test_a_long_mixed_run_leaves_the_engine_as_it_found_it(soak: tuple) -> None:
     assert not problems, "\n".join(problems)
     wait_idle(engine, server)
     assert settled(lambda: leftovers(engine, app)) == {}
-    assert settled(live_request_objects) == {}
+    assert settled(lambda: live_request_objects(before)) == {}
     gc.collect()
     names = sorted(t.name for t in threading.enumerate())
     assert _at_most(threading.active_count, threads) <= threads, names

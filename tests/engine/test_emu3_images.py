@@ -1,17 +1,17 @@
 """Emu3 (multimodal/emu3.py, emu3_vqvae.py; its decoder Llama's) against HF.
 
 A tiny random `Emu3ForConditionalGeneration` (saved as the Hub's: `text_model.model.`,
-`text_model.lm_head.`, `vqmodel.`): a Llama decoder, a
-VQ-VAE of four levels (factor 8 pixels a code, 32 channels, 2-head attention at level 3 and in
-the middle, 32 codes) with its temporal stack (4 equal frames -> 1: two causal 3-D downsamples,
-a BatchNorm3d ResnetBlock whose running statistics are random), and a vocabulary_map whose
-"<|visual tokenNNNNNN|>" tokens are the codes' ids. `LLM.generate` with `multi_modal_data` must
-give Emu3Processor's prompt ids (bos; <|image start|>, "h*w", <|image token|>, h * (w + 1)
-<image>, <|extra_201|>, <|image end|> per image) and HF `generate`'s greedy tokens and top-5
-logprobs (1e-3, float32); the encoder's rows equal HF's get_image_features bit for bit (the
-end-of-line token's row after each row of codes). Text alone through the wrapper and through
-`Emu3ForCausalLM`. Then the engine's paths (chunks through images, prefix-cache hits, images
-processed ahead), bad input and vocabulary_maps short of a code or of <|extra_200|>.
+`text_model.lm_head.`, `vqmodel.`): a Llama decoder, a VQ-VAE of four levels (factor 8 pixels a
+code, 32 channels, 2-head attention at level 3 and in the middle, 32 codes) with its temporal stack
+(4 equal frames -> 1: two causal 3-D downsamples, a BatchNorm3d ResnetBlock whose running
+statistics are random), and a vocabulary_map whose "<|visual tokenNNNNNN|>" tokens are the codes'
+ids. `LLM.generate` with `multi_modal_data` must give Emu3Processor's prompt ids (its bos first,
+added where the prompt has none; <|image start|>, "h*w", <|image token|>, h * (w + 1) <image>,
+<|extra_201|>, <|image end|> per image) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3,
+float32); the encoder's rows equal HF's get_image_features bit for bit (the end-of-line token's row
+after each row of codes). Text alone through the wrapper and through `Emu3ForCausalLM`. Then the
+engine's paths (chunks through images, prefix-cache hits, images processed ahead), bad input and
+vocabulary_maps short of a code or of <|extra_200|>.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ CODES, FACTOR = 32, 8  # codebook size, pixels a code
 IMAGE, BOI, EOI = "<image>", "<|image start|>", "<|image end|>"
 WRAP, EOF, EOL = "<|image token|>", "<|extra_201|>", "<|extra_200|>"
 BOS = SPECIAL_TOKENS[BOS_ID]  # the tiny tokenizer's bos token (Emu3Processor prepends it)
-PROMPT = f"{BOS}{IMAGE}Describe it."
-TWO = f"{BOS}Compare {IMAGE} and {IMAGE}: which is brighter?"
-TEXT = f"{BOS}Say something about the sea."
+PROMPT = f"{IMAGE}Describe it."  # (paged adds the bos, as HF's processor does)
+TWO = f"{BOS}Compare {IMAGE} and {IMAGE}: which is brighter?"  # (the bos written: kept once)
+TEXT = f"{BOS}Say something about the sea."  # (text alone: taken as written)
 # HF pads a batch's images to the largest and encodes the padding: two images of one size
 SIZES = ((40, 56), (24, 72), (26, 70))  # -> 40 x 56, 24 x 72, 24 x 72 pixels
 
@@ -160,6 +160,8 @@ def test_images_match_hf(path):
     config = transformers.AutoConfig.from_pretrained(path)
     assert refs[0][0].count(config.image_token_id) == 5 * (7 + 1)
     assert refs[2][0].count(config.image_token_id) == 2 * 3 * (9 + 1)
+    assert [ids[:2].count(BOS_ID) for ids, _ in refs] == [1, 1, 1]  # one bos, first
+    assert [ids[0] for ids, _ in refs] == [BOS_ID] * 3
     check_matches_hf(path, cases, refs, "emu3")
     encoder = build_encoder(config)
     encoder.load_weights(load_file(path / "model.safetensors").items())

@@ -1,12 +1,13 @@
 """Images through Janus checkpoints (multimodal/janus.py) against HF.
 
-A tiny random `JanusForConditionalGeneration`: its SigLIP-style tower on 16-pixel images in
-4-pixel patches (16 rows an image), a two-layer aligner, a Llama decoder, and the image
-generation half (a one-level VQ-VAE, generation embeddings / aligner / head) that paged never
-loads. `LLM.generate` with `multi_modal_data` must give JanusProcessor's prompt ids
-(<begin_of_image>, 16 <image_placeholder>, <end_of_image>) and HF `generate`'s greedy tokens and
-top-5 logprobs (1e-3, float32). Then the engine's paths (chunks through images, prefix-cache
-hits, images processed ahead), bad input and image generation refused by name.
+A tiny random `JanusForConditionalGeneration`: its SigLIP-style tower on 16-pixel images in 4-pixel
+patches (16 rows an image), a two-layer aligner, a Llama decoder, and the image generation half (a
+one-level VQ-VAE, generation embeddings / aligner / head) that paged never loads. `LLM.generate`
+with `multi_modal_data` must give JanusProcessor's prompt ids (its default system prompt first,
+use_default_system_prompt=True as in transformers' converted checkpoints; <begin_of_image>, 16
+<image_placeholder>, <end_of_image>) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3,
+float32); text alone as written. Then the engine's paths (chunks through images, prefix-cache hits,
+images processed ahead), bad input and image generation refused by name.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from image_checks import (
     check_paths_and_refusals,
     check_processor_matches_hf,
     check_vision_fields_refused,
+    engine,
     greedy,
     hf_cases,
     noise_image,
@@ -27,6 +29,10 @@ from test_deepseek_vl_images import IMAGE, PROMPT, ROWS, SIZES, TEXT, TWO
 from vlm_checkpoints import encoder_from_checkpoint, finish_checkpoint, load_hf_vlm, saved_tokenizer
 
 from paged_engine.testing import _COMMON, _save_random, tiny_config
+
+DEFAULT_SYSTEM_PROMPT = pytest.importorskip(
+    "transformers.models.janus.processing_janus"
+).DEFAULT_SYSTEM_PROMPT
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.janus")
@@ -59,7 +65,10 @@ def write_tiny_janus(path, seed: int = 0):
     _save_random(transformers.JanusForConditionalGeneration, config, seed, path)
     images = transformers.JanusImageProcessor(size={"height": SIDE, "width": SIDE})
     processor = transformers.JanusProcessor(
-        image_processor=images, tokenizer=tokenizer, num_image_tokens=(SIDE // PATCH) ** 2
+        image_processor=images,
+        tokenizer=tokenizer,
+        num_image_tokens=(SIDE // PATCH) ** 2,
+        use_default_system_prompt=True,  # as transformers' converted checkpoints save it
     )
     return finish_checkpoint(path, processor)
 
@@ -71,12 +80,19 @@ def path(tmp_path_factory):
 
 def test_images_match_hf(path):
     """One image, text alone, two images (wide and tall: padded square); then HF's expanded
-    ids as prompt_token_ids."""
+    ids as prompt_token_ids. The image prompts start with the default system prompt's tokens;
+    text alone is tokenized as written."""
     model = load_hf_vlm(transformers.JanusForConditionalGeneration, path)
     processor = transformers.AutoProcessor.from_pretrained(path)
     cases = hf_cases(PROMPT, TEXT, TWO, SIZES)
     keys = ("pixel_values",)
-    refs = check_processor_matches_hf(path, model, processor, cases, keys, "janus", whole=True)
+    refs = check_processor_matches_hf(path, model, processor, cases, keys, "janus")
+    system = processor.tokenizer.encode(DEFAULT_SYSTEM_PROMPT, add_special_tokens=False)
+    starts = [ids[: len(system) - 1] == system[:-1] for ids, _ in refs]  # (the last may merge)
+    assert starts == [True, False, True]
+    written = {"prompt": DEFAULT_SYSTEM_PROMPT + PROMPT, "multi_modal_data": {"image": cases[0][1]}}
+    out = engine(path).generate([written], greedy(n=1), use_tqdm=False)[0]  # kept once
+    assert out.prompt_token_ids == refs[0][0]
     boi, eoi = processor.tokenizer.convert_tokens_to_ids([BOI, EOI])
     assert refs[2][0].count(model.config.image_token_id) == 2 * 16
     assert refs[2][0].count(boi) == refs[2][0].count(eoi) == 2
@@ -145,3 +161,53 @@ def test_encoder_rows_and_config_refusals(path):
         ("projection_dim", 48, "projection_dim"),
     ]
     check_vision_fields_refused(path, cases, build_encoder)
+
+
+def _merging_tokenizer(path, adds_bos: bool):
+    """A byte-level tokenizer whose one merge is "\\n\\n" (the default system prompt's end),
+    with Janus' image tokens, saved at `path`: the system prompt tokenized with the text (as
+    HF's processor does) differs from its ids put before the text's. `adds_bos`: encoding puts
+    the bos first (as Janus' Llama tokenizer does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"ĊĊ": len(alphabet)}
+    tok = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if adds_bos:
+        bos = len(vocab)  # (the id "<bos>" gets below)
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", bos)]
+        )
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>")
+    fast.add_special_tokens({"additional_special_tokens": [IMAGE, BOI, EOI]})
+    fast.save_pretrained(path)
+    names = {"image_token": IMAGE, "boi_token": BOI, "eoi_token": EOI}
+    return transformers.AutoTokenizer.from_pretrained(path, extra_special_tokens=names)
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_system_prompt_tokenized_with_the_text(path, tmp_path, adds_bos):
+    """With a tokenizer that merges across the system prompt's end, the layout's prompt is
+    JanusProcessor's ids (the system prompt and the text encoded as one; a bos written in the
+    text after the system prompt, as HF's string concatenation puts it)."""
+    from paged_engine.multimodal.janus import JanusLayout
+
+    tok = _merging_tokenizer(tmp_path, adds_bos)
+    assert (tok.encode("a")[0] == tok.bos_token_id) == adds_bos
+    layout = JanusLayout(
+        transformers.AutoConfig.from_pretrained(path), tok.convert_tokens_to_ids(IMAGE), tok
+    )
+    layout.read_saved(path)  # (the checkpoint's processor_config.json: the default prompt on)
+    processor = transformers.JanusProcessor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+        tokenizer=tok,
+        num_image_tokens=(SIDE // PATCH) ** 2,
+        use_default_system_prompt=True,
+    )
+    for text in (PROMPT, tok.bos_token + PROMPT):
+        want = processor(text=[text], images=[noise_image(1, (20, 20))])["input_ids"][0]
+        got, starts = layout.splice(tok.encode(text), [layout.segment(None)])  # type: ignore[arg-type]
+        assert got == list(want)
+        assert got[starts[0] + 1] == layout.placeholder

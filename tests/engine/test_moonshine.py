@@ -178,8 +178,17 @@ def test_refused(tiny, tmp_path):
     for audio, why in bad:
         with pytest.raises(ValueError, match=r"multi_modal_data\['audio'\]: " + why):
             llm.generate([{"prompt": "", "multi_modal_data": {"audio": audio}}], greedy())
-    with pytest.raises(ValueError, match="audio clip"):
-        llm.generate([{"prompt": ""}], greedy())
+    prompts = [  # the shared encoder / decoder prompt code names the model asked for
+        ({"prompt": ""}, r"every Moonshine prompt needs an audio clip"),
+        ("words", r"a Moonshine prompt is a dict with the clip"),
+        (
+            {"encoder_prompt": {"prompt": "hi", "multi_modal_data": {"audio": clip(1, 0.5)}}},
+            r"encoder_prompt: Moonshine's encoder takes audio only",
+        ),
+    ]
+    for prompt, why in prompts:
+        with pytest.raises(ValueError, match=why):
+            llm.generate([prompt], greedy())
     # the engine still serves
     out = llm.generate([{"prompt": "", "multi_modal_data": {"audio": clip(1, 0.9)}}], greedy())
     assert len(out[0].outputs[0].token_ids) == 8

@@ -219,3 +219,36 @@ def test_embeddings_beside_running_generations(real_server: ServerProc) -> None:
             status, _, r = f.result()
             assert status == 200 and len(r["data"]) == 2, r
         assert [f.result() for f in gens] == [["length"]] * 4
+
+
+def test_a_base_model_dir_serves_embeddings_and_refuses_generation(tmp_path) -> None:
+    """A headless `Qwen2Model` checkpoint (gte-Qwen2's form: models/base_model.py) from the
+    command line: /v1/embeddings is HF's last hidden state of the last token, normalized."""
+    import transformers
+    from server_proc import COMMON_ARGS, serve_in_process
+
+    from paged_engine.testing import build_tiny_tokenizer, tiny_config
+    from paged_server.cli import build_engine, parse_args
+
+    torch.manual_seed(0)
+    hf = transformers.Qwen2Model(tiny_config("qwen2")).eval()
+    hf.save_pretrained(tmp_path)
+    build_tiny_tokenizer(hf.config.vocab_size).save_pretrained(tmp_path)
+    engine = build_engine(parse_args([str(tmp_path), "--dtype", "float32", *COMMON_ARGS]))
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            body = {"input": [5, 6, 7, 8], "encoding_format": "float"}
+            status, _, r = http.request("POST", "/v1/embeddings", body)
+            assert status == 200, r
+            with torch.no_grad():
+                h = hf(torch.tensor([[5, 6, 7, 8]])).last_hidden_state[0, -1]
+            torch.testing.assert_close(
+                torch.tensor(r["data"][0]["embedding"]),
+                torch.nn.functional.normalize(h, dim=-1),
+                atol=1e-5,
+                rtol=1e-4,
+            )
+            status, _, r = http.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})
+            assert status == 400 and "does not generate" in r["error"]["message"], r
+    finally:
+        engine.shutdown()

@@ -92,6 +92,14 @@ def resolve_from_token(hf_config: Any, tokenizer: Any) -> None:
     hf_config.classifier_from_token_ids = ids
 
 
+# vLLM's reward models: architecture -> (num_labels, activation, STEP pooling's default step tag
+# id, the config's `step_tag_id` overriding it; 0: every token), served as token classifiers.
+REWARD_MODELS = {
+    "Qwen2ForRewardModel": (1, "identity", 0),
+    "Qwen2ForProcessRewardModel": (2, "softmax", 151651),  # Qwen2.5-Math-PRM's `<extra_0>`
+}
+
+
 @dataclass(frozen=True, slots=True)
 class ClassifierInfo:
     """What the engine and paged-server need to know of a classification model."""
@@ -107,6 +115,8 @@ class ClassifierInfo:
     head_after_pooling: bool = False
     # A *ForTokenClassification: it labels every token (task "token_classify") and nothing else.
     per_token: bool = False
+    # STEP pooling (a process reward model): only the rows of this prompt token's positions
+    step_tag_id: int | None = None
 
     @property
     def scores(self) -> bool:
@@ -117,6 +127,12 @@ class ClassifierInfo:
 def classifier_info(hf_config: Any) -> ClassifierInfo | None:
     """The model's classifier facts, or None when it is not a sequence classifier."""
     archs = list(getattr(hf_config, "architectures", None) or [])
+    reward = next((a for a in archs if a in REWARD_MODELS), None)
+    if reward is not None:  # per-token heads of a fixed width (models/reward_model.py)
+        num, act, step = REWARD_MODELS[reward]
+        step = (getattr(hf_config, "step_tag_id", None) or step) if step else None
+        labels = tuple(f"LABEL_{i}" for i in range(num))
+        return ClassifierInfo(reward, num, labels, act, act, per_token=True, step_tag_id=step)
     arch = next((a for a in archs if causal_names(a)), None)
     if arch is None:
         return None

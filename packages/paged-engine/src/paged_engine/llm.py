@@ -181,6 +181,9 @@ class LLM:
         for conv in conversations:
             in_video = (mm_processor_kwargs or {}).get("use_audio_in_video") is True
             conv, media = split_media(conv, audio_in_video=in_video)
+            audios = self.llm_engine.input_processor.audios
+            if audios is not None and chat_template_content_format != "openai":
+                conv = audios.chat_messages(conv)  # (Ultravox: audio parts as its text)
             if continue_final_message and (not conv or conv[-1].get("role") != "assistant"):
                 raise ValueError(
                     "continue_final_message needs the last message to be the assistant's"
@@ -254,6 +257,28 @@ class LLM:
             truncate_prompt_tokens=truncate_prompt_tokens,
         )
         return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        /,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.reward` for a reward model (models/reward_model.py): `encode` with
+        task "token_classify", each prompt token's reward in `outputs.data` ([n, 1]; a process
+        reward model's: [num_steps, 2], the step tags' label probabilities)."""
+        return self.encode(
+            prompts,
+            pooling_params,
+            use_tqdm,
+            lora_request,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            pooling_task="token_classify",
+        )
 
     def encode(
         self,

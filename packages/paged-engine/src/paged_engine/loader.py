@@ -124,7 +124,20 @@ def load_hf_config(
         return with_kv_head_count(mistral_hf_config(resolved.path))
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    from paged_engine.models.ultravox_config import register as register_ultravox
+
+    register_ultravox()  # model_type "ultravox" (remote code's) read without remote code
+
+    from paged_engine.models.remote_aliases import remote_config
+    from paged_engine.multimodal.internvl_chat import chat_config
+
+    # the Hub's remote-code InternVL: its config.json read as InternVLConfig, no remote code;
+    # remote-code text families (Qwen v1, Baichuan, RW...): translated (models/remote_aliases.py)
+    config = (
+        chat_config(resolved.path)
+        or remote_config(resolved.path)
+        or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    )
     # A vision-language wrapper: its text model's config, served text-only (multimodal_text.py)
     return with_kv_head_count(text_only_config(config, resolved.path))
 
@@ -152,6 +165,10 @@ def with_kv_head_count(config):
     count = counts.get(getattr(config, "model_type", None))
     if count is not None:
         config.num_key_value_heads = count(config)
+    if getattr(config, "model_type", None) == "chatglm":  # its layer / head / vocab counts
+        from paged_engine.models.chatglm import with_llama_names
+
+        with_llama_names(config)
     if getattr(config, "per_layer_config", None) is not None:
         # A config whose layers differ (Gemma 4's head sizes): transformers raises on reading a
         # per-layer field globally. Models that differ read each layer's values themselves (and
@@ -328,8 +345,14 @@ def load_audio_encoder(
 
     if not takes_audio(resolved, hf_config):
         return None
-    config = thinker_config(
-        AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    from paged_engine.models.ultravox_config import register as register_ultravox
+
+    register_ultravox()  # (a worker process reads config.json here first)
+    from paged_engine.models.remote_aliases import remote_config
+
+    config = thinker_config(  # (remote_config: a renamed class, Qwen2_5OmniModel)
+        remote_config(resolved.path)
+        or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     )
     if audio_kind(config) not in ENCODERS:  # the model encodes its clips itself (Whisper)
         return None

@@ -12,6 +12,7 @@ its prompt, the worker pools the final (normed) hidden states of those positions
           positions never run through the model)
     ALL:  every prompt token's own row (vLLM's token tasks, `LLM.encode(pooling_task=
           "token_embed" | "token_classify")`: [num_prompt_tokens, size]; no prefix caching)
+    STEP: ALL, keeping the rows of one token id's positions (a process reward model's step tags)
 
 then L2-normalizes (unless `normalize=False`) into `EmbeddingRequestOutput.outputs.embedding`.
 A sequence-classification model pools its head's logits instead and puts them through its
@@ -21,6 +22,7 @@ activation (classification.py): `LLM.classify`, and `LLM.score` for a cross-enco
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,7 @@ class PoolingSamplingParams(SamplingParams):
     classify: bool = False  # pool the classifier head's logits, not the hidden states
     activation: str = "identity"  # of the pooled logits (classification.ACTIVATIONS)
     head_after_pooling: bool = False  # the worker's MEAN chunk is the head's final logits
+    step_tag_id: int | None = None  # ALL keeps only this prompt token's rows (STEP pooling)
 
 
 def to_sampling_params(
@@ -159,6 +162,7 @@ def to_sampling_params(
             "classify": True,
             "activation": act,
             "head_after_pooling": classifier.head_after_pooling,
+            "step_tag_id": classifier.step_tag_id,
         }
     return PoolingSamplingParams(
         temperature=0.0,
@@ -201,13 +205,21 @@ class PooledChunks:
             self.chunks.clear()
         self.chunks[start] = (count, vector)
 
-    def finish(self, params: PoolingSamplingParams, num_prompt_tokens: int) -> list:
+    def finish(
+        self,
+        params: PoolingSamplingParams,
+        num_prompt_tokens: int,
+        prompt_token_ids: Sequence[int] = (),
+    ) -> list:
         """The pooled vector, or for ALL one row per prompt token (each normalized, cut to
-        `dimensions` or put through the activation as a whole vector would be)."""
+        `dimensions` or put through the activation as a whole vector would be; with a
+        `step_tag_id`, only the rows where `prompt_token_ids` hold it)."""
         if params.pooling_type == "ALL":  # the chunks' rows tile [0, num_prompt_tokens)
             rows: list[list[float]] = []
             while len(rows) < num_prompt_tokens:
                 rows += self.chunks[len(rows)][1]
+            if params.step_tag_id is not None:
+                rows = [r for r, t in zip(rows, prompt_token_ids) if t == params.step_tag_id]
             return [_finish_vector(params, row) for row in rows]
         if params.pooling_type == "LAST":  # the worker sends the last position alone
             pooled = list(self.chunks[num_prompt_tokens - 1][1])

@@ -492,8 +492,11 @@ class OpenAIApp:
                     variables["documents"] = req.documents
                 if req.reasoning_effort is not None:  # gpt-oss's template reads it
                     variables["reasoning_effort"] = req.reasoning_effort
+                messages = req.messages
+                if self.audios is not None:  # (Ultravox: its audio parts as its text)
+                    messages = self.audios.chat_messages(messages)
                 return self.tokenizer.apply_chat_template(
-                    req.messages,
+                    messages,
                     chat_template=template,
                     tokenize=False,
                     add_generation_prompt=req.add_generation_prompt,

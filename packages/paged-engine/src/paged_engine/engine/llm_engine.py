@@ -64,12 +64,18 @@ from paged_engine.loader import (
 )
 from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
+from paged_engine.models.base_model import base_model_engine_config, pooling_only
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
-from paged_engine.multimodal.processor import ImageProcessor, processor_saved, wrapper_config
+from paged_engine.multimodal.processor import (
+    ImageProcessor,
+    builds_own_processor,
+    processor_saved,
+    wrapper_config,
+)
 from paged_engine.multimodal.processor_cache import ProcessorCache
 from paged_engine.multimodal.qwen_omni import thinker_config
 from paged_engine.multimodal.video_archs import VideoProcessor, video_processor_class
@@ -131,6 +137,11 @@ class LLMEngine:
             config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path
         )
         self.is_encoder = self.encoder is not None
+        # a base <Stem>Model or a reward model: it only pools (models/base_model.py)
+        self.pooling_only = pooling_only(self.hf_config)
+        base_model_engine_config(
+            config, self.hf_config, None if self.resolved.is_gguf else self.resolved.path
+        )
         check_prompt_embeds(config, self.hf_config, self.is_encoder)
         if config.kv_transfer_config is not None:  # models with state outside the KV blocks
             check_kv_transfer_model(self.hf_config, is_encoder=self.is_encoder)
@@ -162,8 +173,17 @@ class LLMEngine:
             after = getattr(self.encoder, "head_after_pooling", lambda c: False)(self.hf_config)
             self.classifier = dataclasses.replace(self.classifier, head_after_pooling=after)
         # "generate", "pooling" or "both": the requests add_request takes (runner.py)
+        if self.pooling_only is not None and config.runner == "generate":
+            arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+            raise ValueError(
+                f"runner='generate': this model ({arch}) is {self.pooling_only}, which only "
+                "pools (use runner='pooling' or 'auto')"
+            )
         self.serves = serves(
-            config.runner, config.convert, self.classifier is not None, self.is_encoder
+            config.runner,
+            config.convert,
+            self.classifier is not None,
+            self.is_encoder or self.pooling_only is not None,
         )
         if self.serves == "pooling" and config.logits_processors:
             raise ValueError("logits_processors: a pooling model samples no tokens to process")
@@ -418,6 +438,12 @@ class LLMEngine:
 
     def _refuse(self, params: Any) -> None:
         """ValueError naming `params` for a request this engine does not serve."""
+        if self.pooling_only is not None and self.classifier is None:
+            arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
+            raise ValueError(
+                f"params: this model ({arch}) is {self.pooling_only}: it embeds (LLM.embed, "
+                "LLM.encode), it does not generate (task 'generate'); pass PoolingParams"
+            )
         if self.classifier is not None and self.classifier.per_token:
             raise ValueError(
                 f"params: this model ({self.classifier.architecture}) is a token classifier: it "
@@ -622,7 +648,7 @@ class LLMEngine:
         why = None
         if not supported_tower(config):  # e.g. Pixtral-12B's HF form: LLaVA, a Pixtral tower
             why = f"its vision tower ({vision_tower_type(config)}) is not one paged runs"
-        elif not processor_saved(self.resolved.path):
+        elif not processor_saved(self.resolved.path) and not builds_own_processor(config):
             why = "it has no image processor (preprocessor_config.json or processor_config.json)"
         if why is not None:
             logger.warning("%s: %s; serving the text model only", self.resolved.path, why)
@@ -670,10 +696,12 @@ class LLMEngine:
             return None
         from transformers import AutoConfig
 
+        from paged_engine.models.remote_aliases import remote_config
         from paged_engine.multimodal.audio_archs import build_audio_host
 
-        config = thinker_config(
-            AutoConfig.from_pretrained(self.resolved.path, trust_remote_code=cfg.trust_remote_code)
+        path, trust = self.resolved.path, cfg.trust_remote_code
+        config = thinker_config(  # (remote_config: a renamed class, Qwen2_5OmniModel)
+            remote_config(path) or AutoConfig.from_pretrained(path, trust_remote_code=trust)
         )
         try:
             return build_audio_host(self.resolved.path, config, self.tokenizer, cfg.audio_limit)

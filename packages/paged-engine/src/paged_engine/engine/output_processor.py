@@ -380,7 +380,7 @@ class OutputProcessor:
                 return None
             params = state.params
             assert isinstance(params, PoolingSamplingParams)
-            vec = state.pooled.finish(params, state.num_prompt_tokens)
+            vec = state.pooled.finish(params, state.num_prompt_tokens, state.prompt_token_ids or ())
             data = PoolingOutput(torch.tensor(vec, dtype=torch.float32))
             return PoolingRequestOutput(
                 state.request_id, data, state.prompt_token_ids, True, state.prompt

@@ -14,14 +14,17 @@ from paged_engine.models.arcee import ArceeForCausalLM
 from paged_engine.models.aria import AriaTextForCausalLM
 from paged_engine.models.axk1 import AXK1ForCausalLM
 from paged_engine.models.axk2 import AXK2ForCausalLM
+from paged_engine.models.baichuan import BaichuanForCausalLM
 from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
+from paged_engine.models.base_model import base_model_class
 from paged_engine.models.beam import BeamForCausalLM
 from paged_engine.models.bert import ENCODERS
 from paged_engine.models.biogpt import BioGptForCausalLM
 from paged_engine.models.bitnet import BitNetForCausalLM
 from paged_engine.models.bloom import BloomForCausalLM
 from paged_engine.models.chameleon import ChameleonForCausalLM
+from paged_engine.models.chatglm import ChatGLMForCausalLM
 from paged_engine.models.codegen import CodeGenForCausalLM
 from paged_engine.models.cohere import (
     Cohere2ForCausalLM,
@@ -31,6 +34,7 @@ from paged_engine.models.cohere import (
 from paged_engine.models.cohere_compass import CohereCompassForCausalLM
 from paged_engine.models.cosmos3_edge import Cosmos3EdgeTextForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
+from paged_engine.models.decilm import DeciLMForCausalLM
 from paged_engine.models.deepseek_ocr2_text import DeepseekOcr2TextForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
@@ -130,6 +134,7 @@ from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
+from paged_engine.models.orion import OrionForCausalLM
 from paged_engine.models.paddleocr_vl import PaddleOCRTextForCausalLM
 from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
@@ -145,13 +150,16 @@ from paged_engine.models.qwen3_next import (
     Qwen3NextForCausalLM,
 )
 from paged_engine.models.qwen4_exp import Qwen4ExpForCausalLM
+from paged_engine.models.qwen_v1 import QWenLMHeadModel
 from paged_engine.models.recurrent_gemma import RecurrentGemmaForCausalLM
+from paged_engine.models.reward_model import REWARD_CLASSES
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
+from paged_engine.models.telechat2 import TeleChat2ForCausalLM
 from paged_engine.models.whisper import WhisperForConditionalGeneration
 from paged_engine.models.xglm import XGLMForCausalLM
 from paged_engine.models.youtu import YoutuForCausalLM
@@ -329,6 +337,22 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
+    # remote-code releases: ChatGLM2 / 3 and GLM-4 under their own names (GLM's model),
+    # Nemotron-NAS (Llama with per-layer heads / widths / skipped parts), Orion (LayerNorms)
+    "ChatGLMModel": ChatGLMForCausalLM,
+    "ChatGLMForConditionalGeneration": ChatGLMForCausalLM,
+    "DeciLMForCausalLM": DeciLMForCausalLM,
+    "OrionForCausalLM": OrionForCausalLM,
+    # remote-code releases under vLLM's names (configs translated: models/remote_aliases.py)
+    "MPTForCausalLM": MptForCausalLM,
+    "PhiMoEForCausalLM": PhimoeForCausalLM,
+    "RWForCausalLM": FalconForCausalLM,
+    "StableLMEpochForCausalLM": StableLmForCausalLM,
+    "QWenLMHeadModel": QWenLMHeadModel,
+    "BaichuanForCausalLM": BaichuanForCausalLM,
+    "BaiChuanForCausalLM": BaichuanForCausalLM,
+    "TeleChat2ForCausalLM": TeleChat2ForCausalLM,
+    "TeleChatForCausalLM": TeleChat2ForCausalLM,
 }
 
 
@@ -350,11 +374,17 @@ def get_model_class(hf_config) -> type[nn.Module]:
         for name in causal_names(arch):
             if name in MODEL_REGISTRY:
                 return sequence_classifier(MODEL_REGISTRY[name])
+        if arch in REWARD_CLASSES:  # Qwen2 reward models (models/reward_model.py)
+            return REWARD_CLASSES[arch]
+        base = base_model_class(hf_config, arch, MODEL_REGISTRY)  # <Stem>Model: embeddings
+        if base is not None:
+            return base
     supported = ", ".join(sorted(MODEL_REGISTRY))
     got = ", ".join(archs) if archs else "none (config.architectures is empty)"
     raise ValueError(
         f"unsupported model architecture: {got}. Supported: {supported}, and the "
-        "*ForSequenceClassification and *ForTokenClassification of each *ForCausalLM among them"
+        "*ForSequenceClassification and *ForTokenClassification of each *ForCausalLM among them, "
+        "its base <Stem>Model (embeddings), Qwen2ForRewardModel and Qwen2ForProcessRewardModel"
     )
 
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -57,6 +56,7 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, cfg_get, load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
@@ -93,18 +93,6 @@ def slot_rows(hf_config: Any, limit: int) -> int:
     return limit * int(vision.max_num_tiles) * num_patches(vision)
 
 
-def fit_decoder_length(config: Any, limit: int, field: str, table: str = "position") -> None:
-    """max_model_len of an encoder-decoder (Mllama, Whisper, Moonshine): the decoder's `limit`
-    positions (config.`field`) when unset, ValueError naming both when over them."""
-    if config.max_model_len is None:
-        config.max_model_len = limit
-    elif config.max_model_len > limit:
-        raise ValueError(
-            f"max_model_len={config.max_model_len} exceeds the decoder's {table} table "
-            f"({field}={limit})"
-        )
-
-
 def mllama_engine_config(config: Any, hf_config: Any) -> None:
     """Refuse (ValueError naming the option) or set what Mllama needs beyond the
     encoder-decoder defaults: TP ranks that split the text model's heads, max_model_len within
@@ -127,22 +115,6 @@ def mllama_engine_config(config: Any, hf_config: Any) -> None:
     if config.image_limit is None:  # the slots' size: one image unless told
         logger.info("%s: one image a prompt (limit_mm_per_prompt={'image': n} for more)", ARCH)
         config.limit_mm_per_prompt = {**(config.limit_mm_per_prompt or {}), "image": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class CrossPlan:
-    """A sequence's cross-attention states (worker/cross_attention.py): `key` names its
-    content (sequences with one key share a slot), `rows` its K / V rows, `payload` what
-    `encode_cross` takes. The keys a row sees are a prefix of the slot: a row at position
-    start + j sees the first `seen[min(j, len(seen) - 1)]`, a row before `start` (the model
-    zeroes its MLP branch) the first `masked_seen`."""
-
-    key: str
-    rows: int
-    seen: tuple[int, ...]
-    start: int
-    masked_seen: int
-    payload: Any
 
 
 class MllamaCrossAttention(nn.Module):

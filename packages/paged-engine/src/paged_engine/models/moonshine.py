@@ -45,7 +45,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
-from paged_engine.models.mllama import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.moonshine_encoder import MoonshineEncoder, encoder_frames

@@ -47,6 +47,9 @@ each is exact).
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
     QianfanOCRForConditionalGeneration   qwen3 / qwen2          -> Qwen3 / Qwen2ForCausalLM
+    InternVLChatModel (llm_config)       qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
+                                         qwen3_moe / internlm2  -> Qwen3Moe / InternLM2
+    SkyworkR1VChatModel (llm_config)     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
@@ -95,6 +98,7 @@ each is exact).
     Cosmos3EdgeForConditionalGeneration  cosmos3_edge_text      -> Cosmos3EdgeTextForCausalLM
     PerceptionLMForConditionalGeneration  llama                 -> LlamaForCausalLM
     FastVlmForConditionalGeneration      qwen2                  -> Qwen2ForCausalLM
+    UltravoxModel                        llama                  -> LlamaForCausalLM
 """
 
 from __future__ import annotations
@@ -629,6 +633,28 @@ WRAPPERS: dict[str, Wrapper] = {
     # LLaVA-style projectors (PerceptionLM's pools 2 x 2) around Llama / Qwen2
     "PerceptionLMForConditionalGeneration": Wrapper({"llama": "LlamaForCausalLM"}, _LLAVA_STYLE),
     "FastVlmForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _LLAVA_STYLE),
+    # the Hub's remote-code InternVL (multimodal/internvl_chat.py reads its config.json into
+    # InternVLConfig: llm_config as text_config): its LLM as `language_model.model.` /
+    # `language_model.lm_head.` (_RENAMES), InternLM2's head as `language_model.output.`
+    "InternVLChatModel": Wrapper(
+        {
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "internlm2": "InternLM2ForCausalLM",
+        },
+        ("vision_model.", "mlp1."),
+        renames=(("language_model.output.", "output."),),
+    ),
+    # Skywork-R1V: InternVLChatModel's layout and config under its own names
+    "SkyworkR1VChatModel": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"},
+        ("vision_model.", "mlp1."),
+    ),
+    # Ultravox (fixie-ai's remote code; config: models/ultravox_config.py): Whisper's encoder
+    # and a stacking projector (audio: multimodal/ultravox.py) into Llama at `language_model.`
+    "UltravoxModel": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),
 }
 
 # Set on the text config we return: the wrapper it came from (selects the weight mapping).

@@ -20,6 +20,9 @@
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
     QianfanOCRForConditionalGeneration        "qianfan_ocr"  multimodal/qianfan_ocr.py
       (Qianfan-OCR: InternVL's host side, projector and tower layer; its own layer names)
+    InternVLChatModel,                       "internvl_chat"  multimodal/internvl_chat.py
+      SkyworkR1VChatModel (the Hub's remote-code InternVL and Skywork-R1V: their config and
+      names mapped onto InternVL's)
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
@@ -144,6 +147,8 @@ KINDS: dict[str, str] = {
     "Inkling2ForConditionalGeneration": "inkling2",
     "Inkling2LoopForConditionalGeneration": "inkling2",
     "CohereCompassForConditionalGeneration": "qwen2_vl",
+    "InternVLChatModel": "internvl_chat",
+    "SkyworkR1VChatModel": "internvl_chat",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -237,6 +242,7 @@ ENCODERS: dict[str, str] = {
     "fuyu": "fuyu:FuyuImageEncoder",  # no tower: vision_embed_tokens alone
     "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
+    "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
 }
 
 

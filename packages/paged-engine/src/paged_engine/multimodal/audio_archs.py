@@ -21,6 +21,8 @@
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
     MoonshineForConditionalGeneration    "moonshine"     multimodal/moonshine.py (host only,
       as Whisper: models/moonshine.py encodes)
+    UltravoxModel                        "ultravox"      multimodal/ultravox.py (fixie-ai's remote
+      code; its config: models/ultravox_config.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -58,6 +60,7 @@ KINDS: dict[str, str] = {
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
     "MoonshineForConditionalGeneration": "moonshine",
+    "UltravoxModel": "ultravox",
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -78,6 +81,7 @@ HOSTS: dict[str, str] = {
     "phi4mm": "phi4mm_audio:Phi4MMAudio",
     "whisper": "whisper:WhisperAudio",
     "moonshine": "moonshine:MoonshineAudio",
+    "ultravox": "ultravox:Ultravox",
 }
 
 ENCODERS: dict[str, str] = {
@@ -95,6 +99,7 @@ ENCODERS: dict[str, str] = {
     "qwen3_omni": "omni_audio:Qwen3OmniAudioEncoder",
     "qwen3_asr": "qwen3_asr:Qwen3AsrEncoder",
     "phi4mm": "phi4mm_audio:Phi4MMAudioEncoder",
+    "ultravox": "ultravox:UltravoxEncoder",
 }
 
 

@@ -5,7 +5,7 @@ Llama / Mistral / Qwen2 text_config; models/text_wrappers.py serves the decoder)
         -> Blip2VisionModel: patch conv, a CLS row, learned positions; pre-norm layers whose
            attention is one fused `qkv` (q / v biases, k's zero) and `projection`;
            post_layernorm -> [1 + (S / patch)^2, Dv]
-        -> the Q-Former (Blip2QFormerModel; granite_speech_encoder.QFormer, which is HF's query
+        -> the Q-Former (Blip2QFormerModel; qformer.QFormer, which is HF's query
            path): LayerNorm over the `num_query_tokens` learned `query_tokens`, then BERT
            layers: self-attention among the queries, cross-attention to the image rows every
            `cross_attention_frequency` layers (from layer 0), the query feed-forward
@@ -40,9 +40,9 @@ from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
-from paged_engine.multimodal.granite_speech_encoder import QFormer
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import Layout
+from paged_engine.multimodal.qformer import QFormer
 
 ARCH = "Blip2ForConditionalGeneration"
 # the Q-Former layers' text half: HF builds it with use_qformer_text_input, images never run it

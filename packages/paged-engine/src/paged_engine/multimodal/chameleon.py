@@ -20,10 +20,15 @@ paged's whole image machinery (features cached by pixel hash, chunked prefill th
 prefix caching keyed by that hash). Computing the tokens on the host instead would put the
 VQ-VAE (convolutions at 512 x 512) on the CPU of the serving process.
 
-The prompt is taken as written: HF's processor (unless return_for_text_completion) and vLLM
-append the tokenizer's sep token (<reserved08706>) to every prompt; paged does not, so a chat-mode
-prompt ends with it. Refused by name: image embeddings (vLLM takes pixels only for Chameleon),
-a vocabulary_map without an image token for every codebook index, pixels of another size.
+A prompt with images ends in the tokenizer's sep token (<reserved08706>), once, after the whole
+prompt (not after each image): HF's ChameleonProcessor appends it in its default chat mode, and
+vLLM (which calls that processor, and appends it to token-id prompts itself) does too; a prompt
+ending in it already keeps just the one, and one that holds its images' segments already (an HF
+processor's ids, completion mode's too) is taken as it is. Text-only prompts are tokenized as
+written (as vLLM does: its processor runs only with multi_modal_data). Refused by name: image
+embeddings (vLLM takes pixels only for Chameleon), a vocabulary_map without an image token for
+every codebook index, pixels of another size; mm_processor_kwargs' return_for_text_completion
+(the image processor does not take it: give the ids of HF's completion mode instead).
 """
 
 from __future__ import annotations
@@ -119,6 +124,8 @@ class ChameleonLayout(Layout):
             getattr(tokenizer, "boi_token", None) or "<racm3:break>",
             getattr(tokenizer, "eoi_token", None) or "<eoss>",
         )
+        sep = getattr(tokenizer, "sep_token_id", None)
+        self.sep: int | None = None if sep is None else int(sep)  # None: no sep token to add
 
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         return (3, self.side, self.side)
@@ -129,6 +136,14 @@ class ChameleonLayout(Layout):
 
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         return super().place(loaded, at + 1, segment)  # after boi
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The segments in place, then HF's chat-mode sep token at the end (see the module);
+        the segments' starts are unmoved (the sep comes after them all)."""
+        out, starts = super().splice(ids, segments)
+        if self.sep is not None and out[-1:] != [self.sep]:
+            out = [*out, self.sep]
+        return out, starts
 
     def span(self, m: ImageInput) -> list[int]:
         return [self.placeholder] * m.length

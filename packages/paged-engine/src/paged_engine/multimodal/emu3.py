@@ -20,14 +20,16 @@ token (`image_rows` [K + 1, hidden], taken from the text model's embed_tokens at
 so its rows equal HF's `embed_tokens(img2bpe(codes))` bit for bit and the image keeps paged's
 image machinery (features cached by pixel hash, chunked prefill, prefix caching).
 
-Where paged differs from HF, and why: HF's processor prepends the tokenizer's bos token to
-every prompt; paged takes the prompt as written (write the bos, or let a chat template do it).
-HF's image processor pads a batch's images to the largest and encodes the padding with them
-(the VQ-VAE's attention sees it); paged encodes each image at its own size, as HF does an image
-alone (or images of one size). HF's forward scores the image tokens like any other (unlike
-Chameleon's, nothing is masked), and so does paged. Refused by name: image embeddings (the
-segment's "{h}*{w}" needs the image's grid), a vocabulary_map without an image token for every
-codebook index or without <|extra_200|>, pixels whose sides are not whole codes.
+A prompt with images starts with the tokenizer's bos token, once: HF's Emu3Processor prepends it
+(its tokenizer adds none), so paged does unless the prompt starts with it already; one that holds
+its images' segments already (an HF processor's ids) is taken as it is. Text-only prompts are
+tokenized as written (vLLM has no Emu3 of its own; its processors run only with multi_modal_data).
+Where paged differs from HF, and why: HF's image processor pads a batch's images to the largest and
+encodes the padding with them (the VQ-VAE's attention sees it); paged encodes each image at its own
+size, as HF does an image alone (or images of one size). HF's forward scores the image tokens like
+any other (unlike Chameleon's, nothing is masked), and so does paged. Refused by name: image
+embeddings (the segment's "{h}*{w}" needs the image's grid), a vocabulary_map without an image
+token for every codebook index or without <|extra_200|>, pixels whose sides are not whole codes.
 """
 
 from __future__ import annotations
@@ -142,6 +144,8 @@ class Emu3Layout(Layout):
         self.fixed = None
         self.factor = spatial_factor(config.vq_config)
         self.tokenizer = tokenizer
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos: int | None = None if bos is None else int(bos)  # None: no bos to add
 
         def name(attr: str, default: str) -> str:
             return getattr(tokenizer, attr, None) or default
@@ -199,3 +203,9 @@ class Emu3Layout(Layout):
 
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         return super().place(loaded, at + len(self.header(loaded[1])), segment)
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The segments in place, after HF's bos (added unless the prompt starts with it)."""
+        if self.bos is not None and ids[:1] != [self.bos]:
+            ids = [self.bos, *ids]
+        return super().splice(ids, segments)

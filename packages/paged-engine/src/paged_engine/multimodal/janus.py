@@ -14,6 +14,14 @@ aligner, Llama): DeepSeek Janus and Janus-Pro, text out.
         tower decides here)
     text model: Llama (models/text_wrappers.py)
 
+JanusProcessor's `use_default_system_prompt` (processor_config.json; True in transformers'
+converted checkpoints, the chat template has no system turn): its default system prompt's text goes
+before a prompt's text, the two tokenized as one. paged does the same for a prompt with images (its
+text decoded, the system prompt put before it unless there already, encoded again; the bos the
+tokenizer adds kept first), so its ids are HF's; a prompt holding its images' segments already (an
+HF processor's ids) is taken as it is, and a text-only prompt as written (vLLM has no Janus of its
+own, and its processors run only with multi_modal_data).
+
 Weights: `[model.]vision_model.*` and `[model.]aligner.*`; the image generation half
 (`vqmodel.`, `generation_embeddings.`, `generation_aligner.`, `generation_head.`) is never
 loaded. Refused by name: a tower other than Janus' (vision_config.model_type), its q/k norms
@@ -24,7 +32,9 @@ which processor.py reads; the server takes text modalities only).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -76,6 +86,34 @@ class JanusLayout(DeepseekVLLayout):
         boi = getattr(tokenizer, "boi_token", None) or _BOUNDS[0]
         eoi = getattr(tokenizer, "eoi_token", None) or _BOUNDS[1]
         self.bounds = token_ids(tokenizer, boi, eoi)
+        self.tokenizer = tokenizer
+        self.system: str | None = (
+            None  # the default system prompt's text, where the processor adds it
+        )
+
+    def read_saved(self, path: Path) -> None:
+        """processor_config.json's use_default_system_prompt (absent: False, HF's default)."""
+        saved = Path(path) / "processor_config.json"
+        settings = json.loads(saved.read_text()) if saved.is_file() else {}
+        if settings.get("use_default_system_prompt", False):
+            from transformers.models.janus.processing_janus import DEFAULT_SYSTEM_PROMPT
+
+            self.system = DEFAULT_SYSTEM_PROMPT
+
+    def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
+        """The segments in place, in the prompt with the default system prompt before its text
+        (when the processor adds one; see the module)."""
+        if self.system is not None:
+            # the bos the tokenizer adds stays first; one written in the text follows the system
+            # prompt, as in HF's string concatenation
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            adds = bos is not None and self.tokenizer.encode("a")[:1] == [bos]
+            lead = ids[:1] if adds and ids[:1] == [bos] else []
+            text = self.tokenizer.decode(ids[len(lead) :], skip_special_tokens=False)
+            if not text.startswith(self.system):
+                text = self.system + text
+                ids = [*lead, *self.tokenizer.encode(text, add_special_tokens=False)]
+        return super().splice(ids, segments)
 
     def segment(self, loaded: Loaded) -> list[int]:
         start, end = self.bounds

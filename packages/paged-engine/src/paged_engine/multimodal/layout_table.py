@@ -12,6 +12,7 @@ from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
+from paged_engine.multimodal.internvl_chat import InternVLChatLayout
 from paged_engine.multimodal.janus import JanusLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
@@ -102,4 +103,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
     "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
+    "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
 }

@@ -69,7 +69,14 @@ def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
     """The checkpoint's own config when it is a wrapper whose images paged runs, else None."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from paged_engine.models.remote_aliases import remote_config
+    from paged_engine.multimodal.internvl_chat import chat_config
+
+    config = (
+        chat_config(path)
+        or remote_config(path)  # a renamed class (Qwen2_5OmniModel)
+        or AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    )
     archs = getattr(config, "architectures", None) or []
     if not any(a in IMAGE_ARCHS for a in archs):
         return None
@@ -82,6 +89,12 @@ def processor_saved(path: Path) -> bool:
     """Whether the checkpoint holds its image processor (transformers 5 saves it inside
     processor_config.json)."""
     return any((Path(path) / f).exists() for f in _PROCESSOR_FILES)
+
+
+def builds_own_processor(config: Any) -> bool:
+    """Whether the wrapper's layout builds its image processor from the config (InternVL-Chat:
+    multimodal/internvl_chat.py), so that no processor file is needed."""
+    return hasattr(LAYOUTS[image_kind(config)], "image_processor")
 
 
 def _is_embeds(data: Any) -> bool:
@@ -107,13 +120,18 @@ class ImageProcessor:
         self.kind = image_kind(config)
         layout = LAYOUTS[self.kind]
         self.layout: Layout = layout(config, self.image_token_id, tokenizer)
+        saved = getattr(self.layout, "read_saved", None)  # processor_config.json's (Janus')
+        if saved is not None:
+            saved(self.path)
         # placeholders an image takes; None where each image's size decides
         self.tokens_per_image = self.layout.fixed
         self.limit = limit  # images per prompt (limit_mm_per_prompt["image"]); None: any
         self.kwargs: dict[str, Any] = {}  # the engine's mm_processor_kwargs, checked
         self.cache: ProcessorCache | None = None  # mm_processor_cache_gb (set by the engine)
         self.max_model_len: int | None = None  # bounds what kwargs may make (set by the engine)
-        if not processor_saved(self.path):
+        # a layout that builds its image processor from the config (InternVL-Chat)
+        self._own_processor = getattr(self.layout, "image_processor", None)
+        if self._own_processor is None and not processor_saved(self.path):
             raise ValueError(
                 f"{path} has neither preprocessor_config.json nor processor_config.json: the "
                 "image processor of "
@@ -126,6 +144,8 @@ class ImageProcessor:
     def hf(self):
         """transformers' image processor, or (where it needs the missing torchvision) our torch
         copy of it (multimodal/torch_processors.py), called the same way."""
+        if self._hf is None and self._own_processor is not None:
+            self._hf = self._own_processor()
         if self._hf is None:
             self._hf = image_processor(self.path, self.config)
         return self._hf

@@ -98,20 +98,22 @@ def whisper_prompt(
     return [vocab[t] for t in tokens]
 
 
-def request_prompt(prompt: Any, tokenizer: Any, hf_config: Any) -> dict:
+def request_prompt(prompt: Any, tokenizer: Any, hf_config: Any, family: str = "Whisper") -> dict:
     """Either prompt form -> {"prompt" (text or None), "prompt_token_ids", "multi_modal_data",
-    and the prompt's other keys} for the input processor."""
+    and the prompt's other keys} for the input processor; refusals name `family` (the model
+    the request is for)."""
     if not isinstance(prompt, dict):
+        text = "<|startoftranscript|>..." if family == "Whisper" else ""
         raise ValueError(
-            f"{WHAT}: a Whisper prompt is a dict with the clip, e.g. {{'prompt': "
-            "'<|startoftranscript|>...', 'multi_modal_data': {'audio': (waveform, sr)}}"
+            f"{WHAT}: a {family} prompt is a dict with the clip, e.g. {{'prompt': '{text}', "
+            "'multi_modal_data': {'audio': (waveform, sr)}}"
         )
     if "encoder_prompt" in prompt:
         enc = prompt["encoder_prompt"]
         if not isinstance(enc, dict) or "multi_modal_data" not in enc:
             raise ValueError("encoder_prompt must be a dict holding multi_modal_data['audio']")
         if enc.get("prompt") or enc.get("prompt_token_ids"):
-            raise ValueError("encoder_prompt: Whisper's encoder takes audio only, not text")
+            raise ValueError(f"encoder_prompt: {family}'s encoder takes audio only, not text")
         extra = {k: v for k, v in prompt.items() if k not in ("encoder_prompt", "decoder_prompt")}
         dec = prompt.get("decoder_prompt")
         if isinstance(dec, dict):
@@ -131,7 +133,7 @@ def request_prompt(prompt: Any, tokenizer: Any, hf_config: Any) -> dict:
         prompt = {**extra, **kw, **dec_fields, "multi_modal_data": enc["multi_modal_data"]}
     mm = prompt.get("multi_modal_data")
     if not isinstance(mm, dict) or "audio" not in mm:
-        raise ValueError(f"{WHAT}: every Whisper prompt needs an audio clip")
+        raise ValueError(f"{WHAT}: every {family} prompt needs an audio clip")
     text = prompt.get("prompt")
     if "prompt_token_ids" not in prompt and isinstance(text, str):
         start = [int(hf_config.decoder_start_token_id)]
@@ -158,7 +160,7 @@ class CrossAttendedAudio(AudioProcessor):
         raise NotImplementedError
 
     def request_prompt(self, prompt: Any) -> dict:
-        return request_prompt(prompt, self.tokenizer, self.config)
+        return request_prompt(prompt, self.tokenizer, self.config, self.family)
 
     def process(
         self, token_ids: list[int], data: Any, kwargs: Any = None

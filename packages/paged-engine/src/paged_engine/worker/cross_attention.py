@@ -8,7 +8,7 @@ Llama 3.2 Vision, models/mllama.py).
     content key -> its slot, while live sequences of the worker hold it (refcounted)
     seq id      -> (slot, its CrossPlan)
 
-What a sequence holds is the model's `CrossPlan` (models/mllama.py; Whisper's is built here):
+What a sequence holds is the model's `CrossPlan` (models/encoder_decoder.py; Whisper's built here):
 its content key (the clip's hash; the hash of Mllama's images), the rows it writes, and which
 prefix of the slot each of its rows attends to (a Whisper row: all S frames; a Mllama row at
 its j-th <|image|> or after: the real tiles of images 0..j; a Mllama row before its first
@@ -61,8 +61,9 @@ import torch
 from torch import nn
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
 from paged_engine.models.mllama import ARCH as MLLAMA
-from paged_engine.models.mllama import CrossPlan, fit_decoder_length, mllama_engine_config
+from paged_engine.models.mllama import mllama_engine_config
 from paged_engine.models.moonshine import ARCH as MOONSHINE
 from paged_engine.models.moonshine import moonshine_engine_config
 from paged_engine.models.whisper import ARCHITECTURES

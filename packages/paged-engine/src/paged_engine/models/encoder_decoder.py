@@ -1,0 +1,43 @@
+"""What paged's encoder-decoder models share (Mllama, Whisper, Moonshine): a sequence's
+cross-attention plan and the decoder's length check.
+
+`CrossPlan` is what a sequence's cross-attention slot holds (worker/cross_attention.py keeps
+the slots; Mllama's `cross_plan` builds it in models/mllama.py, Moonshine's in
+models/moonshine.py, Whisper's is built in worker/cross_attention.py). `fit_decoder_length`
+sets or checks max_model_len against the decoder's position table, as vLLM's model config
+derives max_model_len from the decoder's max positions. Both stand apart from any one model
+so that every encoder-decoder imports them without importing another's model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class CrossPlan:
+    """A sequence's cross-attention states (worker/cross_attention.py): `key` names its
+    content (sequences with one key share a slot), `rows` its K / V rows, `payload` what
+    `encode_cross` takes. The keys a row sees are a prefix of the slot: a row at position
+    start + j sees the first `seen[min(j, len(seen) - 1)]`, a row before `start` (the model
+    zeroes its MLP branch) the first `masked_seen`."""
+
+    key: str
+    rows: int
+    seen: tuple[int, ...]
+    start: int
+    masked_seen: int
+    payload: Any
+
+
+def fit_decoder_length(config: Any, limit: int, field: str, table: str = "position") -> None:
+    """max_model_len of an encoder-decoder (Mllama, Whisper, Moonshine): the decoder's `limit`
+    positions (config.`field`) when unset, ValueError naming both when over them."""
+    if config.max_model_len is None:
+        config.max_model_len = limit
+    elif config.max_model_len > limit:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the decoder's {table} table "
+            f"({field}={limit})"
+        )

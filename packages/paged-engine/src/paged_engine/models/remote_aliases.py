@@ -1,0 +1,166 @@
+"""Hub checkpoints that ship their own (remote) model code, served by our classes without
+running it: their config.json is read as JSON and translated here into a config our model class
+reads, whatever `trust_remote_code` says (vLLM's registry maps the same names; it parses RW /
+MPT configs itself and runs the others' remote config code).
+
+    config.json architecture       model_type                   our class
+    RWForCausalLM                  RefinedWeb / RefinedWebModel FalconForCausalLM (falcon.py)
+    StableLMEpochForCausalLM       stablelm_epoch               StableLmForCausalLM (stablelm.py)
+    QWenLMHeadModel                qwen                         QWenLMHeadModel (qwen_v1.py)
+    BaichuanForCausalLM,           baichuan                     models/baichuan.py
+      BaiChuanForCausalLM
+    TeleChat2ForCausalLM,          telechat                     models/telechat2.py
+      TeleChatForCausalLM
+
+Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
+transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
+audio tables know (this module is asked before transformers wherever the engine reads the
+checkpoint's config). MPTForCausalLM and PhiMoEForCausalLM need no translation (transformers
+reads their model types "mpt" / "phimoe"): models/__init__.py maps the names alone. A
+falcon-7b / 40b checkpoint already re-saved with model_type "falcon" loads through transformers
+as it is.
+
+The translation keeps `architectures` as config.json has it (the registry maps each name) and
+sets the field names our classes read; a field of the wrong type fails with a ValueError naming
+it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import FalconConfig, PretrainedConfig, StableLmConfig
+
+RawConfig = dict[str, Any]
+
+
+def field(raw: RawConfig, name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """raw[name] checked against `kind` (an int is a float too), `default` when absent or
+    null; ValueError naming the field otherwise."""
+    value = raw.get(name)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json field {name!r} is required")
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        expected = " or ".join(k.__name__ for k in kinds)
+        raise ValueError(f"config.json field {name!r} must be {expected}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value <= 0 and int in kinds:
+        raise ValueError(f"config.json field {name!r} must be positive, got {value!r}")
+    return value
+
+
+def common_fields(raw: RawConfig) -> RawConfig:
+    """What every translation carries over as it is: ids, dtype, the architecture names."""
+    keep = ("architectures", "bos_token_id", "eos_token_id", "pad_token_id", "torch_dtype")
+    out = {k: raw[k] for k in keep if raw.get(k) is not None}
+    if "torch_dtype" in out:
+        out["dtype"] = out.pop("torch_dtype")
+    return out
+
+
+def rw_config(raw: RawConfig) -> PretrainedConfig:
+    """Falcon's first release (RW: falcon-7b / 40b / rw-1b): n_head / n_layer / n_head_kv for
+    the head and layer counts; "RefinedWeb" (40b) is the new decoder architecture (grouped KV
+    heads, two parallel norms), "RefinedWebModel" (7b, rw) the old one. RW's own defaults:
+    parallel_attn, bias and alibi off, multi-query on."""
+    kind = raw.get("model_type")
+    if kind not in ("RefinedWeb", "RefinedWebModel"):
+        raise ValueError(
+            f"config.json field 'model_type' of RWForCausalLM must be RefinedWeb or "
+            f"RefinedWebModel, got {kind!r}"
+        )
+    heads = field(raw, "n_head", int)
+    new_arch = kind == "RefinedWeb"
+    fields = {
+        **common_fields(raw),
+        "vocab_size": field(raw, "vocab_size", int),
+        "hidden_size": field(raw, "hidden_size", int),
+        "num_attention_heads": heads,
+        "num_hidden_layers": field(raw, "n_layer", int),
+        "layer_norm_epsilon": field(raw, "layer_norm_epsilon", float, 1e-5),
+        "new_decoder_architecture": new_arch,
+        "num_kv_heads": field(raw, "n_head_kv", int, 1) if new_arch else heads,
+        "multi_query": field(raw, "multi_query", bool, True),
+        "parallel_attn": field(raw, "parallel_attn", bool, False),
+        "bias": field(raw, "bias", bool, False),
+        "alibi": field(raw, "alibi", bool, False),
+        "tie_word_embeddings": field(raw, "tie_word_embeddings", bool, True),
+    }
+    if raw.get("apply_residual_connection_post_layernorm"):
+        raise ValueError(
+            "config.json field 'apply_residual_connection_post_layernorm' is not supported"
+        )
+    return FalconConfig(**fields)
+
+
+def stablelm_epoch_config(raw: RawConfig) -> PretrainedConfig:
+    """StableLM-3B-4E1T's remote config: rope_pct / norm_eps for transformers'
+    partial_rotary_factor / layer_norm_eps; the rest under transformers' names already."""
+    fields = {
+        **common_fields(raw),
+        "partial_rotary_factor": field(raw, "rope_pct", float, 0.25),
+        "layer_norm_eps": field(raw, "norm_eps", float, 1e-5),
+        "use_qkv_bias": field(raw, "use_qkv_bias", bool, False),
+        "qk_layernorm": field(raw, "qk_layernorm", bool, False),
+        "use_parallel_residual": field(raw, "use_parallel_residual", bool, False),
+        "rope_theta": field(raw, "rope_theta", float, 10000.0),
+        "tie_word_embeddings": field(raw, "tie_word_embeddings", bool, False),
+        "hidden_act": field(raw, "hidden_act", str, "silu"),
+    }
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+        fields[name] = field(raw, name, int)
+    fields["num_attention_heads"] = field(raw, "num_attention_heads", int)
+    fields["num_key_value_heads"] = field(
+        raw, "num_key_value_heads", int, fields["num_attention_heads"]
+    )
+    fields["max_position_embeddings"] = field(raw, "max_position_embeddings", int, 4096)
+    return StableLmConfig(**fields)
+
+
+# config.json architecture -> its translation, "module:function" under paged_engine.models (the
+# family modules import `field` from here)
+REMOTE_CONFIGS: dict[str, str] = {
+    "RWForCausalLM": "remote_aliases:rw_config",
+    "StableLMEpochForCausalLM": "remote_aliases:stablelm_epoch_config",
+    "QWenLMHeadModel": "qwen_v1:qwen_v1_config",
+    "BaichuanForCausalLM": "baichuan:baichuan_config",
+    "BaiChuanForCausalLM": "baichuan:baichuan_config",
+    "TeleChat2ForCausalLM": "telechat2:telechat2_config",
+    "TeleChatForCausalLM": "telechat2:telechat2_config",
+}
+
+# model types transformers reads itself: a checkpoint re-saved in transformers' format
+_TRANSFORMERS_TYPES = {"RWForCausalLM": "falcon", "StableLMEpochForCausalLM": "stablelm"}
+
+# releases whose config transformers reads, named by a class transformers renamed since: the
+# name every table here knows (Qwen/Qwen2.5-Omni-7B's config.json names the preview's class)
+RENAMED = {"Qwen2_5OmniModel": "Qwen2_5OmniForConditionalGeneration"}
+
+
+def remote_config(path: Path) -> PretrainedConfig | None:
+    """The translated (or renamed) config of a checkpoint in `path` whose config.json names one
+    of the architectures above; None for any other checkpoint (transformers reads it)."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    raw = json.loads(file.read_text())
+    archs = raw.get("architectures") or []
+    if any(a in RENAMED for a in archs):
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        config.architectures = [RENAMED.get(a, a) for a in archs]
+        return config
+    arch = next((a for a in archs if a in REMOTE_CONFIGS), None)
+    if arch is None or raw.get("model_type") == _TRANSFORMERS_TYPES.get(arch):
+        return None
+    module, function = REMOTE_CONFIGS[arch].split(":")
+    translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)
+    return translate(raw)

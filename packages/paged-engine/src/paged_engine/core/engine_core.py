@@ -28,7 +28,8 @@ request steps exactly as it would synchronously; only which requests share a ste
 A step that raises (not `EngineDeadError`) is isolated (core/step_isolation.py): the steps in
 flight are discarded, their requests recompute, each alone, and only one that fails alone again
 is aborted (step() raises `RequestFailedError` naming it); not under micro-batching. So is a
-step that raises while `drain()` applies it (pausing).
+step that raises while `drain()` applies it (pausing), and so are `schedule()` and `_apply`
+raising (the host side of a step).
 
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
 grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
@@ -53,9 +54,9 @@ from typing import TYPE_CHECKING
 from paged_engine.core.core_output import BeamHypothesis, EngineCoreOutput, SeqUpdate
 from paged_engine.core.request import Request, SequenceStatus
 from paged_engine.core.sched_output import SchedulerOutput
-from paged_engine.core.scheduler import Scheduler
+from paged_engine.core.scheduler import Scheduler, SchedulerStuckError
 from paged_engine.core.step_apply import StepApplier
-from paged_engine.core.step_isolation import StepIsolation
+from paged_engine.core.step_isolation import RequestFailedError, StepIsolation
 from paged_engine.executor.base import EngineDeadError, Executor, RunnerOutputHandle
 
 if TYPE_CHECKING:
@@ -256,7 +257,12 @@ class EngineCore(StepApplier, StepIsolation):
         if len(self._in_flight) < depth and (
             scheduler.has_unfinished_requests() or scheduler.has_worker_frees()
         ):
-            sched = scheduler.schedule()
+            try:
+                sched = scheduler.schedule()
+            except (SchedulerStuckError, EngineDeadError):
+                raise
+            except Exception as e:
+                return self._schedule_failed(e)
             try:
                 if self._constrained:
                     self._fill_token_bitmask(sched)
@@ -282,9 +288,14 @@ class EngineCore(StepApplier, StepIsolation):
             raise
         except Exception as e:
             return self._step_failed(e, sched)
-        if self.scheduler.suspects:  # (one check a step: none but after a failed step)
-            return self._apply_lone(sched, out)
-        return self._apply(sched, out)
+        try:
+            if self.scheduler.suspects:  # (one check a step: none but after a failed step)
+                return self._apply_lone(sched, out)
+            return self._apply(sched, out)
+        except RequestFailedError:
+            raise
+        except Exception as e:
+            return self._apply_failed(e, sched)
 
     def _mark_busy(self, sched: SchedulerOutput) -> None:
         """Micro-batching: the step's requests sit out until it is applied."""

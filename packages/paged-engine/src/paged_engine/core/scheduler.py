@@ -136,6 +136,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         # Requests of a failed step, each run alone until one of its steps succeeds
         # (core/step_isolation.py); empty but after a failure.
         self.suspects: set[Request] = set()
+        self.lone_suspect: Request | None = None  # the one a `schedule()` plans alone
         # A failure no request is to blame for that recurs lowers max_num_seqs (step_isolation.py)
         self.batch_cap = BatchCap(max_num_seqs)
 
@@ -221,6 +222,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
 
     def schedule(self) -> SchedulerOutput:
         if self.suspects:  # after a failed step only (core/step_isolation.py)
+            self.lone_suspect = None
             return self._schedule_lone()
         budget = self.max_num_batched_tokens
         max_len = self.max_model_len

@@ -31,6 +31,15 @@ lifts (back to the configured max_num_seqs, logged) the first time it keeps a re
 holding `CAP_HOLD_STEPS << lifts` steps (the hold doubles with each lift, so a failure that
 comes back with the full batch costs a bounded number of failed steps per doubling period).
 
+The host side of a step is isolated too. `schedule()` raising while it plans a step
+(`_schedule_failed`): the lost plan's leftovers are dropped (an emitted step's `step_seqs`
+entry, drafts) and every request it may have touched (the running ones, the waiting queue's
+head, any waiting one holding device blocks: an admission cut short; one taken off the queue
+is put back) recomputes as a suspect, as after a failed step; a suspect whose lone planning
+raises (`Scheduler.lone_suspect`) is the culprit. Applying a step's results raising part way
+(`_apply_failed`): what its requests emitted is unknown, so they fail (RequestFailedError);
+the steps in flight after it are discarded and their other requests recompute.
+
 `drain()` (pause, sleep, resetting the prefix cache) applies the steps in flight; one that
 raises goes through the same isolation (`_step_failed(..., blame=False)`): its requests recompute
 as suspects, but none is blamed while draining (no lone step ran): a culprit fails once
@@ -53,6 +62,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,28 +113,24 @@ class StepIsolation:
     _in_flight: deque[tuple[SchedulerOutput, RunnerOutputHandle]]
 
     def _step_failed(
-        self, error: Exception, failed: SchedulerOutput, *, blame: bool = True
+        self,
+        error: Exception,
+        failed: SchedulerOutput | None,
+        *,
+        blame: bool = True,
+        also: Iterable[Request] = (),
     ) -> list[EngineCoreOutput]:
-        """`failed` raised `error`: discard every step in flight, send their requests back to
-        recompute as suspects; raise RequestFailedError if a suspect failed alone again (unless
-        not `blame`: drain() runs no lone step, the suspect stays one). A fresh failure soon
-        after a blameless one caps the batch (`LoneSteps.cap_batch`)."""
+        """`failed` raised `error` (None: `schedule()` raised while planning a step, which
+        involves `also`, the requests it may have touched): discard every step in flight, send
+        their requests back to recompute as suspects; raise RequestFailedError if a suspect
+        failed alone again (unless not `blame`: drain() runs no lone step, the suspect stays
+        one). A fresh failure soon after a blameless one caps the batch
+        (`LoneSteps.cap_batch`)."""
         if self.max_concurrent_batches > 1:  # pipeline micro-batching: not isolated
             raise error
-        from paged_engine.executor.base import EngineDeadError
-
-        scheds = [failed]
-        while self._in_flight:  # wait for each: the worker must be done with their blocks
-            sched, handle = self._in_flight.popleft()
-            try:
-                handle.get()
-            except EngineDeadError:
-                raise
-            except Exception:  # (it failed too, or read what the failed one wrote)
-                pass
-            scheds.append(sched)
         scheduler = self.scheduler
-        involved: dict[Request, None] = {}
+        scheds = ([] if failed is None else [failed]) + self._discard_in_flight()
+        involved: dict[Request, None] = dict.fromkeys(also)
         for sched in scheds:
             scheduler.step_seqs.pop(sched.step_id, None)  # nothing of it is cached
             for seq_id in sched.seq_ids:
@@ -140,20 +146,25 @@ class StepIsolation:
         for req in involved:
             scheduler.discard_steps(req)
         suspects, cap = scheduler.suspects, scheduler.batch_cap
-        culprits = [req.request_id for req in involved if req in suspects]
+        if failed is None:  # a planning failure: only the suspect it planned alone is to blame
+            lone = scheduler.lone_suspect
+            culprits = [] if lone is None or lone.is_finished else [lone.request_id]
+        else:
+            culprits = [req.request_id for req in involved if req in suspects]
+        scheduler.lone_suspect = None
         if culprits and blame:
             cap.blamed = True
-            for req in involved:
-                suspects.discard(req)
+            suspects.difference_update(involved)
             self.abort_requests(culprits)  # type: ignore[attr-defined]
             logger.error("a step failed again with request(s) %s alone: failing them", culprits)
             raise RequestFailedError(culprits, error) from error
         if not suspects:  # a fresh failure (a suspect only ever runs alone)
-            recurs = cap.cleared_at is not None and failed.step_id - cap.cleared_at <= RECUR_WINDOW
+            step_id = scheduler._next_step_id if failed is None else failed.step_id
+            recurs = cap.cleared_at is not None and step_id - cap.cleared_at <= RECUR_WINDOW
             cap.cleared_at, cap.blamed = None, False
             if recurs:
                 width = len({seq_id for sched in scheds for seq_id in sched.seq_ids})
-                scheduler.cap_batch(width, error)
+                scheduler.cap_batch(max(width, len(involved)), error)
         suspects.update(involved)
         logger.warning(
             "a step failed (%r); its %d request(s) recompute, each alone until one of its steps "
@@ -162,6 +173,70 @@ class StepIsolation:
             len(involved),
         )
         return []
+
+    def _schedule_failed(self, error: Exception) -> list[EngineCoreOutput]:
+        """`scheduler.schedule()` raised: the step it planned is lost, and any request it may
+        have touched (every running one, any it took off the waiting queue) recomputes as a
+        suspect, as after a failed step; one that fails planning alone is blamed."""
+        scheduler = self.scheduler
+        scheduler.step_seqs.pop(scheduler._next_step_id, None)  # (if it got that far)
+        in_flight = {sched.step_id for sched, _ in self._in_flight}
+        for step_id in [i for i in scheduler.step_seqs if i not in in_flight]:
+            del scheduler.step_seqs[step_id]  # emitted, then the planning raised
+        scheduler._drafts.clear()  # the lost plan's drafts (an emitted step took its own)
+        queued = {**scheduler.running, **dict.fromkeys(scheduler.waiting)}
+        stranded = [r for r in scheduler.requests.values() if r not in queued]
+        for req in stranded:  # taken off the waiting queue, not yet running: put back
+            scheduler.waiting.appendleft(req)
+        is_swapped = scheduler.block_manager.is_swapped
+        admitting = [  # the queue's head, and any waiting request with device blocks: an
+            r  # admission cut short
+            for i, r in enumerate(scheduler.waiting)
+            if i == 0 or any(s.block_ids and not is_swapped(s) for s in r.live_seqs())
+        ]
+        return self._step_failed(error, None, also=[*scheduler.running, *admitting])
+
+    def _apply_failed(self, error: Exception, sched: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Applying `sched`'s results raised part way: what its requests emitted is unknown,
+        so they fail (RequestFailedError); the steps in flight after it are discarded and their
+        other requests recompute, every other request goes on."""
+        scheduler = self.scheduler
+        scheduler.step_seqs.pop(sched.step_id, None)
+        live = scheduler.seqs
+        failed = {live[s].request: None for s in sched.seq_ids if s in live}
+        later = self._discard_in_flight()
+        for step in later:
+            scheduler.step_seqs.pop(step.step_id, None)
+            scheduler._finished_seq_ids += step.finished_seq_ids
+            for seq_id in step.seq_ids:
+                seq = live.get(seq_id)
+                if seq is not None and seq.request not in failed:
+                    scheduler.discard_steps(seq.request)
+        scheduler._finished_seq_ids += sched.finished_seq_ids
+        culprits = [req.request_id for req in failed if not req.is_finished]
+        scheduler.suspects.difference_update(failed)
+        self.abort_requests(culprits)  # type: ignore[attr-defined]
+        logger.error("applying a step's results failed (%r): failing %s", error, culprits)
+        if not culprits:
+            return []
+        raise RequestFailedError(culprits, error) from error
+
+    def _discard_in_flight(self) -> list[SchedulerOutput]:
+        """Wait for every step in flight (the worker must be done with their blocks) and drop
+        its results; return their schedules."""
+        from paged_engine.executor.base import EngineDeadError
+
+        scheds = []
+        while self._in_flight:
+            sched, handle = self._in_flight.popleft()
+            try:
+                handle.get()
+            except EngineDeadError:
+                raise
+            except Exception:  # (it failed too, or read what the failed one wrote)
+                pass
+            scheds.append(sched)
+        return scheds
 
     def _apply_lone(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Apply a step while suspects are left; one that sampled (or pooled) clears its
@@ -192,6 +267,7 @@ class LoneSteps:
     _reshare: set[Request]
     _by_priority: bool
     _next_step_id: int
+    lone_suspect: Request | None  # the suspect `schedule()` is planning alone, if any
 
     def cap_batch(self, width: int, error: Exception) -> None:
         """A blameless failure recurred in a step of `width` sequences: admit at most half as
@@ -273,6 +349,7 @@ class LoneSteps:
             return self.schedule()  # type: ignore[attr-defined]
         from paged_engine.core.scheduler import SchedulerStuckError
 
+        self.lone_suspect = suspect  # (to blame if planning it raises: _step_failed)
         try:
             return self._run_alone(suspect)
         except SchedulerStuckError:  # the others hold the blocks it needs: they recompute

@@ -334,8 +334,6 @@ def test_chat_input_audio_gives_the_offline_tokens(tiny):
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("text_model_id", "meta-llama/Llama-3.1-8B-Instruct"),
-        ("audio_model_id", "openai/whisper-large-v3-turbo"),
         ("num_projector_layers", 2),
         ("audio_latency_block_size", 10),
         ("stack_factor", 0),

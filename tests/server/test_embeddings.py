@@ -252,3 +252,44 @@ def test_a_base_model_dir_serves_embeddings_and_refuses_generation(tmp_path) -> 
             assert status == 400 and "does not generate" in r["error"]["message"], r
     finally:
         engine.shutdown()
+
+
+def test_a_nomic_embed_release_serves_embeddings(tmp_path) -> None:
+    """nomic-embed-text-v1.5's form (models/nomic_bert.py: GPT-2-named config.json, the
+    release's tensor names) from the command line: /v1/embeddings is HF NomicBertModel's [CLS]
+    row, normalized; `dimensions` cuts it to a Matryoshka size."""
+    import json
+
+    import transformers
+    from server_proc import COMMON_ARGS, serve_in_process
+
+    from paged_engine.testing import build_tiny_tokenizer
+    from paged_server.cli import build_engine, parse_args
+
+    torch.manual_seed(0)
+    dims = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+    config = transformers.NomicBertConfig(vocab_size=512, intermediate_size=48, **dims)
+    hf = transformers.NomicBertModel(config).eval()
+    hf.save_pretrained(tmp_path)  # the release's tensor names (emb_ln, attn.Wqkv, fc11...)
+    build_tiny_tokenizer(512).save_pretrained(tmp_path)
+    release = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "n_embd": 32}
+    release |= {"n_head": 4, "n_layer": 1, "n_inner": 48, "n_positions": 128, "vocab_size": 512}
+    release |= {"activation_function": "swiglu", "matryoshka_dimensions": [32, 16]}
+    (tmp_path / "config.json").write_text(json.dumps(release))
+    engine = build_engine(parse_args([str(tmp_path), "--dtype", "float32", *COMMON_ARGS]))
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            with torch.no_grad():
+                h = hf(torch.tensor([[5, 6, 7, 8]])).last_hidden_state[0, 0]
+            for size in (None, 16):
+                body = {"input": [5, 6, 7, 8], "encoding_format": "float", "dimensions": size}
+                status, _, r = http.request("POST", "/v1/embeddings", body)
+                assert status == 200, r
+                torch.testing.assert_close(
+                    torch.tensor(r["data"][0]["embedding"]),
+                    torch.nn.functional.normalize(h[:size], dim=-1),
+                    atol=1e-5,
+                    rtol=1e-4,
+                )
+    finally:
+        engine.shutdown()

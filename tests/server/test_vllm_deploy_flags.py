@@ -152,10 +152,11 @@ def test_load_counts_the_requests_being_answered(served: ServerProc) -> None:
 
 def test_load_is_zero_without_tracking(real_server: ServerProc) -> None:
     assert real_server.request("GET", "/load")[2] == {"server_load": 0}
-    for argv in (["--chat-template-content-format", "openai"], ["--config-format", "bogus"]):
+    for argv in (["--chat-template-content-format", "xml"], ["--config-format", "bogus"]):
         with pytest.raises(SystemExit):
             parse_args(["m", *argv])
     parse_args(["m", "--chat-template-content-format", "string", "--config-format", "hf"])
+    parse_args(["m", "--chat-template-content-format", "openai"])  # vLLM's three formats
 
 
 def test_log_error_stack_logs_each_error_answer_with_its_stack(served: ServerProc, caplog):

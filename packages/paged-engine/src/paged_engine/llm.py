@@ -23,6 +23,13 @@ from paged_engine.logging_setup import configure_default_logging
 from paged_engine.lora.request import LoRARequest
 from paged_engine.metrics_reader import Metric
 from paged_engine.metrics_reader import snapshot as metrics_snapshot
+from paged_engine.multimodal.chat_format import (
+    MediaPlaceholders,
+    check_format,
+    media_placeholders,
+    resolve_content_format,
+    string_content,
+)
 from paged_engine.multimodal.chat_media import split_media
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
@@ -47,6 +54,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def _placeholders(self) -> MediaPlaceholders:
+        """The text each image, video and audio part of a string-content chat becomes."""
+        ip = self.llm_engine.input_processor
+        return media_placeholders(self.llm_engine.tokenizer, ip.images, ip.videos, ip.audios)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams `generate` and `chat` use when given none: the model's
@@ -156,8 +168,11 @@ class LLM:
         template as transformers passes them; `continue_final_message` renders the last
         (assistant) message open for the model to go on with, instead of a generation prompt;
         `chat_template_kwargs` are extra template variables (e.g. {"enable_thinking": False});
-        `chat_template_content_format` "string" joins a message's text parts into one string,
-        "openai" keeps the parts, "auto" keeps them where there is an image or video among them.
+        `chat_template_content_format` (vLLM's; multimodal/chat_format.py): "string" makes each
+        message's parts one string, its images, videos and audio written as the model's
+        placeholder text before the text parts; "openai" keeps the parts; "auto" reads the
+        template: "string" unless it loops over a message's content, where a message's media
+        parts stay a list and text parts alone are joined.
         A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
         vLLM's `image_pil` parts; the Qwen-VL family (VIDEO_MODELS) also `video_url` parts
         (multimodal/chat_media.py), processed with `mm_processor_kwargs`."""
@@ -166,11 +181,7 @@ class LLM:
                 "continue_final_message and add_generation_prompt cannot both be True: pass "
                 "add_generation_prompt=False to continue the last message"
             )
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise ValueError(
-                "chat_template_content_format must be 'auto', 'string' or 'openai', got "
-                f"{chat_template_content_format!r}"
-            )
+        check_format(chat_template_content_format, "chat_template_content_format")
         if tools is not None and not (
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
@@ -181,15 +192,13 @@ class LLM:
         for conv in conversations:
             in_video = (mm_processor_kwargs or {}).get("use_audio_in_video") is True
             conv, media = split_media(conv, audio_in_video=in_video)
-            audios = self.llm_engine.input_processor.audios
-            if audios is not None and chat_template_content_format != "openai":
-                conv = audios.chat_messages(conv)  # (Ultravox: audio parts as its text)
             if continue_final_message and (not conv or conv[-1].get("role") != "assistant"):
                 raise ValueError(
                     "continue_final_message needs the last message to be the assistant's"
                 )
+            template = chat_template or tok.chat_template
             text = self.llm_engine.apply_chat_template(
-                _content_format(conv, chat_template_content_format),
+                _content_format(conv, chat_template_content_format, template, self._placeholders),
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
@@ -525,12 +534,20 @@ def _progress(total: int):
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
-def _content_format(conversation: list[dict], fmt: str) -> list[dict]:
-    """Messages as the template takes them: "string" (and "auto" without media) joins a
-    message's text parts with newlines into one string (as vLLM's "string" format does);
-    "openai" keeps every list of parts."""
-    if fmt == "openai":
+def _content_format(
+    conversation: list[dict],
+    given: str,
+    template: Any,
+    placeholders: Callable[[], MediaPlaceholders],
+) -> list[dict]:
+    """Messages as the template takes them (multimodal/chat_format.py): "openai" keeps every
+    list of parts; "string" (given, or what "auto" finds the template takes) makes each one
+    string with the media's placeholder text; "auto" on a template that reads parts keeps a
+    message's parts where media are among them and joins text parts alone by newlines."""
+    if given == "openai":
         return conversation
+    if resolve_content_format(given, template) == "string":
+        return string_content(conversation, placeholders())
     out = []
     for m in conversation:
         content = m.get("content") if isinstance(m, dict) else None
@@ -538,11 +555,6 @@ def _content_format(conversation: list[dict], fmt: str) -> list[dict]:
             isinstance(p, dict) and p.get("type") == "text" for p in content
         ):
             m = {**m, "content": "\n".join(str(p.get("text", "")) for p in content)}
-        elif fmt == "string" and isinstance(content, list):
-            raise ValueError(
-                "chat_template_content_format='string' takes text parts only; this message "
-                "has images or videos: use 'auto' or 'openai'"
-            )
         out.append(m)
     return out
 

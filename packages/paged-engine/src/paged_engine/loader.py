@@ -190,7 +190,10 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
         return tekken_tokenizer(resolved.path)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
+    from paged_engine.models.ultravox_linked import tokenizer_dir
+
+    path = tokenizer_dir(resolved.path)  # (Ultravox without one: its text_model_id's)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
         tokenizer.chat_template = processor_chat_template(resolved.path)
     return tokenizer
@@ -444,7 +447,11 @@ def iter_weights(
 
         return mistral_weights(resolved.path)
     files = _weight_files(resolved.path, load_format)
-    return _iter_safetensors(files) if load_format == "safetensors" else _iter_pt(files)
+    weights = _iter_safetensors(files) if load_format == "safetensors" else _iter_pt(files)
+    from paged_engine.models.ultravox_linked import with_linked_weights
+
+    # Ultravox's text_model_id / audio_model_id: those repos' tensors it lacks, after its own
+    return with_linked_weights(resolved.path, weights)
 
 
 def _detect_format(resolved: ResolvedModel) -> str:

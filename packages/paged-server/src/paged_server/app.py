@@ -93,6 +93,7 @@ class OpenAIApp:
         api_key: str | None = None,
         chat_template: str | None = None,
         trust_request_chat_template: bool = False,
+        chat_template_content_format: str = "auto",
         default_template_kwargs: dict[str, Any] | None = None,
         exclude_tools_when_none: bool = False,
         engine_version: str | None = None,
@@ -169,6 +170,9 @@ class OpenAIApp:
         self.api_key = api_key
         self.chat_template = chat_template
         self.trust_request_chat_template = trust_request_chat_template
+        # --chat-template-content-format: "string" templates get media parts as placeholder
+        # text (paged_engine/multimodal/chat_format.py); "auto" reads the template
+        self.content_format = chat_template_content_format
         # --default-chat-template-kwargs: every chat render's variables, under the request's
         self.default_template_kwargs = dict(default_template_kwargs or {})
         # --exclude-tools-when-tool-choice-none: tool_choice "none" renders without the tools
@@ -492,9 +496,7 @@ class OpenAIApp:
                     variables["documents"] = req.documents
                 if req.reasoning_effort is not None:  # gpt-oss's template reads it
                     variables["reasoning_effort"] = req.reasoning_effort
-                messages = req.messages
-                if self.audios is not None:  # (Ultravox: its audio parts as its text)
-                    messages = self.audios.chat_messages(messages)
+                messages = self._content_format(req.messages, template)
                 return self.tokenizer.apply_chat_template(
                     messages,
                     chat_template=template,
@@ -505,6 +507,23 @@ class OpenAIApp:
                 )
         except Exception as e:  # template errors are the request's (or the template's) fault
             raise bad_request(f"could not apply the chat template: {e}", "messages") from None
+
+    def _content_format(self, messages: list[dict], template: Any) -> list[dict]:
+        """The messages in the content format the template takes (vLLM's rule): as parsed
+        (text parts joined, media parts a list), or each one string with its media written as
+        the model's placeholder text where the format is (or "auto" finds) "string"."""
+        from paged_engine.multimodal.chat_format import (
+            media_placeholders,
+            resolve_content_format,
+            string_content,
+        )
+
+        if self.content_format == "openai":
+            return messages
+        if resolve_content_format(self.content_format, template) != "string":
+            return messages
+        marks = media_placeholders(self.tokenizer, self.images, self.videos, self.audios)
+        return string_content(messages, marks)
 
     def invocations(self, h: Handler) -> None:
         """SageMaker's `POST /invocations`: the body is one of the other APIs', told by its

@@ -165,6 +165,7 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         max_model_len=engine.config.max_model_len,
         api_key=args.api_key,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template_content_format=args.chat_template_content_format,
         default_template_kwargs=args.default_chat_template_kwargs,
         exclude_tools_when_none=args.exclude_tools_when_tool_choice_none,
         engine_version=getattr(sys.modules.get("paged_engine"), "__version__", None),

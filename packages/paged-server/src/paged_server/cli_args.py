@@ -425,10 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--chat-template-content-format",
-        choices=["auto", "string"],
+        choices=["auto", "string", "openai"],
         default="auto",
-        help="chat templates get each message's text parts joined into one string; a message "
-        "with images gets Hugging Face's parts list ({'type': 'image'} / 'text')",
+        help="vLLM's: 'string' gives templates each message as one string, its images, videos "
+        "and audio as the model's placeholder text; 'openai' a message with media as its parts "
+        "list ({'type': 'image'} / 'text'); 'auto' reads the template (a loop over a message's "
+        "content: parts, else string)",
     )
     p.add_argument(
         "--config-format",

@@ -77,6 +77,7 @@ from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.gte import GTE
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from paged_engine.models.hunyuan_vl import HunYuanVLTextForCausalLM
 from paged_engine.models.hy_v4 import HYV4ForCausalLM
@@ -87,6 +88,7 @@ from paged_engine.models.inkling2 import Inkling2ForCausalLM, Inkling2LoopForCau
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.jetmoe import JetMoeForCausalLM
+from paged_engine.models.jina_embeddings_v3 import JINA_EMBEDDINGS_V3
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.kolibri import Kolibri1_1ForCausalLM, Kolibri1ForCausalLM
 from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
@@ -128,6 +130,7 @@ from paged_engine.models.muse import MuseGlimmerTextForCausalLM, MuseSparkTextFo
 from paged_engine.models.nanochat import NanoChatForCausalLM
 from paged_engine.models.nemotron import Jais2ForCausalLM, NemotronForCausalLM
 from paged_engine.models.nemotron_h import NemotronHForCausalLM
+from paged_engine.models.nomic_bert import NOMIC_BERT
 from paged_engine.models.olmo import OlmoForCausalLM
 from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
@@ -337,6 +340,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
     **MODERNBERT,  # ModernBERT: the same, with rotary and windowed attention
+    **GTE,  # GTE v1.5 / multilingual (Hub's NewModel): rotary post-norm encoders (gte.py)
+    **NOMIC_BERT,  # nomic-embed-text v1 / v1.5: the same stack, SwiGLU (nomic_bert.py)
+    **JINA_EMBEDDINGS_V3,  # jina-embeddings-v3: the same stack, task LoRA merged at load
     # remote-code releases: ChatGLM2 / 3 and GLM-4 under their own names (GLM's model),
     # Nemotron-NAS (Llama with per-layer heads / widths / skipped parts), Orion (LayerNorms)
     "ChatGLMModel": ChatGLMForCausalLM,

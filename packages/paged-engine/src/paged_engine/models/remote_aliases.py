@@ -11,6 +11,12 @@ MPT configs itself and runs the others' remote config code).
       BaiChuanForCausalLM
     TeleChat2ForCausalLM,          telechat                     models/telechat2.py
       TeleChatForCausalLM
+    Phi3VForCausalLM               phi3_v                       Phi-3's (models/phi3v_config.py;
+                                                                images: multimodal/phi3v.py)
+    NewModel,                      new                          models/gte.py (GTE v1.5 / mGTE)
+      NewForSequenceClassification
+    NomicBertModel (GPT-2 names)   nomic_bert                   models/nomic_bert.py
+    XLMRobertaModel (rotary)       xlm-roberta                  models/jina_embeddings_v3.py
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -134,6 +140,12 @@ REMOTE_CONFIGS: dict[str, str] = {
     "BaiChuanForCausalLM": "baichuan:baichuan_config",
     "TeleChat2ForCausalLM": "telechat2:telechat2_config",
     "TeleChatForCausalLM": "telechat2:telechat2_config",
+    "NewModel": "gte:new_config",
+    "NewForSequenceClassification": "gte:new_config",
+    "NewForTokenClassification": "gte:new_config",  # gte-multilingual-base; embeds as GteNewModel
+    "NomicBertModel": "nomic_bert:nomic_config",  # None for transformers' own names
+    "XLMRobertaModel": "jina_embeddings_v3:jina_config",  # None unless rotary (Jina v3)
+    "Phi3VForCausalLM": "phi3v_config:phi3v_config",
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

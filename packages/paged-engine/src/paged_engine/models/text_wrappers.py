@@ -68,10 +68,13 @@ each is exact).
     MistralLarge4ForConditionalGeneration  mistral_large4_text  -> MistralLarge4TextForCausalLM
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
+    MiniCPMOcrForConditionalGeneration   qwen3_5_text           -> Qwen3_5ForCausalLM
+    NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
     Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
     Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
+    Phi3VForCausalLM                     (flat) phi3_v          -> Phi3ForCausalLM
     PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
     Ernie4_5_VLMoeForConditionalGeneration  ernie4_5_vl_moe_text -> Ernie4_5_VLMoeTextForCausalLM
     Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
@@ -655,6 +658,39 @@ WRAPPERS: dict[str, Wrapper] = {
     # Ultravox (fixie-ai's remote code; config: models/ultravox_config.py): Whisper's encoder
     # and a stacking projector (audio: multimodal/ultravox.py) into Llama at `language_model.`
     "UltravoxModel": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),
+    # MiniCPM-OCR: MiniCPM-V 4.6's model under another name (images: multimodal/minicpm_ocr.py)
+    "MiniCPMOcrForConditionalGeneration": Wrapper(
+        {"qwen3_5_text": "Qwen3_5ForCausalLM"}, _MINICPMV, mrope=True
+    ),
+    # Nemotron-H Omni: a C-RADIO tower (images: multimodal/nemotron_h_omni.py), a Parakeet
+    # audio encoder (not run) and their relu^2 projectors around NemotronHForCausalLM at
+    # `language_model.` (its stack as `backbone.`); the Hub's names (what transformers 5
+    # saves) and transformers' in-memory ones
+    "NemotronH_Omni_Reasoning_V3": Wrapper(
+        {"nemotron_h": "NemotronHForCausalLM"},
+        _modules(
+            "vision_model",
+            "vision_projector",
+            "mlp1",
+            "sound_encoder",
+            "sound_projection",
+            "vision_final_layernorm",
+            "multi_modal_projector",
+            "audio_tower",
+            "embed_audio",
+        ),
+        renames=(("language_model.backbone.", "backbone."),),
+    ),
+    # Phi-3 / 3.5-vision (remote code; config: models/phi3v_config.py): Phi-3's decoder, its
+    # fields at the top level; CLIP, separators and projector under `model.vision_embed_tokens.`
+    # (multimodal/phi3v.py), whose `wte` is the decoder's embedding table
+    "Phi3VForCausalLM": Wrapper(
+        {"phi3_v": "Phi3ForCausalLM"},
+        tuple(f"model.vision_embed_tokens.{m}" for m in ("img_processor.", "img_projection."))
+        + ("model.vision_embed_tokens.glb_GN", "model.vision_embed_tokens.sub_GN"),
+        flat=True,
+        renames=(("model.vision_embed_tokens.wte.", "model.embed_tokens."),),
+    ),
 }
 
 # Set on the text config we return: the wrapper it came from (selects the weight mapping).

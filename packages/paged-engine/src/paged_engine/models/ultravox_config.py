@@ -8,13 +8,16 @@ when its model_type is missing), `audio_token_index`, `hidden_size` (the project
 before its activation, not the text model's), `stack_factor`, `norm_init`, `projector_act`,
 `projector_ln_mid`, and vLLM's `num_projector_layers` (0: the feed-forward projector).
 
-Refused by name when the config is read, what paged does not run: `audio_model_id` /
-`text_model_id` (the tower or language model lives in another repository: vLLM loads it as a
-second weight source; paged loads one checkpoint directory), a tower other than Whisper's
-(audio_config.model_type), `num_projector_layers` > 0 (the transformer projector),
-`audio_latency_block_size` (fixie's block-causal streaming mask over the tower), a
-`stack_factor` under 1. A top-level `tie_word_embeddings` is dropped: the language model ties
-its head by its own config (fixie's `tie_weights` is the language model's).
+`text_model_id` / `audio_model_id` (the language model / the Whisper model living in their own
+repos, as fixie-ai's releases name them): each id's config.json becomes text_config /
+audio_config here (over an inline one, as fixie's and vLLM's configs do), its weights stream
+after the checkpoint's own (models/ultravox_linked.py).
+
+Refused by name when the config is read, what paged does not run: an id that cannot be
+resolved, a tower other than Whisper's (audio_config.model_type), `num_projector_layers` > 0
+(the transformer projector), `audio_latency_block_size` (fixie's block-causal streaming mask
+over the tower), a `stack_factor` under 1. A top-level `tie_word_embeddings` is dropped: the
+language model ties its head by its own config (fixie's `tie_weights` is the language model's).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, ClassVar
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-MODEL_TYPE = "ultravox"
+from paged_engine.models.ultravox_linked import AUDIO, MODEL_TYPE, TEXT, linked_config
 
 
 class UltravoxConfig(PreTrainedConfig):
@@ -50,19 +53,16 @@ class UltravoxConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs: Any) -> None:
         kwargs.pop("tie_word_embeddings", None)
+        if self.text_model_id is not None:  # (before the sub-configs are built from dicts)
+            self.text_config = linked_config(TEXT, self.text_model_id)
+        if self.audio_model_id is not None:
+            self.audio_config = linked_config(AUDIO, self.audio_model_id)
         super().__post_init__(**kwargs)
         check(self)
 
 
 def check(config: Any) -> None:
     """ValueError naming the first field of an Ultravox config that paged does not run."""
-    for key in ("audio_model_id", "text_model_id"):
-        if getattr(config, key, None) is not None:
-            raise ValueError(
-                f"Ultravox: {key}={getattr(config, key)!r} keeps that model's weights in "
-                "another repository, which paged does not load (it loads one checkpoint "
-                f"directory): save the merged model with {key.split('_')[0]}_config inline"
-            )
     tower = getattr(config.audio_config, "model_type", None)
     if tower != "whisper":
         raise ValueError(

@@ -35,6 +35,10 @@
     Kimi_K25ForConditionalGeneration              "kimi_k25"    multimodal/kimi_k25.py
     MiniCPMV4_6ForConditionalGeneration           "minicpmv"    multimodal/minicpmv.py
     MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
+    MiniCPMOcrForConditionalGeneration      "minicpm_ocr"  multimodal/minicpmv.py (MiniCPM-V
+      4.6's model; its torch image processor and layout: multimodal/minicpm_ocr.py)
+    NemotronH_Omni_Reasoning_V3         "nemotron_h_omni"  multimodal/nemotron_h_omni.py (C-RADIO,
+      pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
     Ovis2ForConditionalGeneration                 "ovis2"       multimodal/ovis2.py (tower),
@@ -56,6 +60,8 @@
       multimodal/hyperclovax_vision_v2.py (Qwen2.5-VL's tower, a linear projector; 1-D positions)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
+    Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
+      3.5-vision, remote code: config models/phi3v_config.py; CLIP, HD crops, "<|image_i|>")
     AriaForConditionalGeneration                  "aria"        multimodal/aria.py
     VipLlavaForConditionalGeneration              "vipllava"    multimodal/vipllava.py
     LlavaNextVideoForConditionalGeneration  "llava_next_video"  multimodal/llava_next_video.py
@@ -149,6 +155,9 @@ KINDS: dict[str, str] = {
     "CohereCompassForConditionalGeneration": "qwen2_vl",
     "InternVLChatModel": "internvl_chat",
     "SkyworkR1VChatModel": "internvl_chat",
+    "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
+    "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
+    "Phi3VForCausalLM": "phi3v",
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -192,6 +201,9 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minimax_m3_vl": ("minimax_m3_vl_vision",),
     "inkling2": ("inkling2_vision",),
     "qianfan_ocr": ("qianfan_ocr_vision",),
+    "minicpm_ocr": ("minicpm_ocr_vision",),
+    "nemotron_h_omni": ("radio",),
+    "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -243,6 +255,9 @@ ENCODERS: dict[str, str] = {
     "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
     "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
+    "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
+    "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
+    "phi3v": "phi3v:Phi3VImageEncoder",
 }
 
 

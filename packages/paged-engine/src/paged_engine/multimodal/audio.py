@@ -108,11 +108,6 @@ class AudioProcessor:
             "transcription prompt is defined for it)"
         )
 
-    def chat_messages(self, messages: list) -> list:
-        """Chat messages (audio parts as `{"type": "audio"}`) as this model's chat template
-        takes them: as they are, unless a family writes its audio as text (Ultravox)."""
-        return messages
-
     def request_prompt(self, prompt: Any) -> Any:
         """A request's prompt as the input processor takes it (Whisper: vLLM's encoder /
         decoder prompt form into one dict); as it is for a decoder-only model."""

@@ -11,7 +11,8 @@ placeholders in.
 
 Each becomes `{"type": "image"}` / `{"type": "video"}` / `{"type": "audio"}` for the chat
 template (Hugging Face's
-parts, where the template writes the placeholder), and the media go to `multi_modal_data` in
+parts, where the template writes the placeholder; a template of string content gets them as
+the model's placeholder text instead: chat_format.py), and the media go to `multi_modal_data` in
 order. Messages without media pass unchanged. Local files: open them with PIL and send
 `image_pil`, or pass a video's frames to `LLM.generate`. The server has its own loader
 (paged_server/media.py: size caps, local-path policy, errors as HTTP 400s).

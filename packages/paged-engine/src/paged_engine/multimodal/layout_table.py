@@ -47,12 +47,15 @@ from paged_engine.multimodal.layouts_tiles import (
 )
 from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
+from paged_engine.multimodal.minicpm_ocr import MiniCPMOcrLayout
 from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
+from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
+from paged_engine.multimodal.phi3v import Phi3VLayout
 from paged_engine.multimodal.phi4mm import Phi4MMLayout
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout
 
@@ -104,4 +107,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
+    "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
+    "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
+    "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
 }

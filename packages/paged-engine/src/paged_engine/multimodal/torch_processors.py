@@ -6,7 +6,9 @@ Molmo2ImageProcessor (its copy in multimodal/molmo2_processor.py),
 Phi4MultimodalImageProcessor (its copy in multimodal/phi4mm_processor.py),
 Lfm2VlImageProcessor (its copy in multimodal/lfm2_vl_processor.py),
 MiniMaxM3VLImageProcessor (its copy in multimodal/minimax_m3_vl.py),
-Inkling2ImageProcessor (its copy in multimodal/inkling2_vl.py).
+Inkling2ImageProcessor (its copy in multimodal/inkling2_vl.py),
+MiniCPMOcrImageProcessor (its copy in multimodal/minicpm_ocr.py),
+NemotronH_Omni_Reasoning_V3ImageProcessor (its copy in multimodal/nemotron_h_omni_processor.py).
 Gemma4ImageProcessor has a PIL class, which transformers takes without torchvision, but it
 resamples otherwise (up to 2 / 255 apart). Where torchvision is missing, `image_processor` gives
 our copy of the torchvision class's steps (`PROCESSORS`: each copy sits beside its model,
@@ -201,6 +203,11 @@ PROCESSORS: dict[str, tuple[str, str]] = {
     "Lfm2VlImageProcessor": ("lfm2_vl_processor", "Lfm2VlTorchProcessor"),
     "MiniMaxM3VLImageProcessor": ("minimax_m3_vl", "MiniMaxM3ImageProcessor"),
     "Inkling2ImageProcessor": ("inkling2_vl", "Inkling2TorchProcessor"),
+    "MiniCPMOcrImageProcessor": ("minicpm_ocr", "MiniCPMOcrTorchProcessor"),
+    "NemotronH_Omni_Reasoning_V3ImageProcessor": (
+        "nemotron_h_omni_processor",
+        "NemotronOmniTorchProcessor",
+    ),
 }
 # where the saved settings name no processor: transformers' choice by the config's model_type
 _BY_MODEL_TYPE = {
@@ -215,6 +222,8 @@ _BY_MODEL_TYPE = {
     "minimax_m3_vl": "MiniMaxM3VLImageProcessor",
     "inkling2": "Inkling2ImageProcessor",
     "inkling2_loop": "Inkling2ImageProcessor",
+    "minicpm_ocr": "MiniCPMOcrImageProcessor",
+    "nemotron_h_omni": "NemotronH_Omni_Reasoning_V3ImageProcessor",
 }
 
 

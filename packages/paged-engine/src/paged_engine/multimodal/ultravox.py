@@ -24,13 +24,16 @@ Ultravox prompt with add_special_tokens=False, and so does `request_prompt` here
 placeholders between parts. Prompt token ids holding "<|audio|>" as text (a chat template's
 output, encoded whole by LLM.chat and the server's chat route) are decoded and split the same
 way when the prompt has audio (`process`); ids already holding audio_token_index pass as they
-are. Chat (`chat_messages`): a message's audio parts become "<|audio|>" lines before its text,
-as vLLM's "string" content format writes them (the releases' templates take string content).
+are. Chat: the releases' templates take string content, where a message's audio parts become
+"<|audio|>" lines before its text (multimodal/chat_format.py, vLLM's "string" content format).
 
 The tower is fixie's ModifiedWhisperEncoder: a window shorter than the tower's 30 s takes the
 first T position rows, and a padded window's padding rows are computed (queries) but masked as
 keys, their outputs reaching the stacked row they fall in, as HF's. Weights: `audio_tower.*`
 (Whisper encoder names) and `multi_modal_projector.*`.
+
+A release naming `audio_model_id` without a preprocessor_config.json of its own takes that
+model's feature extractor (its tokenizer, if missing, is text_model_id's: loader.py).
 
 Refused by name: the processor settings it does not implement (processor_config.json's
 `encoder_ds_factor` other than 2, `audio_context_size` over the tower's context, a feature
@@ -52,7 +55,8 @@ from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.multimodal.audio import AudioProcessor, Loaded
+from paged_engine.models.ultravox_linked import AUDIO, linked_dir
+from paged_engine.multimodal.audio import AudioProcessor, Loaded, feature_extractor
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.whisper_encoder import WhisperEncoder, load_audio_weights
 from paged_engine.unicode_text import check_text
@@ -97,6 +101,14 @@ class Ultravox(AudioProcessor):
         self.stack = int(config.stack_factor)
         self.hop = int(self.extractor.hop_length)
 
+    def load_extractor(self) -> Any:
+        """The checkpoint's feature extractor; where it has no preprocessor_config.json,
+        audio_model_id's (fixie's processor builds its audio processor from that id)."""
+        model_id = getattr(self.config, "audio_model_id", None)
+        if model_id is None or (self.path / "preprocessor_config.json").exists():
+            return super().load_extractor()
+        return feature_extractor(linked_dir(AUDIO, model_id))
+
     def placeholder_id(self) -> int:
         """audio_token_index, or where it is past the text model's vocabulary (the releases'
         `<|audio|>`, added to Llama 3's tokenizer at id vocab_size) its last id, a reserved
@@ -104,26 +116,6 @@ class Ultravox(AudioProcessor):
         run's, and a prompt logprob reads the next id's row."""
         index, vocab = int(self.config.audio_token_index), int(self.config.text_config.vocab_size)
         return index if 0 <= index < vocab else vocab - 1
-
-    def chat_messages(self, messages: list) -> list:
-        """Each message of text and audio parts as one string, as vLLM's "string" content
-        format writes it for Ultravox (its templates take string content): a "<|audio|>" per
-        audio part the text does not hold already, then the text parts, joined by newlines."""
-        out = []
-        for m in messages:
-            parts = m.get("content") if isinstance(m, dict) else None
-            kinds = [p.get("type") if isinstance(p, dict) else None for p in parts or ()]
-            if (
-                not isinstance(parts, list)
-                or "audio" not in kinds
-                or set(kinds) - {"audio", "text"}
-            ):
-                out.append(m)
-                continue
-            text = "\n".join(str(p.get("text", "")) for p in parts if p["type"] == "text")
-            missing = max(0, kinds.count("audio") - text.count(PLACEHOLDER))
-            out.append({**m, "content": "\n".join([PLACEHOLDER] * missing + [text])})
-        return out
 
     def request_prompt(self, prompt: Any) -> Any:
         """A text prompt as token ids the way the processor writes them (see the module doc);

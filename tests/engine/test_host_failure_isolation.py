@@ -100,3 +100,50 @@ def test_a_step_whose_results_fail_to_apply_fails_its_requests_only(tiny_llama_d
         assert leftovers(engine) == {}
     finally:
         engine.shutdown()
+
+
+def test_results_that_fail_to_apply_while_pausing_fail_their_requests(tiny_llama_dir, clean):
+    llm = LLM(str(tiny_llama_dir), async_scheduling=True, **OPTS)
+    engine = llm.llm_engine
+    try:
+        core = engine.engine_core
+        for i, p in enumerate(GOOD):
+            engine.add_request(f"g{i}", {"prompt_token_ids": p}, GREEDY, final_only=True)
+        engine.step()  # async: a step in flight, applied by the pause's drain
+        assert core._in_flight
+        apply = core._apply
+
+        def broken(sched, out):
+            core._apply = apply  # once
+            raise RuntimeError("a bug while applying results")
+
+        core._apply = broken
+        with pytest.raises(RequestFailedError) as err:
+            engine.pause_generation(mode="keep")
+        assert sorted(err.value.request_ids) == ["g0", "g1", "g2"]
+        engine.resume_generation()
+        done, failed = _run(engine, {"after": GOOD[1]})
+        assert done["after"] == clean[1] and not failed
+        assert leftovers(engine) == {}
+    finally:
+        engine.shutdown()
+
+
+def test_a_wait_pause_fails_a_request_that_can_never_fit_and_completes(tiny_llama_dir, clean):
+    # 7 blocks of 16 tokens: the n = 3 request's sequences outgrow the pool (its stuck error)
+    llm = LLM(str(tiny_llama_dir), **{**OPTS, "num_gpu_blocks_override": 7, "max_model_len": 96})
+    engine = llm.llm_engine
+    try:
+        wide = SamplingParams(max_tokens=50, temperature=0.8, seed=1, n=3, ignore_eos=True)
+        engine.add_request("wide", {"prompt_token_ids": list(range(40, 80))}, wide)
+        engine.add_request("g0", {"prompt_token_ids": GOOD[0]}, GREEDY, final_only=True)
+        with pytest.raises(RequestFailedError) as err:
+            engine.pause_generation(mode="wait")
+        assert err.value.request_ids == ["wide"]
+        assert engine.is_paused()
+        engine.resume_generation()
+        done, failed = _run(engine, {})
+        assert done["g0"] == clean[0] and not failed  # held by the pause, returned after
+        assert leftovers(engine) == {}
+    finally:
+        engine.shutdown()

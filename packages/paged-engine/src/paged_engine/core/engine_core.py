@@ -150,9 +150,12 @@ class EngineCore(StepApplier, StepIsolation):
         return self.has_unfinished_requests() or bool(self._in_flight) or sched.has_worker_frees()
 
     # ---- pausing (sleep mode) -------------------------------------------------------------------
-    def drain(self) -> None:
+    def drain(self) -> list[RequestFailedError]:
         """Apply every step in flight; their outputs are held for the next step(). One that
-        raises is isolated like a step's failure, none blamed yet (core/step_isolation.py)."""
+        raises is isolated like a step's failure, none blamed yet (core/step_isolation.py);
+        one whose results fail to apply fails its requests: returned, for the caller to raise
+        once it is done (pausing)."""
+        failed: list[RequestFailedError] = []
         while self._in_flight:
             sched, handle = self._in_flight.popleft()
             try:
@@ -163,9 +166,16 @@ class EngineCore(StepApplier, StepIsolation):
                 self._step_failed(e, sched, blame=False)
                 break
             apply = self._apply_lone if self.scheduler.suspects else self._apply
-            self.held += apply(sched, out)
+            try:
+                self.held += apply(sched, out)
+            except Exception as e:  # (discards the later steps in flight too)
+                try:
+                    self._apply_failed(e, sched)
+                except RequestFailedError as culprits:
+                    failed.append(culprits)
         self.scheduler.busy.clear()  # (every step applied)
         self._busy_of.clear()
+        return failed
 
     def abort_all(self) -> None:
         """Finish every unfinished request with "abort" (its tokens so far stay its output);

@@ -505,8 +505,13 @@ class LLMEngine:
         if self.scheduler.has_unfinished_requests():
             if not reset_running_requests:
                 return False
-            self.engine_core.drain()
+            failed = self.engine_core.drain()
             self.engine_core.preempt_all()
+            if failed:  # their results failed to apply: they failed (the cache is reset)
+                self.forget_prefix_cache()
+                ids = [rid for e in failed for rid in e.request_ids]
+                self.output_processor.abort(ids)
+                raise RequestFailedError(ids, failed[0].cause) from failed[0].cause
         self.forget_prefix_cache()
         return True
 
@@ -577,7 +582,12 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         held = self.sleep_mode.take_held() if self.sleep_mode.held else []
-        core_outputs = self.step_core()
+        try:
+            core_outputs = self.step_core()
+        except BaseException:  # (a culprit's RequestFailedError): the held ones are not lost
+            if held:
+                self.sleep_mode.held[:0] = held
+            raise
         if not core_outputs:
             return held
         processed = self.process_outputs(core_outputs)

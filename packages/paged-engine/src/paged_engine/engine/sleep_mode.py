@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.core.step_isolation import RequestFailedError
 from paged_engine.worker.sleep import TAGS
 
@@ -93,9 +94,18 @@ class SleepMode:
                 except RequestFailedError as e:  # a culprit, alone: the others run on
                     failed.append(e)
                     continue
+                except SchedulerStuckError as e:  # one that can never fit fails alone too
+                    if not e.request_ids:
+                        raise
+                    core.abort_requests(e.request_ids)
+                    engine.output_processor.abort(e.request_ids)
+                    failed.append(RequestFailedError(e.request_ids, e))
+                    continue
                 self.held += outputs
         core.paused = True
-        core.drain()
+        for e in core.drain():  # results that failed to apply: their requests failed
+            engine.output_processor.abort(e.request_ids)
+            failed.append(e)
         if mode == "abort":
             core.abort_all()
         if clear_cache and mode != "keep":

@@ -81,8 +81,7 @@ def test_del_llm_stops_the_workers(model):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_workers_die_with_a_signalled_engine(model, sig):
     owner = Owner(model, "loop")
-    owner.wait_for("LOOPING")
-    time.sleep(0.5)  # mid-generate
+    owner.wait_for("STEP")  # looping: the next generate has begun
     owner.proc.send_signal(sig)
     owner.finish()
     assert wait_gone([*owner.pids, owner.forkserver]) == [], "".join(owner.lines[-40:])

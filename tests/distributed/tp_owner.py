@@ -4,9 +4,9 @@
 
 Prints `PIDS [..]` (its worker ranks) and `FORKSERVER pid` once the engine is up, then MODE:
 `exit` (return without shutdown), `del` (drop the LLM, then idle), `loop` (generate until a
-signal ends it), `kill-worker` (SIGKILL rank 1, then report what check_health and the next two
-calls raise), `worker-error` (an exception inside a call on every rank, then how the next two
-calls fail).
+signal ends it, printing `STEP` after each call), `kill-worker` (SIGKILL rank 1, then report
+what check_health and the next two calls raise), `worker-error` (an exception inside a call on
+every rank, then how the next two calls fail).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
         print("LOOPING", flush=True)
         while True:
             llm.generate(["hello"] * 4, params, use_tqdm=False)
+            print("STEP", flush=True)  # one more call begins: a signal now lands mid-generate
     elif mode == "worker-error":  # every rank raises inside a call (rank 0 included)
         try:
             llm.llm_engine.executor._call("no_such_method")

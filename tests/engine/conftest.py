@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 from pathlib import Path
@@ -65,11 +67,39 @@ def _hf_from_gguf(gguf: Path):
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    with _gguf_read_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return model, tok
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF file's header anew for the config, the weights and the
+    tokenizer, and rebuilds gguf-py's tensor-name table for every submodule (most of the load's
+    time): both are pure functions of their arguments, so they are computed once here. The
+    values transformers builds from them are unchanged."""
+    from unittest import mock
+
+    import gguf
+
+    readers: dict[str, gguf.GGUFReader] = {}
+
+    def reader(path, mode: str = "r"):
+        key = f"{os.fspath(path)}|{mode}"
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    real_reader = gguf.GGUFReader
+    name_map = functools.cache(gguf.get_tensor_name_map)
+    with (
+        mock.patch.object(gguf, "GGUFReader", reader),
+        mock.patch.object(gguf, "get_tensor_name_map", name_map),
+    ):
+        yield
 
 
 def _hf_save(model, tok, path: Path) -> None:

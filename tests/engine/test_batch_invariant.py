@@ -82,18 +82,27 @@ def test_without_the_mode_batches_change_the_logprobs(default_model):
     assert batch_variation(default_model, False, (1, 17)) != []
 
 
-def triton_variation(model_dir, batch_invariant: bool, sizes, longest: int = 30, **options):
-    """`batch_variation` on the Triton path, for a tiny model (512-token vocabulary)."""
+def triton_variation(
+    model_dir,
+    batch_invariant: bool,
+    sizes,
+    longest: int = 12,
+    target_len: int = 16,
+    budget: int = 24,
+    **options,
+):
+    """`batch_variation` on the Triton path, for a tiny model (512-token vocabulary). In the
+    interpreter every token is a program of each launch: short prompts, a small budget."""
     llm = LLM(
         model=str(model_dir),
         attention_backend="triton",
         max_model_len=256,
-        max_num_batched_tokens=64,  # the target's 40-token prompt is chunked in big batches
+        max_num_batched_tokens=budget,  # the target's prompt is chunked in big batches
         batch_invariant=batch_invariant,
         **options,
     )
     rng = random.Random(1)
-    target = [rng.randrange(3, 512) for _ in range(40)]
+    target = [rng.randrange(3, 512) for _ in range(target_len)]
     # 3 tokens: the target's chunked prompt and two decode steps, each slow in the interpreter
     kw = {"vocab": 512, "longest": longest, "params": TRITON_PARAMS}
     alone = run_inside(llm, target, 0, rng, **kw)
@@ -123,7 +132,8 @@ def test_gpu_logprobs_bit_identical_in_any_batch(tiny_model_factory, arch):
     with CUDA graphs on for decode steps."""
     model_dir = tiny_model_factory(arch, hidden_size=256, num_attention_heads=8)
     options = {"dtype": "bfloat16", "device": "cuda"}
-    _, varied = triton_variation(model_dir, True, (1, 7, 31, 64), longest=120, **options)
+    sizes, lengths = (1, 7, 31, 64), {"longest": 120, "target_len": 40, "budget": 64}
+    _, varied = triton_variation(model_dir, True, sizes, **lengths, **options)
     assert varied == []
 
 

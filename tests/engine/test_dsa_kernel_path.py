@@ -37,7 +37,8 @@ def _generate(path: str, prompts: list[list[int]]) -> tuple[list, list[int]]:
         model=path, dtype="float32", max_model_len=64, block_size=4, max_num_batched_tokens=8,
         max_num_seqs=3, enable_prefix_caching=True,
     )  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    # 3 tokens: two decode steps after each prefill (each step slow in the interpreter)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:

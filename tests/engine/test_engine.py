@@ -280,10 +280,12 @@ def test_triton_path_matches_torch_reference(model_dir):
 
     from paged_engine.worker.memory_profiler import profile_forward
 
-    prompts = _prompts(3, seed=11, lo=10, hi=40)
-    prompts.append(prompts[0][:20] + [7, 8, 9])  # shares a prefix block with prompt 0
-    kw = dict(model=str(model_dir), dtype="float32", max_model_len=96, max_num_batched_tokens=48)
-    kw["max_num_seqs"] = len(prompts)  # the profile forward: 4 rows of 12 tokens, not 48 of 1
+    # every token is a program of each launch in the interpreter: short prompts, 8-token blocks
+    prompts = _prompts(3, seed=11, lo=10, hi=16)
+    prompts.append(prompts[0][:10] + [7, 8, 9])  # shares a prefix block with prompt 0
+    kw = dict(model=str(model_dir), dtype="float32", max_model_len=96, max_num_batched_tokens=24)
+    kw["block_size"] = 8
+    kw["max_num_seqs"] = len(prompts)  # the profile forward: 4 rows of 6 tokens, not 24 of 1
     torch_out = _greedy(LLM(attention_backend="torch", **kw), prompts, max_tokens=4)
     triton_llm = LLM(attention_backend="triton", **kw)
     # the Triton backend runs its norms through paged_kernels.rms_norm too (use_triton_norms)

@@ -30,15 +30,21 @@ def test_rope_kernel_writes_the_kv_cache(tiny_model_factory, monkeypatch, arch, 
 
     monkeypatch.setattr(TritonBackend, "write_kv", counted)
     rng = random.Random(5)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(10, 40))] for _ in range(3)]
-    prompts.append(prompts[0][:24] + [7, 8, 9])  # a prefix hit on prompt 0's blocks
+    # Each token is a program of every kernel launch in the interpreter: few, short prompts.
+    # 12 + 10 + 6 tokens over a 16-token budget: prompt 1 is chunked (4 tokens, then 6); 12
+    # and 10 tokens pass Gemma 3's 8-token sliding window.
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (12, 10, 6)]
+    prompts.append(prompts[0][:8] + [7, 8, 9])  # a prefix hit on prompt 0's first block
+    # Gemma 3 with one layer of each kind (the tiny model's default has three): launches per
+    # step are the interpreter's cost
+    two_layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
     kw = dict(
-        model=str(tiny_model_factory(arch)),
+        model=str(tiny_model_factory(arch, **(two_layers if arch == "gemma3" else {}))),
         dtype="float32",
         attention_backend="triton",
         kv_cache_dtype=kv_cache_dtype,
-        max_model_len=96,
-        max_num_batched_tokens=32,  # prompts of up to 40 tokens: chunked
+        max_model_len=64,
+        max_num_batched_tokens=16,
         block_size=8,
         enable_prefix_caching=True,
     )

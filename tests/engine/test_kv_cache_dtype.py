@@ -123,10 +123,10 @@ def test_fp8_backends_match_reference(tiny_model_factory, backend):
     prompts, max_tokens, kw = _prompts()[:3], 8, {}
     if backend == "triton":
         # The interpreter runs each program in Python, and the per-token kernels launch one
-        # per token: a 64-token step budget (which also caps the scales' calibration forward,
-        # 512 tokens by default), prompts of 20 tokens (two blocks), 3 decode steps.
-        max_tokens, kw = 4, {"max_num_batched_tokens": 64}
-        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:20]} for p in prompts]
+        # per token: a 36-token step budget (which also caps the scales' calibration forward,
+        # 512 tokens by default), prompts of 12 tokens (two 8-token blocks), 3 decode steps.
+        max_tokens, kw = 4, {"max_num_batched_tokens": 36, "block_size": 8}
+        prompts = [{"prompt_token_ids": p["prompt_token_ids"][:12]} for p in prompts]
     runs = []
     for name in ("torch", backend):
         llm = _llm(path, "fp8", attention_backend=name, **kw)

@@ -5,12 +5,19 @@ tokens, min tokens) that arrive and are aborted at random steps. Every request t
 aborted must come out as a roomy engine (no preemption, no chunking, no cache) makes it, and
 once idle every per-request structure of the engine is empty and every block free.
 
+A second stream of the seed (`random.Random(f"features {seed}")`, so the first stream and the
+seeds it found stay as they were) draws the per-request features on top: LoRA adapters (where
+the model takes them), structured outputs (choice, regex, a JSON schema), logits shaping
+(penalties, logit_bias, allowed_token_ids, bad_words, min_p, custom logits processors) and
+prompts given as their tokens' embeddings (which must give the tokens' outputs).
+
 test_engine_fuzz.py runs a few seeds in the suite; `python tests/engine/engine_fuzz.py FIRST
 COUNT` runs many (how the bugs it caught were found).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import sys
@@ -19,7 +26,14 @@ from typing import Any
 
 import torch
 
-from paged_engine import LLM, BeamSearchParams, PoolingParams, SamplingParams
+from paged_engine import (
+    LLM,
+    BeamSearchParams,
+    LoRARequest,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.core.step_isolation import RequestFailedError
 
@@ -48,6 +62,45 @@ class InjectedFault(RuntimeError):
     pass
 
 
+# structured outputs the tiny byte-level tokenizer can spell
+CONSTRAINTS = (
+    {"choice": ["yes", "no", "maybe"]},
+    {"regex": r"[a-z]{3}-[0-9]{2}"},
+    {"regex": r"(ab|cd){2,5}x"},
+    {
+        "json": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+            "required": ["name", "n"],
+        },
+        "disable_any_whitespace": True,
+    },
+)
+# the reference engine's features: every one a seed may draw (what the model refuses dropped)
+REFERENCE_FEATURES: dict[str, dict[str, Any]] = {
+    "lora": {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8},
+    "prompt_embeds": {"enable_prompt_embeds": True},
+    "logits_processors": {
+        "logits_processors": [
+            "custom_logits_processors:ForceToken",
+            "custom_logits_processors:NoRepeat",
+        ]
+    },
+}
+
+
+@dataclass
+class Model:
+    """One model a seed runs on: its directory, the roomy reference engine (with every feature
+    of REFERENCE_FEATURES it takes), its LoRA adapters and its token embedding."""
+
+    path: str
+    reference: LLM
+    features: set[str]
+    adapters: list[LoRARequest]
+    embed: Any = None  # token ids -> their input embeddings (HF's), with prompt_embeds
+
+
 @dataclass
 class Job:
     request_id: str
@@ -59,6 +112,8 @@ class Job:
     # sequences outgrew the pool): it fails alone with a clear error, nothing else is lost
     refused: str | None = None
     priority: int = 0  # with scheduling_policy="priority"
+    lora: LoRARequest | None = None
+    embeds: Any = None  # the prompt given as its tokens' embeddings (None: as its tokens)
     outputs: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
@@ -88,6 +143,51 @@ def engine_options(rng: random.Random) -> dict[str, Any]:
     if rng.random() < 0.3:
         options["enable_sleep_mode"] = True
     return options
+
+
+def feature_options(xrng: random.Random, model: Model, options: dict[str, Any]) -> dict[str, Any]:
+    """The per-request features' engine options, drawn from the seed's second stream."""
+    extra: dict[str, Any] = {}
+    if "lora" in model.features and xrng.random() < 0.5:
+        extra.update(enable_lora=True, max_loras=xrng.randint(1, 2))
+        extra["max_lora_rank"] = xrng.choice([8, 16])
+    if "prompt_embeds" in model.features and xrng.random() < 0.4:
+        extra["enable_prompt_embeds"] = True
+    # (refused with speculation and async scheduling: they read each step's tokens)
+    sync = "speculative_config" not in options and not options["async_scheduling"]
+    if "logits_processors" in model.features and sync and xrng.random() < 0.5:
+        extra |= REFERENCE_FEATURES["logits_processors"]
+    return extra
+
+
+def _shaping(
+    xrng: random.Random, params: dict[str, Any], options: dict[str, Any], texts: list[str]
+) -> None:
+    """Add structured outputs and logits shaping to a SamplingParams' kwargs."""
+    if xrng.random() < 0.2:
+        params["structured_outputs"] = StructuredOutputsParams(**xrng.choice(CONSTRAINTS))
+
+    def tokens(k: int) -> list[int]:
+        return [xrng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(k)]
+
+    if xrng.random() < 0.15:
+        params["repetition_penalty"] = xrng.choice([0.8, 1.3])
+    if xrng.random() < 0.15:
+        params["presence_penalty"] = xrng.uniform(-1, 1)
+    if xrng.random() < 0.15:
+        params["frequency_penalty"] = xrng.uniform(-1, 1)
+    if xrng.random() < 0.15:
+        params["logit_bias"] = {t: xrng.choice([-100, -5, 5, 100]) for t in tokens(3)}
+    if "structured_outputs" not in params:  # (a constraint they contradict has no token left)
+        if xrng.random() < 0.1:
+            params["allowed_token_ids"] = tokens(xrng.randint(1, 30))
+        if xrng.random() < 0.1:
+            params["bad_words"] = [xrng.choice(texts).strip() for _ in range(2)]
+    if params.get("temperature", 1.0) > 0 and xrng.random() < 0.3:
+        params["min_p"] = xrng.choice([0.05, 0.2])
+    if "logits_processors" in options and xrng.random() < 0.3:
+        args = xrng.choice([{"target_token": tokens(1)[0]}, {"no_repeat": True}])
+        params["extra_args"] = args
 
 
 def draw_events(
@@ -126,7 +226,10 @@ def _prompt(rng: random.Random, heads: list[list[int]]) -> list[int]:
 
 
 def _params(
-    rng: random.Random, speculative: bool, texts: list[str]
+    rng: random.Random,
+    speculative: bool,
+    texts: list[str],
+    shape: Any = None,  # adds the second stream's draws to a SamplingParams' kwargs
 ) -> SamplingParams | BeamSearchParams | PoolingParams:
     kind = rng.random()
     max_tokens = rng.randint(1, 20)
@@ -156,18 +259,42 @@ def _params(
             params["top_k"] = rng.randint(2, 20)
         if rng.random() < 0.3:
             params["top_p"] = 0.8
+    if shape is not None:
+        shape(params)
     return SamplingParams(**params)
 
 
-def draw_jobs(rng: random.Random, speculative: bool, texts: list[str]) -> list[Job]:
+def draw_jobs(
+    rng: random.Random,
+    speculative: bool,
+    texts: list[str],
+    xrng: random.Random | None = None,
+    model: Model | None = None,
+    options: dict[str, Any] | None = None,
+) -> list[Job]:
+    """The requests of a run; with `xrng`, each also draws the features `options` enable
+    (an adapter, shaping params, its prompt as embeddings) from that stream."""
     heads = [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(rng.randint(16, 40))]]
     heads += [heads[0][: rng.randint(4, 30)] for _ in range(HEADS - 1)]
+    options = options or {}
     jobs = []
     for i in range(rng.randint(6, 16)):
         arrive = rng.choice([0, 0, rng.randint(0, 40)])
         abort = arrive + rng.randint(0, 30) if rng.random() < 0.15 else None
-        params = _params(rng, speculative, texts)
+        shape = None if xrng is None else lambda p: _shaping(xrng, p, options, texts)
+        params = _params(rng, speculative, texts, shape)
         job = Job(f"r{i}", _prompt(rng, heads), params, arrive, abort, priority=rng.randint(0, 3))
+        if xrng is not None and model is not None:
+            if options.get("enable_lora"):
+                job.lora = xrng.choice([None, *model.adapters])
+            if options.get("enable_prompt_embeds") and xrng.random() < 0.4:
+                if isinstance(params, SamplingParams):
+                    # an embedded prompt has no tokens: none to score, none that the repetition
+                    # penalty (which counts the prompt's tokens) could find (llama 21, 42, 46, 57)
+                    job.params = dataclasses.replace(
+                        params, prompt_logprobs=None, repetition_penalty=1.0
+                    )
+                job.embeds = model.embed(job.prompt)
         jobs.append(job)
     return jobs
 
@@ -190,10 +317,17 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
     while arrivals or events or engine.has_unfinished_requests() or engine.can_step():
         while arrivals and (not with_events or arrivals[0].arrive <= step):
             job = arrivals.pop(0)
-            prompt = {"prompt_token_ids": job.prompt}
+            prompt: dict[str, Any] = {"prompt_token_ids": job.prompt}
+            if job.embeds is not None:
+                prompt = {"prompt_embeds": job.embeds}
             try:
                 engine.add_request(
-                    job.request_id, prompt, job.params, final_only=True, priority=priority(job)
+                    job.request_id,
+                    prompt,
+                    job.params,
+                    final_only=True,
+                    lora_request=job.lora,
+                    priority=priority(job),
                 )
             except ValueError as e:
                 job.refused = str(e)
@@ -322,25 +456,78 @@ def compare(jobs: list[Job], reference: list[Job], speculative: bool) -> list[st
     return problems
 
 
-def run_seed(
-    model_dir: str, seed: int, reference_llm: LLM, faults: bool = False
-) -> tuple[dict[str, Any], list[str]]:
-    """One fuzzed run against `reference_llm` (the same model, roomy); (its engine options, the
+def prepare(name: str, root: str) -> Model:
+    """Write model `name` (MODELS) and its LoRA adapters under `root`; start its reference
+    engine with every feature of REFERENCE_FEATURES the model takes."""
+    from paged_engine.testing import write_lora_adapter, write_tiny_model
+
+    arch, overrides = MODELS[name]
+    path = str(write_tiny_model(f"{root}/model", arch, seed=3, **overrides))
+    adapters: list[LoRARequest] = []
+    try:  # every projection / attention only, ranks 2-8 (REFERENCE_FEATURES' max_lora_rank)
+        for k, (rank, kw) in enumerate(
+            [
+                (4, {}),
+                (8, {"use_rslora": True, "alpha": 8}),
+                (2, {"target_modules": ("q_proj", "v_proj")}),
+            ]
+        ):
+            adapter = write_lora_adapter(f"{root}/lora{k}", path, rank=rank, seed=k, **kw)
+            adapters.append(LoRARequest(f"a{k}", k + 1, str(adapter)))
+    except ValueError:  # no layer the adapters target
+        adapters = []
+    features = set(REFERENCE_FEATURES) - ({"lora"} if not adapters else set())
+    while True:
+        options = {k: v for f in features for k, v in REFERENCE_FEATURES[f].items()}
+        try:
+            reference = LLM(
+                model=path,
+                dtype="float32",
+                max_model_len=MAX_MODEL_LEN,
+                enable_prefix_caching=False,
+                **options,
+            )
+            break
+        except ValueError as e:  # refused by name: drop that feature
+            named = [f for f in features if any(k in str(e) for k in REFERENCE_FEATURES[f])]
+            if not named:
+                raise
+            features -= set(named)
+    embed = None
+    if "prompt_embeds" in features:
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        table = hf.get_input_embeddings()
+
+        def embed(ids: list[int]) -> torch.Tensor:
+            with torch.no_grad():
+                return table(torch.tensor([ids]))[0]
+
+    return Model(path, reference, features, adapters, embed)
+
+
+def run_seed(model: Model, seed: int, faults: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """One fuzzed run of `model` against its roomy reference engine; (its engine options, the
     problems found). An engine that refuses the drawn options by name is no problem."""
     from engine_state import leftovers  # tests/engine_state.py
 
-    rng = random.Random(seed)
+    rng, xrng = random.Random(seed), random.Random(f"features {seed}")
     options = engine_options(rng)
     events = draw_events(rng, options, faults)
+    options |= feature_options(xrng, model, options)
     speculative = "speculative_config" in options
+    reference_llm = model.reference
     tokenizer = reference_llm.get_tokenizer()
     texts = [t for t in (tokenizer.decode([i]) for i in range(VOCAB_LO, VOCAB_HI)) if t.strip()]
-    jobs = draw_jobs(rng, speculative, texts)
-    reference = [Job(j.request_id, j.prompt, j.params, 0) for j in jobs if j.abort is None]
+    jobs = draw_jobs(rng, speculative, texts, xrng, model, options)
+    reference = [
+        Job(j.request_id, j.prompt, j.params, 0, lora=j.lora) for j in jobs if j.abort is None
+    ]
     drive(reference_llm, reference)
     by_id = {j.request_id: j for j in reference}
     try:
-        llm = LLM(model=model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, **options)
+        llm = LLM(model=model.path, dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, **options)
     except ValueError as e:
         return options | {"refused": str(e)}, []
     try:
@@ -358,21 +545,13 @@ def run_seed(
 def main(first: int, count: int, names: list[str], faults: bool = False) -> int:
     import tempfile
 
-    from paged_engine.testing import write_tiny_model
-
     failed = 0
     for name in names:
-        arch, overrides = MODELS[name]
-        model_dir = str(write_tiny_model(tempfile.mkdtemp(), arch, seed=3, **overrides))
-        reference_llm = LLM(
-            model=model_dir,
-            dtype="float32",
-            max_model_len=MAX_MODEL_LEN,
-            enable_prefix_caching=False,
-        )
+        model = prepare(name, tempfile.mkdtemp())
+        print(f"{name}: features {sorted(model.features)}")
         for seed in range(first, first + count):
             try:
-                options, problems = run_seed(model_dir, seed, reference_llm, faults)
+                options, problems = run_seed(model, seed, faults)
             except Exception as e:  # a crash is a finding too
                 import traceback
 

@@ -118,3 +118,19 @@ def assert_serves_like_hf(
     assert_llm_matches(name, llm, prompts, refs)
     assert llm.get_stats().num_used_blocks == 0
     return llm
+
+
+def fuse_qkv(state: dict[str, torch.Tensor], fused: str) -> dict[str, torch.Tensor]:
+    """`state` (a HF decoder's tensors) with each `.self_attn.q_proj.` tensor (weight, bias)
+    replaced by its q, k, v rows stacked on dim 0 under the name with `.self_attn.q_proj.` ->
+    `fused` (a remote release's packed projection: Qwen v1's c_attn, Baichuan's W_pack,
+    ChatGLM's query_key_value); the k_proj / v_proj tensors dropped, the rest kept, in order."""
+    out = {}
+    for name, w in state.items():
+        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
+            continue
+        if ".self_attn.q_proj." in name:
+            parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            name, w = name.replace(".self_attn.q_proj.", fused), torch.cat(parts, dim=0)
+        out[name] = w
+    return out

@@ -378,3 +378,53 @@ def check_processor_matches_hf(
     )
     check_matches_hf(path, cases, refs, name)
     return refs
+
+
+def compiled_processor_steps(
+    model: str, file: str, cls: str, methods: set[str], functions: set[str], **names: object
+):
+    """An image processor's steps without torchvision: the `methods` of transformers' class
+    `cls` (in models/`model`/`file`) and that module's `functions`, compiled from its source
+    onto a bare class; returns an instance. The code's globals: math, torch, BatchFeature,
+    SizeDict, TensorType (str), group_images_by_shape, reorder_images and `names`. Its
+    `rescale_and_normalize` is torch_processors.py's normalize; its `resize` the caller's."""
+    import ast
+    import importlib.util
+    import math
+    from pathlib import Path
+
+    import torch
+    from transformers.feature_extraction_utils import BatchFeature
+    from transformers.image_transforms import group_images_by_shape, reorder_images
+    from transformers.image_utils import SizeDict
+
+    from paged_engine.multimodal import torch_processors as tp
+
+    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
+    body: list[ast.stmt] = []
+    for node in ast.parse(Path(root, "models", model, file).read_text()).body:
+        if isinstance(node, ast.FunctionDef) and node.name in functions:
+            body.append(node)
+        elif isinstance(node, ast.ClassDef) and node.name == cls:
+            keep = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name in methods]
+            body.append(ast.ClassDef("Steps", [], [], keep, [], type_params=[]))
+    namespace = {
+        "math": math,
+        "torch": torch,
+        "BatchFeature": BatchFeature,
+        "SizeDict": SizeDict,
+        "TensorType": str,
+        "group_images_by_shape": group_images_by_shape,
+        "reorder_images": reorder_images,
+        **names,
+    }
+    module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
+    exec(compile(module, f"<{model} steps>", "exec"), namespace)
+    steps = namespace["Steps"]()
+
+    def rescale_and_normalize(x, do_rescale, factor, do_normalize, mean, std):
+        s = {"do_rescale": do_rescale, "rescale_factor": factor, "do_normalize": do_normalize}
+        return tp.normalize(x, {**s, "image_mean": mean, "image_std": std})
+
+    steps.rescale_and_normalize = rescale_and_normalize
+    return steps

@@ -29,7 +29,13 @@ from image_checks import (
     hf_refs,
     noise_image,
 )
-from vlm_checkpoints import chatml_template, load_hf_vlm, tiled_context_inputs, tokenizer_with
+from vlm_checkpoints import (
+    chatml_template,
+    finish_checkpoint,
+    load_hf_vlm,
+    tiled_context_inputs,
+    tokenizer_with,
+)
 
 from paged_engine.models.multimodal_text import text_only_config
 from paged_engine.multimodal.internvl_chat import internvl_config
@@ -87,10 +93,7 @@ def write_tiny_internvl_hf(path, seed: int, decoder: str = "qwen2"):
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
     ).save_pretrained(path)
-    tokenizer.chat_template = chatml_template(MARKER + "\n")
-    tokenizer.save_pretrained(path)
-    transformers.GenerationConfig(**_COMMON).save_pretrained(path)
-    return path
+    return finish_checkpoint(path, tokenizer, chatml_template(MARKER + "\n"))
 
 
 def to_remote(hf_dir, path, internlm2: bool = False):

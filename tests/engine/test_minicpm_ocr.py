@@ -17,10 +17,7 @@ by name and the engine serves on; the server's chat path gives the offline token
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,11 +26,13 @@ import torch
 from image_checks import (
     check_chat_data_url,
     check_matches_hf,
+    compiled_processor_steps,
     engine,
     greedy,
     hf_cases,
     hf_refs,
     noise_image,
+    processor_inputs,
 )
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm
 
@@ -110,48 +109,22 @@ def _hf_image_processor():
     """MiniCPMOcrImageProcessor's resize / slice / pack methods compiled from transformers'
     source (the module imports torchvision) onto a bare class, its resize and normalize
     torch_processors.py's (torchvision's rule on the CPU); no OpenCV path is reached."""
-    from transformers.feature_extraction_utils import BatchFeature
-    from transformers.image_transforms import (
-        divide_to_patches,
-        group_images_by_shape,
-        reorder_images,
-    )
-    from transformers.image_utils import PILImageResampling, SizeDict
+    from transformers.image_transforms import divide_to_patches
+    from transformers.image_utils import PILImageResampling
 
     from paged_engine.multimodal import torch_processors as tp
 
-    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
-    source = Path(root, "models", "minicpm_ocr", "image_processing_minicpm_ocr.py").read_text()
     methods = {"find_best_resize", "get_refine_size", "get_sliced_grid", "reshape_by_patch"}
-    methods.add("_preprocess")
-    body: list[ast.stmt] = []
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef) and node.name == "ensure_divide":
-            body.append(node)
-        elif isinstance(node, ast.ClassDef) and node.name == "MiniCPMOcrImageProcessor":
-            keep = [n for n in node.body if isinstance(n, ast.FunctionDef) and n.name in methods]
-            body.append(ast.ClassDef("Steps", [], [], keep, [], type_params=[]))
-    namespace = {
-        "math": math,
-        "torch": torch,
-        "BatchFeature": BatchFeature,
-        "SizeDict": SizeDict,
-        "PILImageResampling": PILImageResampling,
-        "TensorType": str,
-        "divide_to_patches": divide_to_patches,
-        "group_images_by_shape": group_images_by_shape,
-        "reorder_images": reorder_images,
-    }
-    module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
-    exec(compile(module, "<minicpm_ocr steps>", "exec"), namespace)
-    steps = namespace["Steps"]()
+    steps = compiled_processor_steps(
+        "minicpm_ocr",
+        "image_processing_minicpm_ocr.py",
+        "MiniCPMOcrImageProcessor",
+        methods | {"_preprocess"},
+        {"ensure_divide"},
+        PILImageResampling=PILImageResampling,
+        divide_to_patches=divide_to_patches,
+    )
     steps.resize = lambda image, size, resample: tp.resize(image, (size.height, size.width), 3)
-
-    def rescale_and_normalize(x, do_rescale, factor, do_normalize, mean, std):
-        s = {"do_rescale": do_rescale, "rescale_factor": factor, "do_normalize": do_normalize}
-        return tp.normalize(x, {**s, "image_mean": mean, "image_std": std})
-
-    steps.rescale_and_normalize = rescale_and_normalize
     return steps
 
 
@@ -204,11 +177,7 @@ def _hf_processor(path: Path):
 
 
 def _hf_inputs(path: Path, text: str, images: list):
-    processor = _hf_processor(path)
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
-    return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "target_sizes")}
+    return processor_inputs(_hf_processor(path), text, images, ("pixel_values", "target_sizes"))
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from hf_parity import assert_llm_matches, fuse_qkv
 from hf_reference import assert_matches, hf_greedy, load_hf_model, random_token_prompts
 
 from paged_engine import LLM, SamplingParams
@@ -100,15 +101,7 @@ def chatglm(tmp_path_factory):
     assert hf.config.head_dim == 32 and hf.config.rope_parameters["partial_rotary_factor"] == 0.5
     state = load_file(str(path / "model.safetensors"))
     out = {}
-    for name, w in state.items():
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            continue
-        if ".self_attn.q_proj." in name:
-            parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            name, w = (
-                name.replace(".self_attn.q_proj.", ".self_attention.query_key_value."),
-                (torch.cat(parts, dim=0)),
-            )
+    for name, w in fuse_qkv(state, ".self_attention.query_key_value.").items():
         for ours, theirs in _RENAMES:
             name = name.replace(ours, theirs)
         out[name] = w
@@ -136,10 +129,7 @@ def test_release_checkpoint_matches_hf_glm(chatglm):
     refs = [hf_greedy(hf, p, 10, 5) for p in prompts]
     llm = _llm(path)
     assert type(llm.llm_engine.model_runner.model).__name__ == "ChatGLMForCausalLM"
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"chatglm-{i}", out, ref)
+    assert_llm_matches("chatglm", llm, prompts, refs)
 
 
 def test_glm4_release_names(chatglm, tmp_path):

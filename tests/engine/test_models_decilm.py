@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_parity import assert_llm_matches
 from hf_reference import (
-    assert_matches,
     assert_same_greedy,
     engine_greedy,
     hf_greedy,
@@ -25,7 +25,7 @@ from hf_reference import (
 )
 from torch import nn
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.models.decilm import DeciBlock, deci_blocks
 from paged_engine.testing import _randomize, build_tiny_tokenizer, tiny_config
 
@@ -186,10 +186,7 @@ def test_release_checkpoint_matches_composed_hf(decilm):
     refs = [hf_greedy(hf, p, 10, 5, use_cache=False) for p in prompts]
     llm = _llm(path, block_size=16)
     assert kv_layers(llm.llm_engine.hf_config) == [(2, 16), (1, 16), (4, 16)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"decilm-{i}", out, ref)
+    assert_llm_matches("decilm", llm, prompts, refs)
 
 
 def test_chunked_prefill_prefix_hits_and_preemption_match_plain(decilm):

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from hf_reference import assert_matches, hf_greedy, load_hf_model, random_token_prompts
+from hf_parity import assert_llm_matches
+from hf_reference import hf_greedy, load_hf_model, random_token_prompts
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers.models.stablelm")
@@ -82,7 +83,4 @@ def test_release_checkpoint_matches_hf_stablelm(tmp_path):
         model=str(path), dtype="float32", max_model_len=128, block_size=16, trust_remote_code=True
     )
     assert type(llm.llm_engine.model_runner.model).__name__ == "OrionForCausalLM"
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
-        assert_matches(f"orion-{i}", out, ref)
+    assert_llm_matches("orion", llm, prompts, refs)

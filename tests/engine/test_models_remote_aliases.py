@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy, load_hf_model, random_token_prompts
+from hf_parity import assert_llm_matches, fuse_qkv
+from hf_reference import hf_greedy, load_hf_model, random_token_prompts
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -29,10 +30,7 @@ def _matches(path: Path, hf, seed: int, case: str, prompts: int = 2) -> LLM:
     cases = random_token_prompts(seed, prompts)
     refs = [hf_greedy(hf, p, TOKENS, 5) for p in cases]
     llm = LLM(model=str(path), dtype="float32", max_model_len=96, block_size=16)
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=5)
-    outs = llm.generate([{"prompt_token_ids": p} for p in cases], params, use_tqdm=False)
-    for out, ref in zip(outs, refs, strict=True):
-        assert_matches(case, out, ref)
+    assert_llm_matches(case, llm, cases, refs)
     return llm
 
 
@@ -64,17 +62,8 @@ def test_qwen_v1(tmp_path):
     )
     hf = load_hf_model(path)
     src, state = _config(path), load_file(str(path / "model.safetensors"))
-    out = {}
-    for name, w in state.items():
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            continue
-        if ".self_attn.q_proj." in name:
-            parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            out[name.replace(".self_attn.q_proj.", ".attn.c_attn.")] = torch.cat(parts)
-            continue
-        out[name] = w
     out = _renamed(
-        out,
+        fuse_qkv(state, ".attn.c_attn."),
         (
             ("model.embed_tokens.", "transformer.wte."),
             ("model.layers.", "transformer.h."),
@@ -139,16 +128,7 @@ def test_baichuan2_rope_and_norm_head(tmp_path):
 
 
 def _baichuan_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, w in state.items():
-        if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
-            continue
-        if ".self_attn.q_proj." in name:
-            parts = [state[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
-            out[name.replace(".q_proj.", ".W_pack.")] = torch.cat(parts)
-            continue
-        out[name] = w
-    return out
+    return fuse_qkv(state, ".self_attn.W_pack.")
 
 
 def _baichuan_config(src: dict, arch: str) -> dict:

@@ -19,16 +19,22 @@ tower, nor the video tubelets): refused by name, the engine serving on.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
 import torch
 from hf_parity import assert_serves_like_hf, load_hf_as_saved, write_hf_checkpoint
-from image_checks import check_matches_hf, engine, greedy, hf_cases, hf_refs, noise_image
+from image_checks import (
+    check_matches_hf,
+    compiled_processor_steps,
+    engine,
+    greedy,
+    hf_cases,
+    hf_refs,
+    noise_image,
+    processor_inputs,
+)
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
 
 from paged_engine import SamplingParams
@@ -132,46 +138,21 @@ def _hf_steps():
     transformers' source (the module imports torchvision) onto a bare class; its resize is
     the float32 bicubic one with antialias (torchvision's on float images), its normalize
     torch_processors.py's."""
-    from transformers.feature_extraction_utils import BatchFeature
-    from transformers.image_transforms import group_images_by_shape, reorder_images
-    from transformers.image_utils import SizeDict
-
-    from paged_engine.multimodal import torch_processors as tp
-
-    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
-    name = "image_processing_nemotron_h_omni.py"
-    tree = ast.parse(Path(root, "models", "nemotron_h_omni", name).read_text())
     functions = {"get_patch_grid_size", "get_num_patches_budget", "convert_image_to_patches"}
-    body: list[ast.stmt] = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in functions:
-            body.append(node)
-        elif isinstance(node, ast.ClassDef) and node.name.endswith("ImageProcessor"):
-            keep = [n for n in node.body if getattr(n, "name", "") == "_preprocess"]
-            body.append(ast.ClassDef("Steps", [], [], keep, [], type_params=[]))
-    namespace = {
-        "math": math,
-        "torch": torch,
-        "BatchFeature": BatchFeature,
-        "SizeDict": SizeDict,
-        "TensorType": str,
-        "group_images_by_shape": group_images_by_shape,
-        "reorder_images": reorder_images,
-    }
-    module = ast.fix_missing_locations(ast.Module(body=body, type_ignores=[]))
-    exec(compile(module, "<nemotron_h_omni steps>", "exec"), namespace)
-    steps = namespace["Steps"]()
+    steps = compiled_processor_steps(
+        "nemotron_h_omni",
+        "image_processing_nemotron_h_omni.py",
+        "NemotronH_Omni_Reasoning_V3ImageProcessor",
+        {"_preprocess"},
+        functions,
+    )
 
     def resize(x, size, resample):
         size = (size.height, size.width)
         kw = {"mode": "bicubic", "align_corners": False, "antialias": True}
         return torch.nn.functional.interpolate(x, size, **kw)
 
-    def rescale_and_normalize(x, do_rescale, factor, do_normalize, mean, std):
-        s = {"do_rescale": do_rescale, "rescale_factor": factor, "do_normalize": do_normalize}
-        return tp.normalize(x, {**s, "image_mean": mean, "image_std": std})
-
-    steps.resize, steps.rescale_and_normalize = resize, rescale_and_normalize
+    steps.resize = resize
     return steps
 
 
@@ -192,11 +173,7 @@ def _hf_processor(path: Path):
 
 
 def _hf_inputs(path: Path, text: str, images: list):
-    processor = _hf_processor(path)
-    if not images:
-        return processor.tokenizer.encode(text, add_special_tokens=False), {}
-    out = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
-    return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_hw")}
+    return processor_inputs(_hf_processor(path), text, images, ("pixel_values", "image_grid_hw"))
 
 
 @pytest.fixture(scope="module")

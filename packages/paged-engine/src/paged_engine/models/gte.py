@@ -209,8 +209,10 @@ class GteModel(RopeBertModel):
     """GTE's encoder: embeddings pooled from its final hidden states."""
 
 
-class GteForSequenceClassification(GteModel):
-    """GTE with BERT's head (gte-multilingual-reranker-base)."""
+class BertClassifierHead:
+    """Mixin (before a RopeBertModel subclass): BERT's sequence-classification head,
+    classifier(tanh(pooler.dense(h[CLS]))), under HF's `pooler.*` / `classifier.*` names;
+    shared by GTE's and Nomic BERT's `*ForSequenceClassification`."""
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -224,6 +226,10 @@ class GteForSequenceClassification(GteModel):
 
     def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, labels]
         return self.classifier(torch.tanh(self.pooler.dense(cls_rows)))
+
+
+class GteForSequenceClassification(BertClassifierHead, GteModel):
+    """GTE with BERT's head (gte-multilingual-reranker-base)."""
 
 
 def new_config(raw: dict[str, Any]) -> PretrainedConfig:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import JinaEmbeddingsV3Config, PretrainedConfig
 
+from paged_engine.models.bert import RobertaClassificationHead
 from paged_engine.models.gte import RopeBertModel
 from paged_engine.models.remote_aliases import common_fields, field
 
@@ -101,10 +102,7 @@ class JinaEmbeddingsV3ForSequenceClassification(JinaEmbeddingsV3Model):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        h = config.hidden_size
-        self.classifier = nn.Module()
-        self.classifier.dense = nn.Linear(h, h)
-        self.classifier.out_proj = nn.Linear(h, int(config.num_labels))
+        self.classifier = RobertaClassificationHead(config)  # dense, out_proj: HF's names
 
     def skip_weight(self, name: str) -> bool:
         return super().skip_weight(name) and not name.startswith("classifier.")

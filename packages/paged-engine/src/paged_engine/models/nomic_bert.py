@@ -22,11 +22,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 from transformers import NomicBertConfig, PretrainedConfig
 
-from paged_engine.models.gte import RopeBertModel
+from paged_engine.models.gte import BertClassifierHead, RopeBertModel
 from paged_engine.models.remote_aliases import common_fields, field
 
 # release name piece -> ours (GTE's Hub names), applied in order
@@ -57,21 +56,8 @@ class NomicBertModel(RopeBertModel):
         return name
 
 
-class NomicBertForSequenceClassification(NomicBertModel):
+class NomicBertForSequenceClassification(BertClassifierHead, NomicBertModel):
     """Nomic BERT with BERT's head: classifier(tanh(pooler.dense(h[CLS])))."""
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        h = config.hidden_size
-        self.pooler = nn.Module()
-        self.pooler.dense = nn.Linear(h, h)
-        self.classifier = nn.Linear(h, int(config.num_labels))
-
-    def skip_weight(self, name: str) -> bool:
-        return super().skip_weight(name) and not name.startswith(("pooler.", "classifier."))
-
-    def classify(self, cls_rows: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, labels]
-        return self.classifier(torch.tanh(self.pooler.dense(cls_rows)))
 
 
 # the release's switches and the value this stack runs

@@ -13,6 +13,9 @@ MPT configs itself and runs the others' remote config code).
       TeleChatForCausalLM
     Phi3VForCausalLM               phi3_v                       Phi-3's (models/phi3v_config.py;
                                                                 images: multimodal/phi3v.py)
+    KimiVLForConditionalGeneration kimi_vl                      DeepSeek-V3's (config:
+                                                                models/kimi_vl_config.py;
+                                                                images: multimodal/kimi_vl.py)
     NewModel,                      new                          models/gte.py (GTE v1.5 / mGTE)
       NewForSequenceClassification
     NomicBertModel (GPT-2 names)   nomic_bert                   models/nomic_bert.py
@@ -146,6 +149,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "NomicBertModel": "nomic_bert:nomic_config",  # None for transformers' own names
     "XLMRobertaModel": "jina_embeddings_v3:jina_config",  # None unless rotary (Jina v3)
     "Phi3VForCausalLM": "phi3v_config:phi3v_config",
+    "KimiVLForConditionalGeneration": "kimi_vl_config:kimi_vl_config",
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
-from paged_engine.models.sequence_classifier import ZeroLogits
+from paged_engine.models.sequence_classifier import ScoreHead
 
 
-class Qwen2RewardBase(Qwen2ForCausalLM):
-    """The decoder, `ZeroLogits` for the engine's throwaway token, and the reward head."""
+class Qwen2RewardBase(ScoreHead, Qwen2ForCausalLM):
+    """The decoder, `ZeroLogits` for the engine's throwaway token, and the reward head
+    (`ScoreHead`'s rename_weight and classify)."""
 
     num_labels: int = 1
     pooling_only = "a reward model"
@@ -40,19 +41,10 @@ class Qwen2RewardBase(Qwen2ForCausalLM):
     def __init__(self, config) -> None:
         config.num_labels = self.num_labels  # as vLLM: the head's width, whatever the config says
         super().__init__(config)
-        width = self.get_submodule(self.embed_path).weight.shape[1]
-        setattr(self, self.head_name, ZeroLogits(config.vocab_size))
-        self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
+        width = self._drop_lm_head(config)
         self.score = nn.Sequential(
             nn.Linear(width, width), nn.ReLU(), nn.Linear(width, self.num_labels)
         )
-
-    def rename_weight(self, name: str) -> str:
-        # the head sits at the top level, outside the decoder's prefix
-        return name if name.startswith("score.") else super().rename_weight(name)
-
-    def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, num_labels]
-        return self.score(hidden)
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True

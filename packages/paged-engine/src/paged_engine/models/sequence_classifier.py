@@ -33,25 +33,36 @@ class ZeroLogits(nn.Module):
         return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
 
 
+class ScoreHead:
+    """Mixin (before a CausalLMBase subclass) for a decoder whose LM head is `ZeroLogits` and
+    whose `classify` runs a top-level `score` module; shared by the sequence classifiers here
+    and models/reward_model.py."""
+
+    def _drop_lm_head(self, config) -> int:
+        """Replaces the LM head by `ZeroLogits`; returns the hidden width for `score`."""
+        width = self.get_submodule(self.embed_path).weight.shape[1]
+        setattr(self, self.head_name, ZeroLogits(config.vocab_size))
+        self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
+        return width
+
+    def rename_weight(self, name: str) -> str:
+        # the head sits at the top level, outside every decoder prefix a base may add
+        return name if name.startswith("score.") else super().rename_weight(name)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, num_labels]
+        return self.score(hidden)
+
+
 @functools.cache
 def sequence_classifier(base: type[nn.Module]) -> type[nn.Module]:
     """The classification model class over `base` (a CausalLMBase subclass)."""
 
-    class SequenceClassifier(base):  # type: ignore[misc, valid-type]
+    class SequenceClassifier(ScoreHead, base):  # type: ignore[misc, valid-type]
         def __init__(self, config) -> None:
             super().__init__(config)
-            width = self.get_submodule(self.embed_path).weight.shape[1]
-            setattr(self, self.head_name, ZeroLogits(config.vocab_size))
-            self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
+            width = self._drop_lm_head(config)
             # a bias is added when the checkpoint carries one (load_weights)
             self.score = nn.Linear(width, int(config.num_labels), bias=False)
-
-        def rename_weight(self, name: str) -> str:
-            # the head sits at the top level, outside every decoder prefix a base may add
-            return name if name.startswith("score.") else super().rename_weight(name)
-
-        def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, num_labels]
-            return self.score(hidden)
 
         def load_weights(
             self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True

@@ -50,8 +50,10 @@ each is exact).
     InternVLChatModel (llm_config)       qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe / internlm2  -> Qwen3Moe / InternLM2
     SkyworkR1VChatModel (llm_config)     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
+    H2OVLChatModel (llm_config)          mistral / llama        -> Mistral / Llama
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
+    KimiVLForConditionalGeneration       deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
@@ -326,6 +328,10 @@ WRAPPERS: dict[str, Wrapper] = {
     # Kimi K2.5 / K2.6: a DeepSeek-V3 decoder (text_config "kimi_k2" reads as deepseek_v3)
     "Kimi_K25ForConditionalGeneration": Wrapper(
         {"deepseek_v3": "DeepseekV3ForCausalLM"}, _KIMI_K25, renames=_KIMI_K25_RENAMES
+    ),
+    # Kimi-VL (remote code; config: models/kimi_vl_config.py): the Hub's DeepSeek-V3 names
+    "KimiVLForConditionalGeneration": Wrapper(
+        {"deepseek_v3": "DeepseekV3ForCausalLM"}, _modules("vision_tower", "multi_modal_projector")
     ),
     "Lfm3VlForConditionalGeneration": Wrapper({"lfm3": "Lfm3ForCausalLM"}, _LLAVA_STYLE),
     # MiniCPM-V 4.6 / 4.7: Qwen3.5's hybrid decoder, M-RoPE plain on text
@@ -653,6 +659,11 @@ WRAPPERS: dict[str, Wrapper] = {
     # Skywork-R1V: InternVLChatModel's layout and config under its own names
     "SkyworkR1VChatModel": Wrapper(
         {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"},
+        ("vision_model.", "mlp1."),
+    ),
+    # H2OVL-Mississippi: InternVLChatModel's layout and config, an H2O-Danube decoder
+    "H2OVLChatModel": Wrapper(
+        {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"},
         ("vision_model.", "mlp1."),
     ),
     # Ultravox (fixie-ai's remote code; config: models/ultravox_config.py): Whisper's encoder

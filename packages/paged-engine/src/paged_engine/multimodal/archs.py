@@ -23,6 +23,8 @@
     InternVLChatModel,                       "internvl_chat"  multimodal/internvl_chat.py
       SkyworkR1VChatModel (the Hub's remote-code InternVL and Skywork-R1V: their config and
       names mapped onto InternVL's)
+    H2OVLChatModel                                "h2ovl"       multimodal/h2ovl.py (remote
+      code: InternVL-Chat's config, names and encoder; one image alone tiled by MSAC)
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
@@ -33,6 +35,8 @@
     Cohere2VisionForConditionalGeneration         "cohere2_vision"  multimodal/aya_vision.py
     Idefics2ForConditionalGeneration              "idefics2"    multimodal/idefics2.py
     Kimi_K25ForConditionalGeneration              "kimi_k25"    multimodal/kimi_k25.py
+    KimiVLForConditionalGeneration                "kimi_vl"     multimodal/kimi_vl.py (remote
+      code: config models/kimi_vl_config.py; K2.5's tower and projector, its own processor)
     MiniCPMV4_6ForConditionalGeneration           "minicpmv"    multimodal/minicpmv.py
     MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
     MiniCPMOcrForConditionalGeneration      "minicpm_ocr"  multimodal/minicpmv.py (MiniCPM-V
@@ -126,6 +130,7 @@ KINDS: dict[str, str] = {
     "Cohere2VisionForConditionalGeneration": "cohere2_vision",
     "Idefics2ForConditionalGeneration": "idefics2",
     "Kimi_K25ForConditionalGeneration": "kimi_k25",
+    "KimiVLForConditionalGeneration": "kimi_vl",  # remote code: models/kimi_vl_config.py
     "MiniCPMV4_6ForConditionalGeneration": "minicpmv",
     "MiniCPMV4_7ForConditionalGeneration": "minicpmv_canvas",
     "Lfm2VlForConditionalGeneration": "lfm2_vl",
@@ -155,6 +160,7 @@ KINDS: dict[str, str] = {
     "CohereCompassForConditionalGeneration": "qwen2_vl",
     "InternVLChatModel": "internvl_chat",
     "SkyworkR1VChatModel": "internvl_chat",
+    "H2OVLChatModel": "h2ovl",  # InternVL-Chat's, its own tiling (multimodal/h2ovl.py)
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "Phi3VForCausalLM": "phi3v",
@@ -179,6 +185,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "paddleocr_vl": ("paddleocr_vl_vision",),
     "ernie4_5_vl": ("ernie4_5_vl_moe_vision",),
     "kimi_k25": ("kimi_k25_vision",),
+    "kimi_vl": ("kimi_k25_vision",),  # MoonViT, read into K2.5's config
     "minicpmv": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "minicpmv_canvas": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "lfm2_vl": ("siglip2_vision_model",),
@@ -230,6 +237,7 @@ ENCODERS: dict[str, str] = {
     "cohere2_vision": "aya_vision:AyaVisionImageEncoder",
     "idefics2": "idefics2:Idefics2ImageEncoder",
     "kimi_k25": "kimi_k25:KimiImageEncoder",
+    "kimi_vl": "kimi_vl:KimiVLImageEncoder",
     "minicpmv": "minicpmv:MiniCPMVImageEncoder",
     "minicpmv_canvas": "minicpmv:MiniCPMVImageEncoder",
     "lfm2_vl": "lfm2_vl:Lfm2VlImageEncoder",
@@ -255,6 +263,7 @@ ENCODERS: dict[str, str] = {
     "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
     "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
+    "h2ovl": "internvl_chat:InternVLChatImageEncoder",
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",

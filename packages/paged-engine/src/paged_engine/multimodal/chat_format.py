@@ -59,6 +59,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     },
     "glm_ocr": {"image": "<|begin_of_image|>{token}<|end_of_image|>"},
     "internvl_chat": {"image": "<image>", "video": "<video>"},  # the Hub's InternVL2 / 2.5
+    "h2ovl": {"image": "<image>"},  # H2OVL-Mississippi (InternVL-Chat's marker)
     "internvl": {"video": "<video>"},  # HF's InternVL: images <IMG_CONTEXT> (its token)
     "aria": {"image": "<|fim_prefix|>{token}<|fim_suffix|>"},
     "blip2": {"image": None},
@@ -68,6 +69,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "qwen2_audio": {"audio": "Audio {n}: <|audio_bos|>{token}<|audio_eos|>"},
     "ultravox": {"audio": "<|audio|>"},  # (its token may lie past the vocabulary: the text)
     "phi3v": {"image": "<|image_{n}|>"},  # Phi-3 / 3.5-vision (vLLM's get_placeholder_str)
+    "kimi_vl": {"image": "<|media_start|>image<|media_content|>{token}<|media_end|>"},
 }
 
 

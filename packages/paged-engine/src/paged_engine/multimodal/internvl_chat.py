@@ -54,11 +54,12 @@ import transformers
 
 from paged_engine.multimodal.internvl import InternVLImageEncoder
 from paged_engine.multimodal.layouts import Loaded, Run, _shape_error, _side
-from paged_engine.multimodal.qianfan_ocr import QianfanLayout
+from paged_engine.multimodal.qianfan_ocr import QianfanLayout, split_hub_names
 
 # Skywork-R1V's remote model is InternVL-Chat's under another name (its config fields, weight
 # names and tokens the same)
-ARCHS = ("InternVLChatModel", "SkyworkR1VChatModel")
+# H2OVL-Mississippi too: its own tiling of one image alone (multimodal/h2ovl.py)
+ARCHS = ("InternVLChatModel", "SkyworkR1VChatModel", "H2OVLChatModel")
 CONTEXT = "<IMG_CONTEXT>"
 _IMAGENET_MEAN = [0.485, 0.456, 0.406]
 _IMAGENET_STD = [0.229, 0.224, 0.225]
@@ -167,6 +168,7 @@ def internvl_config(data: dict[str, Any], image_token_id: int) -> Any:
     config.tie_word_embeddings = bool(getattr(config.text_config, "tie_word_embeddings", False))
     config.min_dynamic_patch, config.max_dynamic_patch = low, high
     config.dynamic_image_size = bool(data.get("dynamic_image_size", True))
+    config.use_msac = bool(data.get("use_msac", False))  # H2OVL's (multimodal/h2ovl.py)
     return config
 
 
@@ -196,17 +198,8 @@ def _context_id(path: Path) -> int:
 def _hf_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The tower and projector tensors in transformers' names (others pass over unread), a
     fused attn.qkv split in its q, k, v rows."""
-    for name, tensor in weights:
-        if not name.startswith(("vision_model.", "mlp1.")):
-            continue
-        for pattern, repl in _NAMES:
-            name = pattern.sub(repl, name)
-        head, _, leaf = name.rpartition(".attention.qkv.")
-        if head:
-            for part, rows in zip("qkv", tensor.chunk(3, dim=0), strict=True):
-                yield f"{head}.attention.{part}_proj.{leaf}", rows
-        else:
-            yield name, tensor
+    kept = ((n, t) for n, t in weights if n.startswith(("vision_model.", "mlp1.")))
+    return split_hub_names(kept, _NAMES)
 
 
 class InternVLChatImageEncoder(InternVLImageEncoder):

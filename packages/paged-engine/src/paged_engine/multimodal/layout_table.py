@@ -11,9 +11,11 @@ from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
+from paged_engine.multimodal.h2ovl import H2OVLLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
 from paged_engine.multimodal.internvl_chat import InternVLChatLayout
 from paged_engine.multimodal.janus import JanusLayout
+from paged_engine.multimodal.kimi_vl import KimiVLLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
     Gemma3Layout,
@@ -81,6 +83,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "idefics2": Idefics2Layout,
     "llama4": Llama4Layout,
     "kimi_k25": KimiLayout,
+    "kimi_vl": KimiVLLayout,  # Kimi-VL (remote code): K2.5's runs, its own processor
     "lfm2_vl": Lfm2VlLayout,
     "ovis2_5": Ovis2_5Layout,
     "ovis2": Ovis2Layout,  # Ovis2: tiles, "<image>" (text) -> their indicator segment
@@ -106,6 +109,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
     "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
+    "h2ovl": H2OVLLayout,  # H2OVL-Mississippi: InternVL-Chat's, one image alone by MSAC
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>

@@ -21,7 +21,7 @@ image_placeholder_token, what its chat template writes); either becomes <img>, a
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -54,14 +54,14 @@ _HUB_NAMES = (
 )
 
 
-def _hf_names(
-    weights: Iterable[tuple[str, torch.Tensor]],
+def split_hub_names(
+    weights: Iterable[tuple[str, torch.Tensor]], names: Sequence[tuple[re.Pattern[str], str]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tower and projector weights in transformers' names (`model.` dropped), from either the
-    Hub's names or transformers' own; a fused `attention.qkv` split in three (q, k, v rows)."""
+    """InternViT weights from the Hub's InternVL-Chat names into transformers': each name
+    rewritten by every (pattern, replacement) of `names` in order, then a fused
+    `attention.qkv` split in three (its q, k, v rows). Shared with internvl_chat.py."""
     for name, tensor in weights:
-        name = name.removeprefix("model.")
-        for pattern, repl in _HUB_NAMES:
+        for pattern, repl in names:
             name = pattern.sub(repl, name)
         head, _, leaf = name.rpartition(".attention.qkv.")
         if head:
@@ -69,6 +69,14 @@ def _hf_names(
                 yield f"{head}.attention.{part}_proj.{leaf}", chunk
         else:
             yield name, tensor
+
+
+def _hf_names(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tower and projector weights in transformers' names (`model.` dropped), from either the
+    Hub's names or transformers' own."""
+    return split_hub_names(((n.removeprefix("model."), t) for n, t in weights), _HUB_NAMES)
 
 
 class _QianfanTower(nn.Module):

@@ -111,6 +111,7 @@ class Job:
     # add_request's ValueError (n > max_num_seqs), or the scheduler's stuck error naming it (its
     # sequences outgrew the pool): it fails alone with a clear error, nothing else is lost
     refused: str | None = None
+    failed_by: BaseException | None = None  # a RequestFailedError's cause: only a fault's
     priority: int = 0  # with scheduling_policy="priority"
     lora: LoRARequest | None = None
     embeds: Any = None  # the prompt given as its tokens' embeddings (None: as its tokens)
@@ -340,6 +341,7 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
             except RequestFailedError as e:  # raised by a "wait" pause once paused
                 for rid in e.request_ids:
                     by_id[rid].finish_reasons = ["abort"]
+                    by_id[rid].failed_by = e.cause
             if event[0] in ("pause", "sleep") and event[1] == "abort":
                 for rid in before:  # (an aborted pooling request has no output to say so)
                     by_id[rid].finish_reasons = by_id[rid].finish_reasons or ["abort"]
@@ -357,6 +359,7 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
         except RequestFailedError as e:  # failed alone (paged-server answers them with an error)
             for rid in e.request_ids:
                 by_id[rid].finish_reasons = ["abort"]
+                by_id[rid].failed_by = e.cause
             outs = []
         _collect(by_id, outs)
         step += 1
@@ -534,6 +537,11 @@ def run_seed(model: Model, seed: int, faults: bool = False) -> tuple[dict[str, A
         drive(llm, jobs, events)
         kept = [j for j in jobs if j.abort is None]
         problems = compare(kept, [by_id[j.request_id] for j in kept], speculative)
+        problems += [  # the engine failed a request on its own: a bug the run tripped
+            f"{j.request_id} failed: {j.failed_by!r}"
+            for j in jobs
+            if j.failed_by is not None and not isinstance(j.failed_by, InjectedFault)
+        ]
         left = leftovers(llm.llm_engine)
         if left:
             problems.append(f"left behind once idle: {left}")

@@ -137,6 +137,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         # (core/step_isolation.py); empty but after a failure.
         self.suspects: set[Request] = set()
         self.lone_suspect: Request | None = None  # the one a `schedule()` plans alone
+        self.seats_held = 0  # seats of the running requests a lone run leaves out
         # A failure no request is to blame for that recurs lowers max_num_seqs (step_isolation.py)
         self.batch_cap = BatchCap(max_num_seqs)
 
@@ -231,7 +232,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         planned: list[tuple[Sequence, int]] = []
         admitted: list[Request] = []  # from the waiting queue (running ones ran before)
         preempted: list[Request] = []
-        num_seqs = 0  # live sequences of the requests still running after this pass
+        num_seqs = self.seats_held  # live sequences of the requests still running after this pass
         planner = self.draft_planner
         if planner is not None:
             planner.next_step(len(self.running))

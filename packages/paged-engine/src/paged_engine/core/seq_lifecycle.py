@@ -122,11 +122,11 @@ class SeqLifecycle:
     def fork_seq(self, parent: Sequence, *, index: int, new_seq_id: int | None = None) -> Sequence:
         """A child sharing all of the parent's blocks; appended to the request's seqs."""
         child = parent.fork(next_seq_id() if new_seq_id is None else new_seq_id, index)
-        self.block_manager.fork(parent, child)
         slots = self.state_slots
         if slots is not None and parent.state_slot >= 0:  # its own row, a copy of the parent's
-            child.state_slot = slots.allocate()
+            child.state_slot = slots.allocate()  # (first: raising here leaves nothing held)
             slots.copy(parent.state_slot, child.state_slot)
+        self.block_manager.fork(parent, child)
         parent.request.seqs.append(child)
         self.seqs[child.seq_id] = child
         return child

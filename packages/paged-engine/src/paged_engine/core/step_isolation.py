@@ -268,6 +268,7 @@ class LoneSteps:
     _by_priority: bool
     _next_step_id: int
     lone_suspect: Request | None  # the suspect `schedule()` is planning alone, if any
+    seats_held: int  # seats of the requests outside a lone run (0 otherwise)
 
     def cap_batch(self, width: int, error: Exception) -> None:
         """A blameless failure recurred in a step of `width` sequences: admit at most half as
@@ -367,9 +368,17 @@ class LoneSteps:
         self.running = {suspect: None} if was_running else {}
         self.waiting = deque() if was_running else deque([suspect])
         self.suspects = set()  # (schedule() plans normally, this once)
+        # the seats (and recurrent-state rows) the others running hold: admission counts them
+        # (a suspect that does not fit beside them gets them preempted: _schedule_lone)
+        self.seats_held = sum(
+            self._seq_slots(r, r.live_seqs())  # type: ignore[attr-defined]
+            for r in running
+            if r is not suspect
+        )
         try:
             return self.schedule()  # type: ignore[attr-defined]
         finally:  # merge back: the suspect moved between the queues at most once
+            self.seats_held = 0
             now_running = suspect in self.running
             self.running, self.waiting, self.suspects = running, waiting, suspects
             if now_running and not was_running:  # admitted (admission order: last)

@@ -28,7 +28,14 @@ CASES = [("llama", s) for s in (0, 1, 2, 3, 4, 5, 11)] + [
 ]
 # with one host-side failure injected (engine_fuzz.FAULTS): planning or applying a step raises
 # once; the isolation recomputes or fails the requests involved, the others match
-FAULT_CASES = [("llama", 10), ("llama", 25), ("gemma2", 62), ("qwen3_next", 1), ("mamba2", 12)]
+FAULT_CASES = [
+    ("llama", 10),
+    ("llama", 13),
+    ("llama", 25),
+    ("gemma2", 62),
+    ("qwen3_next", 1),
+    ("mamba2", 12),
+]
 
 
 @pytest.fixture(scope="module")

@@ -138,6 +138,7 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         self.suspects: set[Request] = set()
         self.lone_suspect: Request | None = None  # the one a `schedule()` plans alone
         self.seats_held = 0  # seats of the running requests a lone run leaves out
+        self.adapters_held: set[int] = set()  # and their LoRA adapters
         # A failure no request is to blame for that recurs lowers max_num_seqs (step_isolation.py)
         self.batch_cap = BatchCap(max_num_seqs)
 
@@ -403,7 +404,8 @@ class Scheduler(SeqLifecycle, Preemption, PrefixLookup, StepEmitter, LoneSteps):
         return out, budget
 
     def _running_adapters(self) -> set[int]:
-        return {req.lora_id for req in self.running if req.lora_id}
+        held = {req.lora_id for req in self.running if req.lora_id}
+        return held | self.adapters_held if self.adapters_held else held
 
     def _admit(self, req: Request, seqs: list[Sequence]) -> None:
         self.waiting.popleft()

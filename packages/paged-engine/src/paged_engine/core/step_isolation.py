@@ -269,6 +269,7 @@ class LoneSteps:
     _next_step_id: int
     lone_suspect: Request | None  # the suspect `schedule()` is planning alone, if any
     seats_held: int  # seats of the requests outside a lone run (0 otherwise)
+    adapters_held: set[int]  # and their LoRA adapters
 
     def cap_batch(self, width: int, error: Exception) -> None:
         """A blameless failure recurred in a step of `width` sequences: admit at most half as
@@ -368,17 +369,18 @@ class LoneSteps:
         self.running = {suspect: None} if was_running else {}
         self.waiting = deque() if was_running else deque([suspect])
         self.suspects = set()  # (schedule() plans normally, this once)
-        # the seats (and recurrent-state rows) the others running hold: admission counts them
-        # (a suspect that does not fit beside them gets them preempted: _schedule_lone)
-        self.seats_held = sum(
-            self._seq_slots(r, r.live_seqs())  # type: ignore[attr-defined]
-            for r in running
-            if r is not suspect
-        )
+        # the seats (and recurrent-state rows) and LoRA adapters the others running hold:
+        # admission counts them (a suspect that does not fit beside them gets them preempted:
+        # _schedule_lone)
+        others = [r for r in running if r is not suspect]
+        seats = self._seq_slots  # type: ignore[attr-defined]
+        self.seats_held = sum(seats(r, r.live_seqs()) for r in others)
+        self.adapters_held = {r.lora_id for r in others if r.lora_id}  # (max_loras)
         try:
             return self.schedule()  # type: ignore[attr-defined]
         finally:  # merge back: the suspect moved between the queues at most once
             self.seats_held = 0
+            self.adapters_held = set()
             now_running = suspect in self.running
             self.running, self.waiting, self.suspects = running, waiting, suspects
             if now_running and not was_running:  # admitted (admission order: last)

@@ -92,6 +92,38 @@ def encoder_attention(
     return out
 
 
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NeoX rope's cos / sin [T, 1, d] for `positions` [T], in float32 then cast to `dtype`."""
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_encoder_attention(
+    qkv: torch.Tensor,  # [T, 3 * hidden]: q | k | v, each heads x d
+    num_heads: int,
+    cos: torch.Tensor,  # [T, 1, d]
+    sin: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    window: int | None = None,
+) -> torch.Tensor:
+    """`encoder_attention` of a fused qkv projection with NeoX rope on q and k (the rotary
+    encoders: ModernBERT, GTE / Nomic / Jina v3); returns [T, hidden], before the output
+    projection."""
+    t = qkv.shape[0]
+    q, k, v = qkv.view(t, 3, num_heads, -1).unbind(1)  # [T, heads, d]
+    q, k = _rotate_half(q, cos, sin), _rotate_half(k, cos, sin)
+    q, k, v = (y.transpose(0, 1) for y in (q, k, v))  # [heads, T, d]
+    return encoder_attention(q, k, v, bounds, window).transpose(0, 1).reshape(t, -1)
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
 class EncoderShell(nn.Module):
     """What every encoder-only model class shares: the engine's view of it (`is_encoder`, no
     cached layers, its position limit), zero logits for a pooling request's throwaway token,

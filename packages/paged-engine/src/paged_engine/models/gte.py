@@ -35,7 +35,13 @@ from torch import nn
 from transformers import GteConfig, PretrainedConfig
 
 from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.models.bert import EncoderShell, activation, encoder_attention, sequence_bounds
+from paged_engine.models.bert import (
+    EncoderShell,
+    activation,
+    rope_tables,
+    rotary_encoder_attention,
+    sequence_bounds,
+)
 from paged_engine.models.remote_aliases import common_fields, field
 from paged_engine.models.utils import load_named_weights
 
@@ -52,11 +58,6 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
     exps = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     inv = 1.0 / (float(params["rope_theta"]) ** exps)
     return inv / float(params.get("factor", 1.0)) if kind == "linear" else inv
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class RopeBertEmbeddings(nn.Module):
@@ -84,12 +85,9 @@ class RopeBertAttention(nn.Module):
         self.o_proj = nn.Linear(h, h, bias=bias)
 
     def forward(self, x, cos, sin, bounds: list[tuple[int, int]]) -> torch.Tensor:
-        t, h = x.shape
-        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, -1).unbind(1)  # [T, heads, d]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q, k, v = (y.transpose(0, 1) for y in (q, k, v))  # [heads, T, d]
-        out = encoder_attention(q, k, v, bounds)
-        return self.o_proj(out.transpose(0, 1).reshape(t, h))
+        return self.o_proj(
+            rotary_encoder_attention(self.qkv_proj(x), self.num_heads, cos, sin, bounds)
+        )
 
 
 class RopeBertMLP(nn.Module):
@@ -164,9 +162,7 @@ class RopeBertModel(EncoderShell):
     ) -> torch.Tensor:
         bounds = sequence_bounds(attn_metadata)
         x = self.embeddings(input_ids)
-        freqs = positions[:, None].float() * self.inv_freq  # float32, then cast
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, d]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(positions, self.inv_freq, x.dtype)
         for layer in self.encoder.layer:
             x = layer(x, cos, sin, bounds)
         return x

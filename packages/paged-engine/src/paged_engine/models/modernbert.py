@@ -25,7 +25,8 @@ from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.models.bert import (
     EncoderShell,
     activation,
-    encoder_attention,
+    rope_tables,
+    rotary_encoder_attention,
     sequence_bounds,
 )
 from paged_engine.models.utils import load_named_weights
@@ -54,12 +55,6 @@ def _ln(config) -> nn.LayerNorm:
     return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.norm_bias)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class ModernBertEmbeddings(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
@@ -77,12 +72,8 @@ class ModernBertAttention(nn.Module):
         self.Wo = nn.Linear(h, h, bias=bias)
 
     def forward(self, x, cos, sin, bounds: list[tuple[int, int]]) -> torch.Tensor:
-        t, h = x.shape
-        q, k, v = self.Wqkv(x).view(t, 3, self.num_heads, -1).unbind(1)  # [T, heads, d]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        q, k, v = (y.transpose(0, 1) for y in (q, k, v))  # [heads, T, d]
-        out = encoder_attention(q, k, v, bounds, self.window)
-        return self.Wo(out.transpose(0, 1).reshape(t, h))
+        out = rotary_encoder_attention(self.Wqkv(x), self.num_heads, cos, sin, bounds, self.window)
+        return self.Wo(out)
 
 
 class ModernBertMLP(nn.Module):
@@ -143,10 +134,8 @@ class ModernBertModel(EncoderShell):
         bounds = sequence_bounds(attn_metadata)
         x = self.embeddings.norm(self.embeddings.tok_embeddings(input_ids))
         rope = {}
-        for kind in set(self.kinds):  # cos / sin [T, 1, d] per layer type, float32 then cast
-            freqs = positions[:, None].float() * getattr(self, f"inv_freq_{kind}")
-            emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-            rope[kind] = (emb.cos().to(x.dtype), emb.sin().to(x.dtype))
+        for kind in set(self.kinds):  # cos / sin per layer type
+            rope[kind] = rope_tables(positions, getattr(self, f"inv_freq_{kind}"), x.dtype)
         for layer in self.layers:
             x = layer(x, *rope[layer.kind], bounds)
         return self.final_norm(x)

@@ -44,7 +44,6 @@ use 1e-6, the remote model the tower's eps).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -54,7 +53,7 @@ import transformers
 
 from paged_engine.multimodal.internvl import InternVLImageEncoder
 from paged_engine.multimodal.layouts import Loaded, Run, _shape_error, _side
-from paged_engine.multimodal.qianfan_ocr import QianfanLayout, split_hub_names
+from paged_engine.multimodal.qianfan_ocr import QianfanLayout, hub_vit_names, split_hub_names
 
 # Skywork-R1V's remote model is InternVL-Chat's under another name (its config fields, weight
 # names and tokens the same)
@@ -80,21 +79,7 @@ _VISION_FIELDS = {
 }
 # the remote vision / projector names -> transformers', in order, on `vision_model.` and
 # `mlp1.` names only
-_NAMES = (
-    (re.compile(r"^vision_model\."), "vision_tower."),
-    (re.compile(r"^mlp1\.0\."), "multi_modal_projector.layer_norm."),
-    (re.compile(r"^mlp1\.1\."), "multi_modal_projector.linear_1."),
-    (re.compile(r"^mlp1\.3\."), "multi_modal_projector.linear_2."),
-    (re.compile(r"\.encoder\.layers\."), ".encoder.layer."),
-    (re.compile(r"\.ls([12])$"), r".lambda_\1"),
-    (re.compile(r"\.attn\.proj\."), ".attention.projection_layer."),
-    (re.compile(r"\.attn\."), ".attention."),
-    (re.compile(r"\.norm1\."), ".layernorm_before."),
-    (re.compile(r"\.norm2\."), ".layernorm_after."),
-    (re.compile(r"\.embeddings\.class_embedding$"), ".embeddings.cls_token"),
-    (re.compile(r"\.embeddings\.position_embedding$"), ".embeddings.position_embeddings"),
-    (re.compile(r"\.embeddings\.patch_embedding\."), ".embeddings.patch_embeddings.projection."),
-)
+_NAMES = hub_vit_names((r"\.encoder\.layers\.", ".encoder.layer."))
 
 
 def chat_config(path: str | Path) -> Any | None:

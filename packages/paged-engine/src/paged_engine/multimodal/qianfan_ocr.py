@@ -34,24 +34,32 @@ from paged_engine.multimodal.layouts_single_run import BoundedLayout
 MARKER = "<image>"  # QianfanOCRProcessor's image_placeholder_token
 _LAYERS = "vision_tower.layers."
 _VISION_TYPE = "qianfan_ocr_vision"
+
+
+def hub_vit_names(layers: tuple[str, str]) -> tuple[tuple[re.Pattern[str], str], ...]:
+    """The Hub's InternVL-Chat tower and projector names -> transformers', applied in order;
+    `layers` is (pattern, replacement): where the port keeps the encoder layers."""
+    rows = (
+        (r"^vision_model\.", "vision_tower."),
+        (r"^mlp1\.0\.", "multi_modal_projector.layer_norm."),
+        (r"^mlp1\.1\.", "multi_modal_projector.linear_1."),
+        (r"^mlp1\.3\.", "multi_modal_projector.linear_2."),
+        layers,
+        (r"\.ls([12])$", r".lambda_\1"),
+        (r"\.attn\.proj\.", ".attention.projection_layer."),
+        (r"\.attn\.", ".attention."),
+        (r"\.norm1\.", ".layernorm_before."),
+        (r"\.norm2\.", ".layernorm_after."),
+        (r"\.embeddings\.class_embedding$", ".embeddings.cls_token"),
+        (r"\.embeddings\.position_embedding$", ".embeddings.position_embeddings"),
+        (r"\.embeddings\.patch_embedding\.", ".embeddings.patch_embeddings.projection."),
+    )
+    return tuple((re.compile(pattern), repl) for pattern, repl in rows)
+
+
 # the Hub's InternVL-Chat names -> transformers' (its conversion_mapping's "qianfan_ocr" rows),
 # applied in order to every name (load_weights keeps the tower and projector ones)
-_HUB_NAMES = (
-    (re.compile(r"^vision_model\."), "vision_tower."),
-    (re.compile(r"^mlp1\.0\."), "multi_modal_projector.layer_norm."),
-    (re.compile(r"^mlp1\.1\."), "multi_modal_projector.linear_1."),
-    (re.compile(r"^mlp1\.3\."), "multi_modal_projector.linear_2."),
-    (re.compile(r"encoder\.layers\."), "layers."),
-    (re.compile(r"\.ls1$"), ".lambda_1"),
-    (re.compile(r"\.ls2$"), ".lambda_2"),
-    (re.compile(r"\.attn\.proj\."), ".attention.projection_layer."),
-    (re.compile(r"\.attn\."), ".attention."),
-    (re.compile(r"\.norm1\."), ".layernorm_before."),
-    (re.compile(r"\.norm2\."), ".layernorm_after."),
-    (re.compile(r"\.embeddings\.class_embedding$"), ".embeddings.cls_token"),
-    (re.compile(r"\.embeddings\.position_embedding$"), ".embeddings.position_embeddings"),
-    (re.compile(r"\.embeddings\.patch_embedding\."), ".embeddings.patch_embeddings.projection."),
-)
+_HUB_NAMES = hub_vit_names((r"encoder\.layers\.", "layers."))
 
 
 def split_hub_names(

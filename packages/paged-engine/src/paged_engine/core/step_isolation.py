@@ -179,7 +179,6 @@ class StepIsolation:
         have touched (every running one, any it took off the waiting queue) recomputes as a
         suspect, as after a failed step; one that fails planning alone is blamed."""
         scheduler = self.scheduler
-        scheduler.step_seqs.pop(scheduler._next_step_id, None)  # (if it got that far)
         in_flight = {sched.step_id for sched, _ in self._in_flight}
         for step_id in [i for i in scheduler.step_seqs if i not in in_flight]:
             del scheduler.step_seqs[step_id]  # emitted, then the planning raised

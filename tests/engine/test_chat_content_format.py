@@ -104,7 +104,7 @@ def test_placeholder_text_per_family():
     assert qwen.text("audio", 1) is None  # no audio side: nothing written
     assert _marks(_image_side("llava")).text("image", 3) == "<image>"  # its token, decoded
     assert _marks(_image_side("internvl_chat", 11)).text("image", 1) == "<image>"
-    assert _marks(_image_side("phi4mm", 11)).text("image", 2) == "<|image_2|>"
+    assert _marks(_image_side("phi4mm", 11)).text("image", 2) == "<|image|>"
     assert _marks(_image_side("blip2")).text("image", 1) is None  # placed without a marker
     audio = SimpleNamespace(config=SimpleNamespace(architectures=["UltravoxModel"]), placeholder=11)
     assert _marks(audios=audio).text("audio", 1) == "<|audio|>"  # the text, not the id's

@@ -6,8 +6,8 @@ one chunk back: HF's chunk mask, which adds +1 / +0 to the scores) and the speec
 transformers' Phi4MultimodalFeatureExtractor. `LLM.generate` with `multi_modal_data["audio"]`
 must give HF's expanded prompt ids (each <|audio|> repeated audio_embed_sizes times) and HF
 `generate`'s greedy tokens and top-5 logprobs (1e-3, float32), a clip past 500 encoder rows
-(HF's windows of 500) included. Then the engine's paths and refusals by name (images and audio
-in one prompt), the server's chat path with an input_audio part.
+(HF's windows of 500) included. Then the engine's paths and refusals by name, the server's chat
+path with an input_audio part (images with audio in one prompt: test_phi4mm_mixed.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import torch
 from audio_checks import check_audio_paths, check_chat_input_audio, check_matches_hf, noise_clip
 from hf_reference import hf_greedy
-from image_checks import greedy, noise_image
-from test_phi4mm_images import AUDIO, IMAGE, write_tiny_phi4mm
+from image_checks import greedy
+from test_phi4mm_images import AUDIO, write_tiny_phi4mm
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.phi4_multimodal")
@@ -83,19 +83,12 @@ def test_audio_matches_hf(path):
 
 def test_engine_paths_and_refusals(path):
     """audio_checks' paths (chunks through the clips, prefix-cache hits, clips processed
-    ahead); a prompt with an image and a clip is refused by name (HF's vision-speech projector
-    is not served), a clip shorter than a frame too, and the engine serves on."""
+    ahead); a clip shorter than a frame is refused by name, and the engine serves on."""
     prompts = [
         {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(i, 0.5 + 0.2 * i)}}
         for i in range(2)
     ] + [{"prompt": TWO, "multi_modal_data": {"audio": [noise_clip(7, 0.4), noise_clip(8, 0.9)]}}]
     cached = check_audio_paths(path, prompts, TWO, chunk=8)
-    both = {
-        "prompt": f"<|user|>{IMAGE}{AUDIO}Both?<|end|><|assistant|>",
-        "multi_modal_data": {"image": noise_image(1, (30, 40)), "audio": noise_clip(1, 0.5)},
-    }
-    with pytest.raises(ValueError, match="images and audio in one prompt"):
-        cached.generate([both], greedy(0), use_tqdm=False)
     short = {"prompt": ONE, "multi_modal_data": {"audio": noise_clip(1, 0.01)}}
     with pytest.raises(ValueError, match="too short"):
         cached.generate([short], greedy(0), use_tqdm=False)

@@ -12,7 +12,7 @@ transformers class's own functions (compiled from its source). `LLM.generate` wi
 `multi_modal_data` must give HF's expanded prompt ids (each <|image|> repeated num_img_tokens
 times) and HF `generate`'s greedy tokens and top-5 logprobs (1e-3, float32); the encoder's rows
 equal HF's image embedding at the placeholders. Then the engine's paths, bad input, refusals
-by name (an image with audio, configs), the server's chat path, and a PEFT LoRA adapter per
+by name (configs), the server's chat path, and a PEFT LoRA adapter per
 request (the way the checkpoint's vision-lora is served) against HF on the merged weights.
 """
 
@@ -283,9 +283,8 @@ def test_torch_processor_matches_transformers(path):
 
 def test_engine_paths_and_refusals(path):
     """image_checks' paths (128-token chunks through the images, prefix-cache hits, images
-    processed ahead); bad input, an image with audio in one prompt (HF's vision-speech
-    projector: not served) and image features of the wrong width are ValueErrors naming what
-    is wrong, and the engine serves on."""
+    processed ahead); bad input and image features of the wrong width are ValueErrors naming
+    what is wrong, and the engine serves on (images with audio: test_phi4mm_mixed.py)."""
     sizes = [(30, 80), (50, 65), (70, 50)]
     prompts = [
         {"prompt": PROMPT, "multi_modal_data": {"image": noise_image(i, s)}}
@@ -298,14 +297,10 @@ def test_engine_paths_and_refusals(path):
         }
     )
     cached = check_engine_paths(path, prompts, TWO, chunk=128)
-    one, clip = noise_image(9, (20, 20)), (torch.zeros(8000), 16000)
+    one = noise_image(9, (20, 20))
     refused = usual_refusals(PROMPT, TWO, one)
     refused += [
         ({"prompt": PROMPT, "multi_modal_data": {"image": torch.zeros(5, 48)}}, "hidden size"),
-        (
-            {"prompt": f"{AUDIO}{PROMPT}", "multi_modal_data": {"image": one, "audio": clip}},
-            "images and audio in one prompt",
-        ),
     ]
     check_refused(path, cached, refused, prompts)
 

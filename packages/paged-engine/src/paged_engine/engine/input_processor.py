@@ -258,6 +258,7 @@ class InputProcessor:
         if "audio" in mm_data:  # an image after a clip's run moves with it
             alone = "image" not in mm_data and "video" not in mm_data
             token_ids, clips, added = self._audio(token_ids, mm_data["audio"], kw, alone)
+            clips = self.audios.beside_images(clips, bool(images))  # (Phi-4-mm's projector)
             images = tuple(sorted([*shift_offsets(images, added), *clips], key=lambda m: m.offset))
         if "video" not in mm_data:
             return token_ids, images

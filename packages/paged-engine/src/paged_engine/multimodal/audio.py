@@ -97,6 +97,11 @@ class AudioProcessor:
         this."""
         return expand_runs(token_ids, self.placeholder, lengths, "audio")
 
+    def beside_images(self, clips: tuple, with_images: bool) -> tuple:
+        """A prompt's placed clips once its images are placed too (`with_images`: it has any);
+        as they are here. Phi-4-multimodal projects a clip apart beside images."""
+        return clips
+
     def transcription_prompt(self, language: str | None, task: str, prompt: str) -> dict:
         """The engine prompt (a dict without the audio) that asks this model to transcribe
         (task "transcribe") or translate into English ("translate") one clip in `language`

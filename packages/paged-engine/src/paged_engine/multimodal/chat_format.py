@@ -65,7 +65,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "blip2": {"image": None},
     "fuyu": {"image": None},
     "paligemma": {"image": None},
-    "phi4mm": {"image": "<|image_{n}|>", "audio": "<|audio_{n}|>"},
+    "phi4mm": {"image": "<|image|>", "audio": "<|audio|>"},  # transformers' Phi-4-mm: its tokens
     "qwen2_audio": {"audio": "Audio {n}: <|audio_bos|>{token}<|audio_eos|>"},
     "ultravox": {"audio": "<|audio|>"},  # (its token may lie past the vocabulary: the text)
     "phi3v": {"image": "<|image_{n}|>"},  # Phi-3 / 3.5-vision (vLLM's get_placeholder_str)

@@ -25,7 +25,8 @@ wrapper's own flat config (models/text_wrappers.py `flat`).
 Weights: `model.embed_tokens_extend.image_embed.{img_processor, img_projection_up,
 img_projection_down, global_img_feature_extensor, sub_img_feature_extensor}` (the tower's head,
 post_layernorm and layers past feature_layer passed over). Audio (`embed_tokens_extend.
-audio_embed`): phi4mm_audio.py; a prompt with both images and audio is refused by name.
+audio_embed`): phi4mm_audio.py; a prompt may hold both, in any order (its clips then take the
+vision-speech projector, as in HF).
 
 LoRA: the released checkpoint keeps its text model un-merged and ships the vision and speech
 LoRA as PEFT adapter directories (`vision-lora/`, `speech-lora/`, rank 320 on the decoder's
@@ -34,8 +35,10 @@ qkv_proj / o_proj / gate_up_proj / down_proj): transformers loads them apart
 vLLM serves them as per-request LoRA (`--enable-lora --max-lora-rank 320`). paged does the same:
 `LLM(model, enable_lora=True, max_lora_rank=320)` and
 `lora_request=LoRARequest("vision", 1, f"{model}/vision-lora")` on image prompts (and
-`LoRARequest("speech", 2, f"{model}/speech-lora")` on audio ones; the adapters' `model.layers.*`
-names are the decoder's own). Without an adapter the base model runs, as HF's does.
+`LoRARequest("speech", 2, f"{model}/speech-lora")` on audio ones, the vision one on a prompt
+with both, as the Hub's remote code picks for its VISION_SPEECH mode; the adapters'
+`model.layers.*` names are the decoder's own). Without an adapter the base model runs, as HF's
+does.
 """
 
 from __future__ import annotations

@@ -18,17 +18,25 @@ then the speech projector into the text width.
        gets +1, which softmax ignores). conv: LayerNorm, a GLU 1 x 1 conv (first half + b1,
        times act(second half + b2)), a causal depthwise conv (kernel k, padded k - 1 on both
        sides, the last k - 1 outputs cut), a 1 x 1 conv, act, a 1 x 1 conv
-    -> up_proj_for_speech -> GELU (exact) -> down_proj_for_speech -> the first n rows
+    -> up_proj_for_speech -> GELU (exact) -> down_proj_for_speech -> the first n rows; in a
+       prompt that also holds images, the vision-speech projector (`*_for_vision_speech`)
     prompt: each <|audio|> (audio_config.audio_token_id) becomes a run of n
 
-HF projects audio with its vision-speech projector (`up_proj_for_vision_speech`) when the same
-forward also carries images; paged refuses a prompt holding both by name. The checkpoint's
-speech LoRA (`speech-lora/`) is served as a per-request adapter, as for images (phi4mm.py).
-A clip is run alone (HF's batch of one: no padding mask).
+Images and audio in one prompt (in any order, several of each): each placeholder expands in
+place (images first, then clips, as the input processor runs them; HF's processor expands both
+in the text alike), and the clips take the vision-speech projector: HF's
+Phi4MultimodalFeatureEmbedding picks it whenever the forward carries image pixels, the Hub's
+remote code in its VISION_SPEECH input mode, vLLM's `embed_multimodal` after the images. A
+clip's `image_size` is (frames, projector: 0 speech, 1 vision-speech), set from the prompt by
+`beside_images`, so its hash (encoder cache, prefix cache) differs between the two. The
+checkpoint's speech LoRA (`speech-lora/`) is served as a per-request adapter, as for images
+(phi4mm.py); with images and audio the remote code runs the vision LoRA. A clip is run alone
+(HF's batch of one: no padding mask).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -43,9 +51,11 @@ from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
 from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
 
 _PREFIX = "model.embed_tokens_extend.audio_embed."
 _WINDOW = 500  # HF's max_seq_len: longer encodings run as windows of this many rows
+SPEECH, VISION_SPEECH = 0, 1  # a clip's projector (its image_size[1])
 
 
 def check_config(audio: Any) -> None:
@@ -76,7 +86,6 @@ class Phi4MMAudio(AudioProcessor):
                 f"{down} differ from audio_config.time_reduction "
                 f"{config.audio_config.time_reduction} / 1 (the run would not match the rows)"
             )
-        self.image_token = int(config.vision_config.image_token_id)
 
     def placeholder_id(self) -> int:
         return int(self.config.audio_config.audio_token_id)
@@ -86,17 +95,21 @@ class Phi4MMAudio(AudioProcessor):
             raise ValueError(f"{what}: the clip is too short ({wave.size} samples)")
         out = self.extract(wave, what)
         features = out["audio_input_features"][0].float()  # [T, mels]
-        return features, (int(features.shape[0]),), int(out["audio_embed_sizes"][0])
+        return features, (int(features.shape[0]), SPEECH), int(out["audio_embed_sizes"][0])
 
-    def process(
-        self, token_ids: list[int], data: Any, kwargs: Any = None
-    ) -> tuple[list[int], tuple[ImageInput, ...], list[tuple[int, int]]]:
-        if self.image_token in token_ids:
-            raise ValueError(
-                "multi_modal_data['audio']: Phi-4-multimodal with images and audio in one prompt "
-                "(HF's vision-speech projector) is not supported: send them apart"
-            )
-        return super().process(token_ids, data, kwargs)
+    def beside_images(self, clips: tuple, with_images: bool) -> tuple[ImageInput, ...]:
+        """A prompt's clips with the projector its images decide: vision-speech where the
+        prompt has images, speech where it has none (clips processed ahead for another prompt
+        included); the hash follows the projector."""
+        projector = VISION_SPEECH if with_images else SPEECH
+        out = []
+        for m in clips:
+            assert m.pixel_values is not None  # (process refuses a clip without features)
+            size = (int(m.pixel_values.shape[0]), projector)
+            if m.image_size != size:
+                m = dataclasses.replace(m, image_size=size, mm_hash=digest(m.pixel_values, size))
+            out.append(m)
+        return tuple(out)
 
 
 class _FeedForward(nn.Module):
@@ -271,23 +284,27 @@ class Phi4MMAudioEncoder(nn.Module):
         self.encoder = _Encoder(audio)
         self.up_proj_for_speech = nn.Linear(width, text)
         self.down_proj_for_speech = nn.Linear(text, text)
+        self.up_proj_for_vision_speech = nn.Linear(width, text)
+        self.down_proj_for_vision_speech = nn.Linear(text, text)
 
     def encode(self, clips: Sequence[ImageInput]) -> list[torch.Tensor]:
         weight = self.up_proj_for_speech.weight
         out = []
         for m in clips:
-            assert m.pixel_values is not None
+            assert m.pixel_values is not None and m.image_size is not None
             x = self.encoder(m.pixel_values.to(weight.device, weight.dtype))
-            rows = self.down_proj_for_speech(F.gelu(self.up_proj_for_speech(x)))
-            out.append(rows[: m.length])
+            if m.image_size[1] == VISION_SPEECH:  # (the prompt has images)
+                up, down = self.up_proj_for_vision_speech, self.down_proj_for_vision_speech
+            else:
+                up, down = self.up_proj_for_speech, self.down_proj_for_speech
+            out.append(down(F.gelu(up(x)))[: m.length])
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `model.embed_tokens_extend.audio_embed.*` (the vision-speech
-        projector passed over: images with audio are refused)."""
+        """The checkpoint's `model.embed_tokens_extend.audio_embed.*` (both projectors)."""
 
         def ours(name: str) -> str | None:
-            if not name.startswith(_PREFIX) or "_for_vision_speech." in name:
+            if not name.startswith(_PREFIX):
                 return None
             return name[len(_PREFIX) :]
 

@@ -99,7 +99,7 @@ def write_tiny_kimi_k25(path: Path, seed: int = 0) -> Path:
         image_token_id=ids[2],
         vision_start_token_id=ids[0],
         vision_end_token_id=ids[3],
-        video_token_id=ids[4],  # (HF embeds it as token 0; videos are refused here)
+        video_token_id=ids[4],  # (videos: test_kimi_k25_videos.py)
         **_COMMON,
     )
     _save_random(transformers.Kimi_K25ForConditionalGeneration, config, seed, path)
@@ -254,7 +254,7 @@ def test_engine_paths_match_the_plain_run(path):
         ({"prompt": TWO, "multi_modal_data": {"image": [one]}}, "2 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": [one, one]}}, "1 image placeholder"),
         ({"prompt": PROMPT, "multi_modal_data": {"image": "a cat"}}, "PIL.Image.Image"),
-        ({"prompt": PROMPT, "multi_modal_data": {"video": [one, one]}}, "takes no videos"),
+        ({"prompt": PROMPT, "multi_modal_data": {"video": [one, one]}}, "one per video"),
     ]
     check_refused(path, cached, refused, prompts)
 

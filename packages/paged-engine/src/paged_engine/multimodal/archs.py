@@ -169,8 +169,8 @@ IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
 # for messages
 VIDEO_MODELS = (
-    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4, LLaVA-NeXT-Video "
-    "and the Qwen2.5-Omni / Qwen3-Omni thinkers"
+    "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4, LLaVA-NeXT-Video, "
+    "Kimi K2.5 and the Qwen2.5-Omni / Qwen3-Omni thinkers"
 )
 
 # kind -> the vision_config.model_type(s) we run; LLaVA's, LLaVA-NeXT's and Idefics2's are

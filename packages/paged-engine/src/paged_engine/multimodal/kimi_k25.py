@@ -19,8 +19,9 @@ rope), so an image is a run of placeholders and nothing more.
 The image processor: transformers' Kimi_K25ImageProcessor when it imports (it needs
 torchvision); else `KimiImageProcessor` here (through multimodal/torch_processors.py's table),
 the same steps in torch alone, from the checkpoint's preprocessor_config.json (or
-processor_config.json's image_processor); both honour mm_processor_kwargs. Refused by name:
-videos (transformers' video path pools frames in time), without torchvision a resample other
+processor_config.json's image_processor); both honour mm_processor_kwargs. Videos are
+multimodal/kimi_k25_video.py's (chunks of frames the tower pools in time). Refused by name:
+without torchvision a resample other
 than nearest / bilinear / bicubic, a non-square size, pos_emb_width != pos_emb_height,
 patch_size or merge_size unlike the tower's, projection_hidden_size unlike the tower's width.
 """

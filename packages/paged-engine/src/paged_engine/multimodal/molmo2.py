@@ -32,8 +32,11 @@ see a later image's across the text between them, which a key end cannot say: a 
 most one run of images: one image, or images side by side (`<|image|><|image|>`, no text
 between), which take one `ImageInput` together (their views and geometries concatenated); text
 between two images is refused by name (max_crops past 1024: kwargs_budget.py's count knobs).
-Videos are refused (not run). image_size carries the geometries (`Geometry`) the worker rebuilds
-the pooling windows and the segment from.
+Videos are refused (by name, as for any model without a video processor): Molmo2Processor
+counts every frame's <frame_start> / <im_patch> / <frame_end> as image tokens, so they all
+attend both ways across the "0.5 " timestamp text between frames (the rule above); vLLM runs
+them causally, which neither transformers nor these images do. image_size carries the
+geometries (`Geometry`) the worker rebuilds the pooling windows and the segment from.
 """
 
 from __future__ import annotations

@@ -10,13 +10,19 @@
         -> each kh x kw block of patches gathered into one row [kh * kw, D] (block row-major,
              patches within a block row-major): [P / (kh * kw), kh * kw, D]
 
+A video chunk (grid (t, h, w), t > 1 frames, each frame's patches row-major, frames in order;
+multimodal/kimi_k25_video.py) differs in three places, as HF's: frame f also adds the
+sinusoid [sin(f * inv), cos(f * inv)] (inv = 10000 ** -(2i / D); row f + 1 of HF's table, whose
+row 0 is the zero an image adds), attention spans the whole chunk (merge_temporal=True), and
+each merge block is the mean over the t frames (float32) of that block: [h * w / (kh * kw),
+kh * kw, D]. t is at most vision_config.pos_emb_time (the table's rows).
+
 Differences from Qwen2-VL's tower (qwen2_vl_vision.py, whose attention, rotation and MLP this
 reuses): patches arrive row-major, not in merge-block order (the merge reorders them after the
 final norm); an additive learned position grid; and the rope angles interleave the axes: with
 head_dim / 4 frequencies f_j (theta ** -(4j / head_dim)), a patch at (row, col) rotates by
 [col * f_0, row * f_0, col * f_1, row * f_1, ...] over half the head, repeated over the other
-half (rotate-half pairing, float32). Images only: a clip's temporal sinusoid (row 0 of HF's
-table, zero for t = 1) and its frame pooling never apply to an image.
+half (rotate-half pairing, float32).
 
 The Hub's (and transformers 5's saved) names are the original ones: `vision_tower.encoder.
 blocks.N.{norm0, norm1, wqkv, wo, mlp.fc0, mlp.fc1}`, `vision_tower.patch_embed.pos_emb.weight`;
@@ -36,7 +42,7 @@ from torch import nn
 from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.qwen2_vl_vision import (
     _MLP,  # fc1 -> act -> fc2, with biases
-    _frame_segments,
+    _group_by_length,
     _int_field,
     _rope_theta,
     _rotate,
@@ -97,34 +103,43 @@ class _PositionGrid(nn.Module):  # HF's patch_embed.pos_emb
         super().__init__()
         self.position_embeddings = nn.Parameter(torch.zeros(side, side, dim))
 
-    def forward(self, grids: list[Grid]) -> torch.Tensor:
-        """[P, D]: the grid resampled to each image's (h, w), row-major."""
+    def forward(self, grids: list[Grid], times: torch.Tensor) -> torch.Tensor:
+        """[P, D]: the grid resampled to each image's (h, w), row-major, repeated for each of a
+        chunk's t frames with frame f's row of `times` [T, D] added (none for t = 1)."""
         table = self.position_embeddings.permute(2, 0, 1)[None]  # [1, D, S, S]
         out = []
-        for _, h, w in grids:
+        for t, h, w in grids:
             if (h, w) == tuple(table.shape[-2:]):
                 grid = table[0]
             else:
                 grid = F.interpolate(table, size=(h, w), mode="bicubic", align_corners=False)[0]
-            out.append(grid.flatten(1).t())
+            grid = grid.flatten(1).t()  # [h * w, D]
+            if t > 1:
+                grid = (grid[None] + times[:t, None].to(grid.device, grid.dtype)).flatten(0, 1)
+            out.append(grid)
         return torch.cat(out)
 
 
 class _PatchEmbed(nn.Module):
-    def __init__(self, patch: int, dim: int, side: int) -> None:
+    def __init__(self, patch: int, dim: int, side: int, frames: int) -> None:
         super().__init__()
         self.proj = nn.Conv2d(3, dim, patch, stride=patch)
         self.pos_emb = _PositionGrid(side, dim)
+        # [frames, D] float32 (no buffer: not in the checkpoint, stays float32)
+        inv = 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim)
+        angles = torch.outer(torch.arange(frames).float(), inv)
+        self.times = torch.cat([angles.sin(), angles.cos()], dim=1)
 
     def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
         # [P, 3, p, p] -> [P, D]: a conv whose kernel is the whole patch is one matmul
         w = self.proj.weight
         x = F.linear(pixels.reshape(pixels.shape[0], -1), w.reshape(w.shape[0], -1), self.proj.bias)
-        return x + self.pos_emb(grids).to(x.dtype)
+        return x + self.pos_emb(grids, self.times).to(x.dtype)
 
 
 class MoonVisionTower(nn.Module):
-    """HF's Kimi_K25VisionModel for images: patches -> [P / (kh * kw), kh * kw, D]."""
+    """HF's Kimi_K25VisionModel: patches of images (t = 1) and video chunks (t frames) ->
+    [sum of h * w / (kh * kw), kh * kw, D]."""
 
     def __init__(self, vision_config) -> None:
         super().__init__()
@@ -152,7 +167,8 @@ class MoonVisionTower(nn.Module):
         theta = _rope_theta(v)
         # [head_dim / 4] float32 (no buffer: stays float32 whatever the module's dtype)
         self.inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-        self.patch_embed = _PatchEmbed(self.patch, dim, side)
+        self.frames = _int_field(v, "pos_emb_time") if hasattr(v, "pos_emb_time") else 4
+        self.patch_embed = _PatchEmbed(self.patch, dim, side, self.frames)
         hidden = _int_field(v, "intermediate_size")
         layers = _int_field(v, "num_hidden_layers")
         self.layers = nn.ModuleList(_Layer(dim, heads, hidden, v.hidden_act) for _ in range(layers))
@@ -174,29 +190,34 @@ class MoonVisionTower(nn.Module):
         return angles.cos().to(device), angles.sin().to(device)
 
     def _merge(self, x: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
-        """[P, D] row-major patches -> [P / (kh * kw), kh * kw, D] merge blocks."""
+        """[P, D] row-major patches -> [h * w / (kh * kw), kh * kw, D] merge blocks per image
+        or chunk (a chunk's frames averaged in float32, as HF's temporal_merge)."""
         kh, kw = self.kernel
         d, out = x.shape[-1], []
-        for part, (_, h, w) in zip(x.split([t * h * w for t, h, w in grids]), grids, strict=True):
-            blocks = part.view(h // kh, kh, w // kw, kw, d).permute(0, 2, 1, 3, 4)
-            out.append(blocks.reshape(-1, kh * kw, d))
+        for part, (t, h, w) in zip(x.split([t * h * w for t, h, w in grids]), grids, strict=True):
+            blocks = part.view(t, h // kh, kh, w // kw, kw, d).permute(0, 1, 3, 2, 4, 5)
+            blocks = blocks.reshape(t, -1, kh * kw, d)
+            if t == 1:
+                out.append(blocks[0])
+            else:
+                out.append((blocks.float() * (1.0 / t)).sum(0).to(x.dtype))
         return torch.cat(out)
 
     def forward(self, pixels: torch.Tensor, grids: list[Grid]) -> torch.Tensor:
-        """pixels [P, 3, p, p] of images with (1, h, w) patch grids (h, w multiples of the merge
-        kernel) -> [P / (kh * kw), kh * kw, D]."""
+        """pixels [P, 3, p, p] of images (1, h, w) and chunks (t, h, w) (h, w multiples of the
+        merge kernel, t at most pos_emb_time) -> [sum of h * w / (kh * kw), kh * kw, D]."""
         kh, kw = self.kernel
         for t, h, w in grids:
-            if t != 1 or h % kh or w % kw:
+            if not 1 <= t <= self.frames or h % kh or w % kw:
                 raise ValueError(
-                    f"image_grid_thw {(t, h, w)}: one frame, h and w multiples of "
-                    f"merge_kernel_size {self.kernel}"
+                    f"image_grid_thw {(t, h, w)}: 1 to pos_emb_time={self.frames} frames, h and "
+                    f"w multiples of merge_kernel_size {self.kernel}"
                 )
         if pixels.shape[0] != sum(t * h * w for t, h, w in grids):
             raise ValueError(f"pixel_values {tuple(pixels.shape)} do not fit the grids {grids}")
         x = self.patch_embed(pixels, grids)
         cos, sin = self._rope(grids, x.device)
-        groups = _frame_segments(grids)
+        groups = _clip_segments(grids)
         for layer in self.layers:
             x = layer(x, cos, sin, groups)
         return self._merge(self.final_layernorm(x), grids)
@@ -246,3 +267,12 @@ def _pairs_to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
     rows = w.shape[0]
     half = rows // heads // 2
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(rows, *w.shape[1:])
+
+
+def _clip_segments(grids: list[Grid]) -> list[torch.Tensor]:
+    """Each image's or chunk's patch rows (attention spans a chunk's frames), grouped by length."""
+    segments, start = [], 0
+    for t, h, w in grids:
+        segments.append(torch.arange(start, start + t * h * w))
+        start += t * h * w
+    return _group_by_length(segments)

@@ -7,6 +7,7 @@
     Qwen3VL..., Qwen3VLMoe..., Qwen3_5..., Qwen3_5Moe...    multimodal/qwen3_video.py
     Qwen2VLForConditionalGeneration, Qwen2_5_VL...          multimodal/qwen_video.py
     LlavaNextVideoForConditionalGeneration                  multimodal/llava_next_video.py
+    Kimi_K25ForConditionalGeneration                        multimodal/kimi_k25_video.py
 
 Every processor is built the same way, cls(path, config, tokenizer, limit, engine_config):
 the checkpoint's directory, its wrapper config, the engine's tokenizer, videos per prompt
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from paged_engine.multimodal import (
     gemma4_video,
     glm4v_video,
+    kimi_k25_video,
     llava_next_video,
     omni_video,
     qwen2_vl,
@@ -29,6 +31,7 @@ from paged_engine.multimodal import (
 )
 from paged_engine.multimodal.gemma4_video import Gemma4VideoProcessor
 from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
+from paged_engine.multimodal.kimi_k25_video import KimiVideoProcessor
 from paged_engine.multimodal.llava_next_video import LlavaNextVideoProcessor
 from paged_engine.multimodal.omni_video import OmniVideoProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
@@ -42,6 +45,7 @@ VIDEO_PROCESSORS: tuple[tuple[tuple[str, ...], type[VideoProcessor]], ...] = (
     (qwen3_video.ARCHS, Qwen3VideoProcessor),
     (qwen2_vl.ARCHS, QwenVideoProcessor),
     (llava_next_video.ARCHS, LlavaNextVideoProcessor),
+    (kimi_k25_video.ARCHS, KimiVideoProcessor),
 )
 VIDEO_ARCHS = tuple(a for archs, _ in VIDEO_PROCESSORS for a in archs)
 

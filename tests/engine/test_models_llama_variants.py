@@ -121,15 +121,8 @@ def test_llama_under_other_names(name, tmp_path):
     _matches(path, [hf_greedy(hf, p, 10, 5) for p in prompts], prompts, name)
 
 
-def test_internlm2_packed_wqkv(tmp_path):
-    """InternLM2's checkpoint: q, k, v packed per KV head in wqkv ([q, q, k, v] for 4 query heads
-    on 2 KV heads), its own tensor names; the same model as the Llama it was packed from."""
-    from safetensors.torch import load_file, save_file
-
-    path = write_tiny_model(tmp_path, "llama", seed=4)
-    hf = load_hf_model(path)
-    state = load_file(str(path / "model.safetensors"))
-    d, heads, kv_heads = 16, 4, 2
+def internlm2_tensors(state: dict, d: int, heads: int, kv_heads: int) -> dict:
+    """A Llama checkpoint's tensors in InternLM2's layout (packed wqkv, its own names)."""
     out = {}
     for name, w in state.items():
         if ".self_attn.q_proj." in name:
@@ -153,6 +146,17 @@ def test_internlm2_packed_wqkv(tmp_path):
             ):
                 name = name.replace(theirs, ours)
             out[name] = w
+    return out
+
+
+def test_internlm2_packed_wqkv(tmp_path):
+    """InternLM2's checkpoint: q, k, v packed per KV head in wqkv ([q, q, k, v] for 4 query heads
+    on 2 KV heads), its own tensor names; the same model as the Llama it was packed from."""
+    from safetensors.torch import load_file, save_file
+
+    path = write_tiny_model(tmp_path, "llama", seed=4)
+    hf = load_hf_model(path)
+    out = internlm2_tensors(load_file(str(path / "model.safetensors")), 16, 4, 2)
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     _architectures(path, ["InternLM2ForCausalLM"], bias=False)
     prompts = random_token_prompts(8, 3)

@@ -97,6 +97,7 @@ def resolve_from_token(hf_config: Any, tokenizer: Any) -> None:
 REWARD_MODELS = {
     "Qwen2ForRewardModel": (1, "identity", 0),
     "Qwen2ForProcessRewardModel": (2, "softmax", 151651),  # Qwen2.5-Math-PRM's `<extra_0>`
+    "InternLM2ForRewardModel": (1, "sigmoid", 0),  # vLLM's default on one column: no override
 }
 
 

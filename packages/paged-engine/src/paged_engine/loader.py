@@ -18,7 +18,7 @@ import mmap
 import re
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -57,6 +57,10 @@ class ResolvedModel:
     name: str  # what the user asked for
     path: Path  # directory holding config / tokenizer / weights (the .gguf's folder for GGUF)
     gguf_file: Path | None = None
+    # the Hub settings it was resolved with: the repos its config names (Ultravox's
+    # text_model_id / audio_model_id, models/ultravox_linked.py) resolve with them too
+    download_dir: str | Path | None = None
+    token: str | bool | None = field(default=None, repr=False)
 
     @property
     def is_gguf(self) -> bool:
@@ -83,7 +87,7 @@ def resolve_model(
             raise ValueError(f"model file {path} is not a .gguf file; pass a model directory")
         return ResolvedModel(name, path.parent.resolve(), path.resolve())
     if path.is_dir():
-        return _resolve_dir(name, path.resolve())
+        return _resolve_dir(name, path.resolve(), download_dir, token)
     from paged_engine.default_model import DEFAULT_MODEL_NAME, default_model_path
 
     if name in (DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}-GGUF"):
@@ -94,12 +98,14 @@ def resolve_model(
     from paged_engine.hub import hub_snapshot
 
     path = hub_snapshot(name, revision, download_dir, weights, token, mistral=mistral)
-    return _resolve_dir(name, path)
+    return _resolve_dir(name, path, download_dir, token)
 
 
-def _resolve_dir(name: str, path: Path) -> ResolvedModel:
+def _resolve_dir(
+    name: str, path: Path, download_dir: str | Path | None = None, token: str | bool | None = None
+) -> ResolvedModel:
     if (path / "config.json").is_file() or (path / "params.json").is_file():  # HF / Mistral
-        return ResolvedModel(name, path)
+        return ResolvedModel(name, path, download_dir=download_dir, token=token)
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return ResolvedModel(name, path, ggufs[0])
@@ -125,8 +131,10 @@ def load_hf_config(
     from transformers import AutoConfig
 
     from paged_engine.models.ultravox_config import register as register_ultravox
+    from paged_engine.models.ultravox_linked import remember_hub
 
     register_ultravox()  # model_type "ultravox" (remote code's) read without remote code
+    remember_hub(resolved)  # its linked ids, resolved as the config is read: its hub settings
 
     from paged_engine.models.remote_aliases import remote_config
     from paged_engine.multimodal.internvl_chat import chat_config
@@ -192,7 +200,7 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
 
     from paged_engine.models.ultravox_linked import tokenizer_dir
 
-    path = tokenizer_dir(resolved.path)  # (Ultravox without one: its text_model_id's)
+    path = tokenizer_dir(resolved)  # (Ultravox without one: its text_model_id's)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
         tokenizer.chat_template = processor_chat_template(resolved.path)
@@ -451,7 +459,7 @@ def iter_weights(
     from paged_engine.models.ultravox_linked import with_linked_weights
 
     # Ultravox's text_model_id / audio_model_id: those repos' tensors it lacks, after its own
-    return with_linked_weights(resolved.path, weights)
+    return with_linked_weights(resolved, weights)
 
 
 def _detect_format(resolved: ResolvedModel) -> str:

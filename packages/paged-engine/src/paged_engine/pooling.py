@@ -22,7 +22,7 @@ activation (classification.py): `LLM.classify`, and `LLM.score` for a cross-enco
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +38,8 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # row per prompt token: its embedding (token_embed), its label probabilities (token_classify).
 POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 TOKEN_TASKS = ("token_embed", "token_classify")
+# rows [n, hidden] -> [n, out]: the Dense modules between pooling and normalizing
+Projection = Callable[[list[list[float]]], list[list[float]]]
 
 
 @dataclass(slots=True)
@@ -210,16 +212,21 @@ class PooledChunks:
         params: PoolingSamplingParams,
         num_prompt_tokens: int,
         prompt_token_ids: Sequence[int] = (),
+        project: Projection | None = None,
     ) -> list:
         """The pooled vector, or for ALL one row per prompt token (each normalized, cut to
         `dimensions` or put through the activation as a whole vector would be; with a
-        `step_tag_id`, only the rows where `prompt_token_ids` hold it)."""
+        `step_tag_id`, only the rows where `prompt_token_ids` hold it). `project`: the
+        model's sentence-transformers Dense modules, run on an embedding's pooled vector (each
+        row of ALL) before its cut and normalization (models/st_modules.py)."""
+        project = None if params.classify else project
         if params.pooling_type == "ALL":  # the chunks' rows tile [0, num_prompt_tokens)
             rows: list[list[float]] = []
             while len(rows) < num_prompt_tokens:
                 rows += self.chunks[len(rows)][1]
             if params.step_tag_id is not None:
                 rows = [r for r, t in zip(rows, prompt_token_ids) if t == params.step_tag_id]
+            rows = project(rows) if project is not None and rows else rows
             return [_finish_vector(params, row) for row in rows]
         if params.pooling_type == "LAST":  # the worker sends the last position alone
             pooled = list(self.chunks[num_prompt_tokens - 1][1])
@@ -233,7 +240,13 @@ class PooledChunks:
                 pos += count
             assert total is not None
             pooled = [v / num_prompt_tokens for v in total]
+        pooled = project([pooled])[0] if project is not None else pooled
         return _finish_vector(params, pooled)
+
+
+def row_width(chunks: PooledChunks, params: PoolingSamplingParams) -> int:
+    """The width of one finished ALL row (STEP pooling may keep none: vLLM's [0, width])."""
+    return len(_finish_vector(params, chunks.chunks[0][1][0]))
 
 
 def _finish_vector(params: PoolingSamplingParams, pooled: list[float]) -> list[float]:

@@ -5,8 +5,9 @@ position: chunked prefill and prefix caching are off (CUDA graphs too: nothing d
 Encoders only pool (embeddings, classification, cross-encoder scores). Their pooling comes from
 sentence-transformers' files when the model directory has them (`modules.json`, the Pooling
 module's `config.json`: CLS, mean or last token; a Normalize module), else the [CLS] token,
-normalized, as vLLM pools BERT; a classifier pools what its head reads (the [CLS] token, or
-ModernBERT's `classifier_pooling="mean"`).
+normalized, as vLLM pools BERT (a class's `default_pooler_config` where vLLM's differs);
+a classifier pools what its head reads (the [CLS] token, or ModernBERT's
+`classifier_pooling="mean"`).
 """
 
 from __future__ import annotations
@@ -61,10 +62,9 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
             )
         config.pooler_config = {**(config.pooler_config or {}), "pooling_type": reads}
     elif config.pooler_config is None:
-        config.pooler_config = sentence_transformers_pooling(model_dir) or {
-            "pooling_type": "CLS",
-            "normalize": True,
-        }
+        config.pooler_config = sentence_transformers_pooling(model_dir) or dict(
+            getattr(cls, "default_pooler_config", {"pooling_type": "CLS", "normalize": True})
+        )
         logger.info("%s: pooling %s", arch, config.pooler_config)
     return cls
 

@@ -66,6 +66,7 @@ from paged_engine.lora.registry import LoRARegistry
 from paged_engine.lora.request import LoRARequest
 from paged_engine.models.base_model import base_model_engine_config, pooling_only
 from paged_engine.models.hybrid import num_kv_layers
+from paged_engine.models.st_modules import load_dense_stack
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
@@ -185,6 +186,11 @@ class LLMEngine:
             self.classifier is not None,
             self.is_encoder or self.pooling_only is not None,
         )
+        # sentence-transformers Dense modules: run on each embedding (models/st_modules.py)
+        self.st_dense = None
+        if self.serves != "generate" and self.classifier is None and not self.resolved.is_gguf:
+            width = int(getattr(self.hf_config, "hidden_size", 0) or 0)
+            self.st_dense = load_dense_stack(self.resolved.path, width)
         if self.serves == "pooling" and config.logits_processors:
             raise ValueError("logits_processors: a pooling model samples no tokens to process")
         if self.classifier is not None and config.speculative_config is not None:
@@ -348,6 +354,8 @@ class LLMEngine:
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
+        if self.st_dense is not None:
+            self.output_processor.project = self.st_dense.project
         self.sleep_mode = SleepMode(self)  # sleep / wake_up / pause_generation
         logger.info(
             "engine ready in %.1fs: %s on %s (%s), %d KV blocks of %d tokens, async scheduling %s",
@@ -404,6 +412,8 @@ class LLMEngine:
             self._refuse(params)
         if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
             hidden_size = int(self.hf_config.hidden_size)
+            if self.st_dense is not None:  # the embedding is the last Dense module's output
+                hidden_size = self.st_dense.out_features
             params = to_sampling_params(
                 params,
                 self.config.pooler_config,

@@ -28,6 +28,8 @@ from paged_engine.pooling import (
     PoolingOutput,
     PoolingRequestOutput,
     PoolingSamplingParams,
+    Projection,
+    row_width,
 )
 from paged_engine.sample.beam_search import trace_steps
 from paged_engine.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -123,6 +125,8 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval  # EngineConfig.stream_interval
         self.states: dict[str, RequestState] = {}  # every request not finished here yet
+        # the model's sentence-transformers Dense modules, for embeddings (pooling.py)
+        self.project: Projection | None = None
         self._byte_vocab = byte_level_vocab(tokenizer)  # None: not byte-level, general path
         backend = getattr(tokenizer, "backend_tokenizer", None)
         decode = (
@@ -380,8 +384,12 @@ class OutputProcessor:
                 return None
             params = state.params
             assert isinstance(params, PoolingSamplingParams)
-            vec = state.pooled.finish(params, state.num_prompt_tokens, state.prompt_token_ids or ())
-            data = PoolingOutput(torch.tensor(vec, dtype=torch.float32))
+            ids = state.prompt_token_ids or ()
+            vec = state.pooled.finish(params, state.num_prompt_tokens, ids, self.project)
+            tensor = torch.tensor(vec, dtype=torch.float32)
+            if params.pooling_type == "ALL" and not vec:  # no step tag: [0, width], as vLLM
+                tensor = tensor.reshape(0, row_width(state.pooled, params))
+            data = PoolingOutput(tensor)
             return PoolingRequestOutput(
                 state.request_id, data, state.prompt_token_ids, True, state.prompt
             )

@@ -380,7 +380,7 @@ def get_model_class(hf_config) -> type[nn.Module]:
         for name in causal_names(arch):
             if name in MODEL_REGISTRY:
                 return sequence_classifier(MODEL_REGISTRY[name])
-        if arch in REWARD_CLASSES:  # Qwen2 reward models (models/reward_model.py)
+        if arch in REWARD_CLASSES:  # Qwen2 / InternLM2 reward models (models/reward_model.py)
             return REWARD_CLASSES[arch]
         base = base_model_class(hf_config, arch, MODEL_REGISTRY)  # <Stem>Model: embeddings
         if base is not None:
@@ -390,7 +390,8 @@ def get_model_class(hf_config) -> type[nn.Module]:
     raise ValueError(
         f"unsupported model architecture: {got}. Supported: {supported}, and the "
         "*ForSequenceClassification and *ForTokenClassification of each *ForCausalLM among them, "
-        "its base <Stem>Model (embeddings), Qwen2ForRewardModel and Qwen2ForProcessRewardModel"
+        "its base <Stem>Model (embeddings), Qwen2ForRewardModel, Qwen2ForProcessRewardModel "
+        "and InternLM2ForRewardModel"
     )
 
 

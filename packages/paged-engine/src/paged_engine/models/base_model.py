@@ -15,16 +15,17 @@ whose embedding models refuse runner "generate"): `LLM.embed` / `LLM.encode` (ta
 final normed hidden state of the last token, L2-normalized (vLLM's default for a decoder turned
 into an embedding model), unless sentence-transformers' files say otherwise (`modules.json`,
 its Pooling module's `config.json`: last token, mean or CLS; normalized when a Normalize module
-follows) or the engine's `pooler_config` does. Sentence-transformers modules paged does not run
-(Dense projections: EmbeddingGemma's 2_Dense / 3_Dense) are refused by name, and so is
-`Gemma3TextModel` with `use_bidirectional_attention` (EmbeddingGemma: vLLM runs it as an
-encoder; paged's Gemma 3 decoder is causal).
+follows) or the engine's `pooler_config` does. Dense modules run after the pooling
+(models/st_modules.py); sentence-transformers modules paged does not run are refused by name.
+
+`Gemma3TextModel` with `use_bidirectional_attention` (EmbeddingGemma) is this headless class
+run as an encoder (models/gemma3_encoder.py), as vLLM runs it; the flag on any other base model
+is refused by name (vLLM reads it for Gemma 3 only).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,13 +34,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from paged_engine.models.gemma3_encoder import bidirectional_gemma3
 from paged_engine.models.sequence_classifier import ZeroLogits
+from paged_engine.models.st_modules import DENSE, st_modules
 
 logger = logging.getLogger(__name__)
 
 SUFFIX = "Model"
-# sentence-transformers modules (their `type`'s last part) that leave the pooled vector exact
-_ST_SERVED = ("Transformer", "Pooling", "Normalize")
+# sentence-transformers modules (their `type`'s last part) paged runs as they are written
+_ST_SERVED = ("Transformer", "Pooling", "Dense", "Normalize")
+# the base models whose use_bidirectional_attention paged runs (as an encoder)
+_BIDIRECTIONAL = {"Gemma3TextModel": bidirectional_gemma3}
 
 
 def causal_candidates(arch: str) -> tuple[str, ...]:
@@ -67,10 +72,12 @@ def base_model_class(hf_config: Any, arch: str, registry: dict[str, type]) -> ty
             f"supported; serve its {causal} text model"
         )
     if getattr(hf_config, "use_bidirectional_attention", False):
-        raise ValueError(
-            f"{arch} with use_bidirectional_attention=True (EmbeddingGemma) is not supported: "
-            "paged runs this decoder causally"
-        )
+        if arch not in _BIDIRECTIONAL:
+            raise ValueError(
+                f"{arch} with use_bidirectional_attention=True is not supported: paged runs "
+                f"this decoder causally (bidirectional: {sorted(_BIDIRECTIONAL)})"
+            )
+        return _BIDIRECTIONAL[arch](headless(registry[causal], causal))
     return headless(registry[causal], causal)
 
 
@@ -135,9 +142,9 @@ def base_model_engine_config(config: Any, hf_config: Any, model_dir: Path | None
     from paged_engine.engine.encoder import sentence_transformers_pooling
 
     arch = ", ".join(getattr(hf_config, "architectures", None) or ["this model"])
-    for module in _st_modules(model_dir):
+    for module in st_modules(model_dir):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-        if kind not in _ST_SERVED:
+        if kind not in _ST_SERVED or (kind == "Dense" and module.get("type") != DENSE):
             raise ValueError(
                 f"{arch}: modules.json lists sentence-transformers module {module.get('type')!r}"
                 f" ({module.get('path')}), which paged does not run: its embeddings would "
@@ -148,14 +155,3 @@ def base_model_engine_config(config: Any, hf_config: Any, model_dir: Path | None
         if found is not None:
             config.pooler_config = found
             logger.info("%s: pooling %s (sentence-transformers)", arch, found)
-
-
-def _st_modules(model_dir: Path) -> list[dict]:
-    path = model_dir / "modules.json"
-    if not path.is_file():
-        return []
-    try:
-        modules = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []

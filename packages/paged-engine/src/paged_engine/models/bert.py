@@ -77,9 +77,11 @@ def encoder_attention(
     v: torch.Tensor,
     bounds: list[tuple[int, int]],
     window: int | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Bidirectional attention of each sequence over itself (within `window` positions either
-    side when given): [heads, T, d], padding rows zero."""
+    side when given; scores scaled by `scale`, default d^-0.5): [heads, T, d], padding rows
+    zero."""
     out = torch.zeros_like(q)
     for lo, hi in bounds:
         mask = None
@@ -87,7 +89,7 @@ def encoder_attention(
             idx = torch.arange(hi - lo, device=q.device)
             mask = (idx[:, None] - idx[None, :]).abs() <= window
         out[:, lo:hi] = F.scaled_dot_product_attention(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], attn_mask=mask
+            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], attn_mask=mask, scale=scale
         )
     return out
 

@@ -220,9 +220,11 @@ class Gemma2ForCausalLM(CausalLMBase):
     ignored_weights = ("rotary_emb.inv_freq",)
     qk_norm = False
     post_norms = True  # the norms after attention and after the MLP (not Gemma 1's)
+    bidirectional = False  # True: EmbeddingGemma's encoder (models/gemma3_encoder.py) runs it
 
     def __init__(self, config):
-        check_gemma_config(config)
+        if not self.bidirectional:
+            check_gemma_config(config)
         types = self.layer_types(config)
         head_dim = cfg_get(config, "head_dim", config.hidden_size // config.num_attention_heads)
         inner = GemmaModel(

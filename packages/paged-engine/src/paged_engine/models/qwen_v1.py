@@ -14,11 +14,15 @@ Config (qwen_v1_config): kv_channels is head_dim, layer_norm_epsilon the RMSNorm
 rotary_emb_base / rotary_pct the rope's base and rotary share, and intermediate_size counts w1
 and w2 together (each is half of it).
 
-use_logn_attn (queries scaled by log_seq_length(position + 1)) and use_dynamic_ntk (a rope base
-that grows with the whole sequence's length) act only on positions past `seq_length`; below it
-the model is exactly the plain one. vLLM ignores both and serves up to max_position_embeddings;
-we serve exactly, so with either flag on the context stops at seq_length (max_model_len past it
-is refused by the engine's length check).
+Context: the smaller of max_position_embeddings and seq_length, as vLLM derives max_model_len
+(the smallest of its length keys present, seq_length among them), whatever the flags say:
+Qwen-14B's 8192 / 2048 gives 2048 in both; Qwen-1.8B / 7B / 72B set both equal. A longer
+max_model_len is refused by the engine's length check (vLLM refuses it too unless
+VLLM_ALLOW_LONG_MAX_MODEL_LEN is set). use_logn_attn (queries scaled by
+log_seq_length(position + 1)) and use_dynamic_ntk (a rope base that grows with the whole
+sequence's length) act only past seq_length, so within the context the model is exactly the
+plain one; vLLM's qwen.py runs neither (plain rope, no logn scale), which past seq_length would
+differ from the remote code: that range is not served here.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ def qwen_v1_config(raw: dict[str, Any]) -> PretrainedConfig:
             f"config.json field 'intermediate_size' counts w1 and w2 together and must be "
             f"even, got {inter}"
         )
-    context = field(raw, "max_position_embeddings", int, field(raw, "seq_length", int, 8192))
-    if field(raw, "use_dynamic_ntk", bool, False) or field(raw, "use_logn_attn", bool, False):
-        context = min(context, field(raw, "seq_length", int, context))
+    # vLLM's max_model_len: the smallest length key present (2048 when there is none)
+    present = [k for k in ("max_position_embeddings", "seq_length") if raw.get(k) is not None]
+    context = min((field(raw, k, int) for k in present), default=2048)
     if field(raw, "hidden_act", str, "silu") != "silu":
         raise ValueError(f"config.json field 'hidden_act' must be silu, got {raw['hidden_act']!r}")
     fields = {

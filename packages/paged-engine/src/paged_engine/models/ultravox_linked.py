@@ -5,11 +5,16 @@ safetensors holding the projector and whatever training changed (a fine-tuned to
 language model).
 
 Each id resolves as paged resolves a model (loader.resolve_model, hub.py): a local directory
-(what transformers' from_pretrained also takes), or a Hub id in huggingface_hub's cache
-(HF_HOME / HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE), downloading what is missing. As in vLLM,
-the Ultravox repo's revision does not apply to them (they live in their own repos); neither
-does the engine's download_dir (the config reader never sees it), so the ids resolve in the
-standard cache. One resolution per id and process (`linked_dir`).
+(what transformers' from_pretrained also takes), or a Hub id in huggingface_hub's cache,
+downloading what is missing, with the Ultravox checkpoint's own Hub settings: the engine's
+`download_dir` (the cache, as vLLM's loader fetches the ids' weights into it) and `hf_token`
+(gated text models: meta-llama's), HF_HUB_OFFLINE and HF_ENDPOINT as for any model. As in
+vLLM, the Ultravox repo's `revision` does not apply to them (they live in their own repos:
+their default branch). The settings travel on the checkpoint's loader.ResolvedModel: the
+loader records them per linked id (`remember_hub`) where it reads the checkpoint's config,
+tokenizer or weights, since the config reader (UltravoxConfig, built inside
+AutoConfig.from_pretrained) cannot be handed them. One resolution per id, settings and process
+(`linked_dir`).
 
 - Configs (`linked_config`, from UltravoxConfig): the id's config.json read as its own class
   becomes text_config / audio_config, over any inline one (fixie's UltravoxConfig and vLLM's
@@ -28,13 +33,17 @@ standard cache. One resolution per id and process (`linked_dir`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from paged_engine.loader import ResolvedModel
 
 MODEL_TYPE = "ultravox"
 TEXT, AUDIO = "text_model_id", "audio_model_id"
@@ -43,11 +52,34 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 Weights = Iterator[tuple[str, torch.Tensor]]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HubSettings:
+    """How a linked id resolves: the naming checkpoint's download_dir and Hub token."""
+
+    download_dir: str | None = None
+    token: str | bool | None = dataclasses.field(default=None, repr=False)
+
+
+# linked id -> the settings of the Ultravox checkpoint naming it (this process; the last one
+# recorded wins where two checkpoints name the same id with different settings)
+_HUBS: dict[str, HubSettings] = {}
+
+
+def remember_hub(resolved: ResolvedModel) -> None:
+    """Record `resolved`'s download_dir and token for the ids its Ultravox config names (none
+    for any other checkpoint): every later resolution of those ids in this process uses them."""
+    dirs = resolved.download_dir
+    hub = HubSettings(None if dirs is None else str(dirs), resolved.token)
+    for model_id in _linked_ids(resolved.path).values():
+        if isinstance(model_id, str):
+            _HUBS[model_id] = hub
+
+
 @functools.lru_cache(maxsize=16)
-def _resolved(model_id: str, weights: bool) -> Any:  # a loader.ResolvedModel
+def _resolved(model_id: str, weights: bool, hub: HubSettings) -> ResolvedModel:
     from paged_engine.loader import resolve_model
 
-    return resolve_model(model_id, weights=weights)
+    return resolve_model(model_id, None, hub.download_dir, weights=weights, token=hub.token)
 
 
 def linked_dir(field: str, model_id: Any, weights: bool = False) -> Path:
@@ -57,7 +89,7 @@ def linked_dir(field: str, model_id: Any, weights: bool = False) -> Path:
     if not isinstance(model_id, str) or not model_id:
         raise ValueError(f"Ultravox: {field}={model_id!r} must be a model id or a directory")
     try:
-        resolved = _resolved(model_id, weights)
+        resolved = _resolved(model_id, weights, _HUBS.get(model_id, HubSettings()))
     except (OSError, ValueError) as error:
         raise ValueError(f"Ultravox: {field}={model_id!r} cannot be loaded: {error}") from error
     if resolved.is_gguf:
@@ -106,14 +138,15 @@ def _audio_names(name: str) -> str | None:
 _NAMES = {TEXT: _text_names, AUDIO: _audio_names}
 
 
-def with_linked_weights(path: Path, weights: Weights) -> Weights:
-    """`weights` (the checkpoint in `path`) and then, for an Ultravox checkpoint naming other
+def with_linked_weights(resolved: ResolvedModel, weights: Weights) -> Weights:
+    """`weights` (the checkpoint `resolved`) and then, for an Ultravox checkpoint naming other
     repos, their tensors it lacks (see the module doc); `weights` itself for any other."""
     from paged_engine.loader import ResolvedModel, iter_weights
 
-    ids = _linked_ids(path)
+    ids = _linked_ids(resolved.path)
     if not ids:
         return weights
+    remember_hub(resolved)  # (a worker process: the settings came with `resolved`)
     linked = [(f, linked_dir(f, ids[f], weights=True)) for f in (TEXT, AUDIO) if f in ids]
 
     def stream() -> Weights:
@@ -131,10 +164,14 @@ def with_linked_weights(path: Path, weights: Weights) -> Weights:
     return stream()
 
 
-def tokenizer_dir(path: Path) -> Path:
-    """`path`, or text_model_id's directory for an Ultravox checkpoint without tokenizer
-    files of its own."""
+def tokenizer_dir(resolved: ResolvedModel) -> Path:
+    """`resolved.path`, or text_model_id's directory for an Ultravox checkpoint without
+    tokenizer files of its own."""
+    path = resolved.path
     if any((path / f).is_file() for f in _TOKENIZER_FILES):
         return path
     ids = _linked_ids(path)
-    return linked_dir(TEXT, ids[TEXT]) if TEXT in ids else path
+    if TEXT not in ids:
+        return path
+    remember_hub(resolved)
+    return linked_dir(TEXT, ids[TEXT])

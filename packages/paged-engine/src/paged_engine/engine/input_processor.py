@@ -249,6 +249,10 @@ class InputProcessor:
                 "'audio')"
             )
         kw = kwargs if isinstance(kwargs, dict) else {}
+        layout = getattr(self.images, "layout", None)
+        tags = getattr(layout, "numbered_tags", None) or getattr(self.audios, "numbered_tags", None)
+        if tags is not None:  # Phi4MMForCausalLM: "<|image_i|>" / "<|audio_i|>" -> placeholders
+            token_ids = tags(token_ids, mm_data)
         if kw.get("use_audio_in_video") and hasattr(self.videos, "audio_in_video"):
             return self.videos.audio_in_video(self, token_ids, mm_data, kw)  # (Qwen-Omni)
         images: tuple = ()

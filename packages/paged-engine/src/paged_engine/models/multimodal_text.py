@@ -227,6 +227,10 @@ def text_model_weights(
     if arch is None:
         return weights
     spec = WRAPPERS[arch]
+    if spec.remote_phi4mm:
+        from paged_engine.multimodal.phi4mm_remote import hf_weights
+
+        weights = hf_weights(weights)
     mapped = _mapped(weights, spec.skipped, spec.renames + _RENAMES)
     return _experts_as_ours(mapped, config) if spec.hub_experts else mapped
 

@@ -16,6 +16,13 @@ MPT configs itself and runs the others' remote config code).
     KimiVLForConditionalGeneration kimi_vl                      DeepSeek-V3's (config:
                                                                 models/kimi_vl_config.py;
                                                                 images: multimodal/kimi_vl.py)
+    Phi4MMForCausalLM              phi4mm                       transformers' Phi4Multimodal
+                                                                (models/phi4mm_config.py; the
+                                                                rest: multimodal/phi4mm_remote.py)
+    LightOnOCRForConditionalGeneration  mistral3                LightOnOcr's (vLLM's name;
+                                                                models/hub_vlm_configs.py)
+    InternS1ForConditionalGeneration  interns1                  InternVL's (models/
+                                                                hub_vlm_configs.py)
     NewModel,                      new                          models/gte.py (GTE v1.5 / mGTE)
       NewForSequenceClassification
     NomicBertModel (GPT-2 names)   nomic_bert                   models/nomic_bert.py
@@ -150,6 +157,9 @@ REMOTE_CONFIGS: dict[str, str] = {
     "XLMRobertaModel": "jina_embeddings_v3:jina_config",  # None unless rotary (Jina v3)
     "Phi3VForCausalLM": "phi3v_config:phi3v_config",
     "KimiVLForConditionalGeneration": "kimi_vl_config:kimi_vl_config",
+    "Phi4MMForCausalLM": "phi4mm_config:phi4mm_config",
+    "LightOnOCRForConditionalGeneration": "hub_vlm_configs:lighton_ocr_config",  # vLLM's name
+    "InternS1ForConditionalGeneration": "hub_vlm_configs:intern_s1_config",
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

@@ -46,6 +46,7 @@ each is exact).
     Inkling2LoopForConditionalGeneration  inkling2_loop_text    -> Inkling2LoopForCausalLM
     InternVLForConditionalGeneration     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe              -> Qwen3MoeForCausalLM
+    InternS1ForConditionalGeneration     qwen3_moe / qwen3      -> Qwen3Moe / Qwen3ForCausalLM
     QianfanOCRForConditionalGeneration   qwen3 / qwen2          -> Qwen3 / Qwen2ForCausalLM
     InternVLChatModel (llm_config)       qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
                                          qwen3_moe / internlm2  -> Qwen3Moe / InternLM2
@@ -55,6 +56,7 @@ each is exact).
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     KimiVLForConditionalGeneration       deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
+      LightOnOCRForConditionalGeneration (vLLM's name: models/hub_vlm_configs.py)
     Lfm2VlForConditionalGeneration       lfm2                   -> Lfm2ForCausalLM
     Lfm3VlForConditionalGeneration       lfm3                   -> Lfm3ForCausalLM
     Llama4ForConditionalGeneration       llama4_text            -> Llama4ForCausalLM
@@ -77,6 +79,7 @@ each is exact).
     Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
     Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
     Phi3VForCausalLM                     (flat) phi3_v          -> Phi3ForCausalLM
+    Phi4MMForCausalLM (remote code)      (flat) phi4_multimodal -> Phi3ForCausalLM
     PaddleOCRVLForConditionalGeneration  paddleocr_vl_text      -> PaddleOCRTextForCausalLM
     Ernie4_5_VLMoeForConditionalGeneration  ernie4_5_vl_moe_text -> Ernie4_5_VLMoeTextForCausalLM
     Qwen2_5OmniThinkerForConditional..., qwen2_5_omni_text      -> Qwen2ForCausalLM
@@ -213,6 +216,9 @@ class Wrapper:
     flat: bool = False
     # top-level fields the copy keeps (ERNIE 4.5 VL's vision token ids: its expert routing)
     carried: tuple[str, ...] = ()
+    # the release's remote names (PEFT `base_layer`s, adapters beside: Phi4MMForCausalLM)
+    # mapped by multimodal/phi4mm_remote.py's hf_weights
+    remote_phi4mm: bool = False
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -394,6 +400,10 @@ WRAPPERS: dict[str, Wrapper] = {
         },
         _LLAVA_STYLE,
     ),
+    # Intern-S1 / Intern-S1-mini (config: models/hub_vlm_configs.py): InternVL's model and names
+    "InternS1ForConditionalGeneration": Wrapper(
+        {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}, _LLAVA_STYLE
+    ),
     # Qianfan-OCR: InternVL's wrapper, a Qwen3 decoder (images: multimodal/qianfan_ocr.py);
     # the Hub keeps InternVL-Chat's names (vision_model., mlp1., language_model.model.), which
     # transformers 5.25 saves back with the decoder's layers under `encoder.layers.`
@@ -422,6 +432,10 @@ WRAPPERS: dict[str, Wrapper] = {
     # LightOnOCR: a Pixtral tower and Mistral 3's projector under their own names (images:
     # multimodal/lighton_ocr.py) into Qwen3
     "LightOnOcrForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_encoder", "vision_projection")
+    ),
+    # LightOnOCR-1B-1025's config.json name (vLLM's; models/hub_vlm_configs.py): the same
+    "LightOnOCRForConditionalGeneration": Wrapper(
         {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_encoder", "vision_projection")
     ),
     # DeepSeek-VL: SigLIP and an MLP aligner (images: multimodal/deepseek_vl.py) into Llama
@@ -701,6 +715,14 @@ WRAPPERS: dict[str, Wrapper] = {
         + ("model.vision_embed_tokens.glb_GN", "model.vision_embed_tokens.sub_GN"),
         flat=True,
         renames=(("model.vision_embed_tokens.wte.", "model.embed_tokens."),),
+    ),
+    # Phi-4-multimodal as the Hub ships it (remote code; config: models/phi4mm_config.py):
+    # transformers' row, the decoder's PEFT-wrapped names unwrapped and its adapters dropped
+    "Phi4MMForCausalLM": Wrapper(
+        {"phi4_multimodal": "Phi3ForCausalLM"},
+        _modules("embed_tokens_extend"),
+        flat=True,
+        remote_phi4mm=True,
     ),
 }
 

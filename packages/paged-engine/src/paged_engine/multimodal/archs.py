@@ -18,6 +18,8 @@
     Idefics3ForConditionalGeneration,             "idefics3"    multimodal/idefics3.py
       SmolVLMForConditionalGeneration
     InternVLForConditionalGeneration              "internvl"    multimodal/internvl.py
+    InternS1ForConditionalGeneration              "internvl"    (Intern-S1: InternVL under its
+      own model_type; config models/hub_vlm_configs.py)
     QianfanOCRForConditionalGeneration        "qianfan_ocr"  multimodal/qianfan_ocr.py
       (Qianfan-OCR: InternVL's host side, projector and tower layer; its own layer names)
     InternVLChatModel,                       "internvl_chat"  multimodal/internvl_chat.py
@@ -54,6 +56,8 @@
     MllamaForConditionalGeneration                "mllama"      multimodal/mllama.py (no
       placeholders: its decoder cross-attends, models/mllama.py; the model runs its tower)
     LightOnOcrForConditionalGeneration            "lighton_ocr" multimodal/lighton_ocr.py
+    LightOnOCRForConditionalGeneration            "lighton_ocr" (LightOnOCR-1B-1025's config.json,
+      vLLM's name: models/hub_vlm_configs.py)
     Molmo2ForConditionalGeneration                "molmo2"      multimodal/molmo2.py (prompt),
       molmo2_processor.py (pixels), molmo2_encoder.py (tower, adapter); no videos
     DeepseekVLForConditionalGeneration            "deepseek_vl" multimodal/deepseek_vl.py
@@ -66,6 +70,8 @@
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
       3.5-vision, remote code: config models/phi3v_config.py; CLIP, HD crops, "<|image_i|>")
+    Phi4MMForCausalLM                      "phi4mm_remote"  multimodal/phi4mm_remote.py (the
+      Hub's remote-code Phi-4-multimodal on phi4mm.py's path; "<|image_i|>" / "<|audio_i|>")
     AriaForConditionalGeneration                  "aria"        multimodal/aria.py
     VipLlavaForConditionalGeneration              "vipllava"    multimodal/vipllava.py
     LlavaNextVideoForConditionalGeneration  "llava_next_video"  multimodal/llava_next_video.py
@@ -121,6 +127,7 @@ KINDS: dict[str, str] = {
     "SmolVLMForConditionalGeneration": "idefics3",
     "Mistral3ForConditionalGeneration": "pixtral",
     "InternVLForConditionalGeneration": "internvl",
+    "InternS1ForConditionalGeneration": "internvl",  # Intern-S1: hub_vlm_configs.py
     "QianfanOCRForConditionalGeneration": "qianfan_ocr",
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
@@ -141,6 +148,7 @@ KINDS: dict[str, str] = {
     "PaliGemmaForConditionalGeneration": "paligemma",
     "MllamaForConditionalGeneration": "mllama",
     "LightOnOcrForConditionalGeneration": "lighton_ocr",
+    "LightOnOCRForConditionalGeneration": "lighton_ocr",  # vLLM's: hub_vlm_configs.py
     "Molmo2ForConditionalGeneration": "molmo2",
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
@@ -164,6 +172,7 @@ KINDS: dict[str, str] = {
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "Phi3VForCausalLM": "phi3v",
+    "Phi4MMForCausalLM": "phi4mm_remote",  # remote code: models/phi4mm_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -211,6 +220,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minicpm_ocr": ("minicpm_ocr_vision",),
     "nemotron_h_omni": ("radio",),
     "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
+    "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -267,6 +277,7 @@ ENCODERS: dict[str, str] = {
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",
+    "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",
 }
 
 

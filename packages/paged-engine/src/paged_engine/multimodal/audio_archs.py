@@ -17,6 +17,8 @@
       Qwen3OmniMoeForConditionalGeneration (its thinker_config)
     Qwen3ASRForConditionalGeneration     "qwen3_asr"     multimodal/qwen3_asr.py
     Phi4MultimodalForCausalLM            "phi4mm"        multimodal/phi4mm_audio.py
+    Phi4MMForCausalLM                    "phi4mm_remote" multimodal/phi4mm_remote.py (the Hub's
+      remote-code release on phi4mm_audio.py's path)
     WhisperForConditionalGeneration      "whisper"       multimodal/whisper.py (host only:
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
     MoonshineForConditionalGeneration    "moonshine"     multimodal/moonshine.py (host only,
@@ -57,6 +59,7 @@ KINDS: dict[str, str] = {
     "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni",
     "Qwen3ASRForConditionalGeneration": "qwen3_asr",
     "Phi4MultimodalForCausalLM": "phi4mm",
+    "Phi4MMForCausalLM": "phi4mm_remote",
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
     "MoonshineForConditionalGeneration": "moonshine",
@@ -79,6 +82,7 @@ HOSTS: dict[str, str] = {
     "qwen3_omni": "omni_audio:Qwen3OmniAudio",
     "qwen3_asr": "qwen3_asr:Qwen3Asr",
     "phi4mm": "phi4mm_audio:Phi4MMAudio",
+    "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteAudio",
     "whisper": "whisper:WhisperAudio",
     "moonshine": "moonshine:MoonshineAudio",
     "ultravox": "ultravox:Ultravox",
@@ -99,6 +103,7 @@ ENCODERS: dict[str, str] = {
     "qwen3_omni": "omni_audio:Qwen3OmniAudioEncoder",
     "qwen3_asr": "qwen3_asr:Qwen3AsrEncoder",
     "phi4mm": "phi4mm_audio:Phi4MMAudioEncoder",
+    "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteAudioEncoder",
     "ultravox": "ultravox:UltravoxEncoder",
 }
 

@@ -59,6 +59,7 @@ from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
 from paged_engine.multimodal.phi3v import Phi3VLayout
 from paged_engine.multimodal.phi4mm import Phi4MMLayout
+from paged_engine.multimodal.phi4mm_remote import Phi4MMRemoteLayout
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
@@ -100,6 +101,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
+    "phi4mm_remote": Phi4MMRemoteLayout,  # its Hub release: the same runs, numbered tags
     "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput
     "vipllava": Layout,  # ViP-LLaVA: LLaVA 1.5's fixed run
     "llava_next_video": AnyResLayout,  # LLaVA-NeXT-Video's images: LLaVA-NeXT's

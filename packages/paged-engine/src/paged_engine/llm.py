@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from paged_engine import jina_vl_scoring
 from paged_engine.beam_search import BeamSearchOutput, BeamSearchSequence
 from paged_engine.classification import ClassificationRequestOutput
 from paged_engine.config import EngineConfig
@@ -350,11 +351,19 @@ class LLM:
             raise ValueError(f"lora_request must be a LoRARequest or None, got {lora_request!r}")
         if self.llm_engine.classifier is not None:
             tokenizer = self.get_tokenizer()
-            ids = [
-                pair_prompt(tokenizer, first[i], second[j], ("data_1", "data_2")) for i, j in pairs
-            ]
+            names = ("data_1", "data_2")
+            if jina_vl_scoring.serves(self.llm_engine.classifier):  # its template and images
+                prompts = [
+                    jina_vl_scoring.pair_request(tokenizer, first[i], second[j], names)
+                    for i, j in pairs
+                ]
+            else:
+                prompts = [
+                    {"prompt_token_ids": pair_prompt(tokenizer, first[i], second[j], names)}
+                    for i, j in pairs
+                ]
             outs = self.encode(
-                [{"prompt_token_ids": t} for t in ids],
+                prompts,
                 _with_task(pooling_params or PoolingParams(), "score"),
                 use_tqdm,
                 lora_request,

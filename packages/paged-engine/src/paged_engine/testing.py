@@ -2794,6 +2794,8 @@ ENCODER_CONFIGS = {
     "XLMRobertaForSequenceClassification": "XLMRobertaConfig",
     "ModernBertModel": "ModernBertConfig",
     "ModernBertForSequenceClassification": "ModernBertConfig",
+    "RobertaForMaskedLM": "RobertaConfig",
+    "BertForMaskedLM": "BertConfig",
 }
 
 

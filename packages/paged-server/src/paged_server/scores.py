@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from paged_engine import jina_vl_scoring
 from paged_engine.pooling import PoolingParams, truncated
 from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
@@ -201,7 +202,12 @@ def _cross_encoder(
     ids = []
     for k, (i, j) in enumerate(pairs):
         with app.tok_lock:
-            tokens = pair_prompt(app.tokenizer, req.first[i], req.second[j], req.names)
+            if jina_vl_scoring.serves(info):  # its template and score token (text pairs here)
+                tokens, _ = jina_vl_scoring.pair_prompt(
+                    app.tokenizer, req.first[i], req.second[j], req.names
+                )
+            else:
+                tokens = pair_prompt(app.tokenizer, req.first[i], req.second[j], req.names)
         tokens = truncated(tokens, req.truncate_prompt_tokens, app.max_model_len)
         if len(tokens) >= app.max_model_len:
             raise bad_request(

@@ -61,6 +61,16 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
                 f"the sequence; pooling_type {given!r} is not supported"
             )
         config.pooler_config = {**(config.pooler_config or {}), "pooling_type": reads}
+    elif hasattr(cls, "config_pooling_type"):  # the pooling its config names (vLLM's rule)
+        reads = cls.config_pooling_type(hf_config)
+        given = (config.pooler_config or {}).get("pooling_type", reads)
+        if str(given).upper() != reads:
+            raise ValueError(
+                f"pooler_config: {arch} pools as its config.json's `pooling` says ({reads}); "
+                f"pooling_type {given!r} is not supported"
+            )
+        config.pooler_config = {"normalize": True, **(config.pooler_config or {})}
+        config.pooler_config["pooling_type"] = reads
     elif config.pooler_config is None:
         config.pooler_config = sentence_transformers_pooling(model_dir) or dict(
             getattr(cls, "default_pooler_config", {"pooling_type": "CLS", "normalize": True})
@@ -71,7 +81,14 @@ def encoder_engine_config(config: Any, hf_config: Any, model_dir: Path | None) -
 
 def encoder_sep_token(hf_config: Any, tokenizer: Any) -> None:
     """BERT's token types need the [SEP] id (models/bert.py): the tokenizer's, when the config
-    names none."""
+    names none (not for a class that reads only config.json's ids: SPLADE, models/splade.py);
+    a class's own `read_tokenizer` instead where it has one (GritLM's pattern tokens)."""
+    cls = encoder_class(hf_config)
+    if hasattr(cls, "read_tokenizer"):
+        cls.read_tokenizer(hf_config, tokenizer)
+        return
+    if getattr(cls, "config_token_ids_only", False):
+        return
     if getattr(hf_config, "sep_token_id", None) is None:
         sep = getattr(tokenizer, "sep_token_id", None)
         if isinstance(sep, int):

@@ -187,6 +187,8 @@ class InputProcessor:
                 raise ValueError(
                     f"prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}"
                 )
+            if text == "" and prompt.get("multi_modal_data"):  # an image alone (CLIP embeddings)
+                return text, self.tokenizer.encode(text)
             prompt = text
         if isinstance(prompt, str):
             if not prompt:

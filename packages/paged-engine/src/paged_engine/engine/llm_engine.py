@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from paged_engine import jina_vl_scoring
 from paged_engine.classification import classifier_info, resolve_from_token
 from paged_engine.config import EngineConfig
 from paged_engine.core.block_manager import BlockManager
@@ -173,6 +174,8 @@ class LLMEngine:
         if self.classifier is not None and self.encoder is not None:
             after = getattr(self.encoder, "head_after_pooling", lambda c: False)(self.hf_config)
             self.classifier = dataclasses.replace(self.classifier, head_after_pooling=after)
+        if jina_vl_scoring.serves(self.classifier):  # its MLP head reads the last token alone
+            jina_vl_scoring.check_pooler_config(config.pooler_config)
         # "generate", "pooling" or "both": the requests add_request takes (runner.py)
         if self.pooling_only is not None and config.runner == "generate":
             arch = ", ".join(getattr(self.hf_config, "architectures", None) or ["?"])
@@ -411,6 +414,13 @@ class LLMEngine:
         ):
             self._refuse(params)
         if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
+            if params.task in ("token_embed", "token_classify") and getattr(
+                self.encoder, "pooled_rows", False
+            ):  # SPLADE, GritLM (models/splade.py, gritlm.py): their rows are already pooled
+                raise ValueError(
+                    f"task={params.task!r} is not supported: this model's rows are pooled "
+                    "vectors (use LLM.embed)"
+                )
             hidden_size = int(self.hf_config.hidden_size)
             if self.st_dense is not None:  # the embedding is the last Dense module's output
                 hidden_size = self.st_dense.out_features

@@ -48,6 +48,7 @@ from paged_engine.models.doge import DogeForCausalLM
 from paged_engine.models.dory import DoryForCausalLM
 from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.dots3_note import Dots3NoteForCausalLM
+from paged_engine.models.dual_encoder_text import CLIPEmbeddingModel, SiglipEmbeddingModel
 from paged_engine.models.ergo import ErgoForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -77,6 +78,7 @@ from paged_engine.models.granitemoe import GraniteMoeForCausalLM
 from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
+from paged_engine.models.gritlm import GRITLM
 from paged_engine.models.gte import GTE
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from paged_engine.models.hunyuan_vl import HunYuanVLTextForCausalLM
@@ -89,6 +91,7 @@ from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.jetmoe import JetMoeForCausalLM
 from paged_engine.models.jina_embeddings_v3 import JINA_EMBEDDINGS_V3
+from paged_engine.models.jina_vl_ranker import JinaVLForSequenceClassification
 from paged_engine.models.kimi_linear import KimiLinearForCausalLM
 from paged_engine.models.kolibri import Kolibri1_1ForCausalLM, Kolibri1ForCausalLM
 from paged_engine.models.laguna import LagunaForCausalLM, MellumForCausalLM
@@ -96,6 +99,7 @@ from paged_engine.models.lara_mini import LaraMiniForCausalLM
 from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3ForCausalLM
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
+from paged_engine.models.llama_bidirectional import LLAMA_BIDIRECTIONAL
 from paged_engine.models.llama_variants import (
     CwmForCausalLM,
     ExaoneForCausalLM,
@@ -159,6 +163,7 @@ from paged_engine.models.reward_model import REWARD_CLASSES
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
+from paged_engine.models.splade import SPLADE
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
@@ -343,6 +348,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     **GTE,  # GTE v1.5 / multilingual (Hub's NewModel): rotary post-norm encoders (gte.py)
     **NOMIC_BERT,  # nomic-embed-text v1 / v1.5: the same stack, SwiGLU (nomic_bert.py)
     **JINA_EMBEDDINGS_V3,  # jina-embeddings-v3: the same stack, task LoRA merged at load
+    # CLIPModel's / SiglipModel's text towers (text_wrappers.py; images: multimodal/dual_encoder.py)
+    "CLIPEmbeddingModel": CLIPEmbeddingModel,
+    "SiglipEmbeddingModel": SiglipEmbeddingModel,
+    **SPLADE,  # BERT masked-LM checkpoints pooled into SPLADE sparse vectors (splade.py)
+    **LLAMA_BIDIRECTIONAL,  # llama-nemotron-embed: Llama run bidirectionally (remote config)
+    **GRITLM,  # GritLM-7B's embedder: Llama run bidirectionally, pooled after the instruction
     # remote-code releases: ChatGLM2 / 3 and GLM-4 under their own names (GLM's model),
     # Nemotron-NAS (Llama with per-layer heads / widths / skipped parts), Orion (LayerNorms)
     "ChatGLMModel": ChatGLMForCausalLM,
@@ -359,6 +370,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BaiChuanForCausalLM": BaichuanForCausalLM,
     "TeleChat2ForCausalLM": TeleChat2ForCausalLM,
     "TeleChatForCausalLM": TeleChat2ForCausalLM,
+    # jina-reranker-m0's decoder and score head (its wrapper JinaVLForRanking: text_wrappers.py)
+    "JinaVLForSequenceClassification": JinaVLForSequenceClassification,
 }
 
 

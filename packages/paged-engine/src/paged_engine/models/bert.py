@@ -1,7 +1,7 @@
 """Encoder-only models for embeddings and cross-encoder scores: BERT (`BertModel`,
 `BertForSequenceClassification`) and RoBERTa / XLM-RoBERTa (`RobertaModel`, `XLMRobertaModel`
-and their `*ForSequenceClassification`): bge, e5, gte, MiniLM sentence embedders, bge-m3,
-bge-reranker, ms-marco cross-encoders.
+and their `*ForSequenceClassification`; `RobertaForMaskedLM` served as its encoder, as vLLM
+does): bge, e5, gte, MiniLM sentence embedders, bge-m3, bge-reranker, ms-marco cross-encoders.
 
 Every token attends to every token of its own sequence (bidirectional), so a sequence runs
 whole in one step: the engine turns chunked prefill and prefix caching off for these models
@@ -355,6 +355,8 @@ ENCODERS: dict[str, type[nn.Module]] = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "RobertaModel": RobertaModel,
     "XLMRobertaModel": RobertaModel,
+    # a masked-LM checkpoint served as its encoder, the LM head's weights skipped (as vLLM)
+    "RobertaForMaskedLM": RobertaModel,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
 }

@@ -27,6 +27,7 @@ MPT configs itself and runs the others' remote config code).
       NewForSequenceClassification
     NomicBertModel (GPT-2 names)   nomic_bert                   models/nomic_bert.py
     XLMRobertaModel (rotary)       xlm-roberta                  models/jina_embeddings_v3.py
+    LlamaBidirectionalModel        llama_bidirec                models/llama_bidirectional.py
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -160,6 +161,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Phi4MMForCausalLM": "phi4mm_config:phi4mm_config",
     "LightOnOCRForConditionalGeneration": "hub_vlm_configs:lighton_ocr_config",  # vLLM's name
     "InternS1ForConditionalGeneration": "hub_vlm_configs:intern_s1_config",
+    "LlamaBidirectionalModel": "llama_bidirectional:llama_bidirectional_config",
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

@@ -95,6 +95,7 @@ each is exact).
     VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
+    JinaVLForRanking (remote code)       qwen2_vl_text          -> JinaVLForSequenceClassification
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
     Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
     Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
@@ -574,6 +575,13 @@ WRAPPERS: dict[str, Wrapper] = {
     "Qwen2_5_VLForConditionalGeneration": Wrapper(
         {"qwen2_5_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),
+    # jina-reranker-m0 (remote code): Qwen2-VL with a score head (models/jina_vl_ranker.py)
+    "JinaVLForRanking": Wrapper(
+        {"qwen2_vl_text": "JinaVLForSequenceClassification"},
+        _QWEN_VISUAL,
+        mrope=True,
+        fixed=(("num_labels", 1),),
+    ),
     "Qwen3VLForConditionalGeneration": Wrapper(
         {"qwen3_vl_text": "Qwen3ForCausalLM"}, _QWEN_VISUAL, mrope=True
     ),
@@ -723,6 +731,18 @@ WRAPPERS: dict[str, Wrapper] = {
         _modules("embed_tokens_extend"),
         flat=True,
         remote_phi4mm=True,
+    ),
+    # CLIP / SigLIP as embedding models (vLLM's CLIPEmbeddingModel / SiglipEmbeddingModel):
+    # the text tower and its projection (models/dual_encoder_text.py); their images:
+    # multimodal/dual_encoder.py
+    "CLIPModel": Wrapper(
+        {"clip_text_model": "CLIPEmbeddingModel"},
+        ("vision_model.", "visual_projection.", "logit_scale"),
+        carried=("projection_dim",),
+    ),
+    "SiglipModel": Wrapper(
+        {"siglip_text_model": "SiglipEmbeddingModel"},
+        ("vision_model.", "logit_scale", "logit_bias"),
     ),
 }
 

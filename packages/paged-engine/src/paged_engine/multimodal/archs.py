@@ -82,6 +82,9 @@
       config; a VQ-VAE's codes as text-embedding rows: chameleon_vqvae.py; text out only)
     Emu3ForConditionalGeneration                  "emu3"        multimodal/emu3.py (its VQ-VAE's
       codes, rows ended by an end-of-line token, as text-embedding rows: emu3_vqvae.py; text out)
+    CLIPModel, SiglipModel           "clip_embed", "siglip_embed"  multimodal/dual_encoder.py
+      (embedding models: an image prompt is one placeholder; text towers
+      models/dual_encoder_text.py)
     FuyuForCausalLM                               "fuyu"        multimodal/fuyu.py (no tower:
       patches linearly projected into Persimmon; no vision_config)
     MiniMaxM3SparseForConditionalGeneration  "minimax_m3_vl"  multimodal/minimax_m3_vl.py
@@ -90,6 +93,8 @@
       Inkling2LoopForConditionalGeneration (one token a 40-pixel cell; 1-D positions)
     CohereCompassForConditionalGeneration         "qwen2_vl"    multimodal/qwen2_vl.py (Qwen3-VL's
       tower and deepstack; the decoder's M-RoPE a rope per layer type: models/cohere_compass.py)
+    JinaVLForRanking                              "qwen2_vl"    multimodal/qwen2_vl.py
+      (jina-reranker-m0: Qwen2-VL's images into a reranker, models/jina_vl_ranker.py)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -173,6 +178,9 @@ KINDS: dict[str, str] = {
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "Phi3VForCausalLM": "phi3v",
     "Phi4MMForCausalLM": "phi4mm_remote",  # remote code: models/phi4mm_config.py
+    "CLIPModel": "clip_embed",  # an embedding model: multimodal/dual_encoder.py
+    "SiglipModel": "siglip_embed",  # the same
+    "JinaVLForRanking": "qwen2_vl",  # jina-reranker-m0: models/jina_vl_ranker.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
@@ -221,6 +229,8 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "nemotron_h_omni": ("radio",),
     "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
     "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
+    "clip_embed": ("clip_vision_model",),
+    "siglip_embed": ("siglip_vision_model",),
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -278,6 +288,8 @@ ENCODERS: dict[str, str] = {
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",
+    "clip_embed": "dual_encoder:CLIPImageEmbedder",
+    "siglip_embed": "dual_encoder:SiglipImageEmbedder",
 }
 
 

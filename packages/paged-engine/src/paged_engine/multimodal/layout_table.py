@@ -8,6 +8,7 @@ from paged_engine.multimodal.blip2 import Blip2Layout
 from paged_engine.multimodal.chameleon import ChameleonLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
+from paged_engine.multimodal.dual_encoder import DualEncoderLayout
 from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
@@ -116,4 +117,6 @@ LAYOUTS: dict[str, type[Layout]] = {
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
+    "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder
+    "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same
 }

@@ -36,6 +36,10 @@ def feature_layers(config) -> list[int]:
 
 
 def image_token_id(config) -> int:
+    if getattr(config, "model_type", None) in ("clip", "siglip"):  # a dual encoder's
+        from paged_engine.models.dual_encoder_text import PLACEHOLDER
+
+        return PLACEHOLDER
     value = getattr(config, "image_token_id", None)
     if value is None and not hasattr(config, "image_token_index"):  # Phi-4-multimodal's
         value = config.vision_config.image_token_id

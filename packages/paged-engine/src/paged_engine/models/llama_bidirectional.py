@@ -1,0 +1,87 @@
+"""`LlamaBidirectionalModel` (NVIDIA's llama-nemotron-embed / llama-3.2-nv-embedqa releases, vLLM's
+`LlamaBidirectionalModel`): Llama's decoder run as an encoder, pooled as its config says.
+
+The release ships remote code: config.json has `model_type="llama_bidirec"`, an `auto_map`, and
+Llama's fields plus `pooling` ("avg", "cls" or "last"). `llama_bidirectional_config` reads it
+as transformers' `LlamaConfig` without running that code (models/remote_aliases.py), keeping
+`pooling`; any other value is refused naming the field, as vLLM refuses it.
+
+The layers, weights and arithmetic are paged's Llama (models/llama.py through the headless
+base-model class of models/base_model.py, so names with or without the `model.` prefix load);
+each layer's paged `Attention` is swapped for `BidirectionalAttention` (models/gemma3_encoder.py),
+which attends each sequence over all of itself: the remote class only drops Llama's causal mask
+(rope and everything else as Llama). The engine then treats the model as an encoder
+(engine/encoder.py: one step per sequence, no KV cache, pooling only).
+
+Pooling, as vLLM maps `pooling` (its `LlamaBidirectionalConfig` sets it whatever else says so):
+avg -> MEAN, cls -> CLS, last -> LAST, normalized by default; a `pooler_config` naming another
+pooling type is refused (engine/encoder.py `config_pooling_type`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import nn
+from transformers import LlamaConfig, PretrainedConfig
+
+from paged_engine.models.base_model import headless
+from paged_engine.models.gemma3_encoder import BidirectionalAttention
+from paged_engine.models.llama import LlamaForCausalLM
+from paged_engine.models.remote_aliases import field
+
+# config.json `pooling` -> the engine's pooling type (vLLM's map)
+POOLING = {"avg": "MEAN", "cls": "CLS", "last": "LAST"}
+# fields of the remote config that LlamaConfig must not take as its own
+_REMOTE_ONLY = ("auto_map", "model_type", "transformers_version", "_name_or_path", "torch_dtype")
+
+
+def llama_bidirectional_config(raw: dict[str, Any]) -> PretrainedConfig:
+    """The release's config.json as transformers' LlamaConfig (with `pooling`, checked)."""
+    pooling = field(raw, "pooling", str, "avg")
+    if pooling not in POOLING:
+        raise ValueError(
+            f"config.json field 'pooling'={pooling!r} is not supported for "
+            f"LlamaBidirectionalModel: {sorted(POOLING)}"
+        )
+    fields = {k: v for k, v in raw.items() if k not in _REMOTE_ONLY}
+    if raw.get("torch_dtype") is not None and "dtype" not in fields:
+        fields["dtype"] = raw["torch_dtype"]
+    return LlamaConfig(**{**fields, "pooling": pooling})
+
+
+class LlamaBidirectionalModel(headless(LlamaForCausalLM, "LlamaForCausalLM")):  # type: ignore[misc]
+    """Llama's headless stack with bidirectional attention in every layer."""
+
+    is_encoder: ClassVar[bool] = True
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.self_attn.attn = BidirectionalAttention(layer.self_attn.attn)
+
+    @staticmethod
+    def config_pooling_type(config) -> str:
+        """The pooling config.json's `pooling` names (avg when absent)."""
+        pooling = getattr(config, "pooling", None) or "avg"
+        if pooling not in POOLING:
+            raise ValueError(f"config.pooling={pooling!r} is not supported: {sorted(POOLING)}")
+        return POOLING[pooling]
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return int(config.max_position_embeddings)
+
+    @staticmethod
+    def kv_cache_layout(config) -> list[tuple[int, int]]:
+        return []  # no layer caches: the engine's blocks only count tokens
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, hidden=None):
+        # the engine hands an encoder no caches; the Llama stack takes one entry a layer
+        none = [(None, None)] * len(self.model.layers)
+        return super().forward(input_ids, positions, none, attn_metadata, hidden)
+
+
+LLAMA_BIDIRECTIONAL: dict[str, type[nn.Module]] = {
+    "LlamaBidirectionalModel": LlamaBidirectionalModel,
+}

@@ -152,8 +152,23 @@ def load_hf_config(
 
 def apply_hf_overrides(config, overrides: dict | None):
     """vLLM's `hf_overrides`: each field set on the loaded config; a dict given for a field
-    that holds a sub-config (text_config, rope_parameters as a config) updates its fields."""
-    for key, value in (overrides or {}).items():
+    that holds a sub-config (text_config, rope_parameters as a config) updates its fields.
+    An `architectures` naming the wrapper the config was already derived from is dropped:
+    vLLM's spelling for a release paged reads as that wrapper by its layout (Tarsier2,
+    models/tarsier2_config.py); set on the derived text config it would replace the text class.
+    A name archs.SERVED_AS serves as that wrapper is kept as `served_as` instead (Mantis)."""
+    overrides = dict(overrides or {})
+    marker = getattr(config, MARKER, None)
+    archs = overrides.get("architectures")
+    if archs == [marker]:
+        del overrides["architectures"]
+    elif isinstance(archs, list) and len(archs) == 1 and marker is not None:
+        from paged_engine.multimodal.archs import SERVED_AS
+
+        if SERVED_AS.get(archs[0]) == marker:  # Mantis: LLaVA's model, its own prompt text
+            config.served_as = archs[0]  # read by the engine's image side
+            del overrides["architectures"]
+    for key, value in overrides.items():
         current = getattr(config, key, None)
         if isinstance(value, dict) and hasattr(current, "to_dict"):
             apply_hf_overrides(current, value)

@@ -72,6 +72,8 @@ from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
 from paged_engine.multimodal.inputs import is_embeds_prompt
+from paged_engine.multimodal.mantis import ARCH as MANTIS
+from paged_engine.multimodal.mantis import as_mantis
 from paged_engine.multimodal.processor import (
     ImageProcessor,
     builds_own_processor,
@@ -684,6 +686,8 @@ class LLMEngine:
             logger.warning("%s: %s; serving the text model only", self.resolved.path, why)
             cfg.limit_mm_per_prompt = {**(cfg.limit_mm_per_prompt or {}), "image": 0}
             return None
+        if getattr(self.hf_config, "served_as", None) == MANTIS:  # hf_overrides' vLLM name
+            config = as_mantis(config)
         images = ImageProcessor(self.resolved.path, config, cfg.image_limit, self.tokenizer)
         images.max_model_len = cfg.max_model_len
         if cfg.mm_processor_kwargs:

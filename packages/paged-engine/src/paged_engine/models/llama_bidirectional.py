@@ -16,12 +16,21 @@ which attends each sequence over all of itself: the remote class only drops Llam
 Pooling, as vLLM maps `pooling` (its `LlamaBidirectionalConfig` sets it whatever else says so):
 avg -> MEAN, cls -> CLS, last -> LAST, normalized by default; a `pooler_config` naming another
 pooling type is refused (engine/encoder.py `config_pooling_type`).
+
+`LlamaBidirectionalForSequenceClassification` (llama-nemotron-rerank releases; vLLM's
+`as_seq_cls_model(LlamaForCausalLM)` under the same config rule): the same stack and a
+bias-free `score` Linear [num_labels, hidden] read at the pooling `pooling` names. The head is
+linear, so scoring each position and pooling (the worker's way) equals the remote code's
+score(pool(h)). The activation is classification.py's (sigmoid on one label, as vLLM). The
+remote code divides the logits by config.json's `temperature`, which vLLM ignores: a value
+other than 1.0 is refused by name rather than served two ways.
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
@@ -82,6 +91,39 @@ class LlamaBidirectionalModel(headless(LlamaForCausalLM, "LlamaForCausalLM")):  
         return super().forward(input_ids, positions, none, attn_metadata, hidden)
 
 
+def llama_bidirectional_classifier_config(raw: dict[str, Any]) -> PretrainedConfig:
+    """The rerank release's config.json as LlamaConfig; `temperature` other than 1.0 refused."""
+    temperature = field(raw, "temperature", (int, float), 1.0)
+    if temperature != 1.0:
+        raise ValueError(
+            f"config.json field 'temperature'={temperature!r} is not supported for "
+            "LlamaBidirectionalForSequenceClassification (vLLM ignores it, the remote code "
+            "divides the logits by it): only 1.0"
+        )
+    return llama_bidirectional_config(raw)
+
+
+class LlamaBidirectionalForSequenceClassification(LlamaBidirectionalModel):
+    """The bidirectional stack with a bias-free `score` head on its pooled hidden state."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.score = nn.Linear(config.hidden_size, int(config.num_labels), bias=False)
+
+    @staticmethod
+    def classifier_pooling_type(config) -> str:
+        """The head reads the pooling config.json's `pooling` names (engine/encoder.py)."""
+        return LlamaBidirectionalModel.config_pooling_type(config)
+
+    def rename_weight(self, name: str) -> str:
+        # the head sits at the top level, outside the decoder prefix the base puts back
+        return name if name.startswith("score.") else super().rename_weight(name)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, num_labels]
+        return self.score(hidden)
+
+
 LLAMA_BIDIRECTIONAL: dict[str, type[nn.Module]] = {
     "LlamaBidirectionalModel": LlamaBidirectionalModel,
+    "LlamaBidirectionalForSequenceClassification": LlamaBidirectionalForSequenceClassification,
 }

@@ -23,11 +23,17 @@ MPT configs itself and runs the others' remote config code).
                                                                 models/hub_vlm_configs.py)
     InternS1ForConditionalGeneration  interns1                  InternVL's (models/
                                                                 hub_vlm_configs.py)
+    Ovis2_5                        ovis2_5                      transformers' Ovis2_5 (models/
+                                                                ovis2_5_hub.py; images:
+                                                                multimodal/ovis2_5_hub.py)
     NewModel,                      new                          models/gte.py (GTE v1.5 / mGTE)
       NewForSequenceClassification
     NomicBertModel (GPT-2 names)   nomic_bert                   models/nomic_bert.py
     XLMRobertaModel (rotary)       xlm-roberta                  models/jina_embeddings_v3.py
-    LlamaBidirectionalModel        llama_bidirec                models/llama_bidirectional.py
+    LlamaBidirectionalModel,       llama_bidirec                models/llama_bidirectional.py
+      LlamaBidirectionalForSequenceClassification
+    (any; llava around qwen2_vl)   llava                        Tarsier2ForConditionalGeneration:
+                                                                Qwen2-VL's (tarsier2_config.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -161,7 +167,11 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Phi4MMForCausalLM": "phi4mm_config:phi4mm_config",
     "LightOnOCRForConditionalGeneration": "hub_vlm_configs:lighton_ocr_config",  # vLLM's name
     "InternS1ForConditionalGeneration": "hub_vlm_configs:intern_s1_config",
+    "Ovis2_5": "ovis2_5_hub:ovis2_5_hub_config",  # Ovis2.5-2B / -9B (remote code)
     "LlamaBidirectionalModel": "llama_bidirectional:llama_bidirectional_config",
+    "LlamaBidirectionalForSequenceClassification": (
+        "llama_bidirectional:llama_bidirectional_classifier_config"
+    ),
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format
@@ -179,6 +189,10 @@ def remote_config(path: Path) -> PretrainedConfig | None:
     if not file.is_file():
         return None
     raw = json.loads(file.read_text())
+    from paged_engine.models.tarsier2_config import is_tarsier2, tarsier2_config
+
+    if is_tarsier2(raw):  # LLaVA around Qwen2-VL, whatever its architectures say
+        return tarsier2_config(raw)
     archs = raw.get("architectures") or []
     if any(a in RENAMED for a in archs):
         from transformers import AutoConfig

@@ -76,6 +76,7 @@ each is exact).
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
+    Ovis2_5 (remote code)                qwen3                  -> Qwen3ForCausalLM
     Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
     Phi4MultimodalForCausalLM            (flat) phi4_multimodal -> Phi3ForCausalLM
     Phi3VForCausalLM                     (flat) phi3_v          -> Phi3ForCausalLM
@@ -96,6 +97,7 @@ each is exact).
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     JinaVLForRanking (remote code)       qwen2_vl_text          -> JinaVLForSequenceClassification
+    Tarsier2ForConditionalGeneration     qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen3VLForConditionalGeneration      qwen3_vl_text          -> Qwen3ForCausalLM
     Qwen3VLMoeForConditionalGeneration   qwen3_vl_moe_text      -> Qwen3MoeForCausalLM
     Qwen3_5ForConditionalGeneration      qwen3_5_text           -> Qwen3_5ForCausalLM
@@ -352,6 +354,8 @@ WRAPPERS: dict[str, Wrapper] = {
         {"qwen3": "Qwen3ForCausalLM"}, _OVIS2_5, renames=_OVIS2_5_RENAMES
     ),
     "Ovis2ForConditionalGeneration": Wrapper({"qwen2": "Qwen2ForCausalLM"}, _OVIS2),
+    # Ovis2.5's Hub release (remote code; config: models/ovis2_5_hub.py): the port's names
+    "Ovis2_5": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _OVIS2_5, renames=_OVIS2_5_RENAMES),
     # Gemma 4's wrapper soft-caps its logits as the text model does; on text it computes the
     # per-layer inputs from the token ids as the text model does.
     "Gemma4ForConditionalGeneration": Wrapper({"gemma4_text": "Gemma4ForCausalLM"}, _GEMMA4_TOWERS),
@@ -574,6 +578,11 @@ WRAPPERS: dict[str, Wrapper] = {
     ),
     "Qwen2_5_VLForConditionalGeneration": Wrapper(
         {"qwen2_5_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True
+    ),
+    # Tarsier2 (vLLM's name): Qwen2-VL under LLaVA's names (models/tarsier2_config.py); the
+    # decoder's `language_model.model.` / `language_model.lm_head.` are _RENAMES'
+    "Tarsier2ForConditionalGeneration": Wrapper(
+        {"qwen2_vl_text": "Qwen2ForCausalLM"}, _modules("vision_tower"), mrope=True
     ),
     # jina-reranker-m0 (remote code): Qwen2-VL with a score head (models/jina_vl_ranker.py)
     "JinaVLForRanking": Wrapper(

@@ -47,6 +47,9 @@
       pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
+    Ovis2_5                                       "ovis2_5_hub" multimodal/ovis2_5_hub.py (the
+      Hub's remote-code Ovis2.5 as vLLM serves it: "<image>" text, <|image_pad|> runs; config
+      models/ovis2_5_hub.py)
     Ovis2ForConditionalGeneration                 "ovis2"       multimodal/ovis2.py (tower),
       ovis2_layout.py (tiles, prompt)
     Exaone4_5_ForConditionalGeneration            "exaone4_5"   multimodal/exaone4_5.py
@@ -95,6 +98,10 @@
       tower and deepstack; the decoder's M-RoPE a rope per layer type: models/cohere_compass.py)
     JinaVLForRanking                              "qwen2_vl"    multimodal/qwen2_vl.py
       (jina-reranker-m0: Qwen2-VL's images into a reranker, models/jina_vl_ranker.py)
+    Tarsier2ForConditionalGeneration              "qwen2_vl"    multimodal/qwen2_vl.py (Tarsier2:
+      Qwen2-VL under LLaVA's names and config, models/tarsier2_config.py; images only)
+    MantisForConditionalGeneration                "mantis"      multimodal/mantis.py (vLLM's name,
+      by hf_overrides: a LLaVA checkpoint, each image's run in "(image i: <Image>...</Image>)")
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -117,6 +124,7 @@ KINDS: dict[str, str] = {
     "Qwen3VLMoeForConditionalGeneration": "qwen2_vl",
     "Qwen3_5ForConditionalGeneration": "qwen2_vl",
     "Qwen3_5MoeForConditionalGeneration": "qwen2_vl",
+    "Tarsier2ForConditionalGeneration": "qwen2_vl",  # Qwen2-VL (models/tarsier2_config.py)
     "Glm4vForConditionalGeneration": "glm4v",
     "Glm4vMoeForConditionalGeneration": "glm4v",
     "Glm46VForConditionalGeneration": "glm4v",
@@ -147,6 +155,7 @@ KINDS: dict[str, str] = {
     "MiniCPMV4_7ForConditionalGeneration": "minicpmv_canvas",
     "Lfm2VlForConditionalGeneration": "lfm2_vl",
     "Ovis2_5ForConditionalGeneration": "ovis2_5",
+    "Ovis2_5": "ovis2_5_hub",  # the Hub's remote code: models/ovis2_5_hub.py
     "Ovis2ForConditionalGeneration": "ovis2",
     "Exaone4_5_ForConditionalGeneration": "exaone4_5",
     "LlavaOnevision15ForConditionalGeneration": "llava_onevision1_5",
@@ -181,8 +190,12 @@ KINDS: dict[str, str] = {
     "CLIPModel": "clip_embed",  # an embedding model: multimodal/dual_encoder.py
     "SiglipModel": "siglip_embed",  # the same
     "JinaVLForRanking": "qwen2_vl",  # jina-reranker-m0: models/jina_vl_ranker.py
+    "MantisForConditionalGeneration": "mantis",  # LLaVA's, its prompt text (multimodal/mantis.py)
 }
 IMAGE_ARCHS = tuple(KINDS)
+# vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
+# text model and tower that wrapper's, the host side the name's (loader.apply_hf_overrides)
+SERVED_AS: dict[str, str] = {"MantisForConditionalGeneration": "LlavaForConditionalGeneration"}
 # the checkpoints whose videos run (multimodal/video_archs.py's table of their processors),
 # for messages
 VIDEO_MODELS = (
@@ -207,6 +220,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minicpmv_canvas": ("minicpmv4_6_vision", "minicpmv4_7_vision"),
     "lfm2_vl": ("siglip2_vision_model",),
     "ovis2_5": ("ovis2_5_vision",),
+    "ovis2_5_hub": ("ovis2_5_vision",),  # vit_config read into the port's (ovis2_5_hub.py)
     "ovis2": ("ovis2_vision",),
     "exaone4_5": ("exaone4_5_vision",),
     "llava_onevision1_5": ("llava_onevision1_5_vision",),
@@ -262,6 +276,7 @@ ENCODERS: dict[str, str] = {
     "minicpmv_canvas": "minicpmv:MiniCPMVImageEncoder",
     "lfm2_vl": "lfm2_vl:Lfm2VlImageEncoder",
     "ovis2_5": "ovis2_5:Ovis2_5ImageEncoder",
+    "ovis2_5_hub": "ovis2_5_hub:Ovis2_5HubImageEncoder",
     "ovis2": "ovis2:Ovis2ImageEncoder",
     "exaone4_5": "exaone4_5:Exaone45ImageEncoder",
     "llava_onevision1_5": "llava_onevision1_5:LlavaOnevision15ImageEncoder",
@@ -290,6 +305,7 @@ ENCODERS: dict[str, str] = {
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",
     "clip_embed": "dual_encoder:CLIPImageEmbedder",
     "siglip_embed": "dual_encoder:SiglipImageEmbedder",
+    "mantis": "llava:LlavaImageEncoder",  # LLaVA's model (the worker reads config.json's kind)
 }
 
 

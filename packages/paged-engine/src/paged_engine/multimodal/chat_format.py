@@ -60,6 +60,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "glm_ocr": {"image": "<|begin_of_image|>{token}<|end_of_image|>"},
     "internvl_chat": {"image": "<image>", "video": "<video>"},  # the Hub's InternVL2 / 2.5
     "h2ovl": {"image": "<image>"},  # H2OVL-Mississippi (InternVL-Chat's marker)
+    "ovis2_5_hub": {"image": "<image>"},  # Ovis2.5's Hub release (vLLM's placeholder)
     "internvl": {"video": "<video>"},  # HF's InternVL: images <IMG_CONTEXT> (its token)
     "aria": {"image": "<|fim_prefix|>{token}<|fim_suffix|>"},
     "blip2": {"image": None},

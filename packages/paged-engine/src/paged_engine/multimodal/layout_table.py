@@ -50,11 +50,13 @@ from paged_engine.multimodal.layouts_tiles import (
 )
 from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
+from paged_engine.multimodal.mantis import MantisLayout
 from paged_engine.multimodal.minicpm_ocr import MiniCPMOcrLayout
 from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
+from paged_engine.multimodal.ovis2_5_hub import Ovis2_5HubLayout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
 from paged_engine.multimodal.paligemma_layout import PaliGemmaLayout
@@ -88,6 +90,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "kimi_vl": KimiVLLayout,  # Kimi-VL (remote code): K2.5's runs, its own processor
     "lfm2_vl": Lfm2VlLayout,
     "ovis2_5": Ovis2_5Layout,
+    "ovis2_5_hub": Ovis2_5HubLayout,  # Ovis2.5's Hub release: "<image>" -> <|image_pad|> runs
     "ovis2": Ovis2Layout,  # Ovis2: tiles, "<image>" (text) -> their indicator segment
     "exaone4_5": Exaone45Layout,  # EXAONE 4.5: Qwen2-VL's runs, 1-D positions
     "llava_onevision1_5": LlavaOnevision15Layout,  # its runs over one-frame patch rows
@@ -119,4 +122,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
     "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder
     "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same
+    "mantis": MantisLayout,  # Mantis (vLLM's name): LLaVA's runs in numbered image text
 }

@@ -30,6 +30,7 @@ from paged_engine.multimodal.qwen2_vl_vision import QwenVisionEncoder
 __all__ = ["ARCHS", "MropePositions", "QwenImageEncoder", "mrope_positions"]
 
 ARCHS = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+TARSIER2 = "Tarsier2ForConditionalGeneration"  # Qwen2-VL's images, LLaVA's weight names
 # the same host side (grids, placeholders, M-RoPE, interleaved), their own tower and deepstack
 QWEN3_ARCHS = (
     "Qwen3VLForConditionalGeneration",
@@ -87,9 +88,15 @@ def tokens(config, grid: tuple[int, ...]) -> int:
 class QwenImageEncoder(nn.Module):
     """Images -> rows of the text model's input embedding, one per placeholder."""
 
+    # where the checkpoint keeps the tower other than `visual.` (Tarsier2: LLaVA's
+    # `vision_tower.`, models/tarsier2_config.py)
+    tower_prefix: str | None = None
+
     def __init__(self, config) -> None:
         super().__init__()
         self.visual = QwenVisionEncoder(config.vision_config)
+        if TARSIER2 in config.architectures:
+            self.tower_prefix = "vision_tower."
 
     def _tower(self, images: Sequence[ImageInput]) -> Any:
         """The tower on the images' patch rows, concatenated, with their grids."""
@@ -102,7 +109,15 @@ class QwenImageEncoder(nn.Module):
         return list(self._tower(images).split([m.length for m in images]))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        prefix = self.tower_prefix
+        if prefix is not None:
+            weights = ((_renamed(n, prefix), t) for n, t in weights)
         return self.visual.load_weights(weights)
+
+
+def _renamed(name: str, prefix: str) -> str:
+    """`prefix` + rest -> `visual.` + rest (any other name as it is)."""
+    return "visual." + name.removeprefix(prefix) if name.startswith(prefix) else name
 
 
 class Qwen3ImageEncoder(QwenImageEncoder):

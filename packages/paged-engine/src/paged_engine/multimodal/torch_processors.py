@@ -247,6 +247,10 @@ def torch_processor(path: Path, config: Any) -> TorchImageProcessor | None:
 def image_processor(path: Path, config: Any) -> Any:
     """The checkpoint's image processor: transformers' where it can be built, ours where
     transformers' needs the missing torchvision."""
+    if "Tarsier2ForConditionalGeneration" in (getattr(config, "architectures", None) or ()):
+        from paged_engine.models.tarsier2_config import tarsier2_image_processor
+
+        return tarsier2_image_processor(path)  # its size as min / max pixels, remapped
     if not torchvision_available():
         ours = torch_processor(path, config)
         if ours is not None:

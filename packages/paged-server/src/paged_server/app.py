@@ -483,6 +483,10 @@ class OpenAIApp:
                 param,
             )
         template = request_template or self.chat_template or self.tokenizer.chat_template
+        if template is None:  # vLLM's per-model fallback (CLIP / SigLIP: each content in turn)
+            from paged_engine.multimodal.chat_format import fallback_template
+
+            template = fallback_template(self.images)
         if template is None:
             raise bad_request("this model has no chat template", "messages")
         try:

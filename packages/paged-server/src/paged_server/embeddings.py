@@ -9,9 +9,12 @@ classifier's probabilities) as `{"object": "pooling", "data": [...]}` items.
 
 vLLM's extras: `truncate_prompt_tokens` (keep the last k tokens; -1: as many as fit),
 `add_special_tokens` (default true), `normalize`. Instead of `input`, vLLM's chat form:
-`messages` (text) through the chat template (`chat_template_kwargs`, `add_generation_prompt`
-default false, `continue_final_message`, `chat_template` as chat completions take it), one
-pooled input; `add_special_tokens` then defaults to false (the template holds BOS).
+`messages` through the chat template (`chat_template_kwargs`, `add_generation_prompt` default
+false, `continue_final_message`, `chat_template`, `mm_processor_kwargs` as chat completions
+take them), one pooled input; `add_special_tokens` then defaults to false (the template holds
+BOS). Its messages may hold image_url parts where the model takes images (a VLM embedder, or
+CLIP / SigLIP: an image-only message embeds the image, a text-only one the text, both a 400):
+pooling_media.py.
 
 The pooling itself (last token or mean, `--pooler-config`) is the engine's:
 paged_engine/pooling.py. base64 is the little-endian float32 bytes, as OpenAI encodes them (the
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from paged_engine.pooling import PoolingParams, truncated
 from paged_server.errors import bad_request
 from paged_server.openai_protocol import parse_chat
+from paged_server.pooling_media import chat_prompt
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -56,6 +60,7 @@ _CHAT_FIELDS = frozenset(
         "chat_template_kwargs",
         "add_generation_prompt",
         "continue_final_message",
+        "mm_processor_kwargs",
     }
 )
 
@@ -218,16 +223,17 @@ def run_pooling(
     app: OpenAIApp,
     h: Handler,
     rid: str,
-    ids: list[list[int]],
+    ids: list[list[int] | dict],
     params: PoolingParams,
     lora: Any,
     priority: int,
 ) -> list[Any]:
-    """Pool each token list as one engine request; the `PoolingRequestOutput`s in order. A
-    client that leaves aborts every request of the call."""
+    """Pool each token list (or engine prompt: ids and processed images) as one engine
+    request; the `PoolingRequestOutput`s in order. A client that leaves aborts every request
+    of the call."""
     app.client.check_queue()
     rids = [f"{rid}-{i}" for i in range(len(ids))]
-    prompts = [{"prompt_token_ids": t} for t in ids]
+    prompts = [t if isinstance(t, dict) else {"prompt_token_ids": t} for t in ids]
     group = app.client.add(rids, prompts, params, lora, priority)
     with app._in_flight(h, group, rids):
         app._wait(h, group)
@@ -238,17 +244,13 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
     """`/v1/embeddings`; with `route="/pooling"` vLLM's pooling API over the same inputs."""
     req = parse_embedding(h.read_json(), route)
     model, lora = app._resolve(req.model)  # an adapter name: the engine pools with it
+    ids: list[list[int] | dict]
     if req.chat is not None:  # one input: the conversation as the chat template renders it
-        chat = {"add_generation_prompt": False, **req.chat}
-        text = app._render_chat(parse_chat(chat))  # image parts: a 400 naming the part
-        ids = [
-            prompt_tokens(
-                app,
-                app._encode(text, req.add_special_tokens),
-                "messages",
-                req.truncate_prompt_tokens,
-            )
-        ]
+        chat = parse_chat({"add_generation_prompt": False, **req.chat}, images=app.takes_media)
+        one = chat_prompt(app, chat, req.add_special_tokens, req.truncate_prompt_tokens)
+        if isinstance(one, list):  # no media: checked and truncated as token ids
+            one = prompt_tokens(app, one, "messages", req.truncate_prompt_tokens)
+        ids = [one]
     else:
         ids = [
             prompt_tokens(
@@ -268,7 +270,7 @@ def serve_embeddings(app: OpenAIApp, h: Handler, route: str = "/v1/embeddings") 
         }
         for i, out in enumerate(outs)
     ]
-    num_tokens = sum(len(t) for t in ids)
+    num_tokens = sum(len(t["prompt_token_ids"] if isinstance(t, dict) else t) for t in ids)
     h.log_extra += f" prompt_tokens={num_tokens}"
     usage = {"completion_tokens": 0} if pooling else {}
     h.send_json(200, list_answer(rid, model, data, num_tokens, **usage))

@@ -14,6 +14,12 @@ prompt (the tokenizer's text-pair encoding).
     -> {"id", "model", "usage": {"prompt_tokens", "total_tokens"},
         "results": [{"index": i, "document": {"text"}, "relevance_score": s}]}   best first
 
+A side may also be vLLM's ScoreMultiModalParam, `{"content": [text / image_url parts]}` (one
+query or document; a list mixes them with strings) where the model takes images: an embedding
+model (CLIP, SigLIP) embeds it alone, jina-reranker-m0 reads it into its pair prompt
+(pooling_media.py); a rerank result then shows it as `{"document": {"multi_modal": parts}}`.
+A model without images refuses the form by name.
+
 An embedding model pools every distinct text once (a query scored against N documents runs
 once); a cross-encoder runs one request per pair. Common extras: `truncate_prompt_tokens` (the
 last k tokens of each text, or of each pair for a cross-encoder; -1: as many as fit),
@@ -39,6 +45,13 @@ from paged_server.embeddings import (
     run_pooling,
 )
 from paged_server.errors import bad_request
+from paged_server.pooling_media import (
+    MediaSide,
+    load_images,
+    parse_side,
+    processed_prompt,
+    side_prompt,
+)
 
 if TYPE_CHECKING:
     from paged_server.app import OpenAIApp
@@ -59,8 +72,8 @@ _RERANK_FIELDS = _COMMON | {"query", "documents", "top_n", "return_documents"}
 @dataclass(slots=True)
 class ScoreRequest:
     model: str | None
-    first: list[str]
-    second: list[str]
+    first: list[str | MediaSide]
+    second: list[str | MediaSide]
     names: tuple[str, str]  # what the client called the two sides (for errors)
     truncate_prompt_tokens: int | None
     priority: int
@@ -86,20 +99,27 @@ def check_fields(body: Any, allowed: frozenset[str], route: str) -> dict:
     return body
 
 
-def _texts(value: Any, name: str, *, single: bool = False) -> list[str]:
-    """A side of the pairs: one string, or (unless `single`) a non-empty list of strings."""
-    if isinstance(value, str):
-        return [value]
-    what = "a string" if single else "a string or a non-empty list of strings"
-    if single or not isinstance(value, list) or not value:
-        raise bad_request(f"'{name}' must be {what} (text only: this server has no images)", name)
+def _texts(value: Any, name: str, images: bool, *, single: bool = False) -> list[str | MediaSide]:
+    """A side of the pairs: one string or `{"content": [parts]}` (`images`: whether the model
+    takes that form), or (unless `single`) a non-empty list of them."""
+    if isinstance(value, (str, dict)):
+        value = [value]
+    elif single or not isinstance(value, list) or not value:
+        what = "a string" if single else "a string or a non-empty list of strings"
+        raise bad_request(f"'{name}' must be {what} (or {{'content': [parts]}})", name)
+    out: list[str | MediaSide] = []
     for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise bad_request(f"{name}[{i}] must be a string", name)
-    return value
+        where = name if single else f"{name}[{i}]"
+        if isinstance(item, dict):
+            out.append(parse_side(item, where, images))
+        elif isinstance(item, str):
+            out.append(item)
+        else:
+            raise bad_request(f"{where} must be a string (or {{'content': [parts]}})", name)
+    return out
 
 
-def parse_score(body: Any) -> ScoreRequest:
+def parse_score(body: Any, images: bool = False) -> ScoreRequest:
     body = check_fields(body, _SCORE_FIELDS, "/score")
     given = [pair for pair in SCORE_SIDES if pair[0] in body and pair[1] in body]
     if not given:
@@ -116,7 +136,8 @@ def parse_score(body: Any) -> ScoreRequest:
             "sides one way",
             stray[0],
         )
-    first, second = _texts(body[names[0]], names[0]), _texts(body[names[1]], names[1])
+    first = _texts(body[names[0]], names[0], images)
+    second = _texts(body[names[1]], names[1], images)
     _pairs(len(first), len(second), names)
     return ScoreRequest(
         body.get("model"),
@@ -129,14 +150,14 @@ def parse_score(body: Any) -> ScoreRequest:
     )
 
 
-def parse_rerank(body: Any) -> ScoreRequest:
+def parse_rerank(body: Any, images: bool = False) -> ScoreRequest:
     body = check_fields(body, _RERANK_FIELDS, "/rerank")
     if "query" not in body:
         raise bad_request("'query' is required", "query")
     if "documents" not in body:
         raise bad_request("'documents' is required", "documents")
-    query = _texts(body["query"], "query", single=True)
-    documents = _texts(body["documents"], "documents")
+    query = _texts(body["query"], "query", images, single=True)
+    documents = _texts(body["documents"], "documents", images)
     top_n = body.get("top_n", 0)
     if top_n is None:
         top_n = 0
@@ -174,7 +195,9 @@ def _scores(app: OpenAIApp, h: Handler, req: ScoreRequest, rid: str) -> tuple[st
     if app.classifier is not None:
         return model, *_cross_encoder(app, h, req, rid, pairs, lora)
     ids = [
-        prompt_tokens(app, text, f"{name}[{i}]", req.truncate_prompt_tokens)
+        side_prompt(app, text)
+        if isinstance(text, MediaSide)
+        else prompt_tokens(app, text, f"{name}[{i}]", req.truncate_prompt_tokens)
         for texts, name in ((req.first, req.names[0]), (req.second, req.names[1]))
         for i, text in enumerate(texts)
     ]
@@ -199,15 +222,30 @@ def _cross_encoder(
             "single-label classifier (a cross-encoder); use /classify",
             "model",
         )
-    ids = []
+    jina = jina_vl_scoring.serves(info)
+    sides = _loaded(app, req) if jina else {}
+    ids: list[list[int] | dict] = []
     for k, (i, j) in enumerate(pairs):
+        query, doc = req.first[i], req.second[j]
+        media = [s for s in (doc, query) if isinstance(s, MediaSide)]
+        if media and not jina:
+            raise bad_request(
+                f"{media[0].param}: {info.architecture} scores text pairs only (no images)",
+                media[0].param,
+            )
         with app.tok_lock:
-            if jina_vl_scoring.serves(info):  # its template and score token (text pairs here)
-                tokens, _ = jina_vl_scoring.pair_prompt(
-                    app.tokenizer, req.first[i], req.second[j], req.names
-                )
+            if jina:  # its template and score token; a side's images in prompt order
+                try:
+                    tokens, images = jina_vl_scoring.pair_prompt(
+                        app.tokenizer, sides.get((0, i), query), sides.get((1, j), doc), req.names
+                    )
+                except ValueError as e:  # a side of nothing (no text, no image)
+                    raise bad_request(str(e), req.names[1]) from None
             else:
-                tokens = pair_prompt(app.tokenizer, req.first[i], req.second[j], req.names)
+                tokens, images = pair_prompt(app.tokenizer, query, doc, req.names), []
+        if media:  # its images' runs kept whole: no truncation
+            ids.append(processed_prompt(app, tokens, images, media[0].param))
+            continue
         tokens = truncated(tokens, req.truncate_prompt_tokens, app.max_model_len)
         if len(tokens) >= app.max_model_len:
             raise bad_request(
@@ -219,14 +257,28 @@ def _cross_encoder(
         ids.append(tokens)
     params = PoolingParams(use_activation=req.use_activation, task="score")
     outs = run_pooling(app, h, rid, ids, params, lora, req.priority)
-    scored = cross_encoder_scores(outs, ids)
-    num_tokens = sum(len(t) for t in ids)
+    lists = [t["prompt_token_ids"] if isinstance(t, dict) else t for t in ids]
+    scored = cross_encoder_scores(outs, lists)
+    num_tokens = sum(len(t) for t in lists)
     h.log_extra += f" prompt_tokens={num_tokens}"
     return scored, num_tokens
 
 
+def _loaded(app: OpenAIApp, req: ScoreRequest) -> dict[tuple[int, int], dict]:
+    """Each `{"content"}` side of the request as jina_vl_scoring takes it (its images loaded
+    once, however many pairs it is in), keyed by (side, index)."""
+    out = {}
+    for k, items in enumerate((req.first, req.second)):
+        for i, side in enumerate(items):
+            if isinstance(side, MediaSide):
+                images = load_images(app, side)
+                mm = {"multi_modal_data": {"image": images}} if images else {}
+                out[k, i] = {"prompt": side.text, **mm}
+    return out
+
+
 def serve_score(app: OpenAIApp, h: Handler) -> None:
-    req = parse_score(h.read_json())
+    req = parse_score(h.read_json(), app.images is not None)
     rid = f"score-{uuid.uuid4().hex}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     data = [{"index": i, "object": "score", "score": s.outputs.score} for i, s in enumerate(scored)]
@@ -234,14 +286,17 @@ def serve_score(app: OpenAIApp, h: Handler) -> None:
 
 
 def serve_rerank(app: OpenAIApp, h: Handler) -> None:
-    req = parse_rerank(h.read_json())
+    req = parse_rerank(h.read_json(), app.images is not None)
     rid = f"rerank-{uuid.uuid4().hex}"
     model, scored, num_tokens = _scores(app, h, req, rid)
     results = []
     for i, s in enumerate(scored):
         result: dict[str, Any] = {"index": i, "relevance_score": s.outputs.score}
         if req.return_documents:
-            result["document"] = {"text": req.second[i]}
+            doc = req.second[i]
+            result["document"] = (
+                {"multi_modal": doc.content} if isinstance(doc, MediaSide) else {"text": doc}
+            )
         results.append(result)
     results.sort(key=lambda r: r["relevance_score"], reverse=True)  # stable: ties keep order
     if req.top_n:

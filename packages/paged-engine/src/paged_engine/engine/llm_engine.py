@@ -195,6 +195,8 @@ class LLMEngine:
         self.st_dense = None
         if self.serves != "generate" and self.classifier is None and not self.resolved.is_gguf:
             width = int(getattr(self.hf_config, "hidden_size", 0) or 0)
+            if hasattr(self.encoder, "pooled_width"):  # rows projected (EmbeddingGemma 2)
+                width = self.encoder.pooled_width(self.hf_config)
             self.st_dense = load_dense_stack(self.resolved.path, width)
         if self.serves == "pooling" and config.logits_processors:
             raise ValueError("logits_processors: a pooling model samples no tokens to process")
@@ -424,6 +426,8 @@ class LLMEngine:
                     "vectors (use LLM.embed)"
                 )
             hidden_size = int(self.hf_config.hidden_size)
+            if hasattr(self.encoder, "pooled_width"):  # rows projected (EmbeddingGemma 2)
+                hidden_size = self.encoder.pooled_width(self.hf_config)
             if self.st_dense is not None:  # the embedding is the last Dense module's output
                 hidden_size = self.st_dense.out_features
             params = to_sampling_params(

@@ -49,6 +49,7 @@ from paged_engine.models.dory import DoryForCausalLM
 from paged_engine.models.dots1 import Dots1ForCausalLM
 from paged_engine.models.dots3_note import Dots3NoteForCausalLM
 from paged_engine.models.dual_encoder_text import CLIPEmbeddingModel, SiglipEmbeddingModel
+from paged_engine.models.embedding_gemma2 import EmbeddingGemma2TextModel
 from paged_engine.models.ergo import ErgoForCausalLM
 from paged_engine.models.ernie4_5 import Ernie4_5ForCausalLM
 from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -354,6 +355,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     **SPLADE,  # BERT masked-LM checkpoints pooled into SPLADE sparse vectors (splade.py)
     **LLAMA_BIDIRECTIONAL,  # llama-nemotron-embed: Llama run bidirectionally (remote config)
     **GRITLM,  # GritLM-7B's embedder: Llama run bidirectionally, pooled after the instruction
+    # EmbeddingGemma 2's text encoder (models/embedding_gemma2.py; its wrapper: text_wrappers.py)
+    "EmbeddingGemma2TextModel": EmbeddingGemma2TextModel,
     # remote-code releases: ChatGLM2 / 3 and GLM-4 under their own names (GLM's model),
     # Nemotron-NAS (Llama with per-layer heads / widths / skipped parts), Orion (LayerNorms)
     "ChatGLMModel": ChatGLMForCausalLM,

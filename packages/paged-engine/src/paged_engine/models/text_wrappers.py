@@ -110,6 +110,7 @@ each is exact).
     PerceptionLMForConditionalGeneration  llama                 -> LlamaForCausalLM
     FastVlmForConditionalGeneration      qwen2                  -> Qwen2ForCausalLM
     UltravoxModel                        llama                  -> LlamaForCausalLM
+    EmbeddingGemma2Model                 embedding_gemma2_text  -> EmbeddingGemma2TextModel
 """
 
 from __future__ import annotations
@@ -752,6 +753,14 @@ WRAPPERS: dict[str, Wrapper] = {
     "SiglipModel": Wrapper(
         {"siglip_text_model": "SiglipEmbeddingModel"},
         ("vision_model.", "logit_scale", "logit_bias"),
+    ),
+    # EmbeddingGemma 2 (vLLM's EmbeddingGemma2Model): its text encoder under `language_model.`
+    # (models/embedding_gemma2.py); Gemma 4's towers dropped here (multimodal/ loads them)
+    "EmbeddingGemma2Model": Wrapper(
+        {"embedding_gemma2_text": "EmbeddingGemma2TextModel"},
+        _GEMMA4_TOWERS,
+        renames=(("language_model.", "model."),),
+        carried=("is_matryoshka", "matryoshka_dimensions"),  # vLLM reads them at the top
     ),
 }
 

@@ -32,6 +32,8 @@
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
     Gemma4ForConditionalGeneration                "gemma4"      multimodal/gemma4.py
     Gemma4UnifiedForConditionalGeneration  "gemma4_unified"  multimodal/gemma4_unified.py
+    EmbeddingGemma2Model                          "gemma4"      (EmbeddingGemma 2: Gemma 4's tower
+      into an encoder, models/embedding_gemma2.py; images only)
     Llama4ForConditionalGeneration                "llama4"      multimodal/llama4.py
     AyaVisionForConditionalGeneration             "aya_vision"  multimodal/aya_vision.py
     Cohere2VisionForConditionalGeneration         "cohere2_vision"  multimodal/aya_vision.py
@@ -145,6 +147,7 @@ KINDS: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForConditionalGeneration": "gemma4",
     "Gemma4UnifiedForConditionalGeneration": "gemma4_unified",
+    "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's tower, an encoder
     "Llama4ForConditionalGeneration": "llama4",
     "AyaVisionForConditionalGeneration": "aya_vision",
     "Cohere2VisionForConditionalGeneration": "cohere2_vision",

@@ -25,6 +25,8 @@
       as Whisper: models/moonshine.py encodes)
     UltravoxModel                        "ultravox"      multimodal/ultravox.py (fixie-ai's remote
       code; its config: models/ultravox_config.py)
+    EmbeddingGemma2Model                 "gemma4"        multimodal/gemma4_audio.py (Gemma 4's
+      tower into EmbeddingGemma 2's encoder, models/embedding_gemma2.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -64,6 +66,7 @@ KINDS: dict[str, str] = {
     "WhisperForConditionalGeneration": "whisper",
     "MoonshineForConditionalGeneration": "moonshine",
     "UltravoxModel": "ultravox",
+    "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's audio tower, an encoder
 }
 AUDIO_ARCHS = tuple(KINDS)
 

@@ -72,7 +72,20 @@ FORMS: dict[str, dict[str, str | None]] = {
     "phi3v": {"image": "<|image_{n}|>"},  # Phi-3 / 3.5-vision (vLLM's get_placeholder_str)
     "phi4mm_remote": {"image": "<|image_{n}|>", "audio": "<|audio_{n}|>"},  # Phi4MMForCausalLM
     "kimi_vl": {"image": "<|media_start|>image<|media_content|>{token}<|media_end|>"},
+    "clip_embed": {"image": None},  # CLIP / SigLIP embeddings: an image prompt is text-less
+    "siglip_embed": {"image": None},
 }
+
+# vLLM's chat template fallbacks (transformers_utils/chat_templates/registry.py) for kinds whose
+# checkpoints ship none: template_basic.jinja, every message's content one after the other.
+_BASIC = "{%- for message in messages -%}{{- message['content'] -}}{%- endfor -%}"
+FALLBACK_TEMPLATES: dict[str, str] = {"clip_embed": _BASIC, "siglip_embed": _BASIC}
+
+
+def fallback_template(images: Any) -> str | None:
+    """The chat template vLLM falls back to for the engine's image processor's kind (None: no
+    fallback, or no image processor)."""
+    return FALLBACK_TEMPLATES.get(getattr(images, "kind", None) or "")
 
 
 def check_format(fmt: Any, param: str) -> str:

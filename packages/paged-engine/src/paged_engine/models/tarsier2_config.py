@@ -21,8 +21,14 @@ translates it whatever config.json's `architectures` say; the vLLM override then
 architecture the checkpoint already is (loader.apply_hf_overrides drops such an override
 rather than set it on the derived text config). The preprocessor's `size` of {min_pixels,
 max_pixels} is read as {shortest_edge, longest_edge}, as vLLM's `Tarsier2ImageProcessor` remaps
-it (`tarsier2_image_processor`, asked by multimodal/torch_processors.py). Videos are not served
-(refused by name: multimodal/archs.py's VIDEO_MODELS).
+it (`tarsier2_image_processor`, asked by multimodal/torch_processors.py).
+
+Videos run through Qwen2-VL's video path (multimodal/qwen_video.py; the row in
+multimodal/video_archs.py), as vLLM's `Tarsier2Processor` runs them: its video processor is
+transformers' Qwen2VLVideoProcessor built from preprocessor_config.json (the image processor's
+settings; any video_preprocessor_config.json is not read), so a frame's pixel bounds are the
+images': the file's top-level min_pixels / max_pixels where it has them (the video processor's
+override), else its `size` read as the images read it (`Tarsier2VideoProcessor`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen2VLConfig
+
+from paged_engine.multimodal.qwen_video import QwenVideoProcessor
 
 ARCH = "Tarsier2ForConditionalGeneration"  # vLLM's name for the release
 # fields of the text_config that are not Qwen2-VL's settings
@@ -79,3 +87,51 @@ def tarsier2_image_processor(path: Path) -> Any:
         edges = {"shortest_edge": size["min_pixels"], "longest_edge": size["max_pixels"]}
         return AutoImageProcessor.from_pretrained(path, size=edges)
     return AutoImageProcessor.from_pretrained(path)
+
+
+def _pixel_bounds(saved: dict[str, Any]) -> dict[str, int] | None:
+    """The frame pixel bounds of a preprocessor_config.json, as {shortest_edge, longest_edge}:
+    top-level min_pixels / max_pixels over the `size` (either spelling); None without both."""
+    size = saved.get("size") if isinstance(saved.get("size"), dict) else {}
+    low = saved.get("min_pixels") or size.get("min_pixels") or size.get("shortest_edge")
+    high = saved.get("max_pixels") or size.get("max_pixels") or size.get("longest_edge")
+    return None if not low or not high else {"shortest_edge": int(low), "longest_edge": int(high)}
+
+
+class Tarsier2VideoProcessor(QwenVideoProcessor):
+    """Qwen2-VL's videos with the settings of the release's image processor (vLLM's
+    Tarsier2Processor): patches, normalization and the frame pixel bounds all from
+    preprocessor_config.json."""
+
+    def _configure(self, path: Path, config: Any) -> None:
+        file = path / "preprocessor_config.json"
+        if not file.is_file():
+            raise ValueError(f"{ARCH}: {path} has no preprocessor_config.json for its videos")
+        saved = json.loads(file.read_text())
+        size = _pixel_bounds(saved)
+        if size is None:
+            raise ValueError(
+                f"{ARCH}: preprocessor_config.json gives no min_pixels / max_pixels (or size) "
+                "bounding its video frames"
+            )
+        self.video_token_id = int(config.video_token_id)
+        self.tokens_per_second = None  # Qwen2-VL: frame groups' temporal positions step by 1
+        self.settings = {
+            "patch_size": int(saved.get("patch_size", 14)),
+            "merge_size": int(saved.get("merge_size", 2)),
+            "temporal_patch_size": int(saved.get("temporal_patch_size", 2)),
+            "image_mean": list(saved.get("image_mean", [0.48145466, 0.4578275, 0.40821073])),
+            "image_std": list(saved.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
+            "rescale_factor": float(saved.get("rescale_factor", 1 / 255)),
+            "size": size,
+        }
+        vision = config.vision_config
+        if (int(vision.patch_size), int(vision.temporal_patch_size)) != (
+            self.settings["patch_size"],
+            self.settings["temporal_patch_size"],
+        ):
+            raise ValueError(
+                f"{ARCH}: preprocessor_config.json's patch_size / temporal_patch_size "
+                f"({self.settings['patch_size']}, {self.settings['temporal_patch_size']}) are "
+                "not the vision tower's"
+            )

@@ -101,7 +101,7 @@
     JinaVLForRanking                              "qwen2_vl"    multimodal/qwen2_vl.py
       (jina-reranker-m0: Qwen2-VL's images into a reranker, models/jina_vl_ranker.py)
     Tarsier2ForConditionalGeneration              "qwen2_vl"    multimodal/qwen2_vl.py (Tarsier2:
-      Qwen2-VL under LLaVA's names and config, models/tarsier2_config.py; images only)
+      Qwen2-VL under LLaVA's names and config, models/tarsier2_config.py; videos too)
     MantisForConditionalGeneration                "mantis"      multimodal/mantis.py (vLLM's name,
       by hf_overrides: a LLaVA checkpoint, each image's run in "(image i: <Image>...</Image>)")
 
@@ -203,7 +203,7 @@ SERVED_AS: dict[str, str] = {"MantisForConditionalGeneration": "LlavaForConditio
 # for messages
 VIDEO_MODELS = (
     "Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, GLM-4.1V / 4.5V / 4.6V, Gemma 4, LLaVA-NeXT-Video, "
-    "Kimi K2.5 and the Qwen2.5-Omni / Qwen3-Omni thinkers"
+    "Kimi K2.5, Tarsier2, Ovis2.5 (one per prompt) and the Qwen2.5-Omni / Qwen3-Omni thinkers"
 )
 
 # kind -> the vision_config.model_type(s) we run; LLaVA's, LLaVA-NeXT's and Idefics2's are

@@ -25,13 +25,15 @@ tokens row-major): the input of the port's post_layernorm, which is exactly that
         Ovis2_5ImageProcessorPil with those settings runs the same steps
 
 Refused by name: a preprocessor_config.json image_processor_type other than SiglipImageProcessor,
-any mm_processor_kwargs, a tokenizer whose <|image_pad|> is not config.image_token_id. Videos are
-refused by the engine (vLLM's Ovis2.5 takes one; not served here).
+any mm_processor_kwargs, a tokenizer whose <|image_pad|> is not config.image_token_id. Videos (one
+per prompt, as vLLM takes them): multimodal/ovis2_5_hub_video.py; the encoder gives a video's run
+the video indicators (rows V - 2, V - 1) around the same visual rows.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,15 @@ class Ovis2_5HubImageEncoder(Ovis2_5ImageEncoder):
         self.vision_tower = _PatchOrderTower(v)
         self.visual_tokenizer = _VisualTokenizer(v)
         self.vte = nn.Embedding(int(v.vocab_size), int(config.text_config.hidden_size))
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """The port's rows per item; a video's (modality "video") between the video-start and
+        video-end indicators (the third and fourth) instead of the image's."""
+        table = self.vte.weight
+        first = self.visual_tokenizer.visual_vocab + 2  # <video>, </video>
+        return [
+            torch.cat([table[first : first + 1], r[1:-1], table[first + 1 : first + 2]])
+            if m.modality == "video"
+            else r
+            for m, r in zip(images, super().encode(images), strict=True)
+        ]

@@ -8,6 +8,8 @@
     Qwen2VLForConditionalGeneration, Qwen2_5_VL...          multimodal/qwen_video.py
     LlavaNextVideoForConditionalGeneration                  multimodal/llava_next_video.py
     Kimi_K25ForConditionalGeneration                        multimodal/kimi_k25_video.py
+    Tarsier2ForConditionalGeneration (Qwen2-VL's videos)    models/tarsier2_config.py
+    Ovis2_5 (the Hub release; one video per prompt)         multimodal/ovis2_5_hub_video.py
 
 Every processor is built the same way, cls(path, config, tokenizer, limit, engine_config):
 the checkpoint's directory, its wrapper config, the engine's tokenizer, videos per prompt
@@ -20,12 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from paged_engine.models.tarsier2_config import ARCH as TARSIER2
+from paged_engine.models.tarsier2_config import Tarsier2VideoProcessor
 from paged_engine.multimodal import (
     gemma4_video,
     glm4v_video,
     kimi_k25_video,
     llava_next_video,
     omni_video,
+    ovis2_5_hub_video,
     qwen2_vl,
     qwen3_video,
 )
@@ -34,6 +39,7 @@ from paged_engine.multimodal.glm4v_video import Glm4vVideoProcessor
 from paged_engine.multimodal.kimi_k25_video import KimiVideoProcessor
 from paged_engine.multimodal.llava_next_video import LlavaNextVideoProcessor
 from paged_engine.multimodal.omni_video import OmniVideoProcessor
+from paged_engine.multimodal.ovis2_5_hub_video import Ovis2_5HubVideoProcessor
 from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor
 from paged_engine.multimodal.qwen_video import QwenVideoProcessor, VideoProcessor
 
@@ -46,6 +52,8 @@ VIDEO_PROCESSORS: tuple[tuple[tuple[str, ...], type[VideoProcessor]], ...] = (
     (qwen2_vl.ARCHS, QwenVideoProcessor),
     (llava_next_video.ARCHS, LlavaNextVideoProcessor),
     (kimi_k25_video.ARCHS, KimiVideoProcessor),
+    ((TARSIER2,), Tarsier2VideoProcessor),
+    (ovis2_5_hub_video.ARCHS, Ovis2_5HubVideoProcessor),
 )
 VIDEO_ARCHS = tuple(a for archs, _ in VIDEO_PROCESSORS for a in archs)
 

@@ -159,3 +159,17 @@ def test_refusals(family, llm):
         llm.generate(["a cat"], SamplingParams(max_tokens=2), use_tqdm=False)
     # the engine still serves after the refusals
     _close(llm.embed([TEXTS[1]], use_tqdm=False)[0], _hf_text(family[1], family[3], TEXTS[1]))
+
+
+def test_dimensions_is_the_projected_width(family, llm):
+    """`dimensions` is checked against the embedding's width (CLIP's projection_dim, SigLIP's
+    projection_size), not the text tower's hidden size (both differ from it here)."""
+    from paged_engine import PoolingParams
+
+    _, model, _, tok = family
+    want = _hf_text(model, tok, TEXTS[0])
+    (out,) = llm.embed([TEXTS[0]], PoolingParams(dimensions=want.numel()), use_tqdm=False)
+    _close(out, want)
+    hidden = model.config.text_config.hidden_size
+    with pytest.raises(ValueError, match=f"dimensions={hidden} is not supported"):
+        llm.embed([TEXTS[0]], PoolingParams(dimensions=hidden), use_tqdm=False)

@@ -94,6 +94,11 @@ def test_splade_matches_bert_masked_lm(tmp_path, declared) -> None:
         raw = llm.embed([PROMPTS[1]], PoolingParams(normalize=True), use_tqdm=False)
         norm = torch.nn.functional.normalize(want[1], dim=-1)
         assert raw[0].outputs.embedding == pytest.approx(norm.tolist(), abs=1e-4)
+        # `dimensions` is checked against the vocabulary-wide vector, not the hidden size
+        same = llm.embed([PROMPTS[1]], PoolingParams(dimensions=512), use_tqdm=False)
+        assert same[0].outputs.embedding == pytest.approx(want[1].tolist(), abs=1e-4)
+        with pytest.raises(ValueError, match="dimensions=32 is not supported"):
+            llm.embed([PROMPTS[1]], PoolingParams(dimensions=32), use_tqdm=False)
 
 
 def test_plain_bert_masked_lm_is_refused_by_name(tmp_path) -> None:

@@ -175,6 +175,11 @@ class CLIPEmbeddingModel(DualEncoderText):
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.text_projection(x)
 
+    @staticmethod
+    def pooled_width(config: Any) -> int:
+        """The embedding's width (engine/llm_engine.py: `dimensions`), not the text hidden."""
+        return int(config.projection_dim)
+
 
 class SiglipEmbeddingModel(DualEncoderText):
     """SiglipModel's text tower and its head (text_config.projection_size wide)."""
@@ -189,3 +194,8 @@ class SiglipEmbeddingModel(DualEncoderText):
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         return self.text_model.head(x)
+
+    @staticmethod
+    def pooled_width(config: Any) -> int:
+        """The embedding's width (engine/llm_engine.py: `dimensions`), not the text hidden."""
+        return int(config.projection_size)

@@ -99,6 +99,11 @@ class BertSpladeSparseEmbeddingModel(BertModel):
             out[lo:hi] = scores.max(0).values
         return out
 
+    @staticmethod
+    def pooled_width(config) -> int:
+        """The embedding's width (engine/llm_engine.py: `dimensions`): the vocabulary."""
+        return int(config.vocab_size)
+
     def rename_weight(self, name: str) -> str:
         if name.startswith("cls.predictions.decoder.bias"):  # older saves tie it to .bias
             return "cls.predictions.bias"

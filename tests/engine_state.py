@@ -52,6 +52,10 @@ def leftovers(engine: Any) -> dict[str, object]:
     if cpu is not None:  # swapped-out sequences' tables
         sizes["CPU pool tables"] = cpu.tables
         sizes["CPU blocks in use"] = cpu.num_total_blocks - cpu.num_free_blocks
+    if runner.images is not None:  # the image encoder's cache: features only while held
+        sizes["worker images to run"] = runner.images.images
+        sizes["worker image features held"] = runner.images.features
+        sizes["worker image users"] = runner.images.users
     if runner.lora is not None:
         sizes["worker LoRA users"] = +runner.lora.users
         sizes["worker LoRA row slots"] = [int(s) for s in runner.lora.row_slot if s >= 0]

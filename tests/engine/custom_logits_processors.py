@@ -3,6 +3,8 @@ written as vLLM's documentation writes them (only the import differs)."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from paged_engine import SamplingParams
@@ -90,7 +92,7 @@ class NoPromptTokens(AdapterLogitsProcessor):
 
         def ban(prompt_ids: list[int], output_ids: list[int], logits: torch.Tensor):
             out = logits.clone()
-            out[prompt_ids] = float("-inf")
+            out[prompt_ids or []] = float("-inf")  # (None: a prompt given as embeddings)
             return out  # a new row: written back
 
         return ban
@@ -119,3 +121,23 @@ class TopTwo(LogitsProcessor):
 
 class NotAProcessor:
     pass
+
+
+class RecordPrompts(LogitsProcessor):
+    """Changes nothing; `seen` keeps the prompt ids each added sequence came with (one
+    process), None for a prompt given as embeddings."""
+
+    seen: ClassVar[list[list[int] | None]] = []
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        for _, _, prompt_ids, _ in batch_update.added if batch_update else ():
+            RecordPrompts.seen.append(None if prompt_ids is None else list(prompt_ids))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits

@@ -5,19 +5,20 @@ tokens, min tokens) that arrive and are aborted at random steps. Every request t
 aborted must come out as a roomy engine (no preemption, no chunking, no cache) makes it, and
 once idle every per-request structure of the engine is empty and every block free.
 
-A second stream of the seed (`random.Random(f"features {seed}")`, so the first stream and the
-seeds it found stay as they were) draws the per-request features on top: LoRA adapters (where
-the model takes them), structured outputs (choice, regex, a JSON schema), logits shaping
-(penalties, logit_bias, allowed_token_ids, bad_words, min_p, custom logits processors) and
-prompts given as their tokens' embeddings (which must give the tokens' outputs).
+A second stream of the seed draws the per-request features on top (fuzz_features.py): LoRA
+adapters, structured outputs, logits shaping, custom logits processors, prompts given as their
+tokens' embeddings (which must give the tokens' outputs) and, on the vision-language model,
+images.
+
+MODELS: full attention, sliding windows (all layers, interleaved, beside sinks), recurrent
+state (hybrid, pure), MoE, latent attention (DeepSeek-V2's MLA) and a VLM (LLaVA).
 
 test_engine_fuzz.py runs a few seeds in the suite; `python tests/engine/engine_fuzz.py FIRST
-COUNT` runs many (how the bugs it caught were found).
+COUNT [MODELS|all] [--faults]` runs many (how the bugs it caught were found).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import sys
@@ -25,24 +26,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from paged_engine import (
-    LLM,
-    BeamSearchParams,
-    LoRARequest,
-    PoolingParams,
-    SamplingParams,
-    StructuredOutputsParams,
+from fuzz_events import InjectedFault, apply_event, draw_events
+from fuzz_features import (
+    REFERENCE_FEATURES,
+    VOCAB_HI,
+    VOCAB_LO,
+    draw_image,
+    draw_job_features,
+    feature_options,
+    reference_embeds,
+    shape_params,
+    start_reference,
+    token_embedder,
+    write_adapters,
 )
+
+from paged_engine import LLM, BeamSearchParams, LoRARequest, PoolingParams, SamplingParams
 from paged_engine.core.scheduler import SchedulerStuckError
 from paged_engine.core.step_isolation import RequestFailedError
 
 MAX_MODEL_LEN = 96
-VOCAB_LO, VOCAB_HI = 3, 200  # prompt tokens: the tiny model's vocabulary, less its specials
 MAX_STEPS = 3000  # a run that has not finished by then is stuck
 HEADS = 3  # shared prompt heads: prefix-cache hits, copy-on-write across requests
 # (tiny arch, config overrides): plain attention, sliding windows (blocks outside the window
-# freed), interleaved windows, hybrids with recurrent state (state slots, prefix snapshots), MoE
+# freed), interleaved windows, hybrids with recurrent state (state slots, prefix snapshots), MoE,
+# latent attention (MLA), sinks
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "mistral-window": ("mistral", {"sliding_window": 20}),
@@ -50,42 +58,12 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("qwen3_next", {}),
     "mamba2": ("mamba2", {}),
     "qwen3_moe": ("qwen3_moe", {}),
-}
-
-
-# host code a fault is injected into (it raises on its k-th call once armed): mid-schedule, a
-# block allocation with others already made; after a step ran, applying its results
-FAULTS = ("allocate_slots", "apply")
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-# structured outputs the tiny byte-level tokenizer can spell
-CONSTRAINTS = (
-    {"choice": ["yes", "no", "maybe"]},
-    {"regex": r"[a-z]{3}-[0-9]{2}"},
-    {"regex": r"(ab|cd){2,5}x"},
-    {
-        "json": {
-            "type": "object",
-            "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
-            "required": ["name", "n"],
-        },
-        "disable_any_whitespace": True,
-    },
-)
-# the reference engine's features: every one a seed may draw (what the model refuses dropped)
-REFERENCE_FEATURES: dict[str, dict[str, Any]] = {
-    "lora": {"enable_lora": True, "max_loras": 3, "max_lora_rank": 8},
-    "prompt_embeds": {"enable_prompt_embeds": True},
-    "logits_processors": {
-        "logits_processors": [
-            "custom_logits_processors:ForceToken",
-            "custom_logits_processors:NoRepeat",
-        ]
-    },
+    # multi-head latent attention: one latent KV cache a layer (its own block layout), MoE
+    "deepseek_v2": ("deepseek_v2", {}),
+    # attention sinks, a 20-token window every other layer, YaRN, MoE
+    "gpt_oss": ("gpt_oss", {"sliding_window": 20}),
+    # a vision-language model (paged_engine.testing.write_tiny_llava): image prompts
+    "llava": ("llava", {}),
 }
 
 
@@ -99,6 +77,7 @@ class Model:
     features: set[str]
     adapters: list[LoRARequest]
     embed: Any = None  # token ids -> their input embeddings (HF's), with prompt_embeds
+    image_token: int | None = None  # the image placeholder's id, on a vision-language model
 
 
 @dataclass
@@ -115,6 +94,7 @@ class Job:
     priority: int = 0  # with scheduling_policy="priority"
     lora: LoRARequest | None = None
     embeds: Any = None  # the prompt given as its tokens' embeddings (None: as its tokens)
+    image: Any = None  # an image its prompt's first token stands for (a PIL image)
     outputs: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
@@ -144,78 +124,6 @@ def engine_options(rng: random.Random) -> dict[str, Any]:
     if rng.random() < 0.3:
         options["enable_sleep_mode"] = True
     return options
-
-
-def feature_options(xrng: random.Random, model: Model, options: dict[str, Any]) -> dict[str, Any]:
-    """The per-request features' engine options, drawn from the seed's second stream."""
-    extra: dict[str, Any] = {}
-    if "lora" in model.features and xrng.random() < 0.5:
-        extra.update(enable_lora=True, max_loras=xrng.randint(1, 2))
-        extra["max_lora_rank"] = xrng.choice([8, 16])
-    if "prompt_embeds" in model.features and xrng.random() < 0.4:
-        extra["enable_prompt_embeds"] = True
-    # (refused with speculation and async scheduling: they read each step's tokens)
-    sync = "speculative_config" not in options and not options["async_scheduling"]
-    if "logits_processors" in model.features and sync and xrng.random() < 0.5:
-        extra |= REFERENCE_FEATURES["logits_processors"]
-    return extra
-
-
-def _shaping(
-    xrng: random.Random, params: dict[str, Any], options: dict[str, Any], texts: list[str]
-) -> None:
-    """Add structured outputs and logits shaping to a SamplingParams' kwargs."""
-    if xrng.random() < 0.2:
-        params["structured_outputs"] = StructuredOutputsParams(**xrng.choice(CONSTRAINTS))
-
-    def tokens(k: int) -> list[int]:
-        return [xrng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(k)]
-
-    if xrng.random() < 0.15:
-        params["repetition_penalty"] = xrng.choice([0.8, 1.3])
-    if xrng.random() < 0.15:
-        params["presence_penalty"] = xrng.uniform(-1, 1)
-    if xrng.random() < 0.15:
-        params["frequency_penalty"] = xrng.uniform(-1, 1)
-    if xrng.random() < 0.15:
-        params["logit_bias"] = {t: xrng.choice([-100, -5, 5, 100]) for t in tokens(3)}
-    if "structured_outputs" not in params:  # (a constraint they contradict has no token left)
-        if xrng.random() < 0.1:
-            params["allowed_token_ids"] = tokens(xrng.randint(1, 30))
-        if xrng.random() < 0.1:
-            params["bad_words"] = [xrng.choice(texts).strip() for _ in range(2)]
-    if params.get("temperature", 1.0) > 0 and xrng.random() < 0.3:
-        params["min_p"] = xrng.choice([0.05, 0.2])
-    if "logits_processors" in options and xrng.random() < 0.3:
-        args = xrng.choice([{"target_token": tokens(1)[0]}, {"no_repeat": True}])
-        params["extra_args"] = args
-
-
-def draw_events(
-    rng: random.Random, options: dict[str, Any], faults: bool = False
-) -> dict[int, list[tuple]]:
-    """step -> engine calls made before it: prefix-cache resets, pauses of every mode and
-    (with sleep mode) sleeps that give the KV cache back, each resumed a few steps later; with
-    `faults`, one host-side failure armed (FAULTS) that the driver survives as paged-server
-    does: every request in flight fails, the engine serves on."""
-    events: dict[int, list[tuple]] = {}
-    if faults:
-        at = rng.randint(0, 40)
-        events.setdefault(at, []).append(("fault", rng.choice(FAULTS), rng.randint(1, 3)))
-    for _ in range(rng.randint(0, 3)):
-        at = rng.randint(0, 60)
-        kind = rng.choice(
-            ["reset", "pause", "sleep" if options.get("enable_sleep_mode") else "pause"]
-        )
-        if kind == "reset":
-            events.setdefault(at, []).append(("reset",))
-            continue
-        mode = rng.choice(["keep", "wait", "abort"])
-        events.setdefault(at, []).append((kind, mode))
-        events.setdefault(at + rng.randint(0, 5), []).append(
-            ("wake" if kind == "sleep" else "resume",)
-        )
-    return events
 
 
 def _prompt(rng: random.Random, heads: list[list[int]]) -> list[int]:
@@ -282,20 +190,12 @@ def draw_jobs(
     for i in range(rng.randint(6, 16)):
         arrive = rng.choice([0, 0, rng.randint(0, 40)])
         abort = arrive + rng.randint(0, 30) if rng.random() < 0.15 else None
-        shape = None if xrng is None else lambda p: _shaping(xrng, p, options, texts)
+        shape = None if xrng is None else lambda p: shape_params(xrng, p, options, texts)
         params = _params(rng, speculative, texts, shape)
         job = Job(f"r{i}", _prompt(rng, heads), params, arrive, abort, priority=rng.randint(0, 3))
         if xrng is not None and model is not None:
-            if options.get("enable_lora"):
-                job.lora = xrng.choice([None, *model.adapters])
-            if options.get("enable_prompt_embeds") and xrng.random() < 0.4:
-                if isinstance(params, SamplingParams):
-                    # an embedded prompt has no tokens: none to score, none that the repetition
-                    # penalty (which counts the prompt's tokens) could find (llama 21, 42, 46, 57)
-                    job.params = dataclasses.replace(
-                        params, prompt_logprobs=None, repetition_penalty=1.0
-                    )
-                job.embeds = model.embed(job.prompt)
+            draw_job_features(xrng, job, model, options)
+            draw_image(xrng, job, model)
         jobs.append(job)
     return jobs
 
@@ -321,6 +221,8 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
             prompt: dict[str, Any] = {"prompt_token_ids": job.prompt}
             if job.embeds is not None:
                 prompt = {"prompt_embeds": job.embeds}
+            if job.image is not None:
+                prompt["multi_modal_data"] = {"image": job.image}
             try:
                 engine.add_request(
                     job.request_id,
@@ -337,7 +239,7 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
         for event in events.pop(step, []):
             before = set(engine.output_processor.states)
             try:
-                _apply_event(engine, event)
+                apply_event(engine, event)
             except RequestFailedError as e:  # raised by a "wait" pause once paused
                 for rid in e.request_ids:
                     by_id[rid].finish_reasons = ["abort"]
@@ -366,43 +268,6 @@ def drive(llm: LLM, jobs: list[Job], events: dict[int, list[tuple]] | None = Non
         if step > MAX_STEPS:
             raise AssertionError(f"not finished after {MAX_STEPS} steps")
     return step
-
-
-def _apply_event(engine: Any, event: tuple) -> list[Any]:
-    """Make one engine call; what a "wait" pause's steps produced is returned by a later
-    step, so nothing to collect here but for symmetry."""
-    kind = event[0]
-    if kind == "reset":
-        engine.reset_prefix_cache()
-    elif kind == "pause":
-        engine.pause_generation(mode=event[1])
-    elif kind == "resume":
-        if not engine.sleep_mode.asleep:  # (a sleep's wake_up resumes)
-            engine.resume_generation()
-    elif kind == "sleep":
-        engine.sleep(level=1, mode=event[1])
-    elif kind == "wake":
-        engine.wake_up()
-    elif kind == "fault":
-        _arm(engine, event[1], event[2])
-    return []
-
-
-def _arm(engine: Any, target: str, k: int) -> None:
-    """Make `target` raise InjectedFault on its k-th call from now, once."""
-    owner = engine.block_manager if target == "allocate_slots" else engine.engine_core
-    name = "allocate_slots" if target == "allocate_slots" else "_apply"
-    real = getattr(owner, name)
-    calls = [0]
-
-    def faulty(*args: Any, **kwargs: Any) -> Any:
-        calls[0] += 1
-        if calls[0] == k:
-            setattr(owner, name, real)  # once
-            raise InjectedFault(f"injected into {target}")
-        return real(*args, **kwargs)
-
-    setattr(owner, name, faulty)
 
 
 def _collect(by_id: dict[str, Job], outs: list[Any]) -> None:
@@ -462,52 +327,27 @@ def compare(jobs: list[Job], reference: list[Job], speculative: bool) -> list[st
 def prepare(name: str, root: str) -> Model:
     """Write model `name` (MODELS) and its LoRA adapters under `root`; start its reference
     engine with every feature of REFERENCE_FEATURES the model takes."""
-    from paged_engine.testing import write_lora_adapter, write_tiny_model
+    from paged_engine.testing import write_tiny_llava, write_tiny_model
 
     arch, overrides = MODELS[name]
-    path = str(write_tiny_model(f"{root}/model", arch, seed=3, **overrides))
-    adapters: list[LoRARequest] = []
-    try:  # every projection / attention only, ranks 2-8 (REFERENCE_FEATURES' max_lora_rank)
-        for k, (rank, kw) in enumerate(
-            [
-                (4, {}),
-                (8, {"use_rslora": True, "alpha": 8}),
-                (2, {"target_modules": ("q_proj", "v_proj")}),
-            ]
-        ):
-            adapter = write_lora_adapter(f"{root}/lora{k}", path, rank=rank, seed=k, **kw)
-            adapters.append(LoRARequest(f"a{k}", k + 1, str(adapter)))
-    except ValueError:  # no layer the adapters target
-        adapters = []
+    if arch == "llava":
+        path = str(write_tiny_llava(f"{root}/model", seed=3, **overrides))
+    else:
+        path = str(write_tiny_model(f"{root}/model", arch, seed=3, **overrides))
+    adapters = write_adapters(root, path)
     features = set(REFERENCE_FEATURES) - ({"lora"} if not adapters else set())
-    while True:
-        options = {k: v for f in features for k, v in REFERENCE_FEATURES[f].items()}
-        try:
-            reference = LLM(
-                model=path,
-                dtype="float32",
-                max_model_len=MAX_MODEL_LEN,
-                enable_prefix_caching=False,
-                **options,
-            )
-            break
-        except ValueError as e:  # refused by name: drop that feature
-            named = [f for f in features if any(k in str(e) for k in REFERENCE_FEATURES[f])]
-            if not named:
-                raise
-            features -= set(named)
-    embed = None
-    if "prompt_embeds" in features:
-        import transformers
-
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        table = hf.get_input_embeddings()
-
-        def embed(ids: list[int]) -> torch.Tensor:
-            with torch.no_grad():
-                return table(torch.tensor([ids]))[0]
-
-    return Model(path, reference, features, adapters, embed)
+    reference, features = start_reference(
+        path,
+        features,
+        dtype="float32",
+        max_model_len=MAX_MODEL_LEN,
+        enable_prefix_caching=False,
+    )
+    embed = token_embedder(path) if "prompt_embeds" in features else None
+    image_token = None
+    if arch == "llava":
+        image_token = reference.get_tokenizer().convert_tokens_to_ids("<image>")
+    return Model(path, reference, features, adapters, embed, image_token)
 
 
 def run_seed(model: Model, seed: int, faults: bool = False) -> tuple[dict[str, Any], list[str]]:
@@ -525,7 +365,17 @@ def run_seed(model: Model, seed: int, faults: bool = False) -> tuple[dict[str, A
     texts = [t for t in (tokenizer.decode([i]) for i in range(VOCAB_LO, VOCAB_HI)) if t.strip()]
     jobs = draw_jobs(rng, speculative, texts, xrng, model, options)
     reference = [
-        Job(j.request_id, j.prompt, j.params, 0, lora=j.lora) for j in jobs if j.abort is None
+        Job(
+            j.request_id,
+            j.prompt,
+            j.params,
+            0,
+            lora=j.lora,
+            embeds=reference_embeds(j),
+            image=j.image,
+        )
+        for j in jobs
+        if j.abort is None
     ]
     drive(reference_llm, reference)
     by_id = {j.request_id: j for j in reference}

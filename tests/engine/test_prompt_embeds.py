@@ -124,6 +124,63 @@ def test_matches_hf_generate_from_inputs_embeds(llama, monkeypatch):
     llm.llm_engine.shutdown()
 
 
+def _penalized_by_hand(hf, e, steps: int, rep: float, pres: float, freq: float) -> list[int]:
+    """Greedy tokens after an embedded prompt, penalties applied by hand to the logits over
+    the generated tokens only (the prompt's positions hold no token)."""
+    out: list[int] = []
+    for _ in range(steps):
+        rows = torch.cat([e, _embeds(hf, out)]) if out else e
+        with torch.no_grad():
+            x = hf(inputs_embeds=rows[None]).logits[0, -1].clone()
+        for t in set(out):
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+            x[t] -= freq * out.count(t) + pres
+        out.append(int(x.argmax()))
+    return out
+
+
+@pytest.mark.parametrize("rep,pres,freq", [(1.8, 0.7, 0.4), (0.9, -0.5, -0.6)])
+def test_penalties_count_no_placeholder(llama, monkeypatch, rep, pres, freq):
+    """Repetition, presence and frequency penalties over an embedded prompt against the logits
+    penalized by hand (pushing repeats away, or drawing them): its placeholders (made the
+    expected first token, so counting them changes the output) are no tokens, also in a row
+    a token prompt with penalties held before."""
+    from paged_engine.engine import prompt_embeds
+
+    path, hf = llama
+    e = _embeds(hf, PROMPTS[0])
+    want = _penalized_by_hand(hf, e, 8, rep, pres, freq)
+    monkeypatch.setattr(prompt_embeds, "PLACEHOLDER", want[0])
+    llm = _llm(path, max_num_seqs=1)
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        ignore_eos=True,
+    )
+    llm.generate({"prompt_token_ids": [want[0]] * 12}, sp, use_tqdm=False)  # the row's last
+    out = llm.generate({"prompt_embeds": e}, sp, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == want
+    llm.llm_engine.shutdown()
+
+
+def test_custom_logits_processors_get_no_prompt_ids(llama):
+    """A custom logits processor is told an embedded prompt has no token ids (None, vLLM's
+    BatchUpdate), not its placeholders; a token prompt beside it gets its ids."""
+    from custom_logits_processors import RecordPrompts
+
+    path, hf = llama
+    llm = _llm(path, logits_processors=[RecordPrompts], async_scheduling=False)
+    RecordPrompts.seen.clear()
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    prompts = [{"prompt_embeds": _embeds(hf, PROMPTS[0])}, {"prompt_token_ids": PROMPTS[2]}]
+    llm.generate(prompts, sp, use_tqdm=False)
+    assert RecordPrompts.seen == [None, PROMPTS[2]]
+    llm.llm_engine.shutdown()
+
+
 def test_rows_share_prefix_cache_blocks_only_with_equal_rows(llama):
     """Blocks are keyed by their rows: a prompt with the same leading rows reuses them, one
     whose first row differs (same placeholders, same length) reuses nothing and still gets its

@@ -52,7 +52,8 @@ class MoveDirectionality(Enum):
 
 
 RemovedRequest = int  # a batch index freed
-# (index, params, prompt token ids, output token ids: the sequence's live list)
+# (index, params, prompt token ids (None for a prompt given as embeddings, as in vLLM), output
+# token ids: the sequence's live list)
 AddedRequest = tuple[int, SamplingParams, list[int] | None, list[int]]
 MovedRequest = tuple[int, int, MoveDirectionality]  # (from a, to b, how)
 

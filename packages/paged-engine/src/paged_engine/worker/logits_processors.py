@@ -41,7 +41,7 @@ class CustomLogitsProcessors:
         self._removed: list[int] = []
         self._added: list[AddedRequest] = []
 
-    def add(self, seq_id: int, params, prompt_ids: list[int], output_ids: list[int]) -> None:
+    def add(self, seq_id: int, params, prompt_ids: list[int] | None, output_ids: list[int]) -> None:
         if self._free:
             i = heapq.heappop(self._free)
             self.seq_at[i] = seq_id

@@ -144,7 +144,9 @@ class StepExecution:
             if lora is not None:
                 lora.acquire(c.row, data.lora_id, data.lora_path)
             if procs is not None and c.output_ids is not None:
-                procs.add(c.seq_id, c.params, c.token_ids[: c.num_prompt_tokens], c.output_ids)
+                # an embedded prompt's positions hold placeholders, no token ids: None, as vLLM
+                prompt = None if data.embeds_prompt else c.token_ids[: c.num_prompt_tokens]
+                procs.add(c.seq_id, c.params, prompt, c.output_ids)
         if procs is not None:
             procs.update()
         batch.update_blocks(sched.block_updates)

@@ -173,3 +173,20 @@ def test_refusals_name_the_field(tmp_path, gemma) -> None:
     bidi.architectures = ["Gemma2Model"]
     with pytest.raises(ValueError, match="Gemma2Model with use_bidirectional_attention"):
         get_model_class(bidi)
+
+
+def test_a_dense_module_it_cannot_run_fails_only_embedding_requests(tmp_path) -> None:
+    """A generative checkpoint whose sentence-transformers files list a Dense module paged
+    cannot run: with runner "auto" it still generates and its embed requests are refused by
+    name (the engine keeps serving); with runner "pooling" it does not start."""
+    config = tiny_config("qwen2")
+    path = write_hf_checkpoint(tmp_path / "q", transformers.Qwen2ForCausalLM, config)
+    write_st(path, "pooling_mode_mean_tokens", [(config.hidden_size, 16, False, IDENTITY)])
+    (path / "2_Dense" / "model.safetensors").unlink()
+    llm = LLM(str(path), **KW)
+    with pytest.raises(ValueError, match=r"params: 2_Dense/config.json: no model.safetensors"):
+        llm.embed([{"prompt_token_ids": [5, 6]}], use_tqdm=False)
+    (out,) = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match=r"2_Dense/config.json: no model.safetensors"):
+        LLM(str(path), runner="pooling", **KW)

@@ -192,12 +192,21 @@ class LLMEngine:
             self.is_encoder or self.pooling_only is not None,
         )
         # sentence-transformers Dense modules: run on each embedding (models/st_modules.py)
+        # Invariant: st_dense_error is set only when the engine also generates: a Dense module
+        # it cannot run fails its embed requests (add_request), never its generation
         self.st_dense = None
+        self.st_dense_error: ValueError | None = None
         if self.serves != "generate" and self.classifier is None and not self.resolved.is_gguf:
             width = int(getattr(self.hf_config, "hidden_size", 0) or 0)
             if hasattr(self.encoder, "pooled_width"):  # rows projected (EmbeddingGemma 2)
                 width = self.encoder.pooled_width(self.hf_config)
-            self.st_dense = load_dense_stack(self.resolved.path, width)
+            try:
+                self.st_dense = load_dense_stack(self.resolved.path, width)
+            except ValueError as error:
+                if self.serves == "pooling":
+                    raise
+                logger.warning("embedding requests will be refused: %s", error)
+                self.st_dense_error = error
         if self.serves == "pooling" and config.logits_processors:
             raise ValueError("logits_processors: a pooling model samples no tokens to process")
         if self.classifier is not None and config.speculative_config is not None:
@@ -418,6 +427,8 @@ class LLMEngine:
         ):
             self._refuse(params)
         if isinstance(params, PoolingParams):  # pooling.py: ends at its prefill
+            if self.st_dense_error is not None:  # a Dense module this engine cannot run
+                raise ValueError(f"params: {self.st_dense_error}")
             if params.task in ("token_embed", "token_classify") and getattr(
                 self.encoder, "pooled_rows", False
             ):  # SPLADE, GritLM (models/splade.py, gritlm.py): their rows are already pooled

@@ -245,7 +245,8 @@ def test_a_static_rope_scaling_stretches_the_context_as_vllm_does(
         tmp_path, arch, seed=1, max_position_embeddings=64, rope_scaling=scaling
     )
     assert LLM(model=str(path), dtype="float32").llm_engine.config.max_model_len == 64
-    with pytest.raises(ValueError, match=rf"context length {stretched} \(rope scaling"):
+    why = r"\(the config's max_position_embeddings=64, stretched by its rope scaling\)"
+    with pytest.raises(ValueError, match=rf"context length {stretched} {why}"):
         LLM(model=str(path), dtype="float32", max_model_len=stretched + 1)
     llm = LLM(model=str(path), dtype="float32", max_model_len=stretched, block_size=16)
     rng = random.Random(arch)
@@ -255,3 +256,11 @@ def test_a_static_rope_scaling_stretches_the_context_as_vllm_does(
     hf = load_hf_model(path)
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches(f"{arch}-stretched", out, hf_greedy(hf, prompt, 12))
+
+
+def test_a_max_model_len_past_the_context_names_the_config_key(tmp_path):
+    """No rope scaling: the limit is the config's own, and the refusal names its key (as vLLM)."""
+    path = write_tiny_model(tmp_path, "llama", seed=1, max_position_embeddings=64)
+    why = r"context length 64 \(the config's max_position_embeddings=64\)"
+    with pytest.raises(ValueError, match=rf"max_model_len=65 exceeds .*{why}"):
+        LLM(model=str(path), dtype="float32", max_model_len=65)

@@ -770,10 +770,12 @@ class LLMEngine:
         if cfg.max_model_len is None:
             cfg.max_model_len = limit or _DEFAULT_MAX_MODEL_LEN
         elif stretched is not None and cfg.max_model_len > stretched:
-            scaled = f" (rope scaling stretches {limit} to it)" if stretched != limit else ""
+            key = next((k for k in CONTEXT_LENGTH_KEYS if getattr(self.hf_config, k, None)), None)
+            origin = f"the config's {key}={limit}" if key is not None else f"{limit}"
+            scaled = ", stretched by its rope scaling" if stretched != limit else ""
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's maximum "
-                f"context length {stretched}{scaled}"
+                f"context length {stretched} ({origin}{scaled})"
             )
         if cfg.max_num_batched_tokens is None:
             cfg.max_num_batched_tokens = max(8192, cfg.max_num_seqs)

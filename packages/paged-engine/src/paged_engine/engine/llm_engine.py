@@ -770,8 +770,9 @@ class LLMEngine:
         if cfg.max_model_len is None:
             cfg.max_model_len = limit or _DEFAULT_MAX_MODEL_LEN
         elif stretched is not None and cfg.max_model_len > stretched:
-            key = next((k for k in CONTEXT_LENGTH_KEYS if getattr(self.hf_config, k, None)), None)
-            origin = f"the config's {key}={limit}" if key is not None else f"{limit}"
+            # the key that set the limit (an encoder's may differ from its key: RoBERTa's offset)
+            keys = [k for k in CONTEXT_LENGTH_KEYS if getattr(self.hf_config, k, None) == limit]
+            origin = f"the config's {keys[0]}={limit}" if keys else f"{limit}"
             scaled = ", stretched by its rope scaling" if stretched != limit else ""
             raise ValueError(
                 f"max_model_len={cfg.max_model_len} exceeds the model's maximum "

@@ -13,8 +13,9 @@ and patching checked bit for bit against the class's own `_preprocess` (compiled
 transformers' source onto a bare class, its resize the float32 bicubic one), and HF's prompt
 comes from NemotronH_Omni_Reasoning_V3Processor's own code over that copy. `LLM.generate` must
 give its prompt ids (<img>, the run, </img>) and HF `generate`'s greedy tokens and top-5
-logprobs (1e-3, float32), text alone too. Videos and audio are not run (paged has no Parakeet
-tower, nor the video tubelets): refused by name, the engine serving on.
+logprobs (1e-3, float32), text alone too. Videos are not run (paged has no video tubelets):
+refused by name, the engine serving on; audio on a checkpoint without an audio_config too (its
+audio: test_nemotron_h_omni_audio.py).
 """
 
 from __future__ import annotations

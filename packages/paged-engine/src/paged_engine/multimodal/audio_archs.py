@@ -27,6 +27,8 @@
       code; its config: models/ultravox_config.py)
     EmbeddingGemma2Model                 "gemma4"        multimodal/gemma4_audio.py (Gemma 4's
       tower into EmbeddingGemma 2's encoder, models/embedding_gemma2.py)
+    NemotronH_Omni_Reasoning_V3          "nemotron_h_omni"  multimodal/nemotron_h_omni_audio.py
+      (Parakeet / FastConformer; with an audio_config only)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -67,6 +69,7 @@ KINDS: dict[str, str] = {
     "MoonshineForConditionalGeneration": "moonshine",
     "UltravoxModel": "ultravox",
     "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's audio tower, an encoder
+    "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",  # with an audio_config (Parakeet)
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -89,6 +92,7 @@ HOSTS: dict[str, str] = {
     "whisper": "whisper:WhisperAudio",
     "moonshine": "moonshine:MoonshineAudio",
     "ultravox": "ultravox:Ultravox",
+    "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudio",
 }
 
 ENCODERS: dict[str, str] = {
@@ -108,6 +112,7 @@ ENCODERS: dict[str, str] = {
     "phi4mm": "phi4mm_audio:Phi4MMAudioEncoder",
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteAudioEncoder",
     "ultravox": "ultravox:UltravoxEncoder",
+    "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudioEncoder",
 }
 
 

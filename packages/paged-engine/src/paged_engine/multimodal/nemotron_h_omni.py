@@ -19,7 +19,8 @@ its torchvision-only image processor: multimodal/nemotron_h_omni_processor.py.
 
 Refused by name: vision_config.use_swiglu_ffn, a downsample_ratio other than 0.5 (the
 processor's merge and the shuffle both assume 2 x 2), vision_hidden_size other than
-vision_config.hidden_size. Videos (tubelets, EVS pruning) and audio (Parakeet) are not run.
+vision_config.hidden_size. Videos (tubelets, EVS pruning) are not run; audio (the Parakeet
+encoder): multimodal/nemotron_h_omni_audio.py.
 """
 
 from __future__ import annotations

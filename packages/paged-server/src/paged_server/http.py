@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import email.errors
 import json
 import logging
 import os
@@ -42,6 +43,14 @@ log = logging.getLogger("paged_server")
 _DIGITS = re.compile(r"[0-9]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _MAX_LINE = 4096  # a chunk-size or trailer line
+_BAD_VALUE = re.compile(r"[\r\n\x00]")  # a folded line or a NUL in a header value
+# what the email parser notes of a header section it read in part (a multipart Content-Type
+# adds defects of its own, about the body it expected: not ours to judge)
+_HEADER_DEFECTS = (
+    email.errors.MissingHeaderBodySeparatorDefect,
+    email.errors.InvalidHeaderDefect,
+    email.errors.FirstHeaderLineIsContinuationDefect,
+)
 
 
 def _reject_constant(name: str) -> None:
@@ -252,6 +261,21 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         finally:
             self.server.reading(self, False)
+
+    def parse_request(self) -> bool:
+        """The base parser, then a 400 that closes for a header section it read only in part:
+        the email parser behind it takes a line without a colon for the end of the headers
+        (silently dropping those after it, Content-Length included, so the body would be read
+        as the next request) and keeps folded lines and NUL bytes in values (RFC 9112 5.2,
+        RFC 9110 5.5: reject them)."""
+        if not super().parse_request():
+            return False
+        if any(isinstance(d, _HEADER_DEFECTS) for d in self.headers.defects) or any(
+            _BAD_VALUE.search(v) for v in self.headers.values()
+        ):
+            self.send_error(400, "malformed header line")
+            return False
+        return True
 
     def do_GET(self) -> None:
         self._handle("GET")
@@ -470,6 +494,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(k, v)
         if self.close_connection:
             self.send_header("Connection", "close")
+        elif self.request_version == "HTTP/1.0":  # 1.0 persists only when the answer says so
+            self.send_header("Connection", "keep-alive")
         self.end_headers()
         self.headers_sent = True
         if self.command != "HEAD":

@@ -254,3 +254,46 @@ def assert_chunks_prefix_hits_and_preemption_match_plain(
     stress = {"max_num_batched_tokens": 8, "max_num_seqs": 3, "num_gpu_blocks_override": 20}
     got = engine_greedy(prompts + prompts, 12, block_size=4, **stress, **kw)
     assert_same_greedy(plain + plain, got)
+
+
+def exec_transformers_module(model: str, file: str, tvf: object, drop: str = "") -> dict:
+    """The namespace of transformers' models/<model>/<file> run from its source (read, not
+    imported: it needs torchvision), `tvf` standing for its `tvF` (torchvision's functional
+    module), `drop` (an unconditional torchvision import) cut from the source, and
+    transformers' `auto_docstring` a no-op while it runs (it wants the real module)."""
+    import importlib.util
+
+    import transformers.utils as utils
+
+    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
+    source = Path(root, "models", model, file).read_text()
+    if drop:
+        assert drop in source, f"{model}/{file} no longer has {drop!r}"
+        source = source.replace(drop, "")
+    namespace = {
+        "__name__": f"transformers.models.{model}.{Path(file).stem}_copy",
+        "__package__": f"transformers.models.{model}",
+        "tvF": tvf,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(utils, "auto_docstring", lambda obj=None, **kw: obj or (lambda f: f))
+        exec(compile(source, file, "exec"), namespace)
+    return namespace
+
+
+def hf_greedy_from_embeds(model, embeds: torch.Tensor, steps: int = 8, top: int = 5) -> Greedy:
+    """HF's greedy continuation of `embeds` [1, T, D] (media rows already in): `model` run
+    over the whole sequence each step (for classes whose generate takes no inputs_embeds),
+    each chosen token's row appended from its input embedding table."""
+    table = model.get_input_embeddings()
+    tokens, chosen, tops = [], [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            lp = torch.log_softmax(model(inputs_embeds=embeds).logits[0, -1].float(), -1)
+            token = int(lp.argmax())
+            values, ids = lp.topk(top)
+            tokens.append(token)
+            chosen.append(lp[token].item())
+            tops.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+            embeds = torch.cat([embeds, table(torch.tensor([[token]]))], dim=1)
+    return Greedy(tokens, chosen, tops)

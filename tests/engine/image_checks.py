@@ -428,3 +428,28 @@ def compiled_processor_steps(
 
     steps.rescale_and_normalize = rescale_and_normalize
     return steps
+
+
+def qwen2_vl_hf_inputs(
+    ids: list[int], images: list, image_processor, pad: int
+) -> tuple[list[int], dict]:
+    """What Qwen2-VL's processor (it needs torchvision for its video processor) makes of
+    tokenized `ids` and `images`: each `pad` id repeated once per merged 2 x 2 patch of its
+    image, and HF's inputs (the image processor's pixel values and grids, the image-token
+    mask `mm_token_type_ids`); no images: `ids` and no inputs."""
+    import torch
+
+    if not images:
+        return ids, {}
+    out = image_processor(images=images, return_tensors="pt")
+    runs = iter(int(g.prod()) // 4 for g in out["image_grid_thw"])
+    expanded: list[int] = []
+    for t in ids:
+        expanded += [t] * next(runs) if t == pad else [t]
+    kinds = torch.tensor([[int(t == pad) for t in expanded]])
+    extra = {
+        "pixel_values": out["pixel_values"],
+        "image_grid_thw": out["image_grid_thw"],
+        "mm_token_type_ids": kinds,
+    }
+    return expanded, extra

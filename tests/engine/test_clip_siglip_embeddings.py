@@ -12,6 +12,8 @@ sizes; a mixed batch of texts and images; the refusals vLLM makes.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from image_checks import noise_image
@@ -82,18 +84,23 @@ VISION = {"hidden_size": 48, "image_size": 32, "patch_size": 8, **LAYERS}
 FAMILIES = {"clip": (_clip, True), "siglip": (_siglip, False)}
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory):
-    """(checkpoint dir, HF model, HF image processor, tokenizer) of a tiny CLIP / SigLIP."""
-    build, bos = FAMILIES[request.param]
-    path = tmp_path_factory.mktemp(request.param)
+def save_tiny(name: str, path: Path) -> tuple:
+    """(HF model, HF image processor, tokenizer) of the tiny FAMILIES[name], saved in `path`."""
+    build, bos = FAMILIES[name]
     tok = _tokenizer(bos)
     torch.manual_seed(0)
     model, processor = build(tok)
     model.eval().save_pretrained(path)
     tok.save_pretrained(path)
     processor.save_pretrained(path)
-    return path, model, processor, tok
+    return model, processor, tok
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(checkpoint dir, HF model, HF image processor, tokenizer) of a tiny CLIP / SigLIP."""
+    path = tmp_path_factory.mktemp(request.param)
+    return path, *save_tiny(request.param, path)
 
 
 def _hf_text(model, tok, text: str) -> torch.Tensor:

@@ -29,7 +29,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import (
+    assert_matches,
+    assert_same_greedy,
+    exec_transformers_module,
+    hf_greedy,
+)
 from image_checks import (
     check_chunks_and_prefix_hits,
     check_tensor_parallel,
@@ -86,24 +91,17 @@ def path(tmp_path_factory):
 
 def _hf_video_processor():
     """transformers' Gemma4VideoProcessor, its torchvision calls swapped (see the module)."""
-    import transformers.utils as utils
-
-    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
-    source = Path(root, "models", "gemma4", "video_processing_gemma4.py").read_text()
 
     def resize(video, size, interpolation=None, antialias=True):
         return F.interpolate(
             video, size=list(size), mode="bicubic", align_corners=False, antialias=antialias
         )
 
-    namespace = {
-        "__name__": "transformers.models.gemma4.video_processing_gemma4_copy",
-        "__package__": "transformers.models.gemma4",
-        "tvF": types.SimpleNamespace(InterpolationMode=int, resize=resize),
-    }
-    with pytest.MonkeyPatch.context() as mp:  # (its docstring decorator wants the real module)
-        mp.setattr(utils, "auto_docstring", lambda obj=None, **kw: obj or (lambda f: f))
-        exec(compile(source, "video_processing_gemma4.py", "exec"), namespace)
+    namespace = exec_transformers_module(
+        "gemma4",
+        "video_processing_gemma4.py",
+        types.SimpleNamespace(InterpolationMode=int, resize=resize),
+    )
     config = {k: v for k, v in VIDEO_CONFIG.items() if k != "video_processor_type"}
     video = namespace["Gemma4VideoProcessor"](**config)
     video.normalize = _normalize

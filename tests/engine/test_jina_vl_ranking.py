@@ -20,6 +20,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from image_checks import qwen2_vl_hf_inputs
 
 from paged_engine import LLM, PoolingParams
 from paged_engine.testing import write_tiny_qwen2_vl
@@ -83,16 +84,7 @@ class _HF:
     def ids(self, query: str, document: str, images: list) -> tuple[list[int], dict]:
         text = f"**Document**:\n{document}\n**Query**:\n{query}"
         ids = list(self.tok(text)["input_ids"]) + [100]
-        if not images:
-            return ids, {}
-        out = self.images(images=images, return_tensors="pt")
-        runs = iter(int(g.prod()) // 4 for g in out["image_grid_thw"])
-        expanded: list[int] = []
-        for t in ids:
-            expanded += [t] * next(runs) if t == self.pad else [t]
-        kinds = torch.tensor([[int(t == self.pad) for t in expanded]])
-        extra = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-        return expanded, {**extra, "mm_token_type_ids": kinds}
+        return qwen2_vl_hf_inputs(ids, images, self.images, self.pad)
 
     @torch.no_grad()
     def logit(self, query: str, document: str, images: list = ()) -> tuple[list[int], float]:

@@ -29,13 +29,17 @@ import base64
 import importlib.util
 import json
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from hf_reference import (
+    assert_matches,
+    assert_same_greedy,
+    exec_transformers_module,
+    hf_greedy,
+)
 from image_checks import check_chunks_and_prefix_hits, engine, greedy, noise_image
 
 transformers = pytest.importorskip("transformers")
@@ -91,19 +95,12 @@ def path(tmp_path_factory):
 
 def _hf_video_processor():
     """transformers' Kimi_K25VideoProcessor, its torchvision calls swapped (see the module)."""
-    import transformers.utils as utils
-
-    root = importlib.util.find_spec("transformers").submodule_search_locations[0]
-    source = Path(root, "models", "kimi_k25", "video_processing_kimi_k25.py").read_text()
-    source = source.replace("import torchvision.transforms.v2.functional as tvF\n", "")
-    namespace = {
-        "__name__": "transformers.models.kimi_k25.video_processing_kimi_k25_copy",
-        "__package__": "transformers.models.kimi_k25",
-        "tvF": types.SimpleNamespace(InterpolationMode=int),
-    }
-    with pytest.MonkeyPatch.context() as mp:  # (its docstring decorator wants the real module)
-        mp.setattr(utils, "auto_docstring", lambda obj=None, **kw: obj or (lambda f: f))
-        exec(compile(source, "video_processing_kimi_k25.py", "exec"), namespace)
+    namespace = exec_transformers_module(
+        "kimi_k25",
+        "video_processing_kimi_k25.py",
+        types.SimpleNamespace(InterpolationMode=int),
+        drop="import torchvision.transforms.v2.functional as tvF\n",
+    )
 
     class Swapped(namespace["Kimi_K25VideoProcessor"]):
         def resize(self, video, size, resample=None, **kw):

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches
+from hf_reference import Greedy, assert_matches, hf_greedy_from_embeds
 from image_checks import engine, greedy, noise_image
 from vlm_checkpoints import chatml_template, finish_checkpoint, load_hf_vlm
 
@@ -198,23 +198,11 @@ def _reference(model, tok, text: str, images: list) -> tuple[list[int], Greedy]:
         rows = _rows(model, image)[0]
         runs.append((len(ids), rows))
         ids += [PAD_ID] * len(rows) + tok.encode(piece, add_special_tokens=False)
-    table = model.get_input_embeddings()
-    tokens, chosen, tops = [], [], []
     with torch.no_grad():
-        embeds = table(torch.tensor([ids]))
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
         for at, rows in runs:
             embeds[0, at : at + len(rows)] = rows
-        for _ in range(8):  # HF's model over the whole sequence each step (its generate
-            # takes no inputs_embeds for this class)
-            logits = model(inputs_embeds=embeds).logits[0, -1]
-            lp = torch.log_softmax(logits.float(), -1)
-            token = int(lp.argmax())
-            values, top = lp.topk(5)
-            tokens.append(token)
-            chosen.append(lp[token].item())
-            tops.append(dict(zip(top.tolist(), values.tolist(), strict=True)))
-            embeds = torch.cat([embeds, table(torch.tensor([[token]]))], dim=1)
-    return ids, Greedy(tokens, chosen, tops)
+    return ids, hf_greedy_from_embeds(model, embeds)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import assert_matches, assert_same_greedy, hf_greedy
+from image_checks import qwen2_vl_hf_inputs
 
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_qwen2_vl
@@ -77,20 +78,7 @@ class _HF:
 
     def inputs(self, text: str, images: list) -> tuple[list[int], dict]:
         ids = self.tok.encode(text, add_special_tokens=False)
-        if not images:
-            return ids, {}
-        out = self.images(images=images, return_tensors="pt")
-        runs = iter(int(g.prod()) // 4 for g in out["image_grid_thw"])
-        expanded: list[int] = []
-        for t in ids:
-            expanded += [t] * next(runs) if t == self.pad else [t]
-        kinds = torch.tensor([[int(t == self.pad) for t in expanded]])
-        extra = {
-            "pixel_values": out["pixel_values"],
-            "image_grid_thw": out["image_grid_thw"],
-            "mm_token_type_ids": kinds,
-        }
-        return expanded, extra
+        return qwen2_vl_hf_inputs(ids, images, self.images, self.pad)
 
     def greedy(self, text: str, images: list):
         ids, extra = self.inputs(text, images)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from hf_reference import Greedy, assert_matches, hf_greedy
+from hf_reference import Greedy, assert_matches, hf_greedy, hf_greedy_from_embeds
 from image_checks import engine, greedy, noise_image
 from PIL import Image
 from test_ovis2_5_hub import PAD_ID, _pixels, _visual_rows, write_tiny_ovis2_5_hub
@@ -182,24 +182,14 @@ def _ovis_video_reference(model, tok, text: str, frames: np.ndarray) -> tuple[li
     pixels = torch.cat([p for p, _ in per_frame])
     _, h, w = per_frame[0][1]
     marks = model.model.multi_modal_projector.get_visual_indicator_features("cpu")
-    table = model.get_input_embeddings()
     head, tail = (tok.encode(t, add_special_tokens=False) for t in text.split("<video>"))
-    tokens, chosen, tops = [], [], []
     with torch.no_grad():
         visual = _visual_rows(model, pixels, (len(frames), h, w))
         rows = torch.cat([marks[2:3], visual, marks[3:4]])  # video start / end indicators
         ids = head + [PAD_ID] * len(rows) + tail
-        embeds = table(torch.tensor([ids]))
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
         embeds[0, len(head) : len(head) + len(rows)] = rows
-        for _ in range(8):
-            lp = torch.log_softmax(model(inputs_embeds=embeds).logits[0, -1].float(), -1)
-            token = int(lp.argmax())
-            values, top = lp.topk(5)
-            tokens.append(token)
-            chosen.append(lp[token].item())
-            tops.append(dict(zip(top.tolist(), values.tolist(), strict=True)))
-            embeds = torch.cat([embeds, table(torch.tensor([[token]]))], dim=1)
-    return ids, Greedy(tokens, chosen, tops)
+    return ids, hf_greedy_from_embeds(model, embeds)
 
 
 def test_ovis2_5_hub_video_matches_hf_modules(ovis) -> None:

@@ -14,10 +14,9 @@ import base64
 import io
 
 import pytest
-import torch
 from image_checks import noise_image
 from server_proc import COMMON_ARGS, serve_in_process
-from test_clip_siglip_embeddings import FAMILIES, _tokenizer
+from test_clip_siglip_embeddings import FAMILIES, save_tiny
 from test_jina_vl_ranking import _release_layout
 
 from paged_engine import LLM
@@ -48,14 +47,8 @@ IMG_A, IMG_B = noise_image(1, (40, 40)), noise_image(2, (23, 57))
 def dual_encoder(request, tmp_path_factory):
     """(offline LLM, HTTP handle) of a tiny CLIPModel / SiglipModel (no chat template: vLLM's
     fallback)."""
-    build, bos = FAMILIES[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    tok = _tokenizer(bos)
-    torch.manual_seed(0)
-    model, processor = build(tok)
-    model.eval().save_pretrained(path)
-    tok.save_pretrained(path)
-    processor.save_pretrained(path)
+    save_tiny(request.param, path)
     llm = LLM(model=str(path), dtype="float32", max_model_len=64, num_gpu_blocks_override=32)
     with serve_in_process(COMMON_ARGS, llm.llm_engine) as (http, _):
         yield llm, http

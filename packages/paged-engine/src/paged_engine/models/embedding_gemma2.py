@@ -45,7 +45,7 @@ from torch import nn
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
 from paged_engine.models.gemma2 import gemma_layer_types
-from paged_engine.models.gemma3_encoder import BidirectionalAttention
+from paged_engine.models.gemma3_encoder import BidirectionalAttention, NoCacheEncoder
 from paged_engine.models.gemma4 import Gemma4Attention, Gemma4Layer, layer_geometry
 from paged_engine.models.olmo2 import Olmo2RMSNorm
 from paged_engine.models.sequence_classifier import ZeroLogits
@@ -130,10 +130,9 @@ class EmbeddingGemma2Stack(nn.Module):
         return self.embedding_projection(self.norm(x))  # [T, embedding_dim]
 
 
-class EmbeddingGemma2TextModel(CausalLMBase):
+class EmbeddingGemma2TextModel(NoCacheEncoder, CausalLMBase):
     """The encoder: pooling only, no KV cache, no LM head (`ZeroLogits`)."""
 
-    is_encoder: ClassVar[bool] = True
     pooling_only = "a base model without an LM head"
     default_pooler_config: ClassVar[dict] = {"pooling_type": "MEAN", "normalize": True}
     stacked_params = (
@@ -150,17 +149,9 @@ class EmbeddingGemma2TextModel(CausalLMBase):
         self.tie_word_embeddings = False  # no head to tie
 
     @staticmethod
-    def max_positions(config) -> int:
-        return int(config.max_position_embeddings)
-
-    @staticmethod
     def pooled_width(config) -> int:
         """The width of the rows pooled (engine/llm_engine.py): `embedding_dim`, not hidden."""
         return int(config.embedding_dim)
-
-    @staticmethod
-    def kv_cache_layout(config) -> list[tuple[int, int]]:
-        return []  # no layer caches: the engine's blocks only count tokens
 
     def rename_weight(self, name: str) -> str:
         # the text model saved alone has no prefix; the wrapper's `language_model.` is

@@ -66,32 +66,44 @@ class BidirectionalAttention(nn.Module):
         return out.transpose(0, 1).reshape(t, -1)
 
 
+class NoCacheEncoder:
+    """Mixin (before the model's base class): the engine runs the model as an encoder
+    (engine/encoder.py: one step per sequence, pooling only) and gives its layers no cache."""
+
+    is_encoder: ClassVar[bool] = True
+
+    @staticmethod
+    def max_positions(config) -> int:
+        return int(config.max_position_embeddings)
+
+    @staticmethod
+    def kv_cache_layout(config) -> list[tuple[int, int]]:
+        return []  # no layer caches: the engine's blocks only count tokens
+
+
+class BidirectionalDecoder(NoCacheEncoder):
+    """Mixin (before a headless decoder class, models/base_model.py): every layer's paged
+    `Attention` (`model.layers[i].self_attn.attn`) swapped for `BidirectionalAttention`, the
+    stack run with no caches."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        for layer in self.model.layers:
+            layer.self_attn.attn = BidirectionalAttention(layer.self_attn.attn)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, hidden=None):
+        # the engine hands an encoder no caches; the decoder stack takes one entry a layer
+        none = [(None, None)] * len(self.model.layers)
+        return super().forward(input_ids, positions, none, attn_metadata, hidden)
+
+
 @functools.cache
 def bidirectional_gemma3(base: type[nn.Module]) -> type[nn.Module]:
     """The encoder class over `base`, the headless Gemma 3 class (models/base_model.py)."""
 
-    class Gemma3TextEncoder(base):  # type: ignore[misc, valid-type]
-        is_encoder: ClassVar[bool] = True
+    class Gemma3TextEncoder(BidirectionalDecoder, base):  # type: ignore[misc, valid-type]
         bidirectional = True  # (Gemma2ForCausalLM then accepts use_bidirectional_attention)
         default_pooler_config: ClassVar[dict] = {"pooling_type": "LAST", "normalize": True}
-
-        def __init__(self, config) -> None:
-            super().__init__(config)
-            for layer in self.model.layers:
-                layer.self_attn.attn = BidirectionalAttention(layer.self_attn.attn)
-
-        @staticmethod
-        def max_positions(config) -> int:
-            return int(config.max_position_embeddings)
-
-        @staticmethod
-        def kv_cache_layout(config) -> list[tuple[int, int]]:
-            return []  # no layer caches: the engine's blocks only count tokens
-
-        def forward(self, input_ids, positions, kv_caches, attn_metadata, hidden=None):
-            # the engine hands an encoder no caches; the Gemma stack takes one entry a layer
-            none = [(None, None)] * len(self.model.layers)
-            return super().forward(input_ids, positions, none, attn_metadata, hidden)
 
     Gemma3TextEncoder.__name__ = Gemma3TextEncoder.__qualname__ = "Gemma3TextModel"
     return Gemma3TextEncoder

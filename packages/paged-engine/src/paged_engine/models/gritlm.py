@@ -34,7 +34,7 @@ from torch import nn
 
 from paged_engine.models.base_model import headless
 from paged_engine.models.bert import sequence_bounds
-from paged_engine.models.gemma3_encoder import BidirectionalAttention
+from paged_engine.models.gemma3_encoder import BidirectionalDecoder
 from paged_engine.models.llama import LlamaForCausalLM
 
 # the tokens vLLM matches ("▁<": "<" starting a word; "<0x0A>": the newline byte token)
@@ -62,10 +62,12 @@ def instruction_length(ids: list[int], token_ids: dict[str, int]) -> int:
     return 1 if at == -1 else at + len(embed)
 
 
-class GritLM(headless(LlamaForCausalLM, "LlamaForCausalLM")):  # type: ignore[misc]
+class GritLM(
+    BidirectionalDecoder,
+    headless(LlamaForCausalLM, "LlamaForCausalLM"),  # type: ignore[misc]
+):
     """Llama's stack run bidirectionally, mean-pooled after the prompt's instruction."""
 
-    is_encoder: ClassVar[bool] = True
     pooling_only = (
         "GritLM's embedding model (it generates as MistralForCausalLM: hf_overrides="
         '{"architectures": ["MistralForCausalLM"]})'
@@ -75,8 +77,6 @@ class GritLM(headless(LlamaForCausalLM, "LlamaForCausalLM")):  # type: ignore[mi
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        for layer in self.model.layers:
-            layer.self_attn.attn = BidirectionalAttention(layer.self_attn.attn)
         found = getattr(config, "gritlm_token_ids", None)  # set by `read_tokenizer`
         self.token_ids: dict[str, int] = dict(found or {t: -1 for t in TOKENS})
 
@@ -88,18 +88,9 @@ class GritLM(headless(LlamaForCausalLM, "LlamaForCausalLM")):  # type: ignore[mi
             t: (i if isinstance(i, int) else -1) for t, i in zip(TOKENS, ids, strict=True)
         }
 
-    @staticmethod
-    def max_positions(config) -> int:
-        return int(config.max_position_embeddings)
-
-    @staticmethod
-    def kv_cache_layout(config) -> list[tuple[int, int]]:
-        return []  # no layer caches: the engine's blocks only count tokens
-
     def forward(self, input_ids, positions, kv_caches, attn_metadata, hidden=None):
-        # the engine hands an encoder no caches; the Llama stack takes one entry a layer
-        none = [(None, None)] * len(self.model.layers)
-        h = super().forward(input_ids, positions, none, attn_metadata, hidden)  # [T, D]
+        # the bidirectional stack (run with no caches): [T, D]
+        h = super().forward(input_ids, positions, kv_caches, attn_metadata, hidden)
         out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)  # pooled in float32
         for lo, hi in sequence_bounds(attn_metadata):
             skip = instruction_length(input_ids[lo:hi].tolist(), self.token_ids)

@@ -28,14 +28,14 @@ other than 1.0 is refused by name rather than served two ways.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import LlamaConfig, PretrainedConfig
 
 from paged_engine.models.base_model import headless
-from paged_engine.models.gemma3_encoder import BidirectionalAttention
+from paged_engine.models.gemma3_encoder import BidirectionalDecoder
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.remote_aliases import field
 
@@ -59,15 +59,11 @@ def llama_bidirectional_config(raw: dict[str, Any]) -> PretrainedConfig:
     return LlamaConfig(**{**fields, "pooling": pooling})
 
 
-class LlamaBidirectionalModel(headless(LlamaForCausalLM, "LlamaForCausalLM")):  # type: ignore[misc]
+class LlamaBidirectionalModel(
+    BidirectionalDecoder,
+    headless(LlamaForCausalLM, "LlamaForCausalLM"),  # type: ignore[misc]
+):
     """Llama's headless stack with bidirectional attention in every layer."""
-
-    is_encoder: ClassVar[bool] = True
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        for layer in self.model.layers:
-            layer.self_attn.attn = BidirectionalAttention(layer.self_attn.attn)
 
     @staticmethod
     def config_pooling_type(config) -> str:
@@ -76,19 +72,6 @@ class LlamaBidirectionalModel(headless(LlamaForCausalLM, "LlamaForCausalLM")):  
         if pooling not in POOLING:
             raise ValueError(f"config.pooling={pooling!r} is not supported: {sorted(POOLING)}")
         return POOLING[pooling]
-
-    @staticmethod
-    def max_positions(config) -> int:
-        return int(config.max_position_embeddings)
-
-    @staticmethod
-    def kv_cache_layout(config) -> list[tuple[int, int]]:
-        return []  # no layer caches: the engine's blocks only count tokens
-
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, hidden=None):
-        # the engine hands an encoder no caches; the Llama stack takes one entry a layer
-        none = [(None, None)] * len(self.model.layers)
-        return super().forward(input_ids, positions, none, attn_metadata, hidden)
 
 
 def llama_bidirectional_classifier_config(raw: dict[str, Any]) -> PretrainedConfig:

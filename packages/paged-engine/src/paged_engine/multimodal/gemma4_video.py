@@ -52,7 +52,7 @@ from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, check_kwarg
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
     indexed_frames,
-    raw_settings,
+    tower_checked_settings,
     video_fps,
 )
 
@@ -109,15 +109,8 @@ class Gemma4VideoProcessor(Qwen3VideoProcessor):
         self.start_id, self.end_id = int(config.boi_token_id), int(config.eoi_token_id)
         self.two_way = gemma4.bidirectional(config)
         vision = config.vision_config
-        raw, own = raw_settings(path)
-        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
         tower = {"patch_size": int(vision.patch_size), "pooling_kernel_size": gemma4.kernel(config)}
-        for name, value in tower.items():
-            s[name] = int(raw.get(name, value)) if own else value
-            if s[name] != value:
-                raise ValueError(
-                    f"{path}: the video processor's {name}={s[name]} is not the tower's {value}"
-                )
+        s = tower_checked_settings(path, _DEFAULTS, tower)
         # the frames' steps: the image processor's torch copy with the video's settings
         self.frames = gemma4.Gemma4TorchProcessor(s, config)  # (checks max_soft_tokens)
         self.settings = {**self.frames.settings, **{k: s[k] for k in ("num_frames", "fps")}}

@@ -54,7 +54,7 @@ from paged_engine.multimodal.qwen3_video import Qwen3VideoProcessor, check_kwarg
 from paged_engine.multimodal.qwen_video import (
     _DEFAULT_FPS,
     indexed_frames,
-    raw_settings,
+    tower_checked_settings,
     video_fps,
 )
 
@@ -107,15 +107,8 @@ class KimiVideoProcessor(Qwen3VideoProcessor):
         self.video_token_id, self.start_id, self.end_id = (int(i) for i in ids)
         self.run_token_id = self.video_token_id  # (transformers'; vLLM's: <|media_pad|>)
         vision = config.vision_config
-        raw, own = raw_settings(path)
-        s = {k: (raw.get(k, v) if own else v) for k, v in _DEFAULTS.items()}
         tower = {"patch_size": int(vision.patch_size), "merge_size": kimi_k25.merge_size(config)}
-        for name, value in tower.items():
-            s[name] = int(raw.get(name, value)) if own else value
-            if s[name] != value:
-                raise ValueError(
-                    f"{path}: the video processor's {name}={s[name]} is not the tower's {value}"
-                )
+        s = tower_checked_settings(path, _DEFAULTS, tower)
         frames = int(getattr(vision, "pos_emb_time", 4))
         if not 1 <= int(s["temporal_patch_size"]) <= frames:
             raise ValueError(

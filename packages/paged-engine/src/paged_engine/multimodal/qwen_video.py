@@ -82,6 +82,23 @@ def raw_settings(path: Path) -> tuple[dict[str, Any], bool]:
     return max(candidates, key=lambda c: c[1])  # the video processor's own first
 
 
+def tower_checked_settings(
+    path: Path, defaults: dict[str, Any], tower: dict[str, int]
+) -> dict[str, Any]:
+    """`defaults` overridden by the video processor's own saved settings (not the image
+    processor's: `raw_settings`), and each `tower` setting (name -> the vision tower's value)
+    as saved, else the tower's; ValueError naming one saved other than the tower's."""
+    raw, own = raw_settings(path)
+    s = {k: (raw.get(k, v) if own else v) for k, v in defaults.items()}
+    for name, value in tower.items():
+        s[name] = int(raw.get(name, value)) if own else value
+        if s[name] != value:
+            raise ValueError(
+                f"{path}: the video processor's {name}={s[name]} is not the tower's {value}"
+            )
+    return s
+
+
 def _settings(path: Path) -> dict[str, Any]:
     """The video processor's settings: its own, else the image processor's with HF's video
     size bounds."""

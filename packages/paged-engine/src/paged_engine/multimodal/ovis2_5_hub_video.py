@@ -24,8 +24,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
 from paged_engine.models.ovis2_5_hub import ARCH, IMAGE_PAD, INDICATORS
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest
@@ -105,6 +103,8 @@ class Ovis2_5HubVideoProcessor(VideoProcessor):
         frames, meta = item if isinstance(item, tuple) and len(item) == 2 else (item, None)
         video_meta(0, meta)  # checked, not read (vLLM reads no metadata)
         video = _frames(0, frames)  # [T, 3, H, W] uint8, frames of one size
+        from PIL import Image  # (the images extra: not needed to import this module)
+
         pil = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in video]
         out = self.processor(images=pil, return_tensors="pt")
         grids = {tuple(int(x) for x in g) for g in out["image_grid_thw"]}

@@ -83,8 +83,9 @@ def base_model_class(hf_config: Any, arch: str, registry: dict[str, type]) -> ty
 
 @functools.cache
 def headless(base: type[nn.Module], causal: str) -> type[nn.Module]:
-    """`base` (a CausalLMBase subclass) loading a base-model checkpoint, without an LM head."""
-    prefix = _hf_prefix(causal) + "."
+    """`base` (a CausalLMBase subclass) loading a base-model checkpoint, without an LM head.
+    The decoder prefix is looked up when weights load, not here: modules build these classes
+    at import, and transformers' causal class costs ~1.4 s to import (masking_utils, dynamo)."""
 
     class BaseModel(base):  # type: ignore[misc, valid-type]
         pooling_only = "a base model without an LM head"
@@ -96,6 +97,7 @@ def headless(base: type[nn.Module], causal: str) -> type[nn.Module]:
 
         def rename_weight(self, name: str) -> str:
             # the causal sibling's names: the decoder prefix put back where it is missing
+            prefix = _hf_prefix(causal) + "."
             return super().rename_weight(name if name.startswith(prefix) else prefix + name)
 
         def load_weights(
@@ -109,6 +111,7 @@ def headless(base: type[nn.Module], causal: str) -> type[nn.Module]:
     return BaseModel
 
 
+@functools.cache
 def _hf_prefix(causal: str) -> str:
     """transformers' `base_model_prefix` of the causal class (what HF itself strips from a base
     checkpoint's names); "model" when transformers has no such class."""

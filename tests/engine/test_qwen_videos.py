@@ -406,3 +406,22 @@ def test_the_video_settings_come_from_the_checkpoint(tmp_path):
     assert _settings(tmp_path)["size"] == video["size"]
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({**image, "max_pixels": 5}))
     assert _settings(tmp_path)["size"]["longest_edge"] == 5
+
+
+def test_a_saved_video_setting_other_than_the_towers_is_refused(tmp_path):
+    """The video processor's own patch settings must be the tower's (ValueError naming the
+    setting); the image processor's are not read for them (the tower's value is used)."""
+    import json
+
+    from paged_engine.multimodal.qwen_video import tower_checked_settings
+
+    defaults = {"patch_size": 14, "fps": 2.0}
+    tower = {"patch_size": 14}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "fps": 9}))
+    assert tower_checked_settings(tmp_path, defaults, tower) == {"patch_size": 14, "fps": 2.0}
+    own = tmp_path / "video_preprocessor_config.json"
+    own.write_text(json.dumps({"patch_size": 14, "fps": 1.0}))
+    assert tower_checked_settings(tmp_path, defaults, tower) == {"patch_size": 14, "fps": 1.0}
+    own.write_text(json.dumps({"patch_size": 16}))
+    with pytest.raises(ValueError, match="patch_size=16 is not the tower's 14"):
+        tower_checked_settings(tmp_path, defaults, tower)

@@ -485,7 +485,7 @@ def _detect_format(resolved: ResolvedModel) -> str:
         return "safetensors"
     if any(resolved.path.glob("consolidated*.safetensors")):
         return "mistral"
-    if any(resolved.path.glob("*.bin")):
+    if any(resolved.path.glob("*.bin")) or any(resolved.path.glob("model*.pt")):  # + fairseq2's
         return "pt"
     raise FileNotFoundError(f"no *.safetensors or *.bin weights in {resolved.path}")
 
@@ -503,6 +503,10 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
         # consolidated*: Mistral's native copy of the same weights (load_format="mistral")
         skip = ("training_args", "consolidated")
         files = sorted(f for f in path.glob(pattern) if not f.name.startswith(skip))
+    if not files and load_format == "pt":  # fairseq2's model.pt (models/llama_remote.py)
+        from paged_engine.models.llama_remote import fairseq2_files
+
+        files = fairseq2_files(path)
     if not files:
         raise FileNotFoundError(f"no {pattern} weight files in {path}")
     return files
@@ -570,6 +574,8 @@ def mmap_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def _iter_pt(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     for file in files:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(state.get("model_key"), str):  # fairseq2's {"model_key": k, k: state}
+            state = state[state["model_key"]]
         yield from state.items()
         del state
 

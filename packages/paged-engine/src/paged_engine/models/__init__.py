@@ -11,11 +11,13 @@ from paged_engine.models.afmoe import AfmoeForCausalLM
 from paged_engine.models.apertus import ApertusForCausalLM
 from paged_engine.models.apertus1p5 import Apertus1p5TextForCausalLM
 from paged_engine.models.arcee import ArceeForCausalLM
+from paged_engine.models.arctic import ArcticForCausalLM
 from paged_engine.models.aria import AriaTextForCausalLM
 from paged_engine.models.axk1 import AXK1ForCausalLM
 from paged_engine.models.axk2 import AXK2ForCausalLM
 from paged_engine.models.baichuan import BaichuanForCausalLM
 from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
+from paged_engine.models.bailing_moe import BailingMoeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
 from paged_engine.models.base_model import base_model_class
 from paged_engine.models.beam import BeamForCausalLM
@@ -36,6 +38,7 @@ from paged_engine.models.cosmos3_edge import Cosmos3EdgeTextForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
 from paged_engine.models.decilm import DeciLMForCausalLM
 from paged_engine.models.deepseek_ocr2_text import DeepseekOcr2TextForCausalLM
+from paged_engine.models.deepseek_v1 import DeepseekForCausalLM
 from paged_engine.models.deepseek_v2 import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
@@ -101,6 +104,11 @@ from paged_engine.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM, Lfm3Fo
 from paged_engine.models.llama import LlamaForCausalLM
 from paged_engine.models.llama4 import Llama4ForCausalLM
 from paged_engine.models.llama_bidirectional import LLAMA_BIDIRECTIONAL
+from paged_engine.models.llama_remote import (
+    Fairseq2LlamaForCausalLM,
+    PanguEmbeddedForCausalLM,
+    TeleFLMForCausalLM,
+)
 from paged_engine.models.llama_variants import (
     CwmForCausalLM,
     ExaoneForCausalLM,
@@ -285,6 +293,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "KimiLinearForCausalLM": KimiLinearForCausalLM,
     "BailingHybridForCausalLM": BailingHybridForCausalLM,
+    "BailingMoeForCausalLM": BailingMoeForCausalLM,  # Ling v1 (remote code)
+    "BailingMoeV2ForCausalLM": BailingMoeForCausalLM,  # Ling / Ring 2.0 (remote code)
     "Glm5NextTextForCausalLM": Glm5NextTextForCausalLM,
     "InklingForCausalLM": InklingForCausalLM,
     "Inkling2ForCausalLM": Inkling2ForCausalLM,
@@ -375,6 +385,15 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "TeleChatForCausalLM": TeleChat2ForCausalLM,
     # jina-reranker-m0's decoder and score head (its wrapper JinaVLForRanking: text_wrappers.py)
     "JinaVLForSequenceClassification": JinaVLForSequenceClassification,
+    # remote-code Llama releases: Tele-FLM's muP scalars, openPangu-Embedded's biases,
+    # fairseq2's names and rotary order (models/llama_remote.py)
+    "TeleFLMForCausalLM": TeleFLMForCausalLM,
+    "PanguEmbeddedForCausalLM": PanguEmbeddedForCausalLM,
+    "Fairseq2LlamaForCausalLM": Fairseq2LlamaForCausalLM,
+    # remote-code MoE releases: DeepSeek-MoE v1 (Llama attention, shared experts), Snowflake
+    # Arctic (a dense residual MLP beside the MoE) (models/deepseek_v1.py, arctic.py)
+    "DeepseekForCausalLM": DeepseekForCausalLM,
+    "ArcticForCausalLM": ArcticForCausalLM,
 }
 
 

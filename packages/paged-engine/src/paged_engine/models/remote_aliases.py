@@ -32,8 +32,14 @@ MPT configs itself and runs the others' remote config code).
     XLMRobertaModel (rotary)       xlm-roberta                  models/jina_embeddings_v3.py
     LlamaBidirectionalModel,       llama_bidirec                models/llama_bidirectional.py
       LlamaBidirectionalForSequenceClassification
+    BailingMoeForCausalLM,         bailing_moe (v1), or         models/bailing_moe.py (GLM-4.5's
+      BailingMoeV2ForCausalLM      bailing_moe_v2               decoder under Ling's names)
     (any; llava around qwen2_vl)   llava                        Tarsier2ForConditionalGeneration:
                                                                 Qwen2-VL's (tarsier2_config.py)
+    TeleFLMForCausalLM             (Tele-FLM's)                 models/llama_remote.py
+    PanguEmbeddedForCausalLM       PanguEmbedded                models/llama_remote.py
+    DeepseekForCausalLM            deepseek                     models/deepseek_v1.py
+    ArcticForCausalLM              arctic                       models/arctic.py
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -168,10 +174,16 @@ REMOTE_CONFIGS: dict[str, str] = {
     "LightOnOCRForConditionalGeneration": "hub_vlm_configs:lighton_ocr_config",  # vLLM's name
     "InternS1ForConditionalGeneration": "hub_vlm_configs:intern_s1_config",
     "Ovis2_5": "ovis2_5_hub:ovis2_5_hub_config",  # Ovis2.5-2B / -9B (remote code)
+    "BailingMoeForCausalLM": "bailing_moe:bailing_moe_config",  # Ling v1
+    "BailingMoeV2ForCausalLM": "bailing_moe:bailing_moe_v2_config",  # Ling / Ring 2.0
     "LlamaBidirectionalModel": "llama_bidirectional:llama_bidirectional_config",
     "LlamaBidirectionalForSequenceClassification": (
         "llama_bidirectional:llama_bidirectional_classifier_config"
     ),
+    "TeleFLMForCausalLM": "llama_remote:teleflm_config",
+    "PanguEmbeddedForCausalLM": "llama_remote:pangu_embedded_config",
+    "DeepseekForCausalLM": "deepseek_v1:deepseek_v1_config",  # DeepSeek-MoE v1
+    "ArcticForCausalLM": "arctic:arctic_config",
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

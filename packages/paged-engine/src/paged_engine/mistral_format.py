@@ -5,12 +5,13 @@
     weights = mistral_weights(path)           # (HF name, tensor), as model.safetensors holds them
 
 params.json names the text model's shape Mistral's way (dim, n_layers, n_heads, ...); each field
-is mapped to its transformers name, and a field paged does not map (a vision encoder, audio,
-quantization, MLA, ...) is refused by name rather than ignored. The tensors are renamed
-(`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and wq / wk rows are
-permuted: Mistral's rotary embedding rotates adjacent pairs (rows 2i, 2i+1 of a head), HF's
-rotates the two halves (rows i, i + head_dim/2), so row 2i + j of a head becomes row
-j * head_dim/2 + i (the same permutation transformers' conversion script applies).
+is mapped to its transformers name, and a field paged does not map (audio, quantization,
+MLA, ...) is refused by name rather than ignored; a `vision_encoder` section (Pixtral, Mistral
+Small 3.x) becomes the HF wrapper paged serves images through (mistral_vision.py). The
+tensors are renamed (`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and
+wq / wk rows are permuted: Mistral's rotary embedding rotates adjacent pairs (rows 2i, 2i+1 of
+a head), HF's rotates the two halves (rows i, i + head_dim/2), so row 2i + j of a head becomes
+row j * head_dim/2 + i (the same permutation transformers' conversion script applies).
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ _HANDLED = {
     "activation",
     "quantization",
     "max_batch_size",  # mistral_inference's runtime batch limit: changes no output
+    "vision_encoder",  # Pixtral / Mistral Small 3.x: mistral_vision.py
 }
 _REFUSED = {  # field -> why; checked before the generic "not mapped" refusal
-    "vision_encoder": "a vision encoder (Pixtral-style image input)",
     "multimodal": "multimodal (vision / audio) encoders",
     "llama_4_scaling": "Llama-4 attention scaling (Mistral Large 3)",
     "qk_nope_head_dim": "multi-head latent attention (Mistral Large 3)",
@@ -98,9 +99,29 @@ def read_params(path: Path) -> dict[str, Any]:
 
 
 def mistral_hf_config(path: Path):
-    """The transformers config of the text model params.json describes (MistralForCausalLM, or
-    MixtralForCausalLM with a `moe` section); ValueError naming each field it cannot map."""
+    """The config paged serves for params.json: the text model's (MistralForCausalLM, or
+    MixtralForCausalLM with a `moe` section); with a `vision_encoder` section, the text config
+    of its HF wrapper (multimodal_text.py), images through multimodal/pixtral.py. ValueError
+    naming each field it cannot map."""
+    text, wrapper = mistral_configs(path)
+    if wrapper is None:
+        return text
+    from paged_engine.models.multimodal_text import text_only_config
+
+    return text_only_config(wrapper)  # (tied or not as params.json says: no checkpoint_dir)
+
+
+def mistral_wrapper_config(path: Path):
+    """The HF wrapper config (LlavaConfig / Mistral3Config, mistral_vision.py) of a params.json
+    with a `vision_encoder` section, else None."""
+    return mistral_configs(path)[1]
+
+
+def mistral_configs(path: Path) -> tuple[Any, Any]:
+    """(the text model's transformers config, its vision wrapper's or None)."""
     import transformers
+
+    from paged_engine.mistral_vision import VISION_FIELD, vision_wrapper_config
 
     params = {k: v for k, v in read_params(path).items() if v is not None}
     for field, why in _REFUSED.items():
@@ -138,8 +159,14 @@ def mistral_hf_config(path: Path):
         if extra:
             raise ValueError(f"{PARAMS_FILE} moe fields {extra} are not supported")
         kwargs.update({new: moe[old] for old, new in _MOE_FIELDS.items() if old in moe})
-        return transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **kwargs)
-    return transformers.MistralConfig(architectures=["MistralForCausalLM"], **kwargs)
+        text = transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **kwargs)
+    else:
+        text = transformers.MistralConfig(architectures=["MistralForCausalLM"], **kwargs)
+    if VISION_FIELD not in params:
+        return text, None
+    if moe:
+        raise ValueError(f"{PARAMS_FILE} fields 'moe' and {VISION_FIELD!r} together: not supported")
+    return text, vision_wrapper_config(params[VISION_FIELD], text)
 
 
 def _rope(params: dict[str, Any]) -> dict[str, Any]:
@@ -242,30 +269,46 @@ def rotate_half_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _head_counts(path: Path) -> tuple[int, int]:
-    """(query heads, KV heads) from params.json, else config.json (load_format='mistral' with
-    an HF config)."""
+def _head_counts(path: Path) -> tuple[int, int, int | None]:
+    """(query heads, KV heads, vision tower heads or None) from params.json, else config.json
+    (load_format='mistral' with an HF config)."""
     if (path / PARAMS_FILE).is_file():
         params = read_params(path)
-        return params["n_heads"], params.get("n_kv_heads") or params["n_heads"]
+        vision = params.get("vision_encoder") or {}
+        tower = vision.get("num_attention_heads") if isinstance(vision, dict) else None
+        return params["n_heads"], params.get("n_kv_heads") or params["n_heads"], tower
     config = json.loads((path / "config.json").read_text())
+    tower = (config.get("vision_config") or {}).get("num_attention_heads")
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
-    return heads, config.get("num_key_value_heads") or heads
+    return heads, config.get("num_key_value_heads") or heads, tower
 
 
 def mistral_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, CPU tensor) of the consolidated weights, wq / wk rows permuted to HF's
-    rotary layout; streamed file by file."""
+    """(HF name, CPU tensor) of the consolidated weights, wq / wk rows (the vision tower's too)
+    permuted to HF's rotary layout; streamed file by file. With a vision tower the names are
+    as transformers saves its HF wrapper (language_model.model.*, vision_tower.*, ...)."""
     from paged_engine.loader import mmap_safetensors
+    from paged_engine.mistral_vision import rotary_vision_weight, vision_hf_name, wrapped_text_name
 
     files = consolidated_files(path)
-    heads, kv_heads = _head_counts(path)
+    heads, kv_heads, tower_heads = _head_counts(path)
     for file in files:
         for name, tensor in mmap_safetensors(file):
+            vision = vision_hf_name(name)
+            if vision is not None:
+                if tower_heads is None:
+                    raise ValueError(
+                        f"load_format='mistral': vision tensor {name!r} but the config has no "
+                        "vision encoder"
+                    )
+                if rotary_vision_weight(vision):
+                    tensor = rotate_half_rows(tensor, tower_heads)
+                yield vision, tensor
+                continue
             new = hf_name(name)
             if new.endswith("self_attn.q_proj.weight"):
                 tensor = rotate_half_rows(tensor, heads)
             elif new.endswith("self_attn.k_proj.weight"):
                 tensor = rotate_half_rows(tensor, kv_heads)
-            yield new, tensor
+            yield (new if tower_heads is None else wrapped_text_name(new)), tensor

@@ -69,9 +69,13 @@ def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
     """The checkpoint's own config when it is a wrapper whose images paged runs, else None."""
     from transformers import AutoConfig
 
+    from paged_engine.mistral_format import mistral_wrapper_config
+    from paged_engine.mistral_vision import native_vision
     from paged_engine.models.remote_aliases import remote_config
     from paged_engine.multimodal.internvl_chat import chat_config
 
+    if native_vision(path):  # Mistral's params.json (Pixtral): its HF wrapper's config
+        return mistral_wrapper_config(Path(path))
     config = (
         chat_config(path)
         or remote_config(path)  # a renamed class (Qwen2_5OmniModel)
@@ -87,8 +91,10 @@ def wrapper_config(path: Path, trust_remote_code: bool = False) -> Any | None:
 
 def processor_saved(path: Path) -> bool:
     """Whether the checkpoint holds its image processor (transformers 5 saves it inside
-    processor_config.json)."""
-    return any((Path(path) / f).exists() for f in _PROCESSOR_FILES)
+    processor_config.json; Mistral's native Pixtral: params.json and tekken.json say it)."""
+    from paged_engine.mistral_vision import native_vision
+
+    return any((Path(path) / f).exists() for f in _PROCESSOR_FILES) or native_vision(path)
 
 
 def builds_own_processor(config: Any) -> bool:

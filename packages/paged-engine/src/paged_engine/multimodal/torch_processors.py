@@ -247,6 +247,10 @@ def torch_processor(path: Path, config: Any) -> TorchImageProcessor | None:
 def image_processor(path: Path, config: Any) -> Any:
     """The checkpoint's image processor: transformers' where it can be built, ours where
     transformers' needs the missing torchvision."""
+    from paged_engine.mistral_vision import native_image_processor, native_vision
+
+    if native_vision(path):  # Mistral's native Pixtral: no processor file, its settings
+        return native_image_processor(Path(path))
     if "Tarsier2ForConditionalGeneration" in (getattr(config, "architectures", None) or ()):
         from paged_engine.models.tarsier2_config import tarsier2_image_processor
 

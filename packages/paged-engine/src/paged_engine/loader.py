@@ -374,10 +374,12 @@ def load_audio_encoder(
     from paged_engine.models.ultravox_config import register as register_ultravox
 
     register_ultravox()  # (a worker process reads config.json here first)
+    from paged_engine.mistral_audio import native_audio_config
     from paged_engine.models.remote_aliases import remote_config
 
     config = thinker_config(  # (remote_config: a renamed class, Qwen2_5OmniModel)
-        remote_config(resolved.path)
+        native_audio_config(resolved.path)  # Voxtral's params.json: its HF wrapper's
+        or remote_config(resolved.path)
         or AutoConfig.from_pretrained(resolved.path, trust_remote_code=trust_remote_code)
     )
     if audio_kind(config) not in ENCODERS:  # the model encodes its clips itself (Whisper)

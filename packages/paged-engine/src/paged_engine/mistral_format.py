@@ -5,9 +5,10 @@
     weights = mistral_weights(path)           # (HF name, tensor), as model.safetensors holds them
 
 params.json names the text model's shape Mistral's way (dim, n_layers, n_heads, ...); each field
-is mapped to its transformers name, and a field paged does not map (audio, quantization,
-MLA, ...) is refused by name rather than ignored; a `vision_encoder` section (Pixtral, Mistral
-Small 3.x) becomes the HF wrapper paged serves images through (mistral_vision.py). The
+is mapped to its transformers name, and a field paged does not map (quantization, MLA, ...) is
+refused by name rather than ignored; a `vision_encoder` section (Pixtral, Mistral Small 3.x)
+becomes the HF wrapper paged serves images through (mistral_vision.py), a `multimodal` section
+with a Whisper encoder (Voxtral) the one it serves audio through (mistral_audio.py). The
 tensors are renamed (`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and
 wq / wk rows are permuted: Mistral's rotary embedding rotates adjacent pairs (rows 2i, 2i+1 of
 a head), HF's rotates the two halves (rows i, i + head_dim/2), so row 2i + j of a head becomes
@@ -56,9 +57,9 @@ _HANDLED = {
     "quantization",
     "max_batch_size",  # mistral_inference's runtime batch limit: changes no output
     "vision_encoder",  # Pixtral / Mistral Small 3.x: mistral_vision.py
+    "multimodal",  # Voxtral's whisper_model_args: mistral_audio.py
 }
 _REFUSED = {  # field -> why; checked before the generic "not mapped" refusal
-    "multimodal": "multimodal (vision / audio) encoders",
     "llama_4_scaling": "Llama-4 attention scaling (Mistral Large 3)",
     "qk_nope_head_dim": "multi-head latent attention (Mistral Large 3)",
 }
@@ -100,9 +101,9 @@ def read_params(path: Path) -> dict[str, Any]:
 
 def mistral_hf_config(path: Path):
     """The config paged serves for params.json: the text model's (MistralForCausalLM, or
-    MixtralForCausalLM with a `moe` section); with a `vision_encoder` section, the text config
-    of its HF wrapper (multimodal_text.py), images through multimodal/pixtral.py. ValueError
-    naming each field it cannot map."""
+    MixtralForCausalLM with a `moe` section); with a `vision_encoder` / `multimodal` section,
+    the text config of its HF wrapper (multimodal_text.py), images through multimodal/pixtral.py,
+    audio through multimodal/voxtral.py. ValueError naming each field it cannot map."""
     text, wrapper = mistral_configs(path)
     if wrapper is None:
         return text
@@ -112,15 +113,17 @@ def mistral_hf_config(path: Path):
 
 
 def mistral_wrapper_config(path: Path):
-    """The HF wrapper config (LlavaConfig / Mistral3Config, mistral_vision.py) of a params.json
-    with a `vision_encoder` section, else None."""
+    """The HF wrapper config (LlavaConfig / Mistral3Config, mistral_vision.py; VoxtralConfig,
+    mistral_audio.py) of a params.json with a `vision_encoder` / `multimodal` section, else
+    None."""
     return mistral_configs(path)[1]
 
 
 def mistral_configs(path: Path) -> tuple[Any, Any]:
-    """(the text model's transformers config, its vision wrapper's or None)."""
+    """(the text model's transformers config, its vision / audio wrapper's or None)."""
     import transformers
 
+    from paged_engine.mistral_audio import AUDIO_FIELD, audio_wrapper_config
     from paged_engine.mistral_vision import VISION_FIELD, vision_wrapper_config
 
     params = {k: v for k, v in read_params(path).items() if v is not None}
@@ -162,10 +165,14 @@ def mistral_configs(path: Path) -> tuple[Any, Any]:
         text = transformers.MixtralConfig(architectures=["MixtralForCausalLM"], **kwargs)
     else:
         text = transformers.MistralConfig(architectures=["MistralForCausalLM"], **kwargs)
-    if VISION_FIELD not in params:
+    media = [f for f in (VISION_FIELD, AUDIO_FIELD) if f in params]
+    if not media:
         return text, None
-    if moe:
-        raise ValueError(f"{PARAMS_FILE} fields 'moe' and {VISION_FIELD!r} together: not supported")
+    if moe or len(media) > 1:
+        both = ["moe"] * bool(moe) + media
+        raise ValueError(f"{PARAMS_FILE} fields {both} together: not supported")
+    if media == [AUDIO_FIELD]:
+        return text, audio_wrapper_config(params[AUDIO_FIELD], text, path)
     return text, vision_wrapper_config(params[VISION_FIELD], text)
 
 
@@ -269,32 +276,54 @@ def rotate_half_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _head_counts(path: Path) -> tuple[int, int, int | None]:
-    """(query heads, KV heads, vision tower heads or None) from params.json, else config.json
+def _head_counts(path: Path) -> tuple[int, int, int | None, tuple[int, int] | None]:
+    """(query heads, KV heads, vision tower heads or None, the audio encoder's
+    (max_source_positions, dim) or None) from params.json, else config.json
     (load_format='mistral' with an HF config)."""
+    from paged_engine.mistral_audio import audio_positions
+
     if (path / PARAMS_FILE).is_file():
         params = read_params(path)
         vision = params.get("vision_encoder") or {}
         tower = vision.get("num_attention_heads") if isinstance(vision, dict) else None
-        return params["n_heads"], params.get("n_kv_heads") or params["n_heads"], tower
+        heads = params["n_heads"]
+        return heads, params.get("n_kv_heads") or heads, tower, audio_positions(params)
     config = json.loads((path / "config.json").read_text())
     tower = (config.get("vision_config") or {}).get("num_attention_heads")
+    audio = config.get("audio_config") or {}  # (VoxtralEncoderConfig's defaults where unsaved)
+    positions = (audio.get("max_source_positions", 1500), audio.get("hidden_size", 1280))
+    positions = positions if audio else None
     config = config.get("text_config", config)
     heads = config["num_attention_heads"]
-    return heads, config.get("num_key_value_heads") or heads, tower
+    return heads, config.get("num_key_value_heads") or heads, tower, positions
 
 
 def mistral_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, CPU tensor) of the consolidated weights, wq / wk rows (the vision tower's too)
-    permuted to HF's rotary layout; streamed file by file. With a vision tower the names are
-    as transformers saves its HF wrapper (language_model.model.*, vision_tower.*, ...)."""
+    permuted to HF's rotary layout; streamed file by file. With a vision tower / an audio
+    encoder the names are as transformers saves its HF wrapper (language_model.model.*,
+    vision_tower.*, audio_tower.*, ...); the audio encoder's positions (not in the checkpoint)
+    come last."""
     from paged_engine.loader import mmap_safetensors
+    from paged_engine.mistral_audio import POSITIONS, audio_hf_name, sinusoid_positions
     from paged_engine.mistral_vision import rotary_vision_weight, vision_hf_name, wrapped_text_name
 
     files = consolidated_files(path)
-    heads, kv_heads, tower_heads = _head_counts(path)
+    heads, kv_heads, tower_heads, audio = _head_counts(path)
+    wrapped = tower_heads is not None or audio is not None
+    encoder_seen = False
     for file in files:
         for name, tensor in mmap_safetensors(file):
+            moved = audio_hf_name(name)  # (Whisper's tower has no rotary rows to permute)
+            if moved is not None:
+                if audio is None:
+                    raise ValueError(
+                        f"load_format='mistral': audio tensor {name!r} but the config has no "
+                        "audio encoder"
+                    )
+                encoder_seen |= moved.startswith("audio_tower.")
+                yield moved, tensor
+                continue
             vision = vision_hf_name(name)
             if vision is not None:
                 if tower_heads is None:
@@ -311,4 +340,6 @@ def mistral_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 tensor = rotate_half_rows(tensor, heads)
             elif new.endswith("self_attn.k_proj.weight"):
                 tensor = rotate_half_rows(tensor, kv_heads)
-            yield (new if tower_heads is None else wrapped_text_name(new)), tensor
+            yield (wrapped_text_name(new) if wrapped else new), tensor
+    if audio is not None and encoder_seen:
+        yield POSITIONS, sinusoid_positions(*audio)

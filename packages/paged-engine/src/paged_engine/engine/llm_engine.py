@@ -745,12 +745,15 @@ class LLMEngine:
             return None
         from transformers import AutoConfig
 
+        from paged_engine.mistral_audio import native_audio_config
         from paged_engine.models.remote_aliases import remote_config
         from paged_engine.multimodal.audio_archs import build_audio_host
 
         path, trust = self.resolved.path, cfg.trust_remote_code
         config = thinker_config(  # (remote_config: a renamed class, Qwen2_5OmniModel)
-            remote_config(path) or AutoConfig.from_pretrained(path, trust_remote_code=trust)
+            native_audio_config(path)  # Voxtral's params.json: its HF wrapper's
+            or remote_config(path)
+            or AutoConfig.from_pretrained(path, trust_remote_code=trust)
         )
         try:
             return build_audio_host(self.resolved.path, config, self.tokenizer, cfg.audio_limit)

@@ -51,6 +51,13 @@ _REQUEST = ("[INST]", "[BEGIN_AUDIO]", "[AUDIO]", "[/INST]", "[TRANSCRIBE]")
 class Voxtral(AudioFlamingo3):
     max_audio_len = MAX_SECONDS  # no cut of its own: any clip audio_io takes is read whole
 
+    def load_extractor(self) -> Any:
+        from paged_engine.mistral_audio import native_audio, native_feature_extractor
+
+        if native_audio(self.path):  # Mistral's native files: tekken.json's audio settings
+            return native_feature_extractor(self.path)
+        return super().load_extractor()
+
     def check_window(self, frames: int, mels: int) -> None:
         super().check_window(frames, mels)
         if (frames // 2) % MERGE:

@@ -40,6 +40,9 @@ MPT configs itself and runs the others' remote config code).
     PanguEmbeddedForCausalLM       PanguEmbedded                models/llama_remote.py
     DeepseekForCausalLM            deepseek                     models/deepseek_v1.py
     ArcticForCausalLM              arctic                       models/arctic.py
+    DeepseekOCRForCausalLM         deepseek_vl_v2               DeepSeek-OCR-2's decoder (config:
+                                                                models/deepseek_ocr_v1_config.py;
+                                                                images: deepseek_ocr_v1.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -184,6 +187,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "PanguEmbeddedForCausalLM": "llama_remote:pangu_embedded_config",
     "DeepseekForCausalLM": "deepseek_v1:deepseek_v1_config",  # DeepSeek-MoE v1
     "ArcticForCausalLM": "arctic:arctic_config",
+    "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

@@ -53,6 +53,8 @@ each is exact).
     SkyworkR1VChatModel (llm_config)     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
     H2OVLChatModel (llm_config)          mistral / llama        -> Mistral / Llama
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
+    DeepseekOCRForCausalLM (remote code)  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
+      (DeepSeek-OCR v1's DeepSeek-V2 MHA decoder: models/deepseek_ocr_v1_config.py)
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     KimiVLForConditionalGeneration       deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
@@ -427,6 +429,14 @@ WRAPPERS: dict[str, Wrapper] = {
             *_modules("sam_model", "qwen2_model", "projector"),
             *(f"{p}{n}" for p in ("", "model.") for n in ("view_seperator", "view_separator")),
         ),
+    ),
+    # DeepSeek-OCR v1 (remote code; config: models/deepseek_ocr_v1_config.py): the decoder
+    # under `model.` as in DeepSeek-V2's release, the DeepEncoder beside it
+    # (multimodal/deepseek_ocr_v1_encoder.py)
+    "DeepseekOCRForCausalLM": Wrapper(
+        {"deepseek_ocr2_text": "DeepseekOcr2TextForCausalLM"},
+        _modules("sam_model", "vision_model", "projector")
+        + ("model.image_newline", "model.view_seperator"),
     ),
     "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
     # Molmo2: a Qwen3-style decoder with a wider token table (images: multimodal/molmo2.py)

@@ -67,6 +67,9 @@
       molmo2_processor.py (pixels), molmo2_encoder.py (tower, adapter); no videos
     DeepseekVLForConditionalGeneration            "deepseek_vl" multimodal/deepseek_vl.py
     DeepseekVLHybridForConditionalGeneration "deepseek_vl_hybrid"  multimodal/deepseek_vl_hybrid.py
+    DeepseekOCRForCausalLM                   "deepseek_ocr_v1"  multimodal/deepseek_ocr_v1.py
+      (DeepSeek-OCR v1, remote code: config models/deepseek_ocr_v1_config.py; SAM + CLIP-L
+      DeepEncoder deepseek_ocr_v1_encoder.py, DeepSeek-OCR-2's decoder; tiles, "<image>")
     JanusForConditionalGeneration                 "janus"       multimodal/janus.py (its image
       understanding path; image generation, its VQ-VAE and head, not served)
     HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"
@@ -169,6 +172,7 @@ KINDS: dict[str, str] = {
     "Molmo2ForConditionalGeneration": "molmo2",
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
+    "DeepseekOCRForCausalLM": "deepseek_ocr_v1",  # remote code: models/deepseek_ocr_v1_config.py
     "JanusForConditionalGeneration": "janus",
     "HyperCLOVAXVisionV2ForConditionalGeneration": "hyperclovax_vision_v2",
     "Phi4MultimodalForCausalLM": "phi4mm",
@@ -288,6 +292,7 @@ ENCODERS: dict[str, str] = {
     "molmo2": "molmo2_encoder:Molmo2ImageEncoder",
     "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
+    "deepseek_ocr_v1": "deepseek_ocr_v1_encoder:DeepseekOCRImageEncoder",
     "janus": "janus:JanusImageEncoder",
     "hyperclovax_vision_v2": "hyperclovax_vision_v2:HyperCLOVAXVisionV2ImageEncoder",
     "phi4mm": "phi4mm:Phi4MMImageEncoder",

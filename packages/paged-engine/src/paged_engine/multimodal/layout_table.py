@@ -6,6 +6,7 @@ from __future__ import annotations
 from paged_engine.multimodal.aria import AriaLayout
 from paged_engine.multimodal.blip2 import Blip2Layout
 from paged_engine.multimodal.chameleon import ChameleonLayout
+from paged_engine.multimodal.deepseek_ocr_v1 import DeepseekOCRLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.dual_encoder import DualEncoderLayout
@@ -102,6 +103,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "lighton_ocr": LightOnOcrLayout,  # LightOnOCR: Pixtral's tower, plain runs (no breaks)
     "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
+    "deepseek_ocr_v1": DeepseekOCRLayout,  # DeepSeek-OCR v1: "<image>" -> its tiles' run
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid

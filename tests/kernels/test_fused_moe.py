@@ -546,7 +546,7 @@ def test_rejects_bad_arguments(device):
     with pytest.raises(ValueError, match="down_bias"):
         fused_moe(x, gate_up, down, weights, ids, down_bias=torch.zeros(3, HID))
     with pytest.raises(ValueError, match="activation"):
-        fused_moe(x, gate_up, down, weights, ids, activation=MoeActivation("gelu"))
+        fused_moe(x, gate_up, down, weights, ids, activation=MoeActivation("quick_gelu"))
     assert fused_moe(x[:0], gate_up, down, weights[:0], ids[:0]).shape == (0, HID)
 
 
@@ -625,3 +625,22 @@ def test_cuda_graph_capture_and_replay(seed):
         ids.copy_(new_ids)
         graph.replay()
         torch.testing.assert_close(out, fused_moe(x, gate_up, down, weights, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_gelu_matches_reference(seed, device, dtype, tokens):
+    """Grok-1's experts: gelu(gate) * up with the exact (erf) GELU, against ref_fused_moe
+    (itself torch's gelu), over small tiles too."""
+    experts, top_k = 8, 2
+    act = MoeActivation("gelu")
+    x = (torch.randn(tokens, HID, device=device) * 2).to(dtype)  # gates reach GELU's bend
+    gate_up, down = _weights(experts, dtype, device)
+    weights, ids = _route(tokens, experts, top_k, device)
+    got = fused_moe(x, gate_up, down, weights, ids, activation=act)
+    _close(got, ref_fused_moe(x, gate_up, down, weights, ids, activation=act), dtype)
+    tiles = MoeTiles(16, 16, 16, 4, 2)
+    _close(fused_moe(x, gate_up, down, weights, ids, tiles=tiles, activation=act), got, dtype)
+    g, u = torch.randn(5, 7), torch.randn(5, 7)
+    want = 0.5 * g * (1 + torch.erf(g / 2**0.5)) * u
+    torch.testing.assert_close(moe_activation(g, u, act), want, rtol=1e-6, atol=1e-6)

@@ -4,6 +4,7 @@
 
     act   silu       silu(g) * u                                     (Llama-style experts)
           gelu_tanh  gelu(g) * u, tanh approximation                 (Gemma 4)
+          gelu       gelu(g) * u, the exact (erf) GELU                   (Grok-1)
           swigluoai  (clamp(u, -L, L) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, L)  (gpt-oss)
           relu2      relu(u)^2, not gated: no gate_e, gate_up is up alone  (Nemotron-H)
 
@@ -139,7 +140,7 @@ def choose_moe_tiles(num_slots: int, num_experts: int, dtype: torch.dtype) -> Mo
 
 
 # MoeActivation.name -> the kernel's ACTIVATION code.
-ACTIVATIONS = {"silu": 0, "swigluoai": 1, "relu2": 2, "gelu_tanh": 3}
+ACTIVATIONS = {"silu": 0, "swigluoai": 1, "relu2": 2, "gelu_tanh": 3, "gelu": 4}
 
 
 @triton.jit
@@ -329,6 +330,8 @@ def _moe_gemm_kernel(
         elif ACTIVATION == 3:  # gelu_tanh
             inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
             acc = 0.5 * acc * (2.0 - 2.0 / (tl.exp2(inner * 2.8853900817779268) + 1.0)) * acc_up
+        elif ACTIVATION == 4:  # gelu (erf): 0.5 g (1 + erf(g / sqrt(2))) * u
+            acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476)) * acc_up
         else:  # relu2 (not gated: acc is the up projection)
             acc = tl.maximum(acc, 0.0)
             acc = acc * acc

@@ -437,6 +437,7 @@ class MoeActivation(NamedTuple):
 
     silu       silu(g) * u
     gelu_tanh  gelu(g) * u, GELU's tanh approximation (Gemma 4's experts)
+    gelu       gelu(g) * u, the exact (erf) GELU (Grok-1's experts)
     swigluoai  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
                (gpt-oss; alpha and limit from its config's swiglu_alpha / swiglu_limit)
 
@@ -455,7 +456,7 @@ class MoeActivation(NamedTuple):
         return self.name in GATED_MOE_ACTIVATIONS
 
 
-GATED_MOE_ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh")
+GATED_MOE_ACTIVATIONS = ("silu", "swigluoai", "gelu_tanh", "gelu")
 MOE_ACTIVATIONS = (*GATED_MOE_ACTIVATIONS, "relu2")
 SILU = MoeActivation()
 
@@ -474,6 +475,8 @@ def moe_activation(gate: torch.Tensor, up: torch.Tensor | None, act: MoeActivati
         return torch.nn.functional.silu(gate) * up
     if act.name == "gelu_tanh":
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if act.name == "gelu":
+        return torch.nn.functional.gelu(gate) * up
     gate = gate.clamp(max=act.limit)
     up = up.clamp(-act.limit, act.limit)
     return (up + 1) * gate * torch.sigmoid(gate * act.alpha)

@@ -83,6 +83,7 @@ from paged_engine.models.granitemoe_swa import GraniteMoeSWAForCausalLM
 from paged_engine.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from paged_engine.models.granitemoeshared import GraniteMoeSharedForCausalLM
 from paged_engine.models.gritlm import GRITLM
+from paged_engine.models.grok1 import Grok1ForCausalLM
 from paged_engine.models.gte import GTE
 from paged_engine.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from paged_engine.models.hunyuan_vl import HunYuanVLTextForCausalLM
@@ -394,6 +395,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Arctic (a dense residual MLP beside the MoE) (models/deepseek_v1.py, arctic.py)
     "DeepseekForCausalLM": DeepseekForCausalLM,
     "ArcticForCausalLM": ArcticForCausalLM,
+    # xAI's Grok-1 (remote code): four norms a layer, soft caps, a GELU MoE (models/grok1.py)
+    "Grok1ModelForCausalLM": Grok1ForCausalLM,
+    "Grok1ForCausalLM": Grok1ForCausalLM,
 }
 
 

@@ -40,6 +40,8 @@ MPT configs itself and runs the others' remote config code).
     PanguEmbeddedForCausalLM       PanguEmbedded                models/llama_remote.py
     DeepseekForCausalLM            deepseek                     models/deepseek_v1.py
     ArcticForCausalLM              arctic                       models/arctic.py
+    Grok1ModelForCausalLM,         grok-1 (any)                 models/grok1.py
+      Grok1ForCausalLM
     DeepseekOCRForCausalLM         deepseek_vl_v2               DeepSeek-OCR-2's decoder (config:
                                                                 models/deepseek_ocr_v1_config.py;
                                                                 images: deepseek_ocr_v1.py)
@@ -187,6 +189,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "PanguEmbeddedForCausalLM": "llama_remote:pangu_embedded_config",
     "DeepseekForCausalLM": "deepseek_v1:deepseek_v1_config",  # DeepSeek-MoE v1
     "ArcticForCausalLM": "arctic:arctic_config",
+    "Grok1ModelForCausalLM": "grok1:grok1_config",  # hpcai-tech/grok-1's name
+    "Grok1ForCausalLM": "grok1:grok1_config",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
 }
 
@@ -217,7 +221,8 @@ def remote_config(path: Path) -> PretrainedConfig | None:
         config.architectures = [RENAMED.get(a, a) for a in archs]
         return config
     arch = next((a for a in archs if a in REMOTE_CONFIGS), None)
-    if arch is None or raw.get("model_type") == _TRANSFORMERS_TYPES.get(arch):
+    # (a config.json without model_type, Grok-1's, is translated too)
+    if arch is None or raw.get("model_type", arch) == _TRANSFORMERS_TYPES.get(arch):
         return None
     module, function = REMOTE_CONFIGS[arch].split(":")
     translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)

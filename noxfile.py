@@ -78,6 +78,13 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     env = _install_stack(session, *TEST_DEPS)
+    if not _no_venv(session):
+        # tests/engine/test_mistral_chat.py's reference. --no-deps: mistral-common pins
+        # numpy<2.4 on Python <= 3.12 and would downgrade numpy; its other needs (pydantic,
+        # jsonschema, pillow, requests, regex) come with the stack. No opencv, no torch.
+        session.install(
+            "--no-deps", "mistral-common==1.13.1", "tiktoken", "pycountry", "pydantic-extra-types"
+        )
     env.update(_kernel_env())
     # Two workers: a 2-core CI machine runs the suite in ~2/3 of the serial time (tests that
     # start processes of their own keep it from half). The GPU image may lack pytest-xdist.

@@ -256,7 +256,8 @@ def voxtral_pair(tmp_path_factory) -> tuple[Path, Path, list[bytes]]:
         if f.name != "tekken.json":
             shutil.copy(f, hf_files / f.name)
     try:  # transformers 5 converts a tekken-only directory; 4.x asks for mistral_common
-        converted = transformers.AutoTokenizer.from_pretrained(only)
+        # (mistral_format=False: its own conversion, not mistral_common's backend where installed)
+        converted = transformers.AutoTokenizer.from_pretrained(only, mistral_format=False)
     except (OSError, ValueError, ImportError) as error:
         pytest.skip(f"this transformers does not convert tekken.json: {error}")
     converted.backend_tokenizer.post_processor = TemplateProcessing(
@@ -270,8 +271,8 @@ def voxtral_pair(tmp_path_factory) -> tuple[Path, Path, list[bytes]]:
 def test_voxtral_with_tekken_only(voxtral_pair):
     """Audio prompts (text with [AUDIO], ids, a transcription request) run with tekken.json
     only give the prompt ids mistral_common's request encoding writes and the same tokens,
-    logprobs and text as with the converted tokenizer.json; LLM.chat asks for chat_template
-    and the engine keeps serving."""
+    logprobs and text as with the converted tokenizer.json; LLM.chat builds mistral_common's
+    layout (mistral_chat.py), refuses reasoning on v7 by name, and the engine keeps serving."""
     only, hf_files, ranks = voxtral_pair
     clip, clip2 = noise_clip(1, 1.0), noise_clip(2, 0.6)
     audio = [20] * 50  # [AUDIO] x ceil(400 frames / 8): one 4 s window
@@ -294,8 +295,12 @@ def test_voxtral_with_tekken_only(voxtral_pair):
             [*prompts, {**request, "multi_modal_data": {"audio": clip2}}], greedy(), use_tqdm=False
         )
         if path == only:
-            with pytest.raises(ValueError, match="chat_template"):
-                llm.chat([{"role": "user", "content": "Hi"}], greedy())
+            chat = llm.chat([{"role": "user", "content": "Hi"}], greedy(), use_tqdm=False)
+            assert chat[0].prompt_token_ids == [1, 3, *reference_ids("Hi", ranks), 4]
+            said = {"role": "assistant", "content": "Hello", "reasoning_content": "Greet."}
+            turns = [{"role": "user", "content": "Hi"}, said, {"role": "user", "content": "?"}]
+            with pytest.raises(ValueError, match="reasoning_content"):  # v7 has no [THINK]
+                llm.chat(turns, greedy(), use_tqdm=False)
             again = llm.generate([prompts[0]], greedy(), use_tqdm=False)[0]
             assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
         results.append(outs)

@@ -176,7 +176,9 @@ class LLM:
         parts stay a list and text parts alone are joined.
         A model that takes images (LLaVA) reads `image_url` parts (data: and http(s) URLs) and
         vLLM's `image_pil` parts; the Qwen-VL family (VIDEO_MODELS) also `video_url` parts
-        (multimodal/chat_media.py), processed with `mm_processor_kwargs`."""
+        (multimodal/chat_media.py), processed with `mm_processor_kwargs`.
+        A tekken.json tokenizer without a template (vLLM's tokenizer_mode="mistral") builds the
+        prompt ids as mistral_common does (mistral_chat.py) unless `chat_template` is given."""
         if continue_final_message and add_generation_prompt:
             raise ValueError(
                 "continue_final_message and add_generation_prompt cannot both be True: pass "
@@ -198,19 +200,32 @@ class LLM:
                     "continue_final_message needs the last message to be the assistant's"
                 )
             template = chat_template or tok.chat_template
-            text = self.llm_engine.apply_chat_template(
-                _content_format(conv, chat_template_content_format, template, self._placeholders),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **({"tools": tools} if tools is not None else {}),
-                **(chat_template_kwargs or {}),
-            )
+            mistral = getattr(tok, "mistral_chat", None) if chat_template is None else None
+            if mistral is not None:  # tekken.json, no template: mistral_common's ids (vLLM's)
+                if chat_template_kwargs:
+                    raise ValueError("chat_template_kwargs: a Mistral chat has no template")
+                ids = mistral.render(
+                    conv,
+                    tools,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+                text = tok.decode(ids)
+            else:
+                text = self.llm_engine.apply_chat_template(
+                    _content_format(
+                        conv, chat_template_content_format, template, self._placeholders
+                    ),
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **({"tools": tools} if tools is not None else {}),
+                    **(chat_template_kwargs or {}),
+                )
+                # The template already holds any BOS token: encode without adding another.
+                ids = tok.encode(text, add_special_tokens=False)
             prompts.append(text)
-            # The template already holds any BOS token: encode without adding another.
-            prompt: dict[str, Any] = {
-                "prompt_token_ids": tok.encode(text, add_special_tokens=False)
-            }
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if media:
                 prompt["multi_modal_data"] = media
                 if mm_processor_kwargs is not None:

@@ -20,9 +20,10 @@ Where it differs from the engines it stands in for:
 - mistral_common's raw `encode` reads a special token's text (`[INST]`) as plain bytes; here,
   as in HF tokenizers, the text of a special token is that token (paged's Voxtral prompts are
   written that way: "[INST][AUDIO]...[/INST]").
-- there is no built-in chat template (mistral_common builds chats in code, per tokenizer
-  version): a sibling chat_template.jinja / chat_template.json is used, else none, and
-  LLM.chat asks for `chat_template`.
+- there is no chat template (mistral_common builds chats in code, per tokenizer version): a
+  sibling chat_template.jinja / chat_template.json is used where there is one; else the
+  tokenizer carries `mistral_chat` (mistral_chat.py), which LLM.chat and paged-server's chat
+  routes render with, as vLLM's mistral mode does (an explicit `chat_template` still wins).
 A malformed file is refused with a ValueError naming the tekken.json field.
 """
 
@@ -61,7 +62,10 @@ def tekken_only(path: Path) -> bool:
 def read_tekken(file: Path) -> tuple[str, list[str], list[bytes]]:
     """(split pattern, specials by id, vocab bytes by rank) of a tekken.json; a vocab token of
     rank r has id len(specials) + r."""
-    data = json.loads(Path(file).read_text(encoding="utf-8"))
+    return _parse(json.loads(Path(file).read_text(encoding="utf-8")), file)
+
+
+def _parse(data: dict, file: Path) -> tuple[str, list[str], list[bytes]]:
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict) or not isinstance(config.get("pattern"), str):
         raise ValueError(f"{file}: tekken.json config.pattern is missing")
@@ -144,7 +148,9 @@ def tekken_tokenizer(path: Path) -> PreTrainedTokenizerFast:
 
     from paged_engine.models.multimodal_text import processor_chat_template
 
-    pattern, specials, ranks = read_tekken(path / TEKKEN_FILE)
+    file = path / TEKKEN_FILE
+    data = json.loads(file.read_text(encoding="utf-8"))
+    pattern, specials, ranks = _parse(data, file)
     vocab, merges = bpe_model(specials, ranks)
     bpe = models.BPE(vocab, merges, fuse_unk=False, ignore_merges=True)
     tok = Tokenizer(bpe)
@@ -160,8 +166,12 @@ def tekken_tokenizer(path: Path) -> PreTrainedTokenizerFast:
         )
     jinja = path / "chat_template.jinja"
     template = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        chat_template=template or processor_chat_template(path),
-        **roles,
-    )
+    template = template or processor_chat_template(path)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **roles)
+    if template is None:  # chats as mistral_common builds them for this tekken.json version
+        from paged_engine.mistral_chat import MistralChat
+
+        version = str(data["config"].get("version", ""))
+        ids = {name: i for i, name in enumerate(specials)}
+        fast.mistral_chat = MistralChat(version, ids, Tokenizer.from_str(tok.to_str()))
+    return fast

@@ -392,7 +392,7 @@ class OpenAIApp:
             own = ("add_special_tokens", "return_token_strs")  # /tokenize's, not chat's
             chat = {k: v for k, v in body.items() if k not in own}
             req = parse_chat(chat, images=self.takes_media)
-            ids = self._expand_media(req, self._encode(self._render_chat(req), bool(special)))
+            ids = self._expand_media(req, self._chat_ids(req, bool(special))[1])
         elif isinstance(body.get("prompt"), str):
             ids = self._encode(body["prompt"], True if special is None else special)
         else:
@@ -462,6 +462,33 @@ class OpenAIApp:
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
                 raise bad_request(f"token id {t!r} is not in [0, {self.vocab_size})", param)
+
+    def _chat_ids(self, req: GenerationRequest, special: bool) -> tuple[str, list[int]]:
+        """A chat request's prompt text and ids: the template's text encoded, or, for a
+        tekken.json tokenizer without a template (vLLM's tokenizer_mode="mistral"), the ids
+        mistral_common would build (paged_engine/mistral_chat.py) and their text."""
+        mistral = getattr(self.tokenizer, "mistral_chat", None)
+        asked = req.chat_template or req.chat_template_kwargs.get("chat_template")
+        if mistral is None or asked is not None or self.chat_template is not None:
+            text = self._render_chat(req)
+            return text, self._encode(text, special)
+        for param in ("chat_template_kwargs", "documents"):
+            if getattr(req, param):
+                raise bad_request(f"'{param}' is not taken by a Mistral chat", param)
+        tools = req.tools.tools if req.tools is not None else None
+        if self.exclude_tools_when_none and req.tools is not None and req.tools.choice == "none":
+            tools = None
+        try:
+            with self.tok_lock:
+                ids = mistral.render(
+                    req.messages,
+                    tools,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                )
+                return self.tokenizer.decode(ids), ids
+        except ValueError as e:
+            raise bad_request(f"could not build the Mistral chat: {e}", "messages") from None
 
     def _render_chat(self, req: GenerationRequest) -> str:
         """The conversation through the chat template. A template sent by the client is code
@@ -655,8 +682,7 @@ class OpenAIApp:
     ) -> tuple[str, list[int], ReasoningRequest | None]:
         """A chat request's rendered prompt, its ids (each image's placeholder run expanded)
         and its reasoning handling (chat completions and the Responses API)."""
-        text = self._render_chat(req)
-        ids = self._encode(text, req.add_special_tokens)  # default off: the template has BOS
+        text, ids = self._chat_ids(req, req.add_special_tokens)  # default off: BOS is in it
         ids = self._expand_media(req, ids)
         auto = req.tools is not None and req.tools.choice == "auto"
         parser = TOOL_PARSERS.get(self.tool_call_parser or "") if auto else None

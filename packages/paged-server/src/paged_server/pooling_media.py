@@ -107,7 +107,7 @@ def chat_prompt(
 ) -> dict | list[int]:
     """The chat form's one pooled input: its token ids when it holds no media (the caller
     checks and truncates them), else an engine prompt with its processed images."""
-    ids = app._encode(app._render_chat(req), special)
+    ids = app._chat_ids(req, special)[1]
     if not req.media_refs:
         return ids
     if _unmarked(app) and all(r.kind == "image" and r.embeds is None for r in req.media_refs):

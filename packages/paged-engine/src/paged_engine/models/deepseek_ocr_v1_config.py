@@ -55,22 +55,25 @@ class DeepseekOCRConfig(transformers.PretrainedConfig):
     model_type = "deepseek_vl_v2"
 
 
-def _refuse(name: str, value: Any, want: str) -> ValueError:
-    return ValueError(
-        f"DeepseekOCRForCausalLM: config.json field {name}={value!r} is not supported: {want}"
-    )
+def _refuse(name: str, value: Any, want: str, arch: str = "DeepseekOCRForCausalLM") -> ValueError:
+    return ValueError(f"{arch}: config.json field {name}={value!r} is not supported: {want}")
 
 
-def _text_config(raw: RawConfig, lang: RawConfig) -> transformers.DeepseekOcr2TextConfig:
+def mha_text_config(
+    raw: RawConfig, lang: RawConfig, arch: str = "DeepseekOCRForCausalLM"
+) -> transformers.DeepseekOcr2TextConfig:
+    """The DeepSeek-V2 MHA decoder of `lang` (over raw's top-level fields); also
+    DeepSeek-VL2-tiny's (models/deepseek_vl2_config.py), refusals naming `arch`."""
     src = {**{k: v for k, v in raw.items() if not isinstance(v, dict)}, **lang}
     if src.get("use_mla") or src.get("qk_rope_head_dim") or src.get("kv_lora_rank"):
-        raise _refuse("use_mla", src.get("use_mla"), "false (multi-head attention; MLA unchecked)")
+        want = "false (multi-head attention; MLA unchecked)"
+        raise _refuse("use_mla", src.get("use_mla"), want, arch)
     if src.get("norm_topk_prob"):
-        raise _refuse("norm_topk_prob", True, "false (the router's weights not renormalized)")
+        raise _refuse("norm_topk_prob", True, "false (weights not renormalized)", arch)
     if src.get("scoring_func", "softmax") != "softmax":
-        raise _refuse("scoring_func", src["scoring_func"], "'softmax'")
+        raise _refuse("scoring_func", src["scoring_func"], "'softmax'", arch)
     if src.get("rope_scaling") is not None:
-        raise _refuse("rope_scaling", src["rope_scaling"], "null")
+        raise _refuse("rope_scaling", src["rope_scaling"], "null", arch)
     fields = {k: field(src, k, int) for k in _TEXT_INTS}
     heads = fields["num_attention_heads"]
     fields["num_key_value_heads"] = field(src, "num_key_value_heads", int, heads)
@@ -142,7 +145,7 @@ def _vision_config(raw: RawConfig) -> transformers.PretrainedConfig:
 def deepseek_ocr_v1_config(raw: RawConfig) -> DeepseekOCRConfig:
     """The translated config (see the module doc); ValueError naming a field not served."""
     lang = raw.get("language_config") or {}
-    text = _text_config(raw, lang)
+    text = mha_text_config(raw, lang)
     vision = _vision_config(raw)
     if raw.get("tile_tag", "2D") != "2D":
         raise _refuse("tile_tag", raw["tile_tag"], "'2D' (vLLM's only one)")

@@ -45,6 +45,9 @@ MPT configs itself and runs the others' remote config code).
     DeepseekOCRForCausalLM         deepseek_vl_v2               DeepSeek-OCR-2's decoder (config:
                                                                 models/deepseek_ocr_v1_config.py;
                                                                 images: deepseek_ocr_v1.py)
+    DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
+                                                                models/deepseek_vl2_config.py;
+                                                                images: deepseek_vl2.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -192,6 +195,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Grok1ModelForCausalLM": "grok1:grok1_config",  # hpcai-tech/grok-1's name
     "Grok1ForCausalLM": "grok1:grok1_config",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
+    "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
 }
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format

@@ -55,6 +55,9 @@ each is exact).
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     DeepseekOCRForCausalLM (remote code)  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
       (DeepSeek-OCR v1's DeepSeek-V2 MHA decoder: models/deepseek_ocr_v1_config.py)
+    DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
+                                         deepseek_v2          -> DeepseekV2ForCausalLM
+      (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
     Kimi_K25ForConditionalGeneration     deepseek_v3            -> DeepseekV3ForCausalLM
     KimiVLForConditionalGeneration       deepseek_v3            -> DeepseekV3ForCausalLM
     LightOnOcrForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
@@ -437,6 +440,16 @@ WRAPPERS: dict[str, Wrapper] = {
         {"deepseek_ocr2_text": "DeepseekOcr2TextForCausalLM"},
         _modules("sam_model", "vision_model", "projector")
         + ("model.image_newline", "model.view_seperator"),
+    ),
+    # DeepSeek-VL2 (remote code; config: models/deepseek_vl2_config.py): the decoder under
+    # `language.`, the tower and projector beside it (multimodal/deepseek_vl2_encoder.py)
+    "DeepseekVLV2ForCausalLM": Wrapper(
+        {
+            "deepseek_ocr2_text": "DeepseekOcr2TextForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM",
+        },
+        ("vision.", "projector.", "image_newline", "view_seperator"),
+        renames=(("language.model.", "model."), ("language.lm_head.", "lm_head.")),
     ),
     "Lfm2VlForConditionalGeneration": Wrapper({"lfm2": "Lfm2ForCausalLM"}, _LLAVA_STYLE),
     # Molmo2: a Qwen3-style decoder with a wider token table (images: multimodal/molmo2.py)

@@ -70,6 +70,9 @@
     DeepseekOCRForCausalLM                   "deepseek_ocr_v1"  multimodal/deepseek_ocr_v1.py
       (DeepSeek-OCR v1, remote code: config models/deepseek_ocr_v1_config.py; SAM + CLIP-L
       DeepEncoder deepseek_ocr_v1_encoder.py, DeepSeek-OCR-2's decoder; tiles, "<image>")
+    DeepseekVLV2ForCausalLM                  "deepseek_vl2"  multimodal/deepseek_vl2.py
+      (DeepSeek-VL2, remote code: config models/deepseek_vl2_config.py; SigLIP tower and
+      downsample MLP deepseek_vl2_encoder.py, a DeepSeek-V2 MHA / MLA decoder; tiles)
     JanusForConditionalGeneration                 "janus"       multimodal/janus.py (its image
       understanding path; image generation, its VQ-VAE and head, not served)
     HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"
@@ -173,6 +176,7 @@ KINDS: dict[str, str] = {
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1",  # remote code: models/deepseek_ocr_v1_config.py
+    "DeepseekVLV2ForCausalLM": "deepseek_vl2",  # remote code: models/deepseek_vl2_config.py
     "JanusForConditionalGeneration": "janus",
     "HyperCLOVAXVisionV2ForConditionalGeneration": "hyperclovax_vision_v2",
     "Phi4MultimodalForCausalLM": "phi4mm",
@@ -293,6 +297,7 @@ ENCODERS: dict[str, str] = {
     "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
     "deepseek_ocr_v1": "deepseek_ocr_v1_encoder:DeepseekOCRImageEncoder",
+    "deepseek_vl2": "deepseek_vl2_encoder:DeepseekVL2ImageEncoder",
     "janus": "janus:JanusImageEncoder",
     "hyperclovax_vision_v2": "hyperclovax_vision_v2:HyperCLOVAXVisionV2ImageEncoder",
     "phi4mm": "phi4mm:Phi4MMImageEncoder",

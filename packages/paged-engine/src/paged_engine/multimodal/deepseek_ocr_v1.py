@@ -142,8 +142,9 @@ class DeepseekOCRLayout(Layout):
         self.mean, self.std = _MEAN, _MEAN
         vocab = tokenizer.get_vocab() if tokenizer is not None else {}
         if "<image>" in vocab and vocab["<image>"] != placeholder:
+            arch = (getattr(config, "architectures", None) or ["DeepseekOCRForCausalLM"])[0]
             raise ValueError(
-                f"DeepseekOCRForCausalLM: the tokenizer's <image> is id {vocab['<image>']}, "
+                f"{arch}: the tokenizer's <image> is id {vocab['<image>']}, "
                 f"config image_token_id is {placeholder}: they must agree"
             )
 

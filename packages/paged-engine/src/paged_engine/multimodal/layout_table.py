@@ -8,6 +8,7 @@ from paged_engine.multimodal.blip2 import Blip2Layout
 from paged_engine.multimodal.chameleon import ChameleonLayout
 from paged_engine.multimodal.deepseek_ocr_v1 import DeepseekOCRLayout
 from paged_engine.multimodal.deepseek_vl import DeepseekVLLayout
+from paged_engine.multimodal.deepseek_vl2 import DeepseekVL2Layout
 from paged_engine.multimodal.deepseek_vl_hybrid import DeepseekVLHybridLayout
 from paged_engine.multimodal.dual_encoder import DualEncoderLayout
 from paged_engine.multimodal.emu3 import Emu3Layout
@@ -104,6 +105,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
     "deepseek_ocr_v1": DeepseekOCRLayout,  # DeepSeek-OCR v1: "<image>" -> its tiles' run
+    "deepseek_vl2": DeepseekVL2Layout,  # DeepSeek-VL2: "<image>" -> its tiles' run
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid

@@ -212,8 +212,9 @@ class ImageProcessor:
         """The layout's load of one image of `count`, or what the processor cache holds."""
         if self.cache is None:
             return self.layout.load(run, image, count)
+        # 1, 2 and more images apart (H2OVL: one alone; DeepSeek-VL2: up to two tiled)
         key = image_key(
-            image, {**kwargs, "(images)": min(count, 2)} if self.layout.by_count else kwargs
+            image, {**kwargs, "(images)": min(count, 3)} if self.layout.by_count else kwargs
         )
         loaded = self.cache.get(key)
         if loaded is None:

@@ -11,9 +11,9 @@ REMOTE_CONFIGS row), as vLLM's deepseek_ocr.py reads it.
         vision_config.image_size (SAM's position grid x 16)    -> vision_config (geometry)
     projector_config {projector_type "linear", input_dim, n_embed}   checked, kept
     tile_tag "2D"                                                    checked
-    (none: the release tokenizer's "<image>")     image_token_id = 128815 (vLLM looks it up;
-        a config.json image_token_id, for another tokenizer, overrides it: the layout checks
-        that the tokenizer's "<image>" agrees)
+    (none: the release tokenizer's "<image>")     image_token_id: the saved tokenizer's id
+        (vLLM looks it up: remote_aliases.saved_token_id), else 128815; the layout checks
+        that the tokenizer's "<image>" agrees
 
 The remote code and vLLM build SAM ViT-B and CLIP-L/14 whatever vision_config says; the
 geometry read here is the release's (defaults are its values), so small test checkpoints can

@@ -13,8 +13,8 @@ deepseek-ai/deepseek-vl2-tiny, -small, deepseek-vl2) read without its remote cod
         input_dim, n_embed}                 -> projector_depth / _ratio / _downsample
     candidate_resolutions ([width, height] pairs, multiples of the first's width, which is the
         tile side and vision_config.image_size), tile_tag "2D", global_view_pos "head" / "tail"
-    (none: the release tokenizer's "<image>") image_token_id = 128815 (vLLM looks it up; a
-        config.json image_token_id overrides it; the layout checks the tokenizer agrees)
+    (none: the release tokenizer's "<image>") image_token_id: the saved tokenizer's id (vLLM
+        looks it up: remote_aliases.saved_token_id), else 128815; the layout checks it agrees
 
 Refused by name: topk_method other than "greedy" (deepseek-vl2's "noaux_tc": DeepSeek-V3's
 router, unchecked here), MLA with a renormalizing router, moe_layer_freq or rope_scaling, the

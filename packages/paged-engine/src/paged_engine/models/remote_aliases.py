@@ -45,6 +45,9 @@ MPT configs itself and runs the others' remote config code).
     DeepseekOCRForCausalLM         deepseek_vl_v2               DeepSeek-OCR-2's decoder (config:
                                                                 models/deepseek_ocr_v1_config.py;
                                                                 images: deepseek_ocr_v1.py)
+    MiniCPMV                       minicpmv                     Qwen2 / Qwen3 (config: models/
+                                                                minicpmv_remote_config.py;
+                                                                images: minicpmv_remote.py)
     DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
                                                                 models/deepseek_vl2_config.py;
                                                                 images: deepseek_vl2.py)
@@ -195,8 +198,41 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Grok1ModelForCausalLM": "grok1:grok1_config",  # hpcai-tech/grok-1's name
     "Grok1ForCausalLM": "grok1:grok1_config",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
+    "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
 }
+
+# remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a
+# config.json without image_token_id gets the id the checkpoint's tokenizer files give it
+PLACEHOLDER_TOKENS = {
+    "MiniCPMV": "<unk>",
+    "DeepseekOCRForCausalLM": "<image>",
+    "DeepseekVLV2ForCausalLM": "<image>",
+}
+
+
+def saved_token_id(path: Path, text: str) -> int | None:
+    """The id of token `text` in the tokenizer files saved in `path` (tokenizer.json's added
+    tokens or vocab, else tokenizer_config.json's added_tokens_decoder); None if not found."""
+    try:
+        fast = json.loads((Path(path) / "tokenizer.json").read_text())
+        for added in fast.get("added_tokens") or ():
+            if added.get("content") == text and isinstance(added.get("id"), int):
+                return added["id"]
+        vocab = (fast.get("model") or {}).get("vocab")
+        if isinstance(vocab, dict) and isinstance(vocab.get(text), int):
+            return vocab[text]
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        slow = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        for key, added in (slow.get("added_tokens_decoder") or {}).items():
+            if isinstance(added, dict) and added.get("content") == text:
+                return int(key)
+    except (OSError, ValueError, AttributeError):
+        pass
+    return None
+
 
 # model types transformers reads itself: a checkpoint re-saved in transformers' format
 _TRANSFORMERS_TYPES = {"RWForCausalLM": "falcon", "StableLMEpochForCausalLM": "stablelm"}
@@ -228,6 +264,10 @@ def remote_config(path: Path) -> PretrainedConfig | None:
     # (a config.json without model_type, Grok-1's, is translated too)
     if arch is None or raw.get("model_type", arch) == _TRANSFORMERS_TYPES.get(arch):
         return None
+    if arch in PLACEHOLDER_TOKENS and raw.get("image_token_id") is None:
+        token = saved_token_id(path, PLACEHOLDER_TOKENS[arch])
+        if token is not None:
+            raw = {**raw, "image_token_id": token}
     module, function = REMOTE_CONFIGS[arch].split(":")
     translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)
     return translate(raw)

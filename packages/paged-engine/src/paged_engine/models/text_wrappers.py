@@ -78,6 +78,8 @@ each is exact).
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
     MiniCPMOcrForConditionalGeneration   qwen3_5_text           -> Qwen3_5ForCausalLM
+    MiniCPMV (remote code)               qwen2 / qwen3          -> Qwen2 / Qwen3ForCausalLM
+      (MiniCPM-V 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
@@ -440,6 +442,13 @@ WRAPPERS: dict[str, Wrapper] = {
         {"deepseek_ocr2_text": "DeepseekOcr2TextForCausalLM"},
         _modules("sam_model", "vision_model", "projector")
         + ("model.image_newline", "model.view_seperator"),
+    ),
+    # MiniCPM-V 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Qwen2 /
+    # Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
+    "MiniCPMV": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
+        ("vpm.", "resampler."),
+        renames=(("llm.model.", "model."), ("llm.lm_head.", "lm_head.")),
     ),
     # DeepSeek-VL2 (remote code; config: models/deepseek_vl2_config.py): the decoder under
     # `language.`, the tower and projector beside it (multimodal/deepseek_vl2_encoder.py)

@@ -45,6 +45,9 @@
     MiniCPMV4_7ForConditionalGeneration     "minicpmv_canvas"   multimodal/minicpmv.py
     MiniCPMOcrForConditionalGeneration      "minicpm_ocr"  multimodal/minicpmv.py (MiniCPM-V
       4.6's model; its torch image processor and layout: multimodal/minicpm_ocr.py)
+    MiniCPMV                              "minicpmv_remote"  multimodal/minicpmv_remote.py
+      (the Hub's remote-code MiniCPM-V 2.6 / 4.5: config models/minicpmv_remote_config.py;
+      Idefics2's tower, a perceiver resampler into Qwen2 / Qwen3; "(<image>./</image>)")
     NemotronH_Omni_Reasoning_V3         "nemotron_h_omni"  multimodal/nemotron_h_omni.py (C-RADIO,
       pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
@@ -195,6 +198,7 @@ KINDS: dict[str, str] = {
     "SkyworkR1VChatModel": "internvl_chat",
     "H2OVLChatModel": "h2ovl",  # InternVL-Chat's, its own tiling (multimodal/h2ovl.py)
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
+    "MiniCPMV": "minicpmv_remote",  # remote code: models/minicpmv_remote_config.py
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "Phi3VForCausalLM": "phi3v",
     "Phi4MMForCausalLM": "phi4mm_remote",  # remote code: models/phi4mm_config.py
@@ -251,6 +255,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "inkling2": ("inkling2_vision",),
     "qianfan_ocr": ("qianfan_ocr_vision",),
     "minicpm_ocr": ("minicpm_ocr_vision",),
+    "minicpmv_remote": ("idefics2_vision",),  # the release's SigLIP (minicpmv_remote_config.py)
     "nemotron_h_omni": ("radio",),
     "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
     "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
@@ -313,6 +318,7 @@ ENCODERS: dict[str, str] = {
     "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
     "h2ovl": "internvl_chat:InternVLChatImageEncoder",
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
+    "minicpmv_remote": "minicpmv_remote:MiniCPMVRemoteImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",

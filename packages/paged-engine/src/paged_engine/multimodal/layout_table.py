@@ -54,6 +54,7 @@ from paged_engine.multimodal.lighton_ocr import LightOnOcrLayout
 from paged_engine.multimodal.llava_onevision1_5 import LlavaOnevision15Layout
 from paged_engine.multimodal.mantis import MantisLayout
 from paged_engine.multimodal.minicpm_ocr import MiniCPMOcrLayout
+from paged_engine.multimodal.minicpmv_remote import MiniCPMVRemoteLayout
 from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
@@ -122,6 +123,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "h2ovl": H2OVLLayout,  # H2OVL-Mississippi: InternVL-Chat's, one image alone by MSAC
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
+    "minicpmv_remote": MiniCPMVRemoteLayout,  # MiniCPM-V 2.6 / 4.5: "(<image>./</image>)"
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
     "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder

@@ -1,0 +1,150 @@
+"""MiniCPM-V's remote config (`MiniCPMV`, model_type "minicpmv": openbmb/MiniCPM-V-2_6,
+openbmb/MiniCPM-V-4_5) read without its remote code (models/remote_aliases.py's REMOTE_CONFIGS
+row), as vLLM's minicpmv.py reads it.
+
+    config.json                                   -> MiniCPMVRemoteConfig
+    version 2.6 / 4.5                             kept (the only ones served: see below)
+    the LM's fields at the top level              -> text_config: Qwen2Config (2.6),
+                                                     Qwen3Config (4.5: head_dim, q / k norms)
+    vision_config {hidden_size, image_size, intermediate_size, num_attention_heads,
+        num_hidden_layers, patch_size; model_type "siglip"}
+                                                  -> vision_config: Idefics2VisionConfig (the
+        NaViT SigLIP-400M tower vLLM runs as its Idefics2VisionTransformer with tgt_sizes)
+    query_num (64)                                kept: the resampler's queries, the run of
+        placeholders of every view
+    slice_config {max_slice_nums, scale_resolution, patch_size}, slice_mode, use_image_id
+                                                  kept (the image processor's fallbacks)
+    (none: the release tokenizer's "<unk>")       image_token_id: the saved tokenizer's id
+        (remote_aliases.saved_token_id), else 128244; the layout checks the tokenizer agrees
+
+4.5's resampler adds its 2-D positions to the values instead of the keys (vLLM's Resampler4_5
+for images; its temporal positions are videos'): multimodal/minicpmv_remote.py reads `version`.
+Refused by name: a `version` other than 2.6 / 4.5 (2.0 / 2.5 have other towers and LMs; 4.0's
+MiniCPM4-3B LM, run by vLLM as plain Llama, has no reference checked here),
+drop_vision_last_layer true, slice_mode false, use_sliding_window true, rope_scaling set, a
+hidden_size the resampler's 128-wide heads do not divide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+
+from paged_engine.models.remote_aliases import RawConfig, field
+
+IMAGE_TOKEN_ID = 128244  # "<unk>" in openbmb/MiniCPM-V-2_6's tokenizer
+VERSIONS = ("2.6", "4.5")
+_TEXT_CLASSES = {"2.6": "Qwen2Config", "4.5": "Qwen3Config"}
+RESAMPLER_HEAD = 128  # vLLM: num_heads = embed_dim // 128
+_TEXT_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+_VISION_INTS = (
+    "hidden_size",
+    "image_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_hidden_layers",
+    "patch_size",
+)
+
+
+class MiniCPMVRemoteConfig(transformers.PretrainedConfig):
+    """The wrapper: text_config (Qwen2 / Qwen3), vision_config (Idefics2's tower), the resampler and
+    slicing fields."""
+
+    model_type = "minicpmv"
+
+
+def _refuse(name: str, value: Any, want: str) -> ValueError:
+    return ValueError(f"MiniCPMV: config.json field {name}={value!r} is not supported: {want}")
+
+
+def version(raw: RawConfig) -> str:
+    """The release's `version` as written ("2.6"); ValueError naming it unless served."""
+    value = raw.get("version")
+    text = f"{float(value):.1f}" if isinstance(value, (int, float)) else str(value)
+    if isinstance(value, bool) or text not in VERSIONS:
+        raise _refuse("version", value, f"one of {VERSIONS} (MiniCPM-V 2.6 / 4.5)")
+    return text
+
+
+def _text_config(raw: RawConfig, version: str) -> transformers.PretrainedConfig:
+    if raw.get("rope_scaling") is not None:
+        raise _refuse("rope_scaling", raw["rope_scaling"], "null")
+    if raw.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", True, "false (full attention)")
+    fields = {k: field(raw, k, int) for k in _TEXT_INTS}
+    heads = fields["num_attention_heads"]
+    fields["num_key_value_heads"] = field(raw, "num_key_value_heads", int, heads)
+    if version == "4.5":  # Qwen3: head_dim of its own, no attention bias
+        fields["head_dim"] = field(raw, "head_dim", int, fields["hidden_size"] // heads)
+        if raw.get("attention_bias"):
+            raise _refuse("attention_bias", True, "false (Qwen3's)")
+    return getattr(transformers, _TEXT_CLASSES[version])(
+        **fields,
+        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6),
+        max_position_embeddings=field(raw, "max_position_embeddings", int, 32768),
+        hidden_act=raw.get("hidden_act", "silu"),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
+        },
+        use_sliding_window=False,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_id=raw.get("eos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+    )
+
+
+def _vision_config(raw: RawConfig) -> transformers.Idefics2VisionConfig:
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise _refuse("vision_config", vision, "a dict (the SigLIP tower's fields)")
+    if vision.get("model_type", "siglip") not in ("siglip", "siglip_vision_model"):
+        raise _refuse("vision_config.model_type", vision["model_type"], "'siglip'")
+    fields = {k: field(vision, k, int) for k in _VISION_INTS}
+    return transformers.Idefics2VisionConfig(
+        **fields,
+        num_channels=field(vision, "num_channels", int, 3),
+        layer_norm_eps=field(vision, "layer_norm_eps", float, 1e-6),
+        hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+    )
+
+
+def minicpmv_remote_config(raw: RawConfig) -> MiniCPMVRemoteConfig:
+    """The translated config (see the module doc); ValueError naming a field not served."""
+    text_version = version(raw)
+    if raw.get("drop_vision_last_layer"):
+        raise _refuse("drop_vision_last_layer", True, "false (the releases' own)")
+    if not raw.get("slice_mode", True):
+        raise _refuse("slice_mode", False, "true (the releases' own)")
+    text = _text_config(raw, text_version)
+    if text.hidden_size % RESAMPLER_HEAD:
+        raise _refuse("hidden_size", text.hidden_size, f"a multiple of {RESAMPLER_HEAD}")
+    token = field(raw, "image_token_id", int, IMAGE_TOKEN_ID)
+    if token >= text.vocab_size:
+        raise _refuse("image_token_id", token, f"below vocab_size {text.vocab_size}")
+    slices = raw.get("slice_config") or {}
+    if not isinstance(slices, dict):
+        raise _refuse("slice_config", slices, "a dict")
+    return MiniCPMVRemoteConfig(
+        architectures=list(raw.get("architectures") or ["MiniCPMV"]),
+        version=text_version,
+        text_config=text,
+        vision_config=_vision_config(raw),
+        query_num=field(raw, "query_num", int, 64),
+        slice_config=dict(slices),
+        use_image_id=bool(raw.get("use_image_id", True)),
+        image_token_id=token,
+        bos_token_id=text.bos_token_id,
+        eos_token_id=text.eos_token_id,
+        pad_token_id=text.pad_token_id,
+        tie_word_embeddings=text.tie_word_embeddings,
+    )

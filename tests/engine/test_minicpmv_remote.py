@@ -1,0 +1,261 @@
+"""Images through MiniCPM-V 2.6 and 4.5 as the Hub ships them (`MiniCPMV`, remote code: multimodal/
+minicpmv_remote.py, models/minicpmv_remote_config.py) against a reference composed here from
+transformers' and torch's modules.
+
+transformers has no MiniCPM-V 2.6 / 4.5 class. Their parts are: the NaViT SigLIP tower, which
+vLLM runs as Idefics2VisionTransformer at each view's patch grid (transformers'
+Idefics2VisionTransformer on the view's pixels: bucketed position ids, post_layernorm), Qwen2 /
+Qwen3 (transformers' Qwen2ForCausalLM / Qwen3ForCausalLM fed inputs_embeds), and the perceiver
+resampler, composed here from torch's nn.MultiheadAttention and LayerNorms with transformers'
+ViT-MAE 2-D sin-cos table (its layout is [sin_h | cos_h | sin_w | cos_w]; MiniCPM's puts the
+column first, so the table is transposed) on the keys (2.6) or the values (4.5).
+The glue written here from vLLM's minicpmv.py and the release's processor rules: the slicing,
+the resizes, the prompt's <image_id> / <image> / <slice> markers around query_num <unk>s. The
+same random weights are saved in the release's layout (`llm.`, `vpm.`, `resampler.`) with a
+config.json and preprocessor_config.json shaped as the release's. paged must give the
+reference's prompt ids, greedy tokens and top-5 logprobs (1e-3, float32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from hf_reference import assert_matches, hf_greedy
+from image_checks import engine, greedy, noise_image
+from vlm_checkpoints import finish_checkpoint, tokenizer_with
+
+from paged_engine.testing import _randomize
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+safetensors = pytest.importorskip("safetensors.torch")
+
+PATTERN = "(<image>./</image>)"
+MARKS = ["<image>", "</image>", "<slice>", "</slice>", "<image_id>", "</image_id>", "<unk>"]
+QUERIES, RES, PATCH, MAX_SLICES = 8, 32, 4, 9  # the release: 64, 448, 14, 9
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
+VISION |= {"num_hidden_layers": 2, "image_size": 56, "patch_size": PATCH}
+WIDTH = 256  # the resampler's heads are 128 wide: 2 heads
+
+
+@pytest.fixture(scope="module", params=["2.6", "4.5"])
+def ckpt(request, tmp_path_factory):
+    """(the release-layout dir, the reference: the LM, the tower, the resampler, tokenizer)."""
+    version = request.param
+    path = tmp_path_factory.mktemp(f"minicpmv_remote_{version}")
+    tokenizer, _ = tokenizer_with(MARKS, 3)
+    text = {"vocab_size": len(tokenizer), "hidden_size": WIDTH, "intermediate_size": 96}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text |= {"rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "rope_theta": 10000.0}
+    text |= {"tie_word_embeddings": False}
+    torch.manual_seed(0)
+    if version == "4.5":
+        text["head_dim"] = 48
+        llm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**text)).float().eval()
+    else:
+        llm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**text)).float().eval()
+    idefics2 = transformers.models.idefics2.modeling_idefics2
+    vpm = idefics2.Idefics2VisionTransformer(transformers.Idefics2VisionConfig(**VISION))
+    attn = torch.nn.MultiheadAttention(WIDTH, WIDTH // 128)
+    resampler = torch.nn.ModuleDict(
+        {
+            "kv_proj": torch.nn.Linear(VISION["hidden_size"], WIDTH, bias=False),
+            "attn": attn,
+            **{n: torch.nn.LayerNorm(WIDTH, eps=1e-6) for n in ("ln_q", "ln_kv", "ln_post")},
+        }
+    )
+    resampler.query = torch.nn.Parameter(torch.empty(QUERIES, WIDTH))
+    resampler.proj = torch.nn.Parameter(torch.empty(WIDTH, WIDTH))
+    with torch.no_grad():
+        for seed, module in enumerate((llm, vpm, resampler), start=4):
+            _randomize(module, seed)
+    for module in (vpm, resampler):
+        module.float().eval()
+    state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
+    state |= {f"vpm.{k}": v for k, v in vpm.state_dict().items()}
+    state |= {f"resampler.{k}": v for k, v in resampler.state_dict().items()}
+    safetensors.save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors")
+    )
+    (path / "config.json").write_text(json.dumps(release_config(text, version)))
+    pre = {"image_processor_type": "MiniCPMVImageProcessor", "image_feature_size": QUERIES}
+    pre |= {"max_slice_nums": MAX_SLICES, "scale_resolution": RES, "patch_size": PATCH}
+    pre |= {"use_image_id": True, "slice_mode": True, "version": float(version)}
+    pre |= {"norm_mean": [0.5, 0.5, 0.5], "norm_std": [0.5, 0.5, 0.5], "unk": "<unk>"}
+    (path / "preprocessor_config.json").write_text(json.dumps(pre))
+    finish_checkpoint(path, tokenizer)
+    llm.generation_config.eos_token_id = None
+    resampler.on_values = version == "4.5"
+    return path, (llm, vpm, resampler, tokenizer)
+
+
+def release_config(text: dict, version: str) -> dict:
+    """config.json as MiniCPM-V 2.6 / 4.5 write it (their fields, tiny values); no
+    image_token_id: its <unk> id comes from the saved tokenizer, as vLLM looks it up."""
+    top = {"architectures": ["MiniCPMV"], "model_type": "minicpmv", "version": float(version)}
+    top |= {"auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMVConfig"}}
+    top |= {"query_num": QUERIES, "slice_mode": True, "use_image_id": True, "patch_size": PATCH}
+    top |= {"drop_vision_last_layer": False, "batch_vision_input": True, "image_size": RES}
+    top |= {"slice_config": {"max_slice_nums": MAX_SLICES, "model_type": "minicpmv"}}
+    top["slice_config"] |= {"patch_size": PATCH, "scale_resolution": RES}
+    top |= {"use_sliding_window": False, "sliding_window": 1024, "hidden_act": "silu"}
+    top |= {"vision_config": {**VISION, "model_type": "siglip"}, "torch_dtype": "float32"}
+    return {**text, **top}
+
+
+def grid_of(w: int, h: int, res: int = RES) -> tuple[int, int] | None:
+    """vLLM's get_sliced_grid (the release processor's): (cols, rows) or None."""
+    n = min(math.ceil(w * h / res**2), MAX_SLICES)
+    if n <= 1:
+        return None
+    best, error = None, math.inf
+    for count in [c for c in (n - 1, n, n + 1) if c != 1 and c <= MAX_SLICES]:
+        for cols in [m for m in range(1, count + 1) if count % m == 0]:
+            e = abs(math.log(w / h) - math.log(cols / (count // cols)))
+            if e < error:
+                best, error = (cols, count // cols), e
+    return best
+
+
+def views(image):
+    """The release processor's views of one image: (grid, [PIL views])."""
+
+    def fit(w: float, h: float, up: bool) -> tuple[int, int]:
+        if w * h > RES * RES or up:
+            h2 = int(RES / math.sqrt(w / h))
+            w, h = int(h2 * (w / h)), h2
+        return tuple(max(round(v / PATCH) * PATCH, PATCH) for v in (w, h))
+
+    w, h = image.size
+    grid = grid_of(w, h)
+    out = [image.resize(fit(w, h, grid is None), Image.Resampling.BICUBIC)]
+    if grid is not None:
+        cols, rows = grid
+        cw, ch = fit(
+            max(round(w / cols) * cols, cols) / cols, max(round(h / rows) * rows, rows) / rows, True
+        )
+        big = image.resize((cw * cols, ch * rows), Image.Resampling.BICUBIC)
+        out += [
+            big.crop((c * cw, r * ch, c * cw + cw, r * ch + ch))
+            for r in range(rows)
+            for c in range(cols)
+        ]
+    return grid, out
+
+
+def view_rows(ref, view) -> torch.Tensor:
+    """[QUERIES, WIDTH]: the tower at the view's grid, then the resampler (its positions on
+    the keys; 4.5's on the values)."""
+    _, vpm, rs, _ = ref
+    x = torch.from_numpy(np.asarray(view, dtype=np.float32) / 255).permute(2, 0, 1)
+    x = ((x - 0.5) / 0.5)[None]
+    h, w = x.shape[-2] // PATCH, x.shape[-1] // PATCH
+    table = transformers.models.vit_mae.modeling_vit_mae.build_2d_sinusoidal_position_embedding(
+        70, 70, WIDTH
+    )
+    pos = table.view(70, 70, WIDTH).transpose(0, 1)[:h, :w].reshape(h * w, WIDTH)
+    with torch.no_grad():
+        feats = vpm(x).last_hidden_state[0]  # [h w, D]
+        kv = rs["ln_kv"](rs["kv_proj"](feats))[:, None]  # [L, 1, E] (sequence first)
+        q = rs["ln_q"](rs.query)[:, None]
+        keys, values = (kv, kv + pos[:, None]) if rs.on_values else (kv + pos[:, None], kv)
+        out = rs["attn"](q, keys, values)[0][:, 0]
+        return rs["ln_post"](out) @ rs.proj
+
+
+def reference(ref, text: str, images: list):
+    """(the release processor's prompt ids, Qwen2's greedy with top-5 on the scattered rows)."""
+    llm, _, _, tokenizer = ref
+    rows = []
+    for k, image in enumerate(images):
+        grid, vs = views(image)
+        unk = "<unk>" * QUERIES
+        seg = f"<image_id>{k}</image_id><image>{unk}</image>"
+        if grid is not None:
+            cols, n = grid
+            seg += "\n".join(
+                "".join(f"<slice>{unk}</slice>" for _ in range(cols)) for _ in range(n)
+            )
+        text = text.replace(PATTERN, seg, 1)
+        rows += [view_rows(ref, v) for v in vs]
+    ids = tokenizer(text).input_ids
+    if not images:
+        return ids, hf_greedy(llm, ids, 8, 5)
+    with torch.no_grad():
+        embeds = llm.get_input_embeddings()(torch.tensor([ids]))
+        embeds[0, torch.tensor(ids) == tokenizer.convert_tokens_to_ids("<unk>")] = torch.cat(rows)
+    return ids, hf_greedy(llm, ids, 8, 5, inputs_embeds=embeds)
+
+
+def test_slicing_follows_the_release_rules():
+    """2.6's grid at the release's 448 (vLLM's get_sliced_grid): one view, a square tie kept
+    at one column, wide, 3 x 3, a tall image taking 4 slices of n + 1."""
+    from paged_engine.multimodal.minicpmv_remote import sliced_grid
+
+    sizes = [((448, 448), None), ((500, 500), (1, 2)), ((1000, 500), (2, 1))]
+    sizes += [((1344, 1344), (3, 3)), ((300, 2000), (1, 4))]
+    for (w, h), want in sizes:
+        assert sliced_grid(w, h, 9, 448) == want == grid_of(w, h, 448), (w, h)
+
+
+def test_images_match_reference(ckpt):
+    """A small image (one upscaled view), a wide one (3 x 1 slices), a tall one in 1 x 4,
+    two images in one prompt (<image_id>1), and text alone; the images again with the
+    expanded ids as prompt_token_ids; a pattern short and mm_processor_kwargs refused."""
+    path, ref = ckpt
+    small, wide, tall = (
+        noise_image(1, (20, 24)),
+        noise_image(2, (40, 80)),
+        noise_image(3, (110, 30)),
+    )
+    assert grid_of(24, 20) is None and grid_of(80, 40) == (3, 1) and grid_of(30, 110) == (1, 4)
+    one, two = f"look {PATTERN}\nwhat is it", f"{PATTERN} and {PATTERN} differ"
+    cases = [(one, [small]), (one, [wide]), (one, [tall]), (two, [wide, small])]
+    cases.append(("the sea is wide", []))
+    llm = engine(path, max_model_len=512, limit_mm_per_prompt={"image": 2})
+    prompts = [{"prompt": t, "multi_modal_data": {"image": im}} if im else t for t, im in cases]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    expanded = []
+    for (text, images), out in zip(cases, outs, strict=True):
+        ids, want = reference(ref, text, images)
+        assert out.prompt_token_ids == ids
+        assert_matches(f"minicpmv_remote {len(images)} image(s)", out, want)
+        if images:  # the release processor's ids, runs expanded, are taken as they are
+            expanded.append(
+                ({"prompt_token_ids": ids, "multi_modal_data": {"image": images}}, want)
+            )
+    ahead = llm.generate([p for p, _ in expanded], greedy(0), use_tqdm=False)
+    for out, (_, want) in zip(ahead, expanded, strict=True):
+        assert out.outputs[0].token_ids == want.tokens
+    with pytest.raises(ValueError, match="image placeholder"):  # two images, one pattern
+        llm.generate([{"prompt": one, "multi_modal_data": {"image": [small, wide]}}], greedy(0))
+    with pytest.raises(ValueError, match="mm_processor_kwargs"):
+        bad = {"prompt": one, "multi_modal_data": {"image": small}}
+        llm.generate([{**bad, "mm_processor_kwargs": {"max_slice_nums": 2}}], greedy(0))
+    assert len(llm.generate([prompts[0]], greedy(0))[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("version", {"version": 2.5}),
+        ("version", {"version": "4.0"}),
+        ("version", {"version": 3.0}),
+        ("drop_vision_last_layer", {"drop_vision_last_layer": True}),
+        ("slice_mode", {"slice_mode": False}),
+        ("use_sliding_window", {"use_sliding_window": True}),
+    ],
+)
+def test_configs_refused_by_name(ckpt, tmp_path, field, change):
+    path, _ = ckpt
+    for f in path.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=field):
+        engine(tmp_path)

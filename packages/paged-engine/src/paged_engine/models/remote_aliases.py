@@ -51,6 +51,9 @@ MPT configs itself and runs the others' remote config code).
     DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
                                                                 models/deepseek_vl2_config.py;
                                                                 images: deepseek_vl2.py)
+    NemotronH_Nano_VL_V2           NemotronH_Nano_VL_V2         Nemotron-H's (config: models/
+                                                                nemotron_nano_vl_config.py;
+                                                                images: nemotron_nano_vl.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -200,6 +203,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
+    "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

@@ -81,6 +81,8 @@ each is exact).
     MiniCPMV (remote code)               qwen2 / qwen3          -> Qwen2 / Qwen3ForCausalLM
       (MiniCPM-V 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
+    NemotronH_Nano_VL_V2 (remote code)   nemotron_h             -> NemotronHForCausalLM
+      (models/nemotron_nano_vl_config.py)
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
     Ovis2_5 (remote code)                qwen3                  -> Qwen3ForCausalLM
@@ -754,6 +756,14 @@ WRAPPERS: dict[str, Wrapper] = {
             "audio_tower",
             "embed_audio",
         ),
+        renames=(("language_model.backbone.", "backbone."),),
+    ),
+    # Nemotron Nano VL v2 (remote code; config: models/nemotron_nano_vl_config.py): Omni's
+    # tower and projector on tiles (multimodal/nemotron_nano_vl.py), NemotronHForCausalLM at
+    # `language_model.` (its stack as `backbone.`)
+    "NemotronH_Nano_VL_V2": Wrapper(
+        {"nemotron_h": "NemotronHForCausalLM"},
+        _modules("vision_model", "mlp1"),
         renames=(("language_model.backbone.", "backbone."),),
     ),
     # Phi-3 / 3.5-vision (remote code; config: models/phi3v_config.py): Phi-3's decoder, its

@@ -50,6 +50,8 @@
       Idefics2's tower, a perceiver resampler into Qwen2 / Qwen3; "(<image>./</image>)")
     NemotronH_Omni_Reasoning_V3         "nemotron_h_omni"  multimodal/nemotron_h_omni.py (C-RADIO,
       pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
+    NemotronH_Nano_VL_V2               "nemotron_nano_vl"  multimodal/nemotron_nano_vl.py (remote
+      code: config models/nemotron_nano_vl_config.py; Omni's tower and projector on 512 tiles)
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
     Ovis2_5                                       "ovis2_5_hub" multimodal/ovis2_5_hub.py (the
@@ -200,6 +202,7 @@ KINDS: dict[str, str] = {
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
     "MiniCPMV": "minicpmv_remote",  # remote code: models/minicpmv_remote_config.py
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
+    "NemotronH_Nano_VL_V2": "nemotron_nano_vl",  # remote code: models/nemotron_nano_vl_config.py
     "Phi3VForCausalLM": "phi3v",
     "Phi4MMForCausalLM": "phi4mm_remote",  # remote code: models/phi4mm_config.py
     "CLIPModel": "clip_embed",  # an embedding model: multimodal/dual_encoder.py
@@ -257,6 +260,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minicpm_ocr": ("minicpm_ocr_vision",),
     "minicpmv_remote": ("idefics2_vision",),  # the release's SigLIP (minicpmv_remote_config.py)
     "nemotron_h_omni": ("radio",),
+    "nemotron_nano_vl": ("radio",),  # RadioConfig built from vision_config.args
     "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
     "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
     "clip_embed": ("clip_vision_model",),
@@ -320,6 +324,7 @@ ENCODERS: dict[str, str] = {
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
     "minicpmv_remote": "minicpmv_remote:MiniCPMVRemoteImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
+    "nemotron_nano_vl": "nemotron_nano_vl:NanoNemotronVLImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",
     "clip_embed": "dual_encoder:CLIPImageEmbedder",

@@ -59,6 +59,7 @@ from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
+from paged_engine.multimodal.nemotron_nano_vl import NanoNemotronVLLayout
 from paged_engine.multimodal.ovis2_5_hub import Ovis2_5HubLayout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
@@ -125,6 +126,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
     "minicpmv_remote": MiniCPMVRemoteLayout,  # MiniCPM-V 2.6 / 4.5: "(<image>./</image>)"
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
+    "nemotron_nano_vl": NanoNemotronVLLayout,  # Nemotron Nano VL v2: <img>, a run by tiles, </img>
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
     "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder
     "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same

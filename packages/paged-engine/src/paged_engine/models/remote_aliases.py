@@ -51,6 +51,11 @@ MPT configs itself and runs the others' remote config code).
     DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
                                                                 models/deepseek_vl2_config.py;
                                                                 images: deepseek_vl2.py)
+    MolmoForCausalLM               molmo                        Qwen2's or OLMo 2's under the
+                                                                release's names (config: models/
+                                                                molmo_v1_config.py; decoder:
+                                                                models/molmo_v1.py; images:
+                                                                multimodal/molmo_v1.py)
     NemotronH_Nano_VL_V2           NemotronH_Nano_VL_V2         Nemotron-H's (config: models/
                                                                 nemotron_nano_vl_config.py;
                                                                 images: nemotron_nano_vl.py)
@@ -203,6 +208,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
+    "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O)
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
 }
 

@@ -84,6 +84,8 @@ each is exact).
     NemotronH_Nano_VL_V2 (remote code)   nemotron_h             -> NemotronHForCausalLM
       (models/nemotron_nano_vl_config.py)
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
+    MolmoForCausalLM (remote code)       qwen2 / olmo2          -> MolmoV1TextForCausalLM
+      (Molmo v1's Qwen2 / OLMo 2 decoder, fused names: models/molmo_v1.py, molmo_v1_config.py)
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
     Ovis2_5 (remote code)                qwen3                  -> Qwen3ForCausalLM
     Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
@@ -467,6 +469,13 @@ WRAPPERS: dict[str, Wrapper] = {
     "Molmo2ForConditionalGeneration": Wrapper(
         {"molmo2_text": "Molmo2TextForCausalLM"},
         (*_LLAVA_STYLE, *_modules("vision_backbone")),
+        extra_vocab=True,
+    ),
+    # Molmo v1 (remote code; config: models/molmo_v1_config.py): Qwen2's decoder under the
+    # release's fused names, Molmo2's wider table (images: multimodal/molmo_v1.py)
+    "MolmoForCausalLM": Wrapper(
+        {"qwen2": "MolmoV1TextForCausalLM", "olmo2": "MolmoV1TextForCausalLM"},
+        _modules("vision_backbone"),
         extra_vocab=True,
     ),
     # LightOnOCR: a Pixtral tower and Mistral 3's projector under their own names (images:

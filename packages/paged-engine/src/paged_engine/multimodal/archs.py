@@ -78,6 +78,9 @@
     DeepseekVLV2ForCausalLM                  "deepseek_vl2"  multimodal/deepseek_vl2.py
       (DeepSeek-VL2, remote code: config models/deepseek_vl2_config.py; SigLIP tower and
       downsample MLP deepseek_vl2_encoder.py, a DeepSeek-V2 MHA / MLA decoder; tiles)
+    MolmoForCausalLM                         "molmo_v1"  multimodal/molmo_v1.py (Molmo v1,
+      remote code: config models/molmo_v1_config.py; pixels molmo_v1_processor.py, CLIP
+      tower, pooling and projector molmo_v1_encoder.py, the decoder models/molmo_v1.py)
     JanusForConditionalGeneration                 "janus"       multimodal/janus.py (its image
       understanding path; image generation, its VQ-VAE and head, not served)
     HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"
@@ -182,6 +185,7 @@ KINDS: dict[str, str] = {
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1",  # remote code: models/deepseek_ocr_v1_config.py
     "DeepseekVLV2ForCausalLM": "deepseek_vl2",  # remote code: models/deepseek_vl2_config.py
+    "MolmoForCausalLM": "molmo_v1",  # Molmo v1, remote code: models/molmo_v1_config.py
     "JanusForConditionalGeneration": "janus",
     "HyperCLOVAXVisionV2ForConditionalGeneration": "hyperclovax_vision_v2",
     "Phi4MultimodalForCausalLM": "phi4mm",
@@ -245,6 +249,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "paligemma": ("siglip_vision_model",),
     "lighton_ocr": ("pixtral",),
     "molmo2": ("molmo2_vision",),
+    "molmo_v1": ("clip_vision_model",),  # ViT-L/14-336 (models/molmo_v1_config.py)
     "deepseek_vl": ("siglip_vision_model",),
     "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
     "janus": ("janus_vision_model",),
@@ -307,6 +312,7 @@ ENCODERS: dict[str, str] = {
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
     "deepseek_ocr_v1": "deepseek_ocr_v1_encoder:DeepseekOCRImageEncoder",
     "deepseek_vl2": "deepseek_vl2_encoder:DeepseekVL2ImageEncoder",
+    "molmo_v1": "molmo_v1_encoder:MolmoV1ImageEncoder",
     "janus": "janus:JanusImageEncoder",
     "hyperclovax_vision_v2": "hyperclovax_vision_v2:HyperCLOVAXVisionV2ImageEncoder",
     "phi4mm": "phi4mm:Phi4MMImageEncoder",

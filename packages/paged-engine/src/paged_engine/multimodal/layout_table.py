@@ -58,6 +58,7 @@ from paged_engine.multimodal.minicpmv_remote import MiniCPMVRemoteLayout
 from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
+from paged_engine.multimodal.molmo_v1 import MolmoV1Layout
 from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
 from paged_engine.multimodal.nemotron_nano_vl import NanoNemotronVLLayout
 from paged_engine.multimodal.ovis2_5_hub import Ovis2_5HubLayout
@@ -108,6 +109,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
     "deepseek_ocr_v1": DeepseekOCRLayout,  # DeepSeek-OCR v1: "<image>" -> its tiles' run
     "deepseek_vl2": DeepseekVL2Layout,  # DeepSeek-VL2: "<image>" -> its tiles' run
+    "molmo_v1": MolmoV1Layout,  # Molmo v1: each image's tiles' segment at the prompt's start
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid

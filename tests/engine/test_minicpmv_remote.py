@@ -259,3 +259,15 @@ def test_configs_refused_by_name(ckpt, tmp_path, field, change):
     (tmp_path / "config.json").write_text(json.dumps(config | change))
     with pytest.raises(ValueError, match=field):
         engine(tmp_path)
+
+
+def test_auto_dtype_is_the_releases(ckpt, tmp_path):
+    """dtype="auto" serves in config.json's torch_dtype (the releases' bfloat16), which the
+    translated config keeps (remote_aliases.remote_config)."""
+    from paged_engine.loader import resolve_dtype
+    from paged_engine.models.remote_aliases import remote_config
+
+    raw = json.loads((ckpt[0] / "config.json").read_text())
+    raw |= {"torch_dtype": "bfloat16", "image_token_id": 3}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert resolve_dtype("auto", remote_config(tmp_path)) == torch.bfloat16

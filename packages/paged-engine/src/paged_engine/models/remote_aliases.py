@@ -280,4 +280,8 @@ def remote_config(path: Path) -> PretrainedConfig | None:
             raw = {**raw, "image_token_id": token}
     module, function = REMOTE_CONFIGS[arch].split(":")
     translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)
-    return translate(raw)
+    config = translate(raw)
+    saved = raw.get("dtype") or raw.get("torch_dtype")
+    if saved is not None and (vars(config).get("dtype") or vars(config).get("torch_dtype")) is None:
+        config.dtype = saved  # dtype="auto" serves in the release's dtype, whatever was kept
+    return config

@@ -45,6 +45,9 @@ MPT configs itself and runs the others' remote config code).
     DeepseekOCRForCausalLM         deepseek_vl_v2               DeepSeek-OCR-2's decoder (config:
                                                                 models/deepseek_ocr_v1_config.py;
                                                                 images: deepseek_ocr_v1.py)
+    DotsOCRForCausalLM             dots_ocr                     Qwen2's (config: models/
+                                                                dots_ocr_config.py; images:
+                                                                multimodal/dots_ocr.py)
     MiniCPMV                       minicpmv                     Qwen2 / Qwen3 (config: models/
                                                                 minicpmv_remote_config.py;
                                                                 images: minicpmv_remote.py)
@@ -206,6 +209,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Grok1ModelForCausalLM": "grok1:grok1_config",  # hpcai-tech/grok-1's name
     "Grok1ForCausalLM": "grok1:grok1_config",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
+    "DotsOCRForCausalLM": "dots_ocr_config:dots_ocr_config",  # rednote-hilab/dots.ocr
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
     "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O)

@@ -55,6 +55,8 @@ each is exact).
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     DeepseekOCRForCausalLM (remote code)  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
       (DeepSeek-OCR v1's DeepSeek-V2 MHA decoder: models/deepseek_ocr_v1_config.py)
+    DotsOCRForCausalLM (remote code)     qwen2                  -> Qwen2ForCausalLM
+      (dots.ocr: models/dots_ocr_config.py; images multimodal/dots_ocr.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
       (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
@@ -447,6 +449,9 @@ WRAPPERS: dict[str, Wrapper] = {
         _modules("sam_model", "vision_model", "projector")
         + ("model.image_newline", "model.view_seperator"),
     ),
+    # dots.ocr (remote code; config: models/dots_ocr_config.py): Qwen2 under its own names
+    # (`model.`, `lm_head.`), the NaViT tower `vision_tower.` beside it (multimodal/dots_ocr.py)
+    "DotsOCRForCausalLM": Wrapper({"qwen2": "Qwen2ForCausalLM"}, ("vision_tower.",)),
     # MiniCPM-V 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Qwen2 /
     # Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(

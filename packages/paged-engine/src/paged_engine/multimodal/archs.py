@@ -75,6 +75,9 @@
     DeepseekOCRForCausalLM                   "deepseek_ocr_v1"  multimodal/deepseek_ocr_v1.py
       (DeepSeek-OCR v1, remote code: config models/deepseek_ocr_v1_config.py; SAM + CLIP-L
       DeepEncoder deepseek_ocr_v1_encoder.py, DeepSeek-OCR-2's decoder; tiles, "<image>")
+    DotsOCRForCausalLM                           "dots_ocr"    multimodal/dots_ocr.py (dots.ocr,
+      remote code: config models/dots_ocr_config.py; a NaViT tower with Qwen2-VL's rope and
+      merger into Qwen2 at 1-D positions; "<|img|><|imgpad|><|endofimg|>")
     DeepseekVLV2ForCausalLM                  "deepseek_vl2"  multimodal/deepseek_vl2.py
       (DeepSeek-VL2, remote code: config models/deepseek_vl2_config.py; SigLIP tower and
       downsample MLP deepseek_vl2_encoder.py, a DeepSeek-V2 MHA / MLA decoder; tiles)
@@ -184,6 +187,7 @@ KINDS: dict[str, str] = {
     "DeepseekVLForConditionalGeneration": "deepseek_vl",
     "DeepseekVLHybridForConditionalGeneration": "deepseek_vl_hybrid",
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1",  # remote code: models/deepseek_ocr_v1_config.py
+    "DotsOCRForCausalLM": "dots_ocr",  # dots.ocr, remote code: models/dots_ocr_config.py
     "DeepseekVLV2ForCausalLM": "deepseek_vl2",  # remote code: models/deepseek_vl2_config.py
     "MolmoForCausalLM": "molmo_v1",  # Molmo v1, remote code: models/molmo_v1_config.py
     "JanusForConditionalGeneration": "janus",
@@ -250,6 +254,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "lighton_ocr": ("pixtral",),
     "molmo2": ("molmo2_vision",),
     "molmo_v1": ("clip_vision_model",),  # ViT-L/14-336 (models/molmo_v1_config.py)
+    "dots_ocr": ("dots_vit",),  # the release's NaViT (models/dots_ocr_config.py)
     "deepseek_vl": ("siglip_vision_model",),
     "deepseek_vl_hybrid": ("siglip_vision_model",),  # and SAM's (its encoder checks)
     "janus": ("janus_vision_model",),
@@ -311,6 +316,7 @@ ENCODERS: dict[str, str] = {
     "deepseek_vl": "deepseek_vl:DeepseekVLImageEncoder",
     "deepseek_vl_hybrid": "deepseek_vl_hybrid:DeepseekVLHybridImageEncoder",
     "deepseek_ocr_v1": "deepseek_ocr_v1_encoder:DeepseekOCRImageEncoder",
+    "dots_ocr": "dots_ocr:DotsOCRImageEncoder",
     "deepseek_vl2": "deepseek_vl2_encoder:DeepseekVL2ImageEncoder",
     "molmo_v1": "molmo_v1_encoder:MolmoV1ImageEncoder",
     "janus": "janus:JanusImageEncoder",

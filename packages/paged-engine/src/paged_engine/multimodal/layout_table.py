@@ -108,6 +108,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "deepseek_vl": DeepseekVLLayout,  # DeepSeek-VL: LLaVA 1.5's fixed runs
     "deepseek_vl_hybrid": DeepseekVLHybridLayout,  # its run; pixels of both towers in one
     "deepseek_ocr_v1": DeepseekOCRLayout,  # DeepSeek-OCR v1: "<image>" -> its tiles' run
+    "dots_ocr": Exaone45Layout,  # dots.ocr: Qwen2-VL's runs of <|imgpad|>, 1-D positions
     "deepseek_vl2": DeepseekVL2Layout,  # DeepSeek-VL2: "<image>" -> its tiles' run
     "molmo_v1": MolmoV1Layout,  # Molmo v1: each image's tiles' segment at the prompt's start
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi

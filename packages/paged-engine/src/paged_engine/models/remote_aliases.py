@@ -7,6 +7,10 @@ MPT configs itself and runs the others' remote config code).
     RWForCausalLM                  RefinedWeb / RefinedWebModel FalconForCausalLM (falcon.py)
     StableLMEpochForCausalLM       stablelm_epoch               StableLmForCausalLM (stablelm.py)
     QWenLMHeadModel                qwen                         QWenLMHeadModel (qwen_v1.py)
+      (with a `visual` section)    qwen                         QwenVLForConditionalGeneration
+                                                                (Qwen-VL v1: models/
+                                                                qwen_vl_v1_config.py; images:
+                                                                multimodal/qwen_vl_v1.py)
     BaichuanForCausalLM,           baichuan                     models/baichuan.py
       BaiChuanForCausalLM
     TeleChat2ForCausalLM,          telechat                     models/telechat2.py
@@ -51,6 +55,9 @@ MPT configs itself and runs the others' remote config code).
     MiniCPMV                       minicpmv                     Qwen2 / Qwen3 (config: models/
                                                                 minicpmv_remote_config.py;
                                                                 images: minicpmv_remote.py)
+    MiniCPMO                       minicpmo                     Qwen2 (config: models/
+                                                                minicpmo_remote_config.py;
+                                                                audio: minicpmo_remote.py)
     DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
                                                                 models/deepseek_vl2_config.py;
                                                                 images: deepseek_vl2.py)
@@ -181,6 +188,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "RWForCausalLM": "remote_aliases:rw_config",
     "StableLMEpochForCausalLM": "remote_aliases:stablelm_epoch_config",
     "QWenLMHeadModel": "qwen_v1:qwen_v1_config",
+    # Qwen-VL v1: config.json names QWenLMHeadModel (a `visual` section tells it apart)
+    "QwenVLForConditionalGeneration": "qwen_vl_v1_config:qwen_vl_v1_config",
     "BaichuanForCausalLM": "baichuan:baichuan_config",
     "BaiChuanForCausalLM": "baichuan:baichuan_config",
     "TeleChat2ForCausalLM": "telechat2:telechat2_config",
@@ -211,6 +220,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DeepseekOCRForCausalLM": "deepseek_ocr_v1_config:deepseek_ocr_v1_config",  # DeepSeek-OCR
     "DotsOCRForCausalLM": "dots_ocr_config:dots_ocr_config",  # rednote-hilab/dots.ocr
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
+    "MiniCPMO": "minicpmo_remote_config:minicpmo_remote_config",  # MiniCPM-o 2.6
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
     "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O)
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
@@ -220,6 +230,7 @@ REMOTE_CONFIGS: dict[str, str] = {
 # config.json without image_token_id gets the id the checkpoint's tokenizer files give it
 PLACEHOLDER_TOKENS = {
     "MiniCPMV": "<unk>",
+    "MiniCPMO": "<unk>",
     "DeepseekOCRForCausalLM": "<image>",
     "DeepseekVLV2ForCausalLM": "<image>",
 }
@@ -278,6 +289,8 @@ def remote_config(path: Path) -> PretrainedConfig | None:
     # (a config.json without model_type, Grok-1's, is translated too)
     if arch is None or raw.get("model_type", arch) == _TRANSFORMERS_TYPES.get(arch):
         return None
+    if arch == "QWenLMHeadModel" and raw.get("visual") is not None:  # Qwen-VL, as vLLM's qwen.py
+        arch = "QwenVLForConditionalGeneration"
     if arch in PLACEHOLDER_TOKENS and raw.get("image_token_id") is None:
         token = saved_token_id(path, PLACEHOLDER_TOKENS[arch])
         if token is not None:

@@ -82,6 +82,10 @@ each is exact).
     MiniCPMOcrForConditionalGeneration   qwen3_5_text           -> Qwen3_5ForCausalLM
     MiniCPMV (remote code)               qwen2 / qwen3          -> Qwen2 / Qwen3ForCausalLM
       (MiniCPM-V 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
+    MiniCPMO (remote code)               qwen2                  -> Qwen2ForCausalLM
+      (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
+    QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel
+      (Qwen-VL v1, remote code: models/qwen_vl_v1_config.py)
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     NemotronH_Nano_VL_V2 (remote code)   nemotron_h             -> NemotronHForCausalLM
       (models/nemotron_nano_vl_config.py)
@@ -458,6 +462,18 @@ WRAPPERS: dict[str, Wrapper] = {
         {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
         ("vpm.", "resampler."),
         renames=(("llm.model.", "model."), ("llm.lm_head.", "lm_head.")),
+    ),
+    # MiniCPM-o 2.6 (remote code; config: models/minicpmo_remote_config.py): MiniCPM-V 2.6's
+    # layout plus `apm.` / `audio_projection_layer.` (minicpmo_remote.py); `tts.` output-only
+    "MiniCPMO": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM"},
+        ("vpm.", "resampler.", "apm.", "audio_projection_layer.", "tts."),
+        renames=(("llm.model.", "model."), ("llm.lm_head.", "lm_head.")),
+    ),
+    # Qwen-VL v1 (remote code; config: models/qwen_vl_v1_config.py): Qwen v1 under its own
+    # `transformer.` names, the ViT and resampler under `transformer.visual.` (qwen_vl_v1.py)
+    "QwenVLForConditionalGeneration": Wrapper(
+        {"qwen": "QWenLMHeadModel"}, ("transformer.visual.",), flat=True
     ),
     # DeepSeek-VL2 (remote code; config: models/deepseek_vl2_config.py): the decoder under
     # `language.`, the tower and projector beside it (multimodal/deepseek_vl2_encoder.py)

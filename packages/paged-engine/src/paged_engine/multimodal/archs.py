@@ -48,6 +48,11 @@
     MiniCPMV                              "minicpmv_remote"  multimodal/minicpmv_remote.py
       (the Hub's remote-code MiniCPM-V 2.6 / 4.5: config models/minicpmv_remote_config.py;
       Idefics2's tower, a perceiver resampler into Qwen2 / Qwen3; "(<image>./</image>)")
+    MiniCPMO                              "minicpmv_remote"  multimodal/minicpmv_remote.py
+      (MiniCPM-o 2.6, remote code: MiniCPM-V 2.6's images; its audio: audio_archs.py)
+    QwenVLForConditionalGeneration            "qwen_vl_v1"  multimodal/qwen_vl_v1.py (Qwen-VL
+      v1, remote code: config.json's QWenLMHeadModel with `visual`, models/qwen_vl_v1_config.py;
+      OpenCLIP ViT-bigG, a perceiver resampler into Qwen v1; "<img>...</img>")
     NemotronH_Omni_Reasoning_V3         "nemotron_h_omni"  multimodal/nemotron_h_omni.py (C-RADIO,
       pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
     NemotronH_Nano_VL_V2               "nemotron_nano_vl"  multimodal/nemotron_nano_vl.py (remote
@@ -209,6 +214,8 @@ KINDS: dict[str, str] = {
     "H2OVLChatModel": "h2ovl",  # InternVL-Chat's, its own tiling (multimodal/h2ovl.py)
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
     "MiniCPMV": "minicpmv_remote",  # remote code: models/minicpmv_remote_config.py
+    "MiniCPMO": "minicpmv_remote",  # MiniCPM-o 2.6: config models/minicpmo_remote_config.py
+    "QwenVLForConditionalGeneration": "qwen_vl_v1",  # remote code: models/qwen_vl_v1_config.py
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl",  # remote code: models/nemotron_nano_vl_config.py
     "Phi3VForCausalLM": "phi3v",
@@ -335,6 +342,7 @@ ENCODERS: dict[str, str] = {
     "h2ovl": "internvl_chat:InternVLChatImageEncoder",
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
     "minicpmv_remote": "minicpmv_remote:MiniCPMVRemoteImageEncoder",
+    "qwen_vl_v1": "qwen_vl_v1:QwenVLImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "nemotron_nano_vl": "nemotron_nano_vl:NanoNemotronVLImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",

@@ -29,6 +29,8 @@
       tower into EmbeddingGemma 2's encoder, models/embedding_gemma2.py)
     NemotronH_Omni_Reasoning_V3          "nemotron_h_omni"  multimodal/nemotron_h_omni_audio.py
       (Parakeet / FastConformer; with an audio_config only)
+    MiniCPMO                             "minicpmo_remote"  multimodal/minicpmo_remote.py
+      (MiniCPM-o 2.6, remote code: Whisper-medium `apm`, projection, pooling)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -70,6 +72,7 @@ KINDS: dict[str, str] = {
     "UltravoxModel": "ultravox",
     "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's audio tower, an encoder
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",  # with an audio_config (Parakeet)
+    "MiniCPMO": "minicpmo_remote",  # remote code: models/minicpmo_remote_config.py
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -93,6 +96,7 @@ HOSTS: dict[str, str] = {
     "moonshine": "moonshine:MoonshineAudio",
     "ultravox": "ultravox:Ultravox",
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudio",
+    "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudio",
 }
 
 ENCODERS: dict[str, str] = {
@@ -113,6 +117,7 @@ ENCODERS: dict[str, str] = {
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteAudioEncoder",
     "ultravox": "ultravox:UltravoxEncoder",
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudioEncoder",
+    "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudioEncoder",
 }
 
 

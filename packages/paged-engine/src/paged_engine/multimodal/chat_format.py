@@ -62,6 +62,8 @@ FORMS: dict[str, dict[str, str | None]] = {
     "h2ovl": {"image": "<image>"},  # H2OVL-Mississippi (InternVL-Chat's marker)
     "ovis2_5_hub": {"image": "<image>"},  # Ovis2.5's Hub release (vLLM's placeholder)
     "minicpmv_remote": {"image": "(<image>./</image>)"},  # MiniCPM-V 2.6 / 4.5 (vLLM's)
+    "minicpmo_remote": {"audio": "(<audio>./</audio>)"},  # MiniCPM-o 2.6 (vLLM's)
+    "qwen_vl_v1": {"image": "Picture {n}: <img></img>"},  # Qwen-VL v1 (vLLM's)
     "dots_ocr": {"image": "<|img|>{token}<|endofimg|>"},  # dots.ocr (vLLM's placeholder)
     "nemotron_nano_vl": {"image": "<image>"},  # Nemotron Nano VL v2 (vLLM's placeholder)
     "internvl": {"video": "<video>"},  # HF's InternVL: images <IMG_CONTEXT> (its token)

@@ -69,6 +69,7 @@ from paged_engine.multimodal.phi3v import Phi3VLayout
 from paged_engine.multimodal.phi4mm import Phi4MMLayout
 from paged_engine.multimodal.phi4mm_remote import Phi4MMRemoteLayout
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout
+from paged_engine.multimodal.qwen_vl_v1 import QwenVLLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
@@ -128,6 +129,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
     "minicpmv_remote": MiniCPMVRemoteLayout,  # MiniCPM-V 2.6 / 4.5: "(<image>./</image>)"
+    "qwen_vl_v1": QwenVLLayout,  # Qwen-VL v1: each <img> ... </img> span -> n_queries pads
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
     "nemotron_nano_vl": NanoNemotronVLLayout,  # Nemotron Nano VL v2: <img>, a run by tiles, </img>
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid

@@ -453,3 +453,11 @@ FAMILIES: dict[str, tuple[str, Callable[[random.Random], dict[str, Any]]]] = {
     "glm4": ("glm4", glm4),
     "ministral": ("ministral", ministral),
 }
+
+from config_draws_more import MORE_FAMILIES  # noqa: E402 (its draws build on the ones above)
+
+FAMILIES.update(MORE_FAMILIES)
+
+from config_draws_hybrid import HYBRID_FAMILIES  # noqa: E402 (hybrid / state-space families)
+
+FAMILIES.update(HYBRID_FAMILIES)

@@ -2,13 +2,15 @@
 and a tiny config whose fields take the values real Hub configs of that family use
 (config_draws.py: MHA / GQA / MQA, explicit head_dim, biases, tied heads, rope bases and every
 scaling the family's HF code takes, sliding windows and layer_types, softcaps, MoE routing
-fields, DeepSeek's MLA shapes), writes random weights, and serves 2-3 prompts of random lengths
-(some past the window, longrope's past its original context) through `LLM`: greedy tokens must
-be HF's and each token's logprob within 1e-3 (float32).
+fields, DeepSeek's MLA shapes; config_draws_hybrid.py: the hybrid and state-space families'
+layer patterns and Mamba2 / DeltaNet / conv fields), writes random weights, and serves 2-3
+prompts of random lengths (some past the window, longrope's past its original context) through
+`LLM`: greedy tokens must be HF's and each token's logprob within 1e-3 (float32).
 
-Half the seeds rewrite config.json as older Hub configs spell it (`to_hub_layout`), which both
-loaders must read alike. A config paged refuses must be refused with a ValueError naming a drawn
-field (else a failure); a draw HF itself cannot build or run is skipped and counted.
+Half the seeds rewrite config.json as older Hub configs spell it (`to_hub_layout`; hybrids'
+layer patterns too: `to_hub_layer_names`), which both loaders must read alike. A config paged
+refuses must be refused with a ValueError naming a drawn field (else a failure); a draw HF
+itself cannot build or run is skipped and counted.
 
 test_config_fuzz.py runs a few seeds in the suite; `python tests/engine/config_fuzz.py FIRST
 COUNT [FAMILIES|all]` runs many, one line a seed and a summary.
@@ -24,17 +26,21 @@ from pathlib import Path
 from typing import Any
 
 from config_draws import FAMILIES, FULL, WINDOW
+from config_draws_hybrid import to_hub_layer_names
 
 MAX_MODEL_LEN = 128
 PER_TYPE_ROPE = ("gemma3_text", "olmo3")  # families whose HF config keeps a rope per layer type
 NULL_HEAD_DIM = ("llama", "mistral", "mixtral")  # HF classes whose head_dim may be null
+# transformers 5.25's RecurrentGemma runs a 1-token prompt as a decode step on the state its
+# modules kept from the previous sequence: its prompts are drawn 2 tokens long at least
+SHORTEST_PROMPT = {"recurrent_gemma": 2}
 
 
 def context_len(config: dict[str, Any], family: str) -> int:
     """The longest sequence paged serves for `config` (as vLLM derives it): max_position_embeddings,
     stretched by a linear (x factor) or yarn (original x factor) scaling (not per-layer-type
     ropes: layers/rotary.py scaled_context_limit); at most MAX_MODEL_LEN."""
-    limit = config["max_position_embeddings"]
+    limit = config.get("max_position_embeddings", MAX_MODEL_LEN)  # (Mamba's configs: none)
     scaling = config.get("rope_scaling") or {}
     if family in PER_TYPE_ROPE:  # a rope per layer type: not stretched
         scaling = {}
@@ -57,7 +63,9 @@ def draw(seed: int, families: list[str]) -> tuple[str, dict[str, Any], list[int]
     orig = scaling.get("original_max_position_embeddings")
     orig = orig or config.get("original_max_position_embeddings")
     max_len = context_len(config, family)
-    shortest = orig + 1 if scaling.get("rope_type") == "longrope" and orig < max_len else 1
+    shortest = SHORTEST_PROMPT.get(family, 1)
+    if scaling.get("rope_type") == "longrope" and orig < max_len:
+        shortest = orig + 1
     longest = max_len - max_tokens
     lengths = [
         rng.randint(shortest, max(shortest, min(longest, rng.choice((20, 60, longest)))))
@@ -77,7 +85,7 @@ def to_hub_layout(path: Path, rng: random.Random) -> list[str]:
     edits = []
     rope = config.pop("rope_parameters", None)
     if isinstance(rope, dict) and FULL in rope:  # Gemma 3, OLMo 3: one rope per layer type
-        if config["model_type"] == "gemma3_text":
+        if config["model_type"] in ("gemma3_text", "gemma3n_text"):
             config["rope_local_base_freq"] = rope[WINDOW]["rope_theta"]
         rope = rope[FULL]  # (OLMo 3's sliding layers: the full ones' base, unscaled)
     if isinstance(rope, dict):
@@ -90,6 +98,10 @@ def to_hub_layout(path: Path, rng: random.Random) -> list[str]:
                 rope = {"type": rope.pop("rope_type"), **rope}
                 edits.append("type")
             config["rope_scaling"] = rope
+    if config["model_type"] == "gpt_neox" and "rope_theta" in config:  # NeoX's own names
+        config["rotary_emb_base"] = config.pop("rope_theta")
+        config["rotary_pct"] = config.pop("partial_rotary_factor")
+        edits.append("rotary_pct")
     types = config.get("layer_types")
     for n in range(2, 7):
         want = [FULL if (i + 1) % n == 0 else WINDOW for i in range(len(types or []))]
@@ -100,21 +112,23 @@ def to_hub_layout(path: Path, rng: random.Random) -> list[str]:
             break
     # a field left out means the HF class's default: leave out only what equals it
     default = transformers.AutoConfig.for_model(config["model_type"])
-    heads = config["num_attention_heads"]
+    heads = config.get("num_attention_heads", 0)  # (Mamba's configs: no attention)
     probe = transformers.AutoConfig.for_model(
         config["model_type"], hidden_size=4096, num_attention_heads=64
     )
-    mha = probe.num_key_value_heads == 64  # an omitted num_key_value_heads follows the heads
+    # an omitted num_key_value_heads follows the heads
+    mha = getattr(probe, "num_key_value_heads", None) == 64
     if mha and config.get("num_key_value_heads") == heads and rng.random() < 0.5:
         del config["num_key_value_heads"]
         edits.append("no num_key_value_heads")
-    plain = config.get("head_dim") == config["hidden_size"] // heads
+    plain = heads and config.get("head_dim") == config["hidden_size"] // heads
     if config["model_type"] in NULL_HEAD_DIM and plain and rng.random() < 0.4:
         config["head_dim"] = None
         edits.append("head_dim null")
     if config["tie_word_embeddings"] == default.tie_word_embeddings and rng.random() < 0.5:
         del config["tie_word_embeddings"]
         edits.append("no tie_word_embeddings")
+    edits += to_hub_layer_names(config, rng)  # hybrids' layer patterns
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return edits
 

@@ -8,9 +8,13 @@ layout). `python tests/engine/config_fuzz.py FIRST COUNT [FAMILIES|all]` runs ma
 from __future__ import annotations
 
 import pytest
-from config_fuzz import FAMILIES, draw, run_seed
+from config_fuzz import FAMILIES, MAX_MODEL_LEN, draw, run_seed
 
 pytest.importorskip("transformers")
+
+# The families the seeds below draw from: the first 26 (config_draws.py's own; the families
+# config_draws_more.py and config_draws_hybrid.py append would change every seed's draw).
+SUITE_FAMILIES = list(FAMILIES)[:26]
 
 # seed -> what it covers (checked against the draw below, so a changed draw shows here)
 SEEDS: dict[int, str] = {
@@ -27,17 +31,18 @@ SEEDS: dict[int, str] = {
 
 @pytest.mark.parametrize("seed", list(SEEDS))
 def test_a_fuzzed_config_matches_hf(seed, tmp_path):
-    family = draw(seed, list(FAMILIES))[0]
+    family = draw(seed, SUITE_FAMILIES)[0]
     assert family == SEEDS[seed].split(":")[0], "the draw changed: pick the seeds anew"
-    _, outcome, detail = run_seed(seed, list(FAMILIES), tmp_path)
+    _, outcome, detail = run_seed(seed, SUITE_FAMILIES, tmp_path)
     assert outcome in ("ok", "refused"), detail
 
 
 def test_the_draws_cover_every_family_and_fit_the_context():
-    """200 seeds draw every family; every prompt and its tokens fit the engine's context."""
+    """1000 seeds draw every family; every prompt and its tokens fit the engine's context."""
     seen = set()
-    for seed in range(200):
+    for seed in range(1000):
         family, config, lengths, max_tokens, max_len = draw(seed, list(FAMILIES))
         seen.add(family)
-        assert max(lengths) + max_tokens <= max_len <= config["max_position_embeddings"] * 8
+        limit = config.get("max_position_embeddings", MAX_MODEL_LEN)  # (Mamba's: none)
+        assert max(lengths) + max_tokens <= max_len <= limit * 8
     assert seen == set(FAMILIES)

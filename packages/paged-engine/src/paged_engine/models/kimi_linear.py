@@ -95,6 +95,7 @@ class KimiLinearForCausalLM(CausalLMBase):
         (".gate_up_proj", ".up_proj", 1),
     )
     ignored_weights = ("rotary_emb.inv_freq",)
+    ties_head = False  # HF keeps lm_head apart whatever tie_word_embeddings says
 
     def __init__(self, config) -> None:
         check_silu(config, type(self).__name__)

@@ -112,13 +112,14 @@ class NemotronMoe(nn.Module):
         self.experts = FusedMoE(
             num_experts, width, int(config.moe_intermediate_size), activation=RELU2
         )
-        # the latent projections are replicated: fc2 maps each rank's partial sum (no bias)
+        # the latent projections are replicated: fc2 maps each rank's partial sum, its bias
+        # (mlp_bias, as HF's and vLLM's) added by rank 0 alone
         whole = {"tp_rank": 0, "tp_size": 1}
         self.fc1_latent_proj = (
             ColumnParallelLinear(hidden, width, bias, **whole) if latent else None
         )
         self.fc2_latent_proj = (
-            ColumnParallelLinear(width, hidden, False, **whole) if latent else None
+            ColumnParallelLinear(width, hidden, bias, **whole) if latent else None
         )
         shared = int(config.moe_shared_expert_intermediate_size)
         self.shared_experts = PartialRelu2MLP(hidden, shared, bias)
@@ -128,7 +129,8 @@ class NemotronMoe(nn.Module):
         h = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
         out = self.experts(h, weights, ids)
         if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)
+            fc2 = self.fc2_latent_proj
+            out = fc2(out) if self.experts.tp_rank == 0 else fc2._linear(out, None)
         out = out + self.shared_experts(x)
         return tp_all_reduce(out) if self.experts.tp_size > 1 else out
 
@@ -164,13 +166,14 @@ class NemotronHBlock(nn.Module):
 class NemotronHForCausalLM(CausalLMBase):
     stacked_params = QKV_PROJ_RULES  # the MLP's up_proj is not a gate_up half
     ignored_weights = ("rotary_emb.inv_freq",)
+    ties_head = False  # HF (and vLLM) keep lm_head apart whatever tie_word_embeddings says
 
     def __init__(self, config) -> None:
         act = cfg_get(config, "mlp_hidden_act", "relu2")
         if act != "relu2":
             raise ValueError(f"NemotronH supports mlp_hidden_act='relu2' only, got {act!r}")
-        bias = bool(getattr(config, "attention_bias", False))
-        flags = {"qkv_bias": bias, "o_bias": bias, "qk_norm": False, "mlp_bias": False}
+        # no attention biases whatever attention_bias says (HF's and vLLM's NemotronH)
+        flags = {"qkv_bias": False, "o_bias": False, "qk_norm": False, "mlp_bias": False}
         flags["sliding"] = False
         inner = HybridModel(
             config,

@@ -208,6 +208,9 @@ class CausalLMBase(nn.Module):
     head_name: ClassVar[str] = "lm_head"
     head_bias: ClassVar[bool] = False  # the LM head adds a bias of its own (Phi), tied or not
     tie_default: ClassVar[bool] = False  # HF's default when the config omits tie_word_embeddings
+    # False: HF never ties the head (an empty _tied_weights_keys: Nemotron-H, Kimi Linear), so
+    # tie_word_embeddings is ignored and the checkpoint's lm_head is served
+    ties_head: ClassVar[bool] = True
     stacked_params: ClassVar[tuple[StackedRule, ...]] = ()
     # (checkpoint substring, ours): replaced in every weight name, in this order
     renames: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -229,7 +232,8 @@ class CausalLMBase(nn.Module):
         # The decoder's output is as wide as the token embedding (OPT projects back to it), which
         # is what lets the head share the embedding's weight.
         head = ParallelLMHead(config.vocab_size, embed.weight.shape[1], bias=self.head_bias)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", self.tie_default))
+        tie = bool(getattr(config, "tie_word_embeddings", self.tie_default))
+        self.tie_word_embeddings = tie and self.ties_head
         if self.tie_word_embeddings:
             head.tie_to(embed)
         # Registered after the decoder, so the shared weight is named after the embedding.

@@ -376,6 +376,9 @@ def test_server_chat_builds_the_same_ids(pairs):
     text, ids, _ = app._chat_prompt(parse_chat(body, "mistral"))
     assert ids == reference(ref, messages, [WEATHER, now], False)
     assert text.startswith("<s>[SYSTEM_PROMPT]")
+    # template variables (Anthropic's `thinking` arrives as these) have no template to read them
+    kwargs = {**body, "chat_template_kwargs": {"enable_thinking": True}}
+    assert app._chat_prompt(parse_chat(kwargs, "mistral"))[1] == ids
     app.chat_template = "{{ messages[1]['content'] }}"
     assert app._chat_prompt(parse_chat(body, "mistral"))[1] == tok.encode(
         "Weather and time?", add_special_tokens=False
@@ -408,8 +411,9 @@ def test_llm_chat_on_a_native_checkpoint(pairs, tmp_path):
         [_user("hi")], greedy(0, 2), use_tqdm=False, chat_template="{{ messages[0]['content'] }}"
     )
     assert plain[0].prompt_token_ids == llm.get_tokenizer().encode("hi", add_special_tokens=False)
-    with pytest.raises(ValueError, match="chat_template_kwargs"):
-        llm.chat([_user("hi")], greedy(0, 2), use_tqdm=False, chat_template_kwargs={"x": 1})
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}  # no template reads them
+    hi = llm.chat([_user("hi")], greedy(0, 2), use_tqdm=False, **kwargs)[0].prompt_token_ids
+    assert hi == reference(pairs["v7"][1], [_user("hi")], None, False)
     llm.llm_engine.shutdown()
 
 

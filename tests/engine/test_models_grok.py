@@ -230,3 +230,11 @@ def test_bad_config_fields_are_named(bad, match, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**GOOD, **bad}))
     with pytest.raises(ValueError, match=match):
         remote_config(tmp_path)
+
+
+def test_a_null_model_type_is_translated_as_an_absent_one(tmp_path):
+    """hpcai-tech's config.json has no model_type; one written as null reads the same."""
+    from paged_engine.models.remote_aliases import remote_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**GOOD, "model_type": None}))
+    assert remote_config(tmp_path).attn_logit_softcapping == 30.0

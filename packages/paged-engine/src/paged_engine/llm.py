@@ -202,8 +202,7 @@ class LLM:
             template = chat_template or tok.chat_template
             mistral = getattr(tok, "mistral_chat", None) if chat_template is None else None
             if mistral is not None:  # tekken.json, no template: mistral_common's ids (vLLM's)
-                if chat_template_kwargs:
-                    raise ValueError("chat_template_kwargs: a Mistral chat has no template")
+                # chat_template_kwargs are template variables: no template reads them here
                 ids = mistral.render(
                     conv,
                     tools,

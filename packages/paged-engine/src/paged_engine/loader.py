@@ -487,9 +487,10 @@ def _detect_format(resolved: ResolvedModel) -> str:
         return "safetensors"
     if any(resolved.path.glob("consolidated*.safetensors")):
         return "mistral"
-    if any(resolved.path.glob("*.bin")) or any(resolved.path.glob("model*.pt")):  # + fairseq2's
+    fairseq2 = [*resolved.path.glob("model.pt"), *resolved.path.glob("model.*.pt")]
+    if any(resolved.path.glob("*.bin")) or fairseq2:
         return "pt"
-    raise FileNotFoundError(f"no *.safetensors or *.bin weights in {resolved.path}")
+    raise FileNotFoundError(f"no *.safetensors, *.bin or model.pt weights in {resolved.path}")
 
 
 def _weight_files(path: Path, load_format: str) -> list[Path]:
@@ -510,7 +511,8 @@ def _weight_files(path: Path, load_format: str) -> list[Path]:
 
         files = fairseq2_files(path)
     if not files:
-        raise FileNotFoundError(f"no {pattern} weight files in {path}")
+        also = " or fairseq2's model.pt" if load_format == "pt" else ""
+        raise FileNotFoundError(f"no {pattern}{also} weight files in {path}")
     return files
 
 

@@ -289,7 +289,8 @@ def _head_counts(path: Path) -> tuple[int, int, int | None, tuple[int, int] | No
         heads = params["n_heads"]
         return heads, params.get("n_kv_heads") or heads, tower, audio_positions(params)
     config = json.loads((path / "config.json").read_text())
-    tower = (config.get("vision_config") or {}).get("num_attention_heads")
+    vision = config.get("vision_config")  # (PixtralVisionConfig's 16 heads where unsaved)
+    tower = vision.get("num_attention_heads", 16) if isinstance(vision, dict) else None
     audio = config.get("audio_config") or {}  # (VoxtralEncoderConfig's defaults where unsaved)
     positions = (audio.get("max_source_positions", 1500), audio.get("hidden_size", 1280))
     positions = positions if audio else None

@@ -472,9 +472,10 @@ class OpenAIApp:
         if mistral is None or asked is not None or self.chat_template is not None:
             text = self._render_chat(req)
             return text, self._encode(text, special)
-        for param in ("chat_template_kwargs", "documents"):
-            if getattr(req, param):
-                raise bad_request(f"'{param}' is not taken by a Mistral chat", param)
+        # chat_template_kwargs (also Anthropic's `thinking`, --default-chat-template-kwargs) are
+        # template variables: no template reads them here, as in vLLM's mistral mode
+        if req.documents:
+            raise bad_request("'documents' is not taken by a Mistral chat", "documents")
         tools = req.tools.tools if req.tools is not None else None
         if self.exclude_tools_when_none and req.tools is not None and req.tools.choice == "none":
             tools = None
@@ -487,7 +488,7 @@ class OpenAIApp:
                     continue_final_message=req.continue_final_message,
                 )
                 return self.tokenizer.decode(ids), ids
-        except ValueError as e:
+        except (ValueError, TypeError, RecursionError) as e:
             raise bad_request(f"could not build the Mistral chat: {e}", "messages") from None
 
     def _render_chat(self, req: GenerationRequest) -> str:

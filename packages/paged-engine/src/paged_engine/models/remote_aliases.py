@@ -85,6 +85,7 @@ it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from pathlib import Path
@@ -236,6 +237,7 @@ PLACEHOLDER_TOKENS = {
 }
 
 
+@functools.lru_cache(maxsize=16)  # a load asks 3-4 times; tokenizer.json can be MBs
 def saved_token_id(path: Path, text: str) -> int | None:
     """The id of token `text` in the tokenizer files saved in `path` (tokenizer.json's added
     tokens or vocab, else tokenizer_config.json's added_tokens_decoder); None if not found."""
@@ -247,14 +249,14 @@ def saved_token_id(path: Path, text: str) -> int | None:
         vocab = (fast.get("model") or {}).get("vocab")
         if isinstance(vocab, dict) and isinstance(vocab.get(text), int):
             return vocab[text]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         pass
     try:
         slow = json.loads((Path(path) / "tokenizer_config.json").read_text())
         for key, added in (slow.get("added_tokens_decoder") or {}).items():
             if isinstance(added, dict) and added.get("content") == text:
                 return int(key)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError):
         pass
     return None
 
@@ -287,7 +289,7 @@ def remote_config(path: Path) -> PretrainedConfig | None:
         return config
     arch = next((a for a in archs if a in REMOTE_CONFIGS), None)
     # (a config.json without model_type, Grok-1's, is translated too)
-    if arch is None or raw.get("model_type", arch) == _TRANSFORMERS_TYPES.get(arch):
+    if arch is None or (raw.get("model_type") or arch) == _TRANSFORMERS_TYPES.get(arch):
         return None
     if arch == "QWenLMHeadModel" and raw.get("visual") is not None:  # Qwen-VL, as vLLM's qwen.py
         arch = "QwenVLForConditionalGeneration"

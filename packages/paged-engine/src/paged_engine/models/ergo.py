@@ -235,6 +235,7 @@ class ErgoMoe(nn.Module):
 
 class ErgoForCausalLM(BeamForCausalLM):
     is_neox_style = False
+    ties_head = False  # HF keeps lm_head apart whatever tie_word_embeddings says (Beam ties)
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -348,6 +348,7 @@ class InklingEmbedding(VocabParallelEmbedding):
 
 class InklingForCausalLM(CausalLMBase):
     stacked_params = _MLP_RULES
+    ties_head = False  # HF keeps lm_head apart whatever tie_word_embeddings says
 
     def __init__(self, config) -> None:
         types = list(config.layer_types)

@@ -157,6 +157,7 @@ class Inkling2Model(nn.Module):
 
 class Inkling2ForCausalLM(CausalLMBase):
     stacked_params = MESSAGE_QUERY_RULES
+    ties_head = False  # HF keeps lm_head apart whatever tie_word_embeddings says
 
     def __init__(self, config) -> None:
         _check(config)

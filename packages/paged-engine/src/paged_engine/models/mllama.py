@@ -225,6 +225,7 @@ class MllamaForConditionalGeneration(CausalLMBase):
         ("cross_attn.v_proj", "cross_attn.to_v"),
     )
     ignored_weights = ("rotary_emb.inv_freq",)
+    ties_head = False  # HF keeps lm_head apart whatever tie_word_embeddings says
 
     def __init__(self, config: Any) -> None:
         text = config.text_config

@@ -75,7 +75,11 @@ CASES: dict[str, tuple[str, dict]] = {
     # Nemotron 3: MoE blocks (DeepSeek-V3's router over 2 groups, non-gated relu^2 experts and
     # shared experts), also with the experts in a latent space
     "nemotron_h-moe": ("nemotron_h", NEMOTRON_MOE),
-    "nemotron_h-moe-latent": ("nemotron_h", {**NEMOTRON_MOE, "moe_latent_size": 24}),
+    # mlp_bias: the latent fc2's bias, which only TP rank 0 adds
+    "nemotron_h-moe-latent": (
+        "nemotron_h",
+        {**NEMOTRON_MOE, "moe_latent_size": 24, "mlp_bias": True},
+    ),
 }
 
 
@@ -304,7 +308,7 @@ def test_decode_snapshots_keep_one_row_per_live_sequence():
     assert slots.lookup((22, 21, (6,))) is None and slots.lookup((40, None, (9,))) == 5
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe", "granitemoehybrid-dense"])
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h-moe-latent", "granitemoehybrid-dense"])
 def test_tensor_parallel_matches_one_process(name, hybrid_dirs):
     assert_tp_matches_one_process(hybrid_dirs(name), random_prompts(5, (5, 23, 40)), 8, 128)
 

@@ -129,6 +129,9 @@ def test_item_forms():
         ((np.zeros(10), 0), "sampling rate must be a positive number"),
         ((np.zeros(10), True), "sampling rate"),
         ((np.zeros(10), 16_000.5), "whole number"),
+        ((np.zeros(10), float("inf")), "sampling rate"),  # was an OverflowError
+        ((np.zeros(10), 10**400), "sampling rate"),  # was an OverflowError
+        ((np.zeros(10), 10**12), "sampling rate"),  # its kernels: terabytes
         ((np.zeros(10), 16_000, 1), "tuple of 3"),
         (np.zeros(0), "not empty"),
         (np.zeros((0, 2)), "not empty"),  # an empty stereo clip (was reported as NaN)
@@ -173,3 +176,15 @@ def test_odd_rate_ratios_take_the_direct_filter():
     y = resample(_tone(16_001, 0.2), 16_001, 16_000)
     assert y.size == 3200
     np.testing.assert_allclose(y[100:-100], _tone(16_000, 0.2)[100:-100], atol=2e-3)
+
+
+def test_rates_with_huge_polyphase_tables_take_the_direct_filter():
+    """199995 Hz -> 16000 Hz is 3200 phases of 40151 taps (a 5 GB table, 9 s for a 1 s clip;
+    999995 Hz: killed for memory): past _MAX_TABLE the direct filter, exactly its result."""
+    from paged_engine.multimodal import audio_io
+
+    x = _tone(20_005, 0.5)  # 3200 phases of 4017 taps: over the table budget
+    np.testing.assert_array_equal(
+        resample(x, 20_005, 16_000), audio_io._resample_direct(x, 20_005, 16_000)
+    )
+    assert audio_item((np.zeros(999_995, np.float32), 999_995), 16_000, "a").size == 16_000

@@ -32,6 +32,8 @@ MAX_SECONDS = 3600.0  # a clip longer than an hour is refused (memory, not meani
 _ZERO_CROSSINGS = 6
 _ROLLOFF = 0.99
 _MAX_PHASES = 4096  # polyphase kernels of a rate ratio; beyond, each output its own kernel
+_MAX_TABLE = 1 << 22  # polyphase table elements (phases x taps); beyond, the direct path
+MAX_RATE = 1_000_000  # Hz: a kernel spans ~12 x rate / target inputs, so the rate is bounded
 
 
 def audio_item(item: Any, target_sr: int, what: str) -> np.ndarray:
@@ -45,8 +47,11 @@ def audio_item(item: Any, target_sr: int, what: str) -> np.ndarray:
                 f"tuple of {len(item)}"
             )
         item, sr = item
-        if isinstance(sr, bool) or not isinstance(sr, (int, float)) or not sr > 0:
-            raise ValueError(f"{what}: the sampling rate must be a positive number, got {sr!r}")
+        if isinstance(sr, bool) or not isinstance(sr, (int, float)) or not 0 < sr <= MAX_RATE:
+            raise ValueError(
+                f"{what}: the sampling rate must be a positive number up to {MAX_RATE} Hz, "
+                f"got {sr!r}"
+            )
     wave = _waveform(item, what)
     rate = float(sr) if sr is not None else float(target_sr)
     if wave.size / rate > MAX_SECONDS:
@@ -101,10 +106,12 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
         return wave
     g = math.gcd(orig_sr, target_sr)
     up, down = target_sr // g, orig_sr // g  # `up` outputs for every `down` inputs
-    if up > _MAX_PHASES:  # (e.g. 16001 -> 16000 Hz): no table of `up` kernels
-        return _resample_direct(wave, orig_sr, target_sr)
     cutoff = min(up, down) * _ROLLOFF
     width = math.ceil(_ZERO_CROSSINGS * down / cutoff)
+    # (e.g. 16001 -> 16000 Hz): no table of `up` kernels; (e.g. 199995 Hz: 3200 phases of
+    # 40151 taps, 5 GB) no table past _MAX_TABLE: the direct path costs ~12 x the input
+    if up > _MAX_PHASES or up * (2 * width + down) > _MAX_TABLE:
+        return _resample_direct(wave, orig_sr, target_sr)
     # kernel of output phase j over inputs i - width .. i + width + down - 1 (i = block start)
     taps = torch.arange(-width, width + down, dtype=torch.float64) / down
     t = (taps[None, :] - torch.arange(up, dtype=torch.float64)[:, None] / up) * cutoff

@@ -101,6 +101,8 @@ class DeepseekOCRImageProcessor:
         from PIL import Image, ImageOps
 
         w, h = image.size
+        if min(w, h) < 1:  # the release's ImageOps.pad would answer a blank canvas
+            raise ValueError(f"multi_modal_data['image']: a {w} x {h} image has no pixels")
         wt = ht = 1
         views = []
         if crop_mode and (w > CROP_THRESHOLD or h > CROP_THRESHOLD):

@@ -89,7 +89,13 @@ class LineLayout(Layout):
         return span
 
     def length(self, size: Size) -> int:
-        return len(self._lines(size))
+        # counted, not listed: a processed-ahead image_size of 10**6 x 10**6 is refused by
+        # fits(), not by a terabyte list
+        assert size is not None and len(size) == 2
+        lines, cols = size[0] // self.unit, size[1] // self.unit
+        if lines < 1 or cols < 1:
+            raise ValueError(f"image_size {size} holds no {self.unit}-pixel line")
+        return lines * (cols + 1)
 
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         assert size is not None

@@ -16,6 +16,7 @@ vLLM's mm_processor_kwargs.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -103,6 +104,14 @@ def builds_own_processor(config: Any) -> bool:
     return hasattr(LAYOUTS[image_kind(config)], "image_processor")
 
 
+def _rehashed(m: ImageInput) -> ImageInput:
+    """A processed-ahead image hashed again from what it carries: with a stale hash (its
+    pixels changed after processing) its rows would be cached as the image it names, and
+    served to every later request for that image."""
+    values = m.pixel_values if m.pixel_values is not None else m.embeds
+    return m if values is None else dataclasses.replace(m, mm_hash=digest(values, m.image_size))
+
+
 def _is_embeds(data: Any) -> bool:
     """Whether multi_modal_data['image'] holds features rather than images."""
     if isinstance(data, (torch.Tensor, dict)):
@@ -177,6 +186,7 @@ class ImageProcessor:
         if not items:
             raise ValueError("multi_modal_data['image'] is empty: give an image or leave it out")
         if all(isinstance(m, ImageInput) for m in items):  # checked where they were made
+            items = [_rehashed(m) for m in items]
             return self._finish(*self._placed(token_ids, items))
         self._check_limit(len(items))
         items = self._image_list(items)

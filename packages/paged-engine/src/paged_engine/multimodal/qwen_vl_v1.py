@@ -55,6 +55,11 @@ class QwenVLProcessor:
         std = torch.tensor(STD, dtype=torch.float32).view(3, 1, 1)
         out = []
         for image in images:
+            if min(image.size) < 1:  # PIL would resize it to a black square
+                raise ValueError(
+                    f"multi_modal_data['image']: a {image.width} x {image.height} image has no "
+                    "pixels"
+                )
             image = image.convert("RGB").resize((self.side,) * 2, Image.Resampling.BICUBIC)
             x = torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1)
             out.append((x - mean) / std)

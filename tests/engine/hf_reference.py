@@ -297,3 +297,15 @@ def hf_greedy_from_embeds(model, embeds: torch.Tensor, steps: int = 8, top: int 
             tops.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
             embeds = torch.cat([embeds, table(torch.tensor([[token]]))], dim=1)
     return Greedy(tokens, chosen, tops)
+
+
+def hf_greedy_with_rows(model, ids: list[int], token: int, rows: list[torch.Tensor]) -> Greedy:
+    """HF's greedy continuation of `ids` (8 tokens, top-5 logprobs) with the input embeddings
+    at each `token` position replaced, in order, by the rows of `rows` ([n_i, D] each, as many
+    in all as `ids` holds `token`); no rows: the plain prompt."""
+    if not rows:
+        return hf_greedy(model, ids, 8, 5)
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor([ids]))
+        embeds[0, torch.tensor(ids) == token] = torch.cat(rows)
+    return hf_greedy(model, ids, 8, 5, inputs_embeds=embeds)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -39,23 +41,7 @@ def check_matches_hf(path, cases: list[tuple[str, list]], refs: list, name: str)
     """Each case (prompt text, its images) through the engine gives HF's prompt ids and its
     reference (`refs[i]`: (HF's ids, hf_greedy's result)); the same images with HF's expanded
     ids as `prompt_token_ids` are taken as they are and give the same tokens."""
-    llm = engine(path)
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
-        for text, imgs in cases
-    ]
-    for (ids, ref), out in zip(refs, llm.generate(prompts, greedy(), use_tqdm=False), strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches(name, out, ref)
-    with_images = [(r, imgs) for r, (_, imgs) in zip(refs, cases, strict=True) if imgs]
-    ahead = [
-        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
-        for (ids, _), imgs in with_images
-    ]
-    outs = llm.generate(ahead, greedy(), use_tqdm=False)
-    for out, ((ids, ref), _) in zip(outs, with_images, strict=True):
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == ref.tokens
+    check_engine_matches_hf(engine(path), cases, refs, name)
 
 
 def path_prompts(one: str, two: str, narrow: int = 15) -> list[dict]:
@@ -453,3 +439,39 @@ def qwen2_vl_hf_inputs(
         "mm_token_type_ids": kinds,
     }
     return expanded, extra
+
+
+def check_engine_matches_hf(llm: LLM, cases: list[tuple[str, list]], refs: list, name: str) -> None:
+    """check_matches_hf on an engine built by the caller (its limits, kept for more checks):
+    each case (prompt text, its images) gives HF's prompt ids and its reference (`refs[i]`:
+    (HF's ids, hf_greedy's result)); the images with HF's expanded ids as `prompt_token_ids`
+    are taken as they are and give the same tokens."""
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": imgs}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(prompts, greedy(), use_tqdm=False)
+    for (ids, ref), out, (_, imgs) in zip(refs, outs, cases, strict=True):
+        assert out.prompt_token_ids == ids
+        assert_matches(f"{name} {len(imgs)} image(s)", out, ref)
+    with_images = [(r, imgs) for r, (_, imgs) in zip(refs, cases, strict=True) if imgs]
+    ahead = [
+        {"prompt_token_ids": ids, "multi_modal_data": {"image": imgs}}
+        for (ids, _), imgs in with_images
+    ]
+    outs = llm.generate(ahead, greedy(), use_tqdm=False)
+    for out, ((ids, ref), _) in zip(outs, with_images, strict=True):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == ref.tokens
+
+
+def check_config_refused(path: Path, out: Path, config: dict, match: str) -> None:
+    """`path`'s checkpoint with `config` as its config.json (its other files linked into the
+    folder `out`, made here when missing) fails to load with a ValueError matching `match`."""
+    out.mkdir(exist_ok=True)
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (out / f.name).symlink_to(f)
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        engine(out)

@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, hf_greedy
-from image_checks import engine, greedy, noise_image
-from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
+from hf_reference import assert_matches, hf_greedy_with_rows
+from image_checks import check_config_refused, engine, greedy, noise_image
+from vlm_checkpoints import finish_checkpoint, image_run_ids, load_hf_vlm, tokenizer_with
 
 from paged_engine.testing import _randomize, _save_random
 
@@ -202,15 +202,8 @@ def reference(ref, text: str, images: list):
     model, _, _, tokenizer, _ = ref
     image_id = tokenizer.convert_tokens_to_ids("<image>")
     rows = [_image_rows(ref, im, len(images) <= 2) for im in images]
-    ids: list[int] = []
-    for i, chunk in enumerate(text.split("<image>")):
-        if i:
-            ids += [image_id] * rows[i - 1].shape[0]
-        ids += tokenizer(chunk, add_special_tokens=i == 0).input_ids
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(torch.tensor([ids]))
-        embeds[0, torch.tensor(ids) == image_id] = torch.cat(rows)
-    return ids, hf_greedy(model, ids, 8, 5, inputs_embeds=embeds)
+    ids = image_run_ids(tokenizer, text, "<image>", rows)
+    return ids, hf_greedy_with_rows(model, ids, image_id, rows)
 
 
 def _check(path, ref, cases) -> list:
@@ -293,11 +286,4 @@ def test_configs_refused_by_name(mha, tmp_path):
     for field, change in bad_fields:
         with pytest.raises(ValueError, match=field):
             deepseek_vl2_config(config | change)
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    for f in path.iterdir():
-        (bad / f.name).symlink_to(f)
-    (bad / "config.json").unlink()
-    (bad / "config.json").write_text(json.dumps(config | {"tile_tag": "1D"}))
-    with pytest.raises(ValueError, match="tile_tag"):
-        engine(bad)
+    check_config_refused(path, tmp_path / "bad", config | {"tile_tag": "1D"}, "tile_tag")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,24 +59,53 @@ def _native_name(name: str) -> str:
     return name
 
 
+def native_text_params(text: dict[str, Any]) -> dict[str, Any]:
+    """params.json's text-model fields for an HF Mistral text config (its config.json dict)."""
+    heads = text["num_attention_heads"]
+    return {
+        "dim": text["hidden_size"],
+        "n_layers": text["num_hidden_layers"],
+        "head_dim": text.get("head_dim") or text["hidden_size"] // heads,
+        "hidden_dim": text["intermediate_size"],
+        "n_heads": heads,
+        "n_kv_heads": text["num_key_value_heads"],
+        "norm_eps": text["rms_norm_eps"],
+        "vocab_size": text["vocab_size"],
+        "rope_theta": text["rope_parameters"]["rope_theta"],
+        "max_seq_len": text["max_position_embeddings"],
+        "sliding_window": text["sliding_window"],
+    }
+
+
+def native_text_weight(
+    name: str, w: torch.Tensor, heads: int, kv_heads: int
+) -> tuple[str, torch.Tensor]:
+    """An HF text-model weight (model.safetensors name, no `language_model.` prefix) as Mistral
+    ships it: its consolidated name, wq / wk rows interleaved per head."""
+    name = _native_name(name)
+    if name.endswith("attention.wq.weight"):
+        w = _to_interleaved(w, heads)
+    elif name.endswith("attention.wk.weight"):
+        w = _to_interleaved(w, kv_heads)
+    return name, w.contiguous()
+
+
+def assert_native_weights_are_hf(hf_dir: Path, native: Path) -> None:
+    """The mistral load format reads `native`'s consolidated weights back as `hf_dir`'s
+    model.safetensors: the same names, each tensor equal."""
+    want = load_file(hf_dir / "model.safetensors")
+    got = dict(iter_weights(resolve_model(native), "mistral"))
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+
+
 def write_native(hf_dir: Path, out: Path) -> Path:
     """`hf_dir` as Mistral ships it: params.json, consolidated.safetensors, tokenizer files."""
     shutil.copytree(hf_dir, out)
     cfg = json.loads((out / "config.json").read_text())
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    params = {
-        "dim": cfg["hidden_size"],
-        "n_layers": cfg["num_hidden_layers"],
-        "head_dim": cfg["hidden_size"] // heads,
-        "hidden_dim": cfg["intermediate_size"],
-        "n_heads": heads,
-        "n_kv_heads": kv_heads,
-        "norm_eps": cfg["rms_norm_eps"],
-        "vocab_size": cfg["vocab_size"],
-        "rope_theta": cfg["rope_parameters"]["rope_theta"],
-        "max_seq_len": cfg["max_position_embeddings"],
-        "sliding_window": cfg["sliding_window"],
-    }
+    params = native_text_params(cfg)
     if cfg["tie_word_embeddings"]:  # the checkpoint then has no output.weight
         params["tied_embeddings"] = True
     if "num_local_experts" in cfg:
@@ -86,11 +116,8 @@ def write_native(hf_dir: Path, out: Path) -> Path:
     (out / "params.json").write_text(json.dumps(params))
     native = {}
     for name, w in load_file(out / "model.safetensors").items():
-        if name.endswith("q_proj.weight"):
-            w = _to_interleaved(w, heads)
-        elif name.endswith("k_proj.weight"):
-            w = _to_interleaved(w, kv_heads)
-        native[_native_name(name)] = w.contiguous()
+        name, w = native_text_weight(name, w, heads, kv_heads)
+        native[name] = w
     save_file(native, out / "consolidated.safetensors")
     for name in _HF_ONLY:
         (out / name).unlink()
@@ -136,11 +163,7 @@ def test_native_mixtral_with_tied_embeddings_serves_like_hf(tmp_path):
 
 def test_weights_and_config_equal_the_hf_checkpoint(mistral_dirs):
     hf_dir, native = mistral_dirs
-    want = load_file(hf_dir / "model.safetensors")
-    got = dict(iter_weights(resolve_model(native), "mistral"))
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        assert torch.equal(got[name], w), name
+    assert_native_weights_are_hf(hf_dir, native)
     ours, theirs = mistral_hf_config(native), load_hf_config(resolve_model(hf_dir))
     for field in ("hidden_size", "num_key_value_heads", "head_dim", "sliding_window"):
         assert getattr(ours, field) == getattr(theirs, field), field

@@ -30,10 +30,14 @@ from hf_parity import write_hf_checkpoint
 from hf_reference import assert_matches, hf_greedy
 from image_checks import engine, greedy
 from safetensors.torch import load_file, save_file
-from test_mistral_format import _native_name, _to_interleaved
+from test_mistral_format import (
+    assert_native_weights_are_hf,
+    native_text_params,
+    native_text_weight,
+)
 from test_mistral_format_vision import write_byte_tekken
 
-from paged_engine.loader import iter_weights, load_hf_config, resolve_model
+from paged_engine.loader import load_hf_config, resolve_model
 from paged_engine.testing import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -109,17 +113,7 @@ def write_native(hf_dir: Path, out: Path) -> Path:
         "max_source_positions": audio["max_source_positions"],
     }
     params = {
-        "dim": text["hidden_size"],
-        "n_layers": text["num_hidden_layers"],
-        "head_dim": text["head_dim"],
-        "hidden_dim": text["intermediate_size"],
-        "n_heads": heads,
-        "n_kv_heads": kv_heads,
-        "norm_eps": text["rms_norm_eps"],
-        "vocab_size": text["vocab_size"],
-        "rope_theta": text["rope_parameters"]["rope_theta"],
-        "max_seq_len": text["max_position_embeddings"],
-        "sliding_window": text["sliding_window"],
+        **native_text_params(text),
         "multimodal": {
             "whisper_model_args": {
                 "encoder_args": encoder,
@@ -141,11 +135,7 @@ def write_native(hf_dir: Path, out: Path) -> Path:
         elif name == "language_model.model.embed_tokens.weight":
             name = "mm_whisper_embeddings.tok_embeddings.weight"
         else:
-            name = _native_name(name.removeprefix("language_model."))
-            if name.endswith("attention.wq.weight"):
-                w = _to_interleaved(w, heads)
-            elif name.endswith("attention.wk.weight"):
-                w = _to_interleaved(w, kv_heads)
+            name, w = native_text_weight(name.removeprefix("language_model."), w, heads, kv_heads)
         native[name] = w.contiguous()
     save_file(native, out / "consolidated.safetensors")
     write_byte_tekken(out, {})  # then Voxtral's specials and audio section in place of images
@@ -248,11 +238,7 @@ def test_transcription_prompt_uses_tekken_specials(dirs):
 
 def test_weights_and_config_are_the_hf_checkpoints(dirs):
     hf_dir, native = dirs
-    want = load_file(hf_dir / "model.safetensors")
-    got = dict(iter_weights(resolve_model(native), "mistral"))
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        assert torch.equal(got[name], w), name
+    assert_native_weights_are_hf(hf_dir, native)
     ours, theirs = load_hf_config(resolve_model(native)), load_hf_config(resolve_model(hf_dir))
     for field in ("hidden_size", "vocab_size", "tie_word_embeddings", "num_key_value_heads"):
         assert getattr(ours, field) == getattr(theirs, field), field

@@ -25,9 +25,14 @@ import torch
 from hf_parity import write_hf_checkpoint
 from image_checks import check_matches_hf, hf_refs, noise_image
 from safetensors.torch import load_file, save_file
-from test_mistral_format import _native_name, _to_interleaved
+from test_mistral_format import (
+    _to_interleaved,
+    assert_native_weights_are_hf,
+    native_text_params,
+    native_text_weight,
+)
 
-from paged_engine.loader import iter_weights, load_hf_config, resolve_model
+from paged_engine.loader import load_hf_config, resolve_model
 from paged_engine.testing import tiny_config
 
 transformers = pytest.importorskip("transformers")
@@ -127,20 +132,7 @@ def write_native(hf_dir: Path, out: Path) -> Path:
     if merge > 1:
         encoder |= {"mm_projector_id": "patch_merge", "spatial_merge_size": merge}
         encoder |= {"add_pre_mm_projector_layer_norm": True, "max_image_size": EDGE}
-    params = {
-        "dim": text["hidden_size"],
-        "n_layers": text["num_hidden_layers"],
-        "head_dim": text["head_dim"],
-        "hidden_dim": text["intermediate_size"],
-        "n_heads": heads,
-        "n_kv_heads": kv_heads,
-        "norm_eps": text["rms_norm_eps"],
-        "vocab_size": text["vocab_size"],
-        "rope_theta": text["rope_parameters"]["rope_theta"],
-        "max_seq_len": text["max_position_embeddings"],
-        "sliding_window": text["sliding_window"],
-        "vision_encoder": encoder,
-    }
+    params = {**native_text_params(text), "vision_encoder": encoder}
     weights = load_file(hf_dir / "model.safetensors")
     if "language_model.lm_head.weight" not in weights:  # tied: the checkpoint has no head
         params["tied_embeddings"] = True
@@ -153,11 +145,7 @@ def write_native(hf_dir: Path, out: Path) -> Path:
             if name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 w = _to_interleaved(w, vision["num_attention_heads"])
         else:
-            name = _native_name(name.removeprefix("language_model."))
-            if name.endswith("attention.wq.weight"):
-                w = _to_interleaved(w, heads)
-            elif name.endswith("attention.wk.weight"):
-                w = _to_interleaved(w, kv_heads)
+            name, w = native_text_weight(name.removeprefix("language_model."), w, heads, kv_heads)
         native[name] = w.contiguous()
     save_file(native, out / "consolidated.safetensors")
     image = {"image_patch_size": PATCH, "max_image_size": EDGE, "spatial_merge_size": merge}
@@ -219,11 +207,7 @@ def test_native_checkpoint_serves_images_like_hf(dirs, arch):
 @pytest.mark.parametrize("arch", ["llava", "mistral3"])
 def test_weights_and_config_are_the_hf_checkpoints(dirs, arch):
     hf_dir, native = dirs(arch)
-    want = load_file(hf_dir / "model.safetensors")
-    got = dict(iter_weights(resolve_model(native), "mistral"))
-    assert got.keys() == want.keys()
-    for name, w in want.items():
-        assert torch.equal(got[name], w), name
+    assert_native_weights_are_hf(hf_dir, native)
     ours, theirs = load_hf_config(resolve_model(native)), load_hf_config(resolve_model(hf_dir))
     for field in ("architectures", "hidden_size", "vocab_size", "tie_word_embeddings"):
         assert getattr(ours, field) == getattr(theirs, field), field

@@ -62,6 +62,20 @@ def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+# the sizes a release's config.json needs before the switch a refusal test sets is read
+_SIZES = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128}
+_SIZES |= {"num_hidden_layers": 2, "num_attention_heads": 4}
+
+
+def _assert_refused(path: Path, config: dict, name: str) -> None:
+    """`config` written as `path`'s config.json: remote_config's ValueError names `name`."""
+    from paged_engine.models.remote_aliases import remote_config
+
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=name):
+        remote_config(path)
+
+
 def test_teleflm_mup(tmp_path):
     """Tele-FLM with use_mup: the embedding times input_mult, the logits times
     output_mult / mup_scale_factor; otherwise Llama's names and maths."""
@@ -95,25 +109,9 @@ def test_teleflm_mup(tmp_path):
 
 @pytest.mark.parametrize(("name", "value"), [("mup_scale_factor", None), ("input_mult", 0)])
 def test_teleflm_refuses_missing_scalars(name, value, tmp_path):
-    from paged_engine.models.remote_aliases import remote_config
-
-    config = {
-        "architectures": ["TeleFLMForCausalLM"],
-        "model_type": "teleflm",
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "use_mup": True,
-        "input_mult": 1.0,
-        "output_mult": 1.0,
-        "mup_scale_factor": 4.0,
-        name: value,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=name):
-        remote_config(tmp_path)
+    config = {"architectures": ["TeleFLMForCausalLM"], "model_type": "teleflm", **_SIZES}
+    config |= {"use_mup": True, "input_mult": 1.0, "output_mult": 1.0, "mup_scale_factor": 4.0}
+    _assert_refused(tmp_path, config | {name: value}, name)
 
 
 def test_pangu_embedded_biases(tmp_path):
@@ -159,21 +157,8 @@ def test_pangu_embedded_qkv_bias_apart(tmp_path):
     [("kv_lora_rank", 512), ("sandwich_norm", True), ("use_mhc", True), ("is_causal", False)],
 )
 def test_pangu_refuses_other_switches(name, value, tmp_path):
-    from paged_engine.models.remote_aliases import remote_config
-
-    config = {
-        "architectures": ["PanguEmbeddedForCausalLM"],
-        "model_type": "PanguEmbedded",
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        name: value,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=name):
-        remote_config(tmp_path)
+    config = {"architectures": ["PanguEmbeddedForCausalLM"], "model_type": "PanguEmbedded"}
+    _assert_refused(tmp_path, {**config, **_SIZES, name: value}, name)
 
 
 def _to_fairseq2_rows(w: torch.Tensor, heads: int) -> torch.Tensor:

@@ -30,7 +30,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_reference import assert_matches, hf_greedy_from_embeds
-from image_checks import check_chunks_and_prefix_hits, engine, greedy, noise_image
+from image_checks import (
+    check_chunks_and_prefix_hits,
+    check_config_refused,
+    engine,
+    greedy,
+    noise_image,
+)
 from vlm_checkpoints import finish_checkpoint, tokenizer_with
 
 from paged_engine.testing import _randomize
@@ -414,11 +420,4 @@ def test_variants_and_bad_requests_refused_by_name(ckpt, tmp_path):
         ),
     ]
     for i, (field, change) in enumerate(changes):
-        bad_dir = tmp_path / f"{i}_{field}"
-        bad_dir.mkdir()
-        for f in path.iterdir():
-            (bad_dir / f.name).symlink_to(f)
-        (bad_dir / "config.json").unlink()
-        (bad_dir / "config.json").write_text(json.dumps(config | change))
-        with pytest.raises(ValueError, match=field):
-            engine(bad_dir)
+        check_config_refused(path, tmp_path / f"{i}_{field}", config | change, field)

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import assert_matches, hf_greedy
+from hf_reference import assert_matches, hf_greedy_with_rows
 from image_checks import engine, greedy, noise_image
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
 
@@ -152,12 +152,7 @@ def reference(ref, text: str, images: list):
     )
     ids = tok(expanded).input_ids
     assert ids.count(start) == ids.count(end) == len(images)
-    if not images:
-        return ids, hf_greedy(model, ids, 8, 5)
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(torch.tensor([ids]))
-        embeds[0, torch.tensor(ids) == ctx] = torch.cat(rows)
-    return ids, hf_greedy(model, ids, 8, 5, inputs_embeds=embeds)
+    return ids, hf_greedy_with_rows(model, ids, ctx, rows)
 
 
 def test_images_match_reference(ckpt):

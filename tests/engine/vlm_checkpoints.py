@@ -134,3 +134,28 @@ def expand_image_tokens(
     for t in ids:
         expanded += [*start, *[t] * next(runs), *end] if t == token else [t]
     return expanded
+
+
+def tiny_qwen2_text(
+    vocab_size: int, hidden_size: int, kv_heads: int = 2, rope_theta: float = 10000.0
+) -> dict:
+    """A tiny Qwen2 LM's fields, as a remote VLM's flat config.json carries them (and
+    Qwen2Config takes them): 2 layers of 4 heads (`kv_heads` KV heads), intermediate 96,
+    rms_norm_eps 1e-6, 1024 positions, an untied head."""
+    text = {"vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 96}
+    text |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": kv_heads}
+    text |= {"rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "rope_theta": rope_theta}
+    return text | {"tie_word_embeddings": False}
+
+
+def image_run_ids(tokenizer, text: str, marker: str, rows: list) -> list[int]:
+    """The prompt ids vLLM makes of `text` for DeepSeek-VL2 / DeepSeek-OCR: the pieces between
+    `marker`s tokenized one by one (special tokens on the first alone), the i-th `marker` a run
+    of its id as long as `rows[i]` (image i's embedding rows) is."""
+    token = tokenizer.convert_tokens_to_ids(marker)
+    ids: list[int] = []
+    for i, chunk in enumerate(text.split(marker)):
+        if i:
+            ids += [token] * rows[i - 1].shape[0]
+        ids += tokenizer(chunk, add_special_tokens=i == 0).input_ids
+    return ids

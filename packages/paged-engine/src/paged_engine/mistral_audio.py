@@ -259,15 +259,9 @@ def native_feature_extractor(path: Path) -> Any:
 def native_audio(path: Path) -> bool:
     """Whether `path` is a native Voxtral checkpoint read from params.json: no config.json
     (vLLM's "auto" reading) and a `multimodal` section."""
-    from paged_engine.mistral_format import PARAMS_FILE, config_format_of
+    from paged_engine.mistral_format import native_section
 
-    if config_format_of(Path(path), "auto") != "mistral":
-        return False
-    try:
-        params = json.loads((Path(path) / PARAMS_FILE).read_text())
-    except (OSError, ValueError):
-        return False  # the config read reports it
-    return isinstance(params, dict) and params.get(AUDIO_FIELD) is not None
+    return native_section(path, AUDIO_FIELD)
 
 
 def native_audio_config(path: Path) -> Any | None:

@@ -99,6 +99,19 @@ def read_params(path: Path) -> dict[str, Any]:
     return params
 
 
+def native_section(path: Path, section: str) -> bool:
+    """Whether `path` is a native checkpoint read from params.json (no config.json: vLLM's
+    "auto" reading) whose params.json has a non-null `section`; an unreadable params.json is
+    False here (the config read reports it)."""
+    if config_format_of(Path(path), "auto") != "mistral":
+        return False
+    try:
+        params = json.loads((Path(path) / PARAMS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(params, dict) and params.get(section) is not None
+
+
 def mistral_hf_config(path: Path):
     """The config paged serves for params.json: the text model's (MistralForCausalLM, or
     MixtralForCausalLM with a `moe` section); with a `vision_encoder` / `multimodal` section,

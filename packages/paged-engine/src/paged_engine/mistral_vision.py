@@ -242,12 +242,6 @@ def native_image_processor(path: Path) -> Any:
 def native_vision(path: Path) -> bool:
     """Whether `path` is a native vision checkpoint read from params.json: no config.json
     (vLLM's "auto" reading) and a `vision_encoder` section."""
-    from paged_engine.mistral_format import PARAMS_FILE, config_format_of
+    from paged_engine.mistral_format import native_section
 
-    if config_format_of(Path(path), "auto") != "mistral":
-        return False
-    try:
-        params = json.loads((Path(path) / PARAMS_FILE).read_text())
-    except (OSError, ValueError):
-        return False  # the config read reports it
-    return isinstance(params, dict) and params.get(VISION_FIELD) is not None
+    return native_section(path, VISION_FIELD)

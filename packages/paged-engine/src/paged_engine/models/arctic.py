@@ -32,10 +32,9 @@ from transformers import PretrainedConfig
 from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding
-from paged_engine.models.deepseek_v1 import refuse_unless
 from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
 from paged_engine.models.mixtral import MixtralForCausalLM, MoeDecoderLayer, expert_rules
-from paged_engine.models.remote_aliases import common_fields, field
+from paged_engine.models.remote_aliases import field, llama_fields, refuse_unless
 from paged_engine.models.utils import CausalLMBase
 
 _ARCH = "ArcticForCausalLM"
@@ -62,8 +61,6 @@ def arctic_config(raw: dict[str, Any]) -> PretrainedConfig:
     for name in ("quantization", "quantization_config", "sliding_window", "rope_scaling"):
         refuse_unless(raw, _ARCH, name, (None,))
     refuse_unless(raw, _ARCH, "hidden_act", (None, "silu"))
-    heads = field(raw, "num_attention_heads", int)
-    hidden = field(raw, "hidden_size", int)
     top_k = field(raw, "num_experts_per_tok", int, 1)
     if top_k < 2:
         raise ValueError(
@@ -71,15 +68,7 @@ def arctic_config(raw: dict[str, Any]) -> PretrainedConfig:
             "one expert per token the release's code and vLLM weight it differently"
         )
     fields = {
-        **common_fields(raw),
-        "vocab_size": field(raw, "vocab_size", int),
-        "hidden_size": hidden,
-        "intermediate_size": field(raw, "intermediate_size", int),
-        "num_hidden_layers": field(raw, "num_hidden_layers", int),
-        "num_attention_heads": heads,
-        "num_key_value_heads": field(raw, "num_key_value_heads", int, heads),
-        "max_position_embeddings": field(raw, "max_position_embeddings", int, 4096),
-        "rms_norm_eps": field(raw, "rms_norm_eps", float, 1e-5),
+        **llama_fields(raw, max_positions=4096, rms_norm_eps=1e-5),
         "rope_theta": field(raw, "rope_theta", float, 1e6),
         "hidden_act": "silu",
         "tie_word_embeddings": field(raw, "tie_word_embeddings", bool, False),
@@ -88,12 +77,6 @@ def arctic_config(raw: dict[str, Any]) -> PretrainedConfig:
         "moe_layer_frequency": field(raw, "moe_layer_frequency", int, 2),
         "use_residual": _use_residual(raw),
     }
-    if hidden % heads or heads % fields["num_key_value_heads"]:
-        raise ValueError(
-            f"config.json fields 'num_attention_heads' ({heads}) and 'num_key_value_heads' "
-            f"({fields['num_key_value_heads']}) must divide hidden_size ({hidden}) and "
-            "num_attention_heads"
-        )
     config = PretrainedConfig(**fields)
     config.model_type = "arctic"
     return config

@@ -29,7 +29,7 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.remote_aliases import RawConfig, field
+from paged_engine.models.remote_aliases import RawConfig, field, vocab_token_id
 
 IMAGE_TOKEN_ID = 128815  # "<image>" in deepseek-ai/DeepSeek-OCR's tokenizer
 SAM_PATCH, SAM_WINDOW, SAM_NECK = 16, 14, 256
@@ -157,9 +157,9 @@ def deepseek_ocr_v1_config(raw: RawConfig) -> DeepseekOCRConfig:
         raise _refuse("projector_config.input_dim", proj["input_dim"], f"{want_in}")
     if field(proj, "n_embed", int, text.hidden_size) != text.hidden_size:
         raise _refuse("projector_config.n_embed", proj["n_embed"], f"{text.hidden_size}")
-    token = field(raw, "image_token_id", int, IMAGE_TOKEN_ID)
-    if token >= text.vocab_size:
-        raise _refuse("image_token_id", token, f"below vocab_size {text.vocab_size}")
+    token = vocab_token_id(
+        raw, "image_token_id", IMAGE_TOKEN_ID, text.vocab_size, "DeepseekOCRForCausalLM"
+    )
     return DeepseekOCRConfig(
         architectures=list(raw.get("architectures") or ["DeepseekOCRForCausalLM"]),
         text_config=text,

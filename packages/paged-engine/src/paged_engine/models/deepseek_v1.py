@@ -30,7 +30,7 @@ from paged_engine.layers.fused_moe import SparseMoeBlock
 from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP
 from paged_engine.models.mixtral import MixtralForCausalLM, num_experts
 from paged_engine.models.qwen2_moe import SharedExpertMoeBlock
-from paged_engine.models.remote_aliases import common_fields, field
+from paged_engine.models.remote_aliases import field, llama_fields, refuse_unless
 
 
 def _count(raw: dict[str, Any], name: str, default: int) -> int:
@@ -41,16 +41,6 @@ def _count(raw: dict[str, Any], name: str, default: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"config.json field {name!r} must be a non-negative int, got {value!r}")
     return value
-
-
-def refuse_unless(raw: dict[str, Any], arch: str, name: str, allowed: tuple[Any, ...]) -> None:
-    """ValueError naming `name` when config.json sets it to a value outside `allowed` (None in
-    `allowed`: the field may be absent or null)."""
-    if raw.get(name) in allowed:
-        return
-    wanted = " or ".join(repr(a) for a in allowed if a is not None)
-    only = f" (only {wanted})" if wanted else ""
-    raise ValueError(f"{arch}: config.json field {name!r}={raw[name]!r} is not supported{only}")
 
 
 def _rope(raw: dict[str, Any]) -> dict[str, Any]:
@@ -70,19 +60,9 @@ def deepseek_v1_config(raw: dict[str, Any]) -> PretrainedConfig:
     refuse_unless(raw, arch, "scoring_func", (None, "softmax"))
     refuse_unless(raw, arch, "hidden_act", (None, "silu"))
     refuse_unless(raw, arch, "quantization_config", (None,))
-    heads = field(raw, "num_attention_heads", int)
-    hidden = field(raw, "hidden_size", int)
     routed = _count(raw, "n_routed_experts", 0)
     fields = {
-        **common_fields(raw),
-        "vocab_size": field(raw, "vocab_size", int),
-        "hidden_size": hidden,
-        "intermediate_size": field(raw, "intermediate_size", int),
-        "num_hidden_layers": field(raw, "num_hidden_layers", int),
-        "num_attention_heads": heads,
-        "num_key_value_heads": field(raw, "num_key_value_heads", int, heads),
-        "max_position_embeddings": field(raw, "max_position_embeddings", int, 2048),
-        "rms_norm_eps": field(raw, "rms_norm_eps", float, 1e-6),
+        **llama_fields(raw, max_positions=2048, rms_norm_eps=1e-6),
         "rope_parameters": _rope(raw),
         "hidden_act": "silu",
         "tie_word_embeddings": field(raw, "tie_word_embeddings", bool, False),
@@ -95,12 +75,6 @@ def deepseek_v1_config(raw: dict[str, Any]) -> PretrainedConfig:
     if routed:
         fields["moe_intermediate_size"] = field(raw, "moe_intermediate_size", int)
         fields["num_experts_per_tok"] = field(raw, "num_experts_per_tok", int)
-    if hidden % heads or heads % fields["num_key_value_heads"]:
-        raise ValueError(
-            f"config.json fields 'num_attention_heads' ({heads}) and 'num_key_value_heads' "
-            f"({fields['num_key_value_heads']}) must divide hidden_size ({hidden}) and "
-            "num_attention_heads"
-        )
     config = PretrainedConfig(**fields)
     config.model_type = "deepseek"
     return config

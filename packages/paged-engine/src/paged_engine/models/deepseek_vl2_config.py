@@ -32,7 +32,7 @@ from typing import Any
 import transformers
 
 from paged_engine.models.deepseek_ocr_v1_config import IMAGE_TOKEN_ID, mha_text_config
-from paged_engine.models.remote_aliases import RawConfig, field
+from paged_engine.models.remote_aliases import RawConfig, field, vocab_token_id
 
 ARCH = "DeepseekVLV2ForCausalLM"
 _VISION = {"width": 1152, "layers": 27, "heads": 16, "patch_size": 14, "image_size": 384}
@@ -158,9 +158,7 @@ def deepseek_vl2_config(raw: RawConfig) -> DeepseekVLV2Config:
         raise _refuse("projector_config.input_dim", proj["input_dim"], f"{vision.hidden_size}")
     if field(proj, "n_embed", int, text.hidden_size) != text.hidden_size:
         raise _refuse("projector_config.n_embed", proj["n_embed"], f"{text.hidden_size}")
-    token = field(raw, "image_token_id", int, IMAGE_TOKEN_ID)
-    if token >= text.vocab_size:
-        raise _refuse("image_token_id", token, f"below vocab_size {text.vocab_size}")
+    token = vocab_token_id(raw, "image_token_id", IMAGE_TOKEN_ID, text.vocab_size, ARCH)
     return DeepseekVLV2Config(
         architectures=list(raw.get("architectures") or [ARCH]),
         text_config=text,

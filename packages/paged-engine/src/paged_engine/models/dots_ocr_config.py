@@ -27,18 +27,11 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.remote_aliases import RawConfig, field
+from paged_engine.models.remote_aliases import RawConfig, field, qwen2_text_fields, vocab_token_id
 
 ARCH = "DotsOCRForCausalLM"
 TOWER_TYPE = "dots_vit"
 IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = 151665, 151656  # "<|imgpad|>", "<|video_pad|>"
-_TEXT_INTS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
 # vision_config field -> the release's default (vLLM's DotsVisionConfig)
 _VISION_INTS = {
     "embed_dim": 1536,
@@ -64,28 +57,7 @@ def _refuse(name: str, value: Any, want: str) -> ValueError:
 
 
 def _text_config(raw: RawConfig) -> transformers.Qwen2Config:
-    if raw.get("rope_scaling") is not None:
-        raise _refuse("rope_scaling", raw["rope_scaling"], "null")
-    if raw.get("use_sliding_window"):
-        raise _refuse("use_sliding_window", True, "false (full attention)")
-    fields = {k: field(raw, k, int) for k in _TEXT_INTS}
-    heads = fields["num_attention_heads"]
-    fields["num_key_value_heads"] = field(raw, "num_key_value_heads", int, heads)
-    return transformers.Qwen2Config(
-        **fields,
-        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6),
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 32768),
-        hidden_act=raw.get("hidden_act", "silu"),
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
-        },
-        use_sliding_window=False,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-        pad_token_id=raw.get("pad_token_id"),
-    )
+    return transformers.Qwen2Config(**qwen2_text_fields(raw, ARCH))
 
 
 def _vision_config(raw: RawConfig, text_hidden: int) -> transformers.PretrainedConfig:
@@ -117,10 +89,8 @@ def dots_ocr_config(raw: RawConfig) -> DotsOCRConfig:
     """The translated config (see the module doc); ValueError naming a field not served."""
     text = _text_config(raw)
     vision = _vision_config(raw, text.hidden_size)
-    token = field(raw, "image_token_id", int, IMAGE_TOKEN_ID)
+    token = vocab_token_id(raw, "image_token_id", IMAGE_TOKEN_ID, text.vocab_size, ARCH)
     dtype = raw.get("dtype") or raw.get("torch_dtype")  # the release's bfloat16 for "auto"
-    if token >= text.vocab_size:
-        raise _refuse("image_token_id", token, f"below vocab_size {text.vocab_size}")
     return DotsOCRConfig(
         architectures=list(raw.get("architectures") or [ARCH]),
         text_config=text,

@@ -42,10 +42,9 @@ from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.fused_moe import SparseMoeBlock, route
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import RotaryEmbedding, get_rope
-from paged_engine.models.deepseek_v1 import refuse_unless
 from paged_engine.models.gemma2 import GemmaAttention
 from paged_engine.models.mixtral import expert_rules
-from paged_engine.models.remote_aliases import common_fields, field
+from paged_engine.models.remote_aliases import field, llama_fields, refuse_unless
 from paged_engine.models.utils import QKV_PROJ_RULES, CausalLMBase, make_layers, soft_cap
 from paged_kernels import MoeActivation
 
@@ -70,15 +69,9 @@ def grok1_config(raw: dict[str, Any]) -> PretrainedConfig:
     refuse_unless(raw, arch, "rope_type", (None, "default", "original"))
     for name in ("moe_router_renormalize", "moe_renormalize"):
         refuse_unless(raw, arch, name, (None, True))
-    heads = field(raw, "num_attention_heads", int)
-    hidden = field(raw, "hidden_size", int)
-    kv_heads = field(raw, "num_key_value_heads", int, heads)
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(
-            f"config.json fields 'num_attention_heads' ({heads}) and 'num_key_value_heads' "
-            f"({kv_heads}) must divide hidden_size ({hidden}) and num_attention_heads"
-        )
-    head_dim = hidden // heads  # vLLM's, whatever a head_dim field says: refused if it differs
+    sizes = llama_fields(raw, max_positions=8192, rms_norm_eps=1e-5)
+    # vLLM's, whatever a head_dim field says: refused if it differs
+    head_dim = sizes["hidden_size"] // sizes["num_attention_heads"]
     refuse_unless(raw, arch, "head_dim", (None, head_dim))
     attn_cap = _cap(raw, "attn_logit_softcapping")
     if raw.get("max_attn_value") is not None and field(raw, "max_attn_value", float) != attn_cap:
@@ -89,16 +82,8 @@ def grok1_config(raw: dict[str, Any]) -> PretrainedConfig:
     # the release's num_experts, else num_local_experts (vLLM's order)
     name = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
     fields = {
-        **common_fields(raw),
-        "vocab_size": field(raw, "vocab_size", int),
-        "hidden_size": hidden,
-        "intermediate_size": field(raw, "intermediate_size", int),
-        "num_hidden_layers": field(raw, "num_hidden_layers", int),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
+        **sizes,
         "head_dim": head_dim,
-        "max_position_embeddings": field(raw, "max_position_embeddings", int, 8192),
-        "rms_norm_eps": field(raw, "rms_norm_eps", float, 1e-5),
         "rope_theta": field(raw, "rope_theta", float, 10000.0),
         "tie_word_embeddings": field(raw, "tie_word_embeddings", bool, True),
         "num_local_experts": field(raw, name, int, 8),

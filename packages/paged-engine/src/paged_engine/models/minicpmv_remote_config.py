@@ -31,19 +31,12 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.remote_aliases import RawConfig, field
+from paged_engine.models.remote_aliases import RawConfig, field, qwen2_text_fields, vocab_token_id
 
 IMAGE_TOKEN_ID = 128244  # "<unk>" in openbmb/MiniCPM-V-2_6's tokenizer
 VERSIONS = ("2.6", "4.5")
 _TEXT_CLASSES = {"2.6": "Qwen2Config", "4.5": "Qwen3Config"}
 RESAMPLER_HEAD = 128  # vLLM: num_heads = embed_dim // 128
-_TEXT_INTS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
 _VISION_INTS = (
     "hidden_size",
     "image_size",
@@ -75,32 +68,13 @@ def version(raw: RawConfig) -> str:
 
 
 def _text_config(raw: RawConfig, version: str) -> transformers.PretrainedConfig:
-    if raw.get("rope_scaling") is not None:
-        raise _refuse("rope_scaling", raw["rope_scaling"], "null")
-    if raw.get("use_sliding_window"):
-        raise _refuse("use_sliding_window", True, "false (full attention)")
-    fields = {k: field(raw, k, int) for k in _TEXT_INTS}
-    heads = fields["num_attention_heads"]
-    fields["num_key_value_heads"] = field(raw, "num_key_value_heads", int, heads)
+    fields = qwen2_text_fields(raw, "MiniCPMV")
     if version == "4.5":  # Qwen3: head_dim of its own, no attention bias
+        heads = fields["num_attention_heads"]
         fields["head_dim"] = field(raw, "head_dim", int, fields["hidden_size"] // heads)
         if raw.get("attention_bias"):
             raise _refuse("attention_bias", True, "false (Qwen3's)")
-    return getattr(transformers, _TEXT_CLASSES[version])(
-        **fields,
-        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6),
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 32768),
-        hidden_act=raw.get("hidden_act", "silu"),
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
-        },
-        use_sliding_window=False,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-        pad_token_id=raw.get("pad_token_id"),
-    )
+    return getattr(transformers, _TEXT_CLASSES[version])(**fields)
 
 
 def _vision_config(raw: RawConfig) -> transformers.Idefics2VisionConfig:
@@ -128,9 +102,7 @@ def minicpmv_remote_config(raw: RawConfig) -> MiniCPMVRemoteConfig:
     text = _text_config(raw, text_version)
     if text.hidden_size % RESAMPLER_HEAD:
         raise _refuse("hidden_size", text.hidden_size, f"a multiple of {RESAMPLER_HEAD}")
-    token = field(raw, "image_token_id", int, IMAGE_TOKEN_ID)
-    if token >= text.vocab_size:
-        raise _refuse("image_token_id", token, f"below vocab_size {text.vocab_size}")
+    token = vocab_token_id(raw, "image_token_id", IMAGE_TOKEN_ID, text.vocab_size, "MiniCPMV")
     slices = raw.get("slice_config") or {}
     if not isinstance(slices, dict):
         raise _refuse("slice_config", slices, "a dict")

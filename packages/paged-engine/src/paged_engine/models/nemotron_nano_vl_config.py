@@ -33,7 +33,7 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.remote_aliases import RawConfig, field
+from paged_engine.models.remote_aliases import RawConfig, field, vocab_token_id
 
 ARCH = "NemotronH_Nano_VL_V2"
 CONTEXT = "<image>"  # vLLM's IMG_CONTEXT: the prompt's marker and every placeholder
@@ -134,9 +134,7 @@ def nemotron_nano_vl_config(raw: RawConfig) -> NanoNemotronVLConfig:
             radio.max_img_size,
             f"a CPE table (unlike preferred_resolution {preferred}) or force_image_size {side}",
         )
-    token = field(raw, "img_context_token_id", int)
-    if not 0 <= token < int(text.vocab_size):
-        raise _refuse("img_context_token_id", token, f"below vocab_size {text.vocab_size}")
+    token = vocab_token_id(raw, "img_context_token_id", None, int(text.vocab_size), ARCH)
     mean, std = raw.get("norm_mean") or CLIP_MEAN, raw.get("norm_std") or CLIP_STD
     for name, value in (("norm_mean", mean), ("norm_std", std)):
         if not (isinstance(value, list) and len(value) == 3):

@@ -80,7 +80,9 @@ as it is.
 
 The translation keeps `architectures` as config.json has it (the registry maps each name) and
 sets the field names our classes read; a field of the wrong type fails with a ValueError naming
-it.
+it. The family modules' translations share the readers here: `field`, `common_fields`,
+`refuse_unless`, `llama_fields` (a Llama-shaped decoder's sizes), `qwen2_text_fields` (a remote
+VLM's flat Qwen2 text fields) and `vocab_token_id`.
 """
 
 from __future__ import annotations
@@ -122,6 +124,89 @@ def common_fields(raw: RawConfig) -> RawConfig:
     if "torch_dtype" in out:
         out["dtype"] = out.pop("torch_dtype")
     return out
+
+
+def refuse_unless(raw: RawConfig, arch: str, name: str, allowed: tuple[Any, ...]) -> None:
+    """ValueError naming `name` when config.json sets it to a value outside `allowed` (None in
+    `allowed`: the field may be absent or null)."""
+    if raw.get(name) in allowed:
+        return
+    wanted = " or ".join(repr(a) for a in allowed if a is not None)
+    only = f" (only {wanted})" if wanted else ""
+    raise ValueError(f"{arch}: config.json field {name!r}={raw[name]!r} is not supported{only}")
+
+
+def llama_fields(raw: RawConfig, max_positions: int, rms_norm_eps: float) -> RawConfig:
+    """common_fields plus a Llama-shaped decoder's sizes under their own names (kv heads default
+    to the heads; `max_positions` / `rms_norm_eps` the family's defaults); ValueError when the
+    heads do not divide hidden_size or the kv heads the heads."""
+    heads = field(raw, "num_attention_heads", int)
+    hidden = field(raw, "hidden_size", int)
+    kv_heads = field(raw, "num_key_value_heads", int, heads)
+    if hidden % heads or heads % kv_heads:
+        raise ValueError(
+            f"config.json fields 'num_attention_heads' ({heads}) and 'num_key_value_heads' "
+            f"({kv_heads}) must divide hidden_size ({hidden}) and num_attention_heads"
+        )
+    return {
+        **common_fields(raw),
+        "vocab_size": field(raw, "vocab_size", int),
+        "hidden_size": hidden,
+        "intermediate_size": field(raw, "intermediate_size", int),
+        "num_hidden_layers": field(raw, "num_hidden_layers", int),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": field(raw, "max_position_embeddings", int, max_positions),
+        "rms_norm_eps": field(raw, "rms_norm_eps", float, rms_norm_eps),
+    }
+
+
+def vocab_token_id(
+    raw: RawConfig, name: str, default: int | None, vocab_size: int, arch: str
+) -> int:
+    """raw[name] (`default` when absent; None: required), a token id below `vocab_size`;
+    ValueError naming the field otherwise."""
+    token = field(raw, name, int, default)
+    if token >= vocab_size:
+        raise ValueError(
+            f"{arch}: config.json field {name}={token!r} is not supported: below vocab_size "
+            f"{vocab_size}"
+        )
+    return token
+
+
+def qwen2_text_fields(raw: RawConfig, arch: str) -> RawConfig:
+    """A remote VLM's flat config.json as Qwen2Config / Qwen3Config keyword arguments: full
+    attention, default RoPE (rope_scaling and use_sliding_window refused by name), the release
+    defaults (rms_norm_eps 1e-6, 32768 positions, rope_theta 1e6)."""
+    if raw.get("rope_scaling") is not None:
+        raise ValueError(
+            f"{arch}: config.json field rope_scaling={raw['rope_scaling']!r} is not supported: null"
+        )
+    if raw.get("use_sliding_window"):
+        raise ValueError(
+            f"{arch}: config.json field use_sliding_window=True is not supported: false (full "
+            "attention)"
+        )
+    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    fields: RawConfig = {k: field(raw, k, int) for k in (*names, "num_attention_heads")}
+    heads = fields["num_attention_heads"]
+    return {
+        **fields,
+        "num_key_value_heads": field(raw, "num_key_value_heads", int, heads),
+        "rms_norm_eps": field(raw, "rms_norm_eps", float, 1e-6),
+        "max_position_embeddings": field(raw, "max_position_embeddings", int, 32768),
+        "hidden_act": raw.get("hidden_act", "silu"),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
+        },
+        "use_sliding_window": False,
+        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "bos_token_id": raw.get("bos_token_id"),
+        "eos_token_id": raw.get("eos_token_id"),
+        "pad_token_id": raw.get("pad_token_id"),
+    }
 
 
 def rw_config(raw: RawConfig) -> PretrainedConfig:

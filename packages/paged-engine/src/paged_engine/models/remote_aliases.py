@@ -385,7 +385,14 @@ def remote_config(path: Path) -> PretrainedConfig | None:
     module, function = REMOTE_CONFIGS[arch].split(":")
     translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)
     config = translate(raw)
+    # dtype="auto" serves in the release's dtype, whatever the translation kept (a translation
+    # may also answer None: transformers reads the checkpoint itself)
     saved = raw.get("dtype") or raw.get("torch_dtype")
-    if saved is not None and (vars(config).get("dtype") or vars(config).get("torch_dtype")) is None:
-        config.dtype = saved  # dtype="auto" serves in the release's dtype, whatever was kept
+    kept = getattr(config, "__dict__", {})
+    if (
+        config is not None
+        and saved is not None
+        and not (kept.get("dtype") or kept.get("torch_dtype"))
+    ):
+        config.dtype = saved
     return config

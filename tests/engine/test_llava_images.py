@@ -345,3 +345,28 @@ def test_transparent_images_go_over_white_as_hf_puts_them(llava_dirs):
         no_alpha = Image.fromarray(np.asarray(image.convert("RGB")))  # (no transparency info)
         _, (dropped,) = images.process([_image_token(path)], no_alpha)
         assert not torch.equal(dropped.pixel_values, m.pixel_values)
+
+
+def test_numpy_images_are_the_images_pil_makes_of_them(llava_dirs):
+    """A uint8 numpy array (H, W, 3), (H, W, 4) or (H, W) is taken as vLLM takes it: the same
+    answer as the PIL image of the same array; other dtypes and shapes are refused by name."""
+    path = llava_dirs()
+    llm = _llm(path)
+    prompt = "USER: <image>\nWhat is it? ASSISTANT:"
+    rng = np.random.default_rng(11)
+    for shape in ((40, 52, 3), (40, 52, 4), (40, 52)):
+        array = rng.integers(0, 256, shape, dtype=np.uint8)
+        outs = [
+            llm.generate(
+                [{"prompt": prompt, "multi_modal_data": {"image": image}}],
+                _greedy(),
+                use_tqdm=False,
+            )[0].outputs[0]
+            for image in (array, Image.fromarray(array))
+        ]
+        assert outs[0].token_ids == outs[1].token_ids
+        assert outs[0].cumulative_logprob == pytest.approx(outs[1].cumulative_logprob, abs=1e-4)
+    for bad in (np.zeros((40, 52, 3), np.float32), np.zeros((3, 40, 52), np.uint8)):
+        with pytest.raises(ValueError, match=r"multi_modal_data\['image'\]\[0\]: a numpy image"):
+            llm.generate([{"prompt": prompt, "multi_modal_data": {"image": bad}}], _greedy())
+    llm.llm_engine.shutdown()

@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
@@ -110,6 +111,20 @@ def _rehashed(m: ImageInput) -> ImageInput:
     served to every later request for that image."""
     values = m.pixel_values if m.pixel_values is not None else m.embeds
     return m if values is None else dataclasses.replace(m, mm_hash=digest(values, m.image_size))
+
+
+def _array_image(array: np.ndarray, what: str, PIL_Image: Any) -> Any:
+    """A uint8 (H, W), (H, W, 1), (H, W, 3) or (H, W, 4) array as a PIL image (L, RGB, RGBA);
+    ValueError naming `what` for any other dtype or shape."""
+    shape_ok = array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (1, 3, 4))
+    if array.dtype != np.uint8 or not shape_ok or 0 in array.shape:
+        raise ValueError(
+            f"{what}: a numpy image must be uint8 of shape (H, W), (H, W, 1), (H, W, 3) or "
+            f"(H, W, 4), got {array.dtype} {tuple(array.shape)}"
+        )
+    if array.ndim == 3 and array.shape[-1] == 1:
+        array = array[..., 0]
+    return PIL_Image.fromarray(np.ascontiguousarray(array))
 
 
 def _is_embeds(data: Any) -> bool:
@@ -433,14 +448,20 @@ class ImageProcessor:
             )
 
     def _image_list(self, items: list[Any]) -> list[Any]:
+        """The items as PIL images: a uint8 numpy array (H, W[, 1 | 3 | 4]), which vLLM also
+        takes, becomes the image PIL makes of it; anything else is refused by name."""
         PIL_Image = require_pillow()
+        out = []
         for i, item in enumerate(items):
+            if isinstance(item, np.ndarray):
+                item = _array_image(item, f"multi_modal_data['image'][{i}]", PIL_Image)
             if not isinstance(item, PIL_Image.Image):
                 raise ValueError(
-                    f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, got "
-                    f"{type(item).__name__}"
+                    f"multi_modal_data['image'][{i}] must be a PIL.Image.Image or a uint8 numpy "
+                    f"array, got {type(item).__name__}"
                 )
-        return items
+            out.append(item)
+        return out
 
     def processor_kwargs(self, kwargs: Any) -> dict[str, Any]:
         """vLLM's mm_processor_kwargs as the image processor takes them; ValueError naming

@@ -9,7 +9,7 @@ fixes, outside the Qwen and Gemma families (layouts.py has the base: LLaVA 1.5's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import (
@@ -137,6 +137,9 @@ class BoundedLayout(Layout):
     `tile_rows` per tile between <img> and </img>; size = (n,). Features (vLLM's
     image_embeds) take a run of their rows between the same bounds."""
 
+    # the image processor's call arguments (InternVLProcessor's tiling)
+    run_kwargs: ClassVar[dict[str, Any]] = {"crop_to_patches": True}
+
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         from paged_engine.multimodal import internvl
 
@@ -155,15 +158,17 @@ class BoundedLayout(Layout):
             raise ValueError(f"multi_modal_data['image']: image_size {size} is not (tiles,)")
         return size[0] * self.tile_rows
 
+    def _tile_side(self) -> int:
+        return _side(self.config)
+
     def pixel_shape(self, size: Size) -> tuple[int, ...]:
         assert size is not None
-        return (size[0], 3, _side(self.config), _side(self.config))
+        return (size[0], 3, self._tile_side(), self._tile_side())
 
     def load(self, run: Run, image: Any, count: int) -> Loaded:
-        out = run([image], crop_to_patches=True)  # what InternVLProcessor asks for
-        tiles = out["pixel_values"].float()
+        tiles = run([image], **self.run_kwargs)["pixel_values"].float()
         if tiles.dim() != 4 or tuple(tiles.shape) != self.pixel_shape((tiles.shape[0],)):
-            side = _side(self.config)
+            side = self._tile_side()
             raise _shape_error(tiles, f"[tiles, 3, {side}, {side}]")
         return tiles, (tiles.shape[0],)
 

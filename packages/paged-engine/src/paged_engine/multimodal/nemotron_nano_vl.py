@@ -29,14 +29,9 @@ import torch.nn.functional as F
 
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import (
-    Layout,
-    Loaded,
-    Run,
-    Size,
-    _shape_error,
-    digest,
     token_ids,
 )
+from paged_engine.multimodal.layouts_single_run import BoundedLayout
 from paged_engine.multimodal.nemotron_h_omni import NemotronOmniImageEncoder
 from paged_engine.multimodal.torch_processors import TorchImageProcessor
 
@@ -103,14 +98,16 @@ class NanoNemotronVLTiler(TorchImageProcessor):
             if c.use_thumbnail and rows * cols > 1:
                 tiles = torch.cat([tiles, _resize(image, side, side)[None]])
             out.append((tiles - mean) / std)
-        return {"pixel_values": out}
+        return {"pixel_values": torch.cat(out)}  # every image's tiles, as InternVL's
 
 
-class NanoNemotronVLLayout(Layout):
-    """<img>, tiles x (S / 2p)^2 placeholders, </img>; pixels [tiles, 3, S, S]."""
+class NanoNemotronVLLayout(BoundedLayout):
+    """InternVL's bounded tiles (layouts_single_run.BoundedLayout): <img>, tiles x (S / 2p)^2
+    placeholders, </img>; pixels [tiles, 3, S, S] from the release's tiler; no features input."""
 
     takes_embeds = False
     refused_kwargs: ClassVar[dict[str, str]] = {}
+    run_kwargs: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         self.config = config
@@ -118,35 +115,14 @@ class NanoNemotronVLLayout(Layout):
         self.fixed = None
         self.side = int(config.force_image_size)
         grid = self.side // int(config.vision_config.patch_size)
-        self.per_tile = (grid // 2) ** 2
+        self.tile_rows = (grid // 2) ** 2
         self.bounds = token_ids(tokenizer, "<img>", "</img>")
 
     def image_processor(self) -> NanoNemotronVLTiler:
         return NanoNemotronVLTiler({"max_num_tiles": int(self.config.max_num_tiles)}, self.config)
 
-    def length(self, size: Size) -> int:
-        if size is None or len(size) != 1 or int(size[0]) < 1:
-            raise ValueError(f"multi_modal_data['image']: image_size {size} is not (tiles,)")
-        return int(size[0]) * self.per_tile
-
-    def pixel_shape(self, size: Size) -> tuple[int, ...]:
-        assert size is not None
-        return (int(size[0]), 3, self.side, self.side)
-
-    def load(self, run: Run, image: Any, count: int) -> Loaded:
-        tiles = run([image])["pixel_values"][0].float()
-        if tiles.dim() != 4 or tuple(tiles.shape) != self.pixel_shape((tiles.shape[0],)):
-            raise _shape_error(tiles, f"[tiles, 3, {self.side}, {self.side}]")
-        return tiles, (tiles.shape[0],)
-
-    def segment(self, loaded: Loaded) -> list[int]:
-        start, end = self.bounds
-        return [start, *([self.placeholder] * self.length(loaded[1])), end]
-
-    def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
-        pixels, size = loaded
-        n = self.length(size)
-        return [ImageInput(pixels, at + 1, n, digest(pixels, size), size)]  # after <img>
+    def _tile_side(self) -> int:
+        return self.side
 
 
 class NanoNemotronVLImageEncoder(NemotronOmniImageEncoder):

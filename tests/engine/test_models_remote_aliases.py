@@ -53,6 +53,20 @@ def _config(path: Path) -> dict:
     return json.loads((path / "config.json").read_text())
 
 
+# HF Qwen2's names -> Qwen v1's (q / k / v fused into attn.c_attn apart; w2 is the gate)
+QWEN_V1_NAMES = (
+    ("model.embed_tokens.", "transformer.wte."),
+    ("model.layers.", "transformer.h."),
+    ("model.norm.", "transformer.ln_f."),
+    (".self_attn.o_proj.", ".attn.c_proj."),
+    (".input_layernorm.", ".ln_1."),
+    (".post_attention_layernorm.", ".ln_2."),
+    (".mlp.gate_proj.", ".mlp.w2."),
+    (".mlp.up_proj.", ".mlp.w1."),
+    (".mlp.down_proj.", ".mlp.c_proj."),
+)
+
+
 def test_qwen_v1(tmp_path):
     """QWenLMHeadModel: HF Qwen2 (q / k / v biases, one KV head per head) with q, k, v merged
     into c_attn, w2 the gate and w1 the up projection, intermediate_size counting both; the
@@ -62,20 +76,7 @@ def test_qwen_v1(tmp_path):
     )
     hf = load_hf_model(path)
     src, state = _config(path), load_file(str(path / "model.safetensors"))
-    out = _renamed(
-        fuse_qkv(state, ".attn.c_attn."),
-        (
-            ("model.embed_tokens.", "transformer.wte."),
-            ("model.layers.", "transformer.h."),
-            ("model.norm.", "transformer.ln_f."),
-            (".self_attn.o_proj.", ".attn.c_proj."),
-            (".input_layernorm.", ".ln_1."),
-            (".post_attention_layernorm.", ".ln_2."),
-            (".mlp.gate_proj.", ".mlp.w2."),
-            (".mlp.up_proj.", ".mlp.w1."),
-            (".mlp.down_proj.", ".mlp.c_proj."),
-        ),
-    )
+    out = _renamed(fuse_qkv(state, ".attn.c_attn."), QWEN_V1_NAMES)
     assert "transformer.h.0.attn.c_attn.bias" in out
     config = {
         "architectures": ["QWenLMHeadModel"],

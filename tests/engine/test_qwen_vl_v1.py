@@ -31,6 +31,7 @@ from image_checks import (
     greedy,
     noise_image,
 )
+from test_models_remote_aliases import QWEN_V1_NAMES
 from vlm_checkpoints import finish_checkpoint, tiny_qwen2_text, tokenizer_with
 
 from paged_engine.testing import _randomize
@@ -42,17 +43,6 @@ MARKS = ["<img>", "</img>", "<imgpad>"]
 WIDTH, HEADS, IMAGE, PATCH, QUERIES, DIM = 32, 2, 64, 2, 256, 128  # grid 32: 16^2 queries
 MEAN = [0.48145466, 0.4578275, 0.40821073]
 STD = [0.26862954, 0.26130258, 0.27577711]
-_LM_NAMES = (
-    ("model.embed_tokens.", "transformer.wte."),
-    ("model.layers.", "transformer.h."),
-    ("model.norm.", "transformer.ln_f."),
-    (".self_attn.o_proj.", ".attn.c_proj."),
-    (".input_layernorm.", ".ln_1."),
-    (".post_attention_layernorm.", ".ln_2."),
-    (".mlp.gate_proj.", ".mlp.w2."),
-    (".mlp.up_proj.", ".mlp.w1."),
-    (".mlp.down_proj.", ".mlp.c_proj."),
-)
 
 
 def _lm_state(llm) -> dict[str, torch.Tensor]:
@@ -66,7 +56,7 @@ def _lm_state(llm) -> dict[str, torch.Tensor]:
                 llm.state_dict()[name.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")
             ]
             name, w = name.replace(".self_attn.q_proj.", ".attn.c_attn."), torch.cat(parts)
-        for ours, theirs in _LM_NAMES:
+        for ours, theirs in QWEN_V1_NAMES:
             name = name.replace(ours, theirs)
         out[name] = w
     return out

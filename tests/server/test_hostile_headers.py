@@ -103,3 +103,37 @@ def test_an_http10_keep_alive_answer_says_so(fake) -> None:
             f.read(int(headers["content-length"]))
     plain = exchange(fake, b"GET /health HTTP/1.0\r\n\r\n")  # no keep-alive asked: closed
     assert b"Connection: close" in plain and plain.count(b"HTTP/1.") == 1
+
+
+@pytest.mark.parametrize(
+    "ctype",
+    [
+        "text/plain",  # what a browser page sends cross-origin without a CORS preflight
+        "application/x-www-form-urlencoded",  # curl -d without -H, the other simple type
+        "multipart/form-data; boundary=b",
+        "application/jsonx",
+        "",
+    ],
+)
+def test_a_json_route_refuses_other_content_types_with_a_415(fake, ctype: str) -> None:
+    head = f"Content-Type: {ctype}\r\nContent-Length: {len(BODY)}\r\n"
+    out = exchange(fake, request(head, BODY))
+    status_line, _, rest = out.partition(b"\r\n")
+    assert status_line.split()[1] == b"415", out
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["param"] == "Content-Type" and repr(ctype) in error["message"]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        "Content-Type: Application/JSON; charset=utf-8\r\n",
+        "Content-Type: application/ld+json\r\n",
+        "",
+    ],
+)
+def test_json_types_and_a_missing_type_are_served(fake, head: str) -> None:
+    out = exchange(
+        fake, request(f"{head}Content-Length: {len(BODY)}\r\nConnection: close\r\n", BODY)
+    )
+    assert out.startswith(b"HTTP/1.1 200 OK"), out

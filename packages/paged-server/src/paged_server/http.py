@@ -371,10 +371,30 @@ class Handler(BaseHTTPRequestHandler):
         /invocations reads it to choose the route that reads it)."""
         if self._json is not _UNREAD:
             return self._json
+        self._check_json_type()
         data = self._read_body()
         self.body_read = True
         self._json = parse_json_body(data)
         return self._json
+
+    def _check_json_type(self) -> None:
+        """A JSON route takes `application/json`, a `+json` type or no Content-Type at all; any
+        other type is a 415 naming the header, as in vLLM (which answers 400). This refuses the
+        form and text/plain bodies a browser page may send cross-origin without a preflight."""
+        ctype = self.headers.get("Content-Type")
+        if ctype is None:
+            return
+        media = ctype.split(";", 1)[0].strip().lower()
+        if media != "application/json" and not (
+            media.startswith("application/") and media.endswith("+json")
+        ):
+            self.close_connection = True  # the body stays unread
+            raise APIError(
+                415,
+                f"the body must be JSON with Content-Type: application/json, got {ctype!r}",
+                param="Content-Type",
+                code="unsupported_media_type",
+            )
 
     def read_body(self) -> bytes:
         """The request's raw body (a multipart upload's), read once with read_json's framing

@@ -283,6 +283,37 @@ def test_stop_holdback():
     assert StopChecker(["END"]).holdback("the EN") == 2
 
 
+def test_stop_holdback_matches_the_longest_suffix_rule_and_scales():
+    """Against the definition (the longest suffix that is a proper prefix of a stop) on random
+    texts over a small alphabet, where prefixes overlap often; and a long stop string costs a
+    comparison per start, not one per length (the old loop took seconds here)."""
+    import random
+    import time
+
+    def naive(text: str, stops: list[str]) -> int:
+        return max(
+            (
+                n
+                for s in stops
+                for n in range(1, min(len(s) - 1, len(text)) + 1)
+                if text.endswith(s[:n])
+            ),
+            default=0,
+        )
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choices("ab", k=rng.randrange(12)))
+        stops = [
+            "".join(rng.choices("abc", k=rng.randrange(1, 8))) for _ in range(rng.randrange(1, 4))
+        ]
+        assert stop_holdback(text, stops) == naive(text, stops), (text, stops)
+    text, stop = "x" * 100_000, "y" + "x" * 100_000
+    start = time.perf_counter()
+    assert stop_holdback(text, [stop]) == 0 and stop_holdback("y" + text[1:], [stop]) == 100_000
+    assert time.perf_counter() - start < 0.5
+
+
 @pytest.mark.parametrize("kind", ["FINAL_ONLY", "DELTA"])
 def test_a_request_ends_when_its_last_sequence_does_after_a_stop_string(kind):
     """n=2: a stop string ends sequence 1 here, and the core, not yet told (the server's output

@@ -79,6 +79,17 @@ def test_validation_names_parameter(kwargs, name):
         SamplingParams(**kwargs)
 
 
+def test_stop_strings_are_bounded_and_errors_stay_short():
+    from paged_engine.sampling_params import MAX_STOP_STRINGS
+
+    assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+    with pytest.raises(ValueError, match=f"stop holds at most {MAX_STOP_STRINGS} strings, got"):
+        SamplingParams(stop=["s"] * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=r"stop\[1\]") as err:  # a huge bad item is not echoed
+        SamplingParams(stop=["ok", ["x" * 10_000]])
+    assert len(str(err.value)) < 200
+
+
 def test_beam_search_conversion():
     p = SamplingParams(use_beam_search=True, n=2, best_of=4, temperature=0.0, max_tokens=20)
     assert p.is_beam_search and p.sampling_type == SamplingType.BEAM

@@ -76,6 +76,15 @@ def test_a_surrogate_pair_is_one_character(real_server: ServerProc) -> None:
     assert status == 200 and r["choices"][0]["text"].startswith("a\U0001f600")
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stop_list_past_the_bound_is_a_400_naming_stop(server: ServerProc, path: str) -> None:
+    """Each stop string is searched for after every token on the engine's one stepping thread:
+    a million of them (a 16 MiB body holds that many) slowed every request by seconds a token."""
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": CHAT}
+    err = _error(server, path, {**body, "max_tokens": 2, "stop": ["s"] * 100_000})
+    assert err["param"] == "stop" and "at most 1024" in err["message"]
+
+
 # ---- token ids ------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt", [[5, -1], [[3], [4, -7]]])
 def test_a_negative_token_id_is_named_with_the_valid_range(

@@ -58,6 +58,12 @@ def _as_output_kind(value: object) -> RequestOutputKind:
         ) from None
 
 
+# Each stop string is searched for after every token of its request, on the one thread that
+# steps the engine: a request with a million of them would slow every other request by seconds a
+# token. (vLLM sets no bound; OpenAI's API and TGI's default take 4.)
+MAX_STOP_STRINGS = 1024
+
+
 def _check_early_stopping(value: object) -> None:
     # `1 in (True, False)` holds, but the beam search tests `is True`: only real bools pass.
     if not (isinstance(value, bool) or value == "never"):
@@ -375,9 +381,16 @@ class SamplingParams:
             raise bad("stream_interval", "at least 1")
         if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
             raise bad("thinking_token_budget", "non-negative, or -1 / None for no limit")
-        for s in self.stop:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}: each one "
+                "is searched for after every token."
+            )
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
+                raise ValueError(
+                    f"stop must contain only non-empty strings, got stop[{i}] = {s!r:.80}."
+                )
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True, got detokenize=False.")
         _check_early_stopping(self.early_stopping)

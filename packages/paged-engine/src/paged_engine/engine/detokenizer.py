@@ -228,10 +228,15 @@ def stop_holdback(output_text: str, stops: Sequence[str]) -> int:
     have sent)."""
     best = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(output_text)), best, -1):
-            if output_text.endswith(stop[:n]):
-                best = n
+        # a held suffix starts where stop[0] does: try those starts from the longest down, each
+        # a C-speed comparison (the naive loop over every length was quadratic in the stop)
+        tail = output_text[len(output_text) - min(len(stop) - 1, len(output_text)) :]
+        i = tail.find(stop[0])
+        while i != -1 and len(tail) - i > best:
+            if stop.startswith(tail[i:]):
+                best = len(tail) - i
                 break
+            i = tail.find(stop[0], i + 1)
     return best
 
 

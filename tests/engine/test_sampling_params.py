@@ -79,7 +79,7 @@ def test_validation_names_parameter(kwargs, name):
         SamplingParams(**kwargs)
 
 
-def test_stop_strings_are_bounded_and_errors_stay_short():
+def test_stop_strings_and_bad_words_are_bounded_and_errors_stay_short():
     from paged_engine.sampling_params import MAX_STOP_STRINGS
 
     assert len(SamplingParams(stop=["s"] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
@@ -88,6 +88,9 @@ def test_stop_strings_are_bounded_and_errors_stay_short():
     with pytest.raises(ValueError, match=r"stop\[1\]") as err:  # a huge bad item is not echoed
         SamplingParams(stop=["ok", ["x" * 10_000]])
     assert len(str(err.value)) < 200
+    with pytest.raises(ValueError, match=f"bad_words holds at most {MAX_STOP_STRINGS} words"):
+        SamplingParams(bad_words=[f"w{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    assert len(SamplingParams(bad_words=["w"] * 5000).bad_words) == 1  # repeats count once
 
 
 def test_beam_search_conversion():

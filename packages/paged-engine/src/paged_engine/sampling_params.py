@@ -58,9 +58,9 @@ def _as_output_kind(value: object) -> RequestOutputKind:
         ) from None
 
 
-# Each stop string is searched for after every token of its request, on the one thread that
-# steps the engine: a request with a million of them would slow every other request by seconds a
-# token. (vLLM sets no bound; OpenAI's API and TGI's default take 4.)
+# Each stop string (and bad word) is searched for after every token of its request, on the one
+# thread that steps the engine: a request with a million of them would slow every other request
+# by seconds a token. (vLLM sets no bound; OpenAI's API and TGI's default take 4 stop strings.)
 MAX_STOP_STRINGS = 1024
 
 
@@ -474,8 +474,12 @@ def _check_token_rules(p: SamplingParams) -> None:
     if p.bad_words is not None:
         words = p.bad_words
         if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w for w in words):
-            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r}")
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r:.200}")
         p.bad_words = list(dict.fromkeys(words))
+        if len(p.bad_words) > MAX_STOP_STRINGS:  # each is matched against every step's tail
+            raise ValueError(
+                f"bad_words holds at most {MAX_STOP_STRINGS} words, got {len(p.bad_words)}."
+            )
 
 
 def _token_id(name: str, value: Any) -> int:

@@ -370,10 +370,10 @@ def test_chunks_and_prefix_hits_give_the_plain_tokens(ckpt):
 
 
 def test_variants_and_bad_requests_refused_by_name(ckpt, tmp_path):
-    """Unserved layer kinds (MolmoE-1B's OLMoE, q / k norms without norm_after and the
-    reverse) and other config.json fields refused at load naming the field; a prompt holding
-    <im_patch>, mm_processor_kwargs, an image processed ahead whose tiling a client changed:
-    ValueErrors naming them, the engine serving on."""
+    """Unserved layer kinds (moe_* fields without MolmoE's block_type "moe", q / k norms
+    without norm_after and the reverse) and other config.json fields refused at load naming
+    the field; a prompt holding <im_patch>, mm_processor_kwargs, an image processed ahead whose
+    tiling a client changed: ValueErrors naming them, the engine serving on."""
     path, ref = ckpt
     llm = engine(path, max_model_len=512)
     image = noise_image(4, (40, 40))
@@ -405,7 +405,7 @@ def test_variants_and_bad_requests_refused_by_name(ckpt, tmp_path):
     config = json.loads((path / "config.json").read_text())
     changes = [
         ("attention_layer_norm", {"attention_layer_norm": True}),  # q / k norms, pre-norm
-        ("moe_num_experts", {"moe_num_experts": 64}),  # MolmoE-1B
+        ("moe_num_experts", {"moe_num_experts": 64}),  # without block_type "moe"
         ("attention_layer_norm", {"norm_after": True}),  # norms after, no q / k norms
         ("qkv_bias", {"qkv_bias": False}),
         ("clip_qkv", {"clip_qkv": 8.0}),

@@ -139,6 +139,7 @@ from paged_engine.models.mllama import MllamaForConditionalGeneration
 from paged_engine.models.modernbert import MODERNBERT
 from paged_engine.models.molmo2 import Molmo2TextForCausalLM
 from paged_engine.models.molmo_v1 import MolmoV1TextForCausalLM
+from paged_engine.models.molmoe import MolmoeTextForCausalLM
 from paged_engine.models.moonshine import MoonshineForConditionalGeneration
 from paged_engine.models.mpt import MptForCausalLM
 from paged_engine.models.muse import MuseGlimmerTextForCausalLM, MuseSparkTextForCausalLM
@@ -193,6 +194,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Molmo2TextForCausalLM": Molmo2TextForCausalLM,
     "MolmoV1TextForCausalLM": MolmoV1TextForCausalLM,  # Molmo v1's (remote code)
+    "MolmoeTextForCausalLM": MolmoeTextForCausalLM,  # MolmoE-1B's (remote code)
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,

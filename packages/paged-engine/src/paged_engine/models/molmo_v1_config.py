@@ -24,9 +24,10 @@ decoder (Molmo-7B-D, Molmo-72B; text_config a Qwen2Config); attention_layer_norm
 norm_after true, qkv_bias false: OLMo 2's (q / k RMS-normed over the whole projection, each
 sublayer's output normed before its residual add: vLLM's MolmoDecoderNormAfterLayer, for
 Molmo-7B-O's OLMo; text_config an Olmo2Config). Refused by name: the other combinations of
-those three fields, MolmoE-1B's OLMoE decoder (moe_* fields), clip_qkv, weight_tying, a
+those three fields, moe_* fields without block_type "moe", clip_qkv, weight_tying, a
 layer_norm_type other than "rms", an odd patch count a crop side (the remote code pads the
 pooling grid with zero features, which the attention pooling here does not take).
+block_type "moe" (MolmoE-1B): OLMoE's decoder, its text config read by models/molmoe_config.py.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import transformers
 
+from paged_engine.models.molmoe_config import is_molmoe, molmoe_text_config, molmoe_token_ids
 from paged_engine.models.remote_aliases import RawConfig, field
 
 ARCH = "MolmoForCausalLM"
@@ -74,7 +76,7 @@ def _decoder(raw: RawConfig) -> str:
     whose decoder is neither."""
     moe = sorted(k for k in raw if k.startswith("moe_") and raw[k] is not None)
     if moe:
-        raise _refuse(moe[0], raw[moe[0]], "unset (MolmoE-1B's OLMoE decoder is not served)")
+        raise _refuse(moe[0], raw[moe[0]], "unset without block_type 'moe' (MolmoE's)")
     qk_norm, after = bool(raw.get("attention_layer_norm")), bool(raw.get("norm_after"))
     if qk_norm != after:
         want = "equal to norm_after (Qwen2's decoder: both false; OLMo 2's: both true)"
@@ -154,9 +156,12 @@ def _vision_config(raw: RawConfig) -> tuple[transformers.CLIPVisionConfig, list[
 
 def molmo_v1_config(raw: RawConfig) -> MolmoV1Config:
     """The translated config (see the module doc); ValueError naming a field not served."""
-    text = _text_config(raw, _decoder(raw))
+    if is_molmoe(raw):  # MolmoE-1B: OLMoE's decoder (models/molmoe_config.py)
+        text, ids = molmoe_text_config(raw), molmoe_token_ids(raw)
+    else:
+        text = _text_config(raw, _decoder(raw))
+        ids = {k: field(raw, k, int, v) for k, v in TOKEN_IDS.items()}
     vision, vit_layers = _vision_config(raw)
-    ids = {k: field(raw, k, int, v) for k, v in TOKEN_IDS.items()}
     eos = raw.get("eos_token_id")
     return MolmoV1Config(
         architectures=[ARCH],

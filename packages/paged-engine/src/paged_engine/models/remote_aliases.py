@@ -65,7 +65,10 @@ MPT configs itself and runs the others' remote config code).
                                                                 release's names (config: models/
                                                                 molmo_v1_config.py; decoder:
                                                                 models/molmo_v1.py; images:
-                                                                multimodal/molmo_v1.py)
+                                                                multimodal/molmo_v1.py); MolmoE
+                                                                (block_type "moe"): OLMoE's
+                                                                (models/molmoe_config.py,
+                                                                molmoe.py)
     NemotronH_Nano_VL_V2           NemotronH_Nano_VL_V2         Nemotron-H's (config: models/
                                                                 nemotron_nano_vl_config.py;
                                                                 images: nemotron_nano_vl.py)
@@ -308,7 +311,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "MiniCPMO": "minicpmo_remote_config:minicpmo_remote_config",  # MiniCPM-o 2.6
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
-    "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O)
+    "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O), MolmoE-1B
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
 }
 

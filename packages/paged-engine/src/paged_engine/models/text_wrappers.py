@@ -92,6 +92,8 @@ each is exact).
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     MolmoForCausalLM (remote code)       qwen2 / olmo2          -> MolmoV1TextForCausalLM
       (Molmo v1's Qwen2 / OLMo 2 decoder, fused names: models/molmo_v1.py, molmo_v1_config.py)
+                                         olmoe                  -> MolmoeTextForCausalLM
+      (MolmoE-1B's OLMoE decoder, megablocks names: models/molmoe.py, molmoe_config.py)
     Ovis2_5ForConditionalGeneration      qwen3                  -> Qwen3ForCausalLM
     Ovis2_5 (remote code)                qwen3                  -> Qwen3ForCausalLM
     Ovis2ForConditionalGeneration        qwen2                  -> Qwen2ForCausalLM
@@ -493,9 +495,14 @@ WRAPPERS: dict[str, Wrapper] = {
         extra_vocab=True,
     ),
     # Molmo v1 (remote code; config: models/molmo_v1_config.py): Qwen2's decoder under the
-    # release's fused names, Molmo2's wider table (images: multimodal/molmo_v1.py)
+    # release's fused names, Molmo2's wider table (images: multimodal/molmo_v1.py); MolmoE-1B:
+    # OLMoE's decoder under the release's megablocks names (models/molmoe.py)
     "MolmoForCausalLM": Wrapper(
-        {"qwen2": "MolmoV1TextForCausalLM", "olmo2": "MolmoV1TextForCausalLM"},
+        {
+            "qwen2": "MolmoV1TextForCausalLM",
+            "olmo2": "MolmoV1TextForCausalLM",
+            "olmoe": "MolmoeTextForCausalLM",
+        },
         _modules("vision_backbone"),
         extra_vocab=True,
     ),

@@ -88,7 +88,8 @@
       downsample MLP deepseek_vl2_encoder.py, a DeepSeek-V2 MHA / MLA decoder; tiles)
     MolmoForCausalLM                         "molmo_v1"  multimodal/molmo_v1.py (Molmo v1,
       remote code: config models/molmo_v1_config.py; pixels molmo_v1_processor.py, CLIP
-      tower, pooling and projector molmo_v1_encoder.py, the decoder models/molmo_v1.py)
+      tower, pooling and projector molmo_v1_encoder.py, the decoder models/molmo_v1.py;
+      MolmoE-1B's OLMoE decoder models/molmoe.py)
     JanusForConditionalGeneration                 "janus"       multimodal/janus.py (its image
       understanding path; image generation, its VQ-VAE and head, not served)
     HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"

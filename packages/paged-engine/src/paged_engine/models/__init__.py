@@ -154,6 +154,7 @@ from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.orion import OrionForCausalLM
+from paged_engine.models.ouro import OuroForCausalLM
 from paged_engine.models.paddleocr_vl import PaddleOCRTextForCausalLM
 from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
@@ -175,6 +176,7 @@ from paged_engine.models.reward_model import REWARD_CLASSES
 from paged_engine.models.seed_oss import SeedOssForCausalLM
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.smollm3 import SmolLM3ForCausalLM
+from paged_engine.models.solar import SolarForCausalLM
 from paged_engine.models.splade import SPLADE
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
@@ -402,6 +404,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # xAI's Grok-1 (remote code): four norms a layer, soft caps, a GELU MoE (models/grok1.py)
     "Grok1ModelForCausalLM": Grok1ForCausalLM,
     "Grok1ForCausalLM": Grok1ForCausalLM,
+    # remote-code releases: Upstage Solar Pro (Llama with block skip connections), ByteDance
+    # Ouro (a looped stack, one KV cache per loop step and layer) (models/solar.py, ouro.py)
+    "SolarForCausalLM": SolarForCausalLM,
+    "OuroForCausalLM": OuroForCausalLM,
 }
 
 

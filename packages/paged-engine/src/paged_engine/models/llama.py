@@ -75,18 +75,20 @@ class LlamaAttention(nn.Module):
         x: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         md: AttentionMetadata,
+        attn: Attention | None = None,  # another paged attention over these weights (Ouro's)
     ) -> torch.Tensor:
+        attn = self.attn if attn is None else attn
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         if self.rotary_emb is None:  # NoPE
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return self.o_proj(self.attn(q, k, v, kv_cache, md))
+            return self.o_proj(attn(q, k, v, kv_cache, md))
         heads, kv_heads = self.q_size // self.head_dim, self.kv_size // self.head_dim
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        write = self.attn.fused_kv_write(kv_cache, md)  # (None: the attention writes K/V)
+        write = attn.fused_kv_write(kv_cache, md)  # (None: the attention writes K/V)
         if self.rotary_emb.rotate_qkv_(positions, qkv, heads, kv_heads, *norms, write):
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # one kernel
-            return self.o_proj(self.attn(q, k, v, kv_cache, md, kv_written=write is not None))
+            return self.o_proj(attn(q, k, v, kv_cache, md, kv_written=write is not None))
         if not self.qk_norm:  # q and k heads rotated in one go from the model's tables
             qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
             rotated = self.rotary_emb.rotate_heads(positions, qk)
@@ -94,7 +96,7 @@ class LlamaAttention(nn.Module):
                 q = rotated[:, :heads].reshape(t, -1)  # views: no copy
                 k = rotated[:, heads:].reshape(t, -1)
                 v = qkv[:, self.q_size + self.kv_size :]
-                return self.o_proj(self.attn(q, k, v, kv_cache, md))
+                return self.o_proj(attn(q, k, v, kv_cache, md))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:  # per-head RMSNorm before RoPE (Qwen3)
             q = self.q_norm(q.reshape(t, -1, self.head_dim)).reshape(t, -1, self.head_dim)
@@ -103,10 +105,10 @@ class LlamaAttention(nn.Module):
                 rotated = self.rotary_emb.rotate_heads(positions, torch.cat((q, k), dim=1))
                 assert rotated is not None
                 q, k = rotated[:, :heads].reshape(t, -1), rotated[:, heads:].reshape(t, -1)
-                return self.o_proj(self.attn(q, k, v, kv_cache, md))
+                return self.o_proj(attn(q, k, v, kv_cache, md))
             q, k = q.reshape(t, -1), k.reshape(t, -1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, md))
+        return self.o_proj(attn(q, k, v, kv_cache, md))
 
 
 class LlamaMLP(nn.Module):

@@ -72,6 +72,9 @@ MPT configs itself and runs the others' remote config code).
     NemotronH_Nano_VL_V2           NemotronH_Nano_VL_V2         Nemotron-H's (config: models/
                                                                 nemotron_nano_vl_config.py;
                                                                 images: nemotron_nano_vl.py)
+    SolarForCausalLM               solar                        models/solar.py (Llama with
+                                                                block skip connections)
+    OuroForCausalLM                ouro                         models/ouro.py (a looped stack)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -313,6 +316,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
     "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O), MolmoE-1B
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
+    "SolarForCausalLM": "solar:solar_config",  # upstage/solar-pro-preview-instruct
+    "OuroForCausalLM": "ouro:ouro_config",  # ByteDance/Ouro-1.4B / 2.6B
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

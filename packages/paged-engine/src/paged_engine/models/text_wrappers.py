@@ -52,6 +52,7 @@ each is exact).
                                          qwen3_moe / internlm2  -> Qwen3Moe / InternLM2
     SkyworkR1VChatModel (llm_config)     qwen2 / qwen3 / llama  -> Qwen2 / Qwen3 / Llama
     H2OVLChatModel (llm_config)          mistral / llama        -> Mistral / Llama
+    NVLM_D (llm_config)                  qwen2                  -> Qwen2ForCausalLM
     DeepseekOcr2ForConditionalGeneration  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
     DeepseekOCRForCausalLM (remote code)  deepseek_ocr2_text    -> DeepseekOcr2TextForCausalLM
       (DeepSeek-OCR v1's DeepSeek-V2 MHA decoder: models/deepseek_ocr_v1_config.py)
@@ -769,6 +770,8 @@ WRAPPERS: dict[str, Wrapper] = {
         {"mistral": "MistralForCausalLM", "llama": "LlamaForCausalLM"},
         ("vision_model.", "mlp1."),
     ),
+    # NVLM-D: InternVLChatModel's layout and config, a Qwen2 LLM (images: multimodal/nvlm_d.py)
+    "NVLM_D": Wrapper({"qwen2": "Qwen2ForCausalLM"}, ("vision_model.", "mlp1.")),
     # Ultravox (fixie-ai's remote code; config: models/ultravox_config.py): Whisper's encoder
     # and a stacking projector (audio: multimodal/ultravox.py) into Llama at `language_model.`
     "UltravoxModel": Wrapper({"llama": "LlamaForCausalLM"}, _AUDIO_STYLE),

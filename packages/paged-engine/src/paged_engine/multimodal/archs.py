@@ -27,6 +27,8 @@
       names mapped onto InternVL's)
     H2OVLChatModel                                "h2ovl"       multimodal/h2ovl.py (remote
       code: InternVL-Chat's config, names and encoder; one image alone tiled by MSAC)
+    NVLM_D                                        "nvlm_d"      multimodal/nvlm_d.py (NVLM-D,
+      remote code: InternVL-Chat's config and names; its projector, <|vision_pad|>, tile tags)
     Mistral3ForConditionalGeneration,             "pixtral"     multimodal/pixtral.py
       LlavaForConditionalGeneration with a Pixtral tower (Pixtral-12B)
     Gemma3ForConditionalGeneration                "gemma3"      multimodal/gemma3.py
@@ -213,6 +215,7 @@ KINDS: dict[str, str] = {
     "InternVLChatModel": "internvl_chat",
     "SkyworkR1VChatModel": "internvl_chat",
     "H2OVLChatModel": "h2ovl",  # InternVL-Chat's, its own tiling (multimodal/h2ovl.py)
+    "NVLM_D": "nvlm_d",  # InternVL-Chat's, its own projector and tile tags (multimodal/nvlm_d.py)
     "MiniCPMOcrForConditionalGeneration": "minicpm_ocr",
     "MiniCPMV": "minicpmv_remote",  # remote code: models/minicpmv_remote_config.py
     "MiniCPMO": "minicpmv_remote",  # MiniCPM-o 2.6: config models/minicpmo_remote_config.py
@@ -341,6 +344,7 @@ ENCODERS: dict[str, str] = {
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
     "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
     "h2ovl": "internvl_chat:InternVLChatImageEncoder",
+    "nvlm_d": "nvlm_d:NVLMImageEncoder",
     "minicpm_ocr": "minicpmv:MiniCPMVImageEncoder",
     "minicpmv_remote": "minicpmv_remote:MiniCPMVRemoteImageEncoder",
     "qwen_vl_v1": "qwen_vl_v1:QwenVLImageEncoder",

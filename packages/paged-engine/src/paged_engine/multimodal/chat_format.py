@@ -60,6 +60,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "glm_ocr": {"image": "<|begin_of_image|>{token}<|end_of_image|>"},
     "internvl_chat": {"image": "<image>", "video": "<video>"},  # the Hub's InternVL2 / 2.5
     "h2ovl": {"image": "<image>"},  # H2OVL-Mississippi (InternVL-Chat's marker)
+    "nvlm_d": {"image": "<image>"},  # NVLM-D (vLLM's placeholder)
     "ovis2_5_hub": {"image": "<image>"},  # Ovis2.5's Hub release (vLLM's placeholder)
     "minicpmv_remote": {"image": "(<image>./</image>)"},  # MiniCPM-V 2.6 / 4.5 (vLLM's)
     "minicpmo_remote": {"audio": "(<audio>./</audio>)"},  # MiniCPM-o 2.6 (vLLM's)

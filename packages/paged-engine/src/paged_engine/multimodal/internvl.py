@@ -200,13 +200,17 @@ class _VisionTower(nn.Module):
 
 
 class _Projector(nn.Module):
-    def __init__(self, config, width: int) -> None:
+    """layer_norm -> linear_1 (width -> inner) -> act -> linear_2 (inner -> text hidden);
+    inner defaults to the text hidden size (NVLM-D: its intermediate size, no biases)."""
+
+    def __init__(self, config, width: int, inner: int | None = None, bias: bool = True) -> None:
         super().__init__()
         text = int(config.text_config.hidden_size)
+        inner = text if inner is None else inner
         self.layer_norm = nn.LayerNorm(width)  # torch's default eps 1e-5, as HF builds it
-        self.linear_1 = nn.Linear(width, text)
+        self.linear_1 = nn.Linear(width, inner, bias=bias)
         self.act = get_act_fn(config.projector_hidden_act, "projector_hidden_act")
-        self.linear_2 = nn.Linear(text, text)
+        self.linear_2 = nn.Linear(inner, text, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
@@ -239,7 +243,11 @@ class InternVLImageEncoder(nn.Module):
         self.num_channels = int(vision.num_channels)
         self.vision_tower = self.build_tower(config, feature_layer(config))
         width = int(vision.hidden_size) * self.scale**2
-        self.multi_modal_projector = _Projector(config, width)
+        self.multi_modal_projector = self.build_projector(config, width)
+
+    def build_projector(self, config, width: int) -> nn.Module:
+        """The projector from `width` pixel-shuffled features (NVLM-D: its own sizes)."""
+        return _Projector(config, width)
 
     def build_tower(self, config, layer: int) -> nn.Module:
         """The tower up to hidden state `layer`; HF takes last_hidden_state (through

@@ -57,9 +57,11 @@ from paged_engine.multimodal.qianfan_ocr import QianfanLayout, hub_vit_names, sp
 
 # Skywork-R1V's remote model is InternVL-Chat's under another name (its config fields, weight
 # names and tokens the same)
-# H2OVL-Mississippi too: its own tiling of one image alone (multimodal/h2ovl.py)
-ARCHS = ("InternVLChatModel", "SkyworkR1VChatModel", "H2OVLChatModel")
+# H2OVL-Mississippi too: its own tiling of one image alone (multimodal/h2ovl.py); NVLM-D
+# its own projector, context token and tile tags (multimodal/nvlm_d.py)
+ARCHS = ("InternVLChatModel", "SkyworkR1VChatModel", "H2OVLChatModel", "NVLM_D")
 CONTEXT = "<IMG_CONTEXT>"
+_CONTEXTS = {"NVLM_D": "<|vision_pad|>"}  # arch -> its image context token, where not CONTEXT
 _IMAGENET_MEAN = [0.485, 0.456, 0.406]
 _IMAGENET_STD = [0.229, 0.224, 0.225]
 _QK_NORM_EPS = 1e-6  # internvl.py's q / k RMSNorm eps
@@ -89,9 +91,10 @@ def chat_config(path: str | Path) -> Any | None:
     if not file.is_file():
         return None
     data = json.loads(file.read_text())
-    if not set(data.get("architectures") or ()) & set(ARCHS):
+    arch = next((a for a in data.get("architectures") or () if a in ARCHS), None)
+    if arch is None:
         return None
-    return internvl_config(data, _context_id(Path(path)))
+    return internvl_config(data, _context_id(Path(path), _CONTEXTS.get(arch, CONTEXT)))
 
 
 def internvl_config(data: dict[str, Any], image_token_id: int) -> Any:
@@ -164,9 +167,10 @@ class InternLM2Config(transformers.LlamaConfig):
     model_type = "internlm2"
 
 
-def _context_id(path: Path) -> int:
-    """<IMG_CONTEXT>'s id among the tokenizer's added tokens (tokenizer.json, or
-    tokenizer_config.json's added_tokens_decoder); the remote model looks it up the same way."""
+def _context_id(path: Path, context: str = CONTEXT) -> int:
+    """`context`'s id (<IMG_CONTEXT>; NVLM-D's <|vision_pad|>) among the tokenizer's added
+    tokens (tokenizer.json, or tokenizer_config.json's added_tokens_decoder); the remote model
+    looks it up the same way."""
     found: dict[str, int] = {}
     file = path / "tokenizer.json"
     if file.is_file():
@@ -175,9 +179,9 @@ def _context_id(path: Path) -> int:
     if file.is_file():
         decoder = json.loads(file.read_text()).get("added_tokens_decoder") or {}
         found |= {t["content"]: int(i) for i, t in decoder.items()}
-    if CONTEXT not in found:
-        raise ValueError(f"{path}: the tokenizer has no {CONTEXT} token, which InternVL needs")
-    return found[CONTEXT]
+    if context not in found:
+        raise ValueError(f"{path}: the tokenizer has no {context} token, which InternVL needs")
+    return found[context]
 
 
 def _hf_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

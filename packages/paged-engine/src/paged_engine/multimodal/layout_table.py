@@ -61,6 +61,7 @@ from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.molmo_v1 import MolmoV1Layout
 from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
 from paged_engine.multimodal.nemotron_nano_vl import NanoNemotronVLLayout
+from paged_engine.multimodal.nvlm_d import NVLMLayout
 from paged_engine.multimodal.ovis2_5_hub import Ovis2_5HubLayout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
 from paged_engine.multimodal.paddleocr_vl import PaddleOCRLayout
@@ -127,6 +128,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
     "h2ovl": H2OVLLayout,  # H2OVL-Mississippi: InternVL-Chat's, one image alone by MSAC
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
+    "nvlm_d": NVLMLayout,  # NVLM-D: InternVL-Chat's tiles, each run after its tile tag
     "minicpm_ocr": MiniCPMOcrLayout,  # MiniCPM-OCR: MiniCPM-V 4.6's, use_image_id as saved
     "minicpmv_remote": MiniCPMVRemoteLayout,  # MiniCPM-V 2.6 / 4.5: "(<image>./</image>)"
     "qwen_vl_v1": QwenVLLayout,  # Qwen-VL v1: each <img> ... </img> span -> n_queries pads

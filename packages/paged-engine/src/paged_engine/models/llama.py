@@ -195,7 +195,8 @@ def run_layers(
     `apart` (keeps_stream_apart): the stream kept apart from each layer's output, every
     residual add fused into the norm after it, the final norm's included. `additions`: rows
     added to the stream after the first layers (Qwen3-VL's deepstack). `capture`: keeps the
-    stream entering the layers it names."""
+    stream entering the layers it names (id len(layers): the stream leaving the stack, before
+    the final norm: MiMo's MTP layer reads it)."""
     if apart and layers:
         h, residual = x, None
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
@@ -205,6 +206,8 @@ def run_layers(
             if additions is not None and i < len(additions.rows):
                 h = additions.add(i, h)  # the stream is h + residual
         assert residual is not None
+        if capture is not None and len(layers) in capture.layer_ids:  # leaving the stack
+            capture.keep(len(layers), h + residual)
         return h + residual if norm is None else add_norm(norm, h, residual)[0]
     for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
         if capture is not None and i in capture.layer_ids:
@@ -212,6 +215,8 @@ def run_layers(
         x = layer(positions, x, kv_cache, md)
         if additions is not None and i < len(additions.rows):
             x = additions.add(i, x)
+    if capture is not None and len(layers) in capture.layer_ids:  # leaving the stack
+        capture.keep(len(layers), x)
     return x if norm is None else norm(x)
 
 

@@ -8,7 +8,8 @@ them (its registry maps the same architectures to its Llama):
     CwmForCausalLM         Meta CWM: no biases, the `sliding_window` on the layers
                            `layer_types` calls "sliding_attention" (HF's CwmForCausalLM)
     MiMoForCausalLM        Xiaomi MiMo: Qwen2's decoder; its multi-token-prediction layers
-                           (`model.mtp_layers.*`) are skipped
+                           (`model.mtp_layers.*`) are skipped here ({"method": "mtp"} runs the
+                           first as a draft head: models/mimo_mtp.py)
     InternLM2ForCausalLM   InternLM2 / 2.5: q, k and v packed per KV head in `wqkv` ([q x group,
                            k, v] a head group), InternLM's own tensor names; biases from `bias`
     MiniCPMForCausalLM     MiniCPM 1 / 2 / 4 (dense): Granite's scalars under MiniCPM's names,

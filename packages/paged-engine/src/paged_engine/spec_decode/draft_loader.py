@@ -80,6 +80,14 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
             )
         config.speculative_config = {**config.speculative_config, "num_speculative_tokens": k}
         spec = SpeculativeConfig.from_dict(config.speculative_config)
+    if spec.is_mtp:  # every pass runs the first layer; vLLM asks for whole rounds of layers
+        k, layers = spec.num_speculative_tokens, num_mtp_layers(target_hf_config)
+        if k > layers and k % layers:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens={k} must be a multiple of the "
+                f"target's MTP layer count {layers} (num_nextn_predict_layers / "
+                "mtp_num_hidden_layers) when above it"
+            )
     if spec.is_eagle3:
         assert spec.model is not None
         check_eagle3_head(spec.model, target_hf_config, config)

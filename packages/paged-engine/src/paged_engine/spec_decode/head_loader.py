@@ -222,15 +222,16 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
 def check_mtp(target_hf_config) -> None:
     """Raise ValueError (naming speculative_config) unless the target has an MTP layer paged
     runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1), GLM-4.5 / 4.6
-    (models/glm4_moe.py) and Qwen3-Next / Qwen3.5 (models/qwen3_next.py) whose config declares
-    one."""
+    (models/glm4_moe.py), Qwen3-Next / Qwen3.5 (models/qwen3_next.py) and MiMo-7B
+    (models/mimo_mtp.py) whose config declares one."""
     from paged_engine.models import get_model_class
     from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
     from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
+    from paged_engine.models.llama_variants import MiMoForCausalLM
     from paged_engine.models.mtp import num_mtp_layers
     from paged_engine.models.qwen3_next import Qwen3_5ForCausalLM
 
-    families = (DeepseekV2ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM)
+    families = (DeepseekV2ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM, MiMoForCausalLM)
 
     arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
     try:
@@ -240,7 +241,7 @@ def check_mtp(target_hf_config) -> None:
     if cls is None or not issubclass(cls, families):
         raise ValueError(
             f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style, "
-            f"GLM-4.5 and Qwen3-Next / Qwen3.5 models; {arch} is not one"
+            f"GLM-4.5, Qwen3-Next / Qwen3.5 and MiMo-7B models; {arch} is not one"
         )
     if num_mtp_layers(target_hf_config) < 1:
         raise ValueError(
@@ -255,6 +256,7 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
     and LM head serve where the checkpoint has no copies of its own."""
     from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
+    from paged_engine.models.mimo_mtp import attach_mimo_mtp_head, is_mimo_mtp
     from paged_engine.models.mtp import (
         DeepseekMtpHead,
         Qwen3NextMtpHead,
@@ -265,6 +267,9 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
     from paged_engine.packed_codes import KEEP_CODES
     from paged_engine.spec_decode.eagle import FinalHiddenRunner
 
+    if is_mimo_mtp(runner.hf_config):  # reads the target's pre-norm stream: its own runner
+        attach_mimo_mtp_head(runner, resolved, quantization)
+        return
     config, hf_config, target = runner.config, runner.hf_config, runner.model
     dtype = next(target.parameters()).dtype
     logger.info("loading the target's MTP layer")

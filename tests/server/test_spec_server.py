@@ -120,7 +120,7 @@ def _settled_metrics(server) -> str:
 def test_bad_speculative_config_fails_at_start(tiny_model):
     cases = (
         ("{not json", "not JSON"),
-        ('{"method": "medusa", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "suffix", "num_speculative_tokens": 2}', "not supported"),
         ('{"method": "eagle"}', "speculative_config.model must name"),  # a head to run
     )
     for bad, needle in cases:

@@ -6,6 +6,8 @@
     {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
     {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
     {"method": "gemma4_assistant", "model": "<Gemma 4 assistant>", "num_speculative_tokens": k}
+    {"method": "mlp_speculator", "model": "<IBM MLPSpeculator>", "num_speculative_tokens": k}
+    {"method": "medusa", "model": "<Medusa heads>", "num_speculative_tokens": k <= num_heads}
 
 A "model" key without a method implies "draft_model"; without either the method is "ngram".
 
@@ -43,8 +45,17 @@ _KNOWN = {
     "num_speculative_tokens_per_batch_size",
 }
 _DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "gemma4_assistant")
-_WITH_MODEL = ("draft_model", "eagle", "eagle3", "gemma4_assistant")
+METHODS = (
+    "ngram",
+    "draft_model",
+    "eagle",
+    "eagle3",
+    "mtp",
+    "gemma4_assistant",
+    "mlp_speculator",
+    "medusa",
+)
+_WITH_MODEL = ("draft_model", "eagle", "eagle3", "gemma4_assistant", "mlp_speculator", "medusa")
 # vLLM's earlier MTP name, and its GPU n-gram proposer (the same proposals)
 _ALIASES = {"deepseek_mtp": "mtp", "ngram_gpu": "ngram"}
 
@@ -90,6 +101,14 @@ class SpeculativeConfig:
     @property
     def is_gemma4_assistant(self) -> bool:
         return self.method == "gemma4_assistant"
+
+    @property
+    def is_mlp_speculator(self) -> bool:  # IBM's MLPSpeculator (spec_decode/mlp_speculator.py)
+        return self.method == "mlp_speculator"
+
+    @property
+    def is_medusa(self) -> bool:  # Medusa heads (spec_decode/medusa.py)
+        return self.method == "medusa"
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:

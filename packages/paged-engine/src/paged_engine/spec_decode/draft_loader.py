@@ -61,6 +61,14 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
             from paged_engine.spec_decode.gemma4_assistant import is_gemma4_assistant
 
             method = "gemma4_assistant" if is_gemma4_assistant(spec.model, config) else None
+            from paged_engine.spec_decode.mlp_speculator import is_mlp_speculator
+
+            if method is None and is_mlp_speculator(spec.model, config):  # by its model_type
+                method = "mlp_speculator"
+            from paged_engine.spec_decode.medusa import is_medusa_heads
+
+            if method is None and is_medusa_heads(spec.model, config):  # by its model_type
+                method = "medusa"
         if method is not None:
             config.speculative_config = {**given, "method": method}
             spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -69,6 +77,16 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
     if spec.num_speculative_tokens == 0:  # left to the model's config
         if spec.is_mtp:
             k = num_mtp_layers(target_hf_config)
+        elif spec.is_mlp_speculator:  # one draft per stage, as vLLM defaults it
+            from paged_engine.spec_decode.mlp_speculator import load_speculator_config
+
+            assert spec.model is not None
+            k = load_speculator_config(spec.model, config).n_predict
+        elif spec.is_medusa:  # one draft a head
+            from paged_engine.spec_decode.medusa import medusa_num_heads
+
+            assert spec.model is not None
+            k = medusa_num_heads(spec.model, config, target_hf_config)
         else:
             assert spec.model is not None
             k = configured_num_tokens(spec.model, config)
@@ -99,6 +117,16 @@ def resolve_speculative_config(config, target_hf_config, target_tokenizer) -> No
 
         assert spec.model is not None
         check_gemma4_assistant(spec.model, target_hf_config, config)
+    elif spec.is_mlp_speculator:
+        from paged_engine.spec_decode.mlp_speculator import check_mlp_speculator
+
+        assert spec.model is not None
+        check_mlp_speculator(spec.model, target_hf_config, spec.num_speculative_tokens, config)
+    elif spec.is_medusa:
+        from paged_engine.spec_decode.medusa import check_medusa_heads
+
+        assert spec.model is not None
+        check_medusa_heads(spec.model, spec.num_speculative_tokens, target_hf_config, config)
     elif spec.model is not None:
         check_draft_model(spec.model, target_hf_config, target_tokenizer, config)
     if spec.max_model_len is not None and spec.max_model_len < config.max_model_len:
@@ -184,6 +212,16 @@ def attach_draft_model(
         from paged_engine.spec_decode.gemma4_assistant import attach_gemma4_assistant
 
         attach_gemma4_assistant(runner, spec.model)
+        return
+    if spec.is_mlp_speculator:
+        from paged_engine.spec_decode.mlp_speculator import attach_mlp_speculator
+
+        attach_mlp_speculator(runner, spec.model)
+        return
+    if spec.is_medusa:
+        from paged_engine.spec_decode.medusa import attach_medusa_heads
+
+        attach_medusa_heads(runner, spec.model, spec.num_speculative_tokens)
         return
     resolved = resolve_draft(spec.model, config)
     hf_config = load_hf_config(resolved, config.trust_remote_code)

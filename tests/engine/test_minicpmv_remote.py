@@ -233,7 +233,7 @@ def test_images_match_reference(ckpt):
 @pytest.mark.parametrize(
     ("field", "change"),
     [
-        ("version", {"version": 2.5}),
+        ("version", {"version": 2.0}),
         ("version", {"version": "4.0"}),
         ("version", {"version": 3.0}),
         ("drop_vision_last_layer", {"drop_vision_last_layer": True}),

@@ -1,26 +1,34 @@
-"""MiniCPM-V's remote config (`MiniCPMV`, model_type "minicpmv": openbmb/MiniCPM-V-2_6,
-openbmb/MiniCPM-V-4_5) read without its remote code (models/remote_aliases.py's REMOTE_CONFIGS
-row), as vLLM's minicpmv.py reads it.
+"""MiniCPM-V's remote config (`MiniCPMV`, model_type "minicpmv": openbmb/MiniCPM-Llama3-V-2_5,
+openbmb/MiniCPM-V-2_6, openbmb/MiniCPM-V-4_5) read without its remote code (models/
+remote_aliases.py's REMOTE_CONFIGS row), as vLLM's minicpmv.py reads it.
 
     config.json                                   -> MiniCPMVRemoteConfig
-    version 2.6 / 4.5                             kept (the only ones served: see below)
-    the LM's fields at the top level              -> text_config: Qwen2Config (2.6),
+    version 2.5 / 2.6 / 4.5                       kept (the only ones served: see below);
+        absent (2.5's first config.json): vLLM's guess, 2.0 where hidden_size 2304 and
+        query_num 64, else 2.5
+    the LM's fields at the top level              -> text_config: LlamaConfig (2.5: Llama 3,
+                                                     no biases), Qwen2Config (2.6),
                                                      Qwen3Config (4.5: head_dim, q / k norms)
     vision_config {hidden_size, image_size, intermediate_size, num_attention_heads,
-        num_hidden_layers, patch_size; model_type "siglip"}
+        num_hidden_layers, patch_size; model_type "siglip" / "idefics2" (2.5)}
                                                   -> vision_config: Idefics2VisionConfig (the
         NaViT SigLIP-400M tower vLLM runs as its Idefics2VisionTransformer with tgt_sizes)
     query_num (64)                                kept: the resampler's queries, the run of
         placeholders of every view
     slice_config {max_slice_nums, scale_resolution, patch_size}, slice_mode, use_image_id
-                                                  kept (the image processor's fallbacks)
+                                                  kept (the image processor's fallbacks; 2.5:
+        the same fields at the top level; no image ids, whatever use_image_id says)
     (none: the release tokenizer's "<unk>")       image_token_id: the saved tokenizer's id
         (remote_aliases.saved_token_id), else 128244; the layout checks the tokenizer agrees
 
 4.5's resampler adds its 2-D positions to the values instead of the keys (vLLM's Resampler4_5
 for images; its temporal positions are videos'): multimodal/minicpmv_remote.py reads `version`.
-Refused by name: a `version` other than 2.6 / 4.5 (2.0 / 2.5 have other towers and LMs; 4.0's
-MiniCPM4-3B LM, run by vLLM as plain Llama, has no reference checked here),
+2.5 feeds its tower each view as one row of patches (the release and vLLM pass no target
+sizes), so its position ids are bucketed along that row: multimodal/minicpmv_remote.py.
+Refused by name: a `version` other than 2.5 / 2.6 / 4.5 (2.0: MiniCPM-V 2's timm SigLIP tower
+resamples its position table with an antialiased bicubic no transformers class reproduces,
+and its MiniCPM-2B LM scales embeddings and residuals; 4.0's MiniCPM4-3B LM, run by vLLM as
+plain Llama, has no reference checked here),
 drop_vision_last_layer true, slice_mode false, use_sliding_window true, rope_scaling set, a
 hidden_size the resampler's 128-wide heads do not divide.
 """
@@ -34,8 +42,10 @@ import transformers
 from paged_engine.models.remote_aliases import RawConfig, field, qwen2_text_fields, vocab_token_id
 
 IMAGE_TOKEN_ID = 128244  # "<unk>" in openbmb/MiniCPM-V-2_6's tokenizer
-VERSIONS = ("2.6", "4.5")
-_TEXT_CLASSES = {"2.6": "Qwen2Config", "4.5": "Qwen3Config"}
+VERSIONS = ("2.5", "2.6", "4.5")
+_TEXT_CLASSES = {"2.5": "LlamaConfig", "2.6": "Qwen2Config", "4.5": "Qwen3Config"}
+_LLAMA3_DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "rope_theta": 5e5}
+_LEGACY_SLICING = ("max_slice_nums", "scale_resolution", "patch_size")  # 2.5: top level
 RESAMPLER_HEAD = 128  # vLLM: num_heads = embed_dim // 128
 _VISION_INTS = (
     "hidden_size",
@@ -59,16 +69,27 @@ def _refuse(name: str, value: Any, want: str) -> ValueError:
 
 
 def version(raw: RawConfig) -> str:
-    """The release's `version` as written ("2.6"); ValueError naming it unless served."""
+    """The release's `version` as written ("2.6"; absent: vLLM's guess from hidden_size and
+    query_num); ValueError naming it unless served."""
     value = raw.get("version")
+    if value is None:  # vLLM's get_version_by_config
+        two = raw.get("hidden_size") == 2304 and raw.get("query_num") == 64
+        value = 2.0 if two else 2.5
     text = f"{float(value):.1f}" if isinstance(value, (int, float)) else str(value)
     if isinstance(value, bool) or text not in VERSIONS:
-        raise _refuse("version", value, f"one of {VERSIONS} (MiniCPM-V 2.6 / 4.5)")
+        raise _refuse("version", value, f"one of {VERSIONS} (MiniCPM-V 2.5 / 2.6 / 4.5)")
     return text
 
 
 def _text_config(raw: RawConfig, version: str) -> transformers.PretrainedConfig:
+    if version == "2.5":  # Llama 3: its own defaults, no biases, no sliding window field
+        raw = {**_LLAMA3_DEFAULTS, **{k: v for k, v in raw.items() if v is not None}}
+        for name in ("attention_bias", "mlp_bias"):
+            if raw.get(name):
+                raise _refuse(name, True, "false (Llama 3's)")
     fields = qwen2_text_fields(raw, "MiniCPMV")
+    if version == "2.5":
+        del fields["use_sliding_window"]
     if version == "4.5":  # Qwen3: head_dim of its own, no attention bias
         heads = fields["num_attention_heads"]
         fields["head_dim"] = field(raw, "head_dim", int, fields["hidden_size"] // heads)
@@ -81,8 +102,8 @@ def _vision_config(raw: RawConfig) -> transformers.Idefics2VisionConfig:
     vision = raw.get("vision_config")
     if not isinstance(vision, dict):
         raise _refuse("vision_config", vision, "a dict (the SigLIP tower's fields)")
-    if vision.get("model_type", "siglip") not in ("siglip", "siglip_vision_model"):
-        raise _refuse("vision_config.model_type", vision["model_type"], "'siglip'")
+    if vision.get("model_type", "siglip") not in ("siglip", "siglip_vision_model", "idefics2"):
+        raise _refuse("vision_config.model_type", vision["model_type"], "'siglip' / 'idefics2'")
     fields = {k: field(vision, k, int) for k in _VISION_INTS}
     return transformers.Idefics2VisionConfig(
         **fields,
@@ -106,6 +127,8 @@ def minicpmv_remote_config(raw: RawConfig) -> MiniCPMVRemoteConfig:
     slices = raw.get("slice_config") or {}
     if not isinstance(slices, dict):
         raise _refuse("slice_config", slices, "a dict")
+    if text_version == "2.5":
+        slices = {k: raw[k] for k in _LEGACY_SLICING if raw.get(k) is not None} | slices
     return MiniCPMVRemoteConfig(
         architectures=list(raw.get("architectures") or ["MiniCPMV"]),
         version=text_version,
@@ -113,7 +136,7 @@ def minicpmv_remote_config(raw: RawConfig) -> MiniCPMVRemoteConfig:
         vision_config=_vision_config(raw),
         query_num=field(raw, "query_num", int, 64),
         slice_config=dict(slices),
-        use_image_id=bool(raw.get("use_image_id", True)),
+        use_image_id=bool(raw.get("use_image_id", True)) and text_version != "2.5",
         image_token_id=token,
         bos_token_id=text.bos_token_id,
         eos_token_id=text.eos_token_id,

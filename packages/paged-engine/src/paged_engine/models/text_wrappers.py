@@ -81,8 +81,8 @@ each is exact).
     MiniCPMV4_6ForConditionalGeneration, qwen3_5_text           -> Qwen3_5ForCausalLM
       MiniCPMV4_7ForConditionalGeneration
     MiniCPMOcrForConditionalGeneration   qwen3_5_text           -> Qwen3_5ForCausalLM
-    MiniCPMV (remote code)               qwen2 / qwen3          -> Qwen2 / Qwen3ForCausalLM
-      (MiniCPM-V 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
+    MiniCPMV (remote code)               llama / qwen2 / qwen3  -> Llama / Qwen2 / Qwen3ForCausalLM
+      (MiniCPM-V 2.5 / 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
     MiniCPMO (remote code)               qwen2                  -> Qwen2ForCausalLM
       (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
     QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel
@@ -459,10 +459,10 @@ WRAPPERS: dict[str, Wrapper] = {
     # dots.ocr (remote code; config: models/dots_ocr_config.py): Qwen2 under its own names
     # (`model.`, `lm_head.`), the NaViT tower `vision_tower.` beside it (multimodal/dots_ocr.py)
     "DotsOCRForCausalLM": Wrapper({"qwen2": "Qwen2ForCausalLM"}, ("vision_tower.",)),
-    # MiniCPM-V 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Qwen2 /
-    # Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
+    # MiniCPM-V 2.5 / 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
+    # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(
-        {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},
         ("vpm.", "resampler."),
         renames=(("llm.model.", "model."), ("llm.lm_head.", "lm_head.")),
     ),

@@ -1,6 +1,6 @@
-"""MiniCPM-V 2.6 / 4.5 as the Hub ships them (`MiniCPMV`, remote code; vLLM's registry name,
-its minicpmv.py): the image processor, prompt and encoder. The config: models/
-minicpmv_remote_config.py; the decoder: Qwen2 (2.6) / Qwen3 (4.5) under `llm.`
+"""MiniCPM-V 2.5 / 2.6 / 4.5 as the Hub ships them (`MiniCPMV`, remote code; vLLM's registry
+name, its minicpmv.py): the image processor, prompt and encoder. The config: models/
+minicpmv_remote_config.py; the decoder: Llama 3 (2.5) / Qwen2 (2.6) / Qwen3 (4.5) under `llm.`
 (models/text_wrappers.py's row).
 
     image (PIL RGB, W x H) -> grid = sliced_grid: n = min(ceil(W H / res^2), max_slice_nums)
@@ -15,8 +15,13 @@ minicpmv_remote_config.py; the decoder: Qwen2 (2.6) / Qwen3 (4.5) under `llm.`
         (use_image_id) <image> query_num x <unk> </image>, then rows of <slice> query_num x
         <unk> </slice> joined by "\\n" (multimodal/minicpmv.py's image_segment); the text
         between tokenized apart (special tokens split it in the remote processor as well)
+        2.5 (vLLM's MiniCPMV2_5, the release's get_grid_placeholder): no <image_id>; the
+        thumbnail as above, then one <slice> ... </slice> around the rows of <image>
+        query_num x <unk> </image> joined by "\\n" (legacy_segment)
     each view (h x w patches) -> `vpm`: SigLIP-400M as Idefics2's tower at the view's grid
-        (bucketed position ids of a 70 x 70 table, post_layernorm; multimodal/idefics2.py)
+        (bucketed position ids of a 70 x 70 table, post_layernorm; multimodal/idefics2.py);
+        2.5 passes the tower no target sizes: the view goes in as one row of h w patches
+        (row-major, the release's reshape_by_patch), its ids bucketed along that row
     -> `resampler` (Resampler2_5; 4.5's Resampler4_5): kv_proj (no bias; none when the
         widths match) -> ln_kv; query_num learned queries through ln_q; one multi-head
         attention of hidden // 128 heads, a 2-D sin-cos table [h, w, hidden] (the first half
@@ -59,6 +64,7 @@ from paged_engine.multimodal.minicpm_ocr import best_resize
 
 PATTERN = "(<image>./</image>)"  # vLLM's image placeholder text (get_placeholder_str)
 UNK = "<unk>"
+LEGACY = "2.5"  # the version with 2.0's prompt schema and its tower fed rows of patches
 MARKERS = {  # multimodal/minicpmv.py's marker names -> the release tokenizer's tokens
     "image_start_token": "<image>",
     "image_end_token": "</image>",
@@ -95,6 +101,40 @@ def sliced_grid(width: int, height: int, max_slices: int, res: int) -> tuple[int
             if e < error:  # strictly: the first candidate keeps a tie
                 best, error = (cols, count // cols), e
     return best
+
+
+def legacy_segment(
+    runs: Sequence[int],
+    rows: int,
+    cols: int,
+    placeholder: int,
+    ids: dict[str, int],
+    newline: list[int],
+) -> list[int]:
+    """2.5's tokens of an image: each view's run in <image> ... </image>, the slices' rows
+    (runs[1:], rows x cols) joined by "\\n" inside one <slice> ... </slice>."""
+
+    def view(n: int) -> list[int]:
+        return [ids["image_start_token"], *[placeholder] * n, ids["image_end_token"]]
+
+    out = view(runs[0])
+    if rows * cols == 0:
+        return out
+    out.append(ids["slice_start_token"])
+    for r in range(rows):
+        out += newline if r else []
+        for n in runs[1 + r * cols : 1 + (r + 1) * cols]:
+            out += view(n)
+    return [*out, ids["slice_end_token"]]
+
+
+def patch_row(pixels: torch.Tensor, patch: int) -> torch.Tensor:
+    """[N, 3, h p, w p] -> [N, 3, p, h w p]: the view's patches side by side, row-major (the
+    2.5 release's reshape_by_patch), so a tower sees a 1 x h w grid."""
+    n, c, height, width = pixels.shape
+    h, w = height // patch, width // patch
+    x = pixels.view(n, c, h, patch, w, patch).permute(0, 1, 3, 2, 4, 5)
+    return x.reshape(n, c, patch, h * w * patch)
 
 
 def _ensure_divide(length: float, unit: int) -> int:
@@ -160,6 +200,7 @@ class MiniCPMVRemoteLayout(Layout):
         self.patch = int(config.vision_config.patch_size)
         self.queries = int(config.query_num)
         self.settings = {**_DEFAULTS, **config.slice_config, "use_image_id": config.use_image_id}
+        self.legacy = config.version == LEGACY
         if tokenizer is None:
             return
         if token_ids(tokenizer, UNK)[0] != placeholder:
@@ -167,7 +208,8 @@ class MiniCPMVRemoteLayout(Layout):
                 f"MiniCPMV: the tokenizer's {UNK} is id {token_ids(tokenizer, UNK)[0]}, not "
                 f"config image_token_id {placeholder} (set image_token_id in config.json)"
             )
-        self.ids = dict(zip(MARKERS, token_ids(tokenizer, *MARKERS.values()), strict=True))
+        names = list(MARKERS)[:4] if self.legacy else list(MARKERS)  # 2.5: no <image_id>
+        self.ids = dict(zip(names, token_ids(tokenizer, *(MARKERS[n] for n in names)), strict=True))
         self.newline = tokenizer.encode("\n", add_special_tokens=False)
 
     def read_saved(self, path: Path) -> None:
@@ -175,6 +217,7 @@ class MiniCPMVRemoteLayout(Layout):
         file = Path(path) / "preprocessor_config.json"
         saved = json.loads(file.read_text()) if file.is_file() else {}
         self.settings.update({k: saved[k] for k in _DEFAULTS if saved.get(k) is not None})
+        self.settings["use_image_id"] &= not self.legacy  # 2.5's processor writes no ids
         if not self.settings["slice_mode"]:
             raise ValueError("MiniCPMV: preprocessor_config.json slice_mode false is not served")
         if int(self.settings["patch_size"]) != self.patch:
@@ -220,7 +263,8 @@ class MiniCPMVRemoteLayout(Layout):
 
         rows, cols = loaded[1][:2]  # type: ignore[index]
         runs = [self.length(v) for v in self._views(loaded[1])]
-        return image_segment(runs, rows, cols, self.placeholder, self.ids, self.newline)
+        build = legacy_segment if self.legacy else image_segment
+        return build(runs, rows, cols, self.placeholder, self.ids, self.newline)
 
     def place(self, loaded: Loaded, at: int, segment: list[int]) -> list[ImageInput]:
         out, start = [], 0
@@ -328,6 +372,8 @@ class MiniCPMVRemoteImageEncoder(nn.Module):
         kv = int(config.vision_config.hidden_size)
         on_values = config.version == "4.5"
         self.resampler = Resampler(int(config.query_num), hidden, kv, on_values)
+        self.as_row = config.version == LEGACY  # 2.5: each view as one row of patches
+        self.patch = int(config.vision_config.patch_size)
 
     def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
         """Each view's rows; views of one patch grid run as one batch (each view alone: the
@@ -341,6 +387,7 @@ class MiniCPMVRemoteImageEncoder(nn.Module):
             by_grid.setdefault(tuple(m.image_size), []).append(i)
         for (h, w), group in by_grid.items():
             pixels = torch.stack([images[i].pixel_values for i in group])  # type: ignore[misc]
+            pixels = patch_row(pixels, self.patch) if self.as_row else pixels
             x = self.vpm.last(pixels.to(weight.device, weight.dtype))
             for i, r in zip(group, self.resampler(x, h, w), strict=True):
                 out[i] = r

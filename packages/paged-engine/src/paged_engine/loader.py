@@ -202,7 +202,7 @@ def with_kv_head_count(config):
 
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     """A transformers tokenizer (built from GGUF metadata for .gguf models, from tekken.json for
-    Mistral repos without HF tokenizer files)."""
+    Mistral repos and tokenizer.tok.json for Grok-2 repos without HF tokenizer files)."""
     if resolved.is_gguf:
         from paged_engine.gguf import gguf_tokenizer
 
@@ -211,6 +211,10 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
 
     if tekken_only(resolved.path):
         return tekken_tokenizer(resolved.path)
+    from paged_engine.grok2_tokenizer import grok2_only, grok2_tokenizer
+
+    if grok2_only(resolved.path):  # Grok-2's tokenizer.tok.json (vLLM's tokenizer_mode "grok2")
+        return grok2_tokenizer(resolved.path)
     from transformers import AutoTokenizer
 
     from paged_engine.models.ultravox_linked import tokenizer_dir

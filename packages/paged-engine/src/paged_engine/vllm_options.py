@@ -36,10 +36,12 @@ IGNORED: dict[str, str] = {
 
 # name -> (accepts(value), what is accepted)
 ONLY_DEFAULT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    # 'mistral': vLLM's mistral_common mode; paged reads a tekken-only repo itself (tekken.py)
+    # 'mistral': vLLM's mistral_common mode; paged reads a tekken-only repo itself (tekken.py);
+    # 'grok2': vLLM's Grok2Tokenizer; paged reads a tokenizer.tok.json-only repo itself
     "tokenizer_mode": (
-        lambda v: v in ("auto", "hf", "mistral"),
-        "'auto', 'hf' or 'mistral' (the fast tokenizer, or tekken.json's)",
+        lambda v: v in ("auto", "hf", "mistral", "grok2"),
+        "'auto', 'hf', 'mistral' or 'grok2' (the fast tokenizer, or tekken.json's or "
+        "tokenizer.tok.json's)",
     ),
     "distributed_executor_backend": (
         lambda v: v in (None, "mp", "uni"),

@@ -247,10 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tokenizer-mode",
-        choices=["auto", "hf", "mistral"],
+        choices=["auto", "hf", "mistral", "grok2"],
         default="auto",
         help="vLLM's: paged loads the Hugging Face (fast) tokenizer in each mode, or a "
-        "Mistral repo's tekken.json where it has no HF tokenizer files",
+        "Mistral repo's tekken.json / Grok-2's tokenizer.tok.json where it has no HF tokenizer "
+        "files",
     )
     p.add_argument(
         "--enable-chunked-prefill",

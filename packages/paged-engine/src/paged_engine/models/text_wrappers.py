@@ -72,7 +72,8 @@ each is exact).
       LlavaNextForConditionalGeneration,
       LlavaOnevisionForConditionalGeneration,
       VipLlavaForConditionalGeneration,
-      LlavaNextVideoForConditionalGeneration
+      LlavaNextVideoForConditionalGeneration,
+      TarsierForConditionalGeneration (Tarsier v1)
     LlavaOnevision15ForConditionalGeneration  qwen3            -> Qwen3ForCausalLM
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
@@ -409,6 +410,8 @@ WRAPPERS: dict[str, Wrapper] = {
     # ViP-LLaVA (a normed projector), LLaVA-NeXT-Video (its pooler has no weights: average / max)
     "VipLlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextVideoForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # Tarsier v1: LLaVA 1.5's names (its separator rows: multimodal/tarsier.py)
+    "TarsierForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     # LLaVA-OneVision-1.5: RICE-ViT under `visual` (images: multimodal/llava_onevision1_5.py),
     # 1-D text positions; transformers 5.25 saves the decoder as `model.model.X`
     "LlavaOnevision15ForConditionalGeneration": Wrapper(

@@ -129,6 +129,8 @@
       Qwen2-VL under LLaVA's names and config, models/tarsier2_config.py; videos too)
     MantisForConditionalGeneration                "mantis"      multimodal/mantis.py (vLLM's name,
       by hf_overrides: a LLaVA checkpoint, each image's run in "(image i: <Image>...</Image>)")
+    TarsierForConditionalGeneration               "tarsier"     multimodal/tarsier.py (Tarsier v1:
+      LLaVA 1.5 with a newline row after each patch row and an image-end row in the run)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -228,6 +230,7 @@ KINDS: dict[str, str] = {
     "SiglipModel": "siglip_embed",  # the same
     "JinaVLForRanking": "qwen2_vl",  # jina-reranker-m0: models/jina_vl_ranker.py
     "MantisForConditionalGeneration": "mantis",  # LLaVA's, its prompt text (multimodal/mantis.py)
+    "TarsierForConditionalGeneration": "tarsier",  # Tarsier v1: LLaVA's, separator rows
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -355,6 +358,7 @@ ENCODERS: dict[str, str] = {
     "clip_embed": "dual_encoder:CLIPImageEmbedder",
     "siglip_embed": "dual_encoder:SiglipImageEmbedder",
     "mantis": "llava:LlavaImageEncoder",  # LLaVA's model (the worker reads config.json's kind)
+    "tarsier": "tarsier:TarsierImageEncoder",
 }
 
 
@@ -379,7 +383,7 @@ def supported_tower(config: Any) -> bool:
     kind = image_kind(config)
     if kind in TOWER_TYPES:
         return vision_tower_type(config) in TOWER_TYPES[kind]
-    if kind in ("llava", "llava_next", "idefics2", "vipllava", "llava_next_video"):
+    if kind in ("llava", "llava_next", "idefics2", "vipllava", "llava_next_video", "tarsier"):
         from paged_engine.multimodal.vision_transformer import TOWERS
 
         return vision_tower_type(config) in TOWERS

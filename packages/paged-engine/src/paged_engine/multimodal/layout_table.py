@@ -71,6 +71,7 @@ from paged_engine.multimodal.phi4mm import Phi4MMLayout
 from paged_engine.multimodal.phi4mm_remote import Phi4MMRemoteLayout
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout
 from paged_engine.multimodal.qwen_vl_v1 import QwenVLLayout
+from paged_engine.multimodal.tarsier import TarsierLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
@@ -138,4 +139,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder
     "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same
     "mantis": MantisLayout,  # Mantis (vLLM's name): LLaVA's runs in numbered image text
+    "tarsier": TarsierLayout,  # Tarsier v1: LLaVA 1.5's run with its separator rows in it
 }

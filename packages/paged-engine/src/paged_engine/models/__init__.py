@@ -93,6 +93,7 @@ from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.inkling import InklingForCausalLM
 from paged_engine.models.inkling2 import Inkling2ForCausalLM, Inkling2LoopForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
+from paged_engine.models.jais import JAISLMHeadModel
 from paged_engine.models.jamba import JambaForCausalLM
 from paged_engine.models.jetmoe import JetMoeForCausalLM
 from paged_engine.models.jina_embeddings_v3 import JINA_EMBEDDINGS_V3
@@ -408,6 +409,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Ouro (a looped stack, one KV cache per loop step and layer) (models/solar.py, ouro.py)
     "SolarForCausalLM": SolarForCausalLM,
     "OuroForCausalLM": OuroForCausalLM,
+    # JAIS v1 (remote code): GPT-2 with SwiGLU, ALiBi or learned positions, muP scalars
+    "JAISLMHeadModel": JAISLMHeadModel,
 }
 
 

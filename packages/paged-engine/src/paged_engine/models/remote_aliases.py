@@ -75,6 +75,8 @@ MPT configs itself and runs the others' remote config code).
     SolarForCausalLM               solar                        models/solar.py (Llama with
                                                                 block skip connections)
     OuroForCausalLM                ouro                         models/ouro.py (a looped stack)
+    JAISLMHeadModel                jais                         models/jais.py (GPT-2 with SwiGLU,
+                                                                ALiBi, muP scalars)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -318,6 +320,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
     "SolarForCausalLM": "solar:solar_config",  # upstage/solar-pro-preview-instruct
     "OuroForCausalLM": "ouro:ouro_config",  # ByteDance/Ouro-1.4B / 2.6B
+    "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

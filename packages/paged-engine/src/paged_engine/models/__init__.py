@@ -92,6 +92,7 @@ from paged_engine.models.hy_v4_vl import HYV4VLTextForCausalLM
 from paged_engine.models.hyperclovax import HyperCLOVAXForCausalLM
 from paged_engine.models.inkling import InklingForCausalLM
 from paged_engine.models.inkling2 import Inkling2ForCausalLM, Inkling2LoopForCausalLM
+from paged_engine.models.internlm2_ve import InternLM2VEForCausalLM
 from paged_engine.models.internlm3 import InternLM3ForCausalLM
 from paged_engine.models.jais import JAISLMHeadModel
 from paged_engine.models.jamba import JambaForCausalLM
@@ -216,6 +217,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MiMoForCausalLM": MiMoForCausalLM,
     "MiMoV2FlashForCausalLM": MiMoV2FlashForCausalLM,
     "InternLM2ForCausalLM": InternLM2ForCausalLM,
+    "InternLM2VEForCausalLM": InternLM2VEForCausalLM,  # Mono-InternVL's LLM
     "MiniCPMForCausalLM": MiniCPMForCausalLM,
     # Llama itself under other names (vLLM's registry maps them to its Llama)
     "LLaMAForCausalLM": LlamaForCausalLM,

@@ -759,6 +759,7 @@ WRAPPERS: dict[str, Wrapper] = {
             "qwen3_moe": "Qwen3MoeForCausalLM",
             "llama": "LlamaForCausalLM",
             "internlm2": "InternLM2ForCausalLM",
+            "internlm2_ve": "InternLM2VEForCausalLM",  # Mono-InternVL (mono_internvl.py)
         },
         ("vision_model.", "mlp1."),
         renames=(("language_model.output.", "output."),),

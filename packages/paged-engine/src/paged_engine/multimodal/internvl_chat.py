@@ -35,6 +35,9 @@ Hub's preprocessor_config.json, where there is one, is a CLIP processor the mode
 Prompt: "<image>" in the text (vLLM's placeholder, what the chat templates write) or a lone
 <IMG_CONTEXT> becomes <img>, a run of <IMG_CONTEXT> per tile, </img> (QianfanLayout's rule).
 
+Mono-InternVL (a patch-embedding vision_config, an InternLM2VE llm_config with visual experts):
+multimodal/mono_internvl.py, models/internlm2_ve.py.
+
 Refused by name: ps_version other than "v2" (v1's shuffle is another layout), a
 force_image_size other than vision_config.image_size (the remote model interpolates its
 position table), use_thumbnail False, q / k norms with a layer_norm_eps other than 1e-6 (ours
@@ -53,6 +56,7 @@ import transformers
 
 from paged_engine.multimodal.internvl import InternVLImageEncoder
 from paged_engine.multimodal.layouts import Loaded, Run, _shape_error, _side
+from paged_engine.multimodal.mono_internvl import InternLM2VEConfig, is_mono
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout, hub_vit_names, split_hub_names
 
 # Skywork-R1V's remote model is InternVL-Chat's under another name (its config fields, weight
@@ -132,8 +136,13 @@ def internvl_config(data: dict[str, Any], image_token_id: int) -> Any:
     patch = vision.get("patch_size")
     fields |= {"image_size": [size, size], "patch_size": [patch, patch]}
     fields |= {"use_mean_pooling": True, "use_absolute_position_embeddings": True}
+    mono = is_mono(data)  # Mono-InternVL: a patch embedding, no layer (multimodal/mono_internvl.py)
+    if mono:
+        fields["num_hidden_layers"] = 0
     text: Any = {k: v for k, v in llm.items() if k not in ("auto_map", "_name_or_path")}
-    if text.get("model_type") == "internlm2":  # remote code too: Llama's fields, its own type
+    if mono:  # InternLM2 with visual experts on <IMG_CONTEXT> rows
+        text = InternLM2VEConfig(**text, visual_token_id=image_token_id)
+    elif text.get("model_type") == "internlm2":  # remote code too: Llama's fields, its own type
         text = InternLM2Config(**text)
     elif text.get("model_type") not in transformers.CONFIG_MAPPING:
         raise ValueError(

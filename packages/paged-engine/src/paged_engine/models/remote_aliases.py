@@ -58,6 +58,9 @@ MPT configs itself and runs the others' remote config code).
     MiniCPMO                       minicpmo                     Qwen2 (config: models/
                                                                 minicpmo_remote_config.py;
                                                                 audio: minicpmo_remote.py)
+    ChatGLMModel (with a           chatglm                      ChatGLM's (GLM-4V: config
+      vision_config)                                            models/glm4v_remote_config.py;
+                                                                images: glm4v_remote.py)
     DeepseekVLV2ForCausalLM        deepseek_vl_v2               DeepSeek-V2's, MHA or MLA (config:
                                                                 models/deepseek_vl2_config.py;
                                                                 images: deepseek_vl2.py)
@@ -75,6 +78,9 @@ MPT configs itself and runs the others' remote config code).
     SolarForCausalLM               solar                        models/solar.py (Llama with
                                                                 block skip connections)
     OuroForCausalLM                ouro                         models/ouro.py (a looped stack)
+    MiniMaxVL01ForConditionalGeneration  minimax_vl_01          LLaVA-NeXT's, MiniMax-Text-01
+                                                                (models/minimax_vl_01_config.py;
+                                                                images: minimax_vl_01.py)
     JAISLMHeadModel                jais                         models/jais.py (GPT-2 with SwiGLU,
                                                                 ALiBi, muP scalars)
 
@@ -320,7 +326,9 @@ REMOTE_CONFIGS: dict[str, str] = {
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
     "SolarForCausalLM": "solar:solar_config",  # upstage/solar-pro-preview-instruct
     "OuroForCausalLM": "ouro:ouro_config",  # ByteDance/Ouro-1.4B / 2.6B
+    "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01_config:minimax_vl_01_config",
     "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
+    "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a
@@ -384,6 +392,8 @@ def remote_config(path: Path) -> PretrainedConfig | None:
         config.architectures = [RENAMED.get(a, a) for a in archs]
         return config
     arch = next((a for a in archs if a in REMOTE_CONFIGS), None)
+    if arch is None and "ChatGLMModel" in archs and raw.get("vision_config") is not None:
+        arch = "GLM4VForCausalLM"  # GLM-4V: ChatGLM's config.json with a vision_config
     # (a config.json without model_type, Grok-1's, is translated too)
     if arch is None or (raw.get("model_type") or arch) == _TRANSFORMERS_TYPES.get(arch):
         return None

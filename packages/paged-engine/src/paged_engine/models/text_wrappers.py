@@ -88,6 +88,8 @@ each is exact).
       (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
     QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel
       (Qwen-VL v1, remote code: models/qwen_vl_v1_config.py)
+    GLM4VForCausalLM                     (flat) chatglm         -> ChatGLMForCausalLM
+      (GLM-4V 9B, remote code: models/glm4v_remote_config.py)
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     NemotronH_Nano_VL_V2 (remote code)   nemotron_h             -> NemotronHForCausalLM
       (models/nemotron_nano_vl_config.py)
@@ -125,6 +127,8 @@ each is exact).
     Qwen3_5MoeForConditionalGeneration   qwen3_5_moe_text       -> Qwen3_5MoeForCausalLM
     Qwen4ExpForConditionalGeneration     qwen4_exp_text         -> Qwen4ExpForCausalLM
     MiniMaxM3SparseForConditionalGeneration  minimax_m3_vl_text -> MiniMaxM3VLForCausalLM
+    MiniMaxVL01ForConditionalGeneration  minimax_text_01        -> MiniMaxText01ForCausalLM
+      (remote code: models/minimax_vl_01_config.py; images multimodal/minimax_vl_01.py)
     Step3p7ForConditionalGeneration      step3p5                -> Step3p7TextForCausalLM
     HYV4VLForConditionalGeneration       hy_v4_vl_text          -> HYV4VLTextForCausalLM
     Cosmos3EdgeForConditionalGeneration  cosmos3_edge_text      -> Cosmos3EdgeTextForCausalLM
@@ -697,6 +701,11 @@ WRAPPERS: dict[str, Wrapper] = {
         {"minimax_m3_vl_text": "MiniMaxM3VLForCausalLM"},
         (*_LLAVA_STYLE, *_modules("patch_merge_mlp")),
     ),
+    # MiniMax-VL-01 (remote code): LLaVA-NeXT's names around MiniMax-Text-01 (the release's
+    # config names: models/minimax_vl_01_config.py; images: multimodal/minimax_vl_01.py)
+    "MiniMaxVL01ForConditionalGeneration": Wrapper(
+        {"minimax_text_01": "MiniMaxText01ForCausalLM"}, _LLAVA_NEXT
+    ),
     # BLIP-2: a ViT, the Q-Former and language_projection (images: multimodal/blip2.py) into
     # a decoder-only text model (the Flan-T5 variants, encoder-decoders, are refused)
     "Blip2ForConditionalGeneration": Wrapper(
@@ -847,6 +856,15 @@ WRAPPERS: dict[str, Wrapper] = {
         _GEMMA4_TOWERS,
         renames=(("language_model.", "model."),),
         carried=("is_matryoshka", "matryoshka_dimensions"),  # vLLM reads them at the top
+    ),
+    # GLM-4V 9B (remote code; config: models/glm4v_remote_config.py): ChatGLM / GLM-4 under its
+    # own `transformer.` names, EVA2-CLIP and the projector under `transformer.vision.`
+    # (multimodal/glm4v_remote.py); the text copy drops vision_config (chatglm.py refuses it)
+    "GLM4VForCausalLM": Wrapper(
+        {"chatglm": "ChatGLMModel"},
+        ("transformer.vision.",),
+        flat=True,
+        fixed=(("vision_config", None),),
     ),
 }
 

@@ -119,6 +119,9 @@
       patches linearly projected into Persimmon; no vision_config)
     MiniMaxM3SparseForConditionalGeneration  "minimax_m3_vl"  multimodal/minimax_m3_vl.py
       (3-D axial rope tower, patch-merge projector; 1-D text positions)
+    MiniMaxVL01ForConditionalGeneration    "minimax_vl_01"  multimodal/minimax_vl_01.py (remote
+      code: config models/minimax_vl_01_config.py; LLaVA-NeXT's model over MiniMax-Text-01,
+      the release's anyres pixels)
     Inkling2ForConditionalGeneration,             "inkling2"    multimodal/inkling2_vl.py
       Inkling2LoopForConditionalGeneration (one token a 40-pixel cell; 1-D positions)
     CohereCompassForConditionalGeneration         "qwen2_vl"    multimodal/qwen2_vl.py (Qwen3-VL's
@@ -131,6 +134,9 @@
       by hf_overrides: a LLaVA checkpoint, each image's run in "(image i: <Image>...</Image>)")
     TarsierForConditionalGeneration               "tarsier"     multimodal/tarsier.py (Tarsier v1:
       LLaVA 1.5 with a newline row after each patch row and an image-end row in the run)
+    GLM4VForCausalLM                       "glm4v_remote"  multimodal/glm4v_remote.py (GLM-4V 9B,
+      remote code: config.json's ChatGLMModel with a vision_config, models/
+      glm4v_remote_config.py; EVA2-CLIP, 2 x 2 conv, GLU into ChatGLM; boi, pads, eoi)
 
 Other wrappers serve their text model only (models/multimodal_text.py).
 """
@@ -211,6 +217,7 @@ KINDS: dict[str, str] = {
     "Emu3ForConditionalGeneration": "emu3",
     "FuyuForCausalLM": "fuyu",
     "MiniMaxM3SparseForConditionalGeneration": "minimax_m3_vl",
+    "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01",  # remote: minimax_vl_01_config.py
     "Inkling2ForConditionalGeneration": "inkling2",
     "Inkling2LoopForConditionalGeneration": "inkling2",
     "CohereCompassForConditionalGeneration": "qwen2_vl",
@@ -231,6 +238,7 @@ KINDS: dict[str, str] = {
     "JinaVLForRanking": "qwen2_vl",  # jina-reranker-m0: models/jina_vl_ranker.py
     "MantisForConditionalGeneration": "mantis",  # LLaVA's, its prompt text (multimodal/mantis.py)
     "TarsierForConditionalGeneration": "tarsier",  # Tarsier v1: LLaVA's, separator rows
+    "GLM4VForCausalLM": "glm4v_remote",  # GLM-4V, remote code: models/glm4v_remote_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -279,6 +287,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "chameleon": ("chameleon_vqgan",),  # vq_config.model_type: its VQ-VAE
     "emu3": ("emu3_vqgan",),  # vq_config.model_type: its VQ-VAE
     "minimax_m3_vl": ("minimax_m3_vl_vision",),
+    "minimax_vl_01": ("clip_vision_model",),  # the release's CLIP (minimax_vl_01_config.py)
     "inkling2": ("inkling2_vision",),
     "qianfan_ocr": ("qianfan_ocr_vision",),
     "minicpm_ocr": ("minicpm_ocr_vision",),
@@ -344,6 +353,7 @@ ENCODERS: dict[str, str] = {
     "emu3": "emu3:Emu3ImageEncoder",
     "fuyu": "fuyu:FuyuImageEncoder",  # no tower: vision_embed_tokens alone
     "minimax_m3_vl": "minimax_m3_vl:MiniMaxM3ImageEncoder",
+    "minimax_vl_01": "llava_next:LlavaNextImageEncoder",  # LLaVA-NeXT's model, its own pixels
     "inkling2": "inkling2_vl:Inkling2ImageEncoder",
     "internvl_chat": "internvl_chat:InternVLChatImageEncoder",
     "h2ovl": "internvl_chat:InternVLChatImageEncoder",
@@ -359,6 +369,7 @@ ENCODERS: dict[str, str] = {
     "siglip_embed": "dual_encoder:SiglipImageEmbedder",
     "mantis": "llava:LlavaImageEncoder",  # LLaVA's model (the worker reads config.json's kind)
     "tarsier": "tarsier:TarsierImageEncoder",
+    "glm4v_remote": "glm4v_remote:Glm4vRemoteImageEncoder",
 }
 
 

@@ -61,10 +61,12 @@ FORMS: dict[str, dict[str, str | None]] = {
     "internvl_chat": {"image": "<image>", "video": "<video>"},  # the Hub's InternVL2 / 2.5
     "h2ovl": {"image": "<image>"},  # H2OVL-Mississippi (InternVL-Chat's marker)
     "nvlm_d": {"image": "<image>"},  # NVLM-D (vLLM's placeholder)
+    "minimax_vl_01": {"image": "<image>"},  # MiniMax-VL-01 (vLLM's placeholder)
     "ovis2_5_hub": {"image": "<image>"},  # Ovis2.5's Hub release (vLLM's placeholder)
     "minicpmv_remote": {"image": "(<image>./</image>)"},  # MiniCPM-V 2.6 / 4.5 (vLLM's)
     "minicpmo_remote": {"audio": "(<audio>./</audio>)"},  # MiniCPM-o 2.6 (vLLM's)
     "qwen_vl_v1": {"image": "Picture {n}: <img></img>"},  # Qwen-VL v1 (vLLM's)
+    "glm4v_remote": {"image": "<|begin_of_image|><|endoftext|><|end_of_image|>"},  # (vLLM's)
     "dots_ocr": {"image": "<|img|>{token}<|endofimg|>"},  # dots.ocr (vLLM's placeholder)
     "nemotron_nano_vl": {"image": "<image>"},  # Nemotron Nano VL v2 (vLLM's placeholder)
     "internvl": {"video": "<video>"},  # HF's InternVL: images <IMG_CONTEXT> (its token)

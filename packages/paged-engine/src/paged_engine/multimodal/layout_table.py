@@ -14,6 +14,7 @@ from paged_engine.multimodal.dual_encoder import DualEncoderLayout
 from paged_engine.multimodal.emu3 import Emu3Layout
 from paged_engine.multimodal.ernie4_5_vl import ErnieLayout
 from paged_engine.multimodal.fuyu import FuyuLayout
+from paged_engine.multimodal.glm4v_remote import Glm4vRemoteLayout
 from paged_engine.multimodal.h2ovl import H2OVLLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
 from paged_engine.multimodal.internvl_chat import InternVLChatLayout
@@ -56,6 +57,7 @@ from paged_engine.multimodal.mantis import MantisLayout
 from paged_engine.multimodal.minicpm_ocr import MiniCPMOcrLayout
 from paged_engine.multimodal.minicpmv_remote import MiniCPMVRemoteLayout
 from paged_engine.multimodal.minimax_m3_vl import MiniMaxM3Layout
+from paged_engine.multimodal.minimax_vl_01 import MiniMaxVL01Layout
 from paged_engine.multimodal.mllama_layout import MllamaLayout
 from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.molmo_v1 import MolmoV1Layout
@@ -126,6 +128,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "emu3": Emu3Layout,  # Emu3: boi, "h*w", its wrapper, rows of VQ codes + end-of-line, eof, eoi
     "fuyu": FuyuLayout,  # Fuyu: rows of patch tokens, each ended by |NEWLINE|
     "minimax_m3_vl": MiniMaxM3Layout,  # MiniMax M3: start, a run by the merged grid, end
+    "minimax_vl_01": MiniMaxVL01Layout,  # MiniMax-VL-01: LLaVA-NeXT's runs, its own pixels
     "inkling2": Inkling2Layout,  # Inkling 2: a run of one token per cell, 1-D positions
     "h2ovl": H2OVLLayout,  # H2OVL-Mississippi: InternVL-Chat's, one image alone by MSAC
     "internvl_chat": InternVLChatLayout,  # the Hub's InternVL: InternVL's, tiles by its config
@@ -140,4 +143,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same
     "mantis": MantisLayout,  # Mantis (vLLM's name): LLaVA's runs in numbered image text
     "tarsier": TarsierLayout,  # Tarsier v1: LLaVA 1.5's run with its separator rows in it
+    "glm4v_remote": Glm4vRemoteLayout,  # GLM-4V 9B: boi, pad, eoi -> boi, (grid / 2)^2 pads, eoi
 }

@@ -28,7 +28,9 @@ a copy with them. Tensor parallelism splits the rows as Llama's do.
 Refused by name (no exact reference to test them against): rmsnorm=False (LayerNorms),
 apply_residual_connection_post_layernorm=True, post_layer_norm=False, add_bias_linear=True,
 original_rope=False (NeoX-style rope: CogAgent), pre_seq_len (a p-tuning prefix encoder),
-quantization_bit (the releases' own int4 / int8 weights), and a vision_config (GLM-4V).
+quantization_bit (the releases' own int4 / int8 weights). GLM-4V's config.json (a
+vision_config beside these fields) is GLM4VForCausalLM's: models/glm4v_remote_config.py and
+multimodal/glm4v_remote.py, whose text model is this one.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ _REQUIRED = (
 def check_chatglm_config(config) -> None:
     """ValueError naming the first field whose variant of the model we do not serve."""
     if getattr(config, "vision_config", None) is not None:
-        raise ValueError("ChatGLM with a vision_config (GLM-4V) is not supported")
+        raise ValueError(
+            "ChatGLM's text model takes no vision_config: GLM-4V is served as GLM4VForCausalLM "
+            "(multimodal/glm4v_remote.py), which strips it from this model's config"
+        )
     for field, want in _REQUIRED:
         got = getattr(config, field, None)
         if got is not None and bool(got) != want:

@@ -75,6 +75,9 @@ MPT configs itself and runs the others' remote config code).
     NemotronH_Nano_VL_V2           NemotronH_Nano_VL_V2         Nemotron-H's (config: models/
                                                                 nemotron_nano_vl_config.py;
                                                                 images: nemotron_nano_vl.py)
+    Llama_Nemotron_Nano_VL         Llama_Nemotron_Nano_VL       Llama's (config: models/
+                                                                nemotron_vl_v1_config.py;
+                                                                images: nemotron_vl_v1.py)
     SolarForCausalLM               solar                        models/solar.py (Llama with
                                                                 block skip connections)
     OuroForCausalLM                ouro                         models/ouro.py (a looped stack)
@@ -324,6 +327,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
     "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O), MolmoE-1B
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2
+    "Llama_Nemotron_Nano_VL": "nemotron_vl_v1_config:nemotron_vl_v1_config",  # Nano VL 8B v1
     "SolarForCausalLM": "solar:solar_config",  # upstage/solar-pro-preview-instruct
     "OuroForCausalLM": "ouro:ouro_config",  # ByteDance/Ouro-1.4B / 2.6B
     "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01_config:minimax_vl_01_config",
@@ -338,6 +342,7 @@ PLACEHOLDER_TOKENS = {
     "MiniCPMO": "<unk>",
     "DeepseekOCRForCausalLM": "<image>",
     "DeepseekVLV2ForCausalLM": "<image>",
+    "Llama_Nemotron_Nano_VL": "<image>",
 }
 
 

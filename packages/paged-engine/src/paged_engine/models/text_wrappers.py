@@ -93,6 +93,8 @@ each is exact).
     NemotronH_Omni_Reasoning_V3          nemotron_h             -> NemotronHForCausalLM
     NemotronH_Nano_VL_V2 (remote code)   nemotron_h             -> NemotronHForCausalLM
       (models/nemotron_nano_vl_config.py)
+    Llama_Nemotron_Nano_VL (remote code) llama                  -> LlamaForCausalLM
+      (models/nemotron_vl_v1_config.py)
     Molmo2ForConditionalGeneration       molmo2_text            -> Molmo2TextForCausalLM
     MolmoForCausalLM (remote code)       qwen2 / olmo2          -> MolmoV1TextForCausalLM
       (Molmo v1's Qwen2 / OLMo 2 decoder, fused names: models/molmo_v1.py, molmo_v1_config.py)
@@ -818,6 +820,12 @@ WRAPPERS: dict[str, Wrapper] = {
         {"nemotron_h": "NemotronHForCausalLM"},
         _modules("vision_model", "mlp1"),
         renames=(("language_model.backbone.", "backbone."),),
+    ),
+    # Llama Nemotron Nano VL v1 (remote code; config: models/nemotron_vl_v1_config.py): v2's
+    # C-RADIO tiles and InternVL's projector (multimodal/nemotron_vl_v1.py), LlamaForCausalLM
+    # at `language_model.` (`language_model.model.` / `language_model.lm_head.`: _RENAMES)
+    "Llama_Nemotron_Nano_VL": Wrapper(
+        {"llama": "LlamaForCausalLM"}, _modules("vision_model", "mlp1")
     ),
     # Phi-3 / 3.5-vision (remote code; config: models/phi3v_config.py): Phi-3's decoder, its
     # fields at the top level; CLIP, separators and projector under `model.vision_embed_tokens.`

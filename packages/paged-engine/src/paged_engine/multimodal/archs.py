@@ -59,6 +59,8 @@
       pixel shuffle, relu^2 projector), nemotron_h_omni_processor.py (pixels, prompt); images only
     NemotronH_Nano_VL_V2               "nemotron_nano_vl"  multimodal/nemotron_nano_vl.py (remote
       code: config models/nemotron_nano_vl_config.py; Omni's tower and projector on 512 tiles)
+    Llama_Nemotron_Nano_VL                 "nemotron_vl_v1"  multimodal/nemotron_vl_v1.py (remote
+      code: config models/nemotron_vl_v1_config.py; v2's C-RADIO tiles, GELU mlp1, Llama 3.1)
     Lfm2VlForConditionalGeneration                "lfm2_vl"     multimodal/lfm2_vl.py
     Ovis2_5ForConditionalGeneration               "ovis2_5"     multimodal/ovis2_5.py
     Ovis2_5                                       "ovis2_5_hub" multimodal/ovis2_5_hub.py (the
@@ -231,6 +233,7 @@ KINDS: dict[str, str] = {
     "QwenVLForConditionalGeneration": "qwen_vl_v1",  # remote code: models/qwen_vl_v1_config.py
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl",  # remote code: models/nemotron_nano_vl_config.py
+    "Llama_Nemotron_Nano_VL": "nemotron_vl_v1",  # remote code: models/nemotron_vl_v1_config.py
     "Phi3VForCausalLM": "phi3v",
     "Phi4MMForCausalLM": "phi4mm_remote",  # remote code: models/phi4mm_config.py
     "CLIPModel": "clip_embed",  # an embedding model: multimodal/dual_encoder.py
@@ -294,6 +297,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "minicpmv_remote": ("idefics2_vision",),  # the release's SigLIP (minicpmv_remote_config.py)
     "nemotron_h_omni": ("radio",),
     "nemotron_nano_vl": ("radio",),  # RadioConfig built from vision_config.args
+    "nemotron_vl_v1": ("radio",),  # RadioConfig built from vision_config.args
     "phi3v": ("clip_vision_model",),  # ViT-L/14-336 (models/phi3v_config.py)
     "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
     "clip_embed": ("clip_vision_model",),
@@ -363,6 +367,7 @@ ENCODERS: dict[str, str] = {
     "qwen_vl_v1": "qwen_vl_v1:QwenVLImageEncoder",
     "nemotron_h_omni": "nemotron_h_omni:NemotronOmniImageEncoder",
     "nemotron_nano_vl": "nemotron_nano_vl:NanoNemotronVLImageEncoder",
+    "nemotron_vl_v1": "nemotron_vl_v1:NemotronVLV1ImageEncoder",
     "phi3v": "phi3v:Phi3VImageEncoder",
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteImageEncoder",
     "clip_embed": "dual_encoder:CLIPImageEmbedder",

@@ -69,6 +69,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "glm4v_remote": {"image": "<|begin_of_image|><|endoftext|><|end_of_image|>"},  # (vLLM's)
     "dots_ocr": {"image": "<|img|>{token}<|endofimg|>"},  # dots.ocr (vLLM's placeholder)
     "nemotron_nano_vl": {"image": "<image>"},  # Nemotron Nano VL v2 (vLLM's placeholder)
+    "nemotron_vl_v1": {"image": "<image>"},  # Llama Nemotron Nano VL v1 (vLLM's placeholder)
     "internvl": {"video": "<video>"},  # HF's InternVL: images <IMG_CONTEXT> (its token)
     "aria": {"image": "<|fim_prefix|>{token}<|fim_suffix|>"},
     "blip2": {"image": None},

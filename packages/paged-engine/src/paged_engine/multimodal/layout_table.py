@@ -63,6 +63,7 @@ from paged_engine.multimodal.molmo2 import Molmo2Layout
 from paged_engine.multimodal.molmo_v1 import MolmoV1Layout
 from paged_engine.multimodal.nemotron_h_omni_processor import NemotronOmniLayout
 from paged_engine.multimodal.nemotron_nano_vl import NanoNemotronVLLayout
+from paged_engine.multimodal.nemotron_vl_v1 import NemotronVLV1Layout
 from paged_engine.multimodal.nvlm_d import NVLMLayout
 from paged_engine.multimodal.ovis2_5_hub import Ovis2_5HubLayout
 from paged_engine.multimodal.ovis2_layout import Ovis2Layout
@@ -138,6 +139,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "qwen_vl_v1": QwenVLLayout,  # Qwen-VL v1: each <img> ... </img> span -> n_queries pads
     "nemotron_h_omni": NemotronOmniLayout,  # Nemotron-H Omni: <img>, a run by the grid, </img>
     "nemotron_nano_vl": NanoNemotronVLLayout,  # Nemotron Nano VL v2: <img>, a run by tiles, </img>
+    "nemotron_vl_v1": NemotronVLV1Layout,  # Nemotron Nano VL v1: v2's runs, its own tiles
     "phi3v": Phi3VLayout,  # Phi-3(.5)-vision: "<|image_i|>" tags -> runs by the HD crop grid
     "clip_embed": DualEncoderLayout,  # CLIP embeddings: an image prompt is one placeholder
     "siglip_embed": DualEncoderLayout,  # SigLIP embeddings: the same

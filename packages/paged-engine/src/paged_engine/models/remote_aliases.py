@@ -52,6 +52,9 @@ MPT configs itself and runs the others' remote config code).
     DotsOCRForCausalLM             dots_ocr                     Qwen2's (config: models/
                                                                 dots_ocr_config.py; images:
                                                                 multimodal/dots_ocr.py)
+    OpenCUAForConditionalGeneration opencua                     Qwen2's at 1-D positions (config:
+                                                                models/opencua_config.py;
+                                                                images: multimodal/opencua.py)
     MiniCPMV                       minicpmv                     Qwen2 / Qwen3 (config: models/
                                                                 minicpmv_remote_config.py;
                                                                 images: minicpmv_remote.py)
@@ -333,6 +336,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01_config:minimax_vl_01_config",
     "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
+    "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a
@@ -343,6 +347,7 @@ PLACEHOLDER_TOKENS = {
     "DeepseekOCRForCausalLM": "<image>",
     "DeepseekVLV2ForCausalLM": "<image>",
     "Llama_Nemotron_Nano_VL": "<image>",
+    "OpenCUAForConditionalGeneration": "<|media_placeholder|>",
 }
 
 

@@ -58,6 +58,8 @@ each is exact).
       (DeepSeek-OCR v1's DeepSeek-V2 MHA decoder: models/deepseek_ocr_v1_config.py)
     DotsOCRForCausalLM (remote code)     qwen2                  -> Qwen2ForCausalLM
       (dots.ocr: models/dots_ocr_config.py; images multimodal/dots_ocr.py)
+    OpenCUAForConditionalGeneration      qwen2                  -> Qwen2ForCausalLM
+      (remote code: models/opencua_config.py; 1-D rope; images multimodal/opencua.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
       (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
@@ -468,6 +470,11 @@ WRAPPERS: dict[str, Wrapper] = {
     # dots.ocr (remote code; config: models/dots_ocr_config.py): Qwen2 under its own names
     # (`model.`, `lm_head.`), the NaViT tower `vision_tower.` beside it (multimodal/dots_ocr.py)
     "DotsOCRForCausalLM": Wrapper({"qwen2": "Qwen2ForCausalLM"}, ("vision_tower.",)),
+    # OpenCUA (remote code; config: models/opencua_config.py): Qwen2 at 1-D positions under
+    # `language_model.` (_RENAMES), Qwen2.5-VL's tower `vision_tower.` (multimodal/opencua.py)
+    "OpenCUAForConditionalGeneration": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM"}, _modules("vision_tower", "visual")
+    ),
     # MiniCPM-V 2.5 / 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
     # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(

@@ -98,6 +98,9 @@
       understanding path; image generation, its VQ-VAE and head, not served)
     HyperCLOVAXVisionV2ForConditionalGeneration  "hyperclovax_vision_v2"
       multimodal/hyperclovax_vision_v2.py (Qwen2.5-VL's tower, a linear projector; 1-D positions)
+    OpenCUAForConditionalGeneration               "opencua"     multimodal/opencua.py (OpenCUA,
+      remote code: config models/opencua_config.py; Qwen2.5-VL's tower and merger into Qwen2 at
+      1-D positions; runs of "<|media_placeholder|>")
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
@@ -242,6 +245,7 @@ KINDS: dict[str, str] = {
     "MantisForConditionalGeneration": "mantis",  # LLaVA's, its prompt text (multimodal/mantis.py)
     "TarsierForConditionalGeneration": "tarsier",  # Tarsier v1: LLaVA's, separator rows
     "GLM4VForCausalLM": "glm4v_remote",  # GLM-4V, remote code: models/glm4v_remote_config.py
+    "OpenCUAForConditionalGeneration": "opencua",  # remote code: models/opencua_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -302,6 +306,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "phi4mm_remote": ("phi4_multimodal_vision",),  # so400m (models/phi4mm_config.py)
     "clip_embed": ("clip_vision_model",),
     "siglip_embed": ("siglip_vision_model",),
+    "opencua": ("qwen2_5_vl", "qwen2_5_vl_vision"),  # Qwen2.5-VL's (models/opencua_config.py)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -375,6 +380,7 @@ ENCODERS: dict[str, str] = {
     "mantis": "llava:LlavaImageEncoder",  # LLaVA's model (the worker reads config.json's kind)
     "tarsier": "tarsier:TarsierImageEncoder",
     "glm4v_remote": "glm4v_remote:Glm4vRemoteImageEncoder",
+    "opencua": "opencua:OpenCUAImageEncoder",
 }
 
 

@@ -119,6 +119,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "molmo_v1": MolmoV1Layout,  # Molmo v1: each image's tiles' segment at the prompt's start
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
+    "opencua": Exaone45Layout,  # OpenCUA: Qwen2-VL's runs of <|media_placeholder|>, 1-D
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
     "phi4mm_remote": Phi4MMRemoteLayout,  # its Hub release: the same runs, numbered tags
     "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput

@@ -5,12 +5,15 @@ them on any way out other than their completion (error, disconnect, failed write
 are never held for a client that is gone.
 
 `tokenizer` is the HTTP side's own (never the engine's: the engine and output threads use that
-one without a lock), shared by the HTTP threads under `tok_lock`. A prompt is tokenized here
-once; the engine gets its ids with its text and does not tokenize it again.
+one without a lock), shared by the HTTP threads under `tok_lock` (a text past `_LONG_TEXT`
+characters goes to a second copy under a lock of its own: a huge prompt holds up no other
+request's tokenization). A prompt is tokenized here once; the engine gets its ids with its text
+and does not tokenize it again.
 """
 
 from __future__ import annotations
 
+import copy
 import hmac
 import logging
 import threading
@@ -68,6 +71,8 @@ from paged_server.structured_request import check_structured
 from paged_server.tool_parsers import TOOL_PARSERS
 from paged_server.transcriptions import serve_speech
 
+# characters: a longer text is encoded by a tokenizer copy of its own (App._encode)
+_LONG_TEXT = 1 << 16
 _MODEL_ROUTE = "/v1/models/"
 _RESPONSE_ROUTE = "/v1/responses/"
 _RESPONSE_SUBROUTES = ("", "input_items", "cancel")  # /v1/responses/{id}[/sub]: dispatch's keys
@@ -182,6 +187,8 @@ class OpenAIApp:
         self.vocab_size = len(tokenizer)
         self.created = int(time.time())
         self.tok_lock = threading.Lock()  # HF tokenizers are not guaranteed thread-safe
+        self.long_tok_lock = threading.Lock()  # guards `_long_tokenizer` (made on first use)
+        self._long_tokenizer: Any = None
         self.response_store = ResponseStore()  # /v1/responses with store: the newest finished
         self.routes: dict[str, dict[str, Callable[[Handler], None]]] = {
             "/health": {"GET": self.health},
@@ -440,8 +447,17 @@ class OpenAIApp:
 
     # ---- tokenizer helpers -----------------------------------------------------------------
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        with self.tok_lock:
-            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        """`text`'s ids. A text over _LONG_TEXT characters (a 15 MB prompt encodes for ~20 s)
+        is encoded by a copy of the tokenizer under a lock of its own, so it holds up only
+        other long texts, never every request's tokenization behind `tok_lock`."""
+        if len(text) <= _LONG_TEXT:
+            with self.tok_lock:
+                return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        with self.long_tok_lock:
+            if self._long_tokenizer is None:
+                with self.tok_lock:
+                    self._long_tokenizer = copy.deepcopy(self.tokenizer)
+            return list(self._long_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _decode_one(self, tid: int) -> str:
         with self.tok_lock:
@@ -887,7 +903,12 @@ class OpenAIApp:
         if req.structured is not None:
             kwargs["structured_outputs"] = req.structured
         beam = req.use_beam_search and max_tokens > 0
-        params = self.client.make_params(kwargs, beam=beam, stream=stream)
+        try:
+            params = self.client.make_params(kwargs, beam=beam, stream=stream)
+        except APIError as e:  # the constraint's shape: name the field the client sent
+            if e.param == "structured_outputs" and req.structured_param is not None:
+                e.param = req.structured_param
+            raise
         # -1 (every token, as the engine took it), or explicit ids (the sampled token and each
         # of them): the answers keep whatever came back
         if req.logprobs == -1 or params.logprob_token_ids:

@@ -204,8 +204,7 @@ def prompt_tokens(
     ("input[2]"); the error's `param` is its field ("input")."""
     param = where.partition("[")[0]
     if isinstance(item, str):
-        with app.tok_lock:
-            tokens = app.tokenizer.encode(item, add_special_tokens=add_special_tokens)
+        tokens = app._encode(item, add_special_tokens)
     else:
         app._check_ids(item, param)
         tokens = list(item)

@@ -25,6 +25,10 @@ from paged_server.errors import bad_request
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
 from paged_server.tool_parsers.json_list import scan_call_list
 
+# llguidance's parser follows at most 2000 alternatives at a time: past that a forced call list
+# failed after its first token (a 200 with no call)
+MAX_REQUIRED_TOOLS = 1024
+
 
 @dataclass(slots=True)
 class ToolRequest:
@@ -111,6 +115,12 @@ def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | 
             )
     elif choice in ("none", "required"):
         req.choice = choice
+        if choice == "required" and len(schemas) > MAX_REQUIRED_TOOLS:
+            raise bad_request(
+                f"a required tool call chooses among at most {MAX_REQUIRED_TOOLS} tools, got "
+                f"{len(schemas)}: its grammar holds one alternative per tool",
+                "tools",
+            )
     elif isinstance(choice, dict) and choice.get("type") == "function":
         name = (choice.get("function") or {}).get("name")
         if name not in schemas:

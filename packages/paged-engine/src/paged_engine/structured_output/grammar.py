@@ -54,8 +54,9 @@ def _grammar_text(key: str) -> str:
             grammar = matcher.grammar_from_json_schema(spec, overrides=options)
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(spec)
-        elif kind == "choice":
-            grammar = matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        elif kind == "choice":  # one lexeme: the parser follows at most 2000 alternatives
+            choices = " | ".join(json.dumps(c) for c in spec)
+            grammar = matcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {choices}")
         elif kind == "structural_tag":
             options = _json_options(no_whitespace, whitespace)
             grammar = matcher.grammar_from_lark(structural_tag_lark(spec, field, options))

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+MAX_CHOICES = 16384  # their grammar compiles in ~0.1 s (grammar.py)
 
 
 @dataclass(slots=True)
@@ -77,14 +78,19 @@ class StructuredOutputsParams:
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.choice is not None:
-            if (
-                not isinstance(self.choice, (list, tuple))
-                or not self.choice
-                or not all(isinstance(c, str) and c for c in self.choice)
-            ):
+            listed = isinstance(self.choice, (list, tuple))
+            if listed and len(self.choice) > MAX_CHOICES:
+                raise ValueError(
+                    f"structured_outputs.choice holds at most {MAX_CHOICES} strings, got "
+                    f"{len(self.choice)}"
+                )
+            items = self.choice if listed else ()
+            bad = [c for c in items if not (isinstance(c, str) and c)][:1]
+            if not listed or not self.choice or bad:
+                shown = bad[0] if bad else self.choice  # one bad item, not the whole list
                 raise ValueError(
                     "structured_outputs.choice must be a non-empty list of non-empty strings, "
-                    f"got {self.choice!r}"
+                    f"got {shown!r}"
                 )
             self.choice = list(self.choice)
         if self.json_object is not None and self.json_object is not True:

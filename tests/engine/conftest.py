@@ -145,3 +145,27 @@ def _scheduling_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyP
         import paged_engine.engine.llm_engine as llm_engine
 
         monkeypatch.setattr(llm_engine, "auto_async_scheduling", lambda device: mode == "async")
+
+
+@pytest.fixture
+def no_isolated_step_failures(monkeypatch: pytest.MonkeyPatch):
+    """Fail the test if an engine step raised during it. The engine isolates such a step
+    (core/step_isolation.py: its requests recompute, each alone, and outputs stay right), so
+    without this a proposer that raises passes every output check. Recorded where the engine
+    core isolates the step (`StepIsolation._step_failed`, which planning failures reach too)."""
+    import traceback
+
+    from paged_engine.core.step_isolation import StepIsolation
+
+    errors: list[Exception] = []
+    isolate = StepIsolation._step_failed
+
+    def recording(self, error: Exception, *args, **kwargs):
+        errors.append(error)
+        return isolate(self, error, *args, **kwargs)
+
+    monkeypatch.setattr(StepIsolation, "_step_failed", recording)
+    yield
+    if errors:
+        first = "".join(traceback.format_exception(errors[0]))
+        pytest.fail(f"{len(errors)} engine step(s) failed and were isolated; the first:\n{first}")

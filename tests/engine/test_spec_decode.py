@@ -22,6 +22,8 @@ from paged_engine.spec_decode.ngram_proposer import propose_ngram
 from paged_engine.spec_decode.planner import DraftPlanner
 from paged_engine.testing import SUPPORTED_TINY_ARCHS, write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 pytest.importorskip("transformers")
 
 

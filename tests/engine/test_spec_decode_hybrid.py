@@ -16,6 +16,8 @@ import pytest
 from paged_engine import LLM, SamplingParams
 from paged_engine.testing import write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 pytest.importorskip("transformers")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}

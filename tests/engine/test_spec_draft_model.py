@@ -27,6 +27,8 @@ from paged_engine.testing import SUPPORTED_TINY_ARCHS, write_tiny_model
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 
 def _prompts(seed: int = 0) -> list[dict]:
     rng = random.Random(seed)

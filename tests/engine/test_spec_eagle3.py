@@ -37,6 +37,8 @@ from paged_engine.testing import write_tiny_eagle3_head, write_tiny_model
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 LAYERS = 7  # default aux ids (2, 3, 4)
 PROMPTS = [
     {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},

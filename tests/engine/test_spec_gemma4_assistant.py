@@ -28,6 +28,8 @@ from paged_engine.models.gemma4_assistant import Gemma4AssistantForCausalLM
 from paged_engine.spec_decode.gemma4_assistant import Gemma4AssistantRunner
 from paged_engine.testing import _randomize, tiny_config, write_tiny_model
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 pytest.importorskip("transformers.models.gemma4_assistant")
 
 PROMPTS = [

@@ -33,6 +33,8 @@ from paged_engine.testing import write_tiny_model, write_tiny_mtp_target
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 PROMPTS = [
     {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
     {"prompt_token_ids": list(range(100, 137))},

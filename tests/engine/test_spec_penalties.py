@@ -27,6 +27,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 from test_spec_draft_model import _run, assert_same_marginals, noisy_copy
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 PENALTIES = [
     {"repetition_penalty": 1.3},
     {"frequency_penalty": 0.6},

@@ -29,6 +29,8 @@ pytest.importorskip("transformers")
 from test_spec_draft_model import _run
 from test_spec_penalties import repeating  # noqa: F401 (a fixture)
 
+pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 
 

@@ -11,9 +11,9 @@ nothing written):
 
 each attending over the keys before c of the target's last sliding and last full layer that
 compute KV (the cache the target's KV-shared layers read). The feature at c - 1 is what the
-previous step's forward left (the runner keeps each row's verified positions, as
-spec_decode/eagle.py's heads do); a row without it (the step right after a prefix-cache hit or a
-swap, a row whose step also runs prompt tokens) proposes its own token again, a point mass.
+previous step's forward left (spec_decode/last_hidden.py keeps each row's last verified
+position); a row without it (the step right after a prefix-cache hit or a swap, a row whose
+step also runs prompt tokens) proposes its own token again, a point mass.
 
 transformers, after a partially rejected round, still shows the drafter the target's KV of the
 rejected drafts (it cuts the cache at the accepted length + 1, and the sliding cache not at
@@ -24,13 +24,13 @@ verifies them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from paged_engine.spec_decode.draft_model import DraftProposal
-from paged_engine.spec_decode.eagle import FinalHiddenRunner
+from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
     from paged_engine.core.sched_output import SchedulerOutput
@@ -40,77 +40,32 @@ if TYPE_CHECKING:
 ARCHITECTURE = "Gemma4AssistantForCausalLM"
 
 
-class _TargetCache:
-    """The drafter's cache is the target's: nothing of its own to swap, copy or free."""
-
-    kv_caches: ClassVar[list] = []
-
-    def swap_out(self, blocks) -> None:
-        pass
-
-    def swap_in(self, blocks) -> None:
-        pass
-
-    def copy_blocks(self, blocks) -> None:
-        pass
-
-
-class Gemma4AssistantRunner(FinalHiddenRunner):
+class Gemma4AssistantRunner(LastHiddenRunner):
     """The drafter's proposals (see the module docstring); `kv_ids`: the indexes in the
     target's `kv_caches` of its last sliding and last full KV layers."""
 
     def __init__(self, model, hf_config, runner: ModelRunner, kv_ids: tuple[int, ...]) -> None:
         super().__init__(model, hf_config, runner)
         self.kv_ids = kv_ids
-        self.cache = _TargetCache()  # type: ignore[assignment]
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        pass
-
-    def after_step(self, sched: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor) -> None:
-        """Keep each sequence's last verified position only (all the drafter reads), so a long
-        prefill keeps one row, not the chunk's features."""
-        super().after_step(sched, inputs, hidden)
-        if not self._kept:
-            return
-        assert self._ids is not None and self._feat is not None
-        entries = list(self._kept.items())
-        last = self.runner._to_dev([off + n - 1 for _, (_, n, off) in entries])
-        self._ids, self._feat = self._ids.index_select(0, last), self._feat.index_select(0, last)
-        self._kept = {q: (p0 + n - 1, 1, i) for i, (q, (p0, n, _)) in enumerate(entries)}
 
     def propose(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
     ) -> DraftProposal:
-        r = self.runner
-        spec = sched.spec_token_ids
-        num_drafts = np.asarray([len(spec.get(s, ())) for s in sched.seq_ids], dtype=np.int64)
-        base = np.asarray(sched.num_new_tokens, dtype=np.int64) - num_drafts
-        drafting = np.flatnonzero(num_drafts)
-        if drafting.size == 0:
+        plan = self._drafting_rows(sched, inputs)
+        if plan is None:
             return DraftProposal({}, None, {})
-        nd, k = num_drafts[drafting], int(num_drafts.max())
-        c = np.asarray(sched.start_positions, dtype=np.int64)[drafting]  # own token positions
-        own = inputs.input_ids.index_select(0, r._to_dev(inputs.cu[drafting]))
+        r = self.runner
+        drafting, nd, c, own = plan.index, plan.num_drafts, plan.positions, plan.own
+        k = int(nd.max())
         tokens = own.unsqueeze(1).repeat(1, k)  # rows the drafter cannot serve repeat it
-        served, feat_rows = [], []  # indices into `drafting`; their feature rows at c - 1
-        for j, i in enumerate(drafting.tolist()):
-            e = self._kept.get(sched.seq_ids[i])
-            if e is not None and base[i] == 1 and e[0] + e[1] == c[j]:
-                served.append(j)
-                feat_rows.append(e[2] + e[1] - 1)
+        live, feature = plan.served, plan.hidden  # (live: indices into `drafting`)
         probs: torch.Tensor | None = None
-        live = np.asarray(served, dtype=np.int64)
-        if live.size:
-            assert self._feat is not None and r.cache is not None
+        if feature is not None:
+            assert r.cache is not None
             # one query a row at kernel position c - 1: the keys [0, c); RoPE at c itself
             md, _ = self._metadata(inputs.rows[drafting[live]], np.ones_like(live), c[live])
             positions = r._to_dev(c[live])
             kv = [r.cache.kv_caches[i] for i in self.kv_ids]
-            feature = self._feat.index_select(0, r._to_dev(feat_rows))
             ids = own.index_select(0, r._to_dev(live))
             for j in range(1, k + 1):
                 want = np.flatnonzero(nd[live] >= j)  # into live: rows that want draft j
@@ -128,13 +83,7 @@ class Gemma4AssistantRunner(FinalHiddenRunner):
                         probs = q.new_zeros((drafting.size, k, q.shape[1]))
                     probs[:, j - 1].index_copy_(0, at, q)
                 ids = tokens[:, j - 1].index_select(0, r._to_dev(live))
-        fallback = np.setdiff1d(np.arange(drafting.size), live)
-        if fallback.size and probs is not None:
-            # point masses on the repeated own token (without q the verifier assumes them)
-            fb = r._to_dev(fallback)
-            steps = torch.arange(k, device=r.device)
-            probs[fb.unsqueeze(1), steps.unsqueeze(0), tokens[fb]] = 1.0
-        return self._finish(sched, inputs, drafting, nd, base, tokens, probs)
+        return self._finish_rows(sched, inputs, plan, tokens, probs)
 
 
 def _store_layers(target_hf_config) -> dict[str, int]:

@@ -6,9 +6,9 @@ Head i (0-based) reads the target's final normed hidden state h_p (its LM head's
 position p), runs `num_hidden_layers` residual blocks x <- x + SiLU(W x + b) and its own LM head,
 and guesses the token at p + 2 + i: the target's LM head gives p + 1, which the step samples.
 All drafts of a row come from that one hidden state of the last position the target verified:
-nothing runs autoregressively, so the heads cache nothing (`_NoKVCache`) and the runner keeps
-one [D] vector a sequence between steps. Only the first k heads are built and loaded (vLLM sets
-num_heads to k the same way).
+nothing runs autoregressively, so the heads cache nothing and the runner keeps one [D] vector a
+sequence between steps (spec_decode/last_hidden.py). Only the first k heads are built and loaded
+(vLLM sets num_heads to k the same way).
 
 A drafting row whose own token sits at c needs h_{c-1}: the target's last verified position of
 its previous step. A row without it (a fan-out's sibling, a sequence the worker dropped and got
@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
+from paged_engine.spec_decode.draft_model import DraftProposal
+from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
     from paged_engine.core.sched_output import SchedulerOutput
@@ -216,92 +217,22 @@ def head_tensors(resolved: ResolvedModel, load_format: str) -> Iterator[tuple[st
 
 
 # ---- the proposer -------------------------------------------------------------------------------
-class _NoKVCache:
-    """The heads attend to nothing: the runner's per-step cache operations do nothing."""
-
-    def __init__(self) -> None:
-        self.kv_caches: list[tuple[Tensor, Tensor]] = []
-
-    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        pass
-
-    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        pass
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        pass
-
-
-class MedusaRunner(DraftModelRunner):
+class MedusaRunner(LastHiddenRunner):
     """Each step's drafts from the Medusa heads (see the module docstring)."""
-
-    reads_target_features = True
-
-    def __init__(self, model: MedusaHeads, config: MedusaConfig, runner: ModelRunner) -> None:
-        super().__init__(model, config, runner)
-        # seq id -> (p, row of _feat): h_p of the sequence's last verified position p
-        self._kept: dict[int, tuple[int, int]] = {}
-        self._feat: Tensor | None = None  # [S, D]
-        self._accepted: dict[int, int] = {}  # this step's accepted drafts per drafting seq
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache = _NoKVCache()  # type: ignore[assignment]
-
-    def after_verify(self, seq_ids, num_drafts, num_accepted, drafts, positions) -> None:
-        self._accepted = {
-            s: a for s, d, a in zip(seq_ids, num_drafts.tolist(), num_accepted.tolist()) if d
-        }
-
-    def after_step(self, sched: SchedulerOutput, inputs: StepInputs, hidden: Tensor) -> None:
-        """Keep h of each row's last verified position (its own tokens, then the accepted
-        drafts); sequences not in the step keep theirs while the worker holds them."""
-        accepted, self._accepted = self._accepted, {}
-        r, seq_ids = self.runner, sched.seq_ids
-        spec = sched.spec_token_ids
-        n = np.asarray(sched.num_new_tokens, dtype=np.int64)
-        n -= np.asarray([len(spec.get(q, ())) for q in seq_ids], dtype=np.int64)
-        n += np.asarray([accepted.get(q, 0) for q in seq_ids], dtype=np.int64)
-        last = np.asarray(sched.start_positions, dtype=np.int64) + n - 1
-        feat = hidden.index_select(0, r._to_dev(inputs.cu[:-1] + n - 1))
-        kept = {q: (p, i) for i, (q, p) in enumerate(zip(seq_ids, last.tolist()))}
-        in_step, live = set(seq_ids), r.batch.seqs
-        carried = [(q, e) for q, e in self._kept.items() if q not in in_step and q in live]
-        if carried:
-            assert self._feat is not None
-            old = self._feat.index_select(0, r._to_dev([e[1] for _, e in carried]))
-            feat = torch.cat([feat, old])
-            for j, (q, (p, _)) in enumerate(carried):
-                kept[q] = (p, len(seq_ids) + j)
-        self._kept, self._feat = kept, feat
 
     def propose(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
     ) -> DraftProposal:
-        r = self.runner
-        spec = sched.spec_token_ids
-        num_drafts = np.asarray([len(spec.get(q, ())) for q in sched.seq_ids], dtype=np.int64)
-        drafting = np.flatnonzero(num_drafts)
-        if drafting.size == 0:
+        plan = self._drafting_rows(sched, inputs)
+        if plan is None:
             return DraftProposal({}, None, {})
-        base = np.asarray(sched.num_new_tokens, dtype=np.int64) - num_drafts
-        nd = num_drafts[drafting]
+        r = self.runner
+        drafting, nd, c = plan.index, plan.num_drafts, plan.positions  # draft j goes to c + j
         k = int(nd.max())
-        # each drafting row's own (last) token: position c, draft j goes to c + j
-        c = np.asarray(sched.start_positions, dtype=np.int64)[drafting] + base[drafting] - 1
-        own = inputs.input_ids.index_select(0, r._to_dev(inputs.cu[drafting] + base[drafting] - 1))
-        tokens = own.unsqueeze(1).repeat(1, k)  # rows the heads cannot serve repeat it
-        entries = [self._kept.get(sched.seq_ids[i]) for i in drafting.tolist()]
-        served = np.asarray(
-            [e is not None and e[0] == p - 1 for e, p in zip(entries, c.tolist())], dtype=bool
-        )
-        live = np.flatnonzero(served)  # indices into `drafting`
+        tokens = plan.own.unsqueeze(1).repeat(1, k)  # rows the heads cannot serve repeat it
+        live, feat = plan.served, plan.hidden  # (live: indices into `drafting`)
         probs: Tensor | None = None
-        if live.size:
-            assert self._feat is not None
-            feat = self._feat.index_select(0, r._to_dev([entries[i][1] for i in live.tolist()]))
+        if feat is not None:
             for j in range(1, k + 1):  # head j - 1 guesses draft j
                 keep = nd[live] >= j
                 if not keep.any():
@@ -317,12 +248,7 @@ class MedusaRunner(DraftModelRunner):
                     if probs is None:
                         probs = q.new_zeros((drafting.size, k, q.shape[1]))
                     probs[:, j - 1].index_copy_(0, live_d, q)
-        fallback = np.flatnonzero(~served)
-        if fallback.size and probs is not None:  # point masses on the repeated own token
-            fb = r._to_dev(fallback)
-            steps = torch.arange(k, device=r.device)
-            probs[fb.unsqueeze(1), steps.unsqueeze(0), tokens[fb]] = 1.0
-        return self._finish(sched, inputs, drafting, nd, base, tokens, probs)
+        return self._finish_rows(sched, inputs, plan, tokens, probs)
 
 
 # ---- checking and loading -----------------------------------------------------------------------

@@ -21,10 +21,10 @@ settings from each stage's logits, as vLLM's sampler draws them, and verified as
 (spec_decode/rejection_sampler.py). `top_k_tokens_per_head` and `n_candidates` (a candidate
 tree) are read by neither vLLM nor paged.
 
-The feature at c - 1 is what the previous step's forward left (the runner keeps each row's last
-verified position, as spec_decode/gemma4_assistant.py's does); a row without it (right after a
-prefix-cache hit or a swap, a row whose step also runs prompt tokens) proposes its own token
-again, a point mass the verifier accepts with the target's probability of it.
+The feature at c - 1 is what the previous step's forward left (spec_decode/last_hidden.py keeps
+each row's last verified position); a row without it (right after a prefix-cache hit or a swap,
+a row whose step also runs prompt tokens) proposes its own token again, a point mass the
+verifier accepts with the target's probability of it.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from paged_engine.spec_decode.draft_model import DraftProposal
-from paged_engine.spec_decode.eagle import FinalHiddenRunner
+from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -234,70 +234,23 @@ class MLPSpeculator(nn.Module):
             raise ValueError(f"MLP speculator checkpoint lacks {missing}")
 
 
-class _NoCache:
-    """The speculator has no KV cache: nothing to swap, copy or free."""
-
-    kv_caches: ClassVar[list] = []
-
-    def swap_out(self, blocks) -> None:
-        pass
-
-    def swap_in(self, blocks) -> None:
-        pass
-
-    def copy_blocks(self, blocks) -> None:
-        pass
-
-
-class MLPSpeculatorRunner(FinalHiddenRunner):
+class MLPSpeculatorRunner(LastHiddenRunner):
     """The speculator's proposals (see the module docstring)."""
-
-    def __init__(self, model: MLPSpeculator, hf_config, runner: ModelRunner) -> None:
-        super().__init__(model, hf_config, runner)
-        self.cache = _NoCache()  # type: ignore[assignment]
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return 0
-
-    def init_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        pass
-
-    def after_step(self, sched: SchedulerOutput, inputs: StepInputs, hidden: Tensor) -> None:
-        """Keep each sequence's last verified position only (all the speculator reads)."""
-        super().after_step(sched, inputs, hidden)
-        if not self._kept:
-            return
-        assert self._ids is not None and self._feat is not None
-        entries = list(self._kept.items())
-        last = self.runner._to_dev([off + n - 1 for _, (_, n, off) in entries])
-        self._ids, self._feat = self._ids.index_select(0, last), self._feat.index_select(0, last)
-        self._kept = {q: (p0 + n - 1, 1, i) for i, (q, (p0, n, _)) in enumerate(entries)}
 
     def propose(
         self, sched: SchedulerOutput, cached: list[CachedSeq], inputs: StepInputs
     ) -> DraftProposal:
-        r = self.runner
-        spec = sched.spec_token_ids
-        num_drafts = np.asarray([len(spec.get(s, ())) for s in sched.seq_ids], dtype=np.int64)
-        base = np.asarray(sched.num_new_tokens, dtype=np.int64) - num_drafts
-        drafting = np.flatnonzero(num_drafts)
-        if drafting.size == 0:
+        plan = self._drafting_rows(sched, inputs)
+        if plan is None:
             return DraftProposal({}, None, {})
-        nd, k = num_drafts[drafting], int(num_drafts.max())
-        c = np.asarray(sched.start_positions, dtype=np.int64)[drafting]  # own token positions
-        own = inputs.input_ids.index_select(0, r._to_dev(inputs.cu[drafting]))
+        r = self.runner
+        drafting, nd, c, own = plan.index, plan.num_drafts, plan.positions, plan.own
+        k = int(nd.max())
         tokens = own.unsqueeze(1).repeat(1, k)  # rows the speculator cannot serve repeat it
-        served, feat_rows = [], []  # indices into `drafting`; their kept rows (position c - 1)
-        for j, i in enumerate(drafting.tolist()):
-            e = self._kept.get(sched.seq_ids[i])
-            if e is not None and base[i] == 1 and e[0] + e[1] == c[j]:
-                served.append(j)
-                feat_rows.append(e[2] + e[1] - 1)
         probs: Tensor | None = None
-        live = np.asarray(served, dtype=np.int64)
-        if live.size:
-            assert self._feat is not None
-            state = self.model.start(self._feat.index_select(0, r._to_dev(feat_rows)))
+        live = plan.served  # indices into `drafting`
+        if plan.hidden is not None:
+            state = self.model.start(plan.hidden)
             prev = own.index_select(0, r._to_dev(live))
             for j in range(1, k + 1):  # draft j from stage j - 1
                 want = np.flatnonzero(nd[live] >= j)  # into live: rows that want draft j
@@ -321,13 +274,7 @@ class MLPSpeculatorRunner(FinalHiddenRunner):
                     if probs is None:
                         probs = q.new_zeros((drafting.size, k, q.shape[1]))
                     probs[:, j - 1].index_copy_(0, at, q)
-        fallback = np.setdiff1d(np.arange(drafting.size), np.asarray(served, dtype=np.int64))
-        if fallback.size and probs is not None:
-            # point masses on the repeated own token (without q the verifier assumes them)
-            fb = r._to_dev(fallback)
-            steps = torch.arange(k, device=r.device)
-            probs[fb.unsqueeze(1), steps.unsqueeze(0), tokens[fb]] = 1.0
-        return self._finish(sched, inputs, drafting, nd, base, tokens, probs)
+        return self._finish_rows(sched, inputs, plan, tokens, probs)
 
 
 def attach_mlp_speculator(runner: ModelRunner, name: str) -> None:

@@ -87,8 +87,14 @@ MPT configs itself and runs the others' remote config code).
     MiniMaxVL01ForConditionalGeneration  minimax_vl_01          LLaVA-NeXT's, MiniMax-Text-01
                                                                 (models/minimax_vl_01_config.py;
                                                                 images: minimax_vl_01.py)
+    BeeForConditionalGeneration    bee                          LLaVA-OneVision's, Qwen3 (config:
+                                                                models/bee_config.py; images:
+                                                                multimodal/bee.py)
     JAISLMHeadModel                jais                         models/jais.py (GPT-2 with SwiGLU,
                                                                 ALiBi, muP scalars)
+    IsaacForConditionalGeneration  isaac                        Qwen3 with M-RoPE (config: models/
+                                                                isaac_config.py; images:
+                                                                multimodal/isaac.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -334,9 +340,11 @@ REMOTE_CONFIGS: dict[str, str] = {
     "SolarForCausalLM": "solar:solar_config",  # upstage/solar-pro-preview-instruct
     "OuroForCausalLM": "ouro:ouro_config",  # ByteDance/Ouro-1.4B / 2.6B
     "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01_config:minimax_vl_01_config",
+    "BeeForConditionalGeneration": "bee_config:bee_config",  # Open-Bee/Bee-8B-RL / -SFT
     "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
+    "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a
@@ -348,6 +356,7 @@ PLACEHOLDER_TOKENS = {
     "DeepseekVLV2ForCausalLM": "<image>",
     "Llama_Nemotron_Nano_VL": "<image>",
     "OpenCUAForConditionalGeneration": "<|media_placeholder|>",
+    "IsaacForConditionalGeneration": "<|image_pad|>",
 }
 
 

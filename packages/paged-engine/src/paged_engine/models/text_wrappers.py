@@ -60,6 +60,8 @@ each is exact).
       (dots.ocr: models/dots_ocr_config.py; images multimodal/dots_ocr.py)
     OpenCUAForConditionalGeneration      qwen2                  -> Qwen2ForCausalLM
       (remote code: models/opencua_config.py; 1-D rope; images multimodal/opencua.py)
+    IsaacForConditionalGeneration        qwen3                  -> Qwen3ForCausalLM
+      (remote code: models/isaac_config.py; M-RoPE; images multimodal/isaac.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
       (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
@@ -77,6 +79,8 @@ each is exact).
       LlavaNextVideoForConditionalGeneration,
       TarsierForConditionalGeneration (Tarsier v1)
     LlavaOnevision15ForConditionalGeneration  qwen3            -> Qwen3ForCausalLM
+    BeeForConditionalGeneration          qwen3                  -> Qwen3ForCausalLM
+      (Bee-8B, remote code: models/bee_config.py; images multimodal/bee.py)
     Mistral3ForConditionalGeneration     mistral                -> MistralForCausalLM
                                          ministral3             -> Ministral3ForCausalLM
                                          mistral4               -> Mistral4ForCausalLM
@@ -415,6 +419,8 @@ WRAPPERS: dict[str, Wrapper] = {
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
     "LlavaOnevisionForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
+    # Bee-8B: LLaVA-OneVision's names (its projector's pre_norm dropped with it), Qwen3
+    "BeeForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _LLAVA_NEXT),
     # ViP-LLaVA (a normed projector), LLaVA-NeXT-Video (its pooler has no weights: average / max)
     "VipLlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextVideoForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
@@ -474,6 +480,11 @@ WRAPPERS: dict[str, Wrapper] = {
     # `language_model.` (_RENAMES), Qwen2.5-VL's tower `vision_tower.` (multimodal/opencua.py)
     "OpenCUAForConditionalGeneration": Wrapper(
         {"qwen2": "Qwen2ForCausalLM"}, _modules("vision_tower", "visual")
+    ),
+    # Isaac (remote code; config: models/isaac_config.py): Qwen3 (M-RoPE) under Qwen3's own
+    # names, the tower and projector `model.vision_embedding.` beside it (isaac_encoder.py)
+    "IsaacForConditionalGeneration": Wrapper(
+        {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_embedding")
     ),
     # MiniCPM-V 2.5 / 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
     # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)

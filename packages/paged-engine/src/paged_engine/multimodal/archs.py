@@ -3,6 +3,8 @@
     LlavaForConditionalGeneration                 "llava"       multimodal/llava.py
     LlavaNextForConditionalGeneration,            "llava_next"  multimodal/llava_next.py
       LlavaOnevisionForConditionalGeneration (anyres_max)
+    BeeForConditionalGeneration                   "bee"         multimodal/bee.py (Bee-8B, remote
+      code: config models/bee_config.py; OneVision's model, its own projector, Qwen3)
     Qwen2VLForConditionalGeneration,              "qwen2_vl"    multimodal/qwen2_vl.py
       Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration,
       Qwen3VLMoeForConditionalGeneration (Qwen3-VL: its own tower, deepstack),
@@ -101,6 +103,9 @@
     OpenCUAForConditionalGeneration               "opencua"     multimodal/opencua.py (OpenCUA,
       remote code: config models/opencua_config.py; Qwen2.5-VL's tower and merger into Qwen2 at
       1-D positions; runs of "<|media_placeholder|>")
+    IsaacForConditionalGeneration                 "isaac"       multimodal/isaac.py (Isaac-0.1,
+      remote code: config models/isaac_config.py; pixels, "<image>" runs and M-RoPE positions
+      there, the SigLIP2 tower, pixel shuffle and projector isaac_encoder.py; Qwen3)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
@@ -158,6 +163,7 @@ KINDS: dict[str, str] = {
     "LlavaForConditionalGeneration": "llava",
     "LlavaNextForConditionalGeneration": "llava_next",
     "LlavaOnevisionForConditionalGeneration": "llava_next",
+    "BeeForConditionalGeneration": "bee",  # Bee-8B, remote code: models/bee_config.py
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_vl",
     "Qwen3VLForConditionalGeneration": "qwen2_vl",
@@ -246,6 +252,7 @@ KINDS: dict[str, str] = {
     "TarsierForConditionalGeneration": "tarsier",  # Tarsier v1: LLaVA's, separator rows
     "GLM4VForCausalLM": "glm4v_remote",  # GLM-4V, remote code: models/glm4v_remote_config.py
     "OpenCUAForConditionalGeneration": "opencua",  # remote code: models/opencua_config.py
+    "IsaacForConditionalGeneration": "isaac",  # remote code: models/isaac_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -279,6 +286,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "ovis2": ("ovis2_vision",),
     "exaone4_5": ("exaone4_5_vision",),
     "llava_onevision1_5": ("llava_onevision1_5_vision",),
+    "bee": ("siglip_vision_model",),  # Bee-8B's SigLIP (models/bee_config.py)
     "paligemma": ("siglip_vision_model",),
     "lighton_ocr": ("pixtral",),
     "molmo2": ("molmo2_vision",),
@@ -307,6 +315,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "clip_embed": ("clip_vision_model",),
     "siglip_embed": ("siglip_vision_model",),
     "opencua": ("qwen2_5_vl", "qwen2_5_vl_vision"),  # Qwen2.5-VL's (models/opencua_config.py)
+    "isaac": ("siglip2_vision_model",),  # pixel_shuffle_siglip2 read as it (isaac_config.py)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -314,6 +323,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
 ENCODERS: dict[str, str] = {
     "llava": "llava:LlavaImageEncoder",
     "llava_next": "llava_next:LlavaNextImageEncoder",
+    "bee": "bee:BeeImageEncoder",  # LLaVA-OneVision's with Bee's projector
     "qwen2_vl": "qwen2_vl:build_encoder",
     "glm4v": "glm4v:Glm4vImageEncoder",
     "qwen_omni": "qwen_omni:build_encoder",
@@ -381,6 +391,7 @@ ENCODERS: dict[str, str] = {
     "tarsier": "tarsier:TarsierImageEncoder",
     "glm4v_remote": "glm4v_remote:Glm4vRemoteImageEncoder",
     "opencua": "opencua:OpenCUAImageEncoder",
+    "isaac": "isaac_encoder:IsaacImageEncoder",
 }
 
 

@@ -4,6 +4,7 @@ looks a model's up). Every family module is imported here, so none imports anoth
 from __future__ import annotations
 
 from paged_engine.multimodal.aria import AriaLayout
+from paged_engine.multimodal.bee import BeeLayout
 from paged_engine.multimodal.blip2 import Blip2Layout
 from paged_engine.multimodal.chameleon import ChameleonLayout
 from paged_engine.multimodal.deepseek_ocr_v1 import DeepseekOCRLayout
@@ -18,6 +19,7 @@ from paged_engine.multimodal.glm4v_remote import Glm4vRemoteLayout
 from paged_engine.multimodal.h2ovl import H2OVLLayout
 from paged_engine.multimodal.inkling2_vl import Inkling2Layout
 from paged_engine.multimodal.internvl_chat import InternVLChatLayout
+from paged_engine.multimodal.isaac import IsaacLayout
 from paged_engine.multimodal.janus import JanusLayout
 from paged_engine.multimodal.kimi_vl import KimiVLLayout
 from paged_engine.multimodal.layouts import Layout
@@ -79,6 +81,7 @@ from paged_engine.multimodal.tarsier import TarsierLayout
 LAYOUTS: dict[str, type[Layout]] = {
     "llava": Layout,
     "llava_next": AnyResLayout,
+    "bee": BeeLayout,  # Bee-8B: LLaVA-NeXT's runs on every image, OneVision's scaling
     "qwen2_vl": QwenLayout,
     "glm4v": QwenLayout,  # GLM-4.1V / 4.5V / 4.6V: Qwen2-VL's runs and M-RoPE table
     "qwen_omni": OmniLayout,
@@ -120,6 +123,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "janus": JanusLayout,  # Janus: boi, DeepSeek-VL's fixed run, eoi
     "hyperclovax_vision_v2": Exaone45Layout,  # HyperCLOVA X Vision V2: Qwen2-VL's runs, 1-D
     "opencua": Exaone45Layout,  # OpenCUA: Qwen2-VL's runs of <|media_placeholder|>, 1-D
+    "isaac": IsaacLayout,  # Isaac: "<image>" -> <|image_pad|> runs, its own M-RoPE table
     "phi4mm": Phi4MMLayout,  # Phi-4-multimodal: a run by the HD crop grid
     "phi4mm_remote": Phi4MMRemoteLayout,  # its Hub release: the same runs, numbered tags
     "aria": AriaLayout,  # Aria: a run of crops x queries, each crop its own ImageInput

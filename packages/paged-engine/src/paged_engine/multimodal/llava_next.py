@@ -34,6 +34,8 @@ from paged_engine.multimodal.vision_transformer import TOWERS
 
 ARCH = "LlavaNextForConditionalGeneration"
 ONEVISION = "LlavaOnevisionForConditionalGeneration"
+# architectures whose tile map is scaled down past vision_aspect_ratio "anyres_max_N"
+ANYRES_MAX = (ONEVISION, "BeeForConditionalGeneration")  # Bee: multimodal/bee.py
 
 
 def best_resolution(size: tuple[int, int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
@@ -98,7 +100,7 @@ class AnyRes:
                 f"multiple of the vision tower's image_size {size}"
             )
         max_views = None
-        if ONEVISION in (getattr(config, "architectures", None) or []):
+        if any(a in ANYRES_MAX for a in getattr(config, "architectures", None) or []):
             aspect = str(getattr(config, "vision_aspect_ratio", "anyres_max_9"))
             if not aspect.startswith("anyres_max_") or not aspect[11:].isdigit():
                 raise ValueError(f"vision_aspect_ratio={aspect!r} is not anyres_max_<N>")

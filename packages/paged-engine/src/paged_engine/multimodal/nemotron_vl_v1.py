@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 
 from paged_engine.multimodal.nemotron_h_omni import NemotronOmniImageEncoder
@@ -68,6 +67,8 @@ class NemotronVLV1Tiler(NanoNemotronVLTiler):
     name = "NemotronVLProcessor"
 
     def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+        from PIL import Image  # only where images arrive: the engine imports without Pillow
+
         c = self.config
         side = int(c.force_image_size)
         mean = torch.tensor(c.norm_mean).view(1, 3, 1, 1)

@@ -162,6 +162,7 @@ from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.phimoe import PhimoeForCausalLM
+from paged_engine.models.plamo2 import Plamo2ForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
@@ -413,6 +414,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "OuroForCausalLM": OuroForCausalLM,
     # JAIS v1 (remote code): GPT-2 with SwiGLU, ALiBi or learned positions, muP scalars
     "JAISLMHeadModel": JAISLMHeadModel,
+    # PLaMo 2 (remote code): Mamba-style mixers among sliding-window attention (models/plamo2.py)
+    "Plamo2ForCausalLM": Plamo2ForCausalLM,
 }
 
 

@@ -92,6 +92,8 @@ MPT configs itself and runs the others' remote config code).
                                                                 multimodal/bee.py)
     JAISLMHeadModel                jais                         models/jais.py (GPT-2 with SwiGLU,
                                                                 ALiBi, muP scalars)
+    Plamo2ForCausalLM              plamo2                       models/plamo2.py (Mamba-style mixers
+                                                                among sliding-window attention)
     IsaacForConditionalGeneration  isaac                        Qwen3 with M-RoPE (config: models/
                                                                 isaac_config.py; images:
                                                                 multimodal/isaac.py)
@@ -342,6 +344,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "MiniMaxVL01ForConditionalGeneration": "minimax_vl_01_config:minimax_vl_01_config",
     "BeeForConditionalGeneration": "bee_config:bee_config",  # Open-Bee/Bee-8B-RL / -SFT
     "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
+    "Plamo2ForCausalLM": "plamo2:plamo2_config",  # pfnet/plamo-2-1b / 8b
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
     "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1

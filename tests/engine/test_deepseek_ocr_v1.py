@@ -313,7 +313,7 @@ def test_bad_requests_and_configs_refused_by_name(ckpt, tmp_path):
     one, two = noise_image(4, (30, 30)), [noise_image(5, (30, 30)), noise_image(6, (30, 30))]
     cases = [({"prompt": PROMPT, "multi_modal_data": {"image": two}}, r"2 image\(s\)")]
     empty = Image.new("RGB", (0, 0))  # ImageOps.pad would make it a blank canvas
-    cases.append(({"prompt": PROMPT, "multi_modal_data": {"image": empty}}, "0 x 0 image"))
+    cases.append(({"prompt": PROMPT, "multi_modal_data": {"image": empty}}, "0x0 pixels"))
     for name, value in [("base_size", 100), ("image_size", 2048), ("crop_mode", "yes")]:
         bad = {"prompt": PROMPT, "multi_modal_data": {"image": one}}
         cases.append(({**bad, "mm_processor_kwargs": {name: value}}, name))

@@ -377,3 +377,52 @@ def test_chat_refuses_hostile_processor_kwargs(tmp_path, kind, kwargs, field):
             assert status == 200, out
     finally:
         llm.llm_engine.shutdown()
+
+
+# the older layouts and the families whose processors failed on empty or thin images without a
+# word of the image (division by zero, NaN, a SizeDict of height 0, an answer to a 0x0 image)
+EMPTY_AND_THIN = [*MODELS, "mllama", "idefics2", "fuyu"]
+
+
+@pytest.mark.parametrize("kind", EMPTY_AND_THIN)
+def test_empty_and_thin_images_are_refused_by_name(tmp_path, kind):
+    """A 0x0 image is refused before any processor, naming it; 1x1, 1x10000 and 10000x1 are
+    answered or refused naming the image's size (processor.py's checks), and the engine serves
+    on. LLaVA's checkpoint resizes by a shortest edge of 64 (LLaVA 1.5's is 336; the crop stays
+    30): a 1 x 10000 strip would be 64 x 640000 pixels (LLaVA 1.5's: 11 GB), refused before the
+    processor runs."""
+    import json
+    import time
+
+    if kind in MODELS:
+        write, kw, prompt = MODELS[kind]
+        path = write(tmp_path, **kw)
+    else:
+        name, family, make_prompt = FAMILIES[kind]
+        module = _module(name)
+        path, prompt = family(module, tmp_path / kind), make_prompt(module)
+    if kind == "llava":
+        file = path / "processor_config.json"
+        saved = json.loads(file.read_text())
+        saved["image_processor"]["size"] = {"shortest_edge": 64}
+        file.write_text(json.dumps(saved))
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    for h, w in ((0, 0), (1, 1), (1, 10000), (10000, 1)):
+        pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        image = Image.fromarray(pixels) if h else Image.new("RGB", (0, 0))  # (numpy's refused)
+        req = {"prompt": prompt, "multi_modal_data": {"image": image}}
+        start = time.monotonic()
+        try:
+            out = llm.generate([req], params, use_tqdm=False)[0]
+        except ValueError as e:
+            assert f"{w}x{h} pixels" in str(e) and "multi_modal_data" in str(e), (w, h, e)
+            if h == 0:
+                assert "image 0 of the prompt is 0x0 pixels" in str(e), e
+            if kind == "llava" and max(h, w) == 10000:
+                assert "too thin" in str(e) and time.monotonic() - start < 5, e
+            continue
+        assert h > 0 and not (kind == "llava" and max(h, w) == 10000), (w, h)
+        assert len(out.outputs[0].token_ids) == 2, (w, h)
+    assert len(llm.generate(["hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 2

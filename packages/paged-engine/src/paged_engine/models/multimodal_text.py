@@ -7,7 +7,8 @@ class serves which wrapper, and what each drops, is models/text_wrappers.py's ta
 Config (`text_only_config`, called where the loader reads config.json): the wrapper's
 text_config, with `architectures` naming our class and the fields that live at the wrapper's
 top level: `tie_word_embeddings` (transformers 5 ties the wrapper's lm_head by the top-level
-flag, and leaves them untied where the checkpoint carries its own head), `quantization_config`,
+flag, BLIP-2's and Llama 4's nested text model by text_config's, and leaves them untied where
+the checkpoint carries its own head: `wrapper_ties_head`), `quantization_config`,
 the dtype, and bos / eos / pad ids the wrapper sets. Per wrapper: Gemma 3's wrapper applies no
 final logit soft-cap (its forward is lm_head alone, unlike Gemma3ForCausalLM), so the copy drops
 `final_logit_softcapping`; Phi-4-multimodal's config is flat (its decoder's fields at the top
@@ -80,7 +81,7 @@ import copy
 import json
 import logging
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +154,12 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
             )
     text = copy.deepcopy(text)
     text.architectures = [target]
-    tie = getattr(config, "tie_word_embeddings", None)
-    if tie is None:
-        tie = getattr(text, "tie_word_embeddings", False)
-    if tie and checkpoint_dir is not None and _has_own_head(checkpoint_dir):
-        tie = False  # transformers 5 keeps a checkpoint's own head untied
-    text.tie_word_embeddings = bool(tie)
+    text.tie_word_embeddings = wrapper_ties_head(
+        getattr(config, "tie_word_embeddings", None),
+        getattr(text, "tie_word_embeddings", None),
+        spec.nested_head,
+        lambda: checkpoint_dir is not None and _has_own_head(checkpoint_dir),
+    )
     if getattr(text, "quantization_config", None) is None:
         quant = getattr(config, "quantization_config", None) or getattr(
             outer, "quantization_config", None
@@ -215,6 +216,22 @@ def text_only_config(config: Any, checkpoint_dir: Path | None = None) -> Any:
             target,
         )
     return text
+
+
+def wrapper_ties_head(
+    top: bool | None, text: bool | None, nested: bool, own_head: Callable[[], bool]
+) -> bool:
+    """Whether a wrapper's text model ties lm_head to its token embedding, as transformers 5
+    loads it. `top` / `text`: tie_word_embeddings of the wrapper's config and of its
+    text_config (None: unset). A `nested` wrapper (`Wrapper.nested_head`) holds a whole
+    *ForCausalLM that ties by its own config, text_config; any other wrapper's lm_head is its
+    own, tied by the top-level flag (text_config's where the config sets none; LLaVA's config
+    class already folds text_config's in). A checkpoint that carries its own head (`own_head`,
+    asked only when the flag says tie) serves it: transformers unties a head that differs
+    from the embedding. Untied with no head in the checkpoint, the load refuses the missing
+    lm_head (transformers would start it random)."""
+    flag = text if nested or top is None else top
+    return bool(flag) and not own_head()
 
 
 def text_model_weights(

@@ -256,6 +256,10 @@ class Wrapper:
     # the release's remote names (PEFT `base_layer`s, adapters beside: Phi4MMForCausalLM)
     # mapped by multimodal/phi4mm_remote.py's hf_weights
     remote_phi4mm: bool = False
+    # the wrapper holds a whole *ForCausalLM built from text_config (transformers' BLIP-2,
+    # Llama 4): text_config's tie_word_embeddings ties its head, the top-level flag is
+    # never read (multimodal_text.py's `wrapper_ties_head`)
+    nested_head: bool = False
 
 
 WRAPPERS: dict[str, Wrapper] = {
@@ -414,7 +418,9 @@ WRAPPERS: dict[str, Wrapper] = {
         _GEMMA3N_TOWERS,
         media_embedders=(("vision_config", "embed_vision"), ("audio_config", "embed_audio")),
     ),
-    "Llama4ForConditionalGeneration": Wrapper({"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION),
+    "Llama4ForConditionalGeneration": Wrapper(
+        {"llama4_text": "Llama4ForCausalLM"}, _LLAMA4_VISION, nested_head=True
+    ),
     # LLaVA 1.5 / NeXT, Pixtral-12B's HF form (a Mistral decoder), LLaVA-OneVision-style Qwen2
     "LlavaForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_STYLE),
     "LlavaNextForConditionalGeneration": Wrapper(_LLAVA_TEXT, _LLAVA_NEXT),
@@ -731,6 +737,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "Blip2ForConditionalGeneration": Wrapper(
         {"opt": "OPTForCausalLM", **_LLAVA_TEXT},
         (*_modules("vision_model", "qformer", "language_projection"), "query_tokens"),
+        nested_head=True,
     ),
     # Inkling (text: models/inkling.py; its vision and audio towers dropped) and Inkling 2 /
     # 2 Loop (models/inkling2.py): on text the wrappers run their text model's logits

@@ -27,7 +27,7 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
-from paged_engine.multimodal.kwargs_budget import check_budget, pixels_per_token
+from paged_engine.multimodal.kwargs_budget import MOST_PIXELS, check_budget, pixels_per_token
 from paged_engine.multimodal.layout_table import LAYOUTS
 from paged_engine.multimodal.layouts import (
     Layout,
@@ -127,6 +127,19 @@ def _array_image(array: np.ndarray, what: str, PIL_Image: Any) -> Any:
     return PIL_Image.fromarray(np.ascontiguousarray(array))
 
 
+def _flat(images: Any) -> list[Any]:
+    """The images of a (nested) list, as HF's processors take them."""
+    return [i for x in images for i in _flat(x)] if isinstance(images, list) else [images]
+
+
+def _pixels(image: Any) -> str:
+    """An image's size as errors name it: "{width}x{height} pixels"."""
+    size = getattr(image, "size", None)
+    if not isinstance(size, tuple) or len(size) != 2:
+        return "unknown size"
+    return f"{size[0]}x{size[1]} pixels"
+
+
 def _is_embeds(data: Any) -> bool:
     """Whether multi_modal_data['image'] holds features rather than images."""
     if isinstance(data, (torch.Tensor, dict)):
@@ -209,6 +222,7 @@ class ImageProcessor:
         check = getattr(self.layout, "check_kwargs", None)  # a family's bounds, before any pixel
         if check is not None:
             check(call)
+        self._check_own_resize(items, call)
         ppt = pixels_per_token(self.hf) if call else None
         size = next((k for k in _PIXEL_BOUNDS if k in (kwargs or {})), "size")  # as given
         for image in items if call else ():  # what the processor would make of each, unmade
@@ -225,6 +239,31 @@ class ImageProcessor:
         for x, at, segment in zip(loaded, starts, segments, strict=True):
             out += self.layout.place(x, at, segment)
         return self._finish(token_ids, tuple(out))
+
+    def _check_own_resize(self, items: list[Any], call: dict[str, Any]) -> None:
+        """ValueError naming the image where the checkpoint's own aspect-keeping resize (a
+        `size` of shortest_edge alone: CLIP's, LLaVA 1.5's) would make more than
+        kwargs_budget.MOST_PIXELS of a thin strip before its center crop: 1 x 10000 at 336
+        is 336 x 3360000 pixels, 11 GB and 40 s. A `size` the request or engine gives is
+        check_budget's; LLaVA-NeXT's pinpoint processors resize the base image to a square."""
+        size = getattr(self.hf, "size", None) or {}
+        get = size.get if isinstance(size, dict) else lambda k: getattr(size, k, None)  # SizeDict
+        short = get("shortest_edge")
+        others = any(get(k) for k in ("height", "width", "longest_edge"))
+        pinpoints = getattr(self.hf, "image_grid_pinpoints", None) is not None
+        if not isinstance(short, int) or others or pinpoints or "size" in call:
+            return
+        for i, image in enumerate(items):
+            w, h = image.size
+            made = w * h * (short / min(w, h)) ** 2
+            if made > MOST_PIXELS:
+                raise ValueError(
+                    f"multi_modal_data['image'][{i}]: image {i} of the prompt is "
+                    f"{_pixels(image)} (width x height), too thin: this model's image "
+                    "processor would resize it "
+                    f"to ~{made:.3g} pixels (shortest edge {short}), over the {MOST_PIXELS} "
+                    "an image may take"
+                )
 
     def _finish(
         self, token_ids: list[int], images: tuple[ImageInput, ...]
@@ -260,9 +299,10 @@ class ImageProcessor:
             try:
                 return self.hf(images=rgb(images), return_tensors="pt", **{**extra, **kwargs})
             except Exception as e:  # a corrupt or truncated image, a size the processor refuses
+                what = ", ".join(_pixels(x) for x in _flat(images))
                 raise ValueError(
-                    f"multi_modal_data['image']: the image could not be processed{named}: "
-                    f"{str(e) or type(e).__name__}"
+                    f"multi_modal_data['image']: the image of {what} (width x height) could "
+                    f"not be processed{named}: {str(e) or type(e).__name__}"
                 ) from e
 
         return run
@@ -459,6 +499,11 @@ class ImageProcessor:
                 raise ValueError(
                     f"multi_modal_data['image'][{i}] must be a PIL.Image.Image or a uint8 numpy "
                     f"array, got {type(item).__name__}"
+                )
+            if 0 in item.size:  # PIL makes 0-pixel images; processors divide by a side
+                raise ValueError(
+                    f"multi_modal_data['image'][{i}]: image {i} of the prompt is "
+                    f"{_pixels(item)}: an image needs at least one pixel each way"
                 )
             out.append(item)
         return out

@@ -158,6 +158,7 @@ from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.orion import OrionForCausalLM
 from paged_engine.models.ouro import OuroForCausalLM
 from paged_engine.models.paddleocr_vl import PaddleOCRTextForCausalLM
+from paged_engine.models.pangu_pro_moe import PanguProMoEForCausalLM
 from paged_engine.models.persimmon import PersimmonForCausalLM
 from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
@@ -416,6 +417,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "JAISLMHeadModel": JAISLMHeadModel,
     # PLaMo 2 (remote code): Mamba-style mixers among sliding-window attention (models/plamo2.py)
     "Plamo2ForCausalLM": Plamo2ForCausalLM,
+    # Huawei Pangu Pro MoE (remote code): MoGE, grouped top-1 routing with a router scale, and
+    # a shared expert (models/pangu_pro_moe.py)
+    "PanguProMoEForCausalLM": PanguProMoEForCausalLM,
 }
 
 

@@ -42,6 +42,8 @@ MPT configs itself and runs the others' remote config code).
                                                                 Qwen2-VL's (tarsier2_config.py)
     TeleFLMForCausalLM             (Tele-FLM's)                 models/llama_remote.py
     PanguEmbeddedForCausalLM       PanguEmbedded                models/llama_remote.py
+    PanguProMoEForCausalLM         PanGuMoE                     models/pangu_pro_moe.py (MoGE
+                                                                routing, a shared expert)
     DeepseekForCausalLM            deepseek                     models/deepseek_v1.py
     ArcticForCausalLM              arctic                       models/arctic.py
     Grok1ModelForCausalLM,         grok-1 (any)                 models/grok1.py
@@ -348,6 +350,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
     "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1
+    "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

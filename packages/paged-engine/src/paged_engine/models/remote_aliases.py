@@ -99,6 +99,9 @@ MPT configs itself and runs the others' remote config code).
     IsaacForConditionalGeneration  isaac                        Qwen3 with M-RoPE (config: models/
                                                                 isaac_config.py; images:
                                                                 multimodal/isaac.py)
+    KeyeForConditionalGeneration   Keye                         Qwen3 with M-RoPE (config: models/
+                                                                keye_config.py; images:
+                                                                multimodal/keye.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -350,6 +353,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
     "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1
+    "KeyeForConditionalGeneration": "keye_config:keye_config",  # Kwai-Keye/Keye-VL-8B-Preview
+    "KeyeVL1_5ForConditionalGeneration": "keye_config:keye_vl1_5_config",  # refused by name
     "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
 }
 

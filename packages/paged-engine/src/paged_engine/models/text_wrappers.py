@@ -62,6 +62,8 @@ each is exact).
       (remote code: models/opencua_config.py; 1-D rope; images multimodal/opencua.py)
     IsaacForConditionalGeneration        qwen3                  -> Qwen3ForCausalLM
       (remote code: models/isaac_config.py; M-RoPE; images multimodal/isaac.py)
+    KeyeForConditionalGeneration         qwen3                  -> Qwen3ForCausalLM
+      (remote code: models/keye_config.py; M-RoPE; images multimodal/keye.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
       (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
@@ -492,7 +494,10 @@ WRAPPERS: dict[str, Wrapper] = {
     "IsaacForConditionalGeneration": Wrapper(
         {"qwen3": "Qwen3ForCausalLM"}, _modules("vision_embedding")
     ),
-    # MiniCPM-V 2.5 / 2.6 / 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
+    # Keye-VL (remote code; config: models/keye_config.py): Qwen3 (M-RoPE) under its own names,
+    # the tower `visual.` and projector `mlp_AR.` beside it (multimodal/paddleocr_vl.py)
+    "KeyeForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _PADDLEOCR_VL),
+    # MiniCPM-V 2.5 to 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
     # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(
         {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"},

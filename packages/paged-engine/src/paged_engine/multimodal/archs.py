@@ -106,6 +106,9 @@
     IsaacForConditionalGeneration                 "isaac"       multimodal/isaac.py (Isaac-0.1,
       remote code: config models/isaac_config.py; pixels, "<image>" runs and M-RoPE positions
       there, the SigLIP2 tower, pixel shuffle and projector isaac_encoder.py; Qwen3)
+    KeyeForConditionalGeneration                  "keye"        multimodal/keye.py (Keye-VL-8B,
+      remote code: config models/keye_config.py; PaddleOCR-VL's tower, projector and runs
+      under the Hub's names, Qwen3 with M-RoPE; Keye-VL-1.5 not served)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
@@ -253,6 +256,7 @@ KINDS: dict[str, str] = {
     "GLM4VForCausalLM": "glm4v_remote",  # GLM-4V, remote code: models/glm4v_remote_config.py
     "OpenCUAForConditionalGeneration": "opencua",  # remote code: models/opencua_config.py
     "IsaacForConditionalGeneration": "isaac",  # remote code: models/isaac_config.py
+    "KeyeForConditionalGeneration": "keye",  # remote code: models/keye_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -275,6 +279,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "gemma4_unified": ("gemma4_unified_vision",),  # no tower: its encoder-free embedder
     "hunyuan_vl": ("hunyuan_vl_vision",),
     "paddleocr_vl": ("paddleocr_vl_vision",),
+    "keye": ("paddleocr_vl_vision",),  # siglip_vision_model read as it (keye_config.py)
     "ernie4_5_vl": ("ernie4_5_vl_moe_vision",),
     "kimi_k25": ("kimi_k25_vision",),
     "kimi_vl": ("kimi_k25_vision",),  # MoonViT, read into K2.5's config
@@ -392,6 +397,7 @@ ENCODERS: dict[str, str] = {
     "glm4v_remote": "glm4v_remote:Glm4vRemoteImageEncoder",
     "opencua": "opencua:OpenCUAImageEncoder",
     "isaac": "isaac_encoder:IsaacImageEncoder",
+    "keye": "paddleocr_vl:PaddleOCRImageEncoder",  # Keye-VL: PaddleOCR-VL's tower, projector
 }
 
 

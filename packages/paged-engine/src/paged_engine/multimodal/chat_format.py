@@ -64,6 +64,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "minimax_vl_01": {"image": "<image>"},  # MiniMax-VL-01 (vLLM's placeholder)
     "ovis2_5_hub": {"image": "<image>"},  # Ovis2.5's Hub release (vLLM's placeholder)
     "isaac": {"image": "<image>"},  # Isaac (vLLM's placeholder: config.vision_token)
+    "keye": {"image": _QWEN},  # Keye-VL (vLLM's placeholder)
     "minicpmv_remote": {"image": "(<image>./</image>)"},  # MiniCPM-V 2.6 / 4.5 (vLLM's)
     "minicpmo_remote": {"audio": "(<audio>./</audio>)"},  # MiniCPM-o 2.6 (vLLM's)
     "qwen_vl_v1": {"image": "Picture {n}: <img></img>"},  # Qwen-VL v1 (vLLM's)

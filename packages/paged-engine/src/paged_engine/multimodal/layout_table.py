@@ -21,6 +21,7 @@ from paged_engine.multimodal.inkling2_vl import Inkling2Layout
 from paged_engine.multimodal.internvl_chat import InternVLChatLayout
 from paged_engine.multimodal.isaac import IsaacLayout
 from paged_engine.multimodal.janus import JanusLayout
+from paged_engine.multimodal.keye import KeyeLayout
 from paged_engine.multimodal.kimi_vl import KimiVLLayout
 from paged_engine.multimodal.layouts import Layout
 from paged_engine.multimodal.layouts_gemma import (
@@ -88,6 +89,7 @@ LAYOUTS: dict[str, type[Layout]] = {
     "glm_ocr": QwenLayout,  # GLM-OCR: GLM-4.1V's host side
     "hunyuan_vl": HunyuanLayout,  # HunyuanOCR
     "paddleocr_vl": PaddleOCRLayout,  # PaddleOCR-VL: Qwen2-VL's runs and M-RoPE table
+    "keye": KeyeLayout,  # Keye-VL (remote code): PaddleOCR-VL's, its own processor settings
     "ernie4_5_vl": ErnieLayout,  # ERNIE 4.5 VL: Qwen2-VL's runs and M-RoPE table
     "idefics3": TileLayout,
     "pixtral": LineLayout,

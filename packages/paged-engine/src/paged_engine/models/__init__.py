@@ -184,6 +184,7 @@ from paged_engine.models.solar import SolarForCausalLM
 from paged_engine.models.splade import SPLADE
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
+from paged_engine.models.step3_text import Step3TextForCausalLM, Step3VLTextForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.telechat2 import TeleChat2ForCausalLM
 from paged_engine.models.whisper import WhisperForConditionalGeneration
@@ -420,6 +421,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Huawei Pangu Pro MoE (remote code): MoGE, grouped top-1 routing with a router scale, and
     # a shared expert (models/pangu_pro_moe.py)
     "PanguProMoEForCausalLM": PanguProMoEForCausalLM,
+    # StepFun Step3 (remote code): MFA attention (a shared low-rank query, one KV head) and
+    # MoE layers with a shared expert; the VL release served on text (models/step3_text.py)
+    "Step3TextForCausalLM": Step3TextForCausalLM,
+    "Step3VLForConditionalGeneration": Step3VLTextForCausalLM,
 }
 
 

@@ -99,6 +99,9 @@ MPT configs itself and runs the others' remote config code).
     IsaacForConditionalGeneration  isaac                        Qwen3 with M-RoPE (config: models/
                                                                 isaac_config.py; images:
                                                                 multimodal/isaac.py)
+    Step3TextForCausalLM,          step3_text / step3_vl        models/step3_text.py (MFA attention,
+      Step3VLForConditionalGeneration                           MoE with a shared expert; the VL
+                                                                release on text, images refused)
     KeyeForConditionalGeneration   Keye                         Qwen3 with M-RoPE (config: models/
                                                                 keye_config.py; images:
                                                                 multimodal/keye.py)
@@ -356,6 +359,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "KeyeForConditionalGeneration": "keye_config:keye_config",  # Kwai-Keye/Keye-VL-8B-Preview
     "KeyeVL1_5ForConditionalGeneration": "keye_config:keye_vl1_5_config",  # refused by name
     "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
+    "Step3TextForCausalLM": "step3_text:step3_text_config",  # StepFun Step3's decoder
+    "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

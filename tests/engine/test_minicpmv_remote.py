@@ -1,14 +1,17 @@
-"""Images through MiniCPM-V 2.6 and 4.5 as the Hub ships them (`MiniCPMV`, remote code: multimodal/
-minicpmv_remote.py, models/minicpmv_remote_config.py) against a reference composed here from
-transformers' and torch's modules.
+"""Images through MiniCPM-V 2.6, 4.0 and 4.5 as the Hub ships them (`MiniCPMV`, remote code:
+multimodal/minicpmv_remote.py, models/minicpmv_remote_config.py) against a reference composed
+here from transformers' and torch's modules.
 
-transformers has no MiniCPM-V 2.6 / 4.5 class. Their parts are: the NaViT SigLIP tower, which
-vLLM runs as Idefics2VisionTransformer at each view's patch grid (transformers'
+transformers has no MiniCPM-V 2.6 / 4.0 / 4.5 class. Their parts are: the NaViT SigLIP tower,
+which vLLM runs as Idefics2VisionTransformer at each view's patch grid (transformers'
 Idefics2VisionTransformer on the view's pixels: bucketed position ids, post_layernorm), Qwen2 /
-Qwen3 (transformers' Qwen2ForCausalLM / Qwen3ForCausalLM fed inputs_embeds), and the perceiver
+Llama / Qwen3 (transformers' Qwen2ForCausalLM / LlamaForCausalLM / Qwen3ForCausalLM fed
+inputs_embeds; 4.0's MiniCPM4-3B as vLLM's MiniCPMV4_0 runs it, plain Llama, here with
+MiniCPM4's LongRoPE at an attention factor above 1 and short factors that differ per
+frequency), and the perceiver
 resampler, composed here from torch's nn.MultiheadAttention and LayerNorms with transformers'
 ViT-MAE 2-D sin-cos table (its layout is [sin_h | cos_h | sin_w | cos_w]; MiniCPM's puts the
-column first, so the table is transposed) on the keys (2.6) or the values (4.5).
+column first, so the table is transposed) on the keys (2.6, 4.0) or the values (4.5).
 The glue written here from vLLM's minicpmv.py and the release's processor rules: the slicing,
 the resizes, the prompt's <image_id> / <image> / <slice> markers around query_num <unk>s. The
 same random weights are saved in the release's layout (`llm.`, `vpm.`, `resampler.`) with a
@@ -46,9 +49,20 @@ QUERIES, RES, PATCH, MAX_SLICES = 8, 32, 4, 9  # the release: 64, 448, 14, 9
 VISION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2}
 VISION |= {"num_hidden_layers": 2, "image_size": 56, "patch_size": PATCH}
 WIDTH = 256  # the resampler's heads are 128 wide: 2 heads
+U = "<unk>" * QUERIES
+# 2.6's and 4.0's expansion (vLLM's MiniCPMV2_6 / MiniCPMV4_0 prompt) of image 0, written out:
+# wide (3 x 1 slices: one row) and tall (1 x 4: four rows joined by "\n")
+WIDE_TEXT = f"<image_id>0</image_id><image>{U}</image><slice>{U}</slice><slice>{U}</slice>"
+WIDE_TEXT += f"<slice>{U}</slice>"
+TALL_TEXT = f"<image_id>0</image_id><image>{U}</image><slice>{U}</slice>\n<slice>{U}</slice>"
+TALL_TEXT += f"\n<slice>{U}</slice>\n<slice>{U}</slice>"
+# MiniCPM4's LongRoPE (4.0's rope_scaling), tiny: 64-wide heads, 1024 of 512 positions
+LONGROPE = {"rope_type": "longrope", "original_max_position_embeddings": 512}
+LONGROPE |= {"short_factor": [1.0 + 0.15 * i for i in range(32)]}
+LONGROPE |= {"long_factor": [4.0 + 0.3 * i for i in range(32)]}
 
 
-@pytest.fixture(scope="module", params=["2.6", "4.5"])
+@pytest.fixture(scope="module", params=["2.6", "4.0", "4.5"])
 def ckpt(request, tmp_path_factory):
     """(the release-layout dir, the reference: the LM, the tower, the resampler, tokenizer)."""
     version = request.param
@@ -59,6 +73,9 @@ def ckpt(request, tmp_path_factory):
     if version == "4.5":
         text["head_dim"] = 48
         llm = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**text)).float().eval()
+    elif version == "4.0":
+        text |= {"rope_theta": 10000.0, "rope_scaling": LONGROPE, "hidden_act": "silu"}
+        llm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**text)).float().eval()
     else:
         llm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**text)).float().eval()
     idefics2 = transformers.models.idefics2.modeling_idefics2
@@ -97,7 +114,7 @@ def ckpt(request, tmp_path_factory):
 
 
 def release_config(text: dict, version: str) -> dict:
-    """config.json as MiniCPM-V 2.6 / 4.5 write it (their fields, tiny values); no
+    """config.json as MiniCPM-V 2.6 / 4.0 / 4.5 write it (their fields, tiny values); no
     image_token_id: its <unk> id comes from the saved tokenizer, as vLLM looks it up."""
     top = {"architectures": ["MiniCPMV"], "model_type": "minicpmv", "version": float(version)}
     top |= {"auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMVConfig"}}
@@ -215,6 +232,7 @@ def test_images_match_reference(ckpt):
         noise_image(3, (110, 30)),
     )
     assert grid_of(24, 20) is None and grid_of(80, 40) == (3, 1) and grid_of(30, 110) == (1, 4)
+    assert image_text(0, (3, 1)) == WIDE_TEXT and image_text(0, (1, 4)) == TALL_TEXT
     one, two = f"look {PATTERN}\nwhat is it", f"{PATTERN} and {PATTERN} differ"
     cases = [(one, [small]), (one, [wide]), (one, [tall]), (two, [wide, small])]
     cases.append(("the sea is wide", []))
@@ -234,7 +252,8 @@ def test_images_match_reference(ckpt):
     ("field", "change"),
     [
         ("version", {"version": 2.0}),
-        ("version", {"version": "4.0"}),
+        ("version", {"version": "4.6"}),
+        ("rope_scaling", {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
         ("version", {"version": 3.0}),
         ("drop_vision_last_layer", {"drop_vision_last_layer": True}),
         ("slice_mode", {"slice_mode": False}),

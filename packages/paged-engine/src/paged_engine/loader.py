@@ -200,6 +200,20 @@ def with_kv_head_count(config):
     return config
 
 
+def _tokenizer_config(path: Path, trust_remote_code: bool) -> dict[str, Any]:
+    """{"config": a bare config} where transformers' own fallback would fail: config.json of a
+    model_type it does not know (remote code, not trusted) with a legacy rope_scaling
+    (MiniCPM-V 4.0's LongRoPE), which its PreTrainedConfig standardizes before it has set
+    max_position_embeddings. The tokenizer reads no rope field; else {}."""
+    from transformers import CONFIG_MAPPING, PretrainedConfig
+
+    file = path / "config.json"
+    raw = json.loads(file.read_text()) if file.is_file() and not trust_remote_code else {}
+    if not raw.get("rope_scaling") or raw.get("model_type") in CONFIG_MAPPING:
+        return {}
+    return {"config": PretrainedConfig(**{k: v for k, v in raw.items() if "rope" not in k})}
+
+
 def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     """A transformers tokenizer (built from GGUF metadata for .gguf models, from tekken.json for
     Mistral repos and tokenizer.tok.json for Grok-2 repos without HF tokenizer files)."""
@@ -220,7 +234,8 @@ def load_tokenizer(resolved: ResolvedModel, trust_remote_code: bool = False):
     from paged_engine.models.ultravox_linked import tokenizer_dir
 
     path = tokenizer_dir(resolved)  # (Ultravox without one: its text_model_id's)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    extra = _tokenizer_config(path, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **extra)
     if getattr(tokenizer, "chat_template", None) is None:  # a VLM's may be its processor's only
         tokenizer.chat_template = processor_chat_template(resolved.path)
     return tokenizer

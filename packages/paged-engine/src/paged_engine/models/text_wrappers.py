@@ -91,7 +91,7 @@ each is exact).
       MiniCPMV4_7ForConditionalGeneration
     MiniCPMOcrForConditionalGeneration   qwen3_5_text           -> Qwen3_5ForCausalLM
     MiniCPMV (remote code)               llama / qwen2 / qwen3  -> Llama / Qwen2 / Qwen3ForCausalLM
-      (MiniCPM-V 2.5 / 2.6 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
+      (MiniCPM-V 2.5 / 2.6 / 4.0 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
     MiniCPMO (remote code)               qwen2                  -> Qwen2ForCausalLM
       (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
     QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel

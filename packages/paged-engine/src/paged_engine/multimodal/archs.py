@@ -50,7 +50,7 @@
     MiniCPMOcrForConditionalGeneration      "minicpm_ocr"  multimodal/minicpmv.py (MiniCPM-V
       4.6's model; its torch image processor and layout: multimodal/minicpm_ocr.py)
     MiniCPMV                              "minicpmv_remote"  multimodal/minicpmv_remote.py
-      (the Hub's remote-code MiniCPM-V 2.5 / 2.6 / 4.5: config models/minicpmv_remote_config.py;
+      (the Hub's remote-code MiniCPM-V 2.5 / 2.6 / 4.0 / 4.5: config minicpmv_remote_config.py;
       Idefics2's tower, a perceiver resampler into Llama 3 / Qwen2 / Qwen3; "(<image>./</image>)")
     MiniCPMO                              "minicpmv_remote"  multimodal/minicpmv_remote.py
       (MiniCPM-o 2.6, remote code: MiniCPM-V 2.6's images; its audio: audio_archs.py)

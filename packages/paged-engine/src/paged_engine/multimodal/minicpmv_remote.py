@@ -1,7 +1,8 @@
-"""MiniCPM-V 2.5 / 2.6 / 4.5 as the Hub ships them (`MiniCPMV`, remote code; vLLM's registry
-name, its minicpmv.py): the image processor, prompt and encoder. The config: models/
-minicpmv_remote_config.py; the decoder: Llama 3 (2.5) / Qwen2 (2.6) / Qwen3 (4.5) under `llm.`
-(models/text_wrappers.py's row).
+"""MiniCPM-V 2.5 / 2.6 / 4.0 / 4.5 as the Hub ships them (`MiniCPMV`, remote code; vLLM's
+registry name, its minicpmv.py): the image processor, prompt and encoder. The config: models/
+minicpmv_remote_config.py; the decoder: Llama 3 (2.5) / Qwen2 (2.6) / Llama (4.0: MiniCPM4-3B
+as vLLM runs it) / Qwen3 (4.5) under `llm.` (models/text_wrappers.py's row). 4.0's images are
+2.6's: the same prompt and resampler.
 
     image (PIL RGB, W x H) -> grid = sliced_grid: n = min(ceil(W H / res^2), max_slice_nums)
         slices; None where n <= 1; else among n - 1, n, n + 1 (not 1, at most max_slice_nums)
@@ -22,10 +23,10 @@ minicpmv_remote_config.py; the decoder: Llama 3 (2.5) / Qwen2 (2.6) / Qwen3 (4.5
         (bucketed position ids of a 70 x 70 table, post_layernorm; multimodal/idefics2.py);
         2.5 passes the tower no target sizes: the view goes in as one row of h w patches
         (row-major, the release's reshape_by_patch), its ids bucketed along that row
-    -> `resampler` (Resampler2_5; 4.5's Resampler4_5): kv_proj (no bias; none when the
+    -> `resampler` (Resampler2_5, 2.5 to 4.0; 4.5's Resampler4_5): kv_proj (no bias; none when the
         widths match) -> ln_kv; query_num learned queries through ln_q; one multi-head
         attention of hidden // 128 heads, a 2-D sin-cos table [h, w, hidden] (the first half
-        of the features the column's, the second the row's) added to its keys (2.6) or to its
+        of the features the column's, the second the row's) added to its keys (2.6, 4.0) or to its
         values (4.5); ln_post, @ proj -> query_num rows of the text width
 
 A view is one `ImageInput` (image_size (h, w), pixels [3, h p, w p]). Refused by name: any

@@ -63,6 +63,9 @@ MPT configs itself and runs the others' remote config code).
     MiniCPMO                       minicpmo                     Qwen2 (config: models/
                                                                 minicpmo_remote_config.py;
                                                                 audio: minicpmo_remote.py)
+    MiDashengLMModel               midashenglm                  Qwen2 (config: models/
+                                                                midashenglm_config.py;
+                                                                audio: midashenglm.py)
     ChatGLMModel (with a           chatglm                      ChatGLM's (GLM-4V: config
       vision_config)                                            models/glm4v_remote_config.py;
                                                                 images: glm4v_remote.py)
@@ -343,6 +346,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "DotsOCRForCausalLM": "dots_ocr_config:dots_ocr_config",  # rednote-hilab/dots.ocr
     "MiniCPMV": "minicpmv_remote_config:minicpmv_remote_config",  # MiniCPM-V 2.6 / 4.5
     "MiniCPMO": "minicpmo_remote_config:minicpmo_remote_config",  # MiniCPM-o 2.6
+    "MiDashengLMModel": "midashenglm_config:midashenglm_config",  # mispeech/midashenglm-7b
     "DeepseekVLV2ForCausalLM": "deepseek_vl2_config:deepseek_vl2_config",  # DeepSeek-VL2
     "MolmoForCausalLM": "molmo_v1_config:molmo_v1_config",  # Molmo v1 (7B-D, 72B, 7B-O), MolmoE-1B
     "NemotronH_Nano_VL_V2": "nemotron_nano_vl_config:nemotron_nano_vl_config",  # Nano VL 12B v2

@@ -94,6 +94,8 @@ each is exact).
       (MiniCPM-V 2.5 / 2.6 / 4.0 / 4.5 under `llm.`: models/minicpmv_remote_config.py)
     MiniCPMO (remote code)               qwen2                  -> Qwen2ForCausalLM
       (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
+    MiDashengLMModel (remote code)       qwen2                  -> Qwen2ForCausalLM
+      (MiDashengLM under `decoder.`: models/midashenglm_config.py; audio multimodal/midashenglm.py)
     QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel
       (Qwen-VL v1, remote code: models/qwen_vl_v1_config.py)
     GLM4VForCausalLM                     (flat) chatglm         -> ChatGLMForCausalLM
@@ -510,6 +512,13 @@ WRAPPERS: dict[str, Wrapper] = {
         {"qwen2": "Qwen2ForCausalLM"},
         ("vpm.", "resampler.", "apm.", "audio_projection_layer.", "tts."),
         renames=(("llm.model.", "model."), ("llm.lm_head.", "lm_head.")),
+    ),
+    # MiDashengLM (remote code; config: models/midashenglm_config.py): Qwen2 under `decoder.`,
+    # the Dasheng encoder and projector beside it (multimodal/midashenglm.py)
+    "MiDashengLMModel": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM"},
+        ("audio_encoder.", "audio_projector."),
+        renames=(("decoder.model.", "model."), ("decoder.lm_head.", "lm_head.")),
     ),
     # Qwen-VL v1 (remote code; config: models/qwen_vl_v1_config.py): Qwen v1 under its own
     # `transformer.` names, the ViT and resampler under `transformer.visual.` (qwen_vl_v1.py)

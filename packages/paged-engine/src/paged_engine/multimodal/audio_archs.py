@@ -31,6 +31,8 @@
       (Parakeet / FastConformer; with an audio_config only)
     MiniCPMO                             "minicpmo_remote"  multimodal/minicpmo_remote.py
       (MiniCPM-o 2.6, remote code: Whisper-medium `apm`, projection, pooling)
+    MiDashengLMModel                     "midashenglm"   multimodal/midashenglm.py (remote
+      code: the Dasheng ViT over log-mel patches; its config: models/midashenglm_config.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -73,6 +75,7 @@ KINDS: dict[str, str] = {
     "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's audio tower, an encoder
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",  # with an audio_config (Parakeet)
     "MiniCPMO": "minicpmo_remote",  # remote code: models/minicpmo_remote_config.py
+    "MiDashengLMModel": "midashenglm",  # remote code: models/midashenglm_config.py
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -97,6 +100,7 @@ HOSTS: dict[str, str] = {
     "ultravox": "ultravox:Ultravox",
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudio",
     "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudio",
+    "midashenglm": "midashenglm:MiDashengLM",
 }
 
 ENCODERS: dict[str, str] = {
@@ -118,6 +122,7 @@ ENCODERS: dict[str, str] = {
     "ultravox": "ultravox:UltravoxEncoder",
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudioEncoder",
     "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudioEncoder",
+    "midashenglm": "midashenglm:MiDashengLMEncoder",
 }
 
 

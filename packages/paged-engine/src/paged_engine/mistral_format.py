@@ -1,15 +1,17 @@
 """Mistral AI's native checkpoint format (vLLM's `config_format="mistral"` /
 `load_format="mistral"`): `params.json` as the config, `consolidated*.safetensors` as the weights.
 
-    config = mistral_hf_config(path)          # a transformers MistralConfig / MixtralConfig
+    config = mistral_hf_config(path)          # MistralConfig / MixtralConfig / Mistral4Config
     weights = mistral_weights(path)           # (HF name, tensor), as model.safetensors holds them
 
 params.json names the text model's shape Mistral's way (dim, n_layers, n_heads, ...); each field
-is mapped to its transformers name, and a field paged does not map (quantization, MLA, ...) is
-refused by name rather than ignored; a `vision_encoder` section (Pixtral, Mistral Small 3.x)
-becomes the HF wrapper paged serves images through (mistral_vision.py), a `multimodal` section
-with a Whisper encoder (Voxtral) the one it serves audio through (mistral_audio.py). The
-tensors are renamed (`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and
+is mapped to its transformers name, and a field paged does not map (quantization, ...) is
+refused by name rather than ignored; multi-head latent attention (Mistral Large 3) becomes a
+Mistral4Config with its own tensor names (mistral_large3.py); a `vision_encoder` section
+(Pixtral, Mistral Small 3.x, Large 3) becomes the HF wrapper paged serves images through
+(mistral_vision.py), a `multimodal` section with a Whisper encoder (Voxtral) the one it serves
+audio through (mistral_audio.py).
+The tensors are renamed (`layers.N.attention.wq` -> `model.layers.N.self_attn.q_proj`, ...), and
 wq / wk rows are permuted: Mistral's rotary embedding rotates adjacent pairs (rows 2i, 2i+1 of
 a head), HF's rotates the two halves (rows i, i + head_dim/2), so row 2i + j of a head becomes
 row j * head_dim/2 + i (the same permutation transformers' conversion script applies).
@@ -60,8 +62,7 @@ _HANDLED = {
     "multimodal",  # Voxtral's whisper_model_args: mistral_audio.py
 }
 _REFUSED = {  # field -> why; checked before the generic "not mapped" refusal
-    "llama_4_scaling": "Llama-4 attention scaling (Mistral Large 3)",
-    "qk_nope_head_dim": "multi-head latent attention (Mistral Large 3)",
+    "llama_4_scaling": "Llama-4 attention scaling without MLA (Large 3's: mistral_large3.py)",
 }
 _MOE_FIELDS = {"num_experts": "num_local_experts", "num_experts_per_tok": "num_experts_per_tok"}
 # yarn field -> (rope_parameters name, type), as vLLM maps them
@@ -137,16 +138,18 @@ def mistral_configs(path: Path) -> tuple[Any, Any]:
     import transformers
 
     from paged_engine.mistral_audio import AUDIO_FIELD, audio_wrapper_config
+    from paged_engine.mistral_large3 import MLA_FIELDS, is_mla, mla_config
     from paged_engine.mistral_vision import VISION_FIELD, vision_wrapper_config
 
     params = {k: v for k, v in read_params(path).items() if v is not None}
+    mla_fields = MLA_FIELDS if is_mla(params) else set()  # Mistral Large 3
     for field, why in _REFUSED.items():
-        if field in params:
+        if field in params and field not in mla_fields:
             raise ValueError(
                 f"{PARAMS_FILE} field {field!r} ({why}) is not supported in Mistral's native "
                 "format; serve the repo's Hugging Face files (config_format='hf')"
             )
-    unknown = sorted(set(params) - set(_RENAMED) - _HANDLED)
+    unknown = sorted(set(params) - set(_RENAMED) - _HANDLED - mla_fields)
     if unknown:
         raise ValueError(
             f"{PARAMS_FILE} fields {unknown} are not mapped by paged and may change the model; "
@@ -170,7 +173,9 @@ def mistral_configs(path: Path) -> tuple[Any, Any]:
     kwargs.update(_sliding(params.get("sliding_window"), params["n_layers"]))
     kwargs["dtype"] = params.get("dtype") or _checkpoint_dtype(path)
     moe = params.get("moe")
-    if moe:
+    if mla_fields:
+        text = mla_config(params, kwargs, PARAMS_FILE)
+    elif moe:
         extra = sorted(set(moe) - set(_MOE_FIELDS))
         if extra:
             raise ValueError(f"{PARAMS_FILE} moe fields {extra} are not supported")
@@ -181,6 +186,8 @@ def mistral_configs(path: Path) -> tuple[Any, Any]:
     media = [f for f in (VISION_FIELD, AUDIO_FIELD) if f in params]
     if not media:
         return text, None
+    if mla_fields and media == [VISION_FIELD]:  # Large 3: Mistral Small 4's HF wrapper
+        return text, vision_wrapper_config(params[VISION_FIELD], text)
     if moe or len(media) > 1:
         both = ["moe"] * bool(moe) + media
         raise ValueError(f"{PARAMS_FILE} fields {both} together: not supported")
@@ -268,6 +275,8 @@ _EXPERT = re.compile(r"feed_forward\.experts\.(\d+)\.(w[123])$")
 
 def hf_name(name: str) -> str:
     """The HF name of a consolidated tensor; ValueError for one paged does not know."""
+    from paged_engine.mistral_large3 import mla_module_name
+
     module, _, kind = name.rpartition(".")
     if kind == "weight" and module in _TOP_NAMES:
         return f"{_TOP_NAMES[module]}.weight"
@@ -276,6 +285,9 @@ def hf_name(name: str) -> str:
         layer, sub = match.group(1), match.group(2)
         if sub in _LAYER_NAMES:
             return f"model.layers.{layer}.{_LAYER_NAMES[sub]}.weight"
+        mla = mla_module_name(sub)  # Mistral Large 3's MLA / DeepSeek-MoE modules
+        if mla is not None:
+            return f"model.layers.{layer}.{mla}.weight"
         expert = _EXPERT.fullmatch(sub)
         if expert is not None:  # Mixtral's experts keep Mistral's w1 / w2 / w3 names in HF
             return f"model.layers.{layer}.block_sparse_moe.experts.{expert[1]}.{expert[2]}.weight"

@@ -18,8 +18,9 @@ The tower's MLP is SiLU-gated and the adapter's act exact GELU (vLLM's VisionTra
 VisionLanguageAdapter); the vision wq / wk rows are permuted from Mistral's interleaved rotary
 pairs to HF's halves like the text model's (mistral_format.rotate_half_rows). Refused by name:
 a vision field paged does not map, a projector id other than those two, a norm without the
-merger (or the reverse), and a projector norm whose eps would differ (HF's Mistral 3 norm takes
-the text norm_eps, vLLM's 1e-5).
+merger (or the reverse). The projector norm's eps is vLLM's 1e-5 whatever the text norm_eps
+(HF's Mistral 3 takes the text's; Mistral Large 3's is 1e-6): the wrapper config carries it as
+`projector_rms_norm_eps`, which multimodal/pixtral.py reads.
 
 Images: vLLM's mistral tokenizer (mistral_common's ImageEncoder) shrinks an image to fit
 `max_image_size` (tekken.json's `image` section, else params.json's), rounds its sides up to
@@ -120,18 +121,13 @@ def vision_wrapper_config(vision: dict[str, Any], text: Any) -> Any:
                 f"{_WHERE}.add_pre_mm_projector_layer_norm=false with mm_projector_id="
                 f"{PATCH_MERGE!r} is not supported (Mistral 3 has both)"
             )
-        if float(text.rms_norm_eps) != _PROJECTOR_EPS:
-            raise ValueError(
-                f"params.json norm_eps={text.rms_norm_eps} with {_WHERE}."
-                f"add_pre_mm_projector_layer_norm is not supported: only {_PROJECTOR_EPS} "
-                "(the projector norm's eps)"
-            )
         if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
             raise ValueError(f"{_WHERE}.spatial_merge_size={merge!r} must be a positive int")
         config = transformers.Mistral3Config(
             image_token_index=image_id, spatial_merge_size=merge, **common
         )
         config.architectures = ["Mistral3ForConditionalGeneration"]
+        config.projector_rms_norm_eps = _PROJECTOR_EPS  # (not the text norm_eps, as in HF)
         return config
     if projector != "":
         raise ValueError(

@@ -13,7 +13,8 @@ and LlavaForConditionalGeneration with a `pixtral` vision tower (Pixtral-12B's H
 hidden_states follows transformers' indexing: entry 0 is ln_pre's output, entry i the output of
 layer i; the tower has no CLS token and no final norm. Only the layers up to the deepest one read
 are built. The tower's norms are RMSNorms with eps 1e-5 (hard-coded by HF); Mistral3's projector
-norm uses text_config.rms_norm_eps.
+norm uses text_config.rms_norm_eps (a native checkpoint's config: `projector_rms_norm_eps`,
+vLLM's 1e-5, mistral_vision.py).
 
 Rotary: inv_freq = theta ** -(2j / head_dim), j < head_dim / 2; a patch at (row, col) rotates by
 row * inv_freq[0::2] and col * inv_freq[1::2], those head_dim / 2 angles [rows | cols] repeated
@@ -254,7 +255,8 @@ class _Projector(nn.Module):
         text = _positive_int(config.text_config, "hidden_size", "text_config.")
         bias = bool(getattr(config, "multimodal_projector_bias", not mistral3))
         if mistral3:
-            eps = float(config.text_config.rms_norm_eps)
+            eps = getattr(config, "projector_rms_norm_eps", None)  # (mistral_vision.py's)
+            eps = float(eps or config.text_config.rms_norm_eps)
             self.norm: RMSNorm | None = RMSNorm(vision, eps)
             self.patch_merger: _PatchMerger | None = _PatchMerger(vision, merge_size(config))
         else:

@@ -164,6 +164,13 @@ def test_structural_tags(client) -> None:
         ),
         ({"extra_body": {"guided_regex": "a[b"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": "root ::= ("}}, "guided_grammar"),
+        ({"extra_body": {"guided_grammar": 'start: ("a"'}}, "guided_grammar"),  # Lark syntax
+        # refused by the engine's tokenizer check (on add), named as the client's field
+        ({"extra_body": {"guided_grammar": 'start: <|nonexistent|> "a"'}}, "guided_grammar"),
+        (
+            {"extra_body": {"structured_outputs": {"grammar": "start: <[99999]>"}}},
+            "structured_outputs",
+        ),
         (
             {"extra_body": {"structured_outputs": {"regex": "x", "choice": ["y"]}}},
             "structured_outputs",

@@ -840,7 +840,7 @@ class OpenAIApp:
         group, rids = self._submit(
             req, texts, ids, rid, chat=chat, lora=lora, stream=req.stream and not scoring_stream
         )
-        with self._in_flight(h, group, rids):
+        with self._in_flight(h, group, rids, req.structured_param):
             if req.stream and not scoring_stream:
                 answers.stream(self, h, req, model, rid, group, texts, ids, chat, reasoning)
             else:
@@ -953,12 +953,20 @@ class OpenAIApp:
             )
 
     @contextmanager
-    def _in_flight(self, h: Handler, group: RequestGroup, rids: list[str]) -> Iterator[None]:
+    def _in_flight(
+        self, h: Handler, group: RequestGroup, rids: list[str], structured_param: str | None = None
+    ) -> Iterator[None]:
         """Wait until the engine took the group (its refusal becomes an HTTP error before a
-        stream's headers go out), then run the body; every way out but the group's completion
-        aborts its requests."""
+        stream's headers go out; one of the constraint, e.g. a special token the tokenizer
+        lacks, names `structured_param`, the field the client used), then run the body; every
+        way out but the group's completion aborts its requests."""
         try:
-            self._await_added(h, group)
+            try:
+                self._await_added(h, group)
+            except APIError as e:
+                if e.param == "structured_outputs" and structured_param is not None:
+                    e.param = structured_param
+                raise
             yield
         finally:
             if not group.done:

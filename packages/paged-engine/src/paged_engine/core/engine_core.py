@@ -32,7 +32,8 @@ step that raises while `drain()` applies it (pausing), and so are `schedule()` a
 raising (the host side of a step).
 
 Constrained requests (structured outputs, bad words; `Request.constraint`): a request whose
-grammar is still compiling is held here, out of the scheduler, until it compiles. Each step the
+grammar is still compiling is held here, out of the scheduler, until it compiles (one whose
+grammar fails to compile is dropped: step() raises `RequestFailedError` naming it). Each step the
 core fills the token bitmask of the constrained sequences it scheduled to sample
 (`SchedulerOutput.token_bitmask`), and `_apply` advances their matchers with exactly the tokens
 it appends (a fork copies its parent's matcher first). A matcher that says the output is
@@ -109,8 +110,8 @@ class EngineCore(StepApplier, StepIsolation):
         self.prompt_tokens_total += req.num_prompt_tokens
         if req.constraint is not None:
             self._constrained[req.request_id] = req
-            if not req.constraint.ready:
-                self._compiling.append(req)
+            if not req.constraint.ready or req.constraint.error() is not None:
+                self._compiling.append(req)  # (a failed grammar fails at the next step)
                 return
         self.scheduler.add_request(req)
 
@@ -218,26 +219,34 @@ class EngineCore(StepApplier, StepIsolation):
             self.structured.shutdown()
         self.executor.shutdown()
 
-    def _admit_compiled(self) -> list[EngineCoreOutput]:
-        """Move requests whose grammar compiled to the scheduler (in arrival order); finish
-        those whose grammar failed. With nothing else to run, wait for the first compile."""
+    def _admit_compiled(self) -> None:
+        """Move requests whose grammar compiled to the scheduler (in arrival order). One whose
+        grammar failed to compile (what validation on add could not see) is dropped and
+        RequestFailedError raised naming it, its compile error the cause (a ValueError: the
+        server answers 400), one such request per step. With nothing else to run, wait for the
+        first compile."""
         if not self.scheduler.has_unfinished_requests() and not self._in_flight:
             futures = [r.constraint.grammar for r in self._compiling]
             wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)  # stay responsive
-        failed: list[EngineCoreOutput] = []
+        failed: Request | None = None
         still: list[Request] = []
         for req in self._compiling:
             if not req.constraint.ready:
                 still.append(req)
-            elif (error := req.constraint.error()) is not None:
-                logger.error("request %s: grammar failed to compile: %s", req.request_id, error)
-                self._constrained.pop(req.request_id, None)
-                update = SeqUpdate(0, [], finish_reason="abort")
-                failed.append(EngineCoreOutput(req.request_id, [update], True))
+            elif req.constraint.error() is not None:
+                if failed is None:
+                    failed = req
+                else:
+                    still.append(req)  # failed too: fails at the next step, with its own cause
             else:
                 self.scheduler.add_request(req)
         self._compiling = still
-        return failed
+        if failed is not None:
+            rid = failed.request_id
+            self._constrained.pop(rid, None)
+            cause = failed.constraint.grammar.exception()
+            logger.error("request %s: grammar failed to compile: %s", rid, cause)
+            raise RequestFailedError([rid], cause) from cause
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
@@ -261,8 +270,8 @@ class EngineCore(StepApplier, StepIsolation):
             return held
         depth = 2 if self.async_scheduling else self.max_concurrent_batches
         submitted = False
-        if self._compiling and (failed := self._admit_compiled()):
-            return failed
+        if self._compiling:
+            self._admit_compiled()
         scheduler = self.scheduler
         if len(self._in_flight) < depth and (
             scheduler.has_unfinished_requests() or scheduler.has_worker_frees()

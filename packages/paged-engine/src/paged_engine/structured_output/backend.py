@@ -46,6 +46,11 @@ class GrammarBackend(ABC):
     vocab_size: int  # the bitmask covers token ids [0, vocab_size)
 
     @abstractmethod
+    def check(self, grammar: str) -> str | None:
+        """Why `grammar` is invalid for this tokenizer (a special token it lacks, a token id
+        past its vocabulary), or None; cheap: no matcher is built."""
+
+    @abstractmethod
     def compile(self, grammar: str) -> GrammarMatcher:
         """A matcher at the start of `grammar`. May take milliseconds: runs off the step thread."""
 

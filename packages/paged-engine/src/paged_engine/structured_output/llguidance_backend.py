@@ -48,6 +48,10 @@ class LLGuidanceBackend(GrammarBackend):
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self._executor = llg.LLExecutor()
 
+    def check(self, grammar: str) -> str | None:
+        error = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        return error.strip() or None
+
     def compile(self, grammar: str) -> LLGuidanceMatcher:
         matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():

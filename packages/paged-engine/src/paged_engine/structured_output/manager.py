@@ -5,6 +5,11 @@ token bitmask.
   (ValueError naming the field) and starts compiling it on the manager's own thread; a grammar
   compiled before (same constraint) is reused. The first constrained request also builds the
   backend there (the tokenizer's conversion takes ~0.5-2 s).
+  The check is llguidance's own validation (vLLM's `validate_guidance_grammar`), without the
+  tokenizer (`grammar.grammar_text`, also run by the server on its HTTP thread) and, for a
+  grammar that names special tokens (`<|x|>`, `<name>`, `<[id]>`), against this engine's
+  tokenizer (the first such request waits for the backend). What only compiling can find fails
+  the request after admission (`EngineCore._admit_compiled`: RequestFailedError, not a reply).
 - `fill_bitmask(sched, requests)` (engine core, after scheduling): one [R, W] int32 row per
   sampled sequence of a constrained request (d + 1 rows for one with d speculative drafts), as
   plain data in the `SchedulerOutput`; the sampler masks the logits with it in one batched op.
@@ -63,20 +68,45 @@ class StructuredOutputManager:
             self._cache.move_to_end(key)  # compiled, or compiling: shared
             return fut
         text = grammar_text(params)  # raises ValueError on this thread, before anything queues
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-grammar")
-            self._tokenizer_copy = copy.deepcopy(self._tokenizer)
-        fut = self._cache[key] = self._pool.submit(self._compile_now, text)
+        field = f"structured_outputs.{params.kind}"
+        if params.kind in ("grammar", "structural_tag") and "<" in text:
+            self._check_tokens(text, field)  # special tokens: only the tokenizer can say
+        fut = self._cache[key] = self._thread().submit(self._compile_named, text, field)
         if len(self._cache) > _CACHE_SIZE:
             self._cache.popitem(last=False)
         return fut
 
-    def _compile_now(self, text: str) -> GrammarMatcher:
+    def _check_tokens(self, text: str, field: str) -> None:
+        """ValueError if the grammar's special tokens (or token ids) are not this tokenizer's.
+        (A `<` may as well sit in a literal: then the check passes, at the cost of the backend
+        being built now rather than on the first compile.)"""
+        backend = self._backend or self._thread().submit(self._backend_now).result()
+        error = backend.check(text)
+        if error:
+            raise ValueError(f"{field} is invalid for this model's tokenizer: {error}")
+
+    def _thread(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="paged-grammar")
+            self._tokenizer_copy = copy.deepcopy(self._tokenizer)
+        return self._pool
+
+    def _backend_now(self) -> GrammarBackend:
+        """The backend, built on the compile thread (the only thread that builds it)."""
         if self._backend is None:
             from paged_engine.structured_output.llguidance_backend import LLGuidanceBackend
 
             self._backend = LLGuidanceBackend(self._tokenizer_copy, self.vocab_size, self._eos)
-        return self._backend.compile(text)
+        return self._backend
+
+    def _compile_named(self, text: str, field: str) -> GrammarMatcher:
+        try:
+            return self._compile_now(text)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+
+    def _compile_now(self, text: str) -> GrammarMatcher:
+        return self._backend_now().compile(text)
 
     def fill_bitmask(self, sched: SchedulerOutput, requests: Iterable[Request]) -> None:
         """Set `sched.token_bitmask` for the sampled sequences of constrained `requests`: one

@@ -108,6 +108,9 @@ MPT configs itself and runs the others' remote config code).
     KeyeForConditionalGeneration   Keye                         Qwen3 with M-RoPE (config: models/
                                                                 keye_config.py; images:
                                                                 multimodal/keye.py)
+    HCXVisionForCausalLM           hyperclovax_vlm              Llama's or HyperCLOVA X's, text
+                                                                only (config: models/
+                                                                hcx_vision_v1_config.py)
 
 Qwen2_5OmniModel (Qwen2.5-Omni-7B's config.json, the preview's class name) is read by
 transformers and renamed Qwen2_5OmniForConditionalGeneration, which the text, image, video and
@@ -365,6 +368,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
     "Step3TextForCausalLM": "step3_text:step3_text_config",  # StepFun Step3's decoder
     "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)
+    # HyperCLOVAX-SEED-Vision-Instruct-3B (text only: models/hcx_vision_v1_config.py)
+    "HCXVisionForCausalLM": "hcx_vision_v1_config:hcx_vision_v1_config",
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a

@@ -18,6 +18,8 @@ each is exact).
       DeepseekVLHybridForConditionalGeneration
     JanusForConditionalGeneration        llama                  -> LlamaForCausalLM
     HyperCLOVAXVisionV2ForConditional... hyperclovax            -> HyperCLOVAXForCausalLM
+    HCXVisionForCausalLM (remote code)   llama / hyperclovax    -> Llama / HyperCLOVAXForCausalLM
+      (HyperCLOVA X SEED Vision v1, text only: models/hcx_vision_v1_config.py)
     Exaone4_5_ForConditionalGeneration   exaone4                -> Exaone4ForCausalLM
     FuyuForCausalLM                      persimmon              -> PersimmonForCausalLM
     Gemma3ForConditionalGeneration       gemma3_text            -> Gemma3ForCausalLM
@@ -595,6 +597,14 @@ WRAPPERS: dict[str, Wrapper] = {
             ("model.language_model.model.", "model."),
             ("model.language_model.lm_head.", "lm_head."),
         ),
+    ),
+    # HyperCLOVA X SEED Vision v1 (remote code; config: models/hcx_vision_v1_config.py): a
+    # SigLIP tower, its projector and `image_newline` dropped (images are not served), the text
+    # model at `language_model.` (_RENAMES), its head tied by text_config alone
+    "HCXVisionForCausalLM": Wrapper(
+        {"llama": "LlamaForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM"},
+        (*_modules("vision_model", "mm_projector"), "image_newline"),
+        nested_head=True,
     ),
     "Mistral3ForConditionalGeneration": Wrapper(
         {

@@ -66,6 +66,9 @@ MPT configs itself and runs the others' remote config code).
     MiDashengLMModel               midashenglm                  Qwen2 (config: models/
                                                                 midashenglm_config.py;
                                                                 audio: midashenglm.py)
+    MoonshotKimiaForCausalLM       kimi_audio                   Qwen2 (config: models/
+                                                                kimi_audio_config.py;
+                                                                audio: kimi_audio.py)
     ChatGLMModel (with a           chatglm                      ChatGLM's (GLM-4V: config
       vision_config)                                            models/glm4v_remote_config.py;
                                                                 images: glm4v_remote.py)
@@ -370,6 +373,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)
     # HyperCLOVAX-SEED-Vision-Instruct-3B (text only: models/hcx_vision_v1_config.py)
     "HCXVisionForCausalLM": "hcx_vision_v1_config:hcx_vision_v1_config",
+    "MoonshotKimiaForCausalLM": "kimi_audio_config:kimi_audio_config",  # Kimi-Audio-7B(-Instruct)
 }
 
 # remote VLMs whose placeholder id is the release tokenizer's token (vLLM looks it up): a
@@ -382,6 +386,7 @@ PLACEHOLDER_TOKENS = {
     "Llama_Nemotron_Nano_VL": "<image>",
     "OpenCUAForConditionalGeneration": "<|media_placeholder|>",
     "IsaacForConditionalGeneration": "<|image_pad|>",
+    "MoonshotKimiaForCausalLM": "<|im_kimia_text_blank|>",  # (its audio placeholder)
 }
 
 
@@ -447,6 +452,8 @@ def remote_config(path: Path) -> PretrainedConfig | None:
         token = saved_token_id(path, PLACEHOLDER_TOKENS[arch])
         if token is not None:
             raw = {**raw, "image_token_id": token}
+    if arch == "MoonshotKimiaForCausalLM":  # Kimi-Audio: its tower's config is in a subfolder
+        raw = {**raw, "_checkpoint": str(path)}
     module, function = REMOTE_CONFIGS[arch].split(":")
     translate = getattr(importlib.import_module(f"paged_engine.models.{module}"), function)
     config = translate(raw)

@@ -98,6 +98,8 @@ each is exact).
       (MiniCPM-o 2.6 under `llm.`: models/minicpmo_remote_config.py; `tts.` skipped)
     MiDashengLMModel (remote code)       qwen2                  -> Qwen2ForCausalLM
       (MiDashengLM under `decoder.`: models/midashenglm_config.py; audio multimodal/midashenglm.py)
+    MoonshotKimiaForCausalLM (remote code)  qwen2               -> Qwen2ForCausalLM
+      (Kimi-Audio, flat Qwen2 names: models/kimi_audio_config.py; audio multimodal/kimi_audio.py)
     QwenVLForConditionalGeneration       (flat) qwen            -> QWenLMHeadModel
       (Qwen-VL v1, remote code: models/qwen_vl_v1_config.py)
     GLM4VForCausalLM                     (flat) chatglm         -> ChatGLMForCausalLM
@@ -521,6 +523,13 @@ WRAPPERS: dict[str, Wrapper] = {
         {"qwen2": "Qwen2ForCausalLM"},
         ("audio_encoder.", "audio_projector."),
         renames=(("decoder.model.", "model."), ("decoder.lm_head.", "lm_head.")),
+    ),
+    # Kimi-Audio (remote code; config: models/kimi_audio_config.py): Qwen2 under its own names
+    # and lm_head (the text head, vLLM's); the adaptor (multimodal/kimi_audio.py) and the MIMO
+    # audio-token branch beside it
+    "MoonshotKimiaForCausalLM": Wrapper(
+        {"qwen2": "Qwen2ForCausalLM"},
+        ("model.vq_adaptor.", "model.mimo_layers.", "model.mimo_norm.", "mimo_output."),
     ),
     # Qwen-VL v1 (remote code; config: models/qwen_vl_v1_config.py): Qwen v1 under its own
     # `transformer.` names, the ViT and resampler under `transformer.visual.` (qwen_vl_v1.py)

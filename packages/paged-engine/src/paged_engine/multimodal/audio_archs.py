@@ -33,6 +33,8 @@
       (MiniCPM-o 2.6, remote code: Whisper-medium `apm`, projection, pooling)
     MiDashengLMModel                     "midashenglm"   multimodal/midashenglm.py (remote
       code: the Dasheng ViT over log-mel patches; its config: models/midashenglm_config.py)
+    MoonshotKimiaForCausalLM             "kimi_audio"    multimodal/kimi_audio.py (remote code:
+      Kimi-Audio's text output as vLLM serves it; its config: models/kimi_audio_config.py)
 
 A kind names its host side (`HOSTS`: an AudioProcessor subclass, multimodal/audio.py) and its
 worker side (`ENCODERS`: the tower and projector, `encode(clips)` and `load_weights`), each as
@@ -76,6 +78,7 @@ KINDS: dict[str, str] = {
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",  # with an audio_config (Parakeet)
     "MiniCPMO": "minicpmo_remote",  # remote code: models/minicpmo_remote_config.py
     "MiDashengLMModel": "midashenglm",  # remote code: models/midashenglm_config.py
+    "MoonshotKimiaForCausalLM": "kimi_audio",  # remote code: models/kimi_audio_config.py
 }
 AUDIO_ARCHS = tuple(KINDS)
 
@@ -101,6 +104,7 @@ HOSTS: dict[str, str] = {
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudio",
     "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudio",
     "midashenglm": "midashenglm:MiDashengLM",
+    "kimi_audio": "kimi_audio:KimiAudio",
 }
 
 ENCODERS: dict[str, str] = {
@@ -123,6 +127,7 @@ ENCODERS: dict[str, str] = {
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudioEncoder",
     "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudioEncoder",
     "midashenglm": "midashenglm:MiDashengLMEncoder",
+    "kimi_audio": "kimi_audio:KimiAudioEncoder",
 }
 
 

@@ -81,6 +81,7 @@ FORMS: dict[str, dict[str, str | None]] = {
     "qwen2_audio": {"audio": "Audio {n}: <|audio_bos|>{token}<|audio_eos|>"},
     "ultravox": {"audio": "<|audio|>"},  # (its token may lie past the vocabulary: the text)
     "midashenglm": {"audio": "<|audio_bos|><|AUDIO|><|audio_eos|>"},  # MiDashengLM (vLLM's)
+    "kimi_audio": {"audio": "<|im_media_begin|><|im_kimia_text_blank|><|im_media_end|>"},  # vLLM's
     "phi3v": {"image": "<|image_{n}|>"},  # Phi-3 / 3.5-vision (vLLM's get_placeholder_str)
     "phi4mm_remote": {"image": "<|image_{n}|>", "audio": "<|audio_{n}|>"},  # Phi4MMForCausalLM
     "kimi_vl": {"image": "<|media_start|>image<|media_content|>{token}<|media_end|>"},

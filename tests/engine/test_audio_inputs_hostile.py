@@ -58,6 +58,12 @@ def _voxtral(path):
     return write_tiny_voxtral(path), "[INST][BEGIN_AUDIO][AUDIO]What is it?[/INST]"
 
 
+def _voxtral_realtime(path):
+    from test_voxtral_realtime import write_tiny_voxtral_realtime
+
+    return write_tiny_voxtral_realtime(path), "hi"
+
+
 def _whisper(path):
     from test_whisper import write_tiny_whisper
 
@@ -83,6 +89,7 @@ FAMILIES = {
     "whisper": _whisper,
     "granite_speech_plus": _granite_speech_plus,
     "fun_asr_nano": _fun_asr_nano,
+    "voxtral_realtime": _voxtral_realtime,  # no placeholder: the clip spans the text stream
 }
 
 

@@ -33,6 +33,7 @@ from paged_engine.models.cohere import (
     Cohere2MoeForCausalLM,
     CohereForCausalLM,
 )
+from paged_engine.models.cohere_asr import CohereAsrForConditionalGeneration
 from paged_engine.models.cohere_compass import CohereCompassForCausalLM
 from paged_engine.models.cosmos3_edge import Cosmos3EdgeTextForCausalLM
 from paged_engine.models.dbrx import DbrxForCausalLM
@@ -187,6 +188,7 @@ from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.step3_text import Step3TextForCausalLM, Step3VLTextForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.telechat2 import TeleChat2ForCausalLM
+from paged_engine.models.voxtral_realtime import VoxtralRealtimeTextForCausalLM
 from paged_engine.models.whisper import WhisperForConditionalGeneration
 from paged_engine.models.xglm import XGLMForCausalLM
 from paged_engine.models.youtu import YoutuForCausalLM
@@ -365,6 +367,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # encoder-decoder: audio in, text out (worker/cross_attention.py)
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     "MoonshineForConditionalGeneration": MoonshineForConditionalGeneration,
+    "CohereAsrForConditionalGeneration": CohereAsrForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)
@@ -425,6 +428,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # MoE layers with a shared expert; the VL release served on text (models/step3_text.py)
     "Step3TextForCausalLM": Step3TextForCausalLM,
     "Step3VLForConditionalGeneration": Step3VLTextForCausalLM,
+    # Voxtral Realtime's decoder: Mistral, its delay conditioning folded in its norms
+    # (models/voxtral_realtime.py)
+    "VoxtralRealtimeTextForCausalLM": VoxtralRealtimeTextForCausalLM,
 }
 
 

@@ -133,6 +133,7 @@ each is exact).
     FunAsrNanoForConditionalGeneration   qwen3                  -> Qwen3ForCausalLM
     MusicFlamingoForConditionalGeneration  qwen2                -> Qwen2ForCausalLM
     VoxtralForConditionalGeneration      llama / mistral        -> Llama / MistralForCausalLM
+    VoxtralRealtimeForConditionalGeneration  voxtral_realtime_text -> VoxtralRealtimeTextForCausalLM
     Qwen2VLForConditionalGeneration      qwen2_vl_text          -> Qwen2ForCausalLM
     Qwen2_5_VLForConditionalGeneration   qwen2_5_vl_text        -> Qwen2ForCausalLM
     JinaVLForRanking (remote code)       qwen2_vl_text          -> JinaVLForSequenceClassification
@@ -711,6 +712,13 @@ WRAPPERS: dict[str, Wrapper] = {
     # Voxtral: Whisper's encoder into a Llama / Mistral decoder (audio: multimodal/voxtral.py)
     "VoxtralForConditionalGeneration": Wrapper(
         {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}, _AUDIO_STYLE
+    ),
+    # Voxtral Realtime: a causal tower's rows added to Mistral's token embeddings (audio:
+    # multimodal/voxtral_realtime.py; decoder: models/voxtral_realtime.py)
+    "VoxtralRealtimeForConditionalGeneration": Wrapper(
+        {"voxtral_realtime_text": "VoxtralRealtimeTextForCausalLM"},
+        _AUDIO_STYLE,
+        carried=("default_num_delay_tokens",),
     ),
     "Qwen2VLForConditionalGeneration": Wrapper(
         {"qwen2_vl_text": "Qwen2ForCausalLM"}, _QWEN_VISUAL, mrope=True

@@ -5,6 +5,7 @@
     GlmAsrForConditionalGeneration       "glmasr"        multimodal/glmasr.py
     MusicFlamingoForConditionalGeneration  "musicflamingo"  multimodal/musicflamingo.py
     VoxtralForConditionalGeneration      "voxtral"       multimodal/voxtral.py
+    VoxtralRealtimeForConditionalGeneration  "voxtral_realtime"  multimodal/voxtral_realtime.py
     GraniteSpeechForConditionalGeneration  "granite_speech"  multimodal/granite_speech.py
     GraniteSpeechPlusForConditionalGeneration  "granite_speech_plus"
       multimodal/granite_speech.py (host), multimodal/granite_speech_plus.py (encoder)
@@ -23,6 +24,8 @@
       an encoder-decoder, its model encodes and cross-attends; worker/cross_attention.py)
     MoonshineForConditionalGeneration    "moonshine"     multimodal/moonshine.py (host only,
       as Whisper: models/moonshine.py encodes)
+    CohereAsrForConditionalGeneration    "cohere_asr"    multimodal/cohere_asr.py (host only,
+      as Moonshine: models/cohere_asr.py encodes with the Parakeet encoder)
     UltravoxModel                        "ultravox"      multimodal/ultravox.py (fixie-ai's remote
       code; its config: models/ultravox_config.py)
     EmbeddingGemma2Model                 "gemma4"        multimodal/gemma4_audio.py (Gemma 4's
@@ -57,6 +60,7 @@ KINDS: dict[str, str] = {
     "GlmAsrForConditionalGeneration": "glmasr",
     "MusicFlamingoForConditionalGeneration": "musicflamingo",
     "VoxtralForConditionalGeneration": "voxtral",
+    "VoxtralRealtimeForConditionalGeneration": "voxtral_realtime",
     "GraniteSpeechForConditionalGeneration": "granite_speech",
     "GraniteSpeechPlusForConditionalGeneration": "granite_speech_plus",
     "FunAsrNanoForConditionalGeneration": "fun_asr_nano",
@@ -73,6 +77,7 @@ KINDS: dict[str, str] = {
     # encoder-decoder: no placeholders, no ENCODERS row (the model encodes; models/whisper.py)
     "WhisperForConditionalGeneration": "whisper",
     "MoonshineForConditionalGeneration": "moonshine",
+    "CohereAsrForConditionalGeneration": "cohere_asr",
     "UltravoxModel": "ultravox",
     "EmbeddingGemma2Model": "gemma4",  # EmbeddingGemma 2: Gemma 4's audio tower, an encoder
     "NemotronH_Omni_Reasoning_V3": "nemotron_h_omni",  # with an audio_config (Parakeet)
@@ -88,6 +93,7 @@ HOSTS: dict[str, str] = {
     "glmasr": "glmasr:GlmAsr",
     "musicflamingo": "musicflamingo:MusicFlamingo",
     "voxtral": "voxtral:Voxtral",
+    "voxtral_realtime": "voxtral_realtime:VoxtralRealtime",
     "granite_speech": "granite_speech:GraniteSpeechAudio",
     "granite_speech_plus": "granite_speech:GraniteSpeechAudio",
     "fun_asr_nano": "fun_asr_nano:FunAsrNanoAudio",
@@ -100,6 +106,7 @@ HOSTS: dict[str, str] = {
     "phi4mm_remote": "phi4mm_remote:Phi4MMRemoteAudio",
     "whisper": "whisper:WhisperAudio",
     "moonshine": "moonshine:MoonshineAudio",
+    "cohere_asr": "cohere_asr:CohereAsrAudio",
     "ultravox": "ultravox:Ultravox",
     "nemotron_h_omni": "nemotron_h_omni_audio:NemotronOmniAudio",
     "minicpmo_remote": "minicpmo_remote:MiniCPMORemoteAudio",
@@ -113,6 +120,7 @@ ENCODERS: dict[str, str] = {
     "glmasr": "glmasr:GlmAsrEncoder",
     "musicflamingo": "musicflamingo:MusicFlamingoEncoder",
     "voxtral": "voxtral:VoxtralEncoder",
+    "voxtral_realtime": "voxtral_realtime:VoxtralRealtimeEncoder",
     "granite_speech": "granite_speech_encoder:GraniteSpeechEncoder",
     "granite_speech_plus": "granite_speech_plus:GraniteSpeechPlusEncoder",
     "fun_asr_nano": "fun_asr_nano_encoder:FunAsrNanoEncoder",

@@ -61,6 +61,8 @@ import torch
 from torch import nn
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
+from paged_engine.models.cohere_asr import ARCH as COHERE_ASR
+from paged_engine.models.cohere_asr import cohere_asr_engine_config
 from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
 from paged_engine.models.mllama import ARCH as MLLAMA
 from paged_engine.models.mllama import mllama_engine_config
@@ -76,7 +78,7 @@ logger = logging.getLogger(__name__)
 def is_encoder_decoder(hf_config) -> bool:
     """Whether the checkpoint is an encoder-decoder model paged serves (Whisper, Mllama)."""
     archs = getattr(hf_config, "architectures", None) or ()
-    return any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE) for a in archs)
+    return any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs)
 
 
 def is_moonshine(hf_config) -> bool:
@@ -112,6 +114,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         mllama_engine_config(config, hf_config)
     elif is_moonshine(hf_config):
         moonshine_engine_config(config, hf_config)
+    elif COHERE_ASR in hf_config.architectures:
+        cohere_asr_engine_config(config, hf_config)
     else:
         _whisper_lengths(config, hf_config)
     if not config.enforce_eager:
@@ -140,6 +144,10 @@ def cross_slot_rows(config, hf_config) -> int:
         from paged_engine.models.moonshine import slot_rows as moonshine_rows
 
         return moonshine_rows(hf_config)
+    if COHERE_ASR in (getattr(hf_config, "architectures", None) or ()):
+        from paged_engine.models.cohere_asr import slot_rows as cohere_asr_rows
+
+        return cohere_asr_rows(hf_config)
     return int(hf_config.max_source_positions)
 
 

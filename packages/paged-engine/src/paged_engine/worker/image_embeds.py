@@ -177,7 +177,10 @@ class ImageEmbedder:
         if rows.dim() == 3:  # [N, 1 + k, D]: the input rows, then one per deepstack layer
             additions = LayerAdditions(index, list(rows[:, 1:].unbind(1)))
             rows = rows[:, 0]
-        x[index] = rows
+        if getattr(self.audio_encoder, "adds_to_tokens", False):  # Voxtral Realtime: audio only
+            x[index] += rows
+        else:
+            x[index] = rows
         return x, additions, None
 
     def _gather(

@@ -227,7 +227,7 @@ def test_images_match_reference(ckpt):
     with pytest.raises(ValueError, match="mm_processor_kwargs"):
         bad = {"prompt": one, "multi_modal_data": {"image": a}, "mm_processor_kwargs": {"size": 2}}
         llm.generate([bad], greedy())
-    with pytest.raises(ValueError, match="0 x 0 image"):  # not a resized black square
+    with pytest.raises(ValueError, match="0x0 pixels"):  # not a resized black square
         empty = noise_image(0, (1, 1)).crop((0, 0, 0, 0))
         llm.generate([{"prompt": one, "multi_modal_data": {"image": empty}}], greedy())
     # the pad is <|endoftext|>: a text prompt may hold it (no image asked for), as in vLLM

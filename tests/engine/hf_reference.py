@@ -4,6 +4,7 @@ that `LLM.generate` reproduces them (the method of every HF-parity test)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -309,3 +310,59 @@ def hf_greedy_with_rows(model, ids: list[int], token: int, rows: list[torch.Tens
         embeds = model.get_input_embeddings()(torch.tensor([ids]))
         embeds[0, torch.tensor(ids) == token] = torch.cat(rows)
     return hf_greedy(model, ids, 8, 5, inputs_embeds=embeds)
+
+
+@torch.no_grad()
+def greedy_over_logits(
+    logits: Callable[[torch.Tensor], torch.Tensor], prompt: list[int], steps: int, top: int = 5
+) -> Greedy:
+    """Greedy continuation of `prompt` by a hand-written reference: `logits(ids)` is its
+    uncached forward over the whole sequence ([S] -> [S, V]), rerun at each of `steps` steps;
+    the chosen tokens, their logprobs and each step's `top` most likely."""
+    ids, tokens, chosen, tops = list(prompt), [], [], []
+    for _ in range(steps):
+        lp = logits(torch.tensor(ids))[-1].log_softmax(-1)
+        token = int(lp.argmax())
+        vals, top_ids = lp.topk(top)
+        tops.append(dict(zip(top_ids.tolist(), vals.tolist(), strict=True)))
+        tokens.append(token)
+        chosen.append(lp[token].item())
+        ids.append(token)
+    return Greedy(tokens, chosen, tops)
+
+
+def hf_greedy_with_img_runs(
+    model, tok, text: str, rows: list[torch.Tensor]
+) -> tuple[list[int], Greedy]:
+    """(the prompt ids vLLM makes of `text` for InternVL-style releases: each "<image>" as
+    <img>, one "<image>" per row of its entry of `rows` ([n_i, D]), </img>, then tokenized;
+    `model`'s greedy continuation with top-5 logprobs, those rows scattered in)."""
+    start, end, ctx = tok.convert_tokens_to_ids(["<img>", "</img>", "<image>"])
+    pieces = text.split("<image>")
+    expanded = pieces[0] + "".join(
+        "<img>" + "<image>" * r.shape[0] + "</img>" + piece
+        for r, piece in zip(rows, pieces[1:], strict=True)
+    )
+    ids = tok(expanded).input_ids
+    assert ids.count(start) == ids.count(end) == len(rows)
+    return ids, hf_greedy_with_rows(model, ids, ctx, rows)
+
+
+def hf_greedy_with_tower_runs(
+    ref, text: str, images: list, placeholder: str, merge: int
+) -> tuple[list[int], Greedy]:
+    """(the prompt ids of `text` with its i-th `placeholder` repeated once per merged patch of
+    image i (t h w / merge^2 of its image_grid_thw), then tokenized; the LM's greedy with top-5
+    logprobs over the tower's pooled rows scattered in) for a Qwen2-VL-style release. `ref`:
+    (LM, tower, tokenizer, image processor, the placeholder's id)."""
+    llm, tower, tokenizer, pixels, pad = ref
+    rows = []
+    for image in images:
+        out = pixels(images=[image], return_tensors="pt")
+        t, h, w = out["image_grid_thw"][0].tolist()
+        head, _, rest = text.partition(placeholder)
+        text = head + "<|RUN|>" * (t * h * w // merge**2) + rest  # a run not partitioned again
+        with torch.no_grad():
+            rows.append(tower(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output)
+    ids = tokenizer(text.replace("<|RUN|>", placeholder)).input_ids
+    return ids, hf_greedy_with_rows(llm, ids, pad, rows)

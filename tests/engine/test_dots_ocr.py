@@ -22,7 +22,7 @@ import json
 
 import pytest
 import torch
-from hf_reference import hf_greedy_with_rows
+from hf_reference import hf_greedy_with_tower_runs
 from image_checks import (
     check_config_refused,
     check_engine_matches_hf,
@@ -166,17 +166,7 @@ def release_config(text: dict, ids: dict[str, int]) -> dict:
 
 def reference(ref, text: str, images: list):
     """(the processor's prompt ids, Qwen2's greedy with top-5 on the scattered tower rows)."""
-    llm, tower, tokenizer, pixels, pad = ref
-    rows = []
-    for image in images:
-        out = pixels(images=[image], return_tensors="pt")
-        t, h, w = out["image_grid_thw"][0].tolist()
-        head, _, rest = text.partition("<|imgpad|>")
-        text = head + "<|PAD|>" * (t * h * w // MERGE**2) + rest
-        with torch.no_grad():
-            rows.append(tower(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output)
-    ids = tokenizer(text.replace("<|PAD|>", "<|imgpad|>")).input_ids
-    return ids, hf_greedy_with_rows(llm, ids, pad, rows)
+    return hf_greedy_with_tower_runs(ref, text, images, "<|imgpad|>", MERGE)
 
 
 def test_images_match_reference(ckpt):

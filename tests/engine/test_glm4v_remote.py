@@ -26,6 +26,7 @@ from hf_parity import fuse_qkv
 from hf_reference import hf_greedy, load_hf_model
 from image_checks import check_config_refused, check_engine_matches_hf, engine, greedy, noise_image
 from test_models_chatglm import _RELEASE_CONFIG, _RENAMES, _release_config
+from test_qwen_vl_v1 import clip_pixels
 from vlm_checkpoints import finish_checkpoint, tokenizer_with
 
 from paged_engine.testing import write_tiny_model
@@ -39,8 +40,6 @@ HIDDEN, FFN, VOCAB = 64, 128, 520  # the decoder's (test_models_chatglm.py's siz
 WIDTH, HEADS, LAYERS, MLP, IMAGE, PATCH, SCALE = 32, 2, 2, 64, 56, 14, 4.0
 GRID = IMAGE // PATCH  # 4: a 2 x 2 grid of rows after the conv
 ROWS = (GRID // 2) ** 2
-MEAN = [0.48145466, 0.4578275, 0.40821073]
-STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 def vision_config(**changes) -> dict:
@@ -103,13 +102,7 @@ def _layer_norm(x: torch.Tensor, s: dict, name: str, eps: float) -> torch.Tensor
 
 def image_rows(s: dict[str, torch.Tensor], image) -> torch.Tensor:
     """[ROWS + 2, HIDDEN]: EVA2-CLIP, the conv, the GLU, boi / eoi, over CLIP's pixels."""
-    proc = transformers.models.clip.image_processing_pil_clip.CLIPImageProcessorPil(
-        size={"height": IMAGE, "width": IMAGE},
-        do_center_crop=False,
-        image_mean=MEAN,
-        image_std=STD,
-    )
-    x = torch.as_tensor(proc(image, return_tensors="pt")["pixel_values"]).float()
+    x = clip_pixels(image, IMAGE)
     with torch.no_grad():
         p = F.conv2d(x, s["patch_embedding.proj.weight"], s["patch_embedding.proj.bias"], PATCH)
         h = torch.cat([s["patch_embedding.cls_embedding"], p[0].flatten(1).T])  # [1 + g^2, W]

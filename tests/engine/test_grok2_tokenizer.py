@@ -11,8 +11,6 @@ encode allows.
 from __future__ import annotations
 
 import json
-from collections import Counter
-from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,8 @@ from safetensors.torch import save_file
 
 regex = pytest.importorskip("regex")
 transformers = pytest.importorskip("transformers")
+
+from test_tekken import bpe_merges  # noqa: E402
 
 from paged_engine.grok2_tokenizer import (  # noqa: E402
     GROK2_CHAT_TEMPLATE,
@@ -55,21 +55,7 @@ TEXTS = [
 def learn_merges(n: int) -> list[bytes]:
     """`n` multi-byte tokens by byte-level BPE on CORPUS split by the V1 pattern (most frequent
     pair first)."""
-    words = [[bytes([b]) for b in m.encode()] for m in regex.findall(V1_PATTERN, CORPUS)]
-    made: list[bytes] = []
-    while len(made) < n:
-        pairs = Counter(p for w in words for p in pairwise(w))
-        if not pairs:  # every piece of CORPUS is one token
-            break
-        (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
-        made.append(a + b)
-        for w in words:
-            i = 0
-            while i < len(w) - 1:
-                if (w[i], w[i + 1]) == (a, b):
-                    w[i : i + 2] = [a + b]
-                i += 1
-    return made
+    return bpe_merges([m.encode() for m in regex.findall(V1_PATTERN, CORPUS)], n)
 
 
 def write_tok_json(path: Path, num_merges: int = 200) -> tuple[dict[bytes, int], dict[str, int]]:

@@ -86,14 +86,31 @@ def write_tiny_internvl_hf(path, seed: int, decoder: str = "qwen2"):
         **_COMMON,
     )
     _save_random(transformers.InternVLForConditionalGeneration, config, seed, path)
-    transformers.GotOcr2ImageProcessorPil(  # as the conversion writes it: ImageNet mean / std
+    save_tiling_processor(path)
+    return finish_checkpoint(path, tokenizer, chatml_template(MARKER + "\n"))
+
+
+def save_tiling_processor(path) -> None:
+    """GotOcr2's tiling processor in `path` as the InternVL conversion writes it: 32-pixel
+    tiles, 1 to 4 of them, ImageNet mean / std."""
+    transformers.GotOcr2ImageProcessorPil(
         size={"height": 32, "width": 32},
         min_patches=1,
         max_patches=4,
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
     ).save_pretrained(path)
-    return finish_checkpoint(path, tokenizer, chatml_template(MARKER + "\n"))
+
+
+def assert_chat_matches(llm, image, ref) -> None:
+    """LLM.chat of one user turn (`image`, then "What is in it?") gives the prompt ids and
+    greedy tokens of `ref` (prompt ids, Greedy): the turn as the checkpoint's chat template
+    renders it."""
+    message = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}]
+    message[0]["content"].append({"type": "text", "text": "What is in it?"})
+    (out,) = llm.chat(message, greedy(0), use_tqdm=False)
+    assert out.prompt_token_ids == ref[0]
+    assert list(out.outputs[0].token_ids) == ref[1].tokens
 
 
 def to_remote(hf_dir, path, internlm2: bool = False):
@@ -232,12 +249,7 @@ def test_remote_checkpoint_matches_hf(dirs):
     refs = hf_refs(model, cases, inputs)
     check_matches_hf(remote, cases, refs, "internvl_chat")
     llm = engine(remote)
-    image = cases[0][1][0]
-    message = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image}]}]
-    message[0]["content"].append({"type": "text", "text": "What is in it?"})
-    (out,) = llm.chat(message, greedy(0), use_tqdm=False)
-    assert out.prompt_token_ids == refs[0][0]
-    assert list(out.outputs[0].token_ids) == refs[0][1].tokens
+    assert_chat_matches(llm, cases[0][1][0], refs[0])
 
 
 def test_refuses_by_name(dirs):

@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_reference import Greedy, assert_matches
+from hf_reference import Greedy, assert_matches, hf_greedy_from_embeds
 from image_checks import engine, greedy, noise_image
 from vlm_checkpoints import chatml_template, finish_checkpoint, saved_tokenizer
 
@@ -144,15 +144,13 @@ def _rows(tower, fc1, fc2, image) -> tuple[torch.Tensor, int, int]:
     return F.silu(x @ fc1.T) @ fc2.T, h // s, w // s
 
 
-class _Mrope(torch.nn.Module):
-    """cos / sin of the remote's three-row positions (`table` [3, T+]) for HF's Qwen3 layers."""
+class Mrope(torch.nn.Module):
+    """cos / sin of three-row positions (`table` [3, T+]) for HF's Qwen3 layers: `section`
+    frequencies turned by the t row, then h, then w (HF's rotary_emb, swapped in)."""
 
-    def __init__(self, inv_freq: torch.Tensor, table: torch.Tensor) -> None:
+    def __init__(self, inv_freq: torch.Tensor, table: torch.Tensor, section: list[int]) -> None:
         super().__init__()
-        half = inv_freq.shape[0]
-        self.rows = torch.repeat_interleave(
-            torch.arange(3), torch.tensor([half // 2, half // 4, half // 4])
-        )
+        self.rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
         self.inv_freq, self.table = inv_freq, table
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -160,6 +158,19 @@ class _Mrope(torch.nn.Module):
         freqs = pos[self.rows].T * self.inv_freq  # [T, half]: frequency f turned by its row
         emb = torch.cat([freqs, freqs], dim=-1)[None]
         return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def hf_greedy_with_mrope(
+    lm, embeds: torch.Tensor, table: torch.Tensor, section: list[int]
+) -> Greedy:
+    """hf_greedy_from_embeds of HF Qwen3 `lm` with its rotary_emb swapped for `Mrope` over the
+    positions `table` [3, T + 8] (restored after)."""
+    rope = lm.model.rotary_emb
+    lm.model.rotary_emb = Mrope(rope.inv_freq, table, section)
+    try:
+        return hf_greedy_from_embeds(lm, embeds)
+    finally:
+        lm.model.rotary_emb = rope
 
 
 def _reference(tiny, tok, text: str, images: list) -> tuple[list[int], Greedy, list[list[int]]]:
@@ -181,26 +192,12 @@ def _reference(tiny, tok, text: str, images: list) -> tuple[list[int], Greedy, l
         t += 1 + len(more)
     top = max(max(p) for p in pos) + 1
     table = torch.tensor(pos + [[top + k] * 3 for k in range(8)]).T
-    tokens, chosen, tops = [], [], []
-    rope = lm.model.rotary_emb
-    lm.model.rotary_emb = _Mrope(rope.inv_freq, table)
-    try:
-        with torch.no_grad():
-            embeds = lm.get_input_embeddings()(torch.tensor([ids]))
-            for at, rows in runs:
-                embeds[0, at : at + len(rows)] = rows
-            for _ in range(8):
-                lp = torch.log_softmax(lm(inputs_embeds=embeds).logits[0, -1].float(), -1)
-                token = int(lp.argmax())
-                values, top_ids = lp.topk(5)
-                tokens.append(token)
-                chosen.append(lp[token].item())
-                tops.append(dict(zip(top_ids.tolist(), values.tolist(), strict=True)))
-                row = lm.get_input_embeddings()(torch.tensor([[token]]))
-                embeds = torch.cat([embeds, row], dim=1)
-    finally:
-        lm.model.rotary_emb = rope
-    return ids, Greedy(tokens, chosen, tops), pos
+    with torch.no_grad():
+        embeds = lm.get_input_embeddings()(torch.tensor([ids]))
+        for at, rows in runs:
+            embeds[0, at : at + len(rows)] = rows
+    half = lm.model.rotary_emb.inv_freq.shape[0]  # the remote's t / h / w split of frequencies
+    return ids, hf_greedy_with_mrope(lm, embeds, table, [half // 2, half // 4, half // 4]), pos
 
 
 @pytest.fixture(scope="module")

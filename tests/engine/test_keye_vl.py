@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches, hf_greedy_from_embeds
+from hf_reference import Greedy, assert_matches
 from image_checks import (
     check_chat_data_url,
     check_config_refused,
@@ -37,6 +37,7 @@ from image_checks import (
     grid_path_prompts,
     noise_image,
 )
+from test_isaac import hf_greedy_with_mrope
 from vlm_checkpoints import chatml_template, finish_checkpoint, saved_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -138,21 +139,6 @@ def tiny(tmp_path_factory):
     return path, *write_tiny_keye(path, seed=4)
 
 
-class _Mrope(torch.nn.Module):
-    """cos / sin of three-row positions (`table` [3, T+]) over SECTION, for HF's Qwen3 layers."""
-
-    def __init__(self, inv_freq: torch.Tensor, table: torch.Tensor) -> None:
-        super().__init__()
-        self.rows = torch.repeat_interleave(torch.arange(3), torch.tensor(SECTION))
-        self.inv_freq, self.table = inv_freq, table
-
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
-        pos = self.table[:, : x.shape[1]].float()  # [3, T]
-        freqs = pos[self.rows].T * self.inv_freq  # [T, half]: frequency f turned by its row
-        emb = torch.cat([freqs, freqs], dim=-1)[None]
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
 def _processor():
     kept = ("min_pixels", "max_pixels", "patch_size", "merge_size", "image_mean", "image_std")
     return transformers.PaddleOCRVLImageProcessorPil(
@@ -184,17 +170,11 @@ def _reference(tiny, tok, text: str, images: list) -> tuple[list[int], Greedy, t
         table, delta = torch.arange(len(ids)).expand(3, -1), 0
     more = torch.arange(len(ids), len(ids) + 8) + delta
     full = torch.cat([table, more.expand(3, -1)], dim=1)
-    rope = lm.model.rotary_emb
-    lm.model.rotary_emb = _Mrope(rope.inv_freq, full)
-    try:
-        with torch.no_grad():
-            embeds = lm.get_input_embeddings()(tensor)
-            if rows:
-                embeds[0, tensor[0] == pad] = torch.cat(rows)
-        ref = hf_greedy_from_embeds(lm, embeds)
-    finally:
-        lm.model.rotary_emb = rope
-    return ids, ref, table
+    with torch.no_grad():
+        embeds = lm.get_input_embeddings()(tensor)
+        if rows:
+            embeds[0, tensor[0] == pad] = torch.cat(rows)
+    return ids, hf_greedy_with_mrope(lm, embeds, full, SECTION), table
 
 
 @pytest.fixture(scope="module")

@@ -32,17 +32,16 @@ from test_minicpmv_remote import (
     MARKS,
     PATCH,
     QUERIES,
-    VISION,
     WIDTH,
     image_text,
     release_config,
+    save_random_release,
+    tower_and_resampler,
     view_rows,
     views,
 )
 from test_minicpmv_remote import PATTERN as IMAGE
 from vlm_checkpoints import finish_checkpoint, tiny_qwen2_text, tokenizer_with
-
-from paged_engine.testing import _randomize
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -62,17 +61,7 @@ def ckpt(tmp_path_factory):
     text = tiny_qwen2_text(len(tokenizer), WIDTH)
     torch.manual_seed(0)
     llm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**text)).float().eval()
-    idefics2 = transformers.models.idefics2.modeling_idefics2
-    vpm = idefics2.Idefics2VisionTransformer(transformers.Idefics2VisionConfig(**VISION))
-    resampler = torch.nn.ModuleDict(
-        {
-            "kv_proj": torch.nn.Linear(VISION["hidden_size"], WIDTH, bias=False),
-            "attn": torch.nn.MultiheadAttention(WIDTH, WIDTH // 128),
-            **{n: torch.nn.LayerNorm(WIDTH, eps=1e-6) for n in ("ln_q", "ln_kv", "ln_post")},
-        }
-    )
-    resampler.query = torch.nn.Parameter(torch.empty(QUERIES, WIDTH))
-    resampler.proj = torch.nn.Parameter(torch.empty(WIDTH, WIDTH))
+    vpm, resampler = tower_and_resampler(QUERIES)
     whisper = transformers.models.whisper.modeling_whisper
     apm = whisper.WhisperEncoder(transformers.WhisperConfig(**APM))
     proj = torch.nn.ModuleDict(
@@ -81,19 +70,9 @@ def ckpt(tmp_path_factory):
             "linear2": torch.nn.Linear(WIDTH, WIDTH),
         }
     )
-    with torch.no_grad():
-        for seed, module in enumerate((llm, vpm, resampler, apm, proj), start=4):
-            _randomize(module, seed)
-    for module in (vpm, resampler, apm, proj):
-        module.float().eval()
-    state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
-    for prefix, module in (("vpm", vpm), ("resampler", resampler), ("apm", apm)):
-        state |= {f"{prefix}.{k}": v for k, v in module.state_dict().items()}
-    state |= {f"audio_projection_layer.{k}": v for k, v in proj.state_dict().items()}
-    state["tts.emb_text.weight"] = torch.randn(7, 5)  # output-only: skipped
-    safetensors.save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors")
-    )
+    tts = torch.nn.ModuleDict({"emb_text": torch.nn.Embedding(7, 5)})  # output-only: skipped
+    modules = {"llm": llm, "vpm": vpm, "resampler": resampler, "apm": apm}
+    save_random_release(path, 4, **modules, audio_projection_layer=proj, tts=tts)
     (path / "config.json").write_text(json.dumps(release_config_o(text)))
     pre = {"image_processor_type": "MiniCPMVImageProcessor", "image_feature_size": QUERIES}
     pre |= {"max_slice_nums": 9, "scale_resolution": 32, "patch_size": PATCH, "version": 2.6}

@@ -78,29 +78,8 @@ def ckpt(request, tmp_path_factory):
         llm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**text)).float().eval()
     else:
         llm = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**text)).float().eval()
-    idefics2 = transformers.models.idefics2.modeling_idefics2
-    vpm = idefics2.Idefics2VisionTransformer(transformers.Idefics2VisionConfig(**VISION))
-    attn = torch.nn.MultiheadAttention(WIDTH, WIDTH // 128)
-    resampler = torch.nn.ModuleDict(
-        {
-            "kv_proj": torch.nn.Linear(VISION["hidden_size"], WIDTH, bias=False),
-            "attn": attn,
-            **{n: torch.nn.LayerNorm(WIDTH, eps=1e-6) for n in ("ln_q", "ln_kv", "ln_post")},
-        }
-    )
-    resampler.query = torch.nn.Parameter(torch.empty(QUERIES, WIDTH))
-    resampler.proj = torch.nn.Parameter(torch.empty(WIDTH, WIDTH))
-    with torch.no_grad():
-        for seed, module in enumerate((llm, vpm, resampler), start=4):
-            _randomize(module, seed)
-    for module in (vpm, resampler):
-        module.float().eval()
-    state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
-    state |= {f"vpm.{k}": v for k, v in vpm.state_dict().items()}
-    state |= {f"resampler.{k}": v for k, v in resampler.state_dict().items()}
-    safetensors.save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors")
-    )
+    vpm, resampler = tower_and_resampler(QUERIES)
+    save_random_release(path, 4, llm=llm, vpm=vpm, resampler=resampler)
     (path / "config.json").write_text(json.dumps(release_config(text, version)))
     pre = {"image_processor_type": "MiniCPMVImageProcessor", "image_feature_size": QUERIES}
     pre |= {"max_slice_nums": MAX_SLICES, "scale_resolution": RES, "patch_size": PATCH}
@@ -111,6 +90,49 @@ def ckpt(request, tmp_path_factory):
     llm.generation_config.eos_token_id = None
     resampler.on_values = version == "4.5"
     return path, (llm, vpm, resampler, tokenizer)
+
+
+def tower_and_resampler(queries: int) -> tuple[torch.nn.Module, torch.nn.ModuleDict]:
+    """transformers' Idefics2 tower at VISION and the release's resampler as torch modules
+    (kv_proj, nn.MultiheadAttention, ln_q / ln_kv / ln_post, `query` [queries, WIDTH], `proj`
+    [WIDTH, WIDTH]), built in that order; their weights still to be randomized."""
+    idefics2 = transformers.models.idefics2.modeling_idefics2
+    vpm = idefics2.Idefics2VisionTransformer(transformers.Idefics2VisionConfig(**VISION))
+    resampler = torch.nn.ModuleDict(
+        {
+            "kv_proj": torch.nn.Linear(VISION["hidden_size"], WIDTH, bias=False),
+            "attn": torch.nn.MultiheadAttention(WIDTH, WIDTH // 128),
+            **{n: torch.nn.LayerNorm(WIDTH, eps=1e-6) for n in ("ln_q", "ln_kv", "ln_post")},
+        }
+    )
+    resampler.query = torch.nn.Parameter(torch.empty(queries, WIDTH))
+    resampler.proj = torch.nn.Parameter(torch.empty(WIDTH, WIDTH))
+    return vpm, resampler
+
+
+def save_random_release(path, seed: int, **modules: torch.nn.Module) -> None:
+    """Each of `modules` randomized in order (seeds `seed`, `seed + 1`, ...), in float32 eval
+    mode, and saved to `path`/model.safetensors in the release's layout: `{name}.{tensor}`."""
+    with torch.no_grad():
+        for i, module in enumerate(modules.values()):
+            _randomize(module, seed + i)
+    state = {}
+    for name, module in modules.items():
+        module.float().eval()
+        state |= {f"{name}.{k}": v.contiguous() for k, v in module.state_dict().items()}
+    safetensors.save_file(state, str(path / "model.safetensors"))
+
+
+def slicing_images() -> tuple:
+    """A small image (one view: the thumbnail alone), a wide one (3 x 1 slices) and a tall one
+    (1 x 4), their slice grids checked."""
+    small, wide, tall = (
+        noise_image(1, (20, 24)),
+        noise_image(2, (40, 80)),
+        noise_image(3, (110, 30)),
+    )
+    assert grid_of(24, 20) is None and grid_of(80, 40) == (3, 1) and grid_of(30, 110) == (1, 4)
+    return small, wide, tall
 
 
 def release_config(text: dict, version: str) -> dict:
@@ -226,12 +248,7 @@ def test_images_match_reference(ckpt):
     two images in one prompt (<image_id>1), and text alone; the images again with the
     expanded ids as prompt_token_ids; a pattern short and mm_processor_kwargs refused."""
     path, ref = ckpt
-    small, wide, tall = (
-        noise_image(1, (20, 24)),
-        noise_image(2, (40, 80)),
-        noise_image(3, (110, 30)),
-    )
-    assert grid_of(24, 20) is None and grid_of(80, 40) == (3, 1) and grid_of(30, 110) == (1, 4)
+    small, wide, tall = slicing_images()
     assert image_text(0, (3, 1)) == WIDE_TEXT and image_text(0, (1, 4)) == TALL_TEXT
     one, two = f"look {PATTERN}\nwhat is it", f"{PATTERN} and {PATTERN} differ"
     cases = [(one, [small]), (one, [wide]), (one, [tall]), (two, [wide, small])]

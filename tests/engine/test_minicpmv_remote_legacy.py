@@ -22,11 +22,19 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import hf_greedy_with_rows
-from image_checks import check_config_refused, check_engine_matches_hf, engine, noise_image
-from test_minicpmv_remote import PATCH, PATTERN, RES, VISION, WIDTH, grid_of, views
+from image_checks import check_config_refused, check_engine_matches_hf, engine
+from test_minicpmv_remote import (
+    PATCH,
+    PATTERN,
+    RES,
+    VISION,
+    WIDTH,
+    save_random_release,
+    slicing_images,
+    tower_and_resampler,
+    views,
+)
 from vlm_checkpoints import finish_checkpoint, tokenizer_with
-
-from paged_engine.testing import _randomize
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -73,28 +81,8 @@ def ckpt(tmp_path_factory):
     text = llama_text(len(tokenizer))
     torch.manual_seed(0)
     llm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**text)).float().eval()
-    idefics2 = transformers.models.idefics2.modeling_idefics2
-    vpm = idefics2.Idefics2VisionTransformer(transformers.Idefics2VisionConfig(**VISION))
-    resampler = torch.nn.ModuleDict(
-        {
-            "kv_proj": torch.nn.Linear(VISION["hidden_size"], WIDTH, bias=False),
-            "attn": torch.nn.MultiheadAttention(WIDTH, WIDTH // 128),
-            **{n: torch.nn.LayerNorm(WIDTH, eps=1e-6) for n in ("ln_q", "ln_kv", "ln_post")},
-        }
-    )
-    resampler.query = torch.nn.Parameter(torch.empty(QUERIES, WIDTH))
-    resampler.proj = torch.nn.Parameter(torch.empty(WIDTH, WIDTH))
-    with torch.no_grad():
-        for seed, module in enumerate((llm, vpm, resampler), start=7):
-            _randomize(module, seed)
-    for module in (vpm, resampler):
-        module.float().eval()
-    state = {f"llm.{k}": v for k, v in llm.state_dict().items()}
-    state |= {f"vpm.{k}": v for k, v in vpm.state_dict().items()}
-    state |= {f"resampler.{k}": v for k, v in resampler.state_dict().items()}
-    safetensors.save_file(
-        {k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors")
-    )
+    vpm, resampler = tower_and_resampler(QUERIES)
+    save_random_release(path, 7, llm=llm, vpm=vpm, resampler=resampler)
     (path / "config.json").write_text(json.dumps(release_config(text)))
     pre = {"image_processor_type": "MiniCPMVImageProcessor", "image_feature_size": QUERIES}
     pre |= {"max_slice_nums": 9, "scale_resolution": RES, "patch_size": PATCH, "version": 2.5}
@@ -145,12 +133,7 @@ def test_images_match_reference(ckpt):
     """A small image (one view), a wide one (3 x 1 slices), a tall one (1 x 4), two images in
     one prompt (no <image_id>: both alike), and text alone."""
     path, ref = ckpt
-    small, wide, tall = (
-        noise_image(1, (20, 24)),
-        noise_image(2, (40, 80)),
-        noise_image(3, (110, 30)),
-    )
-    assert grid_of(24, 20) is None and grid_of(80, 40) == (3, 1) and grid_of(30, 110) == (1, 4)
+    small, wide, tall = slicing_images()
     one, two = f"look {PATTERN}\nwhat is it", f"{PATTERN} and {PATTERN} differ"
     cases = [(one, [small], [SMALL_TEXT]), (one, [wide], [WIDE_TEXT])]
     cases += [(one, [tall], [TALL_TEXT]), (two, [wide, small], [WIDE_TEXT, SMALL_TEXT])]

@@ -21,6 +21,7 @@ import pytest
 import torch
 from hf_reference import assert_matches, hf_greedy
 from image_checks import check_config_refused, engine, greedy, noise_image
+from test_models_minimax import _RELEASE_NAMES  # MiniMax-Text-01's names for HF's fields
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
 
 from paged_engine.testing import _randomize, _save_random, tiny_config
@@ -38,15 +39,6 @@ TWO = "USER: <image>\nand <image>\nWhich is brighter?\nASSISTANT:"
 TEXT = "USER: Say something about the sea.\nASSISTANT:"
 CLIP = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
 CLIP |= {"num_hidden_layers": 2, "image_size": SIDE, "patch_size": PATCH}
-# MiniMax-Text-01's names for transformers' MiniMax fields
-_RELEASE_NAMES = {
-    "linear_attn_alpha_factor": "layernorm_linear_attention_alpha",
-    "linear_attn_beta_factor": "layernorm_linear_attention_beta",
-    "full_attn_alpha_factor": "layernorm_full_attention_alpha",
-    "full_attn_beta_factor": "layernorm_full_attention_beta",
-    "mlp_alpha_factor": "layernorm_mlp_alpha",
-    "mlp_beta_factor": "layernorm_mlp_beta",
-}
 
 
 @pytest.fixture(scope="module")

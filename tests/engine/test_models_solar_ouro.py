@@ -31,27 +31,15 @@ from paged_engine.testing import write_tiny_model
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_models_llama_remote_more import _llama_fields  # noqa: E402
 
 TOKENS = 6
-_LLAMA_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "max_position_embeddings",
-    "rms_norm_eps",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
 
 
 def _release_config(path: Path, **fields) -> None:
     """config.json rewritten as a remote release's: the tiny Llama's sizes plus `fields`."""
     src = json.loads((path / "config.json").read_text())
-    config = {k: src[k] for k in _LLAMA_KEYS} | {"hidden_act": "silu", "rope_theta": 10000.0}
+    config = _llama_fields(src) | {"hidden_act": "silu", "rope_theta": 10000.0}
     (path / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False} | fields))
 
 

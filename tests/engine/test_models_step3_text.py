@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hf_parity import assert_llm_matches
-from hf_reference import Greedy, random_token_prompts
+from hf_reference import Greedy, greedy_over_logits, random_token_prompts
 from torch import nn
 
 from paged_engine import LLM
@@ -151,18 +151,8 @@ class Step3Reference(nn.Module):
             x = x + (self._moe(layer, h) if hasattr(layer, "moe") else _swiglu(layer.mlp, h))
         return self.lm_head(self.model.norm(x))
 
-    @torch.no_grad()
     def greedy(self, prompt: list[int], steps: int, top: int = 5) -> Greedy:
-        ids, tokens, chosen, tops = list(prompt), [], [], []
-        for _ in range(steps):
-            lp = self.logits(torch.tensor(ids))[-1].log_softmax(-1)
-            token = int(lp.argmax())
-            vals, top_ids = lp.topk(top)
-            tops.append(dict(zip(top_ids.tolist(), vals.tolist(), strict=True)))
-            tokens.append(token)
-            chosen.append(lp[token].item())
-            ids.append(token)
-        return Greedy(tokens, chosen, tops)
+        return greedy_over_logits(self.logits, prompt, steps, top)
 
 
 def _text(case: str) -> dict:

@@ -29,7 +29,15 @@ from image_checks import (
     hf_cases,
     hf_refs,
 )
-from test_internvl_chat_remote import CTX, MARKER, PROMPT, TEXT, TWO, to_remote
+from test_internvl_chat_remote import (
+    CTX,
+    MARKER,
+    PROMPT,
+    TEXT,
+    TWO,
+    save_tiling_processor,
+    to_remote,
+)
 from vlm_checkpoints import (
     chatml_template,
     finish_checkpoint,
@@ -59,13 +67,7 @@ def write_tiny_mono_hf(path, seed: int):
         text_config=text, vision_config=vision, image_token_id=ids[CTX], **_COMMON
     )
     _save_random(transformers.InternVLForConditionalGeneration, config, seed, path)
-    transformers.GotOcr2ImageProcessorPil(
-        size={"height": 32, "width": 32},
-        min_patches=1,
-        max_patches=4,
-        image_mean=[0.485, 0.456, 0.406],
-        image_std=[0.229, 0.224, 0.225],
-    ).save_pretrained(path)
+    save_tiling_processor(path)
     return finish_checkpoint(path, tokenizer, chatml_template(MARKER + "\n"))
 
 

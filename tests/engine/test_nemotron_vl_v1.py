@@ -24,8 +24,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from hf_reference import assert_matches, hf_greedy_with_rows
-from image_checks import engine, greedy, noise_image
+from hf_reference import hf_greedy_with_img_runs
+from image_checks import check_engine_matches_hf, engine, greedy, noise_image
 from vlm_checkpoints import finish_checkpoint, load_hf_vlm, tokenizer_with
 
 from paged_engine.testing import _randomize, tiny_config
@@ -151,16 +151,7 @@ def image_rows(ref, image) -> torch.Tensor:
 def reference(ref, text: str, images: list):
     """(the prompt ids vLLM makes, greedy with top-5 logprobs over the composed embeddings)."""
     model, tok = ref[3:]
-    start, end, ctx = tok.convert_tokens_to_ids(["<img>", "</img>", "<image>"])
-    rows = [image_rows(ref, im) for im in images]
-    pieces = text.split("<image>")
-    expanded = pieces[0] + "".join(
-        "<img>" + "<image>" * r.shape[0] + "</img>" + piece
-        for r, piece in zip(rows, pieces[1:], strict=True)
-    )
-    ids = tok(expanded).input_ids
-    assert ids.count(start) == ids.count(end) == len(images)
-    return ids, hf_greedy_with_rows(model, ids, ctx, rows)
+    return hf_greedy_with_img_runs(model, tok, text, [image_rows(ref, im) for im in images])
 
 
 def test_images_match_reference(ckpt):
@@ -171,17 +162,13 @@ def test_images_match_reference(ckpt):
     square, wide = noise_image(1, (40, 40)), noise_image(2, (30, 100))
     tall, small = noise_image(3, (90, 40)), noise_image(4, (20, 24))
     cases = [(PROMPT, [square]), (PROMPT, [wide]), (TWO, [tall, small]), (TEXT, [])]
-    prompts = [{"prompt": t, "multi_modal_data": {"image": ims}} if ims else t for t, ims in cases]
     llm = engine(path, limit_mm_per_prompt={"image": 2})
-    outs = llm.generate(prompts, greedy(), use_tqdm=False)
-    for (text, images), out in zip(cases, outs, strict=True):
-        ids, want = reference(ref, text, images)
-        assert out.prompt_token_ids == ids
-        assert_matches(f"nemotron_vl_v1 {len(images)} image(s)", out, want)
+    refs = [reference(ref, t, im) for t, im in cases]
+    check_engine_matches_hf(llm, cases, refs, "nemotron_vl_v1")  # by text and by expanded ids
     tok = ref[4]
     one = "User: <img>" + "<image>" * 16 + "</img>\nWhat is in it? Assistant:"
-    assert outs[0].prompt_token_ids == tok(one).input_ids
-    assert len(outs[1].prompt_token_ids) - len(outs[0].prompt_token_ids) == 3 * 16  # 4 tiles
+    assert refs[0][0] == tok(one).input_ids
+    assert len(refs[1][0]) - len(refs[0][0]) == 3 * 16  # 4 tiles
 
 
 def test_tile_limit_and_refusals(ckpt):

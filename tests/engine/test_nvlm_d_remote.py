@@ -25,7 +25,7 @@ import json
 import pytest
 import torch
 from image_checks import check_engine_matches_hf, engine, greedy, hf_refs, noise_image
-from test_internvl_chat_remote import to_remote
+from test_internvl_chat_remote import assert_chat_matches, save_tiling_processor, to_remote
 from vlm_checkpoints import chatml_template, finish_checkpoint, load_hf_vlm, tokenizer_with
 
 from paged_engine.multimodal import nvlm_d
@@ -67,13 +67,7 @@ def _write_hf(path, seed: int):
         text_config=text.to_dict(), vision_config=vision, image_token_id=ids[PAD], **_COMMON
     )
     _save_random(transformers.InternVLForConditionalGeneration, config, seed, path)
-    transformers.GotOcr2ImageProcessorPil(
-        size={"height": 32, "width": 32},
-        min_patches=1,
-        max_patches=4,
-        image_mean=[0.485, 0.456, 0.406],
-        image_std=[0.229, 0.224, 0.225],
-    ).save_pretrained(path)
+    save_tiling_processor(path)
     finish_checkpoint(path, tokenizer, chatml_template(MARKER + "\n"))
     model = load_hf_vlm(transformers.InternVLForConditionalGeneration, path)
     width, inner, hidden = 32 * 4, text.intermediate_size, text.hidden_size
@@ -144,11 +138,7 @@ def test_matches_hf(dirs):
     ahead = {"prompt_token_ids": expanded, "multi_modal_data": {"image": list(done)}}
     (out,) = llm.generate([ahead], greedy(), use_tqdm=False)
     assert list(out.outputs[0].token_ids) == refs[2][1].tokens
-    message = [{"role": "user", "content": [{"type": "image_pil", "image_pil": wide}]}]
-    message[0]["content"].append({"type": "text", "text": "What is in it?"})
-    (out,) = llm.chat(message, greedy(0), use_tqdm=False)
-    assert out.prompt_token_ids == refs[0][0]
-    assert list(out.outputs[0].token_ids) == refs[0][1].tokens
+    assert_chat_matches(llm, wide, refs[0])
 
 
 def test_refusals(dirs):

@@ -21,7 +21,7 @@ import json
 
 import pytest
 import torch
-from hf_reference import hf_greedy_with_rows
+from hf_reference import hf_greedy_with_tower_runs
 from image_checks import check_config_refused, check_engine_matches_hf, engine, greedy, noise_image
 from vlm_checkpoints import finish_checkpoint, tiny_qwen2_text, tokenizer_with
 
@@ -96,17 +96,7 @@ def ckpt(tmp_path_factory):
 
 def reference(ref, text: str, images: list):
     """(the expanded prompt ids, Qwen2's greedy with top-5 on the scattered tower rows)."""
-    llm, tower, tokenizer, pixels, pad = ref
-    rows = []
-    for image in images:
-        out = pixels(images=[image], return_tensors="pt")
-        t, h, w = out["image_grid_thw"][0].tolist()
-        head, _, rest = text.partition(PAD)
-        text = head + "<|RUN|>" * (t * h * w // MERGE**2) + rest
-        with torch.no_grad():
-            rows.append(tower(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output)
-    ids = tokenizer(text.replace("<|RUN|>", PAD)).input_ids
-    return ids, hf_greedy_with_rows(llm, ids, pad, rows)
+    return hf_greedy_with_tower_runs(ref, text, images, PAD, MERGE)
 
 
 def test_images_match_reference(ckpt):

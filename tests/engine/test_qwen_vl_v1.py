@@ -167,15 +167,21 @@ def _resized(table: torch.Tensor, side: int) -> torch.Tensor:
     return out.permute(0, 2, 3, 1).flatten(0, 2)
 
 
-def image_rows(vit, image) -> torch.Tensor:
-    """[QUERIES, DIM]: CLIP's pixels -> conv, positions, ln_pre, CLIP layers, the resampler."""
+def clip_pixels(image, side: int) -> torch.Tensor:
+    """transformers' CLIP processor on `image` (resized to side x side, no center crop, OpenAI
+    CLIP's mean / std): [1, 3, side, side] in float32."""
     proc = transformers.models.clip.image_processing_pil_clip.CLIPImageProcessorPil(
-        size={"height": IMAGE, "width": IMAGE},
+        size={"height": side, "width": side},
         do_center_crop=False,
         image_mean=MEAN,
         image_std=STD,
     )
-    x = torch.as_tensor(proc(image, return_tensors="pt")["pixel_values"]).float()
+    return torch.as_tensor(proc(image, return_tensors="pt")["pixel_values"]).float()
+
+
+def image_rows(vit, image) -> torch.Tensor:
+    """[QUERIES, DIM]: CLIP's pixels -> conv, positions, ln_pre, CLIP layers, the resampler."""
+    x = clip_pixels(image, IMAGE)
     side, pool = IMAGE // PATCH, vit["attn_pool"]
     with torch.no_grad():
         h = vit["conv1"](x).flatten(2).transpose(1, 2) + _resized(vit.positional_embedding, side)

@@ -40,14 +40,10 @@ from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
+from test_spec_mtp import PROMPTS  # a repeat, a long one, one token
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7]},
-]
 _OWN = ("token_layernorm.", "hidden_layernorm.", "input_proj.", "final_layernorm.")
 
 

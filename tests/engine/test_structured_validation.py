@@ -28,6 +28,20 @@ def _params(max_tokens: int = 4, **so) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so_params)
 
 
+def fail_compiling_bombs(manager, monkeypatch) -> None:
+    """The structured-output `manager` fails to compile any grammar holding "bomb" (ValueError
+    "grammar rejected for this tokenizer: too big"), as only compiling can reveal; it compiles
+    the others as before."""
+    compile_now = manager._compile_now
+
+    def compile_or_fail(text):
+        if "bomb" in text:
+            raise ValueError("grammar rejected for this tokenizer: too big")
+        return compile_now(text)
+
+    monkeypatch.setattr(manager, "_compile_now", compile_or_fail)
+
+
 def _serves_on(llm: LLM) -> None:
     engine = llm.llm_engine
     assert not engine.has_unfinished_requests() and engine.engine_core.num_compiling == 0
@@ -66,15 +80,7 @@ def test_special_tokens_the_tokenizer_has_are_accepted(llm):
 def test_compile_failure_after_admission_fails_that_request_only(llm, monkeypatch):
     """What validation cannot catch fails at compile time: step() raises RequestFailedError
     naming the request (the server answers 400 with the cause); the other request finishes."""
-    manager = llm.llm_engine.engine_core.structured
-    compile_now = manager._compile_now
-
-    def compile_or_fail(text):
-        if "bomb" in text:
-            raise ValueError("grammar rejected for this tokenizer: too big")
-        return compile_now(text)
-
-    monkeypatch.setattr(manager, "_compile_now", compile_or_fail)
+    fail_compiling_bombs(llm.llm_engine.engine_core.structured, monkeypatch)
     engine = llm.llm_engine
     engine.add_request("bad1", "x", _params(regex="bomb1"), final_only=True)
     engine.add_request("good", "x", _params(max_tokens=3, regex="[ab]+"), final_only=True)

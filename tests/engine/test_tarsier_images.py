@@ -31,6 +31,7 @@ from image_checks import (
     path_prompts,
     usual_refusals,
 )
+from test_vipllava_images import PROMPT, TEXT, TWO  # LLaVA 1.5's turns
 from vlm_checkpoints import load_hf_vlm
 
 from paged_engine.multimodal.archs import build_encoder, image_kind
@@ -39,9 +40,6 @@ from paged_engine.testing import write_tiny_llava
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL.Image")
 
-PROMPT = "USER: <image>\nWhat is in it? Tell me about the colors.\nASSISTANT:"
-TWO = "USER: <image>\nand <image>\nWhich one is brighter?\nASSISTANT:"
-TEXT = "USER: Say something about the sea.\nASSISTANT:"
 NEWLINE, NEW = 100, 101  # the separator ids written into config.json
 SIDE, RUN = 5, 5 * (5 + 1) + 1  # patches per grid row (and rows); placeholders an image
 

@@ -66,23 +66,30 @@ def pieces(text: str) -> list[bytes]:
     return [m.encode() for m in regex.findall(PATTERN, text)]
 
 
-def learn_merges(n: int) -> list[bytes]:
-    """`n` multi-byte tokens, learned as byte-level BPE on CORPUS (most frequent pair first),
-    then filler words that no merge reaches (one token only as a whole piece)."""
-    words = [list(bytes([b]) for b in p) for p in pieces(CORPUS)]
+def bpe_merges(pieces: list[bytes], n: int) -> list[bytes]:
+    """Up to `n` multi-byte tokens learned as byte-level BPE on `pieces` (the most frequent
+    adjacent pair first, ties to the larger pair); fewer when every piece is one token."""
+    words = [[bytes([b]) for b in p] for p in pieces]
     made: list[bytes] = []
     while len(made) < n:
-        pairs = Counter((a, b) for w in words for a, b in pairwise(w))
-        if not pairs:
+        pairs = Counter(p for w in words for p in pairwise(w))
+        if not pairs:  # every piece is one token
             break
         (a, b), _ = max(pairs.items(), key=lambda kv: (kv[1], kv[0]))
         made.append(a + b)
         for w in words:
             i = 0
             while i < len(w) - 1:
-                if w[i] == a and w[i + 1] == b:
+                if (w[i], w[i + 1]) == (a, b):
                     w[i : i + 2] = [a + b]
                 i += 1
+    return made
+
+
+def learn_merges(n: int) -> list[bytes]:
+    """`n` multi-byte tokens, learned as byte-level BPE on CORPUS (most frequent pair first),
+    then filler words that no merge reaches (one token only as a whole piece)."""
+    made = bpe_merges(pieces(CORPUS), n)
     return made + [filler(i).encode() for i in range(n - len(made))]
 
 

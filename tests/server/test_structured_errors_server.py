@@ -17,18 +17,12 @@ pytest.importorskip("llguidance")
 
 
 def test_a_grammar_failing_to_compile_is_a_400_and_others_finish(tiny_model, monkeypatch):
+    from test_structured_validation import fail_compiling_bombs
+
     from paged_engine import LLMEngine, StructuredOutputsParams
 
     engine = LLMEngine(model=tiny_model, dtype="float32", max_model_len=128)
-    manager = engine.engine_core.structured
-    compile_now = manager._compile_now
-
-    def compile_or_fail(text):
-        if "bomb" in text:
-            raise ValueError("grammar rejected for this tokenizer: too big")
-        return compile_now(text)
-
-    monkeypatch.setattr(manager, "_compile_now", compile_or_fail)
+    fail_compiling_bombs(engine.engine_core.structured, monkeypatch)
     client = EngineClient(engine)
     client.start()
     try:

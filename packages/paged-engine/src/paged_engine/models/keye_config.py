@@ -27,7 +27,13 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.remote_aliases import RawConfig, field, vocab_token_id
+from paged_engine.models.remote_aliases import (
+    RawConfig,
+    field,
+    qwen3_text_fields,
+    tower_fields,
+    vocab_token_id,
+)
 
 ARCH = "KeyeForConditionalGeneration"
 TOWER_TYPE = "siglip_vision_model"
@@ -86,38 +92,14 @@ def _rope(raw: RawConfig, head_dim: int) -> dict[str, Any]:
 
 
 def _text_config(raw: RawConfig) -> transformers.Qwen3Config:
-    if raw.get("use_sliding_window"):
-        raise _refuse("use_sliding_window", True, "false (full attention)")
-    names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-    fields: RawConfig = {k: field(raw, k, int) for k in (*names, "num_attention_heads")}
-    heads = fields["num_attention_heads"]
-    head_dim = field(raw, "head_dim", int, fields["hidden_size"] // heads)
-    config = transformers.Qwen3Config(
-        **fields,
-        num_key_value_heads=field(raw, "num_key_value_heads", int, heads),
-        head_dim=head_dim,
-        rms_norm_eps=field(raw, "rms_norm_eps", float, 1e-6),
-        max_position_embeddings=field(raw, "max_position_embeddings", int, 40960),
-        hidden_act=field(raw, "hidden_act", str, "silu"),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        use_sliding_window=False,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"),
-        eos_token_id=raw.get("eos_token_id"),
-        pad_token_id=raw.get("pad_token_id"),
-    )
+    config = transformers.Qwen3Config(**qwen3_text_fields(raw, ARCH, 40960))
     # (set after construction: transformers' default-rope check does not know mrope_section)
-    config.rope_parameters = _rope(raw, head_dim)
+    config.rope_parameters = _rope(raw, config.head_dim)
     return config
 
 
 def _vision_config(raw: RawConfig) -> transformers.PaddleOCRVisionConfig:
-    vision = raw.get("vision_config")
-    if not isinstance(vision, dict):
-        raise _refuse("vision_config", vision, f"a dict (the {TOWER_TYPE} tower's fields)")
-    kind = vision.get("model_type", TOWER_TYPE)
-    if kind != TOWER_TYPE:
-        raise _refuse("vision_config.model_type", kind, repr(TOWER_TYPE))
+    vision = tower_fields(raw, ARCH, TOWER_TYPE)
     merge = field(vision, "spatial_merge_size", int, MERGE)
     if merge != MERGE:
         raise _refuse("vision_config.spatial_merge_size", merge, f"{MERGE} (the projector's)")

@@ -137,34 +137,15 @@ def attach_mimo_mtp_head(
     """Build MiMo's first MTP layer on the runner's device and dtype, load it from the target's
     own checkpoint (its tensors only), share the target's embedding and LM head, and set
     `runner.draft`: the EAGLE-3 runner over the stream leaving the target's stack."""
-    from paged_engine.layers.rotary import rope_context_len
-    from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.models.mtp import mtp_cache_config
-    from paged_engine.packed_codes import KEEP_CODES
     from paged_engine.spec_decode.eagle import Eagle3Runner
+    from paged_engine.spec_decode.head_loader import load_mtp_layer
 
-    config, hf_config, target = runner.config, runner.hf_config, runner.model
-    dtype = next(target.parameters()).dtype
+    hf_config, target = runner.hf_config, runner.model
     logger.info("loading the target's MTP layer (MiMo: model.mtp_layers.0)")
-    with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
-        head = MiMoMtpHead(hf_config)
-    if config.load_format == "dummy":
-        init_dummy_weights(head, config.seed)
-    else:
-        weights = checkpoint_weights(
-            resolved,
-            hf_config,
-            dtype,
-            runner.device,
-            config.load_format,
-            {},
-            names=lambda name: mimo_mtp_weight_name(name) is not None,
-        )
-        head.load_weights((mimo_mtp_weight_name(n) or n, w) for n, w in weights)
-    if quantization is not None and quantization != KEEP_CODES:
-        from paged_engine.layers.quantization import quantize_model
-
-        quantize_model(head, quantization)  # as the target's are, before sharing any of them
+    head = load_mtp_layer(
+        runner, resolved, quantization, lambda: MiMoMtpHead(hf_config), mimo_mtp_weight_name
+    )
     head.embed_tokens = target.get_submodule(target.embed_path)
     head.lm_head = target.get_submodule(target.head_name)
     stack_out = (int(hf_config.num_hidden_layers),)  # run_layers: the stream leaving the stack

@@ -84,7 +84,49 @@ class _OlmoLayer(Olmo2DecoderLayer):
         self.self_attn.o_proj = RowParallelLinear(width, config.hidden_size, bias=False)
 
 
-class Molmo2TextForCausalLM(Qwen3ForCausalLM):
+class MolmoTableMixin:
+    """What Molmo's text decoders (Molmo2's, MolmoE's) share past their base decoder: a token
+    table wider than the head (config.vocab_size counts the extra image ids, `head_vocab_size`
+    the head's rows; those ids' logits -inf) and the Hub's weight names for it and for att_proj.
+    Subclasses call `_init_table` after their base's __init__."""
+
+    config: Any
+    lm_head: ParallelLMHead
+
+    def _init_table(self, config: Any) -> None:
+        self.head_vocab = int(getattr(config, "head_vocab_size", config.vocab_size))
+        self.lm_head = ParallelLMHead(self.head_vocab, config.hidden_size)
+        self._table: dict[str, torch.Tensor] = {}  # the Hub's table parts until both are read
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V + A]
+        logits = self.lm_head(hidden)
+        extra = self.config.vocab_size - self.head_vocab
+        return F.pad(logits, (0, extra), value=float("-inf")) if extra else logits
+
+    def _table_or_qkv(
+        self, name: str, w: torch.Tensor
+    ) -> tuple[tuple[str, torch.Tensor], ...] | None:
+        """The two table parts stacked (nothing until both are read), att_proj (q | k | v
+        stacked) split; None for any other weight."""
+        if name.startswith(_TABLE):
+            self._table[name.removeprefix(_TABLE)] = w
+            if len(self._table) < 2:
+                return ()
+            parts = [self._table.pop(k) for k in ("embedding", "new_embedding")]
+            return (("model.embed_tokens.weight", torch.cat(parts)),)
+        if ".self_attn.att_proj." in name:
+            head_dim = llama_head_dim(self.config)
+            heads = self.config.num_attention_heads
+            kv = cfg_get(self.config, "num_key_value_heads", heads)
+            q, k, v = w.split([heads * head_dim, kv * head_dim, kv * head_dim])
+            return tuple(
+                (name.replace(".att_proj.", f".{p}_proj."), t)
+                for p, t in (("q", q), ("k", k), ("v", v))
+            )
+        return None
+
+
+class Molmo2TextForCausalLM(MolmoTableMixin, Qwen3ForCausalLM):
     renames = (
         ("model.transformer.blocks.", "model.layers."),
         ("model.transformer.ln_f.", "model.norm."),
@@ -115,37 +157,17 @@ class Molmo2TextForCausalLM(Qwen3ForCausalLM):
             CausalLMBase.__init__(self, config, LlamaModel(config, flags, build))
             self.model.rotary_emb, self.model.plain_rope = scaled, plain
             self.renames = (*type(self).renames, *self._PRE_NORMS)
-        # the table: config.vocab_size = the head's rows + the extra ids
-        self.head_vocab = int(getattr(config, "head_vocab_size", config.vocab_size))
-        self.lm_head = ParallelLMHead(self.head_vocab, config.hidden_size)
-        self._table: dict[str, torch.Tensor] = {}  # the Hub's table parts until both are read
+        self._init_table(config)
 
     @classmethod
     def layer_flags(cls, config) -> dict[str, bool]:
         return {**super().layer_flags(config), "o_bias": False, "sliding": False}
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V + A]
-        logits = self.lm_head(hidden)
-        extra = self.config.vocab_size - self.head_vocab
-        return F.pad(logits, (0, extra), value=float("-inf")) if extra else logits
-
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The Hub's stacked q | k | v and up | gate split; its two table parts stacked."""
-        if name.startswith(_TABLE):
-            self._table[name.removeprefix(_TABLE)] = w
-            if len(self._table) < 2:
-                return ()
-            parts = [self._table.pop(k) for k in ("embedding", "new_embedding")]
-            return (("model.embed_tokens.weight", torch.cat(parts)),)
-        head_dim = llama_head_dim(self.config)
-        if ".self_attn.att_proj." in name:
-            heads = self.config.num_attention_heads
-            kv = cfg_get(self.config, "num_key_value_heads", heads)
-            q, k, v = w.split([heads * head_dim, kv * head_dim, kv * head_dim])
-            return tuple(
-                (name.replace(".att_proj.", f".{p}_proj."), t)
-                for p, t in (("q", q), ("k", k), ("v", v))
-            )
+        done = self._table_or_qkv(name, w)
+        if done is not None:
+            return done
         if name.endswith(".mlp.ff_proj.weight"):
             up, gate = w.chunk(2)
             base = name.removesuffix("ff_proj.weight")

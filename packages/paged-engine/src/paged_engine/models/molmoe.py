@@ -5,7 +5,7 @@ models/molmoe_config.py; images: multimodal/molmo_v1.py, as Molmo v1's).
 The decoder is OLMoE's (models/olmoe.py: pre-norm layers, q / k RMS-normed over the whole
 projection, a softmax top-k MoE of gated SiLU experts in every layer) under the release's
 OLMo / megablocks names, with Molmo v1's wider token table (the 128 image ids past the head's
-rows, their logits -inf, as models/molmo2.py's class does):
+rows, their logits -inf: models/molmo2.py's MolmoTableMixin, shared):
 
     model.transformer.blocks.N.att_proj (q | k | v stacked)     -> self_attn.q / k / v_proj
     .attn_out -> self_attn.o_proj     .q_norm / .k_norm -> self_attn.q_norm / k_norm
@@ -26,20 +26,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 
-from paged_engine.layers.embedding import ParallelLMHead
-from paged_engine.models.llama import llama_head_dim
+from paged_engine.models.molmo2 import MolmoTableMixin
 from paged_engine.models.olmoe import OlmoeForCausalLM
-from paged_engine.models.utils import CausalLMBase, cfg_get
+from paged_engine.models.utils import CausalLMBase
 
-_TABLE = "model.transformer.wte."
 _EXPERTS = ".ffn.experts.mlp."
 # megablocks' matrix -> (our per-expert name, transposed in the checkpoint)
 _EXPERT_MATS = {"w1": ("gate_proj", False), "v1": ("up_proj", False), "w2": ("down_proj", True)}
 
 
-class MolmoeTextForCausalLM(OlmoeForCausalLM):
+class MolmoeTextForCausalLM(MolmoTableMixin, OlmoeForCausalLM):
     renames = (
         ("model.transformer.ff_out.", "lm_head."),
         ("model.transformer.blocks.", "model.layers."),
@@ -55,37 +52,17 @@ class MolmoeTextForCausalLM(OlmoeForCausalLM):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        # the table: config.vocab_size = the head's rows + the image ids
-        self.head_vocab = int(getattr(config, "head_vocab_size", config.vocab_size))
-        self.lm_head = ParallelLMHead(self.head_vocab, config.hidden_size)
-        self._table: dict[str, torch.Tensor] = {}  # the Hub's table parts until both are read
+        self._init_table(config)
 
     def rename_weight(self, name: str) -> str:  # our renames, not Mixtral's
         return CausalLMBase.rename_weight(self, name)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V + A]
-        logits = self.lm_head(hidden)
-        extra = self.config.vocab_size - self.head_vocab
-        return F.pad(logits, (0, extra), value=float("-inf")) if extra else logits
-
     def convert_weight(self, name: str, w: torch.Tensor) -> Iterable[tuple[str, torch.Tensor]]:
         """The two table parts stacked, att_proj split into q / k / v, megablocks' expert
         matrices split per expert."""
-        if name.startswith(_TABLE):
-            self._table[name.removeprefix(_TABLE)] = w
-            if len(self._table) < 2:
-                return ()
-            parts = [self._table.pop(k) for k in ("embedding", "new_embedding")]
-            return (("model.embed_tokens.weight", torch.cat(parts)),)
-        if ".self_attn.att_proj." in name:
-            head_dim = llama_head_dim(self.config)
-            heads = self.config.num_attention_heads
-            kv = cfg_get(self.config, "num_key_value_heads", heads)
-            q, k, v = w.split([heads * head_dim, kv * head_dim, kv * head_dim])
-            return tuple(
-                (name.replace(".att_proj.", f".{p}_proj."), t)
-                for p, t in (("q", q), ("k", k), ("v", v))
-            )
+        done = self._table_or_qkv(name, w)
+        if done is not None:
+            return done
         if _EXPERTS in name:
             return self._split_experts(name, w)
         return ((name, w),)

@@ -59,6 +59,26 @@ def _refuse(name: str, value: Any, want: str) -> ValueError:
     return ValueError(f"{ARCH}: config.json field {name}={value!r} is not supported: {want}")
 
 
+def tile_fields(raw: RawConfig, side: int, arch: str) -> dict[str, Any]:
+    """The tiling image processor's fields both Nemotron VL releases read alike (tiles of
+    `side` pixels, DEFAULT_TILES of them, CLIP's mean / std unless given); ValueError naming a
+    norm_mean / norm_std that is not three numbers."""
+    mean, std = raw.get("norm_mean") or CLIP_MEAN, raw.get("norm_std") or CLIP_STD
+    for name, value in (("norm_mean", mean), ("norm_std", std)):
+        if not (isinstance(value, list) and len(value) == 3):
+            raise ValueError(
+                f"{arch}: config.json field {name}={value!r} is not supported: three floats"
+            )
+    return {
+        "downsample_ratio": field(raw, "downsample_ratio", float, 0.5),
+        "force_image_size": side,
+        "use_thumbnail": field(raw, "use_thumbnail", bool, True),
+        "max_num_tiles": DEFAULT_TILES,
+        "norm_mean": [float(v) for v in mean],
+        "norm_std": [float(v) for v in std],
+    }
+
+
 def radio_config(vision: RawConfig, patch: int) -> transformers.RadioConfig:
     """transformers' RadioConfig of the remote vision_config (its `args` as vLLM reads them)."""
     args = vision.get("args") or {}
@@ -135,22 +155,13 @@ def nemotron_nano_vl_config(raw: RawConfig) -> NanoNemotronVLConfig:
             f"a CPE table (unlike preferred_resolution {preferred}) or force_image_size {side}",
         )
     token = vocab_token_id(raw, "img_context_token_id", None, int(text.vocab_size), ARCH)
-    mean, std = raw.get("norm_mean") or CLIP_MEAN, raw.get("norm_std") or CLIP_STD
-    for name, value in (("norm_mean", mean), ("norm_std", std)):
-        if not (isinstance(value, list) and len(value) == 3):
-            raise _refuse(name, value, "three floats")
     return NanoNemotronVLConfig(
         architectures=[ARCH],
         text_config=text,
         vision_config=radio,
         vision_hidden_size=field(raw, "vit_hidden_size", int, radio.hidden_size),
         projector_hidden_size=field(raw, "projector_hidden_size", int),
-        downsample_ratio=field(raw, "downsample_ratio", float, 0.5),
-        force_image_size=side,
-        use_thumbnail=field(raw, "use_thumbnail", bool, True),
-        max_num_tiles=DEFAULT_TILES,
-        norm_mean=[float(v) for v in mean],
-        norm_std=[float(v) for v in std],
+        **tile_fields(raw, side, ARCH),
         image_token_id=token,
         tie_word_embeddings=bool(text.tie_word_embeddings),
         bos_token_id=text.bos_token_id,

@@ -30,11 +30,10 @@ from typing import Any
 
 import transformers
 
-from paged_engine.models.nemotron_nano_vl_config import CLIP_MEAN, CLIP_STD, radio_config
+from paged_engine.models.nemotron_nano_vl_config import radio_config, tile_fields
 from paged_engine.models.remote_aliases import RawConfig, field, vocab_token_id
 
 ARCH = "Llama_Nemotron_Nano_VL"
-DEFAULT_TILES = 12  # the release's image processor max_num_tiles (mm_processor_kwargs overrides)
 POOLED = ("avg", "avgmax", "max")  # timm global_pool values whose ViT has no final norm
 
 
@@ -68,23 +67,14 @@ def nemotron_vl_v1_config(raw: RawConfig) -> NemotronVLV1Config:
         raise _refuse("force_image_size", side, f"a multiple of 2 x patch_size ({2 * patch})")
     args = vision.get("args") or {}
     token = vocab_token_id(raw, "image_token_id", None, int(text.vocab_size), ARCH)
-    mean, std = raw.get("norm_mean") or CLIP_MEAN, raw.get("norm_std") or CLIP_STD
-    for name, value in (("norm_mean", mean), ("norm_std", std)):
-        if not (isinstance(value, list) and len(value) == 3):
-            raise _refuse(name, value, "three floats")
     return NemotronVLV1Config(
         architectures=[ARCH],
         text_config=text,
         vision_config=radio,
         vision_hidden_size=field(raw, "vit_hidden_size", int, 1280),
         projector_hidden_size=field(raw, "projector_hidden_size", int, 4096),
-        downsample_ratio=field(raw, "downsample_ratio", float, 0.5),
         vision_final_norm=args.get("gp") not in POOLED,
-        force_image_size=side,
-        use_thumbnail=field(raw, "use_thumbnail", bool, True),
-        max_num_tiles=DEFAULT_TILES,
-        norm_mean=[float(v) for v in mean],
-        norm_std=[float(v) for v in std],
+        **tile_fields(raw, side, ARCH),
         image_token_id=token,
         tie_word_embeddings=bool(text.tie_word_embeddings),
         bos_token_id=text.bos_token_id,

@@ -127,7 +127,8 @@ The translation keeps `architectures` as config.json has it (the registry maps e
 sets the field names our classes read; a field of the wrong type fails with a ValueError naming
 it. The family modules' translations share the readers here: `field`, `common_fields`,
 `refuse_unless`, `llama_fields` (a Llama-shaped decoder's sizes), `qwen2_text_fields` (a remote
-VLM's flat Qwen2 text fields) and `vocab_token_id`.
+VLM's flat Qwen2 text fields), `qwen3_text_fields` (the same for Qwen3, its M-RoPE left to the
+caller), `tower_fields` (vision_config of one tower type) and `vocab_token_id`.
 """
 
 from __future__ import annotations
@@ -220,14 +221,9 @@ def vocab_token_id(
     return token
 
 
-def qwen2_text_fields(raw: RawConfig, arch: str) -> RawConfig:
-    """A remote VLM's flat config.json as Qwen2Config / Qwen3Config keyword arguments: full
-    attention, default RoPE (rope_scaling and use_sliding_window refused by name), the release
-    defaults (rms_norm_eps 1e-6, 32768 positions, rope_theta 1e6)."""
-    if raw.get("rope_scaling") is not None:
-        raise ValueError(
-            f"{arch}: config.json field rope_scaling={raw['rope_scaling']!r} is not supported: null"
-        )
+def _flat_text_fields(raw: RawConfig, arch: str, max_positions: int) -> RawConfig:
+    """The fields a remote VLM's flat Qwen2 / Qwen3 config.json shares: sizes, full attention
+    (use_sliding_window refused by name), rms_norm_eps 1e-6, the special token ids."""
     if raw.get("use_sliding_window"):
         raise ValueError(
             f"{arch}: config.json field use_sliding_window=True is not supported: false (full "
@@ -240,18 +236,63 @@ def qwen2_text_fields(raw: RawConfig, arch: str) -> RawConfig:
         **fields,
         "num_key_value_heads": field(raw, "num_key_value_heads", int, heads),
         "rms_norm_eps": field(raw, "rms_norm_eps", float, 1e-6),
-        "max_position_embeddings": field(raw, "max_position_embeddings", int, 32768),
-        "hidden_act": raw.get("hidden_act", "silu"),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
-        },
+        "max_position_embeddings": field(raw, "max_position_embeddings", int, max_positions),
         "use_sliding_window": False,
         "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
         "bos_token_id": raw.get("bos_token_id"),
         "eos_token_id": raw.get("eos_token_id"),
         "pad_token_id": raw.get("pad_token_id"),
     }
+
+
+def qwen2_text_fields(raw: RawConfig, arch: str) -> RawConfig:
+    """A remote VLM's flat config.json as Qwen2Config / Qwen3Config keyword arguments: full
+    attention, default RoPE (rope_scaling and use_sliding_window refused by name), the release
+    defaults (rms_norm_eps 1e-6, 32768 positions, rope_theta 1e6)."""
+    if raw.get("rope_scaling") is not None:
+        raise ValueError(
+            f"{arch}: config.json field rope_scaling={raw['rope_scaling']!r} is not supported: null"
+        )
+    return {
+        **_flat_text_fields(raw, arch, 32768),
+        "hidden_act": raw.get("hidden_act", "silu"),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": field(raw, "rope_theta", float, 1000000.0),
+        },
+    }
+
+
+def qwen3_text_fields(raw: RawConfig, arch: str, max_positions: int) -> RawConfig:
+    """A remote VLM's flat Qwen3 config.json as Qwen3Config keyword arguments without the rope
+    (the caller sets its M-RoPE after construction): full attention (use_sliding_window refused
+    by name), head_dim hidden_size / heads unless given, rms_norm_eps 1e-6."""
+    fields = _flat_text_fields(raw, arch, max_positions)
+    derived = fields["hidden_size"] // fields["num_attention_heads"]
+    return {
+        **fields,
+        "head_dim": field(raw, "head_dim", int, derived),
+        "hidden_act": field(raw, "hidden_act", str, "silu"),
+        "attention_bias": bool(raw.get("attention_bias", False)),
+    }
+
+
+def tower_fields(raw: RawConfig, arch: str, tower_type: str) -> RawConfig:
+    """config.json's vision_config: a dict whose model_type (`tower_type` where absent) is
+    `tower_type`; ValueError naming the field otherwise."""
+    vision = raw.get("vision_config")
+    if not isinstance(vision, dict):
+        raise ValueError(
+            f"{arch}: config.json field vision_config={vision!r} is not supported: a dict (the "
+            f"{tower_type} tower's fields)"
+        )
+    kind = vision.get("model_type", tower_type)
+    if kind != tower_type:
+        raise ValueError(
+            f"{arch}: config.json field vision_config.model_type={kind!r} is not supported: "
+            f"{tower_type!r}"
+        )
+    return vision
 
 
 def rw_config(raw: RawConfig) -> PretrainedConfig:

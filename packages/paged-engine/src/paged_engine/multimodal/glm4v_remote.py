@@ -24,7 +24,7 @@ not number the images.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,19 +32,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_engine.models.glm4v_remote_config import image_tokens
-from paged_engine.models.utils import load_named_weights
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_error, digest
-from paged_engine.multimodal.qwen_vl_v1 import QwenVLProcessor
+from paged_engine.multimodal.layouts import Loaded, digest, replace_tokens
+from paged_engine.multimodal.qwen_vl_v1 import SquareImageEncoder, SquareImageLayout
 
 PREFIX = "transformer.vision."
 
 
-class Glm4vRemoteLayout(Layout):
+class Glm4vRemoteLayout(SquareImageLayout):
     """Each boi, pad, eoi triple -> boi, (grid / 2)^2 pads, eoi, one `ImageInput` over all of
     it (the module doc)."""
 
-    takes_embeds = False
+    family = "GLM-4V"
 
     def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
         self.config = config
@@ -53,25 +52,6 @@ class Glm4vRemoteLayout(Layout):
         self.side = int(config.vision_config.image_size)
         self.rows = image_tokens(config.vision_config)
         self.fixed = self.rows + 2  # the span: boi, the pads, eoi
-
-    def image_processor(self) -> QwenVLProcessor:
-        return QwenVLProcessor(self.side)
-
-    def check_kwargs(self, kwargs: dict[str, Any]) -> None:
-        if kwargs:
-            raise ValueError(
-                f"mm_processor_kwargs {sorted(kwargs)} are not supported for GLM-4V (its "
-                "transform has no settings)"
-            )
-
-    def pixel_shape(self, size: Size) -> tuple[int, ...]:
-        return (3, self.side, self.side)
-
-    def load(self, run: Run, image: Any, count: int) -> Loaded:
-        pixels = run([image])["pixel_values"][0].float().contiguous()
-        if tuple(pixels.shape) != self.pixel_shape(None):
-            raise _shape_error(pixels, self.pixel_shape(None))
-        return pixels, None
 
     def segment(self, loaded: Loaded) -> list[int]:
         return [self.boi, *[self.placeholder] * self.rows, self.eoi]
@@ -96,15 +76,7 @@ class Glm4vRemoteLayout(Layout):
                 f"and {ids.count(self.placeholder)} <|endoftext|> token(s): put the three "
                 "tokens once where the image belongs"
             )
-        out: list[int] = []
-        starts: list[int] = []
-        last = 0
-        for i, segment in zip(at, segments, strict=True):
-            out += ids[last:i]
-            starts.append(len(out))
-            out += segment
-            last = i + 3
-        return out + ids[last:], starts
+        return replace_tokens(ids, at, segments, width=3)
 
     def finish(self, ids: list[int], images: Sequence[Any]) -> tuple[Any, ...]:
         """The prompt's images as they are; ValueError naming multi_modal_data for more than
@@ -186,8 +158,10 @@ class _GLU(nn.Module):
         return self.dense_4h_to_h(F.silu(self.gate_proj(x)) * self.dense_h_to_4h(x))
 
 
-class Glm4vRemoteImageEncoder(nn.Module):
+class Glm4vRemoteImageEncoder(SquareImageEncoder):
     """Images [3, S, S] -> (grid / 2)^2 + 2 rows each of the text model's input embedding."""
+
+    family, prefix = "GLM-4V", PREFIX
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -215,17 +189,3 @@ class Glm4vRemoteImageEncoder(nn.Module):
         n = x.shape[0]
         x = torch.cat([self.boi.expand(n, -1, -1), x, self.eoi.expand(n, -1, -1)], dim=1)
         return x / self.scaling_factor
-
-    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Each image's rows; all images share one size and run as one batch."""
-        if any(m.pixel_values is None for m in images):
-            raise ValueError("multi_modal_data['image']: GLM-4V takes images, not embeds")
-        w = self.boi
-        pixels = torch.stack([m.pixel_values for m in images])  # type: ignore[misc]
-        return list(self(pixels.to(w.device, w.dtype)))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `transformer.vision.*` tensors (others passed over); ValueError
-        naming a missing or unexpected one."""
-        picked = ((n[len(PREFIX) :], t) for n, t in weights if n.startswith(PREFIX))
-        return {PREFIX + n for n in load_named_weights(self, picked)}

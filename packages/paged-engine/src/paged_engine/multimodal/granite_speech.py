@@ -72,6 +72,24 @@ def htk_mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor
     return torch.clamp(torch.minimum(rising, falling), min=0.0)
 
 
+def power_spectrum(
+    wave: np.ndarray, n_fft: int, hop: int, win_length: int, window: torch.Tensor
+) -> torch.Tensor:
+    """[n_fft // 2 + 1, L // hop + 1] float32 |STFT|^2 of a mono clip of L > n_fft / 2 samples:
+    centred frames, reflect padding."""
+    spec = torch.stft(
+        torch.from_numpy(wave).float(),
+        n_fft,
+        hop_length=hop,
+        win_length=win_length,
+        window=window,
+        center=True,
+        pad_mode="reflect",
+        return_complex=True,
+    )
+    return spec.abs() ** 2
+
+
 def set_positive_ints(target: Any, settings: dict[str, Any], defaults: dict[str, int]) -> None:
     """Each key of `defaults` set on `target` from the feature extractor's `settings` (the
     default where unset); ValueError naming one that is not a positive whole number."""
@@ -108,17 +126,8 @@ class MelFeatures:
 
     def __call__(self, wave: np.ndarray) -> torch.Tensor:
         """[rows, 2 * n_mels] float32 features of a mono clip (at least `min_samples`)."""
-        spec = torch.stft(
-            torch.from_numpy(wave).float(),
-            self.n_fft,
-            hop_length=self.hop_length,
-            win_length=self.win_length,
-            window=self.window,
-            center=True,
-            pad_mode="reflect",
-            return_complex=True,
-        )  # [freqs, frames]
-        mel = (spec.abs() ** 2).T @ self.filters  # [frames, n_mels]
+        power = power_spectrum(wave, self.n_fft, self.hop_length, self.win_length, self.window)
+        mel = power.T @ self.filters  # [frames, n_mels]
         logmel = mel.clamp(min=1e-10).log10()
         logmel = torch.maximum(logmel, logmel.max() - 8.0) / 4 + 1
         frames = logmel.shape[0] // 2 * 2  # an odd last frame is dropped

@@ -40,7 +40,15 @@ import torch.nn.functional as F
 
 from paged_engine.models.isaac_config import IMAGE_PAD
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import Layout, Loaded, Run, Size, _shape_error, token_ids
+from paged_engine.multimodal.layouts import (
+    Layout,
+    Loaded,
+    Run,
+    Size,
+    _shape_error,
+    splice_at_text,
+    token_ids,
+)
 from paged_engine.multimodal.mrope import MropePositions
 
 MAX_PIXELS = 60_000_000  # the remote's bound on an image's pixels
@@ -208,20 +216,7 @@ class IsaacLayout(Layout):
                 f"multi_modal_data['image']: the prompt holds {IMAGE_PAD} tokens of its own "
                 "outside its images' runs"
             )
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        pieces = text.split(self.text_marker)
-        if len(pieces) != len(segments) + 1:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
-                f"{len(pieces) - 1} image placeholder(s) ({self.text_marker}): put one per image "
-                "where it belongs"
-            )
-        out: list[int] = tok.encode(pieces[0], add_special_tokens=False)
-        starts = []
-        for segment, piece in zip(segments, pieces[1:], strict=True):
-            starts.append(len(out))
-            out += segment + tok.encode(piece, add_special_tokens=False)
-        return out, starts
+        return splice_at_text(tok, ids, segments, self.text_marker)
 
     def positions(self, num_tokens: int, images: tuple[ImageInput, ...]) -> Any:
         return positions(num_tokens, images, self.shuffle)

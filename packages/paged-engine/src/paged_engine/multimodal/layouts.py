@@ -96,10 +96,10 @@ def run_starts(ids: list[int], placeholder: int) -> list[int]:
 
 
 def replace_tokens(
-    ids: list[int], at: list[int], segments: list[list[int]]
+    ids: list[int], at: list[int], segments: list[list[int]], width: int = 1
 ) -> tuple[list[int], list[int]]:
-    """(`ids` with the token at each index of `at` (ascending) replaced by its segment, where
-    each segment starts in them)."""
+    """(`ids` with the `width` tokens from each index of `at` (ascending, not overlapping)
+    replaced by its segment, where each segment starts in them)."""
     out: list[int] = []
     starts: list[int] = []
     last = 0
@@ -107,7 +107,7 @@ def replace_tokens(
         out += ids[last:i]
         starts.append(len(out))
         out += segment
-        last = i + 1
+        last = i + width
     return out + ids[last:], starts
 
 
@@ -145,6 +145,28 @@ def expand_runs(
         last = start + length
     added = [(start, n - length) for (start, length), n in zip(runs, lengths)]
     return out + ids[last:], starts, added
+
+
+def splice_at_text(
+    tokenizer: Any, ids: list[int], segments: list[list[int]], marker: str
+) -> tuple[list[int], list[int]]:
+    """The prompt decoded, its text split at each `marker`, the pieces tokenized apart and the
+    segments put between them (vLLM's processors that splice text): (the ids, each segment's
+    start in them); ValueError naming multi_modal_data unless there is one marker per image."""
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    pieces = text.split(marker)
+    if len(pieces) != len(segments) + 1:
+        raise ValueError(
+            f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
+            f"{len(pieces) - 1} image placeholder(s) ({marker}): put one per image where it "
+            "belongs"
+        )
+    out: list[int] = tokenizer.encode(pieces[0], add_special_tokens=False)
+    starts = []
+    for segment, piece in zip(segments, pieces[1:], strict=True):
+        starts.append(len(out))
+        out += segment + tokenizer.encode(piece, add_special_tokens=False)
+    return out, starts
 
 
 def _side(config: Any) -> int:

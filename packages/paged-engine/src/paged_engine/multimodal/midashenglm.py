@@ -41,7 +41,7 @@ from torch import nn
 
 from paged_engine.models.midashenglm_config import FRAMES_PER_PATCH, HOP, SUBSAMPLE
 from paged_engine.multimodal.audio import AudioProcessor, Loaded
-from paged_engine.multimodal.granite_speech import htk_mel_filters
+from paged_engine.multimodal.granite_speech import htk_mel_filters, power_spectrum
 from paged_engine.multimodal.inputs import ImageInput
 
 MIN_SAMPLES = 3200  # vLLM's get_min_audio_len: shorter clips are zero-padded to it
@@ -64,17 +64,8 @@ class LogMel:
 
     def __call__(self, wave: np.ndarray) -> torch.Tensor:
         """[n_mels, L // hop + 1] float32 log-mel (dB) of a mono clip of L > n_fft / 2 samples."""
-        spec = torch.stft(
-            torch.from_numpy(wave).float(),
-            self.n_fft,
-            hop_length=self.hop,
-            win_length=self.win_length,
-            window=self.window,
-            center=True,
-            pad_mode="reflect",
-            return_complex=True,
-        )  # [freqs, frames]
-        mel = self.filters.T.float() @ spec.abs().pow(2)  # [n_mels, frames]
+        power = power_spectrum(wave, self.n_fft, self.hop, self.win_length, self.window)
+        mel = self.filters.T.float() @ power  # [n_mels, frames]
         db = 10.0 * mel.clamp(min=1e-10).log10()
         return torch.maximum(db, db.max() - 120.0)
 

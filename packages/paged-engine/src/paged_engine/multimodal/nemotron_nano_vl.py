@@ -86,19 +86,21 @@ class NanoNemotronVLTiler(TorchImageProcessor):
 
     def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
         c = self.config
-        side = int(c.force_image_size)
+        side, most = int(c.force_image_size), s["max_num_tiles"]
         mean = torch.tensor(c.norm_mean).view(1, 3, 1, 1)
         std = torch.tensor(c.norm_std).view(1, 3, 1, 1)
-        out = []
-        for image in images:
-            cols, rows = tile_grid(image.shape[2], image.shape[1], side, 1, s["max_num_tiles"])
-            whole = _resize(image, rows * side, cols * side)
-            tiles = whole.view(3, rows, side, cols, side).permute(1, 3, 0, 2, 4)
-            tiles = tiles.reshape(rows * cols, 3, side, side)
-            if c.use_thumbnail and rows * cols > 1:
-                tiles = torch.cat([tiles, _resize(image, side, side)[None]])
-            out.append((tiles - mean) / std)
+        out = [(self.tiles(image, side, most) - mean) / std for image in images]
         return {"pixel_values": torch.cat(out)}  # every image's tiles, as InternVL's
+
+    def tiles(self, image: torch.Tensor, side: int, most: int) -> torch.Tensor:
+        """RGB uint8 [3, H, W] -> [tiles, 3, side, side] float32 in [0, 1], the thumbnail last."""
+        cols, rows = tile_grid(image.shape[2], image.shape[1], side, 1, most)
+        whole = _resize(image, rows * side, cols * side)
+        tiles = whole.view(3, rows, side, cols, side).permute(1, 3, 0, 2, 4)
+        tiles = tiles.reshape(rows * cols, 3, side, side)
+        if self.config.use_thumbnail and rows * cols > 1:
+            tiles = torch.cat([tiles, _resize(image, side, side)[None]])
+        return tiles
 
 
 class NanoNemotronVLLayout(BoundedLayout):

@@ -66,29 +66,22 @@ class NemotronVLV1Tiler(NanoNemotronVLTiler):
 
     name = "NemotronVLProcessor"
 
-    def preprocess(self, images: list[torch.Tensor], s: dict[str, Any]) -> dict[str, Any]:
+    def tiles(self, image: torch.Tensor, side: int, most: int) -> torch.Tensor:
+        """RGB uint8 [3, H, W] -> [tiles, 3, side, side] float32 in [0, 1] (PIL's resizes)."""
         from PIL import Image  # only where images arrive: the engine imports without Pillow
 
-        c = self.config
-        side = int(c.force_image_size)
-        mean = torch.tensor(c.norm_mean).view(1, 3, 1, 1)
-        std = torch.tensor(c.norm_std).view(1, 3, 1, 1)
-        out = []
-        for image in images:  # RGB uint8 [3, H, W]
-            pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
-            cols, rows = tile_grid(pil.width, pil.height, side, s["max_num_tiles"])
-            whole = pil.resize((cols * side, rows * side), Image.Resampling.BICUBIC)
-            crops = [
-                whole.crop((x * side, y * side, (x + 1) * side, (y + 1) * side))
-                for y in range(rows)
-                for x in range(cols)
-            ]
-            if c.use_thumbnail and len(crops) > 1:
-                crops.append(pil.resize((side, side), Image.Resampling.BICUBIC))
-            tiles = torch.from_numpy(np.stack([np.asarray(t) for t in crops]))
-            tiles = tiles.permute(0, 3, 1, 2).float() / 255.0
-            out.append((tiles - mean) / std)
-        return {"pixel_values": torch.cat(out)}
+        pil = Image.fromarray(image.permute(1, 2, 0).contiguous().numpy())
+        cols, rows = tile_grid(pil.width, pil.height, side, most)
+        whole = pil.resize((cols * side, rows * side), Image.Resampling.BICUBIC)
+        crops = [
+            whole.crop((x * side, y * side, (x + 1) * side, (y + 1) * side))
+            for y in range(rows)
+            for x in range(cols)
+        ]
+        if self.config.use_thumbnail and len(crops) > 1:
+            crops.append(pil.resize((side, side), Image.Resampling.BICUBIC))
+        tiles = torch.from_numpy(np.stack([np.asarray(t) for t in crops]))
+        return tiles.permute(0, 3, 1, 2).float() / 255.0
 
 
 class NemotronVLV1Layout(NanoNemotronVLLayout):

@@ -42,7 +42,7 @@ from torch import nn
 
 from paged_engine.models.ovis2_5_hub import IMAGE_PAD
 from paged_engine.multimodal.inputs import ImageInput
-from paged_engine.multimodal.layouts import Loaded, token_ids
+from paged_engine.multimodal.layouts import Loaded, splice_at_text, token_ids
 from paged_engine.multimodal.layouts_qwen import Ovis2_5Layout
 from paged_engine.multimodal.ovis2_5 import (
     Ovis2_5ImageEncoder,
@@ -142,20 +142,7 @@ class Ovis2_5HubLayout(Ovis2_5Layout):
                 f"multi_modal_data['image']: the prompt holds {IMAGE_PAD} tokens of its own "
                 "outside its images' runs"
             )
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        pieces = text.split(MARKER)
-        if len(pieces) != len(segments) + 1:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
-                f"{len(pieces) - 1} image placeholder(s) ({MARKER}): put one per image where "
-                "it belongs"
-            )
-        out: list[int] = tok.encode(pieces[0], add_special_tokens=False)
-        starts = []
-        for segment, piece in zip(segments, pieces[1:], strict=True):
-            starts.append(len(out))
-            out += segment + tok.encode(piece, add_special_tokens=False)
-        return out, starts
+        return splice_at_text(tok, ids, segments, MARKER)
 
 
 class _PatchOrderTower(Ovis2_5VisionTower):

@@ -66,19 +66,13 @@ class QwenVLProcessor:
         return {"pixel_values": out}
 
 
-class QwenVLLayout(Layout):
-    """Each <img> ... </img> span -> <img>, n_queries pads, </img> (the module doc); one
-    `ImageInput` an image, its run the pads."""
+class SquareImageLayout(Layout):
+    """A layout whose images all go through `QwenVLProcessor` to one [3, side, side] tensor
+    (no settings): Qwen-VL's and GLM-4V's. Subclasses set `side` and `family` (for messages)."""
 
     takes_embeds = False
-
-    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
-        self.config = config
-        visual = config.visual
-        self.start, self.end = int(visual["image_start_id"]), int(visual["image_start_id"]) + 1
-        self.placeholder = placeholder  # the pad: image_start_id + 2
-        self.side = int(visual["image_size"])
-        self.fixed = int(visual["n_queries"])
+    family: str
+    side: int
 
     def image_processor(self) -> QwenVLProcessor:
         return QwenVLProcessor(self.side)
@@ -86,7 +80,7 @@ class QwenVLLayout(Layout):
     def check_kwargs(self, kwargs: dict[str, Any]) -> None:
         if kwargs:
             raise ValueError(
-                f"mm_processor_kwargs {sorted(kwargs)} are not supported for Qwen-VL (its "
+                f"mm_processor_kwargs {sorted(kwargs)} are not supported for {self.family} (its "
                 "transform has no settings)"
             )
 
@@ -98,6 +92,21 @@ class QwenVLLayout(Layout):
         if tuple(pixels.shape) != self.pixel_shape(None):
             raise _shape_error(pixels, self.pixel_shape(None))
         return pixels, None
+
+
+class QwenVLLayout(SquareImageLayout):
+    """Each <img> ... </img> span -> <img>, n_queries pads, </img> (the module doc); one
+    `ImageInput` an image, its run the pads."""
+
+    family = "Qwen-VL"
+
+    def __init__(self, config: Any, placeholder: int, tokenizer: Any) -> None:
+        self.config = config
+        visual = config.visual
+        self.start, self.end = int(visual["image_start_id"]), int(visual["image_start_id"]) + 1
+        self.placeholder = placeholder  # the pad: image_start_id + 2
+        self.side = int(visual["image_size"])
+        self.fixed = int(visual["n_queries"])
 
     def segment(self, loaded: Loaded) -> list[int]:
         return [self.start] + [self.placeholder] * self.fixed + [self.end]
@@ -218,8 +227,34 @@ class _Resampler(nn.Module):
         return self.attn.out_proj(out)
 
 
-class QwenVLImageEncoder(nn.Module):
+class SquareImageEncoder(nn.Module):
+    """An encoder of `SquareImageLayout`'s images (one size, run as one batch) whose weights
+    are the checkpoint's `prefix`* tensors: Qwen-VL's and GLM-4V's. Subclasses set `family`
+    (for messages) and `prefix`, and map pixels [N, 3, S, S] to rows in forward."""
+
+    family: str
+    prefix: str
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's rows; all images share one size and run as one batch."""
+        if any(m.pixel_values is None for m in images):
+            raise ValueError(f"multi_modal_data['image']: {self.family} takes images, not embeds")
+        w = next(self.parameters())  # (one device and dtype: built under building_in)
+        pixels = torch.stack([m.pixel_values for m in images])  # type: ignore[misc]
+        return list(self(pixels.to(w.device, w.dtype)))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint's `prefix`* tensors (others passed over); ValueError naming a missing
+        or unexpected one."""
+        n = len(self.prefix)
+        picked = ((name[n:], t) for name, t in weights if name.startswith(self.prefix))
+        return {self.prefix + name for name in load_named_weights(self, picked)}
+
+
+class QwenVLImageEncoder(SquareImageEncoder):
     """Images [3, S, S] -> n_queries rows each of the text model's input embedding."""
+
+    family, prefix = "Qwen-VL", PREFIX
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -244,17 +279,3 @@ class QwenVLImageEncoder(nn.Module):
         for block in self.transformer.resblocks:
             x = block(x)
         return self.ln_post(self.attn_pool(x)) @ self.proj
-
-    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Each image's rows; all images share one size and run as one batch."""
-        if any(m.pixel_values is None for m in images):
-            raise ValueError("multi_modal_data['image']: Qwen-VL takes images, not embeds")
-        w = self.proj
-        pixels = torch.stack([m.pixel_values for m in images])  # type: ignore[misc]
-        return list(self(pixels.to(w.device, w.dtype)))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's `transformer.visual.*` tensors (others passed over); ValueError
-        naming a missing or unexpected one."""
-        picked = ((n[len(PREFIX) :], t) for n, t in weights if n.startswith(PREFIX))
-        return {PREFIX + n for n in load_named_weights(self, picked)}

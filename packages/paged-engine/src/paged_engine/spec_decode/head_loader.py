@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from paged_engine.loader import ResolvedModel, load_hf_config, resolve_model
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from paged_engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -250,37 +253,26 @@ def check_mtp(target_hf_config) -> None:
         )
 
 
-def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: str | None):
-    """Build the target's first MTP layer on the runner's device and dtype, load it from the
-    target's own checkpoint (its tensors only) and set `runner.draft`; the target's embedding
-    and LM head serve where the checkpoint has no copies of its own."""
+def load_mtp_layer(
+    runner: ModelRunner,
+    resolved: ResolvedModel,
+    quantization: str | None,
+    make: Callable[[], nn.Module],
+    weight_name: Callable[[str], str | None],
+) -> nn.Module:
+    """`make()` built on the runner's device and dtype (rope sized to max_model_len), its
+    weights the target checkpoint's tensors `weight_name` maps (to the layer's names; None:
+    not the layer's) or dummy ones, quantized as the target's are (before any sharing)."""
     from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
-    from paged_engine.models.mimo_mtp import attach_mimo_mtp_head, is_mimo_mtp
-    from paged_engine.models.mtp import (
-        DeepseekMtpHead,
-        Qwen3NextMtpHead,
-        is_qwen_mtp,
-        mtp_cache_config,
-        mtp_weight_name,
-    )
     from paged_engine.packed_codes import KEEP_CODES
-    from paged_engine.spec_decode.eagle import FinalHiddenRunner
 
-    if is_mimo_mtp(runner.hf_config):  # reads the target's pre-norm stream: its own runner
-        attach_mimo_mtp_head(runner, resolved, quantization)
-        return
-    config, hf_config, target = runner.config, runner.hf_config, runner.model
-    dtype = next(target.parameters()).dtype
-    logger.info("loading the target's MTP layer")
-    qwen = is_qwen_mtp(hf_config)
-    head_cls = Qwen3NextMtpHead if qwen else DeepseekMtpHead
+    config, hf_config = runner.config, runner.hf_config
+    dtype = next(runner.model.parameters()).dtype
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
-        head = head_cls(hf_config, type(target))
+        head = make()
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)
-        if not qwen:
-            head.shares_target_embedding = head.shares_target_head = True
     else:
         weights = checkpoint_weights(
             resolved,
@@ -289,13 +281,46 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
             runner.device,
             config.load_format,
             {},
-            names=lambda name: mtp_weight_name(hf_config, name) is not None,
+            names=lambda name: weight_name(name) is not None,
         )
-        head.load_weights((mtp_weight_name(hf_config, n) or n, w) for n, w in weights)
+        head.load_weights((weight_name(n) or n, w) for n, w in weights)
     if quantization is not None and quantization != KEEP_CODES:
         from paged_engine.layers.quantization import quantize_model
 
-        quantize_model(head, quantization)  # as the target's are, before sharing any of them
+        quantize_model(head, quantization)
+    return head
+
+
+def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: str | None):
+    """Build the target's first MTP layer on the runner's device and dtype, load it from the
+    target's own checkpoint (its tensors only) and set `runner.draft`; the target's embedding
+    and LM head serve where the checkpoint has no copies of its own."""
+    from paged_engine.models.mimo_mtp import attach_mimo_mtp_head, is_mimo_mtp
+    from paged_engine.models.mtp import (
+        DeepseekMtpHead,
+        Qwen3NextMtpHead,
+        is_qwen_mtp,
+        mtp_cache_config,
+        mtp_weight_name,
+    )
+    from paged_engine.spec_decode.eagle import FinalHiddenRunner
+
+    if is_mimo_mtp(runner.hf_config):  # reads the target's pre-norm stream: its own runner
+        attach_mimo_mtp_head(runner, resolved, quantization)
+        return
+    config, hf_config, target = runner.config, runner.hf_config, runner.model
+    logger.info("loading the target's MTP layer")
+    qwen = is_qwen_mtp(hf_config)
+    head_cls = Qwen3NextMtpHead if qwen else DeepseekMtpHead
+    head = load_mtp_layer(
+        runner,
+        resolved,
+        quantization,
+        lambda: head_cls(hf_config, type(target)),
+        lambda name: mtp_weight_name(hf_config, name),
+    )
+    if config.load_format == "dummy" and not qwen:  # dummy weights: no copies of its own
+        head.shares_target_embedding = head.shares_target_head = True
     # The target's embedding and LM head where the layer has none of its own (Qwen's never).
     embed, lm_head = target.get_submodule(target.embed_path), target.get_submodule(target.head_name)
     if qwen:

@@ -122,6 +122,7 @@ def test_a_json_route_refuses_other_content_types_with_a_415(fake, ctype: str) -
     assert status_line.split()[1] == b"415", out
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
     assert error["param"] == "Content-Type" and repr(ctype) in error["message"]
+    assert ("curl -d" in error["message"]) == ctype.startswith("application/x-www-form")
 
 
 @pytest.mark.parametrize(

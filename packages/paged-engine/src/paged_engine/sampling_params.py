@@ -254,7 +254,7 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}.")
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r:.200}.")
         if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
             raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
         ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]

@@ -389,9 +389,12 @@ class Handler(BaseHTTPRequestHandler):
             media.startswith("application/") and media.endswith("+json")
         ):
             self.close_connection = True  # the body stays unread
+            form = media == "application/x-www-form-urlencoded"  # curl -d's default
+            hint = "; curl -d sends that: add -H 'Content-Type: application/json'" if form else ""
             raise APIError(
                 415,
-                f"the body must be JSON with Content-Type: application/json, got {ctype!r}",
+                f"the body must be JSON with Content-Type: application/json, got {ctype!r:.200}"
+                + hint,
                 param="Content-Type",
                 code="unsupported_media_type",
             )

@@ -90,12 +90,12 @@ class StructuredOutputsParams:
                 shown = bad[0] if bad else self.choice  # one bad item, not the whole list
                 raise ValueError(
                     "structured_outputs.choice must be a non-empty list of non-empty strings, "
-                    f"got {shown!r}"
+                    f"got {shown!r:.200}"
                 )
             self.choice = list(self.choice)
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(
-                f"structured_outputs.json_object must be true, got {self.json_object!r}"
+                f"structured_outputs.json_object must be true, got {self.json_object!r:.200}"
             )
         for name in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):

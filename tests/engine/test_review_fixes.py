@@ -23,6 +23,14 @@ HUGE = "x" * 100_000
         lambda: SamplingParams(stop={"a": HUGE}),  # neither a str nor a list
         lambda: SamplingParams(stop=["a", HUGE, ""]),
         lambda: SamplingParams(bad_words=[HUGE, 3]),
+        lambda: SamplingParams(stop_token_ids=HUGE),
+        lambda: SamplingParams(logit_bias=[HUGE]),
+        lambda: SamplingParams(allowed_token_ids=HUGE),
+        lambda: SamplingParams(extra_args=[HUGE]),
+        lambda: SamplingParams(logprob_token_ids=HUGE),
+        lambda: SamplingParams(temperature=HUGE),
+        lambda: SamplingParams(max_tokens=HUGE),
+        lambda: SamplingParams(ignore_eos=HUGE),
     ],
 )
 def test_a_refused_value_is_not_echoed_whole(make) -> None:

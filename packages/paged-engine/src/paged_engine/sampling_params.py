@@ -43,9 +43,9 @@ class SamplingType(enum.IntEnum):
 def _as_float(name: str, value: object) -> float:
     """A finite float: NaN / inf would poison every comparison and score downstream."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__}).")
+        raise ValueError(f"{name} must be a number, got {value!r:.200} ({type(value).__name__}).")
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        raise ValueError(f"{name} must be a finite number, got {value!r:.200}.")
     return float(value)
 
 
@@ -54,7 +54,7 @@ def _as_output_kind(value: object) -> RequestOutputKind:
         return RequestOutputKind(value)
     except (ValueError, TypeError):
         raise ValueError(
-            f"output_kind must be a RequestOutputKind (0, 1 or 2), got {value!r}."
+            f"output_kind must be a RequestOutputKind (0, 1 or 2), got {value!r:.200}."
         ) from None
 
 
@@ -67,14 +67,14 @@ MAX_STOP_STRINGS = 1024
 def _check_early_stopping(value: object) -> None:
     # `1 in (True, False)` holds, but the beam search tests `is True`: only real bools pass.
     if not (isinstance(value, bool) or value == "never"):
-        raise ValueError(f"early_stopping must be True, False or 'never', got {value!r}.")
+        raise ValueError(f"early_stopping must be True, False or 'never', got {value!r:.200}.")
 
 
 def _check_bools(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, bool):
-            raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__}).")
+            raise ValueError(f"{name} must be a bool, got {value!r:.200} ({type(value).__name__}).")
 
 
 def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
@@ -88,7 +88,7 @@ def _as_int(name: str, value: object, *, optional: bool = False) -> int | None:
         return operator.index(value)  # int, numpy ints
     except TypeError:
         raise ValueError(
-            f"{name} must be an integer, got {value!r} ({type(value).__name__})."
+            f"{name} must be an integer, got {value!r:.200} ({type(value).__name__})."
         ) from None
 
 
@@ -140,7 +140,8 @@ class RepetitionDetectionParams:
                 raise ValueError(f"repetition_detection has unknown fields {unknown}.")
             return cls(**value)
         raise ValueError(
-            f"repetition_detection must be a RepetitionDetectionParams or a dict, got {value!r}."
+            "repetition_detection must be a RepetitionDetectionParams or a dict, got "
+            f"{value!r:.200}."
         )
 
     def found(self, tokens: list[int], num_out: int) -> bool:
@@ -256,7 +257,9 @@ class SamplingParams:
         else:
             raise ValueError(f"stop must be a str or a list of str, got {self.stop!r:.200}.")
         if not isinstance(self.stop_token_ids, (list, tuple, set, type(None))):
-            raise ValueError(f"stop_token_ids must be a list of int, got {self.stop_token_ids!r}.")
+            raise ValueError(
+                f"stop_token_ids must be a list of int, got {self.stop_token_ids!r:.200}."
+            )
         ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids or ()]
         self.stop_token_ids = list(dict.fromkeys(ids))  # (vLLM drops repeats)
         self.stream_interval = _as_int("stream_interval", self.stream_interval, optional=True)
@@ -272,7 +275,9 @@ class SamplingParams:
             self.structured_outputs = self.guided_decoding
         k = _as_int("truncate_prompt_tokens", self.truncate_prompt_tokens, optional=True)
         if k is not None and k != -1 and k < 1:
-            raise ValueError(f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r}")
+            raise ValueError(
+                f"truncate_prompt_tokens must be an int >= 1, -1 or None, got {k!r:.200}"
+            )
         self.truncate_prompt_tokens = k
         if self.logits_processors:
             raise ValueError(
@@ -281,7 +286,7 @@ class SamplingParams:
                 "LLM(logits_processors=[...])"
             )
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
-            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r}.")
+            raise ValueError(f"extra_args must be a dict or None, got {self.extra_args!r:.200}.")
         if self.skip_reading_prefix_cache is not None:
             _check_bools(self, ("skip_reading_prefix_cache",))
         if self.top_k == -1 or self.top_k >= 2**31:  # no vocabulary is that large: off
@@ -323,7 +328,8 @@ class SamplingParams:
         for name, used in unsupported.items():
             if used:
                 raise ValueError(
-                    f"{name} is not supported with use_beam_search, got {getattr(self, name)!r}."
+                    f"{name} is not supported with use_beam_search, got "
+                    f"{getattr(self, name)!r:.200}."
                 )
 
     def _explicit_logprobs(self) -> None:
@@ -333,7 +339,7 @@ class SamplingParams:
         if ids is None:
             return
         if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r}.")
+            raise ValueError(f"logprob_token_ids must be a list of token ids, got {ids!r:.200}.")
         if not ids:
             self.logprob_token_ids = None
             return
@@ -343,7 +349,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
-            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}.")
+            return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r:.200}.")
 
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", "a 64-bit integer")
@@ -460,16 +466,18 @@ def _check_token_rules(p: SamplingParams) -> None:
         p.structured_outputs = StructuredOutputsParams.from_dict(p.structured_outputs)
     if p.logit_bias is not None:
         if not isinstance(p.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r}")
+            raise ValueError(
+                f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r:.200}"
+            )
         bias: dict[int, float] = {}
         for key, value in p.logit_bias.items():
             token = _token_id("logit_bias", key)
-            bias[token] = min(100.0, max(-100.0, _as_float(f"logit_bias[{key!r}]", value)))
+            bias[token] = min(100.0, max(-100.0, _as_float(f"logit_bias[{key!r:.200}]", value)))
         p.logit_bias = bias
     if p.allowed_token_ids is not None:
         ids = p.allowed_token_ids
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError(f"allowed_token_ids must be a non-empty list of ids, got {ids!r}")
+            raise ValueError(f"allowed_token_ids must be a non-empty list of ids, got {ids!r:.200}")
         p.allowed_token_ids = [_token_id("allowed_token_ids", t) for t in ids]
     if p.bad_words is not None:
         words = p.bad_words

@@ -235,7 +235,6 @@ def test_bad_input_and_config_refused(tiny, llm, tmp_path):
         ({"vision_config": {**vision, "spatial_merge_size": 4}}, "spatial_merge_size=4"),
         ({"vision_config": {**vision, "model_type": "siglip2"}}, "vision_config.model_type"),
         ({"use_sliding_window": True}, "use_sliding_window"),
-        ({"architectures": ["KeyeVL1_5ForConditionalGeneration"]}, "Keye-VL-1.5"),
     ]
     for i, (change, match) in enumerate(cases):
         check_config_refused(tiny[0], tmp_path / str(i), {**raw, **change}, match)

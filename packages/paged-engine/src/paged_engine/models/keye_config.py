@@ -15,10 +15,15 @@ REMOTE_CONFIGS row), as the remote configuration_keye.py and vLLM's keye.py read
 The projector (`mlp_AR`: LayerNorm per patch, 2 x 2 patches into one row, linear, GELU,
 linear) is PaddleOCR-VL's too (multimodal/paddleocr_vl.py serves both).
 
+Keye-VL-1.5 (`KeyeVL1_5ForConditionalGeneration`, vLLM's keye_vl1_5.py) reads the same fields
+into the same config: its tower, image prompt and image positions are the Preview's; only its
+projector differs (the LayerNorm over each merged 4 x width row: multimodal/keye.py). Its videos
+(slow / fast frames) are refused as the Preview's are.
+
 Refused by name: rope_scaling without three mrope_section sizes summing to head_dim / 2, or
 interleaved (mrope_interleaved), use_sliding_window, vision_config.model_type other than
 siglip_vision_model, spatial_merge_size other than 2 (the remote's projector merges 2 x 2
-whatever the config says); Keye-VL-1.5 (`KeyeVL1_5ForConditionalGeneration`) whole.
+whatever the config says).
 """
 
 from __future__ import annotations
@@ -115,12 +120,9 @@ def _vision_config(raw: RawConfig) -> transformers.PaddleOCRVisionConfig:
 
 
 def keye_vl1_5_config(raw: RawConfig) -> KeyeConfig:
-    """Keye-VL-1.5: refused (its projector normalizes each merged 2 x 2 row, not each patch,
-    and its videos run slow / fast frames: no transformers class runs either to test against)."""
-    raise ValueError(
-        "KeyeVL1_5ForConditionalGeneration (Keye-VL-1.5) is not supported: its mlp_AR projector "
-        "normalizes the merged rows; KeyeForConditionalGeneration (Keye-VL-8B-Preview) is served"
-    )
+    """Keye-VL-1.5: the Preview's fields and refusals (architectures kept: the image encoder
+    picks the merged-row projector by them)."""
+    return keye_config(raw)
 
 
 def keye_config(raw: RawConfig) -> KeyeConfig:

@@ -111,6 +111,8 @@ MPT configs itself and runs the others' remote config code).
     KeyeForConditionalGeneration   Keye                         Qwen3 with M-RoPE (config: models/
                                                                 keye_config.py; images:
                                                                 multimodal/keye.py)
+    KeyeVL1_5ForConditionalGeneration  the same                 the same (Keye-VL-1.5: its
+                                                                merged-row projector, images)
     HCXVisionForCausalLM           hyperclovax_vlm              Llama's or HyperCLOVA X's, text
                                                                 only (config: models/
                                                                 hcx_vision_v1_config.py)
@@ -408,7 +410,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
     "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1
     "KeyeForConditionalGeneration": "keye_config:keye_config",  # Kwai-Keye/Keye-VL-8B-Preview
-    "KeyeVL1_5ForConditionalGeneration": "keye_config:keye_vl1_5_config",  # refused by name
+    "KeyeVL1_5ForConditionalGeneration": "keye_config:keye_vl1_5_config",  # Keye-VL-1.5, images
     "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
     "Step3TextForCausalLM": "step3_text:step3_text_config",  # StepFun Step3's decoder
     "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)

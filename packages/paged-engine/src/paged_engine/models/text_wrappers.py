@@ -65,6 +65,7 @@ each is exact).
     IsaacForConditionalGeneration        qwen3                  -> Qwen3ForCausalLM
       (remote code: models/isaac_config.py; M-RoPE; images multimodal/isaac.py)
     KeyeForConditionalGeneration         qwen3                  -> Qwen3ForCausalLM
+    KeyeVL1_5ForConditionalGeneration    qwen3                  -> Qwen3ForCausalLM
       (remote code: models/keye_config.py; M-RoPE; images multimodal/keye.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
@@ -504,6 +505,7 @@ WRAPPERS: dict[str, Wrapper] = {
     # Keye-VL (remote code; config: models/keye_config.py): Qwen3 (M-RoPE) under its own names,
     # the tower `visual.` and projector `mlp_AR.` beside it (multimodal/paddleocr_vl.py)
     "KeyeForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _PADDLEOCR_VL),
+    "KeyeVL1_5ForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _PADDLEOCR_VL),
     # MiniCPM-V 2.5 to 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
     # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(

@@ -108,7 +108,8 @@
       there, the SigLIP2 tower, pixel shuffle and projector isaac_encoder.py; Qwen3)
     KeyeForConditionalGeneration                  "keye"        multimodal/keye.py (Keye-VL-8B,
       remote code: config models/keye_config.py; PaddleOCR-VL's tower, projector and runs
-      under the Hub's names, Qwen3 with M-RoPE; Keye-VL-1.5 not served)
+      under the Hub's names, Qwen3 with M-RoPE; KeyeVL1_5ForConditionalGeneration, Keye-VL-1.5,
+      the same with its merged-row projector, images only)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
@@ -257,6 +258,7 @@ KINDS: dict[str, str] = {
     "OpenCUAForConditionalGeneration": "opencua",  # remote code: models/opencua_config.py
     "IsaacForConditionalGeneration": "isaac",  # remote code: models/isaac_config.py
     "KeyeForConditionalGeneration": "keye",  # remote code: models/keye_config.py
+    "KeyeVL1_5ForConditionalGeneration": "keye",  # Keye-VL-1.5: its projector (multimodal/keye.py)
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -397,7 +399,7 @@ ENCODERS: dict[str, str] = {
     "glm4v_remote": "glm4v_remote:Glm4vRemoteImageEncoder",
     "opencua": "opencua:OpenCUAImageEncoder",
     "isaac": "isaac_encoder:IsaacImageEncoder",
-    "keye": "paddleocr_vl:PaddleOCRImageEncoder",  # Keye-VL: PaddleOCR-VL's tower, projector
+    "keye": "keye:KeyeImageEncoder",  # Keye-VL: PaddleOCR-VL's tower, projector (1.5's: its own)
 }
 
 

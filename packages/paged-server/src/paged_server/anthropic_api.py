@@ -153,7 +153,7 @@ def serve_messages(app: OpenAIApp, h: Handler) -> None:
         group, rids = app._submit(
             chat, [text], [ids], mid, chat=True, lora=lora, stream=chat.stream
         )
-    with app._in_flight(h, group, rids):
+    with app._in_flight(h, group, rids, chat.structured_param):
         if chat.stream:
             _stream(app, h, req, (mid, model, len(ids)), group, reasoning, window)
         else:

@@ -392,6 +392,8 @@ def parse_messages(
     }
     with messages_params():
         chat = parse_chat(chat_body, tool_parser, images)
+    if chat.structured_param is not None:  # as the client sent it (a refusal on add names it)
+        chat.structured_param = _RENAMED.get(chat.structured_param, chat.structured_param)
     if chat.media_refs:  # a URL that cannot be loaded is named as the client sent it
         chat.media_refs = [
             replace(r, param=n) for r, n in zip(chat.media_refs, image_params, strict=True)

@@ -957,16 +957,10 @@ class OpenAIApp:
         self, h: Handler, group: RequestGroup, rids: list[str], structured_param: str | None = None
     ) -> Iterator[None]:
         """Wait until the engine took the group (its refusal becomes an HTTP error before a
-        stream's headers go out; one of the constraint, e.g. a special token the tokenizer
-        lacks, names `structured_param`, the field the client used), then run the body; every
-        way out but the group's completion aborts its requests."""
+        stream's headers go out: `_await_added`), then run the body; every way out but the
+        group's completion aborts its requests."""
         try:
-            try:
-                self._await_added(h, group)
-            except APIError as e:
-                if e.param == "structured_outputs" and structured_param is not None:
-                    e.param = structured_param
-                raise
+            self._await_added(h, group, structured_param)
             yield
         finally:
             if not group.done:
@@ -974,12 +968,22 @@ class OpenAIApp:
                 if group.add_error is None:  # a refusal (a 4xx) took nothing to abort
                     h.log_extra += " aborted"
 
-    def _await_added(self, h: Handler, group: RequestGroup) -> None:
+    def _await_added(
+        self, h: Handler, group: RequestGroup, structured_param: str | None = None
+    ) -> None:
         """Until the engine took (or refused: raised here) every member of `group`;
-        ConnectionResetError when the client left meanwhile."""
-        while not group.wait_added(self.poll_interval):
-            if h.client_gone():
-                raise ConnectionResetError("client disconnected")
+        ConnectionResetError when the client left meanwhile. A refusal of the constraint (e.g.
+        a special token the tokenizer lacks) names `structured_param`, the field the client
+        used, in `param` and in the message (an Anthropic error has only the message)."""
+        try:
+            while not group.wait_added(self.poll_interval):
+                if h.client_gone():
+                    raise ConnectionResetError("client disconnected")
+        except APIError as e:
+            if e.param == "structured_outputs" and structured_param is not None:
+                e.param = structured_param
+                e.message = f"'{structured_param}': {e.message}"
+            raise
 
     def arrivals(self, h: Handler, group: RequestGroup) -> Iterator[list]:
         """Each batch of (prompt index, output) pairs as it arrives until the group is done;

@@ -134,12 +134,14 @@ def start(
     rids: list[str],
     body: dict[str, Any],
     work: Callable[[], None],
+    structured_param: str | None = None,
 ) -> None:
     """Hand a submitted group to a thread of its own once the engine took it (a refusal is
-    still this request's HTTP error). `work` runs the response through `run`, writing `body`,
-    and settles it when it finishes; a cancel or an error settles it here."""
+    still this request's HTTP error, one of the constraint naming `structured_param`). `work`
+    runs the response through `run`, writing `body`, and settles it when it finishes; a cancel
+    or an error settles it here."""
     try:
-        app._await_added(h, group)
+        app._await_added(h, group, structured_param)
     except BaseException:
         if not group.done:
             app.client.abort(rids, group)

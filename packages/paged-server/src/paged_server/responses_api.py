@@ -340,7 +340,7 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
         body = _response(rid, created, model, req, "queued")
         _start_background(app, h, req, group, rids, body, reasoning)
         return
-    with app._in_flight(h, group, rids):
+    with app._in_flight(h, group, rids, chat.structured_param):
         body = _response(rid, created, model, req, "in_progress")
         if chat.stream:
             if not _stream(app, h, req, body, group, reasoning, lambda b: _store(app, req, b)):
@@ -382,7 +382,7 @@ def _start_background(
         )  # fmt: skip
 
     app.response_store.put(stored)
-    response_background.start(app, h, run, group, rids, body, work)
+    response_background.start(app, h, run, group, rids, body, work, req.chat.structured_param)
     h.log_extra = " background"
     if req.chat.stream:
         response_background.serve_events(app, h, stored, {})

@@ -148,18 +148,19 @@ def expand_runs(
 
 
 def splice_at_text(
-    tokenizer: Any, ids: list[int], segments: list[list[int]], marker: str
+    tokenizer: Any, ids: list[int], segments: list[list[int]], marker: str, aside: str = ""
 ) -> tuple[list[int], list[int]]:
     """The prompt decoded, its text split at each `marker`, the pieces tokenized apart and the
     segments put between them (vLLM's processors that splice text): (the ids, each segment's
-    start in them); ValueError naming multi_modal_data unless there is one marker per image."""
+    start in them); ValueError naming multi_modal_data unless there is one marker per image
+    (`aside`: a family's own words, after the marker in the message)."""
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     pieces = text.split(marker)
     if len(pieces) != len(segments) + 1:
         raise ValueError(
             f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
-            f"{len(pieces) - 1} image placeholder(s) ({marker}): put one per image where it "
-            "belongs"
+            f"{len(pieces) - 1} image placeholder(s) ({marker}{aside}): put one per image "
+            "where it belongs"
         )
     out: list[int] = tokenizer.encode(pieces[0], add_special_tokens=False)
     starts = []

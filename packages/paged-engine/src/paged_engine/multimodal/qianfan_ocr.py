@@ -29,6 +29,7 @@ from torch import nn
 
 from paged_engine.multimodal import internvl
 from paged_engine.multimodal.internvl import InternVLImageEncoder
+from paged_engine.multimodal.layouts import splice_at_text
 from paged_engine.multimodal.layouts_single_run import BoundedLayout
 
 MARKER = "<image>"  # QianfanOCRProcessor's image_placeholder_token
@@ -141,17 +142,4 @@ class QianfanLayout(BoundedLayout):
     def splice(self, ids: list[int], segments: list[list[int]]) -> tuple[list[int], list[int]]:
         if self.placeholder in ids or self.tokenizer is None:
             return super().splice(ids, segments)
-        tok = self.tokenizer
-        text = tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        pieces = text.split(MARKER)
-        if len(pieces) != len(segments) + 1:
-            raise ValueError(
-                f"multi_modal_data['image'] has {len(segments)} image(s) but the prompt has "
-                f"{len(pieces) - 1} {MARKER} placeholder(s) (and no <IMG_CONTEXT>): put one "
-                "per image where it belongs"
-            )
-        out, starts = tok.encode(pieces[0], add_special_tokens=False), []
-        for segment, piece in zip(segments, pieces[1:], strict=True):
-            starts.append(len(out))
-            out += [*segment, *tok.encode(piece, add_special_tokens=False)]
-        return out, starts
+        return splice_at_text(self.tokenizer, ids, segments, MARKER, ", and no <IMG_CONTEXT>")

@@ -32,6 +32,7 @@ from paged_engine.multimodal.chat_format import (
     string_content,
 )
 from paged_engine.multimodal.chat_media import split_media
+from paged_engine.offline_args import conversations, per_prompt
 from paged_engine.outputs import RequestOutput
 from paged_engine.pooling import EmbeddingRequestOutput, PoolingParams, PoolingRequestOutput
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams
@@ -90,17 +91,13 @@ class LLM:
                 f"priority must be a list of one int per prompt ({len(prompt_list)}), got "
                 f"{priority!r}"
             )
-        if sampling_params is None:
-            params_list = [self.get_default_sampling_params()] * len(prompt_list)
-        elif isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
-            params_list = [sampling_params] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(prompt_list)} prompts but {len(params_list)} "
-                    "sampling_params: pass one, or one per prompt"
-                )
+        params_list = per_prompt(
+            sampling_params,
+            len(prompt_list),
+            "sampling_params",
+            (SamplingParams, BeamSearchParams),
+            self.get_default_sampling_params() if sampling_params is None else None,
+        )
         loras = _per_prompt_loras(lora_request, len(prompt_list))
         return self._run(list(zip(prompt_list, params_list)), use_tqdm, loras, priority)
 
@@ -119,7 +116,7 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         prompt_list = _as_prompt_list(prompts)
         loras = _per_prompt_loras(lora_request, len(prompt_list))
-        limit = len(prompt_list) if concurrency_limit is None else concurrency_limit
+        limit = max(len(prompt_list), 1) if concurrency_limit is None else concurrency_limit
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise ValueError(f"concurrency_limit must be None or an int >= 1, got {limit!r}")
         outputs: list[RequestOutput] = []
@@ -189,10 +186,13 @@ class LLM:
             isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
         ):
             raise ValueError("tools must be a list of tool definitions (dicts)")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                f"chat_template_kwargs must be a dict or None, got {chat_template_kwargs!r:.200}"
+            )
         prompts, token_prompts = [], []
         tok = self.llm_engine.tokenizer
-        for conv in conversations:
+        for conv in conversations(messages):
             in_video = (mm_processor_kwargs or {}).get("use_audio_in_video") is True
             conv, media = split_media(conv, audio_in_video=in_video)
             if continue_final_message and (not conv or conv[-1].get("role") != "assistant"):
@@ -211,16 +211,21 @@ class LLM:
                 )
                 text = tok.decode(ids)
             else:
-                text = self.llm_engine.apply_chat_template(
-                    _content_format(
-                        conv, chat_template_content_format, template, self._placeholders
-                    ),
-                    chat_template=chat_template,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    **({"tools": tools} if tools is not None else {}),
-                    **(chat_template_kwargs or {}),
-                )
+                from jinja2 import TemplateError
+
+                try:
+                    text = self.llm_engine.apply_chat_template(
+                        _content_format(
+                            conv, chat_template_content_format, template, self._placeholders
+                        ),
+                        chat_template=chat_template,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        **({"tools": tools} if tools is not None else {}),
+                        **(chat_template_kwargs or {}),
+                    )
+                except TemplateError as e:  # a template's own raise_exception, a bad template
+                    raise ValueError(f"could not apply the chat template: {e}") from e
                 # The template already holds any BOS token: encode without adding another.
                 ids = tok.encode(text, add_special_tokens=False)
             prompts.append(text)
@@ -324,15 +329,9 @@ class LLM:
                 pooling_params if pooling_params is not None else PoolingParams(), pooling_task
             )
         prompt_list = _as_prompt_list(prompts)
-        if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(prompt_list)} prompts but {len(params_list)} pooling_params: "
-                    "pass one, or one per prompt"
-                )
+        params_list = per_prompt(
+            pooling_params, len(prompt_list), "pooling_params", (PoolingParams,), PoolingParams()
+        )
         if truncate_prompt_tokens is not None:  # over each params' own (validated there)
             params_list = [
                 dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -452,7 +451,7 @@ class LLM:
     def _run(
         self,
         items: list[tuple[PromptType, SamplingParams | BeamSearchParams | PoolingParams]],
-        use_tqdm: bool,
+        use_tqdm: bool | Callable[..., Any],
         loras: Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[Any]:
@@ -479,7 +478,7 @@ class LLM:
             engine.abort_request(ids)  # a bad prompt rejects the whole call; nothing stays queued
             raise
         results: dict[str, Any] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
+        bar = _progress(len(ids), use_tqdm) if use_tqdm else None
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -546,15 +545,18 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
             f"{type(prompts).__name__}"
         )
     prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
+    if prompts and all(isinstance(t, (int, float)) for t in prompts):
+        return [prompts]  # one prompt given as token ids (a float among them: refused there)
     return prompts
 
 
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+def _progress(total: int, use_tqdm: bool | Callable[..., Any]):
+    """vLLM's: a callable `use_tqdm` is the tqdm class (factory) to draw the bar with."""
+    if callable(use_tqdm):
+        factory = use_tqdm
+    else:
+        from tqdm.auto import tqdm as factory
+    return factory(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
 def _content_format(

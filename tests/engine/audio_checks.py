@@ -215,3 +215,46 @@ def check_one_two_paths(path, one: str, two: str, longest: float = 1.3) -> LLM:
     clips = [noise_clip(12, 0.4), noise_clip(13, longest)]
     prompts.append({"prompt": two, "multi_modal_data": {"audio": clips}})
     return check_audio_paths(path, prompts, two)
+
+
+def tone_clip(seed: int, seconds: float, sr: int = 16_000) -> np.ndarray:
+    """A mono float32 clip: one tone of 200 + 150 * `seed` Hz in noise, `seconds` long."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    tone = np.sin(2 * np.pi * (200 + 150 * seed) * t)
+    return (0.3 * tone + 0.1 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def check_chat_writes_placeholder(
+    llm: LLM, clip: np.ndarray, placeholder: str, token: int, count: int
+) -> None:
+    """`LLM.chat` with a user turn of an input_audio part (`clip` as a base64 WAV) and the
+    question "What is it?" gives the prompt ids and greedy tokens of the ChatML prompt written
+    out with `placeholder` before the question, the ids holding `token` `count` times."""
+    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
+    question = {"type": "text", "text": "What is it?"}
+    got = llm.chat([{"role": "user", "content": [part, question]}], greedy(0), use_tqdm=False)
+    prompt = f"<|im_start|>user\n{placeholder}\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
+    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": held(clip)}}], greedy(0))
+    assert got[0].prompt_token_ids == want[0].prompt_token_ids
+    assert got[0].prompt_token_ids.count(token) == count
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def check_transcription_refusals(llm: LLM, name: str, shortest: str) -> None:
+    """An encoder-decoder ASR model `name` (as its messages spell it) refuses by name the
+    translate task and a context prompt for its transcription prompt, and clips shorter than
+    `shortest` seconds ("0.050"), over 30 s or two to a prompt."""
+    host = llm.llm_engine.input_processor.audios
+    with pytest.raises(ValueError, match="task"):
+        host.transcription_prompt("en", "translate", "")
+    with pytest.raises(ValueError, match="prompt"):
+        host.transcription_prompt("en", "transcribe", "earlier words")
+    bad = [
+        (tone_clip(1, 0.03), f"a clip of 0.030 s; {name} takes {shortest} s to 30 s"),
+        (tone_clip(1, 30.5), "a clip of 30.500 s"),
+        ([tone_clip(1, 0.5), tone_clip(2, 0.5)], f"{name} takes one clip a prompt, got 2"),
+    ]
+    for audio, why in bad:
+        with pytest.raises(ValueError, match=r"multi_modal_data\['audio'\]: " + why):
+            llm.generate([{"prompt": "", "multi_modal_data": {"audio": audio}}], greedy())

@@ -3,7 +3,9 @@ that `LLM.generate` reproduces them (the method of every HF-parity test)."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,3 +368,36 @@ def hf_greedy_with_tower_runs(
             rows.append(tower(out["pixel_values"], grid_thw=out["image_grid_thw"]).pooler_output)
     ids = tokenizer(text.replace("<|RUN|>", placeholder)).input_ids
     return ids, hf_greedy_with_rows(llm, ids, pad, rows)
+
+
+def hf_generate_greedy(model, n: int, top: int = 5, **inputs) -> Greedy:
+    """HF `generate`'s greedy continuation of one sequence (`inputs`: generate's keyword
+    inputs), `n` tokens with no end-of-text stop: each step's argmax, its logprob and the `top`
+    most likely; asserts the last `n` tokens of the generated sequence are those argmaxes."""
+    with torch.no_grad():
+        out = model.generate(
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **inputs,
+        )
+    tokens, lps, tops = [], [], []
+    for step in out.logits:
+        lp = torch.log_softmax(step[0].float(), -1)
+        t = int(lp.argmax())
+        vals, ids = lp.topk(top)
+        tokens.append(t)
+        lps.append(lp[t].item())
+        tops.append(dict(zip(ids.tolist(), vals.tolist(), strict=True)))
+    assert out.sequences[0, -n:].tolist() == tokens
+    return Greedy(tokens, lps, tops)
+
+
+def edited_checkpoint(src: Path, dst: Path, **fields) -> Path:
+    """A copy of checkpoint `src` at `dst` whose config.json has `fields` changed."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **fields}))
+    return dst

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from audio_checks import check_matches_hf, noise_clip
+from audio_checks import check_chat_writes_placeholder, check_matches_hf, noise_clip
 from hf_reference import Greedy, hf_greedy
 from image_checks import engine, greedy
 from torch import nn
@@ -237,19 +237,12 @@ def test_bad_config_is_refused_by_name(tiny, tmp_path, field, value):
 def test_chat_writes_vllms_placeholder(tiny):
     """LLM.chat with an input_audio part under a string-content template: the part becomes
     vLLM's placeholder text before the question, as the prompt written out gives."""
-    from audio_checks import held, wav_base64
-
     ref, path = tiny
-    llm = engine(path)
     clip = noise_clip(4, 0.7)
-    part = {"type": "input_audio", "input_audio": {"data": wav_base64(clip), "format": "wav"}}
-    question = {"type": "text", "text": "What is it?"}
-    got = llm.chat([{"role": "user", "content": [part, question]}], greedy(0), use_tqdm=False)
-    prompt = f"<|im_start|>user\n{BOS}{AUDIO}{EOS}\nWhat is it?<|im_end|>\n<|im_start|>assistant\n"
-    want = llm.generate([{"prompt": prompt, "multi_modal_data": {"audio": held(clip)}}], greedy(0))
-    assert got[0].prompt_token_ids == want[0].prompt_token_ids
-    assert got[0].prompt_token_ids.count(ref.audio_id) == vllm_count(clip.size)
-    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    placeholder = f"{BOS}{AUDIO}{EOS}"
+    check_chat_writes_placeholder(
+        engine(path), clip, placeholder, ref.audio_id, vllm_count(clip.size)
+    )
 
 
 def test_normalizing_extractor_serves_text_only(tiny, tmp_path, caplog):

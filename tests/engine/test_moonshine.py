@@ -11,14 +11,15 @@ transcription prompt, and bad input and configurations refused by name.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches
+from audio_checks import check_transcription_refusals
+from audio_checks import tone_clip as clip
+from hf_reference import Greedy, assert_matches, hf_generate_greedy
+from hf_reference import edited_checkpoint as edited
 from image_checks import greedy
 
 transformers = pytest.importorskip("transformers")
@@ -72,36 +73,10 @@ def hf(tiny):
     return transformers.MoonshineForConditionalGeneration.from_pretrained(tiny).float().eval()
 
 
-def clip(seed: int, seconds: float) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * SR)) / SR
-    tone = np.sin(2 * np.pi * (200 + 150 * seed) * t)
-    return (0.3 * tone + 0.1 * rng.standard_normal(t.size)).astype(np.float32)
-
-
 def hf_generate(model, wave: np.ndarray, prompt: list[int] | None = None, n: int = 8) -> Greedy:
     """HF `generate`'s greedy continuation (no end-of-text stop), with top-5 logprobs."""
     kw = {} if prompt is None else {"decoder_input_ids": torch.tensor([prompt])}
-    with torch.no_grad():
-        out = model.generate(
-            torch.from_numpy(wave)[None],
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-            **kw,
-        )
-    tokens, lps, tops = [], [], []
-    for step in out.logits:
-        lp = torch.log_softmax(step[0].float(), -1)
-        t = int(lp.argmax())
-        vals, top = lp.topk(5)
-        tokens.append(t)
-        lps.append(lp[t].item())
-        tops.append(dict(zip(top.tolist(), vals.tolist(), strict=True)))
-    assert out.sequences[0, -n:].tolist() == tokens
-    return Greedy(tokens, lps, tops)
+    return hf_generate_greedy(model, n, input_values=torch.from_numpy(wave)[None], **kw)
 
 
 def engine(path: Path, **kw) -> LLM:
@@ -165,19 +140,7 @@ def test_tensor_parallel(tiny, hf):
 
 def test_refused(tiny, tmp_path):
     llm = engine(tiny, max_model_len=64)
-    host = llm.llm_engine.input_processor.audios
-    with pytest.raises(ValueError, match="task"):
-        host.transcription_prompt("en", "translate", "")
-    with pytest.raises(ValueError, match="prompt"):
-        host.transcription_prompt("en", "transcribe", "earlier words")
-    bad = [
-        (clip(1, 0.03), "a clip of 0.030 s; Moonshine takes 0.056 s to 30 s"),
-        (clip(1, 30.5), "a clip of 30.500 s"),
-        ([clip(1, 0.5), clip(2, 0.5)], "Moonshine takes one clip a prompt, got 2"),
-    ]
-    for audio, why in bad:
-        with pytest.raises(ValueError, match=r"multi_modal_data\['audio'\]: " + why):
-            llm.generate([{"prompt": "", "multi_modal_data": {"audio": audio}}], greedy())
+    check_transcription_refusals(llm, "Moonshine", "0.056")
     prompts = [  # the shared encoder / decoder prompt code names the model asked for
         ({"prompt": ""}, r"every Moonshine prompt needs an audio clip"),
         ("words", r"a Moonshine prompt is a dict with the clip"),
@@ -198,11 +161,3 @@ def test_refused(tiny, tmp_path):
     # edited by hand)
     with pytest.raises(ValueError, match="decoder_num_key_value_heads"):
         engine(edited(tiny, tmp_path / "gqa", decoder_num_key_value_heads=2))
-
-
-def edited(src: Path, dst: Path, **fields) -> Path:
-    """A copy of checkpoint `src` at `dst` whose config.json has `fields` changed."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, **fields}))
-    return dst

@@ -17,7 +17,11 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.cohere_asr")
 
 import test_cohere_asr  # noqa: E402  (tests/engine: the tiny checkpoint's builder)
-from test_moonshine_transcriptions import long_clip  # noqa: E402
+from test_moonshine_transcriptions import (  # noqa: E402
+    assert_long_clip_windows,
+    assert_translation_and_prompt_refused,
+    long_clip,
+)
 from test_transcriptions import TOKENS, tone, transcribe, wav_bytes  # noqa: E402
 
 from paged_engine import LLM, SamplingParams  # noqa: E402
@@ -62,18 +66,11 @@ def test_transcriptions_match_generate(served) -> None:
     assert refs["short"] and refs["short"] != refs["short_fr"]  # the language token decides
     _, _, body = transcribe(server, files["short"], language="fr")
     assert body["text"] == refs["short_fr"]
-    assert files["spans"] == [(0, 472800), (472800, 31 * SR)]
-    texts = refs["windows"]
-    assert texts[0] != texts[1]
-    _, _, body = transcribe(server, files["long"])
-    assert body["text"] == "".join(texts)
+    assert_long_clip_windows(server, refs, files)
 
 
 def test_refused(served) -> None:
     server, _, _, files = served
-    status, _, body = transcribe(server, files["short"], route="translations")
-    assert status == 400 and "transcribes" in body["error"]["message"], body
-    status, _, body = transcribe(server, files["short"], prompt="earlier words")
-    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert_translation_and_prompt_refused(server, files)
     status, _, body = transcribe(server, files["short"], language="xx")
     assert status == 400 and body["error"]["param"] == "language", body

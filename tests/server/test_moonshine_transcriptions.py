@@ -35,6 +35,24 @@ def long_clip() -> np.ndarray:
     return wave
 
 
+def assert_long_clip_windows(server, refs: dict, files: dict) -> None:
+    """long_clip() is split at the silence's middle, each window its own request (`refs`'
+    "windows": their answers), and the texts come back joined in order."""
+    assert files["spans"] == [(0, 472800), (472800, 31 * SR)]
+    texts = refs["windows"]
+    assert texts[0] != texts[1]
+    _, _, body = transcribe(server, files["long"])
+    assert body["text"] == "".join(texts)
+
+
+def assert_translation_and_prompt_refused(server, files: dict) -> None:
+    """The translations route and a context prompt are 400s naming what is refused."""
+    status, _, body = transcribe(server, files["short"], route="translations")
+    assert status == 400 and "transcribes" in body["error"]["message"], body
+    status, _, body = transcribe(server, files["short"], prompt="earlier words")
+    assert status == 400 and body["error"]["param"] == "prompt", body
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = test_moonshine.write_tiny_moonshine(tmp_path_factory.mktemp("moonshine-stt"))
@@ -68,17 +86,9 @@ def test_transcriptions_match_generate(served) -> None:
     assert text == refs["short"] and ctype.startswith("text/plain")
     _, _, body = transcribe(server, files["short"], response_format="verbose_json")
     assert body["text"] == refs["short"] and len(body["segments"]) == 1
-    # the long clip: split at the silence's middle, each window its own request
-    assert files["spans"] == [(0, 472800), (472800, 31 * SR)]
-    texts = refs["windows"]
-    assert texts[0] != texts[1]
-    _, _, body = transcribe(server, files["long"])
-    assert body["text"] == "".join(texts)
+    assert_long_clip_windows(server, refs, files)
 
 
 def test_refused(served) -> None:
     server, _, _, files = served
-    status, _, body = transcribe(server, files["short"], route="translations")
-    assert status == 400 and "transcribes" in body["error"]["message"], body
-    status, _, body = transcribe(server, files["short"], prompt="earlier words")
-    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert_translation_and_prompt_refused(server, files)

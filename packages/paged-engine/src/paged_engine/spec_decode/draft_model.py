@@ -65,6 +65,20 @@ class DraftProposal:
     offsets: dict[int, int]  # seq id -> the row of its first draft in `probs`
 
 
+def store_draft(
+    tokens: Tensor, probs: Tensor | None, j: int, rows: Tensor, tok: Tensor, q: Tensor | None
+) -> Tensor | None:
+    """Writes draft j (1-based) of the drafting rows `rows` into the step's tokens [D, k] and,
+    when drafts are sampled, the distribution q each was drawn from into probs [D, k, V] (made
+    on the first q). Returns probs."""
+    tokens[:, j - 1].index_copy_(0, rows, tok)
+    if q is not None:
+        if probs is None:
+            probs = q.new_zeros((*tokens.shape, q.shape[1]))
+        probs[:, j - 1].index_copy_(0, rows, q)
+    return probs
+
+
 class DraftModelRunner:
     # Whether the proposer reads the target's features (spec_decode/eagle.py's heads): their
     # forward then runs uncompiled on CPU.
@@ -161,11 +175,7 @@ class DraftModelRunner:
             prior = tokens[:, : j - 1].index_select(0, live_d)
             positions = c[live] + j
             tok, q = self._sample(logits.float(), cached, drafting[live], inputs, positions, prior)
-            tokens[:, j - 1].index_copy_(0, live_d, tok)
-            if q is not None:
-                if probs is None:
-                    probs = q.new_zeros((drafting.size, k, q.shape[1]))
-                probs[:, j - 1].index_copy_(0, live_d, q)
+            probs = store_draft(tokens, probs, j, live_d, tok, q)
 
         return self._finish(sched, inputs, drafting, nd, base, tokens, probs)
 

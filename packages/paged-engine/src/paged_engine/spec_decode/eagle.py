@@ -48,7 +48,7 @@ from torch import Tensor
 
 from paged_engine.models.llama import StreamCapture
 from paged_engine.spec_decode.config import SpeculativeConfig
-from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal
+from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal, store_draft
 
 if TYPE_CHECKING:
     from paged_engine.core.sched_output import SchedulerOutput
@@ -203,11 +203,7 @@ class FeatureHeadRunner(DraftModelRunner):
                 live_d = r._to_dev(live)
                 prior = tokens[:, : j - 1].index_select(0, live_d)
                 tok, q = self._sample(logits, cached, drafting[live], inputs, c[live] + j, prior)
-                tokens[:, j - 1].index_copy_(0, live_d, tok)
-                if q is not None:
-                    if probs is None:
-                        probs = q.new_zeros((drafting.size, k, q.shape[1]))
-                    probs[:, j - 1].index_copy_(0, live_d, q)
+                probs = store_draft(tokens, probs, j, live_d, tok, q)
         fallback = np.flatnonzero(~heads)
         if fallback.size and probs is not None:
             # point masses on the repeated own token (without q the verifier assumes them)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from paged_engine.spec_decode.draft_model import DraftProposal
+from paged_engine.spec_decode.draft_model import DraftProposal, store_draft
 from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
@@ -77,11 +77,7 @@ class Gemma4AssistantRunner(LastHiddenRunner):
                 at = r._to_dev(rows)
                 prior = tokens[:, : j - 1].index_select(0, at)
                 tok, q = self._sample(logits, cached, drafting[rows], inputs, c[rows] + j, prior)
-                tokens[:, j - 1].index_copy_(0, at, tok)
-                if q is not None:
-                    if probs is None:
-                        probs = q.new_zeros((drafting.size, k, q.shape[1]))
-                    probs[:, j - 1].index_copy_(0, at, q)
+                probs = store_draft(tokens, probs, j, at, tok, q)
                 ids = tokens[:, j - 1].index_select(0, r._to_dev(live))
         return self._finish_rows(sched, inputs, plan, tokens, probs)
 

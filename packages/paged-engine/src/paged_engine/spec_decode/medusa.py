@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from paged_engine.spec_decode.draft_model import DraftProposal
+from paged_engine.spec_decode.draft_model import DraftProposal, store_draft
 from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
@@ -243,11 +243,7 @@ class MedusaRunner(LastHiddenRunner):
                 logits = self.model.logits(j - 1, feat)
                 prior = tokens[:, : j - 1].index_select(0, live_d)
                 tok, q = self._sample(logits, cached, drafting[live], inputs, c[live] + j, prior)
-                tokens[:, j - 1].index_copy_(0, live_d, tok)
-                if q is not None:
-                    if probs is None:
-                        probs = q.new_zeros((drafting.size, k, q.shape[1]))
-                    probs[:, j - 1].index_copy_(0, live_d, q)
+                probs = store_draft(tokens, probs, j, live_d, tok, q)
         return self._finish_rows(sched, inputs, plan, tokens, probs)
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from paged_engine.spec_decode.draft_model import DraftProposal
+from paged_engine.spec_decode.draft_model import DraftProposal, store_draft
 from paged_engine.spec_decode.last_hidden import LastHiddenRunner
 
 if TYPE_CHECKING:
@@ -269,11 +269,7 @@ class MLPSpeculatorRunner(LastHiddenRunner):
                 prev, q = self._sample(
                     logits.float(), cached, drafting[live], inputs, c[live] + j, prior
                 )
-                tokens[:, j - 1].index_copy_(0, at, prev)
-                if q is not None:
-                    if probs is None:
-                        probs = q.new_zeros((drafting.size, k, q.shape[1]))
-                    probs[:, j - 1].index_copy_(0, at, q)
+                probs = store_draft(tokens, probs, j, at, prev, q)
         return self._finish_rows(sched, inputs, plan, tokens, probs)
 
 

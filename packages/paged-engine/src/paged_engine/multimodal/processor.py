@@ -27,7 +27,12 @@ import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
-from paged_engine.multimodal.kwargs_budget import MOST_PIXELS, check_budget, pixels_per_token
+from paged_engine.multimodal.kwargs_budget import (
+    MOST_PIXELS,
+    check_budget,
+    pixels_per_token,
+    resized_pixels,
+)
 from paged_engine.multimodal.layout_table import LAYOUTS
 from paged_engine.multimodal.layouts import (
     Layout,
@@ -254,8 +259,7 @@ class ImageProcessor:
         if not isinstance(short, int) or others or pinpoints or "size" in call:
             return
         for i, image in enumerate(items):
-            w, h = image.size
-            made = w * h * (short / min(w, h)) ** 2
+            made = resized_pixels("size", {"shortest_edge": short}, image.size, as_pixels=False)
             if made > MOST_PIXELS:
                 raise ValueError(
                     f"multi_modal_data['image'][{i}]: image {i} of the prompt is "

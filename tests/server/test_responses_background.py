@@ -195,6 +195,25 @@ def test_an_engine_failure_fails_it_alone(srv: SimpleNamespace, monkeypatch) -> 
     assert _until(srv, ok["id"], ("completed",))["output"][0]["content"][0]["text"] == "fine"
 
 
+def test_a_refused_one_is_not_stored(srv: SimpleNamespace, monkeypatch) -> None:
+    """The engine refuses it when adding it: the client gets the 400 and no id, so no "queued"
+    entry may stay behind in the store, for a stream or not."""
+
+    def refuse(*args, **kwargs) -> None:
+        raise ValueError("temperature: refused by the engine")
+
+    monkeypatch.setattr(srv.engine, "add_request", refuse)
+    before = len(srv.app.response_store)
+    for stream in (False, True):
+        body = {"input": "x", "background": True, "stream": stream}
+        status, _, payload = srv.http.request("POST", "/v1/responses", body)
+        assert status == 400 and "refused by the engine" in payload["error"]["message"], payload
+    assert len(srv.app.response_store) == before
+    monkeypatch.undo()
+    ok = _post(srv, "fine", input="x", background=True)
+    assert _until(srv, ok["id"], ("completed",))["output"][0]["content"][0]["text"] == "fine"
+
+
 def test_the_openai_sdk(srv: SimpleNamespace) -> None:
     """What an SDK user writes: create(background=True), retrieve until done, cancel, and
     retrieve(stream=True, starting_after=N)."""

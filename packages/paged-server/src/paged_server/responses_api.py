@@ -382,7 +382,11 @@ def _start_background(
         )  # fmt: skip
 
     app.response_store.put(stored)
-    response_background.start(app, h, run, group, rids, body, work, req.chat.structured_param)
+    try:
+        response_background.start(app, h, run, group, rids, body, work, req.chat.structured_param)
+    except BaseException:  # refused: the client gets the error and never learns the id
+        app.response_store.delete(body["id"])
+        raise
     h.log_extra = " background"
     if req.chat.stream:
         response_background.serve_events(app, h, stored, {})

@@ -283,3 +283,32 @@ def test_an_encoder_cross_encoder_serves_rerank_and_embeddings(tmp_path) -> None
             assert status == 400 and "sequence classifier" in r["error"]["message"], r
     finally:
         engine.shutdown()
+
+
+def test_an_encoder_token_classifier_labels_each_token_on_pooling(tmp_path) -> None:
+    """A BERT NER tagger (dslim/bert-base-NER's architecture): /pooling gives each prompt
+    token's label probabilities by default; /classify and generation are refused."""
+    from transformers import AutoTokenizer, BertForTokenClassification
+
+    from paged_engine.testing import write_tiny_encoder
+    from paged_server.cli import build_engine, parse_args
+
+    arch = "BertForTokenClassification"
+    path = write_tiny_encoder(tmp_path / "ner", arch, num_labels=3, id2label=LABELS)
+    engine = build_engine(parse_args([str(path), "--dtype", "float32", *COMMON_ARGS]))
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = BertForTokenClassification.from_pretrained(path, dtype=torch.float32).eval()
+    try:
+        with serve_in_process(COMMON_ARGS, engine) as (http, _app):
+            status, _, r = http.request("POST", "/pooling", {"input": TEXTS[:2]})
+            assert status == 200, r
+            for d, text in zip(r["data"], TEXTS[:2]):
+                with torch.no_grad():
+                    want = hf(torch.tensor([tok(text)["input_ids"]])).logits[0].softmax(-1)
+                torch.testing.assert_close(torch.tensor(d["data"]), want, atol=1e-5, rtol=1e-5)
+            status, _, r = http.request("POST", "/classify", {"input": TEXTS[0]})
+            assert status == 400 and "labels each token" in r["error"]["message"], r
+            status, _, r = http.request("POST", "/v1/completions", {"prompt": "a", "max_tokens": 2})
+            assert status == 400 and "token classifier" in r["error"]["message"], r
+    finally:
+        engine.shutdown()

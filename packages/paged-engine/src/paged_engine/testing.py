@@ -2796,6 +2796,10 @@ ENCODER_CONFIGS = {
     "ModernBertForSequenceClassification": "ModernBertConfig",
     "RobertaForMaskedLM": "RobertaConfig",
     "BertForMaskedLM": "BertConfig",
+    "BertForTokenClassification": "BertConfig",
+    "RobertaForTokenClassification": "RobertaConfig",
+    "XLMRobertaForTokenClassification": "XLMRobertaConfig",
+    "ModernBertForTokenClassification": "ModernBertConfig",
 }
 
 

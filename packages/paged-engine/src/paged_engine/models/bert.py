@@ -1,7 +1,10 @@
-"""Encoder-only models for embeddings and cross-encoder scores: BERT (`BertModel`,
-`BertForSequenceClassification`) and RoBERTa / XLM-RoBERTa (`RobertaModel`, `XLMRobertaModel`
-and their `*ForSequenceClassification`; `RobertaForMaskedLM` served as its encoder, as vLLM
-does): bge, e5, gte, MiniLM sentence embedders, bge-m3, bge-reranker, ms-marco cross-encoders.
+"""Encoder-only models for embeddings, cross-encoder scores and token labels: BERT (`BertModel`,
+`BertForSequenceClassification`, `BertForTokenClassification`) and RoBERTa / XLM-RoBERTa
+(`RobertaModel`, `XLMRobertaModel` and their `*ForSequenceClassification` /
+`*ForTokenClassification`; `RobertaForMaskedLM` served as its encoder, as vLLM does): bge, e5,
+gte, MiniLM sentence embedders, bge-m3, bge-reranker, ms-marco cross-encoders, NER taggers.
+A token classifier's head runs on every token's row (the worker's "ALL" pooling, task
+"token_classify"), as vLLM pools it; a sequence classifier's on the [CLS] row.
 
 Every token attends to every token of its own sequence (bidirectional), so a sequence runs
 whole in one step: the engine turns chunked prefill and prefix caching off for these models
@@ -350,6 +353,32 @@ class RobertaForSequenceClassification(RobertaModel):
         return head.out_proj(torch.tanh(head.dense(cls_rows)))
 
 
+class TokenClassifierHead:
+    """Mixin (before BertModel / RobertaModel) for transformers' `*ForTokenClassification` head:
+    `classifier` (a linear layer; the dropout before it is identity at inference) on every
+    token's final hidden state, served as task "token_classify" (dslim/bert-base-NER,
+    xlm-roberta-large-finetuned-conll03). The stack has no pooler (`add_pooling_layer=False`):
+    an older checkpoint's pooler weights are skipped."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    def rename_weight(self, name: str) -> str:
+        return name if name.startswith("classifier.") else super().rename_weight(name)
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, labels]
+        return self.classifier(rows)
+
+
+class BertForTokenClassification(TokenClassifierHead, BertModel):
+    """BERT labelling each token: classifier(h)."""
+
+
+class RobertaForTokenClassification(TokenClassifierHead, RobertaModel):
+    """RoBERTa / XLM-RoBERTa labelling each token: classifier(h)."""
+
+
 ENCODERS: dict[str, type[nn.Module]] = {
     "BertModel": BertModel,
     "BertForSequenceClassification": BertForSequenceClassification,
@@ -359,4 +388,7 @@ ENCODERS: dict[str, type[nn.Module]] = {
     "RobertaForMaskedLM": RobertaModel,
     "RobertaForSequenceClassification": RobertaForSequenceClassification,
     "XLMRobertaForSequenceClassification": RobertaForSequenceClassification,
+    "BertForTokenClassification": BertForTokenClassification,
+    "RobertaForTokenClassification": RobertaForTokenClassification,
+    "XLMRobertaForTokenClassification": RobertaForTokenClassification,
 }

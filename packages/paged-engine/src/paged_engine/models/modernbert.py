@@ -1,6 +1,7 @@
-"""ModernBERT (`ModernBertModel`, `ModernBertForSequenceClassification`): the encoder behind
-gte-modernbert, nomic-embed ModernBERT and ModernBERT rerankers. An encoder as models/bert.py's
-(whole sequences in one step, no KV cache, pooling only), with a pre-norm stack:
+"""ModernBERT (`ModernBertModel`, `ModernBertForSequenceClassification`,
+`ModernBertForTokenClassification`): the encoder behind gte-modernbert, nomic-embed ModernBERT,
+ModernBERT rerankers and taggers. An encoder as models/bert.py's (whole sequences in one step,
+no KV cache, pooling only), with a pre-norm stack:
 
     h = LN(embed[ids])
     per layer: h += Wo attn(LN(h))         (layer 0: no norm before its attention)
@@ -10,8 +11,9 @@ gte-modernbert, nomic-embed ModernBERT and ModernBERT rerankers. An encoder as m
 Attention is bidirectional with NeoX rotary embeddings; `layer_types` says which layers attend
 globally and which within a window (|i - j| <= sliding_window = local_attention / 2), each type
 with its own rope theta. Older configs (global_attn_every_n_layers, global / local_rope_theta)
-are read the same way. The classifier reads the [CLS] token or the sequence's mean
-(`classifier_pooling`) through `head` (dense, act, norm).
+are read the same way. The classifiers run `head` (dense, act, norm) then `classifier`: the
+sequence classifier on the [CLS] token or the sequence's mean (`classifier_pooling`), the token
+classifier (`ModernBertForTokenClassification`, task "token_classify") on every token's row.
 """
 
 from __future__ import annotations
@@ -163,15 +165,34 @@ class ModernBertPredictionHead(nn.Module):
         return self.norm(self.act(self.dense(x)))
 
 
-class ModernBertForSequenceClassification(ModernBertModel):
-    """ModernBERT with transformers' head: classifier(head(pooled)), pooled the [CLS] token or
-    the mean over the sequence (`classifier_pooling`)."""
+class ModernBertClassifier(ModernBertModel):
+    """ModernBERT with transformers' classification head: classifier(head(rows)) on whatever
+    rows the worker hands `classify` (the dropout between them is identity at inference)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.head = ModernBertPredictionHead(config)
+        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
+
+    def rename_weight(self, name: str) -> str:
+        return name if name.startswith(("head.", "classifier.")) else super().rename_weight(name)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        return load_named_weights(self, weights, rename=self.rename_weight, strict=strict)
+
+    def classify(self, rows: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, labels]
+        return self.classifier(self.head(rows))
+
+
+class ModernBertForSequenceClassification(ModernBertClassifier):
+    """The head on one row per sequence: the [CLS] token or the mean over the sequence
+    (`classifier_pooling`)."""
 
     def __init__(self, config) -> None:
         self.classifier_pooling_type(config)  # raises naming classifier_pooling
         super().__init__(config)
-        self.head = ModernBertPredictionHead(config)
-        self.classifier = nn.Linear(config.hidden_size, int(config.num_labels))
 
     @staticmethod
     def classifier_pooling_type(config) -> str:
@@ -186,19 +207,13 @@ class ModernBertForSequenceClassification(ModernBertModel):
         """The (non-linear) head runs on the pooled mean, not per position."""
         return cls.classifier_pooling_type(config) == "MEAN"
 
-    def rename_weight(self, name: str) -> str:
-        return name if name.startswith(("head.", "classifier.")) else super().rename_weight(name)
 
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        return load_named_weights(self, weights, rename=self.rename_weight, strict=strict)
-
-    def classify(self, pooled: torch.Tensor) -> torch.Tensor:  # [N, D]: [CLS] rows or means
-        return self.classifier(self.head(pooled))
+class ModernBertForTokenClassification(ModernBertClassifier):
+    """The head on every token's row (task "token_classify"); `classifier_pooling` is not read."""
 
 
 MODERNBERT: dict[str, type[nn.Module]] = {
     "ModernBertModel": ModernBertModel,
     "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
+    "ModernBertForTokenClassification": ModernBertForTokenClassification,
 }

@@ -165,6 +165,7 @@ from paged_engine.models.phi import PhiForCausalLM
 from paged_engine.models.phi3 import Phi3ForCausalLM
 from paged_engine.models.phimoe import PhimoeForCausalLM
 from paged_engine.models.plamo2 import Plamo2ForCausalLM
+from paged_engine.models.plamo3 import Plamo3ForCausalLM
 from paged_engine.models.qwen2 import Qwen2ForCausalLM
 from paged_engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_engine.models.qwen3 import Qwen3ForCausalLM
@@ -421,6 +422,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "JAISLMHeadModel": JAISLMHeadModel,
     # PLaMo 2 (remote code): Mamba-style mixers among sliding-window attention (models/plamo2.py)
     "Plamo2ForCausalLM": Plamo2ForCausalLM,
+    # PLaMo 3 (remote code): sliding-window and full attention, sandwich norms (models/plamo3.py)
+    "Plamo3ForCausalLM": Plamo3ForCausalLM,
     # Huawei Pangu Pro MoE (remote code): MoGE, grouped top-1 routing with a router scale, and
     # a shared expert (models/pangu_pro_moe.py)
     "PanguProMoEForCausalLM": PanguProMoEForCausalLM,

@@ -102,6 +102,8 @@ MPT configs itself and runs the others' remote config code).
                                                                 ALiBi, muP scalars)
     Plamo2ForCausalLM              plamo2                       models/plamo2.py (Mamba-style mixers
                                                                 among sliding-window attention)
+    Plamo3ForCausalLM              plamo3                       models/plamo3.py (sliding-window and
+                                                                full attention, sandwich norms)
     IsaacForConditionalGeneration  isaac                        Qwen3 with M-RoPE (config: models/
                                                                 isaac_config.py; images:
                                                                 multimodal/isaac.py)
@@ -406,6 +408,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "BeeForConditionalGeneration": "bee_config:bee_config",  # Open-Bee/Bee-8B-RL / -SFT
     "JAISLMHeadModel": "jais:jais_config",  # inceptionai/jais-13b / 30b, jais-family
     "Plamo2ForCausalLM": "plamo2:plamo2_config",  # pfnet/plamo-2-1b / 8b
+    "Plamo3ForCausalLM": "plamo3:plamo3_config",  # pfnet/plamo-3-nict-2b-base / 8b / 31b
     "GLM4VForCausalLM": "glm4v_remote_config:glm4v_remote_config",  # THUDM/glm-4v-9b
     "OpenCUAForConditionalGeneration": "opencua_config:opencua_config",  # xlangai/OpenCUA-7B
     "IsaacForConditionalGeneration": "isaac_config:isaac_config",  # PerceptronAI/Isaac-0.1

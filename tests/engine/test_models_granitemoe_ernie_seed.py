@@ -47,6 +47,23 @@ def test_greedy_tokens_and_logprobs_match_hf(arch, tmp_path):
         assert_matches(arch, out, ref)
 
 
+def test_ernie4_5_older_architecture_name(tmp_path):
+    """`Ernie4_5_ForCausalLM` (the older dense releases' config.json spelling, as vLLM maps it)
+    serves ERNIE 4.5's dense model: HF's greedy tokens and logprobs."""
+    import json
+
+    path = write_tiny_model(tmp_path, "ernie4_5", seed=1)
+    hf = load_hf_model(path)
+    data = json.loads((path / "config.json").read_text())
+    data["architectures"] = ["Ernie4_5_ForCausalLM"]
+    (path / "config.json").write_text(json.dumps(data))
+    prompt = list(range(3, 30))
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    assert_matches("ernie4_5", out, hf_greedy(hf, prompt, MAX_TOKENS, TOP))
+
+
 def test_ernie4_5_moe_tensor_parallel_matches_one_process(tmp_path):
     """TP=2 (gloo): routed experts, the biased shared expert (its down bias added once) and the
     biased lm_head split over two ranks."""

@@ -190,6 +190,7 @@ from paged_engine.models.step3_text import Step3TextForCausalLM, Step3VLTextForC
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.telechat2 import TeleChat2ForCausalLM
 from paged_engine.models.voxtral_realtime import VoxtralRealtimeTextForCausalLM
+from paged_engine.models.voyage import VOYAGE
 from paged_engine.models.whisper import WhisperForConditionalGeneration
 from paged_engine.models.xglm import XGLMForCausalLM
 from paged_engine.models.youtu import YoutuForCausalLM
@@ -273,6 +274,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "AriaTextForCausalLM": AriaTextForCausalLM,
     "GraniteMoeSWAForCausalLM": GraniteMoeSWAForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "Ernie4_5_ForCausalLM": Ernie4_5ForCausalLM,  # older releases' config.json spelling
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
@@ -382,6 +384,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     **SPLADE,  # BERT masked-LM checkpoints pooled into SPLADE sparse vectors (splade.py)
     **LLAMA_BIDIRECTIONAL,  # llama-nemotron-embed: Llama run bidirectionally (remote config)
     **GRITLM,  # GritLM-7B's embedder: Llama run bidirectionally, pooled after the instruction
+    **VOYAGE,  # Voyage AI's embedders: Qwen3 run bidirectionally, a linear head (voyage.py)
     # EmbeddingGemma 2's text encoder (models/embedding_gemma2.py; its wrapper: text_wrappers.py)
     "EmbeddingGemma2TextModel": EmbeddingGemma2TextModel,
     # remote-code releases: ChatGLM2 / 3 and GLM-4 under their own names (GLM's model),

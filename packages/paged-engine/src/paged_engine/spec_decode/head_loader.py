@@ -201,6 +201,7 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     from paged_engine.layers.rotary import rope_context_len
     from paged_engine.loader import building_in, checkpoint_weights, init_dummy_weights
     from paged_engine.models.llama_eagle import EagleLlamaHead
+    from paged_engine.models.minicpm_eagle import EagleMiniCPMHead, is_minicpm_eagle_config
     from paged_engine.spec_decode.eagle import FinalHiddenRunner
 
     config, target = runner.config, runner.model
@@ -210,15 +211,18 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     dtype = next(target.parameters()).dtype
     logger.info("loading the EAGLE head %s", name)
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
-        head = EagleLlamaHead(hf_config)
+        minicpm = is_minicpm_eagle_config(hf_config)  # vLLM's EagleMiniCPMForCausalLM
+        head = (EagleMiniCPMHead if minicpm else EagleLlamaHead)(hf_config)
     if config.load_format == "dummy":
         init_dummy_weights(head, config.seed)
     else:
         head.load_weights(
             checkpoint_weights(resolved, hf_config, dtype, runner.device, config.load_format, {})
         )
-    head.embed_tokens = target.get_submodule(target.embed_path)
-    head.lm_head = target.get_submodule(target.head_name)
+    if getattr(head, "shares_target_embedding", True):  # a MiniCPM head may bring its own
+        head.embed_tokens = target.get_submodule(target.embed_path)
+    if getattr(head, "shares_target_head", True):
+        head.lm_head = target.get_submodule(target.head_name)
     runner.draft = FinalHiddenRunner(head.eval().requires_grad_(False), hf_config, runner)
 
 

@@ -37,3 +37,31 @@ class EmbedsPrompt(_Embeds, total=False):
 
 
 PromptType = str | list[int] | TextPrompt | TokensPrompt | EmbedsPrompt
+
+
+class _EncoderPrompt(TypedDict):
+    encoder_prompt: Any  # a str, token ids, TextPrompt or TokensPrompt
+
+
+class ExplicitEncoderDecoderPrompt(_EncoderPrompt, total=False):
+    """A text encoder-decoder's prompt (BART, mBART: engine/encoder_prompt.py) as vLLM 0.10 took
+    it; decoder_prompt None or absent: [bos_token_id] after decoder_start_token_id."""
+
+    decoder_prompt: Any  # the same forms, or None
+
+
+def zip_enc_dec_prompts(
+    encoder_prompts: list[Any], decoder_prompts: list[Any] | None = None
+) -> list[ExplicitEncoderDecoderPrompt]:
+    """vLLM's `zip_enc_dec_prompts`: one explicit prompt per encoder prompt, paired in order
+    with `decoder_prompts` (None: the default decoder prompt for each)."""
+    decoders = [None] * len(encoder_prompts) if decoder_prompts is None else decoder_prompts
+    if len(decoders) != len(encoder_prompts):
+        raise ValueError(
+            f"decoder_prompts has {len(decoders)} prompts for {len(encoder_prompts)} "
+            "encoder_prompts"
+        )
+    return [
+        ExplicitEncoderDecoderPrompt(encoder_prompt=e, decoder_prompt=d)
+        for e, d in zip(encoder_prompts, decoders, strict=True)
+    ]

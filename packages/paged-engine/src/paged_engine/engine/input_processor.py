@@ -56,6 +56,7 @@ class InputProcessor:
         audios: AudioProcessor | None = None,
         embeds_width: int | None = None,
         think_ids: tuple[list[int], list[int]] | None = None,
+        encoder_prompts: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.default_params = default_params or {}  # params=None: SamplingParams(**these)
@@ -67,6 +68,8 @@ class InputProcessor:
         # a checkpoint whose videos run (multimodal/video_archs.py), else None
         self.videos = videos
         self.audios = audios  # a checkpoint whose audio runs (multimodal/audio_archs.py)
+        # BART / mBART: prompts split into decoder and encoder (engine/encoder_prompt.py)
+        self.encoder_prompts = encoder_prompts
         # enable_prompt_embeds: the token embedding's width (engine/prompt_embeds.py), else None
         self.embeds_width = embeds_width
         # reasoning_config's (opener ids, closer ids) for thinking_token_budget, else None
@@ -92,12 +95,17 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
         if self.audios is not None:  # Whisper: its encoder / decoder prompt form
             prompt = self.audios.request_prompt(prompt)
+        encoder_item = None  # BART: the encoder prompt's ids, the decoder cross-attends to them
+        if self.encoder_prompts is not None:
+            prompt, encoder_item = self.encoder_prompts.split(prompt)
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
         else:
             text, token_ids = self._tokenize_prompt(prompt)
+        if encoder_item is not None:
+            mm_inputs = (encoder_item,)
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)
@@ -160,7 +168,7 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.cache_salt = salt
-        if mm_inputs and not is_embeds_prompt(mm_inputs):
+        if mm_inputs and not is_embeds_prompt(mm_inputs) and encoder_item is None:
             positions = self.images or self.videos or self.audios
             if getattr(self.videos, "places_images", False):  # Omni's table (omni_video.py)
                 positions = self.videos

@@ -39,6 +39,7 @@ from paged_engine.distributed.launch import (
 )
 from paged_engine.distributed.parallel_state import check_model_parallelism
 from paged_engine.engine.encoder import encoder_class, encoder_engine_config, encoder_sep_token
+from paged_engine.engine.encoder_prompt import encoder_prompts  # BART: decoder / encoder
 from paged_engine.engine.generation_defaults import generation_defaults
 from paged_engine.engine.input_processor import InputProcessor
 from paged_engine.engine.output_processor import OutputProcessor, ProcessedOutputs
@@ -368,6 +369,7 @@ class LLMEngine:
             audios=audios,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
+            encoder_prompts=encoder_prompts(self.hf_config, self.tokenizer, self.vocab_size),
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         if self.st_dense is not None:

@@ -19,6 +19,7 @@ from paged_engine.models.baichuan import BaichuanForCausalLM
 from paged_engine.models.bailing_hybrid import BailingHybridForCausalLM
 from paged_engine.models.bailing_moe import BailingMoeForCausalLM
 from paged_engine.models.bamba import BambaForCausalLM
+from paged_engine.models.bart import BartForConditionalGeneration
 from paged_engine.models.base_model import base_model_class
 from paged_engine.models.beam import BeamForCausalLM
 from paged_engine.models.bert import ENCODERS
@@ -371,6 +372,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "WhisperForConditionalGeneration": WhisperForConditionalGeneration,
     "MoonshineForConditionalGeneration": MoonshineForConditionalGeneration,
     "CohereAsrForConditionalGeneration": CohereAsrForConditionalGeneration,
+    # encoder-decoder: text in, text out (models/bart.py; BartModel as vLLM 0.10 serves it)
+    "BartForConditionalGeneration": BartForConditionalGeneration,
+    "BartModel": BartForConditionalGeneration,
+    "MBartForConditionalGeneration": BartForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)

@@ -61,6 +61,7 @@ import torch
 from torch import nn
 
 from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
+from paged_engine.models.bart import bart_engine_config, is_bart
 from paged_engine.models.cohere_asr import ARCH as COHERE_ASR
 from paged_engine.models.cohere_asr import cohere_asr_engine_config
 from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
@@ -78,7 +79,9 @@ logger = logging.getLogger(__name__)
 def is_encoder_decoder(hf_config) -> bool:
     """Whether the checkpoint is an encoder-decoder model paged serves (Whisper, Mllama)."""
     archs = getattr(hf_config, "architectures", None) or ()
-    return any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs)
+    return is_bart(hf_config) or any(
+        a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs
+    )
 
 
 def is_moonshine(hf_config) -> bool:
@@ -102,7 +105,7 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         "enable_lora": bool(config.enable_lora),
         "compilation_config (torch.compile)": bool(config.compilation_level),
     }
-    if config.audio_limit == 0 and not is_mllama(hf_config):
+    if config.audio_limit == 0 and not is_mllama(hf_config) and not is_bart(hf_config):
         unsupported["limit_mm_per_prompt={'audio': 0}"] = True
     for what, on in unsupported.items():
         if on:
@@ -116,6 +119,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         moonshine_engine_config(config, hf_config)
     elif COHERE_ASR in hf_config.architectures:
         cohere_asr_engine_config(config, hf_config)
+    elif is_bart(hf_config):  # (models/bart.py: text encoder prompts)
+        bart_engine_config(config, hf_config)
     else:
         _whisper_lengths(config, hf_config)
     if not config.enforce_eager:
@@ -148,6 +153,8 @@ def cross_slot_rows(config, hf_config) -> int:
         from paged_engine.models.cohere_asr import slot_rows as cohere_asr_rows
 
         return cohere_asr_rows(hf_config)
+    if is_bart(hf_config):  # the longest encoder prompt: the encoder's position table
+        return int(hf_config.max_position_embeddings)
     return int(hf_config.max_source_positions)
 
 

@@ -1,0 +1,140 @@
+"""A text encoder-decoder's prompt (BART, mBART: models/bart.py): vLLM 0.10's prompt forms split
+into the decoder prompt the engine runs and the encoder prompt the decoder cross-attends to.
+
+    "text" / [ids] / {"prompt": ...} / {"prompt_token_ids": ...}
+        -> the encoder prompt; the decoder prompt is the default below
+    {"encoder_prompt": <one of the above>, "decoder_prompt": <one of them, or None>}
+        (vLLM's ExplicitEncoderDecoderPrompt; `zip_enc_dec_prompts` in paged_engine.inputs)
+
+As vLLM's InputPreprocessor: text of either prompt is tokenized with the tokenizer's special
+tokens (BART's <s> ... </s>); a missing or None decoder prompt is [bos_token_id]; a decoder
+prompt not starting with config.decoder_start_token_id gets it prepended (for BART: [</s>, <s>]
+by default, which is what transformers' generate runs with forced_bos_token_id). What HF's
+generation_config adds beyond that (num_beams, no_repeat_ngram_size, min_length,
+length_penalty, forced_bos_token_id) vLLM did not apply and neither does paged: pass them as
+SamplingParams where they exist there (beam search, min_tokens).
+
+The encoder prompt's ids become the sequence's one item (`ImageInput`, modality "text"):
+pixel_values the ids [L] (int64), spanning every decoder position [0, max_position_embeddings)
+so it reaches the worker with every sequence that holds it, its hash keying every prefix-cache
+block (two encoder prompts never share decoder KV). The request's `prompt` / `prompt_token_ids`
+are the decoder prompt's, as vLLM's RequestOutput gives them.
+
+Refused by name (ValueError): an empty encoder prompt, one longer than
+config.max_position_embeddings, ids outside the vocabulary, multi_modal_data, prompt_embeds,
+keys of a prompt dict that are not a prompt's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from paged_engine.models.bart import decoder_start_id
+from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.layouts import digest
+from paged_engine.unicode_text import check_text
+
+SINGLE_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+class EncoderPrompts:
+    """The host side of a text encoder-decoder's prompts (the InputProcessor's
+    `encoder_prompts`)."""
+
+    def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.start = decoder_start_id(hf_config)
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos = int(hf_config.bos_token_id if bos is None else bos)
+        # encoder rows (its position table) and decoder positions: both the config's
+        self.limit = int(hf_config.max_position_embeddings)
+
+    def split(self, prompt: Any) -> tuple[dict, ImageInput]:
+        """Any prompt form -> (the decoder prompt as {"prompt", "prompt_token_ids", and
+        cache_salt where given}, the encoder prompt's item)."""
+        if isinstance(prompt, dict) and "encoder_prompt" in prompt:
+            unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
+            if unknown:
+                raise ValueError(
+                    f"an encoder / decoder prompt takes 'encoder_prompt' and 'decoder_prompt', "
+                    f"got {unknown}"
+                )
+            enc, dec = prompt["encoder_prompt"], prompt.get("decoder_prompt")
+        else:
+            enc, dec = prompt, None
+        enc_ids, salt = self._ids(enc, "encoder_prompt")
+        if not enc_ids:
+            raise ValueError("encoder_prompt must not be empty")
+        if len(enc_ids) > self.limit:
+            raise ValueError(
+                f"encoder_prompt is too long: {len(enc_ids)} tokens, but the encoder's position "
+                f"table holds {self.limit} (config.max_position_embeddings)"
+            )
+        text: str | None = None
+        if dec is None:
+            dec_ids = [self.bos]
+        else:
+            dec_ids, dec_salt = self._ids(dec, "decoder_prompt")
+            salt = salt if dec_salt is None else dec_salt
+            text = (
+                dec
+                if isinstance(dec, str)
+                else dec.get("prompt")
+                if isinstance(dec, dict)
+                else None
+            )
+        if not dec_ids or dec_ids[0] != self.start:
+            dec_ids = [self.start, *dec_ids]
+        ids = torch.tensor(enc_ids, dtype=torch.int64)
+        item = ImageInput(ids, 0, self.limit, digest(ids, None), modality="text")
+        fields: dict = {"prompt": text, "prompt_token_ids": dec_ids}
+        if salt is not None:
+            fields["cache_salt"] = salt
+        return fields, item
+
+    def _ids(self, p: Any, what: str) -> tuple[list[int], Any]:
+        """One singleton prompt (text, ids or their dict) -> (its ids, its cache_salt)."""
+        salt = None
+        if isinstance(p, dict):
+            refused = sorted(set(p) - set(SINGLE_KEYS))
+            if refused:
+                raise ValueError(
+                    f"{what}: {refused[0]!r} is not supported for text encoder-decoder models "
+                    f"(a prompt dict takes {list(SINGLE_KEYS)})"
+                )
+            salt = p.get("cache_salt")
+            if "prompt_token_ids" in p:
+                p = p["prompt_token_ids"]
+            elif "prompt" in p:
+                p = p["prompt"]
+            else:
+                raise ValueError(f"{what} needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
+        if isinstance(p, str):
+            if not p:  # (an empty decoder prompt: the start token alone)
+                return [], salt
+            check_text(p, what)
+            return list(self.tokenizer.encode(p)), salt
+        if isinstance(p, (list, tuple)):
+            bad = [
+                t
+                for t in p
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
+            ]
+            if bad:
+                raise ValueError(
+                    f"{what} token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
+                )
+            return list(p), salt
+        raise ValueError(
+            f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}"
+        )
+
+
+def encoder_prompts(hf_config: Any, tokenizer: Any, vocab_size: int) -> EncoderPrompts | None:
+    """The prompt splitter of a text encoder-decoder checkpoint (BART), None for any other."""
+    from paged_engine.models.bart import is_bart
+
+    return EncoderPrompts(tokenizer, hf_config, vocab_size) if is_bart(hf_config) else None

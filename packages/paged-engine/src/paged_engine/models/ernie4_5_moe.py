@@ -19,8 +19,9 @@ Checkpoint names: per-expert `mlp.experts.M.{gate,up,down}_proj.weight` or trans
 `mlp.experts.gate_up_proj` / `down_proj`; the router `mlp.gate.weight` [E, H] and its bias
 `mlp.moe_statics.e_score_correction_bias` [1, E] (`mlp.gate.moe_statics.*` in transformers 5),
 loaded as the router's [E] float32 `e_score_correction_bias`. Multi-token-prediction weights
-(`mtp*`) are skipped, as HF skips them. Tensor parallelism: DeepseekMoe's (experts and shared
-experts split like dense MLPs, one all-reduce, the router replicated).
+(`mtp*`) are skipped, as HF skips them (models/mtp_more.py runs them as a draft). Tensor
+parallelism: DeepseekMoe's (experts and shared experts split like dense MLPs, one all-reduce,
+the router replicated).
 """
 
 from __future__ import annotations

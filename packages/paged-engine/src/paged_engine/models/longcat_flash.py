@@ -24,7 +24,7 @@ Refused by name: `router_bias` (HF builds the bias and never adds it), `qk_head_
 qk_nope_head_dim + qk_rope_head_dim, `head_dim` other than qk_rope_head_dim, a hidden_act other
 than SiLU, and pipeline sizes that would split a layer's two caches apart (`num_layers` must
 split into stages the way 2 * num_layers caches do). The multi-token-prediction weights
-(`model.mtp.*`) are skipped, as HF skips them.
+(`model.mtp.*`) are skipped, as HF skips them (models/mtp_more.py runs them as a draft).
 """
 
 from __future__ import annotations

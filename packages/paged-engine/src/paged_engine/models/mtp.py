@@ -42,12 +42,15 @@ _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
 
 def num_mtp_layers(hf_config) -> int:
     """MTP layers the config declares (DeepSeek's num_nextn_predict_layers, Qwen3-Next's
-    mtp_num_hidden_layers); 0 for none."""
+    mtp_num_hidden_layers); 0 for none. LongCat-Flash's default is 1, as vLLM reads it."""
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         value = cfg_get(hf_config, key, None)
         if value:
             return int(value)
-    return 0
+    from paged_engine.models.mtp_more import more_mtp_family
+
+    longcat = more_mtp_family(hf_config) == "longcat"
+    return int(longcat and cfg_get(hf_config, "num_nextn_predict_layers", None) is None)
 
 
 def is_qwen_mtp(hf_config) -> bool:

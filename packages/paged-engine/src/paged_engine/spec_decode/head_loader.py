@@ -1,7 +1,8 @@
 """Checking and loading the heads that draft from the target's features: EAGLE-3 heads
 ({"method": "eagle3", "model": ...}: models/llama_eagle3.py, both checkpoint layouts), EAGLE-1
 heads ({"method": "eagle", ...}: models/llama_eagle.py) and the target's own MTP layer
-({"method": "mtp"}: models/mtp.py). Errors are ValueErrors naming speculative_config.
+({"method": "mtp"}: models/mtp.py, mimo_mtp.py, mtp_more.py). Errors are ValueErrors naming
+speculative_config.
 """
 
 from __future__ import annotations
@@ -229,16 +230,26 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
 def check_mtp(target_hf_config) -> None:
     """Raise ValueError (naming speculative_config) unless the target has an MTP layer paged
     runs: DeepSeek-style models (models/deepseek_v2.py: V3, R1), GLM-4.5 / 4.6
-    (models/glm4_moe.py), Qwen3-Next / Qwen3.5 (models/qwen3_next.py) and MiMo-7B
-    (models/mimo_mtp.py) whose config declares one."""
+    (models/glm4_moe.py), Qwen3-Next / Qwen3.5 (models/qwen3_next.py), MiMo-7B
+    (models/mimo_mtp.py), ERNIE 4.5 MoE and LongCat-Flash (models/mtp_more.py) whose config
+    declares one."""
     from paged_engine.models import get_model_class
     from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from paged_engine.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
     from paged_engine.models.glm4_moe import Glm4MoeForCausalLM
     from paged_engine.models.llama_variants import MiMoForCausalLM
+    from paged_engine.models.longcat_flash import LongcatFlashForCausalLM
     from paged_engine.models.mtp import num_mtp_layers
     from paged_engine.models.qwen3_next import Qwen3_5ForCausalLM
 
-    families = (DeepseekV2ForCausalLM, Glm4MoeForCausalLM, Qwen3_5ForCausalLM, MiMoForCausalLM)
+    families = (
+        DeepseekV2ForCausalLM,
+        Glm4MoeForCausalLM,
+        Qwen3_5ForCausalLM,
+        MiMoForCausalLM,
+        Ernie4_5_MoeForCausalLM,
+        LongcatFlashForCausalLM,
+    )
 
     arch = ", ".join(getattr(target_hf_config, "architectures", None) or ["this model"])
     try:
@@ -248,13 +259,17 @@ def check_mtp(target_hf_config) -> None:
     if cls is None or not issubclass(cls, families):
         raise ValueError(
             f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style, "
-            f"GLM-4.5, Qwen3-Next / Qwen3.5 and MiMo-7B models; {arch} is not one"
+            f"GLM-4.5, Qwen3-Next / Qwen3.5, MiMo-7B, ERNIE 4.5 MoE and LongCat-Flash models; "
+            f"{arch} is not one"
         )
     if num_mtp_layers(target_hf_config) < 1:
         raise ValueError(
             f"speculative_config method 'mtp': {arch} has no MTP layer (its config declares "
             "none: num_nextn_predict_layers / mtp_num_hidden_layers 0 or absent)"
         )
+    from paged_engine.models.mtp_more import check_more_mtp
+
+    check_more_mtp(target_hf_config)
 
 
 def load_mtp_layer(
@@ -311,6 +326,11 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
 
     if is_mimo_mtp(runner.hf_config):  # reads the target's pre-norm stream: its own runner
         attach_mimo_mtp_head(runner, resolved, quantization)
+        return
+    from paged_engine.models.mtp_more import attach_more_mtp_head, more_mtp_family
+
+    if more_mtp_family(runner.hf_config) is not None:  # ERNIE 4.5 MoE, LongCat-Flash
+        attach_more_mtp_head(runner, resolved, quantization)
         return
     config, hf_config, target = runner.config, runner.hf_config, runner.model
     logger.info("loading the target's MTP layer")

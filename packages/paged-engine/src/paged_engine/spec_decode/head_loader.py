@@ -1,8 +1,8 @@
 """Checking and loading the heads that draft from the target's features: EAGLE-3 heads
 ({"method": "eagle3", "model": ...}: models/llama_eagle3.py, both checkpoint layouts), EAGLE-1
-heads ({"method": "eagle", ...}: models/llama_eagle.py) and the target's own MTP layer
-({"method": "mtp"}: models/mtp.py, mimo_mtp.py, mtp_more.py). Errors are ValueErrors naming
-speculative_config.
+heads ({"method": "eagle", ...}: models/llama_eagle.py, minicpm_eagle.py, deepseek_eagle.py)
+and the target's own MTP layer ({"method": "mtp"}: models/mtp.py, mimo_mtp.py, mtp_more.py).
+Errors are ValueErrors naming speculative_config.
 """
 
 from __future__ import annotations
@@ -194,6 +194,12 @@ def check_eagle_head(name: str, target_hf_config, config) -> None:
                 f"{where}: the head's {key} {head} differs from the target's {target}; an "
                 "EAGLE head is trained for one target"
             )
+    from paged_engine.models.deepseek_eagle import deepseek_eagle_kind
+
+    try:  # DeepSeek-V3 / Mistral Large 3 heads: what paged does not serve, by name
+        deepseek_eagle_kind(resolve_draft(name, config).path, head_config)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
 
 
 def attach_eagle_head(runner: ModelRunner, name: str) -> None:
@@ -211,6 +217,11 @@ def attach_eagle_head(runner: ModelRunner, name: str) -> None:
     reach_max_model_len(hf_config, config.max_model_len)
     dtype = next(target.parameters()).dtype
     logger.info("loading the EAGLE head %s", name)
+    from paged_engine.models.deepseek_eagle import attach_deepseek_eagle_head, deepseek_eagle_kind
+
+    if deepseek_eagle_kind(resolved.path, hf_config) is not None:  # DeepSeek-V3 / Large 3 layers
+        attach_deepseek_eagle_head(runner, resolved, hf_config)
+        return
     with building_in(dtype, runner.device), rope_context_len(config.max_model_len):
         minicpm = is_minicpm_eagle_config(hf_config)  # vLLM's EagleMiniCPMForCausalLM
         head = (EagleMiniCPMHead if minicpm else EagleLlamaHead)(hf_config)

@@ -181,10 +181,11 @@ def test_count_defaults_and_refusals(deepseek, tmp_path):
     target = deepseek
     llm, _ = _run(target, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(None))
     assert llm.llm_engine.config.speculative_config["num_speculative_tokens"] == 1
-    llm = LLM(
-        str(target), speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}
-    )
-    assert llm.llm_engine.config.speculative_config["method"] == "deepseek_mtp"
+    for alias in ("deepseek_mtp", "qwen3_next_mtp"):  # vLLM's per-family names: "mtp"
+        llm = LLM(str(target), speculative_config={"method": alias, "num_speculative_tokens": 1})
+        assert llm.llm_engine.config.speculative_config["method"] == alias
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert llm.get_stats().spec_decode_num_draft_tokens > 0  # the MTP layer drafted
     with pytest.raises(ValueError, match=r"speculative_config\.model is given with method 'mtp'"):
         LLM(str(target), speculative_config={**_spec(1), "model": str(target)})
     llama = write_tiny_model(tmp_path / "llama", "llama")

@@ -4,7 +4,8 @@
     {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
     {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
     {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
-    {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; "deepseek_mtp")
+    {"method": "mtp", "num_speculative_tokens": k}   (the target's own MTP layer; vLLM's
+        per-family names, "deepseek_mtp", "qwen3_next_mtp", "ernie_mtp", ...: MTP_ALIASES)
     {"method": "gemma4_assistant", "model": "<Gemma 4 assistant>", "num_speculative_tokens": k}
     {"method": "mlp_speculator", "model": "<IBM MLPSpeculator>", "num_speculative_tokens": k}
     {"method": "medusa", "model": "<Medusa heads>", "num_speculative_tokens": k <= num_heads}
@@ -56,8 +57,17 @@ METHODS = (
     "medusa",
 )
 _WITH_MODEL = ("draft_model", "eagle", "eagle3", "gemma4_assistant", "mlp_speculator", "medusa")
-# vLLM's earlier MTP name, and its GPU n-gram proposer (the same proposals)
-_ALIASES = {"deepseek_mtp": "mtp", "ngram_gpu": "ngram"}
+# vLLM's per-family MTP method names (model cards name them: Qwen3.5's "qwen3_next_mtp"), which
+# vLLM rewrites to "mtp" as here; check_mtp then says whether paged runs that target's layer
+MTP_ALIASES = (
+    "deepseek_mtp", "dots3_note_mtp", "mimo_mtp", "mimo_v2_mtp", "glm4_moe_mtp",
+    "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
+    "exaone4_5_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "bailing_hybrid_mtp",
+    "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp",
+    "step3p5_mtp", "hy_v3_mtp", "gemma4_mtp", "inkling_mtp",
+)  # fmt: skip
+# ... and vLLM's GPU n-gram proposer (the same proposals)
+_ALIASES = {**dict.fromkeys(MTP_ALIASES, "mtp"), "ngram_gpu": "ngram"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,6 +156,7 @@ from paged_engine.models.olmo2 import Olmo2ForCausalLM
 from paged_engine.models.olmo3 import Olmo3ForCausalLM
 from paged_engine.models.olmo_hybrid import OlmoHybridForCausalLM
 from paged_engine.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
+from paged_engine.models.openpangu_moe import PanguProMoEV2ForCausalLM, PanguUltraMoEForCausalLM
 from paged_engine.models.opt import OPTForCausalLM
 from paged_engine.models.orion import OrionForCausalLM
 from paged_engine.models.ouro import OuroForCausalLM
@@ -435,6 +436,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Huawei Pangu Pro MoE (remote code): MoGE, grouped top-1 routing with a router scale, and
     # a shared expert (models/pangu_pro_moe.py)
     "PanguProMoEForCausalLM": PanguProMoEForCausalLM,
+    # openPangu Ultra MoE / Pro MoE V2 (remote code): DeepSeek-V3's MLA and MoE with sigmoid
+    # top-k routing and sandwich norms (models/openpangu_moe.py)
+    "PanguUltraMoEForCausalLM": PanguUltraMoEForCausalLM,
+    "PanguProMoEV2ForCausalLM": PanguProMoEV2ForCausalLM,
     # StepFun Step3 (remote code): MFA attention (a shared low-rank query, one KV head) and
     # MoE layers with a shared expert; the VL release served on text (models/step3_text.py)
     "Step3TextForCausalLM": Step3TextForCausalLM,

@@ -37,8 +37,7 @@ target's. The MLA is the target's (models/longcat_flash.py: LoRA scalings, inter
 YaRN), with a latent cache of its own.
 
 Both load only their own tensors from the target's checkpoint (`more_mtp_weight_name`); the
-targets' loads skip them. openPangu's MTP (vLLM's OpenPanguMTPModel) drafts for
-PanguUltraMoEForCausalLM, which paged does not serve.
+targets' loads skip them. openPangu's MTP (vLLM's OpenPanguMTPModel) is models/openpangu_mtp.py's.
 """
 
 from __future__ import annotations

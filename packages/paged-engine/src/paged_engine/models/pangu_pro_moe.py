@@ -21,7 +21,7 @@ The config.json (no transformers class) is translated here through remote_aliase
 without a reference are refused by name: dense `mlp_only_layers`, `rope_scaling`, openPangu's
 `sandwich_norm`, a `head_dim` other than hidden / heads. openPangu's later MoE releases
 (PanguProMoEV2ForCausalLM, PanguUltraMoEForCausalLM: vLLM's openpangu.py, sigmoid routing and
-MLA) are not served.
+MLA) are models/openpangu_moe.py's.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ MPT configs itself and runs the others' remote config code).
     PanguEmbeddedForCausalLM       PanguEmbedded                models/llama_remote.py
     PanguProMoEForCausalLM         PanGuMoE                     models/pangu_pro_moe.py (MoGE
                                                                 routing, a shared expert)
+    PanguUltraMoEForCausalLM,      pangu_ultra_moe (any)        models/openpangu_moe.py (MLA,
+      PanguProMoEV2ForCausalLM                                  sigmoid routing, sandwich norms)
     DeepseekForCausalLM            deepseek                     models/deepseek_v1.py
     ArcticForCausalLM              arctic                       models/arctic.py
     Grok1ModelForCausalLM,         grok-1 (any)                 models/grok1.py
@@ -415,6 +417,8 @@ REMOTE_CONFIGS: dict[str, str] = {
     "KeyeForConditionalGeneration": "keye_config:keye_config",  # Kwai-Keye/Keye-VL-8B-Preview
     "KeyeVL1_5ForConditionalGeneration": "keye_config:keye_vl1_5_config",  # Keye-VL-1.5, images
     "PanguProMoEForCausalLM": "pangu_pro_moe:pangu_pro_moe_config",  # Pangu Pro MoE 72B-A16B
+    "PanguUltraMoEForCausalLM": "openpangu_moe:openpangu_moe_config",  # openPangu-Ultra-MoE-718B
+    "PanguProMoEV2ForCausalLM": "openpangu_moe:openpangu_moe_config",  # openPangu Pro MoE V2
     "Step3TextForCausalLM": "step3_text:step3_text_config",  # StepFun Step3's decoder
     "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)
     # HyperCLOVAX-SEED-Vision-Instruct-3B (text only: models/hcx_vision_v1_config.py)

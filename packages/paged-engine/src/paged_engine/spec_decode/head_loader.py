@@ -270,8 +270,8 @@ def check_mtp(target_hf_config) -> None:
     if cls is None or not issubclass(cls, families):
         raise ValueError(
             f"speculative_config method 'mtp' runs the MTP layers of DeepSeek-V3-style, "
-            f"GLM-4.5, Qwen3-Next / Qwen3.5, MiMo-7B, ERNIE 4.5 MoE and LongCat-Flash models; "
-            f"{arch} is not one"
+            f"GLM-4.5, Qwen3-Next / Qwen3.5, MiMo-7B, ERNIE 4.5 MoE, LongCat-Flash and openPangu "
+            f"MoE models; {arch} is not one"
         )
     if num_mtp_layers(target_hf_config) < 1:
         raise ValueError(
@@ -337,6 +337,11 @@ def attach_mtp_head(runner: ModelRunner, resolved: ResolvedModel, quantization: 
 
     if is_mimo_mtp(runner.hf_config):  # reads the target's pre-norm stream: its own runner
         attach_mimo_mtp_head(runner, resolved, quantization)
+        return
+    from paged_engine.models.openpangu_mtp import attach_openpangu_mtp_head, is_openpangu_mtp
+
+    if is_openpangu_mtp(runner.hf_config):  # openPangu: its pre-norm stream, sandwich norms
+        attach_openpangu_mtp_head(runner, resolved, quantization)
         return
     from paged_engine.models.mtp_more import attach_more_mtp_head, more_mtp_family
 

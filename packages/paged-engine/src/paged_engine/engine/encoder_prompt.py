@@ -133,8 +133,15 @@ class EncoderPrompts:
         )
 
 
-def encoder_prompts(hf_config: Any, tokenizer: Any, vocab_size: int) -> EncoderPrompts | None:
-    """The prompt splitter of a text encoder-decoder checkpoint (BART), None for any other."""
+def encoder_prompts(hf_config: Any, tokenizer: Any, vocab_size: int, path: Any = None) -> Any:
+    """The prompt splitter of a text encoder-decoder checkpoint (BART; Florence-2's, which
+    reads its image processor from `path`: multimodal/florence2_prompt.py), None for any
+    other."""
     from paged_engine.models.bart import is_bart
+    from paged_engine.multimodal.florence2 import is_florence2
 
+    if is_florence2(hf_config) and path is not None:
+        from paged_engine.multimodal.florence2_prompt import Florence2Prompts
+
+        return Florence2Prompts(tokenizer, hf_config, vocab_size, path)
     return EncoderPrompts(tokenizer, hf_config, vocab_size) if is_bart(hf_config) else None

@@ -104,8 +104,8 @@ class InputProcessor:
             text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
         else:
             text, token_ids = self._tokenize_prompt(prompt)
-        if encoder_item is not None:
-            mm_inputs = (encoder_item,)
+        if encoder_item is not None:  # (Florence-2: a tuple, its image and its text)
+            mm_inputs = encoder_item if isinstance(encoder_item, tuple) else (encoder_item,)
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)

@@ -369,7 +369,9 @@ class LLMEngine:
             audios=audios,
             embeds_width=embedding_width(self.hf_config) if config.enable_prompt_embeds else None,
             think_ids=_think_ids(config.reasoning_config, self.tokenizer),
-            encoder_prompts=encoder_prompts(self.hf_config, self.tokenizer, self.vocab_size),
+            encoder_prompts=encoder_prompts(
+                self.hf_config, self.tokenizer, self.vocab_size, self.resolved.path
+            ),
         )
         self.output_processor = OutputProcessor(self.tokenizer, config.stream_interval)
         if self.st_dense is not None:

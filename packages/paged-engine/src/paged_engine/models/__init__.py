@@ -199,6 +199,7 @@ from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba import ZambaForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
 from paged_engine.models.zaya import ZayaForCausalLM
+from paged_engine.multimodal.florence2 import Florence2ForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -377,6 +378,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BartForConditionalGeneration": BartForConditionalGeneration,
     "BartModel": BartForConditionalGeneration,
     "MBartForConditionalGeneration": BartForConditionalGeneration,
+    # BART with a DaViT image tower in front of its encoder (multimodal/florence2.py)
+    "Florence2ForConditionalGeneration": Florence2ForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)

@@ -213,10 +213,15 @@ class BartModel(nn.Module):
         # the step's cross-attention inputs, bound by the runner for one forward
         self.cross: CrossBatch | None = None
 
-    def encode(self, ids: torch.Tensor) -> torch.Tensor:
-        """One encoder prompt's ids [L] -> its encoder output [L, D]."""
-        positions = torch.arange(ids.shape[0], device=ids.device)
-        x = self.encoder.embed(self.shared(ids) * self.embed_scale, positions)
+    def encode(self, ids: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+        """One encoder prompt's ids [L] -> its encoder output [L, D]; `prefix` [P, D]: rows
+        put before the ids' embeddings, positions counted from them (Florence-2's image rows,
+        multimodal/florence2.py) -> [P + L, D]."""
+        x = self.shared(ids) * self.embed_scale
+        if prefix is not None:
+            x = torch.cat([prefix.to(x.dtype), x])
+        positions = torch.arange(x.shape[0], device=ids.device)
+        x = self.encoder.embed(x, positions)
         for layer in self.encoder.layers:
             x = layer(x)
         return self.encoder.finish(x)

@@ -70,6 +70,7 @@ from paged_engine.models.mllama import mllama_engine_config
 from paged_engine.models.moonshine import ARCH as MOONSHINE
 from paged_engine.models.moonshine import moonshine_engine_config
 from paged_engine.models.whisper import ARCHITECTURES
+from paged_engine.multimodal.florence2 import florence2_engine_config, is_florence2
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.worker import host_memory
 
@@ -79,8 +80,10 @@ logger = logging.getLogger(__name__)
 def is_encoder_decoder(hf_config) -> bool:
     """Whether the checkpoint is an encoder-decoder model paged serves (Whisper, Mllama)."""
     archs = getattr(hf_config, "architectures", None) or ()
-    return is_bart(hf_config) or any(
-        a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs
+    return (
+        is_bart(hf_config)
+        or is_florence2(hf_config)
+        or any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs)
     )
 
 
@@ -105,7 +108,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         "enable_lora": bool(config.enable_lora),
         "compilation_config (torch.compile)": bool(config.compilation_level),
     }
-    if config.audio_limit == 0 and not is_mllama(hf_config) and not is_bart(hf_config):
+    text_in = is_bart(hf_config) or is_florence2(hf_config)  # (no audio to turn off)
+    if config.audio_limit == 0 and not is_mllama(hf_config) and not text_in:
         unsupported["limit_mm_per_prompt={'audio': 0}"] = True
     for what, on in unsupported.items():
         if on:
@@ -121,6 +125,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         cohere_asr_engine_config(config, hf_config)
     elif is_bart(hf_config):  # (models/bart.py: text encoder prompts)
         bart_engine_config(config, hf_config)
+    elif is_florence2(hf_config):  # (multimodal/florence2.py: BART's, an image in front)
+        florence2_engine_config(config, hf_config)
     else:
         _whisper_lengths(config, hf_config)
     if not config.enforce_eager:
@@ -155,6 +161,8 @@ def cross_slot_rows(config, hf_config) -> int:
         return cohere_asr_rows(hf_config)
     if is_bart(hf_config):  # the longest encoder prompt: the encoder's position table
         return int(hf_config.max_position_embeddings)
+    if is_florence2(hf_config):  # image rows and encoder text: the same table
+        return int(hf_config.text_config.max_position_embeddings)
     return int(hf_config.max_source_positions)
 
 

@@ -11,12 +11,14 @@ engine's).
     file:///dir/cat.jpg               only under --allowed-local-media-path DIR (the path
                                       resolved, links followed, must stay inside DIR)
 
-An image becomes an RGB PIL image; a video (a `video_url` part) its frames and metadata,
-`num_frames` of them sampled uniformly (paged_engine/multimodal/video_io.py, PyAV); an audio clip
-(an `input_audio` part, OpenAI's base64 WAV / MP3, or vLLM's `audio_url`) its mono waveform and
-sampling rate (paged_engine/multimodal/audio_io.py: WAV by the standard library, other formats
-by PyAV); audio URLs time out after PAGED_AUDIO_FETCH_TIMEOUT (VLLM_AUDIO_FETCH_TIMEOUT) seconds,
-10 by default, and a clip is at most 64 MiB.
+An image becomes an RGB PIL image (one over Pillow's Image.MAX_IMAGE_PIXELS is refused before
+it is decoded: Pillow itself only warns up to twice that); a video (a `video_url` part) its
+frames and metadata, `num_frames` of them sampled uniformly (paged_engine/multimodal/video_io.py,
+PyAV); an audio clip (an `input_audio` part, OpenAI's base64 WAV / MP3, or vLLM's
+`audio_url`) its mono waveform and sampling rate (paged_engine/multimodal/audio_io.py: WAV by
+the standard library, other formats by PyAV); audio URLs time out after
+PAGED_AUDIO_FETCH_TIMEOUT (VLLM_AUDIO_FETCH_TIMEOUT) seconds, 10 by default, and a clip is at
+most 64 MiB.
 
 An `image_embeds` part (vLLM's, with --enable-mm-embeds) holds the image's features instead:
 base64 of a tensor saved by torch.save (loaded with weights_only=True, sparse tensors checked,
@@ -320,10 +322,26 @@ class MediaLoader:
 
         pil = _pillow()
         try:
-            image = pil.open(io.BytesIO(data))
+            image = pil.open(io.BytesIO(data))  # the header only: nothing decoded yet
+        except Exception as e:  # not an image; a decompression bomb past twice the limit
+            raise bad_request(
+                f"{ref.param}: the data is not an image Pillow can read ({e})", ref.param
+            ) from None
+        # Pillow only warns between MAX_IMAGE_PIXELS and twice that: a 550 KB PNG of
+        # 12000 x 12000 decoded into 2.7 GB. Refused before decoding (None: the operator's
+        # Image.MAX_IMAGE_PIXELS = None lifts the limit, as it does Pillow's).
+        limit = pil.MAX_IMAGE_PIXELS
+        width, height = image.size
+        if limit is not None and width * height > limit:
+            raise bad_request(
+                f"{ref.param}: an image of {width} x {height} pixels is over the limit of "
+                f"{limit} pixels",
+                ref.param,
+            )
+        try:
             image.load()
             image = to_rgb(image)  # as the engine converts an offline prompt's images
-        except Exception as e:  # not an image, truncated, a decompression bomb
+        except Exception as e:  # truncated or corrupt
             raise bad_request(
                 f"{ref.param}: the data is not an image Pillow can read ({e})", ref.param
             ) from None

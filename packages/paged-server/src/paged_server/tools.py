@@ -23,6 +23,7 @@ from typing import Any
 
 from paged_server.errors import bad_request
 from paged_server.tool_parsers import TOOL_PARSERS, ParsedCall, ToolParser
+from paged_server.tool_parsers.base import parse_or_content
 from paged_server.tool_parsers.json_list import scan_call_list
 
 # llguidance's parser follows at most 2000 alternatives at a time: past that a forced call list
@@ -175,7 +176,7 @@ class ToolOutput:
         if self.req.choice in ("required", "named"):  # the text is the calls' JSON, not content
             return None, self.req.calls_from_forced(text)
         if self.parser is not None:
-            return self.parser.parse(text)
+            return parse_or_content(self.parser, text)
         return text, []
 
     def _finish_reason(self, calls: list[ParsedCall], reason: str | None) -> str | None:

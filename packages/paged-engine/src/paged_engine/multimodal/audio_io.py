@@ -31,9 +31,9 @@ import torch.nn.functional as F
 MAX_SECONDS = 3600.0  # a clip longer than an hour is refused (memory, not meaning)
 _ZERO_CROSSINGS = 6
 _ROLLOFF = 0.99
-_MAX_PHASES = 4096  # polyphase kernels of a rate ratio; beyond, each output its own kernel
 _MAX_TABLE = 1 << 22  # polyphase table elements (phases x taps); beyond, the direct path
 MAX_RATE = 1_000_000  # Hz: a kernel spans ~12 x rate / target inputs, so the rate is bounded
+_MAX_CHUNKS = 1024  # chunks read before a WAV file's data chunk
 
 
 def audio_item(item: Any, target_sr: int, what: str) -> np.ndarray:
@@ -108,9 +108,11 @@ def resample(wave: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     up, down = target_sr // g, orig_sr // g  # `up` outputs for every `down` inputs
     cutoff = min(up, down) * _ROLLOFF
     width = math.ceil(_ZERO_CROSSINGS * down / cutoff)
-    # (e.g. 16001 -> 16000 Hz): no table of `up` kernels; (e.g. 199995 Hz: 3200 phases of
-    # 40151 taps, 5 GB) no table past _MAX_TABLE: the direct path costs ~12 x the input
-    if up > _MAX_PHASES or up * (2 * width + down) > _MAX_TABLE:
+    # (e.g. 16001 -> 16000 Hz, 16000 phases of 16015 taps; 199995 Hz: 3200 phases of 40151
+    # taps, 5 GB) no table past _MAX_TABLE: the direct path costs ~12 x the input. Many phases
+    # of few taps (a 1 Hz clip: 16000 phases of 15 taps) take the table: the direct path costs
+    # ~12 x the OUTPUT there, minutes for a 3.6 KB WAV file claiming 1 Hz
+    if up * (2 * width + down) > _MAX_TABLE:
         return _resample_direct(wave, orig_sr, target_sr)
     # kernel of output phase j over inputs i - width .. i + width + down - 1 (i = block start)
     taps = torch.arange(-width, width + down, dtype=torch.float64) / down
@@ -162,7 +164,10 @@ def load_audio(data: bytes, what: str) -> tuple[np.ndarray, int]:
 def _read_wav(data: bytes, what: str) -> tuple[np.ndarray, int]:
     fmt = None
     pos = 12
-    while pos + 8 <= len(data):
+    # a WAV file has a handful of chunks: 25 MB of empty 8-byte ones read for seconds
+    for _ in range(_MAX_CHUNKS):
+        if pos + 8 > len(data):
+            break
         chunk, size = data[pos : pos + 4], struct.unpack("<I", data[pos + 4 : pos + 8])[0]
         body = data[pos + 8 : pos + 8 + size]
         if chunk == b"fmt " and len(body) >= 16:
@@ -175,7 +180,9 @@ def _read_wav(data: bytes, what: str) -> tuple[np.ndarray, int]:
                 break
             return _wav_samples(body, *fmt, what=what), fmt[2]
         pos += 8 + size + (size & 1)  # chunks are padded to even sizes
-    raise ValueError(f"{what}: not a WAV file with a fmt and a data chunk")
+    raise ValueError(
+        f"{what}: not a WAV file with a fmt and a data chunk (in its first {_MAX_CHUNKS} chunks)"
+    )
 
 
 def _wav_samples(body: bytes, tag: int, channels: int, rate: int, bits: int, *, what: str):

@@ -137,9 +137,17 @@ def check_budget(
             continue
         big = _edges(given.get(whole) or getattr(defaults, whole, None) or {}).get("longest_edge")
         side = _edges(given.get(part) or getattr(defaults, part, None) or {}).get("longest_edge")
-        if big is None or side is None:
+        if side is None:
             continue
-        tiles = math.ceil(min(big, cap) / _positive(part, side)) ** 2
+        # Idefics3 resizes the image to multiples of the tile's side (unsplit: one such
+        # square) before cutting it: max_image_size {"longest_edge": 10**6} made 2.7 GB
+        tiles = 1 if big is None else math.ceil(min(big, cap) / _positive(part, side)) ** 2
+        if part in given and tiles * _positive(part, side) ** 2 > most:
+            raise _refuse(
+                part,
+                f"{given[part]!r} would make {tiles} tiles of {side} x {side} pixels, over "
+                f"the {most} an image may take",
+            )
         if tiles > MOST_TILES:
             name = part if part in given else whole
             raise _refuse(

@@ -49,16 +49,19 @@ def decode_video(
         total, fps, (height, width) = _probe(av, data)
         if total == 0:
             raise ValueError("it holds no frames")
-        if num_frames == -1 or total <= num_frames:
-            wanted = list(range(total))
-        else:
-            wanted = np.linspace(0, total - 1, num_frames, dtype=int).tolist()
-        if len(set(wanted)) * height * width > MAX_VIDEO_PIXELS:
+        # frames kept (distinct: linspace steps by >= 1), checked before any index list is
+        # made: the count is the container's claim, which a small file can make huge
+        count = total if num_frames == -1 or total <= num_frames else num_frames
+        if count * height * width > MAX_VIDEO_PIXELS:
             raise ValueError(
-                f"{len(set(wanted))} frames of {width} x {height} are over {MAX_VIDEO_PIXELS} "
+                f"{count} frames of {width} x {height} are over {MAX_VIDEO_PIXELS} "
                 "pixels: sample fewer frames (media_io_kwargs {'video': {'num_frames': N}})"
             )
-        frames, kept = _decode(av, data, set(wanted))
+        if count == total:
+            wanted: range | set[int] = range(total)
+        else:
+            wanted = set(np.linspace(0, total - 1, num_frames, dtype=int).tolist())
+        frames, kept = _decode(av, data, wanted)
     except Exception as e:  # also FFmpeg's: not a container, a truncated or corrupt stream
         raise ValueError(f"{what} cannot be read as a video: {e}") from None
     meta = {
@@ -89,10 +92,11 @@ def _probe(av: Any, data: bytes) -> tuple[int, float, tuple[int, int]]:
     return total, fps, (height, width)
 
 
-def _decode(av: Any, data: bytes, wanted: set[int]) -> tuple[list[np.ndarray], list[int]]:
+def _decode(av: Any, data: bytes, wanted: range | set[int]) -> tuple[list[np.ndarray], list[int]]:
     """The frames at `wanted` indices, in order, and the indices found (a stream may decode
     fewer frames than it states: those past its end are missing)."""
-    frames, kept, last = [], [], max(wanted)
+    frames, kept = [], []
+    last = wanted[-1] if isinstance(wanted, range) else max(wanted)
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"

@@ -29,7 +29,7 @@ class BareCallsStream(StreamingToolText):
                     return "", []
                 self.holding = True
                 out, self.sent = text[self.sent : start], max(self.sent, start)
-                return out, self.deltas.update(self.parser.partial_calls(text))
+                return out, self._updates()
         return super().feed(delta)
 
     def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:

@@ -66,3 +66,13 @@ class ToolParser:
         if not isinstance(args, dict):
             return None
         return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_or_content(parser: ToolParser, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """`parser.parse(text)`, where text nested past Python's recursion limit (the model's
+    output is untrusted: json.loads and ast raise RecursionError, not ValueError, on 100k "[")
+    is content, as any call that cannot be read."""
+    try:
+        return parser.parse(text)
+    except RecursionError:
+        return text, []

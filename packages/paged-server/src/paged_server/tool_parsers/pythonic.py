@@ -48,24 +48,31 @@ def _parse_call(source: str) -> ParsedCall | None:
         return None
 
 
+_ACTS = re.compile(r"[\"'()\[\]{}]")  # what _close_paren acts on outside strings
+# inside a string: an escape (its next character skipped) or the closing quote
+_STRING_END = {q: re.compile(r"\\|" + q) for q in ("'", '"', "'''", '"""')}
+
+
 def _close_paren(s: str, i: int) -> int | None:
     """Index of the ")" closing a call whose arguments start at s[i] (strings and brackets
-    aware); None while it has not arrived."""
+    aware); None while it has not arrived. It jumps between the characters it acts on (regex
+    searches): a stream rescans a growing call."""
     depth = 1
-    while i < len(s):
+    while (m := _ACTS.search(s, i)) is not None:
+        i = m.start()
         c = s[i]
         if c in "'\"":
             quote = c * 3 if s.startswith(c * 3, i) else c
-            j = i + len(quote)
-            while not s.startswith(quote, j):
-                if j >= len(s):
-                    return None
-                j += 2 if s[j] == "\\" else 1
-            i = j + len(quote)
+            end = _STRING_END[quote].search(s, i + len(quote))
+            while end is not None and end.group() == "\\":
+                end = _STRING_END[quote].search(s, end.start() + 2)
+            if end is None:
+                return None
+            i = end.end()
             continue
         if c in "([{":
             depth += 1
-        elif c in ")]}":
+        else:
             depth -= 1
             if depth == 0:
                 return i

@@ -91,6 +91,8 @@ class Qwen3CoderToolParser(ToolParser):
             if call.name is None or not call.args_done:  # cut off: the text stays content
                 return text, []
             calls.append(ParsedCall(call.name, call.args))
+        if not calls:  # a <tool_call> with no <function=...> in it: no call, the text kept
+            return text, []
         content = text[:start].strip()
         return content or None, calls
 

@@ -9,6 +9,14 @@ turns successive scans into those entries: a call is announced once its name is 
 in order: a later one waits for the earlier one's name), then each new piece of its arguments
 follows. Concatenated, a call's argument pieces are its arguments' JSON text exactly as the
 model wrote it (the non-streamed answer re-serializes the same value).
+
+A parser's `partial_calls` reads the whole text; rescanning it on every streamed piece would be
+quadratic in a long output (a model writing 200k characters of arguments). `StreamingToolText`
+rescans while the text is short, then only once the text has grown by 1/_RESCAN_GROWTH since the
+last scan: the scans of an n-character output cost O(n) in all, and long arguments arrive in
+pieces of about 1/_RESCAN_GROWTH of the text so far (the rest when the output ends). Text nested
+past Python's recursion limit (json.loads of 100k "[" raises RecursionError, not ValueError) is
+what any unreadable call is: content (base.py `parse_or_content`).
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.base import ParsedCall, ToolParser, parse_or_content
+
+_RESCAN_ALWAYS = 2048  # characters: a text this short is rescanned on every piece
+_RESCAN_GROWTH = 8  # past it, rescanned once it grew by 1/_RESCAN_GROWTH since the last scan
 
 
 @dataclass(slots=True)
@@ -148,6 +159,18 @@ class StreamingToolText:
         self.sent = 0  # characters of text already streamed as content
         self.holding = False  # a tool call may have started: no more content streams
         self.deltas = ToolCallDeltas()
+        self.scanned = 0  # len(text) at the last partial_calls scan
+
+    def _updates(self) -> list[dict[str, Any]]:
+        """The calls' new entries, when a rescan is due (see the module docstring)."""
+        n = len(self.text)
+        if n > _RESCAN_ALWAYS and (n - self.scanned) * _RESCAN_GROWTH < n:
+            return []
+        self.scanned = n
+        try:
+            return self.deltas.update(self.parser.partial_calls(self.text))
+        except RecursionError:  # nested past the limit: no call to announce (yet)
+            return []
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         """(content to show now, tool_calls entries to send now)."""
@@ -156,7 +179,7 @@ class StreamingToolText:
         text += delta
         self.text = text
         if self.holding:
-            return "", self.deltas.update(self.parser.partial_calls(self.text))
+            return "", self._updates()
         starts = [self.text.find(m, self.sent) for m in self.parser.start_markers]
         starts = [s for s in starts if s >= 0]
         if starts:
@@ -165,8 +188,7 @@ class StreamingToolText:
         else:
             end = len(self.text) - self._partial_marker_len()
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
-        calls = self.deltas.update(self.parser.partial_calls(self.text)) if self.holding else []
-        return out, calls
+        return out, self._updates() if self.holding else []
 
     def _partial_marker_len(self) -> int:
         """Length of the longest text tail that is a proper prefix of a start marker."""
@@ -182,7 +204,11 @@ class StreamingToolText:
         """(content not streamed yet, the calls' remaining entries, the calls) once the output
         is complete. Text that turns out not to be well-formed calls is content after all (a
         call already announced stays announced: the stream cannot take it back)."""
-        _, calls = self.parser.parse(self.text)
+        _, calls = parse_or_content(self.parser, self.text)
         if not calls:
             return self.text[self.sent :], [], []
-        return "", self.deltas.finish(self.parser.partial_calls(self.text), calls), calls
+        try:
+            partial = self.parser.partial_calls(self.text)
+        except RecursionError:  # (parse read the calls: their arguments are sent whole)
+            partial = []
+        return "", self.deltas.finish(partial, calls), calls

@@ -111,7 +111,9 @@ MPT configs itself and runs the others' remote config code).
                                                                 multimodal/isaac.py)
     Step3TextForCausalLM,          step3_text / step3_vl        models/step3_text.py (MFA attention,
       Step3VLForConditionalGeneration                           MoE with a shared expert; the VL
-                                                                release on text, images refused)
+                                                                release's config models/
+                                                                step3_vl_config.py, images
+                                                                multimodal/step3_vl.py)
     KeyeForConditionalGeneration   Keye                         Qwen3 with M-RoPE (config: models/
                                                                 keye_config.py; images:
                                                                 multimodal/keye.py)
@@ -420,7 +422,7 @@ REMOTE_CONFIGS: dict[str, str] = {
     "PanguUltraMoEForCausalLM": "openpangu_moe:openpangu_moe_config",  # openPangu-Ultra-MoE-718B
     "PanguProMoEV2ForCausalLM": "openpangu_moe:openpangu_moe_config",  # openPangu Pro MoE V2
     "Step3TextForCausalLM": "step3_text:step3_text_config",  # StepFun Step3's decoder
-    "Step3VLForConditionalGeneration": "step3_text:step3_text_config",  # stepfun-ai/step3 (text)
+    "Step3VLForConditionalGeneration": "step3_vl_config:step3_vl_config",  # stepfun-ai/step3
     # HyperCLOVAX-SEED-Vision-Instruct-3B (text only: models/hcx_vision_v1_config.py)
     "HCXVisionForCausalLM": "hcx_vision_v1_config:hcx_vision_v1_config",
     "MoonshotKimiaForCausalLM": "kimi_audio_config:kimi_audio_config",  # Kimi-Audio-7B(-Instruct)

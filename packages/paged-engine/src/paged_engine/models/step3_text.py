@@ -21,7 +21,8 @@ Checkpoint names are the release's: `self_attn.{q,k,v}_proj` (fused here into a 
 `share_expert.{gate,up,down}_proj`, dense `mlp.*`; the head is never tied (vLLM loads
 `lm_head.weight` whatever the config says). The VL release keeps these names at the top level
 (`model.`, `lm_head.`) beside `vision_model.` / `vit_downsampler*.` / `vit_large_projector.`,
-which `Step3VLTextForCausalLM` drops (images are refused: paged runs no Step3 tower).
+which the VL wrapper drops here (its images: multimodal/step3_vl.py, config
+models/step3_vl_config.py).
 
 Tensor parallelism: the query's low-rank part and the KV head are replicated (as vLLM's
 ReplicatedLinear); `wq` splits the heads, `o_proj` reduces.

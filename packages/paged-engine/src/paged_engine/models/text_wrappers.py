@@ -67,6 +67,8 @@ each is exact).
     KeyeForConditionalGeneration         qwen3                  -> Qwen3ForCausalLM
     KeyeVL1_5ForConditionalGeneration    qwen3                  -> Qwen3ForCausalLM
       (remote code: models/keye_config.py; M-RoPE; images multimodal/keye.py)
+    Step3VLForConditionalGeneration      step3_text             -> Step3TextForCausalLM
+      (remote code: models/step3_vl_config.py; images multimodal/step3_vl.py)
     DeepseekVLV2ForCausalLM (remote code) deepseek_ocr2_text   -> DeepseekOcr2TextForCausalLM
                                          deepseek_v2          -> DeepseekV2ForCausalLM
       (DeepSeek-VL2's decoder, MHA (tiny) or MLA: models/deepseek_vl2_config.py)
@@ -506,6 +508,12 @@ WRAPPERS: dict[str, Wrapper] = {
     # the tower `visual.` and projector `mlp_AR.` beside it (multimodal/paddleocr_vl.py)
     "KeyeForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _PADDLEOCR_VL),
     "KeyeVL1_5ForConditionalGeneration": Wrapper({"qwen3": "Qwen3ForCausalLM"}, _PADDLEOCR_VL),
+    # Step3-VL (remote code; config: models/step3_vl_config.py): Step3's decoder under its own
+    # names (`model.`, `lm_head.`), the ViT, downsamplers and projector beside (step3_vl_encoder.py)
+    "Step3VLForConditionalGeneration": Wrapper(
+        {"step3_text": "Step3TextForCausalLM"},
+        ("vision_model.", "vit_downsampler.", "vit_downsampler2.", "vit_large_projector."),
+    ),
     # MiniCPM-V 2.5 to 4.5 (remote code; config: models/minicpmv_remote_config.py): Llama /
     # Qwen2 / Qwen3 under `llm.`, the tower `vpm.` and the resampler beside it (minicpmv_remote.py)
     "MiniCPMV": Wrapper(

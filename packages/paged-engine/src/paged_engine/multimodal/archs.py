@@ -110,6 +110,9 @@
       remote code: config models/keye_config.py; PaddleOCR-VL's tower, projector and runs
       under the Hub's names, Qwen3 with M-RoPE; KeyeVL1_5ForConditionalGeneration, Keye-VL-1.5,
       the same with its merged-row projector, images only)
+    Step3VLForConditionalGeneration     "step3_vl"  multimodal/step3_vl.py (Step3-VL, remote
+      code: config models/step3_vl_config.py; a global view and 504 patches, <patch_start> /
+      <im_start> runs; its ViT, conv downsamplers and projector step3_vl_encoder.py; Step3)
     Phi4MultimodalForCausalLM                     "phi4mm"      multimodal/phi4mm.py (a flat
       config: its Phi-3 decoder's fields at the top level)
     Phi3VForCausalLM                              "phi3v"       multimodal/phi3v.py (Phi-3 /
@@ -259,6 +262,7 @@ KINDS: dict[str, str] = {
     "IsaacForConditionalGeneration": "isaac",  # remote code: models/isaac_config.py
     "KeyeForConditionalGeneration": "keye",  # remote code: models/keye_config.py
     "KeyeVL1_5ForConditionalGeneration": "keye",  # Keye-VL-1.5: its projector (multimodal/keye.py)
+    "Step3VLForConditionalGeneration": "step3_vl",  # remote code: models/step3_vl_config.py
 }
 IMAGE_ARCHS = tuple(KINDS)
 # vLLM's names reached by hf_overrides for a checkpoint read as another wrapper (the value): the
@@ -323,6 +327,7 @@ TOWER_TYPES: dict[str, tuple[str, ...]] = {
     "siglip_embed": ("siglip_vision_model",),
     "opencua": ("qwen2_5_vl", "qwen2_5_vl_vision"),  # Qwen2.5-VL's (models/opencua_config.py)
     "isaac": ("siglip2_vision_model",),  # pixel_shuffle_siglip2 read as it (isaac_config.py)
+    "step3_vl": ("step3_vision_encoder",),  # else its geometry's reason (step3_vl_config.py)
 }
 
 # kind -> "module:callable" under paged_engine.multimodal: the encoder class (or a function
@@ -400,6 +405,7 @@ ENCODERS: dict[str, str] = {
     "opencua": "opencua:OpenCUAImageEncoder",
     "isaac": "isaac_encoder:IsaacImageEncoder",
     "keye": "keye:KeyeImageEncoder",  # Keye-VL: PaddleOCR-VL's tower, projector (1.5's: its own)
+    "step3_vl": "step3_vl_encoder:Step3VLImageEncoder",
 }
 
 

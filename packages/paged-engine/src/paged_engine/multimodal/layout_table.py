@@ -77,6 +77,7 @@ from paged_engine.multimodal.phi4mm import Phi4MMLayout
 from paged_engine.multimodal.phi4mm_remote import Phi4MMRemoteLayout
 from paged_engine.multimodal.qianfan_ocr import QianfanLayout
 from paged_engine.multimodal.qwen_vl_v1 import QwenVLLayout
+from paged_engine.multimodal.step3_vl import Step3VLLayout
 from paged_engine.multimodal.tarsier import TarsierLayout
 
 LAYOUTS: dict[str, type[Layout]] = {
@@ -153,4 +154,5 @@ LAYOUTS: dict[str, type[Layout]] = {
     "mantis": MantisLayout,  # Mantis (vLLM's name): LLaVA's runs in numbered image text
     "tarsier": TarsierLayout,  # Tarsier v1: LLaVA 1.5's run with its separator rows in it
     "glm4v_remote": Glm4vRemoteLayout,  # GLM-4V 9B: boi, pad, eoi -> boi, (grid / 2)^2 pads, eoi
+    "step3_vl": Step3VLLayout,  # Step3-VL: patch runs in <patch_start> / <patch_end>, then global
 }

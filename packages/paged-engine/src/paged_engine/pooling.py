@@ -134,15 +134,17 @@ def to_sampling_params(
         truncate = dims if dims is not None and dims < hidden_size else None
         head: dict[str, Any] = {"normalize": normalize, "dimensions": truncate}
     else:
+        # (a token classifier first: LLM.classify, named below, refuses it too)
+        if classifier.per_token and task != "token_classify":
+            raise ValueError(
+                f"task={task!r} is not supported: this model ({classifier.architecture}) is a "
+                "token classifier, it labels each token; use LLM.encode(..., "
+                "pooling_task='token_classify') (HTTP: /pooling)"
+            )
         if task in ("embed", "token_embed"):
             raise ValueError(
                 f"task={task!r} is not supported: this model ({classifier.architecture}) is a "
                 "classifier; use LLM.classify (or LLM.score for a single-label one)"
-            )
-        if classifier.per_token and task != "token_classify":
-            raise ValueError(
-                f"task={task!r} is not supported: this model ({classifier.architecture}) labels "
-                "each token; use LLM.encode(..., pooling_task='token_classify') (HTTP: /pooling)"
             )
         if task == "token_classify" and classifier.head_after_pooling:
             raise ValueError(

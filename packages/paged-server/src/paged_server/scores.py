@@ -216,6 +216,12 @@ def _cross_encoder(
     """A single-label classifier's scores: one pooling request per pair prompt."""
     info = app.classifier
     assert info is not None
+    if info.per_token:  # (its own route: /pooling; /classify refuses it too)
+        raise bad_request(
+            f"this model ({info.architecture}) is a token classifier, it labels each token: it "
+            "scores no pairs; use /pooling",
+            "model",
+        )
     if not info.scores:
         raise bad_request(
             f"this model classifies into {info.num_labels} labels: scoring pairs needs a "

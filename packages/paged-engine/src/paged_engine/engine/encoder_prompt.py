@@ -108,6 +108,11 @@ class EncoderPrompts:
             salt = p.get("cache_salt")
             if "prompt_token_ids" in p:
                 p = p["prompt_token_ids"]
+                if not isinstance(p, (list, tuple)):  # (a str here is not text to tokenize)
+                    raise ValueError(
+                        f"{what}: prompt_token_ids must be a list of token ids, got "
+                        f"{type(p).__name__}"
+                    )
             elif "prompt" in p:
                 p = p["prompt"]
             else:

@@ -64,10 +64,15 @@ MTP_ALIASES = (
     "glm4_moe_lite_mtp", "glm_ocr_mtp", "ernie_mtp", "nemotron_h_mtp", "exaone_moe_mtp",
     "exaone4_5_mtp", "qwen3_next_mtp", "qwen3_5_mtp", "longcat_flash_mtp", "bailing_hybrid_mtp",
     "bailing_hybrid_v3_mtp", "minimax_m3_mtp", "kimi_k3_mtp", "pangu_ultra_moe_mtp",
-    "step3p5_mtp", "hy_v3_mtp", "gemma4_mtp", "inkling_mtp",
+    "step3p5_mtp", "hy_v3_mtp", "inkling_mtp",
 )  # fmt: skip
-# ... and vLLM's GPU n-gram proposer (the same proposals)
-_ALIASES = {**dict.fromkeys(MTP_ALIASES, "mtp"), "ngram_gpu": "ngram"}
+# ... and vLLM's GPU n-gram proposer (the same proposals); vLLM's "gemma4_mtp" drafts with the
+# Gemma 4 assistant named by `model` (its Gemma4Proposer), paged's "gemma4_assistant"
+_ALIASES = {
+    **dict.fromkeys(MTP_ALIASES, "mtp"),
+    "ngram_gpu": "ngram",
+    "gemma4_mtp": "gemma4_assistant",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,7 @@ def test_engine_flags(monkeypatch) -> None:
     with pytest.raises(ValueError, match="uni runs one process"):
         engine_config(monkeypatch, ["--distributed-executor-backend", "uni", "-tp", "2"])
     assert engine_config(monkeypatch, ["--model-impl", "vllm"]).model_impl == "vllm"
+    assert engine_config(monkeypatch, ["--model-impl", "transformers"]).model_impl == "transformers"
     # vLLM's older spelling of --mm-processor-cache-gb 0
     assert (
         engine_config(monkeypatch, ["--disable-mm-preprocessor-cache"]).mm_processor_cache_gb == 0
@@ -101,7 +102,6 @@ def test_engine_flags(monkeypatch) -> None:
     [
         ["--distributed-executor-backend", "ray"],
         ["--tokenizer-mode", "slow"],
-        ["--model-impl", "transformers"],
     ],
 )
 def test_what_paged_cannot_do_is_refused_naming_the_flag(argv, capsys) -> None:

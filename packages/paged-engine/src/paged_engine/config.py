@@ -119,8 +119,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Custom logits processors (sample/logits_processor.py): classes or "module:Class" names.
     logits_processors: list | None = None
-    # vLLM's model_impl: "auto" / "vllm" both mean this engine's own implementations (the
-    # only ones it has); "transformers" (HF's modeling code) is refused by name
+    # vLLM's model_impl: "vllm" this engine's own implementations; "transformers" HF's modeling
+    # code with paged attention (models/transformers_backend.py); "auto" the own one, else that
     model_impl: str = "auto"
     # vLLM's worker_extension_cls: a class (or "module.Class") whose methods join every rank's
     # Worker, for collective_rpc (worker/extension.py)
@@ -418,11 +418,11 @@ class EngineConfig:
                     "speculative_config is not supported with pipeline_parallel_size > 1"
                 )
         _check(
-            self.model_impl in ("auto", "vllm"),
+            self.model_impl in ("auto", "vllm", "transformers"),
             "model_impl",
             self.model_impl,
-            "'auto' or 'vllm' (this engine's own model implementations; it does not run "
-            "transformers' modeling code)",
+            "'auto', 'vllm' (this engine's own model implementations) or 'transformers' "
+            "(transformers' modeling code, models/transformers_backend.py)",
         )
         if self.worker_extension_cls is not None:
             from paged_engine.worker.extension import load_extension

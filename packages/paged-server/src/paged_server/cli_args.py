@@ -120,10 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model-impl",
-        choices=("auto", "vllm"),
+        choices=("auto", "vllm", "transformers"),
         default="auto",
-        help="vLLM's flag: both are this engine's own implementations (transformers' modeling "
-        "code is not run)",
+        help="vLLM's flag: 'vllm' this engine's own implementations, 'transformers' "
+        "transformers' modeling code with paged attention, 'auto' the own one, else that",
     )
     p.add_argument(
         "--worker-extension-cls",

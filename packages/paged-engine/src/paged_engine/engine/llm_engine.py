@@ -69,6 +69,7 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.models.base_model import base_model_engine_config, pooling_only
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.st_modules import load_dense_stack
+from paged_engine.models.transformers_backend import select_model_impl
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor
@@ -135,6 +136,7 @@ class LLMEngine:
         )
         apply_hf_overrides(self.hf_config, config.hf_overrides)
         convert_architectures(self.hf_config, config.convert)  # convert="classify"
+        select_model_impl(config, self.hf_config)  # model_impl="transformers" / its fallback
         hybrid_engine_config(config, self.hf_config)  # before any worker reads the config
         encoder_decoder_engine_config(config, self.hf_config)  # Whisper: refusals, lengths
         # BERT / RoBERTa (engine/encoder.py): whole sequences in one step, pooling only

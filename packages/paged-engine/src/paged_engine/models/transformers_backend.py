@@ -1,0 +1,275 @@
+"""Transformers modeling backend: any transformers decoder-only causal LM run by paged's engine.
+
+vLLM's `model_impl="transformers"` (its `TransformersForCausalLM`): HF's own modeling code builds
+the backbone (`AutoModel.from_config`: embeddings, decoder layers, rotary, norms untouched), and
+only the attention is swapped: the model is built with `attn_implementation="paged"`, a function
+registered in transformers' `AttentionInterface`, which hands each HF attention module's q / k / v
+to a paged `Attention` layer (writes the step's K/V into that layer's paged cache, attends through
+the block tables). The step's flattened tokens run as one HF batch row, `input_ids` [1, T] with
+`position_ids` [1, T]; no HF cache and no HF mask (paged's attention is causal per sequence, and
+transformers builds no mask for an attention function without a mask function of its own). The
+LM head is paged's (`CausalLMBase`), tied to HF's input embedding where the config ties it.
+
+Weights load by HF name: the backbone keeps HF's module tree under the model's
+`base_model_prefix`, so checkpoint names map 1:1.
+
+`model_impl="auto"` (the default) falls back to this class for an architecture the registry does
+not serve when transformers has it as a causal LM whose class supports custom attention
+(`_supports_attention_backend`, vLLM's rule). What cannot run this way is refused by name:
+encoder-decoders, multimodal configs, MoE (vLLM's TransformersMoEForCausalLM), tensor / pipeline
+parallelism, LoRA, speculative decoding, prompt embeddings, pooling, attention sinks, attention or
+final-logit soft-capping, logit scaling, and layers other than full / sliding attention.
+`select_model_impl` decides at engine start and marks the config (`IMPL_FIELD`);
+`models.get_model_class` reads the mark.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_engine.distributed.parallel_state import get_parallel_state
+from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.models.utils import CausalLMBase
+
+logger = logging.getLogger(__name__)
+
+ARCH = "TransformersForCausalLM"  # vLLM's name for this class
+ATTN_IMPL = "paged"  # the attention function's name in transformers' AttentionInterface
+IMPL_FIELD = "paged_model_impl"  # set on the engine's hf_config: "transformers" selects ARCH
+STEP_KWARG = "paged_step"  # (kv_caches, attn_metadata), passed through HF's forward kwargs
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# config fields this wrapper cannot express, and the value that means "off"
+_REFUSED_FIELDS = {
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "logit_scale": 1.0,
+    "logits_scaling": 1.0,
+    "use_bidirectional_attention": False,  # EmbeddingGemma's (paged attends causally)
+}
+_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def _refuse(why: str) -> ValueError:
+    return ValueError(f"model_impl='transformers': {why}")
+
+
+def transformers_class(hf_config) -> type | None:
+    """HF's `*ForCausalLM` class of the config's architecture, None where transformers has no
+    causal LM of that name."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for arch in archs:
+        if arch in causal:
+            return getattr(transformers, arch, None)
+    return None
+
+
+def check_transformers_config(hf_config) -> type:
+    """HF's causal LM class for `hf_config`, or ValueError naming what this backend refuses."""
+    from paged_engine.models.multimodal_text import MARKER
+
+    archs = ", ".join(getattr(hf_config, "architectures", None) or []) or "none"
+    if getattr(hf_config, MARKER, None) is not None or hf_config.get_text_config() is not hf_config:
+        raise _refuse(f"multimodal models are not supported ({archs})")
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise _refuse(f"encoder-decoder models are not supported ({archs})")
+    cls = transformers_class(hf_config)
+    if cls is None:
+        raise _refuse(f"architectures {archs} name no transformers *ForCausalLM class")
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise _refuse(
+            f"{cls.__name__} does not support custom attention (_supports_attention_backend)"
+        )
+    for name in _MOE_FIELDS:
+        if getattr(hf_config, name, None):
+            raise _refuse(f"mixture-of-experts models (config.{name}) are not supported")
+    for name, off in _REFUSED_FIELDS.items():
+        value = getattr(hf_config, name, off)
+        if value is not None and value != off:
+            raise _refuse(f"config.{name}={value!r} is not supported")
+    kinds = set(getattr(hf_config, "layer_types", None) or ()) - set(_LAYER_TYPES)
+    if kinds:
+        raise _refuse(f"config.layer_types {sorted(kinds)} are not supported (only {_LAYER_TYPES})")
+    return cls
+
+
+def select_model_impl(config, hf_config) -> None:
+    """Engine start: mark `hf_config` for this backend where `config.model_impl` asks for it, or
+    where "auto" finds no native class and transformers serves the architecture; refuse the
+    engine options this backend cannot run (each by name)."""
+    from paged_engine.models import get_model_class
+
+    impl = config.model_impl
+    if impl == "vllm":
+        return
+    if impl == "auto":
+        try:
+            get_model_class(hf_config)
+            return
+        except ValueError:
+            pass
+        try:
+            check_transformers_config(hf_config)
+        except ValueError:
+            return  # neither serves it: the registry's error comes where the engine asks it
+        logger.info(
+            "no native class for %s: the Transformers modeling backend serves it",
+            ", ".join(hf_config.architectures),
+        )
+    else:
+        check_transformers_config(hf_config)
+    options = {
+        "tensor_parallel_size": config.tensor_parallel_size != 1,
+        "pipeline_parallel_size": config.pipeline_parallel_size != 1,
+        "enable_lora": config.enable_lora,
+        "speculative_config": config.speculative_config is not None,
+        "enable_prompt_embeds": config.enable_prompt_embeds,
+        "runner": config.runner == "pooling",
+        "convert": config.convert not in ("auto", "none"),
+    }
+    for name, refused in options.items():
+        if refused:
+            raise _refuse(f"{name}={getattr(config, name)!r} is not supported")
+    setattr(hf_config, IMPL_FIELD, "transformers")
+    # HF's forward runs eagerly: no CPU torch.compile, no CUDA graphs
+    config.enforce_eager = True
+    config.compilation_config = 0
+
+
+def _paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,  # None: paged's attention is causal itself
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: the output [1, T, H, D], no weights."""
+    step = kwargs.get(STEP_KWARG)
+    if step is None:
+        raise RuntimeError(f"attn_implementation={ATTN_IMPL!r} runs only inside paged's engine")
+    kv_caches, attn_metadata = step
+    attn: Attention = module.paged_attn
+    if kwargs.get("s_aux") is not None:  # gpt-oss style sinks (refused at build where seen)
+        raise RuntimeError(f"layer {module.layer_idx}: attention sinks are not supported")
+    # HF's window of this layer, as its forward hands it to a flash-attention function (HF's
+    # eager / sdpa paths window through the mask instead, which is not built here)
+    attn.sliding_window = kwargs.get("sliding_window") or None
+    num_tokens, head_dim = query.shape[2], query.shape[3]
+    q = query[0].transpose(0, 1).reshape(num_tokens, -1)
+    k = key[0].transpose(0, 1).reshape(num_tokens, -1)
+    v = value[0].transpose(0, 1).reshape(num_tokens, -1)
+    out = attn(q, k, v, kv_caches[module.layer_idx], attn_metadata)  # [T, H*D]
+    return out.view(1, num_tokens, -1, head_dim), None
+
+
+def register_attention() -> None:
+    """Register the "paged" attention function with transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPL, _paged_attention)
+
+
+def _attention_modules(backbone: nn.Module) -> list[nn.Module]:
+    """HF's attention modules: those with a layer index and a softmax scale."""
+    return [
+        m
+        for m in backbone.modules()
+        if isinstance(getattr(m, "layer_idx", None), int) and hasattr(m, "scaling")
+    ]
+
+
+class TransformersForCausalLM(CausalLMBase):
+    """HF's backbone with paged attention and paged's LM head (see the module docstring)."""
+
+    ignored_weights = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config) -> None:
+        from transformers import AutoModel
+
+        hf_class = check_transformers_config(config)
+        state = get_parallel_state()
+        if state.tp_size != 1 or state.pp_size != 1:
+            raise _refuse("tensor and pipeline parallelism are not supported")
+        register_attention()
+        with torch.device("meta"):  # HF's whole *ForCausalLM, only to read its LM head
+            full = hf_class(copy.deepcopy(config))
+        head = full.get_output_embeddings()
+        if not isinstance(head, nn.Linear) or getattr(full, self.head_name, None) is not head:
+            raise _refuse(f"{hf_class.__name__}'s LM head is not a plain `lm_head` linear layer")
+        self.head_bias = head.bias is not None
+        hf_config = copy.deepcopy(config)  # from_config sets _attn_implementation on it
+        backbone = AutoModel.from_config(
+            hf_config, attn_implementation=ATTN_IMPL, dtype=torch.get_default_dtype()
+        )
+        # checkpoint names: "<base_model_prefix>.layers.0...", as HF's *ForCausalLM saves them
+        self.inner_name = hf_class.base_model_prefix or "model"
+        embed = backbone.get_input_embeddings()
+        embed_name = next(n for n, m in backbone.named_modules() if m is embed)
+        self.embed_path = f"{self.inner_name}.{embed_name}"
+        super().__init__(config, backbone)
+        self._bind_attention(backbone, config)
+
+    @staticmethod
+    def _bind_attention(backbone: nn.Module, config) -> None:
+        """One paged `Attention` per decoder layer, a child of HF's attention module of that
+        layer; the layer's cache is kv_caches[layer_idx], of the shape the cache engine reads
+        from the config (num_key_value_heads, head_dim)."""
+        num_layers = int(config.num_hidden_layers)
+        num_heads = int(config.num_attention_heads)
+        num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        cache_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        modules = _attention_modules(backbone)
+        if sorted(m.layer_idx for m in modules) != list(range(num_layers)):
+            raise _refuse("its attention modules do not map one to one onto the decoder layers")
+        for m in modules:
+            head_dim = int(getattr(m, "head_dim", cache_dim))
+            if head_dim != cache_dim or not getattr(m, "is_causal", True):
+                raise _refuse(
+                    f"attention layer {m.layer_idx} is not a causal one of head_dim {cache_dim}"
+                )
+            if getattr(m, "sinks", None) is not None:
+                raise _refuse("attention sinks are not supported")
+            m.paged_attn = Attention(
+                num_heads,
+                head_dim,
+                num_kv_heads,
+                scale=float(m.scaling),
+                sliding_window=None,  # set at each call from what HF's forward passes
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, D]
+        if hidden is not None:
+            raise _refuse("prompt embeddings and pipeline stages are not supported")
+        backbone = getattr(self, self.inner_name)
+        out = backbone(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            **{STEP_KWARG: (kv_caches, attn_metadata)},
+        )
+        return out.last_hidden_state[0]
+
+
+__all__ = [
+    "ARCH",
+    "IMPL_FIELD",
+    "TransformersForCausalLM",
+    "check_transformers_config",
+    "select_model_impl",
+]

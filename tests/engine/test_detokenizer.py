@@ -309,9 +309,9 @@ def test_stop_holdback_matches_the_longest_suffix_rule_and_scales():
         ]
         assert stop_holdback(text, stops) == naive(text, stops), (text, stops)
     text, stop = "x" * 100_000, "y" + "x" * 100_000
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU time: a loaded machine does not stretch it
     assert stop_holdback(text, [stop]) == 0 and stop_holdback("y" + text[1:], [stop]) == 100_000
-    assert time.perf_counter() - start < 0.5
+    assert time.thread_time() - start < 0.5
 
 
 @pytest.mark.parametrize("kind", ["FINAL_ONLY", "DELTA"])

@@ -276,9 +276,9 @@ def test_tile_ratios_follow_transformers_cheaply():
     for low in range(-1, 12):
         for high in range(0, 41):
             assert list(target_ratios(low, high)) == hf._target_ratios(low, high), (low, high)
-    start = time.perf_counter()
+    start = time.thread_time()  # this thread's CPU time: a loaded machine does not stretch it
     assert len(target_ratios(2, 5000)) > 40000
-    assert time.perf_counter() - start < 2
+    assert time.thread_time() - start < 2
 
 
 @pytest.mark.skipif(not HF_PROCESSOR, reason="transformers' Lfm2VlImageProcessor: torchvision")

@@ -156,6 +156,11 @@ def test_preemption_and_prefix_cache_keep_outputs(tiny_llama_dir):
         block_size=8,
         max_num_batched_tokens=32,
     )
+    # Compiled before the run: a request waits for its grammar, so on a loaded machine (slow
+    # compiles, one after another) they would start apart and never crowd the pool.
+    structured = tight.llm_engine.engine_core.structured
+    for p in params:
+        structured.new_constraint(p.structured_outputs, []).grammar.result()
     got = tight.generate(prompts, params, use_tqdm=False)
     assert tight.get_stats().num_preemptions > 0
     again = tight.generate(prompts, params, use_tqdm=False)  # prompts now prefix-cached

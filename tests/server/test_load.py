@@ -145,7 +145,10 @@ def test_signal_finishes_in_flight_requests_and_exits_0(sig: int) -> None:
 
     t = threading.Thread(target=slow_request)
     t.start()
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30  # the engine has it: the signal lands mid-request
+    while server.metrics()["paged:num_requests_running"] < 1:
+        assert time.monotonic() < deadline and t.is_alive(), "the request never ran"
+        time.sleep(0.02)
     server.proc.send_signal(sig)
     t.join(20)
     assert result["resp"][0] == 200
@@ -167,11 +170,14 @@ def _wait_health(server: ServerProc, status: int, timeout: float = 15.0) -> dict
         time.sleep(0.1)
 
 
-def test_a_lost_rank_while_idle_shuts_the_server_down_with_exit_code_1() -> None:
+def test_a_lost_rank_while_idle_shuts_the_server_down_with_exit_code_1(tmp_path) -> None:
     """As vLLM's server: a dead engine ends the process, for a supervisor to restart. The loss
-    is found while idle (the engine loop's health check), not at the next request."""
-    server = launch(COMMON_ARGS, fake=True, env={"FAKE_DEAD_AFTER": "1.5"})
+    is found while idle (the engine loop's health check), not at the next request. The rank
+    dies when the test says (a file), not after a time a loaded machine can outlast at start."""
+    lost = tmp_path / "rank-lost"
+    server = launch(COMMON_ARGS, fake=True, env={"FAKE_DEAD_FILE": str(lost)})
     assert server.request("GET", "/health")[0] == 200
+    lost.touch()
     assert server.proc.wait(20) == 1, "".join(server.lines[-20:])
     log = "".join(server.lines)
     assert "shutting down" in log and "exiting with code 1: " in log and LOST_RANK in log

@@ -57,4 +57,4 @@ def test_parallel_server_answers_like_one_process(real_server, tiny_model, flag)
     finally:
         code = server.stop()
         assert code == (1 if flag == "-pp" else 0), "".join(server.lines[-30:])
-    assert wait_gone(workers, timeout=10) == []
+    assert wait_gone(workers) == []  # (30 s: a hang bound; a loaded machine exits slowly)

@@ -4,6 +4,8 @@
 `propose` is recorded, then compares every step's drafts 1 and 2 with what the reference
 predicts for the finished sequence cut at that step: the head's first pass must have run over
 the target's features of exactly the positions before it, and its second pass on its own.
+The rest: what the EAGLE-1 / MTP test files share (prompts, speculative configs, the
+two-pass teacher-forced drafts of a reference, the greedy and every-draft-accepted checks).
 """
 
 from __future__ import annotations
@@ -99,3 +101,79 @@ def assert_drafts_teacher_forced(
             assert drafts[1] == d2, (len(prompt), c)
         checked += 1
     assert checked >= min_checked
+
+
+# ---- shared by the EAGLE-1 / MTP test files --------------------------------------------------
+# A repeat, a long one, and a short one (two tokens: an EAGLE-1 head; one token: an MTP layer,
+# which at position 0 reads the prompt's only token).
+EAGLE_PROMPTS = [
+    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
+    {"prompt_token_ids": list(range(100, 137))},
+    {"prompt_token_ids": [7, 300]},
+]
+MTP_PROMPTS = [*EAGLE_PROMPTS[:2], {"prompt_token_ids": [7]}]
+
+
+def eagle_spec(head, k: int) -> dict:
+    """speculative_config of an EAGLE-1 head at `head` drafting k tokens."""
+    return {"method": "eagle", "model": str(head), "num_speculative_tokens": k}
+
+
+def mtp_spec(k: int | None) -> dict:
+    """speculative_config of the target's own MTP layer(s); k None: the layer count serves."""
+    return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
+
+
+def token_ids(outs) -> list[list]:
+    """Every completion's token ids, per request."""
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+def teacher_forced_drafts(
+    step: Callable, feats: torch.Tensor, seq: list[int], c: int, head: torch.Tensor | None = None
+) -> tuple[int, int]:
+    """Drafts 1 and 2 of a step whose row runs its own token seq[c] at position c, given the
+    target's features `feats` [c, D] of positions 0..c-1: position i reads token seq[i + 1]
+    and feature i. `step(tokens, feats)` runs the head: (logits, features) per position, or,
+    with `head` given, the features only (logits = features @ head.T). Draft 2 is a second pass
+    with draft 1 appended, reading the first pass's last feature."""
+
+    def logits_and_out(tokens: list[int], f: torch.Tensor):
+        if head is None:
+            return step(tokens, f)
+        out = step(tokens, f)
+        return (out[-1] @ head.T)[None], out
+
+    tokens = seq[1 : c + 1]
+    logits, out = logits_and_out(tokens, feats)
+    d1 = int(logits[-1].argmax())
+    logits2, _ = logits_and_out([*tokens, d1], torch.cat([feats, out[-1:]]))
+    return d1, int(logits2[-1].argmax())
+
+
+def assert_drafts_match_reference(
+    monkeypatch, runner_cls, target, prompts: list[dict], spec_config: dict, reference
+) -> None:
+    """Greedy 10-token requests under `spec_config` with `runner_cls.propose` recorded: every
+    step's drafts 1 and 2 are `reference(sequence, c)`'s (assert_drafts_teacher_forced), at
+    least 5 steps checked."""
+    from paged_engine import SamplingParams
+
+    seen = record_drafts(monkeypatch, runner_cls)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    _, outs = run_llm(target, prompts, params, speculative_config=spec_config)
+    assert_drafts_teacher_forced(seen, prompts, outs, reference, 5)
+
+
+def assert_every_draft_accepted(target, prompts: list[dict], spec_config: dict) -> None:
+    """Greedy 12-token requests (ignore_eos) under `spec_config`: the plain engine's tokens,
+    drafts proposed, and every one accepted."""
+    from paged_engine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    _, plain = run_llm(target, prompts, params)
+    llm, spec = run_llm(target, prompts, params, speculative_config=spec_config)
+    assert token_ids(spec) == token_ids(plain)
+    stats = llm.get_stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens

@@ -16,14 +16,15 @@ import json
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    EAGLE_PROMPTS,
+    assert_drafts_match_reference,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    eagle_spec,
     rms,
-    run_llm,
+    teacher_forced_drafts,
 )
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.spec_decode.eagle import FinalHiddenRunner
 from paged_engine.testing import write_tiny_eagle3_head, write_tiny_eagle_head, write_tiny_model
 
@@ -31,19 +32,6 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
-
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7, 300]},
-]
-
-
-def _spec(head, k: int) -> dict:
-    return {"method": "eagle", "model": str(head), "num_speculative_tokens": k}
-
-
-_run = run_llm
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "gpt2"])
@@ -56,7 +44,7 @@ def pair(request, tmp_path_factory):
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_is_token_identical(pair, k):
     target, head = pair
-    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(head, k), 16)
+    assert_greedy_identical_with_drafts(target, EAGLE_PROMPTS, eagle_spec(head, k), 16)
 
 
 class ReferenceEagle:
@@ -109,11 +97,7 @@ class ReferenceEagle:
 
     @torch.no_grad()
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
-        hidden = self._final_hidden(seq[:c])
-        out = self.run(seq[1 : c + 1], hidden)
-        d1 = int((out[-1] @ self.head.T).argmax())
-        out2 = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, out[-1:]]))
-        return d1, int((out2[-1] @ self.head.T).argmax())
+        return teacher_forced_drafts(self.run, self._final_hidden(seq[:c]), seq, c, self.head)
 
 
 @pytest.mark.parametrize(
@@ -122,10 +106,10 @@ class ReferenceEagle:
 def test_drafts_are_the_heads_teacher_forced_predictions(variant, monkeypatch, tmp_path):
     target = write_tiny_model(tmp_path / "target", "llama")
     head = write_tiny_eagle_head(tmp_path / "head", target, seed=2, **variant)
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = _run(target, PROMPTS, params, speculative_config=_spec(head, 2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceEagle(head, target).drafts, 5)
+    reference = ReferenceEagle(head, target).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, target, EAGLE_PROMPTS, eagle_spec(head, 2), reference
+    )
 
 
 def test_method_from_the_name_and_refusals(tmp_path):
@@ -135,10 +119,10 @@ def test_method_from_the_name_and_refusals(tmp_path):
     assert llm.llm_engine.config.speculative_config["method"] == "eagle"
     wide = write_tiny_model(tmp_path / "wide", "llama", hidden_size=96)
     with pytest.raises(ValueError, match=r"hidden_size 64 differs from the target's 96"):
-        LLM(str(wide), speculative_config=_spec(head, 2))
+        LLM(str(wide), speculative_config=eagle_spec(head, 2))
     eagle3 = write_tiny_eagle3_head(tmp_path / "e3", target)
     with pytest.raises(ValueError, match=r"is an EAGLE-3 head: use method 'eagle3'"):
-        LLM(str(target), speculative_config=_spec(eagle3, 2))
+        LLM(str(target), speculative_config=eagle_spec(eagle3, 2))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((head / "config.json").read_text())
@@ -147,5 +131,5 @@ def test_method_from_the_name_and_refusals(tmp_path):
     w = load_file(head / "model.safetensors")
     save_file({k: v for k, v in w.items() if k != "fc.weight"}, broken / "model.safetensors")
     with pytest.raises(ValueError, match=r"EAGLE checkpoint lacks \['fc.weight'\]"):
-        LLM(str(target), speculative_config=_spec(broken, 2))
+        LLM(str(target), speculative_config=eagle_spec(broken, 2))
     assert json.loads((head / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -23,15 +23,16 @@ from pathlib import Path
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    EAGLE_PROMPTS,
+    assert_drafts_match_reference,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    eagle_spec,
     rms,
-    run_llm,
+    teacher_forced_drafts,
 )
 from test_mistral_large3_format import _ROPE, write_native
 
-from paged_engine import LLM, SamplingParams
+from paged_engine import LLM
 from paged_engine.spec_decode.eagle import FinalHiddenRunner
 from paged_engine.testing import write_tiny_model
 
@@ -40,16 +41,7 @@ from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7, 300]},
-]
 HEAD_LAYERS = 2
-
-
-def _spec(head, k: int) -> dict:
-    return {"method": "eagle", "model": str(head), "num_speculative_tokens": k}
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float) -> torch.Tensor:
@@ -112,20 +104,24 @@ def write_deepseek_eagle_head(path: Path, target: Path, seed: int) -> Path:
     return head
 
 
-def write_mistral_eagle_head(path: Path, seed: int) -> Path:
-    """A Mistral Large 3 EAGLE head in the native format: a tiny HF Mistral 4 of two layers
-    (dense, then MoE; saved as `hf`) rewritten as Large 3 ships, plus `eagle_linear.weight`."""
-    hf = write_tiny_model(
-        path / "hf",
+def _write_mistral4(path: Path, seed: int, **fields) -> Path:
+    """A tiny HF Mistral 4 (the network of a Mistral Large 3) with one expert group."""
+    return write_tiny_model(
+        path,
         "mistral4",
         seed=seed,
-        num_hidden_layers=HEAD_LAYERS,
-        first_k_dense_replace=1,
         n_group=1,
         topk_group=1,
         routed_scaling_factor=1.5,
         rope_parameters=dict(_ROPE),
+        **fields,
     )
+
+
+def write_mistral_eagle_head(path: Path, seed: int) -> Path:
+    """A Mistral Large 3 EAGLE head in the native format: a tiny HF Mistral 4 of two layers
+    (dense, then MoE; saved as `hf`) rewritten as Large 3 ships, plus `eagle_linear.weight`."""
+    hf = _write_mistral4(path / "hf", seed, num_hidden_layers=HEAD_LAYERS, first_k_dense_replace=1)
     head = write_native(hf, path / "head")
     d = int(json.loads((hf / "config.json").read_text())["hidden_size"])
     w = load_file(head / "consolidated.safetensors")
@@ -141,22 +137,14 @@ def pair(request, tmp_path_factory):
     if request.param == "deepseek":
         target = write_tiny_model(d / "target", "deepseek_v3", seed=3)
         return target, target, write_deepseek_eagle_head(d / "ds", target, seed=4)
-    hf_target = write_tiny_model(
-        d / "hf-target",
-        "mistral4",
-        seed=1,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.5,
-        rope_parameters=dict(_ROPE),
-    )
+    hf_target = _write_mistral4(d / "hf-target", 1)
     target = write_native(hf_target, d / "target")
     return target, hf_target, write_mistral_eagle_head(d / "ml3", seed=5)
 
 
 def test_greedy_is_token_identical(pair):
     target, _, head = pair
-    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(head, 3), 12)
+    assert_greedy_identical_with_drafts(target, EAGLE_PROMPTS, eagle_spec(head, 3), 12)
 
 
 class ReferenceHead:
@@ -197,18 +185,15 @@ class ReferenceHead:
     @torch.no_grad()
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
         hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
-        out = self.run(seq[1 : c + 1], hidden)
-        d1 = int((out[-1] @ self.head.T).argmax())
-        out2 = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, out[-1:]]))
-        return d1, int((out2[-1] @ self.head.T).argmax())
+        return teacher_forced_drafts(self.run, hidden, seq, c, self.head)
 
 
 def test_drafts_are_the_heads_teacher_forced_predictions(pair, monkeypatch):
     target, hf_target, head = pair
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(target, PROMPTS, params, speculative_config=_spec(head, 2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceHead(head, hf_target).drafts, 5)
+    reference = ReferenceHead(head, hf_target).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, target, EAGLE_PROMPTS, eagle_spec(head, 2), reference
+    )
 
 
 def _edit_config(src: Path, dst: Path, **fields) -> Path:
@@ -223,22 +208,22 @@ def test_refusals_by_name(tmp_path):
     head = write_deepseek_eagle_head(tmp_path / "ds", target, seed=4)
     wide = write_tiny_model(tmp_path / "wide", "deepseek_v3", hidden_size=96)
     with pytest.raises(ValueError, match=r"head's hidden_size 64 differs from the target's 96"):
-        LLM(str(wide), speculative_config=_spec(head, 2))
+        LLM(str(wide), speculative_config=eagle_spec(head, 2))
     vocab = _edit_config(head, tmp_path / "vocab", vocab_size=1000)
     with pytest.raises(ValueError, match=r"head's vocab_size 1000 differs from the target's"):
-        LLM(str(target), speculative_config=_spec(vocab, 2))
+        LLM(str(target), speculative_config=eagle_spec(vocab, 2))
     v32 = _edit_config(head, tmp_path / "v32", model_type="deepseek_v32")
     with pytest.raises(ValueError, match=r"model_type 'deepseek_v32'.*not supported"):
-        LLM(str(target), speculative_config=_spec(v32, 2))
+        LLM(str(target), speculative_config=eagle_spec(v32, 2))
     broken = tmp_path / "broken"
     shutil.copytree(head, broken)
     w = load_file(head / "model.safetensors")
     save_file({k: v for k, v in w.items() if k != "fc.weight"}, broken / "model.safetensors")
     with pytest.raises(ValueError, match=r"EAGLE checkpoint lacks \['fc.weight'\]"):
-        LLM(str(target), speculative_config=_spec(broken, 2))
+        LLM(str(target), speculative_config=eagle_spec(broken, 2))
     hf_mistral = write_tiny_model(tmp_path / "m4", "mistral4")
     with pytest.raises(ValueError, match=r"Mistral 4 EAGLE head in Hugging Face's format"):
         LLM(
             str(write_tiny_model(tmp_path / "m4t", "mistral4")),
-            speculative_config=_spec(hf_mistral, 2),
+            speculative_config=eagle_spec(hf_mistral, 2),
         )

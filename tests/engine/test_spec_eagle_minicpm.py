@@ -21,11 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    EAGLE_PROMPTS,
+    assert_drafts_match_reference,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    eagle_spec,
+    full_sequences,
     rms,
     run_llm,
+    teacher_forced_drafts,
 )
 
 from paged_engine import LLM, SamplingParams
@@ -37,11 +40,6 @@ from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7, 300]},
-]
 LAYERS, HIDDEN, HEADS = 2, 64, 4
 # the head's own MiniCPM scalars (the target's: scale_emb 12, scale_depth 1.4, base 16)
 HEAD_SCALARS = {"scale_emb": 3.0, "scale_depth": 1.7, "dim_model_base": 32}
@@ -104,10 +102,6 @@ def write_minicpm_eagle_head(
         out["lm_head.weight"] = torch.randn((v, d), generator=gen) * d**-0.5
     save_file({k: v.contiguous() for k, v in out.items()}, path / "model.safetensors")
     return path
-
-
-def _spec(head, k: int) -> dict:
-    return {"method": "eagle", "model": str(head), "num_speculative_tokens": k}
 
 
 class ReferenceMiniCPMEagle:
@@ -180,11 +174,7 @@ class ReferenceMiniCPMEagle:
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
         out = self.target(torch.tensor([seq[:c]]), output_hidden_states=True)
         hidden = out.hidden_states[-1][0]  # the final normed hidden states (the LM head's input)
-        head = self.head.detach()
-        step = self.run(seq[1 : c + 1], hidden)
-        d1 = int((step[-1] @ head.T).argmax())
-        step2 = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, step[-1:]]))
-        return d1, int((step2[-1] @ head.T).argmax())
+        return teacher_forced_drafts(self.run, hidden, seq, c, self.head.detach())
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +185,7 @@ def target(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("k", [1, 3])
 def test_greedy_is_token_identical(target, tmp_path, k):
     head = write_minicpm_eagle_head(tmp_path / "head", target)
-    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(head, k), 16)
+    assert_greedy_identical_with_drafts(target, EAGLE_PROMPTS, eagle_spec(head, k), 16)
 
 
 @pytest.mark.parametrize(
@@ -205,11 +195,10 @@ def test_greedy_is_token_identical(target, tmp_path, k):
 )
 def test_drafts_are_the_heads_teacher_forced_predictions(target, variant, monkeypatch, tmp_path):
     head = write_minicpm_eagle_head(tmp_path / "head", target, **variant)
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(target, PROMPTS, params, speculative_config=_spec(head, 2))
-    reference = ReferenceMiniCPMEagle(head, target)
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, reference.drafts, 5)
+    reference = ReferenceMiniCPMEagle(head, target).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, target, EAGLE_PROMPTS, eagle_spec(head, 2), reference
+    )
 
 
 def test_refusals(target, tmp_path):
@@ -217,17 +206,17 @@ def test_refusals(target, tmp_path):
     raw = json.loads((head / "config.json").read_text())
     (head / "config.json").write_text(json.dumps(raw | {"num_experts": 4}))
     with pytest.raises(ValueError, match="'num_experts' > 0"):
-        LLM(str(target), speculative_config=_spec(head, 2))
+        LLM(str(target), speculative_config=eagle_spec(head, 2))
     (head / "config.json").write_text(json.dumps(raw | {"hidden_act": "fatrelu"}))
     with pytest.raises(ValueError, match="'hidden_act'='fatrelu' is not supported"):
-        LLM(str(target), speculative_config=_spec(head, 2))
+        LLM(str(target), speculative_config=eagle_spec(head, 2))
     (head / "config.json").write_text(json.dumps(raw))
     w = load_file(head / "model.safetensors")
     save_file({k: v for k, v in w.items() if "input_norm2" not in k}, head / "model.safetensors")
     with pytest.raises(
         ValueError, match=r"MiniCPM EAGLE checkpoint lacks \['input_norm2.weight'\]"
     ):
-        LLM(str(target), speculative_config=_spec(head, 2))
+        LLM(str(target), speculative_config=eagle_spec(head, 2))
 
 
 def test_sampled_drafts_carry_the_heads_probabilities(target, monkeypatch, tmp_path):
@@ -248,11 +237,8 @@ def test_sampled_drafts_carry_the_heads_probabilities(target, monkeypatch, tmp_p
 
     monkeypatch.setattr(FinalHiddenRunner, "propose", recording)
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=3)
-    _, outs = run_llm(target, PROMPTS[:2], params, speculative_config=_spec(head, 1))
-    full = {
-        tuple(p["prompt_token_ids"]): p["prompt_token_ids"] + list(o.outputs[0].token_ids)
-        for p, o in zip(PROMPTS, outs)
-    }
+    _, outs = run_llm(target, EAGLE_PROMPTS[:2], params, speculative_config=eagle_spec(head, 1))
+    full = full_sequences(EAGLE_PROMPTS[:2], outs)
     reference = ReferenceMiniCPMEagle(head, target)
     checked = 0
     for prompt, c, q in seen:

@@ -27,11 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    MTP_PROMPTS,
+    assert_drafts_match_reference,
+    assert_every_draft_accepted,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    mtp_spec,
     rms,
     run_llm,
+    teacher_forced_drafts,
 )
 
 from paged_engine import SamplingParams
@@ -40,7 +43,6 @@ from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
-from test_spec_mtp import PROMPTS  # a repeat, a long one, one token
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
@@ -77,13 +79,9 @@ def target(tmp_path_factory):
     return write_mimo_target(tmp_path_factory.mktemp("mimo-mtp") / "target")
 
 
-def _spec(k: int | None) -> dict:
-    return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_greedy_is_token_identical(target, k):
-    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(k), 16)
+    assert_greedy_identical_with_drafts(target, MTP_PROMPTS, mtp_spec(k), 16)
 
 
 # ---- the reference: transformers' Qwen2 decoder layer, the rest in plain torch -----------------
@@ -143,19 +141,16 @@ class ReferenceMiMoMtp:
         self._pre_norm.clear()
         self.target.model(torch.tensor([seq[:c]]))
         hidden = self._pre_norm[-1][0]  # [c, D]: the stream entering the final norm
-        logits, feature = self.run(seq[1 : c + 1], hidden)
-        d1 = int(logits[-1].argmax())
-        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, feature[-1:]]))
-        return d1, int(logits2[-1].argmax())
+        return teacher_forced_drafts(self.run, hidden, seq, c)
 
 
 @pytest.mark.parametrize("num_mtp", [1, 2])
 def test_drafts_are_the_layers_teacher_forced_predictions(num_mtp, monkeypatch, tmp_path):
     path = write_mimo_target(tmp_path / "target", num_mtp, seed=num_mtp)
-    seen = record_drafts(monkeypatch, FeatureHeadRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(path, PROMPTS, params, speculative_config=_spec(2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceMiMoMtp(path).drafts, 5)
+    reference = ReferenceMiMoMtp(path).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FeatureHeadRunner, path, MTP_PROMPTS, mtp_spec(2), reference
+    )
 
 
 def test_a_layer_that_agrees_with_its_target_has_every_draft_accepted(tmp_path):
@@ -174,32 +169,25 @@ def test_a_layer_that_agrees_with_its_target_has_every_draft_accepted(tmp_path):
             w[name] = torch.ones_like(w[name])
     w["model.mtp_layers.0.input_proj.weight"] = torch.cat([torch.zeros(d, d), torch.eye(d)], 1)
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    _, plain = run_llm(path, PROMPTS[:2], params)
-    llm, spec = run_llm(path, PROMPTS[:2], params, speculative_config=_spec(2))
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
-    stats = llm.get_stats()
-    assert stats.spec_decode_num_draft_tokens > 0
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_every_draft_accepted(path, MTP_PROMPTS[:2], mtp_spec(2))
 
 
 def test_count_defaults_and_refusals(target, tmp_path):
-    llm, _ = run_llm(
-        target, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(None)
-    )
+    one = SamplingParams(max_tokens=4)
+    llm, _ = run_llm(target, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(None))
     assert llm.llm_engine.config.speculative_config["num_speculative_tokens"] == 1
     two = write_mimo_target(tmp_path / "two", 2)
     with pytest.raises(ValueError, match=r"num_speculative_tokens=3 must be a multiple of .* 2"):
-        run_llm(two, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(3))
+        run_llm(two, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(3))
     none = write_mimo_target(tmp_path / "none", 0)
     with pytest.raises(ValueError, match=r"has no MTP layer .*num_nextn_predict_layers"):
-        run_llm(none, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(1))
+        run_llm(none, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     config = json.loads((none / "config.json").read_text())
     (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=r"model\.mtp_layers\.0\.\* lacks"):
-        run_llm(none, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(1))
+        run_llm(none, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     config = json.loads((target / "config.json").read_text())
     sliding = write_mimo_target(tmp_path / "sliding")
     (sliding / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
     with pytest.raises(ValueError, match=r"MTP layer with use_sliding_window"):
-        run_llm(sliding, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(1))
+        run_llm(sliding, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))

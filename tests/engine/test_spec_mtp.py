@@ -19,11 +19,14 @@ import shutil
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    MTP_PROMPTS,
+    assert_drafts_match_reference,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    mtp_spec,
     rms,
     run_llm,
+    teacher_forced_drafts,
+    token_ids,
 )
 
 from paged_engine import LLM, SamplingParams
@@ -34,16 +37,6 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
-
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7]},
-]
-
-
-def _spec(k: int | None) -> dict:
-    return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
 
 
 @pytest.fixture(
@@ -60,16 +53,9 @@ def target(request, tmp_path_factory):
     return write_tiny_mtp_target(path, own_embed=own, own_head=own)
 
 
-_run = run_llm
-
-
-def _tokens(outs):
-    return [[c.token_ids for c in o.outputs] for o in outs]
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_greedy_is_token_identical(target, k):
-    assert_greedy_identical_with_drafts(target, PROMPTS, _spec(k), 16)
+    assert_greedy_identical_with_drafts(target, MTP_PROMPTS, mtp_spec(k), 16)
 
 
 # ---- the reference: transformers' DeepSeek-V3 layer --------------------------------------------
@@ -150,24 +136,23 @@ class ReferenceMtp:
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
         """Drafts 1 and 2 of a step whose row runs its own token seq[c] at position c."""
         hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
-        logits, feature = self.run(seq[1 : c + 1], hidden)
-        d1 = int(logits[-1].argmax())
-        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, feature[-1:]]))
-        return d1, int(logits2[-1].argmax())
+        return teacher_forced_drafts(self.run, hidden, seq, c)
 
 
 def test_drafts_are_the_layers_teacher_forced_predictions(target, monkeypatch, tmp_path):
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = _run(target, PROMPTS, params, speculative_config=_spec(2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceMtp(target, tmp_path).drafts, 5)
+    reference = ReferenceMtp(target, tmp_path).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, target, MTP_PROMPTS, mtp_spec(2), reference
+    )
 
 
 def test_tensor_parallel_matches(target):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    _, plain = _run(target, PROMPTS, params)
-    llm, spec = _run(target, PROMPTS, params, speculative_config=_spec(1), tensor_parallel_size=2)
-    assert _tokens(spec) == _tokens(plain)
+    _, plain = run_llm(target, MTP_PROMPTS, params)
+    llm, spec = run_llm(
+        target, MTP_PROMPTS, params, speculative_config=mtp_spec(1), tensor_parallel_size=2
+    )
+    assert token_ids(spec) == token_ids(plain)
     assert llm.get_stats().spec_decode_num_draft_tokens > 0
     llm.llm_engine.shutdown()
 
@@ -179,24 +164,26 @@ def deepseek(tmp_path_factory):
 
 def test_count_defaults_and_refusals(deepseek, tmp_path):
     target = deepseek
-    llm, _ = _run(target, PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=_spec(None))
+    llm, _ = run_llm(
+        target, MTP_PROMPTS[:1], SamplingParams(max_tokens=4), speculative_config=mtp_spec(None)
+    )
     assert llm.llm_engine.config.speculative_config["num_speculative_tokens"] == 1
     for alias in ("deepseek_mtp", "qwen3_next_mtp"):  # vLLM's per-family names: "mtp"
         llm = LLM(str(target), speculative_config={"method": alias, "num_speculative_tokens": 1})
         assert llm.llm_engine.config.speculative_config["method"] == alias
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+        llm.generate(MTP_PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
         assert llm.get_stats().spec_decode_num_draft_tokens > 0  # the MTP layer drafted
     with pytest.raises(ValueError, match=r"speculative_config\.model is given with method 'mtp'"):
-        LLM(str(target), speculative_config={**_spec(1), "model": str(target)})
+        LLM(str(target), speculative_config={**mtp_spec(1), "model": str(target)})
     llama = write_tiny_model(tmp_path / "llama", "llama")
     with pytest.raises(
         ValueError, match=r"method 'mtp' runs the MTP layers of DeepSeek-V3-style, GLM-4.5"
     ):
-        LLM(str(llama), speculative_config=_spec(1))
+        LLM(str(llama), speculative_config=mtp_spec(1))
     plain = write_tiny_model(tmp_path / "ds", "deepseek_v3", num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match=r"has no MTP layer"):
-        LLM(str(plain), speculative_config=_spec(1))
+        LLM(str(plain), speculative_config=mtp_spec(1))
     config = json.loads((plain / "config.json").read_text())
     (plain / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=r"model\.layers\.3 lacks"):
-        LLM(str(plain), speculative_config=_spec(1))
+        LLM(str(plain), speculative_config=mtp_spec(1))

@@ -25,11 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    MTP_PROMPTS,
+    assert_drafts_match_reference,
+    assert_every_draft_accepted,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    mtp_spec,
     rms,
     run_llm,
+    teacher_forced_drafts,
 )
 
 from paged_engine import SamplingParams
@@ -38,7 +41,6 @@ from paged_engine.testing import write_tiny_model
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file
-from test_spec_mtp import PROMPTS  # a repeat, a long one, one token
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
@@ -82,16 +84,24 @@ def ernie(tmp_path_factory):
     return write_ernie_target(tmp_path_factory.mktemp("ernie-mtp") / "target")
 
 
-def _spec(k: int | None) -> dict:
-    return {"method": "mtp"} if k is None else {"method": "mtp", "num_speculative_tokens": k}
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_ernie_greedy_is_token_identical(ernie, k):
-    assert_greedy_identical_with_drafts(ernie, PROMPTS, _spec(k), 16)
+    assert_greedy_identical_with_drafts(ernie, MTP_PROMPTS, mtp_spec(k), 16)
 
 
-class ReferenceErnieMtp:
+class _OverFinalHidden:
+    """A reference MTP layer over transformers' target (`self.target`): its `run(tokens,
+    feats)` -> (logits, features) teacher-forced over the target's final hidden states."""
+
+    target: torch.nn.Module
+
+    @torch.no_grad()
+    def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
+        hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
+        return teacher_forced_drafts(self.run, hidden, seq, c)
+
+
+class ReferenceErnieMtp(_OverFinalHidden):
     """transformers' MtpModel for the target (the MTP layer with the target's final norm as its
     post-norm and the target's embedding and head), teacher-forced; its positions are ours
     plus one, as transformers' assisted decoding feeds it."""
@@ -111,20 +121,12 @@ class ReferenceErnieMtp:
         )
         return self.mtp._project_to_logits(out)[0], out[0]
 
-    @torch.no_grad()
-    def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
-        hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
-        logits, out = self.run(seq[1 : c + 1], hidden)
-        d1 = int(logits[-1].argmax())
-        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, out[-1:]]))
-        return d1, int(logits2[-1].argmax())
-
 
 def test_ernie_drafts_are_the_layers_teacher_forced_predictions(ernie, monkeypatch):
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(ernie, PROMPTS, params, speculative_config=_spec(2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceErnieMtp(ernie).drafts, 5)
+    reference = ReferenceErnieMtp(ernie).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, ernie, MTP_PROMPTS, mtp_spec(2), reference
+    )
 
 
 # ---- LongCat-Flash ------------------------------------------------------------------------------
@@ -167,10 +169,10 @@ def longcat(request, tmp_path_factory):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_longcat_greedy_is_token_identical(longcat, k):
-    assert_greedy_identical_with_drafts(longcat, PROMPTS, _spec(k), 16)
+    assert_greedy_identical_with_drafts(longcat, MTP_PROMPTS, mtp_spec(k), 16)
 
 
-class ReferenceLongcatMtp:
+class ReferenceLongcatMtp(_OverFinalHidden):
     """vLLM's LongCat MTP layer: transformers' LongcatFlashMLA, LongcatFlashMLP and rotary
     embedding as the block (pre-norm, residuals), the rest in plain torch."""
 
@@ -226,20 +228,12 @@ class ReferenceLongcatMtp:
         out = rms(x[0], self.final, self.eps)
         return out @ self.head.T, out
 
-    @torch.no_grad()
-    def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
-        hidden = self.target.model(torch.tensor([seq[:c]])).last_hidden_state[0]
-        logits, out = self.run(seq[1 : c + 1], hidden)
-        d1 = int(logits[-1].argmax())
-        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, out[-1:]]))
-        return d1, int(logits2[-1].argmax())
-
 
 def test_longcat_drafts_are_the_layers_teacher_forced_predictions(longcat, monkeypatch):
-    seen = record_drafts(monkeypatch, FinalHiddenRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(longcat, PROMPTS, params, speculative_config=_spec(2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceLongcatMtp(longcat).drafts, 5)
+    reference = ReferenceLongcatMtp(longcat).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FinalHiddenRunner, longcat, MTP_PROMPTS, mtp_spec(2), reference
+    )
 
 
 # ---- both ---------------------------------------------------------------------------------------
@@ -266,36 +260,30 @@ def test_a_layer_that_agrees_with_its_target_has_every_draft_accepted(family, tm
             w[name] = torch.ones_like(w[name])
     w[proj] = torch.cat([torch.eye(d), torch.zeros(d, d)], 1)
     save_file(w, path / "model.safetensors", metadata={"format": "pt"})
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    _, plain = run_llm(path, PROMPTS[:2], params)
-    llm, spec = run_llm(path, PROMPTS[:2], params, speculative_config=_spec(2))
-    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
-    stats = llm.get_stats()
-    assert stats.spec_decode_num_draft_tokens > 0
-    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert_every_draft_accepted(path, MTP_PROMPTS[:2], mtp_spec(2))
 
 
 def test_count_defaults_and_refusals(tmp_path):
     one = SamplingParams(max_tokens=4)
     lc = write_longcat_target(tmp_path / "lc")  # num_nextn_predict_layers absent: 1
-    llm, _ = run_llm(lc, PROMPTS[:1], one, speculative_config=_spec(None))
+    llm, _ = run_llm(lc, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(None))
     assert llm.llm_engine.config.speculative_config["num_speculative_tokens"] == 1
     bare = write_longcat_target(tmp_path / "lc-bare", mtp=False)
     with pytest.raises(ValueError, match=r"model\.mtp\.\* lacks"):
-        run_llm(bare, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(bare, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     config = json.loads((bare / "config.json").read_text())
     (bare / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(ValueError, match=r"has no MTP layer"):
-        run_llm(bare, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(bare, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     none = write_ernie_target(tmp_path / "ernie-none", mtp=False)
     with pytest.raises(ValueError, match=r"has no MTP layer .*num_nextn_predict_layers"):
-        run_llm(none, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(none, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     config = json.loads((none / "config.json").read_text())
     (none / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     with pytest.raises(ValueError, match=r"model\.mtp_\*\.0 lacks"):
-        run_llm(none, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(none, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     biased = write_ernie_target(tmp_path / "ernie-bias")
     config = json.loads((biased / "config.json").read_text())
     (biased / "config.json").write_text(json.dumps({**config, "use_bias": True}))
     with pytest.raises(ValueError, match=r"MTP layer with use_bias true"):
-        run_llm(biased, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(biased, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))

@@ -22,11 +22,13 @@ import json
 import pytest
 import torch
 from draft_heads import (
-    assert_drafts_teacher_forced,
+    MTP_PROMPTS,
+    assert_drafts_match_reference,
     assert_greedy_identical_with_drafts,
-    record_drafts,
+    mtp_spec,
     rms,
     run_llm,
+    teacher_forced_drafts,
 )
 from test_models_openpangu_moe import _write_openpangu
 
@@ -38,16 +40,7 @@ from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.usefixtures("no_isolated_step_failures")  # conftest.py
 
-PROMPTS = [
-    {"prompt_token_ids": [5, 6, 7, 8, 9] * 6},
-    {"prompt_token_ids": list(range(100, 137))},
-    {"prompt_token_ids": [7]},
-]
 LAYERS = 2  # the tiny target's decoder layers; the MTP layer is model.layers.2
-
-
-def _spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,7 @@ def target(tmp_path_factory):
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_greedy_is_token_identical(target, k):
-    assert_greedy_identical_with_drafts(target[0], PROMPTS, _spec(k), 16)
+    assert_greedy_identical_with_drafts(target[0], MTP_PROMPTS, mtp_spec(k), 16)
 
 
 class ReferenceMtp:
@@ -151,18 +144,15 @@ class ReferenceMtp:
 
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:
         hidden = self.stream(seq[:c])
-        logits, feature = self.run(seq[1 : c + 1], hidden)
-        d1 = int(logits[-1].argmax())
-        logits2, _ = self.run([*seq[1 : c + 1], d1], torch.cat([hidden, feature[-1:]]))
-        return d1, int(logits2[-1].argmax())
+        return teacher_forced_drafts(self.run, hidden, seq, c)
 
 
 def test_drafts_are_the_layers_teacher_forced_predictions(target, monkeypatch):
     path, hf, own = target
-    seen = record_drafts(monkeypatch, FeatureHeadRunner)
-    params = SamplingParams(temperature=0.0, max_tokens=10)
-    _, outs = run_llm(path, PROMPTS, params, speculative_config=_spec(2))
-    assert_drafts_teacher_forced(seen, PROMPTS, outs, ReferenceMtp(hf, own).drafts, 5)
+    reference = ReferenceMtp(hf, own).drafts
+    assert_drafts_match_reference(
+        monkeypatch, FeatureHeadRunner, path, MTP_PROMPTS, mtp_spec(2), reference
+    )
 
 
 def test_refusals(target, tmp_path):
@@ -176,8 +166,8 @@ def test_refusals(target, tmp_path):
     save_file(keep, path / "model.safetensors", metadata={"format": "pt"})
     one = SamplingParams(max_tokens=4)
     with pytest.raises(ValueError, match=rf"model\.layers\.{LAYERS} lacks"):
-        run_llm(path, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(path, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "num_mtp_layers": 0}))
     with pytest.raises(ValueError, match="has no MTP layer"):
-        run_llm(path, PROMPTS[:1], one, speculative_config=_spec(1))
+        run_llm(path, MTP_PROMPTS[:1], one, speculative_config=mtp_spec(1))

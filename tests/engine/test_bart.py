@@ -23,7 +23,7 @@ from image_checks import greedy
 
 transformers = pytest.importorskip("transformers")
 
-from paged_engine import LLM  # noqa: E402
+from paged_engine import LLM, SamplingParams  # noqa: E402
 from paged_engine.inputs import zip_enc_dec_prompts  # noqa: E402
 from paged_engine.testing import (  # noqa: E402
     BOS_ID,
@@ -155,7 +155,41 @@ def test_matches_hf_batched(tiny, hf, llm):
         assert_matches(f"bart prompt {i}", out, ref)
     # as vLLM: the decoder prompt's text (None for the default)
     assert (outs[4].prompt, outs[5].prompt) == (None, dec_text)
+    # and the encoder prompt's text (None for ids) and ids, as vLLM 0.10's RequestOutput
+    enc_ids = [*encs, text_ids, text_ids]
+    enc_texts = [None] * 4 + [text, text]
+    for i, out in enumerate(outs):
+        assert (out.encoder_prompt, out.encoder_prompt_token_ids) == (enc_texts[i], enc_ids[i])
     assert llm.get_stats().num_used_blocks == 0
+
+
+def test_truncate_prompt_tokens(hf, llm):
+    """truncate_prompt_tokens cuts the encoder prompt to its last k ids (-1: the encoder's
+    max_position_embeddings), as vLLM cut the one text a completion gives; a decoder prompt
+    longer than k is refused by name."""
+    enc = prompt_ids(15, 30)
+    text = "the quick brown fox jumps over the lazy dog"
+    text_ids = llm.get_tokenizer().encode(text)
+    assert len(text_ids) > 6
+
+    def cut(k: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=0, max_tokens=6, ignore_eos=True, logprobs=5, truncate_prompt_tokens=k
+        )
+
+    outs = llm.generate([enc, text], cut(6), use_tqdm=False)
+    assert_matches("bart truncated", outs[0], hf_generate(hf, enc[-6:], n=6))
+    assert (outs[0].encoder_prompt_token_ids, outs[1].encoder_prompt_token_ids) == (
+        enc[-6:],
+        text_ids[-6:],
+    )
+    assert outs[1].encoder_prompt is None  # the text no longer matches the ids
+    assert outs[0].prompt_token_ids == DEFAULT_DECODER  # the decoder prompt is not cut
+    long = prompt_ids(16, 70)  # longer than the encoder's 64 positions: cut to them
+    out = llm.generate([long], cut(-1), use_tqdm=False)[0]
+    assert out.encoder_prompt_token_ids == long[-64:]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=3 would cut the decoder prompt"):
+        llm.generate([{"encoder_prompt": enc, "decoder_prompt": [9, 8, 7]}], cut(3), use_tqdm=False)
 
 
 def test_prefix_cache_and_chunked_prefill(tiny, hf, llm):

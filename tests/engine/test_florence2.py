@@ -21,7 +21,7 @@ from image_checks import greedy, noise_image
 
 transformers = pytest.importorskip("transformers")
 
-from paged_engine import LLM  # noqa: E402
+from paged_engine import LLM, SamplingParams  # noqa: E402
 from paged_engine.testing import (  # noqa: E402
     BOS_ID,
     EOS_ID,
@@ -153,6 +153,14 @@ def test_matches_hf_batched(tiny, hf, llm):
     for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert out.prompt_token_ids == ([START] if i < 3 else dec)
         assert_matches(f"florence2 prompt {i}", out, ref)
+    # as vLLM 0.10's RequestOutput: the encoder text as given; the ids the encoder reads, each
+    # image row as pad_token_id (vLLM's placeholders), then the text's
+    texts = ["<CAPTION>", "<OPEN_VOCABULARY_DETECTION>red cat", None, "a photo of"]
+    enc_texts = [wrapped("What does the image describe?"), wrapped("Locate red cat in the image.")]
+    enc_texts += [ids, wrapped("a photo of")]
+    for out, text, enc in zip(outs, texts, enc_texts, strict=True):
+        assert out.encoder_prompt == text
+        assert out.encoder_prompt_token_ids == [PAD_ID] * 17 + enc  # 17 rows (test_refused)
     assert llm.get_stats().num_used_blocks == 0
     # the same decoder ids after another image: no decoder block shared with the first's
     again = llm.generate(prompts[:1] + prompts[3:], greedy(), use_tqdm=False)
@@ -222,6 +230,9 @@ def test_refused(tiny, llm):
         with pytest.raises(ValueError, match=why):
             llm.generate([prompt], greedy(), use_tqdm=False)
     ok = {"prompt": "<OD>", "multi_modal_data": {"image": image}}
+    cut = SamplingParams(max_tokens=2, truncate_prompt_tokens=3)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=3 would cut Florence-2's"):
+        llm.generate([ok], cut, use_tqdm=False)
     out = llm.generate([ok], greedy(), use_tqdm=False)  # still serving
     assert len(out[0].outputs[0].token_ids) == 8
 

@@ -3,7 +3,10 @@
 The tiny random BART of tests/engine/test_bart.py behind the server in this process: as vLLM
 0.10 maps it, a completion's `prompt` (text or token ids) is the encoder prompt and the decoder
 starts from its default prompt; the answer is the engine's greedy output for the same prompt.
-A prompt the encoder cannot take is a 400 naming it.
+A prompt the encoder cannot take is a 400 naming it. Usage as vLLM 0.10 counted it: a
+completion's prompt_tokens the decoder prompt's (in every streamed chunk too, while the length
+check counts the encoder prompt and says so), a chat answer's the encoder's and the decoder's;
+`echo` refused (the echoed tokens' logprobs would be the decoder prompt's, not the text's).
 """
 
 from __future__ import annotations
@@ -43,3 +46,27 @@ def test_completions_take_the_encoder_prompt(tmp_path) -> None:
         body = {"model": "tiny", "prompt": "", "max_tokens": 2}
         status, _, got = server.request("POST", "/v1/completions", body)
         assert status == 400 and "prompt" in got["error"]["message"], got
+        check_usage_and_refusals(server, llm, text)
+
+
+def check_usage_and_refusals(server, llm: LLM, text: str) -> None:
+    messages = [{"role": "user", "content": text}]
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    enc = len(tok.encode(rendered, add_special_tokens=False))  # the chat's encoder prompt
+    body = {"model": "tiny", "prompt": text, "max_tokens": 3, "ignore_eos": True}
+    status, _, got = server.request("POST", "/v1/completions", body)
+    assert status == 200 and got["usage"]["prompt_tokens"] == 2, got  # the decoder prompt's
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    events = server.stream({**body, "stream": True, "stream_options": opts})
+    assert {e["usage"]["prompt_tokens"] for e in events} == {2}, events
+    chat = {"model": "tiny", "messages": messages, "max_tokens": 3}
+    status, _, got = server.request("POST", "/v1/chat/completions", chat)
+    assert status == 200, got
+    assert got["usage"]["prompt_tokens"] == 2 + enc, got  # vLLM's chat: encoder + decoder
+    for extra in ({"echo": True}, {"echo": True, "max_tokens": 0, "logprobs": 1}):
+        status, _, got = server.request("POST", "/v1/completions", {**body, **extra})
+        assert status == 400 and got["error"]["param"] == "echo", got
+    long = {"model": "tiny", "prompt": list(range(3, 67)), "max_tokens": 2}
+    status, _, got = server.request("POST", "/v1/completions", long)
+    assert status == 400 and "your encoder prompt has 64 tokens" in got["error"]["message"], got

@@ -96,9 +96,11 @@ class RequestOutput:
     lora_request: Any = field(default=None, repr=False)  # the LoRARequest it ran with
     # the prompt's length, tokens or prompt_embeds rows (-1: that of prompt_token_ids)
     num_prompt_tokens: int = field(default=-1, repr=False)
-    # vLLM fields kept for ported code; always None here.
-    encoder_prompt: None = field(default=None, repr=False)
-    encoder_prompt_token_ids: None = field(default=None, repr=False)
+    # A text encoder-decoder's (BART, Florence-2: engine/encoder_prompt.py) encoder prompt, as
+    # vLLM 0.10 filled them: its text when given as text, and its ids; None for other models
+    # (Whisper's included, as vLLM's V1 engine).
+    encoder_prompt: str | None = field(default=None, repr=False)
+    encoder_prompt_token_ids: list[int] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:

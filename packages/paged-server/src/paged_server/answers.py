@@ -31,6 +31,15 @@ def prompt_lengths(req: GenerationRequest, ids: list[list[int] | None]) -> list[
     return rows + [len(i) for i in ids[len(rows) :] if i is not None]
 
 
+def prompt_tokens(out: Any, chat: bool) -> int:
+    """One prompt's usage.prompt_tokens, as vLLM 0.10 counted them: its (decoder) prompt's
+    tokens, plus a text encoder-decoder's encoder prompt in a chat answer only (vLLM's
+    completions counted the decoder prompt alone)."""
+    if chat and out.encoder_prompt_token_ids is not None:
+        return out.num_prompt_tokens + len(out.encoder_prompt_token_ids)
+    return out.num_prompt_tokens
+
+
 def final_body(
     app: OpenAIApp,
     h: Handler,
@@ -48,7 +57,7 @@ def final_body(
     choices, n_prompt = [], 0
     scoring = req.max_tokens == 0  # the prompt only: what the engine generated is dropped
     for pi, out in enumerate(group.latest):
-        n_prompt += out.num_prompt_tokens
+        n_prompt += prompt_tokens(out, chat)
         for seq in out.outputs:
             choice: dict[str, Any] = {"index": len(choices)}
             lp = reason = None
@@ -155,8 +164,11 @@ def stream(
         body = envelope(rid, obj, model, created)
         body["choices"] = entries
         if req.include_usage:
+            n_prompt = num_prompt
+            if app.encoder_decoder:  # the server's ids were the encoder prompt's
+                n_prompt = sum(prompt_tokens(o, chat) for o in group.latest if o is not None)
             body["usage"] = (
-                usage(num_prompt, group.num_generated_tokens) if req.continuous_usage else None
+                usage(n_prompt, group.num_generated_tokens) if req.continuous_usage else None
             )
         return body
 
@@ -206,7 +218,7 @@ def stream(
                 entries.append(entry)
         if entries:
             h.send_event(chunk(entries))
-    n_prompt = sum(out.num_prompt_tokens for out in group.latest)
+    n_prompt = sum(prompt_tokens(out, chat) for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
     if req.include_usage:

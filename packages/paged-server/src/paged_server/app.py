@@ -126,6 +126,7 @@ class OpenAIApp:
         mm_embeds: bool = False,
         prompt_embeds_width: int | None = None,
         max_logprobs: int = 20,
+        encoder_decoder: bool = False,
     ):
         # vLLM's server flags: usage.prompt_tokens_details.cached_tokens; the default of the
         # return_tokens_as_token_ids field; the role of chat answers; log each request (its
@@ -165,6 +166,9 @@ class OpenAIApp:
         # taken), else None
         self.prompt_embeds_width = prompt_embeds_width
         self.max_logprobs = max_logprobs  # the engine's (-1: the vocabulary)
+        # a text encoder-decoder (BART, Florence-2): a completion's prompt is the encoder
+        # prompt, the RequestOutput's prompt_token_ids the decoder prompt's
+        self.encoder_decoder = encoder_decoder
         self.client = client
         self.tokenizer = tokenizer
         self.names = served_model_names
@@ -874,11 +878,18 @@ class OpenAIApp:
                 "are kept whole): send a shorter conversation or no truncation",
                 "truncate_prompt_tokens",
             )
+        if self.encoder_decoder and req.echo and not chat:
+            raise bad_request(
+                "'echo' is not supported for encoder-decoder models: the prompt is the "
+                "encoder's, while the tokens and logprobs echoed would be the decoder prompt's",
+                "echo",
+            )
         self._check_logprobs(req, chat)
         self._truncate(req, texts, ids)
         param = "messages" if chat else "prompt"
+        what = "encoder prompt" if self.encoder_decoder else "prompt"  # (what the ids are)
         max_tokens = min(
-            check_context(n, req.max_tokens, self.max_model_len, param)
+            check_context(n, req.max_tokens, self.max_model_len, param, what)
             for n in answers.prompt_lengths(req, ids)
         )
         self.client.check_queue()

@@ -196,6 +196,10 @@ def build_app(args: argparse.Namespace, engine: Any) -> tuple[EngineClient, Open
         # --enable-prompt-embeds: the width the engine checks rows against
         prompt_embeds_width=getattr(getattr(engine, "input_processor", None), "embeds_width", None),
         max_logprobs=int(getattr(engine.config, "max_logprobs", 20)),
+        # a text encoder-decoder (BART, Florence-2: engine/encoder_prompt.py)
+        encoder_decoder=(
+            getattr(getattr(engine, "input_processor", None), "encoder_prompts", None) is not None
+        ),
     )
     return client, app
 

@@ -623,13 +623,19 @@ def _check_beam_constraint(req: GenerationRequest) -> None:
 
 
 def check_context(
-    prompt_len: int, max_tokens: int | None, max_model_len: int, prompt_param: str = "prompt"
+    prompt_len: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    prompt_param: str = "prompt",
+    what: str = "prompt",
 ) -> int:
-    """Resolve max_tokens against the context window; the message gives both lengths."""
+    """Resolve max_tokens against the context window; the message gives both lengths.
+    `what`: the prompt the length counts ("encoder prompt" for a text encoder-decoder, whose
+    usage.prompt_tokens counts its decoder prompt, as vLLM 0.10's did)."""
     if prompt_len >= max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"prompt has {prompt_len} tokens; it must be shorter than the context.",
+            f"{what} has {prompt_len} tokens; it must be shorter than the context.",
             prompt_param,
         )
     if max_tokens is None:
@@ -637,7 +643,7 @@ def check_context(
     if prompt_len + max_tokens > max_model_len:
         raise bad_request(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
             f"{max_tokens} in the completion). Please reduce the prompt or max_tokens.",
             "max_tokens",
         )

@@ -18,7 +18,15 @@ The encoder prompt's ids become the sequence's one item (`ImageInput`, modality 
 pixel_values the ids [L] (int64), spanning every decoder position [0, max_position_embeddings)
 so it reaches the worker with every sequence that holds it, its hash keying every prefix-cache
 block (two encoder prompts never share decoder KV). The request's `prompt` / `prompt_token_ids`
-are the decoder prompt's, as vLLM's RequestOutput gives them.
+are the decoder prompt's, as vLLM's RequestOutput gives them; its `encoder_prompt` (the text,
+when given as text) and `encoder_prompt_token_ids` are the encoder prompt's, as vLLM 0.10 filled
+them: `split` returns them in the decoder prompt's dict under those keys (popped by the
+InputProcessor).
+
+`truncate_prompt_tokens` (SamplingParams) cuts the encoder prompt to its last k ids (-1: to
+max_position_embeddings), its text then dropped: what vLLM's left-truncating tokenizer did to
+the one prompt a completion gives, and what paged's server does to it. The decoder prompt is not
+cut (the InputProcessor refuses one longer than k by name).
 
 Refused by name (ValueError): an empty encoder prompt, one longer than
 config.max_position_embeddings, ids outside the vocabulary, multi_modal_data, prompt_embeds,
@@ -52,9 +60,10 @@ class EncoderPrompts:
         # encoder rows (its position table) and decoder positions: both the config's
         self.limit = int(hf_config.max_position_embeddings)
 
-    def split(self, prompt: Any) -> tuple[dict, ImageInput]:
-        """Any prompt form -> (the decoder prompt as {"prompt", "prompt_token_ids", and
-        cache_salt where given}, the encoder prompt's item)."""
+    def split(self, prompt: Any, truncate: int | None = None) -> tuple[dict, ImageInput]:
+        """Any prompt form -> (the decoder prompt as {"prompt", "prompt_token_ids",
+        "encoder_prompt", "encoder_prompt_token_ids" and cache_salt where given}, the encoder
+        prompt's item); `truncate`: the request's truncate_prompt_tokens."""
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
             unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
             if unknown:
@@ -68,6 +77,11 @@ class EncoderPrompts:
         enc_ids, salt = self._ids(enc, "encoder_prompt")
         if not enc_ids:
             raise ValueError("encoder_prompt must not be empty")
+        enc_text = prompt_text(enc)
+        if truncate is not None:
+            keep = self.limit if truncate == -1 else truncate
+            if len(enc_ids) > keep:
+                enc_ids, enc_text = enc_ids[-keep:], None
         if len(enc_ids) > self.limit:
             raise ValueError(
                 f"encoder_prompt is too long: {len(enc_ids)} tokens, but the encoder's position "
@@ -79,18 +93,17 @@ class EncoderPrompts:
         else:
             dec_ids, dec_salt = self._ids(dec, "decoder_prompt")
             salt = salt if dec_salt is None else dec_salt
-            text = (
-                dec
-                if isinstance(dec, str)
-                else dec.get("prompt")
-                if isinstance(dec, dict)
-                else None
-            )
+            text = prompt_text(dec)
         if not dec_ids or dec_ids[0] != self.start:
             dec_ids = [self.start, *dec_ids]
         ids = torch.tensor(enc_ids, dtype=torch.int64)
         item = ImageInput(ids, 0, self.limit, digest(ids, None), modality="text")
-        fields: dict = {"prompt": text, "prompt_token_ids": dec_ids}
+        fields: dict = {
+            "prompt": text,
+            "prompt_token_ids": dec_ids,
+            "encoder_prompt": enc_text,
+            "encoder_prompt_token_ids": enc_ids,
+        }
         if salt is not None:
             fields["cache_salt"] = salt
         return fields, item
@@ -136,6 +149,12 @@ class EncoderPrompts:
         raise ValueError(
             f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}"
         )
+
+
+def prompt_text(p: Any) -> str | None:
+    """A singleton prompt's text as the RequestOutput gives it (None for token ids)."""
+    text = p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
+    return text if isinstance(text, str) else None
 
 
 def encoder_prompts(hf_config: Any, tokenizer: Any, vocab_size: int, path: Any = None) -> Any:

@@ -39,6 +39,8 @@ class ProcessedRequest:
     # beam search: logprobs of each finished beam's tokens (None: none; -1: every candidate,
     # as LLM.beam_search returns them; k: the top k candidates and the chosen token)
     beam_logprobs: int | None = None
+    # a text encoder-decoder's (encoder prompt text, its ids) for the outputs, else None
+    encoder_prompt: tuple[str | None, list[int]] | None = None
 
 
 class InputProcessor:
@@ -96,8 +98,11 @@ class InputProcessor:
         if self.audios is not None:  # Whisper: its encoder / decoder prompt form
             prompt = self.audios.request_prompt(prompt)
         encoder_item = None  # BART: the encoder prompt's ids, the decoder cross-attends to them
-        if self.encoder_prompts is not None:
-            prompt, encoder_item = self.encoder_prompts.split(prompt)
+        encoder_prompt = None
+        if self.encoder_prompts is not None:  # (truncate_prompt_tokens cuts the encoder prompt)
+            keep = getattr(params, "truncate_prompt_tokens", None)
+            prompt, encoder_item = self.encoder_prompts.split(prompt, keep)
+            encoder_prompt = (prompt.pop("encoder_prompt"), prompt.pop("encoder_prompt_token_ids"))
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
@@ -123,6 +128,13 @@ class InputProcessor:
                 raise ValueError(
                     "truncate_prompt_tokens would cut a prompt given as prompt_embeds: send "
                     "the rows to keep"
+                )
+            if encoder_item is not None:
+                raise ValueError(
+                    f"truncate_prompt_tokens={keep} would cut the decoder prompt "
+                    f"({len(token_ids)} tokens, its start token included): for an "
+                    "encoder-decoder model it cuts the encoder prompt only; send a shorter "
+                    "decoder prompt or a larger truncate_prompt_tokens"
                 )
             if mm_inputs:
                 raise ValueError(
@@ -177,7 +189,7 @@ class InputProcessor:
             if positions is not self.audios and not getattr(positions, "places_audio", False):
                 placed = tuple(m for m in mm_inputs if m.modality != "audio")
             req.mrope = positions.positions(len(token_ids), placed)
-        return ProcessedRequest(req, text, num_returned, beam_logprobs)
+        return ProcessedRequest(req, text, num_returned, beam_logprobs, encoder_prompt)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -477,6 +477,7 @@ class LLMEngine:
             beam_logprobs=p.beam_logprobs,
             kind=kind,
             lora_request=lora_request,
+            encoder_prompt=p.encoder_prompt,
         )
 
     def _refuse(self, params: Any) -> None:

@@ -99,6 +99,8 @@ class RequestState:
     num_cached_tokens: int = 0
     pooled: PooledChunks | None = None  # embedding requests (pooling.py)
     lora_request: Any = None  # echoed on its RequestOutputs
+    # a text encoder-decoder's (encoder prompt text, its ids) for its RequestOutputs, else None
+    encoder_prompt: tuple[str | None, list[int]] | None = None
     # A stop string ended one of its sequences here. The core learns of it only when the
     # caller runs `finish_seqs`, which may come after the core ended the last other sequence
     # (a step in flight, or the server's output thread): the core then finishes the request
@@ -159,6 +161,7 @@ class OutputProcessor:
         kind: RequestOutputKind,
         lora_request: Any = None,
         beam_logprobs: int | None = None,
+        encoder_prompt: tuple[str | None, list[int]] | None = None,
     ) -> None:
         beam = isinstance(params, BeamSearchParams)
         num_samples = params.beam_width if beam else params.num_sequences
@@ -185,6 +188,7 @@ class OutputProcessor:
             plain=not beam and not params.stop,
             single=not beam and num_samples == 1 and not isinstance(params, PoolingSamplingParams),
             lora_request=lora_request,
+            encoder_prompt=encoder_prompt,
             interval=1 if beam else max(self.stream_interval, params.stream_interval or 1),
         )
         detok = None
@@ -430,7 +434,7 @@ class OutputProcessor:
             state.last_token_time,
             now if finished else None,
         )
-        return RequestOutput(
+        out = RequestOutput(
             state.request_id,
             state.prompt,
             state.prompt_token_ids,
@@ -442,6 +446,9 @@ class OutputProcessor:
             state.lora_request,
             state.num_prompt_tokens,
         )
+        if state.encoder_prompt is not None:
+            out.encoder_prompt, out.encoder_prompt_token_ids = state.encoder_prompt
+        return out
 
     @staticmethod
     def _completion(

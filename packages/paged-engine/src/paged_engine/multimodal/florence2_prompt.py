@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from paged_engine.engine.encoder_prompt import EncoderPrompts
+from paged_engine.engine.encoder_prompt import EncoderPrompts, prompt_text
 from paged_engine.multimodal.florence2 import conv_out, image_rows
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import digest
@@ -92,6 +92,7 @@ class Florence2Prompts:
         self.vision = hf_config.vision_config
         self.limit = int(text.max_position_embeddings)
         self.bos, self.eos = int(text.bos_token_id), int(text.eos_token_id)
+        self.pad = int(text.pad_token_id)  # an image row's id in encoder_prompt_token_ids
         self._processor: Any = None
 
     @property
@@ -102,7 +103,9 @@ class Florence2Prompts:
             self._processor = image_processor(self.path, self.config)
         return self._processor
 
-    def split(self, prompt: Any) -> tuple[dict, tuple[ImageInput, ImageInput]]:
+    def split(
+        self, prompt: Any, truncate: int | None = None
+    ) -> tuple[dict, tuple[ImageInput, ImageInput]]:
         if isinstance(prompt, dict) and "encoder_prompt" in prompt:
             unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
             if unknown:
@@ -126,6 +129,12 @@ class Florence2Prompts:
             )
         pixels = self._pixels(enc["multi_modal_data"])
         ids = self._encoder_ids(enc)
+        if truncate is not None and len(ids) > (self.limit if truncate == -1 else truncate):
+            raise ValueError(
+                f"truncate_prompt_tokens={truncate} would cut Florence-2's encoder text "
+                f"({len(ids)} tokens, its task's question included): not supported; give a "
+                "shorter text or no truncation"
+            )
         rows = image_rows(int(pixels.shape[-2]), int(pixels.shape[-1]), self.vision)
         if rows + len(ids) > self.limit:
             raise ValueError(
@@ -139,6 +148,10 @@ class Florence2Prompts:
         fields, _ = self.decoder.split(
             {"encoder_prompt": [self.eos], "decoder_prompt": [self.eos] if dec is None else dec}
         )
+        # the RequestOutput's, as vLLM 0.10's: the encoder text as given, and the ids the
+        # encoder reads (the image's rows as pad_token_id, vLLM's placeholders, then the text)
+        fields["encoder_prompt"] = prompt_text(enc)
+        fields["encoder_prompt_token_ids"] = [self.pad] * rows + ids
         salt = enc.get("cache_salt")
         if salt is not None and "cache_salt" not in fields:
             fields["cache_salt"] = salt

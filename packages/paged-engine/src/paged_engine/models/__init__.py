@@ -188,7 +188,7 @@ from paged_engine.models.solar import SolarForCausalLM
 from paged_engine.models.splade import SPLADE
 from paged_engine.models.stablelm import StableLmForCausalLM
 from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
-from paged_engine.models.step3_text import Step3TextForCausalLM, Step3VLTextForCausalLM
+from paged_engine.models.step3_text import Step3TextForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.telechat2 import TeleChat2ForCausalLM
 from paged_engine.models.transformers_backend import IMPL_FIELD, TransformersForCausalLM
@@ -445,9 +445,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "PanguUltraMoEForCausalLM": PanguUltraMoEForCausalLM,
     "PanguProMoEV2ForCausalLM": PanguProMoEV2ForCausalLM,
     # StepFun Step3 (remote code): MFA attention (a shared low-rank query, one KV head) and
-    # MoE layers with a shared expert; the VL release served on text (models/step3_text.py)
+    # MoE layers with a shared expert (models/step3_text.py; the VL release: text_wrappers.py)
     "Step3TextForCausalLM": Step3TextForCausalLM,
-    "Step3VLForConditionalGeneration": Step3VLTextForCausalLM,
     # Voxtral Realtime's decoder: Mistral, its delay conditioning folded in its norms
     # (models/voxtral_realtime.py)
     "VoxtralRealtimeTextForCausalLM": VoxtralRealtimeTextForCausalLM,

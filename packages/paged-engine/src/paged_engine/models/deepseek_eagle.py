@@ -42,16 +42,16 @@ from torch import nn
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope
 from paged_engine.models.deepseek_v2 import (
     DeepseekDecoderLayer,
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
 )
 from paged_engine.models.llama import run_layers
+from paged_engine.models.llama_eagle import EAGLE_CHECKPOINT
 from paged_engine.models.mistral4 import Mistral4ForCausalLM
 from paged_engine.models.mixtral import check_silu, expert_rules
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get, mla_rope
 
 if TYPE_CHECKING:
     from paged_engine.loader import ResolvedModel
@@ -91,14 +91,6 @@ def deepseek_eagle_kind(path: Path, hf_config) -> str | None:
     return kind
 
 
-def _rope(config, family: type[DeepseekV2ForCausalLM]) -> RotaryEmbedding:
-    rope = family.build_rope(config)
-    if rope is None:  # DeepseekModel's: GPT-J pairs over qk_rope_head_dim unless not interleaved
-        interleave = bool(getattr(config, "rope_interleave", True))
-        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
-    return rope
-
-
 class EagleDeepseekHead(FeatureHead):
     """`forward` returns (out, out): the LM head's input and the next feature [T, D]."""
 
@@ -113,7 +105,7 @@ class EagleDeepseekHead(FeatureHead):
         if self.para_norm:
             self.enorm = RMSNorm(d, eps)
             self.hnorm = RMSNorm(d, eps)
-        self.rotary_emb = _rope(config, family)
+        self.rotary_emb = mla_rope(config, family)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(
                 config,
@@ -155,20 +147,12 @@ class EagleDeepseekHead(FeatureHead):
         """The head's tensors in our names (a `model.` prefix dropped; the embedding and LM
         head copies skipped); ValueError naming what is missing."""
         rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
-        loaded = load_named_weights(
-            self,
+        return self.load_own_weights(
             ((n.removeprefix("model."), w) for n, w in weights),
+            EAGLE_CHECKPOINT,
             stacked=(*rules, *DeepseekV2ForCausalLM.stacked_params),
             skip=lambda n: n.startswith(_SHARED) or n.endswith("inv_freq"),
-            strict=False,
         )
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
-        if missing:
-            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise ValueError(
-                f"speculative_config.model: the EAGLE checkpoint lacks {missing[:8]}{more}"
-            )
-        return loaded
 
 
 def mistral_head_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -26,7 +26,10 @@ from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM, llama_head_dim
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get
+
+# What a missing tensor of an EAGLE head's own checkpoint is reported as ("... lacks [...]")
+EAGLE_CHECKPOINT = "speculative_config.model: the EAGLE checkpoint"
 
 
 class EagleLlamaHead(FeatureHead):
@@ -80,18 +83,13 @@ class EagleLlamaHead(FeatureHead):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The head's tensors (a `model.` prefix dropped; embedding and LM head copies
         skipped); ValueError naming what is missing."""
-        stacked = LlamaForCausalLM.stacked_params
-        renamed = ((n.removeprefix("model."), w) for n, w in weights)
-        loaded = load_named_weights(
-            self,
-            renamed,
-            stacked=stacked,
+        loaded = self.load_own_weights(
+            ((n.removeprefix("model."), w) for n, w in weights),
+            EAGLE_CHECKPOINT,
+            stacked=LlamaForCausalLM.stacked_params,
             skip=lambda n: n.startswith(("embed_tokens.", "lm_head.")) or n.endswith("inv_freq"),
-            strict=False,
+            optional=frozenset({"fc.bias"}),
         )
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded | {"fc.bias"})
-        if missing:
-            raise ValueError(f"speculative_config.model: the EAGLE checkpoint lacks {missing}")
         if "fc.bias" not in loaded:
             self.fc.bias.data.zero_()
         return loaded

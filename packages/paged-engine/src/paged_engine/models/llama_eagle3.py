@@ -37,7 +37,7 @@ from paged_engine.models.llama import (
     add_norm,
     llama_head_dim,
 )
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Names of the weights; the head's layer is `layers.0` whatever the checkpoint calls it.
@@ -182,13 +182,12 @@ class Eagle3LlamaForCausalLM(FeatureHead):
             for theirs, ours in _RENAMES:
                 name = name.replace(theirs, ours)
             rest.append((name, w))
-        stacked = LlamaForCausalLM.stacked_params  # q/k/v -> qkv, gate/up -> gate_up
-        loaded = load_named_weights(self, rest, stacked=stacked, strict=False)
-        missing = sorted(
-            n for n, _ in self.named_parameters() if n not in loaded and n != "embed_tokens.weight"
+        loaded = self.load_own_weights(
+            rest,
+            "speculative_config.model: the EAGLE-3 checkpoint",
+            stacked=LlamaForCausalLM.stacked_params,  # q/k/v -> qkv, gate/up -> gate_up
+            optional=frozenset({"embed_tokens.weight"}),
         )
-        if missing:
-            raise ValueError(f"speculative_config.model: the EAGLE-3 checkpoint lacks {missing}")
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         if not has_d2t and self.draft_vocab_size != self.vocab_size:
             raise ValueError(

@@ -37,7 +37,8 @@ from paged_engine.layers.linear import ColumnParallelLinear
 from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.llama import LlamaDecoderLayer, llama_head_dim
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.mtp import MTP_LAYER
+from paged_engine.models.utils import FeatureHead, cfg_get
 
 if TYPE_CHECKING:
     from paged_engine.loader import ResolvedModel
@@ -115,20 +116,12 @@ class MiMoMtpHead(FeatureHead):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`model.mtp_layers.0.*`, named as `mimo_mtp_weight_name` gives them; ValueError
         naming what is missing."""
-        loaded = load_named_weights(
-            self,
+        return self.load_own_weights(
             weights,
+            f"{MTP_LAYER} {_PREFIX}*",
             stacked=self.stacked,
             skip=lambda name: name.endswith("rotary_emb.inv_freq"),
-            strict=False,
         )
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
-        if missing:
-            raise ValueError(
-                f"speculative_config method 'mtp': the checkpoint's MTP layer {_PREFIX}* lacks "
-                f"{missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            )
-        return loaded
 
 
 def attach_mimo_mtp_head(

@@ -41,7 +41,7 @@ from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.granite import GraniteDecoderLayer
 from paged_engine.models.llama import LlamaForCausalLM, llama_head_dim
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get
 
 # the head config's architectures that select this head (vLLM prefixes "Eagle" to the name)
 MINICPM_EAGLE_ARCHITECTURES = ("MiniCPMForCausalLM", "EagleMiniCPMForCausalLM")
@@ -131,20 +131,13 @@ class EagleMiniCPMHead(FeatureHead):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The head's tensors (`model.` prefix dropped; `norm.weight` skipped); ValueError
         naming what is missing (the embedding and LM head may be: the target's serve)."""
-        renamed = ((n.removeprefix("model."), w) for n, w in weights)
-        loaded = load_named_weights(
-            self,
-            renamed,
+        loaded = self.load_own_weights(
+            ((n.removeprefix("model."), w) for n, w in weights),
+            "speculative_config.model: the MiniCPM EAGLE checkpoint",
             stacked=LlamaForCausalLM.stacked_params,
             skip=lambda n: n == "norm.weight" or n.endswith("inv_freq"),
-            strict=False,
+            optional=frozenset({"embed_tokens.weight", "lm_head.weight"}),
         )
-        optional = {"embed_tokens.weight", "lm_head.weight"}
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded | optional)
-        if missing:
-            raise ValueError(
-                f"speculative_config.model: the MiniCPM EAGLE checkpoint lacks {missing}"
-            )
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         self.shares_target_head = "lm_head.weight" not in loaded
         return loaded

@@ -34,10 +34,12 @@ from paged_engine.layers.rotary import get_rope
 from paged_engine.models.deepseek_v2 import DeepseekDecoderLayer, DeepseekV2ForCausalLM
 from paged_engine.models.llama import LlamaMLP, llama_head_dim
 from paged_engine.models.mixtral import expert_rules
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.utils import FeatureHead, cfg_get, mla_rope
 
 # Checkpoint names of the layer's own parts (not its decoder block's)
 _OWN = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+# What a missing tensor of a target's MTP layer is reported as ("... lacks [...]")
+MTP_LAYER = "speculative_config method 'mtp': the checkpoint's MTP layer"
 
 
 def num_mtp_layers(hf_config) -> int:
@@ -75,10 +77,7 @@ def _decoder_block(config, layer: int, target_cls) -> tuple[nn.Module, nn.Module
             rope,
             LlamaForCausalLM.stacked_params,
         )
-    rope = target_cls.build_rope(config)
-    if rope is None:  # DeepseekModel's own (GPT-J style unless rope_interleave is false)
-        interleave = bool(getattr(config, "rope_interleave", True))
-        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+    rope = mla_rope(config, target_cls)
     # The MTP layers of V3 and its kin are MoE layers (past first_k_dense_replace).
     experts = int(getattr(config, "n_routed_experts", None) or 0)
     mlp = DeepseekMoe.from_config(config) if experts else LlamaMLP(config, bias=False)
@@ -121,8 +120,9 @@ class _SharedHead(nn.Module):
 
 class DeepseekMtpHead(FeatureHead):
     """The first MTP layer of a DeepSeek-V3 or GLM-4.5 target (`target_cls`: its model class,
-    whose decoder layer, attention and rope the layer shares). `forward` returns (normed,
-    pre-norm) [T, D]: the logits' input and the next pass's feature."""
+    whose decoder layer, attention and rope the layer shares; a subclass builds another
+    family's in `build_block`). `forward` returns (normed, pre-norm) [T, D]: the logits' input
+    and the next pass's feature."""
 
     def __init__(self, config, target_cls) -> None:
         super().__init__()
@@ -133,11 +133,15 @@ class DeepseekMtpHead(FeatureHead):
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
-        self.block, self.rope, self.stacked = _decoder_block(config, layer, target_cls)
+        self.block, self.rope, self.stacked = self.build_block(config, layer, target_cls)
         self.num_experts = int(getattr(config, "n_routed_experts", None) or 0)
         self.shared_head = _SharedHead(config)
         self.shares_target_embedding = False  # set by load_weights
         self.shares_target_head = False
+
+    def build_block(self, config, layer: int, target_cls) -> tuple[nn.Module, nn.Module, tuple]:
+        """(decoder layer `layer`, its rope, the stacked weight rules) of the target's family."""
+        return _decoder_block(config, layer, target_cls)
 
     def forward(
         self,
@@ -162,22 +166,13 @@ class DeepseekMtpHead(FeatureHead):
         """Layer L's tensors, named as `mtp_weight_name` gives them; ValueError naming what
         is missing (embedding and head may be absent: the target's are shared)."""
         rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
-        stacked = (*rules, *self.stacked)
-        loaded = load_named_weights(
-            self,
+        loaded = self.load_own_weights(
             weights,
-            stacked=stacked,
+            f"{MTP_LAYER} model.layers.{self.config.num_hidden_layers}",
+            stacked=(*rules, *self.stacked),
             skip=lambda name: name.endswith("rotary_emb.inv_freq"),
-            strict=False,
+            optional=frozenset({"embed_tokens.weight", "shared_head.head.weight"}),
         )
-        optional = {"embed_tokens.weight", "shared_head.head.weight"}
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded | optional)
-        if missing:
-            raise ValueError(
-                f"speculative_config method 'mtp': the checkpoint's MTP layer "
-                f"model.layers.{self.config.num_hidden_layers} lacks {missing[:8]}"
-                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            )
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         self.shares_target_head = "shared_head.head.weight" not in loaded
         return loaded
@@ -234,11 +229,4 @@ class Qwen3NextMtpHead(FeatureHead):
 
         rules = expert_rules(self.num_experts, "gate_proj", "up_proj", "down_proj")
         stacked = (*rules, *Qwen3_5ForCausalLM.stacked_params)
-        loaded = load_named_weights(self, weights, stacked=stacked, strict=False)
-        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded)
-        if missing:
-            raise ValueError(
-                "speculative_config method 'mtp': the checkpoint's MTP layer (mtp.*) lacks "
-                f"{missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            )
-        return loaded
+        return self.load_own_weights(weights, f"{MTP_LAYER} (mtp.*)", stacked=stacked)

@@ -54,19 +54,25 @@ from paged_engine.layers.norm import RMSNorm
 from paged_engine.layers.rotary import get_rope
 from paged_engine.models.llama import LlamaForCausalLM, LlamaMLP, llama_head_dim
 from paged_engine.models.mixtral import MoeDecoderLayer
-from paged_engine.models.utils import FeatureHead, cfg_get, load_named_weights
+from paged_engine.models.mtp import MTP_LAYER
+from paged_engine.models.utils import FeatureHead, cfg_get
 
-_ERNIE_OWN = ("mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")
-_LONGCAT = "model.mtp."
-# LongCat's checkpoint names (after `model.mtp.`) -> ours; the rest of layers.0.* is the block's
+# Each family's checkpoint names (prefixes) -> ours, the first that matches; others: not the layer's
+_ERNIE_RENAMES = (
+    ("model.mtp_emb_norm.0.", "enorm."),
+    ("model.mtp_hidden_norm.0.", "hnorm."),
+    ("model.mtp_linear_proj.0.", "eh_proj."),
+    ("model.mtp_block.0.", "block."),
+    ("model.norm.weight", "final_layernorm.weight"),  # the target's final norm: the post-norm
+)
 _LONGCAT_RENAMES = (
-    ("layers.0.enorm.m.", "enorm."),
-    ("layers.0.hnorm.m.", "hnorm."),
-    ("layers.0.eh_proj.", "eh_proj."),
-    ("layers.0.transformer_layer.mlp.", "block.mlp."),
-    ("layers.0.", "block."),
-    ("norm.", "final_layernorm."),
-    ("embed_tokens.", "embed_tokens."),
+    ("model.mtp.layers.0.enorm.m.", "enorm."),
+    ("model.mtp.layers.0.hnorm.m.", "hnorm."),
+    ("model.mtp.layers.0.eh_proj.", "eh_proj."),
+    ("model.mtp.layers.0.transformer_layer.mlp.", "block.mlp."),
+    ("model.mtp.layers.0.", "block."),  # the rest of layers.0.* is the block's
+    ("model.mtp.norm.", "final_layernorm."),
+    ("model.mtp.embed_tokens.", "embed_tokens."),
 )
 
 
@@ -87,20 +93,10 @@ def more_mtp_family(hf_config) -> str | None:
 
 def more_mtp_weight_name(hf_config, name: str) -> str | None:
     """Our name for a checkpoint tensor of the target's first MTP layer, None for any other."""
-    if more_mtp_family(hf_config) == "ernie":
-        if name == "model.norm.weight":  # the target's final norm, the layer's post-norm
-            return "norm.weight"
-        for part in (*_ERNIE_OWN, "mtp_block"):
-            prefix = f"model.{part}.0."
-            if name.startswith(prefix):
-                return ("block" if part == "mtp_block" else part) + "." + name[len(prefix) :]
-        return None
-    if not name.startswith(_LONGCAT):
-        return None
-    rest = name[len(_LONGCAT) :]
-    for theirs, ours in _LONGCAT_RENAMES:
-        if rest.startswith(theirs):
-            return ours + rest[len(theirs) :]
+    renames = _ERNIE_RENAMES if more_mtp_family(hf_config) == "ernie" else _LONGCAT_RENAMES
+    for theirs, ours in renames:
+        if name.startswith(theirs):
+            return ours + name[len(theirs) :]
     return None
 
 
@@ -113,38 +109,15 @@ def check_more_mtp(hf_config) -> None:
         )
 
 
-def _missing(head: nn.Module, loaded: set[str], optional: set[str], where: str) -> None:
-    missing = sorted(n for n, _ in head.named_parameters() if n not in loaded | optional)
-    if missing:
-        raise ValueError(
-            f"speculative_config method 'mtp': the checkpoint's MTP layer {where} lacks "
-            f"{missing[:8]}" + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        )
+class ProjectedMtpLayer(FeatureHead):
+    """The layer both families run (module docstring): out = final_layernorm(block(eh_proj(
+    cat([enorm(embedding), hnorm(feature)])))), nothing zeroed at position 0. A subclass
+    builds `enorm`, `hnorm`, `eh_proj`, `rope`, `block` (a MoeDecoderLayer), `final_layernorm`
+    and, where it has its own, `embed_tokens`; the loader sets the rest to the target's.
+    `forward` returns (out, out): the logits' input and the next pass's feature."""
 
-
-class ErnieMtpHead(FeatureHead):
-    """ERNIE 4.5 MoE's MTP layer (module docstring). `forward` returns (out, out): the logits'
-    input and the next pass's feature. Embedding and LM head: the target's (set by the
-    loader)."""
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        from paged_engine.models.ernie4_5 import ernie_layer_flags
-
-        check_more_mtp(config)
-        self.config = config
-        d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
-        self.mtp_emb_norm = RMSNorm(d, eps)
-        self.mtp_hidden_norm = RMSNorm(d, eps)
-        self.mtp_linear_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
-        self.rope = get_rope(config, llama_head_dim(config), is_neox_style=False)
-        layer = int(config.num_hidden_layers)
-        mlp = LlamaMLP(config, bias=False)  # dense, as vLLM, SGLang and transformers build it
-        self.block = MoeDecoderLayer(config, layer, ernie_layer_flags(config), self.rope, mlp)
-        self.norm = RMSNorm(d, eps)
-        # the target's, shared by the loader
-        self.embed_tokens: nn.Module | None = None
-        self.lm_head: nn.Module | None = None
+    embed_tokens: nn.Module | None
+    lm_head: nn.Module | None
 
     def forward(
         self,
@@ -157,26 +130,48 @@ class ErnieMtpHead(FeatureHead):
         assert self.embed_tokens is not None
         self.rope.begin_forward(positions)
         embeds = self.embed_tokens(input_ids).to(feature.dtype)
-        x = torch.cat([self.mtp_emb_norm(embeds), self.mtp_hidden_norm(feature)], dim=-1)
-        out = self.norm(self.block(positions, self.mtp_linear_proj(x), kv_caches[0], md))
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
+        out = self.final_layernorm(self.block(positions, x, kv_caches[0], md))
         return out, out
 
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
         assert self.lm_head is not None
         return self.lm_head(normed)
 
+
+class ErnieMtpHead(ProjectedMtpLayer):
+    """ERNIE 4.5 MoE's MTP layer (module docstring): a dense ERNIE decoder layer, post-normed by
+    the target's final norm. Embedding and LM head: the target's (set by the loader)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        from paged_engine.models.ernie4_5 import ernie_layer_flags
+
+        check_more_mtp(config)
+        self.config = config
+        d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
+        self.enorm = RMSNorm(d, eps)  # mtp_emb_norm.0
+        self.hnorm = RMSNorm(d, eps)  # mtp_hidden_norm.0
+        self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
+        self.rope = get_rope(config, llama_head_dim(config), is_neox_style=False)
+        layer = int(config.num_hidden_layers)
+        mlp = LlamaMLP(config, bias=False)  # dense, as vLLM, SGLang and transformers build it
+        self.block = MoeDecoderLayer(config, layer, ernie_layer_flags(config), self.rope, mlp)
+        self.final_layernorm = RMSNorm(d, eps)  # the target's model.norm
+        # the target's, shared by the loader
+        self.embed_tokens = None
+        self.lm_head = None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`model.mtp_*.0.*` and `model.norm.weight`, named as `more_mtp_weight_name` gives
         them; ValueError naming what is missing."""
-        loaded = load_named_weights(
-            self, weights, stacked=LlamaForCausalLM.stacked_params, strict=False
+        return self.load_own_weights(
+            weights, f"{MTP_LAYER} model.mtp_*.0", stacked=LlamaForCausalLM.stacked_params
         )
-        _missing(self, loaded, set(), "model.mtp_*.0")
-        return loaded
 
 
-class LongcatMtpHead(FeatureHead):
-    """LongCat-Flash's MTP layer (module docstring). `forward` returns (out, out). The LM head
+class LongcatMtpHead(ProjectedMtpLayer):
+    """LongCat-Flash's MTP layer (module docstring): LongCat's MLA and a dense MLP. The LM head
     is the target's, the embedding the layer's own where the checkpoint has one (set by the
     loader otherwise)."""
 
@@ -186,7 +181,7 @@ class LongcatMtpHead(FeatureHead):
 
         self.config = config
         d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
-        self.embed_tokens: nn.Module = VocabParallelEmbedding(config.vocab_size, d)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
@@ -202,39 +197,20 @@ class LongcatMtpHead(FeatureHead):
         )
         self.final_layernorm = RMSNorm(d, eps)
         self.shares_target_embedding = False  # set by load_weights
-        self.lm_head: nn.Module | None = None  # the target's, set by the loader
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] token p + 1 of each entry p
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        md: AttentionMetadata,
-        feature: torch.Tensor,  # [T, D] the target's final hidden state, or the last pass's out
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.rope.begin_forward(positions)
-        embeds = self.embed_tokens(input_ids).to(feature.dtype)
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(feature)], dim=-1))
-        out = self.final_layernorm(self.block(positions, x, kv_caches[0], md))
-        return out, out
-
-    def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
-        assert self.lm_head is not None
-        return self.lm_head(normed)
+        self.lm_head = None  # the target's, set by the loader
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`model.mtp.*`, named as `more_mtp_weight_name` gives them; ValueError naming what
         is missing (the embedding may be absent: the target's is shared)."""
         from paged_engine.models.longcat_flash import LongcatFlashForCausalLM
 
-        loaded = load_named_weights(
-            self,
+        loaded = self.load_own_weights(
             weights,
+            f"{MTP_LAYER} model.mtp.*",
             stacked=LongcatFlashForCausalLM.stacked_params,
             skip=lambda name: name.endswith("rotary_emb.inv_freq"),
-            strict=False,
+            optional=frozenset({"embed_tokens.weight"}),
         )
-        _missing(self, loaded, {"embed_tokens.weight"}, "model.mtp.*")
         self.shares_target_embedding = "embed_tokens.weight" not in loaded
         return loaded
 

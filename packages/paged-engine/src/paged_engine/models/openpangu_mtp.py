@@ -28,19 +28,17 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from paged_engine.layers.embedding import VocabParallelEmbedding
-from paged_engine.layers.linear import ColumnParallelLinear
-from paged_engine.layers.norm import RMSNorm
-from paged_engine.layers.rotary import get_rope
+from torch import nn
+
 from paged_engine.models.deepseek_v2 import DeepseekV2ForCausalLM
 from paged_engine.models.llama import LlamaMLP
-from paged_engine.models.mtp import DeepseekMtpHead, _SharedHead
+from paged_engine.models.mtp import DeepseekMtpHead
 from paged_engine.models.openpangu_moe import (
     PanguUltraMoEForCausalLM,
     decoder_layer_cls,
     openpangu_moe_block,
 )
-from paged_engine.models.utils import FeatureHead, cfg_get
+from paged_engine.models.utils import mla_rope
 
 if TYPE_CHECKING:
     from paged_engine.loader import ResolvedModel
@@ -66,26 +64,14 @@ class OpenPanguMtpHead(DeepseekMtpHead):
     where the config says so."""
 
     def __init__(self, config) -> None:
-        FeatureHead.__init__(self)
-        self.config = config
-        d, eps = config.hidden_size, cfg_get(config, "rms_norm_eps", 1e-6)
-        layer = int(config.num_hidden_layers)
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, d)
-        self.enorm = RMSNorm(d, eps)
-        self.hnorm = RMSNorm(d, eps)
-        self.eh_proj = ColumnParallelLinear(2 * d, d, bias=False, tp_rank=0, tp_size=1)
-        interleave = bool(getattr(config, "rope_interleave", True))
-        self.rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
-        self.num_experts = int(getattr(config, "n_routed_experts", None) or 0)
-        mlp = openpangu_moe_block(config) if self.num_experts else LlamaMLP(config, bias=False)
-        layer_cls = decoder_layer_cls(config)
-        self.block = layer_cls(
-            config, layer, self.rope, mlp, PanguUltraMoEForCausalLM.attention_cls
-        )
-        self.stacked = DeepseekV2ForCausalLM.stacked_params
-        self.shared_head = _SharedHead(config)
-        self.shares_target_embedding = False  # set by load_weights
-        self.shares_target_head = False
+        super().__init__(config, PanguUltraMoEForCausalLM)
+
+    def build_block(self, config, layer: int, target_cls) -> tuple[nn.Module, nn.Module, tuple]:
+        rope = mla_rope(config, target_cls)
+        experts = int(getattr(config, "n_routed_experts", None) or 0)
+        mlp = openpangu_moe_block(config) if experts else LlamaMLP(config, bias=False)
+        block = decoder_layer_cls(config)(config, layer, rope, mlp, target_cls.attention_cls)
+        return block, rope, DeepseekV2ForCausalLM.stacked_params
 
     def load_weights(self, weights):
         # the release's correction bias sits beside the router (openpangu_moe.py)

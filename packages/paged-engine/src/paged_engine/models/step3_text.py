@@ -21,8 +21,8 @@ Checkpoint names are the release's: `self_attn.{q,k,v}_proj` (fused here into a 
 `share_expert.{gate,up,down}_proj`, dense `mlp.*`; the head is never tied (vLLM loads
 `lm_head.weight` whatever the config says). The VL release keeps these names at the top level
 (`model.`, `lm_head.`) beside `vision_model.` / `vit_downsampler*.` / `vit_large_projector.`,
-which the VL wrapper drops here (its images: multimodal/step3_vl.py, config
-models/step3_vl_config.py).
+which its text-wrappers row drops (models/text_wrappers.py; its images: multimodal/step3_vl.py,
+config models/step3_vl_config.py).
 
 Tensor parallelism: the query's low-rank part and the KV head are replicated (as vLLM's
 ReplicatedLinear); `wq` splits the heads, `o_proj` reduces.
@@ -63,13 +63,6 @@ _STACKS = {
     ".moe.up_proj.weight": "up_proj",
     ".moe.down_proj.weight": "down_proj",
 }
-# the VL release's non-text weights (vLLM's step3_vl.py skips the same prefixes)
-_VISION_PREFIXES = (
-    "vision_model.",
-    "vit_downsampler.",
-    "vit_downsampler2.",
-    "vit_large_projector.",
-)
 
 
 def moe_layers(config) -> frozenset[int]:
@@ -168,17 +161,6 @@ class Step3TextForCausalLM(CausalLMBase):
                 base = name[: -len(suffix)] + ".mlp.experts"
                 return ((f"{base}.{m}.{matrix}.weight", w[m]) for m in range(w.shape[0]))
         return ((name, w),)
-
-
-class Step3VLTextForCausalLM(Step3TextForCausalLM):
-    """`Step3VLForConditionalGeneration` served on text: its decoder and head (the same names
-    as the text release), the vision tower, downsamplers and projector dropped."""
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        text = ((n, w) for n, w in weights if not n.startswith(_VISION_PREFIXES))
-        return super().load_weights(text, strict)
 
 
 def step3_text_config(raw: dict[str, Any]) -> PretrainedConfig:

@@ -13,6 +13,7 @@ from torch import nn
 from paged_engine.distributed.parallel_state import get_parallel_state, stage_layers
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.layers.embedding import ParallelLMHead
+from paged_engine.layers.rotary import get_rope
 from paged_engine.quantized_checkpoint import DEQUANTIZED, check_checkpoint_quantization
 
 # (fragment of our param name, fragment of the HF name, shard id for the param's weight_loader)
@@ -193,6 +194,36 @@ class FeatureHead(nn.Module):
 
     def combine(self, feature: torch.Tensor) -> torch.Tensor:
         return feature
+
+    def load_own_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        where: str,
+        *,
+        stacked: Iterable[StackedRule] = (),
+        skip: Callable[[str], bool] = lambda name: False,
+        optional: frozenset[str] = frozenset(),
+    ) -> set[str]:
+        """Load the head's tensors, already in our names (`load_named_weights`, not strict);
+        ValueError "`where` lacks [...]" naming (the first 8 of) the parameters the weights
+        did not give, but those in `optional` (parts the target may lend: embedding, head)."""
+        loaded = load_named_weights(self, weights, stacked=stacked, skip=skip, strict=False)
+        missing = sorted(n for n, _ in self.named_parameters() if n not in loaded | optional)
+        if missing:
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise ValueError(f"{where} lacks {missing[:8]}{more}")
+        return loaded
+
+
+def mla_rope(config, family) -> nn.Module:
+    """The rope a DeepSeek-family model's layers share (`family`: its DeepseekV2ForCausalLM
+    subclass): `family.build_rope(config)`, else DeepseekModel's own, over qk_rope_head_dim
+    with GPT-J pairs unless the config's `rope_interleave` is false (NeoX halves)."""
+    rope = family.build_rope(config)
+    if rope is None:
+        interleave = bool(getattr(config, "rope_interleave", True))
+        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+    return rope
 
 
 class CausalLMBase(nn.Module):

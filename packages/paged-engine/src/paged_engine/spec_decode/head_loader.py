@@ -113,7 +113,8 @@ def check_eagle3_head(name: str, target_hf_config, config) -> None:
 
     where = f"speculative_config.model={name!r}"
     try:
-        head_config = load_eagle3_config(resolve_draft(name, config), config.trust_remote_code)
+        resolved = resolve_draft(name, config)
+        head_config = load_eagle3_config(resolved, config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the EAGLE-3 head ({e})") from None
     if not is_eagle3_config(head_config):
@@ -182,7 +183,8 @@ def check_eagle_head(name: str, target_hf_config, config) -> None:
 
     where = f"speculative_config.model={name!r}"
     try:
-        head_config = load_eagle3_config(resolve_draft(name, config), config.trust_remote_code)
+        resolved = resolve_draft(name, config)
+        head_config = load_eagle3_config(resolved, config.trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"{where}: cannot load the EAGLE head ({e})") from None
     if is_eagle3_config(head_config):
@@ -197,7 +199,7 @@ def check_eagle_head(name: str, target_hf_config, config) -> None:
     from paged_engine.models.deepseek_eagle import deepseek_eagle_kind
 
     try:  # DeepSeek-V3 / Mistral Large 3 heads: what paged does not serve, by name
-        deepseek_eagle_kind(resolve_draft(name, config).path, head_config)
+        deepseek_eagle_kind(resolved.path, head_config)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
 

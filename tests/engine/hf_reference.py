@@ -401,3 +401,18 @@ def edited_checkpoint(src: Path, dst: Path, **fields) -> Path:
     cfg = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, **fields}))
     return dst
+
+
+def hf_generate_enc_dec(model, n: int, **inputs) -> Greedy:
+    """`hf_generate_greedy` for an encoder-decoder (BART-style) `model` with what its generation
+    config adds beyond vLLM turned off: beams, n-gram blocking, forced BOS / EOS, min_length."""
+    return hf_generate_greedy(
+        model,
+        n,
+        num_beams=1,
+        no_repeat_ngram_size=0,
+        forced_bos_token_id=None,
+        forced_eos_token_id=None,
+        min_length=0,
+        **inputs,
+    )

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches, hf_generate_greedy
+from hf_reference import Greedy, assert_matches, hf_generate_enc_dec
 from image_checks import greedy
+from vlm_checkpoints import tiny_bart_fields
 
 transformers = pytest.importorskip("transformers")
 
@@ -28,7 +29,6 @@ from paged_engine.inputs import zip_enc_dec_prompts  # noqa: E402
 from paged_engine.testing import (  # noqa: E402
     BOS_ID,
     EOS_ID,
-    PAD_ID,
     TINY_VOCAB_SIZE,
     _quiet_progress,
     _randomize,
@@ -48,21 +48,8 @@ def write_tiny(path: Path, kind: str = "bart", seed: int = 5) -> Path:
         "bart_model": ("BartModel", "BartConfig", "BartModel"),
     }[kind]
     config = getattr(transformers, cfg_cls)(
-        vocab_size=len(tokenizer),
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=48,
-        max_position_embeddings=64,
+        **tiny_bart_fields(len(tokenizer), 64),
         scale_embedding=kind == "mbart",
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        decoder_start_token_id=START,
-        forced_eos_token_id=None,
         architectures=[arch],
     )
     torch.manual_seed(seed)
@@ -85,16 +72,8 @@ def hf_model(path: Path, kind: str = "bart"):
 def hf_generate(model, enc: list[int], dec: list[int] = DEFAULT_DECODER, n: int = 8) -> Greedy:
     """HF generate's greedy tokens for one encoder prompt and decoder prompt, with what vLLM
     does not apply turned off."""
-    return hf_generate_greedy(
-        model,
-        n,
-        input_ids=torch.tensor([enc]),
-        decoder_input_ids=torch.tensor([dec]),
-        num_beams=1,
-        no_repeat_ngram_size=0,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-        min_length=0,
+    return hf_generate_enc_dec(
+        model, n, input_ids=torch.tensor([enc]), decoder_input_ids=torch.tensor([dec])
     )
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches, hf_generate_greedy
+from hf_reference import Greedy, assert_matches, hf_generate_enc_dec
 from image_checks import greedy, noise_image
+from vlm_checkpoints import tiny_bart_fields
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,22 +40,7 @@ START = EOS_ID  # as Florence-2's: the decoder starts from </s>
 
 def write_tiny(path: Path, seed: int = 3) -> Path:
     tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, 0)
-    text = transformers.BartConfig(
-        vocab_size=len(tokenizer),
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=48,
-        max_position_embeddings=96,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        decoder_start_token_id=START,
-        forced_eos_token_id=None,
-    )
+    text = transformers.BartConfig(**tiny_bart_fields(len(tokenizer), 96))  # starts from START
     vision = transformers.Florence2VisionConfig(
         depths=(1, 1),
         patch_size=(7, 3),
@@ -110,17 +96,12 @@ def hf_generate(hf, tiny: Path, image, text_ids: list[int], dec: list[int], n: i
     pixels = transformers.AutoImageProcessor.from_pretrained(tiny)(
         images=[image], return_tensors="pt"
     )["pixel_values"]
-    return hf_generate_greedy(
+    return hf_generate_enc_dec(
         hf,
         n,
         input_ids=torch.tensor([[IMAGE_ID] * ROWS + text_ids]),
         pixel_values=pixels,
         decoder_input_ids=torch.tensor([dec]),
-        num_beams=1,
-        no_repeat_ngram_size=0,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-        min_length=0,
     )
 
 

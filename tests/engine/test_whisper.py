@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_reference import Greedy, assert_matches
+from hf_reference import Greedy, assert_matches, greedy_over_logits
 from image_checks import greedy
 
 transformers = pytest.importorskip("transformers")
@@ -99,20 +99,13 @@ def features(path: Path, wave: np.ndarray) -> torch.Tensor:
 
 def hf_loop(model, feats: torch.Tensor, prompt: list[int], n: int = 8) -> Greedy:
     """Greedy decoding over HF's forward (no logits processors), with top-5 logprobs."""
-    ids = list(prompt)
-    tokens, lps, tops = [], [], []
     with torch.no_grad():
         enc = model.model.encoder(feats).last_hidden_state
-        for _ in range(n):
-            logits = model(encoder_outputs=(enc,), decoder_input_ids=torch.tensor([ids])).logits
-            lp = torch.log_softmax(logits[0, -1].float(), -1)
-            t = int(lp.argmax())
-            vals, top = lp.topk(5)
-            tokens.append(t)
-            lps.append(lp[t].item())
-            tops.append(dict(zip(top.tolist(), vals.tolist(), strict=True)))
-            ids.append(t)
-    return Greedy(tokens, lps, tops)
+
+    def logits(ids: torch.Tensor) -> torch.Tensor:  # [S] -> [S, V]
+        return model(encoder_outputs=(enc,), decoder_input_ids=ids[None]).logits[0].float()
+
+    return greedy_over_logits(logits, prompt, n)
 
 
 def engine(path: Path, **kw) -> LLM:

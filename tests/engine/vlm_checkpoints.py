@@ -159,3 +159,17 @@ def image_run_ids(tokenizer, text: str, marker: str, rows: list) -> list[int]:
             ids += [token] * rows[i - 1].shape[0]
         ids += tokenizer(chunk, add_special_tokens=i == 0).input_ids
     return ids
+
+
+def tiny_bart_fields(vocab_size: int, max_positions: int) -> dict:
+    """A tiny BART's config fields (BartConfig / MBartConfig, Florence-2's text_config):
+    d_model 32, 2 layers a stack of 4 heads, FFN 64 (encoder) / 48 (decoder), testing.py's
+    BOS / EOS / PAD ids, the decoder starting from </s> as BART's, no forced EOS."""
+    from paged_engine.testing import BOS_ID, EOS_ID, PAD_ID
+
+    fields = {"vocab_size": vocab_size, "d_model": 32, "max_position_embeddings": max_positions}
+    fields |= {"encoder_layers": 2, "decoder_layers": 2}
+    fields |= {"encoder_attention_heads": 4, "decoder_attention_heads": 4}
+    fields |= {"encoder_ffn_dim": 64, "decoder_ffn_dim": 48}
+    fields |= {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    return fields | {"decoder_start_token_id": EOS_ID, "forced_eos_token_id": None}

@@ -64,16 +64,7 @@ class EncoderPrompts:
         """Any prompt form -> (the decoder prompt as {"prompt", "prompt_token_ids",
         "encoder_prompt", "encoder_prompt_token_ids" and cache_salt where given}, the encoder
         prompt's item); `truncate`: the request's truncate_prompt_tokens."""
-        if isinstance(prompt, dict) and "encoder_prompt" in prompt:
-            unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
-            if unknown:
-                raise ValueError(
-                    f"an encoder / decoder prompt takes 'encoder_prompt' and 'decoder_prompt', "
-                    f"got {unknown}"
-                )
-            enc, dec = prompt["encoder_prompt"], prompt.get("decoder_prompt")
-        else:
-            enc, dec = prompt, None
+        enc, dec = split_encoder_decoder(prompt)
         enc_ids, salt = self._ids(enc, "encoder_prompt")
         if not enc_ids:
             raise ValueError("encoder_prompt must not be empty")
@@ -149,6 +140,21 @@ class EncoderPrompts:
         raise ValueError(
             f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}"
         )
+
+
+def split_encoder_decoder(prompt: Any) -> tuple[Any, Any]:
+    """Any prompt form -> (its encoder prompt, its decoder prompt or None): an
+    {"encoder_prompt", "decoder_prompt"} dict's two (other keys refused by name), else the
+    prompt itself as the encoder prompt and no decoder prompt."""
+    if not (isinstance(prompt, dict) and "encoder_prompt" in prompt):
+        return prompt, None
+    unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
+    if unknown:
+        raise ValueError(
+            f"an encoder / decoder prompt takes 'encoder_prompt' and 'decoder_prompt', "
+            f"got {unknown}"
+        )
+    return prompt["encoder_prompt"], prompt.get("decoder_prompt")
 
 
 def prompt_text(p: Any) -> str | None:

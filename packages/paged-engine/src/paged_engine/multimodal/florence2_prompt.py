@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from paged_engine.engine.encoder_prompt import EncoderPrompts, prompt_text
+from paged_engine.engine.encoder_prompt import EncoderPrompts, prompt_text, split_encoder_decoder
 from paged_engine.multimodal.florence2 import conv_out, image_rows
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import digest
@@ -106,16 +106,7 @@ class Florence2Prompts:
     def split(
         self, prompt: Any, truncate: int | None = None
     ) -> tuple[dict, tuple[ImageInput, ImageInput]]:
-        if isinstance(prompt, dict) and "encoder_prompt" in prompt:
-            unknown = sorted(set(prompt) - {"encoder_prompt", "decoder_prompt"})
-            if unknown:
-                raise ValueError(
-                    f"an encoder / decoder prompt takes 'encoder_prompt' and 'decoder_prompt', "
-                    f"got {unknown}"
-                )
-            enc, dec = prompt["encoder_prompt"], prompt.get("decoder_prompt")
-        else:
-            enc, dec = prompt, None
+        enc, dec = split_encoder_decoder(prompt)
         if not isinstance(enc, dict) or "multi_modal_data" not in enc:
             raise ValueError(
                 "multi_modal_data: Florence-2 prompts need an image ({'prompt': ..., "
@@ -162,13 +153,9 @@ class Florence2Prompts:
         return fields, (image, text)
 
     def _encoder_ids(self, enc: dict) -> list[int]:
-        if "prompt_token_ids" in enc:
-            given = enc["prompt_token_ids"]
-            if not isinstance(given, (list, tuple)):
-                raise ValueError(
-                    f"prompt_token_ids must be a list of token ids, got {type(given).__name__}"
-                )
-            ids, _ = self.decoder._ids(list(given), "encoder_prompt")
+        if "prompt_token_ids" in enc:  # BART's checks: a list of ids within the vocabulary
+            given = {"prompt_token_ids": enc["prompt_token_ids"]}
+            ids, _ = self.decoder._ids(given, "encoder_prompt")
         else:
             text = enc.get("prompt", "")
             if not isinstance(text, str):

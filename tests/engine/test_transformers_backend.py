@@ -1,6 +1,7 @@
 """The Transformers modeling backend (models/transformers_backend.py): HF's modeling code with
 paged attention gives HF `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) under
-paged's batching, chunked prefill and prefix caching, the same tokens as paged's own class, serves
+paged's batching, chunked prefill and prefix caching, the same tokens as paged's own class, applies
+the soft caps and logit scales HF's classes apply (Gemma 2, Cohere, Granite, HyperCLOVA X), serves
 by itself an architecture paged has no class for (CTRL), and refuses by name what it cannot run."""
 
 from __future__ import annotations
@@ -9,7 +10,13 @@ import copy
 
 import pytest
 import transformers
-from hf_parity import assert_llm_matches, checkpoint_dirs, load_hf_as_saved, write_hf_checkpoint
+from hf_parity import (
+    assert_llm_matches,
+    assert_serves_like_hf,
+    checkpoint_dirs,
+    load_hf_as_saved,
+    write_hf_checkpoint,
+)
 from hf_reference import assert_same_greedy, hf_greedy, random_token_prompts
 
 from paged_engine import LLM, SamplingParams
@@ -74,6 +81,32 @@ def test_backend_matches_hf_and_native_class(checkpoint, family: str) -> None:
     assert_same_greedy([o.outputs[0] for o in native_outs], [o.outputs[0] for o in outs], 1e-3)
 
 
+@pytest.mark.parametrize(
+    ("family", "applied"),
+    [
+        # attention soft cap 10 (passed as HF's `softcap` kwarg) and final soft cap 30
+        ("gemma2", {"final_soft_cap": 30.0}),
+        ("cohere", {"logit_scale": 0.5}),  # logits * logit_scale
+        ("cohere2", {"logit_scale": 0.5}),  # with a sliding layer and a NoPE one
+        ("nanochat", {"final_soft_cap": 5.0}),  # no attention cap
+        ("granite", {"logits_divisor": 2.5}),  # logits / logits_scaling
+        ("hyperclovax", {"logit_scale": 0.4}),  # logits * logits_scaling
+    ],
+)
+def test_backend_applies_hf_soft_caps_and_logit_scales(
+    checkpoint, family: str, applied: dict
+) -> None:
+    """The tiny configs' caps and scales bite (testing.py): a dropped or inverted one changes
+    the top-5 logprobs."""
+    llm = assert_serves_like_hf(
+        family, checkpoint(family), _prompts(len(family)), model_impl="transformers", **STRESS
+    )
+    model = llm.llm_engine.model_runner.model
+    assert type(model).__name__ == BACKEND
+    for name, value in applied.items():
+        assert getattr(model, name) == pytest.approx(value)
+
+
 def test_auto_falls_back_for_an_architecture_without_a_native_class(checkpoint) -> None:
     """CTRL (a tied LM head with a bias, sinusoidal positions, "transformer." names) has no
     class in paged's registry: model_impl="auto" serves it through the backend as HF does;
@@ -113,7 +146,14 @@ def _config(name: str, **fields):
             "BloomForCausalLM does not support custom attention",
         ),
         (_config("qwen3_moe"), "mixture-of-experts models \\(config.num_experts\\)"),
-        (_config("gemma2"), "config.attn_logit_softcapping"),
+        (
+            _config("llama", logits_scaling=2.0),
+            "config.logits_scaling=2.0 is not supported for model_type 'llama'",
+        ),
+        (
+            _config("gemma3", use_bidirectional_attention=True),
+            "config.use_bidirectional_attention=True",
+        ),
         (
             _config("llama", layer_types=["full_attention", "linear_attention"]),
             "config.layer_types \\['linear_attention'\\]",

@@ -5,10 +5,16 @@ the backbone (`AutoModel.from_config`: embeddings, decoder layers, rotary, norms
 only the attention is swapped: the model is built with `attn_implementation="paged"`, a function
 registered in transformers' `AttentionInterface`, which hands each HF attention module's q / k / v
 to a paged `Attention` layer (writes the step's K/V into that layer's paged cache, attends through
-the block tables). The step's flattened tokens run as one HF batch row, `input_ids` [1, T] with
+the block tables, with HF's softmax scale and the sliding window and `softcap` HF's forward
+passes). The step's flattened tokens run as one HF batch row, `input_ids` [1, T] with
 `position_ids` [1, T]; no HF cache and no HF mask (paged's attention is causal per sequence, and
 transformers builds no mask for an attention function without a mask function of its own). The
-LM head is paged's (`CausalLMBase`), tied to HF's input embedding where the config ties it.
+LM head is paged's (`CausalLMBase`), tied to HF's input embedding where the config ties it;
+`compute_logits` applies what HF's `*ForCausalLM` applies to the head's output (vLLM's
+`LogitsProcessor(scale=logit_scale, soft_cap=final_logit_softcapping)`): the final soft cap, then
+`logit_scale` (a factor: Cohere) and `logits_scaling` (a divisor for Granite, a factor for
+HyperCLOVA X: the same name means opposite things, so it is read only for the model types in
+`_LOGITS_SCALING`).
 
 Weights load by HF name: the backbone keeps HF's module tree under the model's
 `base_model_prefix`, so checkpoint names map 1:1.
@@ -17,8 +23,9 @@ Weights load by HF name: the backbone keeps HF's module tree under the model's
 not serve when transformers has it as a causal LM whose class supports custom attention
 (`_supports_attention_backend`, vLLM's rule). What cannot run this way is refused by name:
 encoder-decoders, multimodal configs, MoE (vLLM's TransformersMoEForCausalLM), tensor / pipeline
-parallelism, LoRA, speculative decoding, prompt embeddings, pooling, attention sinks, attention or
-final-logit soft-capping, logit scaling, and layers other than full / sliding attention.
+parallelism, LoRA, speculative decoding, prompt embeddings, pooling, attention sinks, bidirectional
+attention, `logits_scaling` of a model type not in `_LOGITS_SCALING`, and layers other than full /
+sliding attention.
 `select_model_impl` decides at engine start and marks the config (`IMPL_FIELD`);
 `models.get_model_class` reads the mark.
 """
@@ -34,7 +41,7 @@ from torch import nn
 
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.attention import Attention, AttentionMetadata
-from paged_engine.models.utils import CausalLMBase
+from paged_engine.models.utils import CausalLMBase, cfg_get, soft_cap
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +52,12 @@ STEP_KWARG = "paged_step"  # (kv_caches, attn_metadata), passed through HF's for
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 # config fields this wrapper cannot express, and the value that means "off"
 _REFUSED_FIELDS = {
-    "attn_logit_softcapping": None,
-    "final_logit_softcapping": None,
-    "logit_scale": 1.0,
-    "logits_scaling": 1.0,
     "use_bidirectional_attention": False,  # EmbeddingGemma's (paged attends causally)
 }
+# model_type -> whether HF's *ForCausalLM divides its logits by config.logits_scaling (True:
+# Granite) or multiplies them by it (False: HyperCLOVA X); any other model type with a
+# logits_scaling other than 1 is refused
+_LOGITS_SCALING = {"granite": True, "hyperclovax": False}
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 
@@ -95,6 +102,13 @@ def check_transformers_config(hf_config) -> type:
         value = getattr(hf_config, name, off)
         if value is not None and value != off:
             raise _refuse(f"config.{name}={value!r} is not supported")
+    scaling = cfg_get(hf_config, "logits_scaling", 1.0)
+    model_type = getattr(hf_config, "model_type", None)
+    if scaling != 1.0 and model_type not in _LOGITS_SCALING:
+        raise _refuse(
+            f"config.logits_scaling={scaling!r} is not supported for model_type {model_type!r} "
+            f"(only {sorted(_LOGITS_SCALING)})"
+        )
     kinds = set(getattr(hf_config, "layer_types", None) or ()) - set(_LAYER_TYPES)
     if kinds:
         raise _refuse(f"config.layer_types {sorted(kinds)} are not supported (only {_LAYER_TYPES})")
@@ -163,6 +177,9 @@ def _paged_attention(
     # HF's window of this layer, as its forward hands it to a flash-attention function (HF's
     # eager / sdpa paths window through the mask instead, which is not built here)
     attn.sliding_window = kwargs.get("sliding_window") or None
+    # HF's attention-logit soft cap, passed at call time (Gemma 2: attn_logit_softcapping); a
+    # model that does not pass it (Gemma 3) does not cap, here as in HF
+    attn.soft_cap = kwargs.get("softcap") or None
     num_tokens, head_dim = query.shape[2], query.shape[3]
     q = query[0].transpose(0, 1).reshape(num_tokens, -1)
     k = key[0].transpose(0, 1).reshape(num_tokens, -1)
@@ -206,6 +223,13 @@ class TransformersForCausalLM(CausalLMBase):
         if not isinstance(head, nn.Linear) or getattr(full, self.head_name, None) is not head:
             raise _refuse(f"{hf_class.__name__}'s LM head is not a plain `lm_head` linear layer")
         self.head_bias = head.bias is not None
+        # what HF's *ForCausalLM does to the head's logits (see the module docstring)
+        self.final_soft_cap: float | None = cfg_get(config, "final_logit_softcapping", None)
+        self.logit_scale = float(cfg_get(config, "logit_scale", 1.0))
+        scaling = float(cfg_get(config, "logits_scaling", 1.0))
+        divides = _LOGITS_SCALING.get(config.model_type, True)
+        self.logits_divisor = scaling if divides else 1.0
+        self.logit_scale *= 1.0 if divides else scaling
         hf_config = copy.deepcopy(config)  # from_config sets _attn_implementation on it
         backbone = AutoModel.from_config(
             hf_config, attn_implementation=ATTN_IMPL, dtype=torch.get_default_dtype()
@@ -244,6 +268,7 @@ class TransformersForCausalLM(CausalLMBase):
                 num_kv_heads,
                 scale=float(m.scaling),
                 sliding_window=None,  # set at each call from what HF's forward passes
+                soft_cap=None,  # likewise
             )
 
     def forward(
@@ -264,6 +289,14 @@ class TransformersForCausalLM(CausalLMBase):
             **{STEP_KWARG: (kv_caches, attn_metadata)},
         )
         return out.last_hidden_state[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, D] -> [N, V] fp32
+        logits = soft_cap(super().compute_logits(hidden), self.final_soft_cap)
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.logits_divisor != 1.0:
+            logits = logits / self.logits_divisor
+        return logits
 
 
 __all__ = [

@@ -1,8 +1,9 @@
-"""The Transformers modeling backend (models/transformers_backend.py): HF's modeling code with
-paged attention gives HF `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) under
-paged's batching, chunked prefill and prefix caching, the same tokens as paged's own class, applies
-the soft caps and logit scales HF's classes apply (Gemma 2, Cohere, Granite, HyperCLOVA X), serves
-by itself an architecture paged has no class for (CTRL), and refuses by name what it cannot run."""
+"""The Transformers modeling backend (models/transformers_backend.py): HF's modeling code with paged
+attention gives HF `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) under paged's
+batching, chunked prefill and prefix caching, the same tokens as paged's own class (also through
+HF's own MoE blocks: Qwen3-MoE, Mixtral), applies the soft caps and logit scales HF's classes apply
+(Gemma 2, Cohere, Granite, HyperCLOVA X), serves by itself an architecture paged has no class for
+(CTRL), and refuses by name what it cannot run."""
 
 from __future__ import annotations
 
@@ -61,7 +62,10 @@ def _serve(path, prompts: list[list[int]], **kw) -> tuple[LLM, list]:
     return llm, outs
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral_swa", "gemma3"])
+# qwen3_moe / mixtral: HF's own sparse MoE blocks route the flattened step's tokens one by one
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "mistral_swa", "gemma3", "qwen3_moe", "mixtral"]
+)
 def test_backend_matches_hf_and_native_class(checkpoint, family: str) -> None:
     path = checkpoint(family)
     prompts = _prompts(len(family))
@@ -145,7 +149,12 @@ def _config(name: str, **fields):
             transformers.BloomConfig(architectures=["BloomForCausalLM"]),
             "BloomForCausalLM does not support custom attention",
         ),
-        (_config("qwen3_moe"), "mixture-of-experts models \\(config.num_experts\\)"),
+        (_config("qwen3_moe", expert_capacity=4), "config.expert_capacity=4"),
+        (
+            transformers.PhimoeConfig(architectures=["PhimoeForCausalLM"]),
+            "mixture-of-experts checkpoints of model_type 'phimoe' \\(config.num_local_experts\\)",
+        ),
+        (_config("qwen3_moe", kv_lora_rank=16), "config.kv_lora_rank=16"),
         (
             _config("llama", logits_scaling=2.0),
             "config.logits_scaling=2.0 is not supported for model_type 'llama'",

@@ -17,23 +17,37 @@ HyperCLOVA X: the same name means opposite things, so it is read only for the mo
 `_LOGITS_SCALING`).
 
 Weights load by HF name: the backbone keeps HF's module tree under the model's
-`base_model_prefix`, so checkpoint names map 1:1.
+`base_model_prefix`, so checkpoint names map 1:1 (MoE experts aside: below).
 
-`model_impl="auto"` (the default) falls back to this class for an architecture the registry does
-not serve when transformers has it as a causal LM whose class supports custom attention
+`model_impl="auto"` (the default) falls back to this class for an architecture the registry does not
+serve when transformers has it as a causal LM whose class supports custom attention
 (`_supports_attention_backend`, vLLM's rule). What cannot run this way is refused by name:
-encoder-decoders, multimodal configs, MoE (vLLM's TransformersMoEForCausalLM), tensor / pipeline
-parallelism, LoRA, speculative decoding, prompt embeddings, pooling, attention sinks, bidirectional
-attention, `logits_scaling` of a model type not in `_LOGITS_SCALING`, and layers other than full /
-sliding attention.
+encoder-decoders, multimodal configs, token-dropping expert capacities (`expert_capacity`),
+multi-head latent attention (`kv_lora_rank`), tensor / pipeline parallelism, LoRA, speculative
+decoding, prompt embeddings, pooling, attention sinks, bidirectional attention, `logits_scaling`
+of a model type not in `_LOGITS_SCALING`, and layers other than full / sliding attention.
 `select_model_impl` decides at engine start and marks the config (`IMPL_FIELD`);
 `models.get_model_class` reads the mark.
-"""
+
+Mixture-of-experts decoders (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE's shared experts) run HF's own
+sparse blocks: their routing is per token (top-k of each token's router logits; HF's jitter noise
+applies only in training, and the model runs in eval mode), so the flattened [1, T] row routes every
+token as HF's batch would. transformers keeps each layer's experts as two 3D parameters
+(`experts.gate_up_proj` [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]) where
+checkpoints keep one linear per expert, and converts at its load (its conversion_mapping.py);
+`load_weights` does the same for HF's two per-expert layouts (`_EXPERT_LAYOUTS`: Mixtral's w1 / w3 /
+w2 under `block_sparse_moe`, Qwen2-MoE's gate_proj / up_proj / down_proj) and refuses an MoE model
+type whose checkpoints transformers converts some other way. vLLM's TransformersMoEForCausalLM swaps
+in fused experts for speed only; paged has no such class, and the same `TransformersForCausalLM`
+serves both."""
 
 from __future__ import annotations
 
 import copy
 import logging
+import re
+from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -53,12 +67,32 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # config fields this wrapper cannot express, and the value that means "off"
 _REFUSED_FIELDS = {
     "use_bidirectional_attention": False,  # EmbeddingGemma's (paged attends causally)
+    # tokens over an expert's capacity are dropped: routing depends on the whole batch
+    "expert_capacity": None,
+    # MLA (DeepSeek V2 / V3): q/k and v head dims differ, paged's Attention takes one
+    "kv_lora_rank": None,
 }
 # model_type -> whether HF's *ForCausalLM divides its logits by config.logits_scaling (True:
 # Granite) or multiplies them by it (False: HyperCLOVA X); any other model type with a
 # logits_scaling other than 1 is refused
 _LOGITS_SCALING = {"granite": True, "hyperclovax": False}
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# transformers' conversion pattern -> the renames it applies before stacking experts; a MoE
+# model type converted by another pattern is refused
+_EXPERT_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "mixtral": ((".block_sparse_moe.", ".mlp."),),
+    "qwen2_moe": (),
+}
+# one expert's linear in a checkpoint -> (HF's 3D parameter, the half of its rows it fills)
+_EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
+    "w1": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None),
+}
+_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _refuse(why: str) -> ValueError:
@@ -79,6 +113,20 @@ def transformers_class(hf_config) -> type | None:
     return None
 
 
+def expert_layout(hf_config) -> str | None:
+    """The name of transformers' checkpoint conversion for the config's model type (its
+    `_MODEL_TO_CONVERSION_PATTERN`, else the model type where it has a conversion of its own),
+    None where transformers converts nothing."""
+    from transformers import conversion_mapping
+
+    model_type = getattr(hf_config, "model_type", None)
+    aliases = getattr(conversion_mapping, "_MODEL_TO_CONVERSION_PATTERN", {})
+    pattern = aliases.get(model_type, model_type)
+    if pattern in _EXPERT_LAYOUTS:
+        return pattern
+    return pattern if conversion_mapping.get_checkpoint_conversion_mapping(pattern) else None
+
+
 def check_transformers_config(hf_config) -> type:
     """HF's causal LM class for `hf_config`, or ValueError naming what this backend refuses."""
     from paged_engine.models.multimodal_text import MARKER
@@ -95,9 +143,14 @@ def check_transformers_config(hf_config) -> type:
         raise _refuse(
             f"{cls.__name__} does not support custom attention (_supports_attention_backend)"
         )
-    for name in _MOE_FIELDS:
-        if getattr(hf_config, name, None):
-            raise _refuse(f"mixture-of-experts models (config.{name}) are not supported")
+    moe = next((name for name in _MOE_FIELDS if getattr(hf_config, name, None)), None)
+    layout = expert_layout(hf_config) if moe else None
+    if layout is not None and layout not in _EXPERT_LAYOUTS:
+        raise _refuse(
+            f"mixture-of-experts checkpoints of model_type {hf_config.model_type!r} (config.{moe}) "
+            f"are not supported: transformers converts them by its {layout!r} mapping "
+            f"(only {sorted(_EXPERT_LAYOUTS)})"
+        )
     for name, off in _REFUSED_FIELDS.items():
         value = getattr(hf_config, name, off)
         if value is not None and value != off:
@@ -241,6 +294,8 @@ class TransformersForCausalLM(CausalLMBase):
         self.embed_path = f"{self.inner_name}.{embed_name}"
         super().__init__(config, backbone)
         self._bind_attention(backbone, config)
+        # MoE checkpoints' per-expert names -> HF's module tree (see the module docstring)
+        self.renames = _EXPERT_LAYOUTS.get(expert_layout(config) or "", ())
 
     @staticmethod
     def _bind_attention(backbone: nn.Module, config) -> None:
@@ -270,6 +325,48 @@ class TransformersForCausalLM(CausalLMBase):
                 sliding_window=None,  # set at each call from what HF's forward passes
                 soft_cap=None,  # likewise
             )
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        """`CausalLMBase.load_weights`, with each expert's checkpoint linear copied into its slice
+        of HF's stacked expert parameter (transformers' MergeModulelist + Concatenate)."""
+        params = dict(self.named_parameters())
+        pieces: Counter[str] = Counter()  # stacked parameter -> expert slices copied
+
+        def others() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, w in weights:
+                name = self.rename_weight(name)  # the base loader's rename is idempotent
+                found = _EXPERT_WEIGHT.search(name)
+                stacked, half = _EXPERT_PARTS[found[2]] if found else ("", None)
+                pname = f"{name[: found.start()]}.experts.{stacked}" if found else ""
+                param = params.get(pname)
+                if param is None:
+                    yield name, w  # an unexpected name is reported by the base loader
+                    continue
+                dst = param.data[int(found[1])]  # [2I, D] or [D, I]
+                if half is not None:
+                    dst = dst.chunk(2, dim=0)[half]
+                if dst.shape != w.shape:
+                    raise ValueError(
+                        f"cannot load weight {name!r} into {pname!r}: expected "
+                        f"{tuple(dst.shape)}, got {tuple(w.shape)}"
+                    )
+                with torch.no_grad():
+                    dst.copy_(w)
+                pieces[pname] += 1
+
+        loaded = super().load_weights(others(), strict=False)
+        for pname, count in pieces.items():
+            whole = params[pname].shape[0] * (2 if pname.endswith(".gate_up_proj") else 1)
+            if count == whole or not strict:
+                loaded.add(pname)
+        missing = sorted(n for n in params if n not in loaded) if strict else []
+        if missing:
+            raise ValueError(
+                f"{type(self).__name__}: checkpoint does not match: missing weights {missing[:8]}"
+            )
+        return loaded
 
     def forward(
         self,

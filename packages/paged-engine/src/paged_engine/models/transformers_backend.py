@@ -32,12 +32,9 @@ of a model type not in `_LOGITS_SCALING`, and layers other than full / sliding a
 Mixture-of-experts decoders (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE's shared experts) run HF's own
 sparse blocks: their routing is per token (top-k of each token's router logits; HF's jitter noise
 applies only in training, and the model runs in eval mode), so the flattened [1, T] row routes every
-token as HF's batch would. transformers keeps each layer's experts as two 3D parameters
-(`experts.gate_up_proj` [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]) where
-checkpoints keep one linear per expert, and converts at its load (its conversion_mapping.py);
-`load_weights` does the same for HF's two per-expert layouts (`_EXPERT_LAYOUTS`: Mixtral's w1 / w3 /
-w2 under `block_sparse_moe`, Qwen2-MoE's gate_proj / up_proj / down_proj) and refuses an MoE model
-type whose checkpoints transformers converts some other way. vLLM's TransformersMoEForCausalLM swaps
+token as HF's batch would. Their checkpoints' per-expert linears are stacked into HF's 3D
+expert parameters at load as transformers converts them (models/transformers_experts.py; an MoE
+model type converted some other way is refused). vLLM's TransformersMoEForCausalLM swaps
 in fused experts for speed only; paged has no such class, and the same `TransformersForCausalLM`
 serves both."""
 
@@ -45,8 +42,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import re
-from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,6 +50,11 @@ from torch import nn
 
 from paged_engine.distributed.parallel_state import get_parallel_state
 from paged_engine.layers.attention import Attention, AttentionMetadata
+from paged_engine.models.transformers_experts import (
+    ExpertStacker,
+    expert_renames,
+    unsupported_layout,
+)
 from paged_engine.models.utils import CausalLMBase, cfg_get, soft_cap
 
 logger = logging.getLogger(__name__)
@@ -76,23 +76,6 @@ _REFUSED_FIELDS = {
 # Granite) or multiplies them by it (False: HyperCLOVA X); any other model type with a
 # logits_scaling other than 1 is refused
 _LOGITS_SCALING = {"granite": True, "hyperclovax": False}
-_MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-# transformers' conversion pattern -> the renames it applies before stacking experts; a MoE
-# model type converted by another pattern is refused
-_EXPERT_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "mixtral": ((".block_sparse_moe.", ".mlp."),),
-    "qwen2_moe": (),
-}
-# one expert's linear in a checkpoint -> (HF's 3D parameter, the half of its rows it fills)
-_EXPERT_PARTS: dict[str, tuple[str, int | None]] = {
-    "w1": ("gate_up_proj", 0),
-    "w3": ("gate_up_proj", 1),
-    "w2": ("down_proj", None),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", None),
-}
-_EXPERT_WEIGHT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def _refuse(why: str) -> ValueError:
@@ -113,20 +96,6 @@ def transformers_class(hf_config) -> type | None:
     return None
 
 
-def expert_layout(hf_config) -> str | None:
-    """The name of transformers' checkpoint conversion for the config's model type (its
-    `_MODEL_TO_CONVERSION_PATTERN`, else the model type where it has a conversion of its own),
-    None where transformers converts nothing."""
-    from transformers import conversion_mapping
-
-    model_type = getattr(hf_config, "model_type", None)
-    aliases = getattr(conversion_mapping, "_MODEL_TO_CONVERSION_PATTERN", {})
-    pattern = aliases.get(model_type, model_type)
-    if pattern in _EXPERT_LAYOUTS:
-        return pattern
-    return pattern if conversion_mapping.get_checkpoint_conversion_mapping(pattern) else None
-
-
 def check_transformers_config(hf_config) -> type:
     """HF's causal LM class for `hf_config`, or ValueError naming what this backend refuses."""
     from paged_engine.models.multimodal_text import MARKER
@@ -143,14 +112,9 @@ def check_transformers_config(hf_config) -> type:
         raise _refuse(
             f"{cls.__name__} does not support custom attention (_supports_attention_backend)"
         )
-    moe = next((name for name in _MOE_FIELDS if getattr(hf_config, name, None)), None)
-    layout = expert_layout(hf_config) if moe else None
-    if layout is not None and layout not in _EXPERT_LAYOUTS:
-        raise _refuse(
-            f"mixture-of-experts checkpoints of model_type {hf_config.model_type!r} (config.{moe}) "
-            f"are not supported: transformers converts them by its {layout!r} mapping "
-            f"(only {sorted(_EXPERT_LAYOUTS)})"
-        )
+    why = unsupported_layout(hf_config)
+    if why is not None:
+        raise _refuse(why)
     for name, off in _REFUSED_FIELDS.items():
         value = getattr(hf_config, name, off)
         if value is not None and value != off:
@@ -295,7 +259,7 @@ class TransformersForCausalLM(CausalLMBase):
         super().__init__(config, backbone)
         self._bind_attention(backbone, config)
         # MoE checkpoints' per-expert names -> HF's module tree (see the module docstring)
-        self.renames = _EXPERT_LAYOUTS.get(expert_layout(config) or "", ())
+        self.renames = expert_renames(config)
 
     @staticmethod
     def _bind_attention(backbone: nn.Module, config) -> None:
@@ -330,37 +294,12 @@ class TransformersForCausalLM(CausalLMBase):
         self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
     ) -> set[str]:
         """`CausalLMBase.load_weights`, with each expert's checkpoint linear copied into its slice
-        of HF's stacked expert parameter (transformers' MergeModulelist + Concatenate)."""
-        params = dict(self.named_parameters())
-        pieces: Counter[str] = Counter()  # stacked parameter -> expert slices copied
-
-        def others() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, w in weights:
-                name = self.rename_weight(name)  # the base loader's rename is idempotent
-                found = _EXPERT_WEIGHT.search(name)
-                stacked, half = _EXPERT_PARTS[found[2]] if found else ("", None)
-                pname = f"{name[: found.start()]}.experts.{stacked}" if found else ""
-                param = params.get(pname)
-                if param is None:
-                    yield name, w  # an unexpected name is reported by the base loader
-                    continue
-                dst = param.data[int(found[1])]  # [2I, D] or [D, I]
-                if half is not None:
-                    dst = dst.chunk(2, dim=0)[half]
-                if dst.shape != w.shape:
-                    raise ValueError(
-                        f"cannot load weight {name!r} into {pname!r}: expected "
-                        f"{tuple(dst.shape)}, got {tuple(w.shape)}"
-                    )
-                with torch.no_grad():
-                    dst.copy_(w)
-                pieces[pname] += 1
-
-        loaded = super().load_weights(others(), strict=False)
-        for pname, count in pieces.items():
-            whole = params[pname].shape[0] * (2 if pname.endswith(".gate_up_proj") else 1)
-            if count == whole or not strict:
-                loaded.add(pname)
+        of HF's stacked expert parameter (transformers_experts.ExpertStacker)."""
+        stacker = ExpertStacker(self)
+        renamed = ((self.rename_weight(n), w) for n, w in weights)  # (the rename is idempotent)
+        loaded = super().load_weights(stacker.others(renamed), strict=False)
+        loaded |= stacker.complete(strict)
+        params = stacker.params
         missing = sorted(n for n in params if n not in loaded) if strict else []
         if missing:
             raise ValueError(

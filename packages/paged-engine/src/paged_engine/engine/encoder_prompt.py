@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from paged_engine.engine.input_processor import check_token_ids
 from paged_engine.models.bart import decoder_start_id
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest
@@ -127,16 +128,7 @@ class EncoderPrompts:
             check_text(p, what)
             return list(self.tokenizer.encode(p)), salt
         if isinstance(p, (list, tuple)):
-            bad = [
-                t
-                for t in p
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-            ]
-            if bad:
-                raise ValueError(
-                    f"{what} token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
-                )
-            return list(p), salt
+            return check_token_ids(p, self.vocab_size, what), salt
         raise ValueError(
             f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}"
         )

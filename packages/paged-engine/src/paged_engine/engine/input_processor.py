@@ -31,6 +31,16 @@ from paged_engine.unicode_text import check_text
 VIDEO_ONLY = ("fps", "do_sample_frames")
 
 
+def check_token_ids(ids: list | tuple, vocab_size: int, what: str) -> list[int]:
+    """`ids` as a list, or ValueError naming `what` unless each is an int in [0, vocab_size)."""
+    bad = [
+        t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size
+    ]
+    if bad:
+        raise ValueError(f"{what} token ids must be ints in [0, {vocab_size}); got {bad[:5]}")
+    return list(ids)
+
+
 @dataclass(slots=True)
 class ProcessedRequest:
     request: Request  # for the engine core
@@ -218,17 +228,7 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)):
             if not prompt:
                 raise ValueError("prompt must not be empty (got no token ids)")
-            ids = list(prompt)
-            bad = [
-                t
-                for t in ids
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size
-            ]
-            if bad:
-                raise ValueError(
-                    f"prompt token ids must be ints in [0, {self.vocab_size}); got {bad[:5]}"
-                )
-            return None, ids
+            return None, check_token_ids(prompt, self.vocab_size, "prompt")
         raise ValueError(
             f"prompt must be a str or a list of token ids, got {type(prompt).__name__}"
         )

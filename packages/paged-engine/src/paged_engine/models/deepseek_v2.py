@@ -36,7 +36,7 @@ from paged_engine.layers.deepseek_moe import DeepseekMoe, is_dense_layer, num_ro
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import RMSNorm
-from paged_engine.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from paged_engine.layers.rotary import RotaryEmbedding, rope_config
 from paged_engine.models.llama import (
     LlamaMLP,
     PreNormDecoderLayer,
@@ -46,7 +46,7 @@ from paged_engine.models.llama import (
     stage_input,
 )
 from paged_engine.models.mixtral import check_silu, expert_rules
-from paged_engine.models.utils import CausalLMBase, cfg_get, make_layers
+from paged_engine.models.utils import CausalLMBase, cfg_get, deepseek_rope, make_layers
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -204,9 +204,7 @@ class DeepseekModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.embedding_multiplier = embedding_multiplier
         layer_cls = layer_cls or DeepseekDecoderLayer
-        if rope is None:  # V3's `rope_interleave=False` (HF's option) rotates NeoX halves
-            interleave = bool(getattr(config, "rope_interleave", True))
-            rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+        rope = deepseek_rope(config) if rope is None else rope
         self.rotary_emb = rope
         self.layers, self.stage = make_layers(
             config.num_hidden_layers,

@@ -215,15 +215,18 @@ class FeatureHead(nn.Module):
         return loaded
 
 
+def deepseek_rope(config) -> nn.Module:
+    """DeepseekModel's default rope: over qk_rope_head_dim, GPT-J pairs unless the config's
+    `rope_interleave` (HF's V3 option) is false (NeoX halves)."""
+    interleave = bool(getattr(config, "rope_interleave", True))
+    return get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
+
+
 def mla_rope(config, family) -> nn.Module:
     """The rope a DeepSeek-family model's layers share (`family`: its DeepseekV2ForCausalLM
-    subclass): `family.build_rope(config)`, else DeepseekModel's own, over qk_rope_head_dim
-    with GPT-J pairs unless the config's `rope_interleave` is false (NeoX halves)."""
+    subclass): `family.build_rope(config)`, else `deepseek_rope`."""
     rope = family.build_rope(config)
-    if rope is None:
-        interleave = bool(getattr(config, "rope_interleave", True))
-        rope = get_rope(config, config.qk_rope_head_dim, is_neox_style=not interleave)
-    return rope
+    return deepseek_rope(config) if rope is None else rope
 
 
 class CausalLMBase(nn.Module):

@@ -9,7 +9,7 @@ its prompt, the worker pools the final (normed) hidden states of those positions
     LAST: the hidden state of the last prompt token (what vLLM uses for decoder embed models)
     CLS:  the hidden state of the first prompt token (BERT's [CLS]: encoder models)
     MEAN: the mean over every prompt token (prefix caching is off for such requests: cached
-          positions never run through the model)
+          positions never run through the model; likewise for CLS)
     ALL:  every prompt token's own row (vLLM's token tasks, `LLM.encode(pooling_task=
           "token_embed" | "token_classify")`: [num_prompt_tokens, size]; no prefix caching)
     STEP: ALL, keeping the rows of one token id's positions (a process reward model's step tags)

@@ -193,7 +193,8 @@ class Request:
         if getattr(params, "skip_reading_prefix_cache", None):  # vLLM's per-request switch
             self.use_prefix_cache = False
         self.repetition = getattr(params, "repetition_detection", None)
-        if getattr(params, "pooling_type", None) in ("MEAN", "ALL"):  # every prompt position
+        # every prompt position, or the first one (CLS), must run: never read from the cache
+        if getattr(params, "pooling_type", None) in ("MEAN", "ALL", "CLS"):
             self.use_prefix_cache = False
         if self.max_live_seqs <= 0:
             width = getattr(params, "beam_width", None) or max(

@@ -24,7 +24,7 @@ serve when transformers has it as a causal LM whose class supports custom attent
 (`_supports_attention_backend`, vLLM's rule). What cannot run this way is refused by name:
 encoder-decoders, multimodal configs, token-dropping expert capacities (`expert_capacity`),
 multi-head latent attention (`kv_lora_rank`), tensor / pipeline parallelism, LoRA, speculative
-decoding, prompt embeddings, pooling, attention sinks, bidirectional attention, `logits_scaling`
+decoding, prompt embeddings, attention sinks, bidirectional attention, `logits_scaling`
 of a model type not in `_LOGITS_SCALING`, and layers other than full / sliding attention.
 `select_model_impl` decides at engine start and marks the config (`IMPL_FIELD`);
 `models.get_model_class` reads the mark.
@@ -36,7 +36,11 @@ token as HF's batch would. Their checkpoints' per-expert linears are stacked int
 expert parameters at load as transformers converts them (models/transformers_experts.py; an MoE
 model type converted some other way is refused). vLLM's TransformersMoEForCausalLM swaps
 in fused experts for speed only; paged has no such class, and the same `TransformersForCausalLM`
-serves both."""
+serves both.
+
+Pooling (embeddings, `*ForSequenceClassification`, vLLM's `Transformers*EmbeddingModel` /
+`Transformers*ForSequenceClassification` names) runs on the same backbone:
+models/transformers_pooling.py."""
 
 from __future__ import annotations
 
@@ -93,7 +97,9 @@ def transformers_class(hf_config) -> type | None:
     for arch in archs:
         if arch in causal:
             return getattr(transformers, arch, None)
-    return None
+    from paged_engine.models.transformers_pooling import causal_class
+
+    return causal_class(hf_config)  # a pooling architecture: the causal LM of its model type
 
 
 def check_transformers_config(hf_config) -> type:
@@ -137,8 +143,10 @@ def select_model_impl(config, hf_config) -> None:
     where "auto" finds no native class and transformers serves the architecture; refuse the
     engine options this backend cannot run (each by name)."""
     from paged_engine.models import get_model_class
+    from paged_engine.models.transformers_pooling import vllm_arch
 
-    impl = config.model_impl
+    # vLLM's own names for this backend's classes ask for it whatever model_impl says
+    impl = "transformers" if vllm_arch(hf_config) is not None else config.model_impl
     if impl == "vllm":
         return
     if impl == "auto":
@@ -163,8 +171,6 @@ def select_model_impl(config, hf_config) -> None:
         "enable_lora": config.enable_lora,
         "speculative_config": config.speculative_config is not None,
         "enable_prompt_embeds": config.enable_prompt_embeds,
-        "runner": config.runner == "pooling",
-        "convert": config.convert not in ("auto", "none"),
     }
     for name, refused in options.items():
         if refused:

@@ -160,10 +160,15 @@ def encoder_prompts(hf_config: Any, tokenizer: Any, vocab_size: int, path: Any =
     reads its image processor from `path`: multimodal/florence2_prompt.py), None for any
     other."""
     from paged_engine.models.bart import is_bart
+    from paged_engine.multimodal.donut import is_donut
     from paged_engine.multimodal.florence2 import is_florence2
 
     if is_florence2(hf_config) and path is not None:
         from paged_engine.multimodal.florence2_prompt import Florence2Prompts
 
         return Florence2Prompts(tokenizer, hf_config, vocab_size, path)
+    if is_donut(hf_config) and path is not None:  # (multimodal/donut_prompt.py)
+        from paged_engine.multimodal.donut_prompt import DonutPrompts
+
+        return DonutPrompts(tokenizer, hf_config, vocab_size, path)
     return EncoderPrompts(tokenizer, hf_config, vocab_size) if is_bart(hf_config) else None

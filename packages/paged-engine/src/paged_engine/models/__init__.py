@@ -200,6 +200,7 @@ from paged_engine.models.youtu import YoutuForCausalLM
 from paged_engine.models.zamba import ZambaForCausalLM
 from paged_engine.models.zamba2 import Zamba2ForCausalLM
 from paged_engine.models.zaya import ZayaForCausalLM
+from paged_engine.multimodal.donut import DonutForConditionalGeneration
 from paged_engine.multimodal.florence2 import Florence2ForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -381,6 +382,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MBartForConditionalGeneration": BartForConditionalGeneration,
     # BART with a DaViT image tower in front of its encoder (multimodal/florence2.py)
     "Florence2ForConditionalGeneration": Florence2ForConditionalGeneration,
+    # Donut: a Swin tower's rows cross-attended by an mBART decoder (multimodal/donut.py;
+    # VisionEncoderDecoderModel only as donut-swin + mbart, others refused by name)
+    "DonutForConditionalGeneration": DonutForConditionalGeneration,
+    "VisionEncoderDecoderModel": DonutForConditionalGeneration,
     # Llama 3.2 Vision: a decoder cross-attending to its images (worker/cross_attention.py)
     "MllamaForConditionalGeneration": MllamaForConditionalGeneration,
     **ENCODERS,  # BERT / RoBERTa encoders: embeddings and cross-encoders (models/bert.py)

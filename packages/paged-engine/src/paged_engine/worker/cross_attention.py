@@ -70,6 +70,7 @@ from paged_engine.models.mllama import mllama_engine_config
 from paged_engine.models.moonshine import ARCH as MOONSHINE
 from paged_engine.models.moonshine import moonshine_engine_config
 from paged_engine.models.whisper import ARCHITECTURES
+from paged_engine.multimodal.donut import donut_engine_config, is_donut
 from paged_engine.multimodal.florence2 import florence2_engine_config, is_florence2
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.worker import host_memory
@@ -83,6 +84,7 @@ def is_encoder_decoder(hf_config) -> bool:
     return (
         is_bart(hf_config)
         or is_florence2(hf_config)
+        or is_donut(hf_config)
         or any(a in ARCHITECTURES or a in (MLLAMA, MOONSHINE, COHERE_ASR) for a in archs)
     )
 
@@ -108,7 +110,7 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         "enable_lora": bool(config.enable_lora),
         "compilation_config (torch.compile)": bool(config.compilation_level),
     }
-    text_in = is_bart(hf_config) or is_florence2(hf_config)  # (no audio to turn off)
+    text_in = is_bart(hf_config) or is_florence2(hf_config) or is_donut(hf_config)  # (no audio)
     if config.audio_limit == 0 and not is_mllama(hf_config) and not text_in:
         unsupported["limit_mm_per_prompt={'audio': 0}"] = True
     for what, on in unsupported.items():
@@ -127,6 +129,8 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
         bart_engine_config(config, hf_config)
     elif is_florence2(hf_config):  # (multimodal/florence2.py: BART's, an image in front)
         florence2_engine_config(config, hf_config)
+    elif is_donut(hf_config):  # (multimodal/donut.py: Swin rows, an mBART decoder)
+        donut_engine_config(config, hf_config)
     else:
         _whisper_lengths(config, hf_config)
     if not config.enforce_eager:
@@ -163,6 +167,10 @@ def cross_slot_rows(config, hf_config) -> int:
         return int(hf_config.max_position_embeddings)
     if is_florence2(hf_config):  # image rows and encoder text: the same table
         return int(hf_config.text_config.max_position_embeddings)
+    if is_donut(hf_config):  # the tower's rows for config.encoder.image_size
+        from paged_engine.multimodal.donut import slot_rows
+
+        return slot_rows(hf_config)
     return int(hf_config.max_source_positions)
 
 

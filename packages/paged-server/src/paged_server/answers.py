@@ -216,8 +216,8 @@ def stream(
                 entry = tool_outs[ci].rewrite(entry)
             if entry is not None:
                 entries.append(entry)
-        if entries:
-            h.send_event(chunk(entries))
+        for part in _finish_apart(entries):
+            h.send_event(chunk(part))
     n_prompt = sum(prompt_tokens(out, chat) for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
@@ -226,3 +226,24 @@ def stream(
         body.update(choices=[], usage=usage(n_prompt, n_gen, app._cached(group)))
         h.send_event(body)
     h.end_stream()
+
+
+def _finish_apart(entries: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The chunks that carry `entries`: one, unless a choice finishes in the same entry that
+    carries tool calls; then its finish comes in a chunk of its own with an empty delta, as
+    OpenAI sends it (the openai SDK's stream helper announces a call's arguments.done only
+    at a finish that follows the call's first chunk)."""
+    if not entries:
+        return []
+    late = [e for e in entries if e.get("finish_reason") and e.get("delta", {}).get("tool_calls")]
+    if not late:
+        return [entries]
+    held = {id(e) for e in late}
+    ends = {"finish_reason": None, "stop_reason": None}
+    calls = [{**e, **ends} if id(e) in held else e for e in entries]
+    finish = [
+        {"index": e["index"], "delta": {}, "logprobs": None}
+        | {k: v for k, v in e.items() if k in ends}
+        for e in late
+    ]
+    return [calls, finish]

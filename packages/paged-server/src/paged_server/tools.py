@@ -9,6 +9,9 @@
                             (exactly one when parallel_tool_calls is false)
     {"type": "function", "function": {"name": N}}   forced to N's parameters schema
 
+parallel_tool_calls false keeps only the first parsed call (index 0 in a stream), as vLLM's
+maybe_filter_parallel_tool_calls does; the Responses and Messages APIs pass theirs through.
+
 Forced outputs are valid JSON for the functions' parameters by construction, unless max_tokens
 cuts them short: then a named call carries the partial arguments text and "required" the calls
 completed before the cut, never the forced JSON as content (finish_reason "length").
@@ -186,6 +189,8 @@ class ToolOutput:
 
     def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
         content, calls = self._calls(text)
+        if not self.req.parallel:  # vLLM keeps the first call of a parsed output
+            calls = calls[:1]
         msg: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = tool_call_json(calls, self.new_id)
@@ -216,6 +221,8 @@ class ToolOutput:
                 entries = [
                     {"index": k, **c} for k, c in enumerate(tool_call_json(calls, self.new_id))
                 ]
+        if not self.req.parallel:  # as message(): the first call only
+            entries = [e for e in entries if e["index"] == 0]
         # reasoning.py split the reasoning off before: it passes through
         new_delta = {k: v for k, v in delta.items() if k in ("reasoning_content", "reasoning")}
         if shown:

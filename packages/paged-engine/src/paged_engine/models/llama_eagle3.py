@@ -13,7 +13,8 @@ stream starts at the feature (normed first with `norm_before_residual`); post-at
 and a gated MLP as in Llama; `norm` gives the logits' input, the sum before it is the next
 feature. Its LM head covers `draft_vocab_size` tokens; draft id i is target id i + d2t[i].
 
-Checkpoints: the EAGLE authors' layout (architectures LlamaForCausalLMEagle3, weights
+Checkpoints: the EAGLE authors' layout (architectures LlamaForCausalLMEagle3, or vLLM's
+Eagle3Qwen2_5vlForCausalLM / Eagle3Qwen3vlForCausalLM for Qwen-VL targets; weights
 `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, maybe `embed_tokens`; `t2d` unused). Without an
 `embed_tokens` of its own the head shares the target's token embedding.
 """
@@ -39,7 +40,15 @@ from paged_engine.models.llama import (
 )
 from paged_engine.models.utils import FeatureHead, cfg_get
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# vLLM's registry maps the Qwen-VL names onto the same Llama head (its llama_eagle3.py): heads
+# trained for Qwen2.5-VL / Qwen3-VL targets, whose rope config carries `mrope_section` and
+# which then turn by the target's M-RoPE positions (spec_decode/mrope_positions.py).
+EAGLE3_ARCHITECTURES = (
+    "LlamaForCausalLMEagle3",
+    "Eagle3LlamaForCausalLM",
+    "Eagle3Qwen2_5vlForCausalLM",
+    "Eagle3Qwen3vlForCausalLM",
+)
 # Names of the weights; the head's layer is `layers.0` whatever the checkpoint calls it.
 _RENAMES = (("midlayer.", "layers.0."),)
 

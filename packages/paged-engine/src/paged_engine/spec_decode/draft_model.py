@@ -215,7 +215,21 @@ class DraftModelRunner:
         dst = np.concatenate(
             [inputs.cu[i] + base[i] + np.arange(d) for i, d in zip(drafting.tolist(), nd.tolist())]
         )
-        inputs.input_ids.index_copy_(0, r._to_dev(dst), drafts)
+        dst_d = r._to_dev(dst)
+        inputs.input_ids.index_copy_(0, dst_d, drafts)
+        if inputs.embeds is not None:
+            # A step that runs image rows carries its embeddings, made in `prepare` before the
+            # drafts existed (their slots held DRAFT_PLACEHOLDER): the target must read the
+            # drafts' own embeddings there.
+            assert r.images is not None
+            embed = r.images.embed_tokens
+            rows = embed(drafts).to(inputs.embeds)
+            if getattr(r.images.audio_encoder, "adds_to_tokens", False):
+                # Voxtral Realtime adds audio rows at generated positions too: keep them
+                # (the slot holds embed(0) + audio, from the clamped placeholder)
+                old = inputs.embeds.index_select(0, dst_d)
+                rows = old - embed(torch.zeros_like(drafts)).to(old) + rows
+            inputs.embeds.index_copy_(0, dst_d, rows)
         host = drafts.tolist()
         out: dict[int, list[int]] = {}
         offsets: dict[int, int] = {}

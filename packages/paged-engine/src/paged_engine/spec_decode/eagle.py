@@ -21,6 +21,9 @@ starts at c = p0 + n runs, per row:
     pass j   rows with >= j drafts run draft j-1 at position c + j - 2 on the head's own
              feature from pass j - 1, and sample draft j
 
+A head whose rope has `mrope_section` turns position p by the target's M-RoPE position of p
+(spec_decode/mrope_positions.py), as vLLM does for Qwen-VL targets.
+
 So before a step the head's cache holds teacher-forced entries (target features) at [0, c)
 and its own guesses at [c, c + k - 1), which the next step's pass 1 overwrites from c on: the
 target accepted a <= d drafts and computed [c, c + 1 + a), which is what is kept. The last
@@ -49,6 +52,7 @@ from torch import Tensor
 from paged_engine.models.llama import StreamCapture
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.draft_model import DraftModelRunner, DraftProposal, store_draft
+from paged_engine.spec_decode.mrope_positions import target_rope_positions, uses_mrope
 
 if TYPE_CHECKING:
     from paged_engine.core.sched_output import SchedulerOutput
@@ -81,6 +85,9 @@ class FeatureHeadRunner(DraftModelRunner):
         self._ids: Tensor | None = None  # [S] int64
         self._feat: Tensor | None = None  # [S, F]
         self._accepted: dict[int, int] = {}  # this step's accepted drafts per drafting seq
+        # a head with M-RoPE in its config (Qwen-VL targets' heads, Qwen3.5's MTP layer) runs
+        # at the target's M-RoPE positions, as vLLM's EAGLE proposer feeds it
+        self.mrope = uses_mrope(model)
 
     def target_features(self, num_tokens: int, hidden: Tensor) -> Tensor:
         """[num_tokens, F] of the forward that returned `hidden` (valid until the next one)."""
@@ -166,7 +173,7 @@ class FeatureHeadRunner(DraftModelRunner):
                 self._feat.index_select(0, r._to_dev(_ranges(off, q_lens)))
             )
             normed, hidden = self._forward_head(
-                ids, feature, inputs.rows[rows1], q_lens, p0 + q_lens
+                ids, feature, [sched.seq_ids[i] for i in rows1.tolist()], q_lens, p0 + q_lens
             )
             last_of = dict(zip(rows1.tolist(), lasts.tolist()))
         drafting = np.flatnonzero(num_drafts)
@@ -195,7 +202,7 @@ class FeatureHeadRunner(DraftModelRunner):
                     normed, feature = self._forward_head(
                         prev,
                         feature.index_select(0, sub),
-                        inputs.rows[drafting[live]],
+                        [sched.seq_ids[i] for i in drafting[live].tolist()],
                         np.ones(live.size, dtype=np.int64),
                         c[live] + j - 1,
                     )
@@ -214,11 +221,16 @@ class FeatureHeadRunner(DraftModelRunner):
 
     # ---- helpers --------------------------------------------------------------------------------
     def _forward_head(
-        self, ids: Tensor, feature: Tensor, rows: np.ndarray, q_lens: np.ndarray, ends: np.ndarray
+        self, ids: Tensor, feature: Tensor, seq_ids: list[int], q_lens: np.ndarray, ends: np.ndarray
     ) -> tuple[Tensor, Tensor]:
-        """The head over `q_lens[i]` tokens of batch row rows[i] ending at position ends[i] - 1:
-        (normed, pre-norm) [T, D]."""
+        """The head over `q_lens[i]` tokens of sequence seq_ids[i] ending at position
+        ends[i] - 1: (normed, pre-norm) [T, D]. An M-RoPE head turns them by the target's own
+        rope positions (mrope_positions.py)."""
+        row_of = self.runner.batch.row_of
+        rows = np.fromiter(map(row_of.__getitem__, seq_ids), np.int64, len(seq_ids))
         meta, positions = self._metadata(rows, q_lens, ends)
+        if self.mrope:
+            positions = target_rope_positions(self.runner, seq_ids, q_lens, ends, positions)
         assert self.cache is not None
         return self.model(ids, positions, self.cache.kv_caches, meta, feature)
 

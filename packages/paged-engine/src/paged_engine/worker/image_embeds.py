@@ -166,7 +166,9 @@ class ImageEmbedder:
             self._retire(sched)
             return None, None, lookup
         with spliced_lookup(self.lookup, lookup):
-            x = self.embed_tokens(input_ids)
+            # (a worker-side draft's slot holds DRAFT_PLACEHOLDER, -1, until the proposer
+            # writes the draft and its embedding: spec_decode/draft_model.py `_finish`)
+            x = self.embed_tokens(input_ids.clamp(min=0))
         gathered = self._gather(pieces)
         self._retire(sched)
         if gathered is None:  # the step runs only line-break tokens of its images (Pixtral)

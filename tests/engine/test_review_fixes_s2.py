@@ -51,10 +51,11 @@ def test_bart_prompt_token_ids_must_be_ids(where: str) -> None:
     prompt = {"encoder_prompt": [5, 6], "decoder_prompt": None, where: bad}
     with pytest.raises(ValueError, match=f"{where}: prompt_token_ids must be a list"):
         prompts.split(prompt)
-    fields, item = prompts.split({"prompt_token_ids": (5, 6)})  # a tuple of ids is fine
-    assert fields["prompt_token_ids"] == [2, 0] and item.pixel_values.tolist() == [5, 6]
-    fields, item = prompts.split({"prompt": "two words"})  # text: tokenized
-    assert item.pixel_values.tolist() == [0, 6, 8, 2]
+    split = prompts.split({"prompt_token_ids": (5, 6)})  # a tuple of ids is fine
+    assert split.decoder["prompt_token_ids"] == [2, 0]
+    assert split.items[0].pixel_values.tolist() == [5, 6]
+    split = prompts.split({"prompt": "two words"})  # text: tokenized
+    assert split.items[0].pixel_values.tolist() == [0, 6, 8, 2]
 
 
 def test_vllms_gemma4_mtp_method_is_the_gemma4_assistant() -> None:
@@ -68,3 +69,16 @@ def test_vllms_gemma4_mtp_method_is_the_gemma4_assistant() -> None:
     with pytest.raises(ValueError, match=r"speculative_config\.model must name the draft"):
         SpeculativeConfig.from_dict({"method": "gemma4_mtp", "num_speculative_tokens": 2})
     assert SpeculativeConfig.from_dict({"method": "qwen3_next_mtp"}).is_mtp  # still "mtp"
+
+
+def test_bart_cache_salt_decoder_beats_encoder() -> None:
+    """The decoder prompt's cache_salt keys the request where given, else the encoder prompt's
+    (a salt dropped would share prefix-cache blocks across tenants)."""
+    prompts = _bart_prompts()
+    enc = {"prompt_token_ids": [5, 6], "cache_salt": "enc"}
+    split = prompts.split({"encoder_prompt": enc, "decoder_prompt": None})
+    assert split.decoder["cache_salt"] == "enc"
+    dec = {"prompt_token_ids": [2, 0], "cache_salt": "dec"}
+    split = prompts.split({"encoder_prompt": enc, "decoder_prompt": dec})
+    assert split.decoder["cache_salt"] == "dec"
+    assert "cache_salt" not in prompts.split({"prompt_token_ids": [5, 6]}).decoder

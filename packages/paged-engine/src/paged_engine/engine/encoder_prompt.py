@@ -20,8 +20,8 @@ so it reaches the worker with every sequence that holds it, its hash keying ever
 block (two encoder prompts never share decoder KV). The request's `prompt` / `prompt_token_ids`
 are the decoder prompt's, as vLLM's RequestOutput gives them; its `encoder_prompt` (the text,
 when given as text) and `encoder_prompt_token_ids` are the encoder prompt's, as vLLM 0.10 filled
-them: `split` returns them in the decoder prompt's dict under those keys (popped by the
-InputProcessor).
+them. `split` returns all of it as one `SplitPrompt` (Florence-2's and Donut's splitters too:
+multimodal/florence2_prompt.py, multimodal/donut_prompt.py), which the InputProcessor reads.
 
 `truncate_prompt_tokens` (SamplingParams) cuts the encoder prompt to its last k ids (-1: to
 max_position_embeddings), its text then dropped: what vLLM's left-truncating tokenizer did to
@@ -35,6 +35,7 @@ keys of a prompt dict that are not a prompt's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,6 +47,23 @@ from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
 
 SINGLE_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+@dataclass(frozen=True, slots=True)
+class SplitPrompt:
+    """One prompt of an encoder-decoder, split (`split` of EncoderPrompts, Florence2Prompts,
+    DonutPrompts)."""
+
+    # the decoder prompt the engine runs: {"prompt": text or None, "prompt_token_ids": ids,
+    # "cache_salt" where given}
+    decoder: dict
+    # what the decoder cross-attends to, the request's mm_inputs: BART's encoder ids (one
+    # item); Florence-2's image then encoder text; Donut's image
+    items: tuple[ImageInput, ...]
+    # RequestOutput.encoder_prompt: the encoder prompt's text where given (and not cut)
+    encoder_prompt: str | None
+    # RequestOutput.encoder_prompt_token_ids: the ids (image rows as pad ids) the encoder reads
+    encoder_prompt_token_ids: list[int]
 
 
 class EncoderPrompts:
@@ -61,12 +79,11 @@ class EncoderPrompts:
         # encoder rows (its position table) and decoder positions: both the config's
         self.limit = int(hf_config.max_position_embeddings)
 
-    def split(self, prompt: Any, truncate: int | None = None) -> tuple[dict, ImageInput]:
-        """Any prompt form -> (the decoder prompt as {"prompt", "prompt_token_ids",
-        "encoder_prompt", "encoder_prompt_token_ids" and cache_salt where given}, the encoder
-        prompt's item); `truncate`: the request's truncate_prompt_tokens."""
+    def split(self, prompt: Any, truncate: int | None = None) -> SplitPrompt:
+        """Any prompt form -> its SplitPrompt; `truncate`: the request's
+        truncate_prompt_tokens."""
         enc, dec = split_encoder_decoder(prompt)
-        enc_ids, salt = self._ids(enc, "encoder_prompt")
+        enc_ids, salt = prompt_ids(enc, "encoder_prompt", self.tokenizer, self.vocab_size)
         if not enc_ids:
             raise ValueError("encoder_prompt must not be empty")
         enc_text = prompt_text(enc)
@@ -79,59 +96,67 @@ class EncoderPrompts:
                 f"encoder_prompt is too long: {len(enc_ids)} tokens, but the encoder's position "
                 f"table holds {self.limit} (config.max_position_embeddings)"
             )
-        text: str | None = None
-        if dec is None:
-            dec_ids = [self.bos]
-        else:
-            dec_ids, dec_salt = self._ids(dec, "decoder_prompt")
-            salt = salt if dec_salt is None else dec_salt
-            text = prompt_text(dec)
-        if not dec_ids or dec_ids[0] != self.start:
-            dec_ids = [self.start, *dec_ids]
+        dec_ids, text, dec_salt = self.decoder_prompt(dec)
+        salt = salt if dec_salt is None else dec_salt
         ids = torch.tensor(enc_ids, dtype=torch.int64)
         item = ImageInput(ids, 0, self.limit, digest(ids, None), modality="text")
-        fields: dict = {
-            "prompt": text,
-            "prompt_token_ids": dec_ids,
-            "encoder_prompt": enc_text,
-            "encoder_prompt_token_ids": enc_ids,
-        }
-        if salt is not None:
-            fields["cache_salt"] = salt
-        return fields, item
+        return SplitPrompt(decoder_fields(text, dec_ids, salt), (item,), enc_text, enc_ids)
 
-    def _ids(self, p: Any, what: str) -> tuple[list[int], Any]:
-        """One singleton prompt (text, ids or their dict) -> (its ids, its cache_salt)."""
+    def decoder_prompt(self, dec: Any) -> tuple[list[int], str | None, Any]:
+        """A decoder prompt (text, ids, their dict, or None: [bos]) -> (its ids with the start
+        token in front, its text, its cache_salt)."""
+        text: str | None = None
         salt = None
-        if isinstance(p, dict):
-            refused = sorted(set(p) - set(SINGLE_KEYS))
-            if refused:
+        if dec is None:
+            ids = [self.bos]
+        else:
+            ids, salt = prompt_ids(dec, "decoder_prompt", self.tokenizer, self.vocab_size)
+            text = prompt_text(dec)
+        if not ids or ids[0] != self.start:
+            ids = [self.start, *ids]
+        return ids, text, salt
+
+
+def prompt_ids(p: Any, what: str, tokenizer: Any, vocab_size: int) -> tuple[list[int], Any]:
+    """One singleton prompt (text, token ids, or their {"prompt" / "prompt_token_ids",
+    "cache_salt"} dict) -> (its ids, its cache_salt or None). Text is tokenized with the
+    tokenizer's special tokens (an empty text: no ids); ids must lie in [0, vocab_size); other
+    keys and forms are refused by name (ValueError naming `what`)."""
+    salt = None
+    if isinstance(p, dict):
+        refused = sorted(set(p) - set(SINGLE_KEYS))
+        if refused:
+            raise ValueError(
+                f"{what}: {refused[0]!r} is not supported for text encoder-decoder models "
+                f"(a prompt dict takes {list(SINGLE_KEYS)})"
+            )
+        salt = p.get("cache_salt")
+        if "prompt_token_ids" in p:
+            p = p["prompt_token_ids"]
+            if not isinstance(p, (list, tuple)):  # (a str here is not text to tokenize)
                 raise ValueError(
-                    f"{what}: {refused[0]!r} is not supported for text encoder-decoder models "
-                    f"(a prompt dict takes {list(SINGLE_KEYS)})"
+                    f"{what}: prompt_token_ids must be a list of token ids, got {type(p).__name__}"
                 )
-            salt = p.get("cache_salt")
-            if "prompt_token_ids" in p:
-                p = p["prompt_token_ids"]
-                if not isinstance(p, (list, tuple)):  # (a str here is not text to tokenize)
-                    raise ValueError(
-                        f"{what}: prompt_token_ids must be a list of token ids, got "
-                        f"{type(p).__name__}"
-                    )
-            elif "prompt" in p:
-                p = p["prompt"]
-            else:
-                raise ValueError(f"{what} needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
-        if isinstance(p, str):
-            if not p:  # (an empty decoder prompt: the start token alone)
-                return [], salt
-            check_text(p, what)
-            return list(self.tokenizer.encode(p)), salt
-        if isinstance(p, (list, tuple)):
-            return check_token_ids(p, self.vocab_size, what), salt
-        raise ValueError(
-            f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}"
-        )
+        elif "prompt" in p:
+            p = p["prompt"]
+        else:
+            raise ValueError(f"{what} needs 'prompt' or 'prompt_token_ids', got {sorted(p)}")
+    if isinstance(p, str):
+        if not p:  # (an empty decoder prompt: the start token alone)
+            return [], salt
+        check_text(p, what)
+        return list(tokenizer.encode(p)), salt
+    if isinstance(p, (list, tuple)):
+        return check_token_ids(p, vocab_size, what), salt
+    raise ValueError(f"{what} must be a str, a list of token ids or a dict, got {type(p).__name__}")
+
+
+def decoder_fields(text: str | None, ids: list[int], salt: Any) -> dict:
+    """SplitPrompt.decoder: the decoder prompt as the InputProcessor takes a prompt dict."""
+    fields: dict = {"prompt": text, "prompt_token_ids": ids}
+    if salt is not None:
+        fields["cache_salt"] = salt
+    return fields
 
 
 def split_encoder_decoder(prompt: Any) -> tuple[Any, Any]:

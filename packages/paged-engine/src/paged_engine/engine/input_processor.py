@@ -107,20 +107,19 @@ class InputProcessor:
             raise ValueError(f"params must be SamplingParams or BeamSearchParams, got {params!r}")
         if self.audios is not None:  # Whisper: its encoder / decoder prompt form
             prompt = self.audios.request_prompt(prompt)
-        encoder_item = None  # BART: the encoder prompt's ids, the decoder cross-attends to them
-        encoder_prompt = None
+        split = None  # BART, Florence-2, Donut: the prompt split (engine/encoder_prompt.py)
         if self.encoder_prompts is not None:  # (truncate_prompt_tokens cuts the encoder prompt)
             keep = getattr(params, "truncate_prompt_tokens", None)
-            prompt, encoder_item = self.encoder_prompts.split(prompt, keep)
-            encoder_prompt = (prompt.pop("encoder_prompt"), prompt.pop("encoder_prompt_token_ids"))
+            split = self.encoder_prompts.split(prompt, keep)
+            prompt = split.decoder
         mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         mm_inputs: tuple = ()
         if isinstance(prompt, dict) and "prompt_embeds" in prompt:
             text, token_ids, mm_inputs = None, *self._prompt_embeds(prompt, params)
         else:
             text, token_ids = self._tokenize_prompt(prompt)
-        if encoder_item is not None:  # (Florence-2: a tuple, its image and its text)
-            mm_inputs = encoder_item if isinstance(encoder_item, tuple) else (encoder_item,)
+        if split is not None:  # what the decoder cross-attends to
+            mm_inputs = split.items
         if mm_data and not mm_inputs:
             kwargs = prompt.get("mm_processor_kwargs") if isinstance(prompt, dict) else None
             token_ids, mm_inputs = self.multimodal(token_ids, mm_data, kwargs)
@@ -139,7 +138,7 @@ class InputProcessor:
                     "truncate_prompt_tokens would cut a prompt given as prompt_embeds: send "
                     "the rows to keep"
                 )
-            if encoder_item is not None:
+            if split is not None:
                 raise ValueError(
                     f"truncate_prompt_tokens={keep} would cut the decoder prompt "
                     f"({len(token_ids)} tokens, its start token included): for an "
@@ -190,7 +189,7 @@ class InputProcessor:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         req.cache_salt = salt
-        if mm_inputs and not is_embeds_prompt(mm_inputs) and encoder_item is None:
+        if mm_inputs and not is_embeds_prompt(mm_inputs) and split is None:
             positions = self.images or self.videos or self.audios
             if getattr(self.videos, "places_images", False):  # Omni's table (omni_video.py)
                 positions = self.videos
@@ -199,6 +198,9 @@ class InputProcessor:
             if positions is not self.audios and not getattr(positions, "places_audio", False):
                 placed = tuple(m for m in mm_inputs if m.modality != "audio")
             req.mrope = positions.positions(len(token_ids), placed)
+        encoder_prompt = None
+        if split is not None:
+            encoder_prompt = (split.encoder_prompt, split.encoder_prompt_token_ids)
         return ProcessedRequest(req, text, num_returned, beam_logprobs, encoder_prompt)
 
     def _tokenize_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

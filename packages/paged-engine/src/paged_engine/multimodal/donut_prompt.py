@@ -34,7 +34,9 @@ from typing import Any
 
 from paged_engine.engine.encoder_prompt import (
     SINGLE_KEYS,
-    EncoderPrompts,
+    SplitPrompt,
+    decoder_fields,
+    prompt_ids,
     prompt_text,
     split_encoder_decoder,
 )
@@ -58,12 +60,12 @@ def start_id(hf_config: Any) -> int:
 
 
 class DonutPrompts:
-    """The InputProcessor's `encoder_prompts` for Donut: `split(prompt)` -> (the decoder
-    prompt's fields, the image's item)."""
+    """The InputProcessor's `encoder_prompts` for Donut: `split(prompt)` -> its SplitPrompt,
+    whose one item is the image."""
 
     def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int, path: Path) -> None:
-        self.ids = EncoderPrompts(tokenizer, hf_config.decoder, vocab_size)  # ids' checks
         self.tokenizer, self.path, self.config = tokenizer, Path(path), hf_config
+        self.vocab_size = vocab_size
         self.start = start_id(hf_config)
         self.limit = int(hf_config.decoder.max_position_embeddings)
         self.rows = slot_rows(hf_config)
@@ -79,7 +81,7 @@ class DonutPrompts:
             self._processor = image_processor(self.path, self.config)
         return self._processor
 
-    def split(self, prompt: Any, truncate: int | None = None) -> tuple[dict, ImageInput]:
+    def split(self, prompt: Any, truncate: int | None = None) -> SplitPrompt:
         """`truncate` is the InputProcessor's to apply to the decoder prompt (it refuses a
         cut by name): there is no encoder text to cut."""
         enc, dec = split_encoder_decoder(prompt)
@@ -112,23 +114,20 @@ class DonutPrompts:
         else:  # the prompt is the decoder's
             rest = {k: v for k, v in enc.items() if k != "multi_modal_data"}
             ids, text, _ = self._decoder(rest, "prompt")
-        fields: dict = {
-            "prompt": text,
-            "prompt_token_ids": ids or [self.start],
-            "encoder_prompt": prompt_text(enc) if explicit else None,
-            "encoder_prompt_token_ids": [self.pad] * (h * w),
-        }
-        if salt is not None:
-            fields["cache_salt"] = salt
-        return fields, ImageInput(pixels, 0, self.limit, digest(pixels, None))
+        return SplitPrompt(
+            decoder_fields(text, ids or [self.start], salt),
+            (ImageInput(pixels, 0, self.limit, digest(pixels, None)),),
+            prompt_text(enc) if explicit else None,
+            [self.pad] * (h * w),  # the image's rows as pad_token_id (vLLM's placeholders)
+        )
 
     def _decoder(self, p: Any, what: str) -> tuple[list[int], str | None, Any]:
         """A decoder prompt (None, text, ids or their dict) -> (its ids, text, cache_salt)."""
         if p is None or (isinstance(p, dict) and not {"prompt", "prompt_token_ids"} & set(p)):
             return [], None, p.get("cache_salt") if isinstance(p, dict) else None
         text = p.get("prompt") if isinstance(p, dict) and "prompt_token_ids" not in p else p
-        if not isinstance(text, str):  # ids, or their dict: EncoderPrompts' checks
-            ids, salt = self.ids._ids(p, what)
+        if not isinstance(text, str):  # ids, or their dict: BART's checks
+            ids, salt = prompt_ids(p, what, self.tokenizer, self.vocab_size)
             return ids, None, salt
         refused = sorted(set(p) - set(SINGLE_KEYS)) if isinstance(p, dict) else []
         if refused:

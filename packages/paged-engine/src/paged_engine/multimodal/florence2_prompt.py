@@ -37,7 +37,14 @@ from typing import Any
 
 import torch
 
-from paged_engine.engine.encoder_prompt import EncoderPrompts, prompt_text, split_encoder_decoder
+from paged_engine.engine.encoder_prompt import (
+    EncoderPrompts,
+    SplitPrompt,
+    decoder_fields,
+    prompt_ids,
+    prompt_text,
+    split_encoder_decoder,
+)
 from paged_engine.multimodal.florence2 import conv_out, image_rows
 from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import digest
@@ -82,13 +89,14 @@ def task_text(prompt: str) -> str:
 
 
 class Florence2Prompts:
-    """The InputProcessor's `encoder_prompts` for Florence-2: `split(prompt)` -> (the decoder
-    prompt's fields, (image item, encoder text item))."""
+    """The InputProcessor's `encoder_prompts` for Florence-2: `split(prompt)` -> its
+    SplitPrompt, whose items are (image, encoder text)."""
 
     def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int, path: Path) -> None:
         text = hf_config.text_config
-        self.decoder = EncoderPrompts(tokenizer, text, vocab_size)  # its ids and start token
+        self.decoder = EncoderPrompts(tokenizer, text, vocab_size)  # the decoder prompt's
         self.tokenizer, self.path, self.config = tokenizer, Path(path), hf_config
+        self.vocab_size = vocab_size
         self.vision = hf_config.vision_config
         self.limit = int(text.max_position_embeddings)
         self.bos, self.eos = int(text.bos_token_id), int(text.eos_token_id)
@@ -103,9 +111,7 @@ class Florence2Prompts:
             self._processor = image_processor(self.path, self.config)
         return self._processor
 
-    def split(
-        self, prompt: Any, truncate: int | None = None
-    ) -> tuple[dict, tuple[ImageInput, ImageInput]]:
+    def split(self, prompt: Any, truncate: int | None = None) -> SplitPrompt:
         enc, dec = split_encoder_decoder(prompt)
         if not isinstance(enc, dict) or "multi_modal_data" not in enc:
             raise ValueError(
@@ -135,27 +141,26 @@ class Florence2Prompts:
             )
         if isinstance(dec, dict) and "multi_modal_data" in dec:
             raise ValueError("decoder_prompt: multi_modal_data is taken by the encoder prompt only")
-        # vLLM's Florence-2 decoder prompt: [eos] (the start token put in front by `split`)
-        fields, _ = self.decoder.split(
-            {"encoder_prompt": [self.eos], "decoder_prompt": [self.eos] if dec is None else dec}
-        )
-        # the RequestOutput's, as vLLM 0.10's: the encoder text as given, and the ids the
-        # encoder reads (the image's rows as pad_token_id, vLLM's placeholders, then the text)
-        fields["encoder_prompt"] = prompt_text(enc)
-        fields["encoder_prompt_token_ids"] = [self.pad] * rows + ids
-        salt = enc.get("cache_salt")
-        if salt is not None and "cache_salt" not in fields:
-            fields["cache_salt"] = salt
+        # vLLM's Florence-2 decoder prompt: [eos] (the start token put in front)
+        dec_ids, dec_text, salt = self.decoder.decoder_prompt([self.eos] if dec is None else dec)
+        salt = enc.get("cache_salt") if salt is None else salt
         span = self.decoder.limit  # every decoder position
         image = ImageInput(pixels, 0, span, digest(pixels, None))
         ids_t = torch.tensor(ids, dtype=torch.int64)
         text = ImageInput(ids_t, 0, span, digest(ids_t, None), modality="text")
-        return fields, (image, text)
+        # the RequestOutput's, as vLLM 0.10's: the encoder text as given, and the ids the
+        # encoder reads (the image's rows as pad_token_id, vLLM's placeholders, then the text)
+        return SplitPrompt(
+            decoder_fields(dec_text, dec_ids, salt),
+            (image, text),
+            prompt_text(enc),
+            [self.pad] * rows + ids,
+        )
 
     def _encoder_ids(self, enc: dict) -> list[int]:
         if "prompt_token_ids" in enc:  # BART's checks: a list of ids within the vocabulary
             given = {"prompt_token_ids": enc["prompt_token_ids"]}
-            ids, _ = self.decoder._ids(given, "encoder_prompt")
+            ids, _ = prompt_ids(given, "encoder_prompt", self.tokenizer, self.vocab_size)
         else:
             text = enc.get("prompt", "")
             if not isinstance(text, str):

@@ -7,6 +7,9 @@ canonical [block_size, num_kv_heads, head_dim] layout whatever the attention bac
 are written to a temporary name and renamed (`os.replace`), so a reader sees a whole file or
 none. A file is used only if its key, tensor list and size are exactly what the reader expects
 (`check_block`); anything else (missing, truncated, another model's) is a miss.
+Files come from other processes: a header past `MAX_HEADER` bytes, or JSON no reader could
+expect (nested past Python's recursion limit), is a miss too, and a file's size is checked
+before its bytes are read.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 MAGIC = b"PAGEDKV1"
 _LEN = 8
+MAX_HEADER = 1 << 20  # a block's header names its key and a few tensors per layer
 # (name, dtype name, shape) of each tensor a block file holds, in file order
 Spec = list[tuple[str, str, tuple[int, ...]]]
 
@@ -53,7 +57,7 @@ def _read_header(f, key: str, spec: Spec, size: int) -> bool:
     if f.read(len(MAGIC)) != MAGIC:
         return False
     hlen = int.from_bytes(f.read(_LEN), "little")
-    if hlen <= 0 or len(MAGIC) + _LEN + hlen > size:
+    if hlen <= 0 or hlen > MAX_HEADER or len(MAGIC) + _LEN + hlen + _nbytes(spec) != size:
         return False
     header = json.loads(f.read(hlen))
     tensors = [(n, d, tuple(s)) for n, d, s in header["tensors"]]
@@ -67,7 +71,7 @@ def check_block(path: str, key: str, spec: Spec) -> bool:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
             return _read_header(f, key, spec, size)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return False
 
 
@@ -75,13 +79,16 @@ def read_block(path: str, key: str, spec: Spec) -> list[torch.Tensor] | None:
     """The block's tensors (CPU), or None when the file is not `check_block`'s whole file."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > len(MAGIC) + _LEN + MAX_HEADER + _nbytes(spec):
+                return None  # not read: no whole block file is this long
             data = f.read()
     except OSError:
         return None
     try:
         if not _read_header(io.BytesIO(data), key, spec, len(data)):
             return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     offset = len(MAGIC) + _LEN + int.from_bytes(data[len(MAGIC) : len(MAGIC) + _LEN], "little")
     buf = bytearray(data[offset:])  # writable: torch.frombuffer shares it

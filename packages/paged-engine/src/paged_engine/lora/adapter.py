@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 _PREFIX = "base_model.model."
+_MAX_CONFIG_BYTES = 1 << 20  # PEFT writes ~1 KB; a larger file is not read
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # PEFT drops the adapter name ("default") when saving; accept it either way.
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 
@@ -50,10 +52,13 @@ def _read_config(path: str) -> dict:
         if not os.path.isdir(path):
             raise ValueError(f"lora_request: lora_path {path!r} is not a directory")
         raise _refuse(path, "it has no adapter_config.json (a PEFT LoRA directory is expected)")
+    size = os.path.getsize(cfg_path)
+    if size > _MAX_CONFIG_BYTES:
+        raise _refuse(path, f"adapter_config.json is {size} bytes, more than a config holds")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise _refuse(path, f"adapter_config.json is unreadable: {e}") from e
     if not isinstance(cfg, dict):
         raise _refuse(path, "adapter_config.json is not a JSON object")
@@ -119,11 +124,17 @@ def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
                 f"module {module!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} are "
                 "not [r, in] and [out, r]",
             )
-        if not (a.is_floating_point() and b.is_floating_point()):
-            raise _refuse(path, f"module {module!r}: LoRA weights must be floating point")
+        if a.dtype not in _FLOATS or b.dtype not in _FLOATS:  # (float8 has no isfinite)
+            raise _refuse(
+                path,
+                f"module {module!r}: LoRA weights are {a.dtype} / {b.dtype}, expected float16, "
+                "bfloat16, float32 or float64",
+            )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise _refuse(path, f"module {module!r}: LoRA weights hold NaN or infinity")
         r = int(a.shape[0])
+        if r != cfg["r"]:  # PEFT scales by the config's r: a mismatch would scale wrongly
+            raise _refuse(path, f"module {module!r} has rank {r}, adapter_config.json r={cfg['r']}")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
         modules[module] = LoRAModule(a, b, scale)
     rank = max(int(m.a.shape[0]) for m in modules.values())

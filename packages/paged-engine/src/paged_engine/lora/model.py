@@ -238,6 +238,12 @@ class LoRAModel:
                 len(vision),
                 vision[0],
             )
+        for layer_name, (a, b) in packed.items():  # lora_alpha / r * B past the dtype's range
+            if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+                raise ValueError(
+                    f"lora_request: the adapter at {adapter.path!r} does not fit the model: "
+                    f"its scaled weights of {layer_name} overflow {self.dtype}"
+                )
         return packed
 
     # ---- slots ------------------------------------------------------------------------------

@@ -11,18 +11,61 @@ JSON spacing: by default as `json.dumps` writes it (", " and ": ", no newlines).
 lets whitespace go anywhere JSON allows it, and small models then pad with newlines until
 max_tokens (SmolLM2 does, on 11 of our 12 schemas); `whitespace_pattern` opts into that,
 `disable_any_whitespace` removes the spaces too.
+
+Hostile grammars: llguidance builds a grammar by recursing over its rules in Rust, so a chain of
+a few thousand rules (a Lark grammar, or a JSON schema's `$ref` chain) overflowed an 8 MB
+thread stack and killed the whole process (SIGSEGV). Every llguidance build and check runs on
+a thread with a `STACK_BYTES` stack (`on_big_stack`), and a `grammar` text is at most
+`MAX_GRAMMAR_CHARS` long (deep enough for any chain that fits) with at most `MAX_GBNF_RULES`
+GBNF rules (llguidance's GBNF-to-Lark conversion is quadratic in them: 2000 rules took 2 s).
+JSON schemas are bounded by llguidance's own size limit ("schema too large").
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from paged_engine.structured_output.params import StructuredOutputsParams
 from paged_engine.structured_output.structural_tag import structural_tag_lark
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
+# llguidance takes ~3 KB of stack a chained rule (8 MB overflowed near 2800 rules; 25k fit
+# here); the stack is reserved address space, resident only as deep as a build goes.
+STACK_BYTES = 256 << 20
+MAX_GRAMMAR_CHARS = 100_000  # at most ~17k chained rules ("ab:ac\n" each): fits STACK_BYTES
+MAX_GBNF_RULES = 1000  # llguidance's conversion to Lark takes ~0.5 s for 1000
+_GBNF_RULE = re.compile(r"::=")
+_STACK_LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a fresh thread with a STACK_BYTES stack (its exception re-raised here)."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append((True, fn(*args)))
+        except BaseException as e:  # handed to the caller's thread
+            result.append((False, e))
+
+    with _STACK_LOCK:  # threading.stack_size is process-wide: set it only for this start
+        old = threading.stack_size(STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="paged-grammar-build", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(old)
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value
 
 
 def import_llguidance() -> Any:
@@ -37,7 +80,21 @@ def import_llguidance() -> Any:
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of `params`; ValueError (naming the field) if it is invalid."""
-    return _grammar_text(params.key())
+    if params.grammar is not None:
+        _check_grammar_size(params.grammar)
+    return on_big_stack(_grammar_text, params.key())
+
+
+def _check_grammar_size(text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise ValueError(
+            f"structured_outputs.grammar is at most {MAX_GRAMMAR_CHARS} characters, got {len(text)}"
+        )
+    rules = len(_GBNF_RULE.findall(text))  # an upper bound: `::=` may sit in a literal too
+    if rules > MAX_GBNF_RULES:
+        raise ValueError(
+            f"structured_outputs.grammar has at most {MAX_GBNF_RULES} GBNF rules, got {rules}"
+        )
 
 
 @functools.lru_cache(maxsize=512)

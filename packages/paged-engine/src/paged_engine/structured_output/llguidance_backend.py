@@ -2,16 +2,20 @@
 
 The tokenizer is converted once per engine (~0.5 s for 49k tokens, ~2 s for 150k); masks of a
 step's matchers are filled by llguidance's thread pool in one call, with the GIL released.
+Building a matcher recurses over the grammar's rules: it runs on a big stack (grammar.py,
+`on_big_stack`), and computes its first mask there too, so the lexer states a grammar like
+`a{1000000}` builds lazily (0.6-1.5 s) are built off the engine's step thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import numpy as np
 
 from paged_engine.structured_output.backend import GrammarBackend, GrammarMatcher
-from paged_engine.structured_output.grammar import import_llguidance
+from paged_engine.structured_output.grammar import import_llguidance, on_big_stack
 
 
 class LLGuidanceMatcher(GrammarMatcher):
@@ -49,14 +53,20 @@ class LLGuidanceBackend(GrammarBackend):
         self._executor = llg.LLExecutor()
 
     def check(self, grammar: str) -> str | None:
-        error = self._llg.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = on_big_stack(self._llg.LLMatcher.validate_grammar, grammar, self.tokenizer)
         return error.strip() or None
 
     def compile(self, grammar: str) -> LLGuidanceMatcher:
-        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        matcher = on_big_stack(self._build, grammar)
         if matcher.is_error():
             raise ValueError(f"grammar rejected for this tokenizer: {matcher.get_error()}")
         return LLGuidanceMatcher(matcher)
+
+    def _build(self, grammar: str) -> Any:  # an llguidance.LLMatcher
+        matcher = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # warms the lexer here, not in the first step's mask
+        return matcher
 
     def fill_bitmasks(self, rows: list[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         assert bitmask.dtype == np.int32 and bitmask.flags.c_contiguous, bitmask.dtype

@@ -56,13 +56,16 @@ class StructuredOutputsParams:
                 f"json_object, structural_tag; got {given or 'none'}"
             )
         if self.json is not None:
-            if isinstance(self.json, str):
-                try:
+            try:  # (a schema nested past Python's recursion limit: RecursionError)
+                if isinstance(self.json, str):
                     parsed = _json.loads(self.json)
-                except ValueError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            else:
-                parsed = self.json
+                else:  # key() dumps it: a cycle or a depth past Python's limit fails here
+                    _json.dumps(self.json)
+                    parsed = self.json
+            except (ValueError, TypeError, RecursionError) as e:
+                deep = isinstance(e, RecursionError)
+                why = "is nested too deeply" if deep else f"is not valid JSON: {e}"
+                raise ValueError(f"structured_outputs.json {why}") from None
             if not isinstance(parsed, (dict, bool)):
                 raise ValueError(
                     "structured_outputs.json must be a JSON schema (an object), got "

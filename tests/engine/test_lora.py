@@ -163,6 +163,10 @@ def test_more_adapters_than_max_loras_take_turns(llama_setup):
         assert engine.list_loras() == {1, 2, 3}
         engine.add_lora(LoRARequest("a-again", 4, loras[1].lora_path))
         assert engine.list_loras() == {2, 4}  # least recently used first: 3, then 1
+        # A bad adapter is refused before anything is unloaded: the cache keeps both.
+        with pytest.raises(ValueError, match="lora"):
+            engine.add_lora(LoRARequest("bad", 5, "/nowhere"))
+        assert engine.list_loras() == {2, 4}
         # The stats (paged-server's lora_requests_info) name the adapters running and waiting.
         for k, lora_id in enumerate([1, 2, 3]):
             engine.add_request(

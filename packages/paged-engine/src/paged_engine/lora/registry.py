@@ -2,10 +2,10 @@
 
 An adapter is loaded on every worker (read, checked against the model and packed into host
 memory) the first time a request or `add_lora` names it; a bad adapter fails that call with a
-ValueError and nothing else. At most `max_cpu_loras` stay loaded: adding one more unloads the
-least recently used adapter that no unfinished request needs (when every one is needed, the
-cache grows past the limit until they finish). An id names one directory for as long as it
-is loaded.
+ValueError and nothing else (it is read before any other is unloaded). At most `max_cpu_loras`
+stay loaded: adding one more unloads the least recently used adapter that no unfinished
+request needs (when every one is needed, the cache grows past the limit until they finish). An
+id names one directory for as long as it is loaded.
 """
 
 from __future__ import annotations
@@ -43,17 +43,19 @@ class LoRARegistry:
                 )
             self.loaded.move_to_end(lora.lora_int_id)
             return
-        self._make_room()
-        self.executor.add_lora(lora.lora_int_id, lora.lora_path)  # raises ValueError if bad
+        # Loaded before anything is unloaded: a bad adapter (ValueError) evicts no good one.
+        self.executor.add_lora(lora.lora_int_id, lora.lora_path)
         self.loaded[lora.lora_int_id] = lora
         logger.info("LoRA adapter %r (id %d) loaded", lora.lora_name, lora.lora_int_id)
+        self._make_room(keep=lora.lora_int_id)
 
-    def _make_room(self) -> None:
-        if len(self.loaded) < self.capacity:
+    def _make_room(self, keep: int) -> None:
+        """Unload idle adapters, least recently used first, down to `capacity` (never `keep`)."""
+        if len(self.loaded) <= self.capacity:
             return
-        busy = self.in_use()
+        busy = self.in_use() | {keep}
         for lora_id in list(self.loaded):
-            if len(self.loaded) < self.capacity:
+            if len(self.loaded) <= self.capacity:
                 return
             if lora_id not in busy:
                 self._unload(lora_id)

@@ -245,7 +245,13 @@ def _tool_choice(value: Any) -> tuple[Any, bool]:
         return None, True
     value = _object(value, "tool_choice")
     kind = value.get("type")
-    parallel = not value.get("disable_parallel_tool_use", False)
+    disable = value.get("disable_parallel_tool_use")
+    if disable is not None and not isinstance(disable, bool):  # ("false" would disable it)
+        raise bad_request(
+            f"tool_choice.disable_parallel_tool_use must be a boolean, got {disable!r}",
+            "tool_choice.disable_parallel_tool_use",
+        )
+    parallel = not disable
     if kind == "auto":
         return "auto", parallel
     if kind == "any":

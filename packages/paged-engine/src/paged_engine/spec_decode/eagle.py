@@ -173,7 +173,7 @@ class FeatureHeadRunner(DraftModelRunner):
                 self._feat.index_select(0, r._to_dev(_ranges(off, q_lens)))
             )
             normed, hidden = self._forward_head(
-                ids, feature, [sched.seq_ids[i] for i in rows1.tolist()], q_lens, p0 + q_lens
+                ids, feature, sched, inputs, rows1, q_lens, p0 + q_lens
             )
             last_of = dict(zip(rows1.tolist(), lasts.tolist()))
         drafting = np.flatnonzero(num_drafts)
@@ -202,7 +202,9 @@ class FeatureHeadRunner(DraftModelRunner):
                     normed, feature = self._forward_head(
                         prev,
                         feature.index_select(0, sub),
-                        [sched.seq_ids[i] for i in drafting[live].tolist()],
+                        sched,
+                        inputs,
+                        drafting[live],
                         np.ones(live.size, dtype=np.int64),
                         c[live] + j - 1,
                     )
@@ -221,15 +223,22 @@ class FeatureHeadRunner(DraftModelRunner):
 
     # ---- helpers --------------------------------------------------------------------------------
     def _forward_head(
-        self, ids: Tensor, feature: Tensor, seq_ids: list[int], q_lens: np.ndarray, ends: np.ndarray
+        self,
+        ids: Tensor,
+        feature: Tensor,
+        sched: SchedulerOutput,
+        inputs: StepInputs,
+        idx: np.ndarray,
+        q_lens: np.ndarray,
+        ends: np.ndarray,
     ) -> tuple[Tensor, Tensor]:
-        """The head over `q_lens[i]` tokens of sequence seq_ids[i] ending at position
+        """The head over `q_lens[i]` tokens of the step's sequence idx[i] ending at position
         ends[i] - 1: (normed, pre-norm) [T, D]. An M-RoPE head turns them by the target's own
-        rope positions (mrope_positions.py)."""
-        row_of = self.runner.batch.row_of
-        rows = np.fromiter(map(row_of.__getitem__, seq_ids), np.int64, len(seq_ids))
-        meta, positions = self._metadata(rows, q_lens, ends)
-        if self.mrope:
+        rope positions (mrope_positions.py) where a sequence has an M-RoPE table; only then is
+        a per-sequence list of ids made (this runs every pass of every step)."""
+        meta, positions = self._metadata(inputs.rows[idx], q_lens, ends)
+        if self.mrope and self.runner.rope_tables:
+            seq_ids = [sched.seq_ids[i] for i in idx.tolist()]
             positions = target_rope_positions(self.runner, seq_ids, q_lens, ends, positions)
         assert self.cache is not None
         return self.model(ids, positions, self.cache.kv_caches, meta, feature)

@@ -62,3 +62,23 @@ def test_disable_parallel_tool_use_must_be_a_boolean(srv: SimpleNamespace) -> No
         status, payload = _messages(srv, {"type": "auto", "disable_parallel_tool_use": bad})
         assert status == 400, payload
         assert "disable_parallel_tool_use" in payload["error"]["message"], payload
+
+
+def test_chat_parallel_tool_calls_null_is_the_default(srv: SimpleNamespace) -> None:
+    """vLLM types chat's parallel_tool_calls `bool | None`: null means the default (every
+    call), as the Responses route already read it; a non-boolean is still a 400."""
+    srv.engine.script = TWO_CALLS
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "parallel_tool_calls": None,
+    }
+    status, _, payload = srv.http.request("POST", "/v1/chat/completions", body)
+    assert status == 200, payload
+    assert len(payload["choices"][0]["message"]["tool_calls"]) == 2, payload
+    status, _, payload = srv.http.request(
+        "POST", "/v1/chat/completions", {**body, "parallel_tool_calls": "no"}
+    )
+    assert status == 400 and payload["error"]["param"] == "parallel_tool_calls", payload

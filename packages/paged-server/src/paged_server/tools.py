@@ -85,7 +85,8 @@ class ToolRequest:
 def parse_tools(body: dict[str, Any], parser_name: str | None) -> ToolRequest | None:
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel  # null: the default (vLLM's bool | None)
     if not isinstance(parallel, bool):
         raise bad_request("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     if tools is None or tools == []:

@@ -33,7 +33,8 @@
     xlam.py         xLAM: a JSON list of calls, the whole answer or in ```json / [TOOL_CALLS] /
                     <tool_call>
     bare_calls.py   streaming for calls that may open the answer with no marker (olmo3, xlam)
-    ERNIE 4.5 (ernie45) writes Hermes' format; Llama 4 reads as pythonic (llama4_pythonic) or
+    ERNIE 4.5 (ernie45) writes Hermes' format (hermes.py: the newlines before the calls are
+    trimmed); Llama 4 reads as pythonic (llama4_pythonic) or
     llama3_json (llama4_json), the names vLLM registers for them.
 """
 
@@ -43,7 +44,7 @@ from paged_server.tool_parsers.base import ParsedCall, ToolParser
 from paged_server.tool_parsers.deepseek import DeepSeekV3ToolParser, DeepSeekV31ToolParser
 from paged_server.tool_parsers.glm45 import Glm45ToolParser
 from paged_server.tool_parsers.gpt_oss import OpenAIToolParser
-from paged_server.tool_parsers.hermes import HermesToolParser
+from paged_server.tool_parsers.hermes import Ernie45ToolParser, HermesToolParser
 from paged_server.tool_parsers.internlm import InternLMToolParser
 from paged_server.tool_parsers.json_list import (
     GraniteToolParser,
@@ -81,7 +82,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "minimax_m2": MinimaxM2ToolParser,
     "hunyuan_a13b": HunyuanA13BToolParser,
     "jamba": JambaToolParser,
-    "ernie45": HermesToolParser,  # ERNIE 4.5 writes Hermes' <tool_call>{...}</tool_call>
+    "ernie45": Ernie45ToolParser,  # Hermes' <tool_call>{...}</tool_call>, newlines before trimmed
     "olmo3": Olmo3ToolParser,
     "internlm": InternLMToolParser,
     "xlam": XlamToolParser,

@@ -4,6 +4,22 @@
 have arrived, for streaming (streaming.py: content streams until the text might be starting a
 tool call, `start_markers`; from there the calls stream as `delta.tool_calls`). A parser whose
 format interleaves content and calls streams with its own `streamer()` (gpt_oss.py).
+
+The content of an answer with calls is the text before them exactly as the model wrote it, not
+stripped (`content_before`; None when empty), as vLLM's hermes, mistral, deepseek, kimi_k2,
+internlm, qwen3_coder and jamba parsers answer it, and a stream's content pieces join to exactly
+that (streaming.py), so a client gets the same content streamed or not. Two per-parser
+refinements, each applied alike to both forms:
+    `blank_is_no_content`  whitespace alone before the calls is no content (None): where calls
+                           may open the answer with no marker (llama3_json, pythonic, olmo3,
+                           xlam: vLLM answers None there) and where vLLM's answer turns
+                           whitespace-only content into None (glm45, hunyuan_a13b, jamba); a
+                           stream holds leading whitespace back until something else follows.
+    `trim_before_calls`    these characters are trimmed off the end of the content before the
+                           calls (ernie45: newlines, as vLLM's `rstrip("\n")`); a stream holds
+                           a trailing run of them back until something else follows.
+Where vLLM strips its non-streamed content but streams it unstripped (lfm2, xlam), paged keeps the
+text as written, so that both forms agree.
 """
 
 from __future__ import annotations
@@ -31,6 +47,10 @@ class ToolParser:
     # The parser reads Harmony messages (gpt-oss) itself: a Harmony reasoning parser leaves it
     # the text as written, less the reasoning (reasoning.py).
     reads_harmony: bool = False
+    # Whitespace alone before the calls is no content (`content_before`, streaming.py).
+    blank_is_no_content: bool = False
+    # Characters trimmed off the end of the content before the calls (`content_before`).
+    trim_before_calls: str = ""
 
     @staticmethod
     def new_call_id() -> str:
@@ -39,6 +59,16 @@ class ToolParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         raise NotImplementedError
+
+    def content_before(self, text: str, start: int) -> str | None:
+        """The content of an answer whose calls start at text[start]: the text before them as
+        written, less `trim_before_calls` at its end; None when that is empty, or only
+        whitespace and `blank_is_no_content`. Always a prefix of `text`: a stream sends the
+        same characters (streaming.py)."""
+        content = text[:start].rstrip(self.trim_before_calls)  # (rstrip("") strips nothing)
+        if self.blank_is_no_content and not content.strip():
+            return None
+        return content or None
 
     def streamer(self) -> Any:
         """What streams one output through this parser: `feed(text)` -> (content, tool_calls

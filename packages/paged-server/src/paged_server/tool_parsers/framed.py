@@ -91,8 +91,7 @@ class FramedToolParser(ToolParser):
             calls.append(ParsedCall(call.name, json.dumps(args, ensure_ascii=False)))
         if not calls:
             return text, []
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls, self.call_ids = self._scan(text)

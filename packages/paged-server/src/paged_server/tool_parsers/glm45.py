@@ -14,6 +14,9 @@ vLLM types them: a parameter whose schema (the request's tool) says `"type": "st
 text exactly; any other value, stripped, is read as JSON, else as a Python literal, else kept as
 text (so `3` is a number and `Paris` a string when the tool gives no schema).
 
+The content is the text before the first block as written; whitespace alone is none (vLLM's
+answer; its stream sent that whitespace, here a stream holds it back: both forms agree).
+
 Arguments are JSON text built a parameter at a time, so what a stream has sent is always a
 prefix of the final arguments; a string parameter's text streams as it is generated.
 """
@@ -71,6 +74,7 @@ def _field(key: str, value: Any) -> str:
 class Glm45ToolParser(ToolParser):
     start_markers = (_CALL_OPEN,)
     keeps_special_tokens = True  # vLLM keeps them for GLM too (added tokens)
+    blank_is_no_content = True  # vLLM's answer: whitespace-only content is None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         start = text.find(_CALL_OPEN)
@@ -81,8 +85,7 @@ class Glm45ToolParser(ToolParser):
             if call.name is None or not call.args_done:  # malformed or cut short: content
                 return text, []
             calls.append(ParsedCall(call.name, call.args))
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start = text.find(_CALL_OPEN)

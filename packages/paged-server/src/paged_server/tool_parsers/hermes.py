@@ -1,5 +1,6 @@
 """Hermes / Qwen 2.5+ tool calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
-one block per call; text before the first block is the message content."""
+one block per call; text before the first block is the message content, as written (vLLM's:
+`model_output[:start]`, None when empty; streamed the same)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ class HermesToolParser(ToolParser):
             if call is None:  # not a well-formed call: the text stays content
                 return text, []
             calls.append(call)
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []
@@ -44,3 +44,11 @@ class HermesToolParser(ToolParser):
                 break
             pos = text.find("<tool_call>", call.end)
         return calls
+
+
+class Ernie45ToolParser(HermesToolParser):
+    """ERNIE 4.5 (vLLM's `ernie45`): Hermes' blocks, the newlines before the first block not
+    content (vLLM's answer: `model_output[:start].rstrip("\\n")`; its stream also drops them).
+    The model writes `\\n\\n<tool_call>` after its thinking: that answer's content is None."""
+
+    trim_before_calls = "\n"

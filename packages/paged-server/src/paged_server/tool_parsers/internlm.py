@@ -57,8 +57,7 @@ class InternLMToolParser(ToolParser):
                 return text, []
             calls.append(call)
             pos = text.find(ACTION, len(text) - len(rest))
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []

@@ -44,8 +44,7 @@ class JsonListToolParser(ToolParser):
         calls = [self.call_from(item, "parameters") for item in value]
         if any(c is None for c in calls):
             return text, []
-        content = text[:start].strip()
-        return content or None, [c for c in calls if c is not None]
+        return self.content_before(text, start), [c for c in calls if c is not None]
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         _, pos = self._marker(text)

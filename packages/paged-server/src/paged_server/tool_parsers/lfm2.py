@@ -8,7 +8,11 @@ literal values only). Several framed lists are read in order. Text before the fi
 closing <|tool_call_end|> is not required (a complete list ends the call, so a call whose end
 marker was cut off by max_tokens still counts); a list that is not well formed or not complete
 leaves the whole text as content. The markers are special tokens: the server keeps them in the
-text (`keeps_special_tokens`)."""
+text (`keeps_special_tokens`).
+
+The content is the text before the first frame as written. vLLM's answer strips it (and joins
+the text after the calls to it) while its stream sends it as written; paged keeps it as written
+in both, so that a client gets the same content streamed or not (base.py `content_before`)."""
 
 from __future__ import annotations
 
@@ -55,8 +59,7 @@ class Lfm2ToolParser(ToolParser):
             if listed is None:
                 return text, []
             calls += listed
-        content = text[: text.find(START)].strip()
-        return content or None, calls
+        return self.content_before(text, text.find(START)), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []

@@ -13,6 +13,7 @@ _TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     start_markers = (_TAG, "{")
+    blank_is_no_content = True
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()

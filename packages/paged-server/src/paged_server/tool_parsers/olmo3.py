@@ -55,6 +55,7 @@ def line_calls(lines: list[str]) -> list[ParsedCall] | None:
 
 class Olmo3ToolParser(ToolParser):
     start_markers = (OPEN,)
+    blank_is_no_content = True
 
     def _body(self, text: str) -> tuple[int, int, int | None, bool]:
         """(where the calls start, where their lines start, where the lines end: the closing
@@ -75,8 +76,7 @@ class Olmo3ToolParser(ToolParser):
         calls = line_calls(text[body:end].splitlines())
         if not calls:
             return text, []
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start, body, end, _ = self._body(text)
@@ -98,6 +98,3 @@ class Olmo3ToolParser(ToolParser):
         if _CALL.match(body):
             return len(text) - len(body)
         return -1 if _WORD.fullmatch(body) or not body else None
-
-    def calls_start(self, text: str) -> int:
-        return self._body(text)[0]

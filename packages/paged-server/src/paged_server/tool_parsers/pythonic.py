@@ -116,6 +116,7 @@ def scan_list(text: str, start: int) -> list[PartialCall]:
 
 class PythonicToolParser(ToolParser):
     start_markers = ("[", _START)
+    blank_is_no_content = True
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         start = _list_start(text)

@@ -93,8 +93,7 @@ class Qwen3CoderToolParser(ToolParser):
             calls.append(ParsedCall(call.name, call.args))
         if not calls:  # a <tool_call> with no <function=...> in it: no call, the text kept
             return text, []
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start = self._start(text)

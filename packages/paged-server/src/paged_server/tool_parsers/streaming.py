@@ -187,6 +187,10 @@ class StreamingToolText:
             end = min(starts)
         else:
             end = len(self.text) - self._partial_marker_len()
+        if self.parser.trim_before_calls:  # a trailing run of them may end the content
+            end = max(self.sent, len(self.text[:end].rstrip(self.parser.trim_before_calls)))
+        if self.parser.blank_is_no_content and not self.text[:end].strip():
+            return "", self._updates() if self.holding else []  # whitespace may open calls
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out, self._updates() if self.holding else []
 
@@ -202,13 +206,18 @@ class StreamingToolText:
 
     def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:
         """(content not streamed yet, the calls' remaining entries, the calls) once the output
-        is complete. Text that turns out not to be well-formed calls is content after all (a
-        call already announced stays announced: the stream cannot take it back)."""
-        _, calls = parse_or_content(self.parser, self.text)
+        is complete. The content streamed in all is the non-streamed answer's: a parser's
+        content is a prefix of the text (`ToolParser.content_before`), of which the stream has
+        sent `sent` characters; the rest of it is sent now (text that was held back because a
+        call might have started there and turned out to be content, e.g. a block that was
+        not calls before the one that is). Text that turns out not to be well-formed calls is
+        content after all (a call already announced stays announced: the stream cannot take
+        it back)."""
+        content, calls = parse_or_content(self.parser, self.text)
         if not calls:
             return self.text[self.sent :], [], []
         try:
             partial = self.parser.partial_calls(self.text)
         except RecursionError:  # (parse read the calls: their arguments are sent whole)
             partial = []
-        return "", self.deltas.finish(partial, calls), calls
+        return (content or "")[self.sent :], self.deltas.finish(partial, calls), calls

@@ -6,13 +6,15 @@
     JambaToolParser        AI21 Jamba; the tags are special tokens, kept in the text
                            (`keeps_special_tokens`) as vLLM's jamba parser keeps them
 
-Text before the first <tool_calls> is the content; text after the closing tag is dropped. The
-closing </tool_calls> is required (vLLM reads only closed blocks); several blocks are read in
-order (vLLM reads one: jamba the first, hunyuan_a13b the first that is JSON). A block that is
-not a non-empty list of call objects, or one left open, leaves the whole text as content. A
-call's "arguments" may be an object or its JSON text (read either way: vLLM's hunyuan_a13b
-passes such text through unread, its jamba encodes it once more as a JSON string); a call
-without "arguments" has none, `{}` (vLLM's hunyuan_a13b drops it, its jamba answers content).
+Text before the first <tool_calls> is the content, as written; whitespace alone is none (vLLM's
+hunyuan_a13b answer; its jamba drops a lone " "; a stream holds leading whitespace back, so
+both forms agree); text after the closing tag is dropped. The closing </tool_calls> is required
+(vLLM reads only closed blocks); several blocks are read in order (vLLM reads one: jamba the
+first, hunyuan_a13b the first that is JSON). A block that is not a non-empty list of call
+objects, or one left open, leaves the whole text as content. A call's "arguments" may be an
+object or its JSON text (read either way: vLLM's hunyuan_a13b passes such text through unread,
+its jamba encodes it once more as a JSON string); a call without "arguments" has none, `{}`
+(vLLM's hunyuan_a13b drops it, its jamba answers content).
 
 What vLLM's hunyuan_a13b does besides, and this parser does not: it skips a block inside a
 <think> ... </think> span (the reasoning parser's part here), drops an item that is not a call
@@ -34,6 +36,7 @@ OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
 
 class ToolCallsBlockToolParser(ToolParser):
     start_markers = (OPEN,)
+    blank_is_no_content = True  # vLLM's hunyuan_a13b: whitespace-only content is None
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         found = blocks(text, OPEN, CLOSE)
@@ -51,8 +54,7 @@ class ToolCallsBlockToolParser(ToolParser):
             if not listed or any(c is None for c in listed):
                 return text, []
             calls += [c for c in listed if c is not None]
-        content = text[: text.find(OPEN)].strip()
-        return content or None, calls
+        return self.content_before(text, text.find(OPEN)), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []

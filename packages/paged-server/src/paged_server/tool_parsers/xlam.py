@@ -17,6 +17,8 @@ where vLLM drops the item (and a call without "arguments").
 
 Streamed, content stops at the first ``` / [TOOL_CALLS] / <tool_call>, or at a "[" opening the
 answer; what turns out not to be calls is sent as content when the output ends (bare_calls.py).
+The content is kept as written, whitespace alone before the calls none: vLLM's answer strips it
+while its stream sends it as written; here both forms agree (base.py `content_before`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def _lead(text: str, pos: int) -> int:
 
 class XlamToolParser(ToolParser):
     start_markers = (FENCE, TOOL_CALLS, TOOL_CALL)
+    blank_is_no_content = True
 
     def _blocks(self, text: str, since: int = 0) -> Iterator[tuple[int, int, int, bool]]:
         """Each place a list of calls may stand, in order: (where the block starts, where its
@@ -100,8 +103,7 @@ class XlamToolParser(ToolParser):
         start, calls = self._read(text)
         if not calls:
             return text, []
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     # A stream's text only grows: blocks closed and not calls stay so. partial_calls passes
     # over them from the next scan on (without this, 200k characters of ``` streamed in 5 s).
@@ -136,9 +138,6 @@ class XlamToolParser(ToolParser):
         if lead == len(text):
             return -1
         return lead if text[lead] == "[" else None
-
-    def calls_start(self, text: str) -> int:
-        return self._read(text)[0]
 
 
 def _may_be_calls(body: str) -> bool:

@@ -68,8 +68,7 @@ class XmlCallsToolParser(ToolParser):
             if call.name is None or not call.args_done:  # malformed or cut short: all content
                 return text, []
             calls.append(ParsedCall(call.name, call.args))
-        content = text[:start].strip()
-        return content or None, calls
+        return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         start = self._start(text)

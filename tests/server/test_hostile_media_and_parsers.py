@@ -43,7 +43,9 @@ from paged_server.media import MediaLoader, MediaRef
 from paged_server.tool_parsers import TOOL_PARSERS, ToolParser
 from paged_server.tool_parsers.base import parse_or_content
 
-DEPTH = 1500  # past the recursion limit (1000) of json.loads / ast
+# past the recursion limit of json.loads / ast: 1000, or 2000 once torch inductor has compiled
+# something in the process (compile_fx raises it), as in a full suite
+DEPTH = 3000  # (the {"a": script must fit max_model_len below)
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
 ARGS = ["--max-model-len", "16384", "--served-model-name", "tiny", "--client-timeout", "3"]
 

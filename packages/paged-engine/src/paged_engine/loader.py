@@ -420,6 +420,7 @@ def load_image_encoder(
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
     (multimodal/archs.py), on `device` in `dtype`; None for any other checkpoint."""
+    from paged_engine.models.transformers_backend import IMPL_FIELD
     from paged_engine.multimodal.archs import ENCODERS, build_encoder, image_kind
     from paged_engine.multimodal.processor import wrapper_config
 
@@ -430,7 +431,12 @@ def load_image_encoder(
     if image_kind(config) not in ENCODERS:  # the model encodes its images itself (Mllama)
         return None
     with building_in(dtype, device):
-        encoder = build_encoder(config)
+        if getattr(hf_config, IMPL_FIELD, None) == "transformers":  # HF's tower and projector
+            from paged_engine.models.transformers_multimodal import TransformersImageEncoder
+
+            encoder = TransformersImageEncoder(config)
+        else:
+            encoder = build_encoder(config)
     return _loaded_encoder(encoder, resolved, load_format, seed)
 
 

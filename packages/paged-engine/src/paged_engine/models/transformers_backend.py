@@ -22,7 +22,8 @@ Weights load by HF name: the backbone keeps HF's module tree under the model's
 `model_impl="auto"` (the default) falls back to this class for an architecture the registry does not
 serve when transformers has it as a causal LM whose class supports custom attention
 (`_supports_attention_backend`, vLLM's rule). What cannot run this way is refused by name:
-encoder-decoders, multimodal configs, token-dropping expert capacities (`expert_capacity`),
+encoder-decoders, multimodal configs (but the vision-language wrappers
+models/transformers_multimodal.py serves), token-dropping expert capacities (`expert_capacity`),
 multi-head latent attention (`kv_lora_rank`), tensor / pipeline parallelism, LoRA, speculative
 decoding, prompt embeddings, attention sinks, bidirectional attention, `logits_scaling`
 of a model type not in `_LOGITS_SCALING`, and layers other than full / sliding attention.
@@ -107,7 +108,11 @@ def check_transformers_config(hf_config) -> type:
     from paged_engine.models.multimodal_text import MARKER
 
     archs = ", ".join(getattr(hf_config, "architectures", None) or []) or "none"
-    if getattr(hf_config, MARKER, None) is not None or hf_config.get_text_config() is not hf_config:
+    if getattr(hf_config, MARKER, None) is not None:  # a VLM wrapper's language model
+        from paged_engine.models.transformers_multimodal import check_multimodal
+
+        check_multimodal(hf_config)
+    elif hf_config.get_text_config() is not hf_config:
         raise _refuse(f"multimodal models are not supported ({archs})")
     if getattr(hf_config, "is_encoder_decoder", False):
         raise _refuse(f"encoder-decoder models are not supported ({archs})")

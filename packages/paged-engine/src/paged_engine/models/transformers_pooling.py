@@ -41,6 +41,7 @@ from torch import nn
 
 from paged_engine.classification import SUFFIX, TOKEN_SUFFIX, causal_names
 from paged_engine.models.base_model import causal_candidates
+from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.sequence_classifier import ZeroLogits, sequence_classifier
 from paged_engine.models.transformers_backend import TransformersForCausalLM, _refuse
 
@@ -52,8 +53,10 @@ VLLM_ARCHS: dict[str, str] = {
     "TransformersMoEEmbeddingModel": "embed",
     "TransformersForSequenceClassification": "classify",
     "TransformersMoEForSequenceClassification": "classify",
+    "TransformersMultiModalForCausalLM": "generate",  # transformers_multimodal.py
+    "TransformersMultiModalMoEForCausalLM": "generate",
 }
-_MULTIMODAL_PREFIX = "TransformersMultiModal"  # vLLM's multimodal spellings (refused)
+_MULTIMODAL_PREFIX = "TransformersMultiModal"  # vLLM's multimodal spellings
 _HEAD_NAMES = ("classifier", "score")  # HF's classification head, in vLLM's order
 
 
@@ -63,10 +66,17 @@ def _archs(hf_config) -> list[str]:
 
 def vllm_arch(hf_config) -> str | None:
     """The config's architecture when it is one of vLLM's Transformers backend names (these
-    ask for the backend whatever `model_impl` says); ValueError for a multimodal one."""
+    ask for the backend whatever `model_impl` says); ValueError for a multimodal one on a
+    checkpoint that is not a vision-language one."""
     for arch in _archs(hf_config):
-        if arch.startswith(_MULTIMODAL_PREFIX):
-            raise _refuse(f"architecture {arch}: multimodal models are not supported")
+        if arch.startswith(_MULTIMODAL_PREFIX):  # served on a VLM wrapper's text config only
+            from paged_engine.models.transformers_multimodal import VLLM_NAMES
+
+            if arch not in VLLM_NAMES:
+                raise _refuse(f"architecture {arch}: multimodal models are not supported here")
+            if getattr(hf_config, MARKER, None) is None:
+                raise _refuse(f"architecture {arch}: multimodal models need a VLM checkpoint")
+            return arch
         if arch in VLLM_ARCHS:
             return arch
     return None
@@ -178,6 +188,10 @@ def transformers_model_class(hf_config) -> type[nn.Module]:
         return TransformersEmbeddingModel
     if kind == "classify":
         return TransformersForSequenceClassification
+    if getattr(hf_config, MARKER, None) is not None:  # a VLM wrapper's language model
+        from paged_engine.models.transformers_multimodal import TransformersMultiModalForCausalLM
+
+        return TransformersMultiModalForCausalLM
     return TransformersForCausalLM
 
 

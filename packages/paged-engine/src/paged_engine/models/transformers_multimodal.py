@@ -1,0 +1,195 @@
+"""Transformers modeling backend for vision-language checkpoints (vLLM's
+`TransformersMultiModalForCausalLM` / `TransformersMultiModalMoEForCausalLM`).
+
+vLLM builds HF's whole `*ForConditionalGeneration` and runs it with its attention swapped. Here
+the two halves go where paged's native image path puts them, so the prompt side (placeholder
+expansion, pixel values, the prefix cache keyed by each image's hash) is paged's own processor
+for the wrapper (multimodal/archs.py) and nothing changes on the engine side:
+
+    the language model   models/multimodal_text.py's text-only config (its MARKER names the
+                         wrapper) served by transformers_backend.py's backbone: HF's decoder
+                         with paged attention; `TransformersMultiModalForCausalLM` below takes
+                         the step's input embeddings (token embeddings with image rows in place,
+                         worker/image_embeds.py) as HF's `inputs_embeds`
+    the image features   `TransformersImageEncoder`: HF's own base model of the wrapper (vision
+                         tower, projector; its language model built empty and dropped) and its
+                         `get_image_features(pixel_values)`: each image's projected rows, which
+                         image_embeds.py splices at the image's placeholders as HF's
+                         `masked_scatter` does
+
+Served: the wrappers of `SUPPORTED` (LLaVA with a CLIP, SigLIP or Pixtral tower, Mistral 3, Aya
+Vision, Command A Vision: each image or tile a run of placeholders, decoders with plain 1-D
+rope), whose HF classes support custom attention. Refused by
+name at engine start: M-RoPE wrappers (Qwen2-VL and its kin: positions come from the image
+grid), Gemma 3 (its images attend bidirectionally), and every other wrapper (another image
+path than HF's `get_image_features` on paged's pixels, video, audio); a tower paged's processor
+for the wrapper does not take is refused by name when the encoder is built.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from paged_engine.layers.attention import AttentionMetadata
+from paged_engine.models.multimodal_text import MARKER
+from paged_engine.models.transformers_backend import STEP_KWARG, TransformersForCausalLM, _refuse
+from paged_engine.multimodal.inputs import ImageInput
+
+# vLLM's architecture names for this backend on a vision-language checkpoint
+VLLM_NAMES = ("TransformersMultiModalForCausalLM", "TransformersMultiModalMoEForCausalLM")
+# wrapper -> paged's image kinds it runs (multimodal/archs.py image_kind): "llava" (a CLIP or
+# SigLIP tower, one fixed-size image a run), "aya_vision" / "cohere2_vision" (one ImageInput a
+# tile, HF's rows a tile), "pixtral" (a Pixtral tower: images of their own size, which HF's
+# `get_image_features` takes with their `image_sizes`; rows of a merged grid, row-major)
+SUPPORTED: dict[str, tuple[str, ...]] = {
+    "LlavaForConditionalGeneration": ("llava", "pixtral"),
+    "AyaVisionForConditionalGeneration": ("aya_vision",),
+    "Cohere2VisionForConditionalGeneration": ("cohere2_vision",),
+    "Mistral3ForConditionalGeneration": ("pixtral",),
+}
+_SIZED = "pixtral"  # the kind whose images go one by one, with their size
+_TEXT_ATTR = "language_model"  # the attribute of HF's base model holding its language model
+# wrappers refused with a reason more precise than "no Transformers image path"
+_WHY: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "Qwen2VLForConditionalGeneration",
+            "Qwen2_5_VLForConditionalGeneration",
+            "Qwen3VLForConditionalGeneration",
+            "Qwen3VLMoeForConditionalGeneration",
+            "Glm4vForConditionalGeneration",
+            "Glm4vMoeForConditionalGeneration",
+        ),
+        "M-RoPE positions (3-D, from the image grid) are not supported",
+    ),
+    "Gemma3ForConditionalGeneration": "its images attend bidirectionally (token_type_ids), "
+    "which paged's causal attention cannot do",
+}
+_WEIGHT_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+
+
+def check_multimodal(hf_config) -> None:
+    """ValueError naming the wrapper unless this backend serves it (`hf_config`: the text-only
+    config models/multimodal_text.py derived from the wrapper)."""
+    wrapper = getattr(hf_config, MARKER, None)
+    if wrapper in SUPPORTED:
+        return
+    why = _WHY.get(wrapper, "only " + ", ".join(sorted(SUPPORTED)) + " run on this backend")
+    raise _refuse(f"vision-language architecture {wrapper}: {why}")
+
+
+class TransformersMultiModalForCausalLM(TransformersForCausalLM):
+    """The text half: HF's decoder on the step's input embeddings where images run."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+        hidden: torch.Tensor | None = None,  # [T, D]: embeddings with image rows (first stage)
+    ) -> torch.Tensor:  # [T, D]
+        if hidden is None:
+            return super().forward(input_ids, positions, kv_caches, attn_metadata)
+        backbone = getattr(self, self.inner_name)
+        out = backbone(
+            inputs_embeds=hidden[None],
+            position_ids=positions[None],
+            use_cache=False,
+            **{STEP_KWARG: (kv_caches, attn_metadata)},
+        )
+        return out.last_hidden_state[0]
+
+
+def _empty_text(config):
+    """`config` with its language model shrunk to nothing (no layers, one-token vocab): the
+    wrapper's base model builds it, the encoder never runs it."""
+    stub = copy.deepcopy(config)
+    text = stub.get_text_config()
+    text.num_hidden_layers = 0
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = []
+    text.vocab_size = 1
+    text.pad_token_id = None
+    return stub
+
+
+class TransformersImageEncoder(nn.Module):
+    """Images -> rows of the text model's input embedding, by HF's `get_image_features` (the
+    `encode` / `load_weights` contract of multimodal/archs.py's encoders)."""
+
+    def __init__(self, config) -> None:  # the wrapper's config (config.json as HF reads it)
+        from transformers import AutoModel
+
+        from paged_engine.multimodal.archs import image_kind
+
+        super().__init__()
+        wrapper = next((a for a in config.architectures or () if a in SUPPORTED), None)
+        if wrapper is None:
+            raise _refuse(f"architectures {config.architectures}: no Transformers image path")
+        kind = image_kind(config)
+        if kind not in SUPPORTED[wrapper]:
+            tower = getattr(config.vision_config, "model_type", None)
+            raise _refuse(f"{wrapper} with vision_config.model_type={tower!r} is not supported")
+        self.sized = kind == _SIZED
+        base = AutoModel.from_config(_empty_text(config), dtype=torch.get_default_dtype())
+        if not isinstance(getattr(base, _TEXT_ATTR, None), nn.Module):
+            raise _refuse(f"{type(base).__name__} has no {_TEXT_ATTR!r} to leave to the engine")
+        setattr(base, _TEXT_ATTR, None)  # the engine's decoder serves the text
+        self.base = base
+
+    def encode(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's feature rows [L, D] from its pixel values [3, H, W] (one size for all,
+        in one call; a Pixtral tower's: one call an image, with its size)."""
+        param = next(self.base.parameters())
+        pixels = [m.pixel_values.to(param.device, param.dtype) for m in images]
+        if not self.sized:
+            out = self.base.get_image_features(pixel_values=torch.stack(pixels), return_dict=True)
+            return [f.reshape(-1, f.shape[-1]) for f in out.pooler_output]
+        rows = []
+        for x in pixels:
+            sizes = torch.tensor([x.shape[1:]], device=param.device)  # [1, 2]: (H, W)
+            out = self.base.get_image_features(
+                pixel_values=x[None], image_sizes=sizes, return_dict=True
+            )
+            rows.append(out.pooler_output[0])
+        return rows
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The checkpoint's tower and projector tensors by HF name (`model.X` as transformers 5
+        saves them, or `X` as older saves do); the language model's are passed over. ValueError
+        naming a missing tensor or one of the wrong shape."""
+        params = dict(self.base.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if not name.startswith(_WEIGHT_PREFIXES):
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"{type(self).__name__}: unexpected weight {name!r}")
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"{type(self).__name__}: weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model's is {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ValueError(f"{type(self).__name__}: missing weights {missing[:8]}")
+        return loaded
+
+
+__all__ = [
+    "SUPPORTED",
+    "VLLM_NAMES",
+    "TransformersImageEncoder",
+    "TransformersMultiModalForCausalLM",
+    "check_multimodal",
+]

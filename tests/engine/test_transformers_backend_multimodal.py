@@ -174,8 +174,8 @@ def _wrapped(wrapper: str | None, arch: str = "LlamaForCausalLM"):
         (_wrapped("Qwen2VLForConditionalGeneration"), "Qwen2VLForConditionalGeneration: M-RoPE"),
         (_wrapped("Gemma3ForConditionalGeneration"), "bidirectionally"),
         (
-            _wrapped("Idefics3ForConditionalGeneration"),
-            "Idefics3ForConditionalGeneration: only .*Llava",
+            _wrapped("Idefics2ForConditionalGeneration"),
+            "Idefics2ForConditionalGeneration: only .*Llava",
         ),
         (_wrapped(None, BACKEND), "multimodal models need a VLM checkpoint"),
         (
@@ -190,6 +190,6 @@ def test_what_it_cannot_run_is_refused_by_name(config, match: str) -> None:
 
 
 def test_a_wrapper_without_its_image_path_gets_no_encoder() -> None:
-    config = transformers.LlavaNextConfig(architectures=["LlavaNextForConditionalGeneration"])
-    with pytest.raises(ValueError, match=r"LlavaNextForConditionalGeneration.*no Transformers"):
+    config = transformers.VipLlavaConfig(architectures=["VipLlavaForConditionalGeneration"])
+    with pytest.raises(ValueError, match=r"VipLlavaForConditionalGeneration.*no Transformers"):
         TransformersImageEncoder(config)

@@ -39,7 +39,7 @@ START = EOS_ID  # as BART's: the decoder starts from </s>
 DEFAULT_DECODER = [START, BOS_ID]  # vLLM's default decoder prompt
 
 
-def write_tiny(path: Path, kind: str = "bart", seed: int = 5) -> Path:
+def write_tiny(path: Path, kind: str = "bart", seed: int = 5, max_positions: int = 64) -> Path:
     """A tiny random checkpoint of `kind` ("bart", "mbart" or "bart_model") at `path`."""
     tokenizer = build_tiny_tokenizer(TINY_VOCAB_SIZE, 0)
     arch, cfg_cls, model_cls = {
@@ -48,7 +48,7 @@ def write_tiny(path: Path, kind: str = "bart", seed: int = 5) -> Path:
         "bart_model": ("BartModel", "BartConfig", "BartModel"),
     }[kind]
     config = getattr(transformers, cfg_cls)(
-        **tiny_bart_fields(len(tokenizer), 64),
+        **tiny_bart_fields(len(tokenizer), max_positions),
         scale_embedding=kind == "mbart",
         architectures=[arch],
     )

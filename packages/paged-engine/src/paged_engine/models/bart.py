@@ -1,9 +1,10 @@
 """BART and mBART (`BartForConditionalGeneration`, `BartModel`, `MBartForConditionalGeneration`):
 a text encoder and a text decoder that cross-attends to it.
 
-    encoder prompt ids [L] -> shared embedding * embed_scale + learned position (p + 2)
-        -> layernorm_embedding -> per layer: bidirectional self-attention, MLP -> [L, D]
-        (mBART: then the encoder's final layer_norm)
+    encoder prompts' ids [L_i] -> shared embedding * embed_scale + learned position (p + 2,
+        p counted from each prompt's start) -> layernorm_embedding -> per layer: bidirectional
+        self-attention within each prompt, MLP -> [sum L_i, D] (mBART: then the encoder's
+        final layer_norm)
     decoder token t at position p: shared embedding * embed_scale + learned position (p + 2)
         -> layernorm_embedding -> per layer: self-attention (causal, paged KV cache) ->
         cross-attention to the L encoder rows -> MLP -> (mBART: final layer_norm)
@@ -17,7 +18,9 @@ at p + 2 (transformers' `*LearnedPositionalEmbedding` offset). vLLM 0.10 serves 
 checkpoints (no "model." prefix, no final_logits_bias) with the same class: so does this one.
 
 Served as Whisper and Moonshine are (models/whisper.py, models/moonshine.py): the encoder
-runs once per encoder prompt, when a sequence holding it first runs a step, and each decoder
+runs once per encoder prompt, when a sequence holding it first runs a step (the step's new
+prompts in one batch: their rows packed one prompt after another through the projections and
+MLPs, padded to [B, Lmax] with a key padding mask only for SDPA, `PaddedBatch`), and each decoder
 layer's cross K / V go to a slot of the cross-attention pool (worker/cross_attention.py) through
 the `cross_plan` / `encode_cross` / `cross_dims` hooks. The encoder prompt's ids reach the
 worker as the sequence's one item (modality "text", engine/encoder_prompt.py builds it): a slot
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +93,36 @@ def decoder_start_id(hf_config: Any) -> int:
     return int(start)
 
 
+@dataclass(slots=True)
+class PaddedBatch:
+    """Where B prompts' packed rows [N = sum L_i, ...] sit in a padded [B, Lmax] batch: the
+    4-D layout SDPA's fused CPU kernel takes (a 3-D [H, L, Dh] call runs the unfused math
+    path, several times slower). index / mask None: no padding (equal lengths, one prompt)."""
+
+    index: torch.Tensor | None  # [N] int64: packed row -> its place in the flat [B * Lmax]
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool: True where the key is its prompt's row
+    batch: int
+    width: int  # Lmax
+
+    @classmethod
+    def of(cls, lengths: list[int], device: torch.device) -> PaddedBatch:
+        width = max(lengths)
+        if min(lengths) == width:
+            return cls(None, None, len(lengths), width)
+        keep = torch.arange(width, device=device) < torch.tensor(lengths, device=device)[:, None]
+        index = keep.reshape(-1).nonzero().squeeze(1)  # row-major: prompt by prompt, in order
+        return cls(index, keep[:, None, None, :], len(lengths), width)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:  # [N, H, Dh] -> [B, H, Lmax, Dh]
+        if self.index is not None:
+            x = x.new_zeros(self.batch * self.width, *x.shape[1:]).index_copy_(0, self.index, x)
+        return x.view(self.batch, self.width, *x.shape[1:]).transpose(1, 2)
+
+    def unpad(self, o: torch.Tensor) -> torch.Tensor:  # [B, H, Lmax, Dh] -> [N, H * Dh]
+        o = o.transpose(1, 2).reshape(self.batch * self.width, -1)
+        return o if self.index is None else o.index_select(0, self.index)
+
+
 class BartAttention(nn.Module):
     """q / k / v / out_proj of one attention, all with biases, heads split over TP ranks."""
 
@@ -109,13 +143,14 @@ class BartAttention(nn.Module):
         """[L, D] encoder rows -> (k, v) each [L, H, Dh] (the cache's token-major rows)."""
         return self.split(self.k_proj(x)), self.split(self.v_proj(x))
 
-    def bidirectional(self, x: torch.Tensor) -> torch.Tensor:
-        """One prompt's [L, D] rows, each seeing all L -> [L, D]."""
+    def bidirectional(self, x: torch.Tensor, pad: PaddedBatch) -> torch.Tensor:
+        """Prompts' packed rows [N, D], each seeing all rows of its own prompt -> [N, D]."""
         q, (k, v) = self.split(self.q_proj(x)), self.kv(x)
+        # padded queries see their prompt's rows too (no all-masked row) and are dropped
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=self.scale
-        )  # [H, L, Dh]
-        return self.out_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
+            pad.pad(q), pad.pad(k), pad.pad(v), attn_mask=pad.mask, scale=self.scale
+        )  # [B, H, Lmax, Dh]
+        return self.out_proj(pad.unpad(o))
 
 
 class BartLayer(nn.Module):
@@ -145,8 +180,11 @@ class BartEncoderLayer(BartLayer):
         self._init_mlp(d, int(config.encoder_ffn_dim), config.activation_function)
         self.final_layer_norm = LayerNorm(d)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [L, D]
-        x = _block(x, self.self_attn_layer_norm, self.self_attn.bidirectional, self.pre_norm)
+    def forward(self, x: torch.Tensor, pad: PaddedBatch) -> torch.Tensor:
+        def attention(h: torch.Tensor) -> torch.Tensor:  # h: [N, D], the prompts' packed rows
+            return self.self_attn.bidirectional(h, pad)
+
+        x = _block(x, self.self_attn_layer_norm, attention, self.pre_norm)
         return _block(x, self.final_layer_norm, self.mlp, self.pre_norm)
 
 
@@ -217,13 +255,29 @@ class BartModel(nn.Module):
         """One encoder prompt's ids [L] -> its encoder output [L, D]; `prefix` [P, D]: rows
         put before the ids' embeddings, positions counted from them (Florence-2's image rows,
         multimodal/florence2.py) -> [P + L, D]."""
-        x = self.shared(ids) * self.embed_scale
-        if prefix is not None:
-            x = torch.cat([prefix.to(x.dtype), x])
-        positions = torch.arange(x.shape[0], device=ids.device)
+        return self.encode_batch([ids], [prefix])
+
+    def encode_batch(
+        self, ids: list[torch.Tensor], prefixes: Sequence[torch.Tensor | None] | None = None
+    ) -> torch.Tensor:
+        """B encoder prompts' ids [L_i] (and each one's optional prefix [P_i, D], as `encode`)
+        in one run -> their encoder outputs, one prompt after another: [sum (P_i + L_i), D].
+        Each row is what `encode` gives its prompt alone (to float rounding)."""
+        x = self.shared(torch.cat(ids)) * self.embed_scale  # [sum L_i, D]
+        lengths = [len(t) for t in ids]
+        if prefixes is not None and any(p is not None for p in prefixes):
+            rows = []
+            for prefix, piece in zip(prefixes, x.split(lengths), strict=True):
+                rows += [piece] if prefix is None else [prefix.to(x.dtype), piece]
+            x = torch.cat(rows)
+            lengths = [n + (0 if p is None else len(p)) for n, p in zip(lengths, prefixes)]
+        n = torch.tensor(lengths, device=x.device)
+        starts = (n.cumsum(0) - n).repeat_interleave(n, output_size=x.shape[0])
+        positions = torch.arange(x.shape[0], device=x.device) - starts  # from each prompt's start
         x = self.encoder.embed(x, positions)
+        pad = PaddedBatch.of(lengths, x.device)
         for layer in self.encoder.layers:
-            x = layer(x)
+            x = layer(x, pad)
         return self.encoder.finish(x)
 
     def forward(self, input_ids, positions, kv_caches, md, hidden=None) -> torch.Tensor:
@@ -290,9 +344,9 @@ class BartForConditionalGeneration(CausalLMBase):
 
     def encode_cross(self, payloads: list[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ...]]:
         """Encoder prompts' ids -> per decoder layer (k, v) [their rows, H, Dh], the prompts'
-        rows one after another; one prompt an encoder call (no padding)."""
+        rows one after another; all the step's prompts in one encoder run."""
         dev = self.model.shared.weight.device
-        rows = torch.cat([self.model.encode(p.to(dev)) for p in payloads])
+        rows = self.model.encode_batch([p.to(dev) for p in payloads])
         for layer in self.model.decoder.layers:
             yield layer.encoder_attn.kv(rows)
 

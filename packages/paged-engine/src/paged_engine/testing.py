@@ -2800,6 +2800,9 @@ ENCODER_CONFIGS = {
     "RobertaForTokenClassification": "RobertaConfig",
     "XLMRobertaForTokenClassification": "XLMRobertaConfig",
     "ModernBertForTokenClassification": "ModernBertConfig",
+    # no paged class: served by the Transformers backend (models/transformers_encoder.py)
+    "ElectraModel": "ElectraConfig",
+    "ElectraForSequenceClassification": "ElectraConfig",
 }
 
 

@@ -41,7 +41,8 @@ serves both.
 
 Pooling (embeddings, `*ForSequenceClassification`, vLLM's `Transformers*EmbeddingModel` /
 `Transformers*ForSequenceClassification` names) runs on the same backbone:
-models/transformers_pooling.py."""
+models/transformers_pooling.py. Encoder-only models (an attention module with `is_causal=False`:
+BERT's family) run on paged's encoder path instead: models/transformers_encoder.py."""
 
 from __future__ import annotations
 
@@ -116,6 +117,10 @@ def check_transformers_config(hf_config) -> type:
         raise _refuse(f"multimodal models are not supported ({archs})")
     if getattr(hf_config, "is_encoder_decoder", False):
         raise _refuse(f"encoder-decoder models are not supported ({archs})")
+    from paged_engine.models.transformers_encoder import check_encoder_config, is_encoder_only
+
+    if is_encoder_only(hf_config):  # BERT-family: the encoder path (transformers_encoder.py)
+        return check_encoder_config(hf_config)
     cls = transformers_class(hf_config)
     if cls is None:
         raise _refuse(f"architectures {archs} name no transformers *ForCausalLM class")

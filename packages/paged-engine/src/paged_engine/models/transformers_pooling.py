@@ -183,6 +183,10 @@ def _hf_head_name(config, prefix: str) -> str:
 
 def transformers_model_class(hf_config) -> type[nn.Module]:
     """The backend's class for a config `select_model_impl` marked."""
+    from paged_engine.models.transformers_encoder import encoder_model_class, is_encoder_only
+
+    if is_encoder_only(hf_config):  # an encoder's embeddings or classifier
+        return encoder_model_class(hf_config)
     kind = pooling_kind(hf_config)
     if kind == "embed":
         return TransformersEmbeddingModel

@@ -177,3 +177,43 @@ def assert_every_draft_accepted(target, prompts: list[dict], spec_config: dict) 
     stats = llm.get_stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+# ---- an EAGLE-3 head in plain torch (test_spec_eagle3.py, test_spec_multimodal.py) -------------
+def eagle3_head_forward(
+    w: dict[str, torch.Tensor],
+    cfg: dict,
+    emb: torch.Tensor,
+    feats: torch.Tensor,
+    rotate: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An EAGLE-3 head (vLLM's Eagle3LlamaForCausalLM: one `midlayer`, `norm`, `lm_head`; `w`
+    its tensors, `cfg` its config.json) over entries p = 0..n-1, causal: emb [n, D] the embedded
+    tokens, feats [n, D] the target's features through `fc`. `rotate(q, k)` turns q
+    [heads, n, hd] and k [kv_heads, n, hd] by the entries' positions. Returns (logits over the
+    head's own vocabulary [n, V_draft], the pre-norm outputs [n, D])."""
+    eps, n = cfg["rms_norm_eps"], emb.shape[0]
+    heads, kvh, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    x = torch.cat(
+        [
+            rms(emb, w["midlayer.input_layernorm.weight"], eps),
+            rms(feats, w["midlayer.hidden_norm.weight"], eps),
+        ],
+        dim=-1,
+    )
+
+    def proj(name: str, h: int) -> torch.Tensor:  # [h, n, hd]
+        return (x @ w[f"midlayer.self_attn.{name}.weight"].T).view(n, h, hd).transpose(0, 1)
+
+    q, k = rotate(proj("q_proj", heads), proj("k_proj", kvh))
+    v = proj("v_proj", kvh)
+    k, v = k.repeat_interleave(heads // kvh, 0), v.repeat_interleave(heads // kvh, 0)
+    att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    residual = feats
+    if cfg.get("norm_before_residual"):
+        residual = rms(feats, w["midlayer.hidden_norm.weight"], eps)
+    h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + residual
+    y = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
+    gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
+    pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
+    return rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T, pre

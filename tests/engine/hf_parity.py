@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from hf_reference import assert_matches, hf_greedy
 
@@ -134,3 +135,70 @@ def fuse_qkv(state: dict[str, torch.Tensor], fused: str) -> dict[str, torch.Tens
             name, w = name.replace(".self_attn.q_proj.", fused), torch.cat(parts, dim=0)
         out[name] = w
     return out
+
+
+# ---- image encoder-decoders taking one image a prompt (Donut, Florence-2) -----------------------
+def processor_pixels(path: Path, image) -> torch.Tensor:
+    """pixel_values [1, 3, H, W] of `image` from the checkpoint's own image processor
+    (transformers' AutoImageProcessor at `path`): what HF's reference reads."""
+    import transformers
+
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    return processor(images=[image], return_tensors="pt")["pixel_values"]
+
+
+def edited_sub_config(src: Path, dst: Path, section: str, **fields) -> Path:
+    """A copy of checkpoint `src` at `dst` whose config.json's sub-config `section` ("decoder",
+    "vision_config", ...) has `fields` changed."""
+    from hf_reference import edited_checkpoint
+
+    cfg = json.loads((src / "config.json").read_text())
+    return edited_checkpoint(src, dst, **{section: {**cfg[section], **fields}})
+
+
+def one_image_refusals(family: str, image) -> list[tuple[object, str]]:
+    """(prompt, match) of the bad input a model taking exactly one image a prompt (vLLM's
+    limit) refuses by name, `family` its name in the messages: text alone (a string, a dict),
+    two images, a 0 x 0 image, a video, a file name as the image, mm_processor_kwargs, and
+    multi_modal_data in the decoder prompt."""
+    from image_checks import noise_image
+
+    def hi(data: dict, **more) -> dict:
+        return {"prompt": "hi", "multi_modal_data": data, **more}
+
+    need = f"multi_modal_data: {family} prompts need an image"
+    return [
+        ("a question", need),
+        ({"prompt": "hi"}, need),
+        (hi({"image": [image, image]}), r"multi_modal_data\['image'\] has 2 images"),
+        (hi({"image": noise_image(5, (0, 0))}), r"multi_modal_data\['image'\] is 0x0 pixels"),
+        (hi({"video": image}), r"multi_modal_data must be"),
+        (hi({"image": "x.png"}), r"must be a PIL.Image"),
+        (hi({"image": image}, mm_processor_kwargs={}), r"'mm_processor_kwargs' is not supported"),
+        (
+            {
+                "encoder_prompt": hi({"image": image}),
+                "decoder_prompt": {"prompt": "x", "multi_modal_data": {"image": image}},
+            },
+            r"decoder_prompt: multi_modal_data",
+        ),
+    ]
+
+
+def assert_refused_while_serving(llm: LLM, cases: list[tuple[object, str]], ok: dict) -> None:
+    """Each (prompt, match) of `cases` makes `llm.generate` raise a ValueError matching `match`;
+    `llm` then still serves `ok` (8 greedy tokens)."""
+    from image_checks import greedy
+
+    for prompt, why in cases:
+        with pytest.raises(ValueError, match=why):
+            llm.generate([prompt], greedy(), use_tqdm=False)
+    out = llm.generate([ok], greedy(), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def assert_image_limit_refused(path: Path) -> None:
+    """limit_mm_per_prompt of 0 or 2 images is refused by name at load (the model takes one)."""
+    for limit in (0, 2):
+        with pytest.raises(ValueError, match=rf"limit_mm_per_prompt=\{{'image': {limit}\}}"):
+            LLM(model=str(path), dtype="float32", limit_mm_per_prompt={"image": limit})

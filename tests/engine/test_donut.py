@@ -12,12 +12,17 @@ given), also with chunked prefill; then bad input refused by name while the engi
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import (
+    assert_image_limit_refused,
+    assert_refused_while_serving,
+    edited_sub_config,
+    one_image_refusals,
+    processor_pixels,
+)
 from hf_reference import Greedy, assert_matches, hf_generate_enc_dec
 from image_checks import greedy, noise_image
 from tokenizers.processors import TemplateProcessing
@@ -99,9 +104,7 @@ def llm(tiny) -> LLM:
 
 
 def hf_generate(hf, tiny: Path, image, dec: list[int], n: int = 8) -> Greedy:
-    pixels = transformers.AutoImageProcessor.from_pretrained(tiny)(
-        images=[image], return_tensors="pt"
-    )["pixel_values"]
+    pixels = processor_pixels(tiny, image)
     return hf_generate_enc_dec(hf, n, pixel_values=pixels, decoder_input_ids=torch.tensor([dec]))
 
 
@@ -171,36 +174,14 @@ def test_chunked_prefill(tiny, hf):
 def test_refused(llm):
     image = noise_image(4, (40, 24))
     cases = [
-        ("a question", r"multi_modal_data: Donut prompts need an image"),
-        ({"prompt": "hi"}, r"multi_modal_data: Donut prompts need an image"),
+        *one_image_refusals("Donut", image),
         (
             {"encoder_prompt": {"prompt": ""}, "decoder_prompt": "hi"},
             r"multi_modal_data: Donut prompts need an image",
         ),
         (
-            {"prompt": "hi", "multi_modal_data": {"image": [image, image]}},
-            r"multi_modal_data\['image'\] has 2 images",
-        ),
-        (
-            {"prompt": "hi", "multi_modal_data": {"image": noise_image(5, (0, 0))}},
-            r"multi_modal_data\['image'\] is 0x0 pixels",
-        ),
-        ({"prompt": "hi", "multi_modal_data": {"video": image}}, r"multi_modal_data must be"),
-        ({"prompt": "hi", "multi_modal_data": {"image": "x.png"}}, r"must be a PIL.Image"),
-        (
-            {"prompt": "hi", "multi_modal_data": {"image": image}, "mm_processor_kwargs": {}},
-            r"'mm_processor_kwargs' is not supported",
-        ),
-        (
             {"prompt_token_ids": [5, TINY_VOCAB_SIZE], "multi_modal_data": {"image": image}},
             r"prompt token ids must be ints",
-        ),
-        (
-            {
-                "encoder_prompt": {"prompt": "", "multi_modal_data": {"image": image}},
-                "decoder_prompt": {"prompt": "x", "multi_modal_data": {"image": image}},
-            },
-            r"decoder_prompt: multi_modal_data",
         ),
         (
             {
@@ -210,31 +191,14 @@ def test_refused(llm):
             r"decoder_prompt: 'lora' is not supported",
         ),
     ]
-    for prompt, why in cases:
-        with pytest.raises(ValueError, match=why):
-            llm.generate([prompt], greedy(), use_tqdm=False)
-    out = llm.generate(
-        [{"prompt": "ok", "multi_modal_data": {"image": image}}], greedy(), use_tqdm=False
-    )
-    assert len(out[0].outputs[0].token_ids) == 8  # still serving
-
-
-def _edited(src: Path, dst: Path, edit) -> Path:
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    return dst
+    assert_refused_while_serving(llm, cases, {"prompt": "ok", "multi_modal_data": {"image": image}})
 
 
 def test_untied_head(tiny, tmp_path):
     """decoder.tie_word_embeddings=False: the checkpoint's decoder.lm_head serves."""
     from safetensors.torch import load_file, save_file
 
-    def untie(raw: dict) -> None:
-        raw["decoder"]["tie_word_embeddings"] = False
-
-    path = _edited(tiny, tmp_path / "untied", untie)
+    path = edited_sub_config(tiny, tmp_path / "untied", "decoder", tie_word_embeddings=False)
     weights = load_file(path / "model.safetensors")
     embed = weights["decoder.model.decoder.embed_tokens.weight"]
     head = torch.randn(embed.shape, generator=torch.Generator().manual_seed(9)) * 0.5
@@ -253,15 +217,10 @@ def test_untied_head(tiny, tmp_path):
 
 
 def test_checkpoint_and_options_refused(tiny, tmp_path):
-    def trocr(raw: dict) -> None:
-        raw["decoder"]["model_type"] = "trocr"
-
-    other = _edited(tiny, tmp_path / "trocr", trocr)
+    other = edited_sub_config(tiny, tmp_path / "trocr", "decoder", model_type="trocr")
     with pytest.raises(ValueError, match=r"decoder.model_type='trocr' is not supported"):
         LLM(model=str(other), dtype="float32")
-    for limit in (0, 2):
-        with pytest.raises(ValueError, match=rf"limit_mm_per_prompt=\{{'image': {limit}\}}"):
-            LLM(model=str(tiny), dtype="float32", limit_mm_per_prompt={"image": limit})
+    assert_image_limit_refused(tiny)
     with pytest.raises(ValueError, match=r"decoder.max_position_embeddings=64"):
         LLM(model=str(tiny), dtype="float32", max_model_len=100)
     # a map under the window at a stage: refused on the host (transformers' tower cannot run it)

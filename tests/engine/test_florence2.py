@@ -16,6 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_parity import (
+    assert_image_limit_refused,
+    assert_refused_while_serving,
+    edited_sub_config,
+    one_image_refusals,
+    processor_pixels,
+)
 from hf_reference import Greedy, assert_matches, hf_generate_enc_dec
 from image_checks import greedy, noise_image
 from vlm_checkpoints import tiny_bart_fields
@@ -93,14 +100,11 @@ def llm(tiny) -> LLM:
 
 def hf_generate(hf, tiny: Path, image, text_ids: list[int], dec: list[int], n: int = 8) -> Greedy:
     """HF generate's greedy tokens for the processor's inputs, with no extra generation rule."""
-    pixels = transformers.AutoImageProcessor.from_pretrained(tiny)(
-        images=[image], return_tensors="pt"
-    )["pixel_values"]
     return hf_generate_enc_dec(
         hf,
         n,
         input_ids=torch.tensor([[IMAGE_ID] * ROWS + text_ids]),
-        pixel_values=pixels,
+        pixel_values=processor_pixels(tiny, image),
         decoder_input_ids=torch.tensor([dec]),
     )
 
@@ -169,24 +173,13 @@ def test_tensor_parallel(tiny, hf, llm):
 
 def test_refused(tiny, llm):
     image = noise_image(4, (32, 32))
+    ok = {"prompt": "<OD>", "multi_modal_data": {"image": image}}
+    cut = SamplingParams(max_tokens=2, truncate_prompt_tokens=3)
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=3 would cut Florence-2's"):
+        llm.generate([ok], cut, use_tqdm=False)
     cases = [
-        ("a caption", r"multi_modal_data: Florence-2 prompts need an image"),
-        ({"prompt": "hi"}, r"multi_modal_data: Florence-2 prompts need an image"),
-        (
-            {"prompt": "hi", "multi_modal_data": {"image": noise_image(5, (0, 0))}},
-            r"multi_modal_data\['image'\] is 0x0 pixels",
-        ),
-        (
-            {"prompt": "hi", "multi_modal_data": {"image": [image, image]}},
-            r"multi_modal_data\['image'\] has 2 images",
-        ),
-        ({"prompt": "hi", "multi_modal_data": {"video": image}}, r"multi_modal_data must be"),
-        ({"prompt": "hi", "multi_modal_data": {"image": "x.png"}}, r"must be a PIL.Image"),
+        *one_image_refusals("Florence-2", image),
         ({"prompt": "<CAPTION> now", "multi_modal_data": {"image": image}}, r"task token"),
-        (
-            {"prompt": "hi", "multi_modal_data": {"image": image}, "mm_processor_kwargs": {}},
-            r"'mm_processor_kwargs' is not supported",
-        ),
         (
             {"prompt_token_ids": "5 6", "multi_modal_data": {"image": image}},
             r"prompt_token_ids must be a list",
@@ -199,36 +192,12 @@ def test_refused(tiny, llm):
             {"prompt_token_ids": [5] * 80, "multi_modal_data": {"image": image}},
             r"encoder_prompt is too long: 17 image rows and 80 tokens",
         ),
-        (
-            {
-                "encoder_prompt": {"prompt": "hi", "multi_modal_data": {"image": image}},
-                "decoder_prompt": {"prompt": "x", "multi_modal_data": {"image": image}},
-            },
-            r"decoder_prompt: multi_modal_data",
-        ),
     ]
-    for prompt, why in cases:
-        with pytest.raises(ValueError, match=why):
-            llm.generate([prompt], greedy(), use_tqdm=False)
-    ok = {"prompt": "<OD>", "multi_modal_data": {"image": image}}
-    cut = SamplingParams(max_tokens=2, truncate_prompt_tokens=3)
-    with pytest.raises(ValueError, match=r"truncate_prompt_tokens=3 would cut Florence-2's"):
-        llm.generate([ok], cut, use_tqdm=False)
-    out = llm.generate([ok], greedy(), use_tqdm=False)  # still serving
-    assert len(out[0].outputs[0].token_ids) == 8
+    assert_refused_while_serving(llm, cases, ok)
 
 
 def test_checkpoint_and_options_refused(tiny, tmp_path):
-    import json
-    import shutil
-
-    path = tmp_path / "remote"
-    shutil.copytree(tiny, path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["vision_config"]["model_type"] = "davit"
-    (path / "config.json").write_text(json.dumps(raw))
+    path = edited_sub_config(tiny, tmp_path / "remote", "vision_config", model_type="davit")
     with pytest.raises(ValueError, match=r"vision_config.model_type='davit'"):
         LLM(model=str(path), dtype="float32")
-    for limit in (0, 2):
-        with pytest.raises(ValueError, match=rf"limit_mm_per_prompt=\{{'image': {limit}\}}"):
-            LLM(model=str(tiny), dtype="float32", limit_mm_per_prompt={"image": limit})
+    assert_image_limit_refused(tiny)

@@ -24,9 +24,9 @@ from draft_heads import (
     assert_drafts_teacher_forced,
     assert_greedy_identical_with_drafts,
     assert_same_greedy,
+    eagle3_head_forward,
     full_sequences,
     record_drafts,
-    rms,
     run_llm,
 )
 
@@ -88,11 +88,11 @@ def test_greedy_is_token_identical(pair, k):
 
 
 # ---- the reference: transformers' target features, a plain-torch head -------------------------
-def _rope(x, positions, theta):  # x [T, H, hd], NeoX halves
+def _rope(x, positions, theta):  # x [H, T, hd], NeoX halves
     hd = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     ang = positions.double()[:, None] * inv[None, :]
-    cos, sin = ang.cos().float()[:, None, :], ang.sin().float()[:, None, :]
+    cos, sin = ang.cos().float(), ang.sin().float()  # [T, hd / 2]
     a, b = x[..., : hd // 2], x[..., hd // 2 :]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
@@ -117,39 +117,15 @@ class ReferenceHead:
     def run(self, next_tokens: list[int], feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over entries p = 0..n-1 (token p + 1, feature p) at positions p: (logits
         over the target vocabulary, pre-norm outputs)."""
-        w, c = self.w, self.cfg
-        eps, n = c["rms_norm_eps"], len(next_tokens)
-        heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        pos, theta = torch.arange(len(next_tokens)), self.cfg["rope_theta"]
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return _rope(q, pos, theta), _rope(k, pos, theta)
+
         emb = self.embed[torch.tensor(next_tokens)]
-        x = torch.cat(
-            [
-                rms(emb, w["midlayer.input_layernorm.weight"], eps),
-                rms(feats, w["midlayer.hidden_norm.weight"], eps),
-            ],
-            dim=-1,
-        )
-        pos = torch.arange(n)
-        q = _rope(
-            (x @ w["midlayer.self_attn.q_proj.weight"].T).view(n, heads, hd), pos, c["rope_theta"]
-        )
-        k = _rope(
-            (x @ w["midlayer.self_attn.k_proj.weight"].T).view(n, kvh, hd), pos, c["rope_theta"]
-        )
-        v = (x @ w["midlayer.self_attn.v_proj.weight"].T).view(n, kvh, hd)
-        k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
-        att = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        residual = feats
-        if c.get("norm_before_residual"):
-            residual = rms(feats, w["midlayer.hidden_norm.weight"], eps)
-        h = att.transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + residual
-        y = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
-        gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
-        pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
-        small = rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T
-        logits = torch.full((n, self.embed.shape[0]), -math.inf)
-        logits[:, torch.arange(small.shape[1]) + w["d2t"]] = small
+        small, pre = eagle3_head_forward(self.w, self.cfg, emb, feats, rotate)
+        logits = torch.full((len(next_tokens), self.embed.shape[0]), -math.inf)
+        logits[:, torch.arange(small.shape[1]) + self.w["d2t"]] = small
         return logits, pre
 
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from draft_heads import record_drafts, rms
+from draft_heads import eagle3_head_forward, record_drafts
 from image_checks import qwen2_vl_hf_inputs
 
 from paged_engine import LLM, SamplingParams
@@ -220,33 +220,14 @@ class ReferenceVlHead:
     def run(self, next_tokens: list[int], feats: torch.Tensor, pos: torch.Tensor):
         """The head over entries p = 0..n-1 (token p + 1, feature p) turned by the target's
         M-RoPE positions `pos` [3, 1, n]: (logits over the target vocabulary, pre-norm)."""
-        w, c = self.w, self.cfg
-        eps, n = c["rms_norm_eps"], len(next_tokens)
-        heads, kvh, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+        cos, sin = self.rotary(feats, pos)  # (feats: the dtype and device only)
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, k = self.hf.apply_rotary_pos_emb(q[None], k[None], cos, sin)  # [1, h, n, hd]
+            return q[0], k[0]
+
         emb = self.embed[torch.tensor(next_tokens)]
-        x = torch.cat(
-            [
-                rms(emb, w["midlayer.input_layernorm.weight"], eps),
-                rms(feats, w["midlayer.hidden_norm.weight"], eps),
-            ],
-            dim=-1,
-        )
-
-        def proj(name: str, h: int) -> torch.Tensor:  # [1, h, n, hd]
-            return (
-                (x @ w[f"midlayer.self_attn.{name}.weight"].T).view(n, h, hd).transpose(0, 1)[None]
-            )
-
-        cos, sin = self.rotary(x, pos)
-        q, k = self.hf.apply_rotary_pos_emb(proj("q_proj", heads), proj("k_proj", kvh), cos, sin)
-        v = proj("v_proj", kvh)
-        k, v = k.repeat_interleave(heads // kvh, 1), v.repeat_interleave(heads // kvh, 1)
-        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        h = att[0].transpose(0, 1).reshape(n, -1) @ w["midlayer.self_attn.o_proj.weight"].T + feats
-        y = rms(h, w["midlayer.post_attention_layernorm.weight"], eps)
-        gate, up = y @ w["midlayer.mlp.gate_proj.weight"].T, y @ w["midlayer.mlp.up_proj.weight"].T
-        pre = (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T + h
-        return rms(pre, w["norm.weight"], eps) @ w["lm_head.weight"].T, pre
+        return eagle3_head_forward(self.w, self.cfg, emb, feats, rotate)
 
     @torch.no_grad()
     def drafts(self, seq: list[int], c: int) -> tuple[int, int]:

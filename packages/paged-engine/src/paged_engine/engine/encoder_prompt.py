@@ -21,7 +21,8 @@ block (two encoder prompts never share decoder KV). The request's `prompt` / `pr
 are the decoder prompt's, as vLLM's RequestOutput gives them; its `encoder_prompt` (the text,
 when given as text) and `encoder_prompt_token_ids` are the encoder prompt's, as vLLM 0.10 filled
 them. `split` returns all of it as one `SplitPrompt` (Florence-2's and Donut's splitters too:
-multimodal/florence2_prompt.py, multimodal/donut_prompt.py), which the InputProcessor reads.
+multimodal/florence2_prompt.py, multimodal/donut_prompt.py, built on `ImageEncoderPrompts`: the
+image processor and the one-image checks), which the InputProcessor reads.
 
 `truncate_prompt_tokens` (SamplingParams) cuts the encoder prompt to its last k ids (-1: to
 max_position_embeddings), its text then dropped: what vLLM's left-truncating tokenizer did to
@@ -36,17 +37,20 @@ keys of a prompt dict that are not a prompt's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from paged_engine.engine.input_processor import check_token_ids
 from paged_engine.models.bart import decoder_start_id
-from paged_engine.multimodal.inputs import ImageInput
+from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
 
 SINGLE_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# an image encoder-decoder's encoder prompt dict (ImageEncoderPrompts)
+IMAGE_PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,74 @@ class EncoderPrompts:
         if not ids or ids[0] != self.start:
             ids = [self.start, *ids]
         return ids, text, salt
+
+
+class ImageEncoderPrompts:
+    """What the image encoder-decoders' splitters share (Florence2Prompts, DonutPrompts; each
+    writes its own `split`): the checkpoint's image processor, read from `path` on first use;
+    the checks on an encoder prompt (an image, a prompt dict's keys); its one image -> pixels.
+    `family` names the model in refusals."""
+
+    family = ""
+
+    def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int, path: Path) -> None:
+        self.tokenizer, self.path, self.config = tokenizer, Path(path), hf_config
+        self.vocab_size = vocab_size
+        self._processor: Any = None
+
+    @property
+    def processor(self) -> Any:
+        if self._processor is None:
+            from paged_engine.multimodal.torch_processors import image_processor
+
+            self._processor = image_processor(self.path, self.config)
+        return self._processor
+
+    def check_encoder(self, enc: Any, where: str) -> None:
+        """Refuse (ValueError) an encoder prompt without multi_modal_data (text alone) and a
+        prompt dict's keys other than IMAGE_PROMPT_KEYS, naming the dict as `where`."""
+        if not isinstance(enc, dict) or "multi_modal_data" not in enc:
+            raise ValueError(
+                f"multi_modal_data: {self.family} prompts need an image ({{'prompt': ..., "
+                "'multi_modal_data': {'image': image}}); text-only prompts are not supported"
+            )
+        refused = sorted(set(enc) - set(IMAGE_PROMPT_KEYS))
+        if refused:
+            raise ValueError(
+                f"{where}: {refused[0]!r} is not supported for {self.family} (a prompt dict "
+                f"takes {list(IMAGE_PROMPT_KEYS)})"
+            )
+
+    def pixels(self, data: Any) -> torch.Tensor:
+        """multi_modal_data {"image": one PIL image, or a list of one} -> the image
+        processor's pixels [3, H, W] (float32); other forms refused by name (vLLM's limit of
+        one image)."""
+        if not isinstance(data, dict) or set(data) != {"image"}:
+            got = sorted(data) if isinstance(data, dict) else type(data).__name__
+            raise ValueError(
+                f"multi_modal_data must be {{'image': image}} for {self.family}, got {got}"
+            )
+        image = data["image"]
+        if isinstance(image, (list, tuple)):
+            if len(image) != 1:
+                raise ValueError(
+                    f"multi_modal_data['image'] has {len(image)} images: {self.family} takes "
+                    "one image a prompt (as vLLM)"
+                )
+            image = image[0]
+        from PIL import Image
+
+        if not isinstance(image, Image.Image):
+            raise ValueError(
+                f"multi_modal_data['image'] must be a PIL.Image.Image, got {type(image).__name__}"
+            )
+        if 0 in image.size:
+            raise ValueError(
+                f"multi_modal_data['image'] is {image.size[0]}x{image.size[1]} pixels: an image "
+                "needs at least one pixel each way"
+            )
+        out = self.processor(images=[to_rgb(image)], return_tensors="pt")
+        return out["pixel_values"][0].float().contiguous()  # [3, H, W]
 
 
 def prompt_ids(p: Any, what: str, tokenizer: Any, vocab_size: int) -> tuple[list[int], Any]:

@@ -34,6 +34,7 @@ from typing import Any
 
 from paged_engine.engine.encoder_prompt import (
     SINGLE_KEYS,
+    ImageEncoderPrompts,
     SplitPrompt,
     decoder_fields,
     prompt_ids,
@@ -42,11 +43,9 @@ from paged_engine.engine.encoder_prompt import (
 )
 from paged_engine.multimodal.donut import slot_rows
 from paged_engine.multimodal.donut_swin import swin_grid
-from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
-
-PROMPT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt")
 
 
 def start_id(hf_config: Any) -> int:
@@ -59,47 +58,29 @@ def start_id(hf_config: Any) -> int:
     raise ValueError("config.decoder_start_token_id (or decoder.bos_token_id) must be set")
 
 
-class DonutPrompts:
+class DonutPrompts(ImageEncoderPrompts):
     """The InputProcessor's `encoder_prompts` for Donut: `split(prompt)` -> its SplitPrompt,
     whose one item is the image."""
 
+    family = "Donut"
+
     def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int, path: Path) -> None:
-        self.tokenizer, self.path, self.config = tokenizer, Path(path), hf_config
-        self.vocab_size = vocab_size
+        super().__init__(tokenizer, hf_config, vocab_size, path)
         self.start = start_id(hf_config)
         self.limit = int(hf_config.decoder.max_position_embeddings)
         self.rows = slot_rows(hf_config)
         pad = getattr(hf_config, "pad_token_id", None)
         self.pad = int(hf_config.decoder.pad_token_id if pad is None else pad)
-        self._processor: Any = None
-
-    @property
-    def processor(self) -> Any:
-        if self._processor is None:
-            from paged_engine.multimodal.torch_processors import image_processor
-
-            self._processor = image_processor(self.path, self.config)
-        return self._processor
 
     def split(self, prompt: Any, truncate: int | None = None) -> SplitPrompt:
         """`truncate` is the InputProcessor's to apply to the decoder prompt (it refuses a
         cut by name): there is no encoder text to cut."""
         enc, dec = split_encoder_decoder(prompt)
         explicit = enc is not prompt
-        if not isinstance(enc, dict) or "multi_modal_data" not in enc:
-            raise ValueError(
-                "multi_modal_data: Donut prompts need an image ({'prompt': ..., "
-                "'multi_modal_data': {'image': image}}); text-only prompts are not supported"
-            )
-        refused = sorted(set(enc) - set(PROMPT_KEYS))
-        if refused:
-            raise ValueError(
-                f"{'encoder_prompt' if explicit else 'prompt'}: {refused[0]!r} is not supported "
-                f"for Donut (a prompt dict takes {list(PROMPT_KEYS)})"
-            )
+        self.check_encoder(enc, "encoder_prompt" if explicit else "prompt")
         if isinstance(dec, dict) and "multi_modal_data" in dec:
             raise ValueError("decoder_prompt: multi_modal_data is taken by the encoder prompt only")
-        pixels = self._pixels(enc["multi_modal_data"])
+        pixels = self.pixels(enc["multi_modal_data"])
         h, w = swin_grid(int(pixels.shape[-2]), int(pixels.shape[-1]), self.config.encoder)
         if h * w > self.rows:
             raise ValueError(
@@ -139,29 +120,3 @@ class DonutPrompts:
         salt = p.get("cache_salt") if isinstance(p, dict) else None
         # Donut's task prompts start the decoder: no special tokens added
         return list(self.tokenizer.encode(text, add_special_tokens=False)), text, salt
-
-    def _pixels(self, data: Any) -> Any:
-        if not isinstance(data, dict) or set(data) != {"image"}:
-            got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"multi_modal_data must be {{'image': image}} for Donut, got {got}")
-        image = data["image"]
-        if isinstance(image, (list, tuple)):
-            if len(image) != 1:
-                raise ValueError(
-                    f"multi_modal_data['image'] has {len(image)} images: Donut takes one image "
-                    "a prompt (as vLLM)"
-                )
-            image = image[0]
-        from PIL import Image
-
-        if not isinstance(image, Image.Image):
-            raise ValueError(
-                f"multi_modal_data['image'] must be a PIL.Image.Image, got {type(image).__name__}"
-            )
-        if 0 in image.size:
-            raise ValueError(
-                f"multi_modal_data['image'] is {image.size[0]}x{image.size[1]} pixels: an image "
-                "needs at least one pixel each way"
-            )
-        out = self.processor(images=[to_rgb(image)], return_tensors="pt")
-        return out["pixel_values"][0].float().contiguous()  # [3, H, W]

@@ -39,6 +39,7 @@ import torch
 
 from paged_engine.engine.encoder_prompt import (
     EncoderPrompts,
+    ImageEncoderPrompts,
     SplitPrompt,
     decoder_fields,
     prompt_ids,
@@ -46,7 +47,7 @@ from paged_engine.engine.encoder_prompt import (
     split_encoder_decoder,
 )
 from paged_engine.multimodal.florence2 import conv_out, image_rows
-from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
 
@@ -70,7 +71,6 @@ TASKS_WITH_INPUT = {
     "<REGION_TO_DESCRIPTION>": "What does the region {input} describe?",
     "<REGION_TO_OCR>": "What text is in the region {input}?",
 }
-ENCODER_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "cache_salt")
 
 
 def task_text(prompt: str) -> str:
@@ -88,43 +88,25 @@ def task_text(prompt: str) -> str:
     return prompt
 
 
-class Florence2Prompts:
+class Florence2Prompts(ImageEncoderPrompts):
     """The InputProcessor's `encoder_prompts` for Florence-2: `split(prompt)` -> its
     SplitPrompt, whose items are (image, encoder text)."""
 
+    family = "Florence-2"
+
     def __init__(self, tokenizer: Any, hf_config: Any, vocab_size: int, path: Path) -> None:
+        super().__init__(tokenizer, hf_config, vocab_size, path)
         text = hf_config.text_config
         self.decoder = EncoderPrompts(tokenizer, text, vocab_size)  # the decoder prompt's
-        self.tokenizer, self.path, self.config = tokenizer, Path(path), hf_config
-        self.vocab_size = vocab_size
         self.vision = hf_config.vision_config
         self.limit = int(text.max_position_embeddings)
         self.bos, self.eos = int(text.bos_token_id), int(text.eos_token_id)
         self.pad = int(text.pad_token_id)  # an image row's id in encoder_prompt_token_ids
-        self._processor: Any = None
-
-    @property
-    def processor(self) -> Any:
-        if self._processor is None:
-            from paged_engine.multimodal.torch_processors import image_processor
-
-            self._processor = image_processor(self.path, self.config)
-        return self._processor
 
     def split(self, prompt: Any, truncate: int | None = None) -> SplitPrompt:
         enc, dec = split_encoder_decoder(prompt)
-        if not isinstance(enc, dict) or "multi_modal_data" not in enc:
-            raise ValueError(
-                "multi_modal_data: Florence-2 prompts need an image ({'prompt': ..., "
-                "'multi_modal_data': {'image': image}}); text-only prompts are not supported"
-            )
-        refused = sorted(set(enc) - set(ENCODER_KEYS))
-        if refused:
-            raise ValueError(
-                f"encoder_prompt: {refused[0]!r} is not supported for Florence-2 (a prompt "
-                f"dict takes {list(ENCODER_KEYS)})"
-            )
-        pixels = self._pixels(enc["multi_modal_data"])
+        self.check_encoder(enc, "encoder_prompt")
+        pixels = self.pixels(enc["multi_modal_data"])
         ids = self._encoder_ids(enc)
         if truncate is not None and len(ids) > (self.limit if truncate == -1 else truncate):
             raise ValueError(
@@ -172,33 +154,10 @@ class Florence2Prompts:
             raise ValueError("encoder_prompt: prompt_token_ids must not be empty")
         return ids
 
-    def _pixels(self, data: Any) -> torch.Tensor:
-        if not isinstance(data, dict) or set(data) != {"image"}:
-            got = sorted(data) if isinstance(data, dict) else type(data).__name__
-            raise ValueError(
-                f"multi_modal_data must be {{'image': image}} for Florence-2, got {got}"
-            )
-        image = data["image"]
-        if isinstance(image, (list, tuple)):
-            if len(image) != 1:
-                raise ValueError(
-                    f"multi_modal_data['image'] has {len(image)} images: Florence-2 takes one "
-                    "image a prompt (as vLLM)"
-                )
-            image = image[0]
-        from PIL import Image
-
-        if not isinstance(image, Image.Image):
-            raise ValueError(
-                f"multi_modal_data['image'] must be a PIL.Image.Image, got {type(image).__name__}"
-            )
-        if 0 in image.size:
-            raise ValueError(
-                f"multi_modal_data['image'] is {image.size[0]}x{image.size[1]} pixels: an image "
-                "needs at least one pixel each way"
-            )
-        out = self.processor(images=[to_rgb(image)], return_tensors="pt")
-        pixels = out["pixel_values"][0].float().contiguous()  # [3, H, W]
+    def pixels(self, data: Any) -> torch.Tensor:
+        """The shared checks and pixels [3, H, W], then the tower's map within its position
+        table."""
+        pixels = super().pixels(data)
         side = max(conv_out(int(n), self.vision) for n in pixels.shape[-2:])
         if side > int(self.vision.max_position_embeddings):
             raise ValueError(

@@ -339,11 +339,10 @@ class Florence2ForConditionalGeneration(BartForConditionalGeneration):
         return CrossPlan(key, rows, (rows,), 0, rows, (pixels, ids))
 
     def encode_cross(self, payloads: list) -> Iterator[tuple[torch.Tensor, ...]]:
-        """(pixels, encoder text ids) pairs -> per decoder layer (k, v) [their rows, H, Dh],
-        one pair an encoder call."""
+        """(pixels, encoder text ids) pairs -> per decoder layer (k, v) [their rows, H, Dh]:
+        each image through the tower, then all the step's encoder prompts in one BART run."""
         dev = self.model.shared.weight.device
-        rows = torch.cat(
-            [self.model.encode(ids.to(dev), self.encode_image(px.to(dev))) for px, ids in payloads]
-        )
+        images = [self.encode_image(px.to(dev)) for px, _ in payloads]
+        rows = self.model.encode_batch([ids.to(dev) for _, ids in payloads], images)
         for layer in self.model.decoder.layers:
             yield layer.encoder_attn.kv(rows)

@@ -1,4 +1,4 @@
-"""The Transformers modeling backend (models/transformers_backend.py): HF's modeling code with paged
+"""The Transformers modeling backend (models/transformers_backend/): HF's modeling code with paged
 attention gives HF `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) under paged's
 batching, chunked prefill and prefix caching, the same tokens as paged's own class (also through
 HF's own MoE blocks: Qwen3-MoE, Mixtral), applies the soft caps and logit scales HF's classes apply

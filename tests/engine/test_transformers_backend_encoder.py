@@ -1,4 +1,4 @@
-"""Encoder-only models through the Transformers modeling backend (models/transformers_encoder.py):
+"""Encoder-only models through the Transformers backend (models/transformers_backend/encoder.py):
 HF's BERT / XLM-RoBERTa / ELECTRA code with paged's per-sequence bidirectional attention embeds
 as HF's base model pools (CLS by default, MEAN as sentence-transformers files say; normalized)
 and as paged's native encoders do; HF's own classification heads (BERT's pooler + classifier,
@@ -196,7 +196,7 @@ TINY = {"hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64, "n
     ],
 )
 def test_classifier_heads_of_another_shape_are_refused_by_name(config, match: str) -> None:
-    from paged_engine.models.transformers_encoder import (
+    from paged_engine.models.transformers_backend import (
         TransformersEncoderForSequenceClassification,
     )
 

@@ -1,5 +1,5 @@
 """The Transformers modeling backend on a vision-language checkpoint
-(models/transformers_multimodal.py): a tiny random LLaVA through `model_impl="transformers"`
+(models/transformers_backend/multimodal.py): a tiny random LLaVA through `model_impl="transformers"`
 (HF's tower, projector and `get_image_features`; HF's decoder with paged attention) gives HF
 `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) with HF's processor's pixels, and
 paged's native LLaVA's, in a batch mixing image and text prompts (likewise HF on Aya Vision and
@@ -15,13 +15,23 @@ import test_aya_vision_images as aya  # tests/engine is on sys.path
 import test_mistral3_images as m3
 import torch
 from hf_reference import assert_matches, assert_same_greedy
-from image_checks import WIDE_TALL_SMALL, greedy, hf_cases, hf_refs, noise_image, processor_inputs
+from image_checks import (
+    WIDE_TALL_SMALL,
+    check_engine_matches_hf,
+    greedy,
+    hf_cases,
+    hf_refs,
+    noise_image,
+    processor_inputs,
+)
 from vlm_checkpoints import load_hf_vlm
 
 from paged_engine import LLM
 from paged_engine.models.multimodal_text import MARKER
-from paged_engine.models.transformers_backend import check_transformers_config
-from paged_engine.models.transformers_multimodal import TransformersImageEncoder
+from paged_engine.models.transformers_backend import (
+    TransformersImageEncoder,
+    check_transformers_config,
+)
 from paged_engine.testing import tiny_config, write_tiny_llava
 
 transformers = pytest.importorskip("transformers")
@@ -92,12 +102,7 @@ def test_aya_vision_and_command_a_vision_tiles_match_hf(aya_dirs, arch: str) -> 
         WIDE_TALL_SMALL,  # tiles and the whole image, and one tile alone
     )
     refs = hf_refs(aya._model(path, arch), cases, lambda *c: aya._hf_inputs(path, arch, *c))
-    llm = _llm(path, max_model_len=512)
-    assert type(llm.llm_engine.model_runner.model).__name__ == BACKEND
-    outs = llm.generate(_prompts(cases), greedy(), use_tqdm=False)
-    for (ids, ref), out in zip(refs, outs, strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches(f"{arch}-transformers", out, ref)
+    _check_backend_matches_hf(path, cases, refs, f"{arch}-transformers")
 
 
 @pytest.mark.parametrize("arch", ["mistral3", "llava"])
@@ -111,12 +116,15 @@ def test_pixtral_towers_match_hf(mistral3_dirs, arch: str) -> None:
     merge = 2 if arch == "mistral3" else 1
     cases = hf_cases(m3.PROMPT, m3.TEXT, m3.TWO, ((40, 56), (90, 30), (17, 33)))
     refs = hf_refs(hf, cases, lambda *c: m3._hf_inputs(path, merge, *c))
+    _check_backend_matches_hf(path, cases, refs, f"{arch}-transformers")
+
+
+def _check_backend_matches_hf(path, cases: list[tuple[str, list]], refs: list, name: str) -> None:
+    """The backend's engine on `path` gives each case HF's prompt ids, greedy tokens and top-5
+    logprobs, and takes HF's expanded ids as they are (image_checks.check_engine_matches_hf)."""
     llm = _llm(path, max_model_len=512)
     assert type(llm.llm_engine.model_runner.model).__name__ == BACKEND
-    outs = llm.generate(_prompts(cases), greedy(), use_tqdm=False)
-    for (ids, ref), out in zip(refs, outs, strict=True):
-        assert out.prompt_token_ids == ids
-        assert_matches(f"{arch}-transformers", out, ref)
+    check_engine_matches_hf(llm, cases, refs, name)
 
 
 def test_chunks_through_an_image_and_prefix_hits_keyed_by_it(llava) -> None:

@@ -1,5 +1,5 @@
 """The Transformers modeling backend on LLaVA-NeXT, LLaVA-OneVision, Idefics3 and SmolVLM
-(models/transformers_multimodal.py): HF's tower, projector and packing through
+(models/transformers_backend/multimodal.py): HF's tower, projector and packing through
 `get_image_features` (anyres tiles unpadded with `image_newline` rows, OneVision's scaled-down
 maps and one-view images, Idefics3's pixel-shuffled tiles), HF's decoder with paged attention,
 give HF `generate`'s greedy tokens and top-5 logprobs (float32, 1e-3) with HF's processor's
@@ -18,8 +18,10 @@ from image_checks import check_engine_matches_hf, engine, greedy, hf_cases, hf_r
 from test_transformers_backend_multimodal import BACKEND, _prompts, _wrapped
 from vlm_checkpoints import load_hf_vlm
 
-from paged_engine.models.transformers_backend import check_transformers_config
-from paged_engine.models.transformers_multimodal import TransformersImageEncoder
+from paged_engine.models.transformers_backend import (
+    TransformersImageEncoder,
+    check_transformers_config,
+)
 from paged_engine.testing import write_tiny_llava
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Pooling through the Transformers modeling backend (models/transformers_pooling.py): HF's
+"""Pooling through the Transformers modeling backend (models/transformers_backend/pooling.py): HF's
 backbone with paged attention embeds as HF's own base model pools (its `last_hidden_state`: last
 token, mean or first, L2-normalized) and as paged's own classes embed; HF's
 `*ForSequenceClassification` heads give HF's logits through the activation paged picks (softmax,

@@ -120,7 +120,7 @@ class EngineConfig:
     # Custom logits processors (sample/logits_processor.py): classes or "module:Class" names.
     logits_processors: list | None = None
     # vLLM's model_impl: "vllm" this engine's own implementations; "transformers" HF's modeling
-    # code with paged attention (models/transformers_backend.py); "auto" the own one, else that
+    # code with paged attention (models/transformers_backend/); "auto" the own one, else that
     model_impl: str = "auto"
     # vLLM's worker_extension_cls: a class (or "module.Class") whose methods join every rank's
     # Worker, for collective_rpc (worker/extension.py)
@@ -422,7 +422,7 @@ class EngineConfig:
             "model_impl",
             self.model_impl,
             "'auto', 'vllm' (this engine's own model implementations) or 'transformers' "
-            "(transformers' modeling code, models/transformers_backend.py)",
+            "(transformers' modeling code, models/transformers_backend/)",
         )
         if self.worker_extension_cls is not None:
             from paged_engine.worker.extension import load_extension

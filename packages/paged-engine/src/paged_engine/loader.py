@@ -420,7 +420,7 @@ def load_image_encoder(
 ) -> nn.Module | None:
     """The vision tower and projector of a checkpoint whose images paged runs
     (multimodal/archs.py), on `device` in `dtype`; None for any other checkpoint."""
-    from paged_engine.models.transformers_backend import IMPL_FIELD
+    from paged_engine.models.transformers_backend.selection import IMPL_FIELD
     from paged_engine.multimodal.archs import ENCODERS, build_encoder, image_kind
     from paged_engine.multimodal.processor import wrapper_config
 
@@ -432,7 +432,7 @@ def load_image_encoder(
         return None
     with building_in(dtype, device):
         if getattr(hf_config, IMPL_FIELD, None) == "transformers":  # HF's tower and projector
-            from paged_engine.models.transformers_multimodal import TransformersImageEncoder
+            from paged_engine.models.transformers_backend.multimodal import TransformersImageEncoder
 
             encoder = TransformersImageEncoder(config)
         else:

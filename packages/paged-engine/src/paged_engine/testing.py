@@ -2800,7 +2800,7 @@ ENCODER_CONFIGS = {
     "RobertaForTokenClassification": "RobertaConfig",
     "XLMRobertaForTokenClassification": "XLMRobertaConfig",
     "ModernBertForTokenClassification": "ModernBertConfig",
-    # no paged class: served by the Transformers backend (models/transformers_encoder.py)
+    # no paged class: served by the Transformers backend (models/transformers_backend/encoder.py)
     "ElectraModel": "ElectraConfig",
     "ElectraForSequenceClassification": "ElectraConfig",
 }

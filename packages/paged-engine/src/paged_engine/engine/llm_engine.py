@@ -69,7 +69,7 @@ from paged_engine.lora.request import LoRARequest
 from paged_engine.models.base_model import base_model_engine_config, pooling_only
 from paged_engine.models.hybrid import num_kv_layers
 from paged_engine.models.st_modules import load_dense_stack
-from paged_engine.models.transformers_backend import select_model_impl
+from paged_engine.models.transformers_backend.selection import select_model_impl
 from paged_engine.models.utils import CONTEXT_LENGTH_KEYS
 from paged_engine.multimodal.archs import supported_tower, vision_tower_type
 from paged_engine.multimodal.audio import AudioProcessor

@@ -191,7 +191,7 @@ from paged_engine.models.starcoder2 import Starcoder2ForCausalLM
 from paged_engine.models.step3_text import Step3TextForCausalLM
 from paged_engine.models.step3p7 import Step3p7TextForCausalLM
 from paged_engine.models.telechat2 import TeleChat2ForCausalLM
-from paged_engine.models.transformers_backend import IMPL_FIELD
+from paged_engine.models.transformers_backend.selection import IMPL_FIELD
 from paged_engine.models.voxtral_realtime import VoxtralRealtimeTextForCausalLM
 from paged_engine.models.voyage import VOYAGE
 from paged_engine.models.whisper import WhisperForConditionalGeneration
@@ -467,7 +467,7 @@ BY_MODEL_TYPE: dict[str, type[nn.Module]] = {"exaone": ExaoneForCausalLM}
 def get_model_class(hf_config) -> type[nn.Module]:
     """The class for `hf_config.architectures[0]`; ValueError listing the supported ones."""
     if getattr(hf_config, IMPL_FIELD, None) == "transformers":  # engine.select_model_impl
-        from paged_engine.models.transformers_pooling import transformers_model_class
+        from paged_engine.models.transformers_backend.pooling import transformers_model_class
 
         return transformers_model_class(hf_config)  # causal LM, embedding model or classifier
     archs = list(getattr(hf_config, "architectures", None) or [])

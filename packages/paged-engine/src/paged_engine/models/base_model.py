@@ -81,31 +81,44 @@ def base_model_class(hf_config: Any, arch: str, registry: dict[str, type]) -> ty
     return headless(registry[causal], causal)
 
 
+class HeadlessLM:
+    """Mixin before a CausalLMBase subclass: its base model without an LM head (a zero-logits
+    stand-in; the model only pools), loading a base checkpoint (names without the decoder
+    prefix, `decoder_prefix()`, which is put back) or a causal one (its LM head skipped)."""
+
+    pooling_only = "a base model without an LM head"
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        setattr(self, self.head_name, ZeroLogits(config.vocab_size))
+        self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
+
+    def decoder_prefix(self) -> str:
+        """The causal LM's name for its decoder (HF's `base_model_prefix`)."""
+        raise NotImplementedError
+
+    def rename_weight(self, name: str) -> str:
+        # the causal sibling's names: the decoder prefix put back where it is missing
+        prefix = self.decoder_prefix() + "."
+        return super().rename_weight(name if name.startswith(prefix) else prefix + name)
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+    ) -> set[str]:
+        head = f"{self.head_name}."  # a causal checkpoint's head: nothing to load it into
+        kept = ((n, w) for n, w in weights if not n.startswith(("lm_head.", head)))
+        return super().load_weights(kept, strict)
+
+
 @functools.cache
 def headless(base: type[nn.Module], causal: str) -> type[nn.Module]:
     """`base` (a CausalLMBase subclass) loading a base-model checkpoint, without an LM head.
     The decoder prefix is looked up when weights load, not here: modules build these classes
     at import, and transformers' causal class costs ~1.4 s to import (masking_utils, dynamo)."""
 
-    class BaseModel(base):  # type: ignore[misc, valid-type]
-        pooling_only = "a base model without an LM head"
-
-        def __init__(self, config) -> None:
-            super().__init__(config)
-            setattr(self, self.head_name, ZeroLogits(config.vocab_size))
-            self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
-
-        def rename_weight(self, name: str) -> str:
-            # the causal sibling's names: the decoder prefix put back where it is missing
-            prefix = _hf_prefix(causal) + "."
-            return super().rename_weight(name if name.startswith(prefix) else prefix + name)
-
-        def load_weights(
-            self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-        ) -> set[str]:
-            head = f"{self.head_name}."  # a causal checkpoint's head: nothing to load it into
-            kept = ((n, w) for n, w in weights if not n.startswith(("lm_head.", head)))
-            return super().load_weights(kept, strict)
+    class BaseModel(HeadlessLM, base):  # type: ignore[misc, valid-type]
+        def decoder_prefix(self) -> str:
+            return _hf_prefix(causal)
 
     BaseModel.__name__ = BaseModel.__qualname__ = causal.removesuffix("ForCausalLM") + "Model"
     return BaseModel

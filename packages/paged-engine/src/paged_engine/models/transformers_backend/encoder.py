@@ -44,7 +44,8 @@ from torch import nn
 from paged_engine.classification import SUFFIX
 from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.models.bert import EncoderShell, sequence_bounds
-from paged_engine.models.transformers_backend import STEP_KWARG, _refuse
+from paged_engine.models.transformers_backend.causal import STEP_KWARG
+from paged_engine.models.transformers_backend.selection import _refuse
 from paged_engine.models.utils import load_named_weights
 
 ENCODER_IMPL = "paged_encoder"  # the attention function's name in transformers' interface

@@ -1,4 +1,4 @@
-"""Pooling through the Transformers modeling backend (transformers_backend.py): embeddings and
+"""Pooling through the Transformers modeling backend (causal.py): embeddings and
 sequence classification on HF's own modeling code with paged attention.
 
 vLLM's classes (vllm/model_executor/models/transformers/pooling.py) and paged's counterparts:
@@ -12,7 +12,7 @@ vLLM's classes (vllm/model_executor/models/transformers/pooling.py) and paged's 
     TransformersForCausalLM [MoE]             a causal LM pooled by the engine (runner="pooling",
                                               convert="embed"), as paged pools every decoder
 
-The backbone is transformers_backend's in every case: `AutoModel.from_config` by the config's
+The backbone is causal.py's in every case: `AutoModel.from_config` by the config's
 model type (the backend's checks, refusals and MoE expert stacking included), so a pooling
 architecture is served where transformers has a `*ForCausalLM` of that model type supporting
 custom attention. The engine pools the final normed hidden states as it does for native classes
@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from paged_engine.classification import SUFFIX, TOKEN_SUFFIX, causal_names
-from paged_engine.models.base_model import causal_candidates
+from paged_engine.models.base_model import HeadlessLM, causal_candidates
 from paged_engine.models.multimodal_text import MARKER
-from paged_engine.models.sequence_classifier import ZeroLogits, sequence_classifier
-from paged_engine.models.transformers_backend import TransformersForCausalLM, _refuse
+from paged_engine.models.sequence_classifier import sequence_classifier
+from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
+from paged_engine.models.transformers_backend.selection import _refuse
 
 # vLLM's Transformers backend architectures -> what paged serves them as
 VLLM_ARCHS: dict[str, str] = {
@@ -53,7 +54,7 @@ VLLM_ARCHS: dict[str, str] = {
     "TransformersMoEEmbeddingModel": "embed",
     "TransformersForSequenceClassification": "classify",
     "TransformersMoEForSequenceClassification": "classify",
-    "TransformersMultiModalForCausalLM": "generate",  # transformers_multimodal.py
+    "TransformersMultiModalForCausalLM": "generate",  # multimodal.py
     "TransformersMultiModalMoEForCausalLM": "generate",
 }
 _MULTIMODAL_PREFIX = "TransformersMultiModal"  # vLLM's multimodal spellings
@@ -70,7 +71,7 @@ def vllm_arch(hf_config) -> str | None:
     checkpoint that is not a vision-language one."""
     for arch in _archs(hf_config):
         if arch.startswith(_MULTIMODAL_PREFIX):  # served on a VLM wrapper's text config only
-            from paged_engine.models.transformers_multimodal import VLLM_NAMES
+            from paged_engine.models.transformers_backend.multimodal import VLLM_NAMES
 
             if arch not in VLLM_NAMES:
                 raise _refuse(f"architecture {arch}: multimodal models are not supported here")
@@ -120,27 +121,13 @@ def causal_class(hf_config) -> type | None:
     return getattr(transformers, name, None) if name else None
 
 
-class TransformersEmbeddingModel(TransformersForCausalLM):
+class TransformersEmbeddingModel(HeadlessLM, TransformersForCausalLM):
     """HF's backbone without an LM head, pooled by the engine. Loads a base checkpoint (names
     without the decoder prefix, as HF saves its `<Stem>Model`) or a causal one (prefixed, its
-    LM head skipped), as native base models do."""
+    LM head skipped), as native base models do (base_model.py's `HeadlessLM`)."""
 
-    pooling_only = "a base model without an LM head"
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        setattr(self, self.head_name, ZeroLogits(config.vocab_size))
-        self.tie_word_embeddings = False  # no head to tie, nor a copy of it to skip
-
-    def rename_weight(self, name: str) -> str:
-        prefix = f"{self.inner_name}."  # HF's base_model_prefix, put back where missing
-        return super().rename_weight(name if name.startswith(prefix) else prefix + name)
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], strict: bool = True
-    ) -> set[str]:
-        head = f"{self.head_name}."
-        return super().load_weights(((n, w) for n, w in weights if not n.startswith(head)), strict)
+    def decoder_prefix(self) -> str:
+        return self.inner_name  # HF's base_model_prefix of the causal class
 
 
 class TransformersForSequenceClassification(sequence_classifier(TransformersForCausalLM)):
@@ -183,7 +170,10 @@ def _hf_head_name(config, prefix: str) -> str:
 
 def transformers_model_class(hf_config) -> type[nn.Module]:
     """The backend's class for a config `select_model_impl` marked."""
-    from paged_engine.models.transformers_encoder import encoder_model_class, is_encoder_only
+    from paged_engine.models.transformers_backend.encoder import (
+        encoder_model_class,
+        is_encoder_only,
+    )
 
     if is_encoder_only(hf_config):  # an encoder's embeddings or classifier
         return encoder_model_class(hf_config)
@@ -193,7 +183,9 @@ def transformers_model_class(hf_config) -> type[nn.Module]:
     if kind == "classify":
         return TransformersForSequenceClassification
     if getattr(hf_config, MARKER, None) is not None:  # a VLM wrapper's language model
-        from paged_engine.models.transformers_multimodal import TransformersMultiModalForCausalLM
+        from paged_engine.models.transformers_backend.multimodal import (
+            TransformersMultiModalForCausalLM,
+        )
 
         return TransformersMultiModalForCausalLM
     return TransformersForCausalLM

@@ -1,4 +1,4 @@
-"""Mixture-of-experts checkpoints for the Transformers modeling backend (transformers_backend.py).
+"""Mixture-of-experts checkpoints for the Transformers modeling backend (causal.py).
 
 transformers 5 keeps each layer's experts as two 3D parameters (`experts.gate_up_proj`
 [E, 2I, D], gate rows first, and `experts.down_proj` [E, D, I]) where checkpoints keep one linear

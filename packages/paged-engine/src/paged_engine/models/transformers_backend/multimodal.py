@@ -7,7 +7,7 @@ expansion, pixel values, the prefix cache keyed by each image's hash) is paged's
 for the wrapper (multimodal/archs.py) and nothing changes on the engine side:
 
     the language model   models/multimodal_text.py's text-only config (its MARKER names the
-                         wrapper) served by transformers_backend.py's backbone: HF's decoder
+                         wrapper) served by causal.py's backbone: HF's decoder
                          with paged attention; `TransformersMultiModalForCausalLM` below takes
                          the step's input embeddings (token embeddings with image rows in place,
                          worker/image_embeds.py) as HF's `inputs_embeds`
@@ -51,9 +51,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from paged_engine.layers.attention import AttentionMetadata
 from paged_engine.models.multimodal_text import MARKER
-from paged_engine.models.transformers_backend import STEP_KWARG, TransformersForCausalLM, _refuse
+from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
+from paged_engine.models.transformers_backend.selection import _refuse
 from paged_engine.multimodal.inputs import ImageInput
 
 # vLLM's architecture names for this backend on a vision-language checkpoint
@@ -102,24 +102,7 @@ def check_multimodal(hf_config) -> None:
 class TransformersMultiModalForCausalLM(TransformersForCausalLM):
     """The text half: HF's decoder on the step's input embeddings where images run."""
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        attn_metadata: AttentionMetadata,
-        hidden: torch.Tensor | None = None,  # [T, D]: embeddings with image rows (first stage)
-    ) -> torch.Tensor:  # [T, D]
-        if hidden is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata)
-        backbone = getattr(self, self.inner_name)
-        out = backbone(
-            inputs_embeds=hidden[None],
-            position_ids=positions[None],
-            use_cache=False,
-            **{STEP_KWARG: (kv_caches, attn_metadata)},
-        )
-        return out.last_hidden_state[0]
+    takes_embeddings = True  # token embeddings with image rows (worker/image_embeds.py)
 
 
 def _empty_text(config):

@@ -64,6 +64,23 @@ def test_base_model_embeddings_match_hf_last_token(tmp_path, arch) -> None:
         LLM(str(path), runner="generate", **KW)
 
 
+def test_a_causal_checkpoint_named_as_its_base_model_skips_its_head(tmp_path) -> None:
+    """`<Stem>Model` in config.json over a causal LM's tensors (`model.` prefix and `lm_head`,
+    as a fine-tune relabelled for embeddings ships): served headless, the head's tensor unread,
+    on the native class and through the Transformers backend alike."""
+    path = write_base_model(tmp_path / "base", "llama")
+    tensors = {f"model.{n}": w for n, w in load_file(path / "model.safetensors").items()}
+    width, vocab = tiny_config("llama").hidden_size, tiny_config("llama").vocab_size
+    tensors["lm_head.weight"] = torch.randn(vocab, width)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    want = [torch.nn.functional.normalize(h[-1], dim=-1) for h in hf_hidden(path, PROMPTS)]
+    for impl in ("vllm", "transformers"):
+        llm = LLM(str(path), model_impl=impl, **KW)
+        outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+        for out, w in zip(outs, want):
+            assert out.outputs.embedding == pytest.approx(w.tolist(), abs=1e-4), impl
+
+
 def _sentence_transformers(path, *modules: tuple[str, str], **pooling: bool) -> None:
     entries = [{"idx": i, "name": str(i), "path": p, "type": t} for i, (t, p) in enumerate(modules)]
     (path / "modules.json").write_text(json.dumps(entries))

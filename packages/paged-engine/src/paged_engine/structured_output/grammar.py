@@ -18,11 +18,17 @@ thread stack and killed the whole process (SIGSEGV). Every llguidance build and 
 a thread with a `STACK_BYTES` stack (`on_big_stack`), and a `grammar` text is at most
 `MAX_GRAMMAR_CHARS` long (deep enough for any chain that fits) with at most `MAX_GBNF_RULES`
 GBNF rules (llguidance's GBNF-to-Lark conversion is quadratic in them: 2000 rules took 2 s).
-JSON schemas are bounded by llguidance's own size limit ("schema too large").
+JSON schemas are bounded by llguidance's own size limit ("schema too large"). A cached grammar
+starts no thread (the server checks every structured request: a thread's start cost ~0.3 ms),
+and at most `MAX_BIG_STACKS` such threads live at once (64 concurrent requests reserved 16 GB of
+address space, and failed "can't start new thread" under a 3 GB `ulimit -v`); llguidance's GBNF
+conversion holds the GIL (8 threads took as long as 8 in a row): more would not be faster.
+Threads the rest of the process starts meanwhile keep their own stack size (`_run_on_big_stack`).
 """
 
 from __future__ import annotations
 
+import _thread
 import functools
 import json
 import re
@@ -41,27 +47,41 @@ MAX_GRAMMAR_CHARS = 100_000  # at most ~17k chained rules ("ab:ac\n" each): fits
 MAX_GBNF_RULES = 1000  # llguidance's conversion to Lark takes ~0.5 s for 1000
 _GBNF_RULE = re.compile(r"::=")
 _STACK_LOCK = threading.Lock()
+MAX_BIG_STACKS = 4
+_BIG_STACKS = threading.BoundedSemaphore(MAX_BIG_STACKS)
 T = TypeVar("T")
 
 
 def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a fresh thread with a STACK_BYTES stack (its exception re-raised here)."""
+    """`fn(*args)` on a fresh thread with a STACK_BYTES stack (its exception re-raised here);
+    at most MAX_BIG_STACKS at once, the others wait. `fn` must not call on_big_stack itself."""
+    with _BIG_STACKS:
+        return _run_on_big_stack(fn, *args)
+
+
+def _run_on_big_stack(fn: Callable[..., T], *args: Any) -> T:
     result: list[Any] = []
+    done = threading.Event()
 
     def run() -> None:
         try:
             result.append((True, fn(*args)))
         except BaseException as e:  # handed to the caller's thread
             result.append((False, e))
+        finally:
+            done.set()
 
-    with _STACK_LOCK:  # threading.stack_size is process-wide: set it only for this start
+    # threading.stack_size is process-wide: any thread started while it is set gets the big
+    # stack too. `_thread.start_new_thread` returns once the thread exists, without waiting for
+    # it to run (threading.Thread.start waits, letting other threads start theirs meanwhile:
+    # every thread the server started during a build got 256 MB).
+    with _STACK_LOCK:
         old = threading.stack_size(STACK_BYTES)
         try:
-            thread = threading.Thread(target=run, name="paged-grammar-build", daemon=True)
-            thread.start()
+            _thread.start_new_thread(run, ())
         finally:
             threading.stack_size(old)
-    thread.join()
+    done.wait()
     ok, value = result[0]
     if not ok:
         raise value
@@ -82,7 +102,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of `params`; ValueError (naming the field) if it is invalid."""
     if params.grammar is not None:
         _check_grammar_size(params.grammar)
-    return on_big_stack(_grammar_text, params.key())
+    return _grammar_text(params.key())
 
 
 def _check_grammar_size(text: str) -> None:
@@ -99,6 +119,11 @@ def _check_grammar_size(text: str) -> None:
 
 @functools.lru_cache(maxsize=512)
 def _grammar_text(key: str) -> str:
+    """Cached outside the big stack: a hit returns without starting a thread."""
+    return on_big_stack(_build_grammar_text, key)
+
+
+def _build_grammar_text(key: str) -> str:
     kind, spec, no_whitespace, no_extra_props, whitespace = json.loads(key)
     llg = import_llguidance()
     matcher = llg.LLMatcher

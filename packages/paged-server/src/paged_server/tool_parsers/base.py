@@ -7,13 +7,14 @@ format interleaves content and calls streams with its own `streamer()` (gpt_oss.
 
 The content of an answer with calls is the text before them exactly as the model wrote it, not
 stripped (`content_before`; None when empty), as vLLM's hermes, mistral, deepseek, kimi_k2,
-internlm, qwen3_coder and jamba parsers answer it, and a stream's content pieces join to exactly
+internlm and qwen3_coder parsers answer it, and a stream's content pieces join to exactly
 that (streaming.py), so a client gets the same content streamed or not. Two per-parser
 refinements, each applied alike to both forms:
     `blank_is_no_content`  whitespace alone before the calls is no content (None): where calls
                            may open the answer with no marker (llama3_json, pythonic, olmo3,
                            xlam: vLLM answers None there) and where vLLM's answer turns
-                           whitespace-only content into None (glm45, hunyuan_a13b, jamba); a
+                           whitespace-only content into None (glm45, hunyuan_a13b; jamba,
+                           whose vLLM parser does so only for "" and " "); a
                            stream holds leading whitespace back until something else follows.
     `trim_before_calls`    these characters are trimmed off the end of the content before the
                            calls (ernie45: newlines, as vLLM's `rstrip("\n")`); a stream holds

@@ -187,7 +187,9 @@ def _wrapped(wrapper: str | None, arch: str = "LlamaForCausalLM"):
         ),
         (_wrapped(None, BACKEND), "multimodal models need a VLM checkpoint"),
         (
-            _wrapped("LlavaForConditionalGeneration", "TransformersMultiModalEmbeddingModel"),
+            _wrapped(
+                "LlavaForConditionalGeneration", "TransformersMultiModalForSequenceClassification"
+            ),
             "multimodal models are not supported",
         ),
     ],

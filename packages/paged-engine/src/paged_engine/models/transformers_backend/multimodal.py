@@ -1,5 +1,7 @@
 """Transformers modeling backend for vision-language checkpoints (vLLM's
-`TransformersMultiModalForCausalLM` / `TransformersMultiModalMoEForCausalLM`).
+`TransformersMultiModalForCausalLM` / `TransformersMultiModalMoEForCausalLM`, and
+`TransformersMultiModalEmbeddingModel`: the same text half without its LM head, pooled by the
+engine as `runner="pooling"` pools the causal one).
 
 vLLM builds HF's whole `*ForConditionalGeneration` and runs it with its attention swapped. Here
 the two halves go where paged's native image path puts them, so the prompt side (placeholder
@@ -40,7 +42,8 @@ Refused by name at engine start: M-RoPE wrappers (Qwen2-VL and its kin: position
 the image grid), Gemma 3 (its images attend bidirectionally), and every other wrapper (another
 image path than HF's `get_image_features` on paged's pixels, audio); videos on OneVision are
 refused by paged's input processor, which has no OneVision video path (multimodal/video_archs.py);
-a tower paged's processor for the wrapper does not take is refused when the encoder is built.
+a tower paged's processor for the wrapper does not take is refused when the encoder is built;
+sequence classifiers of these checkpoints are refused by pooling.py.
 """
 
 from __future__ import annotations
@@ -51,13 +54,19 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from paged_engine.models.base_model import HeadlessLM
 from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
 from paged_engine.models.transformers_backend.selection import _refuse
 from paged_engine.multimodal.inputs import ImageInput
 
-# vLLM's architecture names for this backend on a vision-language checkpoint
-VLLM_NAMES = ("TransformersMultiModalForCausalLM", "TransformersMultiModalMoEForCausalLM")
+# vLLM's architecture names for this backend on a vision-language checkpoint (the embedding
+# one pools: TransformersMultiModalEmbeddingModel below)
+VLLM_NAMES = (
+    "TransformersMultiModalForCausalLM",
+    "TransformersMultiModalMoEForCausalLM",
+    "TransformersMultiModalEmbeddingModel",
+)
 # wrapper -> paged's image kinds it runs (multimodal/archs.py image_kind; module doc)
 SUPPORTED: dict[str, tuple[str, ...]] = {
     "LlavaForConditionalGeneration": ("llava", "pixtral"),
@@ -103,6 +112,15 @@ class TransformersMultiModalForCausalLM(TransformersForCausalLM):
     """The text half: HF's decoder on the step's input embeddings where images run."""
 
     takes_embeddings = True  # token embeddings with image rows (worker/image_embeds.py)
+
+
+class TransformersMultiModalEmbeddingModel(HeadlessLM, TransformersMultiModalForCausalLM):
+    """vLLM's name for embeddings of a vision-language checkpoint: the text half without its LM
+    head, pooled by the engine (the final normed hidden state at the last token, normalized,
+    unless `pooler_config` says otherwise), images spliced in as for generation."""
+
+    def decoder_prefix(self) -> str:
+        return self.inner_name  # HF's base_model_prefix of the causal class
 
 
 def _empty_text(config):
@@ -242,6 +260,7 @@ __all__ = [
     "SUPPORTED",
     "VLLM_NAMES",
     "TransformersImageEncoder",
+    "TransformersMultiModalEmbeddingModel",
     "TransformersMultiModalForCausalLM",
     "check_multimodal",
 ]

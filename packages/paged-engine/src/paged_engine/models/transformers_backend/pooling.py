@@ -11,6 +11,8 @@ vLLM's classes (vllm/model_executor/models/transformers/pooling.py) and paged's 
                                               looks for both) on the pooled row; it only pools
     TransformersForCausalLM [MoE]             a causal LM pooled by the engine (runner="pooling",
                                               convert="embed"), as paged pools every decoder
+    TransformersMultiModalEmbeddingModel      a vision-language checkpoint's text half, no LM
+                                              head, images spliced in (multimodal.py)
 
 The backbone is causal.py's in every case: `AutoModel.from_config` by the config's
 model type (the backend's checks, refusals and MoE expert stacking included), so a pooling
@@ -27,8 +29,11 @@ gives vLLM's.
 vLLM's class names are accepted as architectures (`hf_overrides={"architectures":
 ["TransformersForSequenceClassification"]}`): vLLM's registry maps them to these classes whatever
 `model_impl` says, and they build the model of the config's `model_type`; the MoE spellings name
-the same classes here (paged runs HF's own experts either way). Their multimodal spellings, and
-token classifiers / reward models through the backend, are refused by name.
+the same classes here (paged runs HF's own experts either way). On a vision-language checkpoint
+(multimodal.py) `TransformersMultiModalEmbeddingModel` embeds, images included, as
+`runner="pooling"` on `TransformersMultiModalForCausalLM` does; vLLM's
+`TransformersMultiModalForSequenceClassification`, a VLM's `convert="classify"`, token
+classifiers and reward models through the backend are refused by name.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ VLLM_ARCHS: dict[str, str] = {
     "TransformersMoEForSequenceClassification": "classify",
     "TransformersMultiModalForCausalLM": "generate",  # multimodal.py
     "TransformersMultiModalMoEForCausalLM": "generate",
+    "TransformersMultiModalEmbeddingModel": "embed",  # multimodal.py
 }
 _MULTIMODAL_PREFIX = "TransformersMultiModal"  # vLLM's multimodal spellings
 _HEAD_NAMES = ("classifier", "score")  # HF's classification head, in vLLM's order
@@ -73,8 +79,12 @@ def vllm_arch(hf_config) -> str | None:
         if arch.startswith(_MULTIMODAL_PREFIX):  # served on a VLM wrapper's text config only
             from paged_engine.models.transformers_backend.multimodal import VLLM_NAMES
 
-            if arch not in VLLM_NAMES:
-                raise _refuse(f"architecture {arch}: multimodal models are not supported here")
+            if arch not in VLLM_NAMES:  # ...ForSequenceClassification: see pooling_kind
+                raise _refuse(
+                    f"architecture {arch}: multimodal models are not supported here (only "
+                    + ", ".join(VLLM_NAMES)
+                    + ")"
+                )
             if getattr(hf_config, MARKER, None) is None:
                 raise _refuse(f"architecture {arch}: multimodal models need a VLM checkpoint")
             return arch
@@ -97,6 +107,12 @@ def pooling_kind(hf_config) -> str | None:
                 "(only *ForSequenceClassification and base <Stem>Model)"
             )
         if arch.endswith(SUFFIX) and causal_names(arch):
+            if getattr(hf_config, MARKER, None) is not None:  # convert="classify" on a VLM
+                raise _refuse(
+                    f"architecture {arch} of {getattr(hf_config, MARKER)}: sequence classifiers "
+                    "of vision-language checkpoints are not supported (only their generation "
+                    "and embeddings)"
+                )
             return "classify"
         if causal_candidates(arch):
             return "embed"
@@ -178,11 +194,18 @@ def transformers_model_class(hf_config) -> type[nn.Module]:
     if is_encoder_only(hf_config):  # an encoder's embeddings or classifier
         return encoder_model_class(hf_config)
     kind = pooling_kind(hf_config)
+    multimodal = getattr(hf_config, MARKER, None) is not None  # a VLM wrapper's language model
+    if kind == "embed" and multimodal:
+        from paged_engine.models.transformers_backend.multimodal import (
+            TransformersMultiModalEmbeddingModel,
+        )
+
+        return TransformersMultiModalEmbeddingModel
     if kind == "embed":
         return TransformersEmbeddingModel
     if kind == "classify":
         return TransformersForSequenceClassification
-    if getattr(hf_config, MARKER, None) is not None:  # a VLM wrapper's language model
+    if multimodal:
         from paged_engine.models.transformers_backend.multimodal import (
             TransformersMultiModalForCausalLM,
         )

@@ -44,7 +44,7 @@ import torch
 
 from paged_engine.engine.input_processor import check_token_ids
 from paged_engine.models.bart import decoder_start_id
-from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.inputs import ImageInput, check_decodes, to_rgb
 from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
 
@@ -185,7 +185,14 @@ class ImageEncoderPrompts:
                 f"multi_modal_data['image'] is {image.size[0]}x{image.size[1]} pixels: an image "
                 "needs at least one pixel each way"
             )
-        out = self.processor(images=[to_rgb(image)], return_tensors="pt")
+        check_decodes(image, "multi_modal_data['image']")
+        try:
+            out = self.processor(images=[to_rgb(image)], return_tensors="pt")
+        except ValueError as e:  # e.g. a 1 x 10000 strip thumbnailed to 0 rows
+            raise ValueError(
+                f"multi_modal_data['image'] ({image.size[0]}x{image.size[1]} pixels): "
+                f"{self.family}'s image processor cannot take it: {e}"
+            ) from None
         return out["pixel_values"][0].float().contiguous()  # [3, H, W]
 
 

@@ -108,6 +108,16 @@ def block_mm_keys(images: tuple[ImageInput, ...], start: int, end: int) -> tuple
     return tuple(m.mm_hash for m in images if m.overlaps(start, end))
 
 
+def check_decodes(image: Any, where: str) -> None:
+    """Decode a lazily opened PIL image now (Image.open reads only its header), so that a
+    truncated or corrupt file is a ValueError naming `where` rather than an OSError from deep
+    in a processor."""
+    try:
+        image.load()
+    except (OSError, ValueError, SyntaxError) as e:  # PIL's decoders raise all three
+        raise ValueError(f"{where}: not an image Pillow can decode: {e}") from None
+
+
 def to_rgb(image: Any) -> Any:
     """A PIL image in RGB, a transparent one (alpha band or palette transparency) over white,
     as transformers' `convert_to_rgb` and vLLM's media loader composite it."""

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from paged_engine.multimodal.archs import IMAGE_ARCHS, image_kind
-from paged_engine.multimodal.inputs import ImageInput, to_rgb
+from paged_engine.multimodal.inputs import ImageInput, check_decodes, to_rgb
 from paged_engine.multimodal.kwargs_budget import (
     MOST_PIXELS,
     check_budget,
@@ -504,6 +504,7 @@ class ImageProcessor:
                     f"multi_modal_data['image'][{i}] must be a PIL.Image.Image or a uint8 numpy "
                     f"array, got {type(item).__name__}"
                 )
+            check_decodes(item, f"multi_modal_data['image'][{i}]")
             if 0 in item.size:  # PIL makes 0-pixel images; processors divide by a side
                 raise ValueError(
                     f"multi_modal_data['image'][{i}]: image {i} of the prompt is "

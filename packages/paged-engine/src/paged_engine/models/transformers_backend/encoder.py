@@ -19,8 +19,9 @@ module whose `is_causal` is False is an encoder, and its layers get vLLM's encod
   as is a classifier whose HF class holds weights outside its backbone and its head.
 - Attention: the model is built with `attn_implementation="paged_encoder"`, a function that runs
   torch SDPA over each sequence's own keys (bidirectional; keys past a sequence's length masked
-  out). The step's sequences (each whole, engine/encoder.py) run as one padded HF batch
-  [B, L]: HF's embeddings compute their own positions per row (BERT 0..n-1, RoBERTa's from
+  out). The step's sequences (each whole, engine/encoder.py) run as padded HF batches
+  [B, L], longest first, each of at most the step's own tokens (`padded_groups`): HF's
+  embeddings compute their own positions per row (BERT 0..n-1, RoBERTa's from
   `pad_token_id + 1`) as HF does for an unpadded sequence, and the real rows are scattered back
   to the step's flat [T, D]. BERT-style token types are 1 after a sequence's first [SEP]
   (what a tokenizer gives a text pair), as models/bert.py computes them; RoBERTa's family
@@ -177,6 +178,22 @@ def _encoder_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def padded_groups(lengths: list[int]) -> list[list[int]]:
+    """The step's sequences (their lengths) in groups, longest first, each a padded HF batch of
+    at most sum(lengths) rows (its count x its longest): padding one long sequence's length onto
+    many short ones costs no more than the step's own tokens (one [B, max L] batch of a
+    max_model_len prompt and max_num_seqs - 1 one-token ones held max_num_seqs x max_model_len
+    rows through every layer)."""
+    budget = sum(lengths)
+    groups: list[list[int]] = []
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(b)
+        else:
+            groups.append([b])
+    return groups
+
+
 def register_encoder_attention() -> None:
     """Register the "paged_encoder" attention function with transformers (idempotent)."""
     from transformers import AttentionInterface
@@ -252,6 +269,19 @@ class TransformersEncoderModel(EncoderShell):
         if hidden is not None:
             raise _refuse("prompt embeddings are not supported for encoder-only models")
         bounds = sequence_bounds(attn_metadata)
+        flat: torch.Tensor | None = None
+        for group in padded_groups([hi - lo for lo, hi in bounds]):
+            rows = self._padded([bounds[b] for b in group], input_ids)  # [B, L, D]
+            if flat is None:  # padding rows stay zero
+                flat = rows.new_zeros(input_ids.shape[0], rows.shape[-1])
+            for row, b in enumerate(group):
+                lo, hi = bounds[b]
+                flat[lo:hi] = rows[row, : hi - lo]
+        assert flat is not None, "an encoder step has at least one sequence"
+        return flat
+
+    def _padded(self, bounds: list[tuple[int, int]], input_ids: torch.Tensor) -> torch.Tensor:
+        """These sequences as one padded HF batch -> its last hidden state [B, L, D]."""
         lengths = [hi - lo for lo, hi in bounds]
         # padded batch: row b holds sequence b at [0, lengths[b]), pad_token_id after it
         ids = input_ids.new_full((len(bounds), max(lengths)), self.pad_id)
@@ -263,11 +293,7 @@ class TransformersEncoderModel(EncoderShell):
             is_sep = (ids == sep).long()
             kwargs["token_type_ids"] = ((torch.cumsum(is_sep, 1) - is_sep) > 0).long()
         out = getattr(self, self.inner_name)(input_ids=ids, use_cache=False, **kwargs)
-        rows = out.last_hidden_state  # [B, L, D]
-        flat = rows.new_zeros(input_ids.shape[0], rows.shape[-1])  # padding rows stay zero
-        for b, (lo, hi) in enumerate(bounds):
-            flat[lo:hi] = rows[b, : hi - lo]
-        return flat
+        return out.last_hidden_state
 
 
 class TransformersEncoderForSequenceClassification(TransformersEncoderModel):

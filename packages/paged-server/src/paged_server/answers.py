@@ -146,7 +146,9 @@ def stream(
     chat: bool,
     reasoning: ReasoningRequest | None = None,
 ) -> None:
-    """One event per batch of DELTA outputs; choice `pi * n + i` is sequence i of prompt pi."""
+    """Events from DELTA outputs, one choice per chunk (as vLLM and OpenAI send them: clients
+    such as LiteLLM's stream wrapper read `choices[0]` only); choice `pi * n + i` is sequence
+    i of prompt pi."""
     n = req.n
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
@@ -172,7 +174,7 @@ def stream(
             )
         return body
 
-    if chat:  # the role comes first, once per choice
+    for i in range(len(choices) if chat else 0):  # the role comes first, once per choice
         first = chunk(
             [
                 {
@@ -181,10 +183,9 @@ def stream(
                     "logprobs": None,
                     "finish_reason": None,
                 }
-                for i in range(len(choices))
             ]
         )
-        if req.return_token_ids:  # vLLM: the prompt's ids in the first chunk
+        if req.return_token_ids and i == 0:  # vLLM: the prompt's ids in the first chunk
             first["prompt_token_ids"] = ids[0]
         h.send_event(first)
     for arrived in app.arrivals(h, group):
@@ -216,8 +217,9 @@ def stream(
                 entry = tool_outs[ci].rewrite(entry)
             if entry is not None:
                 entries.append(entry)
-        for part in _finish_apart(entries):
-            h.send_event(chunk(part))
+        for entry in entries:
+            for part in _finish_apart([entry]):
+                h.send_event(chunk(part))
     n_prompt = sum(prompt_tokens(out, chat) for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"

@@ -47,6 +47,10 @@ _INCLUDES = frozenset({
     "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "web_search_call.action.sources", "web_search_call.results",
 })  # fmt: skip
+# reasoning.summary (generate_summary: its deprecated name): "auto" lets the server choose,
+# and it has no summarizer (vLLM accepts any value and makes none either).
+_SUMMARY_KEYS = ("summary", "generate_summary")
+_REASONING_KEYS = frozenset({"effort", *_SUMMARY_KEYS})
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
 _TOOL_KEYS = frozenset({"type", "name", "description", "parameters", "strict"})
@@ -369,13 +373,20 @@ def _check_off(body: dict[str, Any]) -> None:
     reasoning = body.get("reasoning")
     if reasoning is not None and (
         not isinstance(reasoning, dict)
-        or any(v is not None for k, v in reasoning.items() if k != "effort")
+        or any(v is not None for k, v in reasoning.items() if k not in _REASONING_KEYS)
     ):
         raise bad_request(
             "'reasoning' options other than 'effort' are not supported: the model reasons as "
             "its chat template lets it (--reasoning-parser splits it off)",
             "reasoning",
         )
+    for key in _SUMMARY_KEYS:  # LangChain's and the Agents SDK's {"summary": "auto"}
+        if (reasoning or {}).get(key) not in (None, "auto"):
+            raise bad_request(
+                f"'reasoning.{key}' must be 'auto' or null: there is no summarizer here (the "
+                "reasoning item's 'content' carries the reasoning text, its 'summary' is empty)",
+                f"reasoning.{key}",
+            )
     opts = body.get("stream_options")
     if opts is not None and (not isinstance(opts, dict) or set(opts) - {"include_obfuscation"}):
         raise bad_request(
@@ -441,6 +452,7 @@ def parse_responses(
     tools, tools_echo = _tools(body.get("tools"))
     response_format, text_echo = _text_format(body.get("text"))
     effort = (body.get("reasoning") or {}).get("effort")  # checked by parse_chat
+    summary = (body.get("reasoning") or {}).get("summary")  # None or "auto" (_check_off)
     chat_body = {
         "messages": messages,
         "model": body.get("model"),
@@ -473,7 +485,7 @@ def parse_responses(
         "metadata": _metadata(body.get("metadata")) or {},
         "parallel_tool_calls": chat_body["parallel_tool_calls"],
         "previous_response_id": prev_id,
-        "reasoning": {"effort": effort, "summary": None},
+        "reasoning": {"effort": effort, "summary": summary},
         "service_tier": "default",
         "store": do_store,
         "temperature": chat.sampling.get("temperature", 1.0),

@@ -74,6 +74,13 @@ def sequence_bounds(attn_metadata: AttentionMetadata) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in itertools.pairwise(cu) if hi > lo]
 
 
+def pair_token_types(ids: torch.Tensor, sep_id: int) -> torch.Tensor:
+    """BERT's token types of sequences of `ids` along the last dim: 1 after a sequence's first
+    [SEP] (a text pair's second segment, as its tokenizer gives it), else 0."""
+    sep = (ids == sep_id).long()
+    return ((torch.cumsum(sep, -1) - sep) > 0).long()
+
+
 def encoder_attention(
     q: torch.Tensor,  # [heads, T, d], as k and v
     k: torch.Tensor,
@@ -274,8 +281,7 @@ class EncoderBase(EncoderShell):
                 real = (ids != self.pad_id).long()
                 pos[lo:hi] = torch.cumsum(real, 0) * real + self.pad_id
             elif self.sep_id is not None and self.config.type_vocab_size > 1:
-                sep = (ids == self.sep_id).long()
-                types[lo:hi] = ((torch.cumsum(sep, 0) - sep) > 0).long()
+                types[lo:hi] = pair_token_types(ids, self.sep_id)
         x = self.embeddings(input_ids, pos, types)
         for layer in self.encoder.layer:
             x = layer(x, bounds)

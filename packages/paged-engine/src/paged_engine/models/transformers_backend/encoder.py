@@ -24,7 +24,7 @@ module whose `is_causal` is False is an encoder, and its layers get vLLM's encod
   embeddings compute their own positions per row (BERT 0..n-1, RoBERTa's from
   `pad_token_id + 1`) as HF does for an unpadded sequence, and the real rows are scattered back
   to the step's flat [T, D]. BERT-style token types are 1 after a sequence's first [SEP]
-  (what a tokenizer gives a text pair), as models/bert.py computes them; RoBERTa's family
+  (what a tokenizer gives a text pair: models/bert.py's `pair_token_types`); RoBERTa's family
   takes none. No KV memory.
 - Pooling: engine/encoder.py's (sentence-transformers files, else CLS normalized), as for the
   native encoders; vLLM's defaults are the same.
@@ -44,9 +44,9 @@ from torch import nn
 
 from paged_engine.classification import SUFFIX
 from paged_engine.layers.attention import AttentionMetadata
-from paged_engine.models.bert import EncoderShell, sequence_bounds
+from paged_engine.models.bert import EncoderShell, pair_token_types, sequence_bounds
 from paged_engine.models.transformers_backend.causal import STEP_KWARG
-from paged_engine.models.transformers_backend.selection import _refuse
+from paged_engine.models.transformers_backend.selection import HEAD_NAMES, _refuse, architectures
 from paged_engine.models.utils import load_named_weights
 
 ENCODER_IMPL = "paged_encoder"  # the attention function's name in transformers' interface
@@ -62,11 +62,6 @@ _REFUSED_HEADS = {
     "ForMultipleChoice": "multiple choice",
     "ForNextSentencePrediction": "next-sentence prediction",
 }
-_HEAD_NAMES = ("classifier", "score")  # HF's classification head, in vLLM's order
-
-
-def _archs(hf_config) -> list[str]:
-    return list(getattr(hf_config, "architectures", None) or [])
 
 
 def _meta_backbone(hf_config) -> nn.Module | None:
@@ -85,7 +80,7 @@ def is_encoder_only(hf_config) -> bool:
     memo = getattr(hf_config, _MEMO, None)
     if memo is not None:
         return bool(memo)
-    archs = _archs(hf_config)
+    archs = architectures(hf_config)
     found = not (
         getattr(hf_config, "is_encoder_decoder", False)
         or hf_config.get_text_config() is not hf_config
@@ -105,7 +100,7 @@ def is_encoder_only(hf_config) -> bool:
 
 def encoder_kind(hf_config) -> str:
     """An encoder architecture's kind, "embed" or "classify"; ValueError naming one refused."""
-    for arch in _archs(hf_config):
+    for arch in architectures(hf_config):
         if arch in _EMBED_NAMES:
             return "embed"
         if arch.endswith(SUFFIX):  # vLLM's classifier names included
@@ -118,7 +113,7 @@ def encoder_kind(hf_config) -> str:
             )
         if arch.endswith("Model"):
             return "embed"
-    archs = ", ".join(_archs(hf_config)) or "none"
+    archs = ", ".join(architectures(hf_config)) or "none"
     raise _refuse(f"architectures {archs}: no encoder-only architecture this backend serves")
 
 
@@ -290,8 +285,7 @@ class TransformersEncoderModel(EncoderShell):
         kwargs: dict[str, Any] = {STEP_KWARG: torch.tensor(lengths, device=input_ids.device)}
         sep = getattr(self.config, "sep_token_id", None)
         if self.token_types and sep is not None:  # 1 after the first [SEP] (a text pair)
-            is_sep = (ids == sep).long()
-            kwargs["token_type_ids"] = ((torch.cumsum(is_sep, 1) - is_sep) > 0).long()
+            kwargs["token_type_ids"] = pair_token_types(ids, sep)
         out = getattr(self, self.inner_name)(input_ids=ids, use_cache=False, **kwargs)
         return out.last_hidden_state
 
@@ -304,7 +298,7 @@ class TransformersEncoderForSequenceClassification(TransformersEncoderModel):
         hf = hf_class._from_config(
             copy.deepcopy(config), attn_implementation=ENCODER_IMPL, dtype=torch.get_default_dtype()
         ).eval()  # (built whole: its head and backbone are kept, the rest is param-free)
-        self.head_name = next((n for n in _HEAD_NAMES if hasattr(hf, n)), None)
+        self.head_name = next((n for n in HEAD_NAMES if hasattr(hf, n)), None)
         if self.head_name is None:
             raise _refuse(f"{hf_class.__name__} has no `classifier` / `score` head")
         prefix = hf_class.base_model_prefix or "model"

@@ -54,9 +54,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from paged_engine.models.base_model import HeadlessLM
 from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
+from paged_engine.models.transformers_backend.pooling import TransformersEmbeddingModel
 from paged_engine.models.transformers_backend.selection import _refuse
 from paged_engine.multimodal.inputs import ImageInput
 
@@ -114,13 +114,13 @@ class TransformersMultiModalForCausalLM(TransformersForCausalLM):
     takes_embeddings = True  # token embeddings with image rows (worker/image_embeds.py)
 
 
-class TransformersMultiModalEmbeddingModel(HeadlessLM, TransformersMultiModalForCausalLM):
+class TransformersMultiModalEmbeddingModel(
+    TransformersEmbeddingModel, TransformersMultiModalForCausalLM
+):
     """vLLM's name for embeddings of a vision-language checkpoint: the text half without its LM
-    head, pooled by the engine (the final normed hidden state at the last token, normalized,
-    unless `pooler_config` says otherwise), images spliced in as for generation."""
-
-    def decoder_prefix(self) -> str:
-        return self.inner_name  # HF's base_model_prefix of the causal class
+    head (pooling.py's embedding model), pooled by the engine (the final normed hidden state at
+    the last token, normalized, unless `pooler_config` says otherwise), images spliced in as
+    for generation."""
 
 
 def _empty_text(config):

@@ -49,7 +49,7 @@ from paged_engine.models.base_model import HeadlessLM, causal_candidates
 from paged_engine.models.multimodal_text import MARKER
 from paged_engine.models.sequence_classifier import sequence_classifier
 from paged_engine.models.transformers_backend.causal import TransformersForCausalLM
-from paged_engine.models.transformers_backend.selection import _refuse
+from paged_engine.models.transformers_backend.selection import HEAD_NAMES, _refuse, architectures
 
 # vLLM's Transformers backend architectures -> what paged serves them as
 VLLM_ARCHS: dict[str, str] = {
@@ -64,18 +64,13 @@ VLLM_ARCHS: dict[str, str] = {
     "TransformersMultiModalEmbeddingModel": "embed",  # multimodal.py
 }
 _MULTIMODAL_PREFIX = "TransformersMultiModal"  # vLLM's multimodal spellings
-_HEAD_NAMES = ("classifier", "score")  # HF's classification head, in vLLM's order
-
-
-def _archs(hf_config) -> list[str]:
-    return list(getattr(hf_config, "architectures", None) or [])
 
 
 def vllm_arch(hf_config) -> str | None:
     """The config's architecture when it is one of vLLM's Transformers backend names (these
     ask for the backend whatever `model_impl` says); ValueError for a multimodal one on a
     checkpoint that is not a vision-language one."""
-    for arch in _archs(hf_config):
+    for arch in architectures(hf_config):
         if arch.startswith(_MULTIMODAL_PREFIX):  # served on a VLM wrapper's text config only
             from paged_engine.models.transformers_backend.multimodal import VLLM_NAMES
 
@@ -100,7 +95,7 @@ def pooling_kind(hf_config) -> str | None:
     named = vllm_arch(hf_config)
     if named is not None:
         return None if VLLM_ARCHS[named] == "generate" else VLLM_ARCHS[named]
-    for arch in _archs(hf_config):
+    for arch in architectures(hf_config):
         if arch.endswith((TOKEN_SUFFIX, "RewardModel")):
             raise _refuse(
                 f"architecture {arch}: token classifiers and reward models are not supported "
@@ -170,7 +165,7 @@ def _hf_head_name(config, prefix: str) -> str:
 
     with torch.device("meta"):  # (causal_class refused a model type without one)
         hf = AutoModelForSequenceClassification.from_config(copy.deepcopy(config))
-    name = next((n for n in _HEAD_NAMES if isinstance(getattr(hf, n, None), nn.Module)), None)
+    name = next((n for n in HEAD_NAMES if isinstance(getattr(hf, n, None), nn.Module)), None)
     head = getattr(hf, name, None) if name else None
     if not isinstance(head, nn.Linear) or head.out_features != int(config.num_labels):
         raise _refuse(

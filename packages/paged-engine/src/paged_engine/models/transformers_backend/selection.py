@@ -36,8 +36,15 @@ _REFUSED_FIELDS = {
 LOGITS_SCALING = {"granite": True, "hyperclovax": False}
 
 
+HEAD_NAMES = ("classifier", "score")  # HF's classification head's names, in vLLM's order
+
+
 def _refuse(why: str) -> ValueError:
     return ValueError(f"model_impl='transformers': {why}")
+
+
+def architectures(hf_config) -> list[str]:
+    return list(getattr(hf_config, "architectures", None) or [])
 
 
 def transformers_class(hf_config) -> type | None:
@@ -46,7 +53,7 @@ def transformers_class(hf_config) -> type | None:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    archs = list(getattr(hf_config, "architectures", None) or [])
+    archs = architectures(hf_config)
     causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     for arch in archs:
         if arch in causal:

@@ -195,7 +195,6 @@ def stream(
                 ci = pi * n + seq.index
                 if choices[ci].add(seq, out.finished):
                     updated.add(ci)
-        entries = []
         for ci in sorted(updated):
             st, pi = choices[ci], ci // n
             echo = req.echo and not st.started
@@ -216,10 +215,8 @@ def stream(
             if entry is not None and tool_outs is not None:
                 entry = tool_outs[ci].rewrite(entry)
             if entry is not None:
-                entries.append(entry)
-        for entry in entries:
-            for part in _finish_apart([entry]):
-                h.send_event(chunk(part))
+                for part in _finish_apart(entry):
+                    h.send_event(chunk([part]))
     n_prompt = sum(prompt_tokens(out, chat) for out in group.latest)
     n_gen = group.num_generated_tokens
     h.log_extra = f" prompt_tokens={n_prompt} gen_tokens={n_gen} stream"
@@ -230,22 +227,13 @@ def stream(
     h.end_stream()
 
 
-def _finish_apart(entries: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The chunks that carry `entries`: one, unless a choice finishes in the same entry that
-    carries tool calls; then its finish comes in a chunk of its own with an empty delta, as
-    OpenAI sends it (the openai SDK's stream helper announces a call's arguments.done only
-    at a finish that follows the call's first chunk)."""
-    if not entries:
-        return []
-    late = [e for e in entries if e.get("finish_reason") and e.get("delta", {}).get("tool_calls")]
-    if not late:
-        return [entries]
-    held = {id(e) for e in late}
+def _finish_apart(entry: dict[str, Any]) -> list[dict[str, Any]]:
+    """The entries carrying one choice's `entry`, a chunk each: itself, unless it finishes in
+    the entry that carries tool calls; then its finish comes in a chunk of its own with an
+    empty delta, as OpenAI sends it (the openai SDK's stream helper announces a call's
+    arguments.done only at a finish that follows the call's first chunk)."""
+    if not (entry.get("finish_reason") and entry.get("delta", {}).get("tool_calls")):
+        return [entry]
     ends = {"finish_reason": None, "stop_reason": None}
-    calls = [{**e, **ends} if id(e) in held else e for e in entries]
-    finish = [
-        {"index": e["index"], "delta": {}, "logprobs": None}
-        | {k: v for k, v in e.items() if k in ends}
-        for e in late
-    ]
-    return [calls, finish]
+    finish = {"index": entry["index"], "delta": {}, "logprobs": None}
+    return [{**entry, **ends}, finish | {k: v for k, v in entry.items() if k in ends}]

@@ -1,5 +1,6 @@
-"""What paged's encoder-decoder models share (Mllama, Whisper, Moonshine): a sequence's
-cross-attention plan and the decoder's length check.
+"""What paged's encoder-decoder models share (Mllama, Whisper, Moonshine, Florence-2, Donut): a
+sequence's cross-attention plan, the decoder's length check, and the image encoder-decoders'
+config set-up (one image a prompt, a sub-config's fields lifted to the top level).
 
 `CrossPlan` is what a sequence's cross-attention slot holds (worker/cross_attention.py keeps
 the slots; Mllama's `cross_plan` builds it in models/mllama.py, Moonshine's in
@@ -41,3 +42,22 @@ def fit_decoder_length(config: Any, limit: int, field: str, table: str = "positi
             f"max_model_len={config.max_model_len} exceeds the decoder's {table} table "
             f"({field}={limit})"
         )
+
+
+def one_image_a_prompt(config: Any, family: str) -> None:
+    """ValueError unless `limit_mm_per_prompt`'s image limit is unset or 1 (Florence-2 and
+    Donut read exactly one image a prompt, as vLLM limits them)."""
+    limit = config.image_limit
+    if limit is not None and limit != 1:
+        raise ValueError(
+            f"limit_mm_per_prompt={{'image': {limit}}} is not supported for {family}: every "
+            "prompt takes exactly one image (as vLLM's limit of 1)"
+        )
+
+
+def lift_fields(hf_config: Any, sub: Any, names: tuple[str, ...]) -> None:
+    """Copy `sub`'s fields `names` to the top level of `hf_config` where it lacks them (the
+    engine reads a wrapper's text model's sizes there)."""
+    for name in names:
+        if getattr(hf_config, name, None) is None and getattr(sub, name, None) is not None:
+            setattr(hf_config, name, getattr(sub, name))

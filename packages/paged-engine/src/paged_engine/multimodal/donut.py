@@ -38,7 +38,12 @@ from torch import nn
 
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.models.bart import BartDecoderLayer, BartStack
-from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import (
+    CrossPlan,
+    fit_decoder_length,
+    lift_fields,
+    one_image_a_prompt,
+)
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.donut_swin import SWIN_RENAMES, DonutSwin, check_swin, swin_grid
 from paged_engine.multimodal.inputs import ImageInput
@@ -84,15 +89,8 @@ def donut_engine_config(config: Any, hf_config: Any) -> None:
             "decoder 'mbart') is served"
         )
     check_swin(enc)
-    limit = config.image_limit
-    if limit is not None and limit != 1:
-        raise ValueError(
-            f"limit_mm_per_prompt={{'image': {limit}}} is not supported for Donut: every "
-            "prompt takes exactly one image (as vLLM's limit of 1)"
-        )
-    for name in _DECODER_FIELDS:
-        if getattr(hf_config, name, None) is None and getattr(dec, name, None) is not None:
-            setattr(hf_config, name, getattr(dec, name))
+    one_image_a_prompt(config, "Donut")
+    lift_fields(hf_config, dec, _DECODER_FIELDS)
     hf_config.num_hidden_layers = int(dec.decoder_layers)
     hf_config.num_attention_heads = int(dec.decoder_attention_heads)
     fit_decoder_length(config, int(dec.max_position_embeddings), "decoder.max_position_embeddings")

@@ -41,7 +41,7 @@ from torch import nn
 
 from paged_engine.layers.activation import get_act_fn
 from paged_engine.models.bart import BartForConditionalGeneration, BartModel, bart_engine_config
-from paged_engine.models.encoder_decoder import CrossPlan
+from paged_engine.models.encoder_decoder import CrossPlan, lift_fields, one_image_a_prompt
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 
@@ -83,16 +83,9 @@ def florence2_engine_config(config: Any, hf_config: Any) -> None:
             "supported: serve a transformers-native checkpoint (model_type 'florence2', e.g. "
             "florence-community/Florence-2-base)"
         )
-    limit = config.image_limit
-    if limit is not None and limit != 1:
-        raise ValueError(
-            f"limit_mm_per_prompt={{'image': {limit}}} is not supported for Florence-2: every "
-            "prompt takes exactly one image (as vLLM's limit of 1)"
-        )
+    one_image_a_prompt(config, "Florence-2")
     text = hf_config.text_config
-    for name in _TEXT_FIELDS:
-        if getattr(hf_config, name, None) is None and getattr(text, name, None) is not None:
-            setattr(hf_config, name, getattr(text, name))
+    lift_fields(hf_config, text, _TEXT_FIELDS)
     if int(vision.projection_dim) != int(text.d_model):
         raise ValueError(
             f"vision_config.projection_dim={vision.projection_dim} must equal the text model's "

@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hf_reference import assert_matches, hf_greedy
@@ -159,7 +160,8 @@ def edited_sub_config(src: Path, dst: Path, section: str, **fields) -> Path:
 def one_image_refusals(family: str, image) -> list[tuple[object, str]]:
     """(prompt, match) of the bad input a model taking exactly one image a prompt (vLLM's
     limit) refuses by name, `family` its name in the messages: text alone (a string, a dict),
-    two images, a 0 x 0 image, a video, a file name as the image, mm_processor_kwargs, and
+    two images, a 0 x 0 image, a video, a file name or a float array as the image,
+    mm_processor_kwargs, and
     multi_modal_data in the decoder prompt."""
     from image_checks import noise_image
 
@@ -174,6 +176,7 @@ def one_image_refusals(family: str, image) -> list[tuple[object, str]]:
         (hi({"image": noise_image(5, (0, 0))}), r"multi_modal_data\['image'\] is 0x0 pixels"),
         (hi({"video": image}), r"multi_modal_data must be"),
         (hi({"image": "x.png"}), r"must be a PIL.Image"),
+        (hi({"image": np.zeros((8, 8, 3), np.float32)}), r"a numpy image must be uint8"),
         (hi({"image": image}, mm_processor_kwargs={}), r"'mm_processor_kwargs' is not supported"),
         (
             {
@@ -183,6 +186,18 @@ def one_image_refusals(family: str, image) -> list[tuple[object, str]]:
             r"decoder_prompt: multi_modal_data",
         ),
     ]
+
+
+def assert_numpy_image_same(llm: LLM, prompt: str, image) -> None:
+    """A uint8 numpy image (H, W, 3), as vLLM takes it, gives the tokens and logprobs of the
+    PIL image it holds."""
+    from image_checks import greedy
+
+    forms = (image, np.asarray(image))
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": im}} for im in forms]
+    pil, arr = llm.generate(prompts, greedy(), use_tqdm=False)
+    assert arr.outputs[0].token_ids == pil.outputs[0].token_ids
+    assert arr.outputs[0].logprobs == pil.outputs[0].logprobs
 
 
 def assert_refused_while_serving(llm: LLM, cases: list[tuple[object, str]], ok: dict) -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hf_parity import (
     assert_image_limit_refused,
+    assert_numpy_image_same,
     assert_refused_while_serving,
     edited_sub_config,
     one_image_refusals,
@@ -191,6 +192,7 @@ def test_refused(llm):
             r"decoder_prompt: 'lora' is not supported",
         ),
     ]
+    assert_numpy_image_same(llm, "hi", noise_image(6, (40, 24)))
     assert_refused_while_serving(llm, cases, {"prompt": "ok", "multi_modal_data": {"image": image}})
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from hf_parity import (
     assert_image_limit_refused,
+    assert_numpy_image_same,
     assert_refused_while_serving,
     edited_sub_config,
     one_image_refusals,
@@ -193,6 +194,7 @@ def test_refused(tiny, llm):
             r"encoder_prompt is too long: 17 image rows and 80 tokens",
         ),
     ]
+    assert_numpy_image_same(llm, "<OD>", noise_image(6, (32, 32)))
     assert_refused_while_serving(llm, cases, ok)
 
 

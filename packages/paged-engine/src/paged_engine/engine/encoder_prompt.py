@@ -44,7 +44,7 @@ import torch
 
 from paged_engine.engine.input_processor import check_token_ids
 from paged_engine.models.bart import decoder_start_id
-from paged_engine.multimodal.inputs import ImageInput, check_decodes, to_rgb
+from paged_engine.multimodal.inputs import ImageInput, to_rgb
 from paged_engine.multimodal.layouts import digest
 from paged_engine.unicode_text import check_text
 
@@ -158,7 +158,8 @@ class ImageEncoderPrompts:
             )
 
     def pixels(self, data: Any) -> torch.Tensor:
-        """multi_modal_data {"image": one PIL image, or a list of one} -> the image
+        """multi_modal_data {"image": one image (a PIL image or a uint8 numpy array, as
+        multimodal/processor.py's `as_image` takes it), or a list of one} -> the image
         processor's pixels [3, H, W] (float32); other forms refused by name (vLLM's limit of
         one image)."""
         if not isinstance(data, dict) or set(data) != {"image"}:
@@ -174,18 +175,9 @@ class ImageEncoderPrompts:
                     "one image a prompt (as vLLM)"
                 )
             image = image[0]
-        from PIL import Image
+        from paged_engine.multimodal.processor import as_image
 
-        if not isinstance(image, Image.Image):
-            raise ValueError(
-                f"multi_modal_data['image'] must be a PIL.Image.Image, got {type(image).__name__}"
-            )
-        if 0 in image.size:
-            raise ValueError(
-                f"multi_modal_data['image'] is {image.size[0]}x{image.size[1]} pixels: an image "
-                "needs at least one pixel each way"
-            )
-        check_decodes(image, "multi_modal_data['image']")
+        image = as_image(image, "multi_modal_data['image']")
         try:
             out = self.processor(images=[to_rgb(image)], return_tensors="pt")
         except ValueError as e:  # e.g. a 1 x 10000 strip thumbnailed to 0 rows

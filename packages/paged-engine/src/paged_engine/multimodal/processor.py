@@ -132,6 +132,23 @@ def _array_image(array: np.ndarray, what: str, PIL_Image: Any) -> Any:
     return PIL_Image.fromarray(np.ascontiguousarray(array))
 
 
+def as_image(item: Any, where: str) -> Any:
+    """One image input as a decoded PIL image: a uint8 numpy array (H, W[, 1 | 3 | 4]), which
+    vLLM also takes, becomes the image PIL makes of it; another type, an undecodable file or a
+    0-pixel image is a ValueError naming `where` (processors divide by a side)."""
+    PIL_Image = require_pillow()
+    if isinstance(item, np.ndarray):
+        item = _array_image(item, where, PIL_Image)
+    if not isinstance(item, PIL_Image.Image):
+        raise ValueError(
+            f"{where} must be a PIL.Image.Image or a uint8 numpy array, got {type(item).__name__}"
+        )
+    check_decodes(item, where)
+    if 0 in item.size:
+        raise ValueError(f"{where} is {_pixels(item)}: an image needs at least one pixel each way")
+    return item
+
+
 def _flat(images: Any) -> list[Any]:
     """The images of a (nested) list, as HF's processors take them."""
     return [i for x in images for i in _flat(x)] if isinstance(images, list) else [images]
@@ -222,7 +239,7 @@ class ImageProcessor:
             items = [_rehashed(m) for m in items]
             return self._finish(*self._placed(token_ids, items))
         self._check_limit(len(items))
-        items = self._image_list(items)
+        items = [as_image(m, f"multi_modal_data['image'][{i}]") for i, m in enumerate(items)]
         call = self.kwargs if kwargs is None else {**self.kwargs, **self.processor_kwargs(kwargs)}
         check = getattr(self.layout, "check_kwargs", None)  # a family's bounds, before any pixel
         if check is not None:
@@ -490,28 +507,6 @@ class ImageProcessor:
                 f"multi_modal_data['image'] has {count} images, over "
                 f"limit_mm_per_prompt={{'image': {self.limit}}}"
             )
-
-    def _image_list(self, items: list[Any]) -> list[Any]:
-        """The items as PIL images: a uint8 numpy array (H, W[, 1 | 3 | 4]), which vLLM also
-        takes, becomes the image PIL makes of it; anything else is refused by name."""
-        PIL_Image = require_pillow()
-        out = []
-        for i, item in enumerate(items):
-            if isinstance(item, np.ndarray):
-                item = _array_image(item, f"multi_modal_data['image'][{i}]", PIL_Image)
-            if not isinstance(item, PIL_Image.Image):
-                raise ValueError(
-                    f"multi_modal_data['image'][{i}] must be a PIL.Image.Image or a uint8 numpy "
-                    f"array, got {type(item).__name__}"
-                )
-            check_decodes(item, f"multi_modal_data['image'][{i}]")
-            if 0 in item.size:  # PIL makes 0-pixel images; processors divide by a side
-                raise ValueError(
-                    f"multi_modal_data['image'][{i}]: image {i} of the prompt is "
-                    f"{_pixels(item)}: an image needs at least one pixel each way"
-                )
-            out.append(item)
-        return out
 
     def processor_kwargs(self, kwargs: Any) -> dict[str, Any]:
         """vLLM's mm_processor_kwargs as the image processor takes them; ValueError naming

@@ -71,13 +71,19 @@ def test_langchain_reasoning_summary_auto_is_served(srv: SimpleNamespace) -> Non
     # the deprecated spelling, as older clients send it
     legacy = {**LC_REASONING, "reasoning": {"effort": None, "generate_summary": "auto"}}
     assert _post(srv, "/v1/responses", legacy)[0] == 200
+    # OpenAI's other two values, which vLLM's Reasoning model takes too: no summary either
+    for key, value in (("summary", "detailed"), ("generate_summary", "concise")):
+        body = {**LC_REASONING, "stream": False, "reasoning": {"effort": "low", key: value}}
+        status, r = _post(srv, "/v1/responses", body)
+        assert status == 200, r
+        assert r["reasoning"]["summary"] == (value if key == "summary" else None)
 
 
 @pytest.mark.parametrize(
     ("reasoning", "param"),
     [
-        ({"summary": "detailed"}, "reasoning.summary"),  # asks for a summarizer: none here
-        ({"generate_summary": "concise"}, "reasoning.generate_summary"),
+        ({"summary": "verbose"}, "reasoning.summary"),  # not one of OpenAI's values
+        ({"generate_summary": "short"}, "reasoning.generate_summary"),
         ({"summary": ["auto"]}, "reasoning.summary"),
         ({"effort": "low", "bogus": 1}, "reasoning"),
     ],

@@ -540,7 +540,7 @@ def test_reasoning_effort_reaches_the_template(gptoss: SimpleNamespace) -> None:
     assert rendered.template_vars["reasoning_effort"] == "low"
     for reasoning, param in (
         ({"effort": "max"}, "reasoning.effort"),
-        ({"summary": "detailed"}, "reasoning.summary"),  # "auto" is served (no summarizer)
+        ({"summary": "brief"}, "reasoning.summary"),  # auto / concise / detailed are served
     ):
         status, _, r = gptoss.http.request(
             "POST", "/v1/responses", {"input": "Hi", "reasoning": reasoning}

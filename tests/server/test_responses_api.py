@@ -165,7 +165,7 @@ BAD = [
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),  # low | medium | high
-    ({"input": "x", "reasoning": {"summary": "detailed"}}, "reasoning.summary"),
+    ({"input": "x", "reasoning": {"summary": "brief"}}, "reasoning.summary"),
     ({"input": "x", "instructions": ["x"]}, "instructions"),
     ({"input": "x", "metadata": {"k": 1}}, "metadata"),
     ({"input": "x", "store": "yes"}, "store"),

@@ -47,9 +47,10 @@ _INCLUDES = frozenset({
     "computer_call_output.output.image_url", "file_search_call.results",
     "message.input_image.image_url", "web_search_call.action.sources", "web_search_call.results",
 })  # fmt: skip
-# reasoning.summary (generate_summary: its deprecated name): "auto" lets the server choose,
-# and it has no summarizer (vLLM accepts any value and makes none either).
+# reasoning.summary (generate_summary: its deprecated name): OpenAI's three values are taken,
+# and there is no summarizer (vLLM validates them the same way and makes none either).
 _SUMMARY_KEYS = ("summary", "generate_summary")
+_SUMMARIES = (None, "auto", "concise", "detailed")
 _REASONING_KEYS = frozenset({"effort", *_SUMMARY_KEYS})
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text")
@@ -381,10 +382,12 @@ def _check_off(body: dict[str, Any]) -> None:
             "reasoning",
         )
     for key in _SUMMARY_KEYS:  # LangChain's and the Agents SDK's {"summary": "auto"}
-        if (reasoning or {}).get(key) not in (None, "auto"):
+        value = (reasoning or {}).get(key)
+        if not isinstance(value, (str, type(None))) or value not in _SUMMARIES:
             raise bad_request(
-                f"'reasoning.{key}' must be 'auto' or null: there is no summarizer here (the "
-                "reasoning item's 'content' carries the reasoning text, its 'summary' is empty)",
+                f"'reasoning.{key}' must be 'auto', 'concise', 'detailed' or null, got "
+                f"{value!r} (there is no summarizer here: the reasoning item's 'content' "
+                "carries the reasoning text, its 'summary' is empty)",
                 f"reasoning.{key}",
             )
     opts = body.get("stream_options")
@@ -452,7 +455,7 @@ def parse_responses(
     tools, tools_echo = _tools(body.get("tools"))
     response_format, text_echo = _text_format(body.get("text"))
     effort = (body.get("reasoning") or {}).get("effort")  # checked by parse_chat
-    summary = (body.get("reasoning") or {}).get("summary")  # None or "auto" (_check_off)
+    summary = (body.get("reasoning") or {}).get("summary")  # one of _SUMMARIES (_check_off)
     chat_body = {
         "messages": messages,
         "model": body.get("model"),

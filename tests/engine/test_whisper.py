@@ -281,7 +281,7 @@ def test_refused(tiny, tmp_path):
         ({"enable_prompt_embeds": True}, "enable_prompt_embeds"),
         ({"enable_lora": True}, "enable_lora is not supported for encoder-decoder"),
         ({"compilation_config": 1}, "compilation_config"),
-        ({"tensor_parallel_size": 3}, r"decoder's 4 attention heads"),
+        ({"tensor_parallel_size": 3}, r"divide the 4 attention heads of config.decoder_attention"),
     ]:
         with pytest.raises(ValueError, match=match):
             engine(tiny, **kw)

@@ -50,7 +50,7 @@ from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length, tp_divides_heads
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 
@@ -71,12 +71,7 @@ def bart_engine_config(config: Any, hf_config: Any) -> None:
         config, int(hf_config.max_position_embeddings), "config.max_position_embeddings"
     )
     for field in ("encoder_attention_heads", "decoder_attention_heads"):
-        heads = int(getattr(hf_config, field))
-        if heads % config.tensor_parallel_size:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} does not divide the "
-                f"{heads} attention heads of config.{field}"
-            )
+        tp_divides_heads(config, int(getattr(hf_config, field)), f"config.{field}")
     if not getattr(hf_config, "tie_word_embeddings", True):
         raise ValueError(
             "config.tie_word_embeddings=False is not supported for BART / mBART: the head is "

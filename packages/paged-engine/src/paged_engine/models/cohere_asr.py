@@ -38,7 +38,7 @@ from paged_engine.layers.attention import Attention
 from paged_engine.layers.embedding import VocabParallelEmbedding
 from paged_engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from paged_engine.layers.norm import LayerNorm
-from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length, tp_divides_heads
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 
@@ -118,11 +118,7 @@ def cohere_asr_engine_config(config: Any, hf_config: Any) -> None:
         raise ValueError(
             f"config.num_key_value_heads={kv} != {heads} heads: not supported for {ARCH}"
         )
-    if heads % config.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not divide the decoder's "
-            f"{heads} attention heads (config.num_attention_heads)"
-        )
+    tp_divides_heads(config, heads, "config.num_attention_heads")
 
 
 def _head_dim(config: Any) -> int:

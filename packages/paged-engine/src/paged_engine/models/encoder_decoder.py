@@ -44,6 +44,16 @@ def fit_decoder_length(config: Any, limit: int, field: str, table: str = "positi
         )
 
 
+def tp_divides_heads(config: Any, heads: int, field: str) -> None:
+    """ValueError unless tensor_parallel_size divides the `heads` attention heads of `field`
+    (each rank runs a whole share of them)."""
+    if heads % config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} does not divide the {heads} "
+            f"attention heads of {field}"
+        )
+
+
 def one_image_a_prompt(config: Any, family: str) -> None:
     """ValueError unless `limit_mm_per_prompt`'s image limit is unset or 1 (Florence-2 and
     Donut read exactly one image a prompt, as vLLM limits them)."""

@@ -45,7 +45,7 @@ from paged_engine.layers.linear import (
 )
 from paged_engine.layers.norm import LayerNorm
 from paged_engine.layers.rotary import RotaryEmbedding, rope_config
-from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length, tp_divides_heads
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.moonshine_encoder import MoonshineEncoder, encoder_frames
@@ -80,11 +80,7 @@ def moonshine_engine_config(config: Any, hf_config: Any) -> None:
                 f"not supported for {ARCH} (transformers' Moonshine attention runs one head "
                 "count for queries, keys and values in both stacks)"
             )
-    if heads % config.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not divide the decoder's "
-            f"{heads} attention heads (config.decoder_num_attention_heads)"
-        )
+    tp_divides_heads(config, heads, "config.decoder_num_attention_heads")
     if rope_config(hf_config)[1] is not None:
         raise ValueError(f"config.rope_parameters: a rope scaling is not supported for {ARCH}")
 

@@ -43,6 +43,7 @@ from paged_engine.models.encoder_decoder import (
     fit_decoder_length,
     lift_fields,
     one_image_a_prompt,
+    tp_divides_heads,
 )
 from paged_engine.models.utils import CausalLMBase
 from paged_engine.multimodal.donut_swin import SWIN_RENAMES, DonutSwin, check_swin, swin_grid
@@ -94,12 +95,7 @@ def donut_engine_config(config: Any, hf_config: Any) -> None:
     hf_config.num_hidden_layers = int(dec.decoder_layers)
     hf_config.num_attention_heads = int(dec.decoder_attention_heads)
     fit_decoder_length(config, int(dec.max_position_embeddings), "decoder.max_position_embeddings")
-    heads = int(dec.decoder_attention_heads)
-    if heads % config.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not divide the {heads} "
-            "attention heads of decoder.decoder_attention_heads"
-        )
+    tp_divides_heads(config, int(dec.decoder_attention_heads), "decoder.decoder_attention_heads")
 
 
 def slot_rows(hf_config: Any) -> int:

@@ -64,7 +64,7 @@ from paged_engine.attention.backend import AttentionBackend, AttentionMetadata
 from paged_engine.models.bart import bart_engine_config, is_bart
 from paged_engine.models.cohere_asr import ARCH as COHERE_ASR
 from paged_engine.models.cohere_asr import cohere_asr_engine_config
-from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length
+from paged_engine.models.encoder_decoder import CrossPlan, fit_decoder_length, tp_divides_heads
 from paged_engine.models.mllama import ARCH as MLLAMA
 from paged_engine.models.mllama import mllama_engine_config
 from paged_engine.models.moonshine import ARCH as MOONSHINE
@@ -142,11 +142,7 @@ def encoder_decoder_engine_config(config, hf_config) -> None:
 def _whisper_lengths(config, hf_config) -> None:
     fit_decoder_length(config, int(hf_config.max_target_positions), "config.max_target_positions")
     heads = int(hf_config.decoder_attention_heads)
-    if heads % config.tensor_parallel_size:
-        raise ValueError(
-            f"tensor_parallel_size={config.tensor_parallel_size} does not divide the decoder's "
-            f"{heads} attention heads (config.decoder_attention_heads)"
-        )
+    tp_divides_heads(config, heads, "config.decoder_attention_heads")
 
 
 def cross_slot_rows(config, hf_config) -> int:

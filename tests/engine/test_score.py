@@ -71,7 +71,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, tiny_llama_dir):
     (ref,) = hf_embeddings(tiny_llama_dir, [long[-20:]], "LAST")
     torch.testing.assert_close(torch.tensor(cut.outputs.embedding), ref, atol=1e-5, rtol=1e-4)
     (most,) = llm.encode(long, PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)
-    assert most.prompt_token_ids == long[-127:]  # the most a prompt may hold (one slot left)
+    assert most.prompt_token_ids == long[-128:]  # a pooling prompt may fill max_model_len
     (short,) = llm.embed(DOCS[0], use_tqdm=False, truncate_prompt_tokens=20)  # shorter: whole
     assert short.prompt_token_ids == DOCS[0]
     (scored,) = llm.score(long, QUERY, use_tqdm=False, truncate_prompt_tokens=20)

@@ -165,7 +165,7 @@ def test_bad_chat_form_names_the_field(real_server: ServerProc, body, param) -> 
         ({"input": [1, 2, 10**9]}, "input"),
         ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "hi", "bogus": 1}, "bogus"),
-        ({"input": list(range(3, 3 + MAX_MODEL_LEN))}, "input"),
+        ({"input": list(range(3, 4 + MAX_MODEL_LEN))}, "input"),  # max_model_len fits
         ({"model": "other", "input": "hi"}, "model"),
         ({"input": "hi", "priority": "high"}, "priority"),
         ({"input": "hi", "priority": 2}, "priority"),  # needs --scheduling-policy priority

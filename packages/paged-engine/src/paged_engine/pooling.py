@@ -49,9 +49,10 @@ class PoolingParams:
     config says it was trained for it (`is_matryoshka`, or `matryoshka_dimensions` listing the
     sizes allowed), else only the hidden size itself; `normalize=None` takes the engine's
     `pooler_config` (normalized by default, as vLLM does for embedding models);
-    `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: as many as
-    max_model_len allows). For a classifier: `use_activation=False` returns the head's raw
-    logits instead of probabilities (None: on). `task` is set by the `LLM` method that runs it
+    `truncate_prompt_tokens=k` pools only the prompt's last k tokens (-1: max_model_len of
+    them: a pooling prompt may fill the context, its one token is never run). For a
+    classifier: `use_activation=False` returns the head's raw logits instead of probabilities
+    (None: on). `task` is set by the `LLM` method that runs it
     (None: the model's own, "classify" for a classifier, else "embed")."""
 
     normalize: bool | None = None
@@ -75,12 +76,30 @@ class PoolingParams:
             raise ValueError(f"task must be one of {POOLING_TASKS} or None, got {self.task!r}")
 
 
-def truncated(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+def is_pooling(params: Any) -> bool:
+    """A pooling request (pooling.PoolingSamplingParams): its one sampled token is thrown
+    away, never fed back, so its prompt may fill max_model_len (vLLM's pooling runner)."""
+    return hasattr(params, "pooling_type")
+
+
+def check_prompt_len(num: int, what: str, max_len: int, pooling: bool) -> None:
+    """ValueError naming the length unless `num` prompt positions fit: all max_len of them
+    for pooling, max_len - 1 for generation (room for at least one token)."""
+    if num > max_len or (num == max_len and not pooling):
+        why = "" if pooling else " (the prompt must leave room for at least one generated token)"
+        raise ValueError(f"prompt is too long: {num} {what}, but max_model_len is {max_len}{why}")
+
+
+def truncated(
+    token_ids: list[int], keep: int | None, max_model_len: int, *, generate: bool = False
+) -> list[int]:
     """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as a prompt may
-    hold, max_model_len - 1); `token_ids` itself when nothing is cut."""
+    hold: max_model_len for pooling, as vLLM's pooling runner; max_model_len - 1 when
+    `generate`, leaving room for a token); `token_ids` itself when nothing is cut."""
     if keep is None:
         return token_ids
-    keep = max_model_len - 1 if keep == -1 else keep
+    if keep == -1:
+        keep = max_model_len - 1 if generate else max_model_len
     return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 

@@ -209,7 +209,7 @@ def prompt_tokens(
         app._check_ids(item, param)
         tokens = list(item)
     tokens = truncated(tokens, truncate, app.max_model_len)
-    if len(tokens) >= app.max_model_len:
+    if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
         raise bad_request(
             f"{where} has {len(tokens)} tokens; this model's maximum context length is "
             f"{app.max_model_len} (set truncate_prompt_tokens to keep the last tokens)",

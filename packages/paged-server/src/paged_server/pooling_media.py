@@ -140,7 +140,7 @@ def _unmarked(app: OpenAIApp) -> bool:
 
 
 def check_media_length(app: OpenAIApp, ids: list[int], param: str) -> None:
-    if len(ids) >= app.max_model_len:
+    if len(ids) > app.max_model_len:  # a pooling prompt may fill the context
         raise bad_request(
             f"{param} has {len(ids)} tokens with its images; this model's maximum context "
             f"length is {app.max_model_len}",

@@ -253,7 +253,7 @@ def _cross_encoder(
             ids.append(processed_prompt(app, tokens, images, media[0].param))
             continue
         tokens = truncated(tokens, req.truncate_prompt_tokens, app.max_model_len)
-        if len(tokens) >= app.max_model_len:
+        if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
             raise bad_request(
                 f"pair {k} ({req.names[0]}[{i}], {req.names[1]}[{j}]) has {len(tokens)} tokens; "
                 f"this model's maximum context length is {app.max_model_len} (set "

@@ -18,7 +18,7 @@ from paged_engine.multimodal.audio_archs import AUDIO_ARCHS
 from paged_engine.multimodal.inputs import is_embeds_prompt, shift_offsets
 from paged_engine.multimodal.processor import ImageProcessor
 from paged_engine.multimodal.qwen_video import VideoProcessor
-from paged_engine.pooling import truncated
+from paged_engine.pooling import check_prompt_len, is_pooling, truncated
 from paged_engine.sample.beam_search import BeamSearchState
 from paged_engine.sample.logits_processor import load_logits_processors
 from paged_engine.sampling_params import BeamSearchParams, SamplingParams, whole_vocabulary
@@ -131,7 +131,8 @@ class InputProcessor:
         max_len = self.config.max_model_len
         assert max_len is not None
         keep = getattr(params, "truncate_prompt_tokens", None)  # (BeamSearchParams: none)
-        cut = truncated(token_ids, keep, max_len)
+        pooling = is_pooling(params)
+        cut = truncated(token_ids, keep, max_len, generate=not pooling)
         if cut is not token_ids:  # the end kept, where pooling looks; the text no longer fits
             if is_embeds_prompt(mm_inputs):
                 raise ValueError(
@@ -154,11 +155,7 @@ class InputProcessor:
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError(f"cache_salt must be a non-empty str, got {salt!r}")
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt is too long: {len(token_ids)} tokens, but max_model_len is {max_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
+        check_prompt_len(len(token_ids), "tokens", max_len, pooling)
         self._check_params(params)
         if isinstance(params, SamplingParams) and -1 in (params.logprobs, params.prompt_logprobs):
             params = whole_vocabulary(params, self.vocab_size)
@@ -253,6 +250,7 @@ class InputProcessor:
             width=self.embeds_width,
             max_len=self.config.max_model_len,
             block_size=self.config.block_size,
+            pooling=is_pooling(params),
         )
 
     def multimodal(
@@ -400,7 +398,7 @@ class InputProcessor:
         return out
 
     def _check_params(self, params: SamplingParams | BeamSearchParams) -> None:
-        if isinstance(params, SamplingParams) and not hasattr(params, "pooling_type"):
+        if isinstance(params, SamplingParams) and not is_pooling(params):
             for cls in self.logits_processors:
                 cls.validate_params(params)  # ValueError refuses the request
         if isinstance(params, SamplingParams):

@@ -21,6 +21,7 @@ import torch
 
 from paged_engine.multimodal.inputs import ImageInput
 from paged_engine.multimodal.layouts import digest
+from paged_engine.pooling import check_prompt_len
 
 PLACEHOLDER = 0  # the token id under each row: a valid lookup whose output is replaced
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,11 +55,11 @@ def check_prompt_embeds(config: Any, hf_config: Any, is_encoder: bool) -> None:
 
 
 def prompt_embeds_inputs(
-    embeds: Any, *, width: int, max_len: int, block_size: int
+    embeds: Any, *, width: int, max_len: int, block_size: int, pooling: bool = False
 ) -> tuple[list[int], tuple[ImageInput, ...]]:
     """(placeholder token ids, the rows as one ImageInput per block), or a ValueError naming
     `prompt_embeds`. Shapes are checked before anything is copied: a tensor of the right shape
-    holds at most max_model_len rows."""
+    holds at most max_model_len rows (`pooling`), max_model_len - 1 for generation."""
     if not isinstance(embeds, torch.Tensor):
         raise ValueError(
             f"prompt_embeds must be a torch.Tensor [num_tokens, {width}], got "
@@ -76,11 +77,7 @@ def prompt_embeds_inputs(
             f"width), got {list(embeds.shape)}"
         )
     num = int(embeds.shape[0])
-    if num >= max_len:
-        raise ValueError(
-            f"prompt is too long: {num} prompt_embeds rows, but max_model_len is {max_len} "
-            "(the prompt must leave room for at least one generated token)"
-        )
+    check_prompt_len(num, "prompt_embeds rows", max_len, pooling)
     rows = embeds.detach().to("cpu")
     if not bool(torch.isfinite(rows).all()):
         raise ValueError("prompt_embeds must be finite (found NaN or infinity)")

@@ -124,6 +124,12 @@ def test_generation_still_leaves_room_for_a_token(tiny_model_factory) -> None:
     long = ids_of(LIMIT + 5)
     (cut,) = llm.generate([long], most, use_tqdm=False)
     assert cut.prompt_token_ids == long[-(LIMIT - 1) :]
+    # a truncation over max_model_len is refused by name, however short the prompt (vLLM's rule)
+    over = f"truncate_prompt_tokens={LIMIT + 1} is greater than max_model_len"
+    with pytest.raises(ValueError, match=over):
+        llm.generate([[5, 6]], SamplingParams(truncate_prompt_tokens=LIMIT + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match=over):
+        llm.embed([[5, 6]], PoolingParams(truncate_prompt_tokens=LIMIT + 1), use_tqdm=False)
 
 
 def test_full_length_embeddings_beside_generation_with_async_scheduling(
@@ -196,3 +202,7 @@ def test_server_embeds_an_input_of_max_model_len(tmp_path) -> None:
             "POST", "/v1/embeddings", {**body, "truncate_prompt_tokens": -1}
         )
         assert status == 200 and r["usage"]["prompt_tokens"] == limit, r
+        status, _, r = http.request(
+            "POST", "/v1/embeddings", {**body, "truncate_prompt_tokens": limit + 1}
+        )
+        assert status == 400 and r["error"]["param"] == "truncate_prompt_tokens", r

@@ -53,6 +53,14 @@ def test_truncate_prompt_tokens_keeps_the_end(fake) -> None:
     )
     r = post(fake, "/v1/completions", {"prompt": "a", "truncate_prompt_tokens": 0}, 400)
     assert r["error"]["param"] == "truncate_prompt_tokens"
+    # more than max_model_len: refused whatever the prompt's length, as vLLM refuses it
+    over = {"prompt": "a", "max_tokens": 1, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}
+    r = post(fake, "/v1/completions", over, 400)
+    assert r["error"]["param"] == "truncate_prompt_tokens", r
+    assert "greater than max_model_len" in r["error"]["message"], r
+    chat_over = {**chat, "truncate_prompt_tokens": MAX_MODEL_LEN + 1}
+    r = post(fake, "/v1/chat/completions", chat_over, 400)
+    assert r["error"]["param"] == "truncate_prompt_tokens", r
 
 
 def test_request_id_names_the_response(fake) -> None:

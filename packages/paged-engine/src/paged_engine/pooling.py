@@ -90,6 +90,16 @@ def check_prompt_len(num: int, what: str, max_len: int, pooling: bool) -> None:
         raise ValueError(f"prompt is too long: {num} {what}, but max_model_len is {max_len}{why}")
 
 
+def check_truncation(keep: int, max_model_len: int) -> None:
+    """ValueError naming truncate_prompt_tokens when `keep` exceeds max_model_len (vLLM's
+    rule, whatever the prompt's length)."""
+    if keep > max_model_len:
+        raise ValueError(
+            f"truncate_prompt_tokens={keep} is greater than max_model_len ({max_model_len}): "
+            "select a smaller truncation size"
+        )
+
+
 def truncated(
     token_ids: list[int], keep: int | None, max_model_len: int, *, generate: bool = False
 ) -> list[int]:
@@ -98,6 +108,7 @@ def truncated(
     `generate`, leaving room for a token); `token_ids` itself when nothing is cut."""
     if keep is None:
         return token_ids
+    check_truncation(keep, max_model_len)
     if keep == -1:
         keep = max_model_len - 1 if generate else max_model_len
     return token_ids[-keep:] if len(token_ids) > keep else token_ids

@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from paged_engine.classification import ClassifierInfo
+from paged_engine.pooling import check_truncation
 from paged_server import __version__, answers
 from paged_server.anthropic_api import (
     anthropic_errors,
@@ -677,9 +678,8 @@ class OpenAIApp:
         tensors = [decode_tensor(f"prompt_embeds[{i}]", v, cap) for i, v in enumerate(values)]
         return [t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in tensors]  # HF's [1, L, D]
 
-    @staticmethod
     def _truncate(
-        req: GenerationRequest, texts: list[str | None], ids: list[list[int] | None]
+        self, req: GenerationRequest, texts: list[str | None], ids: list[list[int] | None]
     ) -> None:
         """truncate_prompt_tokens (vLLM): keep each prompt's last k tokens (from the left, so
         the end of the prompt, next to what is generated, stays); a cut prompt's text is
@@ -687,6 +687,10 @@ class OpenAIApp:
         k = req.truncate_prompt_tokens
         if k is None:
             return
+        try:
+            check_truncation(k, self.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from None
         req.prompt_embeds = [t[-k:] for t in req.prompt_embeds]
         for i, t in enumerate(ids):
             if t is not None and len(t) > k:

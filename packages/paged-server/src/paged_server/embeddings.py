@@ -192,6 +192,15 @@ def encode(vector: list, fmt: str) -> list | str:
     return base64.b64encode(struct.pack(f"<{len(flat)}f", *flat)).decode("ascii")
 
 
+def truncated_tokens(app: OpenAIApp, tokens: list[int], truncate: int | None) -> list[int]:
+    """pooling.truncated: the last `truncate` tokens, a 400 naming truncate_prompt_tokens when
+    it exceeds max_model_len."""
+    try:
+        return truncated(tokens, truncate, app.max_model_len)
+    except ValueError as e:
+        raise bad_request(str(e), "truncate_prompt_tokens") from None
+
+
 def prompt_tokens(
     app: OpenAIApp,
     item: str | list[int],
@@ -208,7 +217,7 @@ def prompt_tokens(
     else:
         app._check_ids(item, param)
         tokens = list(item)
-    tokens = truncated(tokens, truncate, app.max_model_len)
+    tokens = truncated_tokens(app, tokens, truncate)
     if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
         raise bad_request(
             f"{where} has {len(tokens)} tokens; this model's maximum context length is "

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paged_engine import jina_vl_scoring
-from paged_engine.pooling import PoolingParams, truncated
+from paged_engine.pooling import PoolingParams
 from paged_engine.scoring import cosine_scores, cross_encoder_scores, pair_indices, pair_prompt
 from paged_server.embeddings import (
     list_answer,
@@ -43,6 +43,7 @@ from paged_server.embeddings import (
     parse_truncate,
     prompt_tokens,
     run_pooling,
+    truncated_tokens,
 )
 from paged_server.errors import bad_request
 from paged_server.pooling_media import (
@@ -252,7 +253,7 @@ def _cross_encoder(
         if media:  # its images' runs kept whole: no truncation
             ids.append(processed_prompt(app, tokens, images, media[0].param))
             continue
-        tokens = truncated(tokens, req.truncate_prompt_tokens, app.max_model_len)
+        tokens = truncated_tokens(app, tokens, req.truncate_prompt_tokens)
         if len(tokens) > app.max_model_len:  # a pooling prompt may fill the context
             raise bad_request(
                 f"pair {k} ({req.names[0]}[{i}], {req.names[1]}[{j}]) has {len(tokens)} tokens; "

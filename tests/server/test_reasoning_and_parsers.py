@@ -14,7 +14,6 @@ from server_proc import chat_stream, serve_in_process
 
 from paged_server.reasoning import ThinkSplitter, split_reasoning
 from paged_server.tool_parsers import TOOL_PARSERS
-from paged_server.tool_parsers.streaming import StreamingToolText
 
 # ---- reasoning ----------------------------------------------------------------------------
 
@@ -136,7 +135,7 @@ TS, TE = "<|tool_call_start|>", "<|tool_call_end|>"
 def test_lfm2_framed_pythonic_calls() -> None:
     text = f'Let me check.{TS}[get_weather(city="Paris"), clock(tz="utc")]{TE}It is sunny.'
     content, calls = LFM2.parse(text)
-    assert content == "Let me check."  # what follows the calls is dropped
+    assert content == "Let me check.It is sunny."  # what follows the calls too (vLLM's stream)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"}),
         ("clock", {"tz": "utc"}),
@@ -149,17 +148,48 @@ def test_lfm2_framed_pythonic_calls() -> None:
         f"{TS}[f(x=y)]{TE}",  # a name, not a literal
         f"{TS}[f(a=1)",  # cut short by max_tokens
         f"{TS}f(a=1){TE}",  # not a list
-        f"{TS}[f(a=1)]{TE}{TS}oops{TE}",  # a second frame without a list
         f"{TS}[]{TE}",
         "[f(a=1)]",  # Llama's bare list is not LFM2's
         "plain text",
     ):
         assert LFM2.parse(bad) == (bad, []), bad
+    # a frame that cannot be read ends the calls: it and what follows are content
+    bad = f"{TS}oops{TE} then"
+    for text in (f"Hi.{TS}[f(a=1)]{TE}{bad}", f"Hi.{TS}[f(a=1)]{TE}{bad}{TS}[g()]{TE}"):
+        content, calls = LFM2.parse(text)
+        assert [c.name for c in calls] == ["f"] and content == "Hi." + text[text.find(bad) :]
+
+
+def test_lfm2_text_after_the_calls_less_an_echo() -> None:
+    """vLLM: LFM2 may echo the list after its frame, capped by an end marker of its own; that
+    echo is dropped, the text after it is content; text that opens otherwise is content."""
+    call = f"{TS}[f(a=1)]{TE}"
+    for text, want in (
+        (f"Hi.{call}[f(a=1)]{TE}\nDone.", "Hi.\nDone."),
+        (f"Hi.{call} [f(a=1)]{TE}[f(a=1)]{TE}", "Hi."),
+        (f"Hi.{call}{TE}Done.", "Hi.Done."),
+        (f"Hi.{call}[f(a=1)]", "Hi.[f(a=1)]"),  # no end marker: no echo to drop
+        (f"Hi.{call}See [1]{TE}.", f"Hi.See [1]{TE}."),  # prose first: kept as written
+        (f"{call}\n [f(a=1)]{TE}\n", None),
+        (f"Hi.{call}<b>x</b>", "Hi.<b>x</b>"),
+    ):
+        content, calls = LFM2.parse(text)
+        assert content == want and [c.name for c in calls] == ["f"], text
+        for i in range(len(text) + 1):
+            shown, streamed = _stream_calls(LFM2, [text[:i], text[i:]])
+            assert shown == (want or "") and [c["name"] for c in streamed] == ["f"], (text, i)
+        assert _stream_calls(LFM2, list(text))[0] == (want or ""), text
+    text = f"Hi.{call} and {call}[f(a=1)]{TE} then {call}"  # the same frame again, an echo
+    content, calls = LFM2.parse(text)
+    assert content == "Hi. and  then " and [c.name for c in calls] == ["f"] * 3
+    for i in range(len(text) + 1):
+        shown, streamed = _stream_calls(LFM2, [text[:i], text[i:]])
+        assert shown == content and [c["name"] for c in streamed] == ["f"] * 3, i
 
 
 def _stream_calls(parser, pieces: list[str]) -> tuple[str, list[dict]]:
     """(content shown, the calls as an OpenAI client accumulates delta.tool_calls)."""
-    s = StreamingToolText(parser)
+    s = parser.streamer()
     shown, entries = "", []
     for piece in pieces:
         out, more = s.feed(piece)
@@ -188,7 +218,7 @@ STREAMED_CALLS = [
         "lfm2",
         'Sure.<|tool_call_start|>[f(a="x)]", b=[1, {"c": 2}])]<|tool_call_end|> '
         "<|tool_call_start|>[g()]<|tool_call_end|>Done.",
-        "Sure.",
+        "Sure.Done.",
     ),
 ]
 

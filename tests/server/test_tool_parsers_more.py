@@ -354,6 +354,60 @@ def test_glm45_string_values_stream_as_they_come() -> None:
     assert len([e for f in per_feed for e in f]) <= 4
 
 
+def _glm_call(name: str, **args: str) -> str:
+    pairs = "".join(
+        f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in args.items()
+    )
+    return f"<tool_call>{name}\n{pairs}</tool_call>"
+
+
+GLM_CALLS = [("forecast", {"city": "Beijing"}), ("forecast", {"city": "Shanghai"})]
+GLM_TWO = [_glm_call(n, **a) for n, a in GLM_CALLS]
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        # vLLM's test_extract_tool_calls_mixed_content: its stream sends the text between the
+        # calls too, its answer only the text before them; here both send all of it
+        (
+            f"I will help you.\n\n{GLM_TWO[0]}\n\nAlso Shanghai.\n\n{GLM_TWO[1]}",
+            "I will help you.\n\n\n\nAlso Shanghai.\n\n",
+        ),
+        (f"{GLM_TWO[0]}{GLM_TWO[1]}\nThat is all.", "\nThat is all."),  # after the calls
+        (f"Hi.{GLM_TWO[0]}\n \n{GLM_TWO[1]}\n", "Hi."),  # whitespace alone: none
+        (f" \n{GLM_TWO[0]}\n{GLM_TWO[1]}  ", None),
+        (f"{GLM_TWO[0]} then {GLM_TWO[1]}", " then "),
+    ],
+)
+def test_glm45_text_between_and_after_the_calls(text: str, content: str | None) -> None:
+    got, calls = make("glm45").parse(text)
+    assert got == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == GLM_CALLS
+    for pieces in [*chunkings(text), *([text[:i], text[i:]] for i in range(len(text) + 1))]:
+        shown, per_feed, _ = stream(make("glm45"), pieces)
+        assert shown == (content or ""), pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(per_feed)] == (
+            GLM_CALLS
+        ), pieces
+
+
+def test_glm45_a_call_that_cannot_be_read_ends_the_calls() -> None:
+    """The calls before it stay calls (as vLLM's answer keeps them); it and the text after it
+    are content, whole and streamed."""
+    for bad in (
+        "<tool_call>f\n<arg_key>a</arg_key>\n</tool_call> and " + GLM_TWO[1],  # key, no value
+        "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1",  # cut short by max_tokens
+    ):
+        text = f"Hi.{GLM_TWO[0]}\nNext:{bad}"
+        got, calls = make("glm45").parse(text)
+        assert got == "Hi.\nNext:" + bad
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == GLM_CALLS[:1]
+        for pieces in chunkings(text):
+            shown, per_feed, _ = stream(make("glm45"), pieces)
+            assert shown == got and accumulate(per_feed)[0]["name"] == "forecast", pieces
+
+
 @pytest.mark.parametrize(("alias", "same_as"), [("glm45", "qwen3"), ("kimi_k2", "deepseek_r1")])
 def test_reasoning_names(alias: str, same_as: str) -> None:
     for text in (

@@ -7,8 +7,10 @@ token-like, and whole): the streamed content pieces join to exactly the whole an
 arguments joined and read as JSON) are the whole answer's. The content before the calls is the
 text as the model wrote it, not stripped (vLLM's hermes: `model_output[:start]`, None when
 empty); whitespace alone before the calls is no content where calls may open the answer with no
-marker (llama3_json, pythonic, olmo3, xlam) and for glm45 / hunyuan_a13b / jamba (vLLM's answer),
-and ernie45 trims the newlines before its calls (vLLM's `rstrip("\n")`): both forms alike.
+marker (llama3_json, pythonic, olmo3, xlam) and for glm45 / hunyuan_a13b (vLLM's answer; jamba:
+a lone " ", as vLLM's), and ernie45 trims the newlines before its calls (vLLM's
+`rstrip("\n")`): both forms alike. glm45 and lfm2 go on with the text between and after their
+calls (vLLM streams it), less what is only whitespace (`INTERLEAVED`): both forms alike too.
 """
 
 from __future__ import annotations
@@ -221,6 +223,22 @@ EXTRA = {  # other forms a parser reads: (parser, writer, text before allowed, t
 }
 
 
+# parsers whose content goes on between and after the calls -> a call block in their text
+INTERLEAVED = {
+    "glm45": r"<tool_call>.*?</tool_call>",
+    "glm47": r"<tool_call>.*?</tool_call>",
+    "lfm2": r"<\|tool_call_start\|>.*?<\|tool_call_end\|>",
+}
+
+
+def _outside_calls(name: str, text: str) -> str | None:
+    """The content of an interleaving parser's answer: the text before the first call, then
+    each piece of text after a call unless it is only whitespace (None: whitespace alone)."""
+    first, *after = re.split(INTERLEAVED[name], text, flags=re.DOTALL)
+    content = first + "".join(piece for piece in after if piece.strip())
+    return content if content.strip() or (name == "lfm2" and content) else None
+
+
 def _format(name: str) -> tuple[str, Callable[[list[Call]], str], bool, bool]:
     if name in EXTRA:
         return EXTRA[name]
@@ -244,6 +262,14 @@ def _outputs(name: str) -> list[tuple[str, int]]:
         texts += [("Let me look.\n" + one, 0)]
     if after:
         texts += [("Let me look.\n" + two + "\nDone.", 2), (one + "\n\nThat is all.", 1)]
+    if name in INTERLEAVED:  # text between the calls, after them, or whitespace only
+        other = write(CALLS[1:])
+        texts += [
+            ("Let me look.\n" + one + "\nNow the clock:\n" + other + "\nDone.\n", 2),
+            (one + " and " + other + " \n", 2),
+            ("Hi " + one + "\n \n" + other + "\n\n", 2),
+            ("\n" + one + " \n" + other + "\nDone.", 2),
+        ]
     return texts
 
 
@@ -303,7 +329,9 @@ def test_streamed_answer_is_the_whole_answer(name: str) -> None:
         msg, whole_reason = _tool_output(name).message(text, "stop")
         whole_calls = msg.get("tool_calls", [])
         assert len(whole_calls) == n_calls, (name, text)
-        if n_calls:
+        if n_calls and name in INTERLEAVED:
+            assert msg["content"] == _outside_calls(name, text), (name, text)
+        elif n_calls:
             assert msg["content"] is None or text.startswith(msg["content"]), "not stripped"
         else:
             assert msg["content"] == text
@@ -323,8 +351,9 @@ def test_streamed_answer_is_the_whole_answer(name: str) -> None:
 def test_content_before_calls_is_as_written() -> None:
     """vLLM's hermes: content = model_output[:start], not stripped; whitespace-only content
     before a marker stays (as vLLM answers it); before bare calls, and for parsers whose vLLM
-    counterpart answers None for it (glm45, hunyuan_a13b, jamba), it is none; ernie45 trims
-    the newlines before the calls (vLLM: rstrip("\\n"))."""
+    counterpart answers None for it (glm45, hunyuan_a13b), it is none (jamba: only a lone " ",
+    as vLLM's `content != " "`); ernie45 trims the newlines before the calls (vLLM:
+    rstrip("\\n"))."""
 
     def content(parser: str, text: str) -> str | None:
         return _tool_output(parser).message(text, "stop")[0]["content"]
@@ -333,8 +362,12 @@ def test_content_before_calls_is_as_written() -> None:
         one = _format(parser)[1](CALLS[:1])
         assert content(parser, " Let me look. \n" + one) == " Let me look. \n"
         assert content(parser, "\n\n" + one) == (
-            "\n\n" if parser in ("hermes", "mistral", "kimi_k2", "qwen3_coder") else None
+            "\n\n" if parser in ("hermes", "mistral", "kimi_k2", "qwen3_coder", "jamba") else None
         )
+    for parser in ("jamba", "hunyuan_a13b"):
+        one = _format(parser)[1](CALLS[:1])
+        assert content(parser, " " + one) is None
+        assert content(parser, "  " + one) == ("  " if parser == "jamba" else None)
     assert content("pythonic", "\n" + FORMATS["pythonic"][0](CALLS)) is None
     hermes = FORMATS["hermes"][0](CALLS[:1])
     assert content("ernie45", "Let me look.\n\n" + hermes) == "Let me look."

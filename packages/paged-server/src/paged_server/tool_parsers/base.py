@@ -13,14 +13,15 @@ refinements, each applied alike to both forms:
     `blank_is_no_content`  whitespace alone before the calls is no content (None): where calls
                            may open the answer with no marker (llama3_json, pythonic, olmo3,
                            xlam: vLLM answers None there) and where vLLM's answer turns
-                           whitespace-only content into None (glm45, hunyuan_a13b; jamba,
-                           whose vLLM parser does so only for "" and " "); a
+                           whitespace-only content into None (glm45, hunyuan_a13b; jamba
+                           overrides `no_content`: vLLM's makes only "" and " " None); a
                            stream holds leading whitespace back until something else follows.
     `trim_before_calls`    these characters are trimmed off the end of the content before the
                            calls (ernie45: newlines, as vLLM's `rstrip("\n")`); a stream holds
                            a trailing run of them back until something else follows.
 Where vLLM strips its non-streamed content but streams it unstripped (lfm2, xlam), paged keeps the
-text as written, so that both forms agree.
+text as written, so that both forms agree. Parsers whose content goes on between and after the
+calls (glm45, lfm2) build on interleaved.py.
 """
 
 from __future__ import annotations
@@ -67,9 +68,13 @@ class ToolParser:
         whitespace and `blank_is_no_content`. Always a prefix of `text`: a stream sends the
         same characters (streaming.py)."""
         content = text[:start].rstrip(self.trim_before_calls)  # (rstrip("") strips nothing)
-        if self.blank_is_no_content and not content.strip():
-            return None
-        return content or None
+        return None if self.no_content(content) else content
+
+    def no_content(self, content: str) -> bool:
+        """Whether this content text is no content (None): when empty, or only whitespace and
+        `blank_is_no_content`. Once False for a text, False for every text it starts (a
+        stream holds leading text back while this is True, streaming.py)."""
+        return not content.strip() if self.blank_is_no_content else not content
 
     def streamer(self) -> Any:
         """What streams one output through this parser: `feed(text)` -> (content, tool_calls

@@ -9,13 +9,18 @@ call:
     </tool_call>
 
 The name runs to the end of its line or to the first `<arg_key>` (GLM-4.7 writes no newline);
-a call may have no arguments. Text before the first block is the content. Values are typed as
-vLLM types them: a parameter whose schema (the request's tool) says `"type": "string"` keeps its
-text exactly; any other value, stripped, is read as JSON, else as a Python literal, else kept as
-text (so `3` is a number and `Paris` a string when the tool gives no schema).
+a call may have no arguments. Values are typed as vLLM types them: a parameter whose schema
+(the request's tool) says `"type": "string"` keeps its text exactly; any other value, stripped,
+is read as JSON, else as a Python literal, else kept as text (so `3` is a number and `Paris` a
+string when the tool gives no schema).
 
-The content is the text before the first block as written; whitespace alone is none (vLLM's
-answer; its stream sent that whitespace, here a stream holds it back: both forms agree).
+The content is the text around the calls (interleaved.py): before the first as written, and
+the text between or after them unless it is only whitespace; whitespace alone is none. vLLM's
+answer keeps only the text before the first call (whitespace alone: None) while its stream
+sends all text outside the calls, whitespace too; here both forms send the text before, between
+and after the calls, so a client gets the same content streamed or not, and an answer whose
+calls are apart only by whitespace has vLLM's answer's content. A call that cannot be read
+(malformed, or cut off by max_tokens) ends the calls: it and the text after it are content.
 
 Arguments are JSON text built a parameter at a time, so what a stream has sent is always a
 prefix of the final arguments; a string parameter's text streams as it is generated.
@@ -27,8 +32,9 @@ import ast
 import json
 from typing import Any
 
-from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.base import ParsedCall
 from paged_server.tool_parsers.framed import plain_name
+from paged_server.tool_parsers.interleaved import Block, InterleavedToolParser
 from paged_server.tool_parsers.streaming import PartialCall
 
 _CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -71,33 +77,38 @@ def _field(key: str, value: Any) -> str:
     return json.dumps({key: value}, ensure_ascii=False)[1:-1]  # "key": value
 
 
-class Glm45ToolParser(ToolParser):
+class Glm45ToolParser(InterleavedToolParser):
     start_markers = (_CALL_OPEN,)
     keeps_special_tokens = True  # vLLM keeps them for GLM too (added tokens)
     blank_is_no_content = True  # vLLM's answer: whitespace-only content is None
+    _scanned: tuple[str, list[tuple[int, PartialCall]]] | None = None  # (text, its scan)
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        start = text.find(_CALL_OPEN)
-        if start < 0:
-            return text, []
-        calls = []
-        for call in self._scan(text, start):
-            if call.name is None or not call.args_done:  # malformed or cut short: content
-                return text, []
-            calls.append(ParsedCall(call.name, call.args))
-        return self.content_before(text, start), calls
+    def blocks(self, text: str, final: bool) -> list[Block]:
+        return [
+            Block(start, call.end, [ParsedCall(call.name, call.args)])
+            if call.name is not None and call.args_done
+            else Block(start, None, None)
+            for start, call in self._scan(text)
+        ]
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        start = text.find(_CALL_OPEN)
-        return [] if start < 0 else self._scan(text, start)
+        return [call for _, call in self._scan(text)]
 
-    def _scan(self, text: str, pos: int) -> list[PartialCall]:
-        """Every call from `pos` on, the last one as far as it has arrived; a malformed call
-        ends the scan with its arguments never done."""
-        calls: list[PartialCall] = []
+    def _scan(self, text: str) -> list[tuple[int, PartialCall]]:
+        """`_scan_calls(text)`, once per text: a stream's rescan asks for the calls and then
+        for the blocks of the same text."""
+        if self._scanned is None or self._scanned[0] is not text:
+            self._scanned = (text, self._scan_calls(text))
+        return self._scanned[1]
+
+    def _scan_calls(self, text: str) -> list[tuple[int, PartialCall]]:
+        """(where it starts, the call) for every call, the last one as far as it has arrived;
+        a malformed call ends the scan with its arguments never done."""
+        calls: list[tuple[int, PartialCall]] = []
+        pos = 0
         while (pos := text.find(_CALL_OPEN, pos)) >= 0:
             call = PartialCall()
-            calls.append(call)
+            calls.append((pos, call))
             pos += len(_CALL_OPEN)
             ends = [i for m in ("\n", _KEY_OPEN, _CALL_CLOSE) if (i := text.find(m, pos)) >= 0]
             if not ends:
@@ -140,6 +151,6 @@ class Glm45ToolParser(ToolParser):
                 pos = value_end + len(_VALUE_CLOSE)
             if close < 0 or text[pos:close].strip():
                 return calls
-            call.args, call.args_done = "{" + ", ".join(fields) + "}", True
             pos = close + len(_CALL_CLOSE)
+            call.args, call.args_done, call.end = "{" + ", ".join(fields) + "}", True, pos
         return calls

@@ -1,72 +1,109 @@
 """LFM2 / LFM2.5 (Liquid AI; vLLM's `lfm2`): a Python list of calls framed by special tokens,
 
-    CONTENT <|tool_call_start|>[get_weather(city="Paris"), clock()]<|tool_call_end|> ...
+    CONTENT <|tool_call_start|>[get_weather(city="Paris"), clock()]<|tool_call_end|> CONTENT
 
 each list read as pythonic.py reads Llama's (`ast`, never evaluated; keyword arguments with
-literal values only). Several framed lists are read in order. Text before the first
-<|tool_call_start|> is the content; text after the calls is dropped (as framed.py does). The
-closing <|tool_call_end|> is not required (a complete list ends the call, so a call whose end
-marker was cut off by max_tokens still counts); a list that is not well formed or not complete
-leaves the whole text as content. The markers are special tokens: the server keeps them in the
-text (`keeps_special_tokens`).
+literal values only). Several framed lists are read in order (vLLM reads the first). The
+closing <|tool_call_end|> is not required at the end of the output (a complete list ends the
+call, so a call whose end marker was cut off by max_tokens still counts). A frame that is not a
+well-formed, complete list ends the calls: it and the text after it are content (none read:
+the whole text). The markers are special tokens: the server keeps them in the text
+(`keeps_special_tokens`).
 
-The content is the text before the first frame as written. vLLM's answer strips it (and joins
-the text after the calls to it) while its stream sends it as written; paged keeps it as written
-in both, so that a client gets the same content streamed or not (base.py `content_before`)."""
+The content is the text around the frames (interleaved.py): before the first as written, and
+the text after each frame unless it is only whitespace. LFM2 may echo a call's list after its
+frame, capped by an <|tool_call_end|> of its own: text after a frame that opens (past
+whitespace) with "[" or <|tool_call_end|> is such an echo, dropped through its last
+<|tool_call_end|> (vLLM drops the text after its frame through the last <|tool_call_end|>
+whatever it opens with; its stream holds back text that opens with "[" or "<" the same way).
+vLLM's answer strips the text before and after and joins them with a newline while its stream
+sends them as written; paged sends them as written in both, so that a client gets the same
+content streamed or not.
+"""
 
 from __future__ import annotations
 
-from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.base import ParsedCall
+from paged_server.tool_parsers.interleaved import Block, InterleavedToolParser
 from paged_server.tool_parsers.pythonic import list_calls, scan_list
 from paged_server.tool_parsers.streaming import PartialCall
 
 START, END = "<|tool_call_start|>", "<|tool_call_end|>"
 
 
-def _lists(text: str) -> list[tuple[int, int | None]]:
-    """(index of each framed list's "[", index of its END or None) in order; a frame whose
-    body does not open with "[" ends the scan (-1 as its start)."""
-    out: list[tuple[int, int | None]] = []
+def _frames(text: str) -> list[tuple[int, int, int | None]]:
+    """(index of each START, of its list's "[" or -1 (not a list, or not arrived), of its END
+    or None) in order, ending with the first frame that is not a list or not closed."""
+    out: list[tuple[int, int, int | None]] = []
     pos = text.find(START)
     while pos >= 0:
         body = pos + len(START)
-        start = len(text) - len(text[body:].lstrip())
+        lst = body
+        while lst < len(text) and text[lst].isspace():
+            lst += 1
+        lst = lst if lst < len(text) and text[lst] == "[" else -1
         end = text.find(END, body)
-        if start >= len(text) or text[start] != "[":
-            if start < len(text):  # not a list: the frame is malformed
-                out.append((-1, end if end >= 0 else None))
-            return out
-        out.append((start, end if end >= 0 else None))
-        if end < 0:
-            return out
+        out.append((pos, lst, end if end >= 0 else None))
+        if lst < 0 or end < 0:
+            break
         pos = text.find(START, end + len(END))
     return out
 
 
-class Lfm2ToolParser(ToolParser):
+def _echo(gap: str) -> bool:
+    """Whether text after a frame opens as an echo of a list (or may still do so)."""
+    head = gap.lstrip()
+    return head.startswith(("[", END)) or (bool(head) and END.startswith(head))
+
+
+class Lfm2ToolParser(InterleavedToolParser):
     start_markers = (START,)
     keeps_special_tokens = True
+    _read: tuple[str, list[list[ParsedCall] | None]] | None = None
+    _lists_read: dict[str, list[ParsedCall] | None] = {}  # noqa: RUF012 - the class's never mutated
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        frames = _lists(text)
-        if not frames:
-            return text, []
-        calls: list[ParsedCall] = []
-        for start, end in frames:
-            if start < 0:  # not a list
-                return text, []
-            listed = list_calls(text[start:end])  # end None: the rest of the text
-            if listed is None:
-                return text, []
-            calls += listed
-        return self.content_before(text, text.find(START)), calls
+    def _closed_lists(self, text: str) -> list[list[ParsedCall] | None]:
+        """The calls of each closed frame's list (None: not read), once per text (a stream's
+        rescan asks for the calls, then for the blocks), each list read once per stream."""
+        if self._read is None or self._read[0] is not text:
+            known, self._lists_read, read = self._lists_read, {}, []
+            for _, lst, end in _frames(text):
+                if lst >= 0 and end is not None:
+                    source = text[lst:end]
+                    got = known[source] if source in known else list_calls(source)
+                    self._lists_read[source] = got
+                    read.append(got)
+            self._read = (text, read)
+        return self._read[1]
+
+    def blocks(self, text: str, final: bool) -> list[Block]:
+        out = []
+        closed = self._closed_lists(text)
+        for k, (start, lst, end) in enumerate(_frames(text)):
+            if lst < 0 or (end is None and not final):
+                return [*out, Block(start, None, None)]
+            calls = closed[k] if end is not None else list_calls(text[lst:])
+            stop = len(text) if end is None else end + len(END)
+            out.append(Block(start, stop if calls else None, calls))
+            if calls is None:
+                break
+        return out
+
+    def gap_content(self, gap: str) -> str:
+        if _echo(gap) and (cut := gap.rfind(END)) >= 0:
+            gap = gap[cut + len(END) :]
+        return gap if gap.strip() else ""
+
+    def gap_settled(self, gap: str) -> str:
+        return "" if _echo(gap) else self.gap_content(gap)  # an echo's end: known at the gap's
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[PartialCall] = []
-        for start, end in _lists(text):
-            if start < 0:
+        closed = self._closed_lists(text)
+        for k, (_, lst, end) in enumerate(_frames(text)):
+            if lst < 0:
                 break
-            calls += scan_list(text if end is None else text[:end], start)
-            if end is None:
+            calls += scan_list(text if end is None else text[:end], lst)
+            if end is None or closed[k] is None:  # the calls end here
                 break
         return calls

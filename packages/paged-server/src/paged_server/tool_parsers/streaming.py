@@ -149,6 +149,17 @@ class ToolCallDeltas:
         return out
 
 
+def partial_marker_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of one of `markers`."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
 class StreamingToolText:
     """Feeds streamed text through a parser: content while no tool call may have started, then
     the calls piece by piece (`ToolCallDeltas` entries), and the rest when the output ends."""
@@ -189,26 +200,21 @@ class StreamingToolText:
             end = len(self.text) - self._partial_marker_len()
         if self.parser.trim_before_calls:  # a trailing run of them may end the content
             end = max(self.sent, len(self.text[:end].rstrip(self.parser.trim_before_calls)))
-        if self.parser.blank_is_no_content and not self.text[:end].strip():
-            return "", self._updates() if self.holding else []  # whitespace may open calls
+        if self.parser.no_content(self.text[:end]):  # (what may still be no content waits)
+            return "", self._updates() if self.holding else []
         out, self.sent = self.text[self.sent : end], max(self.sent, end)
         return out, self._updates() if self.holding else []
 
     def _partial_marker_len(self) -> int:
-        """Length of the longest text tail that is a proper prefix of a start marker."""
-        best = 0
-        for m in self.parser.start_markers:
-            for k in range(min(len(m) - 1, len(self.text) - self.sent), 0, -1):
-                if self.text.endswith(m[:k]):
-                    best = max(best, k)
-                    break
-        return best
+        """Length of the longest unsent text tail that is a proper prefix of a start marker."""
+        return partial_marker_len(self.text[self.sent :], self.parser.start_markers)
 
     def finish(self) -> tuple[str, list[dict[str, Any]], list[ParsedCall]]:
         """(content not streamed yet, the calls' remaining entries, the calls) once the output
         is complete. The content streamed in all is the non-streamed answer's: a parser's
-        content is a prefix of the text (`ToolParser.content_before`), of which the stream has
-        sent `sent` characters; the rest of it is sent now (text that was held back because a
+        content is a prefix of the text (`ToolParser.content_before`; interleaved.py: it starts
+        with all the content streamed), of which the stream has sent `sent` characters; the
+        rest of it is sent now (text that was held back because a
         call might have started there and turned out to be content, e.g. a block that was
         not calls before the one that is). Text that turns out not to be well-formed calls is
         content after all (a call already announced stays announced: the stream cannot take

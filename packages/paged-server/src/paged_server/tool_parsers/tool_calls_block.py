@@ -6,9 +6,10 @@
     JambaToolParser        AI21 Jamba; the tags are special tokens, kept in the text
                            (`keeps_special_tokens`) as vLLM's jamba parser keeps them
 
-Text before the first <tool_calls> is the content, as written; whitespace alone is none (vLLM's
-hunyuan_a13b answer; its jamba drops a lone " "; a stream holds leading whitespace back, so
-both forms agree); text after the closing tag is dropped. The closing </tool_calls> is required
+Text before the first <tool_calls> is the content, as written; whitespace alone is none for
+hunyuan_a13b (vLLM's answer), a lone " " for jamba (vLLM's `content != " "`; other whitespace
+is content); a stream holds such text back until something else follows, so both forms agree.
+Text after the closing tag is dropped. The closing </tool_calls> is required
 (vLLM reads only closed blocks); several blocks are read in order (vLLM reads one: jamba the
 first, hunyuan_a13b the first that is JSON). A block that is not a non-empty list of call
 objects, or one left open, leaves the whole text as content. A call's "arguments" may be an
@@ -69,3 +70,6 @@ class HunyuanA13BToolParser(ToolCallsBlockToolParser):
 
 class JambaToolParser(ToolCallsBlockToolParser):
     keeps_special_tokens = True
+
+    def no_content(self, content: str) -> bool:
+        return content in ("", " ")  # vLLM's jamba: a lone space is none, other whitespace is

@@ -231,7 +231,7 @@ def test_a_wav_of_millions_of_empty_chunks_is_refused_quickly() -> None:
     with pytest.raises(APIError) as e:
         MediaLoader().load(ref)
     assert e.value.status == 400 and "fmt and a data chunk" in str(e.value)
-    assert time.perf_counter() - t0 < 1.0  # was 6 s
+    assert time.perf_counter() - t0 < 3.0  # was 6 s (~0.3 s now under load; slack for a loaded machine)
     few = MediaRef(_url(_wav(16000, b"\x80" * 8, 10), "audio/wav"), "p", kind="audio")
     wave, rate = MediaLoader().load(few)
     assert rate == 16000 and wave.size == 8

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paged_server.errors import bad_request
+from paged_server.errors import APIError, bad_request
 
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 TOP_LEVEL = (*GUIDED, "structural_tag")  # each a constraint of its own name (less guided_)
@@ -115,10 +115,14 @@ def _response_format(rf: Any) -> dict[str, Any] | None:
 
 def check_structured(params: Any, param: str | None) -> None:
     """Check the grammar on the HTTP thread (400 naming the request field): an invalid schema,
-    regex or grammar, or the optional dependency missing. The engine reuses the cached result."""
-    from paged_engine.structured_output.grammar import grammar_text
+    regex or grammar, or the optional dependency missing. The engine reuses the cached result.
+    No thread left to run the check on is the server's state, not the request's: a 503 that
+    asks the client to retry (the engine never saw the request)."""
+    from paged_engine.structured_output.grammar import GrammarBusyError, grammar_text
 
     try:
         grammar_text(params.structured_outputs)
     except (ValueError, ImportError) as e:
         raise bad_request(f"'{param}': {e}", param) from None
+    except GrammarBusyError as e:
+        raise APIError(503, f"server busy: {e}", headers={"Retry-After": "1"}) from None

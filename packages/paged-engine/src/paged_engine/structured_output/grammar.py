@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from paged_engine.structured_output.params import StructuredOutputsParams
+from paged_engine.structured_output.schema_refs import check_ref_cycles
 from paged_engine.structured_output.structural_tag import structural_tag_lark
 
 EXTRA_HINT = "install it with: pip install 'paged-engine[structured]'"
@@ -50,6 +51,11 @@ _STACK_LOCK = threading.Lock()
 MAX_BIG_STACKS = 4
 _BIG_STACKS = threading.BoundedSemaphore(MAX_BIG_STACKS)
 T = TypeVar("T")
+
+
+class GrammarBusyError(RuntimeError):
+    """No thread could start to build a grammar (the process is out of threads or address
+    space): the server's state, not the request's fault; the same request may pass later."""
 
 
 def on_big_stack(fn: Callable[..., T], *args: Any) -> T:
@@ -79,6 +85,11 @@ def _run_on_big_stack(fn: Callable[..., T], *args: Any) -> T:
         old = threading.stack_size(STACK_BYTES)
         try:
             _thread.start_new_thread(run, ())
+        except (RuntimeError, MemoryError) as e:  # "can't start new thread"
+            raise GrammarBusyError(
+                f"no thread could start to check the grammar ({e}): the server is out of "
+                "threads or memory, try again later"
+            ) from e
         finally:
             threading.stack_size(old)
     done.wait()
@@ -150,6 +161,8 @@ def _build_grammar_text(key: str) -> str:
     error = matcher.validate_grammar(grammar)
     if error:
         raise ValueError(f"{field} is invalid: {error.strip()}")
+    if kind == "json" and '"$ref"' in key:  # no $ref, no loop (the walk costs ~4 us a node)
+        check_ref_cycles(spec, field)  # llguidance builds a loop, then fails to fill a mask
     return grammar
 
 

@@ -59,7 +59,13 @@ class LLGuidanceBackend(GrammarBackend):
     def compile(self, grammar: str) -> LLGuidanceMatcher:
         matcher = on_big_stack(self._build, grammar)
         if matcher.is_error():
-            raise ValueError(f"grammar rejected for this tokenizer: {matcher.get_error()}")
+            error = matcher.get_error()
+            if error.startswith("NoExtensionBias"):  # (then a dump of the parser's state)
+                error = (
+                    "no output can match it (NoExtensionBias: no token may start it, e.g. a "
+                    "rule that only refers to itself, `a: a`)"
+                )
+            raise ValueError(f"grammar rejected for this tokenizer: {error}")
         return LLGuidanceMatcher(matcher)
 
     def _build(self, grammar: str) -> Any:  # an llguidance.LLMatcher

@@ -39,6 +39,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from paged_engine.structured_output.schema_refs import check_ref_cycles
+
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")  # escaped in llguidance's /regex/ ("<" ">" are not)
 # json.dumps spacing, as the `json` constraint writes JSON by default
 _JSON_SPACING = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -136,7 +138,10 @@ class _Builder:
             schema = {} if schema else {"not": {}}
         if not isinstance(schema, dict):
             raise ValueError(f"{where}.json_schema must be a JSON schema (an object)")
-        return "%json " + json.dumps({**schema, "x-guidance": self.json_options}), False
+        text = json.dumps({**schema, "x-guidance": self.json_options})
+        if '"$ref"' in text:
+            check_ref_cycles(schema, f"{where}.json_schema")
+        return "%json " + text, False
 
     def _regex(self, fmt: dict, where: str, follow: str | None) -> tuple[str, bool]:
         pattern = _string(fmt, "pattern", where)

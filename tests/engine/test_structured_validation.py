@@ -8,6 +8,7 @@ output, and the other requests finish."""
 from __future__ import annotations
 
 import re
+import threading
 from concurrent.futures import wait
 
 import pytest
@@ -101,3 +102,33 @@ def test_compile_failure_after_admission_fails_that_request_only(llm, monkeypatc
     with pytest.raises(RequestFailedError, match=r"structured_outputs\.regex"):
         llm.generate(["z"], _params(regex="bomb"), use_tqdm=False)
     _serves_on(llm)
+
+
+def test_the_backend_is_built_off_the_calling_thread(tiny_llama_dir, monkeypatch):
+    """The grammar backend (llguidance's tokenizer, built from a copy of the engine's) is made
+    on the compile thread: by `warm_structured_outputs` (paged-server calls it once serving),
+    never on the thread that adds requests (the step thread in the server: a 0.3 s copy and a
+    ~1 s build stalled every stream at the first constrained request)."""
+    import copy
+
+    from paged_engine.structured_output import manager as manager_module
+
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    engine = llm.llm_engine
+    structured = engine.engine_core.structured
+    copied_on: list[str] = []
+    deepcopy = copy.deepcopy
+
+    def recorded(x, *a):
+        copied_on.append(threading.current_thread().name)
+        return deepcopy(x, *a)
+
+    monkeypatch.setattr(manager_module.copy, "deepcopy", recorded)
+    engine.warm_structured_outputs()
+    structured._thread().submit(lambda: None).result()  # the warm-up ran before it
+    assert structured._backend is not None
+    assert copied_on and all(name.startswith("paged-grammar") for name in copied_on), copied_on
+    outs = llm.generate(["x"], _params(grammar="start: <[7]> <[9]>"), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids[:2] == [7, 9]
+    assert all(name.startswith("paged-grammar") for name in copied_on), copied_on
+    engine.shutdown()

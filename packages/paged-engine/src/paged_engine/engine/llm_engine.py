@@ -668,6 +668,12 @@ class LLMEngine:
     def shutdown(self) -> None:
         self.engine_core.shutdown()
 
+    def warm_structured_outputs(self) -> None:
+        """Build the grammar backend in the background now (paged-server, once serving), so
+        that no constrained request waits for it and no step stalls on it."""
+        if self.engine_core.structured is not None:
+            self.engine_core.structured.warm()
+
     # ---- chat and stats -------------------------------------------------------------------------
     def apply_chat_template(
         self,

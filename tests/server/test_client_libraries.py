@@ -1,9 +1,10 @@
 """Requests exactly as popular client libraries other than the official SDKs send them (LangChain's
-`ChatOpenAI` / `OpenAI`, LiteLLM's `openai/` and `hosted_vllm/` providers), captured with a
-logging proxy in front of paged-server and replayed here over raw HTTP, so the suite needs
-neither library. Each body below is byte-for-byte what the library sent; the assertions are
-what the library then reads from the answer. vLLM is the reference: a request it serves is
-served here, and what the library parses is shaped as vLLM shapes it."""
+`ChatOpenAI` / `OpenAI`, LiteLLM's `openai/` and `hosted_vllm/` providers, the OpenAI Agents
+SDK, pydantic-ai, instructor), captured with a logging proxy in front of paged-server and
+replayed here over raw HTTP, so the suite needs none of these libraries. Each body below is
+byte-for-byte what the library sent (ids aside); the assertions are what the library then reads
+from the answer. vLLM is the reference: a request it serves is served here, and what the
+library parses is shaped as vLLM shapes it."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def srv() -> Iterator[SimpleNamespace]:
     engine = ScriptedEngine(max_model_len=2048, step_time=0.0005)
-    with serve_in_process(ARGS, engine) as (http, _):
-        yield SimpleNamespace(engine=engine, http=http)
+    with serve_in_process(ARGS, engine) as (http, app):
+        yield SimpleNamespace(engine=engine, http=http, app=app)
 
 
 def _post(srv: SimpleNamespace, path: str, body: dict) -> tuple[int, dict]:
@@ -175,3 +176,253 @@ def test_streams_carry_one_choice_per_chunk(srv: SimpleNamespace, path: str, bod
         piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
         texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
     assert texts == {0: "Hey", 1: "Hey"}
+
+
+# ---- OpenAI Agents SDK 0.24 / pydantic-ai 2.38 / instructor 1.17 ----------------------------
+# Captured the same way (openai 3.3 underneath). The Agents SDK's default model speaks the
+# Responses API, `OpenAIChatCompletionsModel` chat completions; pydantic-ai's `OpenAIChatModel`
+# / `OpenAIResponsesModel` with its `VLLMProvider`; instructor's `from_openai` modes.
+CITY = {"properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],
+        "title": "get_weather_args", "type": "object", "additionalProperties": False}  # fmt: skip
+OUT = {"properties": {"city": {"title": "City", "type": "string"},
+                      "temp": {"title": "Temp", "type": "integer"}},
+       "required": ["city", "temp"], "title": "Weather", "type": "object",
+       "additionalProperties": False}  # fmt: skip
+AGENTS_TOOL = {"name": "get_weather", "parameters": CITY, "strict": True, "type": "function",
+               "description": "Get the weather for a city."}  # fmt: skip
+AGENTS_CHAT_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city.", "parameters": CITY,
+    "strict": True}}  # fmt: skip
+# Agent(output_type=Weather, tools=[get_weather], model_settings=ModelSettings(tool_choice=...)):
+# the first turn forces the call and already names the final output's schema.
+AGENTS_CHAT_FORCED = {
+    "messages": [{"role": "user", "content": "Weather in Oslo?"}], "model": "tiny",
+    "response_format": {"type": "json_schema", "json_schema": {
+        "name": "final_output", "strict": True, "schema": OUT}},
+    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    "tools": [AGENTS_CHAT_TOOL],
+}  # fmt: skip
+AGENTS_RESPONSES_FORCED = {
+    "include": [], "input": [{"content": "Weather in Oslo?", "role": "user"}], "model": "tiny",
+    "text": {"format": {"type": "json_schema", "name": "final_output", "schema": OUT,
+                        "strict": True}},
+    "tool_choice": "required", "tools": [AGENTS_TOOL],
+}  # fmt: skip
+# instructor.from_openai(client, mode=Mode.RESPONSES_TOOLS).responses.create(response_model=...)
+INSTRUCTOR_RESPONSES = {
+    "input": [{"role": "user", "content": "Weather in Paris?"}], "model": "tiny",
+    "text": {"format": {"type": "json_schema", "name": "Weather", "strict": True,
+                        "schema": OUT}},
+    "tool_choice": {"type": "function", "name": "Weather"},
+    "tools": [{"type": "function", "name": "Weather", "parameters": OUT, "description":
+               "Correctly extracted `Weather` with all the required parameters with correct "
+               "types"}],
+}  # fmt: skip
+
+
+HI_CHAT = {"messages": [{"role": "user", "content": "Hi"}], "model": "tiny"}
+
+
+def _forced_schema(srv: SimpleNamespace, response_id: str) -> dict:
+    return srv.engine.params[response_id + "-0"].structured_outputs.json
+
+
+def test_agents_output_type_with_a_forced_tool_choice(srv: SimpleNamespace) -> None:
+    """A forced call beside response_format / text.format json_schema: the call's schema
+    constrains this turn, as vLLM lets the tool's schema win; the format shapes the free answer
+    of a later turn. Before, a 400 ("cannot be combined with a forced 'tool_choice'") on both
+    APIs, so such an agent never ran."""
+    srv.engine.script = '{"city": "Oslo"}'
+    status, r = _post(srv, "/v1/chat/completions", AGENTS_CHAT_FORCED)
+    assert status == 200, r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert _forced_schema(srv, r["id"]) == CITY
+
+    srv.engine.script = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    status, r = _post(srv, "/v1/responses", AGENTS_RESPONSES_FORCED)
+    assert status == 200, r
+    (call,) = r["output"]
+    assert call["type"] == "function_call" and call["arguments"] == '{"city": "Oslo"}'
+    assert _forced_schema(srv, r["id"])["type"] == "array"  # the "required" call list
+    assert r["text"]["format"]["name"] == "final_output"  # echoed as sent
+
+    srv.engine.script = '{"city": "Paris", "temp": 20}'
+    status, r = _post(srv, "/v1/responses", INSTRUCTOR_RESPONSES)
+    assert status == 200, r
+    assert [(o["type"], o["name"]) for o in r["output"]] == [("function_call", "Weather")]
+    events = typed_events(srv.http, "/v1/responses", INSTRUCTOR_RESPONSES)  # create_partial
+    args = "".join(e["delta"] for e in events if e["type"].endswith("arguments.delta"))
+    assert args == '{"city": "Paris", "temp": 20}' and events[-1]["type"] == "response.completed"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [  # what stays refused beside a forced call (vLLM refuses these too)
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"structured_outputs": {"json": OUT}}, "structured_outputs"),
+        ({"guided_json": OUT}, "guided_json"),
+    ],
+)
+def test_other_constraints_beside_a_forced_call_are_refused(
+    srv: SimpleNamespace, body: dict, param: str
+) -> None:
+    plain = {k: v for k, v in AGENTS_CHAT_FORCED.items() if k != "response_format"}
+    status, r = _post(srv, "/v1/chat/completions", {**plain, **body})
+    assert status == 400 and r["error"]["param"] == param, r
+
+
+def test_vllm_sampling_extras_on_responses(srv: SimpleNamespace) -> None:
+    """pydantic-ai's model_settings={"extra_body": {"top_k": 5, "repetition_penalty": 1.05}}
+    (the Agents SDK's ModelSettings(extra_body=...) alike): vLLM's ResponsesRequest takes its
+    sampling extras. Before, "Unrecognized request argument supplied: top_k"."""
+    srv.engine.script = "Hi"
+    body = {
+        "include": ["message.output_text.logprobs"], "input": [{"role": "user", "content": "Hi"}],
+        "max_output_tokens": 50, "model": "tiny", "stream": False, "temperature": 0.3,
+        "top_logprobs": 2, "top_p": 0.9, "user": "u", "top_k": 5, "repetition_penalty": 1.05,
+    }  # fmt: skip
+    status, r = _post(srv, "/v1/responses", body)
+    assert status == 200, r
+    params = srv.engine.params[r["id"] + "-0"]
+    assert (params.top_k, params.repetition_penalty, params.temperature) == (5, 1.05, 0.3)
+    more = {"stop": ["zz"], "ignore_eos": True, "include_stop_str_in_output": True}
+    status, r = _post(srv, "/v1/responses", {**body, **more, "max_output_tokens": 4})
+    assert status == 200, r
+    params = srv.engine.params[r["id"] + "-0"]
+    got = (params.stop, params.ignore_eos, params.include_stop_str_in_output)
+    assert got == (["zz"], True, True)
+    status, r = _post(srv, "/v1/responses", {**body, "top_k": "x"})  # checked as chat checks it
+    assert status == 400 and r["error"]["param"] == "top_k", r
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [  # Agent(model_settings={"thinking": False}) with pydantic-ai's VLLMProvider; the Agents SDK's
+        # ModelSettings(reasoning=Reasoning(effort="minimal")) over the Responses API
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                  "model": "tiny", "reasoning_effort": "none", "stream": False}),
+        ("/v1/responses", {"include": [], "input": [{"content": "Hi", "role": "user"}],
+                           "model": "tiny", "reasoning": {"effort": "minimal"}, "tools": []}),
+    ],
+)  # fmt: skip
+def test_openai_reasoning_efforts_are_served(srv: SimpleNamespace, path: str, body: dict) -> None:
+    """OpenAI's efforts beyond low / medium / high, which vLLM takes: "none" is how pydantic-ai
+    turns thinking off. As in vLLM, an effort also sets the template's `enable_thinking`
+    ("none": false), unless chat_template_kwargs set it. Before, a 400 naming the effort."""
+    srv.engine.script = "Hi"
+    effort = body.get("reasoning_effort") or body["reasoning"]["effort"]
+    status, r = _post(srv, path, body)
+    assert status == 200, r
+    rendered = srv.app.tokenizer.template_vars
+    assert rendered["reasoning_effort"] == effort
+    assert rendered["enable_thinking"] is (effort != "none")
+    kwargs = {"chat_template_kwargs": {"enable_thinking": True}}
+    if path == "/v1/chat/completions":  # the request's own switch wins
+        assert _post(srv, path, {**body, **kwargs})[0] == 200
+        assert srv.app.tokenizer.template_vars["enable_thinking"] is True
+    status, r = _post(srv, "/v1/chat/completions", {**HI_CHAT, "reasoning_effort": "max"})
+    assert status == 400 and r["error"]["param"] == "reasoning_effort", r
+
+
+# ---- what passed (kept so it stays so) ------------------------------------------------------
+def test_agents_responses_tool_round_trip_with_reasoning(srv: SimpleNamespace) -> None:
+    """Runner.run_streamed over the Responses API: a streamed call (item added, argument
+    deltas, done events in order), then the next turn sending back the reasoning item, the
+    call (with its `id` and `status`) and its output, as the SDK stores them."""
+    body = {"include": [], "input": [{"content": "Weather in Rome?", "role": "user"}],
+            "instructions": "x", "model": "tiny", "tools": [AGENTS_TOOL]}  # fmt: skip
+    srv.engine.script = '<think>plan</think><tool_call>\n{"name": "get_weather", "arguments": ' \
+        '{"city": "Rome"}}\n</tool_call>'  # fmt: skip
+    events = typed_events(srv.http, "/v1/responses", body)
+    kinds = [e["type"] for e in events if not e["type"].endswith(".delta")]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-4:] == [
+        "response.output_item.added", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    done = events[-1]["response"]
+    reasoning, call = done["output"]
+    assert call["arguments"] == '{"city": "Rome"}' and call["status"] == "completed"
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == len("plan")
+    srv.engine.script = "Sunny in Rome"
+    follow = {**body, "input": [
+        *body["input"],
+        {"id": reasoning["id"], "summary": [], "type": "reasoning", "status": "completed",
+         "content": [{"text": "plan", "type": "reasoning_text"}]},
+        {"arguments": call["arguments"], "call_id": call["call_id"], "name": "get_weather",
+         "type": "function_call", "id": call["id"], "status": "completed"},
+        {"call_id": call["call_id"], "output": "Sunny in Rome", "type": "function_call_output"},
+    ]}  # fmt: skip
+    status, r = _post(srv, "/v1/responses", follow)
+    assert status == 200, r
+    assert r["output"][-1]["content"][0]["text"] == "Sunny in Rome"
+
+
+def test_pydantic_ai_chat_history_with_reasoning_and_required_output_tool(
+    srv: SimpleNamespace,
+) -> None:
+    """pydantic-ai sends an earlier answer's thinking back as the assistant's `reasoning`
+    (the template sees it), and a structured output_type as a `final_result` tool with
+    tool_choice "required"."""
+    srv.engine.script = "Bye"
+    body = {"messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "reasoning": "plan", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny in Oslo"},
+    ], "model": "tiny", "stream": True, "stream_options": {"include_usage": True},
+        "tool_choice": "auto", "tools": [{"type": "function", "function": {
+            "name": "get_weather", "description": "Get the weather for a city.",
+            "parameters": {"additionalProperties": False, "properties": {"city": {"type":
+                "string"}}, "required": ["city"], "type": "object"}, "strict": True}}],
+    }  # fmt: skip
+    *chunks, last = srv.http.stream(body, "/v1/chat/completions")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Bye"
+    assert last["usage"]["completion_tokens"] == 4
+    assert srv.app.tokenizer.messages[1]["reasoning_content"] == "plan"  # what the template reads
+    final = {"type": "function", "function": {
+        "name": "final_result", "description": "The final response which ends this conversation",
+        "parameters": {"properties": {"city": {"type": "string"}, "temp": {"type": "integer"}},
+                       "required": ["city", "temp"], "type": "object",
+                       "additionalProperties": False}, "strict": True}}  # fmt: skip
+    srv.engine.script = '[{"name": "final_result", "parameters": {"city": "Rome", "temp": 3}}]'
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "model": "tiny",
+            "stream": False, "tool_choice": "required", "tools": [final]}  # fmt: skip
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "final_result"
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_instructor_parallel_tools_and_json_schema(srv: SimpleNamespace) -> None:
+    """Mode.PARALLEL_TOOLS: tool_choice "auto", every call read from `tool_calls`;
+    Mode.JSON_SCHEMA: response_format json_schema, the object read from `content`."""
+    schema = {"properties": {"city": {"title": "City", "type": "string"},
+                             "temp": {"title": "Temp", "type": "integer"}},
+              "required": ["city", "temp"], "type": "object"}  # fmt: skip
+    tool = {"type": "function", "function": {
+        "name": "Weather", "description": "Correctly extracted `Weather` with all the required "
+        "parameters with correct types", "parameters": schema}}  # fmt: skip
+    srv.engine.script = "\n".join(
+        f'<tool_call>\n{{"name": "Weather", "arguments": {{"city": "{c}", "temp": 1}}}}\n'
+        "</tool_call>"
+        for c in "AB"
+    )
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "model": "tiny",
+            "tool_choice": "auto", "tools": [tool]}  # fmt: skip
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200, r
+    calls = r["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [
+        '{"city": "A", "temp": 1}', '{"city": "B", "temp": 1}'
+    ]  # fmt: skip
+    srv.engine.script = '{"city": "Paris", "temp": 20}'
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "model": "tiny",
+            "response_format": {"type": "json_schema", "json_schema": {
+                "name": "Weather", "schema": {**schema, "title": "Weather"}}}}  # fmt: skip
+    status, r = _post(srv, "/v1/chat/completions", body)
+    assert status == 200 and r["choices"][0]["message"]["content"] == srv.engine.script, r
+    assert _forced_schema(srv, r["id"]) == {**schema, "title": "Weather"}

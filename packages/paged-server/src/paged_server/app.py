@@ -549,6 +549,9 @@ class OpenAIApp:
                     variables["documents"] = req.documents
                 if req.reasoning_effort is not None:  # gpt-oss's template reads it
                     variables["reasoning_effort"] = req.reasoning_effort
+                    # vLLM: an effort also flips the thinking switch (Qwen3's, Gemma 4's), "none"
+                    # off, unless chat_template_kwargs set it
+                    variables.setdefault("enable_thinking", req.reasoning_effort != "none")
                 messages = self._content_format(req.messages, template)
                 return self.tokenizer.apply_chat_template(
                     messages,

@@ -121,7 +121,9 @@ _CHAT_KEYS = _COMMON | {
     "include_reasoning",
     "reasoning_effort",
 }
-REASONING_EFFORTS = ("low", "medium", "high")
+# OpenAI's efforts, as vLLM takes them ("none": pydantic-ai's thinking=False; vLLM's chat also
+# takes DeepSeek V4's "max", left out here)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 @dataclass(slots=True)
@@ -587,7 +589,11 @@ def parse_chat(
     req.tools = parse_tools(b.d, tool_parser)
     forced = req.tools.constraint() if req.tools is not None else None
     if forced is not None:
-        if req.structured is not None:
+        # A forced call's schema wins over a response_format json_schema, as in vLLM (that
+        # format shapes a later free answer: the Agents SDK's output_type with tool_choice);
+        # any other constraint beside a forced call is refused.
+        rf_schema = req.structured_param == "response_format" and "json" in (req.structured or {})
+        if req.structured is not None and not rf_schema:
             raise bad_request(
                 f"'{req.structured_param}' cannot be combined with a forced 'tool_choice'",
                 req.structured_param,

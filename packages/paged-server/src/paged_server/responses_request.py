@@ -26,11 +26,17 @@ if TYPE_CHECKING:
     from paged_server.responses_api import ResponseStore
 
 # fmt: off
+# vLLM's sampling extras of ResponsesRequest (sent by clients' extra_body: the Agents SDK's,
+# pydantic-ai's): passed to the chat request as they are, checked and named there.
+_VLLM_SAMPLING = (
+    "top_k", "repetition_penalty", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
+    "include_stop_str_in_output", "vllm_xargs",
+)
 _FIELDS = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "seed",
     "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "text", "store",
     "previous_response_id", "metadata", "user", "include", "background", "truncation",
-    "reasoning", "max_tool_calls", "top_logprobs", "priority", "cache_salt",
+    "reasoning", "max_tool_calls", "top_logprobs", "priority", "cache_salt", *_VLLM_SAMPLING,
 })
 # Accepted and ignored: they change nothing about generation.
 _IGNORED = frozenset({
@@ -471,6 +477,7 @@ def parse_responses(
         "parallel_tool_calls": True if parallel is None else parallel,
         "response_format": response_format,
         "reasoning_effort": effort,
+        **{key: body[key] for key in _VLLM_SAMPLING if key in body},
     }
     if LOGPROBS in (body.get("include") or []):
         chat_body.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)

@@ -282,8 +282,8 @@ def test_what_speculation_refuses(llama):
         LLM(model=str(llama), speculative_config={"method": "ngram"})
     with pytest.raises(ValueError, match="unknown key"):
         LLM(model=str(llama), speculative_config={"num_speculative_tokens": 2, "lookahead": 1})
-    with pytest.raises(ValueError, match="method 'suffix' is not supported"):
-        LLM(model=str(llama), speculative_config={"method": "suffix", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="method 'dflash' is not supported"):
+        LLM(model=str(llama), speculative_config={"method": "dflash", "num_speculative_tokens": 2})
 
 
 def test_ngram_proposals():

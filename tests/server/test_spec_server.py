@@ -1,6 +1,6 @@
-"""`paged-server --speculative-config '{...}'`: n-gram speculation and an EAGLE-3 head behind the
-OpenAI API give the plain server's greedy text (penalized and schema-constrained requests too),
-and the spec_decode counters show up in /metrics."""
+"""`paged-server --speculative-config '{...}'`: n-gram speculation, suffix decoding and an EAGLE-3
+head behind the OpenAI API give the plain server's greedy text (penalized and schema-constrained
+requests too), and the spec_decode counters show up in /metrics."""
 
 from __future__ import annotations
 
@@ -82,6 +82,23 @@ def test_speculative_server_matches_the_plain_one(real_server, tiny_model):
         assert server.stop() == 0, "".join(server.lines[-30:])
 
 
+def test_suffix_decoding_behind_the_server(real_server, tiny_model):
+    """`--speculative-config '{"method": "suffix"}'` (vLLM's defaults): the plain server's greedy
+    text, penalized and constrained rows included, with drafts accepted (the repetitive prompts,
+    and the finished requests' outputs for the streamed repeat of the first)."""
+    want = _texts(real_server)
+    want_constrained = _penalized_and_constrained(real_server)
+    args = ["--model", tiny_model, "--speculative-config", '{"method": "suffix"}', *REAL_ARGS]
+    server = launch(args, fake=False)
+    try:
+        assert _texts(server) == want
+        assert _penalized_and_constrained(server) == want_constrained
+        m = parse_metrics(_settled_metrics(server))
+        assert m["paged:spec_decode_num_accepted_tokens_total"] > 0
+    finally:
+        assert server.stop() == 0, "".join(server.lines[-30:])
+
+
 def test_eagle3_head_behind_the_server(real_server, tiny_model, tmp_path):
     """`--speculative-config '{"model": HEAD}'` with an EAGLE-3 head in the speculators layout
     (aux layers [1, 1, 1] of the 2-layer model): the server tells the method and the draft
@@ -120,7 +137,8 @@ def _settled_metrics(server) -> str:
 def test_bad_speculative_config_fails_at_start(tiny_model):
     cases = (
         ("{not json", "not JSON"),
-        ('{"method": "suffix", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "dflash", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "suffix", "suffix_decoding_min_token_prob": 2}', "min_token_prob must be"),
         ('{"method": "eagle"}', "speculative_config.model must name"),  # a head to run
     )
     for bad, needle in cases:

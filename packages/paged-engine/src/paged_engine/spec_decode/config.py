@@ -1,6 +1,8 @@
 """`speculative_config`, vLLM's names:
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    {"method": "suffix", "suffix_decoding_max_tree_depth": 24, ...}   (suffix decoding: the
+        suffix_decoding_* keys below; num_speculative_tokens defaults to the tree depth)
     {"model": "<draft model path or hub id>", "num_speculative_tokens": k}   (method "draft_model")
     {"method": "eagle3", "model": "<EAGLE-3 head path or hub id>", "num_speculative_tokens": k}
     {"method": "eagle", "model": "<EAGLE-1 head path or hub id>", "num_speculative_tokens": k}
@@ -25,6 +27,7 @@ never padded)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +47,15 @@ _KNOWN = {
     "enforce_eager",
     "disable_padded_drafter_batch",
     "num_speculative_tokens_per_batch_size",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
 }
 _DRAFT_SAMPLE_METHODS = ("probabilistic", "greedy")
 METHODS = (
     "ngram",
+    "suffix",
     "draft_model",
     "eagle",
     "eagle3",
@@ -88,6 +96,11 @@ class SpeculativeConfig:
     max_model_len: int | None = None  # the draft's (checked against the engine's)
     # (first, last, k): drafts a row runs while the running requests number first..last
     per_batch_size: tuple[tuple[int, int, int], ...] = ()
+    # method "suffix" (spec_decode/suffix_proposer.py), vLLM's keys and defaults
+    suffix_decoding_max_tree_depth: int = 24  # match + draft length
+    suffix_decoding_max_cached_requests: int = 10000  # finished outputs kept; 0: none
+    suffix_decoding_max_spec_factor: float = 1.0  # drafts <= factor * match length
+    suffix_decoding_min_token_prob: float = 0.1  # stop below this estimated probability
 
     def num_tokens_at(self, batch_size: int) -> int:
         """The drafts a row may run while `batch_size` requests run."""
@@ -100,6 +113,10 @@ class SpeculativeConfig:
     def uses_draft_model(self) -> bool:
         """A model proposes on the worker (a draft model, an EAGLE-3 head, an MTP layer)."""
         return self.method in (*_WITH_MODEL, "mtp")
+
+    @property
+    def is_suffix(self) -> bool:
+        return self.method == "suffix"
 
     @property
     def is_eagle(self) -> bool:  # EAGLE-1 / EAGLE-2 heads
@@ -155,13 +172,16 @@ class SpeculativeConfig:
                 "speculative_config.model is given with method 'mtp': the target's own MTP "
                 "layer drafts; drop the model"
             )
-        if method == "ngram" and model is not None:
+        if method in ("ngram", "suffix") and model is not None:
             raise ValueError(
-                "speculative_config.model is given with method 'ngram': drop the method (or "
+                f"speculative_config.model is given with method {method!r}: drop the method (or "
                 "pass 'draft_model') to speculate with a draft model"
             )
-        extra = _vllm_options(value)
+        extra = _vllm_options(value) | _suffix_options(value)
         k = value.get("num_speculative_tokens")
+        depth = extra["suffix_decoding_max_tree_depth"]
+        if k is None and method == "suffix":  # vLLM's default: drafts as long as the tree allows
+            k = depth
         lo, hi = value.get("prompt_lookup_min", 2), value.get("prompt_lookup_max", 4)
         if k is None and (model is not None or method == "mtp"):
             # 0: the engine takes it from the model's own config (a speculators checkpoint's
@@ -176,8 +196,10 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_max must be an int >= prompt_lookup_min="
                 f"{lo}, got {hi!r}"
             )
-        if k > 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be <= 16, got {k}")
+        most = max(16, depth) if method == "suffix" else 16  # suffix: vLLM's default k = depth
+        if k > most:
+            name = "speculative_config.num_speculative_tokens"
+            raise ValueError(f"{name} must be <= {most}, got {k}")
         schedule = _per_batch_size(value.get("num_speculative_tokens_per_batch_size"), k)
         return cls(method, k, hi, lo, model, **extra, per_batch_size=schedule)
 
@@ -201,6 +223,27 @@ def _per_batch_size(value: Any, k: int) -> tuple[tuple[int, int, int], ...]:
             )
         out.append(tuple(entry))
     return tuple(out)
+
+
+def _suffix_options(value: dict[str, Any]) -> dict[str, Any]:
+    """The suffix_decoding_* keys (vLLM's bounds), checked whatever the method (others ignore
+    them, as vLLM does)."""
+    out: dict[str, Any] = {}
+    for key, low in (("max_tree_depth", 1), ("max_cached_requests", 0)):
+        name = f"suffix_decoding_{key}"
+        v = value.get(name, SpeculativeConfig.__dataclass_fields__[name].default)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"speculative_config.{name} must be an int >= {low}, got {v!r}")
+        out[name] = v
+    for key, high in (("max_spec_factor", math.inf), ("min_token_prob", 1.0)):
+        name = f"suffix_decoding_{key}"
+        v = value.get(name, SpeculativeConfig.__dataclass_fields__[name].default)
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v <= high
+        if not ok or not math.isfinite(v):
+            bound = ">= 0" if high == math.inf else "in [0, 1]"
+            raise ValueError(f"speculative_config.{name} must be a number {bound}, got {v!r}")
+        out[name] = float(v)
+    return out
 
 
 def _vllm_options(value: dict[str, Any]) -> dict[str, Any]:

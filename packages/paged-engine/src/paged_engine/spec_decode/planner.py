@@ -1,8 +1,10 @@
 """`DraftPlanner`: which decode rows speculate this step, with which drafts, and when to stop.
 
 The scheduler asks it for a decoding sequence's drafts; the engine core reports how many the
-target accepted. With n-gram lookup the drafts are real tokens; with a draft model they are
-`DRAFT_PLACEHOLDER` slots that the worker's draft model fills in the same step.
+target accepted. With n-gram lookup and suffix decoding the drafts are real tokens (any number
+up to the row's room); with a draft model they are `DRAFT_PLACEHOLDER` slots that the worker's
+draft model fills in the same step. Suffix decoding also learns from finished requests: `forget`
+(the scheduler's request-finish hook) hands their outputs to its cache.
 
 A sequence speculates unless it has beams, or its sample fans out into n > 1 sequences.
 Repetition / frequency / presence penalties speculate: the worker judges draft j with drafts
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from paged_engine.core.request import Request, Sequence
 from paged_engine.spec_decode.config import SpeculativeConfig
 from paged_engine.spec_decode.ngram_proposer import propose_ngram
+from paged_engine.spec_decode.suffix_proposer import SuffixProposer
 
 MAX_PAUSE = 64
 # A draft slot the worker's draft model proposes (method "draft_model"): the scheduler plans
@@ -59,6 +62,14 @@ class DraftPlanner:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+        self.suffix: SuffixProposer | None = None
+        if config.is_suffix:
+            self.suffix = SuffixProposer(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
 
     def next_step(self, batch_size: int = 0) -> None:
         """A new step, scheduled while `batch_size` requests run (the draft count may depend
@@ -91,7 +102,10 @@ class DraftPlanner:
         if cfg.uses_draft_model:  # the worker's draft model fills these in at the step
             return [DRAFT_PLACEHOLDER] * room
         tokens = seq.token_ids
-        drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.suffix is not None:
+            drafts = self.suffix.propose(seq.seq_id, tokens, room)
+        else:
+            drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         constraint = req.constraint
         if constraint is not None and drafts:
             drafts = drafts[: constraint.valid_drafts(seq.seq_id, seq.output_token_ids, drafts)]
@@ -121,8 +135,13 @@ class DraftPlanner:
         state.pause = min(MAX_PAUSE, 2 ** (state.misses - 1))
 
     def forget(self, req: Request) -> None:
+        """`req` finished (any way): drop its sequences' state; suffix decoding caches their
+        outputs (not beams': their sequences are candidates, not outputs)."""
         for seq in req.seqs:
             self._backoff.pop(seq.seq_id, None)
+        if self.suffix is not None:
+            outputs = [] if req.beam is not None else [s.output_token_ids for s in req.seqs]
+            self.suffix.finish([s.seq_id for s in req.seqs], outputs)
 
 
 def _eligible(req: Request, uses_draft_model: bool) -> bool:

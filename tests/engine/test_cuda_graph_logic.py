@@ -360,6 +360,7 @@ def _oracle_drafts(monkeypatch, prompts: list[list[int]], texts: list[list[int]]
     full = [p + t for p, t in zip(prompts, texts)]
 
     def propose(tokens, k, n_min, n_max):
+        tokens = list(tokens)  # (the planner passes its int32 TokenBuffer)
         seq = next(f for f in full if f[: len(tokens)] == tokens)
         drafts = seq[len(tokens) : len(tokens) + k]
         if len(tokens) % 4 == 0 and len(drafts) > 1:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from paged_engine.core.request import Request, Sequence
 from paged_engine.spec_decode.config import SpeculativeConfig
-from paged_engine.spec_decode.ngram_proposer import propose_ngram
+from paged_engine.spec_decode.ngram_proposer import TokenBuffer, propose_ngram
 from paged_engine.spec_decode.suffix_proposer import SuffixProposer
 
 MAX_PAUSE = 64
@@ -62,6 +62,7 @@ class DraftPlanner:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+        self._texts: dict[int, TokenBuffer] = {}  # n-gram lookup: seq id -> its tokens
         self.suffix: SuffixProposer | None = None
         if config.is_suffix:
             self.suffix = SuffixProposer(
@@ -105,7 +106,13 @@ class DraftPlanner:
         if self.suffix is not None:
             drafts = self.suffix.propose(seq.seq_id, tokens, room)
         else:
-            drafts = propose_ngram(tokens, room, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            text = self._texts.get(seq.seq_id)
+            if text is None:
+                text = self._texts[seq.seq_id] = TokenBuffer()
+            text.sync(tokens)
+            drafts = propose_ngram(
+                text.buf[: text.num], room, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+            )
         constraint = req.constraint
         if constraint is not None and drafts:
             drafts = drafts[: constraint.valid_drafts(seq.seq_id, seq.output_token_ids, drafts)]
@@ -139,6 +146,7 @@ class DraftPlanner:
         outputs (not beams': their sequences are candidates, not outputs)."""
         for seq in req.seqs:
             self._backoff.pop(seq.seq_id, None)
+            self._texts.pop(seq.seq_id, None)
         if self.suffix is not None:
             outputs = [] if req.beam is not None else [s.output_token_ids for s in req.seqs]
             self.suffix.finish([s.seq_id for s in req.seqs], outputs)

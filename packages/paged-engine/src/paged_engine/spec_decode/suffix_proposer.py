@@ -36,34 +36,10 @@ from collections import Counter, deque
 
 import numpy as np
 
+from paged_engine.spec_decode.ngram_proposer import END as _END
+from paged_engine.spec_decode.ngram_proposer import TokenBuffer
+
 MAX_OCCURRENCES = 256  # latest occurrences of a last token (own text) or token pair (cache)
-_END = -1  # ends a stretch of tokens; no token id is negative
-
-
-class _Text:
-    """A growing copy of one sequence's tokens, followed by `_END`."""
-
-    __slots__ = ("buf", "num")
-
-    def __init__(self) -> None:
-        self.buf = np.full(64, _END, dtype=np.int32)
-        self.num = 0
-
-    def sync(self, tokens: list[int]) -> np.ndarray:
-        """Append what `tokens` gained since the last call (rebuilt if they changed otherwise);
-        returns the buffer, `_END` at `num`."""
-        num, total = self.num, len(tokens)
-        if total < num or (num and self.buf[num - 1] != tokens[num - 1]):
-            num = 0
-        if total + 1 > len(self.buf):
-            grown = np.full(max(2 * len(self.buf), total + 64), _END, dtype=np.int32)
-            grown[:num] = self.buf[:num]
-            self.buf = grown
-        if total > num:
-            self.buf[num:total] = tokens[num:]
-        self.buf[total] = _END
-        self.num = total
-        return self.buf
 
 
 class OutputCache:
@@ -178,7 +154,7 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self.cache = OutputCache(max_cached_requests)
-        self._texts: dict[int, _Text] = {}  # seq id -> its tokens
+        self._texts: dict[int, TokenBuffer] = {}  # seq id -> its tokens
         self._back = np.arange(max_tree_depth, dtype=np.int64)
         self._caps: dict[int, list[int]] = {}  # row room -> drafts allowed per match length
 
@@ -188,7 +164,7 @@ class SuffixProposer:
             return []
         text = self._texts.get(seq_id)
         if text is None:
-            text = self._texts[seq_id] = _Text()
+            text = self._texts[seq_id] = TokenBuffer()
         buf = text.sync(tokens)
         num = text.num
         rev = buf[max(0, num - self.depth) : num][::-1]  # rev[0]: the last token

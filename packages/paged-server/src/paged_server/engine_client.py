@@ -75,7 +75,9 @@ _SP_FIELDS = frozenset(inspect.signature(SamplingParams).parameters)
 _POOLING_FIELDS = frozenset(
     {"dimensions", "normalize", "use_activation", "task", "truncate_prompt_tokens", "priority"}
 )
-
+# Unloaded adapter ids remembered to refuse requests resolved before their unload: far more
+# unloads than can happen while one request is between its resolution and the engine thread.
+MAX_UNLOADED_LORAS = 1024
 
 _PAUSED = APIError(503, "the request was aborted: the engine was paused (POST /pause or /sleep)")
 
@@ -136,9 +138,11 @@ class EngineClient:
         # Called once, on the engine thread, when `_dead` is set (paged-server shuts down).
         self.on_engine_death: Callable[[], None] | None = None
         # Engine thread only. Adapters unloaded by id: a request for one still queued when it
-        # was unloaded fails with a 404 instead of loading it again. `_lora_removals`: those
-        # the engine refused to remove while requests used them, retried after each step.
-        self._unloaded_loras: set[int] = set()
+        # was unloaded fails with a 404 instead of loading it again. Only a request resolved
+        # before the unload can name one, so the newest MAX_UNLOADED_LORAS ids are kept (an
+        # insertion-ordered set; one per unload would grow without end). `_lora_removals`:
+        # those the engine refused to remove while requests used them, retried after each step.
+        self._unloaded_loras: dict[int, None] = {}
         self._lora_removals: set[int] = set()
         # Engine thread only. Calls that run once the engine has nothing left to step (a
         # "wait" pause); while one is queued, new requests are held back here, not added.
@@ -476,7 +480,9 @@ class EngineClient:
                 call.future.set_exception(APIError(503, "the server is shutting down"))
 
     def _remove_lora(self, lora_int_id: int) -> None:
-        self._unloaded_loras.add(lora_int_id)
+        self._unloaded_loras[lora_int_id] = None
+        if len(self._unloaded_loras) > MAX_UNLOADED_LORAS:
+            del self._unloaded_loras[next(iter(self._unloaded_loras))]  # the oldest unload
         if not self.engine.remove_lora(lora_int_id) and lora_int_id in self.engine.list_loras():
             self._lora_removals.add(lora_int_id)  # requests in the engine still use it
 

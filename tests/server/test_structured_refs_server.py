@@ -75,3 +75,20 @@ def test_no_thread_for_the_grammar_check_is_a_503_and_the_server_serves_on(srv, 
     monkeypatch.undo()  # threads start again: the same request passes (nothing was cached)
     status, _, r = srv.http.request("POST", "/v1/chat/completions", body)
     assert status == 200, r
+
+
+def test_no_thread_when_the_engine_adds_it_is_a_503_too(srv, monkeypatch):
+    """The engine thread's own grammar work (the tokenizer check, the compile pool's first
+    thread) can find no thread either: GrammarBusyError there is the same 503, not a 500."""
+    add = srv.engine.add_request
+
+    def busy_once(*args, **kwargs):
+        monkeypatch.setattr(srv.engine, "add_request", add)
+        raise grammar.GrammarBusyError("no thread could start to check the grammar")
+
+    monkeypatch.setattr(srv.engine, "add_request", busy_once)
+    status, headers, r = srv.http.request("POST", "/v1/chat/completions", CHAT)
+    assert status == 503 and r["error"]["type"] == "service_unavailable_error", r
+    assert {k.lower(): v for k, v in headers.items()}.get("retry-after") == "1", headers
+    status, _, r = srv.http.request("POST", "/v1/chat/completions", CHAT)
+    assert status == 200, r

@@ -63,10 +63,12 @@ from typing import Any
 
 from paged_engine.engine.request_latency import RequestClock
 from paged_engine.sampling_params import RequestOutputKind, SamplingParams
+from paged_engine.structured_output.grammar import GrammarBusyError
 from paged_server.errors import APIError, bad_request
 from paged_server.metrics import Metrics
 from paged_server.openai_protocol import model_not_found
 from paged_server.request_group import RequestGroup
+from paged_server.structured_request import busy
 
 log = logging.getLogger("paged_server")
 
@@ -436,6 +438,8 @@ class EngineClient:
             self.engine.add_request(rid, cmd.prompt, cmd.params, arrival_time=cmd.arrival, **extra)
         except self._dead_error as e:
             group.add_error = group.add_error or APIError(503, str(e))
+        except GrammarBusyError as e:  # no thread for its grammar: the server's state
+            group.add_error = group.add_error or busy(e)
         except APIError as e:
             group.add_error = group.add_error or e
         except ValueError as e:

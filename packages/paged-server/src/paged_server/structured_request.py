@@ -125,4 +125,10 @@ def check_structured(params: Any, param: str | None) -> None:
     except (ValueError, ImportError) as e:
         raise bad_request(f"'{param}': {e}", param) from None
     except GrammarBusyError as e:
-        raise APIError(503, f"server busy: {e}", headers={"Retry-After": "1"}) from None
+        raise busy(e) from None
+
+
+def busy(e: Exception) -> APIError:
+    """The 503 for a GrammarBusyError (no thread to build a grammar), here or where the
+    engine thread adds the request: the client may retry."""
+    return APIError(503, f"server busy: {e}", headers={"Retry-After": "1"})

@@ -408,6 +408,111 @@ def test_glm45_a_call_that_cannot_be_read_ends_the_calls() -> None:
             assert shown == got and accumulate(per_feed)[0]["name"] == "forecast", pieces
 
 
+def _qwen_call(name: str, bare: bool = False, **args: str) -> str:
+    params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
+    fn = f"<function={name}>\n{params}</function>"
+    return fn if bare else f"<tool_call>\n{fn}\n</tool_call>"
+
+
+QWEN_CALLS = [("forecast", {"city": "Paris"}), ("clock", {"tz": "utc"})]
+QWEN_TWO = [_qwen_call(n, **a) for n, a in QWEN_CALLS]
+QWEN_BARE = [_qwen_call(n, bare=True, **a) for n, a in QWEN_CALLS]
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        # vLLM's qwen3_coder stream sends the text between and after the calls (its engine
+        # parser's answer too): here both forms send it, as written
+        (f"Let me check.\n{QWEN_TWO[0]}\nNow the clock:\n{QWEN_TWO[1]}\nDone.", None),
+        (f"{QWEN_TWO[0]}{QWEN_TWO[1]}\nThat is all.", "\nThat is all."),
+        (f"Hi.{QWEN_TWO[0]}\n \n{QWEN_TWO[1]}\nBye.", "Hi.\nBye."),  # whitespace alone: none
+        (f"\n\n{QWEN_TWO[0]}\n{QWEN_TWO[1]} ok", "\n\n ok"),  # before the calls: as written
+        (f"{QWEN_BARE[0]} then {QWEN_BARE[1]}.", " then ."),  # no <tool_call> tags
+        # a <tool_call> closed before any function is text, as vLLM reads it
+        (
+            f"Use <tool_call></tool_call> tags.\n{QWEN_TWO[0]}\n{QWEN_TWO[1]}",
+            "Use <tool_call></tool_call> tags.\n",
+        ),
+        # the </tool_call> after </function> is the block's even when it comes last
+        (f"{QWEN_BARE[0]}\n</tool_call> and {QWEN_TWO[1]}", " and "),
+    ],
+)
+def test_qwen3_coder_text_between_and_after_the_calls(text: str, content: str | None) -> None:
+    if content is None:  # the text outside the <tool_call> blocks
+        content = "".join(re.split(r"<tool_call>\n.*?</tool_call>", text, flags=re.DOTALL))
+    got, calls = make("qwen3_coder").parse(text)
+    assert got == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == QWEN_CALLS
+    for pieces in [*chunkings(text), *([text[:i], text[i:]] for i in range(len(text) + 1))]:
+        shown, per_feed, _ = stream(make("qwen3_coder"), pieces)
+        assert shown == content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(per_feed)] == (
+            QWEN_CALLS
+        ), pieces
+
+
+def test_qwen3_coder_a_call_that_cannot_be_read_ends_the_calls() -> None:
+    """The calls before it stay calls (vLLM keeps the calls it reads); it and the text after
+    it are content, whole and streamed."""
+    for bad in (
+        "<tool_call>\nno function here\n</tool_call> and more",
+        "<tool_call>\n<function=clock>\n<parameter=tz>\nut",  # cut short by max_tokens
+    ):
+        text = f"Hi.{QWEN_TWO[0]}\nNext:{bad}"
+        got, calls = make("qwen3_coder").parse(text)
+        assert got == "Hi.\nNext:" + bad
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == QWEN_CALLS[:1]
+        for pieces in chunkings(text):
+            shown, per_feed, _ = stream(make("qwen3_coder"), pieces)
+            assert shown == got and accumulate(per_feed)[0]["name"] == "forecast", pieces
+
+
+DS_V3 = [f"{CB}function{SEP}{n}\n```json\n{json.dumps(a)}\n```{CE}" for n, a in QWEN_CALLS]
+DS_V31 = [f"{CB}{n}{SEP}{json.dumps(a)}{CE}" for n, a in QWEN_CALLS]
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v31"])
+@pytest.mark.parametrize(
+    ("form", "content"),
+    [
+        # vLLM's deepseek streams send the text between and after the calls, the block's own
+        # tokens left out (its answer keeps only the text before): here both forms send it
+        (
+            "Let me check.{TB}{0}\nNow the clock:\n{1}{TE}\nDone.",
+            "Let me check.\nNow the clock:\n\nDone.",
+        ),
+        ("{TB}{0}{TE} then {TB}{1}{TE}", " then "),
+        ("Hi.{TB}{0}\n \n{1}{TE}\n\nBye", "Hi.\n\nBye"),  # whitespace alone: none
+        ("{TB}{0}\n{1}{TE} ok", " ok"),
+        ("{0}{1} and done", " and done"),  # no block tokens
+    ],
+)
+def test_deepseek_text_between_and_after_the_calls(name: str, form: str, content: str) -> None:
+    calls = DS_V3 if name == "deepseek_v3" else DS_V31
+    text = form.format(*calls, TB=TB, TE=TE)
+    got, parsed = make(name).parse(text)
+    assert got == content
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == QWEN_CALLS
+    for pieces in [*chunkings(text), *([text[:i], text[i:]] for i in range(len(text) + 1))]:
+        shown, per_feed, _ = stream(make(name), pieces)
+        assert shown == content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in accumulate(per_feed)] == (
+            QWEN_CALLS
+        ), pieces
+
+
+def test_deepseek_a_call_that_cannot_be_read_ends_the_calls() -> None:
+    for bad in (f"{CB}function{SEP}clock\n```json\n{{not json}}\n```{CE}{TE}", f"{TB}{CB}func"):
+        text = f"Hi.{TB}{DS_V3[0]}{TE}\nNext:{bad}"
+        got, calls = make("deepseek_v3").parse(text)
+        assert got == "Hi.\nNext:" + bad
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == QWEN_CALLS[:1]
+        for pieces in chunkings(text):
+            shown, per_feed, _ = stream(make("deepseek_v3"), pieces)
+            assert shown == got and accumulate(per_feed)[0]["name"] == "forecast", pieces
+
+
 @pytest.mark.parametrize(("alias", "same_as"), [("glm45", "qwen3"), ("kimi_k2", "deepseek_r1")])
 def test_reasoning_names(alias: str, same_as: str) -> None:
     for text in (

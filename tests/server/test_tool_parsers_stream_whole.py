@@ -9,8 +9,9 @@ text as the model wrote it, not stripped (vLLM's hermes: `model_output[:start]`,
 empty); whitespace alone before the calls is no content where calls may open the answer with no
 marker (llama3_json, pythonic, olmo3, xlam) and for glm45 / hunyuan_a13b (vLLM's answer; jamba:
 a lone " ", as vLLM's), and ernie45 trims the newlines before its calls (vLLM's
-`rstrip("\n")`): both forms alike. glm45 and lfm2 go on with the text between and after their
-calls (vLLM streams it), less what is only whitespace (`INTERLEAVED`): both forms alike too.
+`rstrip("\n")`): both forms alike. glm45, lfm2, qwen3_coder, deepseek_v3 / v31, seed_oss and
+minimax_m2 go on with the text between and after their calls (vLLM streams it), less what is
+only whitespace (`INTERLEAVED`): both forms alike too.
 """
 
 from __future__ import annotations
@@ -228,15 +229,23 @@ INTERLEAVED = {
     "glm45": r"<tool_call>.*?</tool_call>",
     "glm47": r"<tool_call>.*?</tool_call>",
     "lfm2": r"<\|tool_call_start\|>.*?<\|tool_call_end\|>",
+    "qwen3_coder": r"<tool_call>.*?</tool_call>",
+    "qwen3_xml": r"<tool_call>.*?</tool_call>",
+    "deepseek_v3": DS_BEGIN + ".*?" + DS_END,
+    "deepseek_v31": DS_BEGIN + ".*?" + DS_END,
+    "seed_oss": r"<seed:tool_call>.*?</seed:tool_call>",
+    "minimax_m2": r"<minimax:tool_call>.*?</minimax:tool_call>",
 }
+BLANK_IS_CONTENT = {"lfm2", "qwen3_coder", "qwen3_xml", "deepseek_v3", "deepseek_v31"}
+BLANK_IS_CONTENT |= {"seed_oss", "minimax_m2"}
 
 
 def _outside_calls(name: str, text: str) -> str | None:
     """The content of an interleaving parser's answer: the text before the first call, then
-    each piece of text after a call unless it is only whitespace (None: whitespace alone)."""
+    each piece of text after a call unless it is only whitespace (None: no content)."""
     first, *after = re.split(INTERLEAVED[name], text, flags=re.DOTALL)
     content = first + "".join(piece for piece in after if piece.strip())
-    return content if content.strip() or (name == "lfm2" and content) else None
+    return content if content.strip() or (name in BLANK_IS_CONTENT and content) else None
 
 
 def _format(name: str) -> tuple[str, Callable[[list[Call]], str], bool, bool]:
@@ -373,3 +382,22 @@ def test_content_before_calls_is_as_written() -> None:
     assert content("ernie45", "Let me look.\n\n" + hermes) == "Let me look."
     assert content("ernie45", "\n\n" + hermes) is None
     assert content("ernie45", "Let me look.\n\n") == "Let me look.\n\n"  # no call: as written
+
+
+@pytest.mark.parametrize("name", sorted(INTERLEAVED))
+def test_a_call_nested_past_the_recursion_limit_ends_the_calls(name: str) -> None:
+    """A call whose value json.loads cannot read (100k "[" raise RecursionError) after a call
+    and some text: no exception, streamed in one piece or in many, and the streamed content is
+    the whole answer's."""
+    deep = "[" * 100_000 + "]" * 100_000
+    write = _format(name)[1]
+    bad = write([("get_weather", {"city": "Paris", "days": "DEEP"})])
+    for quoted in ('"DEEP"', "'DEEP'", "DEEP"):
+        bad = bad.replace(quoted, deep)
+    text = "Hi " + write(CALLS[1:]) + " then " + bad + " after"
+    msg, _ = _tool_output(name).message(text, "stop")
+    assert [c["function"]["name"] for c in msg["tool_calls"]][:1] == ["clock"]
+    for how in ("whole", "7", "4096"):
+        content, calls, _ = _streamed(name, _pieces(text, how))
+        assert content == (msg["content"] or ""), (name, how)
+        assert [c["name"] for c in calls][:1] == ["clock"], (name, how)

@@ -91,7 +91,8 @@ CASES = {
     + "\n</function_calls>",
     "xlam": f"{CONTENT}\n```json\n[{', '.join(_json_calls(WANT))}]\n```",
 }
-# text a model may write after its calls: dropped, whole and streamed
+# text a model may write after its calls: dropped, whole and streamed (content where the
+# parser keeps the text around its blocks: KEEPS_AFTER)
 AFTER = {
     "seed_oss": "\nDone.",
     "minimax_m2": "\nDone.",
@@ -102,6 +103,14 @@ AFTER = {
     "xlam": "\nDone.",
 }
 NEW = sorted(CASES)
+KEEPS_AFTER = {"seed_oss", "minimax_m2"}  # vLLM's engine parsers keep it as content
+
+
+def _after(name: str) -> str:
+    """What of AFTER[name] is content."""
+    return AFTER[name] if name in KEEPS_AFTER else ""
+
+
 # the content of CASES[name]: the text before the calls as written (vLLM: not stripped)
 LEAD = {n: CONTENT + {"jamba": " ", "internlm": ""}.get(n, "\n") for n in CASES}
 MARKERS = re.compile(
@@ -149,10 +158,10 @@ def test_whole_output(name: str) -> None:
     content, calls = make(name).parse(text)
     assert content == LEAD[name]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == WANT
-    # no content; one call; text after the calls dropped
+    # no content; one call; text after the calls dropped (or content: KEEPS_AFTER)
     bare = text[len(LEAD[name]) :]
     assert make(name).parse(bare) == (None, calls)
-    assert make(name).parse(text + AFTER[name]) == (LEAD[name], calls)
+    assert make(name).parse(text + AFTER[name]) == (LEAD[name] + _after(name), calls)
     plain = "No tools needed: 2 < 3, [x] and {y}."
     assert make(name).parse(plain) == (plain, [])
 
@@ -178,7 +187,7 @@ def test_one_call(name: str) -> None:
 
 @pytest.mark.parametrize("name", NEW)
 def test_streamed_at_every_split_and_in_pieces(name: str) -> None:
-    assert_streams_like_whole(name, CASES[name] + AFTER[name], LEAD[name])
+    assert_streams_like_whole(name, CASES[name] + AFTER[name], LEAD[name] + _after(name))
     # one character at a time: the first call is announced before the output ends
     _, per_feed, _ = stream(make(name), list(CASES[name]))
     announced = [k for k, entries in enumerate(per_feed) for e in entries if "id" in e]
@@ -222,8 +231,6 @@ MALFORMED = {
         "<minimax:tool_call>no invoke here</minimax:tool_call>",
         '<minimax:tool_call><invoke name="f"><parameter name="a">1</invoke></minimax:tool_call>',
         '<minimax:tool_call><invoke name="a b"></invoke></minimax:tool_call>',
-        '<minimax:tool_call><invoke name="f"></invoke></minimax:tool_call>'
-        '<minimax:tool_call><invoke name="g">',  # a second block cut short
         "<minimax:tool_call>",
     ],
     "hunyuan_a13b": [
@@ -274,6 +281,53 @@ def test_malformed_output_stays_content(name: str) -> None:
     """Not well-formed calls: the whole text is the content, whole or streamed (a call whose
     name was streamed stays announced, as with the other parsers)."""
     assert_stays_content(lambda: make(name), MALFORMED[name])
+
+
+def _seed_bare(name: str, args: dict) -> str:
+    return _seed(name, args).removeprefix("<seed:tool_call>\n").removesuffix("\n</seed:tool_call>")
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "content"),
+    [
+        # vLLM's engine parsers keep the text outside the blocks, streamed and whole
+        ("seed_oss", f"Hi.{_seed(*WANT[0])}\nNow the clock:\n{_seed(*WANT[1])} Bye.", None),
+        ("seed_oss", f"{_seed(*WANT[0])}\n \n{_seed(*WANT[1])}\nok", "\nok"),
+        ("seed_oss", f"{_seed_bare(*WANT[0])} and {_seed_bare(*WANT[1])}", " and "),
+        # an open block reaches to the end: the text after its calls is in it
+        ("seed_oss", f"Hi.{_seed(*WANT[0])} then {_seed(*WANT[1])[:-18]}\nin it", "Hi. then "),
+        ("minimax_m2", f"Hi.{_minimax(WANT[:1])}\nNow the clock:\n{_minimax(WANT[1:])}!", None),
+        ("minimax_m2", f"{_minimax(WANT[:1])}\n\n{_minimax(WANT[1:])}\n\nok", "\n\nok"),
+    ],
+)
+def test_xml_text_between_and_after_the_blocks(name: str, text: str, content: str) -> None:
+    if content is None:  # the text outside the blocks
+        blocks = r"<(seed|minimax):tool_call>.*?</\1:tool_call>"
+        content = "".join(re.split(blocks, text, flags=re.DOTALL)[::2])
+    assert_streams_like_whole(name, text, content)
+    assert [(c.name, json.loads(c.arguments)) for c in make(name).parse(text)[1]] == WANT
+
+
+@pytest.mark.parametrize("name", ["seed_oss", "minimax_m2"])
+def test_xml_a_block_that_cannot_be_read_ends_the_calls(name: str) -> None:
+    """The calls before it stay calls (vLLM keeps the blocks it reads); it and the text after
+    it are content, whole and streamed."""
+    first = _seed(*WANT[0]) if name == "seed_oss" else _minimax(WANT[:1])
+    for bad in (
+        "<seed:tool_call><function=two words></function></seed:tool_call> more",
+        "<seed:tool_call><function=f><parameter=a>1",  # cut short by max_tokens
+        '<minimax:tool_call><invoke name="g">',  # a second block cut short
+        "<minimax:tool_call>no invoke here</minimax:tool_call> more",
+    ):
+        if not bad.startswith(first[:5]):
+            continue
+        text = f"Hi.{first}\nNext: {bad}"
+        got, calls = make(name).parse(text)
+        assert got == "Hi.\nNext: " + bad
+        assert [c.name for c in calls] == ["forecast"]
+        for pieces in chunkings(text):  # (a call whose name was streamed stays announced)
+            shown, per_feed, _ = stream(make(name), pieces)
+            assert shown == got and accumulate(per_feed)[0]["name"] == "forecast", pieces
 
 
 # ---- values typed by the tool schemas -----------------------------------------------------

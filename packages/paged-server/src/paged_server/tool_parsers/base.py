@@ -19,9 +19,10 @@ refinements, each applied alike to both forms:
     `trim_before_calls`    these characters are trimmed off the end of the content before the
                            calls (ernie45: newlines, as vLLM's `rstrip("\n")`); a stream holds
                            a trailing run of them back until something else follows.
-Where vLLM strips its non-streamed content but streams it unstripped (lfm2, xlam), paged keeps the
-text as written, so that both forms agree. Parsers whose content goes on between and after the
-calls (glm45, lfm2) build on interleaved.py.
+Where vLLM strips its non-streamed content but streams it unstripped (lfm2, xlam, qwen3_coder,
+seed_oss, minimax_m2), paged keeps the text as written, so that both forms agree. Parsers whose
+content goes on between and after the calls (glm45, lfm2, qwen3_coder, deepseek_v3 / v31,
+seed_oss, minimax_m2) build on interleaved.py.
 """
 
 from __future__ import annotations

@@ -53,10 +53,12 @@ def plain_name(name: str) -> bool:
     return bool(name) and not any(c in '<>{}"' or c.isspace() for c in name)
 
 
-def _json_object(text: str) -> dict[str, Any] | None:
+def json_object(text: str) -> dict[str, Any] | None:
+    """`text` read as a JSON object; None when it is not one (or nested past the recursion
+    limit: json.loads raises RecursionError, not ValueError, on 100k "[")."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -85,7 +87,7 @@ class FramedToolParser(ToolParser):
             return text, []
         calls = []
         for call in self.partial_calls(text):
-            args = _json_object(call.args) if call.args_done else None
+            args = json_object(call.args) if call.args_done else None
             if call.name is None or args is None:  # malformed or cut short: all content
                 return text, []
             calls.append(ParsedCall(call.name, json.dumps(args, ensure_ascii=False)))
@@ -94,19 +96,22 @@ class FramedToolParser(ToolParser):
         return self.content_before(text, start), calls
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        calls, self.call_ids = self._scan(text)
+        calls, self.call_ids, _ = self._scan(text)
         return calls
 
-    def _scan(self, text: str) -> tuple[list[PartialCall], list[str]]:
+    def _scan(self, text: str) -> tuple[list[PartialCall], list[str], list[int]]:
         """Every call begun in `text`, the last one as far as it has arrived (a malformed one
-        ends the scan, its arguments never done), and the ids of those whose header is read."""
+        ends the scan, its arguments never done; `end` just past the arguments once done),
+        the ids of those whose header is read, and where each call's begin token stands."""
         calls: list[PartialCall] = []
         ids: list[str] = []
+        begins: list[int] = []
         start = self._start(text)
         pos = text.find(self.call_begin, start) if start >= 0 else -1
         while pos >= 0:
             call = PartialCall()
             calls.append(call)
+            begins.append(pos)
             head = self.header(text, pos + len(self.call_begin))
             if head is None:
                 break
@@ -122,6 +127,6 @@ class FramedToolParser(ToolParser):
             call.args = text[brace:end]
             if end is None:
                 break
-            call.args_done = True
+            call.args_done, call.end = True, end
             pos = text.find(self.call_begin, end)
-        return calls, ids
+        return calls, ids, begins

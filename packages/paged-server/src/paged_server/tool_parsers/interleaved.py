@@ -1,4 +1,5 @@
-"""Tool calls in blocks with content around them (glm45.py, lfm2.py):
+"""Tool calls in blocks with content around them (glm45.py, lfm2.py, qwen3_coder.py, deepseek.py,
+xml_calls.py):
 
     CONTENT <block> CONTENT <block> CONTENT
 
@@ -82,7 +83,10 @@ class InterleavedStream(StreamingToolText):
         out, entries = super().feed(delta)
         if not self.holding or self.scanned != len(self.text):  # no rescan this time
             return out, entries
-        settled, _ = self.parser.content_and_calls(self.text, final=False)
+        try:
+            settled, _ = self.parser.content_and_calls(self.text, final=False)
+        except RecursionError:  # nested past the limit (json.loads): nothing more settled yet
+            return out, entries
         if self.parser.no_content(settled):  # may still be no content: held back
             return out, entries
         # `sent` counts the content sent: a prefix of `settled` (see the module docstring)

@@ -9,7 +9,8 @@ invocations per block:
     </minimax:tool_call>
 
 Names and keys may be quoted ("..." or '...') or not. Only invocations inside a closed block
-count (vLLM reads the closed blocks only); text before the first block is the content. A value's
+count (vLLM reads the closed blocks only); the text before, between and after the blocks is the
+content (xml_calls.py, as vLLM's engine parser keeps it). A value's
 text is stripped, then typed as vLLM's minimax_m2 parser types it:
 
     `null`, `none` or `nil` (any case)     null, whatever the type
@@ -23,9 +24,9 @@ text is stripped, then typed as vLLM's minimax_m2 parser types it:
         string, str, text                  the text
     none of them                           JSON, else the text
 
-Unlike vLLM, a block left open (max_tokens) or an invocation left open inside a closed block
-leaves the whole text as content (vLLM keeps the calls of the blocks that did close), and a
-value with no JSON form (NaN, Infinity) stays text.
+A block left open (max_tokens) or an invocation left open inside a closed block ends the calls:
+it and the text after it are content, the calls of the blocks before it kept (as vLLM keeps the
+blocks that did close). Unlike vLLM, a value with no JSON form (NaN, Infinity) stays text.
 """
 
 from __future__ import annotations

@@ -11,11 +11,21 @@
     </function>
     </tool_call>
 
-Text before the first block is the message content. A parameter's value is text (one newline
-after its opening tag and one before its closing tag are layout, not value); the tool's JSON
-schema types it: `string` (or no type, or a parameter the schema does not list) keeps the text,
-`integer` / `number` / `boolean` / `null` read it as such, `object` / `array` as JSON (or a
-Python literal). A value its type cannot read stays text.
+(a `<function=...>` element without the <tool_call> tags is read too). A parameter's value is
+text (one newline after its opening tag and one before its closing tag are layout, not value);
+the tool's JSON schema types it: `string` (or no type, or a parameter the schema does not list)
+keeps the text, `integer` / `number` / `boolean` / `null` read it as such, `object` / `array` as
+JSON (or a Python literal). A value its type cannot read stays text.
+
+The content is the text around the calls (interleaved.py): before the first block as written
+(None when empty), then the text between or after the blocks unless it is only whitespace.
+vLLM's qwen3_coder / qwen3_xml (the engine parser, vllm/parser/qwen3.py) sends all text outside
+the calls as content, streamed as written and answered stripped; its legacy parser streamed
+that text but answered only the text before the first call. Here both forms keep it as written,
+so a client gets the same content streamed or not. A `<tool_call>` closed before any function
+is text (vLLM's legacy answer reads it so). A call that cannot be read (a `<tool_call>` with no
+function, or cut off by max_tokens) ends the calls: it and the text after it are content, the
+calls before it kept (vLLM keeps the calls it reads).
 
 Arguments are JSON text built one whole parameter at a time, so what a stream has sent of them
 is always a prefix of the final arguments.
@@ -26,9 +36,11 @@ from __future__ import annotations
 import ast
 import json
 import math
+import re
 from typing import Any
 
-from paged_server.tool_parsers.base import ParsedCall, ToolParser
+from paged_server.tool_parsers.base import ParsedCall
+from paged_server.tool_parsers.interleaved import Block, InterleavedToolParser
 from paged_server.tool_parsers.streaming import PartialCall
 
 _CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -79,40 +91,47 @@ def typed_value(text: str, schema: Any) -> Any:
     return text
 
 
-class Qwen3CoderToolParser(ToolParser):
-    start_markers = (_CALL_OPEN, _FN_OPEN)
+_CLOSE_AFTER = re.compile(r"\s*(</tool_call>)?")  # what may follow a call's </function>
 
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        start = self._start(text)
-        if start < 0:
-            return text, []
-        calls = []
-        for call in self._scan(text, start):
-            if call.name is None or not call.args_done:  # cut off: the text stays content
-                return text, []
-            calls.append(ParsedCall(call.name, call.args))
-        if not calls:  # a <tool_call> with no <function=...> in it: no call, the text kept
-            return text, []
-        return self.content_before(text, start), calls
+
+class Qwen3CoderToolParser(InterleavedToolParser):
+    start_markers = (_CALL_OPEN, _FN_OPEN)
+    # (text, its scan): a stream's rescan asks for the calls and then for the blocks of it
+    _scanned: tuple[str, list[tuple[int, PartialCall, bool]]] | None = None
+
+    def blocks(self, text: str, final: bool) -> list[Block]:
+        return [
+            Block(start, call.end, [ParsedCall(call.name, call.args)])
+            if call.name is not None and call.args_done and (final or not pending)
+            else Block(start, None, None)
+            for start, call, pending in self._scan(text)
+        ]
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        start = self._start(text)
-        return [] if start < 0 else self._scan(text, start)
+        return [call for _, call, _ in self._scan(text)]
 
-    @staticmethod
-    def _start(text: str) -> int:
-        found = [i for i in (text.find(_CALL_OPEN), text.find(_FN_OPEN)) if i >= 0]
-        return min(found, default=-1)
+    def _scan(self, text: str) -> list[tuple[int, PartialCall, bool]]:
+        if self._scanned is None or self._scanned[0] is not text:
+            self._scanned = (text, self._scan_calls(text))
+        return self._scanned[1]
 
-    def _scan(self, text: str, pos: int) -> list[PartialCall]:
-        """Every call from `pos` on, the last one as far as it has arrived."""
-        calls: list[PartialCall] = []
+    def _scan_calls(self, text: str) -> list[tuple[int, PartialCall, bool]]:
+        """(where its block starts, the call, whether the text may still close its block) for
+        every call, the last one as far as it has arrived; a <tool_call> with no function in
+        it ends the scan as a call with no name. A <tool_call> closed before the next
+        <function= is text, as vLLM reads it."""
+        calls: list[tuple[int, PartialCall, bool]] = []
+        pos = 0
         while True:
-            fn = text.find(_FN_OPEN, pos)
+            fn, tc = text.find(_FN_OPEN, pos), text.find(_CALL_OPEN, pos)
+            while 0 <= tc < fn and 0 <= (shut := text.find(_CALL_CLOSE, tc)) < fn:
+                tc = text.find(_CALL_OPEN, shut)
             if fn < 0:
+                if tc >= 0:
+                    calls.append((tc, PartialCall(), False))
                 return calls
             call = PartialCall()
-            calls.append(call)
+            calls.append((tc if 0 <= tc < fn else fn, call, False))
             name_end = text.find(">", fn)
             if name_end < 0:
                 return calls
@@ -141,7 +160,12 @@ class Qwen3CoderToolParser(ToolParser):
                 return calls
             call.args, call.args_done = "{" + ", ".join(fields) + "}", True
             pos = close + len(_FN_CLOSE)
-            after = text[pos:].lstrip()
-            if after.startswith(_CALL_CLOSE):
-                pos = len(text) - len(after) + len(_CALL_CLOSE)
+            after = _CLOSE_AFTER.match(text, pos)
+            assert after is not None  # (the pattern matches the empty string)
+            if after.group(1):  # the block's </tool_call>
+                pos = after.end()
+            else:  # a </tool_call> may be still arriving (read after a bare function too)
+                tail = text[after.end() : after.end() + len(_CALL_CLOSE)]
+                pending = after.end() + len(tail) == len(text) and _CALL_CLOSE.startswith(tail)
+                calls[-1] = (calls[-1][0], call, pending)
             call.end = pos

@@ -13,7 +13,10 @@ elements inside Seed's own block tags:
     </seed:tool_call>
 
 The block tags are optional (a bare <function=...> element counts), and so is the closing
-</seed:tool_call>; several calls follow one another. Text before the first tag is the content.
+</seed:tool_call> (a block left open reaches to the end of the output); several calls follow
+one another. The content is the text around the blocks, before, between and after them
+(xml_calls.py), as vLLM's engine parser for seed_oss keeps it.
+
 A value's text, less one newline after its opening tag and one before its closing tag, is typed
 as vLLM's seed_oss parser types it, by the parameter's schema "type" read as one lowercased word:
 
@@ -27,11 +30,11 @@ as vLLM's seed_oss parser types it, by the parameter's schema "type" read as one
     object, array, arr, dict..., list...   JSON, else a Python literal, else the text
     anything else (a list of types, too)   a Python literal, else the text
 
-Unlike vLLM, a call cut short (no </function>) leaves the whole text as content (as
-qwen3_coder.py does), a value with no JSON form (NaN, a set) stays text, and `array` values are
-read as JSON first (vLLM's seed_oss reads them only as Python literals, so `[true]` stayed
-text there; its qwen3_coder reads them as JSON). The <seed:think> block is the reasoning
-parser's: a call written inside it is read like any other.
+A call cut short (no </function>) is content with the text after it, the calls before it kept
+(as qwen3_coder.py does). Unlike vLLM, a value with no JSON form (NaN, a set) stays text, and
+`array` values are read as JSON first (vLLM's seed_oss reads them only as Python literals, so
+`[true]` stayed text there; its qwen3_coder reads them as JSON). The <seed:think> block is the
+reasoning parser's: a call written inside it is read like any other.
 """
 
 from __future__ import annotations

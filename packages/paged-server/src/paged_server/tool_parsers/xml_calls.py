@@ -2,14 +2,21 @@
 parameters' values plain text typed by the request's tool schemas (Seed-OSS in seed_oss.py,
 MiniMax-M2 in minimax_m2.py):
 
-    CONTENT <block> <call NAME> <param KEY>VALUE</param> ... </call> <call ...> ... </block>
+    CONTENT <block> <call NAME> <param KEY>VALUE</param> ... </call> <call ...> ... </block> CONTENT
 
 A subclass gives the markers, how a name or key is read off its tag (`attr`) and how a value's
-text becomes a JSON value (`value`). Text before the first marker is the content; text between
-the calls, between the parameters or after the calls is dropped, as vLLM's regexes drop it.
-With `blocks_required` a call counts only inside a block that is closed; otherwise the block
-tags are optional and a call element alone counts too. A call, a parameter or a required block
-left open (max_tokens) or a name that is not one plain word leaves the whole text as content.
+text becomes a JSON value (`value`). With `blocks_required` a call counts only inside a block
+that is closed; otherwise the block tags are optional (a block left open reaches to the end of
+the output) and a call element alone counts too.
+
+The content is the text around the blocks (interleaved.py): before the first as written (None
+when empty), then the text between or after them unless it is only whitespace; the text
+between the calls or the parameters inside a block is dropped. vLLM's seed_oss and minimax_m2
+(engine parsers: vllm/parser/seed_oss.py, minimax_m2.py) keep the text outside the blocks as
+content, streamed as written and answered stripped; here both forms keep it as written, so a
+client gets the same content streamed or not. A block that cannot be read (a call, a parameter
+or a required block left open by max_tokens, a name that is not one plain word, no call in
+it) ends the calls: it and the text after it are content, the calls before it kept.
 
 Arguments are JSON text built one whole parameter at a time, so what a stream has sent of them
 is always a prefix of the final arguments.
@@ -20,8 +27,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from paged_server.tool_parsers.base import ParsedCall, ToolParser
-from paged_server.tool_parsers.framed import blocks, plain_name
+from paged_server.tool_parsers.base import ParsedCall
+from paged_server.tool_parsers.framed import plain_name
+from paged_server.tool_parsers.interleaved import Block, InterleavedToolParser
 from paged_server.tool_parsers.streaming import PartialCall
 
 
@@ -34,7 +42,11 @@ def finite_json(value: Any) -> bool:
     return True
 
 
-class XmlCallsToolParser(ToolParser):
+# (where it starts, where it ends or None, its calls, whether they are read)
+_Scanned = tuple[int, int | None, list[PartialCall], bool]
+
+
+class XmlCallsToolParser(InterleavedToolParser):
     block_open: str = ""
     block_close: str = ""
     call_open: str = ""  # up to the name; the tag ends at the next ">"
@@ -42,6 +54,7 @@ class XmlCallsToolParser(ToolParser):
     param_open: str = ""  # up to the key; the tag ends at the next ">"
     param_close: str = "</parameter>"
     blocks_required: bool = False
+    _scanned: tuple[str, list[_Scanned]] | None = None  # (text, its scan)
 
     def attr(self, raw: str) -> str:
         """A name or key as its tag writes it -> the name."""
@@ -52,54 +65,59 @@ class XmlCallsToolParser(ToolParser):
         schema in the request's tool, None when the tool does not list it)."""
         raise NotImplementedError
 
-    def _start(self, text: str) -> int:
-        markers = (self.block_open,) if self.blocks_required else (self.block_open, self.call_open)
-        return min((i for m in markers if (i := text.find(m)) >= 0), default=-1)
-
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        start = self._start(text)
-        if start < 0:
-            return text, []
-        scanned, closed = self._scan(text, start)
-        if not scanned or not closed:
-            return text, []
-        calls = []
-        for call in scanned:
-            if call.name is None or not call.args_done:  # malformed or cut short: all content
-                return text, []
-            calls.append(ParsedCall(call.name, call.args))
-        return self.content_before(text, start), calls
+    def blocks(self, text: str, final: bool) -> list[Block]:
+        out: list[Block] = []
+        for start, end, calls, readable in self._scan_once(text):
+            if not readable:
+                return [*out, Block(start, None, None)]
+            if end is None:  # an open block: read to the end of the output when optional
+                if not final or self.blocks_required:
+                    return [*out, Block(start, None, None)]
+                end = len(text)
+            out.append(Block(start, end, [ParsedCall(c.name or "", c.args) for c in calls]))
+        return out
 
     def partial_calls(self, text: str) -> list[PartialCall]:
-        start = self._start(text)
-        return [] if start < 0 else self._scan(text, start)[0]
+        return [call for _, _, calls, _ in self._scan_once(text) for call in calls]
 
-    def _regions(self, text: str, start: int) -> list[tuple[int, int, bool]]:
-        """(start, end, closed) of each stretch of text the calls are read in: the blocks, in
-        order (the last one maybe still open), or everything from `start` on."""
-        if not self.blocks_required:
-            return [(start, len(text), True)]
-        return [  # (start is the first block's: _start)
-            (body, len(text) if end is None else end, end is not None)
-            for body, end in blocks(text, self.block_open, self.block_close)
-        ]
+    def _scan_once(self, text: str) -> list[_Scanned]:
+        """`_scan(text)`, once per text: a stream's rescan asks for the calls and then for the
+        blocks of the same text."""
+        if self._scanned is None or self._scanned[0] is not text:
+            self._scanned = (text, self._scan(text))
+        return self._scanned[1]
 
-    def _scan(self, text: str, start: int) -> tuple[list[PartialCall], bool]:
-        """Every call begun in `text`, the last one as far as it has arrived, and whether the
-        text is complete as far as the format goes (no block left open). A malformed call ends
-        the scan with its arguments never done."""
-        calls: list[PartialCall] = []
-        for region_start, region_end, closed in self._regions(text, start):
-            pos = region_start
-            while (at := text.find(self.call_open, pos, region_end)) >= 0:
-                call = PartialCall()
-                calls.append(call)
-                pos = self._read_call(text, at, region_end, call)
-                if pos < 0:
-                    return calls, False
-            if not closed:
-                return calls, False
-        return calls, True
+    def _scan(self, text: str) -> list[_Scanned]:
+        """(where it starts, where it ends or None while open, its calls, whether they are all
+        read and there is one) for each block or lone call element, in order, ending with the
+        first left open or not read (its last call as far as it has arrived)."""
+        out: list[_Scanned] = []
+        pos = 0
+        while True:
+            block = text.find(self.block_open, pos)
+            lone = -1 if self.blocks_required else text.find(self.call_open, pos)
+            if block < 0 and lone < 0:
+                return out
+            calls: list[PartialCall] = []
+            if block >= 0 and not 0 <= lone < block:
+                body = block + len(self.block_open)
+                close = text.find(self.block_close, body)
+                region_end = len(text) if close < 0 else close
+                at = body
+                while at >= 0 and (at := text.find(self.call_open, at, region_end)) >= 0:
+                    calls.append(call := PartialCall())
+                    at = self._read_call(text, at, region_end, call)
+                readable = bool(calls) and all(c.args_done for c in calls)
+                end = None if close < 0 else close + len(self.block_close)
+                out.append((block, end, calls, readable))
+            else:
+                calls.append(call := PartialCall())
+                end = self._read_call(text, lone, len(text), call)
+                readable = end >= 0
+                out.append((lone, end if readable else None, calls, readable))
+            if not readable or end is None:
+                return out
+            pos = end
 
     def _read_call(self, text: str, at: int, end: int, call: PartialCall) -> int:
         """Reads the call element at text[at] (within text[:end]) into `call`: where the scan
@@ -129,7 +147,10 @@ class XmlCallsToolParser(ToolParser):
             key = self.attr(text[param + len(self.param_open) : key_end])
             if not key:
                 return -1
-            value = self.value(text[key_end + 1 : value_end], props.get(key))
+            try:
+                value = self.value(text[key_end + 1 : value_end], props.get(key))
+            except RecursionError:  # (json.loads of 100k "["): a call that cannot be read
+                return -1
             fields.append(json.dumps({key: value}, ensure_ascii=False)[1:-1])  # "key": value
             call.args = "{" + ", ".join(fields)
             pos = value_end + len(self.param_close)

@@ -163,7 +163,7 @@ BAD = [
     ({"input": "x", "include": ["message.output_text.bogus"]}, "include"),
     ({"input": "x", "include": "reasoning.encrypted_content"}, "include"),
     ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
-    ({"input": "x", "truncation": "auto"}, "truncation"),
+    ({"input": "x", "truncation": "middle"}, "truncation"),  # "auto" and "disabled" are taken
     ({"input": "x", "reasoning": {"effort": "max"}}, "reasoning.effort"),  # low | medium | high
     ({"input": "x", "reasoning": {"summary": "brief"}}, "reasoning.summary"),
     ({"input": "x", "instructions": ["x"]}, "instructions"),

@@ -3,7 +3,7 @@
 and `POST /v1/responses/input_tokens`.
 
     request    responses_request.py: input items -> a chat request (parse_chat) -> the chat
-               template
+               template (responses_truncation.py: truncation "auto" drops the oldest turns)
     response   the text -> reasoning split (--reasoning-parser) -> tool calls (tools.py)
                -> output items: [reasoning] [message] [function_call ...]
 
@@ -35,6 +35,7 @@ from paged_server.openai_protocol import GenerationRequest
 from paged_server.openai_responses import chat_logprobs, token_id_text
 from paged_server.reasoning import ReasoningRequest
 from paged_server.responses_request import ResponsesRequest, parse_responses, responses_params
+from paged_server.responses_truncation import fit_prompt
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -332,7 +333,7 @@ def serve_create_response(app: OpenAIApp, h: Handler) -> None:
     rid, created = _new_id("resp"), int(time.time())
     with responses_params():
         model, lora = app._resolve(chat.model)
-        text, ids, reasoning = app._chat_prompt(chat)
+        text, ids, reasoning = fit_prompt(app, req)  # truncation "auto" drops old turns
         group, rids = app._submit(
             chat, [text], [ids], rid, chat=True, lora=lora, stream=chat.stream
         )
@@ -544,7 +545,7 @@ def serve_input_tokens(app: OpenAIApp, h: Handler) -> None:
     req = parse_responses(h.read_json(), app.tool_call_parser, app.response_store, images)
     with responses_params():
         app._resolve(req.chat.model)
-        _, ids, _ = app._chat_prompt(req.chat)
+        _, ids, _ = fit_prompt(app, req)
     h.send_json(200, {"object": "response.input_tokens", "input_tokens": len(ids)})
 
 

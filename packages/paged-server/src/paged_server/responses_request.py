@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_server.errors import APIError, bad_request, renamed_params
 from paged_server.openai_protocol import GenerationRequest, parse_chat
+from paged_server.responses_truncation import TurnCuts, turn_cuts
 
 if TYPE_CHECKING:
     from paged_server.responses_api import ResponseStore
@@ -84,6 +85,7 @@ class ResponsesRequest:
     store: bool
     input_items: list[dict[str, Any]]  # normalized items of this request's `input` alone
     background: bool = False  # answered at once, run on (response_background.py)
+    cuts: TurnCuts | None = None  # truncation "auto": where the conversation may be cut
 
 
 def _text(param: str, content: Any, kinds: tuple[str, ...]) -> str:
@@ -227,12 +229,19 @@ def _input_items(value: Any, images: bool = False) -> list[dict[str, Any]]:
     return items
 
 
-def _messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Normalized items -> chat messages; a function call joins the assistant turn before it."""
+def _messages(
+    instructions: str | None, items: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """Normalized items -> (chat messages, the index of the message each item opens or joins);
+    a function call joins the assistant turn before it."""
     messages: list[dict[str, Any]] = []
+    starts: list[int] = []
     if instructions is not None:
         messages.append({"role": "system", "content": instructions})
     for it in items:
+        joins = it["type"] == "function_call" and bool(messages)
+        joins = joins and messages[-1]["role"] == "assistant"
+        starts.append(len(messages) - 1 if joins else len(messages))
         if it["type"] == "message":
             messages.append({"role": it["role"], "content": _chat_content(it["content"])})
         elif it["type"] == "function_call":
@@ -246,7 +255,7 @@ def _messages(instructions: str | None, items: list[dict[str, Any]]) -> list[dic
             messages.append(
                 {"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]}
             )
-    return messages
+    return messages, starts
 
 
 def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
@@ -363,8 +372,10 @@ def _metadata(value: Any) -> dict[str, str] | None:
 
 def _check_off(body: dict[str, Any]) -> None:
     """Fields accepted only at values that ask for nothing this server lacks."""
-    if body.get("truncation") not in (None, "disabled"):
-        raise bad_request("'truncation' must be 'disabled': input is never dropped", "truncation")
+    if body.get("truncation") not in (None, "disabled", "auto"):
+        raise bad_request(
+            f"'truncation' must be 'auto' or 'disabled', got {body['truncation']!r}", "truncation"
+        )
     include = body.get("include") or []
     known = isinstance(include, list) and all(isinstance(v, str) for v in include)
     if not known or not set(include) <= _INCLUDES:
@@ -443,7 +454,7 @@ def parse_responses(
                 "previous_response_id",
             )
         items = prev.context + items  # its instructions are not carried over (OpenAI's rule)
-    messages = _messages(instructions, items)
+    messages, starts = _messages(instructions, items)
     if not messages:
         raise bad_request("'input' must hold at least one item", "input")
     do_store = body.get("store", True)
@@ -504,7 +515,10 @@ def parse_responses(
         "tools": tools_echo,
         "top_logprobs": body.get("top_logprobs") or 0,
         "top_p": chat.sampling.get("top_p", 1.0),
-        "truncation": "disabled",
+        "truncation": body.get("truncation") or "disabled",
         "user": user,
     }
-    return ResponsesRequest(chat, items, echo, do_store, own, background)
+    cuts = None
+    if echo["truncation"] == "auto":
+        cuts = turn_cuts(items, starts, chat.messages, instructions is not None)
+    return ResponsesRequest(chat, items, echo, do_store, own, background, cuts)
